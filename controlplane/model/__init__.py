@@ -1,0 +1,29 @@
+"""The placement model (issue 2 §2): batch inputs, the exact step-time timeline, plans.
+
+This is both the planner's objective and the data plane's contract.
+"""
+
+from controlplane.model.batch import (
+    Batch,
+    Hardware,
+    ModelSpec,
+    PlanPolicy,
+    Profile,
+    RequestSpec,
+    SchemaError,
+)
+from controlplane.model.plan import Plan
+from controlplane.model.timeline import memory_blocks, step_time_ms
+
+__all__ = [
+    "Batch",
+    "Hardware",
+    "ModelSpec",
+    "Plan",
+    "PlanPolicy",
+    "Profile",
+    "RequestSpec",
+    "SchemaError",
+    "memory_blocks",
+    "step_time_ms",
+]

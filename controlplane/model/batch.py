@@ -1,0 +1,280 @@
+"""Typed, validated inputs of one planning problem (the `kvplane plan --batch` schema).
+
+Batch JSON::
+
+    {"model": {"layers", "block_size", "block_bytes"},
+     "hardware": {"gpu_kv_budget_blocks", "h2d_gbps"},
+     "profile": {"layer_compute_ms": number or list},
+     "requests": [{"id", "context_tokens", "slo_tbt_ms", "deposit_tokens"}],
+     "policy": {"alpha", "window_min", "window_max"}}
+
+Every validation failure raises :class:`SchemaError` naming the field (dotted path), the value
+and the allowed range.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class SchemaError(ValueError):
+    """A batch or policy field is missing or out of range. ``field`` is the dotted path."""
+
+    def __init__(self, field_path: str, message: str) -> None:
+        super().__init__(f"{field_path}: {message}")
+        self.field = field_path
+
+
+def _require(obj: Mapping[str, Any], key: str, path: str) -> Any:
+    if not isinstance(obj, Mapping):
+        raise SchemaError(path, f"expected an object, got {type(obj).__name__}")
+    if key not in obj:
+        raise SchemaError(f"{path}.{key}" if path else key, "is required")
+    return obj[key]
+
+
+def _int(value: Any, path: str, lo: int, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise SchemaError(path, f"expected an integer, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise SchemaError(path, f"{value} is out of range (allowed {bound})")
+    return value
+
+
+def _num(value: Any, path: str, lo: float, hi: float | None = None, *, open_lo: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise SchemaError(path, f"expected a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise SchemaError(path, f"{value} is not finite")
+    if (value <= lo if open_lo else value < lo) or (hi is not None and value > hi):
+        left = "(" if open_lo else "["
+        bound = f"{left}{lo}, {hi}]" if hi is not None else (f"> {lo}" if open_lo else f">= {lo}")
+        raise SchemaError(path, f"{value} is out of range (allowed {bound})")
+    return value
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of the served model's KV cache."""
+
+    layers: int
+    """Number of transformer layers L."""
+    block_size: int
+    """Tokens per KV block (page)."""
+    block_bytes: int
+    """Bytes of one block of one layer (K and V together)."""
+
+    def __post_init__(self) -> None:
+        _int(self.layers, "model.layers", 1, 4096)
+        _int(self.block_size, "model.block_size", 1, 1 << 20)
+        _int(self.block_bytes, "model.block_bytes", 1)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], path: str = "model") -> ModelSpec:
+        return cls(
+            layers=_int(_require(d, "layers", path), f"{path}.layers", 1, 4096),
+            block_size=_int(_require(d, "block_size", path), f"{path}.block_size", 1, 1 << 20),
+            block_bytes=_int(_require(d, "block_bytes", path), f"{path}.block_bytes", 1),
+        )
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """GPU KV capacity and host-to-device link."""
+
+    gpu_kv_budget_blocks: int
+    """Blocks (of one layer each) the GPU may hold for KV: resident plus staging."""
+    h2d_gbps: float
+    """Host-to-device bandwidth in GB/s (1e9 bytes per second)."""
+
+    def __post_init__(self) -> None:
+        _int(self.gpu_kv_budget_blocks, "hardware.gpu_kv_budget_blocks", 0)
+        _num(self.h2d_gbps, "hardware.h2d_gbps", 0.0, open_lo=True)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], path: str = "hardware") -> Hardware:
+        return cls(
+            gpu_kv_budget_blocks=_int(
+                _require(d, "gpu_kv_budget_blocks", path), f"{path}.gpu_kv_budget_blocks", 0
+            ),
+            h2d_gbps=_num(_require(d, "h2d_gbps", path), f"{path}.h2d_gbps", 0.0, open_lo=True),
+        )
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Measured per-layer compute time of one decode step."""
+
+    layer_compute_ms: tuple[float, ...]
+    """Compute time of each layer in ms (length L)."""
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], layers: int, path: str = "profile") -> Profile:
+        raw = _require(d, "layer_compute_ms", path)
+        p = f"{path}.layer_compute_ms"
+        if isinstance(raw, list | tuple):
+            if len(raw) != layers:
+                raise SchemaError(p, f"has {len(raw)} entries, expected model.layers = {layers}")
+            values = tuple(_num(v, f"{p}[{i}]", 0.0) for i, v in enumerate(raw))
+        else:
+            values = (_num(raw, p, 0.0),) * layers
+        return cls(layer_compute_ms=values)
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One decoding request as the planner sees it."""
+
+    id: str
+    """Request id (unique within the batch)."""
+    context_tokens: int
+    """Tokens in context, including the token being decoded."""
+    slo_tbt_ms: float
+    """Time-between-tokens SLO in ms."""
+    deposit_tokens: int = 0
+    """Tokens generated but not yet delivered (OrbitFlow §3.2 token deposit)."""
+
+    def blocks(self, block_size: int, extra_tokens: int = 0) -> int:
+        """Blocks per layer: ceil((context_tokens + extra_tokens) / block_size)."""
+        return -(-(self.context_tokens + extra_tokens) // block_size)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], path: str) -> RequestSpec:
+        rid = _require(d, "id", path)
+        if not isinstance(rid, str | int) or isinstance(rid, bool) or str(rid) == "":
+            raise SchemaError(f"{path}.id", f"expected a non-empty string, got {rid!r}")
+        return cls(
+            id=str(rid),
+            context_tokens=_int(_require(d, "context_tokens", path), f"{path}.context_tokens", 1),
+            slo_tbt_ms=_num(_require(d, "slo_tbt_ms", path), f"{path}.slo_tbt_ms", 0.0, open_lo=True),
+            deposit_tokens=_int(d.get("deposit_tokens", 0), f"{path}.deposit_tokens", 0),
+        )
+
+
+@dataclass(frozen=True)
+class PlanPolicy:
+    """The planner's knobs (OrbitFlow §3.3.1)."""
+
+    alpha: float = 1.0
+    """Cap on the summed per-request late fraction over the window."""
+    window_min: int = 1
+    """Smallest decode window Δ in steps."""
+    window_max: int = 64
+    """Largest decode window Δ in steps."""
+
+    def __post_init__(self) -> None:
+        _num(self.alpha, "policy.alpha", 0.0)
+        _int(self.window_min, "policy.window_min", 1, 1_000_000)
+        _int(self.window_max, "policy.window_max", 1, 1_000_000)
+        if self.window_max < self.window_min:
+            raise SchemaError(
+                "policy.window_max",
+                f"{self.window_max} is below policy.window_min = {self.window_min}",
+            )
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None, path: str = "policy") -> PlanPolicy:
+        d = d or {}
+        if not isinstance(d, Mapping):
+            raise SchemaError(path, f"expected an object, got {type(d).__name__}")
+        default = cls()
+        return cls(
+            alpha=_num(d.get("alpha", default.alpha), f"{path}.alpha", 0.0),
+            window_min=_int(d.get("window_min", default.window_min), f"{path}.window_min", 1, 1_000_000),
+            window_max=_int(d.get("window_max", default.window_max), f"{path}.window_max", 1, 1_000_000),
+        )
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One planning problem: the decoding requests of one worker at one step."""
+
+    model: ModelSpec
+    hardware: Hardware
+    profile: Profile
+    requests: tuple[RequestSpec, ...]
+    policy: PlanPolicy = field(default_factory=PlanPolicy)
+
+    def __post_init__(self) -> None:
+        if len(self.profile.layer_compute_ms) != self.model.layers:
+            raise SchemaError(
+                "profile.layer_compute_ms",
+                f"has {len(self.profile.layer_compute_ms)} entries, expected {self.model.layers}",
+            )
+        seen: set[str] = set()
+        for i, r in enumerate(self.requests):
+            if r.id in seen:
+                raise SchemaError(f"requests[{i}].id", f"duplicate id {r.id!r}")
+            seen.add(r.id)
+
+    @property
+    def bw_blocks_per_ms(self) -> float:
+        """Link bandwidth in blocks per ms: h2d_gbps * 1e9 / 1e3 / block_bytes."""
+        return self.hardware.h2d_gbps * 1e9 / 1e3 / self.model.block_bytes
+
+    def blocks(self, extra_tokens: int = 0) -> list[int]:
+        """b_r per request, optionally after ``extra_tokens`` more decode steps."""
+        return [r.blocks(self.model.block_size, extra_tokens) for r in self.requests]
+
+    def without(self, ids: Sequence[str]) -> Batch:
+        """The same batch with the given request ids removed."""
+        drop = set(ids)
+        return Batch(
+            self.model,
+            self.hardware,
+            self.profile,
+            tuple(r for r in self.requests if r.id not in drop),
+            self.policy,
+        )
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Batch:
+        if not isinstance(d, Mapping):
+            raise SchemaError("batch", f"expected an object, got {type(d).__name__}")
+        model = ModelSpec.from_dict(_require(d, "model", ""))
+        hardware = Hardware.from_dict(_require(d, "hardware", ""))
+        profile = Profile.from_dict(_require(d, "profile", ""), model.layers)
+        raw_requests = _require(d, "requests", "")
+        if not isinstance(raw_requests, list):
+            raise SchemaError("requests", f"expected a list, got {type(raw_requests).__name__}")
+        requests = tuple(
+            RequestSpec.from_dict(r, f"requests[{i}]") for i, r in enumerate(raw_requests)
+        )
+        policy = PlanPolicy.from_dict(d.get("policy"))
+        return cls(model, hardware, profile, requests, policy)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": {
+                "layers": self.model.layers,
+                "block_size": self.model.block_size,
+                "block_bytes": self.model.block_bytes,
+            },
+            "hardware": {
+                "gpu_kv_budget_blocks": self.hardware.gpu_kv_budget_blocks,
+                "h2d_gbps": self.hardware.h2d_gbps,
+            },
+            "profile": {"layer_compute_ms": list(self.profile.layer_compute_ms)},
+            "requests": [
+                {
+                    "id": r.id,
+                    "context_tokens": r.context_tokens,
+                    "slo_tbt_ms": r.slo_tbt_ms,
+                    "deposit_tokens": r.deposit_tokens,
+                }
+                for r in self.requests
+            ],
+            "policy": {
+                "alpha": self.policy.alpha,
+                "window_min": self.policy.window_min,
+                "window_max": self.policy.window_max,
+            },
+        }

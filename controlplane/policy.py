@@ -1,0 +1,171 @@
+"""The tunable, versioned policy of the control plane (the policy-tuning API's subject).
+
+One frozen dataclass per component; every field validated in ``__post_init__`` with a
+:class:`~controlplane.model.SchemaError` naming the field and its allowed range. ``from_dict``
+accepts a partial mapping (unknown keys are rejected) so a policy file or an update can name only
+what it changes; :meth:`Policy.merged` applies such an update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from controlplane.model.batch import PlanPolicy, SchemaError
+
+SCHEDULERS = ("fcfs", "layerkv", "lvf")
+VICTIM_RULES = ("largest", "longest", "shortest", "random")
+
+
+def _check_range(path: str, value: float, lo: float, hi: float, *, open_lo: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise SchemaError(path, f"expected a number, got {value!r}")
+    bad_lo = value <= lo if open_lo else value < lo
+    if bad_lo or value > hi or value != value:
+        left = "(" if open_lo else "["
+        raise SchemaError(path, f"{value} is out of range (allowed {left}{lo}, {hi}])")
+
+
+def _check_int(path: str, value: int, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SchemaError(path, f"expected an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise SchemaError(path, f"{value} is out of range (allowed [{lo}, {hi}])")
+
+
+@dataclass(frozen=True)
+class LayerKVParams:
+    """LayerKV §3.1 admission (Eq. 1-4)."""
+
+    ttft_slo_ms: float = 5000.0
+    """TTFT target for queued prefills."""
+    tpot_margin: float = 0.9
+    """Admission keeps predicted decode TPOT below ``tpot_margin * slo_tbt_ms``."""
+    max_prefill_tokens: int = 8192
+    """Largest prefill chunk admitted in one step."""
+
+    def __post_init__(self) -> None:
+        _check_range("scheduler_params.layerkv.ttft_slo_ms", self.ttft_slo_ms, 0.0, 1e7, open_lo=True)
+        _check_range("scheduler_params.layerkv.tpot_margin", self.tpot_margin, 0.0, 1.0, open_lo=True)
+        _check_int("scheduler_params.layerkv.max_prefill_tokens", self.max_prefill_tokens, 1, 1 << 24)
+
+
+@dataclass(frozen=True)
+class LVFParams:
+    """SuperInfer §4.2 Virtual Lag Time and Largest-VLT-First rotation."""
+
+    alpha: float = 1.0
+    """Weight of the time since the last token (SLO-normalised) in VLT."""
+    beta_b: float = 0.5
+    """Penalty weight for requests whose KV is in host memory (swap-in cost)."""
+    beta_f: float = 0.5
+    """Weight of the finished fraction (prefers requests close to completion)."""
+    transfer_budget_blocks: int = 4096
+    """Blocks the rotation may move per step (H2D plus D2H)."""
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "beta_b", "beta_f"):
+            _check_range(f"scheduler_params.lvf.{name}", getattr(self, name), 0.0, 1e6)
+        _check_int(
+            "scheduler_params.lvf.transfer_budget_blocks", self.transfer_budget_blocks, 0, 1 << 30
+        )
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Everything an operator may tune live. ``version`` increases with every accepted update."""
+
+    version: int = 1
+    """Monotonic version; assigned by the store, not by the writer."""
+    slo_tbt_ms: float = 200.0
+    """Default time-between-tokens SLO for requests that carry none."""
+    slo_ttft_ms: float = 5000.0
+    """Default time-to-first-token SLO for requests that carry none."""
+    alpha: float = 1.0
+    """Cap on summed late fractions per window (OrbitFlow §3.3.1)."""
+    window_min: int = 4
+    """Smallest decode window Δ (steps)."""
+    window_max: int = 64
+    """Largest decode window Δ (steps)."""
+    mismatch_threshold: float = 0.2
+    """Re-plan when |observed - predicted| / predicted exceeds this (OrbitFlow §3.4)."""
+    ewma_factor: float = 0.3
+    """Weight of a new observation in the profile EWMA."""
+    victim_rule: str = "largest"
+    """Pause victim: largest blocks+deposit (paper), longest, shortest, random."""
+    max_paused_steps: int = 2000
+    """Starvation guard: a request paused this long is resumed first (or others are paused)."""
+    solve_budget_fraction: float = 0.25
+    """Planner time budget as a fraction of the predicted step."""
+    scheduler: str = "fcfs"
+    """Admission/rotation policy: fcfs, layerkv, lvf."""
+    layerkv: LayerKVParams = field(default_factory=LayerKVParams)
+    lvf: LVFParams = field(default_factory=LVFParams)
+
+    def __post_init__(self) -> None:
+        _check_int("version", self.version, 1, 1 << 62)
+        _check_range("slo_tbt_ms", self.slo_tbt_ms, 0.0, 1e7, open_lo=True)
+        _check_range("slo_ttft_ms", self.slo_ttft_ms, 0.0, 1e8, open_lo=True)
+        _check_range("alpha", self.alpha, 0.0, 1e6)
+        _check_int("window_min", self.window_min, 1, 1_000_000)
+        _check_int("window_max", self.window_max, 1, 1_000_000)
+        if self.window_max < self.window_min:
+            raise SchemaError(
+                "window_max", f"{self.window_max} is below window_min = {self.window_min}"
+            )
+        _check_range("mismatch_threshold", self.mismatch_threshold, 0.0, 100.0, open_lo=True)
+        _check_range("ewma_factor", self.ewma_factor, 0.0, 1.0, open_lo=True)
+        if self.victim_rule not in VICTIM_RULES:
+            raise SchemaError("victim_rule", f"{self.victim_rule!r} is not one of {VICTIM_RULES}")
+        _check_int("max_paused_steps", self.max_paused_steps, 1, 1 << 30)
+        _check_range("solve_budget_fraction", self.solve_budget_fraction, 0.0, 10.0, open_lo=True)
+        if self.scheduler not in SCHEDULERS:
+            raise SchemaError("scheduler", f"{self.scheduler!r} is not one of {SCHEDULERS}")
+
+    @property
+    def plan_policy(self) -> PlanPolicy:
+        """The planner's part of the policy."""
+        return PlanPolicy(alpha=self.alpha, window_min=self.window_min, window_max=self.window_max)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Policy:
+        """A full policy from a (possibly partial) mapping; missing fields take defaults."""
+        return cls().merged(d, keep_version=False)
+
+    def merged(self, changes: Mapping[str, Any], *, keep_version: bool = True) -> Policy:
+        """This policy with ``changes`` applied (validated). Version is kept, not bumped."""
+        if not isinstance(changes, Mapping):
+            raise SchemaError("policy", f"expected an object, got {type(changes).__name__}")
+        known = {f.name for f in dataclasses.fields(self)}
+        values: dict[str, Any] = {}
+        for key, value in changes.items():
+            if key not in known:
+                raise SchemaError(str(key), f"unknown policy field (allowed: {sorted(known)})")
+            if key == "version" and keep_version:
+                continue
+            if key == "layerkv":
+                value = _merge_params(self.layerkv, value, "scheduler_params.layerkv")
+            elif key == "lvf":
+                value = _merge_params(self.lvf, value, "scheduler_params.lvf")
+            values[key] = value
+        try:
+            return dataclasses.replace(self, **values)
+        except TypeError as exc:  # pragma: no cover - guarded by the known-field check
+            raise SchemaError("policy", str(exc)) from exc
+
+
+def _merge_params(current: Any, changes: Any, path: str) -> Any:
+    if isinstance(changes, type(current)):
+        return changes
+    if not isinstance(changes, Mapping):
+        raise SchemaError(path, f"expected an object, got {type(changes).__name__}")
+    known = {f.name for f in dataclasses.fields(current)}
+    for key in changes:
+        if key not in known:
+            raise SchemaError(f"{path}.{key}", f"unknown field (allowed: {sorted(known)})")
+    return dataclasses.replace(current, **dict(changes))
