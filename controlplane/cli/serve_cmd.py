@@ -1,0 +1,152 @@
+"""`kvplane serve`: run the control-plane gRPC service over an embedded control plane.
+
+Logs are structlog JSON lines on stdout; the first ``server_started`` event carries the bound
+``port`` (useful with ``--listen HOST:0``) and the metrics port. SIGTERM / SIGINT stop the server
+gracefully (health turns NOT_SERVING, in-flight RPCs get ``--grace-s`` seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from controlplane.api import InvalidArgument
+from controlplane.controller import ControllerObserver, FanOutObserver, PrometheusObserver
+from controlplane.embedded import EmbeddedControlPlane
+from controlplane.model import SchemaError
+from controlplane.policy import Policy
+from controlplane.policy_store import PolicyStore, load_policy_file, load_token_file
+from controlplane.service.decision_notifier import DecisionNotifier
+from controlplane.service.metrics import ServiceMetrics
+from controlplane.service.server import ServerConfig, TLSConfig, create_server
+
+log = structlog.get_logger(__name__)
+
+_DEFAULTS = ServerConfig()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT to serve gRPC on (port 0 = any free)")
+    parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (0 = any free)")
+    parser.add_argument("--metrics-host", default=None, help="metrics bind address (default: the --listen host)")
+    parser.add_argument("--policy", type=Path, default=None, help="initial policy, JSON or YAML (partial; missing fields take defaults)")
+    parser.add_argument("--policy-token-file", type=Path, default=None, help="file holding the bearer token required for policy updates")
+    parser.add_argument("--tls-cert", type=Path, default=None, help="server certificate chain (PEM)")
+    parser.add_argument("--tls-key", type=Path, default=None, help="server private key (PEM)")
+    parser.add_argument("--tls-ca", type=Path, default=None, help="CA for worker certificates: enables mutual TLS")
+    parser.add_argument("--max-sessions", type=int, default=_DEFAULTS.max_sessions, help="concurrent worker sessions")
+    parser.add_argument("--max-watchers", type=int, default=_DEFAULTS.max_watchers, help="concurrent policy watches")
+    parser.add_argument("--max-message-bytes", type=int, default=_DEFAULTS.max_message_bytes, help="largest accepted message")
+    parser.add_argument("--rate-limit-rps", type=float, default=_DEFAULTS.rate_limit_rps, help="RPC calls per second per client host (0 = unlimited)")
+    parser.add_argument("--grace-s", type=float, default=5.0, help="graceful-stop grace period")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def configure_logging(level: str) -> None:
+    """structlog JSON lines on stdout (one event per line)."""
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(default=str),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(sys.stdout),
+        cache_logger_on_first_use=True,
+    )
+
+
+def build_config(args: argparse.Namespace) -> ServerConfig:
+    tls = None
+    if args.tls_cert or args.tls_key or args.tls_ca:
+        if not (args.tls_cert and args.tls_key):
+            raise ValueError("--tls-cert and --tls-key must be given together (and --tls-ca needs both)")
+        tls = TLSConfig.from_files(args.tls_cert, args.tls_key, args.tls_ca)
+    return ServerConfig(
+        max_sessions=args.max_sessions,
+        max_watchers=args.max_watchers,
+        max_message_bytes=args.max_message_bytes,
+        rate_limit_rps=args.rate_limit_rps,
+        policy_token=load_token_file(args.policy_token_file) if args.policy_token_file else None,
+        tls=tls,
+    )
+
+
+def build_control_plane(
+    policy: Policy | None, token: str | None, metrics: ServiceMetrics | None = None
+) -> tuple[EmbeddedControlPlane, DecisionNotifier]:
+    """The embedded control plane the service fronts, and the notifier to give create_server.
+
+    With ``metrics``, the controller's Prometheus observer (plans, pauses, triggers) is registered
+    on the service's registry so one /metrics endpoint shows both.
+    """
+    notifier = DecisionNotifier()
+    observers: list[ControllerObserver] = [notifier]
+    if metrics is not None:
+        observers.append(PrometheusObserver(metrics.registry))
+    control_plane = EmbeddedControlPlane(
+        PolicyStore(policy, token=token), observer=FanOutObserver(observers)
+    )
+    return control_plane, notifier
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level)
+    try:
+        config = build_config(args)
+        policy = load_policy_file(args.policy) if args.policy else None
+    except (OSError, ValueError, SchemaError, InvalidArgument) as exc:
+        print(f"kvplane serve: {exc}", file=sys.stderr)
+        return 2
+    metrics = ServiceMetrics()
+    control_plane, notifier = build_control_plane(policy, config.policy_token, metrics)
+    try:
+        server, port = create_server(args.listen, control_plane, config, metrics, notifier)
+    except RuntimeError as exc:
+        print(f"kvplane serve: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        log.info("signal_received", signal=signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server.start()
+    metrics_port = None
+    if args.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        host = args.metrics_host or args.listen.rpartition(":")[0].strip("[]") or "0.0.0.0"
+        http_server, _thread = start_http_server(
+            args.metrics_port, addr=host, registry=server.metrics.registry
+        )
+        metrics_port = http_server.server_port
+    log.info(
+        "serving",
+        listen=args.listen,
+        port=port,
+        metrics_port=metrics_port,
+        tls=config.tls is not None,
+        mtls=config.tls is not None and config.tls.client_ca is not None,
+        policy_token=config.policy_token is not None,
+        max_sessions=config.max_sessions,
+    )
+    sys.stdout.flush()
+    while not stop.wait(1.0):
+        pass
+    server.stop(args.grace_s)
+    close = getattr(control_plane, "close", None)
+    if callable(close):
+        close()
+    return 0

@@ -1,0 +1,447 @@
+"""Protobuf <-> domain translation for the kvplane.v1 API, with validation.
+
+Every ``*_from_proto`` validates what it reads and raises :class:`api.InvalidArgument` whose
+message starts with the offending field's path (``report.running[3].context_tokens: -1 is out of
+range (allowed >= 1)``), so the service answers INVALID_ARGUMENT naming the field and the range.
+Batches go through :meth:`Batch.from_dict`, so the Plan RPC validates exactly like `kvplane plan`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from controlplane import api
+from controlplane.model import Batch, Hardware, ModelSpec, Plan, Profile, SchemaError
+from controlplane.policy import SCHEDULERS, LayerKVParams, LVFParams, Policy
+from kvplane.v1 import controlplane_pb2 as pb
+
+MAX_ID_CHARS = 256
+"""Longest accepted worker or request id."""
+MAX_ENTRIES = 65_536
+"""Most entries accepted in any repeated field (requests, running, queued, finished)."""
+_INT64_MAX = (1 << 63) - 1
+
+
+def _invalid(path: str, message: str) -> api.InvalidArgument:
+    return api.InvalidArgument(f"{path}: {message}")
+
+
+def _schema(exc: SchemaError, prefix: str = "") -> api.InvalidArgument:
+    field = f"{prefix}.{exc.field}" if prefix and exc.field else (exc.field or prefix)
+    message = str(exc)
+    if message.startswith(f"{exc.field}: "):
+        message = message[len(exc.field) + 2 :]
+    return _invalid(field, message)
+
+
+def _check_id(value: str, path: str) -> str:
+    if not value:
+        raise _invalid(path, "must be a non-empty string")
+    if len(value) > MAX_ID_CHARS:
+        raise _invalid(path, f"has {len(value)} characters (allowed [1, {MAX_ID_CHARS}])")
+    return value
+
+
+def _check_len(items: Any, path: str, limit: int = MAX_ENTRIES) -> None:
+    if len(items) > limit:
+        raise _invalid(path, f"has {len(items)} entries (allowed at most {limit})")
+
+
+def _check_int(value: int, path: str, lo: int, hi: int = _INT64_MAX) -> int:
+    if not lo <= value <= hi:
+        bound = f">= {lo}" if hi == _INT64_MAX else f"[{lo}, {hi}]"
+        raise _invalid(path, f"{value} is out of range (allowed {bound})")
+    return int(value)
+
+
+def _check_num(value: float, path: str, lo: float, *, open_lo: bool = False) -> float:
+    if not math.isfinite(value):
+        raise _invalid(path, f"{value} is not finite")
+    if value <= lo if open_lo else value < lo:
+        raise _invalid(path, f"{value} is out of range (allowed {'>' if open_lo else '>='} {lo})")
+    return float(value)
+
+
+def _opt(msg: Any, name: str) -> Any:
+    return getattr(msg, name) if msg.HasField(name) else None
+
+
+# ---------------------------------------------------------------- placement model
+
+
+def model_to_proto(model: ModelSpec) -> pb.ModelSpec:
+    return pb.ModelSpec(
+        layers=model.layers, block_size=model.block_size, block_bytes=model.block_bytes
+    )
+
+
+def hardware_to_proto(hw: Hardware) -> pb.Hardware:
+    return pb.Hardware(gpu_kv_budget_blocks=hw.gpu_kv_budget_blocks, h2d_gbps=hw.h2d_gbps)
+
+
+def _profile_dict(msg: pb.Profile) -> dict[str, Any]:
+    values = list(msg.layer_compute_ms)
+    # One entry = the JSON "number" form (same value for every layer).
+    return {"layer_compute_ms": values[0] if len(values) == 1 else values}
+
+
+def batch_to_proto(batch: Batch) -> pb.Batch:
+    return pb.Batch(
+        model=model_to_proto(batch.model),
+        hardware=hardware_to_proto(batch.hardware),
+        profile=pb.Profile(layer_compute_ms=batch.profile.layer_compute_ms),
+        requests=[
+            pb.RequestSpec(
+                id=r.id,
+                context_tokens=r.context_tokens,
+                slo_tbt_ms=r.slo_tbt_ms,
+                deposit_tokens=r.deposit_tokens,
+            )
+            for r in batch.requests
+        ],
+        policy=pb.PlanPolicy(
+            alpha=batch.policy.alpha,
+            window_min=batch.policy.window_min,
+            window_max=batch.policy.window_max,
+        ),
+    )
+
+
+def batch_from_proto(msg: pb.Batch, prefix: str = "batch") -> Batch:
+    """A validated :class:`Batch` (paths as in `kvplane plan`, under ``prefix``)."""
+    _check_len(msg.requests, f"{prefix}.requests")
+    d: dict[str, Any] = {"requests": []}
+    if msg.HasField("model"):
+        d["model"] = {
+            "layers": msg.model.layers,
+            "block_size": msg.model.block_size,
+            "block_bytes": msg.model.block_bytes,
+        }
+    if msg.HasField("hardware"):
+        d["hardware"] = {
+            "gpu_kv_budget_blocks": msg.hardware.gpu_kv_budget_blocks,
+            "h2d_gbps": msg.hardware.h2d_gbps,
+        }
+    if msg.HasField("profile"):
+        d["profile"] = _profile_dict(msg.profile)
+    for i, r in enumerate(msg.requests):
+        _check_id(r.id, f"{prefix}.requests[{i}].id")
+        d["requests"].append(
+            {
+                "id": r.id,
+                "context_tokens": r.context_tokens,
+                "slo_tbt_ms": r.slo_tbt_ms,
+                "deposit_tokens": r.deposit_tokens,
+            }
+        )
+    if msg.HasField("policy"):
+        d["policy"] = {
+            "alpha": msg.policy.alpha,
+            "window_min": msg.policy.window_min,
+            "window_max": msg.policy.window_max,
+        }
+    try:
+        return Batch.from_dict(d)
+    except SchemaError as exc:
+        raise _schema(exc, prefix) from exc
+
+
+def plan_to_proto(plan: Plan) -> pb.Plan:
+    msg = pb.Plan(
+        feasible=plan.feasible,
+        paused=list(plan.paused),
+        predicted_step_ms=plan.predicted_step_ms,
+        window_steps=plan.window_steps,
+        resident_blocks=plan.resident_blocks,
+        staging_blocks=plan.staging_blocks,
+        solver=plan.solver,
+        solve_ms=plan.solve_ms,
+    )
+    for rid, row in plan.placements.items():
+        msg.placements[rid].on_gpu.extend(int(x) for x in row)
+    if plan.expiry_step is not None:
+        msg.expiry_step = plan.expiry_step
+    return msg
+
+
+def plan_from_proto(msg: pb.Plan) -> Plan:
+    return Plan(
+        feasible=msg.feasible,
+        paused=tuple(msg.paused),
+        placements={rid: tuple(p.on_gpu) for rid, p in msg.placements.items()},
+        predicted_step_ms=msg.predicted_step_ms,
+        window_steps=msg.window_steps,
+        resident_blocks=msg.resident_blocks,
+        staging_blocks=msg.staging_blocks,
+        solver=msg.solver,
+        solve_ms=msg.solve_ms,
+        expiry_step=_opt(msg, "expiry_step"),
+    )
+
+
+# ---------------------------------------------------------------- worker sessions
+
+
+def worker_info_to_proto(info: api.WorkerInfo) -> pb.WorkerInfo:
+    return pb.WorkerInfo(
+        worker_id=info.worker_id,
+        model=model_to_proto(info.model),
+        hardware=hardware_to_proto(info.hardware),
+        profile=pb.Profile(layer_compute_ms=info.profile.layer_compute_ms),
+        scheduler=info.scheduler or "",
+        tp_size=info.tp_size,
+    )
+
+
+def worker_info_from_proto(msg: pb.WorkerInfo, prefix: str = "hello") -> api.WorkerInfo:
+    _check_id(msg.worker_id, f"{prefix}.worker_id")
+    for name in ("model", "hardware", "profile"):
+        if not msg.HasField(name):
+            raise _invalid(f"{prefix}.{name}", "is required")
+    try:
+        model = ModelSpec.from_dict(
+            {
+                "layers": msg.model.layers,
+                "block_size": msg.model.block_size,
+                "block_bytes": msg.model.block_bytes,
+            }
+        )
+        hardware = Hardware.from_dict(
+            {
+                "gpu_kv_budget_blocks": msg.hardware.gpu_kv_budget_blocks,
+                "h2d_gbps": msg.hardware.h2d_gbps,
+            }
+        )
+        profile = Profile.from_dict(_profile_dict(msg.profile), model.layers)
+    except SchemaError as exc:
+        raise _schema(exc, prefix) from exc
+    if msg.scheduler and msg.scheduler not in SCHEDULERS:
+        raise _invalid(f"{prefix}.scheduler", f"{msg.scheduler!r} is not one of {SCHEDULERS}")
+    return api.WorkerInfo(
+        worker_id=msg.worker_id,
+        model=model,
+        hardware=hardware,
+        profile=profile,
+        scheduler=msg.scheduler or None,
+        tp_size=_check_int(msg.tp_size or 1, f"{prefix}.tp_size", 1, 1024),
+    )
+
+
+def step_report_to_proto(report: api.StepReport) -> pb.StepReport:
+    msg = pb.StepReport(
+        step=report.step,
+        now_ms=report.now_ms,
+        layer_compute_ms=report.layer_compute_ms or (),
+        finished=list(report.finished),
+    )
+    for r in report.running:
+        m = msg.running.add(
+            id=r.id,
+            context_tokens=r.context_tokens,
+            generated_tokens=r.generated_tokens,
+            paused=r.paused,
+        )
+        if r.slo_tbt_ms is not None:
+            m.slo_tbt_ms = r.slo_tbt_ms
+        if r.gpu_layers is not None:
+            m.gpu_layers = r.gpu_layers
+        if r.max_new_tokens is not None:
+            m.max_new_tokens = r.max_new_tokens
+    for q in report.queued:
+        mq = msg.queued.add(id=q.id, prompt_tokens=q.prompt_tokens, arrival_ms=q.arrival_ms)
+        if q.slo_ttft_ms is not None:
+            mq.slo_ttft_ms = q.slo_ttft_ms
+    if report.observed_step_ms is not None:
+        msg.observed_step_ms = report.observed_step_ms
+    if report.h2d_gbps is not None:
+        msg.h2d_gbps = report.h2d_gbps
+    if report.free_gpu_blocks is not None:
+        msg.free_gpu_blocks = report.free_gpu_blocks
+    return msg
+
+
+def step_report_from_proto(msg: pb.StepReport, prefix: str = "report") -> api.StepReport:
+    """A validated :class:`api.StepReport`; raises InvalidArgument naming the field."""
+    _check_int(msg.step, f"{prefix}.step", 0)
+    _check_num(msg.now_ms, f"{prefix}.now_ms", 0.0)
+    for name, items in (
+        ("running", msg.running),
+        ("queued", msg.queued),
+        ("finished", msg.finished),
+        ("layer_compute_ms", msg.layer_compute_ms),
+    ):
+        _check_len(items, f"{prefix}.{name}")
+    running = []
+    seen: set[str] = set()
+    for i, r in enumerate(msg.running):
+        p = f"{prefix}.running[{i}]"
+        _check_id(r.id, f"{p}.id")
+        if r.id in seen:
+            raise _invalid(f"{p}.id", f"duplicate id {r.id!r}")
+        seen.add(r.id)
+        slo = _opt(r, "slo_tbt_ms")
+        gpu_layers = _opt(r, "gpu_layers")
+        max_new = _opt(r, "max_new_tokens")
+        running.append(
+            api.RequestState(
+                id=r.id,
+                context_tokens=_check_int(r.context_tokens, f"{p}.context_tokens", 1),
+                generated_tokens=_check_int(r.generated_tokens, f"{p}.generated_tokens", 0),
+                slo_tbt_ms=None if slo is None else _check_num(slo, f"{p}.slo_tbt_ms", 0.0, open_lo=True),
+                paused=r.paused,
+                gpu_layers=None if gpu_layers is None else _check_int(gpu_layers, f"{p}.gpu_layers", 0, 4096),
+                max_new_tokens=None if max_new is None else _check_int(max_new, f"{p}.max_new_tokens", 1),
+            )
+        )
+    queued = []
+    for i, q in enumerate(msg.queued):
+        p = f"{prefix}.queued[{i}]"
+        _check_id(q.id, f"{p}.id")
+        ttft = _opt(q, "slo_ttft_ms")
+        queued.append(
+            api.QueuedRequest(
+                id=q.id,
+                prompt_tokens=_check_int(q.prompt_tokens, f"{p}.prompt_tokens", 1),
+                arrival_ms=_check_num(q.arrival_ms, f"{p}.arrival_ms", 0.0),
+                slo_ttft_ms=None if ttft is None else _check_num(ttft, f"{p}.slo_ttft_ms", 0.0, open_lo=True),
+            )
+        )
+    for i, rid in enumerate(msg.finished):
+        _check_id(rid, f"{prefix}.finished[{i}]")
+    observed = _opt(msg, "observed_step_ms")
+    h2d = _opt(msg, "h2d_gbps")
+    free = _opt(msg, "free_gpu_blocks")
+    layer_ms = tuple(
+        _check_num(v, f"{prefix}.layer_compute_ms[{i}]", 0.0)
+        for i, v in enumerate(msg.layer_compute_ms)
+    )
+    return api.StepReport(
+        step=msg.step,
+        now_ms=msg.now_ms,
+        running=tuple(running),
+        queued=tuple(queued),
+        observed_step_ms=None if observed is None else _check_num(observed, f"{prefix}.observed_step_ms", 0.0),
+        layer_compute_ms=layer_ms or None,
+        h2d_gbps=None if h2d is None else _check_num(h2d, f"{prefix}.h2d_gbps", 0.0, open_lo=True),
+        finished=tuple(msg.finished),
+        free_gpu_blocks=None if free is None else _check_int(free, f"{prefix}.free_gpu_blocks", 0),
+    )
+
+
+def decision_to_proto(d: api.Decision) -> pb.Decision:
+    return pb.Decision(
+        plan=plan_to_proto(d.plan),
+        apply_at_step=d.apply_at_step,
+        expiry_step=d.expiry_step,
+        pause=list(d.pause),
+        resume=list(d.resume),
+        admit=list(d.admit),
+        min_gpu_layers=dict(d.min_gpu_layers),
+        reason=d.reason,
+        policy_version=d.policy_version,
+    )
+
+
+def decision_from_proto(msg: pb.Decision) -> api.Decision:
+    return api.Decision(
+        plan=plan_from_proto(msg.plan),
+        apply_at_step=msg.apply_at_step,
+        expiry_step=msg.expiry_step,
+        pause=tuple(msg.pause),
+        resume=tuple(msg.resume),
+        admit=tuple(msg.admit),
+        min_gpu_layers=dict(msg.min_gpu_layers),
+        reason=msg.reason,
+        policy_version=msg.policy_version,
+    )
+
+
+# ---------------------------------------------------------------- policy
+
+_POLICY_SCALARS = (
+    "slo_tbt_ms",
+    "slo_ttft_ms",
+    "alpha",
+    "window_min",
+    "window_max",
+    "mismatch_threshold",
+    "ewma_factor",
+    "victim_rule",
+    "max_paused_steps",
+    "solve_budget_fraction",
+    "scheduler",
+)
+_NESTED: dict[str, tuple[str, ...]] = {
+    "layerkv": ("ttft_slo_ms", "tpot_margin", "max_prefill_tokens"),
+    "lvf": ("alpha", "beta_b", "beta_f", "transfer_budget_blocks"),
+}
+
+
+def policy_to_proto(policy: Policy) -> pb.Policy:
+    msg = pb.Policy(version=policy.version)
+    for name in _POLICY_SCALARS:
+        setattr(msg, name, getattr(policy, name))
+    for group, names in _NESTED.items():
+        params: LayerKVParams | LVFParams = getattr(policy, group)
+        sub = getattr(msg, group)
+        for name in names:
+            setattr(sub, name, getattr(params, name))
+    return msg
+
+
+def policy_changes_from_proto(msg: pb.Policy) -> dict[str, Any]:
+    """The partial update a :class:`pb.Policy` names: only fields that are set; version ignored."""
+    changes: dict[str, Any] = {}
+    for name in _POLICY_SCALARS:
+        if msg.HasField(name):
+            changes[name] = getattr(msg, name)
+    for group, names in _NESTED.items():
+        if msg.HasField(group):
+            sub = getattr(msg, group)
+            nested = {n: getattr(sub, n) for n in names if sub.HasField(n)}
+            if nested:
+                changes[group] = nested
+    return changes
+
+
+def policy_changes_to_proto(changes: Mapping[str, Any]) -> pb.Policy:
+    """The wire form of a partial update; raises InvalidArgument for unknown fields."""
+    msg = pb.Policy()
+    for key, value in changes.items():
+        if key in _NESTED:
+            if not isinstance(value, Mapping):
+                raise _invalid(key, f"expected an object, got {type(value).__name__}")
+            sub = getattr(msg, key)
+            for sub_key, sub_value in value.items():
+                if sub_key not in _NESTED[key]:
+                    raise _invalid(f"scheduler_params.{key}.{sub_key}", "unknown field")
+                _set_field(sub, sub_key, sub_value, f"scheduler_params.{key}.{sub_key}")
+            sub.SetInParent()
+        elif key in _POLICY_SCALARS:
+            _set_field(msg, key, value, key)
+        elif key == "version":
+            continue
+        else:
+            allowed = sorted((*_POLICY_SCALARS, *_NESTED))
+            raise _invalid(str(key), f"unknown policy field (allowed: {allowed})")
+    return msg
+
+
+def _set_field(msg: Any, name: str, value: Any, path: str) -> None:
+    try:
+        setattr(msg, name, value)
+    except (TypeError, ValueError) as exc:
+        raise _invalid(path, f"bad value {value!r} ({exc})") from exc
+
+
+def policy_from_proto(msg: pb.Policy) -> Policy:
+    """A full policy from its wire form (missing fields take defaults)."""
+    d = policy_changes_from_proto(msg)
+    if msg.HasField("version"):
+        d["version"] = msg.version
+    try:
+        return Policy.from_dict(d)
+    except SchemaError as exc:
+        raise _schema(exc) from exc

@@ -1,0 +1,242 @@
+"""``kvplane.v1.ControlPlane``: worker Session streams and the what-if Plan RPC.
+
+A thin translation layer over an :class:`api.ControlPlane` (the embedded controller): protobuf in,
+domain objects to the control plane, domain results back as protobuf. Errors are raised as domain
+exceptions and mapped to status codes by :mod:`controlplane.service.interceptors`.
+
+Isolation: gRPC runs each Session on its own thread from the server pool (sized so that
+``max_sessions`` streams never starve unary calls) plus one reader thread. A slow worker only
+blocks its own threads (gRPC flow control stops its writes); a worker that disappears ends its
+request iterator, and the session is closed exactly once, either by the handler's ``finally`` or
+by the RPC-termination callback, whichever comes first.
+
+Replies: each ``SessionReply`` carries the decisions returned by ``report()`` for one report, or
+those ``poll()`` found after the controller signalled a finished plan (``report_step`` is then the
+newest report the server had processed).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import structlog
+
+from controlplane import api
+from controlplane.service import convert
+from controlplane.service.decision_notifier import DecisionNotifier
+from controlplane.service.interceptors import peer_identity
+from controlplane.service.metrics import ServiceMetrics
+from kvplane.v1 import controlplane_pb2 as pb
+from kvplane.v1 import controlplane_pb2_grpc as pb_grpc
+
+log = structlog.get_logger(__name__)
+
+
+class _SessionSlots:
+    """Counts open sessions against ``max_sessions``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._open = 0
+        self._lock = threading.Lock()
+
+    def acquire(self) -> bool:
+        with self._lock:
+            if self._open >= self.limit:
+                return False
+            self._open += 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            self._open -= 1
+
+
+class _LiveSession:
+    """One open session: serialises report()/poll()/close() and closes exactly once."""
+
+    def __init__(self, session: api.WorkerSession) -> None:
+        self._session = session
+        self._poll = getattr(session, "poll", None)
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def report(self, report: api.StepReport) -> list[api.Decision]:
+        with self._lock:
+            if self.closed:
+                raise api.Unavailable("session is closed")
+            return list(self._session.report(report))
+
+    def poll(self) -> list[api.Decision]:
+        if self._poll is None:
+            return []
+        with self._lock:
+            return [] if self.closed else list(self._poll())
+
+    def close(self) -> bool:
+        """Close the session; True when this call did it."""
+        with self._lock:
+            if self.closed:
+                return False
+            self.closed = True
+        self._session.close()
+        return True
+
+
+_WAKE = object()
+_END = object()
+
+
+class SessionServicer(pb_grpc.ControlPlaneServicer):
+    """Serves worker sessions and what-if plans from ``control_plane``.
+
+    Each session uses two threads: the gRPC handler thread writes replies, a reader thread reads
+    reports and calls ``report()``; both meet at the session's outbound queue, which the
+    :class:`DecisionNotifier` also feeds, so decisions planned between reports are pushed at once.
+    """
+
+    def __init__(
+        self,
+        control_plane: api.ControlPlane,
+        metrics: ServiceMetrics,
+        max_sessions: int,
+        notifier: DecisionNotifier | None = None,
+        idle_check_s: float = 1.0,
+    ) -> None:
+        self._cp = control_plane
+        self._metrics = metrics
+        self._slots = _SessionSlots(max_sessions)
+        self._ids = itertools.count(1)
+        self._notifier = notifier
+        self._idle_check_s = idle_check_s
+
+    def _observe_decisions(self, decisions: list[api.Decision]) -> list[pb.Decision]:
+        out = []
+        for d in decisions:
+            out.append(convert.decision_to_proto(d))
+            self._metrics.solve_ms.observe(max(0.0, float(d.plan.solve_ms)))
+        self._metrics.decisions.inc(len(out))
+        return out
+
+    def Plan(self, request: pb.PlanRequest, context: grpc.ServicerContext) -> pb.PlanResponse:
+        if not request.HasField("batch"):
+            raise api.InvalidArgument("batch: is required")
+        batch = convert.batch_from_proto(request.batch)
+        plan = self._cp.plan(batch)
+        self._metrics.whatif_plans.inc()
+        self._metrics.solve_ms.observe(max(0.0, float(plan.solve_ms)))
+        return pb.PlanResponse(plan=convert.plan_to_proto(plan))
+
+    def Session(
+        self, request_iterator: Iterator[pb.WorkerMessage], context: grpc.ServicerContext
+    ) -> Iterator[pb.SessionReply]:
+        if not self._slots.acquire():
+            self._metrics.rejected.labels(limit="max_sessions").inc()
+            raise api.ResourceExhausted(
+                f"max_sessions: the server already serves {self._slots.limit} sessions "
+                f"(limit max_sessions = {self._slots.limit})"
+            )
+        live: _LiveSession | None = None
+        session_id = f"s{next(self._ids)}"
+        peer = peer_identity(context)
+        worker_id = "?"
+        outbox: queue.Queue[Any] = queue.Queue()
+
+        def wake() -> None:
+            outbox.put(_WAKE)
+
+        def cleanup() -> None:
+            outbox.put(_END)
+            if live is not None and live.close():
+                if self._notifier is not None:
+                    self._notifier.unregister(worker_id, wake)
+                self._metrics.sessions.dec()
+                log.info("session_closed", session=session_id, worker=worker_id, peer=peer)
+
+        try:
+            first = next(request_iterator, None)
+            if first is None:
+                return
+            if first.WhichOneof("kind") != "hello":
+                raise api.InvalidArgument(
+                    "hello: the first WorkerMessage of a Session must be hello (WorkerInfo), "
+                    f"got {first.WhichOneof('kind') or 'an empty message'}"
+                )
+            info = convert.worker_info_from_proto(first.hello)
+            worker_id = info.worker_id
+            live = _LiveSession(self._cp.open_session(info))
+            self._metrics.sessions.inc()
+            if self._notifier is not None:
+                self._notifier.register(worker_id, wake)
+            context.add_callback(cleanup)  # the peer vanished while we were blocked elsewhere
+            log.info("session_opened", session=session_id, worker=worker_id, peer=peer)
+            yield pb.SessionReply(session_id=session_id)
+            reader = threading.Thread(
+                target=self._read_reports,
+                args=(request_iterator, live, outbox),
+                name=f"kvplane-reader-{session_id}",
+                daemon=True,
+            )
+            reader.start()
+            yield from self._replies(live, outbox, context)
+        finally:
+            cleanup()
+            self._slots.release()
+
+    def _read_reports(
+        self, requests: Iterator[pb.WorkerMessage], live: _LiveSession, outbox: queue.Queue[Any]
+    ) -> None:
+        """Reader thread: report() each message; hand results (or the error) to the writer."""
+        try:
+            for message in requests:
+                t0 = time.perf_counter()
+                kind = message.WhichOneof("kind")
+                if kind != "report":
+                    raise api.InvalidArgument(
+                        f"report: expected a StepReport after hello, got {kind or 'an empty message'}"
+                    )
+                self._metrics.reports.inc()
+                report = convert.step_report_from_proto(message.report)
+                outbox.put((report.step, t0, live.report(report)))
+        except grpc.RpcError:
+            pass  # the worker went away; the writer ends on _END
+        except Exception as exc:
+            outbox.put(exc)
+        finally:
+            outbox.put(_END)
+
+    def _replies(
+        self, live: _LiveSession, outbox: queue.Queue[Any], context: grpc.ServicerContext
+    ) -> Iterator[pb.SessionReply]:
+        """Writer (gRPC handler thread): turn report results and wake-ups into replies."""
+        sent = 0
+        last_step, last_t0 = -1, time.perf_counter()
+        while True:
+            try:
+                item = outbox.get(timeout=self._idle_check_s)
+            except queue.Empty:
+                if not context.is_active():
+                    return
+                continue
+            if item is _END:
+                return
+            if isinstance(item, Exception):
+                raise item
+            if item is _WAKE:
+                decisions = live.poll()
+                t0 = last_t0
+            else:
+                last_step, last_t0, decisions = item
+                t0 = last_t0
+            if not decisions:
+                continue
+            out = self._observe_decisions(decisions)
+            sent += len(out)
+            self._metrics.decision_latency_ms.observe((time.perf_counter() - t0) * 1e3)
+            yield pb.SessionReply(report_step=last_step, decisions=out, decisions_sent=sent)

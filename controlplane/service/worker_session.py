@@ -1,0 +1,284 @@
+"""``GrpcWorkerSession``: one worker's Session stream, kept alive across server restarts.
+
+The worker's step loop calls :meth:`GrpcWorkerSession.report` once per step. It never blocks and
+never raises: the report is queued for a background stream, and whatever decisions have arrived
+since the last call are returned. While the stream is down the session is *degraded*: reports
+return ``[]`` (the worker keeps running its last plan, :attr:`last_decision`), the newest report is
+kept, and a background thread reconnects with exponential backoff plus jitter. On reconnect it
+sends the hello again and then that newest report, so the server re-plans from current state.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import cast
+
+import grpc
+import structlog
+
+from controlplane import api
+from controlplane.service import convert
+from controlplane.service.metrics import ClientMetrics
+from kvplane.v1 import controlplane_pb2 as pb
+from kvplane.v1 import controlplane_pb2_grpc as pb_grpc
+
+log = structlog.get_logger(__name__)
+
+_END = object()
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Reconnect delays: ``initial_s`` doubling up to ``max_s``, each scaled by [1-jitter, 1]."""
+
+    initial_s: float = 0.05
+    """First retry delay."""
+    max_s: float = 2.0
+    """Largest retry delay."""
+    jitter: float = 0.3
+    """Fraction of random reduction per delay (spreads reconnect storms)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.initial_s <= self.max_s <= 600:
+            raise ValueError(
+                f"backoff: need 0 < initial_s ({self.initial_s}) <= max_s ({self.max_s}) <= 600"
+            )
+        if not 0 <= self.jitter < 1:
+            raise ValueError(f"backoff.jitter: {self.jitter} is out of range (allowed [0, 1))")
+
+    def delays(self) -> Iterator[float]:
+        delay = self.initial_s
+        while True:
+            yield delay * (1 - self.jitter * random.random())
+            delay = min(self.max_s, delay * 2)
+
+
+@dataclass
+class SessionStats:
+    """Counters of one client session (read them; the session updates them)."""
+
+    reports_sent: int = 0
+    """Reports handed to a live stream."""
+    reports_dropped: int = 0
+    """Reports not sent: stream down (only the newest is kept) or send queue full."""
+    decisions_received: int = 0
+    """Decisions received over all streams."""
+    decisions_announced: int = 0
+    """Sum over streams of the server's last ``decisions_sent`` (equals received when none lost)."""
+    reconnects: int = 0
+    """Streams established after the first one."""
+    latencies_ms: collections.deque[float] = field(
+        default_factory=lambda: collections.deque(maxlen=100_000)
+    )
+    """Report-sent to decision-received latency per reply carrying decisions (newest 100k)."""
+
+
+class GrpcWorkerSession:
+    """A worker's session over gRPC (implements :class:`api.WorkerSession`)."""
+
+    def __init__(
+        self,
+        stub: pb_grpc.ControlPlaneStub,
+        hello: pb.WorkerInfo,
+        worker_id: str,
+        *,
+        backoff: Backoff,
+        metrics: ClientMetrics,
+        send_queue: int = 1024,
+        on_close: Callable[[GrpcWorkerSession], None] | None = None,
+    ) -> None:
+        self.worker_id = worker_id
+        self.stats = SessionStats()
+        self._stub = stub
+        self._hello = pb.WorkerMessage(hello=hello)
+        self._backoff = backoff
+        self._degraded_gauge = metrics.degraded.labels(worker=worker_id)
+        self._reconnects = metrics.reconnects.labels(worker=worker_id)
+        self._send_queue = send_queue
+        self._on_close = on_close
+        self._lock = threading.Lock()
+        self._inbox: collections.deque[api.Decision] = collections.deque()
+        self._outbox: queue.Queue[object] | None = None  # set while a stream is live
+        self._pending: pb.WorkerMessage | None = None  # newest report while disconnected
+        self._sent_at: dict[int, float] = {}
+        self._last_decision: api.Decision | None = None
+        self._connected = threading.Event()
+        self._closed = threading.Event()
+        self._call: grpc.Future | None = None
+        self.session_id: str | None = None
+        self.last_error: str | None = None
+        self._announced_this_stream = 0
+        self._degraded_gauge.set(1)
+        self._thread = threading.Thread(
+            target=self._run, name=f"kvplane-session-{worker_id}", daemon=True
+        )
+        self._thread.start()
+
+    # ------------------------------------------------------------ worker-facing
+
+    @property
+    def degraded(self) -> bool:
+        """True while no stream is live (the worker should keep its last plan)."""
+        return not self._connected.is_set()
+
+    @property
+    def last_decision(self) -> api.Decision | None:
+        """The newest decision received (kept across disconnects)."""
+        return self._last_decision
+
+    def wait_connected(self, timeout_s: float) -> bool:
+        """Block until a stream is live (for start-up and tests); False on timeout."""
+        return self._connected.wait(timeout_s)
+
+    def report(self, report: api.StepReport) -> list[api.Decision]:
+        """Queue one step's report; return the decisions received since the last call."""
+        try:
+            msg = pb.WorkerMessage(report=convert.step_report_to_proto(report))
+        except Exception as exc:  # a malformed report must not kill the worker's loop
+            log.warning("report_not_encodable", worker=self.worker_id, error=repr(exc))
+            self.last_error = repr(exc)
+            return self._drain()
+        with self._lock:
+            outbox = self._outbox
+            if outbox is None:
+                if self._pending is not None:
+                    self.stats.reports_dropped += 1
+                self._pending = msg
+            else:
+                try:
+                    outbox.put_nowait(msg)
+                    self._sent_at[report.step] = time.perf_counter()
+                    if len(self._sent_at) > 4 * self._send_queue:
+                        for step in sorted(self._sent_at)[: len(self._sent_at) // 2]:
+                            del self._sent_at[step]
+                    self.stats.reports_sent += 1
+                except queue.Full:
+                    self.stats.reports_dropped += 1
+        return self._drain()
+
+    def _drain(self) -> list[api.Decision]:
+        with self._lock:
+            out = list(self._inbox)
+            self._inbox.clear()
+        return out
+
+    def close(self) -> None:
+        """End the stream and stop reconnecting (idempotent)."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        with self._lock:
+            outbox, call = self._outbox, self._call
+        if outbox is not None:
+            outbox.put(_END)
+        if call is not None:
+            call.cancel()
+        self._thread.join(timeout=5.0)
+        self._degraded_gauge.set(0)
+        if self._on_close is not None:
+            self._on_close(self)
+
+    # ------------------------------------------------------------ background stream
+
+    def _requests(self, outbox: queue.Queue[object]) -> Iterator[pb.WorkerMessage]:
+        yield self._hello
+        while True:
+            item = outbox.get()
+            if item is _END:
+                return
+            yield cast(pb.WorkerMessage, item)
+
+    def _run(self) -> None:
+        delays = self._backoff.delays()
+        streams = 0
+        while not self._closed.is_set():
+            outbox: queue.Queue[object] = queue.Queue(maxsize=self._send_queue)
+            call = self._stub.Session(self._requests(outbox))
+            with self._lock:
+                self._call = call
+            try:
+                for reply in call:
+                    if reply.session_id:
+                        self._on_connected(reply.session_id, outbox, streams)
+                        streams += 1
+                        delays = self._backoff.delays()
+                        continue
+                    self._on_reply(reply)
+            except grpc.RpcError as err:
+                if not self._closed.is_set():
+                    self.last_error = f"{err.code().name}: {err.details()}"
+                    log.warning(
+                        "session_stream_failed",
+                        worker=self.worker_id,
+                        code=err.code().name,
+                        details=err.details(),
+                    )
+            except Exception as exc:  # never let the thread die silently
+                self.last_error = repr(exc)
+                log.error("session_stream_error", worker=self.worker_id, error=repr(exc))
+            finally:
+                self._on_disconnected(outbox, call)
+            if self._closed.wait(next(delays)):
+                return
+
+    def _on_connected(self, session_id: str, outbox: queue.Queue[object], streams: int) -> None:
+        with self._lock:
+            self.session_id = session_id
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                outbox.put_nowait(pending)
+                self._sent_at[pending.report.step] = time.perf_counter()
+                self.stats.reports_sent += 1
+            self._outbox = outbox
+        self._connected.set()
+        self._degraded_gauge.set(0)
+        if streams:
+            self.stats.reconnects += 1
+            self._reconnects.inc()
+        log.info("session_connected", worker=self.worker_id, session=session_id, stream=streams)
+
+    def _on_reply(self, reply: pb.SessionReply) -> None:
+        now = time.perf_counter()
+        decisions = [convert.decision_from_proto(d) for d in reply.decisions]
+        with self._lock:
+            sent_at = self._sent_at.pop(reply.report_step, None)
+            self._inbox.extend(decisions)
+            if decisions:
+                self._last_decision = decisions[-1]
+            self.stats.decisions_received += len(decisions)
+            if sent_at is not None:
+                self.stats.latencies_ms.append((now - sent_at) * 1e3)
+            self._announced_this_stream = reply.decisions_sent
+
+    def _on_disconnected(self, outbox: queue.Queue[object], call: grpc.Future) -> None:
+        with self._lock:
+            was_live = self._outbox is outbox
+            self._outbox = None
+            self._call = None
+            self._sent_at.clear()
+            self.stats.decisions_announced += self._announced_this_stream
+            self._announced_this_stream = 0
+        self._connected.clear()
+        self._degraded_gauge.set(1)
+        try:
+            outbox.put_nowait(_END)  # unblock gRPC's request-consumer thread
+        except queue.Full:
+            _clear(outbox)
+            outbox.put_nowait(_END)
+        call.cancel()
+        if was_live and not self._closed.is_set():
+            log.warning("session_degraded", worker=self.worker_id)
+
+
+def _clear(q: queue.Queue[object]) -> None:
+    while True:
+        try:
+            q.get_nowait()
+        except queue.Empty:
+            return

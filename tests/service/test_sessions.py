@@ -1,0 +1,132 @@
+"""Worker sessions over a real gRPC server: isolation, decisions, validation, cleanup."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from controlplane import api
+from controlplane.service import convert
+from controlplane.service.server import ServerConfig
+from kvplane.v1 import controlplane_pb2 as pb
+from kvplane.v1 import controlplane_pb2_grpc as pb_grpc
+
+from .conftest import step_report, wait_until, worker_info
+
+
+def test_two_concurrent_workers_get_their_own_decisions(served, connect) -> None:  # type: ignore[no-untyped-def]
+    """Two workers streaming at once each get decisions that place exactly their own requests."""
+    results: dict[str, list[api.Decision]] = {}
+    requests = {"a": {"a1": 300, "a2": 500}, "b": {"b1": 700}}
+
+    def worker(name: str) -> None:
+        client = connect(served.target)
+        session = client.open_session(worker_info(f"worker-{name}"))
+        assert session.wait_connected(10)
+        got: list[api.Decision] = []
+        step = 0
+
+        def more() -> bool:
+            nonlocal step
+            got.extend(session.report(step_report(step, requests[name])))
+            step += 1
+            return bool(got)
+
+        wait_until(more, 20.0, 0.01)
+        results[name] = got
+        session.close()
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in requests]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for name, reqs in requests.items():
+        assert results.get(name), f"worker {name} got no decision"
+        for d in results[name]:
+            assert set(d.plan.placements) | set(d.plan.paused) | set(d.pause) <= set(reqs)
+        assert set(results[name][-1].plan.placements) | set(results[name][-1].pause) == set(reqs)
+    assert wait_until(lambda: served.metric("kvplane_sessions") == 0, 10)
+
+
+def test_decisions_are_pushed_without_a_further_report(served, client) -> None:  # type: ignore[no-untyped-def]
+    """A plan finished between reports reaches the worker without it sending another report."""
+    session = client.open_session(worker_info("pusher"))
+    assert session.wait_connected(10)
+    session.report(step_report(0, {"r1": 400}))
+    assert wait_until(lambda: session.stats.decisions_received >= 1, 10)
+    assert session.stats.reports_sent == 1
+    assert session.last_decision is not None
+    assert "r1" in session.last_decision.plan.placements
+    assert session.stats.latencies_ms, "the pushed decision's latency was measured"
+
+
+def test_session_must_start_with_hello(channel) -> None:  # type: ignore[no-untyped-def]
+    """A stream whose first message is a report ends with INVALID_ARGUMENT naming `hello`."""
+    stub = pb_grpc.ControlPlaneStub(channel)
+    call = stub.Session(iter([pb.WorkerMessage(report=pb.StepReport(step=0))]), timeout=10)
+    with pytest.raises(grpc.RpcError) as info:
+        list(call)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("hello:")
+
+
+def test_bad_hello_names_field_and_range(channel) -> None:  # type: ignore[no-untyped-def]
+    """A hello with model.layers = 0 gets INVALID_ARGUMENT naming hello.model.layers and its range."""
+    hello = convert.worker_info_to_proto(worker_info("bad"))
+    hello.model.layers = 0
+    stub = pb_grpc.ControlPlaneStub(channel)
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Session(iter([pb.WorkerMessage(hello=hello)]), timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "hello.model.layers" in info.value.details()
+    assert "[1, 4096]" in info.value.details()
+
+
+def test_bad_report_names_field_and_closes_session(served, channel) -> None:  # type: ignore[no-untyped-def]
+    """A report with context_tokens = -4 ends the stream with INVALID_ARGUMENT naming the field."""
+    stub = pb_grpc.ControlPlaneStub(channel)
+    bad = pb.StepReport(step=1, now_ms=1.0)
+    bad.running.add(id="r", context_tokens=-4)
+    msgs = [
+        pb.WorkerMessage(hello=convert.worker_info_to_proto(worker_info("v"))),
+        pb.WorkerMessage(report=bad),
+    ]
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Session(iter(msgs), timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("report.running[0].context_tokens: -4 is out of range")
+    assert wait_until(lambda: served.metric("kvplane_sessions") == 0, 10)
+
+
+def test_max_sessions_is_enforced_with_clear_status(serve, connect) -> None:  # type: ignore[no-untyped-def]
+    """Beyond max_sessions a new stream gets RESOURCE_EXHAUSTED naming max_sessions."""
+    s = serve(ServerConfig(max_sessions=2, max_watchers=1))
+    client = connect(s.target)
+    sessions = [client.open_session(worker_info(f"m{i}")) for i in range(2)]
+    assert all(x.wait_connected(10) for x in sessions)
+    stub = pb_grpc.ControlPlaneStub(grpc.insecure_channel(s.target))
+    hello = pb.WorkerMessage(hello=convert.worker_info_to_proto(worker_info("m-extra")))
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Session(iter([hello]), timeout=10))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_sessions" in info.value.details()
+    sessions[0].close()
+    assert wait_until(lambda: s.metric("kvplane_sessions") == 1, 10)
+    late = client.open_session(worker_info("m-late"))
+    assert late.wait_connected(10), "a freed slot is usable again"
+
+
+def test_client_session_never_raises_while_server_unreachable(connect) -> None:  # type: ignore[no-untyped-def]
+    """With no server, report() returns [] at once and the session says it is degraded."""
+    from .conftest import free_port
+
+    client = connect(f"grpc://127.0.0.1:{free_port()}")
+    session = client.open_session(worker_info("lonely"))
+    for step in range(50):
+        assert session.report(step_report(step, {"r": 100})) == []
+    assert session.degraded
+    assert session.stats.reports_dropped == 49  # only the newest is kept for the reconnect
+    session.close()
