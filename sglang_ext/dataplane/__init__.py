@@ -1,0 +1,36 @@
+"""Layered KV data plane: per-request, per-layer KV residency, transfers and attention.
+
+Exports are resolved lazily (PEP 562) so that ``sglang_ext.dataplane.profile_schema`` can be
+imported without torch (the simulator and planner load profile files through it).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "LayeredKVCache": "sglang_ext.dataplane.layered_kv_cache",
+    "LayeredKVConfig": "sglang_ext.dataplane.config",
+    "PlacementOp": "sglang_ext.dataplane.placement_installer",
+    "AppendResult": "sglang_ext.dataplane.results",
+    "InstallReport": "sglang_ext.dataplane.results",
+    "LayerView": "sglang_ext.dataplane.results",
+    "MemoryUsage": "sglang_ext.dataplane.results",
+    "DataPlaneError": "sglang_ext.dataplane.errors",
+    "DevicePoolFull": "sglang_ext.dataplane.errors",
+    "HostPoolFull": "sglang_ext.dataplane.errors",
+    "RequestStateError": "sglang_ext.dataplane.errors",
+    "UnknownRequest": "sglang_ext.dataplane.errors",
+    "torch_layered_attention": "sglang_ext.dataplane.attention",
+    "dense_attention": "sglang_ext.dataplane.attention",
+    "DeviceProfile": "sglang_ext.dataplane.profile_schema",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
