@@ -83,7 +83,7 @@ class RequestState:
     gpu_layers: int | None = None
     """Layers currently resident on the GPU (residency telemetry), if known."""
     max_new_tokens: int | None = None
-    """Output length limit, if known (used by LVF's finished fraction)."""
+    """Output length limit, if known (caps LayerKV Eq. 1 N_future)."""
 
 
 @dataclass(frozen=True)

@@ -42,32 +42,53 @@ class LayerKVParams:
     ttft_slo_ms: float = 5000.0
     """TTFT target for queued prefills."""
     tpot_margin: float = 0.9
-    """Admission keeps predicted decode TPOT below ``tpot_margin * slo_tbt_ms``."""
+    """Admission keeps predicted decode TPOT below ``tpot_margin * slo_tbt_ms`` (T_tpot of Eq. 1)."""
     max_prefill_tokens: int = 8192
     """Largest prefill chunk admitted in one step."""
+    output_len_lower_bound: int = 0
+    """Lower bound of the predicted output length (N_future of Eq. 1 = max(1, bound - N_past))."""
+    prefill_correction: float = 1.0
+    """Empirical correction alpha of Eq. 3 (prefill time)."""
+    offload_correction: float = 1.0
+    """Empirical correction beta of Eq. 4 (offload time)."""
+    model_params: float = 8e9
+    """n_param of Eq. 3: the served model's parameter count."""
+    hidden_size: int = 4096
+    """n_hidden of Eq. 3: the served model's hidden size."""
+    device_tflops: float = 400.0
+    """FLOP per second of the device in Eq. 3, in TFLOP/s."""
 
     def __post_init__(self) -> None:
         _check_range("scheduler_params.layerkv.ttft_slo_ms", self.ttft_slo_ms, 0.0, 1e7, open_lo=True)
         _check_range("scheduler_params.layerkv.tpot_margin", self.tpot_margin, 0.0, 1.0, open_lo=True)
         _check_int("scheduler_params.layerkv.max_prefill_tokens", self.max_prefill_tokens, 1, 1 << 24)
+        _check_int(
+            "scheduler_params.layerkv.output_len_lower_bound", self.output_len_lower_bound, 0, 1 << 24
+        )
+        for name in ("prefill_correction", "offload_correction"):
+            _check_range(f"scheduler_params.layerkv.{name}", getattr(self, name), 0.0, 1e6, open_lo=True)
+        _check_range("scheduler_params.layerkv.model_params", self.model_params, 0.0, 1e15, open_lo=True)
+        _check_int("scheduler_params.layerkv.hidden_size", self.hidden_size, 1, 1 << 24)
+        _check_range("scheduler_params.layerkv.device_tflops", self.device_tflops, 0.0, 1e6, open_lo=True)
 
 
 @dataclass(frozen=True)
 class LVFParams:
-    """SuperInfer §4.2 Virtual Lag Time and Largest-VLT-First rotation."""
+    """SuperInfer §4.2 Virtual Lag Time (VLT) and Largest-VLT-First rotation."""
 
     alpha: float = 1.0
-    """Weight of the time since the last token (SLO-normalised) in VLT."""
+    """Sensitivity weight of rotary (paused) requests' VLT (TBT vs TTFT); >= 0."""
     beta_b: float = 0.5
-    """Penalty weight for requests whose KV is in host memory (swap-in cost)."""
+    """Tolerance of rotary requests, in TBT SLOs since their last token (may be negative)."""
     beta_f: float = 0.5
-    """Weight of the finished fraction (prefers requests close to completion)."""
+    """Tolerance of waiting requests, in TTFT SLOs since their arrival (may be negative)."""
     transfer_budget_blocks: int = 4096
-    """Blocks the rotation may move per step (H2D plus D2H)."""
+    """B_xfer: one-layer blocks the rotation may swap in per step beyond the free GPU blocks."""
 
     def __post_init__(self) -> None:
-        for name in ("alpha", "beta_b", "beta_f"):
-            _check_range(f"scheduler_params.lvf.{name}", getattr(self, name), 0.0, 1e6)
+        _check_range("scheduler_params.lvf.alpha", self.alpha, 0.0, 1e6)
+        for name in ("beta_b", "beta_f"):
+            _check_range(f"scheduler_params.lvf.{name}", getattr(self, name), -1e6, 1e6)
         _check_int(
             "scheduler_params.lvf.transfer_budget_blocks", self.transfer_budget_blocks, 0, 1 << 30
         )

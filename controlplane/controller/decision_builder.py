@@ -1,0 +1,208 @@
+"""Turn one immutable planning snapshot into a :class:`~controlplane.api.Decision`.
+
+Runs on the session's planning thread (or inline in synchronous mode) and touches no controller
+state. Steps (OrbitFlow §3.3-3.4, plus the per-worker scheduler):
+
+1. The scheduler (fcfs / layerkv / lvf) decides admissions and rotations.
+2. Starvation guard: a request paused for ``policy.max_paused_steps`` or more must run. It joins
+   the batch; while the planner still pauses it, the controller pauses another running request
+   (chosen by ``policy.victim_rule``) and plans again.
+3. The planner places the batch one step ahead (every running request's context grows by the
+   token decoded at the target step, OrbitFlow §3.3.2 "adding one token to align with the target
+   step"); when infeasible it pauses victims itself.
+4. Resume: a paused request (a rotation-in by the scheduler first, then - on a finish or plan
+   expiry - the longest-paused ones) joins only if the plan with it is feasible and pauses nobody
+   (OrbitFlow §3.4: "resumes a paused request only after ... a feasible plan exists"). The first
+   refusal ends the attempts, so a request never overtakes a longer-paused one, and at most
+   ``MAX_RESUME_TRIALS`` extra plans are solved per decision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from controlplane.api import Decision, QueuedRequest
+from controlplane.controller.schedulers import make_scheduler
+from controlplane.controller.schedulers.base import (
+    RequestView,
+    SchedulerDecision,
+    SchedulerView,
+)
+from controlplane.controller.victims import select_victim
+from controlplane.model import Batch, Hardware, ModelSpec, Plan, Profile, RequestSpec
+from controlplane.policy import Policy
+
+MAX_RESUME_TRIALS = 4
+"""Extra planner calls per decision spent on trying to resume paused requests."""
+
+
+class PlannerLike(Protocol):
+    """What the controller needs from :class:`controlplane.planner.Planner`."""
+
+    def plan(
+        self,
+        batch: Batch,
+        *,
+        time_budget_ms: float | None = None,
+        victim_rule: str = "largest",
+        current_step: int | None = None,
+        seed: int = 0,
+    ) -> Plan: ...
+
+
+@dataclass(frozen=True)
+class PlanningInput:
+    """Everything one decision depends on (a snapshot taken under the controller's lock)."""
+
+    step: int
+    """Step of the report that triggered planning; the plan targets ``step + 1``."""
+    now_ms: float
+    """Worker clock of that report."""
+    reasons: tuple[str, ...]
+    """Triggers being served, in the order they fired."""
+    running: tuple[RequestView, ...]
+    paused: tuple[RequestView, ...]
+    queued: tuple[QueuedRequest, ...]
+    """Queued requests not yet admitted by an earlier decision."""
+    model: ModelSpec
+    hardware: Hardware
+    layer_compute_ms: tuple[float, ...]
+    h2d_gbps: float
+    tpot_ms: float
+    """Current time per output token (for LayerKV Eq. 1)."""
+    predicted_step_ms: float
+    """Predicted step time of the current plan (sets the solver budget)."""
+    free_gpu_blocks: int
+    policy: Policy
+    scheduler: str
+    try_resume: bool
+    """True on a finish or a plan expiry: try to resume paused requests."""
+
+
+class DecisionBuilder:
+    """Stateless apart from its planner; one per session."""
+
+    def __init__(self, planner: PlannerLike) -> None:
+        self._planner = planner
+
+    def build(self, inp: PlanningInput) -> Decision:
+        policy = inp.policy
+        sd = make_scheduler(inp.scheduler).schedule(self._scheduler_view(inp))
+        rotated_out = [rid for rid in sd.pause if any(r.id == rid for r in inp.running)]
+        running = [r for r in inp.running if r.id not in rotated_out]
+        paused_by_id = {p.id: p for p in inp.paused}
+
+        # Starvation guard (longest-paused first).
+        starving = [p for p in inp.paused if p.paused_steps >= policy.max_paused_steps]
+        starving.sort(key=lambda p: (-p.paused_steps, p.id))
+        forced = {p.id for p in starving}
+        members = running + starving
+        guard_victims: list[str] = []
+        while True:
+            plan = self._plan(members, inp)
+            blocked = [rid for rid in plan.paused if rid in forced]
+            others = [r for r in members if r.id not in forced and r.id not in plan.paused]
+            if not blocked or not others:
+                break
+            victim = select_victim(others, policy.victim_rule, inp.model.block_size, seed=inp.step)
+            guard_victims.append(victim.id)
+            members = [r for r in members if r.id != victim.id]
+
+        members = [r for r in members if r.id not in plan.paused]
+        resumed = [rid for rid in forced if rid not in plan.paused]
+        planner_paused = plan.paused
+
+        # Resume attempts: scheduler rotations first, then the longest-paused on finish/expiry.
+        candidates = [rid for rid in sd.resume if rid in paused_by_id and rid not in forced]
+        if inp.try_resume:
+            candidates += [
+                p.id for p in inp.paused if p.id not in forced and p.id not in candidates
+            ]
+        for rid in candidates[:MAX_RESUME_TRIALS]:
+            trial = self._plan(members + [paused_by_id[rid]], inp)
+            if not trial.feasible or trial.paused:
+                break
+            plan = replace(trial, paused=planner_paused)
+            members = members + [paused_by_id[rid]]
+            resumed.append(rid)
+
+        running_ids = {r.id for r in inp.running}
+        pause = list(rotated_out) + guard_victims
+        pause += [rid for rid in planner_paused if rid in running_ids and rid not in pause]
+        expiry = (
+            plan.expiry_step if plan.expiry_step is not None else inp.step + 1 + plan.window_steps
+        )
+        admit = tuple(sd.admit)
+        return Decision(
+            plan=plan,
+            apply_at_step=inp.step + 1,
+            expiry_step=expiry,
+            pause=tuple(pause),
+            resume=tuple(resumed),
+            admit=admit,
+            min_gpu_layers={rid: n for rid, n in sd.min_gpu_layers.items() if rid in admit},
+            reason=",".join(inp.reasons),
+            policy_version=policy.version,
+        )
+
+    def schedule_only(self, inp: PlanningInput) -> SchedulerDecision:
+        """The scheduler's answer alone (the controller's cheap per-report probe)."""
+        return make_scheduler(inp.scheduler).schedule(self._scheduler_view(inp))
+
+    # ---- internals -----------------------------------------------------------------------
+    def _scheduler_view(self, inp: PlanningInput) -> SchedulerView:
+        return SchedulerView(
+            step=inp.step + 1,
+            now_ms=inp.now_ms,
+            running=inp.running,
+            paused=inp.paused,
+            queued=inp.queued,
+            model=inp.model,
+            hardware=inp.hardware,
+            layer_compute_ms=inp.layer_compute_ms,
+            h2d_gbps=inp.h2d_gbps,
+            tpot_ms=inp.tpot_ms,
+            free_gpu_blocks=inp.free_gpu_blocks,
+            policy=inp.policy,
+        )
+
+    def _plan(self, members: list[RequestView], inp: PlanningInput) -> Plan:
+        policy = inp.policy
+        if not members:
+            return Plan(
+                feasible=True,
+                paused=(),
+                placements={},
+                predicted_step_ms=float(sum(inp.layer_compute_ms)),
+                window_steps=policy.window_max,
+                resident_blocks=0,
+                staging_blocks=0,
+                solver="empty-batch",
+                solve_ms=0.0,
+                expiry_step=inp.step + 1 + policy.window_max,
+            )
+        requests = tuple(
+            RequestSpec(
+                id=r.id,
+                # One step ahead: a running request decodes one more token by the target step.
+                context_tokens=r.context_tokens + (0 if r.paused else 1),
+                slo_tbt_ms=r.slo_tbt_ms,
+                deposit_tokens=r.deposit_tokens,
+            )
+            for r in members
+        )
+        batch = Batch(
+            model=inp.model,
+            hardware=Hardware(inp.hardware.gpu_kv_budget_blocks, inp.h2d_gbps),
+            profile=Profile(inp.layer_compute_ms),
+            requests=requests,
+            policy=policy.plan_policy,
+        )
+        return self._planner.plan(
+            batch,
+            time_budget_ms=policy.solve_budget_fraction * inp.predicted_step_ms,
+            victim_rule=policy.victim_rule,
+            current_step=inp.step + 1,
+            seed=inp.step,
+        )

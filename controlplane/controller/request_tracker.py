@@ -1,0 +1,199 @@
+"""Per-request state of one worker: context, progress, pause state and token deposit.
+
+The controller owns the pause state: a request is paused from the moment a decision pausing it is
+made until a decision resumes it. The worker's ``RequestState.paused`` flag is telemetry; a flag
+that disagrees with the controller while no decision about that request is outstanding is a
+pause/resume the worker made on its own (e.g. SGLang retracting a request under memory pressure),
+which the controller adopts and treats as a batch change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from controlplane.api import InvalidArgument, StepReport
+from controlplane.controller.schedulers.base import RequestView
+from controlplane.controller.token_deposit import TokenDeposit
+
+
+@dataclass
+class TrackedRequest:
+    """Mutable record of one decoding request (internal to the controller)."""
+
+    id: str
+    context_tokens: int
+    generated_tokens: int
+    own_slo_tbt_ms: float | None
+    first_seen_ms: float
+    run_since_ms: float
+    last_token_ms: float
+    max_new_tokens: int | None
+    deposit: TokenDeposit
+    paused_since_step: int | None = None
+    pause_reason: str = ""
+
+    @property
+    def paused(self) -> bool:
+        return self.paused_since_step is not None
+
+
+@dataclass(frozen=True)
+class BatchEvents:
+    """What changed in the batch with one report."""
+
+    arrived: tuple[str, ...] = ()
+    """Requests seen decoding for the first time."""
+    finished: tuple[str, ...] = ()
+    """Requests that finished (or disappeared from the report)."""
+    worker_paused: tuple[str, ...] = ()
+    """Requests the worker paused on its own."""
+    worker_resumed: tuple[str, ...] = ()
+    """Requests the worker resumed on its own."""
+    generated_tokens: dict[str, int] = field(default_factory=dict)
+    """Tokens generated per request since the previous report."""
+
+    @property
+    def batch_changed(self) -> bool:
+        return bool(self.arrived or self.finished or self.worker_paused or self.worker_resumed)
+
+
+class RequestTracker:
+    """The decoding requests of one worker. Not thread-safe (the controller holds its lock)."""
+
+    def __init__(self) -> None:
+        self._requests: dict[str, TrackedRequest] = {}
+        self._awaiting_flag: dict[
+            str, bool
+        ] = {}  # decided pause state the worker has not shown yet
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._requests
+
+    def get(self, request_id: str) -> TrackedRequest | None:
+        return self._requests.get(request_id)
+
+    def running(self) -> list[TrackedRequest]:
+        """Decoding, not paused, in arrival order."""
+        return [r for r in self._requests.values() if not r.paused]
+
+    def paused(self) -> list[TrackedRequest]:
+        """Paused, longest-paused first."""
+        out = [r for r in self._requests.values() if r.paused]
+        out.sort(key=lambda r: (r.paused_since_step or 0, r.id))
+        return out
+
+    def ingest(self, report: StepReport, default_slo_tbt_ms: float) -> BatchEvents:
+        """Apply one report: arrivals, finishes, progress, deposits, worker-made pause changes."""
+        now = report.now_ms
+        seen: set[str] = set()
+        arrived: list[str] = []
+        worker_paused: list[str] = []
+        worker_resumed: list[str] = []
+        generated: dict[str, int] = {}
+        finished = [rid for rid in dict.fromkeys(report.finished) if rid in self._requests]
+        for i, rs in enumerate(report.running):
+            if rs.id in seen:
+                raise InvalidArgument(f"running[{i}].id: duplicate request id {rs.id!r}")
+            seen.add(rs.id)
+            if rs.id in report.finished:
+                continue
+            if rs.context_tokens < 1:
+                raise InvalidArgument(
+                    f"running[{i}].context_tokens: {rs.context_tokens} is out of range (allowed >= 1)"
+                )
+            slo = rs.slo_tbt_ms if rs.slo_tbt_ms is not None else default_slo_tbt_ms
+            tracked = self._requests.get(rs.id)
+            if tracked is None:
+                tracked = TrackedRequest(
+                    id=rs.id,
+                    context_tokens=rs.context_tokens,
+                    generated_tokens=0,
+                    own_slo_tbt_ms=rs.slo_tbt_ms,
+                    first_seen_ms=now,
+                    run_since_ms=now,
+                    last_token_ms=now,
+                    max_new_tokens=rs.max_new_tokens,
+                    deposit=TokenDeposit(slo),
+                )
+                self._requests[rs.id] = tracked
+                arrived.append(rs.id)
+                if rs.paused:
+                    tracked.paused_since_step = report.step
+                    tracked.pause_reason = "worker"
+            delta = rs.generated_tokens - tracked.generated_tokens
+            if delta < 0:
+                raise InvalidArgument(
+                    f"running[{i}].generated_tokens: {rs.generated_tokens} is below the "
+                    f"{tracked.generated_tokens} reported before (must not decrease)"
+                )
+            tracked.context_tokens = rs.context_tokens
+            tracked.max_new_tokens = rs.max_new_tokens
+            if tracked.deposit.slo_tbt_ms != slo:
+                tracked.deposit.set_slo(slo)
+            if delta:
+                tracked.deposit.generate(now, delta)
+                tracked.generated_tokens = rs.generated_tokens
+                tracked.last_token_ms = now
+                generated[rs.id] = delta
+            else:
+                tracked.deposit.advance(now)
+            # Reconcile the worker's pause flag with the controller's state.
+            want = self._awaiting_flag.get(rs.id)
+            if want is not None:
+                if rs.paused == want:
+                    del self._awaiting_flag[rs.id]
+            elif rs.id not in arrived and rs.paused != tracked.paused:
+                if rs.paused:
+                    tracked.paused_since_step = report.step
+                    tracked.pause_reason = "worker"
+                    worker_paused.append(rs.id)
+                else:
+                    tracked.paused_since_step = None
+                    tracked.run_since_ms = now
+                    worker_resumed.append(rs.id)
+        # A request that vanished without a finish notice is gone all the same.
+        finished.extend(rid for rid in self._requests if rid not in seen and rid not in finished)
+        for rid in finished:
+            gone = self._requests.pop(rid)
+            gone.deposit.finish(now)
+            self._awaiting_flag.pop(rid, None)
+        return BatchEvents(
+            tuple(arrived), tuple(finished), tuple(worker_paused), tuple(worker_resumed), generated
+        )
+
+    def pause(self, request_id: str, step: int, reason: str) -> bool:
+        """Mark paused by a decision; False when unknown or already paused."""
+        r = self._requests.get(request_id)
+        if r is None or r.paused:
+            return False
+        r.paused_since_step = step
+        r.pause_reason = reason
+        self._awaiting_flag[request_id] = True
+        return True
+
+    def resume(self, request_id: str, now_ms: float) -> bool:
+        """Mark resumed by a decision; False when unknown or not paused."""
+        r = self._requests.get(request_id)
+        if r is None or not r.paused:
+            return False
+        r.paused_since_step = None
+        r.pause_reason = ""
+        r.run_since_ms = now_ms
+        self._awaiting_flag[request_id] = False
+        return True
+
+    def view(self, r: TrackedRequest, step: int, default_slo_tbt_ms: float) -> RequestView:
+        """The immutable view a scheduler and the planner input see."""
+        return RequestView(
+            id=r.id,
+            context_tokens=r.context_tokens,
+            generated_tokens=r.generated_tokens,
+            slo_tbt_ms=r.own_slo_tbt_ms if r.own_slo_tbt_ms is not None else default_slo_tbt_ms,
+            first_seen_ms=r.first_seen_ms,
+            run_since_ms=r.run_since_ms,
+            last_token_ms=r.last_token_ms,
+            deposit_tokens=r.deposit.balance,
+            paused=r.paused,
+            paused_steps=0 if r.paused_since_step is None else max(0, step - r.paused_since_step),
+            max_new_tokens=r.max_new_tokens,
+        )

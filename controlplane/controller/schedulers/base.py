@@ -1,0 +1,107 @@
+"""What a scheduler sees and decides, and the protocol every scheduler implements.
+
+A scheduler is a pure function of a :class:`SchedulerView` (one worker's state at one step):
+it decides which queued prefills to admit and, for rotating schedulers, which running requests to
+rotate out (pause) and which paused ones to rotate in (resume). Placement is not its business:
+the planner places the resulting batch, and may still pause victims when it is infeasible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from controlplane.api import QueuedRequest
+from controlplane.model import Hardware, ModelSpec
+from controlplane.policy import Policy
+
+
+@dataclass(frozen=True)
+class RequestView:
+    """A decoding (running or paused) request as the controller tracks it."""
+
+    id: str
+    """Request id."""
+    context_tokens: int
+    """Tokens in context including the one being decoded."""
+    generated_tokens: int
+    """Output tokens generated so far (N_past of LayerKV Eq. 1)."""
+    slo_tbt_ms: float
+    """Effective TBT SLO (request's own or the policy default)."""
+    first_seen_ms: float
+    """When the controller first saw it decoding (origin of T_past, LayerKV Eq. 1)."""
+    run_since_ms: float
+    """When it last entered the running state (t_run of SuperInfer's VLT)."""
+    last_token_ms: float
+    """When it last generated a token (t_last of SuperInfer's VLT)."""
+    deposit_tokens: int = 0
+    """Token-deposit balance (OrbitFlow §3.2)."""
+    paused: bool = False
+    """True while paused (SuperInfer's rotary state)."""
+    paused_steps: int = 0
+    """Steps spent paused so far (starvation guard)."""
+    max_new_tokens: int | None = None
+    """Output length limit, if known."""
+
+    def blocks_per_layer(self, block_size: int) -> int:
+        """ceil(context_tokens / block_size)."""
+        return -(-self.context_tokens // block_size)
+
+
+@dataclass(frozen=True)
+class SchedulerView:
+    """One worker's state at one step, as a scheduler sees it."""
+
+    step: int
+    """The step the decision will apply at."""
+    now_ms: float
+    """Worker clock."""
+    running: tuple[RequestView, ...]
+    """Decoding, not paused."""
+    paused: tuple[RequestView, ...]
+    """Paused (KV kept, not decoding)."""
+    queued: tuple[QueuedRequest, ...]
+    """Waiting for prefill, in arrival order."""
+    model: ModelSpec
+    hardware: Hardware
+    layer_compute_ms: tuple[float, ...]
+    """Current per-layer compute profile."""
+    h2d_gbps: float
+    """Current effective link bandwidth."""
+    tpot_ms: float
+    """Current time per output token of the running batch (observed, else predicted)."""
+    free_gpu_blocks: int
+    """Free GPU KV blocks (reported by the worker, else estimated), in one-layer blocks."""
+    policy: Policy
+
+
+@dataclass(frozen=True)
+class SchedulerDecision:
+    """A scheduler's answer for one step."""
+
+    admit: tuple[str, ...] = ()
+    """Queued requests to admit for prefill, in order."""
+    pause: tuple[str, ...] = ()
+    """Running requests to rotate out (pause)."""
+    resume: tuple[str, ...] = ()
+    """Paused requests to rotate in (resumed only if the plan then includes them)."""
+    min_gpu_layers: dict[str, int] = field(default_factory=dict)
+    """Per admitted prefill, layers that must stay on the GPU (LayerKV Eq. 4)."""
+
+    @property
+    def empty(self) -> bool:
+        """True when the scheduler wants nothing changed."""
+        return not (self.admit or self.pause or self.resume)
+
+
+class Scheduler(Protocol):
+    """Admission/rotation policy of one worker."""
+
+    name: str
+
+    def schedule(self, view: SchedulerView) -> SchedulerDecision: ...
+
+
+def prompt_blocks(prompt_tokens: int, block_size: int) -> int:
+    """Blocks per layer of a prompt: ceil(prompt_tokens / block_size)."""
+    return -(-prompt_tokens // block_size)

@@ -1,0 +1,454 @@
+"""One worker's adaptive controller (OrbitFlow §3.4): triggers, profile, deposits, pause/resume.
+
+``report(step_report)`` ingests one step's telemetry and returns the decisions that are ready.
+It re-plans when
+
+* ``batch-change``: a request arrived, finished, or the worker paused/resumed one on its own;
+* ``expiry``: ``report.step >= expiry_step`` of the current plan (the planner's decode window);
+* ``profile-mismatch``: ``|observed - predicted| / predicted > policy.mismatch_threshold``, where
+  ``predicted`` is the exact timeline of the placement that ran this step under the current
+  profile; the profile first moves by one EWMA step (:class:`ProfileTracker`);
+* ``policy-change``: the policy version differs from the one the current plan was made with;
+* ``starvation``: a paused request reached ``policy.max_paused_steps``;
+* ``schedule``: the scheduler (probed cheaply on every report while something is queued, or
+  paused under ``lvf``) wants to admit, rotate in or rotate out a request;
+* ``initial``: the first report with anything to decide.
+
+Asynchronous mode (default): planning runs on the session's own thread, one step ahead
+(OrbitFlow §3.3.2); ``report()`` never waits for it and returns the decision with a later report
+(or :meth:`poll`). Triggers that fire while a plan is being computed are coalesced into one more
+plan computed from the state at the moment the running one finishes. Synchronous mode
+(``synchronous=True``, for the simulator) plans inline and returns the decision at once; the result
+is a deterministic function of the reports.
+
+Pause state is decided here (see :mod:`.request_tracker`); a decision's pauses and resumes take
+effect in the controller's state when the decision is made, so the next plan already accounts
+for them even before the worker has applied them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import structlog
+
+from controlplane.api import (
+    Decision,
+    InvalidArgument,
+    StepReport,
+    Unavailable,
+    WorkerInfo,
+)
+from controlplane.controller.decision_builder import DecisionBuilder, PlannerLike, PlanningInput
+from controlplane.controller.metrics import ControllerObserver, NullObserver
+from controlplane.controller.profile_tracker import ProfileTracker, ProfileUpdate
+from controlplane.controller.request_tracker import RequestTracker
+from controlplane.controller.schedulers import make_scheduler
+from controlplane.controller.token_deposit import TokenDeposit
+from controlplane.model import memory_blocks
+from controlplane.policy import Policy
+
+log = structlog.get_logger(__name__)
+
+ADMIT_GRACE_STEPS = 16
+"""Steps an admitted request may stay in the worker's queue before it is considered again."""
+
+
+@dataclass(frozen=True)
+class SessionStatus:
+    """A read-only summary of one session (for the service, the simulator and tests)."""
+
+    worker_id: str
+    step: int | None
+    """Step of the last report."""
+    running: tuple[str, ...]
+    """Decoding, not paused."""
+    paused: tuple[str, ...]
+    """Paused, longest-paused first."""
+    expiry_step: int | None
+    """Expiry of the latest decision."""
+    layer_compute_ms: tuple[float, ...]
+    """Current profile."""
+    h2d_gbps: float
+    """Current effective bandwidth."""
+    planning: bool
+    """True while a plan is being computed or queued."""
+    last_triggers: tuple[str, ...]
+    """Triggers fired by the last report."""
+    last_profile_update: ProfileUpdate | None
+    """The most recent EWMA update, if any."""
+
+
+class SessionController:
+    """Implements :class:`controlplane.api.WorkerSession` in-process for one worker."""
+
+    def __init__(
+        self,
+        worker: WorkerInfo,
+        *,
+        policy_source: Callable[[], Policy] | None = None,
+        planner: PlannerLike | None = None,
+        synchronous: bool = False,
+        observer: ControllerObserver | None = None,
+    ) -> None:
+        if len(worker.profile.layer_compute_ms) != worker.model.layers:
+            raise InvalidArgument(
+                f"worker.profile.layer_compute_ms: has {len(worker.profile.layer_compute_ms)} "
+                f"entries, expected model.layers = {worker.model.layers}"
+            )
+        if worker.scheduler is not None:
+            make_scheduler(worker.scheduler, "worker.scheduler")  # validate now, not at first plan
+        if planner is None:
+            from controlplane.planner import Planner
+
+            planner = Planner()
+        self._worker = worker
+        self._policy_source = policy_source or Policy
+        self._builder = DecisionBuilder(planner)
+        self._sync = synchronous
+        self._observer: ControllerObserver = observer or NullObserver()
+        self._profile = ProfileTracker(
+            worker.profile, worker.hardware.h2d_gbps, worker.model.block_bytes
+        )
+        self._tracker = RequestTracker()
+        self._lock = threading.RLock()
+        self._settled = threading.Condition(self._lock)
+        self._executor: ThreadPoolExecutor | None = (
+            None
+            if synchronous
+            else ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"kvplane-plan-{worker.worker_id}"
+            )
+        )
+        self._closed = False
+        self._last: StepReport | None = None
+        self._queued: tuple = ()
+        self._admitted: dict[str, int] = {}
+        self._current: Decision | None = None  # latest decision made
+        self._installed: Decision | None = None  # decision the worker ran the last step with
+        self._delivered: Decision | None = None  # latest decision handed to the worker
+        self._planned_version: int | None = None
+        self._guarded: set[str] = set()
+        self._ready: list[Decision] = []
+        self._pending: list[str] = []
+        self._pending_resume = False
+        self._inflight = False
+        self._last_triggers: tuple[str, ...] = ()
+        self._last_update: ProfileUpdate | None = None
+        self._last_observed_ms: float | None = None
+
+    # ---- WorkerSession ---------------------------------------------------------------------
+    @property
+    def worker_id(self) -> str:
+        return self._worker.worker_id
+
+    @property
+    def worker(self) -> WorkerInfo:
+        return self._worker
+
+    def report(self, report: StepReport) -> list[Decision]:
+        """Ingest one step's telemetry; return the decisions ready now (never waits on planning)."""
+        with self._lock:
+            if self._closed:
+                raise Unavailable(f"session {self.worker_id!r} is closed")
+            self._validate(report)
+            policy = self._policy_source()
+            events = self._tracker.ingest(report, policy.slo_tbt_ms)
+            self._last = report
+            if self._delivered is not None and self._delivered.apply_at_step <= report.step:
+                self._installed = self._delivered
+            reasons: list[str] = []
+            if events.batch_changed:
+                reasons.append("batch-change")
+            if self._current is not None and report.step >= self._current.expiry_step:
+                reasons.append("expiry")
+            if self._check_mismatch(report, policy):
+                reasons.append("profile-mismatch")
+            if self._planned_version is not None and policy.version != self._planned_version:
+                reasons.append("policy-change")
+            starving = [
+                r.id
+                for r in self._tracker.paused()
+                if r.id not in self._guarded
+                and report.step - (r.paused_since_step or report.step) >= policy.max_paused_steps
+            ]
+            if starving:
+                self._guarded.update(starving)
+                reasons.append("starvation")
+            self._update_queue(report)
+            has_work = bool(self._tracker.running() or self._tracker.paused() or self._queued)
+            if self._current is None and not reasons and has_work and not self._inflight:
+                reasons.append("initial")
+            if not reasons and self._wants_schedule(policy):
+                reasons.append("schedule")
+            self._last_triggers = tuple(reasons)
+            if reasons and has_work:
+                for reason in reasons:
+                    self._observer.on_trigger(self.worker_id, reason)
+                try_resume = bool(events.finished) or "expiry" in reasons
+                self._trigger(reasons, try_resume)
+            return self._take_ready()
+
+    def poll(self) -> list[Decision]:
+        """Decisions that became ready since the last report (for push-style transports)."""
+        with self._lock:
+            if self._last is None:
+                return []
+            return self._take_ready()
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until no plan is being computed or queued; False on timeout. Never needed in sync."""
+        deadline = time.monotonic() + timeout_s
+        with self._settled:
+            while self._inflight or self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._settled.wait(left)
+            return True
+
+    def close(self) -> None:
+        """End the session; a plan being computed is abandoned."""
+        with self._lock:
+            self._closed = True
+            self._pending.clear()
+            self._settled.notify_all()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ---- introspection ---------------------------------------------------------------------
+    def deposit(self, request_id: str) -> TokenDeposit | None:
+        """The request's token deposit (read it; the controller advances it)."""
+        with self._lock:
+            tracked = self._tracker.get(request_id)
+            return None if tracked is None else tracked.deposit
+
+    def status(self) -> SessionStatus:
+        with self._lock:
+            return SessionStatus(
+                worker_id=self.worker_id,
+                step=None if self._last is None else self._last.step,
+                running=tuple(r.id for r in self._tracker.running()),
+                paused=tuple(r.id for r in self._tracker.paused()),
+                expiry_step=None if self._current is None else self._current.expiry_step,
+                layer_compute_ms=self._profile.layer_compute_ms,
+                h2d_gbps=self._profile.h2d_gbps,
+                planning=self._inflight or bool(self._pending),
+                last_triggers=self._last_triggers,
+                last_profile_update=self._last_update,
+            )
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _validate(self, report: StepReport) -> None:
+        last = self._last
+        if last is not None and report.step <= last.step:
+            raise InvalidArgument(f"step: {report.step} must exceed the previous step {last.step}")
+        if last is not None and report.now_ms < last.now_ms:
+            raise InvalidArgument(
+                f"now_ms: {report.now_ms} is before the previous report's {last.now_ms}"
+            )
+        if report.observed_step_ms is not None and not report.observed_step_ms >= 0:
+            raise InvalidArgument(
+                f"observed_step_ms: {report.observed_step_ms} is out of range (allowed >= 0)"
+            )
+        if (
+            report.layer_compute_ms is not None
+            and len(report.layer_compute_ms) != self._worker.model.layers
+        ):
+            raise InvalidArgument(
+                f"layer_compute_ms: has {len(report.layer_compute_ms)} entries, "
+                f"expected model.layers = {self._worker.model.layers}"
+            )
+        if report.h2d_gbps is not None and not report.h2d_gbps > 0:
+            raise InvalidArgument(f"h2d_gbps: {report.h2d_gbps} is out of range (allowed > 0)")
+
+    def _placement_now(self, decision: Decision | None) -> tuple[list[tuple[int, ...]], list[int]]:
+        """Rows and blocks of the running requests under ``decision`` (all-GPU when unplanned)."""
+        layers, bs = self._worker.model.layers, self._worker.model.block_size
+        rows: list[tuple[int, ...]] = []
+        blocks: list[int] = []
+        placements = {} if decision is None else decision.plan.placements
+        for r in self._tracker.running():
+            row = placements.get(r.id)
+            rows.append(tuple(row) if row is not None and len(row) == layers else (1,) * layers)
+            blocks.append(-(-r.context_tokens // bs))
+        return rows, blocks
+
+    def _check_mismatch(self, report: StepReport, policy: Policy) -> bool:
+        observed = report.observed_step_ms
+        if observed is None:
+            return False
+        self._last_observed_ms = observed
+        if self._installed is None:
+            return False
+        rows, blocks = self._placement_now(self._installed)
+        if not rows:
+            return False
+        predicted = self._profile.predict_step_ms(rows, blocks)
+        if ProfileTracker.mismatch(observed, predicted) <= policy.mismatch_threshold:
+            return False
+        self._last_update = self._profile.update(
+            ewma_factor=policy.ewma_factor,
+            observed_step_ms=observed,
+            predicted_step_ms=predicted,
+            placement=rows,
+            blocks=blocks,
+            layer_compute_sample_ms=report.layer_compute_ms,
+            h2d_gbps_sample=report.h2d_gbps,
+        )
+        log.info(
+            "profile_mismatch",
+            worker=self.worker_id,
+            step=report.step,
+            observed_ms=round(observed, 3),
+            predicted_ms=round(predicted, 3),
+            h2d_gbps=round(self._profile.h2d_gbps, 3),
+        )
+        return True
+
+    def _update_queue(self, report: StepReport) -> None:
+        waiting = {q.id for q in report.queued}
+        self._admitted = {
+            rid: step
+            for rid, step in self._admitted.items()
+            if rid in waiting and report.step - step < ADMIT_GRACE_STEPS
+        }
+        self._queued = tuple(q for q in report.queued if q.id not in self._admitted)
+
+    def _scheduler_name(self, policy: Policy) -> str:
+        return self._worker.scheduler or policy.scheduler
+
+    def _wants_schedule(self, policy: Policy) -> bool:
+        """Cheap probe: would the scheduler change anything now?"""
+        if self._inflight:
+            return False  # the next plan runs the scheduler on fresh state anyway
+        if not self._queued and not (
+            self._tracker.paused() and self._scheduler_name(policy) == "lvf"
+        ):
+            return False
+        return not self._builder.schedule_only(self._snapshot(policy, (), False)).empty
+
+    def _free_gpu_blocks(self) -> int:
+        assert self._last is not None
+        if self._last.free_gpu_blocks is not None:
+            return max(0, self._last.free_gpu_blocks)
+        rows, blocks = self._placement_now(self._current)
+        resident, staging = memory_blocks(rows, blocks)
+        return max(0, self._worker.hardware.gpu_kv_budget_blocks - resident - staging)
+
+    def _snapshot(
+        self, policy: Policy, reasons: tuple[str, ...], try_resume: bool
+    ) -> PlanningInput:
+        assert self._last is not None
+        step = self._last.step
+        default_slo = policy.slo_tbt_ms
+        predicted = (
+            self._current.plan.predicted_step_ms
+            if self._current is not None and self._current.plan.predicted_step_ms > 0
+            else float(sum(self._profile.layer_compute_ms))
+        )
+        return PlanningInput(
+            step=step,
+            now_ms=self._last.now_ms,
+            reasons=reasons,
+            running=tuple(
+                self._tracker.view(r, step, default_slo) for r in self._tracker.running()
+            ),
+            paused=tuple(self._tracker.view(r, step, default_slo) for r in self._tracker.paused()),
+            queued=self._queued,
+            model=self._worker.model,
+            hardware=self._worker.hardware,
+            layer_compute_ms=self._profile.layer_compute_ms,
+            h2d_gbps=self._profile.h2d_gbps,
+            tpot_ms=self._last_observed_ms if self._last_observed_ms is not None else predicted,
+            predicted_step_ms=predicted,
+            free_gpu_blocks=self._free_gpu_blocks(),
+            policy=policy,
+            scheduler=self._scheduler_name(policy),
+            try_resume=try_resume,
+        )
+
+    def _trigger(self, reasons: list[str], try_resume: bool) -> None:
+        if self._sync:
+            inp = self._snapshot(self._policy_source(), tuple(reasons), try_resume)
+            t0 = time.perf_counter()
+            decision = self._builder.build(inp)
+            self._apply(decision, inp, (time.perf_counter() - t0) * 1e3)
+            return
+        self._pending.extend(r for r in reasons if r not in self._pending)
+        self._pending_resume = self._pending_resume or try_resume
+        if not self._inflight:
+            self._submit()
+
+    def _submit(self) -> None:
+        """Snapshot the current state and plan it on the session thread (lock held)."""
+        assert self._executor is not None
+        inp = self._snapshot(self._policy_source(), tuple(self._pending), self._pending_resume)
+        self._pending.clear()
+        self._pending_resume = False
+        self._inflight = True
+        self._executor.submit(self._run, inp)
+
+    def _run(self, inp: PlanningInput) -> None:
+        t0 = time.perf_counter()
+        decision: Decision | None = None
+        try:
+            decision = self._builder.build(inp)
+        except Exception as exc:  # never let a planning failure kill the session
+            log.exception("plan_failed", worker=self.worker_id, step=inp.step)
+            self._observer.on_error(self.worker_id, repr(exc))
+        solve_ms = (time.perf_counter() - t0) * 1e3
+        with self._lock:
+            self._inflight = False
+            if not self._closed:
+                if decision is not None:
+                    self._apply(decision, inp, solve_ms)
+                if self._pending:
+                    self._submit()
+            self._settled.notify_all()
+
+    def _apply(self, decision: Decision, inp: PlanningInput, solve_ms: float) -> None:
+        """Make a decision current: pause/resume state, admissions, expiry (lock held)."""
+        for rid in decision.pause:
+            if self._tracker.pause(rid, decision.apply_at_step, decision.reason):
+                self._observer.on_pause(self.worker_id, rid, decision.reason)
+        for rid in decision.resume:
+            if self._tracker.resume(rid, inp.now_ms):
+                self._guarded.discard(rid)
+                self._observer.on_resume(self.worker_id, rid, decision.reason)
+        for rid in decision.admit:
+            self._admitted[rid] = inp.step
+        self._queued = tuple(q for q in self._queued if q.id not in self._admitted)
+        self._current = decision
+        self._planned_version = decision.policy_version
+        self._ready.append(decision)
+        self._observer.on_plan(self.worker_id, decision.reason, solve_ms, decision.plan.feasible)
+        log.info(
+            "plan_decided",
+            worker=self.worker_id,
+            step=inp.step,
+            reason=decision.reason,
+            feasible=decision.plan.feasible,
+            predicted_step_ms=round(decision.plan.predicted_step_ms, 3),
+            expiry_step=decision.expiry_step,
+            pause=list(decision.pause),
+            resume=list(decision.resume),
+            admit=list(decision.admit),
+            solve_ms=round(solve_ms, 3),
+        )
+
+    def _take_ready(self) -> list[Decision]:
+        assert self._last is not None
+        out = [
+            dataclasses.replace(d, apply_at_step=max(d.apply_at_step, self._last.step + 1))
+            for d in self._ready
+        ]
+        self._ready.clear()
+        if out:
+            self._delivered = out[-1]
+        return out

@@ -1,0 +1,175 @@
+"""SLO-aware token deposit (OrbitFlow §3.2): decouple token generation from its delivery.
+
+Rule (pure logic; time is explicit, in ms on the caller's clock):
+
+* Generated tokens are appended to a FIFO (the deposit).
+* The first token of a request is delivered as soon as it is generated (TTFT is not paced).
+* While the deposit is non-empty, exactly one token is delivered per SLO interval: token ``i`` is
+  delivered at ``d_i = max(g_i, d_{i-1} + slo)`` where ``g_i`` is its generation time. Tokens that
+  arrive early wait for the delivery clock and form the reserve that later hides stalls.
+* If the deposit is empty when a token is due, the next token is delivered as soon as it is
+  generated; when that is later than ``d_{i-1} + slo`` the user sees an SLO violation.
+* While the request is paused nothing is generated and the deposit keeps draining.
+* When the request finishes, every remaining token is delivered at once (a burst).
+
+The same class serves the controller (deposit balance for the planner's late-fraction bound,
+OrbitFlow §3.3.1), the simulator and the SGLang streaming pacer. Invariants (property-tested):
+the balance is never negative, deliveries are in generation order, never precede generation, and
+consecutive deliveries before the finish burst are at least one SLO interval apart.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One token handed to the user."""
+
+    index: int
+    """0-based output token index."""
+    generated_ms: float
+    """When the token was generated."""
+    delivered_ms: float
+    """When it is delivered to the user."""
+    violation: bool
+    """True when this delivery came later than one SLO interval after the previous one."""
+    burst: bool = False
+    """True when delivered by the finish burst."""
+
+
+class TokenDeposit:
+    """The token deposit of one request. Not thread-safe: one owner advances it."""
+
+    def __init__(self, slo_tbt_ms: float) -> None:
+        self._slo_ms = _check_slo(slo_tbt_ms)
+        self._pending: deque[tuple[int, float]] = deque()  # (index, generated_ms)
+        self._last_delivery_ms: float | None = None
+        self._now_ms = -math.inf
+        self._generated = 0
+        self._delivered = 0
+        self._violations = 0
+        self._finished = False
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def slo_tbt_ms(self) -> float:
+        """Current delivery interval (the request's TBT SLO)."""
+        return self._slo_ms
+
+    @property
+    def balance(self) -> int:
+        """Tokens generated but not yet delivered (``deposit_tokens`` for the planner); >= 0."""
+        return len(self._pending)
+
+    @property
+    def generated(self) -> int:
+        """Tokens generated so far."""
+        return self._generated
+
+    @property
+    def delivered(self) -> int:
+        """Tokens delivered so far."""
+        return self._delivered
+
+    @property
+    def violations(self) -> int:
+        """User-visible SLO violations so far (late deliveries with an empty deposit)."""
+        return self._violations
+
+    @property
+    def finished(self) -> bool:
+        """True once :meth:`finish` was called."""
+        return self._finished
+
+    @property
+    def last_delivery_ms(self) -> float | None:
+        """When the last token was delivered, or None before the first."""
+        return self._last_delivery_ms
+
+    def next_delivery_ms(self) -> float | None:
+        """When the next deposited token is due, or None while the deposit is empty."""
+        if not self._pending:
+            return None
+        _, gen_ms = self._pending[0]
+        if self._last_delivery_ms is None:
+            return gen_ms
+        return max(gen_ms, self._last_delivery_ms + self._slo_ms)
+
+    # ---- updates -------------------------------------------------------------------------
+    def set_slo(self, slo_tbt_ms: float) -> None:
+        """Change the delivery interval (a policy update); applies from the next delivery."""
+        self._slo_ms = _check_slo(slo_tbt_ms)
+
+    def advance(self, now_ms: float) -> list[Delivery]:
+        """Deliver every token due at or before ``now_ms``; returns them in order."""
+        self._tick(now_ms)
+        out: list[Delivery] = []
+        while self._pending:
+            due = self.next_delivery_ms()
+            assert due is not None  # non-empty deposit
+            if due > now_ms:
+                break
+            out.append(self._deliver(due, burst=False))
+        return out
+
+    def generate(self, now_ms: float, n: int = 1) -> list[Delivery]:
+        """Append ``n`` tokens generated at ``now_ms``; returns the deliveries due by then."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"n: expected an integer >= 0, got {n!r}")
+        if self._finished:
+            raise ValueError("generate: the request already finished")
+        out = self.advance(now_ms)
+        for _ in range(n):
+            self._pending.append((self._generated, float(now_ms)))
+            self._generated += 1
+        out.extend(self.advance(now_ms))
+        return out
+
+    def finish(self, now_ms: float) -> list[Delivery]:
+        """The request finished at ``now_ms``: deliver what is due, then burst the remainder."""
+        out = self.advance(now_ms)
+        while self._pending:
+            out.append(self._deliver(float(now_ms), burst=True))
+        self._finished = True
+        return out
+
+    # ---- internals -----------------------------------------------------------------------
+    def _tick(self, now_ms: float) -> None:
+        if (
+            isinstance(now_ms, bool)
+            or not isinstance(now_ms, int | float)
+            or not math.isfinite(now_ms)
+        ):
+            raise ValueError(f"now_ms: expected a finite number, got {now_ms!r}")
+        if now_ms < self._now_ms:
+            raise ValueError(f"now_ms: {now_ms} is before the last time seen ({self._now_ms})")
+        self._now_ms = float(now_ms)
+
+    def _deliver(self, at_ms: float, *, burst: bool) -> Delivery:
+        index, gen_ms = self._pending.popleft()
+        previous = self._last_delivery_ms
+        # A visible violation: the gap exceeds the SLO because the deposit ran dry (the token was
+        # generated after it was due). Burst deliveries and the first token never count.
+        violation = (
+            not burst and previous is not None and at_ms - previous > self._slo_ms * (1 + 1e-12)
+        )
+        if violation:
+            self._violations += 1
+        self._last_delivery_ms = at_ms
+        self._delivered += 1
+        return Delivery(index, gen_ms, at_ms, violation, burst)
+
+
+def _check_slo(slo_tbt_ms: float) -> float:
+    if (
+        isinstance(slo_tbt_ms, bool)
+        or not isinstance(slo_tbt_ms, int | float)
+        or not math.isfinite(slo_tbt_ms)
+        or slo_tbt_ms <= 0
+    ):
+        raise ValueError(f"slo_tbt_ms: {slo_tbt_ms!r} is out of range (allowed (0, inf))")
+    return float(slo_tbt_ms)

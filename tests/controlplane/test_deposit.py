@@ -1,0 +1,136 @@
+"""Token deposit (OrbitFlow §3.2): worked cases and hypothesis properties."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from controlplane.controller import TokenDeposit
+
+
+def test_early_tokens_wait_for_the_delivery_clock() -> None:
+    """Tokens generated early are delivered exactly one SLO interval apart (the reserve builds)."""
+    d = TokenDeposit(100.0)
+    first = d.generate(0.0)
+    assert [x.delivered_ms for x in first] == [0.0]  # TTFT is not paced
+    assert d.generate(30.0) == [] and d.generate(60.0) == []
+    assert d.balance == 2
+    assert d.next_delivery_ms() == 100.0
+    out = d.advance(250.0)
+    assert [(x.index, x.delivered_ms) for x in out] == [(1, 100.0), (2, 200.0)]
+    assert d.balance == 0 and d.violations == 0
+
+
+def test_empty_deposit_delivers_late_token_at_once_as_violation() -> None:
+    """With an empty deposit the next token goes out when generated; late means a visible violation."""
+    d = TokenDeposit(100.0)
+    d.generate(0.0)
+    out = d.generate(350.0)
+    assert [(x.delivered_ms, x.violation) for x in out] == [(350.0, True)]
+    assert d.violations == 1
+    out = d.generate(420.0)  # early again: waits until 450
+    assert out == [] and d.next_delivery_ms() == 450.0
+
+
+def test_deposit_hides_a_stall() -> None:
+    """Scenario: a reserve of 3 tokens absorbs a 250 ms stall without a visible violation."""
+    d = TokenDeposit(100.0)
+    for t in (0.0, 10.0, 20.0, 30.0):
+        d.generate(t)
+    assert d.balance == 3
+    out = d.generate(330.0)  # stall: next token only at 330 (deposit delivered at 100, 200, 300)
+    assert [x.delivered_ms for x in out] == [100.0, 200.0, 300.0]
+    assert d.balance == 1 and d.violations == 0
+    assert [x.delivered_ms for x in d.advance(400.0)] == [400.0]
+
+
+def test_deposit_drains_while_paused() -> None:
+    """While nothing is generated (a pause) the deposit keeps draining at the SLO rate."""
+    d = TokenDeposit(50.0)
+    d.generate(0.0, n=6)  # first delivered at once, 5 held
+    out = d.advance(1000.0)
+    assert [x.delivered_ms for x in out] == [50.0, 100.0, 150.0, 200.0, 250.0]
+    assert d.balance == 0
+
+
+def test_finish_bursts_the_remainder() -> None:
+    """On finish every remaining token is delivered at the finish time, flagged as a burst."""
+    d = TokenDeposit(100.0)
+    d.generate(0.0, n=4)
+    out = d.finish(120.0)
+    assert [(x.delivered_ms, x.burst) for x in out] == [(100.0, False), (120.0, True), (120.0, True)]
+    assert d.balance == 0 and d.finished
+    with pytest.raises(ValueError, match="finished"):
+        d.generate(130.0)
+
+
+def test_bad_inputs_name_the_field() -> None:
+    """Bad SLO, count or time raise ValueError naming the field."""
+    with pytest.raises(ValueError, match="slo_tbt_ms"):
+        TokenDeposit(0.0)
+    d = TokenDeposit(10.0)
+    d.generate(5.0)
+    with pytest.raises(ValueError, match="now_ms"):
+        d.advance(4.0)
+    with pytest.raises(ValueError, match="n:"):
+        d.generate(6.0, n=-1)
+    with pytest.raises(ValueError, match="now_ms"):
+        d.advance(float("nan"))
+
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["gen", "adv", "slo"]),
+        st.floats(min_value=0.0, max_value=300.0, allow_nan=False),
+        st.integers(min_value=0, max_value=3),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(slo=st.floats(min_value=1.0, max_value=200.0), seq=ops, finish=st.booleans())
+def test_deposit_invariants(slo: float, seq: list[tuple[str, float, int]], finish: bool) -> None:
+    """Balance never negative; deliveries in order, never early, d_i = max(g_i, d_{i-1} + slo)."""
+    d = TokenDeposit(slo)
+    now = 0.0
+    deliveries = []
+    current_slo = slo
+    for op, dt, n in seq:
+        now += dt
+        if op == "gen":
+            out = d.generate(now, n)
+        elif op == "adv":
+            out = d.advance(now)
+        else:
+            current_slo = 1.0 + dt
+            d.set_slo(current_slo)
+            out = d.advance(now)
+        for x in out:
+            assert x.delivered_ms <= now
+        deliveries += [(x, current_slo) for x in out]
+        assert d.balance >= 0
+        assert d.balance == d.generated - d.delivered
+        nxt = d.next_delivery_ms()
+        assert (nxt is None) == (d.balance == 0)
+        if nxt is not None:
+            assert nxt > now  # everything due has been delivered
+    if finish:
+        deliveries += [(x, current_slo) for x in d.finish(now)]
+        assert d.balance == 0
+    prev = None
+    for i, (x, s) in enumerate(deliveries):
+        assert x.index == i
+        assert x.delivered_ms >= x.generated_ms
+        if prev is None:
+            assert x.delivered_ms == x.generated_ms  # first token is not paced
+        elif x.burst:
+            assert x.delivered_ms >= prev.delivered_ms
+        else:
+            # Exactly one per SLO interval while the deposit holds tokens; else at generation.
+            expect = max(x.generated_ms, prev.delivered_ms + s)
+            assert x.delivered_ms == pytest.approx(expect)
+            assert x.violation == (x.delivered_ms - prev.delivered_ms > s * (1 + 1e-12))
+        prev = x
+    assert d.violations == sum(1 for x, _ in deliveries if x.violation)
