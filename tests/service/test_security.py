@@ -1,0 +1,102 @@
+"""Security: mutual TLS for sessions, the caller's identity in the audit log, rate limits."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from structlog.testing import capture_logs
+
+from controlplane import api
+from controlplane.service.client import ClientTLS
+from controlplane.service.server import ServerConfig, TLSConfig
+from kvplane.v1 import controlplane_pb2 as pb
+from kvplane.v1 import controlplane_pb2_grpc as pb_grpc
+
+from .certs import ThrowawayCA
+from .conftest import TOKEN, step_report, wait_until, worker_info
+
+
+@pytest.fixture(scope="module")
+def pki():  # type: ignore[no-untyped-def]
+    ca = ThrowawayCA()
+    return {
+        "ca": ca,
+        "server": ca.issue("kvplane-controlplane", server=True),
+        "worker": ca.issue("worker-7", server=False),
+        "rogue_ca": ThrowawayCA("rogue-ca"),
+    }
+
+
+@pytest.fixture
+def mtls_server(serve, pki):  # type: ignore[no-untyped-def]
+    tls = TLSConfig(
+        cert_chain=pki["server"].cert_pem,
+        private_key=pki["server"].key_pem,
+        client_ca=pki["ca"].cert_pem,
+    )
+    return serve(ServerConfig(max_sessions=4, max_watchers=1, tls=tls, policy_token=TOKEN))
+
+
+def test_mtls_worker_with_cert_streams_and_is_audited_by_cn(mtls_server, connect, pki) -> None:  # type: ignore[no-untyped-def]
+    """A worker presenting a CA-signed cert gets a session; its policy writes are audited as cn=worker-7."""
+    tls = ClientTLS(
+        root_certificates=pki["ca"].cert_pem,
+        private_key=pki["worker"].key_pem,
+        cert_chain=pki["worker"].cert_pem,
+    )
+    client = connect(f"localhost:{mtls_server.port}", tls=tls, token=TOKEN)
+    session = client.open_session(worker_info("tls-worker"))
+    assert session.wait_connected(10)
+    session.report(step_report(0, {"r": 300}))
+    assert wait_until(lambda: session.stats.decisions_received >= 1, 10)
+    with capture_logs() as logs:
+        client.update_policy({"alpha": 0.7})
+    audit = [e for e in logs if e["event"] == "policy_audit"]
+    assert audit and audit[0]["actor"] == "cn=worker-7"
+
+
+def test_mtls_client_without_cert_is_rejected(mtls_server, pki) -> None:  # type: ignore[no-untyped-def]
+    """A TLS client without a certificate cannot complete the handshake (no RPC succeeds)."""
+    creds = grpc.ssl_channel_credentials(root_certificates=pki["ca"].cert_pem)
+    with grpc.secure_channel(f"localhost:{mtls_server.port}", creds) as ch:
+        with pytest.raises(grpc.RpcError) as info:
+            pb_grpc.PolicyServiceStub(ch).GetPolicy(pb.GetPolicyRequest(), timeout=5)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_mtls_client_with_foreign_cert_is_rejected(mtls_server, pki) -> None:  # type: ignore[no-untyped-def]
+    """A client cert signed by another CA is rejected."""
+    rogue = pki["rogue_ca"].issue("intruder", server=False)
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=pki["ca"].cert_pem, private_key=rogue.key_pem, certificate_chain=rogue.cert_pem
+    )
+    with grpc.secure_channel(f"localhost:{mtls_server.port}", creds) as ch:
+        with pytest.raises(grpc.RpcError) as info:
+            pb_grpc.PolicyServiceStub(ch).GetPolicy(pb.GetPolicyRequest(), timeout=5)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_plaintext_client_cannot_talk_to_tls_server(mtls_server) -> None:  # type: ignore[no-untyped-def]
+    """A plaintext client gets no answer from a TLS server."""
+    with grpc.insecure_channel(f"127.0.0.1:{mtls_server.port}") as ch:
+        with pytest.raises(grpc.RpcError) as info:
+            pb_grpc.PolicyServiceStub(ch).GetPolicy(pb.GetPolicyRequest(), timeout=3)
+    assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def test_rate_limit_exceeded_names_the_limit(serve, connect) -> None:  # type: ignore[no-untyped-def]
+    """Beyond rate_limit_rps a client's calls get RESOURCE_EXHAUSTED naming rate_limit_rps; health stays exempt."""
+    s = serve(ServerConfig(max_sessions=2, max_watchers=1, rate_limit_rps=5))
+    client = connect(s.target)
+    outcomes = []
+    for _ in range(30):
+        try:
+            client.get_policy()
+            outcomes.append("ok")
+        except api.ResourceExhausted as exc:
+            assert "rate_limit_rps" in str(exc)
+            outcomes.append("limited")
+    assert 1 <= outcomes.count("ok") <= 10
+    assert outcomes.count("limited") >= 20
+    assert client.health() == "SERVING"
+    assert s.metric("kvplane_rejected_total", {"limit": "rate_limit_rps"}) >= 20
