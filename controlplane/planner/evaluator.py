@@ -1,0 +1,203 @@
+"""Exact step time and cheap lower bounds for candidate assignments.
+
+:class:`Evaluator` binds one planning problem (blocks per request, per-layer compute, bandwidth,
+candidate set) and answers, for an *assignment* (one candidate index per request):
+
+* :meth:`Evaluator.exact_ms`: the exact issue 2 §2 timeline — the same event-driven algorithm as
+  :func:`controlplane.model.step_time_ms` (tests check they agree), specialised to candidate
+  layouts and with an optional ``cutoff`` that stops as soon as the step provably reaches it;
+* :meth:`Evaluator.lower_bound_ms`: ``max(chain, aggregate)`` where
+
+  - *chain* bound of request r: its own fetch chain with the whole link to itself. Fetch j starts
+    when the layer that used the slot before has ended, so its stall is
+    ``max(0, tau_r - window_j)`` independently of the other stalls (``tau_r = b_r / bw``,
+    ``window_j`` the compute between the previous offloaded layer's end and this layer's start);
+    sharing the link can only delay things, so ``T >= C + sum_j max(0, tau_r - window_j)``.
+  - *aggregate* bound: every fetch for layers ``<= l`` lands before layer ``l`` starts and the link
+    moves at most ``bw`` blocks/ms, so ``T >= W_l / bw + sum_{j >= l} comp_j``.
+
+Both bounds are valid for the exact model, so pruning with them never loses the optimum.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from bisect import bisect_left
+from collections.abc import Sequence
+from itertools import accumulate
+
+from controlplane.planner.candidates import CandidateSet
+
+
+class Evaluator:
+    """Exact evaluation and lower bounds for one problem (blocks at the window's end)."""
+
+    def __init__(
+        self,
+        cands: CandidateSet,
+        blocks: Sequence[int],
+        comp_ms: Sequence[float],
+        bw_blocks_per_ms: float,
+    ) -> None:
+        self.cands = cands
+        self.blocks = list(blocks)
+        self.comp = list(comp_ms)
+        self.bw = float(bw_blocks_per_ms)
+        self.n_layers = len(self.comp)
+        prefix = [0.0, *accumulate(self.comp)]
+        self.compute_ms = prefix[-1]
+        # suffix[l]: compute of layers l..L-1 (what must still run once layer l may start).
+        self.suffix = [self.compute_ms - p for p in prefix]
+        self.mem = [[b * u for u in cands.mem_units] for b in self.blocks]
+        self.volume = [[b * m for m in cands.counts] for b in self.blocks]
+        self.chain = [self._chain_row(b / self.bw, prefix) for b in self.blocks]
+        self.cum = cands.cumulative_counts(range(self.n_layers))
+        # A subset of layers for the cheap incremental aggregate bound (valid on any subset):
+        # the aggregate term only peaks where some fetch lands, i.e. at offloaded layers.
+        marks = sorted({layer for off in cands.offloaded[:-1] for layer in off} | {0})
+        if len(marks) > 24:
+            step = len(marks) / 24
+            marks = sorted({marks[int(i * step)] for i in range(24)} | {marks[-1], 0})
+        self.bound_layers = marks
+        self.bound_suffix = [self.suffix[layer] for layer in marks]
+        self.bound_cum = [[counts[layer] for layer in marks] for counts in self.cum]
+        self.evaluations = 0
+
+    def _chain_row(self, tau: float, prefix: list[float]) -> list[float]:
+        row = []
+        for windows, sums in self._windows(prefix):
+            n = bisect_left(windows, tau)
+            row.append(self.compute_ms + n * tau - sums[n])
+        return row
+
+    def _windows(self, prefix: list[float]) -> list[tuple[list[float], list[float]]]:
+        cached = getattr(self, "_win_cache", None)
+        if cached is None:
+            cached = []
+            for off in self.cands.offloaded:
+                wins = []
+                prev_end = 0  # index of the first layer after the previous offloaded layer
+                for layer in off:
+                    wins.append(prefix[layer] - prefix[prev_end])
+                    prev_end = layer + 1
+                wins.sort()
+                cached.append((wins, [0.0, *accumulate(wins)]))
+            self._win_cache = cached
+        return cached
+
+    # --- memory -------------------------------------------------------------------------
+    def memory(self, assign: Sequence[int]) -> int:
+        """Resident + staging blocks of an assignment."""
+        mem = self.mem
+        return sum(mem[r][c] for r, c in enumerate(assign))
+
+    def split_memory(self, assign: Sequence[int]) -> tuple[int, int]:
+        """(resident, staging) blocks of an assignment."""
+        staging = sum(b for b, c in zip(self.blocks, assign, strict=True) if self.cands.counts[c])
+        return self.memory(assign) - staging, staging
+
+    # --- bounds -------------------------------------------------------------------------
+    def aggregate_bound(self, assign: Sequence[int]) -> float:
+        """``max_l W_l / bw + suffix[l]`` (and the all-on-GPU compute)."""
+        best = self.compute_ms
+        cum, blocks, suffix, bw = self.cum, self.blocks, self.suffix, self.bw
+        active = [(blocks[r], cum[c]) for r, c in enumerate(assign) if c]
+        if not active:
+            return best
+        for layer in range(self.n_layers):
+            w = 0
+            for b, counts in active:
+                w += b * counts[layer]
+            v = w / bw + suffix[layer]
+            if v > best:
+                best = v
+        return best
+
+    def work(self, assign: Sequence[int]) -> list[float]:
+        """Per bound layer, ``W_l / bw`` (fetch time of every transfer for layers <= l)."""
+        out = [0.0] * len(self.bound_layers)
+        inv = 1.0 / self.bw
+        for r, c in enumerate(assign):
+            if c:
+                b = self.blocks[r] * inv
+                for i, k in enumerate(self.bound_cum[c]):
+                    out[i] += b * k
+        return out
+
+    def move_bound(
+        self, work: Sequence[float], chain_other: float, r: int, old: int, new: int
+    ) -> float:
+        """Lower bound after moving request r from candidate ``old`` to ``new``.
+
+        ``work`` is :meth:`work` of the current assignment, ``chain_other`` the largest chain
+        bound among the other requests.
+        """
+        lb = max(chain_other, self.chain[r][new], self.compute_ms)
+        b = self.blocks[r] / self.bw
+        new_c, old_c, suf = self.bound_cum[new], self.bound_cum[old], self.bound_suffix
+        for i, w in enumerate(work):
+            v = w + b * (new_c[i] - old_c[i]) + suf[i]
+            if v > lb:
+                lb = v
+        return lb
+
+    def lower_bound_ms(self, assign: Sequence[int]) -> float:
+        """A valid lower bound on :meth:`exact_ms` (chain and aggregate bounds)."""
+        chain = self.chain
+        lb = max(chain[r][c] for r, c in enumerate(assign)) if assign else self.compute_ms
+        return max(lb, self.aggregate_bound(assign))
+
+    # --- exact --------------------------------------------------------------------------
+    def exact_ms(self, assign: Sequence[int], cutoff: float = math.inf) -> float:
+        """Exact step time (issue 2 §2); ``math.inf`` once it provably reaches ``cutoff``."""
+        self.evaluations += 1
+        offl = self.cands.offloaded
+        lists = [offl[c] for c in assign]
+        if not any(lists):
+            return self.compute_ms
+        blocks, comp, suffix, bw = self.blocks, self.comp, self.suffix, self.bw
+        n_layers = self.n_layers
+        waiting = [0] * n_layers
+        slot_users: list[list[int]] = [[] for _ in range(n_layers)]
+        heap: list[tuple[float, int, int]] = []
+        next_idx = [0] * len(lists)
+        for r, layers in enumerate(lists):
+            if layers:
+                for layer in layers:
+                    waiting[layer] += 1
+                    slot_users[layer].append(r)
+                heap.append((float(blocks[r]), r, layers[0]))
+        heapq.heapify(heap)
+        push, pop = heapq.heappush, heapq.heappop
+        v = 0.0
+        t = 0.0
+        for layer in range(n_layers):
+            while waiting[layer] > 0:
+                finish_v, _, done_layer = pop(heap)
+                t += (finish_v - v) * (len(heap) + 1) / bw
+                v = finish_v
+                waiting[done_layer] -= 1
+            if t + suffix[layer] >= cutoff:
+                return math.inf
+            end = t + comp[layer]
+            while heap:
+                n = len(heap)
+                finish_v, _, done_layer = heap[0]
+                t_done = t + (finish_v - v) * n / bw
+                if t_done > end:
+                    v += (end - t) * bw / n
+                    break
+                pop(heap)
+                t, v = t_done, finish_v
+                waiting[done_layer] -= 1
+            t = end
+            users = slot_users[layer]
+            if users:
+                for r in users:
+                    i = next_idx[r] + 1
+                    next_idx[r] = i
+                    layers = lists[r]
+                    if i < len(layers):
+                        push(heap, (v + blocks[r], r, layers[i]))
+        return t
