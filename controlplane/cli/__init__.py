@@ -1,0 +1,1 @@
+"""`kvplane` subcommands of the control plane (`plan`, `serve`); see kvplane/cli.py."""
