@@ -54,6 +54,7 @@ class EmbeddedControlPlane:
         planner_factory: Callable[[], PlannerLike] | None = None,
         observer: ControllerObserver | None = None,
         synchronous: bool = False,
+        time_budget_ms: float | None = None,
     ) -> None:
         self._store = store or PolicyStore()
         self._planner_factory = planner_factory or _default_planner
@@ -62,6 +63,7 @@ class EmbeddedControlPlane:
             FanOutObserver([self._counters, observer]) if observer is not None else self._counters
         )
         self._synchronous = synchronous
+        self._time_budget_ms = time_budget_ms
         self._lock = threading.Lock()
         self._sessions: dict[str, SessionController] = {}
         self._what_if: PlannerLike | None = None
@@ -98,6 +100,8 @@ class EmbeddedControlPlane:
             planner=self._planner_factory(),
             synchronous=self._synchronous,
             observer=self._observer,
+            on_close=self._forget,
+            time_budget_ms=self._time_budget_ms,
         )
         with self._lock:
             old = self._sessions.pop(worker.worker_id, None)
@@ -107,6 +111,12 @@ class EmbeddedControlPlane:
             log.info("session_replaced", worker=worker.worker_id)
         log.info("session_opened", worker=worker.worker_id, scheduler=worker.scheduler)
         return session
+
+    def _forget(self, session: SessionController) -> None:
+        """A session closed itself: drop it unless a newer one replaced it."""
+        with self._lock:
+            if self._sessions.get(session.worker_id) is session:
+                del self._sessions[session.worker_id]
 
     def close_session(self, worker_id: str) -> None:
         """Close and forget a worker's session (no-op when unknown)."""

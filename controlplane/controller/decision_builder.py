@@ -83,8 +83,10 @@ class PlanningInput:
 class DecisionBuilder:
     """Stateless apart from its planner; one per session."""
 
-    def __init__(self, planner: PlannerLike) -> None:
+    def __init__(self, planner: PlannerLike, *, time_budget_ms: float | None = None) -> None:
         self._planner = planner
+        self._budget_ms = time_budget_ms
+        """Fixed solver budget per planner call; None = policy.solve_budget_fraction of the step."""
 
     def build(self, inp: PlanningInput) -> Decision:
         policy = inp.policy
@@ -201,7 +203,11 @@ class DecisionBuilder:
         )
         return self._planner.plan(
             batch,
-            time_budget_ms=policy.solve_budget_fraction * inp.predicted_step_ms,
+            time_budget_ms=(
+                self._budget_ms
+                if self._budget_ms is not None
+                else policy.solve_budget_fraction * inp.predicted_step_ms
+            ),
             victim_rule=policy.victim_rule,
             current_step=inp.step + 1,
             seed=inp.step,

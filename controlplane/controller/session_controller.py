@@ -18,8 +18,9 @@ Asynchronous mode (default): planning runs on the session's own thread, one step
 (OrbitFlow §3.3.2); ``report()`` never waits for it and returns the decision with a later report
 (or :meth:`poll`). Triggers that fire while a plan is being computed are coalesced into one more
 plan computed from the state at the moment the running one finishes. Synchronous mode
-(``synchronous=True``, for the simulator) plans inline and returns the decision at once; the result
-is a deterministic function of the reports.
+(``synchronous=True``, for the simulator) plans inline and returns the decision at once; with its
+default solver budget (:data:`SYNC_TIME_BUDGET_MS`, overridable with ``time_budget_ms``) the
+planner's search completes, so decisions are a deterministic function of the reports.
 
 Pause state is decided here (see :mod:`.request_tracker`); a decision's pauses and resumes take
 effect in the controller's state when the decision is made, so the next plan already accounts
@@ -54,6 +55,11 @@ from controlplane.model import memory_blocks
 from controlplane.policy import Policy
 
 log = structlog.get_logger(__name__)
+
+SYNC_TIME_BUDGET_MS = 10_000.0
+"""Default solver budget per planner call in synchronous mode: generous, so that the planner's
+search completes (its branch and bound ends when optimal) and decisions do not depend on the
+wall clock. Pass ``time_budget_ms`` to trade determinism for speed on large batches."""
 
 ADMIT_GRACE_STEPS = 16
 """Steps an admitted request may stay in the worker's queue before it is considered again."""
@@ -95,6 +101,8 @@ class SessionController:
         planner: PlannerLike | None = None,
         synchronous: bool = False,
         observer: ControllerObserver | None = None,
+        on_close: Callable[[SessionController], None] | None = None,
+        time_budget_ms: float | None = None,
     ) -> None:
         if len(worker.profile.layer_compute_ms) != worker.model.layers:
             raise InvalidArgument(
@@ -109,7 +117,11 @@ class SessionController:
             planner = Planner()
         self._worker = worker
         self._policy_source = policy_source or Policy
-        self._builder = DecisionBuilder(planner)
+        if time_budget_ms is None and synchronous:
+            time_budget_ms = SYNC_TIME_BUDGET_MS
+        if time_budget_ms is not None and not time_budget_ms > 0:
+            raise ValueError(f"time_budget_ms: {time_budget_ms} is out of range (allowed > 0)")
+        self._builder = DecisionBuilder(planner, time_budget_ms=time_budget_ms)
         self._sync = synchronous
         self._observer: ControllerObserver = observer or NullObserver()
         self._profile = ProfileTracker(
@@ -126,6 +138,7 @@ class SessionController:
             )
         )
         self._closed = False
+        self._on_close = on_close
         self._last: StepReport | None = None
         self._queued: tuple = ()
         self._admitted: dict[str, int] = {}
@@ -182,8 +195,8 @@ class SessionController:
                 reasons.append("starvation")
             self._update_queue(report)
             has_work = bool(self._tracker.running() or self._tracker.paused() or self._queued)
-            if self._current is None and not reasons and has_work and not self._inflight:
-                reasons.append("initial")
+            if self._current is None and has_work and not self._inflight and not self._pending:
+                reasons = ["initial"]  # nothing planned yet: whatever fired, this is the first plan
             if not reasons and self._wants_schedule(policy):
                 reasons.append("schedule")
             self._last_triggers = tuple(reasons)
@@ -215,11 +228,19 @@ class SessionController:
     def close(self) -> None:
         """End the session; a plan being computed is abandoned."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
             self._pending.clear()
             self._settled.notify_all()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._on_close is not None:
+            self._on_close(self)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     # ---- introspection ---------------------------------------------------------------------
     def deposit(self, request_id: str) -> TokenDeposit | None:

@@ -59,7 +59,11 @@ def test_finish_bursts_the_remainder() -> None:
     d = TokenDeposit(100.0)
     d.generate(0.0, n=4)
     out = d.finish(120.0)
-    assert [(x.delivered_ms, x.burst) for x in out] == [(100.0, False), (120.0, True), (120.0, True)]
+    assert [(x.delivered_ms, x.burst) for x in out] == [
+        (100.0, False),
+        (120.0, True),
+        (120.0, True),
+    ]
     assert d.balance == 0 and d.finished
     with pytest.raises(ValueError, match="finished"):
         d.generate(130.0)

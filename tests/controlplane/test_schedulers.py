@@ -98,7 +98,14 @@ def test_fcfs_admits_in_arrival_order_while_memory_allows() -> None:
 def test_layerkv_equations_by_hand() -> None:
     """Eq. 1, Eq. 3 and Eq. 4 match hand-computed values."""
     policy = Policy.from_dict(
-        {"layerkv": {"tpot_margin": 0.5, "model_params": 1e9, "hidden_size": 1000, "device_tflops": 1.0}}
+        {
+            "layerkv": {
+                "tpot_margin": 0.5,
+                "model_params": 1e9,
+                "hidden_size": 1000,
+                "device_tflops": 1.0,
+            }
+        }
     )
     p = policy.layerkv
     r = req("d", gen=10, slo=100.0, first_seen=0.0)
@@ -109,7 +116,9 @@ def test_layerkv_equations_by_hand() -> None:
     assert prefill_ms(100, p) == pytest.approx(1e3 * 100 * (2e9 + 2e5) / 1e12)
     # Eq. 4: per layer 100 tokens * 1024 B / (1e6 B/ms) = 0.1024 ms -> 200 ms hides all 4 layers
     assert min_gpu_layers(100, v, p) == 0
-    slow = Policy.from_dict({"layerkv": {"device_tflops": 1e5, "model_params": 1e6, "offload_correction": 1.0}})
+    slow = Policy.from_dict(
+        {"layerkv": {"device_tflops": 1e5, "model_params": 1e6, "offload_correction": 1.0}}
+    )
     # T_prefill = 1e3 * 100 * (2e6 + 2*100*4096) / 1e17 = 2.82e-6 ms << 0.1024 ms per layer -> keep 4
     assert min_gpu_layers(100, v, slow.layerkv) == MODEL.layers
     mid = Policy.from_dict(
@@ -123,7 +132,9 @@ def test_layerkv_equations_by_hand() -> None:
 
 def test_layerkv_admits_fewer_prefills_when_decodes_near_slo() -> None:
     """The closer the decoding requests are to their TPOT SLO, the fewer prefills are admitted."""
-    policy = Policy.from_dict({"layerkv": {"model_params": 1e9, "hidden_size": 1000, "device_tflops": 1.0}})
+    policy = Policy.from_dict(
+        {"layerkv": {"model_params": 1e9, "hidden_size": 1000, "device_tflops": 1.0}}
+    )
     queued = tuple(q(f"q{i}", 100, arrival=float(i)) for i in range(6))  # 200.02 ms each
     # Relaxed: 100 tokens in 2000 ms against a 90 ms TPOT target -> T_allow = 90*101 - 2050 = 7040
     relaxed = req("d", gen=100, slo=100.0, first_seen=0.0)
@@ -132,9 +143,13 @@ def test_layerkv_admits_fewer_prefills_when_decodes_near_slo() -> None:
     )
     # Tight: same tokens in 8500 ms -> T_allow = 9090 - 8550 = 540 -> two prefills (400 < 540)
     tight = req("d", gen=100, slo=100.0, first_seen=0.0)
-    d2 = make_scheduler("layerkv").schedule(view(now=8500.0, running=(tight,), queued=queued, policy=policy))
+    d2 = make_scheduler("layerkv").schedule(
+        view(now=8500.0, running=(tight,), queued=queued, policy=policy)
+    )
     # Over budget already: nothing admitted.
-    d3 = make_scheduler("layerkv").schedule(view(now=9100.0, running=(tight,), queued=queued, policy=policy))
+    d3 = make_scheduler("layerkv").schedule(
+        view(now=9100.0, running=(tight,), queued=queued, policy=policy)
+    )
     assert d1.admit == tuple(f"q{i}" for i in range(6))
     assert d2.admit == ("q0", "q1")
     assert d3.admit == ()
@@ -154,11 +169,16 @@ def test_layerkv_respects_memory_and_token_cap() -> None:
 
 def test_vlt_matches_superinfer_equation() -> None:
     """VLT: alpha*ReLU(now-t_last-beta_B*TBT) rotary; ReLU(now-t_arr-beta_F*TTFT) waiting; -(now-t_run) running."""
-    policy = Policy.from_dict({"slo_ttft_ms": 400.0, "lvf": {"alpha": 3.0, "beta_b": 0.5, "beta_f": 0.5}})
+    policy = Policy.from_dict(
+        {"slo_ttft_ms": 400.0, "lvf": {"alpha": 3.0, "beta_b": 0.5, "beta_f": 0.5}}
+    )
     v = view(
         now=1000.0,
         running=(req("run", run_since=700.0),),
-        paused=(req("rot", last_token=600.0, slo=100.0, paused=True), req("fresh", last_token=990.0, paused=True)),
+        paused=(
+            req("rot", last_token=600.0, slo=100.0, paused=True),
+            req("fresh", last_token=990.0, paused=True),
+        ),
         queued=(q("wait", 16, arrival=500.0), q("new", 16, arrival=900.0)),
         policy=policy,
     )
@@ -172,11 +192,17 @@ def test_vlt_matches_superinfer_equation() -> None:
 
 
 def _contended(budget: int, free: int) -> SchedulerView:
-    policy = Policy.from_dict({"lvf": {"alpha": 1.0, "beta_b": 0.0, "beta_f": 0.0, "transfer_budget_blocks": budget}})
+    policy = Policy.from_dict(
+        {"lvf": {"alpha": 1.0, "beta_b": 0.0, "beta_f": 0.0, "transfer_budget_blocks": budget}}
+    )
     # Each request: 160 tokens -> 10 blocks/layer -> 40 blocks.
     return view(
         now=1000.0,
-        running=(req("r_old", run_since=0.0), req("r_mid", run_since=500.0), req("r_new", run_since=900.0)),
+        running=(
+            req("r_old", run_since=0.0),
+            req("r_mid", run_since=500.0),
+            req("r_new", run_since=900.0),
+        ),
         paused=(
             req("p_big_lag", last_token=100.0, paused=True),
             req("p_small_lag", last_token=800.0, paused=True),
