@@ -28,6 +28,18 @@ def test_ports_and_args_default(render):
         "9090",
         "--policy",
         "/etc/kvplane/policy/policy.yaml",
+        "--log-level",
+        "info",
+        "--grace-s",
+        "5",
+        "--max-sessions",
+        "256",
+        "--max-watchers",
+        "32",
+        "--max-message-bytes",
+        "4194304",
+        "--rate-limit-rps",
+        "0",
     ]
     assert "command" not in c, "the image ENTRYPOINT (kvplane serve) must not be overridden"
 
@@ -244,6 +256,34 @@ def test_scheduling_values_pass_through(render):
     assert pod["affinity"] == values["affinity"]
     assert pod["priorityClassName"] == "system-cluster-critical"
     assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+
+
+def test_server_limits_become_flags(render):
+    """server.* values become the matching `kvplane serve` flags, numbers written plainly."""
+    values = {
+        "server": {
+            "logLevel": "debug",
+            "graceSeconds": 2.5,
+            "maxSessions": 1000,
+            "maxWatchers": 4,
+            "maxMessageBytes": 16777216,
+            "rateLimitRps": 0.5,
+        }
+    }
+    args = container(render(values).one("Deployment"))["args"]
+    flags = {args[i]: args[i + 1] for i in range(len(args) - 1) if args[i].startswith("--")}
+    assert flags["--log-level"] == "debug"
+    assert flags["--grace-s"] == "2.5"
+    assert flags["--max-sessions"] == "1000"
+    assert flags["--max-watchers"] == "4"
+    assert flags["--max-message-bytes"] == "16777216"
+    assert flags["--rate-limit-rps"] == "0.5"
+
+
+def test_grace_must_fit_termination_period(render_error):
+    """A drain longer than the pod's termination grace period is rejected naming both values."""
+    err = render_error({"server": {"graceSeconds": 40}, "terminationGracePeriodSeconds": 30})
+    assert "server.graceSeconds: 40 is not below terminationGracePeriodSeconds = 30" in err
 
 
 def test_graceful_termination_period(render):

@@ -91,7 +91,14 @@ limits the policy to two levels of scalars.
 {{- define "kvplane.policyScalar" -}}
 {{- if kindIs "string" . }}
 {{- toJson . }}
-{{- else if and (kindIs "float64" .) (eq . (floor .)) }}
+{{- else }}
+{{- include "kvplane.number" . }}
+{{- end }}
+{{- end }}
+
+{{/* A number as Python's int()/float() and YAML 1.1 read it (no 1e+06, no 4.194304e+06). */}}
+{{- define "kvplane.number" -}}
+{{- if and (kindIs "float64" .) (eq . (floor .)) }}
 {{- /* values files give every number as float64; integral ones are written as integers */}}
 {{- int64 . | toString }}
 {{- else if kindIs "float64" . }}
@@ -133,6 +140,9 @@ and the allowed range.
 {{- if eq (kindIs "invalid" $min) (kindIs "invalid" $max) }}
 {{- fail "podDisruptionBudget: set exactly one of minAvailable and maxUnavailable (the other null)" }}
 {{- end }}
+{{- end }}
+{{- if ge (float64 .Values.server.graceSeconds) (float64 .Values.terminationGracePeriodSeconds) }}
+{{- fail (printf "server.graceSeconds: %v is not below terminationGracePeriodSeconds = %v (the pod would be killed mid-drain)" .Values.server.graceSeconds .Values.terminationGracePeriodSeconds) }}
 {{- end }}
 {{- if eq (int64 .Values.service.grpcPort) (int64 .Values.service.metricsPort) }}
 {{- fail (printf "service.metricsPort: %d equals service.grpcPort (allowed: two different ports)" (int64 .Values.service.metricsPort)) }}

@@ -1,0 +1,135 @@
+"""The chart's Deployment args and ConfigMap run the real `kvplane serve`: the rendered flags are
+accepted, the policy file is the active policy, the token guards writes, metrics are served, and
+SIGTERM stops it cleanly. Scenario: what the pod would run, on loopback, with the mounted files
+re-rooted into a temp directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+
+from tests.helm.conftest import CHART, NAMESPACE, RELEASE, REPO, Rendered, container, run_helm
+
+TOKEN = "s3cret-policy-token"
+VALUES: dict[str, Any] = {
+    "policy": {"slo_tbt_ms": 150, "scheduler": "lvf", "alpha": 1e-5, "lvf": {"beta_b": -0.5}},
+    "policyToken": {"existingSecret": "kv-token", "key": "token"},
+    "server": {"maxSessions": 8, "graceSeconds": 2, "logLevel": "info"},
+}
+
+
+def _wait_for(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def _pod_command(rendered, root: Path) -> list[str]:
+    """`kvplane serve` + the Deployment's args, with mount paths under ``root`` and loopback ports."""
+    c = container(rendered.one("Deployment"))
+    policy_dir = root / "etc/kvplane/policy"
+    token_dir = root / "etc/kvplane/token"
+    policy_dir.mkdir(parents=True)
+    token_dir.mkdir(parents=True)
+    (policy_dir / "policy.yaml").write_text(rendered.one("ConfigMap")["data"]["policy.yaml"])
+    (token_dir / "token").write_text(TOKEN + "\n")
+    args = [a.replace("/etc/kvplane", str(root / "etc/kvplane")) for a in c["args"]]
+    args[args.index("--listen") + 1] = "127.0.0.1:0"
+    args[args.index("--metrics-port") + 1] = "0"
+    return [sys.executable, "-m", "kvplane.cli", "serve", *args]
+
+
+@pytest.fixture(scope="module")
+def served(helm, tmp_path_factory) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, Any]]]:
+    """One server started as the pod would start it (shared by this module's tests; the SIGTERM
+    test runs last); yields (process, its `serving` log event)."""
+    tmp_path = tmp_path_factory.mktemp("pod")
+    proc_helm = run_helm(
+        helm, ["template", RELEASE, str(CHART), "--namespace", NAMESPACE], VALUES, tmp_path
+    )
+    assert proc_helm.returncode == 0, proc_helm.stderr
+    rendered = Rendered(docs=[d for d in yaml.safe_load_all(proc_helm.stdout) if d])
+    cmd = _pod_command(rendered, tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    log_path = tmp_path / "serve.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def serving_event() -> dict[str, Any] | None:
+        if proc.poll() is not None:
+            raise AssertionError(f"kvplane serve exited {proc.returncode}:\n{log_path.read_text()}")
+        for line in log_path.read_text().splitlines():
+            if line.startswith("{") and json.loads(line).get("event") == "serving":
+                return json.loads(line)
+        return None
+
+    try:
+        event = _wait_for(serving_event, 60, "the serving event")
+        yield proc, event
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_pod_args_start_a_healthy_server(served):
+    """The rendered flags and files start a SERVING server with the chart's limits and token."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    proc, event = served
+    assert event["policy_token"] is True and event["tls"] is False
+    assert event["max_sessions"] == 8
+    with grpc.insecure_channel(f"127.0.0.1:{event['port']}") as channel:
+        got = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert got.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_configmap_policy_is_active_and_token_guards_writes(served):
+    """GetPolicy returns the ConfigMap's policy; an update needs the Secret's token."""
+    from controlplane.api import Unauthenticated
+    from controlplane.service.client import GrpcControlPlane
+
+    _, event = served
+    with GrpcControlPlane(f"grpc://127.0.0.1:{event['port']}") as client:
+        policy = client.get_policy()
+        assert (policy.slo_tbt_ms, policy.scheduler) == (150, "lvf")
+        assert policy.alpha == pytest.approx(1e-5)
+        assert policy.lvf.beta_b == -0.5
+        with pytest.raises(Unauthenticated):
+            client.update_policy({"slo_tbt_ms": 100})
+        assert client.update_policy({"slo_tbt_ms": 100}, token=TOKEN).slo_tbt_ms == 100
+
+
+def test_metrics_port_serves_prometheus(served):
+    """The metrics port serves the control plane's Prometheus metrics."""
+    _, event = served
+    url = f"http://127.0.0.1:{event['metrics_port']}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    assert "kvplane_sessions " in text
+    assert "kvplane_solve_ms_bucket" in text
+
+
+def test_sigterm_stops_within_the_grace_period(served):
+    """SIGTERM (what Kubernetes sends) ends the server with status 0 well inside the grace period."""
+    proc, _ = served
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=VALUES["server"]["graceSeconds"] + 10) == 0
+    assert time.monotonic() - start < 30  # terminationGracePeriodSeconds
