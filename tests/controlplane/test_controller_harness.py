@@ -45,6 +45,7 @@ class WorkerLoop:
     to_finish: list[str] = field(default_factory=list)
     decisions: list[Decision] = field(default_factory=list)
     auto_admit: bool = True
+    free_gpu_blocks: int | None = None
 
     def add(self, rid: str, context_tokens: int) -> None:
         self.ctx[rid] = context_tokens
@@ -83,6 +84,7 @@ class WorkerLoop:
             layer_compute_ms=None if layer_compute_ms is None else tuple(layer_compute_ms),
             h2d_gbps=h2d_gbps,
             finished=tuple(self.to_finish),
+            free_gpu_blocks=self.free_gpu_blocks,
         )
         self.to_finish = []
         out = self.session.report(rep)

@@ -1,0 +1,105 @@
+"""ProfileTracker: EWMA of per-layer compute and bandwidth, fitted when samples are missing."""
+
+from __future__ import annotations
+
+import pytest
+
+from controlplane.controller import ProfileTracker
+from controlplane.model import Profile, step_time_ms
+
+COMP = (1.0, 2.0, 1.0, 2.0)
+BLOCK_BYTES = 1_000_000  # 1 GB/s = 1 block/ms
+ROWS = [(1, 0, 1, 0), (0, 1, 1, 1)]  # transfers on the link
+BLOCKS = [4, 3]
+
+
+def tracker(gbps: float = 2.0) -> ProfileTracker:
+    return ProfileTracker(Profile(COMP), gbps, BLOCK_BYTES)
+
+
+def test_samples_move_compute_and_bandwidth_by_ewma() -> None:
+    """With both samples: comp = (1-a)comp + a*sample and bw = (1-a)bw + a*sample, exactly."""
+    t = tracker()
+    a = 0.3
+    t.update(
+        ewma_factor=a,
+        observed_step_ms=20.0,
+        predicted_step_ms=10.0,
+        placement=ROWS,
+        blocks=BLOCKS,
+        layer_compute_sample_ms=(2.0, 2.0, 2.0, 2.0),
+        h2d_gbps_sample=1.0,
+    )
+    assert t.layer_compute_ms == pytest.approx(tuple(0.7 * c + 0.3 * 2.0 for c in COMP))
+    assert t.h2d_gbps == pytest.approx(0.7 * 2.0 + 0.3 * 1.0)
+
+
+def test_no_samples_scale_profile_so_model_reproduces_observation() -> None:
+    """Without samples and a=1 the updated profile predicts exactly the observed step."""
+    t = tracker()
+    predicted = t.predict_step_ms(ROWS, BLOCKS)
+    t.update(
+        ewma_factor=1.0,
+        observed_step_ms=1.5 * predicted,
+        predicted_step_ms=predicted,
+        placement=ROWS,
+        blocks=BLOCKS,
+    )
+    assert t.predict_step_ms(ROWS, BLOCKS) == pytest.approx(1.5 * predicted)
+    assert t.layer_compute_ms == pytest.approx(tuple(1.5 * c for c in COMP))
+    assert t.h2d_gbps == pytest.approx(2.0 / 1.5)
+
+
+def test_compute_sample_only_fits_bandwidth_to_observation() -> None:
+    """A compute sample with transfers and no bandwidth sample fits the bandwidth (a=1: exact)."""
+    t = tracker(gbps=4.0)
+    predicted = t.predict_step_ms(ROWS, BLOCKS)
+    observed = predicted * 1.8
+    t.update(
+        ewma_factor=1.0,
+        observed_step_ms=observed,
+        predicted_step_ms=predicted,
+        placement=ROWS,
+        blocks=BLOCKS,
+        layer_compute_sample_ms=COMP,
+    )
+    assert t.layer_compute_ms == COMP
+    assert t.h2d_gbps < 4.0
+    assert step_time_ms(ROWS, BLOCKS, COMP, t.bw_blocks_per_ms()) == pytest.approx(
+        observed, rel=1e-6
+    )
+
+
+def test_bandwidth_sample_only_fits_compute_to_observation() -> None:
+    """A bandwidth sample with no compute sample scales compute to explain the rest (a=1: exact)."""
+    t = tracker(gbps=4.0)
+    predicted = t.predict_step_ms(ROWS, BLOCKS)
+    observed = predicted * 1.3
+    t.update(
+        ewma_factor=1.0,
+        observed_step_ms=observed,
+        predicted_step_ms=predicted,
+        placement=ROWS,
+        blocks=BLOCKS,
+        h2d_gbps_sample=4.0,
+    )
+    assert t.h2d_gbps == 4.0
+    assert t.predict_step_ms(ROWS, BLOCKS) == pytest.approx(observed, rel=1e-6)
+
+
+def test_no_transfers_leave_bandwidth_alone() -> None:
+    """An all-GPU step says nothing about the link: bandwidth is unchanged."""
+    t = tracker()
+    rows = [(1, 1, 1, 1)]
+    t.update(
+        ewma_factor=0.5, observed_step_ms=12.0, predicted_step_ms=6.0, placement=rows, blocks=[3]
+    )
+    assert t.h2d_gbps == 2.0
+    assert t.layer_compute_ms == pytest.approx(tuple(c * 1.5 for c in COMP))
+
+
+def test_mismatch_is_relative_error() -> None:
+    """mismatch = |observed - predicted| / predicted."""
+    assert ProfileTracker.mismatch(12.0, 10.0) == pytest.approx(0.2)
+    assert ProfileTracker.mismatch(8.0, 10.0) == pytest.approx(0.2)
+    assert ProfileTracker.mismatch(1.0, 0.0) == float("inf")
