@@ -20,6 +20,7 @@ from controlplane.controller.metrics import (
     FanOutObserver,
     NullObserver,
     PrometheusObserver,
+    SafeObserver,
 )
 from controlplane.controller.profile_tracker import ProfileTracker, ProfileUpdate
 from controlplane.controller.schedulers import SCHEDULERS, make_scheduler
@@ -41,6 +42,7 @@ __all__ = [
     "ProfileTracker",
     "ProfileUpdate",
     "PrometheusObserver",
+    "SafeObserver",
     "SessionController",
     "SessionStatus",
     "TokenDeposit",

@@ -14,6 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import structlog
+
+_log = structlog.get_logger(__name__)
+
 
 class ControllerObserver(Protocol):
     """Receives the controller's events."""
@@ -187,3 +191,31 @@ class FanOutObserver:
     def on_error(self, worker_id: str, error: str) -> None:
         for o in self._observers:
             o.on_error(worker_id, error)
+
+
+class SafeObserver:
+    """Wraps an observer so that its failures are logged and never reach the controller."""
+
+    def __init__(self, inner: ControllerObserver) -> None:
+        self._inner = inner
+
+    def _call(self, name: str, *args: Any) -> None:
+        try:
+            getattr(self._inner, name)(*args)
+        except Exception:  # an exporter bug must not break planning
+            _log.exception("observer_failed", hook=name)
+
+    def on_trigger(self, worker_id: str, reason: str) -> None:
+        self._call("on_trigger", worker_id, reason)
+
+    def on_plan(self, worker_id: str, reason: str, solve_ms: float, feasible: bool) -> None:
+        self._call("on_plan", worker_id, reason, solve_ms, feasible)
+
+    def on_pause(self, worker_id: str, request_id: str, reason: str) -> None:
+        self._call("on_pause", worker_id, request_id, reason)
+
+    def on_resume(self, worker_id: str, request_id: str, reason: str) -> None:
+        self._call("on_resume", worker_id, request_id, reason)
+
+    def on_error(self, worker_id: str, error: str) -> None:
+        self._call("on_error", worker_id, error)

@@ -46,7 +46,7 @@ from controlplane.api import (
     WorkerInfo,
 )
 from controlplane.controller.decision_builder import DecisionBuilder, PlannerLike, PlanningInput
-from controlplane.controller.metrics import ControllerObserver, NullObserver
+from controlplane.controller.metrics import ControllerObserver, NullObserver, SafeObserver
 from controlplane.controller.profile_tracker import ProfileTracker, ProfileUpdate
 from controlplane.controller.request_tracker import RequestTracker
 from controlplane.controller.schedulers import make_scheduler
@@ -123,7 +123,7 @@ class SessionController:
             raise ValueError(f"time_budget_ms: {time_budget_ms} is out of range (allowed > 0)")
         self._builder = DecisionBuilder(planner, time_budget_ms=time_budget_ms)
         self._sync = synchronous
-        self._observer: ControllerObserver = observer or NullObserver()
+        self._observer: ControllerObserver = SafeObserver(observer or NullObserver())
         self._profile = ProfileTracker(
             worker.profile, worker.hardware.h2d_gbps, worker.model.block_bytes
         )

@@ -353,3 +353,16 @@ def test_sync_mode_is_deterministic() -> None:
         ]
 
     assert run() == run()
+
+
+def test_failing_observer_never_breaks_planning() -> None:
+    """An observer that raises is logged and ignored; decisions still flow."""
+
+    class Broken(ControllerCounters):
+        def on_plan(self, worker_id: str, reason: str, solve_ms: float, feasible: bool) -> None:
+            raise RuntimeError("exporter down")
+
+    _, w, _ = make(observer=Broken())
+    w.add("a", 100)
+    (d,) = w.report()
+    assert d.plan.feasible
