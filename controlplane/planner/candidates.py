@@ -58,6 +58,11 @@ class CandidateSet:
             out.append(tuple(row))
         return tuple(out)
 
+    @functools.cached_property
+    def cumulative(self) -> tuple[tuple[int, ...], ...]:
+        """Per candidate, offloaded layers ``<= l`` for every layer l (cached)."""
+        return self.cumulative_counts(range(self.layers))
+
     def cumulative_counts(self, layer_ids: Sequence[int]) -> tuple[tuple[int, ...], ...]:
         """Per candidate, how many of its offloaded layers are ``<= l`` for each ``l`` given."""
         return tuple(

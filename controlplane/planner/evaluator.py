@@ -21,6 +21,7 @@ Both bounds are valid for the exact model, so pruning with them never loses the 
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from bisect import bisect_left
@@ -28,6 +29,33 @@ from collections.abc import Sequence
 from itertools import accumulate
 
 from controlplane.planner.candidates import CandidateSet
+
+
+@functools.lru_cache(maxsize=256)
+def _windows(cands: CandidateSet, comp: tuple[float, ...]) -> list[tuple[list[float], list[float]]]:
+    """Per candidate, its sorted compute windows before each fetch and their prefix sums."""
+    prefix = [0.0, *accumulate(comp)]
+    out = []
+    for off in cands.offloaded:
+        wins = []
+        prev_end = 0  # index of the first layer after the previous offloaded layer
+        for layer in off:
+            wins.append(prefix[layer] - prefix[prev_end])
+            prev_end = layer + 1
+        wins.sort()
+        out.append((wins, [0.0, *accumulate(wins)]))
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _bound_layers(cands: CandidateSet) -> tuple[list[int], list[list[int]]]:
+    # The aggregate term only peaks where some fetch lands, i.e. at offloaded layers; any subset
+    # keeps the bound valid, at most ~24 keep it cheap.
+    marks = sorted({layer for off in cands.offloaded[:-1] for layer in off} | {0})
+    if len(marks) > 24:
+        step = len(marks) / 24
+        marks = sorted({marks[int(i * step)] for i in range(24)} | {marks[-1], 0})
+    return marks, [[counts[layer] for layer in marks] for counts in cands.cumulative]
 
 
 class Evaluator:
@@ -52,16 +80,10 @@ class Evaluator:
         self.mem = [[b * u for u in cands.mem_units] for b in self.blocks]
         self.volume = [[b * m for m in cands.counts] for b in self.blocks]
         self.chain = [self._chain_row(b / self.bw, prefix) for b in self.blocks]
-        self.cum = cands.cumulative_counts(range(self.n_layers))
-        # A subset of layers for the cheap incremental aggregate bound (valid on any subset):
-        # the aggregate term only peaks where some fetch lands, i.e. at offloaded layers.
-        marks = sorted({layer for off in cands.offloaded[:-1] for layer in off} | {0})
-        if len(marks) > 24:
-            step = len(marks) / 24
-            marks = sorted({marks[int(i * step)] for i in range(24)} | {marks[-1], 0})
+        self.cum = cands.cumulative
+        marks, self.bound_cum = _bound_layers(cands)
         self.bound_layers = marks
         self.bound_suffix = [self.suffix[layer] for layer in marks]
-        self.bound_cum = [[counts[layer] for layer in marks] for counts in self.cum]
         self.evaluations = 0
 
     def _chain_row(self, tau: float, prefix: list[float]) -> list[float]:
@@ -74,15 +96,7 @@ class Evaluator:
     def _windows(self, prefix: list[float]) -> list[tuple[list[float], list[float]]]:
         cached = getattr(self, "_win_cache", None)
         if cached is None:
-            cached = []
-            for off in self.cands.offloaded:
-                wins = []
-                prev_end = 0  # index of the first layer after the previous offloaded layer
-                for layer in off:
-                    wins.append(prefix[layer] - prefix[prev_end])
-                    prev_end = layer + 1
-                wins.sort()
-                cached.append((wins, [0.0, *accumulate(wins)]))
+            cached = _windows(self.cands, tuple(self.comp))
             self._win_cache = cached
         return cached
 

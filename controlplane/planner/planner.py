@@ -98,8 +98,9 @@ class Planner:
         reqs = tuple(batch.requests)
         paused: list[str] = []
         chosen: _Solved | None = None
+        hint: dict[str, int] = {}
         while reqs:
-            chosen = self._best_window(batch, reqs, deadline)
+            chosen = self._best_window(batch, reqs, deadline, hint)
             if chosen is not None:
                 break
             victim = self._victim(batch, reqs, victim_rule, rng)
@@ -138,31 +139,85 @@ class Planner:
     def _ok(self, solved: _Solved, alpha: float) -> bool:
         return solved.result is not None and solved.late_fraction() <= alpha + 1e-12
 
-    def _best_window(
-        self, batch: Batch, reqs: tuple[RequestSpec, ...], deadline: float
-    ) -> _Solved | None:
-        pol = batch.policy
-        hi = self._solve(batch, reqs, pol.window_max, deadline)
-        if self._ok(hi, pol.alpha):
-            return hi
-        warm = [hi.result.assign] if hi.result is not None else []
-        if pol.window_min == pol.window_max:
+    @staticmethod
+    def _remember(solved: _Solved, hint: dict[str, int]) -> None:
+        """Keep each request's layout as a warm start for re-planning after a pause."""
+        if solved.result is not None:
+            hint.update((r.id, c) for r, c in zip(solved.reqs, solved.result.assign, strict=True))
+
+    @staticmethod
+    def _largest_window(
+        reqs: tuple[RequestSpec, ...], step_ms: float, alpha: float, lo: int, hi: int
+    ) -> int | None:
+        """Largest Δ in [lo, hi] whose late fraction at step time ``step_ms`` is within alpha.
+
+        The late fraction grows with Δ (the deposit credit ``deposit_r / Δ`` shrinks).
+        """
+
+        def ok(window: int) -> bool:
+            late = sum(
+                max(0.0, 1.0 - r.slo_tbt_ms / step_ms - r.deposit_tokens / window) for r in reqs
+            )
+            return late <= alpha + 1e-12
+
+        if lo > hi or not ok(lo):
             return None
-        lo = self._solve(batch, reqs, pol.window_min, deadline, warm)
-        if not self._ok(lo, pol.alpha):
-            return None
-        lo_w, hi_w = pol.window_min, pol.window_max
-        while hi_w - lo_w > 1:
-            mid = (lo_w + hi_w) // 2
-            assert lo.result is not None
-            probe = self._solve(batch, reqs, mid, deadline, [lo.result.assign, *warm])
-            if self._ok(probe, pol.alpha):
-                lo, lo_w = probe, mid
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if ok(mid):
+                lo = mid
             else:
-                hi_w = mid
+                hi = mid - 1
+        return lo
+
+    def _best_window(
+        self,
+        batch: Batch,
+        reqs: tuple[RequestSpec, ...],
+        deadline: float,
+        hint: dict[str, int],
+    ) -> _Solved | None:
+        """The plan at the largest feasible window, or None when even ``window_min`` fails.
+
+        A plan for Δ stays valid for any smaller window (fewer blocks, step time no larger), so
+        the plan found at ``window_max`` bounds the step time from above: the largest window its
+        step time allows is feasible. Larger windows up to the one allowed by the (smaller) step
+        time at that window are then bisected with warm-started searches.
+        """
+        pol = batch.policy
+        hinted = [tuple(hint[r.id] for r in reqs)] if all(r.id in hint for r in reqs) else []
+        if hint and time.perf_counter() >= deadline:
+            # Out of time while pausing victims: only check the smallest window, warm-started.
+            best = self._solve(batch, reqs, pol.window_min, deadline, hinted)
+            self._remember(best, hint)
+            return best if self._ok(best, pol.alpha) else None
+        top = self._solve(batch, reqs, pol.window_max, deadline, hinted)
+        self._remember(top, hint)
+        if self._ok(top, pol.alpha):
+            return top
+        if top.result is not None:
+            start = self._largest_window(reqs, top.result.step_ms, pol.alpha, pol.window_min, pol.window_max)
+            warm = [top.result.assign]
+        else:
+            start, warm = None, []
+        best = self._solve(batch, reqs, pol.window_min if start is None else start, deadline, warm)
+        self._remember(best, hint)
+        if not self._ok(best, pol.alpha):
+            return None
+        assert best.result is not None
+        lo = best.window
+        hi = self._largest_window(reqs, best.result.step_ms, pol.alpha, lo, pol.window_max - 1)
+        hi = lo if hi is None else hi
+        while hi > lo and time.perf_counter() < deadline:
+            mid = (lo + hi + 1) // 2
+            probe = self._solve(batch, reqs, mid, deadline, [best.result.assign, *warm])
+            if self._ok(probe, pol.alpha):
+                best, lo = probe, mid
+            else:
+                hi = mid - 1
                 if probe.result is not None:
                     warm = [probe.result.assign]
-        return lo
+        return best
 
     # --- pausing ------------------------------------------------------------------------
     @staticmethod

@@ -108,6 +108,8 @@ class PlacementSearch:
         for lb, _, a in options:
             if self.best is not None and lb >= self.best_ms * (1 - _REL_EPS):
                 break
+            if self.best is not None and self._expired():
+                raise _Deadline
             self._offer(a, "uniform")
 
     def greedy(self, max_moves: int = 400) -> None:
@@ -118,7 +120,7 @@ class PlacementSearch:
         assign = [0] * self.n_req
         mem = ev.memory(assign)
         while mem > self.budget:
-            if self._expired():
+            if self.best is not None and self._expired():
                 raise _Deadline
             work = ev.work(assign)
             top = self._top_chain(assign)
@@ -328,9 +330,9 @@ class PlacementSearch:
         if ev.memory(none) <= self.budget:
             return SearchResult(none, ev.compute_ms, "trivial", True, ev.evaluations)
         try:
+            self.warm(warm)
             self.uniforms()
             self.greedy()
-            self.warm(warm)
             if local:
                 self.local()
             small = self.n_cand**self.n_req <= 4096
