@@ -91,16 +91,11 @@ class RequestTracker:
         worker_resumed: list[str] = []
         generated: dict[str, int] = {}
         finished = [rid for rid in dict.fromkeys(report.finished) if rid in self._requests]
-        for i, rs in enumerate(report.running):
-            if rs.id in seen:
-                raise InvalidArgument(f"running[{i}].id: duplicate request id {rs.id!r}")
+        self._check(report)  # validate everything before changing anything
+        for rs in report.running:
             seen.add(rs.id)
             if rs.id in report.finished:
                 continue
-            if rs.context_tokens < 1:
-                raise InvalidArgument(
-                    f"running[{i}].context_tokens: {rs.context_tokens} is out of range (allowed >= 1)"
-                )
             slo = rs.slo_tbt_ms if rs.slo_tbt_ms is not None else default_slo_tbt_ms
             tracked = self._requests.get(rs.id)
             if tracked is None:
@@ -121,11 +116,6 @@ class RequestTracker:
                     tracked.paused_since_step = report.step
                     tracked.pause_reason = "worker"
             delta = rs.generated_tokens - tracked.generated_tokens
-            if delta < 0:
-                raise InvalidArgument(
-                    f"running[{i}].generated_tokens: {rs.generated_tokens} is below the "
-                    f"{tracked.generated_tokens} reported before (must not decrease)"
-                )
             tracked.context_tokens = rs.context_tokens
             tracked.max_new_tokens = rs.max_new_tokens
             if tracked.deposit.slo_tbt_ms != slo:
@@ -160,6 +150,34 @@ class RequestTracker:
         return BatchEvents(
             tuple(arrived), tuple(finished), tuple(worker_paused), tuple(worker_resumed), generated
         )
+
+    def _check(self, report: StepReport) -> None:
+        seen: set[str] = set()
+        for i, rs in enumerate(report.running):
+            if rs.id in seen:
+                raise InvalidArgument(f"running[{i}].id: duplicate request id {rs.id!r}")
+            seen.add(rs.id)
+            if rs.id in report.finished:
+                continue
+            if rs.context_tokens < 1:
+                raise InvalidArgument(
+                    f"running[{i}].context_tokens: {rs.context_tokens} is out of range (allowed >= 1)"
+                )
+            if rs.generated_tokens < 0:
+                raise InvalidArgument(
+                    f"running[{i}].generated_tokens: {rs.generated_tokens} is out of range "
+                    "(allowed >= 0)"
+                )
+            if rs.slo_tbt_ms is not None and not rs.slo_tbt_ms > 0:
+                raise InvalidArgument(
+                    f"running[{i}].slo_tbt_ms: {rs.slo_tbt_ms} is out of range (allowed > 0)"
+                )
+            tracked = self._requests.get(rs.id)
+            if tracked is not None and rs.generated_tokens < tracked.generated_tokens:
+                raise InvalidArgument(
+                    f"running[{i}].generated_tokens: {rs.generated_tokens} is below the "
+                    f"{tracked.generated_tokens} reported before (must not decrease)"
+                )
 
     def pause(self, request_id: str, step: int, reason: str) -> bool:
         """Mark paused by a decision; False when unknown or already paused."""

@@ -178,7 +178,12 @@ class SessionController:
             reasons: list[str] = []
             if events.batch_changed:
                 reasons.append("batch-change")
-            if self._current is not None and report.step >= self._current.expiry_step:
+            planning = self._inflight or bool(self._pending)
+            if (
+                self._current is not None
+                and report.step >= self._current.expiry_step
+                and not planning  # the plan being computed brings a fresh expiry
+            ):
                 reasons.append("expiry")
             if self._check_mismatch(report, policy):
                 reasons.append("profile-mismatch")
@@ -188,7 +193,8 @@ class SessionController:
                 r.id
                 for r in self._tracker.paused()
                 if r.id not in self._guarded
-                and report.step - (r.paused_since_step or report.step) >= policy.max_paused_steps
+                and r.paused_since_step is not None
+                and report.step - r.paused_since_step >= policy.max_paused_steps
             ]
             if starving:
                 self._guarded.update(starving)

@@ -366,3 +366,24 @@ def test_failing_observer_never_breaks_planning() -> None:
     w.add("a", 100)
     (d,) = w.report()
     assert d.plan.feasible
+
+
+def test_rejected_report_changes_nothing() -> None:
+    """A report rejected for one bad request leaves every deposit and the step counter untouched."""
+    session, w, _ = make()
+    w.add("a", 100)
+    w.add("b", 100)
+    w.report()
+    dep_a = session.deposit("a")
+    assert dep_a is not None
+    before = (dep_a.generated, dep_a.balance)
+    bad = StepReport(
+        step=w.step + 1,
+        now_ms=w.now_ms + 10,
+        running=(RequestState("a", 200, w.gen["a"] + 5), RequestState("b", 200, 0)),
+    )
+    with pytest.raises(InvalidArgument, match=r"running\[1\]\.generated_tokens"):
+        session.report(bad)
+    assert (dep_a.generated, dep_a.balance) == before
+    w.report()  # the same step number is still accepted
+    assert dep_a.generated == before[0] + 1
