@@ -18,9 +18,13 @@ Asynchronous mode (default): planning runs on the session's own thread, one step
 (OrbitFlow §3.3.2); ``report()`` never waits for it and returns the decision with a later report
 (or :meth:`poll`). Triggers that fire while a plan is being computed are coalesced into one more
 plan computed from the state at the moment the running one finishes. Synchronous mode
-(``synchronous=True``, for the simulator) plans inline and returns the decision at once; with its
-default solver budget (:data:`SYNC_TIME_BUDGET_MS`, overridable with ``time_budget_ms``) the
-planner's search completes, so decisions are a deterministic function of the reports.
+(``synchronous=True``, for the simulator) plans inline and returns the decision at once. Decisions
+are then a deterministic function of the reports whenever the planner's search does not depend on
+the wall clock: give the session a planner whose stages all run to completion and a budget that
+does not cut them short, e.g. ``planner=Planner(use_mip=False, exact_search=False),
+time_budget_ms=60_000`` (greedy + local search converge on their own), or a batch small enough
+for the exact branch and bound to finish (``plan.extras["optimal"]``). ``time_budget_ms`` (both
+modes) replaces ``policy.solve_budget_fraction`` of the predicted step as the per-call budget.
 
 Pause state is decided here (see :mod:`.request_tracker`); a decision's pauses and resumes take
 effect in the controller's state when the decision is made, so the next plan already accounts
@@ -55,11 +59,6 @@ from controlplane.model import memory_blocks
 from controlplane.policy import Policy
 
 log = structlog.get_logger(__name__)
-
-SYNC_TIME_BUDGET_MS = 10_000.0
-"""Default solver budget per planner call in synchronous mode: generous, so that the planner's
-search completes (its branch and bound ends when optimal) and decisions do not depend on the
-wall clock. Pass ``time_budget_ms`` to trade determinism for speed on large batches."""
 
 ADMIT_GRACE_STEPS = 16
 """Steps an admitted request may stay in the worker's queue before it is considered again."""
@@ -117,8 +116,6 @@ class SessionController:
             planner = Planner()
         self._worker = worker
         self._policy_source = policy_source or Policy
-        if time_budget_ms is None and synchronous:
-            time_budget_ms = SYNC_TIME_BUDGET_MS
         if time_budget_ms is not None and not time_budget_ms > 0:
             raise ValueError(f"time_budget_ms: {time_budget_ms} is out of range (allowed > 0)")
         self._builder = DecisionBuilder(planner, time_budget_ms=time_budget_ms)
