@@ -20,9 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
 import torch
 
 from kernels.block_copy import copy_segments
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass
@@ -101,6 +104,30 @@ class CudaTransferEngine(TransferEngine):
         self.h2d_stream = torch.cuda.Stream(device=self.device)
         self.d2h_stream = torch.cuda.Stream(device=self.device)
         self._last: dict[str, torch.cuda.Event | None] = {"h2d": None, "d2h": None}
+        self.impl = self._probe_zero_copy()
+        """``triton`` (one gather/scatter launch through UVA) or ``memcpy`` (fallback: one
+        ``cudaMemcpyAsync`` per segment, correct but launch-bound) if Triton refuses host memory."""
+
+    def _probe_zero_copy(self) -> str:
+        """Check once that the Triton kernel can read and write the pinned host pool."""
+        probe_host = torch.arange(8, dtype=torch.float32).view(2, 4).pin_memory()
+        probe_dev = torch.zeros(2, 4, device=self.device)
+        idx = torch.tensor([1, 0], device=self.device)
+        try:
+            copy_segments(probe_host, probe_dev, idx, idx.flip(0), impl="triton")
+            # dev = host rows swapped: [[4..7], [0..3]]; then host row 0 = dev row 0 = [4..7]
+            copy_segments(probe_dev, probe_host, idx[1:], idx[1:], impl="triton")  # row 0 -> row 0
+            torch.cuda.synchronize(self.device)
+            ok = probe_dev.cpu().tolist() == [[4.0, 5.0, 6.0, 7.0], [0.0, 1.0, 2.0, 3.0]] and (
+                probe_host.tolist() == [[4.0, 5.0, 6.0, 7.0], [4.0, 5.0, 6.0, 7.0]]
+            )
+        except Exception as exc:  # noqa: BLE001 - any failure selects the safe path
+            log.warning("kv_transfer_zero_copy_unavailable", error=str(exc))
+            return "memcpy"
+        if not ok:
+            log.warning("kv_transfer_zero_copy_wrong_result")
+            return "memcpy"
+        return "triton"
 
     def _launch(
         self,
@@ -121,8 +148,12 @@ class CudaTransferEngine(TransferEngine):
             for e in wait or ():
                 if e is not None:
                     stream.wait_event(e)
-            idx_dev = idx.to(self.device, non_blocking=True)
-            copy_segments(src, dst, idx_dev[0], idx_dev[1], impl="triton")
+            if self.impl == "triton":
+                idx_dev = idx.to(self.device, non_blocking=True)
+                copy_segments(src, dst, idx_dev[0], idx_dev[1], impl="triton")
+            else:
+                for s_i, d_i in zip(src_segs, dst_segs, strict=True):
+                    dst[d_i].copy_(src[s_i], non_blocking=True)
             event = stream.record_event()
         self._last[kind] = event
         return event
