@@ -1,0 +1,214 @@
+"""The ``--enable-layered-kv`` flag family: one frozen dataclass, its CLI, its transport.
+
+SGLang 0.5.23's ``ServerArgs`` is a sealed msgspec Struct that keeps only its own
+fields (``ServerArgs.from_cli_args`` drops every other namespace attribute), so a
+plugin's flags cannot ride on it. As in SGLang's own out-of-tree plugins (smg's
+``--servicer-impl``), the parsed values travel to the scheduler, tokenizer and
+detokenizer processes in an environment variable (:data:`ENV_VAR`, a JSON
+object) that the launcher sets before it spawns them.
+
+Pure Python: no torch / SGLang import here (the launcher imports it before parsing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+ENV_VAR = "KVPLANE_LAYERED_KV_ARGS"
+"""Environment variable carrying :class:`LayeredKVArgs` as JSON to SGLang's subprocesses."""
+
+SCHEDULERS = ("fcfs", "layerkv", "lvf")
+PACING_CHOICES = ("on", "off")
+RADIX_BACKEND_NAME = "layered"
+"""Name under which the residency-hook radix cache is registered (``--radix-cache-backend``)."""
+MAX_HOST_POOL_GB = 1 << 16
+
+_GRPC_TARGET = re.compile(r"^grpc://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-_]+):(?P<port>\d{1,5})$")
+
+
+@dataclass(frozen=True)
+class LayeredKVArgs:
+    """Validated kvplane launch options (``--enable-layered-kv`` and friends)."""
+
+    enable_layered_kv: bool = False
+    """Master switch; every other field is ignored (but still validated) when False."""
+    kv_control_plane: str = "embedded"
+    """``embedded`` (in-process controller) or ``grpc://HOST:PORT`` (remote service)."""
+    kv_policy: str | None = None
+    """Policy file (JSON/YAML) loaded at start; must exist."""
+    kv_host_pool_gb: float = 4.0
+    """Host (pinned on CUDA) KV pool size in GB (1e9 bytes), in (0, 65536]."""
+    kv_scheduler: str = "fcfs"
+    """Admission/rotation scheduler: fcfs, layerkv (LayerKV §3.1) or lvf (SuperInfer §4.2)."""
+    kv_pacing: str = "on"
+    """Token-deposit pacing of streamed output (OrbitFlow §3.2): on or off."""
+    kv_tls_ca: str | None = None
+    """CA bundle to verify the remote control plane (grpc:// only)."""
+    kv_tls_cert: str | None = None
+    """Client certificate for mutual TLS (needs ``kv_tls_key``)."""
+    kv_tls_key: str | None = None
+    """Client private key for mutual TLS (needs ``kv_tls_cert``)."""
+    kv_policy_token_file: str | None = None
+    """File holding the bearer token for the remote control plane (grpc:// only)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_layered_kv, bool):
+            raise ValueError(
+                f"--enable-layered-kv must be a boolean, got {self.enable_layered_kv!r}"
+            )
+        if self.kv_control_plane != "embedded" and not _GRPC_TARGET.match(self.kv_control_plane):
+            raise ValueError(
+                f"--kv-control-plane={self.kv_control_plane!r} is invalid; allowed: "
+                "'embedded' or 'grpc://HOST:PORT'"
+            )
+        if self.control_plane_port is not None and not 1 <= self.control_plane_port <= 65535:
+            raise ValueError(
+                f"--kv-control-plane={self.kv_control_plane!r}: port {self.control_plane_port} "
+                "is out of range [1, 65535]"
+            )
+        gb = self.kv_host_pool_gb
+        if isinstance(gb, bool) or not isinstance(gb, int | float) or not 0 < gb <= MAX_HOST_POOL_GB:
+            raise ValueError(
+                f"--kv-host-pool-gb={gb!r} is out of range (0, {MAX_HOST_POOL_GB}] (GB)"
+            )
+        if self.kv_scheduler not in SCHEDULERS:
+            raise ValueError(
+                f"--kv-scheduler={self.kv_scheduler!r} is invalid; allowed: {', '.join(SCHEDULERS)}"
+            )
+        if self.kv_pacing not in PACING_CHOICES:
+            raise ValueError(
+                f"--kv-pacing={self.kv_pacing!r} is invalid; allowed: {', '.join(PACING_CHOICES)}"
+            )
+        for flag, value in (
+            ("--kv-policy", self.kv_policy),
+            ("--kv-tls-ca", self.kv_tls_ca),
+            ("--kv-tls-cert", self.kv_tls_cert),
+            ("--kv-tls-key", self.kv_tls_key),
+            ("--kv-policy-token-file", self.kv_policy_token_file),
+        ):
+            if value is not None and not Path(value).is_file():
+                raise ValueError(f"{flag}={value!r}: no such file")
+        if (self.kv_tls_cert is None) != (self.kv_tls_key is None):
+            raise ValueError("--kv-tls-cert and --kv-tls-key must be given together (mutual TLS)")
+        remote_only = {
+            "--kv-tls-ca": self.kv_tls_ca,
+            "--kv-tls-cert": self.kv_tls_cert,
+            "--kv-tls-key": self.kv_tls_key,
+            "--kv-policy-token-file": self.kv_policy_token_file,
+        }
+        if self.kv_control_plane == "embedded":
+            given = [flag for flag, value in remote_only.items() if value is not None]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} only apply to a remote control plane; "
+                    "set --kv-control-plane=grpc://HOST:PORT or drop them"
+                )
+
+    @property
+    def control_plane_host(self) -> str | None:
+        """Host of a ``grpc://`` control plane (brackets stripped), None when embedded."""
+        match = _GRPC_TARGET.match(self.kv_control_plane)
+        return match.group("host").strip("[]") if match else None
+
+    @property
+    def control_plane_port(self) -> int | None:
+        """Port of a ``grpc://`` control plane, None when embedded."""
+        match = _GRPC_TARGET.match(self.kv_control_plane)
+        return int(match.group("port")) if match else None
+
+    @property
+    def pacing(self) -> bool:
+        """Whether streamed output is paced."""
+        return self.kv_pacing == "on"
+
+    def to_json(self) -> str:
+        """Serialise for :data:`ENV_VAR`."""
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> LayeredKVArgs:
+        """Build from a mapping; unknown keys are rejected by name."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown kvplane option(s) {unknown}; allowed: {sorted(known)}")
+        return cls(**dict(data))
+
+    @classmethod
+    def from_namespace(cls, namespace: argparse.Namespace) -> LayeredKVArgs:
+        """Build from a parsed namespace that went through :func:`add_arguments`."""
+        return cls(**{f.name: getattr(namespace, f.name) for f in fields(cls)})
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> LayeredKVArgs:
+        """Read :data:`ENV_VAR`; the defaults (flag off) when it is unset."""
+        raw = (os.environ if environ is None else environ).get(ENV_VAR)
+        if not raw:
+            return cls()
+        try:
+            data = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{ENV_VAR} is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ValueError(f"{ENV_VAR} must hold a JSON object, got {type(data).__name__}")
+        return cls.from_mapping(data)
+
+
+_DEFAULTS = LayeredKVArgs()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> bool:
+    """Add the flag family to ``parser`` (idempotent); return whether it was added.
+
+    Values are only parsed here; cross-field validation happens when
+    :meth:`LayeredKVArgs.from_namespace` builds the dataclass.
+    """
+    if any("--enable-layered-kv" in action.option_strings for action in parser._actions):
+        return False
+    group = parser.add_argument_group("kvplane layered KV (plugin)")
+    group.add_argument(
+        "--enable-layered-kv",
+        action="store_true",
+        default=_DEFAULTS.enable_layered_kv,
+        help="Govern KV placement per request and per layer with kvplane "
+        "(implies --radix-cache-backend layered).",
+    )
+    group.add_argument(
+        "--kv-control-plane",
+        type=str,
+        default=_DEFAULTS.kv_control_plane,
+        help="'embedded' (default) or grpc://HOST:PORT of a kvplane control-plane service.",
+    )
+    group.add_argument("--kv-policy", type=str, default=None, help="kvplane policy file.")
+    group.add_argument(
+        "--kv-host-pool-gb",
+        type=float,
+        default=_DEFAULTS.kv_host_pool_gb,
+        help=f"Host KV pool size in GB, (0, {MAX_HOST_POOL_GB}].",
+    )
+    group.add_argument(
+        "--kv-scheduler",
+        type=str,
+        default=_DEFAULTS.kv_scheduler,
+        help=f"kvplane scheduler: {', '.join(SCHEDULERS)}.",
+    )
+    group.add_argument(
+        "--kv-pacing",
+        type=str,
+        default=_DEFAULTS.kv_pacing,
+        help="Pace streamed tokens while a request is paused or stalls: on/off.",
+    )
+    group.add_argument("--kv-tls-ca", type=str, default=None, help="CA bundle (remote control plane).")
+    group.add_argument("--kv-tls-cert", type=str, default=None, help="Client certificate (mTLS).")
+    group.add_argument("--kv-tls-key", type=str, default=None, help="Client key (mTLS).")
+    group.add_argument(
+        "--kv-policy-token-file", type=str, default=None, help="Bearer token file (remote control plane)."
+    )
+    return True

@@ -1,0 +1,195 @@
+"""kvplane's SGLang plugin: the ``sglang.srt.plugins`` entry point :func:`register`.
+
+SGLang 0.5.23 calls ``sglang.srt.plugins.load_plugins()`` early in every process it
+starts -- the launcher (before the command line is parsed), each scheduler (TP rank)
+subprocess, the detokenizer and the DP controller -- runs every entry point of the
+group, then ``HookRegistry.apply_hooks()``. What ``register`` installs:
+
+Always (flag on or off):
+
+- AFTER ``ServerArgs.add_cli_args``: the ``--enable-layered-kv`` flag family joins
+  SGLang's parser (:mod:`sglang_ext.args`).
+- AROUND ``ServerArgs.from_cli_args``: builds and validates :class:`LayeredKVArgs`
+  (a bad value exits the launcher with a message naming the flag), implies
+  ``--radix-cache-backend layered`` and exports the options to the subprocesses in
+  ``KVPLANE_LAYERED_KV_ARGS``. With the flag off it only removes that variable.
+- AFTER ``runtime_context.publish``: on ``--device cpu`` switch SGLang's rotary layer to
+  its CPU path (``rotary_embedding.base._is_cpu``) in this process.
+
+Only in processes whose environment says the flag is on (the subprocesses the
+launcher spawns after parsing):
+
+- ``register_radix_cache_backend("layered", ...)``: :class:`LayeredRadixCache`.
+- AFTER ``mem_cache.allocation.alloc_for_extend`` / ``alloc_for_decode``: attribute new
+  KV blocks to requests for the residency hooks.
+
+Without the flag nothing of kvplane is swapped in: SGLang runs its default tree cache,
+pool and attention backend (tests/sglang/test_plugin_flags.py checks it).
+
+Loaded in every SGLang process: module-level imports stay light (no torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from sglang_ext import args as kv_args
+
+EVENTS_FILE_ENV = "KVPLANE_RESIDENCY_EVENTS_FILE"
+"""If set in the server's environment, residency events are appended to this JSONL file."""
+
+_ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
+_FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
+_PUBLISH = "sglang.srt.runtime_context.publish"
+_ALLOC_FOR_EXTEND = "sglang.srt.mem_cache.allocation.alloc_for_extend"
+_ALLOC_FOR_DECODE = "sglang.srt.mem_cache.allocation.alloc_for_decode"
+_ROTARY_BASE = "sglang.srt.layers.rotary_embedding.base"
+
+
+class _ProcessState:
+    """What this process learnt at plugin load (one instance per process)."""
+
+    def __init__(self) -> None:
+        self.layered: kv_args.LayeredKVArgs | None = None
+        self.env_error: str | None = None
+
+
+_state = _ProcessState()
+
+
+def switch_rotary_to_cpu() -> None:
+    """Send SGLang's rotary layer down its CPU path in this process.
+
+    SGLang decides at import (``is_cpu()``, true only with ``SGLANG_USE_CPU_ENGINE=1``,
+    which also needs sgl-kernel's CPU ops); otherwise ``RotaryEmbedding.__init__`` on a
+    host without CUDA reaches for ``vllm._custom_ops``. The flag is read in ``__init__``,
+    so setting it before the model is built suffices; ``forward_cpu`` then falls back to
+    ``forward_native`` when AMX kernels are unavailable.
+    """
+    import importlib
+
+    importlib.import_module(_ROTARY_BASE)._is_cpu = True
+
+
+# ----- launcher-side hooks ----------------------------------------------------
+
+
+def _after_add_cli_args(result: Any, *args: Any, **kwargs: Any) -> None:
+    for candidate in (*args, *kwargs.values()):
+        if isinstance(candidate, argparse.ArgumentParser):
+            kv_args.add_arguments(candidate)
+            break
+    return None
+
+
+def _around_from_cli_args(original: Any, cls: Any, namespace: argparse.Namespace) -> Any:
+    if not hasattr(namespace, "enable_layered_kv"):
+        return original(cls, namespace)
+    try:
+        layered = kv_args.LayeredKVArgs.from_namespace(namespace)
+    except ValueError as exc:
+        raise SystemExit(f"kvplane: invalid launch option: {exc}") from None
+    if layered.enable_layered_kv:
+        chosen = getattr(namespace, "radix_cache_backend", None)
+        if chosen is None:
+            namespace.radix_cache_backend = kv_args.RADIX_BACKEND_NAME
+        elif chosen != kv_args.RADIX_BACKEND_NAME:
+            raise SystemExit(
+                f"kvplane: --enable-layered-kv needs --radix-cache-backend "
+                f"{kv_args.RADIX_BACKEND_NAME} (implied), got {chosen!r}"
+            )
+        if getattr(namespace, "disable_radix_cache", False):
+            raise SystemExit("kvplane: --enable-layered-kv cannot be combined with --disable-radix-cache")
+        os.environ[kv_args.ENV_VAR] = layered.to_json()
+    else:
+        os.environ.pop(kv_args.ENV_VAR, None)
+    _state.layered = layered
+    return original(cls, namespace)
+
+
+def _after_publish(result: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``publish``: runs in every SGLang process once its config is known."""
+    if _state.env_error is not None:
+        raise RuntimeError(f"kvplane: {_state.env_error}")
+    if getattr(server_args, "device", None) == "cpu":
+        switch_rotary_to_cpu()
+    return None
+
+
+# ----- scheduler-side hooks (flag on) -------------------------------------------
+
+
+def _layered_tree_cache(batch: Any) -> Any:
+    from sglang_ext.radix_cache import LayeredRadixCache
+
+    cache = getattr(batch, "tree_cache", None)
+    return cache if isinstance(cache, LayeredRadixCache) else None
+
+
+def _after_alloc_for_extend(result: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+    cache = _layered_tree_cache(batch)
+    if cache is not None:
+        cache.on_alloc_extend(batch, result[0])
+    return None
+
+
+def _after_alloc_for_decode(result: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+    cache = _layered_tree_cache(batch)
+    if cache is not None:
+        token_per_req = kwargs.get("token_per_req", args[0] if args else 1)
+        cache.on_alloc_decode(batch, result, token_per_req)
+    return None
+
+
+def layered_radix_cache_factory(ctx: Any) -> Any:
+    """``register_radix_cache_backend`` factory: a :class:`LayeredRadixCache` for ``ctx``."""
+    from sglang_ext.hooks import JsonlEventWriter, ResidencyHooks
+    from sglang_ext.radix_cache import LayeredRadixCache
+
+    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.enable_hierarchical_cache:
+        raise ValueError(
+            "kvplane: --radix-cache-backend layered supports full-attention models without "
+            f"HiCache (got hybrid_swa={ctx.is_hybrid_swa}, hybrid_ssm={ctx.is_hybrid_ssm}, "
+            f"hierarchical_cache={ctx.enable_hierarchical_cache})"
+        )
+    hooks = ResidencyHooks()
+    events_file = os.environ.get(EVENTS_FILE_ENV)
+    if events_file:
+        hooks.subscribe(JsonlEventWriter(events_file))
+    return LayeredRadixCache(ctx.params, hooks=hooks)
+
+
+def _register_layered(hook_registry: Any, hook_type: Any) -> None:
+    from sglang.srt.mem_cache.registry import (
+        get_radix_cache_factory,
+        register_radix_cache_backend,
+    )
+
+    if get_radix_cache_factory(kv_args.RADIX_BACKEND_NAME) is None:
+        register_radix_cache_backend(kv_args.RADIX_BACKEND_NAME, layered_radix_cache_factory)
+    hook_registry.register(_ALLOC_FOR_EXTEND, _after_alloc_for_extend, hook_type.AFTER)
+    hook_registry.register(_ALLOC_FOR_DECODE, _after_alloc_for_decode, hook_type.AFTER)
+
+
+def register() -> None:
+    """Entry point of the ``sglang.srt.plugins`` group (see pyproject.toml)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(_ADD_CLI_ARGS, _after_add_cli_args, HookType.AFTER)
+    HookRegistry.register(_FROM_CLI_ARGS, _around_from_cli_args, HookType.AROUND)
+    HookRegistry.register(_PUBLISH, _after_publish, HookType.AFTER)
+    try:
+        _state.layered = kv_args.LayeredKVArgs.from_env()
+    except ValueError as exc:
+        # load_plugins() swallows exceptions; surface it at publish instead.
+        _state.env_error = f"bad {kv_args.ENV_VAR}: {exc}"
+        return
+    if _state.layered.enable_layered_kv:
+        _register_layered(HookRegistry, HookType)
+
+
+def layered_args() -> kv_args.LayeredKVArgs | None:
+    """The kvplane options this process knows (None before parsing in the launcher)."""
+    return _state.layered

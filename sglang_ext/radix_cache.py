@@ -1,0 +1,191 @@
+"""LayeredRadixCache: SGLang's RadixCache with KV residency hooks (``--radix-cache-backend layered``).
+
+Prefix sharing is SGLang's own (match, insert, lock, LRU eviction are inherited
+unchanged); this class only observes block ownership and reports it through
+:class:`~sglang_ext.hooks.ResidencyHooks`:
+
+- ``allocated`` / ``extended``: from :meth:`on_alloc_extend` / :meth:`on_alloc_decode`,
+  called by the plugin's AFTER hooks on ``mem_cache.allocation.alloc_for_extend`` and
+  ``alloc_for_decode`` (the two functions every non-speculative batch allocates through).
+- ``checkpointed``: a tree insert that created a node (the request's blocks now belong
+  to the tree and can be shared).
+- ``evicted``: a leaf the tree dropped (its blocks are freed right after).
+- ``freed``: every page the allocator gets back, observed on the allocator instance
+  (``free`` / ``free_group_end`` for the token allocator, ``_release_page_ids`` for
+  paged ones), so frees made outside the tree (over-allocation, aborts) are seen too;
+  ``flush_cache`` (``reset`` then ``allocator.clear()``) reports the tree's blocks
+  evicted and freed. ``rid`` on ``freed`` is best effort (set when the free happens
+  inside ``checkpoint`` / ``free_kv_row`` of a known request, None for tree evictions).
+
+Not covered (rejected at construction or documented): speculative decoding and PD
+disaggregation allocate through other paths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import structlog
+import torch
+from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
+
+from sglang_ext.hooks import ResidencyEventKind, ResidencyHooks
+
+log = structlog.get_logger(__name__)
+
+_K = ResidencyEventKind
+
+
+class LayeredRadixCache(RadixCache):
+    """RadixCache that emits residency events; ``residency_hooks`` is the public hub."""
+
+    def __init__(self, params: Any, hooks: ResidencyHooks | None = None) -> None:
+        self.residency_hooks = hooks or ResidencyHooks()
+        self._owner_rid: str | None = None
+        self._rid_of_row: dict[int, str] = {}
+        self._live_blocks: set[int] = set()
+        super().__init__(params)
+        if self.token_to_kv_pool_allocator is not None:
+            self._instrument_allocator(self.token_to_kv_pool_allocator)
+
+    # ----- ownership context -------------------------------------------------
+
+    @contextlib.contextmanager
+    def _owned_by(self, rid: str | None) -> Iterator[None]:
+        previous, self._owner_rid = self._owner_rid, rid
+        try:
+            yield
+        finally:
+            self._owner_rid = previous
+
+    def _blocks_of_slots(self, slots: torch.Tensor) -> list[int]:
+        return sorted(set((slots.to("cpu", torch.int64) // self.page_size).tolist()))
+
+    def _new_blocks(self, slots: torch.Tensor) -> list[int]:
+        """Pages that start inside ``slots`` (offset 0): the pages this allocation opened."""
+        cpu = slots.to("cpu", torch.int64)
+        return (cpu[cpu % self.page_size == 0] // self.page_size).tolist()
+
+    # ----- allocator instrumentation (frees) ---------------------------------
+
+    def _instrument_allocator(self, allocator: Any) -> None:
+        """Wrap the allocator *instance* so every page it gets back is reported once."""
+        if getattr(allocator, "_kvplane_instrumented", False):
+            return
+        cache = self
+        if hasattr(allocator, "_release_page_ids"):
+            original_release = allocator._release_page_ids
+
+            def release_page_ids(*page_ids: torch.Tensor) -> Any:
+                for ids in page_ids:
+                    cache._report_freed(ids.to("cpu", torch.int64).tolist())
+                return original_release(*page_ids)
+
+            allocator._release_page_ids = release_page_ids
+        else:
+            original_free = allocator.free
+            original_group_end = allocator.free_group_end
+            deferred: list[tuple[str | None, list[int]]] = []
+            flushing = [False]
+
+            def free(free_index: torch.Tensor) -> Any:
+                if free_index.numel() > 0 and not flushing[0]:
+                    blocks = cache._blocks_of_slots(free_index)
+                    if allocator.free_group is None:
+                        cache._report_freed(blocks)
+                    else:  # returned at free_group_end(); keep who freed them
+                        deferred.append((cache._owner_rid, blocks))
+                return original_free(free_index)
+
+            def free_group_end() -> Any:
+                flushing[0] = True
+                try:
+                    result = original_group_end()
+                finally:
+                    flushing[0] = False
+                pending = list(deferred)
+                deferred.clear()
+                for rid, blocks in pending:
+                    with cache._owned_by(rid):
+                        cache._report_freed(blocks)
+                return result
+
+            allocator.free = free
+            allocator.free_group_end = free_group_end
+        original_clear = allocator.clear
+
+        def clear() -> Any:
+            cache._report_freed(sorted(cache._live_blocks))
+            cache._rid_of_row.clear()
+            return original_clear()
+
+        allocator.clear = clear
+        allocator._kvplane_instrumented = True
+
+    def _report_freed(self, blocks: list[int]) -> None:
+        if not blocks:
+            return
+        self._live_blocks.difference_update(blocks)
+        self.residency_hooks.emit(_K.FREED, blocks, rid=self._owner_rid)
+
+    # ----- allocation (called from the plugin's allocation hooks) ------------
+
+    def _report_allocated(self, req: Any, slots: torch.Tensor) -> None:
+        blocks = self._new_blocks(slots)
+        if not blocks:
+            return
+        rid = req.rid
+        row = req.kv.req_pool_idx
+        first = self._rid_of_row.get(row) != rid
+        if row is not None:
+            self._rid_of_row[row] = rid
+        self._live_blocks.update(blocks)
+        self.residency_hooks.emit(_K.ALLOCATED if first else _K.EXTENDED, blocks, rid=rid)
+
+    def on_alloc_extend(self, batch: Any, out_cache_loc: torch.Tensor) -> None:
+        """Attribute an extend batch's new slots (concatenated in request order) to requests."""
+        offset = 0
+        for req, extend_len in zip(batch.reqs, batch.extend_lens, strict=True):
+            self._report_allocated(req, out_cache_loc[offset : offset + extend_len])
+            offset += extend_len
+
+    def on_alloc_decode(self, batch: Any, out_cache_loc: torch.Tensor, token_per_req: int) -> None:
+        """Attribute a decode batch's new slots (``token_per_req`` each, request order)."""
+        for i, req in enumerate(batch.reqs):
+            self._report_allocated(req, out_cache_loc[i * token_per_req : (i + 1) * token_per_req])
+
+    # ----- tree hand-over, release, eviction ---------------------------------
+
+    def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+        with self._owned_by(req.rid):
+            super().checkpoint(req, up_to=up_to, **kwargs)
+
+    def _insert_helper(self, node: TreeNode, key: Any, value: Any, priority: int = 0, inserted_len: int = 0):
+        prefix_len, last_node = super()._insert_helper(node, key, value, priority, inserted_len)
+        if prefix_len < len(key) and value is not None and self._owner_rid is not None:
+            self.residency_hooks.emit(
+                _K.CHECKPOINTED, self._blocks_of_slots(last_node.value), rid=self._owner_rid
+            )
+        return prefix_len, last_node
+
+    def free_kv_row(self, kv: Any, ranges: list[tuple[int, int]]) -> None:
+        with self._owned_by(self._rid_of_row.pop(kv.req_pool_idx, None)):
+            super().free_kv_row(kv, ranges)
+
+    def _delete_leaf(self, node: TreeNode) -> None:
+        self.residency_hooks.emit(_K.EVICTED, self._blocks_of_slots(node.value))
+        super()._delete_leaf(node)
+
+    def reset(self) -> None:
+        if getattr(self, "root_node", None) is not None:
+            held: list[int] = []
+            stack = list(self.root_node.children.values())
+            while stack:
+                node = stack.pop()
+                held.extend(self._blocks_of_slots(node.value))
+                stack.extend(node.children.values())
+            if held:
+                self.residency_hooks.emit(_K.EVICTED, sorted(held))
+        super().reset()

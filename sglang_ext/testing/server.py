@@ -1,0 +1,201 @@
+"""Launch a real SGLang server on a free port, wait for health, tear it down.
+
+:class:`SGLangServer` runs ``python -m sglang.launch_server`` in its own process
+group with the CPU settings SGLang needs here (torch_native attention, no CUDA
+graphs, no warm-up), logs to a file, polls ``/health`` with a deadline and kills
+the whole group on :meth:`stop`. Failures quote the log tail.
+
+Usage (pytest fixture sketch)::
+
+    with SGLangServer(model_dir, log_path=tmp / "server.log") as server:
+        server.post("/v1/completions", {...})
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CPU_ARGS: tuple[str, ...] = (
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--disable-cuda-graph",
+    "--skip-server-warmup",
+    "--max-total-tokens",
+    "4096",
+    "--mem-fraction-static",
+    "0.05",
+    "--random-seed",
+    "0",
+)
+"""Flags that make SGLang 0.5.23 serve the tiny model on a CPU-only host."""
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (bind to port 0, read it, release it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ServerError(RuntimeError):
+    """The server failed to start or died; the message carries the log tail."""
+
+
+@dataclass
+class SGLangServer:
+    """One SGLang server process (group) serving ``model_dir`` on ``127.0.0.1:port``."""
+
+    model_dir: Path
+    """Model directory (e.g. from :func:`sglang_ext.testing.tiny_model.build_tiny_model`)."""
+    log_path: Path
+    """File receiving the server's stdout and stderr."""
+    extra_args: Sequence[str] = ()
+    """Flags appended after :data:`CPU_ARGS` (e.g. ``--enable-layered-kv``)."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Environment additions for the server process."""
+    startup_timeout_s: float = 240.0
+    """Deadline for ``/health`` to answer 200."""
+    port: int = 0
+    """Port to bind; 0 picks a free one at start."""
+    python: str = sys.executable
+    """Interpreter that runs ``sglang.launch_server``."""
+    _proc: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        """``http://127.0.0.1:PORT``."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        """The launch command line."""
+        return [
+            self.python,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            str(self.model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *CPU_ARGS,
+            *self.extra_args,
+        ]
+
+    def start(self) -> SGLangServer:
+        """Launch and block until healthy; raise :class:`ServerError` with the log tail otherwise."""
+        if self._proc is not None:
+            raise ServerError("server already started")
+        if not self.port:
+            self.port = free_port()
+        env = {**os.environ, **self.env}
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_file = self.log_path.open("wb")
+        self._proc = subprocess.Popen(
+            self.command(),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        log_file.close()
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise ServerError(
+                    f"SGLang exited with {self._proc.returncode} during start-up\n{self.log_tail()}"
+                )
+            if self._healthy():
+                return self
+            try:  # wait on the process itself: returns at once if it dies
+                self._proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                pass
+        self.stop()
+        raise ServerError(f"SGLang not healthy within {self.startup_timeout_s}s\n{self.log_tail()}")
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=2) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return False
+
+    def log_tail(self, lines: int = 60) -> str:
+        """Last ``lines`` lines of the server log."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM the process group, then SIGKILL whatever survives ``timeout_s``."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=timeout_s)
+
+    def post(self, path: str, payload: Mapping[str, Any], timeout_s: float = 120.0) -> dict:
+        """POST JSON, return the decoded JSON body (raises on HTTP errors, with the body)."""
+        req = urllib.request.Request(
+            self.base_url + path,
+            data=json.dumps(payload).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            raise ServerError(f"POST {path} -> {exc.code}: {exc.read().decode(errors='replace')}") from exc
+
+    def stream(self, path: str, payload: Mapping[str, Any], timeout_s: float = 120.0) -> list[dict]:
+        """POST a streaming request; return the decoded ``data:`` events (without ``[DONE]``)."""
+        req = urllib.request.Request(
+            self.base_url + path,
+            data=json.dumps({**payload, "stream": True}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        events = []
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:") :].strip()
+                if data == "[DONE]":
+                    break
+                events.append(json.loads(data))
+        return events
+
+    def __enter__(self) -> SGLangServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,56 @@
+"""Fixtures for tests against real SGLang 0.5.23 on CPU: the tiny model and a vanilla server.
+
+Servers are expensive on CPU (tens of seconds to start), so the vanilla server is
+session-scoped and shared by every module that compares against it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sglang")
+
+from sglang_ext.testing.server import SGLangServer  # noqa: E402
+from sglang_ext.testing.tiny_model import TinyModelSpec, build_tiny_model  # noqa: E402
+
+PROMPTS: tuple[str, ...] = tuple(
+    f"{head} {tail}"
+    for head in (
+        "The quick brown fox",
+        "A cache keeps recent data",
+        "Time to first token",
+        "Once upon a time there was",
+        "Colors: red orange",
+    )
+    for tail in ("jumps", "is fast", "measures how long", "and then")
+)
+"""20 greedy prompts used for token-identity checks."""
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random-weight Llama model, built once per session."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), TinyModelSpec())
+
+
+@pytest.fixture(scope="session")
+def vanilla_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangServer]:
+    """SGLang with kvplane installed (entry point) but --enable-layered-kv off."""
+    log = tmp_path_factory.mktemp("vanilla") / "server.log"
+    server = SGLangServer(tiny_model_dir, log_path=log)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def greedy(server: SGLangServer, prompt: str, max_new_tokens: int = 6) -> dict:
+    """One greedy /generate call; returns the response dict."""
+    return server.post(
+        "/generate",
+        {"text": prompt, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}},
+    )

@@ -1,0 +1,93 @@
+"""LayeredKVArgs: the --enable-layered-kv flag family validates with clear messages."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from sglang_ext.args import ENV_VAR, LayeredKVArgs, add_arguments
+
+pytestmark = pytest.mark.sglang
+
+
+def _parse(*argv: str) -> LayeredKVArgs:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return LayeredKVArgs.from_namespace(parser.parse_args(list(argv)))
+
+
+def test_defaults_are_off_and_embedded():
+    """Without flags the plugin is off, embedded control plane, fcfs, pacing on."""
+    args = _parse()
+    assert args == LayeredKVArgs()
+    assert not args.enable_layered_kv and args.kv_control_plane == "embedded"
+    assert args.kv_scheduler == "fcfs" and args.pacing
+
+
+def test_full_flag_set_parses(tmp_path):
+    """Every flag parses into the dataclass; grpc target splits into host and port."""
+    files = {name: tmp_path / name for name in ("ca", "cert", "key", "tok", "pol")}
+    for path in files.values():
+        path.write_text("x")
+    args = _parse(
+        "--enable-layered-kv",
+        "--kv-control-plane", "grpc://cp.example:50051",
+        "--kv-policy", str(files["pol"]),
+        "--kv-host-pool-gb", "2.5",
+        "--kv-scheduler", "lvf",
+        "--kv-pacing", "off",
+        "--kv-tls-ca", str(files["ca"]),
+        "--kv-tls-cert", str(files["cert"]),
+        "--kv-tls-key", str(files["key"]),
+        "--kv-policy-token-file", str(files["tok"]),
+    )
+    assert args.enable_layered_kv and args.kv_host_pool_gb == 2.5 and not args.pacing
+    assert (args.control_plane_host, args.control_plane_port) == ("cp.example", 50051)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--kv-scheduler", "sjf"], "--kv-scheduler='sjf' is invalid; allowed: fcfs, layerkv, lvf"),
+        (["--kv-pacing", "maybe"], "--kv-pacing='maybe' is invalid; allowed: on, off"),
+        (["--kv-host-pool-gb", "0"], "--kv-host-pool-gb=0.0 is out of range (0, 65536]"),
+        (["--kv-host-pool-gb", "1e9"], "out of range (0, 65536]"),
+        (["--kv-control-plane", "http://x:1"], "allowed: 'embedded' or 'grpc://HOST:PORT'"),
+        (["--kv-control-plane", "grpc://x:70000"], "port 70000 is out of range [1, 65535]"),
+        (["--kv-policy", "/nonexistent/policy.yaml"], "--kv-policy='/nonexistent/policy.yaml': no such file"),
+    ],
+)
+def test_bad_values_name_the_flag_and_range(argv, message):
+    """A bad value raises ValueError naming the flag, the value and the allowed set."""
+    with pytest.raises(ValueError) as info:
+        _parse(*argv)
+    assert message in str(info.value)
+
+
+def test_tls_needs_remote_and_pairs(tmp_path):
+    """TLS options need a grpc:// control plane, and cert/key come together."""
+    cert = tmp_path / "cert"
+    cert.write_text("x")
+    with pytest.raises(ValueError, match="only apply to a remote control plane"):
+        LayeredKVArgs(kv_tls_ca=str(cert))
+    with pytest.raises(ValueError, match="must be given together"):
+        LayeredKVArgs(kv_control_plane="grpc://h:1", kv_tls_cert=str(cert))
+
+
+def test_env_round_trip_and_rejects_unknown_keys():
+    """to_json/from_env round-trips; unknown keys and non-objects are rejected by name."""
+    args = LayeredKVArgs(enable_layered_kv=True, kv_scheduler="layerkv")
+    assert LayeredKVArgs.from_env({ENV_VAR: args.to_json()}) == args
+    assert LayeredKVArgs.from_env({}) == LayeredKVArgs()
+    with pytest.raises(ValueError, match="unknown kvplane option"):
+        LayeredKVArgs.from_env({ENV_VAR: '{"kv_bogus": 1}'})
+    with pytest.raises(ValueError, match="must hold a JSON object"):
+        LayeredKVArgs.from_env({ENV_VAR: "[1]"})
+
+
+def test_add_arguments_is_idempotent():
+    """Adding the flags twice to one parser is a no-op the second time."""
+    parser = argparse.ArgumentParser()
+    assert add_arguments(parser) is True
+    assert add_arguments(parser) is False

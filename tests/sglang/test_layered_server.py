@@ -1,0 +1,95 @@
+"""SGLang with --enable-layered-kv: same greedy tokens as vanilla, prefix sharing, consistent residency events.
+
+Scenario: one layered server (module-scoped) writes its residency events to a JSONL
+file (KVPLANE_RESIDENCY_EVENTS_FILE); the session's vanilla server is the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from sglang_ext.hooks import ResidencyEventKind, read_jsonl_events
+from sglang_ext.plugin import EVENTS_FILE_ENV
+from sglang_ext.testing.residency import check_block_lifecycle
+from sglang_ext.testing.server import SGLangServer
+from tests.sglang.conftest import PROMPTS, greedy
+
+pytestmark = pytest.mark.sglang
+
+
+@pytest.fixture(scope="module")
+def layered(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, object]]:
+    """A layered-KV server and the path of its residency-event file."""
+    root = tmp_path_factory.mktemp("layered")
+    events = root / "events.jsonl"
+    server = SGLangServer(
+        tiny_model_dir,
+        log_path=root / "server.log",
+        extra_args=["--enable-layered-kv"],
+        env={EVENTS_FILE_ENV: str(events)},
+    )
+    server.start()
+    try:
+        yield server, events
+    finally:
+        server.stop()
+
+
+def test_layered_radix_backend_is_active(layered):
+    """The flag implies --radix-cache-backend layered and SGLang builds LayeredRadixCache."""
+    server, _ = layered
+    info = json.loads(urllib.request.urlopen(server.base_url + "/server_info").read())
+    assert info["radix_cache_backend"] == "layered"
+    assert "source=registered('layered') impl=LayeredRadixCache" in server.log_path.read_text()
+
+
+def test_greedy_tokens_identical_to_vanilla(layered, vanilla_server):
+    """20 greedy prompts produce token-identical outputs with and without the flag."""
+    server, _ = layered
+    for prompt in PROMPTS:
+        assert greedy(server, prompt)["output_ids"] == greedy(vanilla_server, prompt)["output_ids"], prompt
+
+
+def test_prefix_cache_hits_still_happen(layered):
+    """A request sharing a long prefix with an earlier one reports cached tokens (OpenAI usage too)."""
+    server, _ = layered
+    shared = "Large language models generate one token at a time and keep the keys"
+    greedy(server, shared + " and values")
+    again = greedy(server, shared + " of every token")
+    assert again["meta_info"]["cached_tokens"] >= 10
+    out = server.post(
+        "/v1/completions", {"model": "m", "prompt": shared + " again", "max_tokens": 3, "temperature": 0}
+    )
+    assert out["usage"]["completion_tokens"] == 3
+
+
+def test_streaming_works_with_flag(layered):
+    """Streaming chat completions work with the flag on."""
+    server, _ = layered
+    chunks = server.stream(
+        "/v1/chat/completions",
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0},
+    )
+    assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")) >= 1
+
+
+def test_every_allocated_block_is_freed_exactly_once(layered):
+    """After the requests finish and the cache is flushed, every allocated block was freed once."""
+    server, events_path = layered
+    for prompt in PROMPTS[:4]:
+        greedy(server, prompt)
+    request = urllib.request.Request(server.base_url + "/flush_cache", method="POST")
+    assert urllib.request.urlopen(request).status == 200
+    events = read_jsonl_events(events_path)
+    report = check_block_lifecycle(events)
+    assert report.errors == ()
+    assert report.live_blocks == frozenset()
+    assert report.allocations == report.frees > 0
+    kinds = {e.kind for e in events}
+    assert {ResidencyEventKind.ALLOCATED, ResidencyEventKind.EXTENDED, ResidencyEventKind.CHECKPOINTED,
+            ResidencyEventKind.EVICTED, ResidencyEventKind.FREED} <= kinds
+    assert all(e.rid for e in events if e.kind in (ResidencyEventKind.ALLOCATED, ResidencyEventKind.EXTENDED))
