@@ -103,6 +103,7 @@ class GrpcWorkerSession:
         self._send_queue = send_queue
         self._on_close = on_close
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)
         self._inbox: collections.deque[api.Decision] = collections.deque()
         self._outbox: queue.Queue[object] | None = None  # set while a stream is live
         self._pending: pb.WorkerMessage | None = None  # newest report while disconnected
@@ -164,6 +165,17 @@ class GrpcWorkerSession:
 
     def _drain(self) -> list[api.Decision]:
         with self._lock:
+            out = list(self._inbox)
+            self._inbox.clear()
+        return out
+
+    def wait_decisions(self, timeout_s: float) -> list[api.Decision]:
+        """Block until a decision has arrived (or ``timeout_s``); return and consume them.
+
+        For closed-loop load generators and tests; a worker's step loop uses :meth:`report`.
+        """
+        with self._arrived:
+            self._arrived.wait_for(lambda: bool(self._inbox) or self._closed.is_set(), timeout_s)
             out = list(self._inbox)
             self._inbox.clear()
         return out
@@ -251,6 +263,7 @@ class GrpcWorkerSession:
             self._inbox.extend(decisions)
             if decisions:
                 self._last_decision = decisions[-1]
+                self._arrived.notify_all()
             self.stats.decisions_received += len(decisions)
             if sent_at is not None:
                 self.stats.latencies_ms.append((now - sent_at) * 1e3)
