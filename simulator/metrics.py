@@ -1,0 +1,168 @@
+"""Run metrics (issue 3 "Outputs"), computed from the engine's per-token record.
+
+* TBT attainment is token level and deposit-masked as OrbitFlow §3.2/§5.1 measure it: the gap
+  between consecutive *deliveries* of a request (the first token excluded, finish-burst tokens
+  count as on time) must be ``<= slo_tbt_ms``. Without a deposit deliveries are generation times.
+* TPOT of a request: ``(last delivery - first delivery) / (n - 1)`` against its TBT SLO (the
+  same latency target, OrbitFlow §2.1); TTFT: first delivery - arrival.
+* Rejected requests (prompt can never fit) count as missing every SLO and are reported.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from simulator.engine import SimResult
+from simulator.state import FINISHED, REJECTED
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank-interpolated percentile (numpy's default 'linear'); nan when empty."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True)
+class RunMetrics:
+    """Summary of one simulated run."""
+
+    policy: str
+    """Policy name."""
+    requests: int
+    """Requests in the trace."""
+    finished: int
+    """Requests that finished."""
+    rejected: int
+    """Requests rejected (prompt never fits)."""
+    tbt_attainment: float
+    """Fraction of delivered tokens (after each request's first) within the TBT SLO."""
+    tpot_attainment: float
+    """Fraction of requests whose TPOT is within the SLO."""
+    ttft_attainment: float
+    """Fraction of requests whose TTFT is within the TTFT SLO."""
+    tbt_p50_ms: float
+    tbt_p95_ms: float
+    tbt_p99_ms: float
+    tpot_p50_ms: float
+    tpot_p95_ms: float
+    tpot_p99_ms: float
+    ttft_mean_ms: float
+    ttft_p50_ms: float
+    ttft_p95_ms: float
+    ttft_p99_ms: float
+    e2e_mean_ms: float
+    """Mean arrival-to-last-token time."""
+    throughput_req_per_min: float
+    """Finished requests per minute over the makespan (first arrival to last finish)."""
+    throughput_tok_per_s: float
+    """Generated tokens per second over the makespan."""
+    kv_util_mean: float
+    """Time-weighted mean of used / budget GPU KV blocks."""
+    kv_max_used_blocks: int
+    """Peak GPU blocks held."""
+    pauses: int
+    """Pause events."""
+    preemptions: int
+    """Recompute/swap preemptions."""
+    solver_calls: int
+    """Planner calls."""
+    solver_calls_per_request: float
+    solver_time_share: float
+    """Planner time / total decode time (OrbitFlow Table 1 'E2E %')."""
+    solver_step_share: float
+    """Mean planner time per call / mean decode step (Table 1 'TBT %')."""
+    solver_charged_ms: float
+    """Planner time that could not hide under a step."""
+    forced_fallbacks: int
+    """Engine safety-net interventions (a policy overflowed memory or stranded a request)."""
+    sim_ms: float
+    """Simulated time."""
+    steps: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (None if isinstance(v, float) and math.isnan(v) else v)
+                for k, v in asdict(self).items()}
+
+
+def compute_metrics(res: SimResult) -> RunMetrics:
+    reqs = res.requests
+    fin = [r for r in reqs if r.state == FINISHED]
+    rejected = sum(1 for r in reqs if r.state == REJECTED)
+    gaps: list[float] = []
+    met = 0
+    tpots: list[float] = []
+    tpot_ok = 0
+    ttfts: list[float] = []
+    ttft_ok = 0
+    e2e: list[float] = []
+    tokens = 0
+    for r in fin:
+        slo = r.spec.slo_tbt_ms
+        d = r.deliver_ms
+        tokens += len(r.gen_ms)
+        ttft = d[0] - r.spec.arrival_ms
+        ttfts.append(ttft)
+        ttft_ok += ttft <= r.spec.slo_ttft_ms * (1 + 1e-9)
+        for i in range(1, len(d)):
+            g = d[i] - d[i - 1]
+            gaps.append(g)
+            met += r.burst[i] or g <= slo * (1 + 1e-9)
+        if len(d) > 1:
+            tpot = (d[-1] - d[0]) / (len(d) - 1)
+            tpots.append(tpot)
+            tpot_ok += tpot <= slo * (1 + 1e-9)
+        else:
+            tpot_ok += 1
+        e2e.append(r.finish_ms - r.spec.arrival_ms)
+    # A rejected request never delivers: every token gap it would have had is a miss.
+    missed = sum(r.spec.output_tokens - 1 for r in reqs if r.state == REJECTED)
+    total_gaps = len(gaps) + missed
+    n = len(reqs)
+    first = min((r.spec.arrival_ms for r in reqs), default=0.0)
+    last = max((r.finish_ms for r in fin), default=first)
+    span_ms = max(last - first, 1e-9)
+    budget = res.profile.gpu_kv_budget_blocks
+    return RunMetrics(
+        policy=res.policy,
+        requests=n,
+        finished=len(fin),
+        rejected=rejected,
+        tbt_attainment=met / total_gaps if total_gaps else 1.0,
+        tpot_attainment=tpot_ok / n if n else 1.0,
+        ttft_attainment=ttft_ok / n if n else 1.0,
+        tbt_p50_ms=percentile(gaps, 50),
+        tbt_p95_ms=percentile(gaps, 95),
+        tbt_p99_ms=percentile(gaps, 99),
+        tpot_p50_ms=percentile(tpots, 50),
+        tpot_p95_ms=percentile(tpots, 95),
+        tpot_p99_ms=percentile(tpots, 99),
+        ttft_mean_ms=sum(ttfts) / len(ttfts) if ttfts else math.nan,
+        ttft_p50_ms=percentile(ttfts, 50),
+        ttft_p95_ms=percentile(ttfts, 95),
+        ttft_p99_ms=percentile(ttfts, 99),
+        e2e_mean_ms=sum(e2e) / len(e2e) if e2e else math.nan,
+        throughput_req_per_min=len(fin) / (span_ms / 60_000.0),
+        throughput_tok_per_s=tokens / (span_ms / 1000.0),
+        kv_util_mean=res.kv_block_ms / (budget * res.sim_ms) if res.sim_ms > 0 else 0.0,
+        kv_max_used_blocks=res.max_used_blocks,
+        pauses=sum(r.pauses for r in reqs),
+        preemptions=sum(r.preemptions for r in reqs),
+        solver_calls=res.solver_calls,
+        solver_calls_per_request=res.solver_calls / n if n else 0.0,
+        solver_time_share=res.solver_ms / res.decode_ms if res.decode_ms > 0 else 0.0,
+        solver_step_share=(
+            (res.solver_ms / res.solver_calls) / (res.decode_ms / res.decode_steps)
+            if res.solver_calls and res.decode_steps else 0.0
+        ),
+        solver_charged_ms=res.solver_charged_ms,
+        forced_fallbacks=res.forced_fallbacks,
+        sim_ms=res.sim_ms,
+        steps=res.steps,
+    )
