@@ -4,14 +4,16 @@ Runs on the session's planning thread (or inline in synchronous mode) and touche
 state. Steps (OrbitFlow §3.3-3.4, plus the per-worker scheduler):
 
 1. The scheduler (fcfs / layerkv / lvf) decides admissions and rotations.
-2. Starvation guard: a request paused for ``policy.max_paused_steps`` or more must run. It joins
-   the batch; while the planner still pauses it, the controller pauses another running request
-   (chosen by ``policy.victim_rule``) and plans again.
+2. Starvation guard: the longest-paused request among those paused for ``policy.max_paused_steps``
+   or more must run. It joins the batch; while the planner still pauses it, the controller pauses
+   another running request (chosen by ``policy.victim_rule``) and plans again. Other starving
+   requests are the first candidates of step 4. Each starvation decision therefore resumes the
+   longest-waiting request (when it fits alone), so starving requests are served in FIFO order.
 3. The planner places the batch one step ahead (every running request's context grows by the
    token decoded at the target step, OrbitFlow §3.3.2 "adding one token to align with the target
    step"); when infeasible it pauses victims itself.
-4. Resume: a paused request (a rotation-in by the scheduler first, then - on a finish or plan
-   expiry - the longest-paused ones) joins only if the plan with it is feasible and pauses nobody
+4. Resume: a paused request (other starving ones first, then the scheduler's rotation-ins, then -
+   on a finish or plan expiry - the longest-paused ones) joins only if the plan with it is feasible and pauses nobody
    (OrbitFlow §3.4: "resumes a paused request only after ... a feasible plan exists"). The first
    refusal ends the attempts, so a request never overtakes a longer-paused one, and at most
    ``MAX_RESUME_TRIALS`` extra plans are solved per decision.
@@ -98,8 +100,11 @@ class DecisionBuilder:
         # Starvation guard (longest-paused first).
         starving = [p for p in inp.paused if p.paused_steps >= policy.max_paused_steps]
         starving.sort(key=lambda p: (-p.paused_steps, p.id))
-        forced = {p.id for p in starving}
-        members = running + starving
+        # Only the longest-paused starving request is forced in (it may displace others); the
+        # rest are first in line for an ordinary resume. Forcing them all at once could leave
+        # every one of them paused when they do not fit together.
+        forced = {p.id for p in starving[:1]}
+        members = running + starving[:1]
         guard_victims: list[str] = []
         while True:
             plan = self._plan(members, inp)
@@ -116,7 +121,12 @@ class DecisionBuilder:
         planner_paused = plan.paused
 
         # Resume attempts: scheduler rotations first, then the longest-paused on finish/expiry.
-        candidates = [rid for rid in sd.resume if rid in paused_by_id and rid not in forced]
+        candidates = [p.id for p in starving[1:]]
+        candidates += [
+            rid
+            for rid in sd.resume
+            if rid in paused_by_id and rid not in forced and rid not in candidates
+        ]
         if inp.try_resume:
             candidates += [
                 p.id for p in inp.paused if p.id not in forced and p.id not in candidates

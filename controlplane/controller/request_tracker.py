@@ -99,16 +99,22 @@ class RequestTracker:
             slo = rs.slo_tbt_ms if rs.slo_tbt_ms is not None else default_slo_tbt_ms
             tracked = self._requests.get(rs.id)
             if tracked is None:
+                # Tokens generated before the controller saw the request were delivered by the
+                # worker already; pacing continues from now (and costs O(1), not O(tokens)).
                 tracked = TrackedRequest(
                     id=rs.id,
                     context_tokens=rs.context_tokens,
-                    generated_tokens=0,
+                    generated_tokens=rs.generated_tokens,
                     own_slo_tbt_ms=rs.slo_tbt_ms,
                     first_seen_ms=now,
                     run_since_ms=now,
                     last_token_ms=now,
                     max_new_tokens=rs.max_new_tokens,
-                    deposit=TokenDeposit(slo),
+                    deposit=TokenDeposit(
+                        slo,
+                        delivered_tokens=rs.generated_tokens,
+                        last_delivery_ms=now if rs.generated_tokens else None,
+                    ),
                 )
                 self._requests[rs.id] = tracked
                 arrived.append(rs.id)

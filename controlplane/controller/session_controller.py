@@ -63,6 +63,29 @@ log = structlog.get_logger(__name__)
 ADMIT_GRACE_STEPS = 16
 """Steps an admitted request may stay in the worker's queue before it is considered again."""
 
+_warm_lock = threading.Lock()
+_warm_done = False
+
+
+def warm_up_solver() -> None:
+    """Load the CBC library once per process, in the calling thread.
+
+    Loading it (python-mip's first ``Model(solver_name="CBC")``) holds the GIL for ~240 ms on the
+    2-core dev machine; left to the first plan on the planning thread, it would stall the worker's
+    ``report()`` for that long. Sessions in asynchronous mode call this when they are opened.
+    """
+    global _warm_done
+    with _warm_lock:
+        if _warm_done:
+            return
+        try:
+            import mip
+
+            mip.Model(solver_name=mip.CBC)
+        except Exception:  # no CBC here: the planner degrades to its exact search
+            log.warning("solver_warm_up_failed", exc_info=True)
+        _warm_done = True
+
 
 @dataclass(frozen=True)
 class SessionStatus:
@@ -127,6 +150,8 @@ class SessionController:
         self._tracker = RequestTracker()
         self._lock = threading.RLock()
         self._settled = threading.Condition(self._lock)
+        if not synchronous:
+            warm_up_solver()
         self._executor: ThreadPoolExecutor | None = (
             None
             if synchronous
@@ -143,7 +168,7 @@ class SessionController:
         self._installed: Decision | None = None  # decision the worker ran the last step with
         self._delivered: Decision | None = None  # latest decision handed to the worker
         self._planned_version: int | None = None
-        self._guarded: set[str] = set()
+        self._guard_step: int | None = None
         self._ready: list[Decision] = []
         self._pending: list[str] = []
         self._pending_resume = False
@@ -189,12 +214,20 @@ class SessionController:
             starving = [
                 r.id
                 for r in self._tracker.paused()
-                if r.id not in self._guarded
-                and r.paused_since_step is not None
+                if r.paused_since_step is not None
                 and report.step - r.paused_since_step >= policy.max_paused_steps
             ]
-            if starving:
-                self._guarded.update(starving)
+            # Re-fire while anyone starves, at most once per window_min steps (each firing resumes
+            # the longest-waiting request; a request that cannot run even alone must not make
+            # every step re-plan).
+            if (
+                starving
+                and not planning
+                and (
+                    self._guard_step is None or report.step - self._guard_step >= policy.window_min
+                )
+            ):
+                self._guard_step = report.step
                 reasons.append("starvation")
             self._update_queue(report)
             has_work = bool(self._tracker.running() or self._tracker.paused() or self._queued)
@@ -443,7 +476,6 @@ class SessionController:
                 self._observer.on_pause(self.worker_id, rid, decision.reason)
         for rid in decision.resume:
             if self._tracker.resume(rid, inp.now_ms):
-                self._guarded.discard(rid)
                 self._observer.on_resume(self.worker_id, rid, decision.reason)
         for rid in decision.admit:
             self._admitted[rid] = inp.step

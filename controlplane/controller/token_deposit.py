@@ -44,13 +44,38 @@ class Delivery:
 class TokenDeposit:
     """The token deposit of one request. Not thread-safe: one owner advances it."""
 
-    def __init__(self, slo_tbt_ms: float) -> None:
+    def __init__(
+        self,
+        slo_tbt_ms: float,
+        *,
+        delivered_tokens: int = 0,
+        last_delivery_ms: float | None = None,
+    ) -> None:
+        """A deposit; ``delivered_tokens``/``last_delivery_ms`` join a stream already under way
+        (tokens generated before the owner saw the request count as delivered, the last at
+        ``last_delivery_ms``, so pacing continues from there)."""
         self._slo_ms = _check_slo(slo_tbt_ms)
+        if (
+            isinstance(delivered_tokens, bool)
+            or not isinstance(delivered_tokens, int)
+            or delivered_tokens < 0
+        ):
+            raise ValueError(
+                f"delivered_tokens: expected an integer >= 0, got {delivered_tokens!r}"
+            )
+        if (last_delivery_ms is None) != (delivered_tokens == 0):
+            raise ValueError(
+                "last_delivery_ms: must be given exactly when delivered_tokens > 0 "
+                f"(got {last_delivery_ms!r} with delivered_tokens={delivered_tokens})"
+            )
         self._pending: deque[tuple[int, float]] = deque()  # (index, generated_ms)
         self._last_delivery_ms: float | None = None
         self._now_ms = -math.inf
-        self._generated = 0
-        self._delivered = 0
+        if last_delivery_ms is not None:
+            self._tick(last_delivery_ms)
+            self._last_delivery_ms = float(last_delivery_ms)
+        self._generated = delivered_tokens
+        self._delivered = delivered_tokens
         self._violations = 0
         self._finished = False
 

@@ -138,3 +138,14 @@ def test_deposit_invariants(slo: float, seq: list[tuple[str, float, int]], finis
             assert x.violation == (x.delivered_ms - prev.delivered_ms > s * (1 + 1e-12))
         prev = x
     assert d.violations == sum(1 for x, _ in deliveries if x.violation)
+
+
+def test_join_mid_stream_counts_history_as_delivered() -> None:
+    """A deposit joining a stream under way paces from the last delivery; history is not re-held."""
+    d = TokenDeposit(100.0, delivered_tokens=500, last_delivery_ms=1000.0)
+    assert (d.generated, d.delivered, d.balance) == (500, 500, 0)
+    assert d.generate(1010.0) == []  # paced: due at 1100
+    (x,) = d.advance(1100.0)
+    assert (x.index, x.delivered_ms) == (500, 1100.0)
+    with pytest.raises(ValueError, match="last_delivery_ms"):
+        TokenDeposit(100.0, delivered_tokens=3)
