@@ -30,6 +30,8 @@ except ImportError:  # pragma: no cover - triton ships with torch on Linux
 
 COPY_BLOCK_ELEMS = 1024
 """Elements (of the word dtype) each Triton program copies."""
+LOOP_COPY_MIN_BYTES = 16384
+"""CPU reference: segments at least this large are copied row by row (no temporary)."""
 
 
 def _check(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None:
@@ -54,6 +56,11 @@ def copy_segments_ref(
     """Torch reference: ``dst[dst_idx] = src[src_idx]`` (indices may live on any device)."""
     _check(src, dst, src_idx, dst_idx)
     if src_idx.numel() == 0:
+        return
+    if src.shape[1] * src.element_size() >= LOOP_COPY_MIN_BYTES and not (src.is_cuda or dst.is_cuda):
+        # Large host segments: row copies avoid index_select's temporary (page faults dominate).
+        for s, d in zip(src_idx.tolist(), dst_idx.tolist(), strict=True):
+            dst[d].copy_(src[s])
         return
     rows = src.index_select(0, src_idx.to(src.device, torch.long))
     dst.index_copy_(0, dst_idx.to(dst.device, torch.long), rows.to(dst.device))
