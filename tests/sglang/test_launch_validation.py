@@ -1,0 +1,30 @@
+"""Bad kvplane launch options stop `python -m sglang.launch_server` with a message naming the flag."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.sglang
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--kv-scheduler", "sjf"], "kvplane: invalid launch option: --kv-scheduler='sjf' is invalid; allowed: fcfs, layerkv, lvf"),
+        (["--radix-cache-backend", "foo"], "kvplane: --enable-layered-kv needs --radix-cache-backend layered (implied), got 'foo'"),
+    ],
+)
+def test_launcher_rejects_bad_options(tiny_model_dir, extra, message):
+    """The launcher exits non-zero before starting any subprocess and prints the reason."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang.launch_server", "--model-path", str(tiny_model_dir),
+         "--device", "cpu", "--enable-layered-kv", *extra],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode != 0
+    assert message in proc.stderr
