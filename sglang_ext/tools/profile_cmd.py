@@ -1,7 +1,9 @@
 """`kvplane profile`: per-layer compute vs batch tokens and H2D/D2H bandwidth -> a profile file.
 
 The profile (schema: :mod:`sglang_ext.dataplane.profile_schema`) is what the planner and the
-simulator load. Layer compute is measured on a synthetic Llama-style decoder layer of the given
+simulator load: ``layer_compute_ms`` is the least-squares affine fit ``{fixed_ms, per_token_ms}``
+over the measured points (kept under ``measured_points``), where *tokens* is the number of
+sequences decoded in the step, each over ``--context`` tokens. Layer compute is measured on a synthetic Llama-style decoder layer of the given
 shape (QKV and output projections, gated MLP, decode attention over ``--context`` tokens per
 sequence); bandwidth is the data plane's own batched block copy between the block-first host pool
 and the device pool.
@@ -10,6 +12,8 @@ and the device pool.
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import torch
 
@@ -20,6 +24,7 @@ from sglang_ext.dataplane.bench_env import (
     describe_device,
     resolve_device,
     time_ms,
+    write_result,
 )
 from sglang_ext.dataplane.profile_schema import DeviceProfile
 
@@ -81,6 +86,19 @@ def bandwidth_gbps(args: argparse.Namespace, device: str, dtype: torch.dtype) ->
     return nbytes / h2d / 1e6, nbytes / d2h / 1e6, 2 * seg * dev.element_size()
 
 
+def affine_fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares ``ms = fixed + per_token * tokens``, both clamped at >= 0."""
+    n = len(points)
+    if n == 1:
+        return max(0.0, points[0][1]), 0.0
+    mt = sum(t for t, _ in points) / n
+    mm = sum(m for _, m in points) / n
+    var = sum((t - mt) ** 2 for t, _ in points)
+    slope = sum((t - mt) * (m - mm) for t, m in points) / var if var else 0.0
+    slope = max(0.0, slope)
+    return max(0.0, mm - slope * mt), slope
+
+
 def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device, "profile")
     if device is None:
@@ -98,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  layer compute, {t:>5} tokens: {ms:8.3f} ms")
     h2d, d2h, block_bytes = bandwidth_gbps(args, device, dtype)
     print(f"  batched H2D {h2d:.2f} GB/s, D2H {d2h:.2f} GB/s (block {block_bytes} bytes)")
+    fixed, per_token = affine_fit(points)
+    print(f"  fit: layer_ms = {fixed:.4f} + {per_token:.6f} * tokens")
     profile = DeviceProfile(
         device=name,
         layers=args.layers,
@@ -105,15 +125,19 @@ def run(args: argparse.Namespace) -> int:
         block_bytes=block_bytes,
         h2d_gbps=h2d,
         d2h_gbps=d2h,
-        points=tuple(points),
+        fixed_ms=fixed,
+        per_token_ms=per_token,
     )
-    from sglang_ext.dataplane.bench_env import write_result
-
+    extra = {
+        "measured_points": [{"tokens": t, "ms": ms} for t, ms in points],
+        "context_tokens": args.context,
+        "tokens_meaning": "sequences decoded in the step (one new token each, --context each)",
+    }
     if args.out:
-        profile.save(args.out)
-        path = args.out
+        path = Path(args.out)
+        path.write_text(json.dumps({**profile.to_dict(), **extra}, indent=2) + "\n")
     else:
-        path = write_result(args.out_dir, "profile", name, profile.to_dict())
-        DeviceProfile.load(path)  # the file round-trips through the schema
+        path = write_result(args.out_dir, "profile", name, {**profile.to_dict(), **extra})
+    DeviceProfile.load(path)  # the file round-trips through the schema
     print(f"profile: {path}")
     return 0

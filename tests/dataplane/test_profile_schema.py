@@ -56,3 +56,11 @@ def test_tools_refuse_without_cuda(tool, capsys):
         pytest.skip("CUDA present: the tools would run")
     assert main([*tool]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_profile_affine_fit_recovers_a_line():
+    """The profile's least-squares fit returns the line through exact points, clamped at 0."""
+    from sglang_ext.tools.profile_cmd import affine_fit
+
+    assert affine_fit([(1, 1.5), (8, 5.0), (32, 17.0)]) == pytest.approx((1.0, 0.5))
+    assert affine_fit([(1, 2.0), (8, 1.0)])[1] == 0.0  # noisy negative slope is clamped

@@ -2,7 +2,7 @@
 
 Scenario: requests arrive, decode, change placements (including refused ones), prepare and
 abort placement changes, pause (their layers are reclaimed under pressure), resume, and finish,
-on a deliberately small device pool. After every step: every request's KV equals the shadow
+on a deliberately small device pool; installs never hold more blocks than max(before, after). After every step: every request's KV equals the shadow
 copy, allocators hold exactly the blocks the tables own (no leaks, no double use), and device use
 equals controlplane.model.memory_blocks of the installed placement plus paused requests' blocks.
 """
@@ -39,6 +39,16 @@ class LayeredKVMachine(RuleBasedStateMachine):
         self.paused: dict[str, tuple[int, ...]] = {}  # placement before pause
         self.next_id = 0
         self.seed = 0
+        alloc = self.cache.device_pool.allocator
+        self.peak = 0
+        real_alloc = alloc.alloc
+
+        def tracked(n):
+            out = real_alloc(n)
+            self.peak = max(self.peak, alloc.used_count)
+            return out
+
+        alloc.alloc = tracked
 
     def _seed(self) -> int:
         self.seed += 1
@@ -74,12 +84,16 @@ class LayeredKVMachine(RuleBasedStateMachine):
         chosen = data.draw(st.lists(st.sampled_from(active), unique=True, min_size=1, max_size=3))
         new = {r: tuple(data.draw(rows)) for r in chosen}
         before = self.cache.placements()
+        used_before = self.peak = self.cache.device_pool.allocator.used_count
         try:
             self.cache.install_placement(new)
         except DevicePoolFull:
             assert self.cache.placements() == before
             return
         self.expected.update(new)
+        # Offloads run first and staging slots move without allocation, so an install never
+        # holds more blocks than max(before, after): no transient overshoot of the budget.
+        assert self.peak <= max(used_before, self.cache.device_pool.allocator.used_count)
 
     @rule(data=st.data())
     def prepare_then_abort(self, data):
