@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kernels.page_index import pages_to_token_locs
 from sglang_ext.dataplane.errors import RequestStateError
 from sglang_ext.dataplane.results import LayerView, MemoryUsage
 
@@ -127,6 +128,13 @@ class StepProtocol:
             last_page_len=step.last_page_len,
             rids=step.rids,
         )
+
+    def layer_token_locs(self: LayeredKVCache, layer: int) -> torch.Tensor:
+        """Token slots ``[sum kv_lens]`` (int64, batch order) of ``layer`` into
+        ``k_cache.view(-1, H, D)``: the per-layer ``req_to_token`` of token-indexed backends
+        (SGLang ``torch_native``/``triton``), expanded by ``kernels.pages_to_token_locs``."""
+        view = self.layer_view(layer)
+        return pages_to_token_locs(view.kv_indptr, view.kv_indices, view.kv_lens, self.config.block_size)
 
     def end_layer(self: LayeredKVCache, layer: int) -> None:
         """``layer``'s compute is issued: write back its staged new tokens, start next fetches."""

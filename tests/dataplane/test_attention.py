@@ -26,7 +26,8 @@ def scenarios(draw: st.DrawFn) -> tuple[list[int], list[list[int]], list[int], i
 @given(scenarios())
 def test_layered_attention_equals_dense(scenario) -> None:
     """In every layer's window, paged attention over the layer-aware table equals dense
-    attention over exactly what was written (fp32, atol 1e-5), decode and extend alike."""
+    attention over exactly what was written (fp32, atol 1e-5), decode and extend alike, and the
+    token-slot view of the layer reads exactly the written keys."""
     prompt, placement, q_lens, seed = scenario
     cache = LayeredKVCache(small_config(device_blocks=80, host_blocks=80))
     shadow = {}
@@ -51,6 +52,12 @@ def test_layered_attention_equals_dense(scenario) -> None:
             k, v = shadow[rid][layer]
             ref = dense_attention(q[layer, qo_indptr[b] : qo_indptr[b + 1]], k, v)
             torch.testing.assert_close(got[qo_indptr[b] : qo_indptr[b + 1]], ref, rtol=0, atol=1e-5)
+        # Token-indexed view of the same layer (SGLang torch_native style) reads the same KV.
+        locs = cache.layer_token_locs(layer)
+        k_flat = view.k_cache.reshape(-1, *view.k_cache.shape[2:])
+        offsets = [0] + torch.cumsum(view.kv_lens, 0).tolist()
+        for b, rid in enumerate(rids):
+            assert torch.equal(k_flat[locs[offsets[b] : offsets[b + 1]]], shadow[rid][layer][0])
         checked.append(layer)
 
     run_step(cache, dict(zip(rids, q_lens, strict=True)), shadow, seed + 1, on_layer=check)
