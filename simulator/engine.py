@@ -148,6 +148,8 @@ class SimResult:
     forced_fallbacks: int = 0
     evicted_blocks: int = 0
     """Blocks evicted lazily from paused requests."""
+    worker_admissions: int = 0
+    """Head-of-queue admissions the engine made because the server was idle (liveness)."""
     step_log: list[StepInfo] = field(default_factory=list)
 
 
@@ -407,6 +409,8 @@ class Engine:
     def _force_fit(self) -> None:
         """Make the running batch fit memory (safety net; counted)."""
         budget = self.p.gpu_kv_budget_blocks
+        if self._decode_peak() <= budget:
+            return
         if self._decode_peak() > budget:
             # First defer promotions (they need a staging slot for one step); not a fallback.
             for r in self.running:
@@ -454,21 +458,45 @@ class Engine:
 
     def _decode_peak(self, demote_first: bool = True) -> int:
         """Peak GPU blocks of the next decode step (see :meth:`_rows`)."""
-        total = sum(self._held(r) for r in self.paused)
+        return self._peaks()[1 if demote_first else 0]
+
+    def _peaks(self) -> tuple[int, int]:
+        """(peak keeping demoted layers during the step, peak demoting first)."""
+        paused = sum(self._held(r) for r in self.paused)
+        union_total = demote_total = paused
         for r in self.running:
             b = self._kvb(r)
-            row = self._rows(r, demote_first)
-            tgt = r.target or row
-            resident = sum(1 for a, t in zip(row, tgt, strict=True) if a or t)
-            total += b * (resident + (0 if all(row) else 1))
-        return total
+            cur = r.resident
+            tgt = r.target
+            if cur is None:
+                n = sum(tgt) if tgt is not None else 0
+                union_total += b * (n + 1)
+                demote_total += b * (n + 1)
+                continue
+            if tgt is None or tgt is cur or tgt == cur:
+                n = sum(cur)
+                extra = b * (n + (0 if n == len(cur) else 1))
+                union_total += extra
+                demote_total += extra
+                continue
+            union = 0
+            keep = 0
+            ntgt = 0
+            for a, t in zip(cur, tgt, strict=True):
+                union += a | t
+                keep += a & t
+                ntgt += t
+            union_total += b * (union + (0 if all(cur) else 1))
+            demote_total += b * (ntgt + (0 if keep == len(cur) else 1))
+        return union_total, demote_total
 
     def _decode_step(self, extra_serial_ms: float, extra_overlap_ms: float,
                      solver_ms: float) -> StepInfo:
         p = self.p
         self._force_fit()
-        demote_first = self._decode_peak(False) > p.gpu_kv_budget_blocks
-        used = self._decode_peak(demote_first)
+        union_peak, demote_peak = self._peaks()
+        demote_first = union_peak > p.gpu_kv_budget_blocks
+        used = demote_peak if demote_first else union_peak
         start = self.now
         if not self.running:
             return StepInfo(self.step, start, extra_serial_ms, "decode", {}, 0.0, used, 0.0, (), 0)
@@ -555,6 +583,12 @@ class Engine:
             res.solver_ms += solver_ms
             res.solver_calls += act.solver_calls
             admitted, serial_ms, overlap_ms = self._apply(act)
+            if (not admitted and not self.running and not self.paused and not self.swapped
+                    and self.queue and not act.admit):
+                # Worker liveness rule: an idle worker with a queue admits its head (SGLang
+                # would chunk a prompt its scheduler cannot place whole). Counted.
+                admitted, _, _ = self._apply(Actions(admit=[self.queue[0].id]))
+                res.worker_admissions += len(admitted)
             if admitted:
                 info = self._prefill_step(admitted, serial_ms + overlap_ms)
                 res.prefill_steps += 1

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from controlplane.model import step_time_ms
+from controlplane.api import QueuedRequest
+from controlplane.controller.schedulers import FcfsScheduler, RequestView, SchedulerView
+from controlplane.model import Hardware, ModelSpec, step_time_ms
 from controlplane.planner.candidates import candidate_set
+from controlplane.policy import Policy
 from simulator.engine import StepInfo
 from simulator.profile import SimProfile
 from simulator.state import Actions, EngineView, SimRequest
@@ -29,6 +32,77 @@ class BasePolicy:
     def start(self, profile: SimProfile, trace: Sequence[TraceRequest]) -> None:
         self.p = profile
         self.cands = candidate_set(profile.layers)
+        self.model_spec = ModelSpec(profile.layers, profile.block_size, profile.block_bytes)
+        self.hardware = Hardware(profile.gpu_kv_budget_blocks, profile.h2d_gbps)
+        self.cp_policy = Policy(
+            slo_tbt_ms=min((t.slo_tbt_ms for t in trace), default=200.0),
+            slo_ttft_ms=min((t.slo_ttft_ms for t in trace), default=5000.0),
+        )
+        self._fcfs = FcfsScheduler()
+
+    # ---- the control plane's schedulers -----------------------------------------------------
+    def admissible_queue(self, view: EngineView) -> tuple[QueuedRequest, ...]:
+        """The queue prefix the worker's own limits (batch size, token budget) could admit."""
+        p = self.p
+        hold = self.paused_hold_slot
+        flight = list(view.running) + (list(view.paused) + list(view.swapped) if hold else [])
+        n = len(flight)
+        tokens = sum(r.context for r in flight)
+        out: list[QueuedRequest] = []
+        for q in view.queued:
+            if n + 1 > p.max_batch_size or (tokens + q.context > p.token_budget and n > 0):
+                break
+            out.append(QueuedRequest(q.id, q.context, q.spec.arrival_ms, q.spec.slo_ttft_ms))
+            n += 1
+            tokens += q.context
+        return tuple(out)
+
+    @staticmethod
+    def request_view(r: SimRequest, now_ms: float) -> RequestView:
+        return RequestView(
+            id=r.id,
+            context_tokens=r.context,
+            generated_tokens=r.generated,
+            slo_tbt_ms=r.spec.slo_tbt_ms,
+            first_seen_ms=r.admitted_ms if r.admitted_ms is not None else now_ms,
+            run_since_ms=r.run_since_ms,
+            last_token_ms=r.gen_ms[-1] if r.gen_ms else now_ms,
+            deposit_tokens=r.deposit.balance if r.deposit is not None else 0,
+            paused=r.state != "running",
+            paused_steps=r.paused_steps,
+            max_new_tokens=r.spec.output_tokens,
+        )
+
+    def scheduler_view(self, view: EngineView, *, tpot_ms: float, free_blocks: int,
+                       policy: Policy | None = None) -> SchedulerView:
+        now = view.now_ms
+        return SchedulerView(
+            step=view.step,
+            now_ms=now,
+            running=tuple(self.request_view(r, now) for r in view.running),
+            paused=tuple(self.request_view(r, now) for r in view.paused + view.swapped),
+            queued=self.admissible_queue(view),
+            model=self.model_spec,
+            hardware=self.hardware,
+            layer_compute_ms=(self.p.layer_compute_ms(0),) * self.p.layers,
+            h2d_gbps=self.p.h2d_gbps,
+            tpot_ms=tpot_ms,
+            free_gpu_blocks=free_blocks,
+            policy=policy or self.cp_policy,
+        )
+
+    def running_free_blocks(self, view: EngineView) -> int:
+        """GPU blocks not held by running requests (paused layers are lazily evictable)."""
+        held = sum(r.blocks(self.p) * r.resident_layers() for r in view.running)
+        return max(0, self.p.gpu_kv_budget_blocks - held)
+
+    def fcfs_scheduler_admit(self, view: EngineView) -> list[str]:
+        """The control plane's FCFS scheduler, exactly as the controller runs it."""
+        if not view.queued:
+            return []
+        sv = self.scheduler_view(view, tpot_ms=view.last_step_ms,
+                                 free_blocks=self.running_free_blocks(view))
+        return list(self._fcfs.schedule(sv).admit)
 
     def decide(self, view: EngineView) -> Actions:  # pragma: no cover - abstract
         raise NotImplementedError

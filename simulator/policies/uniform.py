@@ -14,7 +14,8 @@ they differ in how and when the candidate is chosen:
 * ``dynamic-heuristic``: re-chosen every step: the fewest offloaded layers that fit now.
 
 All of them also step to the next fitting candidate when KV growth would overflow memory (the
-minimum any real system does), admit FCFS, and never pause.
+minimum any real system does), admit with the control plane's FCFS scheduler (the same admission as ``orbitflow``), and never
+pause.
 """
 
 from __future__ import annotations
@@ -69,9 +70,11 @@ class UniformPolicy(BasePolicy):
 
     def decide(self, view: EngineView) -> Actions:
         p = self.p
-        admit = self.fcfs_admit(view)
+        admit = self.fcfs_scheduler_admit(view)
         act = Actions(admit=admit)
         running = list(view.running)
+        for rid in admit:
+            act.gpu_layers[rid] = p.layers  # FCFS reserved the whole prompt (vLLM prefill)
         if not running:
             return act
         ids = frozenset(r.id for r in running)
@@ -92,6 +95,4 @@ class UniformPolicy(BasePolicy):
             self._cand = cand
         row = self.cands.rows[cand]
         act.placements = {r.id: row for r in running}
-        for rid in admit:
-            act.gpu_layers[rid] = sum(row)
         return act
