@@ -60,8 +60,14 @@ def measure(device: str, layers: int, heads: int, dim: int, dtype: torch.dtype, 
         host = host.pin_memory()
     host_segs = host.view(-1, seg)
     layer = layers // 2
-    blocks = torch.randperm(batch * 2)[:batch]
-    src = torch.stack([(blocks * layers + layer) * 2, (blocks * layers + layer) * 2 + 1], 1).flatten()
+    perm = torch.randperm(batch * 2)
+    blocks, others = perm[:batch], perm[batch:]  # duplex writes the other half: no overlap
+
+    def segs(b: torch.Tensor) -> torch.Tensor:
+        return torch.stack([(b * layers + layer) * 2, (b * layers + layer) * 2 + 1], 1).flatten()
+
+    src = segs(blocks)
+    src_other = segs(others).to(device)
     dst = torch.arange(2 * batch)
     src_d, dst_d = src.to(device), dst.to(device)
     nbytes = 2 * batch * seg * elt
@@ -91,7 +97,7 @@ def measure(device: str, layers: int, heads: int, dim: int, dtype: torch.dtype, 
             with torch.cuda.stream(s1):
                 copy_segments(host_segs, dev, src_d, dst_d, impl="triton")
             with torch.cuda.stream(s2):
-                copy_segments(dev2, host_segs, dst_d, src_d, impl="triton")
+                copy_segments(dev2, host_segs, dst_d, src_other, impl="triton")
             torch.cuda.current_stream().wait_stream(s1)
             torch.cuda.current_stream().wait_stream(s2)
 
