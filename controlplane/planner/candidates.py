@@ -63,6 +63,26 @@ class CandidateSet:
         """Per candidate, offloaded layers ``<= l`` for every layer l (cached)."""
         return self.cumulative_counts(range(self.layers))
 
+    @functools.cached_property
+    def next_offloaded(self) -> tuple[tuple[int, ...], ...]:
+        """Per candidate and layer ``l``, its next offloaded layer after ``l`` (-1 when none)."""
+        out = []
+        for off in self.offloaded:
+            row = [-1] * self.layers
+            for a, b in zip(off, off[1:], strict=False):
+                row[a] = b
+            out.append(tuple(row))
+        return tuple(out)
+
+    @functools.cached_property
+    def offloading_at(self) -> tuple[tuple[int, ...], ...]:
+        """Per layer, the candidates that offload it (ascending)."""
+        at: list[list[int]] = [[] for _ in range(self.layers)]
+        for c, off in enumerate(self.offloaded):
+            for layer in off:
+                at[layer].append(c)
+        return tuple(tuple(a) for a in at)
+
     def cumulative_counts(self, layer_ids: Sequence[int]) -> tuple[tuple[int, ...], ...]:
         """Per candidate, how many of its offloaded layers are ``<= l`` for each ``l`` given."""
         return tuple(

@@ -67,7 +67,10 @@ class Evaluator:
         blocks: Sequence[int],
         comp_ms: Sequence[float],
         bw_blocks_per_ms: float,
+        chain_cache: dict[int, list[float]] | None = None,
     ) -> None:
+        """``chain_cache`` (b -> chain row) may be shared by evaluators of the same model,
+        compute profile and bandwidth (e.g. the windows of one plan) to skip recomputation."""
         self.cands = cands
         self.blocks = list(blocks)
         self.comp = list(comp_ms)
@@ -79,7 +82,13 @@ class Evaluator:
         self.suffix = [self.compute_ms - p for p in prefix]
         self.mem = [[b * u for u in cands.mem_units] for b in self.blocks]
         self.volume = [[b * m for m in cands.counts] for b in self.blocks]
-        self.chain = [self._chain_row(b / self.bw, prefix) for b in self.blocks]
+        cache = {} if chain_cache is None else chain_cache
+        self.chain = []
+        for b in self.blocks:
+            row = cache.get(b)
+            if row is None:
+                row = cache[b] = self._chain_row(b / self.bw, prefix)
+            self.chain.append(row)
         self.cum = cands.cumulative
         marks, self.bound_cum = _bound_layers(cands)
         self.bound_layers = marks
@@ -113,20 +122,26 @@ class Evaluator:
 
     # --- bounds -------------------------------------------------------------------------
     def aggregate_bound(self, assign: Sequence[int]) -> float:
-        """``max_l W_l / bw + suffix[l]`` (and the all-on-GPU compute)."""
+        """``max_l W_l / bw + suffix[l]`` over the bound layers (and the all-on-GPU compute).
+
+        Requests are summed per candidate first, so this costs O(R + candidates x marks).
+        """
+        per_cand: dict[int, int] = {}
+        blocks = self.blocks
+        for r, c in enumerate(assign):
+            if c:
+                per_cand[c] = per_cand.get(c, 0) + blocks[r]
         best = self.compute_ms
-        cum, blocks, suffix, bw = self.cum, self.blocks, self.suffix, self.bw
-        active = [(blocks[r], cum[c]) for r, c in enumerate(assign) if c]
-        if not active:
+        if not per_cand:
             return best
-        for layer in range(self.n_layers):
-            w = 0
-            for b, counts in active:
-                w += b * counts[layer]
-            v = w / bw + suffix[layer]
-            if v > best:
-                best = v
-        return best
+        inv = 1.0 / self.bw
+        out = list(self.bound_suffix)
+        for c, w in per_cand.items():
+            w *= inv
+            for i, k in enumerate(self.bound_cum[c]):
+                if k:
+                    out[i] += w * k
+        return max(best, *out)
 
     def work(self, assign: Sequence[int]) -> list[float]:
         """Per bound layer, ``W_l / bw`` (fetch time of every transfer for layers <= l)."""
@@ -149,12 +164,15 @@ class Evaluator:
         """
         lb = max(chain_other, self.chain[r][new], self.compute_ms)
         b = self.blocks[r] / self.bw
-        new_c, old_c, suf = self.bound_cum[new], self.bound_cum[old], self.bound_suffix
-        for i, w in enumerate(work):
-            v = w + b * (new_c[i] - old_c[i]) + suf[i]
-            if v > lb:
-                lb = v
-        return lb
+        agg = max(
+            [
+                w + b * (n - o) + s
+                for w, n, o, s in zip(
+                    work, self.bound_cum[new], self.bound_cum[old], self.bound_suffix, strict=True
+                )
+            ]
+        )
+        return agg if agg > lb else lb
 
     def lower_bound_ms(self, assign: Sequence[int]) -> float:
         """A valid lower bound on :meth:`exact_ms` (chain and aggregate bounds)."""
@@ -164,54 +182,78 @@ class Evaluator:
 
     # --- exact --------------------------------------------------------------------------
     def exact_ms(self, assign: Sequence[int], cutoff: float = math.inf) -> float:
-        """Exact step time (issue 2 §2); ``math.inf`` once it provably reaches ``cutoff``."""
+        """Exact step time (issue 2 §2); ``math.inf`` once it provably reaches ``cutoff``.
+
+        Requests with the same candidate and the same ``b_r`` start and finish every fetch
+        together, so they are simulated as one stream of multiplicity ``k`` (it counts ``k``
+        times in the processor-sharing divisor). Fetches only start at layer ends: at the end of
+        layer ``l`` every group whose candidate offloads ``l`` starts its next fetch.
+        """
         self.evaluations += 1
-        offl = self.cands.offloaded
-        lists = [offl[c] for c in assign]
-        if not any(lists):
+        blocks = self.blocks
+        keys: dict[tuple[int, int], int] = {}
+        for r, c in enumerate(assign):
+            if c:
+                key = (c, blocks[r])
+                keys[key] = keys.get(key, 0) + 1
+        if not keys:
             return self.compute_ms
-        blocks, comp, suffix, bw = self.blocks, self.comp, self.suffix, self.bw
+        cands = self.cands
+        offl, nxt_all = cands.offloaded, cands.next_offloaded
         n_layers = self.n_layers
-        waiting = [0] * n_layers
-        slot_users: list[list[int]] = [[] for _ in range(n_layers)]
+        # groups by candidate: (b, k, gid); per-group multiplicity for pops
+        by_cand: dict[int, list[tuple[float, int]]] = {}
+        gk: list[int] = []
         heap: list[tuple[float, int, int]] = []
-        next_idx = [0] * len(lists)
-        for r, layers in enumerate(lists):
-            if layers:
-                for layer in layers:
-                    waiting[layer] += 1
-                    slot_users[layer].append(r)
-                heap.append((float(blocks[r]), r, layers[0]))
+        waiting = [0] * n_layers
+        per_cand_k: dict[int, int] = {}
+        for (c, b), k in keys.items():
+            g = len(gk)
+            gk.append(k)
+            by_cand.setdefault(c, []).append((float(b), g))
+            per_cand_k[c] = per_cand_k.get(c, 0) + k
+            heap.append((float(b), g, offl[c][0]))
+        for c, k in per_cand_k.items():
+            for layer in offl[c]:
+                waiting[layer] += k
         heapq.heapify(heap)
+        nact = len(assign) - sum(1 for c in assign if not c)
+        at = cands.offloading_at
+        comp, suffix, inv = self.comp, self.suffix, 1.0 / self.bw
+        bw = self.bw
         push, pop = heapq.heappush, heapq.heappop
         v = 0.0
         t = 0.0
         for layer in range(n_layers):
-            while waiting[layer] > 0:
-                finish_v, _, done_layer = pop(heap)
-                t += (finish_v - v) * (len(heap) + 1) / bw
-                v = finish_v
-                waiting[done_layer] -= 1
+            if waiting[layer]:
+                while waiting[layer] > 0:
+                    fv, g, dl = pop(heap)
+                    t += (fv - v) * nact * inv
+                    v = fv
+                    k = gk[g]
+                    nact -= k
+                    waiting[dl] -= k
             if t + suffix[layer] >= cutoff:
                 return math.inf
             end = t + comp[layer]
             while heap:
-                n = len(heap)
-                finish_v, _, done_layer = heap[0]
-                t_done = t + (finish_v - v) * n / bw
+                fv, g, dl = heap[0]
+                t_done = t + (fv - v) * nact * inv
                 if t_done > end:
-                    v += (end - t) * bw / n
+                    v += (end - t) * bw / nact
                     break
                 pop(heap)
-                t, v = t_done, finish_v
-                waiting[done_layer] -= 1
+                t, v = t_done, fv
+                k = gk[g]
+                nact -= k
+                waiting[dl] -= k
             t = end
-            users = slot_users[layer]
-            if users:
-                for r in users:
-                    i = next_idx[r] + 1
-                    next_idx[r] = i
-                    layers = lists[r]
-                    if i < len(layers):
-                        push(heap, (v + blocks[r], r, layers[i]))
+            for c in at[layer]:
+                groups = by_cand.get(c)
+                if groups:
+                    nl = nxt_all[c][layer]
+                    if nl >= 0:
+                        for b, g in groups:
+                            push(heap, (v + b, g, nl))
+                            nact += gk[g]
         return t

@@ -43,6 +43,11 @@ DEFAULT_BUDGET_FRACTION = 0.25
 """Default time budget: this fraction of the predicted step (all-on-GPU compute first)."""
 
 
+def _late(reqs: Sequence[RequestSpec], step_ms: float, window: int) -> float:
+    """``sum_r max(0, 1 - slo_r / T - deposit_r / Δ)`` (OrbitFlow §3.3.1 with §3.2)."""
+    return sum(max(0.0, 1.0 - r.slo_tbt_ms / step_ms - r.deposit_tokens / window) for r in reqs)
+
+
 @dataclass(frozen=True)
 class _Solved:
     reqs: tuple[RequestSpec, ...]
@@ -54,10 +59,22 @@ class _Solved:
         """``sum_r max(0, 1 - slo_r / T - deposit_r / Δ)`` (OrbitFlow §3.3.1 with §3.2)."""
         if self.result is None:
             return math.inf
-        t = self.result.step_ms
-        return sum(
-            max(0.0, 1.0 - r.slo_tbt_ms / t - r.deposit_tokens / self.window) for r in self.reqs
-        )
+        return _late(self.reqs, self.result.step_ms, self.window)
+
+
+class _Context:
+    """Per-call state of one :meth:`Planner.plan`: deadline, shared caches, the best plan seen."""
+
+    def __init__(self, batch: Batch, deadline: float) -> None:
+        self.batch = batch
+        self.deadline = deadline
+        self.cands = candidate_set(batch.model.layers)
+        self.chain_cache: dict[int, list[float]] = {}
+        self.solved: dict[tuple[tuple[str, ...], tuple[int, ...]], _Solved] = {}
+        self.searches = 0
+
+    def left_s(self) -> float:
+        return self.deadline - time.perf_counter()
 
 
 class Planner:
@@ -93,25 +110,33 @@ class Planner:
             raise ValueError(f"time_budget_ms must be >= 0, got {time_budget_ms}")
         compute_ms = sum(batch.profile.layer_compute_ms)
         budget_ms = self._fraction * compute_ms if time_budget_ms is None else time_budget_ms
-        deadline = t0 + budget_ms / 1e3
-        rng = random.Random(seed)
+        ctx = _Context(batch, t0 + budget_ms / 1e3)
+        victims = self._victim_order(batch, victim_rule, random.Random(seed))
         reqs = tuple(batch.requests)
         paused: list[str] = []
+        by_bound = 0
         chosen: _Solved | None = None
         hint: dict[str, int] = {}
         while reqs:
-            chosen = self._best_window(batch, reqs, deadline, hint)
-            if chosen is not None:
-                break
-            victim = self._victim(batch, reqs, victim_rule, rng)
+            # Pause without searching while a valid bound proves that no assignment works.
+            if not self._bound_allows(batch, reqs):
+                by_bound += 1
+            else:
+                chosen = self._best_window(ctx, reqs, hint, optimistic=not paused)
+                if chosen is not None:
+                    break
+            victim = victims[len(paused)]
             paused.append(victim.id)
             reqs = tuple(r for r in reqs if r.id != victim.id)
         solve_ms = (time.perf_counter() - t0) * 1e3
         plan = self._to_plan(batch, chosen, paused, solve_ms, current_step)
+        plan.extras.update(searches=ctx.searches, paused_by_bound=by_bound)
         log.info(
             "plan_solved",
             requests=len(batch.requests),
             paused=len(paused),
+            paused_by_bound=by_bound,
+            searches=ctx.searches,
             window_steps=plan.window_steps,
             predicted_step_ms=round(plan.predicted_step_ms, 4),
             solver=plan.solver,
@@ -120,21 +145,69 @@ class Planner:
         )
         return plan
 
+    # --- bounds ---------------------------------------------------------------------------
+    @staticmethod
+    def step_lower_bound_ms(batch: Batch, reqs: Sequence[RequestSpec], window: int) -> float:
+        """A valid lower bound on the step time of *any* memory-feasible assignment of ``reqs``.
+
+        Memory (issue 2 §2) forces an offloaded volume ``V = sum_r b_r m_r >= sum_r b_r L - B +
+        staging`` with staging at least the smallest ``b_r`` once anything is offloaded. Every
+        fetch lands before the last offloaded layer starts and the link moves ``bw`` blocks/ms,
+        so ``T >= V / bw + comp[L-1]`` (the last layer always runs after it); and ``T >= sum comp``.
+        Returns ``math.inf`` when even everything offloaded does not fit memory.
+        """
+        comp = batch.profile.layer_compute_ms
+        total = sum(comp)
+        if not reqs:
+            return total
+        blocks = [r.blocks(batch.model.block_size, window) for r in reqs]
+        budget = batch.hardware.gpu_kv_budget_blocks
+        if sum(blocks) > budget:
+            return math.inf
+        excess = sum(blocks) * len(comp) - budget
+        if excess <= 0:
+            return total
+        volume = excess + min(blocks)
+        return max(total, volume / batch.bw_blocks_per_ms + comp[-1])
+
+    def _bound_allows(self, batch: Batch, reqs: tuple[RequestSpec, ...]) -> bool:
+        """False when memory or the SLO cap is provably infeasible for ``reqs`` at ``window_min``
+        (feasibility is monotone in the window, so then no window works)."""
+        pol = batch.policy
+        t_lb = self.step_lower_bound_ms(batch, reqs, pol.window_min)
+        if math.isinf(t_lb):
+            return False
+        return _late(reqs, t_lb, pol.window_min) <= pol.alpha + 1e-12
+
     # --- window selection ---------------------------------------------------------------
     def _solve(
         self,
-        batch: Batch,
+        ctx: _Context,
         reqs: tuple[RequestSpec, ...],
         window: int,
-        deadline: float,
+        share: float,
         warm: Sequence[tuple[int, ...]] = (),
     ) -> _Solved:
-        cands = candidate_set(batch.model.layers)
-        blocks = [r.blocks(batch.model.block_size, window) for r in reqs]
-        ev = Evaluator(cands, blocks, batch.profile.layer_compute_ms, batch.bw_blocks_per_ms)
+        """Search at ``window`` for at most ``share`` of the remaining budget (the last search
+        of a call gets the rest). Windows with the same block counts share one search."""
+        batch = ctx.batch
+        blocks = tuple(r.blocks(batch.model.block_size, window) for r in reqs)
+        key = (tuple(r.id for r in reqs), blocks)
+        prev = ctx.solved.get(key)
+        if prev is not None:
+            return _Solved(reqs, window, prev.ev, prev.result)
+        now = time.perf_counter()
+        deadline = now + max(0.0, ctx.deadline - now) * share
+        ev = Evaluator(
+            ctx.cands, blocks, batch.profile.layer_compute_ms, batch.bw_blocks_per_ms,
+            chain_cache=ctx.chain_cache,
+        )
         search = PlacementSearch(ev, batch.hardware.gpu_kv_budget_blocks, deadline)
+        ctx.searches += 1
         result = search.run(warm, mip=self._mip, exact=self._exact)
-        return _Solved(reqs, window, ev, result)
+        solved = _Solved(reqs, window, ev, result)
+        ctx.solved[key] = solved
+        return solved
 
     def _ok(self, solved: _Solved, alpha: float) -> bool:
         return solved.result is not None and solved.late_fraction() <= alpha + 1e-12
@@ -151,20 +224,13 @@ class Planner:
     ) -> int | None:
         """Largest Δ in [lo, hi] whose late fraction at step time ``step_ms`` is within alpha.
 
-        The late fraction grows with Δ (the deposit credit ``deposit_r / Δ`` shrinks).
+        The late fraction depends on Δ only through ``deposit_r / Δ`` and grows with Δ.
         """
-
-        def ok(window: int) -> bool:
-            late = sum(
-                max(0.0, 1.0 - r.slo_tbt_ms / step_ms - r.deposit_tokens / window) for r in reqs
-            )
-            return late <= alpha + 1e-12
-
-        if lo > hi or not ok(lo):
+        if lo > hi or _late(reqs, step_ms, lo) > alpha + 1e-12:
             return None
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if ok(mid):
+            if _late(reqs, step_ms, mid) <= alpha + 1e-12:
                 lo = mid
             else:
                 hi = mid - 1
@@ -172,52 +238,91 @@ class Planner:
 
     def _best_window(
         self,
-        batch: Batch,
+        ctx: _Context,
         reqs: tuple[RequestSpec, ...],
-        deadline: float,
         hint: dict[str, int],
+        *,
+        optimistic: bool,
     ) -> _Solved | None:
         """The plan at the largest feasible window, or None when even ``window_min`` fails.
 
-        A plan for Δ stays valid for any smaller window (fewer blocks, step time no larger), so
-        the plan found at ``window_max`` bounds the step time from above: the largest window its
-        step time allows is feasible. Larger windows up to the one allowed by the (smaller) step
-        time at that window are then bisected with warm-started searches.
+        At most four searches (OrbitFlow §3.3.1 window, computed analytically):
+
+        1. ``optimistic`` (nobody paused yet): search at ``window_max``; done when feasible.
+           Its step time ``T_max`` bounds the step at every smaller window from above, so the
+           largest Δ whose late fraction at ``T_max`` is within alpha is (almost surely)
+           feasible: search there next (else at ``window_min``).
+        2. With the step time ``T`` found at that Δ, the late fraction bounds the window from
+           above: the largest Δ' allowed at ``T`` (a larger window has at least as many blocks,
+           so its step is no smaller). Probe Δ' and, if it fails, the midpoint once.
+        Each search is warm-started with the previous answer.
         """
-        pol = batch.policy
-        hinted = [tuple(hint[r.id] for r in reqs)] if all(r.id in hint for r in reqs) else []
-        if hint and time.perf_counter() >= deadline:
-            # Out of time while pausing victims: only check the smallest window, warm-started.
-            best = self._solve(batch, reqs, pol.window_min, deadline, hinted)
-            self._remember(best, hint)
-            return best if self._ok(best, pol.alpha) else None
-        top = self._solve(batch, reqs, pol.window_max, deadline, hinted)
-        self._remember(top, hint)
-        if self._ok(top, pol.alpha):
-            return top
-        if top.result is not None:
-            start = self._largest_window(reqs, top.result.step_ms, pol.alpha, pol.window_min, pol.window_max)
-            warm = [top.result.assign]
-        else:
-            start, warm = None, []
-        best = self._solve(batch, reqs, pol.window_min if start is None else start, deadline, warm)
-        self._remember(best, hint)
-        if not self._ok(best, pol.alpha):
-            return None
-        assert best.result is not None
-        lo = best.window
-        hi = self._largest_window(reqs, best.result.step_ms, pol.alpha, lo, pol.window_max - 1)
-        hi = lo if hi is None else hi
-        while hi > lo and time.perf_counter() < deadline:
-            mid = (lo + hi + 1) // 2
-            probe = self._solve(batch, reqs, mid, deadline, [best.result.assign, *warm])
-            if self._ok(probe, pol.alpha):
-                best, lo = probe, mid
+        pol = ctx.batch.policy
+        alpha = pol.alpha
+        warm: list[tuple[int, ...]] = (
+            [tuple(hint[r.id] for r in reqs)] if all(r.id in hint for r in reqs) else []
+        )
+        start = pol.window_min
+        if optimistic:
+            top = self._solve(ctx, reqs, pol.window_max, 0.6, warm)
+            self._remember(top, hint)
+            if self._ok(top, alpha):
+                return top
+            if top.result is None:  # nothing fits at window_max; try the smallest window
+                start = pol.window_min
             else:
-                hi = mid - 1
-                if probe.result is not None:
-                    warm = [probe.result.assign]
+                warm = [top.result.assign]
+                allowed = self._largest_window(
+                    reqs, top.result.step_ms, alpha, pol.window_min, pol.window_max - 1
+                )
+                start = pol.window_min if allowed is None else allowed
+        best = self._solve(ctx, reqs, start, 0.5, warm)
+        self._remember(best, hint)
+        if not self._ok(best, alpha) and start > pol.window_min:
+            best = self._solve(ctx, reqs, pol.window_min, 0.5, self._assigns(best, warm))
+            self._remember(best, hint)
+        if not self._ok(best, alpha):
+            return None
+        top_window = pol.window_max - 1 if optimistic else pol.window_max
+        for probes_left in (2, 1):
+            assert best.result is not None
+            hi = self._largest_window(
+                reqs, best.result.step_ms, alpha, best.window, top_window
+            )
+            if hi is None or hi <= best.window:
+                break
+            probe = self._solve(ctx, reqs, hi, 0.5 if probes_left > 1 else 1.0, self._assigns(best))
+            if self._ok(probe, alpha):
+                best = probe
+                continue
+            top_window = hi - 1
+            mid = (best.window + hi) // 2
+            if mid <= best.window or probes_left == 1:
+                break
+            probe = self._solve(ctx, reqs, mid, 1.0, self._assigns(best, self._assigns(probe)))
+            if self._ok(probe, alpha):
+                best = probe
+            break
         return best
+
+    @staticmethod
+    def _assigns(solved: _Solved, more: Sequence[tuple[int, ...]] = ()) -> list[tuple[int, ...]]:
+        out = [] if solved.result is None else [solved.result.assign]
+        return out + [a for a in more if a not in out]
+
+    # --- pausing ------------------------------------------------------------------------
+    @classmethod
+    def _victim_order(
+        cls, batch: Batch, rule: str, rng: random.Random
+    ) -> list[RequestSpec]:
+        """Every request in the order the victim rule would pause them one by one."""
+        reqs = list(batch.requests)
+        order = []
+        while reqs:
+            v = cls._victim(batch, tuple(reqs), rule, rng)
+            order.append(v)
+            reqs.remove(v)
+        return order
 
     # --- pausing ------------------------------------------------------------------------
     @staticmethod

@@ -5,14 +5,23 @@
 1. every memory-feasible *uniform* assignment (one candidate for all requests), in lower-bound
    order, pruned only by a valid lower bound — so the result is never worse than the best
    uniform distance;
-2. a *greedy* fill: start with nothing offloaded and offload where the lower bound grows least per
-   block freed until memory fits;
+2. *mixed fills*: from the least-offloading uniform that fits, requests step back to the next
+   lighter candidate while memory allows, in a few orders (chain-bound cost per block, largest
+   first, smallest first) — cheap constructive plans that use the memory the uniform wastes;
+   and, on small problems, a *greedy* fill by lower bound per block freed;
 3. warm starts the caller passes (a previous window's plan, the MIP's answer);
 4. *local search* with the exact model: single-request moves, then paired moves (one request
    offloads less, another more), neighbours tried in lower-bound order and skipped when the bound
    proves they cannot improve;
-5. *branch and bound* over the full candidate space (exact model at the leaves, chain/aggregate
-   bounds and memory to prune); when it completes the result is optimal over the candidate space.
+5. the CBC stage (:class:`MipStage`) when enough budget remains;
+6. *branch and bound* over the full candidate space (exact model at the leaves, chain/aggregate
+   bounds and memory to prune) on batches of at most ``bnb_max_requests`` requests; when it
+   completes the result is optimal over the candidate space.
+
+Large problems (``requests x candidates > 400``) use narrower neighbourhoods: single moves to
+candidates within two steps, paired moves among the most promising requests only. Every stage
+checks the deadline before each exact evaluation, so a search overruns it by at most one
+evaluation.
 
 All candidates are evaluated with :meth:`Evaluator.exact_ms`, so the returned step time is the
 exact model's prediction.
@@ -62,8 +71,10 @@ class PlacementSearch:
         deadline: float,
         *,
         bnb_node_limit: int = 20_000,
+        bnb_max_requests: int = 24,
     ) -> None:
         self.ev = ev
+        self.bnb_max_requests = bnb_max_requests
         self.budget = budget_blocks
         self.deadline = deadline
         self.bnb_node_limit = bnb_node_limit
@@ -73,6 +84,9 @@ class PlacementSearch:
         self.best_ms = math.inf
         self.best_src = ""
         self.seen: set[tuple[int, ...]] = set()
+        self._local_optimum: tuple[int, ...] | None = None
+        self.wide = self.n_req * self.n_cand <= 400
+        """Full neighbourhoods (small problems) or narrowed ones (large problems)."""
 
     # --- helpers ------------------------------------------------------------------------
     def _expired(self) -> bool:
@@ -111,6 +125,91 @@ class PlacementSearch:
             if self.best is not None and self._expired():
                 raise _Deadline
             self._offer(a, "uniform")
+
+    def mixed(self) -> None:
+        """Mixed fills between the least-offloading feasible uniform and lighter candidates."""
+        ev, n = self.ev, self.n_req
+        hi = next(
+            (c for c in range(self.n_cand) if ev.memory((c,) * n) <= self.budget), None
+        )
+        if not hi:  # nothing fits (None) or nothing needs offloading (0)
+            return
+        mem_rows, chain = ev.mem, ev.chain
+        lo = hi - 1
+
+        def per_block(r: int) -> float:
+            extra = mem_rows[r][lo] - mem_rows[r][hi]
+            return (chain[r][lo] - chain[r][hi]) / extra if extra > 0 else math.inf
+
+        orders = [
+            sorted(range(n), key=per_block),
+            sorted(range(n), key=lambda r: -ev.blocks[r]),
+            sorted(range(n), key=lambda r: ev.blocks[r]),
+        ]
+        for order in orders:
+            if self.best is not None and self._expired():
+                raise _Deadline
+            self._offer(self._fill([hi] * n, order), "mixed")
+
+    def resident_sets(self) -> None:
+        """Keep the ``j`` largest requests wholly on the GPU and offload the rest (mixed fill).
+
+        Staging costs every offloading request one layer of its blocks, and a large request's
+        fetches are long (``b_r / bw``), so optima often keep the largest requests resident and
+        offload the small ones heavily; single-step local moves rarely find that.
+        """
+        ev, n = self.ev, self.n_req
+        if n < 2:
+            return
+        mem_rows, chain, last = ev.mem, ev.chain, self.n_cand - 1
+        big = sorted(range(n), key=lambda r: -ev.blocks[r])
+        for j in sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48} & set(range(1, n))):
+            res, rest = big[:j], big[j:]
+            fixed = sum(mem_rows[r][0] for r in res)
+            hi = next(
+                (
+                    c
+                    for c in range(1, self.n_cand)
+                    if fixed + sum(mem_rows[r][c] for r in rest) <= self.budget
+                ),
+                None,
+            )
+            if hi is None:
+                break  # the rest cannot fit even all offloaded; larger j only needs more
+            a = [0] * n
+            for r in rest:
+                a[r] = hi
+            lo = hi - 1
+
+            def per_block(r: int, lo: int = lo, hi: int = hi) -> float:
+                extra = mem_rows[r][lo] - mem_rows[r][hi]
+                return (chain[r][lo] - chain[r][hi]) / extra if extra > 0 else math.inf
+
+            if self.best is not None and self._expired():
+                raise _Deadline
+            self._offer(self._fill(a, sorted(rest, key=per_block)), "resident")
+            if hi == last and j > 1 and self.best_src != "resident":
+                break
+
+    def _fill(self, start: list[int], order: Sequence[int]) -> tuple[int, ...]:
+        """Step requests (in ``order``) to lighter candidates while memory fits, three passes."""
+        mem_rows = self.ev.mem
+        a = list(start)
+        mem = self.ev.memory(a)
+        for _ in range(3):
+            moved = False
+            for r in order:
+                c = a[r]
+                if c == 0:
+                    continue
+                extra = mem_rows[r][c - 1] - mem_rows[r][c]
+                if mem + extra <= self.budget:
+                    a[r] = c - 1
+                    mem += extra
+                    moved = True
+            if not moved:
+                break
+        return tuple(a)
 
     def greedy(self, max_moves: int = 400) -> None:
         """Offload where the lower bound grows least per block freed, until memory fits."""
@@ -159,10 +258,11 @@ class PlacementSearch:
 
     def local(self) -> None:
         """Exact-model local search from the incumbent until no move improves it."""
-        while self.best is not None:
+        while self.best is not None and self.best != self._local_optimum:
             if self._expired():
                 raise _Deadline
             if not (self._try(self._single_moves()) or self._try(self._pair_moves())):
+                self._local_optimum = self.best
                 return
 
     def _try(self, moves: list[tuple[float, tuple[int, ...]]]) -> bool:
@@ -188,7 +288,8 @@ class PlacementSearch:
         for r in range(self.n_req):
             c0 = cur[r]
             other = top[1][0] if top[0][1] == r else top[0][0]
-            for c in range(self.n_cand):
+            span = range(self.n_cand) if self.wide else range(max(0, c0 - 2), min(self.n_cand, c0 + 3))
+            for c in span:
                 if c == c0 or mem - ev.mem[r][c0] + ev.mem[r][c] > self.budget:
                     continue
                 lb = ev.move_bound(work, other, r, c0, c)
@@ -208,7 +309,10 @@ class PlacementSearch:
         top = self._top_chain(cur)
         cutoff = self.best_ms * (1 - _REL_EPS)
         out = []
-        for r in range(self.n_req):
+        downs, ups = range(self.n_req), range(self.n_req)
+        if not self.wide:
+            downs, ups = self._promising(cur, work, top)
+        for r in downs:
             if self._expired():
                 raise _Deadline
             down = cur[r] - 1
@@ -220,7 +324,7 @@ class PlacementSearch:
             b_r = ev.blocks[r] / ev.bw
             dr_new, dr_old = ev.bound_cum[down], ev.bound_cum[cur[r]]
             work_r = [w + b_r * (dr_new[i] - dr_old[i]) for i, w in enumerate(work)]
-            for s in range(self.n_req):
+            for s in ups:
                 if s == r:
                     continue
                 for c in range(cur[s] + 1, self.n_cand):
@@ -237,6 +341,23 @@ class PlacementSearch:
                         break
         return out
 
+    def _promising(
+        self, cur: tuple[int, ...], work: list[float], top: list[tuple[float, int]], k: int = 10
+    ) -> tuple[list[int], list[int]]:
+        """The ``k`` requests whose one-step lighter move and the ``k`` whose one-step heavier
+        move raise the lower bound least (partners for paired moves on large problems)."""
+        ev = self.ev
+        down, up = [], []
+        for r, c in enumerate(cur):
+            other = top[1][0] if top[0][1] == r else top[0][0]
+            if c > 0:
+                down.append((ev.move_bound(work, other, r, c, c - 1), r))
+            if c + 1 < self.n_cand:
+                up.append((ev.move_bound(work, other, r, c, c + 1), r))
+        down.sort()
+        up.sort()
+        return [r for _, r in down[:k]], [r for _, r in up[:k]]
+
     def branch_and_bound(self) -> bool:
         """Exact search over the candidate space; True when it completed (proved optimal)."""
         ev = self.ev
@@ -247,67 +368,51 @@ class PlacementSearch:
         tail_min = [0] * (n + 1)
         for i in range(n - 1, -1, -1):
             tail_min[i] = tail_min[i + 1] + ev.mem[order[i]][last]
-        n_layers = ev.n_layers
-        cum, suffix, bw, chain = ev.cum, ev.suffix, ev.bw, ev.chain
-        work = [0.0] * n_layers  # W_l of the requests assigned so far
+        # Aggregate bound on the bound layers only (a subset keeps it valid, and cheap).
+        n_layers = len(ev.bound_layers)
+        cum, suffix, bw, chain = ev.bound_cum, ev.bound_suffix, ev.bw, ev.chain
+        inv = 1.0 / bw
         assign = [0] * n
         nodes = 0
 
-        def agg_bound() -> float:
-            best = ev.compute_ms
-            for layer in range(n_layers):
-                v = work[layer] / bw + suffix[layer]
-                if v > best:
-                    best = v
-            return best
-
-        def dfs(i: int, mem: int, chain_lb: float) -> None:
+        def dfs(i: int, mem: int, chain_lb: float, work: list[float]) -> None:
+            # work[j]: W / bw at bound layer j of the requests assigned so far
             nonlocal nodes
             nodes += 1
-            if nodes > self.bnb_node_limit or (nodes & 63 == 0 and self._expired()):
+            if nodes > self.bnb_node_limit or self._expired():
                 raise _Deadline
             if i == n:
                 self._offer(tuple(assign), "exact")
                 return
             r = order[i]
-            b = ev.blocks[r]
+            binv = ev.blocks[r] * inv
+            cut = self.best_ms * (1 - _REL_EPS)
             children = []
             for c in range(nc):
                 m = mem + ev.mem[r][c]
                 if m + tail_min[i + 1] > self.budget:
                     continue
                 lb_c = max(chain_lb, chain[r][c])
-                if lb_c >= self.best_ms * (1 - _REL_EPS):
+                if lb_c >= cut:
                     continue
-                counts = cum[c]
                 if c:
-                    for layer in range(n_layers):
-                        work[layer] += b * counts[layer]
-                lb = max(lb_c, agg_bound()) if c else lb_c
-                if c:
-                    for layer in range(n_layers):
-                        work[layer] -= b * counts[layer]
-                if lb < self.best_ms * (1 - _REL_EPS):
-                    children.append((lb, c, m, lb_c))
-            children.sort()
-            for lb, c, m, lb_c in children:
+                    new_work = [w + binv * k for w, k in zip(work, cum[c], strict=True)]
+                    agg = max([w + s for w, s in zip(new_work, suffix, strict=True)])
+                    lb = agg if agg > lb_c else lb_c
+                else:
+                    new_work, lb = work, lb_c
+                if lb < cut:
+                    children.append((lb, c, m, lb_c, new_work))
+            children.sort(key=lambda ch: (ch[0], ch[1]))
+            for lb, c, m, lb_c, new_work in children:
                 if lb >= self.best_ms * (1 - _REL_EPS):
                     break
-                counts = cum[c]
-                if c:
-                    for layer in range(n_layers):
-                        work[layer] += b * counts[layer]
                 assign[r] = c
-                try:
-                    dfs(i + 1, m, lb_c)
-                finally:
-                    if c:
-                        for layer in range(n_layers):
-                            work[layer] -= b * counts[layer]
+                dfs(i + 1, m, lb_c, new_work)
                 assign[r] = 0
 
         try:
-            dfs(0, 0, ev.compute_ms)
+            dfs(0, 0, ev.compute_ms, [0.0] * n_layers)
         except _Deadline:
             return False
         return True
@@ -331,7 +436,11 @@ class PlacementSearch:
             return SearchResult(none, ev.compute_ms, "trivial", True, ev.evaluations)
         try:
             self.warm(warm)
+            if local and self.best is not None:
+                self.local()  # continue from a previous window's (or pause's) answer first
             self.uniforms()
+            self.mixed()
+            self.resident_sets()
             self.greedy()
             if local:
                 self.local()
@@ -342,7 +451,7 @@ class PlacementSearch:
                     self.warm(mip.solve(ev, self.budget, left_ms * 0.5, self.best), "mip")
                     if local:
                         self.local()
-            if exact:
+            if exact and self.n_req <= self.bnb_max_requests:
                 optimal = self.branch_and_bound()
         except _Deadline:
             pass
