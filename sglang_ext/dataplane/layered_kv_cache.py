@@ -2,7 +2,7 @@
 
 Public API (the SGLang plugin's entry points; see README.md for the step protocol):
 
-* lifecycle: ``alloc_request``, ``append_tokens``, ``free``, ``pause``, ``resume``
+* lifecycle: ``alloc_request``, ``append_tokens``, ``fork_prefix``, ``free``, ``pause``, ``resume``
 * placement: ``install_placement`` (or ``prepare_placement`` / ``complete_placement``)
 * one forward step: ``begin_step``, then per layer ``wait_layer``, ``layer_view``, ``end_layer``,
   then ``end_step``
@@ -20,6 +20,7 @@ from typing import Any
 import structlog
 import torch
 
+from kernels.block_copy import copy_segments
 from sglang_ext.dataplane.config import LayeredKVConfig
 from sglang_ext.dataplane.errors import (
     DevicePoolFull,
@@ -197,6 +198,44 @@ class LayeredKVCache(StepProtocol):
             pages = torch.tensor(t.pages(layer), dtype=torch.long)
             locs[layer] = pages[pos // bs] * bs + pos % bs
         return AppendResult(rid=rid, start_token=old, locs=locs.to(self.config.device))
+
+    def fork_prefix(self, src: str, dst: str, tokens: int) -> None:
+        """Copy the KV of ``src``'s first ``tokens`` tokens into the empty request ``dst``; each
+        layer lands where ``dst``'s placement puts it. A prefix-cache hit by copy: the prefill is
+        skipped, the blocks are not shared (each request owns its blocks). ``src`` may be paused.
+        Raises (changing nothing) like :meth:`append_tokens` when the pools cannot hold it."""
+        s, d = self._req(src), self._req(dst)
+        self._check_idle("fork_prefix")
+        if d.tokens or d.pending_start is not None:
+            raise RequestStateError(f"fork_prefix: destination {dst!r} must be empty")
+        if s.pending_start is not None:
+            raise RequestStateError(f"fork_prefix: source {src!r} has tokens not yet written")
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= s.tokens:
+            raise ValueError(f"fork_prefix: tokens = {tokens!r} out of range [1, {s.tokens}]")
+        self.append_tokens(dst, tokens)  # allocates (or raises before changing anything)
+        d.pending_start = None
+        self.engine.quiesce()  # host copies of src must have landed
+        pairs: dict[str, tuple[list[int], list[int]]] = {k: ([], []) for k in ("dd", "dh", "hd", "hh")}
+        for layer in range(self.config.layers):
+            s_dev, d_dev = s.dev[layer], d.dev[layer]
+            for j in range(d.blocks):
+                if s_dev is not None:
+                    src_segs, a = self.device_pool.segs([s_dev[j]]), "d"
+                else:
+                    src_segs, a = self.host_pool.segs([s.host_blocks[j]], layer), "h"
+                if d_dev is not None:
+                    dst_segs, b = self.device_pool.segs([d_dev[j]]), "d"
+                else:
+                    dst_segs, b = self.host_pool.segs([d.host_blocks[j]], layer), "h"
+                pairs[a + b][0].extend(src_segs)
+                pairs[a + b][1].extend(dst_segs)
+        dev, host = self.device_pool.segments, self.host_pool.segments
+        for kind, view in (("dd", dev), ("hh", host)):
+            si, di = pairs[kind]
+            if si:
+                copy_segments(view, view, torch.tensor(si, device=view.device), torch.tensor(di, device=view.device))
+        events = [self.engine.h2d(*pairs["hd"]), self.engine.d2h(*pairs["dh"])]
+        self.engine.host_wait(events)
 
     def free(self, rid: str) -> None:
         """Release every block of ``rid`` (device, staging, host)."""

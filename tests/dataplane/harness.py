@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from sglang_ext.dataplane import LayeredKVCache, LayeredKVConfig
+from sglang_ext.dataplane import DevicePoolFull, HostPoolFull, LayeredKVCache, LayeredKVConfig
 from sglang_ext.dataplane.results import LayerView
 
 Shadow = dict[str, list[tuple[torch.Tensor, torch.Tensor]]]
@@ -38,8 +38,8 @@ def run_step(
     for rid, n in batch.items():
         try:
             appended[rid] = cache.append_tokens(rid, n)
-        except Exception:
-            continue
+        except (DevicePoolFull, HostPoolFull):
+            continue  # a refused append changes nothing; the scheduler would not run it
     rids = list(appended)
     cache.begin_step(rids)
     k_flat = cache.device_pool.k_cache.view(-1, c.kv_heads, c.head_dim)

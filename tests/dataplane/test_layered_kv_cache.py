@@ -217,3 +217,24 @@ def test_lifecycle_through_triton_interpreter(monkeypatch):
     run_step(cache, {"a": 1, "b": 4}, shadow, 6)
     assert_matches_shadow(cache, shadow)
     cache.check_invariants()
+
+
+def test_fork_prefix_copies_kv_into_the_new_placement():
+    """fork_prefix copies src's first n tokens into dst wherever dst's layers live; both stay exact."""
+    cache, shadow = _cache()
+    _new(cache, shadow, "a", 10, seed=1)
+    cache.install_placement({"a": [1, 0, 1, 0]})
+    cache.alloc_request("b", [1, 1, 0, 0])  # dd, hd, dh, hh copies
+    cache.fork_prefix("a", "b", 7)
+    shadow["b"] = [(k[:7].clone(), v[:7].clone()) for k, v in shadow["a"]]
+    assert cache.tokens("b") == 7
+    assert_matches_shadow(cache, shadow)
+    run_step(cache, {"a": 1, "b": 2}, shadow, 11)
+    cache.install_placement({"b": [0, 1, 1, 0]})
+    assert_matches_shadow(cache, shadow)
+    cache.check_invariants()
+    with pytest.raises(RequestStateError, match="must be empty"):
+        cache.fork_prefix("a", "b", 1)
+    cache.alloc_request("c")
+    with pytest.raises(ValueError, match=r"tokens = 99 out of range \[1, 11\]"):
+        cache.fork_prefix("a", "c", 99)

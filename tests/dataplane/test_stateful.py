@@ -1,6 +1,6 @@
 """Hypothesis stateful test: random lifecycles keep KV bit-exact and memory exactly accounted.
 
-Scenario: requests arrive, decode, change placements (including refused ones), prepare and
+Scenario: requests arrive (fresh or forked from another's prefix), decode, change placements (including refused ones), prepare and
 abort placement changes, pause (their layers are reclaimed under pressure), resume, and finish,
 on a deliberately small device pool; installs never hold more blocks than max(before, after). After every step: every request's KV equals the shadow
 copy, allocators hold exactly the blocks the tables own (no leaks, no double use), and device use
@@ -20,7 +20,7 @@ from hypothesis.stateful import (
 )
 
 from controlplane.model import memory_blocks
-from sglang_ext.dataplane import DevicePoolFull, LayeredKVCache
+from sglang_ext.dataplane import DevicePoolFull, HostPoolFull, LayeredKVCache
 from tests.dataplane.harness import assert_matches_shadow, empty_shadow, run_step, small_config
 
 LAYERS = 4
@@ -65,6 +65,25 @@ class LayeredKVMachine(RuleBasedStateMachine):
             self.cache.free(rid)
             del self.shadow[rid]
             return multiple()  # nothing to add to the bundle
+        self.expected[rid] = tuple(row) if row is not None else (1,) * LAYERS
+        return rid
+
+    @rule(target=requests, data=st.data(), row=st.none() | rows)
+    def fork(self, data, row):
+        sources = sorted(r for r in self.shadow if self.cache.tokens(r))
+        if not sources:
+            return multiple()
+        src = data.draw(st.sampled_from(sources))
+        n = data.draw(st.integers(1, self.cache.tokens(src)))
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        self.cache.alloc_request(rid, row)
+        try:
+            self.cache.fork_prefix(src, rid, n)
+        except (DevicePoolFull, HostPoolFull):
+            self.cache.free(rid)
+            return multiple()
+        self.shadow[rid] = [(k[:n].clone(), v[:n].clone()) for k, v in self.shadow[src]]
         self.expected[rid] = tuple(row) if row is not None else (1,) * LAYERS
         return rid
 
