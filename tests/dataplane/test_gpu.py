@@ -18,7 +18,7 @@ def _cuda_cache(dtype=torch.float32, **over):
 
 
 def test_cuda_lifecycle_bit_exact():
-    """Offload, decode through staging, pause, reclaim and resume keep KV bit-exact on CUDA."""
+    """Offload, decode through staging, pause, resume and fork keep KV bit-exact on CUDA."""
     cache = _cuda_cache()
     shadow = {}
     for i, rid in enumerate("abc"):
@@ -32,7 +32,10 @@ def test_cuda_lifecycle_bit_exact():
     cache.pause("c")
     cache.install_placement({"a": [1, 1, 1, 1], "b": [1, 1, 1, 0]})
     cache.resume("c")
-    run_step(cache, {"a": 1, "b": 1, "c": 1}, shadow, 99)
+    cache.alloc_request("d", [1, 0, 1, 0])
+    cache.fork_prefix("b", "d", 9)  # D2D, H2D, D2H and H2H copies on CUDA
+    shadow["d"] = [(k[:9].clone(), v[:9].clone()) for k, v in shadow["b"]]
+    run_step(cache, {"a": 1, "b": 1, "c": 1, "d": 1}, shadow, 99)
     assert_matches_shadow(cache, shadow)
     cache.check_invariants()
 
