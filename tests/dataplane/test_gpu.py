@@ -14,7 +14,7 @@ pytestmark = [
 
 
 def _cuda_cache(dtype=torch.float32, **over):
-    return LayeredKVCache(small_config(device="cuda", dtype=dtype, device_blocks=64, host_blocks=96, **over))
+    return LayeredKVCache(small_config(device="cuda", dtype=dtype, device_blocks=96, host_blocks=128, **over))
 
 
 def test_cuda_lifecycle_bit_exact():
