@@ -96,6 +96,8 @@ class TraceSpec:
     """Fixed TBT SLO instead of the scaled profile base."""
     slo_ttft_ms: float | None = None
     """Fixed TTFT SLO instead of the scaled default."""
+    output_scale: float = 1.0
+    """Multiplier on sampled output lengths (smoke runs use short outputs)."""
 
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS:
@@ -107,7 +109,7 @@ class TraceSpec:
         ):
             raise ValueError(f"trace.n_requests: {self.n_requests!r} is out of range [1, 1e6]")
         for name, lo, hi in (("rate_per_min", 0.0, 1e7), ("cv", 0.0, 100.0),
-                             ("slo_scale", 0.0, 1000.0)):
+                             ("slo_scale", 0.0, 1000.0), ("output_scale", 0.0, 100.0)):
             v = getattr(self, name)
             if not isinstance(v, int | float) or not (lo < v <= hi):
                 raise ValueError(f"trace.{name}: {v!r} is out of range (allowed ({lo}, {hi}])")
@@ -176,6 +178,7 @@ def generate_trace(spec: TraceSpec, profile: SimProfile) -> list[TraceRequest]:
         if i > 0:
             t += gap
         prompt, output = sample_lengths(spec.workload, rng)
+        output = max(1, int(round(output * spec.output_scale)))
         ttft = spec.slo_ttft_ms if spec.slo_ttft_ms is not None else (
             spec.slo_scale * max(1000.0, 5.0 * profile.prefill_ms(prompt))
         )

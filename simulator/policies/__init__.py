@@ -14,6 +14,8 @@ from simulator.engine import SimPolicy
 
 def _registry() -> dict[str, Callable[[], SimPolicy]]:
     from simulator.policies.ellm import EllmPolicy
+    from simulator.policies.layerkv import LayerKVPolicy
+    from simulator.policies.lvf import LvfPolicy
     from simulator.policies.no_offload import NoOffloadPolicy
     from simulator.policies.uniform import UniformPolicy
 
@@ -23,6 +25,8 @@ def _registry() -> dict[str, Callable[[], SimPolicy]]:
     reg["no-offload"] = lambda: NoOffloadPolicy("recompute")
     reg["no-offload-swap"] = lambda: NoOffloadPolicy("swap")
     reg["ellm"] = EllmPolicy
+    reg["layerkv"] = LayerKVPolicy
+    reg["lvf"] = LvfPolicy
     try:
         from simulator.policies.controlled import CONTROLLED
     except ImportError:  # the control plane's planner/controller are not installed yet

@@ -16,7 +16,9 @@ Names:
 * ablations (Fig. 14a): ``batch-uniform`` (uniform planner, no pause, no deposit),
   ``request-wise`` (planner without SLO cap/pause, no deposit), ``request-wise+pause`` (planner
   with SLO cap and pause, no deposit);
-* ``kvplane``: OrbitFlow placement + LayerKV admission (Eq. 1-4) + deposit.
+* ``kvplane``: OrbitFlow placement + LayerKV admission (Eq. 1-4) + deposit;
+* diagnostics ``orbitflow-nocredit`` / ``kvplane-nocredit``: deposit pacing kept, but the planner
+  gets no SLO-cap credit from deposits.
 
 Planner: ``Planner(use_mip=False, exact_search=False)`` with a 60 s budget by default, so
 decisions never depend on the wall clock (the controller's documented deterministic setup);
@@ -79,6 +81,7 @@ class ControlledPolicy(BasePolicy):
         deposit: bool = True,
         victim_rule: str = "largest",
         planner_mode: str = "deterministic",
+        deposit_credit: bool = True,
     ) -> None:
         if planner not in ("uniform", "request-wise", "request-wise+pause"):
             raise ValueError(f"planner: {planner!r} is not one of uniform, request-wise, "
@@ -91,6 +94,7 @@ class ControlledPolicy(BasePolicy):
         self.deposit = deposit
         self.victim_rule = victim_rule
         self.planner_mode = planner_mode
+        self.deposit_credit = deposit_credit
         self.session: SessionController | None = None
 
     def start(self, profile: SimProfile, trace: Sequence[TraceRequest]) -> None:
@@ -118,7 +122,8 @@ class ControlledPolicy(BasePolicy):
         planner = {
             "uniform": UniformPlanner(),
             "request-wise": NoPausePlanner(base),
-            "request-wise+pause": base if self.deposit else NoDepositPlanner(base),
+            "request-wise+pause": (
+                base if self.deposit and self.deposit_credit else NoDepositPlanner(base)),
         }[self.planner_kind]
         worker = WorkerInfo(
             worker_id="sim",
@@ -202,6 +207,14 @@ def _variants() -> dict:
         "request-wise+pause": lambda: ControlledPolicy("request-wise+pause",
                                                        planner="request-wise+pause",
                                                        deposit=False),
+        # Diagnostic: deposit pacing for delivery, but a planner that takes no SLO-cap credit
+        # from deposits (see simulator/README.md, "findings").
+        "orbitflow-nocredit": lambda: ControlledPolicy("orbitflow-nocredit",
+                                                       planner="request-wise+pause",
+                                                       deposit_credit=False),
+        "kvplane-nocredit": lambda: ControlledPolicy("kvplane-nocredit",
+                                                     planner="request-wise+pause",
+                                                     scheduler="layerkv", deposit_credit=False),
         "kvplane": lambda: ControlledPolicy("kvplane", planner="request-wise+pause",
                                             scheduler="layerkv"),
     }

@@ -1,0 +1,197 @@
+"""The seeds' experiments as run specifications, with the papers' numbers to state beside them.
+
+Each :class:`Experiment` builds its runs (a smaller set with ``smoke=True``), names the figure it
+reproduces and carries the paper's reported numbers as text. Settings are the papers' where they
+report them (OrbitFlow §5.1: Llama-3-8B, RTX A5000, PCIe 3.0, batch 4, 32K tokens per batch,
+SLO scales 1/1.5/2.5, 0.97 req/min for design validation; LayerKV §5.2.3: TTFT vs arrival rate
+against vLLM; SuperInfer §5.2: Qwen2.5-32B on GH200, TTFT 5 s / TBT 100 ms, alpha=3, beta_B=0,
+beta_F=0.5, B_xfer=2400). Trace sizes are ours (modest, so the whole set runs in minutes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from simulator.runner import RunSpec
+from simulator.trace import TraceRequest, TraceSpec
+
+A5000 = "llama3-8b-a5000-pcie3"
+GH200 = "qwen2.5-32b-gh200-c2c"
+OF_BASELINES = ("deepspeed", "flexgen", "flexgen+", "slo-aware", "dynamic-heuristic")
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    title: str
+    paper: str
+    """The paper's reported numbers for this figure (stated beside our result)."""
+    build: Callable[[bool], list[RunSpec]]
+
+
+def _ts(workload: str, n: int, rate: float, smoke: bool, **kw) -> TraceSpec:  # noqa: ANN003
+    """A trace spec; smoke runs shorten outputs 10x so the whole set runs in seconds."""
+    return TraceSpec(workload, n, rate, output_scale=0.1 if smoke else 1.0, **kw)
+
+
+def _fig8a(smoke: bool) -> list[RunSpec]:
+    rates = (2.0,) if smoke else (0.5, 1.0, 1.5, 2.0)
+    scales = (1.5,) if smoke else (1.0, 1.5, 2.5)
+    n = 4 if smoke else 24
+    policies = ("orbitflow",) + OF_BASELINES
+    return [
+        RunSpec(pol, A5000, trace=_ts("orbitflow-32k", n, rate, smoke, slo_scale=scale, seed=1),
+                tags={"rate_per_min": rate, "slo_scale": scale})
+        for scale in scales for rate in rates for pol in policies
+    ]
+
+
+def _fig14a(smoke: bool) -> list[RunSpec]:
+    n = 6 if smoke else 24
+    scales = (1.0,) if smoke else (1.0, 2.5)
+    pols = ("batch-uniform", "request-wise", "request-wise+pause", "orbitflow",
+            "orbitflow-nocredit")
+    return [
+        RunSpec(pol, A5000, trace=_ts("orbitflow-32k", n, 0.97, smoke, slo_scale=s, seed=2),
+                tags={"slo_scale": s, "rate_per_min": 0.97})
+        for s in scales for pol in pols
+    ]
+
+
+def _fig14c(smoke: bool) -> list[RunSpec]:
+    n = 6 if smoke else 24
+    pols = ("orbitflow-longest", "orbitflow-shortest", "orbitflow-random", "orbitflow")
+    return [
+        RunSpec(pol, A5000, trace=_ts("orbitflow-stress", n, 0.97, smoke, slo_scale=1.5, seed=3),
+                tags={"slo_scale": 1.5, "rate_per_min": 0.97})
+        for pol in pols
+    ]
+
+
+def _static_batches(n_batches: int, out_tokens: int, seed: int) -> tuple[TraceRequest, ...]:
+    """Static batching: groups of 4 requests arriving together with equal output lengths, the
+    next group arriving long after (OrbitFlow Table 1's 'static' workloads)."""
+    import random
+
+    from simulator.profile import load_profile
+    from simulator.trace import sample_lengths
+
+    prof = load_profile(A5000)
+    rng = random.Random(seed)
+    slo = 1.5 * prof.base_tbt_slo_ms()
+    out: list[TraceRequest] = []
+    t = 0.0
+    for b in range(n_batches):
+        for i in range(4):
+            prompt, _ = sample_lengths("orbitflow-32k", rng)
+            prompt = min(prompt, 8192 - out_tokens)
+            out.append(TraceRequest(f"b{b}r{i}", t, prompt, out_tokens,
+                                    1.5 * max(1000.0, 5 * prof.prefill_ms(prompt)), slo))
+        t += 4 * (out_tokens * 60.0 + 10_000.0)
+    return tuple(out)
+
+
+def _table1(smoke: bool) -> list[RunSpec]:
+    nb = 1 if smoke else 5
+    n = 6 if smoke else 24
+    return [
+        RunSpec("orbitflow", A5000, requests=_static_batches(nb, 64, 4), solver_time="measured",
+                tags={"workload": "Both Static"}),
+        RunSpec("orbitflow", A5000, requests=_static_batches(nb, 256 if smoke else 2048, 5),
+                solver_time="measured", tags={"workload": "Token Dynamic"}),
+        RunSpec("orbitflow", A5000, trace=_ts("orbitflow-32k", n, 1.5, smoke, slo_scale=1.5, seed=6),
+                solver_time="measured", tags={"workload": "Both Dynamic"}),
+    ]
+
+
+LAYERKV_OVERRIDES = {"max_batch_size": 64, "token_budget": 1 << 20}
+
+
+def _layerkv(smoke: bool) -> list[RunSpec]:
+    rates = (6.0, 12.0) if smoke else (4.0, 6.0, 8.0, 10.0, 12.0)
+    n = 10 if smoke else 60
+    return [
+        RunSpec(pol, A5000, LAYERKV_OVERRIDES,
+                trace=_ts("leval", n, rate, smoke, slo_scale=1.0, seed=7, slo_tbt_ms=200.0,
+                          slo_ttft_ms=3000.0),
+                tags={"rate_per_min": rate})
+        for rate in rates for pol in ("no-offload", "layerkv")
+    ]
+
+
+SUPERINFER_OVERRIDES = {"max_batch_size": 512}
+
+
+def _superinfer(smoke: bool) -> list[RunSpec]:
+    rates = (30.0,) if smoke else (10.0, 20.0, 30.0, 40.0)
+    n = 60 if smoke else 900
+    return [
+        RunSpec(pol, GH200, SUPERINFER_OVERRIDES,
+                trace=_ts("sharegpt", n, rate * 60.0, smoke, slo_scale=1.0, seed=8,
+                          slo_tbt_ms=100.0, slo_ttft_ms=5000.0),
+                tags={"rate_per_s": rate})
+        for rate in rates for pol in ("no-offload", "lvf")
+    ]
+
+
+def _kvplane(smoke: bool) -> list[RunSpec]:
+    rates = (1.5,) if smoke else (1.0, 1.5, 2.0)
+    n = 6 if smoke else 24
+    return [
+        RunSpec(pol, A5000, trace=_ts("orbitflow-32k", n, rate, smoke, slo_scale=1.5, seed=9),
+                tags={"rate_per_min": rate, "slo_scale": 1.5})
+        for rate in rates
+        for pol in ("orbitflow", "layerkv", "kvplane", "orbitflow-nocredit", "kvplane-nocredit")
+    ]
+
+
+EXPERIMENTS: dict[str, Experiment] = {
+    e.name: e
+    for e in (
+        Experiment(
+            "orbitflow-fig8a", "TBT/TPOT SLO attainment vs arrival rate (SLO scales 1, 1.5, 2.5)",
+            "OrbitFlow Fig. 8a/9d: OrbitFlow keeps >75% TBT attainment at high rates and tight "
+            "SLO; up to +48% TBT and +66% TPOT attainment over baselines; at SLO scale 2.5 "
+            "baselines fall to ~50% as the rate grows; throughput 3.3x DeepSpeed-Inference and "
+            "4-52% above the other baselines.",
+            _fig8a,
+        ),
+        Experiment(
+            "orbitflow-fig14a", "Ablation: batch-uniform -> +request-wise -> +pause -> +deposit",
+            "OrbitFlow Fig. 14a (TBT attainment, SLO scale 1): 45.1% -> 54.5% -> 71% -> 85.6%; "
+            "the same trend at scale 2.5.",
+            _fig14a,
+        ),
+        Experiment(
+            "orbitflow-fig14c", "Pause victim rule on a stress trace (more long requests)",
+            "OrbitFlow Fig. 14c: pausing the longest request is the most effective rule "
+            "(numbers not given in the text).",
+            _fig14c,
+        ),
+        Experiment(
+            "orbitflow-table1", "Solver overhead (calls per request, E2E %, TBT %)",
+            "OrbitFlow Table 1: Both Static 1.25 calls/req, 0.27% E2E, 23.47% TBT; Token "
+            "Dynamic 11.92, 0.37%, 31.65%; Both Dynamic 48.33, 0.64%, 28.49%.",
+            _table1,
+        ),
+        Experiment(
+            "layerkv-ttft", "Mean and P99 TTFT vs arrival rate: layerkv vs no-offload (vLLM)",
+            "LayerKV Fig. 6/7: up to 69x lower mean TTFT and 45x lower P99 TTFT than vLLM at "
+            "high rates; throughput within 3%.",
+            _layerkv,
+        ),
+        Experiment(
+            "superinfer-attainment", "TTFT and TBT SLO attainment: lvf vs no-offload (vLLM)",
+            "SuperInfer Fig. 16: up to 74.7% higher TTFT SLO attainment than vLLM at high "
+            "request rates with comparable TBT attainment.",
+            _superinfer,
+        ),
+        Experiment(
+            "kvplane-combined", "Combined kvplane vs orbitflow and layerkv alone",
+            "Issue 3 expected shape: kvplane cuts P99 TTFT >= 2x vs orbitflow at equal "
+            "(+-2 points) TBT attainment (no paper number; our claim).",
+            _kvplane,
+        ),
+    )
+}

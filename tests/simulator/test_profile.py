@@ -1,0 +1,46 @@
+"""Profiles, presets and the prefill/offload model (LayerKV Eq. 3-4)."""
+
+import json
+
+import pytest
+
+from simulator.profile import load_profile, preset_names
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_presets_load_and_document_sources(name):
+    """Every preset loads and documents where its numbers come from."""
+    p = load_profile(name)
+    assert p.sources
+    assert p.base_tbt_slo_ms() > 0
+
+
+def test_three_presets_ship():
+    """The A5000, H100 and GH200 presets of the issue are present."""
+    assert {"llama3-8b-a5000-pcie3", "llama3-8b-h100-pcie5", "qwen2.5-32b-gh200-c2c"} <= set(
+        preset_names())
+
+
+def test_offload_hides_under_prefill_for_long_prompts():
+    """Eq. 4: the retained layers shrink as the prompt grows (prefill is superlinear)."""
+    p = load_profile("llama3-8b-a5000-pcie3").with_changes(d2h_gbps=0.05)
+    xs = [p.min_gpu_layers(n) for n in (256, 2048, 16384, 65536)]
+    assert xs == sorted(xs, reverse=True)
+    assert xs[0] > xs[-1]
+    for n, x in zip((256, 2048, 16384, 65536), xs, strict=True):
+        assert p.offload_ms(n, p.layers - x) <= p.prefill_ms(n) + 1e-9
+
+
+def test_measured_profile_loads(tmp_path):
+    """A `kvplane profile` style file (layer_compute_ms + h2d_gbps) loads over a base preset."""
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({"layer_compute_ms": [0.5] * 32, "h2d_gbps": 20.0,
+                                "device": "NVIDIA H100"}))
+    p = load_profile(str(path))
+    assert p.decode_layer_base_ms == 0.5 and p.h2d_gbps == 20.0 and p.layers == 32
+
+
+def test_unknown_profile_is_a_clear_error():
+    """A missing profile names the presets."""
+    with pytest.raises(ValueError, match="presets"):
+        load_profile("no-such-profile")
