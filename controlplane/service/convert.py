@@ -263,7 +263,85 @@ def step_report_to_proto(report: api.StepReport) -> pb.StepReport:
 
 
 def step_report_from_proto(msg: pb.StepReport, prefix: str = "report") -> api.StepReport:
-    """A validated :class:`api.StepReport`; raises InvalidArgument naming the field."""
+    """A validated :class:`api.StepReport`; raises InvalidArgument naming the field.
+
+    Reports arrive at every decode step of every worker, so valid ones take a fast path that
+    builds no field paths; anything it rejects is re-checked by the path-naming validator.
+    """
+    fast = _step_report_fast(msg)
+    return fast if fast is not None else _step_report_checked(msg, prefix)
+
+
+def _finite_ge(x: float, lo: float) -> bool:
+    return math.isfinite(x) and x >= lo
+
+
+def _step_report_fast(msg: pb.StepReport) -> api.StepReport | None:
+    """The report when every field is valid, else None (same rules as the checked path)."""
+    if msg.step < 0 or not _finite_ge(msg.now_ms, 0.0):
+        return None
+    running_msgs, queued_msgs, finished = msg.running, msg.queued, tuple(msg.finished)
+    layer_ms = tuple(msg.layer_compute_ms)
+    if max(len(running_msgs), len(queued_msgs), len(finished), len(layer_ms)) > MAX_ENTRIES:
+        return None
+    running = []
+    seen: set[str] = set()
+    for r in running_msgs:
+        rid = r.id
+        if not 0 < len(rid) <= MAX_ID_CHARS or rid in seen or r.context_tokens < 1 or r.generated_tokens < 0:
+            return None
+        seen.add(rid)
+        slo = r.slo_tbt_ms if r.HasField("slo_tbt_ms") else None
+        gpu_layers = r.gpu_layers if r.HasField("gpu_layers") else None
+        max_new = r.max_new_tokens if r.HasField("max_new_tokens") else None
+        if (
+            (slo is not None and not (math.isfinite(slo) and slo > 0))
+            or (gpu_layers is not None and not 0 <= gpu_layers <= 4096)
+            or (max_new is not None and max_new < 1)
+        ):
+            return None
+        running.append(
+            api.RequestState(rid, r.context_tokens, r.generated_tokens, slo, r.paused, gpu_layers, max_new)
+        )
+    queued = []
+    for q in queued_msgs:
+        ttft = q.slo_ttft_ms if q.HasField("slo_ttft_ms") else None
+        if (
+            not 0 < len(q.id) <= MAX_ID_CHARS
+            or q.prompt_tokens < 1
+            or not _finite_ge(q.arrival_ms, 0.0)
+            or (ttft is not None and not (math.isfinite(ttft) and ttft > 0))
+        ):
+            return None
+        queued.append(api.QueuedRequest(q.id, q.prompt_tokens, q.arrival_ms, ttft))
+    if any(not 0 < len(rid) <= MAX_ID_CHARS for rid in finished):
+        return None
+    if any(not _finite_ge(v, 0.0) for v in layer_ms):
+        return None
+    observed = msg.observed_step_ms if msg.HasField("observed_step_ms") else None
+    h2d = msg.h2d_gbps if msg.HasField("h2d_gbps") else None
+    free = msg.free_gpu_blocks if msg.HasField("free_gpu_blocks") else None
+    if (
+        (observed is not None and not _finite_ge(observed, 0.0))
+        or (h2d is not None and not (math.isfinite(h2d) and h2d > 0))
+        or (free is not None and free < 0)
+    ):
+        return None
+    return api.StepReport(
+        step=msg.step,
+        now_ms=msg.now_ms,
+        running=tuple(running),
+        queued=tuple(queued),
+        observed_step_ms=observed,
+        layer_compute_ms=layer_ms or None,
+        h2d_gbps=h2d,
+        finished=finished,
+        free_gpu_blocks=free,
+    )
+
+
+def _step_report_checked(msg: pb.StepReport, prefix: str) -> api.StepReport:
+    """The slow, path-naming validation (raises InvalidArgument on the first bad field)."""
     _check_int(msg.step, f"{prefix}.step", 0)
     _check_num(msg.now_ms, f"{prefix}.now_ms", 0.0)
     for name, items in (

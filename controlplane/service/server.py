@@ -170,6 +170,11 @@ def create_server(
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 1000),
         ("grpc.http2.max_pings_without_data", 0),
+        # A small, fixed receive window: a worker that outpaces the server is pushed back at
+        # once, its reports queue on its side and go out as ReportBatches (adaptive batching)
+        # instead of piling up seconds of backlog in transport buffers.
+        ("grpc.http2.lookahead_bytes", 16 * 1024),
+        ("grpc.http2.bdp_probe", 0),
     ]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="kvplane-rpc"),

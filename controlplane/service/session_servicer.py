@@ -66,6 +66,10 @@ class _LiveSession:
         self._poll = getattr(session, "poll", None)
         self._lock = threading.Lock()
         self.closed = False
+        self.last_step = -1
+        """Step of the newest report processed (for decisions pushed between reports)."""
+        self.last_t0 = time.perf_counter()
+        """When that report arrived (perf_counter seconds)."""
 
     def report(self, report: api.StepReport) -> list[api.Decision]:
         with self._lock:
@@ -197,13 +201,31 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
             for message in requests:
                 t0 = time.perf_counter()
                 kind = message.WhichOneof("kind")
-                if kind != "report":
+                if kind == "report":
+                    batch: Any = (message.report,)
+                    prefix = "report"
+                elif kind == "reports":
+                    batch = message.reports.reports
+                    if len(batch) > convert.MAX_ENTRIES:
+                        raise api.InvalidArgument(
+                            f"reports.reports: has {len(batch)} entries "
+                            f"(allowed at most {convert.MAX_ENTRIES})"
+                        )
+                    prefix = "reports.reports[{}]"
+                else:
                     raise api.InvalidArgument(
                         f"report: expected a StepReport after hello, got {kind or 'an empty message'}"
                     )
-                self._metrics.reports.inc()
-                report = convert.step_report_from_proto(message.report)
-                outbox.put((report.step, t0, live.report(report)))
+                decisions: list[api.Decision] = []
+                step = -1
+                for i, msg in enumerate(batch):
+                    report = convert.step_report_from_proto(msg, prefix.format(i))
+                    decisions += live.report(report)
+                    step = report.step
+                self._metrics.reports.inc(len(batch))
+                live.last_step, live.last_t0 = step, t0  # for decisions pushed later
+                if decisions:  # wake the writer only when there is something to send
+                    outbox.put((step, t0, decisions))
         except grpc.RpcError:
             pass  # the worker went away; the writer ends on _END
         except Exception as exc:
@@ -216,7 +238,6 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
     ) -> Iterator[pb.SessionReply]:
         """Writer (gRPC handler thread): turn report results and wake-ups into replies."""
         sent = 0
-        last_step, last_t0 = -1, time.perf_counter()
         while True:
             try:
                 item = outbox.get(timeout=self._idle_check_s)
@@ -230,13 +251,12 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
                 raise item
             if item is _WAKE:
                 decisions = live.poll()
-                t0 = last_t0
+                step, t0 = live.last_step, live.last_t0
             else:
-                last_step, last_t0, decisions = item
-                t0 = last_t0
+                step, t0, decisions = item
             if not decisions:
                 continue
             out = self._observe_decisions(decisions)
             sent += len(out)
             self._metrics.decision_latency_ms.observe((time.perf_counter() - t0) * 1e3)
-            yield pb.SessionReply(report_step=last_step, decisions=out, decisions_sent=sent)
+            yield pb.SessionReply(report_step=step, decisions=out, decisions_sent=sent)

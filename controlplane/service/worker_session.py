@@ -73,6 +73,10 @@ class SessionStats:
     """Sum over streams of the server's last ``decisions_sent`` (equals received when none lost)."""
     reconnects: int = 0
     """Streams established after the first one."""
+    batches_sent: int = 0
+    """ReportBatch messages sent (reports that queued up behind a busy stream)."""
+    batched_reports: int = 0
+    """Reports that went out inside a ReportBatch."""
     latencies_ms: collections.deque[float] = field(
         default_factory=lambda: collections.deque(maxlen=100_000)
     )
@@ -81,6 +85,9 @@ class SessionStats:
 
 class GrpcWorkerSession:
     """A worker's session over gRPC (implements :class:`api.WorkerSession`)."""
+
+    MAX_BATCH = 64
+    """Most queued reports sent together in one ReportBatch."""
 
     def __init__(
         self,
@@ -199,12 +206,34 @@ class GrpcWorkerSession:
     # ------------------------------------------------------------ background stream
 
     def _requests(self, outbox: queue.Queue[object]) -> Iterator[pb.WorkerMessage]:
+        """The stream's messages: hello, then reports; reports that queued up while the previous
+        message was being written go out together as one ReportBatch (adaptive batching)."""
         yield self._hello
         while True:
             item = outbox.get()
             if item is _END:
                 return
-            yield cast(pb.WorkerMessage, item)
+            batch = [cast(pb.WorkerMessage, item)]
+            end = False
+            while len(batch) < self.MAX_BATCH:
+                try:
+                    more = outbox.get_nowait()
+                except queue.Empty:
+                    break
+                if more is _END:
+                    end = True
+                    break
+                batch.append(cast(pb.WorkerMessage, more))
+            if len(batch) == 1:
+                yield batch[0]
+            else:
+                self.stats.batches_sent += 1
+                self.stats.batched_reports += len(batch)
+                yield pb.WorkerMessage(
+                    reports=pb.ReportBatch(reports=[m.report for m in batch])
+                )
+            if end:
+                return
 
     def _run(self) -> None:
         delays = self._backoff.delays()

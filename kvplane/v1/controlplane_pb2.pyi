@@ -183,13 +183,21 @@ class StepReport(_message.Message):
     free_gpu_blocks: int
     def __init__(self, step: _Optional[int] = ..., now_ms: _Optional[float] = ..., running: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ..., queued: _Optional[_Iterable[_Union[QueuedRequest, _Mapping]]] = ..., observed_step_ms: _Optional[float] = ..., layer_compute_ms: _Optional[_Iterable[float]] = ..., h2d_gbps: _Optional[float] = ..., finished: _Optional[_Iterable[str]] = ..., free_gpu_blocks: _Optional[int] = ...) -> None: ...
 
+class ReportBatch(_message.Message):
+    __slots__ = ("reports",)
+    REPORTS_FIELD_NUMBER: _ClassVar[int]
+    reports: _containers.RepeatedCompositeFieldContainer[StepReport]
+    def __init__(self, reports: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ...) -> None: ...
+
 class WorkerMessage(_message.Message):
-    __slots__ = ("hello", "report")
+    __slots__ = ("hello", "report", "reports")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_FIELD_NUMBER: _ClassVar[int]
     hello: WorkerInfo
     report: StepReport
-    def __init__(self, hello: _Optional[_Union[WorkerInfo, _Mapping]] = ..., report: _Optional[_Union[StepReport, _Mapping]] = ...) -> None: ...
+    reports: ReportBatch
+    def __init__(self, hello: _Optional[_Union[WorkerInfo, _Mapping]] = ..., report: _Optional[_Union[StepReport, _Mapping]] = ..., reports: _Optional[_Union[ReportBatch, _Mapping]] = ...) -> None: ...
 
 class Decision(_message.Message):
     __slots__ = ("plan", "apply_at_step", "expiry_step", "pause", "resume", "admit", "min_gpu_layers", "reason", "policy_version")

@@ -218,6 +218,18 @@ class ServeProcess:
                 return float(line.rsplit(" ", 1)[1])
         raise KeyError(name)
 
+    def metric_sum(self, name: str) -> float:
+        """Sum of a metric over all its label sets (0 when absent)."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(name + " ") or line.startswith(name + "{")
+        )
+
     def rss_bytes(self) -> int:
         assert self.proc is not None
         with open(f"/proc/{self.proc.pid}/status") as f:
