@@ -177,9 +177,9 @@ def _plot(name: str, rows: list[Row], path: Path) -> None:
         axes[0][0].legend(fontsize=7)
     elif name == "layerkv-ttft":
         fig, axes = plt.subplots(1, 3, figsize=(13, 4), squeeze=False)
-        lines(axes[0][0], rows, "rate_per_min", "ttft_mean_ms", "mean TTFT", "ms")
-        lines(axes[0][1], rows, "rate_per_min", "ttft_p99_ms", "P99 TTFT", "ms")
-        lines(axes[0][2], rows, "rate_per_min", "throughput_req_per_min", "throughput", "req/min")
+        lines(axes[0][0], rows, "rate_per_s", "ttft_mean_ms", "mean TTFT", "ms")
+        lines(axes[0][1], rows, "rate_per_s", "ttft_p99_ms", "P99 TTFT", "ms")
+        lines(axes[0][2], rows, "rate_per_s", "throughput_req_per_min", "throughput", "req/min")
         axes[0][0].legend(fontsize=7)
     else:  # superinfer-attainment
         fig, axes = plt.subplots(1, 2, figsize=(9, 4), squeeze=False)
@@ -225,8 +225,10 @@ def reproduce(name: str, out_dir: Path, *, smoke: bool = False, jobs: int = 1,
         "kvplane-combined": _kvplane_checks,
     }.get(name, lambda rows: [])(rows)
     if name == "layerkv-ttft":
-        checks = (_ratio_checks(rows, "rate_per_min", "layerkv", "no-offload", "ttft_mean_ms")
-                  + _ratio_checks(rows, "rate_per_min", "layerkv", "no-offload", "ttft_p99_ms"))
+        checks = (_ratio_checks(rows, "rate_per_s", "layerkv", "no-offload", "ttft_mean_ms")
+                  + _ratio_checks(rows, "rate_per_s", "layerkv", "no-offload", "ttft_p99_ms")
+                  + _ratio_checks(rows, "rate_per_s", "no-offload", "layerkv",
+                                  "throughput_req_per_min"))
     if name == "superinfer-attainment":
         checks = [f"- rate {r['rate_per_s']}/s {r['policy']}: TTFT att. "
                   f"{_pct(r['ttft_attainment'])}, TBT att. {_pct(r['tbt_attainment'])}"

@@ -115,6 +115,9 @@ class ControlledPolicy(BasePolicy):
                 device_tflops=p.prefill_tflops,
                 prefill_correction=p.prefill_alpha,
                 offload_correction=p.offload_beta,
+                # LayerKV predicts the output length; the trace's max_new_tokens is an oracle
+                # predictor (the scheduler caps the lower bound by max_new_tokens).
+                output_len_lower_bound=1 << 24,
             ),
         )
         full = self.planner_mode == "full"
