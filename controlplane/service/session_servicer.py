@@ -62,7 +62,7 @@ class _LiveSession:
     """One open session: serialises report()/poll()/close() and closes exactly once."""
 
     def __init__(self, session: api.WorkerSession) -> None:
-        self._session = session
+        self.session = session
         self._poll = getattr(session, "poll", None)
         self._lock = threading.Lock()
         self.closed = False
@@ -75,7 +75,7 @@ class _LiveSession:
         with self._lock:
             if self.closed:
                 raise api.Unavailable("session is closed")
-            return list(self._session.report(report))
+            return list(self.session.report(report))
 
     def poll(self) -> list[api.Decision]:
         if self._poll is None:
@@ -89,7 +89,7 @@ class _LiveSession:
             if self.closed:
                 return False
             self.closed = True
-        self._session.close()
+        self.session.close()
         return True
 
 
@@ -119,6 +119,18 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
         self._ids = itertools.count(1)
         self._notifier = notifier
         self._idle_check_s = idle_check_s
+
+    def _forget(self, worker_id: str, live: _LiveSession) -> None:
+        """Drop the control plane's record of this worker's session if it is still ours.
+
+        (A reconnect of the same worker replaces it; that newer session must stay.)
+        """
+        sessions = getattr(self._cp, "sessions", None)
+        close_session = getattr(self._cp, "close_session", None)
+        if not callable(sessions) or not callable(close_session):
+            return
+        if sessions().get(worker_id) is live.session:
+            close_session(worker_id)
 
     def _observe_decisions(self, decisions: list[api.Decision]) -> list[pb.Decision]:
         out = []
@@ -160,6 +172,7 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
             if live is not None and live.close():
                 if self._notifier is not None:
                     self._notifier.unregister(worker_id, wake)
+                self._forget(worker_id, live)
                 self._metrics.sessions.dec()
                 log.info("session_closed", session=session_id, worker=worker_id, peer=peer)
 

@@ -38,7 +38,7 @@ class ThrowawayCA:
 
     def __init__(self, cn: str = "kvplane-test-ca") -> None:
         self._key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         self._name = _name(cn)
         self.cert = (
             x509.CertificateBuilder()
@@ -55,7 +55,7 @@ class ThrowawayCA:
 
     def issue(self, cn: str, *, server: bool) -> KeyPair:
         key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         builder = (
             x509.CertificateBuilder()
             .subject_name(_name(cn))
