@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -43,6 +43,34 @@ DEFAULT_BUDGET_FRACTION = 0.25
 """Default time budget: this fraction of the predicted step (all-on-GPU compute first)."""
 
 
+def _max_step_ms(reqs: Sequence[RequestSpec], window: int, alpha: float, floor_ms: float) -> float:
+    """The largest step time T whose late fraction at ``window`` is within alpha, or -1 when
+    even ``floor_ms`` (the compute sum, a lower bound on any step) exceeds it.
+
+    Request r is late once ``T > theta_r = slo_r / (1 - deposit_r / Δ)``; between consecutive
+    thresholds the late fraction is ``sum_A (1 - c_r) - sum_A slo_r / T`` (A: the late ones,
+    ``c_r = deposit_r / Δ``), so the crossing with alpha is solved per segment.
+    """
+    eps = 1e-12
+    if _late(reqs, floor_ms, window) > alpha + eps:
+        return -1.0
+    pts = sorted(
+        ((r.slo_tbt_ms / (1.0 - r.deposit_tokens / window), r) for r in reqs if r.deposit_tokens < window),
+        key=lambda p: p[0],
+    )
+    gain = 0.0  # sum_A (1 - c_r)
+    slo = 0.0  # sum_A slo_r
+    for i, (theta, r) in enumerate(pts):
+        gain += 1.0 - r.deposit_tokens / window
+        slo += r.slo_tbt_ms
+        nxt = pts[i + 1][0] if i + 1 < len(pts) else math.inf
+        if gain > alpha + eps:
+            t = slo / (gain - alpha - eps)
+            if t < nxt:
+                return max(t, theta, floor_ms)
+    return math.inf
+
+
 def _late(reqs: Sequence[RequestSpec], step_ms: float, window: int) -> float:
     """``sum_r max(0, 1 - slo_r / T - deposit_r / Δ)`` (OrbitFlow §3.3.1 with §3.2)."""
     return sum(max(0.0, 1.0 - r.slo_tbt_ms / step_ms - r.deposit_tokens / window) for r in reqs)
@@ -54,6 +82,7 @@ class _Solved:
     window: int
     ev: Evaluator
     result: SearchResult | None
+    search: PlacementSearch | None = None
 
     def late_fraction(self) -> float:
         """``sum_r max(0, 1 - slo_r / T - deposit_r / Δ)`` (OrbitFlow §3.3.1 with §3.2)."""
@@ -65,8 +94,9 @@ class _Solved:
 class _Context:
     """Per-call state of one :meth:`Planner.plan`: deadline, shared caches, the best plan seen."""
 
-    def __init__(self, batch: Batch, deadline: float) -> None:
+    def __init__(self, batch: Batch, deadline: float, clock: Callable[[], float]) -> None:
         self.batch = batch
+        self.clock = clock
         self.deadline = deadline
         self.cands = candidate_set(batch.model.layers)
         self.chain_cache: dict[int, list[float]] = {}
@@ -74,7 +104,7 @@ class _Context:
         self.searches = 0
 
     def left_s(self) -> float:
-        return self.deadline - time.perf_counter()
+        return self.deadline - self.clock()
 
 
 class Planner:
@@ -86,12 +116,16 @@ class Planner:
         use_mip: bool = True,
         exact_search: bool = True,
         budget_fraction: float = DEFAULT_BUDGET_FRACTION,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        """``clock`` (seconds) measures the time budget and ``solve_ms``: wall time by default;
+        ``time.process_time`` makes the budget CPU time (benchmarks on a shared machine)."""
         if not 0.0 < budget_fraction <= 100.0:
             raise ValueError(f"budget_fraction must be in (0, 100], got {budget_fraction}")
         self._mip = MipStage() if use_mip else None
         self._exact = exact_search
         self._fraction = budget_fraction
+        self._clock = clock
 
     def plan(
         self,
@@ -103,14 +137,14 @@ class Planner:
         seed: int = 0,
     ) -> Plan:
         """The placement for ``batch``; never raises for a valid batch (see module docstring)."""
-        t0 = time.perf_counter()
+        t0 = self._clock()
         if victim_rule not in VICTIM_RULES:
             raise ValueError(f"victim_rule {victim_rule!r} is not one of {VICTIM_RULES}")
         if time_budget_ms is not None and not time_budget_ms >= 0:
             raise ValueError(f"time_budget_ms must be >= 0, got {time_budget_ms}")
         compute_ms = sum(batch.profile.layer_compute_ms)
         budget_ms = self._fraction * compute_ms if time_budget_ms is None else time_budget_ms
-        ctx = _Context(batch, t0 + budget_ms / 1e3)
+        ctx = _Context(batch, t0 + budget_ms / 1e3, self._clock)
         victims = self._victim_order(batch, victim_rule, random.Random(seed))
         reqs = tuple(batch.requests)
         paused: list[str] = []
@@ -128,7 +162,11 @@ class Planner:
             victim = victims[len(paused)]
             paused.append(victim.id)
             reqs = tuple(r for r in reqs if r.id != victim.id)
-        solve_ms = (time.perf_counter() - t0) * 1e3
+        if chosen is not None and chosen.search is not None and ctx.left_s() > 0:
+            # Polish: the probes stopped at the first plan meeting the SLO cap.
+            result = chosen.search.resume(ctx.deadline)
+            chosen = _Solved(chosen.reqs, chosen.window, chosen.ev, result, chosen.search)
+        solve_ms = (self._clock() - t0) * 1e3
         plan = self._to_plan(batch, chosen, paused, solve_ms, current_step)
         plan.extras.update(searches=ctx.searches, paused_by_bound=by_bound)
         log.info(
@@ -187,25 +225,34 @@ class Planner:
         window: int,
         share: float,
         warm: Sequence[tuple[int, ...]] = (),
+        *,
+        local_first: bool = True,
     ) -> _Solved:
-        """Search at ``window`` for at most ``share`` of the remaining budget (the last search
-        of a call gets the rest). Windows with the same block counts share one search."""
+        """Search at ``window`` for at most ``share`` of the remaining budget.
+
+        The search stops early once its step time meets the SLO cap at this window (a
+        feasibility probe); :meth:`plan` resumes the chosen one with the rest of the budget.
+        Windows with the same block counts share one search.
+        """
         batch = ctx.batch
         blocks = tuple(r.blocks(batch.model.block_size, window) for r in reqs)
         key = (tuple(r.id for r in reqs), blocks)
         prev = ctx.solved.get(key)
         if prev is not None:
-            return _Solved(reqs, window, prev.ev, prev.result)
-        now = time.perf_counter()
+            return _Solved(reqs, window, prev.ev, prev.result, prev.search)
+        now = ctx.clock()
         deadline = now + max(0.0, ctx.deadline - now) * share
         ev = Evaluator(
             ctx.cands, blocks, batch.profile.layer_compute_ms, batch.bw_blocks_per_ms,
             chain_cache=ctx.chain_cache,
         )
-        search = PlacementSearch(ev, batch.hardware.gpu_kv_budget_blocks, deadline)
+        target = _max_step_ms(reqs, window, batch.policy.alpha, ev.compute_ms)
+        search = PlacementSearch(
+            ev, batch.hardware.gpu_kv_budget_blocks, deadline, target_ms=target, clock=ctx.clock
+        )
         ctx.searches += 1
-        result = search.run(warm, mip=self._mip, exact=self._exact)
-        solved = _Solved(reqs, window, ev, result)
+        result = search.run(warm, mip=self._mip, exact=self._exact, local_first=local_first)
+        solved = _Solved(reqs, window, ev, result, search)
         ctx.solved[key] = solved
         return solved
 
@@ -264,7 +311,7 @@ class Planner:
         )
         start = pol.window_min
         if optimistic:
-            top = self._solve(ctx, reqs, pol.window_max, 0.6, warm)
+            top = self._solve(ctx, reqs, pol.window_max, 0.6, warm, local_first=False)
             self._remember(top, hint)
             if self._ok(top, alpha):
                 return top
@@ -276,7 +323,7 @@ class Planner:
                     reqs, top.result.step_ms, alpha, pol.window_min, pol.window_max - 1
                 )
                 start = pol.window_min if allowed is None else allowed
-        best = self._solve(ctx, reqs, start, 0.5, warm)
+        best = self._solve(ctx, reqs, start, 0.5, warm, local_first=optimistic)
         self._remember(best, hint)
         if not self._ok(best, alpha) and start > pol.window_min:
             best = self._solve(ctx, reqs, pol.window_min, 0.5, self._assigns(best, warm))
@@ -316,6 +363,13 @@ class Planner:
         cls, batch: Batch, rule: str, rng: random.Random
     ) -> list[RequestSpec]:
         """Every request in the order the victim rule would pause them one by one."""
+        bs = batch.model.block_size
+        if rule == "largest":  # stable sorts: ties go in batch order, as max()/min() pick
+            return sorted(batch.requests, key=lambda r: -(r.blocks(bs) + r.deposit_tokens))
+        if rule == "longest":
+            return sorted(batch.requests, key=lambda r: -r.context_tokens)
+        if rule == "shortest":
+            return sorted(batch.requests, key=lambda r: r.context_tokens)
         reqs = list(batch.requests)
         order = []
         while reqs:
