@@ -128,5 +128,6 @@ def test_client_session_never_raises_while_server_unreachable(connect) -> None: 
     for step in range(50):
         assert session.report(step_report(step, {"r": 100})) == []
     assert session.degraded
+    assert client.metrics.registry.get_sample_value("kvplane_client_degraded", {"worker": "lonely"}) == 1
     assert session.stats.reports_dropped == 49  # only the newest is kept for the reconnect
     session.close()
