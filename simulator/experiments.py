@@ -122,18 +122,22 @@ def _layerkv(smoke: bool) -> list[RunSpec]:
     ]
 
 
-SUPERINFER_OVERRIDES = {"max_batch_size": 512}
+SUPERINFER_OVERRIDES = {"max_batch_size": 1024}
+"""Batch cap raised so KV memory, not the cap, binds (SuperInfer's regime of KV exhaustion)."""
 
 
 def _superinfer(smoke: bool) -> list[RunSpec]:
-    rates = (30.0,) if smoke else (10.0, 20.0, 30.0, 40.0)
-    n = 60 if smoke else 900
+    """ShareGPT-like (SuperInfer's dataset) plus a long-context probe (orbitflow-32k) where KV,
+    not prefill, binds."""
+    runs = [("sharegpt", r, 60 if smoke else 600)
+            for r in ((40.0,) if smoke else (20.0, 30.0, 40.0, 50.0))]
+    runs += [("orbitflow-32k", r, 8 if smoke else 60) for r in ((1.0,) if smoke else (0.5, 1.0))]
     return [
         RunSpec(pol, GH200, SUPERINFER_OVERRIDES,
-                trace=_ts("sharegpt", n, rate * 60.0, smoke, slo_scale=1.0, seed=8,
+                trace=_ts(w, n, rate * 60.0, smoke, slo_scale=1.0, seed=8,
                           slo_tbt_ms=100.0, slo_ttft_ms=5000.0),
-                tags={"rate_per_s": rate})
-        for rate in rates for pol in ("no-offload", "lvf")
+                tags={"workload": w, "rate_per_s": rate})
+        for w, rate, n in runs for pol in ("no-offload", "lvf")
     ]
 
 

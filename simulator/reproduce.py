@@ -137,7 +137,8 @@ def _plot(name: str, rows: list[Row], path: Path) -> None:
     def lines(ax, sel, x, y, title, ylabel):  # noqa: ANN001
         by = defaultdict(list)
         for r in sel:
-            by[r["policy"]].append((r[x], r[y]))
+            label = r["policy"] + (f" [{r['workload']}]" if "workload" in r else "")
+            by[label].append((r[x], r[y]))
         for pol, pts in sorted(by.items()):
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=pol)
@@ -230,8 +231,9 @@ def reproduce(name: str, out_dir: Path, *, smoke: bool = False, jobs: int = 1,
                   + _ratio_checks(rows, "rate_per_s", "no-offload", "layerkv",
                                   "throughput_req_per_min"))
     if name == "superinfer-attainment":
-        checks = [f"- rate {r['rate_per_s']}/s {r['policy']}: TTFT att. "
-                  f"{_pct(r['ttft_attainment'])}, TBT att. {_pct(r['tbt_attainment'])}"
+        checks = [f"- {r['workload']} rate {r['rate_per_s']}/s {r['policy']}: TTFT att. "
+                  f"{_pct(r['ttft_attainment'])}, TBT att. {_pct(r['tbt_attainment'])}, "
+                  f"preemptions {r['preemptions']}, KV util {_pct(r['kv_util_mean'])}"
                   for r in rows]
     md = [f"# {name}: {exp.title}", "",
           f"**Paper:** {exp.paper}", "",
