@@ -58,6 +58,20 @@ def _bound_layers(cands: CandidateSet) -> tuple[list[int], list[list[int]]]:
     return marks, [[counts[layer] for layer in marks] for counts in cands.cumulative]
 
 
+@functools.lru_cache(maxsize=4096)
+def _event_layers(
+    cands: CandidateSet, used: tuple[int, ...]
+) -> list[tuple[int, list[tuple[int, int]]]]:
+    """For the used candidates: each layer some of them offload, with the (candidate, next
+    offloaded layer) pairs whose next fetch starts at that layer's end."""
+    offl, nxt = cands.offloaded, cands.next_offloaded
+    out = []
+    for layer in sorted({layer for c in used for layer in offl[c]}):
+        starters = [(c, nxt[c][layer]) for c in used if nxt[c][layer] >= 0 and layer in offl[c]]
+        out.append((layer, starters))
+    return out
+
+
 class Evaluator:
     """Exact evaluation and lower bounds for one problem (blocks at the window's end)."""
 
@@ -95,7 +109,6 @@ class Evaluator:
         self.bound_suffix = [self.suffix[layer] for layer in marks]
         self.evaluations = 0
         self._prefix = prefix
-        self._events: dict[tuple[int, ...], list[tuple[int, list[tuple[int, int]]]]] = {}
 
     def _chain_row(self, tau: float, prefix: list[float]) -> list[float]:
         row = []
@@ -138,8 +151,8 @@ class Evaluator:
             return best
         inv = 1.0 / self.bw
         out = list(self.bound_suffix)
-        for c, w in per_cand.items():
-            w *= inv
+        for c, w_blocks in per_cand.items():
+            w = w_blocks * inv
             for i, k in enumerate(self.bound_cum[c]):
                 if k:
                     out[i] += w * k
@@ -208,9 +221,7 @@ class Evaluator:
         if not by_cand:
             return self.compute_ms
         key = tuple(sorted(by_cand))
-        events = self._events.get(key)
-        if events is None:
-            events = self._event_layers(key)
+        events = _event_layers(self.cands, key)
         offl = self.cands.offloaded
         n_layers = self.n_layers
         need = [0.0] * n_layers  # largest F among the fetches layer l waits for
@@ -279,19 +290,6 @@ class Evaluator:
                     fs.sort()
             pos = layer + 1
         return t + prefix[n_layers] - prefix[pos]
-
-    def _event_layers(self, key: tuple[int, ...]) -> list[tuple[int, list[tuple[int, int]]]]:
-        """For the used candidates ``key``: each layer some of them offload, with the
-        (candidate, next offloaded layer) pairs whose next fetch starts at its end."""
-        offl, nxt = self.cands.offloaded, self.cands.next_offloaded
-        layers = sorted({layer for c in key for layer in offl[c]})
-        out = []
-        for layer in layers:
-            starters = [(c, nxt[c][layer]) for c in key if nxt[c][layer] >= 0]
-            starters = [(c, nl) for c, nl in starters if layer in offl[c]]
-            out.append((layer, starters))
-        self._events[key] = out
-        return out
 
     def exact_heap_ms(self, assign: Sequence[int], cutoff: float = math.inf) -> float:
         """Exact step time by an event heap (the reference for :meth:`exact_ms`; slower).
@@ -365,7 +363,7 @@ class Evaluator:
                 if groups:
                     nl = nxt_all[c][layer]
                     if nl >= 0:
-                        for b, g in groups:
-                            push(heap, (v + b, g, nl))
+                        for size, g in groups:
+                            push(heap, (v + size, g, nl))
                             nact += gk[g]
         return t

@@ -21,12 +21,19 @@ of ``kvplane bench planner``; under the default budget (25% of a step, a few ms)
 
 from __future__ import annotations
 
+import functools
+
 import structlog
-from mip import BINARY, CBC, MINIMIZE, Model, OptimizationStatus, xsum
+from mip import BINARY, CBC, MINIMIZE, Model, OptimizationStatus, Var, xsum
 
 from controlplane.planner.evaluator import Evaluator
 
 log = structlog.get_logger(__name__)
+
+
+def _value(row: list[Var], k: int, c: int) -> float:
+    """Value of ``row[c]`` in CBC's k-th solution (0 when unset)."""
+    return float(row[c].xi(k) or 0.0)
 
 
 class MipStage:
@@ -94,7 +101,7 @@ class MipStage:
         out: list[tuple[int, ...]] = []
         for k in range(m.num_solutions):
             a = tuple(
-                max(range(n_cand), key=lambda c, r=r: y[r][c].xi(k) or 0.0) for r in range(n_req)
+                max(range(n_cand), key=functools.partial(_value, y[r], k)) for r in range(n_req)
             )
             if a not in out:
                 out.append(a)

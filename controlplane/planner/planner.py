@@ -227,6 +227,7 @@ class Planner:
         warm: Sequence[tuple[int, ...]] = (),
         *,
         local_first: bool = True,
+        source: _Solved | None = None,
     ) -> _Solved:
         """Search at ``window`` for at most ``share`` of the remaining budget.
 
@@ -251,7 +252,16 @@ class Planner:
             ev, batch.hardware.gpu_kv_budget_blocks, deadline, target_ms=target, clock=ctx.clock
         )
         ctx.searches += 1
-        result = search.run(warm, mip=self._mip, exact=self._exact, local_first=local_first)
+        # The constructive stages a search of the same requests at another window completed
+        # would only rebuild (nearly) the same plans: the warm start already carries them.
+        skip = (
+            [s for s in PlacementSearch.CONSTRUCTIVE if s in source.search.done]
+            if source is not None and source.search is not None and source.reqs == reqs
+            else []
+        )
+        result = search.run(
+            warm, mip=self._mip, exact=self._exact, local_first=local_first, skip=skip
+        )
         solved = _Solved(reqs, window, ev, result, search)
         ctx.solved[key] = solved
         return solved
@@ -310,6 +320,7 @@ class Planner:
             [tuple(hint[r.id] for r in reqs)] if all(r.id in hint for r in reqs) else []
         )
         start = pol.window_min
+        top: _Solved | None = None
         if optimistic:
             top = self._solve(ctx, reqs, pol.window_max, 0.6, warm, local_first=False)
             self._remember(top, hint)
@@ -323,10 +334,14 @@ class Planner:
                     reqs, top.result.step_ms, alpha, pol.window_min, pol.window_max - 1
                 )
                 start = pol.window_min if allowed is None else allowed
-        best = self._solve(ctx, reqs, start, 0.5, warm, local_first=optimistic)
+        best = self._solve(
+            ctx, reqs, start, 0.5, warm, local_first=optimistic, source=top if optimistic else None
+        )
         self._remember(best, hint)
         if not self._ok(best, alpha) and start > pol.window_min:
-            best = self._solve(ctx, reqs, pol.window_min, 0.5, self._assigns(best, warm))
+            best = self._solve(
+                ctx, reqs, pol.window_min, 0.5, self._assigns(best, warm), source=best
+            )
             self._remember(best, hint)
         if not self._ok(best, alpha):
             return None
@@ -338,7 +353,9 @@ class Planner:
             )
             if hi is None or hi <= best.window:
                 break
-            probe = self._solve(ctx, reqs, hi, 0.5 if probes_left > 1 else 1.0, self._assigns(best))
+            probe = self._solve(
+                ctx, reqs, hi, 0.5 if probes_left > 1 else 1.0, self._assigns(best), source=best
+            )
             if self._ok(probe, alpha):
                 best = probe
                 continue
@@ -346,7 +363,9 @@ class Planner:
             mid = (best.window + hi) // 2
             if mid <= best.window or probes_left == 1:
                 break
-            probe = self._solve(ctx, reqs, mid, 1.0, self._assigns(best, self._assigns(probe)))
+            probe = self._solve(
+                ctx, reqs, mid, 1.0, self._assigns(best, self._assigns(probe)), source=best
+            )
             if self._ok(probe, alpha):
                 best = probe
             break

@@ -358,7 +358,8 @@ class PlacementSearch:
         top = self._top_chain(cur)
         cutoff = self.best_ms * (1 - _REL_EPS)
         out = []
-        downs, ups = range(self.n_req), range(self.n_req)
+        downs: Sequence[int] = range(self.n_req)
+        ups: Sequence[int] = range(self.n_req)
         if not self.wide:
             downs, ups = self._promising(cur, work, top)
         for r in downs:
@@ -376,6 +377,8 @@ class PlacementSearch:
             for s in ups:
                 if s == r:
                     continue
+                if self._expired():
+                    raise _Deadline
                 for c in range(cur[s] + 1, self.n_cand):
                     if mem + gain - ev.mem[s][cur[s]] + ev.mem[s][c] <= self.budget:
                         other = next(v for v, q in top if q not in (r, s))
@@ -478,12 +481,14 @@ class PlacementSearch:
         local: bool = True,
         exact: bool = True,
         local_first: bool = True,
+        skip: Iterable[str] = (),
     ) -> SearchResult | None:
         """Best assignment within the deadline, or None when nothing fits memory.
 
         ``local_first``: continue local search from the warm starts before the constructive
         stages (right when they solve a nearly identical problem, e.g. another window of the
-        same requests; after a pause the constructive stages go first).
+        same requests; after a pause the constructive stages go first). ``skip``: stages not to
+        run (e.g. the constructive ones, done by the search that produced the warm start).
         """
         if not self.feasible():
             return None
@@ -494,6 +499,7 @@ class PlacementSearch:
             self._optimal = True
             return SearchResult(none, ev.compute_ms, "trivial", True, ev.evaluations)
         self._mip, self._local, self._exact = mip, local, exact
+        self._done.update(skip)
         if not local_first:
             self._done.add("continue")
         try:
@@ -514,6 +520,14 @@ class PlacementSearch:
                 self.best or (), self.best_ms, self.best_src, True, self.ev.evaluations
             )
         return self._stages()
+
+    CONSTRUCTIVE = ("uniforms", "mixed", "resident", "greedy")
+    """Stages that build plans from scratch (the same for nearby windows of one request set)."""
+
+    @property
+    def done(self) -> frozenset[str]:
+        """Stages that ran to completion."""
+        return frozenset(self._done)
 
     def _stages(self) -> SearchResult:
         ev, mip, local = self.ev, self._mip, self._local

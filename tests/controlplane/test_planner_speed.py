@@ -1,0 +1,186 @@
+"""The planner's fast paths (bound pausing, analytic windows, prefix-sum evaluator, satisficing
+probes, CBC gating) against the slow, obviously-correct definitions."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from controlplane.model import Batch, RequestSpec, memory_blocks, step_time_ms
+from controlplane.planner import Planner, candidate_set
+from controlplane.planner.evaluator import Evaluator
+from controlplane.planner.mip_search import MipStage
+from controlplane.planner.planner import _late, _max_step_ms
+from controlplane.planner.search import PlacementSearch
+from tests.controlplane.test_planner import make_batch
+
+
+def optimum_at(batch: Batch, ids: list[str], window: int) -> float:
+    """Exhaustive optimum step time of the requests ``ids`` at ``window`` (inf if none fits)."""
+    rows = candidate_set(batch.model.layers).rows
+    reqs = [r for r in batch.requests if r.id in set(ids)]
+    blocks = [r.blocks(batch.model.block_size, window) for r in reqs]
+    best = math.inf
+    for choice in itertools.product(range(len(rows)), repeat=len(blocks)):
+        placement = [rows[c] for c in choice]
+        if sum(memory_blocks(placement, blocks)) <= batch.hardware.gpu_kv_budget_blocks:
+            best = min(best, step_time_ms(placement, blocks, batch.profile.layer_compute_ms, batch.bw_blocks_per_ms))
+    return best
+
+
+def slo_feasible(batch: Batch, ids: list[str], window: int) -> bool:
+    reqs = [r for r in batch.requests if r.id in set(ids)]
+    t = optimum_at(batch, ids, window)
+    return not reqs or (t < math.inf and _late(reqs, t, window) <= batch.policy.alpha + 1e-12)
+
+
+pause_batches = st.builds(
+    lambda contexts, factors, deposits, layers, comp, gbps, frac, alpha: make_batch(
+        contexts,
+        layers=layers,
+        comp=comp,
+        gbps=gbps,
+        # SLOs around the all-on-GPU step, so that offloading decides who must pause
+        slo=[comp * layers * factors[i % len(factors)] for i in range(len(contexts))],
+        deposits=(deposits + [0] * len(contexts))[: len(contexts)],
+        alpha=alpha,
+        window=(1, 8),
+        budget=max(1, int(frac * sum(c + 1 for c in contexts) * layers)),
+    ),
+    contexts=st.lists(st.integers(1, 40), min_size=1, max_size=3),
+    factors=st.lists(st.floats(0.9, 3.0), min_size=1, max_size=3),
+    deposits=st.lists(st.integers(0, 6), max_size=3),
+    layers=st.integers(1, 5),
+    comp=st.floats(0.1, 3.0),
+    gbps=st.floats(0.5, 30.0),
+    frac=st.floats(0.2, 1.1),
+    alpha=st.sampled_from([0.0, 0.3, 1.0]),
+)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=pause_batches)
+def test_pauses_are_exactly_the_necessary_prefix_of_the_victim_order(batch):
+    """Victims follow the rule's order; survivors are feasible at the chosen window; with the last victim back even window_min is infeasible (bound pauses never over-pause)."""
+    plan = Planner().plan(batch, time_budget_ms=10_000)
+    order = [r.id for r in Planner._victim_order(batch, "largest", None)]  # type: ignore[arg-type]
+    assert list(plan.paused) == order[: len(plan.paused)]
+    survivors = [r.id for r in batch.requests if r.id not in plan.paused]
+    assert set(plan.placements) == set(survivors)
+    if survivors:
+        assert slo_feasible(batch, survivors, plan.window_steps)
+    if plan.paused:
+        restored = [*survivors, plan.paused[-1]]
+        assert not slo_feasible(batch, restored, batch.policy.window_min)
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=pause_batches)
+def test_step_lower_bound_is_below_every_feasible_assignment(batch):
+    """Planner.step_lower_bound_ms never exceeds the exhaustive optimum (inf exactly when nothing fits)."""
+    ids = [r.id for r in batch.requests]
+    lb = Planner.step_lower_bound_ms(batch, batch.requests, 1)
+    best = optimum_at(batch, ids, 1)
+    if math.isinf(best):
+        assert math.isinf(lb) or lb >= sum(batch.profile.layer_compute_ms)
+    else:
+        assert lb <= best * (1 + 1e-9)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    slos=st.lists(st.floats(0.1, 200.0), min_size=1, max_size=8),
+    deposits=st.lists(st.integers(0, 30), min_size=8, max_size=8),
+    window=st.integers(1, 40),
+    alpha=st.sampled_from([0.0, 0.25, 1.0, 2.5]),
+    floor=st.floats(0.05, 50.0),
+)
+def test_max_step_is_the_late_fraction_threshold(slos, deposits, window, alpha, floor):
+    """_max_step_ms is the largest step time whose late fraction is within alpha (-1 below the floor, inf if none is late)."""
+    reqs = [RequestSpec(f"r{i}", 10, s, d) for i, (s, d) in enumerate(zip(slos, deposits, strict=False))]
+    t = _max_step_ms(reqs, window, alpha, floor)
+    if t < 0:
+        assert _late(reqs, floor, window) > alpha
+    elif math.isinf(t):
+        assert _late(reqs, 1e15, window) <= alpha + 1e-9
+    else:
+        assert t >= floor
+        assert _late(reqs, t, window) <= alpha + 1e-9
+        assert _late(reqs, t * (1 + 1e-6) + 1e-9, window) > alpha
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    blocks=st.lists(st.sampled_from([1, 3, 7, 7, 20, 45]), min_size=1, max_size=7),
+    layers=st.integers(1, 20),
+    data=st.data(),
+)
+def test_prefix_sum_evaluator_matches_heap_and_model_with_cutoffs(blocks, layers, data):
+    """exact_ms equals the event-heap version and model.step_time_ms; with a cutoff it is exact below it and inf at or above it."""
+    cs = candidate_set(layers)
+    comp = data.draw(st.lists(st.sampled_from([0.0, 0.3, 1.0, 2.5]), min_size=layers, max_size=layers))
+    bw = data.draw(st.floats(0.2, 50.0))
+    assign = data.draw(st.lists(st.integers(0, cs.size - 1), min_size=len(blocks), max_size=len(blocks)))
+    ev = Evaluator(cs, blocks, comp, bw)
+    exact = step_time_ms([cs.rows[c] for c in assign], blocks, comp, bw)
+    got = ev.exact_ms(assign)
+    assert got == pytest.approx(exact, rel=1e-9, abs=1e-12)
+    assert ev.exact_heap_ms(assign) == pytest.approx(exact, rel=1e-9, abs=1e-12)
+    cutoff = exact * data.draw(st.floats(0.3, 1.7))
+    cut = ev.exact_ms(assign, cutoff)
+    assert cut == got or (math.isinf(cut) and got >= cutoff * (1 - 1e-9))
+
+
+def test_satisfied_probe_stops_early_and_resume_continues():
+    """A search with a reachable target stops at the first plan meeting it; resume() improves it to the full search's answer."""
+    contexts = [3000, 9000, 17000, 30000, 52000, 2000, 12000]
+    blocks = [-(-c // 16) for c in contexts]
+    ev = Evaluator(candidate_set(32), blocks, [0.4] * 32, 25e9 / 1e3 / 65536)
+    budget = int(0.5 * sum(blocks) * 32)
+    full = PlacementSearch(ev, budget, time.perf_counter() + 60).run(exact=False)
+    assert full is not None
+    probe = PlacementSearch(ev, budget, time.perf_counter() + 60, target_ms=full.step_ms * 1.5)
+    first = probe.run(exact=False)
+    assert first is not None and full.step_ms <= first.step_ms <= full.step_ms * 1.5
+    assert "local" not in probe.done
+    resumed = probe.resume(time.perf_counter() + 60)
+    assert resumed is not None and resumed.step_ms <= first.step_ms
+    assert resumed.step_ms <= full.step_ms * 1.01
+
+
+def test_cbc_stage_runs_when_affordable_and_never_on_a_short_budget():
+    """CBC (python-mip) is part of the search with a generous budget and is skipped under a few ms."""
+    contexts = [3000, 9000, 17000, 30000, 52000, 2000, 12000, 7000, 800]
+    blocks = [-(-c // 16) for c in contexts]
+    ev = Evaluator(candidate_set(32), blocks, [0.4] * 32, 25e9 / 1e3 / 65536)
+    budget = int(0.5 * sum(blocks) * 32)
+    mip = MipStage()
+    long = PlacementSearch(ev, budget, time.perf_counter() + 30, bnb_max_requests=0)
+    res = long.run(mip=mip)
+    assert res is not None and "mip" in long.done and MipStage._loaded
+    assert ev.memory(res.assign) <= budget
+    assert not mip.affordable(5.0, len(blocks), candidate_set(32).size)
+    assert not mip.affordable(mip.overhead_ms(64, 17) * 1.5, 64, 17)
+
+
+def test_bound_pauses_skip_searches_on_hopeless_batches():
+    """When even all-offloaded does not fit, victims are paused on the memory bound alone (no search)."""
+    batch = make_batch([100, 60, 20, 90, 70], layers=4, budget=120, window=(1, 1))
+    plan = Planner().plan(batch)
+    assert plan.extras["paused_by_bound"] == len(plan.paused) >= 3
+    survivors = [r for r in batch.requests if r.id not in plan.paused]
+    assert sum(r.blocks(1, 1) for r in survivors) <= 120
+
+
+def test_windows_cost_few_searches():
+    """Choosing the largest feasible window takes at most four searches (plus none per bound pause)."""
+    batch = make_batch([40, 55, 30], layers=6, comp=1.0, gbps=2.0, slo=[9.0, 12.0, 30.0], deposits=[5, 0, 9],
+                       alpha=0.5, window=(1, 64), budget=int(0.5 * 130 * 6))
+    plan = Planner().plan(batch, time_budget_ms=10_000)
+    assert plan.extras["searches"] <= 4
+    assert plan.feasible or plan.paused
