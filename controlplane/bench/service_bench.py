@@ -40,11 +40,12 @@ def machine() -> str:
     except OSError:
         pass
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{model}, {cores} cores, {platform.system()} {platform.machine()}, no GPU needed"
+    return f"{model}, {cores} cores ({platform.system()} {platform.machine()}; CPU only, no GPU used)"
 
 
 def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:60]
+    text = re.sub(r"\((r|tm)\)", "", text.lower())
+    return re.sub(r"[^a-z0-9]+", "-", text).strip("-")[:60]
 
 
 def _free_port() -> int:
@@ -98,8 +99,8 @@ class ServeSubprocess:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", default="1,8,32", help="comma-separated worker counts")
     parser.add_argument("--duration-s", type=float, default=10.0, help="load time per worker count")
-    parser.add_argument("--rate-hz", type=float, default=0.0, help="0 = closed loop (default); else open loop at this rate")
-    parser.add_argument("--change-every-steps", type=int, default=1, help="batch change period (1 = re-plan every step)")
+    parser.add_argument("--rates", default="0,100", help="comma-separated report rates per worker in Hz; 0 = closed loop")
+    parser.add_argument("--change-every-steps", type=int, default=20, help="open loop: a request finishes and one arrives every N steps (closed loop: every step)")
     parser.add_argument("--target", default=None, help="use a running service at HOST:PORT instead of starting one")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
     parser.add_argument("--no-save", action="store_true", help="print only")
@@ -128,13 +129,15 @@ def _markdown(where: str, results: list[LoadResult], spec_note: str) -> str:
 def run(args: argparse.Namespace) -> int:
     try:
         counts = [int(x) for x in str(args.workers).split(",") if x.strip()]
+        rates = [float(x) for x in str(args.rates).split(",") if x.strip()]
         specs = [
             LoadSpec(
                 workers=n,
                 duration_s=args.duration_s,
-                rate_hz=args.rate_hz,
-                change_every_steps=args.change_every_steps,
+                rate_hz=rate,
+                change_every_steps=1 if rate == 0 else args.change_every_steps,
             )
+            for rate in rates
             for n in counts
         ]
     except ValueError as exc:
@@ -144,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
 
     configure_logging("warning")  # the table is the output; client events only when they matter
     where = machine()
-    print(f"kvplane bench service on {where}", flush=True)
+    load_before = os.getloadavg()[0]
+    print(f"kvplane bench service on {where} (1-min load average {load_before:.1f})", flush=True)
     results: list[LoadResult] = []
     log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvplane-bench-serve-{os.getpid()}.log"
 
@@ -167,23 +171,32 @@ def run(args: argparse.Namespace) -> int:
                 one(server.target, spec)
     spec_note = (
         f"Load: {specs[0].requests_per_worker} requests x {specs[0].layers} layers per worker, "
-        f"GPU budget {specs[0].budget_fraction:.0%} of full residency, batch change every "
-        f"{args.change_every_steps} step(s), {args.duration_s:g} s per row; "
-        + ("closed loop (report, wait for its decision, repeat)." if args.rate_hz == 0 else f"open loop at {args.rate_hz:g} Hz.")
-        + " Server: `kvplane serve` subprocess on loopback; latency measured on the worker."
+        f"GPU budget {specs[0].budget_fraction:.0%} of full residency (offloading needed), "
+        f"{args.duration_s:g} s per row. closed-loop: every report changes the batch (a request "
+        "finishes, one arrives) and the worker waits for the decision before its next step, so "
+        "decisions/s is the service's throughput. open-loop@R: each worker reports at R Hz like a "
+        f"real one, the batch changing every {args.change_every_steps} steps. Latency is report "
+        "sent -> decision received, on the worker. Server: `kvplane serve` subprocess on "
+        "loopback, load generator in one separate process (same machine, shared cores)."
     )
     if not args.no_save:
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = args.out / f"service_{_slug(where)}"
+        stem = args.out / f"service_{_slug(where.split(' (')[0])}"
         payload = {
             "bench": "service",
             "machine": where,
             "python": platform.python_version(),
             "grpc": grpc.__version__,
             "note": spec_note,
+            "load_avg_1m_before": load_before,
+            "load_avg_1m_after": os.getloadavg()[0],
             "results": [dataclasses.asdict(r) for r in results],
         }
         stem.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
-        stem.with_suffix(".md").write_text(_markdown(where, results, spec_note))
+        note = spec_note + (
+            f" The machine is shared: 1-min load average {load_before:.1f} before the run, "
+            f"{os.getloadavg()[0]:.1f} after."
+        )
+        stem.with_suffix(".md").write_text(_markdown(where, results, note))
         print(f"wrote {stem}.json and {stem}.md")
     return 0 if all(r.worker_errors == 0 for r in results) else 1
