@@ -15,6 +15,8 @@ Always (flag on or off):
   ``KVPLANE_LAYERED_KV_ARGS``. With the flag off it only removes that variable.
 - AFTER ``runtime_context.publish``: on ``--device cpu`` switch SGLang's rotary layer to
   its CPU path (``rotary_embedding.base._is_cpu``) in this process.
+- AROUND ``TokenizerManager._stream_one_response``: token-deposit pacing of streamed
+  output with ``--kv-pacing on`` (:mod:`sglang_ext.pacing`); a pass-through otherwise.
 
 Only in processes whose environment says the flag is on (the subprocesses the
 launcher spawns after parsing):
@@ -46,6 +48,7 @@ _PUBLISH = "sglang.srt.runtime_context.publish"
 _ALLOC_FOR_EXTEND = "sglang.srt.mem_cache.allocation.alloc_for_extend"
 _ALLOC_FOR_DECODE = "sglang.srt.mem_cache.allocation.alloc_for_decode"
 _ROTARY_BASE = "sglang.srt.layers.rotary_embedding.base"
+_STREAM_ONE_RESPONSE = "sglang.srt.managers.tokenizer_manager.TokenizerManager._stream_one_response"
 
 
 class _ProcessState:
@@ -107,6 +110,20 @@ def _around_from_cli_args(original: Any, cls: Any, namespace: argparse.Namespace
         os.environ.pop(kv_args.ENV_VAR, None)
     _state.layered = layered
     return original(cls, namespace)
+
+
+def _around_stream_one_response(original: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``TokenizerManager._stream_one_response``: paced streaming (sglang_ext/pacing.py).
+
+    Installed in every process (only the main one serves streams); with the flag or
+    ``--kv-pacing`` off it returns SGLang's generator untouched without importing anything.
+    """
+    layered = _state.layered
+    if layered is None or not layered.enable_layered_kv or not layered.pacing:
+        return original(*args, **kwargs)
+    from sglang_ext.pacing import around_stream_one_response
+
+    return around_stream_one_response(original, *args, **kwargs)
 
 
 def _after_publish(result: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
@@ -180,6 +197,7 @@ def register() -> None:
     HookRegistry.register(_ADD_CLI_ARGS, _after_add_cli_args, HookType.AFTER)
     HookRegistry.register(_FROM_CLI_ARGS, _around_from_cli_args, HookType.AROUND)
     HookRegistry.register(_PUBLISH, _after_publish, HookType.AFTER)
+    HookRegistry.register(_STREAM_ONE_RESPONSE, _around_stream_one_response, HookType.AROUND)
     try:
         _state.layered = kv_args.LayeredKVArgs.from_env()
     except ValueError as exc:
