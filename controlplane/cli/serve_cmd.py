@@ -36,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT to serve gRPC on (port 0 = any free)")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (0 = any free)")
     parser.add_argument("--metrics-host", default=None, help="metrics bind address (default: the --listen host)")
+    parser.add_argument("--health-port", type=int, default=None, help="also serve grpc.health.v1 in plaintext on this port (kubelet probes under TLS)")
     parser.add_argument("--policy", type=Path, default=None, help="initial policy, JSON or YAML (partial; missing fields take defaults)")
     parser.add_argument("--policy-token-file", type=Path, default=None, help="file holding the bearer token required for policy updates")
     parser.add_argument("--tls-cert", type=Path, default=None, help="server certificate chain (PEM)")
@@ -78,6 +79,9 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         rate_limit_rps=args.rate_limit_rps,
         policy_token=load_token_file(args.policy_token_file) if args.policy_token_file else None,
         tls=tls,
+        health_listen=(
+            f"{args.listen.rpartition(':')[0]}:{args.health_port}" if args.health_port is not None else None
+        ),
     )
 
 
@@ -137,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         listen=args.listen,
         port=port,
         metrics_port=metrics_port,
+        health_port=server.health_port,
         tls=config.tls is not None,
         mtls=config.tls is not None and config.tls.client_ca is not None,
         policy_token=config.policy_token is not None,

@@ -86,6 +86,9 @@ class ServerConfig:
     """TLS / mTLS; None = plaintext (loopback or a trusted network only)."""
     keepalive_s: float = 10.0
     """Ping idle connections this often to notice vanished workers."""
+    health_listen: str | None = None
+    """Extra plaintext ``HOST:PORT`` serving only grpc.health.v1 (for kubelet gRPC probes, which
+    cannot do TLS); None = health only on the main port."""
 
     def __post_init__(self) -> None:
         for name, lo, hi in (
@@ -122,15 +125,22 @@ class ControlPlaneServer:
         health_servicer: health.HealthServicer,
         policy_servicer: PolicyServicer,
         metrics: ServiceMetrics,
+        health_server: grpc.Server | None = None,
+        health_port: int | None = None,
     ) -> None:
         self.grpc_server = grpc_server
         self.port = port
         self.health = health_servicer
         self.metrics = metrics
         self._policy = policy_servicer
+        self._health_server = health_server
+        self.health_port = health_port
+        """Bound port of the plaintext health-only listener, if configured."""
 
     def start(self) -> None:
         self.grpc_server.start()
+        if self._health_server is not None:
+            self._health_server.start()
         for name in ("", *SERVICE_NAMES):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("server_started", port=self.port)
@@ -140,6 +150,8 @@ class ControlPlaneServer:
         self.health.enter_graceful_shutdown()
         self._policy.stop()
         self.grpc_server.stop(grace_s).wait()
+        if self._health_server is not None:
+            self._health_server.stop(0).wait()
         log.info("server_stopped", port=self.port)
 
     def wait_for_termination(self, timeout_s: float | None = None) -> bool:
@@ -204,4 +216,20 @@ def create_server(
         raise RuntimeError(f"cannot bind {address}: {exc}") from exc
     if port == 0:
         raise RuntimeError(f"cannot bind {address} (address in use or invalid)")
-    return ControlPlaneServer(server, port, health_servicer, policy_servicer, metrics), port
+    health_server, health_port = None, None
+    if config.health_listen:
+        health_server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvplane-health"),
+            options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 4096)],
+            maximum_concurrent_rpcs=8,
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
+        health_port = health_server.add_insecure_port(config.health_listen)
+        if health_port == 0:
+            raise RuntimeError(f"cannot bind health listener {config.health_listen}")
+    return (
+        ControlPlaneServer(
+            server, port, health_servicer, policy_servicer, metrics, health_server, health_port
+        ),
+        port,
+    )

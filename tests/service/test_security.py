@@ -100,3 +100,18 @@ def test_rate_limit_exceeded_names_the_limit(serve, connect) -> None:  # type: i
     assert outcomes.count("limited") >= 20
     assert client.health() == "SERVING"
     assert s.metric("kvplane_rejected_total", {"limit": "rate_limit_rps"}) >= 20
+
+
+def test_plaintext_health_port_under_mtls(serve, pki) -> None:  # type: ignore[no-untyped-def]
+    """With health_listen, probes get SERVING in plaintext while the API itself still requires mTLS."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    tls = TLSConfig(pki["server"].cert_pem, pki["server"].key_pem, pki["ca"].cert_pem)
+    s = serve(ServerConfig(max_sessions=2, max_watchers=1, tls=tls, health_listen="127.0.0.1:0"))
+    assert s.server.health_port
+    with grpc.insecure_channel(f"127.0.0.1:{s.server.health_port}") as ch:
+        got = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert got.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as info:
+            pb_grpc.PolicyServiceStub(ch).GetPolicy(pb.GetPolicyRequest(), timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED  # only health is exposed there
