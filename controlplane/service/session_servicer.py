@@ -96,6 +96,44 @@ class _LiveSession:
 _WAKE = object()
 _END = object()
 
+OUTBOX_ITEMS = 256
+"""Report results queued for one session's writer before its reader stops reading (backpressure)."""
+
+
+class _Outbox:
+    """Bounded hand-off from a session's reader (and the notifier) to its writer.
+
+    A worker that stops reading its replies blocks its writer; the outbox then fills, its reader
+    stops reading reports, and HTTP/2 flow control pushes back on that worker alone. Nothing here
+    ever blocks the controller's planning thread (wake-ups are dropped when the outbox is full:
+    the decisions stay ready in the controller and leave with the next report's results).
+    """
+
+    def __init__(self, maxsize: int = OUTBOX_ITEMS) -> None:
+        self.queue: queue.Queue[Any] = queue.Queue(maxsize)
+        self.ended = threading.Event()
+
+    def put(self, item: Any) -> bool:
+        """Blocking put with backpressure; False once the session has ended."""
+        while not self.ended.is_set():
+            try:
+                self.queue.put(item, timeout=0.5)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def offer(self, item: Any) -> None:
+        """Non-blocking put; dropped when full."""
+        try:
+            self.queue.put_nowait(item)
+        except queue.Full:
+            pass
+
+    def end(self) -> None:
+        self.ended.set()
+        self.offer(_END)
+
 
 class SessionServicer(pb_grpc.ControlPlaneServicer):
     """Serves worker sessions and what-if plans from ``control_plane``.
@@ -162,13 +200,13 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
         session_id = f"s{next(self._ids)}"
         peer = peer_identity(context)
         worker_id = "?"
-        outbox: queue.Queue[Any] = queue.Queue()
+        outbox = _Outbox()
 
         def wake() -> None:
-            outbox.put(_WAKE)
+            outbox.offer(_WAKE)
 
         def cleanup() -> None:
-            outbox.put(_END)
+            outbox.end()
             if live is not None and live.close():
                 if self._notifier is not None:
                     self._notifier.unregister(worker_id, wake)
@@ -207,7 +245,7 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
             self._slots.release()
 
     def _read_reports(
-        self, requests: Iterator[pb.WorkerMessage], live: _LiveSession, outbox: queue.Queue[Any]
+        self, requests: Iterator[pb.WorkerMessage], live: _LiveSession, outbox: _Outbox
     ) -> None:
         """Reader thread: report() each message; hand results (or the error) to the writer."""
         try:
@@ -247,15 +285,15 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
             outbox.put(_END)
 
     def _replies(
-        self, live: _LiveSession, outbox: queue.Queue[Any], context: grpc.ServicerContext
+        self, live: _LiveSession, outbox: _Outbox, context: grpc.ServicerContext
     ) -> Iterator[pb.SessionReply]:
         """Writer (gRPC handler thread): turn report results and wake-ups into replies."""
         sent = 0
         while True:
             try:
-                item = outbox.get(timeout=self._idle_check_s)
+                item = outbox.queue.get(timeout=self._idle_check_s)
             except queue.Empty:
-                if not context.is_active():
+                if outbox.ended.is_set() or not context.is_active():
                     return
                 continue
             if item is _END:

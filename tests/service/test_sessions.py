@@ -131,3 +131,45 @@ def test_client_session_never_raises_while_server_unreachable(connect) -> None: 
     assert client.metrics.registry.get_sample_value("kvplane_client_degraded", {"worker": "lonely"}) == 1
     assert session.stats.reports_dropped == 49  # only the newest is kept for the reconnect
     session.close()
+
+
+def test_slow_and_hung_workers_do_not_affect_others(served, connect, channel) -> None:  # type: ignore[no-untyped-def]
+    """A worker that never reads its replies and one that goes silent after hello leave a third worker's decisions flowing."""
+    import queue as queue_mod
+
+    stub = pb_grpc.ControlPlaneStub(channel)
+    # Hung worker: hello, then nothing (its request iterator blocks forever).
+    hung_q: queue_mod.Queue[object] = queue_mod.Queue()
+    hung_q.put(pb.WorkerMessage(hello=convert.worker_info_to_proto(worker_info("hung"))))
+    hung = stub.Session(iter(hung_q.get, None))
+
+    # Slow worker: floods reports that each change its batch and never reads a reply.
+    def flood():  # type: ignore[no-untyped-def]
+        yield pb.WorkerMessage(hello=convert.worker_info_to_proto(worker_info("slow")))
+        for step in range(3000):
+            yield pb.WorkerMessage(
+                report=convert.step_report_to_proto(step_report(step, {f"s{step}": 300, f"t{step}": 500}))
+            )
+
+    slow = stub.Session(flood())  # replies are never consumed
+    assert wait_until(lambda: served.metric("kvplane_sessions") == 2, 10)
+    assert wait_until(lambda: served.metric("kvplane_reports_total") >= 500, 20)
+
+    client = connect(served.target)
+    healthy = client.open_session(worker_info("healthy"))
+    assert healthy.wait_connected(10)
+    got: list[api.Decision] = []
+    step = 0
+
+    def progress() -> bool:
+        nonlocal step
+        got.extend(healthy.report(step_report(step, {f"h{step // 5}": 400})))
+        step += 1
+        return len(got) >= 5
+
+    assert wait_until(progress, 20, every_s=0.01), f"healthy worker got {len(got)} decisions"
+    assert all(set(d.plan.placements) <= {f"h{i}" for i in range(step)} for d in got)
+    hung.cancel()
+    slow.cancel()
+    healthy.close()
+    assert wait_until(lambda: served.metric("kvplane_sessions") == 0, 15)
