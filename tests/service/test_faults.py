@@ -80,7 +80,7 @@ def test_service_restart_workers_keep_plan_and_reconnect(serve_process, connect)
             lambda: all(w.plans_seen > s for w, s in zip(workers, seen_before, strict=True)), 20
         ), "no fresh decision after reconnect"
         assert all(w.session.stats.reconnects >= 1 for w in workers)
-        assert serve_process.metric("kvplane_sessions") == len(workers)
+        assert wait_until(lambda: serve_process.metric("kvplane_sessions") == len(workers), 10)
     finally:
         for w in workers:
             w.stop()
