@@ -27,9 +27,9 @@ def generate(out_root: Path, proto_root: Path = PROTO_ROOT) -> list[Path]:
 
     Raises RuntimeError naming the failing file when protoc reports an error.
     """
-    from grpc_tools import protoc  # dev dependency: only needed to regenerate
-
     import importlib.resources
+
+    from grpc_tools import protoc  # dev dependency: only needed to regenerate
 
     include = str(importlib.resources.files("grpc_tools") / "_proto")
     (out_root / PACKAGE_DIR).mkdir(parents=True, exist_ok=True)
