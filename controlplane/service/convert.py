@@ -8,6 +8,8 @@ Batches go through :meth:`Batch.from_dict`, so the Plan RPC validates exactly li
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -451,9 +453,11 @@ _POLICY_SCALARS = (
     "solve_budget_fraction",
     "scheduler",
 )
+# Derived from the dataclasses so that the wire format cannot silently drift from the policy
+# (tests/service/test_convert.py checks every field round-trips).
 _NESTED: dict[str, tuple[str, ...]] = {
-    "layerkv": ("ttft_slo_ms", "tpot_margin", "max_prefill_tokens"),
-    "lvf": ("alpha", "beta_b", "beta_f", "transfer_budget_blocks"),
+    "layerkv": tuple(f.name for f in dataclasses.fields(LayerKVParams)),
+    "lvf": tuple(f.name for f in dataclasses.fields(LVFParams)),
 }
 
 

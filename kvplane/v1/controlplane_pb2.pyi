@@ -241,14 +241,26 @@ class SessionReply(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., report_step: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., decisions_sent: _Optional[int] = ...) -> None: ...
 
 class LayerKVParams(_message.Message):
-    __slots__ = ("ttft_slo_ms", "tpot_margin", "max_prefill_tokens")
+    __slots__ = ("ttft_slo_ms", "tpot_margin", "max_prefill_tokens", "output_len_lower_bound", "prefill_correction", "offload_correction", "model_params", "hidden_size", "device_tflops")
     TTFT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     TPOT_MARGIN_FIELD_NUMBER: _ClassVar[int]
     MAX_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_LEN_LOWER_BOUND_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CORRECTION_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_CORRECTION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_TFLOPS_FIELD_NUMBER: _ClassVar[int]
     ttft_slo_ms: float
     tpot_margin: float
     max_prefill_tokens: int
-    def __init__(self, ttft_slo_ms: _Optional[float] = ..., tpot_margin: _Optional[float] = ..., max_prefill_tokens: _Optional[int] = ...) -> None: ...
+    output_len_lower_bound: int
+    prefill_correction: float
+    offload_correction: float
+    model_params: float
+    hidden_size: int
+    device_tflops: float
+    def __init__(self, ttft_slo_ms: _Optional[float] = ..., tpot_margin: _Optional[float] = ..., max_prefill_tokens: _Optional[int] = ..., output_len_lower_bound: _Optional[int] = ..., prefill_correction: _Optional[float] = ..., offload_correction: _Optional[float] = ..., model_params: _Optional[float] = ..., hidden_size: _Optional[int] = ..., device_tflops: _Optional[float] = ...) -> None: ...
 
 class LVFParams(_message.Message):
     __slots__ = ("alpha", "beta_b", "beta_f", "transfer_budget_blocks")
