@@ -121,7 +121,8 @@ class SimPolicy(Protocol):
 
     def decide(self, view: EngineView) -> Actions: ...
 
-    def observe(self, view: EngineView, info: StepInfo) -> None: ...
+    def observe(self, view: EngineView, info: StepInfo) -> None:
+        """After a step; ``view`` is the pre-step view (the step's outcome is ``info``)."""
 
 
 @dataclass
@@ -627,7 +628,7 @@ class Engine:
             spins = 0
             if cfg.record_steps:
                 res.step_log.append(info)
-            self.policy.observe(self._view(), info)
+            self.policy.observe(view, info)
         res.sim_ms = self.now
         return res
 

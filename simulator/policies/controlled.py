@@ -172,7 +172,9 @@ class ControlledPolicy(BasePolicy):
             now_ms=view.now_ms,
             running=running,
             queued=self.admissible_queue(view),
-            observed_step_ms=info.dur_ms if decode else None,
+            # The worker knows which part of the step waited for the plan: report the step
+            # itself, so a solver stall never feeds back into the profile-mismatch trigger.
+            observed_step_ms=(info.dur_ms - info.solver_charged_ms) if decode else None,
             layer_compute_ms=(info.layer_compute_ms,) * p.layers if decode else None,
             h2d_gbps=p.h2d_gbps,
             finished=tuple(self._finished),

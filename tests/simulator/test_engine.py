@@ -86,3 +86,17 @@ def test_invariants_property(seed, rate, policy):
     """Invariants hold on random small traces (hypothesis)."""
     prof, trace = small_trace(n=4, seed=seed, rate=rate)
     check_invariants(run(policy, prof, trace), trace)
+
+
+def test_solver_time_is_charged_only_beyond_the_previous_step():
+    """Scenario: a planner call costing more than a decode step delays the step by the excess;
+    with --solver-time zero nothing is charged and no decision changes."""
+    prof, trace = small_trace(n=4, seed=5)
+    slow = prof.with_changes(solver_model_ms=500.0)
+    charged = run("orbitflow", slow, trace)
+    free = run("orbitflow", slow, trace, solver_time="zero")
+    assert charged.solver_calls == free.solver_calls > 0
+    assert charged.solver_charged_ms > 0
+    assert free.solver_charged_ms == 0
+    assert charged.solver_charged_ms <= charged.solver_ms
+    assert charged.sim_ms > free.sim_ms

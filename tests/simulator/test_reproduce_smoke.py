@@ -33,3 +33,23 @@ def test_sim_cli_bad_policy_is_exit_2(capsys):
     """A bad policy name exits 2 with a message naming the choices."""
     assert main(["sim", "run", "--policy", "nope", "--n", "2"]) == 2
     assert "not one of" in capsys.readouterr().err
+
+
+def test_sim_trace_cli_writes_a_loadable_trace(tmp_path):
+    """`kvplane sim trace` writes JSONL that `load_trace` reads back."""
+    from simulator.trace import load_trace
+
+    out = tmp_path / "t.jsonl"
+    assert main(["sim", "trace", "--workload", "leval", "--n", "7", "--rate", "3",
+                 "--arrival", "gamma", "--cv", "2", "--out", str(out)]) == 0
+    assert len(load_trace(out)) == 7
+
+
+def test_sim_sweep_cli_runs_the_grid(tmp_path, capsys):
+    """`kvplane sim sweep` runs policies x rates x scales and writes JSON rows."""
+    import json
+
+    out = tmp_path / "s.json"
+    assert main(["sim", "sweep", "--policies", "deepspeed,no-offload", "--rates", "2",
+                 "--slo-scales", "1,2", "--n", "2", "--json", str(out)]) == 0
+    assert len(json.loads(out.read_text())) == 4
