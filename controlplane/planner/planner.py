@@ -9,11 +9,16 @@ For a batch, :meth:`Planner.plan`
    for the least exact step time ``T`` that fits memory;
 3. checks the SLO cap of OrbitFlow §3.3.1 with token deposits (§3.2):
    ``sum_r max(0, 1 - slo_r / T - deposit_r / Δ) <= alpha``;
-4. picks the largest feasible Δ in ``[window_min, window_max]``: ``window_max`` first, else
-   ``window_min``, then bisection (feasibility is monotone: a larger Δ has more blocks, hence a
-   larger optimal ``T``, and a smaller deposit credit ``deposit_r / Δ``);
+4. picks the largest feasible Δ in ``[window_min, window_max]`` analytically from the step
+   times found (feasibility is monotone: a larger Δ has more blocks, hence a larger optimal
+   ``T``, and a smaller deposit credit ``deposit_r / Δ``), with at most four searches that stop
+   as soon as they meet the cap; the chosen window's search is then polished with the rest of
+   the budget;
 5. when even ``window_min`` is infeasible (memory or SLO cap), pauses a victim by the victim rule
-   and re-plans, repeatedly (§3.4).
+   and re-plans, repeatedly (§3.4) — directly, without a search, while a valid lower bound on
+   the step time already proves it (:meth:`Planner.step_lower_bound_ms`).
+
+See README.md for the budget split and the measured figures.
 
 ``feasible`` in the returned plan: the placements of the running requests fit memory and meet the
 SLO cap, and at least one request runs (or the batch was empty). A batch whose every request had

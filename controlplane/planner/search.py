@@ -34,10 +34,12 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from controlplane.planner.branch_and_bound import BranchAndBound
 from controlplane.planner.evaluator import Evaluator
+from controlplane.planner.interrupts import REL_EPS as _REL_EPS
+from controlplane.planner.interrupts import Deadline as _Deadline
+from controlplane.planner.interrupts import Satisfied as _Satisfied
 from controlplane.planner.mip_search import MipStage
-
-_REL_EPS = 1e-12
 
 
 @dataclass(frozen=True)
@@ -57,12 +59,6 @@ class SearchResult:
     """Exact-model evaluations spent."""
 
 
-class _Deadline(Exception):
-    pass
-
-
-class _Satisfied(_Deadline):
-    """The incumbent reached the caller's target step time (a feasibility probe is answered)."""
 
 
 class PlacementSearch:
@@ -102,22 +98,25 @@ class PlacementSearch:
         self._local = True
         self._exact = True
         self.wide = self.n_req * self.n_cand <= 400
-        self.patience = 24
+        self.patience = 16
         """Exact evaluations per local-search scan on large problems (see :meth:`_try`)."""
+        self.min_gain = 0.003
+        """Relative improvement a local move must bring on large problems (see :meth:`_try`)."""
         """Full neighbourhoods (small problems) or narrowed ones (large problems)."""
 
     # --- helpers ------------------------------------------------------------------------
     def _expired(self) -> bool:
         return self.clock() >= self.deadline
 
-    def _offer(self, assign: Sequence[int], src: str) -> bool:
-        """Evaluate exactly (cut off at the incumbent); keep when strictly better."""
+    def _offer(self, assign: Sequence[int], src: str, min_gain: float = _REL_EPS) -> bool:
+        """Evaluate exactly (cut off at the incumbent); keep when better by ``min_gain``."""
         key = tuple(assign)
         if key in self.seen:
             return False
         self.seen.add(key)
-        t = self.ev.exact_ms(key, self.best_ms * (1 - _REL_EPS) if self.best else math.inf)
-        if t < self.best_ms * (1 - _REL_EPS) or (self.best is None and t < math.inf):
+        bar = self.best_ms * (1 - min_gain)
+        t = self.ev.exact_ms(key, bar if self.best else math.inf)
+        if t < bar or (self.best is None and t < math.inf):
             self.best, self.best_ms, self.best_src = key, t, src
             if self.target_ms is not None and t <= self.target_ms:
                 raise _Satisfied
@@ -311,18 +310,19 @@ class PlacementSearch:
 
     def _try(self, moves: list[tuple[float, tuple[int, ...]]]) -> bool:
         """First improvement among ``moves`` in lower-bound order. On large problems at most
-        :attr:`patience` exact evaluations per scan: by then the bound order has passed the
-        promising moves and further gains are tiny (measured at 64 x 80: < 0.1% per 100
-        evaluations), so the scan counts as converged (a clock-free rule, so deterministic)."""
+        :attr:`patience` exact evaluations per scan, and a move must gain :attr:`min_gain`: by
+        then the bound order has passed the promising moves and further gains are tiny
+        (measured at 64 x 80: < 0.1% per 100 evaluations), so the search counts as converged
+        (clock-free rules, so deterministic). Evaluations are cut off at the required gain."""
         moves.sort()
         tag = self.best_src.removesuffix("+local") + "+local"
-        limit = len(moves) if self.wide else self.patience
+        limit, gain = (len(moves), _REL_EPS) if self.wide else (self.patience, self.min_gain)
         for lb, a in moves[:limit]:
-            if lb >= self.best_ms * (1 - _REL_EPS):
+            if lb >= self.best_ms * (1 - gain):
                 return False
             if self._expired():
                 raise _Deadline
-            if self._offer(a, tag):
+            if self._offer(a, tag, gain):
                 return True
         return False
 
@@ -412,65 +412,7 @@ class PlacementSearch:
 
     def branch_and_bound(self) -> bool:
         """Exact search over the candidate space; True when it completed (proved optimal)."""
-        ev = self.ev
-        n, nc = self.n_req, self.n_cand
-        order = sorted(range(n), key=lambda r: -ev.blocks[r])
-        last = nc - 1
-        # min memory of requests order[i:] (everything offloaded)
-        tail_min = [0] * (n + 1)
-        for i in range(n - 1, -1, -1):
-            tail_min[i] = tail_min[i + 1] + ev.mem[order[i]][last]
-        # Aggregate bound on the bound layers only (a subset keeps it valid, and cheap).
-        n_layers = len(ev.bound_layers)
-        cum, suffix, bw, chain = ev.bound_cum, ev.bound_suffix, ev.bw, ev.chain
-        inv = 1.0 / bw
-        assign = [0] * n
-        nodes = 0
-
-        def dfs(i: int, mem: int, chain_lb: float, work: list[float]) -> None:
-            # work[j]: W / bw at bound layer j of the requests assigned so far
-            nonlocal nodes
-            nodes += 1
-            if nodes > self.bnb_node_limit:
-                self._done.add("exact")  # a node-limited tree: resuming would only repeat it
-                raise _Deadline
-            if self._expired():
-                raise _Deadline
-            if i == n:
-                self._offer(tuple(assign), "exact")
-                return
-            r = order[i]
-            binv = ev.blocks[r] * inv
-            cut = self.best_ms * (1 - _REL_EPS)
-            children = []
-            for c in range(nc):
-                m = mem + ev.mem[r][c]
-                if m + tail_min[i + 1] > self.budget:
-                    continue
-                lb_c = max(chain_lb, chain[r][c])
-                if lb_c >= cut:
-                    continue
-                if c:
-                    new_work = [w + binv * k for w, k in zip(work, cum[c], strict=True)]
-                    agg = max([w + s for w, s in zip(new_work, suffix, strict=True)])
-                    lb = agg if agg > lb_c else lb_c
-                else:
-                    new_work, lb = work, lb_c
-                if lb < cut:
-                    children.append((lb, c, m, lb_c, new_work))
-            children.sort(key=lambda ch: (ch[0], ch[1]))
-            for lb, c, m, lb_c, new_work in children:
-                if lb >= self.best_ms * (1 - _REL_EPS):
-                    break
-                assign[r] = c
-                dfs(i + 1, m, lb_c, new_work)
-                assign[r] = 0
-
-        try:
-            dfs(0, 0, ev.compute_ms, [0.0] * n_layers)
-        except _Deadline:
-            return False
-        return True
+        return BranchAndBound(self).run()
 
     # --- driver -------------------------------------------------------------------------
     def run(
