@@ -190,13 +190,14 @@ class SimProfile:
 
 
 def from_measured(d: Mapping[str, Any], name: str) -> SimProfile:
-    """A profile from the data plane's ``kvplane profile`` JSON.
-
-    The measured file gives per-layer decode compute and the link bandwidths; model shape fields
-    it lacks are taken from the preset named by its ``base`` field (default: the A5000 preset).
-    Recognised fields: ``layer_compute_ms`` (number or list; its mean is the per-layer base),
-    ``layer_ms_per_token`` (optional), ``h2d_gbps``, ``d2h_gbps``, ``gpu_kv_budget_blocks``,
-    ``block_size``, ``block_bytes``, ``layers``, ``device``.
+    """A profile from the data plane's ``kvplane profile`` JSON
+    (``sglang_ext/dataplane/profile_schema.py``: ``device``, ``layers``, ``block_size``,
+    ``block_bytes``, ``h2d_gbps``, ``d2h_gbps`` and ``layer_compute_ms`` as
+    ``{fixed_ms, per_token_ms}`` or a list of ``{tokens, ms}`` points, fitted here by least
+    squares to the affine model). Fields the file lacks (model shape beyond the KV layout,
+    prefill rate, GPU budget unless ``gpu_kv_budget_blocks`` is given) come from the preset named
+    by ``base`` (default: the A5000 preset). A plain number or per-layer list for
+    ``layer_compute_ms`` is accepted too (its mean is the batch-independent part).
     """
     if "layer_compute_ms" not in d or "h2d_gbps" not in d:
         raise ValueError(
@@ -205,14 +206,31 @@ def from_measured(d: Mapping[str, Any], name: str) -> SimProfile:
         )
     base = load_profile(str(d.get("base", "llama3-8b-a5000-pcie3")))
     comp = d["layer_compute_ms"]
-    if isinstance(comp, list | tuple):
+    per_token: float | None = None
+    layers = int(d.get("layers", base.layers))
+    if isinstance(comp, Mapping):
+        if "fixed_ms" not in comp:
+            raise ValueError(f"profile {name}: layer_compute_ms needs fixed_ms (and per_token_ms)")
+        comp_ms = float(comp["fixed_ms"])
+        per_token = float(comp.get("per_token_ms", 0.0))
+    elif isinstance(comp, list | tuple) and comp and isinstance(comp[0], Mapping):
+        pts = [(float(p["tokens"]), float(p["ms"])) for p in comp]
+        if len(pts) == 1:
+            comp_ms, per_token = pts[0][1], 0.0
+        else:
+            mx = sum(t for t, _ in pts) / len(pts)
+            my = sum(m for _, m in pts) / len(pts)
+            var = sum((t - mx) ** 2 for t, _ in pts)
+            per_token = sum((t - mx) * (m - my) for t, m in pts) / var if var else 0.0
+            per_token = max(0.0, per_token)
+            comp_ms = max(0.0, my - per_token * mx)
+    elif isinstance(comp, list | tuple):
         if not comp:
             raise ValueError(f"profile {name}: layer_compute_ms is empty")
         comp_ms = sum(float(c) for c in comp) / len(comp)
         layers = int(d.get("layers", len(comp)))
     else:
         comp_ms = float(comp)
-        layers = int(d.get("layers", base.layers))
     changes: dict[str, Any] = {
         "name": name,
         "layers": layers,
@@ -221,14 +239,19 @@ def from_measured(d: Mapping[str, Any], name: str) -> SimProfile:
         "d2h_gbps": float(d.get("d2h_gbps", d["h2d_gbps"])),
         "sources": {**base.sources, "measured": f"kvplane profile on {d.get('device', '?')}"},
     }
-    if "layer_ms_per_token" in d:
-        changes["decode_layer_ms_per_token"] = float(d["layer_ms_per_token"])
+    if per_token is not None:
+        changes["decode_layer_ms_per_token"] = per_token
     for key in ("gpu_kv_budget_blocks", "block_size"):
         if key in d:
             changes[key] = int(d[key])
     if "block_bytes" in d:
         bs = int(d.get("block_size", base.block_size))
-        changes["kv_bytes_per_token_layer"] = int(d["block_bytes"]) // bs
+        changes["kv_bytes_per_token_layer"] = max(1, int(d["block_bytes"]) // bs)
+    if "gpu_kv_budget_blocks" not in d:
+        # Keep the base preset's KV capacity in tokens when the block layout changes.
+        tokens = base.gpu_tokens_all_layers
+        bs = changes.get("block_size", base.block_size)
+        changes["gpu_kv_budget_blocks"] = max(layers, tokens // bs * layers)
     return base.with_changes(**changes)
 
 

@@ -44,3 +44,21 @@ def test_unknown_profile_is_a_clear_error():
     """A missing profile names the presets."""
     with pytest.raises(ValueError, match="presets"):
         load_profile("no-such-profile")
+
+
+def test_data_plane_profile_format_loads(tmp_path):
+    """The data plane's DeviceProfile JSON (affine or points) loads; points are fitted affinely."""
+    common = {"device": "NVIDIA H100 80GB HBM3", "layers": 32, "block_size": 16,
+              "block_bytes": 65536, "h2d_gbps": 24.1, "d2h_gbps": 24.8}
+    a = tmp_path / "affine.json"
+    a.write_text(json.dumps({**common, "layer_compute_ms": {"fixed_ms": 0.05,
+                                                             "per_token_ms": 0.0004}}))
+    pa = load_profile(str(a))
+    assert pa.layer_compute_ms(1000) == pytest.approx(0.45)
+    assert pa.d2h_gbps == 24.8
+    b = tmp_path / "points.json"
+    b.write_text(json.dumps({**common, "layer_compute_ms": [
+        {"tokens": 0, "ms": 0.1}, {"tokens": 1000, "ms": 0.3}, {"tokens": 2000, "ms": 0.5}]}))
+    pb = load_profile(str(b))
+    assert pb.decode_layer_base_ms == pytest.approx(0.1)
+    assert pb.decode_layer_ms_per_token == pytest.approx(0.0002)
