@@ -29,6 +29,7 @@ PACING_CHOICES = ("on", "off")
 RADIX_BACKEND_NAME = "layered"
 """Name under which the residency-hook radix cache is registered (``--radix-cache-backend``)."""
 MAX_HOST_POOL_GB = 1 << 16
+MAX_GPU_BUDGET_TOKENS = 1 << 40
 
 _GRPC_TARGET = re.compile(r"^grpc://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-_]+):(?P<port>\d{1,5})$")
 
@@ -57,6 +58,9 @@ class LayeredKVArgs:
     """Client private key for mutual TLS (needs ``kv_tls_cert``)."""
     kv_policy_token_file: str | None = None
     """File holding the bearer token for the remote control plane (grpc:// only)."""
+    kv_gpu_budget_tokens: int | None = None
+    """Device KV budget across all layers in token-layers (pages = this // page_size); None:
+    as much as SGLang's own pool would hold (no forced offload). In [1, 2**40]."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.enable_layered_kv, bool):
@@ -95,6 +99,14 @@ class LayeredKVArgs:
         ):
             if value is not None and not Path(value).is_file():
                 raise ValueError(f"{flag}={value!r}: no such file")
+        budget = self.kv_gpu_budget_tokens
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_GPU_BUDGET_TOKENS
+        ):
+            raise ValueError(
+                f"--kv-gpu-budget-tokens={budget!r} is out of range [1, {MAX_GPU_BUDGET_TOKENS}] "
+                "(token-layers)"
+            )
         if (self.kv_tls_cert is None) != (self.kv_tls_key is None):
             raise ValueError("--kv-tls-cert and --kv-tls-key must be given together (mutual TLS)")
         remote_only = {
@@ -210,5 +222,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> bool:
     group.add_argument("--kv-tls-key", type=str, default=None, help="Client key (mTLS).")
     group.add_argument(
         "--kv-policy-token-file", type=str, default=None, help="Bearer token file (remote control plane)."
+    )
+    group.add_argument(
+        "--kv-gpu-budget-tokens",
+        type=int,
+        default=None,
+        help="Device KV budget across all layers, in token-layers (default: SGLang's pool size, "
+        f"no forced offload); [1, {MAX_GPU_BUDGET_TOKENS}].",
     )
     return True

@@ -49,6 +49,10 @@ _ALLOC_FOR_EXTEND = "sglang.srt.mem_cache.allocation.alloc_for_extend"
 _ALLOC_FOR_DECODE = "sglang.srt.mem_cache.allocation.alloc_for_decode"
 _ROTARY_BASE = "sglang.srt.layers.rotary_embedding.base"
 _STREAM_ONE_RESPONSE = "sglang.srt.managers.tokenizer_manager.TokenizerManager._stream_one_response"
+_RESOLVE_KV_POOL_CLASS = (
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._resolve_kv_pool_class"
+)
+_ATTENTION_REGISTRY = "sglang.srt.layers.attention.attention_registry"
 
 
 class _ProcessState:
@@ -175,7 +179,47 @@ def layered_radix_cache_factory(ctx: Any) -> Any:
     events_file = os.environ.get(EVENTS_FILE_ENV)
     if events_file:
         hooks.subscribe(JsonlEventWriter(events_file))
-    return LayeredRadixCache(ctx.params, hooks=hooks)
+    cache = LayeredRadixCache(ctx.params, hooks=hooks)
+    _attach_layered_pool(cache)
+    return cache
+
+
+# ----- layered KV pool and attention (flag on; sglang_ext/layered_pool.py) -------------
+
+
+def _attach_layered_pool(cache: Any) -> None:
+    """Let the layered KV pool (if SGLang built one) follow the tree's frees and releases."""
+    from sglang_ext.layered_pool import LayeredTokenToKVPool
+
+    allocator = getattr(cache, "token_to_kv_pool_allocator", None)
+    pool = allocator.get_kvcache() if allocator is not None else None
+    if isinstance(pool, LayeredTokenToKVPool):
+        pool.attach(cache)
+
+
+def _around_resolve_kv_pool_class(original: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``KVCacheConfigurator._resolve_kv_pool_class``: the layered pool for kind ``mha``."""
+    if kwargs.get("kind") == "mha":
+        from sglang_ext.layered_pool import LayeredTokenToKVPool
+
+        return LayeredTokenToKVPool
+    return original(self, *args, **kwargs)
+
+
+def _swap_attention_backends() -> None:
+    """Replace ``torch_native`` (and ``flashinfer`` where importable) with the layered variants."""
+    import importlib
+
+    from sglang_ext.layered_attention import (
+        HAVE_FLASHINFER,
+        create_layered_flashinfer_backend,
+        create_layered_torch_native_backend,
+    )
+
+    registry = importlib.import_module(_ATTENTION_REGISTRY).ATTENTION_BACKENDS
+    registry["torch_native"] = create_layered_torch_native_backend
+    if HAVE_FLASHINFER:  # GPU hosts; the backend itself refuses to start without CUDA
+        registry["flashinfer"] = create_layered_flashinfer_backend
 
 
 def _register_layered(hook_registry: Any, hook_type: Any) -> None:
@@ -188,6 +232,8 @@ def _register_layered(hook_registry: Any, hook_type: Any) -> None:
         register_radix_cache_backend(kv_args.RADIX_BACKEND_NAME, layered_radix_cache_factory)
     hook_registry.register(_ALLOC_FOR_EXTEND, _after_alloc_for_extend, hook_type.AFTER)
     hook_registry.register(_ALLOC_FOR_DECODE, _after_alloc_for_decode, hook_type.AFTER)
+    hook_registry.register(_RESOLVE_KV_POOL_CLASS, _around_resolve_kv_pool_class, hook_type.AROUND)
+    _swap_attention_backends()
 
 
 def register() -> None:

@@ -1,0 +1,226 @@
+"""SlotKVStore: layered KV storage keyed by SGLang's logical slot/page space.
+
+Primitives (pure mechanism; :class:`~sglang_ext.dataplane.slot_residency.SlotResidency`
+decides what goes where):
+
+- ``write(layer, slots, k, v)`` -- new KV: to the layer-page's device copy when it has one
+  (marked dirty), else straight to its host home (OrbitFlow §3.2).
+- ``gather(layer, slots) -> (k, v)`` -- KV of these slots at this layer, from device pages
+  where resident and from host otherwise (one batched gather per side and layer).
+- ``sync_dirty()`` -- eager write-back of every dirty device layer-page to host at a step
+  boundary (SuperInfer §4.3.2 "eager block rotation"), so a later offload only drops the copy.
+- ``onload(layers, pages, copy=)`` / ``offload(layers, pages)`` -- move layer-pages (one
+  batched copy per direction); ``release_pages(pages)`` -- the allocator freed these pages.
+
+Layout (docs/sglang-integration.md, "layered pool contract"):
+
+- host ``[P, L, 2, page_size, H, D]``: block-first home of every layer of every logical page
+  (pinned on CUDA, plain on CPU);
+- device ``[2, N, page_size, H, D]``: ONE page pool shared by all layers (a page holds one
+  layer's K and V of ``page_size`` tokens; FlashInfer's NHD paged layout), N = the budget;
+- map ``[L, P]`` int32: device page of each (layer, page), -1 = only on host. A CPU copy
+  drives decisions; the device copy (same tensor on CPU) serves the kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sglang_ext.dataplane.block_allocator import BlockAllocator
+
+
+@dataclass(frozen=True)
+class SlotStoreConfig:
+    """Shapes of a :class:`SlotKVStore` (validated)."""
+
+    layers: int
+    """Layers held (SGLang's ``layer_num`` of this rank)."""
+    page_size: int
+    """Tokens per page (SGLang's ``page_size``)."""
+    kv_heads: int
+    """KV heads per layer on this rank."""
+    head_dim: int
+    """Head dimension (K and V)."""
+    logical_pages: int
+    """Pages of SGLang's slot space, padding page 0 included."""
+    device_pages: int
+    """Device layer-pages (the GPU KV budget in pages)."""
+    dtype: torch.dtype
+    """Storage dtype."""
+    device: str
+    """Device of the device pool (``cpu`` in tests, ``cuda:N`` on GPUs)."""
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "page_size", "kv_heads", "head_dim", "logical_pages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"SlotStoreConfig.{name}={value!r} must be an int >= 1")
+        if not isinstance(self.device_pages, int) or self.device_pages < 0:
+            raise ValueError(f"SlotStoreConfig.device_pages={self.device_pages!r} must be an int >= 0")
+
+    @property
+    def layer_page_bytes(self) -> int:
+        """Bytes of one layer-page (K and V)."""
+        return 2 * self.page_size * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the host pool."""
+        return self.logical_pages * self.layers * self.layer_page_bytes
+
+
+class SlotKVStore:
+    """Device page pool + block-first host pool + the (layer, page) -> device page map."""
+
+    def __init__(self, config: SlotStoreConfig) -> None:
+        self.config = config
+        c = config
+        self.device = torch.device(c.device)
+        pin = self.device.type == "cuda"
+        self.host = torch.zeros(
+            (c.logical_pages, c.layers, 2, c.page_size, c.kv_heads, c.head_dim), dtype=c.dtype, pin_memory=pin
+        )
+        self.dev = torch.zeros((2, max(c.device_pages, 1), c.page_size, c.kv_heads, c.head_dim), dtype=c.dtype,
+                               device=self.device)
+        self.map_cpu = torch.full((c.layers, c.logical_pages), -1, dtype=torch.int32)
+        self.map_dev = self.map_cpu if self.device.type == "cpu" else self.map_cpu.to(self.device)
+        self.dirty = torch.zeros((c.layers, c.logical_pages), dtype=torch.bool, device=self.device)
+        self.allocator = BlockAllocator(c.device_pages, "device KV pages")
+        self.h2d_bytes = 0
+        self.d2h_bytes = 0
+        self.host_write_bytes = 0
+        self.staging_pages = 0
+        """Device pages lent to staging this step (set by SlotPageTables; counted in ``used``)."""
+        self._map_stale = False
+
+    # ----- map bookkeeping ---------------------------------------------------
+
+    def resident_mask(self) -> torch.Tensor:
+        """``[L, P]`` bool: which layer-pages have a device copy (CPU tensor)."""
+        return self.map_cpu >= 0
+
+    def publish_map(self) -> None:
+        """Copy the CPU map to the device after a boundary changed it (no-op on CPU)."""
+        if self._map_stale and self.map_dev is not self.map_cpu:
+            self.map_dev.copy_(self.map_cpu, non_blocking=True)
+        self._map_stale = False
+
+    # ----- data path -----------------------------------------------------------
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V ``[n, H, D]`` of ``slots`` at ``layer``: device copy if any, else host."""
+        ps = self.config.page_size
+        slots = slots.to(self.device, torch.int64)
+        pages, offs = slots // ps, slots % ps
+        dev_page = self.map_dev[layer].index_select(0, pages).to(torch.int64)
+        resident = dev_page >= 0
+        if bool(resident.all()):
+            self.dev[0, dev_page, offs] = k
+            self.dev[1, dev_page, offs] = v
+            self.dirty[layer, pages] = True
+            return
+        on_dev = resident.nonzero().squeeze(1)
+        if on_dev.numel():
+            self.dev[0, dev_page[on_dev], offs[on_dev]] = k[on_dev]
+            self.dev[1, dev_page[on_dev], offs[on_dev]] = v[on_dev]
+            self.dirty[layer, pages[on_dev]] = True
+        on_host = (~resident).nonzero().squeeze(1)
+        hp, ho = pages[on_host].cpu(), offs[on_host].cpu()
+        kh, vh = k[on_host].to("cpu"), v[on_host].to("cpu")
+        self.host[hp, layer, 0, ho] = kh
+        self.host[hp, layer, 1, ho] = vh
+        self.host_write_bytes += 2 * kh.numel() * kh.element_size()
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[n, H, D]`` of ``slots`` at ``layer`` (device pages, then host pages)."""
+        ps = self.config.page_size
+        slots = slots.to(self.device, torch.int64)
+        pages, offs = slots // ps, slots % ps
+        dev_page = self.map_dev[layer].index_select(0, pages).to(torch.int64)
+        resident = dev_page >= 0
+        if bool(resident.all()):
+            return self.dev[0, dev_page, offs], self.dev[1, dev_page, offs]
+        k = torch.empty((slots.numel(), *self.dev.shape[3:]), dtype=self.dev.dtype, device=self.device)
+        v = torch.empty_like(k)
+        on_dev = resident.nonzero().squeeze(1)
+        if on_dev.numel():
+            k[on_dev] = self.dev[0, dev_page[on_dev], offs[on_dev]]
+            v[on_dev] = self.dev[1, dev_page[on_dev], offs[on_dev]]
+        on_host = (~resident).nonzero().squeeze(1)
+        hp, ho = pages[on_host].cpu(), offs[on_host].cpu()
+        staged = self.host[hp, layer, :, ho]  # [m, 2, H, D]: one batched H2D per layer
+        staged = staged.to(self.device, non_blocking=True)
+        k[on_host] = staged[:, 0]
+        v[on_host] = staged[:, 1]
+        if self.device.type != "cpu":
+            self.h2d_bytes += staged.numel() * staged.element_size()
+        return k, v
+
+    # ----- movement at step boundaries ------------------------------------------
+
+    def sync_dirty(self) -> int:
+        """Write every dirty device layer-page back to host; return the layer-pages written."""
+        layers, pages = self.dirty.nonzero(as_tuple=True)
+        if layers.numel() == 0:
+            return 0
+        layers_c, pages_c = layers.cpu(), pages.cpu()
+        dev_pages = self.map_cpu[layers_c, pages_c].to(torch.int64)
+        data = self.dev[:, dev_pages.to(self.device)].movedim(0, 1)  # [n, 2, ps, H, D]
+        self.host[pages_c, layers_c] = data.to("cpu")
+        self.dirty[layers, pages] = False
+        self.d2h_bytes += data.numel() * data.element_size()
+        return int(layers.numel())
+
+    def offload(self, layers: torch.Tensor, pages: torch.Tensor) -> None:
+        """Drop the device copies of these resident layer-pages (dirty ones written back first)."""
+        if layers.numel() == 0:
+            return
+        dev_pages = self.map_cpu[layers, pages].to(torch.int64)
+        if bool((dev_pages < 0).any()):
+            raise ValueError("offload of a layer-page that is not on device")
+        dirty = self.dirty[layers.to(self.device), pages.to(self.device)].cpu()
+        if bool(dirty.any()):
+            idx = dirty.nonzero().squeeze(1)
+            data = self.dev[:, dev_pages[idx].to(self.device)].movedim(0, 1)
+            self.host[pages[idx], layers[idx]] = data.to("cpu")
+            self.d2h_bytes += data.numel() * data.element_size()
+            self.dirty[layers[idx].to(self.device), pages[idx].to(self.device)] = False
+        self.map_cpu[layers, pages] = -1
+        self.allocator.free(dev_pages.tolist())
+        self._map_stale = True
+
+    def onload(self, layers: torch.Tensor, pages: torch.Tensor, copy: torch.Tensor) -> None:
+        """Give these host-only layer-pages device pages; copy host KV where ``copy`` is True.
+
+        The caller checked the free count; raises ValueError (nothing changed) otherwise.
+        """
+        n = int(layers.numel())
+        if n == 0:
+            return
+        ids = self.allocator.alloc(n)
+        if ids is None:
+            raise ValueError(f"onload of {n} layer-pages with {self.allocator.free_count} free device pages")
+        dev_pages = torch.tensor(ids, dtype=torch.int64)
+        idx = copy.nonzero().squeeze(1)
+        if idx.numel():
+            data = self.host[pages[idx], layers[idx]]  # [m, 2, ps, H, D]
+            self.dev[:, dev_pages[idx].to(self.device)] = data.to(self.device, non_blocking=True).movedim(1, 0)
+            self.h2d_bytes += data.numel() * data.element_size()
+        self.map_cpu[layers, pages] = dev_pages.to(torch.int32)
+        self._map_stale = True
+
+    def release_pages(self, pages: list[int]) -> None:
+        """SGLang's allocator got these pages back: free their device copies (KV is dead)."""
+        if not pages:
+            return
+        p = torch.tensor(pages, dtype=torch.int64)
+        sub = self.map_cpu[:, p]
+        layers, cols = (sub >= 0).nonzero(as_tuple=True)
+        if layers.numel():
+            dev_pages = sub[layers, cols].tolist()
+            self.map_cpu[layers, p[cols]] = -1
+            self.allocator.free(dev_pages)
+            self._map_stale = True
+        self.dirty[:, p.to(self.device)] = False

@@ -1,0 +1,270 @@
+"""SlotResidency: which (layer, page) of SGLang's slot space lives on the device, per step.
+
+Primitives (called at step boundaries only, on the scheduler thread):
+
+- ``update_residency(wants)`` -- install the plan's wanted residency per request.
+- ``observe(rid, pages)`` -- a request's current pages as the step sees them
+  (from ``req_to_token``); requests without a plan get the local fallback (all layers wanted).
+- ``release_request(rid)`` -- finished / aborted: its wants go; tree-owned pages stay.
+- ``reconcile()`` -- move data so the device holds what is wanted, within the budget.
+- ``mark_written(pages)`` -- these pages receive KV in the coming forward.
+- ``page_freed(pages)`` -- SGLang's allocator took the pages back.
+
+Rules (docs/sglang-integration.md, layered pool contract):
+
+- A layer-page is *wanted* iff some live, not paused request that uses the page wants that
+  layer on the device (shared prefix pages: resident iff ANY live user wants them).
+- Unwanted resident layer-pages are dropped at the boundary, except those of paused requests:
+  they are *removable* and given up lazily, only when space is needed -- oldest pause first,
+  highest layer first (OrbitFlow "removable cache").
+- When the wanted set does not fit: first removable pages go; then, for requests without a
+  plan, the local heuristic switches the highest layer of the largest request to host until
+  it fits (LayerKV §3: offload whole layers of the largest contexts first); what still does not
+  fit stays on host and is reported as shortfall. Never an exception, never lost KV.
+- Data never moves during a step: the device pool holds at most ``device_pages`` layer-pages.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from sglang_ext.dataplane.slot_kv_store import SlotKVStore
+from sglang_ext.dataplane.slot_results import RequestResidency, ResidencyDelta, ResidencyStats
+
+
+@dataclass
+class _Request:
+    pages: torch.Tensor
+    gpu_layers: list[bool]
+    planned: bool = False
+    paused: bool = False
+    pause_seq: int = 0
+    anonymous: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LayerPageMoves:
+    """Layer-pages moved by one reconciliation, per layer (for residency events)."""
+
+    offloaded: dict[int, list[int]]
+    """layer -> pages whose device copy was dropped."""
+    loaded: dict[int, list[int]]
+    """layer -> pages copied host -> device."""
+
+
+class SlotResidency:
+    """Residency policy mechanics over a :class:`SlotKVStore` (wants, removable, fallback)."""
+
+    def __init__(self, store: SlotKVStore) -> None:
+        self.store = store
+        self.layers = store.config.layers
+        self._requests: dict[str, _Request] = {}
+        self._pause_seq = itertools.count(1)
+        self.shortfall_total = 0
+        self.last_moves = LayerPageMoves({}, {})
+        self.has_kv = torch.zeros(store.config.logical_pages, dtype=torch.bool)
+        """Pages holding KV (written since SGLang allocated them): only these are copied on onload."""
+
+    # ----- request state ----------------------------------------------------------
+
+    def update_residency(self, wants: Mapping[str, RequestResidency]) -> None:
+        """Record the plan's wants (rids not in ``wants`` keep their previous state)."""
+        for rid, want in wants.items():
+            if len(want.gpu_layers) != self.layers:
+                raise ValueError(
+                    f"wants[{rid!r}].gpu_layers has {len(want.gpu_layers)} entries; the pool has "
+                    f"{self.layers} layers"
+                )
+            bad = [p for p in want.pages if p >= self.store.config.logical_pages]
+            if bad:
+                raise ValueError(
+                    f"wants[{rid!r}].pages {bad[:4]} out of range [0, {self.store.config.logical_pages})"
+                )
+            req = self._requests.get(rid)
+            pages = torch.tensor(want.pages, dtype=torch.int64)
+            if req is None:
+                req = self._requests[rid] = _Request(pages=pages, gpu_layers=list(want.gpu_layers))
+            elif len(want.pages) >= req.pages.numel():
+                req.pages = pages
+            req.gpu_layers = list(want.gpu_layers)
+            req.planned = True
+            if want.paused and not req.paused:
+                req.pause_seq = next(self._pause_seq)
+            req.paused = want.paused
+
+    def observe(self, rid: str, pages: torch.Tensor, *, anonymous: bool = False) -> None:
+        """The request's pages as of this step (new requests: local fallback, all layers)."""
+        req = self._requests.get(rid)
+        if req is None:
+            self._requests[rid] = _Request(pages=pages, gpu_layers=[True] * self.layers, anonymous=anonymous)
+        else:
+            req.pages = pages
+
+    def release_request(self, rid: str) -> None:
+        """Forget ``rid`` (unknown ids are ignored: release is idempotent)."""
+        self._requests.pop(rid, None)
+
+    def drop_anonymous(self) -> None:
+        """Forget requests observed without an id (dummy / warm-up batches)."""
+        for rid in [r for r, req in self._requests.items() if req.anonymous]:
+            del self._requests[rid]
+
+    def gpu_layers(self, rid: str) -> tuple[bool, ...] | None:
+        """Current wanted residency of ``rid`` (None if unknown)."""
+        req = self._requests.get(rid)
+        return None if req is None else tuple(req.gpu_layers)
+
+    def live_rids(self) -> list[str]:
+        """Tracked request ids (running or paused)."""
+        return list(self._requests)
+
+    def page_freed(self, pages: list[int]) -> None:
+        """The allocator took ``pages`` back: their device copies are dead."""
+        self.store.release_pages(pages)
+        if pages:
+            self.has_kv[torch.tensor(pages, dtype=torch.int64)] = False
+
+    def mark_written(self, pages: torch.Tensor) -> None:
+        """``pages`` receive KV in the coming forward (later onloads must copy them)."""
+        if pages.numel():
+            self.has_kv[pages] = True
+
+    # ----- masks -------------------------------------------------------------------
+
+    def _target(self) -> torch.Tensor:
+        target = torch.zeros(self.store.map_cpu.shape, dtype=torch.bool)
+        for req in self._requests.values():
+            if req.paused or req.pages.numel() == 0:
+                continue
+            layers = [i for i, on in enumerate(req.gpu_layers) if on]
+            if layers:
+                target[torch.tensor(layers)[:, None], req.pages[None, :]] = True
+        return target
+
+    def _removable_order(self, candidates: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """Removable layer-pages in give-up order: oldest pause first, highest layer first."""
+        order = []
+        taken = torch.zeros_like(candidates)
+        for req in sorted((r for r in self._requests.values() if r.paused), key=lambda r: r.pause_seq):
+            for layer in range(self.layers - 1, -1, -1):
+                pages = req.pages[candidates[layer, req.pages] & ~taken[layer, req.pages]]
+                pages = torch.unique(pages)
+                if pages.numel():
+                    taken[layer, pages] = True
+                    order.append((layer, pages))
+        return order
+
+    # ----- reconciliation -----------------------------------------------------------
+
+    def reconcile(self) -> ResidencyDelta:
+        """Make the device hold the wanted layer-pages (within the budget); see module doc."""
+        store = self.store
+        d2h_before, h2d_before = store.d2h_bytes, store.h2d_bytes
+        resident = store.resident_mask()
+        target = self._target()
+        local_flips = 0
+        while True:
+            removable = resident & ~target
+            paused_pages = self._paused_mask()
+            drop = removable & ~paused_pages
+            removable &= paused_pages
+            need = target & ~resident
+            short = int(need.sum()) - store.allocator.free_count - int(drop.sum())
+            if short <= int(removable.sum()) or not self._flip_local_layer():
+                break
+            local_flips += 1
+            target = self._target()
+        given_up = 0
+        if short > 0:
+            for layer, pages in self._removable_order(removable):
+                take = pages[: short - given_up]
+                drop[layer, take] = True
+                given_up += int(take.numel())
+                if given_up >= short:
+                    break
+        offloaded = self._apply_drops(drop)
+        loaded, placed, shortfall = self._apply_needs(need)
+        self.shortfall_total += shortfall
+        store.publish_map()
+        self.last_moves = LayerPageMoves(offloaded=offloaded, loaded=loaded)
+        return ResidencyDelta(
+            loaded_layer_pages=sum(len(v) for v in loaded.values()),
+            offloaded_layer_pages=int(drop.sum()),
+            removable_dropped_layer_pages=given_up,
+            placed_new_layer_pages=placed,
+            shortfall_layer_pages=shortfall,
+            local_offloaded_layers=local_flips,
+            h2d_bytes=store.h2d_bytes - h2d_before,
+            d2h_bytes=store.d2h_bytes - d2h_before,
+        )
+
+    def _paused_mask(self) -> torch.Tensor:
+        mask = torch.zeros(self.store.map_cpu.shape, dtype=torch.bool)
+        for req in self._requests.values():
+            if req.paused and req.pages.numel():
+                mask[:, req.pages] = True
+        return mask
+
+    def _flip_local_layer(self) -> bool:
+        """Local fallback: move the highest wanted layer of the largest unplanned request to host."""
+        candidates = [
+            r for r in self._requests.values() if not r.planned and not r.paused and any(r.gpu_layers)
+        ]
+        if not candidates:
+            return False
+        victim = max(candidates, key=lambda r: (r.pages.numel(), sum(r.gpu_layers)))
+        top = max(i for i, on in enumerate(victim.gpu_layers) if on)
+        victim.gpu_layers[top] = False
+        return True
+
+    def _apply_drops(self, drop: torch.Tensor) -> dict[int, list[int]]:
+        layers, pages = drop.nonzero(as_tuple=True)
+        self.store.offload(layers, pages)
+        moved: dict[int, list[int]] = {}
+        for layer, page in zip(layers.tolist(), pages.tolist(), strict=True):
+            moved.setdefault(layer, []).append(page)
+        return moved
+
+    def _apply_needs(self, need: torch.Tensor) -> tuple[dict[int, list[int]], int, int]:
+        layers, pages = need.nonzero(as_tuple=True)  # row-major: lower layers first
+        room = self.store.allocator.free_count
+        shortfall = max(0, int(layers.numel()) - room)
+        layers, pages = layers[:room], pages[:room]
+        copy = self.has_kv[pages]
+        self.store.onload(layers, pages, copy)
+        loaded: dict[int, list[int]] = {}
+        for layer, page in zip(layers[copy].tolist(), pages[copy].tolist(), strict=True):
+            loaded.setdefault(layer, []).append(page)
+        return loaded, int((~copy).sum()), shortfall
+
+    # ----- stats ----------------------------------------------------------------------
+
+    def stats(self) -> ResidencyStats:
+        """Snapshot (see :class:`ResidencyStats`)."""
+        store = self.store
+        live = torch.zeros(store.config.logical_pages, dtype=torch.bool)
+        for req in self._requests.values():
+            if req.pages.numel():
+                live[req.pages] = True
+        live_pages = live.nonzero().squeeze(1)
+        live_layer_pages = int(live_pages.numel()) * self.layers
+        host_layer_pages = int((store.map_cpu[:, live_pages] < 0).sum()) if live_pages.numel() else 0
+        return ResidencyStats(
+            device_pages_used=store.allocator.used_count,
+            device_pages_total=store.allocator.capacity,
+            staging_pages=store.staging_pages,
+            host_pages=store.config.logical_pages,
+            live_requests=len(self._requests),
+            live_layer_pages=live_layer_pages,
+            host_layer_pages=host_layer_pages,
+            host_fraction=host_layer_pages / live_layer_pages if live_layer_pages else 0.0,
+            h2d_bytes_total=store.h2d_bytes,
+            d2h_bytes_total=store.d2h_bytes,
+            host_write_bytes_total=store.host_write_bytes,
+            shortfall_layer_pages_total=self.shortfall_total,
+        )

@@ -1,0 +1,86 @@
+"""Inputs and results of the slot-keyed layered pool (:mod:`sglang_ext.dataplane.slot_residency`).
+
+Pure data (standard library only). A *page* is one page of SGLang's KV slot space
+(``slot // page_size``); a *layer-page* is one layer of one page (K and V of ``page_size``
+tokens), the unit the device pool hands out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RequestResidency:
+    """What the plan wants for one request at the next step."""
+
+    pages: tuple[int, ...]
+    """The request's logical pages, in order (from ``req_to_token``)."""
+    gpu_layers: tuple[bool, ...]
+    """Wanted device residency per layer (True = on device); one entry per layer."""
+    paused: bool = False
+    """Paused: its resident layers become removable (dropped lazily, highest layer first)."""
+
+    def __post_init__(self) -> None:
+        if any(not isinstance(p, int) or isinstance(p, bool) or p < 0 for p in self.pages):
+            raise ValueError(f"RequestResidency.pages must be non-negative ints, got {self.pages!r}")
+        if not self.gpu_layers or any(not isinstance(x, bool) for x in self.gpu_layers):
+            raise ValueError(
+                f"RequestResidency.gpu_layers must be a non-empty tuple of bools, got {self.gpu_layers!r}"
+            )
+
+
+@dataclass(frozen=True)
+class ResidencyDelta:
+    """What one reconciliation at a step boundary did."""
+
+    loaded_layer_pages: int
+    """Layer-pages copied host -> device (onloads of pages that held KV)."""
+    offloaded_layer_pages: int
+    """Layer-pages whose device copy was dropped (host copy made current first)."""
+    removable_dropped_layer_pages: int
+    """Of ``offloaded_layer_pages``: layers of paused requests given up for space."""
+    placed_new_layer_pages: int
+    """Fresh layer-pages (no KV yet) given a device page."""
+    shortfall_layer_pages: int
+    """Layer-pages wanted on device that did not fit; they stay on host (nothing lost)."""
+    local_offloaded_layers: int
+    """(request, layer) pairs the local fallback heuristic switched to host."""
+    h2d_bytes: int
+    """Bytes copied host -> device."""
+    d2h_bytes: int
+    """Bytes copied device -> host (dirty write-back)."""
+
+
+@dataclass(frozen=True)
+class ResidencyStats:
+    """Snapshot of the pool's residency."""
+
+    device_pages_used: int
+    """Device layer-pages holding KV."""
+    device_pages_total: int
+    """Device layer-pages available (the GPU KV budget in pages)."""
+    staging_pages: int
+    """Device pages used as staging for offloaded layers (0 on the gather path)."""
+    host_pages: int
+    """Logical pages in the host pool (every page has a host home for all layers)."""
+    live_requests: int
+    """Requests the pool tracks (running or paused)."""
+    live_layer_pages: int
+    """Layer-pages of live requests' pages (layers x distinct pages)."""
+    host_layer_pages: int
+    """Of ``live_layer_pages``: those whose only copy is on host."""
+    host_fraction: float
+    """``host_layer_pages / live_layer_pages`` (0.0 when nothing is live)."""
+    h2d_bytes_total: int
+    """Bytes copied host -> device since start."""
+    d2h_bytes_total: int
+    """Bytes copied device -> host since start."""
+    host_write_bytes_total: int
+    """Bytes of new KV written straight to host (offloaded layers) since start."""
+    shortfall_layer_pages_total: int
+    """Layer-pages that were wanted on device but did not fit, summed over steps."""
+
+    def to_dict(self) -> dict:
+        """JSON-ready form."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}

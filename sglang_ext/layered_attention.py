@@ -1,0 +1,165 @@
+"""Attention backends over the layered KV pool (swapped into SGLang's ATTENTION_BACKENDS).
+
+:class:`LayeredTorchNativeAttnBackend` (CPU and any device; correctness): SGLang's own
+``TorchNativeAttnBackend`` math, unchanged, fed with K/V gathered through
+``pool.layer_kv(layer, slots)`` -- device pages directly, offloaded pages from host in one
+batched gather per layer. ``init_forward_metadata`` is the step boundary: it hands the batch
+to ``pool.prepare_step`` (placement reconciled, events, stats) and builds a compact
+``req_to_token`` table over the gathered rows, so the parent's per-request SDPA loop reads
+exactly the values it would read from a flat pool (same dtype, same order): greedy outputs
+are token-identical to vanilla.
+
+:class:`LayeredFlashInferDecode` (GPU, import-guarded): decode through
+:class:`~sglang_ext.dataplane.flashinfer_attention.FlashInferLayeredDecode` with one plan per
+step and per-layer page tables read from the pool's map, offloaded pages staged into device
+pages first. Extend (prefill) uses the torch path. Not runnable on this CPU host; covered by a
+``gpu``-marked test.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+from sglang_ext.layered_pool import LayeredTokenToKVPool
+
+
+class _GatheredKV:
+    """Stand-in for the pool inside the parent's forward: writes go to the pool, reads are gathered."""
+
+    def __init__(self, backend: LayeredTorchNativeAttnBackend) -> None:
+        self._backend = backend
+        self._layer: int | None = None
+        self._kv: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def set_kv_buffer(self, *args: Any, **kwargs: Any) -> None:
+        self._layer, self._kv = None, None
+        self._backend.pool.set_kv_buffer(*args, **kwargs)
+
+    def _gather(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._layer != layer_id or self._kv is None:
+            self._kv = self._backend.pool.layer_kv(layer_id, self._backend.batch_slots)
+            self._layer = layer_id
+        return self._kv
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self._gather(layer_id)[0]
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self._gather(layer_id)[1]
+
+
+class _CompactTable:
+    """Stand-in for ``req_to_token_pool``: rows of the batch point into the gathered K/V."""
+
+    def __init__(self) -> None:
+        self.req_to_token = torch.zeros((1, 1), dtype=torch.int64)
+
+
+class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
+    """SGLang's torch_native attention reading K/V through the layered pool."""
+
+    def __init__(self, model_runner: Any) -> None:
+        super().__init__(model_runner)
+        pool = model_runner.token_to_kv_pool
+        if not isinstance(pool, LayeredTokenToKVPool):
+            raise TypeError(
+                f"layered attention needs LayeredTokenToKVPool, got {type(pool).__name__} "
+                "(is --enable-layered-kv set for this process?)"
+            )
+        self.pool = pool
+        self.real_req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = _GatheredKV(self)
+        self.req_to_token_pool = _CompactTable()
+        self.batch_slots = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self.batch_rids: list[str | None] = []
+        self.batch_request_slots: list[torch.Tensor] = []
+        self.last_delta = None
+
+    def init_forward_metadata(self, forward_batch: Any) -> None:
+        super().init_forward_metadata(forward_batch)
+        req_to_token = self.real_req_to_token_pool.req_to_token
+        rows = forward_batch.req_pool_indices
+        bs = 0 if rows is None else int(rows.numel())
+        seq_lens = forward_batch.seq_lens_cpu
+        if seq_lens is None:
+            seq_lens = forward_batch.seq_lens.cpu() if bs else torch.zeros(0, dtype=torch.int64)
+        lens = [int(x) for x in seq_lens.tolist()]
+        rows_cpu = rows.cpu().tolist() if bs else []
+        rids = forward_batch.rids or [None] * bs
+        per_req = [req_to_token[row, :n].to(torch.int64) for row, n in zip(rows_cpu, lens, strict=True)]
+        self.last_delta = self.pool.prepare_step(list(zip(rids, per_req, strict=True)), forward_batch.out_cache_loc)
+        self.batch_rids, self.batch_request_slots = list(rids), per_req
+        self.batch_slots = torch.cat(per_req) if per_req else self.batch_slots[:0]
+        width = max(lens, default=1) or 1
+        table = torch.zeros((max(rows_cpu, default=0) + 1, width), dtype=torch.int64, device=self.device)
+        start = 0
+        for row, n in zip(rows_cpu, lens, strict=True):
+            table[row, :n] = torch.arange(start, start + n, device=self.device)
+            start += n
+        self.req_to_token_pool.req_to_token = table
+        self.token_to_kv_pool._layer = None
+
+
+try:  # GPU path: import-guarded (flashinfer needs CUDA)
+    from sglang_ext.dataplane.flashinfer_attention import HAVE_FLASHINFER, FlashInferLayeredDecode
+except Exception:  # noqa: BLE001
+    HAVE_FLASHINFER = False
+    FlashInferLayeredDecode = None  # type: ignore[assignment,misc]
+
+
+class LayeredFlashInferDecode(LayeredTorchNativeAttnBackend):
+    """GPU: decode through FlashInfer over per-layer page tables; extend through the torch path.
+
+    One FlashInfer plan per step (every layer has the same page counts); per layer the page ids
+    come from the pool's map, host-only pages staged onto device pages first
+    (:class:`~sglang_ext.dataplane.slot_page_tables.SlotPageTables`). When the staging pages do
+    not fit the device budget the step falls back to the gather path (counted in
+    ``staging_fallback_steps``). CUDA graphs are not used (tables change every step).
+    """
+
+    def __init__(self, model_runner: Any) -> None:
+        super().__init__(model_runner)
+        if not HAVE_FLASHINFER or self.pool.store.device.type != "cuda":
+            raise RuntimeError("LayeredFlashInferDecode needs CUDA and an importable flashinfer")
+        from sglang_ext.dataplane.slot_page_tables import SlotPageTables
+
+        self.tables = SlotPageTables(self.pool.store)
+        self.flashinfer = FlashInferLayeredDecode(self.pool.store.device, self.pool.store.config.logical_pages)
+        self._paged = False
+        self._planned = False
+        self.staging_fallback_steps = 0
+
+    def init_forward_metadata(self, forward_batch: Any) -> None:
+        self.tables.end()
+        super().init_forward_metadata(forward_batch)
+        self._paged = self._planned = False
+        if forward_batch.forward_mode.is_decode() and self.batch_request_slots:
+            self._paged = self.tables.begin([r or "" for r in self.batch_rids], self.batch_request_slots)
+            self.staging_fallback_steps += not self._paged
+        self.pool.store.staging_pages = self.tables.staging_pages
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):  # noqa: ANN001
+        if not self._paged or layer.is_cross_attention:
+            return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        if save_kv_cache and k is not None and v is not None:
+            self.pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
+        view = self.tables.layer_view(layer.layer_id - self.pool.start_layer)
+        if not self._planned:
+            self.flashinfer.plan(view, layer.tp_q_head_num, sm_scale=layer.scaling)
+            self._planned = True
+        q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim).to(view.k_cache.dtype)
+        out = self.flashinfer.run(q3, view)
+        return out.to(q.dtype).reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+
+def create_layered_flashinfer_backend(runner: Any) -> LayeredTorchNativeAttnBackend:
+    """ATTENTION_BACKENDS factory replacing ``flashinfer`` when --enable-layered-kv is on (GPU)."""
+    return LayeredFlashInferDecode(runner)
+
+
+def create_layered_torch_native_backend(runner: Any) -> LayeredTorchNativeAttnBackend:
+    """ATTENTION_BACKENDS factory replacing ``torch_native`` when --enable-layered-kv is on."""
+    return LayeredTorchNativeAttnBackend(runner)

@@ -1,0 +1,287 @@
+"""LayeredTokenToKVPool: SGLang's MHA KV pool with per-(layer, page) device/host residency.
+
+Swapped in for ``MHATokenToKVPool`` (AROUND ``KVCacheConfigurator._resolve_kv_pool_class``,
+kind ``mha``) when ``--enable-layered-kv`` is on, and constructed with its exact kwargs. It
+keeps SGLang's logical slot/page space (allocator, ``req_to_token``, radix tree unchanged)
+and maps each ``(layer, page)`` to a device page or to its host home
+(:class:`~sglang_ext.dataplane.slot_kv_store.SlotKVStore`); residency follows the plan's
+wants or a local fallback (:class:`~sglang_ext.dataplane.slot_residency.SlotResidency`).
+No full per-layer device buffers are allocated: the device holds ``--kv-gpu-budget-tokens``
+token-layers.
+
+Step protocol (scheduler thread, ``--disable-overlap-schedule``):
+
+1. (optional) ``update_residency(wants)`` from the scheduler hooks at the step boundary;
+2. ``prepare_step(requests, new_slots)`` from the layered attention backend's
+   ``init_forward_metadata``: eager write-back of last step's dirty pages, the batch's
+   pages observed, placement reconciled (offloads, onloads, new pages), events emitted,
+   a stats line written to ``$KVPLANE_POOL_STATS_FILE`` when set;
+3. per layer: ``set_kv_buffer`` (device page if resident, else host) then
+   ``layer_kv(layer, slots)``.
+
+``attach(tree_cache)`` (plugin's radix factory) subscribes to the tree's residency hub:
+``freed`` pages drop their device copies; ``on_release`` of a request releases its wants;
+``offloaded`` / ``loaded`` events go out on the same hub.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import structlog
+import torch
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
+
+from sglang_ext.args import LayeredKVArgs
+from sglang_ext.dataplane.slot_kv_store import SlotKVStore, SlotStoreConfig
+from sglang_ext.dataplane.slot_residency import SlotResidency
+from sglang_ext.dataplane.slot_results import RequestResidency, ResidencyDelta, ResidencyStats
+from sglang_ext.hooks import ResidencyEvent, ResidencyEventKind, ResidencyHooks
+
+log = structlog.get_logger(__name__)
+
+POOL_STATS_FILE_ENV = "KVPLANE_POOL_STATS_FILE"
+"""If set, one JSON line per forward (source ``layered_pool``) with the pool's residency stats
+and the boundary's delta is appended to this file. The per-step scheduler line (step time,
+placements, pauses, and these stats under ``pool``) is ``$KVPLANE_STATS_FILE``, written by
+:mod:`sglang_ext.scheduler_hooks`."""
+
+_GB = 1e9
+
+
+class LayeredTokenToKVPool(MHATokenToKVPool):
+    """MHA KV pool whose layers live partly on the device, partly in host memory."""
+
+    def __init__(self, *args: Any, layered_args: LayeredKVArgs | None = None, **kwargs: Any) -> None:
+        self._layered_args = layered_args if layered_args is not None else LayeredKVArgs.from_env()
+        if kwargs.get("enable_kv_cache_copy"):
+            raise ValueError("kvplane layered KV pool: enable_kv_cache_copy (speculative decoding) is unsupported")
+        if kwargs.get("post_capture_active"):
+            raise ValueError("kvplane layered KV pool: post-capture KV backing is unsupported")
+        if kwargs.get("quant_method") is not None:
+            raise ValueError("kvplane layered KV pool: quantized KV caches are unsupported")
+        self.residency_hooks = ResidencyHooks()
+        self._step = 0
+        self._stats_file = None
+        super().__init__(*args, **kwargs)
+
+    # ----- construction (called from MHATokenToKVPool.__init__) --------------------
+
+    def _create_buffers(self) -> None:
+        if self.use_hnd or getattr(self, "kv_cache_layout", "nhd") != "nhd":
+            raise ValueError(f"kvplane layered KV pool needs the NHD layout, got {self.kv_cache_layout!r}")
+        if self.v_head_dim != self.head_dim:
+            raise ValueError(
+                f"kvplane layered KV pool needs v_head_dim == head_dim, got {self.v_head_dim} != {self.head_dim}"
+            )
+        self.k_scale_buffer = self.v_scale_buffer = None
+        self.native_k_scale_buffer = self.native_v_scale_buffer = None
+        self.dq_k_buffer = self.dq_v_buffer = None
+        self.k_buffer = self.v_buffer = None
+        self.data_ptrs = self.k_data_ptrs = self.v_data_ptrs = None
+        self._kv_buffer_descs = ()
+        logical_pages = -(-(self.size + self.page_size) // self.page_size)
+        budget_tokens = self._layered_args.kv_gpu_budget_tokens
+        if budget_tokens is None:
+            device_pages = (logical_pages - 1) * self.layer_num  # what SGLang's pool would hold
+        else:
+            device_pages = budget_tokens // self.page_size
+            if device_pages < 1:
+                raise ValueError(
+                    f"--kv-gpu-budget-tokens={budget_tokens} is below one page ({self.page_size} tokens)"
+                )
+        config = SlotStoreConfig(
+            layers=self.layer_num,
+            page_size=self.page_size,
+            kv_heads=self.head_num,
+            head_dim=self.head_dim,
+            logical_pages=logical_pages,
+            device_pages=device_pages,
+            dtype=self.store_dtype,
+            device=str(self.device),
+        )
+        host_limit = self._layered_args.kv_host_pool_gb * _GB
+        if config.host_bytes > host_limit:
+            raise ValueError(
+                f"--kv-host-pool-gb={self._layered_args.kv_host_pool_gb}: the host pool must hold every "
+                f"layer of {logical_pages} pages = {config.host_bytes / _GB:.3f} GB; raise it or lower "
+                "--max-total-tokens"
+            )
+        self.store = SlotKVStore(config)
+        self.residency = SlotResidency(self.store)
+        log.info(
+            "layered_kv_pool_created",
+            layers=self.layer_num,
+            page_size=self.page_size,
+            logical_pages=logical_pages,
+            device_pages=device_pages,
+            host_gb=round(config.host_bytes / _GB, 4),
+        )
+
+    def get_kv_size_bytes(self) -> tuple[int, int]:
+        half = self.store.dev[0]
+        return half.numel() * half.element_size(), half.numel() * half.element_size()
+
+    def _clear_buffers(self) -> None:
+        del self.store
+
+    # ----- wiring -------------------------------------------------------------------
+
+    def attach(self, tree_cache: Any) -> None:
+        """Share ``tree_cache.residency_hooks``: frees drop device copies; releases drop wants."""
+        hooks = getattr(tree_cache, "residency_hooks", None)
+        if hooks is not None:
+            self.residency_hooks = hooks
+            hooks.subscribe(self._on_freed, kinds=[ResidencyEventKind.FREED])
+        original_on_release = getattr(tree_cache, "on_release", None)
+        if original_on_release is not None and not getattr(tree_cache, "_kvplane_pool_attached", False):
+            pool = self
+
+            def on_release(req: Any, *args: Any, **kwargs: Any) -> Any:
+                result = original_on_release(req, *args, **kwargs)
+                pool.release_request(req.rid)
+                return result
+
+            tree_cache.on_release = on_release
+            tree_cache._kvplane_pool_attached = True
+
+    def _on_freed(self, event: ResidencyEvent) -> None:
+        self.residency.page_freed(list(event.blocks))
+
+    # ----- control-plane facing API ---------------------------------------------------
+
+    def update_residency(self, wants: Mapping[str, RequestResidency]) -> ResidencyDelta:
+        """Install the plan's wants and move data now (call at a step boundary only)."""
+        self.residency.update_residency(wants)
+        self.store.sync_dirty()
+        return self._reconcile()
+
+    def release_request(self, rid: str) -> None:
+        """The request finished or was aborted: drop its wants (tree-owned pages stay)."""
+        self.residency.release_request(rid)
+
+    def residency_stats(self) -> ResidencyStats:
+        """Device/host occupancy, host fraction of live KV, bytes moved."""
+        return self.residency.stats()
+
+    # ----- step boundary (from the attention backend) ---------------------------------
+
+    def prepare_step(
+        self, requests: Sequence[tuple[str | None, torch.Tensor]], new_slots: torch.Tensor | None
+    ) -> ResidencyDelta:
+        """Boundary before a forward: ``requests`` = (rid, slots of its first seq_len tokens)."""
+        self.residency.drop_anonymous()
+        self.store.sync_dirty()
+        ps = self.page_size
+        for index, (rid, slots) in enumerate(requests):
+            pages = torch.unique(slots.to("cpu", torch.int64) // ps)
+            if rid is None:
+                self.residency.observe(f"__anonymous_{index}", pages, anonymous=True)
+            else:
+                self.residency.observe(rid, pages)
+        delta = self._reconcile()
+        if new_slots is not None and new_slots.numel():
+            self.residency.mark_written(torch.unique(new_slots.to("cpu", torch.int64) // ps))
+        self._step += 1
+        self._write_stats_line(len(requests), 0 if new_slots is None else int(new_slots.numel()), delta)
+        return delta
+
+    def _reconcile(self) -> ResidencyDelta:
+        delta = self.residency.reconcile()
+        moves = self.residency.last_moves
+        if self.residency_hooks.has_subscribers:
+            for layer, pages in sorted(moves.offloaded.items()):
+                self.residency_hooks.emit(ResidencyEventKind.OFFLOADED, pages, layers=[layer + self.start_layer])
+            for layer, pages in sorted(moves.loaded.items()):
+                self.residency_hooks.emit(ResidencyEventKind.LOADED, pages, layers=[layer + self.start_layer])
+        if delta.shortfall_layer_pages:
+            log.debug("layered_kv_shortfall", layer_pages=delta.shortfall_layer_pages)
+        return delta
+
+    def _write_stats_line(self, batch_size: int, new_tokens: int, delta: ResidencyDelta) -> None:
+        path = os.environ.get(POOL_STATS_FILE_ENV)
+        if not path:
+            return
+        if self._stats_file is None:
+            self._stats_file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the pool's life
+        line = {
+            "source": "layered_pool",
+            "step": self._step,
+            "time_s": time.monotonic(),
+            "batch_size": batch_size,
+            "new_tokens": new_tokens,
+            **self.residency_stats().to_dict(),
+            "delta": {name: getattr(delta, name) for name in delta.__dataclass_fields__},
+        }
+        self._stats_file.write(json.dumps(line) + "\n")
+        self._stats_file.flush()
+
+    # ----- data path ---------------------------------------------------------------------
+
+    def set_kv_buffer(
+        self,
+        layer: Any,
+        loc_info: Any,
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
+        layer_id_override: int | None = None,
+        dcp_kv_mask: torch.Tensor | None = None,
+    ) -> None:
+        if dcp_kv_mask is not None:
+            raise ValueError("kvplane layered KV pool: dcp_kv_mask (decode context parallel) is unsupported")
+        loc, _, _ = unwrap_write_loc(loc_info)
+        layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
+        if cache_k.dtype != self.dtype:
+            if k_scale is not None:
+                cache_k.div_(k_scale)
+            if v_scale is not None:
+                cache_v.div_(v_scale)
+            cache_k = cache_k.to(self.dtype)
+            cache_v = cache_v.to(self.dtype)
+        if self.store_dtype != self.dtype:
+            cache_k = cache_k.view(self.store_dtype)
+            cache_v = cache_v.view(self.store_dtype)
+        n = loc.numel()
+        if loc.device.type == "cpu":  # on CUDA prepare_step marked this step's slots already
+            self.residency.mark_written(torch.unique(loc.to(torch.int64) // self.page_size))
+        self.store.write(
+            layer_id - self.start_layer,
+            loc,
+            cache_k.reshape(n, self.head_num, self.head_dim),
+            cache_v.reshape(n, self.head_num, self.head_dim),
+        )
+
+    def layer_kv(self, layer_id: int, token_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[n, H, D]`` (pool dtype) of ``token_slots`` at ``layer_id``."""
+        k, v = self.store.gather(layer_id - self.start_layer, token_slots)
+        if self.store_dtype != self.dtype:
+            return k.view(self.dtype), v.view(self.dtype)
+        return k, v
+
+    def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
+        for layer in range(self.layer_num):
+            k, v = self.store.gather(layer, src_loc)
+            self.store.write(layer, tgt_loc, k.clone(), v.clone())
+        self.residency.mark_written(torch.unique(tgt_loc.to("cpu", torch.int64) // self.page_size))
+
+    def _no_flat_buffers(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            "kvplane layered KV pool has no per-layer flat KV buffers; read through "
+            "layer_kv(layer_id, slots) (use the layered attention backend)"
+        )
+
+    get_key_buffer = _no_flat_buffers
+    get_value_buffer = _no_flat_buffers
+    get_kv_buffer = _no_flat_buffers
+    _get_key_buffer = _no_flat_buffers
+    _get_value_buffer = _no_flat_buffers
+    get_cpu_copy = _no_flat_buffers
+    load_cpu_copy = _no_flat_buffers
+    get_contiguous_buf_infos = _no_flat_buffers
+    get_device_pool_infos = _no_flat_buffers

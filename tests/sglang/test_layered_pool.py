@@ -1,0 +1,261 @@
+"""LayeredTokenToKVPool without a server: built with MHATokenToKVPool's kwargs at toy sizes (CPU).
+
+Scenario: SGLang's write path (``set_kv_buffer``) and the layered read path (``layer_kv``)
+against a shadow copy of every live token's K/V, while residency changes at step
+boundaries (plan wants, pauses, releases, frees, the local fallback).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sglang_ext.args import LayeredKVArgs
+from sglang_ext.dataplane.slot_results import RequestResidency
+from sglang_ext.hooks import ResidencyEventKind
+from sglang_ext.layered_pool import LayeredTokenToKVPool
+
+LAYERS, HEADS, DIM, PAGE, SLOTS = 3, 2, 4, 2, 64
+
+
+def make_pool(budget_tokens: int | None = 16, page_size: int = PAGE) -> LayeredTokenToKVPool:
+    return LayeredTokenToKVPool(
+        size=SLOTS,
+        page_size=page_size,
+        dtype=torch.float16,
+        head_num=HEADS,
+        head_dim=DIM,
+        layer_num=LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+        layered_args=LayeredKVArgs(enable_layered_kv=True, kv_gpu_budget_tokens=budget_tokens),
+    )
+
+
+class Harness:
+    """Drives the pool like SGLang does (paged slot allocation, writes, reads) with a shadow."""
+
+    def __init__(self, pool: LayeredTokenToKVPool, seed: int = 0) -> None:
+        self.pool = pool
+        self.gen = torch.Generator().manual_seed(seed)
+        self.free_pages = list(range(SLOTS // PAGE, 0, -1))  # page 0 is SGLang's padding page
+        self.slots: dict[str, list[int]] = {}
+        self.shadow: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _page_refs(self, page: int) -> int:
+        return sum(1 for s in self.slots.values() for x in s if x // PAGE == page and x % PAGE == 0)
+
+    def _new_slots(self, rid: str, n: int) -> list[int]:
+        slots = self.slots[rid]
+        out = []
+        for _ in range(n):
+            if slots and (slots[-1] + 1) % PAGE != 0:
+                nxt = slots[-1] + 1
+            else:
+                nxt = self.free_pages.pop() * PAGE
+            slots.append(nxt)
+            out.append(nxt)
+        return out
+
+    def step(self, rid: str, n: int, share_from: str | None = None, share_pages: int = 0) -> None:
+        if rid not in self.slots:
+            prefix = self.slots[share_from][: share_pages * PAGE] if share_from else []
+            self.slots[rid] = list(prefix)
+        needed = -(-max(0, n - (PAGE - len(self.slots[rid]) % PAGE) % PAGE) // PAGE)
+        if needed > len(self.free_pages):
+            return
+        new = self._new_slots(rid, n)
+        loc = torch.tensor(new, dtype=torch.int64)
+        self.pool.prepare_step([(rid, torch.tensor(self.slots[rid]))], loc)
+        for layer in range(LAYERS):
+            k = torch.randn((n, HEADS, DIM), generator=self.gen).half()
+            v = torch.randn((n, HEADS, DIM), generator=self.gen).half()
+            self.pool.set_kv_buffer(SimpleNamespace(layer_id=layer), loc, k, v)
+            for i, slot in enumerate(new):
+                self.shadow[(layer, slot)] = (k[i].clone(), v[i].clone())
+            got_k, got_v = self.pool.layer_kv(layer, torch.tensor(self.slots[rid]))
+            want = [self.shadow[(layer, s)] for s in self.slots[rid]]
+            assert torch.equal(got_k, torch.stack([w[0] for w in want]))
+            assert torch.equal(got_v, torch.stack([w[1] for w in want]))
+
+    def release(self, rid: str) -> None:
+        slots = self.slots.pop(rid)
+        self.pool.release_request(rid)
+        pages = sorted({s // PAGE for s in slots if self._page_refs(s // PAGE) == 0})
+        self.pool.residency.page_freed(pages)
+        self.free_pages.extend(pages)
+        for slot in slots:
+            if self._page_refs(slot // PAGE) == 0:
+                for layer in range(LAYERS):
+                    self.shadow.pop((layer, slot), None)
+
+    def check(self) -> None:
+        pool = self.pool
+        for rid, slots in self.slots.items():
+            for layer in range(LAYERS):
+                got_k, got_v = pool.layer_kv(layer, torch.tensor(slots))
+                want = [self.shadow[(layer, s)] for s in slots]
+                assert torch.equal(got_k, torch.stack([w[0] for w in want])), (rid, layer)
+                assert torch.equal(got_v, torch.stack([w[1] for w in want])), (rid, layer)
+        check_map(pool)
+
+
+def check_map(pool: LayeredTokenToKVPool) -> None:
+    """Device map and allocator agree; never more device pages than the budget."""
+    mapped = pool.store.map_cpu[pool.store.map_cpu >= 0].tolist()
+    assert len(mapped) == len(set(mapped))
+    assert set(mapped) == pool.store.allocator.used_ids()
+    stats = pool.residency_stats()
+    assert stats.device_pages_used <= stats.device_pages_total
+
+
+def wants(pool: LayeredTokenToKVPool, h: Harness, rid: str, layers, paused=False) -> RequestResidency:
+    pages = tuple(dict.fromkeys(s // PAGE for s in h.slots[rid]))
+    return RequestResidency(pages=pages, gpu_layers=tuple(bool(x) for x in layers), paused=paused)
+
+
+RIDS = ("a", "b", "c")
+op = st.one_of(
+    st.tuples(st.just("step"), st.sampled_from(RIDS), st.integers(1, 5), st.sampled_from((None, *RIDS)),
+              st.integers(0, 2)),
+    st.tuples(st.just("want"), st.sampled_from(RIDS), st.lists(st.booleans(), min_size=LAYERS, max_size=LAYERS),
+              st.booleans()),
+    st.tuples(st.just("release"), st.sampled_from(RIDS)),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(op, min_size=1, max_size=25), budget=st.sampled_from([2, 8, 16, 200]))
+def test_kv_round_trips_bit_exact_across_random_residency_changes(ops, budget):
+    """Every live token's K/V reads back bit-exact after any sequence of steps, wants, pauses, releases."""
+    pool = make_pool(budget_tokens=budget)
+    h = Harness(pool)
+    for item in ops:
+        kind, rid = item[0], item[1]
+        if kind == "step":
+            share = item[3] if item[3] in h.slots and rid not in h.slots and item[3] != rid else None
+            share_pages = min(item[4], len(h.slots[share]) // PAGE) if share else 0
+            h.step(rid, item[2], share, share_pages)
+        elif kind == "want" and rid in h.slots:
+            pool.update_residency({rid: wants(pool, h, rid, item[2], paused=item[3])})
+        elif kind == "release" and rid in h.slots:
+            h.release(rid)
+        h.check()
+
+
+def test_shared_pages_resident_iff_some_live_request_wants_them():
+    """A shared prefix page is on device at layer l iff a live, unpaused user wants layer l."""
+    pool = make_pool(budget_tokens=200)
+    h = Harness(pool)
+    h.step("a", 4)
+    h.step("b", 2, share_from="a", share_pages=2)
+    shared = sorted({s // PAGE for s in h.slots["a"]})
+    pool.update_residency({"a": wants(pool, h, "a", [1, 0, 0]), "b": wants(pool, h, "b", [0, 1, 0])})
+    resident = pool.store.resident_mask()
+    assert resident[0, shared].all() and resident[1, shared].all() and not resident[2, shared].any()
+    own_b = sorted({s // PAGE for s in h.slots["b"]} - set(shared))
+    assert not resident[0, own_b].any() and resident[1, own_b].all()
+    pool.release_request("a")
+    pool.update_residency({})
+    resident = pool.store.resident_mask()
+    assert not resident[0, shared].any() and resident[1, shared].all()
+    h.slots.pop("a")
+    h.check()
+
+
+def test_full_device_pool_never_crashes_and_loses_nothing():
+    """Wants beyond the budget leave the excess on host (reported as shortfall); KV stays exact."""
+    pool = make_pool(budget_tokens=6)  # 3 device pages
+    h = Harness(pool)
+    h.step("a", 8)  # 4 pages x 3 layers wanted by the local fallback
+    delta = pool.update_residency({"a": wants(pool, h, "a", [1, 1, 1])})
+    assert delta.shortfall_layer_pages == 4 * LAYERS - 3
+    assert pool.residency_stats().device_pages_used == 3
+    h.step("a", 3)
+    h.check()
+
+
+def test_kv_is_preserved_on_host_after_offload():
+    """Offloading drops the device copy only after the host copy is current (device garbage is harmless)."""
+    pool = make_pool(budget_tokens=200)
+    h = Harness(pool)
+    h.step("a", 6)
+    assert pool.store.resident_mask().sum() == 3 * LAYERS
+    delta = pool.update_residency({"a": wants(pool, h, "a", [0, 0, 0])})
+    assert delta.offloaded_layer_pages == 3 * LAYERS
+    pool.store.dev.fill_(float("nan"))
+    h.check()
+    pool.update_residency({"a": wants(pool, h, "a", [1, 1, 1])})
+    h.check()
+
+
+def test_paused_layers_are_dropped_lazily_highest_layer_first():
+    """A paused request keeps its device layers until space is needed, then gives up the top layer first."""
+    pool = make_pool(budget_tokens=24)  # 12 device pages
+    h = Harness(pool)
+    h.step("a", 6)  # 3 pages x 3 layers = 9 device pages
+    pool.update_residency({"a": wants(pool, h, "a", [1, 1, 1], paused=True)})
+    assert pool.store.resident_mask().sum() == 9  # nothing needed the space yet
+    h.step("b", 4)  # 2 pages x 3 layers = 6 wanted: 3 free, 3 taken from "a"
+    resident = pool.store.resident_mask()
+    a_pages = sorted({s // PAGE for s in h.slots["a"]})
+    assert resident[0, a_pages].all() and resident[1, a_pages].all() and not resident[2, a_pages].any()
+    h.check()
+
+
+def test_local_fallback_offloads_highest_layers_of_the_largest_request():
+    """Without a plan, a tight budget switches the largest request's highest layers to host first."""
+    pool = make_pool(budget_tokens=20)  # 10 device pages
+    h = Harness(pool)
+    h.step("small", 2)  # 1 page x 3 layers
+    h.step("big", 8)  # 4 pages x 3 layers: 12 + 3 > 10
+    assert pool.residency.gpu_layers("small") == (True, True, True)
+    assert pool.residency.gpu_layers("big") == (True, False, False)
+    stats = pool.residency_stats()
+    assert stats.device_pages_used == 3 + 4
+    assert stats.host_layer_pages == 8 and stats.live_layer_pages == 15
+    h.check()
+
+
+def test_freed_pages_return_their_device_pages():
+    """Pages SGLang frees give their device pages back; offload/load events reach subscribers."""
+    pool = make_pool(budget_tokens=200)
+    events = []
+    pool.residency_hooks.subscribe(events.append)
+    h = Harness(pool)
+    h.step("a", 4)
+    pool.update_residency({"a": wants(pool, h, "a", [1, 0, 1])})
+    pool.update_residency({"a": wants(pool, h, "a", [1, 1, 1])})
+    kinds = [e.kind for e in events]
+    assert kinds == [ResidencyEventKind.OFFLOADED, ResidencyEventKind.LOADED]
+    assert events[0].layers == (1,) and events[1].layers == (1,)
+    h.release("a")
+    assert pool.residency_stats().device_pages_used == 0
+    check_map(pool)
+
+
+def test_invalid_wants_and_budget_are_rejected_by_name():
+    """Bad wants / budgets fail with a message naming the field and the allowed range."""
+    pool = make_pool()
+    with pytest.raises(ValueError, match="gpu_layers has 2 entries"):
+        pool.update_residency({"x": RequestResidency(pages=(1,), gpu_layers=(True, False))})
+    with pytest.raises(ValueError, match="pages"):
+        pool.update_residency({"x": RequestResidency(pages=(10_000,), gpu_layers=(True,) * LAYERS)})
+    with pytest.raises(ValueError, match="below one page"):
+        make_pool(budget_tokens=1)
+    with pytest.raises(ValueError, match="kv-gpu-budget-tokens"):
+        LayeredKVArgs(enable_layered_kv=True, kv_gpu_budget_tokens=0)
+    assert pool.residency_stats().device_pages_used == 0
+
+
+def test_pool_allocates_no_full_per_layer_device_buffers():
+    """The device holds only the budget: no per-layer buffers; flat-buffer readers get a clear error."""
+    pool = make_pool(budget_tokens=10)
+    assert pool.k_buffer is None and pool.v_buffer is None
+    assert pool.store.dev.shape == (2, 5, PAGE, HEADS, DIM)
+    with pytest.raises(RuntimeError, match="layer_kv"):
+        pool.get_key_buffer(0)
