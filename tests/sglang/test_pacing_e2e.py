@@ -1,0 +1,93 @@
+"""Paced streaming against a real SGLang server with --enable-layered-kv --kv-pacing on.
+
+Scenario: one layered server (module-scoped, nothing forced offloaded). A streaming completion
+with a per-request TBT SLO is paced by the token deposit: its text equals the (unpaced)
+non-streaming answer, and the client sees chunks at least one SLO apart until the request
+finishes, after which the remainder arrives as one burst.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from sglang_ext.pacing import SLO_PARAM
+from sglang_ext.testing.server import SGLangServer
+from sglang_ext.tools.workload import RequestSpec, run_one
+
+pytestmark = pytest.mark.sglang
+
+SLO_MS = 120.0
+TOLERANCE_MS = 45.0
+"""Client-side jitter allowed below the SLO (HTTP, thread scheduling on a shared 2-core host)."""
+
+
+@pytest.fixture(scope="module")
+def paced_server(tiny_model_dir, tmp_path_factory) -> Iterator[SGLangServer]:
+    """A layered-KV server with pacing on (the default)."""
+    root = tmp_path_factory.mktemp("paced")
+    server = SGLangServer(
+        tiny_model_dir,
+        log_path=root / "server.log",
+        extra_args=["--enable-layered-kv", "--disable-overlap-schedule", "--kv-pacing", "on"],
+        startup_timeout_s=600.0,  # shared 2-core host: start-up alone can take minutes
+    )
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_paced_stream_text_identical_and_spaced(paced_server: SGLangServer) -> None:
+    """Streamed text == non-streamed text; chunk gaps >= SLO - tolerance until the finish burst."""
+    stream = run_one(
+        paced_server.base_url,
+        RequestSpec("paced-s", 30, 40, stream=True, slo_tbt_ms=SLO_MS),
+        "default",
+        0.0,
+        180.0,
+    )
+    full = run_one(
+        paced_server.base_url, RequestSpec("paced-n", 30, 40, stream=False), "default", 0.0, 180.0
+    )
+    assert stream.ok and full.ok, (stream.error, full.error, paced_server.log_tail())
+    assert stream.completion_tokens == full.completion_tokens == 40
+    assert stream.text == full.text
+    gaps = stream.gaps_ms
+    assert len(gaps) >= 2
+    # Paced part: every gap at least one SLO (minus jitter); the finish burst (gaps far below
+    # the SLO) may only come at the end and never be followed by a paced gap.
+    short = [i for i, g in enumerate(gaps) if g < SLO_MS - TOLERANCE_MS]
+    if short:
+        first = short[0]
+        assert all(g < SLO_MS - TOLERANCE_MS for g in gaps[first:]), gaps
+    paced = len(gaps) - len(short)
+    assert paced >= 3, f"pacing not visible: gaps {gaps}"
+
+
+def test_bad_slo_override_is_a_400_naming_the_field(paced_server: SGLangServer) -> None:
+    """custom_params.kvplane_slo_tbt_ms out of range is rejected with HTTP 400 naming it."""
+    body = {
+        "model": "default",
+        "prompt": "hello",
+        "max_tokens": 4,
+        "stream": True,
+        "custom_params": {SLO_PARAM: -1},
+    }
+    req = urllib.request.Request(
+        paced_server.base_url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=60)
+    assert info.value.code == 400
+    assert f"custom_params.{SLO_PARAM}=-1" in info.value.read().decode()
+    # The server keeps serving.
+    ok = run_one(paced_server.base_url, RequestSpec("after-bad", 5, 4, stream=True), "default", 0.0, 60.0)
+    assert ok.ok and ok.completion_tokens == 4

@@ -1,0 +1,114 @@
+"""`kvplane demo`: the rendering helpers (fast) and the whole demo against real SGLang (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvplane.demo import SUMMARY_HEADER, placement_lines, request_rows, summarize_stats
+from sglang_ext.tools.workload import RequestResult, RequestSpec
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_DEADLINE_S = 900
+"""Whole-demo deadline for the test (target < 3 min on a quiet 2-core host; shared hosts are slower)."""
+
+
+def _rec(step: int, running: list[str], gpu: dict[str, int], paused: list[str] = (), **kw) -> dict:
+    return {
+        "step": step,
+        "mode": "decode",
+        "step_ms": 10.0,
+        "running": running,
+        "paused": list(paused),
+        "gpu_layers": gpu,
+        "layers": 4,
+        "layered_pool": True,
+        "device_pages_used": 10,
+        "device_pages_total": 64,
+        "host_fraction": 0.5,
+        "finished": [],
+        **kw,
+    }
+
+
+def test_placement_lines_show_changes_and_count_the_rest() -> None:
+    """Unchanged steps are elided (and counted); pauses and resumes are always shown."""
+    recs = [
+        _rec(1, ["a"], {"a": 4}),
+        _rec(2, ["a"], {"a": 4}),
+        _rec(3, ["a"], {"a": 2}, paused=["b"], paused_now=["b"]),
+        _rec(4, ["a"], {"a": 2}, paused=["b"]),
+        _rec(5, ["a", "b"], {"a": 2, "b": 4}, resumed_now=["b"]),
+    ]
+    lines = placement_lines(recs, max_lines=40)
+    assert len(lines) == 4  # steps 1, 3, 5 + the elision count
+    assert "a:4/4" in lines[0]
+    assert "b:P" in lines[1] and "pause b" in lines[1]
+    assert "resume b" in lines[2]
+    assert "2 steps" in lines[3]
+
+
+def test_summarize_stats_reports_missing_pieces() -> None:
+    """No stats: a note says the scheduler hooks are not active; pauses are collected otherwise."""
+    notes: list[str] = []
+    pool, events = summarize_stats([], notes)
+    assert pool["steps"] == 0 and events == [] and "not active" in notes[0]
+    notes = []
+    pool, events = summarize_stats([_rec(1, ["a"], {"a": 4}, paused_now=["b"])], notes)
+    assert notes == [] and events == [{"step": 1, "what": "pause", "requests": ["b"]}]
+    assert pool["peak_host_fraction"] == 0.5 and pool["device_pages_total"] == 64
+
+
+def test_request_rows_attainment() -> None:
+    """TBT attainment counts gaps <= 1.1 x the request's SLO; TTFT against the TTFT SLO."""
+    spec = RequestSpec("s", 5, 4, stream=True, slo_tbt_ms=100.0)
+    res = RequestResult(spec, True, None, 4, 5, 0.0, 500.0, 50.0, (50.0, 150.0, 400.0, 401.0), "abcd")
+    (row,) = request_rows([res], slo_tbt_ms=200.0, slo_ttft_ms=1000.0)
+    assert row["ttft_met"] is True
+    assert row["tbt_attainment"] == pytest.approx(2 / 3, abs=1e-3)  # 100, 250, 1 -> 2 on time
+    full = RequestResult(RequestSpec("n", 5, 4, stream=False), True, None, 4, 5, 0.0, 2000.0, None)
+    (row,) = request_rows([full], slo_tbt_ms=200.0, slo_ttft_ms=1000.0)
+    assert row["e2e_bound_ms"] == 1600.0 and row["ttft_met"] is False
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+def test_demo_runs_end_to_end(tmp_path: Path) -> None:
+    """`kvplane demo` launches SGLang, serves the mixed workload, prints the summary, tears down."""
+    pytest.importorskip("sglang")
+    out_json = tmp_path / "summary.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvplane.cli", "demo", "--workdir", str(tmp_path / "w"), "--json", str(out_json)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=DEMO_DEADLINE_S,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert SUMMARY_HEADER in proc.stdout
+    summary = json.loads(out_json.read_text())
+    assert summary["all_ok"]
+    assert len(summary["requests"]) == 6
+    assert all(r["completion_tokens"] > 0 for r in summary["requests"])
+    assert "placements over time" in proc.stdout and "requests (TTFT/TBT" in proc.stdout
+    if not summary["notes"]:  # every piece active: the small budget forced offloading
+        assert summary["pool"]["steps"] > 0
+        assert summary["pool"]["peak_host_fraction"] > 0.5
+    # Torn down: no process is left serving the demo's model directory.
+    model_dir = str(tmp_path / "w" / "model")
+    alive = []
+    for proc_dir in Path("/proc").iterdir():
+        if proc_dir.name.isdigit():
+            try:
+                cmdline = (proc_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if model_dir in cmdline:
+                alive.append(cmdline)
+    assert not alive, alive
