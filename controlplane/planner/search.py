@@ -276,22 +276,27 @@ class PlacementSearch:
         refilled: requests step to lighter candidates while memory allows (after a pause the
         survivors' old layouts leave the paused request's memory unused)."""
         ev = self.ev
-        chain, mem_rows = ev.chain, ev.mem
         for a in starts:
             if len(a) != self.n_req or ev.memory(a) > self.budget:
                 continue
+            filled = self._refill(a)
+            if filled != tuple(a):  # usually the better one: try it first
+                self._offer(filled, src + "+fill")
             self._offer(a, src)
 
-            def per_block(r: int, a: Sequence[int] = a) -> float:
-                c = a[r]
-                if c == 0:
-                    return math.inf
-                extra = mem_rows[r][c - 1] - mem_rows[r][c]
-                return (chain[r][c - 1] - chain[r][c]) / extra if extra > 0 else math.inf
+    def _refill(self, a: Sequence[int]) -> tuple[int, ...]:
+        """``a`` with requests stepped to lighter candidates while memory allows, cheapest
+        chain-bound increase per block first."""
+        chain, mem_rows = self.ev.chain, self.ev.mem
 
-            filled = self._fill(list(a), sorted(range(self.n_req), key=per_block))
-            if filled != tuple(a):
-                self._offer(filled, src + "+fill")
+        def per_block(r: int) -> float:
+            c = a[r]
+            if c == 0:
+                return math.inf
+            extra = mem_rows[r][c - 1] - mem_rows[r][c]
+            return (chain[r][c - 1] - chain[r][c]) / extra if extra > 0 else math.inf
+
+        return self._fill(list(a), sorted(range(self.n_req), key=per_block))
 
     def _top_chain(self, assign: Sequence[int]) -> list[tuple[float, int]]:
         chain = self.ev.chain
@@ -304,7 +309,11 @@ class PlacementSearch:
         while self.best is not None and self.best != self._local_optimum:
             if self._expired():
                 raise _Deadline
-            if not (self._try(self._single_moves()) or self._try(self._pair_moves())):
+            if self._try(self._single_moves()) or self._try(self._pair_moves()):
+                continue
+            # Moves to heavier candidates can leave memory unused: refill before stopping.
+            filled = self._refill(self.best)
+            if filled == self.best or not self._offer(filled, self.best_src + "+fill"):
                 self._local_optimum = self.best
                 return
 
