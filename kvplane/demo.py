@@ -46,7 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_BUDGET_TOKENS,
         help="device KV budget in token-layers (--kv-gpu-budget-tokens)",
     )
-    parser.add_argument("--policy", type=Path, default=None, help="kvplane policy file (--kv-policy)")
+    parser.add_argument(
+        "--policy", type=Path, default=None, help="kvplane policy file (--kv-policy)"
+    )
     parser.add_argument("--startup-timeout-s", type=float, default=300.0)
     parser.add_argument("--request-timeout-s", type=float, default=120.0)
     parser.add_argument("--max-step-lines", type=int, default=40, help="placement lines to print")
@@ -75,8 +77,15 @@ def _policy(path: Path | None) -> Any:
 
 def _launch_flags(args: argparse.Namespace, notes: list[str]) -> list[str]:
     from sglang_ext.args import LayeredKVArgs
+    from sglang_ext.tools.workload import SHARED_HOST_ARGS
 
-    flags = ["--enable-layered-kv", "--disable-overlap-schedule", "--kv-pacing", "on"]
+    flags = [
+        *SHARED_HOST_ARGS,
+        "--enable-layered-kv",
+        "--disable-overlap-schedule",
+        "--kv-pacing",
+        "on",
+    ]
     known = {f.name for f in dataclasses.fields(LayeredKVArgs)}
     if "kv_gpu_budget_tokens" in known:
         flags += ["--kv-gpu-budget-tokens", str(args.budget_tokens)]
@@ -114,7 +123,11 @@ def _step_line(rec: dict, names: dict[str, str]) -> tuple[str, str]:
     if rec.get("fallback"):
         events.append("fallback")
     signature = " ".join(parts) + "|" + ";".join(events)
-    used, total, host = rec.get("device_pages_used"), rec.get("device_pages_total"), rec.get("host_fraction")
+    used, total, host = (
+        rec.get("device_pages_used"),
+        rec.get("device_pages_total"),
+        rec.get("host_fraction"),
+    )
     dev = f"dev {used}/{total}" if used is not None else "dev ?"
     hostp = f"host {100 * host:3.0f}%" if isinstance(host, int | float) else "host ?"
     step_ms = rec.get("step_ms")
@@ -134,7 +147,10 @@ def placement_lines(records: Sequence[dict], max_lines: int) -> list[str]:
     last_parts = None
     skipped = 0
     for rec in records:
-        if any(str(r).startswith("HEALTH_CHECK") for r in rec.get("running", []) + rec.get("finished", [])):
+        if any(
+            str(r).startswith("HEALTH_CHECK")
+            for r in rec.get("running", []) + rec.get("finished", [])
+        ):
             continue
         sig, line = _step_line(rec, names)
         parts, events = sig.split("|", 1)
@@ -176,7 +192,9 @@ def request_rows(results: Sequence[Any], slo_tbt_ms: float, slo_ttft_ms: float) 
         if spec.stream and res.ok:
             row["ttft_met"] = res.ttft_ms is not None and res.ttft_ms <= slo_ttft_ms
             if gaps:
-                row["tbt_attainment"] = round(sum(g <= slo * TBT_JITTER for g in gaps) / len(gaps), 3)
+                row["tbt_attainment"] = round(
+                    sum(g <= slo * TBT_JITTER for g in gaps) / len(gaps), 3
+                )
         elif res.ok:
             bound = slo_ttft_ms + max(0, res.completion_tokens - 1) * slo
             row["e2e_bound_ms"] = bound
@@ -251,7 +269,9 @@ def summarize_stats(records: Sequence[dict], notes: list[str]) -> tuple[dict, li
         notes.append("layered KV pool not active: layers on device per request are not reported")
     used = [r["device_pages_used"] for r in records if isinstance(r.get("device_pages_used"), int)]
     host = [r["host_fraction"] for r in records if isinstance(r.get("host_fraction"), int | float)]
-    totals = [r["device_pages_total"] for r in records if isinstance(r.get("device_pages_total"), int)]
+    totals = [
+        r["device_pages_total"] for r in records if isinstance(r.get("device_pages_total"), int)
+    ]
     pool["peak_device_pages_used"] = max(used) if used else None
     pool["peak_host_fraction"] = max(host) if host else None
     pool["device_pages_total"] = totals[-1] if totals else None
@@ -292,7 +312,9 @@ def run(args: argparse.Namespace) -> int:
             env={"KVPLANE_STATS_FILE": str(stats_path)},
             startup_timeout_s=args.startup_timeout_s,
         )
-        print(f"[demo] launching SGLang: {' '.join(flags)} (CPU; this takes a while) ...", flush=True)
+        print(
+            f"[demo] launching SGLang: {' '.join(flags)} (CPU; this takes a while) ...", flush=True
+        )
         try:
             server.start()
         except ServerError as exc:
@@ -300,7 +322,9 @@ def run(args: argparse.Namespace) -> int:
             return 1
         try:
             print(f"[demo] serving on {server.base_url}; sending the workload ...", flush=True)
-            results = run_workload(server.base_url, mixed_workload(), timeout_s=args.request_timeout_s)
+            results = run_workload(
+                server.base_url, mixed_workload(), timeout_s=args.request_timeout_s
+            )
         finally:
             print("[demo] stopping SGLang ...", flush=True)
             server.stop()

@@ -293,7 +293,9 @@ def current_settings() -> PacingSettings | None:
     return _settings_cache[key]
 
 
-async def _rejected(tokenizer_manager: Any, obj: Any, source: Any, message: str) -> AsyncIterator[Any]:
+async def _rejected(
+    tokenizer_manager: Any, obj: Any, source: Any, message: str
+) -> AsyncIterator[Any]:
     try:
         tokenizer_manager.abort_request(obj.rid)
     finally:
@@ -316,4 +318,3 @@ def around_stream_one_response(original: Callable[..., Any], *args: Any, **kwarg
     except ValueError as exc:
         return _rejected(args[0], obj, source, str(exc))
     return pace_stream(source, StreamPacer(slo), rid=getattr(obj, "rid", None))
-

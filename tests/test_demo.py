@@ -67,7 +67,9 @@ def test_summarize_stats_reports_missing_pieces() -> None:
 def test_request_rows_attainment() -> None:
     """TBT attainment counts gaps <= 1.1 x the request's SLO; TTFT against the TTFT SLO."""
     spec = RequestSpec("s", 5, 4, stream=True, slo_tbt_ms=100.0)
-    res = RequestResult(spec, True, None, 4, 5, 0.0, 500.0, 50.0, (50.0, 150.0, 400.0, 401.0), "abcd")
+    res = RequestResult(
+        spec, True, None, 4, 5, 0.0, 500.0, 50.0, (50.0, 150.0, 400.0, 401.0), "abcd"
+    )
     (row,) = request_rows([res], slo_tbt_ms=200.0, slo_ttft_ms=1000.0)
     assert row["ttft_met"] is True
     assert row["tbt_attainment"] == pytest.approx(2 / 3, abs=1e-3)  # 100, 250, 1 -> 2 on time
@@ -83,7 +85,16 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     pytest.importorskip("sglang")
     out_json = tmp_path / "summary.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "kvplane.cli", "demo", "--workdir", str(tmp_path / "w"), "--json", str(out_json)],
+        [
+            sys.executable,
+            "-m",
+            "kvplane.cli",
+            "demo",
+            "--workdir",
+            str(tmp_path / "w"),
+            "--json",
+            str(out_json),
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -106,7 +117,12 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     for proc_dir in Path("/proc").iterdir():
         if proc_dir.name.isdigit():
             try:
-                cmdline = (proc_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                cmdline = (
+                    (proc_dir / "cmdline")
+                    .read_bytes()
+                    .replace(b"\0", b" ")
+                    .decode(errors="replace")
+                )
             except OSError:
                 continue
             if model_dir in cmdline:

@@ -1,9 +1,10 @@
 """`kvplane bench sglang`: SGLang tokens/s with and without ``--enable-layered-kv``.
 
-Three servers, one after the other, on the tiny local model (CPU recipe of
-``sglang_ext/testing/server.py``), each serving the demo's mixed workload
-(``sglang_ext/tools/workload.py``: streaming and non-streaming, completions and chat) once as
-warm-up and then ``--repeat`` times:
+Three servers on the tiny local model (CPU recipe of ``sglang_ext/testing/server.py``), started
+together and kept up; the demo's mixed workload (``sglang_ext/tools/workload.py``: streaming and
+non-streaming, completions and chat) runs on one server at a time in interleaved rounds (a
+warm-up round, then ``--repeat`` measured rounds, order rotated), so drifting load on a shared
+host hits every configuration alike:
 
 * ``vanilla``: kvplane installed, flag off (``--disable-overlap-schedule`` too, so the baseline
   runs the same scheduler loop the flag requires);
@@ -27,6 +28,7 @@ import platform
 import re
 import statistics
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -55,7 +57,7 @@ class ConfigResult:
     failed_requests: int
     """Requests that did not complete, over all runs."""
     load_avg_1m: tuple[float, float]
-    """1-minute load average before and after the measured runs."""
+    """Lowest and highest 1-minute load average seen at the start of a measured run."""
     steps: int
     """Scheduler steps in the per-step stats (layered configs; 0 otherwise)."""
     peak_host_fraction: float | None
@@ -67,7 +69,10 @@ class ConfigResult:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="measured workload runs per server")
     parser.add_argument(
-        "--offload-budget-tokens", type=int, default=2048, help="--kv-gpu-budget-tokens of layered-offload"
+        "--offload-budget-tokens",
+        type=int,
+        default=2048,
+        help="--kv-gpu-budget-tokens of layered-offload",
     )
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
     parser.add_argument(
@@ -87,7 +92,9 @@ def _cpu_model() -> str:
 
 
 def _configs(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
-    base = ("--disable-overlap-schedule",)
+    from sglang_ext.tools.workload import SHARED_HOST_ARGS
+
+    base = (*SHARED_HOST_ARGS, "--disable-overlap-schedule")
     all_configs = {
         "vanilla": base,
         "layered": (*base, "--enable-layered-kv"),
@@ -101,7 +108,9 @@ def _configs(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
     chosen = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in chosen if c not in all_configs]
     if unknown or not chosen:
-        raise ValueError(f"--configs={args.configs!r}: unknown {unknown}; allowed {sorted(all_configs)}")
+        raise ValueError(
+            f"--configs={args.configs!r}: unknown {unknown}; allowed {sorted(all_configs)}"
+        )
     return {c: all_configs[c] for c in chosen}
 
 
@@ -121,53 +130,90 @@ def _stats_summary(path: Path) -> tuple[int, float | None, int]:
     return steps, (max(host) if host else None), pauses
 
 
-def measure(name: str, flags: tuple[str, ...], model_dir: Path, workdir: Path, args: argparse.Namespace) -> ConfigResult:
-    """Launch one configuration, warm up, run the workload ``args.repeat`` times, stop."""
+def measure_all(
+    configs: dict[str, tuple[str, ...]], model_dir: Path, workdir: Path, args: argparse.Namespace
+) -> list[ConfigResult]:
+    """Start every configuration's server (in parallel), then run the workload in interleaved
+    rounds -- a warm-up round, then ``args.repeat`` measured rounds, the order rotated each round
+    -- so load drift on a shared host hits every configuration alike; stop them all."""
     from sglang_ext.testing.server import SGLangServer
     from sglang_ext.tools.workload import mixed_workload, run_workload
 
-    stats = workdir / f"{name}-stats.jsonl"
-    stats.unlink(missing_ok=True)
-    server = SGLangServer(
-        model_dir,
-        log_path=workdir / f"{name}.log",
-        extra_args=flags,
-        env={"KVPLANE_STATS_FILE": str(stats)},
-        startup_timeout_s=args.startup_timeout_s,
-    )
-    t0 = time.monotonic()
-    server.start()
-    startup_s = time.monotonic() - t0
-    rates: list[float] = []
-    failed = 0
-    tokens = 0
+    servers: dict[str, SGLangServer] = {}
+    for name, flags in configs.items():
+        stats = workdir / f"{name}-stats.jsonl"
+        stats.unlink(missing_ok=True)
+        servers[name] = SGLangServer(
+            model_dir,
+            log_path=workdir / f"{name}.log",
+            extra_args=flags,
+            env={"KVPLANE_STATS_FILE": str(stats)},
+            startup_timeout_s=args.startup_timeout_s,
+        )
+    startup_s: dict[str, float] = {}
+    errors: dict[str, BaseException] = {}
+
+    def start(name: str) -> None:
+        t0 = time.monotonic()
+        try:
+            servers[name].start()
+        except BaseException as exc:  # reported below, after every start finished
+            errors[name] = exc
+        startup_s[name] = time.monotonic() - t0
+
+    threads = [threading.Thread(target=start, args=(n,)) for n in servers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    rates: dict[str, list[float]] = {n: [] for n in servers}
+    failed = dict.fromkeys(servers, 0)
+    tokens = dict.fromkeys(servers, 0)
+    load: dict[str, list[float]] = {n: [] for n in servers}
     try:
-        run_workload(server.base_url, mixed_workload(), timeout_s=300.0)  # warm-up
-        load_before = os.getloadavg()[0]
-        for _ in range(args.repeat):
-            t = time.monotonic()
-            results = run_workload(server.base_url, mixed_workload(), timeout_s=300.0)
-            wall = time.monotonic() - t
-            tokens = sum(r.completion_tokens for r in results)
-            failed += sum(not r.ok for r in results)
-            rates.append(tokens / wall)
-        load_after = os.getloadavg()[0]
+        if errors:
+            raise RuntimeError(f"server(s) failed to start: {errors}")
+        names = list(servers)
+        for round_ in range(args.repeat + 1):
+            order = names[round_ % len(names) :] + names[: round_ % len(names)]
+            for name in order:
+                load_before = os.getloadavg()[0]
+                t = time.monotonic()
+                results = run_workload(servers[name].base_url, mixed_workload(), timeout_s=300.0)
+                wall = time.monotonic() - t
+                if round_ == 0:
+                    continue  # warm-up
+                tokens[name] = sum(r.completion_tokens for r in results)
+                failed[name] += sum(not r.ok for r in results)
+                rates[name].append(tokens[name] / wall)
+                load[name].append(load_before)
+                print(
+                    f"[bench sglang] round {round_} {name}: {tokens[name] / wall:.2f} tokens/s "
+                    f"(load {load_before:.1f})",
+                    flush=True,
+                )
     finally:
-        server.stop()
-    steps, host, pauses = _stats_summary(stats)
-    return ConfigResult(
-        name,
-        flags,
-        round(startup_s, 1),
-        tuple(round(r, 2) for r in rates),
-        round(statistics.median(rates), 2),
-        tokens,
-        failed,
-        (round(load_before, 2), round(load_after, 2)),
-        steps,
-        None if host is None else round(host, 3),
-        pauses,
-    )
+        for server in servers.values():
+            server.stop()
+    out = []
+    for name, flags in configs.items():
+        steps, host, pauses = _stats_summary(workdir / f"{name}-stats.jsonl")
+        out.append(
+            ConfigResult(
+                name,
+                flags,
+                round(startup_s[name], 1),
+                tuple(round(r, 2) for r in rates[name]),
+                round(statistics.median(rates[name]), 2),
+                tokens[name],
+                failed[name],
+                (round(min(load[name]), 2), round(max(load[name]), 2)),
+                steps,
+                None if host is None else round(host, 3),
+                pauses,
+            )
+        )
+    return out
 
 
 def _markdown(payload: dict[str, Any]) -> str:
@@ -179,7 +225,7 @@ def _markdown(payload: dict[str, Any]) -> str:
         f"CPU recipe: `{' '.join(payload['cpu_args'])}`. Host: {payload['cpus']} CPUs, shared "
         "machine (load average recorded per configuration).",
         "",
-        "| config | flags | tokens/s (median) | runs | failed | load avg 1m before/after | peak host KV | pauses |",
+        "| config | flags | tokens/s (median) | runs | failed | load avg 1m min/max | peak host KV | pauses |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in payload["results"]:
@@ -190,9 +236,14 @@ def _markdown(payload: dict[str, Any]) -> str:
             f"{r['load_avg_1m'][0]:.1f} / {r['load_avg_1m'][1]:.1f} | {host} | {r['pauses']} |"
         )
     lines.append("")
-    for key, text in (("overhead_pct", "layered (nothing offloaded) vs vanilla"), ("offload_overhead_pct", "layered-offload vs vanilla")):
+    for key, text in (
+        ("overhead_pct", "layered (nothing offloaded) vs vanilla"),
+        ("offload_overhead_pct", "layered-offload vs vanilla"),
+    ):
         if payload.get(key) is not None:
-            lines.append(f"- Overhead {text}: **{payload[key]:+.1f}%** (throughput loss; target <= {OVERHEAD_TARGET_PCT:g}% for nothing offloaded).")
+            lines.append(
+                f"- Overhead {text}: **{payload[key]:+.1f}%** (throughput loss; target <= {OVERHEAD_TARGET_PCT:g}% for nothing offloaded)."
+            )
     if payload.get("note"):
         lines += ["", payload["note"]]
     return "\n".join(lines) + "\n"
@@ -208,7 +259,9 @@ def run(args: argparse.Namespace) -> int:
         if args.repeat < 1:
             raise ValueError(f"--repeat={args.repeat} is out of range [1, inf)")
         if args.offload_budget_tokens < 1:
-            raise ValueError(f"--offload-budget-tokens={args.offload_budget_tokens} is out of range [1, inf)")
+            raise ValueError(
+                f"--offload-budget-tokens={args.offload_budget_tokens} is out of range [1, inf)"
+            )
     except ValueError as exc:
         print(f"kvplane bench sglang: {exc}")
         return 2
@@ -217,25 +270,28 @@ def run(args: argparse.Namespace) -> int:
     from sglang_ext.tools.workload import mixed_workload
 
     device = f"CPU: {_cpu_model()}"
-    results: list[ConfigResult] = []
     with tempfile.TemporaryDirectory(prefix="kvplane-bench-sglang-") as tmp:
         workdir = Path(tmp)
         model_dir = build_tiny_model(workdir / "model", TinyModelSpec())
-        for name, flags in configs.items():
-            print(f"[bench sglang] {name}: launching with {' '.join(flags)} ...", flush=True)
-            res = measure(name, flags, model_dir, workdir, args)
+        print(
+            f"[bench sglang] launching {', '.join(configs)} (in parallel; CPU start-up takes minutes) ...",
+            flush=True,
+        )
+        results = measure_all(configs, model_dir, workdir, args)
+        for res in results:
             print(
-                f"[bench sglang] {name}: {res.median_tokens_per_s:.2f} tokens/s (runs {res.tokens_per_s}, "
+                f"[bench sglang] {res.name}: median {res.median_tokens_per_s:.2f} tokens/s (runs {res.tokens_per_s}, "
                 f"load {res.load_avg_1m}, peak host KV {res.peak_host_fraction}, pauses {res.pauses})",
                 flush=True,
             )
-            results.append(res)
     by = {r.name: r for r in results}
 
     def overhead(name: str) -> float | None:
         if "vanilla" not in by or name not in by or by["vanilla"].median_tokens_per_s <= 0:
             return None
-        return round(100.0 * (1 - by[name].median_tokens_per_s / by["vanilla"].median_tokens_per_s), 2)
+        return round(
+            100.0 * (1 - by[name].median_tokens_per_s / by["vanilla"].median_tokens_per_s), 2
+        )
 
     workload = mixed_workload()
     payload: dict[str, Any] = {
@@ -253,7 +309,10 @@ def run(args: argparse.Namespace) -> int:
         "offload_overhead_pct": overhead("layered-offload"),
         "overhead_target_pct": OVERHEAD_TARGET_PCT,
     }
-    for key, label in (("overhead_pct", "layered vs vanilla"), ("offload_overhead_pct", "layered-offload vs vanilla")):
+    for key, label in (
+        ("overhead_pct", "layered vs vanilla"),
+        ("offload_overhead_pct", "layered-offload vs vanilla"),
+    ):
         if payload[key] is not None:
             print(f"[bench sglang] overhead {label}: {payload[key]:+.1f}% on {device}")
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,13 @@ from dataclasses import dataclass, field
 
 from sglang_ext.pacing import SLO_PARAM
 
+SHARED_HOST_ARGS: tuple[str, ...] = ("--mem-fraction-static", "0.3")
+"""Appended after the CPU recipe by the demo, the bench and the pacing e2e test. On CPU SGLang
+sizes the KV cache from free *host* RAM measured before and after loading the weights; on a
+shared host other processes' allocations in between make that negative with the recipe's 0.05
+("Loaded weights leave no GPU memory for the KV cache"). ``--max-total-tokens`` still caps the
+pool, so a larger fraction only adds headroom."""
+
 _WORDS = (
     "The quick brown fox jumps over the lazy dog. A cache keeps recent data close to the "
     "processor so that the next read is fast. Large language models generate one token at a "
@@ -139,11 +146,15 @@ def _delta_text(event: dict, chat: bool) -> str:
     return choices[0].get("text") or ""
 
 
-def run_one(base_url: str, spec: RequestSpec, model: str, t0: float, timeout_s: float) -> RequestResult:
+def run_one(
+    base_url: str, spec: RequestSpec, model: str, t0: float, timeout_s: float
+) -> RequestResult:
     """Send one request now and time it (``t0``: the workload start, ``time.monotonic()``)."""
     path, body = _payload(spec, model)
     req = urllib.request.Request(
-        base_url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        base_url + path,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
     )
     sent = time.monotonic()
     chunks: list[float] = []
@@ -170,12 +181,24 @@ def run_one(base_url: str, spec: RequestSpec, model: str, t0: float, timeout_s: 
                 body_out = json.loads(resp.read())
                 usage = body_out.get("usage") or {}
                 choice = (body_out.get("choices") or [{}])[0]
-                text.append((choice.get("message") or {}).get("content") or choice.get("text") or "")
+                text.append(
+                    (choice.get("message") or {}).get("content") or choice.get("text") or ""
+                )
     except (urllib.error.URLError, OSError, ValueError) as exc:
-        detail = exc.read().decode(errors="replace") if isinstance(exc, urllib.error.HTTPError) else ""
+        detail = (
+            exc.read().decode(errors="replace") if isinstance(exc, urllib.error.HTTPError) else ""
+        )
         return RequestResult(
-            spec, False, f"{type(exc).__name__}: {exc} {detail}".strip(), 0, 0,
-            sent - t0, (time.monotonic() - sent) * 1000.0, None, tuple(chunks), "".join(text),
+            spec,
+            False,
+            f"{type(exc).__name__}: {exc} {detail}".strip(),
+            0,
+            0,
+            sent - t0,
+            (time.monotonic() - sent) * 1000.0,
+            None,
+            tuple(chunks),
+            "".join(text),
         )
     e2e = (time.monotonic() - sent) * 1000.0
     return RequestResult(
@@ -209,7 +232,9 @@ def run_workload(
             time.sleep(delay)  # the arrival schedule itself, not a wait for a condition
         results[i] = run_one(base_url, spec, model, t0, timeout_s)
 
-    threads = [threading.Thread(target=worker, args=(i, s), daemon=True) for i, s in enumerate(specs)]
+    threads = [
+        threading.Thread(target=worker, args=(i, s), daemon=True) for i, s in enumerate(specs)
+    ]
     for thread in threads:
         thread.start()
     deadline = t0 + timeout_s + max((s.start_s for s in specs), default=0.0) + 5.0
@@ -218,6 +243,8 @@ def run_workload(
     out: list[RequestResult] = []
     for spec, res in zip(specs, results, strict=True):
         if res is None:
-            res = RequestResult(spec, False, f"no response within {timeout_s}s", 0, 0, 0.0, timeout_s * 1000, None)
+            res = RequestResult(
+                spec, False, f"no response within {timeout_s}s", 0, 0, 0.0, timeout_s * 1000, None
+            )
         out.append(res)
     return out

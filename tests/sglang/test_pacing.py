@@ -76,7 +76,9 @@ def chunk(total: int, text: str = "") -> dict:
     return {"text": text, "output_ids": [total], "meta_info": {"completion_tokens": total}}
 
 
-async def fake_source(schedule: Sequence[tuple[float, dict]], closed: list | None = None) -> AsyncIterator[dict]:
+async def fake_source(
+    schedule: Sequence[tuple[float, dict]], closed: list | None = None
+) -> AsyncIterator[dict]:
     """Yield each chunk at its (virtual, seconds) production time."""
     loop = asyncio.get_running_loop()
     try:
@@ -181,7 +183,7 @@ def test_stall_is_hidden_by_the_reserve() -> None:
     out = paced(schedule, 50.0)
     assert [item for _, item in out] == [item for _, item in schedule]
     times = [t for t, _ in out]
-    gaps = [b - a for a, b in zip(times, times[1:])]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     # Before the finish burst every gap is exactly one SLO: the 300 ms stall is invisible.
     burst_start = next(i for i, t in enumerate(times) if t >= 0.400 * 1000 - EPS_MS)
     assert all(abs(g - 50.0) < 1e-6 for g in gaps[: burst_start - 1])
@@ -209,20 +211,25 @@ def test_paced_stream_is_identical_ordered_and_spaced(
     """For any production schedule: same chunks in the same order, never before production,
     and consecutive releases before the final burst at least one SLO apart."""
     schedule, t, total = [], 0.0, 0
-    for gap, k in zip(gaps_ms, steps):
+    for gap, k in zip(gaps_ms, steps, strict=False):
         t += gap / 1000.0
         total += k if schedule else max(k, 1)
         schedule.append((t, chunk(total, f"<{total}>")))
     out = paced(schedule, slo_ms)
     assert [item for _, item in out] == [item for _, item in schedule]
     end_ms = schedule[-1][0] * 1000
-    for (rel, _), (prod_s, _) in zip(out, schedule):
+    for (rel, _), (prod_s, _) in zip(out, schedule, strict=True):
         assert rel >= prod_s * 1000 - EPS_MS
-    releases = [t for t, _ in out]
-    adds = [item["meta_info"]["completion_tokens"] for _, item in out]
-    for i in range(1, len(out)):
-        if releases[i] < end_ms - EPS_MS and adds[i] > adds[i - 1]:
-            assert releases[i] - releases[i - 1] >= slo_ms - 1e-6
+    # Spacing is between chunks that carry new tokens (a zero-token chunk rides with its
+    # predecessor's token); a chunk of k tokens is due k SLOs after the previous token chunk.
+    last_ms, last_total = None, 0
+    for rel, item in out:
+        total = item["meta_info"]["completion_tokens"]
+        if total == last_total:
+            continue
+        if last_ms is not None and rel < end_ms - EPS_MS:
+            assert rel - last_ms >= (total - last_total) * slo_ms - 1e-6
+        last_ms, last_total = rel, total
 
 
 def test_source_error_raised_after_earlier_chunks() -> None:
@@ -271,7 +278,9 @@ def test_request_slo_override_and_default() -> None:
 @pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), "50", True, 2e7])
 def test_request_slo_bad_override_names_field_and_range(bad: object) -> None:
     """A bad per-request SLO is a ValueError naming custom_params.kvplane_slo_tbt_ms and the range."""
-    with pytest.raises(ValueError, match=r"custom_params\.kvplane_slo_tbt_ms=.*allowed \(0, 1e\+07\]"):
+    with pytest.raises(
+        ValueError, match=r"custom_params\.kvplane_slo_tbt_ms=.*allowed \(0, 1e\+07\]"
+    ):
         request_slo_tbt_ms({"custom_params": {SLO_PARAM: bad}}, 200.0)
 
 
@@ -318,7 +327,9 @@ def test_hook_passes_non_streaming_and_pacing_off_through(layered: Callable[[str
     items = [chunk(1)]
     layered("on")
     tm = _FakeTokenizerManager()
-    gen = around_stream_one_response(_original(items), tm, obj=_Obj(False), state=None, request=None)
+    gen = around_stream_one_response(
+        _original(items), tm, obj=_Obj(False), state=None, request=None
+    )
     assert gen.__qualname__.endswith("gen")
     layered("off")
     gen = around_stream_one_response(_original(items), tm, obj=_Obj(True), state=None, request=None)

@@ -17,7 +17,7 @@ import pytest
 
 from sglang_ext.pacing import SLO_PARAM
 from sglang_ext.testing.server import SGLangServer
-from sglang_ext.tools.workload import RequestSpec, run_one
+from sglang_ext.tools.workload import SHARED_HOST_ARGS, RequestSpec, run_one
 
 pytestmark = pytest.mark.sglang
 
@@ -33,7 +33,13 @@ def paced_server(tiny_model_dir, tmp_path_factory) -> Iterator[SGLangServer]:
     server = SGLangServer(
         tiny_model_dir,
         log_path=root / "server.log",
-        extra_args=["--enable-layered-kv", "--disable-overlap-schedule", "--kv-pacing", "on"],
+        extra_args=[
+            *SHARED_HOST_ARGS,
+            "--enable-layered-kv",
+            "--disable-overlap-schedule",
+            "--kv-pacing",
+            "on",
+        ],
         startup_timeout_s=600.0,  # shared 2-core host: start-up alone can take minutes
     )
     server.start()
@@ -89,5 +95,7 @@ def test_bad_slo_override_is_a_400_naming_the_field(paced_server: SGLangServer) 
     assert info.value.code == 400
     assert f"custom_params.{SLO_PARAM}=-1" in info.value.read().decode()
     # The server keeps serving.
-    ok = run_one(paced_server.base_url, RequestSpec("after-bad", 5, 4, stream=True), "default", 0.0, 60.0)
+    ok = run_one(
+        paced_server.base_url, RequestSpec("after-bad", 5, 4, stream=True), "default", 0.0, 60.0
+    )
     assert ok.ok and ok.completion_tokens == 4
