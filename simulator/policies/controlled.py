@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from controlplane.api import QueuedRequest, RequestState, StepReport, WorkerInfo
+from controlplane.api import RequestState, StepReport, WorkerInfo
 from controlplane.controller import SessionController
 from controlplane.model import Hardware, ModelSpec, Profile
 from controlplane.planner import Planner
