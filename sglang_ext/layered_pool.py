@@ -198,8 +198,6 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
                 self.residency_hooks.emit(ResidencyEventKind.OFFLOADED, pages, layers=[layer + self.start_layer])
             for layer, pages in sorted(moves.loaded.items()):
                 self.residency_hooks.emit(ResidencyEventKind.LOADED, pages, layers=[layer + self.start_layer])
-        if delta.shortfall_layer_pages:
-            log.debug("layered_kv_shortfall", layer_pages=delta.shortfall_layer_pages)
         return delta
 
     def _write_stats_line(self, batch_size: int, new_tokens: int, delta: ResidencyDelta) -> None:

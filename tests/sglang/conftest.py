@@ -29,6 +29,9 @@ PROMPTS: tuple[str, ...] = tuple(
 )
 """20 greedy prompts used for token-identity checks."""
 
+STARTUP_TIMEOUT_S = 600.0
+"""Server start-up deadline: 30-200 s normally, longer when several servers start at once here."""
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -40,7 +43,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def vanilla_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangServer]:
     """SGLang with kvplane installed (entry point) but --enable-layered-kv off."""
     log = tmp_path_factory.mktemp("vanilla") / "server.log"
-    server = SGLangServer(tiny_model_dir, log_path=log)
+    server = SGLangServer(tiny_model_dir, log_path=log, startup_timeout_s=STARTUP_TIMEOUT_S)
     server.start()
     try:
         yield server

@@ -1,0 +1,153 @@
+"""SGLang with --enable-layered-kv and a tiny GPU-KV budget: most layer-KV in host memory, same tokens.
+
+Scenario: one module-scoped server runs the layered pool with ``--kv-gpu-budget-tokens 12``
+(12 layer-pages for a 4-layer model, so a request of 12+ tokens cannot keep even half its
+layer-KV on the device); the session's vanilla server is the reference. The pool writes one
+stats line per forward to ``$KVPLANE_POOL_STATS_FILE`` and its residency events (with the
+radix cache's) to ``$KVPLANE_RESIDENCY_EVENTS_FILE``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sglang_ext.hooks import ResidencyEventKind, read_jsonl_events
+from sglang_ext.layered_pool import POOL_STATS_FILE_ENV
+from sglang_ext.plugin import EVENTS_FILE_ENV
+from sglang_ext.testing.residency import check_block_lifecycle
+from sglang_ext.testing.server import SGLangServer
+from tests.sglang.conftest import PROMPTS, STARTUP_TIMEOUT_S, greedy
+
+pytestmark = pytest.mark.sglang
+
+BUDGET_TOKENS = 12
+NEW_TOKENS = 8
+
+
+class OffloadServer:
+    """The layered server plus its stats and event files."""
+
+    def __init__(self, server: SGLangServer, stats: Path, events: Path) -> None:
+        self.server, self.stats_path, self.events_path = server, stats, events
+
+    def stats(self) -> list[dict]:
+        lines = self.stats_path.read_text().splitlines() if self.stats_path.exists() else []
+        return [json.loads(line) for line in lines if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def offload(tiny_model_dir, tmp_path_factory) -> Iterator[OffloadServer]:
+    """A layered-KV server whose device KV budget is 12 token-layers."""
+    root = tmp_path_factory.mktemp("layered-offload")
+    stats, events = root / "pool_stats.jsonl", root / "events.jsonl"
+    server = SGLangServer(
+        tiny_model_dir,
+        log_path=root / "server.log",
+        extra_args=[
+            "--enable-layered-kv",
+            "--disable-overlap-schedule",
+            "--kv-gpu-budget-tokens",
+            str(BUDGET_TOKENS),
+        ],
+        env={POOL_STATS_FILE_ENV: str(stats), EVENTS_FILE_ENV: str(events)},
+        startup_timeout_s=STARTUP_TIMEOUT_S,
+    )
+    server.start()
+    try:
+        yield OffloadServer(server, stats, events)
+    finally:
+        server.stop()
+
+
+def test_layered_pool_and_attention_are_active(offload):
+    """The flag swaps in the layered pool (device pages = budget) and the layered torch_native backend."""
+    log = offload.server.log_path.read_text()
+    assert "layered_kv_pool_created" in log and f"device_pages={BUDGET_TOKENS}" in log
+    before = len(offload.stats())
+    greedy(offload.server, PROMPTS[0], 2)
+    assert len(offload.stats()) > before, "the forward did not go through the layered attention backend"
+
+
+def test_greedy_tokens_identical_with_most_kv_on_host(offload, vanilla_server):
+    """20 greedy prompts match vanilla token for token while >= 50% of live layer-KV sits on host."""
+    before = len(offload.stats())
+    for prompt in PROMPTS:
+        got = greedy(offload.server, prompt, NEW_TOKENS)["output_ids"]
+        want = greedy(vanilla_server, prompt, NEW_TOKENS)["output_ids"]
+        assert got == want, prompt
+    steps = [s for s in offload.stats()[before:] if s["live_layer_pages"] > 0]
+    assert len(steps) >= len(PROMPTS) * NEW_TOKENS // 2
+    assert all(s["device_pages_used"] <= s["device_pages_total"] == BUDGET_TOKENS for s in steps)
+    live = sum(s["live_layer_pages"] for s in steps)
+    on_host = sum(s["host_layer_pages"] for s in steps)
+    assert on_host / live >= 0.5, (on_host, live)
+    big = [s for s in steps if s["live_layer_pages"] >= 2 * BUDGET_TOKENS]
+    assert big and min(s["host_fraction"] for s in big) >= 0.5
+    assert steps[-1]["host_write_bytes_total"] > steps[0]["host_write_bytes_total"]
+
+
+def test_prefix_cache_hits_read_offloaded_prefix(offload, vanilla_server):
+    """A prefix cached by a finished request (its pages offloaded) is hit, read from host, and exact."""
+    shared = "Large language models generate one token at a time and keep the keys"
+    first = greedy(offload.server, shared + " and values", NEW_TOKENS)
+    again = greedy(offload.server, shared + " of every token", NEW_TOKENS)
+    assert again["meta_info"]["cached_tokens"] >= 10
+    assert first["output_ids"] == greedy(vanilla_server, shared + " and values", NEW_TOKENS)["output_ids"]
+    assert again["output_ids"] == greedy(vanilla_server, shared + " of every token", NEW_TOKENS)["output_ids"]
+    kinds = {e.kind for e in read_jsonl_events(offload.events_path)}
+    assert ResidencyEventKind.OFFLOADED in kinds
+
+
+def test_streaming_and_non_streaming_openai_endpoints(offload, vanilla_server):
+    """Streamed and non-streamed OpenAI completions give vanilla's text under forced offload."""
+    payload = {"model": "m", "prompt": "Once upon a time there was", "max_tokens": NEW_TOKENS, "temperature": 0}
+    plain = offload.server.post("/v1/completions", payload)
+    reference = vanilla_server.post("/v1/completions", payload)
+    assert plain["choices"][0]["text"] == reference["choices"][0]["text"]
+    assert plain["usage"]["completion_tokens"] == NEW_TOKENS
+    chunks = offload.server.stream("/v1/completions", payload)
+    streamed = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
+    assert streamed == reference["choices"][0]["text"]
+    chat = offload.server.stream(
+        "/v1/chat/completions",
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0},
+    )
+    assert any(c["choices"] and c["choices"][0]["delta"].get("content") for c in chat)
+
+
+def test_concurrent_requests_share_the_budget(offload):
+    """Six concurrent requests (batched decode) all finish; the device never holds more than the budget."""
+    before = len(offload.stats())
+    results: dict[int, dict] = {}
+
+    def send(i: int) -> None:
+        results[i] = greedy(offload.server, PROMPTS[i] + " again and again", NEW_TOKENS)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert sorted(results) == list(range(6))
+    assert all(len(r["output_ids"]) == NEW_TOKENS for r in results.values())
+    steps = offload.stats()[before:]
+    assert max(s["batch_size"] for s in steps) >= 2
+    assert all(s["device_pages_used"] <= BUDGET_TOKENS for s in steps)
+
+
+def test_residency_events_stay_consistent(offload):
+    """After a flush every allocated block was freed exactly once; offloads were reported per layer."""
+    request = urllib.request.Request(offload.server.base_url + "/flush_cache", method="POST")
+    assert urllib.request.urlopen(request).status == 200
+    events = read_jsonl_events(offload.events_path)
+    report = check_block_lifecycle(events)
+    assert report.errors == ()
+    assert report.live_blocks == frozenset()
+    moves = [e for e in events if e.kind in (ResidencyEventKind.OFFLOADED, ResidencyEventKind.LOADED)]
+    assert moves and all(e.layers is not None and len(e.layers) == 1 for e in moves)
