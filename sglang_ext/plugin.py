@@ -109,6 +109,9 @@ def _around_from_cli_args(original: Any, cls: Any, namespace: argparse.Namespace
             )
         if getattr(namespace, "disable_radix_cache", False):
             raise SystemExit("kvplane: --enable-layered-kv cannot be combined with --disable-radix-cache")
+        # Plans are installed at step boundaries (sglang_ext/scheduler_hooks.py): the overlap
+        # loop has none, so the flag implies --disable-overlap-schedule.
+        namespace.disable_overlap_schedule = True
         os.environ[kv_args.ENV_VAR] = layered.to_json()
     else:
         os.environ.pop(kv_args.ENV_VAR, None)
@@ -234,6 +237,9 @@ def _register_layered(hook_registry: Any, hook_type: Any) -> None:
     hook_registry.register(_ALLOC_FOR_DECODE, _after_alloc_for_decode, hook_type.AFTER)
     hook_registry.register(_RESOLVE_KV_POOL_CLASS, _around_resolve_kv_pool_class, hook_type.AROUND)
     _swap_attention_backends()
+    from sglang_ext import scheduler_hooks
+
+    scheduler_hooks.register(hook_registry, hook_type)
 
 
 def register() -> None:

@@ -1,0 +1,181 @@
+"""``PauseManager``: keep-KV pause and resume of requests in SGLang's running batch.
+
+SGLang's own ``Scheduler.pause_generation`` (mode ``retract``) and decode retraction
+(``ScheduleBatch.retract_decode`` -> ``release_kv_cache``) free the KV and recompute it on resume.
+kvplane's pause (OrbitFlow §3.4) keeps the KV instead:
+
+* **pause** (at a step boundary, before ``get_next_batch_to_run``): the request's row is split off
+  ``running_batch`` -- ``filter_batch(keep_indices=...)`` on the batch and on a shallow copy that
+  keeps only the paused row -- and parked here. Its ``req_to_token`` row, ``req_pool_idx``, KV
+  slots and tree locks are untouched: nothing is released, so neither retraction (which only sees
+  ``running_batch``) nor the allocator can free them.
+* **resume**: the parked one-request batch gets a fresh ``SamplingBatchInfo`` (built from the
+  request's own sampling params, exactly as SGLang builds it for a prefill batch) and is merged
+  back with ``running_batch.merge_batch`` (or becomes the running batch when that is empty). Its
+  ``input_ids`` (the last sampled token) and ``seq_lens`` (tokens with KV) travel with it, so the
+  next ``prepare_for_decode`` continues exactly where it stopped: greedy outputs are
+  token-identical to an unpaused run.
+
+Not paused (the request is left running, reason logged): batches using penalties, grammars,
+custom logit processors or speculative decoding -- their per-batch state cannot be split
+faithfully here.
+
+Runs on the scheduler thread; every TP rank applies the same calls in the same order.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from sglang_ext.hooks import ResidencyEventKind, ResidencyHooks
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class ParkedRequest:
+    """One paused request and the one-row batch that carries its decode state."""
+
+    req: Any
+    """SGLang ``Req``."""
+    batch: Any
+    """One-request ``ScheduleBatch`` split off the running batch."""
+    since_step: int
+    """Scheduler step at which it was paused."""
+
+
+def unpausable_reason(batch: Any) -> str | None:
+    """Why rows of ``batch`` cannot be split off and merged back faithfully (None = they can)."""
+    info = getattr(batch, "sampling_info", None)
+    orchestrator = getattr(info, "penalizer_orchestrator", None)
+    if orchestrator is not None and orchestrator.is_required:
+        return "penalties"
+    if getattr(info, "has_custom_logit_processor", False):
+        return "custom logit processor"
+    if getattr(batch, "has_grammar", False):
+        return "grammar"
+    if getattr(batch, "spec_info", None) is not None:
+        return "speculative decoding"
+    if getattr(batch, "model_config", None) is not None and batch.model_config.is_encoder_decoder:
+        return "encoder-decoder"
+    return None
+
+
+class PauseManager:
+    """Parks paused requests with their KV; merges them back on resume."""
+
+    def __init__(
+        self,
+        hooks: ResidencyHooks | None = None,
+        pages_of: Callable[[Any], list[int]] | None = None,
+    ) -> None:
+        self._parked: dict[str, ParkedRequest] = {}
+        self._hooks = hooks
+        self._pages_of = pages_of
+        self.refused: dict[str, int] = {}
+        """Pause requests refused, by reason."""
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def paused_ids(self) -> tuple[str, ...]:
+        """Paused request ids, in pause order."""
+        return tuple(self._parked)
+
+    def parked(self) -> list[ParkedRequest]:
+        return list(self._parked.values())
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._parked
+
+    def __len__(self) -> int:
+        return len(self._parked)
+
+    # ---- pause ---------------------------------------------------------------------------
+    def pause(self, running_batch: Any, rids: Iterable[str], step: int) -> list[str]:
+        """Split ``rids`` off ``running_batch`` (in place) and park them; returns those paused."""
+        wanted = [rid for rid in dict.fromkeys(rids) if rid not in self._parked]
+        if not wanted or running_batch is None or running_batch.is_empty():
+            return []
+        reason = unpausable_reason(running_batch)
+        if reason is not None:
+            self.refused[reason] = self.refused.get(reason, 0) + len(wanted)
+            log.warning("pause_refused", rids=wanted, reason=reason)
+            return []
+        done: list[str] = []
+        for rid in wanted:
+            idx = next(
+                (
+                    i
+                    for i, req in enumerate(running_batch.reqs)
+                    if req.rid == rid and not req.finished()
+                ),
+                None,
+            )
+            if idx is None:
+                continue  # not decoding now (finished, still prefilling, or unknown)
+            req = running_batch.reqs[idx]
+            taken = copy.copy(running_batch)
+            taken.sampling_info = copy.copy(running_batch.sampling_info)
+            taken.filter_batch(keep_indices=[idx])
+            running_batch.filter_batch(
+                keep_indices=[i for i in range(len(running_batch.reqs)) if i != idx]
+            )
+            running_batch.batch_is_full = False
+            self._parked[rid] = ParkedRequest(req=req, batch=taken, since_step=step)
+            done.append(rid)
+            self._emit(ResidencyEventKind.PAUSED, req)
+        if done:
+            log.info("requests_paused", rids=done, step=step, running=len(running_batch.reqs))
+        return done
+
+    # ---- resume --------------------------------------------------------------------------
+    def resume(self, running_batch: Any, rids: Iterable[str]) -> tuple[Any, list[str]]:
+        """Merge the parked ``rids`` back; returns the (possibly new) running batch and those resumed."""
+        done: list[str] = []
+        for rid in dict.fromkeys(rids):
+            parked = self._parked.pop(rid, None)
+            if parked is None:
+                continue
+            batch = parked.batch
+            from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+            batch.sampling_info = SamplingBatchInfo.from_schedule_batch(
+                batch, batch.model_config.vocab_size
+            )
+            if running_batch is None or running_batch.is_empty():
+                running_batch = batch
+            else:
+                running_batch.merge_batch(batch)
+            running_batch.batch_is_full = False
+            done.append(rid)
+            self._emit(ResidencyEventKind.RESUMED, parked.req)
+        if done:
+            log.info("requests_resumed", rids=done, running=len(running_batch.reqs))
+        return running_batch, done
+
+    def resume_matching(
+        self, running_batch: Any, predicate: Callable[[Any], bool]
+    ) -> tuple[Any, list[str]]:
+        """Resume every parked request whose ``Req`` satisfies ``predicate`` (e.g. an abort)."""
+        rids = [rid for rid, p in self._parked.items() if predicate(p.req)]
+        return self.resume(running_batch, rids)
+
+    def resume_all(self, running_batch: Any) -> tuple[Any, list[str]]:
+        return self.resume(running_batch, list(self._parked))
+
+    # ---- internals -----------------------------------------------------------------------
+    def _emit(self, kind: ResidencyEventKind, req: Any) -> None:
+        if self._hooks is None or not self._hooks.has_subscribers:
+            return
+        blocks: list[int] = []
+        if self._pages_of is not None:
+            try:
+                blocks = list(self._pages_of(req))
+            except Exception:  # events are telemetry: never break a step for them
+                log.warning("pause_event_pages_failed", rid=req.rid, exc_info=True)
+        self._hooks.emit(kind, blocks, rid=req.rid)

@@ -1,0 +1,467 @@
+"""``SchedulerHooks``: SGLang's scheduler wired to the kvplane control plane (issue 5, control path).
+
+Registered by :mod:`sglang_ext.plugin` in scheduler processes when ``--enable-layered-kv`` is on
+(:func:`register`). One :class:`SchedulerHooks` per scheduler (TP rank), stored as
+``scheduler._kvplane``:
+
+* AFTER ``Scheduler.__init__``: validate (``--disable-overlap-schedule`` is required: with the
+  overlap loop ``run_batch`` only launches a step and its result is processed one iteration later,
+  so there is no clean boundary to install a plan at; no pipeline parallelism), then on TP rank 0
+  build the :class:`~sglang_ext.control_client.ControlClient` (embedded or ``grpc://``) with a
+  :class:`~controlplane.api.WorkerInfo` read off the model config and the KV pool.
+* AROUND ``Scheduler.get_next_batch_to_run`` (the step boundary): rank 0 turns the decisions it
+  holds into a :class:`~sglang_ext.tp_sync.StepInstall`, broadcast to every rank
+  (:class:`~sglang_ext.tp_sync.TpSync`); each rank pauses / resumes requests keeping their KV
+  (:class:`~sglang_ext.pause.PauseManager`) and, after SGLang has allocated this step's KV,
+  installs the placements on the layered pool (:class:`~sglang_ext.tp_sync.PlacementInstaller`;
+  skipped when the layered pool is not active). Local rule: the running batch is never left
+  empty while requests are parked (they are all resumed) -- so paused KV never idles a server.
+* AROUND ``Scheduler.run_batch``: start the step clock.
+* AFTER ``Scheduler.process_batch_result``: step time (launch to processed result, so it includes
+  the device sync), finished requests released from the pool, and on rank 0 the
+  :class:`~controlplane.api.StepReport` (running incl. paused, queued, finished,
+  ``observed_step_ms`` of decode steps, ``free_gpu_blocks``); the decisions it returns are
+  applied at the next boundary. One JSON line per step goes to ``$KVPLANE_STATS_FILE`` if set.
+* AROUND ``Scheduler.abort_request``: a paused request being aborted is resumed first, so SGLang's
+  own abort path finishes it and frees its KV.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from controlplane.api import Decision, QueuedRequest, RequestState, StepReport, WorkerInfo
+from controlplane.model import Hardware, ModelSpec, Profile
+from sglang_ext.args import LayeredKVArgs
+from sglang_ext.control_client import ControlClient, build_control_plane, process_fallback_counter
+from sglang_ext.pause import PauseManager
+from sglang_ext.tp_sync import PlacementInstaller, StepInstall, TpSync
+
+log = structlog.get_logger(__name__)
+
+STATS_FILE_ENV = "KVPLANE_STATS_FILE"
+"""If set in the server's environment, TP rank 0 appends one JSON line per scheduler step."""
+WORKER_ID_ENV = "KVPLANE_WORKER_ID"
+"""Overrides the worker id sent to the control plane (default ``sglang-HOST-PORT``)."""
+DEFAULT_H2D_GBPS = 16.0
+"""Host-to-device bandwidth assumed until the control plane's profile learns the real one."""
+DEFAULT_LAYER_COMPUTE_MS = 1.0
+"""Initial per-layer decode compute estimate (refined by the controller's EWMA, OrbitFlow §3.4)."""
+CONNECT_WAIT_S = 2.0
+"""How long start-up waits for a remote control plane before running on the local heuristic."""
+
+_INIT = "sglang.srt.managers.scheduler.Scheduler.__init__"
+_NEXT_BATCH = "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run"
+_RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
+_PROCESS_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
+_ABORT = "sglang.srt.managers.scheduler.Scheduler.abort_request"
+
+
+class StepStatsWriter:
+    """Appends one JSON object per line to a file (flushed per line)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self._file = Path(path).open("a", buffering=1)
+        self._lock = threading.Lock()
+
+    def write(self, record: dict[str, Any]) -> None:
+        with self._lock:
+            self._file.write(json.dumps(record, sort_keys=True) + "\n")
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def _stats_dict(stats: Any) -> dict[str, Any] | None:
+    if stats is None:
+        return None
+    if is_dataclass(stats):
+        return {k: v for k, v in asdict(stats).items() if isinstance(v, int | float | bool | str)}
+    return None
+
+
+class SchedulerHooks:
+    """The kvplane state of one SGLang scheduler (one TP rank)."""
+
+    def __init__(self, scheduler: Any, args: LayeredKVArgs) -> None:
+        if getattr(scheduler, "enable_overlap", False):
+            raise RuntimeError(
+                "kvplane: --enable-layered-kv requires --disable-overlap-schedule (plans are "
+                "installed at step boundaries, which the overlap loop does not have)"
+            )
+        if int(getattr(scheduler, "pp_size", 1) or 1) > 1:
+            raise RuntimeError("kvplane: --enable-layered-kv does not support --pp-size > 1")
+        self.scheduler = scheduler
+        self.args = args
+        self.layers = int(scheduler.model_config.num_hidden_layers)
+        self.page_size = int(getattr(scheduler, "page_size", 1) or 1)
+        self.pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
+        self.installer = PlacementInstaller(self.pool, self.layers)
+        tree_hooks = getattr(getattr(scheduler, "tree_cache", None), "residency_hooks", None)
+        self.pauser = PauseManager(hooks=tree_hooks, pages_of=self.pages_of)
+        self.tp = TpSync.for_scheduler(scheduler)
+        self.step = 0
+        self._t0 = time.monotonic()
+        self._pending: list[Decision] = []
+        self._deferred_pause: dict[str, int] = {}
+        self._step_started: float | None = None
+        self._first_seen_ms: dict[str, float] = {}
+        self._boundary: dict[str, Any] = {}
+        self.client: ControlClient | None = None
+        self.stats: StepStatsWriter | None = None
+        if self.tp.is_source:
+            self.worker = self._worker_info()
+            self.client = ControlClient(
+                build_control_plane(args),
+                self.worker,
+                fallbacks=process_fallback_counter(),
+                connect_wait_s=CONNECT_WAIT_S if args.kv_control_plane != "embedded" else 0.0,
+            )
+            atexit.register(self.client.close)
+            path = os.environ.get(STATS_FILE_ENV)
+            if path:
+                self.stats = StepStatsWriter(path)
+            log.info(
+                "kvplane_scheduler_ready",
+                worker=self.worker.worker_id,
+                control_plane=args.kv_control_plane,
+                layers=self.layers,
+                block_size=self.page_size,
+                gpu_kv_budget_blocks=self.worker.hardware.gpu_kv_budget_blocks,
+                layered_pool=self.installer.layered,
+                tp_size=self.tp.world_size,
+            )
+
+    # ---- set-up -------------------------------------------------------------------------
+    def _worker_info(self) -> WorkerInfo:
+        pool, s = self.pool, self.scheduler
+        head_num = int(getattr(pool, "head_num", 1))
+        head_dim = int(getattr(pool, "head_dim", 1))
+        v_head_dim = int(getattr(pool, "v_head_dim", head_dim) or head_dim)
+        dtype = getattr(pool, "store_dtype", None) or getattr(pool, "dtype", None)
+        elem = int(getattr(dtype, "itemsize", 2))
+        block_bytes = max(1, self.page_size * head_num * (head_dim + v_head_dim) * elem)
+        port = getattr(getattr(s, "server_args", None), "port", None) or os.getpid()
+        worker_id = os.environ.get(WORKER_ID_ENV) or f"sglang-{socket.gethostname()}-{port}"
+        return WorkerInfo(
+            worker_id=worker_id,
+            model=ModelSpec(layers=self.layers, block_size=self.page_size, block_bytes=block_bytes),
+            hardware=Hardware(
+                gpu_kv_budget_blocks=self._budget_blocks(),
+                h2d_gbps=float(getattr(self.args, "kv_h2d_gbps", None) or DEFAULT_H2D_GBPS),
+            ),
+            profile=Profile((DEFAULT_LAYER_COMPUTE_MS,) * self.layers),
+            scheduler=self.args.kv_scheduler,
+            tp_size=self.tp.world_size,
+        )
+
+    def _budget_blocks(self) -> int:
+        """GPU KV budget in blocks of one layer: the layered pool's device pages, else
+        ``--kv-gpu-budget-tokens`` / page size, else SGLang's whole pool times the layers."""
+        stats = self._pool_stats()
+        for name in ("device_pages_total", "device_pages"):
+            if stats is not None and isinstance(getattr(stats, name, None), int):
+                return int(getattr(stats, name))
+        tokens = getattr(self.args, "kv_gpu_budget_tokens", None)
+        if tokens:
+            return max(1, int(tokens) // self.page_size)
+        allocator = self.scheduler.token_to_kv_pool_allocator
+        return max(1, int(allocator.size) // self.page_size * self.layers)
+
+    def _pool_stats(self) -> Any:
+        if not self.installer.layered or not hasattr(self.pool, "residency_stats"):
+            return None
+        try:
+            return self.pool.residency_stats()
+        except Exception:
+            log.warning("residency_stats_failed", exc_info=True)
+            return None
+
+    # ---- per-request views --------------------------------------------------------------
+    def pages_of(self, req: Any) -> tuple[int, ...]:
+        """The request's logical pages (SGLang slot // page_size), in order."""
+        idx = req.kv.req_pool_idx
+        if idx is None:
+            return ()
+        length = int(req.kv.kv_allocated_len or 0)
+        if length <= 0:
+            return ()
+        row = self.scheduler.req_to_token_pool.req_to_token[idx, :length]
+        pages = (row // self.page_size).tolist()
+        return tuple(dict.fromkeys(int(p) for p in pages))
+
+    # ---- step boundary --------------------------------------------------------------------
+    def _compose(self, running_batch: Any) -> StepInstall:
+        """Rank 0: the decisions received since the last boundary -> one install."""
+        decisions = self._pending
+        self._pending = []
+        if self.client is not None:
+            decisions += self.client.poll()
+        pause: dict[str, None] = dict.fromkeys(self._deferred_pause)
+        resume: dict[str, None] = {}
+        placements = None
+        reasons: list[str] = []
+        for d in decisions:
+            for rid in d.pause:
+                resume.pop(rid, None)
+                pause[rid] = None
+                self._deferred_pause.setdefault(rid, self.step)
+            for rid in d.resume:
+                pause.pop(rid, None)
+                self._deferred_pause.pop(rid, None)
+                resume[rid] = None
+            placements = dict(d.plan.placements)
+            reasons.append(d.reason)
+        return StepInstall(
+            step=self.step + 1,
+            pause=tuple(pause),
+            resume=tuple(r for r in resume if r in self.pauser),
+            placements=placements,
+            fallback=bool(self.client is not None and self.client.in_fallback),
+            reason=",".join(r for r in reasons if r),
+        )
+
+    def boundary(self, running_batch: Any, last_batch: Any) -> Any:
+        """Apply this step's install before SGLang builds the batch; returns the running batch."""
+        install = self.tp.share(self._compose(running_batch) if self.tp.is_source else None)
+        self.installer.apply(install)
+        paused = self.pauser.pause(running_batch, install.pause, self.step + 1)
+        for rid in paused:
+            self._deferred_pause.pop(rid, None)
+        running_batch, resumed = self.pauser.resume(running_batch, install.resume)
+        refill = last_batch is not None and not last_batch.is_empty() and last_batch.forward_mode.is_extend()
+        idle = all(req.finished() for req in running_batch.reqs)  # finished: filtered next
+        if len(self.pauser) and idle and not refill:
+            running_batch, more = self.pauser.resume_all(running_batch)
+            resumed += more
+        # A deferred pause waits for its request to join the running batch (it may still be
+        # prefilling); it is dropped once the request is gone.
+        alive = {r.rid for r in running_batch.reqs}
+        if refill:
+            alive |= {r.rid for r in last_batch.reqs}
+        for rid in list(self._deferred_pause):
+            if rid not in alive and rid not in self.pauser:
+                del self._deferred_pause[rid]
+        self._boundary = {
+            "paused_now": paused,
+            "resumed_now": resumed,
+            "decision": install.reason or None,
+            "fallback": install.fallback,
+        }
+        return running_batch
+
+    def after_schedule(self, plan: Any) -> None:
+        """SGLang allocated this step's KV: install the residency wants (layered pool only)."""
+        if not self.installer.layered and self.stats is None:
+            return
+        running: dict[str, tuple[int, ...]] = {}
+        for batch in (getattr(plan, "running_batch", None), getattr(plan, "batch_to_run", None)):
+            if batch is None:
+                continue
+            for req in batch.reqs:
+                if not req.finished() and req.rid not in running:
+                    running[req.rid] = self.pages_of(req)
+        paused = {p.req.rid: self.pages_of(p.req) for p in self.pauser.parked()}
+        try:
+            delta = self.installer.install(running, paused)
+        except Exception:  # a failed install keeps the previous residency; never fail the step
+            log.exception("residency_install_failed", step=self.step + 1)
+            delta = None
+        self._boundary["install_delta"] = _stats_dict(delta)
+
+    # ---- step end ---------------------------------------------------------------------------
+    def start_step(self) -> None:
+        self._step_started = time.perf_counter()
+
+    def end_step(self, batch: Any) -> None:
+        step_ms = None
+        if self._step_started is not None:
+            step_ms = (time.perf_counter() - self._step_started) * 1e3
+        self._step_started = None
+        self.step += 1
+        is_decode = bool(batch.forward_mode.is_decode())
+        finished = tuple(dict.fromkeys(r.rid for r in batch.reqs if r.finished()))
+        for rid in finished:
+            try:
+                self.installer.release(rid)
+            except Exception:
+                log.exception("residency_release_failed", rid=rid)
+        if not self.tp.is_source:
+            return
+        report = self._report(batch, finished, step_ms if is_decode else None)
+        assert self.client is not None
+        self._pending.extend(self.client.report(report))
+        if self.stats is not None:
+            self._write_stats(report, step_ms, is_decode)
+
+    def _now_ms(self) -> float:
+        return (time.monotonic() - self._t0) * 1e3
+
+    def _report(self, batch: Any, finished: tuple[str, ...], step_ms: float | None) -> StepReport:
+        s = self.scheduler
+        chunked = getattr(s, "chunked_req", None)
+        seen: dict[str, RequestState] = {}
+        live = [*getattr(s.running_batch, "reqs", ()), *batch.reqs]
+        for req in live:
+            if req.rid in seen or req.finished() or req is chunked or req.rid in self.pauser:
+                continue
+            seen[req.rid] = self._state(req, paused=False)
+        for parked in self.pauser.parked():
+            seen[parked.req.rid] = self._state(parked.req, paused=True)
+        now = self._now_ms()
+        queued = []
+        waiting = {r.rid for r in s.waiting_queue}
+        self._first_seen_ms = {k: v for k, v in self._first_seen_ms.items() if k in waiting}
+        for req in s.waiting_queue:
+            arrival = self._first_seen_ms.setdefault(req.rid, now)
+            queued.append(
+                QueuedRequest(id=req.rid, prompt_tokens=max(1, len(req.origin_input_ids)), arrival_ms=arrival)
+            )
+        return StepReport(
+            step=self.step,
+            now_ms=now,
+            running=tuple(seen.values()),
+            queued=tuple(queued),
+            observed_step_ms=step_ms,
+            finished=finished,
+            free_gpu_blocks=self._free_blocks(),
+        )
+
+    def _state(self, req: Any, *, paused: bool) -> RequestState:
+        gpu = None
+        if self.installer.layered:
+            gpu = sum(self.installer.gpu_layers(req.rid)) if not paused else 0
+        max_new = getattr(req.sampling_params, "max_new_tokens", None)
+        return RequestState(
+            id=req.rid,
+            context_tokens=max(1, len(req.origin_input_ids) + len(req.output_ids)),
+            generated_tokens=len(req.output_ids),
+            paused=paused,
+            gpu_layers=gpu,
+            max_new_tokens=int(max_new) if max_new else None,
+        )
+
+    def _free_blocks(self) -> int | None:
+        stats = self._pool_stats()
+        if stats is not None:
+            total = getattr(stats, "device_pages_total", None)
+            used = getattr(stats, "device_pages_used", None)
+            if isinstance(total, int) and isinstance(used, int):
+                return max(0, total - used)
+        try:
+            free_pages = int(self.scheduler.token_to_kv_pool_allocator.available_size()) // self.page_size
+        except Exception:
+            return None
+        return free_pages * self.layers
+
+    def _write_stats(self, report: StepReport, step_ms: float | None, is_decode: bool) -> None:
+        assert self.stats is not None
+        stats = self._pool_stats()
+        pool = _stats_dict(stats)
+        record: dict[str, Any] = {
+            "step": self.step,
+            "time_s": round(time.time(), 6),
+            "mode": "decode" if is_decode else "extend",
+            "step_ms": None if step_ms is None else round(step_ms, 3),
+            "running": [r.id for r in report.running if not r.paused],
+            "paused": [r.id for r in report.running if r.paused],
+            "queued": len(report.queued),
+            "finished": list(report.finished),
+            "gpu_layers": {
+                rid: sum(w.gpu_layers) for rid, w in self.installer.last_wants.items() if not w.paused
+            },
+            "layers": self.layers,
+            "layered_pool": self.installer.layered,
+            "fallback": bool(self.client is not None and self.client.in_fallback),
+            "fallback_steps": 0 if self.client is None else self.client.fallback_steps,
+            "free_gpu_blocks": report.free_gpu_blocks,
+            "pool": pool,
+            **{k: v for k, v in self._boundary.items() if k != "fallback"},
+        }
+        for key in ("device_pages_used", "device_pages_total", "host_fraction"):
+            record[key] = None if pool is None else pool.get(key)
+        try:
+            self.stats.write(record)
+        except Exception:
+            log.warning("stats_write_failed", exc_info=True)
+        self._boundary = {}
+
+
+# ----- SGLang hooks --------------------------------------------------------------------------
+
+
+def _hooks_of(scheduler: Any) -> SchedulerHooks | None:
+    return getattr(scheduler, "_kvplane", None)
+
+
+def _after_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    layered = LayeredKVArgs.from_env()
+    if layered.enable_layered_kv:
+        scheduler._kvplane = SchedulerHooks(scheduler, layered)
+    return None
+
+
+def _around_next_batch(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    hooks = _hooks_of(scheduler)
+    if hooks is None:
+        return original(scheduler, *args, **kwargs)
+    names = ("running_batch", "last_batch")
+    call = dict(zip(names, args, strict=False))
+    call.update(kwargs)
+    running = call.get("running_batch", scheduler.running_batch)
+    running = hooks.boundary(running, call.get("last_batch", scheduler.last_batch))
+    scheduler.running_batch = running
+    call["running_batch"] = running
+    plan = original(scheduler, **call)
+    hooks.after_schedule(plan)
+    return plan
+
+
+def _around_run_batch(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    hooks = _hooks_of(scheduler)
+    if hooks is not None:
+        hooks.start_step()
+    return original(scheduler, *args, **kwargs)
+
+
+def _after_process_result(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+    hooks = _hooks_of(scheduler)
+    if hooks is not None:
+        try:
+            hooks.end_step(batch)
+        except Exception:  # telemetry must never kill the scheduler
+            log.exception("kvplane_end_step_failed", step=hooks.step)
+    return None
+
+
+def _around_abort(original: Any, scheduler: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
+    hooks = _hooks_of(scheduler)
+    if hooks is not None and len(hooks.pauser):
+        rid = getattr(recv_req, "rid", "") or ""
+        every = bool(getattr(recv_req, "abort_all", False))
+        scheduler.running_batch, resumed = hooks.pauser.resume_matching(
+            scheduler.running_batch, lambda req: every or req.rid.startswith(rid)
+        )
+        if resumed:
+            log.info("paused_requests_aborted", rids=resumed)
+    return original(scheduler, recv_req, *args, **kwargs)
+
+
+def register(hook_registry: Any, hook_type: Any) -> None:
+    """Install the scheduler hooks (called by the plugin when the flag is on)."""
+    hook_registry.register(_INIT, _after_init, hook_type.AFTER)
+    hook_registry.register(_NEXT_BATCH, _around_next_batch, hook_type.AROUND)
+    hook_registry.register(_RUN_BATCH, _around_run_batch, hook_type.AROUND)
+    hook_registry.register(_PROCESS_RESULT, _after_process_result, hook_type.AFTER)
+    hook_registry.register(_ABORT, _around_abort, hook_type.AROUND)

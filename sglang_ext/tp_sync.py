@@ -1,0 +1,173 @@
+"""``TpSync``: one plan per model instance, installed identically on every TP rank (OrbitFlow §3.5).
+
+Only TP rank 0 talks to the control plane. At every step boundary rank 0 turns the decisions it
+received (and its local rules) into a :class:`StepInstall`; :meth:`TpSync.share` broadcasts it
+with SGLang's ``broadcast_pyobj`` over the scheduler's gloo CPU group (``scheduler.tp_cpu_group``),
+so every rank applies the same pauses, resumes and placements at the same boundary. The schedulers
+of all ranks are in lockstep (SGLang broadcasts the incoming requests the same way), so the
+per-request pages each rank derives from its ``req_to_token`` are identical too, and
+:class:`PlacementInstaller` builds identical residency wants on every rank.
+
+With ``tp_size == 1`` nothing is broadcast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class StepInstall:
+    """What every rank applies at one step boundary (computed on rank 0)."""
+
+    step: int
+    """Scheduler step this boundary precedes."""
+    pause: tuple[str, ...] = ()
+    """Requests to pause (keep KV), in order."""
+    resume: tuple[str, ...] = ()
+    """Requests to resume, in order."""
+    placements: Mapping[str, tuple[int, ...]] | None = None
+    """New per-request layer placements (1 GPU / 0 host); None keeps the installed ones."""
+    fallback: bool = False
+    """True when rank 0 ran this step without a live control plane."""
+    reason: str = ""
+    """Why (the decision's reason, or the local rule that fired)."""
+
+    @property
+    def empty(self) -> bool:
+        return not self.pause and not self.resume and self.placements is None
+
+
+@dataclass(frozen=True)
+class Residency:
+    """Stand-in with :class:`sglang_ext.layered_pool.RequestResidency`'s fields (used when the
+    layered pool is not active, for telemetry only)."""
+
+    pages: tuple[int, ...]
+    """The request's logical pages, in order."""
+    gpu_layers: tuple[bool, ...]
+    """Wanted residency per layer."""
+    paused: bool = False
+    """Paused: layers are removable."""
+
+
+def _residency_cls(pool: Any) -> Any:
+    if pool is not None:
+        try:
+            from sglang_ext.layered_pool import RequestResidency
+
+            return RequestResidency
+        except ImportError:
+            pass
+    return Residency
+
+
+class TpSync:
+    """Broadcasts rank 0's :class:`StepInstall` to every rank of the TP group."""
+
+    def __init__(self, rank: int, world_size: int, group: Any = None, src: int = 0) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size}: must be >= 1")
+        self.rank = rank
+        self.world_size = world_size
+        self.group = group
+        self.src = src
+
+    @classmethod
+    def for_scheduler(cls, scheduler: Any) -> TpSync:
+        """The scheduler's TP group (``tp_group.rank``, ``tp_cpu_group``, source ``ranks[0]``)."""
+        tp_size = int(getattr(scheduler, "tp_size", 1) or 1)
+        if tp_size == 1:
+            return cls(0, 1)
+        tp_group = scheduler.tp_group
+        return cls(tp_group.rank, tp_size, scheduler.tp_cpu_group, src=tp_group.ranks[0])
+
+    @property
+    def is_source(self) -> bool:
+        """True on the rank that computes (TP rank 0)."""
+        return self.world_size == 1 or self.rank == self.src
+
+    def share(self, install: StepInstall | None) -> StepInstall:
+        """Rank 0 passes its install; every rank returns the same object."""
+        if self.world_size == 1:
+            if install is None:
+                raise ValueError("install: rank 0 must pass a StepInstall")
+            return install
+        from sglang.srt.utils.common import broadcast_pyobj
+
+        if self.is_source and install is None:
+            raise ValueError("install: rank 0 must pass a StepInstall")
+        data = [install] if self.is_source else []
+        got = broadcast_pyobj(data, self.rank, dist_group=self.group, src=self.src)
+        if not got or not isinstance(got[0], StepInstall):
+            raise RuntimeError(f"kvplane: TP broadcast delivered {got!r}, expected a StepInstall")
+        return got[0]
+
+
+@dataclass
+class PlacementInstaller:
+    """Turns the installed plan into residency wants and hands them to the layered pool."""
+
+    pool: Any
+    """The KV pool; residency is installed only when it has ``update_residency``."""
+    layers: int
+    """Model layers L."""
+    placements: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Installed per-request placements (from the newest plan)."""
+    last_wants: dict[str, Any] = field(default_factory=dict)
+    """The wants of the last install (also kept without a layered pool, for telemetry)."""
+    installs: int = 0
+    """update_residency calls made."""
+
+    @property
+    def layered(self) -> bool:
+        return self.pool is not None and hasattr(self.pool, "update_residency")
+
+    def apply(self, install: StepInstall) -> None:
+        if install.placements is not None:
+            self.placements = {
+                rid: tuple(int(x) for x in row)
+                for rid, row in install.placements.items()
+                if len(row) == self.layers
+            }
+
+    def gpu_layers(self, rid: str) -> tuple[bool, ...]:
+        row = self.placements.get(rid)
+        if row is None:
+            return (True,) * self.layers  # unplanned: wanted on GPU; the pool's fallback decides
+        return tuple(bool(x) for x in row)
+
+    def wants(
+        self, running: Mapping[str, tuple[int, ...]], paused: Mapping[str, tuple[int, ...]]
+    ) -> dict[str, Any]:
+        """Residency wants: running requests per the plan, paused ones removable."""
+        cls = _residency_cls(self.pool if self.layered else None)
+        out: dict[str, Any] = {}
+        for rid, pages in running.items():
+            out[rid] = cls(pages=tuple(pages), gpu_layers=self.gpu_layers(rid), paused=False)
+        for rid, pages in paused.items():
+            out[rid] = cls(pages=tuple(pages), gpu_layers=(False,) * self.layers, paused=True)
+        return out
+
+    def install(
+        self, running: Mapping[str, tuple[int, ...]], paused: Mapping[str, tuple[int, ...]]
+    ) -> Any:
+        """Install the wants on the pool (None without a layered pool); remembers them."""
+        wants = self.wants(running, paused)
+        self.last_wants = wants
+        if not self.layered:
+            return None
+        self.installs += 1
+        return self.pool.update_residency(wants)
+
+    def release(self, rid: str) -> None:
+        self.placements.pop(rid, None)
+        self.last_wants.pop(rid, None)
+        if self.layered:
+            self.pool.release_request(rid)

@@ -1,0 +1,177 @@
+"""ControlClient: the scheduler's control-plane handle never raises and survives outages.
+
+Real control planes only: the embedded controller in-process, and ``kvplane serve`` as a real
+subprocess on a free port (killed and restarted on the same port for the outage cases).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from controlplane.api import RequestState, StepReport, WorkerInfo
+from controlplane.embedded import EmbeddedControlPlane
+from controlplane.model import Hardware, ModelSpec, Profile
+from controlplane.policy import Policy
+from controlplane.policy_store import PolicyStore
+from controlplane.service.client import GrpcControlPlane
+from controlplane.service.worker_session import Backoff
+from sglang_ext.args import LayeredKVArgs
+from sglang_ext.control_client import ControlClient, build_control_plane, fallback_counter
+from tests.service.conftest import ServeProcess, free_port, wait_until
+
+pytestmark = pytest.mark.sglang
+
+METRIC = "kvplane_control_plane_fallbacks_total"
+
+
+def _worker(worker_id: str = "w0", budget_blocks: int = 40) -> WorkerInfo:
+    return WorkerInfo(
+        worker_id=worker_id,
+        model=ModelSpec(layers=4, block_size=1, block_bytes=256),
+        hardware=Hardware(gpu_kv_budget_blocks=budget_blocks, h2d_gbps=16.0),
+        profile=Profile((1.0,) * 4),
+    )
+
+
+def _report(step: int, contexts: dict[str, int]) -> StepReport:
+    running = tuple(RequestState(id=r, context_tokens=c, generated_tokens=step) for r, c in contexts.items())
+    return StepReport(step=step, now_ms=10.0 * step, running=running, observed_step_ms=4.0)
+
+
+class FakeClock:
+    """Explicit time for the re-open backoff (no sleeps)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _counter_value(registry: CollectorRegistry) -> float:
+    return registry.get_sample_value(METRIC) or 0.0
+
+
+def test_embedded_report_returns_decisions_without_fallback():
+    """With the embedded controller every report goes through and decisions come back."""
+    registry = CollectorRegistry()
+    cp = EmbeddedControlPlane(PolicyStore(Policy()), synchronous=True)
+    client = ControlClient(cp, _worker(), fallbacks=fallback_counter(registry))
+    got = client.report(_report(1, {"a": 10, "b": 12}))
+    assert got and set(got[-1].plan.placements) == {"a", "b"}
+    assert client.last_decision is got[-1]
+    assert not client.in_fallback and _counter_value(registry) == 0
+    client.close()
+
+
+def test_embedded_session_failure_falls_back_then_reopens_with_backoff():
+    """A session that raises yields [] and a counted fallback; it is re-opened after the backoff."""
+    registry = CollectorRegistry()
+    clock = FakeClock()
+    cp = EmbeddedControlPlane(PolicyStore(Policy()), synchronous=True)
+    client = ControlClient(
+        cp, _worker(), fallbacks=fallback_counter(registry), reopen_initial_s=1.0, clock=clock
+    )
+    assert client.report(_report(1, {"a": 10}))
+    client.session.close()  # the controller is gone: its report() raises Unavailable
+    for step in (2, 3, 4):
+        assert client.report(_report(step, {"a": 10 + step})) == []
+    assert client.in_fallback and client.fallback_steps == 3 and client.outages == 1
+    assert _counter_value(registry) == 3
+    clock.now = 1.5  # past the first re-open delay
+    got = client.report(_report(5, {"a": 15, "b": 3}))
+    assert got and not client.in_fallback
+    assert client.outages == 1
+
+
+def test_report_never_raises_on_a_malformed_report():
+    """A report the controller rejects (step going backwards) is a fallback step, not an exception."""
+    cp = EmbeddedControlPlane(PolicyStore(Policy()), synchronous=True)
+    client = ControlClient(cp, _worker(), reopen_initial_s=0.01, reopen_max_s=0.01)
+    client.report(_report(5, {"a": 10}))
+    assert client.report(_report(3, {"a": 10})) == []
+    assert client.in_fallback and client.last_error and "step" in client.last_error
+
+
+def test_build_control_plane_embedded_loads_the_policy_file(tmp_path: Path):
+    """--kv-policy is loaded into the embedded control plane."""
+    policy = tmp_path / "p.json"
+    policy.write_text(json.dumps({"slo_tbt_ms": 123.0, "max_paused_steps": 7}))
+    cp = build_control_plane(LayeredKVArgs(enable_layered_kv=True, kv_policy=str(policy)))
+    assert isinstance(cp, EmbeddedControlPlane)
+    assert cp.get_policy().slo_tbt_ms == 123.0 and cp.get_policy().max_paused_steps == 7
+
+
+def test_build_control_plane_grpc_uses_target_and_token(tmp_path: Path):
+    """grpc://HOST:PORT builds a GrpcControlPlane carrying the bearer token from the token file."""
+    token = tmp_path / "token"
+    token.write_text("tok-123\n")
+    args = LayeredKVArgs(
+        enable_layered_kv=True, kv_control_plane="grpc://127.0.0.1:9", kv_policy_token_file=str(token)
+    )
+    cp = build_control_plane(args)
+    try:
+        assert isinstance(cp, GrpcControlPlane)
+        assert cp.target == "127.0.0.1:9" and cp._token == "tok-123"
+    finally:
+        cp.close()
+
+
+@pytest.fixture
+def serve(tmp_path: Path):
+    """A real `kvplane serve` on a fixed free port (restartable on that port)."""
+    proc = ServeProcess(free_port(), free_port(), tmp_path / "serve.log")
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.kill()
+
+
+def _report_until(client: ControlClient, start: int, predicate, timeout_s: float = 20.0) -> int:
+    """Report successive steps (fresh contexts) until ``predicate(decisions)``; returns the next step."""
+    step = start
+    seen: list = []
+
+    def once() -> bool:
+        nonlocal step
+        seen[:] = client.report(_report(step, {"a": 10 + step, f"r{step % 3}": 5}))
+        step += 1
+        return bool(predicate(seen))
+
+    assert wait_until(once, timeout_s, every_s=0.02), "condition not reached"
+    return step
+
+
+def test_grpc_outage_falls_back_and_reconnects_after_restart(serve):
+    """Killing `kvplane serve` mid-run: report() returns [] with fallbacks counted, never raises;
+    after a restart on the same port the session reconnects and decisions flow again."""
+    registry = CollectorRegistry()
+    cp = GrpcControlPlane(
+        f"grpc://{serve.target}", timeout_s=2.0, backoff=Backoff(initial_s=0.05, max_s=0.2)
+    )
+    client = ControlClient(cp, _worker("outage-w"), fallbacks=fallback_counter(registry), connect_wait_s=10.0)
+    try:
+        step = _report_until(client, 1, lambda got: bool(got))
+        assert not client.in_fallback
+
+        serve.kill()
+        step = _report_until(client, step, lambda got: client.in_fallback)
+        before = _counter_value(registry)
+        for _ in range(5):
+            assert client.report(_report(step, {"a": 10 + step})) == []
+            step += 1
+        assert _counter_value(registry) >= before + 5
+        assert client.outages == 1, "one warning per outage"
+        assert client.last_decision is not None  # the last plan is kept
+
+        serve.start()
+        step = _report_until(client, step, lambda got: not client.in_fallback and bool(got), 30.0)
+        assert client.outages == 1
+        assert client.session.stats.reconnects >= 1
+    finally:
+        client.close()
