@@ -126,8 +126,17 @@ class SlotResidency:
     def page_freed(self, pages: list[int]) -> None:
         """The allocator took ``pages`` back: their device copies are dead."""
         self.store.release_pages(pages)
-        if pages:
-            self.has_kv[torch.tensor(pages, dtype=torch.int64)] = False
+        if not pages:
+            return
+        freed = torch.zeros(self.store.config.logical_pages, dtype=torch.bool)
+        freed[torch.tensor(pages, dtype=torch.int64)] = True
+        self.has_kv[freed] = False
+        for rid in list(self._requests):  # a request keeps only pages it still holds
+            req = self._requests[rid]
+            if req.pages.numel():
+                req.pages = req.pages[~freed[req.pages]]
+                if req.pages.numel() == 0:
+                    del self._requests[rid]  # holds no KV any more: finished or aborted
 
     def mark_written(self, pages: torch.Tensor) -> None:
         """``pages`` receive KV in the coming forward (later onloads must copy them)."""

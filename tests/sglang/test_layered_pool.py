@@ -259,3 +259,14 @@ def test_pool_allocates_no_full_per_layer_device_buffers():
     assert pool.store.dev.shape == (2, 5, PAGE, HEADS, DIM)
     with pytest.raises(RuntimeError, match="layer_kv"):
         pool.get_key_buffer(0)
+
+
+def test_freed_pages_leave_live_requests():
+    """Pages SGLang frees leave every request's page set; a request left with none is forgotten."""
+    pool = make_pool(budget_tokens=200)
+    h = Harness(pool)
+    h.step("a", 4)
+    h.step("b", 2)
+    pool.residency.page_freed(sorted({s // PAGE for s in h.slots["a"]}))
+    assert pool.residency.live_rids() == ["b"]
+    assert pool.residency_stats().live_layer_pages == LAYERS * 1
