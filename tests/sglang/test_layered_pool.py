@@ -270,3 +270,18 @@ def test_freed_pages_leave_live_requests():
     pool.residency.page_freed(sorted({s // PAGE for s in h.slots["a"]}))
     assert pool.residency.live_rids() == ["b"]
     assert pool.residency_stats().live_layer_pages == LAYERS * 1
+
+
+def test_budget_flag_parses_and_travels_in_the_environment():
+    """--kv-gpu-budget-tokens reaches the pool through KVPLANE_LAYERED_KV_ARGS; bad values name the flag."""
+    import argparse
+
+    from sglang_ext import args as kv_args
+
+    parser = argparse.ArgumentParser()
+    kv_args.add_arguments(parser)
+    ns = parser.parse_args(["--enable-layered-kv", "--kv-gpu-budget-tokens", "24"])
+    parsed = LayeredKVArgs.from_namespace(ns)
+    assert LayeredKVArgs.from_env({kv_args.ENV_VAR: parsed.to_json()}).kv_gpu_budget_tokens == 24
+    with pytest.raises(ValueError, match=r"--kv-gpu-budget-tokens=-3 is out of range"):
+        LayeredKVArgs.from_namespace(parser.parse_args(["--kv-gpu-budget-tokens", "-3"]))
