@@ -184,3 +184,33 @@ def test_windows_cost_few_searches():
     plan = Planner().plan(batch, time_budget_ms=10_000)
     assert plan.extras["searches"] <= 4
     assert plan.feasible or plan.paused
+
+
+class TickClock:
+    """A fake clock that advances 1 ms every time it is read (deterministic 'time')."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1e-3
+        return self.now
+
+
+def test_default_budget_is_capped_and_the_deadline_is_kept_in_clock_ticks():
+    """A 2 s default budget (25% of an 8 s step) is capped at max_default_budget_ms; the search stops within a few clock reads of it."""
+    contexts = [3000 + 1700 * i for i in range(12)]
+    batch = make_batch(contexts, layers=8, comp=1000.0, gbps=0.05, block_size=16,
+                       budget=int(0.4 * sum(-(-c // 16) for c in contexts) * 8), slo=1e9)
+    clock = TickClock()
+    plan = Planner(clock=clock, max_default_budget_ms=30.0).plan(batch)
+    assert plan.feasible and plan.placements
+    assert 30.0 <= plan.solve_ms <= 30.0 + 5.0
+    explicit = Planner(clock=TickClock(), max_default_budget_ms=30.0).plan(batch, time_budget_ms=80.0)
+    assert 80.0 <= explicit.solve_ms <= 85.0
+
+
+def test_max_default_budget_is_validated():
+    """A non-positive default-budget ceiling is rejected with the allowed range."""
+    with pytest.raises(ValueError, match="max_default_budget_ms"):
+        Planner(max_default_budget_ms=0.0)
