@@ -88,11 +88,13 @@ class SlotResidency:
             req = self._requests.get(rid)
             pages = torch.tensor(want.pages, dtype=torch.int64)
             if req is None:
-                req = self._requests[rid] = _Request(pages=pages, gpu_layers=list(want.gpu_layers))
+                layers = want.gpu_layers if want.planned else (True,) * self.layers
+                req = self._requests[rid] = _Request(pages=pages, gpu_layers=list(layers))
             elif len(want.pages) >= req.pages.numel():
                 req.pages = pages
-            req.gpu_layers = list(want.gpu_layers)
-            req.planned = True
+            if want.planned:
+                req.gpu_layers = list(want.gpu_layers)
+            req.planned = want.planned
             if want.paused and not req.paused:
                 req.pause_seq = next(self._pause_seq)
             req.paused = want.paused

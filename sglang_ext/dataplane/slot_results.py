@@ -20,6 +20,10 @@ class RequestResidency:
     """Wanted device residency per layer (True = on device); one entry per layer."""
     paused: bool = False
     """Paused: its resident layers become removable (dropped lazily, highest layer first)."""
+    planned: bool = True
+    """False: no plan covers this request yet -- ``gpu_layers`` is ignored and the pool's local
+    fallback decides (new pages on device while they fit, else the highest layers of the largest
+    unplanned requests go to host)."""
 
     def __post_init__(self) -> None:
         if any(not isinstance(p, int) or isinstance(p, bool) or p < 0 for p in self.pages):

@@ -285,3 +285,19 @@ def test_budget_flag_parses_and_travels_in_the_environment():
     assert LayeredKVArgs.from_env({kv_args.ENV_VAR: parsed.to_json()}).kv_gpu_budget_tokens == 24
     with pytest.raises(ValueError, match=r"--kv-gpu-budget-tokens=-3 is out of range"):
         LayeredKVArgs.from_namespace(parser.parse_args(["--kv-gpu-budget-tokens", "-3"]))
+
+
+def test_unplanned_wants_leave_the_decision_to_the_local_fallback():
+    """A want marked planned=False keeps the local fallback's layers; a planned one overrides them."""
+    pool = make_pool(budget_tokens=20)  # 10 device pages
+    h = Harness(pool)
+    h.step("big", 8)  # 4 pages x 3 layers > 10: fallback moves layer 2 to host
+    assert pool.residency.gpu_layers("big") == (True, True, False)
+    pages = tuple(dict.fromkeys(s // PAGE for s in h.slots["big"]))
+    pool.update_residency({"big": RequestResidency(pages=pages, gpu_layers=(True,) * LAYERS, planned=False)})
+    assert pool.residency.gpu_layers("big") == (True, True, False)
+    h.step("big", 3)  # two more pages: the fallback keeps fitting by switching layer 1 too
+    assert pool.residency.gpu_layers("big") == (True, False, False)
+    pool.update_residency({"big": RequestResidency(pages=pages, gpu_layers=(False, True, False))})
+    assert pool.residency.gpu_layers("big") == (False, True, False)
+    h.check()
