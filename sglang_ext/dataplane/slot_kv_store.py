@@ -109,51 +109,73 @@ class SlotKVStore:
 
     # ----- data path -----------------------------------------------------------
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store K/V ``[n, H, D]`` of ``slots`` at ``layer``: device copy if any, else host."""
+    def _rows(self, layer: int, slots: torch.Tensor):
+        """Flat row ids of ``slots`` at ``layer``: device K rows (-1 if host-only) and host K rows.
+
+        Device pool as rows ``[2 * N * ps, H, D]`` (V rows = K rows + N * ps); host pool as rows
+        ``[P * L * 2 * ps, H, D]`` (V rows = K rows + ps). Plain ``index_select`` /
+        ``index_copy_`` on these views is one contiguous-row gather/scatter per side.
+        """
         ps = self.config.page_size
         slots = slots.to(self.device, torch.int64)
         pages, offs = slots // ps, slots % ps
         dev_page = self.map_dev[layer].index_select(0, pages).to(torch.int64)
-        resident = dev_page >= 0
+        dev_rows = torch.where(dev_page >= 0, dev_page * ps + offs, -1)
+        return pages, offs, dev_rows
+
+    def _host_rows(self, layer: int, pages: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        ps, layers = self.config.page_size, self.config.layers
+        return ((pages.cpu() * layers + layer) * 2) * ps + offs.cpu()
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V ``[n, H, D]`` of ``slots`` at ``layer``: device copy if any, else host."""
+        pages, offs, dev_rows = self._rows(layer, slots)
+        dev_flat = self.dev.view(-1, *self.dev.shape[3:])
+        v_shift = self.dev.shape[1] * self.config.page_size
+        resident = dev_rows >= 0
         if bool(resident.all()):
-            self.dev[0, dev_page, offs] = k
-            self.dev[1, dev_page, offs] = v
+            dev_flat.index_copy_(0, dev_rows, k)
+            dev_flat.index_copy_(0, dev_rows + v_shift, v)
             self.dirty[layer, pages] = True
             return
         on_dev = resident.nonzero().squeeze(1)
         if on_dev.numel():
-            self.dev[0, dev_page[on_dev], offs[on_dev]] = k[on_dev]
-            self.dev[1, dev_page[on_dev], offs[on_dev]] = v[on_dev]
+            rows = dev_rows[on_dev]
+            dev_flat.index_copy_(0, rows, k[on_dev])
+            dev_flat.index_copy_(0, rows + v_shift, v[on_dev])
             self.dirty[layer, pages[on_dev]] = True
         on_host = (~resident).nonzero().squeeze(1)
-        hp, ho = pages[on_host].cpu(), offs[on_host].cpu()
+        host_rows = self._host_rows(layer, pages[on_host], offs[on_host])
+        host_flat = self.host.view(-1, *self.host.shape[4:])
         kh, vh = k[on_host].to("cpu"), v[on_host].to("cpu")
-        self.host[hp, layer, 0, ho] = kh
-        self.host[hp, layer, 1, ho] = vh
+        host_flat.index_copy_(0, host_rows, kh)
+        host_flat.index_copy_(0, host_rows + self.config.page_size, vh)
         self.host_write_bytes += 2 * kh.numel() * kh.element_size()
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[n, H, D]`` of ``slots`` at ``layer`` (device pages, then host pages)."""
-        ps = self.config.page_size
-        slots = slots.to(self.device, torch.int64)
-        pages, offs = slots // ps, slots % ps
-        dev_page = self.map_dev[layer].index_select(0, pages).to(torch.int64)
-        resident = dev_page >= 0
+        pages, offs, dev_rows = self._rows(layer, slots)
+        dev_flat = self.dev.view(-1, *self.dev.shape[3:])
+        v_shift = self.dev.shape[1] * self.config.page_size
+        resident = dev_rows >= 0
         if bool(resident.all()):
-            return self.dev[0, dev_page, offs], self.dev[1, dev_page, offs]
-        k = torch.empty((slots.numel(), *self.dev.shape[3:]), dtype=self.dev.dtype, device=self.device)
+            return dev_flat.index_select(0, dev_rows), dev_flat.index_select(0, dev_rows + v_shift)
+        k = torch.empty((dev_rows.numel(), *self.dev.shape[3:]), dtype=self.dev.dtype, device=self.device)
         v = torch.empty_like(k)
         on_dev = resident.nonzero().squeeze(1)
         if on_dev.numel():
-            k[on_dev] = self.dev[0, dev_page[on_dev], offs[on_dev]]
-            v[on_dev] = self.dev[1, dev_page[on_dev], offs[on_dev]]
+            rows = dev_rows[on_dev]
+            k.index_copy_(0, on_dev, dev_flat.index_select(0, rows))
+            v.index_copy_(0, on_dev, dev_flat.index_select(0, rows + v_shift))
         on_host = (~resident).nonzero().squeeze(1)
-        hp, ho = pages[on_host].cpu(), offs[on_host].cpu()
-        staged = self.host[hp, layer, :, ho]  # [m, 2, H, D]: one batched H2D per layer
+        host_rows = self._host_rows(layer, pages[on_host], offs[on_host])
+        host_flat = self.host.view(-1, *self.host.shape[4:])
+        # one batched host gather and H2D per layer (K rows then V rows)
+        staged = host_flat.index_select(0, torch.cat([host_rows, host_rows + self.config.page_size]))
         staged = staged.to(self.device, non_blocking=True)
-        k[on_host] = staged[:, 0]
-        v[on_host] = staged[:, 1]
+        m = host_rows.numel()
+        k.index_copy_(0, on_host, staged[:m])
+        v.index_copy_(0, on_host, staged[m:])
         if self.device.type != "cpu":
             self.h2d_bytes += staged.numel() * staged.element_size()
         return k, v
