@@ -141,7 +141,9 @@ def random_batch(rng: random.Random, n_req: int, layers: int) -> Batch:
     )
 
 
-def reference_ms(batch: Batch, plan_ids: list[str], window: int, limit_ms: float) -> tuple[float, bool]:
+def reference_ms(
+    batch: Batch, plan_ids: list[str], window: int, limit_ms: float
+) -> tuple[float, bool]:
     reqs = [r for r in batch.requests if r.id in set(plan_ids)]
     ev = Evaluator(
         candidate_set(batch.model.layers),
@@ -150,8 +152,12 @@ def reference_ms(batch: Batch, plan_ids: list[str], window: int, limit_ms: float
         batch.bw_blocks_per_ms,
     )
     search = PlacementSearch(
-        ev, batch.hardware.gpu_kv_budget_blocks, time.process_time() + limit_ms / 1e3,
-        bnb_node_limit=10**9, bnb_max_requests=10**9, clock=time.process_time,
+        ev,
+        batch.hardware.gpu_kv_budget_blocks,
+        time.process_time() + limit_ms / 1e3,
+        bnb_node_limit=10**9,
+        bnb_max_requests=10**9,
+        clock=time.process_time,
     )
     search.patience = 10**9  # full local-search convergence
     res = search.run(mip=MipStage())
@@ -165,11 +171,19 @@ def pct(values: list[float], q: float) -> float:
 
 
 def bench_size(
-    n_req: int, layers: int, n_batches: int, seed: int, ref_ms: float, budget_ms: float | None, clock: str
+    n_req: int,
+    layers: int,
+    n_batches: int,
+    seed: int,
+    ref_ms: float,
+    budget_ms: float | None,
+    clock: str,
 ) -> SizeResult:
     rng = random.Random(seed * 1000 + n_req * 100 + layers)
     planner = Planner(clock=time.process_time) if clock == "cpu" else Planner()
-    walls, cpus, budgets, overruns, gaps, paused, by_bound, windows, searches = ([] for _ in range(9))
+    walls, cpus, budgets, overruns, gaps, paused, by_bound, windows, searches = (
+        [] for _ in range(9)
+    )
     optimal = 0
     solvers: dict[str, int] = {}
     for _ in range(n_batches):
@@ -180,7 +194,9 @@ def bench_size(
         walls.append(wall)
         cpus.append(cpu)
         budget = (
-            min(DEFAULT_BUDGET_FRACTION * sum(batch.profile.layer_compute_ms), DEFAULT_MAX_BUDGET_MS)
+            min(
+                DEFAULT_BUDGET_FRACTION * sum(batch.profile.layer_compute_ms), DEFAULT_MAX_BUDGET_MS
+            )
             if budget_ms is None
             else budget_ms
         )
@@ -200,16 +216,29 @@ def bench_size(
             gaps.append((plan.predicted_step_ms / ref - 1) * 100)
             optimal += proved
     return SizeResult(
-        requests=n_req, layers=layers, batches=n_batches, clock=clock,
-        solve_p50_ms=statistics.median(walls), solve_p99_ms=pct(walls, 0.99), solve_max_ms=max(walls),
-        cpu_p50_ms=statistics.median(cpus), cpu_p99_ms=pct(cpus, 0.99), cpu_max_ms=max(cpus),
-        budget_p50_ms=statistics.median(budgets), budget_p99_ms=pct(budgets, 0.99),
-        overrun_p99_ms=pct(overruns, 0.99), searches_mean=statistics.fmean(searches),
+        requests=n_req,
+        layers=layers,
+        batches=n_batches,
+        clock=clock,
+        solve_p50_ms=statistics.median(walls),
+        solve_p99_ms=pct(walls, 0.99),
+        solve_max_ms=max(walls),
+        cpu_p50_ms=statistics.median(cpus),
+        cpu_p99_ms=pct(cpus, 0.99),
+        cpu_max_ms=max(cpus),
+        budget_p50_ms=statistics.median(budgets),
+        budget_p99_ms=pct(budgets, 0.99),
+        overrun_p99_ms=pct(overruns, 0.99),
+        searches_mean=statistics.fmean(searches),
         target_p99_ms=TARGET_P99_MS.get((n_req, layers)),
-        gap_mean_pct=statistics.fmean(gaps) if gaps else 0.0, gap_p99_pct=pct(gaps, 0.99) if gaps else 0.0,
-        gap_max_pct=max(gaps) if gaps else 0.0, reference_optimal=optimal,
-        paused_mean=statistics.fmean(paused), paused_by_bound_mean=statistics.fmean(by_bound),
-        window_mean=statistics.fmean(windows), solvers=solvers,
+        gap_mean_pct=statistics.fmean(gaps) if gaps else 0.0,
+        gap_p99_pct=pct(gaps, 0.99) if gaps else 0.0,
+        gap_max_pct=max(gaps) if gaps else 0.0,
+        reference_optimal=optimal,
+        paused_mean=statistics.fmean(paused),
+        paused_by_bound_mean=statistics.fmean(by_bound),
+        window_mean=statistics.fmean(windows),
+        solvers=solvers,
     )
 
 
@@ -217,14 +246,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="comma list of REQUESTSxLAYERS")
     parser.add_argument("--batches", type=int, default=40, help="random batches per size")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--reference-ms", type=float, default=3000.0, help="CPU time for the reference search per batch")
     parser.add_argument(
-        "--clock", choices=("wall", "cpu"), default="wall",
+        "--reference-ms",
+        type=float,
+        default=3000.0,
+        help="CPU time for the reference search per batch",
+    )
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
         help="clock of the planner's time budget: wall (production) or cpu (process time; "
         "emulates an idle machine when other processes share the cores)",
     )
-    parser.add_argument("--time-budget-ms", type=float, default=None, help="planner budget (default: the planner's, 25%% of the step)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/planner"), help="directory for JSON + markdown")
+    parser.add_argument(
+        "--time-budget-ms",
+        type=float,
+        default=None,
+        help="planner budget (default: the planner's, 25%% of the step)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("benchmarks/results/planner"),
+        help="directory for JSON + markdown",
+    )
 
 
 def markdown(meta: dict[str, Any], results: list[SizeResult]) -> str:

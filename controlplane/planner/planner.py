@@ -65,7 +65,11 @@ def _max_step_ms(reqs: Sequence[RequestSpec], window: int, alpha: float, floor_m
     if _late(reqs, floor_ms, window) > alpha + eps:
         return -1.0
     pts = sorted(
-        ((r.slo_tbt_ms / (1.0 - r.deposit_tokens / window), r) for r in reqs if r.deposit_tokens < window),
+        (
+            (r.slo_tbt_ms / (1.0 - r.deposit_tokens / window), r)
+            for r in reqs
+            if r.deposit_tokens < window
+        ),
         key=lambda p: p[0],
     )
     gain = 0.0  # sum_A (1 - c_r)
@@ -262,7 +266,10 @@ class Planner:
         now = ctx.clock()
         deadline = now + max(0.0, ctx.deadline - now) * share
         ev = Evaluator(
-            ctx.cands, blocks, batch.profile.layer_compute_ms, batch.bw_blocks_per_ms,
+            ctx.cands,
+            blocks,
+            batch.profile.layer_compute_ms,
+            batch.bw_blocks_per_ms,
             chain_cache=ctx.chain_cache,
         )
         target = _max_step_ms(reqs, window, batch.policy.alpha, ev.compute_ms)
@@ -366,9 +373,7 @@ class Planner:
         top_window = pol.window_max - 1 if optimistic else pol.window_max
         for probes_left in (2, 1):
             assert best.result is not None
-            hi = self._largest_window(
-                reqs, best.result.step_ms, alpha, best.window, top_window
-            )
+            hi = self._largest_window(reqs, best.result.step_ms, alpha, best.window, top_window)
             if hi is None or hi <= best.window:
                 break
             probe = self._solve(
@@ -396,9 +401,7 @@ class Planner:
 
     # --- pausing ------------------------------------------------------------------------
     @classmethod
-    def _victim_order(
-        cls, batch: Batch, rule: str, rng: random.Random
-    ) -> list[RequestSpec]:
+    def _victim_order(cls, batch: Batch, rule: str, rng: random.Random) -> list[RequestSpec]:
         """Every request in the order the victim rule would pause them one by one."""
         bs = batch.model.block_size
         if rule == "largest":  # stable sorts: ties go in batch order, as max()/min() pick

@@ -59,8 +59,6 @@ class SearchResult:
     """Exact-model evaluations spent."""
 
 
-
-
 class PlacementSearch:
     """One search over candidate assignments; construct per solve (not thread-shared)."""
 
@@ -125,7 +123,9 @@ class PlacementSearch:
 
     def _offer_bounded(self, assign: Sequence[int], src: str) -> bool:
         """:meth:`_offer` unless the lower bound already proves it no better than the best."""
-        if self.best is not None and self.ev.lower_bound_ms(assign) >= self.best_ms * (1 - _REL_EPS):
+        if self.best is not None and self.ev.lower_bound_ms(assign) >= self.best_ms * (
+            1 - _REL_EPS
+        ):
             return False
         return self._offer(assign, src)
 
@@ -154,9 +154,7 @@ class PlacementSearch:
     def mixed(self) -> None:
         """Mixed fills between the least-offloading feasible uniform and lighter candidates."""
         ev, n = self.ev, self.n_req
-        hi = next(
-            (c for c in range(self.n_cand) if ev.memory((c,) * n) <= self.budget), None
-        )
+        hi = next((c for c in range(self.n_cand) if ev.memory((c,) * n) <= self.budget), None)
         if not hi:  # nothing fits (None) or nothing needs offloading (0)
             return
         mem_rows, chain = ev.mem, ev.chain
@@ -346,7 +344,9 @@ class PlacementSearch:
         for r in range(self.n_req):
             c0 = cur[r]
             other = top[1][0] if top[0][1] == r else top[0][0]
-            span = range(self.n_cand) if self.wide else range(max(0, c0 - 2), min(self.n_cand, c0 + 3))
+            span = (
+                range(self.n_cand) if self.wide else range(max(0, c0 - 2), min(self.n_cand, c0 + 3))
+            )
             for c in span:
                 if c == c0 or mem - ev.mem[r][c0] + ev.mem[r][c] > self.budget:
                     continue
@@ -491,7 +491,10 @@ class PlacementSearch:
             ("greedy", self.greedy),
             ("relocal", self.local if local else None),
             ("mip", self._mip_stage if mip is not None else None),
-            ("exact", self._bnb_stage if self._exact and self.n_req <= self.bnb_max_requests else None),
+            (
+                "exact",
+                self._bnb_stage if self._exact and self.n_req <= self.bnb_max_requests else None,
+            ),
         ]
         try:
             for name, stage in stages:

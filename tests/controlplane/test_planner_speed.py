@@ -29,7 +29,12 @@ def optimum_at(batch: Batch, ids: list[str], window: int) -> float:
     for choice in itertools.product(range(len(rows)), repeat=len(blocks)):
         placement = [rows[c] for c in choice]
         if sum(memory_blocks(placement, blocks)) <= batch.hardware.gpu_kv_budget_blocks:
-            best = min(best, step_time_ms(placement, blocks, batch.profile.layer_compute_ms, batch.bw_blocks_per_ms))
+            best = min(
+                best,
+                step_time_ms(
+                    placement, blocks, batch.profile.layer_compute_ms, batch.bw_blocks_per_ms
+                ),
+            )
     return best
 
 
@@ -102,7 +107,9 @@ def test_step_lower_bound_is_below_every_feasible_assignment(batch):
 )
 def test_max_step_is_the_late_fraction_threshold(slos, deposits, window, alpha, floor):
     """_max_step_ms is the largest step time whose late fraction is within alpha (-1 below the floor, inf if none is late)."""
-    reqs = [RequestSpec(f"r{i}", 10, s, d) for i, (s, d) in enumerate(zip(slos, deposits, strict=False))]
+    reqs = [
+        RequestSpec(f"r{i}", 10, s, d) for i, (s, d) in enumerate(zip(slos, deposits, strict=False))
+    ]
     t = _max_step_ms(reqs, window, alpha, floor)
     if t < 0:
         assert _late(reqs, floor, window) > alpha
@@ -123,9 +130,13 @@ def test_max_step_is_the_late_fraction_threshold(slos, deposits, window, alpha, 
 def test_prefix_sum_evaluator_matches_heap_and_model_with_cutoffs(blocks, layers, data):
     """exact_ms equals the event-heap version and model.step_time_ms; with a cutoff it is exact below it and inf at or above it."""
     cs = candidate_set(layers)
-    comp = data.draw(st.lists(st.sampled_from([0.0, 0.3, 1.0, 2.5]), min_size=layers, max_size=layers))
+    comp = data.draw(
+        st.lists(st.sampled_from([0.0, 0.3, 1.0, 2.5]), min_size=layers, max_size=layers)
+    )
     bw = data.draw(st.floats(0.2, 50.0))
-    assign = data.draw(st.lists(st.integers(0, cs.size - 1), min_size=len(blocks), max_size=len(blocks)))
+    assign = data.draw(
+        st.lists(st.integers(0, cs.size - 1), min_size=len(blocks), max_size=len(blocks))
+    )
     ev = Evaluator(cs, blocks, comp, bw)
     exact = step_time_ms([cs.rows[c] for c in assign], blocks, comp, bw)
     got = ev.exact_ms(assign)
@@ -179,8 +190,17 @@ def test_bound_pauses_skip_searches_on_hopeless_batches():
 
 def test_windows_cost_few_searches():
     """Choosing the largest feasible window takes at most four searches (plus none per bound pause)."""
-    batch = make_batch([40, 55, 30], layers=6, comp=1.0, gbps=2.0, slo=[9.0, 12.0, 30.0], deposits=[5, 0, 9],
-                       alpha=0.5, window=(1, 64), budget=int(0.5 * 130 * 6))
+    batch = make_batch(
+        [40, 55, 30],
+        layers=6,
+        comp=1.0,
+        gbps=2.0,
+        slo=[9.0, 12.0, 30.0],
+        deposits=[5, 0, 9],
+        alpha=0.5,
+        window=(1, 64),
+        budget=int(0.5 * 130 * 6),
+    )
     plan = Planner().plan(batch, time_budget_ms=10_000)
     assert plan.extras["searches"] <= 4
     assert plan.feasible or plan.paused
@@ -200,13 +220,22 @@ class TickClock:
 def test_default_budget_is_capped_and_the_deadline_is_kept_in_clock_ticks():
     """A 2 s default budget (25% of an 8 s step) is capped at max_default_budget_ms; the search stops within a few clock reads of it."""
     contexts = [3000 + 1700 * i for i in range(12)]
-    batch = make_batch(contexts, layers=8, comp=1000.0, gbps=0.05, block_size=16,
-                       budget=int(0.4 * sum(-(-c // 16) for c in contexts) * 8), slo=1e9)
+    batch = make_batch(
+        contexts,
+        layers=8,
+        comp=1000.0,
+        gbps=0.05,
+        block_size=16,
+        budget=int(0.4 * sum(-(-c // 16) for c in contexts) * 8),
+        slo=1e9,
+    )
     clock = TickClock()
     plan = Planner(clock=clock, max_default_budget_ms=30.0).plan(batch)
     assert plan.feasible and plan.placements
     assert 30.0 <= plan.solve_ms <= 30.0 + 5.0
-    explicit = Planner(clock=TickClock(), max_default_budget_ms=30.0).plan(batch, time_budget_ms=80.0)
+    explicit = Planner(clock=TickClock(), max_default_budget_ms=30.0).plan(
+        batch, time_budget_ms=80.0
+    )
     assert 80.0 <= explicit.solve_ms <= 85.0
 
 
