@@ -69,11 +69,17 @@ class SlotResidency:
         self.last_moves = LayerPageMoves({}, {})
         self.has_kv = torch.zeros(store.config.logical_pages, dtype=torch.bool)
         """Pages holding KV (written since SGLang allocated them): only these are copied on onload."""
+        self._changed = True
+        """Anything but appended pages changed since the last full reconcile (forces a full one)."""
+        self._appended: list[tuple[_Request, torch.Tensor]] = []
+        self.full_reconciles = 0
+        """Full (mask-based) reconciliations run; the rest took the append-only fast path."""
 
     # ----- request state ----------------------------------------------------------
 
     def update_residency(self, wants: Mapping[str, RequestResidency]) -> None:
         """Record the plan's wants (rids not in ``wants`` keep their previous state)."""
+        self._changed = True
         for rid, want in wants.items():
             if len(want.gpu_layers) != self.layers:
                 raise ValueError(
@@ -104,17 +110,28 @@ class SlotResidency:
         req = self._requests.get(rid)
         if req is None:
             self._requests[rid] = _Request(pages=pages, gpu_layers=[True] * self.layers, anonymous=anonymous)
-        else:
-            req.pages = pages
+            self._changed = True
+            return
+        if not self._changed:
+            kept = torch.isin(req.pages, pages)
+            if bool(kept.all()):
+                added = pages[~torch.isin(pages, req.pages)]
+                if added.numel():
+                    self._appended.append((req, added))
+            else:
+                self._changed = True
+        req.pages = pages
 
     def release_request(self, rid: str) -> None:
         """Forget ``rid`` (unknown ids are ignored: release is idempotent)."""
-        self._requests.pop(rid, None)
+        if self._requests.pop(rid, None) is not None:
+            self._changed = True
 
     def drop_anonymous(self) -> None:
         """Forget requests observed without an id (dummy / warm-up batches)."""
         for rid in [r for r, req in self._requests.items() if req.anonymous]:
             del self._requests[rid]
+            self._changed = True
 
     def gpu_layers(self, rid: str) -> tuple[bool, ...] | None:
         """Current wanted residency of ``rid`` (None if unknown)."""
@@ -130,6 +147,7 @@ class SlotResidency:
         self.store.release_pages(pages)
         if not pages:
             return
+        self._changed = True
         freed = torch.zeros(self.store.config.logical_pages, dtype=torch.bool)
         freed[torch.tensor(pages, dtype=torch.int64)] = True
         self.has_kv[freed] = False
@@ -173,7 +191,17 @@ class SlotResidency:
     # ----- reconciliation -----------------------------------------------------------
 
     def reconcile(self) -> ResidencyDelta:
-        """Make the device hold the wanted layer-pages (within the budget); see module doc."""
+        """Make the device hold the wanted layer-pages (within the budget); see module doc.
+
+        Fast path: when the only change since the last full reconciliation is pages appended to
+        known requests (decode), no request is paused and the new layer-pages fit, they are
+        placed directly -- the same result as the full mask computation, without it.
+        """
+        fast = self._reconcile_appended()
+        if fast is not None:
+            return fast
+        self.full_reconciles += 1
+        self._appended = []
         store = self.store
         d2h_before, h2d_before = store.d2h_bytes, store.h2d_bytes
         resident = store.resident_mask()
@@ -201,6 +229,7 @@ class SlotResidency:
         offloaded = self._apply_drops(drop)
         loaded, placed, shortfall = self._apply_needs(need)
         self.shortfall_total += shortfall
+        self._changed = shortfall > 0 or given_up > 0 or any(r.paused for r in self._requests.values())
         store.publish_map()
         self.last_moves = LayerPageMoves(offloaded=offloaded, loaded=loaded)
         return ResidencyDelta(
@@ -212,6 +241,48 @@ class SlotResidency:
             local_offloaded_layers=local_flips,
             h2d_bytes=store.h2d_bytes - h2d_before,
             d2h_bytes=store.d2h_bytes - d2h_before,
+        )
+
+    def _reconcile_appended(self) -> ResidencyDelta | None:
+        if self._changed:
+            return None
+        appended, self._appended = self._appended, []
+        layers_list, pages_list = [], []
+        for req, added in appended:
+            wanted = [i for i, on in enumerate(req.gpu_layers) if on]
+            if wanted and added.numel():
+                grid_l = torch.tensor(wanted).repeat_interleave(added.numel())
+                grid_p = added.repeat(len(wanted))
+                layers_list.append(grid_l)
+                pages_list.append(grid_p)
+        if not layers_list:
+            self.last_moves = LayerPageMoves({}, {})
+            return ResidencyDelta(0, 0, 0, 0, 0, 0, 0, 0)
+        layers, pages = torch.cat(layers_list), torch.cat(pages_list)
+        pairs = torch.unique(layers * self.store.config.logical_pages + pages)
+        layers, pages = pairs // self.store.config.logical_pages, pairs % self.store.config.logical_pages
+        missing = self.store.map_cpu[layers, pages] < 0
+        layers, pages = layers[missing], pages[missing]
+        if layers.numel() > self.store.allocator.free_count:
+            self._changed = True
+            return None
+        h2d_before = self.store.h2d_bytes
+        copy = self.has_kv[pages]
+        self.store.onload(layers, pages, copy)
+        self.store.publish_map()
+        loaded: dict[int, list[int]] = {}
+        for layer, page in zip(layers[copy].tolist(), pages[copy].tolist(), strict=True):
+            loaded.setdefault(layer, []).append(page)
+        self.last_moves = LayerPageMoves(offloaded={}, loaded=loaded)
+        return ResidencyDelta(
+            loaded_layer_pages=int(copy.sum()),
+            offloaded_layer_pages=0,
+            removable_dropped_layer_pages=0,
+            placed_new_layer_pages=int((~copy).sum()),
+            shortfall_layer_pages=0,
+            local_offloaded_layers=0,
+            h2d_bytes=self.store.h2d_bytes - h2d_before,
+            d2h_bytes=0,
         )
 
     def _paused_mask(self) -> torch.Tensor:

@@ -301,3 +301,25 @@ def test_unplanned_wants_leave_the_decision_to_the_local_fallback():
     pool.update_residency({"big": RequestResidency(pages=pages, gpu_layers=(False, True, False))})
     assert pool.residency.gpu_layers("big") == (False, True, False)
     h.check()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(op, min_size=1, max_size=25), budget=st.sampled_from([4, 12, 200]))
+def test_append_fast_path_places_exactly_what_the_full_pass_would(ops, budget):
+    """Residency after every step is the same with and without the append-only fast path."""
+    fast, full = make_pool(budget_tokens=budget), make_pool(budget_tokens=budget)
+    full.residency._reconcile_appended = lambda: None
+    hf, hs = Harness(fast), Harness(full)
+    for item in ops:
+        kind, rid = item[0], item[1]
+        for h, pool in ((hf, fast), (hs, full)):
+            if kind == "step":
+                share = item[3] if item[3] in h.slots and rid not in h.slots and item[3] != rid else None
+                share_pages = min(item[4], len(h.slots[share]) // PAGE) if share else 0
+                h.step(rid, item[2], share, share_pages)
+            elif kind == "want" and rid in h.slots:
+                pool.update_residency({rid: wants(pool, h, rid, item[2], paused=item[3])})
+            elif kind == "release" and rid in h.slots:
+                h.release(rid)
+        assert torch.equal(fast.store.resident_mask(), full.store.resident_mask())
+    hf.check()
