@@ -1,7 +1,7 @@
 """`kvplane bench sglang`: SGLang tokens/s with and without ``--enable-layered-kv``.
 
 Three servers on the tiny local model (CPU recipe of ``sglang_ext/testing/server.py``), started
-together and kept up; the demo's mixed workload (``sglang_ext/tools/workload.py``: streaming and
+one after the other and kept up (idle ones sleep); the demo's mixed workload (``sglang_ext/tools/workload.py``: streaming and
 non-streaming, completions and chat) runs on one server at a time in interleaved rounds (a
 warm-up round, then ``--repeat`` measured rounds, order rotated), so drifting load on a shared
 host hits every configuration alike:
@@ -30,7 +30,6 @@ import platform
 import re
 import statistics
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -169,10 +168,10 @@ def _stats_summary(path: Path) -> tuple[int, float | None, int]:
 def measure_all(
     configs: dict[str, tuple[str, ...]], model_dir: Path, workdir: Path, args: argparse.Namespace
 ) -> list[ConfigResult]:
-    """Start every configuration's server (in parallel), then run the workload in interleaved
+    """Start every configuration's server (one after the other), then run the workload in interleaved
     rounds -- a warm-up round, then ``args.repeat`` measured rounds, the order rotated each round
     -- so load drift on a shared host hits every configuration alike; stop them all."""
-    from sglang_ext.testing.server import SGLangServer
+    from sglang_ext.testing.server import ServerError, SGLangServer
     from sglang_ext.tools.workload import mixed_workload, run_workload
 
     servers: dict[str, SGLangServer] = {}
@@ -190,24 +189,29 @@ def measure_all(
     errors: dict[str, BaseException] = {}
 
     def start(name: str) -> None:
-        t0 = time.monotonic()
-        try:
-            servers[name].start()
-        except BaseException as exc:  # reported below, after every start finished
-            errors[name] = exc
-        startup_s[name] = time.monotonic() - t0
+        # One at a time (a start-up under heavy load can time out inside SGLang's own post-start
+        # step and exit), with one retry; idle servers sleep (--sleep-on-idle) meanwhile.
+        for attempt in (1, 2):
+            t0 = time.monotonic()
+            try:
+                servers[name].start()
+                startup_s[name] = time.monotonic() - t0
+                errors.pop(name, None)
+                return
+            except ServerError as exc:
+                errors[name] = exc
+                servers[name].stop()  # reap what is left; the retry gets a fresh port
+                servers[name].port = 0
+                print(f"[bench sglang] {name}: start-up attempt {attempt} failed", flush=True)
 
-    threads = [threading.Thread(target=start, args=(n,)) for n in servers]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
     rates: dict[str, list[float]] = {n: [] for n in servers}
     cpu_rates: dict[str, list[float]] = {n: [] for n in servers}
     failed = dict.fromkeys(servers, 0)
     tokens = dict.fromkeys(servers, 0)
     load: dict[str, list[float]] = {n: [] for n in servers}
     try:
+        for name in servers:
+            start(name)
         if errors:
             raise RuntimeError(f"server(s) failed to start: {errors}")
         names = list(servers)
@@ -328,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
         workdir = Path(tmp)
         model_dir = build_tiny_model(workdir / "model", TinyModelSpec())
         print(
-            f"[bench sglang] launching {', '.join(configs)} (in parallel; CPU start-up takes minutes) ...",
+            f"[bench sglang] launching {', '.join(configs)} (one after the other; CPU start-up takes minutes) ...",
             flush=True,
         )
         results = measure_all(configs, model_dir, workdir, args)
