@@ -173,12 +173,16 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
     def prepare_step(
         self, requests: Sequence[tuple[str | None, torch.Tensor]], new_slots: torch.Tensor | None
     ) -> ResidencyDelta:
-        """Boundary before a forward: ``requests`` = (rid, slots of its first seq_len tokens)."""
+        """Boundary before a forward: ``requests`` = (rid, slots of its first seq_len tokens).
+
+        Positions ``[i * page_size, (i + 1) * page_size)`` of a request share one page (SGLang's
+        paged allocation), so its pages are ``slots[::page_size] // page_size``.
+        """
         self.residency.drop_anonymous()
         self.store.sync_dirty()
         ps = self.page_size
         for index, (rid, slots) in enumerate(requests):
-            pages = torch.unique(slots.to("cpu", torch.int64) // ps)
+            pages = slots.to("cpu", torch.int64)[::ps] // ps  # position order; one slot per page
             if rid is None:
                 self.residency.observe(f"__anonymous_{index}", pages, anonymous=True)
             else:

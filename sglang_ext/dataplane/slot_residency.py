@@ -106,18 +106,22 @@ class SlotResidency:
             req.paused = want.paused
 
     def observe(self, rid: str, pages: torch.Tensor, *, anonymous: bool = False) -> None:
-        """The request's pages as of this step (new requests: local fallback, all layers)."""
+        """The request's pages in position order as of this step (new requests: local fallback).
+
+        A running request's pages only grow at the end (SGLang appends to its ``req_to_token``
+        row), which is what the append-only fast path of :meth:`reconcile` relies on; anything
+        else forces a full pass.
+        """
         req = self._requests.get(rid)
         if req is None:
             self._requests[rid] = _Request(pages=pages, gpu_layers=[True] * self.layers, anonymous=anonymous)
             self._changed = True
             return
         if not self._changed:
-            kept = torch.isin(req.pages, pages)
-            if bool(kept.all()):
-                added = pages[~torch.isin(pages, req.pages)]
-                if added.numel():
-                    self._appended.append((req, added))
+            old = req.pages.numel()
+            if old <= pages.numel() and torch.equal(pages[:old], req.pages):
+                if pages.numel() > old:
+                    self._appended.append((req, pages[old:]))
             else:
                 self._changed = True
         req.pages = pages
