@@ -26,7 +26,7 @@ Runs on the scheduler thread; every TP rank applies the same calls in the same o
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +72,7 @@ class PauseManager:
     def __init__(
         self,
         hooks: ResidencyHooks | None = None,
-        pages_of: Callable[[Any], list[int]] | None = None,
+        pages_of: Callable[[Any], Sequence[int]] | None = None,
     ) -> None:
         self._parked: dict[str, ParkedRequest] = {}
         self._hooks = hooks
@@ -112,12 +112,12 @@ class PauseManager:
                 (
                     i
                     for i, req in enumerate(running_batch.reqs)
-                    if req.rid == rid and not req.finished()
+                    if req.rid == rid and not req.finished() and req.to_finish is None
                 ),
                 None,
             )
             if idx is None:
-                continue  # not decoding now (finished, still prefilling, or unknown)
+                continue  # not decoding (finished, finishing/aborted, prefilling, unknown)
             req = running_batch.reqs[idx]
             taken = copy.copy(running_batch)
             taken.sampling_info = copy.copy(running_batch.sampling_info)

@@ -86,7 +86,7 @@ class StepStatsWriter:
 def _stats_dict(stats: Any) -> dict[str, Any] | None:
     if stats is None:
         return None
-    if is_dataclass(stats):
+    if is_dataclass(stats) and not isinstance(stats, type):
         return {k: v for k, v in asdict(stats).items() if isinstance(v, int | float | bool | str)}
     return None
 

@@ -22,7 +22,8 @@ from sglang_ext.testing.server import SGLangServer
 from tests.service.conftest import ServeProcess, free_port, wait_until
 from tests.sglang.conftest import PROMPTS
 
-pytestmark = pytest.mark.sglang
+# Two SGLang start-ups (30-600 s each on the shared 2-core host) happen inside the first test.
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]
 
 MAX_NEW_TOKENS = 48
 

@@ -23,7 +23,8 @@ from sglang_ext.scheduler_hooks import STATS_FILE_ENV
 from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import PROMPTS, greedy
 
-pytestmark = pytest.mark.sglang
+# Two SGLang start-ups (30-600 s each on the shared 2-core host) happen inside the first test.
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]
 
 MAX_NEW_TOKENS = 12
 
@@ -90,6 +91,15 @@ def test_paused_requests_finish_token_identical_to_vanilla(paused_server, vanill
     assert kinds.count(ResidencyEventKind.RESUMED) == len(resumed_now)
 
 
+def test_flag_implies_disable_overlap_schedule(paused_server):
+    """--enable-layered-kv runs SGLang's normal (non-overlap) loop: plans need a step boundary."""
+    import urllib.request
+
+    server, _, _ = paused_server
+    info = json.loads(urllib.request.urlopen(server.base_url + "/server_info", timeout=30).read())
+    assert info["disable_overlap_schedule"] is True
+
+
 def test_stats_lines_describe_each_step(paused_server):
     """Every stats line carries the step, its time, per-request GPU layer counts and pool occupancy."""
     server, stats_path, _ = paused_server
@@ -105,3 +115,4 @@ def test_stats_lines_describe_each_step(paused_server):
         if line["layered_pool"]:
             assert 0 <= line["device_pages_used"] <= line["device_pages_total"]
             assert 0.0 <= line["host_fraction"] <= 1.0
+
