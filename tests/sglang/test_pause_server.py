@@ -116,3 +116,42 @@ def test_stats_lines_describe_each_step(paused_server):
             assert 0 <= line["device_pages_used"] <= line["device_pages_total"]
             assert 0.0 <= line["host_fraction"] <= 1.0
 
+
+
+def test_aborting_a_paused_request_frees_it_and_the_server_keeps_serving(paused_server):
+    """A request aborted while paused is resumed into SGLang's own abort path (KV freed there): it
+    ends as aborted, the others complete, and the server keeps serving (no leaked KV)."""
+    import urllib.request
+
+    from tests.service.conftest import wait_until
+
+    server, stats_path, _ = paused_server
+    start = len(_stats(stats_path))
+    rid = "kvplane-abort-me"
+    long_req = {
+        "text": "A very long story begins",
+        "rid": rid,
+        "sampling_params": {"max_new_tokens": 1500, "temperature": 0.0, "ignore_eos": True},
+    }
+    with ThreadPoolExecutor(8) as pool:
+        victim = pool.submit(server.post, "/generate", long_req, 900.0)
+        others = [pool.submit(greedy, server, p, 64) for p in PROMPTS[:6]]
+        assert wait_until(
+            lambda: any(rid in line["paused"] for line in _stats(stats_path)[start:]), 400.0, 0.1
+        ), "the long request was never paused"
+        abort = urllib.request.Request(
+            server.base_url + "/abort_request",
+            data=json.dumps({"rid": rid}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(abort, timeout=30) as resp:
+            assert resp.status == 200
+        out = victim.result(timeout=600)
+        assert out["meta_info"]["finish_reason"]["type"] == "abort"
+        assert out["meta_info"]["completion_tokens"] < 1500
+        for f in others:
+            assert f.result(timeout=600)["meta_info"]["completion_tokens"] >= 1
+    assert greedy(server, "Still serving after the abort", 4)["meta_info"]["completion_tokens"] == 4
+    assert "paused_requests_aborted" in server.log_path.read_text()
+    last = _stats(stats_path)[-1]
+    assert last["paused"] == [] and rid not in last["running"]
