@@ -9,7 +9,6 @@ Batches go through :meth:`Batch.from_dict`, so the Plan RPC validates exactly li
 from __future__ import annotations
 
 import dataclasses
-
 import math
 from collections.abc import Mapping
 from typing import Any
