@@ -175,6 +175,27 @@ class SGLangServer:
         except urllib.error.HTTPError as exc:
             raise ServerError(f"POST {path} -> {exc.code}: {exc.read().decode(errors='replace')}") from exc
 
+    def flush_cache(self, timeout_s: float = 60.0) -> None:
+        """POST ``/flush_cache`` until SGLang accepts it.
+
+        SGLang refuses (HTTP 400) while its scheduler is not fully idle, and it still holds
+        the last batch for one loop iteration after the final response went out, so a flush
+        right after a request can race; retry until ``timeout_s`` and then raise with the body.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            req = urllib.request.Request(self.base_url + "/flush_cache", method="POST")
+            try:
+                with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                    if resp.status == 200:
+                        return
+                    body = resp.read().decode(errors="replace")
+            except urllib.error.HTTPError as exc:
+                body = f"{exc.code}: {exc.read().decode(errors='replace')}"
+            if time.monotonic() > deadline:
+                raise ServerError(f"POST /flush_cache kept failing for {timeout_s:.0f} s: {body}")
+            time.sleep(0.2)
+
     def stream(self, path: str, payload: Mapping[str, Any], timeout_s: float = 120.0) -> list[dict]:
         """POST a streaming request; return the decoded ``data:`` events (without ``[DONE]``)."""
         req = urllib.request.Request(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import threading
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -143,8 +142,7 @@ def test_concurrent_requests_share_the_budget(offload):
 
 def test_residency_events_stay_consistent(offload):
     """After a flush every allocated block was freed exactly once; offloads were reported per layer."""
-    request = urllib.request.Request(offload.server.base_url + "/flush_cache", method="POST")
-    assert urllib.request.urlopen(request).status == 200
+    offload.server.flush_cache()
     events = read_jsonl_events(offload.events_path)
     report = check_block_lifecycle(events)
     assert report.errors == ()

@@ -82,8 +82,7 @@ def test_every_allocated_block_is_freed_exactly_once(layered):
     server, events_path = layered
     for prompt in PROMPTS[:4]:
         greedy(server, prompt)
-    request = urllib.request.Request(server.base_url + "/flush_cache", method="POST")
-    assert urllib.request.urlopen(request).status == 200
+    server.flush_cache()
     events = read_jsonl_events(events_path)
     report = check_block_lifecycle(events)
     assert report.errors == ()
