@@ -151,6 +151,10 @@ class ResidencyHooks:
             if sub in self._subscriptions:
                 self._subscriptions.remove(sub)
 
+    def wants(self, kind: ResidencyEventKind) -> bool:
+        """Whether any subscriber receives ``kind`` (emitters skip building unwanted events)."""
+        return any(sub.wants(kind) for sub in self._subscriptions)
+
     @property
     def has_subscribers(self) -> bool:
         """Whether anyone listens (emitters may skip building events otherwise)."""

@@ -3,9 +3,12 @@
 :class:`LayeredTorchNativeAttnBackend` (CPU and any device; correctness): SGLang's own
 ``TorchNativeAttnBackend`` math, unchanged, fed with K/V gathered through
 ``pool.layer_kv(layer, slots)`` -- device pages directly, offloaded pages from host in one
-batched gather per layer. ``init_forward_metadata`` is the step boundary: it hands the batch
+batched gather per layer. When every row of a layer is on the device (nothing offloaded) the
+parent instead reads the device page pool in place through a per-layer table of device rows:
+no copy, the same values. ``init_forward_metadata`` is the step boundary: it hands the batch
 to ``pool.prepare_step`` (placement reconciled, events, stats) and builds a compact
-``req_to_token`` table over the gathered rows, so the parent's per-request SDPA loop reads
+``req_to_token`` table over the gathered rows (one row per batch request; the parent's SDPA
+helpers get row ids ``0..bs-1`` in place of ``req_pool_indices``), so the parent's per-request SDPA loop reads
 exactly the values it would read from a flat pool (same dtype, same order): greedy outputs
 are token-identical to vanilla.
 
@@ -40,7 +43,30 @@ class _GatheredKV:
 
     def _gather(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._layer != layer_id or self._kv is None:
-            self._kv = self._backend.pool.layer_kv(layer_id, self._backend.batch_slots)
+            backend = self._backend
+            if backend.layer_timer is not None:
+                backend.layer_timer.mark(layer_id - backend.pool.start_layer)
+            slots = backend.batch_slots
+            rows = None
+            if backend.in_place:
+                # Identity layout, all resident: the parent reads this layer exactly like
+                # SGLang's own pool (slot ids, real req_to_token and req_pool_indices).
+                backend.req_to_token_pool.req_to_token = backend.real_req_to_token_pool.req_to_token
+                self._kv = backend.pool.layer_in_place(layer_id)
+                backend.direct_layers += 1
+                self._layer = layer_id
+                return self._kv
+            if slots.numel():
+                rows = backend.pool.device_rows(layer_id, slots)
+            if rows is not None:
+                # Every row of this layer is on the device: the parent reads the device pool in
+                # place through a table of device rows (no copy, one small index per layer).
+                backend.req_to_token_pool.req_to_token = rows[backend.compact_table]
+                self._kv = backend.pool.device_kv()
+                backend.direct_layers += 1
+            else:
+                backend.req_to_token_pool.req_to_token = backend.compact_table
+                self._kv = backend.pool.layer_kv(layer_id, slots)
             self._layer = layer_id
         return self._kv
 
@@ -76,6 +102,15 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         self.batch_slots = torch.zeros(0, dtype=torch.int64, device=self.device)
         self.batch_rids: list[str | None] = []
         self.batch_request_slots: list[torch.Tensor] = []
+        self.compact_table = self.req_to_token_pool.req_to_token
+        self.compact_rows = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self.in_place = False
+        self.layer_timer: Any = None
+        """A :class:`~sglang_ext.layer_timing.LayerTimer` set by the scheduler hooks (rank 0)."""
+        """This step reads every layer in place (identity layout, all of the batch resident)."""
+        """``req_to_token`` rows of the batch as positions into ``batch_slots``."""
+        self.direct_layers = 0
+        """Layer reads served in place from the device pool (all rows resident), not gathered."""
         self.last_delta = None
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
@@ -93,14 +128,27 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         self.last_delta = self.pool.prepare_step(list(zip(rids, per_req, strict=True)), forward_batch.out_cache_loc)
         self.batch_rids, self.batch_request_slots = list(rids), per_req
         self.batch_slots = torch.cat(per_req) if per_req else self.batch_slots[:0]
+        # Row i of the compact table = positions of request i's tokens in batch_slots (0-padded);
+        # the parent is handed row ids 0..bs-1 instead of SGLang's req_pool_indices.
         width = max(lens, default=1) or 1
-        table = torch.zeros((max(rows_cpu, default=0) + 1, width), dtype=torch.int64, device=self.device)
-        start = 0
-        for row, n in zip(rows_cpu, lens, strict=True):
-            table[row, :n] = torch.arange(start, start + n, device=self.device)
-            start += n
-        self.req_to_token_pool.req_to_token = table
+        lens_t = torch.tensor(lens, dtype=torch.int64, device=self.device)
+        starts = torch.cumsum(lens_t, 0) - lens_t
+        cols = torch.arange(width, dtype=torch.int64, device=self.device)
+        table = torch.where(cols[None, :] < lens_t[:, None], starts[:, None] + cols[None, :], 0)
+        self.compact_rows = torch.arange(bs, dtype=torch.int64, device=self.device)
+        self.compact_table = self.req_to_token_pool.req_to_token = table
+        self.in_place = bs > 0 and self.pool.readable_in_place(self.batch_slots)
         self.token_to_kv_pool._layer = None
+
+    def _rows_arg(self, args: tuple) -> tuple:
+        # positional like the parent's calls: (q, o, k, v, req_to_token, req_pool_indices, ...)
+        return args if self.in_place else (*args[:5], self.compact_rows, *args[6:])
+
+    def _run_sdpa_forward_extend(self, *args: Any, **kwargs: Any) -> Any:
+        return super()._run_sdpa_forward_extend(*self._rows_arg(args), **kwargs)
+
+    def _run_sdpa_forward_decode(self, *args: Any, **kwargs: Any) -> Any:
+        return super()._run_sdpa_forward_decode(*self._rows_arg(args), **kwargs)
 
 
 try:  # GPU path: import-guarded (flashinfer needs CUDA)

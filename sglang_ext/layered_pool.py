@@ -51,6 +51,8 @@ placements, pauses, and these stats under ``pool``) is ``$KVPLANE_STATS_FILE``, 
 :mod:`sglang_ext.scheduler_hooks`."""
 
 _GB = 1e9
+WRITEBACK_FREE_SHARE = 0.25
+"""Eager write-back runs at a step boundary when fewer than this share of device pages are free."""
 
 
 class LayeredTokenToKVPool(MHATokenToKVPool):
@@ -87,7 +89,9 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         logical_pages = -(-(self.size + self.page_size) // self.page_size)
         budget_tokens = self._layered_args.kv_gpu_budget_tokens
         if budget_tokens is None:
-            device_pages = (logical_pages - 1) * self.layer_num  # what SGLang's pool would hold
+            # every layer of every page (what SGLang's own pool holds, plus the padding page):
+            # the store then uses the identity layout and attention reads it in place
+            device_pages = logical_pages * self.layer_num
         else:
             device_pages = budget_tokens // self.page_size
             if device_pages < 1:
@@ -157,12 +161,16 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
     def update_residency(self, wants: Mapping[str, RequestResidency]) -> ResidencyDelta:
         """Install the plan's wants and move data now (call at a step boundary only)."""
         self.residency.update_residency(wants)
-        self.store.sync_dirty()
+        self._eager_writeback()
         return self._reconcile()
 
     def release_request(self, rid: str) -> None:
         """The request finished or was aborted: drop its wants (tree-owned pages stay)."""
         self.residency.release_request(rid)
+
+    def free_device_pages(self) -> int:
+        """Device layer-pages free now (cheap: the allocator's count, no stats pass)."""
+        return self.store.allocator.free_count
 
     def residency_stats(self) -> ResidencyStats:
         """Device/host occupancy, host fraction of live KV, bytes moved."""
@@ -179,7 +187,7 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         paged allocation), so its pages are ``slots[::page_size] // page_size``.
         """
         self.residency.drop_anonymous()
-        self.store.sync_dirty()
+        self._eager_writeback()
         ps = self.page_size
         for index, (rid, slots) in enumerate(requests):
             pages = slots.to("cpu", torch.int64)[::ps] // ps  # position order; one slot per page
@@ -193,6 +201,19 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         self._step += 1
         self._write_stats_line(len(requests), 0 if new_slots is None else int(new_slots.numel()), delta)
         return delta
+
+    def _eager_writeback(self) -> None:
+        """Write dirty device layer-pages back to host at the boundary -- under memory pressure only.
+
+        SuperInfer §4.3.2 (eager block rotation): with host copies current, a later offload only
+        drops the device copy. While the device pool has room (free share at least
+        :data:`WRITEBACK_FREE_SHARE`) no offload is near, so the copy is deferred:
+        :meth:`SlotKVStore.offload` writes back any dirty page itself before dropping it, so
+        correctness never depends on this call.
+        """
+        allocator = self.store.allocator
+        if allocator.free_count < WRITEBACK_FREE_SHARE * allocator.capacity:
+            self.store.sync_dirty()
 
     def _reconcile(self) -> ResidencyDelta:
         delta = self.residency.reconcile()
@@ -250,8 +271,6 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
             cache_k = cache_k.view(self.store_dtype)
             cache_v = cache_v.view(self.store_dtype)
         n = loc.numel()
-        if loc.device.type == "cpu":  # on CUDA prepare_step marked this step's slots already
-            self.residency.mark_written(torch.unique(loc.to(torch.int64) // self.page_size))
         self.store.write(
             layer_id - self.start_layer,
             loc,
@@ -262,6 +281,33 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
     def layer_kv(self, layer_id: int, token_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[n, H, D]`` (pool dtype) of ``token_slots`` at ``layer_id``."""
         k, v = self.store.gather(layer_id - self.start_layer, token_slots)
+        if self.store_dtype != self.dtype:
+            return k.view(self.dtype), v.view(self.dtype)
+        return k, v
+
+    def device_rows(self, layer_id: int, token_slots: torch.Tensor) -> torch.Tensor | None:
+        """Rows of ``token_slots`` in :meth:`device_kv` at ``layer_id`` if all are on the device."""
+        return self.store.device_rows(layer_id - self.start_layer, token_slots)
+
+    def readable_in_place(self, token_slots: torch.Tensor) -> bool:
+        """Identity layout and every layer of these slots' pages on the device: attention may read
+        :meth:`layer_in_place` with SGLang's own slot ids this step (no table, no copy)."""
+        if not self.store.identity:
+            return False
+        if self.residency.all_live_resident():  # the batch's pages all belong to live requests
+            return True
+        return self.store.all_resident(token_slots.to("cpu", torch.int64) // self.page_size)
+
+    def layer_in_place(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer indexed by slot id (identity layout; pool dtype; views)."""
+        k, v = self.store.layer_in_place(layer_id - self.start_layer)
+        if self.store_dtype != self.dtype:
+            return k.view(self.dtype), v.view(self.dtype)
+        return k, v
+
+    def device_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device page pool as flat K and V rows (pool dtype; views, no copy)."""
+        k, v = self.store.device_views()
         if self.store_dtype != self.dtype:
             return k.view(self.dtype), v.view(self.dtype)
         return k, v

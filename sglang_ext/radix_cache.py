@@ -142,7 +142,9 @@ class LayeredRadixCache(RadixCache):
         if row is not None:
             self._rid_of_row[row] = rid
         self._live_blocks.update(blocks)
-        self.residency_hooks.emit(_K.ALLOCATED if first else _K.EXTENDED, blocks, rid=rid)
+        kind = _K.ALLOCATED if first else _K.EXTENDED
+        if self.residency_hooks.wants(kind):  # per decode token: skip the event nobody reads
+            self.residency_hooks.emit(kind, blocks, rid=rid)
 
     def on_alloc_extend(self, batch: Any, out_cache_loc: torch.Tensor) -> None:
         """Attribute an extend batch's new slots (concatenated in request order) to requests."""

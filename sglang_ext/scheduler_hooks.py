@@ -29,6 +29,7 @@ Registered by :mod:`sglang_ext.plugin` in scheduler processes when ``--enable-la
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import os
 import socket
@@ -42,8 +43,10 @@ import structlog
 
 from controlplane.api import Decision, QueuedRequest, RequestState, StepReport, WorkerInfo
 from controlplane.model import Hardware, ModelSpec, Profile
+from sglang_ext.admission import GATED_SCHEDULERS, AdmissionGate, request_slo
 from sglang_ext.args import LayeredKVArgs
 from sglang_ext.control_client import ControlClient, build_control_plane, process_fallback_counter
+from sglang_ext.layer_timing import LayerTimer
 from sglang_ext.pause import PauseManager
 from sglang_ext.tp_sync import PlacementInstaller, StepInstall, TpSync
 
@@ -120,6 +123,11 @@ class SchedulerHooks:
         self._boundary: dict[str, Any] = {}
         self.client: ControlClient | None = None
         self.stats: StepStatsWriter | None = None
+        self.admission = AdmissionGate(enabled=args.kv_scheduler in GATED_SCHEDULERS)
+        self.timer: LayerTimer | None = None
+        backend = getattr(getattr(getattr(scheduler, "tp_worker", None), "model_runner", None), "attn_backend", None)
+        if self.tp.is_source and hasattr(backend, "layer_timer"):
+            self.timer = backend.layer_timer = LayerTimer(self.layers, getattr(self.pool, "device", "cpu"))
         if self.tp.is_source:
             self.worker = self._worker_info()
             self.client = ControlClient(
@@ -210,9 +218,13 @@ class SchedulerHooks:
             decisions += self.client.poll()
         pause: dict[str, None] = dict.fromkeys(self._deferred_pause)
         resume: dict[str, None] = {}
+        admit: dict[str, None] = {}
+        prefill_layers: dict[str, int] = {}
         placements = None
         reasons: list[str] = []
         for d in decisions:
+            admit.update(dict.fromkeys(d.admit))
+            prefill_layers.update(d.min_gpu_layers)
             for rid in d.pause:
                 resume.pop(rid, None)
                 pause[rid] = None
@@ -230,12 +242,16 @@ class SchedulerHooks:
             placements=placements,
             fallback=bool(self.client is not None and self.client.in_fallback),
             reason=",".join(r for r in reasons if r),
+            admit=tuple(admit),
+            prefill_layers=prefill_layers or None,
         )
 
     def boundary(self, running_batch: Any, last_batch: Any) -> Any:
         """Apply this step's install before SGLang builds the batch; returns the running batch."""
         install = self.tp.share(self._compose(running_batch) if self.tp.is_source else None)
         self.installer.apply(install)
+        self.admission.admit(install.admit)
+        self.admission.open = install.fallback
         paused = self.pauser.pause(running_batch, install.pause, self.step + 1)
         for rid in paused:
             self._deferred_pause.pop(rid, None)
@@ -254,6 +270,7 @@ class SchedulerHooks:
             if rid not in alive and rid not in self.pauser:
                 del self._deferred_pause[rid]
         self._boundary = {
+            "admitted_now": list(install.admit),
             "paused_now": paused,
             "resumed_now": resumed,
             "decision": install.reason or None,
@@ -265,14 +282,19 @@ class SchedulerHooks:
         """SGLang allocated this step's KV: install the residency wants (layered pool only)."""
         if not self.installer.layered and self.stats is None:
             return
-        running: dict[str, tuple[int, ...]] = {}
+        live: dict[str, Any] = {}
         for batch in (getattr(plan, "running_batch", None), getattr(plan, "batch_to_run", None)):
             if batch is None:
                 continue
             for req in batch.reqs:
-                if not req.finished() and req.rid not in running:
-                    running[req.rid] = self.pages_of(req)
-        paused = {p.req.rid: self.pages_of(p.req) for p in self.pauser.parked()}
+                if not req.finished():
+                    live.setdefault(req.rid, req)
+        parked = {p.req.rid: p.req for p in self.pauser.parked()}
+        if self.installer.unchanged(live, parked):
+            self._boundary["install_delta"] = None  # steady state: nothing to install
+            return
+        running = {rid: self.pages_of(req) for rid, req in live.items()}
+        paused = {rid: self.pages_of(req) for rid, req in parked.items()}
         try:
             delta = self.installer.install(running, paused)
         except Exception:  # a failed install keeps the previous residency; never fail the step
@@ -281,8 +303,15 @@ class SchedulerHooks:
         self._boundary["install_delta"] = _stats_dict(delta)
 
     # ---- step end ---------------------------------------------------------------------------
-    def start_step(self) -> None:
+    def start_step(self, batch: Any) -> None:
         self._step_started = time.perf_counter()
+        if self.timer is not None:
+            mode = getattr(batch, "forward_mode", None)
+            self.timer.begin(bool(mode is not None and mode.is_decode()))
+
+    def forward_done(self) -> None:
+        if self.timer is not None:
+            self.timer.end()
 
     def end_step(self, batch: Any) -> None:
         step_ms = None
@@ -300,6 +329,10 @@ class SchedulerHooks:
         if not self.tp.is_source:
             return
         report = self._report(batch, finished, step_ms if is_decode else None)
+        if self.timer is not None:
+            layer_ms = self.timer.take()
+            if layer_ms is not None:
+                report = dataclasses.replace(report, layer_compute_ms=layer_ms)
         assert self.client is not None
         self._pending.extend(self.client.report(report))
         if self.stats is not None:
@@ -350,15 +383,12 @@ class SchedulerHooks:
             paused=paused,
             gpu_layers=gpu,
             max_new_tokens=int(max_new) if max_new else None,
+            slo_tbt_ms=request_slo(req),
         )
 
     def _free_blocks(self) -> int | None:
-        stats = self._pool_stats()
-        if stats is not None:
-            total = getattr(stats, "device_pages_total", None)
-            used = getattr(stats, "device_pages_used", None)
-            if isinstance(total, int) and isinstance(used, int):
-                return max(0, total - used)
+        if self.installer.layered and hasattr(self.pool, "free_device_pages"):
+            return int(self.pool.free_device_pages())
         try:
             free_pages = int(self.scheduler.token_to_kv_pool_allocator.available_size()) // self.page_size
         except Exception:
@@ -375,6 +405,9 @@ class SchedulerHooks:
             "mode": "decode" if is_decode else "extend",
             "step_ms": None if step_ms is None else round(step_ms, 3),
             "running": [r.id for r in report.running if not r.paused],
+            "slo_tbt_ms": {r.id: r.slo_tbt_ms for r in report.running if r.slo_tbt_ms is not None},
+            "held_total": self.admission.held_total,
+            "local_admits": self.admission.local_admits,
             "paused": [r.id for r in report.running if r.paused],
             "queued": len(report.queued),
             "finished": list(report.finished),
@@ -382,6 +415,7 @@ class SchedulerHooks:
                 rid: sum(w.gpu_layers) for rid, w in self.installer.last_wants.items() if not w.paused
             },
             "layers": self.layers,
+            "layer_compute_ms": None if report.layer_compute_ms is None else [round(x, 4) for x in report.layer_compute_ms],
             "layered_pool": self.installer.layered,
             "fallback": bool(self.client is not None and self.client.in_fallback),
             "fallback_steps": 0 if self.client is None else self.client.fallback_steps,
@@ -423,16 +457,23 @@ def _around_next_batch(original: Any, scheduler: Any, *args: Any, **kwargs: Any)
     running = hooks.boundary(running, call.get("last_batch", scheduler.last_batch))
     scheduler.running_batch = running
     call["running_batch"] = running
-    plan = original(scheduler, **call)
+    held = hooks.admission.hold_back(scheduler, running, hooks.pauser)
+    try:
+        plan = original(scheduler, **call)
+    finally:
+        hooks.admission.restore(scheduler, held)
     hooks.after_schedule(plan)
     return plan
 
 
 def _around_run_batch(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     hooks = _hooks_of(scheduler)
-    if hooks is not None:
-        hooks.start_step()
-    return original(scheduler, *args, **kwargs)
+    if hooks is None:
+        return original(scheduler, *args, **kwargs)
+    hooks.start_step(args[0] if args else kwargs.get("batch"))
+    result = original(scheduler, *args, **kwargs)
+    hooks.forward_done()
+    return result
 
 
 def _after_process_result(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:

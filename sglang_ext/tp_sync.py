@@ -13,7 +13,7 @@ With ``tp_size == 1`` nothing is broadcast.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,10 +38,15 @@ class StepInstall:
     """True when rank 0 ran this step without a live control plane."""
     reason: str = ""
     """Why (the decision's reason, or the local rule that fired)."""
+    admit: tuple[str, ...] = ()
+    """Queued requests the control plane admitted for prefill (``layerkv`` / ``lvf``), in order."""
+    prefill_layers: Mapping[str, int] | None = None
+    """Per admitted prefill, layers kept on the GPU while it prefills (LayerKV Eq. 4); the
+    others are written straight to host."""
 
     @property
     def empty(self) -> bool:
-        return not self.pause and not self.resume and self.placements is None
+        return not self.pause and not self.resume and self.placements is None and not self.admit
 
 
 @dataclass(frozen=True)
@@ -120,25 +125,35 @@ class PlacementInstaller:
     """Model layers L."""
     placements: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """Installed per-request placements (from the newest plan)."""
+    prefill_placements: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Admitted prefills not yet in a plan: their lowest ``min_gpu_layers`` layers on the GPU."""
     last_wants: dict[str, Any] = field(default_factory=dict)
     """The wants of the last install (also kept without a layered pool, for telemetry)."""
     installs: int = 0
     """update_residency calls made."""
+    skipped: int = 0
+    """Boundaries where the wants' policy was unchanged, so nothing was installed."""
+    _installed: dict[str, tuple[tuple[bool, ...], bool]] | None = None
 
     @property
     def layered(self) -> bool:
         return self.pool is not None and hasattr(self.pool, "update_residency")
 
     def apply(self, install: StepInstall) -> None:
+        for rid, keep in (install.prefill_layers or {}).items():
+            keep = max(1, min(self.layers, int(keep)))
+            self.prefill_placements[rid] = (1,) * keep + (0,) * (self.layers - keep)
         if install.placements is not None:
             self.placements = {
                 rid: tuple(int(x) for x in row)
                 for rid, row in install.placements.items()
                 if len(row) == self.layers
             }
+            for rid in self.placements:  # planned now: the prefill placement has done its job
+                self.prefill_placements.pop(rid, None)
 
     def gpu_layers(self, rid: str) -> tuple[bool, ...]:
-        row = self.placements.get(rid)
+        row = self.placements.get(rid) or self.prefill_placements.get(rid)
         if row is None:
             return (True,) * self.layers  # unplanned: wanted on GPU; the pool's fallback decides
         return tuple(bool(x) for x in row)
@@ -155,12 +170,26 @@ class PlacementInstaller:
             out[rid] = cls(pages=tuple(pages), gpu_layers=(False,) * self.layers, paused=True)
         return out
 
+    def _policy(self, running: Iterable[str], paused: Iterable[str]) -> dict[str, tuple[tuple[bool, ...], bool]]:
+        out = {rid: (self.gpu_layers(rid), False) for rid in running}
+        out.update({rid: ((False,) * self.layers, True) for rid in paused})
+        return out
+
+    def unchanged(self, running: Iterable[str], paused: Iterable[str]) -> bool:
+        """Whether the last install already holds these requests with the same layers and pause
+        state. Then the boundary installs nothing: pages appended since reach the pool through
+        its own step observation (``prepare_step``), so the wants need not be rebuilt."""
+        same = self._installed is not None and self._policy(running, paused) == self._installed
+        self.skipped += same
+        return same
+
     def install(
         self, running: Mapping[str, tuple[int, ...]], paused: Mapping[str, tuple[int, ...]]
     ) -> Any:
         """Install the wants on the pool (None without a layered pool); remembers them."""
         wants = self.wants(running, paused)
         self.last_wants = wants
+        self._installed = self._policy(running, paused)
         if not self.layered:
             return None
         self.installs += 1
@@ -168,6 +197,9 @@ class PlacementInstaller:
 
     def release(self, rid: str) -> None:
         self.placements.pop(rid, None)
+        self.prefill_placements.pop(rid, None)
         self.last_wants.pop(rid, None)
+        if self._installed is not None:
+            self._installed.pop(rid, None)
         if self.layered:
             self.pool.release_request(rid)

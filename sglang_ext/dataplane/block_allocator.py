@@ -52,3 +52,69 @@ class BlockAllocator:
     def used_ids(self) -> set[int]:
         """The set of ids handed out (for invariant checks)."""
         return {i for i in range(self.capacity) if self._in_use[i]}
+
+
+class IdentityPages:
+    """Device page ids of an *identity* layout: layer-page ``(l, p)`` may only use id ``l * P + p``.
+
+    Used when the device budget holds every layer of every page (nothing must ever be offloaded):
+    then each layer's pages form one contiguous slice of the device pool, which attention reads in
+    place with SGLang's own slot indices. Same counting and double-use checks as
+    :class:`BlockAllocator`, vectorised; ``take`` replaces ``alloc``.
+    """
+
+    def __init__(self, capacity: int, name: str) -> None:
+        import torch
+
+        if capacity < 0:
+            raise ValueError(f"{name}: capacity must be >= 0, got {capacity}")
+        self.name = name
+        self.capacity = capacity
+        self._in_use = torch.zeros(capacity, dtype=torch.bool)
+        self._used = 0
+
+    @property
+    def free_count(self) -> int:
+        return self.capacity - self._used
+
+    @property
+    def used_count(self) -> int:
+        return self._used
+
+    def take(self, ids):  # noqa: ANN001, ANN201 - torch.Tensor in, torch.Tensor out
+        """Mark these ids used; raises ValueError (nothing taken) if one is in use or repeated."""
+        import torch
+
+        ids = torch.as_tensor(ids, dtype=torch.int64)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.capacity):
+            raise ValueError(f"{self.name}: block id out of range [0, {self.capacity})")
+        if bool(self._in_use[ids].any()) or torch.unique(ids).numel() != ids.numel():
+            raise ValueError(f"{self.name}: block id already in use")
+        self._in_use[ids] = True
+        self._used += int(ids.numel())
+        return ids
+
+    def alloc(self, n: int) -> list[int] | None:
+        """``n`` free ids (any; for short-lived staging returned before the next boundary) or None."""
+        if n < 0:
+            raise ValueError(f"{self.name}: cannot allocate {n} blocks")
+        if n > self.free_count:
+            return None
+        ids = (~self._in_use).nonzero().squeeze(1)[:n]
+        self.take(ids)
+        return ids.tolist()
+
+    def free(self, ids) -> None:  # noqa: ANN001
+        """Return ids; raises ValueError (freeing nothing) on an unknown or already free id."""
+        import torch
+
+        ids = torch.as_tensor(ids, dtype=torch.int64)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.capacity):
+            raise ValueError(f"{self.name}: block id out of range [0, {self.capacity})")
+        if not bool(self._in_use[ids].all()) or torch.unique(ids).numel() != ids.numel():
+            raise ValueError(f"{self.name}: double free")
+        self._in_use[ids] = False
+        self._used -= int(ids.numel())
+
+    def used_ids(self) -> set[int]:
+        return set(self._in_use.nonzero().squeeze(1).tolist())

@@ -18,6 +18,8 @@ Layout (docs/sglang-integration.md, "layered pool contract"):
   (pinned on CUDA, plain on CPU);
 - device ``[2, N, page_size, H, D]``: ONE page pool shared by all layers (a page holds one
   layer's K and V of ``page_size`` tokens; FlashInfer's NHD paged layout), N = the budget;
+  when the budget holds all ``L * P`` layer-pages the layout is the *identity* one
+  (``(l, p)`` at page ``l * P + p``), so a layer is one slice read in place;
 - map ``[L, P]`` int32: device page of each (layer, page), -1 = only on host. A CPU copy
   drives decisions; the device copy (same tensor on CPU) serves the kernels.
 """
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_ext.dataplane.block_allocator import BlockAllocator
+from sglang_ext.dataplane.block_allocator import BlockAllocator, IdentityPages
 
 
 @dataclass(frozen=True)
@@ -78,16 +80,23 @@ class SlotKVStore:
         self.config = config
         c = config
         self.device = torch.device(c.device)
+        self.identity = c.device_pages >= c.layers * c.logical_pages
+        """The budget holds every layer-page: ``(l, p)`` lives at device page ``l * P + p``, so
+        each layer is one contiguous slice readable in place with SGLang's slot ids."""
+        device_pages = c.layers * c.logical_pages if self.identity else c.device_pages
         pin = self.device.type == "cuda"
         self.host = torch.zeros(
             (c.logical_pages, c.layers, 2, c.page_size, c.kv_heads, c.head_dim), dtype=c.dtype, pin_memory=pin
         )
-        self.dev = torch.zeros((2, max(c.device_pages, 1), c.page_size, c.kv_heads, c.head_dim), dtype=c.dtype,
+        self.dev = torch.zeros((2, max(device_pages, 1), c.page_size, c.kv_heads, c.head_dim), dtype=c.dtype,
                                device=self.device)
         self.map_cpu = torch.full((c.layers, c.logical_pages), -1, dtype=torch.int32)
         self.map_dev = self.map_cpu if self.device.type == "cpu" else self.map_cpu.to(self.device)
         self.dirty = torch.zeros((c.layers, c.logical_pages), dtype=torch.bool, device=self.device)
-        self.allocator = BlockAllocator(c.device_pages, "device KV pages")
+        self.allocator: BlockAllocator | IdentityPages = (
+            IdentityPages(device_pages, "device KV pages") if self.identity
+            else BlockAllocator(device_pages, "device KV pages")
+        )
         self.h2d_bytes = 0
         self.d2h_bytes = 0
         self.host_write_bytes = 0
@@ -122,6 +131,28 @@ class SlotKVStore:
         dev_page = self.map_dev[layer].index_select(0, pages).to(torch.int64)
         dev_rows = torch.where(dev_page >= 0, dev_page * ps + offs, -1)
         return pages, offs, dev_rows
+
+    def device_rows(self, layer: int, slots: torch.Tensor) -> torch.Tensor | None:
+        """Rows of ``slots`` at ``layer`` in :meth:`device_views` when all are resident, else None."""
+        _, _, dev_rows = self._rows(layer, slots)
+        return dev_rows if bool((dev_rows >= 0).all()) else None
+
+    def layer_in_place(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Identity layout only: K and V of ``layer`` as ``[P * page_size, H, D]`` views indexed
+        by SGLang's slot ids (rows of pages not resident at this layer are stale)."""
+        if not self.identity:
+            raise RuntimeError("layer_in_place needs the identity layout")
+        c = self.config
+        shape = (c.layers, c.logical_pages * c.page_size, c.kv_heads, c.head_dim)
+        return self.dev[0].view(shape)[layer], self.dev[1].view(shape)[layer]
+
+    def all_resident(self, pages: torch.Tensor) -> bool:
+        """Whether every layer of these pages has a device copy."""
+        return bool((self.map_cpu[:, pages] >= 0).all()) if pages.numel() else True
+
+    def device_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device pool as flat K and V rows ``[N * page_size, H, D]`` (views, no copy)."""
+        return self.dev[0].view(-1, *self.dev.shape[3:]), self.dev[1].view(-1, *self.dev.shape[3:])
 
     def _host_rows(self, layer: int, pages: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         ps, layers = self.config.page_size, self.config.layers
@@ -221,10 +252,14 @@ class SlotKVStore:
         n = int(layers.numel())
         if n == 0:
             return
-        ids = self.allocator.alloc(n)
-        if ids is None:
+        if n > self.allocator.free_count:
             raise ValueError(f"onload of {n} layer-pages with {self.allocator.free_count} free device pages")
-        dev_pages = torch.tensor(ids, dtype=torch.int64)
+        if isinstance(self.allocator, IdentityPages):
+            dev_pages = self.allocator.take(layers.to(torch.int64) * self.config.logical_pages + pages)
+        else:
+            ids = self.allocator.alloc(n)
+            assert ids is not None
+            dev_pages = torch.tensor(ids, dtype=torch.int64)
         idx = copy.nonzero().squeeze(1)
         if idx.numel():
             data = self.host[pages[idx], layers[idx]]  # [m, 2, ps, H, D]

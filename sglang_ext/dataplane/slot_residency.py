@@ -78,8 +78,11 @@ class SlotResidency:
     # ----- request state ----------------------------------------------------------
 
     def update_residency(self, wants: Mapping[str, RequestResidency]) -> None:
-        """Record the plan's wants (rids not in ``wants`` keep their previous state)."""
-        self._changed = True
+        """Record the plan's wants (rids not in ``wants`` keep their previous state).
+
+        Only a real change (new request, other layers, pause state, pages not just appended)
+        forces the next reconciliation to be a full one; a steady plan stays on the fast path.
+        """
         for rid, want in wants.items():
             if len(want.gpu_layers) != self.layers:
                 raise ValueError(
@@ -96,14 +99,20 @@ class SlotResidency:
             if req is None:
                 layers = want.gpu_layers if want.planned else (True,) * self.layers
                 req = self._requests[rid] = _Request(pages=pages, gpu_layers=list(layers))
+                self._changed = True
             elif len(want.pages) >= req.pages.numel():
-                req.pages = pages
-            if want.planned:
+                self.observe(rid, pages)
+            if want.planned and list(want.gpu_layers) != req.gpu_layers:
                 req.gpu_layers = list(want.gpu_layers)
-            req.planned = want.planned
-            if want.paused and not req.paused:
-                req.pause_seq = next(self._pause_seq)
-            req.paused = want.paused
+                self._changed = True
+            if want.planned != req.planned:
+                req.planned = want.planned
+                self._changed = True
+            if want.paused != req.paused:
+                if want.paused:
+                    req.pause_seq = next(self._pause_seq)
+                req.paused = want.paused
+                self._changed = True
 
     def observe(self, rid: str, pages: torch.Tensor, *, anonymous: bool = False) -> None:
         """The request's pages in position order as of this step (new requests: local fallback).
@@ -252,13 +261,21 @@ class SlotResidency:
             return None
         appended, self._appended = self._appended, []
         layers_list, pages_list = [], []
+        every_layer = []  # the common case: all layers wanted -> one grid for all such requests
         for req, added in appended:
+            if not added.numel():
+                continue
+            if all(req.gpu_layers):
+                every_layer.append(added)
+                continue
             wanted = [i for i, on in enumerate(req.gpu_layers) if on]
-            if wanted and added.numel():
-                grid_l = torch.tensor(wanted).repeat_interleave(added.numel())
-                grid_p = added.repeat(len(wanted))
-                layers_list.append(grid_l)
-                pages_list.append(grid_p)
+            if wanted:
+                layers_list.append(torch.tensor(wanted).repeat_interleave(added.numel()))
+                pages_list.append(added.repeat(len(wanted)))
+        if every_layer:
+            added = torch.cat(every_layer)
+            layers_list.append(torch.arange(self.layers).repeat_interleave(added.numel()))
+            pages_list.append(added.repeat(self.layers))
         if not layers_list:
             self.last_moves = LayerPageMoves({}, {})
             return ResidencyDelta(0, 0, 0, 0, 0, 0, 0, 0)
@@ -288,6 +305,11 @@ class SlotResidency:
             h2d_bytes=self.store.h2d_bytes - h2d_before,
             d2h_bytes=0,
         )
+
+    def all_live_resident(self) -> bool:
+        """Cheap sufficient test that every layer of every live request's pages is on the device:
+        the last reconciliation left no shortfall, nobody is paused, everybody wants all layers."""
+        return not self._changed and all(not r.paused and all(r.gpu_layers) for r in self._requests.values())
 
     def _paused_mask(self) -> torch.Tensor:
         mask = torch.zeros(self.store.map_cpu.shape, dtype=torch.bool)
