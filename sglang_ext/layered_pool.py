@@ -67,6 +67,8 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         if kwargs.get("quant_method") is not None:
             raise ValueError("kvplane layered KV pool: quantized KV caches are unsupported")
         self.residency_hooks = ResidencyHooks()
+        self._in_place_step = False
+        """This forward's batch is resident in the identity layout (set by readable_in_place)."""
         self._step = 0
         self._stats_file = None
         super().__init__(*args, **kwargs)
@@ -186,6 +188,7 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         Positions ``[i * page_size, (i + 1) * page_size)`` of a request share one page (SGLang's
         paged allocation), so its pages are ``slots[::page_size] // page_size``.
         """
+        self._in_place_step = False
         self.residency.drop_anonymous()
         self._eager_writeback()
         ps = self.page_size
@@ -271,6 +274,14 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
             cache_k = cache_k.view(self.store_dtype)
             cache_v = cache_v.view(self.store_dtype)
         n = loc.numel()
+        if self._in_place_step:  # the forward's own slots, all resident in the identity layout
+            self.store.write_in_place(
+                layer_id - self.start_layer,
+                loc,
+                cache_k.reshape(n, self.head_num, self.head_dim),
+                cache_v.reshape(n, self.head_num, self.head_dim),
+            )
+            return
         self.store.write(
             layer_id - self.start_layer,
             loc,
@@ -292,11 +303,15 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
     def readable_in_place(self, token_slots: torch.Tensor) -> bool:
         """Identity layout and every layer of these slots' pages on the device: attention may read
         :meth:`layer_in_place` with SGLang's own slot ids this step (no table, no copy)."""
+        self._in_place_step = False
         if not self.store.identity:
             return False
-        if self.residency.all_live_resident():  # the batch's pages all belong to live requests
-            return True
-        return self.store.all_resident(token_slots.to("cpu", torch.int64) // self.page_size)
+        # the batch's pages all belong to live requests, so the cheap residency test suffices
+        ok = self.residency.all_live_resident() or self.store.all_resident(
+            token_slots.to("cpu", torch.int64) // self.page_size
+        )
+        self._in_place_step = ok
+        return ok
 
     def layer_in_place(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer indexed by slot id (identity layout; pool dtype; views)."""

@@ -81,15 +81,18 @@ class IdentityPages:
     def used_count(self) -> int:
         return self._used
 
-    def take(self, ids):  # noqa: ANN001, ANN201 - torch.Tensor in, torch.Tensor out
-        """Mark these ids used; raises ValueError (nothing taken) if one is in use or repeated."""
+    def take(self, ids, *, unique: bool = False):  # noqa: ANN001, ANN201 - torch.Tensor in, out
+        """Mark these ids used; raises ValueError (nothing taken) if one is in use or repeated
+        (``unique=True``: the caller guarantees distinct ids, the repeat check is skipped)."""
         import torch
 
         ids = torch.as_tensor(ids, dtype=torch.int64)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.capacity):
             raise ValueError(f"{self.name}: block id out of range [0, {self.capacity})")
-        if bool(self._in_use[ids].any()) or torch.unique(ids).numel() != ids.numel():
+        if bool(self._in_use[ids].any()):
             raise ValueError(f"{self.name}: block id already in use")
+        if not unique and torch.unique(ids).numel() != ids.numel():
+            raise ValueError(f"{self.name}: block id repeated")
         self._in_use[ids] = True
         self._used += int(ids.numel())
         return ids

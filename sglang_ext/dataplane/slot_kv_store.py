@@ -183,6 +183,16 @@ class SlotKVStore:
         host_flat.index_copy_(0, host_rows + self.config.page_size, vh)
         self.host_write_bytes += 2 * kh.numel() * kh.element_size()
 
+    def write_in_place(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """:meth:`write` for the identity layout when every slot's page is resident at ``layer``
+        (the caller checked): straight into the layer's slice, pages marked dirty."""
+        k_layer, v_layer = self.layer_in_place(layer)
+        slots = slots.to(self.device, torch.int64)
+        k_layer.index_copy_(0, slots, k)
+        v_layer.index_copy_(0, slots, v)
+        ps = self.config.page_size
+        self.dirty[layer, slots if ps == 1 else slots // ps] = True
+
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[n, H, D]`` of ``slots`` at ``layer`` (device pages, then host pages)."""
         pages, offs, dev_rows = self._rows(layer, slots)
@@ -255,7 +265,8 @@ class SlotKVStore:
         if n > self.allocator.free_count:
             raise ValueError(f"onload of {n} layer-pages with {self.allocator.free_count} free device pages")
         if isinstance(self.allocator, IdentityPages):
-            dev_pages = self.allocator.take(layers.to(torch.int64) * self.config.logical_pages + pages)
+            # (layer, page) pairs are distinct (mask nonzero / unique pairs): ids are distinct
+            dev_pages = self.allocator.take(layers.to(torch.int64) * self.config.logical_pages + pages, unique=True)
         else:
             ids = self.allocator.alloc(n)
             assert ids is not None

@@ -98,8 +98,14 @@ class SlotResidency:
             pages = torch.tensor(want.pages, dtype=torch.int64)
             if req is None:
                 layers = want.gpu_layers if want.planned else (True,) * self.layers
-                req = self._requests[rid] = _Request(pages=pages, gpu_layers=list(layers))
-                self._changed = True
+                req = self._requests[rid] = _Request(pages=pages, gpu_layers=list(layers), planned=want.planned)
+                if want.paused:
+                    req.pause_seq = next(self._pause_seq)
+                    req.paused = True
+                    self._changed = True
+                elif not self._changed and pages.numel():
+                    self._appended.append((req, pages))  # a new request only adds wants
+                continue
             elif len(want.pages) >= req.pages.numel():
                 self.observe(rid, pages)
             if want.planned and list(want.gpu_layers) != req.gpu_layers:
@@ -123,8 +129,11 @@ class SlotResidency:
         """
         req = self._requests.get(rid)
         if req is None:
+            # A new request only adds wants (nothing can become droppable), so it takes the
+            # append-only path: all its pages count as appended.
             self._requests[rid] = _Request(pages=pages, gpu_layers=[True] * self.layers, anonymous=anonymous)
-            self._changed = True
+            if not self._changed and pages.numel():
+                self._appended.append((self._requests[rid], pages))
             return
         if not self._changed:
             old = req.pages.numel()

@@ -129,7 +129,7 @@ op = st.one_of(
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=st.lists(op, min_size=1, max_size=25), budget=st.sampled_from([2, 8, 16, 200]))
+@given(ops=st.lists(op, min_size=1, max_size=25), budget=st.sampled_from([2, 8, 16, 200, None]))
 def test_kv_round_trips_bit_exact_across_random_residency_changes(ops, budget):
     """Every live token's K/V reads back bit-exact after any sequence of steps, wants, pauses, releases."""
     pool = make_pool(budget_tokens=budget)
@@ -304,7 +304,7 @@ def test_unplanned_wants_leave_the_decision_to_the_local_fallback():
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=st.lists(op, min_size=1, max_size=25), budget=st.sampled_from([4, 12, 200]))
+@given(ops=st.lists(op, min_size=1, max_size=25), budget=st.sampled_from([4, 12, 200, None]))
 def test_append_fast_path_places_exactly_what_the_full_pass_would(ops, budget):
     """Residency after every step is the same with and without the append-only fast path."""
     fast, full = make_pool(budget_tokens=budget), make_pool(budget_tokens=budget)
@@ -323,3 +323,25 @@ def test_append_fast_path_places_exactly_what_the_full_pass_would(ops, budget):
                 h.release(rid)
         assert torch.equal(fast.store.resident_mask(), full.store.resident_mask())
     hf.check()
+
+
+def test_identity_layout_reads_in_place_exactly_what_the_gather_returns():
+    """No budget: every layer-page sits at device page l * P + p, and reading a layer in place with
+    SGLang's slot ids gives the same K/V as the gather; an offload (a plan) turns in-place off."""
+    pool = make_pool(budget_tokens=None)
+    assert pool.store.identity
+    h = Harness(pool)
+    h.step("a", 3)
+    h.step("b", 2)
+    slots = torch.tensor(h.slots["a"] + h.slots["b"])
+    assert pool.readable_in_place(slots)
+    for layer in range(LAYERS):
+        k, v = pool.layer_in_place(layer)
+        gk, gv = pool.layer_kv(layer, slots)
+        assert torch.equal(k[slots], gk) and torch.equal(v[slots], gv)
+    p = pool.store.config.logical_pages
+    layers, pages = (pool.store.map_cpu >= 0).nonzero(as_tuple=True)
+    assert torch.equal(pool.store.map_cpu[layers, pages].long(), layers * p + pages)
+    pool.update_residency({"a": wants(pool, h, "a", (True, False, True))})
+    assert not pool.readable_in_place(slots)
+    h.check()
