@@ -103,12 +103,13 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         self.batch_rids: list[str | None] = []
         self.batch_request_slots: list[torch.Tensor] = []
         self.compact_table = self.req_to_token_pool.req_to_token
+        """``req_to_token`` rows of the batch as positions into ``batch_slots`` (built only for
+        steps that are not read in place)."""
         self.compact_rows = torch.zeros(0, dtype=torch.int64, device=self.device)
         self.in_place = False
+        """This step reads every layer in place (identity layout, all of the batch resident)."""
         self.layer_timer: Any = None
         """A :class:`~sglang_ext.layer_timing.LayerTimer` set by the scheduler hooks (rank 0)."""
-        """This step reads every layer in place (identity layout, all of the batch resident)."""
-        """``req_to_token`` rows of the batch as positions into ``batch_slots``."""
         self.direct_layers = 0
         """Layer reads served in place from the device pool (all rows resident), not gathered."""
         self.last_delta = None
@@ -128,8 +129,14 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         self.last_delta = self.pool.prepare_step(list(zip(rids, per_req, strict=True)), forward_batch.out_cache_loc)
         self.batch_rids, self.batch_request_slots = list(rids), per_req
         self.batch_slots = torch.cat(per_req) if per_req else self.batch_slots[:0]
-        # Row i of the compact table = positions of request i's tokens in batch_slots (0-padded);
-        # the parent is handed row ids 0..bs-1 instead of SGLang's req_pool_indices.
+        self.in_place = bs > 0 and self.pool.readable_in_place(self.batch_slots)
+        if not self.in_place:
+            self._build_compact_table(lens, bs)
+        self.token_to_kv_pool._layer = None
+
+    def _build_compact_table(self, lens: list[int], bs: int) -> None:
+        # Row i = positions of request i's tokens in batch_slots (0-padded); the parent is handed
+        # row ids 0..bs-1 instead of SGLang's req_pool_indices.
         width = max(lens, default=1) or 1
         lens_t = torch.tensor(lens, dtype=torch.int64, device=self.device)
         starts = torch.cumsum(lens_t, 0) - lens_t
@@ -137,8 +144,6 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         table = torch.where(cols[None, :] < lens_t[:, None], starts[:, None] + cols[None, :], 0)
         self.compact_rows = torch.arange(bs, dtype=torch.int64, device=self.device)
         self.compact_table = self.req_to_token_pool.req_to_token = table
-        self.in_place = bs > 0 and self.pool.readable_in_place(self.batch_slots)
-        self.token_to_kv_pool._layer = None
 
     def _rows_arg(self, args: tuple) -> tuple:
         # positional like the parent's calls: (q, o, k, v, req_to_token, req_pool_indices, ...)

@@ -193,14 +193,17 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         self._eager_writeback()
         ps = self.page_size
         for index, (rid, slots) in enumerate(requests):
-            pages = slots.to("cpu", torch.int64)[::ps] // ps  # position order; one slot per page
+            pages = slots.to("cpu", torch.int64, copy=True)  # kept by residency: never a view of req_to_token
+            if ps > 1:
+                pages = pages[::ps] // ps  # position order; one slot per page
             if rid is None:
                 self.residency.observe(f"__anonymous_{index}", pages, anonymous=True)
             else:
                 self.residency.observe(rid, pages)
         delta = self._reconcile()
         if new_slots is not None and new_slots.numel():
-            self.residency.mark_written(torch.unique(new_slots.to("cpu", torch.int64) // ps))
+            written = new_slots.to("cpu", torch.int64)
+            self.residency.mark_written(written if ps == 1 else torch.unique(written // ps))
         self._step += 1
         self._write_stats_line(len(requests), 0 if new_slots is None else int(new_slots.numel()), delta)
         return delta

@@ -133,7 +133,9 @@ class LayeredRadixCache(RadixCache):
     # ----- allocation (called from the plugin's allocation hooks) ------------
 
     def _report_allocated(self, req: Any, slots: torch.Tensor) -> None:
-        blocks = self._new_blocks(slots)
+        self._allocated(req, self._new_blocks(slots))
+
+    def _allocated(self, req: Any, blocks: list[int]) -> None:
         if not blocks:
             return
         rid = req.rid
@@ -155,8 +157,13 @@ class LayeredRadixCache(RadixCache):
 
     def on_alloc_decode(self, batch: Any, out_cache_loc: torch.Tensor, token_per_req: int) -> None:
         """Attribute a decode batch's new slots (``token_per_req`` each, request order)."""
-        for i, req in enumerate(batch.reqs):
-            self._report_allocated(req, out_cache_loc[i * token_per_req : (i + 1) * token_per_req])
+        if token_per_req != 1 or self.page_size != 1:
+            for i, req in enumerate(batch.reqs):
+                self._report_allocated(req, out_cache_loc[i * token_per_req : (i + 1) * token_per_req])
+            return
+        # One slot per request, one page per slot (every slot opens its page): one host copy.
+        for req, block in zip(batch.reqs, out_cache_loc.to("cpu", torch.int64).tolist(), strict=True):
+            self._allocated(req, [block])
 
     # ----- tree hand-over, release, eviction ---------------------------------
 
