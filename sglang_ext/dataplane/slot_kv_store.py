@@ -279,6 +279,14 @@ class SlotKVStore:
         self.map_cpu[layers, pages] = dev_pages.to(torch.int32)
         self._map_stale = True
 
+    def place_identity(self, pages: torch.Tensor) -> None:
+        """Identity layout: give every layer of these distinct host-only pages (no KV yet) its
+        fixed device page ``l * P + p``; nothing is copied."""
+        ids = torch.arange(self.config.layers)[:, None] * self.config.logical_pages + pages[None, :]
+        self.allocator.take(ids.reshape(-1), unique=True)  # type: ignore[call-arg]
+        self.map_cpu[:, pages] = ids.to(torch.int32)
+        self._map_stale = True
+
     def release_pages(self, pages: list[int]) -> None:
         """SGLang's allocator got these pages back: free their device copies (KV is dead)."""
         if not pages:

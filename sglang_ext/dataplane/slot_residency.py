@@ -281,6 +281,10 @@ class SlotResidency:
             if wanted:
                 layers_list.append(torch.tensor(wanted).repeat_interleave(added.numel()))
                 pages_list.append(added.repeat(len(wanted)))
+        if every_layer and not layers_list and self.store.identity:
+            fast = self._place_new_identity(torch.cat(every_layer))
+            if fast is not None:
+                return fast
         if every_layer:
             added = torch.cat(every_layer)
             layers_list.append(torch.arange(self.layers).repeat_interleave(added.numel()))
@@ -314,6 +318,25 @@ class SlotResidency:
             h2d_bytes=self.store.h2d_bytes - h2d_before,
             d2h_bytes=0,
         )
+
+    def _place_new_identity(self, added: torch.Tensor) -> ResidencyDelta | None:
+        """Identity layout, every layer wanted: the usual decode step. New pages without KV that
+        are on host at every layer go to their fixed device pages ``l * P + p`` in one indexed
+        write; anything else (prefix pages already placed, pages holding KV) returns None and the
+        general append path handles it."""
+        store = self.store
+        if bool(self.has_kv[added].any()):
+            return None
+        cols = store.map_cpu[:, added]
+        if not bool((cols < 0).all()) or torch.unique(added).numel() != added.numel():
+            return None
+        n = self.layers * int(added.numel())
+        if n > store.allocator.free_count:
+            return None
+        store.place_identity(added)
+        store.publish_map()
+        self.last_moves = LayerPageMoves({}, {})
+        return ResidencyDelta(0, 0, 0, n, 0, 0, 0, 0)
 
     def all_live_resident(self) -> bool:
         """Cheap sufficient test that every layer of every live request's pages is on the device:
