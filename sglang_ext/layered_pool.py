@@ -171,8 +171,9 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         self.residency.release_request(rid)
 
     def free_device_pages(self) -> int:
-        """Device layer-pages free now (cheap: the allocator's count, no stats pass)."""
-        return self.store.allocator.free_count
+        """Device layer-pages free now, counting prefix-cache pages that are given up on demand
+        (cheap: the allocator's count plus the last reconciliation's reclaimable count)."""
+        return self.store.allocator.free_count + self.residency.reclaimable_pages
 
     def residency_stats(self) -> ResidencyStats:
         """Device/host occupancy, host fraction of live KV, bytes moved."""

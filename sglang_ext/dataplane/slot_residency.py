@@ -14,9 +14,12 @@ Rules (docs/sglang-integration.md, layered pool contract):
 
 - A layer-page is *wanted* iff some live, not paused request that uses the page wants that
   layer on the device (shared prefix pages: resident iff ANY live user wants them).
-- Unwanted resident layer-pages are dropped at the boundary, except those of paused requests:
-  they are *removable* and given up lazily, only when space is needed -- oldest pause first,
-  highest layer first (OrbitFlow "removable cache").
+- Unwanted resident layer-pages are dropped at the boundary, except those of paused requests
+  and those no live request uses any more (prefix-cache pages of finished requests): they are
+  *removable* and given up lazily, only when space is needed -- cached pages first, then paused
+  requests oldest pause first; highest layer first (OrbitFlow "removable cache"). Keeping cached
+  prefixes on the device while there is room is what SGLang itself does, and saves a prefix hit
+  from reloading them.
 - When the wanted set does not fit: first removable pages go; then, for requests without a
   plan, the local heuristic switches the highest layer of the largest request to host until
   it fits (LayerKV §3: offload whole layers of the largest contexts first); what still does not
@@ -72,6 +75,9 @@ class SlotResidency:
         self._changed = True
         """Anything but appended pages changed since the last full reconcile (forces a full one)."""
         self._appended: list[tuple[_Request, torch.Tensor]] = []
+        self.reclaimable_pages = 0
+        """Device layer-pages held only by the prefix cache (no live user), as of the last full
+        reconciliation: given up first when space is needed, so they count as free capacity."""
         self.full_reconciles = 0
         """Full (mask-based) reconciliations run; the rest took the append-only fast path."""
 
@@ -197,10 +203,24 @@ class SlotResidency:
                 target[torch.tensor(layers)[:, None], req.pages[None, :]] = True
         return target
 
-    def _removable_order(self, candidates: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-        """Removable layer-pages in give-up order: oldest pause first, highest layer first."""
+    def _orphan_pages(self) -> torch.Tensor:
+        """``[P]`` bool: pages no tracked request uses (prefix-cache pages of finished requests)."""
+        used = torch.zeros(self.store.config.logical_pages, dtype=torch.bool)
+        for req in self._requests.values():
+            if req.pages.numel():
+                used[req.pages] = True
+        return ~used
+
+    def _removable_order(self, candidates: torch.Tensor, orphan: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """Removable layer-pages in give-up order: cached pages nobody uses first, then paused
+        requests (oldest pause first); within each, highest layer first."""
         order = []
         taken = torch.zeros_like(candidates)
+        for layer in range(self.layers - 1, -1, -1):
+            pages = (candidates[layer] & orphan).nonzero().squeeze(1)
+            if pages.numel():
+                taken[layer, pages] = True
+                order.append((layer, pages))
         for req in sorted((r for r in self._requests.values() if r.paused), key=lambda r: r.pause_seq):
             for layer in range(self.layers - 1, -1, -1):
                 pages = req.pages[candidates[layer, req.pages] & ~taken[layer, req.pages]]
@@ -229,11 +249,12 @@ class SlotResidency:
         resident = store.resident_mask()
         target = self._target()
         local_flips = 0
+        orphan = self._orphan_pages()
         while True:
             removable = resident & ~target
-            paused_pages = self._paused_mask()
-            drop = removable & ~paused_pages
-            removable &= paused_pages
+            lazy = self._paused_mask() | orphan[None, :]
+            drop = removable & ~lazy
+            removable &= lazy
             need = target & ~resident
             short = int(need.sum()) - store.allocator.free_count - int(drop.sum())
             if short <= int(removable.sum()) or not self._flip_local_layer():
@@ -242,7 +263,7 @@ class SlotResidency:
             target = self._target()
         given_up = 0
         if short > 0:
-            for layer, pages in self._removable_order(removable):
+            for layer, pages in self._removable_order(removable, orphan):
                 take = pages[: short - given_up]
                 drop[layer, take] = True
                 given_up += int(take.numel())
@@ -250,6 +271,7 @@ class SlotResidency:
                     break
         offloaded = self._apply_drops(drop)
         loaded, placed, shortfall = self._apply_needs(need)
+        self.reclaimable_pages = int((store.resident_mask() & orphan[None, :]).sum())
         self.shortfall_total += shortfall
         self._changed = shortfall > 0 or given_up > 0 or any(r.paused for r in self._requests.values())
         store.publish_map()

@@ -345,3 +345,21 @@ def test_identity_layout_reads_in_place_exactly_what_the_gather_returns():
     pool.update_residency({"a": wants(pool, h, "a", (True, False, True))})
     assert not pool.readable_in_place(slots)
     h.check()
+
+
+def test_cached_pages_stay_resident_until_space_is_needed():
+    """A finished request's pages kept by the prefix cache stay on the device while there is room
+    (a prefix hit needs no reload), count as free capacity, and go first, top layer first."""
+    pool = make_pool(budget_tokens=24)  # 12 device pages
+    h = Harness(pool)
+    h.step("a", 6)  # 3 pages x 3 layers = 9 device pages
+    a_pages = sorted({s // PAGE for s in h.slots["a"]})
+    pool.release_request("a")  # finished; SGLang's tree keeps its pages
+    pool.update_residency({})
+    assert pool.store.resident_mask()[:, a_pages].all()
+    assert pool.free_device_pages() == 12
+    h.slots.pop("a")
+    h.step("b", 4)  # 2 pages x 3 layers: 3 free, 3 taken from the cached pages
+    resident = pool.store.resident_mask()
+    assert resident[0, a_pages].all() and resident[1, a_pages].all() and not resident[2, a_pages].any()
+    h.check()
