@@ -32,8 +32,10 @@ from typing import Any
 
 SUMMARY_HEADER = "=== kvplane demo summary ==="
 """Printed before the final summary (tests look for it)."""
-DEFAULT_BUDGET_TOKENS = 2048
-"""Device KV budget in token-layers: well below the workload's peak (~4 layers x 1k tokens)."""
+DEFAULT_BUDGET_TOKENS = 640
+"""Device KV budget in token-layers: well below the workload's peak (~4 layers x 1k tokens) and
+below one layer of every running request at the peak, so the planner must offload most layer-KV
+and pause a request (memory), resuming it when room returns."""
 TBT_JITTER = 1.1
 """A streamed gap counts as on time when <= TBT_JITTER x SLO (timer and HTTP jitter)."""
 

@@ -111,6 +111,8 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     if not summary["notes"]:  # every piece active: the small budget forced offloading
         assert summary["pool"]["steps"] > 0
         assert summary["pool"]["peak_host_fraction"] > 0.5
+        whats = [e["what"] for e in summary["events"]]
+        assert "pause" in whats and "resume" in whats, whats  # the budget forces a pause
     # Torn down: no process is left serving the demo's model directory.
     model_dir = str(tmp_path / "w" / "model")
     alive = []
