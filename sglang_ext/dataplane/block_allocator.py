@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 
 class BlockAllocator:
     """Hands out ids in ``[0, capacity)``; ``alloc`` is all-or-nothing."""
@@ -64,8 +66,6 @@ class IdentityPages:
     """
 
     def __init__(self, capacity: int, name: str) -> None:
-        import torch
-
         if capacity < 0:
             raise ValueError(f"{name}: capacity must be >= 0, got {capacity}")
         self.name = name
@@ -81,14 +81,16 @@ class IdentityPages:
     def used_count(self) -> int:
         return self._used
 
-    def take(self, ids, *, unique: bool = False):  # noqa: ANN001, ANN201 - torch.Tensor in, out
-        """Mark these ids used; raises ValueError (nothing taken) if one is in use or repeated
-        (``unique=True``: the caller guarantees distinct ids, the repeat check is skipped)."""
-        import torch
-
+    def _ids(self, ids) -> torch.Tensor:  # noqa: ANN001
         ids = torch.as_tensor(ids, dtype=torch.int64)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.capacity):
             raise ValueError(f"{self.name}: block id out of range [0, {self.capacity})")
+        return ids
+
+    def take(self, ids, *, unique: bool = False):  # noqa: ANN001, ANN201 - torch.Tensor in, out
+        """Mark these ids used; raises ValueError (nothing taken) if one is in use or repeated
+        (``unique=True``: the caller guarantees distinct ids, the repeat check is skipped)."""
+        ids = self._ids(ids)
         if bool(self._in_use[ids].any()):
             raise ValueError(f"{self.name}: block id already in use")
         if not unique and torch.unique(ids).numel() != ids.numel():
@@ -109,11 +111,7 @@ class IdentityPages:
 
     def free(self, ids) -> None:  # noqa: ANN001
         """Return ids; raises ValueError (freeing nothing) on an unknown or already free id."""
-        import torch
-
-        ids = torch.as_tensor(ids, dtype=torch.int64)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.capacity):
-            raise ValueError(f"{self.name}: block id out of range [0, {self.capacity})")
+        ids = self._ids(ids)
         if not bool(self._in_use[ids].all()) or torch.unique(ids).numel() != ids.numel():
             raise ValueError(f"{self.name}: double free")
         self._in_use[ids] = False
