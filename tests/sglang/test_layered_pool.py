@@ -128,6 +128,19 @@ op = st.one_of(
 )
 
 
+def apply_op(pool: LayeredTokenToKVPool, h: Harness, item: tuple) -> None:
+    """One drawn operation: a step (optionally sharing a prefix), new wants, or a release."""
+    kind, rid = item[0], item[1]
+    if kind == "step":
+        share = item[3] if item[3] in h.slots and rid not in h.slots and item[3] != rid else None
+        share_pages = min(item[4], len(h.slots[share]) // PAGE) if share else 0
+        h.step(rid, item[2], share, share_pages)
+    elif kind == "want" and rid in h.slots:
+        pool.update_residency({rid: wants(pool, h, rid, item[2], paused=item[3])})
+    elif kind == "release" and rid in h.slots:
+        h.release(rid)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op, min_size=1, max_size=25), budget=st.sampled_from([2, 8, 16, 200, None]))
 def test_kv_round_trips_bit_exact_across_random_residency_changes(ops, budget):
@@ -135,15 +148,7 @@ def test_kv_round_trips_bit_exact_across_random_residency_changes(ops, budget):
     pool = make_pool(budget_tokens=budget)
     h = Harness(pool)
     for item in ops:
-        kind, rid = item[0], item[1]
-        if kind == "step":
-            share = item[3] if item[3] in h.slots and rid not in h.slots and item[3] != rid else None
-            share_pages = min(item[4], len(h.slots[share]) // PAGE) if share else 0
-            h.step(rid, item[2], share, share_pages)
-        elif kind == "want" and rid in h.slots:
-            pool.update_residency({rid: wants(pool, h, rid, item[2], paused=item[3])})
-        elif kind == "release" and rid in h.slots:
-            h.release(rid)
+        apply_op(pool, h, item)
         h.check()
 
 
@@ -311,16 +316,8 @@ def test_append_fast_path_places_exactly_what_the_full_pass_would(ops, budget):
     full.residency._reconcile_appended = lambda: None
     hf, hs = Harness(fast), Harness(full)
     for item in ops:
-        kind, rid = item[0], item[1]
         for h, pool in ((hf, fast), (hs, full)):
-            if kind == "step":
-                share = item[3] if item[3] in h.slots and rid not in h.slots and item[3] != rid else None
-                share_pages = min(item[4], len(h.slots[share]) // PAGE) if share else 0
-                h.step(rid, item[2], share, share_pages)
-            elif kind == "want" and rid in h.slots:
-                pool.update_residency({rid: wants(pool, h, rid, item[2], paused=item[3])})
-            elif kind == "release" and rid in h.slots:
-                h.release(rid)
+            apply_op(pool, h, item)
         assert torch.equal(fast.store.resident_mask(), full.store.resident_mask())
     hf.check()
 
