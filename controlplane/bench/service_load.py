@@ -172,6 +172,10 @@ class _Worker:
             self.errors += 1
 
 
+CLOSE_DRAIN_S = 120.0
+"""How long closing the sessions may wait for the server to read the reports still queued."""
+
+
 def run_load(target: str, spec: LoadSpec, *, settle_s: float = 5.0, tls: object = None) -> LoadResult:
     """Run ``spec`` against the service at ``target``; close every session before returning."""
     client = GrpcControlPlane(target, backoff=Backoff(initial_s=0.05, max_s=1.0), tls=tls)  # type: ignore[arg-type]
@@ -197,8 +201,11 @@ def run_load(target: str, spec: LoadSpec, *, settle_s: float = 5.0, tls: object 
         while time.perf_counter() < deadline:
             for w in workers:
                 w.solve_ms.extend(d.plan.solve_ms for d in w.session.wait_decisions(0.05))
+        # Graceful close: reports a slow server has not read yet are still delivered (and their
+        # decisions received); all streams drain concurrently, so one deadline covers them all.
+        close_by = time.perf_counter() + CLOSE_DRAIN_S
         for s in sessions:
-            s.close()
+            s.close(drain_s=max(0.5, close_by - time.perf_counter()))
         latencies = [x for s in sessions for x in s.stats.latencies_ms]
         received = sum(s.stats.decisions_received for s in sessions)
         return LoadResult(

@@ -11,6 +11,7 @@ never blocks and never raises into the worker's step loop.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -179,12 +180,14 @@ class GrpcControlPlane:
             raise error_for(err) from None
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(got.status))
 
-    def close(self) -> None:
-        """Close every session and the channel."""
+    def close(self, drain_s: float = 5.0) -> None:
+        """Close every session (each drains its queued reports, all within ``drain_s``), then
+        the channel."""
         with self._lock:
             sessions = list(self._sessions)
+        close_by = time.monotonic() + drain_s
         for s in sessions:
-            s.close()
+            s.close(drain_s=max(0.0, close_by - time.monotonic()))
         self._channel.close()
 
     def __enter__(self) -> GrpcControlPlane:

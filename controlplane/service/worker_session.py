@@ -187,18 +187,32 @@ class GrpcWorkerSession:
             self._inbox.clear()
         return out
 
-    def close(self) -> None:
-        """End the stream and stop reconnecting (idempotent)."""
+    def close(self, drain_s: float = 5.0) -> None:
+        """End the stream and stop reconnecting (idempotent).
+
+        Graceful: reports already queued are still sent and the stream is half-closed, so the
+        server reads them all and its replies (decisions) still arrive. After ``drain_s``
+        seconds without the server finishing, the call is cancelled (queued reports are lost;
+        the worker is going away anyway).
+        """
         if self._closed.is_set():
             return
         self._closed.set()
+        deadline = time.monotonic() + drain_s
         with self._lock:
-            outbox, call = self._outbox, self._call
+            outbox = self._outbox
         if outbox is not None:
-            outbox.put(_END)
-        if call is not None:
-            call.cancel()
-        self._thread.join(timeout=5.0)
+            try:
+                outbox.put(_END, timeout=drain_s)
+            except queue.Full:
+                pass
+        self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        if self._thread.is_alive():
+            with self._lock:
+                call = self._call
+            if call is not None:
+                call.cancel()
+            self._thread.join(timeout=5.0)
         self._degraded_gauge.set(0)
         if self._on_close is not None:
             self._on_close(self)
@@ -277,6 +291,8 @@ class GrpcWorkerSession:
                 self._sent_at[pending.report.step] = time.perf_counter()
                 self.stats.reports_sent += 1
             self._outbox = outbox
+            if self._closed.is_set():  # close() ran while this stream was being opened
+                outbox.put_nowait(_END)
         self._connected.set()
         self._degraded_gauge.set(0)
         if streams:

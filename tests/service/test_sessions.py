@@ -63,6 +63,20 @@ def test_decisions_are_pushed_without_a_further_report(served, client) -> None: 
     assert session.stats.latencies_ms, "the pushed decision's latency was measured"
 
 
+def test_close_delivers_reports_still_queued(served, client) -> None:  # type: ignore[no-untyped-def]
+    """close() right after a burst: the server reads every queued report and the worker gets
+    every decision the server sent (graceful half-close, not a cancel)."""
+    session = client.open_session(worker_info("burst"))
+    assert session.wait_connected(10)
+    for step in range(800):  # queued far faster than the server reads them
+        session.report(step_report(step, {f"r{step // 10}": 300 + step}))
+    session.close(drain_s=60.0)
+    assert session.stats.reports_sent == 800
+    assert served.metric("kvplane_reports_total") == 800
+    assert session.stats.decisions_received == session.stats.decisions_announced > 0
+    assert served.metric("kvplane_decisions_total") == session.stats.decisions_received
+
+
 def test_session_must_start_with_hello(channel) -> None:  # type: ignore[no-untyped-def]
     """A stream whose first message is a report ends with INVALID_ARGUMENT naming `hello`."""
     stub = pb_grpc.ControlPlaneStub(channel)

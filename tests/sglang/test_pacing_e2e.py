@@ -3,7 +3,7 @@
 Scenario: one layered server (module-scoped, nothing forced offloaded). A streaming completion
 with a per-request TBT SLO is paced by the token deposit: its text equals the (unpaced)
 non-streaming answer, and the client sees chunks at least one SLO apart until the request
-finishes, after which the remainder arrives as one burst.
+finishes (never ahead of one chunk per SLO), after which the remainder arrives as one burst.
 """
 
 from __future__ import annotations
@@ -21,9 +21,12 @@ from sglang_ext.tools.workload import SHARED_HOST_ARGS, RequestSpec, run_one
 
 pytestmark = pytest.mark.sglang
 
-SLO_MS = 120.0
+SLO_MS = 60.0
+OUTPUT_TOKENS = 120
+"""Enough that generation outlasts several SLOs even on an idle host (about 10 ms a token)."""
 TOLERANCE_MS = 45.0
-"""Client-side jitter allowed below the SLO (HTTP, thread scheduling on a shared 2-core host)."""
+"""Client-side lateness allowed for the reference chunk (HTTP, thread scheduling on a shared
+2-core host); the cumulative check does not accumulate it."""
 
 
 @pytest.fixture(scope="module")
@@ -53,30 +56,41 @@ def test_paced_stream_text_identical_and_spaced(paced_server: SGLangServer) -> N
     """Streamed text == non-streamed text; chunk gaps >= SLO - tolerance until the finish burst."""
     stream = run_one(
         paced_server.base_url,
-        RequestSpec("paced-s", 30, 40, stream=True, slo_tbt_ms=SLO_MS),
+        RequestSpec("paced-s", 30, OUTPUT_TOKENS, stream=True, slo_tbt_ms=SLO_MS),
         "default",
         0.0,
         180.0,
     )
     full = run_one(
-        paced_server.base_url, RequestSpec("paced-n", 30, 40, stream=False), "default", 0.0, 180.0
+        paced_server.base_url, RequestSpec("paced-n", 30, OUTPUT_TOKENS, stream=False), "default", 0.0, 180.0
     )
     assert stream.ok and full.ok, (stream.error, full.error, paced_server.log_tail())
-    assert stream.completion_tokens == full.completion_tokens == 40
+    assert stream.completion_tokens == full.completion_tokens == OUTPUT_TOKENS
     assert stream.text == full.text
     # The first gap is exempt: SGLang's OpenAI layer pulls the first chunk before it sends the
     # HTTP response headers, so the client receives chunk 1 late (response start-up) while
     # chunk 2 leaves on the deposit's clock, one SLO after chunk 1 left the server.
     gaps = stream.gaps_ms[1:]
     assert len(gaps) >= 2
-    # Paced part: every gap at least one SLO (minus jitter); the finish burst (gaps far below
-    # the SLO) may only come at the end and never be followed by a paced gap.
-    short = [i for i, g in enumerate(gaps) if g < SLO_MS - TOLERANCE_MS]
-    if short:
-        first = short[0]
-        assert all(g < SLO_MS - TOLERANCE_MS for g in gaps[first:]), gaps
-    paced = len(gaps) - len(short)
-    assert paced >= 3, f"pacing not visible: gaps {gaps}"
+    # The finish burst (gaps far below the SLO) is the trailing run of short gaps; before it the
+    # stream is paced. The deposit releases on a fixed clock (token k one SLO after token k-1 was
+    # due), so the client may see a late chunk followed by a quick one when a thread stalls on
+    # a shared host; what never happens is the stream getting ahead of that clock. So check
+    # arrival times against the clock: lateness(k) = arrival(k) - k * SLO never falls more than
+    # the tolerance below its value at the start (the least of the first three chunks, so that
+    # one late reference chunk does not hide or fake anything).
+    burst = 0
+    while burst < len(gaps) and gaps[len(gaps) - 1 - burst] < SLO_MS - TOLERANCE_MS:
+        burst += 1
+    paced = gaps[: len(gaps) - burst]
+    print(f"\npacing: {len(paced)} paced gaps (mean {sum(paced) / max(1, len(paced)):.1f} ms), burst of {burst}")
+    assert len(paced) >= 3, f"pacing not visible: gaps {gaps}"
+    arrival = [0.0]
+    for gap in paced:
+        arrival.append(arrival[-1] + gap)
+    lateness = [t - k * SLO_MS for k, t in enumerate(arrival)]
+    start = min(lateness[:3])
+    assert all(x >= start - TOLERANCE_MS for x in lateness), (lateness, gaps)
 
 
 def test_bad_slo_override_is_a_400_naming_the_field(paced_server: SGLangServer) -> None:
