@@ -80,6 +80,7 @@ def test_request_rows_attainment() -> None:
 
 @pytest.mark.sglang
 @pytest.mark.slow
+@pytest.mark.timeout(DEMO_DEADLINE_S + 60)
 def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     """`kvplane demo` launches SGLang, serves the mixed workload, prints the summary, tears down."""
     pytest.importorskip("sglang")

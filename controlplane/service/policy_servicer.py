@@ -91,17 +91,18 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
     # ------------------------------------------------------------ watch
 
     def _ensure_pump(self) -> None:
+        # Subscribe here, on the watcher's own thread, before its first event is sent: an update
+        # landing before the pump thread gets scheduled is then still broadcast.
         with self._lock:
             if self._pump is None:
+                self._watch = watch = self._cp.watch_policy()
                 self._pump = threading.Thread(
-                    target=self._run_pump, name="kvplane-policy-pump", daemon=True
+                    target=self._run_pump, args=(watch,), name="kvplane-policy-pump", daemon=True
                 )
                 self._pump.start()
 
-    def _run_pump(self) -> None:
+    def _run_pump(self, watch: Iterator[Policy]) -> None:
         try:
-            watch = self._cp.watch_policy()
-            self._watch = watch
             for policy in watch:
                 if self._stopped.is_set():
                     return

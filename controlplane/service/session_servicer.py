@@ -271,10 +271,12 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
                 step = -1
                 for i, msg in enumerate(batch):
                     report = convert.step_report_from_proto(msg, prefix.format(i))
+                    # set before report(): a decision the planner pushes while report() runs
+                    # (another thread) answers this report
+                    live.last_step, live.last_t0 = report.step, t0
                     decisions += live.report(report)
                     step = report.step
                 self._metrics.reports.inc(len(batch))
-                live.last_step, live.last_t0 = step, t0  # for decisions pushed later
                 if decisions:  # wake the writer only when there is something to send
                     outbox.put((step, t0, decisions))
         except grpc.RpcError:

@@ -37,6 +37,10 @@ from typing import Any
 
 DEFAULT_OUT = Path("benchmarks/results/sglang")
 OVERHEAD_TARGET_PCT = 5.0
+MODELS = ("tiny", "small")
+"""``--model`` presets: ``tiny`` is the tests' model (a decode step is a few ms of compute, so
+the plugin's fixed per-step Python cost is the worst case); ``small`` (512 wide, 8 layers) has
+steps dominated by compute, like real serving."""
 LOOSE_SLO_TBT_MS = 60_000.0
 """Default policy TBT SLO of the layered configurations: on a slow (or shared) CPU host the
 observed step time exceeds the default 200 ms SLO and the controller pauses requests to meet it,
@@ -86,6 +90,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
     parser.add_argument(
+        "--model",
+        choices=MODELS,
+        default="tiny",
+        help="model preset: tiny (the tests' 64-wide, 4-layer model; worst case for the "
+        "plugin's fixed per-step cost) or small (512 wide, 8 layers; compute-dominated steps)",
+    )
+    parser.add_argument(
         "--configs", default="vanilla,layered,layered-offload", help="comma list of configurations"
     )
     parser.add_argument("--startup-timeout-s", type=float, default=400.0)
@@ -96,6 +107,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="policy TBT SLO of the layered servers (--kv-policy); loose by default so that no "
         "SLO-driven pause confounds the overhead figure (memory-driven pauses still happen)",
     )
+
+
+def model_spec(name: str) -> Any:
+    """The :class:`TinyModelSpec` of a ``--model`` preset."""
+    from sglang_ext.testing.tiny_model import TinyModelSpec
+
+    if name == "tiny":
+        return TinyModelSpec()
+    if name == "small":
+        return TinyModelSpec(
+            hidden_size=512,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            intermediate_size=1536,
+        )
+    raise ValueError(f"--model={name!r}: allowed {list(MODELS)}")
 
 
 def _cpu_model() -> str:
@@ -297,9 +325,23 @@ def _markdown(payload: dict[str, Any]) -> str:
             lines.append(
                 f"- Overhead {text}: **{payload[key]:+.1f}%** (throughput loss; target <= {OVERHEAD_TARGET_PCT:g}% for nothing offloaded)."
             )
+    for name, ms in (payload.get("extra_ms_per_token") or {}).items():
+        lines.append(f"- {name} adds {ms:+.3f} ms of wall time per output token over vanilla.")
     if payload.get("note"):
         lines += ["", payload["note"]]
     return "\n".join(lines) + "\n"
+
+
+def extra_ms_per_token(by: dict[str, ConfigResult]) -> dict[str, float]:
+    """Wall ms per output token each layered configuration adds over vanilla (medians)."""
+    if "vanilla" not in by or by["vanilla"].median_tokens_per_s <= 0:
+        return {}
+    base = 1000.0 / by["vanilla"].median_tokens_per_s
+    return {
+        name: round(1000.0 / r.median_tokens_per_s - base, 3)
+        for name, r in by.items()
+        if name != "vanilla" and r.median_tokens_per_s > 0
+    }
 
 
 def _slug(text: str) -> str:
@@ -324,13 +366,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvplane bench sglang: {exc}")
         return 2
     from sglang_ext.testing.server import CPU_ARGS
-    from sglang_ext.testing.tiny_model import TinyModelSpec, build_tiny_model
+    from sglang_ext.testing.tiny_model import build_tiny_model
     from sglang_ext.tools.workload import mixed_workload
 
     device = f"CPU: {_cpu_model()}"
     with tempfile.TemporaryDirectory(prefix="kvplane-bench-sglang-") as tmp:
         workdir = Path(tmp)
-        model_dir = build_tiny_model(workdir / "model", TinyModelSpec())
+        model_dir = build_tiny_model(workdir / "model", model_spec(args.model))
         print(
             f"[bench sglang] launching {', '.join(configs)} (one after the other; CPU start-up takes minutes) ...",
             flush=True,
@@ -355,7 +397,8 @@ def run(args: argparse.Namespace) -> int:
         "device": device,
         "cpus": os.cpu_count(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "model": str(TinyModelSpec()),
+        "model": f"{args.model}: {model_spec(args.model)}",
+        "extra_ms_per_token": extra_ms_per_token(by),
         "cpu_args": list(CPU_ARGS),
         "workload": f"{len(workload)} requests, {sum(s.max_tokens for s in workload)} output tokens "
         f"({sum(s.stream for s in workload)} streaming)",
@@ -386,7 +429,7 @@ def run(args: argparse.Namespace) -> int:
         if payload[key] is not None:
             print(f"[bench sglang] overhead {label}: {payload[key]:+.1f}% on {device}")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"sglang-{_slug(device.removeprefix('CPU: '))}"
+    stem = f"sglang-{args.model}-{_slug(device.removeprefix('CPU: '))}"
     (args.out_dir / f"{stem}.json").write_text(json.dumps(payload, indent=2) + "\n")
     (args.out_dir / f"{stem}.md").write_text(_markdown(payload))
     print(f"[bench sglang] wrote {args.out_dir / stem}.json and .md")

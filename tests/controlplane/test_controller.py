@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -287,11 +286,9 @@ def test_async_report_never_waits_for_the_planner() -> None:
     session, w, _ = make(planner=planner, synchronous=False)
     try:
         w.add("a", 100)
-        t0 = time.perf_counter()
-        assert w.report() == []
+        assert w.report() == []  # returned although the planner is blocked on its gate
         w.add("b", 100)  # a second trigger while the first plan is in flight: coalesced
         assert w.report() == []
-        assert time.perf_counter() - t0 < 1.0
         assert session.status().planning
         planner.gate.set()
         assert session.flush(30)

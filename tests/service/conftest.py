@@ -179,7 +179,7 @@ class ServeProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.target = f"127.0.0.1:{port}"
 
-    def start(self, timeout_s: float = 30.0) -> None:
+    def start(self, timeout_s: float = 120.0) -> None:
         cmd = kvplane_cmd(
             "serve",
             "--listen", self.target,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 from structlog.testing import capture_logs
@@ -89,6 +91,7 @@ def test_rate_limit_exceeded_names_the_limit(serve, connect) -> None:  # type: i
     s = serve(ServerConfig(max_sessions=2, max_watchers=1, rate_limit_rps=5))
     client = connect(s.target)
     outcomes = []
+    t0 = time.monotonic()
     for _ in range(30):
         try:
             client.get_policy()
@@ -96,10 +99,15 @@ def test_rate_limit_exceeded_names_the_limit(serve, connect) -> None:  # type: i
         except api.ResourceExhausted as exc:
             assert "rate_limit_rps" in str(exc)
             outcomes.append("limited")
-    assert 1 <= outcomes.count("ok") <= 10
-    assert outcomes.count("limited") >= 20
+    elapsed = time.monotonic() - t0
+    # The bucket holds a burst of rate_limit_rps and refills at that rate: however slow the host
+    # made the loop, no more calls pass than that budget.
+    allowed = 5 + 5 * elapsed + 1
+    assert 1 <= outcomes.count("ok") <= allowed, (outcomes, elapsed)
+    limited = outcomes.count("limited")
+    assert limited >= 30 - allowed and limited >= 1
     assert client.health() == "SERVING"
-    assert s.metric("kvplane_rejected_total", {"limit": "rate_limit_rps"}) >= 20
+    assert s.metric("kvplane_rejected_total", {"limit": "rate_limit_rps"}) == limited
 
 
 def test_plaintext_health_port_under_mtls(serve, pki) -> None:  # type: ignore[no-untyped-def]

@@ -17,7 +17,7 @@ import pytest
 from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import PROMPTS, STARTUP_TIMEOUT_S, greedy
 
-pytestmark = pytest.mark.sglang
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # server start-ups on a loaded host
 
 BURST = 8
 

@@ -94,8 +94,13 @@ def test_killing_the_control_plane_mid_run_loses_no_request(remote):
     for out in outs:
         assert out["meta_info"]["completion_tokens"] == MAX_NEW_TOKENS
         assert out["meta_info"]["finish_reason"]["type"] == "length"
+    if not any(line["fallback"] for line in _lines(stats)[killed_at:]):
+        # the batch ended before the scheduler's session noticed the outage (slow host): the
+        # next request runs during it
+        out = _generate(server, "Outage probe: the control plane is down")
+        assert out["meta_info"]["completion_tokens"] == MAX_NEW_TOKENS
     after = _lines(stats)[killed_at:]
-    assert after, "the batch ended right at the kill; nothing ran during the outage"
+    assert after, "nothing ran during the outage"
     assert any(line["fallback"] for line in after), "no fallback recorded during the outage"
     assert after[-1]["paused"] == []
     warned = server.log_path.read_text().count("control_plane_unavailable") - warned_before

@@ -2,36 +2,52 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
+from sglang_ext import layer_timing
 from sglang_ext.layer_timing import LayerTimer
 
 
-def _step(timer: LayerTimer, *, decode: bool = True, layers: int = 3, sleep_s: float = 0.002):
+class FakeClock:
+    """perf_counter stand-in: each layer takes exactly (layer + 1) * 2 ms (no sleeping, so a
+    loaded host cannot reorder the times)."""
+
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _step(timer: LayerTimer, clock: FakeClock, *, decode: bool = True, layers: int = 3):
     timer.begin(decode)
     for layer in range(layers):
         timer.mark(layer)
-        time.sleep(sleep_s * (layer + 1))
+        clock.t += 0.002 * (layer + 1)
     timer.end()
     return timer.take()
 
 
-def test_every_nth_decode_step_is_sampled_and_times_follow_the_marks():
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(layer_timing.time, "perf_counter", fake)
+    return fake
+
+
+def test_every_nth_decode_step_is_sampled_and_times_follow_the_marks(clock: FakeClock):
     timer = LayerTimer(3, every=2)
-    first = _step(timer)
-    assert first is not None and len(first) == 3
-    assert first[0] >= 2.0 and first[2] >= 6.0 and first[2] > first[0]
-    assert _step(timer) is None  # second decode step: not sampled
-    assert _step(timer) is not None
+    first = _step(timer, clock)
+    assert first == pytest.approx((2.0, 4.0, 6.0))
+    assert _step(timer, clock) is None  # second decode step: not sampled
+    assert _step(timer, clock) is not None
     assert timer.samples == 2
 
 
-def test_extend_steps_and_incomplete_steps_report_nothing():
+def test_extend_steps_and_incomplete_steps_report_nothing(clock: FakeClock):
     timer = LayerTimer(3, every=1)
-    assert _step(timer, decode=False) is None
-    assert _step(timer, layers=2) is None  # a layer never marked
+    assert _step(timer, clock, decode=False) is None
+    assert _step(timer, clock, layers=2) is None  # a layer never marked
     timer.begin(True)
     timer.mark(0)
     assert timer.take() is None  # forward never ended

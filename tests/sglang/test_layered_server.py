@@ -18,7 +18,7 @@ from sglang_ext.testing.residency import check_block_lifecycle
 from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import PROMPTS, greedy
 
-pytestmark = pytest.mark.sglang
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # server start-ups on a loaded host
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from sglang_ext.pacing import SLO_PARAM
 from sglang_ext.testing.server import SGLangServer
 from sglang_ext.tools.workload import SHARED_HOST_ARGS, RequestSpec, run_one
 
-pytestmark = pytest.mark.sglang
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # server start-ups on a loaded host
 
 SLO_MS = 60.0
 OUTPUT_TOKENS = 120

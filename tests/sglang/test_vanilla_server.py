@@ -14,7 +14,7 @@ import pytest
 
 from tests.sglang.conftest import greedy
 
-pytestmark = pytest.mark.sglang
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # server start-ups on a loaded host
 
 PROMPT = "The quick brown fox jumps over the lazy dog. A cache keeps"
 
