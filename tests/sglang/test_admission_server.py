@@ -20,6 +20,8 @@ from tests.sglang.conftest import PROMPTS, STARTUP_TIMEOUT_S, greedy
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # server start-ups on a loaded host
 
 BURST = 8
+NEW_TOKENS = 24
+"""Long enough that the burst overlaps even when a loaded host spreads the arrivals."""
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,7 @@ def _burst(server: SGLangServer) -> dict[int, dict]:
 
     def one(i: int) -> None:
         try:
-            payload = {"text": PROMPTS[i], "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+            payload = {"text": PROMPTS[i], "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0}}
             if i < 2:
                 payload["sampling_params"]["custom_params"] = {"kvplane_slo_tbt_ms": 500.0}
             results[i] = server.post("/generate", payload)
@@ -69,7 +71,7 @@ def test_burst_is_admitted_by_the_control_plane_and_tokens_match_vanilla(gated, 
     results = _burst(server)
     assert sorted(results) == list(range(BURST))
     for i, out in results.items():
-        assert out["output_ids"] == greedy(vanilla_server, PROMPTS[i], max_new_tokens=12)["output_ids"], i
+        assert out["output_ids"] == greedy(vanilla_server, PROMPTS[i], max_new_tokens=NEW_TOKENS)["output_ids"], i
     steps = [json.loads(line) for line in stats_path.read_text().splitlines() if line.strip()]
     admitted = [rid for s in steps for rid in s.get("admitted_now") or ()]
     assert admitted, "the control plane never admitted a queued request"
