@@ -358,15 +358,34 @@ class SessionController:
             layer_compute_sample_ms=report.layer_compute_ms,
             h2d_gbps_sample=report.h2d_gbps,
         )
-        log.info(
+        replan = self._replan_could_change(report, rows, blocks)
+        (log.info if replan else log.debug)(
             "profile_mismatch",
             worker=self.worker_id,
             step=report.step,
             observed_ms=round(observed, 3),
             predicted_ms=round(predicted, 3),
             h2d_gbps=round(self._profile.h2d_gbps, 3),
+            replan=replan,
         )
-        return True
+        return replan
+
+    def _replan_could_change(
+        self, report: StepReport, rows: list[tuple[int, ...]], blocks: list[int]
+    ) -> bool:
+        """Whether re-running the solver on the refreshed profile can change the installed plan.
+
+        OrbitFlow §3.4 re-runs the solver after every profile update. It cannot change anything
+        while every layer of every running request is on the GPU, nobody is paused or queued,
+        and the refreshed profile's all-GPU step meets every request's TBT SLO: no placement is
+        faster (no transfers) and none violates less, so the solver returns the installed plan.
+        That is the steady state of a server whose KV fits; skipping the solve there keeps the
+        per-step cost of the controller flat. The profile is updated either way.
+        """
+        if report.queued or self._tracker.paused() or any(0 in row for row in rows):
+            return True
+        step_ms = self._profile.predict_step_ms(rows, blocks)
+        return any(step_ms > r.deposit.slo_tbt_ms for r in self._tracker.running())
 
     def _update_queue(self, report: StepReport) -> None:
         waiting = {q.id for q in report.queued}

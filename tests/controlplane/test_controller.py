@@ -94,9 +94,13 @@ def test_worker_made_pause_is_a_batch_change() -> None:
     assert session.status().paused == ("b",)
 
 
+TIGHT_SLO = {**FIXED_WINDOW, "slo_tbt_ms": 4.2}
+"""All-GPU step 4.0 ms under PROFILE: a profile update that slows it misses this SLO."""
+
+
 def test_mismatch_above_threshold_updates_profile_by_ewma() -> None:
     """|obs - pred| / pred > threshold re-plans and moves each layer by comp = (1-a)*comp + a*sample."""
-    session, w, store = make()
+    session, w, store = make(PolicyStore(Policy.from_dict(TIGHT_SLO)))
     policy = store.get()
     w.add("a", 100)
     w.report()
@@ -125,13 +129,38 @@ def test_mismatch_below_threshold_changes_nothing() -> None:
 
 def test_mismatch_without_samples_scales_the_profile() -> None:
     """Without samples the EWMA target is the profile scaled by observed / predicted."""
-    session, w, store = make()
+    session, w, store = make(PolicyStore(Policy.from_dict(TIGHT_SLO)))
     a = store.get().ewma_factor
     w.add("a", 100)
     w.report()
     (d,) = w.report(observed_step_ms=8.0)  # predicted 4.0 -> scale 2
     assert d.reason == "profile-mismatch"
     assert session.status().layer_compute_ms == pytest.approx(((1 - a) + a * 2.0,) * 4)
+
+
+def test_mismatch_in_an_all_gpu_steady_state_updates_the_profile_without_a_replan() -> None:
+    """Everything on the GPU, nobody paused or queued, the refreshed all-GPU step within the SLO:
+    the solver could only return the installed plan, so the profile moves but nothing re-plans."""
+    session, w, store = make()  # SLO 1000 ms
+    a = store.get().ewma_factor
+    w.add("a", 100)
+    (d,) = w.report()
+    assert all(all(row) for row in d.plan.placements.values())
+    w.report()  # the plan is installed
+    assert w.report(observed_step_ms=8.0) == []
+    assert session.status().layer_compute_ms == pytest.approx(((1 - a) + a * 2.0,) * 4)
+    assert "profile-mismatch" not in session.status().last_triggers
+
+
+def test_mismatch_with_a_request_queued_still_replans() -> None:
+    """A queued request (admission may depend on the step time) keeps the re-plan."""
+    session, w, _ = make()
+    w.add("a", 100)
+    w.report()
+    w.report()
+    w.queued.append(QueuedRequest(id="q", prompt_tokens=50, arrival_ms=0.0))
+    (d,) = w.report(observed_step_ms=8.0)
+    assert "profile-mismatch" in d.reason
 
 
 def test_policy_update_reaches_session_and_replans() -> None:
