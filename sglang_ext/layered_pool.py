@@ -194,7 +194,10 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         self._eager_writeback()
         ps = self.page_size
         for index, (rid, slots) in enumerate(requests):
-            pages = slots.to("cpu", torch.int64, copy=True)  # kept by residency: never a view of req_to_token
+            # kept by residency, so never a view of req_to_token (a fresh CPU int64 tensor, as
+            # the attention backend passes, is kept as it is)
+            fresh = slots.device.type == "cpu" and slots.dtype == torch.int64 and slots._base is None
+            pages = slots if fresh else slots.to("cpu", torch.int64, copy=True)
             if ps > 1:
                 pages = pages[::ps] // ps  # position order; one slot per page
             if rid is None:

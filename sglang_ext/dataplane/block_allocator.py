@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -71,6 +72,7 @@ class IdentityPages:
         self.name = name
         self.capacity = capacity
         self._in_use = torch.zeros(capacity, dtype=torch.bool)
+        self._in_use_np = self._in_use.numpy()  # same memory; for take_distinct
         self._used = 0
 
     @property
@@ -98,6 +100,15 @@ class IdentityPages:
         self._in_use[ids] = True
         self._used += int(ids.numel())
         return ids
+
+    def take_distinct(self, ids: np.ndarray) -> None:
+        """:meth:`take` for the per-step fast path: ``ids`` is an int64 NumPy array of distinct
+        ids in range (the caller's guarantee); still raises ValueError (nothing taken) if one is
+        in use."""
+        if self._in_use_np[ids].any():
+            raise ValueError(f"{self.name}: block id already in use")
+        self._in_use_np[ids] = True
+        self._used += int(ids.size)
 
     def alloc(self, n: int) -> list[int] | None:
         """``n`` free ids (any; for short-lived staging returned before the next boundary) or None."""

@@ -33,6 +33,7 @@ import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore
@@ -72,6 +73,7 @@ class SlotResidency:
         self.last_moves = LayerPageMoves({}, {})
         self.has_kv = torch.zeros(store.config.logical_pages, dtype=torch.bool)
         """Pages holding KV (written since SGLang allocated them): only these are copied on onload."""
+        self._has_kv_np = self.has_kv.numpy()  # same memory, for the per-step fast path
         self._changed = True
         """Anything but appended pages changed since the last full reconcile (forces a full one)."""
         self._appended: list[tuple[_Request, torch.Tensor]] = []
@@ -347,15 +349,15 @@ class SlotResidency:
         write; anything else (prefix pages already placed, pages holding KV) returns None and the
         general append path handles it."""
         store = self.store
-        if bool(self.has_kv[added].any()):
+        pages = added.numpy()  # NumPy from here: a handful of tiny ops per decode step
+        if self._has_kv_np[pages].any():
             return None
-        cols = store.map_cpu[:, added]
-        if not bool((cols < 0).all()) or torch.unique(added).numel() != added.numel():
+        if not (store.map_np[:, pages] < 0).all() or np.unique(pages).size != pages.size:
             return None
-        n = self.layers * int(added.numel())
+        n = self.layers * int(pages.size)
         if n > store.allocator.free_count:
             return None
-        store.place_identity(added)
+        store.place_identity(pages)
         store.publish_map()
         self.last_moves = LayerPageMoves({}, {})
         return ResidencyDelta(0, 0, 0, n, 0, 0, 0, 0)

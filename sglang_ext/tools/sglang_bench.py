@@ -1,10 +1,12 @@
 """`kvplane bench sglang`: SGLang tokens/s with and without ``--enable-layered-kv``.
 
-Three servers on the tiny local model (CPU recipe of ``sglang_ext/testing/server.py``), started
-one after the other and kept up (idle ones sleep); the demo's mixed workload (``sglang_ext/tools/workload.py``: streaming and
-non-streaming, completions and chat) runs on one server at a time in interleaved rounds (a
-warm-up round, then ``--repeat`` measured rounds, order rotated), so drifting load on a shared
-host hits every configuration alike:
+Three servers on a local random-weight model (``--model tiny|small``; CPU recipe of
+``sglang_ext/testing/server.py``), started one after the other and kept up (idle ones sleep); a
+workload (``--workload``: ``throughput`` = one batched ``/generate`` of 8 prompts, 96 tokens
+each, the same decode batch every run; ``mixed`` = the demo's 6 staggered OpenAI requests from
+``sglang_ext/tools/workload.py``, streaming and not, completions and chat) runs on one server at a time in interleaved rounds (a warm-up round, then ``--repeat``
+measured rounds, order rotated), so drifting load on a shared host hits every configuration
+alike:
 
 * ``vanilla``: kvplane installed, flag off (``--disable-overlap-schedule`` too, so the baseline
   runs the same scheduler loop the flag requires);
@@ -37,6 +39,13 @@ from typing import Any
 
 DEFAULT_OUT = Path("benchmarks/results/sglang")
 OVERHEAD_TARGET_PCT = 5.0
+WORKLOADS = ("throughput", "mixed")
+"""``--workload``: ``throughput`` (one batched ``/generate`` of 8 prompts, 96 tokens each: the 8
+arrive together, so every run decodes the same batch and a run measures steady-state step
+cost) or ``mixed`` (the demo's staggered 6 requests over the OpenAI API: batching varies with
+arrival timing, so runs are noisier)."""
+THROUGHPUT_PROMPT_WORDS = (16, 300, 40, 120, 200, 24, 80, 160)
+THROUGHPUT_NEW_TOKENS = 96
 MODELS = ("tiny", "small")
 """``--model`` presets: ``tiny`` is the tests' model (a decode step is a few ms of compute, so
 the plugin's fixed per-step Python cost is the worst case); ``small`` (512 wide, 8 layers) has
@@ -90,6 +99,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
     parser.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="throughput",
+        help="throughput (8 concurrent requests x 96 tokens; default) or mixed (the demo's)",
+    )
+    parser.add_argument(
         "--model",
         choices=MODELS,
         default="tiny",
@@ -106,6 +121,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=LOOSE_SLO_TBT_MS,
         help="policy TBT SLO of the layered servers (--kv-policy); loose by default so that no "
         "SLO-driven pause confounds the overhead figure (memory-driven pauses still happen)",
+    )
+
+
+def run_throughput(server: Any) -> tuple[int, int]:
+    """One batched ``/generate`` of the throughput workload: (output tokens, failed prompts)."""
+    from sglang_ext.tools.workload import prompt_of
+
+    words = THROUGHPUT_PROMPT_WORDS
+    payload = {
+        "text": [prompt_of(w, seed=i) for i, w in enumerate(words)],
+        "sampling_params": {"max_new_tokens": THROUGHPUT_NEW_TOKENS, "temperature": 0.0, "ignore_eos": True},
+    }
+    try:
+        outs = server.post("/generate", payload, timeout_s=300.0)
+    except Exception as exc:  # noqa: BLE001 - counted as failed, reported by the caller
+        print(f"[bench sglang] batched /generate failed: {exc}", flush=True)
+        return 0, len(words)
+    tokens = [int(o["meta_info"]["completion_tokens"]) for o in outs]
+    return sum(tokens), sum(t != THROUGHPUT_NEW_TOKENS for t in tokens) + len(words) - len(tokens)
+
+
+def run_once(server: Any, workload: str) -> tuple[int, int]:
+    """One workload run against ``server``: (output tokens, failed requests)."""
+    from sglang_ext.tools.workload import mixed_workload, run_workload
+
+    if workload == "throughput":
+        return run_throughput(server)
+    if workload == "mixed":
+        results = run_workload(server.base_url, mixed_workload(), timeout_s=300.0)
+        return sum(r.completion_tokens for r in results), sum(not r.ok for r in results)
+    raise ValueError(f"--workload={workload!r}: allowed {list(WORKLOADS)}")
+
+
+def workload_text(workload: str) -> str:
+    """One line describing a ``--workload`` choice (for the results)."""
+    from sglang_ext.tools.workload import mixed_workload
+
+    if workload == "throughput":
+        words = THROUGHPUT_PROMPT_WORDS
+        return (
+            f"throughput: one batched /generate of {len(words)} prompts ({min(words)}-{max(words)} "
+            f"words), {THROUGHPUT_NEW_TOKENS} output tokens each"
+        )
+    specs = mixed_workload()
+    return (
+        f"mixed: {len(specs)} staggered OpenAI requests, {sum(s.max_tokens for s in specs)} output "
+        f"tokens ({sum(s.stream for s in specs)} streaming)"
     )
 
 
@@ -200,7 +262,6 @@ def measure_all(
     rounds -- a warm-up round, then ``args.repeat`` measured rounds, the order rotated each round
     -- so load drift on a shared host hits every configuration alike; stop them all."""
     from sglang_ext.testing.server import ServerError, SGLangServer
-    from sglang_ext.tools.workload import mixed_workload, run_workload
 
     servers: dict[str, SGLangServer] = {}
     for name, flags in configs.items():
@@ -250,13 +311,13 @@ def measure_all(
                 pgid = servers[name]._proc.pid  # the launcher leads its own process group
                 cpu0 = group_cpu_s(pgid)
                 t = time.monotonic()
-                results = run_workload(servers[name].base_url, mixed_workload(), timeout_s=300.0)
+                run_tokens, run_failed = run_once(servers[name], args.workload)
                 wall = time.monotonic() - t
                 cpu = group_cpu_s(pgid) - cpu0
                 if round_ == 0:
                     continue  # warm-up
-                tokens[name] = sum(r.completion_tokens for r in results)
-                failed[name] += sum(not r.ok for r in results)
+                tokens[name] = run_tokens
+                failed[name] += run_failed
                 rates[name].append(tokens[name] / wall)
                 cpu_rates[name].append(tokens[name] / cpu if cpu > 0 else 0.0)
                 load[name].append(load_before)
@@ -367,8 +428,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from sglang_ext.testing.server import CPU_ARGS
     from sglang_ext.testing.tiny_model import build_tiny_model
-    from sglang_ext.tools.workload import mixed_workload
-
     device = f"CPU: {_cpu_model()}"
     with tempfile.TemporaryDirectory(prefix="kvplane-bench-sglang-") as tmp:
         workdir = Path(tmp)
@@ -391,7 +450,6 @@ def run(args: argparse.Namespace) -> int:
             return None
         return round(100.0 * (1 - getattr(by[name], field) / getattr(by["vanilla"], field)), 2)
 
-    workload = mixed_workload()
     payload: dict[str, Any] = {
         "bench": "sglang",
         "device": device,
@@ -400,8 +458,7 @@ def run(args: argparse.Namespace) -> int:
         "model": f"{args.model}: {model_spec(args.model)}",
         "extra_ms_per_token": extra_ms_per_token(by),
         "cpu_args": list(CPU_ARGS),
-        "workload": f"{len(workload)} requests, {sum(s.max_tokens for s in workload)} output tokens "
-        f"({sum(s.stream for s in workload)} streaming)",
+        "workload": workload_text(args.workload),
         "repeat": args.repeat,
         "layered_policy": {"slo_tbt_ms": args.slo_tbt_ms},
         "results": [asdict(r) for r in results],
@@ -429,7 +486,7 @@ def run(args: argparse.Namespace) -> int:
         if payload[key] is not None:
             print(f"[bench sglang] overhead {label}: {payload[key]:+.1f}% on {device}")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"sglang-{args.model}-{_slug(device.removeprefix('CPU: '))}"
+    stem = f"sglang-{args.model}-{args.workload}-{_slug(device.removeprefix('CPU: '))}"
     (args.out_dir / f"{stem}.json").write_text(json.dumps(payload, indent=2) + "\n")
     (args.out_dir / f"{stem}.md").write_text(_markdown(payload))
     print(f"[bench sglang] wrote {args.out_dir / stem}.json and .md")

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from sglang_ext.tools.sglang_bench import ConfigResult, extra_ms_per_token, model_spec
+from sglang_ext.tools.sglang_bench import ConfigResult, extra_ms_per_token, model_spec, run_once, workload_text
 
 
 def _result(name: str, tps: float) -> ConfigResult:
@@ -20,6 +20,13 @@ def test_presets_are_valid_models() -> None:
     assert small.hidden_size > tiny.hidden_size and small.num_hidden_layers > tiny.num_hidden_layers
     with pytest.raises(ValueError, match="--model='huge'"):
         model_spec("huge")
+
+
+def test_workloads_are_described_and_unknown_ones_rejected() -> None:
+    assert workload_text("throughput").startswith("throughput: one batched /generate of 8 prompts")
+    assert "6 staggered OpenAI requests" in workload_text("mixed")
+    with pytest.raises(ValueError, match="--workload='bursty'"):
+        run_once(None, "bursty")
 
 
 def test_extra_ms_per_token_is_the_wall_time_difference() -> None:
