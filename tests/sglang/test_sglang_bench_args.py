@@ -8,7 +8,13 @@ import sys
 
 import pytest
 
-from sglang_ext.tools.sglang_bench import ConfigResult, extra_ms_per_token, model_spec, run_once, workload_text
+from sglang_ext.tools.sglang_bench import (
+    ConfigResult,
+    extra_ms_per_token,
+    model_spec,
+    run_once,
+    workload_text,
+)
 
 
 def _result(name: str, tps: float) -> ConfigResult:
