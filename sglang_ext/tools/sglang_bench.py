@@ -65,7 +65,7 @@ class ConfigResult:
     flags: tuple[str, ...]
     """Extra launch flags after the CPU recipe."""
     startup_s: float
-    """Launch to healthy."""
+    """Launch to healthy (median over the launches)."""
     tokens_per_s: tuple[float, ...]
     """Output tokens / wall s of each measured workload run."""
     median_tokens_per_s: float
@@ -90,7 +90,14 @@ class ConfigResult:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--repeat", type=int, default=3, help="measured workload runs per server")
+    parser.add_argument("--repeat", type=int, default=3, help="measured workload runs per server launch")
+    parser.add_argument(
+        "--instances",
+        type=int,
+        default=1,
+        help="launches of each server (fresh processes; results pooled): averages out what "
+        "differs between two launches of the same server",
+    )
     parser.add_argument(
         "--offload-budget-tokens",
         type=int,
@@ -258,23 +265,70 @@ def _stats_summary(path: Path) -> tuple[int, float | None, int]:
 def measure_all(
     configs: dict[str, tuple[str, ...]], model_dir: Path, workdir: Path, args: argparse.Namespace
 ) -> list[ConfigResult]:
-    """Start every configuration's server (one after the other), then run the workload in interleaved
-    rounds -- a warm-up round, then ``args.repeat`` measured rounds, the order rotated each round
-    -- so load drift on a shared host hits every configuration alike; stop them all."""
+    """``args.instances`` times: start every configuration's server (one after the other), run
+    the workload in interleaved rounds -- a warm-up round, then ``args.repeat`` measured rounds,
+    the order rotated each round -- so load drift on a shared host hits every configuration
+    alike, and stop them all. Fresh server processes per instance average out what differs
+    between two launches of the same server (on a small CPU host that alone moves throughput by
+    10-20%)."""
+    rates: dict[str, list[float]] = {n: [] for n in configs}
+    cpu_rates: dict[str, list[float]] = {n: [] for n in configs}
+    failed = dict.fromkeys(configs, 0)
+    tokens = dict.fromkeys(configs, 0)
+    load: dict[str, list[float]] = {n: [] for n in configs}
+    startup_s: dict[str, list[float]] = {n: [] for n in configs}
+    for name in configs:
+        (workdir / f"{name}-stats.jsonl").unlink(missing_ok=True)
+    for instance in range(args.instances):
+        _measure_instance(configs, model_dir, workdir, args, instance, rates, cpu_rates, failed, tokens, load, startup_s)
+    out = []
+    for name, flags in configs.items():
+        steps, host, pauses = _stats_summary(workdir / f"{name}-stats.jsonl")
+        out.append(
+            ConfigResult(
+                name,
+                flags,
+                round(statistics.median(startup_s[name]), 1),
+                tuple(round(r, 2) for r in rates[name]),
+                round(statistics.median(rates[name]), 2),
+                tuple(round(r, 2) for r in cpu_rates[name]),
+                round(statistics.median(cpu_rates[name]), 2),
+                tokens[name],
+                failed[name],
+                (round(min(load[name]), 2), round(max(load[name]), 2)),
+                steps,
+                None if host is None else round(host, 3),
+                pauses,
+            )
+        )
+    return out
+
+
+def _measure_instance(
+    configs: dict[str, tuple[str, ...]],
+    model_dir: Path,
+    workdir: Path,
+    args: argparse.Namespace,
+    instance: int,
+    rates: dict[str, list[float]],
+    cpu_rates: dict[str, list[float]],
+    failed: dict[str, int],
+    tokens: dict[str, int],
+    load: dict[str, list[float]],
+    startup_s: dict[str, list[float]],
+) -> None:
+    """One launch of every configuration: rounds appended to the accumulators."""
     from sglang_ext.testing.server import ServerError, SGLangServer
 
     servers: dict[str, SGLangServer] = {}
     for name, flags in configs.items():
-        stats = workdir / f"{name}-stats.jsonl"
-        stats.unlink(missing_ok=True)
         servers[name] = SGLangServer(
             model_dir,
-            log_path=workdir / f"{name}.log",
+            log_path=workdir / f"{name}-{instance}.log",
             extra_args=flags,
-            env={"KVPLANE_STATS_FILE": str(stats)},
+            env={"KVPLANE_STATS_FILE": str(workdir / f"{name}-stats.jsonl")},
             startup_timeout_s=args.startup_timeout_s,
         )
-    startup_s: dict[str, float] = {}
     errors: dict[str, BaseException] = {}
 
     def start(name: str) -> None:
@@ -284,7 +338,7 @@ def measure_all(
             t0 = time.monotonic()
             try:
                 servers[name].start()
-                startup_s[name] = time.monotonic() - t0
+                startup_s[name].append(time.monotonic() - t0)
                 errors.pop(name, None)
                 return
             except ServerError as exc:
@@ -293,11 +347,6 @@ def measure_all(
                 servers[name].port = 0
                 print(f"[bench sglang] {name}: start-up attempt {attempt} failed", flush=True)
 
-    rates: dict[str, list[float]] = {n: [] for n in servers}
-    cpu_rates: dict[str, list[float]] = {n: [] for n in servers}
-    failed = dict.fromkeys(servers, 0)
-    tokens = dict.fromkeys(servers, 0)
-    load: dict[str, list[float]] = {n: [] for n in servers}
     try:
         for name in servers:
             start(name)
@@ -318,38 +367,18 @@ def measure_all(
                     continue  # warm-up
                 tokens[name] = run_tokens
                 failed[name] += run_failed
-                rates[name].append(tokens[name] / wall)
-                cpu_rates[name].append(tokens[name] / cpu if cpu > 0 else 0.0)
+                rates[name].append(run_tokens / wall)
+                cpu_rates[name].append(run_tokens / cpu if cpu > 0 else 0.0)
                 load[name].append(load_before)
                 print(
-                    f"[bench sglang] round {round_} {name}: {tokens[name] / wall:.2f} tokens/s, "
-                    f"{cpu_rates[name][-1]:.2f} tokens/CPU-s (load {load_before:.1f})",
+                    f"[bench sglang] instance {instance} round {round_} {name}: "
+                    f"{run_tokens / wall:.2f} tokens/s, {cpu_rates[name][-1]:.2f} tokens/CPU-s "
+                    f"(load {load_before:.1f})",
                     flush=True,
                 )
     finally:
         for server in servers.values():
             server.stop()
-    out = []
-    for name, flags in configs.items():
-        steps, host, pauses = _stats_summary(workdir / f"{name}-stats.jsonl")
-        out.append(
-            ConfigResult(
-                name,
-                flags,
-                round(startup_s[name], 1),
-                tuple(round(r, 2) for r in rates[name]),
-                round(statistics.median(rates[name]), 2),
-                tuple(round(r, 2) for r in cpu_rates[name]),
-                round(statistics.median(cpu_rates[name]), 2),
-                tokens[name],
-                failed[name],
-                (round(min(load[name]), 2), round(max(load[name]), 2)),
-                steps,
-                None if host is None else round(host, 3),
-                pauses,
-            )
-        )
-    return out
 
 
 def _markdown(payload: dict[str, Any]) -> str:
@@ -357,7 +386,8 @@ def _markdown(payload: dict[str, Any]) -> str:
         f"# kvplane bench sglang — {payload['device']}",
         "",
         f"Date: {payload['date']}. Model: {payload['model']}. Workload: {payload['workload']} "
-        f"(warm-up + {payload['repeat']} measured runs per server, median).",
+        f"(warm-up + {payload['repeat']} measured runs per server launch, {payload.get('instances', 1)} "
+        "launch(es) per server, median of all runs).",
         f"CPU recipe: `{' '.join(payload['cpu_args'])}`. Host: {payload['cpus']} CPUs, shared "
         "machine (load average recorded per configuration). Layered servers run the policy "
         f"`{json.dumps(payload['layered_policy'])}` (no SLO-driven pauses; memory-driven ones "
@@ -419,6 +449,8 @@ def run(args: argparse.Namespace) -> int:
         policy_file.write_text(json.dumps({"slo_tbt_ms": args.slo_tbt_ms}))
         if args.repeat < 1:
             raise ValueError(f"--repeat={args.repeat} is out of range [1, inf)")
+        if not 1 <= args.instances <= 20:
+            raise ValueError(f"--instances={args.instances} is out of range [1, 20]")
         if args.offload_budget_tokens < 1:
             raise ValueError(
                 f"--offload-budget-tokens={args.offload_budget_tokens} is out of range [1, inf)"
@@ -460,6 +492,7 @@ def run(args: argparse.Namespace) -> int:
         "cpu_args": list(CPU_ARGS),
         "workload": workload_text(args.workload),
         "repeat": args.repeat,
+        "instances": args.instances,
         "layered_policy": {"slo_tbt_ms": args.slo_tbt_ms},
         "results": [asdict(r) for r in results],
         "overhead_pct": overhead("layered"),

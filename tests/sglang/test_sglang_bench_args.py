@@ -45,6 +45,7 @@ def test_extra_ms_per_token_is_the_wall_time_difference() -> None:
     ("argv", "message"),
     [
         (["--repeat", "0"], "--repeat=0 is out of range"),
+        (["--instances", "0"], "--instances=0 is out of range"),
         (["--configs", "vanilla,bogus"], "unknown ['bogus']"),
         (["--slo-tbt-ms", "-1"], "--slo-tbt-ms=-1.0 is out of range"),
     ],
