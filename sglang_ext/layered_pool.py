@@ -219,10 +219,11 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         drops the device copy. While the device pool has room (free share at least
         :data:`WRITEBACK_FREE_SHARE`) no offload is near, so the copy is deferred:
         :meth:`SlotKVStore.offload` writes back any dirty page itself before dropping it, so
-        correctness never depends on this call.
+        correctness never depends on this call. The identity layout (the budget holds every
+        layer-page) never has to make room, so it never writes back eagerly.
         """
         allocator = self.store.allocator
-        if allocator.free_count < WRITEBACK_FREE_SHARE * allocator.capacity:
+        if not self.store.identity and allocator.free_count < WRITEBACK_FREE_SHARE * allocator.capacity:
             self.store.sync_dirty()
 
     def _reconcile(self) -> ResidencyDelta:

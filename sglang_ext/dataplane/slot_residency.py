@@ -74,6 +74,8 @@ class SlotResidency:
         self.has_kv = torch.zeros(store.config.logical_pages, dtype=torch.bool)
         """Pages holding KV (written since SGLang allocated them): only these are copied on onload."""
         self._has_kv_np = self.has_kv.numpy()  # same memory, for the per-step fast path
+        self._anonymous: set[str] = set()
+        """Ids of requests observed without an id (dropped at the next boundary)."""
         self._changed = True
         """Anything but appended pages changed since the last full reconcile (forces a full one)."""
         self._appended: list[tuple[_Request, torch.Tensor]] = []
@@ -140,6 +142,8 @@ class SlotResidency:
             # A new request only adds wants (nothing can become droppable), so it takes the
             # append-only path: all its pages count as appended.
             self._requests[rid] = _Request(pages=pages, gpu_layers=[True] * self.layers, anonymous=anonymous)
+            if anonymous:
+                self._anonymous.add(rid)
             if not self._changed and pages.numel():
                 self._appended.append((self._requests[rid], pages))
             return
@@ -159,9 +163,12 @@ class SlotResidency:
 
     def drop_anonymous(self) -> None:
         """Forget requests observed without an id (dummy / warm-up batches)."""
-        for rid in [r for r, req in self._requests.items() if req.anonymous]:
-            del self._requests[rid]
-            self._changed = True
+        if not self._anonymous:
+            return
+        for rid in self._anonymous:
+            if self._requests.pop(rid, None) is not None:
+                self._changed = True
+        self._anonymous.clear()
 
     def gpu_layers(self, rid: str) -> tuple[bool, ...] | None:
         """Current wanted residency of ``rid`` (None if unknown)."""
