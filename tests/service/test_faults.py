@@ -97,7 +97,7 @@ WORKER_SCRIPT = textwrap.dedent(
     info = api.WorkerInfo("doomed", ModelSpec(8, 16, 65536), Hardware(4000, 25.0), Profile((0.5,) * 8))
     s = cp.open_session(info)
     s.wait_connected(20)
-    print("connected", flush=True)
+    print("WORKER-READY", flush=True)
     sys.stdout = open("/dev/null", "w")
     step = 0
     while True:
@@ -120,12 +120,14 @@ def test_vanished_worker_session_is_cleaned_up(served) -> None:  # type: ignore[
     try:
         assert proc.stdout is not None
         lines: list[bytes] = []
-        while b"connected" not in lines and len(lines) < 50:  # client logs come first
+        # Client log lines come first, written by another thread: the marker may share a line
+        # with one of them, so look for it inside lines.
+        while not any(b"WORKER-READY" in line for line in lines) and len(lines) < 50:
             line = proc.stdout.readline()
             if not line:
                 break
             lines.append(line.strip())
-        assert b"connected" in lines, lines
+        assert any(b"WORKER-READY" in line for line in lines), lines
         assert wait_until(lambda: served.metric("kvplane_sessions") == 1, 10)
         assert wait_until(lambda: served.metric("kvplane_reports_total") > 10, 10)
         proc.send_signal(signal.SIGKILL)
