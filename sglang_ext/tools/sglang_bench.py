@@ -33,23 +33,14 @@ import re
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sglang_ext.tools.bench_workloads import MODELS, WORKLOADS, model_spec, run_once, workload_text
+
 DEFAULT_OUT = Path("benchmarks/results/sglang")
 OVERHEAD_TARGET_PCT = 5.0
-WORKLOADS = ("throughput", "mixed")
-"""``--workload``: ``throughput`` (one batched ``/generate`` of 8 prompts, 96 tokens each: the 8
-arrive together, so every run decodes the same batch and a run measures steady-state step
-cost) or ``mixed`` (the demo's staggered 6 requests over the OpenAI API: batching varies with
-arrival timing, so runs are noisier)."""
-THROUGHPUT_PROMPT_WORDS = (16, 300, 40, 120, 200, 24, 80, 160)
-THROUGHPUT_NEW_TOKENS = 96
-MODELS = ("tiny", "small")
-"""``--model`` presets: ``tiny`` is the tests' model (a decode step is a few ms of compute, so
-the plugin's fixed per-step Python cost is the worst case); ``small`` (512 wide, 8 layers) has
-steps dominated by compute, like real serving."""
 LOOSE_SLO_TBT_MS = 60_000.0
 """Default policy TBT SLO of the layered configurations: on a slow (or shared) CPU host the
 observed step time exceeds the default 200 ms SLO and the controller pauses requests to meet it,
@@ -87,6 +78,18 @@ class ConfigResult:
     """Peak fraction of live layer-KV on host (layered configs)."""
     pauses: int
     """Pause events (layered configs)."""
+
+
+@dataclass
+class _Samples:
+    """One configuration's measurements, accumulated over launches and rounds."""
+
+    rates: list[float] = field(default_factory=list)
+    cpu_rates: list[float] = field(default_factory=list)
+    load: list[float] = field(default_factory=list)
+    startup_s: list[float] = field(default_factory=list)
+    tokens: int = 0
+    failed: int = 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -129,70 +132,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="policy TBT SLO of the layered servers (--kv-policy); loose by default so that no "
         "SLO-driven pause confounds the overhead figure (memory-driven pauses still happen)",
     )
-
-
-def run_throughput(server: Any) -> tuple[int, int]:
-    """One batched ``/generate`` of the throughput workload: (output tokens, failed prompts)."""
-    from sglang_ext.tools.workload import prompt_of
-
-    words = THROUGHPUT_PROMPT_WORDS
-    payload = {
-        "text": [prompt_of(w, seed=i) for i, w in enumerate(words)],
-        "sampling_params": {"max_new_tokens": THROUGHPUT_NEW_TOKENS, "temperature": 0.0, "ignore_eos": True},
-    }
-    try:
-        outs = server.post("/generate", payload, timeout_s=300.0)
-    except Exception as exc:  # noqa: BLE001 - counted as failed, reported by the caller
-        print(f"[bench sglang] batched /generate failed: {exc}", flush=True)
-        return 0, len(words)
-    tokens = [int(o["meta_info"]["completion_tokens"]) for o in outs]
-    return sum(tokens), sum(t != THROUGHPUT_NEW_TOKENS for t in tokens) + len(words) - len(tokens)
-
-
-def run_once(server: Any, workload: str) -> tuple[int, int]:
-    """One workload run against ``server``: (output tokens, failed requests)."""
-    from sglang_ext.tools.workload import mixed_workload, run_workload
-
-    if workload == "throughput":
-        return run_throughput(server)
-    if workload == "mixed":
-        results = run_workload(server.base_url, mixed_workload(), timeout_s=300.0)
-        return sum(r.completion_tokens for r in results), sum(not r.ok for r in results)
-    raise ValueError(f"--workload={workload!r}: allowed {list(WORKLOADS)}")
-
-
-def workload_text(workload: str) -> str:
-    """One line describing a ``--workload`` choice (for the results)."""
-    from sglang_ext.tools.workload import mixed_workload
-
-    if workload == "throughput":
-        words = THROUGHPUT_PROMPT_WORDS
-        return (
-            f"throughput: one batched /generate of {len(words)} prompts ({min(words)}-{max(words)} "
-            f"words), {THROUGHPUT_NEW_TOKENS} output tokens each"
-        )
-    specs = mixed_workload()
-    return (
-        f"mixed: {len(specs)} staggered OpenAI requests, {sum(s.max_tokens for s in specs)} output "
-        f"tokens ({sum(s.stream for s in specs)} streaming)"
-    )
-
-
-def model_spec(name: str) -> Any:
-    """The :class:`TinyModelSpec` of a ``--model`` preset."""
-    from sglang_ext.testing.tiny_model import TinyModelSpec
-
-    if name == "tiny":
-        return TinyModelSpec()
-    if name == "small":
-        return TinyModelSpec(
-            hidden_size=512,
-            num_hidden_layers=8,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            intermediate_size=1536,
-        )
-    raise ValueError(f"--model={name!r}: allowed {list(MODELS)}")
 
 
 def _cpu_model() -> str:
@@ -271,31 +210,27 @@ def measure_all(
     alike, and stop them all. Fresh server processes per instance average out what differs
     between two launches of the same server (on a small CPU host that alone moves throughput by
     10-20%)."""
-    rates: dict[str, list[float]] = {n: [] for n in configs}
-    cpu_rates: dict[str, list[float]] = {n: [] for n in configs}
-    failed = dict.fromkeys(configs, 0)
-    tokens = dict.fromkeys(configs, 0)
-    load: dict[str, list[float]] = {n: [] for n in configs}
-    startup_s: dict[str, list[float]] = {n: [] for n in configs}
+    samples = {name: _Samples() for name in configs}
     for name in configs:
         (workdir / f"{name}-stats.jsonl").unlink(missing_ok=True)
     for instance in range(args.instances):
-        _measure_instance(configs, model_dir, workdir, args, instance, rates, cpu_rates, failed, tokens, load, startup_s)
+        _measure_instance(configs, model_dir, workdir, args, instance, samples)
     out = []
     for name, flags in configs.items():
         steps, host, pauses = _stats_summary(workdir / f"{name}-stats.jsonl")
+        got = samples[name]
         out.append(
             ConfigResult(
                 name,
                 flags,
-                round(statistics.median(startup_s[name]), 1),
-                tuple(round(r, 2) for r in rates[name]),
-                round(statistics.median(rates[name]), 2),
-                tuple(round(r, 2) for r in cpu_rates[name]),
-                round(statistics.median(cpu_rates[name]), 2),
-                tokens[name],
-                failed[name],
-                (round(min(load[name]), 2), round(max(load[name]), 2)),
+                round(statistics.median(got.startup_s), 1),
+                tuple(round(r, 2) for r in got.rates),
+                round(statistics.median(got.rates), 2),
+                tuple(round(r, 2) for r in got.cpu_rates),
+                round(statistics.median(got.cpu_rates), 2),
+                got.tokens,
+                got.failed,
+                (round(min(got.load), 2), round(max(got.load), 2)),
                 steps,
                 None if host is None else round(host, 3),
                 pauses,
@@ -310,14 +245,9 @@ def _measure_instance(
     workdir: Path,
     args: argparse.Namespace,
     instance: int,
-    rates: dict[str, list[float]],
-    cpu_rates: dict[str, list[float]],
-    failed: dict[str, int],
-    tokens: dict[str, int],
-    load: dict[str, list[float]],
-    startup_s: dict[str, list[float]],
+    samples: dict[str, _Samples],
 ) -> None:
-    """One launch of every configuration: rounds appended to the accumulators."""
+    """One launch of every configuration: its rounds are appended to ``samples``."""
     from sglang_ext.testing.server import ServerError, SGLangServer
 
     servers: dict[str, SGLangServer] = {}
@@ -338,7 +268,7 @@ def _measure_instance(
             t0 = time.monotonic()
             try:
                 servers[name].start()
-                startup_s[name].append(time.monotonic() - t0)
+                samples[name].startup_s.append(time.monotonic() - t0)
                 errors.pop(name, None)
                 return
             except ServerError as exc:
@@ -365,14 +295,15 @@ def _measure_instance(
                 cpu = group_cpu_s(pgid) - cpu0
                 if round_ == 0:
                     continue  # warm-up
-                tokens[name] = run_tokens
-                failed[name] += run_failed
-                rates[name].append(run_tokens / wall)
-                cpu_rates[name].append(run_tokens / cpu if cpu > 0 else 0.0)
-                load[name].append(load_before)
+                got = samples[name]
+                got.tokens = run_tokens
+                got.failed += run_failed
+                got.rates.append(run_tokens / wall)
+                got.cpu_rates.append(run_tokens / cpu if cpu > 0 else 0.0)
+                got.load.append(load_before)
                 print(
                     f"[bench sglang] instance {instance} round {round_} {name}: "
-                    f"{run_tokens / wall:.2f} tokens/s, {cpu_rates[name][-1]:.2f} tokens/CPU-s "
+                    f"{run_tokens / wall:.2f} tokens/s, {got.cpu_rates[-1]:.2f} tokens/CPU-s "
                     f"(load {load_before:.1f})",
                     flush=True,
                 )

@@ -8,13 +8,8 @@ import sys
 
 import pytest
 
-from sglang_ext.tools.sglang_bench import (
-    ConfigResult,
-    extra_ms_per_token,
-    model_spec,
-    run_once,
-    workload_text,
-)
+from sglang_ext.tools.bench_workloads import model_spec, run_once, workload_text
+from sglang_ext.tools.sglang_bench import ConfigResult, extra_ms_per_token
 
 
 def _result(name: str, tps: float) -> ConfigResult:
