@@ -23,10 +23,20 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
 from sglang_ext.layered_pool import LayeredTokenToKVPool
+
+
+def _request_slots(req_to_token: torch.Tensor, rows: list[int], lens: list[int]) -> list[torch.Tensor]:
+    """Each request's slots (fresh int64 tensors, not views of ``req_to_token``). On CPU the
+    rows are cut in NumPy: a few µs per request less than torch's dispatcher, every step."""
+    if req_to_token.device.type == "cpu":
+        table = req_to_token.numpy()
+        return [torch.from_numpy(table[row, :n].astype(np.int64)) for row, n in zip(rows, lens, strict=True)]
+    return [req_to_token[row, :n].to(torch.int64) for row, n in zip(rows, lens, strict=True)]
 
 
 class _GatheredKV:
@@ -125,7 +135,7 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         lens = [int(x) for x in seq_lens.tolist()]
         rows_cpu = rows.cpu().tolist() if bs else []
         rids = forward_batch.rids or [None] * bs
-        per_req = [req_to_token[row, :n].to(torch.int64) for row, n in zip(rows_cpu, lens, strict=True)]
+        per_req = _request_slots(req_to_token, rows_cpu, lens)
         self.last_delta = self.pool.prepare_step(list(zip(rids, per_req, strict=True)), forward_batch.out_cache_loc)
         self.batch_rids, self.batch_request_slots = list(rids), per_req
         self.batch_slots = torch.cat(per_req) if per_req else self.batch_slots[:0]

@@ -70,6 +70,9 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         self._in_place_step = False
         """This forward's batch is resident in the identity layout (set by readable_in_place)."""
         self._step = 0
+        self._step_loc: torch.Tensor | None = None
+        """``new_slots`` of this forward (its K/V writes hit these slots at every layer)."""
+        self._in_place_views: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._stats_file = None
         super().__init__(*args, **kwargs)
 
@@ -190,6 +193,7 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         paged allocation), so its pages are ``slots[::page_size] // page_size``.
         """
         self._in_place_step = False
+        self._step_loc = new_slots
         self.residency.drop_anonymous()
         self._eager_writeback()
         ps = self.page_size
@@ -288,6 +292,7 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
                 loc,
                 cache_k.reshape(n, self.head_num, self.head_dim),
                 cache_v.reshape(n, self.head_num, self.head_dim),
+                mark_dirty=loc is not self._step_loc,  # readable_in_place marked those already
             )
             return
         self.store.write(
@@ -319,14 +324,20 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
             token_slots.to("cpu", torch.int64) // self.page_size
         )
         self._in_place_step = ok
+        loc = self._step_loc
+        if ok and loc is not None and loc.numel():
+            # the forward writes these slots at every layer: dirty once here, not per layer
+            self.store.mark_dirty(loc if self.page_size == 1 else loc // self.page_size)
         return ok
 
     def layer_in_place(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer indexed by slot id (identity layout; pool dtype; views)."""
-        k, v = self.store.layer_in_place(layer_id - self.start_layer)
-        if self.store_dtype != self.dtype:
-            return k.view(self.dtype), v.view(self.dtype)
-        return k, v
+        if self._in_place_views is None:
+            views = [self.store.layer_in_place(layer) for layer in range(self.layer_num)]
+            if self.store_dtype != self.dtype:
+                views = [(k.view(self.dtype), v.view(self.dtype)) for k, v in views]
+            self._in_place_views = views
+        return self._in_place_views[layer_id - self.start_layer]
 
     def device_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The device page pool as flat K and V rows (pool dtype; views, no copy)."""

@@ -108,6 +108,12 @@ class SlotKVStore:
         self.staging_pages = 0
         """Device pages lent to staging this step (set by SlotPageTables; counted in ``used``)."""
         self._map_stale = False
+        self._in_place: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """Identity layout: per-layer K/V views (built once; ``dev`` is never reallocated)."""
+        if self.identity:
+            shape = (c.layers, c.logical_pages * c.page_size, c.kv_heads, c.head_dim)
+            k_all, v_all = self.dev[0].view(shape), self.dev[1].view(shape)
+            self._in_place = [(k_all[layer], v_all[layer]) for layer in range(c.layers)]
 
     # ----- map bookkeeping ---------------------------------------------------
 
@@ -147,9 +153,7 @@ class SlotKVStore:
         by SGLang's slot ids (rows of pages not resident at this layer are stale)."""
         if not self.identity:
             raise RuntimeError("layer_in_place needs the identity layout")
-        c = self.config
-        shape = (c.layers, c.logical_pages * c.page_size, c.kv_heads, c.head_dim)
-        return self.dev[0].view(shape)[layer], self.dev[1].view(shape)[layer]
+        return self._in_place[layer]
 
     def all_resident(self, pages: torch.Tensor) -> bool:
         """Whether every layer of these pages has a device copy."""
@@ -188,15 +192,25 @@ class SlotKVStore:
         host_flat.index_copy_(0, host_rows + self.config.page_size, vh)
         self.host_write_bytes += 2 * kh.numel() * kh.element_size()
 
-    def write_in_place(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write_in_place(
+        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mark_dirty: bool = True
+    ) -> None:
         """:meth:`write` for the identity layout when every slot's page is resident at ``layer``
-        (the caller checked): straight into the layer's slice, pages marked dirty."""
-        k_layer, v_layer = self.layer_in_place(layer)
-        slots = slots.to(self.device, torch.int64)
+        (the caller checked): straight into the layer's slice. ``mark_dirty=False`` when the
+        caller already marked these pages dirty at every layer (:meth:`mark_dirty`)."""
+        k_layer, v_layer = self._in_place[layer]
+        if slots.dtype != torch.int64 or slots.device != self.device:
+            slots = slots.to(self.device, torch.int64)
         k_layer.index_copy_(0, slots, k)
         v_layer.index_copy_(0, slots, v)
-        ps = self.config.page_size
-        self.dirty[layer, slots if ps == 1 else slots // ps] = True
+        if mark_dirty:
+            ps = self.config.page_size
+            self.dirty[layer, slots if ps == 1 else slots // ps] = True
+
+    def mark_dirty(self, pages: torch.Tensor) -> None:
+        """Mark ``pages`` dirty at every layer: one op per step for a forward that writes the
+        same slots at each layer (instead of one per layer)."""
+        self.dirty[:, pages.to(self.device)] = True
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[n, H, D]`` of ``slots`` at ``layer`` (device pages, then host pages)."""

@@ -39,8 +39,11 @@ def make_pool(budget_tokens: int | None = 16, page_size: int = PAGE) -> LayeredT
 class Harness:
     """Drives the pool like SGLang does (paged slot allocation, writes, reads) with a shadow."""
 
-    def __init__(self, pool: LayeredTokenToKVPool, seed: int = 0) -> None:
+    def __init__(self, pool: LayeredTokenToKVPool, seed: int = 0, in_place: bool = False) -> None:
         self.pool = pool
+        self.in_place = in_place
+        """Ask ``readable_in_place`` after ``prepare_step`` like the attention backend (the identity
+        layout then writes in place, dirty pages marked once per step)."""
         self.gen = torch.Generator().manual_seed(seed)
         self.free_pages = list(range(SLOTS // PAGE, 0, -1))  # page 0 is SGLang's padding page
         self.slots: dict[str, list[int]] = {}
@@ -71,6 +74,8 @@ class Harness:
         new = self._new_slots(rid, n)
         loc = torch.tensor(new, dtype=torch.int64)
         self.pool.prepare_step([(rid, torch.tensor(self.slots[rid]))], loc)
+        if self.in_place:
+            self.pool.readable_in_place(torch.tensor(self.slots[rid]))
         for layer in range(LAYERS):
             k = torch.randn((n, HEADS, DIM), generator=self.gen).half()
             v = torch.randn((n, HEADS, DIM), generator=self.gen).half()
@@ -142,11 +147,17 @@ def apply_op(pool: LayeredTokenToKVPool, h: Harness, item: tuple) -> None:
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=st.lists(op, min_size=1, max_size=25), budget=st.sampled_from([2, 8, 16, 200, None]))
-def test_kv_round_trips_bit_exact_across_random_residency_changes(ops, budget):
-    """Every live token's K/V reads back bit-exact after any sequence of steps, wants, pauses, releases."""
+@given(
+    ops=st.lists(op, min_size=1, max_size=25),
+    budget=st.sampled_from([2, 8, 16, 200, None]),
+    in_place=st.booleans(),
+)
+def test_kv_round_trips_bit_exact_across_random_residency_changes(ops, budget, in_place):
+    """Every live token's K/V reads back bit-exact after any sequence of steps, wants, pauses,
+    releases -- also when steps write in place (identity layout: offloads after in-place writes
+    must find those pages dirty)."""
     pool = make_pool(budget_tokens=budget)
-    h = Harness(pool)
+    h = Harness(pool, in_place=in_place)
     for item in ops:
         apply_op(pool, h, item)
         h.check()
@@ -341,6 +352,21 @@ def test_identity_layout_reads_in_place_exactly_what_the_gather_returns():
     assert torch.equal(pool.store.map_cpu[layers, pages].long(), layers * p + pages)
     pool.update_residency({"a": wants(pool, h, "a", (True, False, True))})
     assert not pool.readable_in_place(slots)
+    h.check()
+
+
+def test_in_place_writes_are_written_back_when_offloaded():
+    """Identity layout, in-place steps (dirty marked once per step for every layer, not per
+    write): pausing the request afterwards writes every layer's new K/V back to host."""
+    pool = make_pool(budget_tokens=None)
+    h = Harness(pool, in_place=True)
+    h.step("a", 3)
+    h.step("a", 2)
+    assert pool._in_place_step
+    assert bool(pool.store.dirty[:, [s // PAGE for s in h.slots["a"]]].all())
+    pool.update_residency({"a": wants(pool, h, "a", (True,) * LAYERS, paused=True)})
+    pool.update_residency({"a": wants(pool, h, "a", (False,) * LAYERS)})
+    assert not bool((pool.store.map_cpu[:, [s // PAGE for s in h.slots["a"]]] >= 0).any())
     h.check()
 
 
