@@ -123,9 +123,16 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         self.direct_layers = 0
         """Layer reads served in place from the device pool (all rows resident), not gathered."""
         self.last_delta = None
+        self._last_batch: tuple[list[str], np.ndarray] | None = None
+        """Request ids and sequence lengths of the previous forward (for :meth:`_steady_decode`)."""
+
+    steady_decode_fast_path = True
+    """Steady decode steps skip re-reading every request's slots (:meth:`_steady_decode`)."""
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
         super().init_forward_metadata(forward_batch)
+        if self._steady_decode(forward_batch):
+            return
         req_to_token = self.real_req_to_token_pool.req_to_token
         rows = forward_batch.req_pool_indices
         bs = 0 if rows is None else int(rows.numel())
@@ -143,6 +150,33 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         if not self.in_place:
             self._build_compact_table(lens, bs)
         self.token_to_kv_pool._layer = None
+        known = bs > 0 and all(rid is not None for rid in rids)
+        self._last_batch = (list(rids), seq_lens.numpy().astype(np.int64)) if known else None
+
+    def _steady_decode(self, forward_batch: Any) -> bool:
+        """The usual decode step: the same requests as the previous forward, one token more each,
+        everything resident in the identity layout. Then nothing but the step's new slots
+        (``out_cache_loc``) changes residency, so the general path's per-request slot reads (the
+        bulk of the plugin's per-step cost on a small model) are skipped; the forward reads in
+        place exactly as the general path would have decided. False (nothing done) otherwise."""
+        last, self._last_batch = self._last_batch, None
+        if last is None or not self.steady_decode_fast_path or not forward_batch.forward_mode.is_decode():
+            return False
+        rids, seq_lens = forward_batch.rids, forward_batch.seq_lens_cpu
+        if rids is None or seq_lens is None or rids != last[0]:
+            return False
+        lens = seq_lens.numpy().astype(np.int64)
+        if lens.shape != last[1].shape or not np.array_equal(lens, last[1] + 1):
+            return False
+        if not self.pool.prepare_decode_step(rids, lens, forward_batch.out_cache_loc):
+            return False
+        self.last_delta = None
+        self.batch_rids, self.batch_request_slots = list(rids), []
+        self.batch_slots = self.batch_slots[:0]
+        self.in_place = True
+        self.token_to_kv_pool._layer = None
+        self._last_batch = (last[0], lens)
+        return True
 
     def _build_compact_table(self, lens: list[int], bs: int) -> None:
         # Row i = positions of request i's tokens in batch_slots (0-padded); the parent is handed
@@ -194,6 +228,8 @@ class LayeredFlashInferDecode(LayeredTorchNativeAttnBackend):
         self._paged = False
         self._planned = False
         self.staging_fallback_steps = 0
+
+    steady_decode_fast_path = False  # decode goes through FlashInfer's per-step page tables
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
         self.tables.end()

@@ -32,6 +32,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import structlog
 import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
@@ -74,6 +75,7 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         """``new_slots`` of this forward (its K/V writes hit these slots at every layer)."""
         self._in_place_views: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._stats_file = None
+        self._stats_path = os.environ.get(POOL_STATS_FILE_ENV) or None
         super().__init__(*args, **kwargs)
 
     # ----- construction (called from MHATokenToKVPool.__init__) --------------------
@@ -216,6 +218,36 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         self._write_stats_line(len(requests), 0 if new_slots is None else int(new_slots.numel()), delta)
         return delta
 
+    def prepare_decode_step(self, rids: Sequence[str], seq_lens: np.ndarray, new_slots: torch.Tensor) -> bool:
+        """:meth:`prepare_step` for a steady decode step, or False (nothing done) when it does not apply.
+
+        Applies when the caller knows that every request of ``rids`` ran the previous forward
+        with ``seq_lens - 1`` tokens (same requests, one new token each) and the store is in the
+        identity layout with every live layer-page resident: then the step's only residency
+        change is the new pages of ``new_slots`` (``out_cache_loc``; slot ``i`` is request
+        ``i``'s new token), placed at every layer without re-reading any request's slots. The
+        result equals the general path's; the forward reads in place (:meth:`readable_in_place`).
+        """
+        self._in_place_step = False
+        if new_slots.device.type != "cpu" or new_slots.numel() != len(rids) or self.residency.has_anonymous:
+            return False
+        slots = new_slots.numpy().astype(np.int64, copy=False)
+        ps = self.page_size
+        if ps == 1:
+            owners, pages = np.arange(slots.size), slots
+        else:
+            owners = np.flatnonzero((seq_lens - 1) % ps == 0)  # the token opens a new page
+            pages = slots[owners] // ps
+        if not self.residency.append_decode_identity(rids, owners, pages):
+            return False
+        self._step_loc = new_slots
+        self._in_place_step = True
+        self.store.mark_dirty_np(slots if ps == 1 else np.unique(slots // ps))
+        self._step += 1
+        if self._stats_path is not None:
+            self._write_stats_line(len(rids), int(slots.size), ResidencyDelta(0, 0, 0, self.layer_num * int(pages.size), 0, 0, 0, 0))
+        return True
+
     def _eager_writeback(self) -> None:
         """Write dirty device layer-pages back to host at the boundary -- under memory pressure only.
 
@@ -241,7 +273,7 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         return delta
 
     def _write_stats_line(self, batch_size: int, new_tokens: int, delta: ResidencyDelta) -> None:
-        path = os.environ.get(POOL_STATS_FILE_ENV)
+        path = self._stats_path
         if not path:
             return
         if self._stats_file is None:

@@ -98,6 +98,7 @@ class SlotKVStore:
         self._layer_base = np.arange(c.layers, dtype=np.int64)[:, None] * c.logical_pages
         self.map_dev = self.map_cpu if self.device.type == "cpu" else self.map_cpu.to(self.device)
         self.dirty = torch.zeros((c.layers, c.logical_pages), dtype=torch.bool, device=self.device)
+        self._dirty_np = self.dirty.numpy() if self.device.type == "cpu" else None
         self.allocator: BlockAllocator | IdentityPages = (
             IdentityPages(device_pages, "device KV pages") if self.identity
             else BlockAllocator(device_pages, "device KV pages")
@@ -211,6 +212,13 @@ class SlotKVStore:
         """Mark ``pages`` dirty at every layer: one op per step for a forward that writes the
         same slots at each layer (instead of one per layer)."""
         self.dirty[:, pages.to(self.device)] = True
+
+    def mark_dirty_np(self, pages: np.ndarray) -> None:
+        """:meth:`mark_dirty` for an int64 NumPy array of pages (NumPy on a CPU store)."""
+        if self._dirty_np is not None:
+            self._dirty_np[:, pages] = True
+        else:
+            self.dirty[:, torch.from_numpy(pages).to(self.device)] = True
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[n, H, D]`` of ``slots`` at ``layer`` (device pages, then host pages)."""

@@ -30,7 +30,7 @@ Rules (docs/sglang-integration.md, layered pool contract):
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,13 +42,28 @@ from sglang_ext.dataplane.slot_results import RequestResidency, ResidencyDelta, 
 
 @dataclass
 class _Request:
-    pages: torch.Tensor
+    _pages: torch.Tensor
     gpu_layers: list[bool]
     planned: bool = False
     paused: bool = False
     pause_seq: int = 0
     anonymous: bool = False
     extra: dict = field(default_factory=dict)
+    _tail: list[int] = field(default_factory=list)
+    """Pages appended by the decode fast path, not yet joined to ``_pages`` (one int per new
+    page: a tensor op per request and step would cost more than the step's own bookkeeping)."""
+
+    @property
+    def pages(self) -> torch.Tensor:
+        """The request's pages in position order."""
+        if self._tail:
+            self._pages = torch.cat([self._pages, torch.tensor(self._tail, dtype=torch.int64)])
+            self._tail = []
+        return self._pages
+
+    @pages.setter
+    def pages(self, value: torch.Tensor) -> None:
+        self._pages, self._tail = value, []
 
 
 @dataclass(frozen=True)
@@ -108,7 +123,7 @@ class SlotResidency:
             pages = torch.tensor(want.pages, dtype=torch.int64)
             if req is None:
                 layers = want.gpu_layers if want.planned else (True,) * self.layers
-                req = self._requests[rid] = _Request(pages=pages, gpu_layers=list(layers), planned=want.planned)
+                req = self._requests[rid] = _Request(pages, gpu_layers=list(layers), planned=want.planned)
                 if want.paused:
                     req.pause_seq = next(self._pause_seq)
                     req.paused = True
@@ -141,7 +156,7 @@ class SlotResidency:
         if req is None:
             # A new request only adds wants (nothing can become droppable), so it takes the
             # append-only path: all its pages count as appended.
-            self._requests[rid] = _Request(pages=pages, gpu_layers=[True] * self.layers, anonymous=anonymous)
+            self._requests[rid] = _Request(pages, gpu_layers=[True] * self.layers, anonymous=anonymous)
             if anonymous:
                 self._anonymous.add(rid)
             if not self._changed and pages.numel():
@@ -160,6 +175,11 @@ class SlotResidency:
         """Forget ``rid`` (unknown ids are ignored: release is idempotent)."""
         if self._requests.pop(rid, None) is not None:
             self._changed = True
+
+    @property
+    def has_anonymous(self) -> bool:
+        """Requests observed without an id are tracked (dropped at the next full boundary)."""
+        return bool(self._anonymous)
 
     def drop_anonymous(self) -> None:
         """Forget requests observed without an id (dummy / warm-up batches)."""
@@ -368,6 +388,31 @@ class SlotResidency:
         store.publish_map()
         self.last_moves = LayerPageMoves({}, {})
         return ResidencyDelta(0, 0, 0, n, 0, 0, 0, 0)
+
+    def append_decode_identity(self, rids: Sequence[str], owners: np.ndarray, pages: np.ndarray) -> bool:
+        """Decode fast path (identity layout, every live layer-page resident): request
+        ``rids[owners[i]]`` appended page ``pages[i]`` (int64 NumPy arrays; a decode step's new
+        pages). Places every layer of each new page at its fixed device page and records it,
+        with the same result as ``observe`` + ``reconcile`` + ``mark_written``; returns False,
+        changing nothing, when any precondition fails (the caller takes the general path)."""
+        if not self.store.identity or self._appended or not self.all_live_resident():
+            return False
+        reqs = [self._requests.get(rid) for rid in rids]
+        if any(req is None or req.anonymous for req in reqs):
+            return False
+        if pages.size:
+            store = self.store
+            if self._has_kv_np[pages].any() or not (store.map_np[:, pages] < 0).all():
+                return False
+            if np.unique(pages).size != pages.size or self.layers * int(pages.size) > store.allocator.free_count:
+                return False
+            store.place_identity(pages)
+            store.publish_map()
+            self._has_kv_np[pages] = True
+            for owner, page in zip(owners.tolist(), pages.tolist(), strict=True):
+                reqs[owner]._tail.append(page)  # type: ignore[union-attr]
+        self.last_moves = LayerPageMoves({}, {})
+        return True
 
     def all_live_resident(self) -> bool:
         """Cheap sufficient test that every layer of every live request's pages is on the device:
