@@ -374,7 +374,7 @@ class SchedulerHooks:
     def _state(self, req: Any, *, paused: bool) -> RequestState:
         gpu = None
         if self.installer.layered:
-            gpu = sum(self.installer.gpu_layers(req.rid)) if not paused else 0
+            gpu = self.installer.gpu_layer_count(req.rid) if not paused else 0
         max_new = getattr(req.sampling_params, "max_new_tokens", None)
         return RequestState(
             id=req.rid,

@@ -135,9 +135,13 @@ class PlacementInstaller:
     """Boundaries where the wants' policy was unchanged, so nothing was installed."""
     _installed: dict[str, tuple[tuple[bool, ...], bool]] | None = None
 
+    def __post_init__(self) -> None:
+        self._all_gpu = (True,) * self.layers
+        self._layered = self.pool is not None and hasattr(self.pool, "update_residency")
+
     @property
     def layered(self) -> bool:
-        return self.pool is not None and hasattr(self.pool, "update_residency")
+        return self._layered
 
     def apply(self, install: StepInstall) -> None:
         for rid, keep in (install.prefill_layers or {}).items():
@@ -155,8 +159,13 @@ class PlacementInstaller:
     def gpu_layers(self, rid: str) -> tuple[bool, ...]:
         row = self.placements.get(rid) or self.prefill_placements.get(rid)
         if row is None:
-            return (True,) * self.layers  # unplanned: wanted on GPU; the pool's fallback decides
+            return self._all_gpu  # unplanned: wanted on GPU; the pool's fallback decides
         return tuple(bool(x) for x in row)
+
+    def gpu_layer_count(self, rid: str) -> int:
+        """Layers of ``rid`` wanted on the GPU (``sum(gpu_layers(rid))`` without the tuple)."""
+        row = self.placements.get(rid) or self.prefill_placements.get(rid)
+        return self.layers if row is None else sum(1 for x in row if x)
 
     def wants(
         self, running: Mapping[str, tuple[int, ...]], paused: Mapping[str, tuple[int, ...]]

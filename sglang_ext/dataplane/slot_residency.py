@@ -98,6 +98,9 @@ class SlotResidency:
         """Device layer-pages held only by the prefix cache (no live user), as of the last full
         reconciliation: given up first when space is needed, so they count as free capacity."""
         self.full_reconciles = 0
+        self._live_stats: tuple[int, int] | None = None
+        """(live layer-pages, of which host-only) as of the last :meth:`stats`; dropped by every
+        change but the decode fast path, which adds its new (resident) pages to it."""
         """Full (mask-based) reconciliations run; the rest took the append-only fast path."""
 
     # ----- request state ----------------------------------------------------------
@@ -108,6 +111,7 @@ class SlotResidency:
         Only a real change (new request, other layers, pause state, pages not just appended)
         forces the next reconciliation to be a full one; a steady plan stays on the fast path.
         """
+        self._live_stats = None
         for rid, want in wants.items():
             if len(want.gpu_layers) != self.layers:
                 raise ValueError(
@@ -152,6 +156,7 @@ class SlotResidency:
         row), which is what the append-only fast path of :meth:`reconcile` relies on; anything
         else forces a full pass.
         """
+        self._live_stats = None
         req = self._requests.get(rid)
         if req is None:
             # A new request only adds wants (nothing can become droppable), so it takes the
@@ -173,6 +178,7 @@ class SlotResidency:
 
     def release_request(self, rid: str) -> None:
         """Forget ``rid`` (unknown ids are ignored: release is idempotent)."""
+        self._live_stats = None
         if self._requests.pop(rid, None) is not None:
             self._changed = True
 
@@ -185,6 +191,7 @@ class SlotResidency:
         """Forget requests observed without an id (dummy / warm-up batches)."""
         if not self._anonymous:
             return
+        self._live_stats = None
         for rid in self._anonymous:
             if self._requests.pop(rid, None) is not None:
                 self._changed = True
@@ -201,6 +208,7 @@ class SlotResidency:
 
     def page_freed(self, pages: list[int]) -> None:
         """The allocator took ``pages`` back: their device copies are dead."""
+        self._live_stats = None
         self.store.release_pages(pages)
         if not pages:
             return
@@ -268,6 +276,7 @@ class SlotResidency:
         known requests (decode), no request is paused and the new layer-pages fit, they are
         placed directly -- the same result as the full mask computation, without it.
         """
+        self._live_stats = None
         fast = self._reconcile_appended()
         if fast is not None:
             return fast
@@ -411,6 +420,9 @@ class SlotResidency:
             self._has_kv_np[pages] = True
             for owner, page in zip(owners.tolist(), pages.tolist(), strict=True):
                 reqs[owner]._tail.append(page)  # type: ignore[union-attr]
+            if self._live_stats is not None:  # fresh pages: newly live, resident at every layer
+                live, host = self._live_stats
+                self._live_stats = (live + self.layers * int(pages.size), host)
         self.last_moves = LayerPageMoves({}, {})
         return True
 
@@ -463,13 +475,15 @@ class SlotResidency:
     def stats(self) -> ResidencyStats:
         """Snapshot (see :class:`ResidencyStats`)."""
         store = self.store
-        live = torch.zeros(store.config.logical_pages, dtype=torch.bool)
-        for req in self._requests.values():
-            if req.pages.numel():
-                live[req.pages] = True
-        live_pages = live.nonzero().squeeze(1)
-        live_layer_pages = int(live_pages.numel()) * self.layers
-        host_layer_pages = int((store.map_cpu[:, live_pages] < 0).sum()) if live_pages.numel() else 0
+        if self._live_stats is None:
+            live = torch.zeros(store.config.logical_pages, dtype=torch.bool)
+            for req in self._requests.values():
+                if req.pages.numel():
+                    live[req.pages] = True
+            live_pages = live.nonzero().squeeze(1)
+            host = int((store.map_cpu[:, live_pages] < 0).sum()) if live_pages.numel() else 0
+            self._live_stats = (int(live_pages.numel()) * self.layers, host)
+        live_layer_pages, host_layer_pages = self._live_stats
         return ResidencyStats(
             device_pages_used=store.allocator.used_count,
             device_pages_total=store.allocator.capacity,

@@ -436,6 +436,8 @@ def test_steady_decode_fast_path_leaves_the_pool_as_the_general_path_does(ops, b
         assert torch.equal(fast.store.dirty, full.store.dirty)
         assert torch.equal(fast.residency.has_kv, full.residency.has_kv)
         assert fast._in_place_step == full._in_place_step
+        assert fast.residency_stats() == full.residency_stats()  # cached vs recomputed counts
+        full.residency._live_stats = None
         assert fast.residency.live_rids() == full.residency.live_rids()
         for rid in fast.residency.live_rids():
             assert torch.equal(fast.residency._requests[rid].pages, full.residency._requests[rid].pages)
