@@ -12,6 +12,12 @@ helpers get row ids ``0..bs-1`` in place of ``req_pool_indices``), so the parent
 exactly the values it would read from a flat pool (same dtype, same order): greedy outputs
 are token-identical to vanilla.
 
+Steady decode (the common step: the same requests as the previous forward, one token more each,
+identity layout with everything resident) skips the per-request slot reads: only the step's new
+pages (``out_cache_loc``) are placed (``pool.prepare_decode_step``), and the forward reads in
+place. Anything else -- a new or finished request, a prefill, a plan that offloads, a free --
+takes the general path above.
+
 :class:`LayeredFlashInferDecode` (GPU, import-guarded): decode through
 :class:`~sglang_ext.dataplane.flashinfer_attention.FlashInferLayeredDecode` with one plan per
 step and per-layer page tables read from the pool's map, offloaded pages staged into device

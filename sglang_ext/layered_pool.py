@@ -15,7 +15,9 @@ Step protocol (scheduler thread, ``--disable-overlap-schedule``):
 2. ``prepare_step(requests, new_slots)`` from the layered attention backend's
    ``init_forward_metadata``: eager write-back of last step's dirty pages, the batch's
    pages observed, placement reconciled (offloads, onloads, new pages), events emitted,
-   a stats line written to ``$KVPLANE_POOL_STATS_FILE`` when set;
+   a stats line written to ``$KVPLANE_POOL_STATS_FILE`` when set -- or, for a steady decode
+   step in the identity layout, ``prepare_decode_step(rids, seq_lens, new_slots)``: only the
+   step's new pages placed (same result, no per-request slot reads);
 3. per layer: ``set_kv_buffer`` (device page if resident, else host) then
    ``layer_kv(layer, slots)``.
 

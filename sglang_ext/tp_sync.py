@@ -137,6 +137,7 @@ class PlacementInstaller:
 
     def __post_init__(self) -> None:
         self._all_gpu = (True,) * self.layers
+        self._bool_rows: dict[str, tuple[tuple[int, ...], tuple[bool, ...]]] = {}
         self._layered = self.pool is not None and hasattr(self.pool, "update_residency")
 
     @property
@@ -155,12 +156,21 @@ class PlacementInstaller:
             }
             for rid in self.placements:  # planned now: the prefill placement has done its job
                 self.prefill_placements.pop(rid, None)
+            self._bool_rows = {
+                rid: hit for rid, hit in self._bool_rows.items()
+                if rid in self.placements or rid in self.prefill_placements
+            }
 
     def gpu_layers(self, rid: str) -> tuple[bool, ...]:
         row = self.placements.get(rid) or self.prefill_placements.get(rid)
         if row is None:
             return self._all_gpu  # unplanned: wanted on GPU; the pool's fallback decides
-        return tuple(bool(x) for x in row)
+        hit = self._bool_rows.get(rid)
+        if hit is not None and hit[0] is row:  # asked twice per request and step: converted once
+            return hit[1]
+        bools = tuple(bool(x) for x in row)
+        self._bool_rows[rid] = (row, bools)
+        return bools
 
     def gpu_layer_count(self, rid: str) -> int:
         """Layers of ``rid`` wanted on the GPU (``sum(gpu_layers(rid))`` without the tuple)."""
@@ -205,6 +215,7 @@ class PlacementInstaller:
         return self.pool.update_residency(wants)
 
     def release(self, rid: str) -> None:
+        self._bool_rows.pop(rid, None)
         self.placements.pop(rid, None)
         self.prefill_placements.pop(rid, None)
         self.last_wants.pop(rid, None)

@@ -342,11 +342,16 @@ def _markdown(payload: dict[str, Any]) -> str:
         ("cpu_overhead_pct", "layered (nothing offloaded) vs vanilla, tokens per server CPU-s"),
         ("offload_overhead_pct", "layered-offload vs vanilla, wall tokens/s"),
         ("offload_cpu_overhead_pct", "layered-offload vs vanilla, tokens per server CPU-s"),
+        ("paired_overhead_pct", "layered (nothing offloaded) vs vanilla, wall, paired per server launch (median over launches)"),
+        ("paired_offload_overhead_pct", "layered-offload vs vanilla, wall, paired per server launch"),
     ):
         if payload.get(key) is not None:
             lines.append(
                 f"- Overhead {text}: **{payload[key]:+.1f}%** (throughput loss; target <= {OVERHEAD_TARGET_PCT:g}% for nothing offloaded)."
             )
+    for key, name in (("paired_overhead_per_launch_pct", "layered"), ("paired_offload_overhead_per_launch_pct", "layered-offload")):
+        if payload.get(key):
+            lines.append(f"- {name} loss per server launch (paired): {', '.join(f'{x:+.1f}%' for x in payload[key])}.")
     for name, ms in (payload.get("extra_ms_per_token") or {}).items():
         lines.append(f"- {name} adds {ms:+.3f} ms of wall time per output token over vanilla.")
     if payload.get("note"):
@@ -364,6 +369,22 @@ def extra_ms_per_token(by: dict[str, ConfigResult]) -> dict[str, float]:
         for name, r in by.items()
         if name != "vanilla" and r.median_tokens_per_s > 0
     }
+
+
+def paired_overhead(by: dict[str, ConfigResult], name: str, repeat: int) -> tuple[float | None, list[float]]:
+    """Throughput loss of ``name`` vs vanilla per server launch (median run of each, same
+    launch, interleaved rounds), and the median over launches. Two launches of one server
+    differ by up to 25% on a small shared host, more than the effect measured; pairing each
+    launch's runs cancels that, which the pooled medians do not."""
+    if "vanilla" not in by or name not in by or repeat < 1:
+        return None, []
+    base, other = by["vanilla"].tokens_per_s, by[name].tokens_per_s
+    per_launch = []
+    for start in range(0, min(len(base), len(other)), repeat):
+        b, o = statistics.median(base[start : start + repeat]), statistics.median(other[start : start + repeat])
+        if b > 0:
+            per_launch.append(round(100.0 * (1 - o / b), 2))
+    return (round(statistics.median(per_launch), 2) if per_launch else None), per_launch
 
 
 def _slug(text: str) -> str:
@@ -432,6 +453,10 @@ def run(args: argparse.Namespace) -> int:
         "offload_cpu_overhead_pct": overhead("layered-offload", "median_tokens_per_cpu_s"),
         "overhead_target_pct": OVERHEAD_TARGET_PCT,
     }
+    for name in ("layered", "layered-offload"):
+        median_pct, per_launch = paired_overhead(by, name, args.repeat)
+        key = "paired_overhead_pct" if name == "layered" else "paired_offload_overhead_pct"
+        payload[key], payload[key.replace("_pct", "_per_launch_pct")] = median_pct, per_launch
     cpus = os.cpu_count() or 1
     peak_load = max((r.load_avg_1m[1] for r in results), default=0.0)
     if peak_load > cpus:
@@ -446,6 +471,8 @@ def run(args: argparse.Namespace) -> int:
         ("offload_overhead_pct", "layered-offload vs vanilla (wall)"),
         ("cpu_overhead_pct", "layered vs vanilla (per CPU-s)"),
         ("offload_cpu_overhead_pct", "layered-offload vs vanilla (per CPU-s)"),
+        ("paired_overhead_pct", "layered vs vanilla (wall, paired per launch, median of launches)"),
+        ("paired_offload_overhead_pct", "layered-offload vs vanilla (wall, paired per launch)"),
     ):
         if payload[key] is not None:
             print(f"[bench sglang] overhead {label}: {payload[key]:+.1f}% on {device}")

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from sglang_ext.tools.bench_workloads import model_spec, run_once, workload_text
-from sglang_ext.tools.sglang_bench import ConfigResult, extra_ms_per_token
+from sglang_ext.tools.sglang_bench import ConfigResult, extra_ms_per_token, paired_overhead
 
 
 def _result(name: str, tps: float) -> ConfigResult:
@@ -63,3 +63,19 @@ def test_unknown_model_preset_is_rejected_by_the_parser() -> None:
     add_arguments(parser)
     with pytest.raises(argparse.ArgumentError):
         parser.parse_args(["--model", "huge"])
+
+
+def _runs(name: str, rates: tuple[float, ...]) -> ConfigResult:
+    return ConfigResult(name, (), 1.0, rates, 0.0, rates, 0.0, 100, 0, (0.0, 0.0), 0, None, 0)
+
+
+def test_paired_overhead_compares_each_launch_with_its_own_vanilla_runs() -> None:
+    """Launch-to-launch speed differences cancel: a 4% loss inside every launch reads as 4%
+    although the second launch of both servers ran 25% faster (pooled medians would not)."""
+    by = {
+        "vanilla": _runs("vanilla", (100.0, 100.0, 125.0, 125.0)),
+        "layered": _runs("layered", (96.0, 96.0, 120.0, 120.0)),
+    }
+    median_pct, per_launch = paired_overhead(by, "layered", repeat=2)
+    assert per_launch == [4.0, 4.0] and median_pct == 4.0
+    assert paired_overhead(by, "layered-offload", repeat=2) == (None, [])
