@@ -98,10 +98,10 @@ class SlotResidency:
         """Device layer-pages held only by the prefix cache (no live user), as of the last full
         reconciliation: given up first when space is needed, so they count as free capacity."""
         self.full_reconciles = 0
+        """Full (mask-based) reconciliations run; the rest took the append-only fast path."""
         self._live_stats: tuple[int, int] | None = None
         """(live layer-pages, of which host-only) as of the last :meth:`stats`; dropped by every
         change but the decode fast path, which adds its new (resident) pages to it."""
-        """Full (mask-based) reconciliations run; the rest took the append-only fast path."""
 
     # ----- request state ----------------------------------------------------------
 
@@ -384,19 +384,23 @@ class SlotResidency:
         are on host at every layer go to their fixed device pages ``l * P + p`` in one indexed
         write; anything else (prefix pages already placed, pages holding KV) returns None and the
         general append path handles it."""
-        store = self.store
         pages = added.numpy()  # NumPy from here: a handful of tiny ops per decode step
-        if self._has_kv_np[pages].any():
+        if not self._place_fresh_identity(pages):
             return None
-        if not (store.map_np[:, pages] < 0).all() or np.unique(pages).size != pages.size:
-            return None
-        n = self.layers * int(pages.size)
-        if n > store.allocator.free_count:
-            return None
+        self.last_moves = LayerPageMoves({}, {})
+        return ResidencyDelta(0, 0, 0, self.layers * int(pages.size), 0, 0, 0, 0)
+
+    def _place_fresh_identity(self, pages: np.ndarray) -> bool:
+        """Place every layer of these distinct new pages (no KV yet, on host at every layer) at
+        their fixed identity device pages; False, changing nothing, if any condition fails."""
+        store = self.store
+        if self._has_kv_np[pages].any() or not (store.map_np[:, pages] < 0).all():
+            return False
+        if np.unique(pages).size != pages.size or self.layers * int(pages.size) > store.allocator.free_count:
+            return False
         store.place_identity(pages)
         store.publish_map()
-        self.last_moves = LayerPageMoves({}, {})
-        return ResidencyDelta(0, 0, 0, n, 0, 0, 0, 0)
+        return True
 
     def append_decode_identity(self, rids: Sequence[str], owners: np.ndarray, pages: np.ndarray) -> bool:
         """Decode fast path (identity layout, every live layer-page resident): request
@@ -410,13 +414,8 @@ class SlotResidency:
         if any(req is None or req.anonymous for req in reqs):
             return False
         if pages.size:
-            store = self.store
-            if self._has_kv_np[pages].any() or not (store.map_np[:, pages] < 0).all():
+            if not self._place_fresh_identity(pages):
                 return False
-            if np.unique(pages).size != pages.size or self.layers * int(pages.size) > store.allocator.free_count:
-                return False
-            store.place_identity(pages)
-            store.publish_map()
             self._has_kv_np[pages] = True
             for owner, page in zip(owners.tolist(), pages.tolist(), strict=True):
                 reqs[owner]._tail.append(page)  # type: ignore[union-attr]
