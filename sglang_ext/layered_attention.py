@@ -171,14 +171,16 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         rids, seq_lens = forward_batch.rids, forward_batch.seq_lens_cpu
         if rids is None or seq_lens is None or rids != last[0]:
             return False
-        lens = seq_lens.numpy().astype(np.int64)
-        if lens.shape != last[1].shape or not np.array_equal(lens, last[1] + 1):
+        lens = seq_lens.numpy().astype(np.int64, copy=True)
+        prev = last[1]
+        if lens.shape != prev.shape or not ((lens - prev) == 1).all():
             return False
         if not self.pool.prepare_decode_step(rids, lens, forward_batch.out_cache_loc):
             return False
         self.last_delta = None
         self.batch_rids, self.batch_request_slots = list(rids), []
-        self.batch_slots = self.batch_slots[:0]
+        if self.batch_slots.numel():
+            self.batch_slots = self.batch_slots[:0]
         self.in_place = True
         self.token_to_kv_pool._layer = None
         self._last_batch = (last[0], lens)

@@ -73,6 +73,7 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         self._in_place_step = False
         """This forward's batch is resident in the identity layout (set by readable_in_place)."""
         self._step = 0
+        self._owners_cache = np.zeros(0, dtype=np.int64)
         self._step_loc: torch.Tensor | None = None
         """``new_slots`` of this forward (its K/V writes hit these slots at every layer)."""
         self._in_place_views: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -236,7 +237,7 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         slots = new_slots.numpy().astype(np.int64, copy=False)
         ps = self.page_size
         if ps == 1:
-            owners, pages = np.arange(slots.size), slots
+            owners, pages = self._owners(slots.size), slots
         else:
             owners = np.flatnonzero((seq_lens - 1) % ps == 0)  # the token opens a new page
             pages = slots[owners] // ps
@@ -249,6 +250,13 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         if self._stats_path is not None:
             self._write_stats_line(len(rids), int(slots.size), ResidencyDelta(0, 0, 0, self.layer_num * int(pages.size), 0, 0, 0, 0))
         return True
+
+    def _owners(self, n: int) -> np.ndarray:
+        """``arange(n)`` (read-only, cached: the batch size rarely changes between steps)."""
+        if self._owners_cache.size != n:
+            self._owners_cache = np.arange(n, dtype=np.int64)
+            self._owners_cache.flags.writeable = False
+        return self._owners_cache
 
     def _eager_writeback(self) -> None:
         """Write dirty device layer-pages back to host at the boundary -- under memory pressure only.

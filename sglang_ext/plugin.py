@@ -12,7 +12,8 @@ Always (flag on or off):
 - AROUND ``ServerArgs.from_cli_args``: builds and validates :class:`LayeredKVArgs`
   (a bad value exits the launcher with a message naming the flag), implies
   ``--radix-cache-backend layered`` and exports the options to the subprocesses in
-  ``KVPLANE_LAYERED_KV_ARGS``. With the flag off it only removes that variable.
+  ``KVPLANE_LAYERED_KV_ARGS``, and SGLang's ``--log-level`` in ``KVPLANE_LOG_LEVEL``
+  unless set (:mod:`sglang_ext.logs`). With the flag off it only removes the options variable.
 - AFTER ``runtime_context.publish``: on ``--device cpu`` switch SGLang's rotary layer to
   its CPU path (``rotary_embedding.base._is_cpu``) in this process.
 - AROUND ``TokenizerManager._stream_one_response``: token-deposit pacing of streamed
@@ -21,6 +22,8 @@ Always (flag on or off):
 Only in processes whose environment says the flag is on (the subprocesses the
 launcher spawns after parsing):
 
+- kvplane's structlog events are filtered below ``KVPLANE_LOG_LEVEL`` (debug events are
+  per-step telemetry, not for a server's stderr).
 - ``register_radix_cache_backend("layered", ...)``: :class:`LayeredRadixCache`.
 - AFTER ``mem_cache.allocation.alloc_for_extend`` / ``alloc_for_decode``: attribute new
   KV blocks to requests for the residency hooks.
@@ -38,6 +41,7 @@ import os
 from typing import Any
 
 from sglang_ext import args as kv_args
+from sglang_ext import logs
 
 EVENTS_FILE_ENV = "KVPLANE_RESIDENCY_EVENTS_FILE"
 """If set in the server's environment, residency events are appended to this JSONL file."""
@@ -112,6 +116,10 @@ def _around_from_cli_args(original: Any, cls: Any, namespace: argparse.Namespace
         # Plans are installed at step boundaries (sglang_ext/scheduler_hooks.py): the overlap
         # loop has none, so the flag implies --disable-overlap-schedule.
         namespace.disable_overlap_schedule = True
+        try:
+            logs.export_level(getattr(namespace, "log_level", None))
+        except ValueError as exc:
+            raise SystemExit(f"kvplane: {exc}") from None
         os.environ[kv_args.ENV_VAR] = layered.to_json()
     else:
         os.environ.pop(kv_args.ENV_VAR, None)
@@ -257,6 +265,7 @@ def register() -> None:
         _state.env_error = f"bad {kv_args.ENV_VAR}: {exc}"
         return
     if _state.layered.enable_layered_kv:
+        logs.configure_from_env()
         _register_layered(HookRegistry, HookType)
 
 

@@ -124,6 +124,8 @@ class SchedulerHooks:
         self._step_started: float | None = None
         self._first_seen_ms: dict[str, float] = {}
         self._boundary: dict[str, Any] = {}
+        self._fixed: dict[str, tuple[Any, int | None, float | None]] = {}
+        """Per request (by rid): the Req object and its fixed fields (max_new_tokens, TBT SLO)."""
         self.client: ControlClient | None = None
         self.stats: StepStatsWriter | None = None
         self.admission = AdmissionGate(enabled=args.kv_scheduler in GATED_SCHEDULERS)
@@ -260,18 +262,19 @@ class SchedulerHooks:
             self._deferred_pause.pop(rid, None)
         running_batch, resumed = self.pauser.resume(running_batch, install.resume)
         refill = last_batch is not None and not last_batch.is_empty() and last_batch.forward_mode.is_extend()
-        idle = all(req.finished() for req in running_batch.reqs)  # finished: filtered next
-        if len(self.pauser) and idle and not refill:
+        if len(self.pauser) and not refill and all(req.finished() for req in running_batch.reqs):
+            # idle (finished requests are filtered next): resume everyone rather than idle
             running_batch, more = self.pauser.resume_all(running_batch)
             resumed += more
         # A deferred pause waits for its request to join the running batch (it may still be
         # prefilling); it is dropped once the request is gone.
-        alive = {r.rid for r in running_batch.reqs}
-        if refill:
-            alive |= {r.rid for r in last_batch.reqs}
-        for rid in list(self._deferred_pause):
-            if rid not in alive and rid not in self.pauser:
-                del self._deferred_pause[rid]
+        if self._deferred_pause:
+            alive = {r.rid for r in running_batch.reqs}
+            if refill:
+                alive |= {r.rid for r in last_batch.reqs}
+            for rid in list(self._deferred_pause):
+                if rid not in alive and rid not in self.pauser:
+                    del self._deferred_pause[rid]
         self._boundary = {
             "admitted_now": list(install.admit),
             "paused_now": paused,
@@ -325,6 +328,7 @@ class SchedulerHooks:
         is_decode = bool(batch.forward_mode.is_decode())
         finished = tuple(dict.fromkeys(r.rid for r in batch.reqs if r.finished()))
         for rid in finished:
+            self._fixed.pop(rid, None)
             try:
                 self.installer.release(rid)
             except Exception:
@@ -357,8 +361,11 @@ class SchedulerHooks:
             seen[parked.req.rid] = self._state(parked.req, paused=True)
         now = self._now_ms()
         queued = []
-        waiting = {r.rid for r in s.waiting_queue}
-        self._first_seen_ms = {k: v for k, v in self._first_seen_ms.items() if k in waiting}
+        if len(self._fixed) > 2 * len(seen) + 64:  # requests that left without a finish (aborts)
+            self._fixed = {rid: v for rid, v in self._fixed.items() if rid in seen}
+        if s.waiting_queue or self._first_seen_ms:
+            waiting = {r.rid for r in s.waiting_queue}
+            self._first_seen_ms = {k: v for k, v in self._first_seen_ms.items() if k in waiting}
         for req in s.waiting_queue:
             arrival = self._first_seen_ms.setdefault(req.rid, now)
             queued.append(
@@ -378,15 +385,19 @@ class SchedulerHooks:
         gpu = None
         if self.installer.layered:
             gpu = self.installer.gpu_layer_count(req.rid) if not paused else 0
-        max_new = getattr(req.sampling_params, "max_new_tokens", None)
+        fixed = self._fixed.get(req.rid)
+        if fixed is None or fixed[0] is not req:
+            max_new = getattr(req.sampling_params, "max_new_tokens", None)
+            fixed = self._fixed[req.rid] = (req, int(max_new) if max_new else None, request_slo(req))
+        out = len(req.output_ids)
         return RequestState(
             id=req.rid,
-            context_tokens=max(1, len(req.origin_input_ids) + len(req.output_ids)),
-            generated_tokens=len(req.output_ids),
+            context_tokens=max(1, len(req.origin_input_ids) + out),
+            generated_tokens=out,
             paused=paused,
             gpu_layers=gpu,
-            max_new_tokens=int(max_new) if max_new else None,
-            slo_tbt_ms=request_slo(req),
+            max_new_tokens=fixed[1],
+            slo_tbt_ms=fixed[2],
         )
 
     def _free_blocks(self) -> int | None:

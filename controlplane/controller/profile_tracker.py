@@ -50,6 +50,7 @@ class ProfileTracker:
         if h2d_gbps <= 0:
             raise ValueError(f"h2d_gbps: {h2d_gbps} is out of range (allowed > 0)")
         self._comp = tuple(float(c) for c in profile.layer_compute_ms)
+        self._all_gpu_ms = float(sum(self._comp))
         self._gbps = float(h2d_gbps)
         self._block_bytes = block_bytes
 
@@ -57,6 +58,12 @@ class ProfileTracker:
     def layer_compute_ms(self) -> tuple[float, ...]:
         """Per-layer compute time in ms."""
         return self._comp
+
+    @property
+    def all_gpu_step_ms(self) -> float:
+        """Step time of any placement without transfers: the sum of the layers' compute (the
+        timeline's no-transfer case, what :meth:`predict_step_ms` returns for it)."""
+        return self._all_gpu_ms
 
     @property
     def h2d_gbps(self) -> float:
@@ -124,6 +131,7 @@ class ProfileTracker:
             target_comp = tuple(c * fitted for c in old_comp)
 
         self._comp = tuple((1 - a) * o + a * t for o, t in zip(old_comp, target_comp, strict=True))
+        self._all_gpu_ms = float(sum(self._comp))
         if target_gbps > 0:
             self._gbps = (1 - a) * old_gbps + a * target_gbps
         return ProfileUpdate(

@@ -69,12 +69,24 @@ class RequestTracker:
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._requests
 
+    def __len__(self) -> int:
+        """Requests tracked, running or paused."""
+        return len(self._requests)
+
     def get(self, request_id: str) -> TrackedRequest | None:
         return self._requests.get(request_id)
 
     def running(self) -> list[TrackedRequest]:
         """Decoding, not paused, in arrival order."""
         return [r for r in self._requests.values() if not r.paused]
+
+    def has_running(self) -> bool:
+        """Whether any request is decoding (cheaper than ``bool(running())``)."""
+        return any(r.paused_since_step is None for r in self._requests.values())
+
+    def has_paused(self) -> bool:
+        """Whether any request is paused (cheaper than ``bool(paused())``)."""
+        return any(r.paused_since_step is not None for r in self._requests.values())
 
     def paused(self) -> list[TrackedRequest]:
         """Paused, longest-paused first."""

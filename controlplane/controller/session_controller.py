@@ -176,6 +176,8 @@ class SessionController:
         self._last_triggers: tuple[str, ...] = ()
         self._last_update: ProfileUpdate | None = None
         self._last_observed_ms: float | None = None
+        self._all_gpu_of: Decision | None = None  # decision _all_gpu was computed for
+        self._all_gpu = True
 
     # ---- WorkerSession ---------------------------------------------------------------------
     @property
@@ -211,7 +213,7 @@ class SessionController:
                 reasons.append("profile-mismatch")
             if self._planned_version is not None and policy.version != self._planned_version:
                 reasons.append("policy-change")
-            starving = [
+            starving = self._tracker.has_paused() and [
                 r.id
                 for r in self._tracker.paused()
                 if r.paused_since_step is not None
@@ -230,7 +232,7 @@ class SessionController:
                 self._guard_step = report.step
                 reasons.append("starvation")
             self._update_queue(report)
-            has_work = bool(self._tracker.running() or self._tracker.paused() or self._queued)
+            has_work = bool(self._queued) or bool(self._tracker)
             if self._current is None and has_work and not self._inflight and not self._pending:
                 reasons = ["initial"]  # nothing planned yet: whatever fired, this is the first plan
             if not reasons and self._wants_schedule(policy):
@@ -341,14 +343,20 @@ class SessionController:
         if observed is None:
             return False
         self._last_observed_ms = observed
-        if self._installed is None:
+        if self._installed is None or not self._tracker.has_running():
             return False
-        rows, blocks = self._placement_now(self._installed)
-        if not rows:
-            return False
-        predicted = self._profile.predict_step_ms(rows, blocks)
-        if ProfileTracker.mismatch(observed, predicted) <= policy.mismatch_threshold:
-            return False
+        if self._installed_all_gpu():
+            # no transfers: the timeline is the layers' compute whatever the request sizes, so
+            # the rows are built only when the profile moves (most steps it does not)
+            predicted = self._profile.all_gpu_step_ms
+            if ProfileTracker.mismatch(observed, predicted) <= policy.mismatch_threshold:
+                return False
+            rows, blocks = self._placement_now(self._installed)
+        else:
+            rows, blocks = self._placement_now(self._installed)
+            predicted = self._profile.predict_step_ms(rows, blocks)
+            if ProfileTracker.mismatch(observed, predicted) <= policy.mismatch_threshold:
+                return False
         self._last_update = self._profile.update(
             ewma_factor=policy.ewma_factor,
             observed_step_ms=observed,
@@ -370,6 +378,17 @@ class SessionController:
         )
         return replan
 
+    def _installed_all_gpu(self) -> bool:
+        """Whether the installed decision keeps every layer of every request on the GPU (requests
+        it does not place run all-GPU, see :meth:`_placement_now`); cached per decision."""
+        decision = self._installed
+        if decision is None:
+            return True
+        if self._all_gpu_of is not decision:
+            self._all_gpu_of = decision
+            self._all_gpu = all(all(row) for row in decision.plan.placements.values())
+        return self._all_gpu
+
     def _replan_could_change(
         self, report: StepReport, rows: list[tuple[int, ...]], blocks: list[int]
     ) -> bool:
@@ -382,7 +401,7 @@ class SessionController:
         That is the steady state of a server whose KV fits; skipping the solve there keeps the
         per-step cost of the controller flat. The profile is updated either way.
         """
-        if report.queued or self._tracker.paused() or any(0 in row for row in rows):
+        if report.queued or self._tracker.has_paused() or any(0 in row for row in rows):
             return True
         step_ms = self._profile.predict_step_ms(rows, blocks)
         return any(step_ms > r.deposit.slo_tbt_ms for r in self._tracker.running())

@@ -132,26 +132,22 @@ class TokenDeposit:
     def advance(self, now_ms: float) -> list[Delivery]:
         """Deliver every token due at or before ``now_ms``; returns them in order."""
         self._tick(now_ms)
-        out: list[Delivery] = []
-        while self._pending:
-            due = self.next_delivery_ms()
-            assert due is not None  # non-empty deposit
-            if due > now_ms:
-                break
-            out.append(self._deliver(due, burst=False))
-        return out
+        return self._deliver_due(now_ms) if self._pending else []
 
     def generate(self, now_ms: float, n: int = 1) -> list[Delivery]:
         """Append ``n`` tokens generated at ``now_ms``; returns the deliveries due by then."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        if type(n) is not int or n < 0:  # bool is not int here
             raise ValueError(f"n: expected an integer >= 0, got {n!r}")
         if self._finished:
             raise ValueError("generate: the request already finished")
-        out = self.advance(now_ms)
-        for _ in range(n):
-            self._pending.append((self._generated, float(now_ms)))
-            self._generated += 1
-        out.extend(self.advance(now_ms))
+        self._tick(now_ms)
+        out = self._deliver_due(now_ms) if self._pending else []
+        if n:
+            gen_ms = float(now_ms)
+            for _ in range(n):
+                self._pending.append((self._generated, gen_ms))
+                self._generated += 1
+            out.extend(self._deliver_due(now_ms))
         return out
 
     def finish(self, now_ms: float) -> list[Delivery]:
@@ -164,6 +160,11 @@ class TokenDeposit:
 
     # ---- internals -----------------------------------------------------------------------
     def _tick(self, now_ms: float) -> None:
+        # the clock is read on every advance: the usual case (a finite float, not going back)
+        # is settled by one comparison chain (NaN fails it and takes the checks below)
+        if type(now_ms) is float and self._now_ms <= now_ms < math.inf:
+            self._now_ms = now_ms
+            return
         if (
             isinstance(now_ms, bool)
             or not isinstance(now_ms, int | float)
@@ -173,6 +174,19 @@ class TokenDeposit:
         if now_ms < self._now_ms:
             raise ValueError(f"now_ms: {now_ms} is before the last time seen ({self._now_ms})")
         self._now_ms = float(now_ms)
+
+    def _deliver_due(self, now_ms: float) -> list[Delivery]:
+        """Deliver the deposited tokens due at or before ``now_ms`` (clock already ticked)."""
+        out: list[Delivery] = []
+        pending = self._pending
+        while pending:
+            gen_ms = pending[0][1]
+            last = self._last_delivery_ms
+            due = gen_ms if last is None else max(gen_ms, last + self._slo_ms)
+            if due > now_ms:
+                break
+            out.append(self._deliver(due, burst=False))
+        return out
 
     def _deliver(self, at_ms: float, *, burst: bool) -> Delivery:
         index, gen_ms = self._pending.popleft()

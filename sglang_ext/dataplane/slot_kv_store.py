@@ -95,6 +95,8 @@ class SlotKVStore:
         self.map_np = self.map_cpu.numpy()
         """NumPy view of ``map_cpu`` (same memory) for the per-step fast paths: small indexing
         ops cost a few µs in torch's dispatcher and well under one in NumPy."""
+        self.map_flat_np = self.map_np.reshape(-1)
+        """``map_np`` flat (same memory): ``(l, p)`` is element ``l * P + p``."""
         self._layer_base = np.arange(c.layers, dtype=np.int64)[:, None] * c.logical_pages
         self.map_dev = self.map_cpu if self.device.type == "cpu" else self.map_cpu.to(self.device)
         self.dirty = torch.zeros((c.layers, c.logical_pages), dtype=torch.bool, device=self.device)
@@ -306,12 +308,19 @@ class SlotKVStore:
         self.map_cpu[layers, pages] = dev_pages.to(torch.int32)
         self._map_stale = True
 
-    def place_identity(self, pages: np.ndarray) -> None:
+    def identity_ids(self, pages: np.ndarray) -> np.ndarray:
+        """Identity layout: the device pages ``l * P + p`` of every layer of ``pages``
+        (``[L, n]`` int64; also the flat indices of those entries in ``map_np``)."""
+        return self._layer_base + pages[None, :]
+
+    def place_identity(self, pages: np.ndarray, ids: np.ndarray | None = None) -> None:
         """Identity layout: give every layer of these distinct host-only pages (no KV yet) its
-        fixed device page ``l * P + p``; nothing is copied. ``pages``: int64 NumPy array."""
-        ids = self._layer_base + pages[None, :]
+        fixed device page ``l * P + p``; nothing is copied. ``pages``: int64 NumPy array;
+        ``ids``: their :meth:`identity_ids` when the caller has them."""
+        if ids is None:
+            ids = self.identity_ids(pages)
         self.allocator.take_distinct(ids.reshape(-1))  # type: ignore[union-attr]
-        self.map_np[:, pages] = ids
+        self.map_flat_np[ids] = ids
         self._map_stale = True
 
     def release_pages(self, pages: list[int]) -> None:

@@ -392,13 +392,18 @@ class SlotResidency:
 
     def _place_fresh_identity(self, pages: np.ndarray) -> bool:
         """Place every layer of these distinct new pages (no KV yet, on host at every layer) at
-        their fixed identity device pages; False, changing nothing, if any condition fails."""
+        their fixed identity device pages; False, changing nothing, if any condition fails.
+
+        Per decode step, so few NumPy calls: distinctness by a set (a handful of pages), the map
+        read flat at the identity ids (``map[l, p]`` is element ``l * P + p``)."""
         store = self.store
-        if self._has_kv_np[pages].any() or not (store.map_np[:, pages] < 0).all():
+        n = int(pages.size)
+        if len(set(pages.tolist())) != n or self.layers * n > store.allocator.free_count:
             return False
-        if np.unique(pages).size != pages.size or self.layers * int(pages.size) > store.allocator.free_count:
+        ids = store.identity_ids(pages)
+        if self._has_kv_np[pages].any() or store.map_flat_np[ids].max() >= 0:
             return False
-        store.place_identity(pages)
+        store.place_identity(pages, ids)
         store.publish_map()
         return True
 

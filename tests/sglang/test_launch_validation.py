@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -28,3 +29,17 @@ def test_launcher_rejects_bad_options(tiny_model_dir, extra, message):
     )
     assert proc.returncode != 0
     assert message in proc.stderr
+
+
+def test_launcher_rejects_bad_log_level_env(tiny_model_dir):
+    """A KVPLANE_LOG_LEVEL that is not a level stops the launcher with the choices."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang.launch_server", "--model-path", str(tiny_model_dir),
+         "--device", "cpu", "--enable-layered-kv"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "KVPLANE_LOG_LEVEL": "chatty"},
+    )
+    assert proc.returncode != 0
+    assert "kvplane: KVPLANE_LOG_LEVEL: 'chatty' is not a log level (allowed: debug, info, warning" in proc.stderr

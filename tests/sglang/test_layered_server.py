@@ -47,6 +47,17 @@ def test_layered_radix_backend_is_active(layered):
     assert "source=registered('layered') impl=LayeredRadixCache" in server.log_path.read_text()
 
 
+def test_kvplane_logs_filtered_at_sglang_level(layered):
+    """kvplane's structlog events follow SGLang's --log-level (info): info events are written,
+    the controller's per-step debug events (profile updates, from the first steps on a model
+    slower than the default profile) are not."""
+    server, _ = layered
+    greedy(server, "Tell me about the weather")
+    log = server.log_path.read_text()
+    assert "kvplane_scheduler_ready" in log
+    assert "[debug" not in log
+
+
 def test_greedy_tokens_identical_to_vanilla(layered, vanilla_server):
     """20 greedy prompts produce token-identical outputs with and without the flag."""
     server, _ = layered
