@@ -30,6 +30,7 @@ RADIX_BACKEND_NAME = "layered"
 """Name under which the residency-hook radix cache is registered (``--radix-cache-backend``)."""
 MAX_HOST_POOL_GB = 1 << 16
 MAX_GPU_BUDGET_TOKENS = 1 << 40
+MAX_REPORT_INTERVAL = 1024
 
 _GRPC_TARGET = re.compile(r"^grpc://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-_]+):(?P<port>\d{1,5})$")
 
@@ -61,6 +62,10 @@ class LayeredKVArgs:
     kv_gpu_budget_tokens: int | None = None
     """Device KV budget across all layers in token-layers (pages = this // page_size); None:
     as much as SGLang's own pool would hold (no forced offload). In [1, 2**40]."""
+    kv_report_interval: int = 8
+    """Steady decode steps coalesced into one report to the control plane, in [1, 1024]; 1 =
+    report every step. A step that changes anything (arrival, finish, queue, pause, plan expiry,
+    an outage) is always reported at once (see ``sglang_ext.scheduler_hooks``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.enable_layered_kv, bool):
@@ -106,6 +111,11 @@ class LayeredKVArgs:
             raise ValueError(
                 f"--kv-gpu-budget-tokens={budget!r} is out of range [1, {MAX_GPU_BUDGET_TOKENS}] "
                 "(token-layers)"
+            )
+        every = self.kv_report_interval
+        if isinstance(every, bool) or not isinstance(every, int) or not 1 <= every <= MAX_REPORT_INTERVAL:
+            raise ValueError(
+                f"--kv-report-interval={every!r} is out of range [1, {MAX_REPORT_INTERVAL}] (steps)"
             )
         if (self.kv_tls_cert is None) != (self.kv_tls_key is None):
             raise ValueError("--kv-tls-cert and --kv-tls-key must be given together (mutual TLS)")
@@ -229,5 +239,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> bool:
         default=None,
         help="Device KV budget across all layers, in token-layers (default: SGLang's pool size, "
         f"no forced offload); [1, {MAX_GPU_BUDGET_TOKENS}].",
+    )
+    group.add_argument(
+        "--kv-report-interval",
+        type=int,
+        default=_DEFAULTS.kv_report_interval,
+        help="Steady decode steps per report to the control plane (changes are reported at "
+        f"once); 1 = every step; [1, {MAX_REPORT_INTERVAL}].",
     )
     return True

@@ -21,7 +21,9 @@ Registered by :mod:`sglang_ext.plugin` in scheduler processes when ``--enable-la
   the device sync), finished requests released from the pool, and on rank 0 the
   :class:`~controlplane.api.StepReport` (running incl. paused, queued, finished,
   ``observed_step_ms`` of decode steps, ``free_gpu_blocks``); the decisions it returns are
-  applied at the next boundary. One JSON line per step goes to ``$KVPLANE_STATS_FILE`` if set.
+  applied at the next boundary. Steady decode steps are coalesced, up to
+  ``--kv-report-interval`` per report (:meth:`SchedulerHooks._coalesce`): any change is reported
+  the step it happens. One JSON line per step goes to ``$KVPLANE_STATS_FILE`` if set.
 * AROUND ``Scheduler.abort_request``: a paused request being aborted is resumed first, so SGLang's
   own abort path finishes it and frees its KV.
 """
@@ -126,6 +128,15 @@ class SchedulerHooks:
         self._boundary: dict[str, Any] = {}
         self._fixed: dict[str, tuple[Any, int | None, float | None]] = {}
         """Per request (by rid): the Req object and its fixed fields (max_new_tokens, TBT SLO)."""
+        # report coalescing (rank 0, see _coalesce)
+        self._decode_ms = 0.0
+        self._decode_steps = 0
+        self._layer_ms: tuple[float, ...] | None = None
+        self._sent_step = 0
+        self._sent_rids: tuple[str, ...] = ()
+        self._expiry_step = 0
+        self.reports = 0
+        """Reports sent to the control plane."""
         self.client: ControlClient | None = None
         self.stats: StepStatsWriter | None = None
         self.admission = AdmissionGate(enabled=args.kv_scheduler in GATED_SCHEDULERS)
@@ -220,7 +231,10 @@ class SchedulerHooks:
         decisions = self._pending
         self._pending = []
         if self.client is not None:
-            decisions += self.client.poll()
+            polled = self.client.poll()
+            if polled:
+                self._expiry_step = polled[-1].expiry_step
+                decisions += polled
         pause: dict[str, None] = dict.fromkeys(self._deferred_pause)
         resume: dict[str, None] = {}
         admit: dict[str, None] = {}
@@ -335,15 +349,63 @@ class SchedulerHooks:
                 log.exception("residency_release_failed", rid=rid)
         if not self.tp.is_source:
             return
-        report = self._report(batch, finished, step_ms if is_decode else None)
+        if is_decode and step_ms is not None:
+            self._decode_ms += step_ms
+            self._decode_steps += 1
         if self.timer is not None:
             layer_ms = self.timer.take()
             if layer_ms is not None:
-                report = dataclasses.replace(report, layer_compute_ms=layer_ms)
-        assert self.client is not None
-        self._pending.extend(self.client.report(report))
+                self._layer_ms = layer_ms
+        send = not self._coalesce(batch, finished, is_decode)
+        if not send and self.stats is None:
+            return
+        observed = self._decode_ms / self._decode_steps if self._decode_steps else None
+        report = self._report(batch, finished, observed)
+        if self._layer_ms is not None:
+            report = dataclasses.replace(report, layer_compute_ms=self._layer_ms)
+        if send:
+            assert self.client is not None
+            self._received(self.client.report(report))
+            self._decode_ms, self._decode_steps, self._layer_ms = 0.0, 0, None
+            self._sent_step, self._sent_rids = self.step, self._rids(batch)
+            self.reports += 1
         if self.stats is not None:
-            self._write_stats(report, step_ms, is_decode)
+            self._write_stats(report, step_ms, is_decode, reported=send)
+
+    def _received(self, decisions: list[Decision]) -> None:
+        if decisions:
+            self._expiry_step = decisions[-1].expiry_step
+            self._pending.extend(decisions)
+
+    @staticmethod
+    def _rids(batch: Any) -> tuple[str, ...]:
+        return tuple(r.rid for r in batch.reqs)
+
+    def _coalesce(self, batch: Any, finished: tuple[str, ...], is_decode: bool) -> bool:
+        """Whether this step's report may wait for the next one (``--kv-report-interval``).
+
+        Only a steady decode step waits: the same requests as the last report, nothing finished,
+        queued or paused, the installed plan not expired, the control plane reachable, fewer
+        than ``interval`` steps since the last report. Everything the controller acts on
+        (OrbitFlow §3.4's batch-change and expiry triggers, admissions, pause state, outages)
+        is therefore reported the step it happens; a steady stretch reaches it as one report
+        with the mean decode step time (the profile-mismatch trigger sees it at most
+        ``interval - 1`` steps late) and each request's tokens generated since.
+        """
+        s = self.scheduler
+        return (
+            is_decode
+            and not finished
+            and self.step - self._sent_step < self.args.kv_report_interval
+            and self.step < self._expiry_step
+            and not s.waiting_queue
+            and not len(self.pauser)
+            and not self._deferred_pause
+            and not self._pending
+            and self.client is not None
+            and not self.client.in_fallback
+            and self._rids(batch) == self._sent_rids
+        )
 
     def _now_ms(self) -> float:
         return (time.monotonic() - self._t0) * 1e3
@@ -409,7 +471,7 @@ class SchedulerHooks:
             return None
         return free_pages * self.layers
 
-    def _write_stats(self, report: StepReport, step_ms: float | None, is_decode: bool) -> None:
+    def _write_stats(self, report: StepReport, step_ms: float | None, is_decode: bool, *, reported: bool) -> None:
         assert self.stats is not None
         stats = self._pool_stats()
         pool = _stats_dict(stats)
@@ -418,6 +480,7 @@ class SchedulerHooks:
             "time_s": round(time.time(), 6),
             "mode": "decode" if is_decode else "extend",
             "step_ms": None if step_ms is None else round(step_ms, 3),
+            "reported": reported,
             "running": [r.id for r in report.running if not r.paused],
             "slo_tbt_ms": {r.id: r.slo_tbt_ms for r in report.running if r.slo_tbt_ms is not None},
             "held_total": self.admission.held_total,

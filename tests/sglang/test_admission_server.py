@@ -101,3 +101,23 @@ def test_sampled_per_layer_timings_are_reported(gated):
     assert sampled, "no step reported per-layer timings"
     assert all(len(ms) == s_layers and all(x > 0 for x in ms) for ms, s_layers in
                ((ms, steps[0]["layers"]) for ms in sampled))
+
+
+def test_steady_decode_steps_are_coalesced_and_changes_reported_at_once(gated):
+    """--kv-report-interval (default 8): a steady decode step may wait for the next report, at
+    most 7 in a row; a step that finishes a request, holds a queue, pauses or prefills is
+    reported the step it happens."""
+    server, stats_path = gated
+    start = len(stats_path.read_text().splitlines())
+    _burst(server)
+    greedy(server, PROMPTS[6], max_new_tokens=40)  # a long steady stretch of one request
+    steps = [json.loads(line) for line in stats_path.read_text().splitlines()[start:] if line.strip()]
+    assert any(not s["reported"] for s in steps), "no steady step was coalesced"
+    for s in steps:
+        if s["finished"] or s["queued"] or s["paused"] or s["mode"] == "extend":
+            assert s["reported"], s
+    run = longest = 0
+    for s in steps:
+        run = 0 if s["reported"] else run + 1
+        longest = max(longest, run)
+    assert longest <= 7

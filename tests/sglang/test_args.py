@@ -41,8 +41,10 @@ def test_full_flag_set_parses(tmp_path):
         "--kv-tls-cert", str(files["cert"]),
         "--kv-tls-key", str(files["key"]),
         "--kv-policy-token-file", str(files["tok"]),
+        "--kv-report-interval", "1",
     )
     assert args.enable_layered_kv and args.kv_host_pool_gb == 2.5 and not args.pacing
+    assert args.kv_report_interval == 1
     assert (args.control_plane_host, args.control_plane_port) == ("cp.example", 50051)
 
 
@@ -56,6 +58,8 @@ def test_full_flag_set_parses(tmp_path):
         (["--kv-control-plane", "http://x:1"], "allowed: 'embedded' or 'grpc://HOST:PORT'"),
         (["--kv-control-plane", "grpc://x:70000"], "port 70000 is out of range [1, 65535]"),
         (["--kv-policy", "/nonexistent/policy.yaml"], "--kv-policy='/nonexistent/policy.yaml': no such file"),
+        (["--kv-report-interval", "0"], "--kv-report-interval=0 is out of range [1, 1024] (steps)"),
+        (["--kv-report-interval", "5000"], "--kv-report-interval=5000 is out of range [1, 1024]"),
     ],
 )
 def test_bad_values_name_the_flag_and_range(argv, message):
