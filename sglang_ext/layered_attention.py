@@ -129,7 +129,7 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         self.direct_layers = 0
         """Layer reads served in place from the device pool (all rows resident), not gathered."""
         self.last_delta = None
-        self._last_batch: tuple[list[str], np.ndarray] | None = None
+        self._last_batch: tuple[list[str], list[int]] | None = None
         """Request ids and sequence lengths of the previous forward (for :meth:`_steady_decode`)."""
 
     steady_decode_fast_path = True
@@ -157,7 +157,7 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
             self._build_compact_table(lens, bs)
         self.token_to_kv_pool._layer = None
         known = bs > 0 and all(rid is not None for rid in rids)
-        self._last_batch = (list(rids), seq_lens.numpy().astype(np.int64)) if known else None
+        self._last_batch = (list(rids), lens) if known else None
 
     def _steady_decode(self, forward_batch: Any) -> bool:
         """The usual decode step: the same requests as the previous forward, one token more each,
@@ -171,9 +171,9 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         rids, seq_lens = forward_batch.rids, forward_batch.seq_lens_cpu
         if rids is None or seq_lens is None or rids != last[0]:
             return False
-        lens = seq_lens.numpy().astype(np.int64, copy=True)
+        lens = seq_lens.tolist()  # a few ints: plain Python beats NumPy's per-call cost here
         prev = last[1]
-        if lens.shape != prev.shape or not ((lens - prev) == 1).all():
+        if len(lens) != len(prev) or any(n != p + 1 for n, p in zip(lens, prev, strict=True)):
             return False
         if not self.pool.prepare_decode_step(rids, lens, forward_batch.out_cache_loc):
             return False

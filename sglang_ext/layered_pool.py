@@ -221,7 +221,7 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         self._write_stats_line(len(requests), 0 if new_slots is None else int(new_slots.numel()), delta)
         return delta
 
-    def prepare_decode_step(self, rids: Sequence[str], seq_lens: np.ndarray, new_slots: torch.Tensor) -> bool:
+    def prepare_decode_step(self, rids: Sequence[str], seq_lens: Sequence[int] | np.ndarray, new_slots: torch.Tensor) -> bool:
         """:meth:`prepare_step` for a steady decode step, or False (nothing done) when it does not apply.
 
         Applies when the caller knows that every request of ``rids`` ran the previous forward
@@ -234,12 +234,15 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         self._in_place_step = False
         if new_slots.device.type != "cpu" or new_slots.numel() != len(rids) or self.residency.has_anonymous:
             return False
-        slots = new_slots.numpy().astype(np.int64, copy=False)
+        slots = new_slots.numpy()
+        if slots.dtype != np.int64:
+            slots = slots.astype(np.int64)
         ps = self.page_size
         if ps == 1:
             owners, pages = self._owners(slots.size), slots
         else:
-            owners = np.flatnonzero((seq_lens - 1) % ps == 0)  # the token opens a new page
+            lens = np.asarray(seq_lens, dtype=np.int64)
+            owners = np.flatnonzero((lens - 1) % ps == 0)  # the token opens a new page
             pages = slots[owners] // ps
         if not self.residency.append_decode_identity(rids, owners, pages):
             return False

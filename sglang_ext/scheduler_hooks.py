@@ -72,6 +72,15 @@ _PROCESS_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 _ABORT = "sglang.srt.managers.scheduler.Scheduler.abort_request"
 
 
+_QUIET_BOUNDARY: dict[str, Any] = {
+    "admitted_now": [],
+    "paused_now": [],
+    "resumed_now": [],
+    "decision": None,
+}
+"""What a boundary that installs nothing did (copied per step: the stats line extends it)."""
+
+
 class StepStatsWriter:
     """Appends one JSON object per line to a file (flushed per line)."""
 
@@ -267,6 +276,9 @@ class SchedulerHooks:
 
     def boundary(self, running_batch: Any, last_batch: Any) -> Any:
         """Apply this step's install before SGLang builds the batch; returns the running batch."""
+        if self._quiet_boundary():
+            self._boundary = dict(_QUIET_BOUNDARY, fallback=self.admission.open)
+            return running_batch
         install = self.tp.share(self._compose(running_batch) if self.tp.is_source else None)
         self.installer.apply(install)
         self.admission.admit(install.admit)
@@ -298,12 +310,27 @@ class SchedulerHooks:
         }
         return running_batch
 
+    def _quiet_boundary(self) -> bool:
+        """Single rank, nothing to install: no decision received, nobody paused or waiting to
+        be, the fallback state unchanged. Then the full boundary would change nothing."""
+        if self.tp.world_size != 1 or self._pending or self._deferred_pause or len(self.pauser):
+            return False
+        if self.client is None:
+            return False
+        polled = self.client.poll()
+        if polled:
+            self._expiry_step = polled[-1].expiry_step
+            self._pending = polled  # the full boundary installs them
+            return False
+        return self.client.in_fallback == self.admission.open
+
     def after_schedule(self, plan: Any) -> None:
         """SGLang allocated this step's KV: install the residency wants (layered pool only)."""
         if not self.installer.layered and self.stats is None:
             return
         live: dict[str, Any] = {}
-        for batch in (getattr(plan, "running_batch", None), getattr(plan, "batch_to_run", None)):
+        running, to_run = getattr(plan, "running_batch", None), getattr(plan, "batch_to_run", None)
+        for batch in (running, None if to_run is running else to_run):
             if batch is None:
                 continue
             for req in batch.reqs:
