@@ -27,12 +27,14 @@ pages first. Extend (prefill) uses the torch path. Not runnable on this CPU host
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
 import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
+from sglang_ext import overhead
 from sglang_ext.layered_pool import LayeredTokenToKVPool
 
 
@@ -137,6 +139,16 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
         super().init_forward_metadata(forward_batch)
+        meter = overhead.METER
+        if meter is None:
+            self._prepare(forward_batch)
+            return
+        t0 = time.perf_counter()
+        self._prepare(forward_batch)
+        meter.add("attention_prepare", time.perf_counter() - t0)
+
+    def _prepare(self, forward_batch: Any) -> None:
+        """kvplane's part of the step's metadata: residency for this batch, and how to read it."""
         if self._steady_decode(forward_batch):
             return
         req_to_token = self.real_req_to_token_pool.req_to_token

@@ -45,6 +45,7 @@ import structlog
 
 from controlplane.api import Decision, QueuedRequest, RequestState, StepReport, WorkerInfo
 from controlplane.model import Hardware, ModelSpec, Profile
+from sglang_ext import overhead
 from sglang_ext.admission import GATED_SCHEDULERS, AdmissionGate, request_slo
 from sglang_ext.args import LayeredKVArgs
 from sglang_ext.control_client import ControlClient, build_control_plane, process_fallback_counter
@@ -554,6 +555,8 @@ def _around_next_batch(original: Any, scheduler: Any, *args: Any, **kwargs: Any)
     hooks = _hooks_of(scheduler)
     if hooks is None:
         return original(scheduler, *args, **kwargs)
+    meter = overhead.METER
+    t0 = time.perf_counter()
     names = ("running_batch", "last_batch")
     call = dict(zip(names, args, strict=False))
     call.update(kwargs)
@@ -562,11 +565,18 @@ def _around_next_batch(original: Any, scheduler: Any, *args: Any, **kwargs: Any)
     scheduler.running_batch = running
     call["running_batch"] = running
     held = hooks.admission.hold_back(scheduler, running, hooks.pauser)
+    t1 = time.perf_counter()
     try:
         plan = original(scheduler, **call)
     finally:
         hooks.admission.restore(scheduler, held)
+    t2 = time.perf_counter()
     hooks.after_schedule(plan)
+    if meter is not None:
+        meter.add("boundary", t1 - t0)
+        meter.add("after_schedule", time.perf_counter() - t2)
+        if getattr(plan, "batch_to_run", plan) is None:
+            meter.idle()
     return plan
 
 
@@ -583,10 +593,15 @@ def _around_run_batch(original: Any, scheduler: Any, *args: Any, **kwargs: Any) 
 def _after_process_result(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
     hooks = _hooks_of(scheduler)
     if hooks is not None:
+        t0 = time.perf_counter()
         try:
             hooks.end_step(batch)
         except Exception:  # telemetry must never kill the scheduler
             log.exception("kvplane_end_step_failed", step=hooks.step)
+        meter = overhead.METER
+        if meter is not None and hooks.tp.is_source:
+            meter.add("end_step", time.perf_counter() - t0)
+            meter.step_done()
     return None
 
 

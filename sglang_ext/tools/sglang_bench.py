@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sglang_ext.overhead import OVERHEAD_FILE_ENV, share_of
 from sglang_ext.tools.bench_workloads import MODELS, WORKLOADS, model_spec, run_once, workload_text
 
 DEFAULT_OUT = Path("benchmarks/results/sglang")
@@ -79,6 +80,11 @@ class ConfigResult:
     """Peak fraction of live layer-KV on host (layered configs)."""
     pauses: int
     """Pause events (layered configs)."""
+    kvplane_share_pct: tuple[float, ...] = ()
+    """Per launch (layered configs): kvplane's own time in the scheduler process over the step
+    time without it (:mod:`sglang_ext.overhead`), over all of that launch's steps."""
+    kvplane_ms_per_step: tuple[float, ...] = ()
+    """Per launch (layered configs): kvplane's own ms per scheduler step."""
 
 
 @dataclass
@@ -91,6 +97,8 @@ class _Samples:
     startup_s: list[float] = field(default_factory=list)
     tokens: int = 0
     failed: int = 0
+    meter: list[dict[str, Any]] = field(default_factory=list)
+    """The overhead meter's summary of each launch (layered configs)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -235,6 +243,8 @@ def measure_all(
                 steps,
                 None if host is None else round(host, 3),
                 pauses,
+                tuple(x for x in (share_of(m) for m in got.meter) if x is not None),
+                tuple(float(m["kvplane_ms_per_step"]) for m in got.meter if m.get("kvplane_ms_per_step") is not None),
             )
         )
     return out
@@ -247,8 +257,15 @@ a few % of a tiny model's step -- so the overhead configuration ``layered`` runs
 without one (nothing can be offloaded there: no budget means the identity layout)."""
 
 
-def _bench_env(name: str, workdir: Path) -> dict[str, str]:
-    return {"KVPLANE_STATS_FILE": str(workdir / f"{name}-stats.jsonl")} if name in STATS_CONFIGS else {}
+def _bench_env(name: str, workdir: Path, instance: int = 0) -> dict[str, str]:
+    env = {"KVPLANE_STATS_FILE": str(workdir / f"{name}-stats.jsonl")} if name in STATS_CONFIGS else {}
+    if name != "vanilla":
+        env[OVERHEAD_FILE_ENV] = str(_meter_path(name, workdir, instance))
+    return env
+
+
+def _meter_path(name: str, workdir: Path, instance: int) -> Path:
+    return workdir / f"{name}-overhead-{instance}.json"
 
 
 def _measure_instance(
@@ -268,7 +285,7 @@ def _measure_instance(
             model_dir,
             log_path=workdir / f"{name}-{instance}.log",
             extra_args=flags,
-            env=_bench_env(name, workdir),
+            env=_bench_env(name, workdir, instance),
             startup_timeout_s=args.startup_timeout_s,
         )
     errors: dict[str, BaseException] = {}
@@ -319,6 +336,10 @@ def _measure_instance(
                     f"(load {load_before:.1f})",
                     flush=True,
                 )
+        for name in servers:
+            path = _meter_path(name, workdir, instance)
+            if name != "vanilla" and path.exists():
+                samples[name].meter.append(json.loads(path.read_text()))
     finally:
         for server in servers.values():
             server.stop()
@@ -366,6 +387,14 @@ def _markdown(payload: dict[str, Any]) -> str:
     for key, name in (("paired_overhead_per_launch_pct", "layered"), ("paired_offload_overhead_per_launch_pct", "layered-offload")):
         if payload.get(key):
             lines.append(f"- {name} loss per server launch (paired): {', '.join(f'{x:+.1f}%' for x in payload[key])}.")
+    for r in payload["results"]:
+        if r.get("kvplane_share_pct"):
+            lines.append(
+                f"- {r['name']}: kvplane's own time in the scheduler process (in-process meter, "
+                f"launch effects cancel): **{statistics.median(r['kvplane_share_pct']):+.2f}%** of the "
+                f"step (median of launches; per launch {', '.join(f'{x:.2f}%' for x in r['kvplane_share_pct'])}), "
+                f"{statistics.median(r['kvplane_ms_per_step']):.3f} ms per step."
+            )
     for name, ms in (payload.get("extra_ms_per_token") or {}).items():
         lines.append(f"- {name} adds {ms:+.3f} ms of wall time per output token over vanilla.")
     if payload.get("note"):
@@ -468,6 +497,9 @@ def run(args: argparse.Namespace) -> int:
         "overhead_target_pct": OVERHEAD_TARGET_PCT,
     }
     for name in ("layered", "layered-offload"):
+        shares = by[name].kvplane_share_pct if name in by else ()
+        key = "inprocess_overhead_pct" if name == "layered" else "inprocess_offload_overhead_pct"
+        payload[key] = round(statistics.median(shares), 3) if shares else None
         median_pct, per_launch = paired_overhead(by, name, args.repeat)
         key = "paired_overhead_pct" if name == "layered" else "paired_offload_overhead_pct"
         payload[key], payload[key.replace("_pct", "_per_launch_pct")] = median_pct, per_launch
@@ -487,6 +519,8 @@ def run(args: argparse.Namespace) -> int:
         ("offload_cpu_overhead_pct", "layered-offload vs vanilla (per CPU-s)"),
         ("paired_overhead_pct", "layered vs vanilla (wall, paired per launch, median of launches)"),
         ("paired_offload_overhead_pct", "layered-offload vs vanilla (wall, paired per launch)"),
+        ("inprocess_overhead_pct", "layered: kvplane's own share of the scheduler step (in-process meter)"),
+        ("inprocess_offload_overhead_pct", "layered-offload: kvplane's own share of the scheduler step (in-process meter)"),
     ):
         if payload[key] is not None:
             print(f"[bench sglang] overhead {label}: {payload[key]:+.1f}% on {device}")

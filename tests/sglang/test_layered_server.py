@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from sglang_ext.hooks import ResidencyEventKind, read_jsonl_events
+from sglang_ext.overhead import OVERHEAD_FILE_ENV, WRITE_EVERY
 from sglang_ext.plugin import EVENTS_FILE_ENV
 from sglang_ext.testing.residency import check_block_lifecycle
 from sglang_ext.testing.server import SGLangServer
@@ -30,7 +31,7 @@ def layered(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, ob
         tiny_model_dir,
         log_path=root / "server.log",
         extra_args=["--enable-layered-kv"],
-        env={EVENTS_FILE_ENV: str(events)},
+        env={EVENTS_FILE_ENV: str(events), OVERHEAD_FILE_ENV: str(root / "overhead.json")},
     )
     server.start()
     try:
@@ -56,6 +57,23 @@ def test_kvplane_logs_filtered_at_sglang_level(layered):
     log = server.log_path.read_text()
     assert "kvplane_scheduler_ready" in log
     assert "[debug" not in log
+
+
+def test_overhead_meter_reports_kvplane_share_of_the_step(layered):
+    """With $KVPLANE_OVERHEAD_FILE the scheduler writes kvplane's own time per step: every part
+    measured, a positive share of the step that is well below the whole step."""
+    server, _ = layered
+    path = server.log_path.parent / "overhead.json"
+    server.post(
+        "/generate",
+        {"text": "Count slowly from one to one hundred",
+         "sampling_params": {"max_new_tokens": 2 * WRITE_EVERY + 8, "temperature": 0.0, "ignore_eos": True}},
+    )
+    out = json.loads(path.read_text())
+    assert out["steps"] >= WRITE_EVERY
+    assert set(out["parts_s"]) == {"attention_prepare", "after_schedule", "boundary", "end_step"}
+    assert all(v > 0 for v in out["parts_s"].values())
+    assert 0 < out["share_pct"] < 100
 
 
 def test_greedy_tokens_identical_to_vanilla(layered, vanilla_server):

@@ -1,0 +1,83 @@
+"""kvplane's own time in a scheduler process, against the scheduler loop it runs in.
+
+End-to-end tokens/s of two server launches on a small shared host differ by up to 25% from one
+launch to the next, more than the few percent kvplane adds with nothing offloaded. This meter
+measures kvplane's share inside one process instead, so launch effects cancel: the wall time
+spent in kvplane's scheduler hooks (step boundary, post-schedule install, step end) and in the
+layered attention's per-step preparation, against the wall time of the steps themselves.
+
+Opt-in: with ``$KVPLANE_OVERHEAD_FILE`` set, TP rank 0 rewrites that JSON file every
+:data:`WRITE_EVERY` steps (the scheduler is usually killed, not exited). Without it :data:`METER`
+is None and the hooks pay one global read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+OVERHEAD_FILE_ENV = "KVPLANE_OVERHEAD_FILE"
+WRITE_EVERY = 64
+"""Steps between two writes of the file."""
+
+
+class OverheadMeter:
+    """Accumulates kvplane seconds and step seconds; not thread-safe (the scheduler thread)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.kvplane_s: dict[str, float] = {}
+        self.steps = 0
+        self.step_s = 0.0
+        self._last_end: float | None = None
+
+    def add(self, part: str, seconds: float) -> None:
+        self.kvplane_s[part] = self.kvplane_s.get(part, 0.0) + seconds
+
+    def idle(self) -> None:
+        """The scheduler found nothing to run: the time until the next step is not step time."""
+        self._last_end = None
+
+    def step_done(self) -> None:
+        """End of a scheduler step: the time since the previous step's end is step time (unless
+        the scheduler idled in between, :meth:`idle`)."""
+        now = time.perf_counter()
+        if self._last_end is not None:
+            self.steps += 1
+            self.step_s += now - self._last_end
+        self._last_end = now
+        if self.steps and self.steps % WRITE_EVERY == 0:
+            self.write()
+
+    def summary(self) -> dict[str, object]:
+        total = sum(self.kvplane_s.values())
+        return {
+            "steps": self.steps,
+            "step_s": round(self.step_s, 6),
+            "kvplane_s": round(total, 6),
+            "parts_s": {k: round(v, 6) for k, v in sorted(self.kvplane_s.items())},
+            "kvplane_ms_per_step": round(1e3 * total / self.steps, 4) if self.steps else None,
+            "share_pct": round(100.0 * total / (self.step_s - total), 3) if self.step_s > total else None,
+        }
+
+    def write(self) -> None:
+        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.summary()))
+        tmp.replace(self.path)
+
+
+def _from_env() -> OverheadMeter | None:
+    path = os.environ.get(OVERHEAD_FILE_ENV)
+    return OverheadMeter(path) if path else None
+
+
+METER: OverheadMeter | None = _from_env()
+"""This process's meter (None unless :data:`OVERHEAD_FILE_ENV` is set)."""
+
+
+def share_of(summary: dict[str, object]) -> float | None:
+    """``share_pct`` of a written summary: kvplane time / (step time - kvplane time), in %."""
+    value = summary.get("share_pct")
+    return float(value) if isinstance(value, int | float) else None

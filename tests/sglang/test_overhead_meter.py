@@ -1,0 +1,54 @@
+"""sglang_ext.overhead: kvplane's own time against the scheduler step."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from sglang_ext.overhead import WRITE_EVERY, OverheadMeter, share_of
+from sglang_ext.tools.sglang_bench import OVERHEAD_FILE_ENV, _bench_env
+
+
+def test_share_is_kvplane_time_over_the_rest_of_the_step(tmp_path):
+    meter = OverheadMeter(tmp_path / "m.json")
+    meter.step_done()  # the first end only starts the clock
+    time.sleep(0.02)
+    meter.add("end_step", 0.004)
+    meter.add("boundary", 0.001)
+    meter.step_done()
+    out = meter.summary()
+    assert out["steps"] == 1
+    assert out["kvplane_s"] == pytest.approx(0.005)
+    assert out["parts_s"] == {"boundary": 0.001, "end_step": 0.004}
+    step = out["step_s"]
+    assert step >= 0.02
+    assert share_of(out) == pytest.approx(100 * 0.005 / (step - 0.005), rel=1e-3)
+    assert out["kvplane_ms_per_step"] == pytest.approx(5.0)
+
+
+def test_idle_gap_is_not_step_time(tmp_path):
+    meter = OverheadMeter(tmp_path / "m.json")
+    meter.step_done()
+    meter.idle()
+    time.sleep(0.05)
+    meter.step_done()  # after an idle gap: restarts the clock, counts nothing
+    assert meter.summary()["steps"] == 0 and meter.step_s == 0.0
+    assert share_of(meter.summary()) is None
+
+
+def test_file_is_rewritten_every_write_every_steps(tmp_path):
+    path = tmp_path / "m.json"
+    meter = OverheadMeter(path)
+    for _ in range(WRITE_EVERY):
+        meter.add("end_step", 1e-6)
+        meter.step_done()
+    assert not path.exists()  # WRITE_EVERY - 1 steps counted so far
+    meter.step_done()
+    assert json.loads(path.read_text())["steps"] == WRITE_EVERY
+
+
+def test_bench_meters_layered_servers_only(tmp_path):
+    assert OVERHEAD_FILE_ENV not in _bench_env("vanilla", tmp_path, 0)
+    assert _bench_env("layered", tmp_path, 2)[OVERHEAD_FILE_ENV].endswith("layered-overhead-2.json")
