@@ -13,7 +13,12 @@ alike:
 * ``layered``: ``--enable-layered-kv`` with the default device budget (everything fits: nothing
   offloaded) -- the plugin's overhead; target <= 5%;
 * ``layered-offload``: ``--enable-layered-kv --kv-gpu-budget-tokens N`` (forced offloading and
-  pauses).
+  pauses);
+* ``vanilla-b``: vanilla again, a second launch: its paired "overhead" is launch-to-launch noise
+  (A/A), the yardstick for the end-to-end figures.
+
+The layered servers also run the in-process overhead meter (:mod:`sglang_ext.overhead`):
+kvplane's own time per scheduler step against the step, which launch effects do not move.
 
 Figures: output tokens / wall seconds of a workload run, and output tokens / CPU seconds the
 server's process group used during it (less sensitive to other jobs on a shared host); medians
@@ -131,7 +136,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "plugin's fixed per-step cost) or small (512 wide, 8 layers; compute-dominated steps)",
     )
     parser.add_argument(
-        "--configs", default="vanilla,layered,layered-offload", help="comma list of configurations"
+        "--configs",
+        default="vanilla,vanilla-b,layered,layered-offload",
+        help="comma list of configurations (vanilla-b: a second vanilla launch, the A/A noise)",
     )
     parser.add_argument("--startup-timeout-s", type=float, default=400.0)
     parser.add_argument(
@@ -160,6 +167,7 @@ def _configs(args: argparse.Namespace, policy_file: Path) -> dict[str, tuple[str
     layered = ("--enable-layered-kv", "--kv-policy", str(policy_file))
     all_configs = {
         "vanilla": base,
+        "vanilla-b": base,  # a second vanilla launch: the A/A noise of a paired launch
         "layered": (*base, *layered),
         "layered-offload": (
             *base,
@@ -259,7 +267,7 @@ without one (nothing can be offloaded there: no budget means the identity layout
 
 def _bench_env(name: str, workdir: Path, instance: int = 0) -> dict[str, str]:
     env = {"KVPLANE_STATS_FILE": str(workdir / f"{name}-stats.jsonl")} if name in STATS_CONFIGS else {}
-    if name != "vanilla":
+    if name.startswith("layered"):
         env[OVERHEAD_FILE_ENV] = str(_meter_path(name, workdir, instance))
     return env
 
@@ -338,7 +346,7 @@ def _measure_instance(
                 )
         for name in servers:
             path = _meter_path(name, workdir, instance)
-            if name != "vanilla" and path.exists():
+            if name.startswith("layered") and path.exists():
                 samples[name].meter.append(json.loads(path.read_text()))
     finally:
         for server in servers.values():
@@ -384,7 +392,11 @@ def _markdown(payload: dict[str, Any]) -> str:
             lines.append(
                 f"- Overhead {text}: **{payload[key]:+.1f}%** (throughput loss; target <= {OVERHEAD_TARGET_PCT:g}% for nothing offloaded)."
             )
-    for key, name in (("paired_overhead_per_launch_pct", "layered"), ("paired_offload_overhead_per_launch_pct", "layered-offload")):
+    for key, name in (
+        ("paired_overhead_per_launch_pct", "layered"),
+        ("paired_offload_overhead_per_launch_pct", "layered-offload"),
+        ("paired_aa_noise_per_launch_pct", "vanilla-b (a second vanilla: launch noise, A/A)"),
+    ):
         if payload.get(key):
             lines.append(f"- {name} loss per server launch (paired): {', '.join(f'{x:+.1f}%' for x in payload[key])}.")
     for r in payload["results"]:
@@ -496,6 +508,8 @@ def run(args: argparse.Namespace) -> int:
         "offload_cpu_overhead_pct": overhead("layered-offload", "median_tokens_per_cpu_s"),
         "overhead_target_pct": OVERHEAD_TARGET_PCT,
     }
+    aa_pct, aa_per_launch = paired_overhead(by, "vanilla-b", args.repeat)
+    payload["paired_aa_noise_pct"], payload["paired_aa_noise_per_launch_pct"] = aa_pct, aa_per_launch
     for name in ("layered", "layered-offload"):
         shares = by[name].kvplane_share_pct if name in by else ()
         key = "inprocess_overhead_pct" if name == "layered" else "inprocess_offload_overhead_pct"
@@ -519,6 +533,7 @@ def run(args: argparse.Namespace) -> int:
         ("offload_cpu_overhead_pct", "layered-offload vs vanilla (per CPU-s)"),
         ("paired_overhead_pct", "layered vs vanilla (wall, paired per launch, median of launches)"),
         ("paired_offload_overhead_pct", "layered-offload vs vanilla (wall, paired per launch)"),
+        ("paired_aa_noise_pct", "vanilla-b vs vanilla (A/A launch noise, wall, paired per launch)"),
         ("inprocess_overhead_pct", "layered: kvplane's own share of the scheduler step (in-process meter)"),
         ("inprocess_offload_overhead_pct", "layered-offload: kvplane's own share of the scheduler step (in-process meter)"),
     ):

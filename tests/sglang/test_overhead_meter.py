@@ -51,4 +51,5 @@ def test_file_is_rewritten_every_write_every_steps(tmp_path):
 
 def test_bench_meters_layered_servers_only(tmp_path):
     assert OVERHEAD_FILE_ENV not in _bench_env("vanilla", tmp_path, 0)
+    assert OVERHEAD_FILE_ENV not in _bench_env("vanilla-b", tmp_path, 0)
     assert _bench_env("layered", tmp_path, 2)[OVERHEAD_FILE_ENV].endswith("layered-overhead-2.json")
