@@ -136,8 +136,6 @@ class SchedulerHooks:
         self._step_started: float | None = None
         self._first_seen_ms: dict[str, float] = {}
         self._boundary: dict[str, Any] = {}
-        self._fixed: dict[str, tuple[Any, int | None, float | None]] = {}
-        """Per request (by rid): the Req object and its fixed fields (max_new_tokens, TBT SLO)."""
         # report coalescing (rank 0, see _coalesce)
         self._decode_ms = 0.0
         self._decode_steps = 0
@@ -238,13 +236,10 @@ class SchedulerHooks:
     # ---- step boundary --------------------------------------------------------------------
     def _compose(self, running_batch: Any) -> StepInstall:
         """Rank 0: the decisions received since the last boundary -> one install."""
+        if self.client is not None:
+            self._received(self.client.poll())
         decisions = self._pending
         self._pending = []
-        if self.client is not None:
-            polled = self.client.poll()
-            if polled:
-                self._expiry_step = polled[-1].expiry_step
-                decisions += polled
         pause: dict[str, None] = dict.fromkeys(self._deferred_pause)
         resume: dict[str, None] = {}
         admit: dict[str, None] = {}
@@ -318,12 +313,8 @@ class SchedulerHooks:
             return False
         if self.client is None:
             return False
-        polled = self.client.poll()
-        if polled:
-            self._expiry_step = polled[-1].expiry_step
-            self._pending = polled  # the full boundary installs them
-            return False
-        return self.client.in_fallback == self.admission.open
+        self._received(self.client.poll())
+        return not self._pending and self.client.in_fallback == self.admission.open
 
     def after_schedule(self, plan: Any) -> None:
         """SGLang allocated this step's KV: install the residency wants (layered pool only)."""
@@ -370,7 +361,6 @@ class SchedulerHooks:
         is_decode = bool(batch.forward_mode.is_decode())
         finished = tuple(dict.fromkeys(r.rid for r in batch.reqs if r.finished()))
         for rid in finished:
-            self._fixed.pop(rid, None)
             try:
                 self.installer.release(rid)
             except Exception:
@@ -401,6 +391,8 @@ class SchedulerHooks:
             self._write_stats(report, step_ms, is_decode, reported=send)
 
     def _received(self, decisions: list[Decision]) -> None:
+        """Decisions from the control plane: installed at the next boundary; the newest one's
+        expiry bounds report coalescing."""
         if decisions:
             self._expiry_step = decisions[-1].expiry_step
             self._pending.extend(decisions)
@@ -451,8 +443,6 @@ class SchedulerHooks:
             seen[parked.req.rid] = self._state(parked.req, paused=True)
         now = self._now_ms()
         queued = []
-        if len(self._fixed) > 2 * len(seen) + 64:  # requests that left without a finish (aborts)
-            self._fixed = {rid: v for rid, v in self._fixed.items() if rid in seen}
         if s.waiting_queue or self._first_seen_ms:
             waiting = {r.rid for r in s.waiting_queue}
             self._first_seen_ms = {k: v for k, v in self._first_seen_ms.items() if k in waiting}
@@ -475,10 +465,7 @@ class SchedulerHooks:
         gpu = None
         if self.installer.layered:
             gpu = self.installer.gpu_layer_count(req.rid) if not paused else 0
-        fixed = self._fixed.get(req.rid)
-        if fixed is None or fixed[0] is not req:
-            max_new = getattr(req.sampling_params, "max_new_tokens", None)
-            fixed = self._fixed[req.rid] = (req, int(max_new) if max_new else None, request_slo(req))
+        max_new = getattr(req.sampling_params, "max_new_tokens", None)
         out = len(req.output_ids)
         return RequestState(
             id=req.rid,
@@ -486,8 +473,8 @@ class SchedulerHooks:
             generated_tokens=out,
             paused=paused,
             gpu_layers=gpu,
-            max_new_tokens=fixed[1],
-            slo_tbt_ms=fixed[2],
+            max_new_tokens=int(max_new) if max_new else None,
+            slo_tbt_ms=request_slo(req),
         )
 
     def _free_blocks(self) -> int | None:
