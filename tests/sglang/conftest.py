@@ -6,7 +6,8 @@ session-scoped and shared by every module that compares against it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -39,16 +40,31 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), TinyModelSpec())
 
 
-@pytest.fixture(scope="session")
-def vanilla_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangServer]:
-    """SGLang with kvplane installed (entry point) but --enable-layered-kv off."""
-    log = tmp_path_factory.mktemp("vanilla") / "server.log"
-    server = SGLangServer(tiny_model_dir, log_path=log, startup_timeout_s=STARTUP_TIMEOUT_S)
+@contextmanager
+def running_server(
+    model_dir: Path, root: Path, extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None
+) -> Iterator[SGLangServer]:
+    """An SGLang server on a free port, logging to ``root/server.log``, healthy on entry and
+    stopped on exit (module fixtures wrap one)."""
+    server = SGLangServer(
+        model_dir,
+        log_path=root / "server.log",
+        extra_args=list(extra_args),
+        env=dict(env or {}),
+        startup_timeout_s=STARTUP_TIMEOUT_S,
+    )
     server.start()
     try:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def vanilla_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangServer]:
+    """SGLang with kvplane installed (entry point) but --enable-layered-kv off."""
+    with running_server(tiny_model_dir, tmp_path_factory.mktemp("vanilla")) as server:
+        yield server
 
 
 def greedy(server: SGLangServer, prompt: str, max_new_tokens: int = 6) -> dict:

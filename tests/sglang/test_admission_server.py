@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from sglang_ext.testing.server import SGLangServer
-from tests.sglang.conftest import PROMPTS, STARTUP_TIMEOUT_S, greedy
+from tests.sglang.conftest import PROMPTS, greedy, running_server
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # server start-ups on a loaded host
 
@@ -28,18 +28,9 @@ NEW_TOKENS = 24
 def gated(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, Path]]:
     root = tmp_path_factory.mktemp("admission")
     stats = root / "stats.jsonl"
-    server = SGLangServer(
-        tiny_model_dir,
-        log_path=root / "server.log",
-        extra_args=["--enable-layered-kv", "--disable-overlap-schedule", "--kv-scheduler", "layerkv"],
-        env={"KVPLANE_STATS_FILE": str(stats)},
-        startup_timeout_s=STARTUP_TIMEOUT_S,
-    )
-    server.start()
-    try:
+    flags = ["--enable-layered-kv", "--disable-overlap-schedule", "--kv-scheduler", "layerkv"]
+    with running_server(tiny_model_dir, root, flags, {"KVPLANE_STATS_FILE": str(stats)}) as server:
         yield server, stats
-    finally:
-        server.stop()
 
 
 def _burst(server: SGLangServer) -> dict[int, dict]:

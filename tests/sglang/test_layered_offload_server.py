@@ -21,7 +21,7 @@ from sglang_ext.layered_pool import POOL_STATS_FILE_ENV
 from sglang_ext.plugin import EVENTS_FILE_ENV
 from sglang_ext.testing.residency import check_block_lifecycle
 from sglang_ext.testing.server import SGLangServer
-from tests.sglang.conftest import PROMPTS, STARTUP_TIMEOUT_S, greedy
+from tests.sglang.conftest import PROMPTS, greedy, running_server
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # server start-ups on a loaded host
 
@@ -45,23 +45,10 @@ def offload(tiny_model_dir, tmp_path_factory) -> Iterator[OffloadServer]:
     """A layered-KV server whose device KV budget is 12 token-layers."""
     root = tmp_path_factory.mktemp("layered-offload")
     stats, events = root / "pool_stats.jsonl", root / "events.jsonl"
-    server = SGLangServer(
-        tiny_model_dir,
-        log_path=root / "server.log",
-        extra_args=[
-            "--enable-layered-kv",
-            "--disable-overlap-schedule",
-            "--kv-gpu-budget-tokens",
-            str(BUDGET_TOKENS),
-        ],
-        env={POOL_STATS_FILE_ENV: str(stats), EVENTS_FILE_ENV: str(events)},
-        startup_timeout_s=STARTUP_TIMEOUT_S,
-    )
-    server.start()
-    try:
+    flags = ["--enable-layered-kv", "--disable-overlap-schedule", "--kv-gpu-budget-tokens", str(BUDGET_TOKENS)]
+    env = {POOL_STATS_FILE_ENV: str(stats), EVENTS_FILE_ENV: str(events)}
+    with running_server(tiny_model_dir, root, flags, env) as server:
         yield OffloadServer(server, stats, events)
-    finally:
-        server.stop()
 
 
 def test_layered_pool_and_attention_are_active(offload):

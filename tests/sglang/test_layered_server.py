@@ -17,7 +17,7 @@ from sglang_ext.overhead import OVERHEAD_FILE_ENV, WRITE_EVERY
 from sglang_ext.plugin import EVENTS_FILE_ENV
 from sglang_ext.testing.residency import check_block_lifecycle
 from sglang_ext.testing.server import SGLangServer
-from tests.sglang.conftest import PROMPTS, greedy
+from tests.sglang.conftest import PROMPTS, greedy, running_server
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # server start-ups on a loaded host
 
@@ -27,17 +27,9 @@ def layered(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, ob
     """A layered-KV server and the path of its residency-event file."""
     root = tmp_path_factory.mktemp("layered")
     events = root / "events.jsonl"
-    server = SGLangServer(
-        tiny_model_dir,
-        log_path=root / "server.log",
-        extra_args=["--enable-layered-kv"],
-        env={EVENTS_FILE_ENV: str(events), OVERHEAD_FILE_ENV: str(root / "overhead.json")},
-    )
-    server.start()
-    try:
+    env = {EVENTS_FILE_ENV: str(events), OVERHEAD_FILE_ENV: str(root / "overhead.json")}
+    with running_server(tiny_model_dir, root, ["--enable-layered-kv"], env) as server:
         yield server, events
-    finally:
-        server.stop()
 
 
 def test_layered_radix_backend_is_active(layered):

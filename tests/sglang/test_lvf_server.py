@@ -19,7 +19,7 @@ import pytest
 
 from sglang_ext.scheduler_hooks import STATS_FILE_ENV
 from sglang_ext.testing.server import SGLangServer
-from tests.sglang.conftest import PROMPTS, STARTUP_TIMEOUT_S, greedy
+from tests.sglang.conftest import PROMPTS, greedy, running_server
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # server start-ups on a loaded host
 
@@ -31,26 +31,10 @@ NEW_TOKENS = 16
 def lvf_server(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, Path]]:
     root = tmp_path_factory.mktemp("lvf")
     stats = root / "stats.jsonl"
-    server = SGLangServer(
-        tiny_model_dir,
-        log_path=root / "server.log",
-        extra_args=[
-            "--enable-layered-kv",
-            "--kv-scheduler",
-            "lvf",
-            "--kv-gpu-budget-tokens",
-            "96",
-            "--mem-fraction-static",
-            "0.3",
-        ],
-        env={STATS_FILE_ENV: str(stats)},
-        startup_timeout_s=STARTUP_TIMEOUT_S,
-    )
-    server.start()
-    try:
+    flags = ["--enable-layered-kv", "--kv-scheduler", "lvf", "--kv-gpu-budget-tokens", "96",
+             "--mem-fraction-static", "0.3"]
+    with running_server(tiny_model_dir, root, flags, {STATS_FILE_ENV: str(stats)}) as server:
         yield server, stats
-    finally:
-        server.stop()
 
 
 def test_lvf_rotation_keeps_outputs_token_identical_to_vanilla(lvf_server, vanilla_server):

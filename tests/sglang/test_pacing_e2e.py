@@ -18,6 +18,7 @@ import pytest
 from sglang_ext.pacing import SLO_PARAM
 from sglang_ext.testing.server import SGLangServer
 from sglang_ext.tools.workload import SHARED_HOST_ARGS, RequestSpec, run_one
+from tests.sglang.conftest import running_server
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # server start-ups on a loaded host
 
@@ -33,23 +34,9 @@ TOLERANCE_MS = 45.0
 def paced_server(tiny_model_dir, tmp_path_factory) -> Iterator[SGLangServer]:
     """A layered-KV server with pacing on (the default)."""
     root = tmp_path_factory.mktemp("paced")
-    server = SGLangServer(
-        tiny_model_dir,
-        log_path=root / "server.log",
-        extra_args=[
-            *SHARED_HOST_ARGS,
-            "--enable-layered-kv",
-            "--disable-overlap-schedule",
-            "--kv-pacing",
-            "on",
-        ],
-        startup_timeout_s=600.0,  # shared 2-core host: start-up alone can take minutes
-    )
-    server.start()
-    try:
+    flags = [*SHARED_HOST_ARGS, "--enable-layered-kv", "--disable-overlap-schedule", "--kv-pacing", "on"]
+    with running_server(tiny_model_dir, root, flags) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def test_paced_stream_text_identical_and_spaced(paced_server: SGLangServer) -> None:

@@ -21,7 +21,7 @@ from sglang_ext.hooks import ResidencyEventKind, read_jsonl_events
 from sglang_ext.plugin import EVENTS_FILE_ENV
 from sglang_ext.scheduler_hooks import STATS_FILE_ENV
 from sglang_ext.testing.server import SGLangServer
-from tests.sglang.conftest import PROMPTS, greedy
+from tests.sglang.conftest import PROMPTS, greedy, running_server
 
 # Two SGLang start-ups (30-600 s each on the shared 2-core host) happen inside the first test.
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]
@@ -36,27 +36,14 @@ def paused_server(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServ
     policy = root / "policy.json"
     policy.write_text(json.dumps({"max_paused_steps": 3, "window_min": 2, "window_max": 4}))
     stats, events = root / "stats.jsonl", root / "events.jsonl"
-    server = SGLangServer(
-        tiny_model_dir,
-        log_path=root / "server.log",
-        extra_args=[
-            "--enable-layered-kv",
-            "--kv-policy",
-            str(policy),
-            "--kv-gpu-budget-tokens",
-            "96",
-            # SGLang sizes CPU memory off what is free now; the shared host is often busy.
-            "--mem-fraction-static",
-            "0.3",
-        ],
-        env={STATS_FILE_ENV: str(stats), EVENTS_FILE_ENV: str(events)},
-        startup_timeout_s=600.0,  # the shared 2-core host is often loaded
-    )
-    server.start()
-    try:
+    flags = [
+        "--enable-layered-kv", "--kv-policy", str(policy), "--kv-gpu-budget-tokens", "96",
+        # SGLang sizes CPU memory off what is free now; the shared host is often busy.
+        "--mem-fraction-static", "0.3",
+    ]
+    env = {STATS_FILE_ENV: str(stats), EVENTS_FILE_ENV: str(events)}
+    with running_server(tiny_model_dir, root, flags, env) as server:
         yield server, stats, events
-    finally:
-        server.stop()
 
 
 def _stats(path: Path) -> list[dict]:
