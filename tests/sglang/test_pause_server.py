@@ -34,7 +34,7 @@ def paused_server(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServ
     """Layered server forced to pause: small KV budget + quick starvation guard."""
     root = tmp_path_factory.mktemp("pause")
     policy = root / "policy.json"
-    policy.write_text(json.dumps({"max_paused_steps": 3, "window_min": 2, "window_max": 4}))
+    policy.write_text(json.dumps({"max_paused_steps": 6, "window_min": 2, "window_max": 4}))
     stats, events = root / "stats.jsonl", root / "events.jsonl"
     flags = [
         "--enable-layered-kv", "--kv-policy", str(policy), "--kv-gpu-budget-tokens", "96",
@@ -123,8 +123,10 @@ def test_aborting_a_paused_request_frees_it_and_the_server_keeps_serving(paused_
     with ThreadPoolExecutor(8) as pool:
         victim = pool.submit(server.post, "/generate", long_req, 900.0)
         others = [pool.submit(greedy, server, p, 64) for p in PROMPTS[:6]]
+        # The abort must land while the request is paused (the starvation guard resumes it a few
+        # steps later): wait for the newest step line to show it paused, polling faster than a step.
         assert wait_until(
-            lambda: any(rid in line["paused"] for line in _stats(stats_path)[start:]), 400.0, 0.1
+            lambda: rid in ((_stats(stats_path)[start:] or [{"paused": ()}])[-1]["paused"]), 400.0, 0.01
         ), "the long request was never paused"
         abort = urllib.request.Request(
             server.base_url + "/abort_request",
