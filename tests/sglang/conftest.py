@@ -2,20 +2,27 @@
 
 Servers are expensive on CPU (tens of seconds to start), so the vanilla server is
 session-scoped and shared by every module that compares against it.
+
+Without SGLang only what needs it is skipped: a test marked ``sglang`` is skipped at set-up,
+and a module importing an SGLang-importing ``sglang_ext`` module (``layered_pool``,
+``layered_attention``, ``radix_cache``) at module level has its own
+``pytest.importorskip("sglang")``. Everything else here (args, hooks, pacing, admission, the
+control client, logs, the overhead meter, the bench's argument handling) runs without SGLang;
+this file imports nothing that needs it.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("sglang")
-
-from sglang_ext.testing.server import SGLangServer  # noqa: E402
-from sglang_ext.testing.tiny_model import TinyModelSpec, build_tiny_model  # noqa: E402
+from sglang_ext.testing.server import SGLangServer
+from sglang_ext.testing.tiny_model import TinyModelSpec, build_tiny_model
 
 PROMPTS: tuple[str, ...] = tuple(
     f"{head} {tail}"
@@ -30,13 +37,34 @@ PROMPTS: tuple[str, ...] = tuple(
 )
 """20 greedy prompts used for token-identity checks."""
 
+
+@functools.cache
+def sglang_missing() -> str | None:
+    """Why SGLang cannot be used here, or None when it is importable."""
+    try:
+        found = importlib.util.find_spec("sglang") is not None
+    except (ImportError, ValueError):  # sys.modules["sglang"] is None, or a broken install
+        found = False
+    return None if found else "needs SGLang (the [sglang] extra), not installed"
+
+
+@pytest.hookimpl(tryfirst=True)  # before fixtures: no tiny model or server for a skipped test
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skip tests marked ``sglang`` when SGLang is missing (the marker means "needs SGLang")."""
+    if item.get_closest_marker("sglang") is not None and (reason := sglang_missing()):
+        pytest.skip(reason)
+
+
 STARTUP_TIMEOUT_S = 600.0
 """Server start-up deadline: 30-200 s normally, longer when several servers start at once here."""
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny random-weight Llama model, built once per session."""
+    """The tiny random-weight Llama model, built once per session (needs torch, tokenizers and
+    safetensors, which come with the [sglang] extra; SGLang itself is not needed)."""
+    for module in ("torch", "tokenizers", "safetensors"):
+        pytest.importorskip(module)
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), TinyModelSpec())
 
 

@@ -8,8 +8,6 @@ import pytest
 
 from sglang_ext.args import ENV_VAR, LayeredKVArgs, add_arguments
 
-pytestmark = pytest.mark.sglang
-
 
 def _parse(*argv: str) -> LayeredKVArgs:
     parser = argparse.ArgumentParser()

@@ -23,8 +23,6 @@ from sglang_ext.args import LayeredKVArgs
 from sglang_ext.control_client import ControlClient, build_control_plane, fallback_counter
 from tests.service.conftest import ServeProcess, free_port, wait_until
 
-pytestmark = pytest.mark.sglang
-
 METRIC = "kvplane_control_plane_fallbacks_total"
 
 

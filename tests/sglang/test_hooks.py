@@ -12,7 +12,6 @@ from sglang_ext.hooks import (
 )
 from sglang_ext.testing.residency import check_block_lifecycle
 
-pytestmark = pytest.mark.sglang
 K = ResidencyEventKind
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_ext import layer_timing
-from sglang_ext.layer_timing import LayerTimer
+pytest.importorskip("torch")  # sglang_ext.layer_timing times with torch (CUDA events)
+from sglang_ext import layer_timing  # noqa: E402
+from sglang_ext.layer_timing import LayerTimer  # noqa: E402
 
 
 class FakeClock:

@@ -17,11 +17,13 @@ from pathlib import Path
 import pytest
 
 from sglang_ext.hooks import ResidencyEventKind, read_jsonl_events
-from sglang_ext.layered_pool import POOL_STATS_FILE_ENV
 from sglang_ext.plugin import EVENTS_FILE_ENV
 from sglang_ext.testing.residency import check_block_lifecycle
 from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import PROMPTS, greedy, running_server
+
+pytest.importorskip("sglang")  # sglang_ext.layered_pool imports SGLang at module level
+from sglang_ext.layered_pool import POOL_STATS_FILE_ENV  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # server start-ups on a loaded host
 

@@ -18,7 +18,9 @@ from hypothesis import strategies as st
 from sglang_ext.args import LayeredKVArgs
 from sglang_ext.dataplane.slot_results import RequestResidency
 from sglang_ext.hooks import ResidencyEventKind
-from sglang_ext.layered_pool import LayeredTokenToKVPool
+
+pytest.importorskip("sglang")  # sglang_ext.layered_pool imports SGLang at module level
+from sglang_ext.layered_pool import LayeredTokenToKVPool  # noqa: E402
 
 LAYERS, HEADS, DIM, PAGE, SLOTS = 3, 2, 4, 2, 64
 

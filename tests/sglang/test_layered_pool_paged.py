@@ -13,7 +13,9 @@ import torch
 
 from sglang_ext.dataplane.attention import dense_attention, torch_layered_attention
 from sglang_ext.dataplane.slot_page_tables import SlotPageTables
-from tests.sglang.test_layered_pool import LAYERS, Harness, check_map, make_pool, wants
+
+pytest.importorskip("sglang")  # the harness's pool (sglang_ext.layered_pool) imports SGLang
+from tests.sglang.test_layered_pool import LAYERS, Harness, check_map, make_pool, wants  # noqa: E402
 
 
 def build(budget_tokens: int) -> Harness:

@@ -9,8 +9,6 @@ import pytest
 
 from sglang_ext.testing.tiny_model import TinyModelSpec, build_tiny_model
 
-pytestmark = pytest.mark.sglang
-
 
 def _digest(path):
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
