@@ -109,11 +109,19 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert len(summary["requests"]) == 6
     assert all(r["completion_tokens"] > 0 for r in summary["requests"])
     assert "placements over time" in proc.stdout and "requests (TTFT/TBT" in proc.stdout
-    if not summary["notes"]:  # every piece active: the small budget forced offloading
-        assert summary["pool"]["steps"] > 0
-        assert summary["pool"]["peak_host_fraction"] > 0.5
-        whats = [e["what"] for e in summary["events"]]
-        assert "pause" in whats and "resume" in whats, whats  # the budget forces a pause
+    # Every piece must be active: a note means the demo ran without the layered pool, the
+    # scheduler hooks' stats or the budget flag, and showed nothing of kvplane.
+    assert summary["notes"] == [], "the demo ran with kvplane inactive: " + "; ".join(summary["notes"])
+    # The embedded default budget (DEFAULT_BUDGET_TOKENS) must force offloading and a pause.
+    pool = summary["pool"]
+    assert pool["steps"] > 0, pool
+    assert pool["peak_host_fraction"] is not None and pool["peak_host_fraction"] > 0.5, (
+        f"the default budget did not offload most layer-KV: {pool}"
+    )
+    whats = [e["what"] for e in summary["events"]]
+    assert "pause" in whats and "resume" in whats, (
+        f"the default budget did not pause and resume a request: events {summary['events']}"
+    )
     # Torn down: no process is left serving the demo's model directory.
     model_dir = str(tmp_path / "w" / "model")
     alive = []
