@@ -43,6 +43,7 @@ from typing import Any, Generic, TypeVar
 import structlog
 
 from controlplane.controller.token_deposit import TokenDeposit
+from sglang_ext import compat
 
 log = structlog.get_logger(__name__)
 
@@ -307,7 +308,8 @@ async def _rejected(
 def around_stream_one_response(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """AROUND ``TokenizerManager._stream_one_response(self, obj, state, request)``."""
     source = original(*args, **kwargs)
-    obj = kwargs["obj"] if "obj" in kwargs else (args[1] if len(args) > 1 else None)
+    obj_at = compat.TOKENIZER_STREAM_ONE_RESPONSE.params.index("obj")
+    obj = kwargs["obj"] if "obj" in kwargs else (args[obj_at] if len(args) > obj_at else None)
     if obj is None or not getattr(obj, "stream", False):
         return source
     settings = current_settings()

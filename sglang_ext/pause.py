@@ -142,7 +142,7 @@ class PauseManager:
             if parked is None:
                 continue
             batch = parked.batch
-            from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+            from sglang_ext.compat import SamplingBatchInfo
 
             batch.sampling_info = SamplingBatchInfo.from_schedule_batch(
                 batch, batch.model_config.vocab_size

@@ -3,7 +3,10 @@
 SGLang 0.5.23 calls ``sglang.srt.plugins.load_plugins()`` early in every process it
 starts -- the launcher (before the command line is parsed), each scheduler (TP rank)
 subprocess, the detokenizer and the DP controller -- runs every entry point of the
-group, then ``HookRegistry.apply_hooks()``. What ``register`` installs:
+group, then ``HookRegistry.apply_hooks()``. ``register`` first checks that the installed SGLang
+is the supported release (:func:`sglang_ext.compat.check_version`) and raises otherwise, before
+installing anything; every SGLang target it names comes from :mod:`sglang_ext.compat`. What
+``register`` installs:
 
 Always (flag on or off):
 
@@ -31,7 +34,7 @@ launcher spawns after parsing):
 Without the flag nothing of kvplane is swapped in: SGLang runs its default tree cache,
 pool and attention backend (tests/sglang/test_plugin_flags.py checks it).
 
-Loaded in every SGLang process: module-level imports stay light (no torch).
+Loaded in every SGLang process: module-level imports stay light (no torch, no SGLang).
 """
 
 from __future__ import annotations
@@ -41,23 +44,10 @@ import os
 from typing import Any
 
 from sglang_ext import args as kv_args
-from sglang_ext import logs
+from sglang_ext import compat, logs
 
 EVENTS_FILE_ENV = "KVPLANE_RESIDENCY_EVENTS_FILE"
 """If set in the server's environment, residency events are appended to this JSONL file."""
-
-_ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
-_FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
-_PUBLISH = "sglang.srt.runtime_context.publish"
-_ALLOC_FOR_EXTEND = "sglang.srt.mem_cache.allocation.alloc_for_extend"
-_ALLOC_FOR_DECODE = "sglang.srt.mem_cache.allocation.alloc_for_decode"
-_ROTARY_BASE = "sglang.srt.layers.rotary_embedding.base"
-_STREAM_ONE_RESPONSE = "sglang.srt.managers.tokenizer_manager.TokenizerManager._stream_one_response"
-_RESOLVE_KV_POOL_CLASS = (
-    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._resolve_kv_pool_class"
-)
-_ATTENTION_REGISTRY = "sglang.srt.layers.attention.attention_registry"
-
 
 class _ProcessState:
     """What this process learnt at plugin load (one instance per process)."""
@@ -79,9 +69,7 @@ def switch_rotary_to_cpu() -> None:
     so setting it before the model is built suffices; ``forward_cpu`` then falls back to
     ``forward_native`` when AMX kernels are unavailable.
     """
-    import importlib
-
-    importlib.import_module(_ROTARY_BASE)._is_cpu = True
+    compat.resolve(compat.ROTARY_EMBEDDING_BASE.path)._is_cpu = True
 
 
 # ----- launcher-side hooks ----------------------------------------------------
@@ -170,7 +158,7 @@ def _after_alloc_for_extend(result: Any, batch: Any, *args: Any, **kwargs: Any) 
 def _after_alloc_for_decode(result: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
     cache = _layered_tree_cache(batch)
     if cache is not None:
-        token_per_req = kwargs.get("token_per_req", args[0] if args else 1)
+        token_per_req = kwargs.get(compat.ALLOC_FOR_DECODE.args[1], args[0] if args else 1)
         cache.on_alloc_decode(batch, result, token_per_req)
     return None
 
@@ -219,31 +207,26 @@ def _around_resolve_kv_pool_class(original: Any, self: Any, *args: Any, **kwargs
 
 def _swap_attention_backends() -> None:
     """Replace ``torch_native`` (and ``flashinfer`` where importable) with the layered variants."""
-    import importlib
-
     from sglang_ext.layered_attention import (
         HAVE_FLASHINFER,
         create_layered_flashinfer_backend,
         create_layered_torch_native_backend,
     )
 
-    registry = importlib.import_module(_ATTENTION_REGISTRY).ATTENTION_BACKENDS
+    registry = compat.attention_backends()
     registry["torch_native"] = create_layered_torch_native_backend
     if HAVE_FLASHINFER:  # GPU hosts; the backend itself refuses to start without CUDA
         registry["flashinfer"] = create_layered_flashinfer_backend
 
 
 def _register_layered(hook_registry: Any, hook_type: Any) -> None:
-    from sglang.srt.mem_cache.registry import (
-        get_radix_cache_factory,
-        register_radix_cache_backend,
+    if compat.get_radix_cache_factory(kv_args.RADIX_BACKEND_NAME) is None:
+        compat.register_radix_cache_backend(kv_args.RADIX_BACKEND_NAME, layered_radix_cache_factory)
+    hook_registry.register(compat.ALLOC_FOR_EXTEND.path, _after_alloc_for_extend, hook_type.AFTER)
+    hook_registry.register(compat.ALLOC_FOR_DECODE.path, _after_alloc_for_decode, hook_type.AFTER)
+    hook_registry.register(
+        compat.KV_POOL_CLASS_RESOLVER.path, _around_resolve_kv_pool_class, hook_type.AROUND
     )
-
-    if get_radix_cache_factory(kv_args.RADIX_BACKEND_NAME) is None:
-        register_radix_cache_backend(kv_args.RADIX_BACKEND_NAME, layered_radix_cache_factory)
-    hook_registry.register(_ALLOC_FOR_EXTEND, _after_alloc_for_extend, hook_type.AFTER)
-    hook_registry.register(_ALLOC_FOR_DECODE, _after_alloc_for_decode, hook_type.AFTER)
-    hook_registry.register(_RESOLVE_KV_POOL_CLASS, _around_resolve_kv_pool_class, hook_type.AROUND)
     _swap_attention_backends()
     from sglang_ext import scheduler_hooks
 
@@ -251,13 +234,20 @@ def _register_layered(hook_registry: Any, hook_type: Any) -> None:
 
 
 def register() -> None:
-    """Entry point of the ``sglang.srt.plugins`` group (see pyproject.toml)."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    """Entry point of the ``sglang.srt.plugins`` group (see pyproject.toml).
 
-    HookRegistry.register(_ADD_CLI_ARGS, _after_add_cli_args, HookType.AFTER)
-    HookRegistry.register(_FROM_CLI_ARGS, _around_from_cli_args, HookType.AROUND)
-    HookRegistry.register(_PUBLISH, _after_publish, HookType.AFTER)
-    HookRegistry.register(_STREAM_ONE_RESPONSE, _around_stream_one_response, HookType.AROUND)
+    Raises :class:`~sglang_ext.compat.UnsupportedSGLangVersion` (naming the supported and the
+    installed version) before installing anything when SGLang is not the supported release;
+    SGLang's ``load_plugins`` logs it and starts without kvplane.
+    """
+    compat.check_version()
+    HookRegistry, HookType = compat.HookRegistry, compat.HookType  # noqa: N806 -- SGLang's names
+    HookRegistry.register(compat.SERVER_ARGS_ADD_CLI_ARGS.path, _after_add_cli_args, HookType.AFTER)
+    HookRegistry.register(compat.SERVER_ARGS_FROM_CLI_ARGS.path, _around_from_cli_args, HookType.AROUND)
+    HookRegistry.register(compat.RUNTIME_CONTEXT_PUBLISH.path, _after_publish, HookType.AFTER)
+    HookRegistry.register(
+        compat.TOKENIZER_STREAM_ONE_RESPONSE.path, _around_stream_one_response, HookType.AROUND
+    )
     try:
         _state.layered = kv_args.LayeredKVArgs.from_env()
     except ValueError as exc:

@@ -29,8 +29,8 @@ from typing import Any
 
 import structlog
 import torch
-from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 
+from sglang_ext.compat import RadixCache, TreeNode
 from sglang_ext.hooks import ResidencyEventKind, ResidencyHooks
 
 log = structlog.get_logger(__name__)

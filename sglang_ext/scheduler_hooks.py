@@ -45,7 +45,7 @@ import structlog
 
 from controlplane.api import Decision, QueuedRequest, RequestState, StepReport, WorkerInfo
 from controlplane.model import Hardware, ModelSpec, Profile
-from sglang_ext import overhead
+from sglang_ext import compat, overhead
 from sglang_ext.admission import GATED_SCHEDULERS, AdmissionGate, request_slo
 from sglang_ext.args import LayeredKVArgs
 from sglang_ext.control_client import ControlClient, build_control_plane, process_fallback_counter
@@ -65,12 +65,6 @@ DEFAULT_LAYER_COMPUTE_MS = 1.0
 """Initial per-layer decode compute estimate (refined by the controller's EWMA, OrbitFlow §3.4)."""
 CONNECT_WAIT_S = 2.0
 """How long start-up waits for a remote control plane before running on the local heuristic."""
-
-_INIT = "sglang.srt.managers.scheduler.Scheduler.__init__"
-_NEXT_BATCH = "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run"
-_RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
-_PROCESS_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
-_ABORT = "sglang.srt.managers.scheduler.Scheduler.abort_request"
 
 
 _QUIET_BOUNDARY: dict[str, Any] = {
@@ -118,7 +112,7 @@ class SchedulerHooks:
                 "kvplane: --enable-layered-kv requires --disable-overlap-schedule (plans are "
                 "installed at step boundaries, which the overlap loop does not have)"
             )
-        if int(getattr(scheduler, "pp_size", 1) or 1) > 1:
+        if int(getattr(getattr(scheduler, "server_args", None), "pp_size", 1) or 1) > 1:
             raise RuntimeError("kvplane: --enable-layered-kv does not support --pp-size > 1")
         self.scheduler = scheduler
         self.args = args
@@ -544,8 +538,7 @@ def _around_next_batch(original: Any, scheduler: Any, *args: Any, **kwargs: Any)
         return original(scheduler, *args, **kwargs)
     meter = overhead.METER
     t0 = time.perf_counter()
-    names = ("running_batch", "last_batch")
-    call = dict(zip(names, args, strict=False))
+    call = dict(zip(compat.SCHEDULER_GET_NEXT_BATCH_TO_RUN.args, args, strict=False))
     call.update(kwargs)
     running = call.get("running_batch", scheduler.running_batch)
     running = hooks.boundary(running, call.get("last_batch", scheduler.last_batch))
@@ -571,7 +564,7 @@ def _around_run_batch(original: Any, scheduler: Any, *args: Any, **kwargs: Any) 
     hooks = _hooks_of(scheduler)
     if hooks is None:
         return original(scheduler, *args, **kwargs)
-    hooks.start_step(args[0] if args else kwargs.get("batch"))
+    hooks.start_step(args[0] if args else kwargs.get(compat.SCHEDULER_RUN_BATCH.args[0]))
     result = original(scheduler, *args, **kwargs)
     hooks.forward_done()
     return result
@@ -607,8 +600,8 @@ def _around_abort(original: Any, scheduler: Any, recv_req: Any, *args: Any, **kw
 
 def register(hook_registry: Any, hook_type: Any) -> None:
     """Install the scheduler hooks (called by the plugin when the flag is on)."""
-    hook_registry.register(_INIT, _after_init, hook_type.AFTER)
-    hook_registry.register(_NEXT_BATCH, _around_next_batch, hook_type.AROUND)
-    hook_registry.register(_RUN_BATCH, _around_run_batch, hook_type.AROUND)
-    hook_registry.register(_PROCESS_RESULT, _after_process_result, hook_type.AFTER)
-    hook_registry.register(_ABORT, _around_abort, hook_type.AROUND)
+    hook_registry.register(compat.SCHEDULER_INIT.path, _after_init, hook_type.AFTER)
+    hook_registry.register(compat.SCHEDULER_GET_NEXT_BATCH_TO_RUN.path, _around_next_batch, hook_type.AROUND)
+    hook_registry.register(compat.SCHEDULER_RUN_BATCH.path, _around_run_batch, hook_type.AROUND)
+    hook_registry.register(compat.SCHEDULER_PROCESS_BATCH_RESULT.path, _after_process_result, hook_type.AFTER)
+    hook_registry.register(compat.SCHEDULER_ABORT_REQUEST.path, _around_abort, hook_type.AROUND)

@@ -104,7 +104,7 @@ class TpSync:
             if install is None:
                 raise ValueError("install: rank 0 must pass a StepInstall")
             return install
-        from sglang.srt.utils.common import broadcast_pyobj
+        from sglang_ext.compat import broadcast_pyobj
 
         if self.is_source and install is None:
             raise ValueError("install: rank 0 must pass a StepInstall")

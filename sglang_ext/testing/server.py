@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sglang_ext import compat
+
 CPU_ARGS: tuple[str, ...] = (
     "--device",
     "cpu",
@@ -85,7 +87,7 @@ class SGLangServer:
         return [
             self.python,
             "-m",
-            "sglang.launch_server",
+            compat.LAUNCH_SERVER.path,
             "--model-path",
             str(self.model_dir),
             "--host",

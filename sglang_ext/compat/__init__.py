@@ -1,0 +1,101 @@
+"""kvplane's whole SGLang surface: the only package in ``sglang_ext`` that names SGLang.
+
+Everything else in ``sglang_ext/`` reaches SGLang through here:
+
+* **Hook points and shapes** -- one :class:`~sglang_ext.compat.surface.Target` per SGLang module,
+  class, function or method kvplane patches, calls, subclasses or reads, with the parameter names
+  it binds and the attributes it uses (``compat.SCHEDULER_RUN_BATCH.path``,
+  ``compat.SCHEDULER_GET_NEXT_BATCH_TO_RUN.args``); all of them in :data:`TARGETS`.
+* **SGLang objects**, imported on first access (PEP 562), so importing this package stays light
+  (no torch, no SGLang) and ``plugin.py`` / ``args.py`` can import it at module level:
+  ``HookRegistry``, ``HookType``, ``RadixCache``, ``TreeNode``, ``MHATokenToKVPool``,
+  ``unwrap_write_loc``, ``TorchNativeAttnBackend``, ``SamplingBatchInfo``, ``broadcast_pyobj``,
+  ``register_radix_cache_backend``, ``get_radix_cache_factory``; :func:`attention_backends` for
+  the backend registry dict and :func:`resolve` for any target.
+* **The supported version**: :data:`SUPPORTED_VERSION` and :func:`check_version`, run by
+  ``sglang_ext.plugin.register`` before it installs anything.
+
+``tests/sglang/test_compat.py`` checks every target against the installed SGLang with
+``inspect`` (no server). Upgrading SGLang: bump :data:`SUPPORTED_VERSION`, run that test, fix the
+targets it names and the modules listed in their ``used_by``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sglang_ext.compat import surface as _surface
+from sglang_ext.compat.checker import check_surface, check_target, resolve
+from sglang_ext.compat.surface import *  # noqa: F403 -- the Target constants are this package's API
+from sglang_ext.compat.surface import (
+    ATTENTION_BACKEND_FACTORIES,
+    BROADCAST_PYOBJ,
+    GET_RADIX_CACHE_FACTORY,
+    HOOK_REGISTRY,
+    HOOK_TYPE,
+    MHA_TOKEN_TO_KV_POOL,
+    RADIX_CACHE,
+    REGISTER_RADIX_CACHE_BACKEND,
+    SAMPLING_BATCH_INFO,
+    TORCH_NATIVE_ATTN_BACKEND,
+    TREE_NODE,
+    UNWRAP_WRITE_LOC,
+    Target,
+)
+from sglang_ext.compat.version import (
+    SUPPORTED_VERSION,
+    UnsupportedSGLangVersion,
+    check_version,
+    installed_version,
+)
+
+_LAZY: dict[str, Target] = {
+    "HookRegistry": HOOK_REGISTRY,
+    "HookType": HOOK_TYPE,
+    "RadixCache": RADIX_CACHE,
+    "TreeNode": TREE_NODE,
+    "MHATokenToKVPool": MHA_TOKEN_TO_KV_POOL,
+    "unwrap_write_loc": UNWRAP_WRITE_LOC,
+    "TorchNativeAttnBackend": TORCH_NATIVE_ATTN_BACKEND,
+    "SamplingBatchInfo": SAMPLING_BATCH_INFO,
+    "broadcast_pyobj": BROADCAST_PYOBJ,
+    "register_radix_cache_backend": REGISTER_RADIX_CACHE_BACKEND,
+    "get_radix_cache_factory": GET_RADIX_CACHE_FACTORY,
+}
+"""SGLang objects importable from this package, imported on first access."""
+
+LAZY_NAMES = tuple(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    obj = resolve(target.path)
+    globals()[name] = obj  # later accesses skip this function, like a module-level import
+    return obj
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+def attention_backends() -> dict[str, Any]:
+    """SGLang's ``ATTENTION_BACKENDS`` registry (name -> factory), shared with the model runner."""
+    backends: dict[str, Any] = resolve(ATTENTION_BACKEND_FACTORIES.path)
+    return backends
+
+
+__all__ = [
+    *_surface.__all__,
+    "LAZY_NAMES",
+    "SUPPORTED_VERSION",
+    "UnsupportedSGLangVersion",
+    "attention_backends",
+    "check_surface",
+    "check_target",
+    "check_version",
+    "installed_version",
+    "resolve",
+    *_LAZY,
+]

@@ -1,0 +1,299 @@
+"""Every piece of SGLang 0.5.23 that kvplane touches, as data (no SGLang import here).
+
+One :class:`Target` per SGLang module, class, function or method: its dotted path, the leading
+parameter names kvplane's hooks bind positionally (``params``), the ones it passes or reads by
+keyword (``keyword``), the attributes it reads or overrides on it (``attrs``) and the keys it
+replaces in it (``keys``, for registries that are dicts). ``used_by`` names the kvplane modules
+that depend on it. :func:`sglang_ext.compat.checker.check_surface` resolves each one in the
+installed SGLang with ``inspect`` (``tests/sglang/test_compat.py``), so an upgrade that moves or
+renames any of them fails one named test instead of a scheduler at run time.
+
+Attributes are read directly in kvplane's code (``scheduler.waiting_queue``, ``req.rid``): a
+``getattr`` through a constant would cost every step. They are declared here so that the check
+covers them: an attribute counts as present when the class (or its MRO) defines it, declares it
+as a dataclass / msgspec field or annotation, or assigns ``self.<name> = ...`` in its source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Target:
+    """One SGLang object kvplane relies on."""
+
+    path: str
+    """Dotted path: a module, or a module followed by attribute names (class, function, method)."""
+    params: tuple[str, ...] = ()
+    """Leading parameter names in order (``self`` included for methods reached through their
+    class; a classmethod reached through its class starts after ``cls``). Hooks bind these
+    positionally."""
+    keyword: tuple[str, ...] = ()
+    """Parameters kvplane passes or reads by name (any position, keyword-capable)."""
+    attrs: tuple[str, ...] = ()
+    """Attributes (fields, methods, instance attributes) kvplane reads, calls or overrides."""
+    keys: tuple[str, ...] = ()
+    """Keys kvplane reads or replaces (the target is a dict)."""
+    used_by: tuple[str, ...] = ()
+    """kvplane modules (under ``sglang_ext/``) relying on it."""
+
+    @property
+    def args(self) -> tuple[str, ...]:
+        """``params`` without a leading ``self``: the hooked call's own arguments."""
+        return self.params[1:] if self.params[:1] == ("self",) else self.params
+
+    @property
+    def name(self) -> str:
+        """Last component of the path."""
+        return self.path.rsplit(".", 1)[-1]
+
+
+_SRT = "sglang.srt"
+
+# ----- plugin loading and hook points (plugin.py) ------------------------------------------------
+
+HOOK_REGISTRY = Target(f"{_SRT}.plugins.hook_registry.HookRegistry", attrs=("register", "apply_hooks"),
+                       used_by=("plugin",))
+HOOK_REGISTRY_REGISTER = Target(f"{_SRT}.plugins.hook_registry.HookRegistry.register",
+                                params=("target", "hook", "hook_type"), used_by=("plugin", "scheduler_hooks"))
+HOOK_TYPE = Target(f"{_SRT}.plugins.hook_registry.HookType", attrs=("AFTER", "AROUND"),
+                   used_by=("plugin", "scheduler_hooks"))
+SERVER_ARGS = Target(
+    f"{_SRT}.server_args.ServerArgs",
+    attrs=("device", "port", "pp_size", "log_level", "radix_cache_backend", "disable_radix_cache",
+           "disable_overlap_schedule"),
+    used_by=("plugin", "scheduler_hooks"),
+)
+SERVER_ARGS_ADD_CLI_ARGS = Target(f"{_SRT}.server_args.ServerArgs.add_cli_args", params=("parser",),
+                                  used_by=("plugin",))
+SERVER_ARGS_FROM_CLI_ARGS = Target(f"{_SRT}.server_args.ServerArgs.from_cli_args", params=("args",),
+                                   used_by=("plugin",))
+RUNTIME_CONTEXT_PUBLISH = Target(f"{_SRT}.runtime_context.publish", params=("server_args",),
+                                 keyword=("role",), used_by=("plugin",))
+ROTARY_EMBEDDING_BASE = Target(f"{_SRT}.layers.rotary_embedding.base", attrs=("_is_cpu",),
+                               used_by=("plugin",))
+TOKENIZER_STREAM_ONE_RESPONSE = Target(
+    f"{_SRT}.managers.tokenizer_manager.TokenizerManager._stream_one_response",
+    params=("self", "obj", "state", "request"),
+    used_by=("plugin", "pacing"),
+)
+TOKENIZER_ABORT_REQUEST = Target(f"{_SRT}.managers.tokenizer_manager.TokenizerManager.abort_request",
+                                 params=("self", "rid"), used_by=("pacing",))
+GENERATE_REQ_INPUT = Target(f"{_SRT}.managers.io_struct.GenerateReqInput",
+                            attrs=("stream", "rid", "sampling_params"), used_by=("pacing",))
+
+# ----- KV cache: radix tree, allocation, allocators (plugin.py, radix_cache.py) -------------------
+
+REGISTER_RADIX_CACHE_BACKEND = Target(f"{_SRT}.mem_cache.registry.register_radix_cache_backend",
+                                      params=("name", "factory"), used_by=("plugin",))
+GET_RADIX_CACHE_FACTORY = Target(f"{_SRT}.mem_cache.registry.get_radix_cache_factory", params=("name",),
+                                 used_by=("plugin",))
+TREE_CACHE_BUILD_CONTEXT = Target(
+    f"{_SRT}.mem_cache.registry.TreeCacheBuildContext",
+    attrs=("params", "is_hybrid_swa", "is_hybrid_ssm", "enable_hierarchical_cache"),
+    used_by=("plugin",),
+)
+ALLOC_FOR_EXTEND = Target(f"{_SRT}.mem_cache.allocation.alloc_for_extend", params=("batch",),
+                          used_by=("plugin", "radix_cache"))
+ALLOC_FOR_DECODE = Target(f"{_SRT}.mem_cache.allocation.alloc_for_decode", params=("batch", "token_per_req"),
+                          used_by=("plugin", "radix_cache"))
+RADIX_CACHE = Target(
+    f"{_SRT}.mem_cache.radix_cache.RadixCache",
+    attrs=("token_to_kv_pool_allocator", "page_size", "root_node", "on_release", "checkpoint",
+           "_insert_helper", "free_kv_row", "_delete_leaf", "reset"),
+    used_by=("radix_cache", "plugin"),
+)
+RADIX_CACHE_INIT = Target(f"{_SRT}.mem_cache.radix_cache.RadixCache.__init__", params=("self", "params"),
+                          used_by=("radix_cache",))
+RADIX_CACHE_CHECKPOINT = Target(f"{_SRT}.mem_cache.radix_cache.RadixCache.checkpoint", params=("self", "req"),
+                                keyword=("up_to",), used_by=("radix_cache",))
+RADIX_CACHE_INSERT_HELPER = Target(
+    f"{_SRT}.mem_cache.radix_cache.RadixCache._insert_helper",
+    params=("self", "node", "key", "value", "priority", "inserted_len"),
+    used_by=("radix_cache",),
+)
+RADIX_CACHE_FREE_KV_ROW = Target(f"{_SRT}.mem_cache.radix_cache.RadixCache.free_kv_row",
+                                 params=("self", "kv", "ranges"), used_by=("radix_cache",))
+RADIX_CACHE_DELETE_LEAF = Target(f"{_SRT}.mem_cache.radix_cache.RadixCache._delete_leaf",
+                                 params=("self", "node"), used_by=("radix_cache",))
+TREE_NODE = Target(f"{_SRT}.mem_cache.radix_cache.TreeNode", attrs=("value", "children"),
+                   used_by=("radix_cache",))
+TOKEN_ALLOCATOR = Target(
+    f"{_SRT}.mem_cache.allocator.token.TokenToKVPoolAllocator",
+    attrs=("free", "free_group_end", "free_group", "clear", "get_kvcache", "available_size", "size"),
+    used_by=("radix_cache", "scheduler_hooks", "plugin"),
+)
+PAGED_ALLOCATOR = Target(f"{_SRT}.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator",
+                         attrs=("_release_page_ids", "clear", "get_kvcache"), used_by=("radix_cache",))
+REQ_TO_TOKEN_POOL = Target(f"{_SRT}.mem_cache.memory_pool.ReqToTokenPool", attrs=("req_to_token",),
+                           used_by=("scheduler_hooks", "layered_attention"))
+
+# ----- layered KV pool and attention (layered_pool.py, layered_attention.py, plugin.py) -----------
+
+KV_POOL_CLASS_RESOLVER = Target(
+    f"{_SRT}.mem_cache.kv_cache_configurator.KVCacheConfigurator._resolve_kv_pool_class",
+    params=("self",),
+    keyword=("kind", "default"),
+    used_by=("plugin",),
+)
+MHA_TOKEN_TO_KV_POOL = Target(
+    f"{_SRT}.mem_cache.memory_pool.MHATokenToKVPool",
+    attrs=("size", "page_size", "layer_num", "head_num", "head_dim", "v_head_dim", "dtype", "store_dtype",
+           "device", "start_layer", "use_hnd", "kv_cache_layout", "_create_buffers", "_clear_buffers",
+           "get_kv_size_bytes", "set_kv_buffer", "move_kv_cache", "get_key_buffer", "get_value_buffer",
+           "get_kv_buffer", "_get_key_buffer", "_get_value_buffer", "get_cpu_copy", "load_cpu_copy",
+           "get_contiguous_buf_infos", "get_device_pool_infos"),
+    used_by=("layered_pool",),
+)
+MHA_TOKEN_TO_KV_POOL_INIT = Target(
+    f"{_SRT}.mem_cache.memory_pool.MHATokenToKVPool.__init__",
+    params=("self", "size", "page_size", "dtype", "head_num", "head_dim", "layer_num", "device",
+            "enable_memory_saver"),
+    keyword=("v_head_dim", "start_layer", "end_layer", "enable_kv_cache_copy", "kv_cache_layout",
+             "quant_method", "post_capture_active"),
+    used_by=("layered_pool",),
+)
+MHA_TOKEN_TO_KV_POOL_SET_KV_BUFFER = Target(
+    f"{_SRT}.mem_cache.memory_pool.MHATokenToKVPool.set_kv_buffer",
+    params=("self", "layer", "loc_info", "cache_k", "cache_v"),
+    used_by=("layered_pool", "layered_attention"),
+)
+MHA_TOKEN_TO_KV_POOL_MOVE_KV_CACHE = Target(
+    f"{_SRT}.mem_cache.memory_pool.MHATokenToKVPool.move_kv_cache",
+    params=("self", "tgt_loc", "src_loc"),
+    used_by=("layered_pool",),
+)
+UNWRAP_WRITE_LOC = Target(f"{_SRT}.mem_cache.memory_pool.unwrap_write_loc", params=("loc_info",),
+                          used_by=("layered_pool",))
+ATTENTION_REGISTRY = Target(f"{_SRT}.layers.attention.attention_registry", attrs=("ATTENTION_BACKENDS",),
+                            used_by=("plugin",))
+ATTENTION_BACKEND_FACTORIES = Target(f"{_SRT}.layers.attention.attention_registry.ATTENTION_BACKENDS",
+                            keys=("torch_native", "flashinfer"), used_by=("plugin",))
+TORCH_NATIVE_ATTN_BACKEND = Target(
+    f"{_SRT}.layers.attention.torch_native_backend.TorchNativeAttnBackend",
+    attrs=("device", "token_to_kv_pool", "req_to_token_pool", "init_forward_metadata", "forward_extend",
+           "forward_decode", "_run_sdpa_forward_extend", "_run_sdpa_forward_decode"),
+    used_by=("layered_attention",),
+)
+TORCH_NATIVE_ATTN_BACKEND_INIT = Target(
+    f"{_SRT}.layers.attention.torch_native_backend.TorchNativeAttnBackend.__init__",
+    params=("self", "model_runner"),
+    used_by=("layered_attention",),
+)
+TORCH_NATIVE_ATTN_BACKEND_INIT_FORWARD_METADATA = Target(
+    f"{_SRT}.layers.attention.torch_native_backend.TorchNativeAttnBackend.init_forward_metadata",
+    params=("self", "forward_batch"),
+    used_by=("layered_attention",),
+)
+TORCH_NATIVE_SDPA_FORWARD_EXTEND = Target(
+    f"{_SRT}.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_extend",
+    params=("self", "query", "output", "k_cache", "v_cache", "req_to_token", "req_pool_indices"),
+    used_by=("layered_attention",),
+)
+TORCH_NATIVE_SDPA_FORWARD_DECODE = Target(
+    f"{_SRT}.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_decode",
+    params=("self", "query", "output", "k_cache", "v_cache", "req_to_token", "req_pool_indices"),
+    used_by=("layered_attention",),
+)
+SDPA_REQ_POOL_INDICES_ARG = TORCH_NATIVE_SDPA_FORWARD_DECODE.args.index("req_pool_indices")
+"""Position of ``req_pool_indices`` among the ``_run_sdpa_forward_*`` arguments (after ``self``):
+the layered attention passes its compact row ids there."""
+TORCH_NATIVE_FORWARD_DECODE = Target(
+    f"{_SRT}.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_decode",
+    params=("self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache"),
+    used_by=("layered_attention",),
+)
+RADIX_ATTENTION = Target(
+    f"{_SRT}.layers.radix_attention.RadixAttention",
+    attrs=("layer_id", "is_cross_attention", "tp_q_head_num", "qk_head_dim", "v_head_dim", "scaling"),
+    used_by=("layered_attention", "layered_pool"),
+)
+FORWARD_BATCH = Target(
+    f"{_SRT}.model_executor.forward_batch_info.ForwardBatch",
+    attrs=("forward_mode", "req_pool_indices", "seq_lens", "seq_lens_cpu", "rids", "out_cache_loc"),
+    used_by=("layered_attention",),
+)
+FORWARD_MODE = Target(f"{_SRT}.model_executor.forward_batch_info.ForwardMode", attrs=("is_decode", "is_extend"),
+                      used_by=("scheduler_hooks", "layered_attention"))
+MODEL_RUNNER = Target(f"{_SRT}.model_executor.model_runner.ModelRunner",
+                      attrs=("attn_backend", "token_to_kv_pool", "req_to_token_pool"),
+                      used_by=("scheduler_hooks", "layered_attention"))
+
+# ----- the scheduler (scheduler_hooks.py, admission.py, pause.py, tp_sync.py) ----------------------
+
+SCHEDULER = Target(
+    f"{_SRT}.managers.scheduler.Scheduler",
+    attrs=("server_args", "model_config", "page_size", "enable_overlap", "tp_size", "tp_group",
+           "tp_cpu_group", "tp_worker", "tree_cache", "token_to_kv_pool_allocator", "req_to_token_pool",
+           "waiting_queue", "running_batch", "last_batch", "chunked_req"),
+    used_by=("scheduler_hooks", "admission", "tp_sync"),
+)
+SCHEDULER_INIT = Target(f"{_SRT}.managers.scheduler.Scheduler.__init__", params=("self",),
+                        used_by=("scheduler_hooks",))
+SCHEDULER_GET_NEXT_BATCH_TO_RUN = Target(
+    f"{_SRT}.managers.scheduler.Scheduler.get_next_batch_to_run",
+    params=("self", "running_batch", "last_batch"),
+    used_by=("scheduler_hooks", "admission", "pause"),
+)
+SCHEDULER_RUN_BATCH = Target(f"{_SRT}.managers.scheduler.Scheduler.run_batch", params=("self", "batch"),
+                             used_by=("scheduler_hooks",))
+SCHEDULER_PROCESS_BATCH_RESULT = Target(f"{_SRT}.managers.scheduler.Scheduler.process_batch_result",
+                                        params=("self", "batch", "result"), used_by=("scheduler_hooks",))
+SCHEDULER_ABORT_REQUEST = Target(f"{_SRT}.managers.scheduler.Scheduler.abort_request",
+                                 params=("self", "recv_req"), used_by=("scheduler_hooks",))
+NEXT_BATCH_PLAN = Target(f"{_SRT}.managers.schedule_batch.NextBatchPlan", attrs=("running_batch", "batch_to_run"),
+                         used_by=("scheduler_hooks",))
+ABORT_REQ = Target(f"{_SRT}.managers.io_struct.AbortReq", attrs=("rid", "abort_all"), used_by=("scheduler_hooks",))
+SCHEDULE_BATCH = Target(
+    f"{_SRT}.managers.schedule_batch.ScheduleBatch",
+    attrs=("reqs", "forward_mode", "sampling_info", "batch_is_full", "has_grammar", "spec_info", "model_config",
+           "extend_lens", "tree_cache", "device", "is_empty", "filter_batch", "merge_batch"),
+    used_by=("scheduler_hooks", "pause", "admission", "plugin", "radix_cache"),
+)
+SCHEDULE_BATCH_FILTER_BATCH = Target(f"{_SRT}.managers.schedule_batch.ScheduleBatch.filter_batch",
+                                     params=("self",), keyword=("keep_indices",), used_by=("pause",))
+SCHEDULE_BATCH_MERGE_BATCH = Target(f"{_SRT}.managers.schedule_batch.ScheduleBatch.merge_batch",
+                                    params=("self", "other"), used_by=("pause",))
+REQ = Target(
+    f"{_SRT}.managers.schedule_batch.Req",
+    attrs=("rid", "kv", "origin_input_ids", "output_ids", "sampling_params", "to_finish", "finished"),
+    used_by=("scheduler_hooks", "pause", "admission", "radix_cache"),
+)
+REQ_KV_INFO = Target(f"{_SRT}.managers.schedule_batch.ReqKvInfo", attrs=("req_pool_idx", "kv_allocated_len"),
+                     used_by=("scheduler_hooks", "radix_cache"))
+SAMPLING_PARAMS = Target(f"{_SRT}.sampling.sampling_params.SamplingParams",
+                         attrs=("max_new_tokens", "custom_params"), used_by=("scheduler_hooks", "admission"))
+SAMPLING_BATCH_INFO = Target(f"{_SRT}.sampling.sampling_batch_info.SamplingBatchInfo",
+                             attrs=("penalizer_orchestrator", "has_custom_logit_processor"), used_by=("pause",))
+SAMPLING_BATCH_INFO_FROM_SCHEDULE_BATCH = Target(
+    f"{_SRT}.sampling.sampling_batch_info.SamplingBatchInfo.from_schedule_batch",
+    params=("batch", "vocab_size"),
+    used_by=("pause",),
+)
+PENALIZER_ORCHESTRATOR = Target(f"{_SRT}.sampling.penaltylib.orchestrator.BatchedPenalizerOrchestrator",
+                                attrs=("is_required",), used_by=("pause",))
+MODEL_CONFIG = Target(f"{_SRT}.configs.model_config.ModelConfig",
+                      attrs=("num_hidden_layers", "vocab_size", "is_encoder_decoder"),
+                      used_by=("scheduler_hooks", "pause"))
+TP_MODEL_WORKER = Target(f"{_SRT}.managers.tp_worker.TpModelWorker", attrs=("model_runner",),
+                         used_by=("scheduler_hooks",))
+GROUP_COORDINATOR = Target(f"{_SRT}.distributed.parallel_state.GroupCoordinator", attrs=("rank", "ranks"),
+                           used_by=("tp_sync",))
+BROADCAST_PYOBJ = Target(f"{_SRT}.utils.common.broadcast_pyobj", params=("data", "rank"),
+                         keyword=("dist_group", "src"), used_by=("tp_sync",))
+
+# ----- testing -----------------------------------------------------------------------------------
+
+LAUNCH_SERVER = Target("sglang.launch_server", used_by=("testing.server",))
+"""Run with ``python -m`` by the server fixture."""
+
+TARGETS: tuple[Target, ...] = tuple(v for v in dict(globals()).values() if isinstance(v, Target))
+"""Every target above, in definition order."""
+
+__all__ = [
+    "SDPA_REQ_POOL_INDICES_ARG",
+    "TARGETS",
+    "Target",
+    *(name for name, value in dict(globals()).items() if isinstance(value, Target)),
+]
