@@ -5,7 +5,8 @@ fields (``ServerArgs.from_cli_args`` drops every other namespace attribute), so 
 plugin's flags cannot ride on it. As in SGLang's own out-of-tree plugins (smg's
 ``--servicer-impl``), the parsed values travel to the scheduler, tokenizer and
 detokenizer processes in an environment variable (:data:`ENV_VAR`, a JSON
-object) that the launcher sets before it spawns them.
+object) that the launcher sets before it spawns them (read and written by
+:mod:`sglang_ext.settings`, which owns every ``KVPLANE_*`` variable).
 
 Pure Python: no torch / SGLang import here (the launcher imports it before parsing).
 """
@@ -14,14 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-ENV_VAR = "KVPLANE_LAYERED_KV_ARGS"
+from sglang_ext import settings
+
+ENV_VAR = settings.LAYERED_KV_ARGS_ENV
 """Environment variable carrying :class:`LayeredKVArgs` as JSON to SGLang's subprocesses."""
 
 SCHEDULERS = ("fcfs", "layerkv", "lvf")
@@ -169,18 +171,21 @@ class LayeredKVArgs:
         return cls(**{f.name: getattr(namespace, f.name) for f in fields(cls)})
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> LayeredKVArgs:
-        """Read :data:`ENV_VAR`; the defaults (flag off) when it is unset."""
-        raw = (os.environ if environ is None else environ).get(ENV_VAR)
-        if not raw:
-            return cls()
+    def from_json(cls, raw: str) -> LayeredKVArgs:
+        """Parse :meth:`to_json`'s output; ValueError for bad JSON, a non-object or a bad option."""
         try:
             data = json.loads(raw)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{ENV_VAR} is not valid JSON: {exc}") from exc
+            raise ValueError(f"not valid JSON: {exc}") from exc
         if not isinstance(data, dict):
-            raise ValueError(f"{ENV_VAR} must hold a JSON object, got {type(data).__name__}")
+            raise ValueError(f"must hold a JSON object, got {type(data).__name__}")
         return cls.from_mapping(data)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> LayeredKVArgs:
+        """:data:`ENV_VAR` through :func:`sglang_ext.settings.read_layered_kv_args`; the defaults
+        (flag off) when it is unset."""
+        return settings.read_layered_kv_args(environ)
 
 
 _DEFAULTS = LayeredKVArgs()

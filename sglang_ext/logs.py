@@ -10,44 +10,42 @@ filters below it. A process that configured structlog itself keeps its configura
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 
 import structlog
 
-LOG_LEVEL_ENV = "KVPLANE_LOG_LEVEL"
+from sglang_ext import settings
+
+LOG_LEVEL_ENV = settings.LOG_LEVEL_ENV
 """Level of kvplane's events in the server's processes (debug, info, warning, error, critical)."""
-LEVELS = ("debug", "info", "warning", "error", "critical")
+LEVELS = settings.LOG_LEVELS
 
 
 def parse_level(name: str) -> int:
     """The ``logging`` level of ``name`` (case-insensitive); ValueError naming the choices."""
-    key = str(name).strip().lower()
-    if key not in LEVELS:
-        raise ValueError(f"{LOG_LEVEL_ENV}: {name!r} is not a log level (allowed: {', '.join(LEVELS)})")
-    return int(getattr(logging, key.upper()))
+    return int(getattr(logging, settings.parse_log_level(name).upper()))
 
 
-def export_level(sglang_level: str | None, environ: dict[str, str] | None = None) -> None:
+def export_level(sglang_level: str | None, environ: MutableMapping[str, str] | None = None) -> None:
     """Launcher: export SGLang's ``--log-level`` unless the user set :data:`LOG_LEVEL_ENV`;
     ValueError when the user's value is not a level."""
-    env = os.environ if environ is None else environ
-    if env.get(LOG_LEVEL_ENV):
-        parse_level(env[LOG_LEVEL_ENV])
-        return
-    level = (sglang_level or "info").lower()
-    env[LOG_LEVEL_ENV] = level if level in LEVELS else "info"
+    settings.export_log_level(sglang_level, environ)
+
+
+def configure(level: str | None) -> bool:
+    """Filter structlog below ``level`` (a :data:`LEVELS` name); False (nothing changed) when
+    structlog is already configured in this process or no level is given."""
+    if not level or structlog.is_configured():
+        return False
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(parse_level(level)))
+    return True
 
 
 def configure_from_env(environ: Mapping[str, str] | None = None) -> bool:
-    """Filter structlog below the exported level; False (nothing changed) when structlog is
-    already configured in this process or nothing was exported. A bad value means info."""
-    raw = (os.environ if environ is None else environ).get(LOG_LEVEL_ENV)
-    if not raw or structlog.is_configured():
-        return False
+    """:func:`configure` with the exported level (:func:`sglang_ext.settings.read_log_level`); a
+    bad value means info here (the plugin has reported it already)."""
     try:
-        level = parse_level(raw)
+        level = settings.read_log_level(environ)
     except ValueError:
-        level = logging.INFO
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(level))
-    return True
+        level = "info"
+    return configure(level)

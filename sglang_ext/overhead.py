@@ -14,11 +14,12 @@ is None and the hooks pay one global read.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
-OVERHEAD_FILE_ENV = "KVPLANE_OVERHEAD_FILE"
+from sglang_ext import settings
+
+OVERHEAD_FILE_ENV = settings.OVERHEAD_FILE_ENV
 WRITE_EVERY = 64
 """Steps between two writes of the file."""
 
@@ -69,8 +70,8 @@ class OverheadMeter:
 
 
 def _from_env() -> OverheadMeter | None:
-    path = os.environ.get(OVERHEAD_FILE_ENV)
-    return OverheadMeter(path) if path else None
+    path = settings.read_output_file(OVERHEAD_FILE_ENV)
+    return OverheadMeter(path) if path is not None else None
 
 
 METER: OverheadMeter | None = _from_env()

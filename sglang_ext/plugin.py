@@ -40,20 +40,18 @@ Loaded in every SGLang process: module-level imports stay light (no torch, no SG
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
 from sglang_ext import args as kv_args
-from sglang_ext import compat, logs
+from sglang_ext import compat, logs, settings
 
-EVENTS_FILE_ENV = "KVPLANE_RESIDENCY_EVENTS_FILE"
-"""If set in the server's environment, residency events are appended to this JSONL file."""
 
 class _ProcessState:
     """What this process learnt at plugin load (one instance per process)."""
 
     def __init__(self) -> None:
         self.layered: kv_args.LayeredKVArgs | None = None
+        self.env = settings.KvplaneEnv()
         self.env_error: str | None = None
 
 
@@ -101,16 +99,16 @@ def _around_from_cli_args(original: Any, cls: Any, namespace: argparse.Namespace
             )
         if getattr(namespace, "disable_radix_cache", False):
             raise SystemExit("kvplane: --enable-layered-kv cannot be combined with --disable-radix-cache")
+        if _state.env_error is not None:
+            raise SystemExit(f"kvplane: {_state.env_error}")
         # Plans are installed at step boundaries (sglang_ext/scheduler_hooks.py): the overlap
         # loop has none, so the flag implies --disable-overlap-schedule.
         namespace.disable_overlap_schedule = True
         try:
-            logs.export_level(getattr(namespace, "log_level", None))
+            settings.export_log_level(getattr(namespace, "log_level", None))
         except ValueError as exc:
             raise SystemExit(f"kvplane: {exc}") from None
-        os.environ[kv_args.ENV_VAR] = layered.to_json()
-    else:
-        os.environ.pop(kv_args.ENV_VAR, None)
+    settings.export_layered_kv_args(layered)
     _state.layered = layered
     return original(cls, namespace)
 
@@ -130,8 +128,11 @@ def _around_stream_one_response(original: Any, *args: Any, **kwargs: Any) -> Any
 
 
 def _after_publish(result: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER ``publish``: runs in every SGLang process once its config is known."""
-    if _state.env_error is not None:
+    """AFTER ``publish``: runs in every SGLang process once its config is known. A bad
+    ``KVPLANE_*`` variable seen by ``register()`` is raised here when the flag is on (or when the
+    options variable itself was bad); with the flag off kvplane reads none of them."""
+    layered = _state.layered
+    if _state.env_error is not None and (layered is None or layered.enable_layered_kv):
         raise RuntimeError(f"kvplane: {_state.env_error}")
     if getattr(server_args, "device", None) == "cpu":
         switch_rotary_to_cpu()
@@ -175,8 +176,8 @@ def layered_radix_cache_factory(ctx: Any) -> Any:
             f"hierarchical_cache={ctx.enable_hierarchical_cache})"
         )
     hooks = ResidencyHooks()
-    events_file = os.environ.get(EVENTS_FILE_ENV)
-    if events_file:
+    events_file = _state.env.residency_events_file
+    if events_file is not None:
         hooks.subscribe(JsonlEventWriter(events_file))
     cache = LayeredRadixCache(ctx.params, hooks=hooks)
     _attach_layered_pool(cache)
@@ -248,14 +249,16 @@ def register() -> None:
     HookRegistry.register(
         compat.TOKENIZER_STREAM_ONE_RESPONSE.path, _around_stream_one_response, HookType.AROUND
     )
+    # load_plugins() swallows exceptions: a bad variable is reported at parse (launcher) or at
+    # publish (every process) instead, and only when the flag is on.
     try:
-        _state.layered = kv_args.LayeredKVArgs.from_env()
+        _state.layered = settings.read_layered_kv_args()
+        _state.env = settings.KvplaneEnv.from_environ()
     except ValueError as exc:
-        # load_plugins() swallows exceptions; surface it at publish instead.
-        _state.env_error = f"bad {kv_args.ENV_VAR}: {exc}"
+        _state.env_error = str(exc)
         return
     if _state.layered.enable_layered_kv:
-        logs.configure_from_env()
+        logs.configure(_state.env.log_level or "info")
         _register_layered(HookRegistry, HookType)
 
 

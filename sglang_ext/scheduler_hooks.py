@@ -23,7 +23,8 @@ Registered by :mod:`sglang_ext.plugin` in scheduler processes when ``--enable-la
   ``observed_step_ms`` of decode steps, ``free_gpu_blocks``); the decisions it returns are
   applied at the next boundary. Steady decode steps are coalesced, up to
   ``--kv-report-interval`` per report (:meth:`SchedulerHooks._coalesce`): any change is reported
-  the step it happens. One JSON line per step goes to ``$KVPLANE_STATS_FILE`` if set.
+  the step it happens. One JSON line per step goes to ``$KVPLANE_STATS_FILE`` if set
+  (:mod:`sglang_ext.settings`).
 * AROUND ``Scheduler.abort_request``: a paused request being aborted is resumed first, so SGLang's
   own abort path finishes it and frees its KV.
 """
@@ -45,7 +46,7 @@ import structlog
 
 from controlplane.api import Decision, QueuedRequest, RequestState, StepReport, WorkerInfo
 from controlplane.model import Hardware, ModelSpec, Profile
-from sglang_ext import compat, overhead
+from sglang_ext import compat, overhead, settings
 from sglang_ext.admission import GATED_SCHEDULERS, AdmissionGate, request_slo
 from sglang_ext.args import LayeredKVArgs
 from sglang_ext.control_client import ControlClient, build_control_plane, process_fallback_counter
@@ -55,10 +56,6 @@ from sglang_ext.tp_sync import PlacementInstaller, StepInstall, TpSync
 
 log = structlog.get_logger(__name__)
 
-STATS_FILE_ENV = "KVPLANE_STATS_FILE"
-"""If set in the server's environment, TP rank 0 appends one JSON line per scheduler step."""
-WORKER_ID_ENV = "KVPLANE_WORKER_ID"
-"""Overrides the worker id sent to the control plane (default ``sglang-HOST-PORT``)."""
 DEFAULT_H2D_GBPS = 16.0
 """Host-to-device bandwidth assumed until the control plane's profile learns the real one."""
 DEFAULT_LAYER_COMPUTE_MS = 1.0
@@ -106,7 +103,7 @@ def _stats_dict(stats: Any) -> dict[str, Any] | None:
 class SchedulerHooks:
     """The kvplane state of one SGLang scheduler (one TP rank)."""
 
-    def __init__(self, scheduler: Any, args: LayeredKVArgs) -> None:
+    def __init__(self, scheduler: Any, args: LayeredKVArgs, env: settings.KvplaneEnv | None = None) -> None:
         if getattr(scheduler, "enable_overlap", False):
             raise RuntimeError(
                 "kvplane: --enable-layered-kv requires --disable-overlap-schedule (plans are "
@@ -116,6 +113,7 @@ class SchedulerHooks:
             raise RuntimeError("kvplane: --enable-layered-kv does not support --pp-size > 1")
         self.scheduler = scheduler
         self.args = args
+        self.env = env if env is not None else settings.KvplaneEnv(layered_kv_args=args)
         self.layers = int(scheduler.model_config.num_hidden_layers)
         self.page_size = int(getattr(scheduler, "page_size", 1) or 1)
         self.pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
@@ -155,9 +153,8 @@ class SchedulerHooks:
                 connect_wait_s=CONNECT_WAIT_S if args.kv_control_plane != "embedded" else 0.0,
             )
             atexit.register(self.client.close)
-            path = os.environ.get(STATS_FILE_ENV)
-            if path:
-                self.stats = StepStatsWriter(path)
+            if self.env.stats_file is not None:
+                self.stats = StepStatsWriter(self.env.stats_file)
             log.info(
                 "kvplane_scheduler_ready",
                 worker=self.worker.worker_id,
@@ -179,7 +176,7 @@ class SchedulerHooks:
         elem = int(getattr(dtype, "itemsize", 2))
         block_bytes = max(1, self.page_size * head_num * (head_dim + v_head_dim) * elem)
         port = getattr(getattr(s, "server_args", None), "port", None) or os.getpid()
-        worker_id = os.environ.get(WORKER_ID_ENV) or f"sglang-{socket.gethostname()}-{port}"
+        worker_id = self.env.worker_id or f"sglang-{socket.gethostname()}-{port}"
         return WorkerInfo(
             worker_id=worker_id,
             model=ModelSpec(layers=self.layers, block_size=self.page_size, block_bytes=block_bytes),
@@ -526,9 +523,9 @@ def _hooks_of(scheduler: Any) -> SchedulerHooks | None:
 
 
 def _after_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
-    layered = LayeredKVArgs.from_env()
-    if layered.enable_layered_kv:
-        scheduler._kvplane = SchedulerHooks(scheduler, layered)
+    env = settings.KvplaneEnv.from_environ()
+    if env.layered_kv_args.enable_layered_kv:
+        scheduler._kvplane = SchedulerHooks(scheduler, env.layered_kv_args, env)
     return None
 
 

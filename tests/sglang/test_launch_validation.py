@@ -31,15 +31,25 @@ def test_launcher_rejects_bad_options(tiny_model_dir, extra, message):
     assert message in proc.stderr
 
 
-def test_launcher_rejects_bad_log_level_env(tiny_model_dir):
-    """A KVPLANE_LOG_LEVEL that is not a level stops the launcher with the choices."""
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"KVPLANE_LOG_LEVEL": "chatty"},
+         "kvplane: KVPLANE_LOG_LEVEL: 'chatty' is not a log level (allowed: debug, info, warning"),
+        ({"KVPLANE_STATS_FILE": "/nonexistent-kvplane-dir/stats.jsonl"},
+         "kvplane: KVPLANE_STATS_FILE='/nonexistent-kvplane-dir/stats.jsonl': directory "
+         "'/nonexistent-kvplane-dir' does not exist"),
+    ],
+)
+def test_launcher_rejects_bad_kvplane_env(tiny_model_dir, env, message):
+    """A bad KVPLANE_* variable stops the launcher with the variable, its value and what is allowed."""
     proc = subprocess.run(
         [sys.executable, "-m", "sglang.launch_server", "--model-path", str(tiny_model_dir),
          "--device", "cpu", "--enable-layered-kv"],
         capture_output=True,
         text=True,
         timeout=180,
-        env={**os.environ, "KVPLANE_LOG_LEVEL": "chatty"},
+        env={**os.environ, **env},
     )
     assert proc.returncode != 0
-    assert "kvplane: KVPLANE_LOG_LEVEL: 'chatty' is not a log level (allowed: debug, info, warning" in proc.stderr
+    assert message in proc.stderr

@@ -1,8 +1,10 @@
 """SGLang with --enable-layered-kv and a tiny GPU-KV budget: most layer-KV in host memory, same tokens.
 
-Scenario: one module-scoped server runs the layered pool with ``--kv-gpu-budget-tokens 12``
-(12 layer-pages for a 4-layer model, so a request of 12+ tokens cannot keep even half its
-layer-KV on the device); the session's vanilla server is the reference. The pool writes one
+Scenario: one module-scoped server runs the layered pool with ``--kv-gpu-budget-tokens 49`` and
+``--max-total-tokens 48`` (49 layer-pages for a 4-layer model: one layer of the whole slot space,
+so every batch can be staged and a 16-token request keeps at most half its layer-KV on the
+device); the session's vanilla server is the reference. Every forward must run the staged
+pipeline (no overflow step). The pool writes one
 stats line per forward to ``$KVPLANE_POOL_STATS_FILE`` and its residency events (with the
 radix cache's) to ``$KVPLANE_RESIDENCY_EVENTS_FILE``.
 """
@@ -17,17 +19,18 @@ from pathlib import Path
 import pytest
 
 from sglang_ext.hooks import ResidencyEventKind, read_jsonl_events
-from sglang_ext.plugin import EVENTS_FILE_ENV
+from sglang_ext.settings import POOL_STATS_FILE_ENV
+from sglang_ext.settings import RESIDENCY_EVENTS_FILE_ENV as EVENTS_FILE_ENV
 from sglang_ext.testing.residency import check_block_lifecycle
 from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import PROMPTS, greedy, running_server
 
-pytest.importorskip("sglang")  # sglang_ext.layered_pool imports SGLang at module level
-from sglang_ext.layered_pool import POOL_STATS_FILE_ENV  # noqa: E402
-
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # server start-ups on a loaded host
 
-BUDGET_TOKENS = 12
+MAX_TOTAL_TOKENS = 48
+BUDGET_TOKENS = 49
+"""One layer of SGLang's 48-token slot space plus its padding page: any batch can be staged, and a
+16-token request keeps at most half its layer-KV on the device (the local fallback offloads)."""
 NEW_TOKENS = 8
 
 
@@ -44,10 +47,11 @@ class OffloadServer:
 
 @pytest.fixture(scope="module")
 def offload(tiny_model_dir, tmp_path_factory) -> Iterator[OffloadServer]:
-    """A layered-KV server whose device KV budget is 12 token-layers."""
+    """A layered-KV server whose device KV budget is 49 token-layers."""
     root = tmp_path_factory.mktemp("layered-offload")
     stats, events = root / "pool_stats.jsonl", root / "events.jsonl"
-    flags = ["--enable-layered-kv", "--disable-overlap-schedule", "--kv-gpu-budget-tokens", str(BUDGET_TOKENS)]
+    flags = ["--enable-layered-kv", "--disable-overlap-schedule", "--kv-gpu-budget-tokens", str(BUDGET_TOKENS),
+             "--max-total-tokens", str(MAX_TOTAL_TOKENS)]
     env = {POOL_STATS_FILE_ENV: str(stats), EVENTS_FILE_ENV: str(events)}
     with running_server(tiny_model_dir, root, flags, env) as server:
         yield OffloadServer(server, stats, events)
@@ -75,9 +79,13 @@ def test_greedy_tokens_identical_with_most_kv_on_host(offload, vanilla_server):
     live = sum(s["live_layer_pages"] for s in steps)
     on_host = sum(s["host_layer_pages"] for s in steps)
     assert on_host / live >= 0.5, (on_host, live)
-    big = [s for s in steps if s["live_layer_pages"] >= 2 * BUDGET_TOKENS]
+    big = [s for s in steps if s["live_layer_pages"] >= BUDGET_TOKENS + 15]
     assert big and min(s["host_fraction"] for s in big) >= 0.5
     assert steps[-1]["host_write_bytes_total"] > steps[0]["host_write_bytes_total"]
+    # the mechanism served every step: staged pipeline, fetches into staging, no overflow
+    assert steps[-1]["overflow_steps_total"] == 0
+    assert steps[-1]["staged_steps_total"] - steps[0]["staged_steps_total"] >= len(steps) - 1
+    assert steps[-1]["fetched_layer_pages_total"] > steps[0]["fetched_layer_pages_total"]
 
 
 def test_prefix_cache_hits_read_offloaded_prefix(offload, vanilla_server):

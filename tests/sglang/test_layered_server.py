@@ -13,8 +13,9 @@ from collections.abc import Iterator
 import pytest
 
 from sglang_ext.hooks import ResidencyEventKind, read_jsonl_events
-from sglang_ext.overhead import OVERHEAD_FILE_ENV, WRITE_EVERY
-from sglang_ext.plugin import EVENTS_FILE_ENV
+from sglang_ext.overhead import WRITE_EVERY
+from sglang_ext.settings import OVERHEAD_FILE_ENV
+from sglang_ext.settings import RESIDENCY_EVENTS_FILE_ENV as EVENTS_FILE_ENV
 from sglang_ext.testing.residency import check_block_lifecycle
 from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import PROMPTS, greedy, running_server

@@ -17,11 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from sglang_ext.settings import STATS_FILE_ENV
 from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import PROMPTS, greedy, running_server
-
-pytest.importorskip("sglang")  # sglang_ext.scheduler_hooks needs torch, which comes with SGLang
-from sglang_ext.scheduler_hooks import STATS_FILE_ENV  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # server start-ups on a loaded host
 

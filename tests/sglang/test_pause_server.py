@@ -18,12 +18,10 @@ from pathlib import Path
 import pytest
 
 from sglang_ext.hooks import ResidencyEventKind, read_jsonl_events
-from sglang_ext.plugin import EVENTS_FILE_ENV
+from sglang_ext.settings import RESIDENCY_EVENTS_FILE_ENV as EVENTS_FILE_ENV
+from sglang_ext.settings import STATS_FILE_ENV
 from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import PROMPTS, greedy, running_server
-
-pytest.importorskip("sglang")  # sglang_ext.scheduler_hooks needs torch, which comes with SGLang
-from sglang_ext.scheduler_hooks import STATS_FILE_ENV  # noqa: E402
 
 # Two SGLang start-ups (30-600 s each on the shared 2-core host) happen inside the first test.
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]

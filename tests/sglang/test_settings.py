@@ -1,0 +1,110 @@
+"""sglang_ext.settings: every KVPLANE_* variable read in one place, typed, failing loudly."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from sglang_ext import settings
+from sglang_ext.args import LayeredKVArgs
+from sglang_ext.settings import KvplaneEnv
+
+REPO = Path(__file__).resolve().parents[2]
+PENDING_SWITCH = frozenset({"layered_pool.py"})
+"""Still reads its variable itself (being rewritten; to read ``settings.POOL_STATS_FILE_ENV``
+through :func:`sglang_ext.settings.read_output_file`)."""
+
+
+def test_unset_or_empty_means_defaults() -> None:
+    """No variable (or only empty ones) gives the defaults: flag off, nothing written."""
+    assert KvplaneEnv.from_environ({}) == KvplaneEnv()
+    assert KvplaneEnv.from_environ({name: "" for name in settings.ALL_VARIABLES}) == KvplaneEnv()
+    assert KvplaneEnv().layered_kv_args == LayeredKVArgs()
+
+
+def test_every_variable_is_read_into_a_typed_field(tmp_path: Path) -> None:
+    """Each of the seven variables lands in its field with its type (paths, normalised level)."""
+    layered = LayeredKVArgs(enable_layered_kv=True, kv_scheduler="lvf")
+    env = KvplaneEnv.from_environ({
+        settings.LAYERED_KV_ARGS_ENV: layered.to_json(),
+        settings.LOG_LEVEL_ENV: " Warning ",
+        settings.RESIDENCY_EVENTS_FILE_ENV: str(tmp_path / "events.jsonl"),
+        settings.STATS_FILE_ENV: str(tmp_path / "stats.jsonl"),
+        settings.POOL_STATS_FILE_ENV: str(tmp_path / "pool.jsonl"),
+        settings.OVERHEAD_FILE_ENV: str(tmp_path / "overhead.json"),
+        settings.WORKER_ID_ENV: "sglang-node7-30000",
+    })
+    assert env == KvplaneEnv(
+        layered_kv_args=layered,
+        log_level="warning",
+        residency_events_file=tmp_path / "events.jsonl",
+        stats_file=tmp_path / "stats.jsonl",
+        pool_stats_file=tmp_path / "pool.jsonl",
+        overhead_file=tmp_path / "overhead.json",
+        worker_id="sglang-node7-30000",
+    )
+    assert len(settings.ALL_VARIABLES) == 7 == len(KvplaneEnv.__dataclass_fields__)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        (settings.LOG_LEVEL_ENV, "chatty",
+         "KVPLANE_LOG_LEVEL: 'chatty' is not a log level (allowed: debug, info, warning, error, critical)"),
+        (settings.STATS_FILE_ENV, "{tmp}/nope/stats.jsonl",
+         "KVPLANE_STATS_FILE='{tmp}/nope/stats.jsonl': directory '{tmp}/nope' does not exist "
+         "(allowed: a file path in an existing directory, or unset)"),
+        (settings.POOL_STATS_FILE_ENV, "{tmp}/nope/pool.jsonl", "KVPLANE_POOL_STATS_FILE='{tmp}/nope/pool.jsonl'"),
+        (settings.RESIDENCY_EVENTS_FILE_ENV, "{tmp}/nope/ev.jsonl", "directory '{tmp}/nope' does not exist"),
+        (settings.OVERHEAD_FILE_ENV, "{tmp}",
+         "KVPLANE_OVERHEAD_FILE='{tmp}' is a directory (allowed: a file path in an existing directory)"),
+        (settings.WORKER_ID_ENV, "worker 1",
+         "KVPLANE_WORKER_ID='worker 1' is invalid (allowed: 1-256 characters without whitespace or control"),
+        (settings.WORKER_ID_ENV, "w" * 257, "KVPLANE_WORKER_ID='wwww"),
+        (settings.LAYERED_KV_ARGS_ENV, "{", "KVPLANE_LAYERED_KV_ARGS: not valid JSON"),
+        (settings.LAYERED_KV_ARGS_ENV, "[1]", "KVPLANE_LAYERED_KV_ARGS: must hold a JSON object, got list"),
+        (settings.LAYERED_KV_ARGS_ENV, '{"kv_scheduler": "sjf"}',
+         "KVPLANE_LAYERED_KV_ARGS: --kv-scheduler='sjf' is invalid; allowed: fcfs, layerkv, lvf"),
+        (settings.LAYERED_KV_ARGS_ENV, '{"kv_bogus": 1}', "KVPLANE_LAYERED_KV_ARGS: unknown kvplane option(s) ['kv_bogus']"),
+    ],
+)
+def test_bad_value_names_variable_value_and_allowed(tmp_path: Path, name: str, value: str, message: str) -> None:
+    """A bad value raises ValueError naming the variable, the value and what is allowed."""
+    value, message = value.replace("{tmp}", str(tmp_path)), message.replace("{tmp}", str(tmp_path))
+    with pytest.raises(ValueError) as info:
+        KvplaneEnv.from_environ({name: value})
+    assert message in str(info.value)
+
+
+def test_layered_kv_args_round_trip_through_export() -> None:
+    """The launcher's export is what the subprocesses read; flag off removes the variable."""
+    environ: dict[str, str] = {}
+    on = LayeredKVArgs(enable_layered_kv=True, kv_report_interval=3)
+    settings.export_layered_kv_args(on, environ)
+    assert settings.read_layered_kv_args(environ) == on == LayeredKVArgs.from_env(environ)
+    settings.export_layered_kv_args(LayeredKVArgs(), environ)
+    assert settings.LAYERED_KV_ARGS_ENV not in environ
+
+
+def test_log_level_export_keeps_a_user_value_and_validates_it() -> None:
+    """SGLang's level is exported unless the user set one; a bad user value is refused."""
+    environ: dict[str, str] = {}
+    assert settings.export_log_level("WARNING", environ) == "warning" == environ[settings.LOG_LEVEL_ENV]
+    environ = {settings.LOG_LEVEL_ENV: "debug"}
+    assert settings.export_log_level("info", environ) == "debug"
+    assert settings.export_log_level("trace", {}) == "info"  # an SGLang level kvplane lacks
+    with pytest.raises(ValueError, match="KVPLANE_LOG_LEVEL: 'loud' is not a log level"):
+        settings.export_log_level("info", {settings.LOG_LEVEL_ENV: "loud"})
+
+
+def test_no_other_module_reads_a_kvplane_variable() -> None:
+    """Only settings.py reads KVPLANE_* variables (the pool being rewritten excepted)."""
+    reads = re.compile(r"""(?:environ(?:\.get)?\(?|getenv\()\s*\[?\s*["']KVPLANE_""")
+    offenders = sorted(
+        str(path.relative_to(REPO))
+        for path in (REPO / "sglang_ext").rglob("*.py")
+        if path.name != "settings.py" and path.name not in PENDING_SWITCH and reads.search(path.read_text())
+    )
+    assert offenders == []
