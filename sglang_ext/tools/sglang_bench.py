@@ -1,21 +1,31 @@
 """`kvplane bench sglang`: SGLang tokens/s with and without ``--enable-layered-kv``.
 
-Three servers on a local random-weight model (``--model tiny|small``; CPU recipe of
+Servers on a local random-weight model (``--model tiny|small``; CPU recipe of
 ``sglang_ext/testing/server.py``), started one after the other and kept up (idle ones sleep); a
 workload (``--workload``: ``throughput`` = one batched ``/generate`` of 8 prompts, 96 tokens
 each, the same decode batch every run; ``mixed`` = the demo's 6 staggered OpenAI requests from
-``sglang_ext/tools/workload.py``, streaming and not, completions and chat) runs on one server at a time in interleaved rounds (a warm-up round, then ``--repeat``
-measured rounds, order rotated), so drifting load on a shared host hits every configuration
-alike:
+``sglang_ext/tools/workload.py``, streaming and not, completions and chat) runs on one server
+at a time in interleaved rounds (a warm-up round, then ``--repeat`` measured rounds, order
+rotated), so drifting load on a shared host hits every configuration alike:
 
-* ``vanilla``: kvplane installed, flag off (``--disable-overlap-schedule`` too, so the baseline
-  runs the same scheduler loop the flag requires);
-* ``layered``: ``--enable-layered-kv`` with the default device budget (everything fits: nothing
-  offloaded) -- the plugin's overhead; target <= 5%;
+* ``vanilla``: the baseline, stock SGLang with its defaults -- the overlap scheduler on -- after
+  the CPU recipe (kvplane's entry point is installed and loads -- its CPU rotary switch lets
+  SGLang run on a CPU host -- but ``--enable-layered-kv`` is off, so nothing else of kvplane is
+  swapped in);
+* ``vanilla-no-overlap``: vanilla with ``--disable-overlap-schedule``, the scheduler loop that
+  ``--enable-layered-kv`` forces: its loss against ``vanilla`` is the cost of forcing the overlap
+  scheduler off, part of what a user pays for kvplane;
+* ``layered``: ``--enable-layered-kv`` (which implies ``--disable-overlap-schedule``) with the
+  default device budget (everything fits: nothing offloaded). Its loss against ``vanilla`` is
+  kvplane's whole cost (target <= 5%); against ``vanilla-no-overlap`` the plugin's own share;
 * ``layered-offload``: ``--enable-layered-kv --kv-gpu-budget-tokens N`` (forced offloading and
   pauses);
 * ``vanilla-b``: vanilla again, a second launch: its paired "overhead" is launch-to-launch noise
   (A/A), the yardstick for the end-to-end figures.
+
+Every figure states which configuration it is against (:data:`COMPARISONS`); each launch's
+scheduler loop (overlap on or off) is read back from its ``/server_info`` (SGLang's resolved
+server args), not assumed, and the results say so per configuration.
 
 The layered servers also run the in-process overhead meter (:mod:`sglang_ext.overhead`):
 kvplane's own time per scheduler step against the step, which launch effects do not move.
@@ -39,12 +49,14 @@ import re
 import statistics
 import tempfile
 import time
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sglang_ext.overhead import OVERHEAD_FILE_ENV, share_of
 from sglang_ext.tools.bench_workloads import MODELS, WORKLOADS, model_spec, run_once, workload_text
+from sglang_ext.tools.workload import SHARED_HOST_ARGS
 
 DEFAULT_OUT = Path("benchmarks/results/sglang")
 OVERHEAD_TARGET_PCT = 5.0
@@ -59,7 +71,7 @@ class ConfigResult:
     """One server configuration's throughput."""
 
     name: str
-    """vanilla, layered or layered-offload."""
+    """vanilla, vanilla-b, vanilla-no-overlap, layered or layered-offload."""
     flags: tuple[str, ...]
     """Extra launch flags after the CPU recipe."""
     startup_s: float
@@ -90,6 +102,10 @@ class ConfigResult:
     time without it (:mod:`sglang_ext.overhead`), over all of that launch's steps."""
     kvplane_ms_per_step: tuple[float, ...] = ()
     """Per launch (layered configs): kvplane's own ms per scheduler step."""
+    overlap_schedule: bool | None = None
+    """Whether the servers ran SGLang's overlap scheduler, as each launch reported it
+    (``disable_overlap_schedule`` in ``/server_info``); None when a launch did not say or the
+    launches disagreed."""
 
 
 @dataclass
@@ -104,6 +120,8 @@ class _Samples:
     failed: int = 0
     meter: list[dict[str, Any]] = field(default_factory=list)
     """The overhead meter's summary of each launch (layered configs)."""
+    overlap: list[bool | None] = field(default_factory=list)
+    """Each launch's overlap scheduler, as the server reported it."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -137,10 +155,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--configs",
-        default="vanilla,vanilla-b,layered,layered-offload",
-        help="comma list of configurations (vanilla-b: a second vanilla launch, the A/A noise)",
+        default=",".join(DEFAULT_CONFIGS),
+        help="comma list of configurations: vanilla (stock SGLang defaults, overlap scheduler "
+        "on: the baseline), vanilla-b (a second vanilla launch: the A/A noise), "
+        "vanilla-no-overlap (vanilla with --disable-overlap-schedule, which --enable-layered-kv "
+        "forces), layered, layered-offload",
     )
     parser.add_argument("--startup-timeout-s", type=float, default=400.0)
+    parser.add_argument(
+        "--note",
+        default="",
+        help="a sentence added to the results (e.g. what else ran on the host)",
+    )
     parser.add_argument(
         "--slo-tbt-ms",
         type=float,
@@ -160,22 +186,44 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def _configs(args: argparse.Namespace, policy_file: Path) -> dict[str, tuple[str, ...]]:
-    from sglang_ext.tools.workload import SHARED_HOST_ARGS
+BASELINE = "vanilla"
+"""Every overhead figure is against this configuration unless it names another."""
+DEFAULT_CONFIGS = ("vanilla", "vanilla-b", "vanilla-no-overlap", "layered", "layered-offload")
+COMPARISONS: tuple[tuple[str, str, str, str], ...] = (
+    ("layered", "vanilla", "overhead", "kvplane's whole cost: layered (nothing offloaded) vs stock vanilla (overlap scheduler on)"),
+    ("vanilla-no-overlap", "vanilla", "no_overlap", "forcing the overlap scheduler off (what --enable-layered-kv implies): vanilla-no-overlap vs vanilla"),
+    ("layered", "vanilla-no-overlap", "plugin", "the plugin on the same scheduler loop: layered vs vanilla-no-overlap"),
+    ("layered-offload", "vanilla", "offload", "forced offloading and pauses: layered-offload vs stock vanilla"),
+    ("vanilla-b", "vanilla", "aa_noise", "A/A launch noise: vanilla-b (a second vanilla launch) vs vanilla"),
+)
+"""(configuration, against, key, what it measures) of every reported loss: the whole cost of
+kvplane (``overhead``, held to the target) is the overlap scheduler forced off (``no_overlap``)
+plus the plugin itself (``plugin``)."""
 
-    base = (*SHARED_HOST_ARGS, "--disable-overlap-schedule")
-    layered = ("--enable-layered-kv", "--kv-policy", str(policy_file))
-    all_configs = {
+
+def config_flags(offload_budget_tokens: int, policy_file: Path) -> dict[str, tuple[str, ...]]:
+    """Every configuration's launch flags after the CPU recipe. Beyond the recipe and the
+    shared-host flags (``SHARED_HOST_ARGS``: KV headroom, sleep when idle) ``vanilla`` changes
+    none of SGLang's defaults -- the overlap scheduler stays on; the layered ones launch as users
+    do: ``--enable-layered-kv`` implies ``--disable-overlap-schedule`` (the plugin sets it)."""
+    base = tuple(SHARED_HOST_ARGS)
+    layered = (*base, "--enable-layered-kv", "--kv-policy", str(policy_file))
+    return {
         "vanilla": base,
         "vanilla-b": base,  # a second vanilla launch: the A/A noise of a paired launch
-        "layered": (*base, *layered),
-        "layered-offload": (
-            *base,
-            *layered,
-            "--kv-gpu-budget-tokens",
-            str(args.offload_budget_tokens),
-        ),
+        "vanilla-no-overlap": (*base, "--disable-overlap-schedule"),
+        "layered": layered,
+        "layered-offload": (*layered, "--kv-gpu-budget-tokens", str(offload_budget_tokens)),
     }
+
+
+def asks_overlap(flags: tuple[str, ...]) -> bool:
+    """Whether launch flags leave SGLang's overlap scheduler on (its default)."""
+    return "--disable-overlap-schedule" not in flags and "--enable-layered-kv" not in flags
+
+
+def _configs(args: argparse.Namespace, policy_file: Path) -> dict[str, tuple[str, ...]]:
+    all_configs = config_flags(args.offload_budget_tokens, policy_file)
     chosen = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in chosen if c not in all_configs]
     if unknown or not chosen:
@@ -200,6 +248,36 @@ def group_cpu_s(pgid: int) -> float:
         if int(fields[2]) == pgid:  # fields[0] is the state (stat field 3)
             total += int(fields[11]) + int(fields[12])  # utime, stime (stat fields 14, 15)
     return total / tick
+
+
+def find_key(tree: Any, key: str) -> Any:
+    """The first value of ``key`` anywhere in nested dicts and lists (None when absent)."""
+    if isinstance(tree, dict):
+        if key in tree:
+            return tree[key]
+        tree = list(tree.values())
+    if isinstance(tree, list):
+        for item in tree:
+            found = find_key(item, key)
+            if found is not None:
+                return found
+    return None
+
+
+def overlap_schedule_of(server_info: dict[str, Any]) -> bool | None:
+    """Whether a server runs SGLang's overlap scheduler, from its ``/server_info`` (the resolved
+    server args: ``disable_overlap_schedule`` after every flag and plugin has had its say)."""
+    disabled = find_key(server_info, "disable_overlap_schedule")
+    return None if not isinstance(disabled, bool) else not disabled
+
+
+def _server_overlap(base_url: str) -> bool | None:
+    try:
+        with urllib.request.urlopen(f"{base_url}/server_info", timeout=60) as resp:
+            return overlap_schedule_of(json.loads(resp.read()))
+    except (OSError, ValueError) as exc:
+        print(f"[bench sglang] /server_info unreadable ({exc}): overlap scheduler unknown", flush=True)
+        return None
 
 
 def _stats_summary(path: Path) -> tuple[int, float | None, int]:
@@ -253,6 +331,7 @@ def measure_all(
                 pauses,
                 tuple(x for x in (share_of(m) for m in got.meter) if x is not None),
                 tuple(float(m["kvplane_ms_per_step"]) for m in got.meter if m.get("kvplane_ms_per_step") is not None),
+                got.overlap[0] if len(set(got.overlap)) == 1 else None,
             )
         )
     return out
@@ -319,6 +398,8 @@ def _measure_instance(
             start(name)
         if errors:
             raise RuntimeError(f"server(s) failed to start: {errors}")
+        for name, server in servers.items():
+            samples[name].overlap.append(_server_overlap(server.base_url))
         names = list(servers)
         for round_ in range(args.repeat + 1):
             order = names[round_ % len(names) :] + names[: round_ % len(names)]
@@ -353,6 +434,20 @@ def _measure_instance(
             server.stop()
 
 
+BASELINE_TEXT = (
+    "vanilla: stock SGLang with its defaults after the CPU recipe and the shared-host flags "
+    f"({' '.join(SHARED_HOST_ARGS)}) -- the overlap scheduler on; "
+    "kvplane's entry point is installed and loads (its CPU rotary switch is what lets SGLang "
+    "run on a CPU host) but --enable-layered-kv is off: its stream hook passes through and "
+    "nothing else of kvplane is swapped in. --enable-layered-kv implies --disable-overlap-schedule: vanilla-no-overlap "
+    "(vanilla with that flag) measures what forcing it costs, part of kvplane's whole cost."
+)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.1f}%"
+
+
 def _markdown(payload: dict[str, Any]) -> str:
     lines = [
         f"# kvplane bench sglang — {payload['device']}",
@@ -367,38 +462,42 @@ def _markdown(payload: dict[str, Any]) -> str:
         "writes the per-step stats file (`$KVPLANE_STATS_FILE`, for peak host KV and pauses); "
         "`layered` runs without it, as deployed.",
         "",
-        "| config | flags | tokens/s (median) | runs | tokens/CPU-s (median) | runs | failed | load avg 1m min/max | peak host KV | pauses |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"Baseline {payload['baseline']} The overlap scheduler column is what each server "
+        "reported (`/server_info`), not what was asked for.",
+        "",
+        "| config | flags | overlap scheduler | tokens/s (median) | runs | tokens/CPU-s (median) | runs | failed | load avg 1m min/max | peak host KV | pauses |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in payload["results"]:
         host = "-" if r["peak_host_fraction"] is None else f"{r['peak_host_fraction']:.0%}"
+        overlap = {True: "on", False: "off", None: "?"}[r.get("overlap_schedule")]
         lines.append(
-            f"| {r['name']} | `{' '.join(r['flags'])}` | {r['median_tokens_per_s']:.2f} | "
+            f"| {r['name']} | `{' '.join(r['flags'])}` | {overlap} | {r['median_tokens_per_s']:.2f} | "
             f"{', '.join(f'{x:.2f}' for x in r['tokens_per_s'])} | "
             f"{r['median_tokens_per_cpu_s']:.2f} | "
             f"{', '.join(f'{x:.2f}' for x in r['tokens_per_cpu_s'])} | {r['failed_requests']} | "
             f"{r['load_avg_1m'][0]:.1f} / {r['load_avg_1m'][1]:.1f} | {host} | {r['pauses']} |"
         )
-    lines.append("")
-    for key, text in (
-        ("overhead_pct", "layered (nothing offloaded) vs vanilla, wall tokens/s"),
-        ("cpu_overhead_pct", "layered (nothing offloaded) vs vanilla, tokens per server CPU-s"),
-        ("offload_overhead_pct", "layered-offload vs vanilla, wall tokens/s"),
-        ("offload_cpu_overhead_pct", "layered-offload vs vanilla, tokens per server CPU-s"),
-        ("paired_overhead_pct", "layered (nothing offloaded) vs vanilla, wall, paired per server launch (median over launches)"),
-        ("paired_offload_overhead_pct", "layered-offload vs vanilla, wall, paired per server launch"),
-    ):
-        if payload.get(key) is not None:
-            lines.append(
-                f"- Overhead {text}: **{payload[key]:+.1f}%** (throughput loss; target <= {OVERHEAD_TARGET_PCT:g}% for nothing offloaded)."
-            )
-    for key, name in (
-        ("paired_overhead_per_launch_pct", "layered"),
-        ("paired_offload_overhead_per_launch_pct", "layered-offload"),
-        ("paired_aa_noise_per_launch_pct", "vanilla-b (a second vanilla: launch noise, A/A)"),
-    ):
-        if payload.get(key):
-            lines.append(f"- {name} loss per server launch (paired): {', '.join(f'{x:+.1f}%' for x in payload[key])}.")
+    lines += [
+        "",
+        "Throughput loss (positive = slower than the configuration it is against). Paired: each "
+        "server launch's median run against the same launch's median run of the other "
+        "configuration (interleaved rounds), median over launches -- it cancels "
+        "launch-to-launch differences, which the pooled medians do not. Read every figure "
+        "against the A/A noise.",
+        "",
+    ]
+    for c in payload.get("comparisons", []):
+        target = (
+            f"; target <= {payload['overhead_target_pct']:g}%" if c["key"] == "overhead" else ""
+        )
+        per_launch = ", ".join(_pct(x) for x in c["paired_per_launch_pct"]) or "-"
+        ms = "-" if c["extra_ms_per_token"] is None else f"{c['extra_ms_per_token']:+.3f} ms"
+        lines.append(
+            f"- {c['what']}: **{_pct(c['paired_pct'])}** paired (per launch "
+            f"{per_launch}{target}); pooled medians {_pct(c['wall_pct'])} wall tokens/s, "
+            f"{_pct(c['cpu_pct'])} tokens per server CPU-s; {ms} of wall time per output token."
+        )
     for r in payload["results"]:
         if r.get("kvplane_share_pct"):
             lines.append(
@@ -407,39 +506,86 @@ def _markdown(payload: dict[str, Any]) -> str:
                 f"step (median of launches; per launch {', '.join(f'{x:.2f}%' for x in r['kvplane_share_pct'])}), "
                 f"{statistics.median(r['kvplane_ms_per_step']):.3f} ms per step."
             )
-    for name, ms in (payload.get("extra_ms_per_token") or {}).items():
-        lines.append(f"- {name} adds {ms:+.3f} ms of wall time per output token over vanilla.")
-    if payload.get("note"):
-        lines += ["", payload["note"]]
+    for note in payload.get("notes", []):
+        lines += ["", note]
     return "\n".join(lines) + "\n"
 
 
-def extra_ms_per_token(by: dict[str, ConfigResult]) -> dict[str, float]:
-    """Wall ms per output token each layered configuration adds over vanilla (medians)."""
-    if "vanilla" not in by or by["vanilla"].median_tokens_per_s <= 0:
+def extra_ms_per_token(by: dict[str, ConfigResult], base: str = BASELINE) -> dict[str, float]:
+    """Wall ms per output token each configuration adds over ``base`` (medians)."""
+    if base not in by or by[base].median_tokens_per_s <= 0:
         return {}
-    base = 1000.0 / by["vanilla"].median_tokens_per_s
+    base_ms = 1000.0 / by[base].median_tokens_per_s
     return {
-        name: round(1000.0 / r.median_tokens_per_s - base, 3)
+        name: round(1000.0 / r.median_tokens_per_s - base_ms, 3)
         for name, r in by.items()
-        if name != "vanilla" and r.median_tokens_per_s > 0
+        if name != base and r.median_tokens_per_s > 0
     }
 
 
-def paired_overhead(by: dict[str, ConfigResult], name: str, repeat: int) -> tuple[float | None, list[float]]:
-    """Throughput loss of ``name`` vs vanilla per server launch (median run of each, same
+def paired_overhead(
+    by: dict[str, ConfigResult], name: str, repeat: int, base: str = BASELINE
+) -> tuple[float | None, list[float]]:
+    """Throughput loss of ``name`` vs ``base`` per server launch (median run of each, same
     launch, interleaved rounds), and the median over launches. Two launches of one server
     differ by up to 25% on a small shared host, more than the effect measured; pairing each
     launch's runs cancels that, which the pooled medians do not."""
-    if "vanilla" not in by or name not in by or repeat < 1:
+    if base not in by or name not in by or repeat < 1:
         return None, []
-    base, other = by["vanilla"].tokens_per_s, by[name].tokens_per_s
+    base_rates, other = by[base].tokens_per_s, by[name].tokens_per_s
     per_launch = []
-    for start in range(0, min(len(base), len(other)), repeat):
-        b, o = statistics.median(base[start : start + repeat]), statistics.median(other[start : start + repeat])
+    for start in range(0, min(len(base_rates), len(other)), repeat):
+        b = statistics.median(base_rates[start : start + repeat])
+        o = statistics.median(other[start : start + repeat])
         if b > 0:
             per_launch.append(round(100.0 * (1 - o / b), 2))
     return (round(statistics.median(per_launch), 2) if per_launch else None), per_launch
+
+
+def pooled_overhead(
+    by: dict[str, ConfigResult], name: str, base: str, field: str = "median_tokens_per_s"
+) -> float | None:
+    """Throughput loss of ``name`` vs ``base`` from the pooled medians of ``field``."""
+    if base not in by or name not in by or getattr(by[base], field) <= 0:
+        return None
+    return round(100.0 * (1 - getattr(by[name], field) / getattr(by[base], field)), 2)
+
+
+def aa_noise_note(measured: list[dict[str, Any]]) -> str | None:
+    """How far apart two launches of the same server were (the A/A comparison), as a sentence:
+    a paired figure within that spread does not tell the configurations apart."""
+    aa = next((c for c in measured if c["key"] == "aa_noise"), None)
+    if aa is None or not aa["paired_per_launch_pct"]:
+        return None
+    spread = max(abs(x) for x in aa["paired_per_launch_pct"])
+    return (
+        f"A/A noise: two launches of stock vanilla differed by up to {spread:.1f}% per launch "
+        f"(paired); a paired figure within +/-{spread:.1f}% does not distinguish the "
+        "configurations on this run."
+    )
+
+
+def comparisons(by: dict[str, ConfigResult], repeat: int) -> list[dict[str, Any]]:
+    """Every :data:`COMPARISONS` entry whose two configurations were measured."""
+    out = []
+    for name, base, key, what in COMPARISONS:
+        if name not in by or base not in by:
+            continue
+        paired_pct, per_launch = paired_overhead(by, name, repeat, base)
+        out.append(
+            {
+                "key": key,
+                "config": name,
+                "against": base,
+                "what": what,
+                "paired_pct": paired_pct,
+                "paired_per_launch_pct": per_launch,
+                "wall_pct": pooled_overhead(by, name, base),
+                "cpu_pct": pooled_overhead(by, name, base, "median_tokens_per_cpu_s"),
+                "extra_ms_per_token": extra_ms_per_token(by, base).get(name),
+            }
+        )
+    return out
 
 
 def _slug(text: str) -> str:
@@ -483,62 +629,60 @@ def run(args: argparse.Namespace) -> int:
                 flush=True,
             )
     by = {r.name: r for r in results}
-
-    def overhead(name: str, field: str = "median_tokens_per_s") -> float | None:
-        if "vanilla" not in by or name not in by or getattr(by["vanilla"], field) <= 0:
-            return None
-        return round(100.0 * (1 - getattr(by[name], field) / getattr(by["vanilla"], field)), 2)
-
     payload: dict[str, Any] = {
         "bench": "sglang",
         "device": device,
         "cpus": os.cpu_count(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "model": f"{args.model}: {model_spec(args.model)}",
-        "extra_ms_per_token": extra_ms_per_token(by),
+        "baseline": BASELINE_TEXT,
         "cpu_args": list(CPU_ARGS),
         "workload": workload_text(args.workload),
         "repeat": args.repeat,
         "instances": args.instances,
         "layered_policy": {"slo_tbt_ms": args.slo_tbt_ms},
         "results": [asdict(r) for r in results],
-        "overhead_pct": overhead("layered"),
-        "offload_overhead_pct": overhead("layered-offload"),
-        "cpu_overhead_pct": overhead("layered", "median_tokens_per_cpu_s"),
-        "offload_cpu_overhead_pct": overhead("layered-offload", "median_tokens_per_cpu_s"),
+        "comparisons": comparisons(by, args.repeat),
         "overhead_target_pct": OVERHEAD_TARGET_PCT,
+        "notes": [],
     }
-    aa_pct, aa_per_launch = paired_overhead(by, "vanilla-b", args.repeat)
-    payload["paired_aa_noise_pct"], payload["paired_aa_noise_per_launch_pct"] = aa_pct, aa_per_launch
     for name in ("layered", "layered-offload"):
         shares = by[name].kvplane_share_pct if name in by else ()
         key = "inprocess_overhead_pct" if name == "layered" else "inprocess_offload_overhead_pct"
         payload[key] = round(statistics.median(shares), 3) if shares else None
-        median_pct, per_launch = paired_overhead(by, name, args.repeat)
-        key = "paired_overhead_pct" if name == "layered" else "paired_offload_overhead_pct"
-        payload[key], payload[key.replace("_pct", "_per_launch_pct")] = median_pct, per_launch
     cpus = os.cpu_count() or 1
     peak_load = max((r.load_avg_1m[1] for r in results), default=0.0)
     if peak_load > cpus:
-        payload["note"] = (
+        payload["notes"].append(
             f"Shared host: the 1-minute load average reached {peak_load:.1f} on {cpus} CPUs during "
             "the measured runs (other jobs running), so run-to-run noise is large; the rounds are "
             "interleaved so the drift hits every configuration alike, but the overhead figure "
             "needs a quiet host to be held to the 5% target."
         )
+    aa_note = aa_noise_note(payload["comparisons"])
+    if aa_note:
+        payload["notes"].append(aa_note)
+    if args.note:
+        payload["notes"].append(args.note)
+    for r in results:
+        asked = asks_overlap(r.flags)
+        if r.overlap_schedule is not None and r.overlap_schedule != asked:
+            payload["notes"].append(
+                f"{r.name}: SGLang ran the overlap scheduler {'on' if r.overlap_schedule else 'off'} "
+                f"although its flags ask for it {'on' if asked else 'off'} (see its /server_info)."
+            )
+    for c in payload["comparisons"]:
+        print(
+            f"[bench sglang] {c['what']}: {_pct(c['paired_pct'])} paired (per launch "
+            f"{c['paired_per_launch_pct']}), {_pct(c['wall_pct'])} pooled wall, "
+            f"{_pct(c['cpu_pct'])} per CPU-s on {device}"
+        )
     for key, label in (
-        ("overhead_pct", "layered vs vanilla (wall)"),
-        ("offload_overhead_pct", "layered-offload vs vanilla (wall)"),
-        ("cpu_overhead_pct", "layered vs vanilla (per CPU-s)"),
-        ("offload_cpu_overhead_pct", "layered-offload vs vanilla (per CPU-s)"),
-        ("paired_overhead_pct", "layered vs vanilla (wall, paired per launch, median of launches)"),
-        ("paired_offload_overhead_pct", "layered-offload vs vanilla (wall, paired per launch)"),
-        ("paired_aa_noise_pct", "vanilla-b vs vanilla (A/A launch noise, wall, paired per launch)"),
         ("inprocess_overhead_pct", "layered: kvplane's own share of the scheduler step (in-process meter)"),
         ("inprocess_offload_overhead_pct", "layered-offload: kvplane's own share of the scheduler step (in-process meter)"),
     ):
         if payload[key] is not None:
-            print(f"[bench sglang] overhead {label}: {payload[key]:+.1f}% on {device}")
+            print(f"[bench sglang] {label}: {payload[key]:+.1f}% on {device}")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"sglang-{args.model}-{args.workload}-{_slug(device.removeprefix('CPU: '))}"
     (args.out_dir / f"{stem}.json").write_text(json.dumps(payload, indent=2) + "\n")

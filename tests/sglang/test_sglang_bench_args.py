@@ -1,4 +1,5 @@
-"""`kvplane bench sglang` set-up: presets, argument errors, the per-token overhead figure (no server)."""
+"""`kvplane bench sglang` set-up: presets, configurations (stock baseline, no-overlap), argument
+errors, the overhead figures and their rendering (no server)."""
 
 from __future__ import annotations
 
@@ -79,3 +80,88 @@ def test_paired_overhead_compares_each_launch_with_its_own_vanilla_runs() -> Non
     median_pct, per_launch = paired_overhead(by, "layered", repeat=2)
     assert per_launch == [4.0, 4.0] and median_pct == 4.0
     assert paired_overhead(by, "layered-offload", repeat=2) == (None, [])
+
+
+def test_baseline_is_stock_sglang_and_no_overlap_is_measured_beside_it(tmp_path) -> None:
+    """vanilla keeps SGLang's defaults (overlap scheduler on); vanilla-no-overlap adds only
+    --disable-overlap-schedule; the layered configs launch as users do (the flag implies it)."""
+    from sglang_ext.tools.sglang_bench import DEFAULT_CONFIGS, asks_overlap, config_flags
+    from sglang_ext.tools.workload import SHARED_HOST_ARGS
+
+    flags = config_flags(2048, tmp_path / "policy.json")
+    assert set(DEFAULT_CONFIGS) == set(flags)
+    assert flags["vanilla"] == flags["vanilla-b"] == SHARED_HOST_ARGS
+    assert flags["vanilla-no-overlap"] == (*SHARED_HOST_ARGS, "--disable-overlap-schedule")
+    assert flags["layered"][: len(SHARED_HOST_ARGS)] == SHARED_HOST_ARGS
+    assert "--enable-layered-kv" in flags["layered"]
+    assert "--disable-overlap-schedule" not in flags["layered"]  # implied by the plugin
+    assert flags["layered-offload"][-2:] == ("--kv-gpu-budget-tokens", "2048")
+    assert {name: asks_overlap(f) for name, f in flags.items()} == {
+        "vanilla": True,
+        "vanilla-b": True,
+        "vanilla-no-overlap": False,
+        "layered": False,
+        "layered-offload": False,
+    }
+
+
+def test_configs_default_and_subset(tmp_path) -> None:
+    from sglang_ext.tools.sglang_bench import _configs, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    default = _configs(parser.parse_args([]), tmp_path / "p.json")
+    assert list(default) == ["vanilla", "vanilla-b", "vanilla-no-overlap", "layered", "layered-offload"]
+    chosen = _configs(parser.parse_args(["--configs", "layered, vanilla-no-overlap"]), tmp_path / "p.json")
+    assert list(chosen) == ["layered", "vanilla-no-overlap"]
+
+
+def test_overlap_scheduler_is_read_from_server_info() -> None:
+    """``/server_info`` holds the resolved args (nested groups in 0.5.23): the flag is found anywhere."""
+    from sglang_ext.tools.sglang_bench import overlap_schedule_of
+
+    assert overlap_schedule_of({"disable_overlap_schedule": False}) is True
+    assert overlap_schedule_of({"schedule": {"page_size": 1, "disable_overlap_schedule": True}}) is False
+    assert overlap_schedule_of({"internal_states": [{"x": 1}], "args": [{"disable_overlap_schedule": False}]}) is True
+    assert overlap_schedule_of({"version": "0.5.23"}) is None
+
+
+def test_comparisons_split_the_whole_cost_into_overlap_and_plugin() -> None:
+    """layered vs stock vanilla is the whole cost; vanilla-no-overlap vs vanilla the overlap
+    scheduler forced off; layered vs vanilla-no-overlap the plugin on the same loop."""
+    from sglang_ext.tools.sglang_bench import _markdown, comparisons
+
+    by = {
+        "vanilla": _runs("vanilla", (100.0, 100.0, 120.0, 120.0)),
+        "vanilla-no-overlap": _runs("vanilla-no-overlap", (90.0, 90.0, 108.0, 108.0)),
+        "layered": _runs("layered", (81.0, 81.0, 97.2, 97.2)),
+    }
+    got = {c["key"]: c for c in comparisons(by, repeat=2)}
+    assert set(got) == {"overhead", "no_overlap", "plugin"}  # no offload or A/A configs measured
+    assert (got["overhead"]["config"], got["overhead"]["against"]) == ("layered", "vanilla")
+    assert got["overhead"]["paired_per_launch_pct"] == [19.0, 19.0]
+    assert got["no_overlap"]["paired_pct"] == 10.0
+    assert (got["plugin"]["against"], got["plugin"]["paired_pct"]) == ("vanilla-no-overlap", 10.0)
+    payload = {
+        "device": "CPU: test", "date": "today", "model": "tiny", "workload": "throughput",
+        "repeat": 2, "instances": 2, "cpu_args": ["--device", "cpu"], "cpus": 2,
+        "layered_policy": {}, "baseline": "vanilla: stock SGLang.", "overhead_target_pct": 5.0,
+        "results": [
+            {**_runs(n, (1.0,)).__dict__, "overlap_schedule": n == "vanilla"} for n in by
+        ],
+        "comparisons": list(got.values()),
+        "notes": ["Noisy host."],
+    }
+    md = _markdown(payload)
+    assert "Baseline vanilla: stock SGLang." in md and "| overlap scheduler |" in md
+    assert "| vanilla | `` | on |" in md and "| vanilla-no-overlap | `` | off |" in md
+    assert "**+19.0%** paired (per launch +19.0%, +19.0%; target <= 5%)" in md and "Noisy host." in md
+
+
+def test_aa_noise_note_states_the_spread() -> None:
+    from sglang_ext.tools.sglang_bench import aa_noise_note, comparisons
+
+    by = {"vanilla": _runs("vanilla", (100.0, 100.0)), "vanilla-b": _runs("vanilla-b", (97.0, 108.0))}
+    note = aa_noise_note(comparisons(by, repeat=1))
+    assert note is not None and "up to 8.0%" in note and "+/-8.0%" in note
+    assert aa_noise_note(comparisons({"vanilla": by["vanilla"]}, repeat=1)) is None
