@@ -68,6 +68,10 @@ class LayeredKVArgs:
     """Steady decode steps coalesced into one report to the control plane, in [1, 1024]; 1 =
     report every step. A step that changes anything (arrival, finish, queue, pause, plan expiry,
     an outage) is always reported at once (see ``sglang_ext.scheduler_hooks``)."""
+    kv_profile: str | None = None
+    """A ``kvplane profile`` file (:class:`~sglang_ext.dataplane.profile_schema.DeviceProfile`:
+    per-layer compute, H2D/D2H GB/s) that seeds the controller's profile; must exist and parse.
+    None: the controller starts from defaults and learns from the first steps."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.enable_layered_kv, bool):
@@ -119,6 +123,8 @@ class LayeredKVArgs:
             raise ValueError(
                 f"--kv-report-interval={every!r} is out of range [1, {MAX_REPORT_INTERVAL}] (steps)"
             )
+        if self.kv_profile is not None:
+            self._check_profile(self.kv_profile)
         if (self.kv_tls_cert is None) != (self.kv_tls_key is None):
             raise ValueError("--kv-tls-cert and --kv-tls-key must be given together (mutual TLS)")
         remote_only = {
@@ -134,6 +140,17 @@ class LayeredKVArgs:
                     f"{', '.join(given)} only apply to a remote control plane; "
                     "set --kv-control-plane=grpc://HOST:PORT or drop them"
                 )
+
+    @staticmethod
+    def _check_profile(path: str) -> None:
+        if not Path(path).is_file():
+            raise ValueError(f"--kv-profile={path!r}: no such file")
+        from sglang_ext.dataplane.profile_schema import DeviceProfile  # pure Python, no torch
+
+        try:
+            DeviceProfile.load(path)
+        except (OSError, ValueError) as exc:  # JSONDecodeError is a ValueError
+            raise ValueError(f"--kv-profile={path!r} is not a kvplane profile file: {exc}") from None
 
     @property
     def control_plane_host(self) -> str | None:
@@ -251,5 +268,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> bool:
         default=_DEFAULTS.kv_report_interval,
         help="Steady decode steps per report to the control plane (changes are reported at "
         f"once); 1 = every step; [1, {MAX_REPORT_INTERVAL}].",
+    )
+    group.add_argument(
+        "--kv-profile",
+        type=str,
+        default=None,
+        help="`kvplane profile` file (per-layer compute, H2D/D2H GB/s) seeding the controller's "
+        "profile (default: learnt from the first steps).",
     )
     return True

@@ -45,7 +45,6 @@ from typing import Any
 import structlog
 
 from controlplane.api import Decision, QueuedRequest, RequestState, StepReport, WorkerInfo
-from controlplane.model import Hardware, ModelSpec, Profile
 from sglang_ext import compat, overhead, settings
 from sglang_ext.admission import GATED_SCHEDULERS, AdmissionGate, request_slo
 from sglang_ext.args import LayeredKVArgs
@@ -53,13 +52,10 @@ from sglang_ext.control_client import ControlClient, build_control_plane, proces
 from sglang_ext.layer_timing import LayerTimer
 from sglang_ext.pause import PauseManager
 from sglang_ext.tp_sync import PlacementInstaller, StepInstall, TpSync
+from sglang_ext.worker_info import build_worker_info
 
 log = structlog.get_logger(__name__)
 
-DEFAULT_H2D_GBPS = 16.0
-"""Host-to-device bandwidth assumed until the control plane's profile learns the real one."""
-DEFAULT_LAYER_COMPUTE_MS = 1.0
-"""Initial per-layer decode compute estimate (refined by the controller's EWMA, OrbitFlow §3.4)."""
 CONNECT_WAIT_S = 2.0
 """How long start-up waits for a remote control plane before running on the local heuristic."""
 
@@ -159,6 +155,8 @@ class SchedulerHooks:
                 "kvplane_scheduler_ready",
                 worker=self.worker.worker_id,
                 control_plane=args.kv_control_plane,
+                profile=args.kv_profile or "default",
+                h2d_gbps=self.worker.hardware.h2d_gbps,
                 layers=self.layers,
                 block_size=self.page_size,
                 gpu_kv_budget_blocks=self.worker.hardware.gpu_kv_budget_blocks,
@@ -177,15 +175,13 @@ class SchedulerHooks:
         block_bytes = max(1, self.page_size * head_num * (head_dim + v_head_dim) * elem)
         port = getattr(getattr(s, "server_args", None), "port", None) or os.getpid()
         worker_id = self.env.worker_id or f"sglang-{socket.gethostname()}-{port}"
-        return WorkerInfo(
+        return build_worker_info(
             worker_id=worker_id,
-            model=ModelSpec(layers=self.layers, block_size=self.page_size, block_bytes=block_bytes),
-            hardware=Hardware(
-                gpu_kv_budget_blocks=self._budget_blocks(),
-                h2d_gbps=float(getattr(self.args, "kv_h2d_gbps", None) or DEFAULT_H2D_GBPS),
-            ),
-            profile=Profile((DEFAULT_LAYER_COMPUTE_MS,) * self.layers),
-            scheduler=self.args.kv_scheduler,
+            layers=self.layers,
+            block_size=self.page_size,
+            block_bytes=block_bytes,
+            gpu_kv_budget_blocks=self._budget_blocks(),
+            args=self.args,
             tp_size=self.tp.world_size,
         )
 

@@ -16,6 +16,8 @@ pytestmark = pytest.mark.sglang
     [
         (["--kv-scheduler", "sjf"], "kvplane: invalid launch option: --kv-scheduler='sjf' is invalid; allowed: fcfs, layerkv, lvf"),
         (["--radix-cache-backend", "foo"], "kvplane: --enable-layered-kv needs --radix-cache-backend layered (implied), got 'foo'"),
+        (["--kv-profile", "/nonexistent-kvplane-dir/profile.json"],
+         "kvplane: invalid launch option: --kv-profile='/nonexistent-kvplane-dir/profile.json': no such file"),
     ],
 )
 def test_launcher_rejects_bad_options(tiny_model_dir, extra, message):

@@ -1,7 +1,8 @@
 """SGLang with --enable-layered-kv: same greedy tokens as vanilla, prefix sharing, consistent residency events.
 
 Scenario: one layered server (module-scoped) writes its residency events to a JSONL
-file (KVPLANE_RESIDENCY_EVENTS_FILE); the session's vanilla server is the reference.
+file (KVPLANE_RESIDENCY_EVENTS_FILE) and starts its controller from a ``kvplane profile`` file
+(``--kv-profile``); the session's vanilla server is the reference.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from sglang_ext.settings import OVERHEAD_FILE_ENV
 from sglang_ext.settings import RESIDENCY_EVENTS_FILE_ENV as EVENTS_FILE_ENV
 from sglang_ext.testing.residency import check_block_lifecycle
 from sglang_ext.testing.server import SGLangServer
+from sglang_ext.testing.tiny_model import TinyModelSpec
 from tests.sglang.conftest import PROMPTS, greedy, running_server
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # server start-ups on a loaded host
@@ -29,8 +31,25 @@ def layered(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, ob
     root = tmp_path_factory.mktemp("layered")
     events = root / "events.jsonl"
     env = {EVENTS_FILE_ENV: str(events), OVERHEAD_FILE_ENV: str(root / "overhead.json")}
-    with running_server(tiny_model_dir, root, ["--enable-layered-kv"], env) as server:
+    profile = root / "profile.json"
+    profile.write_text(json.dumps(PROFILE))
+    flags = ["--enable-layered-kv", "--kv-profile", str(profile)]
+    with running_server(tiny_model_dir, root, flags, env) as server:
         yield server, events
+
+
+PROFILE = {
+    "device": "CPU: test", "layers": TinyModelSpec().num_hidden_layers, "block_size": 1, "block_bytes": 1024,
+    "h2d_gbps": 24.5, "d2h_gbps": 20.0, "layer_compute_ms": {"fixed_ms": 0.25, "per_token_ms": 0.05},
+}
+"""A ``kvplane profile`` file for the tiny model (``--kv-profile``)."""
+
+
+def test_kv_profile_seeds_the_controller(layered):
+    """The scheduler opened its control-plane session on the --kv-profile file's bandwidth."""
+    server, _ = layered
+    ready = next(line for line in server.log_path.read_text().splitlines() if "kvplane_scheduler_ready" in line)
+    assert "h2d_gbps=24.5" in ready and "profile.json" in ready
 
 
 def test_layered_radix_backend_is_active(layered):
