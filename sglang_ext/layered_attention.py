@@ -1,28 +1,31 @@
 """Attention backends over the layered KV pool (swapped into SGLang's ATTENTION_BACKENDS).
 
 :class:`LayeredTorchNativeAttnBackend` (CPU and any device; correctness): SGLang's own
-``TorchNativeAttnBackend`` math, unchanged, fed with K/V gathered through
-``pool.layer_kv(layer, slots)`` -- device pages directly, offloaded pages from host in one
-batched gather per layer. When every row of a layer is on the device (nothing offloaded) the
-parent instead reads the device page pool in place through a per-layer table of device rows:
-no copy, the same values. ``init_forward_metadata`` is the step boundary: it hands the batch
-to ``pool.prepare_step`` (placement reconciled, events, stats) and builds a compact
-``req_to_token`` table over the gathered rows (one row per batch request; the parent's SDPA
-helpers get row ids ``0..bs-1`` in place of ``req_pool_indices``), so the parent's per-request SDPA loop reads
-exactly the values it would read from a flat pool (same dtype, same order): greedy outputs
-are token-identical to vanilla.
+``TorchNativeAttnBackend`` math, unchanged, reading the layered pool's *device* page pool only.
+``init_forward_metadata`` is the step boundary: it hands the batch to ``pool.prepare_step``
+(placement reconciled, the step's tables built once and uploaded once, staging reserved, the first
+fetches launched on the transfer stream). Each layer's forward is bracketed by
+``pool.begin_layer`` (a stream wait on that layer's fetch events) and ``pool.end_layer``
+(write-back of staged new tokens, next fetches launched); inside it the parent writes through
+``pool.set_kv_buffer`` (the step's device rows) and reads:
 
-Steady decode (the common step: the same requests as the previous forward, one token more each,
-identity layout with everything resident) skips the per-request slot reads: only the step's new
-pages (``out_cache_loc``) are placed (``pool.prepare_decode_step``), and the forward reads in
-place. Anything else -- a new or finished request, a prefill, a plan that offloads, a free --
-takes the general path above.
+- identity layout (the budget holds every layer-page): in place, with SGLang's own slot ids and
+  ``req_to_token`` -- a host-only layer-page is staged at its own identity page;
+- otherwise: the device pool through a per-layer row table ``tab[l][tok_col] * page_size +
+  tok_off`` (three device ops), handed to the parent's SDPA helpers with row ids ``0..bs-1`` in
+  place of ``req_pool_indices``.
+
+Either way the parent reads exactly the values a flat pool would hold (same dtype, same order).
+Nothing in a layer reads device memory from the host.
+
+Steady decode (same requests as the previous forward, one token more each, identity layout with
+everything resident) skips re-reading every request's slots: only the step's new pages
+(``out_cache_loc``) are placed (``pool.prepare_decode_step``).
 
 :class:`LayeredFlashInferDecode` (GPU, import-guarded): decode through
 :class:`~sglang_ext.dataplane.flashinfer_attention.FlashInferLayeredDecode` with one plan per
-step and per-layer page tables read from the pool's map, offloaded pages staged into device
-pages first. Extend (prefill) uses the torch path. Not runnable on this CPU host; covered by a
-``gpu``-marked test.
+step (``kv_indptr``/``last_page_len`` are the same for every layer) and per-layer page tables
+that are rows of the step's one table tensor. Extend (prefill) uses the torch path.
 """
 
 from __future__ import annotations
@@ -35,20 +38,28 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
 from sglang_ext import overhead
+from sglang_ext.dataplane.results import LayerView
 from sglang_ext.layered_pool import LayeredTokenToKVPool
 
 
 def _request_slots(req_to_token: torch.Tensor, rows: list[int], lens: list[int]) -> list[torch.Tensor]:
-    """Each request's slots (fresh int64 tensors, not views of ``req_to_token``). On CPU the
-    rows are cut in NumPy: a few µs per request less than torch's dispatcher, every step."""
+    """Each request's slots as fresh CPU int64 tensors (not views of ``req_to_token``). On CPU the
+    rows are cut in NumPy; on a GPU the batch's rows come over in one copy (one sync per step,
+    at the boundary, never inside a layer)."""
+    if not rows:
+        return []
     if req_to_token.device.type == "cpu":
         table = req_to_token.numpy()
-        return [torch.from_numpy(table[row, :n].astype(np.int64)) for row, n in zip(rows, lens, strict=True)]
-    return [req_to_token[row, :n].to(torch.int64) for row, n in zip(rows, lens, strict=True)]
+    else:
+        index = torch.tensor(rows, dtype=torch.int64).to(req_to_token.device, non_blocking=True)
+        table = req_to_token[index, : max(lens)].cpu().numpy()
+        rows = list(range(len(rows)))
+    return [torch.from_numpy(table[row, :n].astype(np.int64)) for row, n in zip(rows, lens, strict=True)]
 
 
-class _GatheredKV:
-    """Stand-in for the pool inside the parent's forward: writes go to the pool, reads are gathered."""
+class _LayeredKV:
+    """Stand-in for the pool inside the parent's forward: writes go to the pool, reads are the
+    device pool (in place, or through the layer's row table)."""
 
     def __init__(self, backend: LayeredTorchNativeAttnBackend) -> None:
         self._backend = backend
@@ -56,47 +67,32 @@ class _GatheredKV:
         self._kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def set_kv_buffer(self, *args: Any, **kwargs: Any) -> None:
-        self._layer, self._kv = None, None
         self._backend.pool.set_kv_buffer(*args, **kwargs)
 
-    def _gather(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._layer != layer_id or self._kv is None:
             backend = self._backend
-            if backend.layer_timer is not None:
-                backend.layer_timer.mark(layer_id - backend.pool.start_layer)
-            slots = backend.batch_slots
-            rows = None
             if backend.in_place:
-                # Identity layout, all resident: the parent reads this layer exactly like
-                # SGLang's own pool (slot ids, real req_to_token and req_pool_indices).
                 backend.req_to_token_pool.req_to_token = backend.real_req_to_token_pool.req_to_token
                 self._kv = backend.pool.layer_in_place(layer_id)
-                backend.direct_layers += 1
-                self._layer = layer_id
-                return self._kv
-            if slots.numel():
-                rows = backend.pool.device_rows(layer_id, slots)
-            if rows is not None:
-                # Every row of this layer is on the device: the parent reads the device pool in
-                # place through a table of device rows (no copy, one small index per layer).
-                backend.req_to_token_pool.req_to_token = rows[backend.compact_table]
-                self._kv = backend.pool.device_kv()
-                backend.direct_layers += 1
-            else:
+            elif backend.pool.overflow:  # staging did not fit: the at-rest read (counted, logged)
                 backend.req_to_token_pool.req_to_token = backend.compact_table
-                self._kv = backend.pool.layer_kv(layer_id, slots)
+                self._kv = backend.pool.layer_kv(layer_id, backend.batch_slots)
+            else:
+                backend.req_to_token_pool.req_to_token = backend.pool.token_rows(layer_id)
+                self._kv = backend.pool.device_kv()
             self._layer = layer_id
         return self._kv
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        return self._gather(layer_id)[0]
+        return self._read(layer_id)[0]
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        return self._gather(layer_id)[1]
+        return self._read(layer_id)[1]
 
 
 class _CompactTable:
-    """Stand-in for ``req_to_token_pool``: rows of the batch point into the gathered K/V."""
+    """Stand-in for ``req_to_token_pool``: rows of the batch point into the device pool."""
 
     def __init__(self) -> None:
         self.req_to_token = torch.zeros((1, 1), dtype=torch.int64)
@@ -115,21 +111,17 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
             )
         self.pool = pool
         self.real_req_to_token_pool = model_runner.req_to_token_pool
-        self.token_to_kv_pool = _GatheredKV(self)
+        self.token_to_kv_pool = _LayeredKV(self)
         self.req_to_token_pool = _CompactTable()
-        self.batch_slots = torch.zeros(0, dtype=torch.int64, device=self.device)
         self.batch_rids: list[str | None] = []
         self.batch_request_slots: list[torch.Tensor] = []
-        self.compact_table = self.req_to_token_pool.req_to_token
-        """``req_to_token`` rows of the batch as positions into ``batch_slots`` (built only for
-        steps that are not read in place)."""
         self.compact_rows = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self.batch_slots = torch.zeros(0, dtype=torch.int64)
+        self.compact_table = self.req_to_token_pool.req_to_token
         self.in_place = False
-        """This step reads every layer in place (identity layout, all of the batch resident)."""
+        """This step reads every layer in place (identity layout)."""
         self.layer_timer: Any = None
         """A :class:`~sglang_ext.layer_timing.LayerTimer` set by the scheduler hooks (rank 0)."""
-        self.direct_layers = 0
-        """Layer reads served in place from the device pool (all rows resident), not gathered."""
         self.last_delta = None
         self._last_batch: tuple[list[str], list[int]] | None = None
         """Request ids and sequence lengths of the previous forward (for :meth:`_steady_decode`)."""
@@ -149,6 +141,7 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
 
     def _prepare(self, forward_batch: Any) -> None:
         """kvplane's part of the step's metadata: residency for this batch, and how to read it."""
+        self.token_to_kv_pool._layer = None
         if self._steady_decode(forward_batch):
             return
         req_to_token = self.real_req_to_token_pool.req_to_token
@@ -161,22 +154,27 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         rows_cpu = rows.cpu().tolist() if bs else []
         rids = forward_batch.rids or [None] * bs
         per_req = _request_slots(req_to_token, rows_cpu, lens)
-        self.last_delta = self.pool.prepare_step(list(zip(rids, per_req, strict=True)), forward_batch.out_cache_loc)
+        new_counts = None
+        if forward_batch.forward_mode.is_extend() and forward_batch.extend_seq_lens_cpu is not None:
+            new_counts = [int(x) for x in forward_batch.extend_seq_lens_cpu]
+        self.last_delta = self.pool.prepare_step(
+            list(zip(rids, per_req, strict=True)), forward_batch.out_cache_loc, new_counts
+        )
         self.batch_rids, self.batch_request_slots = list(rids), per_req
-        self.batch_slots = torch.cat(per_req) if per_req else self.batch_slots[:0]
-        self.in_place = bs > 0 and self.pool.readable_in_place(self.batch_slots)
-        if not self.in_place:
-            self._build_compact_table(lens, bs)
-        self.token_to_kv_pool._layer = None
+        self.in_place = self.pool.store.identity
+        if not self.in_place and self.compact_rows.numel() != bs:
+            self.compact_rows = torch.arange(bs, dtype=torch.int64, device=self.device)
+        if self.pool.overflow:
+            self.batch_slots = torch.cat(per_req) if per_req else torch.zeros(0, dtype=torch.int64)
+            self._build_compact_table(lens)
         known = bs > 0 and all(rid is not None for rid in rids)
         self._last_batch = (list(rids), lens) if known else None
 
     def _steady_decode(self, forward_batch: Any) -> bool:
         """The usual decode step: the same requests as the previous forward, one token more each,
         everything resident in the identity layout. Then nothing but the step's new slots
-        (``out_cache_loc``) changes residency, so the general path's per-request slot reads (the
-        bulk of the plugin's per-step cost on a small model) are skipped; the forward reads in
-        place exactly as the general path would have decided. False (nothing done) otherwise."""
+        (``out_cache_loc``) changes residency, so the general path's per-request slot reads are
+        skipped. False (nothing done) otherwise."""
         last, self._last_batch = self._last_batch, None
         if last is None or not self.steady_decode_fast_path or not forward_batch.forward_mode.is_decode():
             return False
@@ -191,23 +189,34 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
             return False
         self.last_delta = None
         self.batch_rids, self.batch_request_slots = list(rids), []
-        if self.batch_slots.numel():
-            self.batch_slots = self.batch_slots[:0]
         self.in_place = True
-        self.token_to_kv_pool._layer = None
         self._last_batch = (last[0], lens)
         return True
 
-    def _build_compact_table(self, lens: list[int], bs: int) -> None:
-        # Row i = positions of request i's tokens in batch_slots (0-padded); the parent is handed
-        # row ids 0..bs-1 instead of SGLang's req_pool_indices.
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):  # noqa: ANN001, ANN201
+        self._begin_layer(layer.layer_id)
+        out = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        self.pool.exit_layer(layer.layer_id)
+        return out
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):  # noqa: ANN001, ANN201
+        self._begin_layer(layer.layer_id)
+        out = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        self.pool.exit_layer(layer.layer_id)
+        return out
+
+    def _build_compact_table(self, lens: list[int]) -> None:
+        """Overflow steps: row i = positions of request i's tokens in ``batch_slots`` (0-padded)."""
         width = max(lens, default=1) or 1
         lens_t = torch.tensor(lens, dtype=torch.int64, device=self.device)
         starts = torch.cumsum(lens_t, 0) - lens_t
         cols = torch.arange(width, dtype=torch.int64, device=self.device)
-        table = torch.where(cols[None, :] < lens_t[:, None], starts[:, None] + cols[None, :], 0)
-        self.compact_rows = torch.arange(bs, dtype=torch.int64, device=self.device)
-        self.compact_table = self.req_to_token_pool.req_to_token = table
+        self.compact_table = torch.where(cols[None, :] < lens_t[:, None], starts[:, None] + cols[None, :], 0)
+
+    def _begin_layer(self, layer_id: int) -> None:
+        if self.layer_timer is not None:
+            self.layer_timer.mark(layer_id - self.pool.start_layer)
+        self.pool.enter_layer(layer_id)
 
     def _rows_arg(self, args: tuple) -> tuple:
         # positional like the parent's calls: (q, o, k, v, req_to_token, req_pool_indices, ...)
@@ -228,50 +237,55 @@ except Exception:  # noqa: BLE001
 
 
 class LayeredFlashInferDecode(LayeredTorchNativeAttnBackend):
-    """GPU: decode through FlashInfer over per-layer page tables; extend through the torch path.
+    """GPU: decode through FlashInfer over the step's per-layer page tables; extend through the
+    torch path.
 
-    One FlashInfer plan per step (every layer has the same page counts); per layer the page ids
-    come from the pool's map, host-only pages staged onto device pages first
-    (:class:`~sglang_ext.dataplane.slot_page_tables.SlotPageTables`). When the staging pages do
-    not fit the device budget the step falls back to the gather path (counted in
-    ``staging_fallback_steps``). CUDA graphs are not used (tables change every step).
+    One FlashInfer plan per step (every layer has the same page counts: a host-only page is
+    staged into the request's staging slot); per layer the page ids are row ``l`` of the step's
+    one ``[L, n]`` table tensor, uploaded once (:class:`~sglang_ext.dataplane.step_tables.StepTables`).
+    Staging is always reserved (the pool makes room), so there is no fallback path. CUDA graphs
+    are not used (tables change every step).
     """
 
     def __init__(self, model_runner: Any) -> None:
         super().__init__(model_runner)
         if not HAVE_FLASHINFER or self.pool.store.device.type != "cuda":
             raise RuntimeError("LayeredFlashInferDecode needs CUDA and an importable flashinfer")
-        from sglang_ext.dataplane.slot_page_tables import SlotPageTables
-
-        self.tables = SlotPageTables(self.pool.store)
         self.flashinfer = FlashInferLayeredDecode(self.pool.store.device, self.pool.store.config.logical_pages)
         self._paged = False
         self._planned = False
-        self.staging_fallback_steps = 0
 
     steady_decode_fast_path = False  # decode goes through FlashInfer's per-step page tables
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
-        self.tables.end()
+        decode = forward_batch.forward_mode.is_decode()
+        self.pool.token_tables = not decode  # decode reads page tables, not token tables
         super().init_forward_metadata(forward_batch)
-        self._paged = self._planned = False
-        if forward_batch.forward_mode.is_decode() and self.batch_request_slots:
-            self._paged = self.tables.begin([r or "" for r in self.batch_rids], self.batch_request_slots)
-            self.staging_fallback_steps += not self._paged
-        self.pool.store.staging_pages = self.tables.staging_pages
+        self._planned = False
+        self._paged = decode and self.pool.tables is not None and self.pool.tables.batch > 0
 
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):  # noqa: ANN001
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):  # noqa: ANN001, ANN201
         if not self._paged or layer.is_cross_attention:
             return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        self._begin_layer(layer.layer_id)
         if save_kv_cache and k is not None and v is not None:
             self.pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
-        view = self.tables.layer_view(layer.layer_id - self.pool.start_layer)
+        view = self._view(layer.layer_id - self.pool.start_layer)
         if not self._planned:
             self.flashinfer.plan(view, layer.tp_q_head_num, sm_scale=layer.scaling)
             self._planned = True
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim).to(view.k_cache.dtype)
         out = self.flashinfer.run(q3, view)
+        self.pool.exit_layer(layer.layer_id)
         return out.to(q.dtype).reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+    def _view(self, layer: int) -> LayerView:
+        tables, store = self.pool.tables, self.pool.store
+        return LayerView(
+            layer=layer, k_cache=store.dev[0], v_cache=store.dev[1], kv_indptr=tables.kv_indptr,
+            kv_indices=tables.tab[layer], kv_lens=tables.kv_lens, last_page_len=tables.last_page_len,
+            rids=(),
+        )
 
 
 def create_layered_flashinfer_backend(runner: Any) -> LayeredTorchNativeAttnBackend:

@@ -1,25 +1,24 @@
 """LayeredTokenToKVPool: SGLang's MHA KV pool with per-(layer, page) device/host residency.
 
 Swapped in for ``MHATokenToKVPool`` (AROUND ``KVCacheConfigurator._resolve_kv_pool_class``,
-kind ``mha``) when ``--enable-layered-kv`` is on, and constructed with its exact kwargs. It
-keeps SGLang's logical slot/page space (allocator, ``req_to_token``, radix tree unchanged)
-and maps each ``(layer, page)`` to a device page or to its host home
-(:class:`~sglang_ext.dataplane.slot_kv_store.SlotKVStore`); residency follows the plan's
-wants or a local fallback (:class:`~sglang_ext.dataplane.slot_residency.SlotResidency`).
-No full per-layer device buffers are allocated: the device holds ``--kv-gpu-budget-tokens``
-token-layers.
+kind ``mha``) when ``--enable-layered-kv`` is on, and constructed with its exact kwargs. A thin
+adapter: it keeps SGLang's logical slot/page space (allocator, ``req_to_token``, radix tree
+unchanged) and maps SGLang's calls onto the SGLang-free served core,
+:class:`~sglang_ext.dataplane.layered_kv_core.LayeredKVCore` (store, residency, staging, the
+step's tables, the layer pipeline). No full per-layer device buffers are allocated: the device
+holds ``--kv-gpu-budget-tokens`` token-layers.
 
 Step protocol (scheduler thread, ``--disable-overlap-schedule``):
 
 1. (optional) ``update_residency(wants)`` from the scheduler hooks at the step boundary;
-2. ``prepare_step(requests, new_slots)`` from the layered attention backend's
-   ``init_forward_metadata``: eager write-back of last step's dirty pages, the batch's
-   pages observed, placement reconciled (offloads, onloads, new pages), events emitted,
-   a stats line written to ``$KVPLANE_POOL_STATS_FILE`` when set -- or, for a steady decode
-   step in the identity layout, ``prepare_decode_step(rids, seq_lens, new_slots)``: only the
-   step's new pages placed (same result, no per-request slot reads);
-3. per layer: ``set_kv_buffer`` (device page if resident, else host) then
-   ``layer_kv(layer, slots)``.
+2. ``prepare_step(requests, new_slots, new_counts)`` from the layered attention backend's
+   ``init_forward_metadata``: placement reconciled, the step's tables built once, staging
+   reserved, first fetches launched, events emitted, a stats line written to
+   ``$KVPLANE_POOL_STATS_FILE`` when set -- or, for a steady decode step in the identity layout,
+   ``prepare_decode_step(rids, seq_lens, new_slots)``;
+3. per layer: ``enter_layer`` (stream wait on the layer's fetches), ``set_kv_buffer`` (the step's
+   device rows), the attention's read of the device pool, ``exit_layer`` (write-back of staged
+   new tokens, next fetches).
 
 ``attach(tree_cache)`` (plugin's radix factory) subscribes to the tree's residency hub:
 ``freed`` pages drop their device copies; ``on_release`` of a request releases its wants;
@@ -40,9 +39,11 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
 from sglang_ext.args import LayeredKVArgs
-from sglang_ext.dataplane.slot_kv_store import SlotKVStore, SlotStoreConfig
-from sglang_ext.dataplane.slot_residency import SlotResidency
+from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
+from sglang_ext.dataplane.slot_kv_store import SlotStoreConfig
+from sglang_ext.dataplane.slot_residency import LayerPageMoves
 from sglang_ext.dataplane.slot_results import RequestResidency, ResidencyDelta, ResidencyStats
+from sglang_ext.dataplane.step_tables import StepTables
 from sglang_ext.hooks import ResidencyEvent, ResidencyEventKind, ResidencyHooks
 
 log = structlog.get_logger(__name__)
@@ -54,8 +55,6 @@ placements, pauses, and these stats under ``pool``) is ``$KVPLANE_STATS_FILE``, 
 :mod:`sglang_ext.scheduler_hooks`."""
 
 _GB = 1e9
-WRITEBACK_FREE_SHARE = 0.25
-"""Eager write-back runs at a step boundary when fewer than this share of device pages are free."""
 
 
 class LayeredTokenToKVPool(MHATokenToKVPool):
@@ -70,12 +69,7 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         if kwargs.get("quant_method") is not None:
             raise ValueError("kvplane layered KV pool: quantized KV caches are unsupported")
         self.residency_hooks = ResidencyHooks()
-        self._in_place_step = False
-        """This forward's batch is resident in the identity layout (set by readable_in_place)."""
         self._step = 0
-        self._owners_cache = np.zeros(0, dtype=np.int64)
-        self._step_loc: torch.Tensor | None = None
-        """``new_slots`` of this forward (its K/V writes hit these slots at every layer)."""
         self._in_place_views: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._stats_file = None
         self._stats_path = os.environ.get(POOL_STATS_FILE_ENV) or None
@@ -125,8 +119,11 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
                 f"layer of {logical_pages} pages = {config.host_bytes / _GB:.3f} GB; raise it or lower "
                 "--max-total-tokens"
             )
-        self.store = SlotKVStore(config)
-        self.residency = SlotResidency(self.store)
+        self.core = LayeredKVCore(config, on_moves=self._emit_moves)
+        self.store = self.core.store
+        self.residency = self.core.residency
+        self.room = self.core.room
+        self.pipeline = self.core.pipeline
         log.info(
             "layered_kv_pool_created",
             layers=self.layer_num,
@@ -170,120 +167,81 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
 
     def update_residency(self, wants: Mapping[str, RequestResidency]) -> ResidencyDelta:
         """Install the plan's wants and move data now (call at a step boundary only)."""
-        self.residency.update_residency(wants)
-        self._eager_writeback()
-        return self._reconcile()
+        return self.core.update_residency(wants)
 
     def release_request(self, rid: str) -> None:
         """The request finished or was aborted: drop its wants (tree-owned pages stay)."""
-        self.residency.release_request(rid)
+        self.core.release_request(rid)
 
     def free_device_pages(self) -> int:
-        """Device layer-pages free now, counting prefix-cache pages that are given up on demand
-        (cheap: the allocator's count plus the last reconciliation's reclaimable count)."""
-        return self.store.allocator.free_count + self.residency.reclaimable_pages
+        """Device layer-pages free now, counting prefix-cache pages that are given up on demand."""
+        return self.core.free_device_pages()
 
     def residency_stats(self) -> ResidencyStats:
-        """Device/host occupancy, host fraction of live KV, bytes moved."""
-        return self.residency.stats()
+        """Device/host occupancy, host fraction of live KV, bytes moved, steps staged / overflowed."""
+        return self.core.stats()
+
+    @property
+    def tables(self) -> StepTables | None:
+        """The current forward's tables (None between forwards)."""
+        return self.core.tables
+
+    @property
+    def overflow(self) -> bool:
+        """This step could not be staged inside the budget (served at rest)."""
+        return self.core.overflow
+
+    @property
+    def overflow_steps(self) -> int:
+        return self.core.overflow_steps
+
+    @property
+    def token_tables(self) -> bool:
+        return self.core.token_tables
+
+    @token_tables.setter
+    def token_tables(self, value: bool) -> None:
+        self.core.token_tables = value
 
     # ----- step boundary (from the attention backend) ---------------------------------
 
     def prepare_step(
-        self, requests: Sequence[tuple[str | None, torch.Tensor]], new_slots: torch.Tensor | None
+        self,
+        requests: Sequence[tuple[str | None, torch.Tensor]],
+        new_slots: torch.Tensor | None,
+        new_counts: Sequence[int] | None = None,
     ) -> ResidencyDelta:
-        """Boundary before a forward: ``requests`` = (rid, slots of its first seq_len tokens).
-
-        Positions ``[i * page_size, (i + 1) * page_size)`` of a request share one page (SGLang's
-        paged allocation), so its pages are ``slots[::page_size] // page_size``.
-        """
-        self._in_place_step = False
-        self._step_loc = new_slots
-        self.residency.drop_anonymous()
-        self._eager_writeback()
-        ps = self.page_size
-        for index, (rid, slots) in enumerate(requests):
-            # kept by residency, so never a view of req_to_token (a fresh CPU int64 tensor, as
-            # the attention backend passes, is kept as it is)
-            fresh = slots.device.type == "cpu" and slots.dtype == torch.int64 and slots._base is None
-            pages = slots if fresh else slots.to("cpu", torch.int64, copy=True)
-            if ps > 1:
-                pages = pages[::ps] // ps  # position order; one slot per page
-            if rid is None:
-                self.residency.observe(f"__anonymous_{index}", pages, anonymous=True)
-            else:
-                self.residency.observe(rid, pages)
-        delta = self._reconcile()
-        if new_slots is not None and new_slots.numel():
-            written = new_slots.to("cpu", torch.int64)
-            self.residency.mark_written(written if ps == 1 else torch.unique(written // ps))
+        """Boundary before a forward (:meth:`LayeredKVCore.prepare_step`), plus the stats line."""
+        delta = self.core.prepare_step(requests, new_slots, new_counts)
         self._step += 1
-        self._write_stats_line(len(requests), 0 if new_slots is None else int(new_slots.numel()), delta)
+        if self._stats_path is not None:
+            self._write_stats_line(len(requests), 0 if new_slots is None else int(new_slots.numel()), delta)
         return delta
 
     def prepare_decode_step(self, rids: Sequence[str], seq_lens: Sequence[int] | np.ndarray, new_slots: torch.Tensor) -> bool:
-        """:meth:`prepare_step` for a steady decode step, or False (nothing done) when it does not apply.
-
-        Applies when the caller knows that every request of ``rids`` ran the previous forward
-        with ``seq_lens - 1`` tokens (same requests, one new token each) and the store is in the
-        identity layout with every live layer-page resident: then the step's only residency
-        change is the new pages of ``new_slots`` (``out_cache_loc``; slot ``i`` is request
-        ``i``'s new token), placed at every layer without re-reading any request's slots. The
-        result equals the general path's; the forward reads in place (:meth:`readable_in_place`).
-        """
-        self._in_place_step = False
-        if new_slots.device.type != "cpu" or new_slots.numel() != len(rids) or self.residency.has_anonymous:
+        """Steady-decode fast path (:meth:`LayeredKVCore.prepare_decode_step`)."""
+        if not self.core.prepare_decode_step(rids, seq_lens, new_slots):
             return False
-        slots = new_slots.numpy()
-        if slots.dtype != np.int64:
-            slots = slots.astype(np.int64)
-        ps = self.page_size
-        if ps == 1:
-            owners, pages = self._owners(slots.size), slots
-        else:
-            lens = np.asarray(seq_lens, dtype=np.int64)
-            owners = np.flatnonzero((lens - 1) % ps == 0)  # the token opens a new page
-            pages = slots[owners] // ps
-        if not self.residency.append_decode_identity(rids, owners, pages):
-            return False
-        self._step_loc = new_slots
-        self._in_place_step = True
-        self.store.mark_dirty_np(slots if ps == 1 else np.unique(slots // ps))
         self._step += 1
         if self._stats_path is not None:
-            self._write_stats_line(len(rids), int(slots.size), ResidencyDelta(0, 0, 0, self.layer_num * int(pages.size), 0, 0, 0, 0))
+            placed = self.layer_num * int(new_slots.numel())
+            self._write_stats_line(len(rids), int(new_slots.numel()), ResidencyDelta(0, 0, 0, placed, 0, 0, 0, 0))
         return True
 
-    def _owners(self, n: int) -> np.ndarray:
-        """``arange(n)`` (read-only, cached: the batch size rarely changes between steps)."""
-        if self._owners_cache.size != n:
-            self._owners_cache = np.arange(n, dtype=np.int64)
-            self._owners_cache.flags.writeable = False
-        return self._owners_cache
+    def enter_layer(self, layer_id: int) -> None:
+        """Before layer ``layer_id``'s KV write and attention: wait (on the stream) for its fetches."""
+        self.core.enter_layer(layer_id - self.start_layer)
 
-    def _eager_writeback(self) -> None:
-        """Write dirty device layer-pages back to host at the boundary -- under memory pressure only.
+    def exit_layer(self, layer_id: int) -> None:
+        """After layer ``layer_id``'s attention: write back its staged new tokens, launch next fetches."""
+        self.core.exit_layer(layer_id - self.start_layer)
 
-        SuperInfer §4.3.2 (eager block rotation): with host copies current, a later offload only
-        drops the device copy. While the device pool has room (free share at least
-        :data:`WRITEBACK_FREE_SHARE`) no offload is near, so the copy is deferred:
-        :meth:`SlotKVStore.offload` writes back any dirty page itself before dropping it, so
-        correctness never depends on this call. The identity layout (the budget holds every
-        layer-page) never has to make room, so it never writes back eagerly.
-        """
-        allocator = self.store.allocator
-        if not self.store.identity and allocator.free_count < WRITEBACK_FREE_SHARE * allocator.capacity:
-            self.store.sync_dirty()
-
-    def _reconcile(self) -> ResidencyDelta:
-        delta = self.residency.reconcile()
-        moves = self.residency.last_moves
+    def _emit_moves(self, moves: LayerPageMoves) -> None:
         if self.residency_hooks.has_subscribers:
             for layer, pages in sorted(moves.offloaded.items()):
                 self.residency_hooks.emit(ResidencyEventKind.OFFLOADED, pages, layers=[layer + self.start_layer])
             for layer, pages in sorted(moves.loaded.items()):
                 self.residency_hooks.emit(ResidencyEventKind.LOADED, pages, layers=[layer + self.start_layer])
-        return delta
 
     def _write_stats_line(self, batch_size: int, new_tokens: int, delta: ResidencyDelta) -> None:
         path = self._stats_path
@@ -316,6 +274,9 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         layer_id_override: int | None = None,
         dcp_kv_mask: torch.Tensor | None = None,
     ) -> None:
+        """The layer's new KV: into the step's rows (resident pages or staging), no host work.
+        A write outside the step's slots (not SGLang's forward path) goes through the at-rest
+        path, which waits for copies in flight."""
         if dcp_kv_mask is not None:
             raise ValueError("kvplane layered KV pool: dcp_kv_mask (decode context parallel) is unsupported")
         loc, _, _ = unwrap_write_loc(loc_info)
@@ -330,17 +291,8 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         if self.store_dtype != self.dtype:
             cache_k = cache_k.view(self.store_dtype)
             cache_v = cache_v.view(self.store_dtype)
-        n = loc.numel()
-        if self._in_place_step:  # the forward's own slots, all resident in the identity layout
-            self.store.write_in_place(
-                layer_id - self.start_layer,
-                loc,
-                cache_k.reshape(n, self.head_num, self.head_dim),
-                cache_v.reshape(n, self.head_num, self.head_dim),
-                mark_dirty=loc is not self._step_loc,  # readable_in_place marked those already
-            )
-            return
-        self.store.write(
+        n = loc.shape[0]
+        self.core.write(
             layer_id - self.start_layer,
             loc,
             cache_k.reshape(n, self.head_num, self.head_dim),
@@ -348,32 +300,12 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         )
 
     def layer_kv(self, layer_id: int, token_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[n, H, D]`` (pool dtype) of ``token_slots`` at ``layer_id``."""
-        k, v = self.store.gather(layer_id - self.start_layer, token_slots)
+        """K and V ``[n, H, D]`` (pool dtype) of ``token_slots`` at ``layer_id``, read at rest
+        (tests and tools; waits for copies in flight -- never called inside a forward)."""
+        k, v = self.core.read_kv(layer_id - self.start_layer, token_slots)
         if self.store_dtype != self.dtype:
             return k.view(self.dtype), v.view(self.dtype)
         return k, v
-
-    def device_rows(self, layer_id: int, token_slots: torch.Tensor) -> torch.Tensor | None:
-        """Rows of ``token_slots`` in :meth:`device_kv` at ``layer_id`` if all are on the device."""
-        return self.store.device_rows(layer_id - self.start_layer, token_slots)
-
-    def readable_in_place(self, token_slots: torch.Tensor) -> bool:
-        """Identity layout and every layer of these slots' pages on the device: attention may read
-        :meth:`layer_in_place` with SGLang's own slot ids this step (no table, no copy)."""
-        self._in_place_step = False
-        if not self.store.identity:
-            return False
-        # the batch's pages all belong to live requests, so the cheap residency test suffices
-        ok = self.residency.all_live_resident() or self.store.all_resident(
-            token_slots.to("cpu", torch.int64) // self.page_size
-        )
-        self._in_place_step = ok
-        loc = self._step_loc
-        if ok and loc is not None and loc.numel():
-            # the forward writes these slots at every layer: dirty once here, not per layer
-            self.store.mark_dirty(loc if self.page_size == 1 else loc // self.page_size)
-        return ok
 
     def layer_in_place(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer indexed by slot id (identity layout; pool dtype; views)."""
@@ -391,10 +323,15 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
             return k.view(self.dtype), v.view(self.dtype)
         return k, v
 
+    def token_rows(self, layer_id: int) -> torch.Tensor:
+        """``[B, W]`` rows of :meth:`device_kv` holding every batch token at ``layer_id`` this
+        step (non-identity layout; three device ops from the step's tables)."""
+        return self.core.token_rows(layer_id - self.start_layer)
+
     def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
         for layer in range(self.layer_num):
-            k, v = self.store.gather(layer, src_loc)
-            self.store.write(layer, tgt_loc, k.clone(), v.clone())
+            k, v = self.store.read_kv(layer, src_loc)
+            self.store.write_at_rest(layer, tgt_loc, k.clone(), v.clone())
         self.residency.mark_written(torch.unique(tgt_loc.to("cpu", torch.int64) // self.page_size))
 
     def _no_flat_buffers(self, *args: Any, **kwargs: Any) -> Any:

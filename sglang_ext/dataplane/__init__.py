@@ -10,18 +10,10 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "LayeredKVCache": "sglang_ext.dataplane.layered_kv_cache",
-    "LayeredKVConfig": "sglang_ext.dataplane.config",
-    "PlacementOp": "sglang_ext.dataplane.placement_installer",
-    "AppendResult": "sglang_ext.dataplane.results",
-    "InstallReport": "sglang_ext.dataplane.results",
+    "LayeredKVCore": "sglang_ext.dataplane.layered_kv_core",
+    "SlotStoreConfig": "sglang_ext.dataplane.slot_kv_store",
+    "StepTables": "sglang_ext.dataplane.step_tables",
     "LayerView": "sglang_ext.dataplane.results",
-    "MemoryUsage": "sglang_ext.dataplane.results",
-    "DataPlaneError": "sglang_ext.dataplane.errors",
-    "DevicePoolFull": "sglang_ext.dataplane.errors",
-    "HostPoolFull": "sglang_ext.dataplane.errors",
-    "RequestStateError": "sglang_ext.dataplane.errors",
-    "UnknownRequest": "sglang_ext.dataplane.errors",
     "torch_layered_attention": "sglang_ext.dataplane.attention",
     "dense_attention": "sglang_ext.dataplane.attention",
     "DeviceProfile": "sglang_ext.dataplane.profile_schema",

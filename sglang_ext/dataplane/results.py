@@ -1,23 +1,10 @@
-"""Frozen results returned by :class:`LayeredKVCache`."""
+"""LayerView: one layer of a step as paged attention kernels take it (FlashInfer's CSR form)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-
-
-@dataclass(frozen=True)
-class AppendResult:
-    """Where the model writes the KV of newly appended tokens."""
-
-    rid: str
-    """Request id."""
-    start_token: int
-    """Position of the first appended token."""
-    locs: torch.Tensor
-    """``[layers, n]`` int64 token slots into ``k_cache.view(-1, H, D)`` per layer. Offloaded
-    layers point into the staging slot; write them between ``wait_layer(l)`` and ``end_layer(l)``."""
 
 
 @dataclass(frozen=True)
@@ -40,35 +27,3 @@ class LayerView:
     """``[B]`` int32 tokens in each request's last page (FlashInfer)."""
     rids: tuple[str, ...]
     """Request ids in batch order."""
-
-
-@dataclass(frozen=True)
-class MemoryUsage:
-    """Device blocks by role; ``resident + staging`` is what the placement model accounts."""
-
-    resident_blocks: int
-    """Blocks of resident layers of active requests."""
-    staging_blocks: int
-    """Staging slots of active requests that offload something."""
-    removable_blocks: int
-    """Blocks still held by paused requests (reclaimed lazily, highest layer first)."""
-    free_blocks: int
-    """Unallocated device blocks."""
-    capacity_blocks: int
-    """Device pool size."""
-
-
-@dataclass(frozen=True)
-class InstallReport:
-    """What installing a placement (or resuming) moved."""
-
-    offloaded_layers: int
-    """(request, layer) pairs moved to host memory."""
-    onloaded_layers: int
-    """(request, layer) pairs fetched to the device."""
-    d2h_blocks: int
-    """Layer-blocks written back device -> host (dirty tails and unsynced blocks only)."""
-    h2d_blocks: int
-    """Layer-blocks copied host -> device."""
-    reclaimed_layers: int
-    """Layers dropped from paused requests to make room."""

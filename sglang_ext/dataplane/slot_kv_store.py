@@ -1,27 +1,32 @@
 """SlotKVStore: layered KV storage keyed by SGLang's logical slot/page space.
 
 Primitives (pure mechanism; :class:`~sglang_ext.dataplane.slot_residency.SlotResidency`
-decides what goes where):
+decides what goes where, :class:`~sglang_ext.dataplane.step_tables.StepTables` and
+:class:`~sglang_ext.dataplane.layer_pipeline.LayerPipeline` run a forward over it):
 
-- ``write(layer, slots, k, v)`` -- new KV: to the layer-page's device copy when it has one
-  (marked dirty), else straight to its host home (OrbitFlow §3.2).
-- ``gather(layer, slots) -> (k, v)`` -- KV of these slots at this layer, from device pages
-  where resident and from host otherwise (one batched gather per side and layer).
-- ``sync_dirty()`` -- eager write-back of every dirty device layer-page to host at a step
-  boundary (SuperInfer §4.3.2 "eager block rotation"), so a later offload only drops the copy.
-- ``onload(layers, pages, copy=)`` / ``offload(layers, pages)`` -- move layer-pages (one
-  batched copy per direction); ``release_pages(pages)`` -- the allocator freed these pages.
+- ``write_rows(k_rows, v_rows, k, v)`` -- a layer's new KV into device rows (resident pages or
+  staging pages; the step's tables chose them). Never touches host memory.
+- ``onload(layers, pages, copy=)`` / ``offload(layers, pages)`` -- boundary moves of layer-pages
+  (one batched H2D / D2H launch each, through the transfer engine; dirty pages are written back
+  before their device copy is dropped).
+- ``sync_dirty()`` -- eager write-back of every dirty device layer-page (SuperInfer §4.3.2
+  "eager block rotation"), one batched D2H launch, in the background.
+- ``release_pages(pages)`` -- SGLang's allocator took these pages back.
+- ``read_kv(layer, slots)`` -- K/V of any slots, at rest (tests and ``move_kv_cache``; waits for
+  the copies, so never inside a forward).
 
 Layout (docs/sglang-integration.md, "layered pool contract"):
 
 - host ``[P, L, 2, page_size, H, D]``: block-first home of every layer of every logical page
-  (pinned on CUDA, plain on CPU);
+  (pinned on CUDA: the DMA source and target of every copy, no pageable intermediates);
 - device ``[2, N, page_size, H, D]``: ONE page pool shared by all layers (a page holds one
   layer's K and V of ``page_size`` tokens; FlashInfer's NHD paged layout), N = the budget;
   when the budget holds all ``L * P`` layer-pages the layout is the *identity* one
   (``(l, p)`` at page ``l * P + p``), so a layer is one slice read in place;
-- map ``[L, P]`` int32: device page of each (layer, page), -1 = only on host. A CPU copy
-  drives decisions; the device copy (same tensor on CPU) serves the kernels.
+- map ``[L, P]`` int32 (host memory only): device page of each (layer, page), -1 = only on host.
+  Kernels never read it: the step's tables are built from it on the host and uploaded once.
+- dirty ``[L, P]`` bool (host memory only) plus a log of marked ids, so write-back enumerates
+  what changed, never the whole map.
 """
 
 from __future__ import annotations
@@ -32,6 +37,17 @@ import numpy as np
 import torch
 
 from sglang_ext.dataplane.block_allocator import BlockAllocator, IdentityPages
+from sglang_ext.dataplane.transfer_engine import TransferEngine, make_transfer_engine
+
+DIRTY_LOG_COMPACT = 1 << 16
+"""Entries in the dirty log above which it is compacted (amortised O(marks))."""
+
+
+def as_np(values) -> np.ndarray:  # noqa: ANN001 - tensor, array or list
+    """int64 NumPy array of ``values`` (a CPU tensor is viewed, not copied)."""
+    if isinstance(values, torch.Tensor):
+        values = values.numpy()
+    return np.asarray(values, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -60,8 +76,8 @@ class SlotStoreConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"SlotStoreConfig.{name}={value!r} must be an int >= 1")
-        if not isinstance(self.device_pages, int) or self.device_pages < 0:
-            raise ValueError(f"SlotStoreConfig.device_pages={self.device_pages!r} must be an int >= 0")
+        if not isinstance(self.device_pages, int) or self.device_pages < 1:
+            raise ValueError(f"SlotStoreConfig.device_pages={self.device_pages!r} must be an int >= 1")
 
     @property
     def layer_page_bytes(self) -> int:
@@ -73,44 +89,57 @@ class SlotStoreConfig:
         """Bytes of the host pool."""
         return self.logical_pages * self.layers * self.layer_page_bytes
 
+    @property
+    def identity(self) -> bool:
+        """The budget holds every layer-page: the identity layout."""
+        return self.device_pages >= self.layers * self.logical_pages
+
 
 class SlotKVStore:
     """Device page pool + block-first host pool + the (layer, page) -> device page map."""
 
     def __init__(self, config: SlotStoreConfig) -> None:
-        self.config = config
-        c = config
+        self.config = c = config
         self.device = torch.device(c.device)
-        self.identity = c.device_pages >= c.layers * c.logical_pages
+        self.identity = c.identity
         """The budget holds every layer-page: ``(l, p)`` lives at device page ``l * P + p``, so
-        each layer is one contiguous slice readable in place with SGLang's slot ids."""
-        device_pages = c.layers * c.logical_pages if self.identity else c.device_pages
+        each layer is one contiguous slice readable in place with SGLang's slot ids, and a
+        host-only layer-page is staged at its own identity page."""
+        self.pages_total = c.layers * c.logical_pages if self.identity else c.device_pages
         pin = self.device.type == "cuda"
         self.host = torch.zeros(
             (c.logical_pages, c.layers, 2, c.page_size, c.kv_heads, c.head_dim), dtype=c.dtype, pin_memory=pin
         )
-        self.dev = torch.zeros((2, max(device_pages, 1), c.page_size, c.kv_heads, c.head_dim), dtype=c.dtype,
+        self.dev = torch.zeros((2, self.pages_total, c.page_size, c.kv_heads, c.head_dim), dtype=c.dtype,
                                device=self.device)
-        self.map_cpu = torch.full((c.layers, c.logical_pages), -1, dtype=torch.int32)
-        self.map_np = self.map_cpu.numpy()
-        """NumPy view of ``map_cpu`` (same memory) for the per-step fast paths: small indexing
-        ops cost a few µs in torch's dispatcher and well under one in NumPy."""
+        self.map_np = np.full((c.layers, c.logical_pages), -1, dtype=np.int32)
+        self.map_cpu = torch.from_numpy(self.map_np)
+        """Torch view of ``map_np`` (same memory)."""
         self.map_flat_np = self.map_np.reshape(-1)
         """``map_np`` flat (same memory): ``(l, p)`` is element ``l * P + p``."""
         self._layer_base = np.arange(c.layers, dtype=np.int64)[:, None] * c.logical_pages
-        self.map_dev = self.map_cpu if self.device.type == "cpu" else self.map_cpu.to(self.device)
-        self.dirty = torch.zeros((c.layers, c.logical_pages), dtype=torch.bool, device=self.device)
-        self._dirty_np = self.dirty.numpy() if self.device.type == "cpu" else None
+        self.dirty_np = np.zeros((c.layers, c.logical_pages), dtype=bool)
+        self.dirty = torch.from_numpy(self.dirty_np)
+        """``[L, P]`` bool (host memory): the device copy is newer than the host copy."""
+        self.has_kv_np = np.zeros(c.logical_pages, dtype=bool)
+        self.has_kv = torch.from_numpy(self.has_kv_np)
+        """``[P]`` bool: pages holding KV (written since SGLang allocated them); only these are
+        copied on onload and fetched into staging."""
+        self._dirty_log: list[np.ndarray] = []
+        self._dirty_logged = 0
         self.allocator: BlockAllocator | IdentityPages = (
-            IdentityPages(device_pages, "device KV pages") if self.identity
-            else BlockAllocator(device_pages, "device KV pages")
+            IdentityPages(self.pages_total, "device KV pages") if self.identity
+            else BlockAllocator(self.pages_total, "device KV pages")
         )
+        seg = c.page_size * c.kv_heads * c.head_dim
+        self.engine: TransferEngine = make_transfer_engine(self.host.view(-1, seg), self.dev.view(-1, seg))
         self.h2d_bytes = 0
         self.d2h_bytes = 0
         self.host_write_bytes = 0
+        """Bytes of new KV that reached host memory by write-back of staged pages."""
         self.staging_pages = 0
-        """Device pages lent to staging this step (set by SlotPageTables; counted in ``used``)."""
-        self._map_stale = False
+        """Device pages lent to staging this step (counted in ``used``)."""
+        self._flat = (self.dev[0].view(-1, c.kv_heads, c.head_dim), self.dev[1].view(-1, c.kv_heads, c.head_dim))
         self._in_place: list[tuple[torch.Tensor, torch.Tensor]] = []
         """Identity layout: per-layer K/V views (built once; ``dev`` is never reallocated)."""
         if self.identity:
@@ -118,221 +147,198 @@ class SlotKVStore:
             k_all, v_all = self.dev[0].view(shape), self.dev[1].view(shape)
             self._in_place = [(k_all[layer], v_all[layer]) for layer in range(c.layers)]
 
+    # ----- segment addressing -------------------------------------------------
+
+    def host_segs(self, layers: np.ndarray, pages: np.ndarray) -> np.ndarray:
+        """Host segments of these layer-pages: K segments then V segments (``[2n]`` int64)."""
+        k = (pages * self.config.layers + layers) * 2
+        return np.concatenate([k, k + 1])
+
+    def dev_segs(self, dev_pages: np.ndarray) -> np.ndarray:
+        """Device segments of these device pages: K segments then V segments (``[2n]`` int64)."""
+        return np.concatenate([dev_pages, dev_pages + self.pages_total])
+
     # ----- map bookkeeping ---------------------------------------------------
 
     def resident_mask(self) -> torch.Tensor:
         """``[L, P]`` bool: which layer-pages have a device copy (CPU tensor)."""
         return self.map_cpu >= 0
 
-    def publish_map(self) -> None:
-        """Copy the CPU map to the device after a boundary changed it (no-op on CPU)."""
-        if self._map_stale and self.map_dev is not self.map_cpu:
-            self.map_dev.copy_(self.map_cpu, non_blocking=True)
-        self._map_stale = False
-
-    # ----- data path -----------------------------------------------------------
-
-    def _rows(self, layer: int, slots: torch.Tensor):
-        """Flat row ids of ``slots`` at ``layer``: device K rows (-1 if host-only) and host K rows.
-
-        Device pool as rows ``[2 * N * ps, H, D]`` (V rows = K rows + N * ps); host pool as rows
-        ``[P * L * 2 * ps, H, D]`` (V rows = K rows + ps). Plain ``index_select`` /
-        ``index_copy_`` on these views is one contiguous-row gather/scatter per side.
-        """
-        ps = self.config.page_size
-        slots = slots.to(self.device, torch.int64)
-        pages, offs = slots // ps, slots % ps
-        dev_page = self.map_dev[layer].index_select(0, pages).to(torch.int64)
-        dev_rows = torch.where(dev_page >= 0, dev_page * ps + offs, -1)
-        return pages, offs, dev_rows
-
-    def device_rows(self, layer: int, slots: torch.Tensor) -> torch.Tensor | None:
-        """Rows of ``slots`` at ``layer`` in :meth:`device_views` when all are resident, else None."""
-        _, _, dev_rows = self._rows(layer, slots)
-        return dev_rows if bool((dev_rows >= 0).all()) else None
+    def identity_ids(self, pages: np.ndarray) -> np.ndarray:
+        """The identity device pages ``l * P + p`` of every layer of ``pages`` (``[L, n]`` int64;
+        also the flat indices of those entries in ``map_np``)."""
+        return self._layer_base + pages[None, :]
 
     def layer_in_place(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Identity layout only: K and V of ``layer`` as ``[P * page_size, H, D]`` views indexed
-        by SGLang's slot ids (rows of pages not resident at this layer are stale)."""
+        by SGLang's slot ids (host-only pages hold what the step staged there)."""
         if not self.identity:
             raise RuntimeError("layer_in_place needs the identity layout")
         return self._in_place[layer]
 
-    def all_resident(self, pages: torch.Tensor) -> bool:
+    def all_resident(self, pages: np.ndarray) -> bool:
         """Whether every layer of these pages has a device copy."""
-        return bool((self.map_cpu[:, pages] >= 0).all()) if pages.numel() else True
+        return bool((self.map_np[:, pages] >= 0).all()) if pages.size else True
 
     def device_views(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The device pool as flat K and V rows ``[N * page_size, H, D]`` (views, no copy)."""
-        return self.dev[0].view(-1, *self.dev.shape[3:]), self.dev[1].view(-1, *self.dev.shape[3:])
+        return self._flat
 
-    def _host_rows(self, layer: int, pages: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        ps, layers = self.config.page_size, self.config.layers
-        return ((pages.cpu() * layers + layer) * 2) * ps + offs.cpu()
+    # ----- data path -----------------------------------------------------------
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store K/V ``[n, H, D]`` of ``slots`` at ``layer``: device copy if any, else host."""
-        pages, offs, dev_rows = self._rows(layer, slots)
-        dev_flat = self.dev.view(-1, *self.dev.shape[3:])
-        v_shift = self.dev.shape[1] * self.config.page_size
-        resident = dev_rows >= 0
-        if bool(resident.all()):
-            dev_flat.index_copy_(0, dev_rows, k)
-            dev_flat.index_copy_(0, dev_rows + v_shift, v)
-            self.dirty[layer, pages] = True
+    def write_rows(self, k_rows: torch.Tensor, v_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """New K/V ``[n, H, D]`` into device rows (K rows of ``device_views()[0]``, V rows of
+        ``[1]``): two scatter launches, no host work."""
+        self._flat[0].index_copy_(0, k_rows, k)
+        self._flat[1].index_copy_(0, v_rows, v)
+
+    def mark_dirty(self, flat_ids: np.ndarray) -> None:
+        """Layer-pages ``l * P + p`` (int64 NumPy) got new KV on their device copy."""
+        if not flat_ids.size:
             return
-        on_dev = resident.nonzero().squeeze(1)
-        if on_dev.numel():
-            rows = dev_rows[on_dev]
-            dev_flat.index_copy_(0, rows, k[on_dev])
-            dev_flat.index_copy_(0, rows + v_shift, v[on_dev])
-            self.dirty[layer, pages[on_dev]] = True
-        on_host = (~resident).nonzero().squeeze(1)
-        host_rows = self._host_rows(layer, pages[on_host], offs[on_host])
-        host_flat = self.host.view(-1, *self.host.shape[4:])
-        kh, vh = k[on_host].to("cpu"), v[on_host].to("cpu")
-        host_flat.index_copy_(0, host_rows, kh)
-        host_flat.index_copy_(0, host_rows + self.config.page_size, vh)
-        self.host_write_bytes += 2 * kh.numel() * kh.element_size()
+        self.dirty_np.reshape(-1)[flat_ids] = True
+        self._dirty_log.append(flat_ids)
+        self._dirty_logged += int(flat_ids.size)
+        if self._dirty_logged > DIRTY_LOG_COMPACT:
+            ids = self._dirty_ids()
+            self._dirty_log, self._dirty_logged = [ids], int(ids.size)
 
-    def write_in_place(
-        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mark_dirty: bool = True
-    ) -> None:
-        """:meth:`write` for the identity layout when every slot's page is resident at ``layer``
-        (the caller checked): straight into the layer's slice. ``mark_dirty=False`` when the
-        caller already marked these pages dirty at every layer (:meth:`mark_dirty`)."""
-        k_layer, v_layer = self._in_place[layer]
-        if slots.dtype != torch.int64 or slots.device != self.device:
-            slots = slots.to(self.device, torch.int64)
-        k_layer.index_copy_(0, slots, k)
-        v_layer.index_copy_(0, slots, v)
-        if mark_dirty:
-            ps = self.config.page_size
-            self.dirty[layer, slots if ps == 1 else slots // ps] = True
+    def mark_dirty_pages(self, pages: np.ndarray) -> None:
+        """:meth:`mark_dirty` of every layer of ``pages``."""
+        if pages.size:
+            self.mark_dirty(self.identity_ids(pages).reshape(-1))
 
-    def mark_dirty(self, pages: torch.Tensor) -> None:
-        """Mark ``pages`` dirty at every layer: one op per step for a forward that writes the
-        same slots at each layer (instead of one per layer)."""
-        self.dirty[:, pages.to(self.device)] = True
+    def _dirty_ids(self) -> np.ndarray:
+        """Flat ids that are dirty now (from the log: proportional to marks, not to the map)."""
+        if not self._dirty_log:
+            return np.zeros(0, dtype=np.int64)
+        ids = np.unique(np.concatenate(self._dirty_log))
+        return ids[self.dirty_np.reshape(-1)[ids]]
 
-    def mark_dirty_np(self, pages: np.ndarray) -> None:
-        """:meth:`mark_dirty` for an int64 NumPy array of pages (NumPy on a CPU store)."""
-        if self._dirty_np is not None:
-            self._dirty_np[:, pages] = True
-        else:
-            self.dirty[:, torch.from_numpy(pages).to(self.device)] = True
+    def _write_back(self, layers: np.ndarray, pages: np.ndarray) -> None:
+        """D2H of these resident layer-pages (one launch); their dirty marks are cleared."""
+        if not layers.size:
+            return
+        dev_pages = self.map_np[layers, pages].astype(np.int64)
+        src, dst = self.dev_segs(dev_pages), self.host_segs(layers, pages)
+        self.engine.d2h(self.engine.index_tensor(src), self.engine.index_tensor(dst), host_idx=(src, dst))
+        self.dirty_np[layers, pages] = False
+        self.d2h_bytes += int(src.size) * self.engine.segment_bytes
 
-    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[n, H, D]`` of ``slots`` at ``layer`` (device pages, then host pages)."""
-        pages, offs, dev_rows = self._rows(layer, slots)
-        dev_flat = self.dev.view(-1, *self.dev.shape[3:])
-        v_shift = self.dev.shape[1] * self.config.page_size
-        resident = dev_rows >= 0
-        if bool(resident.all()):
-            return dev_flat.index_select(0, dev_rows), dev_flat.index_select(0, dev_rows + v_shift)
-        k = torch.empty((dev_rows.numel(), *self.dev.shape[3:]), dtype=self.dev.dtype, device=self.device)
-        v = torch.empty_like(k)
-        on_dev = resident.nonzero().squeeze(1)
-        if on_dev.numel():
-            rows = dev_rows[on_dev]
-            k.index_copy_(0, on_dev, dev_flat.index_select(0, rows))
-            v.index_copy_(0, on_dev, dev_flat.index_select(0, rows + v_shift))
-        on_host = (~resident).nonzero().squeeze(1)
-        host_rows = self._host_rows(layer, pages[on_host], offs[on_host])
-        host_flat = self.host.view(-1, *self.host.shape[4:])
-        # one batched host gather and H2D per layer (K rows then V rows)
-        staged = host_flat.index_select(0, torch.cat([host_rows, host_rows + self.config.page_size]))
-        staged = staged.to(self.device, non_blocking=True)
-        m = host_rows.numel()
-        k.index_copy_(0, on_host, staged[:m])
-        v.index_copy_(0, on_host, staged[m:])
-        if self.device.type != "cpu":
-            self.h2d_bytes += staged.numel() * staged.element_size()
-        return k, v
+    def sync_dirty(self) -> int:
+        """Write every dirty device layer-page back to host (background); return how many."""
+        ids = self._dirty_ids()
+        self._dirty_log, self._dirty_logged = [], 0
+        if not ids.size:
+            return 0
+        layers, pages = np.divmod(ids, self.config.logical_pages)
+        self._write_back(layers, pages)
+        return int(ids.size)
 
     # ----- movement at step boundaries ------------------------------------------
 
-    def sync_dirty(self) -> int:
-        """Write every dirty device layer-page back to host; return the layer-pages written."""
-        layers, pages = self.dirty.nonzero(as_tuple=True)
-        if layers.numel() == 0:
-            return 0
-        layers_c, pages_c = layers.cpu(), pages.cpu()
-        dev_pages = self.map_cpu[layers_c, pages_c].to(torch.int64)
-        data = self.dev[:, dev_pages.to(self.device)].movedim(0, 1)  # [n, 2, ps, H, D]
-        self.host[pages_c, layers_c] = data.to("cpu")
-        self.dirty[layers, pages] = False
-        self.d2h_bytes += data.numel() * data.element_size()
-        return int(layers.numel())
-
-    def offload(self, layers: torch.Tensor, pages: torch.Tensor) -> None:
+    def offload(self, layers, pages) -> None:  # noqa: ANN001 - tensors or arrays
         """Drop the device copies of these resident layer-pages (dirty ones written back first)."""
-        if layers.numel() == 0:
+        layers, pages = as_np(layers), as_np(pages)
+        if not layers.size:
             return
-        dev_pages = self.map_cpu[layers, pages].to(torch.int64)
-        if bool((dev_pages < 0).any()):
+        dev_pages = self.map_np[layers, pages].astype(np.int64)
+        if (dev_pages < 0).any():
             raise ValueError("offload of a layer-page that is not on device")
-        dirty = self.dirty[layers.to(self.device), pages.to(self.device)].cpu()
-        if bool(dirty.any()):
-            idx = dirty.nonzero().squeeze(1)
-            data = self.dev[:, dev_pages[idx].to(self.device)].movedim(0, 1)
-            self.host[pages[idx], layers[idx]] = data.to("cpu")
-            self.d2h_bytes += data.numel() * data.element_size()
-            self.dirty[layers[idx].to(self.device), pages[idx].to(self.device)] = False
-        self.map_cpu[layers, pages] = -1
-        self.allocator.free(dev_pages.tolist())
-        self._map_stale = True
+        dirty = self.dirty_np[layers, pages]
+        self._write_back(layers[dirty], pages[dirty])
+        self.map_np[layers, pages] = -1
+        self.allocator.free(dev_pages.tolist() if isinstance(self.allocator, BlockAllocator) else dev_pages)
 
-    def onload(self, layers: torch.Tensor, pages: torch.Tensor, copy: torch.Tensor) -> None:
+    def onload(self, layers, pages, copy) -> None:  # noqa: ANN001 - tensors or arrays
         """Give these host-only layer-pages device pages; copy host KV where ``copy`` is True.
 
         The caller checked the free count; raises ValueError (nothing changed) otherwise.
         """
-        n = int(layers.numel())
+        layers, pages = as_np(layers), as_np(pages)
+        copy = np.asarray(copy.numpy() if isinstance(copy, torch.Tensor) else copy, dtype=bool)
+        n = int(layers.size)
         if n == 0:
             return
         if n > self.allocator.free_count:
             raise ValueError(f"onload of {n} layer-pages with {self.allocator.free_count} free device pages")
         if isinstance(self.allocator, IdentityPages):
-            # (layer, page) pairs are distinct (mask nonzero / unique pairs): ids are distinct
-            dev_pages = self.allocator.take(layers.to(torch.int64) * self.config.logical_pages + pages, unique=True)
+            dev_pages = layers * self.config.logical_pages + pages
+            self.allocator.take_distinct(dev_pages)
         else:
             ids = self.allocator.alloc(n)
             assert ids is not None
-            dev_pages = torch.tensor(ids, dtype=torch.int64)
-        idx = copy.nonzero().squeeze(1)
-        if idx.numel():
-            data = self.host[pages[idx], layers[idx]]  # [m, 2, ps, H, D]
-            self.dev[:, dev_pages[idx].to(self.device)] = data.to(self.device, non_blocking=True).movedim(1, 0)
-            self.h2d_bytes += data.numel() * data.element_size()
-        self.map_cpu[layers, pages] = dev_pages.to(torch.int32)
-        self._map_stale = True
-
-    def identity_ids(self, pages: np.ndarray) -> np.ndarray:
-        """Identity layout: the device pages ``l * P + p`` of every layer of ``pages``
-        (``[L, n]`` int64; also the flat indices of those entries in ``map_np``)."""
-        return self._layer_base + pages[None, :]
+            dev_pages = np.asarray(ids, dtype=np.int64)
+        if copy.any():
+            src, dst = self.host_segs(layers[copy], pages[copy]), self.dev_segs(dev_pages[copy])
+            self.engine.h2d(self.engine.index_tensor(src), self.engine.index_tensor(dst),
+                            wait=(self.engine.fence(),), host_idx=(src, dst))
+            self.h2d_bytes += int(src.size) * self.engine.segment_bytes
+        self.map_np[layers, pages] = dev_pages.astype(np.int32)
 
     def place_identity(self, pages: np.ndarray, ids: np.ndarray | None = None) -> None:
         """Identity layout: give every layer of these distinct host-only pages (no KV yet) its
-        fixed device page ``l * P + p``; nothing is copied. ``pages``: int64 NumPy array;
-        ``ids``: their :meth:`identity_ids` when the caller has them."""
+        fixed device page ``l * P + p``; nothing is copied."""
         if ids is None:
             ids = self.identity_ids(pages)
         self.allocator.take_distinct(ids.reshape(-1))  # type: ignore[union-attr]
         self.map_flat_np[ids] = ids
-        self._map_stale = True
 
     def release_pages(self, pages: list[int]) -> None:
         """SGLang's allocator got these pages back: free their device copies (KV is dead)."""
         if not pages:
             return
-        p = torch.tensor(pages, dtype=torch.int64)
-        sub = self.map_cpu[:, p]
-        layers, cols = (sub >= 0).nonzero(as_tuple=True)
-        if layers.numel():
-            dev_pages = sub[layers, cols].tolist()
-            self.map_cpu[layers, p[cols]] = -1
-            self.allocator.free(dev_pages)
-            self._map_stale = True
-        self.dirty[:, p.to(self.device)] = False
+        p = np.asarray(pages, dtype=np.int64)
+        sub = self.map_np[:, p]
+        layers, cols = np.nonzero(sub >= 0)
+        if layers.size:
+            dev_pages = sub[layers, cols].astype(np.int64)
+            self.map_np[layers, p[cols]] = -1
+            self.allocator.free(dev_pages.tolist() if isinstance(self.allocator, BlockAllocator) else dev_pages)
+        self.dirty_np[:, p] = False
+
+    # ----- reads at rest (tests, move_kv_cache) ------------------------------------
+
+    def read_kv(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[n, H, D]`` of ``slots`` at ``layer``, from the device copy where resident and
+        the host copy otherwise. Waits for in-flight copies: call between forwards only."""
+        self.engine.quiesce()
+        ps = self.config.page_size
+        s = as_np(slots.cpu())
+        pages, offs = s // ps, s % ps
+        dev_page = self.map_np[layer, pages].astype(np.int64)
+        on_dev = dev_page >= 0
+        h, d = self.config.kv_heads, self.config.head_dim
+        k = torch.empty((s.size, h, d), dtype=self.dev.dtype)
+        v = torch.empty_like(k)
+        if on_dev.any():
+            rows = torch.from_numpy(dev_page[on_dev] * ps + offs[on_dev]).to(self.device)
+            idx = torch.from_numpy(np.flatnonzero(on_dev))
+            k[idx] = self._flat[0].index_select(0, rows).cpu()
+            v[idx] = self._flat[1].index_select(0, rows).cpu()
+        if (~on_dev).any():
+            idx = torch.from_numpy(np.flatnonzero(~on_dev))
+            hp, ho = torch.from_numpy(pages[~on_dev]), torch.from_numpy(offs[~on_dev])
+            k[idx] = self.host[hp, layer, 0, ho]
+            v[idx] = self.host[hp, layer, 1, ho]
+        return k.to(self.device), v.to(self.device)
+
+    def write_at_rest(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V of ``slots`` at ``layer`` between forwards: the device copy where resident
+        (marked dirty), else the host home."""
+        self.engine.quiesce()
+        ps = self.config.page_size
+        s = as_np(slots.cpu())
+        pages, offs = s // ps, s % ps
+        dev_page = self.map_np[layer, pages].astype(np.int64)
+        on_dev = dev_page >= 0
+        if on_dev.any():
+            rows = torch.from_numpy(dev_page[on_dev] * ps + offs[on_dev]).to(self.device)
+            idx = torch.from_numpy(np.flatnonzero(on_dev)).to(k.device)
+            self.write_rows(rows, rows, k[idx], v[idx])
+            self.mark_dirty(layer * self.config.logical_pages + np.unique(pages[on_dev]))
+        if (~on_dev).any():
+            idx = torch.from_numpy(np.flatnonzero(~on_dev)).to(k.device)
+            hp, ho = torch.from_numpy(pages[~on_dev]), torch.from_numpy(offs[~on_dev])
+            self.host[hp, layer, 0, ho] = k[idx].cpu()
+            self.host[hp, layer, 1, ho] = v[idx].cpu()

@@ -86,9 +86,9 @@ class SlotResidency:
         self._pause_seq = itertools.count(1)
         self.shortfall_total = 0
         self.last_moves = LayerPageMoves({}, {})
-        self.has_kv = torch.zeros(store.config.logical_pages, dtype=torch.bool)
-        """Pages holding KV (written since SGLang allocated them): only these are copied on onload."""
-        self._has_kv_np = self.has_kv.numpy()  # same memory, for the per-step fast path
+        self.has_kv = store.has_kv
+        """Pages holding KV (the store's flags): only these are copied on onload."""
+        self._has_kv_np = store.has_kv_np  # same memory, for the per-step fast path
         self._anonymous: set[str] = set()
         """Ids of requests observed without an id (dropped at the next boundary)."""
         self._changed = True
@@ -213,13 +213,14 @@ class SlotResidency:
         if not pages:
             return
         self._changed = True
-        freed = torch.zeros(self.store.config.logical_pages, dtype=torch.bool)
-        freed[torch.tensor(pages, dtype=torch.int64)] = True
-        self.has_kv[freed] = False
+        freed = np.asarray(pages, dtype=np.int64)
+        self._has_kv_np[freed] = False
         for rid in list(self._requests):  # a request keeps only pages it still holds
             req = self._requests[rid]
             if req.pages.numel():
-                req.pages = req.pages[~freed[req.pages]]
+                keep = ~np.isin(req.pages.numpy(), freed)
+                if not keep.all():
+                    req.pages = req.pages[torch.from_numpy(keep)]
                 if req.pages.numel() == 0:
                     del self._requests[rid]  # holds no KV any more: finished or aborted
 
@@ -294,11 +295,16 @@ class SlotResidency:
             drop = removable & ~lazy
             removable &= lazy
             need = target & ~resident
-            short = int(need.sum()) - store.allocator.free_count - int(drop.sum())
+            reserve = self.staging_reserve()
+            short = int(need.sum()) + reserve - store.allocator.free_count - int(drop.sum())
             if short <= int(removable.sum()) or not self._flip_local_layer():
                 break
             local_flips += 1
             target = self._target()
+        if short > int(removable.sum()):
+            # wants stay short: every active request may need its staging slot this step
+            reserve = self.staging_reserve(every_active=True)
+            short = int(need.sum()) + reserve - store.allocator.free_count - int(drop.sum())
         given_up = 0
         if short > 0:
             for layer, pages in self._removable_order(removable, orphan):
@@ -308,11 +314,10 @@ class SlotResidency:
                 if given_up >= short:
                     break
         offloaded = self._apply_drops(drop)
-        loaded, placed, shortfall = self._apply_needs(need)
+        loaded, placed, shortfall = self._apply_needs(need, reserve)
         self.reclaimable_pages = int((store.resident_mask() & orphan[None, :]).sum())
         self.shortfall_total += shortfall
         self._changed = shortfall > 0 or given_up > 0 or any(r.paused for r in self._requests.values())
-        store.publish_map()
         self.last_moves = LayerPageMoves(offloaded=offloaded, loaded=loaded)
         return ResidencyDelta(
             loaded_layer_pages=sum(len(v) for v in loaded.values()),
@@ -357,13 +362,12 @@ class SlotResidency:
         layers, pages = pairs // self.store.config.logical_pages, pairs % self.store.config.logical_pages
         missing = self.store.map_cpu[layers, pages] < 0
         layers, pages = layers[missing], pages[missing]
-        if layers.numel() > self.store.allocator.free_count:
+        if layers.numel() > self.store.allocator.free_count - self.staging_reserve():
             self._changed = True
             return None
         h2d_before = self.store.h2d_bytes
         copy = self.has_kv[pages]
         self.store.onload(layers, pages, copy)
-        self.store.publish_map()
         loaded: dict[int, list[int]] = {}
         for layer, page in zip(layers[copy].tolist(), pages[copy].tolist(), strict=True):
             loaded.setdefault(layer, []).append(page)
@@ -404,7 +408,6 @@ class SlotResidency:
         if self._has_kv_np[pages].any() or store.map_flat_np[ids].max() >= 0:
             return False
         store.place_identity(pages, ids)
-        store.publish_map()
         return True
 
     def append_decode_identity(self, rids: Sequence[str], owners: np.ndarray, pages: np.ndarray) -> bool:
@@ -429,6 +432,18 @@ class SlotResidency:
                 self._live_stats = (live + self.layers * int(pages.size), host)
         self.last_moves = LayerPageMoves({}, {})
         return True
+
+    def staging_reserve(self, *, every_active: bool = False) -> int:
+        """Device pages kept free for this step's staging slots: one layer of every active
+        request that offloads something (``every_active``: of every active request) -- the
+        placement model's ``sum_r b_r [r offloads]`` (``controlplane.model.memory_blocks``).
+        Zero in the identity layout (a staged layer-page uses its own identity page)."""
+        if self.store.identity:
+            return 0
+        return sum(
+            r.pages.numel() for r in self._requests.values()
+            if not r.paused and (every_active or not all(r.gpu_layers))
+        )
 
     def all_live_resident(self) -> bool:
         """Cheap sufficient test that every layer of every live request's pages is on the device:
@@ -462,9 +477,9 @@ class SlotResidency:
             moved.setdefault(layer, []).append(page)
         return moved
 
-    def _apply_needs(self, need: torch.Tensor) -> tuple[dict[int, list[int]], int, int]:
+    def _apply_needs(self, need: torch.Tensor, reserve: int) -> tuple[dict[int, list[int]], int, int]:
         layers, pages = need.nonzero(as_tuple=True)  # row-major: lower layers first
-        room = self.store.allocator.free_count
+        room = max(0, self.store.allocator.free_count - reserve)
         shortfall = max(0, int(layers.numel()) - room)
         layers, pages = layers[:room], pages[:room]
         copy = self.has_kv[pages]

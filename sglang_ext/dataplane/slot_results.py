@@ -81,9 +81,15 @@ class ResidencyStats:
     d2h_bytes_total: int
     """Bytes copied device -> host since start."""
     host_write_bytes_total: int
-    """Bytes of new KV written straight to host (offloaded layers) since start."""
+    """Bytes of new KV that reached host memory (write-back of staged offloaded layers) since start."""
     shortfall_layer_pages_total: int
     """Layer-pages that were wanted on device but did not fit, summed over steps."""
+    staged_steps_total: int = 0
+    """Forwards run through the staged pipeline (tables built once, per-layer fetch events)."""
+    overflow_steps_total: int = 0
+    """Forwards whose batch could not be staged inside the budget (served at rest, with syncs)."""
+    fetched_layer_pages_total: int = 0
+    """Layer-pages fetched host -> staging by the layer pipeline."""
 
     def to_dict(self) -> dict:
         """JSON-ready form."""

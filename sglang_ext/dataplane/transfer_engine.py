@@ -1,25 +1,33 @@
-"""TransferEngine: batched host<->device segment copies with events.
+"""TransferEngine: batched host<->device segment copies, ordered by events, never by host syncs.
 
-Primitives (one launch each, all pairs batched):
+Primitives (one launch each, all pairs of a call batched):
 
-* ``h2d(host_segs, dev_segs, wait) -> event`` and ``d2h(dev_segs, host_segs, wait) -> event``;
-  every launch is ordered after all work issued so far on the compute stream, and after the
-  events in ``wait``.
-* ``stream_wait(events)``: the compute stream waits (attention waits for its layer; SGLang's
-  ``LayerDoneCounter`` pattern, one event per launch, the cache keeps them per layer).
-* ``host_wait(events)`` / ``quiesce()``: the host blocks until done.
+* ``h2d(src_idx, dst_idx, wait) -> event`` and ``d2h(src_idx, dst_idx, wait) -> event``: copy
+  segments ``dst[dst_idx[i]] = src[src_idx[i]]`` between the host pool's and the device pool's
+  segment views. Index tensors live on the device (CUDA: one pinned upload per step done by the
+  caller; CPU: plain tensors). Every launch is ordered after all work issued so far on the
+  compute stream and after the events in ``wait``.
+* ``stream_wait(events)``: the compute stream waits (attention at layer ``l`` waits on the fetch
+  of layer ``l``; SGLang's ``LayerDoneCounter`` pattern) -- a stream wait, never a host wait.
+* ``fence()``: the newest D2H event. Pages whose copy-out is in flight may be reused only after
+  it, so the step start makes the compute and H2D streams wait on it (:meth:`wait_fence`).
+* ``quiesce()``: the host blocks until every copy is done (tests, shutdown, benchmarks only).
 
-:class:`CpuTransferEngine` copies synchronously (events are born complete), so everything above is
-testable without a GPU. :class:`CudaTransferEngine` uses two streams, one per direction, so H2D and
-D2H run concurrently (SuperInfer §4.3.2 "full duplex"); the copy is the Triton gather/scatter
-kernel reading the pinned host pool through unified addressing.
+:class:`CpuTransferEngine` copies synchronously (events are ``None``, born complete), so all the
+ordering logic above runs and is tested on CPU. :class:`CudaTransferEngine` has two side streams
+(H2D, D2H), so both directions run concurrently (SuperInfer §4.3.2 "full duplex"); a copy is one
+Triton gather/scatter launch reading or writing the pinned, block-first host pool through unified
+addressing (``kernels/block_copy.py``), or, where Triton refuses host pointers, one
+``cudaMemcpyAsync`` per segment (correct, launch-bound; logged once at construction).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import structlog
 import torch
 
@@ -30,10 +38,10 @@ log = structlog.get_logger(__name__)
 
 @dataclass
 class TransferStats:
-    """Counters since construction."""
+    """Counters since construction (host-side bookkeeping, no device reads)."""
 
     h2d_segments: int = 0
-    """Segments (K or V of one layer-block) copied host -> device."""
+    """Segments (K or V of one layer-page) copied host -> device."""
     d2h_segments: int = 0
     """Segments copied device -> host."""
     h2d_launches: int = 0
@@ -43,23 +51,58 @@ class TransferStats:
 
 
 class TransferEngine:
-    """Base: holds the two segment views and the counters."""
+    """Base: the two segment views, the counters and the launch bookkeeping."""
 
     def __init__(self, host_segments: torch.Tensor, dev_segments: torch.Tensor) -> None:
+        if host_segments.dim() != 2 or dev_segments.dim() != 2 or host_segments.shape[1] != dev_segments.shape[1]:
+            raise ValueError(
+                f"segment views must be 2-D with equal rows, got {tuple(host_segments.shape)} and "
+                f"{tuple(dev_segments.shape)}"
+            )
         self.host = host_segments
         self.dev = dev_segments
+        self.segment_bytes = host_segments.shape[1] * host_segments.element_size()
         self.stats = TransferStats()
 
-    def h2d(self, host_segs: list[int], dev_segs: list[int], wait: list[Any] | None = None) -> Any:
+    def h2d(self, src_idx: torch.Tensor, dst_idx: torch.Tensor, wait: Sequence[Any] = (),
+            host_idx: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
+        """Host segments ``src_idx`` -> device segments ``dst_idx``; returns the launch's event.
+        ``host_idx``: the same indices as NumPy (only the per-segment fallback reads them)."""
+        n = int(src_idx.shape[0])
+        if n == 0:
+            return None
+        self.stats.h2d_segments += n
+        self.stats.h2d_launches += 1
+        return self._launch("h2d", self.host, self.dev, src_idx, dst_idx, wait, host_idx)
+
+    def d2h(self, src_idx: torch.Tensor, dst_idx: torch.Tensor, wait: Sequence[Any] = (),
+            host_idx: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
+        """Device segments ``src_idx`` -> host segments ``dst_idx``; returns the launch's event."""
+        n = int(src_idx.shape[0])
+        if n == 0:
+            return None
+        self.stats.d2h_segments += n
+        self.stats.d2h_launches += 1
+        return self._launch("d2h", self.dev, self.host, src_idx, dst_idx, wait, host_idx)
+
+    def _launch(self, kind: str, src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor,
+                dst_idx: torch.Tensor, wait: Sequence[Any], host_idx: tuple[np.ndarray, np.ndarray] | None) -> Any:
         raise NotImplementedError
 
-    def d2h(self, dev_segs: list[int], host_segs: list[int], wait: list[Any] | None = None) -> Any:
+    def index_tensor(self, values: np.ndarray) -> torch.Tensor:
+        """``values`` (int64) as an index tensor on the device (boundary operations only: one
+        small upload; the per-step indices come from the step's single metadata upload)."""
         raise NotImplementedError
 
-    def stream_wait(self, events: list[Any]) -> None:
+    def stream_wait(self, events: Sequence[Any]) -> None:
         raise NotImplementedError
 
-    def host_wait(self, events: list[Any]) -> None:
+    def fence(self) -> Any:
+        raise NotImplementedError
+
+    def wait_fence(self) -> None:
+        """Step start: the compute stream waits for every copy issued so far (the boundary's
+        moves, the last step's write-backs), the H2D stream for every copy-out."""
         raise NotImplementedError
 
     def quiesce(self) -> None:
@@ -67,26 +110,22 @@ class TransferEngine:
 
 
 class CpuTransferEngine(TransferEngine):
-    """Synchronous copies; ``None`` is the (always complete) event."""
+    """Synchronous copies (one ``index_select`` + ``index_copy_`` per call); events are ``None``."""
 
-    def h2d(self, host_segs: list[int], dev_segs: list[int], wait: list[Any] | None = None) -> None:
-        if host_segs:
-            copy_segments(self.host, self.dev, torch.tensor(host_segs), torch.tensor(dev_segs))
-            self.stats.h2d_segments += len(host_segs)
-            self.stats.h2d_launches += 1
+    def _launch(self, kind, src, dst, src_idx, dst_idx, wait, host_idx):  # noqa: ANN001, ANN202
+        dst.index_copy_(0, dst_idx, src.index_select(0, src_idx))
         return None
 
-    def d2h(self, dev_segs: list[int], host_segs: list[int], wait: list[Any] | None = None) -> None:
-        if dev_segs:
-            copy_segments(self.dev, self.host, torch.tensor(dev_segs), torch.tensor(host_segs))
-            self.stats.d2h_segments += len(dev_segs)
-            self.stats.d2h_launches += 1
+    def index_tensor(self, values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+
+    def stream_wait(self, events: Sequence[Any]) -> None:
         return None
 
-    def stream_wait(self, events: list[Any]) -> None:
+    def fence(self) -> Any:
         return None
 
-    def host_wait(self, events: list[Any]) -> None:
+    def wait_fence(self) -> None:
         return None
 
     def quiesce(self) -> None:
@@ -94,7 +133,7 @@ class CpuTransferEngine(TransferEngine):
 
 
 class CudaTransferEngine(TransferEngine):
-    """Two side streams (H2D, D2H); one Triton launch per call; events order everything."""
+    """Two side streams (H2D, D2H); one launch per call; events order everything."""
 
     def __init__(self, host_segments: torch.Tensor, dev_segments: torch.Tensor) -> None:
         super().__init__(host_segments, dev_segments)
@@ -103,19 +142,18 @@ class CudaTransferEngine(TransferEngine):
         self.device = dev_segments.device
         self.h2d_stream = torch.cuda.Stream(device=self.device)
         self.d2h_stream = torch.cuda.Stream(device=self.device)
-        self._last: dict[str, torch.cuda.Event | None] = {"h2d": None, "d2h": None}
+        self._last: dict[str, Any] = {"h2d": None, "d2h": None}
         self.impl = self._probe_zero_copy()
         """``triton`` (one gather/scatter launch through UVA) or ``memcpy`` (fallback: one
         ``cudaMemcpyAsync`` per segment, correct but launch-bound) if Triton refuses host memory."""
 
     def _probe_zero_copy(self) -> str:
-        """Check once that the Triton kernel can read and write the pinned host pool."""
+        """Check once, at construction, that the Triton kernel can read and write pinned memory."""
         probe_host = torch.arange(8, dtype=torch.float32).view(2, 4).pin_memory()
         probe_dev = torch.zeros(2, 4, device=self.device)
         idx = torch.tensor([1, 0], device=self.device)
         try:
             copy_segments(probe_host, probe_dev, idx, idx.flip(0), impl="triton")
-            # dev = host rows swapped: [[4..7], [0..3]]; then host row 0 = dev row 0 = [4..7]
             copy_segments(probe_dev, probe_host, idx[1:], idx[1:], impl="triton")  # row 0 -> row 0
             torch.cuda.synchronize(self.device)
             ok = probe_dev.cpu().tolist() == [[4.0, 5.0, 6.0, 7.0], [0.0, 1.0, 2.0, 3.0]] and (
@@ -129,62 +167,50 @@ class CudaTransferEngine(TransferEngine):
             return "memcpy"
         return "triton"
 
-    def _launch(
-        self,
-        kind: str,
-        stream: torch.cuda.Stream,
-        src: torch.Tensor,
-        dst: torch.Tensor,
-        src_segs: list[int],
-        dst_segs: list[int],
-        wait: list[Any] | None,
-    ) -> torch.cuda.Event | None:
-        if not src_segs:
-            return None
+    def _launch(self, kind, src, dst, src_idx, dst_idx, wait, host_idx):  # noqa: ANN001, ANN202
+        stream = self.h2d_stream if kind == "h2d" else self.d2h_stream
         compute_done = torch.cuda.current_stream(self.device).record_event()
-        idx = torch.tensor([src_segs, dst_segs], dtype=torch.int64, pin_memory=True)
         with torch.cuda.stream(stream):
             stream.wait_event(compute_done)
-            for e in wait or ():
+            for e in wait:
                 if e is not None:
                     stream.wait_event(e)
             if self.impl == "triton":
-                idx_dev = idx.to(self.device, non_blocking=True)
-                copy_segments(src, dst, idx_dev[0], idx_dev[1], impl="triton")
+                copy_segments(src, dst, src_idx, dst_idx, impl="triton")
             else:
-                for s_i, d_i in zip(src_segs, dst_segs, strict=True):
+                if host_idx is None:
+                    raise RuntimeError("memcpy transfer fallback needs host indices")
+                for s_i, d_i in zip(host_idx[0].tolist(), host_idx[1].tolist(), strict=True):
                     dst[d_i].copy_(src[s_i], non_blocking=True)
             event = stream.record_event()
         self._last[kind] = event
         return event
 
-    def h2d(self, host_segs: list[int], dev_segs: list[int], wait: list[Any] | None = None) -> Any:
-        ev = self._launch("h2d", self.h2d_stream, self.host, self.dev, host_segs, dev_segs, wait)
-        if host_segs:
-            self.stats.h2d_segments += len(host_segs)
-            self.stats.h2d_launches += 1
-        return ev
+    def index_tensor(self, values: np.ndarray) -> torch.Tensor:
+        staged = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).pin_memory()
+        return staged.to(self.device, non_blocking=True)
 
-    def d2h(self, dev_segs: list[int], host_segs: list[int], wait: list[Any] | None = None) -> Any:
-        ev = self._launch("d2h", self.d2h_stream, self.dev, self.host, dev_segs, host_segs, wait)
-        if dev_segs:
-            self.stats.d2h_segments += len(dev_segs)
-            self.stats.d2h_launches += 1
-        return ev
-
-    def stream_wait(self, events: list[Any]) -> None:
+    def stream_wait(self, events: Sequence[Any]) -> None:
         current = torch.cuda.current_stream(self.device)
         for e in events:
             if e is not None:
                 current.wait_event(e)
 
-    def host_wait(self, events: list[Any]) -> None:
-        for e in events:
-            if e is not None:
-                e.synchronize()
+    def fence(self) -> Any:
+        return self._last["d2h"]
+
+    def wait_fence(self) -> None:
+        current = torch.cuda.current_stream(self.device)
+        for event in (self._last["h2d"], self._last["d2h"]):
+            if event is not None:
+                current.wait_event(event)
+        if self._last["d2h"] is not None:
+            self.h2d_stream.wait_event(self._last["d2h"])
 
     def quiesce(self) -> None:
-        self.host_wait([self._last["h2d"], self._last["d2h"]])
+        for event in self._last.values():
+            if event is not None:
+                event.synchronize()
 
 
 def make_transfer_engine(host_segments: torch.Tensor, dev_segments: torch.Tensor) -> TransferEngine:

@@ -1,66 +1,69 @@
-"""Layered paged attention equals dense attention over the shadow KV, for random placements."""
+"""Layered paged attention over the served core's step tables equals dense attention over the
+shadow KV, for random placements, decode and extend alike (fp32, atol 1e-5)."""
 
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_ext.dataplane import LayeredKVCache, dense_attention, torch_layered_attention
-from tests.dataplane.harness import empty_shadow, run_step, small_config
+from sglang_ext.dataplane import dense_attention, torch_layered_attention
+from tests.dataplane.core_driver import DIM, LAYERS, PAGES, CoreDriver, make_core
 
-LAYERS = 4
-Q_HEADS = 4  # GQA: 2 query heads per KV head (small_config has 2 KV heads)
+Q_HEADS = 4  # GQA: 2 query heads per KV head
 
 
 @st.composite
-def scenarios(draw: st.DrawFn) -> tuple[list[int], list[list[int]], list[int], int]:
+def scenarios(draw: st.DrawFn) -> tuple:
     n = draw(st.integers(1, 4))
-    prompt = draw(st.lists(st.integers(1, 13), min_size=n, max_size=n))
-    placement = draw(
-        st.lists(st.lists(st.integers(0, 1), min_size=LAYERS, max_size=LAYERS), min_size=n, max_size=n)
-    )
+    prompt = draw(st.lists(st.integers(1, 9), min_size=n, max_size=n))
+    placement = draw(st.lists(st.lists(st.booleans(), min_size=LAYERS, max_size=LAYERS), min_size=n, max_size=n))
     q_lens = draw(st.lists(st.integers(1, 3), min_size=n, max_size=n))
-    return prompt, placement, q_lens, draw(st.integers(0, 2**16))
+    budget = draw(st.sampled_from([None, PAGES, PAGES + 20]))
+    return prompt, placement, q_lens, budget, draw(st.integers(0, 2**16))
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None)
 @given(scenarios())
-def test_layered_attention_equals_dense(scenario) -> None:
-    """In every layer's window, paged attention over the layer-aware table equals dense
-    attention over exactly what was written (fp32, atol 1e-5), decode and extend alike, and the
-    token-slot view of the layer reads exactly the written keys."""
-    prompt, placement, q_lens, seed = scenario
-    cache = LayeredKVCache(small_config(device_blocks=80, host_blocks=80))
-    shadow = {}
+def test_layered_attention_over_the_step_tables_equals_dense(scenario) -> None:
+    """In every layer of a staged step, paged attention over ``tab[l]`` (resident pages and staged
+    host pages) equals dense attention over exactly what was written, and the token-row view of the
+    layer (the torch-native path) reads exactly the written keys."""
+    prompt, placement, q_lens, budget, seed = scenario
+    core = make_core(budget)
     rids = [f"r{i}" for i in range(len(prompt))]
-    for rid, n in zip(rids, prompt, strict=True):
-        cache.alloc_request(rid)
-        shadow[rid] = empty_shadow(cache.config)
-        run_step(cache, {rid: n}, shadow, seed)
-    cache.install_placement(dict(zip(rids, placement, strict=True)))
     gen = torch.Generator().manual_seed(seed)
-    total_q = sum(q_lens)
-    q = torch.randn(LAYERS, total_q, Q_HEADS, cache.config.head_dim, generator=gen)
-    qo_indptr = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist())
+    q = torch.randn(LAYERS, sum(q_lens), Q_HEADS, DIM, generator=gen)
+    qo_indptr = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
     checked = []
 
-    def check(layer, view):
-        assert view.rids == tuple(rids)
-        got = torch_layered_attention(
-            q[layer], qo_indptr, view.k_cache, view.v_cache, view.kv_indptr, view.kv_indices, view.kv_lens
-        )
+    def check(layer: int) -> None:
+        tables = core.tables
+        if tables is None:
+            return
+        k_cache, v_cache = core.store.dev[0], core.store.dev[1]
+        got = torch_layered_attention(q[layer], qo_indptr, k_cache, v_cache, tables.kv_indptr,
+                                      tables.tab[layer], tables.kv_lens)
+        k_all, _ = core.device_kv()
+        if not core.store.identity:
+            rows = core.token_rows(layer)
         for b, rid in enumerate(rids):
-            k, v = shadow[rid][layer]
-            ref = dense_attention(q[layer, qo_indptr[b] : qo_indptr[b + 1]], k, v)
-            torch.testing.assert_close(got[qo_indptr[b] : qo_indptr[b + 1]], ref, rtol=0, atol=1e-5)
-        # Token-indexed view of the same layer (SGLang torch_native style) reads the same KV.
-        locs = cache.layer_token_locs(layer)
-        k_flat = view.k_cache.reshape(-1, *view.k_cache.shape[2:])
-        offsets = [0] + torch.cumsum(view.kv_lens, 0).tolist()
-        for b, rid in enumerate(rids):
-            assert torch.equal(k_flat[locs[offsets[b] : offsets[b + 1]]], shadow[rid][layer][0])
+            slots = driver.slots[rid]
+            k = torch.stack([driver.shadow[(layer, s)][0] for s in slots])
+            v = torch.stack([driver.shadow[(layer, s)][1] for s in slots])
+            lo, hi = int(qo_indptr[b]), int(qo_indptr[b + 1])
+            ref = dense_attention(q[layer, lo:hi], k, v)
+            torch.testing.assert_close(got[lo:hi], ref, rtol=0, atol=1e-5)
+            if not core.store.identity:
+                assert torch.equal(k_all[rows[b, : len(slots)]], k)
         checked.append(layer)
 
-    run_step(cache, dict(zip(rids, q_lens, strict=True)), shadow, seed + 1, on_layer=check)
+    driver = CoreDriver(core, seed=seed)
+    for rid, n in zip(rids, prompt, strict=True):
+        driver.add(rid)
+        driver.step([(rid, n)])
+    for rid, row in zip(rids, placement, strict=True):
+        driver.want(rid, row)
+    driver.on_layer = check
+    assert driver.step(list(zip(rids, q_lens, strict=True)))
     assert checked == list(range(LAYERS))
 
 

@@ -1,11 +1,13 @@
-"""The same correctness checks on a GPU: CUDA transfer engine (two streams, Triton over pinned
-host memory) and FlashInfer paged decode over layered tables (bf16 tolerance)."""
+"""The served core on a GPU: CUDA transfer engine (two side streams, Triton over pinned host
+memory, per-layer events), the same lifecycle checks as on CPU, and FlashInfer paged decode over
+the step's tables (bf16 tolerance)."""
 
 import pytest
 import torch
 
-from sglang_ext.dataplane import LayeredKVCache, dense_attention, torch_layered_attention
-from tests.dataplane.harness import assert_matches_shadow, empty_shadow, run_step, small_config
+from sglang_ext.dataplane import dense_attention
+from sglang_ext.dataplane.results import LayerView
+from tests.dataplane.core_driver import DIM, HEADS, LAYERS, PAGES, CoreDriver, make_core
 
 pytestmark = [
     pytest.mark.gpu,
@@ -13,83 +15,73 @@ pytestmark = [
 ]
 
 
-def _cuda_cache(dtype=torch.float32, **over):
-    return LayeredKVCache(small_config(device="cuda", dtype=dtype, device_blocks=96, host_blocks=128, **over))
-
-
-def test_cuda_lifecycle_bit_exact():
-    """Offload, decode through staging, pause, resume and fork keep KV bit-exact on CUDA."""
-    cache = _cuda_cache()
-    shadow = {}
-    for i, rid in enumerate("abc"):
-        cache.alloc_request(rid)
-        shadow[rid] = empty_shadow(cache.config)
-        run_step(cache, {rid: 5 + 3 * i}, shadow, i)
-    cache.install_placement({"a": [1, 0, 1, 0], "b": [0, 0, 0, 0], "c": [0, 1, 1, 1]})
-    for s in range(6):
-        run_step(cache, {"a": 1, "b": 2, "c": 1}, shadow, 10 + s)
-    assert_matches_shadow(cache, shadow)
-    cache.pause("c")
-    cache.install_placement({"a": [1, 1, 1, 1], "b": [1, 1, 1, 0]})
-    cache.resume("c")
-    cache.alloc_request("d", [1, 0, 1, 0])
-    cache.fork_prefix("b", "d", 9)  # D2D, H2D, D2H and H2H copies on CUDA
-    shadow["d"] = [(k[:9].clone(), v[:9].clone()) for k, v in shadow["b"]]
-    run_step(cache, {"a": 1, "b": 1, "c": 1, "d": 1}, shadow, 99)
-    assert_matches_shadow(cache, shadow)
-    cache.check_invariants()
-
-
-@pytest.mark.parametrize("backend", ["torch", "flashinfer"])
-def test_cuda_layered_decode_matches_dense_bf16(backend):
-    """Decode attention over layered tables equals dense attention within bf16 tolerance."""
-    if backend == "flashinfer":
-        from sglang_ext.dataplane.flashinfer_attention import (
-            HAVE_FLASHINFER,
-            FlashInferLayeredDecode,
-        )
-
-        if not HAVE_FLASHINFER:
-            pytest.skip("flashinfer not importable")
-    cache = _cuda_cache(dtype=torch.bfloat16, head_dim=64, block_size=16)
-    shadow = {}
-    rids = ["a", "b", "c"]
-    for i, rid in enumerate(rids):
-        cache.alloc_request(rid)
-        shadow[rid] = empty_shadow(cache.config)
-        run_step(cache, {rid: 20 + 17 * i}, shadow, i)
-    cache.install_placement({"a": [1, 0, 1, 0], "b": [0, 0, 1, 1], "c": [1, 1, 1, 1]})
-    q = torch.randn(4, 3, 4, 64, device="cuda", dtype=torch.bfloat16)
-    fi = FlashInferLayeredDecode("cuda", max_pages=64) if backend == "flashinfer" else None
-    checked = []
-
-    def check(layer, view):
-        if fi is not None:
-            if layer == 0:
-                fi.plan(view, num_qo_heads=4)
-            out = fi.run(q[layer], view)
-        else:
-            qo = torch.arange(4, device="cuda")
-            out = torch_layered_attention(q[layer], qo, view.k_cache, view.v_cache, view.kv_indptr, view.kv_indices, view.kv_lens)
-        for b, rid in enumerate(rids):
-            k, v = shadow[rid][layer]
-            ref = dense_attention(q[layer, b : b + 1].float().cpu(), k.float(), v.float())
-            torch.testing.assert_close(out[b : b + 1].float().cpu(), ref, rtol=2e-2, atol=2e-2)
-        checked.append(layer)
-
-    run_step(cache, {r: 1 for r in rids}, shadow, 7, on_layer=check)
-    assert checked == [0, 1, 2, 3]
+@pytest.mark.parametrize("budget", [None, PAGES + 6, 4])
+def test_cuda_lifecycle_bit_exact(budget):
+    """Prefills, decodes with offloaded layers, a pause and a resume on CUDA: every layer's read
+    inside the step and every read at rest equal the shadow bit for bit."""
+    core = make_core(budget, device="cuda")
+    assert core.store.host.is_pinned()
+    d = CoreDriver(core, seed=3)
+    d.add("a")
+    d.add("b")
+    d.step([("a", 5), ("b", 3)])
+    d.want("a", [True, False, True])
+    d.want("b", [False, False, True])
+    for _ in range(6):
+        d.step([("a", 1), ("b", 1)])
+    d.want("b", [True] * LAYERS, paused=True)
+    d.step([("a", 2)])
+    d.want("b", [True, False, False])
+    d.step([("a", 1), ("b", 1)])
+    d.check_at_rest()
 
 
 def test_h2d_and_d2h_streams_are_distinct_and_ordered():
     """The CUDA engine uses two side streams; a fetch waiting on a write-back sees its data."""
-    cache = _cuda_cache()
-    eng = cache.engine
+    core = make_core(PAGES + 6, device="cuda")
+    eng = core.store.engine
     assert eng.h2d_stream != eng.d2h_stream
-    dev, host = cache.device_pool.segments, cache.host_pool.segments
+    dev, host = eng.dev, eng.host
     dev[0].fill_(3.0)
-    ev = eng.d2h([0], [5])
-    ev2 = eng.h2d([5], [1], wait=[ev])
-    eng.host_wait([ev2])
+    idx = lambda *v: eng.index_tensor(__import__("numpy").asarray(v))  # noqa: E731
+    ev = eng.d2h(idx(0), idx(5))
+    ev2 = eng.h2d(idx(5), idx(1), wait=[ev])
+    ev2.synchronize()
     assert torch.equal(dev[1].cpu(), torch.full_like(dev[1].cpu(), 3.0))
     assert torch.equal(host[5], torch.full_like(host[5], 3.0))
+
+
+def test_flashinfer_decode_over_the_step_tables_matches_dense():
+    """FlashInfer decode with one plan per step over ``tab[l]`` (staged host pages) == dense (bf16)."""
+    flashinfer_attention = pytest.importorskip("sglang_ext.dataplane.flashinfer_attention")
+    if not flashinfer_attention.HAVE_FLASHINFER:
+        pytest.skip("flashinfer not importable")
+    core = make_core(PAGES + 6, dtype=torch.bfloat16, device="cuda", page_size=16)
+    q_heads = 4
+    decode = flashinfer_attention.FlashInferLayeredDecode("cuda", max_pages=PAGES)
+    results = []
+
+    def check(layer: int) -> None:
+        tables = core.tables
+        view = LayerView(layer, core.store.dev[0], core.store.dev[1], tables.kv_indptr, tables.tab[layer],
+                         tables.kv_lens, tables.last_page_len, ())
+        if layer == 0:
+            decode.plan(view, q_heads)
+        q = torch.randn((2, q_heads, DIM), device="cuda", dtype=torch.bfloat16)
+        out = decode.run(q, view)
+        for b, rid in enumerate(("a", "b")):
+            k = torch.stack([d.shadow[(layer, s)][0] for s in d.slots[rid]]).cuda()
+            v = torch.stack([d.shadow[(layer, s)][1] for s in d.slots[rid]]).cuda()
+            torch.testing.assert_close(out[b : b + 1], dense_attention(q[b : b + 1], k, v), atol=2e-2, rtol=2e-2)
+        results.append(layer)
+
+    d = CoreDriver(core, seed=1)
+    d.add("a")
+    d.add("b")
+    d.step([("a", 40), ("b", 23)])
+    d.want("a", [True, False, True])
+    d.want("b", [False, True, False])
+    d.on_layer = check
+    d.step([("a", 1), ("b", 1)])
+    assert results == list(range(LAYERS))
+    assert HEADS == 2

@@ -7,6 +7,7 @@ boundaries (plan wants, pauses, releases, frees, the local fallback).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -23,9 +24,11 @@ pytest.importorskip("sglang")  # sglang_ext.layered_pool imports SGLang at modul
 from sglang_ext.layered_pool import LayeredTokenToKVPool  # noqa: E402
 
 LAYERS, HEADS, DIM, PAGE, SLOTS = 3, 2, 4, 2, 64
+MIN_BUDGET = 66
+"""One layer of the slot space (33 pages of 2 tokens): from here on any batch can be staged."""
 
 
-def make_pool(budget_tokens: int | None = 16, page_size: int = PAGE) -> LayeredTokenToKVPool:
+def make_pool(budget_tokens: int | None = 200, page_size: int = PAGE) -> LayeredTokenToKVPool:
     return LayeredTokenToKVPool(
         size=SLOTS,
         page_size=page_size,
@@ -76,19 +79,19 @@ class Harness:
             return
         new = self._new_slots(rid, n)
         loc = torch.tensor(new, dtype=torch.int64)
-        self.pool.prepare_step([(rid, torch.tensor(self.slots[rid]))], loc)
-        if self.in_place:
-            self.pool.readable_in_place(torch.tensor(self.slots[rid]))
+        self.pool.prepare_step([(rid, torch.tensor(self.slots[rid]))], loc, [n])
         for layer in range(LAYERS):
+            self.pool.enter_layer(layer)
             k = torch.randn((n, HEADS, DIM), generator=self.gen).half()
             v = torch.randn((n, HEADS, DIM), generator=self.gen).half()
             self.pool.set_kv_buffer(SimpleNamespace(layer_id=layer), loc, k, v)
             for i, slot in enumerate(new):
                 self.shadow[(layer, slot)] = (k[i].clone(), v[i].clone())
-            got_k, got_v = self.pool.layer_kv(layer, torch.tensor(self.slots[rid]))
+            got_k, got_v = read_in_step(self.pool, layer, self.slots[rid])
             want = [self.shadow[(layer, s)] for s in self.slots[rid]]
             assert torch.equal(got_k, torch.stack([w[0] for w in want]))
             assert torch.equal(got_v, torch.stack([w[1] for w in want]))
+            self.pool.exit_layer(layer)
 
     def release(self, rid: str) -> None:
         slots = self.slots.pop(rid)
@@ -110,6 +113,20 @@ class Harness:
                 assert torch.equal(got_k, torch.stack([w[0] for w in want])), (rid, layer)
                 assert torch.equal(got_v, torch.stack([w[1] for w in want])), (rid, layer)
         check_map(pool)
+
+
+def read_in_step(pool: LayeredTokenToKVPool, layer: int, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V of the step's only request as the served attention reads them inside the layer: the
+    identity layout in place by slot id, otherwise the device pool through the layer's row table."""
+    if pool.overflow:  # the batch could not be staged inside the budget: the at-rest read
+        return pool.layer_kv(layer, torch.tensor(slots))
+    if pool.store.identity:
+        k_layer, v_layer = pool.layer_in_place(layer)
+        idx = torch.tensor(slots)
+        return k_layer[idx], v_layer[idx]
+    rows = pool.token_rows(layer)[0, : len(slots)]
+    k_all, v_all = pool.device_kv()
+    return k_all[rows], v_all[rows]
 
 
 def check_map(pool: LayeredTokenToKVPool) -> None:
@@ -152,7 +169,7 @@ def apply_op(pool: LayeredTokenToKVPool, h: Harness, item: tuple) -> None:
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     ops=st.lists(op, min_size=1, max_size=25),
-    budget=st.sampled_from([2, 8, 16, 200, None]),
+    budget=st.sampled_from([2, 8, 16, MIN_BUDGET, 72, 200, None]),
     in_place=st.booleans(),
 )
 def test_kv_round_trips_bit_exact_across_random_residency_changes(ops, budget, in_place):
@@ -188,12 +205,13 @@ def test_shared_pages_resident_iff_some_live_request_wants_them():
 
 def test_full_device_pool_never_crashes_and_loses_nothing():
     """Wants beyond the budget leave the excess on host (reported as shortfall); KV stays exact."""
-    pool = make_pool(budget_tokens=6)  # 3 device pages
+    pool = make_pool(budget_tokens=MIN_BUDGET)  # 33 device pages
     h = Harness(pool)
-    h.step("a", 8)  # 4 pages x 3 layers wanted by the local fallback
+    h.step("a", 30)  # 15 pages x 3 layers; the local fallback offloads to fit (staging kept free)
     delta = pool.update_residency({"a": wants(pool, h, "a", [1, 1, 1])})
-    assert delta.shortfall_layer_pages == 4 * LAYERS - 3
-    assert pool.residency_stats().device_pages_used == 3
+    # planned all-resident does not fit: one layer of "a" (15 pages) stays free for its staging
+    assert delta.shortfall_layer_pages == 15 * LAYERS - (33 - 15)
+    assert pool.residency_stats().device_pages_used == 33 - 15
     h.step("a", 3)
     h.check()
 
@@ -214,12 +232,12 @@ def test_kv_is_preserved_on_host_after_offload():
 
 def test_paused_layers_are_dropped_lazily_highest_layer_first():
     """A paused request keeps its device layers until space is needed, then gives up the top layer first."""
-    pool = make_pool(budget_tokens=24)  # 12 device pages
+    pool = make_pool(budget_tokens=MIN_BUDGET + 12)  # 39 device pages
     h = Harness(pool)
     h.step("a", 6)  # 3 pages x 3 layers = 9 device pages
     pool.update_residency({"a": wants(pool, h, "a", [1, 1, 1], paused=True)})
     assert pool.store.resident_mask().sum() == 9  # nothing needed the space yet
-    h.step("b", 4)  # 2 pages x 3 layers = 6 wanted: 3 free, 3 taken from "a"
+    h.step("b", 22)  # 11 pages x 3 layers = 33 wanted: 30 free, 3 taken from "a"
     resident = pool.store.resident_mask()
     a_pages = sorted({s // PAGE for s in h.slots["a"]})
     assert resident[0, a_pages].all() and resident[1, a_pages].all() and not resident[2, a_pages].any()
@@ -228,15 +246,15 @@ def test_paused_layers_are_dropped_lazily_highest_layer_first():
 
 def test_local_fallback_offloads_highest_layers_of_the_largest_request():
     """Without a plan, a tight budget switches the largest request's highest layers to host first."""
-    pool = make_pool(budget_tokens=20)  # 10 device pages
+    pool = make_pool(budget_tokens=90)  # 45 device pages
     h = Harness(pool)
     h.step("small", 2)  # 1 page x 3 layers
-    h.step("big", 8)  # 4 pages x 3 layers: 12 + 3 > 10
+    h.step("big", 40)  # 20 pages x 3 layers: 60 + 3 > 45; each offloaded layer also needs staging
     assert pool.residency.gpu_layers("small") == (True, True, True)
-    assert pool.residency.gpu_layers("big") == (True, False, False)
+    assert pool.residency.gpu_layers("big") == (True, False, False)  # 3 + 20 resident + 20 staging
     stats = pool.residency_stats()
-    assert stats.device_pages_used == 3 + 4
-    assert stats.host_layer_pages == 8 and stats.live_layer_pages == 15
+    assert stats.device_pages_used == 3 + 20
+    assert stats.host_layer_pages == 40 and stats.live_layer_pages == 63
     h.check()
 
 
@@ -273,9 +291,9 @@ def test_invalid_wants_and_budget_are_rejected_by_name():
 
 def test_pool_allocates_no_full_per_layer_device_buffers():
     """The device holds only the budget: no per-layer buffers; flat-buffer readers get a clear error."""
-    pool = make_pool(budget_tokens=10)
+    pool = make_pool(budget_tokens=70)
     assert pool.k_buffer is None and pool.v_buffer is None
-    assert pool.store.dev.shape == (2, 5, PAGE, HEADS, DIM)
+    assert pool.store.dev.shape == (2, 35, PAGE, HEADS, DIM)
     with pytest.raises(RuntimeError, match="layer_kv"):
         pool.get_key_buffer(0)
 
@@ -308,22 +326,24 @@ def test_budget_flag_parses_and_travels_in_the_environment():
 
 def test_unplanned_wants_leave_the_decision_to_the_local_fallback():
     """A want marked planned=False keeps the local fallback's layers; a planned one overrides them."""
-    pool = make_pool(budget_tokens=20)  # 10 device pages
+    pool = make_pool(budget_tokens=100)  # 50 device pages
     h = Harness(pool)
-    h.step("big", 8)  # 4 pages x 3 layers > 10: fallback moves layer 2 to host
-    assert pool.residency.gpu_layers("big") == (True, True, False)
+    # 21 pages x 3 layers = 63 > 50; one offloaded layer saves nothing (its pages become the
+    # staging slot), two do: 21 resident + 21 staging
+    h.step("big", 42)
+    assert pool.residency.gpu_layers("big") == (True, False, False)
     pages = tuple(dict.fromkeys(s // PAGE for s in h.slots["big"]))
     pool.update_residency({"big": RequestResidency(pages=pages, gpu_layers=(True,) * LAYERS, planned=False)})
-    assert pool.residency.gpu_layers("big") == (True, True, False)
-    h.step("big", 3)  # two more pages: the fallback keeps fitting by switching layer 1 too
     assert pool.residency.gpu_layers("big") == (True, False, False)
+    h.step("big", 10)  # 26 pages: 26 + 26 staging > 50, so the fallback switches layer 0 too
+    assert pool.residency.gpu_layers("big") == (False, False, False)
     pool.update_residency({"big": RequestResidency(pages=pages, gpu_layers=(False, True, False))})
     assert pool.residency.gpu_layers("big") == (False, True, False)
     h.check()
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=st.lists(op, min_size=1, max_size=25), budget=st.sampled_from([4, 12, 200, None]))
+@given(ops=st.lists(op, min_size=1, max_size=25), budget=st.sampled_from([4, 12, MIN_BUDGET, 72, 200, None]))
 def test_append_fast_path_places_exactly_what_the_full_pass_would(ops, budget):
     """Residency after every step is the same with and without the append-only fast path."""
     fast, full = make_pool(budget_tokens=budget), make_pool(budget_tokens=budget)
@@ -338,14 +358,14 @@ def test_append_fast_path_places_exactly_what_the_full_pass_would(ops, budget):
 
 def test_identity_layout_reads_in_place_exactly_what_the_gather_returns():
     """No budget: every layer-page sits at device page l * P + p, and reading a layer in place with
-    SGLang's slot ids gives the same K/V as the gather; an offload (a plan) turns in-place off."""
+    SGLang's slot ids gives the same K/V as the read at rest; an offloaded layer is staged at its own
+    identity page, so steps keep reading in place (the harness checks every step)."""
     pool = make_pool(budget_tokens=None)
     assert pool.store.identity
     h = Harness(pool)
     h.step("a", 3)
     h.step("b", 2)
     slots = torch.tensor(h.slots["a"] + h.slots["b"])
-    assert pool.readable_in_place(slots)
     for layer in range(LAYERS):
         k, v = pool.layer_in_place(layer)
         gk, gv = pool.layer_kv(layer, slots)
@@ -354,7 +374,9 @@ def test_identity_layout_reads_in_place_exactly_what_the_gather_returns():
     layers, pages = (pool.store.map_cpu >= 0).nonzero(as_tuple=True)
     assert torch.equal(pool.store.map_cpu[layers, pages].long(), layers * p + pages)
     pool.update_residency({"a": wants(pool, h, "a", (True, False, True))})
-    assert not pool.readable_in_place(slots)
+    assert not pool.store.resident_mask()[1, [s // PAGE for s in h.slots["a"]]].any()
+    h.step("a", 2)  # layer 1 staged at its identity pages, new tokens written back to host
+    assert pool.pipeline.layer_waits >= 0 and pool.store.host_write_bytes > 0
     h.check()
 
 
@@ -365,7 +387,6 @@ def test_in_place_writes_are_written_back_when_offloaded():
     h = Harness(pool, in_place=True)
     h.step("a", 3)
     h.step("a", 2)
-    assert pool._in_place_step
     assert bool(pool.store.dirty[:, [s // PAGE for s in h.slots["a"]]].all())
     pool.update_residency({"a": wants(pool, h, "a", (True,) * LAYERS, paused=True)})
     pool.update_residency({"a": wants(pool, h, "a", (False,) * LAYERS)})
@@ -376,16 +397,16 @@ def test_in_place_writes_are_written_back_when_offloaded():
 def test_cached_pages_stay_resident_until_space_is_needed():
     """A finished request's pages kept by the prefix cache stay on the device while there is room
     (a prefix hit needs no reload), count as free capacity, and go first, top layer first."""
-    pool = make_pool(budget_tokens=24)  # 12 device pages
+    pool = make_pool(budget_tokens=MIN_BUDGET + 12)  # 39 device pages
     h = Harness(pool)
     h.step("a", 6)  # 3 pages x 3 layers = 9 device pages
     a_pages = sorted({s // PAGE for s in h.slots["a"]})
     pool.release_request("a")  # finished; SGLang's tree keeps its pages
     pool.update_residency({})
     assert pool.store.resident_mask()[:, a_pages].all()
-    assert pool.free_device_pages() == 12
+    assert pool.free_device_pages() == 39
     h.slots.pop("a")
-    h.step("b", 4)  # 2 pages x 3 layers: 3 free, 3 taken from the cached pages
+    h.step("b", 22)  # 11 pages x 3 layers: 30 free, 3 taken from the cached pages
     resident = pool.store.resident_mask()
     assert resident[0, a_pages].all() and resident[1, a_pages].all() and not resident[2, a_pages].any()
     h.check()
@@ -401,13 +422,14 @@ def _decode(pool: LayeredTokenToKVPool, h: Harness, rids: list[str], fast: bool)
     took = fast and pool.prepare_decode_step(rids, lens, loc)
     if not took:
         pool.prepare_step([(rid, torch.tensor(h.slots[rid])) for rid in rids], loc)
-        pool.readable_in_place(torch.tensor([s for rid in rids for s in h.slots[rid]]))
     for layer in range(LAYERS):
+        pool.enter_layer(layer)
         k = torch.randn((len(rids), HEADS, DIM), generator=h.gen).half()
         v = torch.randn((len(rids), HEADS, DIM), generator=h.gen).half()
         pool.set_kv_buffer(SimpleNamespace(layer_id=layer), loc, k, v)
         for i, slot in enumerate(new):
             h.shadow[(layer, slot)] = (k[i].clone(), v[i].clone())
+        pool.exit_layer(layer)
     return took
 
 
@@ -415,7 +437,7 @@ decode_op = st.tuples(st.just("decode"), st.lists(st.sampled_from(RIDS), min_siz
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=st.lists(st.one_of(op, decode_op, decode_op), min_size=1, max_size=30), budget=st.sampled_from([8, None]))
+@given(ops=st.lists(st.one_of(op, decode_op, decode_op), min_size=1, max_size=30), budget=st.sampled_from([72, None]))
 def test_steady_decode_fast_path_leaves_the_pool_as_the_general_path_does(ops, budget):
     """prepare_decode_step (the attention backend's steady-decode path) leaves residency, the
     device map, dirty and has-KV marks, each request's pages and every K/V exactly as
@@ -437,8 +459,9 @@ def test_steady_decode_fast_path_leaves_the_pool_as_the_general_path_does(ops, b
         assert torch.equal(fast.store.map_cpu, full.store.map_cpu)
         assert torch.equal(fast.store.dirty, full.store.dirty)
         assert torch.equal(fast.residency.has_kv, full.residency.has_kv)
-        assert fast._in_place_step == full._in_place_step
-        assert fast.residency_stats() == full.residency_stats()  # cached vs recomputed counts
+        # cached vs recomputed counts (the fast path is not a staged step: nothing to stage)
+        assert replace(fast.residency_stats(), staged_steps_total=0) == replace(
+            full.residency_stats(), staged_steps_total=0)
         full.residency._live_stats = None
         assert fast.residency.live_rids() == full.residency.live_rids()
         for rid in fast.residency.live_rids():
@@ -457,10 +480,26 @@ def test_steady_decode_fast_path_takes_plain_decode_steps_and_declines_after_a_c
     h.step("a", 3)
     h.step("b", 2)
     assert _decode(pool, h, ["a", "b"], fast=True)
-    assert pool._in_place_step
     pages = [s // PAGE for s in h.slots["a"] + h.slots["b"]]
     assert bool((pool.store.map_cpu[:, pages] >= 0).all())
     assert bool(pool.store.dirty[:, pages[-1]].all())
     pool.update_residency({"a": wants(pool, h, "a", (True, False, True))})
     assert not _decode(pool, h, ["a", "b"], fast=True)
     h.check()
+
+
+def test_a_batch_that_cannot_be_staged_overflows_correctly_and_is_counted():
+    """Scenario: a 3-page device budget cannot stage a 4-page request: the step is served through
+    the at-rest path (exact KV, counted in ``overflow_steps``); with room again the next step
+    runs the staged pipeline."""
+    pool = make_pool(budget_tokens=6)  # 3 device pages
+    h = Harness(pool)
+    h.step("a", 8)  # 4 pages: one layer alone does not fit
+    assert pool.overflow and pool.overflow_steps >= 1
+    h.check()
+    small = make_pool(budget_tokens=MIN_BUDGET)
+    hs = Harness(small)
+    hs.step("a", 8)
+    hs.step("a", 1)
+    assert not small.overflow and small.overflow_steps == 0
+    hs.check()

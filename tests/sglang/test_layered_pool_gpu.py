@@ -13,7 +13,6 @@ import torch
 
 from sglang_ext.args import LayeredKVArgs
 from sglang_ext.dataplane.attention import dense_attention
-from sglang_ext.dataplane.slot_page_tables import SlotPageTables
 from sglang_ext.dataplane.slot_results import RequestResidency
 
 pytestmark = pytest.mark.gpu
@@ -22,6 +21,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from sglang_ext.dataplane.flashinfer_attention import HAVE_FLASHINFER, FlashInferLayeredDecode  # noqa: E402
+from sglang_ext.dataplane.results import LayerView  # noqa: E402
 from sglang_ext.layered_pool import LayeredTokenToKVPool  # noqa: E402
 
 LAYERS, KV_HEADS, Q_HEADS, DIM, PAGE = 4, 2, 8, 128, 16
@@ -48,11 +48,13 @@ def fill(pool: LayeredTokenToKVPool, lengths: dict[str, int]) -> dict[str, torch
         s = torch.arange(start, start + n, device="cuda")
         start += -(-n // PAGE) * PAGE
         slots[rid] = s
-        pool.prepare_step([(rid, s)], s)
+        pool.prepare_step([(rid, s.cpu())], s, [n])
         for layer in range(LAYERS):
+            pool.enter_layer(layer)
             k = torch.randn((n, KV_HEADS, DIM), device="cuda", dtype=torch.bfloat16)
             v = torch.randn_like(k)
             pool.set_kv_buffer(SimpleNamespace(layer_id=layer), s, k, v)
+            pool.exit_layer(layer)
             shadow[(rid, layer)] = (k, v)
     pool.shadow = shadow
     return slots
@@ -80,16 +82,29 @@ def test_flashinfer_decode_over_layered_tables_matches_dense():
     for rid, s in slots.items():
         pages = tuple(dict.fromkeys((s // PAGE).tolist()))
         pool.update_residency({rid: RequestResidency(pages=pages, gpu_layers=(True, False, False, True))})
-    tables = SlotPageTables(pool.store)
-    assert tables.begin(["a", "b"], [slots["a"], slots["b"]])
+    # a decode step of both requests: one new token each, in the next slot of each request
+    new = torch.tensor([int(slots["a"][-1]) + 1, int(slots["b"][-1]) + 1], device="cuda")
+    for (rid, s), slot in zip(slots.items(), new.tolist(), strict=True):
+        slots[rid] = torch.cat([s, torch.tensor([slot], device="cuda")])
+    pool.prepare_step([(rid, slots[rid].cpu()) for rid in ("a", "b")], new)
+    tables = pool.tables
+    assert tables is not None and tables.staging_ids.size > 0
     decode = FlashInferLayeredDecode("cuda", max_pages=pool.store.config.logical_pages)
     for layer in range(LAYERS):
-        view = tables.layer_view(layer)
+        pool.enter_layer(layer)
+        k_new = torch.randn((2, KV_HEADS, DIM), device="cuda", dtype=torch.bfloat16)
+        v_new = torch.randn_like(k_new)
+        pool.set_kv_buffer(SimpleNamespace(layer_id=layer), new, k_new, v_new)
+        view = LayerView(layer, pool.store.dev[0], pool.store.dev[1], tables.kv_indptr, tables.tab[layer],
+                         tables.kv_lens, tables.last_page_len, ("a", "b"))
         if layer == 0:
             decode.plan(view, Q_HEADS)
         q = torch.randn((2, Q_HEADS, DIM), device="cuda", dtype=torch.bfloat16)
         out = decode.run(q, view)
         for b, rid in enumerate(("a", "b")):
             k, v = pool.shadow[(rid, layer)]
+            k = torch.cat([k, k_new[b : b + 1]])
+            v = torch.cat([v, v_new[b : b + 1]])
             torch.testing.assert_close(out[b : b + 1], dense_attention(q[b : b + 1], k, v), atol=2e-2, rtol=2e-2)
-    tables.end()
+        pool.exit_layer(layer)
+    assert pool.tables is None

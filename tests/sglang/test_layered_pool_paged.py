@@ -1,21 +1,30 @@
 """Paged per-layer views of the layered pool (the FlashInfer path's tables), checked on CPU.
 
-Scenario: requests written through the pool with part of their layers offloaded; per-layer
-page tables (resident pages from the map, host-only pages staged into device pages) fed to the
-torch paged-attention reference must equal dense attention over the shadow K/V. On a GPU the
-same tables feed FlashInfer (``test_layered_pool_gpu.py``).
+Scenario: requests written through the pool with part of their layers offloaded; the step's
+per-layer page tables (resident pages from the map, host-only pages staged into each request's
+staging slot, reserved inside the budget) fed to the torch paged-attention reference must equal
+dense attention over the shadow K/V. On a GPU the same tables feed FlashInfer
+(``test_layered_pool_gpu.py``).
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from sglang_ext.dataplane.attention import dense_attention, torch_layered_attention
-from sglang_ext.dataplane.slot_page_tables import SlotPageTables
-
-pytest.importorskip("sglang")  # the harness's pool (sglang_ext.layered_pool) imports SGLang
-from tests.sglang.test_layered_pool import LAYERS, Harness, check_map, make_pool, wants  # noqa: E402
+from tests.sglang.test_layered_pool import (
+    DIM,
+    HEADS,
+    LAYERS,
+    MIN_BUDGET,
+    Harness,
+    check_map,
+    make_pool,
+    wants,
+)
 
 
 def build(budget_tokens: int) -> Harness:
@@ -28,41 +37,73 @@ def build(budget_tokens: int) -> Harness:
     return h
 
 
-@pytest.mark.parametrize("budget", [34, 40])
+def decode_step(h: Harness, rids: list[str]) -> torch.Tensor:
+    """Start a decode step of ``rids`` (one new slot each) through the pool; return the new slots."""
+    new = [h._new_slots(rid, 1)[0] for rid in rids]
+    loc = torch.tensor(new, dtype=torch.int64)
+    h.pool.prepare_step([(rid, torch.tensor(h.slots[rid])) for rid in rids], loc)
+    return loc
+
+
+@pytest.mark.parametrize("budget", [MIN_BUDGET, 80])
 def test_paged_views_with_staging_equal_dense_attention(budget):
-    """Per-layer page tables (resident + staged host pages) give dense attention's result."""
+    """Per-layer page tables (resident + staged host pages) give dense attention's result, and the
+    staging pages are reserved inside the budget for the step and returned after its last layer."""
     h = build(budget)
     pool = h.pool
-    tables = SlotPageTables(pool.store)
     rids = ["a", "b"]
-    slots = [torch.tensor(h.slots[r]) for r in rids]
-    free_before = pool.store.allocator.free_count
-    assert tables.begin(rids, slots)
-    assert tables.staging_pages > 0
-    assert pool.store.allocator.free_count == free_before - tables.staging_pages
+    loc = decode_step(h, rids)
+    tables = pool.tables
+    assert tables is not None and tables.staging_ids.size > 0
+    assert pool.store.staging_pages == tables.staging_ids.size
+    assert pool.store.allocator.used_count <= pool.store.allocator.capacity
     gen = torch.Generator().manual_seed(1)
     for layer in range(LAYERS):
-        view = tables.layer_view(layer)
+        pool.enter_layer(layer)
+        k_new = torch.randn((2, HEADS, DIM), generator=gen).half()
+        v_new = torch.randn((2, HEADS, DIM), generator=gen).half()
+        pool.set_kv_buffer(SimpleNamespace(layer_id=layer), loc, k_new, v_new)
+        for i, slot in enumerate(loc.tolist()):
+            h.shadow[(layer, slot)] = (k_new[i].clone(), v_new[i].clone())
         q = torch.randn((2, 4, 4), generator=gen).half()  # one decode query per request, 4 q heads
+        k_cache, v_cache = pool.store.dev[0], pool.store.dev[1]
         out = torch_layered_attention(
-            q, torch.tensor([0, 1, 2]), view.k_cache, view.v_cache, view.kv_indptr, view.kv_indices, view.kv_lens
+            q, torch.tensor([0, 1, 2]), k_cache, v_cache, tables.kv_indptr, tables.tab[layer], tables.kv_lens
         )
         for b, rid in enumerate(rids):
             k = torch.stack([h.shadow[(layer, s)][0] for s in h.slots[rid]])
             v = torch.stack([h.shadow[(layer, s)][1] for s in h.slots[rid]])
             torch.testing.assert_close(out[b : b + 1], dense_attention(q[b : b + 1], k, v))
-    tables.end()
-    assert pool.store.allocator.free_count == free_before
+        pool.exit_layer(layer)
+    assert pool.tables is None and pool.store.staging_pages == 0
     check_map(pool)
     h.check()
 
 
-def test_staging_that_does_not_fit_is_refused_without_side_effects():
-    """When the device pool has no room for staging, begin() says so and holds nothing."""
-    pool = make_pool(budget_tokens=6)  # 3 pages, all used by the local fallback
-    h = Harness(pool)
-    h.step("a", 8)
-    free_before = pool.store.allocator.free_count
-    tables = SlotPageTables(pool.store)
-    assert not tables.begin(["a"], [torch.tensor(h.slots["a"])])
-    assert tables.staging_pages == 0 and pool.store.allocator.free_count == free_before
+def test_staging_room_is_made_by_evicting_and_loses_nothing():
+    """Scenario: the device is full when a step needs staging pages (the boundary's reserve did
+    not foresee them): room is made from prefix-cache pages nobody uses first, then from live
+    requests outside the batch, then from the batch itself, highest layer first; KV stays exact
+    and the next boundary sees the evicted wants as changed."""
+    pool = make_pool(budget_tokens=MIN_BUDGET)  # 33 device pages
+    h = Harness(pool, seed=5)
+    h.step("a", 8)  # 4 pages x 3 layers
+    h.step("b", 14)  # 7 pages x 3 layers: 33 used
+    h.step("c", 2)  # 1 page: reserved room forces the local fallback to offload somewhere
+    used = pool.store.allocator.used_count
+    c_pages = sorted({s // 2 for s in h.slots["c"]})
+    pool.release_request("c")  # finished, its page stays in the prefix cache
+    h.slots.pop("c")
+    assert pool.room.make_room(pool.store.allocator.free_count + 2, batch={"a"})
+    assert not pool.store.resident_mask()[:, c_pages].any() or pool.room.evicted_layer_pages >= 2
+    b_pages = sorted({s // 2 for s in h.slots["b"]})
+    before = pool.room.evicted_layer_pages
+    assert pool.room.make_room(pool.store.allocator.free_count + 3, batch={"a"})
+    assert pool.room.evicted_layer_pages - before >= 3  # whole layers of one request at a time
+    resident = pool.store.resident_mask()
+    assert not resident[2, b_pages].any()  # "b" (outside the batch) gave up its top layer
+    assert resident[:, sorted({s // 2 for s in h.slots["a"]})].all()  # the batch kept everything
+    assert pool.store.allocator.used_count < used
+    assert pool.residency._changed
+    h.check()
+    check_map(pool)

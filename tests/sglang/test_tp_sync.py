@@ -41,7 +41,7 @@ def _make_pool():
         layer_num=LAYERS,
         device="cpu",
         enable_memory_saver=False,
-        layered_args=LayeredKVArgs(enable_layered_kv=True, kv_gpu_budget_tokens=120),
+        layered_args=LayeredKVArgs(enable_layered_kv=True, kv_gpu_budget_tokens=300),
     )
     gen = torch.Generator().manual_seed(0)
     for rid, slots in REQUESTS.items():

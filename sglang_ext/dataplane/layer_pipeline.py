@@ -1,0 +1,107 @@
+"""LayerPipeline: runs one forward's transfers over :class:`StepTables`, overlapped with compute.
+
+Per step (OrbitFlow §3.3.1; SuperInfer §4.3 DuplexKV):
+
+- ``begin_step(tables)``: the compute and H2D streams wait for the copies of the boundary
+  (one stream wait each); the fetches whose trigger is the step start are launched (one
+  batched H2D per target layer) on the H2D stream.
+- ``begin_layer(l)``: the compute stream waits on the events of the launches that fetch layer
+  ``l`` -- a stream wait, never a host wait. This is the only kvplane work before the layer's
+  KV write and attention, besides the table row the attention reads.
+- ``end_layer(l)``: the staged pages that received new tokens at ``l`` go back to host (one
+  batched D2H, after the layer's compute); then the fetches triggered by ``l`` (requests whose
+  staging slot ``l`` just released) are launched, ordered after that write-back.
+- ``end_step()`` (after the last layer, or when the next step begins): the staging pages go back
+  to the allocator; the next boundary's ``begin_step`` fences their reuse.
+
+No call reads device memory from the host; the number of torch operations per layer does not
+depend on the batch or the pool (``tests/dataplane/test_gpu_discipline.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from sglang_ext.dataplane.slot_kv_store import SlotKVStore
+from sglang_ext.dataplane.step_tables import StepTables
+
+
+class LayerPipeline:
+    """Per-layer fetch / write-back schedule of the current step."""
+
+    def __init__(self, store: SlotKVStore, release_staging: Callable[[StepTables], None]) -> None:
+        self.store = store
+        self.engine = store.engine
+        self._release = release_staging
+        self.tables: StepTables | None = None
+        self._events: list[list[Any]] = [[] for _ in range(store.config.layers)]
+        self._by_trigger: dict[int, list] = {}
+        self.steps = 0
+        self.fetched_layer_pages = 0
+        """Layer-pages fetched into staging since construction."""
+        self.layer_waits = 0
+        """Layers whose attention waited on a fetch this process (a test reads it)."""
+
+    @property
+    def active(self) -> bool:
+        """A step is running (begun, not ended)."""
+        return self.tables is not None
+
+    def begin_step(self, tables: StepTables) -> None:
+        """Start a forward over ``tables`` (ends a forward that never reached its last layer)."""
+        if self.tables is not None:
+            self.end_step()
+        self.tables = tables
+        self.engine.wait_fence()
+        for events in self._events:
+            events.clear()
+        by_trigger: dict[int, list] = {}
+        for launch in tables.fetches:
+            by_trigger.setdefault(launch.trigger, []).append(launch)
+        self._by_trigger = by_trigger
+        self._launch_fetches(-1, ())
+        self.steps += 1
+
+    def _launch_fetches(self, trigger: int, wait: tuple) -> None:
+        tables = self.tables
+        assert tables is not None
+        for launch in self._by_trigger.get(trigger, ()):
+            src, dst, host = tables.launch_indices(launch)
+            event = self.engine.h2d(src, dst, wait=wait, host_idx=host)
+            self._events[launch.layer].append(event)
+            self.store.h2d_bytes += launch.segments * self.engine.segment_bytes
+            self.fetched_layer_pages += launch.segments // 2
+
+    def begin_layer(self, layer: int) -> None:
+        """The compute stream waits until layer ``layer``'s staged pages have arrived."""
+        events = self._events[layer]
+        if events:
+            self.engine.stream_wait(events)
+            self.layer_waits += 1
+
+    def end_layer(self, layer: int) -> None:
+        """Write back the layer's staged new tokens; launch the fetches this layer released."""
+        tables = self.tables
+        if tables is None:
+            return
+        wait: tuple = ()
+        launch = tables.writebacks[layer]
+        if launch is not None:
+            src, dst, host = tables.launch_indices(launch)
+            wait = (self.engine.d2h(src, dst, host_idx=host),)
+            nbytes = launch.segments * self.engine.segment_bytes
+            self.store.d2h_bytes += nbytes
+            self.store.host_write_bytes += nbytes
+        if layer in self._by_trigger:
+            self._launch_fetches(layer, wait)
+        if layer == self.store.config.layers - 1:
+            self.end_step()
+
+    def end_step(self) -> None:
+        """The forward is over: staging goes back (its reuse is fenced by the next step)."""
+        tables, self.tables = self.tables, None
+        if tables is not None:
+            for events in self._events:
+                events.clear()
+            self._release(tables)

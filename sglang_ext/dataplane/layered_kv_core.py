@@ -1,0 +1,282 @@
+"""LayeredKVCore: the served layered-KV data plane, SGLang-free (the pool adapter, the benchmarks
+and the GPU check all drive this object).
+
+Primitives (scheduler thread; a forward is ``prepare_step`` .. ``exit_layer(L-1)``):
+
+- ``update_residency(wants)`` / ``release_request(rid)`` / ``page_freed(pages)`` -- boundary
+  changes from the control plane and SGLang's allocator (:class:`SlotResidency`).
+- ``prepare_step(requests, new_slots, new_counts)`` -- the step boundary: observe the batch,
+  reconcile the placement (staging kept free), build the step's tables once
+  (:class:`StepTables`, staging reserved by :class:`StagingRoom`), start the
+  :class:`LayerPipeline` (first fetches launched). ``prepare_decode_step`` is its steady-decode
+  fast path (identity layout, everything resident: only the new pages are placed).
+- per layer: ``enter_layer(l)`` (stream wait on the layer's fetches), ``write(l, k, v)`` (the
+  step's new KV into its device rows), the attention reads ``layer_in_place(l)`` (identity) or
+  ``device_kv()`` through ``token_rows(l)`` / ``tables.tab[l]``, ``exit_layer(l)`` (write-back of
+  staged new tokens, next fetches).
+- ``read_kv(l, slots)`` / ``write_at_rest(...)`` -- at rest, between forwards (tests, tools,
+  overflow steps).
+
+When even evicting everything leaves too little room to stage the batch (the control plane let
+the running batch's staging slots outgrow the budget, or has not planned yet) the step
+*overflows*: it is served exactly through the at-rest path (host syncs), counted and logged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import structlog
+import torch
+
+from sglang_ext.dataplane.layer_pipeline import LayerPipeline
+from sglang_ext.dataplane.slot_kv_store import SlotKVStore, SlotStoreConfig
+from sglang_ext.dataplane.slot_residency import LayerPageMoves, SlotResidency
+from sglang_ext.dataplane.slot_results import RequestResidency, ResidencyDelta, ResidencyStats
+from sglang_ext.dataplane.staging_room import StagingRoom
+from sglang_ext.dataplane.step_tables import StepTables
+
+log = structlog.get_logger(__name__)
+
+WRITEBACK_FREE_SHARE = 0.25
+"""Eager write-back runs at a step boundary when fewer than this share of device pages are free."""
+
+
+class LayeredKVCore:
+    """Store + residency + staging + per-step tables + layer pipeline (see module docstring)."""
+
+    def __init__(self, config: SlotStoreConfig, on_moves: Callable[[LayerPageMoves], None] | None = None) -> None:
+        self.config = config
+        self.store = SlotKVStore(config)
+        self.residency = SlotResidency(self.store)
+        self.room = StagingRoom(self.residency)
+        self.pipeline = LayerPipeline(self.store, self._release_staging)
+        self.layers = config.layers
+        self.page_size = config.page_size
+        self._on_moves = on_moves
+        self.tables: StepTables | None = None
+        """The current forward's tables (None between forwards and on overflow / fast steps)."""
+        self.token_tables = True
+        """Build torch-native token tables per step (a paged-only backend turns this off)."""
+        self.overflow = False
+        """This step could not stage its batch inside the budget and runs the at-rest path."""
+        self.overflow_steps = 0
+        """Steps that overflowed."""
+        self.step_loc: torch.Tensor | None = None
+        """``new_slots`` of the current forward."""
+        self._owners_cache = np.zeros(0, dtype=np.int64)
+
+    # ----- boundary changes ---------------------------------------------------------
+
+    def update_residency(self, wants: Mapping[str, RequestResidency]) -> ResidencyDelta:
+        """Install the plan's wants and move data now (call at a step boundary only)."""
+        self.residency.update_residency(wants)
+        self._eager_writeback()
+        return self._reconcile()
+
+    def release_request(self, rid: str) -> None:
+        """The request finished or was aborted: drop its wants (tree-owned pages stay)."""
+        self.residency.release_request(rid)
+
+    def page_freed(self, pages: list[int]) -> None:
+        """SGLang's allocator took ``pages`` back."""
+        self.residency.page_freed(pages)
+
+    def free_device_pages(self) -> int:
+        """Device layer-pages free now, counting prefix-cache pages that are given up on demand."""
+        return self.store.allocator.free_count + self.residency.reclaimable_pages
+
+    def stats(self) -> ResidencyStats:
+        """Device/host occupancy, host fraction of live KV, bytes moved, steps staged / overflowed."""
+        return dataclasses.replace(
+            self.residency.stats(),
+            staged_steps_total=self.pipeline.steps,
+            overflow_steps_total=self.overflow_steps,
+            fetched_layer_pages_total=self.pipeline.fetched_layer_pages,
+        )
+
+    # ----- the step boundary ----------------------------------------------------------
+
+    def prepare_step(
+        self,
+        requests: Sequence[tuple[str | None, torch.Tensor]],
+        new_slots: torch.Tensor | None,
+        new_counts: Sequence[int] | None = None,
+    ) -> ResidencyDelta:
+        """Boundary before a forward: ``requests`` = (rid, CPU slots of its first seq_len tokens);
+        ``new_slots`` the slots the forward writes, ``new_counts[i]`` of them request ``i``'s last
+        positions (default: one each -- a decode step -- or all of them for a single request).
+        Positions ``[i * page_size, (i + 1) * page_size)`` of a request share one page."""
+        self.pipeline.end_step()
+        self.step_loc = new_slots
+        self.residency.drop_anonymous()
+        self._eager_writeback()
+        ps = self.page_size
+        page_lists, lens = [], []
+        for index, (rid, slots) in enumerate(requests):
+            # kept by residency, so never a view of req_to_token
+            fresh = slots.device.type == "cpu" and slots.dtype == torch.int64 and slots._base is None
+            pages = slots if fresh else slots.to("cpu", torch.int64, copy=True)
+            if ps > 1:
+                pages = pages[::ps] // ps  # position order; one slot per page
+            if rid is None:
+                self.residency.observe(f"__anonymous_{index}", pages, anonymous=True)
+            else:
+                self.residency.observe(rid, pages)
+            page_lists.append(pages.numpy())
+            lens.append(int(slots.numel()))
+        delta = self._reconcile()
+        n_new = 0 if new_slots is None else int(new_slots.numel())
+        if new_counts is None:
+            if n_new == len(requests):
+                new_counts = [1] * len(requests)
+            elif len(requests) == 1:
+                new_counts = [n_new]
+            else:
+                raise ValueError(
+                    f"prepare_step: {n_new} new slots for {len(requests)} requests needs new_counts "
+                    "(new tokens per request, the last positions of each)"
+                )
+        new_np = None  # rows come from positions; on CPU the slots are also checked against them
+        if n_new and new_slots is not None and new_slots.device.type == "cpu":
+            new_np = new_slots.numpy().astype(np.int64, copy=False)
+        batch = {rid for rid, _ in requests if rid is not None}
+        self._begin(page_lists, np.asarray(lens, dtype=np.int64), np.asarray(new_counts, dtype=np.int64),
+                    new_np, batch)
+        return delta
+
+    def _begin(self, page_lists: list[np.ndarray], lens: np.ndarray, counts: np.ndarray,
+               new_np: np.ndarray | None, batch: set[str]) -> None:
+        """Build the step's tables (making staging room if needed) and start the pipeline, or
+        mark the step as overflowing (module docstring)."""
+        self.overflow = False
+        for _ in range(self.layers + 2):
+            tables = StepTables(self.store, page_lists, lens, counts, new_np, self.room.take,
+                                token_tables=self.token_tables)
+            if tables.reserved:
+                self.store.mark_dirty(tables.dirty_ids)
+                self.store.has_kv_np[tables.new_pages] = True
+                self.store.staging_pages = int(tables.staging_ids.size)
+                self.tables = tables
+                self.pipeline.begin_step(tables)
+                return
+            if not self.room.make_room(self.room.wanted, batch):
+                break
+        self.overflow = True
+        self.overflow_steps += 1
+        if self.overflow_steps & (self.overflow_steps - 1) == 0:  # 1, 2, 4, 8, ...
+            log.warning(
+                "layered_kv_staging_overflow",
+                staging_pages_needed=self.room.wanted,
+                device_pages=self.store.allocator.capacity,
+                overflow_steps=self.overflow_steps,
+                hint="the running batch's staging slots exceed the device budget; the control plane "
+                "pauses requests to prevent this (raise --kv-gpu-budget-tokens for headroom)",
+            )
+
+    def _release_staging(self, tables: StepTables) -> None:
+        self.room.give_back(tables.staging_ids)
+        self.store.staging_pages = 0
+        if self.tables is tables:
+            self.tables = None
+
+    def prepare_decode_step(self, rids: Sequence[str], seq_lens: Sequence[int] | np.ndarray,
+                            new_slots: torch.Tensor) -> bool:
+        """:meth:`prepare_step` for a steady decode step, or False (nothing done) when it does not
+        apply: every request of ``rids`` ran the previous forward with ``seq_lens - 1`` tokens and
+        the store is in the identity layout with every live layer-page resident. Then the step's
+        only change is the new pages of ``new_slots`` (slot ``i`` is request ``i``'s new token),
+        placed at every layer without re-reading any request's slots; nothing is staged."""
+        if new_slots.device.type != "cpu" or new_slots.numel() != len(rids) or self.residency.has_anonymous:
+            return False
+        slots = new_slots.numpy()
+        if slots.dtype != np.int64:
+            slots = slots.astype(np.int64)
+        ps = self.page_size
+        if ps == 1:
+            owners, pages = self._owners(slots.size), slots
+        else:
+            lens = np.asarray(seq_lens, dtype=np.int64)
+            owners = np.flatnonzero((lens - 1) % ps == 0)  # the token opens a new page
+            pages = slots[owners] // ps
+        if not self.residency.append_decode_identity(rids, owners, pages):
+            return False
+        self.pipeline.end_step()
+        self.overflow = False
+        self.step_loc = new_slots
+        self.store.mark_dirty_pages(slots if ps == 1 else np.unique(slots // ps))
+        return True
+
+    def _owners(self, n: int) -> np.ndarray:
+        """``arange(n)`` (read-only, cached: the batch size rarely changes between steps)."""
+        if self._owners_cache.size != n:
+            self._owners_cache = np.arange(n, dtype=np.int64)
+            self._owners_cache.flags.writeable = False
+        return self._owners_cache
+
+    def _eager_writeback(self) -> None:
+        """Write dirty device layer-pages back to host at the boundary -- under memory pressure only.
+
+        SuperInfer §4.3.2 (eager block rotation): with host copies current, a later offload only
+        drops the device copy. While the device pool has room (free share at least
+        :data:`WRITEBACK_FREE_SHARE`) no offload is near, so the copy is deferred (an offload
+        writes back any dirty page itself). The identity layout never has to make room.
+        """
+        allocator = self.store.allocator
+        if not self.store.identity and allocator.free_count < WRITEBACK_FREE_SHARE * allocator.capacity:
+            self.store.sync_dirty()
+
+    def _reconcile(self) -> ResidencyDelta:
+        delta = self.residency.reconcile()
+        if self._on_moves is not None:
+            self._on_moves(self.residency.last_moves)
+        return delta
+
+    # ----- per layer -------------------------------------------------------------------
+
+    def enter_layer(self, layer: int) -> None:
+        """Before layer ``layer``'s KV write and attention: wait (on the stream) for its fetches."""
+        self.pipeline.begin_layer(layer)
+
+    def exit_layer(self, layer: int) -> None:
+        """After layer ``layer``'s attention: write back its staged new tokens, launch the fetches
+        its staging slots released."""
+        self.pipeline.end_layer(layer)
+
+    def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """New K/V ``[n, H, D]`` of ``loc`` at ``layer``. The step's own slots go to their device rows
+        (identity: in place by slot id; otherwise the step's row table) -- no host work; anything
+        else (or an overflow step) is written at rest."""
+        if loc is not self.step_loc or self.overflow:
+            self.store.write_at_rest(layer, loc, k, v)
+            self.residency.mark_written(torch.unique(loc.to("cpu", torch.int64) // self.page_size))
+        elif self.store.identity:
+            if loc.dtype != torch.int64 or loc.device != self.store.device:
+                loc = self.step_loc = loc.to(self.store.device, torch.int64)
+            k_layer, v_layer = self.store.layer_in_place(layer)
+            k_layer.index_copy_(0, loc, k)
+            v_layer.index_copy_(0, loc, v)
+        else:
+            rows = self.tables.rows[layer]  # type: ignore[union-attr]
+            self.store.write_rows(rows, rows, k, v)
+
+    def token_rows(self, layer: int) -> torch.Tensor:
+        """``[B, W]`` rows of :meth:`device_kv` holding every batch token at ``layer`` this step
+        (non-identity layout; three device ops from the step's tables)."""
+        if self.tables is None:
+            raise RuntimeError("token_rows outside a staged step")
+        return self.tables.token_rows(layer, self.page_size)
+
+    def layer_in_place(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Identity layout: K and V of ``layer`` indexed by slot id (views)."""
+        return self.store.layer_in_place(layer)
+
+    def device_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device page pool as flat K and V rows (views, no copy)."""
+        return self.store.device_views()
+
+    def read_kv(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``slots`` at ``layer``, at rest (waits for copies in flight)."""
+        return self.store.read_kv(layer, slots)

@@ -1,0 +1,92 @@
+"""StagingRoom: reserves a step's staging pages inside the device budget, making room if needed.
+
+The boundary's reconciliation keeps ``SlotResidency.staging_reserve()`` pages free, so the
+step's reservation normally succeeds at once. When it does not (the batch's offloading requests
+changed since the boundary, or wants were short), room is made in this order, never losing KV
+(dirty pages are written back before their device copy goes):
+
+1. removable layer-pages: cached prefixes nobody uses, then paused requests (oldest pause
+   first), highest layer first -- OrbitFlow §3.4's lazy eviction "when space is needed";
+2. resident layers of live requests outside this batch, largest request first, highest layer
+   first;
+3. resident layers of the batch's own requests, in the same order (their staging grows by at
+   most their pages, which the config guarantees fit: the budget holds one layer of the whole
+   slot space).
+
+Evicted wanted layers show up as shortfall at the next boundary, which retries placing them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import numpy as np
+
+from sglang_ext.dataplane.slot_residency import SlotResidency
+
+
+class StagingRoom:
+    """Staging reservation over a :class:`SlotResidency`'s store."""
+
+    def __init__(self, residency: SlotResidency) -> None:
+        self.residency = residency
+        self.store = residency.store
+        self.wanted = 0
+        """Pages the last :meth:`take` asked for."""
+        self.evicted_layer_pages = 0
+        """Layer-pages evicted to make staging room (removable ones included), in total."""
+
+    def take(self, n: int) -> np.ndarray | None:
+        """``n`` device pages for staging, or None (nothing taken) when fewer are free."""
+        self.wanted = n
+        ids = self.store.allocator.alloc(n)
+        return None if ids is None else np.asarray(ids, dtype=np.int64)
+
+    def give_back(self, ids: np.ndarray | None) -> None:
+        """Return a step's staging pages."""
+        if ids is not None and ids.size:
+            self.store.allocator.free(ids.tolist())
+
+    def make_room(self, n: int, batch: Collection[str]) -> bool:
+        """Free device pages until ``n`` are free; False if even evicting everything cannot."""
+        short = n - self.store.allocator.free_count
+        if short <= 0:
+            return True
+        res = self.residency
+        res._changed = True  # wants may end up short: the next boundary re-places them
+        res._live_stats = None
+        short -= self._give_up_removable(short)
+        if short <= 0:
+            return True
+        requests = [(rid, r) for rid, r in res._requests.items() if r.pages.numel()]
+        outside = [r for rid, r in requests if rid not in batch]
+        inside = [r for rid, r in requests if rid in batch]
+        for group in (outside, inside):
+            for req in sorted(group, key=lambda r: -r.pages.numel()):
+                pages = np.unique(req.pages.numpy())
+                for layer in range(self.store.config.layers - 1, -1, -1):
+                    on = pages[self.store.map_np[layer, pages] >= 0]
+                    if not on.size:
+                        continue
+                    self.store.offload(np.full(on.size, layer), on)
+                    self.evicted_layer_pages += int(on.size)
+                    short -= int(on.size)
+                    if short <= 0:
+                        return True
+        return short <= 0
+
+    def _give_up_removable(self, short: int) -> int:
+        """Drop up to ``short`` removable layer-pages in give-up order; return how many."""
+        res = self.residency
+        resident = self.store.resident_mask()
+        orphan = res._orphan_pages()
+        removable = resident & ~res._target() & (res._paused_mask() | orphan[None, :])
+        given = 0
+        for layer, pages in res._removable_order(removable, orphan):
+            take = pages[: short - given].numpy()
+            self.store.offload(np.full(take.size, layer), take)
+            given += int(take.size)
+            if given >= short:
+                break
+        self.evicted_layer_pages += given
+        return given

@@ -1,0 +1,195 @@
+"""StepTables: everything a forward needs from the layered store, built once per step on the host.
+
+Built at the step boundary from the store's ``[L, P]`` map and the batch (each request's pages in
+position order, sequence lengths, how many new tokens each writes), in NumPy, proportional to the
+batch (``L x`` its pages), never to the pool:
+
+- ``tab [L, n]``: device page of every (layer, batch page). Resident pages point at their device
+  copy; host-only pages at the request's *staging slot* (OrbitFlow §3.3.1: one layer of the
+  request's pages, ``b_r`` device pages, reserved by the caller inside the budget) -- or, in the
+  identity layout, at the layer-page's own identity page, which nobody else may use.
+- ``rows [L, m]``: device row of each new token at each layer (K rows of the flat K view; the
+  same ids index the flat V view): where ``set_kv_buffer`` writes, resident or staged.
+- fetch launches: per (trigger layer, target layer), the host-only layer-pages holding KV are
+  copied into their staging pages. A request's first offloaded layer is fetched at step start
+  (trigger -1); each later one when the request's previous offloaded layer has ended -- the
+  placement model's timeline (``controlplane/model/timeline.py``). In the identity layout every
+  staged page is distinct, so all fetches start at step start.
+- write-back launches: per layer, the staged pages that receive new tokens go back to host after
+  the layer (new KV of offloaded layers reaches host memory without a host sync).
+- torch-native token tables (non-identity only): ``tok_col [B, W]``, ``tok_off [B, W]`` so that a
+  layer's token rows are ``tab[l][tok_col] * page_size + tok_off`` (three device ops per layer).
+- FlashInfer CSR: ``indptr [B+1]``, ``kv_lens [B]``, ``last_page_len [B]`` (same for every layer).
+
+All integers go to the device in two non-blocking uploads (one int32 buffer, one int64 buffer;
+pinned on CUDA); per-layer tensors are views of those buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from sglang_ext.dataplane.slot_kv_store import SlotKVStore
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One batched copy of the step: ``2 * pages`` segments (K then V)."""
+
+    trigger: int
+    """Issued when this layer ends (-1: at step start)."""
+    layer: int
+    """Layer whose pages it moves."""
+    offset: int
+    """Start of its source indices in the int64 buffer (destination indices follow)."""
+    segments: int
+    """Segments moved (2 per layer-page)."""
+
+
+class StepTables:
+    """The step's tables and launch plan (see module docstring)."""
+
+    def __init__(self, store: SlotKVStore, pages: Sequence[np.ndarray], seq_lens: np.ndarray,
+                 new_counts: np.ndarray, new_slots: np.ndarray | None,
+                 stage: Callable[[int], np.ndarray | None], *, token_tables: bool = True) -> None:
+        """``stage(n)`` returns ``n`` reserved device pages (None: not enough room; the caller
+        makes room and builds again). Raises ValueError when ``new_slots`` disagree with the
+        batch's pages (a caller bug; nothing is reserved then)."""
+        c = store.config
+        layers, ps = c.layers, c.page_size
+        self.identity = store.identity
+        self.staging_ids = np.zeros(0, dtype=np.int64)
+        counts = np.fromiter((p.size for p in pages), dtype=np.int64, count=len(pages))
+        self.batch = b = int(counts.size)
+        flat = np.concatenate(pages) if b else np.zeros(0, dtype=np.int64)
+        self.pages = flat
+        n = int(flat.size)
+        starts = np.cumsum(counts) - counts
+        tab = store.map_np[:, flat].astype(np.int64)
+        host = tab < 0
+        self.host_layer_pages = int(host.sum())
+        req_of_col = np.repeat(np.arange(b), counts)
+        if self.identity:
+            tab = np.where(host, store.identity_ids(flat), tab)
+            trigger = np.full((layers, max(b, 1)), -1, dtype=np.int64)
+        else:
+            host_req = np.zeros((layers, b), dtype=bool)
+            nonempty = counts > 0
+            if n:
+                host_req[:, nonempty] = np.logical_or.reduceat(host, starts[nonempty], axis=1)
+            needs = host_req.any(axis=0)
+            need_cols = needs[req_of_col]
+            want = int(need_cols.sum())
+            if want:
+                ids = stage(want)
+                if ids is None:
+                    self.staging_ids = None  # type: ignore[assignment]
+                    return
+                self.staging_ids = ids
+                stage_col = np.full(n, -1, dtype=np.int64)
+                stage_col[need_cols] = ids
+                tab = np.where(host, stage_col[None, :], tab)
+            last = np.maximum.accumulate(np.where(host_req, np.arange(layers)[:, None], -1), axis=0)
+            trigger = np.vstack([np.full((1, b), -1, dtype=np.int64), last[:-1]])
+        # new tokens: request r writes positions [len_r - e_r, len_r)
+        m = int(new_counts.sum())
+        tok_req = np.repeat(np.arange(b), new_counts)
+        pos = np.arange(m) - np.repeat(np.cumsum(new_counts) - new_counts, new_counts) + np.repeat(
+            seq_lens - new_counts, new_counts)
+        col = starts[tok_req] + pos // ps
+        off = pos % ps
+        if new_slots is not None and (new_slots.size != m or not np.array_equal(new_slots // ps, flat[col])):
+            self.staging_ids = np.zeros(0, dtype=np.int64)
+            raise ValueError("new token slots do not match the batch's pages (positions vs req_to_token)")
+        rows = tab[:, col] * ps + off[None, :]
+        ucol = np.unique(col)
+        new_host = host[:, ucol]
+        self.dirty_ids = (store.identity_ids(flat[ucol]))[~new_host]
+        """Flat ids ``l * P + p`` of resident layer-pages that receive new tokens."""
+        self.new_pages = flat[ucol]
+        """Pages that receive new tokens (they hold KV after this step)."""
+        # launches: fetch host-only pages that hold KV; write back staged pages that get tokens
+        fetch = host & store.has_kv_np[flat][None, :]
+        int64_parts: list[np.ndarray] = [rows.reshape(-1)]
+        offset = rows.size
+        self.fetches: list[Launch] = []
+        self.writebacks: list[Launch | None] = [None] * layers
+        for layer in range(layers):
+            cols = np.flatnonzero(fetch[layer])
+            if cols.size:
+                trig = trigger[layer, req_of_col[cols]]
+                for t in np.unique(trig):
+                    sel = cols[trig == t]
+                    src = store.host_segs(np.full(sel.size, layer), flat[sel])
+                    dst = store.dev_segs(tab[layer, sel])
+                    int64_parts += [src, dst]
+                    self.fetches.append(Launch(int(t), layer, offset, int(src.size)))
+                    offset += 2 * src.size
+            wcols = ucol[new_host[layer]]
+            if wcols.size:
+                src = store.dev_segs(tab[layer, wcols])
+                dst = store.host_segs(np.full(wcols.size, layer), flat[wcols])
+                int64_parts += [src, dst]
+                self.writebacks[layer] = Launch(layer, layer, offset, int(src.size))
+                offset += 2 * src.size
+        self.fetch_layer_pages = sum(f.segments for f in self.fetches) // 2
+        self.writeback_layer_pages = sum(w.segments for w in self.writebacks if w is not None) // 2
+        width = int(seq_lens.max()) if b else 0
+        self._tok_at = -1
+        if token_tables and not self.identity and b:
+            t = np.arange(width)
+            valid = t[None, :] < seq_lens[:, None]
+            tok_col = np.where(valid, starts[:, None] + t[None, :] // ps, 0)
+            tok_off = np.where(valid, t[None, :] % ps, 0)
+            self._tok_at = offset
+            int64_parts += [tok_col.reshape(-1), tok_off.reshape(-1)]
+            offset += 2 * b * width
+        self._width = width
+        last_len = seq_lens - (counts - 1) * ps
+        indptr = np.concatenate([[0], np.cumsum(counts)])
+        int32 = np.concatenate([tab.reshape(-1), indptr, seq_lens, last_len]).astype(np.int32)
+        int64 = np.concatenate(int64_parts) if int64_parts else np.zeros(0, dtype=np.int64)
+        self._int64_np = int64
+        self.i32 = _upload(int32, store.device)
+        self.i64 = _upload(int64, store.device)
+        self._n, self._m = n, m
+        self.tab = self.i32[: layers * n].view(layers, n)
+        """``[L, n]`` int32 device pages per layer (FlashInfer ``kv_indices`` rows)."""
+        self.rows = self.i64[: layers * m].view(layers, m)
+        """``[L, m]`` int64 device rows of the new tokens per layer."""
+        base = layers * n
+        self.kv_indptr = self.i32[base: base + b + 1]
+        self.kv_lens = self.i32[base + b + 1: base + 2 * b + 1]
+        self.last_page_len = self.i32[base + 2 * b + 1: base + 3 * b + 1]
+
+    @property
+    def reserved(self) -> bool:
+        """The staging pages were reserved (False: the caller must make room and rebuild)."""
+        return self.staging_ids is not None
+
+    def launch_indices(self, launch: Launch) -> tuple[torch.Tensor, torch.Tensor, tuple[np.ndarray, np.ndarray]]:
+        """Source and destination segment indices of ``launch`` (device views; and NumPy)."""
+        o, s = launch.offset, launch.segments
+        host = (self._int64_np[o: o + s], self._int64_np[o + s: o + 2 * s])
+        return self.i64[o: o + s], self.i64[o + s: o + 2 * s], host
+
+    def token_rows(self, layer: int, page_size: int) -> torch.Tensor:
+        """``[B, W]`` device rows of every token of the batch at ``layer`` (non-identity only)."""
+        if self._tok_at < 0:
+            raise RuntimeError("token tables were not built for this step")
+        size = self.batch * self._width
+        tok_col = self.i64[self._tok_at: self._tok_at + size].view(self.batch, self._width)
+        tok_off = self.i64[self._tok_at + size: self._tok_at + 2 * size].view(self.batch, self._width)
+        return self.tab[layer][tok_col] * page_size + tok_off
+
+
+def _upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """One non-blocking host-to-device copy (from pinned memory on CUDA); a view on CPU."""
+    tensor = torch.from_numpy(values)
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)

@@ -1,0 +1,185 @@
+"""CoreDriver: drives the SGLang-free served core (:class:`LayeredKVCore`) the way SGLang's
+forward does -- paged slot allocation, batched prefill/decode steps, per-layer enter / write /
+read / exit -- keeping a shadow copy of every live token's K/V and checking, inside every layer,
+that the attention's read path (identity in place, staged row table, or overflow at rest)
+returns exactly the shadow."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
+from sglang_ext.dataplane.slot_kv_store import SlotStoreConfig
+from sglang_ext.dataplane.slot_results import RequestResidency
+
+LAYERS, HEADS, DIM, PAGE, PAGES = 3, 2, 4, 2, 33
+"""Toy shapes: 33 logical pages of 2 tokens (page 0 is SGLang's padding page)."""
+
+
+def make_core(device_pages: int | None, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+              layers: int = LAYERS, pages: int = PAGES, page_size: int = PAGE) -> LayeredKVCore:
+    """A core at toy sizes; ``device_pages=None`` is the identity layout (every layer-page fits)."""
+    return LayeredKVCore(SlotStoreConfig(
+        layers=layers, page_size=page_size, kv_heads=HEADS, head_dim=DIM, logical_pages=pages,
+        device_pages=layers * pages if device_pages is None else device_pages, dtype=dtype, device=device,
+    ))
+
+
+class CoreDriver:
+    """SGLang's side of the core: slots, steps, frees -- plus the shadow KV and the checks."""
+
+    def __init__(self, core: LayeredKVCore, seed: int = 0,
+                 on_layer: Callable[[int], None] | None = None) -> None:
+        self.core = core
+        self.ps = core.page_size
+        self.gen = torch.Generator().manual_seed(seed)
+        self.free_pages = list(range(core.config.logical_pages - 1, 0, -1))
+        self.slots: dict[str, list[int]] = {}
+        self.paused: set[str] = set()
+        self.shadow: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.on_layer = on_layer
+        """Called inside every layer (after the write, before the read): tests hook assertions."""
+        self.steps = 0
+
+    # ----- SGLang's allocator ------------------------------------------------------------
+
+    def _refs(self, page: int) -> int:
+        return sum(1 for s in self.slots.values() if s and page in {x // self.ps for x in s})
+
+    def _grow(self, rid: str, n: int) -> list[int] | None:
+        slots = self.slots[rid]
+        fresh = -(-max(0, n - (-len(slots) % self.ps)) // self.ps)
+        if fresh > len(self.free_pages):
+            return None
+        out = []
+        for _ in range(n):
+            if slots and (slots[-1] + 1) % self.ps != 0:
+                nxt = slots[-1] + 1
+            else:
+                nxt = self.free_pages.pop() * self.ps
+            slots.append(nxt)
+            out.append(nxt)
+        return out
+
+    def add(self, rid: str, share_from: str | None = None, share_pages: int = 0) -> None:
+        """A new request, optionally starting with another's first ``share_pages`` full pages
+        (a prefix-cache hit: same pages, no copy)."""
+        prefix: list[int] = []
+        if share_from is not None and share_from in self.slots:
+            full = len(self.slots[share_from]) // self.ps
+            prefix = self.slots[share_from][: min(share_pages, full) * self.ps]
+        self.slots[rid] = list(prefix)
+
+    # ----- a forward -----------------------------------------------------------------------
+
+    def step(self, batch: Sequence[tuple[str, int]]) -> bool:
+        """One forward of ``batch`` = (rid, new tokens); False when SGLang would have no room."""
+        batch = [(rid, n) for rid, n in batch if rid in self.slots and rid not in self.paused and n > 0]
+        if not batch:
+            return False
+        fresh = sum(-(-max(0, n - (-len(self.slots[rid]) % self.ps)) // self.ps) for rid, n in batch)
+        if fresh > len(self.free_pages):
+            return False  # SGLang would not schedule this batch
+        news = [self._grow(rid, n) or [] for rid, n in batch]
+        loc = torch.tensor([s for new in news for s in new], dtype=torch.int64)
+        core = self.core
+        core.prepare_step([(rid, torch.tensor(self.slots[rid])) for rid, _ in batch], loc, [n for _, n in batch])
+        self.check_staging()
+        for layer in range(core.layers):
+            core.enter_layer(layer)
+            k = torch.randn((loc.numel(), HEADS, DIM), generator=self.gen).to(core.store.dev.dtype)
+            v = torch.randn((loc.numel(), HEADS, DIM), generator=self.gen).to(core.store.dev.dtype)
+            core.write(layer, loc, k.to(core.store.device), v.to(core.store.device))
+            for i, slot in enumerate(loc.tolist()):
+                self.shadow[(layer, slot)] = (k[i].clone(), v[i].clone())
+            if self.on_layer is not None:
+                self.on_layer(layer)
+            for b, (rid, _) in enumerate(batch):
+                got_k, got_v = self.read_in_step(layer, b, self.slots[rid])
+                want = [self.shadow[(layer, s)] for s in self.slots[rid]]
+                assert torch.equal(got_k.cpu(), torch.stack([w[0] for w in want])), (rid, layer)
+                assert torch.equal(got_v.cpu(), torch.stack([w[1] for w in want])), (rid, layer)
+            core.exit_layer(layer)
+        assert core.tables is None and core.store.staging_pages == 0
+        self.steps += 1
+        return True
+
+    def read_in_step(self, layer: int, b: int, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Request ``b``'s K/V at ``layer`` exactly as the served attention reads them."""
+        core = self.core
+        if core.overflow:
+            return core.read_kv(layer, torch.tensor(slots))
+        if core.store.identity:
+            k_layer, v_layer = core.layer_in_place(layer)
+            idx = torch.tensor(slots, device=k_layer.device)
+            return k_layer[idx], v_layer[idx]
+        rows = core.token_rows(layer)[b, : len(slots)]
+        k_all, v_all = core.device_kv()  # (on CUDA the read is ordered after the fetch by the stream wait)
+        return k_all[rows], v_all[rows]
+
+    # ----- control plane / scheduler changes ----------------------------------------------
+
+    def pages(self, rid: str) -> tuple[int, ...]:
+        return tuple(dict.fromkeys(s // self.ps for s in self.slots[rid]))
+
+    def want(self, rid: str, layers: Sequence[bool], paused: bool = False) -> None:
+        if rid not in self.slots or not self.slots[rid]:
+            return
+        self.core.update_residency({rid: RequestResidency(pages=self.pages(rid), gpu_layers=tuple(layers),
+                                                          paused=paused)})
+        (self.paused.add if paused else self.paused.discard)(rid)
+
+    def finish(self, rid: str) -> None:
+        """The request ends; pages nobody else uses go back to SGLang's allocator."""
+        if rid not in self.slots:
+            return
+        slots = self.slots.pop(rid)
+        self.paused.discard(rid)
+        self.core.release_request(rid)
+        pages = sorted({s // self.ps for s in slots if self._refs(s // self.ps) == 0})
+        self.core.page_freed(pages)
+        self.free_pages.extend(pages)
+        for slot in slots:
+            if self._refs(slot // self.ps) == 0:
+                for layer in range(self.core.layers):
+                    self.shadow.pop((layer, slot), None)
+
+    # ----- invariants ------------------------------------------------------------------------
+
+    def check_staging(self) -> None:
+        """During a staged step: every host-only layer-page of the batch points at a reserved
+        staging page (or its identity page), and the budget holds resident + staging."""
+        core = self.core
+        alloc = core.store.allocator
+        assert alloc.used_count <= alloc.capacity
+        tables = core.tables
+        if tables is None:
+            return
+        tab = tables.tab.cpu().numpy()
+        host = core.store.map_np[:, tables.pages] < 0
+        if core.store.identity:
+            assert np.array_equal(tab[host], core.store.identity_ids(tables.pages)[host])
+        else:
+            staged = set(tables.staging_ids.tolist())
+            assert set(tab[host].tolist()) <= staged
+            assert staged.isdisjoint(core.store.map_np[core.store.map_np >= 0].tolist())
+
+    def check_at_rest(self) -> None:
+        """Between forwards: every live token's K/V reads back bit-exact; the map and allocator
+        agree (no leak, no double use); dirty marks only on resident layer-pages."""
+        store = self.core.store
+        for rid, slots in self.slots.items():
+            if not slots:
+                continue
+            for layer in range(self.core.layers):
+                got_k, got_v = self.core.read_kv(layer, torch.tensor(slots))
+                want = [self.shadow[(layer, s)] for s in slots]
+                assert torch.equal(got_k.cpu(), torch.stack([w[0] for w in want])), (rid, layer)
+                assert torch.equal(got_v.cpu(), torch.stack([w[1] for w in want])), (rid, layer)
+        mapped = store.map_np[store.map_np >= 0].tolist()
+        assert len(mapped) == len(set(mapped))
+        assert set(mapped) == store.allocator.used_ids()
+        assert not (store.dirty_np & (store.map_np < 0)).any()
