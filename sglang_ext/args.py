@@ -67,7 +67,7 @@ class LayeredKVArgs:
     kv_report_interval: int = 8
     """Steady decode steps coalesced into one report to the control plane, in [1, 1024]; 1 =
     report every step. A step that changes anything (arrival, finish, queue, pause, plan expiry,
-    an outage) is always reported at once (see ``sglang_ext.scheduler_hooks``)."""
+    an outage) is always reported at once (see ``sglang_ext.step_reporter``)."""
     kv_profile: str | None = None
     """A ``kvplane profile`` file (:class:`~sglang_ext.dataplane.profile_schema.DeviceProfile`:
     per-layer compute, H2D/D2H GB/s) that seeds the controller's profile; must exist and parse.

@@ -2,29 +2,31 @@
 
 Registered by :mod:`sglang_ext.plugin` in scheduler processes when ``--enable-layered-kv`` is on
 (:func:`register`). One :class:`SchedulerHooks` per scheduler (TP rank), stored as
-``scheduler._kvplane``:
+``scheduler._kvplane``, composed of one object per role:
+
+* :class:`~sglang_ext.step_boundary.StepBoundary` -- the plan installed at step boundaries
+  (pause / resume, admission, placements, residency wants), identically on every TP rank;
+* :class:`~sglang_ext.step_reporter.StepReporter` -- rank 0's coalesced step reports to the
+  control plane (:class:`~sglang_ext.control_client.ControlClient`), whose decisions wait in the
+  :class:`~sglang_ext.decision_inbox.DecisionInbox` for the next boundary;
+* :class:`~sglang_ext.step_stats_writer.StepStatsWriter` -- rank 0's JSON line per step
+  (``$KVPLANE_STATS_FILE``);
+* :mod:`sglang_ext.worker_info` -- the session's ``WorkerInfo`` (KV shape, budget, profile).
+
+Hook points:
 
 * AFTER ``Scheduler.__init__``: validate (``--disable-overlap-schedule`` is required: with the
   overlap loop ``run_batch`` only launches a step and its result is processed one iteration later,
   so there is no clean boundary to install a plan at; no pipeline parallelism), then on TP rank 0
-  build the :class:`~sglang_ext.control_client.ControlClient` (embedded or ``grpc://``) with a
-  :class:`~controlplane.api.WorkerInfo` read off the model config and the KV pool.
-* AROUND ``Scheduler.get_next_batch_to_run`` (the step boundary): rank 0 turns the decisions it
-  holds into a :class:`~sglang_ext.tp_sync.StepInstall`, broadcast to every rank
-  (:class:`~sglang_ext.tp_sync.TpSync`); each rank pauses / resumes requests keeping their KV
-  (:class:`~sglang_ext.pause.PauseManager`) and, after SGLang has allocated this step's KV,
-  installs the placements on the layered pool (:class:`~sglang_ext.tp_sync.PlacementInstaller`;
-  skipped when the layered pool is not active). Local rule: the running batch is never left
-  empty while requests are parked (they are all resumed) -- so paused KV never idles a server.
+  build the control client (embedded or ``grpc://``) with a ``WorkerInfo`` read off the model
+  config and the KV pool.
+* AROUND ``Scheduler.get_next_batch_to_run`` (the step boundary): :meth:`StepBoundary.apply`
+  before SGLang builds the batch, the admission gate around it, :meth:`StepBoundary.after_schedule`
+  after SGLang allocated the step's KV.
 * AROUND ``Scheduler.run_batch``: start the step clock.
 * AFTER ``Scheduler.process_batch_result``: step time (launch to processed result, so it includes
-  the device sync), finished requests released from the pool, and on rank 0 the
-  :class:`~controlplane.api.StepReport` (running incl. paused, queued, finished,
-  ``observed_step_ms`` of decode steps, ``free_gpu_blocks``); the decisions it returns are
-  applied at the next boundary. Steady decode steps are coalesced, up to
-  ``--kv-report-interval`` per report (:meth:`SchedulerHooks._coalesce`): any change is reported
-  the step it happens. One JSON line per step goes to ``$KVPLANE_STATS_FILE`` if set
-  (:mod:`sglang_ext.settings`).
+  the device sync), finished requests released from the pool, and on rank 0 the step report
+  (:meth:`StepReporter.end_step`) and the stats line.
 * AROUND ``Scheduler.abort_request``: a paused request being aborted is resumed first, so SGLang's
   own abort path finishes it and frees its KV.
 """
@@ -32,68 +34,31 @@ Registered by :mod:`sglang_ext.plugin` in scheduler processes when ``--enable-la
 from __future__ import annotations
 
 import atexit
-import dataclasses
-import json
 import os
 import socket
-import threading
 import time
-from dataclasses import is_dataclass
-from pathlib import Path
 from typing import Any
 
 import structlog
 
-from controlplane.api import Decision, QueuedRequest, RequestState, StepReport, WorkerInfo
+from controlplane.api import WorkerInfo
 from sglang_ext import compat, overhead, settings
-from sglang_ext.admission import GATED_SCHEDULERS, AdmissionGate, request_slo
+from sglang_ext.admission import GATED_SCHEDULERS, AdmissionGate
 from sglang_ext.args import LayeredKVArgs
 from sglang_ext.control_client import ControlClient, build_control_plane, process_fallback_counter
+from sglang_ext.decision_inbox import DecisionInbox
 from sglang_ext.layer_timing import LayerTimer
 from sglang_ext.pause import PauseManager
-from sglang_ext.tp_sync import PlacementInstaller, StepInstall, TpSync
+from sglang_ext.step_boundary import StepBoundary
+from sglang_ext.step_reporter import StepReporter
+from sglang_ext.step_stats_writer import StepStatsWriter
+from sglang_ext.tp_sync import PlacementInstaller, TpSync
 from sglang_ext.worker_info import build_worker_info
 
 log = structlog.get_logger(__name__)
 
 CONNECT_WAIT_S = 2.0
 """How long start-up waits for a remote control plane before running on the local heuristic."""
-
-
-_QUIET_BOUNDARY: dict[str, Any] = {
-    "admitted_now": [],
-    "paused_now": [],
-    "resumed_now": [],
-    "decision": None,
-}
-"""What a boundary that installs nothing did (copied per step: the stats line extends it)."""
-
-
-class StepStatsWriter:
-    """Appends one JSON object per line to a file (flushed per line)."""
-
-    def __init__(self, path: str | Path) -> None:
-        self._file = Path(path).open("a", buffering=1)
-        self._lock = threading.Lock()
-
-    def write(self, record: dict[str, Any]) -> None:
-        with self._lock:
-            self._file.write(json.dumps(record) + "\n")
-
-    def close(self) -> None:
-        with self._lock:
-            self._file.close()
-
-
-def _stats_dict(stats: Any) -> dict[str, Any] | None:
-    if stats is None:
-        return None
-    if is_dataclass(stats) and not isinstance(stats, type):
-        # flat fields read directly: ``asdict`` deep-copies, which costs more than the rest of
-        # the per-step stats line
-        values = ((f.name, getattr(stats, f.name)) for f in dataclasses.fields(stats))
-        return {k: v for k, v in values if isinstance(v, int | float | bool | str)}
-    return None
 
 
 class SchedulerHooks:
@@ -118,24 +83,13 @@ class SchedulerHooks:
         self.pauser = PauseManager(hooks=tree_hooks, pages_of=self.pages_of)
         self.tp = TpSync.for_scheduler(scheduler)
         self.step = 0
-        self._t0 = time.monotonic()
-        self._pending: list[Decision] = []
-        self._deferred_pause: dict[str, int] = {}
+        t0 = time.monotonic()
         self._step_started: float | None = None
-        self._first_seen_ms: dict[str, float] = {}
-        self._boundary: dict[str, Any] = {}
-        # report coalescing (rank 0, see _coalesce)
-        self._decode_ms = 0.0
-        self._decode_steps = 0
-        self._layer_ms: tuple[float, ...] | None = None
-        self._sent_step = 0
-        self._sent_rids: tuple[str, ...] = ()
-        self._expiry_step = 0
-        self.reports = 0
-        """Reports sent to the control plane."""
-        self.client: ControlClient | None = None
-        self.stats: StepStatsWriter | None = None
+        self.inbox = DecisionInbox()
         self.admission = AdmissionGate(enabled=args.kv_scheduler in GATED_SCHEDULERS)
+        self.client: ControlClient | None = None
+        self.reporter: StepReporter | None = None
+        self.stats: StepStatsWriter | None = None
         self.timer: LayerTimer | None = None
         backend = getattr(getattr(getattr(scheduler, "tp_worker", None), "model_runner", None), "attn_backend", None)
         if self.tp.is_source and hasattr(backend, "layer_timer"):
@@ -149,6 +103,18 @@ class SchedulerHooks:
                 connect_wait_s=CONNECT_WAIT_S if args.kv_control_plane != "embedded" else 0.0,
             )
             atexit.register(self.client.close)
+            self.reporter = StepReporter(
+                scheduler=scheduler,
+                client=self.client,
+                inbox=self.inbox,
+                pauser=self.pauser,
+                installer=self.installer,
+                pool=self.pool,
+                layers=self.layers,
+                page_size=self.page_size,
+                report_interval=args.kv_report_interval,
+                t0=t0,
+            )
             if self.env.stats_file is not None:
                 self.stats = StepStatsWriter(self.env.stats_file)
             log.info(
@@ -163,6 +129,16 @@ class SchedulerHooks:
                 layered_pool=self.installer.layered,
                 tp_size=self.tp.world_size,
             )
+        self.boundary = StepBoundary(
+            tp=self.tp,
+            installer=self.installer,
+            pauser=self.pauser,
+            admission=self.admission,
+            inbox=self.inbox,
+            client=self.client,
+            pages_of=self.pages_of,
+            keep_record=self.stats is not None,
+        )
 
     # ---- set-up -------------------------------------------------------------------------
     def _worker_info(self) -> WorkerInfo:
@@ -220,115 +196,7 @@ class SchedulerHooks:
         pages = (row // self.page_size).tolist()
         return tuple(dict.fromkeys(int(p) for p in pages))
 
-    # ---- step boundary --------------------------------------------------------------------
-    def _compose(self, running_batch: Any) -> StepInstall:
-        """Rank 0: the decisions received since the last boundary -> one install."""
-        if self.client is not None:
-            self._received(self.client.poll())
-        decisions = self._pending
-        self._pending = []
-        pause: dict[str, None] = dict.fromkeys(self._deferred_pause)
-        resume: dict[str, None] = {}
-        admit: dict[str, None] = {}
-        prefill_layers: dict[str, int] = {}
-        placements = None
-        reasons: list[str] = []
-        for d in decisions:
-            admit.update(dict.fromkeys(d.admit))
-            prefill_layers.update(d.min_gpu_layers)
-            for rid in d.pause:
-                resume.pop(rid, None)
-                pause[rid] = None
-                self._deferred_pause.setdefault(rid, self.step)
-            for rid in d.resume:
-                pause.pop(rid, None)
-                self._deferred_pause.pop(rid, None)
-                resume[rid] = None
-            placements = dict(d.plan.placements)
-            reasons.append(d.reason)
-        return StepInstall(
-            step=self.step + 1,
-            pause=tuple(pause),
-            resume=tuple(r for r in resume if r in self.pauser),
-            placements=placements,
-            fallback=bool(self.client is not None and self.client.in_fallback),
-            reason=",".join(r for r in reasons if r),
-            admit=tuple(admit),
-            prefill_layers=prefill_layers or None,
-        )
-
-    def boundary(self, running_batch: Any, last_batch: Any) -> Any:
-        """Apply this step's install before SGLang builds the batch; returns the running batch."""
-        if self._quiet_boundary():
-            self._boundary = dict(_QUIET_BOUNDARY, fallback=self.admission.open)
-            return running_batch
-        install = self.tp.share(self._compose(running_batch) if self.tp.is_source else None)
-        self.installer.apply(install)
-        self.admission.admit(install.admit)
-        self.admission.open = install.fallback
-        paused = self.pauser.pause(running_batch, install.pause, self.step + 1)
-        for rid in paused:
-            self._deferred_pause.pop(rid, None)
-        running_batch, resumed = self.pauser.resume(running_batch, install.resume)
-        refill = last_batch is not None and not last_batch.is_empty() and last_batch.forward_mode.is_extend()
-        if len(self.pauser) and not refill and all(req.finished() for req in running_batch.reqs):
-            # idle (finished requests are filtered next): resume everyone rather than idle
-            running_batch, more = self.pauser.resume_all(running_batch)
-            resumed += more
-        # A deferred pause waits for its request to join the running batch (it may still be
-        # prefilling); it is dropped once the request is gone.
-        if self._deferred_pause:
-            alive = {r.rid for r in running_batch.reqs}
-            if refill:
-                alive |= {r.rid for r in last_batch.reqs}
-            for rid in list(self._deferred_pause):
-                if rid not in alive and rid not in self.pauser:
-                    del self._deferred_pause[rid]
-        self._boundary = {
-            "admitted_now": list(install.admit),
-            "paused_now": paused,
-            "resumed_now": resumed,
-            "decision": install.reason or None,
-            "fallback": install.fallback,
-        }
-        return running_batch
-
-    def _quiet_boundary(self) -> bool:
-        """Single rank, nothing to install: no decision received, nobody paused or waiting to
-        be, the fallback state unchanged. Then the full boundary would change nothing."""
-        if self.tp.world_size != 1 or self._pending or self._deferred_pause or len(self.pauser):
-            return False
-        if self.client is None:
-            return False
-        self._received(self.client.poll())
-        return not self._pending and self.client.in_fallback == self.admission.open
-
-    def after_schedule(self, plan: Any) -> None:
-        """SGLang allocated this step's KV: install the residency wants (layered pool only)."""
-        if not self.installer.layered and self.stats is None:
-            return
-        live: dict[str, Any] = {}
-        running, to_run = getattr(plan, "running_batch", None), getattr(plan, "batch_to_run", None)
-        for batch in (running, None if to_run is running else to_run):
-            if batch is None:
-                continue
-            for req in batch.reqs:
-                if not req.finished():
-                    live.setdefault(req.rid, req)
-        parked = {p.req.rid: p.req for p in self.pauser.parked()}
-        if self.installer.unchanged(live, parked):
-            self._boundary["install_delta"] = None  # steady state: nothing to install
-            return
-        running = {rid: self.pages_of(req) for rid, req in live.items()}
-        paused = {rid: self.pages_of(req) for rid, req in parked.items()}
-        try:
-            delta = self.installer.install(running, paused)
-        except Exception:  # a failed install keeps the previous residency; never fail the step
-            log.exception("residency_install_failed", step=self.step + 1)
-            delta = None
-        self._boundary["install_delta"] = _stats_dict(delta)
-
-    # ---- step end ---------------------------------------------------------------------------
+    # ---- step ---------------------------------------------------------------------------
     def start_step(self, batch: Any) -> None:
         self._step_started = time.perf_counter()
         if self.timer is not None:
@@ -352,163 +220,32 @@ class SchedulerHooks:
                 self.installer.release(rid)
             except Exception:
                 log.exception("residency_release_failed", rid=rid)
-        if not self.tp.is_source:
+        if self.reporter is None:  # not TP rank 0
             return
-        if is_decode and step_ms is not None:
-            self._decode_ms += step_ms
-            self._decode_steps += 1
-        if self.timer is not None:
-            layer_ms = self.timer.take()
-            if layer_ms is not None:
-                self._layer_ms = layer_ms
-        send = not self._coalesce(batch, finished, is_decode)
-        if not send and self.stats is None:
-            return
-        observed = self._decode_ms / self._decode_steps if self._decode_steps else None
-        report = self._report(batch, finished, observed)
-        if self._layer_ms is not None:
-            report = dataclasses.replace(report, layer_compute_ms=self._layer_ms)
-        if send:
-            assert self.client is not None
-            self._received(self.client.report(report))
-            self._decode_ms, self._decode_steps, self._layer_ms = 0.0, 0, None
-            self._sent_step, self._sent_rids = self.step, self._rids(batch)
-            self.reports += 1
-        if self.stats is not None:
-            self._write_stats(report, step_ms, is_decode, reported=send)
-
-    def _received(self, decisions: list[Decision]) -> None:
-        """Decisions from the control plane: installed at the next boundary; the newest one's
-        expiry bounds report coalescing."""
-        if decisions:
-            self._expiry_step = decisions[-1].expiry_step
-            self._pending.extend(decisions)
-
-    @staticmethod
-    def _rids(batch: Any) -> tuple[str, ...]:
-        return tuple(r.rid for r in batch.reqs)
-
-    def _coalesce(self, batch: Any, finished: tuple[str, ...], is_decode: bool) -> bool:
-        """Whether this step's report may wait for the next one (``--kv-report-interval``).
-
-        Only a steady decode step waits: the same requests as the last report, nothing finished,
-        queued or paused, the installed plan not expired, the control plane reachable, fewer
-        than ``interval`` steps since the last report. Everything the controller acts on
-        (OrbitFlow §3.4's batch-change and expiry triggers, admissions, pause state, outages)
-        is therefore reported the step it happens; a steady stretch reaches it as one report
-        with the mean decode step time (the profile-mismatch trigger sees it at most
-        ``interval - 1`` steps late) and each request's tokens generated since.
-        """
-        s = self.scheduler
-        return (
-            is_decode
-            and not finished
-            and self.step - self._sent_step < self.args.kv_report_interval
-            and self.step < self._expiry_step
-            and not s.waiting_queue
-            and not len(self.pauser)
-            and not self._deferred_pause
-            and not self._pending
-            and self.client is not None
-            and not self.client.in_fallback
-            and self._rids(batch) == self._sent_rids
-        )
-
-    def _now_ms(self) -> float:
-        return (time.monotonic() - self._t0) * 1e3
-
-    def _report(self, batch: Any, finished: tuple[str, ...], step_ms: float | None) -> StepReport:
-        s = self.scheduler
-        chunked = getattr(s, "chunked_req", None)
-        seen: dict[str, RequestState] = {}
-        live = [*getattr(s.running_batch, "reqs", ()), *batch.reqs]
-        for req in live:
-            if req.rid in seen or req.finished() or req is chunked or req.rid in self.pauser:
-                continue
-            seen[req.rid] = self._state(req, paused=False)
-        for parked in self.pauser.parked():
-            seen[parked.req.rid] = self._state(parked.req, paused=True)
-        now = self._now_ms()
-        queued = []
-        if s.waiting_queue or self._first_seen_ms:
-            waiting = {r.rid for r in s.waiting_queue}
-            self._first_seen_ms = {k: v for k, v in self._first_seen_ms.items() if k in waiting}
-        for req in s.waiting_queue:
-            arrival = self._first_seen_ms.setdefault(req.rid, now)
-            queued.append(
-                QueuedRequest(id=req.rid, prompt_tokens=max(1, len(req.origin_input_ids)), arrival_ms=arrival)
-            )
-        return StepReport(
+        layer_ms = self.timer.take() if self.timer is not None else None
+        report, sent = self.reporter.end_step(
+            batch,
             step=self.step,
-            now_ms=now,
-            running=tuple(seen.values()),
-            queued=tuple(queued),
-            observed_step_ms=step_ms,
             finished=finished,
-            free_gpu_blocks=self._free_blocks(),
+            is_decode=is_decode,
+            step_ms=step_ms,
+            layer_ms=layer_ms,
+            build_always=self.stats is not None,
         )
-
-    def _state(self, req: Any, *, paused: bool) -> RequestState:
-        gpu = None
-        if self.installer.layered:
-            gpu = self.installer.gpu_layer_count(req.rid) if not paused else 0
-        max_new = getattr(req.sampling_params, "max_new_tokens", None)
-        out = len(req.output_ids)
-        return RequestState(
-            id=req.rid,
-            context_tokens=max(1, len(req.origin_input_ids) + out),
-            generated_tokens=out,
-            paused=paused,
-            gpu_layers=gpu,
-            max_new_tokens=int(max_new) if max_new else None,
-            slo_tbt_ms=request_slo(req),
-        )
-
-    def _free_blocks(self) -> int | None:
-        if self.installer.layered and hasattr(self.pool, "free_device_pages"):
-            return int(self.pool.free_device_pages())
-        try:
-            free_pages = int(self.scheduler.token_to_kv_pool_allocator.available_size()) // self.page_size
-        except Exception:
-            return None
-        return free_pages * self.layers
-
-    def _write_stats(self, report: StepReport, step_ms: float | None, is_decode: bool, *, reported: bool) -> None:
-        assert self.stats is not None
-        stats = self._pool_stats()
-        pool = _stats_dict(stats)
-        record: dict[str, Any] = {
-            "step": self.step,
-            "time_s": round(time.time(), 6),
-            "mode": "decode" if is_decode else "extend",
-            "step_ms": None if step_ms is None else round(step_ms, 3),
-            "reported": reported,
-            "running": [r.id for r in report.running if not r.paused],
-            "slo_tbt_ms": {r.id: r.slo_tbt_ms for r in report.running if r.slo_tbt_ms is not None},
-            "held_total": self.admission.held_total,
-            "local_admits": self.admission.local_admits,
-            "paused": [r.id for r in report.running if r.paused],
-            "queued": len(report.queued),
-            "finished": list(report.finished),
-            "gpu_layers": {
-                rid: sum(w.gpu_layers) for rid, w in self.installer.last_wants.items() if not w.paused
-            },
-            "layers": self.layers,
-            "layer_compute_ms": None if report.layer_compute_ms is None else [round(x, 4) for x in report.layer_compute_ms],
-            "layered_pool": self.installer.layered,
-            "fallback": bool(self.client is not None and self.client.in_fallback),
-            "fallback_steps": 0 if self.client is None else self.client.fallback_steps,
-            "free_gpu_blocks": report.free_gpu_blocks,
-            "pool": pool,
-            **{k: v for k, v in self._boundary.items() if k != "fallback"},
-        }
-        for key in ("device_pages_used", "device_pages_total", "host_fraction"):
-            record[key] = None if pool is None else pool.get(key)
-        try:
-            self.stats.write(record)
-        except Exception:
-            log.warning("stats_write_failed", exc_info=True)
-        self._boundary = {}
+        if self.stats is not None and report is not None:
+            self.stats.write_step(
+                step=self.step,
+                report=report,
+                step_ms=step_ms,
+                is_decode=is_decode,
+                reported=sent,
+                layers=self.layers,
+                pool_stats=self._pool_stats(),
+                boundary=self.boundary.take_record(),
+                admission=self.admission,
+                installer=self.installer,
+                client=self.client,
+            )
 
 
 # ----- SGLang hooks --------------------------------------------------------------------------
@@ -534,7 +271,7 @@ def _around_next_batch(original: Any, scheduler: Any, *args: Any, **kwargs: Any)
     call = dict(zip(compat.SCHEDULER_GET_NEXT_BATCH_TO_RUN.args, args, strict=False))
     call.update(kwargs)
     running = call.get("running_batch", scheduler.running_batch)
-    running = hooks.boundary(running, call.get("last_batch", scheduler.last_batch))
+    running = hooks.boundary.apply(running, call.get("last_batch", scheduler.last_batch), hooks.step)
     scheduler.running_batch = running
     call["running_batch"] = running
     held = hooks.admission.hold_back(scheduler, running, hooks.pauser)
@@ -544,7 +281,7 @@ def _around_next_batch(original: Any, scheduler: Any, *args: Any, **kwargs: Any)
     finally:
         hooks.admission.restore(scheduler, held)
     t2 = time.perf_counter()
-    hooks.after_schedule(plan)
+    hooks.boundary.after_schedule(plan, hooks.step)
     if meter is not None:
         meter.add("boundary", t1 - t0)
         meter.add("after_schedule", time.perf_counter() - t2)

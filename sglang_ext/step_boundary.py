@@ -1,0 +1,186 @@
+"""``StepBoundary``: the plan installed at a scheduler step boundary, identically on every TP rank.
+
+Called AROUND ``Scheduler.get_next_batch_to_run`` (:mod:`sglang_ext.scheduler_hooks`):
+
+* :meth:`StepBoundary.apply` (before SGLang builds the batch): rank 0 turns the decisions in its
+  :class:`~sglang_ext.decision_inbox.DecisionInbox` into one
+  :class:`~sglang_ext.tp_sync.StepInstall`, broadcast to every rank
+  (:class:`~sglang_ext.tp_sync.TpSync`); each rank installs the placements' policy
+  (:class:`~sglang_ext.tp_sync.PlacementInstaller`), opens the admission gate for the admitted
+  requests, pauses / resumes requests keeping their KV (:class:`~sglang_ext.pause.PauseManager`).
+  Local rule: the running batch is never left empty while requests are parked (they are all
+  resumed), so paused KV never idles a server. A quiet single-rank boundary (nothing received,
+  nobody paused or waiting to be, the fallback state unchanged) installs nothing.
+* :meth:`StepBoundary.after_schedule` (SGLang allocated this step's KV): the residency wants go
+  to the layered pool unless the policy is unchanged since the last install.
+
+What the boundary did is kept in :attr:`StepBoundary.record` for the step's stats line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import structlog
+
+from sglang_ext.admission import AdmissionGate
+from sglang_ext.control_client import ControlClient
+from sglang_ext.decision_inbox import DecisionInbox
+from sglang_ext.pause import PauseManager
+from sglang_ext.step_stats_writer import stats_dict
+from sglang_ext.tp_sync import PlacementInstaller, StepInstall, TpSync
+
+log = structlog.get_logger(__name__)
+
+_QUIET_BOUNDARY: dict[str, Any] = {
+    "admitted_now": [],
+    "paused_now": [],
+    "resumed_now": [],
+    "decision": None,
+}
+"""What a boundary that installs nothing did (copied per step: the stats line extends it)."""
+
+
+class StepBoundary:
+    """Installs the control plane's decisions at step boundaries (one per scheduler, every rank)."""
+
+    def __init__(
+        self,
+        *,
+        tp: TpSync,
+        installer: PlacementInstaller,
+        pauser: PauseManager,
+        admission: AdmissionGate,
+        inbox: DecisionInbox,
+        client: ControlClient | None,
+        pages_of: Callable[[Any], Sequence[int]],
+        keep_record: bool = False,
+    ) -> None:
+        self.tp = tp
+        self.installer = installer
+        self.pauser = pauser
+        self.admission = admission
+        self.inbox = inbox
+        self.client = client
+        self.pages_of = pages_of
+        self.keep_record = keep_record
+        """Build the install record even without a layered pool (a stats line is written)."""
+        self.record: dict[str, Any] = {}
+        """What the last boundary did (admitted, paused, resumed, decision, install delta)."""
+
+    def compose(self, step: int) -> StepInstall:
+        """Rank 0: the decisions received since the last boundary -> one install for ``step + 1``."""
+        inbox = self.inbox
+        if self.client is not None:
+            inbox.receive(self.client.poll())
+        decisions = inbox.take()
+        pause: dict[str, None] = dict.fromkeys(inbox.deferred_pause)
+        resume: dict[str, None] = {}
+        admit: dict[str, None] = {}
+        prefill_layers: dict[str, int] = {}
+        placements = None
+        reasons: list[str] = []
+        for d in decisions:
+            admit.update(dict.fromkeys(d.admit))
+            prefill_layers.update(d.min_gpu_layers)
+            for rid in d.pause:
+                resume.pop(rid, None)
+                pause[rid] = None
+                inbox.deferred_pause.setdefault(rid, step)
+            for rid in d.resume:
+                pause.pop(rid, None)
+                inbox.deferred_pause.pop(rid, None)
+                resume[rid] = None
+            placements = dict(d.plan.placements)
+            reasons.append(d.reason)
+        return StepInstall(
+            step=step + 1,
+            pause=tuple(pause),
+            resume=tuple(r for r in resume if r in self.pauser),
+            placements=placements,
+            fallback=bool(self.client is not None and self.client.in_fallback),
+            reason=",".join(r for r in reasons if r),
+            admit=tuple(admit),
+            prefill_layers=prefill_layers or None,
+        )
+
+    def apply(self, running_batch: Any, last_batch: Any, step: int) -> Any:
+        """Apply this step's install before SGLang builds the batch; returns the running batch."""
+        if self._quiet():
+            self.record = dict(_QUIET_BOUNDARY, fallback=self.admission.open)
+            return running_batch
+        install = self.tp.share(self.compose(step) if self.tp.is_source else None)
+        self.installer.apply(install)
+        self.admission.admit(install.admit)
+        self.admission.open = install.fallback
+        deferred = self.inbox.deferred_pause
+        paused = self.pauser.pause(running_batch, install.pause, step + 1)
+        for rid in paused:
+            deferred.pop(rid, None)
+        running_batch, resumed = self.pauser.resume(running_batch, install.resume)
+        refill = last_batch is not None and not last_batch.is_empty() and last_batch.forward_mode.is_extend()
+        if len(self.pauser) and not refill and all(req.finished() for req in running_batch.reqs):
+            # idle (finished requests are filtered next): resume everyone rather than idle
+            running_batch, more = self.pauser.resume_all(running_batch)
+            resumed += more
+        # A deferred pause waits for its request to join the running batch (it may still be
+        # prefilling); it is dropped once the request is gone.
+        if deferred:
+            alive = {r.rid for r in running_batch.reqs}
+            if refill:
+                alive |= {r.rid for r in last_batch.reqs}
+            for rid in list(deferred):
+                if rid not in alive and rid not in self.pauser:
+                    del deferred[rid]
+        self.record = {
+            "admitted_now": list(install.admit),
+            "paused_now": paused,
+            "resumed_now": resumed,
+            "decision": install.reason or None,
+            "fallback": install.fallback,
+        }
+        return running_batch
+
+    def _quiet(self) -> bool:
+        """Single rank, nothing to install: no decision received, nobody paused or waiting to
+        be, the fallback state unchanged. Then the full boundary would change nothing."""
+        inbox = self.inbox
+        if self.tp.world_size != 1 or inbox.pending or inbox.deferred_pause or len(self.pauser):
+            return False
+        if self.client is None:
+            return False
+        inbox.receive(self.client.poll())
+        return not inbox.pending and self.client.in_fallback == self.admission.open
+
+    def after_schedule(self, plan: Any, step: int) -> None:
+        """SGLang allocated this step's KV: install the residency wants (layered pool only)."""
+        installer = self.installer
+        if not installer.layered and not self.keep_record:
+            return
+        live: dict[str, Any] = {}
+        running, to_run = getattr(plan, "running_batch", None), getattr(plan, "batch_to_run", None)
+        for batch in (running, None if to_run is running else to_run):
+            if batch is None:
+                continue
+            for req in batch.reqs:
+                if not req.finished():
+                    live.setdefault(req.rid, req)
+        parked = {p.req.rid: p.req for p in self.pauser.parked()}
+        if installer.unchanged(live, parked):
+            self.record["install_delta"] = None  # steady state: nothing to install
+            return
+        pages_of = self.pages_of
+        running_pages = {rid: pages_of(req) for rid, req in live.items()}
+        paused_pages = {rid: pages_of(req) for rid, req in parked.items()}
+        try:
+            delta = installer.install(running_pages, paused_pages)
+        except Exception:  # a failed install keeps the previous residency; never fail the step
+            log.exception("residency_install_failed", step=step + 1)
+            delta = None
+        self.record["install_delta"] = stats_dict(delta)
+
+    def take_record(self) -> dict[str, Any]:
+        """What the boundary did since the last call (for the stats line); the record restarts."""
+        record, self.record = self.record, {}
+        return record

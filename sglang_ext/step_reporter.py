@@ -1,0 +1,184 @@
+"""``StepReporter``: TP rank 0's per-step telemetry to the control plane, coalesced.
+
+After ``Scheduler.process_batch_result`` (:mod:`sglang_ext.scheduler_hooks`) the reporter builds
+a :class:`~controlplane.api.StepReport` -- running requests (paused ones included, with their GPU
+layers and SLOs), the queue with first-seen arrival times, the finished requests, the mean
+observed decode step time since the last report, the sampled per-layer times and the free GPU
+blocks -- and sends it; the decisions it gets back go to the
+:class:`~sglang_ext.decision_inbox.DecisionInbox` for the next boundary.
+
+Steady decode steps are coalesced (:meth:`StepReporter._coalesce`), up to
+``--kv-report-interval`` per report; any change is reported the step it happens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from controlplane.api import QueuedRequest, RequestState, StepReport
+from sglang_ext.admission import request_slo
+from sglang_ext.control_client import ControlClient
+from sglang_ext.decision_inbox import DecisionInbox
+from sglang_ext.pause import PauseManager
+from sglang_ext.tp_sync import PlacementInstaller
+
+
+class StepReporter:
+    """Builds and sends one scheduler's step reports (TP rank 0)."""
+
+    def __init__(
+        self,
+        *,
+        scheduler: Any,
+        client: ControlClient,
+        inbox: DecisionInbox,
+        pauser: PauseManager,
+        installer: PlacementInstaller,
+        pool: Any,
+        layers: int,
+        page_size: int,
+        report_interval: int,
+        t0: float | None = None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.client = client
+        self.inbox = inbox
+        self.pauser = pauser
+        self.installer = installer
+        self.pool = pool
+        self.layers = layers
+        self.page_size = page_size
+        self.report_interval = report_interval
+        self._t0 = time.monotonic() if t0 is None else t0
+        self._first_seen_ms: dict[str, float] = {}
+        # coalescing state (see _coalesce)
+        self._decode_ms = 0.0
+        self._decode_steps = 0
+        self._layer_ms: tuple[float, ...] | None = None
+        self._sent_step = 0
+        self._sent_rids: tuple[str, ...] = ()
+        self.reports = 0
+        """Reports sent to the control plane."""
+
+    def end_step(
+        self,
+        batch: Any,
+        *,
+        step: int,
+        finished: tuple[str, ...],
+        is_decode: bool,
+        step_ms: float | None,
+        layer_ms: tuple[float, ...] | None,
+        build_always: bool,
+    ) -> tuple[StepReport | None, bool]:
+        """Account step ``step``; send its report unless it is coalesced. Returns the report
+        (built when sent or when ``build_always``, e.g. for the stats line; else None) and
+        whether it was sent."""
+        if is_decode and step_ms is not None:
+            self._decode_ms += step_ms
+            self._decode_steps += 1
+        if layer_ms is not None:
+            self._layer_ms = layer_ms
+        send = not self._coalesce(batch, step, finished, is_decode)
+        if not send and not build_always:
+            return None, False
+        observed = self._decode_ms / self._decode_steps if self._decode_steps else None
+        report = self._report(batch, step, finished, observed)
+        if self._layer_ms is not None:
+            report = dataclasses.replace(report, layer_compute_ms=self._layer_ms)
+        if send:
+            self.inbox.receive(self.client.report(report))
+            self._decode_ms, self._decode_steps, self._layer_ms = 0.0, 0, None
+            self._sent_step, self._sent_rids = step, self._rids(batch)
+            self.reports += 1
+        return report, send
+
+    @staticmethod
+    def _rids(batch: Any) -> tuple[str, ...]:
+        return tuple(r.rid for r in batch.reqs)
+
+    def _coalesce(self, batch: Any, step: int, finished: tuple[str, ...], is_decode: bool) -> bool:
+        """Whether this step's report may wait for the next one (``--kv-report-interval``).
+
+        Only a steady decode step waits: the same requests as the last report, nothing finished,
+        queued or paused, the installed plan not expired, the control plane reachable, fewer
+        than ``interval`` steps since the last report. Everything the controller acts on
+        (OrbitFlow §3.4's batch-change and expiry triggers, admissions, pause state, outages)
+        is therefore reported the step it happens; a steady stretch reaches it as one report
+        with the mean decode step time (the profile-mismatch trigger sees it at most
+        ``interval - 1`` steps late) and each request's tokens generated since.
+        """
+        inbox = self.inbox
+        return (
+            is_decode
+            and not finished
+            and step - self._sent_step < self.report_interval
+            and step < inbox.expiry_step
+            and not self.scheduler.waiting_queue
+            and not len(self.pauser)
+            and not inbox.deferred_pause
+            and not inbox.pending
+            and not self.client.in_fallback
+            and self._rids(batch) == self._sent_rids
+        )
+
+    def _now_ms(self) -> float:
+        return (time.monotonic() - self._t0) * 1e3
+
+    def _report(self, batch: Any, step: int, finished: tuple[str, ...], step_ms: float | None) -> StepReport:
+        s = self.scheduler
+        chunked = getattr(s, "chunked_req", None)
+        seen: dict[str, RequestState] = {}
+        live = [*getattr(s.running_batch, "reqs", ()), *batch.reqs]
+        for req in live:
+            if req.rid in seen or req.finished() or req is chunked or req.rid in self.pauser:
+                continue
+            seen[req.rid] = self._state(req, paused=False)
+        for parked in self.pauser.parked():
+            seen[parked.req.rid] = self._state(parked.req, paused=True)
+        now = self._now_ms()
+        queued = []
+        if s.waiting_queue or self._first_seen_ms:
+            waiting = {r.rid for r in s.waiting_queue}
+            self._first_seen_ms = {k: v for k, v in self._first_seen_ms.items() if k in waiting}
+        for req in s.waiting_queue:
+            arrival = self._first_seen_ms.setdefault(req.rid, now)
+            queued.append(
+                QueuedRequest(id=req.rid, prompt_tokens=max(1, len(req.origin_input_ids)), arrival_ms=arrival)
+            )
+        return StepReport(
+            step=step,
+            now_ms=now,
+            running=tuple(seen.values()),
+            queued=tuple(queued),
+            observed_step_ms=step_ms,
+            finished=finished,
+            free_gpu_blocks=self._free_blocks(),
+        )
+
+    def _state(self, req: Any, *, paused: bool) -> RequestState:
+        gpu = None
+        if self.installer.layered:
+            gpu = self.installer.gpu_layer_count(req.rid) if not paused else 0
+        max_new = getattr(req.sampling_params, "max_new_tokens", None)
+        out = len(req.output_ids)
+        return RequestState(
+            id=req.rid,
+            context_tokens=max(1, len(req.origin_input_ids) + out),
+            generated_tokens=out,
+            paused=paused,
+            gpu_layers=gpu,
+            max_new_tokens=int(max_new) if max_new else None,
+            slo_tbt_ms=request_slo(req),
+        )
+
+    def _free_blocks(self) -> int | None:
+        if self.installer.layered and hasattr(self.pool, "free_device_pages"):
+            return int(self.pool.free_device_pages())
+        try:
+            free_pages = int(self.scheduler.token_to_kv_pool_allocator.available_size()) // self.page_size
+        except Exception:
+            return None
+        return free_pages * self.layers

@@ -1,0 +1,171 @@
+"""The scheduler hooks' roles on their own (no SGLang): decision inbox, step boundary, step reporter,
+stats line. The server tests (pause, admission, LVF, outage, layered) cover them wired into SGLang."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from controlplane.api import Decision
+from controlplane.model import Plan
+from sglang_ext.admission import AdmissionGate
+from sglang_ext.decision_inbox import DecisionInbox
+from sglang_ext.pause import PauseManager
+from sglang_ext.step_boundary import StepBoundary
+from sglang_ext.step_reporter import StepReporter
+from sglang_ext.step_stats_writer import StepStatsWriter, stats_dict
+from sglang_ext.tp_sync import PlacementInstaller, TpSync
+
+LAYERS = 2
+
+
+def decision(expiry: int, **fields: Any) -> Decision:
+    placements = fields.pop("placements", {})
+    plan = Plan(True, (), placements, 1.0, 8, 0, 0, "test", 0.0)
+    return Decision(plan=plan, apply_at_step=0, expiry_step=expiry, **fields)
+
+
+class FakeClient:
+    """The ControlClient surface the roles use: report answers with queued decisions."""
+
+    def __init__(self) -> None:
+        self.answers: list[list[Decision]] = []
+        self.reports: list[Any] = []
+        self.in_fallback = False
+        self.fallback_steps = 0
+
+    def report(self, report: Any) -> list[Decision]:
+        self.reports.append(report)
+        return self.answers.pop(0) if self.answers else []
+
+    def poll(self) -> list[Decision]:
+        return []
+
+
+def req(rid: str, finished: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(
+        rid=rid,
+        finished=lambda: finished,
+        origin_input_ids=[1, 2, 3],
+        output_ids=[4],
+        sampling_params=SimpleNamespace(max_new_tokens=8, custom_params=None),
+    )
+
+
+def scheduler(*queued: str) -> SimpleNamespace:
+    return SimpleNamespace(
+        waiting_queue=[req(r) for r in queued],
+        running_batch=SimpleNamespace(reqs=[]),
+        chunked_req=None,
+        token_to_kv_pool_allocator=SimpleNamespace(available_size=lambda: 10),
+    )
+
+
+def reporter(client: FakeClient, inbox: DecisionInbox, sched: Any, interval: int = 4) -> StepReporter:
+    return StepReporter(
+        scheduler=sched, client=client, inbox=inbox, pauser=PauseManager(),
+        installer=PlacementInstaller(None, LAYERS), pool=None, layers=LAYERS, page_size=1,
+        report_interval=interval,
+    )
+
+
+def test_inbox_keeps_the_newest_expiry_and_hands_decisions_over_once() -> None:
+    """receive() tracks the newest decision's expiry; take() empties the inbox."""
+    inbox = DecisionInbox()
+    inbox.receive([decision(5), decision(9)])
+    inbox.receive([])
+    assert inbox.expiry_step == 9
+    assert [d.expiry_step for d in inbox.take()] == [5, 9]
+    assert inbox.take() == [] and inbox.expiry_step == 9
+
+
+def test_boundary_composes_received_decisions_into_one_install() -> None:
+    """Admissions and prefill layers merge, a later resume cancels a pause, the newest
+    placements win, the install is for the next step, an unapplied pause is deferred."""
+    inbox = DecisionInbox()
+    inbox.receive([
+        decision(10, pause=("a", "b"), admit=("q1",), min_gpu_layers={"q1": 1}, reason="batch-change",
+                  placements={"a": (1, 0)}),
+        decision(12, resume=("b",), admit=("q2",), reason="expiry", placements={"c": (1, 1)}),
+    ])
+    boundary = StepBoundary(
+        tp=TpSync(0, 1), installer=PlacementInstaller(None, LAYERS), pauser=PauseManager(),
+        admission=AdmissionGate(enabled=True), inbox=inbox, client=FakeClient(), pages_of=lambda r: (),
+    )
+    install = boundary.compose(step=3)
+    assert install.step == 4
+    assert install.pause == ("a",) and install.resume == ()  # b is not parked: nothing to resume
+    assert install.admit == ("q1", "q2") and install.prefill_layers == {"q1": 1}
+    assert install.placements == {"c": (1, 1)} and install.reason == "batch-change,expiry"
+    assert inbox.deferred_pause == {"a": 3} and inbox.pending == []
+
+
+def test_quiet_boundary_installs_nothing_and_records_it() -> None:
+    """One rank, nothing received, nobody paused: the running batch is returned untouched."""
+    boundary = StepBoundary(
+        tp=TpSync(0, 1), installer=PlacementInstaller(None, LAYERS), pauser=PauseManager(),
+        admission=AdmissionGate(enabled=False), inbox=DecisionInbox(), client=FakeClient(), pages_of=lambda r: (),
+    )
+    batch = object()
+    assert boundary.apply(batch, None, step=0) is batch
+    assert boundary.take_record() == {
+        "admitted_now": [], "paused_now": [], "resumed_now": [], "decision": None, "fallback": False,
+    }
+    assert boundary.take_record() == {}
+
+
+def test_steady_decode_steps_are_coalesced_up_to_the_interval() -> None:
+    """The same requests decoding, nothing queued or finished: one report per interval steps,
+    carrying the mean decode step time; a finished request is reported at once."""
+    client, inbox = FakeClient(), DecisionInbox()
+    client.answers = [[decision(100)]]
+    rep = reporter(client, inbox, scheduler(), interval=3)
+    batch = SimpleNamespace(reqs=[req("a"), req("b")])
+    sent = []
+    for step, ms in enumerate((10.0, 20.0, 30.0, 40.0, 50.0), start=1):
+        inbox.take()  # the boundary installs what came back
+        _, was_sent = rep.end_step(batch, step=step, finished=(), is_decode=True, step_ms=ms, layer_ms=None,
+                                   build_always=False)
+        sent.append(was_sent)
+    assert sent == [True, False, False, True, False]
+    assert [r.observed_step_ms for r in client.reports] == [10.0, 30.0]  # mean of 20, 30, 40
+    report, was_sent = rep.end_step(SimpleNamespace(reqs=[req("a"), req("b", finished=True)]), step=6,
+                                    finished=("b",), is_decode=True, step_ms=60.0, layer_ms=None, build_always=False)
+    assert was_sent and report is not None and report.finished == ("b",)
+    assert rep.reports == 3
+
+
+def test_queued_requests_are_reported_with_their_first_seen_time() -> None:
+    """A queued request is never coalesced away and keeps its first-seen arrival time."""
+    client, inbox = FakeClient(), DecisionInbox()
+    rep = reporter(client, inbox, scheduler("q"))
+    batch = SimpleNamespace(reqs=[req("a")])
+    first, _ = rep.end_step(batch, step=1, finished=(), is_decode=True, step_ms=1.0, layer_ms=None, build_always=False)
+    second, sent = rep.end_step(batch, step=2, finished=(), is_decode=True, step_ms=1.0, layer_ms=None,
+                                build_always=False)
+    assert sent and first is not None and second is not None
+    assert first.queued[0].arrival_ms == second.queued[0].arrival_ms
+    assert second.free_gpu_blocks == 10 * LAYERS
+
+
+def test_stats_line_holds_the_step_and_the_boundary_record(tmp_path: Path) -> None:
+    """One JSON line per step with the report's requests and what the boundary did."""
+    client, inbox = FakeClient(), DecisionInbox()
+    rep = reporter(client, inbox, scheduler())
+    report, _ = rep.end_step(SimpleNamespace(reqs=[req("a")]), step=1, finished=(), is_decode=False, step_ms=2.5,
+                             layer_ms=(1.0, 1.5), build_always=True)
+    writer = StepStatsWriter(tmp_path / "stats.jsonl")
+    writer.write_step(
+        step=1, report=report, step_ms=2.5, is_decode=False, reported=True, layers=LAYERS, pool_stats=None,
+        boundary={"admitted_now": ["a"], "fallback": False}, admission=AdmissionGate(enabled=True),
+        installer=PlacementInstaller(None, LAYERS), client=client,
+    )
+    writer.close()
+    [line] = (tmp_path / "stats.jsonl").read_text().splitlines()
+    record = json.loads(line)
+    assert record["step"] == 1 and record["mode"] == "extend" and record["running"] == ["a"]
+    assert record["admitted_now"] == ["a"] and "fallback_steps" in record and record["fallback"] is False
+    assert record["layer_compute_ms"] == [1.0, 1.5] and record["pool"] is None
+    assert stats_dict(SimpleNamespace(x=1)) is None
