@@ -109,18 +109,38 @@ class TransferEngine:
         raise NotImplementedError
 
 
+@dataclass(frozen=True)
+class CpuEvent:
+    """A CPU launch's event: complete when born (the copy ran synchronously). Carries which launch
+    it marks, so tests can check who waits on what."""
+
+    kind: str
+    """``h2d`` or ``d2h``."""
+    seq: int
+    """Launch number of this engine."""
+
+
 class CpuTransferEngine(TransferEngine):
-    """Synchronous copies (one ``index_select`` + ``index_copy_`` per call); events are ``None``."""
+    """Synchronous copies (one ``index_select`` + ``index_copy_`` per call); events are
+    :class:`CpuEvent` (always complete); ``waited`` records every stream wait (tests)."""
+
+    def __init__(self, host_segments: torch.Tensor, dev_segments: torch.Tensor) -> None:
+        super().__init__(host_segments, dev_segments)
+        self._seq = 0
+        self.waited: list[Any] = []
 
     def _launch(self, kind, src, dst, src_idx, dst_idx, wait, host_idx):  # noqa: ANN001, ANN202
         dst.index_copy_(0, dst_idx, src.index_select(0, src_idx))
-        return None
+        self._seq += 1
+        return CpuEvent(kind, self._seq)
 
     def index_tensor(self, values: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
 
     def stream_wait(self, events: Sequence[Any]) -> None:
-        return None
+        self.waited.extend(events)
+        if len(self.waited) > 4096:
+            del self.waited[:2048]
 
     def fence(self) -> Any:
         return None

@@ -43,6 +43,7 @@ class CoreDriver:
         self.on_layer = on_layer
         """Called inside every layer (after the write, before the read): tests hook assertions."""
         self.steps = 0
+        self._rows: torch.Tensor | None = None
 
     # ----- SGLang's allocator ------------------------------------------------------------
 
@@ -97,6 +98,7 @@ class CoreDriver:
                 self.shadow[(layer, slot)] = (k[i].clone(), v[i].clone())
             if self.on_layer is not None:
                 self.on_layer(layer)
+            self._rows = None  # the served attention takes the layer's row table once
             for b, (rid, _) in enumerate(batch):
                 got_k, got_v = self.read_in_step(layer, b, self.slots[rid])
                 want = [self.shadow[(layer, s)] for s in self.slots[rid]]
@@ -116,7 +118,9 @@ class CoreDriver:
             k_layer, v_layer = core.layer_in_place(layer)
             idx = torch.tensor(slots, device=k_layer.device)
             return k_layer[idx], v_layer[idx]
-        rows = core.token_rows(layer)[b, : len(slots)]
+        if self._rows is None:
+            self._rows = core.token_rows(layer)
+        rows = self._rows[b, : len(slots)]
         k_all, v_all = core.device_kv()  # (on CUDA the read is ordered after the fetch by the stream wait)
         return k_all[rows], v_all[rows]
 

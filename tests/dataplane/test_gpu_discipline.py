@@ -1,0 +1,147 @@
+"""GPU discipline of the served core, enforced on CPU.
+
+Inside a layer the core may only wait on streams, take table rows and launch kernels: no op
+that makes the host wait for a device (``item``/``bool`` of a tensor, ``nonzero``, ``unique``,
+``masked_select``, ``repeat_interleave`` without ``output_size``, pageable D2H), and the number
+of ops per layer must not depend on the batch or the pool size. The attention of a layer waits
+on that layer's fetch events; a request's next fetch waits on the write-back of the layer that
+used its staging slot (the placement model's timeline).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from sglang_ext.dataplane.transfer_engine import CpuEvent
+from sglang_ext.testing.op_audit import OpAudit, audit_core
+from tests.dataplane.core_driver import LAYERS, CoreDriver, make_core
+
+PLACEMENT = [True, False, False]
+
+
+def _run(budget_extra: int | None, pages: int, batch: int) -> tuple[OpAudit, CoreDriver]:
+    """Prefill ``batch`` requests, offload layers 1 and 2 of each, then one audited decode step
+    and one audited extend step."""
+    core = make_core(None if budget_extra is None else pages + budget_extra, pages=pages)
+    d = CoreDriver(core, seed=batch)
+    rids = [f"r{i}" for i in range(batch)]
+    for rid in rids:
+        d.add(rid)
+        assert d.step([(rid, 3)])
+    for rid in rids:
+        d.want(rid, PLACEMENT)
+    audit = OpAudit()
+    audit_core(core, audit)
+    with audit:
+        assert d.step([(rid, 1) for rid in rids])
+    decode_ops = {layer: Counter(ops) for layer, ops in audit.ops.items()}
+    with audit:
+        assert d.step([(rid, 2) for rid in rids])  # an extend step of every request
+    d.check_at_rest()
+    audit.decode_ops = decode_ops  # type: ignore[attr-defined]
+    return audit, d
+
+
+@pytest.mark.parametrize("budget_extra", [None, 40], ids=["identity", "staged"])
+def test_no_host_sync_inside_a_layer_and_constant_ops_per_layer(budget_extra):
+    """Decode and extend steps with offloaded layers: zero sync ops inside any layer, and the
+    per-layer op counts of a decode step are the same for batch 1, 4, 8 and pools of 33 and 257
+    pages."""
+    seen = {}
+    for pages in (33, 257):
+        for batch in (1, 4, 8):
+            audit, driver = _run(budget_extra, pages, batch)
+            assert not driver.core.overflow
+            assert audit.violations == [], audit.violations
+            assert sorted(audit.decode_ops) == list(range(LAYERS))
+            seen[(pages, batch)] = audit.decode_ops
+    first = next(iter(seen.values()))
+    for key, ops in seen.items():
+        assert ops == first, (key, ops, first)
+
+
+def test_the_audit_flags_host_syncs():
+    """Negative control: item(), bool(), nonzero, unique and repeat_interleave without
+    output_size inside a scope are flagged; the same ops outside any scope are not."""
+    audit = OpAudit()
+    x = torch.tensor([0, 2, 1])
+    with audit:
+        x.nonzero()  # outside a scope
+        with audit.scope(0):
+            int(x[1])
+            bool(x[0])
+            x.nonzero()
+            torch.unique(x)
+            x.repeat_interleave(x)
+            x.repeat_interleave(x, output_size=3)  # fine: the size is known on the host
+            x + 1
+    flagged = [name for _, name in audit.violations]
+    assert "aten._local_scalar_dense.default" in flagged
+    assert "aten.nonzero.default" in flagged
+    assert any("unique" in name for name in flagged)
+    assert sum("repeat_interleave" in name for name in flagged) == 1
+    assert "aten.add.Tensor" in audit.ops[0] and all(scope == 0 for scope, _ in audit.violations)
+
+
+def test_a_sync_in_the_served_path_would_be_caught(monkeypatch):
+    """Negative control on the real path: a host read slipped into ``exit_layer`` is flagged."""
+    from sglang_ext.dataplane import layer_pipeline
+
+    real = layer_pipeline.LayerPipeline.end_layer
+
+    def end_layer_with_a_sync(self, layer):  # noqa: ANN001
+        if self.tables is not None:
+            int(self.tables.tab[layer][0])
+        return real(self, layer)
+
+    monkeypatch.setattr(layer_pipeline.LayerPipeline, "end_layer", end_layer_with_a_sync)
+    audit, _ = _run(40, 33, 2)
+    assert audit.violations and all(name == "aten._local_scalar_dense.default" for _, name in audit.violations)
+
+
+def test_attention_waits_on_its_layers_fetch_events_and_fetches_wait_on_write_back():
+    """Staged step, layers 0 and 2 offloaded: layer 0's fetch starts with the step, layer 2's
+    only after layer 0's write-back (same staging slot) and waits on it; entering a layer waits on
+    exactly the events of the launches that fetched it."""
+    core = make_core(33 + 20)
+    engine = core.store.engine
+    launches: list[tuple[str, int, tuple]] = []
+    real_launch = engine._launch
+
+    def record(kind, src, dst, src_idx, dst_idx, wait, host_idx):  # noqa: ANN001
+        event = real_launch(kind, src, dst, src_idx, dst_idx, wait, host_idx)
+        launches.append((kind, event.seq, tuple(wait)))
+        return event
+
+    engine._launch = record
+    d = CoreDriver(core, seed=7)
+    d.add("a")
+    d.add("b")
+    d.step([("a", 6), ("b", 4)])
+    d.want("a", [False, True, False])
+    d.want("b", [False, True, False])
+    entered: dict[int, list] = {}
+    real_enter = core.enter_layer
+
+    def enter(layer: int) -> None:
+        before = len(launches)
+        expected = list(core.pipeline._events[layer])
+        real_enter(layer)
+        entered[layer] = (expected, list(engine.waited[-len(expected):]) if expected else [], before)
+
+    core.enter_layer = enter
+    launches.clear()
+    d.step([("a", 1), ("b", 1)])
+    expected0, waited0, _ = entered[0]
+    assert expected0 and waited0 == expected0 and all(isinstance(e, CpuEvent) and e.kind == "h2d" for e in expected0)
+    expected2, waited2, issued_before_2 = entered[2]
+    assert expected2 and waited2 == expected2
+    # layer 2's fetch was launched after layer 0's write-back and waits on it
+    writeback0 = next(seq for kind, seq, _ in launches if kind == "d2h")
+    fetch2 = [(seq, wait) for kind, seq, wait in launches[:issued_before_2] if kind == "h2d" and seq > writeback0]
+    assert fetch2 and all(any(isinstance(w, CpuEvent) and w.seq == writeback0 for w in wait) for _, wait in fetch2)
+    assert entered[1][0] == []  # a resident layer waits on nothing
+    d.check_at_rest()
