@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-from prometheus_client import REGISTRY, CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter
 
 from controlplane.api import ControlPlane, Decision, StepReport, WorkerInfo, WorkerSession
 from sglang_ext.args import LayeredKVArgs
@@ -38,19 +38,9 @@ log = structlog.get_logger(__name__)
 FALLBACKS_METRIC = "kvplane_control_plane_fallbacks"
 """Counter name (exported as ``kvplane_control_plane_fallbacks_total``)."""
 
-_process_counter: Counter | None = None
-
-
-def process_fallback_counter() -> Counter:
-    """The fallback counter in prometheus_client's default registry (one per process)."""
-    global _process_counter
-    if _process_counter is None:
-        _process_counter = fallback_counter(REGISTRY)
-    return _process_counter
-
-
 def fallback_counter(registry: CollectorRegistry) -> Counter:
-    """A new ``kvplane_control_plane_fallbacks_total`` counter registered in ``registry``."""
+    """A new ``kvplane_control_plane_fallbacks_total`` counter registered in ``registry`` (a
+    scheduler process gets its one from :meth:`sglang_ext.context.PluginContext.fallback_counter`)."""
     return Counter(
         FALLBACKS_METRIC,
         "Scheduler steps run without a live control plane (last plan or local heuristic)",

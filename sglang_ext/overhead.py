@@ -6,9 +6,10 @@ measures kvplane's share inside one process instead, so launch effects cancel: t
 spent in kvplane's scheduler hooks (step boundary, post-schedule install, step end) and in the
 layered attention's per-step preparation, against the wall time of the steps themselves.
 
-Opt-in: with ``$KVPLANE_OVERHEAD_FILE`` set, TP rank 0 rewrites that JSON file every
-:data:`WRITE_EVERY` steps (the scheduler is usually killed, not exited). Without it :data:`METER`
-is None and the hooks pay one global read.
+Opt-in: with ``$KVPLANE_OVERHEAD_FILE`` set (and the flag on), the process's
+:class:`~sglang_ext.context.PluginContext` holds an :class:`OverheadMeter`, which the scheduler
+hooks fill and TP rank 0 rewrites to that JSON file every :data:`WRITE_EVERY` steps (the scheduler
+is usually killed, not exited). Without it the meter is None and the hooks pay one attribute read.
 """
 
 from __future__ import annotations
@@ -69,13 +70,11 @@ class OverheadMeter:
         tmp.replace(self.path)
 
 
-def _from_env() -> OverheadMeter | None:
-    path = settings.read_output_file(OVERHEAD_FILE_ENV)
-    return OverheadMeter(path) if path is not None else None
-
-
-METER: OverheadMeter | None = _from_env()
-"""This process's meter (None unless :data:`OVERHEAD_FILE_ENV` is set)."""
+METER: OverheadMeter | None = None
+"""Transitional, for ``layered_attention.py`` only (it reads ``overhead.METER``): set by
+:class:`~sglang_ext.scheduler_hooks.SchedulerHooks` from the context's meter. The process's meter
+is :attr:`sglang_ext.context.PluginContext.meter`, also set on the layered attention backend as
+``overhead_meter``; once the backend reads that, this variable goes."""
 
 
 def share_of(summary: dict[str, object]) -> float | None:

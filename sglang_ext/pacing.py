@@ -38,12 +38,16 @@ import asyncio
 import math
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import structlog
 
 from controlplane.controller.token_deposit import TokenDeposit
 from sglang_ext import compat
+
+if TYPE_CHECKING:
+    from sglang_ext.args import LayeredKVArgs
+    from sglang_ext.context import PluginContext
 
 log = structlog.get_logger(__name__)
 
@@ -263,24 +267,15 @@ def request_slo_tbt_ms(sampling_params: Any, default_slo_tbt_ms: float) -> float
 
 
 class PacingSettings:
-    """Process-wide pacing settings, resolved once from the kvplane launch options."""
+    """Pacing settings resolved from the kvplane launch options (cached by the process's
+    :meth:`sglang_ext.context.PluginContext.pacing_settings`)."""
 
     def __init__(self, default_slo_tbt_ms: float) -> None:
         self.default_slo_tbt_ms = float(default_slo_tbt_ms)
 
-
-_settings_cache: dict[str, PacingSettings | None] = {}
-
-
-def current_settings() -> PacingSettings | None:
-    """Pacing settings of this process, or None when the flag or pacing is off."""
-    from sglang_ext.plugin import layered_args
-
-    layered = layered_args()
-    if layered is None or not layered.enable_layered_kv or not layered.pacing:
-        return None
-    key = layered.to_json()
-    if key not in _settings_cache:
+    @classmethod
+    def from_args(cls, layered: LayeredKVArgs) -> PacingSettings:
+        """The default SLO of the ``--kv-policy`` file, else of :class:`controlplane.policy.Policy`."""
         from controlplane.policy import Policy
 
         if layered.kv_policy is not None:
@@ -289,9 +284,8 @@ def current_settings() -> PacingSettings | None:
             slo = load_policy_file(layered.kv_policy).slo_tbt_ms
         else:
             slo = Policy().slo_tbt_ms
-        _settings_cache[key] = PacingSettings(slo)
         log.info("pacing_enabled", default_slo_tbt_ms=slo)
-    return _settings_cache[key]
+        return cls(slo)
 
 
 async def _rejected(
@@ -305,14 +299,17 @@ async def _rejected(
     yield  # pragma: no cover - makes this an async generator
 
 
-def around_stream_one_response(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """AROUND ``TokenizerManager._stream_one_response(self, obj, state, request)``."""
+def around_stream_one_response(
+    ctx: PluginContext, original: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
+    """AROUND ``TokenizerManager._stream_one_response(self, obj, state, request)``, with the
+    process's context (its pacing settings)."""
     source = original(*args, **kwargs)
     obj_at = compat.TOKENIZER_STREAM_ONE_RESPONSE.params.index("obj")
     obj = kwargs["obj"] if "obj" in kwargs else (args[obj_at] if len(args) > obj_at else None)
     if obj is None or not getattr(obj, "stream", False):
         return source
-    settings = current_settings()
+    settings = ctx.pacing_settings()
     if settings is None:
         return source
     try:

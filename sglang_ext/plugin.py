@@ -5,8 +5,10 @@ starts -- the launcher (before the command line is parsed), each scheduler (TP r
 subprocess, the detokenizer and the DP controller -- runs every entry point of the
 group, then ``HookRegistry.apply_hooks()``. ``register`` first checks that the installed SGLang
 is the supported release (:func:`sglang_ext.compat.check_version`) and raises otherwise, before
-installing anything; every SGLang target it names comes from :mod:`sglang_ext.compat`. What
-``register`` installs:
+installing anything; every SGLang target it names comes from :mod:`sglang_ext.compat`. It then
+builds the process's :class:`~sglang_ext.context.PluginContext` (launch options, ``KVPLANE_*``
+variables, overhead meter) and installs the hooks of a :class:`KvplanePlugin` bound to it: no
+kvplane state lives at module level. What ``register`` installs:
 
 Always (flag on or off):
 
@@ -32,7 +34,7 @@ launcher spawns after parsing):
   KV blocks to requests for the residency hooks.
 
 Without the flag nothing of kvplane is swapped in: SGLang runs its default tree cache,
-pool and attention backend (tests/sglang/test_plugin_flags.py checks it).
+pool and attention backend (tests/sglang/test_vanilla_server.py checks it).
 
 Loaded in every SGLang process: module-level imports stay light (no torch, no SGLang).
 """
@@ -44,18 +46,7 @@ from typing import Any
 
 from sglang_ext import args as kv_args
 from sglang_ext import compat, logs, settings
-
-
-class _ProcessState:
-    """What this process learnt at plugin load (one instance per process)."""
-
-    def __init__(self) -> None:
-        self.layered: kv_args.LayeredKVArgs | None = None
-        self.env = settings.KvplaneEnv()
-        self.env_error: str | None = None
-
-
-_state = _ProcessState()
+from sglang_ext.context import PluginContext
 
 
 def switch_rotary_to_cpu() -> None:
@@ -78,64 +69,6 @@ def _after_add_cli_args(result: Any, *args: Any, **kwargs: Any) -> None:
         if isinstance(candidate, argparse.ArgumentParser):
             kv_args.add_arguments(candidate)
             break
-    return None
-
-
-def _around_from_cli_args(original: Any, cls: Any, namespace: argparse.Namespace) -> Any:
-    if not hasattr(namespace, "enable_layered_kv"):
-        return original(cls, namespace)
-    try:
-        layered = kv_args.LayeredKVArgs.from_namespace(namespace)
-    except ValueError as exc:
-        raise SystemExit(f"kvplane: invalid launch option: {exc}") from None
-    if layered.enable_layered_kv:
-        chosen = getattr(namespace, "radix_cache_backend", None)
-        if chosen is None:
-            namespace.radix_cache_backend = kv_args.RADIX_BACKEND_NAME
-        elif chosen != kv_args.RADIX_BACKEND_NAME:
-            raise SystemExit(
-                f"kvplane: --enable-layered-kv needs --radix-cache-backend "
-                f"{kv_args.RADIX_BACKEND_NAME} (implied), got {chosen!r}"
-            )
-        if getattr(namespace, "disable_radix_cache", False):
-            raise SystemExit("kvplane: --enable-layered-kv cannot be combined with --disable-radix-cache")
-        if _state.env_error is not None:
-            raise SystemExit(f"kvplane: {_state.env_error}")
-        # Plans are installed at step boundaries (sglang_ext/scheduler_hooks.py): the overlap
-        # loop has none, so the flag implies --disable-overlap-schedule.
-        namespace.disable_overlap_schedule = True
-        try:
-            settings.export_log_level(getattr(namespace, "log_level", None))
-        except ValueError as exc:
-            raise SystemExit(f"kvplane: {exc}") from None
-    settings.export_layered_kv_args(layered)
-    _state.layered = layered
-    return original(cls, namespace)
-
-
-def _around_stream_one_response(original: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND ``TokenizerManager._stream_one_response``: paced streaming (sglang_ext/pacing.py).
-
-    Installed in every process (only the main one serves streams); with the flag or
-    ``--kv-pacing`` off it returns SGLang's generator untouched without importing anything.
-    """
-    layered = _state.layered
-    if layered is None or not layered.enable_layered_kv or not layered.pacing:
-        return original(*args, **kwargs)
-    from sglang_ext.pacing import around_stream_one_response
-
-    return around_stream_one_response(original, *args, **kwargs)
-
-
-def _after_publish(result: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER ``publish``: runs in every SGLang process once its config is known. A bad
-    ``KVPLANE_*`` variable seen by ``register()`` is raised here when the flag is on (or when the
-    options variable itself was bad); with the flag off kvplane reads none of them."""
-    layered = _state.layered
-    if _state.env_error is not None and (layered is None or layered.enable_layered_kv):
-        raise RuntimeError(f"kvplane: {_state.env_error}")
-    if getattr(server_args, "device", None) == "cpu":
-        switch_rotary_to_cpu()
     return None
 
 
@@ -162,26 +95,6 @@ def _after_alloc_for_decode(result: Any, batch: Any, *args: Any, **kwargs: Any) 
         token_per_req = kwargs.get(compat.ALLOC_FOR_DECODE.args[1], args[0] if args else 1)
         cache.on_alloc_decode(batch, result, token_per_req)
     return None
-
-
-def layered_radix_cache_factory(ctx: Any) -> Any:
-    """``register_radix_cache_backend`` factory: a :class:`LayeredRadixCache` for ``ctx``."""
-    from sglang_ext.hooks import JsonlEventWriter, ResidencyHooks
-    from sglang_ext.radix_cache import LayeredRadixCache
-
-    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.enable_hierarchical_cache:
-        raise ValueError(
-            "kvplane: --radix-cache-backend layered supports full-attention models without "
-            f"HiCache (got hybrid_swa={ctx.is_hybrid_swa}, hybrid_ssm={ctx.is_hybrid_ssm}, "
-            f"hierarchical_cache={ctx.enable_hierarchical_cache})"
-        )
-    hooks = ResidencyHooks()
-    events_file = _state.env.residency_events_file
-    if events_file is not None:
-        hooks.subscribe(JsonlEventWriter(events_file))
-    cache = LayeredRadixCache(ctx.params, hooks=hooks)
-    _attach_layered_pool(cache)
-    return cache
 
 
 # ----- layered KV pool and attention (flag on; sglang_ext/layered_pool.py) -------------
@@ -220,48 +133,131 @@ def _swap_attention_backends() -> None:
         registry["flashinfer"] = create_layered_flashinfer_backend
 
 
-def _register_layered(hook_registry: Any, hook_type: Any) -> None:
-    if compat.get_radix_cache_factory(kv_args.RADIX_BACKEND_NAME) is None:
-        compat.register_radix_cache_backend(kv_args.RADIX_BACKEND_NAME, layered_radix_cache_factory)
-    hook_registry.register(compat.ALLOC_FOR_EXTEND.path, _after_alloc_for_extend, hook_type.AFTER)
-    hook_registry.register(compat.ALLOC_FOR_DECODE.path, _after_alloc_for_decode, hook_type.AFTER)
-    hook_registry.register(
-        compat.KV_POOL_CLASS_RESOLVER.path, _around_resolve_kv_pool_class, hook_type.AROUND
-    )
-    _swap_attention_backends()
-    from sglang_ext import scheduler_hooks
+class KvplanePlugin:
+    """The hooks of one process, bound to its :class:`~sglang_ext.context.PluginContext`."""
 
-    scheduler_hooks.register(hook_registry, hook_type)
+    def __init__(self, ctx: PluginContext) -> None:
+        self.ctx = ctx
+
+    def install(self, hook_registry: Any, hook_type: Any) -> None:
+        """Register the always-on hooks, and the layered ones when the flag is on here."""
+        hook_registry.register(compat.SERVER_ARGS_ADD_CLI_ARGS.path, _after_add_cli_args, hook_type.AFTER)
+        hook_registry.register(compat.SERVER_ARGS_FROM_CLI_ARGS.path, self.around_from_cli_args, hook_type.AROUND)
+        hook_registry.register(compat.RUNTIME_CONTEXT_PUBLISH.path, self.after_publish, hook_type.AFTER)
+        hook_registry.register(
+            compat.TOKENIZER_STREAM_ONE_RESPONSE.path, self.around_stream_one_response, hook_type.AROUND
+        )
+        if self.ctx.env_error is None and self.ctx.enabled:
+            logs.configure(self.ctx.env.log_level or "info")
+            self._register_layered(hook_registry, hook_type)
+
+    # ----- launcher-side hooks --------------------------------------------------------
+
+    def around_from_cli_args(self, original: Any, cls: Any, namespace: argparse.Namespace) -> Any:
+        """AROUND ``ServerArgs.from_cli_args``: validate the flag family, imply its SGLang
+        options, export the options for the subprocesses (see the module docstring)."""
+        ctx = self.ctx
+        if not hasattr(namespace, "enable_layered_kv"):
+            return original(cls, namespace)
+        try:
+            layered = kv_args.LayeredKVArgs.from_namespace(namespace)
+        except ValueError as exc:
+            raise SystemExit(f"kvplane: invalid launch option: {exc}") from None
+        if layered.enable_layered_kv:
+            chosen = getattr(namespace, "radix_cache_backend", None)
+            if chosen is None:
+                namespace.radix_cache_backend = kv_args.RADIX_BACKEND_NAME
+            elif chosen != kv_args.RADIX_BACKEND_NAME:
+                raise SystemExit(
+                    f"kvplane: --enable-layered-kv needs --radix-cache-backend "
+                    f"{kv_args.RADIX_BACKEND_NAME} (implied), got {chosen!r}"
+                )
+            if getattr(namespace, "disable_radix_cache", False):
+                raise SystemExit("kvplane: --enable-layered-kv cannot be combined with --disable-radix-cache")
+            if ctx.env_error is not None:
+                raise SystemExit(f"kvplane: {ctx.env_error}")
+            # Plans are installed at step boundaries (sglang_ext/scheduler_hooks.py): the overlap
+            # loop has none, so the flag implies --disable-overlap-schedule.
+            namespace.disable_overlap_schedule = True
+            try:
+                settings.export_log_level(getattr(namespace, "log_level", None))
+            except ValueError as exc:
+                raise SystemExit(f"kvplane: {exc}") from None
+        settings.export_layered_kv_args(layered)
+        ctx.layered = layered
+        return original(cls, namespace)
+
+    def around_stream_one_response(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        """AROUND ``TokenizerManager._stream_one_response``: paced streaming (sglang_ext/pacing.py).
+
+        Installed in every process (only the main one serves streams); with the flag or
+        ``--kv-pacing`` off it returns SGLang's generator untouched without importing anything.
+        """
+        layered = self.ctx.layered
+        if layered is None or not layered.enable_layered_kv or not layered.pacing:
+            return original(*args, **kwargs)
+        from sglang_ext.pacing import around_stream_one_response
+
+        return around_stream_one_response(self.ctx, original, *args, **kwargs)
+
+    def after_publish(self, result: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
+        """AFTER ``publish``: runs in every SGLang process once its config is known. A bad
+        ``KVPLANE_*`` variable seen by ``register()`` is raised here when the flag is on (or when
+        the options variable itself was bad); with the flag off kvplane reads none of them."""
+        ctx = self.ctx
+        if ctx.env_error is not None and (ctx.layered is None or ctx.layered.enable_layered_kv):
+            raise RuntimeError(f"kvplane: {ctx.env_error}")
+        if getattr(server_args, "device", None) == "cpu":
+            switch_rotary_to_cpu()
+        return None
+
+    # ----- scheduler-side set-up (flag on) --------------------------------------------
+
+    def radix_cache_factory(self, build_ctx: Any) -> Any:
+        """``register_radix_cache_backend`` factory: a :class:`LayeredRadixCache` for SGLang's
+        ``TreeCacheBuildContext`` (residency events to ``$KVPLANE_RESIDENCY_EVENTS_FILE`` if set)."""
+        from sglang_ext.hooks import JsonlEventWriter, ResidencyHooks
+        from sglang_ext.radix_cache import LayeredRadixCache
+
+        if build_ctx.is_hybrid_swa or build_ctx.is_hybrid_ssm or build_ctx.enable_hierarchical_cache:
+            raise ValueError(
+                "kvplane: --radix-cache-backend layered supports full-attention models without "
+                f"HiCache (got hybrid_swa={build_ctx.is_hybrid_swa}, hybrid_ssm={build_ctx.is_hybrid_ssm}, "
+                f"hierarchical_cache={build_ctx.enable_hierarchical_cache})"
+            )
+        hooks = ResidencyHooks()
+        events_file = self.ctx.env.residency_events_file
+        if events_file is not None:
+            hooks.subscribe(JsonlEventWriter(events_file))
+        cache = LayeredRadixCache(build_ctx.params, hooks=hooks)
+        _attach_layered_pool(cache)
+        return cache
+
+    def _register_layered(self, hook_registry: Any, hook_type: Any) -> None:
+        if compat.get_radix_cache_factory(kv_args.RADIX_BACKEND_NAME) is None:
+            compat.register_radix_cache_backend(kv_args.RADIX_BACKEND_NAME, self.radix_cache_factory)
+        hook_registry.register(compat.ALLOC_FOR_EXTEND.path, _after_alloc_for_extend, hook_type.AFTER)
+        hook_registry.register(compat.ALLOC_FOR_DECODE.path, _after_alloc_for_decode, hook_type.AFTER)
+        hook_registry.register(
+            compat.KV_POOL_CLASS_RESOLVER.path, _around_resolve_kv_pool_class, hook_type.AROUND
+        )
+        _swap_attention_backends()
+        from sglang_ext import scheduler_hooks
+
+        scheduler_hooks.register(hook_registry, hook_type, self.ctx)
 
 
-def register() -> None:
-    """Entry point of the ``sglang.srt.plugins`` group (see pyproject.toml).
+def register() -> KvplanePlugin:
+    """Entry point of the ``sglang.srt.plugins`` group (see pyproject.toml); returns the
+    installed plugin (SGLang ignores it).
 
     Raises :class:`~sglang_ext.compat.UnsupportedSGLangVersion` (naming the supported and the
     installed version) before installing anything when SGLang is not the supported release;
-    SGLang's ``load_plugins`` logs it and starts without kvplane.
+    SGLang's ``load_plugins`` logs it and starts without kvplane. A bad ``KVPLANE_*`` variable is
+    not raised here (``load_plugins`` swallows exceptions): it is reported at parse (launcher) or
+    at publish (every process), and only when the flag is on.
     """
     compat.check_version()
-    HookRegistry, HookType = compat.HookRegistry, compat.HookType  # noqa: N806 -- SGLang's names
-    HookRegistry.register(compat.SERVER_ARGS_ADD_CLI_ARGS.path, _after_add_cli_args, HookType.AFTER)
-    HookRegistry.register(compat.SERVER_ARGS_FROM_CLI_ARGS.path, _around_from_cli_args, HookType.AROUND)
-    HookRegistry.register(compat.RUNTIME_CONTEXT_PUBLISH.path, _after_publish, HookType.AFTER)
-    HookRegistry.register(
-        compat.TOKENIZER_STREAM_ONE_RESPONSE.path, _around_stream_one_response, HookType.AROUND
-    )
-    # load_plugins() swallows exceptions: a bad variable is reported at parse (launcher) or at
-    # publish (every process) instead, and only when the flag is on.
-    try:
-        _state.layered = settings.read_layered_kv_args()
-        _state.env = settings.KvplaneEnv.from_environ()
-    except ValueError as exc:
-        _state.env_error = str(exc)
-        return
-    if _state.layered.enable_layered_kv:
-        logs.configure(_state.env.log_level or "info")
-        _register_layered(HookRegistry, HookType)
-
-
-def layered_args() -> kv_args.LayeredKVArgs | None:
-    """The kvplane options this process knows (None before parsing in the launcher)."""
-    return _state.layered
+    plugin = KvplanePlugin(PluginContext.from_environ())
+    plugin.install(compat.HookRegistry, compat.HookType)
+    return plugin

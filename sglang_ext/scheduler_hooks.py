@@ -34,6 +34,7 @@ Hook points:
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import socket
 import time
@@ -42,10 +43,10 @@ from typing import Any
 import structlog
 
 from controlplane.api import WorkerInfo
-from sglang_ext import compat, overhead, settings
+from sglang_ext import compat, overhead
 from sglang_ext.admission import GATED_SCHEDULERS, AdmissionGate
-from sglang_ext.args import LayeredKVArgs
-from sglang_ext.control_client import ControlClient, build_control_plane, process_fallback_counter
+from sglang_ext.context import PluginContext
+from sglang_ext.control_client import ControlClient, build_control_plane
 from sglang_ext.decision_inbox import DecisionInbox
 from sglang_ext.layer_timing import LayerTimer
 from sglang_ext.pause import PauseManager
@@ -62,9 +63,13 @@ CONNECT_WAIT_S = 2.0
 
 
 class SchedulerHooks:
-    """The kvplane state of one SGLang scheduler (one TP rank)."""
+    """The kvplane state of one SGLang scheduler (one TP rank), built from the process's
+    :class:`~sglang_ext.context.PluginContext` (options, variables, meter, fallback counter)."""
 
-    def __init__(self, scheduler: Any, args: LayeredKVArgs, env: settings.KvplaneEnv | None = None) -> None:
+    def __init__(self, scheduler: Any, ctx: PluginContext) -> None:
+        args = ctx.layered
+        if args is None or not args.enable_layered_kv:
+            raise ValueError("kvplane: SchedulerHooks needs a context with --enable-layered-kv on")
         if getattr(scheduler, "enable_overlap", False):
             raise RuntimeError(
                 "kvplane: --enable-layered-kv requires --disable-overlap-schedule (plans are "
@@ -73,8 +78,11 @@ class SchedulerHooks:
         if int(getattr(getattr(scheduler, "server_args", None), "pp_size", 1) or 1) > 1:
             raise RuntimeError("kvplane: --enable-layered-kv does not support --pp-size > 1")
         self.scheduler = scheduler
+        self.ctx = ctx
         self.args = args
-        self.env = env if env is not None else settings.KvplaneEnv(layered_kv_args=args)
+        self.env = ctx.env
+        self.meter = ctx.meter
+        """kvplane's own time per step (``$KVPLANE_OVERHEAD_FILE``), None when not measured."""
         self.layers = int(scheduler.model_config.num_hidden_layers)
         self.page_size = int(getattr(scheduler, "page_size", 1) or 1)
         self.pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
@@ -94,12 +102,15 @@ class SchedulerHooks:
         backend = getattr(getattr(getattr(scheduler, "tp_worker", None), "model_runner", None), "attn_backend", None)
         if self.tp.is_source and hasattr(backend, "layer_timer"):
             self.timer = backend.layer_timer = LayerTimer(self.layers, getattr(self.pool, "device", "cpu"))
+        if hasattr(backend, "layer_timer"):  # the layered attention backend times its preparation
+            backend.overhead_meter = self.meter
+            overhead.METER = self.meter  # transitional: layered_attention.py still reads overhead.METER
         if self.tp.is_source:
             self.worker = self._worker_info()
             self.client = ControlClient(
                 build_control_plane(args),
                 self.worker,
-                fallbacks=process_fallback_counter(),
+                fallbacks=ctx.fallback_counter(),
                 connect_wait_s=CONNECT_WAIT_S if args.kv_control_plane != "embedded" else 0.0,
             )
             atexit.register(self.client.close)
@@ -255,10 +266,9 @@ def _hooks_of(scheduler: Any) -> SchedulerHooks | None:
     return getattr(scheduler, "_kvplane", None)
 
 
-def _after_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
-    env = settings.KvplaneEnv.from_environ()
-    if env.layered_kv_args.enable_layered_kv:
-        scheduler._kvplane = SchedulerHooks(scheduler, env.layered_kv_args, env)
+def _after_init(ctx: PluginContext, result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    if ctx.enabled:
+        scheduler._kvplane = SchedulerHooks(scheduler, ctx)
     return None
 
 
@@ -266,7 +276,7 @@ def _around_next_batch(original: Any, scheduler: Any, *args: Any, **kwargs: Any)
     hooks = _hooks_of(scheduler)
     if hooks is None:
         return original(scheduler, *args, **kwargs)
-    meter = overhead.METER
+    meter = hooks.meter
     t0 = time.perf_counter()
     call = dict(zip(compat.SCHEDULER_GET_NEXT_BATCH_TO_RUN.args, args, strict=False))
     call.update(kwargs)
@@ -308,7 +318,7 @@ def _after_process_result(result: Any, scheduler: Any, batch: Any, *args: Any, *
             hooks.end_step(batch)
         except Exception:  # telemetry must never kill the scheduler
             log.exception("kvplane_end_step_failed", step=hooks.step)
-        meter = overhead.METER
+        meter = hooks.meter
         if meter is not None and hooks.tp.is_source:
             meter.add("end_step", time.perf_counter() - t0)
             meter.step_done()
@@ -328,9 +338,10 @@ def _around_abort(original: Any, scheduler: Any, recv_req: Any, *args: Any, **kw
     return original(scheduler, recv_req, *args, **kwargs)
 
 
-def register(hook_registry: Any, hook_type: Any) -> None:
-    """Install the scheduler hooks (called by the plugin when the flag is on)."""
-    hook_registry.register(compat.SCHEDULER_INIT.path, _after_init, hook_type.AFTER)
+def register(hook_registry: Any, hook_type: Any, ctx: PluginContext) -> None:
+    """Install the scheduler hooks (called by the plugin when the flag is on); the schedulers
+    built in this process get ``ctx``."""
+    hook_registry.register(compat.SCHEDULER_INIT.path, functools.partial(_after_init, ctx), hook_type.AFTER)
     hook_registry.register(compat.SCHEDULER_GET_NEXT_BATCH_TO_RUN.path, _around_next_batch, hook_type.AROUND)
     hook_registry.register(compat.SCHEDULER_RUN_BATCH.path, _around_run_batch, hook_type.AROUND)
     hook_registry.register(compat.SCHEDULER_PROCESS_BATCH_RESULT.path, _after_process_result, hook_type.AFTER)

@@ -19,7 +19,8 @@ What the boundary did is kept in :attr:`StepBoundary.record` for the step's stat
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import structlog
@@ -33,12 +34,12 @@ from sglang_ext.tp_sync import PlacementInstaller, StepInstall, TpSync
 
 log = structlog.get_logger(__name__)
 
-_QUIET_BOUNDARY: dict[str, Any] = {
+_QUIET_BOUNDARY: Mapping[str, Any] = MappingProxyType({
     "admitted_now": [],
     "paused_now": [],
     "resumed_now": [],
     "decision": None,
-}
+})
 """What a boundary that installs nothing did (copied per step: the stats line extends it)."""
 
 

@@ -22,6 +22,7 @@ targets it names and the modules listed in their ``used_by``.
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 from sglang_ext.compat import surface as _surface
@@ -49,7 +50,7 @@ from sglang_ext.compat.version import (
     installed_version,
 )
 
-_LAZY: dict[str, Target] = {
+_LAZY: MappingProxyType[str, Target] = MappingProxyType({
     "HookRegistry": HOOK_REGISTRY,
     "HookType": HOOK_TYPE,
     "RadixCache": RADIX_CACHE,
@@ -61,7 +62,7 @@ _LAZY: dict[str, Target] = {
     "broadcast_pyobj": BROADCAST_PYOBJ,
     "register_radix_cache_backend": REGISTER_RADIX_CACHE_BACKEND,
     "get_radix_cache_factory": GET_RADIX_CACHE_FACTORY,
-}
+})
 """SGLang objects importable from this package, imported on first access."""
 
 LAZY_NAMES = tuple(_LAZY)

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from controlplane.controller.token_deposit import TokenDeposit
 from sglang_ext import args as kv_args
-from sglang_ext import pacing
+from sglang_ext.context import PluginContext
 from sglang_ext.pacing import (
     SLO_PARAM,
     StreamPacer,
@@ -310,44 +310,45 @@ def _original(items: list[dict]) -> Callable[..., AsyncIterator[dict]]:
 
 
 @pytest.fixture
-def layered(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
-    from sglang_ext import plugin
+def ctx() -> PluginContext:
+    """A fresh per-process context (what register() builds)."""
+    return PluginContext()
 
+
+@pytest.fixture
+def layered(ctx: PluginContext) -> Callable[[str], None]:
     def set_pacing(mode: str) -> None:
-        monkeypatch.setattr(
-            plugin._state, "layered", kv_args.LayeredKVArgs(enable_layered_kv=True, kv_pacing=mode)
-        )
-        pacing._settings_cache.clear()
+        ctx.layered = kv_args.LayeredKVArgs(enable_layered_kv=True, kv_pacing=mode)
 
     return set_pacing
 
 
-def test_hook_passes_non_streaming_and_pacing_off_through(layered: Callable[[str], None]) -> None:
+def test_hook_passes_non_streaming_and_pacing_off_through(ctx: PluginContext, layered: Callable[[str], None]) -> None:
     """Non-streaming requests, and streaming ones with --kv-pacing off, get SGLang's generator itself."""
     items = [chunk(1)]
     layered("on")
     tm = _FakeTokenizerManager()
     gen = around_stream_one_response(
-        _original(items), tm, obj=_Obj(False), state=None, request=None
+        ctx, _original(items), tm, obj=_Obj(False), state=None, request=None
     )
     assert gen.__qualname__.endswith("gen")
     layered("off")
-    gen = around_stream_one_response(_original(items), tm, obj=_Obj(True), state=None, request=None)
+    gen = around_stream_one_response(ctx, _original(items), tm, obj=_Obj(True), state=None, request=None)
     assert gen.__qualname__.endswith("gen")
 
 
-def test_hook_paces_streaming_and_rejects_bad_slo(layered: Callable[[str], None]) -> None:
+def test_hook_paces_streaming_and_rejects_bad_slo(ctx: PluginContext, layered: Callable[[str], None]) -> None:
     """A streaming request is paced with its SLO; a bad override aborts it with a clear ValueError."""
     layered("on")
     tm = _FakeTokenizerManager()
     items = [chunk(1, "a"), chunk(2, "b")]
     obj = _Obj(True, {"custom_params": {SLO_PARAM: 30}})
-    gen = around_stream_one_response(_original(items), tm, obj=obj, state=None, request=None)
+    gen = around_stream_one_response(ctx, _original(items), tm, obj=obj, state=None, request=None)
     assert gen.__qualname__ == "pace_stream"
     out = run_virtual(lambda: collect(gen))
     assert [item for _, item in out] == items
     bad = _Obj(True, {"custom_params": {SLO_PARAM: -5}})
-    gen = around_stream_one_response(_original(items), tm, obj=bad, state=None, request=None)
+    gen = around_stream_one_response(ctx, _original(items), tm, obj=bad, state=None, request=None)
 
     async def first() -> None:
         await gen.__anext__()
