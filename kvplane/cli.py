@@ -25,6 +25,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "service": ("controlplane.bench.service_bench", "control-plane decisions/s and latency"),
     "transfer": ("sglang_ext.tools.transfer_bench", "batched block-first H2D/D2H bandwidth (GPU)"),
     "attention": ("sglang_ext.tools.attention_bench", "layered decode attention vs all-resident (GPU)"),
+    "core": ("sglang_ext.tools.core_bench", "the served core's per-step host time vs pool size (CPU)"),
     "sglang": ("sglang_ext.tools.sglang_bench", "SGLang tokens/s with and without --enable-layered-kv"),
 }
 

@@ -1,0 +1,300 @@
+"""`kvplane bench core`: the served core's per-step host time against pool size (no model).
+
+Drives :class:`~sglang_ext.dataplane.layered_kv_core.LayeredKVCore` the way SGLang's layered
+attention backend does (``sglang_ext/layered_attention.py``): a fixed batch (default 8 requests
+x 256 tokens, 4 layers, page 16, fp16, CPU device) decodes one token per request per step --
+``prepare_decode_step`` when it applies (steady decode, identity layout), else ``prepare_step``
+with every request's slots -- then per layer ``enter_layer`` / ``write`` / ``exit_layer``. Only
+the core's calls are timed (the inputs, SGLang's side, are built outside the timer); there is no
+attention or MLP, so the figure is the bookkeeping alone.
+
+The pool (``layers x logical_pages`` layer-pages) grows from 10^4 to 10^6 while the batch stays
+the same; a core whose bookkeeping is proportional to what changes shows flat rows. Layouts:
+
+- ``identity``: the budget holds every layer-page (all layers in place; the decode fast path);
+- ``paged``: budget ``--budget-fraction`` of the layer-pages, every layer wanted on device;
+- ``paged-offload``: the same budget, the plan offloads every other layer of every request
+  (installed with ``update_residency(..., planned=True)``): staged steps with fetches and
+  write-backs.
+
+Per configuration: ``steady`` (a decode step of the unchanged batch), ``finish`` (a request
+finishes -- ``release_request`` + ``page_freed`` -- and the next decode step runs without it),
+``arrival`` (a new request's plan, ``update_residency``, and its prefill step) and ``join`` (the
+first decode step with the newcomer in the batch), plus ``stats`` (one ``core.stats()``, which
+SGLang's adapter calls per step when the stats file is on). Medians of thread CPU time (torch
+runs single-threaded here) and of wall time. Results:
+``benchmarks/results/core/core-<machine>.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from sglang_ext.dataplane.bench_env import describe_device, write_result
+from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
+from sglang_ext.dataplane.slot_kv_store import SlotStoreConfig
+from sglang_ext.dataplane.slot_results import RequestResidency
+
+RESULTS_DIR = Path("benchmarks/results/core")
+LAYOUTS = ("identity", "paged", "paged-offload")
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+PHASES = ("steady", "finish", "arrival", "join", "stats")
+
+
+def _ints(text: str, name: str) -> list[int]:
+    try:
+        values = [int(float(x)) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--{name}: expected a comma list of numbers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise SystemExit(f"--{name}: values must be >= 1, got {text!r}")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=int, default=8, help="batch size (requests)")
+    parser.add_argument("--tokens", type=int, default=256, help="prompt tokens per request")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=1, help="small rows: the figure is bookkeeping")
+    parser.add_argument("--head-dim", type=int, default=8)
+    parser.add_argument("--dtype", default="float16", choices=sorted(DTYPES))
+    parser.add_argument("--pool-sizes", default="1e4,1e5,1e6",
+                        help="pool sizes in layer-pages (layers x logical pages), comma list")
+    parser.add_argument("--budget-fraction", type=float, default=0.5,
+                        help="device budget of the paged layouts, as a share of the layer-pages")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma list of {', '.join(LAYOUTS)}")
+    parser.add_argument("--steps", type=int, default=24, help="steady steps timed per event cycle")
+    parser.add_argument("--events", type=int, default=6, help="finish + arrival cycles timed")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out-dir", default=str(RESULTS_DIR), help="where the JSON and Markdown go")
+
+
+@dataclasses.dataclass
+class _Req:
+    rid: str
+    slots: list[int]
+
+
+class CoreRun:
+    """One configuration: a core, SGLang's side of it (pages, slots), timed steps."""
+
+    def __init__(self, args: argparse.Namespace, pool: int, layout: str) -> None:
+        self.args = args
+        self.layout = layout
+        L, ps = args.layers, args.page_size
+        self.logical = max(2, pool // L)
+        budget = self.logical * L if layout == "identity" else max(1, int(args.budget_fraction * self.logical * L))
+        self.core = LayeredKVCore(SlotStoreConfig(
+            layers=L, page_size=ps, kv_heads=args.kv_heads, head_dim=args.head_dim,
+            logical_pages=self.logical, device_pages=budget, dtype=DTYPES[args.dtype], device="cpu",
+        ))
+        self.gpu_layers = tuple(layout != "paged-offload" or layer % 2 == 0 for layer in range(L))
+        rng = np.random.default_rng(args.seed)
+        self.free = list(rng.permutation(np.arange(1, self.logical)).tolist())  # page 0: padding
+        self.reqs: list[_Req] = []
+        self.last_lens: list[int] | None = None
+        self.next_id = 0
+        self.samples: dict[str, list[tuple[float, float]]] = {p: [] for p in PHASES}
+        self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # ----- SGLang's side (untimed) ---------------------------------------------------------
+
+    def _grow(self, req: _Req, n: int) -> list[int]:
+        ps, out = self.args.page_size, []
+        for _ in range(n):
+            if req.slots and (req.slots[-1] + 1) % ps:
+                slot = req.slots[-1] + 1
+            else:
+                if not self.free:
+                    raise SystemExit(f"pool of {self.logical} pages too small for the batch")
+                slot = self.free.pop() * ps
+            req.slots.append(slot)
+            out.append(slot)
+        return out
+
+    def _kv_rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if n not in self._kv:
+            a = self.args
+            k = torch.zeros((n, a.kv_heads, a.head_dim), dtype=DTYPES[a.dtype])
+            self._kv[n] = (k, k.clone())
+        return self._kv[n]
+
+    def _want(self, req: _Req) -> RequestResidency:
+        pages = tuple(dict.fromkeys(s // self.args.page_size for s in req.slots))
+        return RequestResidency(pages=pages, gpu_layers=self.gpu_layers, planned=True)
+
+    # ----- timed core calls ----------------------------------------------------------------
+
+    def _layers(self, loc: torch.Tensor) -> None:
+        core = self.core
+        k, v = self._kv_rows(int(loc.numel()))
+        for layer in range(core.layers):
+            core.enter_layer(layer)
+            core.write(layer, loc, k, v)
+            core.exit_layer(layer)
+
+    def _timed(self, phase: str | None, fn: Callable[[], Any]) -> None:
+        c0, w0 = time.thread_time(), time.perf_counter()
+        fn()
+        c1, w1 = time.thread_time(), time.perf_counter()
+        if phase is not None:
+            self.samples[phase].append(((c1 - c0) * 1e3, (w1 - w0) * 1e3))
+
+    def decode(self, phase: str | None) -> None:
+        """One decode step of the batch (SGLang's fast-path test, then the general path)."""
+        new = [self._grow(r, 1)[0] for r in self.reqs]
+        lens = [len(r.slots) for r in self.reqs]
+        rids = [r.rid for r in self.reqs]
+        loc = torch.tensor(new, dtype=torch.int64)
+        steady = self.last_lens is not None and len(self.last_lens) == len(lens) and all(
+            n == p + 1 for n, p in zip(lens, self.last_lens, strict=True))
+        requests = [(r.rid, torch.tensor(r.slots, dtype=torch.int64)) for r in self.reqs]
+
+        def step() -> None:
+            if not (steady and self.core.prepare_decode_step(rids, lens, loc)):
+                self.core.prepare_step(requests, loc)
+            self._layers(loc)
+
+        self._timed(phase, step)
+        self.last_lens = lens
+
+    def arrive(self, phase: str | None) -> None:
+        """A new request: its plan, then its prefill step (alone, as SGLang runs a prefill)."""
+        req = _Req(f"r{self.next_id}", [])
+        self.next_id += 1
+        new = self._grow(req, self.args.tokens)
+        loc = torch.tensor(new, dtype=torch.int64)
+        want = {req.rid: self._want(req)}
+        requests = [(req.rid, torch.tensor(req.slots, dtype=torch.int64))]
+
+        def step() -> None:
+            self.core.update_residency(want)
+            self.core.prepare_step(requests, loc)
+            self._layers(loc)
+
+        self._timed(phase, step)
+        self.reqs.append(req)
+        self.last_lens = None  # the batch changed: the next decode step is not steady
+
+    def finish(self, phase: str | None) -> None:
+        """The oldest request finishes (its pages go back to SGLang), then a decode step."""
+        req = self.reqs.pop(0)
+        ps = self.args.page_size
+        pages = sorted({s // ps for s in req.slots})
+        self.last_lens = None
+        self.free.extend(pages)
+        new = [self._grow(r, 1)[0] for r in self.reqs]
+        loc = torch.tensor(new, dtype=torch.int64)
+        requests = [(r.rid, torch.tensor(r.slots, dtype=torch.int64)) for r in self.reqs]
+
+        def step() -> None:
+            self.core.release_request(req.rid)
+            self.core.page_freed(pages)
+            self.core.prepare_step(requests, loc)
+            self._layers(loc)
+
+        self._timed(phase, step)
+        self.last_lens = [len(r.slots) for r in self.reqs]
+
+    def run(self) -> dict[str, Any]:
+        a = self.args
+        for _ in range(a.requests):
+            self.arrive(None)
+        for _ in range(3):
+            self.decode(None)
+        for _ in range(a.events):
+            for _ in range(a.steps):
+                self.decode("steady")
+            self._timed("stats", self.core.stats)
+            self.finish("finish")
+            self.arrive("arrival")
+            self.decode("join")
+        stats = self.core.stats()
+        row: dict[str, Any] = {
+            "layout": self.layout,
+            "pool_layer_pages": self.logical * a.layers,
+            "logical_pages": self.logical,
+            "device_pages": self.core.config.device_pages if not self.core.store.identity
+            else self.logical * a.layers,
+            "full_reconciles": self.core.residency.full_reconciles,
+            "overflow_steps": stats.overflow_steps_total,
+            "staged_steps": stats.staged_steps_total,
+            "host_fraction": stats.host_fraction,
+        }
+        for phase, samples in self.samples.items():
+            row[f"{phase}_cpu_ms"] = statistics.median(s[0] for s in samples)
+            row[f"{phase}_wall_ms"] = statistics.median(s[1] for s in samples)
+        return row
+
+
+def _markdown(where: str, args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
+    head = (
+        "# kvplane bench core\n\n"
+        f"Machine: {where}\n\n"
+        f"Batch: {args.requests} requests x {args.tokens} tokens, {args.layers} layers, page "
+        f"{args.page_size}, {args.dtype}, {args.kv_heads} KV head(s) x {args.head_dim} dims, CPU device "
+        f"(no model: the core's calls only). Paged layouts: budget {args.budget_fraction:g} of the "
+        "layer-pages; `paged-offload` offloads every other layer. Median thread CPU time per step, ms "
+        f"({args.steps} x {args.events} steady steps, {args.events} of each event); wall medians in the JSON.\n\n"
+        "| layout | pool layer-pages | steady | finish + step | arrival (plan + prefill) | join step | stats() "
+        "| full reconciles |\n|---|---:|---:|---:|---:|---:|---:|---:|\n"
+    )
+    body = "".join(
+        f"| {r['layout']} | {r['pool_layer_pages']:,} | {r['steady_cpu_ms']:.3f} | {r['finish_cpu_ms']:.3f} | "
+        f"{r['arrival_cpu_ms']:.3f} | {r['join_cpu_ms']:.3f} | {r['stats_cpu_ms']:.3f} | {r['full_reconciles']} |\n"
+        for r in rows
+    )
+    return head + body
+
+
+def run(args: argparse.Namespace) -> int:
+    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+    bad = [x for x in layouts if x not in LAYOUTS]
+    if bad or not layouts:
+        raise SystemExit(f"--layouts: unknown {bad or layouts!r}; choose from {', '.join(LAYOUTS)}")
+    if not 0 < args.budget_fraction < 1:
+        raise SystemExit(f"--budget-fraction must be in (0, 1), got {args.budget_fraction}")
+    for name in ("requests", "tokens", "layers", "page_size", "kv_heads", "head_dim", "steps", "events"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    pools = _ints(args.pool_sizes, "pool-sizes")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        where = f"{describe_device('cpu').rsplit(' (', 1)[0]}, {os.cpu_count()} cores"
+        print(f"kvplane bench core on {where} ({args.requests} requests x {args.tokens} tokens, "
+              f"{args.layers} layers, page {args.page_size}; median thread CPU ms per step)")
+        print(f"{'layout':>14} {'layer-pages':>12} {'steady':>8} {'finish':>8} {'arrival':>8} "
+              f"{'join':>8} {'stats':>8} {'full':>5}")
+        rows = []
+        for layout in layouts:
+            for pool in pools:
+                r = CoreRun(args, pool, layout).run()
+                rows.append(r)
+                print(f"{layout:>14} {r['pool_layer_pages']:>12,} {r['steady_cpu_ms']:>8.3f} "
+                      f"{r['finish_cpu_ms']:>8.3f} {r['arrival_cpu_ms']:>8.3f} {r['join_cpu_ms']:>8.3f} "
+                      f"{r['stats_cpu_ms']:>8.3f} {r['full_reconciles']:>5}")
+    finally:
+        torch.set_num_threads(threads)
+    params = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    path = write_result(args.out_dir, "core", where, {
+        "figure": "LayeredKVCore host time per step vs pool size (no model; CPU device)",
+        "device": "cpu", "timer": "median thread CPU time (torch single-threaded) and wall time",
+        "params": params, "rows": rows,
+    })
+    path.with_suffix(".md").write_text(_markdown(where, args, rows))
+    print(f"result: {path} (+ .md)")
+    json.loads(path.read_text())  # written whole
+    return 0
