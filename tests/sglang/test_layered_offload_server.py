@@ -23,7 +23,13 @@ from sglang_ext.settings import POOL_STATS_FILE_ENV
 from sglang_ext.settings import RESIDENCY_EVENTS_FILE_ENV as EVENTS_FILE_ENV
 from sglang_ext.testing.residency import check_block_lifecycle
 from sglang_ext.testing.server import SGLangServer
-from tests.sglang.conftest import PROMPTS, greedy, running_server
+from tests.sglang.conftest import (
+    FAULT_INJECT_DIR,
+    PROMPTS,
+    assert_same_generation,
+    greedy,
+    running_server,
+)
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # server start-ups on a loaded host
 
@@ -67,12 +73,13 @@ def test_layered_pool_and_attention_are_active(offload):
 
 
 def test_greedy_tokens_identical_with_most_kv_on_host(offload, vanilla_server):
-    """20 greedy prompts match vanilla token for token while >= 50% of live layer-KV sits on host."""
+    """20 greedy prompts match vanilla token for token and in per-token logprobs (fp32, within
+    LOGPROB_ATOL) while >= 50% of live layer-KV sits on host."""
     before = len(offload.stats())
     for prompt in PROMPTS:
-        got = greedy(offload.server, prompt, NEW_TOKENS)["output_ids"]
-        want = greedy(vanilla_server, prompt, NEW_TOKENS)["output_ids"]
-        assert got == want, prompt
+        got = greedy(offload.server, prompt, NEW_TOKENS, logprobs=True)
+        want = greedy(vanilla_server, prompt, NEW_TOKENS, logprobs=True)
+        assert_same_generation(got, want, prompt)
     steps = [s for s in offload.stats()[before:] if s["live_layer_pages"] > 0]
     assert len(steps) >= len(PROMPTS) * NEW_TOKENS // 2
     assert all(s["device_pages_used"] <= s["device_pages_total"] == BUDGET_TOKENS for s in steps)
@@ -146,3 +153,33 @@ def test_residency_events_stay_consistent(offload):
     assert report.live_blocks == frozenset()
     moves = [e for e in events if e.kind in (ResidencyEventKind.OFFLOADED, ResidencyEventKind.LOADED)]
     assert moves and all(e.layers is not None and len(e.layers) == 1 for e in moves)
+
+
+CORRUPT_LAYER = 3
+"""The tiny model's top layer: the local fallback offloads it first."""
+
+
+@pytest.fixture(scope="module")
+def corrupted(tiny_model_dir, tmp_path_factory) -> Iterator[SGLangServer]:
+    """The same layered server, with the test-only fault injector perturbing the host copy of
+    one written-back page of layer 3 after every step (tests/sglang/fault_inject)."""
+    root = tmp_path_factory.mktemp("layered-corrupted")
+    flags = ["--enable-layered-kv", "--disable-overlap-schedule", "--kv-gpu-budget-tokens", str(BUDGET_TOKENS),
+             "--max-total-tokens", str(MAX_TOTAL_TOKENS)]
+    env = {"PYTHONPATH": str(FAULT_INJECT_DIR), "KVPLANE_TEST_CORRUPT_LAYER": str(CORRUPT_LAYER)}
+    with running_server(tiny_model_dir, root, flags, env) as server:
+        yield server
+
+
+def test_negative_control_a_corrupted_offloaded_page_fails_the_comparison(corrupted, vanilla_server):
+    """Negative control: with one offloaded layer-page per step perturbed on its way through host
+    memory, the comparison of the previous test fails (logprobs move, tokens may not)."""
+    failures = 0
+    for prompt in PROMPTS[:4]:
+        got = greedy(corrupted, prompt, NEW_TOKENS, logprobs=True)
+        want = greedy(vanilla_server, prompt, NEW_TOKENS, logprobs=True)
+        try:
+            assert_same_generation(got, want, prompt)
+        except AssertionError:
+            failures += 1
+    assert failures == 4, f"only {failures} of 4 corrupted generations were detected"

@@ -1,0 +1,55 @@
+"""Test-only fault injection for the negative control of the layered servers' equality checks.
+
+On the server's PYTHONPATH (never installed), this runs at start-up in every SGLang process and,
+when ``sglang_ext.dataplane.layer_pipeline`` is imported, wraps ``LayerPipeline.end_layer`` so
+that after layer ``KVPLANE_TEST_CORRUPT_LAYER``'s write-back of staged new tokens reached host
+memory, the host copy of the first page it wrote is perturbed (K += 0.5). The next step fetches
+that corrupted page into staging, so the served attention reads wrong KV for one offloaded
+layer-page -- what a lost or misplaced write-back would do.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import os
+import sys
+
+TARGET = "sglang_ext.dataplane.layer_pipeline"
+
+
+def _patch(module) -> None:  # noqa: ANN001
+    layer = int(os.environ["KVPLANE_TEST_CORRUPT_LAYER"])
+    real = module.LayerPipeline.end_layer
+
+    def end_layer(self, index):  # noqa: ANN001
+        tables = self.tables
+        launch = tables.writebacks[index] if tables is not None and index == layer else None
+        real(self, index)
+        if launch is not None:
+            self.engine.quiesce()
+            host_seg = int(tables.launch_indices(launch)[2][1][0])  # first destination: a K segment
+            self.engine.host[host_seg] += 0.5
+
+    module.LayerPipeline.end_layer = end_layer
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):  # noqa: ANN001, ANN201
+        if name != TARGET:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_and_patch(module):  # noqa: ANN001
+            exec_module(module)
+            _patch(module)
+
+        loader.exec_module = exec_and_patch
+        return spec
+
+
+if os.environ.get("KVPLANE_TEST_CORRUPT_LAYER"):
+    sys.meta_path.insert(0, _Finder())
