@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from sglang_ext.dataplane.live_pages import LivePages, live_layer_pages
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore
 from sglang_ext.dataplane.slot_results import RequestResidency, ResidencyDelta, ResidencyStats
 
@@ -94,6 +95,9 @@ class SlotResidency:
         self._changed = True
         """Anything but appended pages changed since the last full reconcile (forces a full one)."""
         self._appended: list[tuple[_Request, torch.Tensor]] = []
+        self._maybe_orphan: set[int] = set()
+        """Pages that may no longer have a tracked user (released, dropped, re-observed requests'
+        pages): where :class:`LivePages` looks for cached orphans when space is needed."""
         self.reclaimable_pages = 0
         """Device layer-pages held only by the prefix cache (no live user), as of the last full
         reconciliation: given up first when space is needed, so they count as free capacity."""
@@ -167,20 +171,22 @@ class SlotResidency:
             if not self._changed and pages.numel():
                 self._appended.append((self._requests[rid], pages))
             return
-        if not self._changed:
-            old = req.pages.numel()
-            if old <= pages.numel() and torch.equal(pages[:old], req.pages):
-                if pages.numel() > old:
-                    self._appended.append((req, pages[old:]))
-            else:
-                self._changed = True
+        old = req.pages.numel()
+        if old <= pages.numel() and torch.equal(pages[:old], req.pages):
+            if pages.numel() > old and not self._changed:
+                self._appended.append((req, pages[old:]))
+        else:
+            self._changed = True
+            self._maybe_orphan.update(req.pages.tolist())
         req.pages = pages
 
     def release_request(self, rid: str) -> None:
         """Forget ``rid`` (unknown ids are ignored: release is idempotent)."""
         self._live_stats = None
-        if self._requests.pop(rid, None) is not None:
+        req = self._requests.pop(rid, None)
+        if req is not None:
             self._changed = True
+            self._maybe_orphan.update(req.pages.tolist())
 
     @property
     def has_anonymous(self) -> bool:
@@ -193,8 +199,10 @@ class SlotResidency:
             return
         self._live_stats = None
         for rid in self._anonymous:
-            if self._requests.pop(rid, None) is not None:
+            req = self._requests.pop(rid, None)
+            if req is not None:
                 self._changed = True
+                self._maybe_orphan.update(req.pages.tolist())
         self._anonymous.clear()
 
     def gpu_layers(self, rid: str) -> tuple[bool, ...] | None:
@@ -214,6 +222,7 @@ class SlotResidency:
             return
         self._changed = True
         freed = np.asarray(pages, dtype=np.int64)
+        self._maybe_orphan.difference_update(pages)
         self._has_kv_np[freed] = False
         for rid in list(self._requests):  # a request keeps only pages it still holds
             req = self._requests[rid]
@@ -229,53 +238,19 @@ class SlotResidency:
         if pages.numel():
             self.has_kv[pages] = True
 
-    # ----- masks -------------------------------------------------------------------
-
-    def _target(self) -> torch.Tensor:
-        target = torch.zeros(self.store.map_cpu.shape, dtype=torch.bool)
-        for req in self._requests.values():
-            if req.paused or req.pages.numel() == 0:
-                continue
-            layers = [i for i, on in enumerate(req.gpu_layers) if on]
-            if layers:
-                target[torch.tensor(layers)[:, None], req.pages[None, :]] = True
-        return target
-
-    def _orphan_pages(self) -> torch.Tensor:
-        """``[P]`` bool: pages no tracked request uses (prefix-cache pages of finished requests)."""
-        used = torch.zeros(self.store.config.logical_pages, dtype=torch.bool)
-        for req in self._requests.values():
-            if req.pages.numel():
-                used[req.pages] = True
-        return ~used
-
-    def _removable_order(self, candidates: torch.Tensor, orphan: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-        """Removable layer-pages in give-up order: cached pages nobody uses first, then paused
-        requests (oldest pause first); within each, highest layer first."""
-        order = []
-        taken = torch.zeros_like(candidates)
-        for layer in range(self.layers - 1, -1, -1):
-            pages = (candidates[layer] & orphan).nonzero().squeeze(1)
-            if pages.numel():
-                taken[layer, pages] = True
-                order.append((layer, pages))
-        for req in sorted((r for r in self._requests.values() if r.paused), key=lambda r: r.pause_seq):
-            for layer in range(self.layers - 1, -1, -1):
-                pages = req.pages[candidates[layer, req.pages] & ~taken[layer, req.pages]]
-                pages = torch.unique(pages)
-                if pages.numel():
-                    taken[layer, pages] = True
-                    order.append((layer, pages))
-        return order
-
     # ----- reconciliation -----------------------------------------------------------
+
+    def live_pages(self) -> LivePages:
+        """The boundary's view of the tracked requests' pages (wants, residency, removable)."""
+        return LivePages(self.store, list(self._requests.values()), self._maybe_orphan)
 
     def reconcile(self) -> ResidencyDelta:
         """Make the device hold the wanted layer-pages (within the budget); see module doc.
 
         Fast path: when the only change since the last full reconciliation is pages appended to
         known requests (decode), no request is paused and the new layer-pages fit, they are
-        placed directly -- the same result as the full mask computation, without it.
+        placed directly -- the same result as the full computation, without it. The full one
+        works on the tracked requests' pages only (:class:`LivePages`), never on the pool.
         """
         self._live_stats = None
         fast = self._reconcile_appended()
@@ -285,43 +260,45 @@ class SlotResidency:
         self._appended = []
         store = self.store
         d2h_before, h2d_before = store.d2h_bytes, store.h2d_bytes
-        resident = store.resident_mask()
-        target = self._target()
+        live = self.live_pages()
+        resident, lazy = live.resident, live.paused[None, :]
         local_flips = 0
-        orphan = self._orphan_pages()
         while True:
+            target = live.target()
             removable = resident & ~target
-            lazy = self._paused_mask() | orphan[None, :]
             drop = removable & ~lazy
             removable &= lazy
             need = target & ~resident
+            removable_count = int(removable.sum()) + live.orphan_resident
             reserve = self.staging_reserve()
             short = int(need.sum()) + reserve - store.allocator.free_count - int(drop.sum())
-            if short <= int(removable.sum()) or not self._flip_local_layer():
+            if short <= removable_count or not self._flip_local_layer():
                 break
             local_flips += 1
-            target = self._target()
-        if short > int(removable.sum()):
+        if short > removable_count:
             # wants stay short: every active request may need its staging slot this step
             reserve = self.staging_reserve(every_active=True)
             short = int(need.sum()) + reserve - store.allocator.free_count - int(drop.sum())
+        drop_ids = [live.flat(*np.nonzero(drop))]
         given_up = 0
         if short > 0:
-            for layer, pages in self._removable_order(removable, orphan):
+            for layer, pages in live.removable_order(removable):
                 take = pages[: short - given_up]
-                drop[layer, take] = True
-                given_up += int(take.numel())
+                drop_ids.append(layer * store.config.logical_pages + take)
+                given_up += int(take.size)
                 if given_up >= short:
                     break
-        offloaded = self._apply_drops(drop)
-        loaded, placed, shortfall = self._apply_needs(need, reserve)
-        self.reclaimable_pages = int((store.resident_mask() & orphan[None, :]).sum())
+        drop_flat = np.sort(np.concatenate(drop_ids))  # row-major: layer, then page
+        offloaded = self._apply_drops(drop_flat)
+        loaded, placed, shortfall = self._apply_needs(live.flat(*np.nonzero(need)), reserve)
+        live.refresh()
+        self.reclaimable_pages = live.orphan_resident
         self.shortfall_total += shortfall
         self._changed = shortfall > 0 or given_up > 0 or any(r.paused for r in self._requests.values())
         self.last_moves = LayerPageMoves(offloaded=offloaded, loaded=loaded)
         return ResidencyDelta(
             loaded_layer_pages=sum(len(v) for v in loaded.values()),
-            offloaded_layer_pages=int(drop.sum()),
+            offloaded_layer_pages=int(drop_flat.size),
             removable_dropped_layer_pages=given_up,
             placed_new_layer_pages=placed,
             shortfall_layer_pages=shortfall,
@@ -450,13 +427,6 @@ class SlotResidency:
         the last reconciliation left no shortfall, nobody is paused, everybody wants all layers."""
         return not self._changed and all(not r.paused and all(r.gpu_layers) for r in self._requests.values())
 
-    def _paused_mask(self) -> torch.Tensor:
-        mask = torch.zeros(self.store.map_cpu.shape, dtype=torch.bool)
-        for req in self._requests.values():
-            if req.paused and req.pages.numel():
-                mask[:, req.pages] = True
-        return mask
-
     def _flip_local_layer(self) -> bool:
         """Local fallback: move the highest wanted layer of the largest unplanned request to host."""
         candidates = [
@@ -469,25 +439,21 @@ class SlotResidency:
         victim.gpu_layers[top] = False
         return True
 
-    def _apply_drops(self, drop: torch.Tensor) -> dict[int, list[int]]:
-        layers, pages = drop.nonzero(as_tuple=True)
+    def _apply_drops(self, flat: np.ndarray) -> dict[int, list[int]]:
+        """Offload the layer-pages of sorted flat ids ``l * P + p``; per layer, the pages."""
+        layers, pages = np.divmod(flat, self.store.config.logical_pages)
         self.store.offload(layers, pages)
-        moved: dict[int, list[int]] = {}
-        for layer, page in zip(layers.tolist(), pages.tolist(), strict=True):
-            moved.setdefault(layer, []).append(page)
-        return moved
+        return _by_layer(layers, pages)
 
-    def _apply_needs(self, need: torch.Tensor, reserve: int) -> tuple[dict[int, list[int]], int, int]:
-        layers, pages = need.nonzero(as_tuple=True)  # row-major: lower layers first
+    def _apply_needs(self, flat: np.ndarray, reserve: int) -> tuple[dict[int, list[int]], int, int]:
+        """Onload the sorted flat ids (lower layers first) that fit beside ``reserve``."""
+        layers, pages = np.divmod(flat, self.store.config.logical_pages)
         room = max(0, self.store.allocator.free_count - reserve)
-        shortfall = max(0, int(layers.numel()) - room)
+        shortfall = max(0, int(layers.size) - room)
         layers, pages = layers[:room], pages[:room]
-        copy = self.has_kv[pages]
+        copy = self._has_kv_np[pages]
         self.store.onload(layers, pages, copy)
-        loaded: dict[int, list[int]] = {}
-        for layer, page in zip(layers[copy].tolist(), pages[copy].tolist(), strict=True):
-            loaded.setdefault(layer, []).append(page)
-        return loaded, int((~copy).sum()), shortfall
+        return _by_layer(layers[copy], pages[copy]), int((~copy).sum()), shortfall
 
     # ----- stats ----------------------------------------------------------------------
 
@@ -495,25 +461,27 @@ class SlotResidency:
         """Snapshot (see :class:`ResidencyStats`)."""
         store = self.store
         if self._live_stats is None:
-            live = torch.zeros(store.config.logical_pages, dtype=torch.bool)
-            for req in self._requests.values():
-                if req.pages.numel():
-                    live[req.pages] = True
-            live_pages = live.nonzero().squeeze(1)
-            host = int((store.map_cpu[:, live_pages] < 0).sum()) if live_pages.numel() else 0
-            self._live_stats = (int(live_pages.numel()) * self.layers, host)
-        live_layer_pages, host_layer_pages = self._live_stats
+            self._live_stats = live_layer_pages(store, self._requests.values())
+        live, host = self._live_stats
         return ResidencyStats(
             device_pages_used=store.allocator.used_count,
             device_pages_total=store.allocator.capacity,
             staging_pages=store.staging_pages,
             host_pages=store.config.logical_pages,
             live_requests=len(self._requests),
-            live_layer_pages=live_layer_pages,
-            host_layer_pages=host_layer_pages,
-            host_fraction=host_layer_pages / live_layer_pages if live_layer_pages else 0.0,
+            live_layer_pages=live,
+            host_layer_pages=host,
+            host_fraction=host / live if live else 0.0,
             h2d_bytes_total=store.h2d_bytes,
             d2h_bytes_total=store.d2h_bytes,
             host_write_bytes_total=store.host_write_bytes,
             shortfall_layer_pages_total=self.shortfall_total,
         )
+
+
+def _by_layer(layers: np.ndarray, pages: np.ndarray) -> dict[int, list[int]]:
+    """``{layer: [pages]}`` of parallel arrays (first-seen order)."""
+    moved: dict[int, list[int]] = {}
+    for layer, page in zip(layers.tolist(), pages.tolist(), strict=True):
+        moved.setdefault(layer, []).append(page)
+    return moved

@@ -77,13 +77,13 @@ class StagingRoom:
 
     def _give_up_removable(self, short: int) -> int:
         """Drop up to ``short`` removable layer-pages in give-up order; return how many."""
-        res = self.residency
-        resident = self.store.resident_mask()
-        orphan = res._orphan_pages()
-        removable = resident & ~res._target() & (res._paused_mask() | orphan[None, :])
+        live = self.residency.live_pages()  # on the live pages' columns, not the pool's
+        removable = live.resident & ~live.target() & live.paused[None, :]
         given = 0
-        for layer, pages in res._removable_order(removable, orphan):
-            take = pages[: short - given].numpy()
+        if short <= 0 or (live.orphan_resident == 0 and not removable.any()):
+            return 0
+        for layer, pages in live.removable_order(removable):
+            take = pages[: short - given]
             self.store.offload(np.full(take.size, layer), take)
             given += int(take.size)
             if given >= short:
