@@ -1,22 +1,28 @@
-"""`kvplane bench attention`: a decode step under a placement vs all-resident, and the measured
-stall vs the placement model's prediction (``controlplane.model.step_time_ms``).
+"""`kvplane bench attention`: a decode step under a placement vs all-resident, on the served core,
+and the measured stall vs the placement model's prediction (``controlplane.model.step_time_ms``).
 
-Each layer runs paged decode attention over the layered tables (FlashInfer on CUDA when
-importable, else the torch reference) plus a gated-MLP-sized matmul standing in for the rest of
-the layer. The model's inputs are measured in the same run: per-layer compute from the
-all-resident step, bandwidth from one batched fetch of one layer of every request.
-Target (issue 4): measured stall within 10% of the model. On CPU the transfer engine is
-synchronous (no overlap), so the CPU figure shows the no-overlap upper bound, labelled CPU.
+It drives the object SGLang runs (:class:`~sglang_ext.tools.served_batch.ServedBatch`: a
+``LayeredKVCore`` with a pinned host pool and the CUDA transfer engine on a GPU): requests are
+prefilled through the core, a plan is installed with ``update_residency(..., planned=True)``, and
+each decode step is ``prepare_step`` + per layer ``enter_layer`` / ``write`` / paged decode
+attention over ``tables.tab[l]`` (FlashInfer on CUDA when importable, else the torch reference)
+plus a gated-MLP-sized matmul standing in for the rest of the layer / ``exit_layer``. The
+all-resident and the placed steps run on the same pool (paged layout), so their difference is the
+fetches, write-backs and staging the plan costs. The model's inputs are measured in the same run:
+per-layer compute from the all-resident step, bandwidth from one batched engine fetch of one
+layer of every request (``store.engine.h2d``). Target (issue 4): measured stall within 10% of the
+model. On CPU the transfer engine is synchronous (no overlap), so the CPU figure shows the
+no-overlap upper bound, labelled CPU.
 """
 
 from __future__ import annotations
 
 import argparse
 
+import numpy as np
 import torch
 
 from controlplane.model import step_time_ms
-from sglang_ext.dataplane import LayeredKVCache, LayeredKVConfig, torch_layered_attention
 from sglang_ext.dataplane.bench_env import (
     NO_GPU_EXIT,
     add_device_argument,
@@ -26,6 +32,7 @@ from sglang_ext.dataplane.bench_env import (
     time_ms,
     write_result,
 )
+from sglang_ext.tools.served_batch import DecodeAttention, ServedBatch
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,64 +47,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", type=int, default=2048, help="tokens per request")
     parser.add_argument("--offload-every", type=int, default=2, help="offload every N-th layer")
     parser.add_argument("--repeat", type=int, default=10)
-    parser.add_argument("--host-pool-gb", type=float, default=4.0)
+    parser.add_argument("--seed", type=int, default=0)
 
 
 class _Stepper:
-    """Runs decode steps over a LayeredKVCache with attention + MLP per layer."""
+    """Decode steps of a :class:`ServedBatch` with attention + MLP per layer."""
 
     def __init__(self, args: argparse.Namespace, device: str) -> None:
         dtype = torch.float16 if device == "cuda" else torch.float32
-        blocks = -(-(args.context + 4 * args.repeat + 16) // args.block_size)
-        self.cfg = LayeredKVConfig(
-            layers=args.layers, block_size=args.block_size, kv_heads=args.kv_heads,
-            head_dim=args.head_dim, device_blocks=blocks * args.requests * (args.layers + 1),
-            host_pool_gb=args.host_pool_gb, dtype=dtype, device=device,
+        self.batch = ServedBatch(
+            layers=args.layers, page_size=args.block_size, kv_heads=args.kv_heads, head_dim=args.head_dim,
+            requests=args.requests, context=args.context, headroom=2 * (args.repeat + 4) + args.block_size,
+            dtype=dtype, device=device, seed=args.seed,
         )
-        self.cache = LayeredKVCache(self.cfg)
-        self.rids = [f"r{i}" for i in range(args.requests)]
-        self.q = torch.randn(args.requests, args.q_heads, args.head_dim, device=device, dtype=dtype)
+        self.attn = DecodeAttention(self.batch, args.q_heads)
+        self.repeat = args.repeat
         self.w1 = torch.randn(args.hidden, 4 * args.hidden, device=device, dtype=dtype) * 0.01
         self.w2 = torch.randn(4 * args.hidden, args.hidden, device=device, dtype=dtype) * 0.01
         self.x = torch.randn(args.requests, args.hidden, device=device, dtype=dtype)
-        self.qo = torch.arange(args.requests + 1, device=device)
-        self.fi = None
-        if device == "cuda":
-            from sglang_ext.dataplane.flashinfer_attention import (
-                HAVE_FLASHINFER,
-                FlashInferLayeredDecode,
-            )
 
-            if HAVE_FLASHINFER:
-                self.fi = FlashInferLayeredDecode(device, max_pages=blocks * args.requests)
-        for rid in self.rids:
-            self.cache.alloc_request(rid)
-        for rid in self.rids:
-            self.cache.append_tokens(rid, args.context)
-        self.step(append=False)
+    def _layer(self, layer: int) -> None:
+        self.attn(layer)
+        (self.x @ self.w1) @ self.w2
 
-    @property
-    def attention(self) -> str:
-        return "flashinfer" if self.fi is not None else "torch reference"
+    def step(self) -> None:
+        self.batch.decode_step(self._layer)
 
-    def step(self, append: bool = True) -> None:
-        c = self.cache
-        if append:
-            for rid in self.rids:
-                c.append_tokens(rid, 1)
-        c.begin_step(self.rids)
-        for layer in range(self.cfg.layers):
-            c.wait_layer(layer)
-            v = c.layer_view(layer)
-            if self.fi is not None:
-                if layer == 0:
-                    self.fi.plan(v, self.q.shape[1])
-                self.fi.run(self.q, v)
-            else:
-                torch_layered_attention(self.q, self.qo, v.k_cache, v.v_cache, v.kv_indptr, v.kv_indices, v.kv_lens)
-            (self.x @ self.w1) @ self.w2
-            c.end_layer(layer)
-        c.end_step()
+    def fetch_one_layer(self, layer: int) -> tuple[float, int]:
+        """Time one batched engine fetch of ``layer`` of every request's pages into free device
+        pages (what a step's first fetch launch is); returns (ms, layer-pages moved)."""
+        core = self.batch.core
+        store, eng = core.store, core.store.engine
+        pages = np.asarray([p for i in range(len(self.batch.rids)) for p in self.batch.pages(i)], dtype=np.int64)
+        ids = core.room.take(int(pages.size))
+        if ids is None:
+            raise RuntimeError("no free device pages for the bandwidth fetch")
+        try:
+            src = store.host_segs(np.full(pages.size, layer), pages)
+            dst = store.dev_segs(ids)
+            src_d, dst_d = eng.index_tensor(src), eng.index_tensor(dst)
+            ms = time_ms(lambda: eng.h2d(src_d, dst_d, host_idx=(src, dst)), self.batch.device, self.repeat)
+        finally:
+            sync(self.batch.device)
+            core.room.give_back(ids)
+        return ms, int(pages.size)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,43 +105,40 @@ def run(args: argparse.Namespace) -> int:
     resident_ms = time_ms(s.step, device, args.repeat)
     comp = [resident_ms / L] * L
     row = [0 if (layer + 1) % args.offload_every == 0 else 1 for layer in range(L)]
-    s.cache.install_placement({r: row for r in s.rids})
+    delta = s.batch.place([bool(x) for x in row])
+    sync(device)
     # Bandwidth as the model sees it: one batched fetch of one offloaded layer of every request.
-    t, hp, dp = s.cache._reqs, s.cache.host_pool, s.cache.device_pool
     off = row.index(0) if 0 in row else 0
-    src = sum((hp.segs(t[r].host_blocks, off) for r in s.rids), [])
-    dst = sum((dp.segs(t[r].staging or t[r].dev[off] or []) for r in s.rids), [])
-    eng = s.cache.engine
-
-    def fetch() -> None:
-        eng.host_wait([eng.h2d(src, dst)])
-
-    fetch_ms = time_ms(fetch, device, args.repeat)
-    blocks = [s.cache.blocks(r) for r in s.rids]
-    bw = sum(blocks) / fetch_ms
+    fetch_ms, fetched = s.fetch_one_layer(off)
+    bw = fetched / fetch_ms
     placed_ms = time_ms(s.step, device, args.repeat)
     sync(device)
-    blocks = [s.cache.blocks(r) for r in s.rids]
-    predicted = step_time_ms([row] * len(s.rids), blocks, comp, bw)
+    stats = s.batch.core.stats()
+    blocks = s.batch.blocks()
+    predicted = step_time_ms([row] * len(s.batch.rids), blocks, comp, bw)
     stall_measured = placed_ms - resident_ms
     stall_pred = predicted - sum(comp)
     if device == "cpu":  # synchronous copies: every fetch is on the critical path
         stall_pred = sum(b * row.count(0) for b in blocks) / bw
     err = abs(stall_measured - stall_pred) / stall_pred if stall_pred > 0 else float("nan")
-    print(f"kvplane bench attention on {name} ({s.attention}; {args.requests} requests x "
+    print(f"kvplane bench attention on {name} ({s.attn.name}; served core, {args.requests} requests x "
           f"{args.context} tokens, {L} layers, offload every {args.offload_every})")
-    print(f"  all-resident step {resident_ms:.3f} ms, placed step {placed_ms:.3f} ms")
-    print(f"  bandwidth {bw:.2f} blocks/ms; stall measured {stall_measured:.3f} ms, "
+    print(f"  all-resident step {resident_ms:.3f} ms, placed step {placed_ms:.3f} ms "
+          f"(plan install offloaded {delta.offloaded_layer_pages} layer-pages)")
+    print(f"  bandwidth {bw:.2f} layer-pages/ms; stall measured {stall_measured:.3f} ms, "
           f"model {stall_pred:.3f} ms{' (no overlap on CPU)' if device == 'cpu' else ''}, "
           f"relative error {err:.1%}")
     path = write_result(args.out_dir, "attention", name, {
-        "figure": "decode step with placement vs all-resident; measured stall vs step_time_ms",
-        "device": device, "attention": s.attention,
+        "figure": "decode step on the served core (LayeredKVCore) with placement vs all-resident; "
+                  "measured stall vs step_time_ms",
+        "device": device, "attention": s.attn.name, "data_plane": "LayeredKVCore (paged layout)",
         "params": {k: v for k, v in vars(args).items() if not k.startswith("_")},
         "placement_row": row, "resident_step_ms": resident_ms, "placed_step_ms": placed_ms,
         "layer_compute_ms": comp[0], "bw_blocks_per_ms": bw, "predicted_step_ms": predicted,
         "stall_measured_ms": stall_measured, "stall_predicted_ms": stall_pred,
-        "stall_relative_error": err,
+        "stall_relative_error": err, "staged_steps": stats.staged_steps_total,
+        "overflow_steps": stats.overflow_steps_total, "fetched_layer_pages": stats.fetched_layer_pages_total,
+        "host_fraction": stats.host_fraction,
     })
     print(f"result: {path}")
     return 0

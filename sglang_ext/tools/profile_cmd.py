@@ -3,10 +3,16 @@
 The profile (schema: :mod:`sglang_ext.dataplane.profile_schema`) is what the planner and the
 simulator load: ``layer_compute_ms`` is the least-squares affine fit ``{fixed_ms, per_token_ms}``
 over the measured points (kept under ``measured_points``), where *tokens* is the number of
-sequences decoded in the step, each over ``--context`` tokens. Layer compute is measured on a synthetic Llama-style decoder layer of the given
-shape (QKV and output projections, gated MLP, decode attention over ``--context`` tokens per
-sequence); bandwidth is the data plane's own batched block copy between the block-first host pool
-and the device pool.
+sequences decoded in the step, each over ``--context`` tokens.
+
+Both are measured on the served data plane (:class:`~sglang_ext.tools.served_batch.ServedBatch`,
+the ``LayeredKVCore`` SGLang runs): layer compute is one synthetic Llama-style decoder layer of the
+given shape (QKV projection, the new K/V written through ``core.write``, paged decode attention
+over the step's table ``tables.tab[l]`` -- FlashInfer on CUDA when importable, else the torch
+reference --, output projection, gated MLP) inside a decode step of ``tokens`` sequences;
+bandwidth is the store's transfer engine moving K and V of one layer of ``--copy-blocks`` pages
+between the pinned block-first host pool and the device pool (``store.engine.h2d`` / ``d2h`` over
+``store.host_segs`` / ``store.dev_segs``: the launches a step's fetches and write-backs are).
 """
 
 from __future__ import annotations
@@ -15,9 +21,9 @@ import argparse
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from kernels.block_copy import copy_segments
 from sglang_ext.dataplane.bench_env import (
     NO_GPU_EXIT,
     add_device_argument,
@@ -27,6 +33,8 @@ from sglang_ext.dataplane.bench_env import (
     write_result,
 )
 from sglang_ext.dataplane.profile_schema import DeviceProfile
+from sglang_ext.dataplane.slot_kv_store import SlotKVStore, SlotStoreConfig
+from sglang_ext.tools.served_batch import DecodeAttention, ServedBatch
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,44 +54,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def layer_ms(args: argparse.Namespace, device: str, tokens: int, dtype: torch.dtype) -> float:
-    """One synthetic decoder layer's decode time for ``tokens`` sequences (one new token each)."""
+    """One synthetic decoder layer's decode time for ``tokens`` sequences (one new token each),
+    its KV written and read through the served core (a 2-layer batch; layer 0 is timed, inside
+    one decode step: the step's bookkeeping is not counted)."""
     h, i = args.hidden, args.intermediate
     qkv = torch.randn(h, (args.q_heads + 2 * args.kv_heads) * args.head_dim, device=device, dtype=dtype)
     o = torch.randn(args.q_heads * args.head_dim, h, device=device, dtype=dtype)
     gate_up = torch.randn(h, 2 * i, device=device, dtype=dtype)
     down = torch.randn(i, h, device=device, dtype=dtype)
-    k = torch.randn(tokens, args.kv_heads, args.context, args.head_dim, device=device, dtype=dtype)
-    v = torch.randn_like(k)
     x = torch.randn(tokens, h, device=device, dtype=dtype)
-    group = args.q_heads // args.kv_heads
+    batch = ServedBatch(layers=2, page_size=args.block_size, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                        requests=tokens, context=args.context, headroom=args.block_size, dtype=dtype, device=device)
+    attn = DecodeAttention(batch, args.q_heads)
+    core = batch.core
+    nq, nkv = args.q_heads * args.head_dim, args.kv_heads * args.head_dim
+    loc = batch.begin_decode()
+    core.enter_layer(0)
+    attn(0)  # FlashInfer plans once per step (all layers share it): not part of a layer
 
     def layer() -> torch.Tensor:
         y = x @ qkv
-        q = y[:, : args.q_heads * args.head_dim].view(tokens, args.kv_heads, group, args.head_dim)
-        att = torch.softmax(torch.einsum("bkgd,bktd->bkgt", q, k) * args.head_dim**-0.5, -1)
-        a = torch.einsum("bkgt,bktd->bkgd", att, v).reshape(tokens, -1)
+        attn.q = y[:, :nq].reshape(tokens, args.q_heads, args.head_dim).contiguous()
+        k = y[:, nq: nq + nkv].reshape(tokens, args.kv_heads, args.head_dim)
+        v = y[:, nq + nkv:].reshape(tokens, args.kv_heads, args.head_dim)
+        core.write(0, loc, k, v)
+        a = attn.run(0).reshape(tokens, -1)
         z = x + a @ o
         gu = z @ gate_up
         return z + (torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]) @ down
 
-    return time_ms(layer, device, args.repeat)
+    try:
+        return time_ms(layer, device, args.repeat)
+    finally:
+        for layer_id in range(batch.layers):
+            core.exit_layer(layer_id)
 
 
 def bandwidth_gbps(args: argparse.Namespace, device: str, dtype: torch.dtype) -> tuple[float, float, int]:
-    seg = args.block_size * args.kv_heads * args.head_dim
+    """H2D and D2H GB/s of one engine launch moving K and V of layer 0 of ``--copy-blocks`` pages,
+    and the bytes of one layer-page (the profile's block)."""
     n = args.copy_blocks
-    host = torch.randn(n, 2, 2, seg).to(dtype)  # block-first: [blocks, layers=2, K/V, seg]
-    if device == "cuda":
-        host = host.pin_memory()
-    hs = host.view(-1, seg)
-    dev = torch.zeros(2 * n, seg, dtype=dtype, device=device)
-    src = torch.arange(0, 4 * n, 2).to(device)  # layer 0's K and V of every block
-    dst = torch.arange(2 * n).to(device)
-    impl = "triton" if device == "cuda" else "torch"
-    nbytes = 2 * n * seg * dev.element_size()
-    h2d = time_ms(lambda: copy_segments(hs, dev, src, dst, impl=impl), device, args.repeat)
-    d2h = time_ms(lambda: copy_segments(dev, hs, dst, src, impl=impl), device, args.repeat)
-    return nbytes / h2d / 1e6, nbytes / d2h / 1e6, 2 * seg * dev.element_size()
+    store = SlotKVStore(SlotStoreConfig(
+        layers=args.layers, page_size=args.block_size, kv_heads=args.kv_heads, head_dim=args.head_dim,
+        logical_pages=n + 1, device_pages=n, dtype=dtype, device=device,
+    ))
+    eng = store.engine
+    host = store.host_segs(np.zeros(n, dtype=np.int64), np.arange(1, n + 1))  # K then V of layer 0
+    dev = store.dev_segs(np.arange(n))
+    h_idx, d_idx = eng.index_tensor(host), eng.index_tensor(dev)
+    nbytes = int(host.size) * eng.segment_bytes
+    h2d = time_ms(lambda: eng.h2d(h_idx, d_idx, host_idx=(host, dev)), device, args.repeat)
+    d2h = time_ms(lambda: eng.d2h(d_idx, h_idx, host_idx=(dev, host)), device, args.repeat)
+    return nbytes / h2d / 1e6, nbytes / d2h / 1e6, store.config.layer_page_bytes
 
 
 def affine_fit(points: list[tuple[int, float]]) -> tuple[float, float]:
