@@ -224,12 +224,12 @@ class SlotResidency:
         freed = np.asarray(pages, dtype=np.int64)
         self._maybe_orphan.difference_update(pages)
         self._has_kv_np[freed] = False
+        gone = set(freed.tolist())
         for rid in list(self._requests):  # a request keeps only pages it still holds
             req = self._requests[rid]
-            if req.pages.numel():
+            if req.pages.numel() and not gone.isdisjoint(req.pages.tolist()):
                 keep = ~np.isin(req.pages.numpy(), freed)
-                if not keep.all():
-                    req.pages = req.pages[torch.from_numpy(keep)]
+                req.pages = req.pages[torch.from_numpy(keep)]
                 if req.pages.numel() == 0:
                     del self._requests[rid]  # holds no KV any more: finished or aborted
 
