@@ -5,11 +5,11 @@ it is wanted, resident, paused or *orphan* (a prefix-cache page no tracked reque
 pages of tracked requests can be wanted, dropped or loaded, so everything is computed on the
 ``[L, U]`` columns of those ``U`` pages -- proportional to the live requests, never to the pool
 (``[L, P]``). Orphan layer-pages are only *counted* at a boundary (device pages in use, minus
-staging, minus the live resident ones: O(1)); they are enumerated only when space is needed,
-from the residency's list of pages that may have become orphans (pages of released, dropped or
-re-observed requests), with a full scan of the map as a fallback if that list disagrees with
-the count. The result is the same as the mask computation over the whole pool, in the same
-order (row-major: layer, then page).
+those lent as staging, minus the live resident ones: no pool scan); they are enumerated only
+when space is needed, from the residency's list of pages that may have become orphans (pages of
+released, dropped or re-observed requests), with a full scan of the map as a fallback if that
+list disagrees with the count. The result is the same as the mask computation over the whole
+pool, in the same order (row-major: layer, then page).
 """
 
 from __future__ import annotations
@@ -40,8 +40,10 @@ def live_layer_pages(store: SlotKVStore, requests: Iterable) -> tuple[int, int]:
 class LivePages:
     """Wants, residency and removable layer-pages on the live pages' columns (module docstring)."""
 
-    def __init__(self, store: SlotKVStore, requests: list, maybe_orphan: set[int]) -> None:
+    def __init__(self, store: SlotKVStore, requests: list, maybe_orphan: set[int], staging: int = 0) -> None:
+        """``staging``: device pages lent out as staging (allocated, in no map entry)."""
         self.store = store
+        self.staging = staging
         self.requests = requests
         self.layers = store.config.layers
         self.maybe_orphan = maybe_orphan
@@ -65,7 +67,7 @@ class LivePages:
 
     def resident_total(self) -> int:
         """Layer-pages with a device copy: device pages in use that are not staging."""
-        return self.store.allocator.used_count - self.store.staging_pages
+        return self.store.allocator.used_count - self.staging
 
     def target(self) -> np.ndarray:
         """``[L, U]``: wanted on device (some live, not paused user wants the layer)."""

@@ -102,6 +102,9 @@ class SlotResidency:
         """Device layer-pages held only by the prefix cache (no live user), as of the last full
         reconciliation: given up first when space is needed, so they count as free capacity."""
         self.full_reconciles = 0
+        self.staging_lent = 0
+        """Device pages :class:`StagingRoom` has lent out and not got back: in the allocator's
+        count, in no map entry (:class:`LivePages` counts resident layer-pages with it)."""
         """Full (mask-based) reconciliations run; the rest took the append-only fast path."""
         self._live_stats: tuple[int, int] | None = None
         """(live layer-pages, of which host-only) as of the last :meth:`stats`; dropped by every
@@ -242,7 +245,7 @@ class SlotResidency:
 
     def live_pages(self) -> LivePages:
         """The boundary's view of the tracked requests' pages (wants, residency, removable)."""
-        return LivePages(self.store, list(self._requests.values()), self._maybe_orphan)
+        return LivePages(self.store, list(self._requests.values()), self._maybe_orphan, self.staging_lent)
 
     def reconcile(self) -> ResidencyDelta:
         """Make the device hold the wanted layer-pages (within the budget); see module doc.

@@ -40,12 +40,16 @@ class StagingRoom:
         """``n`` device pages for staging, or None (nothing taken) when fewer are free."""
         self.wanted = n
         ids = self.store.allocator.alloc(n)
-        return None if ids is None else np.asarray(ids, dtype=np.int64)
+        if ids is None:
+            return None
+        self.residency.staging_lent += n
+        return np.asarray(ids, dtype=np.int64)
 
     def give_back(self, ids: np.ndarray | None) -> None:
         """Return a step's staging pages."""
         if ids is not None and ids.size:
             self.store.allocator.free(ids.tolist())
+            self.residency.staging_lent -= int(ids.size)
 
     def make_room(self, n: int, batch: Collection[str]) -> bool:
         """Free device pages until ``n`` are free; False if even evicting everything cannot."""

@@ -153,3 +153,17 @@ def test_full_reconciliation_builds_no_pool_sized_mask(monkeypatch):
     assert isinstance(d.core.residency.live_pages(), LivePages)
     monkeypatch.undo()
     d.check_at_rest()
+
+
+def test_pages_lent_as_staging_are_not_counted_resident():
+    """Device pages the staging room has lent out (a step's staging, or a tool's transient take)
+    are in the allocator's count but hold no layer-page: the orphan count leaves them out."""
+    d = TreeDriver(make_core(30), seed=0)
+    d.add("a")
+    d.step([("a", 6)])
+    d.cache("a")
+    ids = d.core.room.take(4)
+    assert ids is not None and d.core.residency.staging_lent == 4
+    assert d.core.residency.live_pages().orphan_resident == brute_force(d.core)[0] == 3 * LAYERS
+    d.core.room.give_back(ids)
+    assert d.core.residency.staging_lent == 0
