@@ -37,7 +37,6 @@ import numpy as np
 import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
-from sglang_ext import overhead
 from sglang_ext.dataplane.results import LayerView
 from sglang_ext.layered_pool import LayeredTokenToKVPool
 
@@ -67,22 +66,38 @@ class _LayeredKV:
         self._kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def set_kv_buffer(self, *args: Any, **kwargs: Any) -> None:
+        meter = self._backend.overhead_meter
+        if meter is None:
+            self._backend.pool.set_kv_buffer(*args, **kwargs)
+            return
+        t0 = time.perf_counter()
         self._backend.pool.set_kv_buffer(*args, **kwargs)
+        meter.add("layers", time.perf_counter() - t0)
 
     def _read(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._layer != layer_id or self._kv is None:
-            backend = self._backend
-            if backend.in_place:
-                backend.req_to_token_pool.req_to_token = backend.real_req_to_token_pool.req_to_token
-                self._kv = backend.pool.layer_in_place(layer_id)
-            elif backend.pool.overflow:  # staging did not fit: the at-rest read (counted, logged)
-                backend.req_to_token_pool.req_to_token = backend.compact_table
-                self._kv = backend.pool.layer_kv(layer_id, backend.batch_slots)
+            meter = self._backend.overhead_meter
+            if meter is None:
+                self._take(layer_id)
             else:
-                backend.req_to_token_pool.req_to_token = backend.pool.token_rows(layer_id)
-                self._kv = backend.pool.device_kv()
-            self._layer = layer_id
-        return self._kv
+                t0 = time.perf_counter()
+                self._take(layer_id)
+                meter.add("layers", time.perf_counter() - t0)
+        return self._kv  # type: ignore[return-value]
+
+    def _take(self, layer_id: int) -> None:
+        """Point the parent at ``layer_id``'s K/V (kvplane's per-layer read metadata)."""
+        backend = self._backend
+        if backend.in_place:
+            backend.req_to_token_pool.req_to_token = backend.real_req_to_token_pool.req_to_token
+            self._kv = backend.pool.layer_in_place(layer_id)
+        elif backend.pool.overflow:  # staging did not fit: the at-rest read (counted, logged)
+            backend.req_to_token_pool.req_to_token = backend.compact_table
+            self._kv = backend.pool.layer_kv(layer_id, backend.batch_slots)
+        else:
+            backend.req_to_token_pool.req_to_token = backend.pool.token_rows(layer_id)
+            self._kv = backend.pool.device_kv()
+        self._layer = layer_id
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self._read(layer_id)[0]
@@ -120,6 +135,9 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         self.compact_table = self.req_to_token_pool.req_to_token
         self.in_place = False
         """This step reads every layer in place (identity layout)."""
+        self.overhead_meter: Any = None
+        """The process's :class:`~sglang_ext.overhead.OverheadMeter` (set by the scheduler hooks
+        when ``$KVPLANE_OVERHEAD_FILE`` is on): per-step preparation and per-layer calls."""
         self.layer_timer: Any = None
         """A :class:`~sglang_ext.layer_timing.LayerTimer` set by the scheduler hooks (rank 0)."""
         self.last_delta = None
@@ -131,7 +149,7 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
         super().init_forward_metadata(forward_batch)
-        meter = overhead.METER
+        meter = self.overhead_meter
         if meter is None:
             self._prepare(forward_batch)
             return
@@ -196,13 +214,13 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):  # noqa: ANN001, ANN201
         self._begin_layer(layer.layer_id)
         out = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
-        self.pool.exit_layer(layer.layer_id)
+        self._end_layer(layer.layer_id)
         return out
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):  # noqa: ANN001, ANN201
         self._begin_layer(layer.layer_id)
         out = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
-        self.pool.exit_layer(layer.layer_id)
+        self._end_layer(layer.layer_id)
         return out
 
     def _build_compact_table(self, lens: list[int]) -> None:
@@ -216,7 +234,22 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
     def _begin_layer(self, layer_id: int) -> None:
         if self.layer_timer is not None:
             self.layer_timer.mark(layer_id - self.pool.start_layer)
+        meter = self.overhead_meter
+        if meter is None:
+            self.pool.enter_layer(layer_id)
+            return
+        t0 = time.perf_counter()
         self.pool.enter_layer(layer_id)
+        meter.add("layers", time.perf_counter() - t0)
+
+    def _end_layer(self, layer_id: int) -> None:
+        meter = self.overhead_meter
+        if meter is None:
+            self.pool.exit_layer(layer_id)
+            return
+        t0 = time.perf_counter()
+        self.pool.exit_layer(layer_id)
+        meter.add("layers", time.perf_counter() - t0)
 
     def _rows_arg(self, args: tuple) -> tuple:
         # positional like the parent's calls: (q, o, k, v, req_to_token, req_pool_indices, ...)
@@ -276,7 +309,7 @@ class LayeredFlashInferDecode(LayeredTorchNativeAttnBackend):
             self._planned = True
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim).to(view.k_cache.dtype)
         out = self.flashinfer.run(q3, view)
-        self.pool.exit_layer(layer.layer_id)
+        self._end_layer(layer.layer_id)
         return out.to(q.dtype).reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def _view(self, layer: int) -> LayerView:

@@ -196,6 +196,10 @@ class CudaTransferEngine(TransferEngine):
                 if e is not None:
                     stream.wait_event(e)
             if self.impl == "triton":
+                # the indices were allocated on the compute stream: keep their memory until this
+                # stream is done with it (the caching allocator would otherwise reuse it)
+                src_idx.record_stream(stream)
+                dst_idx.record_stream(stream)
                 copy_segments(src, dst, src_idx, dst_idx, impl="triton")
             else:
                 if host_idx is None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from sglang_ext.testing.server import SGLangServer
-from tests.sglang.conftest import PROMPTS, greedy, running_server
+from tests.sglang.conftest import PROMPTS, assert_same_generation, greedy, running_server
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # server start-ups on a loaded host
 
@@ -39,7 +39,8 @@ def _burst(server: SGLangServer) -> dict[int, dict]:
 
     def one(i: int) -> None:
         try:
-            payload = {"text": PROMPTS[i], "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0}}
+            payload = {"text": PROMPTS[i], "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0},
+                       "return_logprob": True}
             if i < 2:
                 payload["sampling_params"]["custom_params"] = {"kvplane_slo_tbt_ms": 500.0}
             results[i] = server.post("/generate", payload)
@@ -62,7 +63,7 @@ def test_burst_is_admitted_by_the_control_plane_and_tokens_match_vanilla(gated, 
     results = _burst(server)
     assert sorted(results) == list(range(BURST))
     for i, out in results.items():
-        assert out["output_ids"] == greedy(vanilla_server, PROMPTS[i], max_new_tokens=NEW_TOKENS)["output_ids"], i
+        assert_same_generation(out, greedy(vanilla_server, PROMPTS[i], NEW_TOKENS, logprobs=True), str(i))
     steps = [json.loads(line) for line in stats_path.read_text().splitlines() if line.strip()]
     admitted = [rid for s in steps for rid in s.get("admitted_now") or ()]
     assert admitted, "the control plane never admitted a queued request"

@@ -98,11 +98,11 @@ def test_greedy_tokens_identical_with_most_kv_on_host(offload, vanilla_server):
 def test_prefix_cache_hits_read_offloaded_prefix(offload, vanilla_server):
     """A prefix cached by a finished request (its pages offloaded) is hit, read from host, and exact."""
     shared = "Large language models generate one token at a time and keep the keys"
-    first = greedy(offload.server, shared + " and values", NEW_TOKENS)
-    again = greedy(offload.server, shared + " of every token", NEW_TOKENS)
+    first = greedy(offload.server, shared + " and values", NEW_TOKENS, logprobs=True)
+    again = greedy(offload.server, shared + " of every token", NEW_TOKENS, logprobs=True)
     assert again["meta_info"]["cached_tokens"] >= 10
-    assert first["output_ids"] == greedy(vanilla_server, shared + " and values", NEW_TOKENS)["output_ids"]
-    assert again["output_ids"] == greedy(vanilla_server, shared + " of every token", NEW_TOKENS)["output_ids"]
+    assert_same_generation(first, greedy(vanilla_server, shared + " and values", NEW_TOKENS, logprobs=True))
+    assert_same_generation(again, greedy(vanilla_server, shared + " of every token", NEW_TOKENS, logprobs=True))
     kinds = {e.kind for e in read_jsonl_events(offload.events_path)}
     assert ResidencyEventKind.OFFLOADED in kinds
 

@@ -19,7 +19,7 @@ import pytest
 
 from sglang_ext.settings import STATS_FILE_ENV
 from sglang_ext.testing.server import SGLangServer
-from tests.sglang.conftest import PROMPTS, greedy, running_server
+from tests.sglang.conftest import PROMPTS, assert_same_generation, greedy, running_server
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # server start-ups on a loaded host
 
@@ -43,9 +43,9 @@ def test_lvf_rotation_keeps_outputs_token_identical_to_vanilla(lvf_server, vanil
     server, stats_path = lvf_server
     prompts = PROMPTS[:BURST]
     with ThreadPoolExecutor(len(prompts)) as pool:
-        got = list(pool.map(lambda p: greedy(server, p, NEW_TOKENS), prompts))
+        got = list(pool.map(lambda p: greedy(server, p, NEW_TOKENS, logprobs=True), prompts))
     for prompt, out in zip(prompts, got, strict=True):
-        assert out["output_ids"] == greedy(vanilla_server, prompt, NEW_TOKENS)["output_ids"], prompt
+        assert_same_generation(out, greedy(vanilla_server, prompt, NEW_TOKENS, logprobs=True), prompt)
 
     lines = [json.loads(line) for line in stats_path.read_text().splitlines() if line.strip()]
     admitted = [rid for line in lines for rid in line.get("admitted_now") or ()]

@@ -21,7 +21,7 @@ from sglang_ext.hooks import ResidencyEventKind, read_jsonl_events
 from sglang_ext.settings import RESIDENCY_EVENTS_FILE_ENV as EVENTS_FILE_ENV
 from sglang_ext.settings import STATS_FILE_ENV
 from sglang_ext.testing.server import SGLangServer
-from tests.sglang.conftest import PROMPTS, greedy, running_server
+from tests.sglang.conftest import PROMPTS, assert_same_generation, greedy, running_server
 
 # Two SGLang start-ups (30-600 s each on the shared 2-core host) happen inside the first test.
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]
@@ -54,10 +54,10 @@ def test_paused_requests_finish_token_identical_to_vanilla(paused_server, vanill
     """20 concurrent greedy prompts, paused and resumed mid-generation, match vanilla token for token."""
     server, stats_path, events_path = paused_server
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        got = list(pool.map(lambda p: greedy(server, p, MAX_NEW_TOKENS), PROMPTS))
+        got = list(pool.map(lambda p: greedy(server, p, MAX_NEW_TOKENS, logprobs=True), PROMPTS))
     for prompt, out in zip(PROMPTS, got, strict=True):
-        want = greedy(vanilla_server, prompt, MAX_NEW_TOKENS)
-        assert out["output_ids"] == want["output_ids"], prompt
+        want = greedy(vanilla_server, prompt, MAX_NEW_TOKENS, logprobs=True)
+        assert_same_generation(out, want, prompt)
         assert out["meta_info"]["finish_reason"]["type"] == want["meta_info"]["finish_reason"]["type"]
 
     lines = _stats(stats_path)
