@@ -69,6 +69,15 @@ class StepTables:
         self.pages = flat
         n = int(flat.size)
         starts = np.cumsum(counts) - counts
+        # new tokens: request r writes positions [len_r - e_r, len_r)
+        m = int(new_counts.sum())
+        tok_req = np.repeat(np.arange(b), new_counts)
+        pos = np.arange(m) - np.repeat(np.cumsum(new_counts) - new_counts, new_counts) + np.repeat(
+            seq_lens - new_counts, new_counts)
+        col = starts[tok_req] + pos // ps
+        off = pos % ps
+        if new_slots is not None and (new_slots.size != m or not np.array_equal(new_slots // ps, flat[col])):
+            raise ValueError("new token slots do not match the batch's pages (positions vs req_to_token)")
         tab = store.map_np[:, flat].astype(np.int64)
         host = tab < 0
         self.host_layer_pages = int(host.sum())
@@ -95,16 +104,6 @@ class StepTables:
                 tab = np.where(host, stage_col[None, :], tab)
             last = np.maximum.accumulate(np.where(host_req, np.arange(layers)[:, None], -1), axis=0)
             trigger = np.vstack([np.full((1, b), -1, dtype=np.int64), last[:-1]])
-        # new tokens: request r writes positions [len_r - e_r, len_r)
-        m = int(new_counts.sum())
-        tok_req = np.repeat(np.arange(b), new_counts)
-        pos = np.arange(m) - np.repeat(np.cumsum(new_counts) - new_counts, new_counts) + np.repeat(
-            seq_lens - new_counts, new_counts)
-        col = starts[tok_req] + pos // ps
-        off = pos % ps
-        if new_slots is not None and (new_slots.size != m or not np.array_equal(new_slots // ps, flat[col])):
-            self.staging_ids = np.zeros(0, dtype=np.int64)
-            raise ValueError("new token slots do not match the batch's pages (positions vs req_to_token)")
         rows = tab[:, col] * ps + off[None, :]
         ucol = np.unique(col)
         new_host = host[:, ucol]

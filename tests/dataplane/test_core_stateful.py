@@ -78,12 +78,12 @@ class CoreMachine(RuleBasedStateMachine):
 
 
 TestCore = CoreMachine.TestCase
-TestCore.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestCore.settings = settings(max_examples=150, stateful_step_count=40, deadline=None, derandomize=True)
 
 
 def test_the_machine_ran_over_a_thousand_forwards():
     """The state machine above drove at least 1,000 forwards (runs after it in file order)."""
-    assert STEPS["total"] >= 1000, STEPS
+    assert STEPS["total"] >= 1000, STEPS  # derandomized: the same draws every run
 
 
 def _offload_scenario(driver: CoreDriver) -> None:
