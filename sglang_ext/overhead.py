@@ -70,13 +70,6 @@ class OverheadMeter:
         tmp.replace(self.path)
 
 
-METER: OverheadMeter | None = None
-"""Transitional, for ``layered_attention.py`` only (it reads ``overhead.METER``): set by
-:class:`~sglang_ext.scheduler_hooks.SchedulerHooks` from the context's meter. The process's meter
-is :attr:`sglang_ext.context.PluginContext.meter`, also set on the layered attention backend as
-``overhead_meter``; once the backend reads that, this variable goes."""
-
-
 def share_of(summary: dict[str, object]) -> float | None:
     """``share_pct`` of a written summary: kvplane time / (step time - kvplane time), in %."""
     value = summary.get("share_pct")

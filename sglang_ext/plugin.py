@@ -112,7 +112,7 @@ def _attach_layered_pool(cache: Any) -> None:
 
 def _around_resolve_kv_pool_class(original: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND ``KVCacheConfigurator._resolve_kv_pool_class``: the layered pool for kind ``mha``."""
-    if kwargs.get("kind") == "mha":
+    if kwargs.get(compat.KV_POOL_CLASS_RESOLVER.keyword[0]) == "mha":
         from sglang_ext.layered_pool import LayeredTokenToKVPool
 
         return LayeredTokenToKVPool

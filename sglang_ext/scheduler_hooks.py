@@ -43,7 +43,7 @@ from typing import Any
 import structlog
 
 from controlplane.api import WorkerInfo
-from sglang_ext import compat, overhead
+from sglang_ext import compat
 from sglang_ext.admission import GATED_SCHEDULERS, AdmissionGate
 from sglang_ext.context import PluginContext
 from sglang_ext.control_client import ControlClient, build_control_plane
@@ -102,9 +102,8 @@ class SchedulerHooks:
         backend = getattr(getattr(getattr(scheduler, "tp_worker", None), "model_runner", None), "attn_backend", None)
         if self.tp.is_source and hasattr(backend, "layer_timer"):
             self.timer = backend.layer_timer = LayerTimer(self.layers, getattr(self.pool, "device", "cpu"))
-        if hasattr(backend, "layer_timer"):  # the layered attention backend times its preparation
+        if hasattr(backend, "layer_timer"):  # the layered attention backend times its own parts
             backend.overhead_meter = self.meter
-            overhead.METER = self.meter  # transitional: layered_attention.py still reads overhead.METER
         if self.tp.is_source:
             self.worker = self._worker_info()
             self.client = ControlClient(

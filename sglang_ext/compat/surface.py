@@ -199,6 +199,11 @@ TORCH_NATIVE_SDPA_FORWARD_DECODE = Target(
 SDPA_REQ_POOL_INDICES_ARG = TORCH_NATIVE_SDPA_FORWARD_DECODE.args.index("req_pool_indices")
 """Position of ``req_pool_indices`` among the ``_run_sdpa_forward_*`` arguments (after ``self``):
 the layered attention passes its compact row ids there."""
+TORCH_NATIVE_FORWARD_EXTEND = Target(
+    f"{_SRT}.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend",
+    params=("self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache"),
+    used_by=("layered_attention",),
+)
 TORCH_NATIVE_FORWARD_DECODE = Target(
     f"{_SRT}.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_decode",
     params=("self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache"),

@@ -17,11 +17,6 @@ from sglang_ext.args import LayeredKVArgs
 from sglang_ext.context import PluginContext
 
 REPO = Path(__file__).resolve().parents[2]
-NOT_OURS_YET = frozenset({"layered_pool.py", "layered_attention.py"})
-"""Being rewritten elsewhere; checked once they are switched over."""
-TRANSITIONAL = {("overhead.py", "METER")}
-"""``overhead.METER``: written from the context for ``layered_attention.py`` until it reads the
-backend's ``overhead_meter``."""
 
 
 def _frozen(node: ast.ClassDef) -> bool:
@@ -48,7 +43,7 @@ def _module_state(path: Path) -> list[str]:
             targets, value = [node.target], node.value
         for target in targets:
             name = getattr(target, "id", None)
-            if name is None or name == "__all__" or (path.name, name) in TRANSITIONAL:
+            if name is None or name == "__all__":
                 continue
             own_instance = isinstance(value, ast.Call) and getattr(value.func, "id", None) in own_classes
             if isinstance(value, mutable) or own_instance:
@@ -58,12 +53,11 @@ def _module_state(path: Path) -> list[str]:
 
 def test_no_module_level_mutable_state_in_sglang_ext() -> None:
     """No module loaded by the plugin in SGLang's processes keeps mutable state at module level
-    (the one transitional name aside; ``dataplane/`` and the ``tools/`` commands are not the plugin)."""
+    (``dataplane/`` and the ``tools/`` commands are not the plugin)."""
     offenders = {
         str(path.relative_to(REPO)): state
         for path in (REPO / "sglang_ext").rglob("*.py")
         if not {"dataplane", "tools"} & set(path.parts)
-        and path.name not in NOT_OURS_YET
         and (state := _module_state(path))
     }
     assert offenders == {}
@@ -167,7 +161,7 @@ def test_scheduler_hooks_take_meter_counter_and_files_from_the_context(tmp_path:
     attention backend gets the context's meter, the control client its counter, the meter counts
     every part, the stats line is written."""
     pytest.importorskip("torch")  # scheduler_hooks -> layer_timing
-    from sglang_ext import overhead, scheduler_hooks
+    from sglang_ext import scheduler_hooks
 
     environ = {
         settings.LAYERED_KV_ARGS_ENV: LayeredKVArgs(enable_layered_kv=True).to_json(),
@@ -181,7 +175,7 @@ def test_scheduler_hooks_take_meter_counter_and_files_from_the_context(tmp_path:
     scheduler_hooks._after_init(ctx, None, scheduler)
     hooks = scheduler._kvplane
     try:
-        assert backend.overhead_meter is ctx.meter and overhead.METER is ctx.meter
+        assert backend.overhead_meter is ctx.meter
         assert backend.layer_timer is hooks.timer and hooks.worker.worker_id == "unit-worker"
         assert hooks.client is not None and hooks.client._fallbacks is ctx.fallback_counter()
         req = SimpleNamespace(
@@ -201,5 +195,4 @@ def test_scheduler_hooks_take_meter_counter_and_files_from_the_context(tmp_path:
         lines = [json.loads(x) for x in (tmp_path / "stats.jsonl").read_text().splitlines()]
         assert [x["step"] for x in lines] == [1, 2] and lines[0]["running"] == ["r1"]
     finally:
-        overhead.METER = None
         hooks.client.close()
