@@ -232,15 +232,13 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         self.compact_table = torch.where(cols[None, :] < lens_t[:, None], starts[:, None] + cols[None, :], 0)
 
     def _begin_layer(self, layer_id: int) -> None:
+        meter = self.overhead_meter
+        t0 = 0.0 if meter is None else time.perf_counter()
         if self.layer_timer is not None:
             self.layer_timer.mark(layer_id - self.pool.start_layer)
-        meter = self.overhead_meter
-        if meter is None:
-            self.pool.enter_layer(layer_id)
-            return
-        t0 = time.perf_counter()
         self.pool.enter_layer(layer_id)
-        meter.add("layers", time.perf_counter() - t0)
+        if meter is not None:
+            meter.add("layers", time.perf_counter() - t0)
 
     def _end_layer(self, layer_id: int) -> None:
         meter = self.overhead_meter
