@@ -299,16 +299,21 @@ class SlotKVStore:
 
     # ----- reads at rest (tests, move_kv_cache) ------------------------------------
 
-    def read_kv(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[n, H, D]`` of ``slots`` at ``layer``, from the device copy where resident and
-        the host copy otherwise. Waits for in-flight copies: call between forwards only."""
+    def _at_rest(self, layer: int, slots: torch.Tensor) -> tuple[np.ndarray, ...]:
+        """Wait for copies in flight; slots, their pages and offsets, device page at ``layer``
+        (-1: host only) and whether it is on the device."""
         self.engine.quiesce()
         ps = self.config.page_size
         s = as_np(slots.cpu())
         pages, offs = s // ps, s % ps
         dev_page = self.map_np[layer, pages].astype(np.int64)
-        on_dev = dev_page >= 0
-        h, d = self.config.kv_heads, self.config.head_dim
+        return s, pages, offs, dev_page, dev_page >= 0
+
+    def read_kv(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[n, H, D]`` of ``slots`` at ``layer``, from the device copy where resident and
+        the host copy otherwise. Waits for in-flight copies: call between forwards only."""
+        s, pages, offs, dev_page, on_dev = self._at_rest(layer, slots)
+        ps, h, d = self.config.page_size, self.config.kv_heads, self.config.head_dim
         k = torch.empty((s.size, h, d), dtype=self.dev.dtype)
         v = torch.empty_like(k)
         if on_dev.any():
@@ -326,12 +331,8 @@ class SlotKVStore:
     def write_at_rest(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V of ``slots`` at ``layer`` between forwards: the device copy where resident
         (marked dirty), else the host home."""
-        self.engine.quiesce()
+        _, pages, offs, dev_page, on_dev = self._at_rest(layer, slots)
         ps = self.config.page_size
-        s = as_np(slots.cpu())
-        pages, offs = s // ps, s % ps
-        dev_page = self.map_np[layer, pages].astype(np.int64)
-        on_dev = dev_page >= 0
         if on_dev.any():
             rows = torch.from_numpy(dev_page[on_dev] * ps + offs[on_dev]).to(self.device)
             idx = torch.from_numpy(np.flatnonzero(on_dev)).to(k.device)

@@ -187,3 +187,20 @@ class CoreDriver:
         assert len(mapped) == len(set(mapped))
         assert set(mapped) == store.allocator.used_ids()
         assert not (store.dirty_np & (store.map_np < 0)).any()
+
+
+def offload_scenario(driver: CoreDriver) -> None:
+    """Two requests with offloaded layers: a prefill, decode steps, a pause, a resume; then every
+    live token is checked at rest (each step checks inside every layer)."""
+    driver.add("a")
+    driver.add("b")
+    driver.step([("a", 5), ("b", 3)])
+    driver.want("a", [True, False, True])
+    driver.want("b", [False, False, True])
+    for _ in range(4):
+        driver.step([("a", 1), ("b", 1)])
+    driver.want("b", [True] * LAYERS, paused=True)
+    driver.step([("a", 2)])
+    driver.want("b", [True, False, False])
+    driver.step([("a", 1), ("b", 1)])
+    driver.check_at_rest()

@@ -16,7 +16,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tests.dataplane.core_driver import LAYERS, PAGES, CoreDriver, make_core
+from tests.dataplane.core_driver import LAYERS, PAGES, CoreDriver, make_core, offload_scenario
 
 RIDS = ("a", "b", "c", "d")
 BIG = 2 * PAGES - 1
@@ -86,26 +86,10 @@ def test_the_machine_ran_over_a_thousand_forwards():
     assert STEPS["total"] >= 1000, STEPS  # derandomized: the same draws every run
 
 
-def _offload_scenario(driver: CoreDriver) -> None:
-    """Two requests, layer 1 of both offloaded, decode steps, a pause and a resume."""
-    driver.add("a")
-    driver.add("b")
-    driver.step([("a", 5), ("b", 3)])
-    driver.want("a", [True, False, True])
-    driver.want("b", [False, False, True])
-    for _ in range(4):
-        driver.step([("a", 1), ("b", 1)])
-    driver.want("b", [True] * LAYERS, paused=True)
-    driver.step([("a", 2)])
-    driver.want("b", [True, True, True])
-    driver.step([("a", 1), ("b", 1)])
-    driver.check_at_rest()
-
-
 def test_the_scenario_passes_and_fails_when_write_back_is_skipped(monkeypatch):
     """Negative control: the same checks catch a pipeline that drops the write-back of staged
     new tokens (the new KV of offloaded layers would never reach host memory)."""
-    _offload_scenario(CoreDriver(make_core(PAGES + 6), seed=1))
+    offload_scenario(CoreDriver(make_core(PAGES + 6), seed=1))
     from sglang_ext.dataplane import step_tables
 
     real = step_tables.StepTables.__init__
@@ -117,4 +101,4 @@ def test_the_scenario_passes_and_fails_when_write_back_is_skipped(monkeypatch):
 
     monkeypatch.setattr(step_tables.StepTables, "__init__", no_writeback)
     with pytest.raises(AssertionError):
-        _offload_scenario(CoreDriver(make_core(PAGES + 6), seed=1))
+        offload_scenario(CoreDriver(make_core(PAGES + 6), seed=1))

@@ -7,7 +7,15 @@ import torch
 
 from sglang_ext.dataplane import dense_attention
 from sglang_ext.dataplane.results import LayerView
-from tests.dataplane.core_driver import DIM, HEADS, LAYERS, PAGES, CoreDriver, make_core
+from tests.dataplane.core_driver import (
+    DIM,
+    HEADS,
+    LAYERS,
+    PAGES,
+    CoreDriver,
+    make_core,
+    offload_scenario,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,19 +29,7 @@ def test_cuda_lifecycle_bit_exact(budget):
     inside the step and every read at rest equal the shadow bit for bit."""
     core = make_core(budget, device="cuda")
     assert core.store.host.is_pinned()
-    d = CoreDriver(core, seed=3)
-    d.add("a")
-    d.add("b")
-    d.step([("a", 5), ("b", 3)])
-    d.want("a", [True, False, True])
-    d.want("b", [False, False, True])
-    for _ in range(6):
-        d.step([("a", 1), ("b", 1)])
-    d.want("b", [True] * LAYERS, paused=True)
-    d.step([("a", 2)])
-    d.want("b", [True, False, False])
-    d.step([("a", 1), ("b", 1)])
-    d.check_at_rest()
+    offload_scenario(CoreDriver(core, seed=3))
 
 
 def test_h2d_and_d2h_streams_are_distinct_and_ordered():
