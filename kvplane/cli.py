@@ -27,6 +27,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "attention": ("sglang_ext.tools.attention_bench", "layered decode attention vs all-resident (GPU)"),
     "core": ("sglang_ext.tools.core_bench", "the served core's per-step host time vs pool size (CPU)"),
     "sglang": ("sglang_ext.tools.sglang_bench", "SGLang tokens/s with and without --enable-layered-kv"),
+    "value": ("sglang_ext.tools.value_bench", "what --enable-layered-kv buys at the same device KV budget (SGLang's bench_serving)"),
 }
 
 
