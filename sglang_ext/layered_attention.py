@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
+from sglang_ext.compat import SDPA_REQ_POOL_INDICES_ARG, TorchNativeAttnBackend
 from sglang_ext.dataplane.results import LayerView
 from sglang_ext.layered_pool import LayeredTokenToKVPool
 
@@ -251,7 +251,8 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
 
     def _rows_arg(self, args: tuple) -> tuple:
         # positional like the parent's calls: (q, o, k, v, req_to_token, req_pool_indices, ...)
-        return args if self.in_place else (*args[:5], self.compact_rows, *args[6:])
+        i = SDPA_REQ_POOL_INDICES_ARG
+        return args if self.in_place else (*args[:i], self.compact_rows, *args[i + 1:])
 
     def _run_sdpa_forward_extend(self, *args: Any, **kwargs: Any) -> Any:
         return super()._run_sdpa_forward_extend(*self._rows_arg(args), **kwargs)

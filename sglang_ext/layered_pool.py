@@ -28,7 +28,6 @@ Step protocol (scheduler thread, ``--disable-overlap-schedule``):
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -36,9 +35,10 @@ from typing import Any
 import numpy as np
 import structlog
 import torch
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
+from sglang_ext import settings
 from sglang_ext.args import LayeredKVArgs
+from sglang_ext.compat import MHATokenToKVPool, unwrap_write_loc
 from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
 from sglang_ext.dataplane.slot_kv_store import SlotStoreConfig
 from sglang_ext.dataplane.slot_residency import LayerPageMoves
@@ -48,7 +48,7 @@ from sglang_ext.hooks import ResidencyEvent, ResidencyEventKind, ResidencyHooks
 
 log = structlog.get_logger(__name__)
 
-POOL_STATS_FILE_ENV = "KVPLANE_POOL_STATS_FILE"
+POOL_STATS_FILE_ENV = settings.POOL_STATS_FILE_ENV
 """If set, one JSON line per forward (source ``layered_pool``) with the pool's residency stats
 and the boundary's delta is appended to this file. The per-step scheduler line (step time,
 placements, pauses, and these stats under ``pool``) is ``$KVPLANE_STATS_FILE``, written by
@@ -72,7 +72,7 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         self._step = 0
         self._in_place_views: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._stats_file = None
-        self._stats_path = os.environ.get(POOL_STATS_FILE_ENV) or None
+        self._stats_path = settings.read_output_file(POOL_STATS_FILE_ENV)
         super().__init__(*args, **kwargs)
 
     # ----- construction (called from MHATokenToKVPool.__init__) --------------------

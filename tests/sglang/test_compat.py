@@ -21,8 +21,8 @@ from sglang_ext.compat import version as compat_version
 
 REPO = Path(__file__).resolve().parents[2]
 SGLANG_EXT = REPO / "sglang_ext"
-PENDING_SWITCH = frozenset({"layered_pool.py", "layered_attention.py"})
-"""Files still importing SGLang directly (being rewritten; to import from ``sglang_ext.compat``)."""
+PENDING_SWITCH: frozenset[str] = frozenset()
+"""Files allowed to import SGLang directly (none: everything goes through ``sglang_ext.compat``)."""
 _DIRECT_SGLANG = re.compile(r"^\s*(?:from|import)\s+sglang(?:\.|\s|$)|[\"']sglang\.(?:srt|launch_server)\b", re.M)
 
 needs_sglang = pytest.mark.sglang
@@ -94,6 +94,7 @@ def test_version_check_names_supported_and_installed_versions(monkeypatch) -> No
         check_version(supported="0.5.23")
 
 
+@needs_sglang
 def test_register_refuses_an_unsupported_version_before_installing_anything(monkeypatch) -> None:
     """register() raises naming both versions and registers no hook (SGLang logs the error)."""
     from sglang_ext import plugin

@@ -112,6 +112,7 @@ def test_contexts_do_not_share_counters_or_pacing_settings() -> None:
     assert a.pacing_settings() is None
 
 
+@pytest.mark.sglang  # register() reaches SGLang's HookRegistry through sglang_ext.compat
 def test_each_register_call_binds_its_hooks_to_its_own_context(monkeypatch) -> None:
     """Two register() calls install hooks bound to two distinct contexts (nothing process-wide)."""
     from sglang_ext import plugin

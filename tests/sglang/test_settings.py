@@ -12,9 +12,8 @@ from sglang_ext.args import LayeredKVArgs
 from sglang_ext.settings import KvplaneEnv
 
 REPO = Path(__file__).resolve().parents[2]
-PENDING_SWITCH = frozenset({"layered_pool.py"})
-"""Still reads its variable itself (being rewritten; to read ``settings.POOL_STATS_FILE_ENV``
-through :func:`sglang_ext.settings.read_output_file`)."""
+PENDING_SWITCH: frozenset[str] = frozenset()
+"""Modules allowed to read a ``KVPLANE_*`` variable themselves (none: all go through settings)."""
 
 
 def test_unset_or_empty_means_defaults() -> None:
