@@ -29,6 +29,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -268,6 +269,25 @@ def pool_stats_summary(text: str) -> dict[str, Any] | None:
     }
 
 
+_RUNNING = re.compile(r"#running-req: (\d+)")
+_NEW_SEQ = re.compile(r"#new-seq: (\d+)")
+
+
+def peak_running_from_log(text: str) -> int | None:
+    """The largest batch in SGLang's own log lines: ``#running-req`` of a decode line, running +
+    ``#new-seq`` of a prefill line (decode lines are sampled: every ``--decode-log-interval``
+    steps). None when the log has none."""
+    peak = None
+    for line in text.splitlines():
+        running = _RUNNING.search(line)
+        if running is None:
+            continue
+        new_seq = _NEW_SEQ.search(line) if "Prefill batch" in line else None
+        n = int(running.group(1)) + (int(new_seq.group(1)) if new_seq else 0)
+        peak = n if peak is None else max(peak, n)
+    return peak
+
+
 def step_stats_summary(text: str) -> dict[str, Any]:
     """From the scheduler's per-step stats (``$KVPLANE_STATS_FILE``): steps, pause events,
     requests kvplane's admission held back (last ``held_total``), fallback steps, and the
@@ -423,6 +443,7 @@ def run(args: argparse.Namespace) -> int:
     from sglang_ext.tools.sglang_bench import _cpu_model, _slug
 
     device = f"CPU: {_cpu_model()}"
+    code = code_state()  # before the launches: the servers import the plugin from this checkout
     runs: list[RunResult] = []
     launch: dict[str, list[str]] = {}
     pool: dict[str, Any] = {}
@@ -479,6 +500,11 @@ def run(args: argparse.Namespace) -> int:
         finally:
             for server in servers.values():
                 server.stop()
+        peak_running = {
+            name: peak_running_from_log(server.log_path.read_text(errors="replace"))
+            for name, server in servers.items()
+            if server.log_path.exists()
+        }
         if not args.no_pool_stats:
             stats_path, steps_path = work / "pool-stats.jsonl", work / "step-stats.jsonl"
             summary = pool_stats_summary(stats_path.read_text() if stats_path.exists() else "")
@@ -508,9 +534,10 @@ def run(args: argparse.Namespace) -> int:
         "workload": {**asdict(workload), "text": workload.text()},
         "layered_policy": {"slo_tbt_ms": args.slo_tbt_ms},
         "layered_pacing": args.kv_pacing,
-        "code": code_state(),
+        "code": code,
         "launch_commands": launch,
         "runs": [asdict(r) for r in runs],
+        "server_peak_running_requests": peak_running,
         "layered_pool": pool or None,
         "notes": [],
     }
@@ -606,6 +633,13 @@ def markdown(payload: dict[str, Any]) -> str:
         *table(payload),
         "",
     ]
+    peak = payload.get("server_peak_running_requests") or {}
+    if peak:
+        lines.append(
+            "Largest batch in each server's own log over its life (`#running-req`, decode lines "
+            "sampled every 40 steps): " + ", ".join(f"{k} {v}" for k, v in peak.items()) + "."
+        )
+        lines.append("")
     pool = payload.get("layered_pool")
     if pool:
         lines.append(

@@ -16,6 +16,7 @@ from sglang_ext.tools.value_bench import (
     bench_serving_command,
     markdown,
     parse_bench_serving,
+    peak_running_from_log,
     pool_stats_summary,
     server_flags,
     step_stats_summary,
@@ -232,3 +233,17 @@ def test_bad_arguments_exit_2_naming_the_flag(argv: list[str], message: str) -> 
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stdout
+
+
+def test_peak_running_from_sglang_log_lines() -> None:
+    log = "\n".join(
+        [
+            "[t] Prefill batch, #new-seq: 2, #new-token: 700, #cached-token: 0, token usage: 0.10, "
+            "#running-req: 1, #queue-req: 20",
+            "[t] Decode batch, #running-req: 3, #token: 1000, token usage: 0.98, #queue-req: 21",
+            "[t] GET /health 200",
+        ]
+    )
+    assert peak_running_from_log(log) == 3
+    assert peak_running_from_log(log.replace("#new-seq: 2", "#new-seq: 4")) == 5
+    assert peak_running_from_log("nothing") is None
