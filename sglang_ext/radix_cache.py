@@ -24,6 +24,7 @@ disaggregation allocate through other paths.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,6 +44,9 @@ class LayeredRadixCache(RadixCache):
 
     def __init__(self, params: Any, hooks: ResidencyHooks | None = None) -> None:
         self.residency_hooks = hooks or ResidencyHooks()
+        self.overhead_meter: Any = None
+        """The process's overhead meter (set by the scheduler hooks when it is on): the per-step
+        allocation wrappers count as kvplane time (``radix``)."""
         self._owner_rid: str | None = None
         self._rid_of_row: dict[int, str] = {}
         self._live_blocks: set[int] = set()
@@ -150,13 +154,27 @@ class LayeredRadixCache(RadixCache):
 
     def on_alloc_extend(self, batch: Any, out_cache_loc: torch.Tensor) -> None:
         """Attribute an extend batch's new slots (concatenated in request order) to requests."""
+        meter = self.overhead_meter
+        t0 = 0.0 if meter is None else time.perf_counter()
+        self._on_alloc_extend(batch, out_cache_loc)
+        if meter is not None:
+            meter.add("radix", time.perf_counter() - t0)
+
+    def on_alloc_decode(self, batch: Any, out_cache_loc: torch.Tensor, token_per_req: int) -> None:
+        """Attribute a decode batch's new slots (``token_per_req`` each, request order)."""
+        meter = self.overhead_meter
+        t0 = 0.0 if meter is None else time.perf_counter()
+        self._on_alloc_decode(batch, out_cache_loc, token_per_req)
+        if meter is not None:
+            meter.add("radix", time.perf_counter() - t0)
+
+    def _on_alloc_extend(self, batch: Any, out_cache_loc: torch.Tensor) -> None:
         offset = 0
         for req, extend_len in zip(batch.reqs, batch.extend_lens, strict=True):
             self._report_allocated(req, out_cache_loc[offset : offset + extend_len])
             offset += extend_len
 
-    def on_alloc_decode(self, batch: Any, out_cache_loc: torch.Tensor, token_per_req: int) -> None:
-        """Attribute a decode batch's new slots (``token_per_req`` each, request order)."""
+    def _on_alloc_decode(self, batch: Any, out_cache_loc: torch.Tensor, token_per_req: int) -> None:
         if token_per_req != 1 or self.page_size != 1:
             for i, req in enumerate(batch.reqs):
                 self._report_allocated(req, out_cache_loc[i * token_per_req : (i + 1) * token_per_req])

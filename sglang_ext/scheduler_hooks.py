@@ -104,6 +104,9 @@ class SchedulerHooks:
             self.timer = backend.layer_timer = LayerTimer(self.layers, getattr(self.pool, "device", "cpu"))
         if hasattr(backend, "layer_timer"):  # the layered attention backend times its own parts
             backend.overhead_meter = self.meter
+        tree_cache = getattr(scheduler, "tree_cache", None)
+        if hasattr(tree_cache, "overhead_meter"):  # so does the layered radix cache (allocation wrappers)
+            tree_cache.overhead_meter = self.meter
         if self.tp.is_source:
             self.worker = self._worker_info()
             self.client = ControlClient(
