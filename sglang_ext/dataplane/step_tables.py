@@ -21,8 +21,8 @@ batch (``L x`` its pages), never to the pool:
   layer's token rows are ``tab[l][tok_col] * page_size + tok_off`` (three device ops per layer).
 - FlashInfer CSR: ``indptr [B+1]``, ``kv_lens [B]``, ``last_page_len [B]`` (same for every layer).
 
-All integers go to the device in two non-blocking uploads (one int32 buffer, one int64 buffer;
-pinned on CUDA); per-layer tensors are views of those buffers.
+All integers go to the device in ONE non-blocking upload from pinned memory (an int64 buffer whose
+tail packs the int32 tables two to a word); per-layer tensors are views of it.
 """
 
 from __future__ import annotations
@@ -151,10 +151,14 @@ class StepTables:
         last_len = seq_lens - (counts - 1) * ps
         indptr = np.concatenate([[0], np.cumsum(counts)])
         int32 = np.concatenate([tab.reshape(-1), indptr, seq_lens, last_len]).astype(np.int32)
+        if int32.size % 2:
+            int32 = np.append(int32, np.int32(0))
         int64 = np.concatenate(int64_parts) if int64_parts else np.zeros(0, dtype=np.int64)
         self._int64_np = int64
-        self.i32 = _upload(int32, store.device)
-        self.i64 = _upload(int64, store.device)
+        # ONE upload: the int64 part, then the int32 part packed two to a word (viewed back on the device)
+        both = _upload(np.concatenate([int64, int32.view(np.int64)]), store.device)
+        self.i64 = both[: int64.size]
+        self.i32 = both[int64.size:].view(torch.int32)
         self._n, self._m = n, m
         self.tab = self.i32[: layers * n].view(layers, n)
         """``[L, n]`` int32 device pages per layer (FlashInfer ``kv_indices`` rows)."""
