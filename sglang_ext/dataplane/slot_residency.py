@@ -31,40 +31,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from sglang_ext.dataplane.live_pages import LivePages, live_layer_pages
+from sglang_ext.dataplane.live_pages import LivePages
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore
 from sglang_ext.dataplane.slot_results import RequestResidency, ResidencyDelta, ResidencyStats
-
-
-@dataclass
-class _Request:
-    _pages: torch.Tensor
-    gpu_layers: list[bool]
-    planned: bool = False
-    paused: bool = False
-    pause_seq: int = 0
-    anonymous: bool = False
-    extra: dict = field(default_factory=dict)
-    _tail: list[int] = field(default_factory=list)
-    """Pages appended by the decode fast path, not yet joined to ``_pages`` (one int per new
-    page: a tensor op per request and step would cost more than the step's own bookkeeping)."""
-
-    @property
-    def pages(self) -> torch.Tensor:
-        """The request's pages in position order."""
-        if self._tail:
-            self._pages = torch.cat([self._pages, torch.tensor(self._tail, dtype=torch.int64)])
-            self._tail = []
-        return self._pages
-
-    @pages.setter
-    def pages(self, value: torch.Tensor) -> None:
-        self._pages, self._tail = value, []
+from sglang_ext.dataplane.tracked_request import TrackedRequest as _Request
+from sglang_ext.dataplane.want_counts import WantCounts
 
 
 @dataclass(frozen=True)
@@ -102,13 +78,14 @@ class SlotResidency:
         """Device layer-pages held only by the prefix cache (no live user), as of the last full
         reconciliation: given up first when space is needed, so they count as free capacity."""
         self.full_reconciles = 0
+        """Full reconciliations run; the rest took the append-only fast path."""
         self.staging_lent = 0
         """Device pages :class:`StagingRoom` has lent out and not got back: in the allocator's
         count, in no map entry (:class:`LivePages` counts resident layer-pages with it)."""
-        """Full (mask-based) reconciliations run; the rest took the append-only fast path."""
-        self._live_stats: tuple[int, int] | None = None
-        """(live layer-pages, of which host-only) as of the last :meth:`stats`; dropped by every
-        change but the decode fast path, which adds its new (resident) pages to it."""
+        self.counts = WantCounts(store)
+        """Want counts per (layer, page), users per page, live resident count, dirty pages: a
+        change costs O(the changed request's pages x L); a full reconciliation looks at the
+        dirty pages only (:class:`WantCounts`)."""
 
     # ----- request state ----------------------------------------------------------
 
@@ -118,7 +95,6 @@ class SlotResidency:
         Only a real change (new request, other layers, pause state, pages not just appended)
         forces the next reconciliation to be a full one; a steady plan stays on the fast path.
         """
-        self._live_stats = None
         for rid, want in wants.items():
             if len(want.gpu_layers) != self.layers:
                 raise ValueError(
@@ -141,19 +117,24 @@ class SlotResidency:
                     self._changed = True
                 elif not self._changed and pages.numel():
                     self._appended.append((req, pages))  # a new request only adds wants
+                self.counts.track(req, 1)
                 continue
             elif len(want.pages) >= req.pages.numel():
                 self.observe(rid, pages)
-            if want.planned and list(want.gpu_layers) != req.gpu_layers:
-                req.gpu_layers = list(want.gpu_layers)
-                self._changed = True
+            new_layers = want.planned and list(want.gpu_layers) != req.gpu_layers
+            if new_layers or want.paused != req.paused:
+                self.counts.track(req, -1)
+                if new_layers:
+                    req.gpu_layers = list(want.gpu_layers)
+                    self._changed = True
+                if want.paused != req.paused:
+                    if want.paused:
+                        req.pause_seq = next(self._pause_seq)
+                    req.paused = want.paused
+                    self._changed = True
+                self.counts.track(req, 1)
             if want.planned != req.planned:
                 req.planned = want.planned
-                self._changed = True
-            if want.paused != req.paused:
-                if want.paused:
-                    req.pause_seq = next(self._pause_seq)
-                req.paused = want.paused
                 self._changed = True
 
     def observe(self, rid: str, pages: torch.Tensor, *, anonymous: bool = False) -> None:
@@ -163,33 +144,38 @@ class SlotResidency:
         row), which is what the append-only fast path of :meth:`reconcile` relies on; anything
         else forces a full pass.
         """
-        self._live_stats = None
         req = self._requests.get(rid)
         if req is None:
             # A new request only adds wants (nothing can become droppable), so it takes the
             # append-only path: all its pages count as appended.
-            self._requests[rid] = _Request(pages, gpu_layers=[True] * self.layers, anonymous=anonymous)
+            req = self._requests[rid] = _Request(pages, gpu_layers=[True] * self.layers, anonymous=anonymous)
             if anonymous:
                 self._anonymous.add(rid)
             if not self._changed and pages.numel():
-                self._appended.append((self._requests[rid], pages))
+                self._appended.append((req, pages))
+            self.counts.track(req, 1)
             return
         old = req.pages.numel()
         if old <= pages.numel() and torch.equal(pages[:old], req.pages):
-            if pages.numel() > old and not self._changed:
-                self._appended.append((req, pages[old:]))
+            if pages.numel() > old:
+                if not self._changed:
+                    self._appended.append((req, pages[old:]))
+                self.counts.track_added(req, pages[old:].numpy())
+            req.pages = pages
         else:
             self._changed = True
             self._maybe_orphan.update(req.pages.tolist())
-        req.pages = pages
+            self.counts.track(req, -1)
+            req.pages = pages
+            self.counts.track(req, 1)
 
     def release_request(self, rid: str) -> None:
         """Forget ``rid`` (unknown ids are ignored: release is idempotent)."""
-        self._live_stats = None
         req = self._requests.pop(rid, None)
         if req is not None:
             self._changed = True
             self._maybe_orphan.update(req.pages.tolist())
+            self.counts.track(req, -1)
 
     @property
     def has_anonymous(self) -> bool:
@@ -200,12 +186,12 @@ class SlotResidency:
         """Forget requests observed without an id (dummy / warm-up batches)."""
         if not self._anonymous:
             return
-        self._live_stats = None
         for rid in self._anonymous:
             req = self._requests.pop(rid, None)
             if req is not None:
                 self._changed = True
                 self._maybe_orphan.update(req.pages.tolist())
+                self.counts.track(req, -1)
         self._anonymous.clear()
 
     def gpu_layers(self, rid: str) -> tuple[bool, ...] | None:
@@ -218,23 +204,28 @@ class SlotResidency:
         return list(self._requests)
 
     def page_freed(self, pages: list[int]) -> None:
-        """The allocator took ``pages`` back: their device copies are dead."""
-        self._live_stats = None
-        self.store.release_pages(pages)
+        """The allocator took ``pages`` back: their device copies are dead (O(freed pages) unless
+        a tracked request still holds one: the per-page user counts tell)."""
         if not pages:
+            self.store.release_pages(pages)
             return
         self._changed = True
         freed = np.asarray(pages, dtype=np.int64)
+        if self.counts.users[freed].any():  # before the release: the live resident count reads the map
+            gone = set(freed.tolist())
+            for rid in list(self._requests):  # a request keeps only pages it still holds
+                req = self._requests[rid]
+                if req.pages.numel() and not gone.isdisjoint(req.pages.tolist()):
+                    self.counts.track(req, -1)
+                    keep = ~np.isin(req.pages.numpy(), freed)
+                    req.pages = req.pages[torch.from_numpy(keep)]
+                    if req.pages.numel() == 0:
+                        del self._requests[rid]  # holds no KV any more: finished or aborted
+                    else:
+                        self.counts.track(req, 1)
+        self.store.release_pages(pages)
         self._maybe_orphan.difference_update(pages)
         self._has_kv_np[freed] = False
-        gone = set(freed.tolist())
-        for rid in list(self._requests):  # a request keeps only pages it still holds
-            req = self._requests[rid]
-            if req.pages.numel() and not gone.isdisjoint(req.pages.tolist()):
-                keep = ~np.isin(req.pages.numpy(), freed)
-                req.pages = req.pages[torch.from_numpy(keep)]
-                if req.pages.numel() == 0:
-                    del self._requests[rid]  # holds no KV any more: finished or aborted
 
     def mark_written(self, pages: torch.Tensor) -> None:
         """``pages`` receive KV in the coming forward (later onloads must copy them)."""
@@ -244,8 +235,9 @@ class SlotResidency:
     # ----- reconciliation -----------------------------------------------------------
 
     def live_pages(self) -> LivePages:
-        """The boundary's view of the tracked requests' pages (wants, residency, removable)."""
-        return LivePages(self.store, list(self._requests.values()), self._maybe_orphan, self.staging_lent)
+        """The view of the dirty and paused pages (wants, residency, removable) for giving up."""
+        paused = [r for r in self._requests.values() if r.paused] if self.counts.paused_requests else []
+        return LivePages(self.store, self.counts, paused, self._maybe_orphan, self.staging_lent)
 
     def reconcile(self) -> ResidencyDelta:
         """Make the device hold the wanted layer-pages (within the budget); see module doc.
@@ -253,20 +245,52 @@ class SlotResidency:
         Fast path: when the only change since the last full reconciliation is pages appended to
         known requests (decode), no request is paused and the new layer-pages fit, they are
         placed directly -- the same result as the full computation, without it. The full one
-        works on the tracked requests' pages only (:class:`LivePages`), never on the pool.
+        looks at the pages whose wants changed since the last one (:class:`WantCounts`: the
+        others are settled) and, when space is short, at paused requests' pages too
+        (:class:`LivePages`); never at the other live pages or the pool.
         """
-        self._live_stats = None
         fast = self._reconcile_appended()
         if fast is not None:
+            self.counts.forget_settled()
             return fast
         self.full_reconciles += 1
         self._appended = []
         store = self.store
         d2h_before, h2d_before = store.d2h_bytes, store.h2d_bytes
-        live = self.live_pages()
-        resident, lazy = live.resident, live.paused[None, :]
+        reserve = self.staging_reserve()
+        plan = self.counts.settle_plan(store.allocator.free_count - reserve)
+        given_up = local_flips = 0
+        if plan is None:  # space is short: the pass over every live page decides
+            drop_flat, need_flat, reserve, given_up, local_flips = self._short_plan()
+        else:
+            drop_flat, need_flat = plan
+        offloaded = self._apply_drops(drop_flat)
+        self.counts.clear_dirty()  # every live page settled, but for the wants left short
+        loaded, placed, shortfall = self._apply_needs(need_flat, reserve)
+        self.reclaimable_pages = self.counts.orphan_resident(store.allocator.used_count - self.staging_lent)
+        self.shortfall_total += shortfall
+        self._changed = shortfall > 0 or given_up > 0 or self.counts.paused_requests > 0
+        self.last_moves = LayerPageMoves(offloaded=offloaded, loaded=loaded)
+        return ResidencyDelta(
+            loaded_layer_pages=sum(len(v) for v in loaded.values()),
+            offloaded_layer_pages=int(drop_flat.size),
+            removable_dropped_layer_pages=given_up,
+            placed_new_layer_pages=placed,
+            shortfall_layer_pages=shortfall,
+            local_offloaded_layers=local_flips,
+            h2d_bytes=store.h2d_bytes - h2d_before,
+            d2h_bytes=store.d2h_bytes - d2h_before,
+        )
+
+    def _short_plan(self) -> tuple[np.ndarray, np.ndarray, int, int, int]:
+        """The pass when the wants do not fit (on the dirty and paused pages): local fallback
+        flips, removable layer-pages given up in order. Returns (sorted flat ids to drop, to load,
+        the staging reserve, removable given up, local flips)."""
+        store = self.store
         local_flips = 0
         while True:
+            live = self.live_pages()  # a flip dirties the victim's pages: a new view
+            resident, lazy = live.resident, live.paused[None, :]
             target = live.target()
             removable = resident & ~target
             drop = removable & ~lazy
@@ -292,23 +316,7 @@ class SlotResidency:
                 if given_up >= short:
                     break
         drop_flat = np.sort(np.concatenate(drop_ids))  # row-major: layer, then page
-        offloaded = self._apply_drops(drop_flat)
-        loaded, placed, shortfall = self._apply_needs(live.flat(*np.nonzero(need)), reserve)
-        live.refresh()
-        self.reclaimable_pages = live.orphan_resident
-        self.shortfall_total += shortfall
-        self._changed = shortfall > 0 or given_up > 0 or any(r.paused for r in self._requests.values())
-        self.last_moves = LayerPageMoves(offloaded=offloaded, loaded=loaded)
-        return ResidencyDelta(
-            loaded_layer_pages=sum(len(v) for v in loaded.values()),
-            offloaded_layer_pages=int(drop_flat.size),
-            removable_dropped_layer_pages=given_up,
-            placed_new_layer_pages=placed,
-            shortfall_layer_pages=shortfall,
-            local_offloaded_layers=local_flips,
-            h2d_bytes=store.h2d_bytes - h2d_before,
-            d2h_bytes=store.d2h_bytes - d2h_before,
-        )
+        return drop_flat, live.flat(*np.nonzero(need)), reserve, given_up, local_flips
 
     def _reconcile_appended(self) -> ResidencyDelta | None:
         if self._changed:
@@ -322,6 +330,7 @@ class SlotResidency:
             if all(req.gpu_layers):
                 every_layer.append(added)
                 continue
+            self.counts.check_appended = True  # unwanted layers of its pages may be resident
             wanted = [i for i, on in enumerate(req.gpu_layers) if on]
             if wanted:
                 layers_list.append(torch.tensor(wanted).repeat_interleave(added.numel()))
@@ -348,6 +357,7 @@ class SlotResidency:
         h2d_before = self.store.h2d_bytes
         copy = self.has_kv[pages]
         self.store.onload(layers, pages, copy)
+        self.counts.moved(pages.numpy(), 1)
         loaded: dict[int, list[int]] = {}
         for layer, page in zip(layers[copy].tolist(), pages[copy].tolist(), strict=True):
             loaded.setdefault(layer, []).append(page)
@@ -388,6 +398,7 @@ class SlotResidency:
         if self._has_kv_np[pages].any() or store.map_flat_np[ids].max() >= 0:
             return False
         store.place_identity(pages, ids)
+        self.counts.moved(pages, 1, self.layers)
         return True
 
     def append_decode_identity(self, rids: Sequence[str], owners: np.ndarray, pages: np.ndarray) -> bool:
@@ -407,9 +418,7 @@ class SlotResidency:
             self._has_kv_np[pages] = True
             for owner, page in zip(owners.tolist(), pages.tolist(), strict=True):
                 reqs[owner]._tail.append(page)  # type: ignore[union-attr]
-            if self._live_stats is not None:  # fresh pages: newly live, resident at every layer
-                live, host = self._live_stats
-                self._live_stats = (live + self.layers * int(pages.size), host)
+            self.counts.add_fresh(pages)  # fresh pages: newly live, wanted and resident everywhere
         self.last_moves = LayerPageMoves({}, {})
         return True
 
@@ -420,15 +429,12 @@ class SlotResidency:
         Zero in the identity layout (a staged layer-page uses its own identity page)."""
         if self.store.identity:
             return 0
-        return sum(
-            r.pages.numel() for r in self._requests.values()
-            if not r.paused and (every_active or not all(r.gpu_layers))
-        )
+        return self.counts.active_pages if every_active else self.counts.offloading_pages
 
     def all_live_resident(self) -> bool:
         """Cheap sufficient test that every layer of every live request's pages is on the device:
         the last reconciliation left no shortfall, nobody is paused, everybody wants all layers."""
-        return not self._changed and all(not r.paused and all(r.gpu_layers) for r in self._requests.values())
+        return not self._changed and self.counts.paused_requests == 0 and self.counts.partial_requests == 0
 
     def _flip_local_layer(self) -> bool:
         """Local fallback: move the highest wanted layer of the largest unplanned request to host."""
@@ -439,13 +445,16 @@ class SlotResidency:
             return False
         victim = max(candidates, key=lambda r: (r.pages.numel(), sum(r.gpu_layers)))
         top = max(i for i, on in enumerate(victim.gpu_layers) if on)
+        self.counts.track(victim, -1)
         victim.gpu_layers[top] = False
+        self.counts.track(victim, 1)
         return True
 
     def _apply_drops(self, flat: np.ndarray) -> dict[int, list[int]]:
         """Offload the layer-pages of sorted flat ids ``l * P + p``; per layer, the pages."""
         layers, pages = np.divmod(flat, self.store.config.logical_pages)
         self.store.offload(layers, pages)
+        self.counts.moved(pages, -1)
         return _by_layer(layers, pages)
 
     def _apply_needs(self, flat: np.ndarray, reserve: int) -> tuple[dict[int, list[int]], int, int]:
@@ -453,9 +462,11 @@ class SlotResidency:
         layers, pages = np.divmod(flat, self.store.config.logical_pages)
         room = max(0, self.store.allocator.free_count - reserve)
         shortfall = max(0, int(layers.size) - room)
+        self.counts.mark_dirty(pages[room:])  # wants left short: the next pass retries them
         layers, pages = layers[:room], pages[:room]
         copy = self._has_kv_np[pages]
         self.store.onload(layers, pages, copy)
+        self.counts.moved(pages, 1)
         return _by_layer(layers[copy], pages[copy]), int((~copy).sum()), shortfall
 
     # ----- stats ----------------------------------------------------------------------
@@ -463,9 +474,7 @@ class SlotResidency:
     def stats(self) -> ResidencyStats:
         """Snapshot (see :class:`ResidencyStats`)."""
         store = self.store
-        if self._live_stats is None:
-            self._live_stats = live_layer_pages(store, self._requests.values())
-        live, host = self._live_stats
+        live, host = self.counts.live_stats()
         return ResidencyStats(
             device_pages_used=store.allocator.used_count,
             device_pages_total=store.allocator.capacity,

@@ -58,7 +58,6 @@ class StagingRoom:
             return True
         res = self.residency
         res._changed = True  # wants may end up short: the next boundary re-places them
-        res._live_stats = None
         short -= self._give_up_removable(short)
         if short <= 0:
             return True
@@ -73,6 +72,8 @@ class StagingRoom:
                     if not on.size:
                         continue
                     self.store.offload(np.full(on.size, layer), on)
+                    res.counts.moved(on, -1)
+                    res.counts.mark_dirty(on)  # a wanted layer went: unsettled until re-placed
                     self.evicted_layer_pages += int(on.size)
                     short -= int(on.size)
                     if short <= 0:
@@ -89,6 +90,7 @@ class StagingRoom:
         for layer, pages in live.removable_order(removable):
             take = pages[: short - given]
             self.store.offload(np.full(take.size, layer), take)
+            self.residency.counts.moved(take, -1)
             given += int(take.size)
             if given >= short:
                 break

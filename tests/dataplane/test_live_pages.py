@@ -1,5 +1,5 @@
-"""LivePages: the full reconciliation's view on the live pages agrees with a brute-force pass over
-the whole pool, and never builds pool-sized masks."""
+"""LivePages: the give-up view (on the dirty and paused pages, with the counts' orphan count) agrees
+with a brute-force pass over the whole pool, and never builds pool-sized masks."""
 
 from __future__ import annotations
 

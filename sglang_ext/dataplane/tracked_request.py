@@ -1,0 +1,35 @@
+"""TrackedRequest: :class:`SlotResidency`'s record of one request (pages, wants, pause state)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class TrackedRequest:
+    """One tracked request: its pages in position order and what it wants on the device."""
+
+    _pages: torch.Tensor
+    gpu_layers: list[bool]
+    planned: bool = False
+    paused: bool = False
+    pause_seq: int = 0
+    anonymous: bool = False
+    extra: dict = field(default_factory=dict)
+    _tail: list[int] = field(default_factory=list)
+    """Pages appended by the decode fast path, not yet joined to ``_pages`` (one int per new
+    page: a tensor op per request and step would cost more than the step's own bookkeeping)."""
+
+    @property
+    def pages(self) -> torch.Tensor:
+        """The request's pages in position order."""
+        if self._tail:
+            self._pages = torch.cat([self._pages, torch.tensor(self._tail, dtype=torch.int64)])
+            self._tail = []
+        return self._pages
+
+    @pages.setter
+    def pages(self, value: torch.Tensor) -> None:
+        self._pages, self._tail = value, []

@@ -1,0 +1,237 @@
+"""WantCounts: :class:`SlotResidency`'s incremental bookkeeping of wants, in host NumPy arrays.
+
+Per page, the tracked requests that use it (``users``, with multiplicity) and the paused ones
+among them; per (layer, page), the live, not paused users that want the layer (``want``). A
+layer-page is *wanted* iff ``want > 0``, *lazy* (removable, given up only when space is
+needed) iff resident, not wanted and ``paused_users > 0``. Every want change updates the counts
+of the changed request's pages only (O(its pages x L)) and marks those pages *dirty*; the
+residency counts the live layer-pages with a device copy (``live_resident``) through every move
+it makes, so the orphan count (``used - staging - live_resident``) and the live stats need no
+pass over the live pages.
+
+*Settled* invariant (what a full reconciliation leaves): on every live page that is not dirty,
+a wanted layer-page is resident and an unwanted resident one is lazy. A reconciliation therefore
+only looks at the dirty pages' columns; whatever breaks the invariant elsewhere (wants left short,
+evictions for staging) marks its pages dirty.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from sglang_ext.dataplane.slot_kv_store import SlotKVStore
+from sglang_ext.dataplane.tracked_request import TrackedRequest
+
+SMALL = 8
+"""Up to this many pages, :meth:`WantCounts.add` uses scalar operations."""
+
+
+class WantCounts:
+    """Per-page and per-layer-page want counts, the live resident count and the dirty pages."""
+
+    def __init__(self, store: SlotKVStore) -> None:
+        self.store = store
+        layers, pages = store.config.layers, store.config.logical_pages
+        self.layers = layers
+        self.want = np.zeros((layers, pages), dtype=np.int32)
+        """``[L, P]``: live, not paused users wanting layer ``l`` of page ``p``."""
+        self.users = np.zeros(pages, dtype=np.int32)
+        """``[P]``: tracked requests using the page (paused ones included; with multiplicity)."""
+        self.paused_users = np.zeros(pages, dtype=np.int32)
+        """``[P]``: paused requests using the page."""
+        self.live_count = 0
+        """Pages with a user."""
+        self.live_resident = 0
+        """Layer-pages of pages with a user that have a device copy."""
+        self._dirty_mask = np.zeros(pages, dtype=bool)
+        self._dirty: list[np.ndarray] = []
+        self._dirty_small: list[int] = []
+        self.check_appended = False
+        """The fast path appended pages to a request that does not want every layer."""
+        self._kept = False
+        """The last fast path left unsettled pages dirty."""
+        self.paused_requests = 0
+        self.partial_requests = 0
+        """Tracked requests that are paused / do not want every layer."""
+        self.active_pages = 0
+        self.offloading_pages = 0
+        """Pages (with repeats) of the not paused requests / of those among them that do not
+        want every layer (the staging reserve's two sums)."""
+
+    # ----- requests -----------------------------------------------------------------------
+
+    def track(self, req: TrackedRequest, sign: int) -> None:
+        """``req`` as it is now joins (``sign=1``) or leaves (``-1``) the counts."""
+        pages = req.pages.numpy()
+        self.add(pages, req.gpu_layers, req.paused, sign)
+        every = all(req.gpu_layers)
+        self.paused_requests += sign * req.paused
+        self.partial_requests += sign * (not every)
+        if not req.paused:
+            self.active_pages += sign * int(pages.size)
+            if not every:
+                self.offloading_pages += sign * int(pages.size)
+
+    def track_added(self, req: TrackedRequest, added: np.ndarray) -> None:
+        """Pages appended to ``req`` join the counts."""
+        self.add(added, req.gpu_layers, req.paused, 1)
+        if not req.paused:
+            self.active_pages += int(added.size)
+            if not all(req.gpu_layers):
+                self.offloading_pages += int(added.size)
+
+    # ----- want changes -------------------------------------------------------------------
+
+    def add(self, pages: np.ndarray, gpu_layers: Sequence[bool], paused: bool, sign: int) -> None:
+        """A request's ``pages`` (int64, any order, repeats allowed) with these wants join
+        (``sign=1``) or leave (``sign=-1``) the counts; the pages become dirty."""
+        if not pages.size:
+            return
+        if pages.size <= SMALL:
+            self._add_small(pages.tolist(), gpu_layers, paused, sign)
+            return
+        uniq = np.unique(pages)
+        distinct = uniq.size == pages.size
+        before = self.users[uniq] > 0
+        if distinct:
+            self.users[pages] += sign
+        else:
+            np.add.at(self.users, pages, sign)
+        after = self.users[uniq] > 0
+        self._live_changed(uniq[after & ~before], 1)
+        self._live_changed(uniq[before & ~after], -1)
+        if paused:
+            if distinct:
+                self.paused_users[pages] += sign
+            else:
+                np.add.at(self.paused_users, pages, sign)
+        else:
+            on = np.flatnonzero(np.asarray(gpu_layers, dtype=bool))
+            if on.size == self.layers and distinct:
+                self.want[:, pages] += sign
+            elif on.size and distinct:
+                self.want[on[:, None], pages[None, :]] += sign
+            elif on.size:
+                np.add.at(self.want, (on[:, None], pages[None, :]), sign)
+        self.mark_dirty(uniq)
+
+    def _add_small(self, pages: list[int], gpu_layers: Sequence[bool], paused: bool, sign: int) -> None:
+        """:meth:`add` of a few pages with scalar operations (a decode step's appended page:
+        NumPy's per-call overhead would dominate)."""
+        users, mask = self.users, self._dirty_mask
+        on = None if paused or all(gpu_layers) else [i for i, x in enumerate(gpu_layers) if x]
+        for page in pages:
+            was = int(users[page])
+            users[page] = was + sign
+            if (was > 0) != (was + sign > 0):
+                resident = sum(1 for dev in self.store.map_np[:, page].tolist() if dev >= 0)
+                self.live_count += sign
+                self.live_resident += sign * resident
+            if paused:
+                self.paused_users[page] += sign
+            elif on is None:
+                self.want[:, page] += sign
+            else:
+                for layer in on:
+                    self.want[layer, page] += sign
+            if not mask[page]:
+                mask[page] = True
+                self._dirty_small.append(page)
+
+    def add_fresh(self, pages: np.ndarray) -> None:
+        """Distinct pages no request used, every layer wanted and resident (the decode fast
+        path's new pages): joined without dirtying them (they are settled)."""
+        self.users[pages] += 1
+        self.want[:, pages] += 1
+        self.active_pages += int(pages.size)
+        self.live_count += int(pages.size)
+        self.live_resident += self.layers * int(pages.size)
+
+    def _live_changed(self, pages: np.ndarray, sign: int) -> None:
+        if pages.size:
+            self.live_count += sign * int(pages.size)
+            self.live_resident += sign * int((self.store.map_np[:, pages] >= 0).sum())
+
+    # ----- moves --------------------------------------------------------------------------
+
+    def moved(self, pages: np.ndarray, sign: int, layers: int = 1) -> None:
+        """``layers`` layer-pages of each of ``pages`` got (``sign=1``) or lost (``-1``) their
+        device copy (pages may repeat: one entry per layer-page)."""
+        if pages.size:
+            self.live_resident += sign * layers * int((self.users[pages] > 0).sum())
+
+    # ----- dirty pages --------------------------------------------------------------------
+
+    def mark_dirty(self, pages: np.ndarray) -> None:
+        """These pages may be unsettled."""
+        if pages.size:
+            new = pages[~self._dirty_mask[pages]]
+            if new.size:
+                self._dirty_mask[new] = True
+                self._dirty.append(new)
+
+    def dirty_live(self) -> np.ndarray:
+        """Sorted distinct dirty pages that have a user."""
+        if not self._dirty and not self._dirty_small:
+            return np.zeros(0, dtype=np.int64)
+        pages = np.unique(np.concatenate([*self._dirty, np.asarray(self._dirty_small, dtype=np.int64)]))
+        return pages[self.users[pages] > 0]
+
+    def clear_dirty(self) -> None:
+        """Every page is settled."""
+        self._kept = False
+        for part in self._dirty:
+            self._dirty_mask[part] = False
+        self._dirty_mask[self._dirty_small] = False
+        self._dirty, self._dirty_small = [], []
+
+    def settle_plan(self, room: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The full reconciliation on the dirty live pages' columns: sorted flat ids ``l * P + p``
+        to drop (resident, unwanted, not lazy) and to load (wanted, host-only); None when the
+        loads do not fit in ``room`` free pages plus the drops (space is short)."""
+        cols = self.dirty_live()
+        resident = self.store.map_np[:, cols] >= 0
+        target = self.want[:, cols] > 0
+        drop = resident & ~target & (self.paused_users[cols] == 0)[None, :]
+        need = target & ~resident
+        if int(need.sum()) - int(drop.sum()) > room:
+            return None
+        logical = self.store.config.logical_pages
+        out = []
+        for mask in (drop, need):
+            layers, at = np.nonzero(mask)  # row-major over sorted pages: sorted flat ids
+            out.append(layers.astype(np.int64) * logical + cols[at])
+        return out[0], out[1]
+
+    def forget_settled(self) -> None:
+        """After the append-only fast path: if every dirty page is settled now (its new wants
+        placed, nothing to drop), none stays dirty -- the next full reconciliation then looks
+        at the next changes only, not at the pages appended since the last one.
+
+        The dirty pages are then the pages appended since the last full reconciliation (any
+        other change forces a full one), and the fast path placed every wanted layer of them:
+        only a request that does not want every layer can leave one to drop (a prefix page
+        resident at a layer nobody wants), so only then, or when an earlier check kept pages
+        dirty, are they checked."""
+        check, self.check_appended = self.check_appended or self._kept, False
+        if not self._dirty and not self._dirty_small:
+            return
+        if check:
+            plan = self.settle_plan(0)
+            if plan is None or plan[0].size or plan[1].size:
+                self._kept = True
+                return
+        self.clear_dirty()
+
+    # ----- views --------------------------------------------------------------------------
+
+    def orphan_resident(self, resident_total: int) -> int:
+        """Resident layer-pages no live request uses, of ``resident_total`` resident ones."""
+        return resident_total - self.live_resident
+
+    def live_stats(self) -> tuple[int, int]:
+        """(live layer-pages, of which only on host)."""
+        live = self.live_count * self.layers
+        return live, live - self.live_resident

@@ -1,0 +1,103 @@
+"""WantCounts: the residency's incremental want counts equal a recount after every change, pages
+outside the dirty set are settled, and a change of one request makes the next full
+reconciliation look at that request's pages only (not at the other live requests')."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from tests.dataplane.core_driver import LAYERS, make_core
+from tests.dataplane.test_live_pages import TreeDriver
+
+
+def recount(res) -> None:  # noqa: ANN001 - SlotResidency
+    """The counts equal a brute-force pass over the requests; clean live pages are settled."""
+    c, store = res.counts, res.store
+    users, paused, want = np.zeros_like(c.users), np.zeros_like(c.paused_users), np.zeros_like(c.want)
+    active = offloading = 0
+    for r in res._requests.values():
+        p = r.pages.numpy()
+        np.add.at(users, p, 1)
+        if r.paused:
+            np.add.at(paused, p, 1)
+            continue
+        active += p.size
+        offloading += 0 if all(r.gpu_layers) else p.size
+        for layer, on in enumerate(r.gpu_layers):
+            if on:
+                np.add.at(want[layer], p, 1)
+    assert (users == c.users).all() and (paused == c.paused_users).all() and (want == c.want).all()
+    assert (c.active_pages, c.offloading_pages) == (active, offloading)
+    assert c.paused_requests == sum(r.paused for r in res._requests.values())
+    live, resident = users > 0, store.map_np >= 0
+    assert (c.live_count, c.live_resident) == (int(live.sum()), int(resident[:, live].sum()))
+    clean = live.copy()
+    clean[c.dirty_live()] = False
+    target = want > 0
+    assert not (target & ~resident)[:, clean].any()
+    assert not (resident & ~target & (paused == 0)[None, :])[:, clean].any()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_counts_match_a_recount(seed):
+    """Random prefills, decodes, plans, pauses, prefix hits, cached prefixes and frees under
+    budgets from roomy to overflowing: the counts and the settled invariant hold throughout."""
+    rng = random.Random(seed)
+    d = TreeDriver(make_core(rng.choice([None, 9, 15, 40])), seed=seed)
+    n = 0
+    for _ in range(60):
+        op, rids = rng.random(), list(d.slots)
+        if op < 0.2 or not rids:
+            rid, n = f"r{n}", n + 1
+            d.add(rid)
+            if d.cached and rng.random() < 0.5:
+                src = d.cached[rng.choice(sorted(d.cached))]
+                d.slots[rid] = list(src[: rng.randint(0, len(src) // d.ps) * d.ps])
+        elif op < 0.6:
+            d.step([(r, rng.choice([1, 1, 3])) for r in rng.sample(rids, rng.randint(1, len(rids)))])
+        elif op < 0.8:
+            d.want(rng.choice(rids), [rng.random() < 0.6 for _ in range(LAYERS)], paused=rng.random() < 0.3)
+        elif op < 0.9:
+            d.cache(rng.choice(rids))
+            if len(d.cached) > 2:
+                d.evict(sorted(d.cached)[0])
+        else:
+            d.finish(rng.choice(rids))
+        recount(d.core.residency)
+    d.check_at_rest()
+
+
+def _columns_seen(d: TreeDriver, change) -> int:  # noqa: ANN001
+    """Columns the full reconciliations after ``change()`` compute on (0 when only the
+    append-only fast path ran: an arrival)."""
+    counts = d.core.residency.counts
+    seen = []
+    dirty_live = counts.dirty_live
+    counts.dirty_live = lambda: seen.append(dirty_live()) or seen[-1]
+    try:
+        change()
+        d.core.update_residency({})
+    finally:
+        del counts.dirty_live
+    return max((int(s.size) for s in seen), default=0)
+
+
+def test_a_change_of_one_request_looks_at_its_pages_only():
+    """Twelve live requests: a finish, an arrival, a plan change, a pause and a resume of one of
+    them each reconcile on at most that request's pages."""
+    d = TreeDriver(make_core(None, pages=200), seed=0)
+    for i in range(12):
+        d.add(f"r{i}")
+        d.step([(f"r{i}", 9)])
+    d.core.update_residency({})
+    assert not d.core.residency.counts.dirty_live().size  # the prefills' pages were settled
+    pages = len(d.pages("r3"))
+    assert _columns_seen(d, lambda: d.finish("r3")) <= pages
+    assert _columns_seen(d, lambda: (d.add("new"), d.step([("new", 9)]))) <= len(d.pages("new"))
+    assert _columns_seen(d, lambda: d.want("r5", [True, False, True])) <= len(d.pages("r5"))
+    assert _columns_seen(d, lambda: d.want("r6", [True] * LAYERS, paused=True)) <= len(d.pages("r6"))
+    assert _columns_seen(d, lambda: d.want("r6", [True] * LAYERS)) <= len(d.pages("r6"))
+    d.check_at_rest()
