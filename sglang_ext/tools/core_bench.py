@@ -17,6 +17,12 @@ the same; a core whose bookkeeping is proportional to what changes shows flat ro
   (installed with ``update_residency(..., planned=True)``): staged steps with fetches and
   write-backs.
 
+``--live-requests`` (a comma list; default: the batch alone) keeps more requests live than the
+batch: the others arrived (plan + prefill) before it and hold their pages (resident as planned)
+without decoding -- requests SGLang keeps waiting or paused-by-plan-free, as far as the core is
+concerned. A core whose per-event bookkeeping is proportional to the changed request shows
+``finish`` and ``arrival`` flat in the number of live requests too.
+
 Per configuration: ``steady`` (a decode step of the unchanged batch), ``finish`` (a request
 finishes -- ``release_request`` + ``page_freed`` -- and the next decode step runs without it),
 ``arrival`` (a new request's plan, ``update_residency``, and its prefill step) and ``join`` (the
@@ -64,6 +70,8 @@ def _ints(text: str, name: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=8, help="batch size (requests)")
+    parser.add_argument("--live-requests", default=None,
+                        help="live requests (batch + idle ones holding pages), comma list; default: the batch")
     parser.add_argument("--tokens", type=int, default=256, help="prompt tokens per request")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--page-size", type=int, default=16)
@@ -90,9 +98,10 @@ class _Req:
 class CoreRun:
     """One configuration: a core, SGLang's side of it (pages, slots), timed steps."""
 
-    def __init__(self, args: argparse.Namespace, pool: int, layout: str) -> None:
+    def __init__(self, args: argparse.Namespace, pool: int, layout: str, live: int | None = None) -> None:
         self.args = args
         self.layout = layout
+        self.live = args.requests if live is None else live
         L, ps = args.layers, args.page_size
         self.logical = max(2, pool // L)
         budget = self.logical * L if layout == "identity" else max(1, int(args.budget_fraction * self.logical * L))
@@ -170,8 +179,9 @@ class CoreRun:
         self._timed(phase, step)
         self.last_lens = lens
 
-    def arrive(self, phase: str | None) -> None:
-        """A new request: its plan, then its prefill step (alone, as SGLang runs a prefill)."""
+    def arrive(self, phase: str | None, *, idle: bool = False) -> None:
+        """A new request: its plan, then its prefill step (alone, as SGLang runs a prefill);
+        ``idle``: it stays live outside the decode batch."""
         req = _Req(f"r{self.next_id}", [])
         self.next_id += 1
         new = self._grow(req, self.args.tokens)
@@ -185,7 +195,8 @@ class CoreRun:
             self._layers(loc)
 
         self._timed(phase, step)
-        self.reqs.append(req)
+        if not idle:
+            self.reqs.append(req)
         self.last_lens = None  # the batch changed: the next decode step is not steady
 
     def finish(self, phase: str | None) -> None:
@@ -210,6 +221,8 @@ class CoreRun:
 
     def run(self) -> dict[str, Any]:
         a = self.args
+        for _ in range(self.live - a.requests):
+            self.arrive(None, idle=True)
         for _ in range(a.requests):
             self.arrive(None)
         for _ in range(3):
@@ -224,6 +237,7 @@ class CoreRun:
         stats = self.core.stats()
         row: dict[str, Any] = {
             "layout": self.layout,
+            "live_requests": self.live,
             "pool_layer_pages": self.logical * a.layers,
             "logical_pages": self.logical,
             "device_pages": self.core.config.device_pages if not self.core.store.identity
@@ -246,13 +260,14 @@ def _markdown(where: str, args: argparse.Namespace, rows: list[dict[str, Any]]) 
         f"Batch: {args.requests} requests x {args.tokens} tokens, {args.layers} layers, page "
         f"{args.page_size}, {args.dtype}, {args.kv_heads} KV head(s) x {args.head_dim} dims, CPU device "
         f"(no model: the core's calls only). Paged layouts: budget {args.budget_fraction:g} of the "
-        "layer-pages; `paged-offload` offloads every other layer. Median thread CPU time per step, ms "
+        "layer-pages; `paged-offload` offloads every other layer. Live requests: the batch plus idle "
+        "ones (planned, prefilled, holding their pages, not decoding). Median thread CPU time per step, ms "
         f"({args.steps} x {args.events} steady steps, {args.events} of each event); wall medians in the JSON.\n\n"
-        "| layout | pool layer-pages | steady | finish + step | arrival (plan + prefill) | join step | stats() "
-        "| full reconciles |\n|---|---:|---:|---:|---:|---:|---:|---:|\n"
+        "| layout | live requests | pool layer-pages | steady | finish + step | arrival (plan + prefill) "
+        "| join step | stats() | full reconciles |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     body = "".join(
-        f"| {r['layout']} | {r['pool_layer_pages']:,} | {r['steady_cpu_ms']:.3f} | {r['finish_cpu_ms']:.3f} | "
+        f"| {r['layout']} | {r['live_requests']} | {r['pool_layer_pages']:,} | {r['steady_cpu_ms']:.3f} | {r['finish_cpu_ms']:.3f} | "
         f"{r['arrival_cpu_ms']:.3f} | {r['join_cpu_ms']:.3f} | {r['stats_cpu_ms']:.3f} | {r['full_reconciles']} |\n"
         for r in rows
     )
@@ -270,20 +285,23 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     pools = _ints(args.pool_sizes, "pool-sizes")
+    lives = [args.requests] if args.live_requests is None else _ints(args.live_requests, "live-requests")
+    if min(lives) < args.requests:
+        raise SystemExit(f"--live-requests: each value must be >= --requests ({args.requests}), got {lives}")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         where = f"{describe_device('cpu').rsplit(' (', 1)[0]}, {os.cpu_count()} cores"
         print(f"kvplane bench core on {where} ({args.requests} requests x {args.tokens} tokens, "
               f"{args.layers} layers, page {args.page_size}; median thread CPU ms per step)")
-        print(f"{'layout':>14} {'layer-pages':>12} {'steady':>8} {'finish':>8} {'arrival':>8} "
+        print(f"{'layout':>14} {'live':>5} {'layer-pages':>12} {'steady':>8} {'finish':>8} {'arrival':>8} "
               f"{'join':>8} {'stats':>8} {'full':>5}")
         rows = []
         for layout in layouts:
-            for pool in pools:
-                r = CoreRun(args, pool, layout).run()
+            for pool, live in ((pool, live) for live in lives for pool in pools):
+                r = CoreRun(args, pool, layout, live).run()
                 rows.append(r)
-                print(f"{layout:>14} {r['pool_layer_pages']:>12,} {r['steady_cpu_ms']:>8.3f} "
+                print(f"{layout:>14} {live:>5} {r['pool_layer_pages']:>12,} {r['steady_cpu_ms']:>8.3f} "
                       f"{r['finish_cpu_ms']:>8.3f} {r['arrival_cpu_ms']:>8.3f} {r['join_cpu_ms']:>8.3f} "
                       f"{r['stats_cpu_ms']:>8.3f} {r['full_reconciles']:>5}")
     finally:
