@@ -570,12 +570,12 @@ def code_state() -> dict[str, Any]:
         try:
             return subprocess.run(
                 ["git", *argv], capture_output=True, text=True, timeout=30, check=False
-            ).stdout.strip()
+            ).stdout.rstrip("\n")  # not strip(): porcelain lines start with a status column
         except OSError:
             return ""
 
     dirty = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
-    return {"head": git("rev-parse", "--short", "HEAD") or None, "modified": dirty}
+    return {"head": git("rev-parse", "--short", "HEAD").strip() or None, "modified": dirty}
 
 
 def _fmt(x: Any, digits: int = 1) -> str:
