@@ -34,6 +34,30 @@ class TreeDriver(CoreDriver):
         self.free_pages.extend(freed)
 
 
+def random_op(d: TreeDriver, rng: random.Random, n: int) -> int:
+    """One random lifecycle operation (new request, maybe a prefix hit on cached pages; a batched
+    step; a plan or pause; caching a request's pages, evicting the oldest; a finish); returns the
+    next request number."""
+    op, rids = rng.random(), list(d.slots)
+    if op < 0.2 or not rids:
+        rid, n = f"r{n}", n + 1
+        d.add(rid)
+        if d.cached and rng.random() < 0.5:  # a prefix hit on a cached request's pages
+            src = d.cached[rng.choice(sorted(d.cached))]
+            d.slots[rid] = list(src[: rng.randint(0, len(src) // d.ps) * d.ps])
+    elif op < 0.6:
+        d.step([(r, rng.choice([1, 1, 3])) for r in rng.sample(rids, rng.randint(1, len(rids)))])
+    elif op < 0.8:
+        d.want(rng.choice(rids), [rng.random() < 0.6 for _ in range(LAYERS)], paused=rng.random() < 0.3)
+    elif op < 0.9:
+        d.cache(rng.choice(rids))
+        if len(d.cached) > 2:
+            d.evict(sorted(d.cached)[0])
+    else:
+        d.finish(rng.choice(rids))
+    return n
+
+
 def brute_force(core) -> tuple[int, list[tuple[int, list[int]]], tuple[int, int]]:  # noqa: ANN001
     """Orphan resident count, give-up order and live stats over the whole ``[L, P]`` map (the
     computation LivePages replaces)."""
@@ -87,23 +111,7 @@ def test_live_view_matches_the_pool_wide_pass(seed):
     d = TreeDriver(make_core(rng.choice([9, 15, 24, 40])), seed=seed)
     n = 0
     for _ in range(50):
-        op, rids = rng.random(), list(d.slots)
-        if op < 0.2 or not rids:
-            rid, n = f"r{n}", n + 1
-            d.add(rid)
-            if d.cached and rng.random() < 0.5:  # a prefix hit on a cached request's pages
-                src = d.cached[rng.choice(sorted(d.cached))]
-                d.slots[rid] = list(src[: rng.randint(0, len(src) // d.ps) * d.ps])
-        elif op < 0.6:
-            d.step([(r, rng.choice([1, 1, 3])) for r in rng.sample(rids, rng.randint(1, len(rids)))])
-        elif op < 0.8:
-            d.want(rng.choice(rids), [rng.random() < 0.6 for _ in range(LAYERS)], paused=rng.random() < 0.3)
-        elif op < 0.9:
-            d.cache(rng.choice(rids))
-            if len(d.cached) > 2:
-                d.evict(sorted(d.cached)[0])
-        else:
-            d.finish(rng.choice(rids))
+        n = random_op(d, rng, n)
         count, order, stats = brute_force(d.core)
         live = d.core.residency.live_pages()
         assert live.orphan_resident == count

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.dataplane.core_driver import LAYERS, make_core
-from tests.dataplane.test_live_pages import TreeDriver
+from tests.dataplane.test_live_pages import TreeDriver, random_op
 
 
 def recount(res) -> None:  # noqa: ANN001 - SlotResidency
@@ -49,23 +49,7 @@ def test_counts_match_a_recount(seed):
     d = TreeDriver(make_core(rng.choice([None, 9, 15, 40])), seed=seed)
     n = 0
     for _ in range(60):
-        op, rids = rng.random(), list(d.slots)
-        if op < 0.2 or not rids:
-            rid, n = f"r{n}", n + 1
-            d.add(rid)
-            if d.cached and rng.random() < 0.5:
-                src = d.cached[rng.choice(sorted(d.cached))]
-                d.slots[rid] = list(src[: rng.randint(0, len(src) // d.ps) * d.ps])
-        elif op < 0.6:
-            d.step([(r, rng.choice([1, 1, 3])) for r in rng.sample(rids, rng.randint(1, len(rids)))])
-        elif op < 0.8:
-            d.want(rng.choice(rids), [rng.random() < 0.6 for _ in range(LAYERS)], paused=rng.random() < 0.3)
-        elif op < 0.9:
-            d.cache(rng.choice(rids))
-            if len(d.cached) > 2:
-                d.evict(sorted(d.cached)[0])
-        else:
-            d.finish(rng.choice(rids))
+        n = random_op(d, rng, n)
         recount(d.core.residency)
     d.check_at_rest()
 
