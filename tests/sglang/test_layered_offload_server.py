@@ -130,7 +130,8 @@ def test_concurrent_requests_share_the_budget(offload):
     results: dict[int, dict] = {}
 
     def send(i: int) -> None:
-        results[i] = greedy(offload.server, PROMPTS[i] + " again and again", NEW_TOKENS)
+        # short requests (a few prompt tokens, 4 new): several fit the 48-token slot space at once
+        results[i] = greedy(offload.server, PROMPTS[i], 4)
 
     threads = [threading.Thread(target=send, args=(i,)) for i in range(6)]
     for t in threads:
@@ -138,7 +139,7 @@ def test_concurrent_requests_share_the_budget(offload):
     for t in threads:
         t.join(timeout=300)
     assert sorted(results) == list(range(6))
-    assert all(len(r["output_ids"]) == NEW_TOKENS for r in results.values())
+    assert all(len(r["output_ids"]) == 4 for r in results.values())
     steps = offload.stats()[before:]
     assert max(s["batch_size"] for s in steps) >= 2
     assert all(s["device_pages_used"] <= BUDGET_TOKENS for s in steps)
