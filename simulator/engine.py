@@ -15,8 +15,12 @@ Mechanisms (all enforced here, whatever the policy asks):
 * placement changes: a layer newly placed on the GPU is fetched through the staging slot in the
   step that installs it (the step runs with the *current* residency) and stays resident after;
   a layer moved to host is written back D2H, overlapped with the step (full-duplex link);
+* admission (OrbitFlow §5.1): within the batch limits; a layered policy's prompt keeps the layers
+  that fit and offloads the rest at prefill (:meth:`EngineMemory._make_room`);
 * pause/resume with lazy layer eviction (OrbitFlow §3.4): a paused request keeps its GPU layers
-  until the space is needed; then layers are evicted one at a time (D2H charged);
+  until the space is needed; then layers are evicted one at a time (D2H charged), before any
+  running request's promotion is deferred; a paused request holds no batch slot unless the
+  policy says so (``paused_hold_slot``), and a resume into a full batch is refused (counted);
 * preemption: recompute (KV dropped, re-prefilled over prompt + generated tokens) or swap (all
   KV to host and back; serialised unless the policy overlaps swaps, as SuperInfer's DuplexKV);
 * token deposit (OrbitFlow §3.2) via the control plane's :class:`TokenDeposit` when the policy
@@ -39,6 +43,7 @@ from collections.abc import Sequence
 from controlplane.controller.token_deposit import TokenDeposit
 from controlplane.model import step_time_ms
 from controlplane.planner.candidates import candidate_set
+from simulator.engine_memory import EngineMemory
 from simulator.engine_types import SOLVER_TIME_MODES, SimConfig, SimPolicy, SimResult, StepInfo
 from simulator.profile import SimProfile
 from simulator.state import (
@@ -68,7 +73,7 @@ def even_rows(layers: int, gpu_layers: int) -> tuple[int, ...]:
     return tuple(row)
 
 
-class Engine:
+class Engine(EngineMemory):
     """Runs one policy over one trace on one profile."""
 
     def __init__(
@@ -98,47 +103,12 @@ class Engine:
         self._full = (1,) * profile.layers
 
     # ---- memory ----------------------------------------------------------------------------
-    def _kvb(self, r: SimRequest) -> int:
-        """Blocks per layer the request keeps (eLLM drops its uncached prefix)."""
-        if r.uncached_ratio > 0:
-            return self.p.blocks(max(1, r.context - int(r.context * r.uncached_ratio)))
-        return r.blocks(self.p)
-
-    def _held(self, r: SimRequest) -> int:
-        return 0 if r.resident is None else self._kvb(r) * sum(r.resident)
-
-    def used_blocks(self) -> int:
-        """Blocks held right now (resident layers of running, paused requests)."""
-        return sum(self._held(r) for r in self.running) + sum(self._held(r) for r in self.paused)
-
     def _view(self) -> EngineView:
         return EngineView(
             self.step, self.now, self.p, tuple(self.queue), tuple(self.running),
             tuple(self.paused), tuple(self.swapped),
             self.p.gpu_kv_budget_blocks - self.used_blocks(), self.last_step_ms,
         )
-
-    def _evict_paused(self, need: int) -> tuple[int, int]:
-        """Evict paused layers (largest request first, last layer first) until ``need`` blocks
-        are free or nothing is left; returns (blocks evicted, blocks still missing)."""
-        evicted = 0
-        for r in sorted(self.paused, key=lambda r: (-self._held(r), r.id)):
-            if need <= 0:
-                break
-            if r.resident is None:
-                continue
-            b = r.blocks(self.p)
-            row = list(r.resident)
-            for layer in range(len(row) - 1, -1, -1):
-                if need <= 0:
-                    break
-                if row[layer]:
-                    row[layer] = 0
-                    need -= b
-                    evicted += b
-            r.resident = tuple(row) if any(row) else None
-        self.res.evicted_blocks += evicted
-        return evicted, max(0, need)
 
     # ---- actions ---------------------------------------------------------------------------
     def _limits_ok(self, r: SimRequest, admitted: list[SimRequest]) -> bool:
@@ -208,6 +178,9 @@ class Engine:
                 r.resident = self._full
                 r.target = self._full
             else:
+                if not self.policy.paused_hold_slot and not self._limits_ok(r, []):
+                    self.res.resume_refusals += 1  # the batch is full: stays paused
+                    continue
                 self.paused.remove(r)
                 r.target = r.resident if r.resident is not None else tuple([0] * self.p.layers)
             r.state = RUNNING
@@ -239,13 +212,13 @@ class Engine:
             if not self.policy.layered:
                 gpu_layers = self.p.layers
             b = self._kvb(r)
-            need = b * (gpu_layers + (1 if gpu_layers < self.p.layers else 0))
-            pending = sum(self._kvb(x) * sum(x.resident or ()) for x in admitted)
-            free = self.p.gpu_kv_budget_blocks - self.used_blocks() - pending
-            if need > free:
-                _, missing = self._evict_paused(need - free)
-                if missing > 0:
-                    break
+            pending = sum(
+                self._kvb(x) * ((x.min_gpu_layers or 0) + (x.min_gpu_layers != self.p.layers))
+                for x in admitted)
+            gpu_layers, extra_ms = self._make_room(b, gpu_layers, pending)
+            if gpu_layers is None:
+                break
+            serial_ms += extra_ms
             r.min_gpu_layers = gpu_layers
             r.resident = self._row_for(gpu_layers)
             r.target = r.resident
@@ -309,90 +282,6 @@ class Engine:
         self.running = [r for r in self.running if r.state == RUNNING]
         return StepInfo(self.step, start, dur, "prefill", {}, 0.0, used, 0.0, tuple(finished),
                         len(admitted))
-
-    def _force_fit(self) -> None:
-        """Make the running batch fit memory (safety net; counted)."""
-        budget = self.p.gpu_kv_budget_blocks
-        if self._decode_peak() <= budget:
-            return
-        if self._decode_peak() > budget:
-            # First defer promotions (they need a staging slot for one step); not a fallback.
-            for r in self.running:
-                if r.resident is not None and r.target is not None:
-                    r.target = tuple(a & t for a, t in zip(r.resident, r.target, strict=True))
-        while True:
-            need = self._decode_peak()
-            if need <= budget:
-                return
-            _, missing = self._evict_paused(need - budget)
-            if missing <= 0:
-                continue
-            self.res.forced_fallbacks += 1
-            if self.policy.layered:
-                victim = max(self.running, key=lambda r: (r.blocks(self.p) * sum(r.target), r.id))
-                resident = sum(victim.target)
-                if resident > 0:
-                    rows = [row for row in self._cands.rows if sum(row) < resident]
-                    row = max(rows, key=sum) if rows else tuple([0] * self.p.layers)
-                    victim.target = row
-                    victim.resident = tuple(a & b for a, b in zip(victim.resident or row, row,
-                                                                  strict=True))
-                    continue
-                self.running.remove(victim)
-                victim.state = PAUSED
-                victim.pauses += 1
-                self.paused.append(victim)
-            else:
-                victim = max(self.running, key=lambda r: (r.spec.arrival_ms, r.id))
-                self.running.remove(victim)
-                victim.state, victim.resident, victim.has_kv, victim.target = (
-                    QUEUED, None, False, None)
-                victim.preemptions += 1
-                self.queue.insert(0, victim)
-            if not self.running:
-                return
-
-    def _rows(self, r: SimRequest, demote_first: bool) -> tuple[int, ...]:
-        """Residency a running request decodes with this step: its current layers, or (when
-        demotions must free space first) only those it keeps."""
-        cur = r.resident if r.resident is not None else tuple([0] * self.p.layers)
-        if not demote_first or r.target is None:
-            return cur
-        return tuple(a & t for a, t in zip(cur, r.target, strict=True))
-
-    def _decode_peak(self, demote_first: bool = True) -> int:
-        """Peak GPU blocks of the next decode step (see :meth:`_rows`)."""
-        return self._peaks()[1 if demote_first else 0]
-
-    def _peaks(self) -> tuple[int, int]:
-        """(peak keeping demoted layers during the step, peak demoting first)."""
-        paused = sum(self._held(r) for r in self.paused)
-        union_total = demote_total = paused
-        for r in self.running:
-            b = self._kvb(r)
-            cur = r.resident
-            tgt = r.target
-            if cur is None:
-                n = sum(tgt) if tgt is not None else 0
-                union_total += b * (n + 1)
-                demote_total += b * (n + 1)
-                continue
-            if tgt is None or tgt is cur or tgt == cur:
-                n = sum(cur)
-                extra = b * (n + (0 if n == len(cur) else 1))
-                union_total += extra
-                demote_total += extra
-                continue
-            union = 0
-            keep = 0
-            ntgt = 0
-            for a, t in zip(cur, tgt, strict=True):
-                union += a | t
-                keep += a & t
-                ntgt += t
-            union_total += b * (union + (0 if all(cur) else 1))
-            demote_total += b * (ntgt + (0 if keep == len(cur) else 1))
-        return union_total, demote_total
 
     def _decode_step(self, extra_serial_ms: float, extra_overlap_ms: float,
                      solver_ms: float) -> StepInfo:

@@ -104,6 +104,10 @@ class SimResult:
     forced_fallbacks: int = 0
     evicted_blocks: int = 0
     """Blocks evicted lazily from paused requests."""
+    resume_refusals: int = 0
+    """Resumes the engine refused because the batch was full (a paused request holds no slot)."""
+    admission_demoted_blocks: int = 0
+    """Running requests' blocks written back so that an admitted prompt's staging layer fits."""
     worker_admissions: int = 0
     """Head-of-queue admissions the engine made because the server was idle (liveness)."""
     step_log: list[StepInfo] = field(default_factory=list)

@@ -12,6 +12,7 @@ Primitives:
 * :class:`ControllerObserver` with :class:`ControllerCounters` and :class:`PrometheusObserver`.
 """
 
+from controlplane.controller.batch_limits import UNLIMITED, BatchLimits
 from controlplane.controller.decision_builder import DecisionBuilder, PlannerLike, PlanningInput
 from controlplane.controller.metrics import (
     ControllerCounters,
@@ -24,12 +25,15 @@ from controlplane.controller.metrics import (
 )
 from controlplane.controller.profile_tracker import ProfileTracker, ProfileUpdate
 from controlplane.controller.schedulers import SCHEDULERS, make_scheduler
-from controlplane.controller.session_controller import SessionController, SessionStatus
+from controlplane.controller.session_controller import SessionController
+from controlplane.controller.session_status import SessionStatus
 from controlplane.controller.token_deposit import Delivery, TokenDeposit
 from controlplane.controller.victims import select_victim
 
 __all__ = [
     "SCHEDULERS",
+    "UNLIMITED",
+    "BatchLimits",
     "ControllerCounters",
     "ControllerObserver",
     "CounterSnapshot",

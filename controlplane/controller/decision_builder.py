@@ -13,10 +13,14 @@ state. Steps (OrbitFlow §3.3-3.4, plus the per-worker scheduler):
    token decoded at the target step, OrbitFlow §3.3.2 "adding one token to align with the target
    step"); when infeasible it pauses victims itself.
 4. Resume: a paused request (other starving ones first, then the scheduler's rotation-ins, then -
-   on a finish or plan expiry - the longest-paused ones) joins only if the plan with it is feasible and pauses nobody
-   (OrbitFlow §3.4: "resumes a paused request only after ... a feasible plan exists"). The first
-   refusal ends the attempts, so a request never overtakes a longer-paused one, and at most
-   ``MAX_RESUME_TRIALS`` extra plans are solved per decision.
+   when a request finished - the longest-paused ones) joins only if the batch limits have room
+   for it and the plan with it is feasible and pauses nobody (OrbitFlow §3.4: "resumes a paused
+   request only after some in-flight requests have completed and a feasible plan exists"). The
+   first refusal ends the attempts, so a request never overtakes a longer-paused one, and at
+   most ``MAX_RESUME_TRIALS`` extra plans are solved per decision.
+5. Admissions: the scheduler's, trimmed to the room the batch limits leave after the resumes
+   (a paused request resumed on a finish goes before a new arrival, as vLLM serves its swapped
+   queue before its waiting one).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from controlplane.api import Decision, QueuedRequest
+from controlplane.controller.batch_limits import UNLIMITED, BatchLimits
 from controlplane.controller.schedulers import make_scheduler
 from controlplane.controller.schedulers.base import (
     RequestView,
@@ -79,7 +84,9 @@ class PlanningInput:
     policy: Policy
     scheduler: str
     try_resume: bool
-    """True on a finish or a plan expiry: try to resume paused requests."""
+    """True when a request finished (or nothing runs): try to resume paused requests."""
+    limits: BatchLimits = UNLIMITED
+    """The worker's batch limits (admissions and resumptions stay within them)."""
 
 
 class DecisionBuilder:
@@ -106,6 +113,19 @@ class DecisionBuilder:
         forced = {p.id for p in starving[:1]}
         members = running + starving[:1]
         guard_victims: list[str] = []
+        # The forced request needs a batch slot: pause others (by the victim rule) until it fits.
+        for f in starving[:1]:
+            while True:
+                others = [r for r in members if r.id != f.id]
+                if not others or inp.limits.admits(
+                    len(others), sum(r.context_tokens for r in others), f.context_tokens
+                ):
+                    break
+                victim = select_victim(
+                    others, policy.victim_rule, inp.model.block_size, seed=inp.step
+                )
+                guard_victims.append(victim.id)
+                members = [r for r in members if r.id != victim.id]
         while True:
             plan = self._plan(members, inp)
             blocked = [rid for rid in plan.paused if rid in forced]
@@ -132,7 +152,12 @@ class DecisionBuilder:
                 p.id for p in inp.paused if p.id not in forced and p.id not in candidates
             ]
         for rid in candidates[:MAX_RESUME_TRIALS]:
-            trial = self._plan(members + [paused_by_id[rid]], inp)
+            cand = paused_by_id[rid]
+            if not inp.limits.admits(
+                len(members), sum(r.context_tokens for r in members), cand.context_tokens
+            ):
+                break
+            trial = self._plan(members + [cand], inp)
             if not trial.feasible or trial.paused:
                 break
             plan = replace(trial, paused=planner_paused)
@@ -145,7 +170,7 @@ class DecisionBuilder:
         expiry = (
             plan.expiry_step if plan.expiry_step is not None else inp.step + 1 + plan.window_steps
         )
-        admit = tuple(sd.admit)
+        admit = self._admissions(sd, members, inp)
         return Decision(
             plan=plan,
             apply_at_step=inp.step + 1,
@@ -163,6 +188,24 @@ class DecisionBuilder:
         return make_scheduler(inp.scheduler).schedule(self._scheduler_view(inp))
 
     # ---- internals -----------------------------------------------------------------------
+    @staticmethod
+    def _admissions(
+        sd: SchedulerDecision, members: list[RequestView], inp: PlanningInput
+    ) -> tuple[str, ...]:
+        """The scheduler's admissions that still fit the batch limits next to ``members``."""
+        prompt = {q.id: q.prompt_tokens for q in inp.queued}
+        n = len(members)
+        tokens = sum(r.context_tokens for r in members)
+        out: list[str] = []
+        for rid in sd.admit:
+            add = prompt.get(rid, 0)
+            if not inp.limits.admits(n, tokens, add):
+                break
+            out.append(rid)
+            n += 1
+            tokens += add
+        return tuple(out)
+
     def _scheduler_view(self, inp: PlanningInput) -> SchedulerView:
         return SchedulerView(
             step=inp.step + 1,
@@ -177,6 +220,7 @@ class DecisionBuilder:
             tpot_ms=inp.tpot_ms,
             free_gpu_blocks=inp.free_gpu_blocks,
             policy=inp.policy,
+            limits=inp.limits,
         )
 
     def _plan(self, members: list[RequestView], inp: PlanningInput) -> Plan:

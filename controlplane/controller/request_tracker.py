@@ -31,6 +31,8 @@ class TrackedRequest:
     deposit: TokenDeposit
     paused_since_step: int | None = None
     pause_reason: str = ""
+    gpu_layers: int | None = None
+    """Resident layers the worker last reported (telemetry)."""
 
     @property
     def paused(self) -> bool:
@@ -135,6 +137,7 @@ class RequestTracker:
                     tracked.pause_reason = "worker"
             delta = rs.generated_tokens - tracked.generated_tokens
             tracked.context_tokens = rs.context_tokens
+            tracked.gpu_layers = rs.gpu_layers
             tracked.max_new_tokens = rs.max_new_tokens
             if tracked.deposit.slo_tbt_ms != slo:
                 tracked.deposit.set_slo(slo)
@@ -232,4 +235,5 @@ class RequestTracker:
             paused=r.paused,
             paused_steps=0 if r.paused_since_step is None else max(0, step - r.paused_since_step),
             max_new_tokens=r.max_new_tokens,
+            gpu_layers=r.gpu_layers,
         )

@@ -14,6 +14,9 @@ It re-plans when
   paused under ``lvf``) wants to admit, rotate in or rotate out a request;
 * ``initial``: the first report with anything to decide.
 
+Paused requests are offered a resume only when a request finished (or nothing runs), OrbitFlow
+§3.4; admissions and resumptions stay within the worker's :class:`BatchLimits`.
+
 Asynchronous mode (default): planning runs on the session's own thread, one step ahead
 (OrbitFlow §3.3.2); ``report()`` never waits for it and returns the decision with a later report
 (or :meth:`poll`). Triggers that fire while a plan is being computed are coalesced into one more
@@ -38,7 +41,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import structlog
 
@@ -49,11 +51,14 @@ from controlplane.api import (
     Unavailable,
     WorkerInfo,
 )
+from controlplane.controller.batch_limits import UNLIMITED, BatchLimits
 from controlplane.controller.decision_builder import DecisionBuilder, PlannerLike, PlanningInput
 from controlplane.controller.metrics import ControllerObserver, NullObserver, SafeObserver
 from controlplane.controller.profile_tracker import ProfileTracker, ProfileUpdate
 from controlplane.controller.request_tracker import RequestTracker
 from controlplane.controller.schedulers import make_scheduler
+from controlplane.controller.session_status import SessionStatus
+from controlplane.controller.solver_warmup import warm_up_solver
 from controlplane.controller.token_deposit import TokenDeposit
 from controlplane.model import memory_blocks
 from controlplane.policy import Policy
@@ -62,55 +67,6 @@ log = structlog.get_logger(__name__)
 
 ADMIT_GRACE_STEPS = 16
 """Steps an admitted request may stay in the worker's queue before it is considered again."""
-
-_warm_lock = threading.Lock()
-_warm_done = False
-
-
-def warm_up_solver() -> None:
-    """Load the CBC library once per process, in the calling thread.
-
-    Loading it (python-mip's first ``Model(solver_name="CBC")``) holds the GIL for ~240 ms on the
-    2-core dev machine; left to the first plan on the planning thread, it would stall the worker's
-    ``report()`` for that long. Sessions in asynchronous mode call this when they are opened.
-    """
-    global _warm_done
-    with _warm_lock:
-        if _warm_done:
-            return
-        try:
-            import mip
-
-            mip.Model(solver_name=mip.CBC)
-        except Exception:  # no CBC here: the planner degrades to its exact search
-            log.warning("solver_warm_up_failed", exc_info=True)
-        _warm_done = True
-
-
-@dataclass(frozen=True)
-class SessionStatus:
-    """A read-only summary of one session (for the service, the simulator and tests)."""
-
-    worker_id: str
-    step: int | None
-    """Step of the last report."""
-    running: tuple[str, ...]
-    """Decoding, not paused."""
-    paused: tuple[str, ...]
-    """Paused, longest-paused first."""
-    expiry_step: int | None
-    """Expiry of the latest decision."""
-    layer_compute_ms: tuple[float, ...]
-    """Current profile."""
-    h2d_gbps: float
-    """Current effective bandwidth."""
-    planning: bool
-    """True while a plan is being computed or queued."""
-    last_triggers: tuple[str, ...]
-    """Triggers fired by the last report."""
-    last_profile_update: ProfileUpdate | None
-    """The most recent EWMA update, if any."""
-
 
 class SessionController:
     """Implements :class:`controlplane.api.WorkerSession` in-process for one worker."""
@@ -125,6 +81,7 @@ class SessionController:
         observer: ControllerObserver | None = None,
         on_close: Callable[[SessionController], None] | None = None,
         time_budget_ms: float | None = None,
+        batch_limits: BatchLimits = UNLIMITED,
     ) -> None:
         if len(worker.profile.layer_compute_ms) != worker.model.layers:
             raise InvalidArgument(
@@ -138,6 +95,7 @@ class SessionController:
 
             planner = Planner()
         self._worker = worker
+        self._limits = batch_limits
         self._policy_source = policy_source or Policy
         if time_budget_ms is not None and not time_budget_ms > 0:
             raise ValueError(f"time_budget_ms: {time_budget_ms} is out of range (allowed > 0)")
@@ -241,7 +199,11 @@ class SessionController:
             if reasons and has_work:
                 for reason in reasons:
                     self._observer.on_trigger(self.worker_id, reason)
-                try_resume = bool(events.finished) or "expiry" in reasons
+                # OrbitFlow §3.4: resume "only after some in-flight requests have completed";
+                # not on every window expiry (a retried plan that looks feasible again would
+                # resume and re-pause the same request every window). The starvation guard
+                # (above) bounds how long a request waits; an empty batch resumes at once.
+                try_resume = bool(events.finished) or not self._tracker.has_running()
                 self._trigger(reasons, try_resume)
             return self._take_ready()
 
@@ -466,6 +428,7 @@ class SessionController:
             policy=policy,
             scheduler=self._scheduler_name(policy),
             try_resume=try_resume,
+            limits=self._limits,
         )
 
     def _trigger(self, reasons: list[str], try_resume: bool) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from controlplane.api import QueuedRequest
+from controlplane.controller.batch_limits import BatchLimits
 from controlplane.controller.schedulers import FcfsScheduler, RequestView, SchedulerView
 from controlplane.model import Hardware, ModelSpec, step_time_ms
 from controlplane.planner.candidates import candidate_set
@@ -71,6 +72,7 @@ class BasePolicy:
             paused=r.state != "running",
             paused_steps=r.paused_steps,
             max_new_tokens=r.spec.output_tokens,
+            gpu_layers=r.resident_layers(),
         )
 
     def scheduler_view(self, view: EngineView, *, tpot_ms: float, free_blocks: int,
@@ -89,20 +91,24 @@ class BasePolicy:
             tpot_ms=tpot_ms,
             free_gpu_blocks=free_blocks,
             policy=policy or self.cp_policy,
+            limits=BatchLimits(self.p.max_batch_size, self.p.token_budget),
         )
 
-    def running_free_blocks(self, view: EngineView) -> int:
-        """GPU blocks not held by running requests (paused layers are lazily evictable)."""
-        held = sum(r.blocks(self.p) * r.resident_layers() for r in view.running)
+    def free_blocks(self, view: EngineView) -> int:
+        """GPU blocks nobody holds (paused layers count as held; the scheduler adds them back as
+        evictable)."""
+        held = sum(r.blocks(self.p) * r.resident_layers() for r in view.running + view.paused)
         return max(0, self.p.gpu_kv_budget_blocks - held)
 
-    def fcfs_scheduler_admit(self, view: EngineView) -> list[str]:
-        """The control plane's FCFS scheduler, exactly as the controller runs it."""
+    def fcfs_scheduler_admit(self, view: EngineView) -> tuple[list[str], dict[str, int]]:
+        """The control plane's FCFS scheduler, exactly as the controller runs it: (admitted ids,
+        layers each keeps on the GPU after prefill; the rest are offloaded at prefill)."""
         if not view.queued:
-            return []
+            return [], {}
         sv = self.scheduler_view(view, tpot_ms=view.last_step_ms,
-                                 free_blocks=self.running_free_blocks(view))
-        return list(self._fcfs.schedule(sv).admit)
+                                 free_blocks=self.free_blocks(view))
+        d = self._fcfs.schedule(sv)
+        return list(d.admit), dict(d.min_gpu_layers)
 
     def decide(self, view: EngineView) -> Actions:  # pragma: no cover - abstract
         raise NotImplementedError

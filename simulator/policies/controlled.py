@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from controlplane.api import RequestState, StepReport, WorkerInfo
-from controlplane.controller import SessionController
+from controlplane.controller import BatchLimits, SessionController
 from controlplane.model import Hardware, ModelSpec, Profile
 from controlplane.planner import Planner
 from controlplane.policy import LayerKVParams, Policy
@@ -71,6 +71,10 @@ class _SolveObserver:
 
 class ControlledPolicy(BasePolicy):
     """One SessionController per run; see the module docstring for the variants."""
+
+    paused_hold_slot = False
+    """A paused request is out of the batch (OrbitFlow §3.4); the controller resumes it when the
+    batch limits have room."""
 
     def __init__(
         self,
@@ -143,6 +147,7 @@ class ControlledPolicy(BasePolicy):
             synchronous=True,
             observer=self.obs,
             time_budget_ms=None if full else 60_000.0,
+            batch_limits=BatchLimits(p.max_batch_size, p.token_budget),
         )
         self._last_info: StepInfo | None = None
         self._finished: list[str] = []
@@ -166,7 +171,11 @@ class ControlledPolicy(BasePolicy):
                           r.resident_layers(), r.spec.output_tokens)
             for r in view.paused
         )
-        held = sum(r.blocks(p) * r.resident_layers() for r in view.running)
+        # Paused requests' resident layers are reported (RequestState.gpu_layers) and count as
+        # held: free_gpu_blocks is what nobody holds; the scheduler adds the paused layers back
+        # as evictable (OrbitFlow §3.4), and the engine evicts them before starving a running
+        # request's promotions.
+        held = sum(r.blocks(p) * r.resident_layers() for r in view.running + view.paused)
         report = StepReport(
             step=view.step,
             now_ms=view.now_ms,
@@ -191,8 +200,8 @@ class ControlledPolicy(BasePolicy):
             act.admit.extend(d.admit)
             act.gpu_layers.update(d.min_gpu_layers)
             act.placements.update(d.plan.placements)
-        # FCFS admissions reserved the whole prompt on the GPU (vLLM prefill): keep all layers
-        # until the next plan places them; LayerKV's admissions keep Eq. 4's minimum.
+        # Admissions keep the layers the scheduler chose (FCFS: what fits, the rest offloaded
+        # at prefill; LayerKV: Eq. 4's minimum) until the next plan places them.
         for rid in act.admit:
             act.gpu_layers.setdefault(rid, p.layers)
         return act

@@ -50,7 +50,7 @@ class LayerKVPolicy(BasePolicy):
         act = Actions()
         if view.queued:
             sv = self.scheduler_view(view, tpot_ms=self._tpot_ms,
-                                     free_blocks=self.running_free_blocks(view))
+                                     free_blocks=self.free_blocks(view))
             sd = self._sched.schedule(sv)
             act.admit = list(sd.admit)
             act.gpu_layers = dict(sd.min_gpu_layers)

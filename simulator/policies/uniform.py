@@ -14,8 +14,9 @@ they differ in how and when the candidate is chosen:
 * ``dynamic-heuristic``: re-chosen every step: the fewest offloaded layers that fit now.
 
 All of them also step to the next fitting candidate when KV growth would overflow memory (the
-minimum any real system does), admit with the control plane's FCFS scheduler (the same admission as ``orbitflow``), and never
-pause.
+minimum any real system does), admit with the control plane's FCFS scheduler (the same admission
+as ``orbitflow``: batch size and token budget, prompt layers that do not fit offloaded at
+prefill, OrbitFlow §5.1), and never pause.
 """
 
 from __future__ import annotations
@@ -70,11 +71,11 @@ class UniformPolicy(BasePolicy):
 
     def decide(self, view: EngineView) -> Actions:
         p = self.p
-        admit = self.fcfs_scheduler_admit(view)
+        admit, keep = self.fcfs_scheduler_admit(view)
         act = Actions(admit=admit)
         running = list(view.running)
         for rid in admit:
-            act.gpu_layers[rid] = p.layers  # FCFS reserved the whole prompt (vLLM prefill)
+            act.gpu_layers[rid] = keep.get(rid, p.layers)  # the rest offloaded at prefill
         if not running:
             return act
         ids = frozenset(r.id for r in running)

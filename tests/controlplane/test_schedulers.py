@@ -9,8 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controlplane.api import InvalidArgument, QueuedRequest
+from controlplane.controller.batch_limits import UNLIMITED, BatchLimits
 from controlplane.controller.schedulers import SCHEDULERS, make_scheduler
 from controlplane.controller.schedulers.base import RequestView, SchedulerView
+from controlplane.controller.schedulers.fcfs import FcfsScheduler
 from controlplane.controller.schedulers.layerkv import (
     allow_prefill_ms,
     min_gpu_layers,
@@ -55,6 +57,7 @@ def view(
     free: int = 10_000,
     tpot: float = 50.0,
     policy: Policy | None = None,
+    limits: BatchLimits = UNLIMITED,
 ) -> SchedulerView:
     return SchedulerView(
         step=1,
@@ -69,6 +72,7 @@ def view(
         tpot_ms=tpot,
         free_gpu_blocks=free,
         policy=policy or Policy(),
+        limits=limits,
     )
 
 
@@ -84,15 +88,74 @@ def test_registry_rejects_unknown_names() -> None:
     assert make_scheduler("lvf").name == "lvf"
 
 
-def test_fcfs_admits_in_arrival_order_while_memory_allows() -> None:
-    """fcfs admits by arrival and stops at the first prompt that does not fit (no overtaking)."""
+def test_fcfs_full_kv_rule_admits_in_arrival_order_while_memory_allows() -> None:
+    """The full-kv ablation admits by arrival and stops at the first prompt that does not fit."""
     # prompt 64 tokens -> 4 blocks/layer -> 16 blocks; 32 tokens -> 8 blocks
     queued = (q("c", 32, arrival=3.0), q("a", 64, arrival=1.0), q("b", 64, arrival=2.0))
-    d = make_scheduler("fcfs").schedule(view(queued=queued, free=40))
+    d = FcfsScheduler("full-kv").schedule(view(queued=queued, free=40))
     assert d.admit == ("a", "b", "c")  # 16 + 16 + 8 = 40
-    d = make_scheduler("fcfs").schedule(view(queued=queued, free=31))
+    d = FcfsScheduler("full-kv").schedule(view(queued=queued, free=31))
     assert d.admit == ("a",)  # b (16) does not fit in 15: c must not overtake it
     assert not d.pause and not d.resume
+
+
+def test_fcfs_admits_by_batch_limits_not_memory() -> None:
+    """Default fcfs (OrbitFlow §5.1): memory does not gate admission; the batch size and token
+    budget do, and a prompt keeps on the GPU only the layers that fit (the rest offloaded).
+
+    Scenario: 4 layers, free 20 blocks; a (64 tokens = 4 blocks/layer, 16 in all) fits whole;
+    b (64) gets (20 - 16) // 4 - 1 = 0 retained layers (one staging layer); c (32) would fit a
+    batch of 3 but the batch-size limit is 2 (one request is running), so c waits.
+    """
+    queued = (q("c", 32, arrival=3.0), q("a", 64, arrival=1.0), q("b", 64, arrival=2.0))
+    running = (req("r", ctx=16),)
+    limits = BatchLimits(max_requests=3)
+    d = make_scheduler("fcfs").schedule(view(queued=queued, free=20, running=running,
+                                             limits=limits))
+    assert d.admit == ("a", "b")
+    assert d.min_gpu_layers == {"a": 4, "b": 0}
+    # negative control: the full-kv rule admits only what fits whole (a)
+    d = FcfsScheduler("full-kv").schedule(view(queued=queued, free=20, running=running,
+                                               limits=limits))
+    assert d.admit == ("a",)
+    # unlimited batch: c is admitted too, with 0 retained layers, in arrival order
+    d = make_scheduler("fcfs").schedule(view(queued=queued, free=20))
+    assert d.admit == ("a", "b", "c")
+
+
+def test_fcfs_token_budget_stops_admission_in_order() -> None:
+    """The batch token budget stops admission at the first prompt that exceeds it (no
+    overtaking); a lone request is admitted whatever its length."""
+    running = (req("r", ctx=100),)
+    queued = (q("a", 200, arrival=1.0), q("b", 10, arrival=2.0))
+    d = make_scheduler("fcfs").schedule(
+        view(queued=queued, running=running, limits=BatchLimits(max_tokens=250)))
+    assert d.admit == ()  # 100 + 200 > 250 and b must not overtake a
+    d = make_scheduler("fcfs").schedule(
+        view(queued=queued, running=running, limits=BatchLimits(max_tokens=300)))
+    assert d.admit == ("a",)  # 300 <= 300; 310 > 300
+    d = make_scheduler("fcfs").schedule(view(queued=queued, limits=BatchLimits(max_tokens=50)))
+    assert d.admit == ("a",)  # alone, longer than the budget: admitted (the worker chunks it)
+
+
+def test_fcfs_counts_paused_layers_as_evictable_and_paused_hold_no_slot() -> None:
+    """Paused requests hold no batch slot, and their resident layers count as free space for a
+    new prompt (evicted when needed, OrbitFlow §3.4)."""
+    paused = (RequestView("p", 160, 1, 100.0, 0.0, 0.0, 0.0, paused=True, gpu_layers=4),)
+    queued = (q("a", 160),)  # 10 blocks/layer, 40 in all
+    limits = BatchLimits(max_requests=1)
+    d = make_scheduler("fcfs").schedule(view(queued=queued, paused=paused, free=0,
+                                             limits=limits))
+    assert d.admit == ("a",) and d.min_gpu_layers == {"a": 4}  # p's 40 blocks are evictable
+    gone = (RequestView("p", 160, 1, 100.0, 0.0, 0.0, 0.0, paused=True, gpu_layers=0),)
+    d = make_scheduler("fcfs").schedule(view(queued=queued, paused=gone, free=0, limits=limits))
+    assert d.admit == ("a",) and d.min_gpu_layers == {"a": 0}
+
+
+def test_fcfs_rejects_unknown_admission_rule() -> None:
+    """An unknown admission rule is a ValueError naming the allowed ones."""
+    with pytest.raises(ValueError, match="full-kv"):
+        FcfsScheduler("memory")
 
 
 def test_layerkv_equations_by_hand() -> None:

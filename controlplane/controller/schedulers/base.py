@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from controlplane.api import QueuedRequest
+from controlplane.controller.batch_limits import UNLIMITED, BatchLimits
 from controlplane.model import Hardware, ModelSpec
 from controlplane.policy import Policy
 
@@ -42,6 +43,9 @@ class RequestView:
     """Steps spent paused so far (starvation guard)."""
     max_new_tokens: int | None = None
     """Output length limit, if known."""
+    gpu_layers: int | None = None
+    """Layers resident on the GPU as the worker last reported them (a paused request's are
+    evictable, OrbitFlow §3.4), if known."""
 
     def blocks_per_layer(self, block_size: int) -> int:
         """ceil(context_tokens / block_size)."""
@@ -73,6 +77,13 @@ class SchedulerView:
     free_gpu_blocks: int
     """Free GPU KV blocks (reported by the worker, else estimated), in one-layer blocks."""
     policy: Policy
+    limits: BatchLimits = UNLIMITED
+    """The worker's batch limits (running requests; paused ones hold no slot)."""
+
+    def evictable_blocks(self) -> int:
+        """GPU blocks paused requests still hold (evicted layer by layer when needed, §3.4)."""
+        bs = self.model.block_size
+        return sum(r.blocks_per_layer(bs) * (r.gpu_layers or 0) for r in self.paused)
 
 
 @dataclass(frozen=True)
@@ -86,7 +97,8 @@ class SchedulerDecision:
     resume: tuple[str, ...] = ()
     """Paused requests to rotate in (resumed only if the plan then includes them)."""
     min_gpu_layers: dict[str, int] = field(default_factory=dict)
-    """Per admitted prefill, layers that must stay on the GPU (LayerKV Eq. 4)."""
+    """Per admitted prefill, layers kept on the GPU after prefill (LayerKV Eq. 4; FCFS: the
+    layers that fit, the rest offloaded at prefill)."""
 
     @property
     def empty(self) -> bool:
