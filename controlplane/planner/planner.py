@@ -8,10 +8,10 @@ For a batch, :meth:`Planner.plan`
 2. searches candidate layouts (:class:`PlacementSearch`, with the CBC stage when the budget allows)
    for the least exact step time ``T`` that fits memory;
 3. checks the SLO cap of OrbitFlow §3.3.1 with token deposits (§3.2):
-   ``sum_r max(0, 1 - slo_r / T - deposit_r / Δ) <= alpha``;
+   ``sum_r max(0, 1 - slo_r (1 + deposit_r / Δ) / T) <= alpha`` (see :func:`_late`);
 4. picks the largest feasible Δ in ``[window_min, window_max]`` analytically from the step
    times found (feasibility is monotone: a larger Δ has more blocks, hence a larger optimal
-   ``T``, and a smaller deposit credit ``deposit_r / Δ``), with at most four searches that stop
+   ``T``, and a smaller deposit credit per step ``deposit_r / Δ``), with at most four searches that stop
    as soon as they meet the cap; the chosen window's search is then polished with the rest of
    the budget;
 5. when even ``window_min`` is infeasible (memory or SLO cap), pauses a victim by the victim rule
@@ -57,37 +57,46 @@ def _max_step_ms(reqs: Sequence[RequestSpec], window: int, alpha: float, floor_m
     """The largest step time T whose late fraction at ``window`` is within alpha, or -1 when
     even ``floor_ms`` (the compute sum, a lower bound on any step) exceeds it.
 
-    Request r is late once ``T > theta_r = slo_r / (1 - deposit_r / Δ)``; between consecutive
-    thresholds the late fraction is ``sum_A (1 - c_r) - sum_A slo_r / T`` (A: the late ones,
-    ``c_r = deposit_r / Δ``), so the crossing with alpha is solved per segment.
+    Request r is late once ``T > theta_r = slo_r (1 + c_r)``, ``c_r = deposit_r / Δ`` (its
+    deposit covers the window exactly at ``theta_r``, see :func:`_late`). Between consecutive
+    thresholds the late fraction is ``|A| - sum_A theta_r / T`` (A: the late ones), so the
+    crossing with alpha, ``T = sum_A theta_r / (|A| - alpha)``, is solved per segment.
     """
     eps = 1e-12
     if _late(reqs, floor_ms, window) > alpha + eps:
         return -1.0
-    pts = sorted(
-        (
-            (r.slo_tbt_ms / (1.0 - r.deposit_tokens / window), r)
-            for r in reqs
-            if r.deposit_tokens < window
-        ),
-        key=lambda p: p[0],
-    )
-    gain = 0.0  # sum_A (1 - c_r)
-    slo = 0.0  # sum_A slo_r
-    for i, (theta, r) in enumerate(pts):
-        gain += 1.0 - r.deposit_tokens / window
-        slo += r.slo_tbt_ms
-        nxt = pts[i + 1][0] if i + 1 < len(pts) else math.inf
-        if gain > alpha + eps:
-            t = slo / (gain - alpha - eps)
+    thetas = sorted(_theta(r, window) for r in reqs)
+    late = 0  # |A|
+    total = 0.0  # sum_A theta_r
+    for i, theta in enumerate(thetas):
+        late += 1
+        total += theta
+        nxt = thetas[i + 1] if i + 1 < len(thetas) else math.inf
+        if late > alpha + eps:
+            t = total / (late - alpha - eps)
             if t < nxt:
                 return max(t, theta, floor_ms)
     return math.inf
 
 
+def _theta(r: RequestSpec, window: int) -> float:
+    """The step time up to which ``r``'s deposit covers a window of ``window`` steps:
+    ``slo_r (1 + deposit_r / Δ)``."""
+    return r.slo_tbt_ms * (1.0 + r.deposit_tokens / window)
+
+
 def _late(reqs: Sequence[RequestSpec], step_ms: float, window: int) -> float:
-    """``sum_r max(0, 1 - slo_r / T - deposit_r / Δ)`` (OrbitFlow §3.3.1 with §3.2)."""
-    return sum(max(0.0, 1.0 - r.slo_tbt_ms / step_ms - r.deposit_tokens / window) for r in reqs)
+    """``sum_r max(0, 1 - slo_r (1 + deposit_r / Δ) / T)``: the SLO cap of OrbitFlow §3.3.1
+    (violations averaged over the decode window Δ) with the token deposit of §3.2 as credit.
+
+    Over Δ steps of T ms the user is owed ``Δ T / slo_r`` tokens (one per SLO interval) and gets
+    the Δ generated plus the ``deposit_r`` already banked, so the late share of the window's
+    deliveries is ``1 - slo_r (Δ + deposit_r) / (Δ T)``. A step of T ms drains ``T / slo_r``
+    deposited tokens, not one: a deposit of D tokens covers the window exactly when
+    ``D >= Δ (T / slo_r - 1)``. (The earlier form ``1 - slo_r / T - deposit_r / Δ`` counted
+    one token per late step and over-credited the deposit by the factor ``T / slo_r``.)
+    """
+    return sum(max(0.0, 1.0 - _theta(r, window) / step_ms) for r in reqs)
 
 
 @dataclass(frozen=True)
@@ -99,7 +108,7 @@ class _Solved:
     search: PlacementSearch | None = None
 
     def late_fraction(self) -> float:
-        """``sum_r max(0, 1 - slo_r / T - deposit_r / Δ)`` (OrbitFlow §3.3.1 with §3.2)."""
+        """The SLO cap's left-hand side at the found step time (:func:`_late`)."""
         if self.result is None:
             return math.inf
         return _late(self.reqs, self.result.step_ms, self.window)
@@ -306,7 +315,8 @@ class Planner:
     ) -> int | None:
         """Largest Δ in [lo, hi] whose late fraction at step time ``step_ms`` is within alpha.
 
-        The late fraction depends on Δ only through ``deposit_r / Δ`` and grows with Δ.
+        The late fraction depends on Δ only through ``deposit_r / Δ`` and grows with Δ (a
+        fixed deposit is spread over more steps).
         """
         if lo > hi or _late(reqs, step_ms, lo) > alpha + 1e-12:
             return None

@@ -9,10 +9,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controlplane.model import Batch, memory_blocks, step_time_ms
+from controlplane.model import Batch, RequestSpec, memory_blocks, step_time_ms
 from controlplane.planner import Planner, candidate_set
 from controlplane.planner.evaluator import Evaluator
 from controlplane.planner.mip_search import MipStage
+from controlplane.planner.planner import _late, _max_step_ms
 
 BLOCK_BYTES = 1_000_000  # 1 MB blocks: h2d_gbps = blocks per ms
 
@@ -203,11 +204,42 @@ def test_loose_slo_takes_window_max():
 
 
 def test_tight_slo_with_deposit_gives_small_window():
-    """Step 10 ms vs SLO 5 ms: deposit 8 covers a window up to 16 steps (1 - 5/10 - 8/Δ <= 0)."""
-    batch = make_batch([10], layers=4, comp=2.5, slo=5.0, deposits=[8], alpha=0.0, window=(1, 64))
+    """Step 10 ms vs SLO 4 ms: each step drains 10/4 = 2.5 tokens, so a deposit of 12 covers
+    Δ(10/4 - 1) = 1.5Δ late tokens up to Δ = 8 (the one-token-per-step credit,
+    1 - 4/10 - 12/Δ <= 0, would have allowed Δ = 20)."""
+    batch = make_batch([10], layers=4, comp=2.5, slo=4.0, deposits=[12], alpha=0.0, window=(1, 64))
     plan = Planner().plan(batch)
     assert plan.predicted_step_ms == pytest.approx(10.0)
-    assert plan.window_steps == 16 and not plan.paused
+    assert plan.window_steps == 8 and not plan.paused
+    assert plan.extras["late_fraction"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_deposit_credit_is_scaled_by_the_drain_rate():
+    """Late fraction 1 - slo (1 + D/Δ) / T by hand: slo 5, T 10, D 8, Δ 16 gives 1 - 5 * 1.5 / 10 = 0.25
+    (the unscaled 1 - 5/10 - 8/16 = 0 counted the deposit as covering every late step)."""
+    req = RequestSpec("r0", 10, 5.0, 8)
+    assert _late([req], 10.0, 16) == pytest.approx(0.25)
+    assert _late([req], 10.0, 8) == pytest.approx(0.0)  # D = 8 >= Δ (T/slo - 1) = 8: covered
+    assert _late([req], 10.0, 9) == pytest.approx(1 - 5 * (1 + 8 / 9) / 10)
+    assert _late([req], 4.0, 64) == 0.0  # within the SLO: never late
+    unscaled = max(0.0, 1 - 5.0 / 10.0 - 8 / 16)
+    assert _late([req], 10.0, 16) != pytest.approx(unscaled)  # negative control: the old formula
+
+
+def test_alpha_trades_late_fraction_for_a_longer_window():
+    """alpha 0.25 at slo 5, T 10, D 8: 1 - 0.5 (1 + 8/Δ) <= 0.25 up to Δ = 16 (Δ = 8 with alpha 0).
+    The threshold step time solved per segment is the same crossing: T = slo (1 + D/Δ) / (1 - alpha)."""
+    for alpha, window in ((0.25, 16), (0.0, 8)):
+        batch = make_batch([10], layers=4, comp=2.5, slo=5.0, deposits=[8], alpha=alpha, window=(1, 64))
+        plan = Planner().plan(batch)
+        assert plan.window_steps == window and not plan.paused
+    req = RequestSpec("r0", 10, 5.0, 8)
+    assert _max_step_ms([req], 16, 0.25, 1.0) == pytest.approx(5.0 * 1.5 / 0.75)  # 10 ms
+    assert _max_step_ms([req], 8, 0.0, 1.0) == pytest.approx(10.0)
+    # two requests, alpha 1: sum_A theta / (|A| - 1) = (10 + 6) / 1 = 16 ms once both are late
+    reqs = [req, RequestSpec("r1", 10, 6.0, 0)]
+    assert _max_step_ms(reqs, 8, 1.0, 1.0) == pytest.approx(16.0)
+    assert _late(reqs, 16.0, 8) == pytest.approx(1.0)
 
 
 def test_deposit_lets_a_tight_request_stay():
