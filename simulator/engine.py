@@ -247,8 +247,9 @@ class Engine(EngineMemory):
             r.deliver_ms.append(d.delivered_ms)
             r.burst.append(d.burst)
 
-    def _token(self, r: SimRequest, at_ms: float, finished: list[str]) -> None:
+    def _token(self, r: SimRequest, at_ms: float, finished: list[str], step_ms: float) -> None:
         r.gen_ms.append(at_ms)
+        r.step_ms.append(step_ms)
         r.generated += 1
         done = r.generated >= r.spec.output_tokens
         self._deliver(r, at_ms, done)
@@ -278,7 +279,7 @@ class Engine(EngineMemory):
             r.state = RUNNING
             r.run_since_ms = end
             self.running.append(r)
-            self._token(r, end, finished)
+            self._token(r, end, finished, dur)
         self.running = [r for r in self.running if r.state == RUNNING]
         return StepInfo(self.step, start, dur, "prefill", {}, 0.0, used, 0.0, tuple(finished),
                         len(admitted))
@@ -327,7 +328,7 @@ class Engine(EngineMemory):
         ran = {r.id: row for r, row in zip(self.running, rows, strict=True)}
         for r in list(self.running):
             r.resident = r.target or r.resident
-            self._token(r, end, finished)
+            self._token(r, end, finished, dur)
         self.running = [r for r in self.running if r.state == RUNNING]
         return StepInfo(self.step, start, dur, "decode", ran, comp, used, charged,
                         tuple(finished), len(ran))

@@ -6,6 +6,14 @@
 * TPOT of a request: ``(last delivery - first delivery) / (n - 1)`` against its TBT SLO (the
   same latency target, OrbitFlow §2.1); TTFT: first delivery - arrival.
 * Rejected requests (prompt can never fit) count as missing every SLO and are reported.
+* The authors' TBT metric (``tbt_attainment_authors``, from the OrbitFlow authors' public
+  evaluation code as the issue-15 audit read it): each token's TBT is the duration of the decode
+  step it was generated in; the request's deposit is replayed on that decode-only time axis
+  (waiting, pauses and other requests' prefills do not advance it); a token is on time when its
+  replayed delivery gap is within the SLO; the denominator is the summed output length of every
+  request (rejected ones included; first tokens count as on time, TTFT judges them).
+* SLO goodput (issue 15): requests per minute of makespan that meet their TTFT SLO *and* have
+  >= 90% of their token gaps within the TBT SLO (our metric); rejected requests are failures.
 """
 
 from __future__ import annotations
@@ -14,8 +22,12 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from controlplane.controller.token_deposit import TokenDeposit
 from simulator.engine import SimResult
-from simulator.state import FINISHED, REJECTED
+from simulator.state import FINISHED, REJECTED, SimRequest
+
+GOODPUT_TBT_FRACTION = 0.9
+"""A request counts toward SLO goodput with at least this fraction of its gaps on time."""
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -43,6 +55,12 @@ class RunMetrics:
     """Requests rejected (prompt never fits)."""
     tbt_attainment: float
     """Fraction of delivered tokens (after each request's first) within the TBT SLO."""
+    tbt_attainment_authors: float
+    """The OrbitFlow authors' TBT metric (decode-step axis, see the module docstring)."""
+    slo_goodput_req_per_min: float
+    """Requests per minute meeting TTFT and >= 90% TBT attainment (rejected = failures)."""
+    slo_ok: int
+    """Requests meeting TTFT and >= 90% TBT attainment."""
     tpot_attainment: float
     """Fraction of requests whose TPOT is within the SLO."""
     ttft_attainment: float
@@ -91,7 +109,35 @@ class RunMetrics:
                 for k, v in asdict(self).items()}
 
 
-def compute_metrics(res: SimResult) -> RunMetrics:
+def authors_tbt_met(r: SimRequest, deposit: bool) -> int:
+    """Tokens of ``r`` on time under the authors' metric: gaps on the decode-step axis, with the
+    deposit replayed there when the policy paces tokens; the first token counts as on time."""
+    slo = r.spec.slo_tbt_ms * (1 + 1e-9)
+    if not r.step_ms:
+        return 0
+    met = 1
+    t = 0.0
+    if not deposit:
+        return met + sum(1 for d in r.step_ms[1:] if d <= slo)
+    dep = TokenDeposit(r.spec.slo_tbt_ms)
+    times: list[float] = []
+    bursts: list[bool] = []
+    n = len(r.step_ms)
+    for i, d in enumerate(r.step_ms):
+        t += d
+        out = dep.generate(t)
+        if i == n - 1:
+            out += dep.finish(t)
+        for x in out:
+            times.append(x.delivered_ms)
+            bursts.append(x.burst)
+    for i in range(1, len(times)):
+        met += bursts[i] or times[i] - times[i - 1] <= slo
+    return met
+
+
+def compute_metrics(res: SimResult, *, deposit: bool = False) -> RunMetrics:
+    """Summary of ``res``; ``deposit``: the policy paced tokens (replayed by the authors' metric)."""
     reqs = res.requests
     fin = [r for r in reqs if r.state == FINISHED]
     rejected = sum(1 for r in reqs if r.state == REJECTED)
@@ -103,7 +149,17 @@ def compute_metrics(res: SimResult) -> RunMetrics:
     ttft_ok = 0
     e2e: list[float] = []
     tokens = 0
+    authors_met = 0
+    slo_ok = 0
     for r in fin:
+        authors_met += authors_tbt_met(r, deposit)
+        r_gaps = len(r.deliver_ms) - 1
+        r_met = sum(
+            1 for i in range(1, len(r.deliver_ms))
+            if r.burst[i] or r.deliver_ms[i] - r.deliver_ms[i - 1] <= r.spec.slo_tbt_ms * (1 + 1e-9)
+        )
+        slo_ok += (r.deliver_ms[0] - r.spec.arrival_ms <= r.spec.slo_ttft_ms * (1 + 1e-9)
+                   and (r_gaps == 0 or r_met >= GOODPUT_TBT_FRACTION * r_gaps))
         slo = r.spec.slo_tbt_ms
         d = r.deliver_ms
         tokens += len(r.gen_ms)
@@ -135,6 +191,10 @@ def compute_metrics(res: SimResult) -> RunMetrics:
         finished=len(fin),
         rejected=rejected,
         tbt_attainment=met / total_gaps if total_gaps else 1.0,
+        tbt_attainment_authors=(
+            authors_met / sum(r.spec.output_tokens for r in reqs) if reqs else 1.0),
+        slo_goodput_req_per_min=slo_ok / (span_ms / 60_000.0),
+        slo_ok=slo_ok,
         tpot_attainment=tpot_ok / n if n else 1.0,
         ttft_attainment=ttft_ok / n if n else 1.0,
         tbt_p50_ms=percentile(gaps, 50),

@@ -62,7 +62,7 @@ def run_spec(spec: RunSpec) -> tuple[RunMetrics, float]:
         kwargs["planner_mode"] = spec.planner_mode
     policy = make_policy(spec.policy, **kwargs)
     res = Engine(profile, trace, policy, SimConfig(solver_time=spec.solver_time)).run()
-    return compute_metrics(res), time.perf_counter() - t0
+    return compute_metrics(res, deposit=policy.deposit), time.perf_counter() - t0
 
 
 def run_spec_dict(spec: RunSpec) -> dict[str, Any]:

@@ -32,6 +32,8 @@ class SimRequest:
     deposit: TokenDeposit | None = None
     gen_ms: list[float] = field(default_factory=list)
     """Generation time of each output token."""
+    step_ms: list[float] = field(default_factory=list)
+    """Duration of the step each output token was generated in (OrbitFlow's TBT axis)."""
     deliver_ms: list[float] = field(default_factory=list)
     """Delivery time of each output token (== gen_ms without a deposit)."""
     burst: list[bool] = field(default_factory=list)

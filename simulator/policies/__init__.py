@@ -13,6 +13,7 @@ from simulator.engine import SimPolicy
 
 
 def _registry() -> dict[str, Callable[[], SimPolicy]]:
+    from simulator.policies.authors import AuthorsUniformPolicy
     from simulator.policies.ellm import EllmPolicy
     from simulator.policies.layerkv import LayerKVPolicy
     from simulator.policies.lvf import LvfPolicy
@@ -22,6 +23,7 @@ def _registry() -> dict[str, Callable[[], SimPolicy]]:
     reg: dict[str, Callable[[], SimPolicy]] = {
         m: (lambda m=m: UniformPolicy(m)) for m in UniformPolicy.MODES
     }
+    reg.update({m: (lambda m=m: AuthorsUniformPolicy(m)) for m in AuthorsUniformPolicy.MODES})
     reg["no-offload"] = lambda: NoOffloadPolicy("recompute")
     reg["no-offload-swap"] = lambda: NoOffloadPolicy("swap")
     reg["ellm"] = EllmPolicy

@@ -9,7 +9,7 @@ from tests.simulator.helpers import run, small_trace
 REQUIRED = {"orbitflow", "batch-uniform", "request-wise", "request-wise+pause",
             "orbitflow-longest", "orbitflow-shortest", "orbitflow-random", "deepspeed",
             "flexgen", "flexgen+", "slo-aware", "dynamic-heuristic", "no-offload", "layerkv",
-            "lvf", "ellm", "kvplane"}
+            "lvf", "ellm", "kvplane", "flexgen-authors", "selectn", "distn-single"}
 
 
 def test_registry_has_every_issue_policy():
@@ -45,3 +45,31 @@ def test_deepspeed_offloads_everything():
             if seen[rid] > 1:
                 assert sum(row) == 0
     assert seen
+
+
+@pytest.mark.parametrize("name", ["flexgen-authors", "distn-single"])
+def test_authors_baselines_offload_at_most_16_layers(name):
+    """The authors-faithful FlexGen and DistNSingle never offload more than 16 of 32 layers;
+    negative control: deepspeed (ours) offloads all 32."""
+    prof, trace = small_trace(n=6, seed=2, rate=6.0)
+    for pol, cap in ((name, 16), ("deepspeed", 32)):
+        res = run(pol, prof, trace)
+        offloaded = [32 - sum(row) for s in res.step_log for row in s.rows.values()]
+        assert offloaded and max(offloaded) <= cap
+        if pol == "deepspeed":
+            assert max(offloaded) == 32
+
+
+def test_flexgen_authors_pads_to_the_trace_average():
+    """flexgen-authors keeps one candidate for the whole run (static), chosen for 4 requests
+    of the trace's average length: every decode step uses the same row."""
+    prof, trace = small_trace(n=6, seed=2, rate=6.0)
+    res = run("flexgen-authors", prof, trace)
+    seen: dict[str, int] = {}
+    rows = set()
+    for s in res.step_log:
+        for rid, row in s.rows.items():
+            seen[rid] = seen.get(rid, 0) + 1
+            if seen[rid] > 1:  # the first step runs with the prefill's residency
+                rows.add(row)
+    assert len(rows) == 1 and res.forced_fallbacks == 0
