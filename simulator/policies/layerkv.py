@@ -38,7 +38,7 @@ class LayerKVPolicy(BasePolicy):
                 output_len_lower_bound=1 << 24,
             ),
         )
-        self._sched = LayerKVScheduler()
+        self._sched = LayerKVScheduler("paper")  # the LayerKV baseline: the paper's rule
         self._tpot_ms = p.decode_resident_ms(0)
 
     def observe(self, view, info) -> None:  # noqa: ANN001

@@ -22,10 +22,26 @@ Admit queued prefills in arrival order as long as the decoding requests keep the
   GPU-retained layers ``x`` is the smallest integer with ``T_offload(x) <= T_prefill`` (so the
   offload hides under the prefill compute) -> ``Decision.min_gpu_layers``.
 
-Memory: an admitted prefill holds ``max(x, 1)`` of its layers on the GPU (at least one layer is the
-send buffer the offload streams from), which must fit the free blocks. The summed prompt tokens of
-one step are capped by ``max_prefill_tokens``; a head-of-queue prompt longer than the cap is
-admitted alone (the engine chunks it) so it can never block the queue forever.
+Memory (``variant="paper"``): an admitted prefill holds ``max(x, 1)`` of its layers on the GPU
+(at least one layer is the send buffer the offload streams from), which must fit the free blocks.
+The summed prompt tokens of one step are capped by ``max_prefill_tokens``; a head-of-queue prompt
+longer than the cap is admitted alone (the engine chunks it) so it can never block the queue
+forever.
+
+The default ``variant="kvplane"`` (issue 15, the admission of the shipped ``kvplane`` policy)
+changes three things and keeps Eq. 1-3:
+
+* **predicted slowdown**: the decode step the batch would run *with* the admitted prompt
+  (:func:`predicted_step_ms`, the placement model with the KV that does not fit streamed over
+  the link) must stay within ``tpot_margin * slo_tbt_ms`` (or not exceed the step the batch
+  predicts without it), and ``T_future`` of Eq. 1 uses it instead of the current TPOT - Eq. 1-2
+  alone over-admit when the admitted KV does not fit;
+* **aging**: a prompt that has used :data:`AGING_FRACTION` of its TTFT SLO (waiting plus its
+  own prefill) is admitted whatever the prediction and Eq. 2 say, so long prompts are never held
+  behind short ones indefinitely when batch slots, not memory, bind;
+* **memory and slots as OrbitFlow** (§5.1): the worker's batch limits bound admission, memory
+  does not; the prompt keeps the layers that fit (never fewer than Eq. 4 would when they fit: a
+  layer kept costs no transfer) and offloads the rest at prefill.
 """
 
 from __future__ import annotations
@@ -38,11 +54,15 @@ from controlplane.controller.schedulers.base import (
     SchedulerView,
     prompt_blocks,
 )
+from controlplane.controller.schedulers.step_predictor import predicted_step_ms
 from controlplane.policy import LayerKVParams
 
 
-def allow_prefill_ms(r: RequestView, view: SchedulerView, params: LayerKVParams) -> float:
-    """LayerKV Eq. 1: prefill time request ``r`` can absorb and still meet its TPOT target."""
+def allow_prefill_ms(
+    r: RequestView, view: SchedulerView, params: LayerKVParams, tpot_ms: float | None = None
+) -> float:
+    """LayerKV Eq. 1: prefill time request ``r`` can absorb and still meet its TPOT target
+    (``tpot_ms``: the future TPOT; default the current one, as the paper)."""
     t_tpot = params.tpot_margin * r.slo_tbt_ms
     n_past = r.generated_tokens
     lower = params.output_len_lower_bound
@@ -50,7 +70,7 @@ def allow_prefill_ms(r: RequestView, view: SchedulerView, params: LayerKVParams)
         lower = min(lower, r.max_new_tokens)
     n_future = max(1, lower - n_past)
     t_past = max(0.0, view.now_ms - r.first_seen_ms)
-    t_future = view.tpot_ms * n_future
+    t_future = (view.tpot_ms if tpot_ms is None else tpot_ms) * n_future
     return t_tpot * (n_past + n_future) - (t_past + t_future)
 
 
@@ -74,12 +94,30 @@ def min_gpu_layers(prompt_tokens: int, view: SchedulerView, params: LayerKVParam
     return max(0, min(layers, layers - hideable))
 
 
+VARIANTS = ("kvplane", "paper")
+AGING_FRACTION = 0.5
+"""kvplane variant: a prompt that has used this fraction of its TTFT SLO (waiting plus its own
+prefill) is admitted whatever the slowdown prediction and Eq. 2 say (a module constant, not a
+policy field: the policy's wire format is not this issue's to change)."""
+
+
 class LayerKVScheduler:
-    """Admit prefills while every decoding request keeps its TPOT SLO (LayerKV Algorithm 1)."""
+    """Admit prefills while every decoding request keeps its TPOT SLO (LayerKV Algorithm 1);
+    ``variant`` selects the paper's rule or kvplane's (see the module docstring)."""
 
     name = "layerkv"
 
+    def __init__(self, variant: str = "kvplane") -> None:
+        if variant not in VARIANTS:
+            raise ValueError(f"variant: {variant!r} is not one of {VARIANTS}")
+        self.variant = variant
+
     def schedule(self, view: SchedulerView) -> SchedulerDecision:
+        if self.variant == "paper":
+            return self._paper(view)
+        return self._kvplane(view)
+
+    def _paper(self, view: SchedulerView) -> SchedulerDecision:
         params = view.policy.layerkv
         # Eq. 2's right-hand side: the tightest decoding request bounds the prefill time.
         bound_ms = min((allow_prefill_ms(r, view, params) for r in view.running), default=math.inf)
@@ -103,4 +141,49 @@ class LayerKVScheduler:
             tokens += q.prompt_tokens
             admit.append(q.id)
             retained[q.id] = x
+        return SchedulerDecision(admit=tuple(admit), min_gpu_layers=retained)
+
+    def _kvplane(self, view: SchedulerView) -> SchedulerDecision:
+        params = view.policy.layerkv
+        layers, bs = view.model.layers, view.model.block_size
+        h2d_blocks_per_ms = view.h2d_gbps * 1e6 / view.model.block_bytes
+        budget = view.hardware.gpu_kv_budget_blocks
+        batch = [r.blocks_per_layer(bs) for r in view.running]
+        n = len(view.running)
+        in_batch_tokens = sum(r.context_tokens for r in view.running)
+        free = view.free_gpu_blocks + view.evictable_blocks()
+        spent_ms = 0.0
+        tokens = 0
+        admit: list[str] = []
+        retained: dict[str, int] = {}
+        for q in sorted(view.queued, key=lambda q: (q.arrival_ms, q.id)):
+            if not view.limits.admits(n, in_batch_tokens, q.prompt_tokens):
+                break
+            if admit and tokens + q.prompt_tokens > params.max_prefill_tokens:
+                break
+            t_prefill = prefill_ms(q.prompt_tokens, params)
+            b = prompt_blocks(q.prompt_tokens, bs)
+            ttft = q.slo_ttft_ms if q.slo_ttft_ms is not None else params.ttft_slo_ms
+            aged = view.now_ms - q.arrival_ms + t_prefill >= AGING_FRACTION * ttft
+            if view.running and not aged:
+                step = predicted_step_ms(batch + [b], budget, view.layer_compute_ms,
+                                         h2d_blocks_per_ms)
+                before = predicted_step_ms(batch, budget, view.layer_compute_ms,
+                                           h2d_blocks_per_ms)
+                target = params.tpot_margin * min(
+                    [r.slo_tbt_ms for r in view.running] + [view.policy.slo_tbt_ms])
+                if step > max(target, before):  # the admission would make steps late
+                    break
+                bound_ms = min(allow_prefill_ms(r, view, params, step) for r in view.running)
+                if not spent_ms + t_prefill < bound_ms:  # Eq. 2 with the predicted TPOT
+                    break
+            keep = layers if b * layers <= free else max(0, free // b - 1)
+            free = max(0, free - b * (keep + (0 if keep == layers else 1)))
+            batch.append(b)
+            n += 1
+            in_batch_tokens += q.prompt_tokens
+            spent_ms += t_prefill
+            tokens += q.prompt_tokens
+            admit.append(q.id)
+            retained[q.id] = keep
         return SchedulerDecision(admit=tuple(admit), min_gpu_layers=retained)
