@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from controlplane.planner.interrupts import REL_EPS, Deadline
 
 if TYPE_CHECKING:
-    from controlplane.planner.search import PlacementSearch
+    from controlplane.planner.placement_search import PlacementSearch
 
 
 class BranchAndBound:
@@ -46,12 +46,12 @@ class BranchAndBound:
             nonlocal nodes
             nodes += 1
             if nodes > search.bnb_node_limit:
-                search._done.add("exact")  # a node-limited tree: resuming would only repeat it
+                search.mark_done("exact")  # a node-limited tree: resuming would only repeat it
                 raise Deadline
-            if search._expired():
+            if search.expired():
                 raise Deadline
             if i == n:
-                search._offer(tuple(assign), "exact")
+                search.offer(tuple(assign), "bnb")
                 return
             r = order[i]
             binv = ev.blocks[r] * inv

@@ -189,6 +189,14 @@ class Evaluator:
         )
         return agg if agg > lb else lb
 
+    def top_chains(self, assign: Sequence[int]) -> list[tuple[float, int]]:
+        """The three largest (chain bound, request) pairs of ``assign``, padded with
+        ``(compute_ms, -1)`` (what :meth:`move_bound` needs as ``chain_other``)."""
+        chain = self.chain
+        vals = sorted(((chain[r][c], r) for r, c in enumerate(assign)), reverse=True)
+        vals += [(self.compute_ms, -1)] * 3
+        return vals[:3]
+
     def lower_bound_ms(self, assign: Sequence[int]) -> float:
         """A valid lower bound on :meth:`exact_ms` (chain and aggregate bounds)."""
         chain = self.chain

@@ -10,3 +10,8 @@ class Deadline(Exception):
 
 class Satisfied(Deadline):
     """The incumbent reached the caller's target step time (a feasibility probe is answered)."""
+
+
+class Unreachable(Deadline):
+    """A valid lower bound proves the caller's target step time out of reach (a feasibility
+    probe is answered: no)."""

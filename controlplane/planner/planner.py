@@ -8,7 +8,7 @@ For a batch, :meth:`Planner.plan`
 2. searches candidate layouts (:class:`PlacementSearch`, with the CBC stage when the budget allows)
    for the least exact step time ``T`` that fits memory;
 3. checks the SLO cap of OrbitFlow §3.3.1 with token deposits (§3.2):
-   ``sum_r max(0, 1 - slo_r (1 + deposit_r / Δ) / T) <= alpha`` (see :func:`_late`);
+   ``sum_r max(0, 1 - slo_r (1 + deposit_r / Δ) / T) <= alpha`` (:mod:`.slo_cap`);
 4. picks the largest feasible Δ in ``[window_min, window_max]`` analytically from the step
    times found (feasibility is monotone: a larger Δ has more blocks, hence a larger optimal
    ``T``, and a smaller deposit credit per step ``deposit_r / Δ``), with at most four searches that stop
@@ -39,7 +39,9 @@ from controlplane.model import Batch, Plan, RequestSpec
 from controlplane.planner.candidates import candidate_set
 from controlplane.planner.evaluator import Evaluator
 from controlplane.planner.mip_search import MipStage
-from controlplane.planner.search import PlacementSearch, SearchResult
+from controlplane.planner.placement_search import PlacementSearch
+from controlplane.planner.search_result import SearchResult
+from controlplane.planner.slo_cap import late_fraction, max_step_ms
 
 log = structlog.get_logger(__name__)
 
@@ -51,52 +53,22 @@ DEFAULT_MAX_BUDGET_MS = 40.0
 asks for p99 <= 50 ms at 64 requests x 80 layers, where 25% of the step is ~52 ms (p99 ~64 ms);
 the search there keeps finding small gains until the deadline, and stopping at 40 ms costs ~0.3
 points of optimality gap (see README.md)."""
+DEFAULT_MIN_BUDGET_MS = 3.0
+"""Floor of the *default* budget. On small models 25% of a step is 0.3-1.5 ms, a few dozen
+exact evaluations in Python; measured on random 2-4 request x 8-16 layer batches (README.md),
+25% alone leaves 3-6% of plans more than 1% above the optimum, a 3 ms floor none, and the median
+plan still takes ~0.45 ms because the search stops as soon as it has proved its plan optimal.
+Planning runs one step ahead on the controller's thread (OrbitFlow §3.3), so a plan that takes
+longer than a short step arrives one report later rather than stalling the GPU."""
 
-
-def _max_step_ms(reqs: Sequence[RequestSpec], window: int, alpha: float, floor_ms: float) -> float:
-    """The largest step time T whose late fraction at ``window`` is within alpha, or -1 when
-    even ``floor_ms`` (the compute sum, a lower bound on any step) exceeds it.
-
-    Request r is late once ``T > theta_r = slo_r (1 + c_r)``, ``c_r = deposit_r / Δ`` (its
-    deposit covers the window exactly at ``theta_r``, see :func:`_late`). Between consecutive
-    thresholds the late fraction is ``|A| - sum_A theta_r / T`` (A: the late ones), so the
-    crossing with alpha, ``T = sum_A theta_r / (|A| - alpha)``, is solved per segment.
-    """
-    eps = 1e-12
-    if _late(reqs, floor_ms, window) > alpha + eps:
-        return -1.0
-    thetas = sorted(_theta(r, window) for r in reqs)
-    late = 0  # |A|
-    total = 0.0  # sum_A theta_r
-    for i, theta in enumerate(thetas):
-        late += 1
-        total += theta
-        nxt = thetas[i + 1] if i + 1 < len(thetas) else math.inf
-        if late > alpha + eps:
-            t = total / (late - alpha - eps)
-            if t < nxt:
-                return max(t, theta, floor_ms)
-    return math.inf
-
-
-def _theta(r: RequestSpec, window: int) -> float:
-    """The step time up to which ``r``'s deposit covers a window of ``window`` steps:
-    ``slo_r (1 + deposit_r / Δ)``."""
-    return r.slo_tbt_ms * (1.0 + r.deposit_tokens / window)
-
-
-def _late(reqs: Sequence[RequestSpec], step_ms: float, window: int) -> float:
-    """``sum_r max(0, 1 - slo_r (1 + deposit_r / Δ) / T)``: the SLO cap of OrbitFlow §3.3.1
-    (violations averaged over the decode window Δ) with the token deposit of §3.2 as credit.
-
-    Over Δ steps of T ms the user is owed ``Δ T / slo_r`` tokens (one per SLO interval) and gets
-    the Δ generated plus the ``deposit_r`` already banked, so the late share of the window's
-    deliveries is ``1 - slo_r (Δ + deposit_r) / (Δ T)``. A step of T ms drains ``T / slo_r``
-    deposited tokens, not one: a deposit of D tokens covers the window exactly when
-    ``D >= Δ (T / slo_r - 1)``. (The earlier form ``1 - slo_r / T - deposit_r / Δ`` counted
-    one token per late step and over-credited the deposit by the factor ``T / slo_r``.)
-    """
-    return sum(max(0.0, 1.0 - _theta(r, window) / step_ms) for r in reqs)
+FIRST_SHARE = 0.5
+"""Share of the remaining budget the first search (at ``window_max``) may take."""
+SEARCH_SHARE = 0.4
+"""Share for the search at the analytically chosen window (and at ``window_min``)."""
+PROBE_SHARE = 0.25
+"""Share for each probe above the chosen window. A probe that fails runs to its deadline, and
+on small budgets the polish of the chosen window (what the plan's quality depends on) only gets
+what the probes leave, so the probes stay cheap."""
 
 
 @dataclass(frozen=True)
@@ -108,10 +80,10 @@ class _Solved:
     search: PlacementSearch | None = None
 
     def late_fraction(self) -> float:
-        """The SLO cap's left-hand side at the found step time (:func:`_late`)."""
+        """The SLO cap's left-hand side at the found step time (:func:`.slo_cap.late_fraction`)."""
         if self.result is None:
             return math.inf
-        return _late(self.reqs, self.result.step_ms, self.window)
+        return late_fraction(self.reqs, self.result.step_ms, self.window)
 
 
 class _Context:
@@ -140,15 +112,22 @@ class Planner:
         exact_search: bool = True,
         budget_fraction: float = DEFAULT_BUDGET_FRACTION,
         max_default_budget_ms: float = DEFAULT_MAX_BUDGET_MS,
+        min_default_budget_ms: float = DEFAULT_MIN_BUDGET_MS,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         """``clock`` (seconds) measures the time budget and ``solve_ms``: wall time by default;
-        ``time.process_time`` makes the budget CPU time (benchmarks on a shared machine)."""
+        ``time.process_time`` makes the budget CPU time (benchmarks on a shared machine).
+        The default budget (no ``time_budget_ms``) is ``budget_fraction`` of the all-on-GPU
+        compute, raised to ``min_default_budget_ms`` and then capped at
+        ``max_default_budget_ms`` (the cap wins)."""
         if not 0.0 < budget_fraction <= 100.0:
             raise ValueError(f"budget_fraction must be in (0, 100], got {budget_fraction}")
         if not max_default_budget_ms > 0.0:
             raise ValueError(f"max_default_budget_ms must be > 0, got {max_default_budget_ms}")
+        if not min_default_budget_ms >= 0.0:
+            raise ValueError(f"min_default_budget_ms must be >= 0, got {min_default_budget_ms}")
         self._max_default_ms = max_default_budget_ms
+        self._min_default_ms = min_default_budget_ms
         self._mip = MipStage() if use_mip else None
         self._exact = exact_search
         self._fraction = budget_fraction
@@ -171,7 +150,7 @@ class Planner:
             raise ValueError(f"time_budget_ms must be >= 0, got {time_budget_ms}")
         compute_ms = sum(batch.profile.layer_compute_ms)
         budget_ms = (
-            min(self._fraction * compute_ms, self._max_default_ms)
+            min(max(self._fraction * compute_ms, self._min_default_ms), self._max_default_ms)
             if time_budget_ms is None
             else time_budget_ms
         )
@@ -246,7 +225,7 @@ class Planner:
         t_lb = self.step_lower_bound_ms(batch, reqs, pol.window_min)
         if math.isinf(t_lb):
             return False
-        return _late(reqs, t_lb, pol.window_min) <= pol.alpha + 1e-12
+        return late_fraction(reqs, t_lb, pol.window_min) <= pol.alpha + 1e-12
 
     # --- window selection ---------------------------------------------------------------
     def _solve(
@@ -281,7 +260,7 @@ class Planner:
             batch.bw_blocks_per_ms,
             chain_cache=ctx.chain_cache,
         )
-        target = _max_step_ms(reqs, window, batch.policy.alpha, ev.compute_ms)
+        target = max_step_ms(reqs, window, batch.policy.alpha, ev.compute_ms)
         search = PlacementSearch(
             ev, batch.hardware.gpu_kv_budget_blocks, deadline, target_ms=target, clock=ctx.clock
         )
@@ -318,11 +297,11 @@ class Planner:
         The late fraction depends on Δ only through ``deposit_r / Δ`` and grows with Δ (a
         fixed deposit is spread over more steps).
         """
-        if lo > hi or _late(reqs, step_ms, lo) > alpha + 1e-12:
+        if lo > hi or late_fraction(reqs, step_ms, lo) > alpha + 1e-12:
             return None
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if _late(reqs, step_ms, mid) <= alpha + 1e-12:
+            if late_fraction(reqs, step_ms, mid) <= alpha + 1e-12:
                 lo = mid
             else:
                 hi = mid - 1
@@ -357,7 +336,7 @@ class Planner:
         start = pol.window_min
         top: _Solved | None = None
         if optimistic:
-            top = self._solve(ctx, reqs, pol.window_max, 0.6, warm, local_first=False)
+            top = self._solve(ctx, reqs, pol.window_max, FIRST_SHARE, warm, local_first=False)
             self._remember(top, hint)
             if self._ok(top, alpha):
                 return top
@@ -370,12 +349,12 @@ class Planner:
                 )
                 start = pol.window_min if allowed is None else allowed
         best = self._solve(
-            ctx, reqs, start, 0.5, warm, local_first=optimistic, source=top if optimistic else None
+            ctx, reqs, start, SEARCH_SHARE, warm, local_first=optimistic, source=top if optimistic else None
         )
         self._remember(best, hint)
         if not self._ok(best, alpha) and start > pol.window_min:
             best = self._solve(
-                ctx, reqs, pol.window_min, 0.5, self._assigns(best, warm), source=best
+                ctx, reqs, pol.window_min, SEARCH_SHARE, self._assigns(best, warm), source=best
             )
             self._remember(best, hint)
         if not self._ok(best, alpha):
@@ -387,7 +366,7 @@ class Planner:
             if hi is None or hi <= best.window:
                 break
             probe = self._solve(
-                ctx, reqs, hi, 0.5 if probes_left > 1 else 1.0, self._assigns(best), source=best
+                ctx, reqs, hi, PROBE_SHARE, self._assigns(best), source=best
             )
             if self._ok(probe, alpha):
                 best = probe
@@ -397,7 +376,7 @@ class Planner:
             if mid <= best.window or probes_left == 1:
                 break
             probe = self._solve(
-                ctx, reqs, mid, 1.0, self._assigns(best, self._assigns(probe)), source=best
+                ctx, reqs, mid, PROBE_SHARE, self._assigns(best, self._assigns(probe)), source=best
             )
             if self._ok(probe, alpha):
                 best = probe

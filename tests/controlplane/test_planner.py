@@ -13,7 +13,8 @@ from controlplane.model import Batch, RequestSpec, memory_blocks, step_time_ms
 from controlplane.planner import Planner, candidate_set
 from controlplane.planner.evaluator import Evaluator
 from controlplane.planner.mip_search import MipStage
-from controlplane.planner.planner import _late, _max_step_ms
+from controlplane.planner.slo_cap import late_fraction as _late
+from controlplane.planner.slo_cap import max_step_ms as _max_step_ms
 
 BLOCK_BYTES = 1_000_000  # 1 MB blocks: h2d_gbps = blocks per ms
 

@@ -15,8 +15,9 @@ from controlplane.model import Batch, RequestSpec, memory_blocks, step_time_ms
 from controlplane.planner import Planner, candidate_set
 from controlplane.planner.evaluator import Evaluator
 from controlplane.planner.mip_search import MipStage
-from controlplane.planner.planner import _late, _max_step_ms
-from controlplane.planner.search import PlacementSearch
+from controlplane.planner.placement_search import PlacementSearch
+from controlplane.planner.slo_cap import late_fraction as _late
+from controlplane.planner.slo_cap import max_step_ms as _max_step_ms
 from tests.controlplane.test_planner import make_batch
 
 
