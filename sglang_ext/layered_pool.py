@@ -39,9 +39,9 @@ import torch
 from sglang_ext import settings
 from sglang_ext.args import LayeredKVArgs
 from sglang_ext.compat import MHATokenToKVPool, unwrap_write_loc
+from sglang_ext.dataplane.layer_page_moves import LayerPageMoves
 from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
 from sglang_ext.dataplane.slot_kv_store import SlotStoreConfig
-from sglang_ext.dataplane.slot_residency import LayerPageMoves
 from sglang_ext.dataplane.slot_results import RequestResidency, ResidencyDelta, ResidencyStats
 from sglang_ext.dataplane.step_tables import StepTables
 from sglang_ext.hooks import ResidencyEvent, ResidencyEventKind, ResidencyHooks

@@ -31,6 +31,8 @@ class OverheadMeter:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.kvplane_s: dict[str, float] = {}
+        self.idle_s = 0.0
+        """kvplane time in scheduler iterations that ran no step (kept apart: no step waited on it)."""
         self.steps = 0
         self.step_s = 0.0
         self._last_end: float | None = None
@@ -38,9 +40,11 @@ class OverheadMeter:
     def add(self, part: str, seconds: float) -> None:
         self.kvplane_s[part] = self.kvplane_s.get(part, 0.0) + seconds
 
-    def idle(self) -> None:
-        """The scheduler found nothing to run: the time until the next step is not step time."""
+    def idle(self, kvplane_seconds: float = 0.0) -> None:
+        """The scheduler found nothing to run: the time until the next step is not step time, and
+        the ``kvplane_seconds`` this iteration spent (its boundary) delayed no step either."""
         self._last_end = None
+        self.idle_s += kvplane_seconds
 
     def step_done(self) -> None:
         """End of a scheduler step: the time since the previous step's end is step time (unless
@@ -60,6 +64,7 @@ class OverheadMeter:
             "step_s": round(self.step_s, 6),
             "kvplane_s": round(total, 6),
             "parts_s": {k: round(v, 6) for k, v in sorted(self.kvplane_s.items())},
+            "idle_kvplane_s": round(self.idle_s, 6),
             "kvplane_ms_per_step": round(1e3 * total / self.steps, 4) if self.steps else None,
             "share_pct": round(100.0 * total / (self.step_s - total), 3) if self.step_s > total else None,
         }

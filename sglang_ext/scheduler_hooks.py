@@ -264,6 +264,11 @@ class SchedulerHooks:
 # ----- SGLang hooks --------------------------------------------------------------------------
 
 
+_NEXT_BATCH_ARGS = compat.SCHEDULER_GET_NEXT_BATCH_TO_RUN.args
+"""Positional argument names of ``get_next_batch_to_run`` (read once: the hook runs every
+scheduler iteration, idle ones included)."""
+
+
 def _hooks_of(scheduler: Any) -> SchedulerHooks | None:
     return getattr(scheduler, "_kvplane", None)
 
@@ -280,7 +285,7 @@ def _around_next_batch(original: Any, scheduler: Any, *args: Any, **kwargs: Any)
         return original(scheduler, *args, **kwargs)
     meter = hooks.meter
     t0 = time.perf_counter()
-    call = dict(zip(compat.SCHEDULER_GET_NEXT_BATCH_TO_RUN.args, args, strict=False))
+    call = dict(zip(_NEXT_BATCH_ARGS, args, strict=False))
     call.update(kwargs)
     running = call.get("running_batch", scheduler.running_batch)
     running = hooks.boundary.apply(running, call.get("last_batch", scheduler.last_batch), hooks.step)
@@ -295,10 +300,12 @@ def _around_next_batch(original: Any, scheduler: Any, *args: Any, **kwargs: Any)
     t2 = time.perf_counter()
     hooks.boundary.after_schedule(plan, hooks.step)
     if meter is not None:
-        meter.add("boundary", t1 - t0)
-        meter.add("after_schedule", time.perf_counter() - t2)
-        if getattr(plan, "batch_to_run", plan) is None:
-            meter.idle()
+        t3 = time.perf_counter()
+        if getattr(plan, "batch_to_run", plan) is None:  # no step: nothing waited on this
+            meter.idle((t1 - t0) + (t3 - t2))
+        else:
+            meter.add("boundary", t1 - t0)
+            meter.add("after_schedule", t3 - t2)
     return plan
 
 

@@ -31,9 +31,10 @@ import numpy as np
 import structlog
 import torch
 
+from sglang_ext.dataplane.layer_page_moves import LayerPageMoves
 from sglang_ext.dataplane.layer_pipeline import LayerPipeline
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore, SlotStoreConfig
-from sglang_ext.dataplane.slot_residency import LayerPageMoves, SlotResidency
+from sglang_ext.dataplane.slot_residency import SlotResidency
 from sglang_ext.dataplane.slot_results import RequestResidency, ResidencyDelta, ResidencyStats
 from sglang_ext.dataplane.staging_room import StagingRoom
 from sglang_ext.dataplane.step_tables import StepTables
@@ -201,12 +202,16 @@ class LayeredKVCore:
             lens = np.asarray(seq_lens, dtype=np.int64)
             owners = np.flatnonzero((lens - 1) % ps == 0)  # the token opens a new page
             pages = slots[owners] // ps
-        if not self.residency.append_decode_identity(rids, owners, pages):
+        ids = self.residency.append_decode_identity(rids, owners, pages)
+        if ids is None:
             return False
         self.pipeline.end_step()
         self.overflow = False
         self.step_loc = new_slots
-        self.store.mark_dirty_pages(slots if ps == 1 else np.unique(slots // ps))
+        if ps == 1:  # every new token opened its page: exactly the placed layer-pages got KV
+            self.store.mark_dirty(ids.reshape(-1))
+        else:
+            self.store.mark_dirty_pages(np.unique(slots // ps))
         return True
 
     def _owners(self, n: int) -> np.ndarray:

@@ -127,6 +127,9 @@ class SlotKVStore:
         copied on onload and fetched into staging."""
         self._dirty_log: list[np.ndarray] = []
         self._dirty_logged = 0
+        self._dirty_compact_at = DIRTY_LOG_COMPACT
+        self.dirty_compactions = 0
+        """Times the dirty log was compacted (amortised: see :meth:`mark_dirty`)."""
         self.allocator: BlockAllocator | IdentityPages = (
             IdentityPages(self.pages_total, "device KV pages") if self.identity
             else BlockAllocator(self.pages_total, "device KV pages")
@@ -199,9 +202,13 @@ class SlotKVStore:
         self.dirty_np.reshape(-1)[flat_ids] = True
         self._dirty_log.append(flat_ids)
         self._dirty_logged += int(flat_ids.size)
-        if self._dirty_logged > DIRTY_LOG_COMPACT:
+        if self._dirty_logged > self._dirty_compact_at:
             ids = self._dirty_ids()
             self._dirty_log, self._dirty_logged = [ids], int(ids.size)
+            # the next compaction waits for as many new marks as survived this one (amortised
+            # O(marks) even when everything stays dirty, as in the identity layout)
+            self._dirty_compact_at = max(DIRTY_LOG_COMPACT, 2 * int(ids.size))
+            self.dirty_compactions += 1
 
     def mark_dirty_pages(self, pages: np.ndarray) -> None:
         """:meth:`mark_dirty` of every layer of ``pages``."""
@@ -228,7 +235,7 @@ class SlotKVStore:
     def sync_dirty(self) -> int:
         """Write every dirty device layer-page back to host (background); return how many."""
         ids = self._dirty_ids()
-        self._dirty_log, self._dirty_logged = [], 0
+        self._dirty_log, self._dirty_logged, self._dirty_compact_at = [], 0, DIRTY_LOG_COMPACT
         if not ids.size:
             return 0
         layers, pages = np.divmod(ids, self.config.logical_pages)

@@ -31,26 +31,17 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from sglang_ext.dataplane.layer_page_moves import LayerPageMoves
+from sglang_ext.dataplane.layer_page_moves import by_layer as _by_layer
 from sglang_ext.dataplane.live_pages import LivePages
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore
 from sglang_ext.dataplane.slot_results import RequestResidency, ResidencyDelta, ResidencyStats
 from sglang_ext.dataplane.tracked_request import TrackedRequest as _Request
 from sglang_ext.dataplane.want_counts import WantCounts
-
-
-@dataclass(frozen=True)
-class LayerPageMoves:
-    """Layer-pages moved by one reconciliation, per layer (for residency events)."""
-
-    offloaded: dict[int, list[int]]
-    """layer -> pages whose device copy was dropped."""
-    loaded: dict[int, list[int]]
-    """layer -> pages copied host -> device."""
 
 
 class SlotResidency:
@@ -379,48 +370,53 @@ class SlotResidency:
         write; anything else (prefix pages already placed, pages holding KV) returns None and the
         general append path handles it."""
         pages = added.numpy()  # NumPy from here: a handful of tiny ops per decode step
-        if not self._place_fresh_identity(pages):
+        if self._place_fresh_identity(pages) is None:
             return None
         self.last_moves = LayerPageMoves({}, {})
         return ResidencyDelta(0, 0, 0, self.layers * int(pages.size), 0, 0, 0, 0)
 
-    def _place_fresh_identity(self, pages: np.ndarray) -> bool:
+    def _place_fresh_identity(self, pages: np.ndarray) -> np.ndarray | None:
         """Place every layer of these distinct new pages (no KV yet, on host at every layer) at
-        their fixed identity device pages; False, changing nothing, if any condition fails.
+        their fixed identity device pages and return those ids (``[L, n]``); None, changing
+        nothing, if any condition fails.
 
         Per decode step, so few NumPy calls: distinctness by a set (a handful of pages), the map
         read flat at the identity ids (``map[l, p]`` is element ``l * P + p``)."""
         store = self.store
         n = int(pages.size)
         if len(set(pages.tolist())) != n or self.layers * n > store.allocator.free_count:
-            return False
+            return None
         ids = store.identity_ids(pages)
         if self._has_kv_np[pages].any() or store.map_flat_np[ids].max() >= 0:
-            return False
+            return None
         store.place_identity(pages, ids)
         self.counts.moved(pages, 1, self.layers)
-        return True
+        return ids
 
-    def append_decode_identity(self, rids: Sequence[str], owners: np.ndarray, pages: np.ndarray) -> bool:
+    def append_decode_identity(self, rids: Sequence[str], owners: np.ndarray,
+                               pages: np.ndarray) -> np.ndarray | None:
         """Decode fast path (identity layout, every live layer-page resident): request
         ``rids[owners[i]]`` appended page ``pages[i]`` (int64 NumPy arrays; a decode step's new
         pages). Places every layer of each new page at its fixed device page and records it,
-        with the same result as ``observe`` + ``reconcile`` + ``mark_written``; returns False,
-        changing nothing, when any precondition fails (the caller takes the general path)."""
+        as ``observe`` + ``reconcile`` + ``mark_written`` would; returns the placed ids
+        (``[L, n]``), or None, changing nothing, if a precondition fails (take the general path)."""
         if not self.store.identity or self._appended or not self.all_live_resident():
-            return False
+            return None
         reqs = [self._requests.get(rid) for rid in rids]
         if any(req is None or req.anonymous for req in reqs):
-            return False
-        if pages.size:
-            if not self._place_fresh_identity(pages):
-                return False
-            self._has_kv_np[pages] = True
-            for owner, page in zip(owners.tolist(), pages.tolist(), strict=True):
-                reqs[owner]._tail.append(page)  # type: ignore[union-attr]
-            self.counts.add_fresh(pages)  # fresh pages: newly live, wanted and resident everywhere
+            return None
+        if not pages.size:
+            self.last_moves = LayerPageMoves({}, {})
+            return pages.reshape(self.layers, 0)
+        ids = self._place_fresh_identity(pages)
+        if ids is None:
+            return None
+        self._has_kv_np[pages] = True
+        for owner, page in zip(owners.tolist(), pages.tolist(), strict=True):
+            reqs[owner]._tail.append(page)  # type: ignore[union-attr]
+        self.counts.add_fresh(pages)  # fresh pages: newly live, wanted and resident everywhere
         self.last_moves = LayerPageMoves({}, {})
-        return True
+        return ids
 
     def staging_reserve(self, *, every_active: bool = False) -> int:
         """Device pages kept free for this step's staging slots: one layer of every active
@@ -489,11 +485,3 @@ class SlotResidency:
             host_write_bytes_total=store.host_write_bytes,
             shortfall_layer_pages_total=self.shortfall_total,
         )
-
-
-def _by_layer(layers: np.ndarray, pages: np.ndarray) -> dict[int, list[int]]:
-    """``{layer: [pages]}`` of parallel arrays (first-seen order)."""
-    moved: dict[int, list[int]] = {}
-    for layer, page in zip(layers.tolist(), pages.tolist(), strict=True):
-        moved.setdefault(layer, []).append(page)
-    return moved

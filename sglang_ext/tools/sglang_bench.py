@@ -270,10 +270,17 @@ def measure_all(
                 pauses,
                 tuple(x for x in (share_of(m) for m in got.meter) if x is not None),
                 tuple(float(m["kvplane_ms_per_step"]) for m in got.meter if m.get("kvplane_ms_per_step") is not None),
+                tuple(_parts_ms(m) for m in got.meter if m.get("steps")),
                 got.overlap[0] if len(set(got.overlap)) == 1 else None,
             )
         )
     return out
+
+
+def _parts_ms(meter: dict) -> dict[str, float]:
+    """A written meter summary's parts in ms per step."""
+    steps = int(meter["steps"])
+    return {k: round(1e3 * float(v) / steps, 4) for k, v in (meter.get("parts_s") or {}).items()}
 
 
 STATS_CONFIGS = ("layered-offload",)

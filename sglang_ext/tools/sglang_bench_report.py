@@ -59,6 +59,9 @@ class ConfigResult:
     time without it (:mod:`sglang_ext.overhead`), over all of that launch's steps."""
     kvplane_ms_per_step: tuple[float, ...] = ()
     """Per launch (layered configs): kvplane's own ms per scheduler step."""
+    kvplane_parts_ms_per_step: tuple[dict[str, float], ...] = ()
+    """Per launch (layered configs): that figure split by the meter's parts (boundary,
+    after_schedule, attention_prepare, layers, radix, end_step)."""
     overlap_schedule: bool | None = None
     """Whether the servers ran SGLang's overlap scheduler, as each launch reported it
     (``disable_overlap_schedule`` in ``/server_info``); None when a launch did not say or the
@@ -127,6 +130,9 @@ def _markdown(payload: dict[str, Any]) -> str:
                 f"step (median of launches; per launch {', '.join(f'{x:.2f}%' for x in r['kvplane_share_pct'])}), "
                 f"{statistics.median(r['kvplane_ms_per_step']):.3f} ms per step."
             )
+            for i, parts in enumerate(r.get("kvplane_parts_ms_per_step") or ()):
+                split = ", ".join(f"{k} {v:.3f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
+                lines.append(f"  - launch {i}, ms per step by part: {split}")
     for note in payload.get("notes", []):
         lines += ["", note]
     return "\n".join(lines) + "\n"

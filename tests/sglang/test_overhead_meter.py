@@ -38,6 +38,20 @@ def test_idle_gap_is_not_step_time(tmp_path):
     assert share_of(meter.summary()) is None
 
 
+def test_kvplane_time_of_an_idle_iteration_is_kept_apart(tmp_path):
+    meter = OverheadMeter(tmp_path / "m.json")
+    meter.step_done()
+    meter.add("boundary", 0.001)
+    time.sleep(0.01)
+    meter.step_done()
+    meter.idle(0.003)  # an iteration that ran nothing: its boundary delayed no step
+    out = meter.summary()
+    assert out["kvplane_s"] == pytest.approx(0.001) and out["idle_kvplane_s"] == pytest.approx(0.003)
+    assert share_of(out) == pytest.approx(100 * 0.001 / (out["step_s"] - 0.001), rel=1e-3)
+    meter.add("boundary", 0.003)  # negative control: the same time inside a step counts
+    assert meter.summary()["kvplane_s"] == pytest.approx(0.004)
+
+
 def test_file_is_rewritten_every_write_every_steps(tmp_path):
     path = tmp_path / "m.json"
     meter = OverheadMeter(path)
