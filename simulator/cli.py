@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from simulator.engine import SOLVER_TIME_MODES
@@ -60,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rep.add_argument("name", help="experiment name or 'all'")
     rep.add_argument("--smoke", action="store_true", help="tiny version (< 60 s for all)")
     rep.add_argument("--out", type=Path, default=Path("benchmarks/results/sim"))
-    rep.add_argument("--jobs", type=int, default=1, help="parallel processes")
+    rep.add_argument("--jobs", type=int, default=2, help="parallel processes")
 
     tr = sub.add_parser("trace", help="generate a JSONL trace")
     tr.add_argument("--workload", choices=WORKLOADS, default="orbitflow-32k")
@@ -164,14 +165,16 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if cmd == "reproduce":
         from simulator.experiments import EXPERIMENTS
-        from simulator.reproduce import reproduce
+        from simulator.reproduce import reproduce_many
 
         names = list(EXPERIMENTS) if args.name == "all" else [args.name]
         for n in names:
             if n not in EXPERIMENTS:
                 raise ValueError(f"reproduce: {n!r} is not one of {sorted(EXPERIMENTS)} or 'all'")
-        for n in names:
-            path = reproduce(n, args.out, smoke=args.smoke, jobs=args.jobs, progress=_bar)
+        t0 = time.perf_counter()
+        paths = reproduce_many(names, args.out, smoke=args.smoke, jobs=args.jobs, progress=_bar)
+        for n, path in zip(names, paths, strict=True):
             print(f"{n}: {path}")
+        print(f"reproduce {args.name}: {time.perf_counter() - t0:.0f} s wall")
         return 0
     raise ValueError(f"unknown sim command {cmd!r}")

@@ -71,6 +71,12 @@ def run_spec_dict(spec: RunSpec) -> dict[str, Any]:
     return {**spec.tags, "policy": spec.policy, "wall_s": round(wall, 3), **m.to_dict()}
 
 
+def spec_key(spec: RunSpec) -> tuple:
+    """Identity of a run (tags excluded): equal keys give equal results (deterministic modes)."""
+    return (spec.policy, spec.profile, tuple(sorted(spec.profile_overrides.items())), spec.trace,
+            spec.requests, spec.solver_time, spec.planner_mode)
+
+
 def run_many(specs: Sequence[RunSpec], jobs: int = 1, progress=None) -> list[dict[str, Any]]:  # noqa: ANN001
     """Run specs (in ``jobs`` processes when > 1), results in input order."""
     out: list[dict[str, Any] | None] = [None] * len(specs)
