@@ -17,7 +17,13 @@ class Plan:
     placements: dict[str, tuple[int, ...]]
     """Per running request, 1 (GPU) / 0 (host) per layer."""
     predicted_step_ms: float
-    """Exact model step time at the end of the window (largest KV)."""
+    """Exact-model time of the window's *last* decode step: every running request's KV sized at
+    ``context_tokens + window_steps`` tokens, i.e. ``ceil((context_tokens + Δ) / block_size)``
+    blocks per layer (``context_tokens`` already counts the token being decoded now). The plan is
+    computed one step ahead and must hold for Δ steps, so it is sized for the largest KV of the
+    window (OrbitFlow §3.3.2): for Δ = 1 that is context + 1, the step ahead; for larger windows
+    it is the step Δ ahead, and earlier steps of the window run with fewer blocks. 0.0 when no
+    request runs."""
     window_steps: int
     """Decode window Δ: the plan expires after this many steps."""
     resident_blocks: int
@@ -25,7 +31,10 @@ class Plan:
     staging_blocks: int
     """GPU staging blocks (one layer per offloading request) at the end of the window."""
     solver: str
-    """Which search produced the plan (e.g. "mip", "exhaustive", "greedy")."""
+    """Which search produced the plan: "exact" when it is proved optimal over the candidate
+    space, "trivial" when everything fits on the GPU, otherwise the stage that found it (e.g.
+    "uniform", "mixed", "resident", "greedy", "warm", "mip", "bnb", with "+local"/"+fill");
+    "empty" or "all-paused" when no request runs."""
     solve_ms: float
     """Wall-clock planning time."""
     expiry_step: int | None = None
