@@ -17,15 +17,29 @@ Unlike :class:`.BranchAndBound` (depth first, any size), the frontier grows with
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 from operator import add
 from typing import TYPE_CHECKING
 
+from controlplane.planner.candidates import CandidateSet
+from controlplane.planner.evaluator import bound_layers
 from controlplane.planner.interrupts import REL_EPS, Deadline, Unreachable
 
 if TYPE_CHECKING:
     from controlplane.planner.placement_search import PlacementSearch
+
+@functools.lru_cache(maxsize=64)
+def _min_cum(cands: CandidateSet) -> list[list[int]]:
+    """Per first candidate c0, the elementwise least offloaded-layer counts at the bound layers
+    over the candidates ``c >= c0`` (the ones a memory allowance leaves)."""
+    _, cum = bound_layers(cands)
+    out = [list(cum[-1])]
+    for c in range(len(cum) - 2, -1, -1):
+        out.append(list(map(min, out[-1], cum[c])))
+    return out[::-1]
+
 
 _Node = tuple[float, int, int, tuple[int, ...], int, float, list[float]]
 """(lower bound, -depth, sequence, candidates of the first ``depth`` requests in ``order``,
@@ -44,14 +58,33 @@ class BestFirstSearch:
         self.tail_min = [0] * (n + 1)
         for i in range(n - 1, -1, -1):
             self.tail_min[i] = self.tail_min[i + 1] + ev.mem[self.order[i]][last]
-        # per request and candidate, the link time it adds at each bound layer
-        self.scaled = [
-            [[ev.blocks[r] / ev.bw * k for k in row] for row in ev.bound_cum] for r in range(n)
+        self._scaled: dict[tuple[int, int], list[float]] = {}
+        self._min_scaled: dict[tuple[int, int], list[float]] = {}
+        self._min_chain = [
+            [min(row[c:]) for c in range(len(row))] for row in (ev.chain[r] for r in range(n))
         ]
         self._seq = itertools.count()
         root_work = [0.0] * len(ev.bound_layers)
         self.frontier: list[_Node] = [(ev.compute_ms, 0, 0, (), 0, ev.compute_ms, root_work)]
         self.expanded = 0
+
+    def scaled(self, r: int, c: int) -> list[float]:
+        """Link time request ``r`` adds at each bound layer under candidate ``c`` (cached)."""
+        key = (r, c)
+        row = self._scaled.get(key)
+        if row is None:
+            f = self.search.ev.blocks[r] / self.search.ev.bw
+            row = self._scaled[key] = [f * k for k in self.search.ev.bound_cum[c]]
+        return row
+
+    def min_scaled(self, r: int, c0: int) -> list[float]:
+        """The least link time ``r`` adds at each bound layer over candidates ``c >= c0``."""
+        key = (r, c0)
+        row = self._min_scaled.get(key)
+        if row is None:
+            f = self.search.ev.blocks[r] / self.search.ev.bw
+            row = self._min_scaled[key] = [f * k for k in _min_cum(self.search.ev.cands)[c0]]
+        return row
 
     @property
     def complete(self) -> bool:
@@ -100,13 +133,37 @@ class BestFirstSearch:
                 heapq.heappush(frontier, child)
         return True
 
+    def _rest(self, depth: int, mem: int) -> tuple[list[float] | None, float]:
+        """What the unassigned requests ``order[depth:]`` must add whatever their candidates,
+        given ``mem`` blocks already taken: each has to leave the others room to fit all
+        offloaded, so only its candidates from some ``c0`` on fit, and it adds at least their
+        elementwise least link time per bound layer and their least chain bound (valid bounds:
+        each request's own contribution is at least its minimum over what fits)."""
+        s = self.search
+        ev = s.ev
+        free = s.budget - mem - self.tail_min[depth]
+        vec: list[float] | None = None
+        chain = 0.0
+        last = s.n_cand - 1
+        for q in self.order[depth:]:
+            mem_q = ev.mem[q]
+            allowance = free + mem_q[last]
+            c0 = 0
+            while mem_q[c0] > allowance:
+                c0 += 1
+            v = self.min_scaled(q, c0)
+            vec = v if vec is None else list(map(add, vec, v))
+            if self._min_chain[q][c0] > chain:
+                chain = self._min_chain[q][c0]
+        return vec, chain
+
     def _expand(self, node: _Node, depth: int, prefix: tuple[int, ...]) -> list[_Node]:
         """The children of ``node`` that fit memory and whose bound beats the incumbent."""
         s = self.search
         ev = s.ev
         r = self.order[depth]
         mem, chain_lb, work = node[4], node[5], node[6]
-        mem_r, chain_r, scaled = ev.mem[r], ev.chain[r], self.scaled[r]
+        mem_r, chain_r = ev.mem[r], ev.chain[r]
         base = list(map(add, work, ev.bound_suffix))  # the aggregate terms so far
         room = s.budget - self.tail_min[depth + 1]
         cut = s.best_ms * (1 - REL_EPS)
@@ -119,14 +176,11 @@ class BestFirstSearch:
             lb_c = chain_r[c] if chain_r[c] > chain_lb else chain_lb
             if lb_c >= cut:
                 continue
-            if c:
-                agg = max(map(add, base, scaled[c]))
-                lb = agg if agg > lb_c else lb_c
-                if lb < cut:
-                    new_work = list(map(add, work, scaled[c]))
-                    out.append((lb, -depth - 1, next(seq), (*prefix, c), m, lb_c, new_work))
-            else:
-                lb = node[0] if node[0] > lb_c else lb_c
-                if lb < cut:
-                    out.append((lb, -depth - 1, next(seq), (*prefix, c), m, lb_c, work))
+            rest, rest_chain = self._rest(depth + 1, m)
+            terms = list(map(add, base, self.scaled(r, c))) if c else base
+            agg = max(map(add, terms, rest)) if rest is not None else max(terms)
+            lb = max(agg, lb_c, rest_chain)
+            if lb < cut:
+                new_work = list(map(add, work, self.scaled(r, c))) if c else work
+                out.append((lb, -depth - 1, next(seq), (*prefix, c), m, lb_c, new_work))
         return out

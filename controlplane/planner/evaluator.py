@@ -48,7 +48,7 @@ def _windows(cands: CandidateSet, comp: tuple[float, ...]) -> list[tuple[list[fl
 
 
 @functools.lru_cache(maxsize=64)
-def _bound_layers(cands: CandidateSet) -> tuple[list[int], list[list[int]]]:
+def bound_layers(cands: CandidateSet) -> tuple[list[int], list[list[int]]]:
     # The aggregate term only peaks where some fetch lands, i.e. at offloaded layers; any subset
     # keeps the bound valid, at most ~24 keep it cheap.
     marks = sorted({layer for off in cands.offloaded[:-1] for layer in off} | {0})
@@ -104,7 +104,7 @@ class Evaluator:
                 row = cache[b] = self._chain_row(b / self.bw, prefix)
             self.chain.append(row)
         self.cum = cands.cumulative
-        marks, self.bound_cum = _bound_layers(cands)
+        marks, self.bound_cum = bound_layers(cands)
         self.bound_layers = marks
         self.bound_suffix = [self.suffix[layer] for layer in marks]
         self.evaluations = 0

@@ -53,13 +53,14 @@ DEFAULT_MAX_BUDGET_MS = 40.0
 asks for p99 <= 50 ms at 64 requests x 80 layers, where 25% of the step is ~52 ms (p99 ~64 ms);
 the search there keeps finding small gains until the deadline, and stopping at 40 ms costs ~0.3
 points of optimality gap (see README.md)."""
-DEFAULT_MIN_BUDGET_MS = 3.0
+DEFAULT_MIN_BUDGET_MS = 5.0
 """Floor of the *default* budget. On small models 25% of a step is 0.3-1.5 ms, a few dozen
-exact evaluations in Python; measured on random 2-4 request x 8-16 layer batches (README.md),
-25% alone leaves 3-6% of plans more than 1% above the optimum, a 3 ms floor none, and the median
-plan still takes ~0.45 ms because the search stops as soon as it has proved its plan optimal.
-Planning runs one step ahead on the controller's thread (OrbitFlow §3.3), so a plan that takes
-longer than a short step arrives one report later rather than stalling the GPU."""
+exact evaluations in Python. Measured on 1000 random 2-4 request x 8-16 layer batches (README.md,
+CPU clock): with 25% alone 4.4% of plans were more than 1% above the optimum (worst 27%); with
+this floor none were (all optimal), while the median plan still takes ~0.45 ms because the search
+stops once it has proved its plan optimal (p99 3.3 ms). Planning runs one step ahead on the
+controller's thread (OrbitFlow §3.3), so a plan slower than a short step arrives a report later
+rather than stalling the GPU."""
 
 FIRST_SHARE = 0.5
 """Share of the remaining budget the first search (at ``window_max``) may take."""
@@ -155,7 +156,9 @@ class Planner:
             else time_budget_ms
         )
         ctx = _Context(batch, t0 + budget_ms / 1e3, self._clock)
-        victims = self._victim_order(batch, victim_rule, random.Random(seed))
+        victims = self._victim_order(
+            batch, victim_rule, random.Random(seed) if victim_rule == "random" else None
+        )
         reqs = tuple(batch.requests)
         paused: list[str] = []
         by_bound = 0
@@ -390,7 +393,9 @@ class Planner:
 
     # --- pausing ------------------------------------------------------------------------
     @classmethod
-    def _victim_order(cls, batch: Batch, rule: str, rng: random.Random) -> list[RequestSpec]:
+    def _victim_order(
+        cls, batch: Batch, rule: str, rng: random.Random | None
+    ) -> list[RequestSpec]:
         """Every request in the order the victim rule would pause them one by one."""
         bs = batch.model.block_size
         if rule == "largest":  # stable sorts: ties go in batch order, as max()/min() pick
@@ -399,6 +404,8 @@ class Planner:
             return sorted(batch.requests, key=lambda r: -r.context_tokens)
         if rule == "shortest":
             return sorted(batch.requests, key=lambda r: r.context_tokens)
+        if rng is None:
+            raise ValueError("the random victim rule needs an rng")
         reqs = list(batch.requests)
         order = []
         while reqs:

@@ -109,7 +109,7 @@ def test_generous_budget_proves_the_optimum(batch):
 
 
 # 4 requests x 9 layers (found by a random search over the batches) where the first
-# complete assignment of a zero-budget search is 32% above the optimum.
+# complete assignment of a zero-budget search (its dive) is 17% above the optimum.
 HARD = dict(contexts=[1650, 2436, 720, 635], layers=9, gbps=25.0, frac=0.84, slo_factors=[4.0] * 4, deposits=[0] * 4)
 
 
@@ -119,7 +119,7 @@ def test_interrupted_search_is_not_labelled_exact():
     quick = Planner().plan(batch, time_budget_ms=0)
     opt = exhaustive_optimum(batch, set(quick.placements), quick.window_steps)
     assert quick.solver != "exact" and not quick.extras["optimal"]
-    assert quick.predicted_step_ms > opt * 1.2
+    assert quick.predicted_step_ms > opt * 1.1
     full = Planner().plan(batch, time_budget_ms=10_000)
     assert full.window_steps == quick.window_steps
     assert full.solver == "exact" and full.predicted_step_ms == pytest.approx(opt, rel=1e-9)
