@@ -40,9 +40,9 @@ from controlplane.planner.search_result import SearchResult
 class PlacementSearch:
     """One search over candidate assignments; construct per solve (not thread-shared)."""
 
-    best_first_max_leaves = 8192
+    best_first_max_leaves = 16384
     """Spaces (candidates ** requests) up to this size are searched best first (see module
-    docstring); 2-4 requests at up to 32 layers (<= 11 candidates) stay below it."""
+    docstring); 4 requests at up to 32 layers (<= 11 candidates: 14641) stay below it."""
 
     CONSTRUCTIVE = ("uniforms", "mixed", "resident", "greedy")
     """Stages that build plans from scratch (the same for nearby windows of one request set)."""

@@ -53,10 +53,10 @@ DEFAULT_MAX_BUDGET_MS = 40.0
 asks for p99 <= 50 ms at 64 requests x 80 layers, where 25% of the step is ~52 ms (p99 ~64 ms);
 the search there keeps finding small gains until the deadline, and stopping at 40 ms costs ~0.3
 points of optimality gap (see README.md)."""
-DEFAULT_MIN_BUDGET_MS = 5.0
+DEFAULT_MIN_BUDGET_MS = 4.0
 """Floor of the *default* budget. On small models 25% of a step is 0.3-1.5 ms, a few dozen
 exact evaluations in Python. Measured on 1000 random 2-4 request x 8-16 layer batches (README.md,
-CPU clock): with 25% alone 4.4% of plans were more than 1% above the optimum (worst 27%); with
+CPU clock): with 25% alone 5% of plans were more than 1% above the optimum (worst 21%); with
 this floor none were (all optimal), while the median plan still takes ~0.45 ms because the search
 stops once it has proved its plan optimal (p99 3.3 ms). Planning runs one step ahead on the
 controller's thread (OrbitFlow §3.3), so a plan slower than a short step arrives a report later
