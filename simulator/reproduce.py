@@ -89,6 +89,29 @@ def _by_seed(raw: list[Row]) -> dict[int, dict[str, Row]]:
 
 
 def _fig8a_checks(agg: list[Row], raw: list[Row]) -> list[str]:
+    out: list[str] = []
+    for scale in sorted({r["slo_scale"] for r in agg}):
+        out.append(f"- SLO scale {scale}:")
+        out += ["  " + line for line in _fig8a_scale_checks(
+            [r for r in agg if r["slo_scale"] == scale],
+            [r for r in raw if r["slo_scale"] == scale])]
+    return out
+
+
+def _fig14c_checks(agg: list[Row], raw: list[Row]) -> list[str]:
+    sel = {r["policy"]: r for r in agg}
+    rules = [p for p in ("orbitflow", "orbitflow-longest", "orbitflow-shortest",
+                         "orbitflow-random") if p in sel]
+    if not rules:
+        return []
+    best = max(rules, key=lambda p: sel[p]["tbt_attainment"])
+    return [f"- best rule by mean TBT: {best} ("
+            + ", ".join(f"{p} {_pct(sel[p]['tbt_attainment'])}" for p in rules)
+            + f"); paper: longest ({'PASS' if best in ('orbitflow', 'orbitflow-longest') else 'FAIL'}"
+            ": largest/longest best)"]
+
+
+def _fig8a_scale_checks(agg: list[Row], raw: list[Row]) -> list[str]:
     sel = {r["policy"]: r for r in agg}
     if "orbitflow" not in sel:
         return []
@@ -201,14 +224,17 @@ def _plot(name: str, rows: list[Row], path: Path) -> None:
                    ("slo_goodput_req_per_min", "SLO goodput req/min", 1.0),
                    ("ttft_p99_ms", "P99 TTFT s", 1e-3)]
         fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 4), squeeze=False)
+        scales = {r.get("slo_scale") for r in rows}
         pols = [r["policy"] for r in rows]
+        labels = [p + (f" @{r['slo_scale']}" if len(scales) > 1 else "")
+                  for p, r in zip(pols, rows, strict=True)]
         for ax, (met, label, sc) in zip(axes[0], metrics, strict=True):
             vals = [(r.get(met) or 0.0) * sc for r in rows]
             errs = [(r.get(f"{met}_sd") or 0.0) * sc for r in rows]
             colors = ["tab:gray" if p in (VANILLA, "no-offload") else
                       "tab:red" if p in ("orbitflow", "kvplane") else "tab:blue" for p in pols]
             ax.bar(range(len(pols)), vals, yerr=errs, color=colors, capsize=3)
-            ax.set_xticks(range(len(pols)), pols, rotation=60, ha="right", fontsize=7)
+            ax.set_xticks(range(len(pols)), labels, rotation=60, ha="right", fontsize=7)
             ax.set_title(label, fontsize=9)
             ax.grid(alpha=0.3, axis="y")
     elif name == "orbitflow-table1":
@@ -256,6 +282,7 @@ def _write(name: str, raw: list[Row], out_dir: Path, meta: Row) -> Path:
     checks: list[str] = {
         "orbitflow-fig8a": _fig8a_checks,
         "orbitflow-fig14a": _fig14a_checks,
+        "orbitflow-fig14c": _fig14c_checks,
         "kvplane-combined": _kvplane_checks,
     }.get(name, lambda agg, raw: [])(agg, raw)
     if name == "layerkv-ttft":
