@@ -47,8 +47,9 @@ class LayeredKVArgs:
     """``embedded`` (in-process controller) or ``grpc://HOST:PORT`` (remote service)."""
     kv_policy: str | None = None
     """Policy file (JSON/YAML) loaded at start; must exist."""
-    kv_host_pool_gb: float = 4.0
-    """Host (pinned on CUDA) KV pool size in GB (1e9 bytes), in (0, 65536]."""
+    kv_host_pool_gb: float | None = None
+    """Cap on the host (pinned on CUDA) KV pool in GB (1e9 bytes), in (0, 65536]; None (the
+    default) sizes it to what the pool needs, checked against the host's available memory."""
     kv_scheduler: str = "fcfs"
     """Admission/rotation scheduler: fcfs, layerkv (LayerKV §3.1) or lvf (SuperInfer §4.2)."""
     kv_pacing: str = "on"
@@ -89,7 +90,9 @@ class LayeredKVArgs:
                 "is out of range [1, 65535]"
             )
         gb = self.kv_host_pool_gb
-        if isinstance(gb, bool) or not isinstance(gb, int | float) or not 0 < gb <= MAX_HOST_POOL_GB:
+        if gb is not None and (
+            isinstance(gb, bool) or not isinstance(gb, int | float) or not 0 < gb <= MAX_HOST_POOL_GB
+        ):
             raise ValueError(
                 f"--kv-host-pool-gb={gb!r} is out of range (0, {MAX_HOST_POOL_GB}] (GB)"
             )
@@ -235,7 +238,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> bool:
         "--kv-host-pool-gb",
         type=float,
         default=_DEFAULTS.kv_host_pool_gb,
-        help=f"Host KV pool size in GB, (0, {MAX_HOST_POOL_GB}].",
+        help=f"Cap on the host KV pool in GB, (0, {MAX_HOST_POOL_GB}]; default: what the pool "
+        "needs (every layer of --max-total-tokens), checked against the host's available memory.",
     )
     group.add_argument(
         "--kv-scheduler",

@@ -262,19 +262,24 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
 
 
 try:  # GPU path: import-guarded (flashinfer needs CUDA)
-    from sglang_ext.dataplane.flashinfer_attention import HAVE_FLASHINFER, FlashInferLayeredDecode
+    from sglang_ext.dataplane.flashinfer_attention import (
+        HAVE_FLASHINFER,
+        AttentionParams,
+        FlashInferLayeredDecode,
+    )
 except Exception:  # noqa: BLE001
     HAVE_FLASHINFER = False
-    FlashInferLayeredDecode = None  # type: ignore[assignment,misc]
+    FlashInferLayeredDecode = AttentionParams = None  # type: ignore[assignment,misc]
 
 
 class LayeredFlashInferDecode(LayeredTorchNativeAttnBackend):
     """GPU: decode through FlashInfer over the step's per-layer page tables; extend through the
     torch path.
 
-    One FlashInfer plan per step (every layer has the same page counts: a host-only page is
-    staged into the request's staging slot); per layer the page ids are row ``l`` of the step's
-    one ``[L, n]`` table tensor, uploaded once (:class:`~sglang_ext.dataplane.step_tables.StepTables`).
+    One FlashInfer plan per step and per distinct layer parameters (soft cap, sliding window:
+    every layer has the same page counts, a host-only page is staged into the request's staging
+    slot); per layer the page ids are row ``l`` of the step's one ``[L, n]`` table tensor,
+    uploaded once (:class:`~sglang_ext.dataplane.step_tables.StepTables`).
     Staging is always reserved (the pool makes room), so there is no fallback path. CUDA graphs
     are not used (tables change every step).
     """
@@ -285,7 +290,6 @@ class LayeredFlashInferDecode(LayeredTorchNativeAttnBackend):
             raise RuntimeError("LayeredFlashInferDecode needs CUDA and an importable flashinfer")
         self.flashinfer = FlashInferLayeredDecode(self.pool.store.device, self.pool.store.config.logical_pages)
         self._paged = False
-        self._planned = False
 
     steady_decode_fast_path = False  # decode goes through FlashInfer's per-step page tables
 
@@ -293,7 +297,7 @@ class LayeredFlashInferDecode(LayeredTorchNativeAttnBackend):
         decode = forward_batch.forward_mode.is_decode()
         self.pool.token_tables = not decode  # decode reads page tables, not token tables
         super().init_forward_metadata(forward_batch)
-        self._planned = False
+        self.flashinfer.new_step()
         self._paged = decode and self.pool.tables is not None and self.pool.tables.batch > 0
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):  # noqa: ANN001, ANN201
@@ -303,11 +307,11 @@ class LayeredFlashInferDecode(LayeredTorchNativeAttnBackend):
         if save_kv_cache and k is not None and v is not None:
             self.pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
         view = self._view(layer.layer_id - self.pool.start_layer)
-        if not self._planned:
-            self.flashinfer.plan(view, layer.tp_q_head_num, sm_scale=layer.scaling)
-            self._planned = True
+        params = AttentionParams.of_layer(layer, layer.tp_q_head_num)  # soft cap, sliding window
+        if not self.flashinfer.planned(params):
+            self.flashinfer.plan(view, layer.tp_q_head_num, params=params)
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim).to(view.k_cache.dtype)
-        out = self.flashinfer.run(q3, view)
+        out = self.flashinfer.run(q3, view, params)
         self._end_layer(layer.layer_id)
         return out.to(q.dtype).reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 

@@ -39,6 +39,7 @@ import torch
 from sglang_ext import settings
 from sglang_ext.args import LayeredKVArgs
 from sglang_ext.compat import MHATokenToKVPool, unwrap_write_loc
+from sglang_ext.dataplane.host_pool import available_host_bytes, host_pool_limit
 from sglang_ext.dataplane.layer_page_moves import LayerPageMoves
 from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
 from sglang_ext.dataplane.slot_kv_store import SlotStoreConfig
@@ -112,13 +113,8 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
             dtype=self.store_dtype,
             device=str(self.device),
         )
-        host_limit = self._layered_args.kv_host_pool_gb * _GB
-        if config.host_bytes > host_limit:
-            raise ValueError(
-                f"--kv-host-pool-gb={self._layered_args.kv_host_pool_gb}: the host pool must hold every "
-                f"layer of {logical_pages} pages = {config.host_bytes / _GB:.3f} GB; raise it or lower "
-                "--max-total-tokens"
-            )
+        host_pool_limit(config.host_bytes, self._layered_args.kv_host_pool_gb, available_host_bytes(),
+                        what=f"every layer of {logical_pages} pages of {self.page_size} tokens")
         self.core = LayeredKVCore(config, on_moves=self._emit_moves)
         self.store = self.core.store
         self.residency = self.core.residency

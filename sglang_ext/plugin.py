@@ -18,7 +18,10 @@ Always (flag on or off):
   (a bad value exits the launcher with a message naming the flag), implies
   ``--radix-cache-backend layered`` and exports the options to the subprocesses in
   ``KVPLANE_LAYERED_KV_ARGS``, and SGLang's ``--log-level`` in ``KVPLANE_LOG_LEVEL``
-  unless set (:mod:`sglang_ext.logs`). With the flag off it only removes the options variable.
+  unless set (:mod:`sglang_ext.logs`); SGLang options the layered pool cannot serve with are
+  refused and the ones it needs are set, in one line on stderr
+  (:class:`~sglang_ext.launch_decision.LaunchDecision`: attention backend, CUDA graphs,
+  ``--disable-overlap-schedule``). With the flag off it only removes the options variable.
 - AFTER ``runtime_context.publish``: on ``--device cpu`` switch SGLang's rotary layer to
   its CPU path (``rotary_embedding.base._is_cpu``) in this process.
 - AROUND ``TokenizerManager._stream_one_response``: token-deposit pacing of streamed
@@ -32,6 +35,9 @@ launcher spawns after parsing):
 - ``register_radix_cache_backend("layered", ...)``: :class:`LayeredRadixCache`.
 - AFTER ``mem_cache.allocation.alloc_for_extend`` / ``alloc_for_decode``: attribute new
   KV blocks to requests for the residency hooks.
+- AROUND ``models.utils.enable_fused_set_kv_buffer``: False over the layered pool (models that
+  fuse the KV write into rotary, e.g. Qwen3-MoE and gpt-oss on CUDA, write through
+  ``set_kv_buffer`` instead).
 
 Without the flag nothing of kvplane is swapped in: SGLang runs its default tree cache,
 pool and attention backend (tests/sglang/test_vanilla_server.py checks it).
@@ -42,11 +48,13 @@ Loaded in every SGLang process: module-level imports stay light (no torch, no SG
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from sglang_ext import args as kv_args
 from sglang_ext import compat, logs, settings
 from sglang_ext.context import PluginContext
+from sglang_ext.launch_decision import LaunchDecision, LaunchRefused
 
 
 def switch_rotary_to_cpu() -> None:
@@ -119,6 +127,23 @@ def _around_resolve_kv_pool_class(original: Any, self: Any, *args: Any, **kwargs
     return original(self, *args, **kwargs)
 
 
+def _around_enable_fused_set_kv_buffer(original: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``models.utils.enable_fused_set_kv_buffer``: never fuse the KV write into rotary
+    under a layered attention backend (the fused kernel writes through ``get_key_buffer`` views
+    indexed by slot, which the layered pool does not have in its staged layout, and skips its
+    dirty tracking); the model then writes through ``set_kv_buffer`` as on every other path.
+    Other backends keep SGLang's answer."""
+    from sglang_ext.layered_attention import LayeredTorchNativeAttnBackend
+
+    try:
+        backend = compat.resolve(compat.GET_ATTN_BACKEND.path)()
+    except Exception:  # no forward context (not inside a forward): SGLang's answer
+        backend = None
+    if isinstance(backend, LayeredTorchNativeAttnBackend):
+        return False
+    return original(forward_batch, *args, **kwargs)
+
+
 def _swap_attention_backends() -> None:
     """Replace ``torch_native`` (and ``flashinfer`` where importable) with the layered variants."""
     from sglang_ext.layered_attention import (
@@ -176,9 +201,15 @@ class KvplanePlugin:
                 raise SystemExit("kvplane: --enable-layered-kv cannot be combined with --disable-radix-cache")
             if ctx.env_error is not None:
                 raise SystemExit(f"kvplane: {ctx.env_error}")
-            # Plans are installed at step boundaries (sglang_ext/scheduler_hooks.py): the overlap
-            # loop has none, so the flag implies --disable-overlap-schedule.
-            namespace.disable_overlap_schedule = True
+            # backends, CUDA graphs, KV dtype, unsupported features; --disable-overlap-schedule
+            # (plans are installed at step boundaries, which the overlap loop does not have)
+            try:
+                decision = LaunchDecision.decide(vars(namespace))
+            except LaunchRefused as exc:
+                raise SystemExit(f"kvplane: {exc}") from None
+            decision.apply(namespace)
+            if decision.notes:
+                print("kvplane: --enable-layered-kv implies " + "; ".join(decision.notes), file=sys.stderr)
             try:
                 settings.export_log_level(getattr(namespace, "log_level", None))
             except ValueError as exc:
@@ -240,6 +271,9 @@ class KvplanePlugin:
         hook_registry.register(compat.ALLOC_FOR_DECODE.path, _after_alloc_for_decode, hook_type.AFTER)
         hook_registry.register(
             compat.KV_POOL_CLASS_RESOLVER.path, _around_resolve_kv_pool_class, hook_type.AROUND
+        )
+        hook_registry.register(
+            compat.ENABLE_FUSED_SET_KV_BUFFER.path, _around_enable_fused_set_kv_buffer, hook_type.AROUND
         )
         _swap_attention_backends()
         from sglang_ext import scheduler_hooks

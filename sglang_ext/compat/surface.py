@@ -288,6 +288,13 @@ GROUP_COORDINATOR = Target(f"{_SRT}.distributed.parallel_state.GroupCoordinator"
 BROADCAST_PYOBJ = Target(f"{_SRT}.utils.common.broadcast_pyobj", params=("data", "rank"),
                          keyword=("dist_group", "src"), used_by=("tp_sync",))
 
+ENABLE_FUSED_SET_KV_BUFFER = Target(f"{_SRT}.models.utils.enable_fused_set_kv_buffer", params=("forward_batch",),
+                                    used_by=("plugin",))
+"""Models such as Qwen3-MoE and gpt-oss fuse the KV write into rotary on CUDA with a bf16 pool,
+through ``get_key_buffer`` (flat buffers the layered pool does not have): hooked to say no then."""
+GET_ATTN_BACKEND = Target(f"{_SRT}.model_executor.forward_context.get_attn_backend", used_by=("plugin",))
+"""The forward's attention backend (what ``enable_fused_set_kv_buffer`` reaches the pool through)."""
+
 # ----- testing -----------------------------------------------------------------------------------
 
 LAUNCH_SERVER = Target("sglang.launch_server", used_by=("testing.server",))

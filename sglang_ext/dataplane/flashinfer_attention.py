@@ -2,14 +2,26 @@
 
 Every layer of a request has the same number of pages ``b_r`` (resident blocks or the staging
 slot), so ``kv_indptr`` and ``last_page_len`` -- everything FlashInfer's ``plan`` schedules on --
-are identical for all layers: **one plan per step serves every layer**, whatever the residency
-pattern (the per-layer-group plans OrbitFlow's distance-driven layouts would need collapse to
-one). Only the page ids differ per layer; they are copied into the wrapper's user-owned indices
-buffer (the CUDA-graph buffer mode, where updating buffer contents between runs is the
-supported pattern) before each layer's ``run``.
+are identical for all layers: **one plan per step serves every layer** with the same attention
+parameters, whatever the residency pattern (the per-layer-group plans OrbitFlow's
+distance-driven layouts would need collapse to one). Only the page ids differ per layer; they
+are copied into the wrapper's user-owned indices buffer (the CUDA-graph buffer mode, where
+updating buffer contents between runs is the supported pattern) before each layer's ``run``.
+
+Layers whose attention parameters differ (Gemma-2's alternating sliding-window and global
+layers, soft-capped logits) get one plan per distinct :class:`AttentionParams` per step.
+
+Bounded memory: wrappers (each holds FlashInfer's own int workspace, 8 MiB device + 8 MiB
+pinned) are kept for at most :data:`MAX_WRAPPERS` (batch size, parameters) keys, least recently
+used dropped first; the float workspace is shared. The indices buffers grow (to the next power
+of two) when a step's batch lists more pages than they hold -- requests sharing a prefix list
+its pages once each, so a step may list more pages than the pool has.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
@@ -24,11 +36,46 @@ except Exception:  # noqa: BLE001 - flashinfer may fail to import without CUDA
     HAVE_FLASHINFER = False
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
-"""FlashInfer float workspace (its recommended size)."""
+"""FlashInfer float workspace (its recommended size), shared by every wrapper."""
+
+MAX_WRAPPERS = 8
+"""(batch size, parameters) keys whose wrappers are kept (least recently used dropped)."""
+
+
+@dataclass(frozen=True)
+class AttentionParams:
+    """The per-layer attention parameters a FlashInfer decode plan fixes."""
+
+    num_qo_heads: int
+    sm_scale: float | None = None
+    logits_soft_cap: float = 0.0
+    """``cap * tanh(logits / cap)`` when > 0 (Gemma-2, Grok); 0 is off."""
+    window_left: int = -1
+    """Attend to the last ``window_left + 1`` tokens (sliding window); -1 is off."""
+
+    @classmethod
+    def of_layer(cls, layer: object, num_qo_heads: int) -> AttentionParams:
+        """From SGLang's ``RadixAttention`` (``scaling``, ``logit_cap``, ``sliding_window_size``)."""
+        cap = float(getattr(layer, "logit_cap", 0.0) or 0.0)
+        window = getattr(layer, "sliding_window_size", -1)
+        return cls(
+            num_qo_heads=num_qo_heads,
+            sm_scale=getattr(layer, "scaling", None),
+            logits_soft_cap=cap if cap > 0 else 0.0,
+            window_left=int(window) if window is not None and int(window) >= 0 else -1,
+        )
+
+
+def grown(capacity: int, needed: int) -> int:
+    """Capacity for ``needed`` entries: unchanged if it suffices, else the next power of two."""
+    if needed <= capacity:
+        return capacity
+    return 1 << max(0, needed - 1).bit_length()
 
 
 class FlashInferLayeredDecode:
-    """Batch decode over a :class:`LayeredKVCache` step with one FlashInfer plan per step."""
+    """Batch decode over the served core's per-step tables, one FlashInfer plan per step and
+    per distinct :class:`AttentionParams`."""
 
     def __init__(self, device: torch.device | str, max_pages: int) -> None:
         if not HAVE_FLASHINFER:
@@ -36,52 +83,84 @@ class FlashInferLayeredDecode:
         self.device = torch.device(device)
         if self.device.type != "cuda":
             raise ValueError(f"FlashInferLayeredDecode needs a CUDA device, got {self.device}")
-        self.max_pages = max_pages
+        self.max_pages = max(1, max_pages)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self._wrappers: dict[int, tuple[object, torch.Tensor]] = {}
-        self._planned: tuple[object, torch.Tensor] | None = None
+        self._wrappers: OrderedDict[tuple[int, AttentionParams], tuple[object, torch.Tensor]] = OrderedDict()
+        self._planned: dict[AttentionParams, tuple[object, torch.Tensor]] = {}
 
-    def _wrapper(self, batch: int) -> tuple[object, torch.Tensor]:
-        if batch not in self._wrappers:
-            indices = torch.zeros(self.max_pages, dtype=torch.int32, device=self.device)
-            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace,
-                "NHD",
-                use_cuda_graph=True,
-                use_tensor_cores=True,
-                paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device=self.device),
-                paged_kv_indices_buffer=indices,
-                paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=self.device),
-            )
-            self._wrappers[batch] = (w, indices)
-        return self._wrappers[batch]
+    def _wrapper(self, batch: int, params: AttentionParams) -> tuple[object, torch.Tensor]:
+        key = (batch, params)
+        if key in self._wrappers:
+            self._wrappers.move_to_end(key)
+            return self._wrappers[key]
+        while len(self._wrappers) >= MAX_WRAPPERS:
+            self._wrappers.popitem(last=False)
+        indices = torch.zeros(self.max_pages, dtype=torch.int32, device=self.device)
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace,
+            "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=True,
+            paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device=self.device),
+            paged_kv_indices_buffer=indices,
+            paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=self.device),
+        )
+        self._wrappers[key] = (w, indices)
+        return w, indices
 
-    def plan(self, view: LayerView, num_qo_heads: int, sm_scale: float | None = None) -> None:
-        """Plan once per step from any layer's view (all layers share indptr and lengths)."""
+    @property
+    def wrappers(self) -> int:
+        """Wrappers held now (at most :data:`MAX_WRAPPERS`)."""
+        return len(self._wrappers)
+
+    def new_step(self) -> None:
+        """Forget the previous step's plans (the next ``run`` of each parameter set plans)."""
+        self._planned.clear()
+
+    def plan(self, view: LayerView, num_qo_heads: int, sm_scale: float | None = None,
+             params: AttentionParams | None = None) -> AttentionParams:
+        """Plan this step for ``params`` (default: plain attention with ``num_qo_heads`` and
+        ``sm_scale``) from any layer's view (all layers share indptr and lengths)."""
+        if params is None:
+            params = AttentionParams(num_qo_heads=num_qo_heads, sm_scale=sm_scale)
         _, page_size, num_kv_heads, head_dim = view.k_cache.shape
         batch = view.kv_lens.numel()
-        if view.kv_indices.numel() > self.max_pages:
-            raise ValueError(f"{view.kv_indices.numel()} pages exceed max_pages = {self.max_pages}")
-        w, indices = self._wrapper(batch)
+        needed = grown(self.max_pages, int(view.kv_indices.numel()))
+        if needed != self.max_pages:  # shared-prefix pages listed per request: grow, re-create
+            self.max_pages = needed
+            self._wrappers.clear()
+            self._planned.clear()
+        w, indices = self._wrapper(batch, params)
         w.plan(
             view.kv_indptr,
             view.kv_indices,
             view.last_page_len,
-            num_qo_heads,
+            params.num_qo_heads,
             num_kv_heads,
             head_dim,
             page_size,
+            window_left=params.window_left,
+            logits_soft_cap=params.logits_soft_cap or None,
             q_data_type=view.k_cache.dtype,
             kv_data_type=view.k_cache.dtype,
-            sm_scale=sm_scale,
+            sm_scale=params.sm_scale,
         )
-        self._planned = (w, indices)
+        self._planned[params] = (w, indices)
+        return params
 
-    def run(self, q: torch.Tensor, view: LayerView) -> torch.Tensor:
-        """Decode attention of ``view.layer`` for q ``[B, Hq, D]``."""
-        if self._planned is None:
+    def planned(self, params: AttentionParams) -> bool:
+        return params in self._planned
+
+    def run(self, q: torch.Tensor, view: LayerView, params: AttentionParams | None = None) -> torch.Tensor:
+        """Decode attention of ``view.layer`` for q ``[B, Hq, D]`` with the plan of ``params``
+        (default: the only plan of this step)."""
+        if params is None:
+            if len(self._planned) != 1:
+                raise RuntimeError(f"FlashInferLayeredDecode.run: {len(self._planned)} plans, name one")
+            params = next(iter(self._planned))
+        if params not in self._planned:
             raise RuntimeError("FlashInferLayeredDecode.run before plan")
-        w, indices = self._planned
+        w, indices = self._planned[params]
         n = view.kv_indices.numel()
         indices[:n].copy_(view.kv_indices, non_blocking=True)
         return w.run(q, (view.k_cache, view.v_cache))

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from sglang_ext.dataplane.block_allocator import BlockAllocator, IdentityPages
+from sglang_ext.dataplane.host_pool import allocate_host_pool
 from sglang_ext.dataplane.transfer_engine import TransferEngine, make_transfer_engine
 
 DIRTY_LOG_COMPACT = 1 << 16
@@ -106,9 +107,9 @@ class SlotKVStore:
         each layer is one contiguous slice readable in place with SGLang's slot ids, and a
         host-only layer-page is staged at its own identity page."""
         self.pages_total = c.layers * c.logical_pages if self.identity else c.device_pages
-        pin = self.device.type == "cuda"
-        self.host = torch.zeros(
-            (c.logical_pages, c.layers, 2, c.page_size, c.kv_heads, c.head_dim), dtype=c.dtype, pin_memory=pin
+        self.host = allocate_host_pool(  # pinned at exactly its size on CUDA (host_pool.py)
+            (c.logical_pages, c.layers, 2, c.page_size, c.kv_heads, c.head_dim), c.dtype,
+            pin=self.device.type == "cuda",
         )
         self.dev = torch.zeros((2, self.pages_total, c.page_size, c.kv_heads, c.head_dim), dtype=c.dtype,
                                device=self.device)

@@ -21,6 +21,7 @@ def test_defaults_are_off_and_embedded():
     assert args == LayeredKVArgs()
     assert not args.enable_layered_kv and args.kv_control_plane == "embedded"
     assert args.kv_scheduler == "fcfs" and args.pacing
+    assert args.kv_host_pool_gb is None  # sized to what the pool needs (checked at start)
 
 
 def test_full_flag_set_parses(tmp_path):

@@ -108,3 +108,48 @@ def test_flashinfer_decode_over_layered_tables_matches_dense():
             torch.testing.assert_close(out[b : b + 1], dense_attention(q[b : b + 1], k, v), atol=2e-2, rtol=2e-2)
         pool.exit_layer(layer)
     assert pool.tables is None
+
+
+def _capped_windowed(q, k, v, scale, cap, window):  # noqa: ANN001, ANN202
+    """fp32 reference: GQA decode with ``cap * tanh(x / cap)`` logits and a left window."""
+    rep = q.shape[1] // k.shape[1]
+    kf, vf = k.float().repeat_interleave(rep, 1), v.float().repeat_interleave(rep, 1)
+    logits = torch.einsum("hd,nhd->hn", q[0].float(), kf) * scale
+    if cap > 0:
+        logits = cap * torch.tanh(logits / cap)
+    if window >= 0:
+        logits[:, : max(0, k.shape[0] - window - 1)] = float("-inf")
+    return torch.einsum("hn,nhd->hd", torch.softmax(logits, -1), vf)[None]
+
+
+@pytest.mark.skipif(not HAVE_FLASHINFER, reason="flashinfer not importable")
+def test_flashinfer_plans_soft_cap_and_window_per_layer_and_bounds_wrappers():
+    """Layers with different soft caps / windows (Gemma-2 style) each get their plan; outputs
+    match an fp32 reference; the wrappers stay bounded over many batch sizes."""
+    from sglang_ext.dataplane.flashinfer_attention import MAX_WRAPPERS, AttentionParams
+
+    pool = make_cuda_pool(budget_tokens=PAGE * 64)
+    slots = fill(pool, {"a": 100, "b": 37})
+    pool.prepare_step([(rid, slots[rid].cpu()) for rid in ("a", "b")], None, [0, 0])
+    tables = pool.tables
+    decode = FlashInferLayeredDecode("cuda", max_pages=1)  # grows on the first plan
+    decode.new_step()
+    settings = [(0.0, -1), (30.0, -1), (0.0, 15), (50.0, 31)]
+    scale = DIM ** -0.5
+    for layer, (cap, window) in enumerate(settings):
+        pool.enter_layer(layer)
+        view = LayerView(layer, pool.store.dev[0], pool.store.dev[1], tables.kv_indptr, tables.tab[layer],
+                         tables.kv_lens, tables.last_page_len, ("a", "b"))
+        params = AttentionParams(num_qo_heads=Q_HEADS, sm_scale=scale, logits_soft_cap=cap, window_left=window)
+        decode.plan(view, Q_HEADS, params=params)
+        q = torch.randn((2, Q_HEADS, DIM), device="cuda", dtype=torch.bfloat16)
+        out = decode.run(q, view, params)
+        for b, rid in enumerate(("a", "b")):
+            k, v = pool.shadow[(rid, layer)]
+            want = _capped_windowed(q[b : b + 1], k, v, scale, cap, window)
+            torch.testing.assert_close(out[b : b + 1].float(), want, atol=3e-2, rtol=3e-2)
+        pool.exit_layer(layer)
+    assert decode.max_pages >= int(tables.tab.shape[1])  # grown from 1 to hold the step's pages
+    for batch in range(1, 3 * MAX_WRAPPERS):
+        decode._wrapper(batch, AttentionParams(num_qo_heads=Q_HEADS))
+    assert decode.wrappers == MAX_WRAPPERS

@@ -1,0 +1,156 @@
+"""``LaunchDecision``: what ``--enable-layered-kv`` implies for SGLang's other launch options, or
+a refusal naming the option it cannot serve with (issue 14, "GPU serving readiness").
+
+Decided in the launcher, from the parsed command line, before any process starts
+(:meth:`sglang_ext.plugin.KvplanePlugin.around_from_cli_args`), so a configuration the layered
+data plane cannot serve fails at once with a message that names the flag, instead of a scheduler
+crash on the first decode -- or worse, a backend that silently reads the flat KV buffers the
+layered pool does not have. SGLang-free: ``values`` is any mapping of SGLang's option names
+(``vars(namespace)``); tests build it by hand.
+
+Rules (each one names what would break):
+
+* **Attention backends.** The layered pool keeps KV in per-layer page tables, so only backends
+  that read them work: ``torch_native`` (CPU and CUDA) and ``flashinfer`` (CUDA, decode through
+  the step's per-layer page tables). With no ``--attention-backend`` SGLang would choose one
+  itself (``fa3`` on Hopper, which reads the flat buffers): kvplane chooses ``flashinfer`` on
+  CUDA, ``torch_native`` on CPU, and says so. A named unsupported backend (``--attention-backend``,
+  ``--decode-attention-backend`` or ``--prefill-attention-backend``) is refused.
+* **CUDA graphs.** A captured decode replays fixed metadata, but the layered tables, staging slots
+  and fetch launches change every step: capture is turned off (``--cuda-graph-backend-decode``
+  and ``--cuda-graph-backend-prefill disabled``, said in one line); an explicit request for a
+  capturing backend, or a ``--cuda-graph-config``, is refused.
+* **KV cache dtype.** Quantized KV caches (fp8, fp4, mxfp8) need scales the layered pool does not
+  keep: refused (``auto`` / ``bf16`` only).
+* **Speculative decoding, pipeline parallelism, HiCache, disaggregation**: refused (the pool's
+  KV copy for draft tokens, per-stage layer ranges, a second tier of its own, and transfer of
+  the flat buffers are not implemented).
+* ``--enable-layered-kv`` implies ``--disable-overlap-schedule`` (plans are installed at step
+  boundaries, which the overlap loop does not have): said in the same line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+LAYERED_BACKENDS: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "cuda": ("flashinfer", "torch_native"),
+    "cpu": ("torch_native",),
+})
+"""Attention backends that read the layered tables, per device."""
+
+DEFAULT_BACKEND: Mapping[str, str] = MappingProxyType({"cuda": "flashinfer", "cpu": "torch_native"})
+"""What kvplane picks when ``--attention-backend`` is not given."""
+
+UNQUANTIZED_KV_DTYPES = ("auto", "bf16", "bfloat16")
+"""``--kv-cache-dtype`` values the layered pool stores (the model's dtype or bf16)."""
+
+_BACKEND_FLAGS = (
+    ("attention_backend", "--attention-backend"),
+    ("decode_attention_backend", "--decode-attention-backend"),
+    ("prefill_attention_backend", "--prefill-attention-backend"),
+)
+_GRAPH_FLAGS = (
+    ("cuda_graph_backend_decode", "--cuda-graph-backend-decode"),
+    ("cuda_graph_backend_prefill", "--cuda-graph-backend-prefill"),
+)
+
+
+class LaunchRefused(ValueError):
+    """``--enable-layered-kv`` cannot serve with these options (the message names the option)."""
+
+
+@dataclass(frozen=True)
+class LaunchDecision:
+    """Options ``--enable-layered-kv`` sets on SGLang's namespace, and the line that says so."""
+
+    device: str
+    """``cuda`` or ``cpu`` (SGLang's ``--device``; unset means CUDA)."""
+    implied: tuple[tuple[str, Any], ...]
+    """``(option name, value)`` pairs to set on the namespace, in order."""
+    notes: tuple[str, ...]
+    """One sentence per implied option (logged at launch)."""
+
+    @classmethod
+    def decide(cls, values: Mapping[str, Any]) -> LaunchDecision:
+        """The decision for SGLang's parsed options ``values``; raises :class:`LaunchRefused`."""
+        device = str(values.get("device") or "cuda")
+        if device not in LAYERED_BACKENDS:
+            raise LaunchRefused(
+                f"--enable-layered-kv supports --device cuda or cpu, got --device {device}"
+            )
+        implied: list[tuple[str, Any]] = []
+        notes: list[str] = []
+        supported = LAYERED_BACKENDS[device]
+        for name, flag in _BACKEND_FLAGS:
+            chosen = values.get(name)
+            if chosen is not None and chosen not in supported:
+                raise LaunchRefused(
+                    f"{flag} {chosen} reads SGLang's flat KV buffers, which the layered KV pool does "
+                    f"not have; on {device} use {' or '.join(supported)} (or leave it unset)"
+                )
+        if values.get("attention_backend") is None:
+            implied.append(("attention_backend", DEFAULT_BACKEND[device]))
+            notes.append(
+                f"--attention-backend {DEFAULT_BACKEND[device]} (layered): SGLang's own choice "
+                "would read the flat KV buffers"
+            )
+        if values.get("cuda_graph_config") is not None:
+            raise LaunchRefused(
+                "--cuda-graph-config: CUDA graph capture is not supported with --enable-layered-kv "
+                "(the per-layer tables and fetches change every step); remove the option"
+            )
+        graphs_off = bool(values.get("disable_cuda_graph"))  # the deprecated --disable-cuda-graph
+        for name, flag in _GRAPH_FLAGS:
+            chosen = values.get(name)
+            if chosen is None:
+                if not graphs_off:
+                    implied.append((name, "disabled"))
+            elif chosen != "disabled":
+                raise LaunchRefused(
+                    f"{flag} {chosen}: CUDA graph capture is not supported with --enable-layered-kv "
+                    f"(the per-layer tables and fetches change every step); use {flag} disabled"
+                )
+        if any(name.startswith("cuda_graph_backend") for name, _ in implied):
+            notes.append("CUDA graphs off (--cuda-graph-backend-decode/prefill disabled): the "
+                         "layered tables change every step")
+        dtype = str(values.get("kv_cache_dtype") or "auto")
+        if dtype not in UNQUANTIZED_KV_DTYPES:
+            raise LaunchRefused(
+                f"--kv-cache-dtype {dtype}: quantized KV caches are not supported with "
+                f"--enable-layered-kv (use {' or '.join(UNQUANTIZED_KV_DTYPES)})"
+            )
+        cls._refuse_features(values)
+        if not values.get("disable_overlap_schedule"):
+            implied.append(("disable_overlap_schedule", True))
+            notes.append("--disable-overlap-schedule: plans are installed at step boundaries")
+        return cls(device=device, implied=tuple(implied), notes=tuple(notes))
+
+    @staticmethod
+    def _refuse_features(values: Mapping[str, Any]) -> None:
+        if values.get("speculative_algorithm"):
+            raise LaunchRefused(
+                f"--speculative-algorithm {values['speculative_algorithm']}: speculative decoding is "
+                "not supported with --enable-layered-kv"
+            )
+        if int(values.get("pp_size") or 1) > 1:
+            raise LaunchRefused("--pp-size > 1: pipeline parallelism is not supported with --enable-layered-kv")
+        if values.get("enable_hierarchical_cache"):
+            raise LaunchRefused(
+                "--enable-hierarchical-cache: HiCache is a second KV tier of its own; it cannot be "
+                "combined with --enable-layered-kv"
+            )
+        mode = values.get("disaggregation_mode")
+        if mode not in (None, "null"):
+            raise LaunchRefused(
+                f"--disaggregation-mode {mode}: prefill/decode disaggregation is not supported with "
+                "--enable-layered-kv"
+            )
+
+    def apply(self, namespace: Any) -> None:
+        """Set the implied options on SGLang's namespace."""
+        for name, value in self.implied:
+            setattr(namespace, name, value)

@@ -1,0 +1,91 @@
+"""LaunchDecision: what --enable-layered-kv implies for SGLang's options, or the refusal naming one.
+
+SGLang-free (the values are SGLang's option names as ``vars(namespace)`` holds them);
+``test_launch_validation.py`` runs the real launcher on a few of these."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from sglang_ext.launch_decision import LaunchDecision, LaunchRefused
+
+STOCK = {
+    "device": None, "attention_backend": None, "decode_attention_backend": None,
+    "prefill_attention_backend": None, "cuda_graph_config": None, "cuda_graph_backend_decode": None,
+    "cuda_graph_backend_prefill": None, "kv_cache_dtype": "auto", "speculative_algorithm": None,
+    "pp_size": 1, "enable_hierarchical_cache": False, "disaggregation_mode": "null",
+    "disable_overlap_schedule": False, "disable_cuda_graph": False,
+}
+"""SGLang 0.5.23's parsed defaults for these options (checked against the real parser in
+``test_stock_values_are_sglang_defaults``)."""
+
+
+def _decide(**changes):
+    return LaunchDecision.decide({**STOCK, **changes})
+
+
+def test_stock_values_are_sglang_defaults():
+    from sglang_ext import compat
+
+    parser = argparse.ArgumentParser()
+    compat.resolve(compat.SERVER_ARGS.path).add_cli_args(parser)
+    parsed = vars(parser.parse_args(["--model-path", "m"]))
+    assert {k: parsed[k] for k in STOCK} == STOCK
+
+
+def test_sglang_defaults_on_a_gpu_get_the_layered_flashinfer_backend_and_no_graphs():
+    """With SGLang's defaults on CUDA (where it would pick fa3 on Hopper) the server starts on the
+    layered FlashInfer decode, capture off, overlap loop off -- said in the notes."""
+    d = _decide()
+    assert d.device == "cuda"
+    assert dict(d.implied) == {
+        "attention_backend": "flashinfer", "cuda_graph_backend_decode": "disabled",
+        "cuda_graph_backend_prefill": "disabled", "disable_overlap_schedule": True,
+    }
+    assert len(d.notes) == 3 and "flashinfer" in d.notes[0]
+    ns = argparse.Namespace(**STOCK)
+    d.apply(ns)
+    assert ns.attention_backend == "flashinfer" and ns.cuda_graph_backend_decode == "disabled"
+
+
+def test_cpu_gets_torch_native_and_explicit_choices_are_kept():
+    assert dict(_decide(device="cpu").implied)["attention_backend"] == "torch_native"
+    d = _decide(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
+                disable_overlap_schedule=True)
+    assert d.implied == () and d.notes == ()  # negative control: nothing to imply, nothing said
+    d = _decide(attention_backend="torch_native", cuda_graph_backend_decode="disabled")
+    assert dict(d.implied) == {"cuda_graph_backend_prefill": "disabled", "disable_overlap_schedule": True}
+
+
+@pytest.mark.parametrize(
+    ("changes", "names"),
+    [
+        ({"attention_backend": "fa3"}, "--attention-backend fa3"),
+        ({"attention_backend": "triton"}, "--attention-backend triton"),
+        ({"decode_attention_backend": "trtllm_mha"}, "--decode-attention-backend trtllm_mha"),
+        ({"prefill_attention_backend": "fa4"}, "--prefill-attention-backend fa4"),
+        ({"device": "cpu", "attention_backend": "flashinfer"}, "on cpu use torch_native"),
+        ({"device": "cpu", "attention_backend": "intel_amx"}, "--attention-backend intel_amx"),
+        ({"device": "xpu"}, "--device xpu"),
+        ({"cuda_graph_backend_decode": "full"}, "use --cuda-graph-backend-decode disabled"),
+        ({"cuda_graph_backend_prefill": "breakable"}, "use --cuda-graph-backend-prefill disabled"),
+        ({"cuda_graph_config": {"decode": {"backend": "full"}}}, "--cuda-graph-config"),
+        ({"kv_cache_dtype": "fp8_e4m3"}, "--kv-cache-dtype fp8_e4m3"),
+        ({"kv_cache_dtype": "nvfp4"}, "--kv-cache-dtype nvfp4"),
+        ({"speculative_algorithm": "EAGLE"}, "--speculative-algorithm EAGLE"),
+        ({"pp_size": 2}, "--pp-size"),
+        ({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache"),
+        ({"disaggregation_mode": "decode"}, "--disaggregation-mode decode"),
+    ],
+)
+def test_unservable_options_are_refused_by_name(changes, names):
+    with pytest.raises(LaunchRefused) as err:
+        _decide(**changes)
+    assert names in str(err.value)
+
+
+@pytest.mark.parametrize("dtype", ["auto", "bf16", "bfloat16"])
+def test_unquantized_kv_dtypes_pass(dtype):
+    assert _decide(kv_cache_dtype=dtype).device == "cuda"
