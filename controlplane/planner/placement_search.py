@@ -74,6 +74,9 @@ class PlacementSearch:
         self.best_ms = math.inf
         self.best_src = ""
         self.seen: set[tuple[int, ...]] = set()
+        self.runners_up: list[tuple[float, tuple[int, ...]]] = []
+        """The three best assignments evaluated (exact step, assignment), warm starts for
+        another window of the same requests."""
         self._done: set[str] = set()
         self._optimal = False
         self._mip: MipStage | None = None
@@ -104,6 +107,10 @@ class PlacementSearch:
         self.seen.add(key)
         bar = self.best_ms * (1 - min_gain)
         t = self.ev.exact_ms(key, bar if self.best else math.inf)
+        if t < math.inf:
+            self.runners_up.append((t, key))
+            self.runners_up.sort()
+            del self.runners_up[3:]
         if t < bar or (self.best is None and t < math.inf):
             self.best, self.best_ms, self.best_src = key, t, src
             if self.target_ms is not None and t <= self.target_ms:

@@ -56,9 +56,9 @@ points of optimality gap (see README.md)."""
 DEFAULT_MIN_BUDGET_MS = 4.0
 """Floor of the *default* budget. On small models 25% of a step is 0.3-1.5 ms, a few dozen
 exact evaluations in Python. Measured on 1000 random 2-4 request x 8-16 layer batches (README.md,
-CPU clock): with 25% alone 5% of plans were more than 1% above the optimum (worst 21%); with
+CPU clock): with 25% alone 4% of plans were more than 1% above the optimum (worst 21%); with
 this floor none were (all optimal), while the median plan still takes ~0.45 ms because the search
-stops once it has proved its plan optimal (p99 3.3 ms). Planning runs one step ahead on the
+stops once it has proved its plan optimal (p99 3.1 ms). Planning runs one step ahead on the
 controller's thread (OrbitFlow §3.3), so a plan slower than a short step arrives a report later
 rather than stalling the GPU."""
 
@@ -389,6 +389,8 @@ class Planner:
     @staticmethod
     def _assigns(solved: _Solved, more: Sequence[tuple[int, ...]] = ()) -> list[tuple[int, ...]]:
         out = [] if solved.result is None else [solved.result.assign]
+        if solved.search is not None:
+            out += [a for _, a in solved.search.runners_up if a not in out]
         return out + [a for a in more if a not in out]
 
     # --- pausing ------------------------------------------------------------------------
