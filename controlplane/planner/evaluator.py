@@ -95,7 +95,6 @@ class Evaluator:
         # suffix[l]: compute of layers l..L-1 (what must still run once layer l may start).
         self.suffix = [self.compute_ms - p for p in prefix]
         self.mem = [[b * u for u in cands.mem_units] for b in self.blocks]
-        self.volume = [[b * m for m in cands.counts] for b in self.blocks]
         cache = {} if chain_cache is None else chain_cache
         self.chain = []
         for b in self.blocks:
