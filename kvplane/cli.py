@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("kvplane.demo", "the main job: a short demo on an embedded control plane"),
     "sim": ("simulator.cli", "discrete-event serving simulator"),
     "profile": ("sglang_ext.tools.profile_cmd", "measure per-layer compute and H2D/D2H bandwidth (GPU)"),
+    "gpu-check": ("sglang_ext.tools.gpu_check", "prove the GPU path: gpu tests + the served core at Llama-3-8B shapes (GPU; --device cpu dry run)"),
 }
 
 # `kvplane bench NAME`: name -> (module, one-line help)

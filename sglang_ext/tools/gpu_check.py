@@ -1,0 +1,134 @@
+"""`kvplane gpu-check`: one command that proves kvplane's GPU path on a GPU host (issue 14, item 6).
+
+1. Every ``gpu``-marked test of the repository (:class:`GpuTestRun`: pass / fail / skip counts).
+2. The served core (``LayeredKVCore``, SGLang-free) at Llama-3-8B shapes with placements from the
+   real planner (:class:`CoreCheck`): layered attention vs a dense reference; step time
+   all-resident vs half-offloaded; measured stall vs the placement model; batched block-first H2D
+   vs one contiguous pinned copy; H2D + D2H together vs one direction; host syncs per step inside
+   layers; kvplane's CPU time per step as a share of the all-resident step -- each with its
+   target and PASS / FAIL / N/A (:mod:`.gpu_check_report`).
+3. JSON and Markdown under ``benchmarks/results/gpu/gpu-check-<machine>.{json,md}``.
+
+It never imports SGLang (the GPU host has torch, Triton and nvcc; FlashInfer's wheel may be
+brought, SGLang's may not). ``--device cpu`` is the dry run: the same code at the ``small``
+shapes on one intra-op thread, labelled CPU, transfer and timing figures N/A. Exit status: 0 when nothing failed,
+1 when a test or a figure failed, 2 without CUDA unless ``--device cpu``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import platform
+import shlex
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from sglang_ext.dataplane.bench_env import NO_GPU_EXIT, describe_device, resolve_device
+from sglang_ext.tools.gpu_check_config import PRESETS, GpuCheckConfig
+from sglang_ext.tools.gpu_check_measure import CoreCheck
+from sglang_ext.tools.gpu_check_report import Figure, GpuCheckReport
+from sglang_ext.tools.gpu_check_tests import REPO_ROOT, GpuTestRun
+
+RESULTS_DIR = "benchmarks/results/gpu"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
+                        help="auto = cuda if available, else refuse (exit 2); cpu = the dry run (labelled CPU)")
+    parser.add_argument("--shapes", default="auto", choices=("auto", *PRESETS),
+                        help="auto = llama3-8b on CUDA, small on the CPU")
+    parser.add_argument("--attention", default="auto", choices=("auto", "flashinfer", "triton", "torch"),
+                        help="the timed steps' attention (auto: flashinfer if importable, else triton; "
+                        "torch on the CPU); the accuracy check runs every available one")
+    for name, help_text in (("layers", "override the preset's layers"), ("requests", "override the batch size"),
+                            ("context-min", "override the shortest context"),
+                            ("context-max", "override the longest context"),
+                            ("repeat", "timed steps per figure (median)")):
+        parser.add_argument(f"--{name}", type=int, default=None, help=help_text)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--skip-tests", action="store_true", help="do not run the gpu-marked tests")
+    parser.add_argument("--tests-timeout", type=float, default=360.0, help="seconds for the gpu-marked tests")
+    parser.add_argument("--out-dir", default=RESULTS_DIR, help="where the JSON and Markdown go")
+
+
+def config_from_args(args: argparse.Namespace, device: str) -> GpuCheckConfig:
+    shapes = args.shapes if args.shapes != "auto" else ("small" if device == "cpu" else "llama3-8b")
+    try:
+        return PRESETS[shapes].with_overrides(layers=args.layers, requests=args.requests,
+                                              context_min=args.context_min, context_max=args.context_max,
+                                              repeat=args.repeat, seed=args.seed)
+    except ValueError as exc:
+        raise SystemExit(f"kvplane gpu-check: {exc}") from None
+
+
+def environment() -> dict[str, Any]:
+    """Versions of what the check ran on, and the checkout measured."""
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "absent"
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                              text=True, timeout=10, check=False).stdout.strip() or "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        head = "unknown"
+    return {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda or "none",
+            "triton": version("triton"), "flashinfer": version("flashinfer-python"), "mip": version("mip"),
+            "kvplane_head": head}
+
+
+def run(args: argparse.Namespace) -> int:
+    device = resolve_device(args.device, "gpu-check")
+    if device is None:
+        return NO_GPU_EXIT
+    config = config_from_args(args, device)
+    threads = torch.get_num_threads()
+    if device == "cpu":  # one intra-op thread: on a loaded small host more threads spin, not work
+        torch.set_num_threads(1)
+    try:
+        return _run(args, device, config)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace, device: str, config: GpuCheckConfig) -> int:
+    machine = describe_device(device)
+    t0 = time.perf_counter()
+    print(f"kvplane gpu-check on {machine} ({'GPU' if device == 'cuda' else 'CPU dry run'}; shapes {config.name})")
+    if args.skip_tests:
+        tests: dict[str, Any] = {"command": "", "files": [], "passed": 0, "failed": 0, "skipped": 0, "errors": 0,
+                                 "elapsed_s": 0.0, "failures": [], "excluded": [], "note": "not run (--skip-tests)"}
+    else:
+        tests = GpuTestRun(timeout_s=args.tests_timeout).run().to_dict()
+        if device == "cpu":
+            tests["note"] = "; ".join(x for x in ("no CUDA here: every gpu test skips", tests["note"]) if x)
+    print(f"  gpu-marked tests: {tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped, "
+          f"{tests['errors']} errors ({tests['elapsed_s']:.0f} s)")
+    details: dict[str, Any] = {}
+    try:
+        check = CoreCheck(config, device, args.attention)
+        figures = check.run()
+        details = check.details
+    except Exception as exc:  # noqa: BLE001 - reported as a failed figure, with the traceback
+        traceback.print_exc()
+        figures = [Figure.graded("core_check", "served-core measurements", None, "", "<=", 0.0,
+                                 "CoreCheck.run", note=f"{type(exc).__name__}: {exc}")]
+    report = GpuCheckReport(
+        machine=machine, device=device, command="kvplane " + shlex.join(sys.argv[1:] or ["gpu-check"]),
+        environment=environment(), config={**vars(config), "contexts": list(config.contexts)}, tests=tests,
+        figures=figures, details=details, elapsed_s=time.perf_counter() - t0,
+    )
+    for f in figures:
+        value = "—" if f.value is None else f"{f.value:.4g} {f.unit}"
+        print(f"  {f.status:>4}  {f.title}: {value} (target {f.target})" + (f" [{f.note}]" if f.note else ""))
+    json_path, md_path = report.write(args.out_dir)
+    print(f"  overall {report.status} in {report.elapsed_s:.0f} s; results: {json_path} and {md_path}")
+    return 0 if report.status == "PASS" else 1

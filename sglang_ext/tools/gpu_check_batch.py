@@ -1,0 +1,132 @@
+"""CheckBatch: `kvplane gpu-check`'s decode batch on the served core, with regenerable KV.
+
+A :class:`~sglang_ext.dataplane.layered_kv_core.LayeredKVCore` (CUDA: pinned host pool and the
+CUDA transfer engine, as SGLang's layered pool builds it) in the paged layout: the device pool
+holds every layer of the batch plus a third (at least two layers of the batch) free, so the
+all-resident and the planner's placement run on the same pool, the bandwidth fetches find free
+pages, and the boundary's eager write-back (under 25% free) never runs. Requests have their own
+contexts; each is prefilled by one prefill step through the core. Every prefill K/V is drawn
+from a generator seeded by (seed, request, layer), so the dense reference regenerates it instead
+of keeping a shadow copy (20 GiB at Llama-3-8B shapes); decode steps write one fixed token per
+request (``k1``/``v1``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
+from sglang_ext.dataplane.results import LayerView
+from sglang_ext.dataplane.slot_kv_store import SlotStoreConfig
+from sglang_ext.dataplane.slot_results import RequestResidency, ResidencyDelta
+from sglang_ext.tools.gpu_check_config import GpuCheckConfig
+
+
+class CheckBatch:
+    """``config.requests`` requests at ``config.contexts`` on a fresh core (module docstring)."""
+
+    def __init__(self, config: GpuCheckConfig, device: str) -> None:
+        self.config, self.device = config, device
+        L, ps = config.layers, config.page_size
+        self.dtype = config.torch_dtype
+        self.contexts = config.contexts
+        headroom = config.decode_steps + ps
+        per_req = [-(-(c + headroom) // ps) for c in self.contexts]
+        self.batch_pages = sum(per_req)
+        extra = max(-(-L * self.batch_pages // 2), 2 * self.batch_pages)
+        # logical pages: the batch, the padding page 0, and enough more that the device pool stays
+        # below every layer of every logical page (the paged layout, not the identity one)
+        logical = self.batch_pages + 2 + -(-extra // L)
+        self.core = LayeredKVCore(SlotStoreConfig(
+            layers=L, page_size=ps, kv_heads=config.kv_heads, head_dim=config.head_dim, logical_pages=logical,
+            device_pages=L * self.batch_pages + extra, dtype=self.dtype, device=device,
+        ))
+        if self.core.store.identity:
+            raise RuntimeError("CheckBatch: the store chose the identity layout; the check needs the paged one")
+        self.rids = [f"r{i}" for i in range(config.requests)]
+        starts = 1 + np.concatenate([[0], np.cumsum(per_req)[:-1]])
+        self.slots = [int(s) * ps + np.arange(n * ps, dtype=np.int64) for s, n in zip(starts, per_req, strict=True)]
+        """SGLang's ``req_to_token`` rows: request ``i`` owns consecutive pages from ``starts[i]``."""
+        self.lens = list(self.contexts)
+        gen = torch.Generator(device="cpu").manual_seed(config.seed)
+        shape = (config.requests, config.kv_heads, config.head_dim)
+        self.k1 = torch.randn(shape, generator=gen).to(device, self.dtype)
+        self.v1 = torch.randn(shape, generator=gen).to(device, self.dtype)
+        self.prepare_cpu_s = 0.0
+        """Thread CPU time of the last ``begin_decode``'s ``prepare_step`` (kvplane's share)."""
+        for i, rid in enumerate(self.rids):  # one prefill step per request, as SGLang runs them
+            loc = torch.from_numpy(self.slots[i][: self.contexts[i]].copy())
+            self.core.prepare_step([(rid, loc.clone())], loc)
+            for layer in range(L):
+                k, v = self.prefill_kv(i, layer)
+                self.core.enter_layer(layer)
+                self.core.write(layer, loc, k, v)
+                self.core.exit_layer(layer)
+        self.core.store.engine.quiesce()
+
+    def prefill_kv(self, i: int, layer: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Request ``i``'s prefill K and V at ``layer`` (``[context, H, D]``), regenerated."""
+        c = self.config
+        gen = torch.Generator(device=self.device).manual_seed(c.seed * 1_000_003 + i * 7919 + layer + 1)
+        shape = (self.contexts[i], c.kv_heads, c.head_dim)
+        k = torch.randn(shape, generator=gen, device=self.device).to(self.dtype)
+        v = torch.randn(shape, generator=gen, device=self.device).to(self.dtype)
+        return (k, v) if dtype is None else (k.to(dtype), v.to(dtype))
+
+    def reference_kv(self, i: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token of request ``i`` at ``layer`` now (prefill + decoded), float32."""
+        k, v = self.prefill_kv(i, layer, torch.float32)
+        n = self.lens[i] - self.contexts[i]
+        k_new = self.k1[i].float().expand(n, -1, -1)
+        v_new = self.v1[i].float().expand(n, -1, -1)
+        return torch.cat([k, k_new]), torch.cat([v, v_new])
+
+    def pages(self, i: int) -> tuple[int, ...]:
+        """Request ``i``'s pages in position order."""
+        ps = self.config.page_size
+        return tuple(int(s) // ps for s in self.slots[i][: self.lens[i] : ps])
+
+    def all_pages(self) -> np.ndarray:
+        """Every page of the batch (``sum b_r``)."""
+        return np.asarray([p for i in range(len(self.rids)) for p in self.pages(i)], dtype=np.int64)
+
+    def blocks(self, extra_tokens: int = 0) -> list[int]:
+        """``b_r``: pages per layer of every request after ``extra_tokens`` more tokens."""
+        ps = self.config.page_size
+        return [-(-(n + extra_tokens) // ps) for n in self.lens]
+
+    def place(self, rows: Sequence[Sequence[int]]) -> ResidencyDelta:
+        """Install per-request placements (1 = on device, per layer) as a planned plan."""
+        return self.core.update_residency({
+            rid: RequestResidency(pages=self.pages(i), gpu_layers=tuple(bool(x) for x in rows[i]), planned=True)
+            for i, rid in enumerate(self.rids)
+        })
+
+    def begin_decode(self) -> torch.Tensor:
+        """The boundary of one decode step (one new token per request); returns its slots."""
+        new = []
+        for i in range(len(self.rids)):
+            new.append(int(self.slots[i][self.lens[i]]))
+            self.lens[i] += 1
+        loc = torch.tensor(new, dtype=torch.int64)
+        requests = [(rid, torch.from_numpy(self.slots[i][: self.lens[i]].copy())) for i, rid in enumerate(self.rids)]
+        t0 = time.thread_time()
+        self.core.prepare_step(requests, loc)
+        self.prepare_cpu_s = time.thread_time() - t0
+        if self.core.overflow:
+            raise RuntimeError("the batch overflowed the device pool: no staged step to measure")
+        return loc
+
+    def layer_view(self, layer: int) -> LayerView:
+        """Layer ``layer`` of the current step as paged kernels take it (the step's tables)."""
+        t = self.core.tables
+        if t is None:
+            raise RuntimeError("layer_view outside a staged step")
+        dev = self.core.store.dev
+        return LayerView(layer=layer, k_cache=dev[0], v_cache=dev[1], kv_indptr=t.kv_indptr,
+                         kv_indices=t.tab[layer], kv_lens=t.kv_lens, last_page_len=t.last_page_len,
+                         rids=tuple(self.rids))

@@ -1,0 +1,291 @@
+"""CoreCheck: `kvplane gpu-check`'s measurements on the served core, with the real planner.
+
+One :class:`~sglang_ext.tools.gpu_check_batch.CheckBatch` runs, in order:
+
+1. all-resident decode steps (per layer ``enter_layer`` / ``write`` / paged decode attention /
+   a stand-in layer body -- QKV, output projection and a gated MLP of the model's sizes --
+   / ``exit_layer``): the step time, per-layer compute = step / L;
+2. the engine's copies (:class:`TransferCheck`): batched H2D vs one contiguous pinned copy,
+   duplex vs one direction, and the link bandwidth the placement model takes;
+3. a plan from ``controlplane.planner.Planner`` for a :class:`controlplane.model.Batch` built as
+   the controller builds it (context one step ahead, the measured profile and bandwidth, a
+   device budget that leaves ``offload_share`` of the batch's KV out plus one staging layer per
+   request, a loose SLO so nothing is paused), installed with ``update_residency(planned=True)``;
+4. placed decode steps: the step time, the stall vs ``controlplane.model.step_time_ms``;
+5. kvplane's thread CPU time per step (``prepare_step`` + the per-layer calls), resident and placed;
+6. host syncs inside layers over two placed steps (:class:`SyncProbe`);
+7. one placed step in which every available attention backend runs at every layer, compared
+   with ``dense_attention`` in float32 over the regenerated K/V.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from controlplane.model import (
+    Batch,
+    Hardware,
+    ModelSpec,
+    PlanPolicy,
+    Profile,
+    RequestSpec,
+    step_time_ms,
+)
+from controlplane.planner import Planner
+from sglang_ext.dataplane import dense_attention
+from sglang_ext.dataplane.bench_env import sync, time_ms
+from sglang_ext.tools.gpu_check_attention import BACKENDS, DecodeBackends
+from sglang_ext.tools.gpu_check_batch import CheckBatch
+from sglang_ext.tools.gpu_check_config import GpuCheckConfig
+from sglang_ext.tools.gpu_check_probes import CpuTimeProbe, SyncProbe
+from sglang_ext.tools.gpu_check_report import Figure
+from sglang_ext.tools.gpu_check_transfer import TransferCheck, TransferResult
+
+LOOSE_SLO_MS = 60_000.0
+"""The requests' TBT SLO: loose, so the planner minimises the step and pauses nobody."""
+BF16_RTOL, BF16_ATOL = 1.6e-2, 1e-5
+"""bf16 tolerance (``torch.testing``'s defaults) on the output's scale: the attention's max abs
+error must stay within ``BF16_ATOL + BF16_RTOL * max|reference|`` (any dtype)."""
+STALL_REL_ERR = 0.10
+STALL_FLOOR_SHARE = 0.05
+"""The stall error's denominator is the model's stall, at least this share of the resident step
+(a placement whose copies the model hides entirely predicts a stall near zero)."""
+H2D_VS_CONTIGUOUS = 0.85
+DUPLEX_VS_ONE = 1.5
+CPU_SHARE = 0.05
+SYNC_STEPS = 2
+Q_SCALE = 2.0
+"""Queries are N(0, Q_SCALE^2): a peakier softmax, so a wrong page moves the output visibly."""
+
+
+@contextmanager
+def _no_scope(kind: str, layer: int) -> Iterator[None]:
+    yield
+
+
+class CoreCheck:
+    """The served-core half of the check (module docstring)."""
+
+    def __init__(self, config: GpuCheckConfig, device: str, attention: str = "auto") -> None:
+        self.config, self.device = config, device
+        self.batch = CheckBatch(config, device)
+        self.backends = DecodeBackends(device, config.q_heads, self.batch.batch_pages, attention,
+                                       (config.page_size, config.kv_heads, config.head_dim, config.torch_dtype))
+        gen = torch.Generator(device="cpu").manual_seed(config.seed + 1)
+        dt, c = config.torch_dtype, config
+        rand = lambda *shape, s=0.02: (torch.randn(shape, generator=gen) * s).to(device, dt)  # noqa: E731
+        self.q = rand(c.requests, c.q_heads, c.head_dim, s=Q_SCALE)
+        self.x = rand(c.requests, c.hidden, s=1.0)
+        self.w_qkv = rand(c.hidden, (c.q_heads + 2 * c.kv_heads) * c.head_dim)
+        self.w_o = rand(c.q_heads * c.head_dim, c.hidden)
+        self.w_gate_up = rand(c.hidden, 2 * c.intermediate)
+        self.w_down = rand(c.intermediate, c.hidden)
+        self.details: dict[str, Any] = {}
+
+    # ----- one decode step --------------------------------------------------------------
+
+    def step(self, scope: Callable[[str, int], Any] = _no_scope,
+             capture: Callable[[int, Any, torch.Tensor], None] | None = None) -> None:
+        """One decode step of the batch; ``scope`` wraps each kvplane / attention call."""
+        b, core = self.batch, self.batch.core
+        loc = b.begin_decode()
+        self.backends.plan_step(b.layer_view(0))
+        for layer in range(self.config.layers):
+            self.x @ self.w_qkv
+            with scope("kvplane", layer):
+                core.enter_layer(layer)
+                core.write(layer, loc, b.k1, b.v1)
+            view = b.layer_view(layer)
+            with scope("attention", layer):
+                out = self.backends.run(self.backends.primary, self.q, view)
+            if capture is not None:
+                capture(layer, view, out)
+            gate_up = out.reshape(out.shape[0], -1) @ self.w_o @ self.w_gate_up
+            i = self.config.intermediate
+            (torch.nn.functional.silu(gate_up[:, :i]) * gate_up[:, i:]) @ self.w_down
+            with scope("kvplane", layer):
+                core.exit_layer(layer)
+
+    def kvplane_cpu_ms(self) -> float:
+        """Median thread CPU ms per step spent in kvplane (``prepare_step`` + per-layer calls)."""
+        samples = []
+        for _ in range(self.config.repeat):
+            probe = CpuTimeProbe()
+            self.step(probe.scope)
+            sync(self.device)
+            samples.append((probe.kvplane_s + self.batch.prepare_cpu_s) * 1e3)
+        return statistics.median(samples)
+
+    # ----- the plan ---------------------------------------------------------------------
+
+    def plan(self, comp_ms: list[float], bw_blocks_per_ms: float) -> list[tuple[int, ...]]:
+        """Placements from the real planner for the batch as it is now (module docstring, 3)."""
+        c, b = self.config, self.batch
+        window = c.repeat * 3 + 8  # the placed phase's steps: the plan stays valid over them
+        block_bytes = c.layer_page_bytes
+        requests = tuple(RequestSpec(id=rid, context_tokens=b.lens[i] + 1, slo_tbt_ms=LOOSE_SLO_MS)
+                         for i, rid in enumerate(b.rids))
+        blocks = b.blocks(1 + window)
+        budget = math.ceil((1.0 - c.offload_share) * sum(blocks) * c.layers) + sum(blocks)
+        batch = Batch(
+            model=ModelSpec(layers=c.layers, block_size=c.page_size, block_bytes=block_bytes),
+            hardware=Hardware(gpu_kv_budget_blocks=budget, h2d_gbps=bw_blocks_per_ms * block_bytes / 1e6),
+            profile=Profile(tuple(comp_ms)),
+            requests=requests,
+            policy=PlanPolicy(window_min=1, window_max=window),
+        )
+        plan = Planner().plan(batch)
+        rows = [plan.placements.get(rid) for rid in b.rids]
+        self.details["plan"] = {
+            **plan.to_dict(), "placements": None, "budget_blocks": budget, "h2d_gbps": batch.hardware.h2d_gbps,
+            "offloaded_layers_per_request": [None if r is None else r.count(0) for r in rows],
+        }
+        if plan.paused or not plan.feasible or any(r is None for r in rows):
+            raise RuntimeError(f"the planner paused {plan.paused} or found no feasible plan (feasible="
+                               f"{plan.feasible}); budget {budget} blocks of {sum(blocks) * c.layers}")
+        return [tuple(r) for r in rows]  # type: ignore[arg-type]
+
+    # ----- attention accuracy -----------------------------------------------------------
+
+    def attention_errors(self) -> dict[str, dict[str, float]]:
+        """One placed step: every backend at every layer vs the dense float32 reference."""
+        outs: dict[str, list[torch.Tensor]] = {name: [] for name in self.backends.available}
+
+        def capture(layer: int, view: Any, primary_out: torch.Tensor) -> None:
+            for name in self.backends.available:
+                out = primary_out if name == self.backends.primary else self.backends.run(name, self.q, view)
+                outs[name].append(out.float().clone())
+
+        self.step(capture=capture)
+        sync(self.device)
+        q = self.q.float()
+        errors: dict[str, dict[str, float]] = {}
+        acc = {name: [0.0, 0.0, 0.0, 0.0] for name in outs}  # max abs, sum sq err, sum sq ref, max |ref|
+        for layer in range(self.config.layers):
+            for i in range(len(self.batch.rids)):
+                k, v = self.batch.reference_kv(i, layer)
+                ref = dense_attention(q[i : i + 1], k, v)[0]
+                for name, per_layer in outs.items():
+                    diff = (per_layer[layer][i] - ref).nan_to_num(nan=math.inf)
+                    a = acc[name]
+                    a[0] = max(a[0], float(diff.abs().max()))
+                    a[1] += float((diff * diff).sum())
+                    a[2] += float((ref * ref).sum())
+                    a[3] = max(a[3], float(ref.abs().max()))
+        for name, (mx, se, sr, rmax) in acc.items():
+            errors[name] = {"max_abs_err": mx, "rel_l2_err": math.sqrt(se / sr) if sr > 0 else math.inf,
+                            "ref_max_abs": rmax, "tolerance": BF16_ATOL + BF16_RTOL * rmax}
+        return errors
+
+    # ----- everything -------------------------------------------------------------------
+
+    def run(self) -> list[Figure]:
+        c, b, device = self.config, self.batch, self.device
+        cuda = device.startswith("cuda")
+        L = c.layers
+        resident_ms = time_ms(self.step, device, c.repeat)
+        resident_cpu_ms = self.kvplane_cpu_ms()
+        comp = [resident_ms / L] * L
+        transfer = TransferCheck(b, c.repeat).measure()
+        rows = self.plan(comp, transfer.bw_blocks_per_ms)
+        delta = b.place(rows)
+        b.core.store.engine.quiesce()
+        sync(device)
+        blocks_now = b.blocks(1)
+        predicted_ms = step_time_ms(rows, blocks_now, comp, transfer.bw_blocks_per_ms)
+        placed_ms = time_ms(self.step, device, c.repeat)
+        placed_cpu_ms = self.kvplane_cpu_ms()
+        probe = SyncProbe(device)
+        with probe:
+            for _ in range(SYNC_STEPS):
+                self.step(probe.scope)
+        sync(device)
+        errors = self.attention_errors()
+        stats = b.core.stats()
+        stall_measured, stall_predicted = placed_ms - resident_ms, predicted_ms - sum(comp)
+        stall_err = abs(stall_measured - stall_predicted) / max(stall_predicted, STALL_FLOOR_SHARE * resident_ms)
+        self.details.update({
+            "attention_backends": {"primary": self.backends.primary, "available": list(self.backends.available),
+                                   "unavailable": self.backends.unavailable, "failed": self.backends.failed,
+                                   "errors": errors},
+            "resident_step_ms": resident_ms, "placed_step_ms": placed_ms, "layer_compute_ms": comp[0],
+            "predicted_step_ms": predicted_ms, "stall_measured_ms": stall_measured,
+            "stall_predicted_ms": stall_predicted, "model_blocks_per_request": blocks_now,
+            "plan_install_offloaded_layer_pages": delta.offloaded_layer_pages,
+            "kvplane_cpu_ms_per_step": {"resident": resident_cpu_ms, "placed": placed_cpu_ms},
+            "transfer": transfer.to_dict(),
+            "syncs": {kind: {"count_per_step": probe.syncs(kind) / SYNC_STEPS,
+                             "runtime": probe.runtime[kind], "op_audit": dict(probe.audited(kind))}
+                      for kind in ("kvplane", "attention")},
+            "core_stats": {k: v for k, v in asdict(stats).items() if isinstance(v, int | float)},
+        })
+        return self._figures(errors, transfer, resident_ms, placed_ms, stall_err, probe,
+                             max(resident_cpu_ms, placed_cpu_ms), stats.host_fraction, cuda)
+
+    def _figures(self, errors: dict[str, dict[str, float]], t: TransferResult, resident_ms: float,
+                 placed_ms: float, stall_err: float, probe: SyncProbe, cpu_ms: float, host_fraction: float,
+                 cuda: bool) -> list[Figure]:
+        cpu_note = "" if cuda else "CPU: copies are synchronous and the step is CPU compute; not meaningful"
+        figs = []
+        tolerance = max((e["tolerance"] for e in errors.values()), default=None)
+        for name in BACKENDS:
+            e = errors.get(name)
+            note = self.backends.unavailable.get(name, "")
+            if name in self.backends.failed:
+                note = f"installed but failed: {self.backends.failed[name]}"
+            if e is not None:
+                note = (f"relative L2 error {e['rel_l2_err']:.2e}, max |ref| {e['ref_max_abs']:.3g}"
+                        + (" (Triton interpreter)" if name == "triton" and not cuda else ""))
+            figs.append(Figure.graded(
+                f"attention_max_abs_err.{name}", f"layered attention vs dense reference ({name})",
+                None if e is None else e["max_abs_err"], "abs", "<=", tolerance,
+                f"one placed step, every layer: paged decode over tables.tab[l] vs dense_attention in fp32 "
+                f"over the regenerated K/V; bf16 tolerance {BF16_ATOL:g} + {BF16_RTOL:g} x max|ref|",
+                meaningful=name not in self.backends.unavailable, note=note))
+        figs.append(Figure.graded("step_ms.resident", "decode step, all layers resident", resident_ms, "ms",
+                                  None, None, "median wall time of a decode step (device-synchronised)",
+                                  note="no target of its own: the stall figure grades the difference"))
+        figs.append(Figure.graded("step_ms.placed", "decode step, planner's half-offloaded placement", placed_ms,
+                                  "ms", None, None, "median wall time under the plan, same pool",
+                                  note=f"host fraction of live KV {host_fraction:.2f}; no target of its own"))
+        d = self.details
+        figs.append(Figure.graded(
+            "stall_rel_err", "measured stall vs the placement model", stall_err, "ratio", "<=", STALL_REL_ERR,
+            "|(placed - resident) - (step_time_ms - sum comp)| / model stall (at least "
+            f"{STALL_FLOOR_SHARE:.0%} of the resident step); comp = resident step / L, bandwidth from one "
+            "batched engine fetch", meaningful=cuda,
+            note=cpu_note or f"measured {d['stall_measured_ms']:.3f} ms, model {d['stall_predicted_ms']:.3f} ms"))
+        figs.append(Figure.graded(
+            "h2d_vs_contiguous", "batched block-first H2D vs one contiguous pinned copy", t.h2d_vs_contiguous,
+            "ratio", ">=", H2D_VS_CONTIGUOUS, f"engine.h2d of K and V of one layer of {t.layer_pages} pages "
+            f"({t.bytes / 2**20:.3g} MiB) vs copy_ of the same bytes", meaningful=cuda,
+            note=cpu_note or f"{t.h2d_gbps:.1f} vs {t.contiguous_gbps:.1f} GB/s ({t.engine})"))
+        figs.append(Figure.graded(
+            "duplex_vs_one_direction", "concurrent H2D + D2H vs one direction", t.duplex_vs_one_direction,
+            "ratio", ">=", DUPLEX_VS_ONE, "an engine H2D and D2H issued together (two streams): bytes of both "
+            "over their time, vs the H2D alone", meaningful=cuda,
+            note=cpu_note or f"{t.duplex_gbps:.1f} vs {t.h2d_gbps:.1f} GB/s"))
+        how = ("torch.cuda.set_sync_debug_mode('warn') inside each call" if cuda
+               else "OpAudit (TorchDispatchMode) inside each call")
+        figs.append(Figure.graded(
+            "host_syncs_per_step.kvplane", "host syncs per step inside layers (kvplane)",
+            probe.syncs("kvplane") / SYNC_STEPS, "syncs", "<=", 0.0,
+            f"{how}: enter_layer / write / exit_layer over {SYNC_STEPS} placed steps"))
+        figs.append(Figure.graded(
+            "host_syncs_per_step.attention", f"host syncs per step inside layers (attention: {self.backends.primary})",
+            probe.syncs("attention") / SYNC_STEPS, "syncs", "<=", 0.0, f"{how}: the paged decode call",
+            meaningful=cuda, note="" if cuda else "the CPU dry run's attention is the torch reference, "
+            "which reads lengths on the host by design"))
+        figs.append(Figure.graded(
+            "kvplane_cpu_share", "kvplane CPU time per step / all-resident step", cpu_ms / resident_ms, "ratio",
+            "<=", CPU_SHARE, "thread CPU time of prepare_step + per-layer calls (worse of resident and placed "
+            "steps) over the all-resident step's wall time", meaningful=cuda,
+            note=cpu_note or f"{cpu_ms:.3f} ms of {resident_ms:.3f} ms"))
+        return figs

@@ -1,0 +1,87 @@
+"""Step probes of `kvplane gpu-check`: what a decode step's layers cost the host.
+
+A probe's ``scope(kind, layer)`` wraps one call inside a layer; ``kind`` is ``kvplane`` (the
+core's ``enter_layer`` / ``write`` / ``exit_layer``) or ``attention`` (the paged decode kernel).
+
+- :class:`CpuTimeProbe`: thread CPU time spent in ``kvplane`` scopes (plus the step's
+  ``prepare_step``, added by the caller).
+- :class:`SyncProbe`: host synchronisations inside the scopes. On CUDA the runtime counts them:
+  ``torch.cuda.set_sync_debug_mode("warn")`` is on inside each scope and every "synchronizing"
+  warning is one sync. On every device the :class:`~sglang_ext.testing.op_audit.OpAudit`
+  (a ``TorchDispatchMode``) records the aten ops that would make the host wait for a GPU
+  (``item``, ``nonzero``, ``unique``, pageable D2H, ...): the count on the CPU, a cross-check on
+  CUDA.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from sglang_ext.testing.op_audit import OpAudit
+
+KINDS = ("kvplane", "attention")
+
+
+class CpuTimeProbe:
+    """Thread CPU seconds inside ``kvplane`` scopes."""
+
+    def __init__(self) -> None:
+        self.kvplane_s = 0.0
+
+    @contextmanager
+    def scope(self, kind: str, layer: int) -> Iterator[None]:
+        if kind != "kvplane":
+            yield
+            return
+        t0 = time.thread_time()
+        try:
+            yield
+        finally:
+            self.kvplane_s += time.thread_time() - t0
+
+
+class SyncProbe:
+    """Host syncs per scope kind (see module docstring); use as ``with probe: <steps>``."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+        self.audit = OpAudit()
+        self.runtime: Counter[str] = Counter()
+        """Kind -> syncs the CUDA runtime reported (CUDA only)."""
+
+    def __enter__(self) -> SyncProbe:
+        self.audit.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.audit.__exit__(*exc)
+
+    @contextmanager
+    def scope(self, kind: str, layer: int) -> Iterator[None]:
+        with self.audit.scope((kind, layer)):
+            if not self.cuda:
+                yield
+                return
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    yield
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            self.runtime[kind] += sum("synchroniz" in str(w.message).lower() for w in caught)
+
+    def audited(self, kind: str) -> Counter[str]:
+        """Op name -> times the OpAudit flagged it inside ``kind`` scopes."""
+        return Counter(op for (k, _), op in self.audit.violations if k == kind)
+
+    def syncs(self, kind: str) -> int:
+        """The count this device trusts: the runtime's on CUDA, the OpAudit's on the CPU."""
+        return self.runtime[kind] if self.cuda else sum(self.audited(kind).values())

@@ -1,0 +1,121 @@
+"""TransferCheck: the served engine's batched block-first copies, on the check's own core.
+
+On the :class:`~sglang_ext.tools.gpu_check_batch.CheckBatch`'s store (its pinned block-first
+host pool ``[P, L, 2, page, H, D]``, device page pool and transfer engine -- what SGLang's
+layered pool issues), with two groups of free device pages taken from the staging room:
+
+- ``h2d``: one ``engine.h2d`` launch of K and V of one layer of every page of the batch (what a
+  step's first fetch is) -- also the placement model's bandwidth (layer-pages per ms);
+- ``contiguous``: one pinned ``copy_`` of the same number of bytes (the ceiling);
+- ``d2h``: one ``engine.d2h`` of the second group back to the host segments it was filled from
+  (the same bytes: nothing the batch holds changes);
+- ``duplex``: the H2D and the D2H issued together (the engine's two streams), bytes of both over
+  the time of both, vs the H2D alone.
+
+On the CPU the engine copies synchronously: the figures are measured the same way but say
+nothing about a GPU link (reported N/A).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from sglang_ext.dataplane.bench_env import sync, time_ms
+from sglang_ext.tools.gpu_check_batch import CheckBatch
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """One layer of every page of the batch, each way."""
+
+    layer_pages: int
+    """Layer-pages moved per launch (K and V segments of each)."""
+    bytes: int
+    """Bytes per launch."""
+    engine: str
+    """The transfer engine (and its copy implementation on CUDA)."""
+    h2d_ms: float
+    h2d_gbps: float
+    contiguous_gbps: float
+    d2h_gbps: float
+    duplex_gbps: float
+    """Bytes of an H2D and a D2H issued together over their joint time."""
+
+    @property
+    def h2d_vs_contiguous(self) -> float:
+        return self.h2d_gbps / self.contiguous_gbps
+
+    @property
+    def duplex_vs_one_direction(self) -> float:
+        return self.duplex_gbps / self.h2d_gbps
+
+    @property
+    def bw_blocks_per_ms(self) -> float:
+        """The placement model's bandwidth: layer-pages per ms of one batched fetch."""
+        return self.layer_pages / self.h2d_ms
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "h2d_vs_contiguous": self.h2d_vs_contiguous,
+                "duplex_vs_one_direction": self.duplex_vs_one_direction,
+                "bw_blocks_per_ms": self.bw_blocks_per_ms}
+
+
+class TransferCheck:
+    """Measures :class:`TransferResult` on a batch's store (module docstring)."""
+
+    def __init__(self, batch: CheckBatch, repeat: int) -> None:
+        self.batch, self.repeat = batch, repeat
+
+    def measure(self) -> TransferResult:
+        b = self.batch
+        core, device = b.core, b.device
+        store, eng = core.store, core.store.engine
+        pages = b.all_pages()
+        n = int(pages.size)
+        layers = b.config.layers
+        la, lb = 0, min(1, layers - 1)
+        ids_a = core.room.take(n)
+        ids_b = core.room.take(n)
+        if ids_a is None or ids_b is None:
+            raise RuntimeError(f"TransferCheck: no {2 * n} free device pages for the copies")
+        try:
+            src_a, dst_a = store.host_segs(np.full(n, la), pages), store.dev_segs(ids_a)
+            src_b, dst_b = store.dev_segs(ids_b), store.host_segs(np.full(n, lb), pages)
+            idx = [eng.index_tensor(x) for x in (src_a, dst_a, src_b, dst_b)]
+            fill = [eng.index_tensor(x) for x in (dst_b, src_b)]
+            eng.h2d(fill[0], fill[1], host_idx=(dst_b, src_b))  # group b holds layer lb's host bytes
+            sync(device)
+
+            def h2d() -> None:
+                eng.h2d(idx[0], idx[1], host_idx=(src_a, dst_a))
+
+            def d2h() -> None:
+                eng.d2h(idx[2], idx[3], host_idx=(src_b, dst_b))
+
+            def duplex() -> None:
+                h2d()
+                d2h()
+
+            h2d_ms = time_ms(h2d, device, self.repeat)
+            d2h_ms = time_ms(d2h, device, self.repeat)
+            both_ms = time_ms(duplex, device, self.repeat)
+            nbytes = int(src_a.size) * eng.segment_bytes
+            elt = torch.empty((), dtype=b.dtype).element_size()
+            cuda = device.startswith("cuda")
+            flat_host = torch.empty(nbytes // elt, dtype=b.dtype, pin_memory=cuda)
+            flat_dev = torch.empty(nbytes // elt, dtype=b.dtype, device=device)
+            contig_ms = time_ms(lambda: flat_dev.copy_(flat_host, non_blocking=True), device, self.repeat)
+        finally:
+            eng.quiesce()
+            sync(device)
+            core.room.give_back(ids_b)
+            core.room.give_back(ids_a)
+        gbps = lambda ms: nbytes / ms / 1e6  # noqa: E731
+        engine = type(eng).__name__ + (f" ({eng.impl})" if hasattr(eng, "impl") else "")
+        return TransferResult(layer_pages=n, bytes=nbytes, engine=engine, h2d_ms=h2d_ms, h2d_gbps=gbps(h2d_ms),
+                              contiguous_gbps=gbps(contig_ms), d2h_gbps=gbps(d2h_ms),
+                              duplex_gbps=2 * nbytes / both_ms / 1e6)

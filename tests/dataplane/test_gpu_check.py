@@ -1,0 +1,145 @@
+"""`kvplane gpu-check`: the CPU dry run end to end (same code path as on a GPU, labelled CPU),
+the grading of figures against their targets, and negative controls."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from kvplane.cli import main
+from sglang_ext.tools import gpu_check_attention, gpu_check_tests
+from sglang_ext.tools.gpu_check_config import LLAMA3_8B, GpuCheckConfig
+from sglang_ext.tools.gpu_check_report import (
+    FAIL,
+    NA,
+    PASS,
+    STATUSES,
+    Figure,
+    GpuCheckReport,
+    grade,
+)
+from sglang_ext.tools.gpu_check_tests import GpuTestRun
+
+FIGURE_KEYS = {
+    "attention_max_abs_err.flashinfer", "attention_max_abs_err.triton", "attention_max_abs_err.torch",
+    "step_ms.resident", "step_ms.placed", "stall_rel_err", "h2d_vs_contiguous", "duplex_vs_one_direction",
+    "host_syncs_per_step.kvplane", "host_syncs_per_step.attention", "kvplane_cpu_share",
+}
+TARGETS = {  # the issue's targets, by figure
+    "stall_rel_err": ("<=", 0.10), "h2d_vs_contiguous": (">=", 0.85), "duplex_vs_one_direction": (">=", 1.5),
+    "host_syncs_per_step.kvplane": ("<=", 0.0), "host_syncs_per_step.attention": ("<=", 0.0),
+    "kvplane_cpu_share": ("<=", 0.05),
+}
+CPU_NOT_MEANINGFUL = {"stall_rel_err", "h2d_vs_contiguous", "duplex_vs_one_direction", "kvplane_cpu_share"}
+
+
+def _result(tmp_path):
+    [path] = tmp_path.glob("gpu-check-cpu-*.json")
+    return path, json.loads(path.read_text())
+
+
+def test_cpu_dry_run_end_to_end(tmp_path, capsys):
+    """`--device cpu` runs the gpu tests (all skip), drives the served core with the planner's
+    placement, and writes JSON + Markdown naming the CPU; every figure has its target and a
+    status; transfer / timing figures are N/A (never PASS) on a CPU; kvplane makes no host sync
+    inside a layer; the layered attentions match the dense reference."""
+    assert main(["gpu-check", "--device", "cpu", "--out-dir", str(tmp_path)]) == 0
+    path, body = _result(tmp_path)
+    assert body["machine"].startswith("CPU: ") and body["device"] == "cpu" and body["label"].startswith("CPU")
+    assert body["status"] == PASS and body["config"]["name"] == "small"
+    tests = body["tests"]
+    assert "tests/dataplane/test_gpu.py" in tests["files"]
+    assert tests["skipped"] > 0 and tests["passed"] == tests["failed"] == tests["errors"] == 0
+    figures = {f["key"]: f for f in body["figures"]}
+    assert set(figures) == FIGURE_KEYS
+    for key, f in figures.items():
+        assert f["status"] in STATUSES and f["target"] and f["method"], key
+        assert f["status"] == NA or f["value"] is not None, key
+    for key, (op, threshold) in TARGETS.items():
+        assert (figures[key]["op"], figures[key]["threshold"]) == (op, threshold), key
+    for key in CPU_NOT_MEANINGFUL:
+        assert figures[key]["status"] == NA and figures[key]["value"] is not None, key
+    assert figures["host_syncs_per_step.kvplane"]["status"] == PASS
+    assert figures["attention_max_abs_err.torch"]["status"] == PASS
+    assert figures["attention_max_abs_err.triton"]["status"] == PASS  # Triton under the interpreter
+    assert figures["attention_max_abs_err.flashinfer"]["status"] == NA
+    details = body["details"]
+    assert details["plan"]["solver"] and sum(details["plan"]["offloaded_layers_per_request"]) > 0
+    assert details["core_stats"]["overflow_steps_total"] == 0
+    assert details["core_stats"]["fetched_layer_pages_total"] > 0
+    md = path.with_suffix(".md").read_text()
+    assert body["machine"] in md and "CPU dry run" in md
+    assert all(f["title"] in md for f in body["figures"])
+    assert "kvplane gpu-check on CPU" in capsys.readouterr().out
+
+
+def test_a_wrong_attention_fails_the_check(tmp_path, monkeypatch):
+    """Negative control, through the whole run: an attention that swaps two requests' outputs
+    is graded FAIL against the dense reference, the report says FAIL and the exit status is 1."""
+    reference = gpu_check_attention.paged_decode_ref
+
+    def swapped(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        return reference(*args, **kwargs).roll(1, dims=0)
+
+    monkeypatch.setattr(gpu_check_attention, "paged_decode_ref", swapped)
+    argv = ["gpu-check", "--device", "cpu", "--skip-tests", "--repeat", "1", "--out-dir", str(tmp_path)]
+    assert main(argv) == 1
+    _, body = _result(tmp_path)
+    figures = {f["key"]: f for f in body["figures"]}
+    assert figures["attention_max_abs_err.torch"]["status"] == FAIL
+    assert figures["attention_max_abs_err.triton"]["status"] == PASS
+    assert body["status"] == FAIL and body["tests"]["note"].startswith("not run")
+
+
+def test_grade_flags_figures_that_miss_their_target():
+    """Negative control of the grading: a figure below / above its bound is FAIL, a missing or
+    NaN value on a meaningful figure is FAIL, a not-meaningful or target-less one is N/A."""
+    assert grade(0.90, ">=", 0.85) == PASS
+    assert grade(0.60, ">=", 0.85) == FAIL
+    assert grade(0.0, "<=", 0.0) == PASS
+    assert grade(1.0, "<=", 0.0) == FAIL
+    assert grade(math.nan, "<=", 0.1) == FAIL
+    assert grade(None, ">=", 1.5) == FAIL
+    assert grade(0.60, ">=", 0.85, meaningful=False) == NA
+    assert grade(3.0, None, None) == NA
+    with pytest.raises(ValueError, match="op"):
+        grade(1.0, "<", 2.0)
+    bad = Figure.graded("duplex_vs_one_direction", "duplex", 1.1, "ratio", ">=", 1.5, "test")
+    assert bad.status == FAIL and bad.target == ">= 1.5"
+    report = GpuCheckReport(machine="CPU: test", device="cpu", command="kvplane gpu-check", environment={},
+                            config=vars(LLAMA3_8B), tests={"failed": 0, "errors": 0}, figures=[bad])
+    assert report.status == FAIL and "| FAIL |" in report.to_markdown()
+    report.figures = [Figure.graded("x", "x", 0.0, "syncs", "<=", 0.0, "test")]
+    assert report.status == PASS
+    report.tests = {"failed": 1, "errors": 0}
+    assert report.status == FAIL  # a failing gpu test fails the check
+
+
+def test_llama3_8b_preset_and_config_validation():
+    """The GPU preset is the issue's shapes; invalid configs are refused by field name."""
+    c = LLAMA3_8B
+    assert (c.layers, c.kv_heads, c.head_dim, c.dtype, c.page_size, c.requests) == (32, 8, 128, "bfloat16", 16, 32)
+    assert (min(c.contexts), max(c.contexts), len(c.contexts)) == (2048, 8192, 32)
+    assert c.layer_page_bytes == 2 * 16 * 8 * 128 * 2
+    for bad, field in (({"q_heads": 12}, "q_heads"), ({"context_max": 1}, "context_max"),
+                       ({"offload_share": 1.0}, "offload_share"), ({"dtype": "int8"}, "dtype"),
+                       ({"repeat": 0}, "repeat")):
+        with pytest.raises(ValueError, match=field):
+            GpuCheckConfig(**{**vars(c), **bad})
+
+
+def test_gpu_test_files_are_found_by_marker(monkeypatch):
+    """The test step runs every file that names the gpu marker (and only those); without SGLang
+    (the GPU host) the files under tests/sglang/ are listed as excluded, not collected."""
+    run = GpuTestRun()
+    files = run.files()
+    assert "tests/dataplane/test_gpu.py" in files and "tests/kernels/test_paged_decode.py" in files
+    assert "tests/dataplane/test_gpu_check.py" not in files
+    real_find_spec = gpu_check_tests.importlib.util.find_spec
+    monkeypatch.setattr(gpu_check_tests.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "sglang" else real_find_spec(name, *a))
+    runnable, excluded = run.runnable()
+    assert excluded and all(f.startswith("tests/sglang/") for f in excluded)
+    assert sorted(runnable + excluded) == sorted(files) and "tests/dataplane/test_gpu.py" in runnable
