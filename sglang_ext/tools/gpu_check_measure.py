@@ -193,6 +193,7 @@ class CoreCheck:
         resident_ms = time_ms(self.step, device, c.repeat)
         resident_cpu_ms = self.kvplane_cpu_ms()
         comp = [resident_ms / L] * L
+        resident_host_fraction = b.core.stats().host_fraction
         transfer = TransferCheck(b, c.repeat).measure()
         rows = self.plan(comp, transfer.bw_blocks_per_ms)
         delta = b.place(rows)
@@ -225,7 +226,12 @@ class CoreCheck:
                              "runtime": probe.runtime[kind], "op_audit": dict(probe.audited(kind))}
                       for kind in ("kvplane", "attention")},
             "core_stats": {k: v for k, v in asdict(stats).items() if isinstance(v, int | float)},
+            "resident_host_fraction": resident_host_fraction,
+            "pools": {"device_layer_pages": b.core.store.pages_total, "host_bytes": b.core.config.host_bytes,
+                      "batch_pages": b.batch_pages},
         })
+        if cuda:
+            self.details["peak_device_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         return self._figures(errors, transfer, resident_ms, placed_ms, stall_err, probe,
                              max(resident_cpu_ms, placed_cpu_ms), stats.host_fraction, cuda)
 

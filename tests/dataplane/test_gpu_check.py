@@ -67,6 +67,7 @@ def test_cpu_dry_run_end_to_end(tmp_path, capsys):
     assert figures["attention_max_abs_err.flashinfer"]["status"] == NA
     details = body["details"]
     assert details["plan"]["solver"] and sum(details["plan"]["offloaded_layers_per_request"]) > 0
+    assert details["resident_host_fraction"] == 0 and details["core_stats"]["host_fraction"] > 0
     assert details["core_stats"]["overflow_steps_total"] == 0
     assert details["core_stats"]["fetched_layer_pages_total"] > 0
     md = path.with_suffix(".md").read_text()
