@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from controlplane.api import RequestState, StepReport, WorkerInfo
+from controlplane.api import QueuedRequest, RequestState, StepReport, WorkerInfo
 from controlplane.controller import BatchLimits, SessionController
 from controlplane.model import Hardware, ModelSpec, Profile
 from controlplane.planner import Planner
@@ -180,7 +180,10 @@ class ControlledPolicy(BasePolicy):
             step=view.step,
             now_ms=view.now_ms,
             running=running,
-            queued=self.admissible_queue(view),
+            # The whole queue: the controller applies the batch limits itself (BatchLimits), so
+            # it sees a head the limits block (LayerKV's aging rotation needs it).
+            queued=tuple(QueuedRequest(q.id, q.context, q.spec.arrival_ms, q.spec.slo_ttft_ms)
+                         for q in view.queued),
             # The worker knows which part of the step waited for the plan: report the step
             # itself, so a solver stall never feeds back into the profile-mismatch trigger.
             observed_step_ms=(info.dur_ms - info.solver_charged_ms) if decode else None,

@@ -379,3 +379,34 @@ def test_lvf_prioritized_blocks_within_budget(
     # that would still have fitted.
     order = sorted(paused, key=lambda r: (r.last_token_ms, r.id))
     assert list(d.resume) == [r.id for r in order][: len(d.resume)]
+
+
+def _rotation_view(now: float, big_ctx: int, aged_arrival: float = 0.0) -> SchedulerView:
+    """Budget 400 blocks = 1600 tokens in every layer; batch limit 4000 tokens; running: big
+    (``big_ctx``) and small (500); queued: a (1000 tokens, TTFT SLO 2 s)."""
+    return SchedulerView(
+        step=1, now_ms=now, running=(req("big", ctx=big_ctx), req("small", ctx=500)), paused=(),
+        queued=(q("a", 1000, arrival=aged_arrival, ttft=2000.0),), model=MODEL,
+        hardware=Hardware(gpu_kv_budget_blocks=400, h2d_gbps=1.0),
+        layer_compute_ms=(1.0,) * 4, h2d_gbps=1.0, tpot_ms=20.0, free_gpu_blocks=0,
+        policy=Policy(), limits=BatchLimits(max_tokens=4000),
+    )
+
+
+def test_kvplane_layerkv_rotates_out_a_request_that_never_fits_for_an_aged_prompt() -> None:
+    """Scenario: a (1000 tokens) is blocked by the 4000-token batch limit (3000 + 500 running).
+    Once aged, it pauses big (3000 tokens > the 1600 the GPU holds in every layer: a no-offload
+    server would have rejected it) and is admitted."""
+    d = make_scheduler("layerkv").schedule(_rotation_view(now=5000.0, big_ctx=3000))
+    assert d.pause == ("big",) and d.admit == ("a",)
+    # negative controls: not aged yet (waited 0.1 s of a 2 s TTFT SLO) -> nothing happens
+    d = make_scheduler("layerkv").schedule(_rotation_view(now=100.0, big_ctx=3000))
+    assert d.pause == () and d.admit == ()
+    # the blocking request fits the GPU (1500 <= 1600 tokens): a no-offload server would serve
+    # it too, so it is not paused; with 1500 + 500 + 1000 > 2500 a still waits
+    view = _rotation_view(now=5000.0, big_ctx=1500)
+    view = dataclasses.replace(view, limits=BatchLimits(max_tokens=2500))
+    d = make_scheduler("layerkv").schedule(view)
+    assert d.pause == () and d.admit == ()
+    # the paper's rule never rotates
+    assert PAPER.schedule(_rotation_view(now=5000.0, big_ctx=3000)).pause == ()

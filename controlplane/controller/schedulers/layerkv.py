@@ -41,7 +41,13 @@ changes three things and keeps Eq. 1-3:
   behind short ones indefinitely when batch slots, not memory, bind;
 * **memory and slots as OrbitFlow** (§5.1): the worker's batch limits bound admission, memory
   does not; the prompt keeps the layers that fit (never fewer than Eq. 4 would when they fit: a
-  layer kept costs no transfer) and offloads the rest at prefill.
+  layer kept costs no transfer) and offloads the rest at prefill;
+* **rotation** (the kvplane principle: never worse than a no-offload server for the requests it
+  would serve, and serve the ones it rejects): an aged prompt that the batch limits block pauses
+  the running requests whose context exceeds what the GPU holds in every layer (a no-offload
+  server rejects them) and is longer than the prompt, largest first, until the prompt fits;
+  they resume after a finish (or by the starvation guard). Without batch limits (SGLang) it never
+  fires.
 """
 
 from __future__ import annotations
@@ -156,16 +162,33 @@ class LayerKVScheduler:
         tokens = 0
         admit: list[str] = []
         retained: dict[str, int] = {}
+        capacity = budget // layers * bs  # tokens whose KV fits the GPU in every layer
+        rotate: list[str] = []
+        running = list(view.running)
         for q in sorted(view.queued, key=lambda q: (q.arrival_ms, q.id)):
+            t_prefill = prefill_ms(q.prompt_tokens, params)
+            ttft = q.slo_ttft_ms if q.slo_ttft_ms is not None else params.ttft_slo_ms
+            aged = view.now_ms - q.arrival_ms + t_prefill >= AGING_FRACTION * ttft
+            if not view.limits.admits(n, in_batch_tokens, q.prompt_tokens) and aged:
+                # Rotation: an aged prompt blocked by the batch limits pauses, largest first,
+                # the running requests whose KV can never fit the GPU (those a no-offload
+                # server would have rejected) and that are longer than it, until it fits.
+                for v in sorted(running, key=lambda r: (-r.context_tokens, r.id)):
+                    if view.limits.admits(n, in_batch_tokens, q.prompt_tokens):
+                        break
+                    if v.context_tokens <= max(q.prompt_tokens, capacity):
+                        break
+                    rotate.append(v.id)
+                    running.remove(v)
+                    batch.remove(v.blocks_per_layer(bs))
+                    n -= 1
+                    in_batch_tokens -= v.context_tokens
             if not view.limits.admits(n, in_batch_tokens, q.prompt_tokens):
                 break
             if admit and tokens + q.prompt_tokens > params.max_prefill_tokens:
                 break
-            t_prefill = prefill_ms(q.prompt_tokens, params)
             b = prompt_blocks(q.prompt_tokens, bs)
-            ttft = q.slo_ttft_ms if q.slo_ttft_ms is not None else params.ttft_slo_ms
-            aged = view.now_ms - q.arrival_ms + t_prefill >= AGING_FRACTION * ttft
-            if view.running and not aged:
+            if running and not aged:
                 step = predicted_step_ms(batch + [b], budget, view.layer_compute_ms,
                                          h2d_blocks_per_ms)
                 before = predicted_step_ms(batch, budget, view.layer_compute_ms,
@@ -174,7 +197,7 @@ class LayerKVScheduler:
                     [r.slo_tbt_ms for r in view.running] + [view.policy.slo_tbt_ms])
                 if step > max(target, before):  # the admission would make steps late
                     break
-                bound_ms = min(allow_prefill_ms(r, view, params, step) for r in view.running)
+                bound_ms = min(allow_prefill_ms(r, view, params, step) for r in running)
                 if not spent_ms + t_prefill < bound_ms:  # Eq. 2 with the predicted TPOT
                     break
             keep = layers if b * layers <= free else max(0, free // b - 1)
@@ -186,4 +209,4 @@ class LayerKVScheduler:
             tokens += q.prompt_tokens
             admit.append(q.id)
             retained[q.id] = keep
-        return SchedulerDecision(admit=tuple(admit), min_gpu_layers=retained)
+        return SchedulerDecision(admit=tuple(admit), min_gpu_layers=retained, pause=tuple(rotate))
