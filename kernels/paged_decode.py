@@ -76,10 +76,12 @@ def _check(
         raise ValueError(f"head_dim differs: q {head_dim} vs cache {k_cache.shape[3]}")
     if q_heads % kv_heads:
         raise ValueError(f"q_heads={q_heads} must be a multiple of kv_heads={kv_heads}")
-    if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    # q may be wider than the cache (SGLang keeps q in the model dtype over a narrower KV cache):
+    # both are read as fp32 and the output has q's dtype
+    if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype not in SUPPORTED_DTYPES or v_cache.dtype != k_cache.dtype:
         raise ValueError(
-            f"q, k_cache, v_cache must share one dtype of {SUPPORTED_DTYPES}; got {q.dtype}, "
-            f"{k_cache.dtype}, {v_cache.dtype}"
+            f"q and the caches must have dtypes of {SUPPORTED_DTYPES}, k_cache and v_cache the same; "
+            f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
         )
     if kv_indptr.dim() != 1 or kv_lens.dim() != 1 or kv_indices.dim() != 1:
         raise ValueError("kv_indptr, kv_indices and kv_lens must be 1-D")

@@ -11,8 +11,9 @@ layered pool does not have. SGLang-free: ``values`` is any mapping of SGLang's o
 Rules (each one names what would break):
 
 * **Attention backends.** The layered pool keeps KV in per-layer page tables, so only backends
-  that read them work: ``torch_native`` (CPU and CUDA) and ``flashinfer`` (CUDA, decode through
-  the step's per-layer page tables). With no ``--attention-backend`` SGLang would choose one
+  that read them work: ``torch_native`` (CPU and CUDA), ``flashinfer`` (CUDA) and ``triton``
+  (kvplane's Triton paged decode: CUDA, or CPU under ``TRITON_INTERPRET=1``), the last two
+  decoding through the step's per-layer page tables. With no ``--attention-backend`` SGLang would choose one
   itself (``fa3`` on Hopper, which reads the flat buffers): kvplane chooses ``flashinfer`` on
   CUDA, ``torch_native`` on CPU, and says so. A named unsupported backend (``--attention-backend``,
   ``--decode-attention-backend`` or ``--prefill-attention-backend``) is refused.
@@ -37,8 +38,8 @@ from types import MappingProxyType
 from typing import Any
 
 LAYERED_BACKENDS: Mapping[str, tuple[str, ...]] = MappingProxyType({
-    "cuda": ("flashinfer", "torch_native"),
-    "cpu": ("torch_native",),
+    "cuda": ("flashinfer", "triton", "torch_native"),
+    "cpu": ("torch_native", "triton"),
 })
 """Attention backends that read the layered tables, per device."""
 

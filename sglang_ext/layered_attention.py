@@ -37,7 +37,6 @@ import numpy as np
 import torch
 
 from sglang_ext.compat import SDPA_REQ_POOL_INDICES_ARG, TorchNativeAttnBackend
-from sglang_ext.dataplane.results import LayerView
 from sglang_ext.layered_pool import LayeredTokenToKVPool
 
 
@@ -261,72 +260,18 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         return super()._run_sdpa_forward_decode(*self._rows_arg(args), **kwargs)
 
 
-try:  # GPU path: import-guarded (flashinfer needs CUDA)
-    from sglang_ext.dataplane.flashinfer_attention import (
-        HAVE_FLASHINFER,
-        AttentionParams,
-        FlashInferLayeredDecode,
-    )
-except Exception:  # noqa: BLE001
-    HAVE_FLASHINFER = False
-    FlashInferLayeredDecode = AttentionParams = None  # type: ignore[assignment,misc]
-
-
-class LayeredFlashInferDecode(LayeredTorchNativeAttnBackend):
-    """GPU: decode through FlashInfer over the step's per-layer page tables; extend through the
-    torch path.
-
-    One FlashInfer plan per step and per distinct layer parameters (soft cap, sliding window:
-    every layer has the same page counts, a host-only page is staged into the request's staging
-    slot); per layer the page ids are row ``l`` of the step's one ``[L, n]`` table tensor,
-    uploaded once (:class:`~sglang_ext.dataplane.step_tables.StepTables`).
-    Staging is always reserved (the pool makes room), so there is no fallback path. CUDA graphs
-    are not used (tables change every step).
-    """
-
-    def __init__(self, model_runner: Any) -> None:
-        super().__init__(model_runner)
-        if not HAVE_FLASHINFER or self.pool.store.device.type != "cuda":
-            raise RuntimeError("LayeredFlashInferDecode needs CUDA and an importable flashinfer")
-        self.flashinfer = FlashInferLayeredDecode(self.pool.store.device, self.pool.store.config.logical_pages)
-        self._paged = False
-
-    steady_decode_fast_path = False  # decode goes through FlashInfer's per-step page tables
-
-    def init_forward_metadata(self, forward_batch: Any) -> None:
-        decode = forward_batch.forward_mode.is_decode()
-        self.pool.token_tables = not decode  # decode reads page tables, not token tables
-        super().init_forward_metadata(forward_batch)
-        self.flashinfer.new_step()
-        self._paged = decode and self.pool.tables is not None and self.pool.tables.batch > 0
-
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):  # noqa: ANN001, ANN201
-        if not self._paged or layer.is_cross_attention:
-            return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
-        self._begin_layer(layer.layer_id)
-        if save_kv_cache and k is not None and v is not None:
-            self.pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
-        view = self._view(layer.layer_id - self.pool.start_layer)
-        params = AttentionParams.of_layer(layer, layer.tp_q_head_num)  # soft cap, sliding window
-        if not self.flashinfer.planned(params):
-            self.flashinfer.plan(view, layer.tp_q_head_num, params=params)
-        q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim).to(view.k_cache.dtype)
-        out = self.flashinfer.run(q3, view, params)
-        self._end_layer(layer.layer_id)
-        return out.to(q.dtype).reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
-
-    def _view(self, layer: int) -> LayerView:
-        tables, store = self.pool.tables, self.pool.store
-        return LayerView(
-            layer=layer, k_cache=store.dev[0], v_cache=store.dev[1], kv_indptr=tables.kv_indptr,
-            kv_indices=tables.tab[layer], kv_lens=tables.kv_lens, last_page_len=tables.last_page_len,
-            rids=(),
-        )
-
-
 def create_layered_flashinfer_backend(runner: Any) -> LayeredTorchNativeAttnBackend:
     """ATTENTION_BACKENDS factory replacing ``flashinfer`` when --enable-layered-kv is on (GPU)."""
+    from sglang_ext.layered_flashinfer_decode import LayeredFlashInferDecode
+
     return LayeredFlashInferDecode(runner)
+
+
+def create_layered_triton_backend(runner: Any) -> LayeredTorchNativeAttnBackend:
+    """ATTENTION_BACKENDS factory replacing ``triton`` when --enable-layered-kv is on."""
+    from sglang_ext.layered_triton_decode import LayeredTritonDecode
+
+    return LayeredTritonDecode(runner)
 
 
 def create_layered_torch_native_backend(runner: Any) -> LayeredTorchNativeAttnBackend:

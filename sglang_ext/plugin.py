@@ -145,15 +145,18 @@ def _around_enable_fused_set_kv_buffer(original: Any, forward_batch: Any, *args:
 
 
 def _swap_attention_backends() -> None:
-    """Replace ``torch_native`` (and ``flashinfer`` where importable) with the layered variants."""
+    """Replace ``torch_native`` and ``triton`` (and ``flashinfer`` where importable) with the
+    layered variants (the ones :class:`~sglang_ext.launch_decision.LaunchDecision` lets run)."""
+    from sglang_ext.dataplane.flashinfer_attention import HAVE_FLASHINFER
     from sglang_ext.layered_attention import (
-        HAVE_FLASHINFER,
         create_layered_flashinfer_backend,
         create_layered_torch_native_backend,
+        create_layered_triton_backend,
     )
 
     registry = compat.attention_backends()
     registry["torch_native"] = create_layered_torch_native_backend
+    registry["triton"] = create_layered_triton_backend
     if HAVE_FLASHINFER:  # GPU hosts; the backend itself refuses to start without CUDA
         registry["flashinfer"] = create_layered_flashinfer_backend
 

@@ -52,9 +52,11 @@ class AttentionParams:
     """``cap * tanh(logits / cap)`` when > 0 (Gemma-2, Grok); 0 is off."""
     window_left: int = -1
     """Attend to the last ``window_left + 1`` tokens (sliding window); -1 is off."""
+    q_dtype: torch.dtype | None = None
+    """The query's dtype (SGLang keeps q in the model dtype); None: the KV cache's."""
 
     @classmethod
-    def of_layer(cls, layer: object, num_qo_heads: int) -> AttentionParams:
+    def of_layer(cls, layer: object, num_qo_heads: int, q_dtype: torch.dtype | None = None) -> AttentionParams:
         """From SGLang's ``RadixAttention`` (``scaling``, ``logit_cap``, ``sliding_window_size``)."""
         cap = float(getattr(layer, "logit_cap", 0.0) or 0.0)
         window = getattr(layer, "sliding_window_size", -1)
@@ -63,6 +65,7 @@ class AttentionParams:
             sm_scale=getattr(layer, "scaling", None),
             logits_soft_cap=cap if cap > 0 else 0.0,
             window_left=int(window) if window is not None and int(window) >= 0 else -1,
+            q_dtype=q_dtype,
         )
 
 
@@ -141,7 +144,7 @@ class FlashInferLayeredDecode:
             page_size,
             window_left=params.window_left,
             logits_soft_cap=params.logits_soft_cap or None,
-            q_data_type=view.k_cache.dtype,
+            q_data_type=params.q_dtype or view.k_cache.dtype,
             kv_data_type=view.k_cache.dtype,
             sm_scale=params.sm_scale,
         )

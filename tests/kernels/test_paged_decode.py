@@ -224,8 +224,26 @@ def test_validation_messages() -> None:
     t = _build(case, shared_prefix=False)
     with pytest.raises(ValueError, match="multiple of kv_heads"):
         paged_decode(**{**t, "q": torch.zeros(1, 3, 64)}, impl="torch")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="share one dtype"):
-        paged_decode(**{**t, "q": t["q"].half()}, impl="torch")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="k_cache and v_cache the same"):
+        paged_decode(**{**t, "v_cache": t["v_cache"].half()}, impl="torch")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="must have dtypes of"):
+        paged_decode(**{**t, "q": t["q"].double()}, impl="torch")  # type: ignore[arg-type]
+
+
+def test_query_wider_than_the_cache(triton_device) -> None:
+    """SGLang keeps q in the model dtype over a narrower KV cache: an fp32 query over a bf16 cache
+    is read as is (no rounding of q to bf16) and the output has q's dtype; rounding q first
+    changes the result (negative control)."""
+    case = CASES[0]
+    t = _build(case, shared_prefix=False)
+    k16, v16 = t["k_cache"].bfloat16(), t["v_cache"].bfloat16()
+    q = t["q"].float()
+    want = paged_decode_ref(**{**t, "q": q, "k_cache": k16.float(), "v_cache": v16.float()})  # type: ignore[arg-type]
+    got = paged_decode(**{**t, "q": q, "k_cache": k16, "v_cache": v16})  # type: ignore[arg-type]
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    rounded = paged_decode(**{**t, "q": q.bfloat16(), "k_cache": k16, "v_cache": v16}).float()  # type: ignore[arg-type]
+    assert (rounded - want).abs().max() > 1e-4
     with pytest.raises(ValueError, match="window_left"):
         paged_decode(**t, window_left=-2, impl="torch")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="logits_soft_cap"):

@@ -104,8 +104,9 @@ def greedy(server: SGLangServer, prompt: str, max_new_tokens: int = 6, *, logpro
 
 
 LOGPROB_ATOL = 1e-4
-"""Per-token logprob tolerance against vanilla (fp32 model). Measured on the tiny model: fp32
-noise between two forwards is ~1e-6, while zeroing one 16-token page of one layer moved the
+"""Per-token logprob tolerance against vanilla (the tiny fp32 checkpoint, which SGLang serves in
+fp16, its ``auto`` dtype; both servers compute attention with the same torch SDPA). Measured on
+the tiny model: noise between two forwards is ~1e-6, while zeroing one 16-token page of one layer moved the
 logprobs by >= 1.4e-3 every time (and changed the greedy token in 0 of 24 cases): comparing
 tokens alone cannot see a corrupted page, comparing logprobs can."""
 

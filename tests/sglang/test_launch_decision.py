@@ -63,7 +63,7 @@ def test_cpu_gets_torch_native_and_explicit_choices_are_kept():
     ("changes", "names"),
     [
         ({"attention_backend": "fa3"}, "--attention-backend fa3"),
-        ({"attention_backend": "triton"}, "--attention-backend triton"),
+        ({"attention_backend": "flex_attention"}, "--attention-backend flex_attention"),
         ({"decode_attention_backend": "trtllm_mha"}, "--decode-attention-backend trtllm_mha"),
         ({"prefill_attention_backend": "fa4"}, "--prefill-attention-backend fa4"),
         ({"device": "cpu", "attention_backend": "flashinfer"}, "on cpu use torch_native"),

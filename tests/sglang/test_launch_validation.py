@@ -18,9 +18,9 @@ pytestmark = pytest.mark.sglang
         (["--radix-cache-backend", "foo"], "kvplane: --enable-layered-kv needs --radix-cache-backend layered (implied), got 'foo'"),
         (["--kv-profile", "/nonexistent-kvplane-dir/profile.json"],
          "kvplane: invalid launch option: --kv-profile='/nonexistent-kvplane-dir/profile.json': no such file"),
-        (["--attention-backend", "triton"],
-         "kvplane: --attention-backend triton reads SGLang's flat KV buffers, which the layered KV pool "
-         "does not have; on cpu use torch_native (or leave it unset)"),
+        (["--attention-backend", "fa3"],
+         "kvplane: --attention-backend fa3 reads SGLang's flat KV buffers, which the layered KV pool "
+         "does not have; on cpu use torch_native or triton (or leave it unset)"),
         (["--attention-backend", "torch_native", "--kv-cache-dtype", "fp8_e4m3"],
          "kvplane: --kv-cache-dtype fp8_e4m3: quantized KV caches are not supported with --enable-layered-kv"),
         (["--attention-backend", "torch_native", "--cuda-graph-backend-decode", "full"],

@@ -1,0 +1,48 @@
+"""``LayeredFlashInferDecode``: the layered GPU serving backend (replaces SGLang's ``flashinfer``
+under ``--enable-layered-kv``): decode through FlashInfer over the step's per-layer page tables,
+extend through the torch path.
+
+One FlashInfer plan per step and per distinct layer parameters (soft cap, sliding window:
+:class:`~sglang_ext.dataplane.flashinfer_attention.AttentionParams`); per layer the page ids are
+row ``l`` of the step's one ``[L, n]`` table. Staging is always reserved (the pool makes room),
+so there is no fallback path. CUDA graphs are off under the flag (``launch_decision.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sglang_ext.dataplane.flashinfer_attention import (
+    HAVE_FLASHINFER,
+    AttentionParams,
+    FlashInferLayeredDecode,
+)
+from sglang_ext.dataplane.results import LayerView
+from sglang_ext.layered_paged_decode import LayeredPagedDecode
+
+
+class LayeredFlashInferDecode(LayeredPagedDecode):
+    """FlashInfer paged decode over the layered tables (CUDA only)."""
+
+    def __init__(self, model_runner: Any) -> None:
+        super().__init__(model_runner)
+        if not HAVE_FLASHINFER or self.pool.store.device.type != "cuda":
+            raise RuntimeError("LayeredFlashInferDecode needs CUDA and an importable flashinfer")
+        self.flashinfer = FlashInferLayeredDecode(self.pool.store.device, self.pool.store.config.logical_pages)
+
+    def new_step(self) -> None:
+        self.flashinfer.new_step()
+
+    def decode_layer(self, q: torch.Tensor, layer: Any, index: int) -> torch.Tensor:
+        tables, store = self.pool.tables, self.pool.store
+        view = LayerView(
+            layer=index, k_cache=store.dev[0], v_cache=store.dev[1], kv_indptr=tables.kv_indptr,
+            kv_indices=tables.tab[index], kv_lens=tables.kv_lens, last_page_len=tables.last_page_len,
+            rids=(),
+        )
+        params = AttentionParams.of_layer(layer, layer.tp_q_head_num, q.dtype)  # soft cap, window
+        if not self.flashinfer.planned(params):
+            self.flashinfer.plan(view, layer.tp_q_head_num, params=params)
+        return self.flashinfer.run(q, view, params)
