@@ -19,6 +19,7 @@ pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("sglang")  # the GPU check host has no SGLang: the served core's GPU tests cover it there
 
 from sglang_ext.dataplane.flashinfer_attention import HAVE_FLASHINFER, FlashInferLayeredDecode  # noqa: E402
 from sglang_ext.dataplane.results import LayerView  # noqa: E402
