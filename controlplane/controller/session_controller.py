@@ -55,6 +55,7 @@ from controlplane.controller.batch_limits import UNLIMITED, BatchLimits
 from controlplane.controller.decision_builder import DecisionBuilder, PlannerLike, PlanningInput
 from controlplane.controller.metrics import ControllerObserver, NullObserver, SafeObserver
 from controlplane.controller.profile_tracker import ProfileTracker, ProfileUpdate
+from controlplane.controller.report_validation import validate_report
 from controlplane.controller.request_tracker import RequestTracker
 from controlplane.controller.schedulers import make_scheduler
 from controlplane.controller.session_status import SessionStatus
@@ -266,27 +267,7 @@ class SessionController:
 
     # ---- internals ---------------------------------------------------------------------------
     def _validate(self, report: StepReport) -> None:
-        last = self._last
-        if last is not None and report.step <= last.step:
-            raise InvalidArgument(f"step: {report.step} must exceed the previous step {last.step}")
-        if last is not None and report.now_ms < last.now_ms:
-            raise InvalidArgument(
-                f"now_ms: {report.now_ms} is before the previous report's {last.now_ms}"
-            )
-        if report.observed_step_ms is not None and not report.observed_step_ms >= 0:
-            raise InvalidArgument(
-                f"observed_step_ms: {report.observed_step_ms} is out of range (allowed >= 0)"
-            )
-        if (
-            report.layer_compute_ms is not None
-            and len(report.layer_compute_ms) != self._worker.model.layers
-        ):
-            raise InvalidArgument(
-                f"layer_compute_ms: has {len(report.layer_compute_ms)} entries, "
-                f"expected model.layers = {self._worker.model.layers}"
-            )
-        if report.h2d_gbps is not None and not report.h2d_gbps > 0:
-            raise InvalidArgument(f"h2d_gbps: {report.h2d_gbps} is out of range (allowed > 0)")
+        validate_report(report, self._last, self._worker.model.layers)
 
     def _placement_now(self, decision: Decision | None) -> tuple[list[tuple[int, ...]], list[int]]:
         """Rows and blocks of the running requests under ``decision`` (all-GPU when unplanned)."""

@@ -1,0 +1,26 @@
+"""Checks on a worker's :class:`~controlplane.api.StepReport` before the controller uses it
+(``InvalidArgument`` naming the field, the value and the allowed range)."""
+
+from __future__ import annotations
+
+from controlplane.api import InvalidArgument, StepReport
+
+
+def validate_report(report: StepReport, last: StepReport | None, layers: int) -> None:
+    """Raise ``InvalidArgument`` when ``report`` cannot follow ``last`` on a ``layers``-layer
+    model; the controller's state is untouched either way."""
+    if last is not None and report.step <= last.step:
+        raise InvalidArgument(f"step: {report.step} must exceed the previous step {last.step}")
+    if last is not None and report.now_ms < last.now_ms:
+        raise InvalidArgument(f"now_ms: {report.now_ms} is before the previous report's {last.now_ms}")
+    if report.observed_step_ms is not None and not report.observed_step_ms >= 0:
+        raise InvalidArgument(
+            f"observed_step_ms: {report.observed_step_ms} is out of range (allowed >= 0)"
+        )
+    if report.layer_compute_ms is not None and len(report.layer_compute_ms) != layers:
+        raise InvalidArgument(
+            f"layer_compute_ms: has {len(report.layer_compute_ms)} entries, "
+            f"expected model.layers = {layers}"
+        )
+    if report.h2d_gbps is not None and not report.h2d_gbps > 0:
+        raise InvalidArgument(f"h2d_gbps: {report.h2d_gbps} is out of range (allowed > 0)")
