@@ -153,14 +153,16 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
             self._prepare(forward_batch)
             return
         t0 = time.perf_counter()
-        self._prepare(forward_batch)
+        fast = self._prepare(forward_batch)
         meter.add("attention_prepare", time.perf_counter() - t0)
+        meter.count("prepare_steady_decode" if fast else "prepare_general")
 
-    def _prepare(self, forward_batch: Any) -> None:
-        """kvplane's part of the step's metadata: residency for this batch, and how to read it."""
+    def _prepare(self, forward_batch: Any) -> bool:
+        """kvplane's part of the step's metadata: residency for this batch, and how to read it.
+        True when the steady decode fast path served it."""
         self.token_to_kv_pool._layer = None
         if self._steady_decode(forward_batch):
-            return
+            return True
         req_to_token = self.real_req_to_token_pool.req_to_token
         rows = forward_batch.req_pool_indices
         bs = 0 if rows is None else int(rows.numel())
@@ -186,6 +188,7 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
             self._build_compact_table(lens)
         known = bs > 0 and all(rid is not None for rid in rids)
         self._last_batch = (list(rids), lens) if known else None
+        return False
 
     def _steady_decode(self, forward_batch: Any) -> bool:
         """The usual decode step: the same requests as the previous forward, one token more each,

@@ -26,6 +26,7 @@ class LayeredPagedDecode(LayeredTorchNativeAttnBackend):
 
     def __init__(self, model_runner: Any) -> None:
         super().__init__(model_runner)
+        self.pool.core.paged_reads = True  # decode reads the step's page tables, even in place
         self._paged = False
 
     def init_forward_metadata(self, forward_batch: Any) -> None:

@@ -33,12 +33,18 @@ class OverheadMeter:
         self.kvplane_s: dict[str, float] = {}
         self.idle_s = 0.0
         """kvplane time in scheduler iterations that ran no step (kept apart: no step waited on it)."""
+        self.counts: dict[str, int] = {}
+        """Events per name (:meth:`count`)."""
         self.steps = 0
         self.step_s = 0.0
         self._last_end: float | None = None
 
     def add(self, part: str, seconds: float) -> None:
         self.kvplane_s[part] = self.kvplane_s.get(part, 0.0) + seconds
+
+    def count(self, name: str) -> None:
+        """Count one event (e.g. which preparation path a step took)."""
+        self.counts[name] = self.counts.get(name, 0) + 1
 
     def idle(self, kvplane_seconds: float = 0.0) -> None:
         """The scheduler found nothing to run: the time until the next step is not step time, and
@@ -65,6 +71,7 @@ class OverheadMeter:
             "kvplane_s": round(total, 6),
             "parts_s": {k: round(v, 6) for k, v in sorted(self.kvplane_s.items())},
             "idle_kvplane_s": round(self.idle_s, 6),
+            "counts": dict(sorted(self.counts.items())),
             "kvplane_ms_per_step": round(1e3 * total / self.steps, 4) if self.steps else None,
             "share_pct": round(100.0 * total / (self.step_s - total), 3) if self.step_s > total else None,
         }

@@ -121,12 +121,15 @@ class IdentityPages:
         return ids.tolist()
 
     def free(self, ids) -> None:  # noqa: ANN001
-        """Return ids; raises ValueError (freeing nothing) on an unknown or already free id."""
-        ids = self._ids(ids)
-        if not bool(self._in_use[ids].all()) or torch.unique(ids).numel() != ids.numel():
+        """Return ids; raises ValueError (freeing nothing) on an unknown or already free id.
+        NumPy on the shared memory: torch's bool ``index_put_`` costs ~2 us per id on CPU."""
+        flat = np.asarray(ids.numpy() if isinstance(ids, torch.Tensor) else ids, dtype=np.int64).reshape(-1)
+        if flat.size and (int(flat.min()) < 0 or int(flat.max()) >= self.capacity):
+            raise ValueError(f"{self.name}: block id out of range [0, {self.capacity})")
+        if not self._in_use_np[flat].all() or np.unique(flat).size != flat.size:
             raise ValueError(f"{self.name}: double free")
-        self._in_use[ids] = False
-        self._used -= int(ids.numel())
+        self._in_use_np[flat] = False
+        self._used -= int(flat.size)
 
     def used_ids(self) -> set[int]:
         return set(self._in_use.nonzero().squeeze(1).tolist())

@@ -61,6 +61,10 @@ class LayeredKVCore:
         """The current forward's tables (None between forwards and on overflow / fast steps)."""
         self.token_tables = True
         """Build torch-native token tables per step (a paged-only backend turns this off)."""
+        self.paged_reads = False
+        """The attention reads the step's page tables (FlashInfer, Triton): always build them.
+        Off (torch-native), an identity-layout step with every live layer-page resident is read
+        in place and builds none (:meth:`_begin_in_place`)."""
         self.overflow = False
         """This step could not stage its batch inside the budget and runs the at-rest path."""
         self.overflow_steps = 0
@@ -153,6 +157,8 @@ class LayeredKVCore:
         """Build the step's tables (making staging room if needed) and start the pipeline, or
         mark the step as overflowing (module docstring)."""
         self.overflow = False
+        if self._begin_in_place(page_lists, lens, counts):
+            return
         for _ in range(self.layers + 2):
             tables = StepTables(self.store, page_lists, lens, counts, new_np, self.room.take,
                                 token_tables=self.token_tables)
@@ -176,6 +182,23 @@ class LayeredKVCore:
                 hint="the running batch's staging slots exceed the device budget; the control plane "
                 "pauses requests to prevent this (raise --kv-gpu-budget-tokens for headroom)",
             )
+
+    def _begin_in_place(self, page_lists: list[np.ndarray], lens: np.ndarray, counts: np.ndarray) -> bool:
+        """Identity layout, every live layer-page resident, attention reading in place: the step
+        needs no tables (nothing staged or fetched, writes go in place by slot); only the pages
+        receiving new tokens are marked (O(new tokens)). False (nothing done) otherwise."""
+        if self.paged_reads or not self.store.identity or not self.residency.all_live_resident():
+            return False
+        ps = self.page_size
+        new = [pages[(n - e) // ps: (n - 1) // ps + 1]
+               for pages, n, e in zip(page_lists, lens.tolist(), counts.tolist(), strict=True) if e > 0]
+        if new:
+            fresh = np.unique(np.concatenate(new))
+            self.store.mark_dirty(self.store.identity_ids(fresh).reshape(-1))
+            self.store.has_kv_np[fresh] = True
+        self.store.staging_pages = 0
+        self.store.engine.wait_fence()  # the boundary's copies (if any) before the layers read
+        return True
 
     def _release_staging(self, tables: StepTables) -> None:
         self.room.give_back(tables.staging_ids)

@@ -271,6 +271,7 @@ def measure_all(
                 tuple(x for x in (share_of(m) for m in got.meter) if x is not None),
                 tuple(float(m["kvplane_ms_per_step"]) for m in got.meter if m.get("kvplane_ms_per_step") is not None),
                 tuple(_parts_ms(m) for m in got.meter if m.get("steps")),
+                tuple(dict(m.get("counts") or {}) for m in got.meter if m.get("steps")),
                 got.overlap[0] if len(set(got.overlap)) == 1 else None,
             )
         )

@@ -62,6 +62,9 @@ class ConfigResult:
     kvplane_parts_ms_per_step: tuple[dict[str, float], ...] = ()
     """Per launch (layered configs): that figure split by the meter's parts (boundary,
     after_schedule, attention_prepare, layers, radix, end_step)."""
+    kvplane_counts: tuple[dict[str, int], ...] = ()
+    """Per launch (layered configs): the meter's event counts (steady-decode vs general
+    preparation)."""
     overlap_schedule: bool | None = None
     """Whether the servers ran SGLang's overlap scheduler, as each launch reported it
     (``disable_overlap_schedule`` in ``/server_info``); None when a launch did not say or the
@@ -130,9 +133,11 @@ def _markdown(payload: dict[str, Any]) -> str:
                 f"step (median of launches; per launch {', '.join(f'{x:.2f}%' for x in r['kvplane_share_pct'])}), "
                 f"{statistics.median(r['kvplane_ms_per_step']):.3f} ms per step."
             )
+            counts = list(r.get("kvplane_counts") or ())
             for i, parts in enumerate(r.get("kvplane_parts_ms_per_step") or ()):
                 split = ", ".join(f"{k} {v:.3f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
-                lines.append(f"  - launch {i}, ms per step by part: {split}")
+                events = ", ".join(f"{k} {v}" for k, v in (counts[i] if i < len(counts) else {}).items())
+                lines.append(f"  - launch {i}, ms per step by part: {split}" + (f" (steps: {events})" if events else ""))
     for note in payload.get("notes", []):
         lines += ["", note]
     return "\n".join(lines) + "\n"

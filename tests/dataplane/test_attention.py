@@ -29,6 +29,7 @@ def test_layered_attention_over_the_step_tables_equals_dense(scenario) -> None:
     layer (the torch-native path) reads exactly the written keys."""
     prompt, placement, q_lens, budget, seed = scenario
     core = make_core(budget)
+    core.paged_reads = True  # the paged backends' tables, in the identity layout too
     rids = [f"r{i}" for i in range(len(prompt))]
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(LAYERS, sum(q_lens), Q_HEADS, DIM, generator=gen)
