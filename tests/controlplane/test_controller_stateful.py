@@ -58,9 +58,10 @@ def test_pause_resume_invariants(seq: list[tuple[str, int]], rule: str) -> None:
             reports = arg
         for _ in range(reports):
             before = len(w.decisions)
-            waiting = {
+            waiting = {  # paused requests still alive (a paused request may just have finished)
                 rid: w.step + 1 - session._tracker.get(rid).paused_since_step  # type: ignore[union-attr]  # noqa: SLF001
                 for rid in session.status().paused
+                if rid in w.ctx
             }
             starving = sorted((-k, rid) for rid, k in waiting.items() if k >= MAX_PAUSED)
             w.report()
