@@ -44,8 +44,8 @@ from controlplane.model import Batch
 from controlplane.planner import Planner, candidate_set
 from controlplane.planner.evaluator import Evaluator
 from controlplane.planner.mip_search import MipStage
-from controlplane.planner.planner import DEFAULT_BUDGET_FRACTION, DEFAULT_MAX_BUDGET_MS
 from controlplane.planner.placement_search import PlacementSearch
+from controlplane.planner.planner import DEFAULT_BUDGET_FRACTION, DEFAULT_MAX_BUDGET_MS
 
 DEFAULT_SIZES = "4x32,16x32,64x80"
 TARGET_P99_MS = {(4, 32): 5.0, (16, 32): 20.0, (64, 80): 50.0}
