@@ -22,7 +22,7 @@ import structlog
 from controlplane import api
 from controlplane.model import Batch, Plan
 from controlplane.policy import Policy
-from controlplane.service import convert
+from controlplane.service import convert, policy_convert
 from controlplane.service.errors import error_for
 from controlplane.service.metrics import ClientMetrics
 from controlplane.service.worker_session import Backoff, GrpcWorkerSession
@@ -141,10 +141,10 @@ class GrpcControlPlane:
             msg = self._policy.GetPolicy(pb.GetPolicyRequest(), timeout=self._timeout_s)
         except grpc.RpcError as err:
             raise error_for(err) from None
-        return convert.policy_from_proto(msg)
+        return policy_convert.policy_from_proto(msg)
 
     def update_policy(self, changes: Mapping[str, Any], token: str | None = None) -> Policy:
-        request = pb.UpdatePolicyRequest(changes=convert.policy_changes_to_proto(changes))
+        request = pb.UpdatePolicyRequest(changes=policy_convert.policy_changes_to_proto(changes))
         token = token if token is not None else self._token
         metadata = (("authorization", f"Bearer {token}"),) if token else None
         try:
@@ -153,14 +153,14 @@ class GrpcControlPlane:
             )
         except grpc.RpcError as err:
             raise error_for(err) from None
-        return convert.policy_from_proto(response.policy)
+        return policy_convert.policy_from_proto(response.policy)
 
     def watch_policy(self) -> Iterator[Policy]:
         """The current policy, then every update; closing the iterator cancels the stream."""
         call = self._policy.WatchPolicy(pb.WatchPolicyRequest())
         try:
             for event in call:
-                yield convert.policy_from_proto(event.policy)
+                yield policy_convert.policy_from_proto(event.policy)
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.CANCELLED:
                 raise error_for(err) from None

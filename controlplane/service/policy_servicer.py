@@ -22,7 +22,7 @@ import structlog
 
 from controlplane import api
 from controlplane.policy import Policy
-from controlplane.service import convert
+from controlplane.service import policy_convert
 from controlplane.service.interceptors import bearer_token, peer_identity
 from controlplane.service.metrics import ServiceMetrics
 from kvplane.v1 import controlplane_pb2 as pb
@@ -63,12 +63,12 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
     # ------------------------------------------------------------ unary
 
     def GetPolicy(self, request: pb.GetPolicyRequest, context: grpc.ServicerContext) -> pb.Policy:
-        return convert.policy_to_proto(self._cp.get_policy())
+        return policy_convert.policy_to_proto(self._cp.get_policy())
 
     def UpdatePolicy(
         self, request: pb.UpdatePolicyRequest, context: grpc.ServicerContext
     ) -> pb.UpdatePolicyResponse:
-        changes = convert.policy_changes_from_proto(request.changes)
+        changes = policy_convert.policy_changes_from_proto(request.changes)
         if not changes:
             raise api.InvalidArgument("changes: no policy field is set (nothing to update)")
         actor = peer_identity(context)
@@ -86,7 +86,7 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
             new_version=new.version,
             changes=changes,
         )
-        return pb.UpdatePolicyResponse(policy=convert.policy_to_proto(new), old_version=old.version)
+        return pb.UpdatePolicyResponse(policy=policy_convert.policy_to_proto(new), old_version=old.version)
 
     # ------------------------------------------------------------ watch
 
@@ -154,7 +154,7 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
         self._ensure_pump()
         try:
             last = self._cp.get_policy()
-            yield pb.PolicyEvent(policy=convert.policy_to_proto(last))
+            yield pb.PolicyEvent(policy=policy_convert.policy_to_proto(last))
             while context.is_active() and not self._stopped.is_set():
                 try:
                     item = q.get(timeout=self._poll_s)
@@ -165,7 +165,7 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
                 if item.version <= last.version:
                     continue  # already sent (raced with the initial GetPolicy)
                 last = item
-                yield pb.PolicyEvent(policy=convert.policy_to_proto(item))
+                yield pb.PolicyEvent(policy=policy_convert.policy_to_proto(item))
         finally:
             with self._lock:
                 self._watchers.discard(q)

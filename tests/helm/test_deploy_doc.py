@@ -103,7 +103,7 @@ def test_grpcurl_examples_match_the_api():
     from google.protobuf import json_format
 
     from controlplane.policy import Policy
-    from controlplane.service import convert
+    from controlplane.service import policy_convert
     from kvplane.v1 import controlplane_pb2 as pb
 
     service = pb.DESCRIPTOR.services_by_name["PolicyService"]
@@ -114,5 +114,5 @@ def test_grpcurl_examples_match_the_api():
     request = json_format.Parse(body.group(1), pb.UpdatePolicyRequest())
     changes = json.loads(body.group(1))["changes"]
     assert request.changes.slo_tbt_ms == changes["slo_tbt_ms"]
-    policy = Policy().merged(convert.policy_changes_from_proto(request.changes))
+    policy = Policy().merged(policy_convert.policy_changes_from_proto(request.changes))
     assert policy.scheduler == changes["scheduler"]

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from controlplane import api
 from controlplane.model import Plan
 from controlplane.policy import Policy
-from controlplane.service import convert
+from controlplane.service import convert, policy_convert
 from kvplane.v1 import controlplane_pb2 as pb
 
 from .conftest import small_batch, worker_info
@@ -119,14 +119,14 @@ def test_batch_and_worker_info_round_trip() -> None:
 def test_policy_round_trip_and_partial_changes() -> None:
     """A full policy round-trips; a partial update carries only the fields that were set."""
     policy = Policy.from_dict({"alpha": 0.25, "scheduler": "lvf", "lvf": {"beta_b": 0.9}})
-    assert convert.policy_from_proto(convert.policy_to_proto(policy)) == policy
-    msg = convert.policy_changes_to_proto({"window_max": 32, "layerkv": {"tpot_margin": 0.5}})
-    assert convert.policy_changes_from_proto(msg) == {
+    assert policy_convert.policy_from_proto(policy_convert.policy_to_proto(policy)) == policy
+    msg = policy_convert.policy_changes_to_proto({"window_max": 32, "layerkv": {"tpot_margin": 0.5}})
+    assert policy_convert.policy_changes_from_proto(msg) == {
         "window_max": 32,
         "layerkv": {"tpot_margin": 0.5},
     }
     with pytest.raises(api.InvalidArgument, match="bogus"):
-        convert.policy_changes_to_proto({"bogus": 1})
+        policy_convert.policy_changes_to_proto({"bogus": 1})
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,7 @@
 import dataclasses
 
 from controlplane.policy import LayerKVParams, LVFParams, Policy
-from controlplane.service.convert import policy_from_proto, policy_to_proto
+from controlplane.service.policy_convert import policy_from_proto, policy_to_proto
 from kvplane.v1 import controlplane_pb2 as pb
 
 
