@@ -135,8 +135,8 @@ def _around_enable_fused_set_kv_buffer(original: Any, forward_batch: Any, *args:
     Other backends keep SGLang's answer."""
     from sglang_ext.layered_attention import LayeredTorchNativeAttnBackend
 
-    try:
-        backend = compat.resolve(compat.GET_ATTN_BACKEND.path)()
+    try:  # per layer on fused models: the lazily imported function, not a path lookup each call
+        backend = compat.get_attn_backend()
     except Exception:  # no forward context (not inside a forward): SGLang's answer
         backend = None
     if isinstance(backend, LayeredTorchNativeAttnBackend):

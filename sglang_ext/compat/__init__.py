@@ -10,7 +10,7 @@ Everything else in ``sglang_ext/`` reaches SGLang through here:
   (no torch, no SGLang) and ``plugin.py`` / ``args.py`` can import it at module level:
   ``HookRegistry``, ``HookType``, ``RadixCache``, ``TreeNode``, ``MHATokenToKVPool``,
   ``unwrap_write_loc``, ``TorchNativeAttnBackend``, ``SamplingBatchInfo``, ``broadcast_pyobj``,
-  ``register_radix_cache_backend``, ``get_radix_cache_factory``; :func:`attention_backends` for
+  ``register_radix_cache_backend``, ``get_radix_cache_factory``, ``get_attn_backend``; :func:`attention_backends` for
   the backend registry dict and :func:`resolve` for any target.
 * **The supported version**: :data:`SUPPORTED_VERSION` and :func:`check_version`, run by
   ``sglang_ext.plugin.register`` before it installs anything.
@@ -31,6 +31,7 @@ from sglang_ext.compat.surface import *  # noqa: F403 -- the Target constants ar
 from sglang_ext.compat.surface import (
     ATTENTION_BACKEND_FACTORIES,
     BROADCAST_PYOBJ,
+    GET_ATTN_BACKEND,
     GET_RADIX_CACHE_FACTORY,
     HOOK_REGISTRY,
     HOOK_TYPE,
@@ -62,6 +63,7 @@ _LAZY: MappingProxyType[str, Target] = MappingProxyType({
     "broadcast_pyobj": BROADCAST_PYOBJ,
     "register_radix_cache_backend": REGISTER_RADIX_CACHE_BACKEND,
     "get_radix_cache_factory": GET_RADIX_CACHE_FACTORY,
+    "get_attn_backend": GET_ATTN_BACKEND,
 })
 """SGLang objects importable from this package, imported on first access."""
 
