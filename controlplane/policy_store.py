@@ -177,10 +177,7 @@ class PolicyStore:
 def load_policy_file(path: str | Path) -> Policy:
     """A policy from a YAML (``.yaml``/``.yml``) or JSON file; errors name the file and field."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise InvalidArgument(f"policy file {str(p)!r}: cannot read ({exc.strerror})") from exc
+    text = _read_text(p, "policy file")
     try:
         if p.suffix.lower() == ".json":
             data = json.loads(text)
@@ -189,7 +186,7 @@ def load_policy_file(path: str | Path) -> Policy:
 
             data = yaml.safe_load(text)
     except Exception as exc:  # json.JSONDecodeError / yaml.YAMLError
-        raise InvalidArgument(f"policy file {str(p)!r}: not valid YAML/JSON ({exc})") from exc
+        raise InvalidArgument(f"policy file {str(p)!r}: not valid YAML/JSON ({_parse_error(exc)})") from exc
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
@@ -205,10 +202,24 @@ def load_policy_file(path: str | Path) -> Policy:
 def load_token_file(path: str | Path) -> str:
     """The bearer token in ``path`` (surrounding whitespace stripped); errors if empty."""
     p = Path(path)
-    try:
-        token = p.read_text().strip()
-    except OSError as exc:
-        raise InvalidArgument(f"token file {str(p)!r}: cannot read ({exc.strerror})") from exc
+    token = _read_text(p, "token file").strip()
     if not token:
-        raise InvalidArgument(f"token file {str(p)!r}: is empty")
+        raise InvalidArgument(f"token file {str(p)!r}: is empty (or whitespace only)")
     return token
+
+
+def _read_text(p: Path, what: str) -> str:
+    try:
+        return p.read_text()
+    except OSError as exc:
+        raise InvalidArgument(f"{what} {str(p)!r}: cannot read ({exc.strerror})") from exc
+    except UnicodeDecodeError as exc:
+        raise InvalidArgument(f"{what} {str(p)!r}: not UTF-8 text (byte {exc.start})") from exc
+
+
+def _parse_error(exc: Exception) -> str:
+    """A parser's complaint in one line: YAML's multi-line report as its problem and position."""
+    problem, mark = getattr(exc, "problem", None), getattr(exc, "problem_mark", None)
+    if problem and mark is not None:  # yaml.MarkedYAMLError
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    return " ".join(str(exc).split())

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import re
 import signal
 import sys
 import threading
@@ -25,11 +27,15 @@ from controlplane.policy import Policy
 from controlplane.policy_store import PolicyStore, load_policy_file, load_token_file
 from controlplane.service.decision_notifier import DecisionNotifier
 from controlplane.service.metrics import ServiceMetrics
+from controlplane.service.pem_files import check_ca_bundle, check_key_pair
 from controlplane.service.server import ServerConfig, TLSConfig, create_server
 
 log = structlog.get_logger(__name__)
 
 _DEFAULTS = ServerConfig()
+MAX_PORT = 65535
+MAX_GRACE_S = 3600.0
+"""Longest ``--grace-s`` (the Helm chart's ``server.graceSeconds`` allows (0, 3600])."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-watchers", type=int, default=_DEFAULTS.max_watchers, help="concurrent policy watches")
     parser.add_argument("--max-message-bytes", type=int, default=_DEFAULTS.max_message_bytes, help="largest accepted message")
     parser.add_argument("--rate-limit-rps", type=float, default=_DEFAULTS.rate_limit_rps, help="RPC calls per second per client host (0 = unlimited)")
-    parser.add_argument("--grace-s", type=float, default=5.0, help="graceful-stop grace period")
+    parser.add_argument("--grace-s", type=float, default=5.0, help=f"graceful-stop grace period in seconds, [0, {MAX_GRACE_S:g}]")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -66,18 +72,55 @@ def configure_logging(level: str) -> None:
     )
 
 
+def check_port(flag: str, port: int | None) -> None:
+    """``port`` (when given) is a TCP port in [0, 65535], 0 meaning any free one."""
+    if port is not None and not 0 <= port <= MAX_PORT:
+        raise ValueError(f"{flag}={port} is out of range [0, {MAX_PORT}]")
+
+
+def check_listen(listen: str) -> None:
+    """``--listen`` is HOST:PORT with PORT an integer in [0, 65535] (gRPC would wrap 70000 to 4464)."""
+    _host, sep, port = listen.rpartition(":")
+    if not sep:
+        raise ValueError(f"--listen={listen!r}: expected HOST:PORT (e.g. 0.0.0.0:50051, [::]:50051)")
+    if not re.fullmatch(r"-?[0-9]+", port):
+        raise ValueError(f"--listen={listen!r}: port {port!r} is not an integer in [0, {MAX_PORT}]")
+    if not 0 <= int(port) <= MAX_PORT:
+        raise ValueError(f"--listen={listen!r}: port {int(port)} is out of range [0, {MAX_PORT}]")
+
+
+def check_grace(grace_s: float) -> None:
+    """``--grace-s`` in [0, 3600] seconds."""
+    if not math.isfinite(grace_s) or not 0.0 <= grace_s <= MAX_GRACE_S:
+        raise ValueError(f"--grace-s={grace_s!r} is out of range [0, {MAX_GRACE_S:g}] (seconds)")
+
+
 def build_config(args: argparse.Namespace) -> ServerConfig:
+    """The server's config from the command line; ValueError naming the flag of a bad value."""
+    check_listen(args.listen)
+    check_port("--metrics-port", args.metrics_port)
+    check_port("--health-port", args.health_port)
+    check_grace(args.grace_s)
     tls = None
     if args.tls_cert or args.tls_key or args.tls_ca:
         if not (args.tls_cert and args.tls_key):
             raise ValueError("--tls-cert and --tls-key must be given together (and --tls-ca needs both)")
+        check_key_pair("--tls-cert", args.tls_cert, "--tls-key", args.tls_key)
+        if args.tls_ca:
+            check_ca_bundle("--tls-ca", args.tls_ca)
         tls = TLSConfig.from_files(args.tls_cert, args.tls_key, args.tls_ca)
+    token = None
+    if args.policy_token_file:
+        try:
+            token = load_token_file(args.policy_token_file)
+        except InvalidArgument as exc:
+            raise ValueError(f"--policy-token-file: {exc}") from None
     return ServerConfig(
         max_sessions=args.max_sessions,
         max_watchers=args.max_watchers,
         max_message_bytes=args.max_message_bytes,
         rate_limit_rps=args.rate_limit_rps,
-        policy_token=load_token_file(args.policy_token_file) if args.policy_token_file else None,
+        policy_token=token,
         tls=tls,
         health_listen=(
             f"{args.listen.rpartition(':')[0]}:{args.health_port}" if args.health_port is not None else None
@@ -108,7 +151,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = build_config(args)
         policy = load_policy_file(args.policy) if args.policy else None
-    except (OSError, ValueError, SchemaError, InvalidArgument) as exc:
+    except InvalidArgument as exc:  # only the policy file's (build_config names its flags)
+        print(f"kvplane serve: --policy: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError, SchemaError) as exc:
         print(f"kvplane serve: {exc}", file=sys.stderr)
         return 2
     metrics = ServiceMetrics()

@@ -35,16 +35,103 @@ def _args(*argv: str) -> argparse.Namespace:
         (["--max-message-bytes", "10"], "max_message_bytes: 10 is out of range"),
         (["--rate-limit-rps", "-1"], "rate_limit_rps: -1.0 is out of range"),
         (["--tls-cert", "/nonexistent.pem"], "--tls-cert and --tls-key must be given together"),
+        (["--listen", "127.0.0.1:70000"], "--listen='127.0.0.1:70000': port 70000 is out of range [0, 65535]"),
+        (["--listen", ":-5"], "--listen=':-5': port -5 is out of range [0, 65535]"),
+        (["--listen", "127.0.0.1:http"], "--listen='127.0.0.1:http': port 'http' is not an integer in [0, 65535]"),
+        (["--listen", "127.0.0.1"], "--listen='127.0.0.1': expected HOST:PORT"),
+        (["--metrics-port", "70000"], "--metrics-port=70000 is out of range [0, 65535]"),
+        (["--health-port", "-1"], "--health-port=-1 is out of range [0, 65535]"),
+        (["--grace-s", "-1"], "--grace-s=-1.0 is out of range [0, 3600] (seconds)"),
+        (["--grace-s", "nan"], "--grace-s=nan is out of range [0, 3600] (seconds)"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_option(argv: list[str], fragment: str) -> None:
-    """Out-of-range options make `kvplane serve` exit 2 with a message naming the option and range."""
+    """Out-of-range options make `kvplane serve` exit 2 with one line naming the option and range."""
     proc = subprocess.run(
         kvplane_cmd("serve", "--listen", "127.0.0.1:0", *argv),
         env=subprocess_env(), capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert fragment in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvplane serve: ") and fragment in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("listen", "grace_s"),
+    [("127.0.0.1:0", 0.0), ("0.0.0.0:65535", 3600.0), ("[::]:50051", 5.0), (":50051", 0.5)],
+)
+def test_edge_values_are_accepted(listen: str, grace_s: float) -> None:
+    """Negative control: port 0 (any free, what the tests bind), 65535, IPv6 and grace 0 / 3600 pass."""
+    args = _args("--listen", listen, "--grace-s", str(grace_s), "--metrics-port", "0", "--health-port", "65535")
+    config = serve_cmd.build_config(args)
+    assert config.health_listen is not None and config.health_listen.endswith(":65535")
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A CA, the server's certificate and key, and a garbage PEM."""
+    root = tmp_path_factory.mktemp("serve-pki")
+    ca = ThrowawayCA()
+    server = ca.issue("srv", server=True)
+    files = {
+        "ca": ca.cert_pem, "cert": server.cert_pem, "key": server.key_pem,
+        "garbage": b"-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n",
+    }
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    return {name: str(root / name) for name in files}
+
+
+@pytest.mark.parametrize(
+    ("cert", "key", "ca", "fragment"),
+    [
+        ("garbage", "key", None, "--tls-cert='{garbage}': not a PEM certificate file"),
+        ("cert", "garbage", None, "--tls-key='{garbage}': not an unencrypted PEM private key"),
+        ("cert", "ca", None, "--tls-key='{ca}': not an unencrypted PEM private key"),
+        ("cert", "key", "garbage", "--tls-ca='{garbage}': not a PEM certificate file"),
+    ],
+)
+def test_garbage_tls_files_are_named(pki: dict[str, str], cert: str, key: str, ca: str | None, fragment: str) -> None:
+    """A garbage certificate, key or CA makes serve exit 2 naming that flag and file (was: "cannot bind")."""
+    argv = ["--tls-cert", pki[cert], "--tls-key", pki[key], *(["--tls-ca", pki[ca]] if ca else [])]
+    proc = subprocess.run(
+        kvplane_cmd("serve", "--listen", "127.0.0.1:0", *argv),
+        env=subprocess_env(), capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"kvplane serve: {fragment.format(**pki)}"), proc.stderr
+
+
+def test_valid_tls_files_pass_the_checks(pki: dict[str, str]) -> None:
+    """Negative control: the real certificate, its key and the CA build a TLS config."""
+    config = serve_cmd.build_config(
+        _args("--tls-cert", pki["cert"], "--tls-key", pki["key"], "--tls-ca", pki["ca"])
+    )
+    assert config.tls is not None and config.tls.client_ca is not None
+
+
+@pytest.mark.parametrize(
+    ("flag", "name", "content", "fragment"),
+    [
+        ("--policy", "policy.yaml", "slo_tbt_ms: [1\n  alpha: 2\n",
+         "--policy: policy file '{path}': not valid YAML/JSON (expected ',' or ']', but got ':' at line 2, column 8)"),
+        ("--policy", "policy.json", "[1, 2]", "--policy: policy file '{path}': expected an object at the top level"),
+        ("--policy-token-file", "token", " \n", "--policy-token-file: token file '{path}': is empty"),
+    ],
+)
+def test_bad_policy_and_token_files_exit_2_in_one_line(tmp_path, flag, name, content, fragment) -> None:  # type: ignore[no-untyped-def]
+    """A bad policy or token file is one line naming the flag, the file and the problem (a YAML
+    parse error, multi-line from the parser, included)."""
+    path = tmp_path / name
+    path.write_text(content)
+    proc = subprocess.run(
+        kvplane_cmd("serve", "--listen", "127.0.0.1:0", flag, str(path)),
+        env=subprocess_env(), capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"kvplane serve: {fragment.format(path=path)}"), proc.stderr
 
 
 def test_bad_policy_file_exits_2_naming_field(tmp_path) -> None:  # type: ignore[no-untyped-def]
