@@ -29,7 +29,7 @@ longer than the cap is admitted alone (the engine chunks it) so it can never blo
 forever.
 
 The default ``variant="kvplane"`` (issue 15, the admission of the shipped ``kvplane`` policy)
-changes three things and keeps Eq. 1-3:
+changes four things and keeps Eq. 1-3:
 
 * **predicted slowdown**: the decode step the batch would run *with* the admitted prompt
   (:func:`predicted_step_ms`, the placement model with the KV that does not fit streamed over
@@ -42,12 +42,19 @@ changes three things and keeps Eq. 1-3:
 * **memory and slots as OrbitFlow** (§5.1): the worker's batch limits bound admission, memory
   does not; the prompt keeps the layers that fit (never fewer than Eq. 4 would when they fit: a
   layer kept costs no transfer) and offloads the rest at prefill;
-* **rotation** (the kvplane principle: never worse than a no-offload server for the requests it
-  would serve, and serve the ones it rejects): an aged prompt that the batch limits block pauses
-  the running requests whose context exceeds what the GPU holds in every layer (a no-offload
-  server rejects them) and is longer than the prompt, largest first, until the prompt fits;
-  they resume after a finish (or by the starvation guard). Without batch limits (SGLang) it never
-  fires.
+* **two classes** (the kvplane principle: never worse than a no-offload server for the
+  requests it would serve, and serve the ones it rejects). A context longer than the GPU holds
+  in every layer is *background*: a no-offload server rejects it, and every step it runs in
+  streams part of its KV over the link, which slows the whole batch. A *fitting* prompt is
+  admitted by Eq. 2 when it fits free memory, as a no-offload server would (the slowdown
+  check has nothing to predict); when it does not fit (memory or batch limits), running
+  background requests are paused, largest first, until it does (a paused request's GPU layers
+  are evicted as needed, OrbitFlow §3.4); only then may it be admitted with offload, under the
+  slowdown check above, or once aged. A background prompt never jumps a fitting prompt that waits and never blocks the
+  queue; it is admitted when the batch limits allow and it does not make the fitting requests'
+  steps late (predicted), or once aged. A running background request that makes the fitting
+  requests' steps late is paused. Paused requests resume after a finish (or by the starvation
+  guard), as OrbitFlow's do. On SGLang (no batch limits) the memory rule alone applies.
 """
 
 from __future__ import annotations
@@ -154,52 +161,89 @@ class LayerKVScheduler:
         layers, bs = view.model.layers, view.model.block_size
         h2d_blocks_per_ms = view.h2d_gbps * 1e6 / view.model.block_bytes
         budget = view.hardware.gpu_kv_budget_blocks
-        batch = [r.blocks_per_layer(bs) for r in view.running]
-        n = len(view.running)
-        in_batch_tokens = sum(r.context_tokens for r in view.running)
+        capacity = budget // layers * bs  # tokens whose KV fits the GPU in every layer
+
+        def oversize(tokens: int) -> bool:
+            """A no-offload server would reject this context: it cannot fit the GPU at all."""
+            return tokens > capacity
+
+        def step_ms(blocks: list[int]) -> float:
+            return predicted_step_ms(blocks, budget, view.layer_compute_ms, h2d_blocks_per_ms)
+
+        running = list(view.running)
+        batch = [r.blocks_per_layer(bs) for r in running]  # blocks per layer, next step's batch
+        n = len(running)
+        in_batch_tokens = sum(r.context_tokens for r in running)
+        fitting_in_batch = sum(1 for r in running if not oversize(r.context_tokens))
         free = view.free_gpu_blocks + view.evictable_blocks()
+        target = params.tpot_margin * min(
+            [r.slo_tbt_ms for r in running] + [view.policy.slo_tbt_ms])
+        rotate: list[str] = []
+
+        def rotate_out(v: RequestView) -> None:
+            nonlocal n, in_batch_tokens, free
+            rotate.append(v.id)
+            running.remove(v)
+            batch.remove(v.blocks_per_layer(bs))
+            n -= 1
+            in_batch_tokens -= v.context_tokens
+            gpu_layers = layers if v.gpu_layers is None else v.gpu_layers
+            free += v.blocks_per_layer(bs) * gpu_layers  # evictable once paused (§3.4)
+
+        def background() -> list[RequestView]:
+            """Running oversize requests, largest first (the rotation order)."""
+            return sorted((r for r in running if oversize(r.context_tokens)),
+                          key=lambda r: (-r.context_tokens, r.id))
+
+        # Background requests never make the requests a no-offload server would serve late.
+        if fitting_in_batch:
+            for v in background():
+                if step_ms(batch) <= target:
+                    break
+                rotate_out(v)
         spent_ms = 0.0
         tokens = 0
         admit: list[str] = []
         retained: dict[str, int] = {}
-        capacity = budget // layers * bs  # tokens whose KV fits the GPU in every layer
-        rotate: list[str] = []
-        running = list(view.running)
         for q in sorted(view.queued, key=lambda q: (q.arrival_ms, q.id)):
             t_prefill = prefill_ms(q.prompt_tokens, params)
             ttft = q.slo_ttft_ms if q.slo_ttft_ms is not None else params.ttft_slo_ms
             aged = view.now_ms - q.arrival_ms + t_prefill >= AGING_FRACTION * ttft
-            if not view.limits.admits(n, in_batch_tokens, q.prompt_tokens) and aged:
-                # Rotation: an aged prompt blocked by the batch limits pauses, largest first,
-                # the running requests whose KV can never fit the GPU (those a no-offload
-                # server would have rejected) and that are longer than it, until it fits.
-                for v in sorted(running, key=lambda r: (-r.context_tokens, r.id)):
-                    if view.limits.admits(n, in_batch_tokens, q.prompt_tokens):
-                        break
-                    if v.context_tokens <= max(q.prompt_tokens, capacity):
-                        break
-                    rotate.append(v.id)
-                    running.remove(v)
-                    batch.remove(v.blocks_per_layer(bs))
-                    n -= 1
-                    in_batch_tokens -= v.context_tokens
-            if not view.limits.admits(n, in_batch_tokens, q.prompt_tokens):
-                break
-            if admit and tokens + q.prompt_tokens > params.max_prefill_tokens:
-                break
             b = prompt_blocks(q.prompt_tokens, bs)
-            if running and not aged:
-                step = predicted_step_ms(batch + [b], budget, view.layer_compute_ms,
-                                         h2d_blocks_per_ms)
-                before = predicted_step_ms(batch, budget, view.layer_compute_ms,
-                                           h2d_blocks_per_ms)
-                target = params.tpot_margin * min(
-                    [r.slo_tbt_ms for r in view.running] + [view.policy.slo_tbt_ms])
-                if step > max(target, before):  # the admission would make steps late
-                    break
-                bound_ms = min(allow_prefill_ms(r, view, params, step) for r in running)
-                if not spent_ms + t_prefill < bound_ms:  # Eq. 2 with the predicted TPOT
-                    break
+            if oversize(q.prompt_tokens):
+                if not view.limits.admits(n, in_batch_tokens, q.prompt_tokens):
+                    continue  # skipped, not waited for: it never blocks the queue
+                if admit and tokens + q.prompt_tokens > params.max_prefill_tokens:
+                    continue
+                if running and not aged:  # Eq. 2, and no late steps for fitting requests
+                    step = step_ms(batch + [b])
+                    bound_ms = min(allow_prefill_ms(r, view, params, step) for r in running)
+                    if (fitting_in_batch and step > target) or not spent_ms + t_prefill < bound_ms:
+                        continue
+            else:
+                # Make room the way a no-offload server's memory would have: pause background
+                # requests (largest first) until the prompt fits memory and the batch limits;
+                # undone below when the prompt is held after all.
+                undo = (list(running), list(batch), n, in_batch_tokens, free, len(rotate))
+                for v in background():
+                    if b * layers <= free and view.limits.admits(n, in_batch_tokens,
+                                                                 q.prompt_tokens):
+                        break
+                    rotate_out(v)
+                held = not view.limits.admits(n, in_batch_tokens, q.prompt_tokens) or bool(
+                    admit and tokens + q.prompt_tokens > params.max_prefill_tokens)
+                if not held and running and not aged:
+                    # Eq. 2 with the predicted TPOT; a prompt that does not fit memory is
+                    # admitted with offload only when the steps stay on time.
+                    step = step_ms(batch + [b])
+                    late = b * layers > free and step > max(target, step_ms(batch))
+                    bound_ms = min(allow_prefill_ms(r, view, params, step) for r in running)
+                    held = late or not spent_ms + t_prefill < bound_ms
+                if held:
+                    running, batch, n, in_batch_tokens, free, kept = undo
+                    del rotate[kept:]
+                    break  # FCFS: nothing behind a held fitting prompt jumps it
+                fitting_in_batch += 1
             keep = layers if b * layers <= free else max(0, free // b - 1)
             free = max(0, free - b * (keep + (0 if keep == layers else 1)))
             batch.append(b)
