@@ -46,22 +46,27 @@ class LayeredKVArgs:
     kv_control_plane: str = "embedded"
     """``embedded`` (in-process controller) or ``grpc://HOST:PORT`` (remote service)."""
     kv_policy: str | None = None
-    """Policy file (JSON/YAML) loaded at start; must exist."""
+    """Policy file (JSON/YAML) loaded at start; must exist and hold a policy the control plane
+    accepts (``controlplane.policy_store.load_policy_file``, checked here)."""
     kv_host_pool_gb: float | None = None
     """Cap on the host (pinned on CUDA) KV pool in GB (1e9 bytes), in (0, 65536]; None (the
-    default) sizes it to what the pool needs, checked against the host's available memory."""
+    default) sizes it to what the pool needs, checked against the host's available memory. The
+    launcher also refuses a cap below what the model's KV needs
+    (:class:`sglang_ext.host_pool_floor.HostPoolFloor`, which needs the model config)."""
     kv_scheduler: str = "fcfs"
     """Admission/rotation scheduler: fcfs, layerkv (LayerKV §3.1) or lvf (SuperInfer §4.2)."""
     kv_pacing: str = "on"
     """Token-deposit pacing of streamed output (OrbitFlow §3.2): on or off."""
     kv_tls_ca: str | None = None
-    """CA bundle to verify the remote control plane (grpc:// only)."""
+    """CA bundle to verify the remote control plane (grpc:// only); PEM certificates, checked here."""
     kv_tls_cert: str | None = None
-    """Client certificate for mutual TLS (needs ``kv_tls_key``)."""
+    """Client certificate for mutual TLS (needs ``kv_tls_key``); PEM, checked here."""
     kv_tls_key: str | None = None
-    """Client private key for mutual TLS (needs ``kv_tls_cert``)."""
+    """Client private key for mutual TLS (needs ``kv_tls_cert``); unencrypted PEM of that
+    certificate, checked here."""
     kv_policy_token_file: str | None = None
-    """File holding the bearer token for the remote control plane (grpc:// only)."""
+    """File holding the bearer token for the remote control plane (grpc:// only); not empty
+    (``controlplane.policy_store.load_token_file``, checked here)."""
     kv_gpu_budget_tokens: int | None = None
     """Device KV budget across all layers in token-layers (pages = this // page_size); None:
     as much as SGLang's own pool would hold (no forced offload). In [1, 2**40]."""
@@ -143,6 +148,32 @@ class LayeredKVArgs:
                     f"{', '.join(given)} only apply to a remote control plane; "
                     "set --kv-control-plane=grpc://HOST:PORT or drop them"
                 )
+        self._check_file_contents()
+
+    def _check_file_contents(self) -> None:
+        """What the files hold, checked with the control plane's own readers (``kvplane serve``
+        refuses the same files): the policy, the token, the TLS material. Imported only when a
+        file is given (this module is loaded in every SGLang process)."""
+        if self.kv_policy is not None or self.kv_policy_token_file is not None:
+            from controlplane.api import InvalidArgument
+            from controlplane.policy_store import load_policy_file, load_token_file
+
+            for flag, path, load in (
+                ("--kv-policy", self.kv_policy, load_policy_file),
+                ("--kv-policy-token-file", self.kv_policy_token_file, load_token_file),
+            ):
+                try:
+                    if path is not None:
+                        load(path)
+                except InvalidArgument as exc:
+                    raise ValueError(f"{flag}: {exc}") from None
+        if self.kv_tls_ca is not None or self.kv_tls_cert is not None:
+            from controlplane.service.pem_files import check_ca_bundle, check_key_pair
+
+            if self.kv_tls_ca is not None:
+                check_ca_bundle("--kv-tls-ca", self.kv_tls_ca)
+            if self.kv_tls_cert is not None and self.kv_tls_key is not None:
+                check_key_pair("--kv-tls-cert", self.kv_tls_cert, "--kv-tls-key", self.kv_tls_key)
 
     @staticmethod
     def _check_profile(path: str) -> None:

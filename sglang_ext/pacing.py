@@ -25,9 +25,10 @@ per-request lists (``output_ids`` and logprob lists), so a chunk is snapshotted 
 SLO of a request: ``custom_params["kvplane_slo_tbt_ms"]`` of its sampling parameters when given
 (OpenAI endpoints: the request's ``custom_params`` field; ``/generate``:
 ``sampling_params.custom_params``), else the policy default ``slo_tbt_ms`` (``--kv-policy``
-file, or :class:`controlplane.policy.Policy`'s default). A bad override is rejected with a
-``ValueError`` naming the field and range (HTTP 400 on the OpenAI endpoints) and the request is
-aborted.
+file, or :class:`controlplane.policy.Policy`'s default). A bad override never gets here: it is
+refused with HTTP 400 where the request enters, on every request kind
+(:mod:`sglang_ext.request_slo`); should one arrive anyway, the stream is aborted with the same
+``ValueError``.
 
 Loaded in the main (tokenizer) process only through the hook; no torch import.
 """
@@ -35,7 +36,6 @@ Loaded in the main (tokenizer) process only through the hook; no torch import.
 from __future__ import annotations
 
 import asyncio
-import math
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -44,17 +44,15 @@ import structlog
 
 from controlplane.controller.token_deposit import TokenDeposit
 from sglang_ext import compat
+from sglang_ext.request_slo import MAX_SLO_TBT_MS as MAX_SLO_TBT_MS  # re-exported (older importers)
+from sglang_ext.request_slo import SLO_PARAM as SLO_PARAM
+from sglang_ext.request_slo import request_slo_tbt_ms
 
 if TYPE_CHECKING:
     from sglang_ext.args import LayeredKVArgs
     from sglang_ext.context import PluginContext
 
 log = structlog.get_logger(__name__)
-
-SLO_PARAM = "kvplane_slo_tbt_ms"
-"""Key in a request's ``custom_params`` overriding its TBT SLO (ms) for pacing."""
-MAX_SLO_TBT_MS = 1e7
-"""Largest accepted SLO, the same bound as :attr:`controlplane.policy.Policy.slo_tbt_ms`."""
 
 T = TypeVar("T")
 
@@ -240,27 +238,6 @@ async def pace_stream(
                     await task
                 except asyncio.CancelledError:
                     pass
-
-
-def request_slo_tbt_ms(sampling_params: Any, default_slo_tbt_ms: float) -> float:
-    """The pacing SLO of a request: its ``custom_params[SLO_PARAM]`` if set, else the default.
-
-    Raises ValueError naming the field, the value and the allowed range for a bad override.
-    """
-    custom = sampling_params.get("custom_params") if isinstance(sampling_params, dict) else None
-    if not isinstance(custom, dict) or custom.get(SLO_PARAM) is None:
-        return float(default_slo_tbt_ms)
-    value = custom[SLO_PARAM]
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or not 0 < value <= MAX_SLO_TBT_MS
-    ):
-        raise ValueError(
-            f"custom_params.{SLO_PARAM}={value!r} is out of range (allowed (0, {MAX_SLO_TBT_MS:g}] ms)"
-        )
-    return float(value)
 
 
 # ----- SGLang hook --------------------------------------------------------------------------

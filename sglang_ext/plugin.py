@@ -21,11 +21,16 @@ Always (flag on or off):
   unless set (:mod:`sglang_ext.logs`); SGLang options the layered pool cannot serve with are
   refused and the ones it needs are set, in one line on stderr
   (:class:`~sglang_ext.launch_decision.LaunchDecision`: attention backend, CUDA graphs,
-  ``--disable-overlap-schedule``). With the flag off it only removes the options variable.
+  ``--disable-overlap-schedule``), and a ``--kv-host-pool-gb`` below what the model's KV needs
+  (:class:`~sglang_ext.host_pool_floor.HostPoolFloor`). A refusal is one line on stderr and exit
+  status 2, before any subprocess starts. With the flag off it only removes the options variable.
 - AFTER ``runtime_context.publish``: on ``--device cpu`` switch SGLang's rotary layer to
   its CPU path (``rotary_embedding.base._is_cpu``) in this process.
 - AROUND ``TokenizerManager._stream_one_response``: token-deposit pacing of streamed
   output with ``--kv-pacing on`` (:mod:`sglang_ext.pacing`); a pass-through otherwise.
+- AROUND ``TokenizerManager.generate_request`` and AFTER ``api_contract.generate_contract_error``:
+  a bad ``custom_params.kvplane_slo_tbt_ms`` is refused with HTTP 400 on every request kind
+  (:mod:`sglang_ext.request_slo`); a pass-through with the flag off.
 
 Only in processes whose environment says the flag is on (the subprocesses the
 launcher spawns after parsing):
@@ -49,7 +54,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from sglang_ext import args as kv_args
 from sglang_ext import compat, logs, settings
@@ -70,6 +75,21 @@ def switch_rotary_to_cpu() -> None:
 
 
 # ----- launcher-side hooks ----------------------------------------------------
+
+
+def _refuse_launch(message: str) -> NoReturn:
+    """Stop the launcher before any subprocess starts: one line on stderr, exit status 2 (a usage
+    error, as argparse's and ``kvplane serve``'s)."""
+    print(f"kvplane: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _after_add_cli_args(result: Any, *args: Any, **kwargs: Any) -> None:
+    for candidate in (*args, *kwargs.values()):
+        if isinstance(candidate, argparse.ArgumentParser):
+            kv_args.add_arguments(candidate)
+            break
+    return None
 
 
 def _after_add_cli_args(result: Any, *args: Any, **kwargs: Any) -> None:
@@ -175,6 +195,12 @@ class KvplanePlugin:
         hook_registry.register(
             compat.TOKENIZER_STREAM_ONE_RESPONSE.path, self.around_stream_one_response, hook_type.AROUND
         )
+        hook_registry.register(
+            compat.TOKENIZER_GENERATE_REQUEST.path, self.around_generate_request, hook_type.AROUND
+        )
+        hook_registry.register(
+            compat.GENERATE_CONTRACT_ERROR.path, self.after_generate_contract_error, hook_type.AFTER
+        )
         if self.ctx.env_error is None and self.ctx.enabled:
             logs.configure(self.ctx.env.log_level or "info")
             self._register_layered(hook_registry, hook_type)
@@ -190,36 +216,56 @@ class KvplanePlugin:
         try:
             layered = kv_args.LayeredKVArgs.from_namespace(namespace)
         except ValueError as exc:
-            raise SystemExit(f"kvplane: invalid launch option: {exc}") from None
+            _refuse_launch(f"invalid launch option: {exc}")
         if layered.enable_layered_kv:
             chosen = getattr(namespace, "radix_cache_backend", None)
             if chosen is None:
                 namespace.radix_cache_backend = kv_args.RADIX_BACKEND_NAME
             elif chosen != kv_args.RADIX_BACKEND_NAME:
-                raise SystemExit(
-                    f"kvplane: --enable-layered-kv needs --radix-cache-backend "
+                _refuse_launch(
+                    f"--enable-layered-kv needs --radix-cache-backend "
                     f"{kv_args.RADIX_BACKEND_NAME} (implied), got {chosen!r}"
                 )
             if getattr(namespace, "disable_radix_cache", False):
-                raise SystemExit("kvplane: --enable-layered-kv cannot be combined with --disable-radix-cache")
+                _refuse_launch("--enable-layered-kv cannot be combined with --disable-radix-cache")
             if ctx.env_error is not None:
-                raise SystemExit(f"kvplane: {ctx.env_error}")
+                _refuse_launch(str(ctx.env_error))
             # backends, CUDA graphs, KV dtype, unsupported features; --disable-overlap-schedule
             # (plans are installed at step boundaries, which the overlap loop does not have)
             try:
                 decision = LaunchDecision.decide(vars(namespace))
             except LaunchRefused as exc:
-                raise SystemExit(f"kvplane: {exc}") from None
+                _refuse_launch(str(exc))
             decision.apply(namespace)
-            if decision.notes:
-                print("kvplane: --enable-layered-kv implies " + "; ".join(decision.notes), file=sys.stderr)
             try:
                 settings.export_log_level(getattr(namespace, "log_level", None))
             except ValueError as exc:
-                raise SystemExit(f"kvplane: {exc}") from None
+                _refuse_launch(str(exc))
         settings.export_layered_kv_args(layered)
         ctx.layered = layered
-        return original(cls, namespace)
+        server_args = original(cls, namespace)
+        if layered.enable_layered_kv:
+            if layered.kv_host_pool_gb is not None:
+                self._check_host_pool_floor(server_args, layered.kv_host_pool_gb)
+            if decision.notes:  # said once nothing is refused (a refusal is the only line)
+                print("kvplane: --enable-layered-kv implies " + "; ".join(decision.notes), file=sys.stderr)
+        return server_args
+
+    @staticmethod
+    def _check_host_pool_floor(server_args: Any, cap_gb: float) -> None:
+        """Refuse a ``--kv-host-pool-gb`` below what the model's KV needs (the scheduler would
+        refuse it after loading the model)."""
+        from sglang_ext.host_pool_floor import HostPoolFloor
+
+        try:
+            floor = HostPoolFloor.from_server_args(server_args)
+        except Exception:  # an unreadable model config: SGLang reports it itself, with its reason
+            return
+        try:
+            floor.check(cap_gb)
+        except ValueError as exc:
+            _refuse_launch(f"invalid launch option: {exc}")
+
 
     def around_stream_one_response(self, original: Any, *args: Any, **kwargs: Any) -> Any:
         """AROUND ``TokenizerManager._stream_one_response``: paced streaming (sglang_ext/pacing.py).
@@ -233,6 +279,26 @@ class KvplanePlugin:
         from sglang_ext.pacing import around_stream_one_response
 
         return around_stream_one_response(self.ctx, original, *args, **kwargs)
+
+    def around_generate_request(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        """AROUND ``TokenizerManager.generate_request``: every request kind's entry; a bad
+        ``custom_params.kvplane_slo_tbt_ms`` is refused there (sglang_ext/request_slo.py)."""
+        layered = self.ctx.layered
+        if layered is None or not layered.enable_layered_kv:
+            return original(*args, **kwargs)
+        from sglang_ext.request_slo import around_generate_request
+
+        return around_generate_request(original, *args, **kwargs)
+
+    def after_generate_contract_error(self, result: Any, body: Any, *args: Any, **kwargs: Any) -> Any:
+        """AFTER ``generate_contract_error(body)``: ``/generate``'s bodies (streaming ones too)
+        get HTTP 400 for a bad SLO override before any response starts."""
+        layered = self.ctx.layered
+        if layered is None or not layered.enable_layered_kv:
+            return None
+        from sglang_ext.request_slo import after_generate_contract_error
+
+        return after_generate_contract_error(result, body)
 
     def after_publish(self, result: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
         """AFTER ``publish``: runs in every SGLang process once its config is known. A bad

@@ -62,8 +62,8 @@ HOOK_TYPE = Target(f"{_SRT}.plugins.hook_registry.HookType", attrs=("AFTER", "AR
 SERVER_ARGS = Target(
     f"{_SRT}.server_args.ServerArgs",
     attrs=("device", "port", "pp_size", "log_level", "radix_cache_backend", "disable_radix_cache",
-           "disable_overlap_schedule"),
-    used_by=("plugin", "scheduler_hooks"),
+           "disable_overlap_schedule", "kv_cache_dtype", "tp_size", "page_size", "max_total_tokens"),
+    used_by=("plugin", "scheduler_hooks", "host_pool_floor"),
 )
 SERVER_ARGS_ADD_CLI_ARGS = Target(f"{_SRT}.server_args.ServerArgs.add_cli_args", params=("parser",),
                                   used_by=("plugin",))
@@ -78,10 +78,20 @@ TOKENIZER_STREAM_ONE_RESPONSE = Target(
     params=("self", "obj", "state", "request"),
     used_by=("plugin", "pacing"),
 )
+TOKENIZER_GENERATE_REQUEST = Target(
+    f"{_SRT}.managers.tokenizer_manager.TokenizerManager.generate_request",
+    params=("self", "obj", "request"),
+    used_by=("plugin", "request_slo"),
+)
+"""Every request kind's entry in the main process (``/generate``, the OpenAI endpoints, the Engine
+API): kvplane's per-request options are validated here, before SGLang normalises the request."""
+GENERATE_CONTRACT_ERROR = Target(f"{_SRT}.entrypoints.api_contract.generate_contract_error", params=("body",),
+                                 used_by=("plugin", "request_slo"))
+"""``/generate``'s schema check of the raw JSON body, answered with HTTP 400 before a stream starts."""
 TOKENIZER_ABORT_REQUEST = Target(f"{_SRT}.managers.tokenizer_manager.TokenizerManager.abort_request",
                                  params=("self", "rid"), used_by=("pacing",))
 GENERATE_REQ_INPUT = Target(f"{_SRT}.managers.io_struct.GenerateReqInput",
-                            attrs=("stream", "rid", "sampling_params"), used_by=("pacing",))
+                            attrs=("stream", "rid", "sampling_params"), used_by=("pacing", "request_slo"))
 
 # ----- KV cache: radix tree, allocation, allocators (plugin.py, radix_cache.py) -------------------
 
@@ -279,8 +289,14 @@ SAMPLING_BATCH_INFO_FROM_SCHEDULE_BATCH = Target(
 PENALIZER_ORCHESTRATOR = Target(f"{_SRT}.sampling.penaltylib.orchestrator.BatchedPenalizerOrchestrator",
                                 attrs=("is_required",), used_by=("pause",))
 MODEL_CONFIG = Target(f"{_SRT}.configs.model_config.ModelConfig",
-                      attrs=("num_hidden_layers", "vocab_size", "is_encoder_decoder"),
-                      used_by=("scheduler_hooks", "pause"))
+                      attrs=("num_hidden_layers", "vocab_size", "is_encoder_decoder", "head_dim", "dtype",
+                             "get_num_kv_heads"),
+                      used_by=("scheduler_hooks", "pause", "host_pool_floor"))
+MODEL_CONFIG_FROM_SERVER_ARGS = Target(f"{_SRT}.configs.model_config.ModelConfig.from_server_args",
+                                       params=("server_args",), used_by=("host_pool_floor",))
+"""Called once in the launcher when ``--kv-host-pool-gb`` is given (the model's KV shape)."""
+MODEL_CONFIG_GET_NUM_KV_HEADS = Target(f"{_SRT}.configs.model_config.ModelConfig.get_num_kv_heads",
+                                       params=("self", "tensor_parallel_size"), used_by=("host_pool_floor",))
 TP_MODEL_WORKER = Target(f"{_SRT}.managers.tp_worker.TpModelWorker", attrs=("model_runner",),
                          used_by=("scheduler_hooks",))
 GROUP_COORDINATOR = Target(f"{_SRT}.distributed.parallel_state.GroupCoordinator", attrs=("rank", "ranks"),

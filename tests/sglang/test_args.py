@@ -7,6 +7,7 @@ import argparse
 import pytest
 
 from sglang_ext.args import ENV_VAR, LayeredKVArgs, add_arguments
+from tests.service.certs import ThrowawayCA
 
 
 def _parse(*argv: str) -> LayeredKVArgs:
@@ -27,8 +28,13 @@ def test_defaults_are_off_and_embedded():
 def test_full_flag_set_parses(tmp_path):
     """Every flag parses into the dataclass; grpc target splits into host and port."""
     files = {name: tmp_path / name for name in ("ca", "cert", "key", "tok", "pol")}
-    for path in files.values():
-        path.write_text("x")
+    ca = ThrowawayCA()
+    worker = ca.issue("worker", server=False)
+    files["ca"].write_bytes(ca.cert_pem)
+    files["cert"].write_bytes(worker.cert_pem)
+    files["key"].write_bytes(worker.key_pem)
+    files["tok"].write_text("tok-1\n")
+    files["pol"].write_text("slo_tbt_ms: 150\n")
     args = _parse(
         "--enable-layered-kv",
         "--kv-control-plane", "grpc://cp.example:50051",

@@ -1,14 +1,48 @@
-"""Bad kvplane launch options stop `python -m sglang.launch_server` with a message naming the flag."""
+"""Bad kvplane launch options stop `python -m sglang.launch_server` with a message naming the flag.
+
+Every refusal is one ``kvplane:`` line on stderr and exit status 2, before any subprocess starts
+(no scheduler, no model loaded). The file contents and the host-pool floor have their own unit
+tests (``test_launch_files.py``, ``test_host_pool_floor.py``); here the real launcher answers one
+case of each, and ``test_request_slo_server.py`` launches with a valid policy and a cap at the
+floor (their negative control).
+"""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
+from tests.service.certs import ThrowawayCA
+
 pytestmark = pytest.mark.sglang
+
+REMOTE = ["--kv-control-plane", "grpc://127.0.0.1:50051"]
+
+
+def launch(model_dir: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the launcher with --enable-layered-kv on the CPU recipe's device; it must exit by itself."""
+    return subprocess.run(
+        [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir),
+         "--device", "cpu", "--max-total-tokens", "4096", "--enable-layered-kv", *extra],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def assert_refused_in_one_line(proc: subprocess.CompletedProcess[str], fragment: str) -> None:
+    """Exit status 2, exactly one kvplane line holding ``fragment``, no traceback, no model load."""
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("kvplane:")]
+    assert len(lines) == 1 and fragment in lines[0], output[-3000:]
+    assert "Traceback" not in output and "Load weight" not in output, output[-3000:]
 
 
 @pytest.mark.parametrize(
@@ -30,15 +64,7 @@ pytestmark = pytest.mark.sglang
 )
 def test_launcher_rejects_bad_options(tiny_model_dir, extra, message):
     """The launcher exits non-zero before starting any subprocess and prints the reason."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "sglang.launch_server", "--model-path", str(tiny_model_dir),
-         "--device", "cpu", "--enable-layered-kv", *extra],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert proc.returncode != 0
-    assert message in proc.stderr
+    assert_refused_in_one_line(launch(tiny_model_dir, *extra), message)
 
 
 @pytest.mark.parametrize(
@@ -53,13 +79,60 @@ def test_launcher_rejects_bad_options(tiny_model_dir, extra, message):
 )
 def test_launcher_rejects_bad_kvplane_env(tiny_model_dir, env, message):
     """A bad KVPLANE_* variable stops the launcher with the variable, its value and what is allowed."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "sglang.launch_server", "--model-path", str(tiny_model_dir),
-         "--device", "cpu", "--enable-layered-kv"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env={**os.environ, **env},
-    )
-    assert proc.returncode != 0
-    assert message in proc.stderr
+    assert_refused_in_one_line(launch(tiny_model_dir, env=env), message)
+
+
+def _file(root: Path, name: str, content: str | bytes) -> str:
+    path = root / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    return str(path)
+
+
+def _worker_pair(root: Path) -> tuple[str, str]:
+    worker = ThrowawayCA().issue("worker", server=False)
+    return _file(root, "worker.crt", worker.cert_pem), _file(root, "worker.key", worker.key_pem)
+
+
+BAD_LAUNCH_FILES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
+    "policy-invalid-json": (
+        lambda d: ["--kv-policy", _file(d, "policy.json", '{"slo_tbt_ms": 100,')],
+        "kvplane: invalid launch option: --kv-policy: policy file '{d}/policy.json': not valid YAML/JSON",
+    ),
+    "policy-negative-slo": (
+        lambda d: ["--kv-policy", _file(d, "policy.yaml", "slo_tbt_ms: -5\n")],
+        "--kv-policy: policy file '{d}/policy.yaml': slo_tbt_ms: -5 is out of range",
+    ),
+    "host-pool-below-floor": (
+        lambda d: ["--kv-host-pool-gb", "0.0001"],
+        "kvplane: invalid launch option: --kv-host-pool-gb=0.0001 is out of range [0.002098, 65536] (GB)",
+    ),
+    "tls-ca-garbage": (
+        lambda d: [*REMOTE, "--kv-tls-ca", _file(d, "ca.pem", "-----BEGIN CERTIFICATE-----\ngarbage\n")],
+        "--kv-tls-ca='{d}/ca.pem': not a PEM certificate file",
+    ),
+    "tls-cert-garbage": (
+        lambda d: [*REMOTE, "--kv-tls-cert", _file(d, "c.pem", "garbage"), "--kv-tls-key", _worker_pair(d)[1]],
+        "--kv-tls-cert='{d}/c.pem': not a PEM certificate file",
+    ),
+    "tls-key-garbage": (
+        lambda d: [*REMOTE, "--kv-tls-cert", _worker_pair(d)[0], "--kv-tls-key", _file(d, "k.pem", "garbage")],
+        "--kv-tls-key='{d}/k.pem': not an unencrypted PEM private key",
+    ),
+    "token-file-empty": (
+        lambda d: [*REMOTE, "--kv-policy-token-file", _file(d, "token", "\n")],
+        "--kv-policy-token-file: token file '{d}/token': is empty",
+    ),
+}
+"""Issue 17's bad launch files and cap: the flags for a directory, the line the launcher prints."""
+
+
+@pytest.mark.parametrize("case", list(BAD_LAUNCH_FILES))
+def test_launcher_refuses_bad_files_and_cap_in_one_line(tiny_model_dir, tmp_path, case):
+    """A bad --kv-policy / --kv-tls-* / --kv-policy-token-file content, or a --kv-host-pool-gb below
+    what the model's KV needs, stops the launcher with one line naming the flag, the file or value
+    and the problem, exit status 2, before anything is loaded."""
+    flags, line = BAD_LAUNCH_FILES[case]
+    assert_refused_in_one_line(launch(tiny_model_dir, *flags(tmp_path)), line.format(d=tmp_path))

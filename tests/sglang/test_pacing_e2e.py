@@ -19,6 +19,7 @@ from sglang_ext.pacing import SLO_PARAM
 from sglang_ext.testing.server import SGLangServer
 from sglang_ext.tools.workload import SHARED_HOST_ARGS, RequestSpec, run_one
 from tests.sglang.conftest import running_server
+from tests.sglang.request_kinds import assert_slo_checked_on_every_kind
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # server start-ups on a loaded host
 
@@ -103,3 +104,9 @@ def test_bad_slo_override_is_a_400_naming_the_field(paced_server: SGLangServer) 
         paced_server.base_url, RequestSpec("after-bad", 5, 4, stream=True), "default", 0.0, 60.0
     )
     assert ok.ok and ok.completion_tokens == 4
+
+
+def test_bad_slo_is_a_400_on_every_request_kind_with_pacing_on(paced_server: SGLangServer) -> None:
+    """With pacing on too, every request kind (not only streams) answers a bad SLO value with 400
+    naming it, and serves 150 ms (paced when streamed)."""
+    assert_slo_checked_on_every_kind(paced_server)

@@ -1,0 +1,91 @@
+"""A request's own TBT SLO (``custom_params.kvplane_slo_tbt_ms``), checked where requests enter.
+
+The value is read by the scheduler (admission, ``sglang_ext.admission``) and by streamed-output
+pacing (``sglang_ext.pacing``). A bad one is refused with a ``ValueError`` naming the field, the
+value and the allowed range, before SGLang does anything with the request, on every request kind
+while ``--enable-layered-kv`` is on (pacing on or off):
+
+* AROUND ``TokenizerManager.generate_request`` -- the main process's one entry for ``/generate``,
+  ``/v1/completions``, ``/v1/chat/completions`` (streaming or not) and the Engine API. The refusal
+  is the generator's first item, as SGLang's own checks do: the OpenAI endpoints answer HTTP 400
+  (``serving_base.handle_request``, and the streaming handlers pull the first chunk before they
+  send headers); ``/generate`` without streaming answers 400 (``_create_error_response``).
+* AFTER ``api_contract.generate_contract_error`` -- ``/generate``'s schema check of the raw JSON
+  body. A streaming ``/generate`` starts its HTTP 200 response before it pulls the first item (a
+  ``ValueError`` then arrives as an SSE ``error`` event), so its bodies are checked here first and
+  answered HTTP 400 ``{"error": "<message>"}`` like any contract violation.
+
+Accepted: a number (int or float, not a bool) in (0, 1e7] ms, the same bound as
+:attr:`controlplane.policy.Policy.slo_tbt_ms`; a missing key or ``null`` means the policy's
+default. ``sampling_params`` may be one dict or a list of them (a ``/generate`` batch).
+
+Per request: one dict lookup when the key is absent. No torch, no SGLang import.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from sglang_ext import compat
+
+SLO_PARAM = "kvplane_slo_tbt_ms"
+"""Key in a request's ``custom_params`` overriding its TBT SLO (ms)."""
+MAX_SLO_TBT_MS = 1e7
+"""Largest accepted SLO, the same bound as :attr:`controlplane.policy.Policy.slo_tbt_ms`."""
+
+
+def request_slo_tbt_ms(sampling_params: Any, default_slo_tbt_ms: float) -> float:
+    """The TBT SLO of a request: its ``custom_params[SLO_PARAM]`` if set, else the default.
+
+    Raises ValueError naming the field, the value and the allowed range for a bad override.
+    """
+    custom = sampling_params.get("custom_params") if isinstance(sampling_params, dict) else None
+    if not isinstance(custom, dict) or custom.get(SLO_PARAM) is None:
+        return float(default_slo_tbt_ms)
+    value = custom[SLO_PARAM]
+    allowed = f"(allowed (0, {MAX_SLO_TBT_MS:g}] ms)"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"custom_params.{SLO_PARAM}={value!r} is not a number {allowed}")
+    if not math.isfinite(value) or not 0 < value <= MAX_SLO_TBT_MS:
+        raise ValueError(f"custom_params.{SLO_PARAM}={value!r} is out of range {allowed}")
+    return float(value)
+
+
+def sampling_params_error(sampling_params: Any) -> str | None:
+    """The refusal for a request's ``sampling_params`` (a dict, a list of dicts, or anything SGLang
+    itself judges), or None when its SLO override is absent or valid."""
+    items = sampling_params if isinstance(sampling_params, list) else [sampling_params]
+    for item in items:
+        try:
+            request_slo_tbt_ms(item, 0.0)
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
+def body_error(body: Any) -> str | None:
+    """The refusal for a raw ``/generate`` JSON body, or None (non-objects are SGLang's to judge)."""
+    return sampling_params_error(body.get("sampling_params")) if isinstance(body, dict) else None
+
+
+async def _refused(message: str) -> AsyncIterator[Any]:
+    raise ValueError(message)
+    yield  # pragma: no cover - makes this an async generator
+
+
+def around_generate_request(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``TokenizerManager.generate_request(self, obj, request)``: SGLang's generator, or one
+    whose first item is the refusal (nothing sent to the scheduler, no request state created)."""
+    obj_at = compat.TOKENIZER_GENERATE_REQUEST.params.index("obj")
+    obj = kwargs["obj"] if "obj" in kwargs else (args[obj_at] if len(args) > obj_at else None)
+    message = sampling_params_error(getattr(obj, "sampling_params", None))
+    if message is not None:
+        return _refused(message)
+    return original(*args, **kwargs)
+
+
+def after_generate_contract_error(result: str | None, body: Any) -> str | None:
+    """AFTER ``generate_contract_error(body)``: SGLang's own violation first, else kvplane's."""
+    return result if result is not None else body_error(body)

@@ -1,0 +1,89 @@
+"""HostPoolFloor: the launcher's smallest host KV pool equals what the layered pool builds (issue 17).
+
+The scheduler's pool (``LayeredTokenToKVPool``) holds ``ceil((size + page) / page)`` pages of
+every layer (``SlotStoreConfig.host_bytes``); with ``--max-total-tokens T`` the launcher's floor
+must be exactly that for ``size = T`` (page-aligned), so a cap below it is refused at launch and
+a cap at it is accepted by both (``test_request_slo_server.py`` launches at the floor).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from sglang_ext.host_pool_floor import HostPoolFloor
+
+TINY = {"layers": 4, "kv_heads": 2, "head_dim": 16, "dtype_bytes": 2}
+"""The tiny test model served in fp16."""
+
+
+@pytest.mark.parametrize(("page_size", "max_total_tokens"), [(1, 4096), (16, 4096), (16, 4000), (64, 100), (1, 1)])
+def test_floor_equals_the_pools_host_bytes(page_size: int, max_total_tokens: int) -> None:
+    """With --max-total-tokens, the floor is the host pool SlotStoreConfig sizes for that pool."""
+    torch = pytest.importorskip("torch")
+    from sglang_ext.dataplane.slot_kv_store import SlotStoreConfig
+
+    floor = HostPoolFloor(**TINY, page_size=page_size, max_total_tokens=max_total_tokens)
+    size = max_total_tokens // page_size * page_size  # SGLang page-aligns the pool's token count
+    config = SlotStoreConfig(
+        layers=4, page_size=page_size, kv_heads=2, head_dim=16,
+        logical_pages=-(-(size + page_size) // page_size),  # as LayeredTokenToKVPool
+        device_pages=1, dtype=torch.float16, device="cpu",
+    )
+    assert floor.min_bytes == config.host_bytes
+
+
+def test_cap_at_the_floor_passes_and_just_below_is_refused() -> None:
+    """min_gb (rounded up to the kB) is accepted; 1 kB less is refused naming the flag and range."""
+    floor = HostPoolFloor(**TINY, page_size=1, max_total_tokens=4096)
+    assert floor.min_bytes == 4097 * 4 * 2 * 2 * 16 * 2 == 2_097_664
+    floor.check(floor.min_gb)
+    floor.check(65536.0)
+    with pytest.raises(ValueError) as info:
+        floor.check(floor.min_gb - 1e-6)
+    assert str(info.value).startswith(f"--kv-host-pool-gb={floor.min_gb - 1e-6:g} is out of range [0.002098, 65536] (GB)")
+    with pytest.raises(ValueError) as info:
+        floor.check(0.0001)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("--kv-host-pool-gb=0.0001 is out of range [0.002098, 65536] (GB) for this launch")
+    assert "--max-total-tokens 4096" in message and "= 2097664 B" in message
+
+
+def test_without_max_total_tokens_the_floor_is_two_pages() -> None:
+    """Without --max-total-tokens only the least any pool holds is known: one page plus padding."""
+    floor = HostPoolFloor(**TINY, page_size=16, max_total_tokens=None)
+    assert floor.min_pages == 2 and floor.min_bytes == 2 * 16 * 4 * 2 * 2 * 16 * 2
+    floor.check(floor.min_gb)
+    with pytest.raises(ValueError, match="one page of 16 token"):
+        floor.check(1e-6)
+
+
+@pytest.mark.parametrize("field", ["layers", "kv_heads", "head_dim", "dtype_bytes", "page_size", "max_total_tokens"])
+def test_fields_are_validated(field: str) -> None:
+    """Every field must be an int in [1, 2**40] (max_total_tokens may be None)."""
+    values = {**TINY, "page_size": 1, "max_total_tokens": 16}
+    with pytest.raises(ValueError, match=rf"HostPoolFloor\.{field}=0 is out of range"):
+        HostPoolFloor(**{**values, field: 0})
+
+
+@pytest.mark.sglang
+def test_from_server_args_reads_the_models_kv_shape(tiny_model_dir) -> None:
+    """From SGLang's parsed ServerArgs for the tiny model (CPU recipe): 4 layers, 2 KV heads x 16,
+    fp16 (SGLang serves the fp32 checkpoint in fp16), page 1, 4096 tokens; bf16 KV is 2 bytes."""
+    from sglang_ext import compat
+    from sglang_ext.testing.server import CPU_ARGS
+
+    server_args_cls = compat.resolve(compat.SERVER_ARGS.path)
+    parser = argparse.ArgumentParser()
+    server_args_cls.add_cli_args(parser)
+
+    def floor_for(*extra: str) -> HostPoolFloor:
+        namespace = parser.parse_args(["--model-path", str(tiny_model_dir), *CPU_ARGS, *extra])
+        return HostPoolFloor.from_server_args(server_args_cls.from_cli_args(namespace))
+
+    assert floor_for() == HostPoolFloor(**TINY, page_size=1, max_total_tokens=4096)
+    assert floor_for("--dtype", "float32").dtype_bytes == 4
+    assert floor_for("--dtype", "float32", "--kv-cache-dtype", "bf16").dtype_bytes == 2
+    assert floor_for("--page-size", "16").page_size == 16

@@ -1,0 +1,145 @@
+"""custom_params.kvplane_slo_tbt_ms is checked where a request enters (sglang_ext/request_slo.py).
+
+No server here (``test_request_slo_server.py`` and ``test_pacing_e2e.py`` send every request kind
+to real ones): the value rule, the two hooks, and the plugin's dispatch with the flag and pacing
+on or off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from sglang_ext.args import LayeredKVArgs
+from sglang_ext.context import PluginContext
+from sglang_ext.plugin import KvplanePlugin
+from sglang_ext.request_slo import (
+    SLO_PARAM,
+    after_generate_contract_error,
+    around_generate_request,
+    body_error,
+    request_slo_tbt_ms,
+    sampling_params_error,
+)
+
+BAD = (-5, 0, "NaN", "fast", True, [150], {"ms": 150}, math.nan, math.inf, -math.inf, 1e7 + 1)
+"""Issue 17's values, plus non-finite floats and just above the bound."""
+GOOD = (150, 150.5, 1e-3, 1e7)
+
+
+def params(value: Any) -> dict:
+    return {"max_new_tokens": 4, "custom_params": {SLO_PARAM: value}}
+
+
+@pytest.mark.parametrize("value", BAD, ids=repr)
+def test_bad_value_is_refused_naming_field_value_and_range(value: Any) -> None:
+    """Each bad value gives one line naming custom_params.kvplane_slo_tbt_ms, the value and (0, 1e+07] ms."""
+    message = sampling_params_error(params(value))
+    assert message is not None and "\n" not in message
+    assert message.startswith(f"custom_params.{SLO_PARAM}={value!r} is ")
+    assert message.endswith("(allowed (0, 1e+07] ms)")
+
+
+@pytest.mark.parametrize("value", GOOD)
+def test_valid_value_is_accepted(value: Any) -> None:
+    """Negative control: numbers in (0, 1e7] pass and are the request's SLO."""
+    assert sampling_params_error(params(value)) is None
+    assert request_slo_tbt_ms(params(value), 200.0) == float(value)
+
+
+@pytest.mark.parametrize(
+    "sampling_params",
+    [None, {}, {"custom_params": None}, {"custom_params": {}}, {"custom_params": {SLO_PARAM: None}},
+     {"custom_params": "not-a-dict"}, [{}, {"custom_params": {SLO_PARAM: 40}}]],
+    ids=["none", "empty", "custom-null", "custom-empty", "slo-null", "custom-str", "batch-ok"],
+)
+def test_absent_override_is_accepted(sampling_params: Any) -> None:
+    """No override (or custom_params SGLang itself judges) is not kvplane's to refuse."""
+    assert sampling_params_error(sampling_params) is None
+
+
+def test_batch_with_one_bad_item_is_refused() -> None:
+    """A /generate batch (a list of sampling params) is refused when any item is bad."""
+    assert sampling_params_error([params(100), params("fast")]) is not None
+    assert sampling_params_error([params(100), params(120)]) is None
+
+
+def test_generate_body_check() -> None:
+    """The raw /generate body: its sampling_params are checked; other bodies are SGLang's."""
+    assert body_error({"text": "hi", "sampling_params": params(-5)}) is not None
+    assert body_error({"text": "hi", "sampling_params": params(150)}) is None
+    assert body_error({"text": "hi"}) is None and body_error([1, 2]) is None
+
+
+class _Obj:
+    def __init__(self, sampling_params: Any) -> None:
+        self.sampling_params = sampling_params
+        self.stream = False
+        self.rid = "r1"
+
+
+class _Original:
+    """Stands in for TokenizerManager.generate_request (an async generator function); counts calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, tm: Any, obj: Any, request: Any = None) -> AsyncIterator[str]:
+        self.calls += 1
+
+        async def gen() -> AsyncIterator[str]:
+            yield "served"
+
+        return gen()
+
+
+def first_item(gen: AsyncIterator[Any]) -> Any:
+    async def main() -> Any:
+        return await gen.__anext__()
+
+    return asyncio.run(main())
+
+
+def test_generate_request_hook_refuses_before_sglang_sees_the_request() -> None:
+    """A bad override: the generator's first item raises the ValueError and SGLang's
+    generate_request is never called; a valid one gets SGLang's generator."""
+    original = _Original()
+    gen = around_generate_request(original, object(), _Obj(params("fast")), None)
+    with pytest.raises(ValueError, match=r"custom_params\.kvplane_slo_tbt_ms='fast' is not a number"):
+        first_item(gen)
+    assert original.calls == 0
+    assert first_item(around_generate_request(original, object(), obj=_Obj(params(150)))) == "served"
+    assert original.calls == 1
+
+
+def test_contract_hook_keeps_sglangs_violation_first() -> None:
+    """SGLang's own contract violation wins; otherwise kvplane's refusal, or None."""
+    assert after_generate_contract_error("bad text field", {"sampling_params": params(-5)}) == "bad text field"
+    assert "kvplane_slo_tbt_ms=-5" in (after_generate_contract_error(None, {"sampling_params": params(-5)}) or "")
+    assert after_generate_contract_error(None, {"sampling_params": params(5)}) is None
+
+
+@pytest.mark.parametrize("pacing", ["on", "off"])
+def test_plugin_checks_with_the_flag_on_whatever_the_pacing(pacing: str) -> None:
+    """With --enable-layered-kv, both hooks refuse a bad value with pacing on and off."""
+    plugin = KvplanePlugin(PluginContext())
+    plugin.ctx.layered = LayeredKVArgs(enable_layered_kv=True, kv_pacing=pacing)
+    original = _Original()
+    with pytest.raises(ValueError, match="kvplane_slo_tbt_ms=0 is out of range"):
+        first_item(plugin.around_generate_request(original, object(), _Obj(params(0)), None))
+    assert original.calls == 0
+    assert plugin.after_generate_contract_error(None, {"sampling_params": params([1])}) is not None
+
+
+@pytest.mark.parametrize("layered", [None, LayeredKVArgs()], ids=["no-options", "flag-off"])
+def test_plugin_passes_everything_through_with_the_flag_off(layered: LayeredKVArgs | None) -> None:
+    """Negative control: without --enable-layered-kv the value is not kvplane's business."""
+    plugin = KvplanePlugin(PluginContext())
+    plugin.ctx.layered = layered
+    original = _Original()
+    assert first_item(plugin.around_generate_request(original, object(), _Obj(params(-5)), None)) == "served"
+    assert plugin.after_generate_contract_error(None, {"sampling_params": params(-5)}) is None
