@@ -4,9 +4,11 @@ explicitly to every hook and scheduler object -- kvplane keeps no module-level m
 It holds the launch options (``layered``: from ``KVPLANE_LAYERED_KV_ARGS`` in SGLang's
 subprocesses, from the command line in the launcher once parsed), the ``KVPLANE_*`` snapshot
 (:class:`~sglang_ext.settings.KvplaneEnv`) or the error reading it, the overhead meter
-(``$KVPLANE_OVERHEAD_FILE``), and the two things built once per process on first use: the
-control-plane fallback counter (registered in prometheus_client's default registry unless
-another is given) and the pacing settings (the policy's default SLO).
+(``$KVPLANE_OVERHEAD_FILE``), the registry a scheduler's
+:class:`~sglang_ext.worker_metrics.WorkerMetrics` registers in (tests inject one; by default each
+gets a private one -- with SGLang's ``--enable-metrics`` the values reach ``/metrics`` through
+the multiprocess files whatever the registry, and without it no metric is created) and, built
+once per process on first use, the pacing settings (the policy's default SLO).
 
 Pure Python at import (``plugin.py`` imports it in every process).
 """
@@ -22,7 +24,7 @@ from sglang_ext.args import LayeredKVArgs
 from sglang_ext.overhead import OverheadMeter
 
 if TYPE_CHECKING:
-    from prometheus_client import CollectorRegistry, Counter
+    from prometheus_client import CollectorRegistry
 
     from sglang_ext.pacing import PacingSettings
 
@@ -41,8 +43,7 @@ class PluginContext:
     meter: OverheadMeter | None = None
     """kvplane's own time per step (``$KVPLANE_OVERHEAD_FILE``, flag on), None when not asked for."""
     metrics_registry: CollectorRegistry | None = None
-    """Registry of the fallback counter; None: prometheus_client's default registry."""
-    _fallbacks: Counter | None = field(default=None, init=False, repr=False)
+    """Registry of this process's WorkerMetrics; None: a private one per WorkerMetrics."""
     _pacing: tuple[str, PacingSettings | None] | None = field(default=None, init=False, repr=False)
 
     @classmethod
@@ -64,16 +65,6 @@ class PluginContext:
     def enabled(self) -> bool:
         """Whether ``--enable-layered-kv`` is on in this process (as far as it knows)."""
         return self.layered is not None and self.layered.enable_layered_kv
-
-    def fallback_counter(self) -> Counter:
-        """``kvplane_control_plane_fallbacks_total`` of this process (created on first use)."""
-        if self._fallbacks is None:
-            from prometheus_client import REGISTRY
-
-            from sglang_ext.control_client import fallback_counter
-
-            self._fallbacks = fallback_counter(self.metrics_registry or REGISTRY)
-        return self._fallbacks
 
     def pacing_settings(self) -> PacingSettings | None:
         """The pacing settings for the current options (None with the flag or pacing off),

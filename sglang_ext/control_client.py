@@ -11,9 +11,11 @@ control plane"):
   with the TLS / bearer-token options of :class:`~sglang_ext.args.LayeredKVArgs`);
 * a step whose report could not reach a live control plane (the gRPC stream is down, the session
   raised, or no session could be opened) is a *fallback step*: it returns ``[]`` so the scheduler
-  keeps its last plan (or the pool's local heuristic), counts
-  ``kvplane_control_plane_fallbacks_total`` and logs ``control_plane_unavailable`` once per outage
-  (``control_plane_recovered`` when a report goes through again);
+  keeps its last plan (or the pool's local heuristic), counts it on ``fallbacks`` (with SGLang's
+  ``--enable-metrics``: ``kvplane:control_plane_fallback_steps_total`` of
+  :class:`~sglang_ext.worker_metrics.WorkerMetrics`; otherwise nothing is exported) and logs
+  ``control_plane_unavailable`` once per outage (``control_plane_recovered`` when a report goes
+  through again);
 * a session that raised is dropped and re-opened with exponential backoff; the gRPC session
   reconnects on its own (its background thread), re-sending the hello and the newest report.
 
@@ -23,9 +25,9 @@ Pure Python apart from grpc (loaded only for a remote control plane): no torch, 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter
@@ -36,11 +38,25 @@ from sglang_ext.args import LayeredKVArgs
 log = structlog.get_logger(__name__)
 
 FALLBACKS_METRIC = "kvplane_control_plane_fallbacks"
-"""Counter name (exported as ``kvplane_control_plane_fallbacks_total``)."""
+"""Name of :func:`fallback_counter`'s standalone counter (tests; a scheduler exports
+``kvplane:control_plane_fallback_steps_total`` through its WorkerMetrics instead)."""
+
+
+class StepCounter(Protocol):
+    """What the client counts fallback steps on (a prometheus_client counter child fits)."""
+
+    def inc(self, amount: float = 1) -> None: ...
+
+
+class _Uncounted:
+    """The fallback counter when no metrics are exported (no prometheus object, no file)."""
+
+    def inc(self, amount: float = 1) -> None:
+        pass
+
 
 def fallback_counter(registry: CollectorRegistry) -> Counter:
-    """A new ``kvplane_control_plane_fallbacks_total`` counter registered in ``registry`` (a
-    scheduler process gets its one from :meth:`sglang_ext.context.PluginContext.fallback_counter`)."""
+    """A new standalone fallback-steps counter registered in ``registry``."""
     return Counter(
         FALLBACKS_METRIC,
         "Scheduler steps run without a live control plane (last plan or local heuristic)",
@@ -48,12 +64,13 @@ def fallback_counter(registry: CollectorRegistry) -> Counter:
     )
 
 
-def build_control_plane(args: LayeredKVArgs) -> ControlPlane:
-    """The control plane ``args`` selects: embedded (with ``--kv-policy``) or a gRPC client."""
+def build_control_plane(args: LayeredKVArgs, *, observer: Any = None) -> ControlPlane:
+    """The control plane ``args`` selects: embedded (with ``--kv-policy``; ``observer`` receives
+    its controller's events) or a gRPC client."""
     if args.kv_control_plane == "embedded":
         from controlplane.embedded import EmbeddedControlPlane
 
-        return EmbeddedControlPlane.from_files(args.kv_policy)
+        return EmbeddedControlPlane.from_files(args.kv_policy, observer=observer)
     from controlplane.service.client import ClientTLS, GrpcControlPlane
 
     if args.kv_policy is not None:
@@ -94,7 +111,8 @@ class ControlClient:
         control_plane: ControlPlane,
         worker: WorkerInfo,
         *,
-        fallbacks: Counter | None = None,
+        fallbacks: StepCounter | None = None,
+        on_decisions: Callable[[Sequence[Decision]], None] | None = None,
         reopen_initial_s: float = 0.1,
         reopen_max_s: float = 5.0,
         connect_wait_s: float = 0.0,
@@ -107,7 +125,8 @@ class ControlClient:
             )
         self._cp = control_plane
         self._worker = worker
-        self._fallbacks = fallbacks if fallbacks is not None else fallback_counter(CollectorRegistry())
+        self._fallbacks: StepCounter = fallbacks if fallbacks is not None else _Uncounted()
+        self._on_decisions = on_decisions
         self._reopen = (reopen_initial_s, reopen_max_s)
         self._delays = _delays(*self._reopen)
         self._clock = clock
@@ -155,7 +174,7 @@ class ControlClient:
         else:
             self._recovered()
         if decisions:
-            self.last_decision = decisions[-1]
+            self._received(decisions)
         return decisions
 
     def poll(self) -> list[Decision]:
@@ -169,7 +188,7 @@ class ControlClient:
             self._drop_session(exc)
             return []
         if decisions:
-            self.last_decision = decisions[-1]
+            self._received(decisions)
         return decisions
 
     def close(self) -> None:
@@ -184,6 +203,14 @@ class ControlClient:
                 log.warning("control_plane_close_failed", exc_info=True)
 
     # ---- internals -----------------------------------------------------------------------
+    def _received(self, decisions: list[Decision]) -> None:
+        self.last_decision = decisions[-1]
+        if self._on_decisions is not None:
+            try:
+                self._on_decisions(decisions)
+            except Exception:  # telemetry must never fail a report
+                log.warning("decision_metrics_failed", exc_info=True)
+
     def _open(self) -> None:
         try:
             self._session = self._cp.open_session(self._worker)

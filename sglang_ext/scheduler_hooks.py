@@ -55,6 +55,7 @@ from sglang_ext.step_reporter import StepReporter
 from sglang_ext.step_stats_writer import StepStatsWriter
 from sglang_ext.tp_sync import PlacementInstaller, TpSync
 from sglang_ext.worker_info import build_worker_info
+from sglang_ext.worker_metrics import WorkerMetrics
 
 log = structlog.get_logger(__name__)
 
@@ -64,7 +65,7 @@ CONNECT_WAIT_S = 2.0
 
 class SchedulerHooks:
     """The kvplane state of one SGLang scheduler (one TP rank), built from the process's
-    :class:`~sglang_ext.context.PluginContext` (options, variables, meter, fallback counter)."""
+    :class:`~sglang_ext.context.PluginContext` (options, variables, meter, metrics registry)."""
 
     def __init__(self, scheduler: Any, ctx: PluginContext) -> None:
         args = ctx.layered
@@ -107,14 +108,26 @@ class SchedulerHooks:
         tree_cache = getattr(scheduler, "tree_cache", None)
         if hasattr(tree_cache, "overhead_meter"):  # so does the layered radix cache (allocation wrappers)
             tree_cache.overhead_meter = self.meter
+        self.metrics = WorkerMetrics.for_scheduler(
+            scheduler, layers=self.layers, page_size=self.page_size, source=self.tp.is_source,
+            registry=ctx.metrics_registry,
+        )
+        """kvplane's metrics on SGLang's /metrics; None without SGLang's --enable-metrics."""
+        if self.metrics is not None and self.installer.layered:
+            self.metrics.attach_pool(self.pool, backend)
         if self.tp.is_source:
             self.worker = self._worker_info()
+            metrics = self.metrics
+            control_plane = build_control_plane(args, observer=None if metrics is None else metrics.controller_observer())
             self.client = ControlClient(
-                build_control_plane(args),
+                control_plane,
                 self.worker,
-                fallbacks=ctx.fallback_counter(),
+                fallbacks=None if metrics is None else metrics.fallbacks,
+                on_decisions=None if metrics is None else metrics.decisions,
                 connect_wait_s=CONNECT_WAIT_S if args.kv_control_plane != "embedded" else 0.0,
             )
+            if metrics is not None:
+                metrics.bind_control_plane(control_plane, self.client, args.kv_policy)
             atexit.register(self.client.close)
             self.reporter = StepReporter(
                 scheduler=scheduler,
@@ -233,6 +246,12 @@ class SchedulerHooks:
                 self.installer.release(rid)
             except Exception:
                 log.exception("residency_release_failed", rid=rid)
+        metrics = self.metrics
+        if metrics is not None:
+            adm = self.admission
+            metrics.end_step(paused=len(self.pauser), held_total=adm.held_total, local_admits=adm.local_admits)
+            if finished and self.tp.is_source:
+                metrics.finished(r for r in batch.reqs if r.finished())
         if self.reporter is None:  # not TP rank 0
             return
         layer_ms = self.timer.take() if self.timer is not None else None
@@ -245,6 +264,8 @@ class SchedulerHooks:
             layer_ms=layer_ms,
             build_always=self.stats is not None,
         )
+        if sent and metrics is not None and report is not None:
+            metrics.report_sent(report)
         if self.stats is not None and report is not None:
             self.stats.write_step(
                 step=self.step,
@@ -299,6 +320,8 @@ def _around_next_batch(original: Any, scheduler: Any, *args: Any, **kwargs: Any)
         hooks.admission.restore(scheduler, held)
     t2 = time.perf_counter()
     hooks.boundary.after_schedule(plan, hooks.step)
+    if hooks.metrics is not None:
+        hooks.metrics.boundary(hooks.boundary.record)
     if meter is not None:
         t3 = time.perf_counter()
         if getattr(plan, "batch_to_run", plan) is None:  # no step: nothing waited on this
@@ -344,6 +367,8 @@ def _around_abort(original: Any, scheduler: Any, recv_req: Any, *args: Any, **kw
         )
         if resumed:
             log.info("paused_requests_aborted", rids=resumed)
+            if hooks.metrics is not None and hooks.tp.is_source:
+                hooks.metrics.resumed(len(resumed))
     return original(scheduler, recv_req, *args, **kwargs)
 
 

@@ -1,22 +1,28 @@
 """Controller metrics hooks: a small observer interface and two implementations.
 
 No global state: :class:`PrometheusObserver` registers its collectors on the registry it is
-given (the service passes its own ``CollectorRegistry``), :class:`ControllerCounters` just counts
-in memory (tests, the embedded mode, the simulator). :class:`FanOutObserver` combines several.
+given (the service passes its own ``CollectorRegistry`` with :data:`SERVICE_METRIC_NAMES`; the
+SGLang scheduler process running the embedded controller passes one with
+:data:`EMBEDDED_METRIC_NAMES` and SGLang's scheduler labels, so the controller's counters appear
+on SGLang's ``/metrics``), :class:`ControllerCounters` just counts in memory (tests, the embedded
+mode, the simulator). :class:`FanOutObserver` combines several.
 Observers are called from the planning thread and from ``report()``; they must be thread-safe
 and must not raise (the controller logs and ignores observer errors).
 """
 
 from __future__ import annotations
 
+import re
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 import structlog
 
 _log = structlog.get_logger(__name__)
+
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 
 
 class ControllerObserver(Protocol):
@@ -120,50 +126,110 @@ class ControllerCounters:
             )
 
 
+@dataclass(frozen=True)
+class ObserverMetricNames:
+    """The metric names a :class:`PrometheusObserver` exports (counters with their ``_total``)."""
+
+    triggers: str = "kvplane_controller_triggers_total"
+    """Re-plan triggers, label ``reason``."""
+    plans: str = "kvplane_plans_total"
+    """Decisions computed, label ``feasible``."""
+    solve_seconds: str = "kvplane_plan_solve_seconds"
+    """Histogram of planning wall time per decision."""
+    pauses: str = "kvplane_pauses_total"
+    """Requests paused by decisions."""
+    resumes: str = "kvplane_resumes_total"
+    """Requests resumed by decisions."""
+    errors: str = "kvplane_plan_errors_total"
+    """Planning failures."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not _METRIC_NAME.fullmatch(value):
+                raise ValueError(
+                    f"ObserverMetricNames.{f.name}={value!r} is not a Prometheus metric name "
+                    "(allowed: [a-zA-Z_:][a-zA-Z0-9_:]*)"
+                )
+            if f.name != "solve_seconds" and not value.endswith("_total"):
+                raise ValueError(f"ObserverMetricNames.{f.name}={value!r}: a counter name must end in _total")
+
+
+SERVICE_METRIC_NAMES = ObserverMetricNames()
+"""``kvplane serve``'s names (its own registry, ``controlplane/service/metrics.py``)."""
+
+EMBEDDED_METRIC_NAMES = ObserverMetricNames(
+    triggers="kvplane:controller_triggers_total",
+    plans="kvplane:controller_plans_total",
+    solve_seconds="kvplane:controller_plan_solve_seconds",
+    pauses="kvplane:controller_pauses_total",
+    resumes="kvplane:controller_resumes_total",
+    errors="kvplane:controller_plan_errors_total",
+)
+"""The embedded controller's names: in the SGLang scheduler process they join the worker's
+``kvplane:*`` metrics on SGLang's ``/metrics`` (``sglang_ext/worker_metrics.py``)."""
+
+SOLVE_BUCKETS_S: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
+"""Default buckets of the solve-time histogram (seconds)."""
+
+
 class PrometheusObserver:
     """Exports the controller's events as Prometheus metrics on the given registry.
 
-    Metrics: ``kvplane_controller_triggers_total{reason}``, ``kvplane_plans_total{feasible}``,
-    ``kvplane_plan_solve_seconds`` (histogram), ``kvplane_pauses_total``,
-    ``kvplane_resumes_total``, ``kvplane_plan_errors_total``.
+    Metrics (``names``, :data:`SERVICE_METRIC_NAMES` by default): triggers ``{reason}``, plans
+    ``{feasible}``, solve seconds (histogram), pauses, resumes, planning errors. ``labels`` are
+    constant labels on every series (the embedded controller passes SGLang's scheduler labels,
+    e.g. ``model_name``, ``tp_rank``); label-bound children are cached once.
     """
 
-    def __init__(self, registry: Any, *, buckets_s: Sequence[float] | None = None) -> None:
+    def __init__(
+        self,
+        registry: Any,
+        *,
+        buckets_s: Sequence[float] | None = None,
+        names: ObserverMetricNames = SERVICE_METRIC_NAMES,
+        labels: Mapping[str, str] | None = None,
+    ) -> None:
         from prometheus_client import Counter, Histogram
 
-        self.triggers = Counter(
-            "kvplane_controller_triggers_total", "Re-plan triggers", ["reason"], registry=registry
-        )
-        self.plans = Counter(
-            "kvplane_plans_total", "Decisions computed", ["feasible"], registry=registry
-        )
+        const = {str(k): str(v) for k, v in (labels or {}).items()}
+        keys = list(const)
+        self._const = const
+        self.triggers = Counter(names.triggers, "Re-plan triggers", [*keys, "reason"], registry=registry)
+        self.plans = Counter(names.plans, "Decisions computed", [*keys, "feasible"], registry=registry)
         self.solve_seconds = Histogram(
-            "kvplane_plan_solve_seconds",
+            names.solve_seconds,
             "Planning wall time per decision",
+            keys,
             registry=registry,
-            buckets=tuple(buckets_s)
-            if buckets_s
-            else (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0),
+            buckets=tuple(buckets_s) if buckets_s else SOLVE_BUCKETS_S,
         )
-        self.pauses = Counter("kvplane_pauses_total", "Requests paused", registry=registry)
-        self.resumes = Counter("kvplane_resumes_total", "Requests resumed", registry=registry)
-        self.errors = Counter("kvplane_plan_errors_total", "Planning failures", registry=registry)
+        self.pauses = Counter(names.pauses, "Requests paused", keys, registry=registry)
+        self.resumes = Counter(names.resumes, "Requests resumed", keys, registry=registry)
+        self.errors = Counter(names.errors, "Planning failures", keys, registry=registry)
+        self._solve = self.solve_seconds.labels(**const) if keys else self.solve_seconds
+        self._pauses = self.pauses.labels(**const) if keys else self.pauses
+        self._resumes = self.resumes.labels(**const) if keys else self.resumes
+        self._errors = self.errors.labels(**const) if keys else self.errors
+        self._plans = {
+            feasible: self.plans.labels(**const, feasible=str(feasible).lower()) for feasible in (True, False)
+        }
 
     def on_trigger(self, worker_id: str, reason: str) -> None:
-        self.triggers.labels(reason=reason).inc()
+        self.triggers.labels(**self._const, reason=reason).inc()
 
     def on_plan(self, worker_id: str, reason: str, solve_ms: float, feasible: bool) -> None:
-        self.plans.labels(feasible=str(feasible).lower()).inc()
-        self.solve_seconds.observe(solve_ms / 1e3)
+        self._plans[bool(feasible)].inc()
+        self._solve.observe(solve_ms / 1e3)
 
     def on_pause(self, worker_id: str, request_id: str, reason: str) -> None:
-        self.pauses.inc()
+        self._pauses.inc()
 
     def on_resume(self, worker_id: str, request_id: str, reason: str) -> None:
-        self.resumes.inc()
+        self._resumes.inc()
 
     def on_error(self, worker_id: str, error: str) -> None:
-        self.errors.inc()
+        self._errors.inc()
 
 
 class FanOutObserver:

@@ -62,8 +62,9 @@ HOOK_TYPE = Target(f"{_SRT}.plugins.hook_registry.HookType", attrs=("AFTER", "AR
 SERVER_ARGS = Target(
     f"{_SRT}.server_args.ServerArgs",
     attrs=("device", "port", "pp_size", "log_level", "radix_cache_backend", "disable_radix_cache",
-           "disable_overlap_schedule", "kv_cache_dtype", "tp_size", "page_size", "max_total_tokens"),
-    used_by=("plugin", "scheduler_hooks", "host_pool_floor"),
+           "disable_overlap_schedule", "enable_metrics", "kv_cache_dtype", "tp_size", "page_size",
+           "max_total_tokens"),
+    used_by=("plugin", "scheduler_hooks", "worker_metrics", "host_pool_floor"),
 )
 SERVER_ARGS_ADD_CLI_ARGS = Target(f"{_SRT}.server_args.ServerArgs.add_cli_args", params=("parser",),
                                   used_by=("plugin",))
@@ -241,8 +242,8 @@ SCHEDULER = Target(
     f"{_SRT}.managers.scheduler.Scheduler",
     attrs=("server_args", "model_config", "page_size", "enable_overlap", "tp_size", "tp_group",
            "tp_cpu_group", "tp_worker", "tree_cache", "token_to_kv_pool_allocator", "req_to_token_pool",
-           "waiting_queue", "running_batch", "last_batch", "chunked_req"),
-    used_by=("scheduler_hooks", "admission", "tp_sync"),
+           "waiting_queue", "running_batch", "last_batch", "chunked_req", "metrics_collector"),
+    used_by=("scheduler_hooks", "admission", "tp_sync", "worker_metrics"),
 )
 SCHEDULER_INIT = Target(f"{_SRT}.managers.scheduler.Scheduler.__init__", params=("self",),
                         used_by=("scheduler_hooks",))
@@ -272,8 +273,9 @@ SCHEDULE_BATCH_MERGE_BATCH = Target(f"{_SRT}.managers.schedule_batch.ScheduleBat
                                     params=("self", "other"), used_by=("pause",))
 REQ = Target(
     f"{_SRT}.managers.schedule_batch.Req",
-    attrs=("rid", "kv", "origin_input_ids", "output_ids", "sampling_params", "to_finish", "finished"),
-    used_by=("scheduler_hooks", "pause", "admission", "radix_cache"),
+    attrs=("rid", "kv", "origin_input_ids", "output_ids", "sampling_params", "to_finish", "finished",
+           "time_stats"),
+    used_by=("scheduler_hooks", "pause", "admission", "radix_cache", "worker_metrics"),
 )
 REQ_KV_INFO = Target(f"{_SRT}.managers.schedule_batch.ReqKvInfo", attrs=("req_pool_idx", "kv_allocated_len"),
                      used_by=("scheduler_hooks", "radix_cache"))
@@ -310,6 +312,19 @@ ENABLE_FUSED_SET_KV_BUFFER = Target(f"{_SRT}.models.utils.enable_fused_set_kv_bu
 through ``get_key_buffer`` (flat buffers the layered pool does not have): hooked to say no then."""
 GET_ATTN_BACKEND = Target(f"{_SRT}.model_executor.forward_context.get_attn_backend", used_by=("plugin",))
 """The forward's attention backend (what ``enable_fused_set_kv_buffer`` reaches the pool through)."""
+
+# ----- metrics (worker_metrics.py): SGLang's --enable-metrics, its labels, request timestamps ------
+
+SCHEDULER_METRICS_COLLECTOR = Target(f"{_SRT}.observability.metrics_collector.SchedulerMetricsCollector",
+                                     attrs=("labels",), used_by=("worker_metrics",))
+"""``scheduler.metrics_collector`` (None without ``--enable-metrics``): its ``labels`` (``model_name``,
+``engine_type``, ``tp_rank``, ``pp_rank``, ``moe_ep_rank``, ...) label kvplane's series too."""
+SCHEDULER_REQ_TIME_STATS = Target(
+    f"{_SRT}.observability.req_time_stats.SchedulerReqTimeStats",
+    attrs=("scheduler_recv_time", "prefill_finished_time", "completion_time"),
+    used_by=("worker_metrics",),
+)
+"""``req.time_stats``: ``time.perf_counter()`` stamps (0.0 = not reached) for per-request TTFT/TBT."""
 
 # ----- testing -----------------------------------------------------------------------------------
 

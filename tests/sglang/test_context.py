@@ -95,13 +95,11 @@ def test_a_bad_variable_is_kept_as_the_context_error() -> None:
     assert bad.layered is None and "KVPLANE_LAYERED_KV_ARGS: not valid JSON" in (bad.env_error or "")
 
 
-def test_contexts_do_not_share_counters_or_pacing_settings() -> None:
-    """Each context has its own fallback counter (created once) and its own pacing settings,
+def test_contexts_do_not_share_registries_or_pacing_settings() -> None:
+    """Each context has its own metrics registry (when one is given) and its own pacing settings,
     re-resolved when its options change."""
     a, b = PluginContext(metrics_registry=CollectorRegistry()), PluginContext(metrics_registry=CollectorRegistry())
-    assert a.fallback_counter() is a.fallback_counter()
-    a.fallback_counter().inc()
-    assert b.fallback_counter()._value.get() == 0 and a.fallback_counter()._value.get() == 1
+    assert a.metrics_registry is not b.metrics_registry and PluginContext().metrics_registry is None
     assert a.pacing_settings() is None  # flag off
     a.layered = LayeredKVArgs(enable_layered_kv=True)
     first = a.pacing_settings()
@@ -159,9 +157,9 @@ def _fake_scheduler() -> tuple[SimpleNamespace, SimpleNamespace]:
 
 def test_scheduler_hooks_take_meter_counter_and_files_from_the_context(tmp_path: Path) -> None:
     """Scenario: a scheduler process with the flag, the overhead meter and the stats file on runs
-    one step through the hook functions (fake SGLang scheduler, embedded control plane): the
-    attention backend gets the context's meter, the control client its counter, the meter counts
-    every part, the stats line is written."""
+    one step through the hook functions (fake SGLang scheduler, embedded control plane, SGLang's
+    --enable-metrics off): the attention backend gets the context's meter, no WorkerMetrics is
+    built, the meter counts every part, the stats line is written."""
     pytest.importorskip("torch")  # scheduler_hooks -> layer_timing
     from sglang_ext import scheduler_hooks
 
@@ -179,7 +177,7 @@ def test_scheduler_hooks_take_meter_counter_and_files_from_the_context(tmp_path:
     try:
         assert backend.overhead_meter is ctx.meter
         assert backend.layer_timer is hooks.timer and hooks.worker.worker_id == "unit-worker"
-        assert hooks.client is not None and hooks.client._fallbacks is ctx.fallback_counter()
+        assert hooks.client is not None and hooks.metrics is None
         req = SimpleNamespace(
             rid="r1", finished=lambda: False, origin_input_ids=[1, 2], output_ids=[],
             sampling_params=SimpleNamespace(max_new_tokens=4, custom_params=None),
