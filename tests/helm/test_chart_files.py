@@ -17,18 +17,20 @@ TEMPLATES = {
     "horizontalpodautoscaler.yaml",
     "servicemonitor.yaml",
     "networkpolicy.yaml",
+    "configmap-dashboard.yaml",
     "_helpers.tpl",
     "NOTES.txt",
 }
 
 
 def test_one_template_per_kind():
-    """templates/ holds exactly one file per kind plus helpers and NOTES."""
+    """templates/ holds exactly one file per kind (and component: ``<kind>-<component>.yaml``) plus
+    helpers and NOTES."""
     assert {p.name for p in (CHART / "templates").iterdir()} == TEMPLATES
     for name in TEMPLATES - {"_helpers.tpl", "NOTES.txt"}:
         kinds = re.findall(r"^kind: (\w+)", (CHART / "templates" / name).read_text(), re.M)
         assert len(kinds) == 1, (name, kinds)
-        assert kinds[0].lower() == name.removesuffix(".yaml"), (name, kinds)
+        assert kinds[0].lower() == name.removesuffix(".yaml").split("-")[0], (name, kinds)
 
 
 def test_every_value_documented():

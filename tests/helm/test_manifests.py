@@ -31,6 +31,7 @@ ALL_ON: dict[str, Any] = {
         "targetMemoryUtilizationPercentage": 75,
     },
     "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+    "grafanaDashboard": {"enabled": True, "annotations": {"grafana_folder": "kvplane"}},
     "networkPolicy": {"workerPodLabels": {"app": "sglang"}},
     "extraEnv": [{"name": "KVPLANE_LOG_FORMAT", "value": "json"}],
     "extraArgs": ["--log-format", "json"],
@@ -98,9 +99,10 @@ def test_manifests_match_kubernetes_schemas(render, variant):
 
 
 def test_all_features_render_every_kind(render):
-    """With every option on, one of each kind is rendered."""
+    """With every option on, one of each kind is rendered (two ConfigMaps: policy, dashboard)."""
     assert render(ALL_ON).kinds() == sorted(
         [
+            "ConfigMap",
             "ConfigMap",
             "Deployment",
             "HorizontalPodAutoscaler",
