@@ -11,7 +11,10 @@ share one behaviour:
   :class:`~controlplane.policy_store.PolicyStore`.
 
 Sessions read the store's current policy at every report, so a policy update reaches every live
-session at its next step.
+session at its next step. Over the network the policy API is served by
+:func:`controlplane.service.server.create_server`: with every service by ``kvplane serve``, and
+with ``sessions=False`` (``PolicyService`` alone) by the SGLang plugin's ``--kv-policy-listen``
+(``sglang_ext/policy_endpoint.py``), whose workers are in-process.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("controlplane.cli.plan_cmd", "plan placements for one batch or a list of batches (JSON)"),
     "serve": ("controlplane.cli.serve_cmd", "run the control-plane gRPC service"),
+    "policy": ("controlplane.cli.policy_cmd", "get / update / watch a live control plane's policy (gRPC)"),
     "demo": ("kvplane.demo", "the main job: a short demo on an embedded control plane"),
     "sim": ("simulator.cli", "discrete-event serving simulator"),
     "profile": ("sglang_ext.tools.profile_cmd", "measure per-layer compute and H2D/D2H bandwidth (GPU)"),
@@ -29,6 +30,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "core": ("sglang_ext.tools.core_bench", "the served core's per-step host time vs pool size (CPU)"),
     "sglang": ("sglang_ext.tools.sglang_bench", "SGLang tokens/s with and without --enable-layered-kv"),
     "value": ("sglang_ext.tools.value_bench", "what --enable-layered-kv buys at the same device KV budget (SGLang's bench_serving)"),
+    "pacing": ("sglang_ext.tools.pacing_bench", "streamed ITL and TBT-SLO attainment with --kv-pacing on vs off, light and heavy load (SGLang's bench_serving)"),
 }
 
 

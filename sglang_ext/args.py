@@ -78,6 +78,20 @@ class LayeredKVArgs:
     """A ``kvplane profile`` file (:class:`~sglang_ext.dataplane.profile_schema.DeviceProfile`:
     per-layer compute, H2D/D2H GB/s) that seeds the controller's profile; must exist and parse.
     None: the controller starts from defaults and learns from the first steps."""
+    kv_policy_listen: str | None = None
+    """``HOST:PORT`` on which TP rank 0's scheduler serves the embedded control plane's
+    ``kvplane.v1.PolicyService`` (get / update / watch the live policy); None: not served.
+    Checked by :class:`~sglang_ext.policy_endpoint_config.PolicyEndpointConfig` at launch."""
+    kv_policy_listen_token_file: str | None = None
+    """Bearer token that policy updates on ``kv_policy_listen`` must carry."""
+    kv_policy_listen_allow_unauthenticated: bool = False
+    """Serve policy updates without a token (refused at launch unless set)."""
+    kv_policy_listen_tls_cert: str | None = None
+    """Server certificate chain (PEM) of ``kv_policy_listen``; with the key, the port speaks TLS."""
+    kv_policy_listen_tls_key: str | None = None
+    """Server private key (PEM) of ``kv_policy_listen``."""
+    kv_policy_listen_tls_ca: str | None = None
+    """CA of client certificates: set, ``kv_policy_listen`` requires them (mutual TLS)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.enable_layered_kv, bool):
@@ -311,4 +325,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> bool:
         help="`kvplane profile` file (per-layer compute, H2D/D2H GB/s) seeding the controller's "
         "profile (default: learnt from the first steps).",
     )
+    group.add_argument(
+        "--kv-policy-listen",
+        type=str,
+        default=None,
+        help="HOST:PORT on which to serve the embedded control plane's live policy API "
+        "(kvplane.v1.PolicyService: get/update/watch; `kvplane policy`); default off.",
+    )
+    group.add_argument(
+        "--kv-policy-listen-token-file",
+        type=str,
+        default=None,
+        help="Bearer token required for policy updates on --kv-policy-listen.",
+    )
+    group.add_argument(
+        "--kv-policy-listen-allow-unauthenticated",
+        action="store_true",
+        default=_DEFAULTS.kv_policy_listen_allow_unauthenticated,
+        help="Serve policy updates on --kv-policy-listen without a token (refused otherwise).",
+    )
+    group.add_argument("--kv-policy-listen-tls-cert", type=str, default=None,
+                       help="Server certificate (PEM) for --kv-policy-listen (TLS).")
+    group.add_argument("--kv-policy-listen-tls-key", type=str, default=None,
+                       help="Server private key (PEM) for --kv-policy-listen.")
+    group.add_argument("--kv-policy-listen-tls-ca", type=str, default=None,
+                       help="CA of client certificates: --kv-policy-listen requires them (mutual TLS).")
     return True

@@ -22,12 +22,20 @@ Always (flag on or off):
   refused and the ones it needs are set, in one line on stderr
   (:class:`~sglang_ext.launch_decision.LaunchDecision`: attention backend, CUDA graphs,
   ``--disable-overlap-schedule``), and a ``--kv-host-pool-gb`` below what the model's KV needs
-  (:class:`~sglang_ext.host_pool_floor.HostPoolFloor`). A refusal is one line on stderr and exit
+  (:class:`~sglang_ext.host_pool_floor.HostPoolFloor`), and a ``--kv-policy-listen`` that cannot be
+  served (:class:`~sglang_ext.policy_endpoint_config.PolicyEndpointConfig`: no token, bad TLS
+  files, a remote control plane, ``--dp-size > 1``, the port taken). A refusal is one line on stderr and exit
   status 2, before any subprocess starts. With the flag off it only removes the options variable.
 - AFTER ``runtime_context.publish``: on ``--device cpu`` switch SGLang's rotary layer to
   its CPU path (``rotary_embedding.base._is_cpu``) in this process.
 - AROUND ``TokenizerManager._stream_one_response``: token-deposit pacing of streamed
-  output with ``--kv-pacing on`` (:mod:`sglang_ext.pacing`); a pass-through otherwise.
+  output with ``--kv-pacing on`` (:mod:`sglang_ext.pacing`) and the check of a request's
+  ``custom_params.kvplane_return_placement`` (:mod:`sglang_ext.placement_response`); a
+  pass-through with the flag off.
+- The per-request placement info in responses (:class:`~sglang_ext.placement_hooks.PlacementHooks`):
+  AROUND ``TokenizerManager.update_request_meta_info`` (``meta_info["kvplane"]``), AFTER the OpenAI
+  response builders and AROUND their stream generators (``sglext.kvplane``); pass-throughs with
+  the flag off.
 - AROUND ``TokenizerManager.generate_request`` and AFTER ``api_contract.generate_contract_error``:
   a bad ``custom_params.kvplane_slo_tbt_ms`` is refused with HTTP 400 on every request kind
   (:mod:`sglang_ext.request_slo`); a pass-through with the flag off.
@@ -60,6 +68,8 @@ from sglang_ext import args as kv_args
 from sglang_ext import compat, logs, settings
 from sglang_ext.context import PluginContext
 from sglang_ext.launch_decision import LaunchDecision, LaunchRefused
+from sglang_ext.placement_hooks import PlacementHooks
+from sglang_ext.policy_endpoint_config import PolicyEndpointConfig
 
 
 def switch_rotary_to_cpu() -> None:
@@ -82,14 +92,6 @@ def _refuse_launch(message: str) -> NoReturn:
     error, as argparse's and ``kvplane serve``'s)."""
     print(f"kvplane: {message}", file=sys.stderr)
     raise SystemExit(2)
-
-
-def _after_add_cli_args(result: Any, *args: Any, **kwargs: Any) -> None:
-    for candidate in (*args, *kwargs.values()):
-        if isinstance(candidate, argparse.ArgumentParser):
-            kv_args.add_arguments(candidate)
-            break
-    return None
 
 
 def _after_add_cli_args(result: Any, *args: Any, **kwargs: Any) -> None:
@@ -195,6 +197,7 @@ class KvplanePlugin:
         hook_registry.register(
             compat.TOKENIZER_STREAM_ONE_RESPONSE.path, self.around_stream_one_response, hook_type.AROUND
         )
+        PlacementHooks(self.ctx).install(hook_registry, hook_type)
         hook_registry.register(
             compat.TOKENIZER_GENERATE_REQUEST.path, self.around_generate_request, hook_type.AROUND
         )
@@ -237,6 +240,10 @@ class KvplanePlugin:
             except LaunchRefused as exc:
                 _refuse_launch(str(exc))
             decision.apply(namespace)
+            try:  # --kv-policy-listen: token, TLS files, embedded control plane, --dp-size 1, free port
+                PolicyEndpointConfig.check_launch(layered, namespace)
+            except ValueError as exc:
+                _refuse_launch(f"invalid launch option: {exc}")
             try:
                 settings.export_log_level(getattr(namespace, "log_level", None))
             except ValueError as exc:
@@ -266,17 +273,17 @@ class KvplanePlugin:
         except ValueError as exc:
             _refuse_launch(f"invalid launch option: {exc}")
 
-
     def around_stream_one_response(self, original: Any, *args: Any, **kwargs: Any) -> Any:
-        """AROUND ``TokenizerManager._stream_one_response``: paced streaming (sglang_ext/pacing.py).
+        """AROUND ``TokenizerManager._stream_one_response``: the placement-info opt-in check and,
+        with ``--kv-pacing on``, paced streaming (sglang_ext/placement_response.py, pacing.py).
 
-        Installed in every process (only the main one serves streams); with the flag or
-        ``--kv-pacing`` off it returns SGLang's generator untouched without importing anything.
+        Installed in every process (only the main one serves streams); with the flag off it
+        returns SGLang's generator untouched without importing anything.
         """
         layered = self.ctx.layered
-        if layered is None or not layered.enable_layered_kv or not layered.pacing:
+        if layered is None or not layered.enable_layered_kv:
             return original(*args, **kwargs)
-        from sglang_ext.pacing import around_stream_one_response
+        from sglang_ext.placement_response import around_stream_one_response  # pacing inside
 
         return around_stream_one_response(self.ctx, original, *args, **kwargs)
 

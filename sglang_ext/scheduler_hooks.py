@@ -11,7 +11,11 @@ Registered by :mod:`sglang_ext.plugin` in scheduler processes when ``--enable-la
   :class:`~sglang_ext.decision_inbox.DecisionInbox` for the next boundary;
 * :class:`~sglang_ext.step_stats_writer.StepStatsWriter` -- rank 0's JSON line per step
   (``$KVPLANE_STATS_FILE``);
-* :mod:`sglang_ext.worker_info` -- the session's ``WorkerInfo`` (KV shape, budget, profile).
+* :mod:`sglang_ext.worker_info` -- the session's ``WorkerInfo`` (KV shape, budget, profile);
+* :class:`~sglang_ext.request_placement.RequestPlacement` -- rank 0's records of the requests that
+  asked for their placement info (``custom_params.kvplane_return_placement``);
+* :class:`~sglang_ext.policy_endpoint.PolicyEndpoint` -- rank 0's live policy API
+  (``--kv-policy-listen``); the admission gate of a single-rank scheduler follows its scheduler.
 
 Hook points:
 
@@ -29,11 +33,13 @@ Hook points:
   (:meth:`StepReporter.end_step`) and the stats line.
 * AROUND ``Scheduler.abort_request``: a paused request being aborted is resumed first, so SGLang's
   own abort path finishes it and frees its KV.
+* AFTER ``Scheduler._add_request_to_queue``: a request that asked for its placement info is noted.
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import os
 import socket
@@ -50,6 +56,8 @@ from sglang_ext.control_client import ControlClient, build_control_plane
 from sglang_ext.decision_inbox import DecisionInbox
 from sglang_ext.layer_timing import LayerTimer
 from sglang_ext.pause import PauseManager
+from sglang_ext.policy_endpoint import PolicyEndpoint
+from sglang_ext.request_placement import RequestPlacement
 from sglang_ext.step_boundary import StepBoundary
 from sglang_ext.step_reporter import StepReporter
 from sglang_ext.step_stats_writer import StepStatsWriter
@@ -115,10 +123,17 @@ class SchedulerHooks:
         """kvplane's metrics on SGLang's /metrics; None without SGLang's --enable-metrics."""
         if self.metrics is not None and self.installer.layered:
             self.metrics.attach_pool(self.pool, backend)
+        self.placement: RequestPlacement | None = None
+        """Per-request placement info for the requests that ask (rank 0)."""
+        self.policy_endpoint: PolicyEndpoint | None = None
+        """The live policy API (``--kv-policy-listen``, rank 0)."""
         if self.tp.is_source:
             self.worker = self._worker_info()
             metrics = self.metrics
             control_plane = build_control_plane(args, observer=None if metrics is None else metrics.controller_observer())
+            self.policy_endpoint = PolicyEndpoint.launch(args, control_plane)
+            if self.policy_endpoint is not None:  # the live policy's scheduler decides, not the worker
+                self.worker = dataclasses.replace(self.worker, scheduler=None)
             self.client = ControlClient(
                 control_plane,
                 self.worker,
@@ -129,6 +144,7 @@ class SchedulerHooks:
             if metrics is not None:
                 metrics.bind_control_plane(control_plane, self.client, args.kv_policy)
             atexit.register(self.client.close)
+            self.placement = RequestPlacement.for_scheduler(self, control_plane)
             self.reporter = StepReporter(
                 scheduler=scheduler,
                 client=self.client,
@@ -312,6 +328,9 @@ def _around_next_batch(original: Any, scheduler: Any, *args: Any, **kwargs: Any)
     running = hooks.boundary.apply(running, call.get("last_batch", scheduler.last_batch), hooks.step)
     scheduler.running_batch = running
     call["running_batch"] = running
+    endpoint = hooks.policy_endpoint
+    if endpoint is not None and hooks.tp.world_size == 1:  # the gate follows the live scheduler
+        hooks.admission.enabled = endpoint.scheduler_gated()
     held = hooks.admission.hold_back(scheduler, running, hooks.pauser)
     t1 = time.perf_counter()
     try:
@@ -320,6 +339,8 @@ def _around_next_batch(original: Any, scheduler: Any, *args: Any, **kwargs: Any)
         hooks.admission.restore(scheduler, held)
     t2 = time.perf_counter()
     hooks.boundary.after_schedule(plan, hooks.step)
+    if hooks.placement is not None and hooks.placement.active:
+        hooks.placement.installed()
     if hooks.metrics is not None:
         hooks.metrics.boundary(hooks.boundary.record)
     if meter is not None:
@@ -357,6 +378,13 @@ def _after_process_result(result: Any, scheduler: Any, batch: Any, *args: Any, *
     return None
 
 
+def _after_add_request_to_queue(result: Any, scheduler: Any, req: Any, *args: Any, **kwargs: Any) -> None:
+    hooks = _hooks_of(scheduler)
+    if hooks is not None and hooks.placement is not None:
+        hooks.placement.arrived(req)
+    return None
+
+
 def _around_abort(original: Any, scheduler: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
     hooks = _hooks_of(scheduler)
     if hooks is not None and len(hooks.pauser):
@@ -380,3 +408,4 @@ def register(hook_registry: Any, hook_type: Any, ctx: PluginContext) -> None:
     hook_registry.register(compat.SCHEDULER_RUN_BATCH.path, _around_run_batch, hook_type.AROUND)
     hook_registry.register(compat.SCHEDULER_PROCESS_BATCH_RESULT.path, _after_process_result, hook_type.AFTER)
     hook_registry.register(compat.SCHEDULER_ABORT_REQUEST.path, _around_abort, hook_type.AROUND)
+    hook_registry.register(compat.SCHEDULER_ADD_REQUEST_TO_QUEUE.path, _after_add_request_to_queue, hook_type.AFTER)

@@ -35,6 +35,8 @@ log = structlog.get_logger(__name__)
 
 SERVICE_NAMES = tuple(s.full_name for s in pb.DESCRIPTOR.services_by_name.values())
 """Fully qualified names of the kvplane services (``kvplane.v1.ControlPlane``, ...)."""
+POLICY_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PolicyService"].full_name
+"""``kvplane.v1.PolicyService``: all a policy-only server hosts (``create_server(sessions=False)``)."""
 WRITE_METHODS = frozenset({"/kvplane.v1.PolicyService/UpdatePolicy"})
 """Methods that need the bearer token when one is configured."""
 
@@ -127,6 +129,7 @@ class ControlPlaneServer:
         metrics: ServiceMetrics,
         health_server: grpc.Server | None = None,
         health_port: int | None = None,
+        service_names: tuple[str, ...] = SERVICE_NAMES,
     ) -> None:
         self.grpc_server = grpc_server
         self.port = port
@@ -136,12 +139,14 @@ class ControlPlaneServer:
         self._health_server = health_server
         self.health_port = health_port
         """Bound port of the plaintext health-only listener, if configured."""
+        self.service_names = service_names
+        """The kvplane services this server hosts (health reports each of them)."""
 
     def start(self) -> None:
         self.grpc_server.start()
         if self._health_server is not None:
             self._health_server.start()
-        for name in ("", *SERVICE_NAMES):
+        for name in ("", *self.service_names):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("server_started", port=self.port)
 
@@ -164,11 +169,15 @@ def create_server(
     config: ServerConfig | None = None,
     metrics: ServiceMetrics | None = None,
     notifier: DecisionNotifier | None = None,
+    *,
+    sessions: bool = True,
 ) -> tuple[ControlPlaneServer, int]:
     """Bind ``address`` (``host:port``; port 0 picks a free one). Returns (server, bound port).
 
     ``notifier``: the :class:`DecisionNotifier` given to the control plane's observer, so
     decisions planned between reports are pushed at once (without it they ride the next report).
+    ``sessions=False`` hosts only ``PolicyService`` (with health and reflection): the live policy
+    of a control plane whose workers are in-process (the plugin's ``--kv-policy-listen``).
     Raises RuntimeError naming the address when it cannot be bound.
     """
     config = config or ServerConfig()
@@ -198,14 +207,16 @@ def create_server(
         options=options,
         maximum_concurrent_rpcs=config.threads,
     )
-    session_servicer = SessionServicer(control_plane, metrics, config.max_sessions, notifier)
+    service_names = SERVICE_NAMES if sessions else (POLICY_SERVICE_NAME,)
+    if sessions:
+        session_servicer = SessionServicer(control_plane, metrics, config.max_sessions, notifier)
+        pb_grpc.add_ControlPlaneServicer_to_server(session_servicer, server)
     policy_servicer = PolicyServicer(control_plane, metrics, config.max_watchers)
-    pb_grpc.add_ControlPlaneServicer_to_server(session_servicer, server)
     pb_grpc.add_PolicyServiceServicer_to_server(policy_servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     try:
         if config.tls is not None:
@@ -229,7 +240,8 @@ def create_server(
             raise RuntimeError(f"cannot bind health listener {config.health_listen}")
     return (
         ControlPlaneServer(
-            server, port, health_servicer, policy_servicer, metrics, health_server, health_port
+            server, port, health_servicer, policy_servicer, metrics, health_server, health_port,
+            service_names,
         ),
         port,
     )

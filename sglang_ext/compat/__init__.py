@@ -10,7 +10,9 @@ Everything else in ``sglang_ext/`` reaches SGLang through here:
   (no torch, no SGLang) and ``plugin.py`` / ``args.py`` can import it at module level:
   ``HookRegistry``, ``HookType``, ``RadixCache``, ``TreeNode``, ``MHATokenToKVPool``,
   ``unwrap_write_loc``, ``TorchNativeAttnBackend``, ``SamplingBatchInfo``, ``broadcast_pyobj``,
-  ``register_radix_cache_backend``, ``get_radix_cache_factory``, ``get_attn_backend``; :func:`attention_backends` for
+  ``register_radix_cache_backend``, ``get_radix_cache_factory``, ``get_attn_backend``, the OpenAI
+  response models ``SglExt``, ``CompletionResponse``, ``CompletionStreamResponse``,
+  ``ChatCompletionResponse``, ``ChatCompletionStreamResponse``; :func:`attention_backends` for
   the backend registry dict and :func:`resolve` for any target.
 * **The supported version**: :data:`SUPPORTED_VERSION` and :func:`check_version`, run by
   ``sglang_ext.plugin.register`` before it installs anything.
@@ -36,6 +38,11 @@ from sglang_ext.compat.surface import (
     HOOK_REGISTRY,
     HOOK_TYPE,
     MHA_TOKEN_TO_KV_POOL,
+    OPENAI_CHAT_RESPONSE,
+    OPENAI_CHAT_STREAM_RESPONSE,
+    OPENAI_COMPLETION_RESPONSE,
+    OPENAI_COMPLETION_STREAM_RESPONSE,
+    OPENAI_SGLEXT,
     RADIX_CACHE,
     REGISTER_RADIX_CACHE_BACKEND,
     SAMPLING_BATCH_INFO,
@@ -64,6 +71,11 @@ _LAZY: MappingProxyType[str, Target] = MappingProxyType({
     "register_radix_cache_backend": REGISTER_RADIX_CACHE_BACKEND,
     "get_radix_cache_factory": GET_RADIX_CACHE_FACTORY,
     "get_attn_backend": GET_ATTN_BACKEND,
+    "SglExt": OPENAI_SGLEXT,
+    "CompletionResponse": OPENAI_COMPLETION_RESPONSE,
+    "CompletionStreamResponse": OPENAI_COMPLETION_STREAM_RESPONSE,
+    "ChatCompletionResponse": OPENAI_CHAT_RESPONSE,
+    "ChatCompletionStreamResponse": OPENAI_CHAT_STREAM_RESPONSE,
 })
 """SGLang objects importable from this package, imported on first access."""
 

@@ -326,6 +326,77 @@ SCHEDULER_REQ_TIME_STATS = Target(
 )
 """``req.time_stats``: ``time.perf_counter()`` stamps (0.0 = not reached) for per-request TTFT/TBT."""
 
+# ----- per-request placement info (request_placement.py, placement_response.py, openai_placement.py)
+
+SCHEDULER_ADD_REQUEST_TO_QUEUE = Target(f"{_SRT}.managers.scheduler.Scheduler._add_request_to_queue",
+                                        params=("self", "req"), used_by=("scheduler_hooks", "request_placement"))
+"""Every generate request enters the waiting queue here once (retracted ones again): where a
+request that asked for its placement info is noticed."""
+RADIX_CACHE_ON_RELEASE = Target(f"{_SRT}.mem_cache.radix_cache.RadixCache.on_release", params=("self", "req"),
+                                keyword=("checkpointed",), used_by=("scheduler_hooks", "request_placement"))
+"""Called once per finished or aborted request that held KV, before its output is streamed and
+before the layered pool drops it: where the placement record is taken (instance attribute wrapped)."""
+REQ_CUSTOMIZED_INFO = Target(f"{_SRT}.managers.schedule_batch.Req", attrs=("customized_info", "sampling_params"),
+                             used_by=("request_placement",))
+"""``req.customized_info``: SGLang's generic per-request output channel (``{key: per-token values}``,
+sliced by the output streamer, delivered to ``TokenizerManager.update_request_meta_info``)."""
+GENERATION_STREAM_ACCUMULATOR = Target(
+    f"{_SRT}.managers.scheduler_components.output_streamer._GenerationStreamAccumulator",
+    attrs=("accept", "customized_info"),
+    used_by=("request_placement",),
+)
+"""Slices each request's ``customized_info`` values per output (``values[sent:len(output)]``)."""
+TOKENIZER_UPDATE_REQUEST_META_INFO = Target(
+    f"{_SRT}.managers.tokenizer_manager.TokenizerManager.update_request_meta_info",
+    params=("self", "meta_info", "state", "customized_info", "index", "finish_reason"),
+    used_by=("plugin", "placement_response"),
+)
+"""Turns ``customized_info`` into ``meta_info`` (SGLang: "subclasses may use finish_reason for
+terminal data"); kvplane's key becomes ``meta_info["kvplane"]``, one dict."""
+TOKENIZER_REQ_STATE = Target(f"{_SRT}.managers.tokenizer_manager.ReqState", attrs=("obj",),
+                             used_by=("placement_response",))
+OPENAI_COMPLETION_BUILD_RESPONSE = Target(
+    f"{_SRT}.entrypoints.openai.serving_completions.OpenAIServingCompletion._build_completion_response",
+    params=("self", "request", "ret", "created"),
+    used_by=("plugin", "openai_placement"),
+)
+OPENAI_COMPLETION_STREAM = Target(
+    f"{_SRT}.entrypoints.openai.serving_completions.OpenAIServingCompletion._generate_completion_stream",
+    params=("self", "adapted_request", "request", "raw_request"),
+    used_by=("plugin", "openai_placement"),
+)
+OPENAI_CHAT_BUILD_RESPONSE = Target(
+    f"{_SRT}.entrypoints.openai.serving_chat.OpenAIServingChat._build_chat_response",
+    params=("self", "request", "ret", "created"),
+    used_by=("plugin", "openai_placement"),
+)
+OPENAI_CHAT_STREAM = Target(
+    f"{_SRT}.entrypoints.openai.serving_chat.OpenAIServingChat._generate_chat_stream",
+    params=("self", "adapted_request", "request", "raw_request"),
+    used_by=("plugin", "openai_placement"),
+)
+OPENAI_SGLEXT = Target(f"{_SRT}.entrypoints.openai.protocol.SglExt", attrs=("routed_experts", "cached_tokens_details"),
+                       used_by=("openai_placement",))
+"""SGLang's extension object of OpenAI responses (``"sglext"``); kvplane's subclass adds ``kvplane``."""
+OPENAI_COMPLETION_RESPONSE = Target(f"{_SRT}.entrypoints.openai.protocol.CompletionResponse",
+                                    attrs=("id", "model", "sglext"), used_by=("openai_placement",))
+OPENAI_COMPLETION_STREAM_RESPONSE = Target(f"{_SRT}.entrypoints.openai.protocol.CompletionStreamResponse",
+                                           attrs=("id", "model", "choices", "sglext"), used_by=("openai_placement",))
+OPENAI_CHAT_RESPONSE = Target(f"{_SRT}.entrypoints.openai.protocol.ChatCompletionResponse",
+                              attrs=("id", "model", "sglext"), used_by=("openai_placement",))
+OPENAI_CHAT_STREAM_RESPONSE = Target(f"{_SRT}.entrypoints.openai.protocol.ChatCompletionStreamResponse",
+                                     attrs=("id", "model", "choices", "sglext"), used_by=("openai_placement",))
+OPENAI_COMPLETION_REQUEST = Target(f"{_SRT}.entrypoints.openai.protocol.CompletionRequest",
+                                   attrs=("custom_params", "model", "n"), used_by=("openai_placement",))
+OPENAI_CHAT_REQUEST = Target(f"{_SRT}.entrypoints.openai.protocol.ChatCompletionRequest",
+                             attrs=("custom_params", "model", "n"), used_by=("openai_placement",))
+
+# ----- live policy endpoint (policy_endpoint_config.py) ----------------------------------------------
+
+SERVER_ARGS_DP_SIZE = Target(f"{_SRT}.server_args.ServerArgs", attrs=("dp_size",), used_by=("plugin",))
+"""``--dp-size``: one embedded control plane per data-parallel rank, so one policy port cannot serve
+them all (``--kv-policy-listen`` is refused with ``--dp-size > 1``)."""
+
 # ----- testing -----------------------------------------------------------------------------------
 
 LAUNCH_SERVER = Target("sglang.launch_server", used_by=("testing.server",))

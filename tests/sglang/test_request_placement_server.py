@@ -1,0 +1,175 @@
+"""Per-request placement info (``custom_params.kvplane_return_placement``) from a real layered
+SGLang server: ``meta_info["kvplane"]`` on ``/generate``, ``sglext.kvplane`` on the OpenAI
+endpoints, streaming and not, only when asked; its figures agree with the server's log and stats.
+
+Scenario: two module-scoped layered servers. ``pressure`` has a device KV budget of 96
+token-layers and a quick starvation guard (as ``test_pause_server.py``): the controller offloads
+layers and pauses requests. ``relaxed`` has SGLang's whole pool as budget (nothing has to move).
+Both write the per-step stats line (``$KVPLANE_STATS_FILE``) and the pool's stats line
+(``$KVPLANE_POOL_STATS_FILE``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sglang_ext.placement_record import RESULT_FIELDS
+from sglang_ext.request_placement import KEY, PARAM
+from sglang_ext.settings import POOL_STATS_FILE_ENV, STATS_FILE_ENV
+from sglang_ext.testing.server import ServerError, SGLangServer
+from tests.sglang.conftest import PROMPTS, running_server
+
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # two server start-ups on a loaded host
+
+ASK = {PARAM: True}
+MAX_NEW_TOKENS = 12
+LONG_PROMPT = " ".join(PROMPTS[:3])
+"""About 25 tokens: alone it needs more layer-pages than the pressure server's 96."""
+
+
+class Served:
+    """A server and its two stats files."""
+
+    def __init__(self, server: SGLangServer, stats: Path, pool_stats: Path) -> None:
+        self.server, self.stats_path, self.pool_stats_path = server, stats, pool_stats
+
+    def stats(self) -> list[dict]:
+        return _lines(self.stats_path)
+
+    def pool_stats(self) -> list[dict]:
+        return _lines(self.pool_stats_path)
+
+    def generate(self, prompt: str, custom: dict | None = None, max_new_tokens: int = MAX_NEW_TOKENS,
+                 stream: bool = False) -> Any:
+        params: dict = {"max_new_tokens": max_new_tokens, "temperature": 0.0}
+        if custom is not None:
+            params["custom_params"] = custom
+        payload = {"text": prompt, "sampling_params": params}
+        return self.server.stream("/generate", payload) if stream else self.server.post("/generate", payload)
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def _served(tiny_model_dir: Path, root: Path, flags: list[str]) -> Iterator[Served]:
+    stats, pool_stats = root / "stats.jsonl", root / "pool_stats.jsonl"
+    env = {STATS_FILE_ENV: str(stats), POOL_STATS_FILE_ENV: str(pool_stats)}
+    with running_server(tiny_model_dir, root, ["--enable-layered-kv", *flags], env) as server:
+        yield Served(server, stats, pool_stats)
+
+
+@pytest.fixture(scope="module")
+def pressure(tiny_model_dir, tmp_path_factory) -> Iterator[Served]:
+    root = tmp_path_factory.mktemp("placement-pressure")
+    policy = root / "policy.json"
+    policy.write_text(json.dumps({"max_paused_steps": 6, "window_min": 2, "window_max": 4}))
+    # SGLang sizes CPU memory off what is free now; the shared host is often busy.
+    yield from _served(tiny_model_dir, root, ["--kv-policy", str(policy), "--kv-gpu-budget-tokens", "96",
+                                              "--mem-fraction-static", "0.3"])
+
+
+@pytest.fixture(scope="module")
+def relaxed(tiny_model_dir, tmp_path_factory) -> Iterator[Served]:
+    yield from _served(tiny_model_dir, tmp_path_factory.mktemp("placement-relaxed"), [])
+
+
+def _paused_in_log(log: str) -> dict[str, int]:
+    """Pauses per request id from the scheduler's ``requests_paused rids=[...]`` log lines."""
+    counts: dict[str, int] = {}
+    for line in log.splitlines():
+        if "requests_paused" in line:
+            for rid in re.findall(r"'([0-9a-f]{32})'", line.split("rids=", 1)[1]):
+                counts[rid] = counts.get(rid, 0) + 1
+    return counts
+
+
+def test_only_requests_that_ask_get_the_info_and_it_matches_the_log_and_stats(pressure):
+    """Scenario: the 20 prompts at once, every other one asking. The askers get ``meta_info
+    ["kvplane"]`` with every field, the others none (negative control, in the same batches). Under
+    this budget some askers were paused and had layers offloaded; each asker's pauses equal its
+    ``requests_paused`` log lines, its paused steps the stats lines listing it paused, and its
+    ``layers_offloaded_max`` is at least the most host layers any stats line shows for it."""
+    start = len(pressure.stats())
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        outs = list(pool.map(lambda i: pressure.generate(PROMPTS[i], ASK if i % 2 == 0 else None), range(len(PROMPTS))))
+    asked = {out["meta_info"]["id"]: out["meta_info"][KEY] for i, out in enumerate(outs) if i % 2 == 0}
+    assert all(KEY not in out["meta_info"] for i, out in enumerate(outs) if i % 2 == 1)
+    assert all(tuple(info) == RESULT_FIELDS for info in asked.values())
+
+    lines = pressure.stats()[start:]
+    log_pauses = _paused_in_log(pressure.server.log_path.read_text())
+    layers = lines[0]["layers"]
+    for rid, info in asked.items():
+        assert info["layers"] == layers and 0 <= info["layers_offloaded"] <= info["layers_offloaded_max"] <= layers
+        assert info["pauses"] == log_pauses.get(rid, 0), rid
+        assert info["paused_steps"] == sum(rid in line["paused"] for line in lines), rid
+        shown = [layers - line["gpu_layers"][rid] for line in lines if rid in line["gpu_layers"]]
+        assert info["layers_offloaded_max"] >= max(shown, default=0), (rid, shown)
+        assert 0.0 <= info["host_fraction"] <= 1.0
+        assert info["slo_tbt_ms"] == 200.0 and info["deposit_source"] == "controller"
+    assert sum(info["pauses"] for info in asked.values()) >= 1, "no asker was paused: no pressure"
+    assert max(info["layers_offloaded_max"] for info in asked.values()) >= 1
+
+
+def test_a_lone_request_reports_the_pools_host_fraction_and_a_relaxed_server_zero(pressure, relaxed):
+    """A long request alone: its host fraction is the pool's at its last step (only its KV was
+    live) and layers were offloaded. The same request on the relaxed server: 0 layers offloaded,
+    host fraction 0, no pause (negative control)."""
+    before = len(pressure.pool_stats())
+    info = pressure.generate(LONG_PROMPT, ASK, max_new_tokens=6)["meta_info"][KEY]
+    last = pressure.pool_stats()[before:][-1]
+    assert last["live_requests"] == 1 and info["host_fraction"] == pytest.approx(last["host_fraction"], abs=1e-6)
+    assert info["layers_offloaded"] >= 1 and info["host_fraction"] > 0.0
+    calm = relaxed.generate(LONG_PROMPT, ASK, max_new_tokens=6)["meta_info"][KEY]
+    assert (calm["layers_offloaded"], calm["layers_offloaded_max"], calm["host_fraction"], calm["pauses"]) == (0, 0, 0.0, 0)
+
+
+def test_streamed_generate_carries_it_on_the_last_chunk_with_the_pacers_deposit(relaxed):
+    """A paced ``/generate`` stream (``--kv-pacing on``, the default) that asked: only the final
+    chunk has the info, its deposit is the pacer's; a stream that did not ask has none."""
+    chunks = relaxed.generate(PROMPTS[1], ASK, max_new_tokens=6, stream=True)
+    assert [KEY in c["meta_info"] for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    info = chunks[-1]["meta_info"][KEY]
+    assert info["deposit_source"] == "pacer" and 0 <= info["deposit_tokens"] <= 5
+    assert not any(KEY in c["meta_info"] for c in relaxed.generate(PROMPTS[1], None, max_new_tokens=6, stream=True))
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_openai_endpoints_return_sglext_kvplane_only_when_asked(relaxed, chat):
+    """``/v1/completions`` and ``/v1/chat/completions``, streaming and not: ``sglext.kvplane``
+    with every field when ``custom_params`` ask; no ``sglext`` at all otherwise."""
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body: dict = {"model": "m", "max_tokens": 4, "temperature": 0}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "Once upon a time"})
+    plain = relaxed.server.post(path, body)
+    asked = relaxed.server.post(path, {**body, "custom_params": ASK})
+    assert "sglext" not in plain and tuple(asked["sglext"][KEY]) == RESULT_FIELDS
+    assert asked["sglext"][KEY]["deposit_source"] == "controller"
+    streamed = relaxed.server.stream(path, {**body, "custom_params": ASK})
+    extensions = [c for c in streamed if "sglext" in c]
+    assert len(extensions) == 1 and extensions[0]["choices"] == [] and extensions[0] is streamed[-1]
+    assert tuple(extensions[0]["sglext"][KEY]) == RESULT_FIELDS
+    assert extensions[0]["sglext"][KEY]["deposit_source"] == "pacer"
+    assert not any("sglext" in c for c in relaxed.server.stream(path, body))
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
+def test_a_bad_opt_in_value_is_http_400_naming_the_field(relaxed, path):
+    """``"kvplane_return_placement": "yes"`` is refused with HTTP 400 and the field's name; the
+    server keeps serving (the same request with ``true`` is the negative control above)."""
+    custom = {PARAM: "yes"}
+    body: dict = (
+        {"text": "x", "sampling_params": {"max_new_tokens": 2, "custom_params": custom}}
+        if path == "/generate" else {"model": "m", "prompt": "x", "max_tokens": 2, "custom_params": custom}
+    )
+    with pytest.raises(ServerError, match=rf"-> 400: .*custom_params\.{PARAM}='yes' is invalid \(allowed: true or false\)"):
+        relaxed.server.post(path, body)
+    assert KEY in relaxed.generate("x", ASK, max_new_tokens=2)["meta_info"]
