@@ -33,8 +33,8 @@ from sglang_ext.compat import (
     CompletionStreamResponse,
     SglExt,
 )
+from sglang_ext.placement_param import KEY, wants_placement
 from sglang_ext.placement_response import SINK_PARAM, custom_params_of
-from sglang_ext.request_placement import KEY, wants_placement
 
 DONE = "data: [DONE]\n\n"
 """SGLang's last SSE line of an OpenAI stream."""

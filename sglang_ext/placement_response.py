@@ -9,12 +9,13 @@ the main process with that output. Here:
   dict, on the request's final output -- not SGLang's per-token list, and never on other requests
   of the same batch (SGLang pads them with ``None``; they get nothing). Other keys go on to SGLang.
 * AROUND ``TokenizerManager._stream_one_response`` (every request; composed with pacing):
-  a ``custom_params.kvplane_return_placement`` that is not a JSON boolean is refused
-  (``ValueError`` naming the field: HTTP 400 on the OpenAI endpoints and non-streaming
-  ``/generate``); for a paced stream that asked, the deposit it held back when generation finished
-  replaces the controller's figure (``deposit_source: "pacer"``): the same
+  for a paced stream that asked, the deposit it held back when generation finished replaces the
+  controller's figure (``deposit_source: "pacer"``): the same
   :class:`~controlplane.controller.token_deposit.TokenDeposit` rule as the pacer, fed with the same
-  chunks as they are produced.
+  chunks as they are produced. A ``custom_params.kvplane_return_placement`` that is not a JSON
+  boolean is refused where the request enters (:mod:`sglang_ext.request_slo`, HTTP 400); should
+  one get here anyway (a caller that skips that entry), the request is aborted with the same
+  ``ValueError``.
 
 The OpenAI endpoints read ``meta_info["kvplane"]`` in :mod:`sglang_ext.openai_placement`; a
 streaming OpenAI request gets it through a per-request sink (:data:`SINK_PARAM`) its handler puts
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from controlplane.controller.token_deposit import TokenDeposit
 from sglang_ext import compat
-from sglang_ext.request_placement import KEY, placement_param_error, wants_placement
+from sglang_ext.placement_param import KEY, placement_param_error, wants_placement
 
 if TYPE_CHECKING:
     from sglang_ext.context import PluginContext

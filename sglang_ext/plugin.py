@@ -29,16 +29,15 @@ Always (flag on or off):
 - AFTER ``runtime_context.publish``: on ``--device cpu`` switch SGLang's rotary layer to
   its CPU path (``rotary_embedding.base._is_cpu``) in this process.
 - AROUND ``TokenizerManager._stream_one_response``: token-deposit pacing of streamed
-  output with ``--kv-pacing on`` (:mod:`sglang_ext.pacing`) and the check of a request's
-  ``custom_params.kvplane_return_placement`` (:mod:`sglang_ext.placement_response`); a
-  pass-through with the flag off.
+  output with ``--kv-pacing on`` (:mod:`sglang_ext.pacing`) and a paced stream's deposit in its
+  placement info (:mod:`sglang_ext.placement_response`); a pass-through with the flag off.
 - The per-request placement info in responses (:class:`~sglang_ext.placement_hooks.PlacementHooks`):
   AROUND ``TokenizerManager.update_request_meta_info`` (``meta_info["kvplane"]``), AFTER the OpenAI
   response builders and AROUND their stream generators (``sglext.kvplane``); pass-throughs with
   the flag off.
 - AROUND ``TokenizerManager.generate_request`` and AFTER ``api_contract.generate_contract_error``:
-  a bad ``custom_params.kvplane_slo_tbt_ms`` is refused with HTTP 400 on every request kind
-  (:mod:`sglang_ext.request_slo`); a pass-through with the flag off.
+  a bad ``custom_params.kvplane_slo_tbt_ms`` or ``kvplane_return_placement`` is refused with HTTP
+  400 on every request kind (:mod:`sglang_ext.request_slo`); a pass-through with the flag off.
 
 Only in processes whose environment says the flag is on (the subprocesses the
 launcher spawns after parsing):
@@ -274,8 +273,9 @@ class KvplanePlugin:
             _refuse_launch(f"invalid launch option: {exc}")
 
     def around_stream_one_response(self, original: Any, *args: Any, **kwargs: Any) -> Any:
-        """AROUND ``TokenizerManager._stream_one_response``: the placement-info opt-in check and,
-        with ``--kv-pacing on``, paced streaming (sglang_ext/placement_response.py, pacing.py).
+        """AROUND ``TokenizerManager._stream_one_response``: with ``--kv-pacing on`` paced streaming
+        and a paced stream's deposit in its placement info (sglang_ext/pacing.py,
+        placement_response.py).
 
         Installed in every process (only the main one serves streams); with the flag off it
         returns SGLang's generator untouched without importing anything.

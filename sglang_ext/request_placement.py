@@ -1,6 +1,7 @@
 """``RequestPlacement``: per-request placement info, opt-in, built in the scheduler (TP rank 0).
 
-A request asks with ``custom_params: {"kvplane_return_placement": true}`` (:data:`PARAM`; the
+A request asks with ``custom_params: {"kvplane_return_placement": true}``
+(:mod:`sglang_ext.placement_param`, checked where requests enter; the
 OpenAI endpoints' ``custom_params`` field, ``/generate``'s ``sampling_params.custom_params``) --
 the same channel as its own SLO (``kvplane_slo_tbt_ms``). Only such requests are tracked, and only
 where the scheduler already touches them (nothing per step for anybody):
@@ -31,30 +32,12 @@ import structlog
 
 from sglang_ext.admission import request_slo
 from sglang_ext.hooks import ResidencyEvent, ResidencyEventKind
+from sglang_ext.placement_param import KEY, PARAM, placement_param_error, wants_placement
 from sglang_ext.placement_record import PlacementRecord
 
 log = structlog.get_logger(__name__)
 
-PARAM = "kvplane_return_placement"
-"""``custom_params`` key asking for the placement info (``true``; ``false`` or absent: not asked)."""
-KEY = "kvplane"
-"""Key of the info: in ``req.customized_info`` (scheduler) and in ``meta_info`` (response)."""
-
-
-def wants_placement(custom_params: Any) -> bool:
-    """Whether a request's ``custom_params`` ask for the placement info."""
-    return isinstance(custom_params, dict) and custom_params.get(PARAM) is True
-
-
-def placement_param_error(custom_params: Any) -> str | None:
-    """The refusal for a bad ``custom_params.kvplane_return_placement`` (not a JSON boolean), or None."""
-    if not isinstance(custom_params, dict):
-        return None
-    value = custom_params.get(PARAM)
-    if value is None or isinstance(value, bool):
-        return None
-    return f"custom_params.{PARAM}={value!r} is invalid (allowed: true or false)"
-
+__all__ = ["KEY", "PARAM", "RequestPlacement", "placement_param_error", "wants_placement"]
 
 class _OnFinalOutput(list):  # type: ignore[type-arg]
     """The record as ``customized_info`` values: SGLang's output streamer slices a request's values

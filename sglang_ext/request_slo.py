@@ -17,7 +17,9 @@ while ``--enable-layered-kv`` is on (pacing on or off):
 
 Accepted: a number (int or float, not a bool) in (0, 1e7] ms, the same bound as
 :attr:`controlplane.policy.Policy.slo_tbt_ms`; a missing key or ``null`` means the policy's
-default. ``sampling_params`` may be one dict or a list of them (a ``/generate`` batch).
+default. ``sampling_params`` may be one dict or a list of them (a ``/generate`` batch). The same
+entry refuses a ``custom_params.kvplane_return_placement`` that is not a JSON boolean
+(:mod:`sglang_ext.placement_param`).
 
 Per request: one dict lookup when the key is absent. No torch, no SGLang import.
 """
@@ -29,6 +31,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from sglang_ext import compat
+from sglang_ext.placement_param import placement_param_error
 
 SLO_PARAM = "kvplane_slo_tbt_ms"
 """Key in a request's ``custom_params`` overriding its TBT SLO (ms)."""
@@ -55,13 +58,16 @@ def request_slo_tbt_ms(sampling_params: Any, default_slo_tbt_ms: float) -> float
 
 def sampling_params_error(sampling_params: Any) -> str | None:
     """The refusal for a request's ``sampling_params`` (a dict, a list of dicts, or anything SGLang
-    itself judges), or None when its SLO override is absent or valid."""
+    itself judges), or None when its SLO override and its placement-info opt-in
+    (``custom_params.kvplane_return_placement``, a JSON boolean) are absent or valid."""
     items = sampling_params if isinstance(sampling_params, list) else [sampling_params]
     for item in items:
         try:
             request_slo_tbt_ms(item, 0.0)
         except ValueError as exc:
             return str(exc)
+        if isinstance(item, dict) and (opt_in := placement_param_error(item.get("custom_params"))):
+            return opt_in  # custom_params.kvplane_return_placement (sglang_ext/placement_param.py)
     return None
 
 

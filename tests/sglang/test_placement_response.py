@@ -180,3 +180,17 @@ def test_a_paced_stream_that_asked_reports_the_pacers_deposit():
     plain = asyncio.run(_collect(around_stream_one_response(_ctx("on"), _source_factory(4, True, []), None,
                                                             _obj({"kvplane_slo_tbt_ms": 1e6}), None, None)))
     assert plain[-1]["meta_info"][KEY]["deposit_source"] == "controller"
+
+
+def test_the_request_entry_refuses_a_bad_opt_in_for_every_request_kind():
+    """``request_slo.sampling_params_error`` (AROUND ``generate_request`` and ``/generate``'s
+    contract check) names a non-boolean opt-in, in one request or a batch; booleans and null pass."""
+    from sglang_ext.request_slo import body_error, sampling_params_error
+
+    for ok in (True, False, None):
+        assert sampling_params_error({"custom_params": {PARAM: ok}}) is None
+    message = f"custom_params.{PARAM}='yes' is invalid (allowed: true or false)"
+    assert sampling_params_error({"custom_params": {PARAM: "yes"}}) == message
+    assert sampling_params_error([{}, {"custom_params": {PARAM: "yes"}}]) == message
+    assert body_error({"text": "x", "sampling_params": {"custom_params": {PARAM: 1}}}) == (
+        f"custom_params.{PARAM}=1 is invalid (allowed: true or false)")

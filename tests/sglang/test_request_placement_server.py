@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import re
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,7 +25,7 @@ import pytest
 from sglang_ext.placement_record import RESULT_FIELDS
 from sglang_ext.request_placement import KEY, PARAM
 from sglang_ext.settings import POOL_STATS_FILE_ENV, STATS_FILE_ENV
-from sglang_ext.testing.server import ServerError, SGLangServer
+from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import PROMPTS, running_server
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # two server start-ups on a loaded host
@@ -161,15 +163,30 @@ def test_openai_endpoints_return_sglext_kvplane_only_when_asked(relaxed, chat):
     assert not any("sglext" in c for c in relaxed.server.stream(path, body))
 
 
-@pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
-def test_a_bad_opt_in_value_is_http_400_naming_the_field(relaxed, path):
-    """``"kvplane_return_placement": "yes"`` is refused with HTTP 400 and the field's name; the
-    server keeps serving (the same request with ``true`` is the negative control above)."""
-    custom = {PARAM: "yes"}
-    body: dict = (
-        {"text": "x", "sampling_params": {"max_new_tokens": 2, "custom_params": custom}}
-        if path == "/generate" else {"model": "m", "prompt": "x", "max_tokens": 2, "custom_params": custom}
-    )
-    with pytest.raises(ServerError, match=rf"-> 400: .*custom_params\.{PARAM}='yes' is invalid \(allowed: true or false\)"):
-        relaxed.server.post(path, body)
-    assert KEY in relaxed.generate("x", ASK, max_new_tokens=2)["meta_info"]
+def _status(server: SGLangServer, path: str, body: dict) -> tuple[int, str]:
+    """POST ``body`` as is (streaming or not); the HTTP status and the body's first 2 KB."""
+    req = urllib.request.Request(server.base_url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, resp.read(2048).decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read(2048).decode(errors="replace")
+
+
+@pytest.mark.parametrize(("path", "stream"), [("/generate", False), ("/generate", True),
+                                              ("/v1/completions", False), ("/v1/chat/completions", True)])
+def test_a_bad_opt_in_value_is_http_400_naming_the_field(relaxed, path, stream):
+    """``"kvplane_return_placement": "yes"`` is refused with HTTP 400 and the field's name where
+    the request enters, streaming or not; ``true`` on the same request is served (negative control)."""
+    def body(value: Any) -> dict:
+        custom = {PARAM: value}
+        if path == "/generate":
+            return {"text": "x", "stream": stream, "sampling_params": {"max_new_tokens": 2, "custom_params": custom}}
+        prompt = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}
+        return {"model": "m", **prompt, "max_tokens": 2, "stream": stream, "custom_params": custom}
+
+    status, text = _status(relaxed.server, path, body("yes"))
+    assert status == 400 and f"custom_params.{PARAM}='yes' is invalid (allowed: true or false)" in text, (status, text)
+    status, text = _status(relaxed.server, path, body(True))
+    assert status == 200 and KEY in text, (status, text)
