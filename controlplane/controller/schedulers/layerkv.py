@@ -52,7 +52,8 @@ changes four things and keeps Eq. 1-3:
   are evicted as needed, OrbitFlow §3.4); only then may it be admitted with offload, under the
   slowdown check above, or once aged. A background prompt never jumps a fitting prompt that waits and never blocks the
   queue; it is admitted when the batch limits allow and it does not make the fitting requests'
-  steps late (predicted), or once aged. A running background request that makes the fitting
+  steps late (predicted), or once aged; an aged one that the batch limits block pauses running
+  background requests longer than itself, largest first (so background work takes turns). A running background request that makes the fitting
   requests' steps late is paused. Paused requests resume after a finish (or by the starvation
   guard), as OrbitFlow's do. On SGLang (no batch limits) the memory rule alone applies.
 """
@@ -211,6 +212,18 @@ class LayerKVScheduler:
             aged = view.now_ms - q.arrival_ms + t_prefill >= AGING_FRACTION * ttft
             b = prompt_blocks(q.prompt_tokens, bs)
             if oversize(q.prompt_tokens):
+                if aged and not view.limits.admits(n, in_batch_tokens, q.prompt_tokens):
+                    # Background work takes turns: longer background requests make room.
+                    undo = (list(running), list(batch), n, in_batch_tokens, free, len(rotate))
+                    for v in background():
+                        if view.limits.admits(n, in_batch_tokens, q.prompt_tokens):
+                            break
+                        if v.context_tokens <= q.prompt_tokens:
+                            break
+                        rotate_out(v)
+                    if not view.limits.admits(n, in_batch_tokens, q.prompt_tokens):
+                        running, batch, n, in_batch_tokens, free, kept = undo
+                        del rotate[kept:]
                 if not view.limits.admits(n, in_batch_tokens, q.prompt_tokens):
                     continue  # skipped, not waited for: it never blocks the queue
                 if admit and tokens + q.prompt_tokens > params.max_prefill_tokens:
