@@ -46,6 +46,9 @@ class WantCounts:
         self.live_resident = 0
         """Layer-pages of pages with a user that have a device copy."""
         self._dirty_mask = np.zeros(pages, dtype=bool)
+        self._scratch = np.zeros(pages, dtype=np.int64)
+        self._index = np.arange(0, dtype=np.int64)
+        """Scratch for :meth:`_distinct` (contents meaningless between calls)."""
         self._dirty: list[np.ndarray] = []
         self._dirty_small: list[int] = []
         self.check_appended = False
@@ -92,8 +95,8 @@ class WantCounts:
         if pages.size <= SMALL:
             self._add_small(pages.tolist(), gpu_layers, paused, sign)
             return
-        uniq = np.unique(pages)
-        distinct = uniq.size == pages.size
+        distinct = self._distinct(pages)
+        uniq = pages if distinct else np.unique(pages)
         before = self.users[uniq] > 0
         if distinct:
             self.users[pages] += sign
@@ -116,6 +119,17 @@ class WantCounts:
             elif on.size:
                 np.add.at(self.want, (on[:, None], pages[None, :]), sign)
         self.mark_dirty(uniq)
+
+    def _distinct(self, pages: np.ndarray) -> bool:
+        """True when ``pages`` has no repeat: O(len) with a scratch array (no sort; a request's
+        pages are nearly always distinct). Every position writes its index; a repeated page
+        keeps only its last writer, so an earlier position reads back another index."""
+        n = int(pages.size)
+        if self._index.size < n:
+            self._index = np.arange(max(n, 2 * self._index.size), dtype=np.int64)
+        index = self._index[:n]
+        self._scratch[pages] = index
+        return bool((self._scratch[pages] == index).all())
 
     def _add_small(self, pages: list[int], gpu_layers: Sequence[bool], paused: bool, sign: int) -> None:
         """:meth:`add` of a few pages with scalar operations (a decode step's appended page:

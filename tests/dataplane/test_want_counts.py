@@ -85,3 +85,19 @@ def test_a_change_of_one_request_looks_at_its_pages_only():
     assert _columns_seen(d, lambda: d.want("r6", [True] * LAYERS, paused=True)) <= len(d.pages("r6"))
     assert _columns_seen(d, lambda: d.want("r6", [True] * LAYERS)) <= len(d.pages("r6"))
     d.check_at_rest()
+
+
+def test_add_with_repeated_pages_counts_each_occurrence():
+    """A page list longer than the scalar path with a repeat (the sort-free distinctness check
+    must see it) counts every occurrence in users and want, exactly as ``np.add.at`` would; the
+    same pages without the repeat take the distinct path and count once each."""
+    counts = make_core(None).residency.counts
+    pages = np.array([3, 4, 5, 6, 7, 8, 9, 10, 11, 5], dtype=np.int64)  # 5 twice, > SMALL pages
+    assert not counts._distinct(pages) and counts._distinct(pages[:-1])
+    counts.add(pages, [True] * LAYERS, False, 1)
+    expected = np.zeros_like(counts.users)
+    np.add.at(expected, pages, 1)
+    assert (counts.users == expected).all() and counts.users[5] == 2
+    assert (counts.want[:, 5] == 2).all() and (counts.want[:, 4] == 1).all()
+    counts.add(pages, [True] * LAYERS, False, -1)
+    assert not counts.users.any() and not counts.want.any()
