@@ -1,12 +1,31 @@
-"""The append fast path vs the full reconciliation under a tiny budget: a known discrepancy found
-by ``test_layered_pool.py``'s property test, kept as a strict xfail until it is decided."""
+"""The steady-decode fast path leaves the pool as the general path does; and the append fast path
+vs the full reconciliation under a tiny budget: a known discrepancy found by
+``test_layered_pool.py``'s property test, kept as a strict xfail until it is decided."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from tests.sglang.test_layered_pool import Harness, apply_op, make_pool
+from tests.sglang.test_layered_pool import (
+    DIM,
+    HEADS,
+    LAYERS,
+    PAGE,
+    RIDS,
+    Harness,
+    LayeredTokenToKVPool,
+    apply_op,
+    make_pool,
+    op,
+    wants,
+)
 
 pytestmark = pytest.mark.sglang
 
@@ -27,3 +46,79 @@ def test_append_fast_path_matches_the_full_pass_under_a_tiny_budget():
     hf.check()
     hs.check()
     assert torch.equal(fast.store.resident_mask(), full.store.resident_mask())
+
+
+def _decode(pool: LayeredTokenToKVPool, h: Harness, rids: list[str], fast: bool) -> bool:
+    """One decode step of ``rids`` (one new token each, in that order): the attention backend's
+    steady-decode call when ``fast`` (general path if it declines), else the general path.
+    Returns whether the fast path took the step."""
+    new = [h._new_slots(rid, 1)[0] for rid in rids]
+    loc = torch.tensor(new, dtype=torch.int64)
+    lens = np.array([len(h.slots[rid]) for rid in rids], dtype=np.int64)
+    took = fast and pool.prepare_decode_step(rids, lens, loc)
+    if not took:
+        pool.prepare_step([(rid, torch.tensor(h.slots[rid])) for rid in rids], loc)
+    for layer in range(LAYERS):
+        pool.enter_layer(layer)
+        k = torch.randn((len(rids), HEADS, DIM), generator=h.gen).half()
+        v = torch.randn((len(rids), HEADS, DIM), generator=h.gen).half()
+        pool.set_kv_buffer(SimpleNamespace(layer_id=layer), loc, k, v)
+        for i, slot in enumerate(new):
+            h.shadow[(layer, slot)] = (k[i].clone(), v[i].clone())
+        pool.exit_layer(layer)
+    return took
+
+
+decode_op = st.tuples(st.just("decode"), st.lists(st.sampled_from(RIDS), min_size=1, max_size=3, unique=True))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(st.one_of(op, decode_op, decode_op), min_size=1, max_size=30), budget=st.sampled_from([72, None]))
+def test_steady_decode_fast_path_leaves_the_pool_as_the_general_path_does(ops, budget):
+    """prepare_decode_step (the attention backend's steady-decode path) leaves residency, the
+    device map, dirty and has-KV marks, each request's pages and every K/V exactly as
+    prepare_step + readable_in_place would -- and it declines (changing nothing) outside the
+    identity layout or after anything but an append."""
+    fast, full = make_pool(budget_tokens=budget), make_pool(budget_tokens=budget)
+    hf, hs = Harness(fast, seed=1), Harness(full, seed=1)
+    took = 0
+    for item in ops:
+        if item[0] == "decode":
+            rids = [r for r in item[1] if r in hf.slots]
+            if not rids or len(hf.free_pages) < len(rids):
+                continue
+            took += _decode(fast, hf, rids, fast=True)
+            _decode(full, hs, rids, fast=False)
+        else:
+            for h, pool in ((hf, fast), (hs, full)):
+                apply_op(pool, h, item)
+        assert torch.equal(fast.store.map_cpu, full.store.map_cpu)
+        assert torch.equal(fast.store.dirty, full.store.dirty)
+        assert torch.equal(fast.residency.has_kv, full.residency.has_kv)
+        # cached vs recomputed counts (the fast path is not a staged step: nothing to stage)
+        assert replace(fast.residency_stats(), staged_steps_total=0) == replace(
+            full.residency_stats(), staged_steps_total=0)
+        full.residency._live_stats = None
+        assert fast.residency.live_rids() == full.residency.live_rids()
+        for rid in fast.residency.live_rids():
+            assert torch.equal(fast.residency._requests[rid].pages, full.residency._requests[rid].pages)
+    if budget is not None:
+        assert took == 0  # the fast path is for the identity layout only
+    hf.check()
+    hs.check()
+
+
+def test_steady_decode_fast_path_takes_plain_decode_steps_and_declines_after_a_change():
+    """Identity layout: a plain decode of known requests takes the fast path (new pages placed at
+    every layer, dirty once, read in place); after an offloading want it declines."""
+    pool = make_pool(budget_tokens=None, page_size=PAGE)
+    h = Harness(pool, in_place=True)
+    h.step("a", 3)
+    h.step("b", 2)
+    assert _decode(pool, h, ["a", "b"], fast=True)
+    pages = [s // PAGE for s in h.slots["a"] + h.slots["b"]]
+    assert bool((pool.store.map_cpu[:, pages] >= 0).all())
+    assert bool(pool.store.dirty[:, pages[-1]].all())
+    pool.update_residency({"a": wants(pool, h, "a", (True, False, True))})
+    assert not _decode(pool, h, ["a", "b"], fast=True)
+    h.check()
