@@ -55,8 +55,12 @@ class LayeredKVArgs:
     (:class:`sglang_ext.host_pool_floor.HostPoolFloor`, which needs the model config)."""
     kv_scheduler: str = "fcfs"
     """Admission/rotation scheduler: fcfs, layerkv (LayerKV §3.1) or lvf (SuperInfer §4.2)."""
-    kv_pacing: str = "on"
-    """Token-deposit pacing of streamed output (OrbitFlow §3.2): on or off."""
+    kv_pacing: str = "off"
+    """Token-deposit pacing of streamed output (OrbitFlow §3.2): on or off. ``on`` releases a
+    stream's tokens at one per TBT-SLO interval while any are held, the rest when it finishes:
+    it hides pauses and stalls a stream has run ahead of, at the price of holding back most of
+    every fast stream's text (``off``, the default since `kvplane bench pacing` measured it;
+    README "Streaming pacing")."""
     kv_tls_ca: str | None = None
     """CA bundle to verify the remote control plane (grpc:// only); PEM certificates, checked here."""
     kv_tls_cert: str | None = None
@@ -296,7 +300,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> bool:
         "--kv-pacing",
         type=str,
         default=_DEFAULTS.kv_pacing,
-        help="Pace streamed tokens while a request is paused or stalls: on/off.",
+        help="Token-deposit pacing of streamed output: on = one token per TBT-SLO interval while "
+        "tokens are held, the rest at the finish (hides pauses, delays fast streams' text); "
+        "off (default) = tokens as generated.",
     )
     group.add_argument("--kv-tls-ca", type=str, default=None, help="CA bundle (remote control plane).")
     group.add_argument("--kv-tls-cert", type=str, default=None, help="Client certificate (mTLS).")

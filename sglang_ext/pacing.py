@@ -13,6 +13,13 @@ per request). With ``--enable-layered-kv --kv-pacing on`` and ``obj.stream`` the
 wrapped by :func:`pace_stream`; non-streaming requests, and every request with the flag or pacing
 off, get SGLang's generator untouched.
 
+Off by default (issue 17, measured by ``kvplane bench pacing``): the rule paces every stream,
+not only one that is paused or stalls. A server that generates faster than the SLO (15 ms a token
+against the default 200 ms) has its streams slowed to one token per SLO and most of their text
+released in the finish burst, whether or not anything stalls; what pacing buys -- a stall hidden
+behind the tokens a stream ran ahead by -- only exists for streams that do get paused. The trade,
+with the measured numbers, is in the README ("Streaming pacing").
+
 Chunks and tokens. A chunk carries ``meta_info["completion_tokens"]`` (cumulative output tokens);
 its new tokens go into the deposit and the chunk is released once the deposit has delivered its
 last token. With SGLang's default ``stream_interval=1`` a chunk holds one token, so release is

@@ -64,13 +64,15 @@ REPLAY = "pacing-off, replayed paced"
 LOADS = ("light", "heavy")
 TINY_LAYERS = 4
 """Decoder layers of the tiny model (``TinyModelSpec().num_hidden_layers``): token-layers per token."""
-LIGHT = Workload(num_prompts=6, input_len=128, output_len=96, range_ratio=1.0, max_concurrency=2, seed=1)
-"""Default light load: 2 streams at a time, 6 requests, 128 in / 96 out (1,792 token-layers at
-most: 44% of the default budget)."""
+LIGHT = Workload(num_prompts=6, input_len=16, output_len=48, range_ratio=1.0, max_concurrency=2, seed=1)
+"""Default light load: 2 streams at a time, 6 requests, 16 in / 48 out (512 token-layers at
+most: half the default budget)."""
 HEAVY = Workload(num_prompts=12, input_len=192, output_len=80, range_ratio=1.0, max_concurrency=8, seed=2)
 """Default heavy load: 8 streams at a time, 12 requests, 192 in / 80 out (8,704 token-layers at
-most: 2.1x the default budget)."""
-DEFAULT_BUDGET_TOKEN_LAYERS = 4096
+most: 8.5x the default budget)."""
+DEFAULT_BUDGET_TOKEN_LAYERS = 1024
+"""The heavy load was offloaded but not paused at 4,096 token-layers (80-88% of its KV on host),
+paused once at 2,048 and about once a request (11-13 pauses) at 1,024."""
 
 
 def _default_slo_tbt_ms() -> float:

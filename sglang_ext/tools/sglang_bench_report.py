@@ -85,7 +85,8 @@ def _markdown(payload: dict[str, Any]) -> str:
         f"CPU recipe: `{' '.join(payload['cpu_args'])}`. Host: {payload['cpus']} CPUs, shared "
         "machine (load average recorded per configuration). Layered servers run the policy "
         f"`{json.dumps(payload['layered_policy'])}` (no SLO-driven pauses; memory-driven ones "
-        "remain); streamed output is paced (`--kv-pacing on`, the default). Only `layered-offload` "
+        "remain) and `--kv-pacing`'s default (off since issue 17; the throughput workload does not "
+        "stream). Only `layered-offload` "
         "writes the per-step stats file (`$KVPLANE_STATS_FILE`, for peak host KV and pauses); "
         "`layered` runs without it, as deployed.",
         "",

@@ -17,11 +17,13 @@ def _parse(*argv: str) -> LayeredKVArgs:
 
 
 def test_defaults_are_off_and_embedded():
-    """Without flags the plugin is off, embedded control plane, fcfs, pacing on."""
+    """Without flags the plugin is off, embedded control plane, fcfs, pacing off (issue 17:
+    chosen by `kvplane bench pacing`)."""
     args = _parse()
     assert args == LayeredKVArgs()
     assert not args.enable_layered_kv and args.kv_control_plane == "embedded"
-    assert args.kv_scheduler == "fcfs" and args.pacing
+    assert args.kv_scheduler == "fcfs" and args.kv_pacing == "off" and not args.pacing
+    assert _parse("--kv-pacing", "on").pacing  # negative control: the property follows the flag
     assert args.kv_host_pool_gb is None  # sized to what the pool needs (checked at start)
 
 

@@ -101,10 +101,10 @@ def test_contexts_do_not_share_registries_or_pacing_settings() -> None:
     a, b = PluginContext(metrics_registry=CollectorRegistry()), PluginContext(metrics_registry=CollectorRegistry())
     assert a.metrics_registry is not b.metrics_registry and PluginContext().metrics_registry is None
     assert a.pacing_settings() is None  # flag off
-    a.layered = LayeredKVArgs(enable_layered_kv=True)
+    a.layered = LayeredKVArgs(enable_layered_kv=True, kv_pacing="on")
     first = a.pacing_settings()
     assert first is not None and a.pacing_settings() is first and b.pacing_settings() is None
-    a.layered = LayeredKVArgs(enable_layered_kv=True, kv_report_interval=2)
+    a.layered = LayeredKVArgs(enable_layered_kv=True, kv_pacing="on", kv_report_interval=2)
     assert a.pacing_settings() is not first
     a.layered = LayeredKVArgs(enable_layered_kv=True, kv_pacing="off")
     assert a.pacing_settings() is None

@@ -140,14 +140,14 @@ def test_completed_requests_skips_failed_ones_and_needs_details() -> None:
 
 
 def _config(**kw) -> PacingBenchConfig:
-    base = {"slo_tbt_ms": SLO_MS, "budget_token_layers": 4096, "light": LIGHT, "heavy": HEAVY}
+    base = {"slo_tbt_ms": SLO_MS, "budget_token_layers": 1024, "light": LIGHT, "heavy": HEAVY}
     return PacingBenchConfig(**{**base, **kw})
 
 
 def test_config_defaults_are_light_within_and_heavy_beyond_the_budget() -> None:
     cfg = _config()
-    assert cfg.peak_token_layers(LIGHT) == 2 * 224 * 4 <= 4096 // 2  # well inside the budget
-    assert cfg.peak_token_layers(HEAVY) == 8 * 272 * 4 > 2 * 4096
+    assert cfg.peak_token_layers(LIGHT) == 2 * 64 * 4 <= 1024 // 2  # well inside the budget
+    assert cfg.peak_token_layers(HEAVY) == 8 * 272 * 4 > 8 * 1024
     # negative control: 100 prompts at most 2 at a time still hold only 2 streams' KV
     assert cfg.peak_token_layers(Workload(num_prompts=100, input_len=10, output_len=10, max_concurrency=2)) == 160
     assert cfg.workload("heavy") is HEAVY
@@ -158,7 +158,7 @@ def test_config_defaults_are_light_within_and_heavy_beyond_the_budget() -> None:
 @pytest.mark.parametrize(
     ("kw", "message"),
     [
-        ({"budget_token_layers": 3583}, "light load needs up to 1792 token-layers .* > half of"),
+        ({"budget_token_layers": 1023}, "light load needs up to 512 token-layers .* > half of"),
         ({"budget_token_layers": 20000}, "heavy load needs at most 8704 token-layers"),
         ({"slo_tbt_ms": 0.0}, "--slo-tbt-ms=0 is out of range"),
         ({"repeat": 0}, "--repeat=0 is out of range"),

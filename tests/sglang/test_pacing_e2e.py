@@ -33,7 +33,7 @@ TOLERANCE_MS = 45.0
 
 @pytest.fixture(scope="module")
 def paced_server(tiny_model_dir, tmp_path_factory) -> Iterator[SGLangServer]:
-    """A layered-KV server with pacing on (the default)."""
+    """A layered-KV server with pacing on (asked for: the default is off)."""
     root = tmp_path_factory.mktemp("paced")
     flags = [*SHARED_HOST_ARGS, "--enable-layered-kv", "--disable-overlap-schedule", "--kv-pacing", "on"]
     with running_server(tiny_model_dir, root, flags) as server:

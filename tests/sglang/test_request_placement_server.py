@@ -80,7 +80,8 @@ def pressure(tiny_model_dir, tmp_path_factory) -> Iterator[Served]:
 
 @pytest.fixture(scope="module")
 def relaxed(tiny_model_dir, tmp_path_factory) -> Iterator[Served]:
-    yield from _served(tiny_model_dir, tmp_path_factory.mktemp("placement-relaxed"), [])
+    # pacing on (not the default): the streamed test reads the pacer's deposit
+    yield from _served(tiny_model_dir, tmp_path_factory.mktemp("placement-relaxed"), ["--kv-pacing", "on"])
 
 
 def _paused_in_log(log: str) -> dict[str, int]:
@@ -135,7 +136,7 @@ def test_a_lone_request_reports_the_pools_host_fraction_and_a_relaxed_server_zer
 
 
 def test_streamed_generate_carries_it_on_the_last_chunk_with_the_pacers_deposit(relaxed):
-    """A paced ``/generate`` stream (``--kv-pacing on``, the default) that asked: only the final
+    """A paced ``/generate`` stream (``--kv-pacing on`` on this server) that asked: only the final
     chunk has the info, its deposit is the pacer's; a stream that did not ask has none."""
     chunks = relaxed.generate(PROMPTS[1], ASK, max_new_tokens=6, stream=True)
     assert [KEY in c["meta_info"] for c in chunks] == [False] * (len(chunks) - 1) + [True]
