@@ -272,9 +272,11 @@ class PacingSettings:
         return cls(slo)
 
 
-async def _rejected(
+async def rejected_stream(
     tokenizer_manager: Any, obj: Any, source: Any, message: str
 ) -> AsyncIterator[Any]:
+    """A stream that aborts ``obj``'s request, closes ``source`` and raises ``ValueError(message)``
+    (HTTP 400 on the OpenAI endpoints) on its first pull."""
     try:
         tokenizer_manager.abort_request(obj.rid)
     finally:
@@ -299,5 +301,5 @@ def around_stream_one_response(
     try:
         slo = request_slo_tbt_ms(getattr(obj, "sampling_params", None), settings.default_slo_tbt_ms)
     except ValueError as exc:
-        return _rejected(args[0], obj, source, str(exc))
+        return rejected_stream(args[0], obj, source, str(exc))
     return pace_stream(source, StreamPacer(slo), rid=getattr(obj, "rid", None))

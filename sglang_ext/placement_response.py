@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from controlplane.controller.token_deposit import TokenDeposit
 from sglang_ext import compat
+from sglang_ext.pacing import rejected_stream
 from sglang_ext.placement_param import KEY, placement_param_error, wants_placement
 
 if TYPE_CHECKING:
@@ -77,15 +78,6 @@ def around_update_request_meta_info(
     return None
 
 
-async def _refused(tokenizer_manager: Any, obj: Any, source: Any, message: str) -> AsyncIterator[Any]:
-    try:
-        tokenizer_manager.abort_request(obj.rid)
-    finally:
-        await source.aclose()
-    raise ValueError(message)
-    yield  # pragma: no cover - makes this an async generator
-
-
 def _new_tokens(chunk: Any, before: int) -> int:
     """Output tokens a chunk adds (its cumulative ``completion_tokens``; one when it has none)."""
     meta = chunk.get("meta_info") if isinstance(chunk, dict) else None
@@ -129,7 +121,7 @@ def around_stream_one_response(ctx: PluginContext, original: Callable[..., Any],
     custom = custom_params_of(obj)
     message = placement_param_error(custom)
     if message is not None:
-        return _refused(args[0], obj, original(*args, **kwargs), message)
+        return rejected_stream(args[0], obj, original(*args, **kwargs), message)
     settings = ctx.pacing_settings()
     if settings is None:
         return original(*args, **kwargs)
