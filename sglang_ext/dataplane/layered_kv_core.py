@@ -109,11 +109,14 @@ class LayeredKVCore:
         requests: Sequence[tuple[str | None, torch.Tensor]],
         new_slots: torch.Tensor | None,
         new_counts: Sequence[int] | None = None,
+        recompute: np.ndarray | None = None,
     ) -> ResidencyDelta:
         """Boundary before a forward: ``requests`` = (rid, CPU slots of its first seq_len tokens);
         ``new_slots`` the slots the forward writes, ``new_counts[i]`` of them request ``i``'s last
         positions (default: one each -- a decode step -- or all of them for a single request).
-        Positions ``[i * page_size, (i + 1) * page_size)`` of a request share one page."""
+        Positions ``[i * page_size, (i + 1) * page_size)`` of a request share one page.
+        ``recompute[i] = (u, k)`` (decode steps): request ``i``'s first ``u`` pages are recomputed
+        by the forward at layers ``< k`` (``tables.recompute``; ``docs/recompute.md``)."""
         self.pipeline.end_step()
         self.step_loc = new_slots
         self.residency.drop_anonymous()
@@ -149,19 +152,19 @@ class LayeredKVCore:
             new_np = new_slots.numpy().astype(np.int64, copy=False)
         batch = {rid for rid, _ in requests if rid is not None}
         self._begin(page_lists, np.asarray(lens, dtype=np.int64), np.asarray(new_counts, dtype=np.int64),
-                    new_np, batch)
+                    new_np, batch, recompute)
         return delta
 
     def _begin(self, page_lists: list[np.ndarray], lens: np.ndarray, counts: np.ndarray,
-               new_np: np.ndarray | None, batch: set[str]) -> None:
+               new_np: np.ndarray | None, batch: set[str], recompute: np.ndarray | None = None) -> None:
         """Build the step's tables (making staging room if needed) and start the pipeline, or
         mark the step as overflowing (module docstring)."""
         self.overflow = False
-        if self._begin_in_place(page_lists, lens, counts):
+        if recompute is None and self._begin_in_place(page_lists, lens, counts):
             return
         for _ in range(self.layers + 2):
             tables = StepTables(self.store, page_lists, lens, counts, new_np, self.room.take,
-                                token_tables=self.token_tables)
+                                token_tables=self.token_tables, recompute=recompute)
             if tables.reserved:
                 self.store.mark_dirty(tables.dirty_ids)
                 self.store.has_kv_np[tables.new_pages] = True
@@ -289,6 +292,22 @@ class LayeredKVCore:
         else:
             rows = self.tables.rows[layer]  # type: ignore[union-attr]
             self.store.write_rows(rows, rows, k, v)
+
+    def write_recompute(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Recomputed prefix K/V at ``layer`` (``[>= active, H, D]``, in the step's recompute
+        token order, :class:`~sglang_ext.dataplane.recompute_rows.RecomputeRows`): the first
+        ``active[layer]`` rows go to their transient (or identity) device rows, before the layer's
+        attention reads them. Nothing is marked dirty or written back: the host copy is the
+        original. Returns the rows written (0 without recompute or on an overflow step, whose
+        at-rest read takes the prefix from host memory)."""
+        rec = None if self.tables is None or self.overflow else self.tables.recompute
+        if rec is None or rec.rows is None:
+            return 0
+        active = rec.active[layer]
+        if active:
+            rows = rec.rows[layer, :active]
+            self.store.write_rows(rows, rows, k[:active], v[:active])
+        return active
 
     def token_rows(self, layer: int) -> torch.Tensor:
         """``[B, W]`` rows of :meth:`device_kv` holding every batch token at ``layer`` this step

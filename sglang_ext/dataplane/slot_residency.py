@@ -101,7 +101,10 @@ class SlotResidency:
             pages = torch.tensor(want.pages, dtype=torch.int64)
             if req is None:
                 layers = want.gpu_layers if want.planned else (True,) * self.layers
-                req = self._requests[rid] = _Request(pages, gpu_layers=list(layers), planned=want.planned)
+                req = self._requests[rid] = _Request(pages, gpu_layers=list(layers), planned=want.planned,
+                                                     uncached=want.uncached_pages)
+                if want.uncached_pages:
+                    self._changed = True  # its prefix may be resident already (observed earlier)
                 if want.paused:
                     req.pause_seq = next(self._pause_seq)
                     req.paused = True
@@ -113,10 +116,14 @@ class SlotResidency:
             elif len(want.pages) >= req.pages.numel():
                 self.observe(rid, pages)
             new_layers = want.planned and list(want.gpu_layers) != req.gpu_layers
-            if new_layers or want.paused != req.paused:
+            new_prefix = want.uncached_pages != req.uncached
+            if new_layers or new_prefix or want.paused != req.paused:
                 self.counts.track(req, -1)
                 if new_layers:
                     req.gpu_layers = list(want.gpu_layers)
+                    self._changed = True
+                if new_prefix:
+                    req.uncached = want.uncached_pages
                     self._changed = True
                 if want.paused != req.paused:
                     if want.paused:

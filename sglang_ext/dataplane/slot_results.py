@@ -24,6 +24,10 @@ class RequestResidency:
     """False: no plan covers this request yet -- ``gpu_layers`` is ignored and the pool's local
     fallback decides (new pages on device while they fit, else the highest layers of the largest
     unplanned requests go to host)."""
+    uncached_pages: int = 0
+    """eLLM's uncached prefix (``docs/recompute.md``): the first ``uncached_pages`` pages are wanted
+    on the device in no layer (recomputed or fetched each step). At most ``len(pages) - 1``: the
+    page of the token being decoded stays cached."""
 
     def __post_init__(self) -> None:
         if any(not isinstance(p, int) or isinstance(p, bool) or p < 0 for p in self.pages):
@@ -31,6 +35,12 @@ class RequestResidency:
         if not self.gpu_layers or any(not isinstance(x, bool) for x in self.gpu_layers):
             raise ValueError(
                 f"RequestResidency.gpu_layers must be a non-empty tuple of bools, got {self.gpu_layers!r}"
+            )
+        u = self.uncached_pages
+        if not isinstance(u, int) or isinstance(u, bool) or u < 0 or (u and u > len(self.pages) - 1):
+            raise ValueError(
+                f"RequestResidency.uncached_pages must be an int in [0, len(pages) - 1 = "
+                f"{max(len(self.pages) - 1, 0)}], got {u!r}"
             )
 
 

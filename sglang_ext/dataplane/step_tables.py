@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from sglang_ext.dataplane.recompute_rows import RecomputeRows
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore
 
 
@@ -55,10 +56,12 @@ class StepTables:
 
     def __init__(self, store: SlotKVStore, pages: Sequence[np.ndarray], seq_lens: np.ndarray,
                  new_counts: np.ndarray, new_slots: np.ndarray | None,
-                 stage: Callable[[int], np.ndarray | None], *, token_tables: bool = True) -> None:
+                 stage: Callable[[int], np.ndarray | None], *, token_tables: bool = True,
+                 recompute: np.ndarray | None = None) -> None:
         """``stage(n)`` returns ``n`` reserved device pages (None: not enough room; the caller
         makes room and builds again). Raises ValueError when ``new_slots`` disagree with the
-        batch's pages (a caller bug; nothing is reserved then)."""
+        batch's pages (a caller bug; nothing is reserved then). ``recompute[i] = (u, k)``: request
+        ``i``'s first ``u`` pages are recomputed at layers ``< k`` (:class:`RecomputeRows`)."""
         c = store.config
         layers, ps = c.layers, c.page_size
         self.identity = store.identity
@@ -82,6 +85,11 @@ class StepTables:
         host = tab < 0
         self.host_layer_pages = int(host.sum())
         req_of_col = np.repeat(np.arange(b), counts)
+        prefix = RecomputeRows.mask(recompute, starts, req_of_col, layers) if recompute is not None and n else None
+        pre, rec = (None, None) if prefix is None else prefix
+        if rec is not None and self.identity:
+            rec &= host  # a resident (shared) prefix page is read in place, never overwritten
+        fetched = host if rec is None else host & ~rec  # host-only layer-pages this step fetches
         if self.identity:
             tab = np.where(host, store.identity_ids(flat), tab)
             trigger = np.full((layers, max(b, 1)), -1, dtype=np.int64)
@@ -89,10 +97,14 @@ class StepTables:
             host_req = np.zeros((layers, b), dtype=bool)
             nonempty = counts > 0
             if n:
-                host_req[:, nonempty] = np.logical_or.reduceat(host, starts[nonempty], axis=1)
-            needs = host_req.any(axis=0)
-            need_cols = needs[req_of_col]
-            want = int(need_cols.sum())
+                host_req[:, nonempty] = np.logical_or.reduceat(fetched, starts[nonempty], axis=1)
+            if pre is None or rec is None:
+                need_cols = host_req.any(axis=0)[req_of_col]
+                trans_cols = np.zeros(n, dtype=bool)
+            else:
+                need_cols, trans_cols = RecomputeRows.slots(pre, rec, fetched, req_of_col, b)
+            n_stage = int(need_cols.sum())
+            want = n_stage + int(trans_cols.sum())
             if want:
                 ids = stage(want)
                 if ids is None:
@@ -100,8 +112,11 @@ class StepTables:
                     return
                 self.staging_ids = ids
                 stage_col = np.full(n, -1, dtype=np.int64)
-                stage_col[need_cols] = ids
-                tab = np.where(host, stage_col[None, :], tab)
+                stage_col[need_cols] = ids[:n_stage]
+                tab = np.where(fetched, stage_col[None, :], tab)
+                if rec is not None and trans_cols.any():
+                    stage_col[trans_cols] = ids[n_stage:]  # transient: one layer of the prefix
+                    tab = np.where(rec, stage_col[None, :], tab)
             last = np.maximum.accumulate(np.where(host_req, np.arange(layers)[:, None], -1), axis=0)
             trigger = np.vstack([np.full((1, b), -1, dtype=np.int64), last[:-1]])
         rows = tab[:, col] * ps + off[None, :]
@@ -112,9 +127,16 @@ class StepTables:
         self.new_pages = flat[ucol]
         """Pages that receive new tokens (they hold KV after this step)."""
         # launches: fetch host-only pages that hold KV; write back staged pages that get tokens
-        fetch = host & store.has_kv_np[flat][None, :]
+        fetch = fetched & store.has_kv_np[flat][None, :]
         int64_parts: list[np.ndarray] = [rows.reshape(-1)]
         offset = rows.size
+        self.recompute: RecomputeRows | None = None
+        if rec is not None and recompute is not None and rec.any():
+            dump = (store.identity_ids(np.zeros(1, dtype=np.int64)).reshape(-1) * ps if self.identity
+                    else np.zeros(layers, dtype=np.int64))  # identity: page 0 (SGLang's padding page)
+            self.recompute = RecomputeRows(recompute, rec, tab, starts, ps, dump, offset)
+            int64_parts += self.recompute.int64_parts
+            offset += self.recompute.int64_size
         self.fetches: list[Launch] = []
         self.writebacks: list[Launch | None] = [None] * layers
         for layer in range(layers):
@@ -160,6 +182,8 @@ class StepTables:
         self.i64 = both[: int64.size]
         self.i32 = both[int64.size:].view(torch.int32)
         self._n, self._m = n, m
+        if self.recompute is not None:
+            self.recompute.bind(self.i64)
         self.tab = self.i32[: layers * n].view(layers, n)
         """``[L, n]`` int32 device pages per layer (FlashInfer ``kv_indices`` rows)."""
         self.rows = self.i64[: layers * m].view(layers, m)

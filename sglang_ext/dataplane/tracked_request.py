@@ -17,6 +17,8 @@ class TrackedRequest:
     paused: bool = False
     pause_seq: int = 0
     anonymous: bool = False
+    uncached: int = 0
+    """Leading pages wanted in no layer (eLLM's uncached prefix, ``docs/recompute.md``)."""
     extra: dict = field(default_factory=dict)
     _tail: list[int] = field(default_factory=list)
     """Pages appended by the decode fast path, not yet joined to ``_pages`` (one int per new

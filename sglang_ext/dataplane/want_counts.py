@@ -35,6 +35,7 @@ class WantCounts:
         self.store = store
         layers, pages = store.config.layers, store.config.logical_pages
         self.layers = layers
+        self._none = (False,) * layers
         self.want = np.zeros((layers, pages), dtype=np.int32)
         """``[L, P]``: live, not paused users wanting layer ``l`` of page ``p``."""
         self.users = np.zeros(pages, dtype=np.int32)
@@ -68,8 +69,13 @@ class WantCounts:
     def track(self, req: TrackedRequest, sign: int) -> None:
         """``req`` as it is now joins (``sign=1``) or leaves (``-1``) the counts."""
         pages = req.pages.numpy()
-        self.add(pages, req.gpu_layers, req.paused, sign)
-        every = all(req.gpu_layers)
+        u = req.uncached
+        if u:
+            self.add(pages[:u], self._none, req.paused, sign)  # the uncached prefix: no layer wanted
+            self.add(pages[u:], req.gpu_layers, req.paused, sign)
+        else:
+            self.add(pages, req.gpu_layers, req.paused, sign)
+        every = not u and all(req.gpu_layers)
         self.paused_requests += sign * req.paused
         self.partial_requests += sign * (not every)
         if not req.paused:
@@ -79,10 +85,10 @@ class WantCounts:
 
     def track_added(self, req: TrackedRequest, added: np.ndarray) -> None:
         """Pages appended to ``req`` join the counts."""
-        self.add(added, req.gpu_layers, req.paused, 1)
+        self.add(added, req.gpu_layers, req.paused, 1)  # appended pages are never in the prefix
         if not req.paused:
             self.active_pages += int(added.size)
-            if not all(req.gpu_layers):
+            if req.uncached or not all(req.gpu_layers):
                 self.offloading_pages += int(added.size)
 
     # ----- want changes -------------------------------------------------------------------

@@ -44,6 +44,12 @@ class CoreDriver:
         """Called inside every layer (after the write, before the read): tests hook assertions."""
         self.steps = 0
         self._rows: torch.Tensor | None = None
+        self.recompute: dict[str, tuple[int, int]] = {}
+        """rid -> (uncached pages u, recomputed layers k) for its decode steps (docs/recompute.md)."""
+        self.corrupt_recompute = False
+        """Negative control: recomputed K/V written off by one."""
+        self.recompute_rows = 0
+        """Recomputed token-layers written in total."""
 
     # ----- SGLang's allocator ------------------------------------------------------------
 
@@ -87,7 +93,9 @@ class CoreDriver:
         news = [self._grow(rid, n) or [] for rid, n in batch]
         loc = torch.tensor([s for new in news for s in new], dtype=torch.int64)
         core = self.core
-        core.prepare_step([(rid, torch.tensor(self.slots[rid])) for rid, _ in batch], loc, [n for _, n in batch])
+        rec = self._recompute_spec(batch)
+        core.prepare_step([(rid, torch.tensor(self.slots[rid])) for rid, _ in batch], loc, [n for _, n in batch],
+                          recompute=rec)
         self.check_staging()
         for layer in range(core.layers):
             core.enter_layer(layer)
@@ -96,6 +104,8 @@ class CoreDriver:
             core.write(layer, loc, k.to(core.store.device), v.to(core.store.device))
             for i, slot in enumerate(loc.tolist()):
                 self.shadow[(layer, slot)] = (k[i].clone(), v[i].clone())
+            if rec is not None:
+                self._write_recompute(layer, batch)
             if self.on_layer is not None:
                 self.on_layer(layer)
             self._rows = None  # the served attention takes the layer's row table once
@@ -108,6 +118,36 @@ class CoreDriver:
         assert core.tables is None and core.store.staging_pages == 0
         self.steps += 1
         return True
+
+    def _recompute_spec(self, batch: Sequence[tuple[str, int]]) -> np.ndarray | None:
+        """(u, k) per batch row for a decode step (u clamped below the request's page count)."""
+        if not self.recompute or any(n != 1 for _, n in batch):
+            return None
+        rows = []
+        for rid, _ in batch:
+            u, k = self.recompute.get(rid, (0, 0))
+            rows.append((min(u, len(self.pages(rid)) - 1), k))
+        return np.asarray(rows, dtype=np.int64) if any(u for u, _ in rows) else None
+
+    def _write_recompute(self, layer: int, batch: Sequence[tuple[str, int]]) -> None:
+        """What the forward's recompute rows produce at ``layer``: the prefix tokens' own K/V
+        (recomputation is exact), in the step's recompute token order."""
+        tables = self.core.tables
+        if tables is None or tables.recompute is None:
+            return
+        rec = tables.recompute
+        ks, vs = [], []
+        for j, row in enumerate(rec.order.tolist()):
+            for slot in self.slots[batch[row][0]][: int(rec.tokens[j])]:
+                ks.append(self.shadow[(layer, slot)][0])
+                vs.append(self.shadow[(layer, slot)][1])
+        if not ks:
+            return
+        k, v = torch.stack(ks), torch.stack(vs)
+        if self.corrupt_recompute:
+            k = k + 1
+        dev = self.core.store.device
+        self.recompute_rows += self.core.write_recompute(layer, k.to(dev), v.to(dev))
 
     def read_in_step(self, layer: int, b: int, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Request ``b``'s K/V at ``layer`` exactly as the served attention reads them."""
@@ -129,11 +169,12 @@ class CoreDriver:
     def pages(self, rid: str) -> tuple[int, ...]:
         return tuple(dict.fromkeys(s // self.ps for s in self.slots[rid]))
 
-    def want(self, rid: str, layers: Sequence[bool], paused: bool = False) -> None:
+    def want(self, rid: str, layers: Sequence[bool], paused: bool = False, uncached: int = 0) -> None:
         if rid not in self.slots or not self.slots[rid]:
             return
-        self.core.update_residency({rid: RequestResidency(pages=self.pages(rid), gpu_layers=tuple(layers),
-                                                          paused=paused)})
+        pages = self.pages(rid)
+        self.core.update_residency({rid: RequestResidency(pages=pages, gpu_layers=tuple(layers), paused=paused,
+                                                          uncached_pages=min(uncached, len(pages) - 1))})
         (self.paused.add if paused else self.paused.discard)(rid)
 
     def finish(self, rid: str) -> None:
@@ -142,6 +183,7 @@ class CoreDriver:
             return
         slots = self.slots.pop(rid)
         self.paused.discard(rid)
+        self.recompute.pop(rid, None)
         self.core.release_request(rid)
         pages = sorted({s // self.ps for s in slots if self._refs(s // self.ps) == 0})
         self.core.page_freed(pages)

@@ -1,7 +1,8 @@
 """Stateful test of the served core: random lifecycles over 1,000+ forwards keep KV exact.
 
 A hypothesis state machine drives :class:`LayeredKVCore` through batched prefills and decodes,
-plan changes (random per-layer placements), pauses and resumes, finishes and prefix-cache hits,
+plan changes (random per-layer placements), recompute steps (an uncached prefix recomputed at the
+lowest layers, fetched above), pauses and resumes, finishes and prefix-cache hits,
 on the identity layout, budgets that stage comfortably, and budgets so small that steps
 overflow. Inside every layer the served read path must return the shadow K/V; between forwards
 every live token reads back bit-exact, the map and allocator agree (no leak, no double use),
@@ -21,7 +22,7 @@ from tests.dataplane.core_driver import LAYERS, PAGES, CoreDriver, make_core, of
 RIDS = ("a", "b", "c", "d")
 BIG = 2 * PAGES - 1
 """Logical pages of the machine's core (65): room for long lifecycles."""
-STEPS = {"total": 0}
+STEPS = {"total": 0, "recompute_rows": 0}
 
 
 class CoreMachine(RuleBasedStateMachine):
@@ -53,6 +54,15 @@ class CoreMachine(RuleBasedStateMachine):
         if rid not in self.driver.paused:
             self.driver.want(rid, layers)
 
+    @rule(rid=st.sampled_from(RIDS), u=st.integers(1, 4), k=st.integers(0, LAYERS),
+          layers=st.lists(st.booleans(), min_size=LAYERS, max_size=LAYERS))
+    def recompute(self, rid: str, u: int, k: int, layers: list[bool]) -> None:
+        """eLLM's uncached prefix (docs/recompute.md): the first ``u`` pages leave the device;
+        its decode steps recompute them at layers ``< k`` and fetch them above."""
+        if rid in self.driver.slots and rid not in self.driver.paused:
+            self.driver.recompute[rid] = (u, k)
+            self.driver.want(rid, layers, uncached=u)
+
     @rule(rid=st.sampled_from(RIDS))
     def pause(self, rid: str) -> None:
         self.driver.want(rid, [True] * LAYERS, paused=True)
@@ -75,15 +85,18 @@ class CoreMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if hasattr(self, "driver"):
             STEPS["total"] += self.driver.steps
+            STEPS["recompute_rows"] += self.driver.recompute_rows
 
 
 TestCore = CoreMachine.TestCase
-TestCore.settings = settings(max_examples=150, stateful_step_count=40, deadline=None, derandomize=True)
+TestCore.settings = settings(max_examples=170, stateful_step_count=40, deadline=None, derandomize=True)
 
 
 def test_the_machine_ran_over_a_thousand_forwards():
-    """The state machine above drove at least 1,000 forwards (runs after it in file order)."""
+    """The state machine above drove at least 1,000 forwards (runs after it in file order), some
+    of them recomputing a prefix."""
     assert STEPS["total"] >= 1000, STEPS  # derandomized: the same draws every run
+    assert STEPS["recompute_rows"] > 0, STEPS
 
 
 def test_the_scenario_passes_and_fails_when_write_back_is_skipped(monkeypatch):
