@@ -1,16 +1,22 @@
 """kvplane's LayerKV variant: two-class admission (fitting prompts as a no-offload server,
-never-fitting ones as background work), rotation and the undo of a pause that admits nothing."""
+never-fitting ones as background work), rotation, the undo of a pause that admits nothing, and
+the refill of paused fitting requests (with the real controller and planner)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from controlplane.api import QueuedRequest
+from controlplane.controller import SessionController
 from controlplane.controller.batch_limits import BatchLimits
 from controlplane.controller.schedulers import make_scheduler
 from controlplane.controller.schedulers.base import RequestView, SchedulerView
 from controlplane.model import Hardware
+from controlplane.planner import Planner
 from controlplane.policy import Policy
+from controlplane.policy_store import PolicyStore
+from tests.controlplane.test_controller import FIXED_WINDOW
+from tests.controlplane.test_controller_harness import WorkerLoop, worker_info
 from tests.controlplane.test_schedulers import MODEL, PAPER, q, req
 
 
@@ -68,11 +74,12 @@ def test_kvplane_layerkv_undoes_the_pause_when_the_fitting_prompt_is_held() -> N
 
 
 def _background_view(*, h2d_gbps: float, queued: tuple[QueuedRequest, ...] = (),
-                     running: tuple[RequestView, ...] = ()) -> SchedulerView:
+                     running: tuple[RequestView, ...] = (),
+                     paused: tuple[RequestView, ...] = ()) -> SchedulerView:
     """Budget 400 blocks (1600 tokens in every layer), 4 layers of 5 ms, 300 output tokens
     expected per request (LayerKV Eq. 1's lower bound)."""
     return SchedulerView(
-        step=1, now_ms=1000.0, running=running, paused=(), queued=queued, model=MODEL,
+        step=1, now_ms=1000.0, running=running, paused=paused, queued=queued, model=MODEL,
         hardware=Hardware(gpu_kv_budget_blocks=400, h2d_gbps=h2d_gbps),
         layer_compute_ms=(5.0,) * 4, h2d_gbps=h2d_gbps, tpot_ms=20.0, free_gpu_blocks=0,
         policy=Policy.from_dict({"layerkv": {"output_len_lower_bound": 300}}),
@@ -140,3 +147,90 @@ def test_kvplane_layerkv_background_prompts_take_turns_once_aged() -> None:
     fit = dataclasses.replace(v, running=(req("bg1", ctx=3000), req("f", ctx=500)))
     d = make_scheduler("layerkv").schedule(fit)
     assert d.pause == ("bg1",) and "f" not in d.pause
+
+
+def _paused(rid: str, ctx: int, paused_steps: int, slo: float = 100.0) -> RequestView:
+    return dataclasses.replace(req(rid, ctx=ctx, slo=slo), paused=True, paused_steps=paused_steps)
+
+
+def test_kvplane_layerkv_refills_a_paused_fitting_request_when_the_step_stays_on_time() -> None:
+    """Scenario: f1 (500 tokens) runs alone; f2 (600, paused) fits beside it (1100 tokens <= the
+    1600 the GPU holds in every layer: a 20 ms step against a 90 ms target) and nobody finished:
+    f2 is resumed at once, not left waiting for a finish."""
+    v = _background_view(h2d_gbps=0.01, running=(req("f1", ctx=500),),
+                         paused=(_paused("f2", 600, 10),))
+    assert make_scheduler("layerkv").schedule(v).resume == ("f2",)
+    # negative controls: f1 + f2 = 2000 tokens do not fit; over the slow link the step with f2
+    # is late -> f2 stays paused; over a fast link the same batch is on time -> resumed
+    big = dataclasses.replace(v, running=(req("f1", ctx=1000),), paused=(_paused("f2", 1000, 10),))
+    assert make_scheduler("layerkv").schedule(big).resume == ()
+    assert make_scheduler("layerkv").schedule(
+        dataclasses.replace(big, h2d_gbps=1e6)).resume == ("f2",)
+    # no batch slot -> stays paused
+    assert make_scheduler("layerkv").schedule(
+        dataclasses.replace(v, limits=BatchLimits(max_requests=1))).resume == ()
+    # a paused background request (2000 tokens > 1600) is not refilled, even on time
+    bg = dataclasses.replace(v, h2d_gbps=1e6, paused=(_paused("bg", 2000, 10),))
+    assert make_scheduler("layerkv").schedule(bg).resume == ()
+    # the paper's rule never resumes
+    assert PAPER.schedule(v).resume == ()
+
+
+def test_kvplane_layerkv_refill_is_longest_paused_first_without_overtaking() -> None:
+    """Scenario: over the slow link beside f1 (1000 tokens), fa (1000) would be late and fb
+    (200) on time. fa has waited longer: the refill stops at fa and fb does not overtake it."""
+    paused = (_paused("fa", 1000, 50), _paused("fb", 200, 10))
+    v = _background_view(h2d_gbps=0.01, running=(req("f1", ctx=1000),), paused=paused)
+    assert make_scheduler("layerkv").schedule(v).resume == ()
+    # negative control: fb has waited longer -> fb first (on time), then fa (late) ends it
+    swapped = dataclasses.replace(v, paused=(_paused("fa", 1000, 5), _paused("fb", 200, 10)))
+    assert make_scheduler("layerkv").schedule(swapped).resume == ("fb",)
+
+
+def test_kvplane_layerkv_refill_pauses_background_work_and_undoes_it_when_useless() -> None:
+    """Scenario: bg (2000 tokens, never fits) decodes alone over the slow link; f2 (500, paused)
+    would be late beside it: bg is paused and f2 resumed (a no-offload server would be running
+    f2, never bg). When f2 cannot be on time even alone (its SLO of 15 ms is below the 20 ms
+    compute step), nothing is paused for it."""
+    v = _background_view(h2d_gbps=0.01, running=(req("bg", ctx=2000),),
+                         paused=(_paused("f2", 500, 10),))
+    d = make_scheduler("layerkv").schedule(v)
+    assert d.pause == ("bg",) and d.resume == ("f2",)
+    # negative control: over a fast link bg and f2 are on time together: bg keeps running
+    d = make_scheduler("layerkv").schedule(dataclasses.replace(v, h2d_gbps=1e6))
+    assert d.pause == () and d.resume == ("f2",)
+    # undo: f2 is late even alone -> bg is not paused and f2 stays paused
+    hopeless = dataclasses.replace(v, paused=(_paused("f2", 500, 10, slo=15.0),))
+    d = make_scheduler("layerkv").schedule(hopeless)
+    assert d.pause == () and d.resume == ()
+
+
+def test_kvplane_layerkv_refill_comes_after_the_admissions() -> None:
+    """Scenario: one batch slot is left beside f1; a fitting prompt p waits and f2 is paused: p
+    is admitted (it has no first token yet) and f2 waits; without p (negative control) f2 is
+    resumed into the slot."""
+    v = _background_view(h2d_gbps=1e6, running=(req("f1", ctx=500),),
+                         paused=(_paused("f2", 500, 10),), queued=(q("p", 300, 0.0, ttft=1e9),))
+    v = dataclasses.replace(v, limits=BatchLimits(max_requests=2), free_gpu_blocks=1000)
+    d = make_scheduler("layerkv").schedule(v)
+    assert d.admit == ("p",) and d.resume == ()
+    d = make_scheduler("layerkv").schedule(dataclasses.replace(v, queued=()))
+    assert d.admit == () and d.resume == ("f2",)
+
+
+def test_controller_with_kvplane_layerkv_resumes_a_paused_request_without_a_finish() -> None:
+    """Scenario (real SessionController, real Planner): f2 is paused beside f1 and both fit the
+    GPU; nobody finishes. With the layerkv scheduler the first plan resumes f2; with fcfs
+    (OrbitFlow's rule: resume only after a finish) f2 is still paused ten steps later."""
+    for scheduler, expect in (("layerkv", ()), ("fcfs", ("f2",))):
+        store = PolicyStore(Policy.from_dict({**FIXED_WINDOW, "scheduler": scheduler}))
+        session = SessionController(worker_info(), policy_source=store.get, planner=Planner(),
+                                    synchronous=True, batch_limits=BatchLimits(max_requests=4))
+        w = WorkerLoop(session)
+        w.add("f1", 320)
+        w.add("f2", 160)
+        w.paused.add("f2")
+        for _ in range(10):
+            w.report()
+        assert session.status().paused == expect, scheduler
+        assert any("f2" in d.resume for d in w.decisions) == (scheduler == "layerkv")

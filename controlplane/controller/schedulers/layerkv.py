@@ -29,7 +29,7 @@ longer than the cap is admitted alone (the engine chunks it) so it can never blo
 forever.
 
 The default ``variant="kvplane"`` (issue 15, the admission of the shipped ``kvplane`` policy)
-changes four things and keeps Eq. 1-3:
+changes five things and keeps Eq. 1-3:
 
 * **predicted slowdown**: the decode step the batch would run *with* the admitted prompt
   (:func:`predicted_step_ms`, the placement model with the KV that does not fit streamed over
@@ -54,8 +54,20 @@ changes four things and keeps Eq. 1-3:
   queue; it is admitted when the batch limits allow and it does not make the fitting requests'
   steps late (predicted), or once aged; an aged one that the batch limits block pauses running
   background requests longer than itself, largest first (so background work takes turns). A running background request that makes the fitting
-  requests' steps late is paused. Paused requests resume after a finish (or by the starvation
-  guard), as OrbitFlow's do. On SGLang (no batch limits) the memory rule alone applies.
+  requests' steps late is paused. On SGLang (no batch limits) the memory rule alone applies.
+* **refill**: a paused *fitting* request is resumed as soon as the batch limits have room for it
+  and the predicted step with it stays within ``tpot_margin * slo_tbt_ms`` (running background
+  requests are paused, largest first, to make that so, as for a fitting prompt; undone when it
+  still does not fit), not only after a finish: a no-offload server would be running it. Longest
+  paused first, and the first that cannot run ends the refill (no overtaking); after this
+  step's admissions (a paused request already has its first token, a queued one waits for its
+  TTFT). The resumed batch is on time without deposit credit, so the planner's SLO cap has no
+  reason to pause it again at the next window (the resume thrash of issue 15, finding 3, came
+  from retrying plans that were feasible only with the credit). Background requests resume
+  after a finish or by the starvation guard, as OrbitFlow's do (§3.4). Measured (issue 15,
+  seed 7): without the refill, a fitting request paused by the planner or the starvation guard
+  waited for a finish while one fitting request ran alone at 58 ms steps for 1174 s of
+  the 7724 s run.
 """
 
 from __future__ import annotations
@@ -266,4 +278,30 @@ class LayerKVScheduler:
             tokens += q.prompt_tokens
             admit.append(q.id)
             retained[q.id] = keep
-        return SchedulerDecision(admit=tuple(admit), min_gpu_layers=retained, pause=tuple(rotate))
+        # Refill: a paused fitting request runs again as soon as the batch limits have room for
+        # it and the predicted step with it is on time (background requests make room, as for a
+        # fitting prompt), not only after a finish. Longest-paused first; the first that cannot
+        # run ends the refill (no overtaking). On time without deposit credit, so the planner's
+        # SLO cap has no reason to pause it again at the next window (no resume thrash).
+        resume: list[str] = []
+        for p in sorted((p for p in view.paused if not oversize(p.context_tokens)),
+                        key=lambda p: (-p.paused_steps, p.id)):
+            b = p.blocks_per_layer(bs)
+            on_time = min(target, params.tpot_margin * p.slo_tbt_ms)
+            undo = (list(running), list(batch), n, in_batch_tokens, free, len(rotate))
+            for v in background():
+                if view.limits.admits(n, in_batch_tokens, p.context_tokens) and step_ms(
+                        batch + [b]) <= on_time:
+                    break
+                rotate_out(v)
+            if not (view.limits.admits(n, in_batch_tokens, p.context_tokens)
+                    and step_ms(batch + [b]) <= on_time):
+                running, batch, n, in_batch_tokens, free, kept = undo
+                del rotate[kept:]
+                break
+            resume.append(p.id)
+            batch.append(b)
+            n += 1
+            in_batch_tokens += p.context_tokens
+        return SchedulerDecision(admit=tuple(admit), min_gpu_layers=retained, pause=tuple(rotate),
+                                 resume=tuple(resume))
