@@ -122,6 +122,10 @@ class Policy:
     """Planner time budget as a fraction of the predicted step."""
     scheduler: str = "fcfs"
     """Admission/rotation policy: fcfs, layerkv, lvf."""
+    max_recompute_ratio: float = 0.0
+    """Largest uncached prefix the planner may recompute, as a fraction of a request's blocks
+    (eLLM's uncached ratio, issue 16, ``docs/recompute.md``); in [0, 1), 0 = off. Offered only
+    when the profile also measures ``recompute_ms_per_token``."""
     layerkv: LayerKVParams = field(default_factory=LayerKVParams)
     lvf: LVFParams = field(default_factory=LVFParams)
 
@@ -144,11 +148,21 @@ class Policy:
         _check_range("solve_budget_fraction", self.solve_budget_fraction, 0.0, 10.0, open_lo=True)
         if self.scheduler not in SCHEDULERS:
             raise SchemaError("scheduler", f"{self.scheduler!r} is not one of {SCHEDULERS}")
+        ratio = self.max_recompute_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, int | float):
+            raise SchemaError("max_recompute_ratio", f"expected a number, got {ratio!r}")
+        if not 0.0 <= ratio < 1.0:  # NaN fails too
+            raise SchemaError("max_recompute_ratio", f"{ratio} is out of range (allowed [0.0, 1.0))")
 
     @property
     def plan_policy(self) -> PlanPolicy:
         """The planner's part of the policy."""
-        return PlanPolicy(alpha=self.alpha, window_min=self.window_min, window_max=self.window_max)
+        return PlanPolicy(
+            alpha=self.alpha,
+            window_min=self.window_min,
+            window_max=self.window_max,
+            max_recompute_ratio=self.max_recompute_ratio,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

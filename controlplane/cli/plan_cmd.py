@@ -1,6 +1,14 @@
 """`kvplane plan --batch FILE`: plan placements for one batch or a JSON list of batches.
 
 stdout: one plan object (for one batch) or a list of plans in the same order, as JSON.
+Batch schema: :mod:`controlplane.model.batch`; plan schema: :mod:`controlplane.model.plan`.
+
+Recompute (issue 16, ``docs/recompute.md``): a batch whose ``profile`` has
+``recompute_ms_per_token`` (number or one per layer, ms per recomputed token) and whose
+``policy`` has ``max_recompute_ratio`` in (0, 1) lets the planner leave each request's first
+``u`` blocks uncached and recompute them through layers ``< k``; such plans carry
+``recompute_blocks`` and ``recompute_layers`` (per recomputing request) and ``transient_blocks``.
+Without the two fields the input and output schemas are exactly as before.
 Malformed input exits with code 2 and a message on stderr naming the field (e.g.
 ``requests[1].context_tokens: -3 is out of range (allowed >= 1)``).
 """
@@ -22,7 +30,7 @@ EXIT_BAD_INPUT = 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch", required=True, help="JSON file: one batch object or a list; '-' = stdin")
+    parser.add_argument("--batch", required=True, help="JSON file: one batch object or a list; '-' = stdin. Optional profile.recompute_ms_per_token + policy.max_recompute_ratio in [0, 1) offer the recompute option (docs/recompute.md); plans then carry recompute_blocks, recompute_layers, transient_blocks")
     parser.add_argument("--time-budget-ms", type=float, default=None, help="planning time budget per batch in ms (default: 25%% of the predicted step)")
     parser.add_argument("--victim-rule", choices=VICTIM_RULES, default="largest", help="which request to pause when infeasible")
     parser.add_argument("--current-step", type=int, default=None, help="absolute step now; plans then carry expiry_step")

@@ -13,7 +13,15 @@ from controlplane.model.batch import (
     SchemaError,
 )
 from controlplane.model.plan import Plan
-from controlplane.model.timeline import memory_blocks, step_time_ms
+from controlplane.model.timeline import (
+    fetch_sizes,
+    fetch_timeline_ms,
+    gpu_blocks,
+    memory_blocks,
+    recompute_compute_ms,
+    step_time_ms,
+    transient_blocks,
+)
 
 __all__ = [
     "Batch",
@@ -24,6 +32,11 @@ __all__ = [
     "Profile",
     "RequestSpec",
     "SchemaError",
+    "fetch_sizes",
+    "fetch_timeline_ms",
+    "gpu_blocks",
     "memory_blocks",
+    "recompute_compute_ms",
     "step_time_ms",
+    "transient_blocks",
 ]

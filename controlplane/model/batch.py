@@ -4,9 +4,13 @@ Batch JSON::
 
     {"model": {"layers", "block_size", "block_bytes"},
      "hardware": {"gpu_kv_budget_blocks", "h2d_gbps"},
-     "profile": {"layer_compute_ms": number or list},
+     "profile": {"layer_compute_ms": number or list,
+                 "recompute_ms_per_token": number or list (optional)},
      "requests": [{"id", "context_tokens", "slo_tbt_ms", "deposit_tokens"}],
-     "policy": {"alpha", "window_min", "window_max"}}
+     "policy": {"alpha", "window_min", "window_max", "max_recompute_ratio" (optional)}}
+
+The two optional fields are the recompute option (issue 16, ``docs/recompute.md``): absent (or a
+ratio of 0) means no recompute, exactly the schema and behaviour before it.
 
 Every validation failure raises :class:`SchemaError` naming the field (dotted path), the value
 and the allowed range.
@@ -61,6 +65,16 @@ def _num(value: Any, path: str, lo: float, hi: float | None = None, *, open_lo: 
     return value
 
 
+def _ratio(value: Any, path: str) -> float:
+    """A number in [0, 1)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise SchemaError(path, f"expected a number, got {value!r}")
+    value = float(value)
+    if not 0.0 <= value < 1.0:  # NaN fails too
+        raise SchemaError(path, f"{value} is out of range (allowed [0.0, 1.0))")
+    return value
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Shape of the served model's KV cache."""
@@ -109,24 +123,35 @@ class Hardware:
         )
 
 
+def _per_layer(raw: Any, p: str, layers: int) -> tuple[float, ...]:
+    """A number (every layer) or a list of ``layers`` numbers, each >= 0."""
+    if isinstance(raw, list | tuple):
+        if len(raw) != layers:
+            raise SchemaError(p, f"has {len(raw)} entries, expected model.layers = {layers}")
+        return tuple(_num(v, f"{p}[{i}]", 0.0) for i, v in enumerate(raw))
+    return (_num(raw, p, 0.0),) * layers
+
+
 @dataclass(frozen=True)
 class Profile:
     """Measured per-layer compute time of one decode step."""
 
     layer_compute_ms: tuple[float, ...]
     """Compute time of each layer in ms (length L)."""
+    recompute_ms_per_token: tuple[float, ...] | None = None
+    """Per layer, ms one recomputed prefix token adds to the layer's compute (eLLM §4.2.1 Eq. 2,
+    linear in the tokens; ``docs/recompute.md``). None: the planner never offers recompute."""
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], layers: int, path: str = "profile") -> Profile:
-        raw = _require(d, "layer_compute_ms", path)
-        p = f"{path}.layer_compute_ms"
-        if isinstance(raw, list | tuple):
-            if len(raw) != layers:
-                raise SchemaError(p, f"has {len(raw)} entries, expected model.layers = {layers}")
-            values = tuple(_num(v, f"{p}[{i}]", 0.0) for i, v in enumerate(raw))
-        else:
-            values = (_num(raw, p, 0.0),) * layers
-        return cls(layer_compute_ms=values)
+        values = _per_layer(_require(d, "layer_compute_ms", path), f"{path}.layer_compute_ms", layers)
+        raw = d.get("recompute_ms_per_token")
+        recompute = (
+            None
+            if raw is None
+            else _per_layer(raw, f"{path}.recompute_ms_per_token", layers)
+        )
+        return cls(layer_compute_ms=values, recompute_ms_per_token=recompute)
 
 
 @dataclass(frozen=True)
@@ -169,11 +194,15 @@ class PlanPolicy:
     """Smallest decode window Δ in steps."""
     window_max: int = 64
     """Largest decode window Δ in steps."""
+    max_recompute_ratio: float = 0.0
+    """Largest uncached prefix the planner may choose, as a fraction of a request's blocks:
+    ``u_r <= min(floor(ratio * b_r), b_r - 1)`` (``docs/recompute.md``); in [0, 1), 0 = off."""
 
     def __post_init__(self) -> None:
         _num(self.alpha, "policy.alpha", 0.0)
         _int(self.window_min, "policy.window_min", 1, 1_000_000)
         _int(self.window_max, "policy.window_max", 1, 1_000_000)
+        _ratio(self.max_recompute_ratio, "policy.max_recompute_ratio")
         if self.window_max < self.window_min:
             raise SchemaError(
                 "policy.window_max",
@@ -190,6 +219,10 @@ class PlanPolicy:
             alpha=_num(d.get("alpha", default.alpha), f"{path}.alpha", 0.0),
             window_min=_int(d.get("window_min", default.window_min), f"{path}.window_min", 1, 1_000_000),
             window_max=_int(d.get("window_max", default.window_max), f"{path}.window_max", 1, 1_000_000),
+            max_recompute_ratio=_ratio(
+                d.get("max_recompute_ratio", default.max_recompute_ratio),
+                f"{path}.max_recompute_ratio",
+            ),
         )
 
 
@@ -209,6 +242,12 @@ class Batch:
                 "profile.layer_compute_ms",
                 f"has {len(self.profile.layer_compute_ms)} entries, expected {self.model.layers}",
             )
+        rms = self.profile.recompute_ms_per_token
+        if rms is not None and len(rms) != self.model.layers:
+            raise SchemaError(
+                "profile.recompute_ms_per_token",
+                f"has {len(rms)} entries, expected {self.model.layers}",
+            )
         seen: set[str] = set()
         for i, r in enumerate(self.requests):
             if r.id in seen:
@@ -219,6 +258,12 @@ class Batch:
     def bw_blocks_per_ms(self) -> float:
         """Link bandwidth in blocks per ms: h2d_gbps * 1e9 / 1e3 / block_bytes."""
         return self.hardware.h2d_gbps * 1e9 / 1e3 / self.model.block_bytes
+
+    @property
+    def offers_recompute(self) -> bool:
+        """Whether the planner may choose the recompute option: the profile measures
+        ``recompute_ms_per_token`` and ``policy.max_recompute_ratio > 0``."""
+        return self.profile.recompute_ms_per_token is not None and self.policy.max_recompute_ratio > 0
 
     def blocks(self, extra_tokens: int = 0) -> list[int]:
         """b_r per request, optionally after ``extra_tokens`` more decode steps."""
@@ -252,7 +297,9 @@ class Batch:
         return cls(model, hardware, profile, requests, policy)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        """The JSON form :meth:`from_dict` reads back to an equal batch; the recompute fields
+        appear only when set (a batch without them serialises exactly as before issue 16)."""
+        out: dict[str, Any] = {
             "model": {
                 "layers": self.model.layers,
                 "block_size": self.model.block_size,
@@ -278,3 +325,8 @@ class Batch:
                 "window_max": self.policy.window_max,
             },
         }
+        if self.profile.recompute_ms_per_token is not None:
+            out["profile"]["recompute_ms_per_token"] = list(self.profile.recompute_ms_per_token)
+        if self.policy.max_recompute_ratio:
+            out["policy"]["max_recompute_ratio"] = self.policy.max_recompute_ratio
+        return out

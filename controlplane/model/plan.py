@@ -1,4 +1,13 @@
-"""A placement plan: the planner's answer and the data plane's instruction."""
+"""A placement plan: the planner's answer and the data plane's instruction.
+
+Plan JSON (``kvplane plan`` output)::
+
+    {"feasible", "paused", "placements": {id: [1|0 per layer]}, "predicted_step_ms",
+     "window_steps", "resident_blocks", "staging_blocks", "solver", "solve_ms",
+     "expiry_step" (when the caller gave the current step),
+     "recompute_blocks": {id: u}, "recompute_layers": {id: k}, "transient_blocks"
+     (these three only when some running request recomputes; issue 16, docs/recompute.md)}
+"""
 
 from __future__ import annotations
 
@@ -29,7 +38,8 @@ class Plan:
     resident_blocks: int
     """GPU blocks kept resident at the end of the window."""
     staging_blocks: int
-    """GPU staging blocks (one layer per offloading request) at the end of the window."""
+    """GPU staging blocks at the end of the window: one slot per fetching request, sized to its
+    largest per-layer fetch (``b_r`` without recompute; ``max_l f_r(l)`` with it)."""
     solver: str
     """Which search produced the plan: "exact" when it is proved optimal over the candidate
     space, "trivial" when everything fits on the GPU, otherwise the stage that found it (e.g.
@@ -41,6 +51,15 @@ class Plan:
     """Absolute step at which the plan expires, when the caller gave the current step."""
     extras: dict[str, Any] = field(default_factory=dict)
     """Optional diagnostics (not part of the schema)."""
+    recompute_blocks: dict[str, int] = field(default_factory=dict)
+    """``u_r`` per running request with an uncached prefix (keyed like ``placements``; only
+    requests with ``u_r > 0``): its first ``u_r`` blocks are not cached in any layer."""
+    recompute_layers: dict[str, int] = field(default_factory=dict)
+    """``k_r`` for the same requests: layers ``< k_r`` recompute the prefix every step, layers
+    ``>= k_r`` fetch it from host memory (``k = L`` pure recompute, ``k = 0`` pure fetch)."""
+    transient_blocks: int = 0
+    """GPU blocks for recomputed prefixes, ``sum_r u_r [k_r > 0]`` (one layer each, reused
+    layer after layer); resident + staging + transient fit the budget."""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -56,4 +75,8 @@ class Plan:
         }
         if self.expiry_step is not None:
             out["expiry_step"] = self.expiry_step
+        if self.recompute_blocks:
+            out["recompute_blocks"] = dict(self.recompute_blocks)
+            out["recompute_layers"] = dict(self.recompute_layers)
+            out["transient_blocks"] = self.transient_blocks
         return out

@@ -14,6 +14,13 @@ This corrects OrbitFlow Eq. (1) and Algorithm 1 (§3.3.1): the paper sizes one s
 worst layer and approximates the timeline greedily per layer boundary; here every request has its
 own slot and the timeline is simulated exactly.
 
+**Recompute** (issue 16, ``docs/recompute.md``; eLLM §4.3.1): a request may also carry ``(u, k)``:
+its first ``u`` blocks are not cached on the GPU in any layer; layers ``l < k`` recompute them
+(``u * block_size * recompute_ms_per_token[l]`` ms joins layer ``l``'s compute), layers
+``l >= k`` fetch them with the request's other blocks of that layer. Per layer the request then
+fetches ``f(l) = (0 if x[l] else b - u) + (u if l >= k else 0)`` blocks through its one slot
+(sized ``max_l f(l)``), with the same slot/stream rule. ``u = 0`` is the model above exactly.
+
 Implementation: under processor sharing every in-flight stream receives the same service, so we
 track one "virtual service" counter ``v`` (blocks served to each active stream so far). A transfer
 of ``b`` blocks started at virtual service ``v0`` finishes when ``v`` reaches ``v0 + b``; between
@@ -23,22 +30,95 @@ events ``dv/dt = bw / n``. A heap keyed by finish-virtual-service gives O(log R)
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 
 Placement = Sequence[Sequence[int]]
 """``x[r][l]``: 1 keeps request r's layer l on the GPU, 0 keeps it in host memory."""
 
+Recompute = Sequence[tuple[int, int]]
+"""Per request ``(u_r, k_r)``: recompute blocks (the uncached prefix, ``0 <= u_r <= b_r - 1``) and
+recompute layers (``0 <= k_r <= L``; layers ``< k_r`` recompute the prefix, the rest fetch it)."""
 
-def memory_blocks(placement: Placement, blocks: Sequence[int]) -> tuple[int, int]:
-    """(resident, staging) GPU blocks: ``sum_r b_r*sum_l x[r][l]`` and ``sum_r b_r*[r offloads]``."""
-    resident = 0
-    staging = 0
-    for row, b in zip(placement, blocks, strict=True):
-        on_gpu = sum(1 for x in row if x)
-        resident += b * on_gpu
-        if on_gpu < len(row):
-            staging += b
+Fetches = Sequence[Sequence[tuple[int, int]]]
+"""Per request, its fetches ``(layer, blocks)`` in ascending layer order (``blocks > 0``)."""
+
+
+def fetch_sizes(row: Sequence[int], blocks: int, u: int = 0, k: int = 0) -> list[int]:
+    """``f(l)`` per layer: the cached blocks of an offloaded layer plus the uncached prefix of a
+    layer ``>= k`` (``docs/recompute.md``). ``u = 0`` gives ``b`` at offloaded layers, else 0."""
+    cached = blocks - u
+    return [(0 if x else cached) + (u if u and layer >= k else 0) for layer, x in enumerate(row)]
+
+
+def _check_recompute(recompute: Recompute, blocks: Sequence[int], n_layers: int) -> None:
+    if len(recompute) != len(blocks):
+        raise ValueError(f"recompute has {len(recompute)} entries, blocks has {len(blocks)}")
+    for r, ((u, k), b) in enumerate(zip(recompute, blocks, strict=True)):
+        if not 0 <= u <= max(0, b - 1):
+            raise ValueError(f"recompute[{r}] u={u} is out of range (allowed [0, {max(0, b - 1)}])")
+        if not 0 <= k <= n_layers:
+            raise ValueError(f"recompute[{r}] k={k} is out of range (allowed [0, {n_layers}])")
+
+
+def memory_blocks(
+    placement: Placement, blocks: Sequence[int], recompute: Recompute | None = None
+) -> tuple[int, int]:
+    """(resident, staging) GPU blocks: ``sum_r b_r*sum_l x[r][l]`` and ``sum_r b_r*[r offloads]``.
+
+    With ``recompute`` (``docs/recompute.md``): resident ``sum_r (b_r - u_r) * sum_l x[r][l]``,
+    staging ``sum_r max_l f_r(l)``; the transient blocks are :func:`transient_blocks`.
+    """
+    if recompute is None:
+        resident = 0
+        staging = 0
+        for row, b in zip(placement, blocks, strict=True):
+            on_gpu = sum(1 for x in row if x)
+            resident += b * on_gpu
+            if on_gpu < len(row):
+                staging += b
+        return resident, staging
+    _check_recompute(recompute, blocks, len(placement[0]) if placement else 0)
+    resident = staging = 0
+    for row, b, (u, k) in zip(placement, blocks, recompute, strict=True):
+        resident += (b - u) * sum(1 for x in row if x)
+        staging += max(fetch_sizes(row, b, u, k), default=0)
     return resident, staging
+
+
+def transient_blocks(recompute: Recompute | None) -> int:
+    """Transient GPU blocks of the recomputed prefixes: ``sum_r u_r [k_r > 0]`` (one layer of each
+    recomputed prefix, reused layer after layer; ``docs/recompute.md``)."""
+    return sum(u for u, k in recompute or () if k > 0)
+
+
+def gpu_blocks(
+    placement: Placement, blocks: Sequence[int], recompute: Recompute | None = None
+) -> int:
+    """Every GPU KV block the placement needs: resident + staging + transient (what must fit
+    ``gpu_kv_budget_blocks``)."""
+    return sum(memory_blocks(placement, blocks, recompute)) + transient_blocks(recompute)
+
+
+def recompute_compute_ms(
+    comp_ms: Sequence[float],
+    recompute: Recompute,
+    recompute_ms_per_token: Sequence[float],
+    block_size: int,
+) -> list[float]:
+    """Per layer ``comp[l] + sum_{r: l < k_r} u_r * block_size * recompute_ms_per_token[l]``
+    (eLLM §4.2.1 Eq. 2: linear in the recomputed tokens for the GEMMs that dominate here)."""
+    if len(recompute_ms_per_token) != len(comp_ms):
+        raise ValueError(
+            f"recompute_ms_per_token has {len(recompute_ms_per_token)} layers, expected {len(comp_ms)}"
+        )
+    out = list(comp_ms)
+    for u, k in recompute:
+        if u:
+            tokens = u * block_size
+            for layer in range(min(k, len(out))):
+                out[layer] += tokens * recompute_ms_per_token[layer]
+    return out
 
 
 def step_time_ms(
@@ -46,42 +126,82 @@ def step_time_ms(
     blocks: Sequence[int],
     comp_ms: Sequence[float],
     bw_blocks_per_ms: float,
+    *,
+    recompute: Recompute | None = None,
+    recompute_ms_per_token: Sequence[float] | None = None,
+    block_size: int = 1,
 ) -> float:
     """Exact step time in ms of one decode step under ``placement``.
 
     ``blocks[r]`` is b_r (blocks per layer of request r), ``comp_ms[l]`` the compute time of layer
-    l, ``bw_blocks_per_ms`` the link bandwidth shared by all transfers in flight.
+    l, ``bw_blocks_per_ms`` the link bandwidth shared by all transfers in flight. ``recompute``
+    (per request ``(u, k)``) adds the recompute option; it needs ``recompute_ms_per_token`` (per
+    layer) and ``block_size`` when some request recomputes (``u > 0`` and ``k > 0``).
     """
     n_layers = len(comp_ms)
     if len(placement) != len(blocks):
         raise ValueError(f"placement has {len(placement)} rows, blocks has {len(blocks)}")
-    offloaded: list[list[int]] = []
     for r, row in enumerate(placement):
         if len(row) != n_layers:
             raise ValueError(f"placement[{r}] has {len(row)} layers, expected {n_layers}")
-        offloaded.append([layer for layer in range(n_layers) if not row[layer]])
-    if not any(offloaded):
+    if recompute is None:
+        fetches = [
+            [(layer, b) for layer in range(n_layers) if not row[layer]]
+            for row, b in zip(placement, blocks, strict=True)
+        ]
+        return fetch_timeline_ms(fetches, comp_ms, bw_blocks_per_ms)
+    _check_recompute(recompute, blocks, n_layers)
+    comp = list(comp_ms)
+    if any(u and k for u, k in recompute):
+        if recompute_ms_per_token is None:
+            raise ValueError("recompute_ms_per_token is required when a request recomputes")
+        comp = recompute_compute_ms(comp_ms, recompute, recompute_ms_per_token, block_size)
+    fetches = []
+    for row, b, (u, k) in zip(placement, blocks, recompute, strict=True):
+        sizes = fetch_sizes(row, b, u, k)
+        fetches.append([(layer, f) for layer, f in enumerate(sizes) if f > 0])
+    return fetch_timeline_ms(fetches, comp, bw_blocks_per_ms)
+
+
+def fetch_timeline_ms(
+    fetches: Fetches,
+    comp_ms: Sequence[float],
+    bw_blocks_per_ms: float,
+    *,
+    cutoff: float = math.inf,
+) -> float:
+    """The timeline itself: per request its fetches ``(layer, blocks)`` through one slot and one
+    stream, layers computing ``comp_ms[l]`` ms. ``math.inf`` as soon as the step provably reaches
+    ``cutoff`` (a layer may start no earlier than now, and every later layer still runs)."""
+    n_layers = len(comp_ms)
+    if not any(fetches):
         return float(sum(comp_ms))
     if bw_blocks_per_ms <= 0:
         raise ValueError(f"bw_blocks_per_ms must be > 0, got {bw_blocks_per_ms}")
+    suffix = None
+    if cutoff < math.inf:
+        suffix = [0.0] * (n_layers + 1)
+        for layer in range(n_layers - 1, -1, -1):
+            suffix[layer] = suffix[layer + 1] + comp_ms[layer]
 
     waiting = [0] * n_layers  # unfinished transfers each layer waits for
     slot_users: list[list[int]] = [[] for _ in range(n_layers)]  # requests staging at layer l
-    for r, layers in enumerate(offloaded):
-        for layer in layers:
+    for r, own in enumerate(fetches):
+        for layer, _ in own:
             waiting[layer] += 1
             slot_users[layer].append(r)
 
     heap: list[tuple[float, int, int]] = []  # (finish virtual service, request, layer)
-    next_idx = [0] * len(offloaded)
+    next_idx = [0] * len(fetches)
     v = 0.0  # virtual service per active stream, in blocks
     t = 0.0
 
     def start(r: int) -> None:
-        heapq.heappush(heap, (v + blocks[r], r, offloaded[r][next_idx[r]]))
+        layer, size = fetches[r][next_idx[r]]
+        heapq.heappush(heap, (v + size, r, layer))
 
-    for r, layers in enumerate(offloaded):
-        if layers:
+    for r, own in enumerate(fetches):
+        if own:
             start(r)
 
     for layer in range(n_layers):
@@ -91,6 +211,8 @@ def step_time_ms(
             t += (finish_v - v) * (len(heap) + 1) / bw_blocks_per_ms
             v = finish_v
             waiting[done_layer] -= 1
+        if suffix is not None and t + suffix[layer] >= cutoff:
+            return math.inf
         # Run the layer; transfers keep flowing underneath.
         end = t + comp_ms[layer]
         while heap:
@@ -107,6 +229,6 @@ def step_time_ms(
         # The slots used by this layer are free again: start each owner's next fetch.
         for r in slot_users[layer]:
             next_idx[r] += 1
-            if next_idx[r] < len(offloaded[r]):
+            if next_idx[r] < len(fetches[r]):
                 start(r)
     return t

@@ -18,6 +18,12 @@ For a batch, :meth:`Planner.plan`
    and re-plans, repeatedly (§3.4) — directly, without a search, while a valid lower bound on
    the step time already proves it (:meth:`Planner.step_lower_bound_ms`).
 
+When the batch offers recompute (issue 16, ``docs/recompute.md``: the profile has
+``recompute_ms_per_token`` and ``policy.max_recompute_ratio > 0``), the layout-only procedure
+above runs first and unchanged; :class:`.RecomputeWindows` then spends the time it left on the
+joint layout + ``(u, k)`` search: resuming victims it can fit, larger windows, a faster step.
+Same SLO cap, windows and memory budget; never worse than the layout-only plan of the same call.
+
 See README.md for the budget split and the measured figures.
 
 ``feasible`` in the returned plan: the placements of the running requests fit memory and meet the
@@ -31,17 +37,19 @@ import math
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import structlog
 
 from controlplane.model import Batch, Plan, RequestSpec
-from controlplane.planner.candidates import candidate_set
 from controlplane.planner.evaluator import Evaluator
 from controlplane.planner.mip_search import MipStage
 from controlplane.planner.placement_search import PlacementSearch
-from controlplane.planner.search_result import SearchResult
-from controlplane.planner.slo_cap import late_fraction, max_step_ms
+from controlplane.planner.plan_builder import build_plan
+from controlplane.planner.plan_context import PlanContext
+from controlplane.planner.recompute_grid import RecomputeGrid
+from controlplane.planner.recompute_windows import RecomputeWindows
+from controlplane.planner.slo_cap import largest_window, late_fraction, max_step_ms
+from controlplane.planner.solved import Solved
 
 log = structlog.get_logger(__name__)
 
@@ -70,37 +78,6 @@ PROBE_SHARE = 0.25
 """Share for each probe above the chosen window. A probe that fails runs to its deadline, and
 on small budgets the polish of the chosen window (what the plan's quality depends on) only gets
 what the probes leave, so the probes stay cheap."""
-
-
-@dataclass(frozen=True)
-class _Solved:
-    reqs: tuple[RequestSpec, ...]
-    window: int
-    ev: Evaluator
-    result: SearchResult | None
-    search: PlacementSearch | None = None
-
-    def late_fraction(self) -> float:
-        """The SLO cap's left-hand side at the found step time (:func:`.slo_cap.late_fraction`)."""
-        if self.result is None:
-            return math.inf
-        return late_fraction(self.reqs, self.result.step_ms, self.window)
-
-
-class _Context:
-    """Per-call state of one :meth:`Planner.plan`: deadline, shared caches, the best plan seen."""
-
-    def __init__(self, batch: Batch, deadline: float, clock: Callable[[], float]) -> None:
-        self.batch = batch
-        self.clock = clock
-        self.deadline = deadline
-        self.cands = candidate_set(batch.model.layers)
-        self.chain_cache: dict[int, list[float]] = {}
-        self.solved: dict[tuple[tuple[str, ...], tuple[int, ...]], _Solved] = {}
-        self.searches = 0
-
-    def left_s(self) -> float:
-        return self.deadline - self.clock()
 
 
 class Planner:
@@ -155,38 +132,46 @@ class Planner:
             if time_budget_ms is None
             else time_budget_ms
         )
-        ctx = _Context(batch, t0 + budget_ms / 1e3, self._clock)
+        ctx = PlanContext(batch, t0 + budget_ms / 1e3, self._clock)
+        joint = None if ctx.grid is None else RecomputeWindows(self._solve, exact=self._exact)
         victims = self._victim_order(
             batch, victim_rule, random.Random(seed) if victim_rule == "random" else None
         )
         reqs = tuple(batch.requests)
         paused: list[str] = []
-        by_bound = 0
-        chosen: _Solved | None = None
+        by_bound: list[bool] = []  # per pause: decided by the bound alone (no search)
+        chosen: Solved | None = None
         hint: dict[str, int] = {}
         while reqs:
             # Pause without searching while a valid bound proves that no assignment works.
-            if not self._bound_allows(batch, reqs):
-                by_bound += 1
+            if not self._bound_allows(batch, reqs, layouts_only=True):
+                by_bound.append(True)
             else:
                 chosen = self._best_window(ctx, reqs, hint, optimistic=not paused)
                 if chosen is not None:
                     break
+                by_bound.append(False)
             victim = victims[len(paused)]
             paused.append(victim.id)
             reqs = tuple(r for r in reqs if r.id != victim.id)
-        if chosen is not None and chosen.search is not None and ctx.left_s() > 0:
+        search = None if chosen is None else chosen.search
+        if chosen is not None and search is not None and ctx.left_s() > 0:
             # Polish: the probes stopped at the first plan meeting the SLO cap.
-            result = chosen.search.resume(ctx.deadline)
-            chosen = _Solved(chosen.reqs, chosen.window, chosen.ev, result, chosen.search)
+            result = search.resume(ctx.deadline)
+            chosen = Solved(chosen.reqs, chosen.window, chosen.ev, result, search)
+        if joint is not None and ctx.left_s() > 0:  # recompute, in the time the layouts left
+            chosen, n_paused = joint.improve(
+                ctx, chosen, victims[: len(paused)], lambda rs: self._bound_allows(batch, rs)
+            )
+            del paused[n_paused:], by_bound[n_paused:]
         solve_ms = (self._clock() - t0) * 1e3
         plan = self._to_plan(batch, chosen, paused, solve_ms, current_step)
-        plan.extras.update(searches=ctx.searches, paused_by_bound=by_bound)
+        plan.extras.update(searches=ctx.searches, paused_by_bound=sum(by_bound))
         log.info(
             "plan_solved",
             requests=len(batch.requests),
             paused=len(paused),
-            paused_by_bound=by_bound,
+            paused_by_bound=sum(by_bound),
             searches=ctx.searches,
             window_steps=plan.window_steps,
             predicted_step_ms=round(plan.predicted_step_ms, 4),
@@ -198,20 +183,27 @@ class Planner:
 
     # --- bounds ---------------------------------------------------------------------------
     @staticmethod
-    def step_lower_bound_ms(batch: Batch, reqs: Sequence[RequestSpec], window: int) -> float:
+    def step_lower_bound_ms(
+        batch: Batch, reqs: Sequence[RequestSpec], window: int, *, layouts_only: bool = False
+    ) -> float:
         """A valid lower bound on the step time of *any* memory-feasible assignment of ``reqs``.
 
         Memory (issue 2 §2) forces an offloaded volume ``V = sum_r b_r m_r >= sum_r b_r L - B +
         staging`` with staging at least the smallest ``b_r`` once anything is offloaded. Every
         fetch lands before the last offloaded layer starts and the link moves ``bw`` blocks/ms,
         so ``T >= V / bw + comp[L-1]`` (the last layer always runs after it); and ``T >= sum comp``.
-        Returns ``math.inf`` when even everything offloaded does not fit memory.
+        Returns ``math.inf`` when even everything offloaded does not fit memory. When the batch
+        offers recompute, :meth:`.RecomputeGrid.step_lower_bound_ms` (recomputed block-layers
+        also free memory, at a compute cost); ``layouts_only`` always gives the bound above.
         """
         comp = batch.profile.layer_compute_ms
         total = sum(comp)
         if not reqs:
             return total
         blocks = [r.blocks(batch.model.block_size, window) for r in reqs]
+        grid = None if layouts_only else RecomputeGrid.for_batch(batch)
+        if grid is not None:
+            return grid.step_lower_bound_ms(blocks, comp, batch.hardware.gpu_kv_budget_blocks)
         budget = batch.hardware.gpu_kv_budget_blocks
         if sum(blocks) > budget:
             return math.inf
@@ -221,11 +213,13 @@ class Planner:
         volume = excess + min(blocks)
         return max(total, volume / batch.bw_blocks_per_ms + comp[-1])
 
-    def _bound_allows(self, batch: Batch, reqs: tuple[RequestSpec, ...]) -> bool:
+    def _bound_allows(
+        self, batch: Batch, reqs: tuple[RequestSpec, ...], *, layouts_only: bool = False
+    ) -> bool:
         """False when memory or the SLO cap is provably infeasible for ``reqs`` at ``window_min``
         (feasibility is monotone in the window, so then no window works)."""
         pol = batch.policy
-        t_lb = self.step_lower_bound_ms(batch, reqs, pol.window_min)
+        t_lb = self.step_lower_bound_ms(batch, reqs, pol.window_min, layouts_only=layouts_only)
         if math.isinf(t_lb):
             return False
         return late_fraction(reqs, t_lb, pol.window_min) <= pol.alpha + 1e-12
@@ -233,15 +227,15 @@ class Planner:
     # --- window selection ---------------------------------------------------------------
     def _solve(
         self,
-        ctx: _Context,
+        ctx: PlanContext,
         reqs: tuple[RequestSpec, ...],
         window: int,
         share: float,
         warm: Sequence[tuple[int, ...]] = (),
         *,
         local_first: bool = True,
-        source: _Solved | None = None,
-    ) -> _Solved:
+        source: Solved | None = None,
+    ) -> Solved:
         """Search at ``window`` for at most ``share`` of the remaining budget.
 
         The search stops early once its step time meets the SLO cap at this window (a
@@ -253,7 +247,7 @@ class Planner:
         key = (tuple(r.id for r in reqs), blocks)
         prev = ctx.solved.get(key)
         if prev is not None:
-            return _Solved(reqs, window, prev.ev, prev.result, prev.search)
+            return Solved(reqs, window, prev.ev, prev.result, prev.search)
         now = ctx.clock()
         deadline = now + max(0.0, ctx.deadline - now) * share
         ev = Evaluator(
@@ -278,46 +272,29 @@ class Planner:
         result = search.run(
             warm, mip=self._mip, exact=self._exact, local_first=local_first, skip=skip
         )
-        solved = _Solved(reqs, window, ev, result, search)
+        solved = Solved(reqs, window, ev, result, search)
         ctx.solved[key] = solved
         return solved
 
-    def _ok(self, solved: _Solved, alpha: float) -> bool:
-        return solved.result is not None and solved.late_fraction() <= alpha + 1e-12
+    def _ok(self, solved: Solved, alpha: float) -> bool:
+        return solved.ok(alpha)
 
     @staticmethod
-    def _remember(solved: _Solved, hint: dict[str, int]) -> None:
+    def _remember(solved: Solved, hint: dict[str, int]) -> None:
         """Keep each request's layout as a warm start for re-planning after a pause."""
         if solved.result is not None:
             hint.update((r.id, c) for r, c in zip(solved.reqs, solved.result.assign, strict=True))
 
-    @staticmethod
-    def _largest_window(
-        reqs: tuple[RequestSpec, ...], step_ms: float, alpha: float, lo: int, hi: int
-    ) -> int | None:
-        """Largest Δ in [lo, hi] whose late fraction at step time ``step_ms`` is within alpha.
-
-        The late fraction depends on Δ only through ``deposit_r / Δ`` and grows with Δ (a
-        fixed deposit is spread over more steps).
-        """
-        if lo > hi or late_fraction(reqs, step_ms, lo) > alpha + 1e-12:
-            return None
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if late_fraction(reqs, step_ms, mid) <= alpha + 1e-12:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+    _largest_window = staticmethod(largest_window)
 
     def _best_window(
         self,
-        ctx: _Context,
+        ctx: PlanContext,
         reqs: tuple[RequestSpec, ...],
         hint: dict[str, int],
         *,
         optimistic: bool,
-    ) -> _Solved | None:
+    ) -> Solved | None:
         """The plan at the largest feasible window, or None when even ``window_min`` fails.
 
         At most four searches (OrbitFlow §3.3.1 window, computed analytically):
@@ -337,7 +314,7 @@ class Planner:
             [tuple(hint[r.id] for r in reqs)] if all(r.id in hint for r in reqs) else []
         )
         start = pol.window_min
-        top: _Solved | None = None
+        top: Solved | None = None
         if optimistic:
             top = self._solve(ctx, reqs, pol.window_max, FIRST_SHARE, warm, local_first=False)
             self._remember(top, hint)
@@ -387,7 +364,7 @@ class Planner:
         return best
 
     @staticmethod
-    def _assigns(solved: _Solved, more: Sequence[tuple[int, ...]] = ()) -> list[tuple[int, ...]]:
+    def _assigns(solved: Solved, more: Sequence[tuple[int, ...]] = ()) -> list[tuple[int, ...]]:
         out = [] if solved.result is None else [solved.result.assign]
         if solved.search is not None:
             out += [a for _, a in solved.search.runners_up if a not in out]
@@ -435,45 +412,19 @@ class Planner:
     @staticmethod
     def _to_plan(
         batch: Batch,
-        chosen: _Solved | None,
+        chosen: Solved | None,
         paused: list[str],
         solve_ms: float,
         current_step: int | None,
     ) -> Plan:
-        window = chosen.window if chosen is not None else batch.policy.window_min
-        expiry = None if current_step is None else current_step + window
-        if chosen is None or chosen.result is None:
-            return Plan(
-                feasible=not batch.requests,
-                paused=tuple(paused),
-                placements={},
-                predicted_step_ms=0.0,
-                window_steps=window,
-                resident_blocks=0,
-                staging_blocks=0,
-                solver="empty" if not batch.requests else "all-paused",
-                solve_ms=solve_ms,
-                expiry_step=expiry,
-                extras={"late_fraction": 0.0, "optimal": True},
-            )
-        res, ev = chosen.result, chosen.ev
-        rows = ev.cands.rows
-        resident, staging = ev.split_memory(res.assign)
-        return Plan(
-            feasible=True,
-            paused=tuple(paused),
-            placements={r.id: rows[c] for r, c in zip(chosen.reqs, res.assign, strict=True)},
-            predicted_step_ms=res.step_ms,
-            window_steps=window,
-            resident_blocks=resident,
-            staging_blocks=staging,
-            solver=res.solver,
+        return build_plan(
+            batch,
+            reqs=chosen.reqs if chosen is not None else (),
+            window=chosen.window if chosen is not None else batch.policy.window_min,
+            result=chosen.result if chosen is not None else None,
+            ev=chosen.ev if chosen is not None else None,
+            late_fraction=chosen.late_fraction() if chosen is not None else 0.0,
+            paused=paused,
             solve_ms=solve_ms,
-            expiry_step=expiry,
-            extras={
-                "late_fraction": chosen.late_fraction(),
-                "optimal": res.optimal,
-                "evaluations": res.evaluations,
-                "layouts": [ev.cands.labels[c] for c in res.assign],
-            },
+            current_step=current_step,
         )

@@ -23,3 +23,7 @@ class SearchResult:
     """True when ``assign`` is proved optimal over the candidate space."""
     evaluations: int
     """Exact-model evaluations spent."""
+    recompute: tuple[tuple[int, int], ...] | None = None
+    """Per request ``(u, k)`` when some request recomputes (:class:`.RecomputeSearch`, issue 16;
+    ``docs/recompute.md``), else None. With it, ``solver`` may also be "recompute" or
+    "recompute+local" and ``optimal`` means optimal over the joint (layout x recompute) space."""

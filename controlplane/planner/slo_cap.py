@@ -62,3 +62,22 @@ def late_fraction(reqs: Sequence[RequestSpec], step_ms: float, window: int) -> f
     one token per late step and over-credited the deposit by the factor ``T / slo_r``.)
     """
     return sum(max(0.0, 1.0 - covered_step_ms(r, window) / step_ms) for r in reqs)
+
+
+def largest_window(
+    reqs: Sequence[RequestSpec], step_ms: float, alpha: float, lo: int, hi: int
+) -> int | None:
+    """Largest Δ in [lo, hi] whose late fraction at step time ``step_ms`` is within alpha.
+
+    The late fraction depends on Δ only through ``deposit_r / Δ`` and grows with Δ (a fixed
+    deposit is spread over more steps).
+    """
+    if lo > hi or late_fraction(reqs, step_ms, lo) > alpha + 1e-12:
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if late_fraction(reqs, step_ms, mid) <= alpha + 1e-12:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -26,6 +26,7 @@ _POLICY_SCALARS = (
     "max_paused_steps",
     "solve_budget_fraction",
     "scheduler",
+    "max_recompute_ratio",
 )
 # Derived from the dataclasses so that the wire format cannot silently drift from the policy
 # (tests/service/test_convert.py checks every field round-trips).

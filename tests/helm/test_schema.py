@@ -159,14 +159,18 @@ def _merge(items: list[dict[str, Any]]) -> dict[str, Any]:
 def _edges(spec: dict[str, Any]) -> tuple[float, float, float, float]:
     """(lowest allowed, highest allowed, just below, just above) for a numeric schema."""
     integer = spec["type"] == "integer"
-    hi = spec["maximum"]
+    if "exclusiveMaximum" in spec:
+        hi_bad = spec["exclusiveMaximum"]
+        hi = hi_bad - (1 if integer else 1e-6)
+    else:
+        hi = spec["maximum"]
+        hi_bad = hi + (1 if integer else max(abs(hi) * 1e-6, 1e-6))
     if "exclusiveMinimum" in spec:
         lo_bad = spec["exclusiveMinimum"]
         lo = lo_bad + (1 if integer else 1e-6)
     else:
         lo = spec["minimum"]
         lo_bad = lo - (1 if integer else max(abs(lo) * 1e-6, 1e-6))
-    hi_bad = hi + (1 if integer else max(abs(hi) * 1e-6, 1e-6))
     return lo, hi, lo_bad, hi_bad
 
 

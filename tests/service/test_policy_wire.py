@@ -34,6 +34,7 @@ def _non_default_policy() -> Policy:
         max_paused_steps=321,
         solve_budget_fraction=0.5,
         scheduler="lvf",
+        max_recompute_ratio=0.25,
         layerkv=layerkv,
         lvf=lvf,
     )
