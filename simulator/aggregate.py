@@ -14,14 +14,14 @@ METRICS = (
     "tbt_p99_ms", "ttft_p99_ms", "throughput_req_per_min", "slo_goodput_req_per_min",
     "slo_ok", "rejected", "kv_util_mean", "pauses", "forced_fallbacks",
     "solver_calls_per_request", "solver_time_share", "solver_step_share", "solver_charged_ms",
-    "ttft_mean_ms",
+    "ttft_mean_ms", "throughput_tok_per_s", "preemptions",
 )
 """Metrics aggregated (others are taken from the first seed)."""
 
 
 def group_keys(rows: list[Row]) -> list[str]:
     """The tags that identify a point (the seed is what is aggregated over)."""
-    return [k for k in ("slo_scale", "rate_per_min", "rate_per_s", "workload")
+    return [k for k in ("slo_scale", "rate_per_min", "rate_per_s", "workload", "relative_load")
             if any(k in r for r in rows)]
 
 

@@ -22,7 +22,9 @@ Mechanisms (all enforced here, whatever the policy asks):
   running request's promotion is deferred; a paused request holds no batch slot unless the
   policy says so (``paused_hold_slot``), and a resume into a full batch is refused (counted);
 * preemption: recompute (KV dropped, re-prefilled over prompt + generated tokens) or swap (all
-  KV to host and back; serialised unless the policy overlaps swaps, as SuperInfer's DuplexKV);
+  KV to host and back; serialised unless the policy overlaps swaps, as SuperInfer's DuplexKV;
+  a policy with ``swap_out_ms(r)`` / ``swap_in_ms(r)`` prices the two transfers itself, as the
+  HCache-like restoration does);
 * token deposit (OrbitFlow §3.2) via the control plane's :class:`TokenDeposit` when the policy
   uses it: tokens are delivered at the SLO rate; metrics use delivery times;
 * solver time: the policy's planning time is charged to the step only for the part that does not
@@ -138,8 +140,8 @@ class Engine(EngineMemory):
             r = by_id.get(rid)
             if r is None or r.state != RUNNING:
                 continue
-            moved = self._held(r)
-            cost = moved / d2h
+            out_ms = getattr(self.policy, "swap_out_ms", None)  # e.g. HCache's own cost
+            cost = out_ms(r) if out_ms is not None else self._held(r) / d2h
             if self.policy.overlap_swaps:
                 overlap_ms += cost
             else:
@@ -169,7 +171,8 @@ class Engine(EngineMemory):
                     _, missing = self._evict_paused(need - free)
                     if missing > 0:
                         continue
-                cost = need / h2d
+                in_ms = getattr(self.policy, "swap_in_ms", None)
+                cost = in_ms(r) if in_ms is not None else need / h2d
                 if self.policy.overlap_swaps:
                     overlap_ms += cost
                 else:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from simulator import ellm_experiment
 from simulator.aggregate import aggregate, fmt_spread, group_keys
 from simulator.experiments import AUTHORS_BASELINES, EXPERIMENTS, OF_BASELINES, VANILLA
 from simulator.runner import RunSpec, run_many, spec_key
@@ -200,6 +201,9 @@ POINT_EXPERIMENTS = ("orbitflow-fig8a", "orbitflow-fig14a", "orbitflow-fig14c", 
 
 # ---- plots ------------------------------------------------------------------------------------
 def _plot(name: str, rows: list[Row], path: Path) -> None:
+    if name == "ellm-throughput":
+        ellm_experiment.plot(rows, path)
+        return
     import matplotlib
 
     matplotlib.use("Agg")
@@ -267,6 +271,10 @@ def _plot(name: str, rows: list[Row], path: Path) -> None:
 def _write(name: str, raw: list[Row], out_dir: Path, meta: Row) -> Path:
     exp = EXPERIMENTS[name]
     d = out_dir / name
+    if name == "recompute-vs-fetch":  # computed from the presets, no runs
+        from simulator.crossover import write
+
+        return write(d)
     d.mkdir(parents=True, exist_ok=True)
     (d / "results.json").write_text(json.dumps({"meta": meta, "runs": raw}, indent=1))
     agg = aggregate(raw)
@@ -279,11 +287,14 @@ def _write(name: str, raw: list[Row], out_dir: Path, meta: Row) -> Path:
                 ("t", "TBT %", lambda r: _num(100 * r["solver_step_share"], 2)),
                 ("m", "charged ms", lambda r: _num(r["solver_charged_ms"], 1)),
                 ("a", "TBT att.", lambda r: _pct(r["tbt_attainment"]))]
+    if name == "ellm-throughput":
+        cols = ellm_experiment.COLUMNS
     checks: list[str] = {
         "orbitflow-fig8a": _fig8a_checks,
         "orbitflow-fig14a": _fig14a_checks,
         "orbitflow-fig14c": _fig14c_checks,
         "kvplane-combined": _kvplane_checks,
+        "ellm-throughput": ellm_experiment.checks,
     }.get(name, lambda agg, raw: [])(agg, raw)
     if name == "layerkv-ttft":
         checks = (_ratio_checks(agg, "rate_per_s", "layerkv", "no-offload", "ttft_mean_ms")

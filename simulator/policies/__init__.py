@@ -15,10 +15,13 @@ from simulator.engine import SimPolicy
 def _registry() -> dict[str, Callable[[], SimPolicy]]:
     from simulator.policies.authors import AuthorsUniformPolicy
     from simulator.policies.ellm import EllmPolicy
+    from simulator.policies.hcache import HCachePolicy
     from simulator.policies.layerkv import LayerKVPolicy
     from simulator.policies.lvf import LvfPolicy
     from simulator.policies.no_offload import NoOffloadPolicy
     from simulator.policies.uniform import UniformPolicy
+    from simulator.policies.vllm_recompute import VllmRecomputePolicy
+    from simulator.policies.vllm_swap import VllmSwapPolicy
 
     reg: dict[str, Callable[[], SimPolicy]] = {
         m: (lambda m=m: UniformPolicy(m)) for m in UniformPolicy.MODES
@@ -27,6 +30,9 @@ def _registry() -> dict[str, Callable[[], SimPolicy]]:
     reg["no-offload"] = lambda: NoOffloadPolicy("recompute")
     reg["no-offload-swap"] = lambda: NoOffloadPolicy("swap")
     reg["ellm"] = EllmPolicy
+    reg["vllm-recompute"] = VllmRecomputePolicy
+    reg["vllm-swap"] = VllmSwapPolicy
+    reg["hcache"] = HCachePolicy
     reg["layerkv"] = LayerKVPolicy
     reg["lvf"] = LvfPolicy
     try:
