@@ -82,6 +82,14 @@ class LayeredKVArgs:
     """A ``kvplane profile`` file (:class:`~sglang_ext.dataplane.profile_schema.DeviceProfile`:
     per-layer compute, H2D/D2H GB/s) that seeds the controller's profile; must exist and parse.
     None: the controller starts from defaults and learns from the first steps."""
+    kv_recompute_ratio: float = 0.0
+    """eLLM's uncached ratio forced on every request (``docs/recompute.md``), in [0, 1): a
+    decoding request keeps the first ``floor(r * prompt / page_size)`` pages off the device and
+    recomputes them each decode step; 0 (the default) recomputes nothing. A request's
+    ``custom_params.kvplane_recompute_ratio`` overrides it."""
+    kv_recompute_layers: int | None = None
+    """Layers recomputed under ``kv_recompute_ratio`` (the prefix is fetched above), >= 0;
+    None: all (pure recompute)."""
     kv_policy_listen: str | None = None
     """``HOST:PORT`` on which TP rank 0's scheduler serves the embedded control plane's
     ``kvplane.v1.PolicyService`` (get / update / watch the live policy); None: not served.
@@ -149,6 +157,12 @@ class LayeredKVArgs:
             raise ValueError(
                 f"--kv-report-interval={every!r} is out of range [1, {MAX_REPORT_INTERVAL}] (steps)"
             )
+        ratio = self.kv_recompute_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 <= ratio < 1:
+            raise ValueError(f"--kv-recompute-ratio={ratio!r} is out of range [0, 1)")
+        rl = self.kv_recompute_layers
+        if rl is not None and (isinstance(rl, bool) or not isinstance(rl, int) or rl < 0):
+            raise ValueError(f"--kv-recompute-layers={rl!r} is out of range [0, model layers]")
         if self.kv_profile is not None:
             self._check_profile(self.kv_profile)
         if (self.kv_tls_cert is None) != (self.kv_tls_key is None):
@@ -330,6 +344,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> bool:
         default=None,
         help="`kvplane profile` file (per-layer compute, H2D/D2H GB/s) seeding the controller's "
         "profile (default: learnt from the first steps).",
+    )
+    group.add_argument(
+        "--kv-recompute-ratio",
+        type=float,
+        default=_DEFAULTS.kv_recompute_ratio,
+        help="eLLM uncached ratio forced on every request, [0, 1): the first r x prompt tokens "
+        "are recomputed each decode step instead of cached (default 0: none).",
+    )
+    group.add_argument(
+        "--kv-recompute-layers",
+        type=int,
+        default=None,
+        help="Layers recomputed under --kv-recompute-ratio, the prefix fetched above (default: all).",
     )
     group.add_argument(
         "--kv-policy-listen",

@@ -38,6 +38,7 @@ import torch
 
 from sglang_ext.compat import SDPA_REQ_POOL_INDICES_ARG, TorchNativeAttnBackend
 from sglang_ext.layered_pool import LayeredTokenToKVPool
+from sglang_ext.recompute_forward import RecomputeForward
 
 
 def _request_slots(req_to_token: torch.Tensor, rows: list[int], lens: list[int]) -> list[torch.Tensor]:
@@ -141,7 +142,16 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         """A :class:`~sglang_ext.layer_timing.LayerTimer` set by the scheduler hooks (rank 0)."""
         self.last_delta = None
         self._last_batch: tuple[list[str], list[int]] | None = None
+        self.recompute_inputs: dict[str, tuple[int, int, torch.Tensor]] = {}
+        """This step's recompute requests, rid -> (uncached pages u, recomputed layers k, prefix
+        ids), set by :class:`~sglang_ext.recompute_requests.RecomputeRequests` (decode steps)."""
+        self.recompute = RecomputeForward()
+        self.recompute_ok = self.recompute_supported and self.recompute.wrap_logits(model_runner.model)
+        """The model's decode forward can carry recompute rows (``docs/recompute.md``)."""
         """Request ids and sequence lengths of the previous forward (for :meth:`_steady_decode`)."""
+
+    recompute_supported = True
+    """This backend's decode runs recompute rows (the torch-native SDPA path)."""
 
     steady_decode_fast_path = True
     """Steady decode steps skip re-reading every request's slots (:meth:`_steady_decode`)."""
@@ -161,7 +171,8 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         """kvplane's part of the step's metadata: residency for this batch, and how to read it.
         True when the steady decode fast path served it."""
         self.token_to_kv_pool._layer = None
-        if self._steady_decode(forward_batch):
+        self.recompute.clear()
+        if not self.recompute_inputs and self._steady_decode(forward_batch):
             return True
         req_to_token = self.real_req_to_token_pool.req_to_token
         rows = forward_batch.req_pool_indices
@@ -176,9 +187,16 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         new_counts = None
         if forward_batch.forward_mode.is_extend() and forward_batch.extend_seq_lens_cpu is not None:
             new_counts = [int(x) for x in forward_batch.extend_seq_lens_cpu]
+        inputs = self.recompute_inputs
+        spec = None
+        if inputs and self.recompute_ok and forward_batch.forward_mode.is_decode():
+            spec = self._recompute_spec(rids, lens, inputs)
         self.last_delta = self.pool.prepare_step(
-            list(zip(rids, per_req, strict=True)), forward_batch.out_cache_loc, new_counts
+            list(zip(rids, per_req, strict=True)), forward_batch.out_cache_loc, new_counts, spec
         )
+        tables = self.pool.tables
+        if spec is not None and tables is not None and not self.pool.overflow and tables.recompute is not None:
+            self.recompute.augment(forward_batch, rids, inputs, tables.recompute)
         self.batch_rids, self.batch_request_slots = list(rids), per_req
         self.in_place = self.pool.store.identity
         if not self.in_place and self.compact_rows.numel() != bs:
@@ -221,9 +239,26 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):  # noqa: ANN001, ANN201
         self._begin_layer(layer.layer_id)
-        out = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        rec = self.recompute
+        if rec.rows is None:
+            out = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        else:  # the prefix rows first (their K/V are read by the decode rows), docs/recompute.md
+            index, bs = layer.layer_id - self.pool.start_layer, rec.batch
+            rec.write(self.pool.core, index, k, v, layer)
+            out = super().forward_decode(q, k[:bs], v[:bs], layer, forward_batch, save_kv_cache)
+            rec.attend(index, q, k, v, out, layer)
         self._end_layer(layer.layer_id)
         return out
+
+    def _recompute_spec(self, rids: list[str | None], lens: list[int], inputs: dict) -> np.ndarray | None:
+        """``(u, k)`` per batch row (u below the row's page count), or None when nobody recomputes."""
+        ps = self.pool.page_size
+        spec = np.zeros((len(rids), 2), dtype=np.int64)
+        for i, rid in enumerate(rids):
+            got = inputs.get(rid) if rid is not None else None
+            if got is not None:
+                spec[i] = (min(got[0], -(-lens[i] // ps) - 1), got[1])
+        return spec if spec[:, 0].any() else None
 
     def _build_compact_table(self, lens: list[int]) -> None:
         """Overflow steps: row i = positions of request i's tokens in ``batch_slots`` (0-padded)."""

@@ -23,6 +23,9 @@ class LayeredPagedDecode(LayeredTorchNativeAttnBackend):
     """Decode over the step's per-layer page tables (see module docstring)."""
 
     steady_decode_fast_path = False
+    recompute_supported = False
+    """Recompute rows need the torch-native path (``docs/recompute.md``: not yet on the paged
+    FlashInfer / Triton decode); requests asking for it are served without (exactly)."""
 
     def __init__(self, model_runner: Any) -> None:
         super().__init__(model_runner)

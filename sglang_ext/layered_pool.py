@@ -252,11 +252,18 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
             "time_s": time.monotonic(),
             "batch_size": batch_size,
             "new_tokens": new_tokens,
+            "recompute_tokens": self._recompute_tokens(),
             **self.residency_stats().to_dict(),
             "delta": {name: getattr(delta, name) for name in delta.__dataclass_fields__},
         }
         self._stats_file.write(json.dumps(line) + "\n")
         self._stats_file.flush()
+
+    def _recompute_tokens(self) -> int:
+        """Prefix tokens the current forward recomputes (eLLM, ``docs/recompute.md``)."""
+        tables = self.core.tables
+        rec = None if tables is None or self.core.overflow else tables.recompute
+        return 0 if rec is None else rec.m
 
     # ----- data path ---------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from typing import Any
 
 from sglang_ext import compat
 from sglang_ext.placement_param import placement_param_error
+from sglang_ext.recompute_param import recompute_param_error
 
 SLO_PARAM = "kvplane_slo_tbt_ms"
 """Key in a request's ``custom_params`` overriding its TBT SLO (ms)."""
@@ -68,6 +69,8 @@ def sampling_params_error(sampling_params: Any) -> str | None:
             return str(exc)
         if isinstance(item, dict) and (opt_in := placement_param_error(item.get("custom_params"))):
             return opt_in  # custom_params.kvplane_return_placement (sglang_ext/placement_param.py)
+        if isinstance(item, dict) and (forced := recompute_param_error(item.get("custom_params"))):
+            return forced  # custom_params.kvplane_recompute_* (sglang_ext/recompute_param.py)
     return None
 
 

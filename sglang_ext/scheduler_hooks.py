@@ -57,6 +57,7 @@ from sglang_ext.decision_inbox import DecisionInbox
 from sglang_ext.layer_timing import LayerTimer
 from sglang_ext.pause import PauseManager
 from sglang_ext.policy_endpoint import PolicyEndpoint
+from sglang_ext.recompute_requests import RecomputeRequests
 from sglang_ext.request_placement import RequestPlacement
 from sglang_ext.step_boundary import StepBoundary
 from sglang_ext.step_reporter import StepReporter
@@ -116,6 +117,10 @@ class SchedulerHooks:
         tree_cache = getattr(scheduler, "tree_cache", None)
         if hasattr(tree_cache, "overhead_meter"):  # so does the layered radix cache (allocation wrappers)
             tree_cache.overhead_meter = self.meter
+        self.recompute = RecomputeRequests(layers=self.layers, page_size=self.page_size,
+                                           installer=self.installer, backend=backend,
+                                           default_ratio=args.kv_recompute_ratio,
+                                           default_layers=args.kv_recompute_layers)
         self.metrics = WorkerMetrics.for_scheduler(
             scheduler, layers=self.layers, page_size=self.page_size, source=self.tp.is_source,
             registry=ctx.metrics_registry,
@@ -338,6 +343,7 @@ def _around_next_batch(original: Any, scheduler: Any, *args: Any, **kwargs: Any)
     finally:
         hooks.admission.restore(scheduler, held)
     t2 = time.perf_counter()
+    hooks.recompute.prepare(plan)
     hooks.boundary.after_schedule(plan, hooks.step)
     if hooks.placement is not None and hooks.placement.active:
         hooks.placement.installed()

@@ -129,11 +129,14 @@ class PlacementInstaller:
     """Admitted prefills not yet in a plan: their lowest ``min_gpu_layers`` layers on the GPU."""
     last_wants: dict[str, Any] = field(default_factory=dict)
     """The wants of the last install (also kept without a layered pool, for telemetry)."""
+    uncached: dict[str, int] = field(default_factory=dict)
+    """Running requests' uncached prefix pages (eLLM, ``docs/recompute.md``; set by
+    :class:`~sglang_ext.recompute_requests.RecomputeRequests`)."""
     installs: int = 0
     """update_residency calls made."""
     skipped: int = 0
     """Boundaries where the wants' policy was unchanged, so nothing was installed."""
-    _installed: dict[str, tuple[tuple[bool, ...], bool]] | None = None
+    _installed: dict[str, tuple[tuple[bool, ...], bool, int]] | None = None
     _epoch: int = 0
     """Bumped whenever the placements or the installed policy change."""
     _installed_key: tuple[int, tuple[str, ...], tuple[str, ...]] | None = None
@@ -189,16 +192,29 @@ class PlacementInstaller:
         """Residency wants: running requests per the plan, paused ones removable."""
         cls = _residency_cls(self.pool if self.layered else None)
         out: dict[str, Any] = {}
+        uncached = self.uncached
         for rid, pages in running.items():
-            out[rid] = cls(pages=tuple(pages), gpu_layers=self.gpu_layers(rid), paused=False)
+            u = min(uncached.get(rid, 0), max(len(pages) - 1, 0))
+            out[rid] = cls(pages=tuple(pages), gpu_layers=self.gpu_layers(rid), paused=False, uncached_pages=u) \
+                if u else cls(pages=tuple(pages), gpu_layers=self.gpu_layers(rid), paused=False)
         for rid, pages in paused.items():
             out[rid] = cls(pages=tuple(pages), gpu_layers=(False,) * self.layers, paused=True)
         return out
 
-    def _policy(self, running: Iterable[str], paused: Iterable[str]) -> dict[str, tuple[tuple[bool, ...], bool]]:
-        out = {rid: (self.gpu_layers(rid), False) for rid in running}
-        out.update({rid: ((False,) * self.layers, True) for rid in paused})
+    def _policy(self, running: Iterable[str], paused: Iterable[str]) -> dict[str, tuple[tuple[bool, ...], bool, int]]:
+        uncached = self.uncached
+        out = {rid: (self.gpu_layers(rid), False, uncached.get(rid, 0)) for rid in running}
+        out.update({rid: ((False,) * self.layers, True, 0) for rid in paused})
         return out
+
+    def set_uncached(self, rid: str, pages: int) -> None:
+        """``rid``'s uncached prefix (0: none); a change is installed at this step's boundary."""
+        if self.uncached.get(rid, 0) != pages:
+            if pages:
+                self.uncached[rid] = pages
+            else:
+                self.uncached.pop(rid, None)
+            self._epoch += 1
 
     def unchanged(self, running: Iterable[str], paused: Iterable[str]) -> bool:
         """Whether the last install already holds these requests with the same layers and pause
@@ -232,6 +248,7 @@ class PlacementInstaller:
 
     def release(self, rid: str) -> None:
         self._bool_rows.pop(rid, None)
+        self.uncached.pop(rid, None)
         self.placements.pop(rid, None)
         self.prefill_placements.pop(rid, None)
         self.last_wants.pop(rid, None)

@@ -222,14 +222,30 @@ TORCH_NATIVE_FORWARD_DECODE = Target(
 )
 RADIX_ATTENTION = Target(
     f"{_SRT}.layers.radix_attention.RadixAttention",
-    attrs=("layer_id", "is_cross_attention", "tp_q_head_num", "qk_head_dim", "v_head_dim", "scaling"),
-    used_by=("layered_attention", "layered_pool"),
+    attrs=("layer_id", "is_cross_attention", "tp_q_head_num", "tp_k_head_num", "qk_head_dim", "v_head_dim",
+           "scaling"),
+    used_by=("layered_attention", "layered_pool", "recompute_forward"),
 )
 FORWARD_BATCH = Target(
     f"{_SRT}.model_executor.forward_batch_info.ForwardBatch",
-    attrs=("forward_mode", "req_pool_indices", "seq_lens", "seq_lens_cpu", "rids", "out_cache_loc"),
-    used_by=("layered_attention",),
+    attrs=("forward_mode", "req_pool_indices", "seq_lens", "seq_lens_cpu", "rids", "out_cache_loc",
+           "input_ids", "positions"),
+    used_by=("layered_attention", "recompute_forward"),
 )
+EAGER_EXECUTE_DECODE = Target(
+    f"{_SRT}.model_executor.runner.eager_runner.EagerRunner._execute_decode",
+    params=("self", "forward_batch"),
+    used_by=("recompute_forward",),
+)
+"""Calls ``attn_backend.init_forward_metadata(forward_batch)`` before the model reads
+``forward_batch.input_ids`` / ``positions``: the recompute rows are appended there."""
+LOGITS_PROCESSOR = Target(
+    f"{_SRT}.layers.logits_processor.LogitsProcessor.forward",
+    params=("self", "input_ids", "hidden_states"),
+    used_by=("recompute_forward",),
+)
+"""A model's ``logits_processor`` (an instance attribute of the CausalLM) is wrapped to see only
+the decode rows of a recompute step."""
 FORWARD_MODE = Target(f"{_SRT}.model_executor.forward_batch_info.ForwardMode", attrs=("is_decode", "is_extend"),
                       used_by=("scheduler_hooks", "layered_attention"))
 MODEL_RUNNER = Target(f"{_SRT}.model_executor.model_runner.ModelRunner",

@@ -49,9 +49,12 @@ def test_full_flag_set_parses(tmp_path):
         "--kv-tls-key", str(files["key"]),
         "--kv-policy-token-file", str(files["tok"]),
         "--kv-report-interval", "1",
+        "--kv-recompute-ratio", "0.25",
+        "--kv-recompute-layers", "2",
     )
     assert args.enable_layered_kv and args.kv_host_pool_gb == 2.5 and not args.pacing
     assert args.kv_report_interval == 1
+    assert (args.kv_recompute_ratio, args.kv_recompute_layers) == (0.25, 2)
     assert (args.control_plane_host, args.control_plane_port) == ("cp.example", 50051)
 
 
@@ -67,6 +70,9 @@ def test_full_flag_set_parses(tmp_path):
         (["--kv-policy", "/nonexistent/policy.yaml"], "--kv-policy='/nonexistent/policy.yaml': no such file"),
         (["--kv-report-interval", "0"], "--kv-report-interval=0 is out of range [1, 1024] (steps)"),
         (["--kv-report-interval", "5000"], "--kv-report-interval=5000 is out of range [1, 1024]"),
+        (["--kv-recompute-ratio", "1"], "--kv-recompute-ratio=1.0 is out of range [0, 1)"),
+        (["--kv-recompute-ratio", "-0.1"], "--kv-recompute-ratio=-0.1 is out of range [0, 1)"),
+        (["--kv-recompute-layers", "-2"], "--kv-recompute-layers=-2 is out of range [0, model layers]"),
     ],
 )
 def test_bad_values_name_the_flag_and_range(argv, message):

@@ -6,6 +6,11 @@ that after layer ``KVPLANE_TEST_CORRUPT_LAYER``'s write-back of staged new token
 memory, the host copy of the first page it wrote is perturbed (K += 0.5). The next step fetches
 that corrupted page into staging, so the served attention reads wrong KV for one offloaded
 layer-page -- what a lost or misplaced write-back would do.
+
+With ``KVPLANE_TEST_CORRUPT_RECOMPUTE_FILE=PATH``, while ``PATH`` exists the recomputed prefix
+K/V (``LayeredKVCore.write_recompute``) is perturbed (K += 0.5) on its way into the transient
+pages -- what a wrong recomputation would do (the recompute server's negative control toggles
+it per request by creating the file).
 """
 
 from __future__ import annotations
@@ -16,6 +21,19 @@ import os
 import sys
 
 TARGET = "sglang_ext.dataplane.layer_pipeline"
+RECOMPUTE_TARGET = "sglang_ext.dataplane.layered_kv_core"
+
+
+def _patch_recompute(module) -> None:  # noqa: ANN001
+    flag = os.environ["KVPLANE_TEST_CORRUPT_RECOMPUTE_FILE"]
+    real = module.LayeredKVCore.write_recompute
+
+    def write_recompute(self, layer, k, v):  # noqa: ANN001, ANN202
+        if os.path.exists(flag):
+            k = k + 0.5
+        return real(self, layer, k, v)
+
+    module.LayeredKVCore.write_recompute = write_recompute
 
 
 def _patch(module) -> None:  # noqa: ANN001
@@ -35,10 +53,14 @@ def _patch(module) -> None:  # noqa: ANN001
 
 
 class _Finder(importlib.abc.MetaPathFinder):
+    def __init__(self, target: str, patch) -> None:  # noqa: ANN001
+        self.target, self.patch = target, patch
+
     def find_spec(self, name, path, target=None):  # noqa: ANN001, ANN201
-        if name != TARGET:
+        if name != self.target:
             return None
         sys.meta_path.remove(self)
+        _patch = self.patch
         spec = importlib.util.find_spec(name)
         loader = spec.loader
         exec_module = loader.exec_module
@@ -52,4 +74,6 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 if os.environ.get("KVPLANE_TEST_CORRUPT_LAYER"):
-    sys.meta_path.insert(0, _Finder())
+    sys.meta_path.insert(0, _Finder(TARGET, _patch))
+if os.environ.get("KVPLANE_TEST_CORRUPT_RECOMPUTE_FILE"):
+    sys.meta_path.insert(0, _Finder(RECOMPUTE_TARGET, _patch_recompute))

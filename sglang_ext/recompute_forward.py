@@ -1,0 +1,110 @@
+"""RecomputeForward: the uncached prefixes' recomputation inside SGLang's decode forward (eLLM).
+
+eLLM §2.3 / §4.3.1, ``docs/recompute.md``. When a decode step's tables carry recompute tokens
+(:class:`~sglang_ext.dataplane.recompute_rows.RecomputeRows`), the same forward runs them:
+
+- :meth:`augment` (the step boundary, ``init_forward_metadata``, before the model reads its
+  inputs): the prefix tokens' ids and positions are appended after the batch's decode tokens
+  (``forward_batch.input_ids`` / ``positions`` of the step's eager batch copy), in the tables'
+  token order. One upload of the ids; the positions are already on the device.
+- :meth:`attend` (each layer, inside the backend's ``forward_decode``): the recompute rows' K/V
+  at this layer go to their transient device rows *before* the decode rows' attention reads the
+  prefix through the table; each request's prefix attends causally to itself only (SDPA per
+  request, from the layer's own K/V: nothing is read back); rows of requests whose ``k`` is
+  below this layer are zeroed (their results are never used: the prefix is fetched there).
+- the model's ``logits_processor`` sees only the decode rows (:meth:`wrap_logits`): recomputed
+  tokens are never sampled. Nothing of them reaches SGLang's radix tree or ``req_to_token``.
+
+Compute above ``k``: the recompute rows still pass through every layer's projections and MLP
+(SGLang's layer stack has no per-layer row count), so ``k < L`` saves transfers' staging and
+recompute *attention* only -- stated in ``docs/recompute.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+
+class RecomputeForward:
+    """Per-backend state of the current decode step's recompute rows (module docstring)."""
+
+    def __init__(self) -> None:
+        self.rows: Any = None
+        """The step's :class:`RecomputeRows` (None: no recompute this step)."""
+        self.batch = 0
+        """Decode rows of the step (they come first)."""
+        self.steps = 0
+        """Forwards that recomputed something."""
+        self.tokens = 0
+        """Recomputed tokens in total (each counted once per step)."""
+
+    def clear(self) -> None:
+        self.rows = None
+
+    def augment(self, forward_batch: Any, rids: list[str | None], inputs: dict, rows: Any) -> None:
+        """Append the recompute tokens to the forward's inputs (``rows.order`` indexes ``rids``)."""
+        ids = [inputs[rids[i]][2][: int(t)] for i, t in zip(rows.order.tolist(), rows.tokens.tolist(), strict=True)]
+        input_ids = forward_batch.input_ids
+        rec_ids = torch.cat(ids).to(input_ids.device, input_ids.dtype, non_blocking=True)
+        positions = forward_batch.positions
+        self.batch = int(input_ids.shape[0])
+        forward_batch.input_ids = torch.cat([input_ids, rec_ids])
+        forward_batch.positions = torch.cat([positions, rows.positions.to(positions.dtype)])
+        self.rows = rows
+        self.steps += 1
+        self.tokens += rows.m
+
+    def write(self, core: Any, layer_index: int, k: torch.Tensor, v: torch.Tensor, layer: Any) -> None:
+        """The recompute rows' K/V at this layer into their device rows (before any read)."""
+        bs = self.batch
+        heads, dim = layer.tp_k_head_num, layer.qk_head_dim
+        k_rec = k[bs:].reshape(-1, heads, dim)
+        v_rec = v[bs:].reshape(-1, heads, layer.v_head_dim)
+        core.write_recompute(layer_index, k_rec, v_rec)
+
+    def attend(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+               layer: Any) -> None:
+        """Causal self-attention of each request's prefix rows (``o`` rows after the batch)."""
+        bs, rows = self.batch, self.rows
+        hq, hk, d, dv = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim
+        q_ = q.reshape(-1, hq, d)
+        k_ = k.reshape(-1, hk, d)
+        v_ = v.reshape(-1, hk, dv)
+        o_ = o.view(-1, hq, dv)
+        active = rows.active[layer_index]
+        if bs + active < o_.shape[0]:
+            o_[bs + active:].zero_()
+        gqa = hq != hk
+        for start, end, k_layers in rows.spans:
+            if k_layers <= layer_index:
+                break  # spans are ordered by decreasing k: the rest are fetched here
+            a, b = bs + start, bs + end
+            out = F.scaled_dot_product_attention(
+                q_[a:b].transpose(0, 1), k_[a:b].transpose(0, 1), v_[a:b].transpose(0, 1),
+                is_causal=True, scale=layer.scaling, enable_gqa=gqa,
+            )
+            o_[a:b] = out.transpose(0, 1).to(o_.dtype)
+
+    def wrap_logits(self, model: Any) -> bool:
+        """Make the model's ``logits_processor`` see only the decode rows of a recompute step.
+        False (nothing wrapped) when the model has none (recompute is then not offered)."""
+        processor = getattr(model, "logits_processor", None)
+        if processor is None or getattr(processor, "_kvplane_recompute", None) is self:
+            return processor is not None
+        original = processor.forward
+        state = self
+
+        def forward(input_ids: Any, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+            if state.rows is not None and hidden_states.shape[0] > state.batch:
+                bs = state.batch
+                hidden_states = hidden_states[:bs]
+                if input_ids is not None and input_ids.shape[0] > bs:
+                    input_ids = input_ids[:bs]
+            return original(input_ids, hidden_states, *args, **kwargs)
+
+        processor.forward = forward
+        processor._kvplane_recompute = self
+        return True
