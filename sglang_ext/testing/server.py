@@ -42,8 +42,12 @@ CPU_ARGS: tuple[str, ...] = (
     "0.05",
     "--random-seed",
     "0",
+    "--sleep-on-idle",
 )
-"""Flags that make SGLang 0.5.23 serve the tiny model on a CPU-only host."""
+"""Flags that make SGLang 0.5.23 serve the tiny model on a CPU-only host. ``--sleep-on-idle``: an
+idle scheduler blocks in ``zmq.Poller.poll`` (woken by the next request, at most 1 s) instead of
+spinning -- measured: a test session's idle module servers each burned ~50% of a core on this
+2-core host, slowing every other test."""
 
 
 def free_port() -> int:
