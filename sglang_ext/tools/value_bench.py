@@ -51,7 +51,10 @@ from sglang_ext.tools.value_report import (  # noqa: F401 - re-exported
 from sglang_ext.tools.workload import SHARED_HOST_ARGS
 
 DEFAULT_OUT = Path("benchmarks/results/value")
-CONFIGS = ("vanilla", "layered")
+CONFIGS = ("vanilla", "layered", "layered-recompute")
+DEFAULT_CONFIGS = ("vanilla", "layered")
+"""Run unless ``--configs`` says otherwise; ``layered-recompute`` = ``layered`` plus
+``--kv-recompute-ratio`` (eLLM's uncached prefix recomputed every decode step, docs/recompute.md)."""
 BENCH_SERVING_MODULE = "sglang.bench_serving"
 LOOSE_SLO_TBT_MS = 60_000.0
 """Policy TBT SLO of the layered server: on a slow (or shared) CPU host the step time exceeds
@@ -142,7 +145,8 @@ class Workload:
 
 
 def server_flags(
-    budget: Budget, policy_file: Path | None = None, pacing: str = "off"
+    budget: Budget, policy_file: Path | None = None, pacing: str = "off", recompute_ratio: float = 0.5,
+    recompute_layers: int | None = None,
 ) -> dict[str, tuple[str, ...]]:
     """Each configuration's launch flags after the CPU recipe (its own ``--max-total-tokens``
     comes last, so it overrides the recipe's). Beyond the recipe and the shared-host flags,
@@ -153,15 +157,14 @@ def server_flags(
     layered = (*base, "--enable-layered-kv", "--kv-pacing", pacing)
     if policy_file is not None:
         layered += ("--kv-policy", str(policy_file))
+    layered += ("--kv-gpu-budget-tokens", str(budget.token_layers), "--max-total-tokens", str(budget.slot_tokens))
+    recompute = (*layered, "--kv-recompute-ratio", f"{recompute_ratio:g}")
+    if recompute_layers is not None:
+        recompute += ("--kv-recompute-layers", str(recompute_layers))
     return {
         "vanilla": (*base, "--max-total-tokens", str(budget.vanilla_tokens)),
-        "layered": (
-            *layered,
-            "--kv-gpu-budget-tokens",
-            str(budget.token_layers),
-            "--max-total-tokens",
-            str(budget.slot_tokens),
-        ),
+        "layered": layered,
+        "layered-recompute": recompute,
     }
 
 
@@ -204,6 +207,11 @@ class RunResult:
     command: tuple[str, ...]
     """The bench_serving command line."""
     returncode: int
+
+
+def _stem(name: str) -> str:
+    """File-name prefix of a configuration's stats files (``layered`` keeps the old names)."""
+    return "" if name == "layered" else f"{name}-"
 
 
 def _rotations(names: list[str], rounds: int) -> list[list[str]]:
@@ -276,8 +284,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="copy the server logs, bench_serving outputs and per-step stats files here",
     )
     parser.add_argument(
-        "--configs", default=",".join(CONFIGS), help="comma list of servers to run: vanilla, layered"
+        "--configs", default=",".join(DEFAULT_CONFIGS),
+        help=f"comma list of servers to run: {', '.join(CONFIGS)} (default {','.join(DEFAULT_CONFIGS)})",
     )
+    parser.add_argument("--recompute-ratio", type=float, default=0.5,
+                        help="--kv-recompute-ratio of layered-recompute, in (0, 1)")
+    parser.add_argument("--recompute-layers", type=int, default=None,
+                        help="--kv-recompute-layers of layered-recompute (default: all layers)")
     parser.add_argument("--note", default="", help="a sentence added to the results")
 
 
@@ -300,6 +313,10 @@ def _from_args(args: argparse.Namespace) -> tuple[Budget, Workload]:
     if not 0 < args.slo_tbt_ms <= 1e7:
         raise ValueError(f"--slo-tbt-ms={args.slo_tbt_ms:g} is out of range (0, 1e7]")
     chosen_configs(args.configs)
+    if not 0 < args.recompute_ratio < 1:
+        raise ValueError(f"--recompute-ratio={args.recompute_ratio:g} is out of range (0, 1)")
+    if args.recompute_layers is not None and args.recompute_layers < 0:
+        raise ValueError(f"--recompute-layers={args.recompute_layers} is out of range [0, L]")
     return budget, workload
 
 
@@ -333,13 +350,14 @@ def run(args: argparse.Namespace) -> int:
         model_dir = build_tiny_model(work / "model", model_spec(args.model))
         policy = work / "policy.json"
         policy.write_text(json.dumps({"slo_tbt_ms": args.slo_tbt_ms}))
-        flags = server_flags(budget, policy, args.kv_pacing)
-        envs: dict[str, dict[str, str]] = {"vanilla": {}, "layered": {}}
+        flags = server_flags(budget, policy, args.kv_pacing, args.recompute_ratio, args.recompute_layers)
+        envs: dict[str, dict[str, str]] = {name: {} for name in CONFIGS}
         if not args.no_pool_stats:
-            envs["layered"] = {
-                POOL_STATS_FILE_ENV: str(work / "pool-stats.jsonl"),
-                STATS_FILE_ENV: str(work / "step-stats.jsonl"),
-            }
+            for name in CONFIGS[1:]:
+                envs[name] = {
+                    POOL_STATS_FILE_ENV: str(work / f"{_stem(name)}pool-stats.jsonl"),
+                    STATS_FILE_ENV: str(work / f"{_stem(name)}step-stats.jsonl"),
+                }
         servers = {
             name: SGLangServer(
                 model_dir,
@@ -387,12 +405,15 @@ def run(args: argparse.Namespace) -> int:
             if server.log_path.exists()
         }
         if not args.no_pool_stats:
-            stats_path, steps_path = work / "pool-stats.jsonl", work / "step-stats.jsonl"
-            summary = pool_stats_summary(stats_path.read_text() if stats_path.exists() else "")
-            pool = {
-                **(summary or {}),
-                **step_stats_summary(steps_path.read_text() if steps_path.exists() else ""),
-            }
+            for name in CONFIGS[1:]:
+                stats_path, steps_path = work / f"{_stem(name)}pool-stats.jsonl", work / f"{_stem(name)}step-stats.jsonl"
+                if not stats_path.exists():
+                    continue
+                summary = pool_stats_summary(stats_path.read_text())
+                pool[name] = {
+                    **(summary or {}),
+                    **step_stats_summary(steps_path.read_text() if steps_path.exists() else ""),
+                }
         if args.keep_dir is not None:
             args.keep_dir.mkdir(parents=True, exist_ok=True)
             for path in [*work.glob("*.log"), *work.glob("*.jsonl")]:
@@ -419,7 +440,10 @@ def run(args: argparse.Namespace) -> int:
         "launch_commands": launch,
         "runs": [asdict(r) for r in runs],
         "server_peak_running_requests": peak_running,
-        "layered_pool": pool or None,
+        "layered_pool": pool.get("layered"),
+        "layered_recompute_pool": pool.get("layered-recompute"),
+        "recompute": {"ratio": args.recompute_ratio, "layers": args.recompute_layers}
+        if "layered-recompute" in launch else None,
         "notes": [],
     }
     peak_load = max((r.load_avg_1m for r in runs), default=0.0)

@@ -80,6 +80,8 @@ def pool_stats_summary(text: str) -> dict[str, Any] | None:
         "device_pages_total": int(last.get("device_pages_total", 0)),
         "fetched_layer_pages_total": int(last.get("fetched_layer_pages_total", 0)),
         "h2d_gb_total": round(int(last.get("h2d_bytes_total", 0)) / 1e9, 3),
+        "recompute_steps": sum(1 for r in lines if r.get("recompute_tokens")),
+        "recompute_tokens_total": sum(int(r.get("recompute_tokens", 0)) for r in lines),
     }
 
 
@@ -159,6 +161,27 @@ def table(payload: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _pool_lines(label: str, pool: dict[str, Any]) -> list[str]:
+    """One paragraph on a layered server's pool and scheduler over its life."""
+    recomputed = ""
+    if pool.get("recompute_steps"):
+        recomputed = (f"; {pool['recompute_steps']} forwards recomputed a prefix "
+                      f"({pool.get('recompute_tokens_total', 0)} token-steps)")
+    return [
+        f"{label} over the server's life (warm-up included): {pool.get('forwards', 0)} forwards, "
+        f"{pool.get('staged_steps_total', '-')} staged, **{pool.get('overflow_steps_total', '-')} overflow**; "
+        f"device budget {pool.get('device_pages_total', '-')} layer-pages; peak batch "
+        f"{pool.get('peak_batch_size', '-')}, peak live layer-pages {pool.get('peak_live_layer_pages', '-')}, "
+        f"peak host fraction of live layer-KV {pool.get('peak_host_fraction', '-')}; "
+        f"{pool.get('fetched_layer_pages_total', '-')} layer-pages fetched ({pool.get('h2d_gb_total', '-')} GB "
+        f"H2D){recomputed}; scheduler steps {pool.get('steps', '-')} (median {pool.get('median_step_ms', '-')} ms, "
+        f"max {pool.get('max_step_ms', '-')} ms), {pool.get('pauses', 0)} pauses, "
+        f"{pool.get('admission_held_total', 0)} admission holds, {pool.get('fallback_steps', 0)} "
+        "control-plane fallback steps.",
+        "",
+    ]
+
+
 def markdown(payload: dict[str, Any]) -> str:
     b, w = payload["budget"], payload["workload"]
     lines = [
@@ -187,21 +210,19 @@ def markdown(payload: dict[str, Any]) -> str:
             "sampled every 40 steps): " + ", ".join(f"{k} {v}" for k, v in peak.items()) + "."
         )
         lines.append("")
-    pool = payload.get("layered_pool")
-    if pool:
+    rec = payload.get("recompute")
+    if rec:
         lines.append(
-            f"Layered pool over the server's life (warm-up included): {pool.get('forwards', 0)} forwards, "
-            f"{pool.get('staged_steps_total', '-')} staged, **{pool.get('overflow_steps_total', '-')} overflow**; "
-            f"device budget {pool.get('device_pages_total', '-')} layer-pages; peak batch "
-            f"{pool.get('peak_batch_size', '-')}, peak live layer-pages {pool.get('peak_live_layer_pages', '-')}, "
-            f"peak host fraction of live layer-KV {pool.get('peak_host_fraction', '-')}; "
-            f"{pool.get('fetched_layer_pages_total', '-')} layer-pages fetched ({pool.get('h2d_gb_total', '-')} GB "
-            f"H2D); scheduler steps {pool.get('steps', '-')} (median {pool.get('median_step_ms', '-')} ms, "
-            f"max {pool.get('max_step_ms', '-')} ms), {pool.get('pauses', 0)} pauses, "
-            f"{pool.get('admission_held_total', 0)} admission holds, {pool.get('fallback_steps', 0)} "
-            "control-plane fallback steps."
+            f"`layered-recompute` = `layered` plus `--kv-recompute-ratio {rec['ratio']:g}`"
+            + (f" `--kv-recompute-layers {rec['layers']}`" if rec.get("layers") is not None else "")
+            + " (eLLM: each decoding request's first ratio x prompt tokens stay off the device and are "
+            "recomputed in every decode step's forward; docs/recompute.md)."
         )
         lines.append("")
+    for key, label in (("layered_pool", "Layered pool"), ("layered_recompute_pool", "Layered-recompute pool")):
+        pool = payload.get(key)
+        if pool:
+            lines += _pool_lines(label, pool)
     lines += ["Commands (ports are picked per run; the model directory is a temporary tiny-model build):", ""]
     lines.append(f"- CPU recipe (`sglang_ext/testing/server.py` CPU_ARGS, before the flags): `{' '.join(payload['cpu_args'])}`")
     for name, cmd in payload["launch_commands"].items():

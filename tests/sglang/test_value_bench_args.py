@@ -75,6 +75,15 @@ def test_server_flags_same_budget_vanilla_stock_layered_as_users_launch() -> Non
     assert "--kv-policy" not in server_flags(budget)["layered"]
 
 
+def test_layered_recompute_is_layered_plus_the_ratio() -> None:
+    budget = Budget(4096, 4, 3.0)
+    flags = server_flags(budget, recompute_ratio=0.25, recompute_layers=2)
+    assert flags["layered-recompute"] == (*flags["layered"], "--kv-recompute-ratio", "0.25",
+                                          "--kv-recompute-layers", "2")
+    assert "--kv-recompute-ratio" not in flags["layered"]  # negative control
+    assert server_flags(budget)["layered-recompute"][-2:] == ("--kv-recompute-ratio", "0.5")
+
+
 def test_bench_serving_command_is_sglangs_client_offline_with_the_workload() -> None:
     wl = Workload(num_prompts=24, input_len=384, output_len=64, range_ratio=0.5, max_concurrency=16, seed=1)
     cmd = bench_serving_command(wl, 31234, Path("/m"), Path("/o.jsonl"), python="py")
@@ -153,7 +162,7 @@ def test_pool_stats_summary_reads_overflow_and_peaks() -> None:
          "fetched_layer_pages_total": 10, "h2d_bytes_total": 2_000_000_000},
         {"source": "layered_pool", "batch_size": 9, "host_fraction": 0.6, "live_layer_pages": 9000,
          "staged_steps_total": 2, "overflow_steps_total": 0, "device_pages_total": 4096,
-         "fetched_layer_pages_total": 50, "h2d_bytes_total": 3_000_000_000},
+         "fetched_layer_pages_total": 50, "h2d_bytes_total": 3_000_000_000, "recompute_tokens": 30},
     ]  # fmt: skip
     got = pool_stats_summary("\n".join(json.dumps(x) for x in lines) + "\ngarbage\n")
     assert got == {
@@ -166,6 +175,8 @@ def test_pool_stats_summary_reads_overflow_and_peaks() -> None:
         "device_pages_total": 4096,
         "fetched_layer_pages_total": 50,
         "h2d_gb_total": 3.0,
+        "recompute_steps": 1,
+        "recompute_tokens_total": 30,
     }
     assert pool_stats_summary("") is None
     steps = "\n".join(
