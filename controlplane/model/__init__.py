@@ -19,6 +19,7 @@ from controlplane.model.timeline import (
     gpu_blocks,
     memory_blocks,
     recompute_compute_ms,
+    request_staging_blocks,
     step_time_ms,
     transient_blocks,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "gpu_blocks",
     "memory_blocks",
     "recompute_compute_ms",
+    "request_staging_blocks",
     "step_time_ms",
     "transient_blocks",
 ]

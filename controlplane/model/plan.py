@@ -38,8 +38,9 @@ class Plan:
     resident_blocks: int
     """GPU blocks kept resident at the end of the window."""
     staging_blocks: int
-    """GPU staging blocks at the end of the window: one slot per fetching request, sized to its
-    largest per-layer fetch (``b_r`` without recompute; ``max_l f_r(l)`` with it)."""
+    """GPU staging blocks at the end of the window: one slot per fetching request holding every
+    block it fetches in some layer (``b_r`` without recompute; with it ``(b_r - u_r)`` when a
+    layer is offloaded plus ``u_r`` when ``k_r < L``, as the served core reserves it)."""
     solver: str
     """Which search produced the plan: "exact" when it is proved optimal over the candidate
     space, "trivial" when everything fits on the GPU, otherwise the stage that found it (e.g.

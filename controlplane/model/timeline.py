@@ -18,8 +18,10 @@ own slot and the timeline is simulated exactly.
 its first ``u`` blocks are not cached on the GPU in any layer; layers ``l < k`` recompute them
 (``u * block_size * recompute_ms_per_token[l]`` ms joins layer ``l``'s compute), layers
 ``l >= k`` fetch them with the request's other blocks of that layer. Per layer the request then
-fetches ``f(l) = (0 if x[l] else b - u) + (u if l >= k else 0)`` blocks through its one slot
-(sized ``max_l f(l)``), with the same slot/stream rule. ``u = 0`` is the model above exactly.
+fetches ``f(l) = (0 if x[l] else b - u) + (u if l >= k else 0)`` blocks through its one slot,
+with the same slot/stream rule. The slot holds every column fetched in some layer, as the served
+core reserves it: ``b - u`` when a layer is offloaded, plus ``u`` when ``k < L``
+(:func:`request_staging_blocks`). ``u = 0`` is the model above exactly.
 
 Implementation: under processor sharing every in-flight stream receives the same service, so we
 track one "virtual service" counter ``v`` (blocks served to each active stream so far). A transfer
@@ -51,6 +53,17 @@ def fetch_sizes(row: Sequence[int], blocks: int, u: int = 0, k: int = 0) -> list
     return [(0 if x else cached) + (u if u and layer >= k else 0) for layer, x in enumerate(row)]
 
 
+def request_staging_blocks(row: Sequence[int], blocks: int, u: int = 0, k: int = 0) -> int:
+    """One request's staging slot: the union of the columns it fetches in some layer, as the
+    served core reserves it (``sglang_ext/dataplane/step_tables.py``, ``docs/recompute.md``):
+    the ``b - u`` cached blocks when some layer is offloaded, plus the ``u`` prefix blocks when
+    some layer ``>= k`` fetches them (``k < L``). ``u = 0`` gives ``b`` when the request offloads
+    a layer, else 0 (OrbitFlow's slot). At least ``max_l f(l)``; more when every offloaded layer
+    is below ``k`` (the two parts are then fetched in different layers but both held)."""
+    cached = blocks - u if any(not x for x in row) else 0
+    return cached + (u if u and k < len(row) else 0)
+
+
 def _check_recompute(recompute: Recompute, blocks: Sequence[int], n_layers: int) -> None:
     if len(recompute) != len(blocks):
         raise ValueError(f"recompute has {len(recompute)} entries, blocks has {len(blocks)}")
@@ -67,7 +80,8 @@ def memory_blocks(
     """(resident, staging) GPU blocks: ``sum_r b_r*sum_l x[r][l]`` and ``sum_r b_r*[r offloads]``.
 
     With ``recompute`` (``docs/recompute.md``): resident ``sum_r (b_r - u_r) * sum_l x[r][l]``,
-    staging ``sum_r max_l f_r(l)``; the transient blocks are :func:`transient_blocks`.
+    staging ``sum_r`` :func:`request_staging_blocks` (``(b_r - u_r) [r offloads a layer] +
+    u_r [k_r < L]``); the transient blocks are :func:`transient_blocks`.
     """
     if recompute is None:
         resident = 0
@@ -82,7 +96,7 @@ def memory_blocks(
     resident = staging = 0
     for row, b, (u, k) in zip(placement, blocks, recompute, strict=True):
         resident += (b - u) * sum(1 for x in row if x)
-        staging += max(fetch_sizes(row, b, u, k), default=0)
+        staging += request_staging_blocks(row, b, u, k)
     return resident, staging
 
 

@@ -6,8 +6,9 @@ per request. Per option this precomputes what the exact model needs (``docs/reco
 
 * fetches ``f(l) = (0 if x[l] else b - u) + (u if l >= k else 0)`` for the layers with
   ``f(l) > 0``;
-* memory: resident ``(b - u) * |{l: x[l] = 1}|`` + staging ``max_l f(l)`` + transient
-  ``u [k > 0]``;
+* memory: resident ``(b - u) * |{l: x[l] = 1}|`` + staging ``(b - u) [a layer offloaded] +
+  u [k < L]`` (the served core's slot, :func:`controlplane.model.request_staging_blocks`) +
+  transient ``u [k > 0]``;
 * added compute ``u * block_size * rms[l]`` for ``l < k``.
 
 :meth:`RecomputeEvaluator.exact_ms` runs :func:`controlplane.model.fetch_timeline_ms` (the model's
@@ -31,7 +32,7 @@ from collections.abc import Sequence
 from itertools import accumulate
 from typing import NamedTuple
 
-from controlplane.model import fetch_sizes, fetch_timeline_ms
+from controlplane.model import fetch_sizes, fetch_timeline_ms, request_staging_blocks
 from controlplane.planner.candidates import CandidateSet
 from controlplane.planner.recompute_grid import RecomputeGrid
 
@@ -48,7 +49,8 @@ class JointOption(NamedTuple):
     resident: int
     """Resident blocks."""
     staging: int
-    """Staging slot blocks (``max_l f(l)``, 0 when nothing is fetched)."""
+    """Staging slot blocks (``(b - u) [a layer offloaded] + u [k < L]``, 0 when nothing is
+    fetched)."""
     transient: int
     """Transient blocks (``u`` when ``k > 0``)."""
     fetches: tuple[tuple[int, int], ...]
@@ -98,7 +100,6 @@ class RecomputeEvaluator:
         self.rms = grid.recompute_ms_per_token
         self._rms_prefix = [0.0, *accumulate(self.rms)]
         self._on_gpu = [sum(row) for row in cands.rows]
-        self._last_off = [off[-1] if off else -1 for off in cands.offloaded]
         self.grid_options: list[tuple[tuple[int, int], ...]] = []
         """Per request, its ``(u, k)`` of the grid (``(0, 0)`` first). Option ``j`` of request
         ``r`` is layout ``j // G`` with ``grid_options[r][j % G]`` (``G`` its length), except
@@ -118,28 +119,25 @@ class RecomputeEvaluator:
 
     def _add_request(self, b: int) -> None:
         """Closed forms per option (``docs/recompute.md``): with ``cb = b - u`` and ``m``
-        offloaded layers, staging is ``max(cb + u [last offloaded layer >= k], u [k < L])``
-        (``u [k < L]`` alone when ``m = 0``), volume ``cb m + u (L - k)``."""
+        offloaded layers, staging is ``cb + u [k < L]`` (``u [k < L]`` alone when ``m = 0``),
+        volume ``cb m + u (L - k)``."""
         n_layers, bs = self.n_layers, self.grid.block_size
         opts = tuple((u, k if u else 0) for u, k in self.grid.options(b))
         self.grid_options.append(opts)
         self._pos.append({uk: i for i, uk in enumerate(opts)})
         pre = [
-            (b - u, u, k, u if k else 0, u if u and k < n_layers else 0, u * (n_layers - k))
+            (b - u, u if k else 0, u if u and k < n_layers else 0, u * (n_layers - k))
             for u, k in opts
         ]
         mem: list[int] = []
         volume: list[int] = []
-        for on_gpu, last_off in zip(self._on_gpu, self._last_off, strict=True):
+        for on_gpu in self._on_gpu:
             m = n_layers - on_gpu
             if m:
-                mem += [
-                    cb * on_gpu + max(cb + (u if last_off >= k else 0), sp) + t
-                    for cb, u, k, t, sp, _ in pre
-                ]
+                mem += [cb * (on_gpu + 1) + sp + t for cb, t, sp, _ in pre]
             else:
-                mem += [cb * on_gpu + sp + t for cb, _, _, t, sp, _ in pre]
-            volume += [cb * m + vp for cb, _, _, _, _, vp in pre]
+                mem += [cb * on_gpu + sp + t for cb, t, sp, _ in pre]
+            volume += [cb * m + vp for cb, _, _, vp in pre]
         rec = [u * bs * self._rms_prefix[k] for u, k in opts]
         self.mem.append(mem)
         self.volume.append(volume)
@@ -183,7 +181,7 @@ class RecomputeEvaluator:
                 u=u,
                 k=k,
                 resident=(b - u) * self._on_gpu[c],
-                staging=max(sizes, default=0),
+                staging=request_staging_blocks(row, b, u, k),
                 transient=u if k else 0,
                 fetches=tuple((layer, f) for layer, f in enumerate(sizes) if f > 0),
                 cum=tuple(accumulate(sizes)),

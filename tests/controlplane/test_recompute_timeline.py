@@ -12,6 +12,7 @@ from controlplane.model import (
     gpu_blocks,
     memory_blocks,
     recompute_compute_ms,
+    request_staging_blocks,
     step_time_ms,
     transient_blocks,
 )
@@ -84,6 +85,27 @@ def test_prefix_and_cached_blocks_share_one_slot():
     # negative control: with k=3 the prefix is recomputed in every layer, so the slot holds only
     # the 3 cached blocks, not b = 4
     assert memory_blocks([[1, 1, 0]], [4], [(1, 3)]) == (6, 3)
+
+
+def test_slot_holds_the_cached_and_prefix_columns_fetched_in_different_layers():
+    """The staging slot is the union of the columns fetched in some layer (the served core's
+    reservation, docs/recompute.md "Memory"), not the largest single-layer fetch.
+
+    L=3, b=4, layer 0 offloaded, u=1, k=2: f = [3, 0, 1] (layer 0 fetches the 3 cached blocks,
+    layer 2 the 1 prefix block). Both sets of columns are fetched, so the slot holds 3 + 1 = 4
+    (the largest fetch is only 3). Resident 3 * 2 = 6, transient 1 -> 11.
+    """
+    assert fetch_sizes([0, 1, 1], 4, 1, 2) == [3, 0, 1]
+    assert request_staging_blocks([0, 1, 1], 4, 1, 2) == 4
+    assert memory_blocks([[0, 1, 1]], [4], [(1, 2)]) == (6, 4)
+    assert gpu_blocks([[0, 1, 1]], [4], [(1, 2)]) == 11
+    # negative control: the largest per-layer fetch (the rule before) is one block short
+    assert max(fetch_sizes([0, 1, 1], 4, 1, 2)) == 3 != memory_blocks([[0, 1, 1]], [4], [(1, 2)])[1]
+    # k = L: the prefix is never fetched, the slot holds the cached columns only
+    assert request_staging_blocks([0, 1, 1], 4, 1, 3) == 3
+    # nothing offloaded, k < L: the slot holds the prefix only; k = L: no slot
+    assert request_staging_blocks([1, 1, 1], 4, 1, 2) == 1
+    assert request_staging_blocks([1, 1, 1], 4, 1, 3) == 0
 
 
 def test_partial_fetches_share_the_link():
