@@ -142,7 +142,7 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         """A :class:`~sglang_ext.layer_timing.LayerTimer` set by the scheduler hooks (rank 0)."""
         self.last_delta = None
         self._last_batch: tuple[list[str], list[int]] | None = None
-        self.recompute_inputs: dict[str, tuple[int, int, torch.Tensor]] = {}
+        self.recompute_inputs: dict[str, tuple[int, int, np.ndarray]] = {}
         """This step's recompute requests, rid -> (uncached pages u, recomputed layers k, prefix
         ids), set by :class:`~sglang_ext.recompute_requests.RecomputeRequests` (decode steps)."""
         self.recompute = RecomputeForward()
@@ -188,15 +188,17 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         if forward_batch.forward_mode.is_extend() and forward_batch.extend_seq_lens_cpu is not None:
             new_counts = [int(x) for x in forward_batch.extend_seq_lens_cpu]
         inputs = self.recompute_inputs
-        spec = None
+        spec = ids = None
         if inputs and self.recompute_ok and forward_batch.forward_mode.is_decode():
             spec = self._recompute_spec(rids, lens, inputs)
+            if spec is not None:
+                ids = [inputs[rid][2] if rid in inputs else None for rid in rids]
         self.last_delta = self.pool.prepare_step(
-            list(zip(rids, per_req, strict=True)), forward_batch.out_cache_loc, new_counts, spec
+            list(zip(rids, per_req, strict=True)), forward_batch.out_cache_loc, new_counts, spec, ids
         )
         tables = self.pool.tables
         if spec is not None and tables is not None and not self.pool.overflow and tables.recompute is not None:
-            self.recompute.augment(forward_batch, rids, inputs, tables.recompute)
+            self.recompute.augment(forward_batch, tables.recompute)
         self.batch_rids, self.batch_request_slots = list(rids), per_req
         self.in_place = self.pool.store.identity
         if not self.in_place and self.compact_rows.numel() != bs:

@@ -207,9 +207,10 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         new_slots: torch.Tensor | None,
         new_counts: Sequence[int] | None = None,
         recompute: np.ndarray | None = None,
+        recompute_ids: list | None = None,
     ) -> ResidencyDelta:
         """Boundary before a forward (:meth:`LayeredKVCore.prepare_step`), plus the stats line."""
-        delta = self.core.prepare_step(requests, new_slots, new_counts, recompute)
+        delta = self.core.prepare_step(requests, new_slots, new_counts, recompute, recompute_ids)
         self._step += 1
         if self._stats_path is not None:
             self._write_stats_line(len(requests), 0 if new_slots is None else int(new_slots.numel()), delta)

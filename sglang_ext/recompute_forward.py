@@ -6,7 +6,7 @@ eLLM §2.3 / §4.3.1, ``docs/recompute.md``. When a decode step's tables carry r
 - :meth:`augment` (the step boundary, ``init_forward_metadata``, before the model reads its
   inputs): the prefix tokens' ids and positions are appended after the batch's decode tokens
   (``forward_batch.input_ids`` / ``positions`` of the step's eager batch copy), in the tables'
-  token order. One upload of the ids; the positions are already on the device.
+  token order. Both came to the device in the tables' one upload.
 - :meth:`attend` (each layer, inside the backend's ``forward_decode``): the recompute rows' K/V
   at this layer go to their transient device rows *before* the decode rows' attention reads the
   prefix through the table; each request's prefix attends causally to itself only (SDPA per
@@ -44,11 +44,11 @@ class RecomputeForward:
     def clear(self) -> None:
         self.rows = None
 
-    def augment(self, forward_batch: Any, rids: list[str | None], inputs: dict, rows: Any) -> None:
-        """Append the recompute tokens to the forward's inputs (``rows.order`` indexes ``rids``)."""
-        ids = [inputs[rids[i]][2][: int(t)] for i, t in zip(rows.order.tolist(), rows.tokens.tolist(), strict=True)]
+    def augment(self, forward_batch: Any, rows: Any) -> None:
+        """Append the recompute tokens (ids and positions, on the device with the step's tables:
+        no upload of their own) to the forward's inputs."""
         input_ids = forward_batch.input_ids
-        rec_ids = torch.cat(ids).to(input_ids.device, input_ids.dtype, non_blocking=True)
+        rec_ids = rows.input_ids.to(input_ids.dtype)
         positions = forward_batch.positions
         self.batch = int(input_ids.shape[0])
         forward_batch.input_ids = torch.cat([input_ids, rec_ids])

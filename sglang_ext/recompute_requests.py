@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
+import numpy as np
 
 from sglang_ext.recompute_param import recompute_request
 
@@ -37,7 +37,7 @@ class RecomputeRequests:
         self.page_size = page_size
         self.installer = installer
         self.backend = backend if hasattr(backend, "recompute_inputs") else None
-        self._specs: dict[str, tuple[int, int, torch.Tensor] | None] = {}
+        self._specs: dict[str, tuple[int, int, np.ndarray] | None] = {}
         self.steps = 0
         """Decode steps that recomputed something."""
 
@@ -56,8 +56,8 @@ class RecomputeRequests:
                 backend.recompute_inputs = {}
             return
         specs = self._specs
-        inputs: dict[str, tuple[int, int, torch.Tensor]] = {}
-        live: dict[str, tuple[int, int, torch.Tensor] | None] = {}
+        inputs: dict[str, tuple[int, int, np.ndarray]] = {}
+        live: dict[str, tuple[int, int, np.ndarray] | None] = {}
         for req in batch.reqs:
             rid = req.rid
             spec = specs[rid] if rid in specs else self._spec(req)
@@ -71,7 +71,7 @@ class RecomputeRequests:
         backend.recompute_inputs = inputs
         self.steps += bool(inputs)
 
-    def _spec(self, req: Any) -> tuple[int, int, torch.Tensor] | None:
+    def _spec(self, req: Any) -> tuple[int, int, np.ndarray] | None:
         params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
         asked = recompute_request(params, self.layers, self.default_ratio, self.default_layers)
         if asked is None:
@@ -84,4 +84,4 @@ class RecomputeRequests:
         u = min(int(ratio * len(prompt)) // ps, pages - 1)
         if u <= 0:
             return None
-        return u, k, torch.tensor(list(prompt[: u * ps]), dtype=torch.int64)
+        return u, k, np.asarray(prompt[: u * ps], dtype=np.int64)

@@ -110,13 +110,15 @@ class LayeredKVCore:
         new_slots: torch.Tensor | None,
         new_counts: Sequence[int] | None = None,
         recompute: np.ndarray | None = None,
+        recompute_ids: list | None = None,
     ) -> ResidencyDelta:
         """Boundary before a forward: ``requests`` = (rid, CPU slots of its first seq_len tokens);
         ``new_slots`` the slots the forward writes, ``new_counts[i]`` of them request ``i``'s last
         positions (default: one each -- a decode step -- or all of them for a single request).
         Positions ``[i * page_size, (i + 1) * page_size)`` of a request share one page.
         ``recompute[i] = (u, k)`` (decode steps): request ``i``'s first ``u`` pages are recomputed
-        by the forward at layers ``< k`` (``tables.recompute``; ``docs/recompute.md``)."""
+        by the forward at layers ``< k`` (``tables.recompute``; ``docs/recompute.md``);
+        ``recompute_ids[i]`` its token ids, uploaded with the tables (``tables.recompute.input_ids``)."""
         self.pipeline.end_step()
         self.step_loc = new_slots
         self.residency.drop_anonymous()
@@ -152,11 +154,12 @@ class LayeredKVCore:
             new_np = new_slots.numpy().astype(np.int64, copy=False)
         batch = {rid for rid, _ in requests if rid is not None}
         self._begin(page_lists, np.asarray(lens, dtype=np.int64), np.asarray(new_counts, dtype=np.int64),
-                    new_np, batch, recompute)
+                    new_np, batch, recompute, recompute_ids)
         return delta
 
     def _begin(self, page_lists: list[np.ndarray], lens: np.ndarray, counts: np.ndarray,
-               new_np: np.ndarray | None, batch: set[str], recompute: np.ndarray | None = None) -> None:
+               new_np: np.ndarray | None, batch: set[str], recompute: np.ndarray | None = None,
+               recompute_ids: list | None = None) -> None:
         """Build the step's tables (making staging room if needed) and start the pipeline, or
         mark the step as overflowing (module docstring)."""
         self.overflow = False
@@ -164,7 +167,7 @@ class LayeredKVCore:
             return
         for _ in range(self.layers + 2):
             tables = StepTables(self.store, page_lists, lens, counts, new_np, self.room.take,
-                                token_tables=self.token_tables, recompute=recompute)
+                                token_tables=self.token_tables, recompute=recompute, recompute_ids=recompute_ids)
             if tables.reserved:
                 self.store.mark_dirty(tables.dirty_ids)
                 self.store.has_kv_np[tables.new_pages] = True

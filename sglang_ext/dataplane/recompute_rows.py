@@ -26,12 +26,14 @@ class RecomputeRows:
     """Device rows, segments and positions of the step's recompute tokens (module docstring)."""
 
     def __init__(self, recompute: np.ndarray, rec: np.ndarray, tab: np.ndarray, starts: np.ndarray,
-                 page_size: int, dump_rows: np.ndarray, offset: int) -> None:
+                 page_size: int, dump_rows: np.ndarray, offset: int,
+                 ids: list[np.ndarray | None] | None = None) -> None:
         """``recompute[i] = (u, k)`` per batch request, ``rec [L, n]`` the (layer, batch page)
         pairs written by recomputation, ``tab`` the step's device pages, ``starts`` each request's
         first batch column, ``dump_rows[l]`` a row no one reads (tokens whose page is resident
         at ``l`` in the identity layout are written there), ``offset`` where the int64 parts
-        start in the step's upload."""
+        start in the step's upload, ``ids[i]`` request ``i``'s token ids (at least its prefix):
+        uploaded with the tables in token order (:attr:`input_ids`)."""
         u, k = recompute[:, 0].astype(np.int64), recompute[:, 1].astype(np.int64)
         live = np.flatnonzero((u > 0) & (k > 0))
         order = live[np.argsort(-k[live], kind="stable")]
@@ -56,12 +58,21 @@ class RecomputeRows:
         self.positions_np = pos
         self.int64_parts = [rows.astype(np.int64).reshape(-1), pos]
         self.int64_size = layers * m + m
+        self._has_ids = ids is not None
+        if ids is not None:
+            self.int64_parts.append(np.concatenate(
+                [np.asarray(ids[i], dtype=np.int64)[: int(t)] for i, t in zip(order.tolist(), self.tokens.tolist(),
+                                                                               strict=True)]
+            ) if m else np.zeros(0, dtype=np.int64))
+            self.int64_size += m
         self._offset = offset
         self._layers = layers
         self.rows: torch.Tensor | None = None
         """``[L, m]`` device rows (views of the step's upload, after :meth:`bind`)."""
         self.positions: torch.Tensor | None = None
         """``[m]`` positions of the tokens on the device."""
+        self.input_ids: torch.Tensor | None = None
+        """``[m]`` token ids on the device (when ``ids`` were given)."""
 
     @staticmethod
     def mask(recompute: np.ndarray, starts: np.ndarray, req_of_col: np.ndarray,
@@ -93,3 +104,5 @@ class RecomputeRows:
         o, m, layers = self._offset, self.m, self._layers
         self.rows = i64[o: o + layers * m].view(layers, m)
         self.positions = i64[o + layers * m: o + layers * m + m]
+        if self._has_ids:
+            self.input_ids = i64[o + layers * m + m: o + layers * m + 2 * m]

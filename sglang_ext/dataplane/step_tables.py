@@ -57,7 +57,7 @@ class StepTables:
     def __init__(self, store: SlotKVStore, pages: Sequence[np.ndarray], seq_lens: np.ndarray,
                  new_counts: np.ndarray, new_slots: np.ndarray | None,
                  stage: Callable[[int], np.ndarray | None], *, token_tables: bool = True,
-                 recompute: np.ndarray | None = None) -> None:
+                 recompute: np.ndarray | None = None, recompute_ids: list | None = None) -> None:
         """``stage(n)`` returns ``n`` reserved device pages (None: not enough room; the caller
         makes room and builds again). Raises ValueError when ``new_slots`` disagree with the
         batch's pages (a caller bug; nothing is reserved then). ``recompute[i] = (u, k)``: request
@@ -134,7 +134,7 @@ class StepTables:
         if rec is not None and recompute is not None and rec.any():
             dump = (store.identity_ids(np.zeros(1, dtype=np.int64)).reshape(-1) * ps if self.identity
                     else np.zeros(layers, dtype=np.int64))  # identity: page 0 (SGLang's padding page)
-            self.recompute = RecomputeRows(recompute, rec, tab, starts, ps, dump, offset)
+            self.recompute = RecomputeRows(recompute, rec, tab, starts, ps, dump, offset, recompute_ids)
             int64_parts += self.recompute.int64_parts
             offset += self.recompute.int64_size
         self.fetches: list[Launch] = []

@@ -94,8 +94,9 @@ class CoreDriver:
         loc = torch.tensor([s for new in news for s in new], dtype=torch.int64)
         core = self.core
         rec = self._recompute_spec(batch)
+        ids = None if rec is None else [np.asarray(self.slots[rid]) for rid, _ in batch]  # slots stand for ids
         core.prepare_step([(rid, torch.tensor(self.slots[rid])) for rid, _ in batch], loc, [n for _, n in batch],
-                          recompute=rec)
+                          recompute=rec, recompute_ids=ids)
         self.check_staging()
         for layer in range(core.layers):
             core.enter_layer(layer)

@@ -58,7 +58,8 @@ def test_prefix_leaves_the_device_and_tables_follow_the_contract():
         if layer == 0 and t is not None:
             tab = t.tab.cpu().numpy()
             seen.update(staging=t.staging_ids.size, fetched=t.fetch_layer_pages, active=t.recompute.active,
-                        tab=tab, resident=core.store.map_np[:, t.pages].copy())
+                        tab=tab, resident=core.store.map_np[:, t.pages].copy(),
+                        ids=t.recompute.input_ids.tolist(), positions=t.recompute.positions.tolist())
 
     d.on_layer = look
     d.step([("a", 1)])
@@ -66,6 +67,7 @@ def test_prefix_leaves_the_device_and_tables_follow_the_contract():
     assert (core.store.map_np[:, list(prefix)] < 0).all()  # in no device layer
     assert seen["staging"] == 2 + 2 and seen["fetched"] == 2  # u staging + u transient; prefix at layer 2
     assert seen["active"] == [4, 4, 0]
+    assert seen["ids"] == d.slots["a"][:4] and seen["positions"] == [0, 1, 2, 3]  # uploaded with the tables
     tab, resident = seen["tab"], seen["resident"]
     assert (tab[0, :2] == tab[1, :2]).all()  # one transient layer, reused
     assert (tab[0, :2] != tab[2, :2]).all()  # layer 2 reads the staged fetch
