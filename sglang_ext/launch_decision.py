@@ -125,14 +125,6 @@ class LaunchDecision:
                 f"--enable-layered-kv (use {' or '.join(UNQUANTIZED_KV_DTYPES)})"
             )
         cls._refuse_features(values)
-        decode_backend = (values.get("decode_attention_backend") or values.get("attention_backend")
-                          or DEFAULT_BACKEND[device])
-        if (values.get("kv_recompute_ratio") or 0) > 0 and decode_backend != "torch_native":
-            raise LaunchRefused(
-                f"--kv-recompute-ratio {values['kv_recompute_ratio']}: recompute (eLLM) runs on the "
-                f"torch_native decode only, not on {decode_backend} (docs/recompute.md); use "
-                "--attention-backend torch_native or leave the ratio at 0"
-            )
         if not values.get("disable_overlap_schedule"):
             implied.append(("disable_overlap_schedule", True))
             notes.append("--disable-overlap-schedule: plans are installed at step boundaries")

@@ -142,16 +142,13 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         """A :class:`~sglang_ext.layer_timing.LayerTimer` set by the scheduler hooks (rank 0)."""
         self.last_delta = None
         self._last_batch: tuple[list[str], list[int]] | None = None
+        """Request ids and sequence lengths of the previous forward (for :meth:`_steady_decode`)."""
         self.recompute_inputs: dict[str, tuple[int, int, np.ndarray]] = {}
         """This step's recompute requests, rid -> (uncached pages u, recomputed layers k, prefix
         ids), set by :class:`~sglang_ext.recompute_requests.RecomputeRequests` (decode steps)."""
         self.recompute = RecomputeForward()
-        self.recompute_ok = self.recompute_supported and self.recompute.wrap_logits(model_runner.model)
+        self.recompute_ok = self.recompute.wrap_logits(model_runner.model)
         """The model's decode forward can carry recompute rows (``docs/recompute.md``)."""
-        """Request ids and sequence lengths of the previous forward (for :meth:`_steady_decode`)."""
-
-    recompute_supported = True
-    """This backend's decode runs recompute rows (the torch-native SDPA path)."""
 
     steady_decode_fast_path = True
     """Steady decode steps skip re-reading every request's slots (:meth:`_steady_decode`)."""

@@ -23,9 +23,6 @@ class LayeredPagedDecode(LayeredTorchNativeAttnBackend):
     """Decode over the step's per-layer page tables (see module docstring)."""
 
     steady_decode_fast_path = False
-    recompute_supported = False
-    """Recompute rows need the torch-native path (``docs/recompute.md``: not yet on the paged
-    FlashInfer / Triton decode); requests asking for it are served without (exactly)."""
 
     def __init__(self, model_runner: Any) -> None:
         super().__init__(model_runner)
@@ -51,9 +48,19 @@ class LayeredPagedDecode(LayeredTorchNativeAttnBackend):
         if not self._paged or layer.is_cross_attention:
             return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         self._begin_layer(layer.layer_id)
+        index, rec = layer.layer_id - self.pool.start_layer, self.recompute
+        bs = None if rec.rows is None else rec.batch  # recompute rows follow the decode rows
+        if bs is not None:  # their K/V first: the decode rows read the prefix through tab[l]
+            rec.write(self.pool.core, index, k, v, layer)
         if save_kv_cache and k is not None and v is not None:
-            self.pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
+            self.pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k[:bs], v[:bs])
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)  # model dtype, as SGLang keeps it
-        out = self.decode_layer(q3, layer, layer.layer_id - self.pool.start_layer)
+        out = self.decode_layer(q3[:bs], layer, index)
+        out = out.to(q.dtype).reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+        if bs is not None:
+            full = out.new_empty((q3.shape[0], out.shape[1]))
+            full[:bs] = out
+            rec.attend(index, q, k, v, full, layer)
+            out = full
         self._end_layer(layer.layer_id)
-        return out.to(q.dtype).reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+        return out

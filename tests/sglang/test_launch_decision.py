@@ -78,20 +78,12 @@ def test_cpu_gets_torch_native_and_explicit_choices_are_kept():
         ({"pp_size": 2}, "--pp-size"),
         ({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache"),
         ({"disaggregation_mode": "decode"}, "--disaggregation-mode decode"),
-        ({"kv_recompute_ratio": 0.5}, "--kv-recompute-ratio 0.5: recompute (eLLM) runs on the torch_native"),
-        ({"kv_recompute_ratio": 0.5, "attention_backend": "triton"}, "not on triton"),
     ],
 )
 def test_unservable_options_are_refused_by_name(changes, names):
     with pytest.raises(LaunchRefused) as err:
         _decide(**changes)
     assert names in str(err.value)
-
-
-def test_recompute_ratio_passes_on_torch_native():
-    """Negative control of the two refusals above: the same ratio on the torch-native decode."""
-    assert _decide(kv_recompute_ratio=0.5, attention_backend="torch_native").device == "cuda"
-    assert _decide(device="cpu", kv_recompute_ratio=0.5).device == "cpu"
 
 
 @pytest.mark.parametrize("dtype", ["auto", "bf16", "bfloat16"])

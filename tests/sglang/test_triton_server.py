@@ -54,3 +54,21 @@ def test_triton_paged_decode_matches_vanilla_with_kv_on_host(triton_server, vani
     assert steps[-1]["overflow_steps_total"] == 0
     assert steps[-1]["fetched_layer_pages_total"] > 0  # host pages were staged for the kernel to read
     assert max(s["host_fraction"] for s in steps) >= 0.5
+
+
+def test_recompute_rows_run_on_the_paged_kernel(triton_server, vanilla_server):
+    """eLLM recompute (docs/recompute.md) on the paged decode: the decode rows read the recomputed
+    prefix through ``tab[l]`` in the Triton kernel; vanilla's tokens, logprobs within the kernel's
+    fp16 tolerance (recomputed fp16 GEMMs add ~1e-3: tests/sglang/test_recompute_server.py)."""
+    server, stats_path = triton_server
+    before = len(stats_path.read_text().splitlines())
+    prompt = PROMPTS[5]
+    payload = {"text": prompt, "return_logprob": True, "sampling_params": {
+        "max_new_tokens": NEW_TOKENS, "temperature": 0.0, "custom_params": {"kvplane_recompute_ratio": 0.5}}}
+    got = server.post("/generate", payload)
+    want = greedy(vanilla_server, prompt, NEW_TOKENS, logprobs=True)
+    assert got["output_ids"] == want["output_ids"]
+    worst = max(abs(a - b) for a, b in zip(token_logprobs(got), token_logprobs(want), strict=True))
+    assert worst <= KERNEL_LOGPROB_ATOL, worst
+    steps = [json.loads(line) for line in stats_path.read_text().splitlines()[before:] if line.strip()]
+    assert sum(1 for s in steps if s["recompute_tokens"]) >= NEW_TOKENS - 1
