@@ -106,8 +106,9 @@ class CheckBatch:
             for i, rid in enumerate(self.rids)
         })
 
-    def begin_decode(self) -> torch.Tensor:
-        """The boundary of one decode step (one new token per request); returns its slots."""
+    def begin_decode(self, recompute: np.ndarray | None = None) -> torch.Tensor:
+        """The boundary of one decode step (one new token per request); returns its slots.
+        ``recompute[i] = (u, k)``: request ``i`` recomputes its first ``u`` pages at layers < k."""
         new = []
         for i in range(len(self.rids)):
             new.append(int(self.slots[i][self.lens[i]]))
@@ -115,7 +116,7 @@ class CheckBatch:
         loc = torch.tensor(new, dtype=torch.int64)
         requests = [(rid, torch.from_numpy(self.slots[i][: self.lens[i]].copy())) for i, rid in enumerate(self.rids)]
         t0 = time.thread_time()
-        self.core.prepare_step(requests, loc)
+        self.core.prepare_step(requests, loc, recompute=recompute)
         self.prepare_cpu_s = time.thread_time() - t0
         if self.core.overflow:
             raise RuntimeError("the batch overflowed the device pool: no staged step to measure")

@@ -15,7 +15,9 @@ One :class:`~sglang_ext.tools.gpu_check_batch.CheckBatch` runs, in order:
 5. kvplane's thread CPU time per step (``prepare_step`` + the per-layer calls), resident and placed;
 6. host syncs inside layers over two placed steps (:class:`SyncProbe`);
 7. one placed step in which every available attention backend runs at every layer, compared
-   with ``dense_attention`` in float32 over the regenerated K/V.
+   with ``dense_attention`` in float32 over the regenerated K/V;
+8. recompute steps (eLLM, :class:`~sglang_ext.tools.gpu_check_recompute.RecomputeCheck`): step
+   time vs the placement model with recompute, attention over the recomputed prefixes.
 """
 
 from __future__ import annotations
@@ -210,6 +212,10 @@ class CoreCheck:
         sync(device)
         errors = self.attention_errors()
         stats = b.core.stats()
+        from sglang_ext.tools.gpu_check_recompute import RecomputeCheck  # imports this module
+
+        recompute = RecomputeCheck(self)
+        recompute_figures = recompute.run(comp, transfer.bw_blocks_per_ms)
         stall_measured, stall_predicted = placed_ms - resident_ms, predicted_ms - sum(comp)
         stall_err = abs(stall_measured - stall_predicted) / max(stall_predicted, STALL_FLOOR_SHARE * resident_ms)
         self.details.update({
@@ -227,13 +233,14 @@ class CoreCheck:
                       for kind in ("kvplane", "attention")},
             "core_stats": {k: v for k, v in asdict(stats).items() if isinstance(v, int | float)},
             "resident_host_fraction": resident_host_fraction,
+            "recompute": recompute.details,
             "pools": {"device_layer_pages": b.core.store.pages_total, "host_bytes": b.core.config.host_bytes,
                       "batch_pages": b.batch_pages},
         })
         if cuda:
             self.details["peak_device_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         return self._figures(errors, transfer, resident_ms, placed_ms, stall_err, probe,
-                             max(resident_cpu_ms, placed_cpu_ms), stats.host_fraction, cuda)
+                             max(resident_cpu_ms, placed_cpu_ms), stats.host_fraction, cuda) + recompute_figures
 
     def _figures(self, errors: dict[str, dict[str, float]], t: TransferResult, resident_ms: float,
                  placed_ms: float, stall_err: float, probe: SyncProbe, cpu_ms: float, host_fraction: float,

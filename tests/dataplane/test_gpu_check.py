@@ -26,13 +26,15 @@ FIGURE_KEYS = {
     "attention_max_abs_err.flashinfer", "attention_max_abs_err.triton", "attention_max_abs_err.torch",
     "step_ms.resident", "step_ms.placed", "stall_rel_err", "h2d_vs_contiguous", "duplex_vs_one_direction",
     "host_syncs_per_step.kvplane", "host_syncs_per_step.attention", "kvplane_cpu_share",
+    "recompute_step_rel_err", "recompute_attention_max_abs_err",
 }
 TARGETS = {  # the issue's targets, by figure
     "stall_rel_err": ("<=", 0.10), "h2d_vs_contiguous": (">=", 0.85), "duplex_vs_one_direction": (">=", 1.5),
     "host_syncs_per_step.kvplane": ("<=", 0.0), "host_syncs_per_step.attention": ("<=", 0.0),
-    "kvplane_cpu_share": ("<=", 0.05),
+    "kvplane_cpu_share": ("<=", 0.05), "recompute_step_rel_err": ("<=", 0.25),
 }
-CPU_NOT_MEANINGFUL = {"stall_rel_err", "h2d_vs_contiguous", "duplex_vs_one_direction", "kvplane_cpu_share"}
+CPU_NOT_MEANINGFUL = {"stall_rel_err", "h2d_vs_contiguous", "duplex_vs_one_direction", "kvplane_cpu_share",
+                      "recompute_step_rel_err"}
 
 
 def _result(tmp_path):
@@ -65,7 +67,9 @@ def test_cpu_dry_run_end_to_end(tmp_path, capsys):
     assert figures["attention_max_abs_err.torch"]["status"] == PASS
     assert figures["attention_max_abs_err.triton"]["status"] == PASS  # Triton under the interpreter
     assert figures["attention_max_abs_err.flashinfer"]["status"] == NA
+    assert figures["recompute_attention_max_abs_err"]["status"] == PASS  # the recomputed prefixes read exactly
     details = body["details"]
+    assert details["recompute"]["recompute_tokens"] > 0 and details["recompute"]["predicted_step_ms"] > 0
     assert details["plan"]["solver"] and sum(details["plan"]["offloaded_layers_per_request"]) > 0
     assert details["resident_host_fraction"] == 0 and details["core_stats"]["host_fraction"] > 0
     assert details["core_stats"]["overflow_steps_total"] == 0
@@ -92,6 +96,21 @@ def test_a_wrong_attention_fails_the_check(tmp_path, monkeypatch):
     assert figures["attention_max_abs_err.torch"]["status"] == FAIL
     assert figures["attention_max_abs_err.triton"]["status"] == PASS
     assert body["status"] == FAIL and body["tests"]["note"].startswith("not run")
+
+
+def test_a_wrong_recompute_fails_the_check(tmp_path, monkeypatch):
+    """Negative control: recomputed prefix K/V off by one make the recompute attention figure FAIL
+    (and nothing else)."""
+    from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
+
+    real = LayeredKVCore.write_recompute
+    monkeypatch.setattr(LayeredKVCore, "write_recompute", lambda self, layer, k, v: real(self, layer, k + 1, v))
+    argv = ["gpu-check", "--device", "cpu", "--skip-tests", "--repeat", "1", "--out-dir", str(tmp_path)]
+    assert main(argv) == 1
+    _, body = _result(tmp_path)
+    figures = {f["key"]: f for f in body["figures"]}
+    assert figures["recompute_attention_max_abs_err"]["status"] == FAIL
+    assert figures["attention_max_abs_err.torch"]["status"] == PASS
 
 
 def test_grade_flags_figures_that_miss_their_target():
