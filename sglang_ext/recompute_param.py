@@ -4,7 +4,8 @@ eLLM's uncached ratio ``r`` (``docs/recompute.md``): a decoding request with ``r
 the first ``floor(r * prompt_tokens / page_size)`` pages of its context in no device layer and
 recomputes them every decode step at its lowest ``layers`` layers (default: all of them, eLLM's
 pure recompute), fetching them from host memory above. The prefix is fixed at the request's
-first decode step. It is an operator's / test's override of what the control plane plans.
+first decode step. It is an operator's / test's override of what the control plane plans
+(:func:`recompute_forced`: a forced request ignores the plan's ``recompute_blocks``).
 
 Checked at the request entry (``request_slo.sampling_params_error``: HTTP 400 before anything
 runs); standard library only.
@@ -36,6 +37,15 @@ def recompute_param_error(custom_params: Any) -> str | None:
         if ratio is None:
             return f"custom_params.{LAYERS} needs custom_params.{RATIO}"
     return None
+
+
+def recompute_forced(custom_params: Any, default_ratio: float = 0.0) -> bool:
+    """Whether the request's ``(u, k)`` is forced -- by its own valid ``custom_params`` ratio
+    (0 included: forced to recompute nothing) or by the launch's ``--kv-recompute-ratio > 0`` --
+    instead of planned by the control plane (``Plan.recompute_blocks``)."""
+    own = isinstance(custom_params, dict) and custom_params.get(RATIO) is not None \
+        and recompute_param_error(custom_params) is None
+    return own or default_ratio > 0
 
 
 def recompute_request(custom_params: Any, model_layers: int, default_ratio: float = 0.0,

@@ -5,15 +5,21 @@ Called after SGLang built the step's batch and before the residency wants are in
 (the choice depends only on the request, so every rank makes the same one):
 
 - a decode batch's request with ``custom_params.kvplane_recompute_ratio`` (``recompute_param``),
-  or any request under ``--kv-recompute-ratio``, gets ``(u, k)``: ``u = floor(ratio * prompt_tokens / page_size)`` pages (at most all but the
-  page being decoded), fixed at its first decode step, and ``k`` recomputed layers;
+  or any request under ``--kv-recompute-ratio``, is *forced*: ``(u, k)`` with ``u = floor(ratio *
+  prompt_tokens / page_size)`` pages (at most all but the page being decoded), fixed at its first
+  decode step, and ``k`` recomputed layers;
+- every other request takes the control plane's plan (``PlacementInstaller.planned_recompute``,
+  from ``Plan.recompute_blocks`` / ``recompute_layers``): the planned ``u`` counts pages at the
+  plan window's end, so each step it is clamped to the request's current pages - 1 (the prefix
+  may reach into generated tokens: its ids are the prompt's and then the output's); a request the
+  plan leaves out recomputes nothing;
 - the installer's wants keep those ``u`` pages in no device layer
   (:attr:`PlacementInstaller.uncached`);
 - the layered attention backend receives ``recompute_inputs[rid] = (u, k, token ids of the
   prefix)``: it appends the prefix tokens to the forward (``docs/recompute.md``).
 
-Work per step is proportional to the batch (one dict lookup per request); a request's prefix
-ids are cut once.
+Work per step is proportional to the batch (a few dict lookups per request); a request's prefix
+ids are cut once per ``(u, k)`` it takes.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from sglang_ext.recompute_param import recompute_request
+from sglang_ext.recompute_param import recompute_forced, recompute_request
 
 
 class RecomputeRequests:
@@ -38,12 +44,21 @@ class RecomputeRequests:
         self.installer = installer
         self.backend = backend if hasattr(backend, "recompute_inputs") else None
         self._specs: dict[str, tuple[int, int, np.ndarray] | None] = {}
+        self._forced: dict[str, bool] = {}
+        """Per live request: forced (custom_params / launch flag) or planned, checked once."""
         self.steps = 0
         """Decode steps that recomputed something."""
 
     @property
     def enabled(self) -> bool:
         return self.backend is not None and getattr(self.installer, "layered", False)
+
+    @property
+    def plannable(self) -> bool:
+        """Whether the control plane's recompute can reach the forward: enabled, the backend's
+        decode runs recompute rows, and ``--kv-recompute-ratio`` does not force every request
+        (the worker reports its recompute cost only then, ``sglang_ext/worker_info.py``)."""
+        return self.enabled and bool(getattr(self.backend, "recompute_ok", False)) and not self.default_ratio
 
     def prepare(self, plan: Any) -> None:
         """This step's recompute inputs and uncached prefixes (after SGLang built the batch)."""
@@ -55,25 +70,55 @@ class RecomputeRequests:
             if backend.recompute_inputs:
                 backend.recompute_inputs = {}
             return
-        specs = self._specs
+        specs, forced_of = self._specs, self._forced
+        planned = self.installer.planned_recompute
         inputs: dict[str, tuple[int, int, np.ndarray]] = {}
         live: dict[str, tuple[int, int, np.ndarray] | None] = {}
         for req in batch.reqs:
             rid = req.rid
-            spec = specs[rid] if rid in specs else self._spec(req)
+            forced = forced_of.get(rid)
+            if forced is None:
+                forced = forced_of[rid] = recompute_forced(self._params(req), self.default_ratio)
+            if forced:
+                spec = specs[rid] if rid in specs else self._spec(req)
+            else:
+                spec = self._planned(req, planned.get(rid), specs.get(rid))
             live[rid] = spec
             if spec is not None:
                 inputs[rid] = spec
-                self.installer.set_uncached(rid, spec[0])
+            self.installer.set_uncached(rid, 0 if spec is None else spec[0])
         for rid in specs.keys() - live.keys():  # finished, aborted or paused: chosen again later
             self.installer.set_uncached(rid, 0)
+            forced_of.pop(rid, None)
         self._specs = live
         backend.recompute_inputs = inputs
         self.steps += bool(inputs)
 
+    @staticmethod
+    def _params(req: Any) -> Any:
+        return getattr(getattr(req, "sampling_params", None), "custom_params", None)
+
+    def _planned(self, req: Any, plan: tuple[int, int] | None,
+                 last: tuple[int, int, np.ndarray] | None) -> tuple[int, int, np.ndarray] | None:
+        """The plan's ``(u, k)`` for ``req`` this step: ``u`` clamped to its pages - 1 (the plan
+        sizes blocks at its window's end), the prefix ids re-cut only when ``u`` changes."""
+        if plan is None:
+            return None
+        prompt, out = req.origin_input_ids, req.output_ids
+        ps = self.page_size
+        pages = -(-(len(prompt) + len(out)) // ps)
+        u = min(plan[0], pages - 1)
+        if u <= 0:
+            return None
+        k = min(plan[1], self.layers)
+        if last is not None and last[0] == u:
+            return last if last[1] == k else (u, k, last[2])
+        n = u * ps
+        ids = prompt[:n] if n <= len(prompt) else [*prompt, *out[: n - len(prompt)]]
+        return u, k, np.asarray(ids, dtype=np.int64)
+
     def _spec(self, req: Any) -> tuple[int, int, np.ndarray] | None:
-        params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-        asked = recompute_request(params, self.layers, self.default_ratio, self.default_layers)
+        asked = recompute_request(self._params(req), self.layers, self.default_ratio, self.default_layers)
         if asked is None:
             return None
         ratio, k = asked

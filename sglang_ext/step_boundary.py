@@ -80,7 +80,7 @@ class StepBoundary:
         resume: dict[str, None] = {}
         admit: dict[str, None] = {}
         prefill_layers: dict[str, int] = {}
-        placements = None
+        placements = recompute = None
         reasons: list[str] = []
         for d in decisions:
             admit.update(dict.fromkeys(d.admit))
@@ -94,12 +94,15 @@ class StepBoundary:
                 inbox.deferred_pause.pop(rid, None)
                 resume[rid] = None
             placements = dict(d.plan.placements)
+            layers = d.plan.recompute_layers  # docs/recompute.md: u > 0 only, k alongside
+            recompute = {rid: (int(u), int(layers.get(rid, 0))) for rid, u in d.plan.recompute_blocks.items()}
             reasons.append(d.reason)
         return StepInstall(
             step=step + 1,
             pause=tuple(pause),
             resume=tuple(r for r in resume if r in self.pauser),
             placements=placements,
+            recompute=recompute or None,
             fallback=bool(self.client is not None and self.client.in_fallback),
             reason=",".join(r for r in reasons if r),
             admit=tuple(admit),

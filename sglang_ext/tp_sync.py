@@ -43,6 +43,10 @@ class StepInstall:
     prefill_layers: Mapping[str, int] | None = None
     """Per admitted prefill, layers kept on the GPU while it prefills (LayerKV Eq. 4); the
     others are written straight to host."""
+    recompute: Mapping[str, tuple[int, int]] | None = None
+    """With ``placements``: the plan's ``(u blocks, k layers)`` per request that recomputes an
+    uncached prefix (``Plan.recompute_blocks`` / ``recompute_layers``, ``docs/recompute.md``;
+    blocks are pages). Replaced with every new ``placements``; None: nothing planned."""
 
     @property
     def empty(self) -> bool:
@@ -132,6 +136,10 @@ class PlacementInstaller:
     uncached: dict[str, int] = field(default_factory=dict)
     """Running requests' uncached prefix pages (eLLM, ``docs/recompute.md``; set by
     :class:`~sglang_ext.recompute_requests.RecomputeRequests`)."""
+    planned_recompute: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """The newest plan's ``(u pages, k layers)`` per request (sized at the plan window's end);
+    :class:`~sglang_ext.recompute_requests.RecomputeRequests` applies them, clamped to the
+    request's pages, to the requests without a forced ratio."""
     installs: int = 0
     """update_residency calls made."""
     skipped: int = 0
@@ -165,6 +173,9 @@ class PlacementInstaller:
             }
             for rid in self.placements:  # planned now: the prefill placement has done its job
                 self.prefill_placements.pop(rid, None)
+            self.planned_recompute = {
+                rid: (int(u), int(k)) for rid, (u, k) in (install.recompute or {}).items() if u > 0
+            }
             self._bool_rows = {
                 rid: hit for rid, hit in self._bool_rows.items()
                 if rid in self.placements or rid in self.prefill_placements
@@ -249,6 +260,7 @@ class PlacementInstaller:
     def release(self, rid: str) -> None:
         self._bool_rows.pop(rid, None)
         self.uncached.pop(rid, None)
+        self.planned_recompute.pop(rid, None)
         self.placements.pop(rid, None)
         self.prefill_placements.pop(rid, None)
         self.last_wants.pop(rid, None)

@@ -83,14 +83,25 @@ def hardware_to_proto(hw: Hardware) -> pb.Hardware:
 def _profile_dict(msg: pb.Profile) -> dict[str, Any]:
     values = list(msg.layer_compute_ms)
     # One entry = the JSON "number" form (same value for every layer).
-    return {"layer_compute_ms": values[0] if len(values) == 1 else values}
+    out: dict[str, Any] = {"layer_compute_ms": values[0] if len(values) == 1 else values}
+    rms = list(msg.recompute_ms_per_token)  # none: absent (no recompute offered)
+    if rms:
+        out["recompute_ms_per_token"] = rms[0] if len(rms) == 1 else rms
+    return out
+
+
+def profile_to_proto(profile: Profile) -> pb.Profile:
+    return pb.Profile(
+        layer_compute_ms=profile.layer_compute_ms,
+        recompute_ms_per_token=profile.recompute_ms_per_token or (),
+    )
 
 
 def batch_to_proto(batch: Batch) -> pb.Batch:
     return pb.Batch(
         model=model_to_proto(batch.model),
         hardware=hardware_to_proto(batch.hardware),
-        profile=pb.Profile(layer_compute_ms=batch.profile.layer_compute_ms),
+        profile=profile_to_proto(batch.profile),
         requests=[
             pb.RequestSpec(
                 id=r.id,
@@ -104,6 +115,7 @@ def batch_to_proto(batch: Batch) -> pb.Batch:
             alpha=batch.policy.alpha,
             window_min=batch.policy.window_min,
             window_max=batch.policy.window_max,
+            max_recompute_ratio=batch.policy.max_recompute_ratio,
         ),
     )
 
@@ -140,6 +152,7 @@ def batch_from_proto(msg: pb.Batch, prefix: str = "batch") -> Batch:
             "alpha": msg.policy.alpha,
             "window_min": msg.policy.window_min,
             "window_max": msg.policy.window_max,
+            "max_recompute_ratio": msg.policy.max_recompute_ratio,
         }
     try:
         return Batch.from_dict(d)
@@ -162,6 +175,9 @@ def plan_to_proto(plan: Plan) -> pb.Plan:
         msg.placements[rid].on_gpu.extend(int(x) for x in row)
     if plan.expiry_step is not None:
         msg.expiry_step = plan.expiry_step
+    msg.recompute_blocks.update(plan.recompute_blocks)
+    msg.recompute_layers.update(plan.recompute_layers)
+    msg.transient_blocks = plan.transient_blocks
     return msg
 
 
@@ -177,7 +193,24 @@ def plan_from_proto(msg: pb.Plan) -> Plan:
         solver=msg.solver,
         solve_ms=msg.solve_ms,
         expiry_step=_opt(msg, "expiry_step"),
+        **_plan_recompute(msg),
     )
+
+
+def _plan_recompute(msg: pb.Plan, prefix: str = "plan") -> dict[str, Any]:
+    """The plan's recompute fields, checked (``docs/recompute.md``): ``u >= 1`` per request,
+    ``k >= 0`` for exactly the same requests, transient blocks ``>= 0``."""
+    blocks, layers = dict(msg.recompute_blocks), dict(msg.recompute_layers)
+    if blocks.keys() != layers.keys():
+        raise _invalid(f"{prefix}.recompute_layers", "must have the same request ids as recompute_blocks")
+    for rid in blocks:
+        _check_int(blocks[rid], f"{prefix}.recompute_blocks[{rid!r}]", 1)
+        _check_int(layers[rid], f"{prefix}.recompute_layers[{rid!r}]", 0)
+    return {
+        "recompute_blocks": blocks,
+        "recompute_layers": layers,
+        "transient_blocks": _check_int(msg.transient_blocks, f"{prefix}.transient_blocks", 0),
+    }
 
 
 # ---------------------------------------------------------------- worker sessions
@@ -188,7 +221,7 @@ def worker_info_to_proto(info: api.WorkerInfo) -> pb.WorkerInfo:
         worker_id=info.worker_id,
         model=model_to_proto(info.model),
         hardware=hardware_to_proto(info.hardware),
-        profile=pb.Profile(layer_compute_ms=info.profile.layer_compute_ms),
+        profile=profile_to_proto(info.profile),
         scheduler=info.scheduler or "",
         tp_size=info.tp_size,
     )

@@ -25,10 +25,12 @@ class Hardware(_message.Message):
     def __init__(self, gpu_kv_budget_blocks: _Optional[int] = ..., h2d_gbps: _Optional[float] = ...) -> None: ...
 
 class Profile(_message.Message):
-    __slots__ = ("layer_compute_ms",)
+    __slots__ = ("layer_compute_ms", "recompute_ms_per_token")
     LAYER_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_MS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     layer_compute_ms: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, layer_compute_ms: _Optional[_Iterable[float]] = ...) -> None: ...
+    recompute_ms_per_token: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, layer_compute_ms: _Optional[_Iterable[float]] = ..., recompute_ms_per_token: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RequestSpec(_message.Message):
     __slots__ = ("id", "context_tokens", "slo_tbt_ms", "deposit_tokens")
@@ -43,14 +45,16 @@ class RequestSpec(_message.Message):
     def __init__(self, id: _Optional[str] = ..., context_tokens: _Optional[int] = ..., slo_tbt_ms: _Optional[float] = ..., deposit_tokens: _Optional[int] = ...) -> None: ...
 
 class PlanPolicy(_message.Message):
-    __slots__ = ("alpha", "window_min", "window_max")
+    __slots__ = ("alpha", "window_min", "window_max", "max_recompute_ratio")
     ALPHA_FIELD_NUMBER: _ClassVar[int]
     WINDOW_MIN_FIELD_NUMBER: _ClassVar[int]
     WINDOW_MAX_FIELD_NUMBER: _ClassVar[int]
+    MAX_RECOMPUTE_RATIO_FIELD_NUMBER: _ClassVar[int]
     alpha: float
     window_min: int
     window_max: int
-    def __init__(self, alpha: _Optional[float] = ..., window_min: _Optional[int] = ..., window_max: _Optional[int] = ...) -> None: ...
+    max_recompute_ratio: float
+    def __init__(self, alpha: _Optional[float] = ..., window_min: _Optional[int] = ..., window_max: _Optional[int] = ..., max_recompute_ratio: _Optional[float] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("model", "hardware", "profile", "requests", "policy")
@@ -73,7 +77,7 @@ class Placement(_message.Message):
     def __init__(self, on_gpu: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("feasible", "paused", "placements", "predicted_step_ms", "window_steps", "resident_blocks", "staging_blocks", "solver", "solve_ms", "expiry_step")
+    __slots__ = ("feasible", "paused", "placements", "predicted_step_ms", "window_steps", "resident_blocks", "staging_blocks", "solver", "solve_ms", "expiry_step", "recompute_blocks", "recompute_layers", "transient_blocks")
     class PlacementsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +85,20 @@ class Plan(_message.Message):
         key: str
         value: Placement
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Placement, _Mapping]] = ...) -> None: ...
+    class RecomputeBlocksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class RecomputeLayersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     FEASIBLE_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FIELD_NUMBER: _ClassVar[int]
     PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +109,9 @@ class Plan(_message.Message):
     SOLVER_FIELD_NUMBER: _ClassVar[int]
     SOLVE_MS_FIELD_NUMBER: _ClassVar[int]
     EXPIRY_STEP_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TRANSIENT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     feasible: bool
     paused: _containers.RepeatedScalarFieldContainer[str]
     placements: _containers.MessageMap[str, Placement]
@@ -101,7 +122,10 @@ class Plan(_message.Message):
     solver: str
     solve_ms: float
     expiry_step: int
-    def __init__(self, feasible: _Optional[bool] = ..., paused: _Optional[_Iterable[str]] = ..., placements: _Optional[_Mapping[str, Placement]] = ..., predicted_step_ms: _Optional[float] = ..., window_steps: _Optional[int] = ..., resident_blocks: _Optional[int] = ..., staging_blocks: _Optional[int] = ..., solver: _Optional[str] = ..., solve_ms: _Optional[float] = ..., expiry_step: _Optional[int] = ...) -> None: ...
+    recompute_blocks: _containers.ScalarMap[str, int]
+    recompute_layers: _containers.ScalarMap[str, int]
+    transient_blocks: int
+    def __init__(self, feasible: _Optional[bool] = ..., paused: _Optional[_Iterable[str]] = ..., placements: _Optional[_Mapping[str, Placement]] = ..., predicted_step_ms: _Optional[float] = ..., window_steps: _Optional[int] = ..., resident_blocks: _Optional[int] = ..., staging_blocks: _Optional[int] = ..., solver: _Optional[str] = ..., solve_ms: _Optional[float] = ..., expiry_step: _Optional[int] = ..., recompute_blocks: _Optional[_Mapping[str, int]] = ..., recompute_layers: _Optional[_Mapping[str, int]] = ..., transient_blocks: _Optional[int] = ...) -> None: ...
 
 class PlanRequest(_message.Message):
     __slots__ = ("batch",)
