@@ -206,6 +206,7 @@ class SchedulerHooks:
             gpu_kv_budget_blocks=self._budget_blocks(),
             args=self.args,
             tp_size=self.tp.world_size,
+            can_recompute=self.recompute.plannable,
         )
 
     def _budget_blocks(self) -> int:

@@ -11,6 +11,12 @@ from the observed step times and the sampled per-layer times):
 * without: :data:`DEFAULT_LAYER_COMPUTE_MS` per layer and :data:`DEFAULT_H2D_GBPS`, and the
   controller learns the real figures from the first steps.
 
+Recompute (issue 16, ``docs/recompute.md``): the profile's ``recompute_ms_per_token`` is the
+file's figure (``kvplane profile`` times one layer's prefill of a prefix), sent for every layer
+only when the worker can serve recompute (the layered pool with a decode backend that runs
+recompute rows). Without the figure, or without the ability, it is absent and the control plane
+never plans recompute for this worker (the controller scales it with the compute it learns).
+
 The same ``WorkerInfo`` reaches the embedded controller (``open_session``) and a remote one
 (the gRPC hello), so both start from the file. Pure Python (no torch, no SGLang).
 """
@@ -44,6 +50,8 @@ class InitialProfile:
     """Device-to-host bandwidth from the file (not sent: see the module docstring); None without one."""
     source: str
     """``default`` or the profile file's path."""
+    recompute_ms_per_token: float | None = None
+    """ms one recomputed prefix token adds to a layer, from the file; None when it has none."""
 
 
 def initial_profile(layers: int, profile_file: str | Path | None) -> InitialProfile:
@@ -60,7 +68,8 @@ def initial_profile(layers: int, profile_file: str | Path | None) -> InitialProf
             f"model {layers} (measure it with `kvplane profile --layers {layers}`)"
         )
     per_layer = measured.layer_compute_ms(PROFILE_BATCH_TOKENS)
-    return InitialProfile((per_layer,) * layers, measured.h2d_gbps, measured.d2h_gbps, str(profile_file))
+    return InitialProfile((per_layer,) * layers, measured.h2d_gbps, measured.d2h_gbps, str(profile_file),
+                          measured.recompute_ms_per_token)
 
 
 def build_worker_info(
@@ -72,15 +81,18 @@ def build_worker_info(
     gpu_kv_budget_blocks: int,
     args: LayeredKVArgs,
     tp_size: int = 1,
+    can_recompute: bool = False,
 ) -> WorkerInfo:
     """The session's ``WorkerInfo``: the model's KV shape, the GPU budget, the initial profile
-    (``args.kv_profile`` or the defaults) and the scheduler choice."""
+    (``args.kv_profile`` or the defaults; its recompute cost when ``can_recompute``) and the
+    scheduler choice."""
     profile = initial_profile(layers, args.kv_profile)
+    rms = profile.recompute_ms_per_token if can_recompute else None
     return WorkerInfo(
         worker_id=worker_id,
         model=ModelSpec(layers=layers, block_size=block_size, block_bytes=block_bytes),
         hardware=Hardware(gpu_kv_budget_blocks=gpu_kv_budget_blocks, h2d_gbps=profile.h2d_gbps),
-        profile=Profile(profile.layer_compute_ms),
+        profile=Profile(profile.layer_compute_ms, None if rms is None else (rms,) * layers),
         scheduler=args.kv_scheduler,
         tp_size=tp_size,
     )

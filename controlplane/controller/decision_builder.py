@@ -87,6 +87,8 @@ class PlanningInput:
     """True when a request finished (or nothing runs): try to resume paused requests."""
     limits: BatchLimits = UNLIMITED
     """The worker's batch limits (admissions and resumptions stay within them)."""
+    recompute_ms_per_token: tuple[float, ...] | None = None
+    """The worker's per-layer recompute cost (``docs/recompute.md``); None: never offered."""
 
 
 class DecisionBuilder:
@@ -251,7 +253,7 @@ class DecisionBuilder:
         batch = Batch(
             model=inp.model,
             hardware=Hardware(inp.hardware.gpu_kv_budget_blocks, inp.h2d_gbps),
-            profile=Profile(inp.layer_compute_ms),
+            profile=Profile(inp.layer_compute_ms, inp.recompute_ms_per_token),
             requests=requests,
             policy=policy.plan_policy,
         )

@@ -15,6 +15,15 @@ towards the observation and the planner runs again:
 * With a compute sample but no bandwidth sample, and transfers in the placement, the bandwidth
   target is the one that makes the timeline reproduce the observed step (bisection; the step time
   is non-increasing in bandwidth).
+
+**Recompute** (issue 16, ``docs/recompute.md``): the worker's profile may carry
+``recompute_ms_per_token`` (from its ``--kv-profile`` file, measured by ``kvplane profile``).
+The placement that ran may recompute (per request ``(u, k)``); predictions then include the
+recompute's compute, a layer sample has the predicted recompute part taken out (the layer timer
+measures the layer with its recompute rows), and the homogeneity above holds with the recompute
+cost scaled like the compute. After every update ``recompute_ms_per_token`` is scaled by the
+ratio of the new to the old summed layer compute: the recomputed tokens run through the same
+layers on the same device, so a slowdown the profile learns applies to them too.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from controlplane.model import Profile, step_time_ms
+from controlplane.model.timeline import Recompute
 
 
 @dataclass(frozen=True)
@@ -46,13 +56,16 @@ class ProfileUpdate:
 class ProfileTracker:
     """Current compute profile and link bandwidth of one worker. Not thread-safe."""
 
-    def __init__(self, profile: Profile, h2d_gbps: float, block_bytes: int) -> None:
+    def __init__(self, profile: Profile, h2d_gbps: float, block_bytes: int, block_size: int = 1) -> None:
         if h2d_gbps <= 0:
             raise ValueError(f"h2d_gbps: {h2d_gbps} is out of range (allowed > 0)")
         self._comp = tuple(float(c) for c in profile.layer_compute_ms)
         self._all_gpu_ms = float(sum(self._comp))
         self._gbps = float(h2d_gbps)
         self._block_bytes = block_bytes
+        self._block_size = block_size
+        rms = profile.recompute_ms_per_token
+        self._rms = None if rms is None else tuple(float(x) for x in rms)
 
     @property
     def layer_compute_ms(self) -> tuple[float, ...]:
@@ -71,16 +84,47 @@ class ProfileTracker:
         return self._gbps
 
     @property
+    def recompute_ms_per_token(self) -> tuple[float, ...] | None:
+        """Per layer, ms one recomputed token adds (None: the worker cannot recompute)."""
+        return self._rms
+
+    @property
     def profile(self) -> Profile:
-        return Profile(layer_compute_ms=self._comp)
+        return Profile(layer_compute_ms=self._comp, recompute_ms_per_token=self._rms)
 
     def bw_blocks_per_ms(self, gbps: float | None = None) -> float:
         """Bandwidth in blocks per ms (issue 2 §2: ``h2d_gbps * 1e9 / 1e3 / block_bytes``)."""
         return (self._gbps if gbps is None else gbps) * 1e9 / 1e3 / self._block_bytes
 
-    def predict_step_ms(self, placement: Sequence[Sequence[int]], blocks: Sequence[int]) -> float:
-        """Exact timeline step time of ``placement`` under the current profile."""
-        return step_time_ms(placement, blocks, self._comp, self.bw_blocks_per_ms())
+    def predict_step_ms(
+        self, placement: Sequence[Sequence[int]], blocks: Sequence[int], recompute: Recompute | None = None
+    ) -> float:
+        """Exact timeline step time of ``placement`` (with ``recompute``, per request ``(u, k)``)
+        under the current profile."""
+        return self._step_ms(placement, blocks, self._comp, self._rms, self.bw_blocks_per_ms(), recompute)
+
+    def _step_ms(
+        self,
+        placement: Sequence[Sequence[int]],
+        blocks: Sequence[int],
+        comp: Sequence[float],
+        rms: Sequence[float] | None,
+        bw: float,
+        recompute: Recompute | None,
+    ) -> float:
+        if recompute is None or rms is None:
+            return step_time_ms(placement, blocks, comp, bw)
+        return step_time_ms(placement, blocks, comp, bw, recompute=recompute, recompute_ms_per_token=rms,
+                            block_size=self._block_size)
+
+    def _without_recompute(self, sample: Sequence[float], recompute: Recompute | None) -> tuple[float, ...]:
+        """A layer sample less the recompute the model puts in each layer (``>= 0``)."""
+        out = [float(c) for c in sample]
+        if recompute is not None and self._rms is not None:
+            for u, k in recompute:
+                for layer in range(k if u else 0):
+                    out[layer] -= u * self._block_size * self._rms[layer]
+        return tuple(max(0.0, c) for c in out)
 
     @staticmethod
     def mismatch(observed_step_ms: float, predicted_step_ms: float) -> float:
@@ -99,11 +143,15 @@ class ProfileTracker:
         blocks: Sequence[int],
         layer_compute_sample_ms: Sequence[float] | None = None,
         h2d_gbps_sample: float | None = None,
+        recompute: Recompute | None = None,
     ) -> ProfileUpdate:
-        """Move the profile towards the observation by one EWMA step (see module docstring)."""
+        """Move the profile towards the observation by one EWMA step (see module docstring);
+        ``recompute``: the ``(u, k)`` per request of the placement that ran."""
         a = ewma_factor
         old_comp, old_gbps = self._comp, self._gbps
-        transfers = any(not x for row in placement for x in row)
+        transfers = any(not x for row in placement for x in row) or any(
+            u and k < len(old_comp) for u, k in recompute or ()
+        )
         scale = observed_step_ms / predicted_step_ms if predicted_step_ms > 0 else 1.0
         if layer_compute_sample_ms is not None:
             if len(layer_compute_sample_ms) != len(old_comp):
@@ -111,7 +159,7 @@ class ProfileTracker:
                     f"layer_compute_ms: has {len(layer_compute_sample_ms)} entries, "
                     f"expected {len(old_comp)}"
                 )
-            target_comp = tuple(float(c) for c in layer_compute_sample_ms)
+            target_comp = self._without_recompute(layer_compute_sample_ms, recompute)
         elif h2d_gbps_sample is not None and transfers:
             target_comp = old_comp  # the bandwidth sample explains the gap; fitted below
         else:
@@ -122,16 +170,18 @@ class ProfileTracker:
         elif not transfers:
             target_gbps = old_gbps  # nothing crossed the link: no evidence about bandwidth
         elif layer_compute_sample_ms is not None:
-            target_gbps = self._fit_gbps(target_comp, placement, blocks, observed_step_ms)
+            target_gbps = self._fit_gbps(target_comp, placement, blocks, observed_step_ms, recompute)
         else:
             target_gbps = old_gbps / scale if scale > 0 else old_gbps
 
         if h2d_gbps_sample is not None and layer_compute_sample_ms is None and transfers:
-            fitted = self._fit_comp_scale(target_gbps, placement, blocks, observed_step_ms)
+            fitted = self._fit_comp_scale(target_gbps, placement, blocks, observed_step_ms, recompute)
             target_comp = tuple(c * fitted for c in old_comp)
 
         self._comp = tuple((1 - a) * o + a * t for o, t in zip(old_comp, target_comp, strict=True))
-        self._all_gpu_ms = float(sum(self._comp))
+        old_total, self._all_gpu_ms = self._all_gpu_ms, float(sum(self._comp))
+        if self._rms is not None and old_total > 0:
+            self._rms = tuple(x * self._all_gpu_ms / old_total for x in self._rms)
         if target_gbps > 0:
             self._gbps = (1 - a) * old_gbps + a * target_gbps
         return ProfileUpdate(
@@ -144,12 +194,15 @@ class ProfileTracker:
         placement: Sequence[Sequence[int]],
         blocks: Sequence[int],
         observed_step_ms: float,
+        recompute: Recompute | None = None,
     ) -> float:
         """Bandwidth at which the timeline reproduces ``observed_step_ms`` (clamped to 1e-3..1e3x)."""
         lo, hi = self._gbps * 1e-3, self._gbps * 1e3
+        rms = None if self._rms is None else [x * sum(comp) / self._all_gpu_ms if self._all_gpu_ms else x
+                                              for x in self._rms]
 
         def t(gbps: float) -> float:
-            return step_time_ms(placement, blocks, comp, self.bw_blocks_per_ms(gbps))
+            return self._step_ms(placement, blocks, comp, rms, self.bw_blocks_per_ms(gbps), recompute)
 
         if t(hi) >= observed_step_ms:
             return hi  # even a very fast link is too slow: compute explains it; keep bw high
@@ -169,12 +222,16 @@ class ProfileTracker:
         placement: Sequence[Sequence[int]],
         blocks: Sequence[int],
         observed_step_ms: float,
+        recompute: Recompute | None = None,
     ) -> float:
-        """Compute scale at which the timeline reproduces ``observed_step_ms`` given ``gbps``."""
+        """Compute scale at which the timeline reproduces ``observed_step_ms`` given ``gbps``
+        (the recompute cost scaled with the compute)."""
         bw = self.bw_blocks_per_ms(gbps)
+        rms = self._rms
 
         def t(s: float) -> float:
-            return step_time_ms(placement, blocks, [c * s for c in self._comp], bw)
+            return self._step_ms(placement, blocks, [c * s for c in self._comp],
+                                 None if rms is None else [x * s for x in rms], bw, recompute)
 
         lo, hi = 1e-3, 1e3
         if t(lo) >= observed_step_ms:

@@ -61,7 +61,8 @@ from controlplane.controller.schedulers import make_scheduler
 from controlplane.controller.session_status import SessionStatus
 from controlplane.controller.solver_warmup import warm_up_solver
 from controlplane.controller.token_deposit import TokenDeposit
-from controlplane.model import memory_blocks
+from controlplane.model import gpu_blocks
+from controlplane.model.timeline import Recompute
 from controlplane.policy import Policy
 
 log = structlog.get_logger(__name__)
@@ -104,7 +105,7 @@ class SessionController:
         self._sync = synchronous
         self._observer: ControllerObserver = SafeObserver(observer or NullObserver())
         self._profile = ProfileTracker(
-            worker.profile, worker.hardware.h2d_gbps, worker.model.block_bytes
+            worker.profile, worker.hardware.h2d_gbps, worker.model.block_bytes, worker.model.block_size
         )
         self._tracker = RequestTracker()
         self._lock = threading.RLock()
@@ -269,17 +270,22 @@ class SessionController:
     def _validate(self, report: StepReport) -> None:
         validate_report(report, self._last, self._worker.model.layers)
 
-    def _placement_now(self, decision: Decision | None) -> tuple[list[tuple[int, ...]], list[int]]:
-        """Rows and blocks of the running requests under ``decision`` (all-GPU when unplanned)."""
+    def _placement_now(self, decision: Decision | None) -> tuple[list[tuple[int, ...]], list[int], Recompute | None]:
+        """Rows, blocks and (None unless the plan recomputes) ``(u, k)`` of the running requests
+        under ``decision`` (all-GPU when unplanned; ``u`` clamped below the blocks, as the worker)."""
         layers, bs = self._worker.model.layers, self._worker.model.block_size
         rows: list[tuple[int, ...]] = []
         blocks: list[int] = []
         placements = {} if decision is None else decision.plan.placements
+        planned = {} if decision is None else decision.plan.recompute_blocks
+        rec: list[tuple[int, int]] = []
         for r in self._tracker.running():
             row = placements.get(r.id)
             rows.append(tuple(row) if row is not None and len(row) == layers else (1,) * layers)
             blocks.append(-(-r.context_tokens // bs))
-        return rows, blocks
+            u = min(planned.get(r.id, 0), blocks[-1] - 1)
+            rec.append((u, decision.plan.recompute_layers.get(r.id, 0)) if u and decision else (0, 0))
+        return rows, blocks, rec if planned else None
 
     def _check_mismatch(self, report: StepReport, policy: Policy) -> bool:
         observed = report.observed_step_ms
@@ -294,10 +300,10 @@ class SessionController:
             predicted = self._profile.all_gpu_step_ms
             if ProfileTracker.mismatch(observed, predicted) <= policy.mismatch_threshold:
                 return False
-            rows, blocks = self._placement_now(self._installed)
+            rows, blocks, rec = self._placement_now(self._installed)
         else:
-            rows, blocks = self._placement_now(self._installed)
-            predicted = self._profile.predict_step_ms(rows, blocks)
+            rows, blocks, rec = self._placement_now(self._installed)
+            predicted = self._profile.predict_step_ms(rows, blocks, rec)
             if ProfileTracker.mismatch(observed, predicted) <= policy.mismatch_threshold:
                 return False
         self._last_update = self._profile.update(
@@ -308,8 +314,9 @@ class SessionController:
             blocks=blocks,
             layer_compute_sample_ms=report.layer_compute_ms,
             h2d_gbps_sample=report.h2d_gbps,
+            recompute=rec,
         )
-        replan = self._replan_could_change(report, rows, blocks)
+        replan = self._replan_could_change(report, rows, blocks, rec)
         (log.info if replan else log.debug)(
             "profile_mismatch",
             worker=self.worker_id,
@@ -329,11 +336,12 @@ class SessionController:
             return True
         if self._all_gpu_of is not decision:
             self._all_gpu_of = decision
-            self._all_gpu = all(all(row) for row in decision.plan.placements.values())
+            plan = decision.plan  # a recompute adds compute (and may fetch): not the fast path
+            self._all_gpu = all(all(row) for row in plan.placements.values()) and not plan.recompute_blocks
         return self._all_gpu
 
     def _replan_could_change(
-        self, report: StepReport, rows: list[tuple[int, ...]], blocks: list[int]
+        self, report: StepReport, rows: list[tuple[int, ...]], blocks: list[int], rec: Recompute | None = None
     ) -> bool:
         """Whether re-running the solver on the refreshed profile can change the installed plan.
 
@@ -344,7 +352,7 @@ class SessionController:
         That is the steady state of a server whose KV fits; skipping the solve there keeps the
         per-step cost of the controller flat. The profile is updated either way.
         """
-        if report.queued or self._tracker.has_paused() or any(0 in row for row in rows):
+        if report.queued or self._tracker.has_paused() or any(0 in row for row in rows) or rec:
             return True
         step_ms = self._profile.predict_step_ms(rows, blocks)
         return any(step_ms > r.deposit.slo_tbt_ms for r in self._tracker.running())
@@ -375,9 +383,8 @@ class SessionController:
         assert self._last is not None
         if self._last.free_gpu_blocks is not None:
             return max(0, self._last.free_gpu_blocks)
-        rows, blocks = self._placement_now(self._current)
-        resident, staging = memory_blocks(rows, blocks)
-        return max(0, self._worker.hardware.gpu_kv_budget_blocks - resident - staging)
+        rows, blocks, rec = self._placement_now(self._current)
+        return max(0, self._worker.hardware.gpu_kv_budget_blocks - gpu_blocks(rows, blocks, rec))
 
     def _snapshot(
         self, policy: Policy, reasons: tuple[str, ...], try_resume: bool
@@ -402,6 +409,7 @@ class SessionController:
             model=self._worker.model,
             hardware=self._worker.hardware,
             layer_compute_ms=self._profile.layer_compute_ms,
+            recompute_ms_per_token=self._profile.recompute_ms_per_token,
             h2d_gbps=self._profile.h2d_gbps,
             tpot_ms=self._last_observed_ms if self._last_observed_ms is not None else predicted,
             predicted_step_ms=predicted,

@@ -6,13 +6,19 @@ Schema (JSON object)::
      "layers": 32, "block_size": 16,
      "block_bytes": 131072,                 # one block of one layer, K and V
      "h2d_gbps": 24.1, "d2h_gbps": 24.8,    # 1e9 bytes per second
-     "layer_compute_ms": {"fixed_ms": 0.05, "per_token_ms": 0.0004}
+     "layer_compute_ms": {"fixed_ms": 0.05, "per_token_ms": 0.0004},
                           # or a list of points [{"tokens": 64, "ms": 0.08}, ...]
+     "recompute_ms_per_token": 0.0002       # optional (issue 16, docs/recompute.md)
     }
 
 ``layer_compute_ms(tokens)`` gives one layer's compute time for a batch of that many tokens:
 the affine form directly, the point list by piecewise-linear interpolation (clamped extrapolation
 with the end segments' slope).
+
+``recompute_ms_per_token`` (optional, >= 0) is what one recomputed prefix token adds to one
+layer's compute (eLLM §4.2.1 Eq. 2, linear in the tokens): ``kvplane profile`` times one layer's
+prefill of a prefix through the same layer and divides by its tokens. Absent: the worker reports
+no recompute cost and the control plane never plans recompute for it.
 """
 
 from __future__ import annotations
@@ -59,6 +65,8 @@ class DeviceProfile:
     """Affine layer compute: ms per batch token (None when points are given)."""
     points: tuple[tuple[int, float], ...] = ()
     """(batch tokens, layer ms) measured points, ascending tokens."""
+    recompute_ms_per_token: float | None = None
+    """ms one recomputed prefix token adds to one layer (None: not measured, no recompute)."""
 
     def __post_init__(self) -> None:
         if (self.fixed_ms is None) == (not self.points):
@@ -99,6 +107,7 @@ class DeviceProfile:
             "h2d_gbps": self.h2d_gbps,
             "d2h_gbps": self.d2h_gbps,
             "layer_compute_ms": comp,
+            **({} if (rms := self.recompute_ms_per_token) is None else {"recompute_ms_per_token": rms}),
         }
 
     @classmethod
@@ -116,6 +125,8 @@ class DeviceProfile:
             block_bytes=_num(d, "block_bytes", 1, integer=True),
             h2d_gbps=_num(d, "h2d_gbps", 0, open_lo=True),
             d2h_gbps=_num(d, "d2h_gbps", 0, open_lo=True),
+            recompute_ms_per_token=None if d.get("recompute_ms_per_token") is None
+            else _num(d, "recompute_ms_per_token", 0),
         )
         if isinstance(comp, Mapping):
             return cls(

@@ -13,6 +13,12 @@ reference --, output projection, gated MLP) inside a decode step of ``tokens`` s
 bandwidth is the store's transfer engine moving K and V of one layer of ``--copy-blocks`` pages
 between the pinned block-first host pool and the device pool (``store.engine.h2d`` / ``d2h`` over
 ``store.host_segs`` / ``store.dev_segs``: the launches a step's fetches and write-backs are).
+
+``recompute_ms_per_token`` (issue 16, ``docs/recompute.md``): the same synthetic layer runs a
+prefill of ``--recompute-tokens`` prefix tokens (the projections and MLP over every token, causal
+attention of the prefix to itself, as the served recompute rows run it) and its time is divided
+by the tokens (eLLM §4.2.1 Eq. 2: linear in the recomputed tokens for the GEMMs, which dominate).
+``--recompute-tokens 0`` leaves it out (then no recompute is planned for a worker using the file).
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", type=int, default=1024, help="context tokens per sequence")
     parser.add_argument("--tokens", default="1,8,32,128", help="batch sizes (tokens), comma list")
     parser.add_argument("--copy-blocks", type=int, default=256, help="blocks per bandwidth launch")
+    parser.add_argument("--recompute-tokens", type=int, default=256,
+                        help="prefix tokens of the recompute measurement (0: not measured)")
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--out", default=None, help="profile file (default under --out-dir)")
 
@@ -88,6 +96,31 @@ def layer_ms(args: argparse.Namespace, device: str, tokens: int, dtype: torch.dt
     finally:
         for layer_id in range(batch.layers):
             core.exit_layer(layer_id)
+
+
+def recompute_ms_per_token(args: argparse.Namespace, device: str, dtype: torch.dtype) -> float:
+    """One synthetic decoder layer's prefill of ``--recompute-tokens`` prefix tokens (causal
+    self-attention, the K/V heads shared by the query heads as in GQA) per token."""
+    n, h, i, d = args.recompute_tokens, args.hidden, args.intermediate, args.head_dim
+    nq, nkv = args.q_heads * d, args.kv_heads * d
+    qkv = torch.randn(h, nq + 2 * nkv, device=device, dtype=dtype)
+    o = torch.randn(nq, h, device=device, dtype=dtype)
+    gate_up = torch.randn(h, 2 * i, device=device, dtype=dtype)
+    down = torch.randn(i, h, device=device, dtype=dtype)
+    x = torch.randn(n, h, device=device, dtype=dtype)
+    group = args.q_heads // args.kv_heads
+
+    def layer() -> torch.Tensor:
+        y = x @ qkv
+        q = y[:, :nq].reshape(n, args.q_heads, d).transpose(0, 1)
+        k = y[:, nq: nq + nkv].reshape(n, args.kv_heads, d).transpose(0, 1).repeat_interleave(group, 0)
+        v = y[:, nq + nkv:].reshape(n, args.kv_heads, d).transpose(0, 1).repeat_interleave(group, 0)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        z = x + a.transpose(0, 1).reshape(n, nq) @ o
+        gu = z @ gate_up
+        return z + (torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]) @ down
+
+    return time_ms(layer, device, args.repeat) / n
 
 
 def bandwidth_gbps(args: argparse.Namespace, device: str, dtype: torch.dtype) -> tuple[float, float, int]:
@@ -140,6 +173,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"  batched H2D {h2d:.2f} GB/s, D2H {d2h:.2f} GB/s (block {block_bytes} bytes)")
     fixed, per_token = affine_fit(points)
     print(f"  fit: layer_ms = {fixed:.4f} + {per_token:.6f} * tokens")
+    rms = recompute_ms_per_token(args, device, dtype) if args.recompute_tokens > 0 else None
+    if rms is not None:
+        print(f"  recompute: {rms:.6f} ms per prefix token per layer ({args.recompute_tokens}-token prefill)")
     profile = DeviceProfile(
         device=name,
         layers=args.layers,
@@ -149,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
         d2h_gbps=d2h,
         fixed_ms=fixed,
         per_token_ms=per_token,
+        recompute_ms_per_token=rms,
     )
     extra = {
         "measured_points": [{"tokens": t, "ms": ms} for t, ms in points],
