@@ -7,6 +7,10 @@ first ``floor(r * prompt)`` tokens leave the device and are recomputed in every 
 forward. Greedy tokens must equal the session's vanilla server's and per-token logprobs stay
 within ``LOGPROB_ATOL`` (both in fp32, :data:`FP32`); the pool's stats lines prove the forwards recomputed. The negative
 control perturbs the recomputed K/V (test-only fault injector) and the same check fails.
+
+The server also runs the embedded control plane's own recompute (:data:`POLICY`, :data:`PROFILE`):
+a request without any override that overflows the device budget is planned an uncached prefix
+and served with it.
 """
 
 from __future__ import annotations
@@ -38,6 +42,17 @@ BUDGET_TOKENS = 2304
 NEW_TOKENS = 8
 LONG = " ".join(PROMPTS[:5])
 """A prompt long enough for every ratio to leave whole pages uncached."""
+HUGE = " ".join(PROMPTS * 3)
+"""~660 tokens: with its window (64 steps) its 4 layers overflow the 2304 device layer-pages."""
+POLICY = {"max_recompute_ratio": 0.5, "solve_budget_fraction": 10.0}
+"""The control plane may leave up to half a request uncached; its planner gets 10x the predicted
+step to plan (recompute is searched in the time the layout search leaves, docs/recompute.md)."""
+PROFILE = {"device": "CPU: test profile", "layers": 4, "block_size": 1, "block_bytes": 256, "h2d_gbps": 1e-3,
+           "d2h_gbps": 1e-3, "layer_compute_ms": {"fixed_ms": 1.0, "per_token_ms": 0.0}, "recompute_ms_per_token": 1e-4}
+"""The worker's --kv-profile: a link so slow that fetching any layer loses to recomputing, so the
+planner's answer to the overflow is recompute (stated, not measured: the figures only have to
+make the choice stable on a loaded host; the controller scales the recompute cost with the
+compute it learns, never the bandwidth of a plan without transfers)."""
 
 
 class RecomputeServer:
@@ -65,8 +80,11 @@ def vanilla32(tiny_model_dir, tmp_path_factory) -> Iterator[SGLangServer]:
 def rec(tiny_model_dir, tmp_path_factory) -> Iterator[RecomputeServer]:
     root = tmp_path_factory.mktemp("layered-recompute")
     stats, flag = root / "pool_stats.jsonl", root / "corrupt-recompute"
+    (root / "policy.json").write_text(json.dumps(POLICY))
+    (root / "profile.json").write_text(json.dumps(PROFILE))
     flags = ["--enable-layered-kv", "--disable-overlap-schedule", "--kv-gpu-budget-tokens", str(BUDGET_TOKENS),
-             "--max-total-tokens", str(MAX_TOTAL_TOKENS), *FP32]
+             "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--kv-policy", str(root / "policy.json"),
+             "--kv-profile", str(root / "profile.json"), *FP32]
     env = {POOL_STATS_FILE_ENV: str(stats), "PYTHONPATH": str(FAULT_INJECT_DIR),
            "KVPLANE_TEST_CORRUPT_RECOMPUTE_FILE": str(flag)}
     with running_server(tiny_model_dir, root, flags, env) as server:
@@ -181,3 +199,23 @@ def test_bad_recompute_params_are_refused(rec):
         payload = {"text": "hi", "sampling_params": {"max_new_tokens": 2, "custom_params": custom}}
         with pytest.raises(ServerError, match=f"-> 400: .*{field}"):
             rec.server.post("/generate", payload)
+
+
+def test_planned_recompute_serves_an_overflowing_request_exactly(rec, vanilla32):
+    """No custom_params: a short request fits and recomputes nothing; a ~660-token one overflows
+    the device budget, the control plane plans an uncached prefix, and its decode steps recompute
+    it -- with vanilla's greedy tokens and logprobs."""
+    new_tokens = 12
+    before = len(rec.stats())
+    short = generate(rec.server, LONG, None, new_tokens=new_tokens)
+    assert all(s["recompute_tokens"] == 0 for s in rec.stats()[before:])  # negative control: nothing planned
+    assert_same_generation(short, greedy(vanilla32, LONG, new_tokens, logprobs=True), "short")
+    before = len(rec.stats())
+    got = generate(rec.server, HUGE, None, new_tokens=new_tokens)
+    prompt = got["meta_info"]["prompt_tokens"]
+    assert prompt * 4 > BUDGET_TOKENS  # it does not fit without offloading something
+    recomputed = [s["recompute_tokens"] for s in rec.stats()[before:] if s["recompute_tokens"]]
+    assert recomputed, "no decode step recomputed: the plan's recompute did not reach the forward"
+    assert all(0 < t < prompt for t in recomputed), recomputed
+    assert_same_generation(got, greedy(vanilla32, HUGE, new_tokens, logprobs=True), "planned recompute")
+    rec.server.flush_cache()
