@@ -44,13 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 
-from controlplane.api import (
-    Decision,
-    InvalidArgument,
-    StepReport,
-    Unavailable,
-    WorkerInfo,
-)
+from controlplane.api import Decision, InvalidArgument, StepReport, Unavailable, WorkerInfo
 from controlplane.controller.batch_limits import UNLIMITED, BatchLimits
 from controlplane.controller.decision_builder import DecisionBuilder, PlannerLike, PlanningInput
 from controlplane.controller.metrics import ControllerObserver, NullObserver, SafeObserver
