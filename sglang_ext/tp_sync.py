@@ -206,8 +206,8 @@ class PlacementInstaller:
         uncached = self.uncached
         for rid, pages in running.items():
             u = min(uncached.get(rid, 0), max(len(pages) - 1, 0))
-            out[rid] = cls(pages=tuple(pages), gpu_layers=self.gpu_layers(rid), paused=False, uncached_pages=u) \
-                if u else cls(pages=tuple(pages), gpu_layers=self.gpu_layers(rid), paused=False)
+            prefix = {"uncached_pages": u} if u else {}  # only the layered pool's wants carry it
+            out[rid] = cls(pages=tuple(pages), gpu_layers=self.gpu_layers(rid), paused=False, **prefix)
         for rid, pages in paused.items():
             out[rid] = cls(pages=tuple(pages), gpu_layers=(False,) * self.layers, paused=True)
         return out

@@ -55,7 +55,6 @@ class RecomputeRows:
         """``(start, end, k)`` of each request's tokens in the list (host ints)."""
         self.active = [int(self.tokens[self.layers_of > layer].sum()) for layer in range(layers)]
         """Tokens still recomputed at each layer (a prefix of the list)."""
-        self.positions_np = pos
         self.int64_parts = [rows.astype(np.int64).reshape(-1), pos]
         self.int64_size = layers * m + m
         self._has_ids = ids is not None

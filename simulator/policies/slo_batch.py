@@ -24,6 +24,7 @@ Eq. (5) never preempts a running request (eLLM chooses ``b`` among waiting reque
 from __future__ import annotations
 
 from simulator.policies.base import BasePolicy
+from simulator.policies.no_offload import preempt_and_resume
 from simulator.state import Actions, EngineView, SimRequest
 
 PREEMPTIONS = ("recompute", "swap")
@@ -79,27 +80,8 @@ class SloBatchPolicy(BasePolicy):
         p = self.p
         act = Actions()
         L = p.layers
-        budget = p.gpu_kv_budget_blocks
-        running = sorted(view.running, key=lambda r: (r.spec.arrival_ms, r.id))
-        # Blocks needed next step: one more token for every running request.
-        need = sum(p.blocks(r.context + 1) * L for r in running)
-        while running and need > budget:
-            victim = running.pop()
-            need -= p.blocks(victim.context + 1) * L
-            if self.preemption == "recompute":
-                act.preempt_recompute.append(victim.id)
-            else:
-                act.preempt_swap.append(victim.id)
-        free = budget - need
-        # Swapped requests come back first (vLLM prioritises swapped over waiting).
-        for r in sorted(view.swapped, key=lambda r: (r.spec.arrival_ms, r.id)):
-            blocks = p.blocks(r.context + 1) * L
-            if blocks > free or len(running) + 1 > p.max_batch_size \
-                    or self.eq5 and running and not self._within_slo(running + [r]):
-                break
-            act.resume.append(r.id)
-            running.append(r)
-            free -= blocks
+        may_resume = (lambda run, r: not run or self._within_slo(run + [r])) if self.eq5 else None
+        running, free = preempt_and_resume(p, view, act, self.preemption, may_resume)
         if act.preempt_recompute or act.preempt_swap or view.swapped and not act.resume:
             return act  # under memory pressure: no new admissions this step
         n = len(running)
