@@ -20,11 +20,12 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from sglang_ext.settings import POOL_STATS_FILE_ENV
+from sglang_ext.settings import POOL_STATS_FILE_ENV, STATS_FILE_ENV
 from sglang_ext.testing.server import ServerError, SGLangServer
 from tests.sglang.conftest import (
     FAULT_INJECT_DIR,
@@ -89,6 +90,56 @@ def rec(tiny_model_dir, tmp_path_factory) -> Iterator[RecomputeServer]:
            "KVPLANE_TEST_CORRUPT_RECOMPUTE_FILE": str(flag)}
     with running_server(tiny_model_dir, root, flags, env) as server:
         yield RecomputeServer(server, stats, flag)
+
+
+@pytest.fixture(scope="module")
+def paused_rec(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, Path, Path]]:
+    """Every request forced to recompute half its prompt (``--kv-recompute-ratio 0.5``) on a device
+    budget about a fifth of what the batch needs, with a quick starvation guard: the planner
+    pauses recomputing requests mid-generation and the guard rotates them back in
+    (``tests/sglang/test_pause_server.py``'s setting, in fp32)."""
+    root = tmp_path_factory.mktemp("recompute-pause")
+    (root / "policy.json").write_text(json.dumps({"max_paused_steps": 6, "window_min": 2, "window_max": 4}))
+    stats, pool_stats = root / "stats.jsonl", root / "pool_stats.jsonl"
+    flags = ["--enable-layered-kv", "--kv-policy", str(root / "policy.json"), "--kv-gpu-budget-tokens", "96",
+             "--kv-recompute-ratio", "0.5", "--mem-fraction-static", "0.3", *FP32]
+    env = {STATS_FILE_ENV: str(stats), POOL_STATS_FILE_ENV: str(pool_stats)}
+    with running_server(tiny_model_dir, root, flags, env) as server:
+        yield server, stats, pool_stats
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def test_paused_recomputing_requests_resume_exactly(paused_rec, vanilla32):
+    """20 concurrent requests, each recomputing half its prompt every decode step, paused and
+    resumed mid-generation by the control plane: vanilla's greedy tokens and logprobs for every
+    one; the stats show the pauses, the resumes and recompute on both sides of them."""
+    server, stats_path, pool_path = paused_rec
+    new_tokens = 12
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        got = list(pool.map(lambda p: generate(server, p, None, new_tokens=new_tokens), PROMPTS))
+    for prompt, out in zip(PROMPTS, got, strict=True):
+        assert_same_generation(out, greedy(vanilla32, prompt, new_tokens, logprobs=True), prompt)
+    lines = _lines(stats_path)
+    paused = [rid for line in lines for rid in line.get("paused_now") or ()]
+    resumed = [rid for line in lines for rid in line.get("resumed_now") or ()]
+    assert len(paused) >= 3, f"expected pauses, stats show {len(paused)}"
+    assert set(paused) <= set(resumed), "a paused request was never resumed"
+    rec = {s["step"]: s["recompute_tokens"] for s in _lines(pool_path)}  # same scheduler, same step numbers
+    assert sum(1 for t in rec.values() if t) >= new_tokens, "the forced ratio did not reach the forward"
+    decoding = [(line["step"], set(line["running"])) for line in lines if line["mode"] == "decode"]
+
+    def recomputed(rid: str, after: int, before: float) -> bool:
+        return any(after < step < before and rid in running and rec.get(step) for step, running in decoding)
+
+    mid = {rid for line in lines for rid in line.get("paused_now") or ()
+           if recomputed(rid, 0, line["step"])
+           and any(later["step"] > line["step"] and rid in (later.get("resumed_now") or ())
+                   and recomputed(rid, later["step"] - 1, float("inf")) for later in lines)}
+    assert mid, "no request recomputed, was paused, resumed and recomputed again"
+    assert lines[-1]["paused"] == []
 
 
 def generate(server: SGLangServer, prompt: str, ratio: float | None, layers: int | None = None,
