@@ -149,6 +149,9 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         self.recompute = RecomputeForward()
         self.recompute_ok = self.recompute.wrap_logits(model_runner.model)
         """The model's decode forward can carry recompute rows (``docs/recompute.md``)."""
+        self.recompute_cut_layers = self.recompute.wrap_layers(model_runner.model) if self.recompute_ok else 0
+        """Decoder layers at whose entry the rows of prefixes recomputed only below them are cut."""
+        self.pool.recompute_forward = self.recompute
 
     steady_decode_fast_path = True
     """Steady decode steps skip re-reading every request's slots (:meth:`_steady_decode`)."""

@@ -74,6 +74,9 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         self._in_place_views: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._stats_file = None
         self._stats_path = settings.read_output_file(POOL_STATS_FILE_ENV)
+        self.recompute_forward: Any = None
+        """The attention backend's :class:`~sglang_ext.recompute_forward.RecomputeForward` (set by
+        the backend): its per-layer recompute row count joins the stats line."""
         super().__init__(*args, **kwargs)
 
     # ----- construction (called from MHATokenToKVPool.__init__) --------------------
@@ -138,8 +141,12 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
 
     # ----- wiring -------------------------------------------------------------------
 
-    def attach(self, tree_cache: Any) -> None:
-        """Share ``tree_cache.residency_hooks``: frees drop device copies; releases drop wants."""
+    def attach(self, tree_cache: Any, tp_rank: int = 0) -> None:
+        """Share ``tree_cache.residency_hooks``: frees drop device copies; releases drop wants.
+        The stats lines go to TP rank ``tp_rank``'s file (:func:`settings.rank_output_file`)."""
+        base = settings.read_output_file(POOL_STATS_FILE_ENV)  # from the variable: idempotent
+        if base is not None:
+            self._stats_path = settings.rank_output_file(base, tp_rank)
         hooks = getattr(tree_cache, "residency_hooks", None)
         if hooks is not None:
             self.residency_hooks = hooks
@@ -254,6 +261,7 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
             "batch_size": batch_size,
             "new_tokens": new_tokens,
             "recompute_tokens": self._recompute_tokens(),
+            "recompute_layer_rows_total": getattr(self.recompute_forward, "layer_rows", 0),
             **self.residency_stats().to_dict(),
             "delta": {name: getattr(delta, name) for name in delta.__dataclass_fields__},
         }

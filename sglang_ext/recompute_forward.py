@@ -15,9 +15,13 @@ eLLM §2.3 / §4.3.1, ``docs/recompute.md``. When a decode step's tables carry r
 - the model's ``logits_processor`` sees only the decode rows (:meth:`wrap_logits`): recomputed
   tokens are never sampled. Nothing of them reaches SGLang's radix tree or ``req_to_token``.
 
-Compute above ``k``: the recompute rows still pass through every layer's projections and MLP
-(SGLang's layer stack has no per-layer row count), so ``k < L`` saves transfers' staging and
-recompute *attention* only -- stated in ``docs/recompute.md``.
+- :meth:`wrap_layers` (each decoder layer's entry): the rows of requests whose ``k`` is at or
+  below this layer are cut from the forward -- hidden states, positions and SGLang's residual
+  stream -- so a request's prefix runs through the projections and MLP of its ``k`` layers only
+  (eLLM §4.3.1: the prefix forward runs up to layer ``k``; above it the prefix is fetched). The
+  rows to keep are a host int (:attr:`RecomputeRows.active`, tokens ordered by decreasing ``k``),
+  so the cut is a view, no sync. Where the residual stream is in a state the cut cannot carry
+  (a row transport, a non-additive update) the rows stay and are zeroed in :meth:`attend`.
 """
 
 from __future__ import annotations
@@ -40,6 +44,10 @@ class RecomputeForward:
         """Forwards that recomputed something."""
         self.tokens = 0
         """Recomputed tokens in total (each counted once per step)."""
+        self.layer_rows = 0
+        """Recompute rows that reached a layer's attention, summed over layers and steps: with
+        the cut of :meth:`wrap_layers`, ``sum_l active[l]`` per step (``k * u * page_size`` per
+        request), without it ``L * m``."""
 
     def clear(self) -> None:
         self.rows = None
@@ -60,6 +68,7 @@ class RecomputeForward:
     def write(self, core: Any, layer_index: int, k: torch.Tensor, v: torch.Tensor, layer: Any) -> None:
         """The recompute rows' K/V at this layer into their device rows (before any read)."""
         bs = self.batch
+        self.layer_rows += k.shape[0] - bs
         heads, dim = layer.tp_k_head_num, layer.qk_head_dim
         k_rec = k[bs:].reshape(-1, heads, dim)
         v_rec = v[bs:].reshape(-1, heads, layer.v_head_dim)
@@ -108,3 +117,67 @@ class RecomputeForward:
         processor.forward = forward
         processor._kvplane_recompute = self
         return True
+
+    def wrap_layers(self, model: Any) -> int:
+        """Cut the recompute rows at each decoder layer to those still recomputed there (module
+        docstring). Returns the layers wrapped (0: the model has no ``model.layers`` stack; the
+        rows then run every layer and are zeroed above ``k``)."""
+        inner = getattr(model, "model", None)
+        layers = getattr(inner, "layers", None)
+        if not isinstance(layers, torch.nn.ModuleList):
+            return 0
+        start = int(getattr(inner, "start_layer", 0) or 0)
+        wrapped = 0
+        for i, layer in enumerate(layers):
+            if i <= start or getattr(layer, "_kvplane_recompute", None) is self or not hasattr(layer, "forward"):
+                continue  # the first layer recomputes every row (k >= 1 for each of them)
+            layer.forward = self._cutting(layer.forward, i - start)
+            layer._kvplane_recompute = self
+            wrapped += 1
+        return wrapped
+
+    def _cutting(self, original: Any, index: int) -> Any:
+        state = self
+
+        def forward(positions: torch.Tensor, hidden_states: Any, forward_batch: Any, *args: Any,
+                    **kwargs: Any) -> Any:
+            rows = state.rows
+            if rows is not None:
+                keep = state.batch + rows.active[index]
+                if positions.shape[0] > keep:
+                    cut = _cut_stream(hidden_states, forward_batch, keep)
+                    if cut is not None:
+                        hidden_states, positions = cut, positions[:keep]
+            return original(positions, hidden_states, forward_batch, *args, **kwargs)
+
+        return forward
+
+
+def _cut_stream(hidden: Any, forward_batch: Any, keep: int) -> torch.Tensor | None:
+    """The first ``keep`` rows of the layer input ``hidden`` and of SGLang's residual stream
+    (``forward_batch.residual_stream``: a written residual, or a residual plus the previous
+    layer's pending contribution, whose outstanding sum is completed here rather than at the
+    next norm). None (nothing changed) when the stream is in a state a row cut cannot carry."""
+    stream = getattr(forward_batch, "residual_stream", None)
+    if stream is None or stream.transport is not None or stream.residual is None:
+        return None
+    pending = stream.pending
+    if pending is None:
+        if hidden is not stream.residual:
+            return None
+        stream.residual = stream.residual[:keep]
+        return stream.residual
+    update = pending.update
+    if update is None or not getattr(update, "is_plain_add", False) or getattr(update, "applied_at_exit", True):
+        return None
+    if pending.owed is None:
+        if hidden is not pending.value:
+            return None
+    elif getattr(hidden, "contribution", None) is not pending:
+        return None
+    value = pending.complete()  # the outstanding sum (TP all-reduce), then the plain value
+    if not isinstance(value, torch.Tensor):
+        return None
+    pending.value = value[:keep]
+    stream.residual = stream.residual[:keep]
+    return pending.value

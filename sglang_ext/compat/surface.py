@@ -102,7 +102,7 @@ GET_RADIX_CACHE_FACTORY = Target(f"{_SRT}.mem_cache.registry.get_radix_cache_fac
                                  used_by=("plugin",))
 TREE_CACHE_BUILD_CONTEXT = Target(
     f"{_SRT}.mem_cache.registry.TreeCacheBuildContext",
-    attrs=("params", "is_hybrid_swa", "is_hybrid_ssm", "enable_hierarchical_cache"),
+    attrs=("params", "is_hybrid_swa", "is_hybrid_ssm", "enable_hierarchical_cache", "tp_rank"),
     used_by=("plugin",),
 )
 ALLOC_FOR_EXTEND = Target(f"{_SRT}.mem_cache.allocation.alloc_for_extend", params=("batch",),
@@ -246,6 +246,23 @@ LOGITS_PROCESSOR = Target(
 )
 """A model's ``logits_processor`` (an instance attribute of the CausalLM) is wrapped to see only
 the decode rows of a recompute step."""
+LLAMA_MODEL = Target(f"{_SRT}.models.llama.LlamaModel", attrs=("layers", "start_layer"),
+                     used_by=("recompute_forward",))
+"""``model.model.layers``: each decoder layer but the first has its ``forward`` wrapped to cut the
+rows of prefixes recomputed only below it (eLLM §4.3.1, ``docs/recompute.md``)."""
+LLAMA_DECODER_LAYER = Target(f"{_SRT}.models.llama.LlamaDecoderLayer.forward",
+                             params=("self", "positions", "hidden_states", "forward_batch"),
+                             used_by=("recompute_forward",))
+RESIDUAL_STREAM = Target(f"{_SRT}.layers.layer_boundary.residual.stream.ResidualStream",
+                         attrs=("residual", "pending", "transport"), used_by=("recompute_forward",))
+"""``forward_batch.residual_stream`` between layers: its residual and pending contribution are cut
+with the hidden states."""
+RESIDUAL_CONTRIBUTION = Target(f"{_SRT}.layers.layer_boundary.residual.stream.Contribution",
+                               attrs=("value", "update", "owed", "complete"), used_by=("recompute_forward",))
+RESIDUAL_PLAIN_ADD = Target(f"{_SRT}.layers.layer_boundary.residual.add_norm.PlainAdd",
+                            attrs=("is_plain_add", "applied_at_exit"), used_by=("recompute_forward",))
+FORWARD_BATCH_RESIDUAL = Target(f"{_SRT}.model_executor.forward_batch_info.ForwardBatch",
+                                attrs=("residual_stream",), used_by=("recompute_forward",))
 FORWARD_MODE = Target(f"{_SRT}.model_executor.forward_batch_info.ForwardMode", attrs=("is_decode", "is_extend"),
                       used_by=("scheduler_hooks", "layered_attention"))
 MODEL_RUNNER = Target(f"{_SRT}.model_executor.model_runner.ModelRunner",
@@ -407,11 +424,64 @@ OPENAI_COMPLETION_REQUEST = Target(f"{_SRT}.entrypoints.openai.protocol.Completi
 OPENAI_CHAT_REQUEST = Target(f"{_SRT}.entrypoints.openai.protocol.ChatCompletionRequest",
                              attrs=("custom_params", "model", "n"), used_by=("openai_placement",))
 
-# ----- live policy endpoint (policy_endpoint_config.py) ----------------------------------------------
+OPENAI_RESPONSES_CREATE = Target(
+    f"{_SRT}.entrypoints.openai.serving_responses.OpenAIServingResponses.create_responses",
+    params=("self", "request", "raw_request"),
+    used_by=("placement_hooks", "responses_placement"),
+)
+"""``/v1/responses``' handler: kvplane reads the body's ``custom_params`` (its ``ResponsesRequest`` has
+no such field) and adds ``sglext.kvplane`` to what it returns."""
+OPENAI_RESPONSES_GENERATE = Target(
+    f"{_SRT}.entrypoints.openai.serving_responses.OpenAIServingResponses._generate_with_builtin_tools",
+    params=("self", "request_id", "request_prompt", "adapted_request", "sampling_params", "context"),
+    keyword=("raw_request",),
+    used_by=("placement_hooks", "responses_placement"),
+)
+"""Every generation turn of a Responses request (the engine's ``sampling_params`` dict and the
+``GenerateReqInput``): where kvplane's keys join ``sampling_params["custom_params"]``."""
+OPENAI_RESPONSES_SERVING = Target(f"{_SRT}.entrypoints.openai.serving_responses.OpenAIServingResponses",
+                                  attrs=("create_error_response",), used_by=("responses_placement",))
+OPENAI_RESPONSES_ERROR = Target(
+    f"{_SRT}.entrypoints.openai.serving_responses.OpenAIServingResponses.create_error_response",
+    params=("self", "message"), keyword=("param",), used_by=("responses_placement",),
+)
+OPENAI_RESPONSES_RESPONSE = Target(f"{_SRT}.entrypoints.openai.protocol.ResponsesResponse",
+                                   attrs=("id", "status", "output", "usage"), used_by=("responses_placement",))
+"""The Responses object (also the ``response`` of a stream's lifecycle events); kvplane's subclass
+adds SGLang's ``sglext`` with ``kvplane``."""
+GENERATE_REQ_INPUT_SAMPLING = Target(f"{_SRT}.managers.io_struct.GenerateReqInput", attrs=("sampling_params",),
+                                     used_by=("responses_placement",))
+
+# ----- live policy endpoint (policy_endpoint_config.py, pacing_slo_publisher.py, pacing_slo_update.py)
 
 SERVER_ARGS_DP_SIZE = Target(f"{_SRT}.server_args.ServerArgs", attrs=("dp_size",), used_by=("plugin",))
 """``--dp-size``: one embedded control plane per data-parallel rank, so one policy port cannot serve
 them all (``--kv-policy-listen`` is refused with ``--dp-size > 1``)."""
+SERVER_ARGS_TOKENIZER_WORKER_NUM = Target(f"{_SRT}.server_args.ServerArgs", attrs=("tokenizer_worker_num",),
+                                          used_by=("pacing_slo_publisher",))
+"""``--tokenizer-worker-num``: with more than one, SGLang's router forwards only per-request
+outputs, so a live SLO change is not sent to the pacers."""
+SCHEDULER_IPC = Target(f"{_SRT}.managers.scheduler.Scheduler", attrs=("ipc_channels",),
+                       used_by=("pacing_slo_publisher",))
+SCHEDULER_IPC_CHANNELS = Target(f"{_SRT}.managers.scheduler_components.ipc_channels.SchedulerIpcChannels",
+                                attrs=("send_to_tokenizer",), used_by=("pacing_slo_publisher",))
+"""``scheduler.ipc_channels.send_to_tokenizer``: rank 0's socket straight to the main process (SGLang
+answers control requests on it); a live SLO change travels there."""
+SENDER_WRAPPER_SEND_OUTPUT = Target(
+    f"{_SRT}.managers.scheduler_components.output_sender.SenderWrapper.send_output",
+    params=("self", "output"), used_by=("pacing_slo_publisher",),
+)
+TOKENIZER_INIT_REQUEST_DISPATCHER = Target(
+    f"{_SRT}.managers.tokenizer_manager.TokenizerManager.init_request_dispatcher", params=("self",),
+    used_by=("plugin",),
+)
+"""Builds ``self._result_dispatcher`` (type -> handler for what the scheduler sends that is not a
+batch output); kvplane adds :class:`~sglang_ext.pacing_slo_update.PacingSloUpdate` after it."""
+TOKENIZER_MANAGER = Target(f"{_SRT}.managers.tokenizer_manager.TokenizerManager", attrs=("_result_dispatcher",),
+                           used_by=("plugin",))
+TYPE_BASED_DISPATCHER = Target("sglang.utils.TypeBasedDispatcher", params=("mapping",),
+                               attrs=("__iadd__", "__call__"), used_by=("plugin",))
+"""``dispatcher += TypeBasedDispatcher([(type, handler)])`` adds a type (existing ones are kept)."""
 
 # ----- testing -----------------------------------------------------------------------------------
 

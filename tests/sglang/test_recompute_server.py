@@ -170,6 +170,12 @@ def test_recomputed_prefix_serves_vanilla_tokens(rec, vanilla32, ratio, layers):
     assert len(recomputed) >= NEW_TOKENS - 1, recomputed  # every decode step (the first follows the prefill)
     assert set(recomputed) == {int(ratio * prompt)}, (recomputed, prompt)
     assert all(s["overflow_steps_total"] == 0 for s in rec.stats()[before:])
+    # eLLM §4.3.1: the prefix runs through its k layers only. A stats line is written as its
+    # forward starts, so the totals after this request's last forward are in the next line.
+    generate(rec.server, PROMPTS[1], None, new_tokens=1)
+    lines = rec.stats()[before:]
+    rows = lines[-1]["recompute_layer_rows_total"] - lines[0]["recompute_layer_rows_total"]
+    assert rows == (layers or 4) * sum(recomputed), (rows, layers, sum(recomputed))  # uncut: 4 * sum
 
 
 def test_batched_requests_with_mixed_ratios(rec, vanilla32):

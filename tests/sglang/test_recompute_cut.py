@@ -1,0 +1,118 @@
+"""The recompute rows are cut at each decoder layer with SGLang's own residual stream (no server).
+
+``RecomputeForward.wrap_layers`` (eLLM §4.3.1, ``docs/recompute.md``): at a layer's entry the
+rows of prefixes recomputed only below it are cut from the hidden states, the positions and
+``forward_batch.residual_stream`` -- SGLang 0.5.23's :class:`ResidualStream` and
+:class:`Contribution`, used here as the model uses them. The served proof (rows per layer = k * u
+on a real server) is ``tests/sglang/test_recompute_server.py``.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("sglang")
+
+from sglang.srt.layers.layer_boundary.residual.add_norm import PLAIN_ADD, REPLACE_AT_EXIT  # noqa: E402
+from sglang.srt.layers.layer_boundary.residual.stream import DeclaredSum, ResidualStream  # noqa: E402
+
+from sglang_ext.recompute_forward import RecomputeForward, _cut_stream  # noqa: E402
+
+ROWS, HIDDEN = 6, 4
+
+
+def _pending_stream(update=PLAIN_ADD, declared_sum=None):  # noqa: ANN001, ANN202
+    residual = torch.arange(ROWS * HIDDEN, dtype=torch.float32).view(ROWS, HIDDEN)
+    stream = ResidualStream(residual)
+    out = torch.ones(ROWS, HIDDEN)
+    handle = stream.record(out, update, declared_sum=declared_sum)
+    return stream, handle, residual
+
+
+def test_a_written_residual_is_cut():
+    residual = torch.randn(ROWS, HIDDEN)
+    stream = ResidualStream(residual)
+    cut = _cut_stream(residual, SimpleNamespace(residual_stream=stream), 4)
+    assert cut is not None and cut.shape[0] == 4 and torch.equal(cut, residual[:4])
+    stream.check(cut)  # SGLang accepts the cut tensor as the layer's input
+    assert stream.residual.shape[0] == 4
+
+
+def test_a_pending_plain_add_is_cut_and_applies_to_the_kept_rows():
+    stream, handle, residual = _pending_stream()
+    cut = _cut_stream(handle, SimpleNamespace(residual_stream=stream), 3)
+    assert cut is not None and cut.shape[0] == 3
+    value, res = stream.input(cut)  # what the next layer's prepare reads
+    assert value.shape[0] == res.shape[0] == 3
+    assert torch.equal(PLAIN_ADD.update(value.clone(), res), residual[:3] + 1)
+    # negative control: the uncut residual would have all the rows
+    assert residual.shape[0] == ROWS
+
+
+def test_an_owed_sum_is_completed_first():
+    calls = []
+
+    def complete_sum(value):  # noqa: ANN001, ANN202 - the producer's custom sum (TP all-reduce here)
+        calls.append(value.shape[0])
+        return value * 2
+
+    group = SimpleNamespace()
+    stream, handle, _ = _pending_stream(declared_sum=DeclaredSum(group, complete_sum))
+    cut = _cut_stream(handle, SimpleNamespace(residual_stream=stream), 2)
+    assert calls == [ROWS]  # the sum ran over every row, before the cut
+    assert cut is not None and torch.equal(cut, torch.full((2, HIDDEN), 2.0))
+    stream.check(cut)
+
+
+@pytest.mark.parametrize("case", ["replace_at_exit", "transport", "foreign_hidden", "no_stream"])
+def test_states_a_cut_cannot_carry_are_left_alone(case):
+    stream, handle, residual = _pending_stream(REPLACE_AT_EXIT if case == "replace_at_exit" else PLAIN_ADD)
+    hidden = handle
+    if case == "transport":
+        stream.transport = (None, None)
+    if case == "foreign_hidden":
+        hidden = torch.ones(ROWS, HIDDEN)
+    batch = SimpleNamespace(residual_stream=None if case == "no_stream" else stream)
+    assert _cut_stream(hidden, batch, 2) is None
+    assert stream.residual is residual and stream.pending.value.shape[0] == ROWS
+
+
+def test_wrap_layers_cuts_at_each_layer_by_the_active_rows():
+    """A stack of four layers recording the rows they receive; rows ordered by decreasing k."""
+    seen: list[tuple[int, int]] = []
+
+    class Layer(torch.nn.Module):
+        def __init__(self, i: int) -> None:
+            super().__init__()
+            self.i = i
+
+        def forward(self, positions, hidden_states, forward_batch):  # noqa: ANN001, ANN201
+            seen.append((self.i, positions.shape[0]))
+            stream = forward_batch.residual_stream
+            value, residual = stream.input(hidden_states)  # the layer's prepare: consume, write
+            assert value.shape[0] == positions.shape[0]
+            stream.write(value if residual is None else value + residual)
+            return stream.record(torch.ones(positions.shape[0], HIDDEN), PLAIN_ADD)
+
+    model = SimpleNamespace(model=SimpleNamespace(layers=torch.nn.ModuleList(Layer(i) for i in range(4)),
+                                                  start_layer=0))
+    rec = RecomputeForward()
+    assert rec.wrap_layers(model) == 3
+    assert rec.wrap_layers(model) == 0  # once
+    rec.batch = 2
+    rec.rows = SimpleNamespace(active=[5, 5, 3, 0])  # 2 decode rows, prefixes of 3 (k = 3) and 2 (k = 2) rows
+    stream = ResidualStream()
+    batch = SimpleNamespace(residual_stream=stream)
+    hidden, positions = torch.zeros(7, HIDDEN), torch.arange(7)
+    for layer in model.model.layers:
+        hidden = layer(positions, hidden, batch)
+    assert seen == [(0, 7), (1, 7), (2, 5), (3, 2)]
+    seen.clear()
+    rec.rows = None  # a step without recompute: every row everywhere (the negative control)
+    batch, hidden = SimpleNamespace(residual_stream=ResidualStream()), torch.zeros(7, HIDDEN)
+    for layer in model.model.layers:
+        hidden = layer(positions, hidden, batch)
+    assert seen == [(i, 7) for i in range(4)]
