@@ -89,7 +89,8 @@ class MetricSpec:
         return (self.name,)
 
 
-_CUDA_UNTIMED = "CUDA: not measured (the copies are asynchronous; the series stays 0)"
+_CUDA_EVENTS = ("CUDA: a CUDA-event pair around each batched copy on its transfer stream, read without a sync "
+                "once complete (at the end of its step or a later one; events still in flight are counted later)")
 
 WORKER_METRICS: tuple[MetricSpec, ...] = (
     # ---- KV residency, per TP rank (each rank's layered pool) -----------------------------
@@ -110,13 +111,15 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvplane:d2h_bytes_total", "counter", "bytes",
                "Bytes copied device -> host (write-back of dirty and staged layer-pages)"),
     MetricSpec("kvplane:h2d_seconds_total", "counter", "seconds",
-               "Wall time of host -> device copies", caveat=f"CPU: the synchronous copies, timed. {_CUDA_UNTIMED}"),
+               "Time host -> device copies took", caveat=f"CPU: the synchronous copies, wall-timed. {_CUDA_EVENTS}"),
     MetricSpec("kvplane:d2h_seconds_total", "counter", "seconds",
-               "Wall time of device -> host copies", caveat=f"CPU: the synchronous copies, timed. {_CUDA_UNTIMED}"),
+               "Time device -> host copies took", caveat=f"CPU: the synchronous copies, wall-timed. {_CUDA_EVENTS}"),
     MetricSpec("kvplane:stall_seconds", "histogram", "seconds",
                "Per forward step: time the step waited on KV transfers",
-               caveat="CPU: the step's copy seconds (copies block the scheduler thread). CUDA: not observed "
-                      "(the compute stream's wait on a fetch event is not timed)",
+               caveat="CPU: the step's copy seconds (copies block the scheduler thread). CUDA: the compute "
+                      "stream's waits on the layers' fetch events and on the step start's fence, timed by "
+                      "CUDA-event pairs; a step is observed once all its pairs completed (normally at its "
+                      "own end, otherwise at a later step)",
                buckets=STEP_BUCKETS_S),
     MetricSpec("kvplane:overflow_steps_total", "counter", "steps",
                "Forwards whose batch could not be staged inside the budget (served at rest, with host syncs)"),

@@ -39,7 +39,6 @@ from controlplane.controller.metrics import EMBEDDED_METRIC_NAMES, PrometheusObs
 from controlplane.policy import Policy
 from sglang_ext.admission import request_slo
 from sglang_ext.metric_spec import WORKER_METRICS, MetricSpec
-from sglang_ext.transfer_timer import TransferTimer
 
 log = structlog.get_logger(__name__)
 
@@ -93,9 +92,9 @@ class WorkerMetrics:
         self._pool: Any = None
         self._backend: Any = None
         self._seen_delta: Any = None
-        self.timer: TransferTimer | None = None
-        """Times the copies of a synchronous (CPU) engine; None on CUDA (not measured)."""
-        self._stall_mark = 0.0
+        self.transfers: Any = None
+        """The layered core whose transfer account feeds the copy seconds and the stall histogram
+        (``LayeredKVCore.close_transfer_step``, CPU and CUDA alike); None without a layered pool."""
         self._policy: Callable[[], Policy] = Policy
         self._session: Callable[[], Any] = lambda: None
         self.fallbacks = self._one.get("control_plane_fallback_steps_total")
@@ -119,12 +118,14 @@ class WorkerMetrics:
         return cls(labels, layers=layers, page_size=page_size, source=source, registry=registry)
 
     def attach_pool(self, pool: Any, backend: Any) -> None:
-        """The layered pool (residency totals, the CPU transfer timer) and the attention backend
-        (``last_delta``: the reconciliation of its last forward)."""
+        """The layered pool (residency totals, its core's transfer account) and the attention
+        backend (``last_delta``: the reconciliation of its last forward)."""
         self._pool = pool
         self._backend = backend
-        self.timer = TransferTimer.attach(pool)
-        self._stall_mark = 0.0 if self.timer is None else self.timer.total_s
+        core = getattr(pool, "core", None)
+        self.transfers = core if callable(getattr(core, "close_transfer_step", None)) else None
+        if self.transfers is not None:
+            self.transfers.close_transfer_step()  # waits before the first step are no step's stall
 
     def controller_observer(self) -> PrometheusObserver:
         """The embedded controller's counters as ``kvplane:controller_*`` with SGLang's labels."""
@@ -158,6 +159,10 @@ class WorkerMetrics:
     def end_step(self, *, paused: int = 0, held_total: int = 0, local_admits: int = 0) -> None:
         """After a forward (every rank): residency, moves, bytes, copy seconds, stall; TP rank 0
         also the paused requests and the admission gate's running totals."""
+        if self.transfers is not None:  # first: books the completed timing events (no sync)
+            stall = self._one["stall_seconds"]
+            for seconds in self.transfers.close_transfer_step():
+                stall.observe(seconds)
         pool = self._pool
         if pool is not None:
             stats = pool.residency_stats()
@@ -168,6 +173,8 @@ class WorkerMetrics:
             self._set("device_kv_budget_tokens", stats.device_pages_total * weight)
             self._total("h2d_bytes_total", stats.h2d_bytes_total)
             self._total("d2h_bytes_total", stats.d2h_bytes_total)
+            self._total("h2d_seconds_total", stats.h2d_seconds_total)
+            self._total("d2h_seconds_total", stats.d2h_seconds_total)
             self._total("fetched_layer_pages_total", stats.fetched_layer_pages_total)
             self._total("overflow_steps_total", stats.overflow_steps_total)
             delta = getattr(self._backend, "last_delta", None)
@@ -175,13 +182,6 @@ class WorkerMetrics:
                 self._seen_delta = delta
                 self._add("offloaded_layer_pages_total", delta.offloaded_layer_pages)
                 self._add("loaded_layer_pages_total", delta.loaded_layer_pages)
-        timer = self.timer
-        if timer is not None:
-            self._total("h2d_seconds_total", timer.h2d_s)
-            self._total("d2h_seconds_total", timer.d2h_s)
-            now = timer.total_s
-            self._one["stall_seconds"].observe(now - self._stall_mark)
-            self._stall_mark = now
         if self.source:
             self._set("paused_requests", paused)
             self._total("admissions_held_total", held_total)

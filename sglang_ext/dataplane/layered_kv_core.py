@@ -16,6 +16,8 @@ Primitives (scheduler thread; a forward is ``prepare_step`` .. ``exit_layer(L-1)
   staged new tokens, next fetches).
 - ``read_kv(l, slots)`` / ``write_at_rest(...)`` -- at rest, between forwards (tests, tools,
   overflow steps).
+- ``close_transfer_step()`` -- once per forward, for the metrics: the stall seconds of the steps
+  whose transfer timing is complete (:class:`TransferTimes`; CUDA events harvested without a sync).
 
 When even evicting everything leaves too little room to stage the batch (the control plane let
 the running batch's staging slots outgrow the budget, or has not planned yet) the step
@@ -38,6 +40,7 @@ from sglang_ext.dataplane.slot_residency import SlotResidency
 from sglang_ext.dataplane.slot_results import RequestResidency, ResidencyDelta, ResidencyStats
 from sglang_ext.dataplane.staging_room import StagingRoom
 from sglang_ext.dataplane.step_tables import StepTables
+from sglang_ext.dataplane.transfer_times import TransferTimes
 
 log = structlog.get_logger(__name__)
 
@@ -95,12 +98,31 @@ class LayeredKVCore:
 
     def stats(self) -> ResidencyStats:
         """Device/host occupancy, host fraction of live KV, bytes moved, steps staged / overflowed."""
+        times = self.transfer_times
         return dataclasses.replace(
             self.residency.stats(),
             staged_steps_total=self.pipeline.steps,
             overflow_steps_total=self.overflow_steps,
             fetched_layer_pages_total=self.pipeline.fetched_layer_pages,
+            h2d_seconds_total=times.h2d_s,
+            d2h_seconds_total=times.d2h_s,
+            stall_seconds_total=times.stall_s,
         )
+
+    @property
+    def transfer_times(self) -> TransferTimes:
+        """Copy and stall seconds measured so far, the one account for CPU and CUDA (the
+        engine's clock feeds it)."""
+        return self.store.engine.clock.times
+
+    def close_transfer_step(self) -> list[float]:
+        """End of a forward, for the accounts (the metrics call it once per step). Books the
+        timing events that have completed, without blocking, and closes the step. Returns the
+        stall seconds of each step now completely measured: usually this one, sometimes earlier
+        steps whose events completed late (:class:`TransferTimes`)."""
+        clock = self.store.engine.clock
+        clock.harvest()
+        return clock.times.close_step()
 
     # ----- the step boundary ----------------------------------------------------------
 
@@ -119,6 +141,7 @@ class LayeredKVCore:
         ``recompute[i] = (u, k)`` (decode steps): request ``i``'s first ``u`` pages are recomputed
         by the forward at layers ``< k`` (``tables.recompute``; ``docs/recompute.md``);
         ``recompute_ids[i]`` its token ids, uploaded with the tables (``tables.recompute.input_ids``)."""
+        self.store.engine.clock.harvest()  # earlier steps' timing events (non-blocking)
         self.pipeline.end_step()
         self.step_loc = new_slots
         self.residency.drop_anonymous()
@@ -234,6 +257,7 @@ class LayeredKVCore:
         ids = self.residency.append_decode_identity(rids, owners, pages)
         if ids is None:
             return False
+        self.store.engine.clock.harvest()
         self.pipeline.end_step()
         self.overflow = False
         self.step_loc = new_slots

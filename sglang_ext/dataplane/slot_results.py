@@ -100,6 +100,14 @@ class ResidencyStats:
     """Forwards whose batch could not be staged inside the budget (served at rest, with syncs)."""
     fetched_layer_pages_total: int = 0
     """Layer-pages fetched host -> staging by the layer pipeline."""
+    h2d_seconds_total: float = 0.0
+    """Seconds of host -> device copies since start (CPU: wall time of the synchronous copies;
+    CUDA: event pairs on the transfer stream, booked when harvested at a later step boundary)."""
+    d2h_seconds_total: float = 0.0
+    """Seconds of device -> host copies since start (measured like ``h2d_seconds_total``)."""
+    stall_seconds_total: float = 0.0
+    """Seconds steps waited on transfers since start (CPU: the copies' wall time; CUDA: the
+    compute stream's waits on transfer events, timed by event pairs)."""
 
     def to_dict(self) -> dict:
         """JSON-ready form."""

@@ -12,6 +12,10 @@ Primitives (one launch each, all pairs of a call batched):
 * ``fence()``: the newest D2H event. Pages whose copy-out is in flight may be reused only after
   it, so the step start makes the compute and H2D streams wait on it (:meth:`wait_fence`).
 * ``quiesce()``: the host blocks until every copy is done (tests, shutdown, benchmarks only).
+* ``clock``: times every launch and every compute-stream wait into ``clock.times``
+  (:class:`~sglang_ext.dataplane.transfer_times.TransferTimes`). The CPU engine uses a
+  :class:`~sglang_ext.dataplane.wall_clock.WallClock`, the CUDA engine an
+  :class:`~sglang_ext.dataplane.event_clock.EventClock` (event pairs, read later without a sync).
 
 :class:`CpuTransferEngine` copies synchronously (events are ``None``, born complete), so all the
 ordering logic above runs and is tested on CPU. :class:`CudaTransferEngine` has two side streams
@@ -32,6 +36,9 @@ import structlog
 import torch
 
 from kernels.block_copy import copy_segments
+from sglang_ext.dataplane.event_clock import EventClock
+from sglang_ext.dataplane.transfer_clock import STALL, TransferClock
+from sglang_ext.dataplane.wall_clock import WallClock
 
 log = structlog.get_logger(__name__)
 
@@ -63,6 +70,8 @@ class TransferEngine:
         self.dev = dev_segments
         self.segment_bytes = host_segments.shape[1] * host_segments.element_size()
         self.stats = TransferStats()
+        self.clock: TransferClock = WallClock()
+        """Times the launches and the compute-stream waits (the CUDA engine replaces it)."""
 
     def h2d(self, src_idx: torch.Tensor, dst_idx: torch.Tensor, wait: Sequence[Any] = (),
             host_idx: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
@@ -130,7 +139,9 @@ class CpuTransferEngine(TransferEngine):
         self.waited: list[Any] = []
 
     def _launch(self, kind, src, dst, src_idx, dst_idx, wait, host_idx):  # noqa: ANN001, ANN202
+        token = self.clock.start(kind)
         dst.index_copy_(0, dst_idx, src.index_select(0, src_idx))
+        self.clock.stop(kind, token)
         self._seq += 1
         return CpuEvent(kind, self._seq)
 
@@ -138,9 +149,13 @@ class CpuTransferEngine(TransferEngine):
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
 
     def stream_wait(self, events: Sequence[Any]) -> None:
+        if not events:
+            return
+        token = self.clock.start(STALL)  # the WallClock does not time waits: they are no-ops here
         self.waited.extend(events)
         if len(self.waited) > 4096:
             del self.waited[:2048]
+        self.clock.stop(STALL, token)
 
     def fence(self) -> Any:
         return None
@@ -163,9 +178,11 @@ class CudaTransferEngine(TransferEngine):
         self.h2d_stream = torch.cuda.Stream(device=self.device)
         self.d2h_stream = torch.cuda.Stream(device=self.device)
         self._last: dict[str, Any] = {"h2d": None, "d2h": None}
+        self._fresh = False  # a launch since the last wait_fence (its wait is then timed)
         self.impl = self._probe_zero_copy()
         """``triton`` (one gather/scatter launch through UVA) or ``memcpy`` (fallback: one
         ``cudaMemcpyAsync`` per segment, correct but launch-bound) if Triton refuses host memory."""
+        self.clock = EventClock()
 
     def _probe_zero_copy(self) -> str:
         """Check once, at construction, that the Triton kernel can read and write pinned memory."""
@@ -195,6 +212,7 @@ class CudaTransferEngine(TransferEngine):
             for e in wait:
                 if e is not None:
                     stream.wait_event(e)
+            token = self.clock.start(kind, stream)  # after the waits: the pair times the copy alone
             if self.impl == "triton":
                 # the indices were allocated on the compute stream: keep their memory until this
                 # stream is done with it (the caching allocator would otherwise reuse it)
@@ -206,8 +224,10 @@ class CudaTransferEngine(TransferEngine):
                     raise RuntimeError("memcpy transfer fallback needs host indices")
                 for s_i, d_i in zip(host_idx[0].tolist(), host_idx[1].tolist(), strict=True):
                     dst[d_i].copy_(src[s_i], non_blocking=True)
+            self.clock.stop(kind, token, stream)
             event = stream.record_event()
         self._last[kind] = event
+        self._fresh = True
         return event
 
     def index_tensor(self, values: np.ndarray) -> torch.Tensor:
@@ -215,19 +235,28 @@ class CudaTransferEngine(TransferEngine):
         return staged.to(self.device, non_blocking=True)
 
     def stream_wait(self, events: Sequence[Any]) -> None:
+        if not events:
+            return
         current = torch.cuda.current_stream(self.device)
+        token = self.clock.start(STALL, current)  # the pair brackets the compute stream's wait
         for e in events:
             if e is not None:
                 current.wait_event(e)
+        self.clock.stop(STALL, token, current)
 
     def fence(self) -> Any:
         return self._last["d2h"]
 
     def wait_fence(self) -> None:
         current = torch.cuda.current_stream(self.device)
+        # the wait is timed only if something was launched since the last fence (otherwise the
+        # compute stream has already waited on these events)
+        fresh, self._fresh = self._fresh, False
+        token = self.clock.start(STALL, current) if fresh else None
         for event in (self._last["h2d"], self._last["d2h"]):
             if event is not None:
                 current.wait_event(event)
+        self.clock.stop(STALL, token, current)
         if self._last["d2h"] is not None:
             self.h2d_stream.wait_event(self._last["d2h"])
 

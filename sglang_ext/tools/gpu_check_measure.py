@@ -12,7 +12,9 @@ One :class:`~sglang_ext.tools.gpu_check_batch.CheckBatch` runs, in order:
    device budget that leaves ``offload_share`` of the batch's KV out plus one staging layer per
    request, a loose SLO so nothing is paused), installed with ``update_residency(planned=True)``;
 4. placed decode steps: the step time, the stall vs ``controlplane.model.step_time_ms``;
-5. kvplane's thread CPU time per step (``prepare_step`` + the per-layer calls), resident and placed;
+5. kvplane's thread CPU time per step (``prepare_step`` + the per-layer calls), resident and placed,
+   and the same steps' stall as the data plane's timing events observe it (one step closed after
+   each step's sync, :mod:`.gpu_check_event_timing`);
 6. host syncs inside layers over two placed steps (:class:`SyncProbe`);
 7. one placed step in which every available attention backend runs at every layer, compared
    with ``dense_attention`` in float32 over the regenerated K/V;
@@ -46,6 +48,7 @@ from sglang_ext.dataplane.bench_env import sync, time_ms
 from sglang_ext.tools.gpu_check_attention import BACKENDS, DecodeBackends
 from sglang_ext.tools.gpu_check_batch import CheckBatch
 from sglang_ext.tools.gpu_check_config import GpuCheckConfig
+from sglang_ext.tools.gpu_check_event_timing import event_timing_figures
 from sglang_ext.tools.gpu_check_probes import CpuTimeProbe, SyncProbe
 from sglang_ext.tools.gpu_check_report import Figure
 from sglang_ext.tools.gpu_check_transfer import TransferCheck, TransferResult
@@ -90,6 +93,8 @@ class CoreCheck:
         self.w_gate_up = rand(c.hidden, 2 * c.intermediate)
         self.w_down = rand(c.intermediate, c.hidden)
         self.details: dict[str, Any] = {}
+        self.stall_ms: list[float] = []
+        """Stall observations (ms) of the last :meth:`kvplane_cpu_ms` steps (the timing events')."""
 
     # ----- one decode step --------------------------------------------------------------
 
@@ -116,13 +121,19 @@ class CoreCheck:
                 core.exit_layer(layer)
 
     def kvplane_cpu_ms(self) -> float:
-        """Median thread CPU ms per step spent in kvplane (``prepare_step`` + per-layer calls)."""
+        """Median thread CPU ms per step spent in kvplane (``prepare_step`` + per-layer calls).
+        The steps' stall observations (ms) go to ``self.stall_ms``."""
         samples = []
+        core = self.batch.core
+        sync(self.device)
+        core.close_transfer_step()  # the stall of earlier steps is not these steps'
+        self.stall_ms = []
         for _ in range(self.config.repeat):
             probe = CpuTimeProbe()
             self.step(probe.scope)
             sync(self.device)
             samples.append((probe.kvplane_s + self.batch.prepare_cpu_s) * 1e3)
+            self.stall_ms += [s * 1e3 for s in core.close_transfer_step()]
         return statistics.median(samples)
 
     # ----- the plan ---------------------------------------------------------------------
@@ -194,6 +205,7 @@ class CoreCheck:
         L = c.layers
         resident_ms = time_ms(self.step, device, c.repeat)
         resident_cpu_ms = self.kvplane_cpu_ms()
+        resident_stall_ms = self.stall_ms
         comp = [resident_ms / L] * L
         resident_host_fraction = b.core.stats().host_fraction
         transfer = TransferCheck(b, c.repeat).measure()
@@ -205,6 +217,7 @@ class CoreCheck:
         predicted_ms = step_time_ms(rows, blocks_now, comp, transfer.bw_blocks_per_ms)
         placed_ms = time_ms(self.step, device, c.repeat)
         placed_cpu_ms = self.kvplane_cpu_ms()
+        placed_stall_ms = self.stall_ms
         probe = SyncProbe(device)
         with probe:
             for _ in range(SYNC_STEPS):
@@ -239,8 +252,11 @@ class CoreCheck:
         })
         if cuda:
             self.details["peak_device_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        events = event_timing_figures(transfer, placed_stall_ms=placed_stall_ms, resident_stall_ms=resident_stall_ms,
+                                      steps=c.repeat, placed_ms=placed_ms, wall_stall_ms=stall_measured,
+                                      cuda=cuda, details=self.details)
         return self._figures(errors, transfer, resident_ms, placed_ms, stall_err, probe,
-                             max(resident_cpu_ms, placed_cpu_ms), stats.host_fraction, cuda) + recompute_figures
+                             max(resident_cpu_ms, placed_cpu_ms), stats.host_fraction, cuda) + events + recompute_figures
 
     def _figures(self, errors: dict[str, dict[str, float]], t: TransferResult, resident_ms: float,
                  placed_ms: float, stall_err: float, probe: SyncProbe, cpu_ms: float, host_fraction: float,

@@ -10,7 +10,11 @@ layered pool issues), with two groups of free device pages taken from the stagin
 - ``d2h``: one ``engine.d2h`` of the second group back to the host segments it was filled from
   (the same bytes: nothing the batch holds changes);
 - ``duplex``: the H2D and the D2H issued together (the engine's two streams), bytes of both over
-  the time of both, vs the H2D alone.
+  the time of both, vs the H2D alone;
+- ``h2d_event_gbps`` / ``d2h_event_gbps``: the same H2D and D2H loops as the data plane's own
+  timing account sees them (``core.transfer_times``: CUDA-event pairs on the transfer streams,
+  harvested after the loop's final sync): bytes launched / seconds booked. This is what
+  ``kvplane:h2d_seconds_total`` and ``kvplane:d2h_seconds_total`` measure when serving.
 
 On the CPU the engine copies synchronously: the figures are measured the same way but say
 nothing about a GPU link (reported N/A).
@@ -18,6 +22,7 @@ nothing about a GPU link (reported N/A).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -44,6 +49,10 @@ class TransferResult:
     d2h_gbps: float
     duplex_gbps: float
     """Bytes of an H2D and a D2H issued together over their joint time."""
+    h2d_event_gbps: float | None = None
+    """GB/s of the ``h2d`` loop from the engine's timing account (None: nothing booked)."""
+    d2h_event_gbps: float | None = None
+    """GB/s of the ``d2h`` loop from the engine's timing account (None: nothing booked)."""
 
     @property
     def h2d_vs_contiguous(self) -> float:
@@ -100,8 +109,8 @@ class TransferCheck:
                 h2d()
                 d2h()
 
-            h2d_ms = time_ms(h2d, device, self.repeat)
-            d2h_ms = time_ms(d2h, device, self.repeat)
+            h2d_ms, h2d_event_gbps = self._timed(h2d, "h2d")
+            d2h_ms, d2h_event_gbps = self._timed(d2h, "d2h")
             both_ms = time_ms(duplex, device, self.repeat)
             nbytes = int(src_a.size) * eng.segment_bytes
             elt = torch.empty((), dtype=b.dtype).element_size()
@@ -118,4 +127,24 @@ class TransferCheck:
         engine = type(eng).__name__ + (f" ({eng.impl})" if hasattr(eng, "impl") else "")
         return TransferResult(layer_pages=n, bytes=nbytes, engine=engine, h2d_ms=h2d_ms, h2d_gbps=gbps(h2d_ms),
                               contiguous_gbps=gbps(contig_ms), d2h_gbps=gbps(d2h_ms),
-                              duplex_gbps=2 * nbytes / both_ms / 1e6)
+                              duplex_gbps=2 * nbytes / both_ms / 1e6, h2d_event_gbps=h2d_event_gbps,
+                              d2h_event_gbps=d2h_event_gbps)
+
+    def _timed(self, fn: Callable[[], None], kind: str) -> tuple[float, float | None]:
+        """The median wall ms of ``fn`` (one ``kind`` launch), and the GB/s that the engine's timing
+        account books over the same launches (warm-ups included on both sides of the ratio)."""
+        core = self.batch.core
+        eng, times = core.store.engine, core.transfer_times
+
+        def account() -> tuple[float, int]:
+            eng.clock.harvest()  # non-blocking; everything issued so far has completed (synced)
+            if kind == "h2d":
+                return times.h2d_s, eng.stats.h2d_segments
+            return times.d2h_s, eng.stats.d2h_segments
+
+        seconds0, segments0 = account()
+        ms = time_ms(fn, self.batch.device, self.repeat)  # ends synchronised: every pair completed
+        seconds1, segments1 = account()
+        seconds = seconds1 - seconds0
+        gbps = (segments1 - segments0) * eng.segment_bytes / seconds / 1e9 if seconds > 0 else None
+        return ms, gbps

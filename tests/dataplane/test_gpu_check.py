@@ -27,14 +27,19 @@ FIGURE_KEYS = {
     "step_ms.resident", "step_ms.placed", "stall_rel_err", "h2d_vs_contiguous", "duplex_vs_one_direction",
     "host_syncs_per_step.kvplane", "host_syncs_per_step.attention", "kvplane_cpu_share",
     "recompute_step_rel_err", "recompute_attention_max_abs_err",
+    "transfer_events.h2d_gbps", "transfer_events.d2h_gbps", "transfer_events.h2d_vs_wall_rel_err",
+    "transfer_events.stall_ms_per_step",
 }
 TARGETS = {  # the targets, by figure
     "stall_rel_err": ("<=", 0.10), "h2d_vs_contiguous": (">=", 0.85), "duplex_vs_one_direction": (">=", 1.5),
     "host_syncs_per_step.kvplane": ("<=", 0.0), "host_syncs_per_step.attention": ("<=", 0.0),
     "kvplane_cpu_share": ("<=", 0.05), "recompute_step_rel_err": ("<=", 0.25),
+    "transfer_events.h2d_gbps": (">=", 1.0), "transfer_events.d2h_gbps": (">=", 1.0),
+    "transfer_events.h2d_vs_wall_rel_err": ("<=", 0.25),
 }
 CPU_NOT_MEANINGFUL = {"stall_rel_err", "h2d_vs_contiguous", "duplex_vs_one_direction", "kvplane_cpu_share",
-                      "recompute_step_rel_err"}
+                      "recompute_step_rel_err", "transfer_events.h2d_gbps", "transfer_events.d2h_gbps",
+                      "transfer_events.h2d_vs_wall_rel_err", "transfer_events.stall_ms_per_step"}
 
 
 def _result(tmp_path):
@@ -74,6 +79,10 @@ def test_cpu_dry_run_end_to_end(tmp_path, capsys):
     assert details["resident_host_fraction"] == 0 and details["core_stats"]["host_fraction"] > 0
     assert details["core_stats"]["overflow_steps_total"] == 0
     assert details["core_stats"]["fetched_layer_pages_total"] > 0
+    events = details["transfer_events"]  # the data plane's own timing account (wall-timed on CPU)
+    assert len(events["placed_stall_ms"]) == events["steps"] and sum(events["placed_stall_ms"]) > 0
+    assert events["h2d_gbps"] > 0 and events["d2h_gbps"] > 0
+    assert details["core_stats"]["h2d_seconds_total"] > 0 and details["core_stats"]["stall_seconds_total"] > 0
     md = path.with_suffix(".md").read_text()
     assert body["machine"] in md and "CPU dry run" in md
     assert all(f["title"] in md for f in body["figures"])

@@ -28,7 +28,6 @@ from controlplane.policy_store import PolicyStore
 from sglang_ext.control_client import ControlClient
 from sglang_ext.metric_spec import WORKER_METRICS, MetricSpec, markdown_table, spec_named
 from sglang_ext.step_stats_writer import stats_dict
-from sglang_ext.transfer_timer import TransferTimer
 from sglang_ext.worker_metrics import WorkerMetrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -93,7 +92,8 @@ def test_pool_metrics_follow_the_real_pool_totals():
     """Scenario: a toy layered pool (3 layers, budget of 24 layer-pages) runs prefills and decodes
     while a plan moves two layers of a request to host. The byte / page / overflow counters equal
     the pool's running totals, the offloaded counter the sum of the installs' and forwards'
-    deltas, the copy seconds are measured (CPU engine) and each step observes its stall."""
+    deltas, the copy seconds equal the core's transfer account (CPU engine: wall-timed) and each
+    step observes its stall."""
     pytest.importorskip("sglang")  # the pool adapter subclasses SGLang's MHATokenToKVPool
     from tests.sglang.test_layered_pool import LAYERS, Harness, make_pool, wants
 
@@ -101,7 +101,7 @@ def test_pool_metrics_follow_the_real_pool_totals():
     backend = SimpleNamespace(last_delta=None)
     metrics = make_metrics(layers=LAYERS)
     metrics.attach_pool(pool, backend)
-    assert metrics.timer is not None, "the CPU engine is synchronous: its copies are timed"
+    assert metrics.transfers is pool.core, "the core's transfer account feeds the copy seconds"
     h = Harness(pool)
     offloaded = steps = 0
     prepare = pool.prepare_step
@@ -138,23 +138,26 @@ def test_pool_metrics_follow_the_real_pool_totals():
         (stats.live_layer_pages - stats.host_layer_pages) * weight
     )
     assert value(metrics, "kvplane:device_kv_budget_tokens") == pytest.approx(24 / LAYERS)  # token-layers / layers
-    timer = metrics.timer
-    assert value(metrics, "kvplane:h2d_seconds_total") == timer.h2d_s > 0
-    assert value(metrics, "kvplane:d2h_seconds_total") == timer.d2h_s > 0
+    times = pool.core.transfer_times
+    assert value(metrics, "kvplane:h2d_seconds_total") == stats.h2d_seconds_total == times.h2d_s > 0
+    assert value(metrics, "kvplane:d2h_seconds_total") == stats.d2h_seconds_total == times.d2h_s > 0
     assert value(metrics, "kvplane:stall_seconds_count") == steps
-    assert value(metrics, "kvplane:stall_seconds_sum") == pytest.approx(timer.total_s)
+    assert value(metrics, "kvplane:stall_seconds_sum") == pytest.approx(times.h2d_s + times.d2h_s)
+    assert stats.stall_seconds_total == pytest.approx(times.h2d_s + times.d2h_s)  # CPU: copies block the step
     # negative control: one more step's copies are not in the counters until end_step
     h.step("a", 1)
     assert value(metrics, "kvplane:h2d_bytes_total") != pool.residency_stats().h2d_bytes_total
 
 
-def test_transfer_timer_times_only_synchronous_engines():
-    """An engine whose calls only launch copies is refused by name; a pool without a CPU engine
-    gets no timer (its copy seconds stay unmeasured)."""
-    with pytest.raises(ValueError, match="needs a synchronous CpuTransferEngine, got SimpleNamespace"):
-        TransferTimer(SimpleNamespace())  # type: ignore[arg-type]
-    assert TransferTimer.attach(SimpleNamespace(core=SimpleNamespace(store=SimpleNamespace(engine=object())))) is None
-    assert TransferTimer.attach(None) is None
+def test_without_a_layered_core_no_stall_is_observed():
+    """Negative control for the pool test above: without a layered core (no transfer account)
+    steps observe no stall and no copy seconds."""
+    metrics = make_metrics()
+    metrics.attach_pool(None, SimpleNamespace(last_delta=None))
+    assert metrics.transfers is None
+    metrics.end_step()
+    assert value(metrics, "kvplane:stall_seconds_count") == 0
+    assert value(metrics, "kvplane:h2d_seconds_total") == 0
 
 
 # ---- the control plane ----------------------------------------------------------------------

@@ -1,0 +1,96 @@
+"""EventClock: the CUDA engine's clock. CUDA-event pairs are recorded on the streams and read later without a sync.
+
+* A copy: ``start`` records the pair's first event on the transfer stream, after the stream has
+  waited for what the copy is ordered after. ``stop`` records the second event right after the
+  copy. ``elapsed_time`` of the pair is then the copy's time on its stream, without the wait.
+* A stall: the same pair around the compute stream's ``wait_event`` calls (a layer's fetch
+  events, a step start's fence). The first event completes when the compute stream reaches the
+  wait, and the second when the awaited copies have finished, so the pair measures how long
+  the compute stream waited.
+* ``harvest()`` (at step boundaries, or later) walks one FIFO per kind in recording order. It
+  uses the non-blocking ``event.query()`` and stops at the first pair that has not completed: a
+  stream runs its work in order, so later pairs on that stream have not completed either. Only a
+  completed pair is read with ``elapsed_time``, and then it goes back to the pool. The work per
+  call is the number of pairs booked plus one query per non-empty FIFO. It is proportional to the
+  copies and waits issued, not to the pool's size.
+
+Never here: ``event.synchronize()``, ``torch.cuda.synchronize()``, ``elapsed_time`` on a pair that
+may be incomplete, or ``.item()``. During CUDA-graph capture nothing is recorded (the launch is
+counted as untimed). Pairs come from an :class:`EventPairPool`, so the number of events is
+bounded even if a stream never completes.
+
+The event factory and the capture test are parameters so that the bookkeeping can run on the CPU
+against a fake event in tests (``tests/dataplane/test_transfer_clock.py``). CUDA does not run
+there.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from sglang_ext.dataplane.event_pair_pool import DEFAULT_CAPACITY, EventPairPool
+from sglang_ext.dataplane.transfer_clock import KINDS, STALL, TransferClock
+from sglang_ext.dataplane.transfer_times import TransferTimes
+
+
+class EventClock(TransferClock):
+    """Event pairs per copy and per compute-stream wait, harvested without a sync (module docstring)."""
+
+    def __init__(self, times: TransferTimes | None = None, *, new_event: Callable[[], Any] | None = None,
+                 capturing: Callable[[], bool] | None = None, capacity: int = DEFAULT_CAPACITY) -> None:
+        super().__init__(times)
+        self.pool = EventPairPool(
+            new_event if new_event is not None else functools.partial(torch.cuda.Event, enable_timing=True),
+            capacity,
+        )
+        self._capturing = capturing if capturing is not None else torch.cuda.is_current_stream_capturing
+        self._fifo: dict[str, deque[tuple[tuple[Any, Any], int]]] = {kind: deque() for kind in KINDS}
+
+    def start(self, kind: str, stream: Any = None) -> tuple[Any, Any] | None:
+        if self._capturing():
+            self.times.untimed += 1
+            return None
+        pair = self.pool.acquire()
+        if pair is None:
+            self.times.untimed += 1
+            return None
+        pair[0].record(stream)
+        return pair
+
+    def stop(self, kind: str, token: Any, stream: Any = None) -> None:
+        if token is None:
+            return
+        token[1].record(stream)
+        step = self.times.step
+        if kind == STALL:
+            self.times.expect_stall(step)
+        self._fifo[kind].append((token, step))
+
+    def harvest(self) -> int:
+        booked = 0
+        times = self.times
+        for kind, fifo in self._fifo.items():
+            while fifo:
+                pair, step = fifo[0]
+                start, end = pair
+                if not (end.query() and start.query()):
+                    break
+                fifo.popleft()
+                seconds = max(0.0, float(start.elapsed_time(end))) / 1e3
+                self.pool.release(pair)
+                if kind == STALL:
+                    times.add_stall(seconds, step, expected=True)
+                else:
+                    times.add_copy(kind, seconds)
+                booked += 1
+        return booked
+
+    @property
+    def pending(self) -> int:
+        """Pairs recorded and not yet harvested."""
+        return sum(len(fifo) for fifo in self._fifo.values())

@@ -1,0 +1,274 @@
+"""Transfer timing of the data plane: one account (TransferTimes) for CPU and CUDA.
+
+CUDA does not run here. The CUDA-event bookkeeping of :class:`EventClock` (recording pairs,
+harvesting with ``query()``, reading ``elapsed_time`` only on completed pairs, the bounded pool,
+the per-step stall) runs against :class:`FakeEvent` below. The fake only models what the
+bookkeeping relies on: events recorded on an in-order stream complete when the test completes
+that stream up to them; ``elapsed_time`` raises on an incomplete pair (as CUDA's
+``cudaErrorNotReady`` does); ``synchronize()`` is refused. The fake stands in for CUDA events
+ONLY. The CPU engine's wall-clock timing, the core and the OpAudit run for real. The same core on
+a GPU, with real events, is ``tests/dataplane/test_gpu_transfer_times.py`` (``gpu``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from sglang_ext.dataplane.event_clock import EventClock
+from sglang_ext.dataplane.event_pair_pool import EventPairPool
+from sglang_ext.dataplane.transfer_clock import STALL
+from sglang_ext.dataplane.transfer_times import TransferTimes
+from sglang_ext.dataplane.wall_clock import WallClock
+from sglang_ext.testing.op_audit import OpAudit, audit_core
+from tests.dataplane.core_driver import CoreDriver, make_core
+
+
+class FakeStream:
+    """An in-order stream: events complete in recording order, up to where the test says."""
+
+    def __init__(self) -> None:
+        self.now_ms = 0.0
+        self.recorded: list[FakeEvent] = []
+        self.done = 0
+        """Events of ``recorded`` that have completed (a prefix: the stream is in order)."""
+        self.queries = 0
+
+    def complete(self, n: int | None = None) -> None:
+        """The device ran the next ``n`` recorded events (all of them by default)."""
+        self.done = len(self.recorded) if n is None else min(len(self.recorded), self.done + n)
+
+
+class FakeEvent:
+    """Stand-in for ``torch.cuda.Event(enable_timing=True)`` (module docstring)."""
+
+    created = 0
+
+    def __init__(self, default: FakeStream) -> None:
+        self.default = default
+        self.stream: FakeStream | None = None
+        self.index = -1
+        self.t_ms = 0.0
+        FakeEvent.created += 1
+
+    def record(self, stream: Any = None) -> None:
+        stream = self.default if stream is None else stream
+        self.stream, self.index, self.t_ms = stream, len(stream.recorded), stream.now_ms
+        stream.recorded.append(self)
+
+    def query(self) -> bool:
+        assert self.stream is not None
+        self.stream.queries += 1
+        return self.index < self.stream.done
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        for e in (self, end):
+            if e.stream is None or e.index >= e.stream.done:
+                raise RuntimeError("CUDA error: device not ready (elapsed_time on an incomplete event)")
+        return end.t_ms - self.t_ms
+
+    def synchronize(self) -> None:
+        raise AssertionError("the data plane must never synchronize on a timing event")
+
+
+def fake_clock(capacity: int = 64, default: FakeStream | None = None) -> tuple[EventClock, FakeStream]:
+    stream = default or FakeStream()
+    return EventClock(new_event=lambda: FakeEvent(stream), capturing=lambda: False, capacity=capacity), stream
+
+
+def timed(clock: EventClock, kind: str, stream: FakeStream, ms: float) -> None:
+    """One copy (or compute-stream wait) of ``ms`` on ``stream``."""
+    token = clock.start(kind, stream)
+    stream.now_ms += ms
+    clock.stop(kind, token, stream)
+
+
+# ---- EventClock: harvest and accounting (fake events) ----------------------------------------
+
+
+def test_harvest_books_only_completed_pairs_in_stream_order():
+    """Nothing is booked before the stream completes a pair. A partly completed stream books
+    exactly its completed prefix. ``elapsed_time`` is never called on an incomplete pair (the
+    fake raises if it is). Each direction has its own total."""
+    clock, _ = fake_clock()
+    h2d, d2h = FakeStream(), FakeStream()
+    timed(clock, "h2d", h2d, 2.0)
+    timed(clock, "h2d", h2d, 3.0)
+    timed(clock, "d2h", d2h, 5.0)
+    assert clock.harvest() == 0 and clock.times.h2d_s == clock.times.d2h_s == 0.0
+    h2d.complete(2)  # the first pair only
+    assert clock.harvest() == 1
+    assert clock.times.h2d_s == pytest.approx(0.002) and clock.times.d2h_s == 0.0
+    h2d.complete()
+    d2h.complete()
+    assert clock.harvest() == 2
+    assert clock.times.h2d_s == pytest.approx(0.005) and clock.times.d2h_s == pytest.approx(0.005)
+    assert clock.pending == 0 and clock.pool.in_use == 0
+
+
+def test_the_fake_refuses_what_the_clock_must_never_do():
+    """Negative control: reading an incomplete pair, or synchronizing on it, fails loudly. So the
+    test above would have caught a clock that read pairs without querying them."""
+    stream = FakeStream()
+    start, end = FakeEvent(stream), FakeEvent(stream)
+    start.record()
+    end.record()
+    with pytest.raises(RuntimeError, match="not ready"):
+        start.elapsed_time(end)
+    with pytest.raises(AssertionError, match="never synchronize"):
+        end.synchronize()
+    stream.complete()
+    assert start.elapsed_time(end) == 0.0
+
+
+def test_a_step_is_observed_once_with_all_its_stall():
+    """Stall pairs are booked to the step during which they were recorded. A closed step with a
+    pending pair is observed only when its last pair arrives, and then with the sum of all its
+    pairs. A step that waited on nothing is observed as 0.0. The total matches the observations."""
+    clock, _ = fake_clock()
+    compute = FakeStream()
+    times = clock.times
+    timed(clock, STALL, compute, 1.5)
+    timed(clock, STALL, compute, 0.5)
+    clock.harvest()
+    assert times.close_step() == []  # step 0: both pairs pending
+    compute.complete(2)  # step 0's first pair
+    clock.harvest()
+    assert times.close_step() == [0.0]  # step 1 (no waits); step 0 still has a pending pair
+    compute.complete()
+    clock.harvest()
+    observed = times.close_step()  # step 0 (late), then step 2
+    assert observed == [pytest.approx(0.002), 0.0]
+    assert times.stall_s == pytest.approx(0.002) and times.pending_steps == 0 and times.step == 3
+
+
+def test_events_that_never_complete_keep_memory_bounded():
+    """Scenario: a stream stops completing. The pool stops at its capacity and later launches
+    are counted as untimed. A harvest queries each FIFO's head only, so its work does not grow
+    with the pool. Once the stream completes everything is booked, and the pool never grows
+    again in steady state."""
+    clock, _ = fake_clock(capacity=8)
+    stream = FakeStream()
+    for _ in range(20):
+        timed(clock, "h2d", stream, 1.0)
+    assert clock.pool.created == 8 and clock.times.untimed == 12 and clock.pending == 8
+    for _ in range(5):
+        before = stream.queries
+        assert clock.harvest() == 0
+        assert stream.queries - before == 1  # one query: the h2d FIFO's head
+    stream.complete()
+    assert clock.harvest() == 8 and clock.times.h2d_s == pytest.approx(0.008)
+    created = FakeEvent.created
+    for _ in range(100):  # steady state: 3 copies per step, completed by the next boundary
+        for _ in range(3):
+            timed(clock, "h2d", stream, 1.0)
+        stream.complete()
+        clock.harvest()
+        clock.times.close_step()
+    assert clock.pool.created == 8 and FakeEvent.created == created and clock.pool.in_use == 0
+    assert clock.times.untimed == 12
+
+
+def test_nothing_is_recorded_during_graph_capture():
+    """Under CUDA-graph capture, start records nothing and the launch is untimed."""
+    stream = FakeStream()
+    clock = EventClock(new_event=lambda: FakeEvent(stream), capturing=lambda: True)
+    timed(clock, "h2d", stream, 1.0)
+    assert stream.recorded == [] and clock.pending == 0 and clock.times.untimed == 1
+
+
+def test_accounting_rejects_what_no_clock_sends():
+    """Error messages name the value: an unknown copy kind, a stall delivered without being
+    announced, a pool without room."""
+    times = TransferTimes()
+    with pytest.raises(ValueError, match=r"kind='x2y'"):
+        times.add_copy("x2y", 1.0)
+    with pytest.raises(ValueError, match="step 0 had no pending stall"):
+        times.add_stall(1.0, 0, expected=True)
+    with pytest.raises(ValueError, match="capacity=0"):
+        EventPairPool(object, capacity=0)
+
+
+# ---- the core on the CPU: the same account --------------------------------------------------
+
+
+def _offloaded_driver(clock: Any = None) -> CoreDriver:
+    """A staged core with two requests whose layers 1 and 2 are on host. ``clock`` replaces the
+    engine's WallClock when given."""
+    core = make_core(33 + 40)
+    if clock is not None:
+        core.store.engine.clock = clock
+    d = CoreDriver(core, seed=5)
+    for rid in ("a", "b"):
+        d.add(rid)
+        assert d.step([(rid, 5)])
+    for rid in ("a", "b"):
+        d.want(rid, [True, False, False])
+    core.close_transfer_step()
+    return d
+
+
+def test_cpu_copies_are_wall_timed_and_are_the_steps_stall():
+    """CPU engine (WallClock): copies are timed as they run, each step's stall is its copy
+    seconds, and the pool's stats carry the same totals as the account. A step without copies
+    observes 0.0 (negative control)."""
+    d = _offloaded_driver()
+    core, times = d.core, d.core.transfer_times
+    assert isinstance(core.store.engine.clock, WallClock)
+    before = times.h2d_s + times.d2h_s
+    assert d.step([("a", 1), ("b", 1)])
+    [stall] = core.close_transfer_step()
+    assert stall > 0 and stall == pytest.approx(times.h2d_s + times.d2h_s - before)
+    stats = core.stats()
+    assert (stats.h2d_seconds_total, stats.d2h_seconds_total, stats.stall_seconds_total) == (
+        times.h2d_s, times.d2h_s, times.stall_s)
+    assert stats.h2d_seconds_total > 0 and stats.d2h_seconds_total > 0
+    assert core.close_transfer_step() == [0.0]
+
+
+def test_per_layer_event_timing_adds_no_host_sync():
+    """The CUDA bookkeeping inside layers, run on the CPU with fake events: a decode step with
+    fetched layers records a stall pair for each layer that waits, and a pair for each copy. The
+    OpAudit (TorchDispatchMode) finds no host-sync op inside any layer. Closing the step observes
+    one stall, once the fake streams have completed."""
+    stream = FakeStream()
+    clock, _ = fake_clock(default=stream)
+    d = _offloaded_driver(clock)
+    core = d.core
+    stream.complete()
+    core.close_transfer_step()
+    waits = core.pipeline.layer_waits
+    audit = OpAudit()
+    audit_core(core, audit)
+    with audit:
+        assert d.step([("a", 1), ("b", 1)])
+    assert audit.violations == [], audit.violations
+    stall_pairs = len(clock._fifo[STALL])
+    assert core.pipeline.layer_waits - waits >= 1 and stall_pairs == core.pipeline.layer_waits - waits
+    assert clock.pending > stall_pairs  # copies were timed too
+    assert core.close_transfer_step() == []  # pending: the fake streams have not run
+    stream.complete()
+    assert len(core.close_transfer_step()) == 2  # the audited step, then the empty one
+    assert clock.pending == 0 and clock.times.h2d_s == 0.0  # fake copies take no time here
+
+
+def test_a_sync_in_the_timing_path_would_be_caught(monkeypatch):
+    """Negative control for the test above: a host read slipped into ``EventClock.start`` is
+    flagged inside the layer that waits."""
+    real = EventClock.start
+
+    def start_with_a_sync(self, kind, stream=None):  # noqa: ANN001, ANN202
+        int(torch.zeros(1)[0])
+        return real(self, kind, stream)
+
+    monkeypatch.setattr(EventClock, "start", start_with_a_sync)
+    stream = FakeStream()
+    clock, _ = fake_clock(default=stream)
+    d = _offloaded_driver(clock)
+    audit = OpAudit()
+    audit_core(d.core, audit)
+    with audit:
+        assert d.step([("a", 1), ("b", 1)])
+    assert audit.violations and all(name == "aten._local_scalar_dense.default" for _, name in audit.violations)
