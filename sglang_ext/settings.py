@@ -9,9 +9,9 @@ naming the variable, the value and what is allowed; unset or empty means the def
                                    object), set by the launcher for SGLang's subprocesses
 ``KVPLANE_LOG_LEVEL``              level of kvplane's events: debug, info, warning, error, critical
                                    (exported from SGLang's ``--log-level`` unless set)
-``KVPLANE_RESIDENCY_EVENTS_FILE``  residency events appended as JSON lines
+``KVPLANE_RESIDENCY_EVENTS_FILE``  residency events appended as JSON lines (per TP rank: :func:`rank_output_file`)
 ``KVPLANE_STATS_FILE``             one JSON line per scheduler step (TP rank 0)
-``KVPLANE_POOL_STATS_FILE``        one JSON line per forward from the layered KV pool
+``KVPLANE_POOL_STATS_FILE``        one JSON line per forward from the layered KV pool (per TP rank)
 ``KVPLANE_OVERHEAD_FILE``          kvplane's own time per step, rewritten every 64 steps
 ``KVPLANE_WORKER_ID``              worker id sent to the control plane (default ``sglang-HOST-PORT``)
 =================================  =====================================================================
@@ -98,6 +98,19 @@ def read_output_file(name: str, environ: Mapping[str, str] | None = None) -> Pat
             "(allowed: a file path in an existing directory, or unset)"
         )
     return path
+
+
+def rank_output_file(path: Path, tp_rank: int) -> Path:
+    """Where TP rank ``tp_rank`` writes a file that every rank writes (the residency events, the
+    layered pool's stats): rank 0 writes ``path`` itself, so a TP=1 server's file is unchanged;
+    rank r > 0 writes ``STEM.tpR.SUFFIX`` beside it (``events.jsonl`` -> ``events.tp1.jsonl``).
+    One writer per file: the ranks' lines never interleave and each file's event ``seq`` stays
+    gap-free (measured with ``--tp 2``: both ranks appending to one file doubled every event)."""
+    if tp_rank < 0:
+        raise ValueError(f"tp_rank={tp_rank}: must be >= 0")
+    if tp_rank == 0:
+        return path
+    return path.with_name(f"{path.stem}.tp{tp_rank}{path.suffix}")
 
 
 def read_worker_id(environ: Mapping[str, str] | None = None) -> str | None:

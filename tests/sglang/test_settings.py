@@ -107,3 +107,15 @@ def test_no_other_module_reads_a_kvplane_variable() -> None:
         if path.name != "settings.py" and path.name not in PENDING_SWITCH and reads.search(path.read_text())
     )
     assert offenders == []
+
+
+def test_rank_output_file_gives_each_tp_rank_its_own_file(tmp_path: Path) -> None:
+    """Rank 0 keeps the path (a TP=1 server's file is unchanged); rank r > 0 writes STEM.tpR.SUFFIX
+    beside it; no two ranks share a file; a negative rank is refused."""
+    path = tmp_path / "events.jsonl"
+    assert settings.rank_output_file(path, 0) == path
+    assert settings.rank_output_file(path, 1) == tmp_path / "events.tp1.jsonl"
+    assert settings.rank_output_file(tmp_path / "stats", 3) == tmp_path / "stats.tp3"
+    assert len({settings.rank_output_file(path, r) for r in range(8)}) == 8
+    with pytest.raises(ValueError, match="tp_rank=-1"):
+        settings.rank_output_file(path, -1)

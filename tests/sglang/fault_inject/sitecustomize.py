@@ -10,7 +10,9 @@ layer-page -- what a lost or misplaced write-back would do.
 With ``KVPLANE_TEST_CORRUPT_RECOMPUTE_FILE=PATH``, while ``PATH`` exists the recomputed prefix
 K/V (``LayeredKVCore.write_recompute``) is perturbed (K += 0.5) on its way into the transient
 pages -- what a wrong recomputation would do (the recompute server's negative control toggles
-it per request by creating the file).
+it per request by creating the file). With ``KVPLANE_TEST_CORRUPT_RANK=R`` as well, only the
+process of ``torch.distributed`` rank R (TP rank R of a ``--tp`` server) perturbs it: the TP
+server's negative control corrupts one rank's KV shard.
 """
 
 from __future__ import annotations
@@ -26,10 +28,16 @@ RECOMPUTE_TARGET = "sglang_ext.dataplane.layered_kv_core"
 
 def _patch_recompute(module) -> None:  # noqa: ANN001
     flag = os.environ["KVPLANE_TEST_CORRUPT_RECOMPUTE_FILE"]
+    only_rank = os.environ.get("KVPLANE_TEST_CORRUPT_RANK")
     real = module.LayeredKVCore.write_recompute
 
+    def this_rank() -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank() if dist.is_initialized() else 0
+
     def write_recompute(self, layer, k, v):  # noqa: ANN001, ANN202
-        if os.path.exists(flag):
+        if os.path.exists(flag) and (only_rank is None or this_rank() == int(only_rank)):
             k = k + 0.5
         return real(self, layer, k, v)
 
