@@ -7,8 +7,9 @@ subprocesses, from the command line in the launcher once parsed), the ``KVPLANE_
 (``$KVPLANE_OVERHEAD_FILE``), the registry a scheduler's
 :class:`~sglang_ext.worker_metrics.WorkerMetrics` registers in (tests inject one; by default each
 gets a private one -- with SGLang's ``--enable-metrics`` the values reach ``/metrics`` through
-the multiprocess files whatever the registry, and without it no metric is created) and, built
-once per process on first use, the pacing settings (the policy's default SLO).
+the multiprocess files whatever the registry, and without it no metric is created), built
+once per process on first use, the pacing settings (the policy's default SLO), and in the main
+process the live policy's default SLO once the scheduler sends one (``--kv-policy-listen``).
 
 Pure Python at import (``plugin.py`` imports it in every process).
 """
@@ -44,7 +45,13 @@ class PluginContext:
     """kvplane's own time per step (``$KVPLANE_OVERHEAD_FILE``, flag on), None when not asked for."""
     metrics_registry: CollectorRegistry | None = None
     """Registry of this process's WorkerMetrics; None: a private one per WorkerMetrics."""
-    _pacing: tuple[str, PacingSettings | None] | None = field(default=None, init=False, repr=False)
+    live_slo_tbt_ms: float | None = None
+    """Main process: the live policy's default TBT SLO as TP rank 0's scheduler last sent it
+    (``--kv-policy-listen``, :class:`~sglang_ext.pacing_slo_update.PacingSloUpdate`); None until an
+    update changes it, and the pacer uses the launch default (:meth:`pacing_default_slo_tbt_ms`)."""
+    live_slo_version: int = 0
+    """The policy version of :attr:`live_slo_tbt_ms` (0: none received)."""
+    _pacing: tuple[LayeredKVArgs, PacingSettings | None] | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> PluginContext:
@@ -68,16 +75,21 @@ class PluginContext:
 
     def pacing_settings(self) -> PacingSettings | None:
         """The pacing settings for the current options (None with the flag or pacing off),
-        resolved once per set of options."""
+        resolved once per options object (read per stream: an identity check, O(1))."""
         layered = self.layered
         if layered is None or not layered.enable_layered_kv or not layered.pacing:
             return None
-        key = layered.to_json()
-        if self._pacing is None or self._pacing[0] != key:
+        if self._pacing is None or self._pacing[0] is not layered:
             from sglang_ext.pacing import PacingSettings
 
-            self._pacing = (key, PacingSettings.from_args(layered))
+            self._pacing = (layered, PacingSettings.from_args(layered))
         return self._pacing[1]
+
+    def pacing_default_slo_tbt_ms(self, settings: PacingSettings) -> float:
+        """The TBT SLO a new stream without its own is paced at: the live policy's when the
+        scheduler has sent one (:attr:`live_slo_tbt_ms`), else the launch default of ``settings``."""
+        live = self.live_slo_tbt_ms
+        return settings.default_slo_tbt_ms if live is None else live
 
     def describe(self) -> dict[str, Any]:
         """Small JSON-ready summary (for logs)."""

@@ -31,8 +31,11 @@ per-request lists (``output_ids`` and logprob lists), so a chunk is snapshotted 
 
 SLO of a request: ``custom_params["kvplane_slo_tbt_ms"]`` of its sampling parameters when given
 (OpenAI endpoints: the request's ``custom_params`` field; ``/generate``:
-``sampling_params.custom_params``), else the policy default ``slo_tbt_ms`` (``--kv-policy``
-file, or :class:`controlplane.policy.Policy`'s default). A bad override never gets here: it is
+``sampling_params.custom_params``), else the policy default ``slo_tbt_ms``: at launch the
+``--kv-policy`` file's, or :class:`controlplane.policy.Policy`'s default; with
+``--kv-policy-listen``, the live policy's once an update changes it (TP rank 0's scheduler sends it
+to this process, :mod:`sglang_ext.pacing_slo_update`; read once per stream, when it starts, from
+:meth:`sglang_ext.context.PluginContext.pacing_default_slo_tbt_ms`). A bad override never gets here: it is
 refused with HTTP 400 where the request enters, on every request kind
 (:mod:`sglang_ext.request_slo`); should one arrive anyway, the stream is aborted with the same
 ``ValueError``.
@@ -252,7 +255,8 @@ async def pace_stream(
 
 class PacingSettings:
     """Pacing settings resolved from the kvplane launch options (cached by the process's
-    :meth:`sglang_ext.context.PluginContext.pacing_settings`)."""
+    :meth:`sglang_ext.context.PluginContext.pacing_settings`); ``default_slo_tbt_ms`` is the launch
+    default, which a live policy update supersedes (``PluginContext.live_slo_tbt_ms``)."""
 
     def __init__(self, default_slo_tbt_ms: float) -> None:
         self.default_slo_tbt_ms = float(default_slo_tbt_ms)
@@ -299,7 +303,7 @@ def around_stream_one_response(
     if settings is None:
         return source
     try:
-        slo = request_slo_tbt_ms(getattr(obj, "sampling_params", None), settings.default_slo_tbt_ms)
+        slo = request_slo_tbt_ms(getattr(obj, "sampling_params", None), ctx.pacing_default_slo_tbt_ms(settings))
     except ValueError as exc:
         return rejected_stream(args[0], obj, source, str(exc))
     return pace_stream(source, StreamPacer(slo), rid=getattr(obj, "rid", None))

@@ -8,7 +8,10 @@ with ``--enable-layered-kv`` off each one is a pass-through that imports nothing
   ``meta_info["kvplane"]`` (:mod:`sglang_ext.placement_response`);
 * AFTER ``OpenAIServingCompletion._build_completion_response`` /
   ``OpenAIServingChat._build_chat_response`` and AROUND their ``_generate_*_stream``: the record
-  as ``sglext.kvplane`` (:mod:`sglang_ext.openai_placement`).
+  as ``sglext.kvplane`` (:mod:`sglang_ext.openai_placement`);
+* AROUND ``OpenAIServingResponses.create_responses`` and ``_generate_with_builtin_tools``:
+  ``/v1/responses`` gets kvplane's ``custom_params`` keys to the engine (its request model has no
+  such field) and the record as ``sglext.kvplane`` (:mod:`sglang_ext.responses_placement`).
 
 The opt-in check and the paced-deposit tap ride on the plugin's ``_stream_one_response`` hook.
 Light at import (no torch, no SGLang).
@@ -40,6 +43,8 @@ class PlacementHooks:
         hook_registry.register(compat.OPENAI_CHAT_BUILD_RESPONSE.path, self.after_build_response, hook_type.AFTER)
         hook_registry.register(compat.OPENAI_COMPLETION_STREAM.path, self.around_completion_stream, hook_type.AROUND)
         hook_registry.register(compat.OPENAI_CHAT_STREAM.path, self.around_chat_stream, hook_type.AROUND)
+        hook_registry.register(compat.OPENAI_RESPONSES_CREATE.path, self.around_create_responses, hook_type.AROUND)
+        hook_registry.register(compat.OPENAI_RESPONSES_GENERATE.path, self.around_responses_generate, hook_type.AROUND)
 
     def around_update_request_meta_info(self, original: Any, *args: Any, **kwargs: Any) -> Any:
         if not self.enabled:
@@ -68,3 +73,17 @@ class PlacementHooks:
         from sglang_ext.openai_placement import around_stream
 
         return around_stream(chat=True)(original, *args, **kwargs)
+
+    def around_create_responses(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        if not self.enabled:
+            return original(*args, **kwargs)
+        from sglang_ext.responses_placement import around_create_responses
+
+        return around_create_responses(original, *args, **kwargs)
+
+    def around_responses_generate(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        if not self.enabled:
+            return original(*args, **kwargs)
+        from sglang_ext.responses_placement import around_generate
+
+        return around_generate(original, *args, **kwargs)

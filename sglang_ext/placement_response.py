@@ -132,7 +132,7 @@ def around_stream_one_response(ctx: PluginContext, original: Callable[..., Any],
     from sglang_ext.pacing import request_slo_tbt_ms
 
     try:
-        slo = request_slo_tbt_ms(getattr(obj, "sampling_params", None), settings.default_slo_tbt_ms)
+        slo = request_slo_tbt_ms(getattr(obj, "sampling_params", None), ctx.pacing_default_slo_tbt_ms(settings))
     except ValueError:
         return paced(ctx, original, *args, **kwargs)  # pacing refuses it, with its own message
 

@@ -38,6 +38,8 @@ Always (flag on or off):
 - AROUND ``TokenizerManager.generate_request`` and AFTER ``api_contract.generate_contract_error``:
   a bad ``custom_params.kvplane_slo_tbt_ms`` or ``kvplane_return_placement`` is refused with HTTP
   400 on every request kind (:mod:`sglang_ext.request_slo`); a pass-through with the flag off.
+- AFTER ``TokenizerManager.init_request_dispatcher``: the scheduler's live default-SLO updates
+  (:mod:`sglang_ext.pacing_slo_update`) reach this process's pacer; nothing with the flag off.
 
 Only in processes whose environment says the flag is on (the subprocesses the
 launcher spawns after parsing):
@@ -204,6 +206,9 @@ class KvplanePlugin:
         hook_registry.register(
             compat.GENERATE_CONTRACT_ERROR.path, self.after_generate_contract_error, hook_type.AFTER
         )
+        hook_registry.register(
+            compat.TOKENIZER_INIT_REQUEST_DISPATCHER.path, self.after_init_request_dispatcher, hook_type.AFTER
+        )
         if self.ctx.env_error is None and self.ctx.enabled:
             logs.configure(self.ctx.env.log_level or "info")
             self._register_layered(hook_registry, hook_type)
@@ -307,6 +312,20 @@ class KvplanePlugin:
         from sglang_ext.request_slo import after_generate_contract_error
 
         return after_generate_contract_error(result, body)
+
+    def after_init_request_dispatcher(self, result: Any, tokenizer_manager: Any, *args: Any, **kwargs: Any) -> None:
+        """AFTER ``TokenizerManager.init_request_dispatcher``: the main process dispatches the
+        scheduler's :class:`~sglang_ext.pacing_slo_update.PacingSloUpdate` (a live change of the
+        default TBT SLO) to this process's context, where new paced streams read it. Nothing is
+        added with the flag off."""
+        if not self.ctx.enabled:
+            return None
+        from sglang_ext.pacing_slo_update import PacingSloUpdate
+
+        tokenizer_manager._result_dispatcher += compat.TypeBasedDispatcher(
+            [(PacingSloUpdate, lambda update: update.apply(self.ctx))]
+        )
+        return None
 
     def after_publish(self, result: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
         """AFTER ``publish``: runs in every SGLang process once its config is known. A bad

@@ -15,7 +15,9 @@ Registered by :mod:`sglang_ext.plugin` in scheduler processes when ``--enable-la
 * :class:`~sglang_ext.request_placement.RequestPlacement` -- rank 0's records of the requests that
   asked for their placement info (``custom_params.kvplane_return_placement``);
 * :class:`~sglang_ext.policy_endpoint.PolicyEndpoint` -- rank 0's live policy API
-  (``--kv-policy-listen``); the admission gate of a single-rank scheduler follows its scheduler.
+  (``--kv-policy-listen``); the admission gate of a single-rank scheduler follows its scheduler,
+  and :class:`~sglang_ext.pacing_slo_publisher.PacingSloPublisher` sends a changed default TBT SLO
+  to the main process's pacer (``--kv-pacing on``) at the step boundary.
 
 Hook points:
 
@@ -55,6 +57,7 @@ from sglang_ext.context import PluginContext
 from sglang_ext.control_client import ControlClient, build_control_plane
 from sglang_ext.decision_inbox import DecisionInbox
 from sglang_ext.layer_timing import LayerTimer
+from sglang_ext.pacing_slo_publisher import PacingSloPublisher
 from sglang_ext.pause import PauseManager
 from sglang_ext.policy_endpoint import PolicyEndpoint
 from sglang_ext.recompute_requests import RecomputeRequests
@@ -132,6 +135,8 @@ class SchedulerHooks:
         """Per-request placement info for the requests that ask (rank 0)."""
         self.policy_endpoint: PolicyEndpoint | None = None
         """The live policy API (``--kv-policy-listen``, rank 0)."""
+        self.slo_publisher: PacingSloPublisher | None = None
+        """Sends a live change of the default TBT SLO to the pacer (endpoint and pacing on, rank 0)."""
         if self.tp.is_source:
             self.worker = self._worker_info()
             metrics = self.metrics
@@ -139,6 +144,7 @@ class SchedulerHooks:
             self.policy_endpoint = PolicyEndpoint.launch(args, control_plane)
             if self.policy_endpoint is not None:  # the live policy's scheduler decides, not the worker
                 self.worker = dataclasses.replace(self.worker, scheduler=None)
+            self.slo_publisher = PacingSloPublisher.for_scheduler(scheduler, args, self.policy_endpoint, control_plane)
             self.client = ControlClient(
                 control_plane,
                 self.worker,
@@ -337,6 +343,8 @@ def _around_next_batch(original: Any, scheduler: Any, *args: Any, **kwargs: Any)
     endpoint = hooks.policy_endpoint
     if endpoint is not None and hooks.tp.world_size == 1:  # the gate follows the live scheduler
         hooks.admission.enabled = endpoint.scheduler_gated()
+    if hooks.slo_publisher is not None:  # the pacer follows the live default SLO
+        hooks.slo_publisher.poll()
     held = hooks.admission.hold_back(scheduler, running, hooks.pauser)
     t1 = time.perf_counter()
     try:

@@ -12,7 +12,9 @@ Everything else in ``sglang_ext/`` reaches SGLang through here:
   ``unwrap_write_loc``, ``TorchNativeAttnBackend``, ``SamplingBatchInfo``, ``broadcast_pyobj``,
   ``register_radix_cache_backend``, ``get_radix_cache_factory``, ``get_attn_backend``, the OpenAI
   response models ``SglExt``, ``CompletionResponse``, ``CompletionStreamResponse``,
-  ``ChatCompletionResponse``, ``ChatCompletionStreamResponse``; :func:`attention_backends` for
+  ``ChatCompletionResponse``, ``ChatCompletionStreamResponse``, ``ResponsesResponse``,
+  ``TypeBasedDispatcher``;
+  :func:`attention_backends` for
   the backend registry dict and :func:`resolve` for any target.
 * **The supported version**: :data:`SUPPORTED_VERSION` and :func:`check_version`, run by
   ``sglang_ext.plugin.register`` before it installs anything.
@@ -42,12 +44,14 @@ from sglang_ext.compat.surface import (
     OPENAI_CHAT_STREAM_RESPONSE,
     OPENAI_COMPLETION_RESPONSE,
     OPENAI_COMPLETION_STREAM_RESPONSE,
+    OPENAI_RESPONSES_RESPONSE,
     OPENAI_SGLEXT,
     RADIX_CACHE,
     REGISTER_RADIX_CACHE_BACKEND,
     SAMPLING_BATCH_INFO,
     TORCH_NATIVE_ATTN_BACKEND,
     TREE_NODE,
+    TYPE_BASED_DISPATCHER,
     UNWRAP_WRITE_LOC,
     Target,
 )
@@ -76,6 +80,8 @@ _LAZY: MappingProxyType[str, Target] = MappingProxyType({
     "CompletionStreamResponse": OPENAI_COMPLETION_STREAM_RESPONSE,
     "ChatCompletionResponse": OPENAI_CHAT_RESPONSE,
     "ChatCompletionStreamResponse": OPENAI_CHAT_STREAM_RESPONSE,
+    "TypeBasedDispatcher": TYPE_BASED_DISPATCHER,
+    "ResponsesResponse": OPENAI_RESPONSES_RESPONSE,
 })
 """SGLang objects importable from this package, imported on first access."""
 

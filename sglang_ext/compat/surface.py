@@ -471,6 +471,10 @@ SENDER_WRAPPER_SEND_OUTPUT = Target(
     f"{_SRT}.managers.scheduler_components.output_sender.SenderWrapper.send_output",
     params=("self", "output"), used_by=("pacing_slo_publisher",),
 )
+WRAP_AS_PICKLE = Target(f"{_SRT}.managers.io_struct.wrap_as_pickle", params=("obj",),
+                        used_by=("pacing_slo_publisher",))
+"""A non-SGLang object on SGLang's IPC: itself under pickle IPC (the default), a ``PickleWrapper`` under
+msgpack IPC (``SGLANG_USE_PICKLE_IPC=0``), which ``msgpack_decode`` unwraps on the other side."""
 TOKENIZER_INIT_REQUEST_DISPATCHER = Target(
     f"{_SRT}.managers.tokenizer_manager.TokenizerManager.init_request_dispatcher", params=("self",),
     used_by=("plugin",),

@@ -129,8 +129,8 @@ def test_each_register_call_binds_its_hooks_to_its_own_context(monkeypatch) -> N
     first, second = plugin.register(), plugin.register()
     assert first.ctx is not second.ctx
     bound = [getattr(hook, "__self__", None) for _, hook in registered]
-    # from_cli_args, publish, stream, generate_request, generate_contract_error
-    assert bound.count(first) == 5 and bound.count(second) == 5
+    # from_cli_args, publish, stream, generate_request, generate_contract_error, init_request_dispatcher
+    assert bound.count(first) == 6 and bound.count(second) == 6
     first.ctx.layered = LayeredKVArgs(enable_layered_kv=True)
     assert second.ctx.layered is None or not second.ctx.layered.enable_layered_kv
 

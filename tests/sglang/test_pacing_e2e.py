@@ -1,23 +1,31 @@
 """Paced streaming against a real SGLang server with --enable-layered-kv --kv-pacing on.
 
-Scenario: one layered server (module-scoped, nothing forced offloaded). A streaming completion
-with a per-request TBT SLO is paced by the token deposit: its text equals the (unpaced)
-non-streaming answer, and the client sees chunks at least one SLO apart until the request
-finishes (never ahead of one chunk per SLO), after which the remainder arrives as one burst.
+Scenario: one layered server (module-scoped, nothing forced offloaded), which also serves its live
+policy (``--kv-policy-listen`` with a token). A streaming completion with a per-request TBT SLO is
+paced by the token deposit: its text equals the (unpaced) non-streaming answer, and the client
+sees chunks at least one SLO apart until the request finishes (never ahead of one chunk per SLO),
+after which the remainder arrives as one burst. A live update of the policy's ``slo_tbt_ms``
+changes the SLO new streams without their own are paced at.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 
+from controlplane.policy import Policy
+from controlplane.service.client import GrpcControlPlane
 from sglang_ext.pacing import SLO_PARAM
-from sglang_ext.testing.server import SGLangServer
+from sglang_ext.testing.server import SGLangServer, free_port
 from sglang_ext.tools.workload import SHARED_HOST_ARGS, RequestSpec, run_one
+from tests.service.conftest import wait_until
 from tests.sglang.conftest import running_server
 from tests.sglang.request_kinds import assert_slo_checked_on_every_kind
 
@@ -31,11 +39,35 @@ TOLERANCE_MS = 45.0
 2-core host); the cumulative check does not accumulate it."""
 
 
+TOKEN = "pace-live"
+LAUNCH_SLO_MS = Policy().slo_tbt_ms
+"""The default SLO the server starts with (no ``--kv-policy``): 200 ms."""
+LIVE_SLO_MS = 60.0
+"""The SLO a live update sets: far enough from the launch one that the two gap sizes cannot be
+confused within the tolerance (60 + 45 < 200 - 45)."""
+BURST_MS = 5.0
+"""Gaps below this at the end of a stream are the finish burst, not paced gaps."""
+LIVE_OUTPUT_TOKENS = 360
+"""Tokens per stream of the live-SLO test: generation (about 4 ms a token on a quiet host) must
+outlast several launch SLOs, or the stream is all first token and finish burst."""
+# Median of paced gaps: the pacer releases one chunk (one token, SGLang's stream_interval 1) per SLO
+# while it holds any, so the gaps before the finish burst are the SLO (OrbitFlow §3.2 token deposit).
+
+
 @pytest.fixture(scope="module")
-def paced_server(tiny_model_dir, tmp_path_factory) -> Iterator[SGLangServer]:
-    """A layered-KV server with pacing on (asked for: the default is off)."""
+def live_policy(tmp_path_factory) -> SimpleNamespace:
+    """Where the paced server serves its live policy, and the token updates need."""
+    token = tmp_path_factory.mktemp("paced-policy") / "token"
+    token.write_text(TOKEN)
+    return SimpleNamespace(target=f"127.0.0.1:{free_port()}", token_file=token)
+
+
+@pytest.fixture(scope="module")
+def paced_server(tiny_model_dir, tmp_path_factory, live_policy) -> Iterator[SGLangServer]:
+    """A layered-KV server with pacing on (asked for: the default is off) and the live policy API."""
     root = tmp_path_factory.mktemp("paced")
-    flags = [*SHARED_HOST_ARGS, "--enable-layered-kv", "--disable-overlap-schedule", "--kv-pacing", "on"]
+    flags = [*SHARED_HOST_ARGS, "--enable-layered-kv", "--disable-overlap-schedule", "--kv-pacing", "on",
+             "--kv-policy-listen", live_policy.target, "--kv-policy-listen-token-file", str(live_policy.token_file)]
     with running_server(tiny_model_dir, root, flags) as server:
         yield server
 
@@ -110,3 +142,70 @@ def test_bad_slo_is_a_400_on_every_request_kind_with_pacing_on(paced_server: SGL
     """With pacing on too, every request kind (not only streams) answers a bad SLO value with 400
     naming it, and serves 150 ms (paced when streamed)."""
     assert_slo_checked_on_every_kind(paced_server)
+
+
+def _chunk_times_ms(server: SGLangServer, slo_tbt_ms: float | None) -> list[float]:
+    """Stream LIVE_OUTPUT_TOKENS greedy tokens through ``/generate`` (about one chunk a token, text
+    or not); each chunk's arrival, ms since the request was sent."""
+    params: dict = {"max_new_tokens": LIVE_OUTPUT_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    if slo_tbt_ms is not None:
+        params["custom_params"] = {SLO_PARAM: slo_tbt_ms}
+    body = {"text": "The quick brown fox jumps", "sampling_params": params, "stream": True}
+    req = urllib.request.Request(server.base_url + "/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    times: list[float] = []
+    sent = time.monotonic()
+    with urllib.request.urlopen(req, timeout=180) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data:") and line != "data: [DONE]":
+                times.append((time.monotonic() - sent) * 1000.0)
+    return times
+
+
+def _paced_gap_ms(server: SGLangServer, slo_tbt_ms: float | None = None) -> tuple[float, list[float]]:
+    """The median gap between a stream's chunks while it was paced (own SLO or none), and all gaps.
+    Paced gaps are the ones of at least BURST_MS after the first (the finish burst's are ~0)."""
+    times = _chunk_times_ms(server, slo_tbt_ms)
+    assert len(times) >= LIVE_OUTPUT_TOKENS // 2, (len(times), server.log_tail())  # chunks may coalesce tokens
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    paced = [g for g in gaps[1:] if g >= BURST_MS]
+    assert len(paced) >= 3, f"pacing not visible: gaps {gaps}"
+    return statistics.median(paced), gaps
+
+
+def _near(median_ms: float, slo_ms: float) -> bool:
+    """A paced median at the SLO: never more than the tolerance below it (the deposit's clock), at
+    most the tolerance (or a quarter of the SLO) above it (client-side lateness on a shared host)."""
+    return slo_ms - TOLERANCE_MS <= median_ms <= slo_ms + max(TOLERANCE_MS, 0.25 * slo_ms)
+
+
+def _pushed(server: SGLangServer, slo_ms: float) -> bool:
+    """The main process logged that its pacer now uses ``slo_ms``."""
+    return any("pacing_slo_updated" in line and f"slo_tbt_ms={slo_ms}" in line
+               for line in server.log_path.read_text(errors="replace").splitlines())
+
+
+def test_a_live_slo_update_reaches_the_pacer_of_new_streams(paced_server: SGLangServer, live_policy) -> None:
+    """Scenario: a stream without its own SLO is paced at the launch default (200 ms) -- the
+    negative control: nothing changes it without an update. ``slo_tbt_ms`` is updated live to 60
+    ms through the policy API; the scheduler sends it to the main process (logged there) and the
+    next stream without its own SLO is paced at 60 ms, while a stream with its own 200 ms keeps
+    200 ms. The policy is restored afterwards."""
+    before, gaps = _paced_gap_ms(paced_server)
+    assert _near(before, LAUNCH_SLO_MS) and not _near(before, LIVE_SLO_MS), (before, gaps)
+    assert not _pushed(paced_server, LIVE_SLO_MS)
+    with GrpcControlPlane(live_policy.target, token=TOKEN) as client:
+        assert client.update_policy({"slo_tbt_ms": LIVE_SLO_MS}).slo_tbt_ms == LIVE_SLO_MS
+        try:
+            # the scheduler sends it at its next iteration (an idle one wakes within a second)
+            assert wait_until(lambda: _pushed(paced_server, LIVE_SLO_MS), 30, 0.2), paced_server.log_tail()
+            after, gaps = _paced_gap_ms(paced_server)
+            assert _near(after, LIVE_SLO_MS) and not _near(after, LAUNCH_SLO_MS), (after, gaps)
+            own, gaps = _paced_gap_ms(paced_server, LAUNCH_SLO_MS)
+            assert _near(own, LAUNCH_SLO_MS), (own, gaps)
+            print(f"\nlive SLO: median paced gap {before:.1f} ms at launch ({LAUNCH_SLO_MS:g}), "
+                  f"{after:.1f} ms after the update to {LIVE_SLO_MS:g}, {own:.1f} ms with its own {LAUNCH_SLO_MS:g}")
+        finally:
+            client.update_policy({"slo_tbt_ms": LAUNCH_SLO_MS})
+    assert wait_until(lambda: _pushed(paced_server, LAUNCH_SLO_MS), 30, 0.2)

@@ -24,6 +24,7 @@ import pytest
 
 from sglang_ext.placement_record import RESULT_FIELDS
 from sglang_ext.request_placement import KEY, PARAM
+from sglang_ext.request_slo import SLO_PARAM
 from sglang_ext.settings import POOL_STATS_FILE_ENV, STATS_FILE_ENV
 from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import PROMPTS, running_server
@@ -191,3 +192,54 @@ def test_a_bad_opt_in_value_is_http_400_naming_the_field(relaxed, path, stream):
     assert status == 400 and f"custom_params.{PARAM}='yes' is invalid (allowed: true or false)" in text, (status, text)
     status, text = _status(relaxed.server, path, body(True))
     assert status == 200 and KEY in text, (status, text)
+
+
+TERMINAL = ("response.completed", "response.incomplete", "response.failed")
+
+
+def _responses_body(served: Served, **extra: Any) -> dict:
+    """A ``/v1/responses`` request (SGLang's Responses API checks ``model`` against the served name;
+    its request model has no ``custom_params``: kvplane reads them from the body)."""
+    return {"model": str(served.server.model_dir), "input": "Once upon a time", "max_output_tokens": 6,
+            "temperature": 0, **extra}
+
+
+def test_responses_endpoint_returns_sglext_kvplane_only_when_asked(relaxed):
+    """``/v1/responses``, non-streaming: ``sglext.kvplane`` with every field when the body's
+    ``custom_params`` ask, and the request's own SLO in it (so the keys reached the engine); no
+    ``sglext`` otherwise (negative control). Streaming (paced on this server): only the terminal
+    lifecycle event's ``response`` carries it, with the pacer's deposit; a stream that did not ask
+    has none."""
+    plain = relaxed.server.post("/v1/responses", _responses_body(relaxed))
+    asked = relaxed.server.post("/v1/responses", _responses_body(relaxed, custom_params={**ASK, SLO_PARAM: 77}))
+    assert plain["object"] == asked["object"] == "response" and plain["output"] and asked["output"]
+    assert "sglext" not in plain and tuple(asked["sglext"][KEY]) == RESULT_FIELDS, asked.get("sglext")
+    assert asked["sglext"][KEY]["slo_tbt_ms"] == 77.0 and asked["sglext"][KEY]["deposit_source"] == "controller"
+    text = [r["output"][0]["content"][0]["text"] for r in (plain, asked)]
+    assert text[0] == text[1] and asked["usage"]["output_tokens"] == plain["usage"]["output_tokens"]  # SGLang's own
+
+    events = relaxed.server.stream("/v1/responses", _responses_body(relaxed, custom_params=ASK))
+    carrying = [e for e in events if "sglext" in json.dumps(e)]
+    assert len(carrying) == 1 and carrying[0] is events[-1] and carrying[0]["type"] in TERMINAL, \
+        [e.get("type") for e in events]
+    info = carrying[0]["response"]["sglext"][KEY]
+    assert tuple(info) == RESULT_FIELDS and info["deposit_source"] == "pacer"
+    plain_events = relaxed.server.stream("/v1/responses", _responses_body(relaxed))
+    assert plain_events[-1]["type"] in TERMINAL and not any("sglext" in json.dumps(e) for e in plain_events)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_bad_kvplane_param_on_responses_is_http_400_naming_the_field(relaxed, stream):
+    """``/v1/responses`` refuses a bad opt-in, a bad SLO and a ``custom_params`` that is not an
+    object with HTTP 400 naming it, before anything streams; ``true`` is served (negative control)."""
+    def body(custom: Any) -> dict:
+        return _responses_body(relaxed, stream=stream, custom_params=custom)
+
+    for custom, message in (({PARAM: "yes"}, f"custom_params.{PARAM}='yes' is invalid (allowed: true or false)"),
+                            ({SLO_PARAM: -1}, f"custom_params.{SLO_PARAM}=-1 is out of range"),
+                            ("yes", "custom_params='yes' is invalid (allowed: an object)")):
+        status, text = _status(relaxed.server, "/v1/responses", body(custom))
+        assert status == 400 and message in text and '"param":"custom_params"' in text.replace(" ", ""), \
+            (status, text)
+    status, text = _status(relaxed.server, "/v1/responses", body(ASK))
+    assert status == 200, (status, text)
