@@ -127,6 +127,13 @@ class ResidencyHooks:
         self._lock = threading.Lock()
         self.subscriber_errors = 0
         """Number of subscriber calls that raised (each one logged)."""
+        self._wanted: frozenset[ResidencyEventKind] = frozenset()
+        """Kinds some subscriber receives (rebuilt on subscribe / remove: :meth:`wants` is asked
+        per decode token)."""
+
+    def _rebuild_wanted(self) -> None:
+        every = frozenset(ResidencyEventKind)
+        self._wanted = frozenset().union(*(every if s.kinds is None else s.kinds for s in self._subscriptions))
 
     def subscribe(
         self, callback: Callback, kinds: Iterable[ResidencyEventKind | str] | None = None
@@ -144,16 +151,18 @@ class ResidencyHooks:
         sub = Subscription(self, callback, wanted)
         with self._lock:
             self._subscriptions.append(sub)
+            self._rebuild_wanted()
         return sub
 
     def _remove(self, sub: Subscription) -> None:
         with self._lock:
             if sub in self._subscriptions:
                 self._subscriptions.remove(sub)
+                self._rebuild_wanted()
 
     def wants(self, kind: ResidencyEventKind) -> bool:
         """Whether any subscriber receives ``kind`` (emitters skip building unwanted events)."""
-        return any(sub.wants(kind) for sub in self._subscriptions)
+        return kind in self._wanted
 
     @property
     def has_subscribers(self) -> bool:

@@ -179,9 +179,20 @@ class LayeredRadixCache(RadixCache):
             for i, req in enumerate(batch.reqs):
                 self._report_allocated(req, out_cache_loc[i * token_per_req : (i + 1) * token_per_req])
             return
-        # One slot per request, one page per slot (every slot opens its page): one host copy.
-        for req, block in zip(batch.reqs, out_cache_loc.to("cpu", torch.int64).tolist(), strict=True):
-            self._allocated(req, [block])
+        # One slot per request, one page per slot (every slot opens its page): one host copy, one
+        # set update; a request's first slot of a row or a subscribed kind takes the general path.
+        blocks = out_cache_loc.to("cpu", torch.int64).tolist()
+        hooks = self.residency_hooks
+        if hooks.wants(_K.EXTENDED) or hooks.wants(_K.ALLOCATED):
+            for req, block in zip(batch.reqs, blocks, strict=True):
+                self._allocated(req, [block])
+            return
+        rid_of_row = self._rid_of_row
+        for req in batch.reqs:
+            row = req.kv.req_pool_idx
+            if row is not None and rid_of_row.get(row) != req.rid:
+                rid_of_row[row] = req.rid
+        self._live_blocks.update(blocks)
 
     # ----- tree hand-over, release, eviction ---------------------------------
 

@@ -48,6 +48,9 @@ class RecomputeRequests:
         """Per live request: forced (custom_params / launch flag) or planned, checked once."""
         self.steps = 0
         """Decode steps that recomputed something."""
+        self._recomputing = False
+        """The last decode step recomputed for someone (its uncached prefixes must be undone when
+        they leave: the full path runs)."""
 
     @property
     def enabled(self) -> bool:
@@ -72,6 +75,10 @@ class RecomputeRequests:
             return
         specs, forced_of = self._specs, self._forced
         planned = self.installer.planned_recompute
+        if not planned and not self._recomputing and self._nobody_forced(batch.reqs):
+            if backend.recompute_inputs:
+                backend.recompute_inputs = {}
+            return  # the usual step: a few dict lookups, no per-request install
         inputs: dict[str, tuple[int, int, np.ndarray]] = {}
         live: dict[str, tuple[int, int, np.ndarray] | None] = {}
         for req in batch.reqs:
@@ -91,8 +98,26 @@ class RecomputeRequests:
             self.installer.set_uncached(rid, 0)
             forced_of.pop(rid, None)
         self._specs = live
+        self._recomputing = bool(inputs)
         backend.recompute_inputs = inputs
         self.steps += bool(inputs)
+
+    def _nobody_forced(self, reqs: list) -> bool:
+        """Whether no request of the batch forces recompute (each request's parameters read once;
+        entries of requests that left are pruned once the table is twice the batch)."""
+        forced_of = self._forced
+        forced = False
+        for req in reqs:
+            rid = req.rid
+            got = forced_of.get(rid)
+            if got is None:
+                got = forced_of[rid] = recompute_forced(self._params(req), self.default_ratio)
+            forced = forced or got
+        if len(forced_of) > 2 * len(reqs) + 64:
+            live = {req.rid for req in reqs}
+            for rid in [r for r in forced_of if r not in live]:
+                del forced_of[rid]
+        return not forced
 
     @staticmethod
     def _params(req: Any) -> Any:
