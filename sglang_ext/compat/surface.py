@@ -16,38 +16,17 @@ as a dataclass / msgspec field or annotation, or assigns ``self.<name> = ...`` i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class Target:
-    """One SGLang object kvplane relies on."""
-
-    path: str
-    """Dotted path: a module, or a module followed by attribute names (class, function, method)."""
-    params: tuple[str, ...] = ()
-    """Leading parameter names in order (``self`` included for methods reached through their
-    class; a classmethod reached through its class starts after ``cls``). Hooks bind these
-    positionally."""
-    keyword: tuple[str, ...] = ()
-    """Parameters kvplane passes or reads by name (any position, keyword-capable)."""
-    attrs: tuple[str, ...] = ()
-    """Attributes (fields, methods, instance attributes) kvplane reads, calls or overrides."""
-    keys: tuple[str, ...] = ()
-    """Keys kvplane reads or replaces (the target is a dict)."""
-    used_by: tuple[str, ...] = ()
-    """kvplane modules (under ``sglang_ext/``) relying on it."""
-
-    @property
-    def args(self) -> tuple[str, ...]:
-        """``params`` without a leading ``self``: the hooked call's own arguments."""
-        return self.params[1:] if self.params[:1] == ("self",) else self.params
-
-    @property
-    def name(self) -> str:
-        """Last component of the path."""
-        return self.path.rsplit(".", 1)[-1]
-
+from sglang_ext.compat.surface_recompute import (  # noqa: F401 -- part of the surface (TARGETS, __all__)
+    EAGER_EXECUTE_DECODE,
+    FORWARD_BATCH_RESIDUAL,
+    LLAMA_DECODER_LAYER,
+    LLAMA_MODEL,
+    LOGITS_PROCESSOR,
+    RESIDUAL_CONTRIBUTION,
+    RESIDUAL_PLAIN_ADD,
+    RESIDUAL_STREAM,
+)
+from sglang_ext.compat.target import Target
 
 _SRT = "sglang.srt"
 
@@ -232,37 +211,6 @@ FORWARD_BATCH = Target(
            "input_ids", "positions"),
     used_by=("layered_attention", "recompute_forward"),
 )
-EAGER_EXECUTE_DECODE = Target(
-    f"{_SRT}.model_executor.runner.eager_runner.EagerRunner._execute_decode",
-    params=("self", "forward_batch"),
-    used_by=("recompute_forward",),
-)
-"""Calls ``attn_backend.init_forward_metadata(forward_batch)`` before the model reads
-``forward_batch.input_ids`` / ``positions``: the recompute rows are appended there."""
-LOGITS_PROCESSOR = Target(
-    f"{_SRT}.layers.logits_processor.LogitsProcessor.forward",
-    params=("self", "input_ids", "hidden_states"),
-    used_by=("recompute_forward",),
-)
-"""A model's ``logits_processor`` (an instance attribute of the CausalLM) is wrapped to see only
-the decode rows of a recompute step."""
-LLAMA_MODEL = Target(f"{_SRT}.models.llama.LlamaModel", attrs=("layers", "start_layer"),
-                     used_by=("recompute_forward",))
-"""``model.model.layers``: each decoder layer but the first has its ``forward`` wrapped to cut the
-rows of prefixes recomputed only below it (eLLM §4.3.1, ``docs/recompute.md``)."""
-LLAMA_DECODER_LAYER = Target(f"{_SRT}.models.llama.LlamaDecoderLayer.forward",
-                             params=("self", "positions", "hidden_states", "forward_batch"),
-                             used_by=("recompute_forward",))
-RESIDUAL_STREAM = Target(f"{_SRT}.layers.layer_boundary.residual.stream.ResidualStream",
-                         attrs=("residual", "pending", "transport"), used_by=("recompute_forward",))
-"""``forward_batch.residual_stream`` between layers: its residual and pending contribution are cut
-with the hidden states."""
-RESIDUAL_CONTRIBUTION = Target(f"{_SRT}.layers.layer_boundary.residual.stream.Contribution",
-                               attrs=("value", "update", "owed", "complete"), used_by=("recompute_forward",))
-RESIDUAL_PLAIN_ADD = Target(f"{_SRT}.layers.layer_boundary.residual.add_norm.PlainAdd",
-                            attrs=("is_plain_add", "applied_at_exit"), used_by=("recompute_forward",))
-FORWARD_BATCH_RESIDUAL = Target(f"{_SRT}.model_executor.forward_batch_info.ForwardBatch",
-                                attrs=("residual_stream",), used_by=("recompute_forward",))
 FORWARD_MODE = Target(f"{_SRT}.model_executor.forward_batch_info.ForwardMode", attrs=("is_decode", "is_extend"),
                       used_by=("scheduler_hooks", "layered_attention"))
 MODEL_RUNNER = Target(f"{_SRT}.model_executor.model_runner.ModelRunner",

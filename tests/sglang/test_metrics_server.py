@@ -13,6 +13,7 @@ no kvplane multiprocess file.
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -145,6 +146,7 @@ def workload(metrics_server: MetricsServer) -> Workload:
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         outs = list(pool.map(lambda a: _request(ms.server, *a), zip(PROMPTS, slos, strict=True)))
     assert all(len(o["output_ids"]) == MAX_NEW_TOKENS for o in outs)
+    _settle(ms)
     after = scrape(ms.server)
     events = read_jsonl_events(ms.events_path)[len(events0):]
     return Workload(
@@ -157,6 +159,26 @@ def workload(metrics_server: MetricsServer) -> Workload:
         resumed_events=sum(1 for e in events if e.kind == ResidencyEventKind.RESUMED),
         requests=len(PROMPTS),
     )
+
+
+def _settle(ms: MetricsServer, quiet_s: float = 1.0, timeout_s: float = 60.0) -> None:
+    """Wait until the scheduler has finished the workload's last step: a client gets its response
+    when the step's result is sent, before kvplane's end-of-step hook updates the counters and
+    writes the stats lines, so a scrape taken at once may miss that step's counts while the files
+    read later have them. Quiet means the files did not grow for ``quiet_s``."""
+    paths = (ms.stats_path, ms.pool_stats_path, ms.events_path)
+
+    def sizes() -> tuple[int, ...]:
+        return tuple(p.stat().st_size if p.exists() else 0 for p in paths)
+
+    deadline, last, since = time.monotonic() + timeout_s, sizes(), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = sizes()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
 
 
 def counter_problems(w: Workload, before: Samples, after: Samples) -> list[str]:
