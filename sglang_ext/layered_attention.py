@@ -72,7 +72,7 @@ class _LayeredKV:
             return
         t0 = time.perf_counter()
         self._backend.pool.set_kv_buffer(*args, **kwargs)
-        meter.add("layers", time.perf_counter() - t0)
+        meter.add("kv_write", time.perf_counter() - t0)  # the layer's KV copy (vanilla SGLang writes it too)
 
     def _read(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._layer != layer_id or self._kv is None:
