@@ -111,7 +111,11 @@ def test_rank0_plan_installed_identically_on_both_ranks(tmp_path):
     assert r0["wants"] == r1["wants"]
     assert r0["pool_gpu_layers"] == r1["pool_gpu_layers"]
     assert r0["resident"] == r1["resident"]
-    assert r0["stats"] == r1["stats"]
+    # residency state is identical; copy / stall seconds are each rank's own wall-clock measurements
+    timed = {k for k in r0["stats"] if k.endswith("_seconds_total")}
+    assert timed == {"h2d_seconds_total", "d2h_seconds_total", "stall_seconds_total"}
+    assert {k: v for k, v in r0["stats"].items() if k not in timed} == \
+        {k: v for k, v in r1["stats"].items() if k not in timed}
     # The plan really governs residency: the pool wants exactly the planned layers, and the
     # budget (120 layer-pages for 240 live ones) keeps part of the KV on host.
     for rid, row in r0["install"].placements.items():
