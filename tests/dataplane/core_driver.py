@@ -7,6 +7,7 @@ returns exactly the shadow."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -247,3 +248,21 @@ def offload_scenario(driver: CoreDriver) -> None:
     driver.want("b", [True, False, False])
     driver.step([("a", 1), ("b", 1)])
     driver.check_at_rest()
+
+
+def offloaded_driver(*, device: str = "cpu", clock: Any = None) -> CoreDriver:
+    """A staged core with two requests whose layers 1 and 2 are on host (each decode step fetches
+    and writes back), after one closed transfer step. ``clock`` replaces the engine's clock."""
+    core = make_core(33 + 40, device=device)
+    if clock is not None:
+        core.store.engine.clock = clock
+    d = CoreDriver(core, seed=5)
+    for rid in ("a", "b"):
+        d.add(rid)
+        assert d.step([(rid, 5)])
+    for rid in ("a", "b"):
+        d.want(rid, [True, False, False])
+    if device == "cuda":
+        torch.cuda.synchronize()
+    core.close_transfer_step()
+    return d

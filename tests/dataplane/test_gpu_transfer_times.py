@@ -13,7 +13,7 @@ import torch
 from sglang_ext.dataplane.event_clock import EventClock
 from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
 from sglang_ext.dataplane.slot_kv_store import SlotStoreConfig
-from tests.dataplane.core_driver import CoreDriver, make_core
+from tests.dataplane.core_driver import offloaded_driver
 
 pytestmark = [
     pytest.mark.gpu,
@@ -90,15 +90,8 @@ def test_served_steps_observe_one_stall_each_and_the_pool_stays_small():
     is) ``close_transfer_step`` observes exactly that step. Nothing goes untimed. The event pool
     holds about one step's pairs, however many steps ran (without reuse, 12 steps would need
     several times the bound). The stats carry the account's totals."""
-    core = make_core(33 + 40, device="cuda")
-    d = CoreDriver(core, seed=5)
-    for rid in ("a", "b"):
-        d.add(rid)
-        assert d.step([(rid, 5)])
-    for rid in ("a", "b"):
-        d.want(rid, [True, False, False])
-    torch.cuda.synchronize()
-    core.close_transfer_step()
+    d = offloaded_driver(device="cuda")
+    core = d.core
     clock = core.store.engine.clock
     assert isinstance(clock, EventClock)
     for _ in range(12):

@@ -23,7 +23,7 @@ from sglang_ext.dataplane.transfer_clock import STALL
 from sglang_ext.dataplane.transfer_times import TransferTimes
 from sglang_ext.dataplane.wall_clock import WallClock
 from sglang_ext.testing.op_audit import OpAudit, audit_core
-from tests.dataplane.core_driver import CoreDriver, make_core
+from tests.dataplane.core_driver import offloaded_driver
 
 
 class FakeStream:
@@ -194,27 +194,11 @@ def test_accounting_rejects_what_no_clock_sends():
 # ---- the core on the CPU: the same account --------------------------------------------------
 
 
-def _offloaded_driver(clock: Any = None) -> CoreDriver:
-    """A staged core with two requests whose layers 1 and 2 are on host. ``clock`` replaces the
-    engine's WallClock when given."""
-    core = make_core(33 + 40)
-    if clock is not None:
-        core.store.engine.clock = clock
-    d = CoreDriver(core, seed=5)
-    for rid in ("a", "b"):
-        d.add(rid)
-        assert d.step([(rid, 5)])
-    for rid in ("a", "b"):
-        d.want(rid, [True, False, False])
-    core.close_transfer_step()
-    return d
-
-
 def test_cpu_copies_are_wall_timed_and_are_the_steps_stall():
     """CPU engine (WallClock): copies are timed as they run, each step's stall is its copy
     seconds, and the pool's stats carry the same totals as the account. A step without copies
     observes 0.0 (negative control)."""
-    d = _offloaded_driver()
+    d = offloaded_driver()
     core, times = d.core, d.core.transfer_times
     assert isinstance(core.store.engine.clock, WallClock)
     before = times.h2d_s + times.d2h_s
@@ -235,7 +219,7 @@ def test_per_layer_event_timing_adds_no_host_sync():
     one stall, once the fake streams have completed."""
     stream = FakeStream()
     clock, _ = fake_clock(default=stream)
-    d = _offloaded_driver(clock)
+    d = offloaded_driver(clock=clock)
     core = d.core
     stream.complete()
     core.close_transfer_step()
@@ -266,7 +250,7 @@ def test_a_sync_in_the_timing_path_would_be_caught(monkeypatch):
     monkeypatch.setattr(EventClock, "start", start_with_a_sync)
     stream = FakeStream()
     clock, _ = fake_clock(default=stream)
-    d = _offloaded_driver(clock)
+    d = offloaded_driver(clock=clock)
     audit = OpAudit()
     audit_core(d.core, audit)
     with audit:
