@@ -142,14 +142,19 @@ class LayeredRadixCache(RadixCache):
     def _allocated(self, req: Any, blocks: list[int]) -> None:
         if not blocks:
             return
+        self._live_blocks.update(blocks)
+        self._claim(req, blocks)
+
+    def _claim(self, req: Any, blocks: list[int]) -> None:
+        """``req`` got ``blocks`` (already in the live set): its row's owner, and the event if
+        anyone subscribed to it (per decode token: the unwanted event is never built)."""
         rid = req.rid
         row = req.kv.req_pool_idx
         first = self._rid_of_row.get(row) != rid
-        if row is not None:
+        if row is not None and first:
             self._rid_of_row[row] = rid
-        self._live_blocks.update(blocks)
         kind = _K.ALLOCATED if first else _K.EXTENDED
-        if self.residency_hooks.wants(kind):  # per decode token: skip the event nobody reads
+        if self.residency_hooks.wants(kind):
             self.residency_hooks.emit(kind, blocks, rid=rid)
 
     def on_alloc_extend(self, batch: Any, out_cache_loc: torch.Tensor) -> None:
@@ -179,20 +184,12 @@ class LayeredRadixCache(RadixCache):
             for i, req in enumerate(batch.reqs):
                 self._report_allocated(req, out_cache_loc[i * token_per_req : (i + 1) * token_per_req])
             return
-        # One slot per request, one page per slot (every slot opens its page): one host copy, one
-        # set update; a request's first slot of a row or a subscribed kind takes the general path.
+        # One slot per request, one page per slot (every slot opens its page): one host copy and
+        # one live-set update for the batch.
         blocks = out_cache_loc.to("cpu", torch.int64).tolist()
-        hooks = self.residency_hooks
-        if hooks.wants(_K.EXTENDED) or hooks.wants(_K.ALLOCATED):
-            for req, block in zip(batch.reqs, blocks, strict=True):
-                self._allocated(req, [block])
-            return
-        rid_of_row = self._rid_of_row
-        for req in batch.reqs:
-            row = req.kv.req_pool_idx
-            if row is not None and rid_of_row.get(row) != req.rid:
-                rid_of_row[row] = req.rid
         self._live_blocks.update(blocks)
+        for req, block in zip(batch.reqs, blocks, strict=True):
+            self._claim(req, [block])
 
     # ----- tree hand-over, release, eviction ---------------------------------
 

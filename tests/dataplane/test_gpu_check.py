@@ -47,6 +47,14 @@ def _result(tmp_path):
     return path, json.loads(path.read_text())
 
 
+def _failing_quick_run(tmp_path):
+    """A quick CPU dry run (one repeat, no pytest) that must exit 1: (result, figures by key)."""
+    argv = ["gpu-check", "--device", "cpu", "--skip-tests", "--repeat", "1", "--out-dir", str(tmp_path)]
+    assert main(argv) == 1
+    _, body = _result(tmp_path)
+    return body, {f["key"]: f for f in body["figures"]}
+
+
 def test_cpu_dry_run_end_to_end(tmp_path, capsys):
     """`--device cpu` runs the gpu tests (all skip), drives the served core with the planner's
     placement, and writes JSON + Markdown naming the CPU; every figure has its target and a
@@ -98,10 +106,7 @@ def test_a_wrong_attention_fails_the_check(tmp_path, monkeypatch):
         return reference(*args, **kwargs).roll(1, dims=0)
 
     monkeypatch.setattr(gpu_check_attention, "paged_decode_ref", swapped)
-    argv = ["gpu-check", "--device", "cpu", "--skip-tests", "--repeat", "1", "--out-dir", str(tmp_path)]
-    assert main(argv) == 1
-    _, body = _result(tmp_path)
-    figures = {f["key"]: f for f in body["figures"]}
+    body, figures = _failing_quick_run(tmp_path)
     assert figures["attention_max_abs_err.torch"]["status"] == FAIL
     assert figures["attention_max_abs_err.triton"]["status"] == PASS
     assert body["status"] == FAIL and body["tests"]["note"].startswith("not run")
@@ -114,10 +119,7 @@ def test_a_wrong_recompute_fails_the_check(tmp_path, monkeypatch):
 
     real = LayeredKVCore.write_recompute
     monkeypatch.setattr(LayeredKVCore, "write_recompute", lambda self, layer, k, v: real(self, layer, k + 1, v))
-    argv = ["gpu-check", "--device", "cpu", "--skip-tests", "--repeat", "1", "--out-dir", str(tmp_path)]
-    assert main(argv) == 1
-    _, body = _result(tmp_path)
-    figures = {f["key"]: f for f in body["figures"]}
+    _, figures = _failing_quick_run(tmp_path)
     assert figures["recompute_attention_max_abs_err"]["status"] == FAIL
     assert figures["attention_max_abs_err.torch"]["status"] == PASS
 
