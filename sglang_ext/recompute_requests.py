@@ -68,7 +68,7 @@ class RecomputeRequests:
         if not self.enabled:
             return
         batch = getattr(plan, "batch_to_run", plan)
-        backend = self.backend
+        backend: Any = self.backend  # not None: enabled
         if batch is None or not batch.forward_mode.is_decode():
             if backend.recompute_inputs:
                 backend.recompute_inputs = {}
@@ -83,10 +83,7 @@ class RecomputeRequests:
         live: dict[str, tuple[int, int, np.ndarray] | None] = {}
         for req in batch.reqs:
             rid = req.rid
-            forced = forced_of.get(rid)
-            if forced is None:
-                forced = forced_of[rid] = recompute_forced(self._params(req), self.default_ratio)
-            if forced:
+            if self._forced_flag(req):
                 spec = specs[rid] if rid in specs else self._spec(req)
             else:
                 spec = self._planned(req, planned.get(rid), specs.get(rid))
@@ -108,16 +105,19 @@ class RecomputeRequests:
         forced_of = self._forced
         forced = False
         for req in reqs:
-            rid = req.rid
-            got = forced_of.get(rid)
-            if got is None:
-                got = forced_of[rid] = recompute_forced(self._params(req), self.default_ratio)
-            forced = forced or got
+            forced = self._forced_flag(req) or forced
         if len(forced_of) > 2 * len(reqs) + 64:
             live = {req.rid for req in reqs}
             for rid in [r for r in forced_of if r not in live]:
                 del forced_of[rid]
         return not forced
+
+    def _forced_flag(self, req: Any) -> bool:
+        """Whether ``req`` forces its ratio (custom_params or the launch flag), read once."""
+        got = self._forced.get(req.rid)
+        if got is None:
+            got = self._forced[req.rid] = recompute_forced(self._params(req), self.default_ratio)
+        return got
 
     @staticmethod
     def _params(req: Any) -> Any:
