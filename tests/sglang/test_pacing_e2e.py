@@ -11,6 +11,7 @@ changes the SLO new streams without their own are paced at.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 import urllib.error
@@ -32,8 +33,14 @@ from tests.sglang.request_kinds import assert_slo_checked_on_every_kind
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # server start-ups on a loaded host
 
 SLO_MS = 60.0
-OUTPUT_TOKENS = 120
-"""Enough that generation outlasts several SLOs even on an idle host (about 10 ms a token)."""
+PACED_SLOS = 10
+"""Generation should last this many SLOs, so that at least a few gaps come before the finish
+burst even when the host speeds up by half mid-test. A fixed token count cannot promise it: CI
+once generated 120 tokens in about 300 ms (2.5 ms a token against the 3-10 ms seen on the same
+2-core host while developing), so the stream was two paced gaps and a burst. The count is sized
+from the speed measured on the server under test (:func:`ms_per_token`)."""
+MAX_OUTPUT_TOKENS = 1900
+"""The tiny model's context is 2048 tokens."""
 TOLERANCE_MS = 45.0
 """Client-side lateness allowed for the reference chunk (HTTP, thread scheduling on a shared
 2-core host); the cumulative check does not accumulate it."""
@@ -47,9 +54,6 @@ LIVE_SLO_MS = 60.0
 confused within the tolerance (60 + 45 < 200 - 45)."""
 BURST_MS = 5.0
 """Gaps below this at the end of a stream are the finish burst, not paced gaps."""
-LIVE_OUTPUT_TOKENS = 360
-"""Tokens per stream of the live-SLO test: generation (about 4 ms a token on a quiet host) must
-outlast several launch SLOs, or the stream is all first token and finish burst."""
 # Median of paced gaps: the pacer releases one chunk (one token, SGLang's stream_interval 1) per SLO
 # while it holds any, so the gaps before the finish burst are the SLO (OrbitFlow §3.2 token deposit).
 
@@ -72,20 +76,47 @@ def paced_server(tiny_model_dir, tmp_path_factory, live_policy) -> Iterator[SGLa
         yield server
 
 
-def test_paced_stream_text_identical_and_spaced(paced_server: SGLangServer) -> None:
+def _generate_ms(server: SGLangServer, tokens: int) -> float:
+    """Wall time of one non-streamed greedy generation of ``tokens`` tokens."""
+    body = {"text": "The quick brown fox jumps", "stream": False,
+            "sampling_params": {"max_new_tokens": tokens, "temperature": 0.0, "ignore_eos": True}}
+    req = urllib.request.Request(server.base_url + "/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    sent = time.monotonic()
+    with urllib.request.urlopen(req, timeout=180) as resp:
+        resp.read()
+    return (time.monotonic() - sent) * 1000.0
+
+
+@pytest.fixture(scope="module")
+def ms_per_token(paced_server: SGLangServer) -> float:
+    """Decode time per token on this server now: the difference of a 144- and a 16-token run over
+    128 (so start-up and prefill cancel), the least of two tries (a stall only slows one)."""
+    _generate_ms(paced_server, 8)  # warm-up
+    return min((_generate_ms(paced_server, 144) - _generate_ms(paced_server, 16)) / 128.0 for _ in range(2))
+
+
+def _tokens_for(slo_ms: float, ms_per_token: float, floor: int) -> int:
+    """Output tokens whose generation lasts ``PACED_SLOS`` SLOs at the measured speed."""
+    return min(MAX_OUTPUT_TOKENS, max(floor, math.ceil(PACED_SLOS * slo_ms / max(ms_per_token, 0.05))))
+
+
+def test_paced_stream_text_identical_and_spaced(paced_server: SGLangServer, ms_per_token: float) -> None:
     """Streamed text == non-streamed text; chunk gaps >= SLO - tolerance until the finish burst."""
+    output_tokens = _tokens_for(SLO_MS, ms_per_token, 120)
+    print(f"\n{ms_per_token:.2f} ms a token: {output_tokens} output tokens")
     stream = run_one(
         paced_server.base_url,
-        RequestSpec("paced-s", 30, OUTPUT_TOKENS, stream=True, slo_tbt_ms=SLO_MS),
+        RequestSpec("paced-s", 30, output_tokens, stream=True, slo_tbt_ms=SLO_MS),
         "default",
         0.0,
         180.0,
     )
     full = run_one(
-        paced_server.base_url, RequestSpec("paced-n", 30, OUTPUT_TOKENS, stream=False), "default", 0.0, 180.0
+        paced_server.base_url, RequestSpec("paced-n", 30, output_tokens, stream=False), "default", 0.0, 180.0
     )
     assert stream.ok and full.ok, (stream.error, full.error, paced_server.log_tail())
-    assert stream.completion_tokens == full.completion_tokens == OUTPUT_TOKENS
+    assert stream.completion_tokens == full.completion_tokens == output_tokens
     assert stream.text == full.text
     # The first gap is exempt: SGLang's OpenAI layer pulls the first chunk before it sends the
     # HTTP response headers, so the client receives chunk 1 late (response start-up) while
@@ -144,10 +175,10 @@ def test_bad_slo_is_a_400_on_every_request_kind_with_pacing_on(paced_server: SGL
     assert_slo_checked_on_every_kind(paced_server)
 
 
-def _chunk_times_ms(server: SGLangServer, slo_tbt_ms: float | None) -> list[float]:
-    """Stream LIVE_OUTPUT_TOKENS greedy tokens through ``/generate`` (about one chunk a token, text
-    or not); each chunk's arrival, ms since the request was sent."""
-    params: dict = {"max_new_tokens": LIVE_OUTPUT_TOKENS, "temperature": 0.0, "ignore_eos": True}
+def _chunk_times_ms(server: SGLangServer, slo_tbt_ms: float | None, tokens: int) -> list[float]:
+    """Stream ``tokens`` greedy tokens through ``/generate`` (about one chunk a token, text or
+    not); each chunk's arrival, ms since the request was sent."""
+    params: dict = {"max_new_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
     if slo_tbt_ms is not None:
         params["custom_params"] = {SLO_PARAM: slo_tbt_ms}
     body = {"text": "The quick brown fox jumps", "sampling_params": params, "stream": True}
@@ -163,11 +194,11 @@ def _chunk_times_ms(server: SGLangServer, slo_tbt_ms: float | None) -> list[floa
     return times
 
 
-def _paced_gap_ms(server: SGLangServer, slo_tbt_ms: float | None = None) -> tuple[float, list[float]]:
+def _paced_gap_ms(server: SGLangServer, tokens: int, slo_tbt_ms: float | None = None) -> tuple[float, list[float]]:
     """The median gap between a stream's chunks while it was paced (own SLO or none), and all gaps.
     Paced gaps are the ones of at least BURST_MS after the first (the finish burst's are ~0)."""
-    times = _chunk_times_ms(server, slo_tbt_ms)
-    assert len(times) >= LIVE_OUTPUT_TOKENS // 2, (len(times), server.log_tail())  # chunks may coalesce tokens
+    times = _chunk_times_ms(server, slo_tbt_ms, tokens)
+    assert len(times) >= tokens // 2, (len(times), server.log_tail())  # chunks may coalesce tokens
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     paced = [g for g in gaps[1:] if g >= BURST_MS]
     assert len(paced) >= 3, f"pacing not visible: gaps {gaps}"
@@ -186,13 +217,17 @@ def _pushed(server: SGLangServer, slo_ms: float) -> bool:
                for line in server.log_path.read_text(errors="replace").splitlines())
 
 
-def test_a_live_slo_update_reaches_the_pacer_of_new_streams(paced_server: SGLangServer, live_policy) -> None:
+def test_a_live_slo_update_reaches_the_pacer_of_new_streams(
+    paced_server: SGLangServer, live_policy, ms_per_token: float
+) -> None:
     """Scenario: a stream without its own SLO is paced at the launch default (200 ms) -- the
     negative control: nothing changes it without an update. ``slo_tbt_ms`` is updated live to 60
     ms through the policy API; the scheduler sends it to the main process (logged there) and the
     next stream without its own SLO is paced at 60 ms, while a stream with its own 200 ms keeps
     200 ms. The policy is restored afterwards."""
-    before, gaps = _paced_gap_ms(paced_server)
+    tokens = _tokens_for(LAUNCH_SLO_MS, ms_per_token, 360)  # enough for the longest SLO used
+    print(f"\n{ms_per_token:.2f} ms a token: {tokens} output tokens a stream")
+    before, gaps = _paced_gap_ms(paced_server, tokens)
     assert _near(before, LAUNCH_SLO_MS) and not _near(before, LIVE_SLO_MS), (before, gaps)
     assert not _pushed(paced_server, LIVE_SLO_MS)
     with GrpcControlPlane(live_policy.target, token=TOKEN) as client:
@@ -200,9 +235,9 @@ def test_a_live_slo_update_reaches_the_pacer_of_new_streams(paced_server: SGLang
         try:
             # the scheduler sends it at its next iteration (an idle one wakes within a second)
             assert wait_until(lambda: _pushed(paced_server, LIVE_SLO_MS), 30, 0.2), paced_server.log_tail()
-            after, gaps = _paced_gap_ms(paced_server)
+            after, gaps = _paced_gap_ms(paced_server, tokens)
             assert _near(after, LIVE_SLO_MS) and not _near(after, LAUNCH_SLO_MS), (after, gaps)
-            own, gaps = _paced_gap_ms(paced_server, LAUNCH_SLO_MS)
+            own, gaps = _paced_gap_ms(paced_server, tokens, LAUNCH_SLO_MS)
             assert _near(own, LAUNCH_SLO_MS), (own, gaps)
             print(f"\nlive SLO: median paced gap {before:.1f} ms at launch ({LAUNCH_SLO_MS:g}), "
                   f"{after:.1f} ms after the update to {LIVE_SLO_MS:g}, {own:.1f} ms with its own {LAUNCH_SLO_MS:g}")
