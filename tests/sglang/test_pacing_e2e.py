@@ -13,11 +13,14 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -105,23 +108,17 @@ def test_paced_stream_text_identical_and_spaced(paced_server: SGLangServer, ms_p
     """Streamed text == non-streamed text; chunk gaps >= SLO - tolerance until the finish burst."""
     output_tokens = _tokens_for(SLO_MS, ms_per_token, 120)
     print(f"\n{ms_per_token:.2f} ms a token: {output_tokens} output tokens")
-    stream = run_one(
-        paced_server.base_url,
-        RequestSpec("paced-s", 30, output_tokens, stream=True, slo_tbt_ms=SLO_MS),
-        "default",
-        0.0,
-        180.0,
-    )
+    stream = _run_one_apart(paced_server, output_tokens)
     full = run_one(
         paced_server.base_url, RequestSpec("paced-n", 30, output_tokens, stream=False), "default", 0.0, 180.0
     )
-    assert stream.ok and full.ok, (stream.error, full.error, paced_server.log_tail())
-    assert stream.completion_tokens == full.completion_tokens == output_tokens
-    assert stream.text == full.text
+    assert stream["ok"] and full.ok, (stream["error"], full.error, paced_server.log_tail())
+    assert stream["completion_tokens"] == full.completion_tokens == output_tokens
+    assert stream["text"] == full.text
     # The first gap is exempt: SGLang's OpenAI layer pulls the first chunk before it sends the
     # HTTP response headers, so the client receives chunk 1 late (response start-up) while
     # chunk 2 leaves on the deposit's clock, one SLO after chunk 1 left the server.
-    gaps = stream.gaps_ms[1:]
+    gaps = stream["gaps_ms"][1:]
     assert len(gaps) >= 2
     # The finish burst (gaps far below the SLO) is the trailing run of short gaps; before it the
     # stream is paced. The deposit releases on a fixed clock (token k one SLO after token k-1 was
@@ -175,23 +172,54 @@ def test_bad_slo_is_a_400_on_every_request_kind_with_pacing_on(paced_server: SGL
     assert_slo_checked_on_every_kind(paced_server)
 
 
+_CHUNK_CLIENT = """
+import json, sys, time, urllib.request
+url, body = sys.argv[1], sys.argv[2]
+req = urllib.request.Request(url, data=body.encode(), headers={"Content-Type": "application/json"})
+times = []
+sent = time.monotonic()
+with urllib.request.urlopen(req, timeout=180) as resp:
+    for raw in resp:
+        line = raw.decode().strip()
+        if line.startswith("data:") and line != "data: [DONE]":
+            times.append((time.monotonic() - sent) * 1000.0)
+print(json.dumps(times))
+"""
+
+_RUN_ONE_CLIENT = """
+import dataclasses, json, sys
+from sglang_ext.tools.workload import RequestSpec, run_one
+url, tokens, slo = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+got = run_one(url, RequestSpec("paced-s", 30, tokens, stream=True, slo_tbt_ms=slo), "default", 0.0, 180.0)
+print(json.dumps({"ok": got.ok, "error": got.error, "completion_tokens": got.completion_tokens,
+                  "text": got.text, "gaps_ms": list(got.gaps_ms)}))
+"""
+
+
+def _client(script: str, *args: str) -> Any:
+    """Run a client in its own small process and return what it printed (JSON). Chunk arrival
+    times are taken there, not in this long-lived test process, whose pauses (a full garbage
+    collection of a big suite's heap, a thread holding the GIL) once held the reads back for up
+    to ~1.9 s in a full run and made a paced stream look like one burst."""
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=240,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _run_one_apart(server: SGLangServer, tokens: int) -> dict:
+    """``run_one`` of a streamed completion paced at ``SLO_MS``, in a client process."""
+    return _client(_RUN_ONE_CLIENT, server.base_url, str(tokens), str(SLO_MS))
+
+
 def _chunk_times_ms(server: SGLangServer, slo_tbt_ms: float | None, tokens: int) -> list[float]:
     """Stream ``tokens`` greedy tokens through ``/generate`` (about one chunk a token, text or
-    not); each chunk's arrival, ms since the request was sent."""
+    not); each chunk's arrival, ms since the request was sent (timed in a client process)."""
     params: dict = {"max_new_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
     if slo_tbt_ms is not None:
         params["custom_params"] = {SLO_PARAM: slo_tbt_ms}
     body = {"text": "The quick brown fox jumps", "sampling_params": params, "stream": True}
-    req = urllib.request.Request(server.base_url + "/generate", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    times: list[float] = []
-    sent = time.monotonic()
-    with urllib.request.urlopen(req, timeout=180) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if line.startswith("data:") and line != "data: [DONE]":
-                times.append((time.monotonic() - sent) * 1000.0)
-    return times
+    return _client(_CHUNK_CLIENT, server.base_url + "/generate", json.dumps(body))
 
 
 def _paced_gap_ms(server: SGLangServer, tokens: int, slo_tbt_ms: float | None = None) -> tuple[float, list[float]]:
