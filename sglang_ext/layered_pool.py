@@ -342,6 +342,7 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         return self.core.token_rows(layer_id - self.start_layer)
 
     def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
+        self.core.settle()  # the store's map is read directly below
         for layer in range(self.layer_num):
             k, v = self.store.read_kv(layer, src_loc)
             self.store.write_at_rest(layer, tgt_loc, k.clone(), v.clone())

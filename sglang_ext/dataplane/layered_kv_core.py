@@ -94,6 +94,7 @@ class LayeredKVCore:
 
     def free_device_pages(self) -> int:
         """Device layer-pages free now, counting prefix-cache pages that are given up on demand."""
+        self.residency.settle()
         return self.store.allocator.free_count + self.residency.reclaimable_pages
 
     def stats(self) -> ResidencyStats:
@@ -141,6 +142,7 @@ class LayeredKVCore:
         ``recompute[i] = (u, k)`` (decode steps): request ``i``'s first ``u`` pages are recomputed
         by the forward at layers ``< k`` (``tables.recompute``; ``docs/recompute.md``);
         ``recompute_ids[i]`` its token ids, uploaded with the tables (``tables.recompute.input_ids``)."""
+        self.residency.settle()
         self.store.engine.clock.harvest()  # earlier steps' timing events (non-blocking)
         self.pipeline.end_step()
         self.step_loc = new_slots
@@ -241,31 +243,33 @@ class LayeredKVCore:
         apply: every request of ``rids`` ran the previous forward with ``seq_lens - 1`` tokens and
         the store is in the identity layout with every live layer-page resident. Then the step's
         only change is the new pages of ``new_slots`` (slot ``i`` is request ``i``'s new token),
-        placed at every layer without re-reading any request's slots; nothing is staged."""
+        which the forward writes and reads in place; their bookkeeping (placed at every layer,
+        holding KV, dirty, joined to their requests) is journalled and applied when anything
+        reads residency (:class:`~sglang_ext.dataplane.decode_journal.DecodeJournal`): the step
+        itself checks a few flags and records two small arrays. Nothing is staged."""
         if new_slots.device.type != "cpu" or new_slots.numel() != len(rids) or self.residency.has_anonymous:
             return False
-        slots = new_slots.numpy()
-        if slots.dtype != np.int64:
-            slots = slots.astype(np.int64)
+        slots = new_slots.numpy().astype(np.int64)  # a copy: the journal keeps it past the step
         ps = self.page_size
         if ps == 1:
-            owners, pages = self._owners(slots.size), slots
+            owners, pages, written = self._owners(slots.size), slots, None
         else:
             lens = np.asarray(seq_lens, dtype=np.int64)
             owners = np.flatnonzero((lens - 1) % ps == 0)  # the token opens a new page
-            pages = slots[owners] // ps
-        ids = self.residency.append_decode_identity(rids, owners, pages)
-        if ids is None:
+            pages, written = slots[owners] // ps, slots // ps
+        if not self.residency.journal.record(rids, owners, pages, written):
             return False
         self.store.engine.clock.harvest()
         self.pipeline.end_step()
         self.overflow = False
         self.step_loc = new_slots
-        if ps == 1:  # every new token opened its page: exactly the placed layer-pages got KV
-            self.store.mark_dirty(ids.reshape(-1))
-        else:
-            self.store.mark_dirty_pages(np.unique(slots // ps))
         return True
+
+    def settle(self) -> None:
+        """Apply the journalled decode steps' bookkeeping now (every reader of residency through
+        this object does it first; tests and tools reading ``store`` / ``residency`` arrays
+        directly call it)."""
+        self.residency.settle()
 
     def _owners(self, n: int) -> np.ndarray:
         """``arange(n)`` (read-only, cached: the batch size rarely changes between steps)."""
@@ -308,6 +312,7 @@ class LayeredKVCore:
         (identity: in place by slot id; otherwise the step's row table) -- no host work; anything
         else (or an overflow step) is written at rest."""
         if loc is not self.step_loc or self.overflow:
+            self.residency.settle()
             self.store.write_at_rest(layer, loc, k, v)
             self.residency.mark_written(torch.unique(loc.to("cpu", torch.int64) // self.page_size))
         elif self.store.identity:
@@ -353,4 +358,5 @@ class LayeredKVCore:
 
     def read_kv(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``slots`` at ``layer``, at rest (waits for copies in flight)."""
+        self.residency.settle()
         return self.store.read_kv(layer, slots)

@@ -30,11 +30,12 @@ Rules (docs/sglang-integration.md, layered pool contract):
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import numpy as np
 import torch
 
+from sglang_ext.dataplane.decode_journal import DecodeJournal
 from sglang_ext.dataplane.layer_page_moves import LayerPageMoves
 from sglang_ext.dataplane.layer_page_moves import by_layer as _by_layer
 from sglang_ext.dataplane.live_pages import LivePages
@@ -56,7 +57,7 @@ class SlotResidency:
         self.last_moves = LayerPageMoves({}, {})
         self.has_kv = store.has_kv
         """Pages holding KV (the store's flags): only these are copied on onload."""
-        self._has_kv_np = store.has_kv_np  # same memory, for the per-step fast path
+        self.has_kv_np = store.has_kv_np  # same memory, for the per-step fast path
         self._anonymous: set[str] = set()
         """Ids of requests observed without an id (dropped at the next boundary)."""
         self._changed = True
@@ -77,6 +78,26 @@ class SlotResidency:
         """Want counts per (layer, page), users per page, live resident count, dirty pages: a
         change costs O(the changed request's pages x L); a full reconciliation looks at the
         dirty pages only (:class:`WantCounts`)."""
+        self.journal = DecodeJournal(self)
+        """Steady-decode steps recorded but not yet applied: every public method settles it first."""
+
+    def settle(self) -> None:
+        """Apply the journalled decode steps (:class:`DecodeJournal`); cheap when there are none."""
+        if self.journal.entries:
+            self.journal.apply()
+
+    def tracked(self, rid: str) -> _Request | None:
+        """The record of ``rid`` (None if untracked); no settling (the journal's step-time check)."""
+        return self._requests.get(rid)
+
+    @property
+    def appended_pending(self) -> bool:
+        """Pages observed as appended and not yet reconciled."""
+        return bool(self._appended)
+
+    def force_full_reconcile(self) -> None:
+        """The next reconciliation is a full one (something changed beyond appends)."""
+        self._changed = True
 
     # ----- request state ----------------------------------------------------------
 
@@ -86,6 +107,7 @@ class SlotResidency:
         Only a real change (new request, other layers, pause state, pages not just appended)
         forces the next reconciliation to be a full one; a steady plan stays on the fast path.
         """
+        self.settle()
         for rid, want in wants.items():
             if len(want.gpu_layers) != self.layers:
                 raise ValueError(
@@ -142,6 +164,7 @@ class SlotResidency:
         row), which is what the append-only fast path of :meth:`reconcile` relies on; anything
         else forces a full pass.
         """
+        self.settle()
         req = self._requests.get(rid)
         if req is None:
             # A new request only adds wants (nothing can become droppable), so it takes the
@@ -169,6 +192,7 @@ class SlotResidency:
 
     def release_request(self, rid: str) -> None:
         """Forget ``rid`` (unknown ids are ignored: release is idempotent)."""
+        self.settle()
         req = self._requests.pop(rid, None)
         if req is not None:
             self._changed = True
@@ -182,6 +206,7 @@ class SlotResidency:
 
     def drop_anonymous(self) -> None:
         """Forget requests observed without an id (dummy / warm-up batches)."""
+        self.settle()
         if not self._anonymous:
             return
         for rid in self._anonymous:
@@ -204,6 +229,7 @@ class SlotResidency:
     def page_freed(self, pages: list[int]) -> None:
         """The allocator took ``pages`` back: their device copies are dead (O(freed pages) unless
         a tracked request still holds one: the per-page user counts tell)."""
+        self.settle()
         if not pages:
             self.store.release_pages(pages)
             return
@@ -223,10 +249,11 @@ class SlotResidency:
                         self.counts.track(req, 1)
         self.store.release_pages(pages)
         self._maybe_orphan.difference_update(pages)
-        self._has_kv_np[freed] = False
+        self.has_kv_np[freed] = False
 
     def mark_written(self, pages: torch.Tensor) -> None:
         """``pages`` receive KV in the coming forward (later onloads must copy them)."""
+        self.settle()
         if pages.numel():
             self.has_kv[pages] = True
 
@@ -234,6 +261,7 @@ class SlotResidency:
 
     def live_pages(self) -> LivePages:
         """The view of the dirty and paused pages (wants, residency, removable) for giving up."""
+        self.settle()
         paused = [r for r in self._requests.values() if r.paused] if self.counts.paused_requests else []
         return LivePages(self.store, self.counts, paused, self._maybe_orphan, self.staging_lent)
 
@@ -247,6 +275,7 @@ class SlotResidency:
         others are settled) and, when space is short, at paused requests' pages too
         (:class:`LivePages`); never at the other live pages or the pool.
         """
+        self.settle()
         fast = self._reconcile_appended()
         if fast is not None:
             self.counts.forget_settled()
@@ -377,12 +406,12 @@ class SlotResidency:
         write; anything else (prefix pages already placed, pages holding KV) returns None and the
         general append path handles it."""
         pages = added.numpy()  # NumPy from here: a handful of tiny ops per decode step
-        if self._place_fresh_identity(pages) is None:
+        if self.place_fresh_identity(pages) is None:
             return None
         self.last_moves = LayerPageMoves({}, {})
         return ResidencyDelta(0, 0, 0, self.layers * int(pages.size), 0, 0, 0, 0)
 
-    def _place_fresh_identity(self, pages: np.ndarray) -> np.ndarray | None:
+    def place_fresh_identity(self, pages: np.ndarray) -> np.ndarray | None:
         """Place every layer of these distinct new pages (no KV yet, on host at every layer) at
         their fixed identity device pages and return those ids (``[L, n]``); None, changing
         nothing, if any condition fails.
@@ -394,35 +423,10 @@ class SlotResidency:
         if len(set(pages.tolist())) != n or self.layers * n > store.allocator.free_count:
             return None
         ids = store.identity_ids(pages)
-        if self._has_kv_np[pages].any() or store.map_flat_np[ids].max() >= 0:
+        if self.has_kv_np[pages].any() or store.map_flat_np[ids].max() >= 0:
             return None
         store.place_identity(pages, ids)
         self.counts.moved(pages, 1, self.layers)
-        return ids
-
-    def append_decode_identity(self, rids: Sequence[str], owners: np.ndarray,
-                               pages: np.ndarray) -> np.ndarray | None:
-        """Decode fast path (identity layout, every live layer-page resident): request
-        ``rids[owners[i]]`` appended page ``pages[i]`` (int64 NumPy arrays; a decode step's new
-        pages). Places every layer of each new page at its fixed device page and records it,
-        as ``observe`` + ``reconcile`` + ``mark_written`` would; returns the placed ids
-        (``[L, n]``), or None, changing nothing, if a precondition fails (take the general path)."""
-        if not self.store.identity or self._appended or not self.all_live_resident():
-            return None
-        reqs = [self._requests.get(rid) for rid in rids]
-        if any(req is None or req.anonymous for req in reqs):
-            return None
-        if not pages.size:
-            self.last_moves = LayerPageMoves({}, {})
-            return pages.reshape(self.layers, 0)
-        ids = self._place_fresh_identity(pages)
-        if ids is None:
-            return None
-        self._has_kv_np[pages] = True
-        for owner, page in zip(owners.tolist(), pages.tolist(), strict=True):
-            reqs[owner]._tail.append(page)  # type: ignore[union-attr]
-        self.counts.add_fresh(pages)  # fresh pages: newly live, wanted and resident everywhere
-        self.last_moves = LayerPageMoves({}, {})
         return ids
 
     def staging_reserve(self, *, every_active: bool = False) -> int:
@@ -467,7 +471,7 @@ class SlotResidency:
         shortfall = max(0, int(layers.size) - room)
         self.counts.mark_dirty(pages[room:])  # wants left short: the next pass retries them
         layers, pages = layers[:room], pages[:room]
-        copy = self._has_kv_np[pages]
+        copy = self.has_kv_np[pages]
         self.store.onload(layers, pages, copy)
         self.counts.moved(pages, 1)
         return _by_layer(layers[copy], pages[copy]), int((~copy).sum()), shortfall
@@ -476,6 +480,7 @@ class SlotResidency:
 
     def stats(self) -> ResidencyStats:
         """Snapshot (see :class:`ResidencyStats`)."""
+        self.settle()
         store = self.store
         live, host = self.counts.live_stats()
         return ResidencyStats(

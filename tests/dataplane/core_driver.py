@@ -33,8 +33,15 @@ class CoreDriver:
     """SGLang's side of the core: slots, steps, frees -- plus the shadow KV and the checks."""
 
     def __init__(self, core: LayeredKVCore, seed: int = 0,
-                 on_layer: Callable[[int], None] | None = None) -> None:
+                 on_layer: Callable[[int], None] | None = None, fast_decode: bool = False) -> None:
         self.core = core
+        self.fast_decode = fast_decode
+        """Steady decode steps (same requests as the previous forward, one token each) try the
+        served fast path first (:meth:`LayeredKVCore.prepare_decode_step`), as SGLang's
+        torch-native backend does."""
+        self.fast_steps = 0
+        """Forwards the fast path took (their bookkeeping journalled)."""
+        self._last: tuple[list[str], list[int]] | None = None
         self.ps = core.page_size
         self.gen = torch.Generator().manual_seed(seed)
         self.free_pages = list(range(core.config.logical_pages - 1, 0, -1))
@@ -96,8 +103,15 @@ class CoreDriver:
         core = self.core
         rec = self._recompute_spec(batch)
         ids = None if rec is None else [np.asarray(self.slots[rid]) for rid, _ in batch]  # slots stand for ids
-        core.prepare_step([(rid, torch.tensor(self.slots[rid])) for rid, _ in batch], loc, [n for _, n in batch],
-                          recompute=rec, recompute_ids=ids)
+        rids, lens = [rid for rid, _ in batch], [len(self.slots[rid]) for rid, _ in batch]
+        last, self._last = self._last, (rids, lens)
+        steady = (self.fast_decode and rec is None and last is not None and last[0] == rids
+                  and all(n == p + 1 for n, p in zip(lens, last[1], strict=True)))
+        if steady and core.prepare_decode_step(rids, lens, loc):
+            self.fast_steps += 1
+        else:
+            core.prepare_step([(rid, torch.tensor(self.slots[rid])) for rid, _ in batch], loc, [n for _, n in batch],
+                              recompute=rec, recompute_ids=ids)
         self.check_staging()
         for layer in range(core.layers):
             core.enter_layer(layer)

@@ -22,16 +22,16 @@ from tests.dataplane.core_driver import LAYERS, PAGES, CoreDriver, make_core, of
 RIDS = ("a", "b", "c", "d")
 BIG = 2 * PAGES - 1
 """Logical pages of the machine's core (65): room for long lifecycles."""
-STEPS = {"total": 0, "recompute_rows": 0}
+STEPS = {"total": 0, "recompute_rows": 0, "fast": 0}
 
 
 class CoreMachine(RuleBasedStateMachine):
     """Random lifecycles of up to four requests over one core."""
 
     @initialize(budget=st.sampled_from([None, 3 * BIG - 9, BIG + 6, BIG, 12, 4]),
-                seed=st.integers(0, 2**16))
-    def setup(self, budget: int | None, seed: int) -> None:
-        self.driver = CoreDriver(make_core(budget, pages=BIG), seed=seed)
+                seed=st.integers(0, 2**16), fast=st.booleans())
+    def setup(self, budget: int | None, seed: int, fast: bool) -> None:
+        self.driver = CoreDriver(make_core(budget, pages=BIG), seed=seed, fast_decode=fast)
 
     @rule(rid=st.sampled_from(RIDS), n=st.integers(1, 7), share=st.sampled_from((None, *RIDS)),
           share_pages=st.integers(0, 3))
@@ -47,7 +47,8 @@ class CoreMachine(RuleBasedStateMachine):
         running = sorted(r for r in self.driver.slots if r not in self.driver.paused)
         for _ in range(data.draw(st.integers(1, 3))):
             rids = data.draw(st.lists(st.sampled_from(running), min_size=1, max_size=len(running), unique=True))
-            self.driver.step([(rid, 1) for rid in rids])
+            for _ in range(data.draw(st.integers(1, 3))):  # a steady batch decodes several steps
+                self.driver.step([(rid, 1) for rid in rids])
 
     @rule(rid=st.sampled_from(RIDS), layers=st.lists(st.booleans(), min_size=LAYERS, max_size=LAYERS))
     def place(self, rid: str, layers: list[bool]) -> None:
@@ -86,6 +87,7 @@ class CoreMachine(RuleBasedStateMachine):
         if hasattr(self, "driver"):
             STEPS["total"] += self.driver.steps
             STEPS["recompute_rows"] += self.driver.recompute_rows
+            STEPS["fast"] += self.driver.fast_steps
 
 
 TestCore = CoreMachine.TestCase
@@ -94,9 +96,12 @@ TestCore.settings = settings(max_examples=170, stateful_step_count=40, deadline=
 
 def test_the_machine_ran_over_a_thousand_forwards():
     """The state machine above drove at least 1,000 forwards (runs after it in file order), some
-    of them recomputing a prefix."""
+    of them recomputing a prefix, some on the steady-decode fast path (journalled bookkeeping,
+    applied when the checks or the next change read residency)."""
     assert STEPS["total"] >= 1000, STEPS  # derandomized: the same draws every run
     assert STEPS["recompute_rows"] > 0, STEPS
+    assert STEPS["fast"] >= 50, STEPS
+    print(f"\nstateful core: {STEPS}")
 
 
 def test_the_scenario_passes_and_fails_when_write_back_is_skipped(monkeypatch):
