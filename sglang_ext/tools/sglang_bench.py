@@ -444,7 +444,7 @@ def run(args: argparse.Namespace) -> int:
         "repeat": args.repeat,
         "instances": args.instances,
         "layered_policy": {"slo_tbt_ms": args.slo_tbt_ms},
-        "results": [asdict(r) for r in results],
+        "results": [{**asdict(r), "share_beyond_kv_copy_pct": r.share_beyond_kv_copy_pct} for r in results],
         "comparisons": comparisons(by, args.repeat),
         "overhead_target_pct": OVERHEAD_TARGET_PCT,
         "notes": [],
@@ -453,6 +453,8 @@ def run(args: argparse.Namespace) -> int:
         shares = by[name].kvplane_share_pct if name in by else ()
         key = "inprocess_overhead_pct" if name == "layered" else "inprocess_offload_overhead_pct"
         payload[key] = round(statistics.median(shares), 3) if shares else None
+        beyond = by[name].share_beyond_kv_copy_pct if name in by else ()
+        payload[key.replace("_pct", "_beyond_kv_copy_pct")] = round(statistics.median(beyond), 3) if beyond else None
     cpus = os.cpu_count() or 1
     peak_load = max((r.load_avg_1m[1] for r in results), default=0.0)
     if peak_load > cpus:
@@ -485,7 +487,9 @@ def run(args: argparse.Namespace) -> int:
         ("inprocess_offload_overhead_pct", "layered-offload: kvplane's own share of the scheduler step (in-process meter)"),
     ):
         if payload[key] is not None:
-            print(f"[bench sglang] {label}: {payload[key]:+.1f}% on {device}")
+            beyond = payload[key.replace("_pct", "_beyond_kv_copy_pct")]
+            print(f"[bench sglang] {label}: {payload[key]:+.1f}% ({beyond:+.1f}% without the KV copies "
+                  f"vanilla SGLang makes too) on {device}")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"sglang-{args.model}-{args.workload}-{_slug(device.removeprefix('CPU: '))}"
     (args.out_dir / f"{stem}.json").write_text(json.dumps(payload, indent=2) + "\n")

@@ -71,6 +71,18 @@ class ConfigResult:
     (``disable_overlap_schedule`` in ``/server_info``); None when a launch did not say or the
     launches disagreed."""
 
+    @property
+    def share_beyond_kv_copy_pct(self) -> tuple[float, ...]:
+        """Per launch: :attr:`kvplane_share_pct` without the ``kv_write`` part (the layers' KV
+        copies, which vanilla SGLang's own pool makes too): an estimate of what kvplane adds
+        beyond that copy, scaled by the part's share of kvplane's ms per step."""
+        out = []
+        for share, ms, parts in zip(self.kvplane_share_pct, self.kvplane_ms_per_step,
+                                    self.kvplane_parts_ms_per_step, strict=False):
+            copy = float(parts.get("kv_write", 0.0))
+            out.append(round(share * (ms - copy) / ms, 3) if ms > 0 else 0.0)
+        return tuple(out)
+
 
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:+.1f}%"
@@ -135,6 +147,10 @@ def _markdown(payload: dict[str, Any]) -> str:
                 f"step (median of launches; per launch {', '.join(f'{x:.2f}%' for x in r['kvplane_share_pct'])}), "
                 f"{statistics.median(r['kvplane_ms_per_step']):.3f} ms per step."
             )
+            beyond = r.get("share_beyond_kv_copy_pct")
+            if beyond:
+                lines.append(f"  - without the layers' KV copies (`kv_write`, made by vanilla SGLang's pool too): "
+                             f"**{statistics.median(beyond):+.2f}%** (per launch {', '.join(f'{x:.2f}%' for x in beyond)})")
             counts = list(r.get("kvplane_counts") or ())
             for i, parts in enumerate(r.get("kvplane_parts_ms_per_step") or ()):
                 split = ", ".join(f"{k} {v:.3f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))

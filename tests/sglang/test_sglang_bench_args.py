@@ -165,3 +165,15 @@ def test_aa_noise_note_states_the_spread() -> None:
     note = aa_noise_note(comparisons(by, repeat=1))
     assert note is not None and "up to 8.0%" in note and "+/-8.0%" in note
     assert aa_noise_note(comparisons({"vanilla": by["vanilla"]}, repeat=1)) is None
+
+
+def test_share_beyond_the_kv_copy_scales_by_the_parts() -> None:
+    """4% of the step at 0.4 ms a step, 0.1 of it the layers' KV copies: 3% beyond them; a
+    launch without a kv_write part keeps its whole share (negative control)."""
+    from dataclasses import replace
+
+    base = _result("layered", 100.0)
+    got = replace(base, kvplane_share_pct=(4.0, 2.0), kvplane_ms_per_step=(0.4, 0.2),
+                  kvplane_parts_ms_per_step=({"kv_write": 0.1, "end_step": 0.3}, {"end_step": 0.2}))
+    assert got.share_beyond_kv_copy_pct == (3.0, 2.0)
+    assert base.share_beyond_kv_copy_pct == ()
