@@ -9,7 +9,8 @@ Primitives (scheduler thread; a forward is ``prepare_step`` .. ``exit_layer(L-1)
   reconcile the placement (staging kept free), build the step's tables once
   (:class:`StepTables`, staging reserved by :class:`StagingRoom`), start the
   :class:`LayerPipeline` (first fetches launched). ``prepare_decode_step`` is its steady-decode
-  fast path (identity layout, everything resident: only the new pages are placed).
+  fast path (identity layout, everything resident: the new pages' bookkeeping is journalled and
+  applied by the next reader of residency, :class:`~sglang_ext.dataplane.decode_journal.DecodeJournal`).
 - per layer: ``enter_layer(l)`` (stream wait on the layer's fetches), ``write(l, k, v)`` (the
   step's new KV into its device rows), the attention reads ``layer_in_place(l)`` (identity) or
   ``device_kv()`` through ``token_rows(l)`` / ``tables.tab[l]``, ``exit_layer(l)`` (write-back of

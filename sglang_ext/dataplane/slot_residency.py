@@ -79,7 +79,7 @@ class SlotResidency:
         change costs O(the changed request's pages x L); a full reconciliation looks at the
         dirty pages only (:class:`WantCounts`)."""
         self.journal = DecodeJournal(self)
-        """Steady-decode steps recorded but not yet applied: every public method settles it first."""
+        """Decode steps recorded, not yet applied: settled by every public method reading the state."""
 
     def settle(self) -> None:
         """Apply the journalled decode steps (:class:`DecodeJournal`); cheap when there are none."""
