@@ -304,13 +304,11 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         if self.store_dtype != self.dtype:
             cache_k = cache_k.view(self.store_dtype)
             cache_v = cache_v.view(self.store_dtype)
-        n = loc.shape[0]
-        self.core.write(
-            layer_id - self.start_layer,
-            loc,
-            cache_k.reshape(n, self.head_num, self.head_dim),
-            cache_v.reshape(n, self.head_num, self.head_dim),
-        )
+        if cache_k.dim() != 3 or cache_v.dim() != 3:  # SGLang's attention passes [n, H, D] already
+            n = loc.shape[0]
+            cache_k = cache_k.reshape(n, self.head_num, self.head_dim)
+            cache_v = cache_v.reshape(n, self.head_num, self.head_dim)
+        self.core.write(layer_id - self.start_layer, loc, cache_k, cache_v)
 
     def layer_kv(self, layer_id: int, token_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[n, H, D]`` (pool dtype) of ``token_slots`` at ``layer_id``, read at rest

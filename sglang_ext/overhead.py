@@ -3,8 +3,9 @@
 End-to-end tokens/s of two server launches on a small shared host differ by up to 25% from one
 launch to the next, more than the few percent kvplane adds with nothing offloaded. This meter
 measures kvplane's share inside one process instead, so launch effects cancel: the wall time
-spent in kvplane's scheduler hooks (step boundary, post-schedule install, step end) and in the
-layered attention's per-step preparation, against the wall time of the steps themselves.
+spent in kvplane's scheduler hooks (step boundary, post-schedule install, the step's timing
+brackets, step end), in the radix cache's allocation hooks and in the layered attention (per-step
+preparation, per-layer calls, the layers' KV writes), against the wall time of the steps themselves.
 
 Opt-in: with ``$KVPLANE_OVERHEAD_FILE`` set (and the flag on), the process's
 :class:`~sglang_ext.context.PluginContext` holds an :class:`OverheadMeter`, which the scheduler

@@ -186,10 +186,12 @@ class LayeredRadixCache(RadixCache):
             return
         # One slot per request, one page per slot (every slot opens its page): one host copy and
         # one live-set update for the batch.
-        blocks = out_cache_loc.to("cpu", torch.int64).tolist()
+        blocks = out_cache_loc.tolist()
         self._live_blocks.update(blocks)
+        rid_of_row, extended = self._rid_of_row, self.residency_hooks.wants(_K.EXTENDED)
         for req, block in zip(batch.reqs, blocks, strict=True):
-            self._claim(req, [block])
+            if extended or rid_of_row.get(req.kv.req_pool_idx) != req.rid:  # an event, or a new owner
+                self._claim(req, [block])
 
     # ----- tree hand-over, release, eviction ---------------------------------
 

@@ -372,9 +372,15 @@ def _around_run_batch(original: Any, scheduler: Any, *args: Any, **kwargs: Any) 
     hooks = _hooks_of(scheduler)
     if hooks is None:
         return original(scheduler, *args, **kwargs)
+    meter = hooks.meter
+    t0 = time.perf_counter()
     hooks.start_step(args[0] if args else kwargs.get(compat.SCHEDULER_RUN_BATCH.args[0]))
+    t1 = time.perf_counter()
     result = original(scheduler, *args, **kwargs)
+    t2 = time.perf_counter()
     hooks.forward_done()
+    if meter is not None:
+        meter.add("run_batch", (t1 - t0) + (time.perf_counter() - t2))  # the step's timing brackets
     return result
 
 

@@ -205,6 +205,8 @@ class SessionController:
 
     def poll(self) -> list[Decision]:
         """Decisions that became ready since the last report (for push-style transports)."""
+        if not self._ready:  # the usual poll, every step: no lock (a decision appended meanwhile
+            return []  # is taken by the next poll or report)
         with self._lock:
             if self._last is None:
                 return []

@@ -13,7 +13,9 @@ steps with one set of NumPy operations. Between two forwards a NumPy call costs 
 2-core host (cold caches), so the ~20 calls a step used to make were most of kvplane's per-step
 cost with nothing offloaded (issue 13, ``benchmarks/results/sglang/``).
 
-Every reader settles first: :class:`SlotResidency`'s public methods and :class:`LayeredKVCore`'s
+Every reader settles first (but the free-page figure of the step report, which counts the
+journalled pages without applying them: :meth:`DecodeJournal.pending_layer_pages`):
+:class:`SlotResidency`'s public methods and :class:`LayeredKVCore`'s
 boundary and at-rest methods call :meth:`SlotResidency.settle`. The journal also applies itself
 after :data:`MAX_STEPS` steps, so its size is bounded without readers.
 
@@ -45,20 +47,25 @@ class DecodeJournal:
 
     def __init__(self, residency: SlotResidency) -> None:
         self.residency = residency
-        self.entries: list[tuple[list[TrackedRequest], np.ndarray, np.ndarray, np.ndarray | None]] = []
-        """Per step: the batch's requests, the batch rows that opened a page, those pages, and
-        the pages the step wrote (None: exactly the new pages, page size 1)."""
+        self.entries: list[tuple[list[TrackedRequest], list[int] | None, list[int], list[int] | None]] = []
+        """Per step: the batch's requests, the batch rows that opened a page (None: every row, in
+        order -- page size 1), those pages, and the pages the step wrote (None: exactly the new
+        pages). Plain lists: the step makes no NumPy call (module docstring)."""
         self.steps = 0
         """Steps journalled in total."""
+        self.pending_pages = 0
+        """New pages in :attr:`entries` (with repeats)."""
+        self._distinct: set[int] = set()
+        """The distinct pages of :attr:`entries` (a repeat makes the batch path refuse)."""
         self.batches = 0
         """Applications that took the batch path (the rest joined page by page)."""
         self.slow = 0
         """Applications that joined page by page."""
 
-    def record(self, rids: Sequence[str], owners: np.ndarray, pages: np.ndarray,
-               written: np.ndarray | None) -> bool:
-        """A steady decode step, at step time: request ``rids[owners[i]]`` opened page
-        ``pages[i]``; the step wrote KV into ``written`` (None: ``pages``). Only checks that the
+    def record(self, rids: Sequence[str], owners: list[int] | None, pages: list[int],
+               written: list[int] | None) -> bool:
+        """A steady decode step, at step time: request ``rids[owners[i]]`` (``owners`` None:
+        ``rids[i]``) opened page ``pages[i]``; the step wrote KV into ``written`` (None: ``pages``). Only checks that the
         fast path applies (identity layout, every live layer-page resident, every request known
         and named; nothing observed but not reconciled). False, recording nothing, otherwise."""
         res = self.residency
@@ -68,20 +75,41 @@ class DecodeJournal:
         reqs = [get(rid) for rid in rids]
         if any(req is None or req.anonymous for req in reqs):
             return False
-        if pages.size or (written is not None and written.size):
-            self.entries.append((reqs, owners, pages, written))  # type: ignore[arg-type]
+        if pages or written:
+            self.entries.append((reqs, owners, pages, written))
+            self.pending_pages += len(pages)
+            self._distinct.update(pages)
             self.steps += 1
             if len(self.entries) >= MAX_STEPS:
                 self.apply()
         return True
 
+    def pending_layer_pages(self) -> int | None:
+        """Device layer-pages that applying the journal will take, without applying it (O(1)):
+        every layer of each new page, as the batch path places them, when the pages are distinct
+        and that many are free. The batch path's other conditions (no page holding KV or already
+        placed) hold for every page SGLang hands a decode step; a page breaking them is joined
+        exactly by the page-by-page path, and a figure read from here may be off by its layers
+        until the journal is applied. None when the pages repeat or do not fit: then only
+        applying says."""
+        if not self.entries:
+            return 0
+        res = self.residency
+        n = self.pending_pages
+        need = res.layers * n
+        if need > res.store.allocator.free_count or len(self._distinct) != n:
+            return None
+        return need
+
     def apply(self) -> None:
         """Do the journalled steps' bookkeeping (the module docstring says what, and when)."""
         entries, self.entries = self.entries, []
+        self.pending_pages = 0
+        self._distinct.clear()
         if not entries:
             return
         res, store = self.residency, self.residency.store
-        pages = np.concatenate([e[2] for e in entries])
+        pages = np.array([page for e in entries for page in e[2]], dtype=np.int64)
         ids = res.place_fresh_identity(pages) if pages.size else pages.reshape(store.config.layers, 0)
         if ids is None:
             self._apply_each(entries)
@@ -89,8 +117,8 @@ class DecodeJournal:
         self.batches += 1
         res.has_kv_np[pages] = True
         for reqs, owners, new, _ in entries:
-            for owner, page in zip(owners.tolist(), new.tolist(), strict=True):
-                reqs[owner]._tail.append(page)
+            for req, page in _joined(reqs, owners, new):
+                req._tail.append(page)
         res.counts.add_fresh(pages)  # fresh pages: newly live, wanted and resident everywhere
         self._mark_written(entries, ids)
 
@@ -101,7 +129,7 @@ class DecodeJournal:
         self.slow += 1
         res, store = self.residency, self.residency.store
         for reqs, owners, new, _ in entries:
-            for owner, page in zip(owners.tolist(), new.tolist(), strict=True):
+            for req, page in _joined(reqs, owners, new):
                 one = np.array([page], dtype=np.int64)
                 ids = store.identity_ids(one).reshape(-1)
                 free = ids[store.map_flat_np[ids] < 0]
@@ -109,7 +137,6 @@ class DecodeJournal:
                     store.allocator.take_distinct(free)
                     store.map_flat_np[free] = free
                     res.counts.moved(np.full(free.size, page, dtype=np.int64), 1)
-                req = reqs[owner]
                 res.counts.track_added(req, one)
                 req._tail.append(page)
                 res.has_kv_np[page] = True
@@ -122,5 +149,10 @@ class DecodeJournal:
         if ids is not None and all(e[3] is None for e in entries):
             store.mark_dirty(ids.reshape(-1))  # page size 1: the new pages are what was written
             return
-        written = [e[2] if e[3] is None else e[3] for e in entries]
-        store.mark_dirty_pages(np.unique(np.concatenate(written)))
+        written = [page for e in entries for page in (e[2] if e[3] is None else e[3])]
+        store.mark_dirty_pages(np.unique(np.array(written, dtype=np.int64)))
+
+
+def _joined(reqs: list[TrackedRequest], owners: list[int] | None, pages: list[int]) -> zip:
+    """``(request, page)`` of one journalled step: row ``owners[i]`` (None: row ``i``) opened ``pages[i]``."""
+    return zip(reqs if owners is None else [reqs[i] for i in owners], pages, strict=True)

@@ -61,8 +61,8 @@ class ConfigResult:
     """Per launch (layered configs): kvplane's own ms per scheduler step."""
     kvplane_parts_ms_per_step: tuple[dict[str, float], ...] = ()
     """Per launch (layered configs): that figure split by the meter's parts (boundary,
-    after_schedule, attention_prepare, layers, kv_write -- the layers' KV copies, which vanilla
-    SGLang makes too --, radix, end_step)."""
+    after_schedule, run_batch -- the step's timing brackets --, attention_prepare, layers,
+    kv_write -- the layers' KV copies, which vanilla SGLang makes too --, radix, end_step)."""
     kvplane_counts: tuple[dict[str, int], ...] = ()
     """Per launch (layered configs): the meter's event counts (steady-decode vs general
     preparation)."""

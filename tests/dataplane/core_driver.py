@@ -231,8 +231,12 @@ class CoreDriver:
 
     def check_at_rest(self) -> None:
         """Between forwards: every live token's K/V reads back bit-exact; the map and allocator
-        agree (no leak, no double use); dirty marks only on resident layer-pages."""
+        agree (no leak, no double use); dirty marks only on resident layer-pages. The free-page
+        figure read first (the journal, if any, unapplied) is what it is once everything settled."""
         store = self.core.store
+        free_unsettled = self.core.free_device_pages()
+        self.core.settle()
+        assert free_unsettled == self.core.free_device_pages()
         for rid, slots in self.slots.items():
             if not slots:
                 continue

@@ -112,3 +112,38 @@ def test_the_step_declines_what_it_cannot_journal():
     assert not staged.core.residency.journal.record(["a"], owners, pages, None)
     assert not staged.core.residency.journal.entries
     assert not staged.core.prepare_decode_step(["a"], [4], torch.tensor([61]))
+
+
+def test_free_pages_count_the_journal_without_applying_it():
+    """The step report's free-page figure: journalled pages count as placed at every layer, the
+    journal stays unapplied, and the figure is what applying it gives. Negative control: the
+    free count of the allocator alone (the journal ignored) is off by exactly those pages."""
+    d = _steady()
+    core = d.core
+    for _ in range(3):
+        d.step([("a", 1), ("b", 1)])
+    journal = core.residency.journal
+    assert journal.pending_pages == 6
+    unapplied = core.free_device_pages()
+    assert len(journal.entries) == 3  # not applied
+    ignored = core.store.allocator.free_count + core.residency.reclaimable_pages
+    core.settle()
+    assert journal.pending_pages == 0 and journal.batches == 1
+    assert unapplied == core.free_device_pages()
+    assert ignored - unapplied == LAYERS * 6  # the control: without the journal the figure is wrong
+
+
+def test_free_pages_apply_the_journal_when_its_pages_repeat():
+    """Pages that repeat (the batch path refuses them) are not estimated: the figure applies the
+    journal and is exact. Page size 2: two steps of one request write one page."""
+    d = _steady(page_size=2)
+    core = d.core
+    d.step([("a", 1), ("b", 1)])
+    d.step([("a", 1), ("b", 1)])
+    journal = core.residency.journal
+    _, owners, pages, written = journal.entries[-1]
+    assert journal.record(["a", "b"], owners, pages, written)  # the same pages journalled twice
+    assert journal.pending_pages and journal.pending_layer_pages() is None
+    core.free_device_pages()
+    assert not journal.entries and journal.slow == 1
+    d.check_at_rest()

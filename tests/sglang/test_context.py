@@ -191,7 +191,7 @@ def test_scheduler_hooks_take_meter_counter_and_files_from_the_context(tmp_path:
             scheduler_hooks._around_run_batch(lambda s, b: None, scheduler, batch)
             scheduler_hooks._after_process_result(None, scheduler, batch, None)
         assert hooks.step == 2 and hooks.reporter is not None and hooks.reporter.reports == 2
-        assert set(ctx.meter.kvplane_s) == {"boundary", "after_schedule", "end_step"} and ctx.meter.steps == 1
+        assert set(ctx.meter.kvplane_s) == {"boundary", "after_schedule", "run_batch", "end_step"} and ctx.meter.steps == 1
         lines = [json.loads(x) for x in (tmp_path / "stats.jsonl").read_text().splitlines()]
         assert [x["step"] for x in lines] == [1, 2] and lines[0]["running"] == ["r1"]
     finally:

@@ -92,7 +92,7 @@ def test_steady_decode_fast_path_leaves_the_pool_as_the_general_path_does(ops, b
         else:
             for h, pool in ((hf, fast), (hs, full)):
                 apply_op(pool, h, item)
-        if any(entry[2].size for entry in fast.residency.journal.entries):
+        if any(entry[2] for entry in fast.residency.journal.entries):
             # journalled, not yet applied: the step itself placed nothing (negative control for
             # the comparison below, and proof that the bookkeeping left the step)
             assert not torch.equal(fast.store.map_cpu, full.store.map_cpu)

@@ -84,7 +84,7 @@ def test_overhead_meter_reports_kvplane_share_of_the_step(layered):
     out = json.loads(path.read_text())
     assert out["steps"] >= WRITE_EVERY
     assert set(out["parts_s"]) == {"attention_prepare", "layers", "kv_write", "radix", "after_schedule", "boundary",
-                                   "end_step"}
+                                   "run_batch", "end_step"}
     assert all(v > 0 for v in out["parts_s"].values())
     assert 0 < out["share_pct"] < 100
 
