@@ -135,6 +135,9 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         self.compact_table = self.req_to_token_pool.req_to_token
         self.in_place = False
         """This step reads every layer in place (identity layout)."""
+        self.steady = False
+        """This step took the steady-decode fast path: nothing staged, so the layers skip the
+        pool's per-layer calls (no fetch to wait for, nothing to write back)."""
         self.overhead_meter: Any = None
         """The process's :class:`~sglang_ext.overhead.OverheadMeter` (set by the scheduler hooks
         when ``$KVPLANE_OVERHEAD_FILE`` is on): per-step preparation and per-layer calls."""
@@ -172,7 +175,8 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         True when the steady decode fast path served it."""
         self.token_to_kv_pool._layer = None
         self.recompute.clear()
-        if not self.recompute_inputs and self._steady_decode(forward_batch):
+        self.steady = not self.recompute_inputs and self._steady_decode(forward_batch)
+        if self.steady:
             return True
         req_to_token = self.real_req_to_token_pool.req_to_token
         rows = forward_batch.req_pool_indices
@@ -275,11 +279,14 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         t0 = 0.0 if meter is None else time.perf_counter()
         if self.layer_timer is not None:
             self.layer_timer.mark(layer_id - self.pool.start_layer)
-        self.pool.enter_layer(layer_id)
+        if not self.steady:  # a steady decode step staged nothing: no fetch to wait for
+            self.pool.enter_layer(layer_id)
         if meter is not None:
             meter.add("layers", time.perf_counter() - t0)
 
     def _end_layer(self, layer_id: int) -> None:
+        if self.steady:  # nothing staged: no write-back, no fetch to launch
+            return
         meter = self.overhead_meter
         if meter is None:
             self.pool.exit_layer(layer_id)
