@@ -340,11 +340,8 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         return self.core.token_rows(layer_id - self.start_layer)
 
     def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
-        self.core.settle()  # the store's map is read directly below
-        for layer in range(self.layer_num):
-            k, v = self.store.read_kv(layer, src_loc)
-            self.store.write_at_rest(layer, tgt_loc, k.clone(), v.clone())
-        self.residency.mark_written(torch.unique(tgt_loc.to("cpu", torch.int64) // self.page_size))
+        """SGLang moves slots (every layer), at rest (:meth:`LayeredKVCore.move_kv`)."""
+        self.core.move_kv(tgt_loc, src_loc)
 
     def _no_flat_buffers(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(

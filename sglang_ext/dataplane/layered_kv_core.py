@@ -357,6 +357,15 @@ class LayeredKVCore:
         """The device page pool as flat K and V rows (views, no copy)."""
         return self.store.device_views()
 
+    def move_kv(self, tgt: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy the K/V of slots ``src`` to slots ``tgt`` at every layer, at rest (waits for
+        copies in flight); the target pages are marked written."""
+        self.residency.settle()
+        for layer in range(self.layers):
+            k, v = self.store.read_kv(layer, src)
+            self.store.write_at_rest(layer, tgt, k.clone(), v.clone())
+        self.residency.mark_written(torch.unique(tgt.to("cpu", torch.int64) // self.page_size))
+
     def read_kv(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``slots`` at ``layer``, at rest (waits for copies in flight)."""
         self.residency.settle()

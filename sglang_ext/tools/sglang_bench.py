@@ -449,12 +449,11 @@ def run(args: argparse.Namespace) -> int:
         "overhead_target_pct": OVERHEAD_TARGET_PCT,
         "notes": [],
     }
-    for name in ("layered", "layered-offload"):
+    for name, key in (("layered", "inprocess_overhead"), ("layered-offload", "inprocess_offload_overhead")):
         shares = by[name].kvplane_share_pct if name in by else ()
-        key = "inprocess_overhead_pct" if name == "layered" else "inprocess_offload_overhead_pct"
-        payload[key] = round(statistics.median(shares), 3) if shares else None
+        payload[f"{key}_pct"] = round(statistics.median(shares), 3) if shares else None
         beyond = by[name].share_beyond_kv_copy_pct if name in by else ()
-        payload[key.replace("_pct", "_beyond_kv_copy_pct")] = round(statistics.median(beyond), 3) if beyond else None
+        payload[f"{key}_beyond_kv_copy_pct"] = round(statistics.median(beyond), 3) if beyond else None
     cpus = os.cpu_count() or 1
     peak_load = max((r.load_avg_1m[1] for r in results), default=0.0)
     if peak_load > cpus:

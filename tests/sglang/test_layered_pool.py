@@ -228,6 +228,30 @@ def test_kv_is_preserved_on_host_after_offload():
     h.check()
 
 
+@pytest.mark.parametrize("offloaded", [False, True])
+def test_move_kv_cache_copies_every_layer_at_rest(offloaded):
+    """SGLang's ``move_kv_cache``: the target slots read back the source slots' K/V at every
+    layer (resident or offloaded), and the moved page is marked written so an offload keeps it.
+    Negative control: before the move the target slots read something else."""
+    pool = make_pool(budget_tokens=200)
+    h = Harness(pool)
+    h.step("a", 4)
+    h.step("b", 4)
+    if offloaded:
+        pool.update_residency({"a": wants(pool, h, "a", [1, 0, 1])})
+    src, tgt = torch.tensor(h.slots["a"][:2]), torch.tensor(h.slots["b"][2:4])
+    want = [pool.layer_kv(layer, src) for layer in range(LAYERS)]
+    assert not all(torch.equal(pool.layer_kv(layer, tgt)[0], want[layer][0]) for layer in range(LAYERS))
+    pool.move_kv_cache(tgt, src)
+    for layer in range(LAYERS):
+        got = pool.layer_kv(layer, tgt)
+        assert torch.equal(got[0], want[layer][0]) and torch.equal(got[1], want[layer][1]), layer
+    pool.update_residency({"b": wants(pool, h, "b", [0, 0, 0])})  # the moved page must reach host
+    pool.store.dev.fill_(float("nan"))
+    for layer in range(LAYERS):
+        assert torch.equal(pool.layer_kv(layer, tgt)[0], want[layer][0]), layer
+
+
 def test_paused_layers_are_dropped_lazily_highest_layer_first():
     """A paused request keeps its device layers until space is needed, then gives up the top layer first."""
     pool = make_pool(budget_tokens=MIN_BUDGET + 12)  # 39 device pages
