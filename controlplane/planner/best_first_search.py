@@ -10,6 +10,14 @@ the one with the smallest bound first, which on random small batches is the opti
 no better than the incumbent; until then it is resumable (the frontier is kept), so a satisficing
 probe and the later polish share one tree.
 
+Requests with equal block counts are interchangeable: memory and the exact step time depend
+only on the multiset of (blocks, candidate) pairs (:meth:`.Evaluator.exact_ms` groups fetches by
+candidate and sorts them), so among such requests (adjacent in the assignment order) only
+non-decreasing candidate indices are expanded. Every assignment has such a permutation with the
+same memory and step time, so the optimum is kept and the proof stays valid, while the tree
+shrinks from ``C ** k`` to ``C (C + 1) ... (C + k - 1) / k!`` leaves for ``k`` equal requests
+(4 equal requests, 5 candidates: 625 -> 70).
+
 Unlike :class:`.BranchAndBound` (depth first, any size), the frontier grows with the tree, so
 :class:`PlacementSearch` uses it only while the space has at most
 ``PlacementSearch.best_first_max_leaves`` complete assignments.
@@ -54,6 +62,10 @@ class BestFirstSearch:
         ev = search.ev
         n, last = search.n_req, search.n_cand - 1
         self.order = sorted(range(n), key=lambda r: -ev.blocks[r])
+        # tied[i]: order[i] has the blocks of order[i - 1] (interchangeable; see module docstring)
+        self.tied = [
+            i > 0 and ev.blocks[self.order[i]] == ev.blocks[self.order[i - 1]] for i in range(n)
+        ]
         # memory of requests order[i:] all offloaded (the least they can take)
         self.tail_min = [0] * (n + 1)
         for i in range(n - 1, -1, -1):
@@ -133,22 +145,27 @@ class BestFirstSearch:
                 heapq.heappush(frontier, child)
         return True
 
-    def _rest(self, depth: int, mem: int) -> tuple[list[float] | None, float]:
+    def _rest(self, depth: int, mem: int, floor: int = 0) -> tuple[list[float] | None, float]:
         """What the unassigned requests ``order[depth:]`` must add whatever their candidates,
         given ``mem`` blocks already taken: each has to leave the others room to fit all
         offloaded, so only its candidates from some ``c0`` on fit, and it adds at least their
         elementwise least link time per bound layer and their least chain bound (valid bounds:
-        each request's own contribution is at least its minimum over what fits)."""
+        each request's own contribution is at least its minimum over what fits). The requests
+        tied with ``order[depth - 1]`` take candidates from ``floor`` on (symmetry breaking)."""
         s = self.search
         ev = s.ev
         free = s.budget - mem - self.tail_min[depth]
         vec: list[float] | None = None
         chain = 0.0
         last = s.n_cand - 1
-        for q in self.order[depth:]:
+        tied = self.tied
+        for i in range(depth, s.n_req):
+            q = self.order[i]
             mem_q = ev.mem[q]
             allowance = free + mem_q[last]
-            c0 = 0
+            if not tied[i]:
+                floor = 0
+            c0 = floor
             while mem_q[c0] > allowance:
                 c0 += 1
             v = self.min_scaled(q, c0)
@@ -169,14 +186,14 @@ class BestFirstSearch:
         cut = s.best_ms * (1 - REL_EPS)
         seq = self._seq
         out: list[_Node] = []
-        for c in range(s.n_cand):
+        for c in range(prefix[-1] if self.tied[depth] else 0, s.n_cand):
             m = mem + mem_r[c]
             if m > room:
                 continue
             lb_c = chain_r[c] if chain_r[c] > chain_lb else chain_lb
             if lb_c >= cut:
                 continue
-            rest, rest_chain = self._rest(depth + 1, m)
+            rest, rest_chain = self._rest(depth + 1, m, c)
             terms = list(map(add, base, self.scaled(r, c))) if c else base
             agg = max(map(add, terms, rest)) if rest is not None else max(terms)
             lb = max(agg, lb_c, rest_chain)

@@ -9,12 +9,13 @@ SLOs of 1.5-4x the all-on-GPU step, deposits 0-20 tokens, windows 1..64.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 import time
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from controlplane.model import Batch, step_time_ms
@@ -83,10 +84,33 @@ def plan_step(batch: Batch, plan) -> float:
     return step_time_ms(rows, blocks, batch.profile.layer_compute_ms, batch.bw_blocks_per_ms)
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# 4 requests with equal blocks (a stored example database's failure): before best first broke
+# the symmetry of interchangeable requests, each window's search evaluated every distinct
+# assignment ~12 times (135 exact evaluations for 11 multisets at window 32), proving the optimum
+# took ~7.5 ms CPU (> the 4 ms default budget), and the plan was 3.4178 ms against 3.1769 (+7.6%)
+# whenever the probes left the polish too little time. Now: 11 evaluations, proved in ~2 ms.
+TIED = dict(contexts=[403] * 4, layers=8, gbps=10.0, frac=0.75, slo_factors=[2.0, 2.0, 2.0, 3.0], deposits=[0] * 4)
+
+
+# No explain phase: after a failure Hypothesis would run every shrink step under sys.settrace
+# (for the explanation), several times slower, so this time-budgeted property would shrink
+# towards examples that fail only when traced (reported as a FlakyFailure on the wrong example).
+@settings(
+    max_examples=120,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink),
+)
 @given(batch=issue_batches)
+@example(batch=random_batch(**TIED))
 def test_default_budget_plans_are_within_one_percent_and_exact_labels_are_optimal(batch):
-    """Within the default budget (CPU clock: a shared machine's waits not counted) every plan is within 1% of the exhaustive optimum at its window; a plan labelled "exact" (or extras["optimal"]) is the optimum."""
+    """Within the default budget (CPU clock: a shared machine's waits not counted) every plan is within 1% of the exhaustive optimum at its window; a plan labelled "exact" (or extras["optimal"]) is the optimum.
+
+    The cyclic GC is run first, as ``kvplane bench planner`` and the README's measurement do: a
+    full collection of the test process's heap (Hypothesis, pytest) inside ``plan()`` is charged
+    to the CPU clock (29 ms measured, seven times the 4 ms budget).
+    """
+    gc.collect()
     plan = Planner(clock=time.process_time).plan(batch)
     if not plan.placements:
         return
@@ -154,6 +178,62 @@ def test_best_first_search_proves_the_optimum_on_arbitrary_small_problems(blocks
         return
     assert res is not None and res.optimal and res.solver in ("exact", "trivial")
     assert res.step_ms == pytest.approx(best, rel=1e-9, abs=1e-12)
+
+
+def evaluated_assignments(ev: Evaluator) -> list[tuple[int, ...]]:
+    """Record every assignment ``ev`` evaluates exactly (from now on)."""
+    seen: list[tuple[int, ...]] = []
+    exact = ev.exact_ms
+
+    def recording(assign, cutoff=math.inf):
+        seen.append(tuple(assign))
+        return exact(assign, cutoff)
+
+    ev.exact_ms = recording
+    return seen
+
+
+@pytest.mark.parametrize("window", [1, 32, 64])
+def test_best_first_search_evaluates_interchangeable_requests_once(window):
+    """Regression (``TIED``): requests with equal blocks are interchangeable, so best first evaluates one permutation of each multiset of candidates and still proves the exhaustive optimum (before: 166 / 135 / 85 exact evaluations for 14 / 11 / 9 multisets)."""
+    batch = random_batch(**TIED)
+    blocks = [r.blocks(BLOCK_SIZE, window) for r in batch.requests]
+    ev = Evaluator(candidate_set(batch.model.layers), blocks, batch.profile.layer_compute_ms, batch.bw_blocks_per_ms)
+    seen = evaluated_assignments(ev)
+    search = PlacementSearch(ev, batch.hardware.gpu_kv_budget_blocks, time.perf_counter() + 60)
+    res = search.run()
+    assert res is not None and res.optimal and res.solver == "exact"
+    assert res.step_ms == pytest.approx(exhaustive_optimum(batch, {r.id for r in batch.requests}, window), rel=1e-9)
+    assert len(seen) == len({tuple(sorted(a)) for a in seen}) <= 15
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    blocks=st.lists(st.sampled_from([3, 8, 21]), min_size=2, max_size=4),
+    layers=st.integers(1, 12),
+    frac=st.floats(0.02, 1.1),
+    bw=st.floats(0.2, 50.0),
+)
+def test_best_first_symmetry_breaking_keeps_the_optimum(blocks, layers, frac, bw):
+    """With many equal-block (interchangeable) requests, best first still proves the exhaustive optimum, and never evaluates two assignments that differ only by swapping candidates between requests of equal blocks."""
+    cands = candidate_set(layers)
+    comp = [0.3 if i % 3 else 0.05 for i in range(layers)]
+    budget = max(1, int(frac * sum(b + 1 for b in blocks) * layers))
+    ev = Evaluator(cands, blocks, comp, bw)
+    seen = evaluated_assignments(ev)
+    res = PlacementSearch(ev, budget, time.perf_counter() + 60).run(mip=None)
+    per_block = [layers - len(off) + (1 if off else 0) for off in cands.offloaded]
+    best = math.inf
+    for choice in itertools.product(range(cands.size), repeat=len(blocks)):
+        if sum(b * per_block[c] for b, c in zip(blocks, choice, strict=True)) <= budget:
+            best = min(best, step_time_ms([cands.rows[c] for c in choice], blocks, comp, bw))
+    if math.isinf(best):
+        assert res is None
+        return
+    assert res is not None and res.optimal
+    assert res.step_ms == pytest.approx(best, rel=1e-9, abs=1e-12)
+    canon = [tuple(sorted(zip(blocks, a, strict=True))) for a in seen]
+    assert len(canon) == len(set(canon))
 
 
 def test_removing_a_request_can_slow_the_step():
