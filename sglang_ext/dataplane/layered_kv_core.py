@@ -90,9 +90,9 @@ class LayeredKVCore:
         """The request finished or was aborted: drop its wants (tree-owned pages stay)."""
         self.residency.release_request(rid)
 
-    def page_freed(self, pages: list[int]) -> None:
-        """SGLang's allocator took ``pages`` back."""
-        self.residency.page_freed(pages)
+    def page_freed(self, pages: list[int], owner: str | None = None) -> None:
+        """SGLang's allocator took ``pages`` back (freed by request ``owner``, when known)."""
+        self.residency.page_freed(pages, owner)
 
     def free_device_pages(self) -> int:
         """Device layer-pages free now, counting prefix-cache pages that are given up on demand.

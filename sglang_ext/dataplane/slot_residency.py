@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from sglang_ext.dataplane.decode_journal import DecodeJournal
+from sglang_ext.dataplane.freed_pages import cut_freed_pages
 from sglang_ext.dataplane.layer_page_moves import LayerPageMoves
 from sglang_ext.dataplane.layer_page_moves import by_layer as _by_layer
 from sglang_ext.dataplane.live_pages import LivePages
@@ -226,27 +227,18 @@ class SlotResidency:
         """Tracked request ids (running or paused)."""
         return list(self._requests)
 
-    def page_freed(self, pages: list[int]) -> None:
+    def page_freed(self, pages: list[int], owner: str | None = None) -> None:
         """The allocator took ``pages`` back: their device copies are dead (O(freed pages) unless
-        a tracked request still holds one: the per-page user counts tell)."""
+        a tracked request still holds one: the per-page user counts tell). SGLang frees a
+        finishing request's pages before it releases the request; ``owner`` (who freed them,
+        when known) is looked at first, and the scan stops once every holder is found."""
         self.settle()
         if not pages:
             self.store.release_pages(pages)
             return
         self._changed = True
         freed = np.asarray(pages, dtype=np.int64)
-        if self.counts.users[freed].any():  # before the release: the live resident count reads the map
-            gone = set(freed.tolist())
-            for rid in list(self._requests):  # a request keeps only pages it still holds
-                req = self._requests[rid]
-                if req.pages.numel() and not gone.isdisjoint(req.pages.tolist()):
-                    self.counts.track(req, -1)
-                    keep = ~np.isin(req.pages.numpy(), freed)
-                    req.pages = req.pages[torch.from_numpy(keep)]
-                    if req.pages.numel() == 0:
-                        del self._requests[rid]  # holds no KV any more: finished or aborted
-                    else:
-                        self.counts.track(req, 1)
+        cut_freed_pages(self._requests, self.counts, freed, owner)  # first: the counts read the map
         self.store.release_pages(pages)
         self._maybe_orphan.difference_update(pages)
         self.has_kv_np[freed] = False

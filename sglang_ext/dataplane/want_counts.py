@@ -91,6 +91,17 @@ class WantCounts:
             if req.uncached or not all(req.gpu_layers):
                 self.offloading_pages += int(added.size)
 
+    def track_removed(self, req: TrackedRequest, removed: np.ndarray) -> None:
+        """Pages cut from ``req`` (it keeps others; no uncached prefix) leave the counts: one
+        pass over the cut pages instead of the request leaving and rejoining."""
+        if req.uncached:
+            raise ValueError("track_removed: a request with an uncached prefix leaves and rejoins")
+        self.add(removed, req.gpu_layers, req.paused, -1)
+        if not req.paused:
+            self.active_pages -= int(removed.size)
+            if not all(req.gpu_layers):
+                self.offloading_pages -= int(removed.size)
+
     # ----- want changes -------------------------------------------------------------------
 
     def add(self, pages: np.ndarray, gpu_layers: Sequence[bool], paused: bool, sign: int) -> None:

@@ -41,6 +41,8 @@ class CoreDriver:
         torch-native backend does."""
         self.fast_steps = 0
         """Forwards the fast path took (their bookkeeping journalled)."""
+        self.finishes = 0
+        """Requests finished (odd ones free their pages first, as SGLang does, even ones after)."""
         self._last: tuple[list[str], list[int]] | None = None
         self.ps = core.page_size
         self.gen = torch.Generator().manual_seed(seed)
@@ -200,9 +202,14 @@ class CoreDriver:
         slots = self.slots.pop(rid)
         self.paused.discard(rid)
         self.recompute.pop(rid, None)
-        self.core.release_request(rid)
         pages = sorted({s // self.ps for s in slots if self._refs(s // self.ps) == 0})
-        self.core.page_freed(pages)
+        self.finishes += 1
+        if self.finishes % 2:  # SGLang's order: the frees (naming who freed) before the release
+            self.core.page_freed(pages, rid)
+            self.core.release_request(rid)
+        else:
+            self.core.release_request(rid)
+            self.core.page_freed(pages)
         self.free_pages.extend(pages)
         for slot in slots:
             if self._refs(slot // self.ps) == 0:

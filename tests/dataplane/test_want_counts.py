@@ -101,3 +101,61 @@ def test_add_with_repeated_pages_counts_each_occurrence():
     assert (counts.want[:, 5] == 2).all() and (counts.want[:, 4] == 1).all()
     counts.add(pages, [True] * LAYERS, False, -1)
     assert not counts.users.any() and not counts.want.any()
+
+
+def _shared_core():  # noqa: ANN202
+    """Two requests sharing their first pages (page size 1); returns the driver and the pages
+    both hold."""
+    from tests.dataplane.core_driver import CoreDriver
+
+    d = CoreDriver(make_core(None, pages=65), seed=5)
+    d.add("a")
+    d.step([("a", 4)])
+    d.add("b", share_from="a", share_pages=2)
+    d.step([("b", 2)])
+    users = d.core.residency.counts.users
+    shared = [p for p in sorted(set(d.slots["a"])) if users[p] == 2]
+    assert shared
+    return d, shared
+
+
+def test_pages_freed_by_their_owner_leave_every_holder():
+    """SGLang frees a finishing request's pages before releasing it, naming who freed them. The
+    owner is cut first; a page another request also holds is cut from it too (the scan goes on
+    until every holder is found), and the counts equal a recount."""
+    d, shared = _shared_core()
+    res = d.core.residency
+    d.core.page_freed(shared, owner="a")
+    assert (res.counts.users[shared] == 0).all()
+    assert not set(shared) & set(res._requests["b"].pages.tolist())
+    recount(res)
+
+
+def test_a_scan_stopped_at_the_owner_is_caught():
+    """Negative control for the test above: when the counts understate the holders (the scan
+    then stops after the owner), ``b`` keeps the freed pages and the check fails."""
+    d, shared = _shared_core()
+    res = d.core.residency
+    res.counts.users[shared] -= 1  # pretend only the owner holds them
+    d.core.page_freed(shared, owner="a")
+    assert set(shared) & set(res._requests["b"].pages.tolist())
+
+
+def test_a_holder_keeping_pages_leaves_the_counts_for_the_cut_ones_only(monkeypatch):
+    """The cheap path (the holder keeps other pages: only the cut pages leave the counts) is
+    what the recount above checks; with it skipping the user counts the recount fails."""
+    d, shared = _shared_core()
+    res = d.core.residency
+    real = res.counts.track_removed
+    called: list[int] = []
+
+    def track_removed(req, removed):  # noqa: ANN001, ANN202
+        called.append(int(removed.size))
+        real(req, removed)
+        np.add.at(res.counts.users, removed, 1)  # the defect: users not decremented
+
+    monkeypatch.setattr(res.counts, "track_removed", track_removed)
+    d.core.page_freed(shared, owner="a")
+    assert called == [len(shared), len(shared)]  # both holders keep other pages: the cheap path
+    with pytest.raises(AssertionError):
+        recount(res)
