@@ -76,7 +76,7 @@ class DecodeJournal:
         if any(req is None or req.anonymous for req in reqs):
             return False
         if pages or written:
-            self.entries.append((reqs, owners, pages, written))
+            self.entries.append((reqs, owners, pages, written))  # type: ignore[arg-type]  # none is None (checked)
             self.pending_pages += len(pages)
             self._distinct.update(pages)
             self.steps += 1
