@@ -83,8 +83,10 @@ class LayeredRadixCache(RadixCache):
             original_release = allocator._release_page_ids
 
             def release_page_ids(*page_ids: torch.Tensor) -> Any:
+                t0 = time.perf_counter()
                 for ids in page_ids:
                     cache._report_freed(ids.to("cpu", torch.int64).tolist())
+                cache._metered(t0)
                 return original_release(*page_ids)
 
             allocator._release_page_ids = release_page_ids
@@ -95,12 +97,14 @@ class LayeredRadixCache(RadixCache):
             flushing = [False]
 
             def free(free_index: torch.Tensor) -> Any:
+                t0 = time.perf_counter()
                 if free_index.numel() > 0 and not flushing[0]:
                     blocks = cache._blocks_of_slots(free_index)
                     if allocator.free_group is None:
                         cache._report_freed(blocks)
                     else:  # returned at free_group_end(); keep who freed them
                         deferred.append((cache._owner_rid, blocks))
+                cache._metered(t0)
                 return original_free(free_index)
 
             def free_group_end() -> Any:
@@ -109,11 +113,13 @@ class LayeredRadixCache(RadixCache):
                     result = original_group_end()
                 finally:
                     flushing[0] = False
+                t0 = time.perf_counter()
                 pending = list(deferred)
                 deferred.clear()
                 for rid, blocks in pending:
                     with cache._owned_by(rid):
                         cache._report_freed(blocks)
+                cache._metered(t0)
                 return result
 
             allocator.free = free
@@ -121,12 +127,38 @@ class LayeredRadixCache(RadixCache):
         original_clear = allocator.clear
 
         def clear() -> Any:
+            t0 = time.perf_counter()
             cache._report_freed(sorted(cache._live_blocks))
             cache._rid_of_row.clear()
+            cache._metered(t0)
             return original_clear()
 
         allocator.clear = clear
         allocator._kvplane_instrumented = True
+
+    def _metered(self, t0: float) -> None:
+        """kvplane's time since ``t0`` in an allocator wrapper, into the meter's ``radix`` part."""
+        meter = self.overhead_meter
+        if meter is not None:
+            meter.add("radix", time.perf_counter() - t0)
+
+    def meter_on_release(self) -> None:
+        """Time the ``on_release`` chain -- kvplane's wrappers (the pool's release, placement
+        info) around SGLang's, which is a no-op for the radix tree -- into the meter's
+        ``release`` part. Called once every wrapper is installed."""
+        inner = self.on_release
+        cache = self
+
+        def on_release(req: Any, *args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(req, *args, **kwargs)
+            finally:
+                meter = cache.overhead_meter
+                if meter is not None:
+                    meter.add("release", time.perf_counter() - t0)
+
+        self.on_release = on_release
 
     def _report_freed(self, blocks: list[int]) -> None:
         if not blocks:

@@ -156,6 +156,8 @@ class SchedulerHooks:
                 metrics.bind_control_plane(control_plane, self.client, args.kv_policy)
             atexit.register(self.client.close)
             self.placement = RequestPlacement.for_scheduler(self, control_plane)
+            if self.meter is not None and hasattr(tree_cache, "meter_on_release"):
+                tree_cache.meter_on_release()  # after the last on_release wrapper (placement info)
             self.reporter = StepReporter(
                 scheduler=scheduler,
                 client=self.client,

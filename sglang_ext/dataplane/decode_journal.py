@@ -69,7 +69,7 @@ class DecodeJournal:
         fast path applies (identity layout, every live layer-page resident, every request known
         and named; nothing observed but not reconciled). False, recording nothing, otherwise."""
         res = self.residency
-        if not res.store.identity or res.appended_pending or not res.all_live_resident():
+        if not res.store.identity or res.appended_pending or res.ended.pending or not res.all_live_resident():
             return False
         get = res.tracked
         reqs = [get(rid) for rid in rids]

@@ -1,10 +1,9 @@
 """Freed pages leave the requests that still hold them (:meth:`SlotResidency.page_freed`).
 
-SGLang frees a finishing request's pages (the part the prefix cache does not keep) before it
-releases the request, so the residency usually still tracks their holder. The owner -- who freed
-them, when SGLang's free says -- is looked at first, and the scan stops as soon as every
-(request, page) pair the per-page user counts announce is found: one request's pages, not every
-live request's. A holder that keeps other pages leaves the counts for the cut pages only.
+Freed pages are applied after the releases recorded with them (:class:`EndedRequests`), so a
+holder is usually a live request sharing a prefix page, or nobody. The scan stops as soon as
+every (request, page) pair the per-page user counts announce is found. A holder that keeps
+other pages leaves the counts for the cut pages only.
 """
 
 from __future__ import annotations
@@ -16,19 +15,14 @@ from sglang_ext.dataplane.tracked_request import TrackedRequest
 from sglang_ext.dataplane.want_counts import WantCounts
 
 
-def cut_freed_pages(requests: dict[str, TrackedRequest], counts: WantCounts, freed: np.ndarray,
-                    owner: str | None = None) -> None:
+def cut_freed_pages(requests: dict[str, TrackedRequest], counts: WantCounts, freed: np.ndarray) -> None:
     """Remove ``freed`` (int64 pages) from every request of ``requests`` holding one, keeping
     ``counts`` exact; a request left without pages is dropped from ``requests``."""
     holders = int(counts.users[freed].sum())  # (request, page) pairs to cut
     if not holders:
         return
     gone = set(freed.tolist())
-    order = list(requests)
-    if owner in requests:
-        order.remove(owner)
-        order.insert(0, owner)
-    for rid in order:
+    for rid in list(requests):
         req = requests[rid]
         held = len(gone.intersection(req.pages.tolist())) if req.pages.numel() else 0
         if not held:

@@ -90,16 +90,17 @@ class LayeredKVCore:
         """The request finished or was aborted: drop its wants (tree-owned pages stay)."""
         self.residency.release_request(rid)
 
-    def page_freed(self, pages: list[int], owner: str | None = None) -> None:
-        """SGLang's allocator took ``pages`` back (freed by request ``owner``, when known)."""
-        self.residency.page_freed(pages, owner)
+    def page_freed(self, pages: list[int]) -> None:
+        """SGLang's allocator took ``pages`` back."""
+        self.residency.page_freed(pages)
 
     def free_device_pages(self) -> int:
         """Device layer-pages free now, counting prefix-cache pages that are given up on demand.
         Journalled decode pages count as placed at every layer without the journal being applied
         (:meth:`DecodeJournal.pending_layer_pages`): the step report reads this every few steps,
         and applying 8 steps' journal costs ~0.2 ms between forwards on the 2-core host."""
-        taken = self.residency.journal.pending_layer_pages()
+        res = self.residency
+        taken = None if res.ended.pending else res.journal.pending_layer_pages()  # frees: apply
         if taken is None:
             self.residency.settle()
             taken = 0

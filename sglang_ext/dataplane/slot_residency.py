@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from sglang_ext.dataplane.decode_journal import DecodeJournal
-from sglang_ext.dataplane.freed_pages import cut_freed_pages
+from sglang_ext.dataplane.ended_requests import EndedRequests
 from sglang_ext.dataplane.layer_page_moves import LayerPageMoves
 from sglang_ext.dataplane.layer_page_moves import by_layer as _by_layer
 from sglang_ext.dataplane.live_pages import LivePages
@@ -81,11 +81,16 @@ class SlotResidency:
         dirty pages only (:class:`WantCounts`)."""
         self.journal = DecodeJournal(self)
         """Decode steps recorded, not yet applied: settled by every public method reading the state."""
+        self.ended = EndedRequests(self)
+        """Releases and frees recorded, not yet applied (after the journal, in :meth:`settle`)."""
 
     def settle(self) -> None:
-        """Apply the journalled decode steps (:class:`DecodeJournal`); cheap when there are none."""
+        """Apply the journalled decode steps (:class:`DecodeJournal`), then the recorded releases
+        and frees (:class:`EndedRequests`); cheap when there are none."""
         if self.journal.entries:
             self.journal.apply()
+        if self.ended.released or self.ended.freed:
+            self.ended.apply()
 
     def tracked(self, rid: str) -> _Request | None:
         """The record of ``rid`` (None if untracked); no settling (the journal's step-time check)."""
@@ -192,13 +197,9 @@ class SlotResidency:
             self.counts.track(req, 1)
 
     def release_request(self, rid: str) -> None:
-        """Forget ``rid`` (unknown ids are ignored: release is idempotent)."""
-        self.settle()
-        req = self._requests.pop(rid, None)
-        if req is not None:
-            self._changed = True
-            self._maybe_orphan.update(req.pages.tolist())
-            self.counts.track(req, -1)
+        """Forget ``rid`` (unknown ids are ignored: release is idempotent). Recorded, applied by
+        the next reader with the other releases and frees (:class:`EndedRequests`)."""
+        self.ended.released.append(rid)
 
     @property
     def has_anonymous(self) -> bool:
@@ -220,28 +221,20 @@ class SlotResidency:
 
     def gpu_layers(self, rid: str) -> tuple[bool, ...] | None:
         """Current wanted residency of ``rid`` (None if unknown)."""
+        self.settle()
         req = self._requests.get(rid)
         return None if req is None else tuple(req.gpu_layers)
 
     def live_rids(self) -> list[str]:
         """Tracked request ids (running or paused)."""
+        self.settle()
         return list(self._requests)
 
-    def page_freed(self, pages: list[int], owner: str | None = None) -> None:
-        """The allocator took ``pages`` back: their device copies are dead (O(freed pages) unless
-        a tracked request still holds one: the per-page user counts tell). SGLang frees a
-        finishing request's pages before it releases the request; ``owner`` (who freed them,
-        when known) is looked at first, and the scan stops once every holder is found."""
-        self.settle()
-        if not pages:
-            self.store.release_pages(pages)
-            return
-        self._changed = True
-        freed = np.asarray(pages, dtype=np.int64)
-        cut_freed_pages(self._requests, self.counts, freed, owner)  # first: the counts read the map
-        self.store.release_pages(pages)
-        self._maybe_orphan.difference_update(pages)
-        self.has_kv_np[freed] = False
+    def page_freed(self, pages: list[int]) -> None:
+        """The allocator took ``pages`` back: their device copies are dead. Recorded, applied by
+        the next reader with the other releases and frees (:class:`EndedRequests`), where they
+        are cut from any request still holding them."""
+        self.ended.freed.extend(pages)
 
     def mark_written(self, pages: torch.Tensor) -> None:
         """``pages`` receive KV in the coming forward (later onloads must copy them)."""

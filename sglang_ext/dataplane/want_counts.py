@@ -83,6 +83,26 @@ class WantCounts:
             if not every:
                 self.offloading_pages += sign * int(pages.size)
 
+    def track_many(self, reqs: Sequence[TrackedRequest], sign: int) -> None:
+        """:meth:`track` of several requests, one pass per distinct (wants, pause state) for
+        those without an uncached prefix (requests ending together mostly want the same)."""
+        groups: dict[tuple[bool, tuple[bool, ...]], list[np.ndarray]] = {}
+        for req in reqs:
+            if req.uncached:
+                self.track(req, sign)
+            else:
+                groups.setdefault((req.paused, tuple(req.gpu_layers)), []).append(req.pages.numpy())
+        for (paused, layers), group in groups.items():
+            pages = group[0] if len(group) == 1 else np.concatenate(group)
+            self.add(pages, layers, paused, sign)
+            every = all(layers)
+            self.paused_requests += sign * len(group) * paused
+            self.partial_requests += sign * len(group) * (not every)
+            if not paused:
+                self.active_pages += sign * int(pages.size)
+                if not every:
+                    self.offloading_pages += sign * int(pages.size)
+
     def track_added(self, req: TrackedRequest, added: np.ndarray) -> None:
         """Pages appended to ``req`` join the counts."""
         self.add(added, req.gpu_layers, req.paused, 1)  # appended pages are never in the prefix

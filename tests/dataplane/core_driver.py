@@ -204,8 +204,8 @@ class CoreDriver:
         self.recompute.pop(rid, None)
         pages = sorted({s // self.ps for s in slots if self._refs(s // self.ps) == 0})
         self.finishes += 1
-        if self.finishes % 2:  # SGLang's order: the frees (naming who freed) before the release
-            self.core.page_freed(pages, rid)
+        if self.finishes % 2:  # SGLang's order: the frees before the release
+            self.core.page_freed(pages)
             self.core.release_request(rid)
         else:
             self.core.release_request(rid)

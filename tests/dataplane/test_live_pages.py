@@ -61,6 +61,7 @@ def random_op(d: TreeDriver, rng: random.Random, n: int) -> int:
 def brute_force(core) -> tuple[int, list[tuple[int, list[int]]], tuple[int, int]]:  # noqa: ANN001
     """Orphan resident count, give-up order and live stats over the whole ``[L, P]`` map (the
     computation LivePages replaces)."""
+    core.settle()  # recorded releases and frees first (what every reader does)
     res = core.residency
     store = core.store
     reqs = list(res._requests.values())

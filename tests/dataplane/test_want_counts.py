@@ -15,6 +15,7 @@ from tests.dataplane.test_live_pages import TreeDriver, random_op
 
 def recount(res) -> None:  # noqa: ANN001 - SlotResidency
     """The counts equal a brute-force pass over the requests; clean live pages are settled."""
+    res.settle()  # recorded releases and frees first (what every reader does)
     c, store = res.counts, res.store
     users, paused, want = np.zeros_like(c.users), np.zeros_like(c.paused_users), np.zeros_like(c.want)
     active = offloading = 0
@@ -119,25 +120,28 @@ def _shared_core():  # noqa: ANN202
     return d, shared
 
 
-def test_pages_freed_by_their_owner_leave_every_holder():
-    """SGLang frees a finishing request's pages before releasing it, naming who freed them. The
-    owner is cut first; a page another request also holds is cut from it too (the scan goes on
-    until every holder is found), and the counts equal a recount."""
+def test_freed_pages_leave_every_holder():
+    """SGLang frees a finishing request's pages before releasing it. A freed page two live
+    requests hold is cut from both (the scan goes on until every holder the counts announce is
+    found), once the recorded frees are applied, and the counts equal a recount."""
     d, shared = _shared_core()
     res = d.core.residency
-    d.core.page_freed(shared, owner="a")
+    d.core.page_freed(shared)
+    assert (res.counts.users[shared] == 2).all()  # recorded, not applied
+    d.core.settle()
     assert (res.counts.users[shared] == 0).all()
     assert not set(shared) & set(res._requests["b"].pages.tolist())
     recount(res)
 
 
-def test_a_scan_stopped_at_the_owner_is_caught():
+def test_a_scan_stopped_early_is_caught():
     """Negative control for the test above: when the counts understate the holders (the scan
-    then stops after the owner), ``b`` keeps the freed pages and the check fails."""
+    then stops after the first), ``b`` keeps the freed pages and the check fails."""
     d, shared = _shared_core()
     res = d.core.residency
-    res.counts.users[shared] -= 1  # pretend only the owner holds them
-    d.core.page_freed(shared, owner="a")
+    res.counts.users[shared] -= 1  # pretend only one request holds them
+    d.core.page_freed(shared)
+    d.core.settle()
     assert set(shared) & set(res._requests["b"].pages.tolist())
 
 
@@ -155,7 +159,8 @@ def test_a_holder_keeping_pages_leaves_the_counts_for_the_cut_ones_only(monkeypa
         np.add.at(res.counts.users, removed, 1)  # the defect: users not decremented
 
     monkeypatch.setattr(res.counts, "track_removed", track_removed)
-    d.core.page_freed(shared, owner="a")
+    d.core.page_freed(shared)
+    d.core.settle()
     assert called == [len(shared), len(shared)]  # both holders keep other pages: the cheap path
     with pytest.raises(AssertionError):
         recount(res)

@@ -129,6 +129,7 @@ def read_in_step(pool: LayeredTokenToKVPool, layer: int, slots: list[int]) -> tu
 
 def check_map(pool: LayeredTokenToKVPool) -> None:
     """Device map and allocator agree; never more device pages than the budget."""
+    pool.core.settle()  # recorded releases and frees first (what every reader does)
     mapped = pool.store.map_cpu[pool.store.map_cpu >= 0].tolist()
     assert len(mapped) == len(set(mapped))
     assert set(mapped) == pool.store.allocator.used_ids()

@@ -97,6 +97,7 @@ def test_steady_decode_fast_path_leaves_the_pool_as_the_general_path_does(ops, b
             # the comparison below, and proof that the bookkeeping left the step)
             assert not torch.equal(fast.store.map_cpu, full.store.map_cpu)
         fast.core.settle()  # what every reader of residency does first
+        full.core.settle()  # (recorded releases and frees)
         assert not fast.residency.journal.entries
         assert torch.equal(fast.store.map_cpu, full.store.map_cpu)
         assert torch.equal(fast.store.dirty, full.store.dirty)
