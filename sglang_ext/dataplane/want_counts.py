@@ -132,29 +132,24 @@ class WantCounts:
         if pages.size <= SMALL:
             self._add_small(pages.tolist(), gpu_layers, paused, sign)
             return
-        distinct = self._distinct(pages)
-        uniq = pages if distinct else np.unique(pages)
+        if self._distinct(pages):
+            uniq, delta = pages, sign
+        else:  # repeats (requests sharing prefix pages): counted per page, no slow ufunc.at
+            uniq, reps = np.unique(pages, return_counts=True)
+            delta = sign * reps
         before = self.users[uniq] > 0
-        if distinct:
-            self.users[pages] += sign
-        else:
-            np.add.at(self.users, pages, sign)
+        self.users[uniq] += delta
         after = self.users[uniq] > 0
         self._live_changed(uniq[after & ~before], 1)
         self._live_changed(uniq[before & ~after], -1)
         if paused:
-            if distinct:
-                self.paused_users[pages] += sign
-            else:
-                np.add.at(self.paused_users, pages, sign)
+            self.paused_users[uniq] += delta
         else:
             on = np.flatnonzero(np.asarray(gpu_layers, dtype=bool))
-            if on.size == self.layers and distinct:
-                self.want[:, pages] += sign
-            elif on.size and distinct:
-                self.want[on[:, None], pages[None, :]] += sign
+            if on.size == self.layers:
+                self.want[:, uniq] += delta
             elif on.size:
-                np.add.at(self.want, (on[:, None], pages[None, :]), sign)
+                self.want[on[:, None], uniq[None, :]] += delta
         self.mark_dirty(uniq)
 
     def _distinct(self, pages: np.ndarray) -> bool:
