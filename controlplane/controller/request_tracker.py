@@ -142,12 +142,12 @@ class RequestTracker:
             if tracked.deposit.slo_tbt_ms != slo:
                 tracked.deposit.set_slo(slo)
             if delta:
-                tracked.deposit.generate(now, delta)
+                tracked.deposit.generate(now, delta, deliveries=False)
                 tracked.generated_tokens = rs.generated_tokens
                 tracked.last_token_ms = now
                 generated[rs.id] = delta
             else:
-                tracked.deposit.advance(now)
+                tracked.deposit.advance(now, deliveries=False)
             # Reconcile the worker's pause flag with the controller's state.
             want = self._awaiting_flag.get(rs.id)
             if want is not None:
@@ -166,7 +166,7 @@ class RequestTracker:
         finished.extend(rid for rid in self._requests if rid not in seen and rid not in finished)
         for rid in finished:
             gone = self._requests.pop(rid)
-            gone.deposit.finish(now)
+            gone.deposit.finish(now, deliveries=False)
             self._awaiting_flag.pop(rid, None)
         return BatchEvents(
             tuple(arrived), tuple(finished), tuple(worker_paused), tuple(worker_resumed), generated

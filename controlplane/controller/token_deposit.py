@@ -129,32 +129,37 @@ class TokenDeposit:
         """Change the delivery interval (a policy update); applies from the next delivery."""
         self._slo_ms = _check_slo(slo_tbt_ms)
 
-    def advance(self, now_ms: float) -> list[Delivery]:
-        """Deliver every token due at or before ``now_ms``; returns them in order."""
+    def advance(self, now_ms: float, *, deliveries: bool = True) -> list[Delivery]:
+        """Deliver every token due at or before ``now_ms``; returns them in order (``deliveries``
+        False: only the account moves, no :class:`Delivery` is built -- the controller's use)."""
         self._tick(now_ms)
-        return self._deliver_due(now_ms) if self._pending else []
+        return self._deliver_due(now_ms, deliveries) if self._pending else []
 
-    def generate(self, now_ms: float, n: int = 1) -> list[Delivery]:
-        """Append ``n`` tokens generated at ``now_ms``; returns the deliveries due by then."""
+    def generate(self, now_ms: float, n: int = 1, *, deliveries: bool = True) -> list[Delivery]:
+        """Append ``n`` tokens generated at ``now_ms``; returns the deliveries due by then
+        (``deliveries`` False: none built, as :meth:`advance`)."""
         if type(n) is not int or n < 0:  # bool is not int here
             raise ValueError(f"n: expected an integer >= 0, got {n!r}")
         if self._finished:
             raise ValueError("generate: the request already finished")
         self._tick(now_ms)
-        out = self._deliver_due(now_ms) if self._pending else []
+        out = self._deliver_due(now_ms, deliveries) if self._pending else []
         if n:
             gen_ms = float(now_ms)
             for _ in range(n):
                 self._pending.append((self._generated, gen_ms))
                 self._generated += 1
-            out.extend(self._deliver_due(now_ms))
+            out.extend(self._deliver_due(now_ms, deliveries))
         return out
 
-    def finish(self, now_ms: float) -> list[Delivery]:
-        """The request finished at ``now_ms``: deliver what is due, then burst the remainder."""
-        out = self.advance(now_ms)
+    def finish(self, now_ms: float, *, deliveries: bool = True) -> list[Delivery]:
+        """The request finished at ``now_ms``: deliver what is due, then burst the remainder
+        (``deliveries`` False: none built, as :meth:`advance`)."""
+        out = self.advance(now_ms, deliveries=deliveries)
         while self._pending:
-            out.append(self._deliver(float(now_ms), burst=True))
+            got = self._deliver(float(now_ms), burst=True, keep=deliveries)
+            if got is not None:
+                out.append(got)
         self._finished = True
         return out
 
@@ -175,7 +180,7 @@ class TokenDeposit:
             raise ValueError(f"now_ms: {now_ms} is before the last time seen ({self._now_ms})")
         self._now_ms = float(now_ms)
 
-    def _deliver_due(self, now_ms: float) -> list[Delivery]:
+    def _deliver_due(self, now_ms: float, keep: bool = True) -> list[Delivery]:
         """Deliver the deposited tokens due at or before ``now_ms`` (clock already ticked)."""
         out: list[Delivery] = []
         pending = self._pending
@@ -185,10 +190,12 @@ class TokenDeposit:
             due = gen_ms if last is None else max(gen_ms, last + self._slo_ms)
             if due > now_ms:
                 break
-            out.append(self._deliver(due, burst=False))
+            got = self._deliver(due, burst=False, keep=keep)
+            if got is not None:
+                out.append(got)
         return out
 
-    def _deliver(self, at_ms: float, *, burst: bool) -> Delivery:
+    def _deliver(self, at_ms: float, *, burst: bool, keep: bool = True) -> Delivery | None:
         index, gen_ms = self._pending.popleft()
         previous = self._last_delivery_ms
         # A visible violation: the gap exceeds the SLO because the deposit ran dry (the token was
@@ -200,7 +207,7 @@ class TokenDeposit:
             self._violations += 1
         self._last_delivery_ms = at_ms
         self._delivered += 1
-        return Delivery(index, gen_ms, at_ms, violation, burst)
+        return Delivery(index, gen_ms, at_ms, violation, burst) if keep else None
 
 
 def _check_slo(slo_tbt_ms: float) -> float:

@@ -149,3 +149,39 @@ def test_join_mid_stream_counts_history_as_delivered() -> None:
     assert (x.index, x.delivered_ms) == (500, 1100.0)
     with pytest.raises(ValueError, match="last_delivery_ms"):
         TokenDeposit(100.0, delivered_tokens=3)
+
+
+def _account(d: TokenDeposit) -> tuple:
+    return (d.generated, d.delivered, d.violations, d.balance, d.last_delivery_ms, d.next_delivery_ms(), d.finished)
+
+
+@given(slo=st.floats(min_value=1.0, max_value=200.0), seq=ops, finish=st.booleans())
+def test_without_deliveries_the_account_is_the_same(slo: float, seq: list[tuple[str, float, int]], finish: bool) -> None:
+    """``deliveries=False`` (the controller's use: no Delivery built) moves the account exactly as
+    the default does, and returns nothing."""
+    full, lean = TokenDeposit(slo), TokenDeposit(slo)
+    now = 0.0
+    for kind, dt, n in seq:
+        now += dt
+        if kind == "gen":
+            full.generate(now, n)
+            assert lean.generate(now, n, deliveries=False) == []
+        elif kind == "slo":
+            full.set_slo(max(1.0, dt))
+            lean.set_slo(max(1.0, dt))
+        else:
+            full.advance(now)
+            assert lean.advance(now, deliveries=False) == []
+        assert _account(full) == _account(lean)
+    if finish:
+        full.finish(now + 1.0)
+        assert lean.finish(now + 1.0, deliveries=False) == []
+    assert _account(full) == _account(lean)
+
+
+def test_the_account_comparison_sees_a_difference() -> None:
+    """Negative control for the property above: one token more is a different account."""
+    a, b = TokenDeposit(50.0), TokenDeposit(50.0)
+    a.generate(0.0, 2)
+    b.generate(0.0, 3, deliveries=False)
+    assert _account(a) != _account(b)
