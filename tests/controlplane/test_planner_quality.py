@@ -168,16 +168,22 @@ def test_best_first_search_proves_the_optimum_on_arbitrary_small_problems(blocks
     search = PlacementSearch(ev, budget, time.perf_counter() + 60)
     assert search.small
     res = search.run(mip=None)
-    per_block = [layers - len(off) + (1 if off else 0) for off in cands.offloaded]
-    best = math.inf
-    for choice in itertools.product(range(cands.size), repeat=len(blocks)):
-        if sum(b * per_block[c] for b, c in zip(blocks, choice, strict=True)) <= budget:
-            best = min(best, step_time_ms([cands.rows[c] for c in choice], blocks, comp, bw))
+    best = brute_force_step(cands, blocks, comp, bw, budget, layers)
     if math.isinf(best):
         assert res is None
         return
     assert res is not None and res.optimal and res.solver in ("exact", "trivial")
     assert res.step_ms == pytest.approx(best, rel=1e-9, abs=1e-12)
+
+
+def brute_force_step(cands, blocks, comp, bw, budget, layers) -> float:  # noqa: ANN001
+    """The least step time over every assignment that fits ``budget`` (inf when none does)."""
+    per_block = [layers - len(off) + (1 if off else 0) for off in cands.offloaded]
+    best = math.inf
+    for choice in itertools.product(range(cands.size), repeat=len(blocks)):
+        if sum(b * per_block[c] for b, c in zip(blocks, choice, strict=True)) <= budget:
+            best = min(best, step_time_ms([cands.rows[c] for c in choice], blocks, comp, bw))
+    return best
 
 
 def evaluated_assignments(ev: Evaluator) -> list[tuple[int, ...]]:
@@ -222,11 +228,7 @@ def test_best_first_symmetry_breaking_keeps_the_optimum(blocks, layers, frac, bw
     ev = Evaluator(cands, blocks, comp, bw)
     seen = evaluated_assignments(ev)
     res = PlacementSearch(ev, budget, time.perf_counter() + 60).run(mip=None)
-    per_block = [layers - len(off) + (1 if off else 0) for off in cands.offloaded]
-    best = math.inf
-    for choice in itertools.product(range(cands.size), repeat=len(blocks)):
-        if sum(b * per_block[c] for b, c in zip(blocks, choice, strict=True)) <= budget:
-            best = min(best, step_time_ms([cands.rows[c] for c in choice], blocks, comp, bw))
+    best = brute_force_step(cands, blocks, comp, bw, budget, layers)
     if math.isinf(best):
         assert res is None
         return
