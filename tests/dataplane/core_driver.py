@@ -41,6 +41,8 @@ class CoreDriver:
         torch-native backend does."""
         self.fast_steps = 0
         """Forwards the fast path took (their bookkeeping journalled)."""
+        self.loc_dtype = torch.int64
+        """dtype of the step's ``out_cache_loc`` (SGLang's is int64; int32 must work as well)."""
         self.finishes = 0
         """Requests finished (odd ones free their pages first, as SGLang does, even ones after)."""
         self._last: tuple[list[str], list[int]] | None = None
@@ -101,7 +103,7 @@ class CoreDriver:
         if fresh > len(self.free_pages):
             return False  # SGLang would not schedule this batch
         news = [self._grow(rid, n) or [] for rid, n in batch]
-        loc = torch.tensor([s for new in news for s in new], dtype=torch.int64)
+        loc = torch.tensor([s for new in news for s in new], dtype=self.loc_dtype)
         core = self.core
         rec = self._recompute_spec(batch)
         ids = None if rec is None else [np.asarray(self.slots[rid]) for rid, _ in batch]  # slots stand for ids

@@ -4,6 +4,7 @@ reader of residency -- in one batch, or page by page when the batch path refuses
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from sglang_ext.dataplane import decode_journal
@@ -147,3 +148,23 @@ def test_free_pages_apply_the_journal_when_its_pages_repeat():
     core.free_device_pages()
     assert not journal.entries and journal.slow == 1
     d.check_at_rest()
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_an_int32_step_index_writes_every_layer_in_place(fast, monkeypatch):
+    """The step's new slots as int32: every layer's write takes the in-place path (the index is
+    converted once per step; the step's object still identifies it). Negative control: a write
+    with another object than the step's goes to the at-rest path."""
+    d = _steady(fast=fast)
+    d.loc_dtype = torch.int32
+    at_rest: list[int] = []
+    real = d.core.store.write_at_rest
+    monkeypatch.setattr(d.core.store, "write_at_rest", lambda layer, *a: (at_rest.append(layer), real(layer, *a)))
+    for _ in range(3):
+        d.step([("a", 1), ("b", 1)])  # the driver checks the KV inside every layer
+    assert at_rest == []
+    d.check_at_rest()
+    loc = torch.tensor(d.slots["a"][-1:], dtype=torch.int32)
+    k = torch.zeros((1, *d.core.store.dev.shape[-2:]), dtype=d.core.store.dev.dtype)
+    d.core.write(0, loc, k, k)  # not the step's object
+    assert at_rest == [0]
