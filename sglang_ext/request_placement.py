@@ -188,6 +188,9 @@ class RequestPlacement:
         store = getattr(self.pool, "store", None) if self.installer.layered else None
         if store is None:
             return None
+        settle = getattr(getattr(self.pool, "core", None), "settle", None)
+        if settle is not None:  # recorded decode steps, releases and frees first (the store is read directly)
+            settle()
         pages = np.asarray(self._pages_of(req), dtype=np.int64)
         if pages.size:
             pages = pages[store.has_kv_np[pages]]  # pages freed (or never written) hold no KV
