@@ -136,11 +136,11 @@ class LayeredRadixCache(RadixCache):
         allocator.clear = clear
         allocator._kvplane_instrumented = True
 
-    def _metered(self, t0: float) -> None:
-        """kvplane's time since ``t0`` in an allocator wrapper, into the meter's ``radix`` part."""
+    def _metered(self, t0: float, part: str = "radix") -> None:
+        """kvplane's time since ``t0`` (allocation and free wrappers: ``radix``) into the meter."""
         meter = self.overhead_meter
         if meter is not None:
-            meter.add("radix", time.perf_counter() - t0)
+            meter.add(part, time.perf_counter() - t0)
 
     def meter_on_release(self) -> None:
         """Time the ``on_release`` chain -- kvplane's wrappers (the pool's release, placement
@@ -154,9 +154,7 @@ class LayeredRadixCache(RadixCache):
             try:
                 return inner(req, *args, **kwargs)
             finally:
-                meter = cache.overhead_meter
-                if meter is not None:
-                    meter.add("release", time.perf_counter() - t0)
+                cache._metered(t0, "release")
 
         self.on_release = on_release
 
@@ -191,19 +189,15 @@ class LayeredRadixCache(RadixCache):
 
     def on_alloc_extend(self, batch: Any, out_cache_loc: torch.Tensor) -> None:
         """Attribute an extend batch's new slots (concatenated in request order) to requests."""
-        meter = self.overhead_meter
-        t0 = 0.0 if meter is None else time.perf_counter()
+        t0 = time.perf_counter()
         self._on_alloc_extend(batch, out_cache_loc)
-        if meter is not None:
-            meter.add("radix", time.perf_counter() - t0)
+        self._metered(t0)
 
     def on_alloc_decode(self, batch: Any, out_cache_loc: torch.Tensor, token_per_req: int) -> None:
         """Attribute a decode batch's new slots (``token_per_req`` each, request order)."""
-        meter = self.overhead_meter
-        t0 = 0.0 if meter is None else time.perf_counter()
+        t0 = time.perf_counter()
         self._on_alloc_decode(batch, out_cache_loc, token_per_req)
-        if meter is not None:
-            meter.add("radix", time.perf_counter() - t0)
+        self._metered(t0)
 
     def _on_alloc_extend(self, batch: Any, out_cache_loc: torch.Tensor) -> None:
         offset = 0

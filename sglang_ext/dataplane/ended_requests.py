@@ -48,6 +48,14 @@ class EndedRequests:
     def pending(self) -> bool:
         return bool(self.released or self.freed)
 
+    def release(self, rid: str) -> None:
+        """Request ``rid`` ended (applied by :meth:`apply`)."""
+        self.released.append(rid)
+
+    def free(self, pages: list[int]) -> None:
+        """SGLang's allocator took ``pages`` back (applied by :meth:`apply`)."""
+        self.freed.extend(pages)
+
     def apply(self) -> None:
         """Apply the recorded releases, then the frees (module docstring)."""
         released, freed = self.released, self.freed

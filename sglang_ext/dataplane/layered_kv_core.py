@@ -102,9 +102,9 @@ class LayeredKVCore:
         res = self.residency
         taken = None if res.ended.pending else res.journal.pending_layer_pages()  # frees: apply
         if taken is None:
-            self.residency.settle()
+            res.settle()
             taken = 0
-        return self.store.allocator.free_count - taken + self.residency.reclaimable_pages
+        return self.store.allocator.free_count - taken + res.reclaimable_pages
 
     def stats(self) -> ResidencyStats:
         """Device/host occupancy, host fraction of live KV, bytes moved, steps staged / overflowed."""
@@ -315,7 +315,7 @@ class LayeredKVCore:
         if loc is not self.step_loc or self.overflow:
             self.residency.settle()
             self.store.write_at_rest(layer, loc, k, v)
-            self.residency.mark_written(torch.unique(loc.to("cpu", torch.int64) // self.page_size))
+            self._mark_slots_written(loc)
         elif self.store.identity:
             index = self._step_index
             if index is None:  # once per step: the same ``loc`` comes back at every layer
@@ -365,7 +365,11 @@ class LayeredKVCore:
         for layer in range(self.layers):
             k, v = self.store.read_kv(layer, src)
             self.store.write_at_rest(layer, tgt, k.clone(), v.clone())
-        self.residency.mark_written(torch.unique(tgt.to("cpu", torch.int64) // self.page_size))
+        self._mark_slots_written(tgt)
+
+    def _mark_slots_written(self, slots: torch.Tensor) -> None:
+        """The pages of ``slots`` got KV written at rest."""
+        self.residency.mark_written(torch.unique(slots.to("cpu", torch.int64) // self.page_size))
 
     def read_kv(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``slots`` at ``layer``, at rest (waits for copies in flight)."""

@@ -89,7 +89,7 @@ class SlotResidency:
         and frees (:class:`EndedRequests`); cheap when there are none."""
         if self.journal.entries:
             self.journal.apply()
-        if self.ended.released or self.ended.freed:
+        if self.ended.pending:
             self.ended.apply()
 
     def tracked(self, rid: str) -> _Request | None:
@@ -199,7 +199,7 @@ class SlotResidency:
     def release_request(self, rid: str) -> None:
         """Forget ``rid`` (unknown ids are ignored: release is idempotent). Recorded, applied by
         the next reader with the other releases and frees (:class:`EndedRequests`)."""
-        self.ended.released.append(rid)
+        self.ended.release(rid)
 
     @property
     def has_anonymous(self) -> bool:
@@ -234,7 +234,7 @@ class SlotResidency:
         """The allocator took ``pages`` back: their device copies are dead. Recorded, applied by
         the next reader with the other releases and frees (:class:`EndedRequests`), where they
         are cut from any request still holding them."""
-        self.ended.freed.extend(pages)
+        self.ended.free(pages)
 
     def mark_written(self, pages: torch.Tensor) -> None:
         """``pages`` receive KV in the coming forward (later onloads must copy them)."""

@@ -75,13 +75,7 @@ class WantCounts:
             self.add(pages[u:], req.gpu_layers, req.paused, sign)
         else:
             self.add(pages, req.gpu_layers, req.paused, sign)
-        every = not u and all(req.gpu_layers)
-        self.paused_requests += sign * req.paused
-        self.partial_requests += sign * (not every)
-        if not req.paused:
-            self.active_pages += sign * int(pages.size)
-            if not every:
-                self.offloading_pages += sign * int(pages.size)
+        self._requests_moved(1, int(pages.size), req.paused, not u and all(req.gpu_layers), sign)
 
     def track_many(self, reqs: Sequence[TrackedRequest], sign: int) -> None:
         """:meth:`track` of several requests, one pass per distinct (wants, pause state) for
@@ -95,21 +89,22 @@ class WantCounts:
         for (paused, layers), group in groups.items():
             pages = group[0] if len(group) == 1 else np.concatenate(group)
             self.add(pages, layers, paused, sign)
-            every = all(layers)
-            self.paused_requests += sign * len(group) * paused
-            self.partial_requests += sign * len(group) * (not every)
-            if not paused:
-                self.active_pages += sign * int(pages.size)
-                if not every:
-                    self.offloading_pages += sign * int(pages.size)
+            self._requests_moved(len(group), int(pages.size), paused, all(layers), sign)
+
+    def _requests_moved(self, requests: int, pages: int, paused: bool, every: bool, sign: int) -> None:
+        """The per-request sums of ``requests`` requests (0: pages of a request that stays)
+        holding ``pages`` pages in total, paused or not, wanting every layer or not."""
+        self.paused_requests += sign * requests * paused
+        self.partial_requests += sign * requests * (not every)
+        if not paused:
+            self.active_pages += sign * pages
+            if not every:
+                self.offloading_pages += sign * pages
 
     def track_added(self, req: TrackedRequest, added: np.ndarray) -> None:
         """Pages appended to ``req`` join the counts."""
         self.add(added, req.gpu_layers, req.paused, 1)  # appended pages are never in the prefix
-        if not req.paused:
-            self.active_pages += int(added.size)
-            if req.uncached or not all(req.gpu_layers):
-                self.offloading_pages += int(added.size)
+        self._requests_moved(0, int(added.size), req.paused, not req.uncached and all(req.gpu_layers), 1)
 
     def track_removed(self, req: TrackedRequest, removed: np.ndarray) -> None:
         """Pages cut from ``req`` (it keeps others; no uncached prefix) leave the counts: one
@@ -117,10 +112,7 @@ class WantCounts:
         if req.uncached:
             raise ValueError("track_removed: a request with an uncached prefix leaves and rejoins")
         self.add(removed, req.gpu_layers, req.paused, -1)
-        if not req.paused:
-            self.active_pages -= int(removed.size)
-            if not all(req.gpu_layers):
-                self.offloading_pages -= int(removed.size)
+        self._requests_moved(0, int(removed.size), req.paused, all(req.gpu_layers), -1)
 
     # ----- want changes -------------------------------------------------------------------
 

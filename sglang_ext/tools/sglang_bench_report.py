@@ -62,7 +62,7 @@ class ConfigResult:
     kvplane_parts_ms_per_step: tuple[dict[str, float], ...] = ()
     """Per launch (layered configs): that figure split by the meter's parts (boundary,
     after_schedule, run_batch -- the step's timing brackets --, attention_prepare, layers,
-    kv_write -- the layers' KV copies, which vanilla SGLang makes too --, radix, end_step)."""
+    kv_write -- the layers' KV copies, which vanilla SGLang makes too --, radix, release, end_step)."""
     kvplane_counts: tuple[dict[str, int], ...] = ()
     """Per launch (layered configs): the meter's event counts (steady-decode vs general
     preparation)."""
