@@ -481,4 +481,6 @@ class SlotResidency:
             d2h_bytes_total=store.d2h_bytes,
             host_write_bytes_total=store.host_write_bytes,
             shortfall_layer_pages_total=self.shortfall_total,
+            journalled_decode_steps_total=self.journal.steps,
+            ended_batches_total=self.ended.applications,
         )

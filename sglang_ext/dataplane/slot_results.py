@@ -108,6 +108,10 @@ class ResidencyStats:
     stall_seconds_total: float = 0.0
     """Seconds steps waited on transfers since start (CPU: the copies' wall time; CUDA: the
     compute stream's waits on transfer events, timed by event pairs)."""
+    journalled_decode_steps_total: int = 0
+    """Steady decode steps whose bookkeeping was journalled (:class:`DecodeJournal`)."""
+    ended_batches_total: int = 0
+    """Batches of recorded releases and frees applied (:class:`EndedRequests`)."""
 
     def to_dict(self) -> dict:
         """JSON-ready form."""

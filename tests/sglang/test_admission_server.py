@@ -113,3 +113,17 @@ def test_steady_decode_steps_are_coalesced_and_changes_reported_at_once(gated):
         run = 0 if s["reported"] else run + 1
         longest = max(longest, run)
     assert longest <= 7
+
+
+def test_the_served_pool_journals_steady_decode_and_batches_request_ends(gated):
+    """The served path runs the decode journal and the batched ends: the layered pool's counters
+    in the stats lines of this server (a burst of 8 requests, then one long one) move. Both
+    start at 0 in a fresh pool, so the check fails when either mechanism is bypassed."""
+    server, stats_path = gated
+    _burst(server)
+    greedy(server, PROMPTS[6], max_new_tokens=40)
+    pools = [json.loads(line)["pool"] for line in stats_path.read_text().splitlines() if line.strip()]
+    last = pools[-1]
+    assert last["journalled_decode_steps_total"] > 0
+    assert last["ended_batches_total"] > 0
+    assert pools[0]["journalled_decode_steps_total"] == 0  # the counters started at 0
