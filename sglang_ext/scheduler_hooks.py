@@ -249,8 +249,8 @@ class SchedulerHooks:
         if length <= 0:
             return ()
         row = self.scheduler.req_to_token_pool.req_to_token[idx, :length]
-        pages = (row // self.page_size).tolist()
-        return tuple(dict.fromkeys(int(p) for p in pages))
+        pages = (row // self.page_size).tolist()  # Python ints already
+        return tuple(dict.fromkeys(pages))
 
     # ---- step ---------------------------------------------------------------------------
     def start_step(self, batch: Any) -> None:

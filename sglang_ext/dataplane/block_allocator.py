@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from sglang_ext.dataplane.sorted_ids import has_repeats
+
 
 class BlockAllocator:
     """Hands out ids in ``[0, capacity)``; ``alloc`` is all-or-nothing."""
@@ -126,7 +128,7 @@ class IdentityPages:
         flat = np.asarray(ids.numpy() if isinstance(ids, torch.Tensor) else ids, dtype=np.int64).reshape(-1)
         if flat.size and (int(flat.min()) < 0 or int(flat.max()) >= self.capacity):
             raise ValueError(f"{self.name}: block id out of range [0, {self.capacity})")
-        if not self._in_use_np[flat].all() or np.unique(flat).size != flat.size:
+        if not self._in_use_np[flat].all() or has_repeats(flat):
             raise ValueError(f"{self.name}: double free")
         self._in_use_np[flat] = False
         self._used -= int(flat.size)

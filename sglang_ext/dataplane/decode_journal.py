@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from sglang_ext.dataplane.sorted_ids import distinct_sorted
 from sglang_ext.dataplane.tracked_request import TrackedRequest
 
 if TYPE_CHECKING:
@@ -150,7 +151,7 @@ class DecodeJournal:
             store.mark_dirty(ids.reshape(-1))  # page size 1: the new pages are what was written
             return
         written = [page for e in entries for page in (e[2] if e[3] is None else e[3])]
-        store.mark_dirty_pages(np.unique(np.array(written, dtype=np.int64)))
+        store.mark_dirty_pages(distinct_sorted(np.array(written, dtype=np.int64)))
 
 
 def _joined(reqs: list[TrackedRequest], owners: list[int] | None, pages: list[int]) -> zip:

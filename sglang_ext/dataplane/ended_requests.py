@@ -11,9 +11,11 @@ residency calls first, after the decode journal (whose steps came before them):
 
 1. the released requests leave the counts in one pass per distinct want
    (:meth:`WantCounts.track_many`); their pages may now be orphans (cached by the tree);
-2. the freed pages -- distinct, in order -- are cut from whoever still holds them (a live
+2. the freed pages -- distinct, ascending -- are cut from whoever still holds them (a live
    request sharing them; usually nobody once the releases are done), their device copies
-   released in one call, their KV flags cleared.
+   released in one call, their KV flags cleared. They may stay orphan candidates
+   (``SlotResidency._maybe_orphan``, a superset): with no device copy left, the orphan scan
+   (:meth:`LivePages._orphans`) filters them out, so removing them here would only cost time.
 
 The final state is the one of applying each call when it came: a page is freed only when no
 ended request will need it, and a release's count changes commute with a free's cut (the cut
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from sglang_ext.dataplane.freed_pages import cut_freed_pages
+from sglang_ext.dataplane.sorted_ids import distinct_sorted
 
 if TYPE_CHECKING:
     from sglang_ext.dataplane.slot_residency import SlotResidency
@@ -72,10 +75,8 @@ class EndedRequests:
                 res._maybe_orphan.update(req.pages.tolist())
             res.counts.track_many(gone, -1)
         if freed:
-            pages = list(dict.fromkeys(freed))
             res._changed = True
-            freed_np = np.asarray(pages, dtype=np.int64)
-            cut_freed_pages(requests, res.counts, freed_np)  # first: the counts read the map
+            pages = distinct_sorted(np.fromiter(freed, dtype=np.int64, count=len(freed)))
+            cut_freed_pages(requests, res.counts, pages)  # first: the counts read the map
             res.store.release_pages(pages)
-            res._maybe_orphan.difference_update(pages)
-            res.has_kv_np[freed_np] = False
+            res.has_kv_np[pages] = False

@@ -39,6 +39,7 @@ from sglang_ext.dataplane.layer_pipeline import LayerPipeline
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore, SlotStoreConfig
 from sglang_ext.dataplane.slot_residency import SlotResidency
 from sglang_ext.dataplane.slot_results import RequestResidency, ResidencyDelta, ResidencyStats
+from sglang_ext.dataplane.sorted_ids import distinct_sorted
 from sglang_ext.dataplane.staging_room import StagingRoom
 from sglang_ext.dataplane.step_tables import StepTables
 from sglang_ext.dataplane.transfer_times import TransferTimes
@@ -233,7 +234,7 @@ class LayeredKVCore:
         new = [pages[(n - e) // ps: (n - 1) // ps + 1]
                for pages, n, e in zip(page_lists, lens.tolist(), counts.tolist(), strict=True) if e > 0]
         if new:
-            fresh = np.unique(np.concatenate(new))
+            fresh = distinct_sorted(np.concatenate(new))
             self.store.mark_dirty(self.store.identity_ids(fresh).reshape(-1))
             self.store.has_kv_np[fresh] = True
         self.store.staging_pages = 0

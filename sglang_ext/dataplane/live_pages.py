@@ -22,6 +22,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore
+from sglang_ext.dataplane.sorted_ids import distinct_sorted
 from sglang_ext.dataplane.want_counts import WantCounts
 
 
@@ -30,7 +31,7 @@ def live_page_union(requests: Iterable) -> np.ndarray:  # noqa: ANN001 - residen
     parts = [r.pages.numpy() for r in requests if r.pages.numel()]
     if not parts:
         return np.zeros(0, dtype=np.int64)
-    return np.unique(np.concatenate(parts))
+    return distinct_sorted(np.concatenate(parts))
 
 
 def live_layer_pages(store: SlotKVStore, requests: Iterable) -> tuple[int, int]:
@@ -55,7 +56,7 @@ class LivePages:
         self.layers = store.config.layers
         self.maybe_orphan = maybe_orphan
         """The residency's pages that may be orphan (pruned here when enumerated)."""
-        self.pages = np.unique(np.concatenate([counts.dirty_live(), live_page_union(paused)]))
+        self.pages = distinct_sorted(np.concatenate([counts.dirty_live(), live_page_union(paused)]))
         """``U``: sorted distinct pages that are dirty (with a user) or used by a paused request."""
         self._cols = [np.searchsorted(self.pages, r.pages.numpy()) for r in paused]
         self.paused = counts.paused_users[self.pages] > 0
@@ -117,7 +118,7 @@ class LivePages:
         paused = sorted(range(len(self.requests)), key=lambda i: self.requests[i].pause_seq)
         taken = np.zeros_like(removable)
         for i in paused:
-            cols = np.unique(self._cols[i])
+            cols = distinct_sorted(self._cols[i])
             for layer in range(self.layers - 1, -1, -1):
                 sel = cols[removable[layer, cols] & ~taken[layer, cols]]
                 if sel.size:

@@ -38,6 +38,7 @@ import torch
 
 from sglang_ext.dataplane.block_allocator import BlockAllocator, IdentityPages
 from sglang_ext.dataplane.host_pool import allocate_host_pool
+from sglang_ext.dataplane.sorted_ids import distinct_sorted
 from sglang_ext.dataplane.transfer_engine import TransferEngine, make_transfer_engine
 
 DIRTY_LOG_COMPACT = 1 << 16
@@ -220,7 +221,7 @@ class SlotKVStore:
         """Flat ids that are dirty now (from the log: proportional to marks, not to the map)."""
         if not self._dirty_log:
             return np.zeros(0, dtype=np.int64)
-        ids = np.unique(np.concatenate(self._dirty_log))
+        ids = distinct_sorted(np.concatenate(self._dirty_log))
         return ids[self.dirty_np.reshape(-1)[ids]]
 
     def _write_back(self, layers: np.ndarray, pages: np.ndarray) -> None:
@@ -292,9 +293,9 @@ class SlotKVStore:
         self.allocator.take_distinct(ids.reshape(-1))  # type: ignore[union-attr]
         self.map_flat_np[ids] = ids
 
-    def release_pages(self, pages: list[int]) -> None:
+    def release_pages(self, pages: list[int] | np.ndarray) -> None:
         """SGLang's allocator got these pages back: free their device copies (KV is dead)."""
-        if not pages:
+        if not len(pages):
             return
         p = np.asarray(pages, dtype=np.int64)
         sub = self.map_np[:, p]
@@ -345,7 +346,7 @@ class SlotKVStore:
             rows = torch.from_numpy(dev_page[on_dev] * ps + offs[on_dev]).to(self.device)
             idx = torch.from_numpy(np.flatnonzero(on_dev)).to(k.device)
             self.write_rows(rows, rows, k[idx], v[idx])
-            self.mark_dirty(layer * self.config.logical_pages + np.unique(pages[on_dev]))
+            self.mark_dirty(layer * self.config.logical_pages + distinct_sorted(pages[on_dev]))
         if (~on_dev).any():
             idx = torch.from_numpy(np.flatnonzero(~on_dev)).to(k.device)
             hp, ho = torch.from_numpy(pages[~on_dev]), torch.from_numpy(offs[~on_dev])

@@ -120,8 +120,8 @@ class SlotResidency:
                     f"wants[{rid!r}].gpu_layers has {len(want.gpu_layers)} entries; the pool has "
                     f"{self.layers} layers"
                 )
-            bad = [p for p in want.pages if p >= self.store.config.logical_pages]
-            if bad:
+            if want.pages and max(want.pages) >= self.store.config.logical_pages:
+                bad = [p for p in want.pages if p >= self.store.config.logical_pages]
                 raise ValueError(
                     f"wants[{rid!r}].pages {bad[:4]} out of range [0, {self.store.config.logical_pages})"
                 )

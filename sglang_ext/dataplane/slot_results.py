@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+_INT = frozenset({int})
+"""Page ids are plain ints (``bool`` and NumPy scalars are not ``int`` by type)."""
+
 
 @dataclass(frozen=True)
 class RequestResidency:
@@ -30,7 +33,8 @@ class RequestResidency:
     page of the token being decoded stays cached."""
 
     def __post_init__(self) -> None:
-        if any(not isinstance(p, int) or isinstance(p, bool) or p < 0 for p in self.pages):
+        pages = self.pages  # C-level checks (a turnover installs thousands of pages)
+        if pages and (not set(map(type, pages)) <= _INT or min(pages) < 0):
             raise ValueError(f"RequestResidency.pages must be non-negative ints, got {self.pages!r}")
         if not self.gpu_layers or any(not isinstance(x, bool) for x in self.gpu_layers):
             raise ValueError(

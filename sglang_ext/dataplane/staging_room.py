@@ -23,6 +23,7 @@ from collections.abc import Collection
 import numpy as np
 
 from sglang_ext.dataplane.slot_residency import SlotResidency
+from sglang_ext.dataplane.sorted_ids import distinct_sorted
 
 
 class StagingRoom:
@@ -66,7 +67,7 @@ class StagingRoom:
         inside = [r for rid, r in requests if rid in batch]
         for group in (outside, inside):
             for req in sorted(group, key=lambda r: -r.pages.numel()):
-                pages = np.unique(req.pages.numpy())
+                pages = distinct_sorted(req.pages.numpy())
                 for layer in range(self.store.config.layers - 1, -1, -1):
                     on = pages[self.store.map_np[layer, pages] >= 0]
                     if not on.size:

@@ -35,6 +35,7 @@ import torch
 
 from sglang_ext.dataplane.recompute_rows import RecomputeRows
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore
+from sglang_ext.dataplane.sorted_ids import distinct_sorted
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,7 @@ class StepTables:
             last = np.maximum.accumulate(np.where(host_req, np.arange(layers)[:, None], -1), axis=0)
             trigger = np.vstack([np.full((1, b), -1, dtype=np.int64), last[:-1]])
         rows = tab[:, col] * ps + off[None, :]
-        ucol = np.unique(col)
+        ucol = distinct_sorted(col)
         new_host = host[:, ucol]
         self.dirty_ids = (store.identity_ids(flat[ucol]))[~new_host]
         """Flat ids ``l * P + p`` of resident layer-pages that receive new tokens."""

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore
+from sglang_ext.dataplane.sorted_ids import distinct_counts, distinct_sorted
 from sglang_ext.dataplane.tracked_request import TrackedRequest
 
 SMALL = 8
@@ -127,7 +128,7 @@ class WantCounts:
         if self._distinct(pages):
             uniq, delta = pages, sign
         else:  # repeats (requests sharing prefix pages): counted per page, no slow ufunc.at
-            uniq, reps = np.unique(pages, return_counts=True)
+            uniq, reps = distinct_counts(pages)
             delta = sign * reps
         before = self.users[uniq] > 0
         self.users[uniq] += delta
@@ -214,7 +215,7 @@ class WantCounts:
         """Sorted distinct dirty pages that have a user."""
         if not self._dirty and not self._dirty_small:
             return np.zeros(0, dtype=np.int64)
-        pages = np.unique(np.concatenate([*self._dirty, np.asarray(self._dirty_small, dtype=np.int64)]))
+        pages = distinct_sorted(np.concatenate([*self._dirty, np.asarray(self._dirty_small, dtype=np.int64)]))
         return pages[self.users[pages] > 0]
 
     def clear_dirty(self) -> None:

@@ -33,10 +33,17 @@ def _finish_all(d: CoreDriver, settle_each: bool) -> None:
             d.core.settle()
 
 
+def _orphan_candidates(d: CoreDriver) -> list[int]:
+    """The orphan candidates that can matter: those with a device copy (a freed page may stay a
+    candidate -- the orphan scan skips pages with no device copy)."""
+    store = d.core.store
+    return sorted(p for p in d.core.residency._maybe_orphan if (store.map_np[:, p] >= 0).any())
+
+
 def _state(d: CoreDriver) -> tuple:
     res, store = d.core.residency, d.core.store
     return (store.map_np.tobytes(), res.counts.users.tobytes(), res.counts.want.tobytes(),
-            res.has_kv_np.tobytes(), sorted(store.allocator.used_ids()), sorted(res._maybe_orphan),
+            res.has_kv_np.tobytes(), sorted(store.allocator.used_ids()), _orphan_candidates(d),
             sorted(res._requests), res.counts.active_pages, res.counts.live_resident)
 
 

@@ -1,0 +1,54 @@
+"""distinct_sorted / has_repeats equal np.unique's answers (random and run-shaped ids)."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sglang_ext.dataplane.sorted_ids import distinct_counts, distinct_sorted, has_repeats
+
+ids_lists = st.lists(st.integers(min_value=0, max_value=300), max_size=200)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids_lists)
+def test_distinct_sorted_is_numpy_unique(values: list[int]) -> None:
+    a = np.asarray(values, dtype=np.int64)
+    got = distinct_sorted(a)
+    want = np.unique(a)
+    assert got.dtype == a.dtype
+    np.testing.assert_array_equal(got, want)
+    assert has_repeats(a) == (len(set(values)) != len(values))
+    uniq, counts = distinct_counts(a)
+    want_uniq, want_counts = np.unique(a, return_counts=True)
+    np.testing.assert_array_equal(uniq, want_uniq)
+    np.testing.assert_array_equal(counts, want_counts)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5_000), st.integers(0, 50)), max_size=12))
+def test_ascending_runs(runs: list[tuple[int, int]]) -> None:
+    """SGLang's shape: ascending runs of slots (possibly overlapping)."""
+    a = np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in runs] or [np.zeros(0, np.int64)])
+    np.testing.assert_array_equal(distinct_sorted(a), np.unique(a))
+    assert has_repeats(a) == (np.unique(a).size != a.size)
+
+
+def test_negative_control_repeats_are_removed() -> None:
+    """A sort alone (no dedupe) would fail the comparison above: the check can fail."""
+    a = np.array([5, 3, 5, 1, 3], dtype=np.int64)
+    assert not np.array_equal(np.sort(a, kind="stable"), np.unique(a))
+    np.testing.assert_array_equal(distinct_sorted(a), [1, 3, 5])
+    assert has_repeats(a) and not has_repeats(np.array([2, 1], dtype=np.int64))
+    uniq, counts = distinct_counts(a)
+    assert uniq.tolist() == [1, 3, 5] and counts.tolist() == [1, 2, 2]
+    assert counts.tolist() != [1, 1, 1]  # counting every id once would fail the comparison
+
+
+def test_result_is_not_the_input() -> None:
+    """Callers may write into the result (tiny inputs are copied, not aliased)."""
+    a = np.array([7], dtype=np.int64)
+    out = distinct_sorted(a)
+    out[0] = 0
+    assert a[0] == 7
