@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controlplane.controller import TokenDeposit
+from controlplane.controller.token_deposit import Delivery
 
 
 def test_early_tokens_wait_for_the_delivery_clock() -> None:
@@ -185,3 +186,74 @@ def test_the_account_comparison_sees_a_difference() -> None:
     a.generate(0.0, 2)
     b.generate(0.0, 3, deliveries=False)
     assert _account(a) != _account(b)
+
+
+class _PerTokenReference:
+    """The deposit rule one token at a time (the implementation before runs), as the reference."""
+
+    def __init__(self, slo: float) -> None:
+        self.slo, self.pending, self.last, self.delivered, self.violations = slo, [], None, 0, 0
+
+    def due(self, now: float) -> list[Delivery]:
+        out = []
+        while self.pending:
+            index, gen = self.pending[0]
+            at = gen if self.last is None else max(gen, self.last + self.slo)
+            if at > now:
+                break
+            out.append(self._deliver(at, burst=False))
+        return out
+
+    def _deliver(self, at: float, burst: bool) -> Delivery:
+        index, gen = self.pending.pop(0)
+        late = not burst and self.last is not None and at - self.last > self.slo * (1 + 1e-12)
+        self.violations += late
+        self.last, self.delivered = at, self.delivered + 1
+        return Delivery(index, gen, at, late, burst)
+
+    def generate(self, now: float, n: int) -> list[Delivery]:
+        out = self.due(now)
+        base = self.delivered + len(self.pending)
+        self.pending += [(base + i, float(now)) for i in range(n)]
+        return out + (self.due(now) if n else [])
+
+    def finish(self, now: float) -> list[Delivery]:
+        out = self.due(now)
+        while self.pending:
+            out.append(self._deliver(float(now), burst=True))
+        return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    slo=st.floats(min_value=0.5, max_value=50.0),
+    seq=st.lists(st.tuples(st.booleans(), st.sampled_from([0.0, 0.25, 1.0, 7.5, 40.0]), st.integers(0, 12)), max_size=50),
+    keep=st.booleans(),
+)
+def test_runs_deliver_exactly_as_one_token_at_a_time(slo: float, seq: list, keep: bool) -> None:
+    """Deposited tokens are kept as runs (one entry per generation time); every delivery -- its
+    index, time, violation flag -- and the account equal the per-token rule's, with and without
+    Delivery objects, including several tokens generated at one time and the finish burst."""
+    ref, d = _PerTokenReference(slo), TokenDeposit(slo)
+    now, got, want = 1000.0, [], []
+    for gen, dt, n in seq:
+        now += dt
+        if gen:
+            want += ref.generate(now, n)
+            got += d.generate(now, n, deliveries=keep)
+        else:
+            want += ref.due(now)
+            got += d.advance(now, deliveries=keep)
+        assert (d.delivered, d.balance, d.violations, d.last_delivery_ms) == (
+            ref.delivered, len(ref.pending), ref.violations, ref.last)
+    want += ref.finish(now + 3.0)
+    got += d.finish(now + 3.0, deliveries=keep)
+    assert (d.delivered, d.balance, d.violations, d.last_delivery_ms) == (ref.delivered, 0, ref.violations, ref.last)
+    if keep:
+        assert got == want
+
+
+def test_the_reference_comparison_sees_a_difference() -> None:
+    """Negative control: a reference one SLO slower delivers differently."""
+    ref, d = _PerTokenReference(20.0), TokenDeposit(10.0)
+    assert ref.generate(0.0, 3) + ref.due(25.0) != d.generate(0.0, 3) + d.advance(25.0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import torch
 import pytest
 
 from tests.dataplane.core_driver import LAYERS, make_core
@@ -122,8 +123,8 @@ def _shared_core():  # noqa: ANN202
 
 def test_freed_pages_leave_every_holder():
     """SGLang frees a finishing request's pages before releasing it. A freed page two live
-    requests hold is cut from both (the scan goes on until every holder the counts announce is
-    found), once the recorded frees are applied, and the counts equal a recount."""
+    requests hold is cut from both (one vectorised pass finds every holder), once the recorded
+    frees are applied, and the counts equal a recount."""
     d, shared = _shared_core()
     res = d.core.residency
     d.core.page_freed(shared)
@@ -134,15 +135,18 @@ def test_freed_pages_leave_every_holder():
     recount(res)
 
 
-def test_a_scan_stopped_early_is_caught():
-    """Negative control for the test above: when the counts understate the holders (the scan
-    then stops after the first), ``b`` keeps the freed pages and the check fails."""
+def test_a_holder_left_with_a_freed_page_is_caught():
+    """Negative control for the test above: had the cut missed ``b`` (it keeps a freed page),
+    both its checks fail."""
     d, shared = _shared_core()
     res = d.core.residency
-    res.counts.users[shared] -= 1  # pretend only one request holds them
     d.core.page_freed(shared)
     d.core.settle()
-    assert set(shared) & set(res._requests["b"].pages.tolist())
+    b = res._requests["b"]
+    b.pages = torch.cat([torch.tensor(shared[:1], dtype=torch.int64), b.pages])  # the miss
+    assert set(shared) & set(b.pages.tolist())
+    with pytest.raises(AssertionError):
+        recount(res)
 
 
 def test_a_holder_keeping_pages_leaves_the_counts_for_the_cut_ones_only(monkeypatch):
