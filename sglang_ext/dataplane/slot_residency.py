@@ -114,19 +114,20 @@ class SlotResidency:
         forces the next reconciliation to be a full one; a steady plan stays on the fast path.
         """
         self.settle()
-        for rid, want in wants.items():
+        logical = self.store.config.logical_pages
+        for rid, want in wants.items():  # every want checked before any is applied
             if len(want.gpu_layers) != self.layers:
                 raise ValueError(
                     f"wants[{rid!r}].gpu_layers has {len(want.gpu_layers)} entries; the pool has "
                     f"{self.layers} layers"
                 )
-            if want.pages and max(want.pages) >= self.store.config.logical_pages:
-                bad = [p for p in want.pages if p >= self.store.config.logical_pages]
-                raise ValueError(
-                    f"wants[{rid!r}].pages {bad[:4]} out of range [0, {self.store.config.logical_pages})"
-                )
+            if want.pages and max(want.pages) >= logical:
+                bad = [p for p in want.pages if p >= logical]
+                raise ValueError(f"wants[{rid!r}].pages {bad[:4]} out of range [0, {logical})")
+        arrived: list[_Request] = []
+        for rid, want in wants.items():
             req = self._requests.get(rid)
-            pages = torch.tensor(want.pages, dtype=torch.int64)
+            pages = torch.from_numpy(np.fromiter(want.pages, dtype=np.int64, count=len(want.pages)))
             if req is None:
                 layers = want.gpu_layers if want.planned else (True,) * self.layers
                 req = self._requests[rid] = _Request(pages, gpu_layers=list(layers), planned=want.planned,
@@ -139,7 +140,7 @@ class SlotResidency:
                     self._changed = True
                 elif not self._changed and pages.numel():
                     self._appended.append((req, pages))  # a new request only adds wants
-                self.counts.track(req, 1)
+                arrived.append(req)
                 continue
             elif len(want.pages) >= req.pages.numel():
                 self.observe(rid, pages)
@@ -162,6 +163,7 @@ class SlotResidency:
             if want.planned != req.planned:
                 req.planned = want.planned
                 self._changed = True
+        self.counts.track_many(arrived, 1)  # the new requests join in one pass per distinct want
 
     def observe(self, rid: str, pages: torch.Tensor, *, anonymous: bool = False) -> None:
         """The request's pages in position order as of this step (new requests: local fallback).
@@ -191,10 +193,15 @@ class SlotResidency:
             req.pages = pages
         else:
             self._changed = True
-            self._maybe_orphan.update(req.pages.tolist())
-            self.counts.track(req, -1)
-            req.pages = pages
-            self.counts.track(req, 1)
+            gone = self.counts.track_replaced(req, pages.numpy())
+            if gone is None:  # repeats or an uncached prefix: leave and rejoin
+                self._maybe_orphan.update(req.pages.tolist())
+                self.counts.track(req, -1)
+                req.pages = pages
+                self.counts.track(req, 1)
+            else:
+                self._maybe_orphan.update(gone.tolist())
+                req.pages = pages
 
     def release_request(self, rid: str) -> None:
         """Forget ``rid`` (unknown ids are ignored: release is idempotent). Recorded, applied by

@@ -107,6 +107,23 @@ class WantCounts:
         self.add(added, req.gpu_layers, req.paused, 1)  # appended pages are never in the prefix
         self._requests_moved(0, int(added.size), req.paused, not req.uncached and all(req.gpu_layers), 1)
 
+    def track_replaced(self, req: TrackedRequest, new: np.ndarray) -> np.ndarray | None:
+        """``req`` is about to hold ``new`` instead of its pages (SGLang rewrote its row, e.g. a
+        prefill's duplicate prefix swapped for the tree's copy): only the pages that differ move
+        the counts -- what leaving and rejoining does, for a few pages instead of all. Returns
+        the pages it gave up; None (nothing done) when either side repeats a page or it has an
+        uncached prefix (whose wants shift with position): then it leaves and rejoins."""
+        old = req.pages.numpy()
+        if req.uncached or not self._distinct(old) or not self._distinct(new):
+            return None
+        gone = old[~np.isin(old, new)]
+        added = new[~np.isin(new, old)]
+        if gone.size:
+            self.track_removed(req, gone)
+        if added.size:
+            self.track_added(req, added)
+        return gone
+
     def track_removed(self, req: TrackedRequest, removed: np.ndarray) -> None:
         """Pages cut from ``req`` (it keeps others; no uncached prefix) leave the counts: one
         pass over the cut pages instead of the request leaving and rejoining."""

@@ -168,3 +168,40 @@ def test_a_holder_keeping_pages_leaves_the_counts_for_the_cut_ones_only(monkeypa
     assert called == [len(shared), len(shared)]  # both holders keep other pages: the cheap path
     with pytest.raises(AssertionError):
         recount(res)
+
+
+def _rewritten_row():  # noqa: ANN202
+    """``b`` shares ``a``'s first pages; SGLang then rewrites ``b``'s row: its first page is
+    swapped for another (a prefill's duplicate prefix replaced by the tree's copy)."""
+    from sglang_ext.dataplane.slot_results import RequestResidency
+
+    d, shared = _shared_core()
+    res = d.core.residency
+    old = d.pages("b")
+    spare = next(p for p in range(1, 65) if res.counts.users[p] == 0 and p not in old)
+    new = (spare, *old[1:])
+    return d, res, old, new, RequestResidency(pages=new, gpu_layers=(True,) * LAYERS)
+
+
+def test_a_rewritten_row_moves_only_the_pages_that_differ(monkeypatch):
+    """Only the swapped pages leave and join the counts (the request does not leave and rejoin);
+    the counts equal a recount and the page given up becomes an orphan candidate."""
+    d, res, old, new, want = _rewritten_row()
+    moved: list[tuple[str, list[int]]] = []
+    for name in ("track_removed", "track_added"):
+        real = getattr(res.counts, name)
+        monkeypatch.setattr(res.counts, name, lambda req, p, real=real, name=name: (moved.append((name, p.tolist())), real(req, p))[1])
+    d.core.update_residency({"b": want})
+    assert moved == [("track_removed", [old[0]]), ("track_added", [new[0]])]
+    assert res._requests["b"].pages.tolist() == list(new)
+    assert old[0] in res._maybe_orphan
+    recount(res)
+
+
+def test_a_rewritten_row_that_forgets_the_added_page_is_caught(monkeypatch):
+    """Negative control: a diff that drops the page that joined leaves the counts wrong."""
+    d, res, old, new, want = _rewritten_row()
+    monkeypatch.setattr(res.counts, "track_added", lambda req, p: None)
+    d.core.update_residency({"b": want})
+    with pytest.raises(AssertionError):
+        recount(res)
