@@ -104,8 +104,10 @@ class RecomputeRequests:
         entries of requests that left are pruned once the table is twice the batch)."""
         forced_of = self._forced
         forced = False
+        get = forced_of.get
         for req in reqs:
-            forced = self._forced_flag(req) or forced
+            got = get(req.rid)
+            forced = (self._forced_flag(req) if got is None else got) or forced
         if len(forced_of) > 2 * len(reqs) + 64:
             live = {req.rid for req in reqs}
             for rid in [r for r in forced_of if r not in live]:

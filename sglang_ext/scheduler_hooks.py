@@ -248,8 +248,9 @@ class SchedulerHooks:
         length = int(req.kv.kv_allocated_len or 0)
         if length <= 0:
             return ()
-        row = self.scheduler.req_to_token_pool.req_to_token[idx, :length]
-        pages = (row // self.page_size).tolist()  # Python ints already
+        table = self.scheduler.req_to_token_pool.req_to_token
+        row = table.numpy()[idx, :length] if table.device.type == "cpu" else table[idx, :length]
+        pages = (row // self.page_size if self.page_size > 1 else row).tolist()  # Python ints
         return tuple(dict.fromkeys(pages))
 
     # ---- step ---------------------------------------------------------------------------
@@ -270,7 +271,9 @@ class SchedulerHooks:
         self._step_started = None
         self.step += 1
         is_decode = bool(batch.forward_mode.is_decode())
-        finished = tuple(dict.fromkeys(r.rid for r in batch.reqs if r.finished()))
+        finished: tuple[str, ...] = tuple([r.rid for r in batch.reqs if r.finished()])
+        if len(finished) > 1:
+            finished = tuple(dict.fromkeys(finished))
         for rid in finished:
             try:
                 self.installer.release(rid)

@@ -170,7 +170,7 @@ class StepBoundary:
             for req in batch.reqs:
                 if not req.finished():
                     live.setdefault(req.rid, req)
-        parked = {p.req.rid: p.req for p in self.pauser.parked()}
+        parked = {p.req.rid: p.req for p in self.pauser.parked()} if len(self.pauser) else {}
         if installer.unchanged(live, parked):
             self.record["install_delta"] = None  # steady state: nothing to install
             return

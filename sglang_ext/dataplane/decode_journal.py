@@ -28,6 +28,7 @@ written in place by the forward, after any host copy could have been made.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -69,12 +70,8 @@ class DecodeJournal:
         ``rids[i]``) opened page ``pages[i]``; the step wrote KV into ``written`` (None: ``pages``). Only checks that the
         fast path applies (identity layout, every live layer-page resident, every request known
         and named; nothing observed but not reconciled). False, recording nothing, otherwise."""
-        res = self.residency
-        if not res.store.identity or res.appended_pending or res.ended.pending or not res.all_live_resident():
-            return False
-        get = res.tracked
-        reqs = [get(rid) for rid in rids]
-        if any(req is None or req.anonymous for req in reqs):
+        reqs = self.residency.journal_batch(rids)
+        if reqs is None:
             return False
         if pages or written:
             self.entries.append((reqs, owners, pages, written))  # type: ignore[arg-type]  # none is None (checked)
@@ -105,21 +102,30 @@ class DecodeJournal:
     def apply(self) -> None:
         """Do the journalled steps' bookkeeping (the module docstring says what, and when)."""
         entries, self.entries = self.entries, []
+        n, distinct = self.pending_pages, len(self._distinct) == self.pending_pages
         self.pending_pages = 0
         self._distinct.clear()
         if not entries:
             return
         res, store = self.residency, self.residency.store
-        pages = np.array([page for e in entries for page in e[2]], dtype=np.int64)
-        ids = res.place_fresh_identity(pages) if pages.size else pages.reshape(store.config.layers, 0)
+        pages = np.fromiter(itertools.chain.from_iterable(e[2] for e in entries), dtype=np.int64, count=n)
+        if not pages.size:
+            ids = pages.reshape(store.config.layers, 0)
+        else:  # repeats take the page-by-page path (the set of pages is already known)
+            ids = res.place_fresh_identity(pages, distinct=True) if distinct else None
         if ids is None:
             self._apply_each(entries)
             return
         self.batches += 1
         res.has_kv_np[pages] = True
-        for reqs, owners, new, _ in entries:
-            for req, page in _joined(reqs, owners, new):
-                req._tail.append(page)
+        first = entries[0][0]
+        if all(e[1] is None and e[0] == first for e in entries):  # steady: the same batch, a page per row
+            for req, column in zip(first, zip(*(e[2] for e in entries), strict=True), strict=True):
+                req._tail.extend(column)
+        else:
+            for reqs, owners, new, _ in entries:
+                for req, page in _joined(reqs, owners, new):
+                    req._tail.append(page)
         res.counts.add_fresh(pages)  # fresh pages: newly live, wanted and resident everywhere
         self._mark_written(entries, ids)
 

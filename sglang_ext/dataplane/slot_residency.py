@@ -30,7 +30,7 @@ Rules (docs/sglang-integration.md, layered pool contract):
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -42,6 +42,7 @@ from sglang_ext.dataplane.layer_page_moves import by_layer as _by_layer
 from sglang_ext.dataplane.live_pages import LivePages
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore
 from sglang_ext.dataplane.slot_results import RequestResidency, ResidencyDelta, ResidencyStats
+from sglang_ext.dataplane.sorted_ids import has_repeats
 from sglang_ext.dataplane.tracked_request import TrackedRequest as _Request
 from sglang_ext.dataplane.want_counts import WantCounts
 
@@ -92,14 +93,19 @@ class SlotResidency:
         if self.ended.pending:
             self.ended.apply()
 
-    def tracked(self, rid: str) -> _Request | None:
-        """The record of ``rid`` (None if untracked); no settling (the journal's step-time check)."""
-        return self._requests.get(rid)
-
-    @property
-    def appended_pending(self) -> bool:
-        """Pages observed as appended and not yet reconciled."""
-        return bool(self._appended)
+    def journal_batch(self, rids: Sequence[str]) -> list[_Request] | None:
+        """The records of ``rids`` when a steady decode step of theirs may be journalled (identity
+        layout, every live layer-page resident, nothing observed but not reconciled, no end
+        pending, every request tracked and named), else None. No settling: the journal's
+        step-time check (C-level set and map calls, no Python loop per request)."""
+        requests = self._requests
+        if (not self.store.identity or self._appended or self.ended.pending or not self.all_live_resident()
+                or not requests.keys() >= set(rids)):
+            return None
+        reqs = list(map(requests.__getitem__, rids))
+        if self._anonymous and any(req.anonymous for req in reqs):
+            return None
+        return reqs
 
     def force_full_reconcile(self) -> None:
         """The next reconciliation is a full one (something changed beyond appends)."""
@@ -403,16 +409,16 @@ class SlotResidency:
         self.last_moves = LayerPageMoves({}, {})
         return ResidencyDelta(0, 0, 0, self.layers * int(pages.size), 0, 0, 0, 0)
 
-    def place_fresh_identity(self, pages: np.ndarray) -> np.ndarray | None:
+    def place_fresh_identity(self, pages: np.ndarray, *, distinct: bool = False) -> np.ndarray | None:
         """Place every layer of these distinct new pages (no KV yet, on host at every layer) at
         their fixed identity device pages and return those ids (``[L, n]``); None, changing
-        nothing, if any condition fails.
+        nothing, if any condition fails (``distinct``: the caller knows the pages are distinct).
 
-        Per decode step, so few NumPy calls: distinctness by a set (a handful of pages), the map
-        read flat at the identity ids (``map[l, p]`` is element ``l * P + p``)."""
+        Few NumPy calls: the map is read flat at the identity ids (``map[l, p]`` is element
+        ``l * P + p``)."""
         store = self.store
         n = int(pages.size)
-        if len(set(pages.tolist())) != n or self.layers * n > store.allocator.free_count:
+        if self.layers * n > store.allocator.free_count or (not distinct and has_repeats(pages)):
             return None
         ids = store.identity_ids(pages)
         if self.has_kv_np[pages].any() or store.map_flat_np[ids].max() >= 0:

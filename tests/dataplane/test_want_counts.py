@@ -7,8 +7,8 @@ from __future__ import annotations
 import random
 
 import numpy as np
-import torch
 import pytest
+import torch
 
 from tests.dataplane.core_driver import LAYERS, make_core
 from tests.dataplane.test_live_pages import TreeDriver, random_op
