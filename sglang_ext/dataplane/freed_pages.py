@@ -29,7 +29,7 @@ def cut_freed_pages(requests: dict[str, TrackedRequest], counts: WantCounts, fre
     if not rids:
         return
     arrays = [requests[rid].pages.numpy() for rid in rids]
-    hit = np.isin(np.concatenate(arrays), freed)
+    hit = counts.members(np.concatenate(arrays), freed)
     sizes = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
     starts = np.cumsum(sizes) - sizes
     held = np.logical_or.reduceat(hit, starts)  # no empty segment: every request has pages

@@ -205,3 +205,14 @@ def test_a_rewritten_row_that_forgets_the_added_page_is_caught(monkeypatch):
     d.core.update_residency({"b": want})
     with pytest.raises(AssertionError):
         recount(res)
+
+
+def test_members_is_numpy_isin():
+    """The scratch-based membership equals np.isin (repeats, misses, stale scratch values)."""
+    counts = make_core(None, pages=65).residency.counts
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        pages = rng.integers(0, 65, size=int(rng.integers(0, 40)))
+        of = rng.integers(0, 65, size=int(rng.integers(0, 10)))
+        assert (counts.members(pages, of) == np.isin(pages, of)).all()
+    assert counts.members(np.array([1, 2, 3]), np.array([2])).tolist() == [False, True, False]  # not all-False
