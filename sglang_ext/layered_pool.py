@@ -164,7 +164,7 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
             tree_cache._kvplane_pool_attached = True
 
     def _on_freed(self, event: ResidencyEvent) -> None:
-        self.core.page_freed(list(event.blocks))
+        self.core.page_freed(event.blocks)
 
     # ----- control-plane facing API ---------------------------------------------------
 

@@ -65,7 +65,8 @@ class LayeredRadixCache(RadixCache):
             self._owner_rid = previous
 
     def _blocks_of_slots(self, slots: torch.Tensor) -> list[int]:
-        return sorted(set((slots.to("cpu", torch.int64) // self.page_size).tolist()))
+        cpu = slots.to("cpu", torch.int64)
+        return sorted(set((cpu // self.page_size if self.page_size > 1 else cpu).tolist()))
 
     def _new_blocks(self, slots: torch.Tensor) -> list[int]:
         """Pages that start inside ``slots`` (offset 0): the pages this allocation opened."""

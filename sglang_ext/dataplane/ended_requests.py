@@ -24,6 +24,7 @@ removes from live holders what the release would have removed from the released 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -55,7 +56,7 @@ class EndedRequests:
         """Request ``rid`` ended (applied by :meth:`apply`)."""
         self.released.append(rid)
 
-    def free(self, pages: list[int]) -> None:
+    def free(self, pages: Sequence[int]) -> None:
         """SGLang's allocator took ``pages`` back (applied by :meth:`apply`)."""
         self.freed.extend(pages)
 

@@ -91,7 +91,7 @@ class LayeredKVCore:
         """The request finished or was aborted: drop its wants (tree-owned pages stay)."""
         self.residency.release_request(rid)
 
-    def page_freed(self, pages: list[int]) -> None:
+    def page_freed(self, pages: Sequence[int]) -> None:
         """SGLang's allocator took ``pages`` back."""
         self.residency.page_freed(pages)
 

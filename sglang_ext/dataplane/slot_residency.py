@@ -243,7 +243,7 @@ class SlotResidency:
         self.settle()
         return list(self._requests)
 
-    def page_freed(self, pages: list[int]) -> None:
+    def page_freed(self, pages: Sequence[int]) -> None:
         """The allocator took ``pages`` back: their device copies are dead. Recorded, applied by
         the next reader with the other releases and frees (:class:`EndedRequests`), where they
         are cut from any request still holding them."""
