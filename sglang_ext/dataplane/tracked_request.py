@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a record is one request (its tensor fields have no == for dataclasses)
 class TrackedRequest:
     """One tracked request: its pages in position order and what it wants on the device."""
 
