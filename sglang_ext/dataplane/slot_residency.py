@@ -96,11 +96,11 @@ class SlotResidency:
     def journal_batch(self, rids: Sequence[str]) -> list[_Request] | None:
         """The records of ``rids`` when a steady decode step of theirs may be journalled (identity
         layout, every live layer-page resident, nothing observed but not reconciled, no end
-        pending, every request tracked and named), else None. No settling: the journal's
-        step-time check (C-level set and map calls, no Python loop per request)."""
-        requests = self._requests
+        pending, every request tracked, named and in the batch once), else None. No settling:
+        the journal's step-time check (C-level set and map calls, no Python loop per request)."""
+        requests, named = self._requests, set(rids)
         if (not self.store.identity or self._appended or self.ended.pending or not self.all_live_resident()
-                or not requests.keys() >= set(rids)):
+                or len(named) != len(rids) or not requests.keys() >= named):
             return None
         reqs = list(map(requests.__getitem__, rids))
         if self._anonymous and any(req.anonymous for req in reqs):

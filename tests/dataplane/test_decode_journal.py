@@ -115,6 +115,17 @@ def test_the_step_declines_what_it_cannot_journal():
     assert not staged.core.prepare_decode_step(["a"], [4], torch.tensor([61]))
 
 
+def test_a_batch_naming_a_request_twice_is_not_journalled():
+    """A request twice in one batch (not what SGLang builds) would give the steady application
+    its pages out of order: the step declines it; the same step with distinct rows records."""
+    d = _steady()
+    journal = d.core.residency.journal
+    assert not journal.record(["a", "a"], None, [60, 61], None)
+    assert not journal.entries
+    assert journal.record(["a", "b"], None, [60, 61], None)  # control: distinct rows record
+    assert len(journal.entries) == 1
+
+
 def test_free_pages_count_the_journal_without_applying_it():
     """The step report's free-page figure: journalled pages count as placed at every layer, the
     journal stays unapplied, and the figure is what applying it gives. Negative control: the
