@@ -67,9 +67,9 @@ class DecodeJournal:
     def record(self, rids: Sequence[str], owners: list[int] | None, pages: list[int],
                written: list[int] | None) -> bool:
         """A steady decode step, at step time: request ``rids[owners[i]]`` (``owners`` None:
-        ``rids[i]``) opened page ``pages[i]``; the step wrote KV into ``written`` (None: ``pages``). Only checks that the
-        fast path applies (identity layout, every live layer-page resident, every request known
-        and named; nothing observed but not reconciled). False, recording nothing, otherwise."""
+        ``rids[i]``) opened page ``pages[i]``; the step wrote KV into ``written`` (None: ``pages``).
+        Only checks that the fast path applies (:meth:`SlotResidency.journal_batch`). False,
+        recording nothing, otherwise."""
         reqs = self.residency.journal_batch(rids)
         if reqs is None:
             return False

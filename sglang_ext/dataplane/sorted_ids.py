@@ -13,29 +13,27 @@ from __future__ import annotations
 import numpy as np
 
 
-def distinct_sorted(ids: np.ndarray) -> np.ndarray:
-    """``np.unique(ids)`` of a 1-D integer array, by a stable sort (fast on ascending runs)."""
-    if ids.size < 2:
-        return ids.copy()
+def _sorted_firsts(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``ids`` sorted (stable: fast on ascending runs) and the mask of each value's first place."""
     s = np.sort(ids, kind="stable")
-    keep = np.empty(s.size, dtype=bool)
-    keep[0] = True
-    np.not_equal(s[1:], s[:-1], out=keep[1:])
-    return s if keep.all() else s[keep]
+    first = np.ones(s.size, dtype=bool)
+    np.not_equal(s[1:], s[:-1], out=first[1:])
+    return s, first
+
+
+def distinct_sorted(ids: np.ndarray) -> np.ndarray:
+    """``np.unique(ids)`` of a 1-D integer array."""
+    s, first = _sorted_firsts(ids)
+    return s if first.all() else s[first]
 
 
 def distinct_counts(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``np.unique(ids, return_counts=True)`` of a 1-D integer array, by a stable sort."""
-    s = np.sort(ids, kind="stable")
-    if s.size < 2:
-        return s, np.ones(s.size, dtype=np.int64)
-    starts = np.flatnonzero(np.concatenate(([True], s[1:] != s[:-1])))
+    """``np.unique(ids, return_counts=True)`` of a 1-D integer array."""
+    s, first = _sorted_firsts(ids)
+    starts = np.flatnonzero(first)
     return s[starts], np.diff(np.append(starts, s.size))
 
 
 def has_repeats(ids: np.ndarray) -> bool:
-    """Whether a 1-D integer array holds an id twice (a stable sort and one comparison)."""
-    if ids.size < 2:
-        return False
-    s = np.sort(ids, kind="stable")
-    return bool((s[1:] == s[:-1]).any())
+    """Whether a 1-D integer array holds an id twice."""
+    return not _sorted_firsts(ids)[1].all()
