@@ -143,6 +143,7 @@ class DecodeJournal:
                 if free.size:
                     store.allocator.take_distinct(free)
                     store.map_flat_np[free] = free
+                    store.map_changed(one)
                     res.counts.moved(np.full(free.size, page, dtype=np.int64), 1)
                 res.counts.track_added(req, one)
                 req._tail.append(page)

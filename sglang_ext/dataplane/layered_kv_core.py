@@ -41,6 +41,7 @@ from sglang_ext.dataplane.slot_residency import SlotResidency
 from sglang_ext.dataplane.slot_results import RequestResidency, ResidencyDelta, ResidencyStats
 from sglang_ext.dataplane.sorted_ids import distinct_sorted
 from sglang_ext.dataplane.staging_room import StagingRoom
+from sglang_ext.dataplane.paged_step_tables import PagedStepTables
 from sglang_ext.dataplane.step_tables import StepTables
 from sglang_ext.dataplane.transfer_times import TransferTimes
 
@@ -201,8 +202,13 @@ class LayeredKVCore:
         if recompute is None and self._begin_in_place(page_lists, lens, counts):
             return
         for _ in range(self.layers + 2):
-            tables = StepTables(self.store, page_lists, lens, counts, new_np, self.room.take,
-                                token_tables=self.token_tables, recompute=recompute, recompute_ids=recompute_ids)
+            if recompute is None and self.store.mirror is not None:  # the paged layout's usual step
+                tables: StepTables = PagedStepTables(self.store, page_lists, lens, counts, new_np, self.room.take,
+                                                     token_tables=self.token_tables)
+            else:
+                tables = StepTables(self.store, page_lists, lens, counts, new_np, self.room.take,
+                                    token_tables=self.token_tables, recompute=recompute,
+                                    recompute_ids=recompute_ids)
             if tables.reserved:
                 self.store.mark_dirty(tables.dirty_ids)
                 self.store.has_kv_np[tables.new_pages] = True

@@ -23,8 +23,10 @@ Layout (docs/sglang-integration.md, "layered pool contract"):
   layer's K and V of ``page_size`` tokens; FlashInfer's NHD paged layout), N = the budget;
   when the budget holds all ``L * P`` layer-pages the layout is the *identity* one
   (``(l, p)`` at page ``l * P + p``), so a layer is one slice read in place;
-- map ``[L, P]`` int32 (host memory only): device page of each (layer, page), -1 = only on host.
-  Kernels never read it: the step's tables are built from it on the host and uploaded once.
+- map ``[L, P]`` int32 (host memory): device page of each (layer, page), -1 = only on host.
+  Kernels never read it. In the paged layout a :class:`MapMirror` keeps a copy on the pool's
+  device, updated with the columns that changed (one upload per step), from which the step's
+  page tables are gathered on the device.
 - dirty ``[L, P]`` bool (host memory only) plus a log of marked ids, so write-back enumerates
   what changed, never the whole map.
 """
@@ -38,6 +40,7 @@ import torch
 
 from sglang_ext.dataplane.block_allocator import BlockAllocator, IdentityPages
 from sglang_ext.dataplane.host_pool import allocate_host_pool
+from sglang_ext.dataplane.map_mirror import MapMirror
 from sglang_ext.dataplane.sorted_ids import distinct_sorted
 from sglang_ext.dataplane.transfer_engine import TransferEngine, make_transfer_engine
 
@@ -119,6 +122,10 @@ class SlotKVStore:
         """Torch view of ``map_np`` (same memory)."""
         self.map_flat_np = self.map_np.reshape(-1)
         """``map_np`` flat (same memory): ``(l, p)`` is element ``l * P + p``."""
+        self.mirror = None if self.identity else MapMirror(self.map_np, self.device)
+        """Paged layout: the map on the pool's device plus per-page host-layer bits, for the
+        step's tables (:class:`~sglang_ext.dataplane.map_mirror.MapMirror`); every writer of
+        ``map_np`` reports its pages through :meth:`map_changed`."""
         self._layer_base = np.arange(c.layers, dtype=np.int64)[:, None] * c.logical_pages
         self.dirty_np = np.zeros((c.layers, c.logical_pages), dtype=bool)
         self.dirty = torch.from_numpy(self.dirty_np)
@@ -164,6 +171,11 @@ class SlotKVStore:
         return np.concatenate([dev_pages, dev_pages + self.pages_total])
 
     # ----- map bookkeeping ---------------------------------------------------
+
+    def map_changed(self, pages: np.ndarray) -> None:
+        """The map's columns of ``pages`` were written (the mirror uploads them at the next step)."""
+        if self.mirror is not None:
+            self.mirror.changed(pages)
 
     def resident_mask(self) -> torch.Tensor:
         """``[L, P]`` bool: which layer-pages have a device copy (CPU tensor)."""
@@ -257,6 +269,7 @@ class SlotKVStore:
         dirty = self.dirty_np[layers, pages]
         self._write_back(layers[dirty], pages[dirty])
         self.map_np[layers, pages] = -1
+        self.map_changed(pages)
         self.allocator.free(dev_pages.tolist() if isinstance(self.allocator, BlockAllocator) else dev_pages)
 
     def onload(self, layers, pages, copy) -> None:  # noqa: ANN001 - tensors or arrays
@@ -284,6 +297,7 @@ class SlotKVStore:
                             wait=(self.engine.fence(),), host_idx=(src, dst))
             self.h2d_bytes += int(src.size) * self.engine.segment_bytes
         self.map_np[layers, pages] = dev_pages.astype(np.int32)
+        self.map_changed(pages)
 
     def place_identity(self, pages: np.ndarray, ids: np.ndarray | None = None) -> None:
         """Identity layout: give every layer of these distinct host-only pages (no KV yet) its
@@ -292,6 +306,7 @@ class SlotKVStore:
             ids = self.identity_ids(pages)
         self.allocator.take_distinct(ids.reshape(-1))  # type: ignore[union-attr]
         self.map_flat_np[ids] = ids
+        self.map_changed(pages)
 
     def release_pages(self, pages: list[int] | np.ndarray) -> None:
         """SGLang's allocator got these pages back: free their device copies (KV is dead)."""
@@ -303,6 +318,7 @@ class SlotKVStore:
         if layers.size:
             dev_pages = sub[layers, cols].astype(np.int64)
             self.map_np[layers, p[cols]] = -1
+            self.map_changed(p[cols])
             self.allocator.free(dev_pages.tolist() if isinstance(self.allocator, BlockAllocator) else dev_pages)
         self.dirty_np[:, p] = False
 

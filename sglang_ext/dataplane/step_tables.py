@@ -67,21 +67,8 @@ class StepTables:
         layers, ps = c.layers, c.page_size
         self.identity = store.identity
         self.staging_ids = np.zeros(0, dtype=np.int64)
-        counts = np.fromiter((p.size for p in pages), dtype=np.int64, count=len(pages))
-        self.batch = b = int(counts.size)
-        flat = np.concatenate(pages) if b else np.zeros(0, dtype=np.int64)
-        self.pages = flat
-        n = int(flat.size)
-        starts = np.cumsum(counts) - counts
-        # new tokens: request r writes positions [len_r - e_r, len_r)
-        m = int(new_counts.sum())
-        tok_req = np.repeat(np.arange(b), new_counts)
-        pos = np.arange(m) - np.repeat(np.cumsum(new_counts) - new_counts, new_counts) + np.repeat(
-            seq_lens - new_counts, new_counts)
-        col = starts[tok_req] + pos // ps
-        off = pos % ps
-        if new_slots is not None and (new_slots.size != m or not np.array_equal(new_slots // ps, flat[col])):
-            raise ValueError("new token slots do not match the batch's pages (positions vs req_to_token)")
+        counts, flat, starts, col, off = self._columns(pages, seq_lens, new_counts, new_slots, ps)
+        b, n, m = self.batch, int(flat.size), int(col.size)
         tab = store.map_np[:, flat].astype(np.int64)
         host = tab < 0
         self.host_layer_pages = int(host.sum())
@@ -160,9 +147,48 @@ class StepTables:
                 offset += 2 * src.size
         self.fetch_layer_pages = sum(f.segments for f in self.fetches) // 2
         self.writeback_layer_pages = sum(w.segments for w in self.writebacks if w is not None) // 2
+        offset = self._token_parts(token_tables and not self.identity, seq_lens, starts, ps, offset, int64_parts)
+        self._upload(store, int64_parts, [tab.reshape(-1)], counts, seq_lens, ps)
+        if self.recompute is not None:
+            self.recompute.bind(self.i64)
+        self.tab = self.i32[: layers * n].view(layers, n)
+        """``[L, n]`` int32 device pages per layer (FlashInfer ``kv_indices`` rows)."""
+        self.rows = self.i64[: layers * m].view(layers, m)
+        """``[L, m]`` int64 device rows of the new tokens per layer."""
+        self._bind_csr(layers * n, b)
+
+    # ----- shared with PagedStepTables ---------------------------------------------------
+
+    def _columns(self, pages: Sequence[np.ndarray], seq_lens: np.ndarray, new_counts: np.ndarray,
+                 new_slots: np.ndarray | None, ps: int) -> tuple[np.ndarray, ...]:
+        """The batch's columns: ``(counts, flat, starts, col, off)`` -- pages per request, every
+        page, each request's first column, and the column and in-page offset of each new token
+        (request ``r`` writes positions ``[len_r - e_r, len_r)``). Sets ``batch`` and ``pages``;
+        raises ValueError when ``new_slots`` disagree with the pages."""
+        counts = np.fromiter((p.size for p in pages), dtype=np.int64, count=len(pages))
+        self.batch = b = int(counts.size)
+        flat = np.concatenate(pages) if b else np.zeros(0, dtype=np.int64)
+        self.pages = flat
+        starts = np.cumsum(counts) - counts
+        m = int(new_counts.sum())
+        tok_req = np.repeat(np.arange(b), new_counts)
+        pos = np.arange(m) - np.repeat(np.cumsum(new_counts) - new_counts, new_counts) + np.repeat(
+            seq_lens - new_counts, new_counts)
+        col = starts[tok_req] + pos // ps
+        off = pos % ps
+        if new_slots is not None and (new_slots.size != m or not np.array_equal(new_slots // ps, flat[col])):
+            raise ValueError("new token slots do not match the batch's pages (positions vs req_to_token)")
+        self._n, self._m = int(flat.size), m
+        return counts, flat, starts, col, off
+
+    def _token_parts(self, wanted: bool, seq_lens: np.ndarray, starts: np.ndarray, ps: int, offset: int,
+                     int64_parts: list[np.ndarray]) -> int:
+        """Append the torch-native token tables (``wanted`` and a non-empty batch); new offset."""
+        b = self.batch
         width = int(seq_lens.max()) if b else 0
         self._tok_at = -1
-        if token_tables and not self.identity and b:
+        self._width = width
+        if wanted and b:
             t = np.arange(width)
             valid = t[None, :] < seq_lens[:, None]
             tok_col = np.where(valid, starts[:, None] + t[None, :] // ps, 0)
@@ -170,26 +196,26 @@ class StepTables:
             self._tok_at = offset
             int64_parts += [tok_col.reshape(-1), tok_off.reshape(-1)]
             offset += 2 * b * width
-        self._width = width
+        return offset
+
+    def _upload(self, store: SlotKVStore, int64_parts: list[np.ndarray], int32_head: list[np.ndarray],
+                counts: np.ndarray, seq_lens: np.ndarray, ps: int) -> None:
+        """ONE upload: the int64 parts, then ``int32_head`` and the CSR (``indptr``, ``kv_lens``,
+        ``last_page_len``) as int32 packed two to a word (viewed back on the device). Sets
+        ``i64`` / ``i32`` (the CSR follows the head in ``i32``: :meth:`_bind_csr`)."""
         last_len = seq_lens - (counts - 1) * ps
         indptr = np.concatenate([[0], np.cumsum(counts)])
-        int32 = np.concatenate([tab.reshape(-1), indptr, seq_lens, last_len]).astype(np.int32)
+        int32 = np.concatenate([*int32_head, indptr, seq_lens, last_len]).astype(np.int32)
         if int32.size % 2:
             int32 = np.append(int32, np.int32(0))
         int64 = np.concatenate(int64_parts) if int64_parts else np.zeros(0, dtype=np.int64)
         self._int64_np = int64
-        # ONE upload: the int64 part, then the int32 part packed two to a word (viewed back on the device)
         both = _upload(np.concatenate([int64, int32.view(np.int64)]), store.device)
         self.i64 = both[: int64.size]
         self.i32 = both[int64.size:].view(torch.int32)
-        self._n, self._m = n, m
-        if self.recompute is not None:
-            self.recompute.bind(self.i64)
-        self.tab = self.i32[: layers * n].view(layers, n)
-        """``[L, n]`` int32 device pages per layer (FlashInfer ``kv_indices`` rows)."""
-        self.rows = self.i64[: layers * m].view(layers, m)
-        """``[L, m]`` int64 device rows of the new tokens per layer."""
-        base = layers * n
+
+    def _bind_csr(self, base: int, b: int) -> None:
+        """FlashInfer's CSR views at ``i32[base:]``."""
         self.kv_indptr = self.i32[base: base + b + 1]
         self.kv_lens = self.i32[base + b + 1: base + 2 * b + 1]
         self.last_page_len = self.i32[base + 2 * b + 1: base + 3 * b + 1]

@@ -47,6 +47,10 @@ class CheckBatch:
         ))
         if self.core.store.identity:
             raise RuntimeError("CheckBatch: the store chose the identity layout; the check needs the paged one")
+        # as SGLang's paged decode backends set it (layered_paged_decode.py): every attention of
+        # the check reads the step's page tables, never the torch-native token tables
+        self.core.paged_reads = True
+        self.core.token_tables = False
         self.rids = [f"r{i}" for i in range(config.requests)]
         starts = 1 + np.concatenate([[0], np.cumsum(per_req)[:-1]])
         self.slots = [int(s) * ps + np.arange(n * ps, dtype=np.int64) for s, n in zip(starts, per_req, strict=True)]

@@ -95,6 +95,8 @@ class CoreCheck:
         self.details: dict[str, Any] = {}
         self.stall_ms: list[float] = []
         """Stall observations (ms) of the last :meth:`kvplane_cpu_ms` steps (the timing events')."""
+        self.prepare_cpu_ms = 0.0
+        """Median of the last :meth:`kvplane_cpu_ms` steps' boundary share (``prepare_step``)."""
 
     # ----- one decode step --------------------------------------------------------------
 
@@ -123,7 +125,7 @@ class CoreCheck:
     def kvplane_cpu_ms(self) -> float:
         """Median thread CPU ms per step spent in kvplane (``prepare_step`` + per-layer calls).
         The steps' stall observations (ms) go to ``self.stall_ms``."""
-        samples = []
+        samples, prepare = [], []
         core = self.batch.core
         sync(self.device)
         core.close_transfer_step()  # the stall of earlier steps is not these steps'
@@ -133,7 +135,9 @@ class CoreCheck:
             self.step(probe.scope)
             sync(self.device)
             samples.append((probe.kvplane_s + self.batch.prepare_cpu_s) * 1e3)
+            prepare.append(self.batch.prepare_cpu_s * 1e3)
             self.stall_ms += [s * 1e3 for s in core.close_transfer_step()]
+        self.prepare_cpu_ms = statistics.median(prepare)
         return statistics.median(samples)
 
     # ----- the plan ---------------------------------------------------------------------
@@ -205,6 +209,7 @@ class CoreCheck:
         L = c.layers
         resident_ms = time_ms(self.step, device, c.repeat)
         resident_cpu_ms = self.kvplane_cpu_ms()
+        resident_prepare_ms = self.prepare_cpu_ms
         resident_stall_ms = self.stall_ms
         comp = [resident_ms / L] * L
         resident_host_fraction = b.core.stats().host_fraction
@@ -217,6 +222,7 @@ class CoreCheck:
         predicted_ms = step_time_ms(rows, blocks_now, comp, transfer.bw_blocks_per_ms)
         placed_ms = time_ms(self.step, device, c.repeat)
         placed_cpu_ms = self.kvplane_cpu_ms()
+        placed_prepare_ms = self.prepare_cpu_ms
         placed_stall_ms = self.stall_ms
         probe = SyncProbe(device)
         with probe:
@@ -239,10 +245,13 @@ class CoreCheck:
             "predicted_step_ms": predicted_ms, "stall_measured_ms": stall_measured,
             "stall_predicted_ms": stall_predicted, "model_blocks_per_request": blocks_now,
             "plan_install_offloaded_layer_pages": delta.offloaded_layer_pages,
-            "kvplane_cpu_ms_per_step": {"resident": resident_cpu_ms, "placed": placed_cpu_ms},
+            "kvplane_cpu_ms_per_step": {"resident": resident_cpu_ms, "placed": placed_cpu_ms,
+                                        "resident_boundary": resident_prepare_ms,
+                                        "placed_boundary": placed_prepare_ms},
             "transfer": transfer.to_dict(),
             "syncs": {kind: {"count_per_step": probe.syncs(kind) / SYNC_STEPS,
-                             "runtime": probe.runtime[kind], "op_audit": dict(probe.audited(kind))}
+                             "runtime": probe.runtime[kind], "op_audit": dict(probe.audited(kind)),
+                             "where": probe.where(kind)}
                       for kind in ("kvplane", "attention")},
             "core_stats": {k: v for k, v in asdict(stats).items() if isinstance(v, int | float)},
             "resident_host_fraction": resident_host_fraction,

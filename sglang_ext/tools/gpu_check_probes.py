@@ -55,6 +55,9 @@ class SyncProbe:
         self.audit = OpAudit()
         self.runtime: Counter[str] = Counter()
         """Kind -> syncs the CUDA runtime reported (CUDA only)."""
+        self.sites: Counter[tuple[str, str]] = Counter()
+        """(kind, ``file:line`` of the Python call that synchronised) -> times (CUDA only): where
+        a reported sync came from, so one GPU run says what to fix."""
 
     def __enter__(self) -> SyncProbe:
         self.audit.__enter__()
@@ -76,7 +79,14 @@ class SyncProbe:
                     yield
                 finally:
                     torch.cuda.set_sync_debug_mode(0)
-            self.runtime[kind] += sum("synchroniz" in str(w.message).lower() for w in caught)
+            for w in caught:
+                if "synchroniz" in str(w.message).lower():
+                    self.runtime[kind] += 1
+                    self.sites[(kind, f"{w.filename}:{w.lineno}")] += 1
+
+    def where(self, kind: str) -> dict[str, int]:
+        """``file:line`` -> syncs reported there inside ``kind`` scopes (CUDA only)."""
+        return {site: n for (k, site), n in self.sites.items() if k == kind}
 
     def audited(self, kind: str) -> Counter[str]:
         """Op name -> times the OpAudit flagged it inside ``kind`` scopes."""

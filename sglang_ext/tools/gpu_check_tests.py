@@ -23,6 +23,7 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MARKER = "pytest.mark.gpu"
+MESSAGE_CHARS = 600
 SGLANG_TESTS = "sglang"
 """Subfolder of the tests whose modules import SGLang (run only where it is importable)."""
 
@@ -42,7 +43,8 @@ class GpuTestSummary:
     """Collection or fixture errors (and a timeout or a crash of pytest itself)."""
     elapsed_s: float
     failures: tuple[str, ...] = ()
-    """``file::test`` of every failed or erroring test."""
+    """``file::test: message`` of every failed or erroring test (the message cut to
+    :data:`MESSAGE_CHARS`): a GPU run's log is the only place it can be read."""
     excluded: tuple[str, ...] = ()
     """Marked files not run: they need SGLang and it is not importable here."""
     note: str = ""
@@ -113,9 +115,11 @@ class GpuTestRun:
         errors = sum(int(s.get("errors", 0)) for s in suites)
         skipped = sum(int(s.get("skipped", 0)) for s in suites)
         failures = tuple(
-            f"{case.get('classname', '')}::{case.get('name', '')}"
+            f"{case.get('classname', '')}::{case.get('name', '')}: "
+            + " ".join(bad.get("message", "").split())[:MESSAGE_CHARS]
             for case in root.iter("testcase")
-            if case.find("failure") is not None or case.find("error") is not None
+            for bad in [case.find("failure") if case.find("failure") is not None else case.find("error")]
+            if bad is not None
         )
         notes = [] if rc in (0, 5) else [f"pytest exit status {rc}"]
         if excluded:

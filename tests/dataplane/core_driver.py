@@ -21,10 +21,12 @@ LAYERS, HEADS, DIM, PAGE, PAGES = 3, 2, 4, 2, 33
 
 
 def make_core(device_pages: int | None, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
-              layers: int = LAYERS, pages: int = PAGES, page_size: int = PAGE) -> LayeredKVCore:
-    """A core at toy sizes; ``device_pages=None`` is the identity layout (every layer-page fits)."""
+              layers: int = LAYERS, pages: int = PAGES, page_size: int = PAGE,
+              head_dim: int = DIM) -> LayeredKVCore:
+    """A core at toy sizes; ``device_pages=None`` is the identity layout (every layer-page fits).
+    ``head_dim``: FlashInfer's kernels need 64, 128 or 256."""
     return LayeredKVCore(SlotStoreConfig(
-        layers=layers, page_size=page_size, kv_heads=HEADS, head_dim=DIM, logical_pages=pages,
+        layers=layers, page_size=page_size, kv_heads=HEADS, head_dim=head_dim, logical_pages=pages,
         device_pages=layers * pages if device_pages is None else device_pages, dtype=dtype, device=device,
     ))
 
@@ -119,8 +121,9 @@ class CoreDriver:
         self.check_staging()
         for layer in range(core.layers):
             core.enter_layer(layer)
-            k = torch.randn((loc.numel(), HEADS, DIM), generator=self.gen).to(core.store.dev.dtype)
-            v = torch.randn((loc.numel(), HEADS, DIM), generator=self.gen).to(core.store.dev.dtype)
+            shape = (loc.numel(), core.config.kv_heads, core.config.head_dim)
+            k = torch.randn(shape, generator=self.gen).to(core.store.dev.dtype)
+            v = torch.randn(shape, generator=self.gen).to(core.store.dev.dtype)
             core.write(layer, loc, k.to(core.store.device), v.to(core.store.device))
             for i, slot in enumerate(loc.tolist()):
                 self.shadow[(layer, slot)] = (k[i].clone(), v[i].clone())
@@ -237,6 +240,14 @@ class CoreDriver:
             staged = set(tables.staging_ids.tolist())
             assert set(tab[host].tolist()) <= staged
             assert staged.isdisjoint(core.store.map_np[core.store.map_np >= 0].tolist())
+            # resident entries are the map's (PagedStepTables gathers them from the mirror; a
+            # recompute step points recomputed prefix pages at transient staging instead)
+            if tables.recompute is None:
+                assert np.array_equal(tab[~host], core.store.map_np[:, tables.pages][~host])
+            mirror = core.store.mirror
+            if mirror is not None and not mirror.pending:  # synced by this step's build
+                assert np.array_equal(mirror.dev.cpu().numpy(), core.store.map_np)
+                assert np.array_equal(mirror.host_bits, mirror._bits(core.store.map_np))
 
     def check_at_rest(self) -> None:
         """Between forwards: every live token's K/V reads back bit-exact; the map and allocator

@@ -138,15 +138,15 @@ def test_the_scenario_passes_and_fails_when_write_back_is_skipped(monkeypatch):
     """Negative control: the same checks catch a pipeline that drops the write-back of staged
     new tokens (the new KV of offloaded layers would never reach host memory)."""
     offload_scenario(CoreDriver(make_core(PAGES + 6), seed=1))
-    from sglang_ext.dataplane import step_tables
+    from sglang_ext.dataplane.paged_step_tables import PagedStepTables
 
-    real = step_tables.StepTables.__init__
+    real = PagedStepTables.__init__  # the paged layout's tables (the scenario's budget is paged)
 
     def no_writeback(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
         real(self, *args, **kwargs)
         if self.reserved:
             self.writebacks = [None] * len(self.writebacks)
 
-    monkeypatch.setattr(step_tables.StepTables, "__init__", no_writeback)
+    monkeypatch.setattr(PagedStepTables, "__init__", no_writeback)
     with pytest.raises(AssertionError):
         offload_scenario(CoreDriver(make_core(PAGES + 6), seed=1))

@@ -8,7 +8,6 @@ import torch
 from sglang_ext.dataplane import dense_attention
 from sglang_ext.dataplane.results import LayerView
 from tests.dataplane.core_driver import (
-    DIM,
     HEADS,
     LAYERS,
     PAGES,
@@ -21,6 +20,10 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
+
+
+FLASHINFER_DIM = 64
+"""FlashInfer's decode kernels take head dims of 64, 128 or 256 (the toy DIM fails to build)."""
 
 
 @pytest.mark.parametrize("budget", [None, PAGES + 6, 4])
@@ -52,7 +55,7 @@ def test_flashinfer_decode_over_the_step_tables_matches_dense():
     flashinfer_attention = pytest.importorskip("sglang_ext.dataplane.flashinfer_attention")
     if not flashinfer_attention.HAVE_FLASHINFER:
         pytest.skip("flashinfer not importable")
-    core = make_core(PAGES + 6, dtype=torch.bfloat16, device="cuda", page_size=16)
+    core = make_core(PAGES + 6, dtype=torch.bfloat16, device="cuda", page_size=16, head_dim=FLASHINFER_DIM)
     q_heads = 4
     decode = flashinfer_attention.FlashInferLayeredDecode("cuda", max_pages=PAGES)
     results = []
@@ -63,7 +66,7 @@ def test_flashinfer_decode_over_the_step_tables_matches_dense():
                          tables.kv_lens, tables.last_page_len, ())
         if layer == 0:
             decode.plan(view, q_heads)
-        q = torch.randn((2, q_heads, DIM), device="cuda", dtype=torch.bfloat16)
+        q = torch.randn((2, q_heads, FLASHINFER_DIM), device="cuda", dtype=torch.bfloat16)
         out = decode.run(q, view)
         for b, rid in enumerate(("a", "b")):
             k = torch.stack([d.shadow[(layer, s)][0] for s in d.slots[rid]]).cuda()

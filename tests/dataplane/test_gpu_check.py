@@ -174,3 +174,19 @@ def test_gpu_test_files_are_found_by_marker(monkeypatch):
     runnable, excluded = run.runnable()
     assert excluded and all(f.startswith("tests/sglang/") for f in excluded)
     assert sorted(runnable + excluded) == sorted(files) and "tests/dataplane/test_gpu.py" in runnable
+
+
+def test_failed_tests_are_reported_with_their_message(tmp_path):
+    """A failing test's name and message reach the summary (a GPU run's report is all that comes
+    back); a passing one is counted, not listed."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_marked.py").write_text(
+        "import pytest\npytestmark = pytest.mark." + "gpu\n\n"  # split: this file is not a gpu test
+        "def test_ok():\n    assert 1 + 1 == 2\n\n"
+        "def test_bad():\n    assert 40 + 2 == 41, 'the planted message'\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs CUDA\n")
+    summary = GpuTestRun(root=tmp_path, timeout_s=120).run()
+    assert (summary.passed, summary.failed, summary.errors) == (1, 1, 0)
+    assert len(summary.failures) == 1
+    assert summary.failures[0].startswith("tests.test_marked::test_bad: ")
+    assert "the planted message" in summary.failures[0] and "test_ok" not in summary.failures[0]

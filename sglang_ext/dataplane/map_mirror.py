@@ -1,0 +1,91 @@
+"""MapMirror: the store's ``[L, P]`` map as a step's tables read it, kept current by what changed.
+
+A paged step's attention reads ``tab[l, j]``: the device page of layer ``l`` of the batch's
+``j``-th page. Built on the host from the map, that is ``L x`` the batch's pages of NumPy work
+and upload every step (330K entries at Llama-3-8B shapes, batch 32, 2K-8K contexts: the host
+cost of a whole GPU step). The mirror moves that gather to the pool's device:
+
+- ``dev``: a copy of the map on the pool's device (a separate CPU tensor on the CPU, so tests
+  catch a move the mirror missed). Every writer of the map reports the pages it touched
+  (:meth:`changed`, O(1)); :meth:`sync`, at the step boundary, uploads those pages' columns in
+  ONE non-blocking copy from pinned memory and scatters them (one ``index_copy_``): work
+  proportional to what moved, never to the pool.
+- ``host_bits [P, ceil(L/8)]`` uint8 (host): bit ``l`` of page ``p`` is set when ``(l, p)``
+  has no device copy. A request's offloaded layers are the OR of its pages' rows
+  (``np.bitwise_or.reduceat``: ``L / 8`` bytes per page instead of ``L`` map reads), and the
+  batch's host layer-pages a popcount. Refreshed for the changed pages at :meth:`sync`.
+
+On CUDA the scatter is ordered on the current (compute) stream before the gathers that read it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from sglang_ext.dataplane.sorted_ids import distinct_sorted
+
+POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)
+"""Set bits of each byte value."""
+
+
+class MapMirror:
+    """Device copy of the map plus per-page host-layer bits (module docstring)."""
+
+    def __init__(self, map_np: np.ndarray, device: torch.device) -> None:
+        self.map_np = map_np
+        self.layers = int(map_np.shape[0])
+        self.device = device
+        self.dev = torch.from_numpy(map_np.copy()).to(device)
+        """``[L, P]`` int32 on the pool's device: ``map_np`` as of the last :meth:`sync`."""
+        self.host_bits = self._bits(map_np)
+        """``[P, ceil(L / 8)]`` uint8: bit ``l`` (little-endian) set where ``(l, p)`` is host-only."""
+        self._log: list[np.ndarray] = []
+        self.synced_columns = 0
+        """Page columns uploaded since construction (a test reads it: proportional to moves)."""
+
+    @staticmethod
+    def _bits(cols: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(np.packbits(cols < 0, axis=0, bitorder="little").T)
+
+    def changed(self, pages: np.ndarray) -> None:
+        """The map's columns of ``pages`` (int64, repeats allowed) were written."""
+        if pages.size:
+            self._log.append(np.array(pages, dtype=np.int64, copy=True))
+
+    @property
+    def pending(self) -> bool:
+        """Columns changed since the last :meth:`sync`."""
+        return bool(self._log)
+
+    def sync(self) -> None:
+        """Bring ``dev`` and ``host_bits`` up to date with the map (see module docstring)."""
+        if not self._log:
+            return
+        pages = distinct_sorted(np.concatenate(self._log)) if len(self._log) > 1 else distinct_sorted(self._log[0])
+        self._log = []
+        cols = self.map_np[:, pages]
+        self.host_bits[pages] = self._bits(cols)
+        self.synced_columns += int(pages.size)
+        k = int(pages.size)
+        if self.device.type == "cpu":
+            self.dev.index_copy_(1, torch.from_numpy(pages), torch.from_numpy(np.ascontiguousarray(cols)))
+            return
+        packed = np.empty(k + -(-self.layers * k // 2), dtype=np.int64)
+        packed[:k] = pages
+        packed[k:].view(np.int32)[: self.layers * k] = cols.reshape(-1)
+        both = torch.from_numpy(packed).pin_memory().to(self.device, non_blocking=True)
+        values = both[k:].view(torch.int32)[: self.layers * k].view(self.layers, k)
+        self.dev.index_copy_(1, both[:k], values)
+
+    def host_layers(self, pages: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        """``[L, b]`` bool: whether request ``r`` (pages ``pages[starts[r]:starts[r+1]]``, each
+        range non-empty) has any host-only page at layer ``l``. Call after :meth:`sync`."""
+        if not starts.size:
+            return np.zeros((self.layers, 0), dtype=bool)
+        any_host = np.bitwise_or.reduceat(self.host_bits[pages], starts, axis=0)
+        return np.unpackbits(any_host, axis=1, count=self.layers, bitorder="little").T.astype(bool)
+
+    def host_count(self, pages: np.ndarray) -> int:
+        """Host-only layer-pages among every layer of ``pages`` (repeats counted)."""
+        return int(POPCOUNT[self.host_bits[pages]].sum())
