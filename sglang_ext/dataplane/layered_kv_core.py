@@ -36,12 +36,12 @@ import torch
 
 from sglang_ext.dataplane.layer_page_moves import LayerPageMoves
 from sglang_ext.dataplane.layer_pipeline import LayerPipeline
+from sglang_ext.dataplane.paged_step_tables import PagedStepTables
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore, SlotStoreConfig
 from sglang_ext.dataplane.slot_residency import SlotResidency
 from sglang_ext.dataplane.slot_results import RequestResidency, ResidencyDelta, ResidencyStats
 from sglang_ext.dataplane.sorted_ids import distinct_sorted
 from sglang_ext.dataplane.staging_room import StagingRoom
-from sglang_ext.dataplane.paged_step_tables import PagedStepTables
 from sglang_ext.dataplane.step_tables import StepTables
 from sglang_ext.dataplane.transfer_times import TransferTimes
 
