@@ -16,47 +16,60 @@ class BlockAllocator:
             raise ValueError(f"{name}: capacity must be >= 0, got {capacity}")
         self.name = name
         self.capacity = capacity
-        # Pop from the end: low ids first, which keeps small tests readable.
-        self._free = list(range(capacity - 1, -1, -1))
-        self._in_use = bytearray(capacity)
+        # A stack popped from the end: low ids first, which keeps small tests readable; NumPy, so
+        # a step's thousands of staging pages go and come back in a few array operations.
+        self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)
+        self._top = capacity
+        self._in_use = np.zeros(capacity, dtype=bool)
 
     @property
     def free_count(self) -> int:
         """Blocks available to ``alloc``."""
-        return len(self._free)
+        return self._top
 
     @property
     def used_count(self) -> int:
         """Blocks currently handed out."""
-        return self.capacity - len(self._free)
+        return self.capacity - self._top
 
-    def alloc(self, n: int) -> list[int] | None:
-        """``n`` distinct free ids, or None (and nothing taken) when fewer than ``n`` are free."""
+    def alloc(self, n: int) -> np.ndarray | None:
+        """``n`` distinct free ids (int64, most recently freed first), or None (and nothing
+        taken) when fewer than ``n`` are free."""
         if n < 0:
             raise ValueError(f"{self.name}: cannot allocate {n} blocks")
-        if n > len(self._free):
+        if n > self._top:
             return None
-        ids = [self._free.pop() for _ in range(n)]
-        for i in ids:
-            self._in_use[i] = 1
+        ids = self._free[self._top - n: self._top][::-1].copy()
+        self._top -= n
+        self._in_use[ids] = True
         return ids
 
-    def free(self, ids: list[int] | tuple[int, ...]) -> None:
+    def free(self, ids) -> None:  # noqa: ANN001 - a sequence of ints or an int array
         """Return ids; raises ValueError (freeing nothing) on an unknown or already free id."""
+        arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if not arr.size:
+            return
+        if (arr.min() < 0 or arr.max() >= self.capacity or not self._in_use[arr].all()
+                or (arr.size > 1 and has_repeats(arr))):
+            self._refuse(arr)
+        self._in_use[arr] = False
+        self._free[self._top: self._top + arr.size] = arr
+        self._top += int(arr.size)
+
+    def _refuse(self, arr: np.ndarray) -> None:
+        """Raise for the first offending id of ``arr`` (in order)."""
         seen: set[int] = set()
-        for i in ids:
+        for i in arr.tolist():
             if not 0 <= i < self.capacity:
                 raise ValueError(f"{self.name}: block id {i} out of range [0, {self.capacity})")
             if not self._in_use[i] or i in seen:
                 raise ValueError(f"{self.name}: double free of block {i}")
             seen.add(i)
-        for i in ids:
-            self._in_use[i] = 0
-            self._free.append(i)
+        raise AssertionError("unreachable: a refused free names an id")  # pragma: no cover
 
     def used_ids(self) -> set[int]:
         """The set of ids handed out (for invariant checks)."""
-        return {i for i in range(self.capacity) if self._in_use[i]}
+        return set(np.flatnonzero(self._in_use).tolist())
 
 
 class IdentityPages:

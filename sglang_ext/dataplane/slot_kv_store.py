@@ -270,7 +270,7 @@ class SlotKVStore:
         self._write_back(layers[dirty], pages[dirty])
         self.map_np[layers, pages] = -1
         self.map_changed(pages)
-        self.allocator.free(dev_pages.tolist() if isinstance(self.allocator, BlockAllocator) else dev_pages)
+        self.allocator.free(dev_pages)
 
     def onload(self, layers, pages, copy) -> None:  # noqa: ANN001 - tensors or arrays
         """Give these host-only layer-pages device pages; copy host KV where ``copy`` is True.
@@ -319,7 +319,7 @@ class SlotKVStore:
             dev_pages = sub[layers, cols].astype(np.int64)
             self.map_np[layers, p[cols]] = -1
             self.map_changed(p[cols])
-            self.allocator.free(dev_pages.tolist() if isinstance(self.allocator, BlockAllocator) else dev_pages)
+            self.allocator.free(dev_pages)
         self.dirty_np[:, p] = False
 
     # ----- reads at rest (tests, move_kv_cache) ------------------------------------

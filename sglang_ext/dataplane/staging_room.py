@@ -49,7 +49,7 @@ class StagingRoom:
     def give_back(self, ids: np.ndarray | None) -> None:
         """Return a step's staging pages."""
         if ids is not None and ids.size:
-            self.store.allocator.free(ids.tolist())
+            self.store.allocator.free(ids)
             self.residency.staging_lent -= int(ids.size)
 
     def make_room(self, n: int, batch: Collection[str]) -> bool:
