@@ -67,8 +67,7 @@ class LayerPipeline:
         tables = self.tables
         assert tables is not None
         for launch in self._by_trigger.get(trigger, ()):
-            src, dst, host = tables.launch_indices(launch)
-            event = self.engine.h2d(src, dst, wait=wait, host_idx=host)
+            event = tables.fetch(self.engine, launch, wait)
             self._events[launch.layer].append(event)
             self.store.h2d_bytes += launch.segments * self.engine.segment_bytes
             self.fetched_layer_pages += launch.segments // 2

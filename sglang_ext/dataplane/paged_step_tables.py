@@ -21,13 +21,18 @@ of host time, ``kvplane gpu-check``).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
+from sglang_ext.dataplane.map_mirror import MapMirror
+from sglang_ext.dataplane.page_fetch import PageFetch
+from sglang_ext.dataplane.page_launch import PageLaunch
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore
 from sglang_ext.dataplane.sorted_ids import distinct_sorted
 from sglang_ext.dataplane.step_tables import Launch, StepTables
+from sglang_ext.dataplane.transfer_engine import TransferEngine
 
 
 class PagedStepTables(StepTables):
@@ -46,6 +51,8 @@ class PagedStepTables(StepTables):
         self.staging_ids = np.zeros(0, dtype=np.int64)
         counts, flat, starts, col, off = self._columns(pages, seq_lens, new_counts, new_slots, ps)
         b, n = self.batch, int(flat.size)
+        if mirror.pending:  # the scatter must not overtake an earlier step's fetches reading the mirror
+            store.engine.wait_fence()
         mirror.sync()
         nonempty = counts > 0
         host_req = np.zeros((layers, b), dtype=bool)
@@ -63,6 +70,7 @@ class PagedStepTables(StepTables):
             self.staging_ids = ids
             stage_col = np.full(n, -1, dtype=np.int64)
             stage_col[need_cols] = ids
+        self._stage_np, self._starts_np, self._counts_np = stage_col, starts, counts
         last = np.maximum.accumulate(np.where(host_req, np.arange(layers)[:, None], -1), axis=0)
         trigger = np.vstack([np.full((1, b), -1, dtype=np.int64), last[:-1]])
         # the new tokens' pages at every layer: rows, dirty ids, write-backs (L x m)
@@ -79,7 +87,6 @@ class PagedStepTables(StepTables):
         offset = rows.size
         self.fetches: list[Launch] = []
         self.writebacks: list[Launch | None] = [None] * layers
-        offset = self._fetch_parts(store, flat, counts, starts, host_req, trigger, stage_col, offset, int64_parts)
         w_layer, w_j = np.nonzero(u_host)
         for layer in np.unique(w_layer).tolist():
             wcols = ucol[w_j[w_layer == layer]]
@@ -88,11 +95,13 @@ class PagedStepTables(StepTables):
             int64_parts += [src, dst]
             self.writebacks[layer] = Launch(layer, layer, offset, int(src.size))
             offset += 2 * src.size
+        self._token_parts(token_tables, seq_lens, starts, ps, offset, int64_parts)
+        head = [flat] if stage_col is None else [flat, stage_col, starts, counts, self._fetch_launches(
+            mirror, flat, counts, starts, staged_req, host_req, trigger, 2 * n + 2 * b)]
         self.fetch_layer_pages = sum(f.segments for f in self.fetches) // 2
         self.writeback_layer_pages = sum(w.segments for w in self.writebacks if w is not None) // 2
-        self._token_parts(token_tables, seq_lens, starts, ps, offset, int64_parts)
-        head = [flat] if stage_col is None else [flat, stage_col]
         self._upload(store, int64_parts, head, counts, seq_lens, ps)
+        self._store, self._b = store, b
         page_idx = self.i32[:n]
         tab = mirror.dev.index_select(1, page_idx)
         if stage_col is not None:
@@ -101,34 +110,53 @@ class PagedStepTables(StepTables):
         """``[L, n]`` int32 device pages per layer (FlashInfer ``kv_indices`` rows), gathered on the device."""
         self.rows = self.i64[: rows.size].view(layers, self._m)
         """``[L, m]`` int64 device rows of the new tokens per layer."""
-        self._bind_csr(len(head) * n, b)
+        self._bind_csr(sum(int(h.size) for h in head), b)
 
-    def _fetch_parts(self, store: SlotKVStore, flat: np.ndarray, counts: np.ndarray, starts: np.ndarray,
-                     host_req: np.ndarray, trigger: np.ndarray, stage_col: np.ndarray | None, offset: int,
-                     int64_parts: list[np.ndarray]) -> int:
-        """Fetch launches (host-only layer-pages holding KV, into their staging pages), one per
-        (layer, trigger) in layer then trigger order, columns ascending -- StepTables' order."""
+    def _fetch_launches(self, mirror: MapMirror, flat: np.ndarray, counts: np.ndarray, starts: np.ndarray,
+                        staged_req: np.ndarray, host_req: np.ndarray, trigger: np.ndarray, at: int) -> np.ndarray:
+        """One :class:`PageLaunch` per (layer, trigger), in layer then trigger order: the
+        requests with host-only pages at that layer whose staging frees at that trigger. The
+        launches' request ids, concatenated, are returned for the int32 upload, where they start
+        at ``i32[at]`` (a launch's at ``i32[launch.offset]``); a launch's size comes from the
+        host bits of its requests' pages (exact: what the kernel copies). Host pages without KV
+        yet (opened this step) are copied too: the kernel does not read ``has_kv``."""
+        staged = np.flatnonzero(staged_req)
+        per_layer = np.zeros((host_req.shape[1], host_req.shape[0]), dtype=np.int64)  # [b, L] host pages
+        sub = staged[counts[staged] > 0]
+        if sub.size:
+            cols = np.concatenate([np.arange(starts[r], starts[r] + counts[r]) for r in sub.tolist()])
+            bits = np.unpackbits(mirror.host_bits[flat[cols]], axis=1, count=mirror.layers, bitorder="little")
+            sub_counts = counts[sub]
+            per_layer[sub] = np.add.reduceat(bits, np.cumsum(sub_counts) - sub_counts, axis=0, dtype=np.int32)
         pair_l, pair_r = np.nonzero(host_req)
-        if not pair_l.size or stage_col is None:
-            return offset
-        cnt = counts[pair_r]
-        first = np.cumsum(cnt) - cnt
-        cols = np.arange(int(cnt.sum())) + np.repeat(starts[pair_r] - first, cnt)
-        lay = np.repeat(pair_l, cnt)
-        trig = np.repeat(trigger[pair_l, pair_r], cnt)
-        pg = flat[cols]
-        keep = (store.map_flat_np[lay * store.config.logical_pages + pg] < 0) & store.has_kv_np[pg]
-        cols, lay, trig, pg = cols[keep], lay[keep], trig[keep], pg[keep]
-        if not cols.size:
-            return offset
-        key = lay * (store.config.layers + 1) + (trig + 1)
-        order = np.argsort(key, kind="stable")  # columns stay ascending inside a (layer, trigger)
-        cols, lay, trig, pg, key = cols[order], lay[order], trig[order], pg[order], key[order]
+        key = pair_l * (host_req.shape[0] + 1) + (trigger[pair_l, pair_r] + 1)
+        order = np.argsort(key, kind="stable")  # requests stay ascending inside a (layer, trigger)
+        pair_l, pair_r, key = pair_l[order], pair_r[order], key[order]
         bounds = np.concatenate([[0], np.flatnonzero(np.diff(key)) + 1, [key.size]]).tolist()
         for a, z in zip(bounds[:-1], bounds[1:], strict=True):
-            src = store.host_segs(lay[a:z], pg[a:z])
-            dst = store.dev_segs(stage_col[cols[a:z]])
-            int64_parts += [src, dst]
-            self.fetches.append(Launch(int(trig[a]), int(lay[a]), offset, int(src.size)))
-            offset += 2 * src.size
-        return offset
+            if a == z:
+                continue
+            layer, reqs = int(pair_l[a]), pair_r[a:z]
+            pages = int(per_layer[reqs, layer].sum())
+            if pages:
+                self.fetches.append(PageLaunch(int(trigger[layer, reqs[0]]), layer, at + a, 2 * pages,
+                                               a, z - a, int(counts[reqs].max())))
+        self._reqs_np = pair_r
+        return pair_r
+
+    def fetch(self, engine: TransferEngine, launch: Launch, wait: tuple) -> Any:
+        """Issue fetch ``launch`` (a :class:`PageLaunch`) as one :class:`PageFetch`."""
+        assert isinstance(launch, PageLaunch)
+        store, n, b = self._store, self._n, self._b
+        i32, at = self.i32, launch.offset
+        mirror = store.mirror
+        assert mirror is not None
+        spec = PageFetch(
+            layer=launch.layer, layers=store.config.layers, dev_v=store.pages_total, max_pages=launch.max_pages,
+            segments=launch.segments, reqs=i32[at: at + launch.n_reqs], flat=i32[:n], stage=i32[n: 2 * n],
+            starts=i32[2 * n: 2 * n + b], counts=i32[2 * n + b: 2 * n + 2 * b], map_row=mirror.dev[launch.layer],
+            host_arrays=(self._reqs_np[launch.first: launch.first + launch.n_reqs], self.pages, self._stage_np,
+                         self._starts_np, self._counts_np, store.map_np[launch.layer]),
+        )
+        return engine.fetch_pages(spec, wait)
+

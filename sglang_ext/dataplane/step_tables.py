@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,6 +37,7 @@ import torch
 from sglang_ext.dataplane.recompute_rows import RecomputeRows
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore
 from sglang_ext.dataplane.sorted_ids import distinct_sorted
+from sglang_ext.dataplane.transfer_engine import TransferEngine
 
 
 @dataclass(frozen=True)
@@ -224,6 +226,11 @@ class StepTables:
     def reserved(self) -> bool:
         """The staging pages were reserved (False: the caller must make room and rebuild)."""
         return self.staging_ids is not None
+
+    def fetch(self, engine: TransferEngine, launch: Launch, wait: tuple) -> Any:
+        """Issue fetch ``launch`` on ``engine`` after ``wait``; its event."""
+        src, dst, host = self.launch_indices(launch)
+        return engine.h2d(src, dst, wait=wait, host_idx=host)
 
     def launch_indices(self, launch: Launch) -> tuple[torch.Tensor, torch.Tensor, tuple[np.ndarray, np.ndarray]]:
         """Source and destination segment indices of ``launch`` (device views; and NumPy)."""

@@ -27,7 +27,7 @@ addressing (``kernels/block_copy.py``), or, where Triton refuses host pointers, 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,7 @@ import torch
 
 from kernels.block_copy import copy_segments
 from sglang_ext.dataplane.event_clock import EventClock
+from sglang_ext.dataplane.page_fetch import PageFetch
 from sglang_ext.dataplane.transfer_clock import STALL, TransferClock
 from sglang_ext.dataplane.wall_clock import WallClock
 
@@ -93,6 +94,21 @@ class TransferEngine:
         self.stats.d2h_segments += n
         self.stats.d2h_launches += 1
         return self._launch("d2h", self.dev, self.host, src_idx, dst_idx, wait, host_idx)
+
+    def fetch_pages(self, spec: PageFetch, wait: Sequence[Any] = ()) -> Any:
+        """A paged step's fetch at one layer (:class:`PageFetch`: requests, not page lists);
+        returns the launch's event. The CUDA engine's Triton path works out the pages on the
+        device; the others copy ``spec.indices()``."""
+        if spec.segments == 0:
+            return None
+        self.stats.h2d_segments += spec.segments
+        self.stats.h2d_launches += 1
+        return self._fetch(spec, wait)
+
+    def _fetch(self, spec: PageFetch, wait: Sequence[Any]) -> Any:
+        src, dst = spec.indices()
+        return self._launch("h2d", self.host, self.dev, self.index_tensor(src), self.index_tensor(dst), wait,
+                            (src, dst))
 
     def _launch(self, kind: str, src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor,
                 dst_idx: torch.Tensor, wait: Sequence[Any], host_idx: tuple[np.ndarray, np.ndarray] | None) -> Any:
@@ -205,6 +221,26 @@ class CudaTransferEngine(TransferEngine):
         return "triton"
 
     def _launch(self, kind, src, dst, src_idx, dst_idx, wait, host_idx):  # noqa: ANN001, ANN202
+        def copy() -> None:
+            if self.impl == "triton":
+                copy_segments(src, dst, src_idx, dst_idx, impl="triton")
+                return
+            if host_idx is None:
+                raise RuntimeError("memcpy transfer fallback needs host indices")
+            for s_i, d_i in zip(host_idx[0].tolist(), host_idx[1].tolist(), strict=True):
+                dst[d_i].copy_(src[s_i], non_blocking=True)
+
+        return self._on_stream(kind, wait, copy, (src_idx, dst_idx))
+
+    def _fetch(self, spec: PageFetch, wait: Sequence[Any]) -> Any:
+        if self.impl != "triton":
+            return super()._fetch(spec, wait)
+        return self._on_stream("h2d", wait, lambda: spec.run_triton(self.host, self.dev), (spec.flat,))
+
+    def _on_stream(self, kind: str, wait: Sequence[Any], copy: Callable[[], None],
+                   keep: tuple[torch.Tensor, ...]) -> Any:
+        """Run ``copy`` on the ``kind`` stream after the compute stream's work so far and the
+        events of ``wait``; timed by the clock; returns its event."""
         stream = self.h2d_stream if kind == "h2d" else self.d2h_stream
         compute_done = torch.cuda.current_stream(self.device).record_event()
         with torch.cuda.stream(stream):
@@ -213,17 +249,11 @@ class CudaTransferEngine(TransferEngine):
                 if e is not None:
                     stream.wait_event(e)
             token = self.clock.start(kind, stream)  # after the waits: the pair times the copy alone
-            if self.impl == "triton":
-                # the indices were allocated on the compute stream: keep their memory until this
-                # stream is done with it (the caching allocator would otherwise reuse it)
-                src_idx.record_stream(stream)
-                dst_idx.record_stream(stream)
-                copy_segments(src, dst, src_idx, dst_idx, impl="triton")
-            else:
-                if host_idx is None:
-                    raise RuntimeError("memcpy transfer fallback needs host indices")
-                for s_i, d_i in zip(host_idx[0].tolist(), host_idx[1].tolist(), strict=True):
-                    dst[d_i].copy_(src[s_i], non_blocking=True)
+            # the indices were allocated on the compute stream: keep their memory until this
+            # stream is done with it (the caching allocator would otherwise reuse it)
+            for t in keep:
+                t.record_stream(stream)
+            copy()
             self.clock.stop(kind, token, stream)
             event = stream.record_event()
         self._last[kind] = event

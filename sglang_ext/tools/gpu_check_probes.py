@@ -15,7 +15,9 @@ core's ``enter_layer`` / ``write`` / ``exit_layer``) or ``attention`` (the paged
 
 from __future__ import annotations
 
+import functools
 import time
+import traceback
 import warnings
 from collections import Counter
 from collections.abc import Iterator
@@ -27,6 +29,8 @@ import torch
 from sglang_ext.testing.op_audit import OpAudit
 
 KINDS = ("kvplane", "attention")
+SITE_FRAMES = 6
+"""Python frames recorded per sync site."""
 
 
 class CpuTimeProbe:
@@ -72,17 +76,25 @@ class SyncProbe:
             if not self.cuda:
                 yield
                 return
-            with warnings.catch_warnings(record=True) as caught:
+            with warnings.catch_warnings():
                 warnings.simplefilter("always")
+                warnings.showwarning = functools.partial(self._seen, kind)
                 torch.cuda.set_sync_debug_mode("warn")
                 try:
                     yield
                 finally:
                     torch.cuda.set_sync_debug_mode(0)
-            for w in caught:
-                if "synchroniz" in str(w.message).lower():
-                    self.runtime[kind] += 1
-                    self.sites[(kind, f"{w.filename}:{w.lineno}")] += 1
+
+    def _seen(self, kind: str, message: Any, category: Any, filename: str, lineno: int, *rest: Any) -> None:
+        """A warning inside a scope (CUDA): a sync is counted with the Python frames that led to
+        it, innermost last, outside this module and the standard library's warnings."""
+        if "synchroniz" not in str(message).lower():
+            return
+        self.runtime[kind] += 1
+        frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.endswith(("warnings.py", __file__))]
+        where = " <- ".join(f"{f.filename.rsplit('/', 2)[-1] if '/' in f.filename else f.filename}:{f.lineno}"
+                            for f in reversed(frames[-SITE_FRAMES:]))
+        self.sites[(kind, f"{filename}:{lineno} <- {where}")] += 1
 
     def where(self, kind: str) -> dict[str, int]:
         """``file:line`` -> syncs reported there inside ``kind`` scopes (CUDA only)."""

@@ -190,3 +190,20 @@ def test_failed_tests_are_reported_with_their_message(tmp_path):
     assert len(summary.failures) == 1
     assert summary.failures[0].startswith("tests.test_marked::test_bad: ")
     assert "the planted message" in summary.failures[0] and "test_ok" not in summary.failures[0]
+
+
+def test_sync_probe_records_where_a_sync_came_from():
+    """A CUDA sync warning is counted with the Python frames that led to it (the GPU run's
+    report says what to fix); other warnings are not counted."""
+    from sglang_ext.tools.gpu_check_probes import SyncProbe
+
+    probe = SyncProbe("cpu")
+
+    def caller():
+        probe._seen("kvplane", "called a synchronizing CUDA operation", UserWarning, "torch/cuda/x.py", 7)
+        probe._seen("kvplane", "some other warning", UserWarning, "torch/cuda/x.py", 8)
+
+    caller()
+    assert probe.runtime["kvplane"] == 1
+    (site, n), = probe.where("kvplane").items()
+    assert n == 1 and site.startswith("torch/cuda/x.py:7 <- test_gpu_check.py:")

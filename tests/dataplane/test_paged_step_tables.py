@@ -17,6 +17,13 @@ from sglang_ext.dataplane.step_tables import StepTables
 from tests.dataplane.core_driver import PAGES, CoreDriver, make_core, offload_scenario
 
 
+class _Capture:
+    """An engine that returns the PageFetch it is asked to run."""
+
+    def fetch_pages(self, spec, wait):  # noqa: ANN001, ANN201
+        return spec
+
+
 def _launches(t: StepTables, launches: list) -> list[tuple]:
     out = []
     for launch in launches:
@@ -29,16 +36,39 @@ def _launches(t: StepTables, launches: list) -> list[tuple]:
     return out
 
 
-def assert_same_tables(got: StepTables, ref: StepTables) -> None:
+def _page_fetches(got: PagedStepTables, has_kv: np.ndarray, layers: int) -> tuple[list[tuple], int]:
+    """The fetches as StepTables lists them (pages holding KV), and the pages without KV copied
+    too. Checks the device views the kernel reads against the host arrays the CPU copies from."""
+    out, extra = [], 0
+    for launch in got.fetches:
+        spec = got.fetch(_Capture(), launch, ())
+        reqs, flat, stage, starts, counts, _ = spec.host_arrays
+        for view, arr in ((spec.reqs, reqs), (spec.flat, flat), (spec.stage, stage), (spec.starts, starts),
+                          (spec.counts, counts)):
+            assert np.array_equal(view.cpu().numpy(), arr)
+        src, dst = spec.indices()
+        assert src.size == launch.segments
+        k = src.size // 2
+        keep = has_kv[(src[:k] // 2) // layers]
+        extra += int((~keep).sum())
+        if keep.any():
+            src_k = src[:k][keep]
+            out.append((launch.trigger, launch.layer, np.concatenate([src_k, src_k + 1]).tolist(),
+                        np.concatenate([dst[:k][keep], dst[k:][keep]]).tolist()))
+    return out, extra
+
+
+def assert_same_tables(got: PagedStepTables, ref: StepTables, has_kv: np.ndarray) -> None:
     assert np.array_equal(got.staging_ids, ref.staging_ids)
     assert np.array_equal(got.tab.cpu().numpy(), ref.tab.cpu().numpy())
     assert np.array_equal(got.rows.cpu().numpy(), ref.rows.cpu().numpy())
     for name in ("kv_indptr", "kv_lens", "last_page_len"):
         assert np.array_equal(getattr(got, name).cpu().numpy(), getattr(ref, name).cpu().numpy()), name
-    assert _launches(got, got.fetches) == _launches(ref, ref.fetches)
+    fetches, extra = _page_fetches(got, has_kv, got.tab.shape[0])
+    assert fetches == _launches(ref, ref.fetches)
     assert _launches(got, got.writebacks) == _launches(ref, ref.writebacks)
     assert np.array_equal(got.dirty_ids, ref.dirty_ids) and np.array_equal(got.new_pages, ref.new_pages)
-    assert (got.fetch_layer_pages, got.writeback_layer_pages, got.host_layer_pages) == (
+    assert (got.fetch_layer_pages - extra, got.writeback_layer_pages, got.host_layer_pages) == (
         ref.fetch_layer_pages, ref.writeback_layer_pages, ref.host_layer_pages)
     if got._tok_at >= 0 or ref._tok_at >= 0:
         assert torch.equal(got.token_rows(0, 1), ref.token_rows(0, 1))
@@ -57,7 +87,7 @@ def compared(monkeypatch) -> list[int]:
             ref = StepTables(store, pages, lens, counts, new_np, lambda n: ids if n == ids.size else None,
                              token_tables=token_tables)
             assert ref.reserved, "StepTables asked for a different staging size"
-            assert_same_tables(got, ref)
+            assert_same_tables(got, ref, store.has_kv_np)
             seen[0] += 1
             seen[1] += len(got.fetches)
         return got
@@ -119,15 +149,15 @@ def test_a_mirror_that_misses_map_writes_is_caught(compared, monkeypatch):
 
 def test_a_missed_fetch_is_caught(monkeypatch):
     """Control: tables that drop their last fetch differ from the host-built ones."""
-    real = PagedStepTables._fetch_parts
+    real = PagedStepTables._fetch_launches
 
     def drop_last(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
-        offset = real(self, *args, **kwargs)
+        reqs = real(self, *args, **kwargs)
         if self.fetches:
             self.fetches.pop()
-        return offset
+        return reqs
 
-    monkeypatch.setattr(PagedStepTables, "_fetch_parts", drop_last)
+    monkeypatch.setattr(PagedStepTables, "_fetch_launches", drop_last)
     caught = []
 
     def both(store, pages, lens, counts, new_np, stage, *, token_tables=True):  # noqa: ANN001
@@ -136,7 +166,7 @@ def test_a_missed_fetch_is_caught(monkeypatch):
             ids = got.staging_ids
             ref = StepTables(store, pages, lens, counts, new_np, lambda n: ids, token_tables=token_tables)
             try:
-                assert_same_tables(got, ref)
+                assert_same_tables(got, ref, store.has_kv_np)
             except AssertionError:
                 caught.append(1)
         return got

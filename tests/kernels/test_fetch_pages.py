@@ -1,0 +1,67 @@
+"""Page fetch: the Triton kernel (interpreter on CPU, real on GPU) equals its index-list
+reference, which equals a per-page loop; pages with a device copy and columns of requests
+outside the launch are left alone."""
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.block_copy import copy_segments_ref, fetch_page_indices, fetch_pages_triton
+
+L, P, SEG, DEV = 3, 12, 40, 30
+
+
+def _case(seed: int):
+    rng = np.random.default_rng(seed)
+    counts = np.array([3, 0, 5, 2], dtype=np.int64)
+    starts = np.cumsum(counts) - counts
+    n = int(counts.sum())
+    flat = rng.choice(np.arange(1, P), size=n, replace=True)  # repeats: shared pages
+    stage = rng.permutation(DEV // 2)[:n]
+    map_row = np.where(rng.random(P) < 0.5, -1, rng.integers(0, DEV, P)).astype(np.int32)
+    host = torch.arange(P * L * 2 * SEG, dtype=torch.float32).view(P * L * 2, SEG)
+    return flat, stage, map_row, starts, counts, host
+
+
+def _loop(host_rows, flat, stage, map_row, reqs, starts, counts, layer, dev):  # noqa: ANN001
+    for r in reqs:
+        for j in range(counts[r]):
+            c = starts[r] + j
+            if map_row[flat[c]] < 0:
+                s = (flat[c] * L + layer) * 2
+                dev[stage[c]] = host_rows[s]
+                dev[stage[c] + DEV // 2] = host_rows[s + 1]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("reqs", [[0, 2, 3], [2], [1, 3]])
+def test_fetch_pages_kernel_matches_reference(triton_device, seed, reqs):
+    flat, stage, map_row, starts, counts, host = _case(seed)
+    layer = 1
+    src, dst = fetch_page_indices(flat, stage, map_row, reqs, starts, counts, 2 * layer, 2 * L, DEV // 2)
+    expected = torch.full((DEV, SEG), -1.0)
+    copy_segments_ref(host, expected, torch.from_numpy(src), torch.from_numpy(dst))
+    looped = torch.full((DEV, SEG), -1.0)
+    _loop(host, flat, stage, map_row, reqs, starts, counts, layer, looped)
+    assert torch.equal(expected, looped)
+    moved = int((map_row[flat[np.concatenate([np.arange(starts[r], starts[r] + counts[r]) for r in reqs])]] < 0).sum())
+    assert src.size == 2 * moved
+    dev = torch.full((DEV, SEG), -1.0, device=triton_device)
+    t = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.int32, device=triton_device)  # noqa: E731
+    fetch_pages_triton(host.to(triton_device), dev, t(flat), t(stage), t(map_row), t(reqs), t(starts), t(counts),
+                       int(counts[reqs].max()), 2 * layer, 2 * L, DEV // 2)
+    assert torch.equal(dev.cpu(), expected)
+
+
+def test_a_wrong_layer_is_caught(triton_device):
+    """Control: the kernel at another layer's host segments differs from the reference."""
+    flat, stage, map_row, starts, counts, host = _case(0)
+    reqs = [0, 2, 3]
+    src, dst = fetch_page_indices(flat, stage, map_row, reqs, starts, counts, 2, 2 * L, DEV // 2)
+    expected = torch.full((DEV, SEG), -1.0)
+    copy_segments_ref(host, expected, torch.from_numpy(src), torch.from_numpy(dst))
+    dev = torch.full((DEV, SEG), -1.0, device=triton_device)
+    t = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.int32, device=triton_device)  # noqa: E731
+    fetch_pages_triton(host.to(triton_device), dev, t(flat), t(stage), t(map_row), t(reqs), t(starts), t(counts),
+                       5, 0, 2 * L, DEV // 2)
+    assert src.size and not torch.equal(dev.cpu(), expected)
