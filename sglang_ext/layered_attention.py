@@ -233,7 +233,17 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
             return False
         self.last_delta = None
         self.batch_rids, self.batch_request_slots = list(rids), []
-        self.in_place = True
+        self.in_place = self.pool.store.identity  # the paged layout's steady step stages as usual
+        if not self.in_place:
+            bs = len(lens)
+            if self.compact_rows.numel() != bs:
+                self.compact_rows = torch.arange(bs, dtype=torch.int64, device=self.device)
+            if self.pool.overflow:  # served at rest: the batch's slots, as the general path reads them
+                per_req = _request_slots(self.real_req_to_token_pool.req_to_token,
+                                         forward_batch.req_pool_indices.cpu().tolist(), lens)
+                self.batch_request_slots = per_req
+                self.batch_slots = torch.cat(per_req) if per_req else torch.zeros(0, dtype=torch.int64)
+                self._build_compact_table(lens)
         self._last_batch = (last[0], lens)
         return True
 

@@ -6,8 +6,9 @@ row ``l`` of the step's one ``[L, n]`` page table (:class:`~sglang_ext.dataplane
 uploaded once per step) with the step's CSR (``kv_indptr``, ``kv_lens``, ``last_page_len``,
 identical for every layer: a host-only page is staged into the request's staging slot). Extend
 steps, cross-attention and steps without tables go through the torch-native path. The steady
-decode fast path (identity layout, no tables) is off: a paged decode always has its tables.
-Subclasses implement :meth:`decode_layer`.
+decode fast path runs in the paged layout, which builds the step's tables from the last step's
+page lists; the identity layout's (journalled, no tables) is off: a paged decode always has its
+tables. Subclasses implement :meth:`decode_layer`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ from sglang_ext.layered_attention import LayeredTorchNativeAttnBackend
 class LayeredPagedDecode(LayeredTorchNativeAttnBackend):
     """Decode over the step's per-layer page tables (see module docstring)."""
 
-    steady_decode_fast_path = False
+    @property
+    def steady_decode_fast_path(self) -> bool:  # type: ignore[override]
+        """Only in the paged layout, whose fast path builds the tables this decode reads."""
+        return not self.pool.store.identity
 
     def __init__(self, model_runner: Any) -> None:
         super().__init__(model_runner)

@@ -229,8 +229,10 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
             return False
         self._step += 1
         if self._stats_path is not None:
-            placed = self.layer_num * int(new_slots.numel())
-            self._write_stats_line(len(rids), int(new_slots.numel()), ResidencyDelta(0, 0, 0, placed, 0, 0, 0, 0))
+            delta = self.core.decode_delta if not self.core.store.identity else None
+            if delta is None:  # journalled: every layer of each new page is placed
+                delta = ResidencyDelta(0, 0, 0, self.layer_num * int(new_slots.numel()), 0, 0, 0, 0)
+            self._write_stats_line(len(rids), int(new_slots.numel()), delta)
         return True
 
     def enter_layer(self, layer_id: int) -> None:

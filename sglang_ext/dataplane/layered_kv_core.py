@@ -79,6 +79,12 @@ class LayeredKVCore:
         """``new_slots`` of the current forward (the object SGLang passes to every layer's write)."""
         self._step_index: torch.Tensor | None = None
         """:attr:`step_loc` as an int64 index on the store's device (made at the step's first write)."""
+        self._paged_last: tuple[list, list[int], list[np.ndarray]] | None = None
+        """(rids, seq_lens, page lists) of the last step (paged steady decode starts from it)."""
+        self.paged_decode_steps = 0
+        """Steps the paged steady-decode path prepared."""
+        self.decode_delta: ResidencyDelta | None = None
+        """The last paged steady-decode step's reconciliation (the journalled path has none)."""
 
     # ----- boundary changes ---------------------------------------------------------
 
@@ -153,12 +159,7 @@ class LayeredKVCore:
         ``recompute[i] = (u, k)`` (decode steps): request ``i``'s first ``u`` pages are recomputed
         by the forward at layers ``< k`` (``tables.recompute``; ``docs/recompute.md``);
         ``recompute_ids[i]`` its token ids, uploaded with the tables (``tables.recompute.input_ids``)."""
-        self.residency.settle()
-        self.store.engine.clock.harvest()  # earlier steps' timing events (non-blocking)
-        self.pipeline.end_step()
-        self.step_loc, self._step_index = new_slots, None
-        self.residency.drop_anonymous()
-        self._eager_writeback()
+        self._boundary(new_slots)
         ps = self.page_size
         page_lists, lens = [], []
         for index, (rid, slots) in enumerate(requests):
@@ -173,6 +174,8 @@ class LayeredKVCore:
                 self.residency.observe(rid, pages)
             page_lists.append(pages.numpy())
             lens.append(int(slots.numel()))
+        known = all(rid is not None for rid, _ in requests) and recompute is None
+        self._paged_last = ([rid for rid, _ in requests], lens, page_lists) if known else None
         delta = self._reconcile()
         n_new = 0 if new_slots is None else int(new_slots.numel())
         if new_counts is None:
@@ -192,6 +195,50 @@ class LayeredKVCore:
         self._begin(page_lists, np.asarray(lens, dtype=np.int64), np.asarray(new_counts, dtype=np.int64),
                     new_np, batch, recompute, recompute_ids)
         return delta
+
+    def _boundary(self, new_slots: torch.Tensor | None) -> None:
+        """What every step boundary does first: apply journalled bookkeeping, harvest timing
+        events, end the last forward, eager write-back under pressure."""
+        self.residency.settle()
+        self.store.engine.clock.harvest()  # earlier steps' timing events (non-blocking)
+        self.pipeline.end_step()
+        self.step_loc, self._step_index = new_slots, None
+        self.residency.drop_anonymous()
+        self._eager_writeback()
+
+    def _prepare_paged_decode(self, rids: Sequence[str], seq_lens: Sequence[int] | np.ndarray,
+                              new_slots: torch.Tensor) -> bool:
+        """:meth:`prepare_decode_step` in the paged layout: the batch of the last
+        :meth:`prepare_step` with one token more each. Its page lists are the last step's, plus a
+        page for each request whose new token opens one (``new_slots[i] // page_size``); only
+        those requests are observed (the others' pages did not change), then the boundary is the
+        general one (reconcile, :class:`PagedStepTables`, pipeline). O(batch) host work plus the
+        tables'; False (nothing done) when it does not apply."""
+        last = self._paged_last
+        if (last is None or new_slots.device.type != "cpu" or new_slots.numel() != len(rids)
+                or self.residency.has_anonymous or list(rids) != last[0]):
+            return False
+        lens = [int(n) for n in seq_lens]
+        if len(lens) != len(last[1]) or any(n != p + 1 for n, p in zip(lens, last[1], strict=True)):
+            return False
+        ps, slots = self.page_size, new_slots.tolist()
+        page_lists = list(last[2])
+        opens = [i for i, n in enumerate(lens) if (n - 1) % ps == 0]  # the new token opens a page
+        if any(s % ps != (n - 1) % ps or ((n - 1) % ps and s // ps != pages[-1])
+               for s, n, pages in zip(slots, lens, page_lists, strict=True)):
+            return False  # a slot that does not continue its request: the general path decides
+        self._boundary(new_slots)
+        for i in opens:
+            pages = np.append(page_lists[i], slots[i] // ps)
+            page_lists[i] = pages
+            self.residency.observe(rids[i], torch.from_numpy(pages))
+        self._paged_last = (last[0], lens, page_lists)
+        self.decode_delta = self._reconcile()
+        new_np = new_slots.numpy().astype(np.int64, copy=False)
+        self._begin(page_lists, np.asarray(lens, dtype=np.int64), np.ones(len(lens), dtype=np.int64), new_np,
+                    set(last[0]), None, None)
+        self.paged_decode_steps += 1
+        return True
 
     def _begin(self, page_lists: list[np.ndarray], lens: np.ndarray, counts: np.ndarray,
                new_np: np.ndarray | None, batch: set[str], recompute: np.ndarray | None = None,
@@ -262,7 +309,11 @@ class LayeredKVCore:
         which the forward writes and reads in place; their bookkeeping (placed at every layer,
         holding KV, dirty, joined to their requests) is journalled and applied when anything
         reads residency (:class:`~sglang_ext.dataplane.decode_journal.DecodeJournal`): the step
-        itself checks a few flags and records small lists. Nothing is staged."""
+        itself checks a few flags and records small lists. Nothing is staged. In the paged layout
+        (offloading) the step starts from the last one's page lists instead of reading every
+        request's slots (:meth:`_prepare_paged_decode`) and stages as usual."""
+        if self.store.mirror is not None:
+            return self._prepare_paged_decode(rids, seq_lens, new_slots)
         if new_slots.device.type != "cpu" or new_slots.numel() != len(rids) or self.residency.has_anonymous:
             return False
         slots = new_slots.tolist()  # plain ints: one call (a NumPy call costs 5-10 us between forwards)

@@ -178,6 +178,8 @@ class StepTables:
             seq_lens - new_counts, new_counts)
         col = starts[tok_req] + pos // ps
         off = pos % ps
+        if m and int(col.max()) >= flat.size:
+            raise ValueError("new tokens fall past the batch's pages (seq_lens vs req_to_token)")
         if new_slots is not None and (new_slots.size != m or not np.array_equal(new_slots // ps, flat[col])):
             raise ValueError("new token slots do not match the batch's pages (positions vs req_to_token)")
         self._n, self._m = int(flat.size), m

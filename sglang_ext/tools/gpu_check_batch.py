@@ -118,10 +118,17 @@ class CheckBatch:
             new.append(int(self.slots[i][self.lens[i]]))
             self.lens[i] += 1
         loc = torch.tensor(new, dtype=torch.int64)
-        requests = [(rid, torch.from_numpy(self.slots[i][: self.lens[i]].copy())) for i, rid in enumerate(self.rids)]
+        # as SGLang's layered backend does: the steady decode fast path first (the same batch,
+        # one token more each), else the general boundary with every request's slots
         t0 = time.thread_time()
-        self.core.prepare_step(requests, loc, recompute=recompute)
+        steady = recompute is None and self.core.prepare_decode_step(self.rids, self.lens, loc)
         self.prepare_cpu_s = time.thread_time() - t0
+        if not steady:
+            requests = [(rid, torch.from_numpy(self.slots[i][: self.lens[i]].copy()))
+                        for i, rid in enumerate(self.rids)]
+            t0 = time.thread_time()
+            self.core.prepare_step(requests, loc, recompute=recompute)
+            self.prepare_cpu_s += time.thread_time() - t0
         if self.core.overflow:
             raise RuntimeError("the batch overflowed the device pool: no staged step to measure")
         return loc

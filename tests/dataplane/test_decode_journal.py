@@ -112,7 +112,13 @@ def test_the_step_declines_what_it_cannot_journal():
     staged.step([("a", 3)])
     assert not staged.core.residency.journal.record(["a"], owners, pages, None)
     assert not staged.core.residency.journal.entries
+    # the paged layout's steady path declines a slot that does not continue the request...
     assert not staged.core.prepare_decode_step(["a"], [4], torch.tensor([61]))
+    assert staged.core.paged_decode_steps == 0
+    # ...and takes the one that does (control), journalling nothing
+    nxt = staged.slots["a"][2] + 1  # position 3: the second slot of position 2's page
+    assert staged.core.prepare_decode_step(["a"], [4], torch.tensor([nxt]))
+    assert staged.core.paged_decode_steps == 1 and not staged.core.residency.journal.entries
 
 
 def test_a_batch_naming_a_request_twice_is_not_journalled():

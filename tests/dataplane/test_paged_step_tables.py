@@ -202,3 +202,22 @@ def test_the_mirror_uploads_only_what_moved():
     d.step([("a", 1), ("b", 1)])
     moved = mirror.synced_columns - before
     assert 0 < moved <= len(d.slots["b"]) // 2 + 2 < PAGES
+
+
+def test_paged_steady_decode_steps_serve_exactly(compared):
+    """Steady decode steps in the paged layout start from the last step's page lists
+    (``prepare_decode_step``): every layer's reads stay bit-exact and the tables equal the
+    host-built ones, with pages opened mid-run, pauses and a shared prefix."""
+    d = CoreDriver(make_core(PAGES + 6), seed=7, fast_decode=True)
+    offload_scenario(d)
+    e = CoreDriver(make_core(6 * 8, layers=6), seed=8, fast_decode=True)
+    shared_prefix_scenario(e)
+    for driver in (d, e):
+        assert driver.core.paged_decode_steps > 0 and driver.fast_steps == driver.core.paged_decode_steps
+
+
+def test_a_paged_steady_step_that_drops_its_new_page_is_caught(monkeypatch):
+    """Control: a fast path that forgets the page a new token opens fails the step's checks."""
+    monkeypatch.setattr(layered_kv_core.np, "append", lambda pages, page: pages)
+    with pytest.raises((AssertionError, ValueError)):
+        offload_scenario(CoreDriver(make_core(PAGES + 6), seed=7, fast_decode=True))
