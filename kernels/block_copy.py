@@ -14,6 +14,7 @@ under ``TRITON_INTERPRET=1``; :func:`copy_segments` otherwise uses the torch ref
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -152,12 +153,14 @@ grid gave 0.98x one direction for H2D + D2H together, 264 programs 1.45x)."""
 INTERPRETER_PROGRAMS = 3
 
 
+@functools.lru_cache(maxsize=16)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def programs_for(t: torch.Tensor, work: int) -> int:
     """Programs of a persistent copy launch on ``t``'s device for ``work`` items."""
-    if t.is_cuda:
-        cap = PROGRAMS_PER_SM * torch.cuda.get_device_properties(t.device).multi_processor_count
-    else:
-        cap = INTERPRETER_PROGRAMS
+    cap = PROGRAMS_PER_SM * _sm_count(t.device.index or 0) if t.is_cuda else INTERPRETER_PROGRAMS
     return max(1, min(work, cap))
 
 

@@ -48,6 +48,7 @@ class PagedStepTables(StepTables):
         layers, ps = c.layers, c.page_size
         self.identity = False
         self.recompute = None
+        self._store = store
         self.staging_ids = np.zeros(0, dtype=np.int64)
         counts, flat, starts, col, off = self._columns(pages, seq_lens, new_counts, new_slots, ps)
         b, n = self.batch, int(flat.size)
@@ -58,7 +59,6 @@ class PagedStepTables(StepTables):
         host_req = np.zeros((layers, b), dtype=bool)
         if n:
             host_req[:, nonempty] = mirror.host_layers(flat, starts[nonempty])
-        self.host_layer_pages = mirror.host_count(flat) if n else 0
         staged_req = host_req.any(axis=0)
         stage_col = None
         if staged_req.any():
@@ -101,7 +101,7 @@ class PagedStepTables(StepTables):
         self.fetch_layer_pages = sum(f.segments for f in self.fetches) // 2
         self.writeback_layer_pages = sum(w.segments for w in self.writebacks if w is not None) // 2
         self._upload(store, int64_parts, head, counts, seq_lens, ps)
-        self._store, self._b = store, b
+        self._b = b
         page_idx = self.i32[:n]
         tab = mirror.dev.index_select(1, page_idx)
         if stage_col is not None:
@@ -111,6 +111,14 @@ class PagedStepTables(StepTables):
         self.rows = self.i64[: rows.size].view(layers, self._m)
         """``[L, m]`` int64 device rows of the new tokens per layer."""
         self._bind_csr(sum(int(h.size) for h in head), b)
+
+    @property
+    def host_layer_pages(self) -> int:  # type: ignore[override]
+        """Host-only layer-pages among the batch's (from the mirror's bits; read it during the
+        step: nobody needs it per step, so it is not counted per step)."""
+        mirror = self._store.mirror
+        assert mirror is not None
+        return mirror.host_count(self.pages) if self.pages.size else 0
 
     def _fetch_launches(self, mirror: MapMirror, flat: np.ndarray, counts: np.ndarray, starts: np.ndarray,
                         staged_req: np.ndarray, host_req: np.ndarray, trigger: np.ndarray, at: int) -> np.ndarray:
