@@ -86,20 +86,27 @@ class LayerPipeline:
             return
         wait: tuple = ()
         launch = tables.writebacks[layer]
+        fetches = layer in self._by_trigger
+        if launch is not None and fetches:
+            self.engine.mark_compute()  # the write-back and the fetches follow one compute event
         if launch is not None:
             src, dst, host = tables.launch_indices(launch)
             wait = (self.engine.d2h(src, dst, host_idx=host),)
             nbytes = launch.segments * self.engine.segment_bytes
             self.store.d2h_bytes += nbytes
             self.store.host_write_bytes += nbytes
-        if layer in self._by_trigger:
+        if fetches:
+            if launch is None and len(self._by_trigger[layer]) > 1:
+                self.engine.mark_compute()
             self._launch_fetches(layer, wait)
+        self.engine.clear_compute_mark()
         if layer == self.store.config.layers - 1:
             self.end_step()
 
     def end_step(self) -> None:
         """The forward is over: staging goes back (its reuse is fenced by the next step)."""
         tables, self.tables = self.tables, None
+        self.engine.end_compute()
         if tables is not None:
             for events in self._events:
                 events.clear()

@@ -114,6 +114,15 @@ class TransferEngine:
                 dst_idx: torch.Tensor, wait: Sequence[Any], host_idx: tuple[np.ndarray, np.ndarray] | None) -> Any:
         raise NotImplementedError
 
+    def mark_compute(self) -> None:
+        """The next launches may share one wait on the compute stream's work so far (CUDA)."""
+
+    def clear_compute_mark(self) -> None:
+        """End of :meth:`mark_compute`'s sharing."""
+
+    def end_compute(self) -> None:
+        """The forward is over: the next launches read the current stream again (CUDA)."""
+
     def index_tensor(self, values: np.ndarray) -> torch.Tensor:
         """``values`` (int64) as an index tensor on the device (boundary operations only: one
         small upload; the per-step indices come from the step's single metadata upload)."""
@@ -195,6 +204,10 @@ class CudaTransferEngine(TransferEngine):
         self.d2h_stream = torch.cuda.Stream(device=self.device)
         self._last: dict[str, Any] = {"h2d": None, "d2h": None}
         self._fresh = False  # a launch since the last wait_fence (its wait is then timed)
+        self._compute: Any = None
+        """The step's compute stream (set at :meth:`wait_fence`, the step start)."""
+        self._compute_mark: Any = None
+        """A compute-stream event shared by the launches of one layer end (:meth:`mark_compute`)."""
         self.impl = self._probe_zero_copy()
         """``triton`` (one gather/scatter launch through UVA) or ``memcpy`` (fallback: one
         ``cudaMemcpyAsync`` per segment, correct but launch-bound) if Triton refuses host memory."""
@@ -242,12 +255,16 @@ class CudaTransferEngine(TransferEngine):
         """Run ``copy`` on the ``kind`` stream after the compute stream's work so far and the
         events of ``wait``; timed by the clock; returns its event."""
         stream = self.h2d_stream if kind == "h2d" else self.d2h_stream
-        compute_done = torch.cuda.current_stream(self.device).record_event()
-        with torch.cuda.stream(stream):
-            stream.wait_event(compute_done)
-            for e in wait:
-                if e is not None:
-                    stream.wait_event(e)
+        compute = self._compute_stream()
+        compute_done = self._compute_mark if self._compute_mark is not None else compute.record_event()
+        stream.wait_event(compute_done)
+        for e in wait:
+            if e is not None:
+                stream.wait_event(e)
+        # the launch goes to ``stream`` as the current stream (Triton launches on the current one);
+        # set_stream and back costs a fraction of the ``torch.cuda.stream`` context on a GPU host
+        torch.cuda.set_stream(stream)
+        try:
             token = self.clock.start(kind, stream)  # after the waits: the pair times the copy alone
             # the indices were allocated on the compute stream: keep their memory until this
             # stream is done with it (the caching allocator would otherwise reuse it)
@@ -256,9 +273,28 @@ class CudaTransferEngine(TransferEngine):
             copy()
             self.clock.stop(kind, token, stream)
             event = stream.record_event()
+        finally:
+            torch.cuda.set_stream(compute)
         self._last[kind] = event
         self._fresh = True
         return event
+
+    def _compute_stream(self) -> Any:
+        """The stream the forward runs on: read once per step (at :meth:`wait_fence`, forgotten at
+        :meth:`end_compute`), as SGLang runs a step's boundary and layers on one stream; outside
+        a step, read each time."""
+        return self._compute if self._compute is not None else torch.cuda.current_stream(self.device)
+
+    def mark_compute(self) -> None:
+        """The launches until :meth:`clear_compute_mark` follow the compute stream's work so far
+        through ONE event (a layer's write-back and fetches share it)."""
+        self._compute_mark = self._compute_stream().record_event()
+
+    def clear_compute_mark(self) -> None:
+        self._compute_mark = None
+
+    def end_compute(self) -> None:
+        self._compute = self._compute_mark = None
 
     def index_tensor(self, values: np.ndarray) -> torch.Tensor:
         staged = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).pin_memory()
@@ -267,7 +303,7 @@ class CudaTransferEngine(TransferEngine):
     def stream_wait(self, events: Sequence[Any]) -> None:
         if not events:
             return
-        current = torch.cuda.current_stream(self.device)
+        current = self._compute_stream()
         token = self.clock.start(STALL, current)  # the pair brackets the compute stream's wait
         for e in events:
             if e is not None:
@@ -278,7 +314,7 @@ class CudaTransferEngine(TransferEngine):
         return self._last["d2h"]
 
     def wait_fence(self) -> None:
-        current = torch.cuda.current_stream(self.device)
+        current = self._compute = torch.cuda.current_stream(self.device)
         # the wait is timed only if something was launched since the last fence (otherwise the
         # compute stream has already waited on these events)
         fresh, self._fresh = self._fresh, False
