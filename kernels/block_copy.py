@@ -84,23 +84,22 @@ if HAVE_TRITON:
         dst_ptr,
         src_idx_ptr,
         dst_idx_ptr,
-        work,
+        n,
+        programs,
         SEG: tl.constexpr,
         BLOCK: tl.constexpr,
-        CHUNKS: tl.constexpr,
-        PROGRAMS: tl.constexpr,
     ):
-        # persistent: PROGRAMS programs stride over the (pair, chunk) items, so a copy in the
-        # other direction finds SMs free and both run at once (duplex; see programs_for)
-        for item in range(tl.program_id(0), work, PROGRAMS):
-            pair = item // CHUNKS
-            chunk = item % CHUNKS
+        # persistent: PROGRAMS programs stride over the pairs, each copying a whole segment in
+        # BLOCK chunks, so a copy in the other direction finds SMs free and both run at once
+        # (duplex; see PROGRAMS_PER_SM)
+        for pair in range(tl.program_id(0), n, programs):
             s = tl.load(src_idx_ptr + pair).to(tl.int64)
             d = tl.load(dst_idx_ptr + pair).to(tl.int64)
-            offs = chunk * BLOCK + tl.arange(0, BLOCK)
-            mask = offs < SEG
-            x = tl.load(src_ptr + s * SEG + offs, mask=mask)
-            tl.store(dst_ptr + d * SEG + offs, x, mask=mask)
+            for start in range(0, SEG, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                mask = offs < SEG
+                x = tl.load(src_ptr + s * SEG + offs, mask=mask)
+                tl.store(dst_ptr + d * SEG + offs, x, mask=mask)
 
     def _fetch_pages_kernel(
         host_ptr,
@@ -115,20 +114,19 @@ if HAVE_TRITON:
         host_base,
         host_stride,
         dev_v,
-        MAX_PAGES: tl.constexpr,
+        max_pages,
+        programs,
         SEG: tl.constexpr,
         BLOCK: tl.constexpr,
-        CHUNKS: tl.constexpr,
-        PROGRAMS: tl.constexpr,
     ):
-        # item = (request i of the launch, its page j, chunk): page j of request reqs[i] is column
+        # max_pages and programs are runtime values (constexprs would compile a kernel per shape)
+        # item = (request i of the launch, its page j): page j of request reqs[i] is column
         # starts[r] + j of the step; copied (K then V segment) when the map has no device copy of
         # it at this layer, from host segment host_base + page * host_stride (+1 for V) to the
         # column's staging page (V at + dev_v)
-        for item in range(tl.program_id(0), work, PROGRAMS):
-            i = item // (MAX_PAGES * CHUNKS)
-            j = (item // CHUNKS) % MAX_PAGES
-            chunk = item % CHUNKS
+        for item in range(tl.program_id(0), work, programs):
+            i = item // max_pages
+            j = item % max_pages
             r = tl.load(reqs_ptr + i)
             inside = j < tl.load(counts_ptr + r)
             col = tl.load(starts_ptr + r) + j
@@ -136,20 +134,32 @@ if HAVE_TRITON:
             on_host = inside & (tl.load(map_row_ptr + page, mask=inside, other=0) < 0)
             d = tl.load(stage_ptr + col, mask=on_host, other=0).to(tl.int64)
             s = host_base + page * host_stride
-            offs = chunk * BLOCK + tl.arange(0, BLOCK)
-            mask = (offs < SEG) & on_host
-            k = tl.load(host_ptr + s * SEG + offs, mask=mask)
-            tl.store(dev_ptr + d * SEG + offs, k, mask=mask)
-            v = tl.load(host_ptr + (s + 1) * SEG + offs, mask=mask)
-            tl.store(dev_ptr + (d + dev_v) * SEG + offs, v, mask=mask)
+            for start in range(0, SEG, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                mask = (offs < SEG) & on_host
+                k = tl.load(host_ptr + s * SEG + offs, mask=mask)
+                tl.store(dev_ptr + d * SEG + offs, k, mask=mask)
+                v = tl.load(host_ptr + (s + 1) * SEG + offs, mask=mask)
+                tl.store(dev_ptr + (d + dev_v) * SEG + offs, v, mask=mask)
 
-    _copy_segments_kernel = LazyKernel(_copy_segments_kernel)
-    _fetch_pages_kernel = LazyKernel(_fetch_pages_kernel)
+    # sizes and index views vary per launch: specialising on their values or alignment would
+    # compile a kernel per step shape in the middle of serving
+    _copy_segments_kernel = LazyKernel(
+        _copy_segments_kernel, do_not_specialize=["n", "programs"],
+        do_not_specialize_on_alignment=["src_idx_ptr", "dst_idx_ptr"])
+    _fetch_pages_kernel = LazyKernel(
+        _fetch_pages_kernel,
+        do_not_specialize=["work", "host_base", "host_stride", "dev_v", "max_pages", "programs"],
+        do_not_specialize_on_alignment=["flat_ptr", "stage_ptr", "map_row_ptr", "reqs_ptr", "starts_ptr",
+                                        "counts_ptr"])
 
-PROGRAMS_PER_SM = 4
+PROGRAMS_PER_SM = 3
 """Persistent programs per SM of one copy launch: enough loads in flight to saturate PCIe in one
-direction, few enough that a launch in the other direction runs beside it (H100: an unbounded
-grid gave 0.98x one direction for H2D + D2H together, 264 programs 1.45x)."""
+direction, few enough that a launch in the other direction runs beside it. H100 sweeps
+(``benchmarks/results/gpu/duplex/``): an unbounded grid gave 0.98x one direction for H2D + D2H
+together; programs looping over whole segments, 3 per SM, 8 warps, 1.55x."""
+COPY_WARPS = 8
+"""Warps per copy program (the sweep's best with 3 programs per SM)."""
 INTERPRETER_PROGRAMS = 3
 
 
@@ -178,10 +188,10 @@ def copy_segments_triton(
     d_words = _word_view(dst)
     seg = s_words.shape[1]
     block = min(COPY_BLOCK_ELEMS, triton.next_power_of_2(seg))
-    chunks = triton.cdiv(seg, block)
-    programs = programs_for(src if src.is_cuda else dst, n * chunks)
-    _copy_segments_kernel[(programs,)](s_words, d_words, src_idx, dst_idx, n * chunks, SEG=seg, BLOCK=block,
-                                       CHUNKS=chunks, PROGRAMS=programs)
+    programs = programs_for(src if src.is_cuda else dst, n)
+    # n and programs are runtime values: constexprs would compile a kernel per launch size
+    _copy_segments_kernel[(programs,)](s_words, d_words, src_idx, dst_idx, n, programs, SEG=seg, BLOCK=block,
+                                       num_warps=COPY_WARPS)
 
 
 def fetch_pages_triton(host: torch.Tensor, dev: torch.Tensor, flat: torch.Tensor, stage: torch.Tensor,
@@ -203,12 +213,11 @@ def fetch_pages_triton(host: torch.Tensor, dev: torch.Tensor, flat: torch.Tensor
     h_words, d_words = _word_view(host), _word_view(dev)
     seg = h_words.shape[1]
     block = min(COPY_BLOCK_ELEMS, triton.next_power_of_2(seg))
-    chunks = triton.cdiv(seg, block)
-    work = n * max_pages * chunks
+    work = n * max_pages
     programs = programs_for(dev, work)
     _fetch_pages_kernel[(programs,)](h_words, d_words, flat, stage, map_row, reqs, starts, counts, work,
-                                     host_base, host_stride, dev_v, MAX_PAGES=max_pages, SEG=seg,
-                                     BLOCK=block, CHUNKS=chunks, PROGRAMS=programs)
+                                     host_base, host_stride, dev_v, max_pages, programs, SEG=seg,
+                                     BLOCK=block, num_warps=COPY_WARPS)
 
 
 def fetch_page_indices(flat, stage, map_row, reqs, starts, counts,  # noqa: ANN001 - NumPy arrays

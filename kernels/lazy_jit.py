@@ -16,8 +16,10 @@ from typing import Any
 class LazyKernel:
     """``LazyKernel(fn)[grid](*args)`` like a ``@triton.jit`` function."""
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], **jit_options: Any) -> None:
         self.fn = fn
+        self.jit_options = jit_options
+        """Keyword arguments of ``triton.jit`` (e.g. ``do_not_specialize``); the interpreter ignores them."""
         self._by_mode: dict[bool, Any] = {}
 
     def _kernel(self) -> Any:
@@ -26,7 +28,8 @@ class LazyKernel:
             import triton
             from triton.runtime.interpreter import InterpretedFunction
 
-            self._by_mode[interpret] = InterpretedFunction(self.fn) if interpret else triton.jit(self.fn)
+            self._by_mode[interpret] = (InterpretedFunction(self.fn) if interpret
+                                        else triton.jit(self.fn, **self.jit_options))
         return self._by_mode[interpret]
 
     def __getitem__(self, grid: Any) -> Any:
