@@ -158,8 +158,8 @@ PROGRAMS_PER_SM = 3
 direction, few enough that a launch in the other direction runs beside it. H100 sweeps
 (``benchmarks/results/gpu/duplex/``): an unbounded grid gave 0.98x one direction for H2D + D2H
 together; programs looping over whole segments, 3 per SM, 8 warps, 1.55x."""
-COPY_WARPS = 8
-"""Warps per copy program (the sweep's best with 3 programs per SM)."""
+COPY_WARPS = 4
+"""Warps per copy program (8 won the synthetic sweep; 4 the engine-level one on a gpu-check-sized block-first pool, layer-strided: duplex 1.30x vs 1.27x)."""
 INTERPRETER_PROGRAMS = 3
 
 
