@@ -215,12 +215,14 @@ class LayeredKVCore:
         general one (reconcile, :class:`PagedStepTables`, pipeline). O(batch) host work plus the
         tables'; False (nothing done) when it does not apply."""
         last = self._paged_last
-        if (last is None or new_slots.device.type != "cpu" or new_slots.numel() != len(rids)
-                or self.residency.has_anonymous or list(rids) != last[0]):
+        if (last is None or new_slots.numel() != len(rids) or self.residency.has_anonymous
+                or list(rids) != last[0]):
             return False
         lens = [int(n) for n in seq_lens]
         if len(lens) != len(last[1]) or any(n != p + 1 for n, p in zip(lens, last[1], strict=True)):
             return False
+        # on a GPU this reads the step's new slots back: the boundary's one sync (the general
+        # path reads every request's slots instead); never inside a layer
         ps, slots = self.page_size, new_slots.tolist()
         page_lists = list(last[2])
         opens = [i for i, n in enumerate(lens) if (n - 1) % ps == 0]  # the new token opens a page
@@ -234,7 +236,7 @@ class LayeredKVCore:
             self.residency.observe(rids[i], torch.from_numpy(pages))
         self._paged_last = (last[0], lens, page_lists)
         self.decode_delta = self._reconcile()
-        new_np = new_slots.numpy().astype(np.int64, copy=False)
+        new_np = np.asarray(slots, dtype=np.int64)
         self._begin(page_lists, np.asarray(lens, dtype=np.int64), np.ones(len(lens), dtype=np.int64), new_np,
                     set(last[0]), None, None)
         self.paged_decode_steps += 1
