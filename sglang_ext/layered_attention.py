@@ -175,8 +175,11 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         True when the steady decode fast path served it."""
         self.token_to_kv_pool._layer = None
         self.recompute.clear()
-        self.steady = not self.recompute_inputs and self._steady_decode(forward_batch)
-        if self.steady:
+        fast = not self.recompute_inputs and self._steady_decode(forward_batch)
+        # ``steady``: nothing staged, so the layers skip the pool's per-layer calls -- the identity
+        # layout's journalled step only; the paged layout's steady step stages as usual
+        self.steady = fast and self.in_place
+        if fast:
             return True
         req_to_token = self.real_req_to_token_pool.req_to_token
         rows = forward_batch.req_pool_indices

@@ -96,10 +96,14 @@ class LayeredKVCore:
 
     def release_request(self, rid: str) -> None:
         """The request finished or was aborted: drop its wants (tree-owned pages stay)."""
+        self._paged_last = None
         self.residency.release_request(rid)
 
     def page_freed(self, pages: Sequence[int]) -> None:
-        """SGLang's allocator took ``pages`` back."""
+        """SGLang's allocator took ``pages`` back. A running request's row may have been rewritten
+        (a prefix the tree already held replaces the request's copy): the next step reads every
+        request's slots again (:meth:`_prepare_paged_decode` does not apply)."""
+        self._paged_last = None
         self.residency.page_freed(pages)
 
     def free_device_pages(self) -> int:

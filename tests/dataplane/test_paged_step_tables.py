@@ -221,3 +221,23 @@ def test_a_paged_steady_step_that_drops_its_new_page_is_caught(monkeypatch):
     monkeypatch.setattr(layered_kv_core.np, "append", lambda pages, page: pages)
     with pytest.raises((AssertionError, ValueError)):
         offload_scenario(CoreDriver(make_core(PAGES + 6), seed=7, fast_decode=True))
+
+
+def test_a_freed_page_sends_the_next_step_through_the_general_path():
+    """SGLang may rewrite a running request's row when it frees pages (a prefix the tree already
+    holds replaces the request's copy): after ``page_freed`` the steady path declines and the
+    general one reads the rows. Control: without the free the same step takes the fast path."""
+    for free in (False, True):
+        core = make_core(PAGES + 6)
+        d = CoreDriver(core, seed=9, fast_decode=True)
+        d.add("a")
+        d.add("b")
+        d.step([("a", 5), ("b", 3)])
+        d.want("a", [True, False, True])
+        d.step([("a", 1), ("b", 1)])
+        before = core.paged_decode_steps
+        if free:
+            core.page_freed([])  # the call, whatever it frees, is what forgets the page lists
+        d.step([("a", 1), ("b", 1)])
+        assert core.paged_decode_steps == before + (0 if free else 1)
+        d.check_at_rest()
