@@ -157,7 +157,8 @@ PROGRAMS_PER_SM = 3
 """Persistent programs per SM of one copy launch: enough loads in flight to saturate PCIe in one
 direction, few enough that a launch in the other direction runs beside it. H100 sweeps
 (``benchmarks/results/gpu/duplex/``): an unbounded grid gave 0.98x one direction for H2D + D2H
-together; programs looping over whole segments, 3 per SM, 8 warps, 1.55x."""
+together; programs looping over whole segments, 3 per SM, 1.55x there (8 warps; 1.30x at 4
+warps, 1.27x at 8, on a gpu-check-sized pool with layer-strided segments: ``COPY_WARPS``)."""
 COPY_WARPS = 4
 """Warps per copy program (8 won the synthetic sweep; 4 the engine-level one on a gpu-check-sized block-first pool, layer-strided: duplex 1.30x vs 1.27x)."""
 INTERPRETER_PROGRAMS = 3

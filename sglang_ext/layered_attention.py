@@ -234,9 +234,10 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
             return False
         if not self.pool.prepare_decode_step(rids, lens, forward_batch.out_cache_loc):
             return False
-        self.last_delta = None
-        self.batch_rids, self.batch_request_slots = list(rids), []
         self.in_place = self.pool.store.identity  # the paged layout's steady step stages as usual
+        # the worker metrics count the step's moves: the paged step reconciles, the journal does not
+        self.last_delta = None if self.in_place else self.pool.core.decode_delta
+        self.batch_rids, self.batch_request_slots = list(rids), []
         if not self.in_place:
             bs = len(lens)
             if self.compact_rows.numel() != bs:

@@ -273,6 +273,7 @@ class LayeredKVCore:
                 break
         self.overflow = True
         self.overflow_steps += 1
+        self.store.engine.end_compute()  # no pipeline this step: the engine reads the stream again
         if self.overflow_steps & (self.overflow_steps - 1) == 0:  # 1, 2, 4, 8, ...
             log.warning(
                 "layered_kv_staging_overflow",
@@ -298,6 +299,7 @@ class LayeredKVCore:
             self.store.has_kv_np[fresh] = True
         self.store.staging_pages = 0
         self.store.engine.wait_fence()  # the boundary's copies (if any) before the layers read
+        self.store.engine.end_compute()  # no pipeline: later launches read the current stream
         return True
 
     def _release_staging(self, tables: StepTables) -> None:

@@ -159,6 +159,8 @@ class PagedStepTables(StepTables):
         i32, at = self.i32, launch.offset
         mirror = store.mirror
         assert mirror is not None
+        if mirror.pending:  # the kernel reads the mirror as synced, the CPU path the map: they agree
+            raise RuntimeError("the map changed inside a forward (between the tables and a fetch)")
         spec = PageFetch(
             layer=launch.layer, layers=store.config.layers, dev_v=store.pages_total, max_pages=launch.max_pages,
             segments=launch.segments, reqs=i32[at: at + launch.n_reqs], flat=i32[:n], stage=i32[n: 2 * n],
