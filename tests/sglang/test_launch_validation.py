@@ -5,6 +5,11 @@ Every refusal is one ``kvplane:`` line on stderr and exit status 2, before any s
 tests (``test_launch_files.py``, ``test_host_pool_floor.py``); here the real launcher answers one
 case of each, and ``test_request_slo_server.py`` launches with a valid policy and a cap at the
 floor (their negative control).
+
+Each refusal is a launcher process that imports SGLang (~20 s of CPU here) and exits; one after
+another they took ~6 minutes of the suite. The module's cases therefore run together at the
+start (:func:`launch_all`, :data:`CONCURRENT_LAUNCHES` at a time), and each test reads its own
+case's result.
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -36,6 +42,21 @@ def launch(model_dir: Path, *extra: str, env: dict[str, str] | None = None) -> s
     )
 
 
+CONCURRENT_LAUNCHES = 4
+"""Launcher processes at once (each is one mostly single-threaded import; 24 GiB hold four)."""
+
+
+def launch_all(
+    model_dir: Path, cases: Mapping[str, tuple[Sequence[str], Mapping[str, str] | None]]
+) -> dict[str, subprocess.CompletedProcess[str]]:
+    """:func:`launch` of every case (name -> extra flags, environment), run concurrently."""
+    with ThreadPoolExecutor(max_workers=CONCURRENT_LAUNCHES) as pool:
+        futures = {
+            name: pool.submit(launch, model_dir, *extra, env=dict(env or {})) for name, (extra, env) in cases.items()
+        }
+        return {name: future.result() for name, future in futures.items()}
+
+
 def assert_refused_in_one_line(proc: subprocess.CompletedProcess[str], fragment: str) -> None:
     """Exit status 2, exactly one kvplane line holding ``fragment``, no traceback, no model load."""
     output = proc.stdout + proc.stderr
@@ -45,41 +66,30 @@ def assert_refused_in_one_line(proc: subprocess.CompletedProcess[str], fragment:
     assert "Traceback" not in output and "Load weight" not in output, output[-3000:]
 
 
-@pytest.mark.parametrize(
-    ("extra", "message"),
-    [
-        (["--kv-scheduler", "sjf"], "kvplane: invalid launch option: --kv-scheduler='sjf' is invalid; allowed: fcfs, layerkv, lvf"),
-        (["--radix-cache-backend", "foo"], "kvplane: --enable-layered-kv needs --radix-cache-backend layered (implied), got 'foo'"),
-        (["--kv-profile", "/nonexistent-kvplane-dir/profile.json"],
-         "kvplane: invalid launch option: --kv-profile='/nonexistent-kvplane-dir/profile.json': no such file"),
-        (["--attention-backend", "fa3"],
-         "kvplane: --attention-backend fa3 reads SGLang's flat KV buffers, which the layered KV pool "
-         "does not have; on cpu use torch_native or triton (or leave it unset)"),
-        (["--attention-backend", "torch_native", "--kv-cache-dtype", "fp8_e4m3"],
-         "kvplane: --kv-cache-dtype fp8_e4m3: quantized KV caches are not supported with --enable-layered-kv"),
-        (["--attention-backend", "torch_native", "--cuda-graph-backend-decode", "full"],
-         "kvplane: --cuda-graph-backend-decode full: CUDA graph capture is not supported with "
-         "--enable-layered-kv"),
-    ],
-)
-def test_launcher_rejects_bad_options(tiny_model_dir, extra, message):
-    """The launcher exits non-zero before starting any subprocess and prints the reason."""
-    assert_refused_in_one_line(launch(tiny_model_dir, *extra), message)
+BAD_OPTIONS: list[tuple[list[str], str]] = [
+    (["--kv-scheduler", "sjf"], "kvplane: invalid launch option: --kv-scheduler='sjf' is invalid; allowed: fcfs, layerkv, lvf"),
+    (["--radix-cache-backend", "foo"], "kvplane: --enable-layered-kv needs --radix-cache-backend layered (implied), got 'foo'"),
+    (["--kv-profile", "/nonexistent-kvplane-dir/profile.json"],
+     "kvplane: invalid launch option: --kv-profile='/nonexistent-kvplane-dir/profile.json': no such file"),
+    (["--attention-backend", "fa3"],
+     "kvplane: --attention-backend fa3 reads SGLang's flat KV buffers, which the layered KV pool "
+     "does not have; on cpu use torch_native or triton (or leave it unset)"),
+    (["--attention-backend", "torch_native", "--kv-cache-dtype", "fp8_e4m3"],
+     "kvplane: --kv-cache-dtype fp8_e4m3: quantized KV caches are not supported with --enable-layered-kv"),
+    (["--attention-backend", "torch_native", "--cuda-graph-backend-decode", "full"],
+     "kvplane: --cuda-graph-backend-decode full: CUDA graph capture is not supported with "
+     "--enable-layered-kv"),
+]
+"""Bad flags and the line the launcher prints for each."""
 
-
-@pytest.mark.parametrize(
-    ("env", "message"),
-    [
-        ({"KVPLANE_LOG_LEVEL": "chatty"},
-         "kvplane: KVPLANE_LOG_LEVEL: 'chatty' is not a log level (allowed: debug, info, warning"),
-        ({"KVPLANE_STATS_FILE": "/nonexistent-kvplane-dir/stats.jsonl"},
-         "kvplane: KVPLANE_STATS_FILE='/nonexistent-kvplane-dir/stats.jsonl': directory "
-         "'/nonexistent-kvplane-dir' does not exist"),
-    ],
-)
-def test_launcher_rejects_bad_kvplane_env(tiny_model_dir, env, message):
-    """A bad KVPLANE_* variable stops the launcher with the variable, its value and what is allowed."""
-    assert_refused_in_one_line(launch(tiny_model_dir, env=env), message)
+BAD_ENV: list[tuple[dict[str, str], str]] = [
+    ({"KVPLANE_LOG_LEVEL": "chatty"},
+     "kvplane: KVPLANE_LOG_LEVEL: 'chatty' is not a log level (allowed: debug, info, warning"),
+    ({"KVPLANE_STATS_FILE": "/nonexistent-kvplane-dir/stats.jsonl"},
+     "kvplane: KVPLANE_STATS_FILE='/nonexistent-kvplane-dir/stats.jsonl': directory "
+     "'/nonexistent-kvplane-dir' does not exist"),
+]
+"""Bad ``KVPLANE_*`` variables and the line the launcher prints for each."""
 
 
 def _file(root: Path, name: str, content: str | bytes) -> str:
@@ -129,10 +139,40 @@ BAD_LAUNCH_FILES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
 """Issue 17's bad launch files and cap: the flags for a directory, the line the launcher prints."""
 
 
+@pytest.fixture(scope="module")
+def launched(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[subprocess.CompletedProcess[str], Path | None]]:
+    """Every case of this module launched at once: name -> (the launcher's result, its files' directory)."""
+    cases: dict[str, tuple[Sequence[str], Mapping[str, str] | None]] = {}
+    dirs: dict[str, Path | None] = {}
+    for i, (extra, _) in enumerate(BAD_OPTIONS):
+        cases[f"option{i}"], dirs[f"option{i}"] = (extra, None), None
+    for i, (env, _) in enumerate(BAD_ENV):
+        cases[f"env{i}"], dirs[f"env{i}"] = ((), env), None
+    for name, (flags, _) in BAD_LAUNCH_FILES.items():
+        d = tmp_path_factory.mktemp(f"launch-{name}")
+        cases[f"file-{name}"], dirs[f"file-{name}"] = (flags(d), None), d
+    results = launch_all(tiny_model_dir, cases)
+    return {name: (results[name], dirs[name]) for name in cases}
+
+
+@pytest.mark.parametrize("i", range(len(BAD_OPTIONS)), ids=[m[:60] for _, m in BAD_OPTIONS])
+def test_launcher_rejects_bad_options(launched, i):
+    """The launcher exits non-zero before starting any subprocess and prints the reason."""
+    assert_refused_in_one_line(launched[f"option{i}"][0], BAD_OPTIONS[i][1])
+
+
+@pytest.mark.parametrize("i", range(len(BAD_ENV)), ids=[next(iter(e)) for e, _ in BAD_ENV])
+def test_launcher_rejects_bad_kvplane_env(launched, i):
+    """A bad KVPLANE_* variable stops the launcher with the variable, its value and what is allowed."""
+    assert_refused_in_one_line(launched[f"env{i}"][0], BAD_ENV[i][1])
+
+
 @pytest.mark.parametrize("case", list(BAD_LAUNCH_FILES))
-def test_launcher_refuses_bad_files_and_cap_in_one_line(tiny_model_dir, tmp_path, case):
+def test_launcher_refuses_bad_files_and_cap_in_one_line(launched, case):
     """A bad --kv-policy / --kv-tls-* / --kv-policy-token-file content, or a --kv-host-pool-gb below
     what the model's KV needs, stops the launcher with one line naming the flag, the file or value
     and the problem, exit status 2, before anything is loaded."""
-    flags, line = BAD_LAUNCH_FILES[case]
-    assert_refused_in_one_line(launch(tiny_model_dir, *flags(tmp_path)), line.format(d=tmp_path))
+    proc, d = launched[f"file-{case}"]
+    assert_refused_in_one_line(proc, BAD_LAUNCH_FILES[case][1].format(d=d))

@@ -26,7 +26,7 @@ from sglang_ext.settings import STATS_FILE_ENV
 from sglang_ext.testing.server import free_port
 from tests.service.conftest import wait_until
 from tests.sglang.conftest import PROMPTS, running_server
-from tests.sglang.test_launch_validation import assert_refused_in_one_line, launch
+from tests.sglang.test_launch_validation import assert_refused_in_one_line, launch_all
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]
 
@@ -126,8 +126,10 @@ def test_a_live_scheduler_change_reaches_the_admission_gate(live):
 def test_launch_refuses_a_taken_port_and_updates_without_a_token(live, tiny_model_dir):
     """A second server on the same policy port stops at launch with one line naming the flag and
     the address; so does one that would serve updates without a token."""
-    taken = launch(tiny_model_dir, "--kv-policy-listen", live.target, "--kv-policy-listen-token-file", str(live.token))
-    assert_refused_in_one_line(taken, f"--kv-policy-listen='{live.target}': cannot bind (Address already in use)")
-    open_port = launch(tiny_model_dir, "--kv-policy-listen", f"127.0.0.1:{free_port()}")
-    assert_refused_in_one_line(open_port, "serves policy updates: give --kv-policy-listen-token-file FILE")
+    got = launch_all(tiny_model_dir, {
+        "taken": (["--kv-policy-listen", live.target, "--kv-policy-listen-token-file", str(live.token)], None),
+        "open": (["--kv-policy-listen", f"127.0.0.1:{free_port()}"], None),
+    })
+    assert_refused_in_one_line(got["taken"], f"--kv-policy-listen='{live.target}': cannot bind (Address already in use)")
+    assert_refused_in_one_line(got["open"], "serves policy updates: give --kv-policy-listen-token-file FILE")
     assert live.server.post("/generate", {"text": "still", "sampling_params": {"max_new_tokens": 1}})["meta_info"]
