@@ -6,14 +6,18 @@ tests (``test_launch_files.py``, ``test_host_pool_floor.py``); here the real lau
 case of each, and ``test_request_slo_server.py`` launches with a valid policy and a cap at the
 floor (their negative control).
 
-Each refusal is a launcher process that imports SGLang (~20 s of CPU here) and exits; one after
-another they took ~6 minutes of the suite. The module's cases therefore run together at the
-start (:func:`launch_all`, :data:`CONCURRENT_LAUNCHES` at a time), and each test reads its own
-case's result.
+Each refusal is a launcher process that spends ~25 s of CPU importing SGLang before it refuses;
+one after another they took ~6 minutes of the suite. So the flag and file cases share one
+import: ``launcher_forks.py`` imports SGLang once and runs each case's launcher module as
+``__main__`` in a fork (the code ``python -m sglang.launch_server`` runs, with the case's argv).
+The variable cases (read when the plugin loads) launch fresh processes, all at the start of the
+module (:func:`launch_all`); so does one flag case, and a test checks that its fresh launch and
+its fork print the same line.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -30,11 +34,19 @@ pytestmark = pytest.mark.sglang
 REMOTE = ["--kv-control-plane", "grpc://127.0.0.1:50051"]
 
 
+FORKS = Path(__file__).with_name("launcher_forks.py")
+
+
+def launcher_argv(model_dir: Path, *extra: str) -> list[str]:
+    """The launcher's flags: --enable-layered-kv on the CPU recipe's device, then ``extra``."""
+    return ["--model-path", str(model_dir), "--device", "cpu", "--max-total-tokens", "4096",
+            "--enable-layered-kv", *extra]
+
+
 def launch(model_dir: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run the launcher with --enable-layered-kv on the CPU recipe's device; it must exit by itself."""
     return subprocess.run(
-        [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir),
-         "--device", "cpu", "--max-total-tokens", "4096", "--enable-layered-kv", *extra],
+        [sys.executable, "-m", "sglang.launch_server", *launcher_argv(model_dir, *extra)],
         capture_output=True,
         text=True,
         timeout=180,
@@ -57,11 +69,37 @@ def launch_all(
         return {name: future.result() for name, future in futures.items()}
 
 
+def launch_forked(
+    model_dir: Path, cases: Mapping[str, Sequence[str]], work: Path
+) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Every case (name -> extra flags) through ``launcher_forks.py``: one SGLang import, one
+    fork per case; each result as :func:`launch` would return it (exit status, stdout, stderr)."""
+    spec = []
+    for name, extra in cases.items():
+        spec.append({"argv": launcher_argv(model_dir, *extra), "out": str(work / f"{name}.out"),
+                     "err": str(work / f"{name}.err"), "code": str(work / f"{name}.code")})
+    (work / "cases.json").write_text(json.dumps(spec))
+    driver = subprocess.run([sys.executable, str(FORKS), str(work / "cases.json")], capture_output=True,
+                            text=True, timeout=600)
+    assert driver.returncode == 0, driver.stdout[-2000:] + driver.stderr[-3000:]
+    results = {}
+    for name, case in zip(cases, spec, strict=True):
+        code = Path(case["code"]).read_text()
+        returncode = int(code) if code.lstrip("-").isdigit() else -9  # "timeout": killed
+        results[name] = subprocess.CompletedProcess(case["argv"], returncode, Path(case["out"]).read_text(),
+                                                    Path(case["err"]).read_text())
+    return results
+
+
+def kvplane_lines(proc: subprocess.CompletedProcess[str]) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.startswith("kvplane:")]
+
+
 def assert_refused_in_one_line(proc: subprocess.CompletedProcess[str], fragment: str) -> None:
     """Exit status 2, exactly one kvplane line holding ``fragment``, no traceback, no model load."""
     output = proc.stdout + proc.stderr
     assert proc.returncode == 2, output[-3000:]
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("kvplane:")]
+    lines = kvplane_lines(proc)
     assert len(lines) == 1 and fragment in lines[0], output[-3000:]
     assert "Traceback" not in output and "Load weight" not in output, output[-3000:]
 
@@ -144,17 +182,31 @@ def launched(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, tuple[subprocess.CompletedProcess[str], Path | None]]:
     """Every case of this module launched at once: name -> (the launcher's result, its files' directory)."""
-    cases: dict[str, tuple[Sequence[str], Mapping[str, str] | None]] = {}
+    fresh: dict[str, tuple[Sequence[str], Mapping[str, str] | None]] = {"fresh-option0": (BAD_OPTIONS[0][0], None)}
+    forked: dict[str, Sequence[str]] = {}
     dirs: dict[str, Path | None] = {}
     for i, (extra, _) in enumerate(BAD_OPTIONS):
-        cases[f"option{i}"], dirs[f"option{i}"] = (extra, None), None
+        forked[f"option{i}"], dirs[f"option{i}"] = extra, None
     for i, (env, _) in enumerate(BAD_ENV):
-        cases[f"env{i}"], dirs[f"env{i}"] = ((), env), None
+        fresh[f"env{i}"], dirs[f"env{i}"] = ((), env), None
     for name, (flags, _) in BAD_LAUNCH_FILES.items():
         d = tmp_path_factory.mktemp(f"launch-{name}")
-        cases[f"file-{name}"], dirs[f"file-{name}"] = (flags(d), None), d
-    results = launch_all(tiny_model_dir, cases)
-    return {name: (results[name], dirs[name]) for name in cases}
+        forked[f"file-{name}"], dirs[f"file-{name}"] = flags(d), d
+    dirs["fresh-option0"] = None
+    with ThreadPoolExecutor(max_workers=1) as pool:  # the fresh launches run beside the forks
+        fresh_results = pool.submit(launch_all, tiny_model_dir, fresh)
+        results = launch_forked(tiny_model_dir, forked, tmp_path_factory.mktemp("launcher-forks"))
+        results.update(fresh_results.result())
+    return {name: (results[name], dirs[name]) for name in results}
+
+
+def test_a_forked_launch_refuses_as_a_fresh_launcher_process_does(launched):
+    """The forks run the launcher as a fresh process does: the same exit status and kvplane line
+    for the same flags (the other flag and file cases rely on it). Negative control: another
+    case's line differs, so the comparison can fail."""
+    fresh, forked = launched["fresh-option0"][0], launched["option0"][0]
+    assert (fresh.returncode, kvplane_lines(fresh)) == (forked.returncode, kvplane_lines(forked))
+    assert kvplane_lines(launched["option1"][0]) != kvplane_lines(fresh)
 
 
 @pytest.mark.parametrize("i", range(len(BAD_OPTIONS)), ids=[m[:60] for _, m in BAD_OPTIONS])
