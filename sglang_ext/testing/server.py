@@ -83,6 +83,7 @@ class SGLangServer:
     python: str = sys.executable
     """Interpreter that runs ``sglang.launch_server``."""
     _proc: subprocess.Popen | None = None
+    _deadline: float = 0.0
 
     @property
     def base_url(self) -> str:
@@ -107,6 +108,12 @@ class SGLangServer:
 
     def start(self) -> SGLangServer:
         """Launch and block until healthy; raise :class:`ServerError` with the log tail otherwise."""
+        self.spawn()
+        return self.wait_ready()
+
+    def spawn(self) -> SGLangServer:
+        """Launch without waiting (:meth:`wait_ready` waits): servers spawned together start
+        side by side, their imports on both cores of a small host."""
         if self._proc is not None:
             raise ServerError("server already started")
         if not self.port:
@@ -122,8 +129,15 @@ class SGLangServer:
             start_new_session=True,
         )
         log_file.close()
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
+        self._deadline = time.monotonic() + self.startup_timeout_s
+        return self
+
+    def wait_ready(self) -> SGLangServer:
+        """Block until the spawned server is healthy; stop it and raise :class:`ServerError` with
+        the log tail if it exits or is not healthy within ``startup_timeout_s`` of its spawn."""
+        if self._proc is None:
+            raise ServerError("server not spawned")
+        while time.monotonic() < self._deadline:
             if self._proc.poll() is not None:
                 raise ServerError(
                     f"SGLang exited with {self._proc.returncode} during start-up\n{self.log_tail()}"

@@ -28,7 +28,7 @@ from tests.sglang.conftest import (
     PROMPTS,
     assert_same_generation,
     greedy,
-    running_server,
+    running_servers,
 )
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # server start-ups on a loaded host
@@ -52,15 +52,23 @@ class OffloadServer:
 
 
 @pytest.fixture(scope="module")
-def offload(tiny_model_dir, tmp_path_factory) -> Iterator[OffloadServer]:
-    """A layered-KV server whose device KV budget is 49 token-layers."""
+def offload_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[OffloadServer, SGLangServer]]:
+    """:func:`offload` and :func:`corrupted`, started side by side."""
     root = tmp_path_factory.mktemp("layered-offload")
     stats, events = root / "pool_stats.jsonl", root / "events.jsonl"
     flags = ["--enable-layered-kv", "--disable-overlap-schedule", "--kv-gpu-budget-tokens", str(BUDGET_TOKENS),
              "--max-total-tokens", str(MAX_TOTAL_TOKENS)]
     env = {POOL_STATS_FILE_ENV: str(stats), EVENTS_FILE_ENV: str(events)}
-    with running_server(tiny_model_dir, root, flags, env) as server:
-        yield OffloadServer(server, stats, events)
+    croot = tmp_path_factory.mktemp("layered-corrupted")
+    cenv = {"PYTHONPATH": str(FAULT_INJECT_DIR), "KVPLANE_TEST_CORRUPT_LAYER": str(CORRUPT_LAYER)}
+    with running_servers(tiny_model_dir, [(root, flags, env), (croot, flags, cenv)]) as (server, corrupt):
+        yield OffloadServer(server, stats, events), corrupt
+
+
+@pytest.fixture(scope="module")
+def offload(offload_servers) -> OffloadServer:
+    """A layered-KV server whose device KV budget is 49 token-layers."""
+    return offload_servers[0]
 
 
 def test_layered_pool_and_attention_are_active(offload):
@@ -161,15 +169,10 @@ CORRUPT_LAYER = 3
 
 
 @pytest.fixture(scope="module")
-def corrupted(tiny_model_dir, tmp_path_factory) -> Iterator[SGLangServer]:
+def corrupted(offload_servers) -> SGLangServer:
     """The same layered server, with the test-only fault injector perturbing the host copy of
     one written-back page of layer 3 after every step (tests/sglang/fault_inject)."""
-    root = tmp_path_factory.mktemp("layered-corrupted")
-    flags = ["--enable-layered-kv", "--disable-overlap-schedule", "--kv-gpu-budget-tokens", str(BUDGET_TOKENS),
-             "--max-total-tokens", str(MAX_TOTAL_TOKENS)]
-    env = {"PYTHONPATH": str(FAULT_INJECT_DIR), "KVPLANE_TEST_CORRUPT_LAYER": str(CORRUPT_LAYER)}
-    with running_server(tiny_model_dir, root, flags, env) as server:
-        yield server
+    return offload_servers[1]
 
 
 def test_negative_control_a_corrupted_offloaded_page_fails_the_comparison(corrupted, vanilla_server):

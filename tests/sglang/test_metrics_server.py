@@ -28,7 +28,7 @@ from sglang_ext.hooks import ResidencyEventKind, read_jsonl_events
 from sglang_ext.metric_spec import WORKER_METRICS
 from sglang_ext.settings import POOL_STATS_FILE_ENV, RESIDENCY_EVENTS_FILE_ENV, STATS_FILE_ENV
 from sglang_ext.testing.server import SGLangServer
-from tests.sglang.conftest import PROMPTS, running_server
+from tests.sglang.conftest import PROMPTS, running_servers
 from tests.sglang.test_dashboard import DASHBOARD, dashboard_metrics, load_promql
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(2400)]  # two start-ups on a loaded host
@@ -67,7 +67,7 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def _launch(tiny_model_dir: Path, root: Path, *, metrics: bool) -> Iterator[MetricsServer]:
+def _spec(root: Path, *, metrics: bool) -> tuple[Path, list[str], dict[str, str]]:
     policy = root / "policy.json"
     policy.write_text(json.dumps({"max_paused_steps": 6, "window_min": 2, "window_max": 4, "slo_ttft_ms": 1e7}))
     prom = root / "prom"
@@ -80,20 +80,27 @@ def _launch(tiny_model_dir: Path, root: Path, *, metrics: bool) -> Iterator[Metr
         POOL_STATS_FILE_ENV: str(root / "pool_stats.jsonl"),
         RESIDENCY_EVENTS_FILE_ENV: str(root / "events.jsonl"),
     }
-    with running_server(tiny_model_dir, root, flags, env) as server:
-        yield MetricsServer(server, root, prom)
+    return root, flags, env
 
 
 @pytest.fixture(scope="module")
-def metrics_server(tiny_model_dir, tmp_path_factory) -> Iterator[MetricsServer]:
+def metrics_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[MetricsServer, MetricsServer]]:
+    """:func:`metrics_server` and :func:`quiet_server`, started side by side."""
+    on, off = tmp_path_factory.mktemp("metrics-on"), tmp_path_factory.mktemp("metrics-off")
+    with running_servers(tiny_model_dir, [_spec(on, metrics=True), _spec(off, metrics=False)]) as (a, b):
+        yield MetricsServer(a, on, on / "prom"), MetricsServer(b, off, off / "prom")
+
+
+@pytest.fixture(scope="module")
+def metrics_server(metrics_servers) -> MetricsServer:
     """The layered server with --enable-metrics (see the module docstring)."""
-    yield from _launch(tiny_model_dir, tmp_path_factory.mktemp("metrics-on"), metrics=True)
+    return metrics_servers[0]
 
 
 @pytest.fixture(scope="module")
-def quiet_server(tiny_model_dir, tmp_path_factory) -> Iterator[MetricsServer]:
+def quiet_server(metrics_servers) -> MetricsServer:
     """The same layered server without --enable-metrics."""
-    yield from _launch(tiny_model_dir, tmp_path_factory.mktemp("metrics-off"), metrics=False)
+    return metrics_servers[1]
 
 
 def scrape(server: SGLangServer) -> Samples:

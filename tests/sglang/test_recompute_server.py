@@ -32,7 +32,7 @@ from tests.sglang.conftest import (
     PROMPTS,
     assert_same_generation,
     greedy,
-    running_server,
+    running_servers,
 )
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]
@@ -72,13 +72,9 @@ prefill that first wrote its KV, and in SGLang's default fp16 that alone moves l
 
 
 @pytest.fixture(scope="module")
-def vanilla32(tiny_model_dir, tmp_path_factory) -> Iterator[SGLangServer]:
-    with running_server(tiny_model_dir, tmp_path_factory.mktemp("vanilla-fp32"), FP32) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def rec(tiny_model_dir, tmp_path_factory) -> Iterator[RecomputeServer]:
+def recompute_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, RecomputeServer, tuple[SGLangServer, Path, Path]]]:
+    """The module's three servers, started side by side (:func:`vanilla32`, :func:`rec`, :func:`paused_rec`)."""
+    vroot = tmp_path_factory.mktemp("vanilla-fp32")
     root = tmp_path_factory.mktemp("layered-recompute")
     stats, flag = root / "pool_stats.jsonl", root / "corrupt-recompute"
     (root / "policy.json").write_text(json.dumps(POLICY))
@@ -88,24 +84,36 @@ def rec(tiny_model_dir, tmp_path_factory) -> Iterator[RecomputeServer]:
              "--kv-profile", str(root / "profile.json"), *FP32]
     env = {POOL_STATS_FILE_ENV: str(stats), "PYTHONPATH": str(FAULT_INJECT_DIR),
            "KVPLANE_TEST_CORRUPT_RECOMPUTE_FILE": str(flag)}
-    with running_server(tiny_model_dir, root, flags, env) as server:
-        yield RecomputeServer(server, stats, flag)
+    proot = tmp_path_factory.mktemp("recompute-pause")
+    (proot / "policy.json").write_text(json.dumps({"max_paused_steps": 6, "window_min": 2, "window_max": 4}))
+    pstats, ppool_stats = proot / "stats.jsonl", proot / "pool_stats.jsonl"
+    pflags = ["--enable-layered-kv", "--kv-policy", str(proot / "policy.json"), "--kv-gpu-budget-tokens", "96",
+              "--kv-recompute-ratio", "0.5", "--mem-fraction-static", "0.3", *FP32]
+    penv = {STATS_FILE_ENV: str(pstats), POOL_STATS_FILE_ENV: str(ppool_stats)}
+    specs = [(vroot, FP32, None), (root, flags, env), (proot, pflags, penv)]
+    with running_servers(tiny_model_dir, specs) as (vanilla, layered, paused):
+        yield vanilla, RecomputeServer(layered, stats, flag), (paused, pstats, ppool_stats)
 
 
 @pytest.fixture(scope="module")
-def paused_rec(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, Path, Path]]:
+def vanilla32(recompute_servers) -> SGLangServer:
+    """Stock SGLang in fp32."""
+    return recompute_servers[0]
+
+
+@pytest.fixture(scope="module")
+def rec(recompute_servers) -> RecomputeServer:
+    """The layered server whose planner answers an overflow with recompute (fp32)."""
+    return recompute_servers[1]
+
+
+@pytest.fixture(scope="module")
+def paused_rec(recompute_servers) -> tuple[SGLangServer, Path, Path]:
     """Every request forced to recompute half its prompt (``--kv-recompute-ratio 0.5``) on a device
     budget about a fifth of what the batch needs, with a quick starvation guard: the planner
     pauses recomputing requests mid-generation and the guard rotates them back in
     (``tests/sglang/test_pause_server.py``'s setting, in fp32)."""
-    root = tmp_path_factory.mktemp("recompute-pause")
-    (root / "policy.json").write_text(json.dumps({"max_paused_steps": 6, "window_min": 2, "window_max": 4}))
-    stats, pool_stats = root / "stats.jsonl", root / "pool_stats.jsonl"
-    flags = ["--enable-layered-kv", "--kv-policy", str(root / "policy.json"), "--kv-gpu-budget-tokens", "96",
-             "--kv-recompute-ratio", "0.5", "--mem-fraction-static", "0.3", *FP32]
-    env = {STATS_FILE_ENV: str(stats), POOL_STATS_FILE_ENV: str(pool_stats)}
-    with running_server(tiny_model_dir, root, flags, env) as server:
-        yield server, stats, pool_stats
+    return recompute_servers[2]
 
 
 def _lines(path: Path) -> list[dict]:

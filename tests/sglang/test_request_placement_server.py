@@ -27,7 +27,7 @@ from sglang_ext.request_placement import KEY, PARAM
 from sglang_ext.request_slo import SLO_PARAM
 from sglang_ext.settings import POOL_STATS_FILE_ENV, STATS_FILE_ENV
 from sglang_ext.testing.server import SGLangServer
-from tests.sglang.conftest import PROMPTS, running_server
+from tests.sglang.conftest import PROMPTS, running_servers
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # two server start-ups on a loaded host
 
@@ -62,27 +62,35 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
-def _served(tiny_model_dir: Path, root: Path, flags: list[str]) -> Iterator[Served]:
-    stats, pool_stats = root / "stats.jsonl", root / "pool_stats.jsonl"
-    env = {STATS_FILE_ENV: str(stats), POOL_STATS_FILE_ENV: str(pool_stats)}
-    with running_server(tiny_model_dir, root, ["--enable-layered-kv", *flags], env) as server:
-        yield Served(server, stats, pool_stats)
+def _spec(root: Path, flags: list[str]) -> tuple[Path, list[str], dict[str, str]]:
+    env = {STATS_FILE_ENV: str(root / "stats.jsonl"), POOL_STATS_FILE_ENV: str(root / "pool_stats.jsonl")}
+    return root, ["--enable-layered-kv", *flags], env
 
 
 @pytest.fixture(scope="module")
-def pressure(tiny_model_dir, tmp_path_factory) -> Iterator[Served]:
-    root = tmp_path_factory.mktemp("placement-pressure")
-    policy = root / "policy.json"
+def placement_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[Served, Served]]:
+    """:func:`pressure` and :func:`relaxed`, started side by side."""
+    proot, rroot = tmp_path_factory.mktemp("placement-pressure"), tmp_path_factory.mktemp("placement-relaxed")
+    policy = proot / "policy.json"
     policy.write_text(json.dumps({"max_paused_steps": 6, "window_min": 2, "window_max": 4}))
     # SGLang sizes CPU memory off what is free now; the shared host is often busy.
-    yield from _served(tiny_model_dir, root, ["--kv-policy", str(policy), "--kv-gpu-budget-tokens", "96",
-                                              "--mem-fraction-static", "0.3"])
+    pressure_flags = ["--kv-policy", str(policy), "--kv-gpu-budget-tokens", "96", "--mem-fraction-static", "0.3"]
+    # pacing on (not the default): the streamed test reads the pacer's deposit
+    relaxed_flags = ["--kv-pacing", "on"]
+    specs = [_spec(proot, pressure_flags), _spec(rroot, relaxed_flags)]
+    with running_servers(tiny_model_dir, specs) as (p, r):
+        yield (Served(p, proot / "stats.jsonl", proot / "pool_stats.jsonl"),
+               Served(r, rroot / "stats.jsonl", rroot / "pool_stats.jsonl"))
 
 
 @pytest.fixture(scope="module")
-def relaxed(tiny_model_dir, tmp_path_factory) -> Iterator[Served]:
-    # pacing on (not the default): the streamed test reads the pacer's deposit
-    yield from _served(tiny_model_dir, tmp_path_factory.mktemp("placement-relaxed"), ["--kv-pacing", "on"])
+def pressure(placement_servers) -> Served:
+    return placement_servers[0]
+
+
+@pytest.fixture(scope="module")
+def relaxed(placement_servers) -> Served:
+    return placement_servers[1]
 
 
 def _paused_in_log(log: str) -> dict[str, int]:

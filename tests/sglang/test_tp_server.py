@@ -55,7 +55,7 @@ from tests.sglang.conftest import (
     PROMPTS,
     assert_same_generation,
     greedy,
-    running_server,
+    running_servers,
 )
 from tests.sglang.test_dashboard import load_promql
 
@@ -101,17 +101,10 @@ class TpServer:
 
 
 @pytest.fixture(scope="module")
-def vanilla_tp(tiny_model_dir, tmp_path_factory) -> Iterator[SGLangServer]:
-    """Stock SGLang with two TP ranks."""
-    root = tmp_path_factory.mktemp("vanilla-tp2")
-    with running_server(tiny_model_dir, root, TP_ARGS, tp_env(root)) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def layered_tp(tiny_model_dir, tmp_path_factory) -> Iterator[TpServer]:
-    """The layered server with two TP ranks (see the module docstring)."""
-    root = tmp_path_factory.mktemp("layered-tp2")
+def tp_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, TpServer]]:
+    """Stock SGLang with two TP ranks, and the layered server with two TP ranks (see the module
+    docstring), started side by side."""
+    vroot, root = tmp_path_factory.mktemp("vanilla-tp2"), tmp_path_factory.mktemp("layered-tp2")
     (root / "policy.json").write_text(json.dumps({"max_paused_steps": 6, "window_min": 2, "window_max": 4,
                                                   "slo_ttft_ms": 1e7}))
     (root / "prom").mkdir()
@@ -127,8 +120,20 @@ def layered_tp(tiny_model_dir, tmp_path_factory) -> Iterator[TpServer]:
         "KVPLANE_TEST_CORRUPT_RECOMPUTE_FILE": str(root / "corrupt-recompute"),
         "KVPLANE_TEST_CORRUPT_RANK": "1",
     }
-    with running_server(tiny_model_dir, root, flags, env) as server:
-        yield TpServer(server, root, root / "corrupt-recompute")
+    with running_servers(tiny_model_dir, [(vroot, TP_ARGS, tp_env(vroot)), (root, flags, env)]) as (vanilla, layered):
+        yield vanilla, TpServer(layered, root, root / "corrupt-recompute")
+
+
+@pytest.fixture(scope="module")
+def vanilla_tp(tp_servers) -> SGLangServer:
+    """Stock SGLang with two TP ranks."""
+    return tp_servers[0]
+
+
+@pytest.fixture(scope="module")
+def layered_tp(tp_servers) -> TpServer:
+    """The layered server with two TP ranks (see the module docstring)."""
+    return tp_servers[1]
 
 
 def _lines(path: Path) -> list[dict]:
