@@ -83,6 +83,11 @@ class LayeredKVCore:
         """(rids, seq_lens, page lists) of the last step (paged steady decode starts from it)."""
         self.paged_decode_steps = 0
         """Steps the paged steady-decode path prepared."""
+        self._paged_tables: PagedStepTables | None = None
+        """The last step's tables when :class:`PagedStepTables` built them (the next steady step
+        may advance them: :meth:`_advance_paged`)."""
+        self.advanced_decode_steps = 0
+        """Paged steady-decode steps whose tables were advanced from the last step's (no build)."""
         self.decode_delta: ResidencyDelta | None = None
         """The last paged steady-decode step's reconciliation (the journalled path has none)."""
 
@@ -96,14 +101,14 @@ class LayeredKVCore:
 
     def release_request(self, rid: str) -> None:
         """The request finished or was aborted: drop its wants (tree-owned pages stay)."""
-        self._paged_last = None
+        self._paged_last = self._paged_tables = None
         self.residency.release_request(rid)
 
     def page_freed(self, pages: Sequence[int]) -> None:
         """SGLang's allocator took ``pages`` back. A running request's row may have been rewritten
         (a prefix the tree already held replaces the request's copy): the next step reads every
         request's slots again (:meth:`_prepare_paged_decode` does not apply)."""
-        self._paged_last = None
+        self._paged_last = self._paged_tables = None
         self.residency.page_freed(pages)
 
     def free_device_pages(self) -> int:
@@ -129,6 +134,7 @@ class LayeredKVCore:
             h2d_seconds_total=times.h2d_s,
             d2h_seconds_total=times.d2h_s,
             stall_seconds_total=times.stall_s,
+            advanced_decode_steps_total=self.advanced_decode_steps,
         )
 
     @property
@@ -240,6 +246,9 @@ class LayeredKVCore:
             self.residency.observe(rids[i], torch.from_numpy(pages))
         self._paged_last = (last[0], lens, page_lists)
         self.decode_delta = self._reconcile()
+        if not opens and self._advance_paged():
+            self.paged_decode_steps += 1
+            return True
         new_np = np.asarray(slots, dtype=np.int64)
         self._begin(page_lists, np.asarray(lens, dtype=np.int64), np.ones(len(lens), dtype=np.int64), new_np,
                     set(last[0]), None, None)
@@ -263,6 +272,7 @@ class LayeredKVCore:
                                     token_tables=self.token_tables, recompute=recompute,
                                     recompute_ids=recompute_ids)
             if tables.reserved:
+                self._paged_tables = tables if hasattr(tables, "advanced") else None  # PagedStepTables
                 self.store.mark_dirty(tables.dirty_ids)
                 self.store.has_kv_np[tables.new_pages] = True
                 self.store.staging_pages = int(tables.staging_ids.size)
@@ -272,6 +282,7 @@ class LayeredKVCore:
             if not self.room.make_room(self.room.wanted, batch):
                 break
         self.overflow = True
+        self._paged_tables = None
         self.overflow_steps += 1
         self.store.engine.end_compute()  # no pipeline this step: the engine reads the stream again
         if self.overflow_steps & (self.overflow_steps - 1) == 0:  # 1, 2, 4, 8, ...
@@ -283,6 +294,28 @@ class LayeredKVCore:
                 hint="the running batch's staging slots exceed the device budget; the control plane "
                 "pauses requests to prevent this (raise --kv-gpu-budget-tokens for headroom)",
             )
+
+    def _advance_paged(self) -> bool:
+        """A paged steady step whose pages did not change (no new token opens a page) and whose
+        map did not move since the last step's tables were built: the step runs on those tables
+        advanced by one token (:meth:`PagedStepTables.advanced`: nothing staged, fetched or
+        written back; two device ops instead of a build and an upload). False (nothing done)
+        otherwise. The step's new tokens land in the pages the last step wrote, so its
+        bookkeeping is the last step's: the same layer-pages are marked dirty again (a write-back
+        in between may have cleaned them)."""
+        last, mirror = self._paged_tables, self.store.mirror
+        if last is None or mirror is None or mirror.pending or self.token_tables:
+            return False
+        tables = last.advanced(mirror.syncs)
+        if tables is None:
+            return False
+        self.overflow = False
+        self.store.mark_dirty(tables.dirty_ids)
+        self.store.staging_pages = 0
+        self.tables = self._paged_tables = tables
+        self.pipeline.begin_step(tables)
+        self.advanced_decode_steps += 1
+        return True
 
     def _begin_in_place(self, page_lists: list[np.ndarray], lens: np.ndarray, counts: np.ndarray) -> bool:
         """Identity layout, every live layer-page resident, attention reading in place: the step

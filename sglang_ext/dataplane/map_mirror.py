@@ -42,6 +42,8 @@ class MapMirror:
         """``[P, ceil(L / 8)]`` uint8: bit ``l`` (little-endian) set where ``(l, p)`` is host-only."""
         self._log: list[np.ndarray] = []
         self.synced_columns = 0
+        self.syncs = 0
+        """Syncs that moved columns (a table built at one count is current while it holds)."""
         """Page columns uploaded since construction (a test reads it: proportional to moves)."""
 
     @staticmethod
@@ -64,6 +66,7 @@ class MapMirror:
             return
         pages = distinct_sorted(np.concatenate(self._log)) if len(self._log) > 1 else distinct_sorted(self._log[0])
         self._log = []
+        self.syncs += 1
         cols = self.map_np[:, pages]
         self.host_bits[pages] = self._bits(cols)
         self.synced_columns += int(pages.size)

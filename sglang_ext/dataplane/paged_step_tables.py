@@ -55,6 +55,7 @@ class PagedStepTables(StepTables):
         if mirror.pending:  # the scatter must not overtake an earlier step's fetches reading the mirror
             store.engine.wait_fence()
         mirror.sync()
+        self._mirror_syncs = mirror.syncs
         nonempty = counts > 0
         host_req = np.zeros((layers, b), dtype=bool)
         if n:
@@ -111,6 +112,26 @@ class PagedStepTables(StepTables):
         self.rows = self.i64[: rows.size].view(layers, self._m)
         """``[L, m]`` int64 device rows of the new tokens per layer."""
         self._bind_csr(sum(int(h.size) for h in head), b)
+
+    def advanced(self, mirror_syncs: int) -> PagedStepTables | None:
+        """The next steady decode step's tables, derived on the device from these, or None when
+        that step needs a build: the same batch, one token more each, no page opened, and the map
+        unchanged since these were built (``mirror_syncs``: the mirror's :attr:`MapMirror.syncs`
+        now, its :meth:`MapMirror.pending` checked by the caller). Only a step that stages,
+        fetches and writes back nothing, builds no token tables and writes one token per request
+        advances: its page tables and CSR pages are then these, and each new token's row and each
+        request's ``kv_lens`` / ``last_page_len`` are one more (two device ops, no upload, no
+        host work per page). Dirty ids and new pages are these (the caller marks them again)."""
+        if (mirror_syncs != self._mirror_syncs or self.staging_ids.size or self.fetches
+                or any(w is not None for w in self.writebacks) or self._tok_at >= 0 or self._m != self.batch):
+            return None
+        nxt = object.__new__(PagedStepTables)
+        nxt.__dict__.update(self.__dict__)
+        nxt.rows = self.rows + 1
+        nxt._lens_pair = self._lens_pair + 1
+        b = self.batch
+        nxt.kv_lens, nxt.last_page_len = nxt._lens_pair[:b], nxt._lens_pair[b:]
+        return nxt
 
     @property
     def host_layer_pages(self) -> int:  # type: ignore[override]

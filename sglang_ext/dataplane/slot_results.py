@@ -116,6 +116,9 @@ class ResidencyStats:
     """Steady decode steps whose bookkeeping was journalled (:class:`DecodeJournal`)."""
     ended_batches_total: int = 0
     """Batches of recorded releases and frees applied (:class:`EndedRequests`)."""
+    advanced_decode_steps_total: int = 0
+    """Paged steady decode steps run on the last step's tables advanced by one token (no build,
+    no upload: :meth:`LayeredKVCore._advance_paged`)."""
 
     def to_dict(self) -> dict:
         """JSON-ready form."""

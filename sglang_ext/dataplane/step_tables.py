@@ -223,6 +223,8 @@ class StepTables:
         self.kv_indptr = self.i32[base: base + b + 1]
         self.kv_lens = self.i32[base + b + 1: base + 2 * b + 1]
         self.last_page_len = self.i32[base + 2 * b + 1: base + 3 * b + 1]
+        self._lens_pair = self.i32[base + b + 1: base + 3 * b + 1]
+        """``kv_lens`` then ``last_page_len`` (adjacent: a steady step advances both in one op)."""
 
     @property
     def reserved(self) -> bool:

@@ -35,8 +35,11 @@ class CoreDriver:
     """SGLang's side of the core: slots, steps, frees -- plus the shadow KV and the checks."""
 
     def __init__(self, core: LayeredKVCore, seed: int = 0,
-                 on_layer: Callable[[int], None] | None = None, fast_decode: bool = False) -> None:
+                 on_layer: Callable[[int], None] | None = None, fast_decode: bool = False,
+                 paged_reads: bool = False) -> None:
         self.core = core
+        if paged_reads:  # as SGLang's paged decode backends set the core (layered_paged_decode.py)
+            core.paged_reads, core.token_tables = True, False
         self.fast_decode = fast_decode
         """Steady decode steps (same requests as the previous forward, one token each) try the
         served fast path first (:meth:`LayeredKVCore.prepare_decode_step`), as SGLang's
@@ -181,10 +184,25 @@ class CoreDriver:
             k_layer, v_layer = core.layer_in_place(layer)
             idx = torch.tensor(slots, device=k_layer.device)
             return k_layer[idx], v_layer[idx]
+        if not core.token_tables:
+            return self._read_paged(layer, b, slots)
         if self._rows is None:
             self._rows = core.token_rows(layer)
         rows = self._rows[b, : len(slots)]
         k_all, v_all = core.device_kv()  # (on CUDA the read is ordered after the fetch by the stream wait)
+        return k_all[rows], v_all[rows]
+
+    def _read_paged(self, layer: int, b: int, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """As a paged kernel reads request ``b`` (FlashInfer, Triton): its pages from the layer's
+        page table row through the CSR, ``kv_lens[b]`` tokens; the CSR's lengths must agree."""
+        t = self.core.tables
+        assert t is not None
+        lo, hi = int(t.kv_indptr[b]), int(t.kv_indptr[b + 1])
+        n, last = int(t.kv_lens[b]), int(t.last_page_len[b])
+        assert n == len(slots) and last == n - (hi - lo - 1) * self.ps, (b, n, last, len(slots))
+        pages = t.tab[layer][lo:hi].to(torch.int64)
+        rows = (pages[:, None] * self.ps + torch.arange(self.ps, device=pages.device)).reshape(-1)[:n]
+        k_all, v_all = self.core.device_kv()
         return k_all[rows], v_all[rows]
 
     # ----- control plane / scheduler changes ----------------------------------------------

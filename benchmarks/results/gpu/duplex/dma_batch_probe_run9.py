@@ -161,7 +161,7 @@ def measure(name, mk):
         def both():
             h()
             d()
-        (th, hh), (td, hd), (tb, hb) = timeit(h), timeit(d), timeit(both)
+        (th, hh), (td, hd), (tb, _) = timeit(h), timeit(d), timeit(both)
         r = dict(h2d=nbytes / th / 1e9, d2h=nbytes / td / 1e9, duplex=2 * nbytes / tb / 1e9,
                  host_ms_h2d_call=hh * 1e3, host_ms_d2h_call=hd * 1e3, segments=2 * N)
         r["ratio"] = r["duplex"] / max(r["h2d"], r["d2h"])

@@ -1,0 +1,81 @@
+"""SGLang serves resident steady decode steps of the paged layout on advanced tables: with
+``--page-size 4`` (as on CUDA, where kvplane picks 16), a device budget that holds the batch but
+not every layer of every page (the paged layout, as on any offloading server), and the paged
+decode backend (Triton, under the interpreter on this host), three of four decode steps open no
+page and run on the last step's tables advanced by one token (no build, no upload:
+``LayeredKVCore._advance_paged``). Tokens and logprobs equal vanilla's (page size 1).
+
+A control in the same server: requests decoded two at a time with a prompt-length skew still
+match; the pool's stats show both advanced and built steps, and nothing on host.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from sglang_ext.settings import POOL_STATS_FILE_ENV
+from sglang_ext.testing.server import SGLangServer
+from tests.sglang.conftest import PROMPTS, greedy, running_server, token_logprobs
+from tests.sglang.test_triton_server import KERNEL_LOGPROB_ATOL
+
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]
+
+NEW_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def advance_server(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, object]]:
+    root = tmp_path_factory.mktemp("layered-advance")
+    stats = root / "pool_stats.jsonl"
+    # 512 device pages of 4 tokens < 4 layers x 257 logical pages: the paged layout. The planner
+    # provisions each request's growth over its decode window (64 steps: ~23 pages x 4 layers for
+    # a ~25-token request), so two requests plan resident (a 512-token budget offloads half)
+    flags = ["--enable-layered-kv", "--attention-backend", "triton", "--page-size", "4",
+             "--max-total-tokens", "1024", "--kv-gpu-budget-tokens", "2048"]
+    env = {"TRITON_INTERPRET": "1", POOL_STATS_FILE_ENV: str(stats)}
+    with running_server(tiny_model_dir, root, flags, env) as server:
+        yield server, stats
+
+
+def _steps(path) -> list[dict]:  # noqa: ANN001
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _matches(got: dict, want: dict, context: str) -> None:
+    assert got["output_ids"] == want["output_ids"], context
+    worst = max(abs(a - b) for a, b in zip(token_logprobs(got), token_logprobs(want), strict=True))
+    assert worst <= KERNEL_LOGPROB_ATOL, (context, worst)
+
+
+def test_resident_paged_decode_runs_on_advanced_tables(advance_server, vanilla_server):
+    server, stats_path = advance_server
+    for prompt in PROMPTS[:2]:
+        _matches(greedy(server, prompt, NEW_TOKENS, logprobs=True),
+                 greedy(vanilla_server, prompt, NEW_TOKENS, logprobs=True), prompt)
+    steps = _steps(stats_path)
+    last = steps[-1]
+    assert last["overflow_steps_total"] == 0 and max(s["host_fraction"] for s in steps) == 0.0
+    # 2 requests x 10 tokens: 9 decode steps each, at most 3 of them open a page, the first builds
+    assert last["advanced_decode_steps_total"] >= 2 * (NEW_TOKENS - 1 - 3 - 1)
+    assert last["advanced_decode_steps_total"] < last["staged_steps_total"]  # prefills and page opens build
+    log = server.log_path.read_text()
+    assert "layered_triton_decode_active" in log and "impl=triton" in log
+
+
+def test_a_batch_of_two_with_skewed_pages_still_matches(advance_server, vanilla_server):
+    """Two requests decoding together open pages at different steps: a step advances only when
+    neither opens one, and every step's reads stay exact."""
+    server, stats_path = advance_server
+    before = _steps(stats_path)[-1]["advanced_decode_steps_total"]
+    prompts = (PROMPTS[2], PROMPTS[3] + " and then")
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda p: greedy(server, p, NEW_TOKENS, logprobs=True), prompts))
+    for prompt, response in zip(prompts, got, strict=True):
+        _matches(response, greedy(vanilla_server, prompt, NEW_TOKENS, logprobs=True), prompt)
+    steps = _steps(stats_path)
+    assert steps[-1]["advanced_decode_steps_total"] > before
+    assert max(s["batch_size"] for s in steps) == 2 and max(s["host_fraction"] for s in steps) == 0.0
