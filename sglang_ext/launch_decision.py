@@ -28,6 +28,13 @@ Rules (each one names what would break):
   the flat buffers are not implemented).
 * ``--enable-layered-kv`` implies ``--disable-overlap-schedule`` (plans are installed at step
   boundaries, which the overlap loop does not have): said in the same line.
+* **Page size (CUDA).** KV moves between host and device in pages (one copy segment is one
+  layer of one page's K or V). SGLang's default page of one token would make every segment
+  ``kv_heads x head_dim`` elements (2 KiB at Llama-3-8B shapes, far below what a PCIe copy
+  needs to run at speed) and open a page -- and so rebuild the step's tables -- at every decode
+  step. Without ``--page-size`` kvplane sets :data:`CUDA_PAGE_SIZE` on CUDA (what ``kvplane
+  gpu-check`` measures) and says so; an explicit ``--page-size`` is kept. On CPU SGLang's
+  default stays.
 """
 
 from __future__ import annotations
@@ -45,6 +52,9 @@ LAYERED_BACKENDS: Mapping[str, tuple[str, ...]] = MappingProxyType({
 
 DEFAULT_BACKEND: Mapping[str, str] = MappingProxyType({"cuda": "flashinfer", "cpu": "torch_native"})
 """What kvplane picks when ``--attention-backend`` is not given."""
+
+CUDA_PAGE_SIZE = 16
+"""``--page-size`` kvplane sets on CUDA when none is given (module docstring, "Page size")."""
 
 UNQUANTIZED_KV_DTYPES = ("auto", "bf16", "bfloat16")
 """``--kv-cache-dtype`` values the layered pool stores (the model's dtype or bf16)."""
@@ -125,6 +135,10 @@ class LaunchDecision:
                 f"--enable-layered-kv (use {' or '.join(UNQUANTIZED_KV_DTYPES)})"
             )
         cls._refuse_features(values)
+        if device == "cuda" and values.get("page_size") is None:
+            implied.append(("page_size", CUDA_PAGE_SIZE))
+            notes.append(f"--page-size {CUDA_PAGE_SIZE}: KV moves between host and device in whole pages "
+                         "(one-token pages make every copy segment a few KiB)")
         if not values.get("disable_overlap_schedule"):
             implied.append(("disable_overlap_schedule", True))
             notes.append("--disable-overlap-schedule: plans are installed at step boundaries")

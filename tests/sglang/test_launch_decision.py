@@ -16,7 +16,7 @@ STOCK = {
     "prefill_attention_backend": None, "cuda_graph_config": None, "cuda_graph_backend_decode": None,
     "cuda_graph_backend_prefill": None, "kv_cache_dtype": "auto", "speculative_algorithm": None,
     "pp_size": 1, "enable_hierarchical_cache": False, "disaggregation_mode": "null",
-    "disable_overlap_schedule": False, "disable_cuda_graph": False,
+    "disable_overlap_schedule": False, "disable_cuda_graph": False, "page_size": None,
 }
 """SGLang 0.5.23's parsed defaults for these options (checked against the real parser in
 ``test_stock_values_are_sglang_defaults``)."""
@@ -42,12 +42,20 @@ def test_sglang_defaults_on_a_gpu_get_the_layered_flashinfer_backend_and_no_grap
     assert d.device == "cuda"
     assert dict(d.implied) == {
         "attention_backend": "flashinfer", "cuda_graph_backend_decode": "disabled",
-        "cuda_graph_backend_prefill": "disabled", "disable_overlap_schedule": True,
+        "cuda_graph_backend_prefill": "disabled", "page_size": 16, "disable_overlap_schedule": True,
     }
-    assert len(d.notes) == 3 and "flashinfer" in d.notes[0]
+    assert len(d.notes) == 4 and "flashinfer" in d.notes[0] and "--page-size 16" in d.notes[2]
     ns = argparse.Namespace(**STOCK)
     d.apply(ns)
     assert ns.attention_backend == "flashinfer" and ns.cuda_graph_backend_decode == "disabled"
+    assert ns.page_size == 16
+
+
+def test_an_explicit_page_size_is_kept_and_cpu_keeps_sglangs_default():
+    assert "page_size" not in dict(_decide(page_size=1).implied)  # an explicit 1 too
+    assert "page_size" not in dict(_decide(page_size=64).implied)
+    assert "page_size" not in dict(_decide(device="cpu").implied)
+    assert dict(_decide(page_size=None).implied)["page_size"] == 16  # control: unset on CUDA
 
 
 def test_cpu_gets_torch_native_and_explicit_choices_are_kept():
@@ -55,7 +63,7 @@ def test_cpu_gets_torch_native_and_explicit_choices_are_kept():
     d = _decide(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
                 disable_overlap_schedule=True)
     assert d.implied == () and d.notes == ()  # negative control: nothing to imply, nothing said
-    d = _decide(attention_backend="torch_native", cuda_graph_backend_decode="disabled")
+    d = _decide(attention_backend="torch_native", cuda_graph_backend_decode="disabled", page_size=16)
     assert dict(d.implied) == {"cuda_graph_backend_prefill": "disabled", "disable_overlap_schedule": True}
 
 
