@@ -84,3 +84,29 @@ def test_flashinfer_decode_over_the_step_tables_matches_dense():
     d.step([("a", 1), ("b", 1)])
     assert results == list(range(LAYERS))
     assert HEADS == 2
+
+
+def test_cuda_advanced_paged_steps_bit_exact():
+    """Paged steady decode steps on CUDA read through the page tables and CSR (as FlashInfer and
+    the Triton kernel do): resident steps that open no page advance the last step's tables on the
+    device (rows and lengths + 1), steps after a placement change build and stage; every read
+    inside a step and at rest equals the shadow bit for bit."""
+    core = make_core(34, device="cuda", page_size=4, pages=24)
+    assert not core.store.identity
+    d = CoreDriver(core, seed=9, fast_decode=True, paged_reads=True)
+    d.add("a")
+    d.add("b")
+    d.step([("a", 5), ("b", 3)])
+    for _ in range(6):
+        d.step([("a", 1), ("b", 1)])
+    advanced = core.advanced_decode_steps
+    assert advanced > 0
+    d.want("a", [True, False, True])
+    for _ in range(3):
+        d.step([("a", 1), ("b", 1)])
+    assert core.advanced_decode_steps == advanced  # staged steps build
+    d.want("a", [True] * LAYERS)
+    for _ in range(6):
+        d.step([("a", 1), ("b", 1)])
+    assert core.advanced_decode_steps > advanced
+    d.check_at_rest()

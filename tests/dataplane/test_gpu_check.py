@@ -25,7 +25,7 @@ from sglang_ext.tools.gpu_check_tests import GpuTestRun
 FIGURE_KEYS = {
     "attention_max_abs_err.flashinfer", "attention_max_abs_err.triton", "attention_max_abs_err.torch",
     "step_ms.resident", "step_ms.placed", "stall_rel_err", "h2d_vs_contiguous", "duplex_vs_one_direction",
-    "host_syncs_per_step.kvplane", "host_syncs_per_step.attention", "kvplane_cpu_share",
+    "host_syncs_per_step.kvplane", "host_syncs_per_step.attention", "kvplane_cpu_share", "kvplane_cpu_share_net",
     "recompute_step_rel_err", "recompute_attention_max_abs_err",
     "transfer_events.h2d_gbps", "transfer_events.d2h_gbps", "transfer_events.h2d_vs_wall_rel_err",
     "transfer_events.stall_ms_per_step",
@@ -69,6 +69,8 @@ def test_cpu_dry_run_end_to_end(tmp_path, capsys):
     assert tests["skipped"] > 0 and tests["passed"] == tests["failed"] == tests["errors"] == 0
     figures = {f["key"]: f for f in body["figures"]}
     assert set(figures) == FIGURE_KEYS
+    cpu = body["details"]["kvplane_cpu_ms_per_step"]
+    assert cpu["vanilla_kv_write"] > 0 and 0 <= cpu["resident_steps_advanced"] <= cpu["resident_steps_timed"]
     for key, f in figures.items():
         assert f["status"] in STATUSES and f["target"] and f["method"], key
         assert f["status"] == NA or f["value"] is not None, key
