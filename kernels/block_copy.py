@@ -29,8 +29,12 @@ try:  # Triton is optional at import time (the torch reference always works).
 except ImportError:  # pragma: no cover - triton ships with torch on Linux
     HAVE_TRITON = False
 
-COPY_BLOCK_ELEMS = 1024
-"""Elements (of the word dtype) each Triton program copies."""
+COPY_BLOCK_ELEMS = 4096
+"""Elements (of the word dtype) a Triton program copies per iteration: a whole 32 KiB segment of
+int64 words at Llama-3-8B shapes (page 16), so each thread has 16 loads of 16 bytes in flight
+over PCIe. Interleaved A/B on an H200 (``benchmarks/results/gpu/probes/copy-ab-run11-*``, three
+rounds, block-first pool, layer-strided segments): H2D 0.898 of a contiguous copy vs 0.883 at
+1024, H2D + D2H 1.29x vs 1.19x one direction; the H100 sweep of run 10 agrees (0.882 / 1.29x)."""
 LOOP_COPY_MIN_BYTES = 16384
 """CPU reference: segments at least this large are copied row by row (no temporary)."""
 
@@ -153,12 +157,14 @@ if HAVE_TRITON:
         do_not_specialize_on_alignment=["flat_ptr", "stage_ptr", "map_row_ptr", "reqs_ptr", "starts_ptr",
                                         "counts_ptr"])
 
-PROGRAMS_PER_SM = 3
+PROGRAMS_PER_SM = 2
 """Persistent programs per SM of one copy launch: enough loads in flight to saturate PCIe in one
 direction, few enough that a launch in the other direction runs beside it. H100 sweeps
 (``benchmarks/results/gpu/duplex/``): an unbounded grid gave 0.98x one direction for H2D + D2H
 together; programs looping over whole segments, 3 per SM, 1.55x there (8 warps; 1.30x at 4
-warps, 1.27x at 8, on a gpu-check-sized pool with layer-strided segments: ``COPY_WARPS``)."""
+warps, 1.27x at 8, on a gpu-check-sized pool with layer-strided segments: ``COPY_WARPS``). With
+whole-segment iterations (:data:`COPY_BLOCK_ELEMS` 4096) 2 per SM beat 3 in every round of the
+H200 A/B (duplex 1.29x vs 1.19x; one direction equal)."""
 COPY_WARPS = 4
 """Warps per copy program (8 won the synthetic sweep; 4 the engine-level one on a gpu-check-sized block-first pool, layer-strided: duplex 1.30x vs 1.27x)."""
 INTERPRETER_PROGRAMS = 3
