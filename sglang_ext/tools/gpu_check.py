@@ -75,14 +75,21 @@ def environment() -> dict[str, Any]:
         except importlib.metadata.PackageNotFoundError:
             return "absent"
 
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                              text=True, timeout=10, check=False).stdout.strip() or "unknown"
-    except (OSError, subprocess.TimeoutExpired):
-        head = "unknown"
+    def git(*argv: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *argv], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10,
+                                  check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    # a copied working tree (a GPU host's) may carry an older .git: tracked files that differ
+    # from HEAD are then said, so the head is not taken for the code that ran
+    status = git("status", "--porcelain", "--untracked-files=no")
     return {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda or "none",
             "triton": version("triton"), "flashinfer": version("flashinfer-python"), "mip": version("mip"),
-            "kvplane_head": head}
+            "kvplane_head": git("rev-parse", "--short", "HEAD") or "unknown",
+            "kvplane_tree": "unknown" if status is None else ("modified" if status else "clean")}
 
 
 def run(args: argparse.Namespace) -> int:

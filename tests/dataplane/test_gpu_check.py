@@ -69,6 +69,7 @@ def test_cpu_dry_run_end_to_end(tmp_path, capsys):
     assert tests["skipped"] > 0 and tests["passed"] == tests["failed"] == tests["errors"] == 0
     figures = {f["key"]: f for f in body["figures"]}
     assert set(figures) == FIGURE_KEYS
+    assert body["environment"]["kvplane_tree"] in ("clean", "modified")  # a stale head is flagged
     cpu = body["details"]["kvplane_cpu_ms_per_step"]
     assert cpu["vanilla_kv_write"] > 0 and 0 <= cpu["resident_steps_advanced"] <= cpu["resident_steps_timed"]
     for key, f in figures.items():
