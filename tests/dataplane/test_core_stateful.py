@@ -22,7 +22,7 @@ from tests.dataplane.core_driver import LAYERS, PAGES, CoreDriver, make_core, of
 RIDS = ("a", "b", "c", "d")
 BIG = 2 * PAGES - 1
 """Logical pages of the machine's core (65): room for long lifecycles."""
-STEPS = {"total": 0, "recompute_rows": 0, "fast": 0}
+STEPS = {"total": 0, "recompute_rows": 0, "fast": 0, "advanced": 0}
 
 
 class CoreMachine(RuleBasedStateMachine):
@@ -101,6 +101,7 @@ class CoreMachine(RuleBasedStateMachine):
             STEPS["total"] += self.driver.steps
             STEPS["recompute_rows"] += self.driver.recompute_rows
             STEPS["fast"] += self.driver.fast_steps
+            STEPS["advanced"] += self.driver.core.advanced_decode_steps
 
 
 TestCore = CoreMachine.TestCase
@@ -124,6 +125,23 @@ TestIdentityFast.settings = settings(max_examples=40, stateful_step_count=40, de
                                      database=None)
 
 
+class PagedReadsMachine(CoreMachine):
+    """The same lifecycles in the paged layout read as SGLang's paged decode backends read it
+    (FlashInfer, Triton: page tables and CSR, no token tables), with pages of 4 tokens and the
+    steady-decode path always tried: steps whose pages and map did not change run on the last
+    step's tables advanced by one token (:meth:`LayeredKVCore._advance_paged`)."""
+
+    @initialize(budget=st.sampled_from([3 * BIG - 9, 2 * BIG, BIG + 6, BIG, 12]), seed=st.integers(0, 2**16))
+    def setup(self, budget: int, seed: int) -> None:  # type: ignore[override]
+        core = make_core(budget, pages=BIG, page_size=4)
+        self.driver = CoreDriver(core, seed=seed, fast_decode=True, paged_reads=True)
+
+
+TestPagedReads = PagedReadsMachine.TestCase
+TestPagedReads.settings = settings(max_examples=40, stateful_step_count=40, deadline=None, derandomize=True,
+                                   database=None)
+
+
 def test_the_machine_ran_over_a_thousand_forwards():
     """The state machine above drove at least 1,000 forwards (runs after it in file order), some
     of them recomputing a prefix, some on the steady-decode fast path (journalled bookkeeping,
@@ -131,6 +149,7 @@ def test_the_machine_ran_over_a_thousand_forwards():
     assert STEPS["total"] >= 1000, STEPS  # derandomized: the same draws every run
     assert STEPS["recompute_rows"] > 0, STEPS
     assert STEPS["fast"] >= 50, STEPS
+    assert STEPS["advanced"] >= 20, STEPS  # the paged-reads machine's advanced steps
     print(f"\nstateful core: {STEPS}")
 
 

@@ -63,6 +63,38 @@ def test_no_host_sync_inside_a_layer_and_constant_ops_per_layer(budget_extra):
         assert ops == first, (key, ops, first)
 
 
+def test_paged_reads_and_advanced_steps_keep_layers_sync_free_and_constant():
+    """The layout SGLang's paged decode backends read (page tables and CSR, no token tables),
+    pages of 4 tokens, every request resident: steady decode steps, advanced from the last
+    step's tables or built (a page opens), make no sync op inside a layer, and every layer of
+    every step runs the same ops for batch 1, 4, 8 and pools of 33 and 257 pages."""
+    seen = {}
+    for pages in (33, 257):
+        for batch in (1, 4, 8):
+            core = make_core(min(3 * pages - 9, pages + 80), pages=pages, page_size=4)  # holds 8 x 3 pages
+            d = CoreDriver(core, seed=batch, fast_decode=True, paged_reads=True)
+            rids = [f"r{i}" for i in range(batch)]
+            for rid in rids:
+                d.add(rid)
+                assert d.step([(rid, 5)])
+            assert d.step([(rid, 1) for rid in rids])  # lens 6: the next three steps open no page
+            audit = OpAudit()
+            audit_core(core, audit)
+            before = core.advanced_decode_steps
+            for _ in range(4):  # lens 7, 8 advance; 9 opens a page and builds; 10 advances
+                with audit:
+                    assert d.step([(rid, 1) for rid in rids])
+            assert core.advanced_decode_steps - before == 3
+            assert audit.violations == [], audit.violations
+            per_layer = {layer: Counter(ops) for layer, ops in audit.ops.items()}
+            assert sorted(per_layer) == list(range(LAYERS))
+            assert all(ops == per_layer[0] for ops in per_layer.values()), per_layer
+            d.check_at_rest()
+            seen[(pages, batch)] = per_layer[0]
+    first = next(iter(seen.values()))
+    assert first and all(ops == first for ops in seen.values()), seen
+
+
 def test_the_audit_flags_host_syncs():
     """Negative control: item(), bool(), nonzero, unique and repeat_interleave without
     output_size inside a scope are flagged; the same ops outside any scope are not."""
