@@ -57,7 +57,8 @@ class LayeredPagedDecode(LayeredTorchNativeAttnBackend):
         if bs is not None:  # their K/V first: the decode rows read the prefix through tab[l]
             rec.write(self.pool.core, index, k, v, layer)
         if save_kv_cache and k is not None and v is not None:
-            self.pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k[:bs], v[:bs])
+            # through the stand-in pool, as the torch-native decode writes: the meter's kv_write
+            self.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k[:bs], v[:bs])
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)  # model dtype, as SGLang keeps it
         out = self.decode_layer(q3[:bs], layer, index)
         out = out.to(q.dtype).reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
