@@ -33,8 +33,9 @@ Rules (each one names what would break):
   ``kv_heads x head_dim`` elements (2 KiB at Llama-3-8B shapes, far below what a PCIe copy
   needs to run at speed) and open a page -- and so rebuild the step's tables -- at every decode
   step. Without ``--page-size`` kvplane sets :data:`CUDA_PAGE_SIZE` on CUDA (what ``kvplane
-  gpu-check`` measures) and says so; an explicit ``--page-size`` is kept. On CPU SGLang's
-  default stays.
+  gpu-check`` measures) and says so; an explicit ``--page-size`` is kept, and so is SGLang's
+  choice when ``--chunked-prefill-size`` is not a multiple of it (SGLang requires chunks of
+  whole pages). On CPU SGLang's default stays.
 """
 
 from __future__ import annotations
@@ -135,10 +136,15 @@ class LaunchDecision:
                 f"--enable-layered-kv (use {' or '.join(UNQUANTIZED_KV_DTYPES)})"
             )
         cls._refuse_features(values)
+        chunk = values.get("chunked_prefill_size")
         if device == "cuda" and values.get("page_size") is None:
-            implied.append(("page_size", CUDA_PAGE_SIZE))
-            notes.append(f"--page-size {CUDA_PAGE_SIZE}: KV moves between host and device in whole pages "
-                         "(one-token pages make every copy segment a few KiB)")
+            if chunk is not None and int(chunk) > 0 and int(chunk) % CUDA_PAGE_SIZE:
+                notes.append(f"page size left to SGLang: --chunked-prefill-size {chunk} is not a multiple of "
+                             f"{CUDA_PAGE_SIZE} (set both for whole-page KV copies)")
+            else:
+                implied.append(("page_size", CUDA_PAGE_SIZE))
+                notes.append(f"--page-size {CUDA_PAGE_SIZE}: KV moves between host and device in whole pages "
+                             "(one-token pages make every copy segment a few KiB)")
         if not values.get("disable_overlap_schedule"):
             implied.append(("disable_overlap_schedule", True))
             notes.append("--disable-overlap-schedule: plans are installed at step boundaries")

@@ -207,13 +207,20 @@ class LayeredRadixCache(RadixCache):
             offset += extend_len
 
     def _on_alloc_decode(self, batch: Any, out_cache_loc: torch.Tensor, token_per_req: int) -> None:
-        if token_per_req != 1 or self.page_size != 1:
+        if token_per_req != 1:
             for i, req in enumerate(batch.reqs):
                 self._report_allocated(req, out_cache_loc[i * token_per_req : (i + 1) * token_per_req])
             return
-        # One slot per request, one page per slot (every slot opens its page): one host copy and
-        # one live-set update for the batch.
+        # One slot per request: one host copy for the batch (on CUDA one read of the device's
+        # slots per step, not one per request)
         blocks = out_cache_loc.tolist()
+        ps = self.page_size
+        if ps != 1:  # a slot at offset 0 opens its page; the others continue one already reported
+            for req, slot in zip(batch.reqs, blocks, strict=True):
+                if slot % ps == 0:
+                    self._allocated(req, [slot // ps])
+            return
+        # every slot opens its page: one live-set update for the batch
         self._live_blocks.update(blocks)
         rid_of_row, extended = self._rid_of_row, self.residency_hooks.wants(_K.EXTENDED)
         for req, block in zip(batch.reqs, blocks, strict=True):

@@ -42,9 +42,9 @@ class MapMirror:
         """``[P, ceil(L / 8)]`` uint8: bit ``l`` (little-endian) set where ``(l, p)`` is host-only."""
         self._log: list[np.ndarray] = []
         self.synced_columns = 0
+        """Page columns uploaded since construction (a test reads it: proportional to moves)."""
         self.syncs = 0
         """Syncs that moved columns (a table built at one count is current while it holds)."""
-        """Page columns uploaded since construction (a test reads it: proportional to moves)."""
 
     @staticmethod
     def _bits(cols: np.ndarray) -> np.ndarray:

@@ -52,6 +52,8 @@ class PagedStepTables(StepTables):
         self.staging_ids = np.zeros(0, dtype=np.int64)
         counts, flat, starts, col, off = self._columns(pages, seq_lens, new_counts, new_slots, ps)
         b, n = self.batch, int(flat.size)
+        self._one_each = bool((new_counts == 1).all())
+        """Every request writes one new token (a decode step): the tables may be :meth:`advanced`."""
         if mirror.pending:  # the scatter must not overtake an earlier step's fetches reading the mirror
             store.engine.wait_fence()
         mirror.sync()
@@ -123,7 +125,7 @@ class PagedStepTables(StepTables):
         request's ``kv_lens`` / ``last_page_len`` are one more (two device ops, no upload, no
         host work per page). Dirty ids and new pages are these (the caller marks them again)."""
         if (mirror_syncs != self._mirror_syncs or self.staging_ids.size or self.fetches
-                or any(w is not None for w in self.writebacks) or self._tok_at >= 0 or self._m != self.batch):
+                or any(w is not None for w in self.writebacks) or self._tok_at >= 0 or not self._one_each):
             return None
         nxt = object.__new__(PagedStepTables)
         nxt.__dict__.update(self.__dict__)

@@ -110,3 +110,41 @@ def test_cuda_advanced_paged_steps_bit_exact():
         d.step([("a", 1), ("b", 1)])
     assert core.advanced_decode_steps > advanced
     d.check_at_rest()
+
+
+def test_flashinfer_decode_over_advanced_tables_matches_dense():
+    """FlashInfer, as SGLang's layered decode runs it (page tables, no token tables, one plan per
+    step), over resident steady steps of page 16: the steps that open no page run on advanced
+    tables (rows and lengths + 1 on the device), and every layer of every step equals dense."""
+    flashinfer_attention = pytest.importorskip("sglang_ext.dataplane.flashinfer_attention")
+    if not flashinfer_attention.HAVE_FLASHINFER:
+        pytest.skip("flashinfer not importable")
+    core = make_core(PAGES + 6, dtype=torch.bfloat16, device="cuda", page_size=16, head_dim=FLASHINFER_DIM)
+    q_heads = 4
+    decode = flashinfer_attention.FlashInferLayeredDecode("cuda", max_pages=PAGES)
+    checked = []
+
+    def check(layer: int) -> None:
+        tables = core.tables
+        view = LayerView(layer, core.store.dev[0], core.store.dev[1], tables.kv_indptr, tables.tab[layer],
+                         tables.kv_lens, tables.last_page_len, ())
+        if layer == 0:
+            decode.new_step()
+            decode.plan(view, q_heads)
+        q = torch.randn((2, q_heads, FLASHINFER_DIM), device="cuda", dtype=torch.bfloat16)
+        out = decode.run(q, view)
+        for b, rid in enumerate(("a", "b")):
+            k = torch.stack([d.shadow[(layer, s)][0] for s in d.slots[rid]]).cuda()
+            v = torch.stack([d.shadow[(layer, s)][1] for s in d.slots[rid]]).cuda()
+            torch.testing.assert_close(out[b : b + 1], dense_attention(q[b : b + 1], k, v), atol=2e-2, rtol=2e-2)
+        checked.append(layer)
+
+    d = CoreDriver(core, seed=2, fast_decode=True, paged_reads=True)
+    d.add("a")
+    d.add("b")
+    d.step([("a", 40), ("b", 23)])  # lens 41 / 24 after the first decode: a opens page 3 at 49, b at 33
+    d.on_layer = check
+    for _ in range(12):
+        d.step([("a", 1), ("b", 1)])
+    assert core.advanced_decode_steps >= 8 and len(checked) == 12 * LAYERS
+    d.check_at_rest()

@@ -17,6 +17,7 @@ STOCK = {
     "cuda_graph_backend_prefill": None, "kv_cache_dtype": "auto", "speculative_algorithm": None,
     "pp_size": 1, "enable_hierarchical_cache": False, "disaggregation_mode": "null",
     "disable_overlap_schedule": False, "disable_cuda_graph": False, "page_size": None,
+    "chunked_prefill_size": None,
 }
 """SGLang 0.5.23's parsed defaults for these options (checked against the real parser in
 ``test_stock_values_are_sglang_defaults``)."""
@@ -56,6 +57,11 @@ def test_an_explicit_page_size_is_kept_and_cpu_keeps_sglangs_default():
     assert "page_size" not in dict(_decide(page_size=64).implied)
     assert "page_size" not in dict(_decide(device="cpu").implied)
     assert dict(_decide(page_size=None).implied)["page_size"] == 16  # control: unset on CUDA
+    # SGLang asserts chunked_prefill_size % page_size == 0: a chunk that is not whole pages of 16
+    # keeps SGLang's page size (said), one that is gets 16
+    d = _decide(chunked_prefill_size=1000)
+    assert "page_size" not in dict(d.implied) and any("--chunked-prefill-size 1000" in n for n in d.notes)
+    assert dict(_decide(chunked_prefill_size=8192).implied)["page_size"] == 16
 
 
 def test_cpu_gets_torch_native_and_explicit_choices_are_kept():
