@@ -88,6 +88,8 @@ class LayeredKVCore:
         may advance them: :meth:`_advance_paged`)."""
         self.advanced_decode_steps = 0
         """Paged steady-decode steps whose tables were advanced from the last step's (no build)."""
+        self.resident_builds = 0
+        """Paged steady-decode steps built knowing the batch resident (:meth:`_still_resident`)."""
         self.decode_delta: ResidencyDelta | None = None
         """The last paged steady-decode step's reconciliation (the journalled path has none)."""
 
@@ -250,23 +252,27 @@ class LayeredKVCore:
             self.paged_decode_steps += 1
             return True
         new_np = np.asarray(slots, dtype=np.int64)
+        resident = self._still_resident(new_np[opens] // ps)
+        self.resident_builds += resident
         self._begin(page_lists, np.asarray(lens, dtype=np.int64), np.ones(len(lens), dtype=np.int64), new_np,
-                    set(last[0]), None, None)
+                    set(last[0]), None, None, resident=resident)
         self.paged_decode_steps += 1
         return True
 
     def _begin(self, page_lists: list[np.ndarray], lens: np.ndarray, counts: np.ndarray,
                new_np: np.ndarray | None, batch: set[str], recompute: np.ndarray | None = None,
-               recompute_ids: list | None = None) -> None:
+               recompute_ids: list | None = None, *, resident: bool = False) -> None:
         """Build the step's tables (making staging room if needed) and start the pipeline, or
-        mark the step as overflowing (module docstring)."""
+        mark the step as overflowing (module docstring). ``resident``: the caller knows no page
+        of the batch is host-only at any layer (:meth:`_still_resident`; the first build only)."""
         self.overflow = False
         if recompute is None and self._begin_in_place(page_lists, lens, counts):
             return
-        for _ in range(self.layers + 2):
+        for attempt in range(self.layers + 2):
             if recompute is None and self.store.mirror is not None:  # the paged layout's usual step
                 tables: StepTables = PagedStepTables(self.store, page_lists, lens, counts, new_np, self.room.take,
-                                                     token_tables=self.token_tables)
+                                                     token_tables=self.token_tables,
+                                                     resident=resident and attempt == 0)
             else:
                 tables = StepTables(self.store, page_lists, lens, counts, new_np, self.room.take,
                                     token_tables=self.token_tables, recompute=recompute,
@@ -316,6 +322,17 @@ class LayeredKVCore:
         self.pipeline.begin_step(tables)
         self.advanced_decode_steps += 1
         return True
+
+    def _still_resident(self, opened: np.ndarray) -> bool:
+        """A paged steady step whose new tokens opened ``opened`` pages: its batch is the last
+        step's plus those pages. True when no page of it is host-only at any layer, known without
+        reading the batch's host bits: the last step's tables staged nothing (none of its pages
+        was host-only), the map has changed since in the opened pages' columns only, and those
+        are resident at every layer."""
+        last, mirror = self._paged_tables, self.store.mirror
+        return (last is not None and mirror is not None and last.staging_ids.size == 0
+                and mirror.syncs == last._mirror_syncs and mirror.pending_within(opened)
+                and bool((self.store.map_np[:, opened] >= 0).all()))
 
     def _begin_in_place(self, page_lists: list[np.ndarray], lens: np.ndarray, counts: np.ndarray) -> bool:
         """Identity layout, every live layer-page resident, attention reading in place: the step

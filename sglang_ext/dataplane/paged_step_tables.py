@@ -40,7 +40,10 @@ class PagedStepTables(StepTables):
 
     def __init__(self, store: SlotKVStore, pages: Sequence[np.ndarray], seq_lens: np.ndarray,
                  new_counts: np.ndarray, new_slots: np.ndarray | None,
-                 stage: Callable[[int], np.ndarray | None], *, token_tables: bool = True) -> None:
+                 stage: Callable[[int], np.ndarray | None], *, token_tables: bool = True,
+                 resident: bool = False) -> None:
+        """``resident``: the caller knows no page of the batch is host-only at any layer (the
+        host-bit pass over the batch's pages is skipped: nothing stages, fetches or writes back)."""
         mirror = store.mirror
         if mirror is None:
             raise ValueError("PagedStepTables needs the paged layout (the store has no map mirror)")
@@ -60,7 +63,7 @@ class PagedStepTables(StepTables):
         self._mirror_syncs = mirror.syncs
         nonempty = counts > 0
         host_req = np.zeros((layers, b), dtype=bool)
-        if n:
+        if n and not resident:
             host_req[:, nonempty] = mirror.host_layers(flat, starts[nonempty])
         staged_req = host_req.any(axis=0)
         stage_col = None

@@ -80,8 +80,11 @@ def compared(monkeypatch) -> list[int]:
     store state and staging ids; the list counts the comparisons (and the fetches seen)."""
     seen = [0, 0]
 
-    def both(store, pages, lens, counts, new_np, stage: Callable, *, token_tables: bool = True):  # noqa: ANN001
-        got = PagedStepTables(store, pages, lens, counts, new_np, stage, token_tables=token_tables)
+    def both(store, pages, lens, counts, new_np, stage: Callable, *, token_tables: bool = True,  # noqa: ANN001
+             resident: bool = False):
+        # a resident build (the core knew no batch page host-only) must equal the host-built one too
+        got = PagedStepTables(store, pages, lens, counts, new_np, stage, token_tables=token_tables,
+                              resident=resident)
         if got.reserved:
             ids = got.staging_ids
             ref = StepTables(store, pages, lens, counts, new_np, lambda n: ids if n == ids.size else None,
@@ -160,8 +163,9 @@ def test_a_missed_fetch_is_caught(monkeypatch):
     monkeypatch.setattr(PagedStepTables, "_fetch_launches", drop_last)
     caught = []
 
-    def both(store, pages, lens, counts, new_np, stage, *, token_tables=True):  # noqa: ANN001
-        got = PagedStepTables(store, pages, lens, counts, new_np, stage, token_tables=token_tables)
+    def both(store, pages, lens, counts, new_np, stage, *, token_tables=True, resident=False):  # noqa: ANN001
+        got = PagedStepTables(store, pages, lens, counts, new_np, stage, token_tables=token_tables,
+                              resident=resident)
         if got.reserved and got.fetches is not None:
             ids = got.staging_ids
             ref = StepTables(store, pages, lens, counts, new_np, lambda n: ids, token_tables=token_tables)
@@ -241,3 +245,26 @@ def test_a_freed_page_sends_the_next_step_through_the_general_path():
         d.step([("a", 1), ("b", 1)])
         assert core.paged_decode_steps == before + (0 if free else 1)
         d.check_at_rest()
+
+
+def test_resident_builds_equal_host_built_tables(compared):
+    """A paged steady step whose new tokens open pages, the rest of the batch resident and the map
+    changed only in the opened pages' columns, builds knowing the batch resident (the host-bit
+    pass skipped): its tables still equal the host-built ones, and every read is exact."""
+    core = make_core(PAGES + 10, page_size=4, pages=24)
+    d = CoreDriver(core, seed=14, fast_decode=True, paged_reads=True)
+    d.add("a")
+    d.add("b")
+    d.step([("a", 6), ("b", 2)])
+    for _ in range(12):
+        d.step([("a", 1), ("b", 1)])
+    assert core.resident_builds >= 4 and compared[0] >= core.resident_builds
+    d.check_at_rest()
+
+
+def test_a_resident_build_of_a_batch_with_host_pages_is_caught(monkeypatch):
+    """Control: a core that claims every steady step resident skips the staging of host-only
+    pages; the scenario's checks fail (or its write-back finds no staging page to copy from)."""
+    monkeypatch.setattr(layered_kv_core.LayeredKVCore, "_still_resident", lambda self, opened: True)
+    with pytest.raises((AssertionError, TypeError)):
+        offload_scenario(CoreDriver(make_core(PAGES + 6), seed=7, fast_decode=True))
