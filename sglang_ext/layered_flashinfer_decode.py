@@ -43,6 +43,6 @@ class LayeredFlashInferDecode(LayeredPagedDecode):
             rids=(),
         )
         params = AttentionParams.of_layer(layer, layer.tp_q_head_num, q.dtype)  # soft cap, window
-        if not self.flashinfer.planned(params):
-            self.flashinfer.plan(view, layer.tp_q_head_num, params=params)
+        if not self.flashinfer.planned(params):  # from the host CSR: no wait for the GPU here
+            self.flashinfer.plan(tables.plan_view(view), layer.tp_q_head_num, params=params)
         return self.flashinfer.run(q, view, params)

@@ -136,6 +136,9 @@ class PagedStepTables(StepTables):
         nxt._lens_pair = self._lens_pair + 1
         b = self.batch
         nxt.kv_lens, nxt.last_page_len = nxt._lens_pair[:b], nxt._lens_pair[b:]
+        host = self._host_lens_pair + 1  # a new host copy: the last one may still feed a plan's copy
+        nxt._host_lens_pair = host.pin_memory() if self._store.device.type == "cuda" else host
+        nxt.host_last_page_len = nxt._host_lens_pair[b:]
         return nxt
 
     @property

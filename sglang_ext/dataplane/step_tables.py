@@ -27,6 +27,7 @@ tail packs the int32 tables two to a word); per-layer tensors are views of it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 
 from sglang_ext.dataplane.recompute_rows import RecomputeRows
+from sglang_ext.dataplane.results import LayerView
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore
 from sglang_ext.dataplane.sorted_ids import distinct_sorted
 from sglang_ext.dataplane.transfer_engine import TransferEngine
@@ -214,9 +216,10 @@ class StepTables:
             int32 = np.append(int32, np.int32(0))
         int64 = np.concatenate(int64_parts) if int64_parts else np.zeros(0, dtype=np.int64)
         self._int64_np = int64
-        both = _upload(np.concatenate([int64, int32.view(np.int64)]), store.device)
+        both, host = _upload(np.concatenate([int64, int32.view(np.int64)]), store.device)
         self.i64 = both[: int64.size]
         self.i32 = both[int64.size:].view(torch.int32)
+        self._i32_host = host[int64.size:].view(torch.int32)
 
     def _bind_csr(self, base: int, b: int) -> None:
         """FlashInfer's CSR views at ``i32[base:]``."""
@@ -225,6 +228,18 @@ class StepTables:
         self.last_page_len = self.i32[base + 2 * b + 1: base + 3 * b + 1]
         self._lens_pair = self.i32[base + b + 1: base + 3 * b + 1]
         """``kv_lens`` then ``last_page_len`` (adjacent: a steady step advances both in one op)."""
+        host = self._i32_host
+        self.host_indptr = host[base: base + b + 1]
+        """``kv_indptr`` on the host (the upload's pinned source on CUDA; never written again)."""
+        self._host_lens_pair = host[base + b + 1: base + 3 * b + 1]
+        self.host_last_page_len = self._host_lens_pair[b:]
+        """``last_page_len`` on the host, like :attr:`host_indptr`."""
+
+    def plan_view(self, view: LayerView) -> LayerView:
+        """``view`` with the CSR FlashInfer's plan reads on the host (``kv_indptr``,
+        ``last_page_len``) as host tensors: planned from device ones, the plan would copy them
+        back and the host would wait for the GPU (inside layer 0, where SGLang's decode plans)."""
+        return dataclasses.replace(view, kv_indptr=self.host_indptr, last_page_len=self.host_last_page_len)
 
     @property
     def reserved(self) -> bool:
@@ -252,9 +267,11 @@ class StepTables:
         return self.tab[layer][tok_col] * page_size + tok_off
 
 
-def _upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    """One non-blocking host-to-device copy (from pinned memory on CUDA); a view on CPU."""
+def _upload(values: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One non-blocking host-to-device copy (from pinned memory on CUDA): (device tensor, its
+    host source). On CPU both are the same view."""
     tensor = torch.from_numpy(values)
     if device.type == "cpu":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
+        return tensor, tensor
+    pinned = tensor.pin_memory()
+    return pinned.to(device, non_blocking=True), pinned

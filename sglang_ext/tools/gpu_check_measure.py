@@ -106,7 +106,6 @@ class CoreCheck:
         """One decode step of the batch; ``scope`` wraps each kvplane / attention call."""
         b, core = self.batch, self.batch.core
         loc = b.begin_decode()
-        self.backends.plan_step(b.layer_view(0))
         for layer in range(self.config.layers):
             self.x @ self.w_qkv
             with scope("kvplane", layer):
@@ -114,6 +113,8 @@ class CoreCheck:
                 core.write(layer, loc, b.k1, b.v1)
             view = b.layer_view(layer)
             with scope("attention", layer):
+                if layer == 0:  # as SGLang's layered FlashInfer decode plans: inside layer 0, host CSR
+                    self.backends.plan_step(core.tables.plan_view(view))
                 out = self.backends.run(self.backends.primary, self.q, view)
             if capture is not None:
                 capture(layer, view, out)

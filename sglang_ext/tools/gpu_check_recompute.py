@@ -77,7 +77,7 @@ class RecomputeCheck:
         recompute = torch.tensor([[u, self.k] for u in self.u], dtype=torch.int64).numpy()
         loc = b.begin_decode(recompute=recompute)
         rows = core.tables.recompute
-        ch.backends.plan_step(b.layer_view(0))
+        ch.backends.plan_step(core.tables.plan_view(b.layer_view(0)))  # host CSR, as serving plans
         for layer in range(ch.config.layers):
             active = rows.active[layer]
             self._body(torch.cat([ch.x, self.x_rec[:active]]) if active else ch.x)

@@ -200,6 +200,9 @@ class CoreDriver:
         lo, hi = int(t.kv_indptr[b]), int(t.kv_indptr[b + 1])
         n, last = int(t.kv_lens[b]), int(t.last_page_len[b])
         assert n == len(slots) and last == n - (hi - lo - 1) * self.ps, (b, n, last, len(slots))
+        # the host copies FlashInfer's plan reads (StepTables.plan_view) say the same
+        assert int(t.host_indptr[b]) == lo and int(t.host_indptr[b + 1]) == hi and int(t.host_last_page_len[b]) == last
+        assert t.host_indptr.device.type == "cpu" and t.host_last_page_len.device.type == "cpu"
         pages = t.tab[layer][lo:hi].to(torch.int64)
         rows = (pages[:, None] * self.ps + torch.arange(self.ps, device=pages.device)).reshape(-1)[:n]
         k_all, v_all = self.core.device_kv()

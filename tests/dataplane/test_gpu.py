@@ -128,9 +128,15 @@ def test_flashinfer_decode_over_advanced_tables_matches_dense():
         tables = core.tables
         view = LayerView(layer, core.store.dev[0], core.store.dev[1], tables.kv_indptr, tables.tab[layer],
                          tables.kv_lens, tables.last_page_len, ())
-        if layer == 0:
+        if layer == 0:  # as SGLang's layered decode plans: from the host CSR, no wait for the GPU
             decode.new_step()
-            decode.plan(view, q_heads)
+            plan_view = tables.plan_view(view)
+            assert plan_view.kv_indptr.device.type == "cpu" and plan_view.kv_indptr.is_pinned()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                decode.plan(plan_view, q_heads)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
         q = torch.randn((2, q_heads, FLASHINFER_DIM), device="cuda", dtype=torch.bfloat16)
         out = decode.run(q, view)
         for b, rid in enumerate(("a", "b")):
