@@ -5,8 +5,10 @@ decode backend (Triton, under the interpreter on this host), three of four decod
 page and run on the last step's tables advanced by one token (no build, no upload:
 ``LayeredKVCore._advance_paged``). Tokens and logprobs equal vanilla's (page size 1).
 
-A control in the same server: requests decoded two at a time with a prompt-length skew still
-match; the pool's stats show both advanced and built steps, and nothing on host.
+Requests decoded two at a time with a prompt-length skew still match; the pool's stats show
+both advanced and built steps, and nothing on host. Negative control: a second server with a
+stale advance injected (tests/sglang/fault_inject: the new tokens' rows not advanced) fails the
+comparison.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pytest
 
 from sglang_ext.settings import POOL_STATS_FILE_ENV
 from sglang_ext.testing.server import SGLangServer
-from tests.sglang.conftest import PROMPTS, greedy, running_server, token_logprobs
+from tests.sglang.conftest import FAULT_INJECT_DIR, PROMPTS, greedy, running_servers, token_logprobs
 from tests.sglang.test_triton_server import KERNEL_LOGPROB_ATOL
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]
@@ -28,8 +30,9 @@ NEW_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
-def advance_server(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, object]]:
-    root = tmp_path_factory.mktemp("layered-advance")
+def advance_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, object, SGLangServer]]:
+    """The layered server and its stale-advance twin (started side by side)."""
+    root, stale_root = tmp_path_factory.mktemp("layered-advance"), tmp_path_factory.mktemp("stale-advance")
     stats = root / "pool_stats.jsonl"
     # 512 device pages of 4 tokens < 4 layers x 257 logical pages: the paged layout. The planner
     # provisions each request's growth over its decode window (64 steps: ~23 pages x 4 layers for
@@ -37,8 +40,14 @@ def advance_server(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangSer
     flags = ["--enable-layered-kv", "--attention-backend", "triton", "--page-size", "4",
              "--max-total-tokens", "1024", "--kv-gpu-budget-tokens", "2048"]
     env = {"TRITON_INTERPRET": "1", POOL_STATS_FILE_ENV: str(stats)}
-    with running_server(tiny_model_dir, root, flags, env) as server:
-        yield server, stats
+    stale_env = {"TRITON_INTERPRET": "1", "PYTHONPATH": str(FAULT_INJECT_DIR), "KVPLANE_TEST_STALE_ADVANCE": "1"}
+    with running_servers(tiny_model_dir, [(root, flags, env), (stale_root, flags, stale_env)]) as (server, stale):
+        yield server, stats, stale
+
+
+@pytest.fixture(scope="module")
+def advance_server(advance_servers) -> tuple[SGLangServer, object]:
+    return advance_servers[0], advance_servers[1]
 
 
 def _steps(path) -> list[dict]:  # noqa: ANN001
@@ -79,3 +88,17 @@ def test_a_batch_of_two_with_skewed_pages_still_matches(advance_server, vanilla_
     steps = _steps(stats_path)
     assert steps[-1]["advanced_decode_steps_total"] > before
     assert max(s["batch_size"] for s in steps) == 2 and max(s["host_fraction"] for s in steps) == 0.0
+
+
+def test_negative_control_a_stale_advance_fails_the_comparison(advance_servers, vanilla_server):
+    """Control: advanced steps that keep the last step's rows (each new token's K/V overwrite the
+    previous token's) are caught by the same comparison, for every prompt."""
+    stale = advance_servers[2]
+    failures = 0
+    for prompt in PROMPTS[:2]:
+        try:
+            _matches(greedy(stale, prompt, NEW_TOKENS, logprobs=True),
+                     greedy(vanilla_server, prompt, NEW_TOKENS, logprobs=True), prompt)
+        except AssertionError:
+            failures += 1
+    assert failures == 2, f"only {failures} of 2 stale-advance generations were detected"

@@ -13,6 +13,10 @@ pages -- what a wrong recomputation would do (the recompute server's negative co
 it per request by creating the file). With ``KVPLANE_TEST_CORRUPT_RANK=R`` as well, only the
 process of ``torch.distributed`` rank R (TP rank R of a ``--tp`` server) perturbs it: the TP
 server's negative control corrupts one rank's KV shard.
+
+With ``KVPLANE_TEST_STALE_ADVANCE=1``, an advanced paged step keeps the last step's new-token
+rows (``PagedStepTables.advanced`` without its ``rows + 1``): each advanced step's new K/V
+overwrite the previous token's -- what a stale advance would do.
 """
 
 from __future__ import annotations
@@ -60,6 +64,21 @@ def _patch(module) -> None:  # noqa: ANN001
     module.LayerPipeline.end_layer = end_layer
 
 
+ADVANCE_TARGET = "sglang_ext.dataplane.paged_step_tables"
+
+
+def _patch_advance(module) -> None:  # noqa: ANN001
+    real = module.PagedStepTables.advanced
+
+    def advanced(self, mirror_syncs):  # noqa: ANN001, ANN202
+        nxt = real(self, mirror_syncs)
+        if nxt is not None:
+            nxt.rows = self.rows
+        return nxt
+
+    module.PagedStepTables.advanced = advanced
+
+
 class _Finder(importlib.abc.MetaPathFinder):
     def __init__(self, target: str, patch) -> None:  # noqa: ANN001
         self.target, self.patch = target, patch
@@ -85,3 +104,5 @@ if os.environ.get("KVPLANE_TEST_CORRUPT_LAYER"):
     sys.meta_path.insert(0, _Finder(TARGET, _patch))
 if os.environ.get("KVPLANE_TEST_CORRUPT_RECOMPUTE_FILE"):
     sys.meta_path.insert(0, _Finder(RECOMPUTE_TARGET, _patch_recompute))
+if os.environ.get("KVPLANE_TEST_STALE_ADVANCE"):
+    sys.meta_path.insert(0, _Finder(ADVANCE_TARGET, _patch_advance))
