@@ -39,7 +39,9 @@ def advance_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangSe
     # a ~25-token request), so two requests plan resident (a 512-token budget offloads half)
     flags = ["--enable-layered-kv", "--attention-backend", "triton", "--page-size", "4",
              "--max-total-tokens", "1024", "--kv-gpu-budget-tokens", "2048"]
-    env = {"TRITON_INTERPRET": "1", POOL_STATS_FILE_ENV: str(stats)}
+    # the test-only injector only audits here (perturbs nothing): the served per-layer ops
+    env = {"TRITON_INTERPRET": "1", POOL_STATS_FILE_ENV: str(stats), "PYTHONPATH": str(FAULT_INJECT_DIR),
+           "KVPLANE_TEST_AUDIT_FILE": str(root / "audit.json")}
     stale_env = {"TRITON_INTERPRET": "1", "PYTHONPATH": str(FAULT_INJECT_DIR), "KVPLANE_TEST_STALE_ADVANCE": "1"}
     with running_servers(tiny_model_dir, [(root, flags, env), (stale_root, flags, stale_env)]) as (server, stale):
         yield server, stats, stale
@@ -102,3 +104,22 @@ def test_negative_control_a_stale_advance_fails_the_comparison(advance_servers, 
         except AssertionError:
             failures += 1
     assert failures == 2, f"only {failures} of 2 stale-advance generations were detected"
+
+
+def test_served_decode_layers_make_no_host_sync_and_the_same_ops(advance_server):
+    """GPU discipline in the process SGLang serves from (issue 13, item 5): every layer of every
+    paged decode step the previous tests served -- advanced and built, batch 1 and 2 -- ran
+    kvplane's per-layer work (layer begin, KV write through the pool, layer end) with no op that
+    would make a CUDA host wait, and the same ops at every layer of every step."""
+    server, stats_path = advance_server
+    greedy(server, PROMPTS[4], NEW_TOKENS)  # batch 1, then 2 (also what the tests above served)
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda p: greedy(server, p, NEW_TOKENS), (PROMPTS[5], PROMPTS[6] + " again")))
+    steps = json.loads((stats_path.parent / "audit.json").read_text())
+    paged = [s for s in steps if s["paged"]]
+    assert len(paged) >= 10 and {s["batch"] for s in paged} >= {1, 2}
+    assert all(not s.get("violations") for s in steps), [s["violations"] for s in steps if s.get("violations")]
+    first = paged[0]["layers"]["0"]
+    assert first and any("index_copy" in op or "index_put" in op for op in first)  # the KV write is in scope
+    for s in paged:
+        assert len(s["layers"]) == 4 and all(ops == first for ops in s["layers"].values()), s

@@ -14,6 +14,12 @@ it per request by creating the file). With ``KVPLANE_TEST_CORRUPT_RANK=R`` as we
 process of ``torch.distributed`` rank R (TP rank R of a ``--tp`` server) perturbs it: the TP
 server's negative control corrupts one rank's KV shard.
 
+With ``KVPLANE_TEST_AUDIT_FILE=PATH`` nothing is perturbed: the served Triton paged decode's
+per-layer calls run under :class:`sglang_ext.testing.op_audit.OpAudit` (kvplane's part of each
+layer: the layer's begin, KV write and end; the attention kernel itself is not recorded) and
+``PATH`` is rewritten after every layer with each decode step's ops per layer, its batch size and
+any host-sync op (the GPU-discipline audit, in the process SGLang serves from).
+
 With ``KVPLANE_TEST_STALE_ADVANCE=1``, an advanced paged step keeps the last step's new-token
 rows (``PagedStepTables.advanced`` without its ``rows + 1``): each advanced step's new K/V
 overwrite the previous token's -- what a stale advance would do.
@@ -79,6 +85,41 @@ def _patch_advance(module) -> None:  # noqa: ANN001
     module.PagedStepTables.advanced = advanced
 
 
+AUDIT_TARGET = "sglang_ext.layered_triton_decode"
+
+
+def _patch_audit(module) -> None:  # noqa: ANN001
+    import json
+    from collections import Counter
+
+    from sglang_ext.testing.op_audit import OpAudit
+
+    path = os.environ["KVPLANE_TEST_AUDIT_FILE"]
+    audit = OpAudit()
+    steps: list[dict] = []
+    cls = module.LayeredTritonDecode
+    real_forward, real_kernel = cls.forward_decode, cls.decode_layer
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):  # noqa: ANN001, ANN202
+        if layer.layer_id == self.pool.start_layer:
+            steps.append({"batch": int(forward_batch.batch_size), "paged": bool(self._paged), "layers": {}})
+        audit.ops.clear()
+        with audit, audit.scope(layer.layer_id):
+            out = real_forward(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        steps[-1]["layers"][str(layer.layer_id)] = dict(Counter(audit.ops[layer.layer_id]))
+        steps[-1]["violations"] = steps[-1].get("violations", []) + [list(x) for x in audit.violations]
+        audit.violations.clear()
+        with open(path, "w") as f:
+            json.dump(steps, f)
+        return out
+
+    def decode_layer(self, q, layer, index):  # noqa: ANN001, ANN202
+        with audit.scope(None):  # the attention kernel is not kvplane's per-layer work
+            return real_kernel(self, q, layer, index)
+
+    cls.forward_decode, cls.decode_layer = forward_decode, decode_layer
+
+
 class _Finder(importlib.abc.MetaPathFinder):
     def __init__(self, target: str, patch) -> None:  # noqa: ANN001
         self.target, self.patch = target, patch
@@ -106,3 +147,5 @@ if os.environ.get("KVPLANE_TEST_CORRUPT_RECOMPUTE_FILE"):
     sys.meta_path.insert(0, _Finder(RECOMPUTE_TARGET, _patch_recompute))
 if os.environ.get("KVPLANE_TEST_STALE_ADVANCE"):
     sys.meta_path.insert(0, _Finder(ADVANCE_TARGET, _patch_advance))
+if os.environ.get("KVPLANE_TEST_AUDIT_FILE"):
+    sys.meta_path.insert(0, _Finder(AUDIT_TARGET, _patch_audit))
