@@ -50,31 +50,46 @@ def test_h2d_and_d2h_streams_are_distinct_and_ordered():
     assert torch.equal(host[5], torch.full_like(host[5], 3.0))
 
 
-def test_flashinfer_decode_over_the_step_tables_matches_dense():
-    """FlashInfer decode with one plan per step over ``tab[l]`` (staged host pages) == dense (bf16)."""
+def _flashinfer_checker(core, d: CoreDriver, checked: list[int]):  # noqa: ANN001, ANN202
+    """An ``on_layer`` hook: FlashInfer decode of the step's ``tab[l]`` (planned at layer 0 as
+    SGLang's layered decode plans: from the host CSR, with the host never waiting for the GPU)
+    equals dense attention over the shadow K/V of requests a and b (bf16 tolerance)."""
     flashinfer_attention = pytest.importorskip("sglang_ext.dataplane.flashinfer_attention")
     if not flashinfer_attention.HAVE_FLASHINFER:
         pytest.skip("flashinfer not importable")
-    core = make_core(PAGES + 6, dtype=torch.bfloat16, device="cuda", page_size=16, head_dim=FLASHINFER_DIM)
     q_heads = 4
     decode = flashinfer_attention.FlashInferLayeredDecode("cuda", max_pages=PAGES)
-    results = []
 
     def check(layer: int) -> None:
         tables = core.tables
         view = LayerView(layer, core.store.dev[0], core.store.dev[1], tables.kv_indptr, tables.tab[layer],
                          tables.kv_lens, tables.last_page_len, ())
         if layer == 0:
-            decode.plan(view, q_heads)
+            decode.new_step()
+            plan_view = tables.plan_view(view)
+            assert plan_view.kv_indptr.device.type == "cpu" and plan_view.kv_indptr.is_pinned()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                decode.plan(plan_view, q_heads)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
         q = torch.randn((2, q_heads, FLASHINFER_DIM), device="cuda", dtype=torch.bfloat16)
         out = decode.run(q, view)
         for b, rid in enumerate(("a", "b")):
             k = torch.stack([d.shadow[(layer, s)][0] for s in d.slots[rid]]).cuda()
             v = torch.stack([d.shadow[(layer, s)][1] for s in d.slots[rid]]).cuda()
             torch.testing.assert_close(out[b : b + 1], dense_attention(q[b : b + 1], k, v), atol=2e-2, rtol=2e-2)
-        results.append(layer)
+        checked.append(layer)
 
+    return check
+
+
+def test_flashinfer_decode_over_the_step_tables_matches_dense():
+    """FlashInfer decode with one plan per step over ``tab[l]`` (staged host pages) == dense (bf16)."""
+    core = make_core(PAGES + 6, dtype=torch.bfloat16, device="cuda", page_size=16, head_dim=FLASHINFER_DIM)
     d = CoreDriver(core, seed=1)
+    results: list[int] = []
+    check = _flashinfer_checker(core, d, results)
     d.add("a")
     d.add("b")
     d.step([("a", 40), ("b", 23)])
@@ -116,39 +131,13 @@ def test_flashinfer_decode_over_advanced_tables_matches_dense():
     """FlashInfer, as SGLang's layered decode runs it (page tables, no token tables, one plan per
     step), over resident steady steps of page 16: the steps that open no page run on advanced
     tables (rows and lengths + 1 on the device), and every layer of every step equals dense."""
-    flashinfer_attention = pytest.importorskip("sglang_ext.dataplane.flashinfer_attention")
-    if not flashinfer_attention.HAVE_FLASHINFER:
-        pytest.skip("flashinfer not importable")
     core = make_core(PAGES + 6, dtype=torch.bfloat16, device="cuda", page_size=16, head_dim=FLASHINFER_DIM)
-    q_heads = 4
-    decode = flashinfer_attention.FlashInferLayeredDecode("cuda", max_pages=PAGES)
-    checked = []
-
-    def check(layer: int) -> None:
-        tables = core.tables
-        view = LayerView(layer, core.store.dev[0], core.store.dev[1], tables.kv_indptr, tables.tab[layer],
-                         tables.kv_lens, tables.last_page_len, ())
-        if layer == 0:  # as SGLang's layered decode plans: from the host CSR, no wait for the GPU
-            decode.new_step()
-            plan_view = tables.plan_view(view)
-            assert plan_view.kv_indptr.device.type == "cpu" and plan_view.kv_indptr.is_pinned()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                decode.plan(plan_view, q_heads)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        q = torch.randn((2, q_heads, FLASHINFER_DIM), device="cuda", dtype=torch.bfloat16)
-        out = decode.run(q, view)
-        for b, rid in enumerate(("a", "b")):
-            k = torch.stack([d.shadow[(layer, s)][0] for s in d.slots[rid]]).cuda()
-            v = torch.stack([d.shadow[(layer, s)][1] for s in d.slots[rid]]).cuda()
-            torch.testing.assert_close(out[b : b + 1], dense_attention(q[b : b + 1], k, v), atol=2e-2, rtol=2e-2)
-        checked.append(layer)
-
     d = CoreDriver(core, seed=2, fast_decode=True, paged_reads=True)
+    checked: list[int] = []
+    check = _flashinfer_checker(core, d, checked)
     d.add("a")
     d.add("b")
-    d.step([("a", 40), ("b", 23)])  # lens 41 / 24 after the first decode: a opens page 3 at 49, b at 33
+    d.step([("a", 40), ("b", 23)])  # decode lens a 41..52 (opens a page at 49), b 24..35 (at 33)
     d.on_layer = check
     for _ in range(12):
         d.step([("a", 1), ("b", 1)])
