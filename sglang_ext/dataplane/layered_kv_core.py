@@ -266,6 +266,7 @@ class LayeredKVCore:
         mark the step as overflowing (module docstring). ``resident``: the caller knows no page
         of the batch is host-only at any layer (:meth:`_still_resident`; the first build only)."""
         self.overflow = False
+        self._paged_tables = None  # set again by a build that installs (a failed one leaves none)
         if recompute is None and self._begin_in_place(page_lists, lens, counts):
             return
         for attempt in range(self.layers + 2):

@@ -110,7 +110,8 @@ def test_served_decode_layers_make_no_host_sync_and_the_same_ops(advance_server)
     """GPU discipline in the process SGLang serves from (issue 13, item 5): every layer of every
     paged decode step the previous tests served -- advanced and built, batch 1 and 2 -- ran
     kvplane's per-layer work (layer begin, KV write through the pool, layer end) with no op that
-    would make a CUDA host wait, and the same ops at every layer of every step."""
+    would make a CUDA host wait (aten sync ops, and a tensor's tolist / numpy / cpu / item, which
+    a CPU host never dispatches), and the same ops at every layer of every step."""
     server, stats_path = advance_server
     greedy(server, PROMPTS[4], NEW_TOKENS)  # batch 1, then 2 (also what the tests above served)
     with ThreadPoolExecutor(2) as pool:
@@ -123,3 +124,6 @@ def test_served_decode_layers_make_no_host_sync_and_the_same_ops(advance_server)
     assert first and any("index_copy" in op or "index_put" in op for op in first)  # the KV write is in scope
     for s in paged:
         assert len(s["layers"]) == 4 and all(ops == first for ops in s["layers"].values()), s
+    # both kinds of step were audited: advanced (the core's count moved at the step) and built
+    moved = [b["advanced_total"] > a["advanced_total"] for a, b in zip(steps, steps[1:], strict=False) if b["paged"]]
+    assert any(moved) and not all(moved)

@@ -92,6 +92,8 @@ def _patch_audit(module) -> None:  # noqa: ANN001
     import json
     from collections import Counter
 
+    import torch
+
     from sglang_ext.testing.op_audit import OpAudit
 
     path = os.environ["KVPLANE_TEST_AUDIT_FILE"]
@@ -100,9 +102,23 @@ def _patch_audit(module) -> None:  # noqa: ANN001
     cls = module.LayeredTritonDecode
     real_forward, real_kernel = cls.forward_decode, cls.decode_layer
 
+    # host reads that never reach the dispatcher on a CPU host (a device tensor's tolist, numpy,
+    # cpu, item): flagged by name while a layer is in scope
+    def reading(name: str, real):  # noqa: ANN001, ANN202
+        def read(self, *args, **kwargs):  # noqa: ANN001, ANN202
+            if audit._scope is not None:
+                audit.violations.append((audit._scope, f"Tensor.{name}"))
+            return real(self, *args, **kwargs)
+        return read
+
+    for name in ("tolist", "numpy", "cpu", "item", "__array__"):
+        setattr(torch.Tensor, name, reading(name, getattr(torch.Tensor, name)))
+
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):  # noqa: ANN001, ANN202
         if layer.layer_id == self.pool.start_layer:
-            steps.append({"batch": int(forward_batch.batch_size), "paged": bool(self._paged), "layers": {}})
+            core = self.pool.core
+            steps.append({"batch": int(forward_batch.batch_size), "paged": bool(self._paged), "layers": {},
+                          "advanced_total": core.advanced_decode_steps})
         audit.ops.clear()
         with audit, audit.scope(layer.layer_id):
             out = real_forward(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
