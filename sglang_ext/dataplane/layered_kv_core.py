@@ -248,11 +248,11 @@ class LayeredKVCore:
             self.residency.observe(rids[i], torch.from_numpy(pages))
         self._paged_last = (last[0], lens, page_lists)
         self.decode_delta = self._reconcile()
-        if not opens and self._advance_paged():
-            self.paged_decode_steps += 1
-            return True
         new_np = np.asarray(slots, dtype=np.int64)
         resident = self._still_resident(new_np[opens] // ps)
+        if resident and not opens and self._advance_paged():
+            self.paged_decode_steps += 1
+            return True
         self.resident_builds += resident
         self._begin(page_lists, np.asarray(lens, dtype=np.int64), np.ones(len(lens), dtype=np.int64), new_np,
                     set(last[0]), None, None, resident=resident)
@@ -269,8 +269,9 @@ class LayeredKVCore:
         self._paged_tables = None  # set again by a build that installs (a failed one leaves none)
         if recompute is None and self._begin_in_place(page_lists, lens, counts):
             return
+        paged = recompute is None and self.store.mirror is not None  # the paged layout's usual step
         for attempt in range(self.layers + 2):
-            if recompute is None and self.store.mirror is not None:  # the paged layout's usual step
+            if paged:
                 tables: StepTables = PagedStepTables(self.store, page_lists, lens, counts, new_np, self.room.take,
                                                      token_tables=self.token_tables,
                                                      resident=resident and attempt == 0)
@@ -279,7 +280,7 @@ class LayeredKVCore:
                                     token_tables=self.token_tables, recompute=recompute,
                                     recompute_ids=recompute_ids)
             if tables.reserved:
-                self._paged_tables = tables if hasattr(tables, "advanced") else None  # PagedStepTables
+                self._paged_tables = tables if paged else None  # type: ignore[assignment]
                 self.store.mark_dirty(tables.dirty_ids)
                 self.store.has_kv_np[tables.new_pages] = True
                 self.store.staging_pages = int(tables.staging_ids.size)
@@ -289,7 +290,6 @@ class LayeredKVCore:
             if not self.room.make_room(self.room.wanted, batch):
                 break
         self.overflow = True
-        self._paged_tables = None
         self.overflow_steps += 1
         self.store.engine.end_compute()  # no pipeline this step: the engine reads the stream again
         if self.overflow_steps & (self.overflow_steps - 1) == 0:  # 1, 2, 4, 8, ...
@@ -304,16 +304,15 @@ class LayeredKVCore:
 
     def _advance_paged(self) -> bool:
         """A paged steady step whose pages did not change (no new token opens a page) and whose
-        map did not move since the last step's tables were built: the step runs on those tables
-        advanced by one token (:meth:`PagedStepTables.advanced`: nothing staged, fetched or
-        written back; two device ops instead of a build and an upload). False (nothing done)
-        otherwise. The step's new tokens land in the pages the last step wrote, so its
-        bookkeeping is the last step's: the same layer-pages are marked dirty again (a write-back
-        in between may have cleaned them)."""
-        last, mirror = self._paged_tables, self.store.mirror
-        if last is None or mirror is None or mirror.pending or self.token_tables:
-            return False
-        tables = last.advanced(mirror.syncs)
+        batch is still resident with the map unmoved since the last step's tables were built
+        (:meth:`_still_resident` of no opened page, checked by the caller): the step runs on
+        those tables advanced by one token (:meth:`PagedStepTables.advanced`: nothing staged,
+        fetched or written back; two device ops instead of a build and an upload). False
+        (nothing done) otherwise. The step's new tokens land in the pages the last step wrote,
+        so its bookkeeping is the last step's: the same layer-pages are marked dirty again (a
+        write-back in between may have cleaned them)."""
+        last = self._paged_tables
+        tables = None if last is None or self.token_tables else last.advanced()
         if tables is None:
             return False
         self.overflow = False
@@ -329,7 +328,7 @@ class LayeredKVCore:
         step's plus those pages. True when no page of it is host-only at any layer, known without
         reading the batch's host bits: the last step's tables staged nothing (none of its pages
         was host-only), the map has changed since in the opened pages' columns only, and those
-        are resident at every layer."""
+        are resident at every layer. With no page opened: the map has not moved at all."""
         last, mirror = self._paged_tables, self.store.mirror
         return (last is not None and mirror is not None and last.staging_ids.size == 0
                 and mirror.syncs == last._mirror_syncs and mirror.pending_within(opened)

@@ -62,7 +62,7 @@ class MapMirror:
 
     def pending_within(self, pages: np.ndarray) -> bool:
         """Every column changed since the last :meth:`sync` is one of ``pages``."""
-        return not self._log or bool(np.isin(np.concatenate(self._log), pages).all())
+        return not self.pending or bool(np.isin(np.concatenate(self._log), pages).all())
 
     def sync(self) -> None:
         """Bring ``dev`` and ``host_bits`` up to date with the map (see module docstring)."""

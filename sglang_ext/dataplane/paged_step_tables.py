@@ -118,17 +118,16 @@ class PagedStepTables(StepTables):
         """``[L, m]`` int64 device rows of the new tokens per layer."""
         self._bind_csr(sum(int(h.size) for h in head), b)
 
-    def advanced(self, mirror_syncs: int) -> PagedStepTables | None:
+    def advanced(self) -> PagedStepTables | None:
         """The next steady decode step's tables, derived on the device from these, or None when
-        that step needs a build: the same batch, one token more each, no page opened, and the map
-        unchanged since these were built (``mirror_syncs``: the mirror's :attr:`MapMirror.syncs`
-        now, its :meth:`MapMirror.pending` checked by the caller). Only a step that stages,
-        fetches and writes back nothing, builds no token tables and writes one token per request
-        advances: its page tables and CSR pages are then these, and each new token's row and each
+        that step needs a build. The caller knows the step is the same batch with one token more
+        each, no page opened, these staged nothing (so fetched and wrote back nothing) and the
+        map unchanged since they were built (:meth:`LayeredKVCore._still_resident`). Tables
+        with token tables, or of a step that was not one token per request, do not advance.
+        Otherwise the page tables and CSR pages are these, and each new token's row and each
         request's ``kv_lens`` / ``last_page_len`` are one more (two device ops, no upload, no
         host work per page). Dirty ids and new pages are these (the caller marks them again)."""
-        if (mirror_syncs != self._mirror_syncs or self.staging_ids.size or self.fetches
-                or any(w is not None for w in self.writebacks) or self._tok_at >= 0 or not self._one_each):
+        if self._tok_at >= 0 or not self._one_each:
             return None
         nxt = object.__new__(PagedStepTables)
         nxt.__dict__.update(self.__dict__)

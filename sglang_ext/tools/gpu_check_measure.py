@@ -297,16 +297,8 @@ class CoreCheck:
         events = event_timing_figures(transfer, placed_stall_ms=placed_stall_ms, resident_stall_ms=resident_stall_ms,
                                       steps=c.repeat, placed_ms=placed_ms, wall_stall_ms=stall_measured,
                                       cuda=cuda, details=self.details)
-        net = Figure.graded(
-            "kvplane_cpu_share_net", "kvplane CPU time per all-resident step beyond SGLang's own KV write",
-            (resident_cpu_ms - vanilla_write_ms) / resident_ms, "ratio", None, None,
-            "(resident kvplane CPU time - the same host's two index_put per layer into flat buffers, as "
-            "SGLang's MHATokenToKVPool.set_kv_buffer writes) / the all-resident step", meaningful=cuda,
-            note=f"{resident_cpu_ms:.3f} - {vanilla_write_ms:.3f} ms of {resident_ms:.3f} ms; "
-            f"{resident_advanced} of {c.repeat} timed steps advanced (no table build); informational")
         return self._figures(errors, transfer, resident_ms, placed_ms, stall_err, probe,
-                             max(resident_cpu_ms, placed_cpu_ms), stats.host_fraction, cuda) + [net] + events \
-            + recompute_figures
+                             max(resident_cpu_ms, placed_cpu_ms), stats.host_fraction, cuda) + events + recompute_figures
 
     def _figures(self, errors: dict[str, dict[str, float]], t: TransferResult, resident_ms: float,
                  placed_ms: float, stall_err: float, probe: SyncProbe, cpu_ms: float, host_fraction: float,
@@ -367,4 +359,14 @@ class CoreCheck:
             "<=", CPU_SHARE, "thread CPU time of prepare_step + per-layer calls (worse of resident and placed "
             "steps) over the all-resident step's wall time", meaningful=cuda,
             note=cpu_note or f"{cpu_ms:.3f} ms of {resident_ms:.3f} ms"))
+        host = d["kvplane_cpu_ms_per_step"]
+        resident_cpu, vanilla_write = host["resident"], host["vanilla_kv_write"]
+        figs.append(Figure.graded(
+            "kvplane_cpu_share_net", "kvplane CPU time per all-resident step beyond SGLang's own KV write",
+            (resident_cpu - vanilla_write) / resident_ms, "ratio", None, None,
+            "(resident kvplane CPU time - the same host's two index_put per layer into flat buffers, as "
+            "SGLang's MHATokenToKVPool.set_kv_buffer writes) / the all-resident step", meaningful=cuda,
+            note=f"{resident_cpu:.3f} - {vanilla_write:.3f} ms of {resident_ms:.3f} ms; "
+            f"{host['resident_steps_advanced']} of {host['resident_steps_timed']} timed steps advanced "
+            "(no table build); informational"))
         return figs

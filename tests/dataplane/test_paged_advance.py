@@ -111,8 +111,8 @@ def _run_until_advanced(d: CoreDriver) -> None:
 def test_an_advance_that_forgets_the_token_step_is_caught(monkeypatch, forget):
     original = PagedStepTables.advanced
 
-    def stale(self: PagedStepTables, syncs: int) -> PagedStepTables | None:
-        nxt = original(self, syncs)
+    def stale(self: PagedStepTables) -> PagedStepTables | None:
+        nxt = original(self)
         if nxt is not None and forget == "rows":
             nxt.rows = self.rows  # the new tokens overwrite the last step's
         elif nxt is not None:

@@ -76,8 +76,8 @@ ADVANCE_TARGET = "sglang_ext.dataplane.paged_step_tables"
 def _patch_advance(module) -> None:  # noqa: ANN001
     real = module.PagedStepTables.advanced
 
-    def advanced(self, mirror_syncs):  # noqa: ANN001, ANN202
-        nxt = real(self, mirror_syncs)
+    def advanced(self):  # noqa: ANN001, ANN202
+        nxt = real(self)
         if nxt is not None:
             nxt.rows = self.rows
         return nxt
