@@ -137,6 +137,7 @@ class LayeredKVCore:
             d2h_seconds_total=times.d2h_s,
             stall_seconds_total=times.stall_s,
             advanced_decode_steps_total=self.advanced_decode_steps,
+            resident_builds_total=self.resident_builds,
         )
 
     @property

@@ -73,6 +73,7 @@ def test_resident_paged_decode_runs_on_advanced_tables(advance_server, vanilla_s
     # 2 requests x 10 tokens: 9 decode steps each, at most 3 of them open a page, the first builds
     assert last["advanced_decode_steps_total"] >= 2 * (NEW_TOKENS - 1 - 3 - 1)
     assert last["advanced_decode_steps_total"] < last["staged_steps_total"]  # prefills and page opens build
+    assert last["resident_builds_total"] > 0  # page-opening steps built knowing the batch resident
     log = server.log_path.read_text()
     assert "layered_triton_decode_active" in log and "impl=triton" in log
 
