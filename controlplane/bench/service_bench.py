@@ -15,7 +15,6 @@ import json
 import os
 import platform
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 import grpc
 
 from controlplane.bench.service_load import LoadResult, LoadSpec, run_load
+from controlplane.service.ports import free_port
 
 DEFAULT_OUT = Path("benchmarks/results/service")
 
@@ -48,17 +48,11 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text).strip("-")[:60]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class ServeSubprocess:
     """`kvplane serve` on a free loopback port, started and health-checked."""
 
     def __init__(self, log_path: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.target = f"127.0.0.1:{self.port}"
         self._log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from controlplane.service.ports import free_port
 from sglang_ext import compat
 
 CPU_ARGS: tuple[str, ...] = (
@@ -49,15 +49,11 @@ idle scheduler blocks in ``zmq.Poller.poll`` (woken by the next request, at most
 spinning -- measured: a test session's idle module servers each burned ~50% of a core on this
 2-core host, slowing every other test."""
 
+BIND_FAILURE = "error while attempting to bind on address"
+"""uvicorn's log line when the port is taken (it then exits with status 3)."""
+
 STOP_GRACE_S = 1.0
 """Seconds :meth:`SGLangServer.stop` gives the process group after SIGTERM before SIGKILL."""
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago (bind to port 0, read it, release it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class ServerError(RuntimeError):
@@ -82,6 +78,8 @@ class SGLangServer:
     """Port to bind; 0 picks a free one at start."""
     python: str = sys.executable
     """Interpreter that runs ``sglang.launch_server``."""
+    bind_retries: int = 2
+    """Start-ups that failed only because the port was taken, retried on a new port."""
     _proc: subprocess.Popen | None = None
     _deadline: float = 0.0
 
@@ -139,6 +137,9 @@ class SGLangServer:
             raise ServerError("server not spawned")
         while time.monotonic() < self._deadline:
             if self._proc.poll() is not None:
+                if self._port_taken() and self.bind_retries > 0:
+                    self._respawn_on_new_port()
+                    continue
                 raise ServerError(
                     f"SGLang exited with {self._proc.returncode} during start-up\n{self.log_tail()}"
                 )
@@ -150,6 +151,21 @@ class SGLangServer:
                 pass
         self.stop()
         raise ServerError(f"SGLang not healthy within {self.startup_timeout_s}s\n{self.log_tail()}")
+
+    def _port_taken(self) -> bool:
+        """Whether the exit was uvicorn failing to bind the port (someone took it meanwhile)."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return False
+        return any(BIND_FAILURE in line and f", {self.port})" in line for line in lines)
+
+    def _respawn_on_new_port(self) -> None:
+        self.bind_retries -= 1
+        old_log = self.log_path.with_suffix(f".port{self.port}.log")
+        self.log_path.replace(old_log)
+        self._proc, self.port = None, free_port()
+        self.spawn()
 
     def _healthy(self) -> bool:
         try:

@@ -7,7 +7,6 @@ about gRPC is mocked. Waits poll with a deadline (:func:`wait_until`), never a b
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -39,12 +38,6 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, every_s: 
         if time.monotonic() >= deadline:
             return bool(predicate())
         time.sleep(every_s)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def worker_info(worker_id: str = "w0", layers: int = 8, budget_blocks: int = 4000) -> api.WorkerInfo:

@@ -12,9 +12,10 @@ import threading
 
 import pytest
 
+from controlplane.service.ports import free_ports
+
 from .conftest import (
     ServeProcess,
-    free_port,
     step_report,
     subprocess_env,
     wait_until,
@@ -55,7 +56,7 @@ class StreamingWorker:
 
 @pytest.fixture
 def serve_process(tmp_path):  # type: ignore[no-untyped-def]
-    proc = ServeProcess(free_port(), free_port(), tmp_path / "serve.log")
+    proc = ServeProcess(*free_ports(2), tmp_path / "serve.log")
     yield proc
     proc.kill()
 

@@ -14,8 +14,9 @@ import time
 import pytest
 
 from controlplane.bench.service_load import LoadSpec, run_load
+from controlplane.service.ports import free_ports
 
-from .conftest import ServeProcess, free_port
+from .conftest import ServeProcess
 
 WORKERS = 32
 RATE_HZ = 100.0
@@ -28,7 +29,7 @@ MAX_RSS_GROWTH_BYTES = 24 * 1024 * 1024
 def test_32_workers_at_100hz_for_30s(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Every decision is delivered, no report is lost, no worker errors, server RSS flat after warm-up."""
     server = ServeProcess(
-        free_port(), free_port(), tmp_path / "serve.log", "--log-level", "warning", "--max-sessions", "64"
+        *free_ports(2), tmp_path / "serve.log", "--log-level", "warning", "--max-sessions", "64"
     )
     server.start()
     samples: list[tuple[float, int]] = []

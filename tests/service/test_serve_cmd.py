@@ -9,11 +9,11 @@ import urllib.request
 import pytest
 
 from controlplane.cli import serve_cmd
+from controlplane.service.ports import free_ports
 
 from .certs import ThrowawayCA
 from .conftest import (
     ServeProcess,
-    free_port,
     kvplane_cmd,
     step_report,
     subprocess_env,
@@ -166,7 +166,7 @@ def test_tls_files_configure_mutual_tls(tmp_path) -> None:  # type: ignore[no-un
 
 def test_metrics_endpoint_exports_service_and_controller_metrics(tmp_path, connect) -> None:  # type: ignore[no-untyped-def]
     """/metrics shows solve-time histogram, plans, pauses, sessions and decision latency."""
-    proc = ServeProcess(free_port(), free_port(), tmp_path / "serve.log")
+    proc = ServeProcess(*free_ports(2), tmp_path / "serve.log")
     proc.start()
     try:
         session = connect(proc.target).open_session(worker_info("metered"))

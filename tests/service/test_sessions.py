@@ -135,7 +135,7 @@ def test_max_sessions_is_enforced_with_clear_status(serve, connect) -> None:  # 
 
 def test_client_session_never_raises_while_server_unreachable(connect) -> None:  # type: ignore[no-untyped-def]
     """With no server, report() returns [] at once and the session says it is degraded."""
-    from .conftest import free_port
+    from controlplane.service.ports import free_port
 
     client = connect(f"grpc://127.0.0.1:{free_port()}")
     session = client.open_session(worker_info("lonely"))

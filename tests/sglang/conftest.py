@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import socket
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
+from controlplane.service.ports import free_ports
 from sglang_ext.testing.server import SGLangServer
 from sglang_ext.testing.tiny_model import TinyModelSpec, build_tiny_model
 
@@ -87,16 +87,9 @@ ServerSpec = tuple[Path, Sequence[str], Mapping[str, str] | None]
 def running_servers(model_dir: Path, specs: Sequence[ServerSpec]) -> Iterator[tuple[SGLangServer, ...]]:
     """:func:`running_server` for several servers, started side by side: every one is spawned
     before any is waited for (a lone start-up leaves one of this host's two cores idle while the
-    launcher imports SGLang; a module's servers together take ~1.3x one instead of 2x). Ports
-    are picked while the others are still held, so the servers get distinct ones."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in specs]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        ports = [int(sock.getsockname()[1]) for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
+    launcher imports SGLang; a module's servers together take ~1.3x one instead of 2x). Their
+    ports are distinct and below the ephemeral range (:mod:`controlplane.service.ports`)."""
+    ports = free_ports(len(specs))
     servers = tuple(
         SGLangServer(model_dir, log_path=root / "server.log", extra_args=list(extra), env=dict(env or {}),
                      startup_timeout_s=STARTUP_TIMEOUT_S, port=port)
