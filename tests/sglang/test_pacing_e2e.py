@@ -26,8 +26,9 @@ import pytest
 
 from controlplane.policy import Policy
 from controlplane.service.client import GrpcControlPlane
+from controlplane.service.ports import free_port
 from sglang_ext.pacing import SLO_PARAM
-from sglang_ext.testing.server import SGLangServer, free_port
+from sglang_ext.testing.server import SGLangServer
 from sglang_ext.tools.workload import SHARED_HOST_ARGS, RequestSpec, run_one
 from tests.service.conftest import wait_until
 from tests.sglang.conftest import running_server

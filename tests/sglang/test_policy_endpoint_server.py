@@ -21,9 +21,9 @@ import pytest
 
 from controlplane import api
 from controlplane.service.client import GrpcControlPlane
+from controlplane.service.ports import free_port
 from sglang_ext.request_placement import KEY, PARAM
 from sglang_ext.settings import STATS_FILE_ENV
-from sglang_ext.testing.server import free_port
 from tests.service.conftest import wait_until
 from tests.sglang.conftest import PROMPTS, running_server
 from tests.sglang.test_launch_validation import assert_refused_in_one_line, launch_all
