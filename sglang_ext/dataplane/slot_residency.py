@@ -42,7 +42,7 @@ from sglang_ext.dataplane.layer_page_moves import by_layer as _by_layer
 from sglang_ext.dataplane.live_pages import LivePages
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore
 from sglang_ext.dataplane.slot_results import RequestResidency, ResidencyDelta, ResidencyStats
-from sglang_ext.dataplane.sorted_ids import has_repeats
+from sglang_ext.dataplane.sorted_ids import distinct_sorted, has_repeats
 from sglang_ext.dataplane.tracked_request import TrackedRequest as _Request
 from sglang_ext.dataplane.want_counts import WantCounts
 
@@ -344,11 +344,12 @@ class SlotResidency:
         return drop_flat, live.flat(*np.nonzero(need)), reserve, given_up, local_flips
 
     def _reconcile_appended(self) -> ResidencyDelta | None:
+        """Only pages appended since the last pass get device pages at their wanted layers. NumPy:
+        torch ops on such tiny tensors cost ~0.5 ms per batch-32 step on the 2-core host."""
         if self._changed:
             return None
         appended, self._appended = self._appended, []
-        layers_list, pages_list = [], []
-        every_layer = []  # the common case: all layers wanted -> one grid for all such requests
+        layer_parts, page_parts, every_layer = [], [], []  # every_layer: all layers wanted, one grid
         for req, added in appended:
             if not added.numel():
                 continue
@@ -356,42 +357,41 @@ class SlotResidency:
                 every_layer.append(added)
                 continue
             self.counts.check_appended = True  # unwanted layers of its pages may be resident
-            wanted = [i for i, on in enumerate(req.gpu_layers) if on]
-            if wanted:
-                layers_list.append(torch.tensor(wanted).repeat_interleave(added.numel()))
-                pages_list.append(added.repeat(len(wanted)))
-        if every_layer and not layers_list and self.store.identity:
+            wanted = np.flatnonzero(req.gpu_layers)
+            if wanted.size:
+                a = added.numpy().astype(np.int64, copy=False)
+                layer_parts.append(np.repeat(wanted, a.size))
+                page_parts.append(np.tile(a, wanted.size))
+        if every_layer and not layer_parts and self.store.identity:
             fast = self._place_new_identity(torch.cat(every_layer))
             if fast is not None:
                 return fast
         if every_layer:
-            added = torch.cat(every_layer)
-            layers_list.append(torch.arange(self.layers).repeat_interleave(added.numel()))
-            pages_list.append(added.repeat(self.layers))
-        if not layers_list:
+            a = distinct_sorted(np.concatenate([t.numpy() for t in every_layer]).astype(np.int64, copy=False))
+            layer_parts.append(np.repeat(np.arange(self.layers, dtype=np.int64), a.size))
+            page_parts.append(np.tile(a, self.layers))  # with the line above: (layer, page) sorted, distinct
+        if not layer_parts:
             self.last_moves = LayerPageMoves({}, {})
             return ResidencyDelta(0, 0, 0, 0, 0, 0, 0, 0)
-        layers, pages = torch.cat(layers_list), torch.cat(pages_list)
-        pairs = torch.unique(layers * self.store.config.logical_pages + pages)
-        layers, pages = pairs // self.store.config.logical_pages, pairs % self.store.config.logical_pages
-        missing = self.store.map_cpu[layers, pages] < 0
+        lp = self.store.config.logical_pages
+        layers, pages = (np.divmod(distinct_sorted(np.concatenate(layer_parts) * lp + np.concatenate(page_parts)), lp)
+                         if len(layer_parts) > 1 or not every_layer else (layer_parts[0], page_parts[0]))
+        missing = self.store.map_np[layers, pages] < 0
         layers, pages = layers[missing], pages[missing]
-        if layers.numel() > self.store.allocator.free_count - self.staging_reserve():
+        if layers.size > self.store.allocator.free_count - self.staging_reserve():
             self._changed = True
             return None
         h2d_before = self.store.h2d_bytes
-        copy = self.has_kv[pages]
+        copy = self.store.has_kv_np[pages]
         self.store.onload(layers, pages, copy)
-        self.counts.moved(pages.numpy(), 1)
-        loaded: dict[int, list[int]] = {}
-        for layer, page in zip(layers[copy].tolist(), pages[copy].tolist(), strict=True):
-            loaded.setdefault(layer, []).append(page)
-        self.last_moves = LayerPageMoves(offloaded={}, loaded=loaded)
+        self.counts.moved(pages, 1)
+        n_copy = int(np.count_nonzero(copy))
+        self.last_moves = LayerPageMoves(offloaded={}, loaded=_by_layer(layers[copy], pages[copy]) if n_copy else {})
         return ResidencyDelta(
-            loaded_layer_pages=int(copy.sum()),
+            loaded_layer_pages=n_copy,
             offloaded_layer_pages=0,
             removable_dropped_layer_pages=0,
-            placed_new_layer_pages=int((~copy).sum()),
+            placed_new_layer_pages=int(copy.size) - n_copy,
             shortfall_layer_pages=0,
             local_offloaded_layers=0,
             h2d_bytes=self.store.h2d_bytes - h2d_before,
