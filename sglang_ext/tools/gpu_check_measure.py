@@ -72,7 +72,7 @@ Q_SCALE = 2.0
 
 
 @contextmanager
-def _no_scope(kind: str, layer: int) -> Iterator[None]:
+def _no_scope(kind: str, layer: int, part: str = "") -> Iterator[None]:
     yield
 
 
@@ -98,6 +98,9 @@ class CoreCheck:
         """Stall observations (ms) of the last :meth:`kvplane_cpu_ms` steps (the timing events')."""
         self.prepare_cpu_ms = 0.0
         """Median of the last :meth:`kvplane_cpu_ms` steps' boundary share (``prepare_step``)."""
+        self.parts_cpu_ms: dict[str, float] = {}
+        """Medians of the last :meth:`kvplane_cpu_ms` steps' per-layer calls, summed over layers:
+        ``enter`` (``enter_layer``: fetch launches, event waits), ``write``, ``exit``."""
 
     # ----- one decode step --------------------------------------------------------------
 
@@ -108,8 +111,9 @@ class CoreCheck:
         loc = b.begin_decode()
         for layer in range(self.config.layers):
             self.x @ self.w_qkv
-            with scope("kvplane", layer):
+            with scope("kvplane", layer, "enter"):
                 core.enter_layer(layer)
+            with scope("kvplane", layer, "write"):
                 core.write(layer, loc, b.k1, b.v1)
             view = b.layer_view(layer)
             with scope("attention", layer):
@@ -121,13 +125,13 @@ class CoreCheck:
             gate_up = out.reshape(out.shape[0], -1) @ self.w_o @ self.w_gate_up
             i = self.config.intermediate
             (torch.nn.functional.silu(gate_up[:, :i]) * gate_up[:, i:]) @ self.w_down
-            with scope("kvplane", layer):
+            with scope("kvplane", layer, "exit"):
                 core.exit_layer(layer)
 
     def kvplane_cpu_ms(self) -> float:
         """Median thread CPU ms per step spent in kvplane (``prepare_step`` + per-layer calls).
         The steps' stall observations (ms) go to ``self.stall_ms``."""
-        samples, prepare = [], []
+        samples, prepare, parts = [], [], []
         core = self.batch.core
         sync(self.device)
         core.close_transfer_step()  # the stall of earlier steps is not these steps'
@@ -138,8 +142,10 @@ class CoreCheck:
             sync(self.device)
             samples.append((probe.kvplane_s + self.batch.prepare_cpu_s) * 1e3)
             prepare.append(self.batch.prepare_cpu_s * 1e3)
+            parts.append(probe.parts_s)
             self.stall_ms += [s * 1e3 for s in core.close_transfer_step()]
         self.prepare_cpu_ms = statistics.median(prepare)
+        self.parts_cpu_ms = {k: statistics.median(p[k] * 1e3 for p in parts) for k in ("enter", "write", "exit")}
         return statistics.median(samples)
 
     def vanilla_write_cpu_ms(self) -> float:
@@ -238,7 +244,7 @@ class CoreCheck:
         advanced_before = b.core.advanced_decode_steps
         resident_cpu_ms = self.kvplane_cpu_ms()
         resident_advanced = b.core.advanced_decode_steps - advanced_before
-        resident_prepare_ms = self.prepare_cpu_ms
+        resident_prepare_ms, resident_parts_ms = self.prepare_cpu_ms, self.parts_cpu_ms
         vanilla_write_ms = self.vanilla_write_cpu_ms()
         resident_stall_ms = self.stall_ms
         comp = [resident_ms / L] * L
@@ -252,7 +258,7 @@ class CoreCheck:
         predicted_ms = step_time_ms(rows, blocks_now, comp, transfer.bw_blocks_per_ms)
         placed_ms = time_ms(self.step, device, c.repeat)
         placed_cpu_ms = self.kvplane_cpu_ms()
-        placed_prepare_ms = self.prepare_cpu_ms
+        placed_prepare_ms, placed_parts_ms = self.prepare_cpu_ms, self.parts_cpu_ms
         placed_stall_ms = self.stall_ms
         probe = SyncProbe(device)
         with probe:
@@ -278,6 +284,8 @@ class CoreCheck:
             "kvplane_cpu_ms_per_step": {"resident": resident_cpu_ms, "placed": placed_cpu_ms,
                                         "resident_boundary": resident_prepare_ms,
                                         "placed_boundary": placed_prepare_ms,
+                                        "resident_layer_calls": resident_parts_ms,
+                                        "placed_layer_calls": placed_parts_ms,
                                         "resident_steps_advanced": resident_advanced,
                                         "resident_steps_timed": c.repeat,
                                         "vanilla_kv_write": vanilla_write_ms},
@@ -358,7 +366,7 @@ class CoreCheck:
             "kvplane_cpu_share", "kvplane CPU time per step / all-resident step", cpu_ms / resident_ms, "ratio",
             "<=", CPU_SHARE, "thread CPU time of prepare_step + per-layer calls (worse of resident and placed "
             "steps) over the all-resident step's wall time", meaningful=cuda,
-            note=cpu_note or f"{cpu_ms:.3f} ms of {resident_ms:.3f} ms"))
+            note=f"{cpu_note or f'{cpu_ms:.3f} ms of {resident_ms:.3f} ms'}; {self._cpu_split()}"))
         host = d["kvplane_cpu_ms_per_step"]
         resident_cpu, vanilla_write = host["resident"], host["vanilla_kv_write"]
         figs.append(Figure.graded(
@@ -370,3 +378,14 @@ class CoreCheck:
             f"{host['resident_steps_advanced']} of {host['resident_steps_timed']} timed steps advanced "
             "(no table build); informational"))
         return figs
+
+    def _cpu_split(self) -> str:
+        """Where the host time went (ms per step): boundary and the layers' calls, each step kind."""
+        host = self.details["kvplane_cpu_ms_per_step"]
+
+        def split(kind: str) -> str:
+            calls = host[f"{kind}_layer_calls"]
+            return (f"{kind} {host[kind]:.3f} = boundary {host[f'{kind}_boundary']:.3f} + "
+                    + " + ".join(f"{k} {v:.3f}" for k, v in calls.items()))
+
+        return f"{split('resident')}; {split('placed')}"

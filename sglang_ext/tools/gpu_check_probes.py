@@ -36,13 +36,15 @@ SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
 class CpuTimeProbe:
-    """Thread CPU seconds inside ``kvplane`` scopes."""
+    """Thread CPU seconds inside ``kvplane`` scopes, in total and per ``part`` (the call: a
+    layer's ``enter``, ``write`` or ``exit``), so a GPU run says which call costs the host."""
 
     def __init__(self) -> None:
         self.kvplane_s = 0.0
+        self.parts_s: Counter[str] = Counter()
 
     @contextmanager
-    def scope(self, kind: str, layer: int) -> Iterator[None]:
+    def scope(self, kind: str, layer: int, part: str = "") -> Iterator[None]:
         if kind != "kvplane":
             yield
             return
@@ -50,7 +52,9 @@ class CpuTimeProbe:
         try:
             yield
         finally:
-            self.kvplane_s += time.thread_time() - t0
+            dt = time.thread_time() - t0
+            self.kvplane_s += dt
+            self.parts_s[part] += dt
 
 
 class SyncProbe:
@@ -73,7 +77,7 @@ class SyncProbe:
         self.audit.__exit__(*exc)
 
     @contextmanager
-    def scope(self, kind: str, layer: int) -> Iterator[None]:
+    def scope(self, kind: str, layer: int, part: str = "") -> Iterator[None]:
         with self.audit.scope((kind, layer)):
             if not self.cuda:
                 yield

@@ -72,6 +72,11 @@ def test_cpu_dry_run_end_to_end(tmp_path, capsys):
     assert body["environment"]["kvplane_tree"] in ("clean", "modified")  # a stale head is flagged
     cpu = body["details"]["kvplane_cpu_ms_per_step"]
     assert cpu["vanilla_kv_write"] > 0 and 0 <= cpu["resident_steps_advanced"] <= cpu["resident_steps_timed"]
+    for kind in ("resident", "placed"):  # where the host time went, per call (medians of the same steps)
+        calls = cpu[f"{kind}_layer_calls"]
+        assert set(calls) == {"enter", "write", "exit"} and all(v > 0 for v in calls.values()), kind
+        assert cpu[f"{kind}_boundary"] + sum(calls.values()) <= 2 * cpu[kind], kind
+    assert "placed" in figures["kvplane_cpu_share"]["note"] and "boundary" in figures["kvplane_cpu_share"]["note"]
     for key, f in figures.items():
         assert f["status"] in STATUSES and f["target"] and f["method"], key
         assert f["status"] == NA or f["value"] is not None, key
