@@ -18,10 +18,11 @@ from controlplane.model import Hardware, ModelSpec, Profile
 from controlplane.policy import Policy
 from controlplane.policy_store import PolicyStore
 from controlplane.service.client import GrpcControlPlane
+from controlplane.service.ports import free_ports
 from controlplane.service.worker_session import Backoff
 from sglang_ext.args import LayeredKVArgs
 from sglang_ext.control_client import ControlClient, build_control_plane, fallback_counter
-from tests.service.conftest import ServeProcess, free_port, wait_until
+from tests.service.conftest import ServeProcess, wait_until
 
 METRIC = "kvplane_control_plane_fallbacks_total"
 
@@ -122,7 +123,7 @@ def test_build_control_plane_grpc_uses_target_and_token(tmp_path: Path):
 @pytest.fixture
 def serve(tmp_path: Path):
     """A real `kvplane serve` on a fixed free port (restartable on that port)."""
-    proc = ServeProcess(free_port(), free_port(), tmp_path / "serve.log")
+    proc = ServeProcess(*free_ports(2), tmp_path / "serve.log")
     proc.start()
     try:
         yield proc

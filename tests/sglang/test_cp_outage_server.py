@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from controlplane.service.ports import free_ports
 from sglang_ext.settings import STATS_FILE_ENV
 from sglang_ext.testing.server import SGLangServer
-from tests.service.conftest import ServeProcess, free_port, wait_until
+from tests.service.conftest import ServeProcess, wait_until
 from tests.sglang.conftest import PROMPTS
 
 # Two SGLang start-ups (30-600 s each on the shared 2-core host) happen inside the first test.
@@ -34,7 +35,7 @@ def remote(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, Ser
     root = tmp_path_factory.mktemp("outage")
     policy = root / "policy.json"
     policy.write_text(json.dumps({"max_paused_steps": 3, "window_min": 2, "window_max": 4}))
-    service = ServeProcess(free_port(), free_port(), root / "serve.log", "--policy", str(policy))
+    service = ServeProcess(*free_ports(2), root / "serve.log", "--policy", str(policy))
     service.start(timeout_s=60.0)
     stats = root / "stats.jsonl"
     server = SGLangServer(

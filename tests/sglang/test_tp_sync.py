@@ -18,8 +18,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from controlplane.service.ports import free_port  # noqa: E402
 from sglang_ext.tp_sync import PlacementInstaller, StepInstall, TpSync  # noqa: E402
-from tests.service.conftest import free_port  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
