@@ -93,14 +93,10 @@ class PagedStepTables(StepTables):
         offset = rows.size
         self.fetches: list[Launch] = []
         self.writebacks: list[Launch | None] = [None] * layers
-        w_layer, w_j = np.nonzero(u_host)
-        for layer in np.unique(w_layer).tolist():
-            wcols = ucol[w_j[w_layer == layer]]
-            src = store.dev_segs(stage_col[wcols])  # type: ignore[index]
-            dst = store.host_segs(np.full(wcols.size, layer), flat[wcols])
-            int64_parts += [src, dst]
-            self.writebacks[layer] = Launch(layer, layer, offset, int(src.size))
-            offset += 2 * src.size
+        if stage_col is not None:
+            offset = self._writeback_parts(store, u_host, stage_col[ucol], flat[ucol], offset, int64_parts)
+        elif u_host.any():
+            raise RuntimeError("a new token's page is host-only at some layer but its request is not staged")
         self._token_parts(token_tables, seq_lens, starts, ps, offset, int64_parts)
         head = [flat] if stage_col is None else [flat, stage_col, starts, counts, self._fetch_launches(
             mirror, flat, counts, starts, staged_req, host_req, trigger, 2 * n + 2 * b)]
@@ -117,6 +113,34 @@ class PagedStepTables(StepTables):
         self.rows = self.i64[: rows.size].view(layers, self._m)
         """``[L, m]`` int64 device rows of the new tokens per layer."""
         self._bind_csr(sum(int(h.size) for h in head), b)
+
+    def _writeback_parts(self, store: SlotKVStore, u_host: np.ndarray, dev_pages: np.ndarray, pages: np.ndarray,
+                         offset: int, int64_parts: list[np.ndarray]) -> int:
+        """Each layer's write-back of the new tokens' host-only pages (``u_host[l, j]``: page
+        ``pages[j]``, staged in device page ``dev_pages[j]``): one :class:`Launch` per layer with
+        any, its segments appended to ``int64_parts`` as ``store.dev_segs`` of the staged pages
+        then ``store.host_segs`` of the layer-pages (K then V each), layer after layer, built for
+        all layers at once. Returns the offset after them."""
+        w_layer, w_j = np.nonzero(u_host)  # layer-major
+        n = int(w_layer.size)
+        if not n:
+            return offset
+        src, dst = dev_pages[w_j], (pages[w_j] * store.config.layers + w_layer) * 2
+        first = np.empty(n, dtype=bool)  # a layer's first pair (np.r_ costs ~30 us a call here)
+        first[0] = True
+        np.not_equal(w_layer[1:], w_layer[:-1], out=first[1:])
+        starts = np.flatnonzero(first)
+        sizes = np.empty_like(starts)
+        sizes[:-1], sizes[-1] = starts[1:] - starts[:-1], n - starts[-1]
+        group = np.repeat(np.arange(starts.size), sizes)
+        c = sizes[group]
+        at = 4 * starts[group] + np.arange(n) - starts[group]  # a layer's block: src K, src V, dst K, dst V
+        out = np.empty(4 * n, dtype=np.int64)
+        out[at], out[at + c], out[at + 2 * c], out[at + 3 * c] = src, src + store.pages_total, dst, dst + 1
+        for s, k, layer in zip(starts.tolist(), sizes.tolist(), w_layer[starts].tolist(), strict=True):
+            self.writebacks[layer] = Launch(layer, layer, offset + 4 * s, 2 * k)
+        int64_parts.append(out)
+        return offset + 4 * n
 
     def advanced(self) -> PagedStepTables | None:
         """The next steady decode step's tables, derived on the device from these, or None when
@@ -160,23 +184,29 @@ class PagedStepTables(StepTables):
         per_layer = np.zeros((host_req.shape[1], host_req.shape[0]), dtype=np.int64)  # [b, L] host pages
         sub = staged[counts[staged] > 0]
         if sub.size:
-            cols = np.concatenate([np.arange(starts[r], starts[r] + counts[r]) for r in sub.tolist()])
-            bits = np.unpackbits(mirror.host_bits[flat[cols]], axis=1, count=mirror.layers, bitorder="little")
             sub_counts = counts[sub]
-            per_layer[sub] = np.add.reduceat(bits, np.cumsum(sub_counts) - sub_counts, axis=0, dtype=np.int32)
+            sub_starts = np.cumsum(sub_counts) - sub_counts  # each staged request's first place in cols
+            cols = np.arange(int(sub_counts.sum())) + np.repeat(starts[sub] - sub_starts, sub_counts)
+            bits = np.unpackbits(mirror.host_bits[flat[cols]], axis=1, count=mirror.layers, bitorder="little")
+            per_layer[sub] = np.add.reduceat(bits, sub_starts, axis=0, dtype=np.int32)
         pair_l, pair_r = np.nonzero(host_req)
         key = pair_l * (host_req.shape[0] + 1) + (trigger[pair_l, pair_r] + 1)
         order = np.argsort(key, kind="stable")  # requests stay ascending inside a (layer, trigger)
         pair_l, pair_r, key = pair_l[order], pair_r[order], key[order]
-        bounds = np.concatenate([[0], np.flatnonzero(np.diff(key)) + 1, [key.size]]).tolist()
-        for a, z in zip(bounds[:-1], bounds[1:], strict=True):
-            if a == z:
-                continue
-            layer, reqs = int(pair_l[a]), pair_r[a:z]
-            pages = int(per_layer[reqs, layer].sum())
-            if pages:
-                self.fetches.append(PageLaunch(int(trigger[layer, reqs[0]]), layer, at + a, 2 * pages,
-                                               a, z - a, int(counts[reqs].max())))
+        if key.size:  # per (layer, trigger) group, all groups at once: pages, widest request
+            first = np.empty(key.size, dtype=bool)
+            first[0] = True
+            np.not_equal(key[1:], key[:-1], out=first[1:])
+            a = np.flatnonzero(first)
+            z = np.empty_like(a)
+            z[:-1], z[-1] = a[1:], key.size
+            pages = np.add.reduceat(per_layer[pair_r, pair_l], a)
+            widest = np.maximum.reduceat(counts[pair_r], a)
+            firsts = trigger[pair_l[a], pair_r[a]]
+            for g in np.flatnonzero(pages).tolist():
+                ga = int(a[g])
+                self.fetches.append(PageLaunch(int(firsts[g]), int(pair_l[ga]), at + ga, 2 * int(pages[g]),
+                                               ga, int(z[g]) - ga, int(widest[g])))
         self._reqs_np = pair_r
         return pair_r
 

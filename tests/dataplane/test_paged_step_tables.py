@@ -264,7 +264,8 @@ def test_resident_builds_equal_host_built_tables(compared):
 
 def test_a_resident_build_of_a_batch_with_host_pages_is_caught(monkeypatch):
     """Control: a core that claims every steady step resident skips the staging of host-only
-    pages; the scenario's checks fail (or its write-back finds no staging page to copy from)."""
+    pages; the scenario's checks fail (or the build refuses a host-only new-token page whose
+    request is not staged: no staging page to write it back from)."""
     monkeypatch.setattr(layered_kv_core.LayeredKVCore, "_still_resident", lambda self, opened: True)
-    with pytest.raises((AssertionError, TypeError)):
+    with pytest.raises((AssertionError, RuntimeError)):
         offload_scenario(CoreDriver(make_core(PAGES + 6), seed=7, fast_decode=True))
