@@ -36,12 +36,15 @@ class OverheadMeter:
         """kvplane time in scheduler iterations that ran no step (kept apart: no step waited on it)."""
         self.counts: dict[str, int] = {}
         """Events per name (:meth:`count`)."""
+        self.calls: dict[str, int] = {}
+        """Measurements added per part (:meth:`add`): e.g. ``kv_write`` once per layer and forward."""
         self.steps = 0
         self.step_s = 0.0
         self._last_end: float | None = None
 
     def add(self, part: str, seconds: float) -> None:
         self.kvplane_s[part] = self.kvplane_s.get(part, 0.0) + seconds
+        self.calls[part] = self.calls.get(part, 0) + 1
 
     def count(self, name: str) -> None:
         """Count one event (e.g. which preparation path a step took)."""
@@ -73,6 +76,7 @@ class OverheadMeter:
             "parts_s": {k: round(v, 6) for k, v in sorted(self.kvplane_s.items())},
             "idle_kvplane_s": round(self.idle_s, 6),
             "counts": dict(sorted(self.counts.items())),
+            "calls": dict(sorted(self.calls.items())),
             "kvplane_ms_per_step": round(1e3 * total / self.steps, 4) if self.steps else None,
             "share_pct": round(100.0 * total / (self.step_s - total), 3) if self.step_s > total else None,
         }

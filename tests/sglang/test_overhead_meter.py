@@ -15,13 +15,15 @@ def test_share_is_kvplane_time_over_the_rest_of_the_step(tmp_path):
     meter = OverheadMeter(tmp_path / "m.json")
     meter.step_done()  # the first end only starts the clock
     time.sleep(0.02)
-    meter.add("end_step", 0.004)
+    meter.add("end_step", 0.003)
+    meter.add("end_step", 0.001)
     meter.add("boundary", 0.001)
     meter.step_done()
     out = meter.summary()
     assert out["steps"] == 1
     assert out["kvplane_s"] == pytest.approx(0.005)
     assert out["parts_s"] == {"boundary": 0.001, "end_step": 0.004}
+    assert out["calls"] == {"boundary": 1, "end_step": 2}  # measurements per part
     step = out["step_s"]
     assert step >= 0.02
     assert share_of(out) == pytest.approx(100 * 0.005 / (step - 0.005), rel=1e-3)

@@ -6,7 +6,8 @@ page and run on the last step's tables advanced by one token (no build, no uploa
 ``LayeredKVCore._advance_paged``). Tokens and logprobs equal vanilla's (page size 1).
 
 Requests decoded two at a time with a prompt-length skew still match; the pool's stats show
-both advanced and built steps, and nothing on host. Negative control: a second server with a
+both advanced and built steps, and nothing on host; the in-process meter counts the paged
+decode's KV writes (one per layer and forward, decode forwards included). Negative control: a second server with a
 stale advance injected (tests/sglang/fault_inject: the new tokens' rows not advanced) fails the
 comparison.
 """
@@ -19,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sglang_ext.settings import POOL_STATS_FILE_ENV
+from sglang_ext.overhead import WRITE_EVERY
+from sglang_ext.settings import OVERHEAD_FILE_ENV, POOL_STATS_FILE_ENV
 from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import FAULT_INJECT_DIR, PROMPTS, greedy, running_servers, token_logprobs
 from tests.sglang.test_triton_server import KERNEL_LOGPROB_ATOL
@@ -27,6 +29,8 @@ from tests.sglang.test_triton_server import KERNEL_LOGPROB_ATOL
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]
 
 NEW_TOKENS = 10
+LAYERS = 4
+"""The tiny model's layers."""
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +45,7 @@ def advance_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangSe
              "--max-total-tokens", "1024", "--kv-gpu-budget-tokens", "2048"]
     # the test-only injector only audits here (perturbs nothing): the served per-layer ops
     env = {"TRITON_INTERPRET": "1", POOL_STATS_FILE_ENV: str(stats), "PYTHONPATH": str(FAULT_INJECT_DIR),
-           "KVPLANE_TEST_AUDIT_FILE": str(root / "audit.json")}
+           "KVPLANE_TEST_AUDIT_FILE": str(root / "audit.json"), OVERHEAD_FILE_ENV: str(root / "overhead.json")}
     stale_env = {"TRITON_INTERPRET": "1", "PYTHONPATH": str(FAULT_INJECT_DIR), "KVPLANE_TEST_STALE_ADVANCE": "1"}
     with running_servers(tiny_model_dir, [(root, flags, env), (stale_root, flags, stale_env)]) as (server, stale):
         yield server, stats, stale
@@ -128,3 +132,18 @@ def test_served_decode_layers_make_no_host_sync_and_the_same_ops(advance_server)
     # both kinds of step were audited: advanced (the core's count moved at the step) and built
     moved = [b["advanced_total"] > a["advanced_total"] for a, b in zip(steps, steps[1:], strict=False) if b["paged"]]
     assert any(moved) and not all(moved)
+
+
+def test_the_meter_counts_the_paged_decode_kv_writes(advance_server):
+    """Issue 13: the meter counts every kvplane path that runs per step. The paged decode writes
+    K/V through the metered stand-in pool, so ``kv_write`` is measured exactly once per layer of
+    every forward: extends and paged decodes. Were decode writes not metered, the count would be
+    the extends' alone, ``LAYERS x`` a handful, far below ``LAYERS x`` the forwards (checked to be
+    mostly decodes)."""
+    server, stats_path = advance_server
+    server.post("/generate", {"text": PROMPTS[7], "sampling_params": {
+        "max_new_tokens": WRITE_EVERY + 8, "temperature": 0.0, "ignore_eos": True}})  # the meter writes every 64 steps
+    out = json.loads((stats_path.parent / "overhead.json").read_text())
+    forwards = out["counts"]["prepare_steady_decode"] + out["counts"].get("prepare_general", 0)
+    assert out["counts"]["prepare_steady_decode"] > forwards // 2  # mostly paged decode steps
+    assert out["calls"]["kv_write"] == LAYERS * forwards, (out["calls"], out["counts"])
