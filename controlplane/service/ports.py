@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 import socket
+from collections.abc import Collection
 from pathlib import Path
 
 PORT_RANGE = (12000, 21999)
@@ -32,10 +33,12 @@ def ephemeral_low(path: Path = EPHEMERAL_RANGE_FILE) -> int:
         return 32768
 
 
-def free_ports(count: int, *, rng: random.Random | None = None, eph_low: int | None = None) -> list[int]:
+def free_ports(count: int, *, rng: random.Random | None = None, eph_low: int | None = None,
+               avoid: Collection[int] = ()) -> list[int]:
     """``count`` distinct ports, each bindable on all interfaces a moment ago, below the ephemeral
-    range. Falls back to kernel-picked ports when the range below it is too small or full (a host
-    whose ephemeral range starts low): correct, merely exposed to the race above."""
+    range, none of ``avoid`` (ports handed to servers that have not bound them yet). Falls back to
+    kernel-picked ports when the range below it is too small or full (a host whose ephemeral range
+    starts low): correct, merely exposed to the race above."""
     if count < 0:
         raise ValueError(f"count must be >= 0, got {count}")
     rng = rng or random.Random()
@@ -46,20 +49,20 @@ def free_ports(count: int, *, rng: random.Random | None = None, eph_low: int | N
         for port in rng.sample(range(low, high + 1), min(high - low + 1, 64 * max(count, 1))):
             if len(picked) == count:
                 break
-            if _bindable(port):
+            if port not in avoid and _bindable(port):
                 picked.append(port)
     while len(picked) < count:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("127.0.0.1", 0))
             port = int(sock.getsockname()[1])
-        if port not in picked:
+        if port not in picked and port not in avoid:
             picked.append(port)
     return picked
 
 
-def free_port() -> int:
+def free_port(avoid: Collection[int] = ()) -> int:
     """One port from :func:`free_ports`."""
-    return free_ports(1)[0]
+    return free_ports(1, avoid=avoid)[0]
 
 
 def _bindable(port: int) -> bool:

@@ -78,8 +78,11 @@ class SGLangServer:
     """Port to bind; 0 picks a free one at start."""
     python: str = sys.executable
     """Interpreter that runs ``sglang.launch_server``."""
-    bind_retries: int = 2
-    """Start-ups that failed only because the port was taken, retried on a new port."""
+    bind_retries: int = 1
+    """Start-ups that failed only because the port was taken, retried on a new port (each retry
+    gets a fresh ``startup_timeout_s``)."""
+    avoid_ports: tuple[int, ...] = ()
+    """Ports a retry must not take: those of servers started beside this one, not bound yet."""
     _proc: subprocess.Popen | None = None
     _deadline: float = 0.0
 
@@ -162,9 +165,9 @@ class SGLangServer:
 
     def _respawn_on_new_port(self) -> None:
         self.bind_retries -= 1
-        old_log = self.log_path.with_suffix(f".port{self.port}.log")
-        self.log_path.replace(old_log)
-        self._proc, self.port = None, free_port()
+        self.stop()  # the exited launcher's process group: nothing of it may outlive it
+        self.log_path.replace(self.log_path.with_suffix(f".port{self.port}.log"))
+        self.port = free_port(avoid=(self.port, *self.avoid_ports))
         self.spawn()
 
     def _healthy(self) -> bool:

@@ -380,12 +380,13 @@ class CoreCheck:
         return figs
 
     def _cpu_split(self) -> str:
-        """Where the host time went (ms per step): boundary and the layers' calls, each step kind."""
+        """Where the host time went (ms per step): boundary and the layers' calls, each step kind.
+        Each term is its own median over the same steps, so they add up to about the total."""
         host = self.details["kvplane_cpu_ms_per_step"]
 
         def split(kind: str) -> str:
             calls = host[f"{kind}_layer_calls"]
-            return (f"{kind} {host[kind]:.3f} = boundary {host[f'{kind}_boundary']:.3f} + "
+            return (f"{kind} {host[kind]:.3f} ~ boundary {host[f'{kind}_boundary']:.3f} + "
                     + " + ".join(f"{k} {v:.3f}" for k, v in calls.items()))
 
         return f"{split('resident')}; {split('placed')}"

@@ -46,6 +46,18 @@ def test_a_taken_port_is_never_returned() -> None:
     assert seen & set(candidates[:6])
 
 
+def test_avoided_ports_are_never_returned() -> None:
+    """Ports handed to servers that have not bound them yet are skipped (control: without
+    ``avoid`` the same picks do include them)."""
+    low = PORT_RANGE[0]
+    picks = [free_ports(2, rng=random.Random(seed), eph_low=low + 8) for seed in range(20)]
+    avoid = {p for pick in picks for p in pick} - {low + 7}
+    assert len(avoid) >= 2
+    for seed in range(20):
+        assert not set(free_ports(1, rng=random.Random(seed), eph_low=low + 8, avoid=avoid)) & avoid
+    assert free_port(avoid=set(range(low, low + 7))) not in range(low, low + 7)
+
+
 def test_a_host_without_room_below_the_ephemeral_range_gets_kernel_ports() -> None:
     ports = free_ports(3, eph_low=PORT_RANGE[0] + 2)
     assert len(set(ports)) == 3 and all(p >= ephemeral_low() for p in ports)

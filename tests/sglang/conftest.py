@@ -92,7 +92,7 @@ def running_servers(model_dir: Path, specs: Sequence[ServerSpec]) -> Iterator[tu
     ports = free_ports(len(specs))
     servers = tuple(
         SGLangServer(model_dir, log_path=root / "server.log", extra_args=list(extra), env=dict(env or {}),
-                     startup_timeout_s=STARTUP_TIMEOUT_S, port=port)
+                     startup_timeout_s=STARTUP_TIMEOUT_S, port=port, avoid_ports=tuple(ports))
         for (root, extra, env), port in zip(specs, ports, strict=True)
     )
     try:
