@@ -30,7 +30,7 @@ from sglang_ext.dataplane.map_mirror import MapMirror
 from sglang_ext.dataplane.page_fetch import PageFetch
 from sglang_ext.dataplane.page_launch import PageLaunch
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore
-from sglang_ext.dataplane.sorted_ids import distinct_sorted
+from sglang_ext.dataplane.sorted_ids import distinct_sorted, run_bounds
 from sglang_ext.dataplane.step_tables import Launch, StepTables
 from sglang_ext.dataplane.transfer_engine import TransferEngine
 
@@ -126,12 +126,7 @@ class PagedStepTables(StepTables):
         if not n:
             return offset
         src, dst = dev_pages[w_j], (pages[w_j] * store.config.layers + w_layer) * 2
-        first = np.empty(n, dtype=bool)  # a layer's first pair (np.r_ costs ~30 us a call here)
-        first[0] = True
-        np.not_equal(w_layer[1:], w_layer[:-1], out=first[1:])
-        starts = np.flatnonzero(first)
-        sizes = np.empty_like(starts)
-        sizes[:-1], sizes[-1] = starts[1:] - starts[:-1], n - starts[-1]
+        starts, sizes = run_bounds(w_layer)  # each layer's pairs
         group = np.repeat(np.arange(starts.size), sizes)
         c = sizes[group]
         at = 4 * starts[group] + np.arange(n) - starts[group]  # a layer's block: src K, src V, dst K, dst V
@@ -194,19 +189,14 @@ class PagedStepTables(StepTables):
         order = np.argsort(key, kind="stable")  # requests stay ascending inside a (layer, trigger)
         pair_l, pair_r, key = pair_l[order], pair_r[order], key[order]
         if key.size:  # per (layer, trigger) group, all groups at once: pages, widest request
-            first = np.empty(key.size, dtype=bool)
-            first[0] = True
-            np.not_equal(key[1:], key[:-1], out=first[1:])
-            a = np.flatnonzero(first)
-            z = np.empty_like(a)
-            z[:-1], z[-1] = a[1:], key.size
+            a, sizes = run_bounds(key)
             pages = np.add.reduceat(per_layer[pair_r, pair_l], a)
             widest = np.maximum.reduceat(counts[pair_r], a)
             firsts = trigger[pair_l[a], pair_r[a]]
             for g in np.flatnonzero(pages).tolist():
                 ga = int(a[g])
                 self.fetches.append(PageLaunch(int(firsts[g]), int(pair_l[ga]), at + ga, 2 * int(pages[g]),
-                                               ga, int(z[g]) - ga, int(widest[g])))
+                                               ga, int(sizes[g]), int(widest[g])))
         self._reqs_np = pair_r
         return pair_r
 

@@ -344,8 +344,8 @@ class SlotResidency:
         return drop_flat, live.flat(*np.nonzero(need)), reserve, given_up, local_flips
 
     def _reconcile_appended(self) -> ResidencyDelta | None:
-        """Only pages appended since the last pass get device pages at their wanted layers. NumPy:
-        torch ops on such tiny tensors cost ~0.5 ms per batch-32 step on the 2-core host."""
+        """Pages appended since the last pass get device pages at their wanted layers (NumPy: torch
+        ops on such tiny tensors cost ~0.5 ms per batch-32 step on the 2-core host)."""
         if self._changed:
             return None
         appended, self._appended = self._appended, []
@@ -362,20 +362,22 @@ class SlotResidency:
                 a = added.numpy().astype(np.int64, copy=False)
                 layer_parts.append(np.repeat(wanted, a.size))
                 page_parts.append(np.tile(a, wanted.size))
-        if every_layer and not layer_parts and self.store.identity:
-            fast = self._place_new_identity(torch.cat(every_layer))
-            if fast is not None:
-                return fast
+        grid_only = bool(every_layer) and not layer_parts  # (layer, page) sorted and distinct as built
         if every_layer:
-            a = distinct_sorted(np.concatenate([t.numpy() for t in every_layer]).astype(np.int64, copy=False))
+            a = np.concatenate([t.numpy() for t in every_layer]).astype(np.int64, copy=False)
+            if grid_only and self.store.identity:
+                fast = self._place_new_identity(a)
+                if fast is not None:
+                    return fast
+            a = distinct_sorted(a)
             layer_parts.append(np.repeat(np.arange(self.layers, dtype=np.int64), a.size))
-            page_parts.append(np.tile(a, self.layers))  # with the line above: (layer, page) sorted, distinct
+            page_parts.append(np.tile(a, self.layers))
         if not layer_parts:
             self.last_moves = LayerPageMoves({}, {})
             return ResidencyDelta(0, 0, 0, 0, 0, 0, 0, 0)
         lp = self.store.config.logical_pages
-        layers, pages = (np.divmod(distinct_sorted(np.concatenate(layer_parts) * lp + np.concatenate(page_parts)), lp)
-                         if len(layer_parts) > 1 or not every_layer else (layer_parts[0], page_parts[0]))
+        layers, pages = ((layer_parts[0], page_parts[0]) if grid_only
+                         else np.divmod(distinct_sorted(np.concatenate(layer_parts) * lp + np.concatenate(page_parts)), lp))
         missing = self.store.map_np[layers, pages] < 0
         layers, pages = layers[missing], pages[missing]
         if layers.size > self.store.allocator.free_count - self.staging_reserve():
@@ -387,23 +389,15 @@ class SlotResidency:
         self.counts.moved(pages, 1)
         n_copy = int(np.count_nonzero(copy))
         self.last_moves = LayerPageMoves(offloaded={}, loaded=_by_layer(layers[copy], pages[copy]) if n_copy else {})
-        return ResidencyDelta(
-            loaded_layer_pages=n_copy,
-            offloaded_layer_pages=0,
-            removable_dropped_layer_pages=0,
-            placed_new_layer_pages=int(copy.size) - n_copy,
-            shortfall_layer_pages=0,
-            local_offloaded_layers=0,
-            h2d_bytes=self.store.h2d_bytes - h2d_before,
-            d2h_bytes=0,
-        )
+        return ResidencyDelta(loaded_layer_pages=n_copy, offloaded_layer_pages=0, removable_dropped_layer_pages=0,
+                              placed_new_layer_pages=int(copy.size) - n_copy, shortfall_layer_pages=0,
+                              local_offloaded_layers=0, h2d_bytes=self.store.h2d_bytes - h2d_before, d2h_bytes=0)
 
-    def _place_new_identity(self, added: torch.Tensor) -> ResidencyDelta | None:
+    def _place_new_identity(self, pages: np.ndarray) -> ResidencyDelta | None:
         """Identity layout, every layer wanted: the usual decode step. New pages without KV that
         are on host at every layer go to their fixed device pages ``l * P + p`` in one indexed
         write; anything else (prefix pages already placed, pages holding KV) returns None and the
-        general append path handles it."""
-        pages = added.numpy()  # NumPy from here: a handful of tiny ops per decode step
+        general append path handles it. NumPy: a handful of tiny ops per decode step."""
         if self.place_fresh_identity(pages) is None:
             return None
         self.last_moves = LayerPageMoves({}, {})

@@ -13,12 +13,23 @@ from __future__ import annotations
 import numpy as np
 
 
+def run_firsts(values: np.ndarray) -> np.ndarray:
+    """Mask of the first place of each run of equal values of a 1-D array."""
+    first = np.ones(values.size, dtype=bool)
+    np.not_equal(values[1:], values[:-1], out=first[1:])
+    return first
+
+
+def run_bounds(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Start and length of each run of equal values of a 1-D array (grouped, e.g. sorted)."""
+    starts = np.flatnonzero(run_firsts(values))
+    return starts, np.diff(starts, append=values.size)
+
+
 def _sorted_firsts(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``ids`` sorted (stable: fast on ascending runs) and the mask of each value's first place."""
     s = np.sort(ids, kind="stable")
-    first = np.ones(s.size, dtype=bool)
-    np.not_equal(s[1:], s[:-1], out=first[1:])
-    return s, first
+    return s, run_firsts(s)
 
 
 def distinct_sorted(ids: np.ndarray) -> np.ndarray:
@@ -29,9 +40,9 @@ def distinct_sorted(ids: np.ndarray) -> np.ndarray:
 
 def distinct_counts(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``np.unique(ids, return_counts=True)`` of a 1-D integer array."""
-    s, first = _sorted_firsts(ids)
-    starts = np.flatnonzero(first)
-    return s[starts], np.diff(np.append(starts, s.size))
+    s = np.sort(ids, kind="stable")
+    starts, counts = run_bounds(s)
+    return s[starts], counts
 
 
 def has_repeats(ids: np.ndarray) -> bool:

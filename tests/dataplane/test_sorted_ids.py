@@ -1,12 +1,20 @@
-"""distinct_sorted / has_repeats equal np.unique's answers (random and run-shaped ids)."""
+"""distinct_sorted / has_repeats equal np.unique's answers (random and run-shaped ids);
+run_bounds finds the runs of equal values of an unsorted array, as itertools.groupby does."""
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_ext.dataplane.sorted_ids import distinct_counts, distinct_sorted, has_repeats
+from sglang_ext.dataplane.sorted_ids import (
+    distinct_counts,
+    distinct_sorted,
+    has_repeats,
+    run_bounds,
+)
 
 ids_lists = st.lists(st.integers(min_value=0, max_value=300), max_size=200)
 
@@ -52,3 +60,16 @@ def test_result_is_not_the_input() -> None:
     out = distinct_sorted(a)
     out[0] = 0
     assert a[0] == 7
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=3), max_size=60))
+def test_run_bounds_are_groupby_runs(values: list[int]) -> None:
+    """Runs of equal adjacent values (not sorted: 1, 1, 0, 1 has three runs). Control: the runs
+    of the sorted values differ whenever a value comes back after another."""
+    starts, sizes = run_bounds(np.asarray(values, dtype=np.int64))
+    want = [len(list(g)) for _, g in itertools.groupby(values)]
+    assert sizes.tolist() == want
+    assert starts.tolist() == [sum(want[:i]) for i in range(len(want))]
+    if len(want) != len(set(values)):
+        assert run_bounds(np.sort(np.asarray(values, dtype=np.int64)))[1].tolist() != want
