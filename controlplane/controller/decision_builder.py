@@ -247,6 +247,10 @@ class DecisionBuilder:
                 context_tokens=r.context_tokens + (0 if r.paused else 1),
                 slo_tbt_ms=r.slo_tbt_ms,
                 deposit_tokens=r.deposit_tokens,
+                # its growth over the window stops at its output limit (a short request's KV
+                # is not provisioned for the whole window)
+                remaining_tokens=None if r.max_new_tokens is None
+                else max(0, r.max_new_tokens - r.generated_tokens - (0 if r.paused else 1)),
             )
             for r in members
         )

@@ -6,7 +6,8 @@ Batch JSON::
      "hardware": {"gpu_kv_budget_blocks", "h2d_gbps"},
      "profile": {"layer_compute_ms": number or list,
                  "recompute_ms_per_token": number or list (optional)},
-     "requests": [{"id", "context_tokens", "slo_tbt_ms", "deposit_tokens"}],
+     "requests": [{"id", "context_tokens", "slo_tbt_ms", "deposit_tokens",
+                   "remaining_tokens" (optional)}],
      "policy": {"alpha", "window_min", "window_max", "max_recompute_ratio" (optional)}}
 
 The two optional fields are the recompute option (issue 16, ``docs/recompute.md``): absent (or a
@@ -166,9 +167,18 @@ class RequestSpec:
     """Time-between-tokens SLO in ms."""
     deposit_tokens: int = 0
     """Tokens generated but not yet delivered (OrbitFlow §3.2 token deposit)."""
+    remaining_tokens: int | None = None
+    """Tokens it still decodes after this one (``max_new_tokens`` less those generated), when
+    known: its KV grows by at most this many, however long the decode window. None: unknown,
+    it may grow over the whole window."""
 
     def blocks(self, block_size: int, extra_tokens: int = 0) -> int:
-        """Blocks per layer: ceil((context_tokens + extra_tokens) / block_size)."""
+        """Blocks per layer after ``extra_tokens`` more tokens (at most :attr:`remaining_tokens`):
+        ceil((context_tokens + extra) / block_size). The planner's ``b_r`` over a window of
+        ``extra_tokens`` steps (OrbitFlow §3.3.1): a request that finishes inside the window
+        stops growing there."""
+        if self.remaining_tokens is not None and extra_tokens > self.remaining_tokens:
+            extra_tokens = self.remaining_tokens
         return -(-(self.context_tokens + extra_tokens) // block_size)
 
     @classmethod
@@ -181,6 +191,8 @@ class RequestSpec:
             context_tokens=_int(_require(d, "context_tokens", path), f"{path}.context_tokens", 1),
             slo_tbt_ms=_num(_require(d, "slo_tbt_ms", path), f"{path}.slo_tbt_ms", 0.0, open_lo=True),
             deposit_tokens=_int(d.get("deposit_tokens", 0), f"{path}.deposit_tokens", 0),
+            remaining_tokens=(None if d.get("remaining_tokens") is None
+                              else _int(d["remaining_tokens"], f"{path}.remaining_tokens", 0)),
         )
 
 
@@ -316,6 +328,7 @@ class Batch:
                     "context_tokens": r.context_tokens,
                     "slo_tbt_ms": r.slo_tbt_ms,
                     "deposit_tokens": r.deposit_tokens,
+                    **({} if r.remaining_tokens is None else {"remaining_tokens": r.remaining_tokens}),
                 }
                 for r in self.requests
             ],

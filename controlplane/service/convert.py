@@ -108,6 +108,7 @@ def batch_to_proto(batch: Batch) -> pb.Batch:
                 context_tokens=r.context_tokens,
                 slo_tbt_ms=r.slo_tbt_ms,
                 deposit_tokens=r.deposit_tokens,
+                remaining_tokens=r.remaining_tokens,
             )
             for r in batch.requests
         ],
@@ -145,6 +146,7 @@ def batch_from_proto(msg: pb.Batch, prefix: str = "batch") -> Batch:
                 "context_tokens": r.context_tokens,
                 "slo_tbt_ms": r.slo_tbt_ms,
                 "deposit_tokens": r.deposit_tokens,
+                "remaining_tokens": r.remaining_tokens if r.HasField("remaining_tokens") else None,
             }
         )
     if msg.HasField("policy"):

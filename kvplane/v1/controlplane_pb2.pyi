@@ -33,16 +33,18 @@ class Profile(_message.Message):
     def __init__(self, layer_compute_ms: _Optional[_Iterable[float]] = ..., recompute_ms_per_token: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RequestSpec(_message.Message):
-    __slots__ = ("id", "context_tokens", "slo_tbt_ms", "deposit_tokens")
+    __slots__ = ("id", "context_tokens", "slo_tbt_ms", "deposit_tokens", "remaining_tokens")
     ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SLO_TBT_MS_FIELD_NUMBER: _ClassVar[int]
     DEPOSIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     id: str
     context_tokens: int
     slo_tbt_ms: float
     deposit_tokens: int
-    def __init__(self, id: _Optional[str] = ..., context_tokens: _Optional[int] = ..., slo_tbt_ms: _Optional[float] = ..., deposit_tokens: _Optional[int] = ...) -> None: ...
+    remaining_tokens: int
+    def __init__(self, id: _Optional[str] = ..., context_tokens: _Optional[int] = ..., slo_tbt_ms: _Optional[float] = ..., deposit_tokens: _Optional[int] = ..., remaining_tokens: _Optional[int] = ...) -> None: ...
 
 class PlanPolicy(_message.Message):
     __slots__ = ("alpha", "window_min", "window_max", "max_recompute_ratio")

@@ -257,6 +257,37 @@ def test_deposit_accounting_reaches_the_planner() -> None:
     assert spec["a"].context_tokens == w.ctx["a"] + 1  # planned one step ahead
 
 
+def test_a_request_near_its_output_limit_is_planned_for_its_remaining_growth_only() -> None:
+    """The planner's ``b_r`` counts a request's KV growth over the decode window (OrbitFlow
+    §3.3.1), capped at the tokens it still decodes: ``max_new_tokens`` less those generated, one
+    step ahead. A short request under a budget that holds its remaining growth but not a whole
+    window's keeps every layer on the GPU; control: the same request with no known limit is
+    provisioned for the window and offloads."""
+    layers = worker_info(1).model.layers
+    outcome = {}
+    for limit in (6, None):
+        class Recording:
+            def __init__(self) -> None:
+                self.inner, self.batches = Planner(), []
+
+            def plan(self, batch: Batch, **kw: object) -> Plan:
+                self.batches.append(batch)
+                return self.inner.plan(batch, **kw)  # type: ignore[arg-type]
+
+        recording = Recording()
+
+        # 102 tokens one step ahead: 7 blocks of 16 per layer; + 3 remaining: still 7; + a 64-step window: 11
+        store = PolicyStore(Policy.from_dict({"window_min": 64, "window_max": 64, "slo_tbt_ms": 1000.0}))
+        session, w, _ = make(store, budget=7 * layers + 2, planner=recording)
+        w.add("a", 100, max_new_tokens=limit)
+        (d,) = w.report()
+        spec = recording.batches[-1].requests[0]
+        assert spec.remaining_tokens == (None if limit is None else limit - w.gen["a"] - 1)
+        outcome[limit] = d.plan.placements["a"].count(0) if "a" in d.plan.placements else None
+    assert outcome[6] == 0, outcome  # all layers resident
+    assert outcome[None] is not None and outcome[None] > 0, outcome  # offloaded without the limit
+
+
 def test_fcfs_admission_is_not_repeated_while_queued() -> None:
     """A queued request is admitted once; it is not admitted again while still in the queue."""
     _, w, _ = make(scheduler="fcfs")

@@ -46,10 +46,13 @@ class WorkerLoop:
     decisions: list[Decision] = field(default_factory=list)
     auto_admit: bool = True
     free_gpu_blocks: int | None = None
+    max_new: dict[str, int] = field(default_factory=dict)
 
-    def add(self, rid: str, context_tokens: int) -> None:
+    def add(self, rid: str, context_tokens: int, max_new_tokens: int | None = None) -> None:
         self.ctx[rid] = context_tokens
         self.gen[rid] = 1
+        if max_new_tokens is not None:
+            self.max_new[rid] = max_new_tokens
 
     def finish(self, rid: str) -> None:
         self.ctx.pop(rid)
@@ -76,7 +79,8 @@ class WorkerLoop:
             step=self.step,
             now_ms=self.now_ms,
             running=tuple(
-                RequestState(rid, self.ctx[rid], self.gen[rid], paused=rid in self.paused)
+                RequestState(rid, self.ctx[rid], self.gen[rid], paused=rid in self.paused,
+                             max_new_tokens=self.max_new.get(rid))
                 for rid in self.ctx
             ),
             queued=tuple(self.queued),
