@@ -14,7 +14,9 @@ request (``k1``/``v1``).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import numpy as np
 import torch
@@ -62,6 +64,8 @@ class CheckBatch:
         self.v1 = torch.randn(shape, generator=gen).to(device, self.dtype)
         self.prepare_cpu_s = 0.0
         """Thread CPU time of the last ``begin_decode``'s ``prepare_step`` (kvplane's share)."""
+        self.boundary_scope: Callable[[], AbstractContextManager[Any]] = nullcontext
+        """Wraps each boundary call (a profiler's scope; nothing by default)."""
         for i, rid in enumerate(self.rids):  # one prefill step per request, as SGLang runs them
             loc = torch.from_numpy(self.slots[i][: self.contexts[i]].copy())
             self.core.prepare_step([(rid, loc.clone())], loc)
@@ -120,15 +124,17 @@ class CheckBatch:
         loc = torch.tensor(new, dtype=torch.int64)
         # as SGLang's layered backend does: the steady decode fast path first (the same batch,
         # one token more each), else the general boundary with every request's slots
-        t0 = time.thread_time()
-        steady = recompute is None and self.core.prepare_decode_step(self.rids, self.lens, loc)
-        self.prepare_cpu_s = time.thread_time() - t0
+        with self.boundary_scope():
+            t0 = time.thread_time()
+            steady = recompute is None and self.core.prepare_decode_step(self.rids, self.lens, loc)
+            self.prepare_cpu_s = time.thread_time() - t0
         if not steady:
             requests = [(rid, torch.from_numpy(self.slots[i][: self.lens[i]].copy()))
                         for i, rid in enumerate(self.rids)]
-            t0 = time.thread_time()
-            self.core.prepare_step(requests, loc, recompute=recompute)
-            self.prepare_cpu_s += time.thread_time() - t0
+            with self.boundary_scope():
+                t0 = time.thread_time()
+                self.core.prepare_step(requests, loc, recompute=recompute)
+                self.prepare_cpu_s += time.thread_time() - t0
         if self.core.overflow:
             raise RuntimeError("the batch overflowed the device pool: no staged step to measure")
         return loc

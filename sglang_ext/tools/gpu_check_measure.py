@@ -28,7 +28,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 from typing import Any
 
@@ -53,6 +53,7 @@ from sglang_ext.tools.gpu_check_event_timing import event_timing_figures
 from sglang_ext.tools.gpu_check_probes import CpuTimeProbe, SyncProbe
 from sglang_ext.tools.gpu_check_report import Figure
 from sglang_ext.tools.gpu_check_transfer import TransferCheck, TransferResult
+from sglang_ext.tools.host_profile_probe import HostProfileProbe
 
 LOOSE_SLO_MS = 60_000.0
 """The requests' TBT SLO: loose, so the planner minimises the step and pauses nobody."""
@@ -67,6 +68,8 @@ H2D_VS_CONTIGUOUS = 0.85
 DUPLEX_VS_ONE = 1.5
 CPU_SHARE = 0.05
 SYNC_STEPS = 2
+PROFILE_STEPS = 3
+"""Steps of each kind profiled by function (:class:`HostProfileProbe`)."""
 Q_SCALE = 2.0
 """Queries are N(0, Q_SCALE^2): a peakier softmax, so a wrong page moves the output visibly."""
 
@@ -147,6 +150,19 @@ class CoreCheck:
         self.prepare_cpu_ms = statistics.median(prepare)
         self.parts_cpu_ms = {k: statistics.median(p[k] * 1e3 for p in parts) for k in ("enter", "write", "exit")}
         return statistics.median(samples)
+
+    def host_profile(self) -> list[dict[str, object]]:
+        """The top functions by own host time inside kvplane's scopes over ``PROFILE_STEPS`` steps."""
+        probe = HostProfileProbe()
+        self.batch.boundary_scope = probe.boundary
+        try:
+            for _ in range(PROFILE_STEPS):
+                self.step(probe.scope)
+                probe.steps += 1
+        finally:
+            self.batch.boundary_scope = nullcontext
+        sync(self.device)
+        return probe.top()
 
     def vanilla_write_cpu_ms(self) -> float:
         """Thread CPU ms per step of the KV write kvplane's ``write`` replaces: SGLang's
@@ -245,6 +261,7 @@ class CoreCheck:
         resident_cpu_ms = self.kvplane_cpu_ms()
         resident_advanced = b.core.advanced_decode_steps - advanced_before
         resident_prepare_ms, resident_parts_ms = self.prepare_cpu_ms, self.parts_cpu_ms
+        resident_profile = self.host_profile()
         vanilla_write_ms = self.vanilla_write_cpu_ms()
         resident_stall_ms = self.stall_ms
         comp = [resident_ms / L] * L
@@ -260,6 +277,7 @@ class CoreCheck:
         placed_cpu_ms = self.kvplane_cpu_ms()
         placed_prepare_ms, placed_parts_ms = self.prepare_cpu_ms, self.parts_cpu_ms
         placed_stall_ms = self.stall_ms
+        placed_profile = self.host_profile()
         probe = SyncProbe(device)
         with probe:
             for _ in range(SYNC_STEPS):
@@ -289,6 +307,9 @@ class CoreCheck:
                                         "resident_steps_advanced": resident_advanced,
                                         "resident_steps_timed": c.repeat,
                                         "vanilla_kv_write": vanilla_write_ms},
+            "kvplane_host_profile": {"steps": PROFILE_STEPS, "resident": resident_profile, "placed": placed_profile,
+                                     "note": "cProfile inside the boundary and kvplane's per-layer calls only; "
+                                             "top functions by own time per step (ranking, not absolute time)"},
             "transfer": transfer.to_dict(),
             "syncs": {kind: {"count_per_step": probe.syncs(kind) / SYNC_STEPS,
                              "runtime": probe.runtime[kind], "op_audit": dict(probe.audited(kind)),
@@ -389,4 +410,6 @@ class CoreCheck:
             return (f"{kind} {host[kind]:.3f} ~ boundary {host[f'{kind}_boundary']:.3f} + "
                     + " + ".join(f"{k} {v:.3f}" for k, v in calls.items()))
 
-        return f"{split('resident')}; {split('placed')}"
+        top = self.details["kvplane_host_profile"]["placed"][:3]
+        profile = ", ".join(f"{row['function']} {row['own_ms_per_step']:.3f}" for row in top)
+        return f"{split('resident')}; {split('placed')}; placed step's top own time (cProfile, ms): {profile}"

@@ -77,6 +77,13 @@ def test_cpu_dry_run_end_to_end(tmp_path, capsys):
         assert set(calls) == {"enter", "write", "exit"} and all(v > 0 for v in calls.values()), kind
         assert cpu[f"{kind}_boundary"] + sum(calls.values()) <= 2 * cpu[kind], kind
     assert "placed" in figures["kvplane_cpu_share"]["note"] and "boundary" in figures["kvplane_cpu_share"]["note"]
+    profile = body["details"]["kvplane_host_profile"]  # by function, inside kvplane's scopes only
+    for kind in ("resident", "placed"):
+        names = " ".join(row["function"] for row in profile[kind])
+        assert profile[kind] and all(row["calls_per_step"] > 0 for row in profile[kind]), kind
+        assert "sglang_ext/dataplane/" in names, (kind, names)  # the core's own functions are in it
+        assert "kernels/paged_decode.py" not in names, (kind, names)  # the attention's functions are not
+    assert "top own time" in figures["kvplane_cpu_share"]["note"]
     for key, f in figures.items():
         assert f["status"] in STATUSES and f["target"] and f["method"], key
         assert f["status"] == NA or f["value"] is not None, key
