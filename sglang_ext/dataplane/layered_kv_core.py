@@ -87,7 +87,9 @@ class LayeredKVCore:
         """The last step's tables when :class:`PagedStepTables` built them (the next steady step
         may advance them: :meth:`_advance_paged`)."""
         self.advanced_decode_steps = 0
-        """Paged steady-decode steps whose tables were advanced from the last step's (no build)."""
+        """Paged steady-decode steps opening no page whose tables were advanced (no build)."""
+        self.opened_advances = 0
+        """Paged steady-decode steps opening pages whose tables were advanced (no build)."""
         self.resident_builds = 0
         """Paged steady-decode steps built knowing the batch resident (:meth:`_still_resident`)."""
         self.decode_delta: ResidencyDelta | None = None
@@ -251,7 +253,7 @@ class LayeredKVCore:
         self.decode_delta = self._reconcile()
         new_np = np.asarray(slots, dtype=np.int64)
         resident = self._still_resident(new_np[opens] // ps)
-        if resident and not opens and self._advance_paged():
+        if resident and self._advance_paged(opens, new_np, lens):
             self.paged_decode_steps += 1
             return True
         self.resident_builds += resident
@@ -303,25 +305,28 @@ class LayeredKVCore:
                 "pauses requests to prevent this (raise --kv-gpu-budget-tokens for headroom)",
             )
 
-    def _advance_paged(self) -> bool:
-        """A paged steady step whose pages did not change (no new token opens a page) and whose
-        batch is still resident with the map unmoved since the last step's tables were built
-        (:meth:`_still_resident` of no opened page, checked by the caller): the step runs on
-        those tables advanced by one token (:meth:`PagedStepTables.advanced`: nothing staged,
-        fetched or written back; two device ops instead of a build and an upload). False
-        (nothing done) otherwise. The step's new tokens land in the pages the last step wrote,
-        so its bookkeeping is the last step's: the same layer-pages are marked dirty again (a
-        write-back in between may have cleaned them)."""
+    def _advance_paged(self, opens: list[int], new_np: np.ndarray, lens: list[int]) -> bool:
+        """A resident paged steady step, the map unmoved since the last tables but for the pages
+        it opens (:meth:`_still_resident`, checked by the caller), runs on those tables advanced
+        by one token: :meth:`PagedStepTables.advanced` (no page opened: two device ops, the same
+        layer-pages marked dirty again) or :meth:`PagedStepTables.advanced_opening` (batch rows
+        ``opens`` opened one: one insert, one upload). False (nothing done) otherwise."""
         last = self._paged_tables
-        tables = None if last is None or self.token_tables else last.advanced()
+        if last is None or self.token_tables:
+            return False
+        rows = np.asarray(opens, dtype=np.int64)
+        tables = (last.advanced_opening(rows, new_np[rows] // self.page_size, np.asarray(lens, dtype=np.int64))
+                  if opens else last.advanced())
         if tables is None:
             return False
         self.overflow = False
         self.store.mark_dirty(tables.dirty_ids)
+        self.store.has_kv_np[tables.new_pages] = True
         self.store.staging_pages = 0
         self.tables = self._paged_tables = tables
         self.pipeline.begin_step(tables)
-        self.advanced_decode_steps += 1
+        self.advanced_decode_steps += not opens
+        self.opened_advances += bool(opens)
         return True
 
     def _still_resident(self, opened: np.ndarray) -> bool:

@@ -159,6 +159,51 @@ class PagedStepTables(StepTables):
         nxt.host_last_page_len = nxt._host_lens_pair[b:]
         return nxt
 
+    def advanced_opening(self, opens: np.ndarray, opened: np.ndarray, seq_lens: np.ndarray) -> PagedStepTables | None:
+        """The next steady decode step's tables when batch rows ``opens`` (ascending) open pages
+        ``opened`` with their new token, or None when these tables do not advance (as
+        :meth:`advanced`). The caller knows the rest is :meth:`advanced`'s case and the opened
+        pages resident at every layer, the map changed since these were built in their columns
+        only (:meth:`LayeredKVCore._still_resident`). The page lists gain one column each: one
+        insert on the host, the page tables spliced on the device from these and the mirror's
+        columns of the opened pages; the new tokens' rows, dirty ids and CSR are rebuilt from the
+        map at the batch's last pages (``L x batch``). One upload, no host work per batch page
+        beyond the insert: a batch-32 step at page 16 opens a page most steps, so this, not
+        :meth:`advanced`, is the usual resident step."""
+        if self._tok_at >= 0 or not self._one_each or not opened.size:
+            return None
+        store, mirror = self._store, self._store.mirror
+        assert mirror is not None
+        layers, ps, b = store.config.layers, store.config.page_size, self._b
+        counts = self._counts_np.copy()
+        counts[opens] += 1
+        ends = self._starts_np[opens] + self._counts_np[opens]  # where each opened page goes
+        flat = np.insert(self.pages, ends, opened)
+        starts = np.cumsum(counts) - counts
+        last = flat[starts + counts - 1]  # the page of each request's new token
+        rows = store.map_np[:, last].astype(np.int64) * ps + ((seq_lens - 1) % ps)[None, :]
+        if mirror.pending:  # as a build: the scatter must not overtake earlier fetches reading the mirror
+            store.engine.wait_fence()
+        mirror.sync()
+        nxt = object.__new__(PagedStepTables)
+        nxt.__dict__.update(self.__dict__)
+        nxt.pages, nxt._n, nxt._starts_np, nxt._counts_np = flat, int(flat.size), starts, counts
+        nxt._mirror_syncs, nxt._width = mirror.syncs, int(seq_lens.max())
+        nxt.new_pages = last
+        nxt.dirty_ids = store.identity_ids(last).reshape(-1)
+        nxt._upload(store, [rows.reshape(-1)], [opened], counts, seq_lens, ps)
+        k = int(opened.size)
+        cols = mirror.dev.index_select(1, nxt.i32[:k])
+        pieces, at = [], 0
+        for j, end in enumerate(ends.tolist()):
+            pieces += [self.tab[:, at:end], cols[:, j: j + 1]]
+            at = end
+        pieces.append(self.tab[:, at:])
+        nxt.tab = torch.cat(pieces, dim=1)
+        nxt.rows = nxt.i64[: layers * b].view(layers, b)
+        nxt._bind_csr(k, b)
+        return nxt
+
     @property
     def host_layer_pages(self) -> int:  # type: ignore[override]
         """Host-only layer-pages among the batch's (from the mirror's bits; read it during the

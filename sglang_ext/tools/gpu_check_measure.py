@@ -257,9 +257,9 @@ class CoreCheck:
         cuda = device.startswith("cuda")
         L = c.layers
         resident_ms = time_ms(self.step, device, c.repeat)
-        advanced_before = b.core.advanced_decode_steps
+        advanced_before = b.core.advanced_decode_steps + b.core.opened_advances
         resident_cpu_ms = self.kvplane_cpu_ms()
-        resident_advanced = b.core.advanced_decode_steps - advanced_before
+        resident_advanced = b.core.advanced_decode_steps + b.core.opened_advances - advanced_before
         resident_prepare_ms, resident_parts_ms = self.prepare_cpu_ms, self.parts_cpu_ms
         resident_profile = self.host_profile()
         vanilla_write_ms = self.vanilla_write_cpu_ms()

@@ -22,7 +22,7 @@ from tests.dataplane.core_driver import LAYERS, PAGES, CoreDriver, make_core, of
 RIDS = ("a", "b", "c", "d")
 BIG = 2 * PAGES - 1
 """Logical pages of the machine's core (65): room for long lifecycles."""
-STEPS = {"total": 0, "recompute_rows": 0, "fast": 0, "advanced": 0, "resident_builds": 0}
+STEPS = {"total": 0, "recompute_rows": 0, "fast": 0, "advanced": 0, "opened": 0, "resident_builds": 0}
 
 
 class CoreMachine(RuleBasedStateMachine):
@@ -102,6 +102,7 @@ class CoreMachine(RuleBasedStateMachine):
             STEPS["recompute_rows"] += self.driver.recompute_rows
             STEPS["fast"] += self.driver.fast_steps
             STEPS["advanced"] += self.driver.core.advanced_decode_steps
+            STEPS["opened"] += self.driver.core.opened_advances
             STEPS["resident_builds"] += self.driver.core.resident_builds
 
 
@@ -151,6 +152,7 @@ def test_the_machine_ran_over_a_thousand_forwards():
     assert STEPS["recompute_rows"] > 0, STEPS
     assert STEPS["fast"] >= 50, STEPS
     assert STEPS["advanced"] >= 20, STEPS  # the paged-reads machine's advanced steps
+    assert STEPS["opened"] >= 20, STEPS  # ... and those that opened pages (advanced_opening)
     assert STEPS["resident_builds"] >= 20, STEPS  # and its page-opening steps built knowing the batch resident
     print(f"\nstateful core: {STEPS}")
 

@@ -1,15 +1,19 @@
-"""Advanced paged steps (``LayeredKVCore._advance_paged`` / ``PagedStepTables.advanced``): a
-steady decode step in the paged layout whose pages and map did not change since the last step's
-tables runs on those tables advanced by one token -- no build, no upload. Every layer's reads go
-through the page tables and CSR as a paged kernel reads them (CoreDriver ``paged_reads``) and
-must equal the shadow KV; the advanced tables must equal a fresh build; the steps that must build
-(a page opens, the map moved, staging, token tables) do. Controls: an advance that forgets the
-rows' or the lengths' step, and one that ignores a moved map, are caught."""
+"""Advanced paged steps (``LayeredKVCore._advance_paged`` / ``PagedStepTables.advanced`` and
+``.advanced_opening``): a steady decode step in the paged layout whose batch is still resident and
+whose map did not change since the last step's tables, but for the pages its new tokens open, runs
+on those tables advanced by one token -- no build (no page opened: no upload either; pages
+opened: one insert, one upload). Every layer's reads go through the page tables and CSR as a
+paged kernel reads them (CoreDriver ``paged_reads``) and must equal the shadow KV; the advanced
+tables must equal a fresh build; the steps that must build (the map moved, staging, token tables)
+do. Controls: an advance that forgets the rows' or the lengths' step, an opening advance that
+misplaces the opened page, keeps its last-page length or its rows, and one that ignores a moved
+map, are caught."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
 from sglang_ext.dataplane.map_mirror import MapMirror
@@ -41,6 +45,7 @@ def test_resident_steady_steps_advance_and_read_exactly():
     # decode lens a 6..17, b 4..15: a opens a page at 9, 13, 17 (steps 4, 8, 12), b at 5, 9, 13
     # (steps 2, 6, 10); the first decode step builds (the prefill wrote 5 + 3 tokens); the rest advance
     assert core.paged_decode_steps == 12 and core.advanced_decode_steps == 12 - 1 - 6
+    assert core.opened_advances == 6 and core.resident_builds == 1  # opening steps advance; the first builds
     d.check_at_rest()
 
 
@@ -48,8 +53,8 @@ def test_advanced_tables_equal_a_fresh_build(monkeypatch):
     checked = []
     original = LayeredKVCore._advance_paged
 
-    def advance_and_compare(core: LayeredKVCore) -> bool:
-        if not original(core):
+    def advance_and_compare(core: LayeredKVCore, opens: list[int], *args: object) -> bool:
+        if not original(core, opens, *args):
             return False
         got = core.tables
         assert isinstance(got, PagedStepTables) and core._paged_last is not None
@@ -62,7 +67,7 @@ def test_advanced_tables_equal_a_fresh_build(monkeypatch):
         assert np.array_equal(got.dirty_ids, ref.dirty_ids) and np.array_equal(got.new_pages, ref.new_pages)
         assert got.fetches == ref.fetches == [] and got.writebacks == ref.writebacks == [None] * LAYERS
         assert got.staging_ids.size == ref.staging_ids.size == 0
-        checked.append(1)
+        checked.append(bool(opens))
         return True
 
     monkeypatch.setattr(LayeredKVCore, "_advance_paged", advance_and_compare)
@@ -74,7 +79,7 @@ def test_advanced_tables_equal_a_fresh_build(monkeypatch):
     d.add("c", share_from="a", share_pages=1)  # a prefix hit joins: the batch changes, then settles
     d.step([("c", 3)])
     _decode(d, 9, ("a", "b", "c"))
-    assert len(checked) >= 8
+    assert len(checked) >= 8 and sum(checked) >= 3, checked  # advances that opened pages among them
 
 
 def test_a_moved_map_staging_or_token_tables_build_the_step():
@@ -136,3 +141,34 @@ def test_an_advance_that_misses_a_moved_map_is_caught(monkeypatch):
     d.want("a", [True, False, True])
     with pytest.raises(AssertionError):
         _decode(d, 1)
+
+
+@pytest.mark.parametrize("mistake", ["page_at_end", "last_len_kept", "stale_rows"])
+def test_an_opening_advance_that_misplaces_the_page_is_caught(monkeypatch, mistake):
+    """Controls for :meth:`PagedStepTables.advanced_opening`: the opened page inserted after the
+    batch's last page instead of after its request's, the opened rows' ``last_page_len`` kept
+    counting instead of restarting at 1, or the new tokens' rows left at the last page's next
+    offset: each is caught by the reads (and none of them trips before an opening advance ran)."""
+    original = PagedStepTables.advanced_opening
+    ran = []
+
+    def wrong(self: PagedStepTables, opens: np.ndarray, opened: np.ndarray, seq_lens: np.ndarray):  # noqa: ANN202
+        nxt = original(self, opens, opened, seq_lens)
+        if nxt is None:
+            return None
+        ran.append(1)
+        b = nxt.batch
+        if mistake == "page_at_end":  # the page tables' columns: opened pages all at the end
+            keep = np.setdiff1d(np.arange(nxt.tab.shape[1]), nxt._starts_np[opens] + nxt._counts_np[opens] - 1)
+            new = nxt._starts_np[opens] + nxt._counts_np[opens] - 1
+            nxt.tab = torch.cat([nxt.tab[:, torch.from_numpy(keep)], nxt.tab[:, torch.from_numpy(new)]], dim=1)
+        elif mistake == "last_len_kept":
+            nxt._lens_pair[b + torch.from_numpy(opens)] = self.last_page_len[torch.from_numpy(opens)] + 1
+        else:
+            nxt.rows[:, torch.from_numpy(opens)] = self.rows[:, torch.from_numpy(opens)] + 1
+        return nxt
+
+    monkeypatch.setattr(PagedStepTables, "advanced_opening", wrong)
+    with pytest.raises(AssertionError):
+        _run_until_advanced(_driver())
+    assert ran, "no opening advance ran: the control proves nothing"
