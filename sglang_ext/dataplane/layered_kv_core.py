@@ -307,21 +307,21 @@ class LayeredKVCore:
 
     def _advance_paged(self, opens: list[int], new_np: np.ndarray, lens: list[int]) -> bool:
         """A resident paged steady step, the map unmoved since the last tables but for the pages
-        it opens (:meth:`_still_resident`, checked by the caller), runs on those tables advanced
-        by one token: :meth:`PagedStepTables.advanced` (no page opened: two device ops, the same
-        layer-pages marked dirty again) or :meth:`PagedStepTables.advanced_opening` (batch rows
-        ``opens`` opened one: one insert, one upload). False (nothing done) otherwise."""
+        it opens (:meth:`_still_resident`, checked by the caller), runs on those tables advanced by
+        one token: :meth:`PagedStepTables.advanced` (no page opened: two device ops, the same pages
+        dirty again) or ``advanced_opening`` (rows ``opens`` opened one). False otherwise."""
         last = self._paged_tables
         if last is None or self.token_tables:
             return False
-        rows = np.asarray(opens, dtype=np.int64)
-        tables = (last.advanced_opening(rows, new_np[rows] // self.page_size, np.asarray(lens, dtype=np.int64))
-                  if opens else last.advanced())
+        rows = np.asarray(opens, dtype=np.int64) if opens else None
+        tables = (last.advanced() if rows is None
+                  else last.advanced_opening(rows, new_np[rows] // self.page_size, np.asarray(lens, dtype=np.int64)))
         if tables is None:
             return False
         self.overflow = False
         self.store.mark_dirty(tables.dirty_ids)
-        self.store.has_kv_np[tables.new_pages] = True
+        if opens:  # the opened pages hold KV from this step on (the others already did)
+            self.store.has_kv_np[tables.new_pages] = True
         self.store.staging_pages = 0
         self.tables = self._paged_tables = tables
         self.pipeline.begin_step(tables)

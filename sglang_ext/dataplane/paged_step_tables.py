@@ -57,10 +57,7 @@ class PagedStepTables(StepTables):
         b, n = self.batch, int(flat.size)
         self._one_each = bool((new_counts == 1).all())
         """Every request writes one new token (a decode step): the tables may be :meth:`advanced`."""
-        if mirror.pending:  # the scatter must not overtake an earlier step's fetches reading the mirror
-            store.engine.wait_fence()
-        mirror.sync()
-        self._mirror_syncs = mirror.syncs
+        self._mirror_syncs = _sync_mirror(store, mirror)
         nonempty = counts > 0
         host_req = np.zeros((layers, b), dtype=bool)
         if n and not resident:
@@ -137,6 +134,17 @@ class PagedStepTables(StepTables):
         int64_parts.append(out)
         return offset + 4 * n
 
+    @property
+    def _advances(self) -> bool:
+        """These tables may be advanced: no token tables, one new token per request."""
+        return self._tok_at < 0 and self._one_each
+
+    def _successor(self) -> PagedStepTables:
+        """A copy of these tables (shared arrays and device tensors) for an advance to update."""
+        nxt = object.__new__(PagedStepTables)
+        nxt.__dict__.update(self.__dict__)
+        return nxt
+
     def advanced(self) -> PagedStepTables | None:
         """The next steady decode step's tables, derived on the device from these, or None when
         that step needs a build. The caller knows the step is the same batch with one token more
@@ -146,10 +154,9 @@ class PagedStepTables(StepTables):
         Otherwise the page tables and CSR pages are these, and each new token's row and each
         request's ``kv_lens`` / ``last_page_len`` are one more (two device ops, no upload, no
         host work per page). Dirty ids and new pages are these (the caller marks them again)."""
-        if self._tok_at >= 0 or not self._one_each:
+        if not self._advances:
             return None
-        nxt = object.__new__(PagedStepTables)
-        nxt.__dict__.update(self.__dict__)
+        nxt = self._successor()
         nxt.rows = self.rows + 1
         nxt._lens_pair = self._lens_pair + 1
         b = self.batch
@@ -170,7 +177,7 @@ class PagedStepTables(StepTables):
         map at the batch's last pages (``L x batch``). One upload, no host work per batch page
         beyond the insert: a batch-32 step at page 16 opens a page most steps, so this, not
         :meth:`advanced`, is the usual resident step."""
-        if self._tok_at >= 0 or not self._one_each or not opened.size:
+        if not self._advances or not opened.size:
             return None
         store, mirror = self._store, self._store.mirror
         assert mirror is not None
@@ -182,13 +189,9 @@ class PagedStepTables(StepTables):
         starts = np.cumsum(counts) - counts
         last = flat[starts + counts - 1]  # the page of each request's new token
         rows = store.map_np[:, last].astype(np.int64) * ps + ((seq_lens - 1) % ps)[None, :]
-        if mirror.pending:  # as a build: the scatter must not overtake earlier fetches reading the mirror
-            store.engine.wait_fence()
-        mirror.sync()
-        nxt = object.__new__(PagedStepTables)
-        nxt.__dict__.update(self.__dict__)
+        nxt = self._successor()
         nxt.pages, nxt._n, nxt._starts_np, nxt._counts_np = flat, int(flat.size), starts, counts
-        nxt._mirror_syncs, nxt._width = mirror.syncs, int(seq_lens.max())
+        nxt._mirror_syncs, nxt._width = _sync_mirror(store, mirror), int(seq_lens.max())
         nxt.new_pages = last
         nxt.dirty_ids = store.identity_ids(last).reshape(-1)
         nxt._upload(store, [rows.reshape(-1)], [opened], counts, seq_lens, ps)
@@ -263,3 +266,12 @@ class PagedStepTables(StepTables):
         )
         return engine.fetch_pages(spec, wait)
 
+
+def _sync_mirror(store: SlotKVStore, mirror: MapMirror) -> int:
+    """Bring the mirror up to date for a step's tables; its sync count (tables built at one count
+    are current while it holds). The scatter must not overtake an earlier step's fetches reading
+    the mirror: they are fenced first."""
+    if mirror.pending:
+        store.engine.wait_fence()
+    mirror.sync()
+    return mirror.syncs

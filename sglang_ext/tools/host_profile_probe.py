@@ -21,7 +21,7 @@ from pathlib import Path
 
 TOP = 25
 """Functions kept per profile (by own time)."""
-_ROOTS = tuple(str(Path(__file__).resolve().parents[2]) + sep for sep in ("/",))
+_ROOT = str(Path(__file__).resolve().parents[2]) + "/"
 """The repository root: a profiled file under it is named relative to it."""
 
 
@@ -63,9 +63,7 @@ class HostProfileProbe:
 def _name(func: tuple[str, int, str]) -> str:
     """``path:line(function)``, the path relative to the repository or site-packages."""
     filename, line, name = func
-    for root in _ROOTS:
-        if filename.startswith(root):
-            filename = filename[len(root):]
+    filename = filename.removeprefix(_ROOT)
     if "site-packages/" in filename:
         filename = filename.split("site-packages/", 1)[1]
     return f"{filename}:{line}({name})" if line else name
