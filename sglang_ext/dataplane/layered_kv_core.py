@@ -124,8 +124,7 @@ class LayeredKVCore:
         taken = None if res.ended.pending else res.journal.pending_layer_pages()  # frees: apply
         if taken is None:
             res.settle()
-            taken = 0
-        return self.store.allocator.free_count - taken + res.reclaimable_pages
+        return self.store.allocator.free_count - (taken or 0) + res.reclaimable_pages
 
     def stats(self) -> ResidencyStats:
         """Device/host occupancy, host fraction of live KV, bytes moved, steps staged / overflowed."""
@@ -139,6 +138,7 @@ class LayeredKVCore:
             d2h_seconds_total=times.d2h_s,
             stall_seconds_total=times.stall_s,
             advanced_decode_steps_total=self.advanced_decode_steps,
+            opened_advances_total=self.opened_advances,
             resident_builds_total=self.resident_builds,
         )
 

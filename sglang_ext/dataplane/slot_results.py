@@ -119,6 +119,9 @@ class ResidencyStats:
     advanced_decode_steps_total: int = 0
     """Paged steady decode steps run on the last step's tables advanced by one token (no build,
     no upload: :meth:`LayeredKVCore._advance_paged`)."""
+    opened_advances_total: int = 0
+    """Paged steady decode steps that opened pages and still ran on the last step's tables,
+    advanced with those pages spliced in (one upload: ``PagedStepTables.advanced_opening``)."""
     resident_builds_total: int = 0
     """Paged steady decode steps built knowing their batch resident (the host-bit pass skipped:
     :meth:`LayeredKVCore._still_resident`)."""

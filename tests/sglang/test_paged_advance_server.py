@@ -3,7 +3,8 @@
 not every layer of every page (the paged layout, as on any offloading server), and the paged
 decode backend (Triton, under the interpreter on this host), three of four decode steps open no
 page and run on the last step's tables advanced by one token (no build, no upload:
-``LayeredKVCore._advance_paged``). Tokens and logprobs equal vanilla's (page size 1).
+``LayeredKVCore._advance_paged``); the fourth opens one and advances with it spliced in. Tokens
+and logprobs equal vanilla's (page size 1).
 
 Requests decoded two at a time with a prompt-length skew still match; the pool's stats show
 both advanced and built steps, and nothing on host; the in-process meter counts the paged
@@ -77,7 +78,8 @@ def test_resident_paged_decode_runs_on_advanced_tables(advance_server, vanilla_s
     # 2 requests x 10 tokens: 9 decode steps each, at most 3 of them open a page, the first builds
     assert last["advanced_decode_steps_total"] >= 2 * (NEW_TOKENS - 1 - 3 - 1)
     assert last["advanced_decode_steps_total"] < last["staged_steps_total"]  # prefills and page opens build
-    assert last["resident_builds_total"] > 0  # page-opening steps built knowing the batch resident
+    assert last["resident_builds_total"] > 0  # the first decode step builds knowing the batch resident
+    assert last["opened_advances_total"] > 0  # page-opening steps advance too, in the served path
     log = server.log_path.read_text()
     assert "layered_triton_decode_active" in log and "impl=triton" in log
 
