@@ -44,6 +44,22 @@ class BlockAllocator:
         self._in_use[ids] = True
         return ids
 
+    def retake(self, ids: np.ndarray) -> int:
+        """Take again the leading ids of ``ids`` (int64) that are still free where :meth:`free`
+        put them: ``ids`` were freed in this order and since then only allocations ran (which pop
+        the last of them first). Returns how many, a prefix of ``ids`` (0: nothing taken). A
+        step's staging pages reused by the next step: O(len), no search of the free list."""
+        n, top = int(ids.size), self._top
+        if not n or not top:
+            return 0
+        hit = np.flatnonzero(ids == self._free[top - 1])
+        m = int(hit[0]) + 1 if hit.size else 0
+        if not m or m > top or not np.array_equal(self._free[top - m: top], ids[:m]):
+            return 0
+        self._top -= m
+        self._in_use[ids[:m]] = True
+        return m
+
     def free(self, ids) -> None:  # noqa: ANN001 - a sequence of ints or an int array
         """Return ids; raises ValueError (freeing nothing) on an unknown or already free id."""
         arr = np.asarray(ids, dtype=np.int64).reshape(-1)
@@ -124,6 +140,10 @@ class IdentityPages:
             raise ValueError(f"{self.name}: block id already in use")
         self._in_use_np[ids] = True
         self._used += int(ids.size)
+
+    def retake(self, ids: np.ndarray) -> int:
+        """None: the identity layout stages nothing that a later step takes again."""
+        return 0
 
     def alloc(self, n: int) -> list[int] | None:
         """``n`` free ids (any; for short-lived staging returned before the next boundary) or None."""

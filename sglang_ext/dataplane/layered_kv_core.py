@@ -86,12 +86,10 @@ class LayeredKVCore:
         self._paged_tables: PagedStepTables | None = None
         """The last step's tables when :class:`PagedStepTables` built them (the next steady step
         may advance them: :meth:`_advance_paged`)."""
-        self.advanced_decode_steps = 0
-        """Paged steady-decode steps opening no page whose tables were advanced (no build)."""
-        self.opened_advances = 0
-        """Paged steady-decode steps opening pages whose tables were advanced (no build)."""
-        self.resident_builds = 0
-        """Paged steady-decode steps built knowing the batch resident (:meth:`_still_resident`)."""
+        self.advanced_decode_steps = self.opened_advances = self.staged_advances = self.resident_builds = 0
+        """Paged steady-decode steps whose tables were advanced (no build): resident opening no page,
+        resident opening pages, staging (a placed batch); and steps built knowing the batch
+        resident (:meth:`_still_resident`)."""
         self.decode_delta: ResidencyDelta | None = None
         """The last paged steady-decode step's reconciliation (the journalled path has none)."""
 
@@ -116,10 +114,8 @@ class LayeredKVCore:
         self.residency.page_freed(pages)
 
     def free_device_pages(self) -> int:
-        """Device layer-pages free now, counting prefix-cache pages that are given up on demand.
-        Journalled decode pages count as placed at every layer without the journal being applied
-        (:meth:`DecodeJournal.pending_layer_pages`): the step report reads this every few steps,
-        and applying 8 steps' journal costs ~0.2 ms between forwards on the 2-core host."""
+        """Device layer-pages free now, counting prefix-cache pages given up on demand; journalled
+        decode pages count as placed without applying the journal (the step report reads this)."""
         res = self.residency
         taken = None if res.ended.pending else res.journal.pending_layer_pages()  # frees: apply
         if taken is None:
@@ -140,19 +136,18 @@ class LayeredKVCore:
             advanced_decode_steps_total=self.advanced_decode_steps,
             opened_advances_total=self.opened_advances,
             resident_builds_total=self.resident_builds,
+            staged_advances_total=self.staged_advances,
         )
 
     @property
     def transfer_times(self) -> TransferTimes:
-        """Copy and stall seconds measured so far, the one account for CPU and CUDA (the
-        engine's clock feeds it)."""
+        """Copy and stall seconds so far, one account for CPU and CUDA (the engine's clock's)."""
         return self.store.engine.clock.times
 
     def close_transfer_step(self) -> list[float]:
-        """End of a forward, for the accounts (the metrics call it once per step). Books the
-        timing events that have completed, without blocking, and closes the step. Returns the
-        stall seconds of each step now completely measured: usually this one, sometimes earlier
-        steps whose events completed late (:class:`TransferTimes`)."""
+        """End of a forward (the metrics call it once per step): books the completed timing
+        events without blocking, closes the step; returns the stall seconds of each step now
+        completely measured (this one, sometimes earlier ones: :class:`TransferTimes`)."""
         clock = self.store.engine.clock
         clock.harvest()
         return clock.times.close_step()
@@ -252,8 +247,10 @@ class LayeredKVCore:
         self._paged_last = (last[0], lens, page_lists)
         self.decode_delta = self._reconcile()
         new_np = np.asarray(slots, dtype=np.int64)
-        resident = self._still_resident(new_np[opens] // ps)
-        if resident and self._advance_paged(opens, new_np, lens):
+        opened = new_np[opens] // ps
+        resident = self._still_resident(opened)
+        if (resident or self._map_unmoved(opened)) and self._advance_paged(
+                np.asarray(opens, dtype=np.int64), opened, lens, resident):
             self.paged_decode_steps += 1
             return True
         self.resident_builds += resident
@@ -305,39 +302,45 @@ class LayeredKVCore:
                 "pauses requests to prevent this (raise --kv-gpu-budget-tokens for headroom)",
             )
 
-    def _advance_paged(self, opens: list[int], new_np: np.ndarray, lens: list[int]) -> bool:
-        """A resident paged steady step, the map unmoved since the last tables but for the pages
-        it opens (:meth:`_still_resident`, checked by the caller), runs on those tables advanced by
-        one token: :meth:`PagedStepTables.advanced` (no page opened: two device ops, the same pages
-        dirty again) or ``advanced_opening`` (rows ``opens`` opened one). False otherwise."""
+    def _advance_paged(self, opens: np.ndarray, opened: np.ndarray, lens: list[int], resident: bool) -> bool:
+        """A paged steady step, the map unmoved since the last tables but for the ``opened`` pages
+        of rows ``opens`` (checked by the caller), runs on those tables advanced by one token:
+        resident (:meth:`_still_resident`), ``advanced`` (no page opened: two device ops) or
+        ``advanced_opening``; else ``advanced_staged`` (the same staging pages). False otherwise."""
         last = self._paged_tables
         if last is None or self.token_tables:
             return False
-        rows = np.asarray(opens, dtype=np.int64) if opens else None
-        tables = (last.advanced() if rows is None
-                  else last.advanced_opening(rows, new_np[rows] // self.page_size, np.asarray(lens, dtype=np.int64)))
+        seq = np.asarray(lens, dtype=np.int64)
+        if not resident:
+            tables = last.advanced_staged(opens, opened, seq, self.room)
+        else:
+            tables = last.advanced_opening(opens, opened, seq) if opens.size else last.advanced()
         if tables is None:
             return False
         self.overflow = False
         self.store.mark_dirty(tables.dirty_ids)
-        if opens:  # the opened pages hold KV from this step on (the others already did)
+        if opens.size:  # the opened pages hold KV from this step on (the others already did)
             self.store.has_kv_np[tables.new_pages] = True
-        self.store.staging_pages = 0
+        self.store.staging_pages = int(tables.staging_ids.size)
         self.tables = self._paged_tables = tables
         self.pipeline.begin_step(tables)
-        self.advanced_decode_steps += not opens
-        self.opened_advances += bool(opens)
+        self.advanced_decode_steps += resident and not opens.size
+        self.opened_advances += resident and bool(opens.size)
+        self.staged_advances += not resident
         return True
 
-    def _still_resident(self, opened: np.ndarray) -> bool:
-        """A paged steady step whose new tokens opened ``opened`` pages: its batch is the last
-        step's plus those pages. True when no page of it is host-only at any layer, known without
-        reading the batch's host bits: the last step's tables staged nothing (none of its pages
-        was host-only), the map has changed since in the opened pages' columns only, and those
-        are resident at every layer. With no page opened: the map has not moved at all."""
+    def _map_unmoved(self, opened: np.ndarray) -> bool:
+        """The map changed since the last step's tables in the ``opened`` pages' columns only
+        (a paged steady step's tables may then advance)."""
         last, mirror = self._paged_tables, self.store.mirror
-        return (last is not None and mirror is not None and last.staging_ids.size == 0
-                and mirror.syncs == last._mirror_syncs and mirror.pending_within(opened)
+        return (last is not None and mirror is not None and mirror.syncs == last._mirror_syncs
+                and mirror.pending_within(opened))
+
+    def _still_resident(self, opened: np.ndarray) -> bool:
+        """:meth:`_map_unmoved`, and the step's batch (the last one's plus the ``opened`` pages)
+        has no page host-only at any layer, known without reading its host bits: the last step's
+        tables staged nothing and the opened pages are resident at every layer."""
+        return (self._map_unmoved(opened) and self._paged_tables.staging_ids.size == 0  # type: ignore[union-attr]
                 and bool((self.store.map_np[:, opened] >= 0).all()))
 
     def _begin_in_place(self, page_lists: list[np.ndarray], lens: np.ndarray, counts: np.ndarray) -> bool:
@@ -402,13 +405,10 @@ class LayeredKVCore:
         self.residency.settle()
 
     def _eager_writeback(self) -> None:
-        """Write dirty device layer-pages back to host at the boundary -- under memory pressure only.
-
-        SuperInfer §4.3.2 (eager block rotation): with host copies current, a later offload only
-        drops the device copy. While the device pool has room (free share at least
-        :data:`WRITEBACK_FREE_SHARE`) no offload is near, so the copy is deferred (an offload
-        writes back any dirty page itself). The identity layout never has to make room.
-        """
+        """Write dirty device layer-pages back to host at the boundary, under memory pressure only
+        (SuperInfer §4.3.2, eager block rotation: a later offload then only drops the device copy).
+        With at least :data:`WRITEBACK_FREE_SHARE` free no offload is near: the copy is deferred
+        (an offload writes back any dirty page itself). The identity layout never makes room."""
         allocator = self.store.allocator
         if not self.store.identity and allocator.free_count < WRITEBACK_FREE_SHARE * allocator.capacity:
             self.store.sync_dirty()

@@ -21,7 +21,7 @@ of host time, ``kvplane gpu-check``).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -33,6 +33,9 @@ from sglang_ext.dataplane.slot_kv_store import SlotKVStore
 from sglang_ext.dataplane.sorted_ids import distinct_sorted, run_bounds
 from sglang_ext.dataplane.step_tables import Launch, StepTables
 from sglang_ext.dataplane.transfer_engine import TransferEngine
+
+if TYPE_CHECKING:
+    from sglang_ext.dataplane.staging_room import StagingRoom
 
 
 class PagedStepTables(StepTables):
@@ -63,6 +66,7 @@ class PagedStepTables(StepTables):
         if n and not resident:
             host_req[:, nonempty] = mirror.host_layers(flat, starts[nonempty])
         staged_req = host_req.any(axis=0)
+        self._host_req = host_req
         stage_col = None
         if staged_req.any():
             need_cols = np.repeat(staged_req, counts)
@@ -71,6 +75,8 @@ class PagedStepTables(StepTables):
                 self.staging_ids = None  # type: ignore[assignment]
                 return
             self.staging_ids = ids
+            self._stage_pos = np.flatnonzero(need_cols)
+            """The column of each of ``staging_ids`` (an advance keeps them in this order)."""
             stage_col = np.full(n, -1, dtype=np.int64)
             stage_col[need_cols] = ids
         self._stage_np, self._starts_np, self._counts_np = stage_col, starts, counts
@@ -207,6 +213,80 @@ class PagedStepTables(StepTables):
         nxt._bind_csr(k, b)
         return nxt
 
+    def advanced_staged(self, opens: np.ndarray, opened: np.ndarray, seq_lens: np.ndarray,
+                        room: StagingRoom) -> PagedStepTables | None:
+        """The next steady decode step's tables when these staged (the placed steady step), or
+        None (nothing taken) when that step needs a build. Batch rows ``opens`` (ascending, maybe
+        none) open pages ``opened``. The caller knows the step is :meth:`advanced_opening`'s but
+        for staging: the map changed since these were built in the opened pages' columns only.
+        Then the host-only (layer, request) pairs, the fetch groups and their triggers are these
+        -- provided each opened page is host-only only at layers where its request already was
+        (else None) -- and the staging pages are these again (``room.retake``: as
+        :meth:`LayerPipeline.end_step` gave them back, but for those the boundary's placement of
+        the opened pages took meanwhile, replaced), plus one per opened page of a staged request. Rebuilt: the page lists (one insert), the fetches' sizes, the
+        new tokens' rows, write-backs and dirty ids (``L x batch``), one upload and the page
+        tables' gather on the device; not the pass over every page's host bits a build makes."""
+        if not self._advances or not self.staging_ids.size:
+            return None
+        store, mirror = self._store, self._store.mirror
+        assert mirror is not None
+        layers, ps, b = store.config.layers, store.config.page_size, self._b
+        host_new = store.map_np[:, opened] < 0  # [L, k]
+        if opened.size and (host_new & ~self._host_req[:, opens]).any():
+            return None  # a new host-only (layer, request): new fetch groups
+        stage_new = self._host_req[:, opens].any(axis=0)  # opened pages of staged requests
+        old = self.staging_ids
+        kept = room.retake(old)  # those the boundary's placements did not take meanwhile
+        more = room.take(old.size - kept + int(stage_new.sum()))
+        if more is None:
+            room.give_back(old[:kept])
+            return None
+        stage_col = self._stage_np
+        if kept < old.size:  # the columns whose staging page was taken get new ones
+            stage_col = stage_col.copy()
+            stage_col[self._stage_pos[kept:]] = more[: old.size - kept]
+        counts = self._counts_np.copy()
+        counts[opens] += 1
+        ends = self._starts_np[opens] + self._counts_np[opens]  # where each opened page goes
+        values = np.full(opened.size, -1, dtype=np.int64)
+        values[stage_new] = more[old.size - kept:]
+        flat = np.insert(self.pages, ends, opened)
+        stage_col = np.insert(stage_col, ends, values)
+        starts = np.cumsum(counts) - counts
+        lastcol = starts + counts - 1
+        last, last_stage = flat[lastcol], stage_col[lastcol]
+        new_map = store.map_np[:, last].astype(np.int64)
+        u_host = new_map < 0
+        rows = np.where(u_host, last_stage[None, :], new_map) * ps + ((seq_lens - 1) % ps)[None, :]
+        nxt = self._successor()
+        n = int(flat.size)
+        nxt.pages, nxt._n, nxt._starts_np, nxt._counts_np, nxt._stage_np = flat, n, starts, counts, stage_col
+        nxt.staging_ids = np.concatenate([old[:kept], more])
+        nxt._stage_pos = np.concatenate([self._stage_pos + np.searchsorted(ends, self._stage_pos, side="right"),
+                                         (ends + np.arange(ends.size))[stage_new]])
+        nxt._mirror_syncs, nxt._width = _sync_mirror(store, mirror), int(seq_lens.max())
+        nxt.new_pages = last
+        nxt.dirty_ids = store.identity_ids(last)[~u_host]
+        nxt.writebacks = [None] * layers
+        int64_parts: list[np.ndarray] = [rows.reshape(-1)]
+        nxt._writeback_parts(store, u_host, last_stage, last, rows.size, int64_parts)
+        pages = self._group_pages
+        if opened.size:  # each opened host-only layer-page joins its request's group at that layer
+            add = np.zeros((layers, b), dtype=np.int64)
+            add[:, opens] = host_new
+            a, _, pair_l = self._groups
+            pages = pages + np.add.reduceat(add[pair_l, self._reqs_np], a)
+        nxt._emit_fetches(pages, counts, self._reqs_np, 2 * n + 2 * b)
+        nxt.fetch_layer_pages = sum(f.segments for f in nxt.fetches) // 2
+        nxt.writeback_layer_pages = sum(w.segments for w in nxt.writebacks if w is not None) // 2
+        head = [flat, stage_col, starts, counts, self._reqs_np]
+        nxt._upload(store, int64_parts, head, counts, seq_lens, ps)
+        tab = mirror.dev.index_select(1, nxt.i32[:n])
+        nxt.tab = torch.where(tab < 0, nxt.i32[n: 2 * n][None, :], tab)
+        nxt.rows = nxt.i64[: layers * b].view(layers, b)
+        nxt._bind_csr(2 * n + 2 * b + int(self._reqs_np.size), b)
+        return nxt
+
     @property
     def host_layer_pages(self) -> int:  # type: ignore[override]
         """Host-only layer-pages among the batch's (from the mirror's bits; read it during the
@@ -236,17 +316,29 @@ class PagedStepTables(StepTables):
         key = pair_l * (host_req.shape[0] + 1) + (trigger[pair_l, pair_r] + 1)
         order = np.argsort(key, kind="stable")  # requests stay ascending inside a (layer, trigger)
         pair_l, pair_r, key = pair_l[order], pair_r[order], key[order]
-        if key.size:  # per (layer, trigger) group, all groups at once: pages, widest request
-            a, sizes = run_bounds(key)
-            pages = np.add.reduceat(per_layer[pair_r, pair_l], a)
-            widest = np.maximum.reduceat(counts[pair_r], a)
-            firsts = trigger[pair_l[a], pair_r[a]]
-            for g in np.flatnonzero(pages).tolist():
-                ga = int(a[g])
-                self.fetches.append(PageLaunch(int(firsts[g]), int(pair_l[ga]), at + ga, 2 * int(pages[g]),
-                                               ga, int(sizes[g]), int(widest[g])))
+        a = run_bounds(key)[0] if key.size else np.zeros(0, dtype=np.int64)
+        # per (layer, trigger) group, all groups at once: its first pair, pages, trigger
+        pages = np.add.reduceat(per_layer[pair_r, pair_l], a) if key.size else a
+        self._groups = (a, trigger[pair_l[a], pair_r[a]], pair_l)
+        self._emit_fetches(pages, counts, pair_r, at)
         self._reqs_np = pair_r
         return pair_r
+
+    def _emit_fetches(self, pages: np.ndarray, counts: np.ndarray, reqs: np.ndarray, at: int) -> None:
+        """``self.fetches`` from the (layer, trigger) groups of ``self._groups`` holding
+        ``pages[g]`` host pages each (``reqs``: the groups' request ids, concatenated; they start
+        at ``i32[at]``); groups without pages launch nothing. Sets ``self._group_pages``."""
+        a, firsts, pair_l = self._groups
+        self._group_pages = pages
+        self.fetches = []
+        if not a.size:
+            return
+        ends = np.concatenate([a[1:], [reqs.size]])
+        widest = np.maximum.reduceat(counts[reqs], a)
+        for g in np.flatnonzero(pages).tolist():
+            ga = int(a[g])
+            self.fetches.append(PageLaunch(int(firsts[g]), int(pair_l[ga]), at + ga, 2 * int(pages[g]),
+                                           ga, int(ends[g]) - ga, int(widest[g])))
 
     def fetch(self, engine: TransferEngine, launch: Launch, wait: tuple) -> Any:
         """Issue fetch ``launch`` (a :class:`PageLaunch`) as one :class:`PageFetch`."""

@@ -125,6 +125,9 @@ class ResidencyStats:
     resident_builds_total: int = 0
     """Paged steady decode steps built knowing their batch resident (the host-bit pass skipped:
     :meth:`LayeredKVCore._still_resident`)."""
+    staged_advances_total: int = 0
+    """Paged steady decode steps that stage host-only layers (a placed batch) and still ran on
+    the last step's tables, advanced with the same staging pages (``PagedStepTables.advanced_staged``)."""
 
     def to_dict(self) -> dict:
         """JSON-ready form."""

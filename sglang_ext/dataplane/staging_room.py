@@ -46,6 +46,13 @@ class StagingRoom:
         self.residency.staging_lent += n
         return np.asarray(ids, dtype=np.int64)
 
+    def retake(self, ids: np.ndarray) -> int:
+        """Reserve again the leading pages of ``ids`` -- the staging the last step gave back, in
+        its order -- that nothing allocated since (:meth:`BlockAllocator.retake`); how many."""
+        m = self.store.allocator.retake(ids)
+        self.residency.staging_lent += m
+        return m
+
     def give_back(self, ids: np.ndarray | None) -> None:
         """Return a step's staging pages."""
         if ids is not None and ids.size:

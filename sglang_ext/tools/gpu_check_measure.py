@@ -274,7 +274,9 @@ class CoreCheck:
         blocks_now = b.blocks(1)
         predicted_ms = step_time_ms(rows, blocks_now, comp, transfer.bw_blocks_per_ms)
         placed_ms = time_ms(self.step, device, c.repeat)
+        staged_before = b.core.staged_advances
         placed_cpu_ms = self.kvplane_cpu_ms()
+        placed_advanced = b.core.staged_advances - staged_before
         placed_prepare_ms, placed_parts_ms = self.prepare_cpu_ms, self.parts_cpu_ms
         placed_stall_ms = self.stall_ms
         placed_profile = self.host_profile()
@@ -306,6 +308,7 @@ class CoreCheck:
                                         "placed_layer_calls": placed_parts_ms,
                                         "resident_steps_advanced": resident_advanced,
                                         "resident_steps_timed": c.repeat,
+                                        "placed_steps_advanced": placed_advanced,
                                         "vanilla_kv_write": vanilla_write_ms},
             "kvplane_host_profile": {"steps": PROFILE_STEPS, "resident": resident_profile, "placed": placed_profile,
                                      "note": "cProfile inside the boundary and kvplane's per-layer calls only; "
@@ -412,4 +415,6 @@ class CoreCheck:
 
         top = self.details["kvplane_host_profile"]["placed"][:3]
         profile = ", ".join(f"{row['function']} {row['own_ms_per_step']:.3f}" for row in top)
-        return f"{split('resident')}; {split('placed')}; placed step's top own time (cProfile, ms): {profile}"
+        advanced = f"{host['placed_steps_advanced']} of {host['resident_steps_timed']} placed steps advanced"
+        return (f"{split('resident')}; {split('placed')} ({advanced}); "
+                f"placed step's top own time (cProfile, ms): {profile}")

@@ -22,7 +22,7 @@ from tests.dataplane.core_driver import LAYERS, PAGES, CoreDriver, make_core, of
 RIDS = ("a", "b", "c", "d")
 BIG = 2 * PAGES - 1
 """Logical pages of the machine's core (65): room for long lifecycles."""
-STEPS = {"total": 0, "recompute_rows": 0, "fast": 0, "advanced": 0, "opened": 0, "resident_builds": 0}
+STEPS = {"total": 0, "recompute_rows": 0, "fast": 0, "advanced": 0, "opened": 0, "resident_builds": 0, "staged": 0}
 
 
 class CoreMachine(RuleBasedStateMachine):
@@ -104,6 +104,7 @@ class CoreMachine(RuleBasedStateMachine):
             STEPS["advanced"] += self.driver.core.advanced_decode_steps
             STEPS["opened"] += self.driver.core.opened_advances
             STEPS["resident_builds"] += self.driver.core.resident_builds
+            STEPS["staged"] += self.driver.core.staged_advances
 
 
 TestCore = CoreMachine.TestCase
@@ -130,8 +131,9 @@ TestIdentityFast.settings = settings(max_examples=40, stateful_step_count=40, de
 class PagedReadsMachine(CoreMachine):
     """The same lifecycles in the paged layout read as SGLang's paged decode backends read it
     (FlashInfer, Triton: page tables and CSR, no token tables), with pages of 4 tokens and the
-    steady-decode path always tried: steps whose pages and map did not change run on the last
-    step's tables advanced by one token (:meth:`LayeredKVCore._advance_paged`)."""
+    steady-decode path always tried: steps whose map did not change but for the pages they open
+    run on the last step's tables advanced by one token, staged ones with their staging again
+    (:meth:`LayeredKVCore._advance_paged`)."""
 
     @initialize(budget=st.sampled_from([3 * BIG - 9, 2 * BIG, BIG + 6, BIG, 12]), seed=st.integers(0, 2**16))
     def setup(self, budget: int, seed: int) -> None:  # type: ignore[override]
@@ -154,6 +156,7 @@ def test_the_machine_ran_over_a_thousand_forwards():
     assert STEPS["advanced"] >= 20, STEPS  # the paged-reads machine's advanced steps
     assert STEPS["opened"] >= 20, STEPS  # ... and those that opened pages (advanced_opening)
     assert STEPS["resident_builds"] >= 20, STEPS  # and its page-opening steps built knowing the batch resident
+    assert STEPS["staged"] >= 5, STEPS  # and its placed batches' steps advanced with their staging (10-52, by test order)
     print(f"\nstateful core: {STEPS}")
 
 

@@ -72,6 +72,8 @@ def test_cpu_dry_run_end_to_end(tmp_path, capsys):
     assert body["environment"]["kvplane_tree"] in ("clean", "modified")  # a stale head is flagged
     cpu = body["details"]["kvplane_cpu_ms_per_step"]
     assert cpu["vanilla_kv_write"] > 0 and 0 <= cpu["resident_steps_advanced"] <= cpu["resident_steps_timed"]
+    # the planner's placement stages every timed step; its steady steps advance with their staging
+    assert 2 * cpu["placed_steps_advanced"] >= cpu["resident_steps_timed"] >= cpu["placed_steps_advanced"]
     for kind in ("resident", "placed"):  # where the host time went, per call (medians of the same steps)
         calls = cpu[f"{kind}_layer_calls"]
         assert set(calls) == {"enter", "write", "exit"} and all(v > 0 for v in calls.values()), kind

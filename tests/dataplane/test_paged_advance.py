@@ -18,7 +18,8 @@ import torch
 from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
 from sglang_ext.dataplane.map_mirror import MapMirror
 from sglang_ext.dataplane.paged_step_tables import PagedStepTables
-from tests.dataplane.core_driver import LAYERS, CoreDriver, make_core
+from sglang_ext.dataplane.staging_room import StagingRoom
+from tests.dataplane.core_driver import CoreDriver, make_core
 
 PS, PAGES = 4, 24
 """Page size 4: three of every four decode steps open no page."""
@@ -49,28 +50,69 @@ def test_resident_steady_steps_advance_and_read_exactly():
     d.check_at_rest()
 
 
-def test_advanced_tables_equal_a_fresh_build(monkeypatch):
-    checked = []
+def _fresh_build(core: LayeredKVCore, got: PagedStepTables) -> PagedStepTables:
+    """The step's tables built from scratch, staging (if any) in the same device pages as ``got``."""
+    _, lens, page_lists = core._paged_last  # type: ignore[misc]
+    staged = got._stage_np[got._stage_np >= 0] if got.staging_ids.size else np.zeros(0, dtype=np.int64)
+
+    def stage(n: int) -> np.ndarray:
+        assert n == staged.size, f"a fresh build staged {n} pages, the advance {staged.size}"
+        return staged
+
+    return PagedStepTables(core.store, page_lists, np.asarray(lens, dtype=np.int64),
+                           np.ones(len(lens), dtype=np.int64), core.step_loc.numpy().astype(np.int64),
+                           stage, token_tables=False)
+
+
+def _assert_equal_tables(got: PagedStepTables, ref: PagedStepTables, uploaded: bool) -> None:
+    """``uploaded``: ``got`` made its own upload (not a no-open resident advance, which steps the
+    last upload's rows and lengths on the device): its int64 part (rows, write-back segments)
+    equals the build's; a staged advance's int32 part (pages, staging, requests, fetch request
+    ids, CSR) too, word for word (a resident opening advance uploads only the opened pages)."""
+    staged = bool(got.staging_ids.size)
+    for name in ("tab", "rows", "kv_indptr", "kv_lens", "last_page_len", *(("i32",) if staged else ())):
+        assert np.array_equal(getattr(got, name).cpu().numpy(), getattr(ref, name).cpu().numpy()), name
+    if uploaded:
+        assert np.array_equal(got._int64_np, ref._int64_np), "rows and write-back segments"
+    assert np.array_equal(got.dirty_ids, ref.dirty_ids) and np.array_equal(got.new_pages, ref.new_pages)
+    assert got.fetches == ref.fetches and got.writebacks == ref.writebacks
+    assert (got.fetch_layer_pages, got.writeback_layer_pages) == (ref.fetch_layer_pages, ref.writeback_layer_pages)
+    assert np.array_equal(np.sort(got.staging_ids), np.sort(ref.staging_ids))
+
+
+def _comparing(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, bool]]:
+    """Every advance is compared with a fresh build; returns (opened, staged) per advance."""
+    checked: list[tuple[bool, bool]] = []
     original = LayeredKVCore._advance_paged
 
-    def advance_and_compare(core: LayeredKVCore, opens: list[int], *args: object) -> bool:
+    def advance_and_compare(core: LayeredKVCore, opens: np.ndarray, *args: object) -> bool:
         if not original(core, opens, *args):
             return False
         got = core.tables
         assert isinstance(got, PagedStepTables) and core._paged_last is not None
-        _, lens, page_lists = core._paged_last
-        ref = PagedStepTables(core.store, page_lists, np.asarray(lens, dtype=np.int64),
-                              np.ones(len(lens), dtype=np.int64), core.step_loc.numpy().astype(np.int64),
-                              lambda n: pytest.fail(f"a fresh build staged {n} pages"), token_tables=False)
-        for name in ("tab", "rows", "kv_indptr", "kv_lens", "last_page_len"):
-            assert np.array_equal(getattr(got, name).cpu().numpy(), getattr(ref, name).cpu().numpy()), name
-        assert np.array_equal(got.dirty_ids, ref.dirty_ids) and np.array_equal(got.new_pages, ref.new_pages)
-        assert got.fetches == ref.fetches == [] and got.writebacks == ref.writebacks == [None] * LAYERS
-        assert got.staging_ids.size == ref.staging_ids.size == 0
-        checked.append(bool(opens))
+        _assert_equal_tables(got, _fresh_build(core, got), bool(opens.size or got.staging_ids.size))
+        checked.append((bool(opens.size), bool(got.staging_ids.size)))
         return True
 
     monkeypatch.setattr(LayeredKVCore, "_advance_paged", advance_and_compare)
+    return checked
+
+
+def _retakes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """(staging pages retaken, of how many) per staged advance."""
+    kept: list[tuple[int, int]] = []
+    retake = StagingRoom.retake
+
+    def counted(room: StagingRoom, ids: np.ndarray) -> int:
+        kept.append((retake(room, ids), int(ids.size)))
+        return kept[-1][0]
+
+    monkeypatch.setattr(StagingRoom, "retake", counted)
+    return kept
+
+
+def test_advanced_tables_equal_a_fresh_build(monkeypatch):
+    checked = _comparing(monkeypatch)
     d = _driver(seed=4)
     d.add("a")
     d.add("b")
@@ -79,30 +121,58 @@ def test_advanced_tables_equal_a_fresh_build(monkeypatch):
     d.add("c", share_from="a", share_pages=1)  # a prefix hit joins: the batch changes, then settles
     d.step([("c", 3)])
     _decode(d, 9, ("a", "b", "c"))
-    assert len(checked) >= 8 and sum(checked) >= 3, checked  # advances that opened pages among them
+    assert len(checked) >= 8 and sum(o for o, _ in checked) >= 3, checked  # some opened pages
 
 
-def test_a_moved_map_staging_or_token_tables_build_the_step():
+def test_staged_advances_equal_a_fresh_build_and_read_exactly(monkeypatch):
+    """A placed batch (layer 1 of ``a`` and layers 1-2 of ``b`` on the host): its steady steps
+    advance the last tables with the same staging pages -- no page opened, or pages opened that
+    stage and fetch at their requests' host layers -- and equal a fresh build staged in the same
+    pages (fetch sizes, write-backs, rows, the int32 upload); every layer's reads are exact."""
+    checked = _comparing(monkeypatch)
+    kept = _retakes(monkeypatch)
+    d = _driver(seed=8)
+    d.add("a")
+    d.add("b")
+    d.step([("a", 6), ("b", 3)])  # staggered: a and b open pages on different steps
+    _decode(d, 2)
+    d.want("a", [True, False, True])
+    d.want("b", [True, False, False])
+    _decode(d, 14)
+    core = d.core
+    staged = [o for o, s in checked if s]
+    assert core.staged_advances == len(staged) >= 10 and sum(staged) >= 5, checked
+    assert core.stats().staged_advances_total == core.staged_advances
+    # the opened pages' placement took some of the last step's staging pages: replaced, still equal
+    assert any(0 < m < n for m, n in kept) and any(m == n for m, n in kept), kept
+    d.check_staging()
+    d.check_at_rest()
+
+
+def test_a_moved_map_or_token_tables_build_the_step(monkeypatch):
+    checked, kept = _comparing(monkeypatch), _retakes(monkeypatch)
     d = _driver(seed=5)
     d.add("a")
     d.add("b")
     d.step([("a", 6), ("b", 2)])
     _decode(d, 3)
     core = d.core
-    before = core.advanced_decode_steps
+    before, staged_before = core.advanced_decode_steps, core.staged_advances
     assert before > 0
-    d.want("a", [True, False, True])  # layer 1 of a to host: every step stages and fetches
+    d.want("a", [True, False, True])  # layer 1 of a to host: the move builds one step, then they advance
     _decode(d, 6)
-    assert core.advanced_decode_steps == before and core.paged_decode_steps == 9
+    assert core.advanced_decode_steps == before and core.staged_advances == staged_before + 5
     d.want("a", [True, True, True])  # back on the device: the move builds one step, then advance
     _decode(d, 6)
-    assert core.advanced_decode_steps > before
+    assert core.advanced_decode_steps > before and core.staged_advances == staged_before + 5
+    assert sum(staged for _, staged in checked) == 5
+    assert any(m == 0 for m, _ in kept), kept  # the opened pages' placement took every staging page
     d.check_at_rest()
     e = _driver(paged_reads=False, seed=5)  # torch-native: token tables every step
     e.add("a")
     e.step([("a", 6)])
     _decode(e, 6, ("a",))
-    assert e.core.paged_decode_steps == 6 and e.core.advanced_decode_steps == 0
+    assert e.core.paged_decode_steps == 6 and e.core.advanced_decode_steps == 0 and e.core.staged_advances == 0
 
 
 def _run_until_advanced(d: CoreDriver) -> None:
@@ -172,3 +242,51 @@ def test_an_opening_advance_that_misplaces_the_page_is_caught(monkeypatch, mista
     with pytest.raises(AssertionError):
         _run_until_advanced(_driver())
     assert ran, "no opening advance ran: the control proves nothing"
+
+
+def _staged_scenario() -> None:
+    d = _driver(seed=8)
+    d.add("a")
+    d.add("b")
+    d.step([("a", 6), ("b", 3)])
+    _decode(d, 2)
+    d.want("a", [True, False, True])
+    d.want("b", [True, False, False])
+    _decode(d, 14)
+    d.check_at_rest()
+
+
+@pytest.mark.parametrize("mistake", ["stale_fetches", "taken_staging_kept"])
+def test_a_staged_advance_that_keeps_stale_launches_or_staging_is_caught(monkeypatch, mistake):
+    """Controls for :meth:`PagedStepTables.advanced_staged`: one that keeps the last step's fetch
+    launches (their request ids' offsets and sizes from before the opened pages) is caught by the
+    comparison with a fresh build -- on the CPU the copies come from the host arrays, so only the
+    CUDA kernel would read the stale offsets; one whose retake claims every staging page back
+    although the opened pages' placement took some (staging over placed pages) is caught by the
+    step's checks (staging disjoint from placed pages, the layers' reads). Without the mistakes the same scenario
+    passes (the tests above)."""
+    ran = []
+    if mistake == "stale_fetches":
+        _comparing(monkeypatch)
+        original = PagedStepTables.advanced_staged
+
+        def stale(self: PagedStepTables, opens: np.ndarray, *args: object) -> PagedStepTables | None:
+            nxt = original(self, opens, *args)
+            if nxt is not None and opens.size:
+                nxt.fetches = self.fetches
+                ran.append(1)
+            return nxt
+
+        monkeypatch.setattr(PagedStepTables, "advanced_staged", stale)
+    else:
+        retake = StagingRoom.retake
+
+        def claims_all(room: StagingRoom, ids: np.ndarray) -> int:
+            if retake(room, ids) < ids.size:
+                ran.append(1)
+            return int(ids.size)
+
+        monkeypatch.setattr(StagingRoom, "retake", claims_all)
+    with pytest.raises((AssertionError, ValueError)):
+        _staged_scenario()
+    assert ran, "the mistake never ran: the control proves nothing"

@@ -16,7 +16,7 @@ import pytest
 
 from sglang_ext.settings import POOL_STATS_FILE_ENV
 from sglang_ext.testing.server import SGLangServer
-from tests.sglang.conftest import PROMPTS, greedy, running_server, token_logprobs
+from tests.sglang.conftest import FAULT_INJECT_DIR, PROMPTS, greedy, running_servers, token_logprobs
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]
 
@@ -30,14 +30,23 @@ exactness itself is tested against its fp32 reference and on the served core
 
 
 @pytest.fixture(scope="module")
-def triton_server(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, object]]:
-    root = tmp_path_factory.mktemp("layered-triton")
-    stats = root / "pool_stats.jsonl"
+def triton_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, object, SGLangServer, object]]:
+    """The layered Triton server and its stale-advance twin (started side by side), with their
+    pool stats files."""
+    root, stale_root = tmp_path_factory.mktemp("layered-triton"), tmp_path_factory.mktemp("stale-staged")
+    stats, stale_stats = root / "pool_stats.jsonl", stale_root / "pool_stats.jsonl"
     flags = ["--enable-layered-kv", "--attention-backend", "triton", "--kv-gpu-budget-tokens", "49",
              "--max-total-tokens", "48"]
     env = {"TRITON_INTERPRET": "1", POOL_STATS_FILE_ENV: str(stats)}
-    with running_server(tiny_model_dir, root, flags, env) as server:
-        yield server, stats
+    stale_env = {"TRITON_INTERPRET": "1", POOL_STATS_FILE_ENV: str(stale_stats),
+                 "PYTHONPATH": str(FAULT_INJECT_DIR), "KVPLANE_TEST_STALE_ADVANCE": "1"}
+    with running_servers(tiny_model_dir, [(root, flags, env), (stale_root, flags, stale_env)]) as (server, stale):
+        yield server, stats, stale, stale_stats
+
+
+@pytest.fixture(scope="module")
+def triton_server(triton_servers) -> tuple[SGLangServer, object]:
+    return triton_servers[0], triton_servers[1]
 
 
 def test_triton_paged_decode_matches_vanilla_with_kv_on_host(triton_server, vanilla_server):
@@ -54,6 +63,24 @@ def test_triton_paged_decode_matches_vanilla_with_kv_on_host(triton_server, vani
     assert steps[-1]["overflow_steps_total"] == 0
     assert steps[-1]["fetched_layer_pages_total"] > 0  # host pages were staged for the kernel to read
     assert max(s["host_fraction"] for s in steps) >= 0.5
+    # steady steps of the placed batch ran on the last step's tables, staging again (no build)
+    assert steps[-1]["staged_advances_total"] > 0, steps[-1]
+
+
+def test_negative_control_a_stale_staged_advance_fails_the_comparison(triton_servers, vanilla_server):
+    """Control: staged steps advanced with the last step's new-token rows (each new K/V overwrite
+    the previous token's, on the device or in staging and written back so) are caught by the same
+    comparison, for every prompt; the twin did advance staged steps."""
+    stale, stale_stats = triton_servers[2], triton_servers[3]
+    failures = 0
+    for prompt in PROMPTS[:2]:
+        got = greedy(stale, prompt, NEW_TOKENS, logprobs=True)
+        want = greedy(vanilla_server, prompt, NEW_TOKENS, logprobs=True)
+        worst = max(abs(a - b) for a, b in zip(token_logprobs(got), token_logprobs(want), strict=True))
+        failures += got["output_ids"] != want["output_ids"] or worst > KERNEL_LOGPROB_ATOL
+    steps = [json.loads(line) for line in stale_stats.read_text().splitlines() if line.strip()]
+    assert steps[-1]["staged_advances_total"] > 0
+    assert failures == 2, f"only {failures} of 2 stale staged-advance generations were detected"
 
 
 def test_recompute_rows_run_on_the_paged_kernel(triton_server, vanilla_server):

@@ -21,8 +21,9 @@ layer: the layer's begin, KV write and end; the attention kernel itself is not r
 any host-sync op (the GPU-discipline audit, in the process SGLang serves from).
 
 With ``KVPLANE_TEST_STALE_ADVANCE=1``, an advanced paged step keeps the last step's new-token
-rows (``PagedStepTables.advanced`` without its ``rows + 1``): each advanced step's new K/V
-overwrite the previous token's -- what a stale advance would do.
+rows (``PagedStepTables.advanced`` without its ``rows + 1``, ``advanced_staged`` with the last
+step's rows): each advanced step's new K/V overwrite the previous token's -- what a stale
+advance would do.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ ADVANCE_TARGET = "sglang_ext.dataplane.paged_step_tables"
 
 
 def _patch_advance(module) -> None:  # noqa: ANN001
-    real = module.PagedStepTables.advanced
+    real, real_staged = module.PagedStepTables.advanced, module.PagedStepTables.advanced_staged
 
     def advanced(self):  # noqa: ANN001, ANN202
         nxt = real(self)
@@ -82,7 +83,14 @@ def _patch_advance(module) -> None:  # noqa: ANN001
             nxt.rows = self.rows
         return nxt
 
+    def advanced_staged(self, *args):  # noqa: ANN001, ANN002, ANN202
+        nxt = real_staged(self, *args)
+        if nxt is not None:
+            nxt.rows = self.rows
+        return nxt
+
     module.PagedStepTables.advanced = advanced
+    module.PagedStepTables.advanced_staged = advanced_staged
 
 
 AUDIT_TARGET = "sglang_ext.layered_triton_decode"
