@@ -341,7 +341,7 @@ class LayeredKVCore:
         has no page host-only at any layer, known without reading its host bits: the last step's
         tables staged nothing and the opened pages are resident at every layer."""
         return (self._map_unmoved(opened) and self._paged_tables.staging_ids.size == 0  # type: ignore[union-attr]
-                and bool((self.store.map_np[:, opened] >= 0).all()))
+                and bool((np.take(self.store.map_np, opened, axis=1) >= 0).all()))
 
     def _begin_in_place(self, page_lists: list[np.ndarray], lens: np.ndarray, counts: np.ndarray) -> bool:
         """Identity layout, every live layer-page resident, attention reading in place: the step

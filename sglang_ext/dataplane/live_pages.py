@@ -39,7 +39,7 @@ def live_layer_pages(store: SlotKVStore, requests: Iterable) -> tuple[int, int]:
     pages = live_page_union(requests)
     if not pages.size:
         return 0, 0
-    return int(pages.size) * store.config.layers, int((store.map_np[:, pages] < 0).sum())
+    return int(pages.size) * store.config.layers, int(np.count_nonzero(np.take(store.map_np, pages, axis=1) < 0))
 
 
 class LivePages:
@@ -67,7 +67,7 @@ class LivePages:
 
     def refresh(self) -> None:
         """Re-read the map (after moves): ``resident [L, U]`` and the orphan layer-page count."""
-        self.resident = self.store.map_np[:, self.pages] >= 0
+        self.resident = np.take(self.store.map_np, self.pages, axis=1) >= 0
         self.orphan_resident = self.counts.orphan_resident(self.resident_total())
 
     def resident_total(self) -> int:
@@ -76,7 +76,7 @@ class LivePages:
 
     def target(self) -> np.ndarray:
         """``[L, U]``: wanted on device (some live, not paused user wants the layer)."""
-        return self.counts.want[:, self.pages] > 0
+        return np.take(self.counts.want, self.pages, axis=1) > 0
 
     def flat(self, layers: np.ndarray, cols: np.ndarray) -> np.ndarray:
         """Flat ids ``l * P + p`` of ``[L, U]`` positions."""
@@ -90,7 +90,7 @@ class LivePages:
         cand = np.fromiter(self.maybe_orphan, dtype=np.int64, count=len(self.maybe_orphan))
         cand.sort()
         cand = cand[self.counts.users[cand] == 0]
-        res = store.map_np[:, cand] >= 0
+        res = np.take(store.map_np, cand, axis=1) >= 0
         keep = res.any(axis=0)
         cand, res = cand[keep], res[:, keep]
         self.maybe_orphan.clear()

@@ -79,7 +79,7 @@ class MapMirror:
         pages = distinct_sorted(np.concatenate(self._log)) if len(self._log) > 1 else distinct_sorted(self._log[0])
         self._log = []
         self.syncs += 1
-        cols = self.map_np[:, pages]
+        cols = np.take(self.map_np, pages, axis=1)
         self.host_bits[pages] = self._bits(cols)
         self.synced_columns += int(pages.size)
         k = int(pages.size)

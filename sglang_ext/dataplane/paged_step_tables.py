@@ -84,12 +84,12 @@ class PagedStepTables(StepTables):
         trigger = np.vstack([np.full((1, b), -1, dtype=np.int64), last[:-1]])
         # the new tokens' pages at every layer: rows, dirty ids, write-backs (L x m)
         ucol = distinct_sorted(col)
-        new_map = store.map_np[:, flat[col]].astype(np.int64)
+        new_map = np.take(store.map_np, flat[col], axis=1).astype(np.int64)
         new_host = new_map < 0
         if stage_col is not None:
             new_map = np.where(new_host, stage_col[col][None, :], new_map)
         rows = new_map * ps + off[None, :]
-        u_host = store.map_np[:, flat[ucol]] < 0
+        u_host = np.take(store.map_np, flat[ucol], axis=1) < 0
         self.dirty_ids = store.identity_ids(flat[ucol])[~u_host]
         self.new_pages = flat[ucol]
         int64_parts: list[np.ndarray] = [rows.reshape(-1)]
@@ -194,7 +194,7 @@ class PagedStepTables(StepTables):
         flat = np.insert(self.pages, ends, opened)
         starts = np.cumsum(counts) - counts
         last = flat[starts + counts - 1]  # the page of each request's new token
-        rows = store.map_np[:, last].astype(np.int64) * ps + ((seq_lens - 1) % ps)[None, :]
+        rows = np.take(store.map_np, last, axis=1).astype(np.int64) * ps + ((seq_lens - 1) % ps)[None, :]
         nxt = self._successor()
         nxt.pages, nxt._n, nxt._starts_np, nxt._counts_np = flat, int(flat.size), starts, counts
         nxt._mirror_syncs, nxt._width = _sync_mirror(store, mirror), int(seq_lens.max())
@@ -231,7 +231,7 @@ class PagedStepTables(StepTables):
         store, mirror = self._store, self._store.mirror
         assert mirror is not None
         layers, ps, b = store.config.layers, store.config.page_size, self._b
-        host_new = store.map_np[:, opened] < 0  # [L, k]
+        host_new = np.take(store.map_np, opened, axis=1) < 0  # [L, k]
         if opened.size and (host_new & ~self._host_req[:, opens]).any():
             return None  # a new host-only (layer, request): new fetch groups
         stage_new = self._host_req[:, opens].any(axis=0)  # opened pages of staged requests
@@ -255,7 +255,7 @@ class PagedStepTables(StepTables):
         starts = np.cumsum(counts) - counts
         lastcol = starts + counts - 1
         last, last_stage = flat[lastcol], stage_col[lastcol]
-        new_map = store.map_np[:, last].astype(np.int64)
+        new_map = np.take(store.map_np, last, axis=1).astype(np.int64)
         u_host = new_map < 0
         rows = np.where(u_host, last_stage[None, :], new_map) * ps + ((seq_lens - 1) % ps)[None, :]
         nxt = self._successor()

@@ -195,7 +195,7 @@ class SlotKVStore:
 
     def all_resident(self, pages: np.ndarray) -> bool:
         """Whether every layer of these pages has a device copy."""
-        return bool((self.map_np[:, pages] >= 0).all()) if pages.size else True
+        return bool((np.take(self.map_np, pages, axis=1) >= 0).all()) if pages.size else True
 
     def device_views(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The device pool as flat K and V rows ``[N * page_size, H, D]`` (views, no copy)."""
@@ -313,7 +313,7 @@ class SlotKVStore:
         if not len(pages):
             return
         p = np.asarray(pages, dtype=np.int64)
-        sub = self.map_np[:, p]
+        sub = np.take(self.map_np, p, axis=1)
         layers, cols = np.nonzero(sub >= 0)
         if layers.size:
             dev_pages = sub[layers, cols].astype(np.int64)

@@ -73,7 +73,7 @@ class StepTables:
         self.staging_ids = np.zeros(0, dtype=np.int64)
         counts, flat, starts, col, off = self._columns(pages, seq_lens, new_counts, new_slots, ps)
         b, n, m = self.batch, int(flat.size), int(col.size)
-        tab = store.map_np[:, flat].astype(np.int64)
+        tab = np.take(store.map_np, flat, axis=1).astype(np.int64)
         host = tab < 0
         self.host_layer_pages = int(host.sum())
         req_of_col = np.repeat(np.arange(b), counts)
