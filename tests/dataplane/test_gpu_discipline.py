@@ -95,6 +95,41 @@ def test_paged_reads_and_advanced_steps_keep_layers_sync_free_and_constant():
     assert first and all(ops == first for ops in seen.values()), seen
 
 
+def test_placed_steps_advanced_with_their_staging_keep_layers_sync_free_and_constant():
+    """A placed batch (layers 1 and 2 of every request on the host) read through page tables,
+    pages of 4 tokens: its steady decode steps advance the last step's tables with the same
+    staging (``advanced_staged``), open a page or not, stage, fetch and write back, and make no
+    sync op inside a layer; each layer runs the same ops for batch 1, 4, 8 and pools of 33 and
+    257 pages."""
+    seen = {}
+    for pages in (33, 257):
+        for batch in (1, 4, 8):
+            core = make_core(min(3 * pages - 9, pages + 80), pages=pages, page_size=4)
+            d = CoreDriver(core, seed=batch, fast_decode=True, paged_reads=True)
+            rids = [f"r{i}" for i in range(batch)]
+            for rid in rids:
+                d.add(rid)
+                assert d.step([(rid, 5)])
+            for rid in rids:
+                d.want(rid, PLACEMENT)
+            assert d.step([(rid, 1) for rid in rids])  # the move builds this step (lens 6)
+            audit = OpAudit()
+            audit_core(core, audit)
+            before, fetched = core.staged_advances, core.pipeline.fetched_layer_pages
+            for _ in range(4):  # lens 7, 8 advance; 9 opens a page and advances with it; 10 advances
+                with audit:
+                    assert d.step([(rid, 1) for rid in rids])
+            assert core.staged_advances - before == 4
+            assert core.pipeline.fetched_layer_pages - fetched >= 4 * 2 * batch  # they staged and fetched
+            assert audit.violations == [], audit.violations
+            per_layer = {layer: Counter(ops) for layer, ops in audit.ops.items()}
+            assert sorted(per_layer) == list(range(LAYERS))
+            d.check_at_rest()
+            seen[(pages, batch)] = per_layer
+    first = next(iter(seen.values()))
+    assert all(ops == first for ops in seen.values()), seen
+
+
 def test_the_audit_flags_host_syncs():
     """Negative control: item(), bool(), nonzero, unique and repeat_interleave without
     output_size inside a scope are flagged; the same ops outside any scope are not."""
