@@ -274,9 +274,12 @@ class CoreCheck:
         blocks_now = b.blocks(1)
         predicted_ms = step_time_ms(rows, blocks_now, comp, transfer.bw_blocks_per_ms)
         placed_ms = time_ms(self.step, device, c.repeat)
-        staged_before = b.core.staged_advances
+        staged_before, launches = b.core.staged_advances, b.core.store.engine.stats
+        h2d_before, d2h_before = launches.h2d_launches, launches.d2h_launches
         placed_cpu_ms = self.kvplane_cpu_ms()
         placed_advanced = b.core.staged_advances - staged_before
+        placed_launches = {"h2d": (launches.h2d_launches - h2d_before) / c.repeat,
+                           "d2h": (launches.d2h_launches - d2h_before) / c.repeat}
         placed_prepare_ms, placed_parts_ms = self.prepare_cpu_ms, self.parts_cpu_ms
         placed_stall_ms = self.stall_ms
         placed_profile = self.host_profile()
@@ -309,6 +312,7 @@ class CoreCheck:
                                         "resident_steps_advanced": resident_advanced,
                                         "resident_steps_timed": c.repeat,
                                         "placed_steps_advanced": placed_advanced,
+                                        "placed_launches_per_step": placed_launches,
                                         "vanilla_kv_write": vanilla_write_ms},
             "kvplane_host_profile": {"steps": PROFILE_STEPS, "resident": resident_profile, "placed": placed_profile,
                                      "note": "cProfile inside the boundary and kvplane's per-layer calls only; "
@@ -415,6 +419,8 @@ class CoreCheck:
 
         top = self.details["kvplane_host_profile"]["placed"][:3]
         profile = ", ".join(f"{row['function']} {row['own_ms_per_step']:.3f}" for row in top)
-        advanced = f"{host['placed_steps_advanced']} of {host['resident_steps_timed']} placed steps advanced"
+        launches = host["placed_launches_per_step"]
+        advanced = (f"{host['placed_steps_advanced']} of {host['resident_steps_timed']} placed steps advanced, "
+                    f"{launches['h2d']:g} H2D + {launches['d2h']:g} D2H launches a step")
         return (f"{split('resident')}; {split('placed')} ({advanced}); "
                 f"placed step's top own time (cProfile, ms): {profile}")

@@ -74,6 +74,8 @@ def test_cpu_dry_run_end_to_end(tmp_path, capsys):
     assert cpu["vanilla_kv_write"] > 0 and 0 <= cpu["resident_steps_advanced"] <= cpu["resident_steps_timed"]
     # the planner's placement stages every timed step; its steady steps advance with their staging
     assert 2 * cpu["placed_steps_advanced"] >= cpu["resident_steps_timed"] >= cpu["placed_steps_advanced"]
+    launches = cpu["placed_launches_per_step"]  # the placed steps fetch and write back (per-launch host cost)
+    assert launches["h2d"] >= 1 and launches["d2h"] >= 1 and "launches a step" in figures["kvplane_cpu_share"]["note"]
     for kind in ("resident", "placed"):  # where the host time went, per call (medians of the same steps)
         calls = cpu[f"{kind}_layer_calls"]
         assert set(calls) == {"enter", "write", "exit"} and all(v > 0 for v in calls.values()), kind
