@@ -36,6 +36,7 @@ import torch
 
 from sglang_ext.dataplane.layer_page_moves import LayerPageMoves
 from sglang_ext.dataplane.layer_pipeline import LayerPipeline
+from sglang_ext.dataplane.paged_decode_step import PagedDecodeStep
 from sglang_ext.dataplane.paged_step_tables import PagedStepTables
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore, SlotStoreConfig
 from sglang_ext.dataplane.slot_residency import SlotResidency
@@ -85,11 +86,13 @@ class LayeredKVCore:
         """Steps the paged steady-decode path prepared."""
         self._paged_tables: PagedStepTables | None = None
         """The last step's tables when :class:`PagedStepTables` built them (the next steady step
-        may advance them: :meth:`_advance_paged`)."""
+        may advance them: :meth:`PagedDecodeStep.advance`)."""
         self.advanced_decode_steps = self.opened_advances = self.staged_advances = self.resident_builds = 0
         """Paged steady-decode steps whose tables were advanced (no build): resident opening no page,
         resident opening pages, staging (a placed batch); and steps built knowing the batch
-        resident (:meth:`_still_resident`)."""
+        resident (:meth:`PagedDecodeStep.still_resident`)."""
+        self.paged_decode = PagedDecodeStep(self)
+        """The paged layout's steady decode boundary (:meth:`prepare_decode_step` there)."""
         self.decode_delta: ResidencyDelta | None = None
         """The last paged steady-decode step's reconciliation (the journalled path has none)."""
 
@@ -109,7 +112,7 @@ class LayeredKVCore:
     def page_freed(self, pages: Sequence[int]) -> None:
         """SGLang's allocator took ``pages`` back. A running request's row may have been rewritten
         (a prefix the tree already held replaces the request's copy): the next step reads every
-        request's slots again (:meth:`_prepare_paged_decode` does not apply)."""
+        request's slots again (:class:`PagedDecodeStep` does not apply)."""
         self._paged_last = self._paged_tables = None
         self.residency.page_freed(pages)
 
@@ -216,55 +219,12 @@ class LayeredKVCore:
         self.residency.drop_anonymous()
         self._eager_writeback()
 
-    def _prepare_paged_decode(self, rids: Sequence[str], seq_lens: Sequence[int] | np.ndarray,
-                              new_slots: torch.Tensor) -> bool:
-        """:meth:`prepare_decode_step` in the paged layout: the batch of the last
-        :meth:`prepare_step` with one token more each. Its page lists are the last step's, plus a
-        page for each request whose new token opens one (``new_slots[i] // page_size``); only
-        those requests are observed (the others' pages did not change), then the boundary is the
-        general one (reconcile, :class:`PagedStepTables`, pipeline). O(batch) host work plus the
-        tables'; False (nothing done) when it does not apply."""
-        last = self._paged_last
-        if (last is None or new_slots.numel() != len(rids) or self.residency.has_anonymous
-                or list(rids) != last[0]):
-            return False
-        lens = [int(n) for n in seq_lens]
-        if len(lens) != len(last[1]) or any(n != p + 1 for n, p in zip(lens, last[1], strict=True)):
-            return False
-        # on a GPU this reads the step's new slots back: the boundary's one sync (the general
-        # path reads every request's slots instead); never inside a layer
-        ps, slots = self.page_size, new_slots.tolist()
-        page_lists = list(last[2])
-        opens = [i for i, n in enumerate(lens) if (n - 1) % ps == 0]  # the new token opens a page
-        if any(s % ps != (n - 1) % ps or ((n - 1) % ps and s // ps != pages[-1])
-               for s, n, pages in zip(slots, lens, page_lists, strict=True)):
-            return False  # a slot that does not continue its request: the general path decides
-        self._boundary(new_slots)
-        for i in opens:
-            pages = np.append(page_lists[i], slots[i] // ps)
-            page_lists[i] = pages
-            self.residency.observe(rids[i], torch.from_numpy(pages))
-        self._paged_last = (last[0], lens, page_lists)
-        self.decode_delta = self._reconcile()
-        new_np = np.asarray(slots, dtype=np.int64)
-        opened = new_np[opens] // ps
-        resident = self._still_resident(opened)
-        if (resident or self._map_unmoved(opened)) and self._advance_paged(
-                np.asarray(opens, dtype=np.int64), opened, lens, resident):
-            self.paged_decode_steps += 1
-            return True
-        self.resident_builds += resident
-        self._begin(page_lists, np.asarray(lens, dtype=np.int64), np.ones(len(lens), dtype=np.int64), new_np,
-                    set(last[0]), None, None, resident=resident)
-        self.paged_decode_steps += 1
-        return True
-
     def _begin(self, page_lists: list[np.ndarray], lens: np.ndarray, counts: np.ndarray,
                new_np: np.ndarray | None, batch: set[str], recompute: np.ndarray | None = None,
                recompute_ids: list | None = None, *, resident: bool = False) -> None:
         """Build the step's tables (making staging room if needed) and start the pipeline, or
         mark the step as overflowing (module docstring). ``resident``: the caller knows no page
-        of the batch is host-only at any layer (:meth:`_still_resident`; the first build only)."""
+        of the batch is host-only at any layer (:meth:`PagedDecodeStep.still_resident`; the first build only)."""
         self.overflow = False
         self._paged_tables = None  # set again by a build that installs (a failed one leaves none)
         if recompute is None and self._begin_in_place(page_lists, lens, counts):
@@ -302,47 +262,6 @@ class LayeredKVCore:
                 "pauses requests to prevent this (raise --kv-gpu-budget-tokens for headroom)",
             )
 
-    def _advance_paged(self, opens: np.ndarray, opened: np.ndarray, lens: list[int], resident: bool) -> bool:
-        """A paged steady step, the map unmoved since the last tables but for the ``opened`` pages
-        of rows ``opens`` (checked by the caller), runs on those tables advanced by one token:
-        resident (:meth:`_still_resident`), ``advanced`` (no page opened: two device ops) or
-        ``advanced_opening``; else ``advanced_staged`` (the same staging pages). False otherwise."""
-        last = self._paged_tables
-        if last is None or self.token_tables:
-            return False
-        seq = np.asarray(lens, dtype=np.int64)
-        if not resident:
-            tables = last.advanced_staged(opens, opened, seq, self.room)
-        else:
-            tables = last.advanced_opening(opens, opened, seq) if opens.size else last.advanced()
-        if tables is None:
-            return False
-        self.overflow = False
-        self.store.mark_dirty(tables.dirty_ids)
-        if opens.size:  # the opened pages hold KV from this step on (the others already did)
-            self.store.has_kv_np[tables.new_pages] = True
-        self.store.staging_pages = int(tables.staging_ids.size)
-        self.tables = self._paged_tables = tables
-        self.pipeline.begin_step(tables)
-        self.advanced_decode_steps += resident and not opens.size
-        self.opened_advances += resident and bool(opens.size)
-        self.staged_advances += not resident
-        return True
-
-    def _map_unmoved(self, opened: np.ndarray) -> bool:
-        """The map changed since the last step's tables in the ``opened`` pages' columns only
-        (a paged steady step's tables may then advance)."""
-        last, mirror = self._paged_tables, self.store.mirror
-        return (last is not None and mirror is not None and mirror.syncs == last._mirror_syncs
-                and mirror.pending_within(opened))
-
-    def _still_resident(self, opened: np.ndarray) -> bool:
-        """:meth:`_map_unmoved`, and the step's batch (the last one's plus the ``opened`` pages)
-        has no page host-only at any layer, known without reading its host bits: the last step's
-        tables staged nothing and the opened pages are resident at every layer."""
-        return (self._map_unmoved(opened) and self._paged_tables.staging_ids.size == 0  # type: ignore[union-attr]
-                and bool((np.take(self.store.map_np, opened, axis=1) >= 0).all()))
-
     def _begin_in_place(self, page_lists: list[np.ndarray], lens: np.ndarray, counts: np.ndarray) -> bool:
         """Identity layout, every live layer-page resident, attention reading in place: the step
         needs no tables (nothing staged or fetched, writes go in place by slot); only the pages
@@ -378,9 +297,9 @@ class LayeredKVCore:
         reads residency (:class:`~sglang_ext.dataplane.decode_journal.DecodeJournal`): the step
         itself checks a few flags and records small lists. Nothing is staged. In the paged layout
         (offloading) the step starts from the last one's page lists instead of reading every
-        request's slots (:meth:`_prepare_paged_decode`) and stages as usual."""
+        request's slots (:class:`PagedDecodeStep`) and stages as usual."""
         if self.store.mirror is not None:
-            return self._prepare_paged_decode(rids, seq_lens, new_slots)
+            return self.paged_decode.prepare(rids, seq_lens, new_slots)
         if new_slots.device.type != "cpu" or new_slots.numel() != len(rids) or self.residency.has_anonymous:
             return False
         slots = new_slots.tolist()  # plain ints: one call (a NumPy call costs 5-10 us between forwards)

@@ -155,7 +155,7 @@ class PagedStepTables(StepTables):
         """The next steady decode step's tables, derived on the device from these, or None when
         that step needs a build. The caller knows the step is the same batch with one token more
         each, no page opened, these staged nothing (so fetched and wrote back nothing) and the
-        map unchanged since they were built (:meth:`LayeredKVCore._still_resident`). Tables
+        map unchanged since they were built (:meth:`PagedDecodeStep.still_resident`). Tables
         with token tables, or of a step that was not one token per request, do not advance.
         Otherwise the page tables and CSR pages are these, and each new token's row and each
         request's ``kv_lens`` / ``last_page_len`` are one more (two device ops, no upload, no
@@ -177,7 +177,7 @@ class PagedStepTables(StepTables):
         ``opened`` with their new token, or None when these tables do not advance (as
         :meth:`advanced`). The caller knows the rest is :meth:`advanced`'s case and the opened
         pages resident at every layer, the map changed since these were built in their columns
-        only (:meth:`LayeredKVCore._still_resident`). The page lists gain one column each: one
+        only (:meth:`PagedDecodeStep.still_resident`). The page lists gain one column each: one
         insert on the host, the page tables spliced on the device from these and the mirror's
         columns of the opened pages; the new tokens' rows, dirty ids and CSR are rebuilt from the
         map at the batch's last pages (``L x batch``). One upload, no host work per batch page

@@ -118,13 +118,13 @@ class ResidencyStats:
     """Batches of recorded releases and frees applied (:class:`EndedRequests`)."""
     advanced_decode_steps_total: int = 0
     """Paged steady decode steps run on the last step's tables advanced by one token (no build,
-    no upload: :meth:`LayeredKVCore._advance_paged`)."""
+    no upload: :meth:`PagedDecodeStep.advance`)."""
     opened_advances_total: int = 0
     """Paged steady decode steps that opened pages and still ran on the last step's tables,
     advanced with those pages spliced in (one upload: ``PagedStepTables.advanced_opening``)."""
     resident_builds_total: int = 0
     """Paged steady decode steps built knowing their batch resident (the host-bit pass skipped:
-    :meth:`LayeredKVCore._still_resident`)."""
+    :meth:`PagedDecodeStep.still_resident`)."""
     staged_advances_total: int = 0
     """Paged steady decode steps that stage host-only layers (a placed batch) and still ran on
     the last step's tables, advanced with the same staging pages (``PagedStepTables.advanced_staged``)."""

@@ -133,7 +133,7 @@ class PagedReadsMachine(CoreMachine):
     (FlashInfer, Triton: page tables and CSR, no token tables), with pages of 4 tokens and the
     steady-decode path always tried: steps whose map did not change but for the pages they open
     run on the last step's tables advanced by one token, staged ones with their staging again
-    (:meth:`LayeredKVCore._advance_paged`)."""
+    (:meth:`PagedDecodeStep.advance`)."""
 
     @initialize(budget=st.sampled_from([3 * BIG - 9, 2 * BIG, BIG + 6, BIG, 12]), seed=st.integers(0, 2**16))
     def setup(self, budget: int, seed: int) -> None:  # type: ignore[override]

@@ -1,4 +1,4 @@
-"""Advanced paged steps (``LayeredKVCore._advance_paged`` / ``PagedStepTables.advanced`` and
+"""Advanced paged steps (``PagedDecodeStep.advance`` / ``PagedStepTables.advanced`` and
 ``.advanced_opening``): a steady decode step in the paged layout whose batch is still resident and
 whose map did not change since the last step's tables, but for the pages its new tokens open, runs
 on those tables advanced by one token -- no build (no page opened: no upload either; pages
@@ -17,6 +17,7 @@ import torch
 
 from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
 from sglang_ext.dataplane.map_mirror import MapMirror
+from sglang_ext.dataplane.paged_decode_step import PagedDecodeStep
 from sglang_ext.dataplane.paged_step_tables import PagedStepTables
 from sglang_ext.dataplane.staging_room import StagingRoom
 from tests.dataplane.core_driver import CoreDriver, make_core
@@ -83,18 +84,19 @@ def _assert_equal_tables(got: PagedStepTables, ref: PagedStepTables, uploaded: b
 def _comparing(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, bool]]:
     """Every advance is compared with a fresh build; returns (opened, staged) per advance."""
     checked: list[tuple[bool, bool]] = []
-    original = LayeredKVCore._advance_paged
+    original = PagedDecodeStep.advance
 
-    def advance_and_compare(core: LayeredKVCore, opens: np.ndarray, *args: object) -> bool:
-        if not original(core, opens, *args):
+    def advance_and_compare(step: PagedDecodeStep, opens: np.ndarray, *args: object) -> bool:
+        if not original(step, opens, *args):
             return False
+        core = step.core
         got = core.tables
         assert isinstance(got, PagedStepTables) and core._paged_last is not None
         _assert_equal_tables(got, _fresh_build(core, got), bool(opens.size or got.staging_ids.size))
         checked.append((bool(opens.size), bool(got.staging_ids.size)))
         return True
 
-    monkeypatch.setattr(LayeredKVCore, "_advance_paged", advance_and_compare)
+    monkeypatch.setattr(PagedDecodeStep, "advance", advance_and_compare)
     return checked
 
 

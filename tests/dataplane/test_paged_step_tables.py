@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from sglang_ext.dataplane import layered_kv_core
+from sglang_ext.dataplane.paged_decode_step import PagedDecodeStep
 from sglang_ext.dataplane.paged_step_tables import PagedStepTables
 from sglang_ext.dataplane.step_tables import StepTables
 from tests.dataplane.core_driver import PAGES, CoreDriver, make_core, offload_scenario
@@ -268,6 +269,6 @@ def test_a_resident_build_of_a_batch_with_host_pages_is_caught(monkeypatch):
     """Control: a core that claims every steady step resident skips the staging of host-only
     pages; the scenario's checks fail (or the build refuses a host-only new-token page whose
     request is not staged: no staging page to write it back from)."""
-    monkeypatch.setattr(layered_kv_core.LayeredKVCore, "_still_resident", lambda self, opened: True)
+    monkeypatch.setattr(PagedDecodeStep, "still_resident", lambda self, opened: True)
     with pytest.raises((AssertionError, RuntimeError)):
         offload_scenario(CoreDriver(make_core(PAGES + 6), seed=7, fast_decode=True))

@@ -3,7 +3,7 @@
 not every layer of every page (the paged layout, as on any offloading server), and the paged
 decode backend (Triton, under the interpreter on this host), three of four decode steps open no
 page and run on the last step's tables advanced by one token (no build, no upload:
-``LayeredKVCore._advance_paged``); the fourth opens one and advances with it spliced in. Tokens
+``PagedDecodeStep.advance``); the fourth opens one and advances with it spliced in. Tokens
 and logprobs equal vanilla's (page size 1).
 
 Requests decoded two at a time with a prompt-length skew still match; the pool's stats show

@@ -1,0 +1,115 @@
+"""PagedDecodeStep: the paged layout's steady decode boundary of a :class:`LayeredKVCore`.
+
+A steady decode step (the batch of the last step, one token more each) in the paged layout --
+every offloading server's -- starts from the last step's page lists: a page is appended where a
+new token opens one, only those requests are observed, the map reconciled; then the step runs on
+the last step's tables advanced by one token (:meth:`PagedDecodeStep.advance`: resident or
+placed, when the map moved only in the opened pages' columns) or builds its tables
+(:meth:`LayeredKVCore._begin`). The state it reads and keeps is the core's (``_paged_last``,
+``_paged_tables``, the counters): it is the core's logic, split out by role.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
+
+
+class PagedDecodeStep:
+    """:meth:`LayeredKVCore.prepare_decode_step` in the paged layout (module docstring)."""
+
+    def __init__(self, core: LayeredKVCore) -> None:
+        self.core = core
+
+    def prepare(self, rids: Sequence[str], seq_lens: Sequence[int] | np.ndarray, new_slots: torch.Tensor) -> bool:
+        """:meth:`LayeredKVCore.prepare_decode_step` in the paged layout: the batch of the last
+        :meth:`LayeredKVCore.prepare_step` with one token more each. Its page lists are the last step's, plus a
+        page for each request whose new token opens one (``new_slots[i] // page_size``); only
+        those requests are observed (the others' pages did not change), then the boundary is the
+        general one (reconcile, :class:`PagedStepTables`, pipeline). O(batch) host work plus the
+        tables'; False (nothing done) when it does not apply."""
+        core = self.core
+        last = core._paged_last
+        if (last is None or new_slots.numel() != len(rids) or core.residency.has_anonymous
+                or list(rids) != last[0]):
+            return False
+        lens = [int(n) for n in seq_lens]
+        if len(lens) != len(last[1]) or any(n != p + 1 for n, p in zip(lens, last[1], strict=True)):
+            return False
+        # on a GPU this reads the step's new slots back: the boundary's one sync (the general
+        # path reads every request's slots instead); never inside a layer
+        ps, slots = core.page_size, new_slots.tolist()
+        page_lists = list(last[2])
+        opens = [i for i, n in enumerate(lens) if (n - 1) % ps == 0]  # the new token opens a page
+        if any(s % ps != (n - 1) % ps or ((n - 1) % ps and s // ps != pages[-1])
+               for s, n, pages in zip(slots, lens, page_lists, strict=True)):
+            return False  # a slot that does not continue its request: the general path decides
+        core._boundary(new_slots)
+        for i in opens:
+            pages = np.append(page_lists[i], slots[i] // ps)
+            page_lists[i] = pages
+            core.residency.observe(rids[i], torch.from_numpy(pages))
+        core._paged_last = (last[0], lens, page_lists)
+        core.decode_delta = core._reconcile()
+        new_np = np.asarray(slots, dtype=np.int64)
+        opened = new_np[opens] // ps
+        resident = self.still_resident(opened)
+        if (resident or self.map_unmoved(opened)) and self.advance(
+                np.asarray(opens, dtype=np.int64), opened, lens, resident):
+            core.paged_decode_steps += 1
+            return True
+        core.resident_builds += resident
+        core._begin(page_lists, np.asarray(lens, dtype=np.int64), np.ones(len(lens), dtype=np.int64), new_np,
+                    set(last[0]), None, None, resident=resident)
+        core.paged_decode_steps += 1
+        return True
+
+    def advance(self, opens: np.ndarray, opened: np.ndarray, lens: list[int], resident: bool) -> bool:
+        """A paged steady step, the map unmoved since the last tables but for the ``opened`` pages
+        of rows ``opens`` (checked by the caller), runs on those tables advanced by one token:
+        resident (:meth:`still_resident`), ``advanced`` (no page opened: two device ops) or
+        ``advanced_opening``; else ``advanced_staged`` (the same staging pages). False otherwise."""
+        core = self.core
+        last = core._paged_tables
+        if last is None or core.token_tables:
+            return False
+        seq = np.asarray(lens, dtype=np.int64)
+        if not resident:
+            tables = last.advanced_staged(opens, opened, seq, core.room)
+        else:
+            tables = last.advanced_opening(opens, opened, seq) if opens.size else last.advanced()
+        if tables is None:
+            return False
+        core.overflow = False
+        core.store.mark_dirty(tables.dirty_ids)
+        if opens.size:  # the opened pages hold KV from this step on (the others already did)
+            core.store.has_kv_np[tables.new_pages] = True
+        core.store.staging_pages = int(tables.staging_ids.size)
+        core.tables = core._paged_tables = tables
+        core.pipeline.begin_step(tables)
+        core.advanced_decode_steps += resident and not opens.size
+        core.opened_advances += resident and bool(opens.size)
+        core.staged_advances += not resident
+        return True
+
+    def map_unmoved(self, opened: np.ndarray) -> bool:
+        """The map changed since the last step's tables in the ``opened`` pages' columns only
+        (a paged steady step's tables may then advance)."""
+        core = self.core
+        last, mirror = core._paged_tables, core.store.mirror
+        return (last is not None and mirror is not None and mirror.syncs == last._mirror_syncs
+                and mirror.pending_within(opened))
+
+    def still_resident(self, opened: np.ndarray) -> bool:
+        """:meth:`map_unmoved`, and the step's batch (the last one's plus the ``opened`` pages)
+        has no page host-only at any layer, known without reading its host bits: the last step's
+        tables staged nothing and the opened pages are resident at every layer."""
+        core = self.core
+        return (self.map_unmoved(opened) and core._paged_tables.staging_ids.size == 0  # type: ignore[union-attr]
+                and bool((np.take(core.store.map_np, opened, axis=1) >= 0).all()))
