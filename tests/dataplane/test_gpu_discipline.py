@@ -22,17 +22,23 @@ from tests.dataplane.core_driver import LAYERS, CoreDriver, make_core
 PLACEMENT = [True, False, False]
 
 
+def _prefilled(d: CoreDriver, batch: int, tokens: int, placement: list[bool] | None = None) -> list[str]:
+    """``batch`` requests prefilled one at a time with ``tokens`` each (then given ``placement``)."""
+    rids = [f"r{i}" for i in range(batch)]
+    for rid in rids:
+        d.add(rid)
+        assert d.step([(rid, tokens)])
+    for rid in rids if placement is not None else ():
+        d.want(rid, placement)
+    return rids
+
+
 def _run(budget_extra: int | None, pages: int, batch: int) -> tuple[OpAudit, CoreDriver]:
     """Prefill ``batch`` requests, offload layers 1 and 2 of each, then one audited decode step
     and one audited extend step."""
     core = make_core(None if budget_extra is None else pages + budget_extra, pages=pages)
     d = CoreDriver(core, seed=batch)
-    rids = [f"r{i}" for i in range(batch)]
-    for rid in rids:
-        d.add(rid)
-        assert d.step([(rid, 3)])
-    for rid in rids:
-        d.want(rid, PLACEMENT)
+    rids = _prefilled(d, batch, 3, PLACEMENT)
     audit = OpAudit()
     audit_core(core, audit)
     with audit:
@@ -73,10 +79,7 @@ def test_paged_reads_and_advanced_steps_keep_layers_sync_free_and_constant():
         for batch in (1, 4, 8):
             core = make_core(min(3 * pages - 9, pages + 80), pages=pages, page_size=4)  # holds 8 x 3 pages
             d = CoreDriver(core, seed=batch, fast_decode=True, paged_reads=True)
-            rids = [f"r{i}" for i in range(batch)]
-            for rid in rids:
-                d.add(rid)
-                assert d.step([(rid, 5)])
+            rids = _prefilled(d, batch, 5)
             assert d.step([(rid, 1) for rid in rids])  # lens 6: the next three steps open no page
             audit = OpAudit()
             audit_core(core, audit)
@@ -106,12 +109,7 @@ def test_placed_steps_advanced_with_their_staging_keep_layers_sync_free_and_cons
         for batch in (1, 4, 8):
             core = make_core(min(3 * pages - 9, pages + 80), pages=pages, page_size=4)
             d = CoreDriver(core, seed=batch, fast_decode=True, paged_reads=True)
-            rids = [f"r{i}" for i in range(batch)]
-            for rid in rids:
-                d.add(rid)
-                assert d.step([(rid, 5)])
-            for rid in rids:
-                d.want(rid, PLACEMENT)
+            rids = _prefilled(d, batch, 5, PLACEMENT)
             assert d.step([(rid, 1) for rid in rids])  # the move builds this step (lens 6)
             audit = OpAudit()
             audit_core(core, audit)
