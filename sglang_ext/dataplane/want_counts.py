@@ -147,11 +147,13 @@ class WantCounts:
         else:  # repeats (requests sharing prefix pages): counted per page, no slow ufunc.at
             uniq, reps = distinct_counts(pages)
             delta = sign * reps
-        before = self.users[uniq] > 0
-        self.users[uniq] += delta
-        after = self.users[uniq] > 0
-        self._live_changed(uniq[after & ~before], 1)
-        self._live_changed(uniq[before & ~after], -1)
+        users = self.users[uniq]
+        after = users + delta
+        self.users[uniq] = after
+        if sign > 0:  # joining: pages may only gain their first user
+            self._live_changed(uniq[users == 0], 1)
+        else:  # leaving: pages may only lose their last one
+            self._live_changed(uniq[after == 0], -1)
         if paused:
             self.paused_users[uniq] += delta
         else:
