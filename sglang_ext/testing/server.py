@@ -49,6 +49,21 @@ idle scheduler blocks in ``zmq.Poller.poll`` (woken by the next request, at most
 spinning -- measured: a test session's idle module servers each burned ~50% of a core on this
 2-core host, slowing every other test."""
 
+CPU_ENV: dict[str, str] = {"OMP_NUM_THREADS": "1"}
+"""Environment of the CPU recipe, unless the caller's environment sets these. One OpenMP thread:
+with torch's default (one per core) the scheduler process keeps a second OpenMP worker spinning
+between forwards -- measured on this 2-core host, vanilla SGLang's and the layered scheduler's
+main thread and that worker each burned ~100% of a core while serving, so SGLang's tokenizer,
+detokenizer and the client were preempting the scheduler (the tiny model gains nothing from a
+second thread). The test suite sets the same default for its own reasons (``tests/conftest.py``)."""
+
+
+
+def cpu_env() -> dict[str, str]:
+    """:data:`CPU_ENV` as servers started now get it (the caller's environment wins)."""
+    return {key: os.environ.get(key, value) for key, value in CPU_ENV.items()}
+
+
 BIND_FAILURE = "error while attempting to bind on address"
 """uvicorn's log line when the port is taken (it then exits with status 3)."""
 
@@ -119,7 +134,7 @@ class SGLangServer:
             raise ServerError("server already started")
         if not self.port:
             self.port = free_port()
-        env = {**os.environ, **self.env}
+        env = {**CPU_ENV, **os.environ, **self.env}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = self.log_path.open("wb")
         self._proc = subprocess.Popen(

@@ -369,7 +369,7 @@ def _payload(
     launch: dict[str, list[str]], startup_s: dict[str, float], runs: list[PacingRun],
     load_start: tuple[float, float, float], t_start: float,
 ) -> dict[str, Any]:  # fmt: skip
-    from sglang_ext.testing.server import CPU_ARGS
+    from sglang_ext.testing.server import CPU_ARGS, cpu_env
     from sglang_ext.testing.tiny_model import TinyModelSpec
 
     def run_dict(r: PacingRun) -> dict[str, Any]:
@@ -390,6 +390,7 @@ def _payload(
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "model": f"tiny: {TinyModelSpec()} (random weights, built by sglang_ext.testing.tiny_model)",
         "cpu_args": list(CPU_ARGS),
+        "cpu_env": cpu_env(),
         "settings": {
             "slo_tbt_ms": cfg.slo_tbt_ms,
             "layered_policy": {"slo_tbt_ms": cfg.slo_tbt_ms},

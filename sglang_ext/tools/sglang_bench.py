@@ -414,7 +414,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvplane bench sglang: {exc}")
         return 2
-    from sglang_ext.testing.server import CPU_ARGS
+    from sglang_ext.testing.server import CPU_ARGS, cpu_env
     from sglang_ext.testing.tiny_model import build_tiny_model
     device = f"CPU: {_cpu_model()}"
     with tempfile.TemporaryDirectory(prefix="kvplane-bench-sglang-") as tmp:
@@ -440,6 +440,7 @@ def run(args: argparse.Namespace) -> int:
         "model": f"{args.model}: {model_spec(args.model)}",
         "baseline": BASELINE_TEXT,
         "cpu_args": list(CPU_ARGS),
+        "cpu_env": cpu_env(),
         "workload": workload_text(args.workload),
         "repeat": args.repeat,
         "instances": args.instances,

@@ -95,7 +95,7 @@ def _markdown(payload: dict[str, Any]) -> str:
         f"Date: {payload['date']}. Model: {payload['model']}. Workload: {payload['workload']} "
         f"(warm-up + {payload['repeat']} measured runs per server launch, {payload.get('instances', 1)} "
         "launch(es) per server, median of all runs).",
-        f"CPU recipe: `{' '.join(payload['cpu_args'])}`. Host: {payload['cpus']} CPUs, shared "
+        f"CPU recipe: `{' '.join(payload['cpu_args'])}`{_env_text(payload)}. Host: {payload['cpus']} CPUs, shared "
         "machine (load average recorded per configuration). Layered servers run the policy "
         f"`{json.dumps(payload['layered_policy'])}` (no SLO-driven pauses; memory-driven ones "
         "remain) and `--kv-pacing`'s default (off since issue 17; the throughput workload does not "
@@ -257,3 +257,9 @@ def overlap_schedule_of(server_info: dict[str, Any]) -> bool | None:
     server args: ``disable_overlap_schedule`` after every flag and plugin has had its say)."""
     disabled = find_key(server_info, "disable_overlap_schedule")
     return None if not isinstance(disabled, bool) else not disabled
+
+
+def _env_text(payload: dict[str, Any]) -> str:
+    """The servers' CPU-recipe environment (``cpu_env``, absent from older results)."""
+    env = payload.get("cpu_env") or {}
+    return f" with `{' '.join(f'{k}={v}' for k, v in env.items())}`" if env else ""

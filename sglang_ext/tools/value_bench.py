@@ -336,7 +336,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvplane bench value: {exc}")
         return 2
     from sglang_ext.settings import POOL_STATS_FILE_ENV, STATS_FILE_ENV
-    from sglang_ext.testing.server import CPU_ARGS, ServerError, SGLangServer
+    from sglang_ext.testing.server import CPU_ARGS, ServerError, SGLangServer, cpu_env
     from sglang_ext.testing.tiny_model import build_tiny_model
     from sglang_ext.tools.sglang_bench import _cpu_model, _slug
 
@@ -428,6 +428,7 @@ def run(args: argparse.Namespace) -> int:
         "model": model_text,
         "model_dir": model_dir_text + " (temporary: built by sglang_ext.testing.tiny_model)",
         "cpu_args": list(CPU_ARGS),
+        "cpu_env": cpu_env(),
         "budget": {
             **asdict(budget),
             "vanilla_max_total_tokens": budget.vanilla_tokens,
