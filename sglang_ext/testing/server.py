@@ -49,7 +49,7 @@ idle scheduler blocks in ``zmq.Poller.poll`` (woken by the next request, at most
 spinning -- measured: a test session's idle module servers each burned ~50% of a core on this
 2-core host, slowing every other test."""
 
-CPU_ENV: dict[str, str] = {"OMP_NUM_THREADS": "1"}
+CPU_ENV: tuple[tuple[str, str], ...] = (("OMP_NUM_THREADS", "1"),)
 """Environment of the CPU recipe, unless the caller's environment sets these. One OpenMP thread:
 with torch's default (one per core) the scheduler process keeps a second OpenMP worker spinning
 between forwards -- measured on this 2-core host, vanilla SGLang's and the layered scheduler's
@@ -61,7 +61,7 @@ second thread). The test suite sets the same default for its own reasons (``test
 
 def cpu_env() -> dict[str, str]:
     """:data:`CPU_ENV` as servers started now get it (the caller's environment wins)."""
-    return {key: os.environ.get(key, value) for key, value in CPU_ENV.items()}
+    return {key: os.environ.get(key, value) for key, value in CPU_ENV}
 
 
 BIND_FAILURE = "error while attempting to bind on address"
@@ -134,7 +134,7 @@ class SGLangServer:
             raise ServerError("server already started")
         if not self.port:
             self.port = free_port()
-        env = {**CPU_ENV, **os.environ, **self.env}
+        env = {**dict(CPU_ENV), **os.environ, **self.env}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = self.log_path.open("wb")
         self._proc = subprocess.Popen(

@@ -23,7 +23,10 @@ without decoding -- requests SGLang keeps waiting or paused-by-plan-free, as far
 concerned. A core whose per-event bookkeeping is proportional to the changed request shows
 ``finish`` and ``arrival`` flat in the number of live requests too.
 
-Per configuration: ``steady`` (a decode step of the unchanged batch), ``finish`` (a request
+Per configuration: ``steady`` (a decode step of the unchanged batch; ``boundary``: its
+``prepare_decode_step`` / ``prepare_step`` alone, less the copies it makes -- its first fetches,
+synchronous on this CPU device, asynchronous launches on a GPU -- so the boundary's host work),
+``finish`` (a request
 finishes -- ``release_request`` + ``page_freed`` -- and the next decode step runs without it),
 ``arrival`` (a new request's plan, ``update_residency``, and its prefill step) and ``join`` (the
 first decode step with the newcomer in the batch), plus ``stats`` (one ``core.stats()``, which
@@ -55,7 +58,7 @@ from sglang_ext.dataplane.slot_results import RequestResidency
 RESULTS_DIR = Path("benchmarks/results/core")
 LAYOUTS = ("identity", "paged", "paged-offload")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-PHASES = ("steady", "finish", "arrival", "join", "stats")
+PHASES = ("steady", "boundary", "finish", "arrival", "join", "stats")
 
 
 def _ints(text: str, name: str) -> list[int]:
@@ -86,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=24, help="steady steps timed per event cycle")
     parser.add_argument("--events", type=int, default=6, help="finish + arrival cycles timed")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--paged-reads", action="store_true",
+                        help="read as SGLang's paged decode backends do (FlashInfer, Triton: page tables, "
+                        "no token tables; steady steps may advance the last tables), not as torch-native")
     parser.add_argument("--out-dir", default=str(RESULTS_DIR), help="where the JSON and Markdown go")
 
 
@@ -109,6 +115,8 @@ class CoreRun:
             layers=L, page_size=ps, kv_heads=args.kv_heads, head_dim=args.head_dim,
             logical_pages=self.logical, device_pages=budget, dtype=DTYPES[args.dtype], device="cpu",
         ))
+        if args.paged_reads:  # as the layered FlashInfer / Triton backends set the core up
+            self.core.paged_reads, self.core.token_tables = True, False
         self.gpu_layers = tuple(layout != "paged-offload" or layer % 2 == 0 for layer in range(L))
         rng = np.random.default_rng(args.seed)
         self.free = list(rng.permutation(np.arange(1, self.logical)).tolist())  # page 0: padding
@@ -171,12 +179,23 @@ class CoreRun:
             n == p + 1 for n, p in zip(lens, self.last_lens, strict=True))
         requests = [(r.rid, torch.tensor(r.slots, dtype=torch.int64)) for r in self.reqs]
 
-        def step() -> None:
+        def prepare() -> None:
             if not (steady and self.core.prepare_decode_step(rids, lens, loc)):
                 self.core.prepare_step(requests, loc)
-            self._layers(loc)
 
-        self._timed(phase, step)
+        times = self.core.transfer_times  # the CPU engine's copies, timed as they run
+        copies0 = times.h2d_s + times.d2h_s
+        c0, w0 = time.thread_time(), time.perf_counter()
+        prepare()
+        c1, w1 = time.thread_time(), time.perf_counter()
+        copies = (times.h2d_s + times.d2h_s - copies0) * 1e3
+        self._layers(loc)
+        c2, w2 = time.thread_time(), time.perf_counter()
+        if phase is not None:
+            self.samples[phase].append(((c2 - c0) * 1e3, (w2 - w0) * 1e3))
+        if phase == "steady":  # the boundary's host work: without its first fetches' copies, which
+            # run synchronously on this CPU device and asynchronously on a GPU
+            self.samples["boundary"].append((max(0.0, (c1 - c0) * 1e3 - copies), max(0.0, (w1 - w0) * 1e3 - copies)))
         self.last_lens = lens
 
     def arrive(self, phase: str | None, *, idle: bool = False) -> None:
@@ -246,6 +265,8 @@ class CoreRun:
             "overflow_steps": stats.overflow_steps_total,
             "staged_steps": stats.staged_steps_total,
             "host_fraction": stats.host_fraction,
+            "advanced_steps": stats.advanced_decode_steps_total + stats.opened_advances_total
+            + stats.staged_advances_total,
         }
         for phase, samples in self.samples.items():
             row[f"{phase}_cpu_ms"] = statistics.median(s[0] for s in samples)
@@ -259,15 +280,16 @@ def _markdown(where: str, args: argparse.Namespace, rows: list[dict[str, Any]]) 
         f"Machine: {where}\n\n"
         f"Batch: {args.requests} requests x {args.tokens} tokens, {args.layers} layers, page "
         f"{args.page_size}, {args.dtype}, {args.kv_heads} KV head(s) x {args.head_dim} dims, CPU device "
-        f"(no model: the core's calls only). Paged layouts: budget {args.budget_fraction:g} of the "
+        f"(no model: the core's calls only), read {'through page tables (paged decode backends)' if args.paged_reads else 'through token tables (torch-native)'}. Paged layouts: budget {args.budget_fraction:g} of the "
         "layer-pages; `paged-offload` offloads every other layer. Live requests: the batch plus idle "
         "ones (planned, prefilled, holding their pages, not decoding). Median thread CPU time per step, ms "
         f"({args.steps} x {args.events} steady steps, {args.events} of each event); wall medians in the JSON.\n\n"
-        "| layout | live requests | pool layer-pages | steady | finish + step | arrival (plan + prefill) "
-        "| join step | stats() | full reconciles |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        "| layout | live requests | pool layer-pages | steady | its boundary | finish + step | arrival (plan + prefill) "
+        "| join step | stats() | full reconciles |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     body = "".join(
-        f"| {r['layout']} | {r['live_requests']} | {r['pool_layer_pages']:,} | {r['steady_cpu_ms']:.3f} | {r['finish_cpu_ms']:.3f} | "
+        f"| {r['layout']} | {r['live_requests']} | {r['pool_layer_pages']:,} | {r['steady_cpu_ms']:.3f} | "
+        f"{r['boundary_cpu_ms']:.3f} | {r['finish_cpu_ms']:.3f} | "
         f"{r['arrival_cpu_ms']:.3f} | {r['join_cpu_ms']:.3f} | {r['stats_cpu_ms']:.3f} | {r['full_reconciles']} |\n"
         for r in rows
     )
@@ -294,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
         where = f"{describe_device('cpu').rsplit(' (', 1)[0]}, {os.cpu_count()} cores"
         print(f"kvplane bench core on {where} ({args.requests} requests x {args.tokens} tokens, "
               f"{args.layers} layers, page {args.page_size}; median thread CPU ms per step)")
-        print(f"{'layout':>14} {'live':>5} {'layer-pages':>12} {'steady':>8} {'finish':>8} {'arrival':>8} "
+        print(f"{'layout':>14} {'live':>5} {'layer-pages':>12} {'steady':>8} {'bound.':>8} {'finish':>8} {'arrival':>8} "
               f"{'join':>8} {'stats':>8} {'full':>5}")
         rows = []
         for layout in layouts:
@@ -302,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
                 r = CoreRun(args, pool, layout, live).run()
                 rows.append(r)
                 print(f"{layout:>14} {live:>5} {r['pool_layer_pages']:>12,} {r['steady_cpu_ms']:>8.3f} "
-                      f"{r['finish_cpu_ms']:>8.3f} {r['arrival_cpu_ms']:>8.3f} {r['join_cpu_ms']:>8.3f} "
+                      f"{r['boundary_cpu_ms']:>8.3f} {r['finish_cpu_ms']:>8.3f} {r['arrival_cpu_ms']:>8.3f} {r['join_cpu_ms']:>8.3f} "
                       f"{r['stats_cpu_ms']:>8.3f} {r['full_reconciles']:>5}")
     finally:
         torch.set_num_threads(threads)

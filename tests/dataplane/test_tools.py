@@ -47,9 +47,24 @@ def test_bench_core_tiny_cpu_run(tmp_path, capsys):
         assert r["full_reconciles"] >= 2  # the finishes
     offload = [r for r in rows if r["layout"] == "paged-offload"]
     assert all(r["staged_steps"] > 0 and r["host_fraction"] > 0 for r in offload)
+    assert all(r["advanced_steps"] == 0 for r in rows)  # torch-native reads: token tables every step
     md = path.with_suffix(".md").read_text()
-    assert body["machine"] in md and md.count("| paged-offload |") == 2
+    assert body["machine"] in md and md.count("| paged-offload |") == 2 and "token tables" in md
     assert "kvplane bench core on CPU" in capsys.readouterr().out
+
+
+def test_bench_core_paged_reads_advance_the_paged_steps(tmp_path):
+    """``--paged-reads`` (as the FlashInfer / Triton backends read): the paged layouts' steady
+    steps run on advanced tables, the offloading ones with their staging; the boundary is timed
+    apart from the step."""
+    argv = ["bench", "core", "--pool-sizes", "4000", "--requests", "2", "--tokens", "40", "--steps", "4",
+            "--events", "1", "--layouts", "paged,paged-offload", "--paged-reads", "--out-dir", str(tmp_path)]
+    assert main(argv) == 0
+    [path] = tmp_path.glob("core-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["layout"] for r in rows] == ["paged", "paged-offload"]
+    assert all(r["advanced_steps"] > 0 and 0 <= r["boundary_cpu_ms"] <= r["steady_cpu_ms"] for r in rows)
+    assert rows[1]["staged_steps"] > 0 and "page tables" in path.with_suffix(".md").read_text()
 
 
 def test_bench_attention_cpu_runs_on_the_served_core(tmp_path):
