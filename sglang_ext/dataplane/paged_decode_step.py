@@ -59,8 +59,9 @@ class PagedDecodeStep:
         core.decode_delta = core._reconcile()
         new_np = np.asarray(slots, dtype=np.int64)
         opened = new_np[opens] // ps
-        resident = self.still_resident(opened)
-        if (resident or self.map_unmoved(opened)) and self.advance(
+        unmoved = self.map_unmoved(opened)
+        resident = self.still_resident(opened, unmoved)
+        if (resident or unmoved) and self.advance(
                 np.asarray(opens, dtype=np.int64), opened, lens, resident):
             core.paged_decode_steps += 1
             return True
@@ -106,10 +107,11 @@ class PagedDecodeStep:
         return (last is not None and mirror is not None and mirror.syncs == last._mirror_syncs
                 and mirror.pending_within(opened))
 
-    def still_resident(self, opened: np.ndarray) -> bool:
-        """:meth:`map_unmoved`, and the step's batch (the last one's plus the ``opened`` pages)
-        has no page host-only at any layer, known without reading its host bits: the last step's
-        tables staged nothing and the opened pages are resident at every layer."""
+    def still_resident(self, opened: np.ndarray, unmoved: bool) -> bool:
+        """``unmoved`` (:meth:`map_unmoved` of ``opened``), and the step's batch (the last one's
+        plus the ``opened`` pages) has no page host-only at any layer, known without reading its
+        host bits: the last step's tables staged nothing and the opened pages are resident at
+        every layer."""
         core = self.core
-        return (self.map_unmoved(opened) and core._paged_tables.staging_ids.size == 0  # type: ignore[union-attr]
+        return (unmoved and core._paged_tables.staging_ids.size == 0  # type: ignore[union-attr]
                 and bool((np.take(core.store.map_np, opened, axis=1) >= 0).all()))

@@ -76,7 +76,8 @@ class PagedStepTables(StepTables):
                 return
             self.staging_ids = ids
             self._stage_pos = np.flatnonzero(need_cols)
-            """The column of each of ``staging_ids`` (an advance keeps them in this order)."""
+            """The column of each of ``staging_ids``, in that order (ascending after a build, not
+            after an advance: the opened pages' staging comes last)."""
             stage_col = np.full(n, -1, dtype=np.int64)
             stage_col[need_cols] = ids
         self._stage_np, self._starts_np, self._counts_np = stage_col, starts, counts

@@ -24,9 +24,11 @@ concerned. A core whose per-event bookkeeping is proportional to the changed req
 ``finish`` and ``arrival`` flat in the number of live requests too.
 
 Per configuration: ``steady`` (a decode step of the unchanged batch; ``boundary``: its
-``prepare_decode_step`` / ``prepare_step`` alone, less the copies it makes -- its first fetches,
-synchronous on this CPU device, asynchronous launches on a GPU -- so the boundary's host work),
-``finish`` (a request
+``prepare_decode_step`` / ``prepare_step`` alone, less the wall time of the copies it makes --
+its first fetches, and any write-back or moves -- which run synchronously on this CPU device and
+as asynchronous launches on a GPU. Approximate: the copies' wall time may include preemption,
+and on the CPU engine the fetched pages are worked out on the host, which the GPU's fetch kernel
+does on the device), ``finish`` (a request
 finishes -- ``release_request`` + ``page_freed`` -- and the next decode step runs without it),
 ``arrival`` (a new request's plan, ``update_residency``, and its prefill step) and ``join`` (the
 first decode step with the newcomer in the batch), plus ``stats`` (one ``core.stats()``, which
@@ -193,8 +195,8 @@ class CoreRun:
         c2, w2 = time.thread_time(), time.perf_counter()
         if phase is not None:
             self.samples[phase].append(((c2 - c0) * 1e3, (w2 - w0) * 1e3))
-        if phase == "steady":  # the boundary's host work: without its first fetches' copies, which
-            # run synchronously on this CPU device and asynchronously on a GPU
+        if phase == "steady":  # the boundary's host work, approximately: without the copies it
+            # made (synchronous on this CPU device, asynchronous on a GPU; module docstring)
             self.samples["boundary"].append((max(0.0, (c1 - c0) * 1e3 - copies), max(0.0, (w1 - w0) * 1e3 - copies)))
         self.last_lens = lens
 

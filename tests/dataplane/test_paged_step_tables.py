@@ -269,6 +269,6 @@ def test_a_resident_build_of_a_batch_with_host_pages_is_caught(monkeypatch):
     """Control: a core that claims every steady step resident skips the staging of host-only
     pages; the scenario's checks fail (or the build refuses a host-only new-token page whose
     request is not staged: no staging page to write it back from)."""
-    monkeypatch.setattr(PagedDecodeStep, "still_resident", lambda self, opened: True)
+    monkeypatch.setattr(PagedDecodeStep, "still_resident", lambda self, opened, unmoved: True)
     with pytest.raises((AssertionError, RuntimeError)):
         offload_scenario(CoreDriver(make_core(PAGES + 6), seed=7, fast_decode=True))
