@@ -104,8 +104,10 @@ def test_flashinfer_decode_over_the_step_tables_matches_dense():
 def test_cuda_advanced_paged_steps_bit_exact():
     """Paged steady decode steps on CUDA read through the page tables and CSR (as FlashInfer and
     the Triton kernel do): resident steps advance the last step's tables on the device (rows and
-    lengths + 1; the pages a step opens spliced into the page tables), steps after a placement
-    change build and stage; every read inside a step and at rest equals the shadow bit for bit."""
+    lengths + 1; the pages a step opens spliced into the page tables); the step after a placement
+    change builds and stages, the placed steps after it advance with their staging (the fetch
+    kernel reading the advanced upload's request ids and columns); every read inside a step and
+    at rest equals the shadow bit for bit."""
     core = make_core(34, device="cuda", page_size=4, pages=24)
     assert not core.store.identity
     d = CoreDriver(core, seed=9, fast_decode=True, paged_reads=True)
@@ -117,9 +119,9 @@ def test_cuda_advanced_paged_steps_bit_exact():
     advanced = core.advanced_decode_steps
     assert advanced > 0 and core.opened_advances > 0  # 2 and 3 on the CPU with these draws
     d.want("a", [True, False, True])
-    for _ in range(3):
+    for _ in range(6):
         d.step([("a", 1), ("b", 1)])
-    assert core.advanced_decode_steps == advanced  # staged steps build
+    assert core.advanced_decode_steps == advanced and core.staged_advances == 5  # 5 on the CPU too
     d.want("a", [True] * LAYERS)
     for _ in range(6):
         d.step([("a", 1), ("b", 1)])
