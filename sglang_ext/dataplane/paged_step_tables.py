@@ -104,8 +104,7 @@ class PagedStepTables(StepTables):
         self._token_parts(token_tables, seq_lens, starts, ps, offset, int64_parts)
         head = [flat] if stage_col is None else [flat, stage_col, starts, counts, self._fetch_launches(
             mirror, flat, counts, starts, staged_req, host_req, trigger, 2 * n + 2 * b)]
-        self.fetch_layer_pages = sum(f.segments for f in self.fetches) // 2
-        self.writeback_layer_pages = sum(w.segments for w in self.writebacks if w is not None) // 2
+        self._count_launched()
         self._upload(store, int64_parts, head, counts, seq_lens, ps)
         self._b = b
         page_idx = self.i32[:n]
@@ -140,6 +139,34 @@ class PagedStepTables(StepTables):
             self.writebacks[layer] = Launch(layer, layer, offset + 4 * s, 2 * k)
         int64_parts.append(out)
         return offset + 4 * n
+
+    def _count_launched(self) -> None:
+        """The layer-pages the fetch and write-back launches move (for the pipeline's accounts)."""
+        self.fetch_layer_pages = sum(f.segments for f in self.fetches) // 2
+        self.writeback_layer_pages = sum(w.segments for w in self.writebacks if w is not None) // 2
+
+    def _opened_columns(self, opens: np.ndarray, opened: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The page lists with batch rows ``opens`` (ascending) one page longer (``opened``, each
+        after its request's last): ``(counts, ends, flat, starts, lastcol)`` -- pages per request,
+        where each opened page goes in the old columns, every page, each request's first column
+        and the column of its new token."""
+        counts = self._counts_np.copy()
+        counts[opens] += 1
+        ends = self._starts_np[opens] + self._counts_np[opens]
+        flat = np.insert(self.pages, ends, opened)
+        starts = np.cumsum(counts) - counts
+        return counts, ends, flat, starts, starts + counts - 1
+
+    def _opened_successor(self, flat: np.ndarray, starts: np.ndarray, counts: np.ndarray, last: np.ndarray,
+                          seq_lens: np.ndarray) -> PagedStepTables:
+        """:meth:`_successor` over the new page lists, the mirror synced, ``last`` the new pages."""
+        store, mirror = self._store, self._store.mirror
+        assert mirror is not None
+        nxt = self._successor()
+        nxt.pages, nxt._n, nxt._starts_np, nxt._counts_np = flat, int(flat.size), starts, counts
+        nxt._mirror_syncs, nxt._width = _sync_mirror(store, mirror), int(seq_lens.max())
+        nxt.new_pages = last
+        return nxt
 
     @property
     def _advances(self) -> bool:
@@ -189,17 +216,10 @@ class PagedStepTables(StepTables):
         store, mirror = self._store, self._store.mirror
         assert mirror is not None
         layers, ps, b = store.config.layers, store.config.page_size, self._b
-        counts = self._counts_np.copy()
-        counts[opens] += 1
-        ends = self._starts_np[opens] + self._counts_np[opens]  # where each opened page goes
-        flat = np.insert(self.pages, ends, opened)
-        starts = np.cumsum(counts) - counts
-        last = flat[starts + counts - 1]  # the page of each request's new token
+        counts, ends, flat, starts, lastcol = self._opened_columns(opens, opened)
+        last = flat[lastcol]  # the page of each request's new token
         rows = np.take(store.map_np, last, axis=1).astype(np.int64) * ps + ((seq_lens - 1) % ps)[None, :]
-        nxt = self._successor()
-        nxt.pages, nxt._n, nxt._starts_np, nxt._counts_np = flat, int(flat.size), starts, counts
-        nxt._mirror_syncs, nxt._width = _sync_mirror(store, mirror), int(seq_lens.max())
-        nxt.new_pages = last
+        nxt = self._opened_successor(flat, starts, counts, last, seq_lens)
         nxt.dirty_ids = store.identity_ids(last).reshape(-1)
         nxt._upload(store, [rows.reshape(-1)], [opened], counts, seq_lens, ps)
         k = int(opened.size)
@@ -224,18 +244,20 @@ class PagedStepTables(StepTables):
         -- provided each opened page is host-only only at layers where its request already was
         (else None) -- and the staging pages are these again (``room.retake``: as
         :meth:`LayerPipeline.end_step` gave them back, but for those the boundary's placement of
-        the opened pages took meanwhile, replaced), plus one per opened page of a staged request. Rebuilt: the page lists (one insert), the fetches' sizes, the
-        new tokens' rows, write-backs and dirty ids (``L x batch``), one upload and the page
-        tables' gather on the device; not the pass over every page's host bits a build makes."""
+        the opened pages took meanwhile, replaced), plus one per opened page of a staged request.
+        Rebuilt: the page lists (one insert), the fetches' sizes, the new tokens' rows,
+        write-backs and dirty ids (``L x batch``), one upload and the page tables' gather on the
+        device; not the pass over every page's host bits a build makes."""
         if not self._advances or not self.staging_ids.size:
             return None
         store, mirror = self._store, self._store.mirror
         assert mirror is not None
         layers, ps, b = store.config.layers, store.config.page_size, self._b
         host_new = np.take(store.map_np, opened, axis=1) < 0  # [L, k]
-        if opened.size and (host_new & ~self._host_req[:, opens]).any():
+        host_req = self._host_req[:, opens]
+        if opened.size and (host_new & ~host_req).any():
             return None  # a new host-only (layer, request): new fetch groups
-        stage_new = self._host_req[:, opens].any(axis=0)  # opened pages of staged requests
+        stage_new = host_req.any(axis=0)  # opened pages of staged requests
         old = self.staging_ids
         kept = room.retake(old)  # those the boundary's placements did not take meanwhile
         more = room.take(old.size - kept + int(stage_new.sum()))
@@ -246,27 +268,20 @@ class PagedStepTables(StepTables):
         if kept < old.size:  # the columns whose staging page was taken get new ones
             stage_col = stage_col.copy()
             stage_col[self._stage_pos[kept:]] = more[: old.size - kept]
-        counts = self._counts_np.copy()
-        counts[opens] += 1
-        ends = self._starts_np[opens] + self._counts_np[opens]  # where each opened page goes
+        counts, ends, flat, starts, lastcol = self._opened_columns(opens, opened)
         values = np.full(opened.size, -1, dtype=np.int64)
         values[stage_new] = more[old.size - kept:]
-        flat = np.insert(self.pages, ends, opened)
         stage_col = np.insert(stage_col, ends, values)
-        starts = np.cumsum(counts) - counts
-        lastcol = starts + counts - 1
         last, last_stage = flat[lastcol], stage_col[lastcol]
         new_map = np.take(store.map_np, last, axis=1).astype(np.int64)
         u_host = new_map < 0
         rows = np.where(u_host, last_stage[None, :], new_map) * ps + ((seq_lens - 1) % ps)[None, :]
-        nxt = self._successor()
+        nxt = self._opened_successor(flat, starts, counts, last, seq_lens)
         n = int(flat.size)
-        nxt.pages, nxt._n, nxt._starts_np, nxt._counts_np, nxt._stage_np = flat, n, starts, counts, stage_col
+        nxt._stage_np = stage_col
         nxt.staging_ids = np.concatenate([old[:kept], more])
         nxt._stage_pos = np.concatenate([self._stage_pos + np.searchsorted(ends, self._stage_pos, side="right"),
                                          (ends + np.arange(ends.size))[stage_new]])
-        nxt._mirror_syncs, nxt._width = _sync_mirror(store, mirror), int(seq_lens.max())
-        nxt.new_pages = last
         nxt.dirty_ids = store.identity_ids(last)[~u_host]
         nxt.writebacks = [None] * layers
         int64_parts: list[np.ndarray] = [rows.reshape(-1)]
@@ -278,8 +293,7 @@ class PagedStepTables(StepTables):
             a, _, pair_l = self._groups
             pages = pages + np.add.reduceat(add[pair_l, self._reqs_np], a)
         nxt._emit_fetches(pages, counts, self._reqs_np, 2 * n + 2 * b)
-        nxt.fetch_layer_pages = sum(f.segments for f in nxt.fetches) // 2
-        nxt.writeback_layer_pages = sum(w.segments for w in nxt.writebacks if w is not None) // 2
+        nxt._count_launched()
         head = [flat, stage_col, starts, counts, self._reqs_np]
         nxt._upload(store, int64_parts, head, counts, seq_lens, ps)
         tab = mirror.dev.index_select(1, nxt.i32[:n])

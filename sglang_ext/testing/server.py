@@ -58,7 +58,6 @@ detokenizer and the client were preempting the scheduler (the tiny model gains n
 second thread). The test suite sets the same default for its own reasons (``tests/conftest.py``)."""
 
 
-
 def cpu_env() -> dict[str, str]:
     """:data:`CPU_ENV` as servers started now get it (the caller's environment wins)."""
     return {key: os.environ.get(key, value) for key, value in CPU_ENV}
