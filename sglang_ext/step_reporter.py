@@ -53,6 +53,10 @@ class StepReporter:
         self.report_interval = report_interval
         self._t0 = time.monotonic() if t0 is None else t0
         self._first_seen_ms: dict[str, float] = {}
+        self._fixed: dict[str, tuple[Any, int, int | None, float | None]] = {}
+        """Per running request, what a report reads of it that never changes: ``(req, prompt
+        tokens, max_new_tokens, own TBT SLO)`` (the request object guards against a reused rid;
+        entries of requests no longer reported are dropped, :meth:`_report`)."""
         # coalescing state (see _coalesce)
         self._decode_ms = 0.0
         self._decode_steps = 0
@@ -130,14 +134,24 @@ class StepReporter:
     def _report(self, batch: Any, step: int, finished: tuple[str, ...], step_ms: float | None) -> StepReport:
         s = self.scheduler
         chunked = getattr(s, "chunked_req", None)
+        pauser = self.pauser
+        paused_any = len(pauser) > 0
         seen: dict[str, RequestState] = {}
-        live = [*getattr(s.running_batch, "reqs", ()), *batch.reqs]
+        running = getattr(s.running_batch, "reqs", ())
+        # steady decode runs the running batch itself: its requests once, not twice
+        live = batch.reqs if running is batch.reqs else [*running, *batch.reqs]
+        state = self._state
         for req in live:
-            if req.rid in seen or req.finished() or req is chunked or req.rid in self.pauser:
+            rid = req.rid
+            if rid in seen or req.finished() or req is chunked or (paused_any and rid in pauser):
                 continue
-            seen[req.rid] = self._state(req, paused=False)
-        for parked in self.pauser.parked():
-            seen[parked.req.rid] = self._state(parked.req, paused=True)
+            seen[rid] = state(req, False)
+        if paused_any:
+            for parked in pauser.parked():
+                seen[parked.req.rid] = state(parked.req, True)
+        fixed = self._fixed
+        if len(fixed) > len(seen):  # requests gone since: forget what was read of them
+            self._fixed = {rid: fixed[rid] for rid in seen if rid in fixed}
         now = self._now_ms()
         queued = []
         if s.waiting_queue or self._first_seen_ms:
@@ -158,21 +172,19 @@ class StepReporter:
             free_gpu_blocks=self._free_blocks(),
         )
 
-    def _state(self, req: Any, *, paused: bool) -> RequestState:
-        gpu = None
-        if self.installer.layered:
-            gpu = self.installer.gpu_layer_count(req.rid) if not paused else 0
-        max_new = getattr(req.sampling_params, "max_new_tokens", None)
+    def _state(self, req: Any, paused: bool) -> RequestState:
+        rid = req.rid
+        fixed = self._fixed.get(rid)
+        if fixed is None or fixed[0] is not req:
+            max_new = getattr(req.sampling_params, "max_new_tokens", None)
+            fixed = self._fixed[rid] = (req, len(req.origin_input_ids), int(max_new) if max_new else None,
+                                        request_slo(req))
+        installer = self.installer
+        gpu = (0 if paused else installer.gpu_layer_count(rid)) if installer.layered else None
         out = len(req.output_ids)
-        return RequestState(
-            id=req.rid,
-            context_tokens=max(1, len(req.origin_input_ids) + out),
-            generated_tokens=out,
-            paused=paused,
-            gpu_layers=gpu,
-            max_new_tokens=int(max_new) if max_new else None,
-            slo_tbt_ms=request_slo(req),
-        )
+        # positional, in RequestState's field order: id, context, generated, SLO, paused, GPU
+        # layers, max_new_tokens (a report builds one per running request)
+        return RequestState(rid, max(1, fixed[1] + out), out, fixed[3], paused, gpu, fixed[2])
 
     def _free_blocks(self) -> int | None:
         if self.installer.layered and hasattr(self.pool, "free_device_pages"):

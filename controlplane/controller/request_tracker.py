@@ -97,26 +97,34 @@ class RequestTracker:
         return out
 
     def ingest(self, report: StepReport, default_slo_tbt_ms: float) -> BatchEvents:
-        """Apply one report: arrivals, finishes, progress, deposits, worker-made pause changes."""
+        """Apply one report: arrivals, finishes, progress, deposits, worker-made pause changes.
+
+        Runs on every report the worker sends (every few steps): one validation pass, then one
+        pass that touches each running request's record once."""
         now = report.now_ms
-        seen: set[str] = set()
+        requests = self._requests
+        awaiting = self._awaiting_flag
         arrived: list[str] = []
         worker_paused: list[str] = []
         worker_resumed: list[str] = []
         generated: dict[str, int] = {}
-        finished = [rid for rid in dict.fromkeys(report.finished) if rid in self._requests]
-        self._check(report)  # validate everything before changing anything
+        ended = set(report.finished)
+        finished = [rid for rid in dict.fromkeys(report.finished) if rid in requests] if ended else []
+        seen = self._check(report)  # validate everything before changing anything
         for rs in report.running:
-            seen.add(rs.id)
-            if rs.id in report.finished:
+            rid = rs.id
+            if ended and rid in ended:
                 continue
             slo = rs.slo_tbt_ms if rs.slo_tbt_ms is not None else default_slo_tbt_ms
-            tracked = self._requests.get(rs.id)
-            if tracked is None:
+            known = requests.get(rid)
+            new = known is None
+            if known is not None:
+                tracked = known
+            else:
                 # Tokens generated before the controller saw the request were delivered by the
                 # worker already; pacing continues from now (and costs O(1), not O(tokens)).
-                tracked = TrackedRequest(
-                    id=rs.id,
+                tracked = requests[rid] = TrackedRequest(
+                    id=rid,
                     context_tokens=rs.context_tokens,
                     generated_tokens=rs.generated_tokens,
                     own_slo_tbt_ms=rs.slo_tbt_ms,
@@ -130,8 +138,7 @@ class RequestTracker:
                         last_delivery_ms=now if rs.generated_tokens else None,
                     ),
                 )
-                self._requests[rs.id] = tracked
-                arrived.append(rs.id)
+                arrived.append(rid)
                 if rs.paused:
                     tracked.paused_since_step = report.step
                     tracked.pause_reason = "worker"
@@ -139,46 +146,52 @@ class RequestTracker:
             tracked.context_tokens = rs.context_tokens
             tracked.gpu_layers = rs.gpu_layers
             tracked.max_new_tokens = rs.max_new_tokens
-            if tracked.deposit.slo_tbt_ms != slo:
-                tracked.deposit.set_slo(slo)
+            deposit = tracked.deposit
+            if deposit.slo_tbt_ms != slo:
+                deposit.set_slo(slo)
             if delta:
-                tracked.deposit.generate(now, delta, deliveries=False)
+                deposit.generate(now, delta, deliveries=False)
                 tracked.generated_tokens = rs.generated_tokens
                 tracked.last_token_ms = now
-                generated[rs.id] = delta
+                generated[rid] = delta
             else:
-                tracked.deposit.advance(now, deliveries=False)
+                deposit.advance(now, deliveries=False)
             # Reconcile the worker's pause flag with the controller's state.
-            want = self._awaiting_flag.get(rs.id)
+            want = awaiting.get(rid) if awaiting else None
             if want is not None:
                 if rs.paused == want:
-                    del self._awaiting_flag[rs.id]
-            elif rs.id not in arrived and rs.paused != tracked.paused:
+                    del awaiting[rid]
+            elif not new and rs.paused != (tracked.paused_since_step is not None):
                 if rs.paused:
                     tracked.paused_since_step = report.step
                     tracked.pause_reason = "worker"
-                    worker_paused.append(rs.id)
+                    worker_paused.append(rid)
                 else:
                     tracked.paused_since_step = None
                     tracked.run_since_ms = now
-                    worker_resumed.append(rs.id)
+                    worker_resumed.append(rid)
         # A request that vanished without a finish notice is gone all the same.
-        finished.extend(rid for rid in self._requests if rid not in seen and rid not in finished)
+        if not requests.keys() <= seen:
+            listed = set(finished)
+            finished.extend(rid for rid in requests if rid not in seen and rid not in listed)
         for rid in finished:
-            gone = self._requests.pop(rid)
+            gone = requests.pop(rid)
             gone.deposit.finish(now, deliveries=False)
-            self._awaiting_flag.pop(rid, None)
+            awaiting.pop(rid, None)
         return BatchEvents(
             tuple(arrived), tuple(finished), tuple(worker_paused), tuple(worker_resumed), generated
         )
 
-    def _check(self, report: StepReport) -> None:
+    def _check(self, report: StepReport) -> set[str]:
+        """Validate ``report``'s running requests; returns their ids."""
         seen: set[str] = set()
+        ended = report.finished
+        requests = self._requests
         for i, rs in enumerate(report.running):
             if rs.id in seen:
                 raise InvalidArgument(f"running[{i}].id: duplicate request id {rs.id!r}")
             seen.add(rs.id)
-            if rs.id in report.finished:
+            if ended and rs.id in ended:
                 continue
             if rs.context_tokens < 1:
                 raise InvalidArgument(
@@ -193,12 +206,13 @@ class RequestTracker:
                 raise InvalidArgument(
                     f"running[{i}].slo_tbt_ms: {rs.slo_tbt_ms} is out of range (allowed > 0)"
                 )
-            tracked = self._requests.get(rs.id)
+            tracked = requests.get(rs.id)
             if tracked is not None and rs.generated_tokens < tracked.generated_tokens:
                 raise InvalidArgument(
                     f"running[{i}].generated_tokens: {rs.generated_tokens} is below the "
                     f"{tracked.generated_tokens} reported before (must not decrease)"
                 )
+        return seen
 
     def pause(self, request_id: str, step: int, reason: str) -> bool:
         """Mark paused by a decision; False when unknown or already paused."""

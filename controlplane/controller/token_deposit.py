@@ -147,18 +147,16 @@ class TokenDeposit:
         if self._finished:
             raise ValueError("generate: the request already finished")
         self._tick(now_ms)
-        out = self._deliver_due(now_ms, deliveries) if self._pending else []
-        if n:
+        pending = self._pending
+        if n:  # the new tokens queue behind the deposited ones: one pass delivers what is due
             gen_ms = float(now_ms)
-            pending = self._pending
             if pending and pending[-1][0] == gen_ms:
                 pending[-1][1] += n
             else:
                 pending.append([gen_ms, n])
             self._generated += n
             self._balance += n
-            out.extend(self._deliver_due(now_ms, deliveries))
-        return out
+        return self._deliver_due(now_ms, deliveries) if pending else []
 
     def finish(self, now_ms: float, *, deliveries: bool = True) -> list[Delivery]:
         """The request finished at ``now_ms``: deliver what is due, then burst the remainder

@@ -150,6 +150,35 @@ def test_queued_requests_are_reported_with_their_first_seen_time() -> None:
     assert second.free_gpu_blocks == 10 * LAYERS
 
 
+def test_report_reads_each_requests_fixed_fields_once_and_follows_a_reused_rid() -> None:
+    """A report's per-request state: context and generated tokens read every report; the prompt
+    length, max_new_tokens and the request's own SLO read once per request object -- a new
+    request under a finished one's rid is read afresh, and entries of requests gone are dropped."""
+    client, inbox = FakeClient(), DecisionInbox()
+    rep = reporter(client, inbox, scheduler(), interval=1)
+    a, b = req("a"), req("b")
+    batch = SimpleNamespace(reqs=[a, b])
+    rep.end_step(batch, step=1, finished=(), is_decode=True, step_ms=1.0, layer_ms=None, build_always=False)
+    a.output_ids.append(5)
+    a.sampling_params.max_new_tokens = 99  # never changes in SGLang: shows the value is kept
+    rep.end_step(batch, step=2, finished=(), is_decode=True, step_ms=1.0, layer_ms=None, build_always=False)
+    first, second = client.reports
+    assert [(r.id, r.context_tokens, r.generated_tokens, r.max_new_tokens) for r in first.running] == [
+        ("a", 4, 1, 8), ("b", 4, 1, 8)]
+    assert [(r.id, r.context_tokens, r.generated_tokens, r.max_new_tokens) for r in second.running] == [
+        ("a", 5, 2, 8), ("b", 4, 1, 8)]
+    # "b" finishes; a new request reuses the rid "a" with another prompt, limit and SLO
+    again = req("a")
+    again.origin_input_ids = [1] * 10
+    again.sampling_params = SimpleNamespace(max_new_tokens=3, custom_params={"kvplane_slo_tbt_ms": 40.0})
+    rep.end_step(SimpleNamespace(reqs=[again]), step=3, finished=("a", "b"), is_decode=True, step_ms=1.0,
+                 layer_ms=None, build_always=False)
+    third = client.reports[-1]
+    assert [(r.id, r.context_tokens, r.max_new_tokens, r.slo_tbt_ms) for r in third.running] == [
+        ("a", 11, 3, 40.0)]
+    assert list(rep._fixed) == ["a"] and rep._fixed["a"][0] is again  # "b" forgotten
+
+
 def test_stats_line_holds_the_step_and_the_boundary_record(tmp_path: Path) -> None:
     """One JSON line per step with the report's requests and what the boundary did."""
     client, inbox = FakeClient(), DecisionInbox()
