@@ -29,21 +29,29 @@ def cut_freed_pages(requests: dict[str, TrackedRequest], counts: WantCounts, fre
     if not rids:
         return
     arrays = [requests[rid].pages.numpy() for rid in rids]
-    hit = counts.members(np.concatenate(arrays), freed)
+    joined = np.concatenate(arrays)
+    hit = counts.members(joined, freed)
     sizes = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
     starts = np.cumsum(sizes) - sizes
-    held = np.logical_or.reduceat(hit, starts)  # no empty segment: every request has pages
-    for i in np.flatnonzero(held).tolist():
-        rid, pages = rids[i], arrays[i]
+    cut = np.add.reduceat(hit, starts, dtype=np.int64)  # no empty segment: every request has pages
+    held = np.flatnonzero(cut).tolist()
+    # every holder's kept and cut pages in two gathers and two splits, not two per holder
+    # (a prefill's duplicate frees hit most requests of the batch)
+    kept_sizes = sizes - cut
+    kept = np.split(joined[~hit], np.cumsum(kept_sizes)[:-1])
+    gone = np.split(joined[hit], np.cumsum(cut)[:-1])
+    leaving: list[tuple[TrackedRequest, np.ndarray]] = []
+    for i in held:
+        rid = rids[i]
         req = requests[rid]
-        keep = ~hit[starts[i]: starts[i] + sizes[i]]
-        if not keep.any():
+        if not kept_sizes[i]:
             counts.track(req, -1)
             del requests[rid]  # holds no KV any more: finished or aborted
         elif req.uncached:  # the prefix's wants shift with it: leave and rejoin
             counts.track(req, -1)
-            req.pages = torch.from_numpy(pages[keep])
+            req.pages = torch.from_numpy(kept[i])
             counts.track(req, 1)
         else:
-            counts.track_removed(req, pages[~keep])
-            req.pages = torch.from_numpy(pages[keep])
+            leaving.append((req, gone[i]))
+            req.pages = torch.from_numpy(kept[i])
+    counts.track_removed_many(leaving)

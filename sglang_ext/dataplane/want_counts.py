@@ -132,6 +132,19 @@ class WantCounts:
         self.add(removed, req.gpu_layers, req.paused, -1)
         self._requests_moved(0, int(removed.size), req.paused, all(req.gpu_layers), -1)
 
+    def track_removed_many(self, cuts: Sequence[tuple[TrackedRequest, np.ndarray]]) -> None:
+        """:meth:`track_removed` of several requests (``(request, its cut pages)``; none with an
+        uncached prefix), one pass per distinct (wants, pause state), as :meth:`track_many`."""
+        groups: dict[tuple[bool, tuple[bool, ...]], list[np.ndarray]] = {}
+        for req, removed in cuts:
+            if req.uncached:
+                raise ValueError("track_removed: a request with an uncached prefix leaves and rejoins")
+            groups.setdefault((req.paused, tuple(req.gpu_layers)), []).append(removed)
+        for (paused, layers), group in groups.items():
+            pages = group[0] if len(group) == 1 else np.concatenate(group)
+            self.add(pages, layers, paused, -1)
+            self._requests_moved(0, int(pages.size), paused, all(layers), -1)
+
     # ----- want changes -------------------------------------------------------------------
 
     def add(self, pages: np.ndarray, gpu_layers: Sequence[bool], paused: bool, sign: int) -> None:

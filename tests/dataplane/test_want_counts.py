@@ -154,18 +154,19 @@ def test_a_holder_keeping_pages_leaves_the_counts_for_the_cut_ones_only(monkeypa
     what the recount above checks; with it skipping the user counts the recount fails."""
     d, shared = _shared_core()
     res = d.core.residency
-    real = res.counts.track_removed
-    called: list[int] = []
+    real = res.counts.track_removed_many
+    called: list[list[int]] = []
 
-    def track_removed(req, removed):  # noqa: ANN001, ANN202
-        called.append(int(removed.size))
-        real(req, removed)
-        np.add.at(res.counts.users, removed, 1)  # the defect: users not decremented
+    def track_removed_many(cuts):  # noqa: ANN001, ANN202
+        called.append([int(removed.size) for _, removed in cuts])
+        real(cuts)
+        for _, removed in cuts:
+            np.add.at(res.counts.users, removed, 1)  # the defect: users not decremented
 
-    monkeypatch.setattr(res.counts, "track_removed", track_removed)
+    monkeypatch.setattr(res.counts, "track_removed_many", track_removed_many)
     d.core.page_freed(shared)
     d.core.settle()
-    assert called == [len(shared), len(shared)]  # both holders keep other pages: the cheap path
+    assert called == [[len(shared), len(shared)]]  # both holders keep other pages: the cheap path, one call
     with pytest.raises(AssertionError):
         recount(res)
 
