@@ -58,9 +58,11 @@ detokenizer and the client were preempting the scheduler (the tiny model gains n
 second thread). The test suite sets the same default for its own reasons (``tests/conftest.py``)."""
 
 
-def cpu_env() -> dict[str, str]:
-    """:data:`CPU_ENV` as servers started now get it (the caller's environment wins)."""
-    return {key: os.environ.get(key, value) for key, value in CPU_ENV}
+def cpu_env(own: Mapping[str, str] | None = None) -> dict[str, str]:
+    """:data:`CPU_ENV` as a server started now gets it: the server's ``own`` environment
+    (:attr:`SGLangServer.env`) wins, then the caller's, then the recipe's default."""
+    own = own or {}
+    return {key: own.get(key, os.environ.get(key, value)) for key, value in CPU_ENV}
 
 
 BIND_FAILURE = "error while attempting to bind on address"
@@ -133,7 +135,7 @@ class SGLangServer:
             raise ServerError("server already started")
         if not self.port:
             self.port = free_port()
-        env = {**dict(CPU_ENV), **os.environ, **self.env}
+        env = {**os.environ, **self.env, **cpu_env(self.env)}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = self.log_path.open("wb")
         self._proc = subprocess.Popen(

@@ -52,3 +52,4 @@ def test_servers_run_torch_on_one_openmp_thread_unless_told(tmp_path: Path, monk
     assert server._proc is not None and server._proc.wait(timeout=30) == 0
     assert seen.read_text().strip() == want
     assert cpu_env() == {"OMP_NUM_THREADS": outer or "1"}
+    assert cpu_env(server.env) == {"OMP_NUM_THREADS": want}  # what a result records for this server
