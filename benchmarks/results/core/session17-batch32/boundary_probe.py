@@ -34,7 +34,9 @@ def main() -> None:
     for _ in range(STEPS):
         check.step()
         total += check.batch.prepare_cpu_s
-    print(f"boundary ms {total / STEPS * 1e3:.3f} advanced {check.batch.core.advanced_decode_steps}")
+    core = check.batch.core
+    print(f"boundary ms {total / STEPS * 1e3:.3f} advanced {core.advanced_decode_steps} opened {core.opened_advances} "
+          f"builds {core.resident_builds}")
 
 
 if __name__ == "__main__":
