@@ -5,6 +5,11 @@
 
 Each wrapper adds about 1 us per call. Driven by ``time_methods.py`` next to this file, which
 prints the figures per call and per scheduler step against the overhead meter's parts.
+
+With ``$METER_PERCENTILES_FILE`` set it also keeps every sample the overhead meter adds
+(``OverheadMeter.add``) and rewrites ``$METER_PERCENTILES_FILE.<pid>`` every 5 s with each part's
+count, mean, p50, p90, p99 (us) and the share of its time in its slowest 1% of calls: the mean is
+what the meter reports, the p50 the steady step's cost, the rest the rare paths.
 """
 
 from __future__ import annotations
@@ -61,6 +66,48 @@ def _install(path: str, targets: list[str]) -> None:
     threading.Thread(target=every_5s, daemon=True, name="method-timing").start()
     atexit.register(_dump, path)
 
+
+def _percentiles(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    out = {}
+    for part, values in samples.items():
+        s = sorted(values)
+        n = len(s)
+        out[part] = {
+            "n": n,
+            "mean": sum(s) / n * 1e6,
+            "p50": s[n // 2] * 1e6,
+            "p90": s[int(n * 0.9)] * 1e6,
+            "p99": s[int(n * 0.99)] * 1e6,
+            "top1pct_share": sum(s[int(n * 0.99):]) / sum(s),
+        }
+    return out
+
+
+def _install_percentiles(path: str) -> None:
+    from sglang_ext import overhead
+
+    samples: dict[str, list[float]] = {}
+    original = overhead.OverheadMeter.add
+
+    def add(self: Any, part: str, seconds: float) -> None:
+        samples.setdefault(part, []).append(seconds)
+        original(self, part, seconds)
+
+    overhead.OverheadMeter.add = add  # type: ignore[method-assign]
+
+    def every_5s() -> None:
+        while True:
+            time.sleep(5.0)
+            if samples:
+                with open(f"{path}.{os.getpid()}", "w", encoding="utf-8") as out:
+                    json.dump(_percentiles(samples), out)
+
+    threading.Thread(target=every_5s, daemon=True, name="meter-percentiles").start()
+
+
+_PERCENTILES = os.environ.get("METER_PERCENTILES_FILE")
+if _PERCENTILES:
+    _install_percentiles(_PERCENTILES)
 
 _PATH = os.environ.get("METHOD_TIMING_FILE")
 _TARGETS = [t for t in os.environ.get("METHOD_TIMING_TARGETS", "").split(",") if t]

@@ -8,7 +8,8 @@ Run from the repository root::
 It starts ``kvplane bench sglang``'s ``layered`` configuration with this folder's
 ``sitecustomize.py`` on ``PYTHONPATH``, runs the throughput workload (8 prompts x 96 tokens) for
 ``--seconds``, and prints the overhead meter's parts per step and each target's calls, time per
-call and time per scheduler step.
+call and time per scheduler step. ``--percentiles`` (targets optional then) also prints each meter
+part's mean / p50 / p90 / p99 per call inside the server.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ HERE = Path(__file__).resolve().parent
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=50.0)
-    parser.add_argument("--targets", required=True, help="comma list of module:Class.method")
+    parser.add_argument("--targets", default="", help="comma list of module:Class.method")
+    parser.add_argument("--percentiles", action="store_true", help="percentiles of the meter's parts")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="method-timing-"))
     model = build_tiny_model(work / "model", model_spec("tiny"))
@@ -45,6 +47,8 @@ def main() -> None:
         "METHOD_TIMING_FILE": str(work / "timing"),
         "METHOD_TIMING_TARGETS": args.targets,
     }
+    if args.percentiles:
+        env["METER_PERCENTILES_FILE"] = str(work / "parts")
     server = SGLangServer(model, log_path=work / "server.log", extra_args=config_flags(1024, policy)["layered"],
                           env=env, startup_timeout_s=600)
     server.start()
@@ -60,6 +64,10 @@ def main() -> None:
     steps = meter["steps"]
     parts = {k: round(v / steps * 1e6, 1) for k, v in meter["parts_s"].items()}
     print(f"steps {steps}, meter share {meter['share_pct']}%, {meter['kvplane_ms_per_step']} ms/step; us/step {parts}")
+    for path in glob.glob(str(work / "parts.*")):
+        for part, f in sorted(json.loads(Path(path).read_text()).items(), key=lambda kv: -kv[1]["mean"] * kv[1]["n"]):
+            print(f"{part:18s} calls {f['n']:6d}  mean {f['mean']:7.1f}  p50 {f['p50']:6.1f}  p90 {f['p90']:6.1f}  "
+                  f"p99 {f['p99']:7.1f} us  slowest 1%: {f['top1pct_share']:.0%} of the part")
     for path in glob.glob(str(work / "timing.*")):
         figures = json.loads(Path(path).read_text())
         if len(figures) < 2:  # a process that loaded none of the targets
