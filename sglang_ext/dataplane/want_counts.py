@@ -87,10 +87,16 @@ class WantCounts:
                 self.track(req, sign)
             else:
                 groups.setdefault((req.paused, tuple(req.gpu_layers)), []).append(req.pages.numpy())
+        self._add_groups(groups, sign, whole=True)
+
+    def _add_groups(self, groups: dict[tuple[bool, tuple[bool, ...]], list[np.ndarray]], sign: int, *,
+                    whole: bool) -> None:
+        """One :meth:`add` per (pause state, wants) of the requests' page arrays in ``groups``;
+        ``whole``: the requests join or leave (else only these pages of requests that stay)."""
         for (paused, layers), group in groups.items():
             pages = group[0] if len(group) == 1 else np.concatenate(group)
             self.add(pages, layers, paused, sign)
-            self._requests_moved(len(group), int(pages.size), paused, all(layers), sign)
+            self._requests_moved(len(group) if whole else 0, int(pages.size), paused, all(layers), sign)
 
     def _requests_moved(self, requests: int, pages: int, paused: bool, every: bool, sign: int) -> None:
         """The per-request sums of ``requests`` requests (0: pages of a request that stays)
@@ -127,10 +133,7 @@ class WantCounts:
     def track_removed(self, req: TrackedRequest, removed: np.ndarray) -> None:
         """Pages cut from ``req`` (it keeps others; no uncached prefix) leave the counts: one
         pass over the cut pages instead of the request leaving and rejoining."""
-        if req.uncached:
-            raise ValueError("track_removed: a request with an uncached prefix leaves and rejoins")
-        self.add(removed, req.gpu_layers, req.paused, -1)
-        self._requests_moved(0, int(removed.size), req.paused, all(req.gpu_layers), -1)
+        self.track_removed_many(((req, removed),))
 
     def track_removed_many(self, cuts: Sequence[tuple[TrackedRequest, np.ndarray]]) -> None:
         """:meth:`track_removed` of several requests (``(request, its cut pages)``; none with an
@@ -140,10 +143,7 @@ class WantCounts:
             if req.uncached:
                 raise ValueError("track_removed: a request with an uncached prefix leaves and rejoins")
             groups.setdefault((req.paused, tuple(req.gpu_layers)), []).append(removed)
-        for (paused, layers), group in groups.items():
-            pages = group[0] if len(group) == 1 else np.concatenate(group)
-            self.add(pages, layers, paused, -1)
-            self._requests_moved(0, int(pages.size), paused, all(layers), -1)
+        self._add_groups(groups, -1, whole=False)
 
     # ----- want changes -------------------------------------------------------------------
 
