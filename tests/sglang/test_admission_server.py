@@ -7,13 +7,13 @@ SLO (``custom_params.kvplane_slo_tbt_ms``). The session's vanilla server is the 
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from sglang_ext.testing.jsonl import read_jsonl
 from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import PROMPTS, assert_same_generation, greedy, running_server
 
@@ -64,7 +64,7 @@ def test_burst_is_admitted_by_the_control_plane_and_tokens_match_vanilla(gated, 
     assert sorted(results) == list(range(BURST))
     for i, out in results.items():
         assert_same_generation(out, greedy(vanilla_server, PROMPTS[i], NEW_TOKENS, logprobs=True), str(i))
-    steps = [json.loads(line) for line in stats_path.read_text().splitlines() if line.strip()]
+    steps = read_jsonl(stats_path)
     admitted = [rid for s in steps for rid in s.get("admitted_now") or ()]
     assert admitted, "the control plane never admitted a queued request"
     assert max(s["queued"] for s in steps) >= 1, "nothing was ever held in the queue"
@@ -79,7 +79,7 @@ def test_request_slo_reaches_the_control_plane(gated):
         {"text": PROMPTS[3], "sampling_params": {"max_new_tokens": 8, "temperature": 0,
                                                   "custom_params": {"kvplane_slo_tbt_ms": 250.0}}},
     )
-    steps = [json.loads(line) for line in stats_path.read_text().splitlines() if line.strip()]
+    steps = read_jsonl(stats_path)
     slos = {v for s in steps for v in (s.get("slo_tbt_ms") or {}).values()}
     assert 250.0 in slos
 
@@ -88,7 +88,7 @@ def test_sampled_per_layer_timings_are_reported(gated):
     """Some decode steps carry per-layer compute times, one positive value per layer."""
     server, stats_path = gated
     greedy(server, PROMPTS[5], max_new_tokens=40)
-    steps = [json.loads(line) for line in stats_path.read_text().splitlines() if line.strip()]
+    steps = read_jsonl(stats_path)
     sampled = [s["layer_compute_ms"] for s in steps if s.get("layer_compute_ms")]
     assert sampled, "no step reported per-layer timings"
     assert all(len(ms) == s_layers and all(x > 0 for x in ms) for ms, s_layers in
@@ -103,7 +103,7 @@ def test_steady_decode_steps_are_coalesced_and_changes_reported_at_once(gated):
     start = len(stats_path.read_text().splitlines())
     _burst(server)
     greedy(server, PROMPTS[6], max_new_tokens=40)  # a long steady stretch of one request
-    steps = [json.loads(line) for line in stats_path.read_text().splitlines()[start:] if line.strip()]
+    steps = read_jsonl(stats_path, start)
     assert any(not s["reported"] for s in steps), "no steady step was coalesced"
     for s in steps:
         if s["finished"] or s["queued"] or s["paused"] or s["mode"] == "extend":
@@ -122,7 +122,7 @@ def test_the_served_pool_journals_steady_decode_and_batches_request_ends(gated):
     server, stats_path = gated
     _burst(server)
     greedy(server, PROMPTS[6], max_new_tokens=40)
-    pools = [json.loads(line)["pool"] for line in stats_path.read_text().splitlines() if line.strip()]
+    pools = [step["pool"] for step in read_jsonl(stats_path)]
     last = pools[-1]
     assert last["journalled_decode_steps_total"] > 0
     assert last["ended_batches_total"] > 0

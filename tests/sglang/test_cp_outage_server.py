@@ -19,6 +19,7 @@ import pytest
 
 from controlplane.service.ports import free_ports
 from sglang_ext.settings import STATS_FILE_ENV
+from sglang_ext.testing.jsonl import read_jsonl
 from sglang_ext.testing.server import SGLangServer
 from tests.service.conftest import ServeProcess, wait_until
 from tests.sglang.conftest import PROMPTS
@@ -62,9 +63,7 @@ def remote(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, Ser
 
 
 def _lines(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(path)
 
 
 def _generate(server: SGLangServer, prompt: str) -> dict:

@@ -11,7 +11,6 @@ radix cache's) to ``$KVPLANE_RESIDENCY_EVENTS_FILE``.
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 from sglang_ext.hooks import ResidencyEventKind, read_jsonl_events
 from sglang_ext.settings import POOL_STATS_FILE_ENV
 from sglang_ext.settings import RESIDENCY_EVENTS_FILE_ENV as EVENTS_FILE_ENV
+from sglang_ext.testing.jsonl import read_jsonl
 from sglang_ext.testing.residency import check_block_lifecycle
 from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import (
@@ -47,8 +47,7 @@ class OffloadServer:
         self.server, self.stats_path, self.events_path = server, stats, events
 
     def stats(self) -> list[dict]:
-        lines = self.stats_path.read_text().splitlines() if self.stats_path.exists() else []
-        return [json.loads(line) for line in lines if line.strip()]
+        return read_jsonl(self.stats_path)
 
 
 @pytest.fixture(scope="module")

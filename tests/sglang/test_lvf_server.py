@@ -10,7 +10,6 @@ rotated back in (every pause followed by a resume).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from sglang_ext.settings import STATS_FILE_ENV
+from sglang_ext.testing.jsonl import read_jsonl
 from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import PROMPTS, assert_same_generation, greedy, running_server
 
@@ -47,7 +47,7 @@ def test_lvf_rotation_keeps_outputs_token_identical_to_vanilla(lvf_server, vanil
     for prompt, out in zip(prompts, got, strict=True):
         assert_same_generation(out, greedy(vanilla_server, prompt, NEW_TOKENS, logprobs=True), prompt)
 
-    lines = [json.loads(line) for line in stats_path.read_text().splitlines() if line.strip()]
+    lines = read_jsonl(stats_path)
     admitted = [rid for line in lines for rid in line.get("admitted_now") or ()]
     paused = [rid for line in lines for rid in line.get("paused_now") or ()]
     resumed = {rid for line in lines for rid in line.get("resumed_now") or ()}

@@ -23,6 +23,7 @@ import pytest
 
 from sglang_ext.overhead import WRITE_EVERY
 from sglang_ext.settings import OVERHEAD_FILE_ENV, POOL_STATS_FILE_ENV
+from sglang_ext.testing.jsonl import read_jsonl
 from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import FAULT_INJECT_DIR, PROMPTS, greedy, running_servers, token_logprobs
 from tests.sglang.test_triton_server import KERNEL_LOGPROB_ATOL
@@ -58,7 +59,7 @@ def advance_server(advance_servers) -> tuple[SGLangServer, object]:
 
 
 def _steps(path) -> list[dict]:  # noqa: ANN001
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(path)
 
 
 def _matches(got: dict, want: dict, context: str) -> None:

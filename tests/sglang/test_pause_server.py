@@ -20,6 +20,7 @@ import pytest
 from sglang_ext.hooks import ResidencyEventKind, read_jsonl_events
 from sglang_ext.settings import RESIDENCY_EVENTS_FILE_ENV as EVENTS_FILE_ENV
 from sglang_ext.settings import STATS_FILE_ENV
+from sglang_ext.testing.jsonl import read_jsonl
 from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import PROMPTS, assert_same_generation, greedy, running_server
 
@@ -47,7 +48,7 @@ def paused_server(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServ
 
 
 def _stats(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(path)
 
 
 def test_paused_requests_finish_token_identical_to_vanilla(paused_server, vanilla_server):

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from sglang_ext.settings import POOL_STATS_FILE_ENV, STATS_FILE_ENV
+from sglang_ext.testing.jsonl import read_jsonl
 from sglang_ext.testing.server import ServerError, SGLangServer
 from tests.sglang.conftest import (
     FAULT_INJECT_DIR,
@@ -61,8 +62,7 @@ class RecomputeServer:
         self.server, self.stats_path, self.corrupt_flag = server, stats, corrupt_flag
 
     def stats(self) -> list[dict]:
-        lines = self.stats_path.read_text().splitlines() if self.stats_path.exists() else []
-        return [json.loads(line) for line in lines if line.strip()]
+        return read_jsonl(self.stats_path)
 
 
 FP32 = ["--dtype", "float32"]
@@ -117,7 +117,7 @@ def paused_rec(recompute_servers) -> tuple[SGLangServer, Path, Path]:
 
 
 def _lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return read_jsonl(path)
 
 
 def test_paused_recomputing_requests_resume_exactly(paused_rec, vanilla32):
@@ -226,14 +226,16 @@ def test_abort_mid_recompute_loses_nothing(rec, vanilla32):
                                                                     rid="kvplane-abort-recompute")))
     t.start()
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and sum(1 for s in rec.stats()[before:] if s["recompute_tokens"]) < 3:
-        time.sleep(0.1)  # a few of its decode steps have recomputed
     abort = urllib.request.Request(rec.server.base_url + "/abort_request",
                                    data=json.dumps({"rid": "kvplane-abort-recompute"}).encode(),
                                    headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(abort, timeout=30) as resp:  # an empty 200
-        assert resp.status == 200
-    t.join(timeout=300)
+    try:
+        while time.monotonic() < deadline and sum(1 for s in rec.stats()[before:] if s["recompute_tokens"]) < 3:
+            time.sleep(0.1)  # a few of its decode steps have recomputed
+    finally:  # aborted whatever happens here, so a failure cannot leave it running into the next test
+        with urllib.request.urlopen(abort, timeout=30) as resp:  # an empty 200
+            assert resp.status == 200
+        t.join(timeout=300)
     assert box["r"]["meta_info"]["finish_reason"]["type"] == "abort"
     assert len(box["r"]["output_ids"]) < 400
     got = generate(rec.server, LONG, 0.9)

@@ -9,12 +9,12 @@ session's vanilla server (torch_native) is the reference.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 
 import pytest
 
 from sglang_ext.settings import POOL_STATS_FILE_ENV
+from sglang_ext.testing.jsonl import read_jsonl
 from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import FAULT_INJECT_DIR, PROMPTS, greedy, running_servers, token_logprobs
 
@@ -59,7 +59,7 @@ def test_triton_paged_decode_matches_vanilla_with_kv_on_host(triton_server, vani
         assert worst <= KERNEL_LOGPROB_ATOL, (prompt, worst)
     log = server.log_path.read_text()
     assert "layered_triton_decode_active" in log and "impl=triton" in log  # the kernel, not the reference
-    steps = [json.loads(line) for line in stats_path.read_text().splitlines() if line.strip()]
+    steps = read_jsonl(stats_path)
     assert steps[-1]["overflow_steps_total"] == 0
     assert steps[-1]["fetched_layer_pages_total"] > 0  # host pages were staged for the kernel to read
     assert max(s["host_fraction"] for s in steps) >= 0.5
@@ -78,7 +78,7 @@ def test_negative_control_a_stale_staged_advance_fails_the_comparison(triton_ser
         want = greedy(vanilla_server, prompt, NEW_TOKENS, logprobs=True)
         worst = max(abs(a - b) for a, b in zip(token_logprobs(got), token_logprobs(want), strict=True))
         failures += got["output_ids"] != want["output_ids"] or worst > KERNEL_LOGPROB_ATOL
-    steps = [json.loads(line) for line in stale_stats.read_text().splitlines() if line.strip()]
+    steps = read_jsonl(stale_stats)
     assert steps[-1]["staged_advances_total"] > 0
     assert failures == 2, f"only {failures} of 2 stale staged-advance generations were detected"
 
@@ -97,5 +97,5 @@ def test_recompute_rows_run_on_the_paged_kernel(triton_server, vanilla_server):
     assert got["output_ids"] == want["output_ids"]
     worst = max(abs(a - b) for a, b in zip(token_logprobs(got), token_logprobs(want), strict=True))
     assert worst <= KERNEL_LOGPROB_ATOL, worst
-    steps = [json.loads(line) for line in stats_path.read_text().splitlines()[before:] if line.strip()]
+    steps = read_jsonl(stats_path, before)
     assert sum(1 for s in steps if s["recompute_tokens"]) >= NEW_TOKENS - 1
