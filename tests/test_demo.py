@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from kvplane.demo import SUMMARY_HEADER, placement_lines, request_rows, summarize_stats
+from kvplane.demo import (
+    SUMMARY_HEADER,
+    placement_lines,
+    print_summary,
+    request_rows,
+    summarize_stats,
+)
 from sglang_ext.tools.workload import RequestResult, RequestSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,6 +87,24 @@ def test_request_rows_attainment() -> None:
 @pytest.mark.sglang
 @pytest.mark.slow
 @pytest.mark.timeout(DEMO_DEADLINE_S + 60)
+def _summary(flags: list[str]) -> dict:
+    return {"model": "tiny", "device": "cpu", "launch_flags": flags, "slo_tbt_ms": 200.0, "slo_ttft_ms": 2000.0,
+            "notes": [], "placement_lines": [], "events": [], "requests": [], "all_ok": True, "wall_s": 1.0,
+            "pool": {"peak_device_pages_used": 1, "device_pages_total": 2, "peak_host_fraction": 0.5, "steps": 3,
+                     "fallback_steps": 0}}
+
+
+def test_summary_says_the_control_plane_is_embedded_and_why_paced_streams_read_tbt_p50_zero(capsys) -> None:
+    """A reader of the summary learns which control plane served and that pacing's final burst is
+    why TBT p50 reads ~0 ms; neither line appears when it would not be true."""
+    print_summary(_summary(["--enable-layered-kv", "--kv-pacing", "on"]))
+    out = capsys.readouterr().out
+    assert "control plane: embedded" in out and "streams are paced" in out
+    print_summary(_summary(["--enable-layered-kv", "--kv-pacing", "off", "--kv-control-plane", "cp:50051"]))
+    out = capsys.readouterr().out  # negative control: a remote control plane, pacing off
+    assert "control plane: embedded" not in out and "streams are paced" not in out
+
+
 def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     """`kvplane demo` launches SGLang, serves the mixed workload, prints the summary, tears down."""
     pytest.importorskip("sglang")
