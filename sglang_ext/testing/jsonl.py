@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 
@@ -17,3 +18,21 @@ def read_jsonl(path: Path, start: int = 0) -> list[dict]:
     text = path.read_text(encoding="utf-8")
     complete = text[: text.rfind("\n") + 1]
     return [json.loads(line) for line in complete.splitlines()[start:] if line.strip()]
+
+
+def read_jsonl_settled(path: Path, start: int = 0, quiet_s: float = 0.3, timeout_s: float = 30.0) -> list[dict]:
+    """:func:`read_jsonl` once ``path`` has not grown for ``quiet_s`` (at most ``timeout_s``).
+
+    A scheduler writes a step's ``$KVPLANE_STATS_FILE`` line in kvplane's AFTER hook of
+    ``process_batch_result``, i.e. after that step's outputs went to the detokenizer: a client can
+    hold its response before the line of the step that finished it is on disk."""
+    deadline = time.monotonic() + timeout_s
+    size, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        now = path.stat().st_size if path.exists() else 0
+        if now != size:
+            size, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            break
+        time.sleep(0.05)
+    return read_jsonl(path, start)

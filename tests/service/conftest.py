@@ -173,6 +173,7 @@ class ServeProcess:
         self.target = f"127.0.0.1:{port}"
 
     def start(self, timeout_s: float = 120.0) -> None:
+        self.kill()  # a start over a live process would orphan it (kill() only knows the newest)
         cmd = kvplane_cmd(
             "serve",
             "--listen", self.target,

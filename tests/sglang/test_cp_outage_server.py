@@ -19,7 +19,7 @@ import pytest
 
 from controlplane.service.ports import free_ports
 from sglang_ext.settings import STATS_FILE_ENV
-from sglang_ext.testing.jsonl import read_jsonl
+from sglang_ext.testing.jsonl import read_jsonl, read_jsonl_settled
 from sglang_ext.testing.server import SGLangServer
 from tests.service.conftest import ServeProcess, wait_until
 from tests.sglang.conftest import PROMPTS
@@ -99,7 +99,7 @@ def test_killing_the_control_plane_mid_run_loses_no_request(remote):
         # next request runs during it
         out = _generate(server, "Outage probe: the control plane is down")
         assert out["meta_info"]["completion_tokens"] == MAX_NEW_TOKENS
-    after = _lines(stats)[killed_at:]
+    after = read_jsonl_settled(stats, killed_at)  # the last step's line follows the responses
     assert after, "nothing ran during the outage"
     assert any(line["fallback"] for line in after), "no fallback recorded during the outage"
     assert after[-1]["paused"] == []

@@ -27,6 +27,7 @@ import pytest
 from sglang_ext.hooks import ResidencyEventKind, read_jsonl_events
 from sglang_ext.metric_spec import WORKER_METRICS
 from sglang_ext.settings import POOL_STATS_FILE_ENV, RESIDENCY_EVENTS_FILE_ENV, STATS_FILE_ENV
+from sglang_ext.testing.jsonl import read_jsonl
 from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import PROMPTS, running_servers
 from tests.sglang.test_dashboard import DASHBOARD, dashboard_metrics, load_promql
@@ -62,9 +63,7 @@ class MetricsServer:
 
 
 def _lines(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return read_jsonl(path)
 
 
 def _spec(root: Path, *, metrics: bool) -> tuple[Path, list[str], dict[str, str]]:
@@ -146,6 +145,7 @@ def workload(metrics_server: MetricsServer) -> Workload:
     """20 concurrent greedy requests (even: an SLO they meet, odd: one they miss) between scrapes."""
     ms = metrics_server
     ms.server.post("/generate", {"text": "warm up", "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}})
+    _settle(ms)  # the warm-up's last step books its SLO verdicts, stall and stats line after its response
     stats0, pool0 = _lines(ms.stats_path), _lines(ms.pool_stats_path)
     events0 = read_jsonl_events(ms.events_path) if ms.events_path.exists() else []
     before = scrape(ms.server)

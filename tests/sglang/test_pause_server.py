@@ -147,15 +147,17 @@ def test_aborting_a_paused_request_frees_it_and_the_server_keeps_serving(paused_
             others = [pool.submit(greedy, server, p, 64) for p in PROMPTS[:6]]
             # The abort must land while the request is paused: wait for the newest step line to
             # show it paused, polling faster than a step.
-            assert wait_until(lambda rid=rid, start=start: rid in _last_paused(stats_path, start), 400.0, 0.01), \
-                "the long request was never paused"
             abort = urllib.request.Request(
                 server.base_url + "/abort_request",
                 data=json.dumps({"rid": rid}).encode(),
                 headers={"Content-Type": "application/json"},
             )
-            with urllib.request.urlopen(abort, timeout=30) as resp:
-                assert resp.status == 200
+            try:
+                paused = wait_until(lambda rid=rid, start=start: rid in _last_paused(stats_path, start), 400.0, 0.01)
+            finally:  # aborted whatever happens: the 1500-token victim must not outlive this block
+                with urllib.request.urlopen(abort, timeout=30) as resp:
+                    assert resp.status == 200
+            assert paused, "the long request was never paused"
             out = victim.result(timeout=600)
             assert out["meta_info"]["finish_reason"]["type"] == "abort"
             assert out["meta_info"]["completion_tokens"] < 1500

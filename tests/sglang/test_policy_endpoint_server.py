@@ -9,7 +9,6 @@ the project's gRPC client (:class:`GrpcControlPlane`), the way ``kvplane policy`
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +23,7 @@ from controlplane.service.client import GrpcControlPlane
 from controlplane.service.ports import free_port
 from sglang_ext.request_placement import KEY, PARAM
 from sglang_ext.settings import STATS_FILE_ENV
+from sglang_ext.testing.jsonl import read_jsonl_settled
 from tests.service.conftest import wait_until
 from tests.sglang.conftest import PROMPTS, running_server
 from tests.sglang.test_launch_validation import assert_refused_in_one_line, launch_all
@@ -45,11 +45,12 @@ def live(tiny_model_dir, tmp_path_factory) -> Iterator[Any]:
 
 
 def _stats(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return read_jsonl_settled(path)  # a step's line is written after its responses went out
 
 
-def _asked(live: Any, prompt: str = PROMPTS[0]) -> dict:
-    body = {"text": prompt, "sampling_params": {"max_new_tokens": 6, "temperature": 0.0, "custom_params": {PARAM: True}}}
+def _asked(live: Any, prompt: str = PROMPTS[0], max_new_tokens: int = 6) -> dict:
+    body = {"text": prompt, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0,
+                                                "custom_params": {PARAM: True}}}
     return live.server.post("/generate", body)["meta_info"][KEY]
 
 
@@ -93,7 +94,8 @@ def test_an_update_changes_the_next_plan_unauthenticated_ones_are_refused_and_wa
     watcher.close()
     assert seen == [1, 2]
     middle = len(_stats(live.stats_path))
-    assert _asked(live, PROMPTS[2])["slo_tbt_ms"] == 123.0
+    # long enough that the asynchronously planned policy-change decision lands inside the request
+    assert _asked(live, PROMPTS[2], max_new_tokens=32)["slo_tbt_ms"] == 123.0
     lines = _stats(live.stats_path)
     before, after = lines[start:middle], lines[middle:]
     assert not any("policy-change" in (line["decision"] or "") for line in before)

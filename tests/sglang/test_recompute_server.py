@@ -233,9 +233,12 @@ def test_abort_mid_recompute_loses_nothing(rec, vanilla32):
         while time.monotonic() < deadline and sum(1 for s in rec.stats()[before:] if s["recompute_tokens"]) < 3:
             time.sleep(0.1)  # a few of its decode steps have recomputed
     finally:  # aborted whatever happens here, so a failure cannot leave it running into the next test
-        with urllib.request.urlopen(abort, timeout=30) as resp:  # an empty 200
-            assert resp.status == 200
-        t.join(timeout=300)
+        try:
+            with urllib.request.urlopen(abort, timeout=30) as resp:  # an empty 200
+                assert resp.status == 200
+        finally:
+            t.join(timeout=300)
+    assert not t.is_alive(), "the aborted request is still running"
     assert box["r"]["meta_info"]["finish_reason"]["type"] == "abort"
     assert len(box["r"]["output_ids"]) < 400
     got = generate(rec.server, LONG, 0.9)

@@ -26,6 +26,7 @@ from sglang_ext.placement_record import RESULT_FIELDS
 from sglang_ext.request_placement import KEY, PARAM
 from sglang_ext.request_slo import SLO_PARAM
 from sglang_ext.settings import POOL_STATS_FILE_ENV, STATS_FILE_ENV
+from sglang_ext.testing.jsonl import read_jsonl, read_jsonl_settled
 from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import PROMPTS, running_servers
 
@@ -59,7 +60,7 @@ class Served:
 
 
 def _lines(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    return read_jsonl(path)
 
 
 def _spec(root: Path, flags: list[str]) -> tuple[Path, list[str], dict[str, str]]:
@@ -116,7 +117,7 @@ def test_only_requests_that_ask_get_the_info_and_it_matches_the_log_and_stats(pr
     assert all(KEY not in out["meta_info"] for i, out in enumerate(outs) if i % 2 == 1)
     assert all(tuple(info) == RESULT_FIELDS for info in asked.values())
 
-    lines = pressure.stats()[start:]
+    lines = read_jsonl_settled(pressure.stats_path, start)  # the last step's line follows the responses
     log_pauses = _paused_in_log(pressure.server.log_path.read_text())
     layers = lines[0]["layers"]
     for rid, info in asked.items():

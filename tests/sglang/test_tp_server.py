@@ -48,6 +48,7 @@ from sglang_ext.settings import (
     STATS_FILE_ENV,
     rank_output_file,
 )
+from sglang_ext.testing.jsonl import read_jsonl
 from sglang_ext.testing.server import SGLangServer
 from sglang_ext.testing.tiny_model import TinyModelSpec
 from tests.sglang.conftest import (
@@ -137,7 +138,7 @@ def layered_tp(tp_servers) -> TpServer:
 
 
 def _lines(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    return read_jsonl(path)
 
 
 def _settled(read: Callable[[], T], agree: Callable[[T], bool], timeout_s: float = 30.0) -> T:

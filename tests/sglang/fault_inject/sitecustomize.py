@@ -133,8 +133,9 @@ def _patch_audit(module) -> None:  # noqa: ANN001
         steps[-1]["layers"][str(layer.layer_id)] = dict(Counter(audit.ops[layer.layer_id]))
         steps[-1]["violations"] = steps[-1].get("violations", []) + [list(x) for x in audit.violations]
         audit.violations.clear()
-        with open(path, "w") as f:
+        with open(path + ".tmp", "w") as f:
             json.dump(steps, f)
+        os.replace(path + ".tmp", path)  # a reader sees a whole document, the old or the new one
         return out
 
     def decode_layer(self, q, layer, index):  # noqa: ANN001, ANN202
