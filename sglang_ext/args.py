@@ -61,6 +61,11 @@ class LayeredKVArgs:
     it hides pauses and stalls a stream has run ahead of, at the price of holding back most of
     every fast stream's text (``off``, the default since `kvplane bench pacing` measured it;
     README "Streaming pacing")."""
+    kv_overlap_schedule: str = "off"
+    """SGLang's overlap scheduler with the layered pool: ``off`` (the default) implies
+    ``--disable-overlap-schedule``; ``on`` keeps SGLang's own choice (its default: on), so the
+    scheduling and kvplane's step boundary of step k+1 run while step k computes. Tested on CPU
+    (``tests/sglang/test_overlap_server.py``), not yet on a GPU (``docs/overlap-schedule.md``)."""
     kv_tls_ca: str | None = None
     """CA bundle to verify the remote control plane (grpc:// only); PEM certificates, checked here."""
     kv_tls_cert: str | None = None
@@ -134,6 +139,10 @@ class LayeredKVArgs:
         if self.kv_pacing not in PACING_CHOICES:
             raise ValueError(
                 f"--kv-pacing={self.kv_pacing!r} is invalid; allowed: {', '.join(PACING_CHOICES)}"
+            )
+        if self.kv_overlap_schedule not in PACING_CHOICES:
+            raise ValueError(
+                f"--kv-overlap-schedule={self.kv_overlap_schedule!r} is invalid; allowed: {', '.join(PACING_CHOICES)}"
             )
         for flag, value in (
             ("--kv-policy", self.kv_policy),
@@ -317,6 +326,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> bool:
         help="Token-deposit pacing of streamed output: on = one token per TBT-SLO interval while "
         "tokens are held, the rest at the finish (hides pauses, delays fast streams' text); "
         "off (default) = tokens as generated.",
+    )
+    group.add_argument(
+        "--kv-overlap-schedule",
+        type=str,
+        default=_DEFAULTS.kv_overlap_schedule,
+        help="SGLang's overlap scheduler with the layered pool: off (default) implies "
+        "--disable-overlap-schedule; on keeps SGLang's choice (CPU-tested, not yet GPU-validated).",
     )
     group.add_argument("--kv-tls-ca", type=str, default=None, help="CA bundle (remote control plane).")
     group.add_argument("--kv-tls-cert", type=str, default=None, help="Client certificate (mTLS).")

@@ -26,8 +26,11 @@ Rules (each one names what would break):
 * **Speculative decoding, pipeline parallelism, HiCache, disaggregation**: refused (the pool's
   KV copy for draft tokens, per-stage layer ranges, a second tier of its own, and transfer of
   the flat buffers are not implemented).
-* ``--enable-layered-kv`` implies ``--disable-overlap-schedule`` (plans are installed at step
-  boundaries, which the overlap loop does not have): said in the same line.
+* **Overlap scheduler.** ``--enable-layered-kv`` implies ``--disable-overlap-schedule`` unless
+  ``--kv-overlap-schedule on`` keeps SGLang's overlap loop (there the boundary of step k+1 --
+  plan install, pauses, the pool's step preparation -- runs while step k computes, and step k's
+  results are processed after step k+1 is launched; ``docs/overlap-schedule.md``). Said in the
+  same line either way.
 * **Page size (CUDA).** KV moves between host and device in pages (one copy segment is one
   layer of one page's K or V). SGLang's default page of one token would make every segment
   ``kv_heads x head_dim`` elements (2 KiB at Llama-3-8B shapes, far below what a PCIe copy
@@ -145,9 +148,14 @@ class LaunchDecision:
                 implied.append(("page_size", CUDA_PAGE_SIZE))
                 notes.append(f"--page-size {CUDA_PAGE_SIZE}: KV moves between host and device in whole pages "
                              "(one-token pages make every copy segment a few KiB)")
-        if not values.get("disable_overlap_schedule"):
+        if values.get("kv_overlap_schedule", "off") == "on":
+            if not values.get("disable_overlap_schedule"):
+                notes.append("SGLang's overlap scheduler kept (--kv-overlap-schedule on)"
+                             + (": not yet validated on a GPU" if device == "cuda" else ""))
+        elif not values.get("disable_overlap_schedule"):
             implied.append(("disable_overlap_schedule", True))
-            notes.append("--disable-overlap-schedule: plans are installed at step boundaries")
+            notes.append("--disable-overlap-schedule: plans are installed at step boundaries "
+                         "(--kv-overlap-schedule on keeps SGLang's overlap scheduler)")
         return cls(device=device, implied=tuple(implied), notes=tuple(notes))
 
     @staticmethod

@@ -7,17 +7,26 @@ layer's runs to the end of ``run_batch`` and so also carries the LM head and sam
 the marks are ``torch.cuda.Event`` records (no sync inside the step; read after
 ``process_batch_result`` has synchronised), on CPU ``time.perf_counter``. The result goes out as
 ``StepReport.layer_compute_ms``; steps that were not sampled report None.
+
+Each forward's marks are queued at :meth:`LayerTimer.end` and :meth:`LayerTimer.take` returns the
+oldest: one ``end`` per ``run_batch`` and one ``take`` per ``process_batch_result``, in the same
+order. Without SGLang's overlap loop the queue holds one entry at most; with it, step k's results
+are processed after step k+1 was launched, and ``take`` still returns step k's marks (whose events
+that processing has waited for), not step k+1's.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any
 
 import torch
 
 DEFAULT_EVERY = 16
 """Sample one decode step in this many."""
+MAX_IN_FLIGHT = 4
+"""Ended forwards kept for :meth:`LayerTimer.take` (SGLang's overlap loop has one in flight)."""
 
 
 class LayerTimer:
@@ -32,22 +41,23 @@ class LayerTimer:
         self._decode_steps = 0
         self._armed = False
         self._marks: dict[int, Any] = {}
-        self._end: Any = None
+        self._done: deque[tuple[dict[int, Any], Any] | None] = deque(maxlen=MAX_IN_FLIGHT)
+        """Ended forwards not yet taken, oldest first (None: not sampled)."""
         self.samples = 0
         """Steps whose per-layer times were reported."""
 
     def begin(self, is_decode: bool) -> None:
         """Start of ``run_batch``: arm on every ``every``-th decode step."""
-        self._marks, self._end = {}, None
+        self._marks = {}
         self._armed = False
         if is_decode:
             self._armed = self._decode_steps % self.every == 0
             self._decode_steps += 1
 
-    def _now(self) -> Any:
+    def _now(self, stream: Any = None) -> Any:
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            event.record(stream)
             return event
         return time.perf_counter()
 
@@ -56,17 +66,24 @@ class LayerTimer:
         if self._armed and layer not in self._marks:
             self._marks[layer] = self._now()
 
-    def end(self) -> None:
-        """The forward (and sampling) returned."""
-        if self._armed:
-            self._end = self._now()
+    def end(self, stream: Any = None) -> None:
+        """The forward (and sampling) returned; on CUDA the end mark goes on ``stream`` (the
+        forward's stream: SGLang's overlap loop runs the forward on a stream of its own), default
+        the current one. Queues the step's marks for :meth:`take`."""
+        armed, self._armed = self._armed, False
+        self._done.append((self._marks, self._now(stream)) if armed else None)
+        self._marks = {}
 
     def take(self) -> tuple[float, ...] | None:
-        """Per-layer ms of the sampled step (None if this step was not sampled or incomplete)."""
-        armed, self._armed = self._armed, False
-        if not armed or self._end is None or len(self._marks) != self.layers:
+        """Per-layer ms of the oldest ended step not yet taken (None if it was not sampled or is
+        incomplete, or no step ended)."""
+        if not self._done:
             return None
-        points = [self._marks[layer] for layer in range(self.layers)] + [self._end]
+        sample = self._done.popleft()
+        if sample is None or len(sample[0]) != self.layers:
+            return None
+        marks, end = sample
+        points = [marks[layer] for layer in range(self.layers)] + [end]
         if self.cuda:
             points[-1].synchronize()
             out = tuple(float(a.elapsed_time(b)) for a, b in zip(points, points[1:], strict=False))

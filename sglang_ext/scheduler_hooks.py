@@ -63,6 +63,7 @@ from sglang_ext.policy_endpoint import PolicyEndpoint
 from sglang_ext.recompute_requests import RecomputeRequests
 from sglang_ext.request_placement import RequestPlacement
 from sglang_ext.step_boundary import StepBoundary
+from sglang_ext.step_clock import StepClock
 from sglang_ext.step_reporter import StepReporter
 from sglang_ext.step_stats_writer import StepStatsWriter
 from sglang_ext.tp_sync import PlacementInstaller, TpSync
@@ -83,10 +84,12 @@ class SchedulerHooks:
         args = ctx.layered
         if args is None or not args.enable_layered_kv:
             raise ValueError("kvplane: SchedulerHooks needs a context with --enable-layered-kv on")
-        if getattr(scheduler, "enable_overlap", False):
+        self.overlap = bool(getattr(scheduler, "enable_overlap", False))
+        """SGLang's overlap loop: step k's results are processed after step k+1 is launched."""
+        if self.overlap and args.kv_overlap_schedule != "on":
             raise RuntimeError(
-                "kvplane: --enable-layered-kv requires --disable-overlap-schedule (plans are "
-                "installed at step boundaries, which the overlap loop does not have)"
+                "kvplane: --enable-layered-kv runs SGLang's overlap scheduler only with "
+                "--kv-overlap-schedule on (else pass --disable-overlap-schedule)"
             )
         if int(getattr(getattr(scheduler, "server_args", None), "pp_size", 1) or 1) > 1:
             raise RuntimeError("kvplane: --enable-layered-kv does not support --pp-size > 1")
@@ -105,7 +108,7 @@ class SchedulerHooks:
         self.tp = TpSync.for_scheduler(scheduler)
         self.step = 0
         t0 = time.monotonic()
-        self._step_started: float | None = None
+        self.clock = StepClock()
         self.inbox = DecisionInbox()
         self.admission = AdmissionGate(enabled=args.kv_scheduler in GATED_SCHEDULERS)
         self.client: ControlClient | None = None
@@ -115,6 +118,9 @@ class SchedulerHooks:
         backend = getattr(getattr(getattr(scheduler, "tp_worker", None), "model_runner", None), "attn_backend", None)
         if self.tp.is_source and hasattr(backend, "layer_timer"):
             self.timer = backend.layer_timer = LayerTimer(self.layers, getattr(self.pool, "device", "cpu"))
+        runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
+        self._forward_stream = getattr(runner, "forward_stream", None) if self.overlap else None
+        """Where the overlap loop runs the forward (None: the current stream)."""
         if hasattr(backend, "layer_timer"):  # the layered attention backend times its own parts
             backend.overhead_meter = self.meter
         tree_cache = getattr(scheduler, "tree_cache", None)
@@ -255,20 +261,19 @@ class SchedulerHooks:
 
     # ---- step ---------------------------------------------------------------------------
     def start_step(self, batch: Any) -> None:
-        self._step_started = time.perf_counter()
+        self.clock.launched()
         if self.timer is not None:
             mode = getattr(batch, "forward_mode", None)
             self.timer.begin(bool(mode is not None and mode.is_decode()))
 
     def forward_done(self) -> None:
-        if self.timer is not None:
-            self.timer.end()
+        if self.timer is not None:  # under the overlap loop the forward ran on the runner's stream
+            self.timer.end(self._forward_stream)
 
     def end_step(self, batch: Any) -> None:
-        step_ms = None
-        if self._step_started is not None:
-            step_ms = (time.perf_counter() - self._step_started) * 1e3
-        self._step_started = None
+        """``process_batch_result`` of ``batch`` returned (under SGLang's overlap loop: the step
+        launched before the last one; the clock and the layer timer pair by order)."""
+        step_ms = self.clock.processed()
         self.step += 1
         is_decode = bool(batch.forward_mode.is_decode())
         finished: tuple[str, ...] = tuple([r.rid for r in batch.reqs if r.finished()])

@@ -25,6 +25,7 @@ def test_defaults_are_off_and_embedded():
     assert args.kv_scheduler == "fcfs" and args.kv_pacing == "off" and not args.pacing
     assert _parse("--kv-pacing", "on").pacing  # negative control: the property follows the flag
     assert args.kv_host_pool_gb is None  # sized to what the pool needs (checked at start)
+    assert args.kv_overlap_schedule == "off" and _parse("--kv-overlap-schedule", "on").kv_overlap_schedule == "on"
 
 
 def test_full_flag_set_parses(tmp_path):
@@ -63,6 +64,7 @@ def test_full_flag_set_parses(tmp_path):
     [
         (["--kv-scheduler", "sjf"], "--kv-scheduler='sjf' is invalid; allowed: fcfs, layerkv, lvf"),
         (["--kv-pacing", "maybe"], "--kv-pacing='maybe' is invalid; allowed: on, off"),
+        (["--kv-overlap-schedule", "yes"], "--kv-overlap-schedule='yes' is invalid; allowed: on, off"),
         (["--kv-host-pool-gb", "0"], "--kv-host-pool-gb=0.0 is out of range (0, 65536]"),
         (["--kv-host-pool-gb", "1e9"], "out of range (0, 65536]"),
         (["--kv-control-plane", "http://x:1"], "allowed: 'embedded' or 'grpc://HOST:PORT'"),

@@ -73,6 +73,19 @@ def test_cpu_gets_torch_native_and_explicit_choices_are_kept():
     assert dict(d.implied) == {"cuda_graph_backend_prefill": "disabled", "disable_overlap_schedule": True}
 
 
+def test_kv_overlap_schedule_on_keeps_sglangs_overlap_loop_and_says_so():
+    """``--kv-overlap-schedule on``: nothing implies ``--disable-overlap-schedule``, the note says
+    the loop is kept (and, on CUDA, not yet GPU-validated); ``off`` (the default) implies it."""
+    on = _decide(device="cpu", attention_backend="torch_native", disable_cuda_graph=True, kv_overlap_schedule="on")
+    assert on.implied == () and on.notes == ("SGLang's overlap scheduler kept (--kv-overlap-schedule on)",)
+    gpu = _decide(attention_backend="flashinfer", page_size=16, kv_overlap_schedule="on")
+    assert "disable_overlap_schedule" not in dict(gpu.implied)
+    assert any("not yet validated on a GPU" in note for note in gpu.notes)
+    off = _decide(device="cpu", attention_backend="torch_native", disable_cuda_graph=True, kv_overlap_schedule="off")
+    assert off.implied == (("disable_overlap_schedule", True),)  # negative control: the default
+    assert "--kv-overlap-schedule on keeps" in off.notes[0]
+
+
 @pytest.mark.parametrize(
     ("changes", "names"),
     [

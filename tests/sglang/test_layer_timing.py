@@ -57,3 +57,23 @@ def test_extend_steps_and_incomplete_steps_report_nothing(clock: FakeClock):
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="layers >= 1"):
         LayerTimer(0)
+
+
+def test_under_the_overlap_loop_take_returns_the_processed_steps_marks_not_the_launched_ones(clock: FakeClock):
+    """SGLang's overlap loop launches step k+1 before it processes step k: ``take`` after the
+    second ``end`` returns step k's times (2/4/6 ms), then step k+1's (its layers take 3x longer
+    here). Taking the newest instead -- what a single-slot timer does -- would swap them."""
+    timer = LayerTimer(3, every=1)
+    timer.begin(True)
+    for layer in range(3):
+        timer.mark(layer)
+        clock.t += 0.002 * (layer + 1)
+    timer.end()  # step k launched and ended on the host
+    timer.begin(True)  # step k+1 launched before step k's results are processed
+    for layer in range(3):
+        timer.mark(layer)
+        clock.t += 0.006 * (layer + 1)
+    timer.end()
+    assert timer.take() == pytest.approx((2.0, 4.0, 6.0))  # processing step k
+    assert timer.take() == pytest.approx((6.0, 12.0, 18.0))  # processing step k+1
+    assert timer.take() is None and timer.samples == 2
