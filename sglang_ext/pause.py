@@ -158,6 +158,24 @@ class PauseManager:
             log.info("requests_resumed", rids=done, running=len(running_batch.reqs))
         return running_batch, done
 
+    def drop_finished(self, rids: Iterable[str]) -> list[str]:
+        """Forget the parked ``rids`` whose request finished while parked; returns them.
+
+        Only SGLang's overlap loop finishes a parked request: step k+1's boundary parks it while
+        step k, which it is part of, is still in flight, and processing step k's result can end
+        it (its last token, a stop string). SGLang then releases its KV as for any finished
+        request; merging it back would keep a finished request tracked -- and reported paused --
+        forever."""
+        dropped = []
+        for rid in rids:
+            parked = self._parked.get(rid)
+            if parked is not None and parked.req.finished():
+                del self._parked[rid]
+                dropped.append(rid)
+        if dropped:
+            log.info("paused_requests_finished", rids=dropped)
+        return dropped
+
     def resume_matching(
         self, running_batch: Any, predicate: Callable[[Any], bool]
     ) -> tuple[Any, list[str]]:

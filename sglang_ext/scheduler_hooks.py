@@ -279,6 +279,8 @@ class SchedulerHooks:
         finished: tuple[str, ...] = tuple([r.rid for r in batch.reqs if r.finished()])
         if len(finished) > 1:
             finished = tuple(dict.fromkeys(finished))
+        if finished and len(self.pauser):  # overlap loop: a request parked while its last step ran
+            self.pauser.drop_finished(finished)
         for rid in finished:
             try:
                 self.installer.release(rid)

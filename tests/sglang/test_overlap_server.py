@@ -1,0 +1,77 @@
+"""``--kv-overlap-schedule on``: the layered pool under SGLang's overlap loop, on real SGLang (CPU).
+
+There step k+1 is scheduled and launched -- kvplane's boundary (plan install, pauses) and the
+pool's step preparation included -- before step k's results are processed, so a request can be
+parked while its last step is in flight, and a step's telemetry is paired with its launch by
+order (``docs/overlap-schedule.md``). The setting of ``test_pause_server.py`` (a 96 token-layer
+device budget, a quick starvation guard), with the overlap loop kept.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from sglang_ext.settings import POOL_STATS_FILE_ENV, STATS_FILE_ENV
+from sglang_ext.testing.jsonl import read_jsonl, read_jsonl_settled
+from sglang_ext.testing.server import SGLangServer
+from tests.sglang.conftest import PROMPTS, assert_same_generation, greedy, running_server
+
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]
+
+MAX_NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def overlap_server(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, Path, Path]]:
+    root = tmp_path_factory.mktemp("overlap")
+    policy = root / "policy.json"
+    policy.write_text(json.dumps({"max_paused_steps": 6, "window_min": 2, "window_max": 4}))
+    stats, pool_stats = root / "stats.jsonl", root / "pool_stats.jsonl"
+    flags = [
+        "--enable-layered-kv", "--kv-overlap-schedule", "on", "--kv-policy", str(policy),
+        "--kv-gpu-budget-tokens", "96", "--mem-fraction-static", "0.3",
+    ]
+    env = {STATS_FILE_ENV: str(stats), POOL_STATS_FILE_ENV: str(pool_stats)}
+    with running_server(tiny_model_dir, root, flags, env) as server:
+        yield server, stats, pool_stats
+
+
+def test_the_server_runs_sglangs_overlap_loop_and_says_so(overlap_server):
+    """``/server_info`` shows the overlap scheduler on (``test_pause_server.py``'s same setting
+    without the flag shows it off: the negative control) and the launch line says why."""
+    server, _, _ = overlap_server
+    info = json.loads(urllib.request.urlopen(server.base_url + "/server_info", timeout=30).read())
+    assert info["disable_overlap_schedule"] is False
+    assert "overlap scheduler kept (--kv-overlap-schedule on)" in server.log_path.read_text()
+
+
+def test_paused_and_offloaded_requests_match_vanilla_and_leave_nothing_behind(overlap_server, vanilla_server):
+    """20 concurrent greedy prompts under a budget that offloads and pauses: vanilla's tokens and
+    per-token logprobs (vanilla runs the overlap loop too, SGLang's default). Afterwards nobody is
+    left parked or tracked: a lone request's steps show it as the pool's only live request (a
+    request parked while its last step was in flight, then finished, would stay tracked and
+    reported paused), and every decode step has a time of its own (paired with its launch)."""
+    server, stats_path, pool_path = overlap_server
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        got = list(pool.map(lambda p: greedy(server, p, MAX_NEW_TOKENS, logprobs=True), PROMPTS))
+    for prompt, out in zip(PROMPTS, got, strict=True):
+        assert_same_generation(out, greedy(vanilla_server, prompt, MAX_NEW_TOKENS, logprobs=True), prompt)
+    lines = read_jsonl_settled(stats_path)
+    paused_now = [rid for line in lines for rid in line.get("paused_now") or ()]
+    assert len(paused_now) >= 5, f"expected pauses, stats show {len(paused_now)}"
+    assert lines[-1]["paused"] == []
+    decode = [line for line in lines if line["mode"] == "decode"]
+    assert decode and all(line["step_ms"] is not None and line["step_ms"] > 0 for line in decode)
+
+    before = len(read_jsonl(pool_path))
+    lone = greedy(server, PROMPTS[3], 4, logprobs=True)
+    assert_same_generation(lone, greedy(vanilla_server, PROMPTS[3], 4, logprobs=True), "lone request")
+    after = read_jsonl_settled(pool_path, before)
+    assert after and after[-1]["live_requests"] == 1, [s["live_requests"] for s in after]
+    assert read_jsonl_settled(stats_path)[-1]["paused"] == []
