@@ -21,7 +21,9 @@ rotated), so drifting load on a shared host hits every configuration alike:
 * ``layered-offload``: ``--enable-layered-kv --kv-gpu-budget-tokens N`` (forced offloading and
   pauses);
 * ``vanilla-b``: vanilla again, a second launch: its paired "overhead" is launch-to-launch noise
-  (A/A), the yardstick for the end-to-end figures.
+  (A/A), the yardstick for the end-to-end figures;
+* ``layered-overlap`` (not in the default set): ``layered`` with ``--kv-overlap-schedule on``,
+  SGLang's overlap loop kept (``docs/overlap-schedule.md``).
 
 Every figure states which configuration it is against (:data:`COMPARISONS`); each launch's
 scheduler loop (overlap on or off) is read back from its ``/server_info`` (SGLang's resolved
@@ -56,6 +58,7 @@ from typing import Any
 
 from sglang_ext.overhead import OVERHEAD_FILE_ENV, share_of
 from sglang_ext.tools.bench_workloads import MODELS, WORKLOADS, model_spec, run_once, workload_text
+from sglang_ext.tools.sglang_bench_configs import DEFAULT_CONFIGS, asks_overlap, config_flags
 from sglang_ext.tools.sglang_bench_report import (  # noqa: F401 - re-exported
     BASELINE,
     COMPARISONS,
@@ -131,7 +134,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma list of configurations: vanilla (stock SGLang defaults, overlap scheduler "
         "on: the baseline), vanilla-b (a second vanilla launch: the A/A noise), "
         "vanilla-no-overlap (vanilla with --disable-overlap-schedule, which --enable-layered-kv "
-        "forces), layered, layered-offload",
+        "forces), layered, layered-offload; layered-overlap (opt-in: layered with "
+        "--kv-overlap-schedule on)",
     )
     parser.add_argument("--startup-timeout-s", type=float, default=400.0)
     parser.add_argument(
@@ -156,30 +160,6 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
-
-
-DEFAULT_CONFIGS = ("vanilla", "vanilla-b", "vanilla-no-overlap", "layered", "layered-offload")
-
-
-def config_flags(offload_budget_tokens: int, policy_file: Path) -> dict[str, tuple[str, ...]]:
-    """Every configuration's launch flags after the CPU recipe. Beyond the recipe and the
-    shared-host flags (``SHARED_HOST_ARGS``: KV headroom, sleep when idle) ``vanilla`` changes
-    none of SGLang's defaults -- the overlap scheduler stays on; the layered ones launch as users
-    do: ``--enable-layered-kv`` implies ``--disable-overlap-schedule`` (the plugin sets it)."""
-    base = tuple(SHARED_HOST_ARGS)
-    layered = (*base, "--enable-layered-kv", "--kv-policy", str(policy_file))
-    return {
-        "vanilla": base,
-        "vanilla-b": base,  # a second vanilla launch: the A/A noise of a paired launch
-        "vanilla-no-overlap": (*base, "--disable-overlap-schedule"),
-        "layered": layered,
-        "layered-offload": (*layered, "--kv-gpu-budget-tokens", str(offload_budget_tokens)),
-    }
-
-
-def asks_overlap(flags: tuple[str, ...]) -> bool:
-    """Whether launch flags leave SGLang's overlap scheduler on (its default)."""
-    return "--disable-overlap-schedule" not in flags and "--enable-layered-kv" not in flags
 
 
 def _configs(args: argparse.Namespace, policy_file: Path) -> dict[str, tuple[str, ...]]:
@@ -450,7 +430,8 @@ def run(args: argparse.Namespace) -> int:
         "overhead_target_pct": OVERHEAD_TARGET_PCT,
         "notes": [],
     }
-    for name, key in (("layered", "inprocess_overhead"), ("layered-offload", "inprocess_offload_overhead")):
+    for name, key in (("layered", "inprocess_overhead"), ("layered-offload", "inprocess_offload_overhead"),
+                      ("layered-overlap", "inprocess_overlap_overhead")):
         shares = by[name].kvplane_share_pct if name in by else ()
         payload[f"{key}_pct"] = round(statistics.median(shares), 3) if shares else None
         beyond = by[name].share_beyond_kv_copy_pct if name in by else ()
@@ -485,6 +466,7 @@ def run(args: argparse.Namespace) -> int:
     for key, label in (
         ("inprocess_overhead_pct", "layered: kvplane's own share of the scheduler step (in-process meter)"),
         ("inprocess_offload_overhead_pct", "layered-offload: kvplane's own share of the scheduler step (in-process meter)"),
+        ("inprocess_overlap_overhead_pct", "layered-overlap: kvplane's own share of the scheduler step (in-process meter)"),
     ):
         if payload[key] is not None:
             beyond = payload[key.replace("_pct", "_beyond_kv_copy_pct")]

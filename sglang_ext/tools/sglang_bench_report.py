@@ -17,6 +17,7 @@ COMPARISONS: tuple[tuple[str, str, str, str], ...] = (
     ("layered", "vanilla-no-overlap", "plugin", "the plugin on the same scheduler loop: layered vs vanilla-no-overlap"),
     ("layered-offload", "vanilla", "offload", "forced offloading and pauses: layered-offload vs stock vanilla"),
     ("vanilla-b", "vanilla", "aa_noise", "A/A launch noise: vanilla-b (a second vanilla launch) vs vanilla"),
+    ("layered-overlap", "vanilla", "overlap", "kvplane with SGLang's overlap loop kept (--kv-overlap-schedule on): layered-overlap vs stock vanilla"),
 )
 """(configuration, against, key, what it measures) of every reported loss: the whole cost of
 kvplane (``overhead``, held to the target) is the overlap scheduler forced off (``no_overlap``)

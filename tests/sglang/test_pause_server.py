@@ -80,7 +80,8 @@ def test_paused_requests_finish_token_identical_to_vanilla(paused_server, vanill
 
 
 def test_flag_implies_disable_overlap_schedule(paused_server):
-    """--enable-layered-kv runs SGLang's normal (non-overlap) loop: plans need a step boundary."""
+    """By default --enable-layered-kv runs SGLang's normal (non-overlap) loop (the negative control of
+    test_overlap_server.py, where --kv-overlap-schedule on keeps the overlap loop)."""
     import urllib.request
 
     server, _, _ = paused_server

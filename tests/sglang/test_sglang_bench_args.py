@@ -89,7 +89,7 @@ def test_baseline_is_stock_sglang_and_no_overlap_is_measured_beside_it(tmp_path)
     from sglang_ext.tools.workload import SHARED_HOST_ARGS
 
     flags = config_flags(2048, tmp_path / "policy.json")
-    assert set(DEFAULT_CONFIGS) == set(flags)
+    assert set(DEFAULT_CONFIGS) | {"layered-overlap"} == set(flags)  # layered-overlap: opt-in only
     assert flags["vanilla"] == flags["vanilla-b"] == SHARED_HOST_ARGS
     assert flags["vanilla-no-overlap"] == (*SHARED_HOST_ARGS, "--disable-overlap-schedule")
     assert flags["layered"][: len(SHARED_HOST_ARGS)] == SHARED_HOST_ARGS
@@ -102,7 +102,9 @@ def test_baseline_is_stock_sglang_and_no_overlap_is_measured_beside_it(tmp_path)
         "vanilla-no-overlap": False,
         "layered": False,
         "layered-offload": False,
+        "layered-overlap": True,  # --kv-overlap-schedule on
     }
+    assert not asks_overlap((*flags["layered-overlap"][:-1], "off"))  # negative control
 
 
 def test_configs_default_and_subset(tmp_path) -> None:
