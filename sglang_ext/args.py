@@ -28,6 +28,7 @@ ENV_VAR = settings.LAYERED_KV_ARGS_ENV
 
 SCHEDULERS = ("fcfs", "layerkv", "lvf")
 PACING_CHOICES = ("on", "off")
+OVERLAP_CHOICES = ("on", "off")
 RADIX_BACKEND_NAME = "layered"
 """Name under which the residency-hook radix cache is registered (``--radix-cache-backend``)."""
 MAX_HOST_POOL_GB = 1 << 16
@@ -140,9 +141,9 @@ class LayeredKVArgs:
             raise ValueError(
                 f"--kv-pacing={self.kv_pacing!r} is invalid; allowed: {', '.join(PACING_CHOICES)}"
             )
-        if self.kv_overlap_schedule not in PACING_CHOICES:
+        if self.kv_overlap_schedule not in OVERLAP_CHOICES:
             raise ValueError(
-                f"--kv-overlap-schedule={self.kv_overlap_schedule!r} is invalid; allowed: {', '.join(PACING_CHOICES)}"
+                f"--kv-overlap-schedule={self.kv_overlap_schedule!r} is invalid; allowed: {', '.join(OVERLAP_CHOICES)}"
             )
         for flag, value in (
             ("--kv-policy", self.kv_policy),

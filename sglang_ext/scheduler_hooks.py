@@ -21,9 +21,9 @@ Registered by :mod:`sglang_ext.plugin` in scheduler processes when ``--enable-la
 
 Hook points:
 
-* AFTER ``Scheduler.__init__``: validate (``--disable-overlap-schedule`` is required: with the
-  overlap loop ``run_batch`` only launches a step and its result is processed one iteration later,
-  so there is no clean boundary to install a plan at; no pipeline parallelism), then on TP rank 0
+* AFTER ``Scheduler.__init__``: validate (SGLang's overlap loop only with ``--kv-overlap-schedule
+  on``, not on ROCm: there ``run_batch`` only launches a step and its result is processed one
+  iteration later, ``docs/overlap-schedule.md``; no pipeline parallelism), then on TP rank 0
   build the control client (embedded or ``grpc://``) with a ``WorkerInfo`` read off the model
   config and the KV pool.
 * AROUND ``Scheduler.get_next_batch_to_run`` (the step boundary): :meth:`StepBoundary.apply`
@@ -49,6 +49,7 @@ import time
 from typing import Any
 
 import structlog
+import torch
 
 from controlplane.api import WorkerInfo
 from sglang_ext import compat
@@ -91,6 +92,13 @@ class SchedulerHooks:
                 "kvplane: --enable-layered-kv runs SGLang's overlap scheduler only with "
                 "--kv-overlap-schedule on (else pass --disable-overlap-schedule)"
             )
+        if self.overlap and getattr(torch.version, "hip", None):
+            raise RuntimeError(
+                "kvplane: --kv-overlap-schedule on is not supported on ROCm: the step boundary's KV "
+                "copies run on SGLang's schedule stream, ordered behind the in-flight forward only by "
+                "SGLang's WAR barrier, which SGLang 0.5.23 enables on CUDA alone; use "
+                "--kv-overlap-schedule off"
+            )
         if int(getattr(getattr(scheduler, "server_args", None), "pp_size", 1) or 1) > 1:
             raise RuntimeError("kvplane: --enable-layered-kv does not support --pp-size > 1")
         self.scheduler = scheduler
@@ -109,6 +117,8 @@ class SchedulerHooks:
         self.step = 0
         t0 = time.monotonic()
         self.clock = StepClock()
+        self._ended: frozenset[str] = frozenset()
+        """Requests the last processed step ended (the overlap loop's next step still carries them)."""
         self.inbox = DecisionInbox()
         self.admission = AdmissionGate(enabled=args.kv_scheduler in GATED_SCHEDULERS)
         self.client: ControlClient | None = None
@@ -274,11 +284,16 @@ class SchedulerHooks:
         """``process_batch_result`` of ``batch`` returned (under SGLang's overlap loop: the step
         launched before the last one; the clock and the layer timer pair by order)."""
         step_ms = self.clock.processed()
+        layer_ms = self.timer.take() if self.timer is not None else None  # first: pairs by order
         self.step += 1
         is_decode = bool(batch.forward_mode.is_decode())
-        finished: tuple[str, ...] = tuple([r.rid for r in batch.reqs if r.finished()])
+        ended = self._ended
+        # under the overlap loop a request that finished in step k (EOS, a stop string) is still in
+        # step k+1, launched before step k's results were processed: it ended once, not twice
+        finished: tuple[str, ...] = tuple([r.rid for r in batch.reqs if r.finished() and r.rid not in ended])
         if len(finished) > 1:
             finished = tuple(dict.fromkeys(finished))
+        self._ended = frozenset(finished) if finished or ended else ended
         if finished and len(self.pauser):  # overlap loop: a request parked while its last step ran
             self.pauser.drop_finished(finished)
         for rid in finished:
@@ -291,10 +306,9 @@ class SchedulerHooks:
             adm = self.admission
             metrics.end_step(paused=len(self.pauser), held_total=adm.held_total, local_admits=adm.local_admits)
             if finished and self.tp.is_source:
-                metrics.finished(r for r in batch.reqs if r.finished())
+                metrics.finished(r for r in batch.reqs if r.rid in self._ended)
         if self.reporter is None:  # not TP rank 0
             return
-        layer_ms = self.timer.take() if self.timer is not None else None
         report, sent = self.reporter.end_step(
             batch,
             step=self.step,

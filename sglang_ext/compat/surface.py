@@ -234,6 +234,12 @@ SCHEDULER_GET_NEXT_BATCH_TO_RUN = Target(
     params=("self", "running_batch", "last_batch"),
     used_by=("scheduler_hooks", "admission", "pause"),
 )
+SCHEDULER_APPLY_WAR_BARRIER = Target(
+    f"{_SRT}.managers.scheduler.Scheduler._apply_war_barrier", params=("self",), used_by=("scheduler_hooks",),
+)
+"""Not called: under ``--kv-overlap-schedule on`` the step boundary's KV copies are ordered behind
+the in-flight forward by this barrier (the schedule stream waits on the forward stream after every
+launch; CUDA only in 0.5.23, so kvplane refuses the flag on ROCm). ``docs/overlap-schedule.md``."""
 SCHEDULER_RUN_BATCH = Target(f"{_SRT}.managers.scheduler.Scheduler.run_batch", params=("self", "batch"),
                              used_by=("scheduler_hooks",))
 SCHEDULER_PROCESS_BATCH_RESULT = Target(f"{_SRT}.managers.scheduler.Scheduler.process_batch_result",

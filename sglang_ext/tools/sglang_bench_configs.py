@@ -14,7 +14,8 @@ def config_flags(offload_budget_tokens: int, policy_file: Path) -> dict[str, tup
     """Every configuration's launch flags after the CPU recipe. Beyond the recipe and the
     shared-host flags (``SHARED_HOST_ARGS``: KV headroom, sleep when idle) ``vanilla`` changes
     none of SGLang's defaults -- the overlap scheduler stays on; the layered ones launch as users
-    do: ``--enable-layered-kv`` implies ``--disable-overlap-schedule`` (the plugin sets it)."""
+    do: ``--enable-layered-kv`` implies ``--disable-overlap-schedule`` (the plugin sets it), except
+    in ``layered-overlap`` (``--kv-overlap-schedule on``)."""
     base = tuple(SHARED_HOST_ARGS)
     layered = (*base, "--enable-layered-kv", "--kv-policy", str(policy_file))
     return {
@@ -33,6 +34,8 @@ def asks_overlap(flags: tuple[str, ...]) -> bool:
     if "--disable-overlap-schedule" in flags:
         return False
     if "--enable-layered-kv" not in flags:
+        return True
+    if "--kv-overlap-schedule=on" in flags:
         return True
     at = flags.index("--kv-overlap-schedule") if "--kv-overlap-schedule" in flags else -1
     return 0 <= at < len(flags) - 1 and flags[at + 1] == "on"

@@ -21,6 +21,7 @@ from sglang_ext.settings import POOL_STATS_FILE_ENV, STATS_FILE_ENV
 from sglang_ext.testing.jsonl import read_jsonl, read_jsonl_settled
 from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import PROMPTS, assert_same_generation, greedy, running_server
+from tests.sglang.test_pause_server import pause_flags
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]
 
@@ -30,13 +31,8 @@ MAX_NEW_TOKENS = 12
 @pytest.fixture(scope="module")
 def overlap_server(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, Path, Path]]:
     root = tmp_path_factory.mktemp("overlap")
-    policy = root / "policy.json"
-    policy.write_text(json.dumps({"max_paused_steps": 6, "window_min": 2, "window_max": 4}))
     stats, pool_stats = root / "stats.jsonl", root / "pool_stats.jsonl"
-    flags = [
-        "--enable-layered-kv", "--kv-overlap-schedule", "on", "--kv-policy", str(policy),
-        "--kv-gpu-budget-tokens", "96", "--mem-fraction-static", "0.3",
-    ]
+    flags = [*pause_flags(root), "--kv-overlap-schedule", "on"]
     env = {STATS_FILE_ENV: str(stats), POOL_STATS_FILE_ENV: str(pool_stats)}
     with running_server(tiny_model_dir, root, flags, env) as server:
         yield server, stats, pool_stats
@@ -75,3 +71,28 @@ def test_paused_and_offloaded_requests_match_vanilla_and_leave_nothing_behind(ov
     after = read_jsonl_settled(pool_path, before)
     assert after and after[-1]["live_requests"] == 1, [s["live_requests"] for s in after]
     assert read_jsonl_settled(stats_path)[-1]["paused"] == []
+
+
+def _stopped(server: SGLangServer, prompt: str, stop_token: int) -> dict:
+    payload = {"text": prompt, "return_logprob": True,
+               "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0, "stop_token_ids": [stop_token]}}
+    return server.post("/generate", payload)
+
+
+def test_requests_ended_by_a_stop_token_end_once(overlap_server, vanilla_server):
+    """A request ended by a stop token in step k is still in step k+1, which the overlap loop
+    launched before processing step k: the stats lines list it finished once (before the fix:
+    twice, so it was released, reported and counted in the SLO metrics twice), and its output is
+    vanilla's."""
+    server, stats_path, _ = overlap_server
+    prompts = PROMPTS[4:10]
+    stops = [greedy(vanilla_server, p, MAX_NEW_TOKENS)["output_ids"][2] for p in prompts]
+    start = len(read_jsonl(stats_path))
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(lambda ps: _stopped(server, *ps), zip(prompts, stops, strict=True)))
+    for prompt, stop, out in zip(prompts, stops, got, strict=True):
+        assert_same_generation(out, _stopped(vanilla_server, prompt, stop), prompt)
+        assert out["meta_info"]["finish_reason"]["type"] == "stop" and len(out["output_ids"]) < MAX_NEW_TOKENS
+    finished = [rid for line in read_jsonl_settled(stats_path, start) for rid in line["finished"]]
+    ids = [out["meta_info"]["id"] for out in got]
+    assert {rid: finished.count(rid) for rid in ids} == dict.fromkeys(ids, 1)

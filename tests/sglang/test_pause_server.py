@@ -30,18 +30,24 @@ pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]
 MAX_NEW_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def paused_server(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, Path, Path]]:
-    """Layered server forced to pause: small KV budget + quick starvation guard."""
-    root = tmp_path_factory.mktemp("pause")
+def pause_flags(root: Path) -> list[str]:
+    """A layered server forced to pause: small KV budget + quick starvation guard (its policy
+    file written under ``root``)."""
     policy = root / "policy.json"
     policy.write_text(json.dumps({"max_paused_steps": 6, "window_min": 2, "window_max": 4}))
-    stats, events = root / "stats.jsonl", root / "events.jsonl"
-    flags = [
+    return [
         "--enable-layered-kv", "--kv-policy", str(policy), "--kv-gpu-budget-tokens", "96",
         # SGLang sizes CPU memory off what is free now; the shared host is often busy.
         "--mem-fraction-static", "0.3",
     ]
+
+
+@pytest.fixture(scope="module")
+def paused_server(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, Path, Path]]:
+    """Layered server forced to pause (:func:`pause_flags`)."""
+    root = tmp_path_factory.mktemp("pause")
+    stats, events = root / "stats.jsonl", root / "events.jsonl"
+    flags = pause_flags(root)
     env = {STATS_FILE_ENV: str(stats), EVENTS_FILE_ENV: str(events)}
     with running_server(tiny_model_dir, root, flags, env) as server:
         yield server, stats, events
