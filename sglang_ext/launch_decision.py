@@ -90,8 +90,9 @@ class LaunchDecision:
     """One sentence per implied option (logged at launch)."""
 
     @classmethod
-    def decide(cls, values: Mapping[str, Any]) -> LaunchDecision:
-        """The decision for SGLang's parsed options ``values``; raises :class:`LaunchRefused`."""
+    def decide(cls, values: Mapping[str, Any], *, rocm: bool = False) -> LaunchDecision:
+        """The decision for SGLang's parsed options ``values`` (``rocm``: the torch build is
+        ROCm's); raises :class:`LaunchRefused`."""
         device = str(values.get("device") or "cuda")
         if device not in LAYERED_BACKENDS:
             raise LaunchRefused(
@@ -149,6 +150,11 @@ class LaunchDecision:
                 notes.append(f"--page-size {CUDA_PAGE_SIZE}: KV moves between host and device in whole pages "
                              "(one-token pages make every copy segment a few KiB)")
         if values.get("kv_overlap_schedule", "off") == "on":
+            if rocm and device == "cuda" and not values.get("disable_overlap_schedule"):
+                raise LaunchRefused(
+                    "--kv-overlap-schedule on: not supported on ROCm (the step boundary's KV copies rely "
+                    "on SGLang's WAR barrier, which SGLang enables on CUDA only); use --kv-overlap-schedule off"
+                )
             if not values.get("disable_overlap_schedule"):
                 notes.append("SGLang's overlap scheduler kept (--kv-overlap-schedule on)"
                              + (": not yet validated on a GPU" if device == "cuda" else ""))

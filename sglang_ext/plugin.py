@@ -239,9 +239,11 @@ class KvplanePlugin:
             if ctx.env_error is not None:
                 _refuse_launch(str(ctx.env_error))
             # backends, CUDA graphs, KV dtype, unsupported features; --disable-overlap-schedule
-            # (plans are installed at step boundaries, which the overlap loop does not have)
+            # unless --kv-overlap-schedule on (docs/overlap-schedule.md; refused on ROCm)
             try:
-                decision = LaunchDecision.decide(vars(namespace))
+                import torch  # the launcher has it loaded (SGLang's server_args imports it)
+
+                decision = LaunchDecision.decide(vars(namespace), rocm=bool(getattr(torch.version, "hip", None)))
             except LaunchRefused as exc:
                 _refuse_launch(str(exc))
             decision.apply(namespace)

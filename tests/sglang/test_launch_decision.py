@@ -81,6 +81,10 @@ def test_kv_overlap_schedule_on_keeps_sglangs_overlap_loop_and_says_so():
     gpu = _decide(attention_backend="flashinfer", page_size=16, kv_overlap_schedule="on")
     assert "disable_overlap_schedule" not in dict(gpu.implied)
     assert any("not yet validated on a GPU" in note for note in gpu.notes)
+    with pytest.raises(LaunchRefused, match="--kv-overlap-schedule on: not supported on ROCm"):
+        LaunchDecision.decide({"attention_backend": "flashinfer", "page_size": 16, "kv_overlap_schedule": "on"},
+                              rocm=True)
+    assert LaunchDecision.decide({"attention_backend": "flashinfer", "page_size": 16}, rocm=True).implied  # off: fine
     off = _decide(device="cpu", attention_backend="torch_native", disable_cuda_graph=True, kv_overlap_schedule="off")
     assert off.implied == (("disable_overlap_schedule", True),)  # negative control: the default
     assert "--kv-overlap-schedule on keeps" in off.notes[0]
