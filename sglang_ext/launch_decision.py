@@ -61,6 +61,13 @@ CUDA_PAGE_SIZE = 16
 """``--page-size`` kvplane sets on CUDA when none is given (module docstring, "Page size")."""
 
 UNQUANTIZED_KV_DTYPES = ("auto", "bf16", "bfloat16")
+
+ROCM_OVERLAP_REFUSED = (
+    "--kv-overlap-schedule on: not supported on ROCm (the step boundary's KV copies run on SGLang's "
+    "schedule stream, ordered behind the in-flight forward only by SGLang's WAR barrier, which "
+    "SGLang enables on CUDA only); use --kv-overlap-schedule off"
+)
+"""The refusal of the overlap loop on ROCm (at launch, and again at scheduler start)."""
 """``--kv-cache-dtype`` values the layered pool stores (the model's dtype or bf16)."""
 
 _BACKEND_FLAGS = (
@@ -151,10 +158,7 @@ class LaunchDecision:
                              "(one-token pages make every copy segment a few KiB)")
         if values.get("kv_overlap_schedule", "off") == "on":
             if rocm and device == "cuda" and not values.get("disable_overlap_schedule"):
-                raise LaunchRefused(
-                    "--kv-overlap-schedule on: not supported on ROCm (the step boundary's KV copies rely "
-                    "on SGLang's WAR barrier, which SGLang enables on CUDA only); use --kv-overlap-schedule off"
-                )
+                raise LaunchRefused(ROCM_OVERLAP_REFUSED)
             if not values.get("disable_overlap_schedule"):
                 notes.append("SGLang's overlap scheduler kept (--kv-overlap-schedule on)"
                              + (": not yet validated on a GPU" if device == "cuda" else ""))

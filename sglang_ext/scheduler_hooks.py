@@ -57,6 +57,7 @@ from sglang_ext.admission import GATED_SCHEDULERS, AdmissionGate
 from sglang_ext.context import PluginContext
 from sglang_ext.control_client import ControlClient, build_control_plane
 from sglang_ext.decision_inbox import DecisionInbox
+from sglang_ext.launch_decision import ROCM_OVERLAP_REFUSED
 from sglang_ext.layer_timing import LayerTimer
 from sglang_ext.pacing_slo_publisher import PacingSloPublisher
 from sglang_ext.pause import PauseManager
@@ -92,13 +93,8 @@ class SchedulerHooks:
                 "kvplane: --enable-layered-kv runs SGLang's overlap scheduler only with "
                 "--kv-overlap-schedule on (else pass --disable-overlap-schedule)"
             )
-        if self.overlap and getattr(torch.version, "hip", None):
-            raise RuntimeError(
-                "kvplane: --kv-overlap-schedule on is not supported on ROCm: the step boundary's KV "
-                "copies run on SGLang's schedule stream, ordered behind the in-flight forward only by "
-                "SGLang's WAR barrier, which SGLang 0.5.23 enables on CUDA alone; use "
-                "--kv-overlap-schedule off"
-            )
+        if self.overlap and getattr(torch.version, "hip", None):  # a launch that bypassed the CLI check
+            raise RuntimeError(f"kvplane: {ROCM_OVERLAP_REFUSED}")
         if int(getattr(getattr(scheduler, "server_args", None), "pp_size", 1) or 1) > 1:
             raise RuntimeError("kvplane: --enable-layered-kv does not support --pp-size > 1")
         self.scheduler = scheduler
@@ -125,10 +121,10 @@ class SchedulerHooks:
         self.reporter: StepReporter | None = None
         self.stats: StepStatsWriter | None = None
         self.timer: LayerTimer | None = None
-        backend = getattr(getattr(getattr(scheduler, "tp_worker", None), "model_runner", None), "attn_backend", None)
+        runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
+        backend = getattr(runner, "attn_backend", None)
         if self.tp.is_source and hasattr(backend, "layer_timer"):
             self.timer = backend.layer_timer = LayerTimer(self.layers, getattr(self.pool, "device", "cpu"))
-        runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
         self._forward_stream = getattr(runner, "forward_stream", None) if self.overlap else None
         """Where the overlap loop runs the forward (None: the current stream)."""
         if hasattr(backend, "layer_timer"):  # the layered attention backend times its own parts

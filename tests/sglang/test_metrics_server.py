@@ -13,7 +13,6 @@ no kvplane multiprocess file.
 from __future__ import annotations
 
 import json
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -27,7 +26,7 @@ import pytest
 from sglang_ext.hooks import ResidencyEventKind, read_jsonl_events
 from sglang_ext.metric_spec import WORKER_METRICS
 from sglang_ext.settings import POOL_STATS_FILE_ENV, RESIDENCY_EVENTS_FILE_ENV, STATS_FILE_ENV
-from sglang_ext.testing.jsonl import read_jsonl
+from sglang_ext.testing.jsonl import read_jsonl, wait_quiet
 from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import PROMPTS, running_servers
 from tests.sglang.test_dashboard import DASHBOARD, dashboard_metrics, load_promql
@@ -173,19 +172,7 @@ def _settle(ms: MetricsServer, quiet_s: float = 1.0, timeout_s: float = 60.0) ->
     when the step's result is sent, before kvplane's end-of-step hook updates the counters and
     writes the stats lines, so a scrape taken at once may miss that step's counts while the files
     read later have them. Quiet means the files did not grow for ``quiet_s``."""
-    paths = (ms.stats_path, ms.pool_stats_path, ms.events_path)
-
-    def sizes() -> tuple[int, ...]:
-        return tuple(p.stat().st_size if p.exists() else 0 for p in paths)
-
-    deadline, last, since = time.monotonic() + timeout_s, sizes(), time.monotonic()
-    while time.monotonic() < deadline:
-        time.sleep(0.1)
-        now = sizes()
-        if now != last:
-            last, since = now, time.monotonic()
-        elif time.monotonic() - since >= quiet_s:
-            return
+    wait_quiet((ms.stats_path, ms.pool_stats_path, ms.events_path), quiet_s, timeout_s, poll_s=0.1)
 
 
 def counter_problems(w: Workload, before: Samples, after: Samples) -> list[str]:
