@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from controlplane.controller.metrics import EMBEDDED_METRIC_NAMES, SOLVE_BUCKETS_S
+from sglang_ext.pause import PAUSE_SKIP_REASONS
 
 NAMESPACE = "kvplane:"
 """Prefix of every kvplane metric on SGLang's ``/metrics`` (SGLang's own are ``sglang:``)."""
@@ -135,6 +136,13 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvplane:requests_resumed_total", "counter", "requests",
                "Paused requests resumed (at step boundaries, or to be aborted)", scope="source"),
     MetricSpec("kvplane:paused_requests", "gauge", "requests", "Requests paused now", scope="source"),
+    MetricSpec("kvplane:pauses_skipped_total", "counter", "pause attempts",
+               "Pauses the plan asked for and a step boundary did not apply, by reason: finishing (the "
+               "request's last token comes in the next step, or the step in flight under the overlap loop: "
+               "finishing frees its KV sooner) or a batch feature whose per-request state cannot be split "
+               "off (penalties, grammar, custom logit processor, speculative decoding, encoder-decoder). "
+               "The pause stays deferred and is retried at each boundary while its request runs",
+               scope="source", label="reason", label_values=PAUSE_SKIP_REASONS),
     MetricSpec("kvplane:deposit_tokens", "gauge", "tokens",
                "Tokens generated but not yet due under the token-deposit rule, summed over the controller's "
                "live requests (the reserve that hides stalls), as of the last report",

@@ -18,7 +18,12 @@ kvplane's pause (OrbitFlow §3.4) keeps the KV instead:
 
 Not paused (the request is left running, reason logged): batches using penalties, grammars,
 custom logit processors or speculative decoding -- their per-batch state cannot be split
-faithfully here.
+faithfully here. Nor a request whose last token (``max_new_tokens``) comes in the next step, or
+under SGLang's overlap loop in the step in flight at the boundary (``in_flight_steps``): it frees
+its KV as soon as it finishes, and parking it would only write its KV back to host memory for one
+more token later. Skipped pauses are counted by reason (:data:`PAUSE_SKIP_REASONS`,
+``kvplane:pauses_skipped_total``); the control plane's pause stays deferred, retried at each
+boundary, and is dropped when the request is gone.
 
 Runs on the scheduler thread; every TP rank applies the same calls in the same order.
 """
@@ -35,6 +40,12 @@ import structlog
 from sglang_ext.hooks import ResidencyEventKind, ResidencyHooks
 
 log = structlog.get_logger(__name__)
+
+
+PAUSE_SKIP_REASONS: tuple[str, ...] = (
+    "finishing", "penalties", "custom_logit_processor", "grammar", "speculative_decoding", "encoder_decoder",
+)
+"""Why a pause the plan asked for was not applied (:attr:`PauseManager.skipped`)."""
 
 
 @dataclass
@@ -56,13 +67,13 @@ def unpausable_reason(batch: Any) -> str | None:
     if orchestrator is not None and orchestrator.is_required:
         return "penalties"
     if getattr(info, "has_custom_logit_processor", False):
-        return "custom logit processor"
+        return "custom_logit_processor"
     if getattr(batch, "has_grammar", False):
         return "grammar"
     if getattr(batch, "spec_info", None) is not None:
-        return "speculative decoding"
+        return "speculative_decoding"
     if getattr(batch, "model_config", None) is not None and batch.model_config.is_encoder_decoder:
-        return "encoder-decoder"
+        return "encoder_decoder"
     return None
 
 
@@ -73,12 +84,16 @@ class PauseManager:
         self,
         hooks: ResidencyHooks | None = None,
         pages_of: Callable[[Any], Sequence[int]] | None = None,
+        in_flight_steps: int = 0,
     ) -> None:
         self._parked: dict[str, ParkedRequest] = {}
+        self.in_flight_steps = in_flight_steps
+        """Steps launched but not yet processed at a boundary (1 under SGLang's overlap loop): each
+        commits one more output token of the requests it carries before a pause takes effect."""
         self._hooks = hooks
         self._pages_of = pages_of
-        self.refused: dict[str, int] = {}
-        """Pause requests refused, by reason."""
+        self.skipped: dict[str, int] = {}
+        """Pause attempts not applied, by reason (:data:`PAUSE_SKIP_REASONS`; running totals)."""
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -103,8 +118,8 @@ class PauseManager:
             return []
         reason = unpausable_reason(running_batch)
         if reason is not None:
-            self.refused[reason] = self.refused.get(reason, 0) + len(wanted)
-            log.warning("pause_refused", rids=wanted, reason=reason)
+            self.skipped[reason] = self.skipped.get(reason, 0) + len(wanted)
+            log.warning("pause_skipped", rids=wanted, reason=reason)
             return []
         done: list[str] = []
         for rid in wanted:
@@ -119,6 +134,9 @@ class PauseManager:
             if idx is None:
                 continue  # not decoding (finished, finishing/aborted, prefilling, unknown)
             req = running_batch.reqs[idx]
+            if self._finishing(req):
+                self.skipped["finishing"] = self.skipped.get("finishing", 0) + 1
+                continue
             taken = copy.copy(running_batch)
             taken.sampling_info = copy.copy(running_batch.sampling_info)
             taken.filter_batch(keep_indices=[idx])
@@ -132,6 +150,13 @@ class PauseManager:
         if done:
             log.info("requests_paused", rids=done, step=step, running=len(running_batch.reqs))
         return done
+
+    def _finishing(self, req: Any) -> bool:
+        """The request's last output token comes in a step in flight or in the next one."""
+        max_new = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None)
+        if not max_new:
+            return False
+        return len(req.output_ids) + self.in_flight_steps + 1 >= int(max_new)
 
     # ---- resume --------------------------------------------------------------------------
     def resume(self, running_batch: Any, rids: Iterable[str]) -> tuple[Any, list[str]]:

@@ -108,7 +108,7 @@ class SchedulerHooks:
         self.pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
         self.installer = PlacementInstaller(self.pool, self.layers)
         tree_hooks = getattr(getattr(scheduler, "tree_cache", None), "residency_hooks", None)
-        self.pauser = PauseManager(hooks=tree_hooks, pages_of=self.pages_of)
+        self.pauser = PauseManager(hooks=tree_hooks, pages_of=self.pages_of, in_flight_steps=int(self.overlap))
         self.tp = TpSync.for_scheduler(scheduler)
         self.step = 0
         t0 = time.monotonic()
@@ -300,7 +300,8 @@ class SchedulerHooks:
         metrics = self.metrics
         if metrics is not None:
             adm = self.admission
-            metrics.end_step(paused=len(self.pauser), held_total=adm.held_total, local_admits=adm.local_admits)
+            metrics.end_step(paused=len(self.pauser), held_total=adm.held_total, local_admits=adm.local_admits,
+                             pauses_skipped=self.pauser.skipped)
             if finished and self.tp.is_source:
                 metrics.finished(r for r in batch.reqs if r.rid in self._ended)
         if self.reporter is None:  # not TP rank 0

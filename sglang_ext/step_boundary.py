@@ -14,7 +14,8 @@ Called AROUND ``Scheduler.get_next_batch_to_run`` (:mod:`sglang_ext.scheduler_ho
 * :meth:`StepBoundary.after_schedule` (SGLang allocated this step's KV): the residency wants go
   to the layered pool unless the policy is unchanged since the last install.
 
-What the boundary did is kept in :attr:`StepBoundary.record` for the step's stats line.
+What the boundary did is kept in :attr:`StepBoundary.record` for the step's stats line (admitted,
+paused, resumed, pauses asked for and not applied by reason, decision, install delta).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ _QUIET_BOUNDARY: Mapping[str, Any] = MappingProxyType({
     "admitted_now": [],
     "paused_now": [],
     "resumed_now": [],
+    "pauses_skipped": {},
     "decision": None,
 })
 """What a boundary that installs nothing did (copied per step: the stats line extends it)."""
@@ -119,7 +121,13 @@ class StepBoundary:
         self.admission.admit(install.admit)
         self.admission.open = install.fallback
         deferred = self.inbox.deferred_pause
-        paused = self.pauser.pause(running_batch, install.pause, step + 1)
+        pauser = self.pauser
+        skipped_before = dict(pauser.skipped) if install.pause else None
+        paused = pauser.pause(running_batch, install.pause, step + 1)
+        skipped = {} if skipped_before is None else {
+            reason: n - skipped_before.get(reason, 0)
+            for reason, n in pauser.skipped.items() if n > skipped_before.get(reason, 0)
+        }
         for rid in paused:
             deferred.pop(rid, None)
         running_batch, resumed = self.pauser.resume(running_batch, install.resume)
@@ -141,6 +149,7 @@ class StepBoundary:
             "admitted_now": list(install.admit),
             "paused_now": paused,
             "resumed_now": resumed,
+            "pauses_skipped": skipped,
             "decision": install.reason or None,
             "fallback": install.fallback,
         }

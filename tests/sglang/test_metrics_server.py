@@ -25,6 +25,7 @@ import pytest
 
 from sglang_ext.hooks import ResidencyEventKind, read_jsonl_events
 from sglang_ext.metric_spec import WORKER_METRICS
+from sglang_ext.pause import PAUSE_SKIP_REASONS
 from sglang_ext.settings import POOL_STATS_FILE_ENV, RESIDENCY_EVENTS_FILE_ENV, STATS_FILE_ENV
 from sglang_ext.testing.jsonl import read_jsonl, wait_quiet
 from sglang_ext.testing.server import SGLangServer
@@ -193,6 +194,10 @@ def counter_problems(w: Workload, before: Samples, after: Samples) -> list[str]:
     expect(f"resumes == {w.resumed_events} RESUMED events", resumed, resumed == w.resumed_events)
     paused_lines = sum(len(line.get("paused_now") or ()) for line in w.stats)
     expect(f"pauses >= {paused_lines} in the stats lines' paused_now", paused, paused >= paused_lines)
+    for reason in PAUSE_SKIP_REASONS:
+        want = sum((line.get("pauses_skipped") or {}).get(reason, 0) for line in w.stats)
+        got = delta("kvplane:pauses_skipped_total", reason=reason)
+        expect(f"pauses skipped ({reason}) == {want} in the stats lines", got, got == want)
     installs = sum((line.get("install_delta") or {}).get("offloaded_layer_pages", 0) for line in w.stats)
     forwards = sum(line["delta"]["offloaded_layer_pages"] for line in w.pool_lines)
     offloaded = delta("kvplane:offloaded_layer_pages_total")

@@ -111,7 +111,8 @@ def test_quiet_boundary_installs_nothing_and_records_it() -> None:
     batch = object()
     assert boundary.apply(batch, None, step=0) is batch
     assert boundary.take_record() == {
-        "admitted_now": [], "paused_now": [], "resumed_now": [], "decision": None, "fallback": False,
+        "admitted_now": [], "paused_now": [], "resumed_now": [], "pauses_skipped": {}, "decision": None,
+        "fallback": False,
     }
     assert boundary.take_record() == {}
 

@@ -335,3 +335,20 @@ def test_negative_control_ranks_without_their_label_merge(tmp_path: Path):
     samples = _collect(tmp_path, [(same, True, 7.0), (same, False, 9.0)])
     h2d = [s for s in samples if s[0] == "kvplane:h2d_bytes_total"]
     assert len(h2d) == 1 and h2d[0][2] == 200.0
+
+
+def test_pauses_skipped_follow_the_pausers_running_totals_by_reason():
+    """``kvplane:pauses_skipped_total{reason}`` advances to the pauser's running totals (never
+    backwards); a reason outside the table is not exported; TP ranks other than 0 export none."""
+    metrics = make_metrics()
+    metrics.end_step(pauses_skipped={"finishing": 2})
+    metrics.end_step(pauses_skipped={"finishing": 3, "grammar": 1, "made_up": 5})
+    metrics.end_step(pauses_skipped={"finishing": 1})  # a smaller total moves nothing back
+    assert value(metrics, "kvplane:pauses_skipped_total", reason="finishing") == 3
+    assert value(metrics, "kvplane:pauses_skipped_total", reason="grammar") == 1
+    assert value(metrics, "kvplane:pauses_skipped_total", reason="penalties") == 0
+    assert metrics.registry.get_sample_value("kvplane:pauses_skipped_total",
+                                             {**metrics.labels, "reason": "made_up"}) is None
+    rank1 = make_metrics(source=False)
+    rank1.end_step(pauses_skipped={"finishing": 2})
+    assert value(rank1, "kvplane:pauses_skipped_total", reason="finishing") == 0

@@ -1,0 +1,79 @@
+"""PauseManager leaves a request running when its last output token (``max_new_tokens``) comes in
+the next step, or under SGLang's overlap loop in the step in flight at the boundary: it frees its
+KV when it finishes, so parking it would only write its KV back for one token later."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from sglang_ext.pause import PauseManager
+from tests.sglang.test_pause_drop_finished import _Batch
+
+
+@dataclass
+class _Req:
+    rid: str
+    outputs: int
+    max_new: int | None
+    done: bool = False
+    to_finish: object = None
+    output_ids: list[int] = field(init=False)
+    sampling_params: SimpleNamespace = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.output_ids = [0] * self.outputs
+        self.sampling_params = SimpleNamespace(max_new_tokens=self.max_new)
+
+    def finished(self) -> bool:
+        return self.done
+
+
+def _pause(in_flight: int, reqs: list[_Req]) -> tuple[list[str], PauseManager]:
+    pauser = PauseManager(in_flight_steps=in_flight)
+    return pauser.pause(_Batch(list(reqs)), [r.rid for r in reqs], step=3), pauser
+
+
+def test_without_overlap_only_the_request_whose_next_token_is_its_last_keeps_running():
+    reqs = [_Req("last", 11, 12), _Req("two_left", 10, 12), _Req("open", 3, None)]
+    paused, pauser = _pause(0, reqs)
+    assert paused == ["two_left", "open"]
+    assert pauser.skipped == {"finishing": 1}
+
+
+def test_under_overlap_the_step_in_flight_counts_too():
+    reqs = [_Req("last", 11, 12), _Req("two_left", 10, 12), _Req("three_left", 9, 12)]
+    paused, pauser = _pause(1, reqs)
+    assert paused == ["three_left"]  # two_left's last token comes in the step after the one in flight
+    assert pauser.skipped == {"finishing": 2}
+    assert "two_left" not in pauser and "three_left" in pauser
+
+
+def test_the_boundary_records_the_skip_and_keeps_the_pause_deferred():
+    """A plan pausing a finishing request and an open one: the open one is parked, the skip is on
+    the boundary's record by reason, and the finishing one's pause stays deferred (retried at the
+    next boundary, dropped once the request is gone)."""
+    from controlplane.api import Decision
+    from controlplane.model import Plan
+    from sglang_ext.admission import AdmissionGate
+    from sglang_ext.decision_inbox import DecisionInbox
+    from sglang_ext.step_boundary import StepBoundary
+    from sglang_ext.tp_sync import PlacementInstaller, TpSync
+    from tests.sglang.test_scheduler_roles import FakeClient
+
+    inbox = DecisionInbox()
+    plan = Plan(True, (), {}, 1.0, 8, 0, 0, "test", 0.0)
+    inbox.receive([Decision(plan=plan, apply_at_step=0, expiry_step=10, pause=("a", "b"))])
+    pauser = PauseManager()
+    boundary = StepBoundary(
+        tp=TpSync(0, 1), installer=PlacementInstaller(None, 2), pauser=pauser, admission=AdmissionGate(enabled=False),
+        inbox=inbox, client=FakeClient(), pages_of=lambda r: (),
+    )
+    running = _Batch([_Req("a", 7, 8), _Req("b", 1, 8)])
+    boundary.apply(running, None, step=4)
+    record = boundary.take_record()
+    assert record["paused_now"] == ["b"] and record["pauses_skipped"] == {"finishing": 1}
+    assert [r.rid for r in running.reqs] == ["a"] and "a" in inbox.deferred_pause
+    running.reqs = [_Req("c", 0, 8)]  # "a" finished and left: its deferred pause is dropped
+    boundary.apply(running, None, step=5)
+    assert "a" not in inbox.deferred_pause and boundary.take_record()["pauses_skipped"] == {}
