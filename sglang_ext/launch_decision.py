@@ -23,9 +23,11 @@ Rules (each one names what would break):
   capturing backend, or a ``--cuda-graph-config``, is refused.
 * **KV cache dtype.** Quantized KV caches (fp8, fp4, mxfp8) need scales the layered pool does not
   keep: refused (``auto`` / ``bf16`` only).
-* **Speculative decoding, pipeline parallelism, HiCache, disaggregation**: refused (the pool's
-  KV copy for draft tokens, per-stage layer ranges, a second tier of its own, and transfer of
-  the flat buffers are not implemented).
+* **Speculative decoding, pipeline parallelism, HiCache, disaggregation, DP attention**: refused
+  (the pool's KV copy for draft tokens, per-stage layer ranges, a second tier of its own,
+  transfer of the flat buffers, and per-rank batches inside one TP group are not implemented).
+  ``--dp-size`` replicas are served: each replica's scheduler is a worker of its own (worker id
+  ``ID-dpD``, per-replica output files).
 * **Overlap scheduler.** ``--enable-layered-kv`` implies ``--disable-overlap-schedule`` unless
   ``--kv-overlap-schedule on`` keeps SGLang's overlap loop (there the boundary of step k+1 --
   plan install, pauses, the pool's step preparation -- runs while step k computes, and step k's
@@ -181,6 +183,12 @@ class LaunchDecision:
             raise LaunchRefused(
                 "--enable-hierarchical-cache: HiCache is a second KV tier of its own; it cannot be "
                 "combined with --enable-layered-kv"
+            )
+        if values.get("enable_dp_attention") or int(values.get("attn_dp_size") or 1) > 1:
+            raise LaunchRefused(
+                "--enable-dp-attention / --attn-dp-size > 1: attention data-parallel ranks schedule "
+                "batches of their own, while kvplane installs one plan across the TP group; not "
+                "supported with --enable-layered-kv (--dp-size replicas are)"
             )
         mode = values.get("disaggregation_mode")
         if mode not in (None, "null"):

@@ -141,12 +141,13 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
 
     # ----- wiring -------------------------------------------------------------------
 
-    def attach(self, tree_cache: Any, tp_rank: int = 0) -> None:
+    def attach(self, tree_cache: Any, tp_rank: int = 0, dp_rank: int = 0) -> None:
         """Share ``tree_cache.residency_hooks``: frees drop device copies; releases drop wants.
-        The stats lines go to TP rank ``tp_rank``'s file (:func:`settings.rank_output_file`)."""
+        The stats lines go to TP rank ``tp_rank``'s file of replica ``dp_rank``
+        (:func:`settings.rank_output_file`)."""
         base = settings.read_output_file(POOL_STATS_FILE_ENV)  # from the variable: idempotent
         if base is not None:
-            self._stats_path = settings.rank_output_file(base, tp_rank)
+            self._stats_path = settings.rank_output_file(base, tp_rank, dp_rank)
         hooks = getattr(tree_cache, "residency_hooks", None)
         if hooks is not None:
             self.residency_hooks = hooks

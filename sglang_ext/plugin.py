@@ -131,15 +131,16 @@ def _after_alloc_for_decode(result: Any, batch: Any, *args: Any, **kwargs: Any) 
 # ----- layered KV pool and attention (flag on; sglang_ext/layered_pool.py) -------------
 
 
-def _attach_layered_pool(cache: Any, tp_rank: int = 0) -> None:
+def _attach_layered_pool(cache: Any, tp_rank: int = 0, dp_rank: int = 0) -> None:
     """Let the layered KV pool (if SGLang built one) follow the tree's frees and releases; its
-    stats file is TP rank ``tp_rank``'s (:func:`sglang_ext.settings.rank_output_file`)."""
+    stats file is TP rank ``tp_rank``'s of replica ``dp_rank``
+    (:func:`sglang_ext.settings.rank_output_file`)."""
     from sglang_ext.layered_pool import LayeredTokenToKVPool
 
     allocator = getattr(cache, "token_to_kv_pool_allocator", None)
     pool = allocator.get_kvcache() if allocator is not None else None
     if isinstance(pool, LayeredTokenToKVPool):
-        pool.attach(cache, tp_rank=tp_rank)
+        pool.attach(cache, tp_rank=tp_rank, dp_rank=dp_rank)
 
 
 def _around_resolve_kv_pool_class(original: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -345,7 +346,7 @@ class KvplanePlugin:
     def radix_cache_factory(self, build_ctx: Any) -> Any:
         """``register_radix_cache_backend`` factory: a :class:`LayeredRadixCache` for SGLang's
         ``TreeCacheBuildContext`` (residency events to ``$KVPLANE_RESIDENCY_EVENTS_FILE`` if set,
-        one file per TP rank: :func:`sglang_ext.settings.rank_output_file`)."""
+        one file per TP rank and data-parallel replica: :func:`sglang_ext.settings.rank_output_file`)."""
         from sglang_ext.hooks import JsonlEventWriter, ResidencyHooks
         from sglang_ext.radix_cache import LayeredRadixCache
 
@@ -356,12 +357,12 @@ class KvplanePlugin:
                 f"hierarchical_cache={build_ctx.enable_hierarchical_cache})"
             )
         hooks = ResidencyHooks()
-        tp_rank = int(build_ctx.tp_rank)
+        tp_rank, dp_rank = int(build_ctx.tp_rank), compat.dp_rank()
         events_file = self.ctx.env.residency_events_file
         if events_file is not None:
-            hooks.subscribe(JsonlEventWriter(settings.rank_output_file(events_file, tp_rank)))
+            hooks.subscribe(JsonlEventWriter(settings.rank_output_file(events_file, tp_rank, dp_rank)))
         cache = LayeredRadixCache(build_ctx.params, hooks=hooks)
-        _attach_layered_pool(cache, tp_rank)
+        _attach_layered_pool(cache, tp_rank, dp_rank)
         return cache
 
     def _register_layered(self, hook_registry: Any, hook_type: Any) -> None:

@@ -52,7 +52,7 @@ import structlog
 import torch
 
 from controlplane.api import WorkerInfo
-from sglang_ext import compat
+from sglang_ext import compat, settings
 from sglang_ext.admission import GATED_SCHEDULERS, AdmissionGate
 from sglang_ext.context import PluginContext
 from sglang_ext.control_client import ControlClient, build_control_plane
@@ -99,10 +99,16 @@ class SchedulerHooks:
             raise RuntimeError("kvplane: --enable-layered-kv does not support --pp-size > 1")
         self.scheduler = scheduler
         self.ctx = ctx
+        server_args = getattr(scheduler, "server_args", None)
+        self.dp_size = int(getattr(server_args, "dp_size", 1) or 1)
+        self.dp_rank = compat.dp_rank() if self.dp_size > 1 else 0
+        """The data-parallel replica (``--dp-size``): its own worker id and output files."""
         self.args = args
         self.env = ctx.env
         self.meter = ctx.meter
-        """kvplane's own time per step (``$KVPLANE_OVERHEAD_FILE``), None when not measured."""
+        """kvplane's own time per step (``$KVPLANE_OVERHEAD_FILE``, per replica), None when not measured."""
+        if self.meter is not None and self.dp_rank:
+            self.meter.path = settings.rank_output_file(self.meter.path, 0, self.dp_rank)
         self.layers = int(scheduler.model_config.num_hidden_layers)
         self.page_size = int(getattr(scheduler, "page_size", 1) or 1)
         self.pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
@@ -183,7 +189,7 @@ class SchedulerHooks:
                 t0=t0,
             )
             if self.env.stats_file is not None:
-                self.stats = StepStatsWriter(self.env.stats_file)
+                self.stats = StepStatsWriter(settings.rank_output_file(self.env.stats_file, 0, self.dp_rank))
             log.info(
                 "kvplane_scheduler_ready",
                 worker=self.worker.worker_id,
@@ -217,7 +223,8 @@ class SchedulerHooks:
         elem = int(getattr(dtype, "itemsize", 2))
         block_bytes = max(1, self.page_size * head_num * (head_dim + v_head_dim) * elem)
         port = getattr(getattr(s, "server_args", None), "port", None) or os.getpid()
-        worker_id = self.env.worker_id or f"sglang-{socket.gethostname()}-{port}"
+        worker_id = settings.replica_worker_id(self.env.worker_id or f"sglang-{socket.gethostname()}-{port}",
+                                               self.dp_rank, self.dp_size)
         return build_worker_info(
             worker_id=worker_id,
             layers=self.layers,

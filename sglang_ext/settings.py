@@ -13,10 +13,12 @@ naming the variable, the value and what is allowed; unset or empty means the def
 ``KVPLANE_STATS_FILE``             one JSON line per scheduler step (TP rank 0)
 ``KVPLANE_POOL_STATS_FILE``        one JSON line per forward from the layered KV pool (per TP rank)
 ``KVPLANE_OVERHEAD_FILE``          kvplane's own time per step, rewritten every 64 steps
-``KVPLANE_WORKER_ID``              worker id sent to the control plane (default ``sglang-HOST-PORT``)
+``KVPLANE_WORKER_ID``              worker id sent to the control plane (default ``sglang-HOST-PORT``;
+                                   ``ID-dpD`` per replica with ``--dp-size > 1``: :func:`replica_worker_id`)
 =================================  =====================================================================
 
-Files must be in an existing directory (and not be a directory). Pure Python: imported by
+Files must be in an existing directory (and not be a directory). With ``--dp-size > 1`` every
+file is per data-parallel replica too (:func:`rank_output_file`). Pure Python: imported by
 ``plugin.py`` / ``args.py`` in every SGLang process.
 """
 
@@ -100,17 +102,26 @@ def read_output_file(name: str, environ: Mapping[str, str] | None = None) -> Pat
     return path
 
 
-def rank_output_file(path: Path, tp_rank: int) -> Path:
-    """Where TP rank ``tp_rank`` writes a file that every rank writes (the residency events, the
-    layered pool's stats): rank 0 writes ``path`` itself, so a TP=1 server's file is unchanged;
-    rank r > 0 writes ``STEM.tpR.SUFFIX`` beside it (``events.jsonl`` -> ``events.tp1.jsonl``).
-    One writer per file: the ranks' lines never interleave and each file's event ``seq`` stays
-    gap-free (measured with ``--tp 2``: both ranks appending to one file doubled every event)."""
-    if tp_rank < 0:
-        raise ValueError(f"tp_rank={tp_rank}: must be >= 0")
-    if tp_rank == 0:
-        return path
-    return path.with_name(f"{path.stem}.tp{tp_rank}{path.suffix}")
+def rank_output_file(path: Path, tp_rank: int, dp_rank: int = 0) -> Path:
+    """Where TP rank ``tp_rank`` of data-parallel replica ``dp_rank`` writes a file that several
+    ranks write (the residency events, the layered pool's stats; per replica: the step stats and
+    the overhead meter). TP rank 0 of replica 0 writes ``path`` itself, so a server without TP or
+    DP is unchanged; otherwise ``STEM[.dpD][.tpR].SUFFIX`` beside it (``events.jsonl`` ->
+    ``events.tp1.jsonl``, ``events.dp1.jsonl``, ``events.dp1.tp1.jsonl``). One writer per file: the
+    ranks' lines never interleave and each file's event ``seq`` stays gap-free (measured with
+    ``--tp 2``: both ranks appending to one file doubled every event; with ``--dp-size 2`` the two
+    replicas' step numbers interleaved)."""
+    if tp_rank < 0 or dp_rank < 0:
+        raise ValueError(f"tp_rank={tp_rank}, dp_rank={dp_rank}: must be >= 0")
+    tags = (f".dp{dp_rank}" if dp_rank else "") + (f".tp{tp_rank}" if tp_rank else "")
+    return path.with_name(f"{path.stem}{tags}{path.suffix}") if tags else path
+
+
+def replica_worker_id(worker_id: str, dp_rank: int, dp_size: int) -> str:
+    """The worker id of data-parallel replica ``dp_rank``: ``ID-dpD`` with ``--dp-size > 1`` (each
+    replica is a worker of its own to the control plane: one id for all made them replace each
+    other's session), ``worker_id`` unchanged otherwise."""
+    return f"{worker_id}-dp{dp_rank}" if dp_size > 1 else worker_id
 
 
 def read_worker_id(environ: Mapping[str, str] | None = None) -> str | None:

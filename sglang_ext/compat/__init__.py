@@ -46,6 +46,7 @@ from sglang_ext.compat.surface import (
     OPENAI_COMPLETION_STREAM_RESPONSE,
     OPENAI_RESPONSES_RESPONSE,
     OPENAI_SGLEXT,
+    PARALLEL_CONTEXT,
     RADIX_CACHE,
     REGISTER_RADIX_CACHE_BACKEND,
     SAMPLING_BATCH_INFO,
@@ -107,6 +108,16 @@ def attention_backends() -> dict[str, Any]:
     return backends
 
 
+def dp_rank() -> int:
+    """This process's data-parallel replica (``--dp-size``; 0 without SGLang's DP controller, or
+    when SGLang has not published its parallel ranks in this process)."""
+    try:
+        rank = resolve(PARALLEL_CONTEXT.path)().dp_rank
+    except (AttributeError, ImportError, RuntimeError, ValueError):
+        return 0
+    return int(rank) if rank is not None else 0
+
+
 __all__ = [
     *_surface.__all__,
     "LAZY_NAMES",
@@ -116,6 +127,7 @@ __all__ = [
     "check_surface",
     "check_target",
     "check_version",
+    "dp_rank",
     "installed_version",
     "resolve",
     *_LAZY,

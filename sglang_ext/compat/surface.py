@@ -409,9 +409,13 @@ GENERATE_REQ_INPUT_SAMPLING = Target(f"{_SRT}.managers.io_struct.GenerateReqInpu
 
 # ----- live policy endpoint (policy_endpoint_config.py, pacing_slo_publisher.py, pacing_slo_update.py)
 
-SERVER_ARGS_DP_SIZE = Target(f"{_SRT}.server_args.ServerArgs", attrs=("dp_size",), used_by=("plugin",))
+SERVER_ARGS_DP_SIZE = Target(f"{_SRT}.server_args.ServerArgs", attrs=("dp_size",), used_by=("plugin", "scheduler_hooks"))
 """``--dp-size``: one embedded control plane per data-parallel rank, so one policy port cannot serve
 them all (``--kv-policy-listen`` is refused with ``--dp-size > 1``)."""
+PARALLEL_CONTEXT = Target(f"{_SRT}.runtime_context.get_parallel", params=(), used_by=("scheduler_hooks", "plugin"))
+"""The process's parallel context; kvplane reads its ``dp_rank`` (the data-parallel replica, None
+without SGLang's DP controller): with ``--dp-size > 1`` each replica's scheduler gets a worker id
+and output files of its own (:func:`sglang_ext.compat.dp_rank`)."""
 SERVER_ARGS_TOKENIZER_WORKER_NUM = Target(f"{_SRT}.server_args.ServerArgs", attrs=("tokenizer_worker_num",),
                                           used_by=("pacing_slo_publisher",))
 """``--tokenizer-worker-num``: with more than one, SGLang's router forwards only per-request

@@ -17,7 +17,7 @@ STOCK = {
     "cuda_graph_backend_prefill": None, "kv_cache_dtype": "auto", "speculative_algorithm": None,
     "pp_size": 1, "enable_hierarchical_cache": False, "disaggregation_mode": "null",
     "disable_overlap_schedule": False, "disable_cuda_graph": False, "page_size": None,
-    "chunked_prefill_size": None,
+    "chunked_prefill_size": None, "enable_dp_attention": False, "attn_dp_size": 1, "dp_size": 1,
 }
 """SGLang 0.5.23's parsed defaults for these options (checked against the real parser in
 ``test_stock_values_are_sglang_defaults``)."""
@@ -109,6 +109,8 @@ def test_kv_overlap_schedule_on_keeps_sglangs_overlap_loop_and_says_so():
         ({"pp_size": 2}, "--pp-size"),
         ({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache"),
         ({"disaggregation_mode": "decode"}, "--disaggregation-mode decode"),
+        ({"enable_dp_attention": True}, "--enable-dp-attention"),
+        ({"attn_dp_size": 2}, "--attn-dp-size > 1"),
     ],
 )
 def test_unservable_options_are_refused_by_name(changes, names):
@@ -120,3 +122,9 @@ def test_unservable_options_are_refused_by_name(changes, names):
 @pytest.mark.parametrize("dtype", ["auto", "bf16", "bfloat16"])
 def test_unquantized_kv_dtypes_pass(dtype):
     assert _decide(kv_cache_dtype=dtype).device == "cuda"
+
+
+def test_data_parallel_replicas_are_served():
+    """``--dp-size 2`` (replicas, each its own scheduler and worker) passes; DP attention does not
+    (the negative control above)."""
+    assert _decide(dp_size=2).device == "cuda"

@@ -119,3 +119,18 @@ def test_rank_output_file_gives_each_tp_rank_its_own_file(tmp_path: Path) -> Non
     assert len({settings.rank_output_file(path, r) for r in range(8)}) == 8
     with pytest.raises(ValueError, match="tp_rank=-1"):
         settings.rank_output_file(path, -1)
+
+
+def test_each_data_parallel_replica_gets_its_own_files_and_worker_id(tmp_path: Path) -> None:
+    """With ``--dp-size > 1`` replica d > 0 writes STEM.dpD[.tpR].SUFFIX (replica 0 keeps the TP
+    names), so no two (replica, TP rank) pairs share a file; each replica reports as ``ID-dpD``
+    (one id for all made the replicas replace each other's control-plane session)."""
+    path = tmp_path / "events.jsonl"
+    assert settings.rank_output_file(path, 0, 1) == tmp_path / "events.dp1.jsonl"
+    assert settings.rank_output_file(path, 1, 2) == tmp_path / "events.dp2.tp1.jsonl"
+    assert settings.rank_output_file(path, 1, 0) == tmp_path / "events.tp1.jsonl"
+    assert len({settings.rank_output_file(path, t, d) for t in range(4) for d in range(4)}) == 16
+    with pytest.raises(ValueError, match="dp_rank=-1"):
+        settings.rank_output_file(path, 0, -1)
+    assert settings.replica_worker_id("w", 1, 2) == "w-dp1" and settings.replica_worker_id("w", 0, 2) == "w-dp0"
+    assert settings.replica_worker_id("w", 0, 1) == "w"  # no replicas: the id is unchanged
