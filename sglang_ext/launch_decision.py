@@ -64,6 +64,13 @@ CUDA_PAGE_SIZE = 16
 
 UNQUANTIZED_KV_DTYPES = ("auto", "bf16", "bfloat16")
 
+DP_ATTENTION_REFUSED = (
+    "--enable-dp-attention / --attn-dp-size > 1: attention data-parallel ranks schedule batches of "
+    "their own, while kvplane installs one plan across the TP group; not supported with "
+    "--enable-layered-kv (--dp-size replicas are)"
+)
+"""The refusal of SGLang's DP attention, at launch and again at scheduler start."""
+
 ROCM_OVERLAP_REFUSED = (
     "--kv-overlap-schedule on: not supported on ROCm (the step boundary's KV copies run on SGLang's "
     "schedule stream, ordered behind the in-flight forward only by SGLang's WAR barrier, which "
@@ -185,11 +192,7 @@ class LaunchDecision:
                 "combined with --enable-layered-kv"
             )
         if values.get("enable_dp_attention") or int(values.get("attn_dp_size") or 1) > 1:
-            raise LaunchRefused(
-                "--enable-dp-attention / --attn-dp-size > 1: attention data-parallel ranks schedule "
-                "batches of their own, while kvplane installs one plan across the TP group; not "
-                "supported with --enable-layered-kv (--dp-size replicas are)"
-            )
+            raise LaunchRefused(DP_ATTENTION_REFUSED)
         mode = values.get("disaggregation_mode")
         if mode not in (None, "null"):
             raise LaunchRefused(

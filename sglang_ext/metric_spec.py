@@ -137,7 +137,7 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
                "Paused requests resumed (at step boundaries, or to be aborted)", scope="source"),
     MetricSpec("kvplane:paused_requests", "gauge", "requests", "Requests paused now", scope="source"),
     MetricSpec("kvplane:pauses_skipped_total", "counter", "pause attempts",
-               "Pauses the plan asked for and a step boundary did not apply, by reason: finishing (the "
+               "Pauses of decoding requests the plan asked for and a step boundary did not apply, by reason: finishing (the "
                "request's last token comes in the next step, or the step in flight under the overlap loop: "
                "finishing frees its KV sooner) or a batch feature whose per-request state cannot be split "
                "off (penalties, grammar, custom logit processor, speculative decoding, encoder-decoder). "

@@ -46,6 +46,8 @@ PAUSE_SKIP_REASONS: tuple[str, ...] = (
     "finishing", "penalties", "custom_logit_processor", "grammar", "speculative_decoding", "encoder_decoder",
 )
 """Why a pause the plan asked for was not applied (:attr:`PauseManager.skipped`)."""
+WARNED_MAX = 4096
+"""Request ids remembered as already warned about (then forgotten all at once)."""
 
 
 @dataclass
@@ -94,6 +96,8 @@ class PauseManager:
         self._pages_of = pages_of
         self.skipped: dict[str, int] = {}
         """Pause attempts not applied, by reason (:data:`PAUSE_SKIP_REASONS`; running totals)."""
+        self._warned: set[str] = set()
+        """Requests whose skipped pause was logged (a batch feature: once per request)."""
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -112,31 +116,33 @@ class PauseManager:
 
     # ---- pause ---------------------------------------------------------------------------
     def pause(self, running_batch: Any, rids: Iterable[str], step: int) -> list[str]:
-        """Split ``rids`` off ``running_batch`` (in place) and park them; returns those paused."""
+        """Split ``rids`` off ``running_batch`` (in place) and park them; returns those paused.
+        Only requests decoding in the batch count: a pause of one prefilling, finishing, aborted
+        or unknown is neither applied nor counted (it stays deferred by the boundary)."""
         wanted = [rid for rid in dict.fromkeys(rids) if rid not in self._parked]
         if not wanted or running_batch is None or running_batch.is_empty():
             return []
+        decoding = {req.rid: req for req in running_batch.reqs if not req.finished() and req.to_finish is None}
+        found = [rid for rid in wanted if rid in decoding]
+        if not found:
+            return []
         reason = unpausable_reason(running_batch)
         if reason is not None:
-            self.skipped[reason] = self.skipped.get(reason, 0) + len(wanted)
-            log.warning("pause_skipped", rids=wanted, reason=reason)
+            self.skipped[reason] = self.skipped.get(reason, 0) + len(found)
+            new = [rid for rid in found if rid not in self._warned]
+            if new:  # once per request: a deferred pause is retried at every boundary
+                if len(self._warned) > WARNED_MAX:  # bounded: a request warned again is harmless
+                    self._warned.clear()
+                self._warned.update(new)
+                log.warning("pause_skipped", rids=new, reason=reason)
             return []
         done: list[str] = []
-        for rid in wanted:
-            idx = next(
-                (
-                    i
-                    for i, req in enumerate(running_batch.reqs)
-                    if req.rid == rid and not req.finished() and req.to_finish is None
-                ),
-                None,
-            )
-            if idx is None:
-                continue  # not decoding (finished, finishing/aborted, prefilling, unknown)
-            req = running_batch.reqs[idx]
+        for rid in found:
+            req = decoding[rid]
             if self._finishing(req):
                 self.skipped["finishing"] = self.skipped.get("finishing", 0) + 1
                 continue
+            idx = running_batch.reqs.index(req)
             taken = copy.copy(running_batch)
             taken.sampling_info = copy.copy(running_batch.sampling_info)
             taken.filter_batch(keep_indices=[idx])
@@ -154,7 +160,7 @@ class PauseManager:
     def _finishing(self, req: Any) -> bool:
         """The request's last output token comes in a step in flight or in the next one."""
         max_new = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None)
-        if not max_new:
+        if max_new is None:
             return False
         return len(req.output_ids) + self.in_flight_steps + 1 >= int(max_new)
 

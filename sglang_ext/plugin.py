@@ -357,7 +357,8 @@ class KvplanePlugin:
                 f"hierarchical_cache={build_ctx.enable_hierarchical_cache})"
             )
         hooks = ResidencyHooks()
-        tp_rank, dp_rank = int(build_ctx.tp_rank), compat.dp_rank()
+        tp_rank = int(build_ctx.tp_rank)
+        dp_rank = compat.replica_rank(int(getattr(build_ctx.server_args, "dp_size", 1) or 1))
         events_file = self.ctx.env.residency_events_file
         if events_file is not None:
             hooks.subscribe(JsonlEventWriter(settings.rank_output_file(events_file, tp_rank, dp_rank)))

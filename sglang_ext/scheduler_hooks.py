@@ -57,7 +57,7 @@ from sglang_ext.admission import GATED_SCHEDULERS, AdmissionGate
 from sglang_ext.context import PluginContext
 from sglang_ext.control_client import ControlClient, build_control_plane
 from sglang_ext.decision_inbox import DecisionInbox
-from sglang_ext.launch_decision import ROCM_OVERLAP_REFUSED
+from sglang_ext.launch_decision import DP_ATTENTION_REFUSED, ROCM_OVERLAP_REFUSED
 from sglang_ext.layer_timing import LayerTimer
 from sglang_ext.pacing_slo_publisher import PacingSloPublisher
 from sglang_ext.pause import PauseManager
@@ -101,14 +101,16 @@ class SchedulerHooks:
         self.ctx = ctx
         server_args = getattr(scheduler, "server_args", None)
         self.dp_size = int(getattr(server_args, "dp_size", 1) or 1)
-        self.dp_rank = compat.dp_rank() if self.dp_size > 1 else 0
+        self.dp_rank = compat.replica_rank(self.dp_size)
         """The data-parallel replica (``--dp-size``): its own worker id and output files."""
+        if getattr(server_args, "enable_dp_attention", False) or int(getattr(server_args, "attn_dp_size", 1) or 1) > 1:
+            raise RuntimeError(f"kvplane: {DP_ATTENTION_REFUSED}")  # a launch that bypassed the CLI check
         self.args = args
         self.env = ctx.env
         self.meter = ctx.meter
         """kvplane's own time per step (``$KVPLANE_OVERHEAD_FILE``, per replica), None when not measured."""
-        if self.meter is not None and self.dp_rank:
-            self.meter.path = settings.rank_output_file(self.meter.path, 0, self.dp_rank)
+        if self.meter is not None and self.env.overhead_file is not None:
+            self.meter.path = settings.rank_output_file(self.env.overhead_file, 0, self.dp_rank)
         self.layers = int(scheduler.model_config.num_hidden_layers)
         self.page_size = int(getattr(scheduler, "page_size", 1) or 1)
         self.pool = scheduler.token_to_kv_pool_allocator.get_kvcache()

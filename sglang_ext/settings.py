@@ -120,8 +120,17 @@ def rank_output_file(path: Path, tp_rank: int, dp_rank: int = 0) -> Path:
 def replica_worker_id(worker_id: str, dp_rank: int, dp_size: int) -> str:
     """The worker id of data-parallel replica ``dp_rank``: ``ID-dpD`` with ``--dp-size > 1`` (each
     replica is a worker of its own to the control plane: one id for all made them replace each
-    other's session), ``worker_id`` unchanged otherwise."""
-    return f"{worker_id}-dp{dp_rank}" if dp_size > 1 else worker_id
+    other's session), ``worker_id`` unchanged otherwise. Raises ``ValueError`` when the suffix
+    takes the id past :data:`MAX_WORKER_ID_CHARS` (the control plane would refuse it)."""
+    if dp_size <= 1:
+        return worker_id
+    replica = f"{worker_id}-dp{dp_rank}"
+    if len(replica) > MAX_WORKER_ID_CHARS:
+        raise ValueError(
+            f"{WORKER_ID_ENV}: with --dp-size {dp_size} the worker id gets a -dpD suffix, and "
+            f"{replica[:40]!r}... is {len(replica)} characters (at most {MAX_WORKER_ID_CHARS})"
+        )
+    return replica
 
 
 def read_worker_id(environ: Mapping[str, str] | None = None) -> str | None:

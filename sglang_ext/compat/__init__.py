@@ -108,14 +108,20 @@ def attention_backends() -> dict[str, Any]:
     return backends
 
 
-def dp_rank() -> int:
-    """This process's data-parallel replica (``--dp-size``; 0 without SGLang's DP controller, or
-    when SGLang has not published its parallel ranks in this process)."""
+def replica_rank(dp_size: int) -> int:
+    """This process's data-parallel replica under ``--dp-size dp_size``: 0 without replicas
+    (``dp_size <= 1``); otherwise SGLang's ``get_parallel().dp_rank``. Raises ``RuntimeError``
+    when SGLang does not say, rather than letting two replicas share one worker id and one set of
+    files."""
+    if dp_size <= 1:
+        return 0
     try:
         rank = resolve(PARALLEL_CONTEXT.path)().dp_rank
-    except (AttributeError, ImportError, RuntimeError, ValueError):
-        return 0
-    return int(rank) if rank is not None else 0
+    except (AttributeError, ImportError, RuntimeError, ValueError) as exc:
+        raise RuntimeError(f"kvplane: --dp-size {dp_size}, but SGLang's parallel context has no dp_rank: {exc}") from exc
+    if rank is None or not 0 <= int(rank) < dp_size:
+        raise RuntimeError(f"kvplane: --dp-size {dp_size}, but SGLang's parallel context says dp_rank={rank!r}")
+    return int(rank)
 
 
 __all__ = [
@@ -127,7 +133,7 @@ __all__ = [
     "check_surface",
     "check_target",
     "check_version",
-    "dp_rank",
+    "replica_rank",
     "installed_version",
     "resolve",
     *_LAZY,

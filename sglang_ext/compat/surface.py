@@ -81,7 +81,7 @@ GET_RADIX_CACHE_FACTORY = Target(f"{_SRT}.mem_cache.registry.get_radix_cache_fac
                                  used_by=("plugin",))
 TREE_CACHE_BUILD_CONTEXT = Target(
     f"{_SRT}.mem_cache.registry.TreeCacheBuildContext",
-    attrs=("params", "is_hybrid_swa", "is_hybrid_ssm", "enable_hierarchical_cache", "tp_rank"),
+    attrs=("params", "is_hybrid_swa", "is_hybrid_ssm", "enable_hierarchical_cache", "tp_rank", "server_args"),
     used_by=("plugin",),
 )
 ALLOC_FOR_EXTEND = Target(f"{_SRT}.mem_cache.allocation.alloc_for_extend", params=("batch",),
@@ -414,8 +414,9 @@ SERVER_ARGS_DP_SIZE = Target(f"{_SRT}.server_args.ServerArgs", attrs=("dp_size",
 them all (``--kv-policy-listen`` is refused with ``--dp-size > 1``)."""
 PARALLEL_CONTEXT = Target(f"{_SRT}.runtime_context.get_parallel", params=(), used_by=("scheduler_hooks", "plugin"))
 """The process's parallel context; kvplane reads its ``dp_rank`` (the data-parallel replica, None
-without SGLang's DP controller): with ``--dp-size > 1`` each replica's scheduler gets a worker id
-and output files of its own (:func:`sglang_ext.compat.dp_rank`)."""
+without SGLang's DP controller; a field of ``runtime_context.SpawnRanks``, resolved dynamically, so
+``test_compat`` checks it is one of ``_parallel_fields()``): with ``--dp-size > 1`` each replica's
+scheduler gets a worker id and output files of its own (:func:`sglang_ext.compat.replica_rank`)."""
 SERVER_ARGS_TOKENIZER_WORKER_NUM = Target(f"{_SRT}.server_args.ServerArgs", attrs=("tokenizer_worker_num",),
                                           used_by=("pacing_slo_publisher",))
 """``--tokenizer-worker-num``: with more than one, SGLang's router forwards only per-request

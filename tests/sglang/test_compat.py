@@ -144,3 +144,19 @@ def test_plugin_args_and_compat_import_without_torch_or_sglang() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+@needs_sglang
+def test_replica_rank_reads_sglangs_dp_rank_and_refuses_to_guess() -> None:
+    """``dp_rank`` is a field of SGLang's parallel context (resolved dynamically, so the target's
+    attribute check cannot see it); without replicas the rank is 0 and SGLang is not asked; with
+    ``--dp-size 2`` in a process SGLang's DP controller did not start (this one), the rank is
+    unknown and ``replica_rank`` raises instead of answering 0 for every replica."""
+    from sglang.srt import runtime_context
+
+    from sglang_ext import compat
+
+    assert "dp_rank" in runtime_context._parallel_fields()
+    assert compat.replica_rank(1) == 0
+    with pytest.raises(RuntimeError, match="--dp-size 2"):
+        compat.replica_rank(2)

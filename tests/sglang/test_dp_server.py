@@ -83,8 +83,8 @@ def test_each_replica_is_a_worker_with_its_own_session_and_files(dp_server, vani
     for d, lines in enumerate(stats):
         steps = [line["step"] for line in lines]
         assert steps and steps == sorted(set(steps)), (d, steps[:20])
-    paused = sum(len(line.get("paused_now") or ()) for lines in stats for line in lines)
-    assert paused > 0, "expected the budget to pause requests"
+    paused = [sum(len(line.get("paused_now") or ()) for line in lines) for lines in stats]
+    assert all(paused), f"expected the budget to pause requests on every replica: {paused}"
     for name in ("pool_stats.jsonl", "events.jsonl"):
         assert all(read_jsonl(rank_output_file(root / name, 0, d)) for d in range(DP)), name
 

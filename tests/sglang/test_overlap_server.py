@@ -62,10 +62,12 @@ def test_paused_and_offloaded_requests_match_vanilla_and_leave_nothing_behind(ov
     paused_now = [rid for line in lines for rid in line.get("paused_now") or ()]
     assert len(paused_now) >= 5, f"expected pauses, stats show {len(paused_now)}"
     assert lines[-1]["paused"] == []
-    # nobody is parked within its last two tokens (the step in flight or the next one ends it by
-    # length); before PauseManager's ``in_flight_steps``, some finished on the line of their pause
+    # nobody finishing by length is parked within its last two tokens (the step in flight or the
+    # next one ends it); before PauseManager's ``in_flight_steps``, one finished on its pause's
+    # line. A request ended by EOS in the step in flight cannot be foreseen: left out.
+    by_length = {out["meta_info"]["id"] for out in got if len(out["output_ids"]) == MAX_NEW_TOKENS}
     late = [(line["step"], rid) for n, line in enumerate(lines) for rid in line.get("paused_now") or ()
-            if any(rid in later["finished"] for later in lines[n:n + 2])]
+            if rid in by_length and any(rid in later["finished"] for later in lines[n:n + 2])]
     assert late == [], late
     decode = [line for line in lines if line["mode"] == "decode"]
     assert decode and all(line["step_ms"] is not None and line["step_ms"] > 0 for line in decode)

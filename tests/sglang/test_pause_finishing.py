@@ -77,3 +77,19 @@ def test_the_boundary_records_the_skip_and_keeps_the_pause_deferred():
     running.reqs = [_Req("c", 0, 8)]  # "a" finished and left: its deferred pause is dropped
     boundary.apply(running, None, step=5)
     assert "a" not in inbox.deferred_pause and boundary.take_record()["pauses_skipped"] == {}
+
+
+def test_a_batch_feature_skip_counts_only_decoding_requests_and_warns_once_per_request():
+    """A batch that cannot be split (a custom logit processor): the pauses of its decoding requests
+    are counted at every retry, an unknown id is not counted, and each request is logged once."""
+    from structlog.testing import capture_logs
+
+    pauser = PauseManager()
+    batch = _Batch([_Req("a", 1, 8), _Req("b", 1, 8)])
+    batch.sampling_info = SimpleNamespace(penalizer_orchestrator=None, has_custom_logit_processor=True)
+    with capture_logs() as logs:
+        assert pauser.pause(batch, ["a", "unknown"], step=1) == []
+        assert pauser.pause(batch, ["a", "b"], step=2) == []  # retried: a again, b new
+    assert pauser.skipped == {"custom_logit_processor": 3}
+    assert [e["rids"] for e in logs if e["event"] == "pause_skipped"] == [["a"], ["b"]]
+    assert [r.rid for r in batch.reqs] == ["a", "b"]

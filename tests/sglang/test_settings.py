@@ -134,3 +134,7 @@ def test_each_data_parallel_replica_gets_its_own_files_and_worker_id(tmp_path: P
         settings.rank_output_file(path, 0, -1)
     assert settings.replica_worker_id("w", 1, 2) == "w-dp1" and settings.replica_worker_id("w", 0, 2) == "w-dp0"
     assert settings.replica_worker_id("w", 0, 1) == "w"  # no replicas: the id is unchanged
+    longest = "w" * settings.MAX_WORKER_ID_CHARS  # a valid KVPLANE_WORKER_ID ...
+    assert settings.replica_worker_id(longest, 0, 1) == longest
+    with pytest.raises(ValueError, match="-dpD suffix"):  # ... the control plane would refuse suffixed
+        settings.replica_worker_id(longest, 1, 2)
