@@ -20,7 +20,7 @@ import pytest
 from sglang_ext.hooks import ResidencyEventKind, read_jsonl_events
 from sglang_ext.settings import RESIDENCY_EVENTS_FILE_ENV as EVENTS_FILE_ENV
 from sglang_ext.settings import STATS_FILE_ENV
-from sglang_ext.testing.jsonl import read_jsonl
+from sglang_ext.testing.jsonl import read_jsonl, read_jsonl_settled
 from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import PROMPTS, assert_same_generation, greedy, running_server
 
@@ -83,6 +83,34 @@ def test_paused_requests_finish_token_identical_to_vanilla(paused_server, vanill
     kinds = [e.kind for e in events]
     assert kinds.count(ResidencyEventKind.PAUSED) == len(paused_now)
     assert kinds.count(ResidencyEventKind.RESUMED) == len(resumed_now)
+
+
+def _penalized(server: SGLangServer, prompt: str) -> dict:
+    payload = {"text": prompt, "return_logprob": True,
+               "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0, "min_new_tokens": 3}}
+    return server.post("/generate", payload)
+
+
+def test_a_batch_with_a_penalizer_is_not_split_and_decodes_like_vanilla(paused_server, vanilla_server):
+    """Requests with a penalizer (``min_new_tokens``), whose per-batch state a pause cannot split:
+    under the same budget the plan asks for pauses and the boundary skips them (``pauses_skipped``
+    by ``penalties`` on the stats lines, nobody paused), and every output is vanilla's, tokens and
+    logprobs (what does not fit on the device is served from host memory). Negative control: with
+    the penalties refusal off the server dies on the first split batch. ``min_new_tokens`` rather
+    than a frequency penalty: with ``frequency_penalty`` vanilla SGLang 0.5.23's own outputs
+    depend on the batch (7 of these 20 prompts differ sent one by one vs together), while
+    ``min_new_tokens`` gives identical ones."""
+    server, stats_path, _ = paused_server
+    start = len(read_jsonl(stats_path))
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        got = list(pool.map(lambda p: _penalized(server, p), PROMPTS))
+    for prompt, out in zip(PROMPTS, got, strict=True):
+        assert_same_generation(out, _penalized(vanilla_server, prompt), prompt)
+    lines = read_jsonl_settled(stats_path, start)
+    skipped = sum((line.get("pauses_skipped") or {}).get("penalties", 0) for line in lines)
+    assert skipped > 0, "expected the plan to ask for pauses"
+    assert not any(line.get("paused_now") for line in lines)
+    assert lines[-1]["paused"] == []
 
 
 def test_flag_implies_disable_overlap_schedule(paused_server):
