@@ -16,9 +16,12 @@ kvplane's pause (OrbitFlow §3.4) keeps the KV instead:
   next ``prepare_for_decode`` continues exactly where it stopped: greedy outputs are
   token-identical to an unpaused run.
 
-Not paused (the request is left running, reason logged): batches using penalties, grammars,
-custom logit processors or speculative decoding -- their per-batch state cannot be split
-faithfully here. Nor a request whose last token (``max_new_tokens``) comes in the next step, or
+Not paused (the request is left running, reason logged): batches using penalties, custom logit
+processors or speculative decoding -- their per-batch state cannot be split faithfully here.
+Grammar-constrained requests are paused: in SGLang 0.5.23 a request's grammar lives on the
+request (``req.grammar``), each forward derives its grammars and vocab mask from the batch's
+requests, and ``filter_batch`` / ``merge_batch`` recompute ``has_grammar``
+(``test_pause_server.py``: regex-constrained requests paused, resumed, vanilla's output). Nor a request whose last token (``max_new_tokens``) comes in the next step, or
 under SGLang's overlap loop in the step in flight at the boundary (``in_flight_steps``): it frees
 its KV as soon as it finishes, and parking it would only write its KV back to host memory for one
 more token later. Skipped pauses are counted by reason (:data:`PAUSE_SKIP_REASONS`,
@@ -43,7 +46,7 @@ log = structlog.get_logger(__name__)
 
 
 PAUSE_SKIP_REASONS: tuple[str, ...] = (
-    "finishing", "penalties", "custom_logit_processor", "grammar", "speculative_decoding", "encoder_decoder",
+    "finishing", "penalties", "custom_logit_processor", "speculative_decoding", "encoder_decoder",
 )
 """Why a pause the plan asked for was not applied (:attr:`PauseManager.skipped`)."""
 WARNED_MAX = 4096
@@ -70,8 +73,6 @@ def unpausable_reason(batch: Any) -> str | None:
         return "penalties"
     if getattr(info, "has_custom_logit_processor", False):
         return "custom_logit_processor"
-    if getattr(batch, "has_grammar", False):
-        return "grammar"
     if getattr(batch, "spec_info", None) is not None:
         return "speculative_decoding"
     if getattr(batch, "model_config", None) is not None and batch.model_config.is_encoder_decoder:

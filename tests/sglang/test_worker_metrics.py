@@ -342,11 +342,11 @@ def test_pauses_skipped_follow_the_pausers_running_totals_by_reason():
     backwards); a reason outside the table is not exported; TP ranks other than 0 export none."""
     metrics = make_metrics()
     metrics.end_step(pauses_skipped={"finishing": 2})
-    metrics.end_step(pauses_skipped={"finishing": 3, "grammar": 1, "made_up": 5})
+    metrics.end_step(pauses_skipped={"finishing": 3, "penalties": 1, "made_up": 5})
     metrics.end_step(pauses_skipped={"finishing": 1})  # a smaller total moves nothing back
     assert value(metrics, "kvplane:pauses_skipped_total", reason="finishing") == 3
-    assert value(metrics, "kvplane:pauses_skipped_total", reason="grammar") == 1
-    assert value(metrics, "kvplane:pauses_skipped_total", reason="penalties") == 0
+    assert value(metrics, "kvplane:pauses_skipped_total", reason="penalties") == 1
+    assert value(metrics, "kvplane:pauses_skipped_total", reason="encoder_decoder") == 0
     assert metrics.registry.get_sample_value("kvplane:pauses_skipped_total",
                                              {**metrics.labels, "reason": "made_up"}) is None
     rank1 = make_metrics(source=False)
