@@ -3,7 +3,7 @@ its own.
 
 Scenario: a real ``kvplane serve`` (gRPC, a policy that pauses quickly) and a layered SGLang server
 with ``--dp-size 2`` using it, a device KV budget of 96 token-layers per replica, so requests on
-both replicas are offloaded and paused. SGLang's DP controller starts one scheduler process per
+both replicas are offloaded, and some paused. SGLang's DP controller starts one scheduler process per
 replica (round-robin dispatch), each TP rank 0 of its own group. Checked: vanilla's greedy tokens
 and logprobs; the control plane opened one session per replica (``ID-dp0``, ``ID-dp1``) and
 replaced none; each replica wrote its own stats, pool-stats and event files, with its own
@@ -83,10 +83,13 @@ def test_each_replica_is_a_worker_with_its_own_session_and_files(dp_server, vani
     for d, lines in enumerate(stats):
         steps = [line["step"] for line in lines]
         assert steps and steps == sorted(set(steps)), (d, steps[:20])
+    # both replicas offload (their own pool-stats files); the plans pause some requests (on
+    # which replica depends on timing: one run paused 0 and 3)
+    pool = [read_jsonl(rank_output_file(root / "pool_stats.jsonl", 0, d)) for d in range(DP)]
+    assert all(any(line["host_layer_pages"] > 0 for line in lines) for lines in pool)
     paused = [sum(len(line.get("paused_now") or ()) for line in lines) for lines in stats]
-    assert all(paused), f"expected the budget to pause requests on every replica: {paused}"
-    for name in ("pool_stats.jsonl", "events.jsonl"):
-        assert all(read_jsonl(rank_output_file(root / name, 0, d)) for d in range(DP)), name
+    assert sum(paused) > 0, f"expected the budget to pause requests: {paused}"
+    assert all(read_jsonl(rank_output_file(root / "events.jsonl", 0, d)) for d in range(DP))
 
     opened = {r["worker"] for r in _log_events(service.log_path, "session_opened")}
     assert len(opened) == DP and {w.rsplit("-", 1)[1] for w in opened} == {f"dp{d}" for d in range(DP)}, opened

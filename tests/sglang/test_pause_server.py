@@ -86,10 +86,23 @@ def test_paused_requests_finish_token_identical_to_vanilla(paused_server, vanill
     assert kinds.count(ResidencyEventKind.RESUMED) == len(resumed_now)
 
 
-def _penalized(server: SGLangServer, prompt: str) -> dict:
+def _sampled(server: SGLangServer, prompt: str, **sampling: object) -> dict:
+    """One greedy /generate call with logprobs and extra sampling parameters."""
     payload = {"text": prompt, "return_logprob": True,
-               "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0, "min_new_tokens": 3}}
+               "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0, **sampling}}
     return server.post("/generate", payload)
+
+
+def _same_as_vanilla(paused_server, vanilla_server, **sampling: object) -> tuple[list[dict], list[dict]]:
+    """Every prompt at once with ``sampling`` on the pausing server, each checked against
+    vanilla's; returns the outputs and the stats lines of those steps."""
+    server, stats_path, _ = paused_server
+    start = len(read_jsonl(stats_path))
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        got = list(pool.map(lambda p: _sampled(server, p, **sampling), PROMPTS))
+    for prompt, out in zip(PROMPTS, got, strict=True):
+        assert_same_generation(out, _sampled(vanilla_server, prompt, **sampling), prompt)
+    return got, read_jsonl_settled(stats_path, start)
 
 
 def test_a_batch_with_a_penalizer_is_not_split_and_decodes_like_vanilla(paused_server, vanilla_server):
@@ -101,13 +114,7 @@ def test_a_batch_with_a_penalizer_is_not_split_and_decodes_like_vanilla(paused_s
     than a frequency penalty: with ``frequency_penalty`` vanilla SGLang 0.5.23's own outputs
     depend on the batch (7 of these 20 prompts differ sent one by one vs together), while
     ``min_new_tokens`` gives identical ones."""
-    server, stats_path, _ = paused_server
-    start = len(read_jsonl(stats_path))
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        got = list(pool.map(lambda p: _penalized(server, p), PROMPTS))
-    for prompt, out in zip(PROMPTS, got, strict=True):
-        assert_same_generation(out, _penalized(vanilla_server, prompt), prompt)
-    lines = read_jsonl_settled(stats_path, start)
+    _, lines = _same_as_vanilla(paused_server, vanilla_server, min_new_tokens=3)
     skipped = sum((line.get("pauses_skipped") or {}).get("penalties", 0) for line in lines)
     assert skipped > 0, "expected the plan to ask for pauses"
     assert not any(line.get("paused_now") for line in lines)
@@ -118,26 +125,14 @@ GRAMMAR = "[a-z ]+"
 """The constrained requests' regex."""
 
 
-def _constrained(server: SGLangServer, prompt: str) -> dict:
-    payload = {"text": prompt, "return_logprob": True,
-               "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0, "regex": GRAMMAR}}
-    return server.post("/generate", payload)
-
-
 def test_grammar_constrained_requests_are_paused_and_resumed_like_any_other(paused_server, vanilla_server):
     """Regex-constrained requests under the pausing budget: they are paused and resumed (a
     request's grammar lives on the request; SGLang rebuilds a batch's grammars from its requests),
     and every output is vanilla's, tokens and logprobs, and matches the regex. The regex check can
     fail: unconstrained, the first prompt's output does not match it."""
-    server, stats_path, _ = paused_server
-    start = len(read_jsonl(stats_path))
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        got = list(pool.map(lambda p: _constrained(server, p), PROMPTS))
-    for prompt, out in zip(PROMPTS, got, strict=True):
-        assert_same_generation(out, _constrained(vanilla_server, prompt), prompt)
-        assert re.fullmatch(GRAMMAR, out["text"]), out["text"]  # the grammar did constrain it
-    assert not re.fullmatch(GRAMMAR, greedy(server, PROMPTS[0], MAX_NEW_TOKENS)["text"])
-    lines = read_jsonl_settled(stats_path, start)
+    got, lines = _same_as_vanilla(paused_server, vanilla_server, regex=GRAMMAR)
+    assert all(re.fullmatch(GRAMMAR, out["text"]) for out in got), [out["text"] for out in got]  # constrained
+    assert not re.fullmatch(GRAMMAR, greedy(paused_server[0], PROMPTS[0], MAX_NEW_TOKENS)["text"])
     paused = {rid for line in lines for rid in line.get("paused_now") or ()}
     assert paused & {out["meta_info"]["id"] for out in got}, "expected constrained requests to be paused"
     assert all(set(line.get("pauses_skipped") or {}) <= {"finishing"} for line in lines)  # no batch-feature skip
