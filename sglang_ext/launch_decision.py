@@ -63,6 +63,7 @@ CUDA_PAGE_SIZE = 16
 """``--page-size`` kvplane sets on CUDA when none is given (module docstring, "Page size")."""
 
 UNQUANTIZED_KV_DTYPES = ("auto", "bf16", "bfloat16")
+"""``--kv-cache-dtype`` values the layered pool stores (the model's dtype or bf16)."""
 
 DP_ATTENTION_REFUSED = (
     "--enable-dp-attention / --attn-dp-size > 1: attention data-parallel ranks schedule batches of "
@@ -77,7 +78,6 @@ ROCM_OVERLAP_REFUSED = (
     "SGLang enables on CUDA only); use --kv-overlap-schedule off"
 )
 """The refusal of the overlap loop on ROCm (at launch, and again at scheduler start)."""
-"""``--kv-cache-dtype`` values the layered pool stores (the model's dtype or bf16)."""
 
 _BACKEND_FLAGS = (
     ("attention_backend", "--attention-backend"),

@@ -17,14 +17,14 @@ kvplane's pause (OrbitFlow §3.4) keeps the KV instead:
   token-identical to an unpaused run.
 
 Not paused (the request is left running, reason logged): batches using penalties, custom logit
-processors or speculative decoding -- their per-batch state cannot be split faithfully here.
+processors or speculative decoding -- their per-batch state cannot be split faithfully here. Nor
+a request whose last token (``max_new_tokens``) comes in the next step, or under SGLang's overlap
+loop in the step in flight at the boundary (``in_flight_steps``): it frees its KV as soon as it
+finishes, and parking it would only write its KV back to host memory for one more token later.
 Grammar-constrained requests are paused: in SGLang 0.5.23 a request's grammar lives on the
 request (``req.grammar``), each forward derives its grammars and vocab mask from the batch's
 requests, and ``filter_batch`` / ``merge_batch`` recompute ``has_grammar``
-(``test_pause_server.py``: regex-constrained requests paused, resumed, vanilla's output). Nor a request whose last token (``max_new_tokens``) comes in the next step, or
-under SGLang's overlap loop in the step in flight at the boundary (``in_flight_steps``): it frees
-its KV as soon as it finishes, and parking it would only write its KV back to host memory for one
-more token later. Skipped pauses are counted by reason (:data:`PAUSE_SKIP_REASONS`,
+(``test_pause_server.py``: regex-constrained requests paused, resumed, vanilla's output). Skipped pauses are counted by reason (:data:`PAUSE_SKIP_REASONS`,
 ``kvplane:pauses_skipped_total``); the control plane's pause stays deferred, retried at each
 boundary, and is dropped when the request is gone.
 
@@ -97,6 +97,8 @@ class PauseManager:
         self._pages_of = pages_of
         self.skipped: dict[str, int] = {}
         """Pause attempts not applied, by reason (:data:`PAUSE_SKIP_REASONS`; running totals)."""
+        self.last_skipped: dict[str, int] = {}
+        """The same, of the last :meth:`pause` call only (the boundary's record)."""
         self._warned: set[str] = set()
         """Requests whose skipped pause was logged (a batch feature: once per request)."""
 
@@ -120,6 +122,7 @@ class PauseManager:
         """Split ``rids`` off ``running_batch`` (in place) and park them; returns those paused.
         Only requests decoding in the batch count: a pause of one prefilling, finishing, aborted
         or unknown is neither applied nor counted (it stays deferred by the boundary)."""
+        self.last_skipped = {}
         wanted = [rid for rid in dict.fromkeys(rids) if rid not in self._parked]
         if not wanted or running_batch is None or running_batch.is_empty():
             return []
@@ -129,7 +132,7 @@ class PauseManager:
             return []
         reason = unpausable_reason(running_batch)
         if reason is not None:
-            self.skipped[reason] = self.skipped.get(reason, 0) + len(found)
+            self._skip(reason, len(found))
             new = [rid for rid in found if rid not in self._warned]
             if new:  # once per request: a deferred pause is retried at every boundary
                 if len(self._warned) > WARNED_MAX:  # bounded: a request warned again is harmless
@@ -141,7 +144,7 @@ class PauseManager:
         for rid in found:
             req = decoding[rid]
             if self._finishing(req):
-                self.skipped["finishing"] = self.skipped.get("finishing", 0) + 1
+                self._skip("finishing", 1)
                 continue
             idx = running_batch.reqs.index(req)
             taken = copy.copy(running_batch)
@@ -157,6 +160,10 @@ class PauseManager:
         if done:
             log.info("requests_paused", rids=done, step=step, running=len(running_batch.reqs))
         return done
+
+    def _skip(self, reason: str, count: int) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + count
+        self.last_skipped[reason] = self.last_skipped.get(reason, 0) + count
 
     def _finishing(self, req: Any) -> bool:
         """The request's last output token comes in a step in flight or in the next one."""

@@ -95,16 +95,16 @@ class SchedulerHooks:
             )
         if self.overlap and getattr(torch.version, "hip", None):  # a launch that bypassed the CLI check
             raise RuntimeError(f"kvplane: {ROCM_OVERLAP_REFUSED}")
-        if int(getattr(getattr(scheduler, "server_args", None), "pp_size", 1) or 1) > 1:
+        server_args = getattr(scheduler, "server_args", None)
+        if int(getattr(server_args, "pp_size", 1) or 1) > 1:
             raise RuntimeError("kvplane: --enable-layered-kv does not support --pp-size > 1")
+        if getattr(server_args, "enable_dp_attention", False) or int(getattr(server_args, "attn_dp_size", 1) or 1) > 1:
+            raise RuntimeError(f"kvplane: {DP_ATTENTION_REFUSED}")  # a launch that bypassed the CLI check
         self.scheduler = scheduler
         self.ctx = ctx
-        server_args = getattr(scheduler, "server_args", None)
         self.dp_size = int(getattr(server_args, "dp_size", 1) or 1)
         self.dp_rank = compat.replica_rank(self.dp_size)
         """The data-parallel replica (``--dp-size``): its own worker id and output files."""
-        if getattr(server_args, "enable_dp_attention", False) or int(getattr(server_args, "attn_dp_size", 1) or 1) > 1:
-            raise RuntimeError(f"kvplane: {DP_ATTENTION_REFUSED}")  # a launch that bypassed the CLI check
         self.args = args
         self.env = ctx.env
         self.meter = ctx.meter
@@ -309,8 +309,7 @@ class SchedulerHooks:
         metrics = self.metrics
         if metrics is not None:
             adm = self.admission
-            metrics.end_step(paused=len(self.pauser), held_total=adm.held_total, local_admits=adm.local_admits,
-                             pauses_skipped=self.pauser.skipped)
+            metrics.end_step(paused=len(self.pauser), held_total=adm.held_total, local_admits=adm.local_admits)
             if finished and self.tp.is_source:
                 metrics.finished(r for r in batch.reqs if r.rid in self._ended)
         if self.reporter is None:  # not TP rank 0

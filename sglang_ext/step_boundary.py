@@ -121,13 +121,7 @@ class StepBoundary:
         self.admission.admit(install.admit)
         self.admission.open = install.fallback
         deferred = self.inbox.deferred_pause
-        pauser = self.pauser
-        skipped_before = dict(pauser.skipped) if install.pause else None
-        paused = pauser.pause(running_batch, install.pause, step + 1)
-        skipped = {} if skipped_before is None else {
-            reason: n - skipped_before.get(reason, 0)
-            for reason, n in pauser.skipped.items() if n > skipped_before.get(reason, 0)
-        }
+        paused = self.pauser.pause(running_batch, install.pause, step + 1)
         for rid in paused:
             deferred.pop(rid, None)
         running_batch, resumed = self.pauser.resume(running_batch, install.resume)
@@ -149,7 +143,7 @@ class StepBoundary:
             "admitted_now": list(install.admit),
             "paused_now": paused,
             "resumed_now": resumed,
-            "pauses_skipped": skipped,
+            "pauses_skipped": self.pauser.last_skipped,
             "decision": install.reason or None,
             "fallback": install.fallback,
         }

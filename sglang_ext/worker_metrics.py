@@ -88,7 +88,7 @@ class WorkerMetrics:
             else:
                 self._one[spec.key] = metric.labels(**self.labels) if names else metric
         self._gauges: dict[str, float] = {}
-        self._totals: dict[str | tuple[str, str], float] = {}
+        self._totals: dict[str, float] = {}
         self._pool: Any = None
         self._backend: Any = None
         self._seen_delta: Any = None
@@ -147,7 +147,7 @@ class WorkerMetrics:
     # ---- every TP rank ------------------------------------------------------------------
     def boundary(self, record: Mapping[str, Any]) -> None:
         """After a step boundary (``StepBoundary.record``): the install's moves; on TP rank 0 its
-        pauses and resumes."""
+        pauses, resumes and skipped pauses."""
         delta = record.get("install_delta")
         if delta:
             self._add("offloaded_layer_pages_total", delta.get("offloaded_layer_pages", 0))
@@ -155,9 +155,14 @@ class WorkerMetrics:
         if self.source:
             self._add("requests_paused_total", len(record.get("paused_now") or ()))
             self._add("requests_resumed_total", len(record.get("resumed_now") or ()))
+            skipped = record.get("pauses_skipped")
+            if skipped:  # by reason; one outside the metric's table is not exported
+                children = self._by["pauses_skipped_total"]
+                for reason, count in skipped.items():
+                    if reason in children:
+                        children[reason].inc(count)
 
-    def end_step(self, *, paused: int = 0, held_total: int = 0, local_admits: int = 0,
-                 pauses_skipped: Mapping[str, int] | None = None) -> None:
+    def end_step(self, *, paused: int = 0, held_total: int = 0, local_admits: int = 0) -> None:
         """After a forward (every rank): residency, moves, bytes, copy seconds, stall; TP rank 0
         also the paused requests and the admission gate's running totals."""
         if self.transfers is not None:  # first: books the completed timing events (no sync)
@@ -187,8 +192,6 @@ class WorkerMetrics:
             self._set("paused_requests", paused)
             self._total("admissions_held_total", held_total)
             self._total("local_admissions_total", local_admits)
-            if pauses_skipped:
-                self._labelled_totals("pauses_skipped_total", pauses_skipped)
 
     # ---- TP rank 0 ----------------------------------------------------------------------
     def decisions(self, decisions: Sequence[Decision]) -> None:
@@ -248,15 +251,6 @@ class WorkerMetrics:
         if total > last:
             self._one[key].inc(total - last)
             self._totals[key] = total
-
-    def _labelled_totals(self, key: str, totals: Mapping[str, int]) -> None:
-        """Advance each labelled child of a counter to its running total (never backwards)."""
-        children = self._by[key]
-        for value, total in totals.items():
-            last = self._totals.get((key, value), 0.0)
-            if total > last and value in children:
-                children[value].inc(total - last)
-                self._totals[(key, value)] = total
 
     def _set(self, key: str, value: float) -> None:
         if self._gauges.get(key) != value:

@@ -133,8 +133,8 @@ __all__ = [
     "check_surface",
     "check_target",
     "check_version",
-    "replica_rank",
     "installed_version",
+    "replica_rank",
     "resolve",
     *_LAZY,
 ]

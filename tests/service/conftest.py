@@ -6,6 +6,7 @@ about gRPC is mocked. Waits poll with a deadline (:func:`wait_until`), never a b
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -171,6 +172,18 @@ class ServeProcess:
         self.extra = extra
         self.proc: subprocess.Popen[bytes] | None = None
         self.target = f"127.0.0.1:{port}"
+
+    @classmethod
+    def with_policy(cls, root: Path, policy: dict[str, object]) -> ServeProcess:
+        """Started on free ports with ``policy`` written to ``root/policy.json``, logging to
+        ``root/serve.log``."""
+        from controlplane.service.ports import free_ports
+
+        path = root / "policy.json"
+        path.write_text(json.dumps(policy))
+        service = cls(*free_ports(2), root / "serve.log", "--policy", str(path))
+        service.start(timeout_s=60.0)
+        return service
 
     def start(self, timeout_s: float = 120.0) -> None:
         self.kill()  # a start over a live process would orphan it (kill() only knows the newest)

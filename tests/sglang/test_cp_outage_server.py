@@ -10,14 +10,12 @@ the scheduler's session reconnects and decisions flow again.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from controlplane.service.ports import free_ports
 from sglang_ext.settings import STATS_FILE_ENV
 from sglang_ext.testing.jsonl import read_jsonl, read_jsonl_settled
 from sglang_ext.testing.server import SGLangServer
@@ -34,10 +32,7 @@ MAX_NEW_TOKENS = 48
 def remote(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, ServeProcess, Path]]:
     """`kvplane serve` plus an SGLang server using it over gRPC."""
     root = tmp_path_factory.mktemp("outage")
-    policy = root / "policy.json"
-    policy.write_text(json.dumps({"max_paused_steps": 3, "window_min": 2, "window_max": 4}))
-    service = ServeProcess(*free_ports(2), root / "serve.log", "--policy", str(policy))
-    service.start(timeout_s=60.0)
+    service = ServeProcess.with_policy(root, {"max_paused_steps": 3, "window_min": 2, "window_max": 4})
     stats = root / "stats.jsonl"
     server = SGLangServer(
         tiny_model_dir,

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.service.ports import free_ports
 from sglang_ext.settings import (
     POOL_STATS_FILE_ENV,
     RESIDENCY_EVENTS_FILE_ENV,
@@ -44,10 +43,7 @@ MAX_NEW_TOKENS = 10
 @pytest.fixture(scope="module")
 def dp_server(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, ServeProcess, Path]]:
     root = tmp_path_factory.mktemp("dp2")
-    policy = root / "policy.json"
-    policy.write_text(json.dumps({"max_paused_steps": 6, "window_min": 2, "window_max": 4}))
-    service = ServeProcess(*free_ports(2), root / "serve.log", "--policy", str(policy))
-    service.start(timeout_s=60.0)
+    service = ServeProcess.with_policy(root, {"max_paused_steps": 6, "window_min": 2, "window_max": 4})
     flags = ["--dp-size", str(DP), "--enable-layered-kv", "--kv-control-plane", f"grpc://{service.target}",
              "--kv-gpu-budget-tokens", "96", "--mem-fraction-static", "0.3"]
     env = {**tp_env(root), STATS_FILE_ENV: str(root / "stats.jsonl"),

@@ -337,19 +337,19 @@ def test_negative_control_ranks_without_their_label_merge(tmp_path: Path):
     assert len(h2d) == 1 and h2d[0][2] == 200.0
 
 
-def test_pauses_skipped_follow_the_pausers_running_totals_by_reason():
-    """``kvplane:pauses_skipped_total{reason}`` advances to the pauser's running totals (never
-    backwards); a reason outside the table is not exported; TP ranks other than 0 export none."""
+def test_pauses_skipped_are_counted_by_reason_from_the_boundary_record():
+    """``kvplane:pauses_skipped_total{reason}`` adds each boundary's skips by reason; a reason
+    outside the table is not exported; TP ranks other than 0 export none."""
     metrics = make_metrics()
-    metrics.end_step(pauses_skipped={"finishing": 2})
-    metrics.end_step(pauses_skipped={"finishing": 3, "penalties": 1, "made_up": 5})
-    metrics.end_step(pauses_skipped={"finishing": 1})  # a smaller total moves nothing back
+    metrics.boundary({"pauses_skipped": {"finishing": 2}})
+    metrics.boundary({"pauses_skipped": {"finishing": 1, "penalties": 1, "made_up": 5}})
+    metrics.boundary({"pauses_skipped": {}})
     assert value(metrics, "kvplane:pauses_skipped_total", reason="finishing") == 3
     assert value(metrics, "kvplane:pauses_skipped_total", reason="penalties") == 1
     assert value(metrics, "kvplane:pauses_skipped_total", reason="encoder_decoder") == 0
     assert metrics.registry.get_sample_value("kvplane:pauses_skipped_total",
                                              {**metrics.labels, "reason": "made_up"}) is None
     rank1 = make_metrics(source=False)
-    rank1.end_step(pauses_skipped={"finishing": 2})
+    rank1.boundary({"pauses_skipped": {"finishing": 2}})
     assert rank1.registry.get_sample_value("kvplane:pauses_skipped_total",
                                            {**rank1.labels, "reason": "finishing"}) is None
