@@ -15,6 +15,9 @@ One :class:`~sglang_ext.tools.gpu_check_batch.CheckBatch` runs, in order:
 5. kvplane's thread CPU time per step (``prepare_step`` + the per-layer calls), resident and placed,
    and the same steps' stall as the data plane's timing events observe it (one step closed after
    each step's sync, :mod:`.gpu_check_event_timing`);
+   then one step of each kind laid out on the compute stream (:class:`StepTimelineProbe`: waits,
+   compute, host issue time, when the transfers finished), which says where the placed step's
+   time goes when the events' stall and the wall clock's disagree;
 6. host syncs inside layers over two placed steps (:class:`SyncProbe`);
 7. one placed step in which every available attention backend runs at every layer, compared
    with ``dense_attention`` in float32 over the regenerated K/V;
@@ -54,6 +57,7 @@ from sglang_ext.tools.gpu_check_probes import CpuTimeProbe, SyncProbe
 from sglang_ext.tools.gpu_check_report import Figure
 from sglang_ext.tools.gpu_check_transfer import TransferCheck, TransferResult
 from sglang_ext.tools.host_profile_probe import HostProfileProbe
+from sglang_ext.tools.step_timeline_probe import StepTimelineProbe
 
 LOOSE_SLO_MS = 60_000.0
 """The requests' TBT SLO: loose, so the planner minimises the step and pauses nobody."""
@@ -70,6 +74,8 @@ CPU_SHARE = 0.05
 SYNC_STEPS = 2
 PROFILE_STEPS = 3
 """Steps of each kind profiled by function (:class:`HostProfileProbe`)."""
+TIMELINE_STEPS = 3
+"""Steps of each kind laid out on the device (:class:`StepTimelineProbe`); the last is kept."""
 Q_SCALE = 2.0
 """Queries are N(0, Q_SCALE^2): a peakier softmax, so a wrong page moves the output visibly."""
 
@@ -163,6 +169,19 @@ class CoreCheck:
             self.batch.boundary_scope = nullcontext
         sync(self.device)
         return probe.top()
+
+    def timeline(self) -> dict[str, Any]:
+        """The last of ``TIMELINE_STEPS`` steps laid out on the compute stream (:class:`StepTimelineProbe`)."""
+        engine = self.batch.core.store.engine
+        streams = [s for s in (getattr(engine, "h2d_stream", None), getattr(engine, "d2h_stream", None)) if s is not None]
+        probe = StepTimelineProbe(self.device)
+        for _ in range(TIMELINE_STEPS):
+            sync(self.device)
+            probe.begin()
+            self.step(probe.scope)
+            probe.end(streams)
+            sync(self.device)
+        return probe.result()
 
     def vanilla_write_cpu_ms(self) -> float:
         """Thread CPU ms per step of the KV write kvplane's ``write`` replaces: SGLang's
@@ -264,6 +283,7 @@ class CoreCheck:
         resident_profile = self.host_profile()
         vanilla_write_ms = self.vanilla_write_cpu_ms()
         resident_stall_ms = self.stall_ms
+        resident_timeline = self.timeline()
         comp = [resident_ms / L] * L
         resident_host_fraction = b.core.stats().host_fraction
         transfer = TransferCheck(b, c.repeat).measure()
@@ -283,6 +303,7 @@ class CoreCheck:
         placed_prepare_ms, placed_parts_ms = self.prepare_cpu_ms, self.parts_cpu_ms
         placed_stall_ms = self.stall_ms
         placed_profile = self.host_profile()
+        placed_timeline = self.timeline()
         probe = SyncProbe(device)
         with probe:
             for _ in range(SYNC_STEPS):
@@ -318,6 +339,7 @@ class CoreCheck:
                                      "note": "cProfile inside the boundary and kvplane's per-layer calls only; "
                                              "top functions by own time per step (ranking, not absolute time)"},
             "transfer": transfer.to_dict(),
+            "step_timeline": {"resident": resident_timeline, "placed": placed_timeline},
             "syncs": {kind: {"count_per_step": probe.syncs(kind) / SYNC_STEPS,
                              "runtime": probe.runtime[kind], "op_audit": dict(probe.audited(kind)),
                              "where": probe.where(kind)}

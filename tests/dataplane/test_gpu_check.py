@@ -28,14 +28,14 @@ FIGURE_KEYS = {
     "host_syncs_per_step.kvplane", "host_syncs_per_step.attention", "kvplane_cpu_share", "kvplane_cpu_share_net",
     "recompute_step_rel_err", "recompute_attention_max_abs_err",
     "transfer_events.h2d_gbps", "transfer_events.d2h_gbps", "transfer_events.h2d_vs_wall_rel_err",
-    "transfer_events.stall_ms_per_step",
+    "transfer_events.stall_ms_per_step", "transfer_events.stall_vs_wall_rel_err",
 }
 TARGETS = {  # the targets, by figure
     "stall_rel_err": ("<=", 0.10), "h2d_vs_contiguous": (">=", 0.85), "duplex_vs_one_direction": (">=", 1.5),
     "host_syncs_per_step.kvplane": ("<=", 0.0), "host_syncs_per_step.attention": ("<=", 0.0),
     "kvplane_cpu_share": ("<=", 0.05), "recompute_step_rel_err": ("<=", 0.25),
     "transfer_events.h2d_gbps": (">=", 1.0), "transfer_events.d2h_gbps": (">=", 1.0),
-    "transfer_events.h2d_vs_wall_rel_err": ("<=", 0.25),
+    "transfer_events.h2d_vs_wall_rel_err": ("<=", 0.25), "transfer_events.stall_vs_wall_rel_err": ("<=", 0.25),
 }
 CPU_NOT_MEANINGFUL = {"stall_rel_err", "h2d_vs_contiguous", "duplex_vs_one_direction", "kvplane_cpu_share",
                       "recompute_step_rel_err", "transfer_events.h2d_gbps", "transfer_events.d2h_gbps",
@@ -110,6 +110,13 @@ def test_cpu_dry_run_end_to_end(tmp_path, capsys):
     assert len(events["placed_stall_ms"]) == events["steps"] and sum(events["placed_stall_ms"]) > 0
     assert events["h2d_gbps"] > 0 and events["d2h_gbps"] > 0
     assert details["core_stats"]["h2d_seconds_total"] > 0 and details["core_stats"]["stall_seconds_total"] > 0
+    assert figures["transfer_events.stall_vs_wall_rel_err"]["status"] == NA  # a GPU's figure
+    layers = body["config"]["layers"]
+    for kind, t in details["step_timeline"].items():  # one step of each kind laid out, layer by layer
+        assert len(t["wait_ms"]) == len(t["layer_ms"]) == layers, kind
+        assert math.isclose(t["boundary_ms"] + sum(t["layer_ms"]), t["step_ms"], rel_tol=1e-6), kind
+        assert 0 <= t["wait_ms_total"] <= t["step_ms"] <= t["host_enqueue_ms"], kind  # CPU: synchronous
+    assert "placed step" in figures["transfer_events.stall_vs_wall_rel_err"]["note"]
     md = path.with_suffix(".md").read_text()
     assert body["machine"] in md and "CPU dry run" in md
     assert all(f["title"] in md for f in body["figures"])
