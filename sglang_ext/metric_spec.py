@@ -120,7 +120,8 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
                caveat="CPU: the step's copy seconds (copies block the scheduler thread). CUDA: the compute "
                       "stream's waits on the layers' fetch events and on the step start's fence, timed by "
                       "CUDA-event pairs; a step is observed once all its pairs completed (normally at its "
-                      "own end, otherwise at a later step)",
+                      "own end, otherwise at a later step). Known gap (gpu-check run 13, H200): these waits saw "
+                      "~1 ms of a half-offloaded step's ~217 ms transfer stall; see README \"GPU check\"",
                buckets=STEP_BUCKETS_S),
     MetricSpec("kvplane:overflow_steps_total", "counter", "steps",
                "Forwards whose batch could not be staged inside the budget (served at rest, with host syncs)"),
