@@ -75,8 +75,7 @@ def _word_view(t: torch.Tensor) -> torch.Tensor:
     """Reinterpret a contiguous 2-D tensor as the widest integer words that divide a row."""
     row_bytes = t.shape[1] * t.element_size()
     for word in (torch.int64, torch.int32, torch.int16):
-        size = torch.empty((), dtype=word).element_size()
-        if row_bytes % size == 0:
+        if row_bytes % word.itemsize == 0:  # no tensor to ask: this runs at every launch
             return t.view(torch.uint8).view(word) if t.dtype != torch.uint8 else t.view(word)
     return t.view(torch.uint8)
 
@@ -175,16 +174,23 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def programs_for(t: torch.Tensor, work: int) -> int:
-    """Programs of a persistent copy launch on ``t``'s device for ``work`` items."""
-    cap = PROGRAMS_PER_SM * _sm_count(t.device.index or 0) if t.is_cuda else INTERPRETER_PROGRAMS
-    return max(1, min(work, cap))
+def programs_for(t: torch.Tensor, work: int, programs: int | None = None) -> int:
+    """Programs of a persistent copy launch on ``t``'s device for ``work`` items: ``programs``
+    when given (a cap that leaves SMs to the compute stream's kernels: ``gpu-check``'s overlap
+    sweep), else :data:`PROGRAMS_PER_SM` per SM (the interpreter: :data:`INTERPRETER_PROGRAMS`)."""
+    if programs is not None and programs < 1:
+        raise ValueError(f"programs={programs}, must be >= 1 (or None: {PROGRAMS_PER_SM} per SM)")
+    if programs is None:
+        programs = PROGRAMS_PER_SM * _sm_count(t.device.index or 0) if t.is_cuda else INTERPRETER_PROGRAMS
+    return max(1, min(work, programs))
 
 
 def copy_segments_triton(
-    src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor
+    src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor,
+    programs: int | None = None,
 ) -> None:
-    """Triton gather/scatter: one launch for all pairs. Indices must be on the kernel's device."""
+    """Triton gather/scatter: one launch for all pairs. Indices must be on the kernel's device.
+    ``programs``: the launch's persistent programs (:func:`programs_for`)."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not importable; use copy_segments_ref")
     _check(src, dst, src_idx, dst_idx)
@@ -195,7 +201,7 @@ def copy_segments_triton(
     d_words = _word_view(dst)
     seg = s_words.shape[1]
     block = min(COPY_BLOCK_ELEMS, triton.next_power_of_2(seg))
-    programs = programs_for(src if src.is_cuda else dst, n)
+    programs = programs_for(src if src.is_cuda else dst, n, programs)
     # n and programs are runtime values: constexprs would compile a kernel per launch size
     _copy_segments_kernel[(programs,)](s_words, d_words, src_idx, dst_idx, n, programs, SEG=seg, BLOCK=block,
                                        num_warps=COPY_WARPS)
@@ -203,12 +209,14 @@ def copy_segments_triton(
 
 def fetch_pages_triton(host: torch.Tensor, dev: torch.Tensor, flat: torch.Tensor, stage: torch.Tensor,
                        map_row: torch.Tensor, reqs: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
-                       max_pages: int, host_base: int, host_stride: int, dev_v: int) -> None:
+                       max_pages: int, host_base: int, host_stride: int, dev_v: int,
+                       programs: int | None = None) -> None:
     """One launch: for each request ``r`` of ``reqs`` and each of its ``counts[r]`` pages
     (column ``c = starts[r] + j``, page ``flat[c]``) with ``map_row[page] < 0``, copy host
     segments ``host_base + page * host_stride`` (K) and ``+ 1`` (V) to device segments
     ``stage[c]`` and ``stage[c] + dev_v``. ``max_pages >= max(counts[reqs])``. Pools are 2-D
     segment views (pinned host, device); index tensors int32 or int64 on the kernel's device.
+    ``programs``: the launch's persistent programs (:func:`programs_for`).
     The host works out nothing per page: see :func:`fetch_page_indices` for the same copy as index lists."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not importable")
@@ -221,7 +229,7 @@ def fetch_pages_triton(host: torch.Tensor, dev: torch.Tensor, flat: torch.Tensor
     seg = h_words.shape[1]
     block = min(COPY_BLOCK_ELEMS, triton.next_power_of_2(seg))
     work = n * max_pages
-    programs = programs_for(dev, work)
+    programs = programs_for(dev, work, programs)
     _fetch_pages_kernel[(programs,)](h_words, d_words, flat, stage, map_row, reqs, starts, counts, work,
                                      host_base, host_stride, dev_v, max_pages, programs, SEG=seg,
                                      BLOCK=block, num_warps=COPY_WARPS)
@@ -260,12 +268,13 @@ def copy_segments(
     src_idx: torch.Tensor,
     dst_idx: torch.Tensor,
     impl: str = "auto",
+    programs: int | None = None,
 ) -> None:
     """``dst[dst_idx[i]] = src[src_idx[i]]``; impl is ``auto`` (Triton where usable), ``triton``
-    or ``torch``."""
+    or ``torch``; ``programs``: the Triton launch's persistent programs (:func:`programs_for`)."""
     if impl not in ("auto", "triton", "torch"):
         raise ValueError(f"impl must be one of auto, triton, torch; got {impl!r}")
     if impl == "torch" or (impl == "auto" and not triton_usable(src, dst)):
         copy_segments_ref(src, dst, src_idx, dst_idx)
     else:
-        copy_segments_triton(src, dst, src_idx, dst_idx)
+        copy_segments_triton(src, dst, src_idx, dst_idx, programs)

@@ -49,7 +49,8 @@ class PageFetch:
         return fetch_page_indices(flat, stage, map_row, reqs, starts, counts, 2 * self.layer, 2 * self.layers,
                                   self.dev_v)
 
-    def run_triton(self, host: torch.Tensor, dev: torch.Tensor) -> None:
-        """The copy as one Triton launch on the current stream (CUDA)."""
+    def run_triton(self, host: torch.Tensor, dev: torch.Tensor, programs: int | None = None) -> None:
+        """The copy as one Triton launch on the current stream (CUDA) of ``programs`` persistent
+        programs (None: the kernel's default)."""
         fetch_pages_triton(host, dev, self.flat, self.stage, self.map_row, self.reqs, self.starts, self.counts,
-                           self.max_pages, 2 * self.layer, 2 * self.layers, self.dev_v)
+                           self.max_pages, 2 * self.layer, 2 * self.layers, self.dev_v, programs)

@@ -212,6 +212,10 @@ class CudaTransferEngine(TransferEngine):
         """``triton`` (one gather/scatter launch through UVA) or ``memcpy`` (fallback: one
         ``cudaMemcpyAsync`` per segment, correct but launch-bound) if Triton refuses host memory."""
         self.clock = EventClock()
+        self.copy_programs: int | None = None
+        """Persistent programs of each Triton copy launch; None: the kernel's default
+        (``kernels.block_copy.PROGRAMS_PER_SM`` per SM). A cap leaves SMs to the compute stream's
+        kernels while a fetch runs (``kvplane gpu-check``'s overlap figure sweeps it)."""
 
     def _probe_zero_copy(self) -> str:
         """Check once, at construction, that the Triton kernel can read and write pinned memory."""
@@ -236,7 +240,7 @@ class CudaTransferEngine(TransferEngine):
     def _launch(self, kind, src, dst, src_idx, dst_idx, wait, host_idx):  # noqa: ANN001, ANN202
         def copy() -> None:
             if self.impl == "triton":
-                copy_segments(src, dst, src_idx, dst_idx, impl="triton")
+                copy_segments(src, dst, src_idx, dst_idx, impl="triton", programs=self.copy_programs)
                 return
             if host_idx is None:
                 raise RuntimeError("memcpy transfer fallback needs host indices")
@@ -248,7 +252,8 @@ class CudaTransferEngine(TransferEngine):
     def _fetch(self, spec: PageFetch, wait: Sequence[Any]) -> Any:
         if self.impl != "triton":
             return super()._fetch(spec, wait)
-        return self._on_stream("h2d", wait, lambda: spec.run_triton(self.host, self.dev), (spec.flat,))
+        return self._on_stream("h2d", wait, lambda: spec.run_triton(self.host, self.dev, self.copy_programs),
+                               (spec.flat,))
 
     def _on_stream(self, kind: str, wait: Sequence[Any], copy: Callable[[], None],
                    keep: tuple[torch.Tensor, ...]) -> Any:

@@ -21,7 +21,10 @@ One :class:`~sglang_ext.tools.gpu_check_batch.CheckBatch` runs, in order:
 6. host syncs inside layers over two placed steps (:class:`SyncProbe`);
 7. one placed step in which every available attention backend runs at every layer, compared
    with ``dense_attention`` in float32 over the regenerated K/V;
-8. recompute steps (eLLM, :class:`~sglang_ext.tools.gpu_check_recompute.RecomputeCheck`): step
+8. a placement the model hides entirely (a few percent of the KV out: the copies fit under the
+   layers before them), its step vs the all-resident one, across copy-program caps
+   (:class:`~sglang_ext.tools.gpu_check_overlap.OverlapCheck`): the overlap itself, measured;
+9. recompute steps (eLLM, :class:`~sglang_ext.tools.gpu_check_recompute.RecomputeCheck`): step
    time vs the placement model with recompute, attention over the recomputed prefixes.
 """
 
@@ -210,15 +213,20 @@ class CoreCheck:
 
     # ----- the plan ---------------------------------------------------------------------
 
-    def plan(self, comp_ms: list[float], bw_blocks_per_ms: float) -> list[tuple[int, ...]]:
-        """Placements from the real planner for the batch as it is now (module docstring, 3)."""
+    def plan(self, comp_ms: list[float], bw_blocks_per_ms: float, share: float | None = None,
+             key: str = "plan", staging_on_top: bool = True) -> list[tuple[int, ...]]:
+        """Placements from the real planner for the batch as it is now (module docstring, 3),
+        leaving ``share`` of the KV out (default: the config's ``offload_share``), plus one
+        staging layer per request on top of the budget unless ``staging_on_top`` is False (then
+        the staging comes out of it too); recorded in ``details[key]``."""
         c, b = self.config, self.batch
+        share = c.offload_share if share is None else share
         window = c.repeat * 3 + 8  # the placed phase's steps: the plan stays valid over them
         block_bytes = c.layer_page_bytes
         requests = tuple(RequestSpec(id=rid, context_tokens=b.lens[i] + 1, slo_tbt_ms=LOOSE_SLO_MS)
                          for i, rid in enumerate(b.rids))
         blocks = b.blocks(1 + window)
-        budget = math.ceil((1.0 - c.offload_share) * sum(blocks) * c.layers) + sum(blocks)
+        budget = math.ceil((1.0 - share) * sum(blocks) * c.layers) + (sum(blocks) if staging_on_top else 0)
         batch = Batch(
             model=ModelSpec(layers=c.layers, block_size=c.page_size, block_bytes=block_bytes),
             hardware=Hardware(gpu_kv_budget_blocks=budget, h2d_gbps=bw_blocks_per_ms * block_bytes / 1e6),
@@ -228,7 +236,7 @@ class CoreCheck:
         )
         plan = Planner().plan(batch)
         rows = [plan.placements.get(rid) for rid in b.rids]
-        self.details["plan"] = {
+        self.details[key] = {
             **plan.to_dict(), "placements": None, "budget_blocks": budget, "h2d_gbps": batch.hardware.h2d_gbps,
             "offloaded_layers_per_request": [None if r is None else r.count(0) for r in rows],
         }
@@ -311,8 +319,10 @@ class CoreCheck:
         sync(device)
         errors = self.attention_errors()
         stats = b.core.stats()
-        from sglang_ext.tools.gpu_check_recompute import RecomputeCheck  # imports this module
+        from sglang_ext.tools.gpu_check_overlap import OverlapCheck  # both import this module
+        from sglang_ext.tools.gpu_check_recompute import RecomputeCheck
 
+        overlap_figures = OverlapCheck(self).run(comp, transfer.bw_blocks_per_ms, resident_ms)
         recompute = RecomputeCheck(self)
         recompute_figures = recompute.run(comp, transfer.bw_blocks_per_ms)
         stall_measured, stall_predicted = placed_ms - resident_ms, predicted_ms - sum(comp)
@@ -356,7 +366,7 @@ class CoreCheck:
                                       steps=c.repeat, placed_ms=placed_ms, wall_stall_ms=stall_measured,
                                       cuda=cuda, details=self.details)
         return self._figures(errors, transfer, resident_ms, placed_ms, stall_err, probe,
-                             max(resident_cpu_ms, placed_cpu_ms), stats.host_fraction, cuda) + events + recompute_figures
+                             max(resident_cpu_ms, placed_cpu_ms), stats.host_fraction, cuda) + events + overlap_figures + recompute_figures
 
     def _figures(self, errors: dict[str, dict[str, float]], t: TransferResult, resident_ms: float,
                  placed_ms: float, stall_err: float, probe: SyncProbe, cpu_ms: float, host_fraction: float,

@@ -35,6 +35,15 @@ def test_cuda_lifecycle_bit_exact(budget):
     offload_scenario(CoreDriver(core, seed=3))
 
 
+@pytest.mark.parametrize("programs", [1, 8])
+def test_cuda_lifecycle_bit_exact_with_capped_copy_launches(programs):
+    """The same lifecycle with every Triton copy and fetch launch capped at ``programs``
+    persistent programs (``CudaTransferEngine.copy_programs``, gpu-check's overlap sweep)."""
+    core = make_core(PAGES + 6, device="cuda")
+    core.store.engine.copy_programs = programs
+    offload_scenario(CoreDriver(core, seed=3))
+
+
 def test_h2d_and_d2h_streams_are_distinct_and_ordered():
     """The CUDA engine uses two side streams; a fetch waiting on a write-back sees its data."""
     core = make_core(PAGES + 6, device="cuda")

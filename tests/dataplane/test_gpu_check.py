@@ -28,7 +28,7 @@ FIGURE_KEYS = {
     "host_syncs_per_step.kvplane", "host_syncs_per_step.attention", "kvplane_cpu_share", "kvplane_cpu_share_net",
     "recompute_step_rel_err", "recompute_attention_max_abs_err",
     "transfer_events.h2d_gbps", "transfer_events.d2h_gbps", "transfer_events.h2d_vs_wall_rel_err",
-    "transfer_events.stall_ms_per_step", "transfer_events.stall_vs_wall_rel_err",
+    "transfer_events.stall_ms_per_step", "transfer_events.stall_vs_wall_rel_err", "overlap.hidden_step_rel",
 }
 TARGETS = {  # the issue's targets, by figure
     "stall_rel_err": ("<=", 0.10), "h2d_vs_contiguous": (">=", 0.85), "duplex_vs_one_direction": (">=", 1.5),
@@ -36,10 +36,12 @@ TARGETS = {  # the issue's targets, by figure
     "kvplane_cpu_share": ("<=", 0.05), "recompute_step_rel_err": ("<=", 0.25),
     "transfer_events.h2d_gbps": (">=", 1.0), "transfer_events.d2h_gbps": (">=", 1.0),
     "transfer_events.h2d_vs_wall_rel_err": ("<=", 0.25), "transfer_events.stall_vs_wall_rel_err": ("<=", 0.25),
+    "overlap.hidden_step_rel": ("<=", 0.10),
 }
 CPU_NOT_MEANINGFUL = {"stall_rel_err", "h2d_vs_contiguous", "duplex_vs_one_direction", "kvplane_cpu_share",
                       "recompute_step_rel_err", "transfer_events.h2d_gbps", "transfer_events.d2h_gbps",
-                      "transfer_events.h2d_vs_wall_rel_err", "transfer_events.stall_ms_per_step"}
+                      "transfer_events.h2d_vs_wall_rel_err", "transfer_events.stall_ms_per_step",
+                      "overlap.hidden_step_rel"}
 
 
 def _result(tmp_path):
@@ -117,6 +119,11 @@ def test_cpu_dry_run_end_to_end(tmp_path, capsys):
         assert math.isclose(t["boundary_ms"] + sum(t["layer_ms"]), t["step_ms"], rel_tol=1e-6), kind
         assert 0 <= t["wait_ms_total"] <= t["step_ms"] <= t["host_enqueue_ms"], kind  # CPU: synchronous
     assert "placed step" in figures["transfer_events.stall_vs_wall_rel_err"]["note"]
+    overlap = details["overlap"]  # a placement the model hides: some KV out, the model's stall ~0
+    assert overlap["offloaded_layer_pages"] > 0 and sum(overlap["offloaded_layers_per_request"]) > 0
+    assert overlap["model_stall_ms"] <= 0.02 * overlap["resident_step_ms"]
+    assert overlap["step_ms_by_programs"] == {"default": overlap["step_ms"]}  # the CPU engine has no cap
+    assert len(overlap["timeline"]["layer_ms"]) == layers
     md = path.with_suffix(".md").read_text()
     assert body["machine"] in md and "CPU dry run" in md
     assert all(f["title"] in md for f in body["figures"])
@@ -148,6 +155,36 @@ def test_a_wrong_recompute_fails_the_check(tmp_path, monkeypatch):
     _, figures = _failing_quick_run(tmp_path)
     assert figures["recompute_attention_max_abs_err"]["status"] == FAIL
     assert figures["attention_max_abs_err.torch"]["status"] == PASS
+
+
+def test_overlap_sweeps_the_copy_program_caps(tmp_path, monkeypatch):
+    """An engine with a copy-program cap (CUDA's) is timed at every cap of the sweep, and left at
+    its default afterwards; the CPU engine stands in (it copies synchronously, whatever the cap)."""
+    from sglang_ext.dataplane.transfer_engine import CpuTransferEngine
+    from sglang_ext.tools import gpu_check_overlap
+
+    seen = []
+    real = gpu_check_overlap.time_ms
+
+    def timed(fn, device, repeat):  # noqa: ANN001, ANN202
+        seen.append(engines[-1].copy_programs)
+        return real(fn, device, repeat)
+
+    engines: list = []
+    init = CpuTransferEngine.__init__
+
+    def tracked(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        init(self, *a, **k)
+        self.copy_programs = None
+        engines.append(self)
+
+    monkeypatch.setattr(CpuTransferEngine, "__init__", tracked)
+    monkeypatch.setattr(gpu_check_overlap, "time_ms", timed)
+    assert main(["gpu-check", "--device", "cpu", "--skip-tests", "--repeat", "1", "--out-dir", str(tmp_path)]) == 0
+    _, body = _result(tmp_path)
+    sweep = body["details"]["overlap"]["step_ms_by_programs"]
+    assert list(sweep) == ["default", "64", "32", "16", "8"] and seen == list(gpu_check_overlap.PROGRAM_CAPS)
+    assert engines[-1].copy_programs is None
 
 
 def test_grade_flags_figures_that_miss_their_target():

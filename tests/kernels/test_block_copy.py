@@ -83,3 +83,26 @@ def test_reference_row_loop_path_matches_index_path() -> None:
     copy_segments_ref(src, a, si, di)
     b.index_copy_(0, di, src.index_select(0, si))
     torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("programs", [1, 2, None])
+def test_a_program_cap_copies_everything(triton_device: str, programs: int | None) -> None:
+    """A capped launch (fewer persistent programs than pairs: each program strides over several)
+    copies exactly what the reference does; the cap only changes who copies what."""
+    src, dst = _pools(torch.float32, 128, triton_device)
+    g = torch.Generator().manual_seed(SEED)
+    src_idx, dst_idx = torch.randint(0, 9, (7,), generator=g), torch.randperm(11, generator=g)[:7]
+    expected = dst.clone()
+    copy_segments_ref(src, expected, src_idx, dst_idx)
+    copy_segments(src, dst, src_idx.to(triton_device), dst_idx.to(triton_device), impl="triton", programs=programs)
+    torch.testing.assert_close(dst, expected, rtol=0, atol=0)
+
+
+def test_programs_for_caps_and_refuses() -> None:
+    from kernels.block_copy import INTERPRETER_PROGRAMS, programs_for
+
+    t = torch.zeros(1)
+    assert programs_for(t, 100) == INTERPRETER_PROGRAMS and programs_for(t, 100, 16) == 16
+    assert programs_for(t, 5, 16) == 5 and programs_for(t, 0, 16) == 1  # never more programs than work
+    with pytest.raises(ValueError, match="programs=0"):
+        programs_for(t, 10, 0)

@@ -35,7 +35,8 @@ def _loop(host_rows, flat, stage, map_row, reqs, starts, counts, layer, dev):  #
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("reqs", [[0, 2, 3], [2], [1, 3]])
-def test_fetch_pages_kernel_matches_reference(triton_device, seed, reqs):
+@pytest.mark.parametrize("programs", [None, 1])
+def test_fetch_pages_kernel_matches_reference(triton_device, seed, reqs, programs):
     flat, stage, map_row, starts, counts, host = _case(seed)
     layer = 1
     src, dst = fetch_page_indices(flat, stage, map_row, reqs, starts, counts, 2 * layer, 2 * L, DEV // 2)
@@ -49,7 +50,7 @@ def test_fetch_pages_kernel_matches_reference(triton_device, seed, reqs):
     dev = torch.full((DEV, SEG), -1.0, device=triton_device)
     t = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.int32, device=triton_device)  # noqa: E731
     fetch_pages_triton(host.to(triton_device), dev, t(flat), t(stage), t(map_row), t(reqs), t(starts), t(counts),
-                       int(counts[reqs].max()), 2 * layer, 2 * L, DEV // 2)
+                       int(counts[reqs].max()), 2 * layer, 2 * L, DEV // 2, programs)
     assert torch.equal(dev.cpu(), expected)
 
 

@@ -1,0 +1,104 @@
+"""OverlapCheck: `kvplane gpu-check`'s measurement of the overlap itself.
+
+The half-offloaded placement of :class:`~sglang_ext.tools.gpu_check_measure.CoreCheck` is
+transfer-bound (~213 ms of copies against a ~12 ms step at Llama-3-8B shapes), so it grades the
+placement model's stall but not whether a fetch runs *beside* the layers before it: the compute
+it should hide is 5% of that step. Here the planner leaves out only as much KV as the model says
+the copies hide entirely (OrbitFlow §3.3.1: a fetch overlaps the layers before its own), and
+the step is compared with the all-resident one:
+
+- ``overlap.hidden_step_rel``: (hidden placement's step - all-resident step) / all-resident
+  step, at the engine's default copy launch, at most :data:`HIDDEN_REL`. A fetch that keeps the
+  compute stream's kernels off the SMs until it is done (persistent copy programs on every SM)
+  or a host that reaches the layers late shows here as the copies' time added to the step.
+- the same step with the Triton copy launches capped at :data:`PROGRAM_CAPS` programs (CUDA;
+  ``CudaTransferEngine.copy_programs``), in ``details["overlap"]["step_ms_by_programs"]``: one
+  direction saturates PCIe at 16 programs (H100 sweep, ``benchmarks/results/gpu/duplex/
+  duplex-sweep-run2-*``), so a cap that leaves the SMs to the layers is what the sweep looks for.
+- one step of it laid out on the compute stream
+  (:class:`~sglang_ext.tools.step_timeline_probe.StepTimelineProbe`).
+
+The budget is the first of :data:`SHARES` whose placement the model predicts within
+:data:`MODEL_STALL_SHARE` of the resident step (the last if none is).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from controlplane.model import step_time_ms
+from sglang_ext.dataplane.bench_env import sync, time_ms
+from sglang_ext.tools.gpu_check_report import Figure
+from sglang_ext.tools.step_timeline_probe import StepTimelineProbe
+
+SHARES = (0.02, 0.015, 0.01, 0.0075, 0.005)
+"""Device budgets tried, in order: the batch's KV less this share, staging included (so the
+placement leaves this share out plus one staging layer per offloading request). With run 13's
+H200 figures (0.37 ms a layer, 49 GB/s) the planner's placements at these budgets offload
+11.2K / 9.3K / 7.7K / 6.9K / 7.1K layer-pages of the batch's 330K at a model stall of 4.6 / 1.8 /
+0.29 / 0.002 / 0 ms: 0.0075 is the first the model hides (455 MB of fetches under 11.9 ms of
+compute; without overlap the step would take ~9 ms more)."""
+MODEL_STALL_SHARE = 0.02
+"""The model's stall for a placement it hides: at most this share of the resident step."""
+HIDDEN_REL = 0.10
+"""Target: the hidden placement's step at most this much over the all-resident step."""
+PROGRAM_CAPS = (None, 64, 32, 16, 8)
+"""Copy-launch program caps swept on CUDA (None: the kernel's default, 2 per SM)."""
+
+
+class OverlapCheck:
+    """The overlap phase of :class:`~sglang_ext.tools.gpu_check_measure.CoreCheck` (module docstring)."""
+
+    def __init__(self, check: Any) -> None:
+        self.check = check
+        self.details: dict[str, Any] = {}
+
+    def _choose(self, comp_ms: list[float], bw: float, resident_ms: float) -> tuple[float, list, float]:
+        """(share, rows, the model's stall ms) of the placement to measure."""
+        ch = self.check
+        for share in SHARES:
+            rows = ch.plan(comp_ms, bw, share=share, key="overlap_plan", staging_on_top=False)
+            stall = step_time_ms(rows, ch.batch.blocks(1), comp_ms, bw) - sum(comp_ms)
+            if stall <= MODEL_STALL_SHARE * resident_ms:
+                break
+        return share, rows, stall
+
+    def run(self, comp_ms: list[float], bw_blocks_per_ms: float, resident_ms: float) -> list[Figure]:
+        ch, b, c = self.check, self.check.batch, self.check.config
+        cuda = ch.device.startswith("cuda")
+        share, rows, model_stall = self._choose(comp_ms, bw_blocks_per_ms, resident_ms)
+        b.place(rows)
+        offloaded = sum(r.count(0) * n for r, n in zip(rows, b.blocks(0), strict=True))
+        engine = b.core.store.engine
+        engine.quiesce()
+        sync(ch.device)
+        capped = hasattr(engine, "copy_programs")
+        by_programs: dict[str, float] = {}
+        try:
+            for cap in PROGRAM_CAPS if capped else (None,):
+                if capped:
+                    engine.copy_programs = cap
+                by_programs["default" if cap is None else str(cap)] = time_ms(ch.step, ch.device, c.repeat)
+        finally:
+            if capped:
+                engine.copy_programs = None
+        hidden_ms = by_programs["default"]
+        timeline = ch.timeline()
+        rel = (hidden_ms - resident_ms) / resident_ms
+        self.details = {
+            "share": share, "offloaded_layer_pages": offloaded,
+            "offloaded_layers_per_request": [r.count(0) for r in rows], "model_stall_ms": model_stall,
+            "resident_step_ms": resident_ms, "step_ms": hidden_ms, "step_ms_by_programs": by_programs,
+            "fastest_programs": min(by_programs, key=by_programs.__getitem__), "timeline": timeline,
+        }
+        ch.details["overlap"] = self.details
+        sweep = ", ".join(f"{k} {v:.2f}" for k, v in by_programs.items())
+        note = (f"budget {1 - share:.2%} of the KV ({offloaded} layer-pages offloaded), model stall "
+                f"{model_stall:.3f} ms; step {hidden_ms:.2f} vs {resident_ms:.2f} ms all-resident; "
+                f"by copy programs (ms): {sweep}; {StepTimelineProbe.summary(timeline)}")
+        return [Figure.graded(
+            "overlap.hidden_step_rel", "overlap: a placement the model hides, step vs all-resident", rel, "ratio",
+            "<=", HIDDEN_REL, "the planner leaves out the largest KV share whose copies the model hides "
+            f"(stall <= {MODEL_STALL_SHARE:.0%} of the resident step); (its step - all-resident step) / "
+            "all-resident step, at the engine's default copy launch", meaningful=cuda,
+            note=("CPU: copies are synchronous, nothing overlaps; not meaningful. " if not cuda else "") + note)]
