@@ -34,6 +34,7 @@ RADIX_BACKEND_NAME = "layered"
 MAX_HOST_POOL_GB = 1 << 16
 MAX_GPU_BUDGET_TOKENS = 1 << 40
 MAX_REPORT_INTERVAL = 1024
+MAX_COPY_PROGRAMS = 4096
 
 _GRPC_TARGET = re.compile(r"^grpc://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-_]+):(?P<port>\d{1,5})$")
 
@@ -96,6 +97,11 @@ class LayeredKVArgs:
     kv_recompute_layers: int | None = None
     """Layers recomputed under ``kv_recompute_ratio`` (the prefix is fetched above), >= 0;
     None: all (pure recompute)."""
+    kv_copy_programs: int | None = None
+    """Persistent programs of each Triton host<->device KV copy launch on CUDA, in [1, 4096];
+    None: 2 per SM (the kernel's default). Fewer leave SMs to the layers a fetch overlaps; one
+    direction saturates PCIe at 16 on an H100 (``kvplane gpu-check``'s overlap figure sweeps
+    64 / 32 / 16 / 8). Ignored on CPU."""
     kv_policy_listen: str | None = None
     """``HOST:PORT`` on which TP rank 0's scheduler serves the embedded control plane's
     ``kvplane.v1.PolicyService`` (get / update / watch the live policy); None: not served.
@@ -173,6 +179,9 @@ class LayeredKVArgs:
         rl = self.kv_recompute_layers
         if rl is not None and (isinstance(rl, bool) or not isinstance(rl, int) or rl < 0):
             raise ValueError(f"--kv-recompute-layers={rl!r} is out of range [0, model layers]")
+        cp = self.kv_copy_programs
+        if cp is not None and (isinstance(cp, bool) or not isinstance(cp, int) or not 1 <= cp <= MAX_COPY_PROGRAMS):
+            raise ValueError(f"--kv-copy-programs={cp!r} is out of range [1, {MAX_COPY_PROGRAMS}]")
         if self.kv_profile is not None:
             self._check_profile(self.kv_profile)
         if (self.kv_tls_cert is None) != (self.kv_tls_key is None):
@@ -374,6 +383,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> bool:
         type=int,
         default=None,
         help="Layers recomputed under --kv-recompute-ratio, the prefix fetched above (default: all).",
+    )
+    group.add_argument(
+        "--kv-copy-programs",
+        type=int,
+        default=None,
+        help=f"Programs of each Triton host<->device KV copy launch on CUDA, [1, {MAX_COPY_PROGRAMS}] "
+        "(default: 2 per SM); fewer leave SMs to the layers a fetch overlaps (see kvplane gpu-check).",
     )
     group.add_argument(
         "--kv-policy-listen",

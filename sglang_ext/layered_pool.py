@@ -115,6 +115,7 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
             device_pages=device_pages,
             dtype=self.store_dtype,
             device=str(self.device),
+            copy_programs=self._layered_args.kv_copy_programs,
         )
         host_pool_limit(config.host_bytes, self._layered_args.kv_host_pool_gb, available_host_bytes(),
                         what=f"every layer of {logical_pages} pages of {self.page_size} tokens")

@@ -75,6 +75,9 @@ class SlotStoreConfig:
     """Storage dtype."""
     device: str
     """Device of the device pool (``cpu`` in tests, ``cuda:N`` on GPUs)."""
+    copy_programs: int | None = None
+    """Persistent programs of each Triton copy launch on CUDA (``--kv-copy-programs``); None:
+    the kernel's default, 2 per SM. Ignored by the CPU engine."""
 
     def __post_init__(self) -> None:
         for name in ("layers", "page_size", "kv_heads", "head_dim", "logical_pages"):
@@ -83,6 +86,9 @@ class SlotStoreConfig:
                 raise ValueError(f"SlotStoreConfig.{name}={value!r} must be an int >= 1")
         if not isinstance(self.device_pages, int) or self.device_pages < 1:
             raise ValueError(f"SlotStoreConfig.device_pages={self.device_pages!r} must be an int >= 1")
+        cp = self.copy_programs
+        if cp is not None and (isinstance(cp, bool) or not isinstance(cp, int) or cp < 1):
+            raise ValueError(f"SlotStoreConfig.copy_programs={cp!r} must be None or an int >= 1")
 
     @property
     def layer_page_bytes(self) -> int:
@@ -144,7 +150,8 @@ class SlotKVStore:
             else BlockAllocator(self.pages_total, "device KV pages")
         )
         seg = c.page_size * c.kv_heads * c.head_dim
-        self.engine: TransferEngine = make_transfer_engine(self.host.view(-1, seg), self.dev.view(-1, seg))
+        self.engine: TransferEngine = make_transfer_engine(self.host.view(-1, seg), self.dev.view(-1, seg),
+                                                               copy_programs=c.copy_programs)
         self.h2d_bytes = 0
         self.d2h_bytes = 0
         self.host_write_bytes = 0

@@ -195,7 +195,8 @@ class CpuTransferEngine(TransferEngine):
 class CudaTransferEngine(TransferEngine):
     """Two side streams (H2D, D2H); one launch per call; events order everything."""
 
-    def __init__(self, host_segments: torch.Tensor, dev_segments: torch.Tensor) -> None:
+    def __init__(self, host_segments: torch.Tensor, dev_segments: torch.Tensor,
+                 copy_programs: int | None = None) -> None:
         super().__init__(host_segments, dev_segments)
         if not host_segments.is_pinned():
             raise ValueError("CudaTransferEngine needs a pinned host pool")
@@ -212,7 +213,7 @@ class CudaTransferEngine(TransferEngine):
         """``triton`` (one gather/scatter launch through UVA) or ``memcpy`` (fallback: one
         ``cudaMemcpyAsync`` per segment, correct but launch-bound) if Triton refuses host memory."""
         self.clock = EventClock()
-        self.copy_programs: int | None = None
+        self.copy_programs: int | None = copy_programs
         """Persistent programs of each Triton copy launch; None: the kernel's default
         (``kernels.block_copy.PROGRAMS_PER_SM`` per SM). A cap leaves SMs to the compute stream's
         kernels while a fetch runs (``kvplane gpu-check``'s overlap figure sweeps it)."""
@@ -337,8 +338,10 @@ class CudaTransferEngine(TransferEngine):
                 event.synchronize()
 
 
-def make_transfer_engine(host_segments: torch.Tensor, dev_segments: torch.Tensor) -> TransferEngine:
-    """The CUDA engine when the device pool is on a GPU, the synchronous CPU engine otherwise."""
+def make_transfer_engine(host_segments: torch.Tensor, dev_segments: torch.Tensor,
+                         copy_programs: int | None = None) -> TransferEngine:
+    """The CUDA engine when the device pool is on a GPU (``copy_programs``: its copy launches'
+    programs, :attr:`CudaTransferEngine.copy_programs`), the synchronous CPU engine otherwise."""
     if dev_segments.is_cuda:
-        return CudaTransferEngine(host_segments, dev_segments)
+        return CudaTransferEngine(host_segments, dev_segments, copy_programs)
     return CpuTransferEngine(host_segments, dev_segments)

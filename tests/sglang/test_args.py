@@ -52,10 +52,12 @@ def test_full_flag_set_parses(tmp_path):
         "--kv-report-interval", "1",
         "--kv-recompute-ratio", "0.25",
         "--kv-recompute-layers", "2",
+        "--kv-copy-programs", "32",
     )
     assert args.enable_layered_kv and args.kv_host_pool_gb == 2.5 and not args.pacing
     assert args.kv_report_interval == 1
     assert (args.kv_recompute_ratio, args.kv_recompute_layers) == (0.25, 2)
+    assert args.kv_copy_programs == 32 and LayeredKVArgs().kv_copy_programs is None
     assert (args.control_plane_host, args.control_plane_port) == ("cp.example", 50051)
 
 
@@ -75,6 +77,8 @@ def test_full_flag_set_parses(tmp_path):
         (["--kv-recompute-ratio", "1"], "--kv-recompute-ratio=1.0 is out of range [0, 1)"),
         (["--kv-recompute-ratio", "-0.1"], "--kv-recompute-ratio=-0.1 is out of range [0, 1)"),
         (["--kv-recompute-layers", "-2"], "--kv-recompute-layers=-2 is out of range [0, model layers]"),
+        (["--kv-copy-programs", "0"], "--kv-copy-programs=0 is out of range [1, 4096]"),
+        (["--kv-copy-programs", "5000"], "--kv-copy-programs=5000 is out of range [1, 4096]"),
     ],
 )
 def test_bad_values_name_the_flag_and_range(argv, message):

@@ -28,7 +28,7 @@ from sglang_ext.layered_pool import LayeredTokenToKVPool  # noqa: E402
 LAYERS, KV_HEADS, Q_HEADS, DIM, PAGE = 4, 2, 8, 128, 16
 
 
-def make_cuda_pool(budget_tokens: int) -> LayeredTokenToKVPool:
+def make_cuda_pool(budget_tokens: int, copy_programs: int | None = None) -> LayeredTokenToKVPool:
     return LayeredTokenToKVPool(
         size=4096,
         page_size=PAGE,
@@ -38,8 +38,15 @@ def make_cuda_pool(budget_tokens: int) -> LayeredTokenToKVPool:
         layer_num=LAYERS,
         device="cuda",
         enable_memory_saver=False,
-        layered_args=LayeredKVArgs(enable_layered_kv=True, kv_gpu_budget_tokens=budget_tokens),
+        layered_args=LayeredKVArgs(enable_layered_kv=True, kv_gpu_budget_tokens=budget_tokens,
+                                   kv_copy_programs=copy_programs),
     )
+
+
+def test_copy_programs_reach_the_cuda_engine():
+    """``--kv-copy-programs`` sets the served CUDA engine's copy launches."""
+    assert make_cuda_pool(PAGE * 64, copy_programs=8).store.engine.copy_programs == 8
+    assert make_cuda_pool(PAGE * 64).store.engine.copy_programs is None
 
 
 def fill(pool: LayeredTokenToKVPool, lengths: dict[str, int]) -> dict[str, torch.Tensor]:
