@@ -54,6 +54,12 @@ from controlplane.planner.solved import Solved
 log = structlog.get_logger(__name__)
 
 VICTIM_RULES = ("largest", "longest", "shortest", "random")
+FINISHING_TOKENS = 1
+"""A request with at most this many tokens left after the target step's (``remaining_tokens``)
+is paused last, whatever the rule: its KV is freed when it finishes a step or two later, and
+the data plane leaves running a request whose last token comes in the next step or, under
+SGLang's overlap loop, in the step in flight (``sglang_ext/pause.py``: it would not pause
+anyway, and the plan would have counted its memory as freed)."""
 DEFAULT_BUDGET_FRACTION = 0.25
 """Default time budget: this fraction of the predicted step (all-on-GPU compute first)."""
 DEFAULT_MAX_BUDGET_MS = 40.0
@@ -375,7 +381,14 @@ class Planner:
     def _victim_order(
         cls, batch: Batch, rule: str, rng: random.Random | None
     ) -> list[RequestSpec]:
-        """Every request in the order the victim rule would pause them one by one."""
+        """Every request in the order the victim rule would pause them one by one; requests
+        about to finish (:data:`FINISHING_TOKENS`) last, in the same order among themselves."""
+        order = cls._rule_order(batch, rule, rng)
+        finishing = [r for r in order if r.remaining_tokens is not None and r.remaining_tokens <= FINISHING_TOKENS]
+        return [r for r in order if r not in finishing] + finishing
+
+    @classmethod
+    def _rule_order(cls, batch: Batch, rule: str, rng: random.Random | None) -> list[RequestSpec]:
         bs = batch.model.block_size
         if rule == "largest":  # stable sorts: ties go in batch order, as max()/min() pick
             return sorted(batch.requests, key=lambda r: -(r.blocks(bs) + r.deposit_tokens))

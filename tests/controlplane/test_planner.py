@@ -277,6 +277,28 @@ def test_pause_picks_the_victim_of_each_rule(rule, victim):
     assert plan.resident_blocks + plan.staging_blocks <= 165
 
 
+@pytest.mark.parametrize(("rule", "finishing", "victim"), [
+    ("largest", "r1", "r0"), ("longest", "r0", "r1"), ("shortest", "r2", "r1"),
+])
+@pytest.mark.parametrize("left", [0, 1])
+def test_a_request_about_to_finish_is_paused_last(rule, finishing, victim, left):
+    """The rule's own victim, one or no token from its end, is passed over for the next one in
+    the rule's order: it frees its KV on finishing anyway (and the data plane would not pause
+    it). Negative control: two tokens left, it is the victim again."""
+    import dataclasses
+
+    batch = make_batch(VICTIM_CASE["contexts"], deposits=VICTIM_CASE["deposits"], layers=4, budget=165, window=(1, 1),
+                       block_size=1)
+
+    def with_left(n):  # noqa: ANN001, ANN202
+        reqs = tuple(dataclasses.replace(r, remaining_tokens=n) if r.id == finishing else r for r in batch.requests)
+        return dataclasses.replace(batch, requests=reqs)
+
+    plan = Planner().plan(with_left(left), victim_rule=rule)
+    assert plan.paused == (victim,) and plan.feasible and finishing in plan.placements
+    assert Planner().plan(with_left(2), victim_rule=rule).paused == (finishing,)
+
+
 def test_random_victim_is_seeded():
     """The random rule is reproducible for a seed and pauses one of the requests."""
     batch = make_batch(VICTIM_CASE["contexts"], deposits=VICTIM_CASE["deposits"], layers=4, budget=165)
