@@ -141,7 +141,7 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
                "Pauses of decoding requests the plan asked for and a step boundary did not apply, by reason: finishing (the "
                "request's last token comes in the next step, or the step in flight under the overlap loop: "
                "finishing frees its KV sooner) or a batch feature whose per-request state cannot be split "
-               "off (penalties, custom logit processor, speculative decoding, encoder-decoder). "
+               "off (custom logit processor, speculative decoding, encoder-decoder; penalties split with the row). "
                "The pause stays deferred and is retried at each boundary while its request runs",
                scope="source", label="reason", label_values=PAUSE_SKIP_REASONS),
     MetricSpec("kvplane:deposit_tokens", "gauge", "tokens",

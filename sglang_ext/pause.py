@@ -16,8 +16,12 @@ kvplane's pause (OrbitFlow §3.4) keeps the KV instead:
   next ``prepare_for_decode`` continues exactly where it stopped: greedy outputs are
   token-identical to an unpaused run.
 
-Not paused (the request is left running, reason logged): batches using penalties, custom logit
-processors or speculative decoding -- their per-batch state cannot be split faithfully here. Nor
+Penalties (frequency, presence, repetition, ``min_new_tokens``) split with the row: the parked
+batch gets its own copy of the batch's penalizer orchestrator (:func:`split_sampling_info`), so
+each side filters its own rows of the penalizers' state (token counts, output lengths), and at
+resume that state -- not a fresh one -- is merged back with SGLang's own ``merge``. Not paused
+(the request is left running, reason logged): batches using custom logit processors or
+speculative decoding -- their per-batch state cannot be split faithfully here. Nor
 a request whose last token (``max_new_tokens``) comes in the next step, or under SGLang's overlap
 loop in the step in flight at the boundary (``in_flight_steps``): it frees its KV as soon as it
 finishes, and parking it would only write its KV back to host memory for one more token later.
@@ -34,6 +38,7 @@ Runs on the scheduler thread; every TP rank applies the same calls in the same o
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +51,7 @@ log = structlog.get_logger(__name__)
 
 
 PAUSE_SKIP_REASONS: tuple[str, ...] = (
-    "finishing", "penalties", "custom_logit_processor", "speculative_decoding", "encoder_decoder",
+    "finishing", "custom_logit_processor", "speculative_decoding", "encoder_decoder",
 )
 """Why a pause the plan asked for was not applied (:attr:`PauseManager.skipped`)."""
 WARNED_MAX = 4096
@@ -68,9 +73,6 @@ class ParkedRequest:
 def unpausable_reason(batch: Any) -> str | None:
     """Why rows of ``batch`` cannot be split off and merged back faithfully (None = they can)."""
     info = getattr(batch, "sampling_info", None)
-    orchestrator = getattr(info, "penalizer_orchestrator", None)
-    if orchestrator is not None and orchestrator.is_required:
-        return "penalties"
     if getattr(info, "has_custom_logit_processor", False):
         return "custom_logit_processor"
     if getattr(batch, "spec_info", None) is not None:
@@ -78,6 +80,31 @@ def unpausable_reason(batch: Any) -> str | None:
     if getattr(batch, "model_config", None) is not None and batch.model_config.is_encoder_decoder:
         return "encoder_decoder"
     return None
+
+
+def split_sampling_info(info: Any, taken: Any) -> Any:
+    """A shallow copy of ``info`` for ``taken`` (a shallow copy of the running batch, about to be
+    filtered down to the paused row) with its own penalizer orchestrator: a copy bound to
+    ``taken`` holding copies of the penalizers, each bound to it. The two orchestrators then
+    filter their own rows (``ScheduleBatch.filter_batch`` filters ``reqs`` first, so each
+    re-evaluates which penalizers it still needs from its own requests). SGLang's penalizers
+    *replace* their tensors when filtered (``_filter`` indexes them; ``_cumulate_output_tokens``
+    writes only into the replaced ones), so after the two filters the copies share nothing.
+    Sharing one orchestrator instead (a plain shallow copy) filters it twice, for two different
+    batches, and the server dies at the next step (``test_pause_server.py``'s negative control)."""
+    out = copy.copy(info)
+    orchestrator = getattr(info, "penalizer_orchestrator", None)
+    if orchestrator is None:
+        return out
+    clone = copy.copy(orchestrator)
+    clone.batch = taken  # its requests: the paused row's once filtered
+    clone.penalizers = {}
+    for kind, penalizer in orchestrator.penalizers.items():
+        mine = copy.copy(penalizer)
+        mine._orchestrator_ref = weakref.ref(clone)
+        clone.penalizers[kind] = mine
+    out.penalizer_orchestrator = clone
+    return out
 
 
 class PauseManager:
@@ -148,7 +175,7 @@ class PauseManager:
                 continue
             idx = running_batch.reqs.index(req)
             taken = copy.copy(running_batch)
-            taken.sampling_info = copy.copy(running_batch.sampling_info)
+            taken.sampling_info = split_sampling_info(running_batch.sampling_info, taken)
             taken.filter_batch(keep_indices=[idx])
             running_batch.filter_batch(
                 keep_indices=[i for i in range(len(running_batch.reqs)) if i != idx]
@@ -183,9 +210,15 @@ class PauseManager:
             batch = parked.batch
             from sglang_ext.compat import SamplingBatchInfo
 
+            # fresh sampling tensors, as SGLang builds them for a prefill batch, but the
+            # penalizers' state the request accumulated before its pause (a fresh orchestrator
+            # would restart its token counts and output length)
+            penalties = batch.sampling_info.penalizer_orchestrator
             batch.sampling_info = SamplingBatchInfo.from_schedule_batch(
                 batch, batch.model_config.vocab_size
             )
+            if penalties is not None:
+                batch.sampling_info.penalizer_orchestrator = penalties
             if running_batch is None or running_batch.is_empty():
                 running_batch = batch
             else:

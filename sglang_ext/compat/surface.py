@@ -277,7 +277,14 @@ SAMPLING_BATCH_INFO_FROM_SCHEDULE_BATCH = Target(
     used_by=("pause",),
 )
 PENALIZER_ORCHESTRATOR = Target(f"{_SRT}.sampling.penaltylib.orchestrator.BatchedPenalizerOrchestrator",
-                                attrs=("is_required",), used_by=("pause",))
+                                attrs=("is_required", "penalizers", "batch", "filter", "merge"), used_by=("pause",))
+"""``pause.split_sampling_info`` copies it for a paused row: ``batch`` (a settable property,
+weak), ``penalizers`` (kind -> penalizer); ``filter`` / ``merge`` run on each side."""
+BATCHED_PENALIZER = Target(f"{_SRT}.sampling.penaltylib.orchestrator._BatchedPenalizer",
+                           attrs=("_orchestrator_ref", "_filter", "_merge"), used_by=("pause",))
+"""A penalizer copied for a paused row is re-bound to its copy's orchestrator through the private
+``_orchestrator_ref`` (a weakref); the split relies on ``_filter`` replacing the state tensors
+rather than writing into them (true of all four in 0.5.23)."""
 MODEL_CONFIG = Target(f"{_SRT}.configs.model_config.ModelConfig",
                       attrs=("num_hidden_layers", "vocab_size", "is_encoder_decoder", "head_dim", "dtype",
                              "get_num_kv_heads"),

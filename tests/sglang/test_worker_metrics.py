@@ -342,10 +342,10 @@ def test_pauses_skipped_are_counted_by_reason_from_the_boundary_record():
     outside the table is not exported; TP ranks other than 0 export none."""
     metrics = make_metrics()
     metrics.boundary({"pauses_skipped": {"finishing": 2}})
-    metrics.boundary({"pauses_skipped": {"finishing": 1, "penalties": 1, "made_up": 5}})
+    metrics.boundary({"pauses_skipped": {"finishing": 1, "custom_logit_processor": 1, "made_up": 5}})
     metrics.boundary({"pauses_skipped": {}})
     assert value(metrics, "kvplane:pauses_skipped_total", reason="finishing") == 3
-    assert value(metrics, "kvplane:pauses_skipped_total", reason="penalties") == 1
+    assert value(metrics, "kvplane:pauses_skipped_total", reason="custom_logit_processor") == 1
     assert value(metrics, "kvplane:pauses_skipped_total", reason="encoder_decoder") == 0
     assert metrics.registry.get_sample_value("kvplane:pauses_skipped_total",
                                              {**metrics.labels, "reason": "made_up"}) is None
