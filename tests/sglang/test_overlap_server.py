@@ -21,7 +21,7 @@ from sglang_ext.settings import POOL_STATS_FILE_ENV, STATS_FILE_ENV
 from sglang_ext.testing.jsonl import read_jsonl, read_jsonl_settled
 from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import PROMPTS, assert_same_generation, greedy, running_server
-from tests.sglang.test_pause_server import pause_flags
+from tests.sglang.test_pause_server import _same_as_vanilla, pause_flags
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]
 
@@ -103,3 +103,16 @@ def test_requests_ended_by_a_stop_token_end_once(overlap_server, vanilla_server)
     finished = [rid for line in read_jsonl_settled(stats_path, start) for rid in line["finished"]]
     ids = [out["meta_info"]["id"] for out in got]
     assert {rid: finished.count(rid) for rid in ids} == dict.fromkeys(ids, 1)
+
+
+def test_requests_with_a_penalizer_paused_under_the_overlap_loop_match_vanilla(overlap_server, vanilla_server):
+    """Penalty state across a pause under the overlap loop, where a boundary runs while the step
+    before it is in flight (and SGLang adds a step's token to the penalizers late, in
+    ``prepare_for_decode``): requests with ``min_new_tokens=6`` (EOS masked by an output-length
+    count) are paused and resumed, tokens and logprobs vanilla's (vanilla runs the overlap loop
+    too). Negative control (session 23): counting the in-flight token into the paused row when
+    it is split off -- a count one off -- moves a logprob by 2.7e-3."""
+    got, lines = _same_as_vanilla(overlap_server, vanilla_server, min_new_tokens=6)
+    paused = {rid for line in lines for rid in line.get("paused_now") or ()}
+    assert paused & {out["meta_info"]["id"] for out in got}, "expected requests with a penalizer to be paused"
+    assert lines[-1]["paused"] == []
