@@ -7,6 +7,10 @@ must pause someone else so that a starving request can run.
   and masks the most violations for the victim through its deposit).
 * ``longest`` / ``shortest``: the most / fewest context tokens.
 * ``random``: uniform, seeded (deterministic for a given seed).
+
+Whatever the rule, a running request at most ``FINISHING_TOKENS`` tokens from its
+``max_new_tokens`` after the next one is chosen only when every candidate is (as the planner
+orders its victims): it frees its KV by finishing, and the data plane would not pause it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,16 @@ import random
 from collections.abc import Sequence
 
 from controlplane.controller.schedulers.base import RequestView
+from controlplane.planner.planner import FINISHING_TOKENS
 from controlplane.policy import VICTIM_RULES
+
+
+def finishing(r: RequestView) -> bool:
+    """``r`` runs and has at most :data:`FINISHING_TOKENS` tokens left after the next step's
+    (the planner's ``remaining_tokens``, as the decision builder computes it)."""
+    if r.paused or r.max_new_tokens is None:
+        return False
+    return r.max_new_tokens - r.generated_tokens - 1 <= FINISHING_TOKENS
 
 
 def select_victim(
@@ -24,6 +37,7 @@ def select_victim(
     """The request ``rule`` pauses first among ``candidates`` (ties broken by id)."""
     if not candidates:
         raise ValueError("select_victim: no candidates")
+    candidates = [r for r in candidates if not finishing(r)] or list(candidates)
     if rule == "largest":
         return max(
             candidates,

@@ -16,6 +16,14 @@ import torch
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+PROGRAM_CAPS: tuple[int | None, ...] = (None, 64, 32, 16, 8)
+"""Copy-launch program caps the overlap phase sweeps on CUDA (None: the kernel's default, 2 per
+SM; :mod:`~sglang_ext.tools.gpu_check_overlap`)."""
+TIMELINE_STEPS = 3
+"""Steps of each kind laid out on the device (:class:`~sglang_ext.tools.step_timeline_probe.
+StepTimelineProbe`); the last is kept."""
+
+
 @dataclass(frozen=True)
 class GpuCheckConfig:
     """What one check runs (validated; ``ValueError`` names the field and the allowed range)."""
@@ -86,8 +94,13 @@ class GpuCheckConfig:
 
     @property
     def decode_steps(self) -> int:
-        """Decode steps one check runs (warm-ups, timed and instrumented steps): the batch's headroom."""
-        return 6 * (self.repeat + 2) + 8
+        """Decode steps one check runs (warm-ups, timed and instrumented steps): the batch's headroom.
+        Per phase: resident (a timed run of ``repeat + 2`` steps, ``repeat`` CPU-timed, 3
+        profiled, ``TIMELINE_STEPS``), placed (the same, 2 sync-probed, 1 for accuracy), overlap
+        (an all-resident timed run, one per cap of ``PROGRAM_CAPS`` -- counted even where the
+        engine has no cap -- and ``TIMELINE_STEPS``), recompute (a timed run, 1 for accuracy); with a margin."""
+        runs = self.repeat + 2
+        return (7 + len(PROGRAM_CAPS)) * runs + 3 * TIMELINE_STEPS + 8
 
     def with_overrides(self, **changes: object) -> GpuCheckConfig:
         """A copy with the non-None ``changes`` applied (CLI overrides)."""

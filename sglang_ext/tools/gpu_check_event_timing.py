@@ -72,8 +72,10 @@ def event_timing_figures(t: TransferResult, *, placed_stall_ms: list[float], res
     resident_ms = placed_ms - wall_stall_ms
     stall_rel = (abs(stall / wall_stall_ms - 1.0)
                  if stall is not None and wall_stall_ms >= STALL_FLOOR_SHARE * resident_ms > 0 else None)
-    stall_why = cpu_note or ("" if stall_rel is not None else
-                             f"wall-clock stall under {STALL_FLOOR_SHARE:.0%} of the resident step: not graded")
+    stall_why = cpu_note or (
+        "" if stall_rel is not None
+        else "the events observed no complete stall per step: not graded (the figure above fails)" if stall is None
+        else f"wall-clock stall under {STALL_FLOOR_SHARE:.0%} of the resident step: not graded")
     timeline = details.get("step_timeline", {})
     placed_timeline = timeline.get("placed")
     timeline_note = ("" if placed_timeline is None else

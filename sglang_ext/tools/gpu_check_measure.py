@@ -54,7 +54,7 @@ from sglang_ext.dataplane import dense_attention
 from sglang_ext.dataplane.bench_env import sync, time_ms
 from sglang_ext.tools.gpu_check_attention import BACKENDS, DecodeBackends
 from sglang_ext.tools.gpu_check_batch import CheckBatch
-from sglang_ext.tools.gpu_check_config import GpuCheckConfig
+from sglang_ext.tools.gpu_check_config import TIMELINE_STEPS, GpuCheckConfig
 from sglang_ext.tools.gpu_check_event_timing import event_timing_figures
 from sglang_ext.tools.gpu_check_probes import CpuTimeProbe, SyncProbe
 from sglang_ext.tools.gpu_check_report import Figure
@@ -77,8 +77,6 @@ CPU_SHARE = 0.05
 SYNC_STEPS = 2
 PROFILE_STEPS = 3
 """Steps of each kind profiled by function (:class:`HostProfileProbe`)."""
-TIMELINE_STEPS = 3
-"""Steps of each kind laid out on the device (:class:`StepTimelineProbe`); the last is kept."""
 Q_SCALE = 2.0
 """Queries are N(0, Q_SCALE^2): a peakier softmax, so a wrong page moves the output visibly."""
 

@@ -8,7 +8,7 @@ the copies hide entirely (OrbitFlow §3.3.1: a fetch overlaps the layers before 
 the step is compared with the all-resident one:
 
 - ``overlap.hidden_step_rel``: (hidden placement's step - all-resident step) / all-resident
-  step, at the engine's default copy launch, at most :data:`HIDDEN_REL`. A fetch that keeps the
+  step, both timed here back to back (same contexts), at the engine's default copy launch, at most :data:`HIDDEN_REL`. A fetch that keeps the
   compute stream's kernels off the SMs until it is done (persistent copy programs on every SM)
   or a host that reaches the layers late shows here as the copies' time added to the step.
 - the same step with the Triton copy launches capped at :data:`PROGRAM_CAPS` programs (CUDA;
@@ -28,6 +28,7 @@ from typing import Any
 
 from controlplane.model import step_time_ms
 from sglang_ext.dataplane.bench_env import sync, time_ms
+from sglang_ext.tools.gpu_check_config import PROGRAM_CAPS
 from sglang_ext.tools.gpu_check_report import Figure
 from sglang_ext.tools.step_timeline_probe import StepTimelineProbe
 
@@ -42,8 +43,6 @@ MODEL_STALL_SHARE = 0.02
 """The model's stall for a placement it hides: at most this share of the resident step."""
 HIDDEN_REL = 0.10
 """Target: the hidden placement's step at most this much over the all-resident step."""
-PROGRAM_CAPS = (None, 64, 32, 16, 8)
-"""Copy-launch program caps swept on CUDA (None: the kernel's default, 2 per SM)."""
 
 
 class OverlapCheck:
@@ -64,12 +63,19 @@ class OverlapCheck:
         return share, rows, stall
 
     def run(self, comp_ms: list[float], bw_blocks_per_ms: float, resident_ms: float) -> list[Figure]:
+        """``resident_ms``: the first all-resident step (the share's bound); the figure compares
+        with the all-resident step timed again here, at the same contexts."""
         ch, b, c = self.check, self.check.batch, self.check.config
         cuda = ch.device.startswith("cuda")
         share, rows, model_stall = self._choose(comp_ms, bw_blocks_per_ms, resident_ms)
+        engine = b.core.store.engine
+        # the all-resident step again, at these contexts (the first was timed ~100 steps ago)
+        b.place([(1,) * c.layers for _ in b.rids])
+        engine.quiesce()
+        sync(ch.device)
+        resident_ms = time_ms(ch.step, ch.device, c.repeat)
         b.place(rows)
         offloaded = sum(r.count(0) * n for r, n in zip(rows, b.blocks(0), strict=True))
-        engine = b.core.store.engine
         engine.quiesce()
         sync(ch.device)
         capped = hasattr(engine, "copy_programs")

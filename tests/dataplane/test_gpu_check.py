@@ -159,7 +159,8 @@ def test_a_wrong_recompute_fails_the_check(tmp_path, monkeypatch):
 
 def test_overlap_sweeps_the_copy_program_caps(tmp_path, monkeypatch):
     """An engine with a copy-program cap (CUDA's) is timed at every cap of the sweep, and left at
-    its default afterwards; the CPU engine stands in (it copies synchronously, whatever the cap)."""
+    its default afterwards; the CPU engine stands in (it copies synchronously, whatever the cap).
+    The check batch has slots for every step of every phase at the default repeat."""
     from sglang_ext.dataplane.transfer_engine import CpuTransferEngine
     from sglang_ext.tools import gpu_check_overlap
 
@@ -180,10 +181,13 @@ def test_overlap_sweeps_the_copy_program_caps(tmp_path, monkeypatch):
 
     monkeypatch.setattr(CpuTransferEngine, "__init__", tracked)
     monkeypatch.setattr(gpu_check_overlap, "time_ms", timed)
-    assert main(["gpu-check", "--device", "cpu", "--skip-tests", "--repeat", "1", "--out-dir", str(tmp_path)]) == 0
+    # the default repeat, as on a GPU: the batch's slots must last every phase's steps, the
+    # sweep's included (before it was counted: out of slots in the recompute phase)
+    assert main(["gpu-check", "--device", "cpu", "--skip-tests", "--out-dir", str(tmp_path)]) == 0
     _, body = _result(tmp_path)
     sweep = body["details"]["overlap"]["step_ms_by_programs"]
-    assert list(sweep) == ["default", "64", "32", "16", "8"] and seen == list(gpu_check_overlap.PROGRAM_CAPS)
+    assert list(sweep) == ["default", "64", "32", "16", "8"]
+    assert seen == [None, *gpu_check_overlap.PROGRAM_CAPS]  # the all-resident step re-timed first, uncapped
     assert engines[-1].copy_programs is None
 
 

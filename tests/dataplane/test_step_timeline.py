@@ -70,6 +70,16 @@ def test_event_stall_is_graded_against_the_wall_clock():
     assert good.status == PASS and good.value == pytest.approx(abs(200 / 217 - 1))
     assert _figures(0.1, 0.3).status == NA  # under 5% of the 12 ms resident step: noise
     assert _figures(0.9, 217.0, cuda=False).status == NA
+    missing = _figures(0.9, 217.0, steps=3)
+    t = TransferResult(layer_pages=1, bytes=1, engine="x", h2d_ms=1.0, h2d_gbps=50.0, contiguous_gbps=55.0,
+                       d2h_gbps=50.0, duplex_gbps=70.0, h2d_event_gbps=50.0, d2h_event_gbps=50.0)
+    incomplete = {f.key: f for f in event_timing_figures(
+        t, placed_stall_ms=[1.0], resident_stall_ms=[], steps=3, placed_ms=229.0, wall_stall_ms=217.0, cuda=True,
+        details={})}
+    assert incomplete["transfer_events.stall_ms_per_step"].status == FAIL  # a step not observed
+    assert incomplete["transfer_events.stall_vs_wall_rel_err"].status == NA
+    assert "no complete stall" in incomplete["transfer_events.stall_vs_wall_rel_err"].note
+    assert missing.status == FAIL
     timeline = {"placed": {"step_ms": 229.0, "boundary_ms": 0.5, "wait_ms_total": 1.0, "compute_ms_total": 227.5,
                            "host_enqueue_ms": 8.0, "transfers_done_ms": 228.0}}
     note = _figures(0.9, 217.0, timeline=timeline).note
