@@ -320,7 +320,7 @@ class CoreCheck:
         from sglang_ext.tools.gpu_check_overlap import OverlapCheck  # both import this module
         from sglang_ext.tools.gpu_check_recompute import RecomputeCheck
 
-        overlap_figures = OverlapCheck(self).run(comp, transfer.bw_blocks_per_ms, resident_ms)
+        overlap_figures = OverlapCheck(self).run(comp, transfer.bw_blocks_per_ms, resident_ms, transfer.by_programs)
         recompute = RecomputeCheck(self)
         recompute_figures = recompute.run(comp, transfer.bw_blocks_per_ms)
         stall_measured, stall_predicted = placed_ms - resident_ms, predicted_ms - sum(comp)

@@ -62,9 +62,11 @@ class OverlapCheck:
                 break
         return share, rows, stall
 
-    def run(self, comp_ms: list[float], bw_blocks_per_ms: float, resident_ms: float) -> list[Figure]:
+    def run(self, comp_ms: list[float], bw_blocks_per_ms: float, resident_ms: float,
+            link_by_programs: dict[str, dict[str, float]] | None = None) -> list[Figure]:
         """``resident_ms``: the first all-resident step (the share's bound); the figure compares
-        with the all-resident step timed again here, at the same contexts."""
+        with the all-resident step timed again here, at the same contexts. ``link_by_programs``:
+        the transfer check's GB/s at the same caps, quoted in the note."""
         ch, b, c = self.check, self.check.batch, self.check.config
         cuda = ch.device.startswith("cuda")
         share, rows, model_stall = self._choose(comp_ms, bw_blocks_per_ms, resident_ms)
@@ -79,6 +81,7 @@ class OverlapCheck:
         engine.quiesce()
         sync(ch.device)
         capped = hasattr(engine, "copy_programs")
+        before = engine.copy_programs if capped else None
         by_programs: dict[str, float] = {}
         try:
             for cap in PROGRAM_CAPS if capped else (None,):
@@ -87,7 +90,7 @@ class OverlapCheck:
                 by_programs["default" if cap is None else str(cap)] = time_ms(ch.step, ch.device, c.repeat)
         finally:
             if capped:
-                engine.copy_programs = None
+                engine.copy_programs = before
         hidden_ms = by_programs["default"]
         timeline = ch.timeline()
         rel = (hidden_ms - resident_ms) / resident_ms
@@ -99,6 +102,9 @@ class OverlapCheck:
         }
         ch.details["overlap"] = self.details
         sweep = ", ".join(f"{k} {v:.2f}" for k, v in by_programs.items())
+        if link_by_programs:
+            sweep += "; H2D / duplex GB/s by cap: " + ", ".join(
+                f"{k} {v['h2d_gbps']:.1f} / {v['duplex_gbps']:.1f}" for k, v in link_by_programs.items())
         note = (f"budget {1 - share:.2%} of the KV ({offloaded} layer-pages offloaded), model stall "
                 f"{model_stall:.3f} ms; step {hidden_ms:.2f} vs {resident_ms:.2f} ms all-resident; "
                 f"by copy programs (ms): {sweep}; {StepTimelineProbe.summary(timeline)}")

@@ -14,7 +14,10 @@ layered pool issues), with two groups of free device pages taken from the stagin
 - ``h2d_event_gbps`` / ``d2h_event_gbps``: the same H2D and D2H loops as the data plane's own
   timing account sees them (``core.transfer_times``: CUDA-event pairs on the transfer streams,
   harvested after the loop's final sync): bytes launched / seconds booked. This is what
-  ``kvplane:h2d_seconds_total`` and ``kvplane:d2h_seconds_total`` measure when serving.
+  ``kvplane:h2d_seconds_total`` and ``kvplane:d2h_seconds_total`` measure when serving;
+- ``by_programs`` (CUDA): the H2D and duplex GB/s again with the engine's copy launches capped
+  at each of ``PROGRAM_CAPS`` (``CudaTransferEngine.copy_programs``): what a cap that leaves SMs
+  to the layers costs the link, beside the overlap phase's step times at the same caps.
 
 On the CPU the engine copies synchronously: the figures are measured the same way but say
 nothing about a GPU link (reported N/A).
@@ -31,6 +34,7 @@ import torch
 
 from sglang_ext.dataplane.bench_env import sync, time_ms
 from sglang_ext.tools.gpu_check_batch import CheckBatch
+from sglang_ext.tools.gpu_check_config import PROGRAM_CAPS
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,9 @@ class TransferResult:
     """GB/s of the ``h2d`` loop from the engine's timing account (None: nothing booked)."""
     d2h_event_gbps: float | None = None
     """GB/s of the ``d2h`` loop from the engine's timing account (None: nothing booked)."""
+    by_programs: dict[str, dict[str, float]] | None = None
+    """Cap (``PROGRAM_CAPS`` but the default) -> ``{"h2d_gbps", "duplex_gbps"}``; None where the
+    engine has no cap (the CPU's)."""
 
     @property
     def h2d_vs_contiguous(self) -> float:
@@ -118,6 +125,21 @@ class TransferCheck:
             flat_host = torch.empty(nbytes // elt, dtype=b.dtype, pin_memory=cuda)
             flat_dev = torch.empty(nbytes // elt, dtype=b.dtype, device=device)
             contig_ms = time_ms(lambda: flat_dev.copy_(flat_host, non_blocking=True), device, self.repeat)
+            nbytes_both = 2 * int(src_a.size) * eng.segment_bytes
+            by_programs = None
+            if hasattr(eng, "copy_programs"):
+                by_programs, before = {}, eng.copy_programs
+                try:
+                    for cap in PROGRAM_CAPS:
+                        if cap is None:
+                            continue
+                        eng.copy_programs = cap
+                        by_programs[str(cap)] = {
+                            "h2d_gbps": nbytes_both / 2 / time_ms(h2d, device, self.repeat) / 1e6,
+                            "duplex_gbps": nbytes_both / time_ms(duplex, device, self.repeat) / 1e6,
+                        }
+                finally:
+                    eng.copy_programs = before
         finally:
             eng.quiesce()
             sync(device)
@@ -128,7 +150,7 @@ class TransferCheck:
         return TransferResult(layer_pages=n, bytes=nbytes, engine=engine, h2d_ms=h2d_ms, h2d_gbps=gbps(h2d_ms),
                               contiguous_gbps=gbps(contig_ms), d2h_gbps=gbps(d2h_ms),
                               duplex_gbps=2 * nbytes / both_ms / 1e6, h2d_event_gbps=h2d_event_gbps,
-                              d2h_event_gbps=d2h_event_gbps)
+                              d2h_event_gbps=d2h_event_gbps, by_programs=by_programs)
 
     def _timed(self, fn: Callable[[], None], kind: str) -> tuple[float, float | None]:
         """The median wall ms of ``fn`` (one ``kind`` launch), and the GB/s that the engine's timing

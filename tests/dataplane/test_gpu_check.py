@@ -123,6 +123,7 @@ def test_cpu_dry_run_end_to_end(tmp_path, capsys):
     assert overlap["offloaded_layer_pages"] > 0 and sum(overlap["offloaded_layers_per_request"]) > 0
     assert overlap["model_stall_ms"] <= 0.02 * overlap["resident_step_ms"]
     assert overlap["step_ms_by_programs"] == {"default": overlap["step_ms"]}  # the CPU engine has no cap
+    assert details["transfer"]["by_programs"] is None
     assert len(overlap["timeline"]["layer_ms"]) == layers
     md = path.with_suffix(".md").read_text()
     assert body["machine"] in md and "CPU dry run" in md
@@ -189,6 +190,10 @@ def test_overlap_sweeps_the_copy_program_caps(tmp_path, monkeypatch):
     assert list(sweep) == ["default", "64", "32", "16", "8"]
     assert seen == [None, *gpu_check_overlap.PROGRAM_CAPS]  # the all-resident step re-timed first, uncapped
     assert engines[-1].copy_programs is None
+    link = body["details"]["transfer"]["by_programs"]  # the link at each cap, beside the step times
+    assert list(link) == ["64", "32", "16", "8"] and all(v["h2d_gbps"] > 0 and v["duplex_gbps"] > 0
+                                                          for v in link.values())
+    assert "H2D / duplex GB/s by cap" in {f["key"]: f for f in body["figures"]}["overlap.hidden_step_rel"]["note"]
 
 
 def test_grade_flags_figures_that_miss_their_target():
