@@ -320,7 +320,8 @@ class CoreCheck:
         from sglang_ext.tools.gpu_check_overlap import OverlapCheck  # both import this module
         from sglang_ext.tools.gpu_check_recompute import RecomputeCheck
 
-        overlap_figures = OverlapCheck(self).run(comp, transfer.bw_blocks_per_ms, resident_ms, transfer.by_programs)
+        overlap_figures = OverlapCheck(self).run(comp, transfer.bw_blocks_per_ms, resident_ms,
+                                                 transfer.by_programs, transfer.h2d_gbps)
         recompute = RecomputeCheck(self)
         recompute_figures = recompute.run(comp, transfer.bw_blocks_per_ms)
         stall_measured, stall_predicted = placed_ms - resident_ms, predicted_ms - sum(comp)

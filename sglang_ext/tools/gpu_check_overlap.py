@@ -45,6 +45,28 @@ HIDDEN_REL = 0.10
 """Target: the hidden placement's step at most this much over the all-resident step."""
 
 
+LINK_KEEP = 0.95
+"""A cap is recommended only if its H2D GB/s is at least this share of the default launch's (a
+transfer-bound step must not get slower for the hidden one to get faster)."""
+STEP_GAIN = 0.02
+"""...and only if its hidden step is at least this much faster than the default's (noise)."""
+
+
+def recommend_programs(step_ms: dict[str, float], link: dict[str, dict[str, float]], h2d_gbps: float) -> str:
+    """``--kv-copy-programs N`` to run with, or ``default``: the cap whose hidden-placement step
+    (``step_ms``, by cap, ``default`` included) is fastest by at least :data:`STEP_GAIN`, among
+    the caps whose H2D GB/s (``link``) keeps :data:`LINK_KEEP` of the default's ``h2d_gbps``."""
+    base = step_ms.get("default")
+    if base is None:
+        return "default"
+    ok = [cap for cap in step_ms if cap != "default" and cap in link
+          and link[cap]["h2d_gbps"] >= LINK_KEEP * h2d_gbps and step_ms[cap] <= (1 - STEP_GAIN) * base]
+    if not ok:
+        return "default"
+    best = min(ok, key=step_ms.__getitem__)
+    return f"--kv-copy-programs {best}"
+
+
 class OverlapCheck:
     """The overlap phase of :class:`~sglang_ext.tools.gpu_check_measure.CoreCheck` (module docstring)."""
 
@@ -63,10 +85,11 @@ class OverlapCheck:
         return share, rows, stall
 
     def run(self, comp_ms: list[float], bw_blocks_per_ms: float, resident_ms: float,
-            link_by_programs: dict[str, dict[str, float]] | None = None) -> list[Figure]:
+            link_by_programs: dict[str, dict[str, float]] | None = None, h2d_gbps: float = 0.0) -> list[Figure]:
         """``resident_ms``: the first all-resident step (the share's bound); the figure compares
         with the all-resident step timed again here, at the same contexts. ``link_by_programs``:
-        the transfer check's GB/s at the same caps, quoted in the note."""
+        the transfer check's GB/s at the same caps (``h2d_gbps``: at the default), quoted in the
+        note and weighed by :func:`recommend_programs`."""
         ch, b, c = self.check, self.check.batch, self.check.config
         cuda = ch.device.startswith("cuda")
         share, rows, model_stall = self._choose(comp_ms, bw_blocks_per_ms, resident_ms)
@@ -99,12 +122,15 @@ class OverlapCheck:
             "offloaded_layers_per_request": [r.count(0) for r in rows], "model_stall_ms": model_stall,
             "resident_step_ms": resident_ms, "step_ms": hidden_ms, "step_ms_by_programs": by_programs,
             "fastest_programs": min(by_programs, key=by_programs.__getitem__), "timeline": timeline,
+            "recommended_programs": recommend_programs(by_programs, link_by_programs or {}, h2d_gbps),
         }
         ch.details["overlap"] = self.details
         sweep = ", ".join(f"{k} {v:.2f}" for k, v in by_programs.items())
         if link_by_programs:
             sweep += "; H2D / duplex GB/s by cap: " + ", ".join(
                 f"{k} {v['h2d_gbps']:.1f} / {v['duplex_gbps']:.1f}" for k, v in link_by_programs.items())
+        if capped:
+            sweep += f"; recommended: {self.details['recommended_programs']}"
         note = (f"budget {1 - share:.2%} of the KV ({offloaded} layer-pages offloaded), model stall "
                 f"{model_stall:.3f} ms; step {hidden_ms:.2f} vs {resident_ms:.2f} ms all-resident; "
                 f"by copy programs (ms): {sweep}; {StepTimelineProbe.summary(timeline)}")

@@ -193,7 +193,9 @@ def test_overlap_sweeps_the_copy_program_caps(tmp_path, monkeypatch):
     link = body["details"]["transfer"]["by_programs"]  # the link at each cap, beside the step times
     assert list(link) == ["64", "32", "16", "8"] and all(v["h2d_gbps"] > 0 and v["duplex_gbps"] > 0
                                                           for v in link.values())
-    assert "H2D / duplex GB/s by cap" in {f["key"]: f for f in body["figures"]}["overlap.hidden_step_rel"]["note"]
+    note = {f["key"]: f for f in body["figures"]}["overlap.hidden_step_rel"]["note"]
+    assert "H2D / duplex GB/s by cap" in note and "recommended: " in note
+    assert body["details"]["overlap"]["recommended_programs"].startswith(("default", "--kv-copy-programs "))
 
 
 def test_grade_flags_figures_that_miss_their_target():

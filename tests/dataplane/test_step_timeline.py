@@ -84,3 +84,16 @@ def test_event_stall_is_graded_against_the_wall_clock():
                            "host_enqueue_ms": 8.0, "transfers_done_ms": 228.0}}
     note = _figures(0.9, 217.0, timeline=timeline).note
     assert "placed step 229.00 ms" in note and "compute 227.50" in note and "transfers done at 228.00" in note
+
+
+def test_the_recommended_copy_cap_keeps_the_link_and_speeds_the_hidden_step():
+    """The fastest hidden step wins only with the link kept (>= 95% of the default's H2D) and a
+    gain over noise (>= 2%); otherwise the default stays."""
+    from sglang_ext.tools.gpu_check_overlap import recommend_programs
+
+    steps = {"default": 20.0, "64": 19.9, "32": 13.0, "16": 12.5, "8": 12.2}
+    link = {"64": {"h2d_gbps": 49.0}, "32": {"h2d_gbps": 49.1}, "16": {"h2d_gbps": 48.0}, "8": {"h2d_gbps": 30.0}}
+    assert recommend_programs(steps, link, 49.3) == "--kv-copy-programs 16"  # 8 is faster but halves the link
+    assert recommend_programs({**steps, "16": 19.8, "32": 19.9}, link, 49.3) == "default"  # within noise
+    assert recommend_programs(steps, {}, 49.3) == "default"  # no link figures: no recommendation
+    assert recommend_programs({"default": 5.0}, {}, 0.0) == "default"
