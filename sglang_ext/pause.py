@@ -91,7 +91,11 @@ def split_sampling_info(info: Any, taken: Any) -> Any:
     *replace* their tensors when filtered (``_filter`` indexes them; ``_cumulate_output_tokens``
     writes only into the replaced ones), so after the two filters the copies share nothing.
     Sharing one orchestrator instead (a plain shallow copy) filters it twice, for two different
-    batches, and the server dies at the next step (``test_pause_server.py``'s negative control)."""
+    batches: session 22's server died on the first split batch, and ``test_pause_penalties.py``'s
+    negative control raises. When the paused row is the batch's only one, SGLang filters neither
+    side (a filter keeping every row, or none, returns early): the copies keep sharing tensors, but
+    the emptied running batch is replaced, never run or merged into, so only the parked side
+    uses them."""
     out = copy.copy(info)
     orchestrator = getattr(info, "penalizer_orchestrator", None)
     if orchestrator is None:
