@@ -14,7 +14,6 @@ under ``TRITON_INTERPRET=1``; :func:`copy_segments` otherwise uses the torch ref
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -92,9 +91,9 @@ if HAVE_TRITON:
         SEG: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        # persistent: PROGRAMS programs stride over the pairs, each copying a whole segment in
-        # BLOCK chunks, so a copy in the other direction finds SMs free and both run at once
-        # (duplex; see PROGRAMS_PER_SM)
+        # persistent: ``programs`` programs stride over the pairs, each copying a whole segment in
+        # BLOCK chunks; few, so the layers' kernels and a copy in the other direction find SMs
+        # free (see DEFAULT_PROGRAMS)
         for pair in range(tl.program_id(0), n, programs):
             s = tl.load(src_idx_ptr + pair).to(tl.int64)
             d = tl.load(dst_idx_ptr + pair).to(tl.int64)
@@ -156,32 +155,29 @@ if HAVE_TRITON:
         do_not_specialize_on_alignment=["flat_ptr", "stage_ptr", "map_row_ptr", "reqs_ptr", "starts_ptr",
                                         "counts_ptr"])
 
-PROGRAMS_PER_SM = 2
-"""Persistent programs per SM of one copy launch: enough loads in flight to saturate PCIe in one
-direction, few enough that a launch in the other direction runs beside it. H100 sweeps
-(``benchmarks/results/gpu/duplex/``): an unbounded grid gave 0.98x one direction for H2D + D2H
-together; programs looping over whole segments, 3 per SM, 1.55x there (8 warps; 1.30x at 4
-warps, 1.27x at 8, on a gpu-check-sized pool with layer-strided segments: ``COPY_WARPS``). With
-whole-segment iterations (:data:`COPY_BLOCK_ELEMS` 4096) 2 per SM beat 3 in every round of the
-H200 A/B (duplex 1.29x vs 1.19x; one direction equal)."""
+DEFAULT_PROGRAMS = 8
+"""Persistent programs of one copy launch on CUDA (``--kv-copy-programs N`` sets another). Few
+on purpose: a copy program holds its SM for the whole copy (89 registers a thread for the fetch,
+``benchmarks/results/gpu/probes/kernel-regs-*``), and the layers' kernels a fetch should overlap
+cannot start on an SM it holds. Through session 23 the default was 2 per SM (264 on an H200),
+tuned for duplex (H2D + D2H together 1.35-1.45x one direction); then on H200s (runs 14-16,
+``benchmarks/results/gpu/session23-h200-runs.md``) a placement whose fetches the model hides
+stepped 22.0 / 22.4 / 25.2 ms at 2 per SM against 18.2 / 16.5 / 17.5 ms at 8 (all-resident:
+12.9 / 12.9 / 15.0 ms), with H2D at 47.5-48.4 GB/s either way and the transfer-bound
+half-offloaded step equal (235.4 vs 236.2 ms). The price: duplex ~1.17x."""
 COPY_WARPS = 4
 """Warps per copy program (8 won the synthetic sweep; 4 the engine-level one on a gpu-check-sized block-first pool, layer-strided: duplex 1.30x vs 1.27x)."""
 INTERPRETER_PROGRAMS = 3
 
 
-@functools.lru_cache(maxsize=16)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def programs_for(t: torch.Tensor, work: int, programs: int | None = None) -> int:
     """Programs of a persistent copy launch on ``t``'s device for ``work`` items: ``programs``
-    when given (a cap that leaves SMs to the compute stream's kernels: ``gpu-check``'s overlap
-    sweep), else :data:`PROGRAMS_PER_SM` per SM (the interpreter: :data:`INTERPRETER_PROGRAMS`)."""
+    when given (``--kv-copy-programs``, ``gpu-check``'s overlap sweep), else
+    :data:`DEFAULT_PROGRAMS` (the interpreter: :data:`INTERPRETER_PROGRAMS`)."""
     if programs is not None and programs < 1:
-        raise ValueError(f"programs={programs}, must be >= 1 (or None: {PROGRAMS_PER_SM} per SM)")
+        raise ValueError(f"programs={programs}, must be >= 1 (or None: {DEFAULT_PROGRAMS})")
     if programs is None:
-        programs = PROGRAMS_PER_SM * _sm_count(t.device.index or 0) if t.is_cuda else INTERPRETER_PROGRAMS
+        programs = DEFAULT_PROGRAMS if t.is_cuda else INTERPRETER_PROGRAMS
     return max(1, min(work, programs))
 
 

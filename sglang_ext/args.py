@@ -99,9 +99,10 @@ class LayeredKVArgs:
     None: all (pure recompute)."""
     kv_copy_programs: int | None = None
     """Persistent programs of each Triton host<->device KV copy launch on CUDA, in [1, 4096];
-    None: 2 per SM (the kernel's default). Fewer leave SMs to the layers a fetch overlaps; one
-    direction saturates PCIe at 16 on an H100 (``kvplane gpu-check``'s overlap figure sweeps
-    64 / 32 / 16 / 8). Ignored on CPU."""
+    None: the kernel's default (``kernels.block_copy.DEFAULT_PROGRAMS``, 8: few, so the layers a
+    fetch overlaps keep the SMs; one direction still fills PCIe). More raise H2D + D2H together
+    at the layers' expense (``kvplane gpu-check``'s overlap figure sweeps 256 / 32 / 16 / 4 and
+    recommends one). Ignored on CPU."""
     kv_policy_listen: str | None = None
     """``HOST:PORT`` on which TP rank 0's scheduler serves the embedded control plane's
     ``kvplane.v1.PolicyService`` (get / update / watch the live policy); None: not served.
@@ -389,7 +390,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> bool:
         type=int,
         default=None,
         help=f"Programs of each Triton host<->device KV copy launch on CUDA, [1, {MAX_COPY_PROGRAMS}] "
-        "(default: 2 per SM); fewer leave SMs to the layers a fetch overlaps (see kvplane gpu-check).",
+        "(default 8: few, so the layers a fetch overlaps keep the SMs; see kvplane gpu-check).",
     )
     group.add_argument(
         "--kv-policy-listen",

@@ -77,7 +77,7 @@ class SlotStoreConfig:
     """Device of the device pool (``cpu`` in tests, ``cuda:N`` on GPUs)."""
     copy_programs: int | None = None
     """Persistent programs of each Triton copy launch on CUDA (``--kv-copy-programs``); None:
-    the kernel's default, 2 per SM. Ignored by the CPU engine."""
+    the kernel's default (``kernels.block_copy.DEFAULT_PROGRAMS``, 8). Ignored by the CPU engine."""
 
     def __post_init__(self) -> None:
         for name in ("layers", "page_size", "kv_heads", "head_dim", "logical_pages"):

@@ -215,7 +215,7 @@ class CudaTransferEngine(TransferEngine):
         self.clock = EventClock()
         self.copy_programs: int | None = copy_programs
         """Persistent programs of each Triton copy launch; None: the kernel's default
-        (``kernels.block_copy.PROGRAMS_PER_SM`` per SM). A cap leaves SMs to the compute stream's
+        (``kernels.block_copy.DEFAULT_PROGRAMS``). Few leave SMs to the compute stream's
         kernels while a fetch runs (``kvplane gpu-check``'s overlap figure sweeps it)."""
 
     def _probe_zero_copy(self) -> str:

@@ -16,9 +16,10 @@ import torch
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-PROGRAM_CAPS: tuple[int | None, ...] = (None, 64, 32, 16, 8)
-"""Copy-launch program caps the overlap phase sweeps on CUDA (None: the kernel's default, 2 per
-SM; :mod:`~sglang_ext.tools.gpu_check_overlap`)."""
+PROGRAM_CAPS: tuple[int | None, ...] = (None, 256, 32, 16, 4)
+"""Copy-launch program caps the overlap phase sweeps on CUDA (None: the kernel's default,
+``kernels.block_copy.DEFAULT_PROGRAMS`` = 8; 256 about the default before it, 2 per SM;
+:mod:`~sglang_ext.tools.gpu_check_overlap`)."""
 TIMELINE_STEPS = 3
 """Steps of each kind laid out on the device (:class:`~sglang_ext.tools.step_timeline_probe.
 StepTimelineProbe`); the last is kept."""

@@ -11,10 +11,12 @@ the step is compared with the all-resident one:
   step, both timed here back to back (same contexts), at the engine's default copy launch, at most :data:`HIDDEN_REL`. A fetch that keeps the
   compute stream's kernels off the SMs until it is done (persistent copy programs on every SM)
   or a host that reaches the layers late shows here as the copies' time added to the step.
-- the same step with the Triton copy launches capped at :data:`PROGRAM_CAPS` programs (CUDA;
+- the same step with the Triton copy launches at each of ``PROGRAM_CAPS`` programs (CUDA;
   ``CudaTransferEngine.copy_programs``), in ``details["overlap"]["step_ms_by_programs"]``: one
-  direction saturates PCIe at 16 programs (H100 sweep, ``benchmarks/results/gpu/duplex/
-  duplex-sweep-run2-*``), so a cap that leaves the SMs to the layers is what the sweep looks for.
+  direction saturates PCIe at 8-16 programs (H100 sweep, ``benchmarks/results/gpu/duplex/
+  duplex-sweep-run2-*``; H200 runs 14-16), so few programs leave the SMs to the layers. Runs
+  14-16 moved the default from 2 per SM to 8 (``kernels.block_copy.DEFAULT_PROGRAMS``); 256
+  in the sweep stands for the old default.
 - one step of it laid out on the compute stream
   (:class:`~sglang_ext.tools.step_timeline_probe.StepTimelineProbe`).
 

@@ -187,11 +187,11 @@ def test_overlap_sweeps_the_copy_program_caps(tmp_path, monkeypatch):
     assert main(["gpu-check", "--device", "cpu", "--skip-tests", "--out-dir", str(tmp_path)]) == 0
     _, body = _result(tmp_path)
     sweep = body["details"]["overlap"]["step_ms_by_programs"]
-    assert list(sweep) == ["default", "64", "32", "16", "8"]
+    assert list(sweep) == ["default", "256", "32", "16", "4"]
     assert seen == [None, *gpu_check_overlap.PROGRAM_CAPS]  # the all-resident step re-timed first, uncapped
     assert engines[-1].copy_programs is None
     link = body["details"]["transfer"]["by_programs"]  # the link at each cap, beside the step times
-    assert list(link) == ["64", "32", "16", "8"] and all(v["h2d_gbps"] > 0 and v["duplex_gbps"] > 0
+    assert list(link) == ["256", "32", "16", "4"] and all(v["h2d_gbps"] > 0 and v["duplex_gbps"] > 0
                                                           for v in link.values())
     note = {f["key"]: f for f in body["figures"]}["overlap.hidden_step_rel"]["note"]
     assert "H2D / duplex GB/s by cap" in note and "recommended: " in note

@@ -1,10 +1,10 @@
 """Registers and shared memory of kvplane's Triton copy kernels for an H100 / H200 (sm_90a),
 compiled offline (no GPU): Triton's own compiler and its bundled ptxas (`ptxas -v`).
 
-Why: gpu-check's timing events see ~1 ms of a half-offloaded step's ~217 ms transfer stall
-(session 23, run 13). If each persistent copy program holds enough of an SM that the layers'
-kernels cannot be scheduled beside it, the compute stream does not wait on the fetch events --
-its kernels wait for the copy to leave the SMs -- and nothing overlaps. Usage (repo root):
+Why: gpu-check's timing events saw ~1 ms of a half-offloaded step's ~217 ms transfer stall
+(session 23, run 13): the layers' kernels waited for the persistent copy programs (then 2 per
+SM) to leave the SMs, and nothing overlapped (runs 14-16 confirmed it; the default is now 8
+programs in all). Usage (repo root):
 
     .venv/bin/python benchmarks/results/gpu/probes/kernel_regs_probe.py
 """
@@ -50,20 +50,18 @@ def main() -> None:
                  "programs": "i32"}
     seg = 4096  # int64 words of a 32 KiB segment (Llama-3-8B shapes, page 16)
     block = min(bc.COPY_BLOCK_ELEMS, seg)
+    threads = 32 * bc.COPY_WARPS
     print(f"triton {triton.__version__}, sm_90a; per SM: {REGS_PER_SM} registers, {WARPS_PER_SM} warps, "
-          f"{SMEM_PER_SM // 1024} KiB shared memory; default launch: {bc.PROGRAMS_PER_SM} programs per SM, "
-          f"{bc.COPY_WARPS} warps each")
+          f"{SMEM_PER_SM // 1024} KiB shared memory; a copy program: {bc.COPY_WARPS} warps; default launch "
+          f"{bc.DEFAULT_PROGRAMS} programs (until session 23: 2 per SM)")
     for name, lazy, sig in (("copy_segments", bc._copy_segments_kernel, copy_sig),
                             ("fetch_pages", bc._fetch_pages_kernel, fetch_sig)):
         k = compile_kernel(lazy, sig, {"SEG": seg, "BLOCK": block}, bc.COPY_WARPS)
         regs = ptxas_regs(k.asm["ptx"])
-        threads = 32 * bc.COPY_WARPS
-        per_sm = regs * threads * bc.PROGRAMS_PER_SM
-        print(f"{name}: {regs} registers/thread x {threads} threads x {bc.PROGRAMS_PER_SM} programs = {per_sm} "
-              f"registers per SM ({per_sm / REGS_PER_SM:.0%}), {bc.COPY_WARPS * bc.PROGRAMS_PER_SM} of "
-              f"{WARPS_PER_SM} warps, {k.metadata.shared} B shared memory; left beside it on every SM: "
-              f"{REGS_PER_SM - per_sm} registers")
-
+        per_program = regs * threads
+        print(f"{name}: {regs} registers/thread x {threads} threads = {per_program} registers a program "
+              f"({per_program / REGS_PER_SM:.0%} of an SM), {k.metadata.shared} B shared memory; 2 per SM "
+              f"took {2 * per_program / REGS_PER_SM:.0%} of every SM's registers")
 
 if __name__ == "__main__":
     main()
