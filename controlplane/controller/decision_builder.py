@@ -249,8 +249,7 @@ class DecisionBuilder:
                 deposit_tokens=r.deposit_tokens,
                 # its growth over the window stops at its output limit (a short request's KV
                 # is not provisioned for the whole window)
-                remaining_tokens=None if r.max_new_tokens is None
-                else max(0, r.max_new_tokens - r.generated_tokens - (0 if r.paused else 1)),
+                remaining_tokens=r.remaining_tokens,
             )
             for r in members
         )

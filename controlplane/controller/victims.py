@@ -8,8 +8,8 @@ must pause someone else so that a starving request can run.
 * ``longest`` / ``shortest``: the most / fewest context tokens.
 * ``random``: uniform, seeded (deterministic for a given seed).
 
-Whatever the rule, a running request at most ``FINISHING_TOKENS`` tokens from its
-``max_new_tokens`` after the next one is chosen only when every candidate is (as the planner
+Whatever the rule, a running request about to finish (the planner's ``about_to_finish`` on its
+``remaining_tokens``) is chosen only when every candidate is (as the planner
 orders its victims): it frees its KV by finishing, and the data plane would not pause it.
 """
 
@@ -19,16 +19,13 @@ import random
 from collections.abc import Sequence
 
 from controlplane.controller.schedulers.base import RequestView
-from controlplane.planner.planner import FINISHING_TOKENS
+from controlplane.planner.planner import about_to_finish
 from controlplane.policy import VICTIM_RULES
 
 
 def finishing(r: RequestView) -> bool:
-    """``r`` runs and has at most :data:`FINISHING_TOKENS` tokens left after the next step's
-    (the planner's ``remaining_tokens``, as the decision builder computes it)."""
-    if r.paused or r.max_new_tokens is None:
-        return False
-    return r.max_new_tokens - r.generated_tokens - 1 <= FINISHING_TOKENS
+    """``r`` runs and is about to finish (the planner's rule on its ``remaining_tokens``)."""
+    return not r.paused and about_to_finish(r.remaining_tokens)
 
 
 def select_victim(

@@ -60,6 +60,11 @@ is paused last, whatever the rule: its KV is freed when it finishes a step or tw
 the data plane leaves running a request whose last token comes in the next step or, under
 SGLang's overlap loop, in the step in flight (``sglang_ext/pause.py``: it would not pause
 anyway, and the plan would have counted its memory as freed)."""
+
+
+def about_to_finish(remaining_tokens: int | None) -> bool:
+    """At most :data:`FINISHING_TOKENS` tokens left after the target step's: paused last."""
+    return remaining_tokens is not None and remaining_tokens <= FINISHING_TOKENS
 DEFAULT_BUDGET_FRACTION = 0.25
 """Default time budget: this fraction of the predicted step (all-on-GPU compute first)."""
 DEFAULT_MAX_BUDGET_MS = 40.0
@@ -384,7 +389,7 @@ class Planner:
         """Every request in the order the victim rule would pause them one by one; requests
         about to finish (:data:`FINISHING_TOKENS`) last, in the same order among themselves."""
         order = cls._rule_order(batch, rule, rng)
-        finishing = [r for r in order if r.remaining_tokens is not None and r.remaining_tokens <= FINISHING_TOKENS]
+        finishing = [r for r in order if about_to_finish(r.remaining_tokens)]
         return [r for r in order if r not in finishing] + finishing
 
     @classmethod

@@ -47,6 +47,14 @@ class RequestView:
     """Layers resident on the GPU as the worker last reported them (a paused request's are
     evictable, OrbitFlow §3.4), if known."""
 
+    @property
+    def remaining_tokens(self) -> int | None:
+        """Tokens it still decodes after the next step's (a paused one: after its next), the
+        planner's ``RequestSpec.remaining_tokens``; None without a known limit."""
+        if self.max_new_tokens is None:
+            return None
+        return max(0, self.max_new_tokens - self.generated_tokens - (0 if self.paused else 1))
+
     def blocks_per_layer(self, block_size: int) -> int:
         """ceil(context_tokens / block_size)."""
         return -(-self.context_tokens // block_size)
