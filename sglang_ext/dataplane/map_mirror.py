@@ -8,7 +8,7 @@ cost of a whole GPU step). The mirror moves that gather to the pool's device:
 - ``dev``: a copy of the map on the pool's device (a separate CPU tensor on the CPU, so tests
   catch a move the mirror missed). Every writer of the map reports the pages it touched
   (:meth:`changed`, O(1)); :meth:`sync`, at the step boundary, uploads those pages' columns in
-  ONE non-blocking copy from pinned memory and scatters them (one ``index_copy_``): work
+  ONE non-blocking copy from pinned memory (a :class:`PinnedUploadRing`) and scatters them (one ``index_copy_``): work
   proportional to what moved, never to the pool.
 - ``host_bits [P, ceil(L/8)]`` uint8 (host): bit ``l`` of page ``p`` is set when ``(l, p)``
   has no device copy. A request's offloaded layers are the OR of its pages' rows
@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from sglang_ext.dataplane.pinned_upload_ring import PinnedUploadRing
 from sglang_ext.dataplane.sorted_ids import distinct_sorted
 
 SMALL_ISIN = 8192
@@ -47,6 +48,8 @@ class MapMirror:
         self.synced_columns = 0
         """Page columns uploaded since construction (a test reads it: proportional to moves)."""
         self.syncs = 0
+        self._ring = PinnedUploadRing(device)
+        """Pinned buffers of the column uploads (CUDA)."""
         """Syncs that moved columns (a table built at one count is current while it holds)."""
 
     @staticmethod
@@ -89,7 +92,7 @@ class MapMirror:
         packed = np.empty(k + -(-self.layers * k // 2), dtype=np.int64)
         packed[:k] = pages
         packed[k:].view(np.int32)[: self.layers * k] = cols.reshape(-1)
-        both = torch.from_numpy(packed).pin_memory().to(self.device, non_blocking=True)
+        both, _ = self._ring.upload(packed)
         values = both[k:].view(torch.int32)[: self.layers * k].view(self.layers, k)
         self.dev.index_copy_(1, both[:k], values)
 

@@ -195,8 +195,13 @@ class PagedStepTables(StepTables):
         nxt._lens_pair = self._lens_pair + 1
         b = self.batch
         nxt.kv_lens, nxt.last_page_len = nxt._lens_pair[:b], nxt._lens_pair[b:]
-        host = self._host_lens_pair + 1  # a new host copy: the last one may still feed a plan's copy
-        nxt._host_lens_pair = host.pin_memory() if self._store.device.type == "cuda" else host
+        if self._store.device.type == "cuda":
+            # a new pinned host copy in the ring's next slot (the last one may still feed a plan's
+            # copy), with the indptr beside it: every host view of a step lives in its own take
+            host = self._store.uploads.stage(np.concatenate([self.host_indptr.numpy(), self._host_lens_pair.numpy() + 1]))
+            nxt.host_indptr, nxt._host_lens_pair = host[: b + 1], host[b + 1:]
+        else:
+            nxt._host_lens_pair = self._host_lens_pair + 1
         nxt.host_last_page_len = nxt._host_lens_pair[b:]
         return nxt
 

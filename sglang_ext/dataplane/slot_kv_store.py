@@ -41,6 +41,7 @@ import torch
 from sglang_ext.dataplane.block_allocator import BlockAllocator, IdentityPages
 from sglang_ext.dataplane.host_pool import allocate_host_pool
 from sglang_ext.dataplane.map_mirror import MapMirror
+from sglang_ext.dataplane.pinned_upload_ring import PinnedUploadRing
 from sglang_ext.dataplane.sorted_ids import distinct_sorted
 from sglang_ext.dataplane.transfer_engine import TransferEngine, make_transfer_engine
 
@@ -132,6 +133,9 @@ class SlotKVStore:
         """Paged layout: the map on the pool's device plus per-page host-layer bits, for the
         step's tables (:class:`~sglang_ext.dataplane.map_mirror.MapMirror`); every writer of
         ``map_np`` reports its pages through :meth:`map_changed`."""
+        self.uploads = PinnedUploadRing(self.device)
+        """Pinned buffers of the step tables' uploads (:class:`PinnedUploadRing`; the mirror has
+        its own)."""
         self._layer_base = np.arange(c.layers, dtype=np.int64)[:, None] * c.logical_pages
         self.dirty_np = np.zeros((c.layers, c.logical_pages), dtype=bool)
         self.dirty = torch.from_numpy(self.dirty_np)

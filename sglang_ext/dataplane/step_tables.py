@@ -22,7 +22,9 @@ batch (``L x`` its pages), never to the pool:
 - FlashInfer CSR: ``indptr [B+1]``, ``kv_lens [B]``, ``last_page_len [B]`` (same for every layer).
 
 All integers go to the device in ONE non-blocking upload from pinned memory (an int64 buffer whose
-tail packs the int32 tables two to a word); per-layer tensors are views of it.
+tail packs the int32 tables two to a word); per-layer tensors are views of it. The pinned source
+is a slot of the store's :class:`~sglang_ext.dataplane.pinned_upload_ring.PinnedUploadRing`
+(no ``pin_memory()`` per step); the CSR's host views live in it for the step.
 """
 
 from __future__ import annotations
@@ -216,7 +218,7 @@ class StepTables:
             int32 = np.append(int32, np.int32(0))
         int64 = np.concatenate(int64_parts) if int64_parts else np.zeros(0, dtype=np.int64)
         self._int64_np = int64
-        both, host = _upload(np.concatenate([int64, int32.view(np.int64)]), store.device)
+        both, host = store.uploads.upload(np.concatenate([int64, int32.view(np.int64)]))
         self.i64 = both[: int64.size]
         self.i32 = both[int64.size:].view(torch.int32)
         self._i32_host = host[int64.size:].view(torch.int32)
@@ -266,12 +268,3 @@ class StepTables:
         tok_off = self.i64[self._tok_at + size: self._tok_at + 2 * size].view(self.batch, self._width)
         return self.tab[layer][tok_col] * page_size + tok_off
 
-
-def _upload(values: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """One non-blocking host-to-device copy (from pinned memory on CUDA): (device tensor, its
-    host source). On CPU both are the same view."""
-    tensor = torch.from_numpy(values)
-    if device.type == "cpu":
-        return tensor, tensor
-    pinned = tensor.pin_memory()
-    return pinned.to(device, non_blocking=True), pinned

@@ -38,10 +38,16 @@ import torch
 from kernels.block_copy import copy_segments
 from sglang_ext.dataplane.event_clock import EventClock
 from sglang_ext.dataplane.page_fetch import PageFetch
+from sglang_ext.dataplane.pinned_upload_ring import PinnedUploadRing
 from sglang_ext.dataplane.transfer_clock import STALL, TransferClock
 from sglang_ext.dataplane.wall_clock import WallClock
 
 log = structlog.get_logger(__name__)
+
+INDEX_SLOTS = 32
+"""Slots of the CUDA engine's index-upload ring: a boundary that moves pages takes two per
+launch, and a slot must not come round within one boundary (its release would then wait on the
+step the GPU is still running)."""
 
 
 @dataclass
@@ -213,6 +219,8 @@ class CudaTransferEngine(TransferEngine):
         """``triton`` (one gather/scatter launch through UVA) or ``memcpy`` (fallback: one
         ``cudaMemcpyAsync`` per segment, correct but launch-bound) if Triton refuses host memory."""
         self.clock = EventClock()
+        self._indices = PinnedUploadRing(self.device, INDEX_SLOTS)
+        """Pinned sources of :meth:`index_tensor`'s uploads (a boundary's moves take a few each)."""
         self.copy_programs: int | None = copy_programs
         """Persistent programs of each Triton copy launch; None: the kernel's default
         (``kernels.block_copy.DEFAULT_PROGRAMS``). Few leave SMs to the compute stream's
@@ -303,8 +311,7 @@ class CudaTransferEngine(TransferEngine):
         self._compute = self._compute_mark = None
 
     def index_tensor(self, values: np.ndarray) -> torch.Tensor:
-        staged = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).pin_memory()
-        return staged.to(self.device, non_blocking=True)
+        return self._indices.upload(np.ascontiguousarray(values, dtype=np.int64))[0]
 
     def stream_wait(self, events: Sequence[Any]) -> None:
         if not events:
