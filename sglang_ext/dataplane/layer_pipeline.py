@@ -10,7 +10,10 @@ Per step (OrbitFlow §3.3.1; SuperInfer §4.3 DuplexKV):
   KV write and attention, besides the table row the attention reads.
 - ``end_layer(l)``: the staged pages that received new tokens at ``l`` go back to host (one
   batched D2H, after the layer's compute); then the fetches triggered by ``l`` (requests whose
-  staging slot ``l`` just released) are launched, ordered after that write-back.
+  staging slot ``l`` just released) are launched, ordered after that write-back. A decode
+  step's tables park their new tokens instead (:class:`TokenWriteback`): nothing goes back per
+  layer, the fetches wait on nothing but the compute stream, and after the last layer with
+  parked tokens ONE D2H writes their rows to the host pool.
 - ``end_step()`` (after the last layer, or when the next step begins): the staging pages go back
   to the allocator; the next boundary's ``begin_step`` fences their reuse.
 
@@ -86,13 +89,22 @@ class LayerPipeline:
             return
         wait: tuple = ()
         launch = tables.writebacks[layer]
+        parked = tables.token_writeback
+        if parked is not None and parked.launch.layer != layer:
+            parked = None
         fetches = layer in self._by_trigger
-        if launch is not None and fetches:
+        if (launch is not None or parked is not None) and fetches:
             self.engine.mark_compute()  # the write-back and the fetches follow one compute event
         if launch is not None:
             src, dst, host = tables.launch_indices(launch)
             wait = (self.engine.d2h(src, dst, host_idx=host),)
             nbytes = launch.segments * self.engine.segment_bytes
+            self.store.d2h_bytes += nbytes
+            self.store.host_write_bytes += nbytes
+        if parked is not None:  # the step's parked tokens: no fetch reads what this writes
+            src, dst, host = tables.launch_indices(parked.launch)
+            self.engine.d2h_rows(parked.src_rows(), self.store.host_rows, src, dst, host_idx=host, keep=(parked.buf,))
+            nbytes = parked.launch.segments * self.store.host_rows.shape[1] * self.store.host.element_size()
             self.store.d2h_bytes += nbytes
             self.store.host_write_bytes += nbytes
         if fetches:

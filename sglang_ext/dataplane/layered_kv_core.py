@@ -365,8 +365,12 @@ class LayeredKVCore:
             k_layer.index_copy_(0, index, k)
             v_layer.index_copy_(0, index, v)
         else:
-            rows = self.tables.rows[layer]  # type: ignore[union-attr]
+            tables = self.tables
+            rows = tables.rows[layer]  # type: ignore[union-attr]
             self.store.write_rows(rows, rows, k, v)
+            parked = tables.token_writeback  # type: ignore[union-attr]
+            if parked is not None:  # a decode step's new tokens of host-only layer-pages
+                parked.park(layer, k, v)
 
     def write_recompute(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
         """Recomputed prefix K/V at ``layer`` (``[>= active, H, D]``, in the step's recompute

@@ -32,7 +32,13 @@ from sglang_ext.dataplane.page_launch import PageLaunch
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore
 from sglang_ext.dataplane.sorted_ids import distinct_sorted, run_bounds
 from sglang_ext.dataplane.step_tables import Launch, StepTables
+from sglang_ext.dataplane.token_writeback import TokenWriteback
 from sglang_ext.dataplane.transfer_engine import TransferEngine
+
+PARK_MAX_BYTES = 64 << 20
+"""Largest step buffer of parked new tokens (:class:`TokenWriteback`): a decode batch whose
+offloaded layers' tokens need more (about 100 layers x 256 requests x 2 KiB rows x K and V) writes
+back its staged pages per layer instead, as multi-token steps do."""
 
 if TYPE_CHECKING:
     from sglang_ext.dataplane.staging_room import StagingRoom
@@ -97,7 +103,11 @@ class PagedStepTables(StepTables):
         offset = rows.size
         self.fetches: list[Launch] = []
         self.writebacks: list[Launch | None] = [None] * layers
-        if stage_col is not None:
+        parked = None if stage_col is None or not self._one_each else self._park_parts(  # a decode step parks
+            store, new_host, flat[col], off, offset, int64_parts)
+        if parked is not None:
+            offset = parked
+        elif stage_col is not None:
             offset = self._writeback_parts(store, u_host, stage_col[ucol], flat[ucol], offset, int64_parts)
         elif u_host.any():
             raise RuntimeError("a new token's page is host-only at some layer but its request is not staged")
@@ -140,10 +150,33 @@ class PagedStepTables(StepTables):
         int64_parts.append(out)
         return offset + 4 * n
 
+    def _park_parts(self, store: SlotKVStore, new_host: np.ndarray, pages: np.ndarray, offsets: np.ndarray,
+                    offset: int, int64_parts: list[np.ndarray]) -> int | None:
+        """A decode step's write-back of its new tokens host-only at some layer (``new_host [L, m]``,
+        token ``j`` at ``offsets[j]`` of page ``pages[j]``): parked in a step buffer and written
+        back in one launch (:class:`TokenWriteback`), its indices appended to ``int64_parts``.
+        Returns the offset after them; None (nothing appended) when the buffer would pass
+        :data:`PARK_MAX_BYTES`: the caller writes back pages per layer."""
+        c = store.config
+        layers_parked = int(new_host.any(axis=1).sum())
+        row_bytes = c.kv_heads * c.head_dim * torch.empty(0, dtype=c.dtype).element_size()
+        if layers_parked * 2 * new_host.shape[1] * row_bytes > PARK_MAX_BYTES:
+            return None
+        planned = TokenWriteback.plan(
+            new_host, pages, offsets, c.page_size, offset,
+            lambda s, m: torch.empty((s, 2, m, c.kv_heads, c.head_dim), dtype=c.dtype, device=store.device))
+        if planned is None:
+            return offset
+        self.token_writeback, indices = planned
+        int64_parts.append(indices)
+        return offset + int(indices.size)
+
     def _count_launched(self) -> None:
-        """The layer-pages the fetch and write-back launches move (for the pipeline's accounts)."""
+        """The layer-pages the fetch and write-back launches move (for the pipeline's accounts;
+        a parked token counts as its layer-page, as the page write-back moved it)."""
         self.fetch_layer_pages = sum(f.segments for f in self.fetches) // 2
-        self.writeback_layer_pages = sum(w.segments for w in self.writebacks if w is not None) // 2
+        self.writeback_layer_pages = sum(w.segments for w in self.writebacks if w is not None) // 2 + (
+            self.token_writeback.pairs if self.token_writeback is not None else 0)
 
     def _opened_columns(self, opens: np.ndarray, opened: np.ndarray) -> tuple[np.ndarray, ...]:
         """The page lists with batch rows ``opens`` (ascending) one page longer (``opened``, each
@@ -177,6 +210,7 @@ class PagedStepTables(StepTables):
         """A copy of these tables (shared arrays and device tensors) for an advance to update."""
         nxt = object.__new__(PagedStepTables)
         nxt.__dict__.update(self.__dict__)
+        nxt.token_writeback = None  # these tables' parked tokens are theirs
         return nxt
 
     def advanced(self) -> PagedStepTables | None:
@@ -290,7 +324,8 @@ class PagedStepTables(StepTables):
         nxt.dirty_ids = store.identity_ids(last)[~u_host]
         nxt.writebacks = [None] * layers
         int64_parts: list[np.ndarray] = [rows.reshape(-1)]
-        nxt._writeback_parts(store, u_host, last_stage, last, rows.size, int64_parts)
+        if nxt._park_parts(store, u_host, last, (seq_lens - 1) % ps, rows.size, int64_parts) is None:
+            nxt._writeback_parts(store, u_host, last_stage, last, rows.size, int64_parts)
         pages = self._group_pages
         if opened.size:  # each opened host-only layer-page joins its request's group at that layer
             add = np.zeros((layers, b), dtype=np.int64)

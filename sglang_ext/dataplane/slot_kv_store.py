@@ -170,6 +170,14 @@ class SlotKVStore:
             k_all, v_all = self.dev[0].view(shape), self.dev[1].view(shape)
             self._in_place = [(k_all[layer], v_all[layer]) for layer in range(c.layers)]
 
+    @property
+    def host_rows(self) -> torch.Tensor:
+        """The host pool as token rows ``[P * L * 2 * page_size, H * D]`` (a view): row
+        ``((p * L + l) * 2 + kv) * page_size + offset`` holds token ``offset`` of page ``p``'s K
+        (``kv = 0``) or V at layer ``l``."""
+        c = self.config
+        return self.host.view(-1, c.kv_heads * c.head_dim)
+
     # ----- segment addressing -------------------------------------------------
 
     def host_segs(self, layers: np.ndarray, pages: np.ndarray) -> np.ndarray:

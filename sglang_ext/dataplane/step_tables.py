@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -43,6 +43,8 @@ from sglang_ext.dataplane.slot_kv_store import SlotKVStore
 from sglang_ext.dataplane.sorted_ids import distinct_sorted
 from sglang_ext.dataplane.transfer_engine import TransferEngine
 
+if TYPE_CHECKING:
+    from sglang_ext.dataplane.token_writeback import TokenWriteback
 
 @dataclass(frozen=True)
 class Launch:
@@ -60,6 +62,11 @@ class Launch:
 
 class StepTables:
     """The step's tables and launch plan (see module docstring)."""
+
+    token_writeback: TokenWriteback | None = None
+    """A paged decode step's parked new tokens and their one write-back (its
+    :class:`~sglang_ext.dataplane.token_writeback.TokenWriteback`); None here: these tables write
+    back staged pages per layer (:attr:`writebacks`)."""
 
     def __init__(self, store: SlotKVStore, pages: Sequence[np.ndarray], seq_lens: np.ndarray,
                  new_counts: np.ndarray, new_slots: np.ndarray | None,

@@ -62,6 +62,9 @@ class TransferStats:
     """Batched H2D launches."""
     d2h_launches: int = 0
     """Batched D2H launches."""
+    d2h_rows: int = 0
+    """Token rows copied device -> host (:meth:`TransferEngine.d2h_rows`: a decode step's parked
+    new tokens, :class:`~sglang_ext.dataplane.token_writeback.TokenWriteback`)."""
 
 
 class TransferEngine:
@@ -101,6 +104,19 @@ class TransferEngine:
         self.stats.d2h_launches += 1
         return self._launch("d2h", self.dev, self.host, src_idx, dst_idx, wait, host_idx)
 
+    def d2h_rows(self, src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor,
+                 host_idx: tuple[np.ndarray, np.ndarray] | None = None, keep: tuple[torch.Tensor, ...] = ()) -> Any:
+        """Rows ``src_idx`` of the device tensor ``src`` -> rows ``dst_idx`` of the host view
+        ``dst`` (both 2-D, rows of equal size, e.g. token rows), one launch after the compute
+        stream's work so far; ``keep``: device tensors the copy reads that the caller drops
+        (kept alive until it is done). Returns the launch's event."""
+        n = int(src_idx.shape[0])
+        if n == 0:
+            return None
+        self.stats.d2h_rows += n
+        self.stats.d2h_launches += 1
+        return self._launch("d2h", src, dst, src_idx, dst_idx, (), host_idx, keep)
+
     def fetch_pages(self, spec: PageFetch, wait: Sequence[Any] = ()) -> Any:
         """A paged step's fetch at one layer (:class:`PageFetch`: requests, not page lists);
         returns the launch's event. The CUDA engine's Triton path works out the pages on the
@@ -117,7 +133,8 @@ class TransferEngine:
                             (src, dst))
 
     def _launch(self, kind: str, src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor,
-                dst_idx: torch.Tensor, wait: Sequence[Any], host_idx: tuple[np.ndarray, np.ndarray] | None) -> Any:
+                dst_idx: torch.Tensor, wait: Sequence[Any], host_idx: tuple[np.ndarray, np.ndarray] | None,
+                keep: tuple[torch.Tensor, ...] = ()) -> Any:
         raise NotImplementedError
 
     def mark_compute(self) -> None:
@@ -169,7 +186,7 @@ class CpuTransferEngine(TransferEngine):
         self._seq = 0
         self.waited: list[Any] = []
 
-    def _launch(self, kind, src, dst, src_idx, dst_idx, wait, host_idx):  # noqa: ANN001, ANN202
+    def _launch(self, kind, src, dst, src_idx, dst_idx, wait, host_idx, keep=()):  # noqa: ANN001, ANN202
         token = self.clock.start(kind)
         dst.index_copy_(0, dst_idx, src.index_select(0, src_idx))
         self.clock.stop(kind, token)
@@ -246,7 +263,7 @@ class CudaTransferEngine(TransferEngine):
             return "memcpy"
         return "triton"
 
-    def _launch(self, kind, src, dst, src_idx, dst_idx, wait, host_idx):  # noqa: ANN001, ANN202
+    def _launch(self, kind, src, dst, src_idx, dst_idx, wait, host_idx, keep=()):  # noqa: ANN001, ANN202
         def copy() -> None:
             if self.impl == "triton":
                 copy_segments(src, dst, src_idx, dst_idx, impl="triton", programs=self.copy_programs)
@@ -256,7 +273,7 @@ class CudaTransferEngine(TransferEngine):
             for s_i, d_i in zip(host_idx[0].tolist(), host_idx[1].tolist(), strict=True):
                 dst[d_i].copy_(src[s_i], non_blocking=True)
 
-        return self._on_stream(kind, wait, copy, (src_idx, dst_idx))
+        return self._on_stream(kind, wait, copy, (src_idx, dst_idx, *keep))
 
     def _fetch(self, spec: PageFetch, wait: Sequence[Any]) -> Any:
         if self.impl != "triton":

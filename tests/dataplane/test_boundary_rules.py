@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_ext.dataplane import layered_kv_core, step_tables
+from sglang_ext.dataplane import layered_kv_core
+from sglang_ext.dataplane.pinned_upload_ring import PinnedUploadRing
 from tests.dataplane.core_driver import LAYERS, CoreDriver, make_core
 
 
@@ -61,13 +62,14 @@ def test_eager_write_back_under_pressure_only(device_pages, pressure):
 
 def test_a_built_step_uploads_once_and_an_advanced_step_not_at_all(monkeypatch):
     uploads = []
-    real = step_tables._upload
+    real = PinnedUploadRing.upload
 
-    def counted(values, device):  # noqa: ANN001, ANN202
+    def counted(ring, values):  # noqa: ANN001, ANN202
         uploads.append(values.size)
-        return real(values, device)
+        return real(ring, values)
 
-    monkeypatch.setattr(step_tables, "_upload", counted)
+    # on the CPU only the tables upload through a ring (the mirror scatters in place)
+    monkeypatch.setattr(PinnedUploadRing, "upload", counted)
     core = make_core(40, pages=24, page_size=4)
     d = CoreDriver(core, seed=12, fast_decode=True, paged_reads=True)
     d.add("a")

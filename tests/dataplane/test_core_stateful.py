@@ -160,6 +160,27 @@ def test_the_machine_ran_over_a_thousand_forwards():
     print(f"\nstateful core: {STEPS}")
 
 
+@pytest.mark.parametrize("broken", ["no_launch", "no_park"])
+def test_the_scenario_fails_when_parked_tokens_do_not_reach_host(monkeypatch, broken):
+    """Negative controls of a decode step's token write-back (``TokenWriteback``): the same checks
+    catch a pipeline that never issues the one D2H of the parked tokens, and a write that does
+    not park them (the D2H then writes stale rows)."""
+    from sglang_ext.dataplane.token_writeback import TokenWriteback
+    from sglang_ext.dataplane.transfer_engine import TransferEngine
+
+    parks = []
+    real_park = TokenWriteback.park
+    monkeypatch.setattr(TokenWriteback, "park", lambda self, *a: (parks.append(1), real_park(self, *a)))
+    offload_scenario(CoreDriver(make_core(PAGES + 6), seed=1))
+    assert parks, "the scenario's decode steps park tokens"
+    if broken == "no_launch":
+        monkeypatch.setattr(TransferEngine, "d2h_rows", lambda self, *a, **k: None)
+    else:
+        monkeypatch.setattr(TokenWriteback, "park", lambda self, *a: None)
+    with pytest.raises(AssertionError):
+        offload_scenario(CoreDriver(make_core(PAGES + 6), seed=1))
+
+
 def test_the_scenario_passes_and_fails_when_write_back_is_skipped(monkeypatch):
     """Negative control: the same checks catch a pipeline that drops the write-back of staged
     new tokens (the new KV of offloaded layers would never reach host memory)."""

@@ -167,18 +167,20 @@ def test_a_sync_in_the_served_path_would_be_caught(monkeypatch):
     assert audit.violations and all(name == "aten._local_scalar_dense.default" for _, name in audit.violations)
 
 
-def test_attention_waits_on_its_layers_fetch_events_and_fetches_wait_on_write_back():
-    """Staged step, layers 0 and 2 offloaded: layer 0's fetch starts with the step, layer 2's
-    only after layer 0's write-back (same staging slot) and waits on it; entering a layer waits on
-    exactly the events of the launches that fetched it."""
+def test_attention_waits_on_its_layers_fetch_events_and_one_write_back_ends_the_step():
+    """Staged decode step, layers 0 and 2 offloaded: layer 0's fetch starts with the step, layer
+    2's when layer 0 ends (same staging slot) and waits on no write-back (the new tokens are
+    parked, not written back from the slot); ONE D2H, of token rows, after layer 2, the last
+    offloaded layer; entering a layer waits on exactly the events of the launches that fetched it."""
     core = make_core(33 + 20)
     engine = core.store.engine
-    launches: list[tuple[str, int, tuple]] = []
+    launches: list[tuple[str, int, tuple, int]] = []
     real_launch = engine._launch
+    at_layer = [-1]
 
-    def record(kind, src, dst, src_idx, dst_idx, wait, host_idx):  # noqa: ANN001
-        event = real_launch(kind, src, dst, src_idx, dst_idx, wait, host_idx)
-        launches.append((kind, event.seq, tuple(wait)))
+    def record(kind, src, dst, src_idx, dst_idx, wait, host_idx, keep=()):  # noqa: ANN001
+        event = real_launch(kind, src, dst, src_idx, dst_idx, wait, host_idx, keep)
+        launches.append((kind, event.seq, tuple(wait), at_layer[0]))
         return event
 
     engine._launch = record
@@ -189,24 +191,30 @@ def test_attention_waits_on_its_layers_fetch_events_and_fetches_wait_on_write_ba
     d.want("a", [False, True, False])
     d.want("b", [False, True, False])
     entered: dict[int, list] = {}
-    real_enter = core.enter_layer
+    real_enter, real_exit = core.enter_layer, core.exit_layer
 
     def enter(layer: int) -> None:
-        before = len(launches)
+        at_layer[0] = layer
         expected = list(core.pipeline._events[layer])
         real_enter(layer)
-        entered[layer] = (expected, list(engine.waited[-len(expected):]) if expected else [], before)
+        entered[layer] = (expected, list(engine.waited[-len(expected):]) if expected else [])
 
-    core.enter_layer = enter
+    def exit_(layer: int) -> None:
+        at_layer[0] = layer
+        real_exit(layer)
+
+    core.enter_layer, core.exit_layer = enter, exit_
     launches.clear()
+    rows_before = engine.stats.d2h_rows
     d.step([("a", 1), ("b", 1)])
-    expected0, waited0, _ = entered[0]
+    expected0, waited0 = entered[0]
     assert expected0 and waited0 == expected0 and all(isinstance(e, CpuEvent) and e.kind == "h2d" for e in expected0)
-    expected2, waited2, issued_before_2 = entered[2]
+    expected2, waited2 = entered[2]
     assert expected2 and waited2 == expected2
-    # layer 2's fetch was launched after layer 0's write-back and waits on it
-    writeback0 = next(seq for kind, seq, _ in launches if kind == "d2h")
-    fetch2 = [(seq, wait) for kind, seq, wait in launches[:issued_before_2] if kind == "h2d" and seq > writeback0]
-    assert fetch2 and all(any(isinstance(w, CpuEvent) and w.seq == writeback0 for w in wait) for _, wait in fetch2)
     assert entered[1][0] == []  # a resident layer waits on nothing
+    fetch2 = [launch for launch in launches if launch[0] == "h2d" and launch[3] == 0]
+    assert fetch2 and all(wait == () for _, _, wait, _ in fetch2), "layer 2's fetch waits on no write-back"
+    d2h = [launch for launch in launches if launch[0] == "d2h"]
+    assert [layer for *_, layer in d2h] == [2], "one write-back, after the last offloaded layer"
+    assert engine.stats.d2h_rows - rows_before == 2 * 2 * 2  # 2 requests x 2 layers x (K, V)
     d.check_at_rest()

@@ -77,6 +77,7 @@ def _assert_equal_tables(got: PagedStepTables, ref: PagedStepTables, uploaded: b
         assert np.array_equal(got._int64_np, ref._int64_np), "rows and write-back segments"
     assert np.array_equal(got.dirty_ids, ref.dirty_ids) and np.array_equal(got.new_pages, ref.new_pages)
     assert got.fetches == ref.fetches and got.writebacks == ref.writebacks
+    assert got.token_writeback == ref.token_writeback  # slots, launch, pairs (not the buffer)
     assert (got.fetch_layer_pages, got.writeback_layer_pages) == (ref.fetch_layer_pages, ref.writeback_layer_pages)
     assert np.array_equal(np.sort(got.staging_ids), np.sort(ref.staging_ids))
 

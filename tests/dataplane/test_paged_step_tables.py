@@ -59,6 +59,37 @@ def _page_fetches(got: PagedStepTables, has_kv: np.ndarray, layers: int) -> tupl
     return out, extra
 
 
+def _written_back(t: StepTables, layers: int) -> list[tuple[int, int]]:
+    """The (layer, page) pairs the step writes back, sorted: from the per-layer page launches,
+    or from a decode step's parked tokens (each checked against the token's place: the row of
+    its position in its page, K and V; sources the buffer's rows of its slot)."""
+    pairs = []
+    for launch in t.writebacks:
+        if launch is not None:
+            _, dst, host = t.launch_indices(launch)
+            assert np.array_equal(dst.cpu().numpy(), host[1])
+            k = host[1][: launch.segments // 2]
+            pairs += [(int(seg // 2 % layers), int(seg // 2 // layers)) for seg in k]
+    tw = t.token_writeback
+    if tw is not None:
+        assert all(w is None for w in t.writebacks), "a decode step parks every token"
+        src, dst, host = t.launch_indices(tw.launch)
+        assert np.array_equal(src.cpu().numpy(), host[0]) and np.array_equal(dst.cpu().numpy(), host[1])
+        n = tw.pairs
+        src_k, src_v, dst_k, dst_v = host[0][:n], host[0][n:], host[1][:n], host[1][n:]
+        m, ps = tw.buf.shape[2], (dst_v - dst_k)[0]
+        assert np.all(dst_v - dst_k == ps) and np.all(src_v - src_k == m)
+        seg, off = np.divmod(dst_k, ps)
+        assert np.all(seg % 2 == 0)
+        lens = t.kv_lens.cpu().numpy()
+        slot, j = np.divmod(src_k, 2 * m)
+        layer, page = seg // 2 % layers, seg // 2 // layers
+        assert np.array_equal(np.asarray(tw.slots)[layer], slot) and np.array_equal(off, (lens[j] - 1) % ps)
+        assert np.array_equal(page, t.new_pages[j]), "token j's page is request j's last page"
+        pairs += list(zip(layer.tolist(), page.tolist(), strict=True))
+    return sorted(pairs)
+
+
 def assert_same_tables(got: PagedStepTables, ref: StepTables, has_kv: np.ndarray) -> None:
     assert np.array_equal(got.staging_ids, ref.staging_ids)
     assert np.array_equal(got.tab.cpu().numpy(), ref.tab.cpu().numpy())
@@ -67,7 +98,7 @@ def assert_same_tables(got: PagedStepTables, ref: StepTables, has_kv: np.ndarray
         assert np.array_equal(getattr(got, name).cpu().numpy(), getattr(ref, name).cpu().numpy()), name
     fetches, extra = _page_fetches(got, has_kv, got.tab.shape[0])
     assert fetches == _launches(ref, ref.fetches)
-    assert _launches(got, got.writebacks) == _launches(ref, ref.writebacks)
+    assert _written_back(got, layers=got.tab.shape[0]) == _written_back(ref, layers=got.tab.shape[0])
     assert np.array_equal(got.dirty_ids, ref.dirty_ids) and np.array_equal(got.new_pages, ref.new_pages)
     assert (got.fetch_layer_pages - extra, got.writeback_layer_pages, got.host_layer_pages) == (
         ref.fetch_layer_pages, ref.writeback_layer_pages, ref.host_layer_pages)
@@ -124,6 +155,28 @@ def test_paged_tables_equal_host_built_tables(compared):
     shared_prefix_scenario(CoreDriver(make_core(6 * 8, layers=6), seed=2))
     shared_prefix_scenario(CoreDriver(make_core(6 * 8, layers=6, page_size=1), seed=3))
     assert compared[0] >= 20 and compared[1] >= 10  # the comparison ran, over steps that fetch
+
+
+@pytest.mark.parametrize("bound", [None, 0])
+def test_decode_steps_park_their_tokens_unless_the_buffer_passes_its_bound(compared, monkeypatch, bound):
+    """Decode steps that stage park their new tokens (one write-back launch a step); with the
+    buffer's bound at 0 they write back pages per layer, launch for launch as the host-built
+    tables; both keep the scenario bit-exact."""
+    from sglang_ext.dataplane import paged_step_tables
+
+    if bound is not None:
+        monkeypatch.setattr(paged_step_tables, "PARK_MAX_BYTES", bound)
+    seen = []
+    real = PagedStepTables._count_launched
+
+    def count(self):  # noqa: ANN001, ANN202
+        real(self)
+        if self.reserved and self._one_each and self.writeback_layer_pages:
+            seen.append((self.token_writeback is not None, any(w is not None for w in self.writebacks)))
+
+    monkeypatch.setattr(PagedStepTables, "_count_launched", count)
+    offload_scenario(CoreDriver(make_core(PAGES + 6), seed=5))
+    assert seen and set(seen) == ({(True, False)} if bound is None else {(False, True)})
 
 
 def test_token_tables_equal_too(compared):

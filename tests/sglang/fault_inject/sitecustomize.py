@@ -62,11 +62,21 @@ def _patch(module) -> None:  # noqa: ANN001
     def end_layer(self, index):  # noqa: ANN001
         tables = self.tables
         launch = tables.writebacks[index] if tables is not None and index == layer else None
+        parked = tables.token_writeback if tables is not None else None
+        if parked is not None and parked.launch.layer != index:
+            parked = None
         real(self, index)
         if launch is not None:
             self.engine.quiesce()
             host_seg = int(tables.launch_indices(launch)[2][1][0])  # first destination: a K segment
             self.engine.host[host_seg] += 0.5
+        if parked is not None:  # a decode step's token rows: the first K row of ``layer``
+            c = self.store.config
+            dst = tables.launch_indices(parked.launch)[2][1][: parked.pairs]
+            at_layer = dst[(dst // c.page_size // 2) % c.layers == layer]
+            if at_layer.size:
+                self.engine.quiesce()
+                self.store.host_rows[int(at_layer[0])] += 0.5
 
     module.LayerPipeline.end_layer = end_layer
 

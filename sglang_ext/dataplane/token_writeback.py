@@ -1,0 +1,94 @@
+"""TokenWriteback: a placed decode step's new tokens of host-only layer-pages, written back to
+host memory in ONE launch per step, token rows instead of pages.
+
+Before, a paged decode step wrote back, after each offloaded layer, the staged page that had
+received the request's new token (SuperInfer §4.3's write-back of the decode token): one D2H
+launch per offloaded layer (16 of the 32 copy launches of the H200's half-offloaded step in
+``kvplane gpu-check`` run 14, each with its events and Triton launch on the host), whole pages
+(``page_size`` times the bytes of the token), and every fetch its slot released had to wait for
+that write-back (the fetch overwrites the staging page the write-back reads).
+
+Now each new token of a host-only (layer, request) is also *parked*: :meth:`park` copies the
+layer's new K and V rows (``[m, H, D]``, the batch's tokens in order) into a step buffer
+``[S, 2, m, H, D]`` (``S``: the layers with such tokens) -- two device copies, no host work,
+inside the layer. After the last such layer, :meth:`LayerPipeline.end_layer` issues ONE D2H of
+the parked rows to the tokens' rows of the block-first host pool (``host_rows``: the pool as
+``[P * L * 2 * page_size, H * D]``; row ``((p * L + l) * 2 + kv) * page_size + offset``), from the
+step's single upload of indices. The host copy then equals what the page write-back left (the
+staged page is the host page plus the token), the staging page is free to be overwritten at
+once, so fetches wait on nothing but the compute stream, and the next step's fetches and moves
+are fenced after the write-back as before (``TransferEngine.wait_fence``).
+
+Only steps with one new token per request park (decode); a step that writes several tokens per
+request (prefill, extend, speculative) keeps the per-layer page write-back: its buffer would be
+as large as the chunk. The buffer is transient device memory outside the KV budget (at
+Llama-3-8B shapes, batch 32, half the layers offloaded: 2 MiB a step), allocated at the
+boundary and kept alive for the copy (``record_stream``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from sglang_ext.dataplane.step_tables import Launch
+
+
+@dataclass
+class TokenWriteback:
+    """The step's parked token rows and their one D2H launch (module docstring)."""
+
+    slots: tuple[int, ...]
+    """Per layer: its slot in :attr:`buf` (``-1``: no host-only new token at that layer)."""
+    launch: Launch
+    """The D2H: ``segments`` token rows (K rows then V rows) from ``offset`` of the step's int64
+    upload (sources: rows of ``buf`` viewed 2-D; destinations: rows of the host pool's
+    ``host_rows``); ``layer`` and ``trigger``: the last layer with parked tokens."""
+    pairs: int
+    """(layer, request) pairs written back (the page write-back's layer-pages)."""
+    buf: torch.Tensor = field(compare=False, repr=False)
+    """``[S, 2, m, H, D]`` on the pool's device."""
+    _rows: tuple[torch.Tensor, ...] = field(init=False, compare=False, repr=False)
+    """``buf`` unbound into its ``2 S`` ``[m, H, D]`` parts (K then V of each slot), at the boundary:
+    a layer's park is then its two copies and nothing else."""
+
+    def __post_init__(self) -> None:
+        s, _, m, h, d = self.buf.shape
+        self._rows = self.buf.view(2 * s, m, h, d).unbind(0)
+
+    def park(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keep layer ``layer``'s new K and V (``[m, H, D]``) for the write-back (two copies)."""
+        slot = self.slots[layer]
+        if slot >= 0:
+            self._rows[2 * slot].copy_(k)
+            self._rows[2 * slot + 1].copy_(v)
+
+    def src_rows(self) -> torch.Tensor:
+        """:attr:`buf` as the launch's source rows ``[S * 2 * m, H * D]``."""
+        return self.buf.view(-1, self.buf.shape[-2] * self.buf.shape[-1])
+
+
+    @classmethod
+    def plan(cls, u_host: np.ndarray, pages: np.ndarray, offsets: np.ndarray, page_size: int, offset: int,
+             new_buf: Callable[[int, int], torch.Tensor]) -> tuple[TokenWriteback, np.ndarray] | None:
+        """The write-back of new tokens ``j`` (``pages[j]`` at ``offsets[j]``) host-only at layers
+        ``u_host[l, j]`` (``[L, m]``), its indices placed at ``offset`` of the step's int64 upload:
+        ``(it, indices)`` with the indices src K, src V, dst K, dst V (layer-major, then token
+        order); None when there are none. ``new_buf(S, m)`` allocates the buffer."""
+        w_layer, w_j = np.nonzero(u_host)
+        n = int(w_layer.size)
+        if not n:
+            return None
+        layers, m = u_host.shape
+        used = np.flatnonzero(u_host.any(axis=1))
+        slot_of = np.full(layers, -1, dtype=np.int64)
+        slot_of[used] = np.arange(used.size)
+        src_k = slot_of[w_layer] * 2 * m + w_j
+        dst_k = (pages[w_j] * layers + w_layer) * 2 * page_size + offsets[w_j]
+        last = int(used[-1])
+        it = cls(slots=tuple(slot_of.tolist()), launch=Launch(last, last, offset, 2 * n), pairs=n,
+                 buf=new_buf(int(used.size), int(m)))
+        return it, np.concatenate([src_k, src_k + m, dst_k, dst_k + page_size])
