@@ -35,6 +35,8 @@ MAX_HOST_POOL_GB = 1 << 16
 MAX_GPU_BUDGET_TOKENS = 1 << 40
 MAX_REPORT_INTERVAL = 1024
 MAX_COPY_PROGRAMS = 4096
+COPY_ENGINES = ("triton", "dma")
+"""``--kv-copy-engine`` values (``SlotStoreConfig.copy_engine``)."""
 
 _GRPC_TARGET = re.compile(r"^grpc://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-_]+):(?P<port>\d{1,5})$")
 
@@ -97,6 +99,11 @@ class LayeredKVArgs:
     kv_recompute_layers: int | None = None
     """Layers recomputed under ``kv_recompute_ratio`` (the prefix is fetched above), >= 0;
     None: all (pure recompute)."""
+    kv_copy_engine: str = "triton"
+    """How host<->device KV copies run on CUDA: ``triton`` (the default: gather/scatter kernels
+    over the pinned pool, on ``kv_copy_programs`` SMs) or ``dma`` (the copy engines, one
+    ``cuMemcpyBatchAsync`` per launch, no SM taken: ``kernels.batched_memcpy``; needs a CUDA
+    12.8+ driver, falls back to ``triton`` with a warning when the probe at start fails)."""
     kv_copy_programs: int | None = None
     """Persistent programs of each Triton host<->device KV copy launch on CUDA, in [1, 4096];
     None: the kernel's default (``kernels.block_copy.DEFAULT_PROGRAMS``, 8: few, so the layers a
@@ -180,6 +187,8 @@ class LayeredKVArgs:
         rl = self.kv_recompute_layers
         if rl is not None and (isinstance(rl, bool) or not isinstance(rl, int) or rl < 0):
             raise ValueError(f"--kv-recompute-layers={rl!r} is out of range [0, model layers]")
+        if self.kv_copy_engine not in COPY_ENGINES:
+            raise ValueError(f"--kv-copy-engine={self.kv_copy_engine!r} is invalid; allowed: {', '.join(COPY_ENGINES)}")
         cp = self.kv_copy_programs
         if cp is not None and (isinstance(cp, bool) or not isinstance(cp, int) or not 1 <= cp <= MAX_COPY_PROGRAMS):
             raise ValueError(f"--kv-copy-programs={cp!r} is out of range [1, {MAX_COPY_PROGRAMS}]")
@@ -384,6 +393,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> bool:
         type=int,
         default=None,
         help="Layers recomputed under --kv-recompute-ratio, the prefix fetched above (default: all).",
+    )
+    group.add_argument(
+        "--kv-copy-engine",
+        type=str,
+        default="triton",
+        help="How KV moves between host and GPU on CUDA: triton (default: copy kernels on a few SMs) "
+        "or dma (the copy engines via cuMemcpyBatchAsync, CUDA 12.8+ driver; no SM taken).",
     )
     group.add_argument(
         "--kv-copy-programs",

@@ -79,6 +79,9 @@ class SlotStoreConfig:
     copy_programs: int | None = None
     """Persistent programs of each Triton copy launch on CUDA (``--kv-copy-programs``); None:
     the kernel's default (``kernels.block_copy.DEFAULT_PROGRAMS``, 8). Ignored by the CPU engine."""
+    copy_engine: str = "triton"
+    """``triton`` or ``dma`` (``--kv-copy-engine``: the copy engines through
+    ``kernels.batched_memcpy``, no SM taken). Ignored by the CPU engine."""
 
     def __post_init__(self) -> None:
         for name in ("layers", "page_size", "kv_heads", "head_dim", "logical_pages"):
@@ -90,6 +93,8 @@ class SlotStoreConfig:
         cp = self.copy_programs
         if cp is not None and (isinstance(cp, bool) or not isinstance(cp, int) or cp < 1):
             raise ValueError(f"SlotStoreConfig.copy_programs={cp!r} must be None or an int >= 1")
+        if self.copy_engine not in ("triton", "dma"):
+            raise ValueError(f"SlotStoreConfig.copy_engine={self.copy_engine!r} must be 'triton' or 'dma'")
 
     @property
     def layer_page_bytes(self) -> int:
@@ -155,7 +160,8 @@ class SlotKVStore:
         )
         seg = c.page_size * c.kv_heads * c.head_dim
         self.engine: TransferEngine = make_transfer_engine(self.host.view(-1, seg), self.dev.view(-1, seg),
-                                                               copy_programs=c.copy_programs)
+                                                               copy_programs=c.copy_programs,
+                                                               copy_engine=c.copy_engine)
         self.h2d_bytes = 0
         self.d2h_bytes = 0
         self.host_write_bytes = 0

@@ -35,6 +35,8 @@ import numpy as np
 import structlog
 import torch
 
+from kernels.batched_memcpy import BatchedMemcpy, segment_pointers
+from kernels.batched_memcpy import probe as probe_dma
 from kernels.block_copy import copy_segments
 from sglang_ext.dataplane.event_clock import EventClock
 from sglang_ext.dataplane.page_fetch import PageFetch
@@ -219,7 +221,7 @@ class CudaTransferEngine(TransferEngine):
     """Two side streams (H2D, D2H); one launch per call; events order everything."""
 
     def __init__(self, host_segments: torch.Tensor, dev_segments: torch.Tensor,
-                 copy_programs: int | None = None) -> None:
+                 copy_programs: int | None = None, copy_engine: str = "triton") -> None:
         super().__init__(host_segments, dev_segments)
         if not host_segments.is_pinned():
             raise ValueError("CudaTransferEngine needs a pinned host pool")
@@ -232,9 +234,16 @@ class CudaTransferEngine(TransferEngine):
         """The step's compute stream (set at :meth:`wait_fence`, the step start)."""
         self._compute_mark: Any = None
         """A compute-stream event shared by the launches of one layer end (:meth:`mark_compute`)."""
-        self.impl = self._probe_zero_copy()
+        self.impl = self._kernel_impl = self._probe_zero_copy()
         """``triton`` (one gather/scatter launch through UVA) or ``memcpy`` (fallback: one
-        ``cudaMemcpyAsync`` per segment, correct but launch-bound) if Triton refuses host memory."""
+        ``cudaMemcpyAsync`` per segment, correct but launch-bound) if Triton refuses host memory;
+        ``dma`` after :meth:`set_copy_engine` (one batched memcpy on the copy engines)."""
+        self._dma: BatchedMemcpy | None = None
+        """The copy engines' batched memcpy, once :meth:`set_copy_engine` found it working."""
+        self.dma_error: str | None = None
+        """Why ``dma`` was refused (None: not asked for, or working)."""
+        if copy_engine == "dma":
+            self.set_copy_engine("dma")
         self.clock = EventClock()
         self._indices = PinnedUploadRing(self.device, INDEX_SLOTS)
         """Pinned sources of :meth:`index_tensor`'s uploads (a boundary's moves take a few each)."""
@@ -263,9 +272,39 @@ class CudaTransferEngine(TransferEngine):
             return "memcpy"
         return "triton"
 
+    def set_copy_engine(self, name: str) -> bool:
+        """Run the copies with ``triton`` kernels or the ``dma`` copy engines (``--kv-copy-engine``);
+        ``dma`` is probed once (a known copy each way on a side stream); if the driver lacks it
+        or the probe fails, the engine keeps its kernels, logs why (:attr:`dma_error`) and
+        returns False."""
+        if name not in ("triton", "dma"):
+            raise ValueError(f"copy engine {name!r} must be 'triton' or 'dma'")
+        if name == "triton":
+            self.impl = self._kernel_impl
+            return True
+        if self._dma is None:
+            try:
+                dma = BatchedMemcpy()
+                probe_dma(dma, self.device)
+            except Exception as exc:  # noqa: BLE001 - any failure keeps the kernels
+                self.dma_error = str(exc)
+                log.warning("kv_copy_engine_dma_unavailable", error=self.dma_error)
+                return False
+            self._dma = dma
+        self.impl = "dma"
+        return True
+
+    def _dma_copy(self, src: torch.Tensor, dst: torch.Tensor, src_idx: np.ndarray, dst_idx: np.ndarray) -> None:
+        """The copies as one batched memcpy on the current (side) stream."""
+        assert self._dma is not None
+        self._dma.copy(*segment_pointers(src, dst, src_idx, dst_idx), torch.cuda.current_stream(self.device).cuda_stream)
+
     def _launch(self, kind, src, dst, src_idx, dst_idx, wait, host_idx, keep=()):  # noqa: ANN001, ANN202
         def copy() -> None:
-            if self.impl == "triton":
+            if self.impl == "dma" and host_idx is not None:
+                self._dma_copy(src, dst, host_idx[0], host_idx[1])
+                return
+            if self._kernel_impl == "triton":
                 copy_segments(src, dst, src_idx, dst_idx, impl="triton", programs=self.copy_programs)
                 return
             if host_idx is None:
@@ -276,6 +315,9 @@ class CudaTransferEngine(TransferEngine):
         return self._on_stream(kind, wait, copy, (src_idx, dst_idx, *keep))
 
     def _fetch(self, spec: PageFetch, wait: Sequence[Any]) -> Any:
+        if self.impl == "dma":  # the pages listed on the host (O(pages) NumPy), no SM taken
+            src, dst = spec.indices()
+            return self._on_stream("h2d", wait, lambda: self._dma_copy(self.host, self.dev, src, dst), (spec.flat,))
         if self.impl != "triton":
             return super()._fetch(spec, wait)
         return self._on_stream("h2d", wait, lambda: spec.run_triton(self.host, self.dev, self.copy_programs),
@@ -363,9 +405,10 @@ class CudaTransferEngine(TransferEngine):
 
 
 def make_transfer_engine(host_segments: torch.Tensor, dev_segments: torch.Tensor,
-                         copy_programs: int | None = None) -> TransferEngine:
+                         copy_programs: int | None = None, copy_engine: str = "triton") -> TransferEngine:
     """The CUDA engine when the device pool is on a GPU (``copy_programs``: its copy launches'
-    programs, :attr:`CudaTransferEngine.copy_programs`), the synchronous CPU engine otherwise."""
+    programs, :attr:`CudaTransferEngine.copy_programs`; ``copy_engine``: ``triton`` or ``dma``,
+    :meth:`CudaTransferEngine.set_copy_engine`), the synchronous CPU engine otherwise."""
     if dev_segments.is_cuda:
-        return CudaTransferEngine(host_segments, dev_segments, copy_programs)
+        return CudaTransferEngine(host_segments, dev_segments, copy_programs, copy_engine)
     return CpuTransferEngine(host_segments, dev_segments)

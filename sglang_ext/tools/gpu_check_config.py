@@ -99,9 +99,10 @@ class GpuCheckConfig:
         Per phase: resident (a timed run of ``repeat + 2`` steps, ``repeat`` CPU-timed, 3
         profiled, ``TIMELINE_STEPS``), placed (the same, 2 sync-probed, 1 for accuracy), overlap
         (an all-resident timed run, one per cap of ``PROGRAM_CAPS`` -- counted even where the
-        engine has no cap -- and ``TIMELINE_STEPS``), recompute (a timed run, 1 for accuracy); with a margin."""
+        engine has no cap -- one with the copy engines and ``TIMELINE_STEPS`` for each copy
+        implementation), recompute (a timed run, 1 for accuracy); with a margin."""
         runs = self.repeat + 2
-        return (7 + len(PROGRAM_CAPS)) * runs + 3 * TIMELINE_STEPS + 8
+        return (8 + len(PROGRAM_CAPS)) * runs + 4 * TIMELINE_STEPS + 8
 
     def with_overrides(self, **changes: object) -> GpuCheckConfig:
         """A copy with the non-None ``changes`` applied (CLI overrides)."""

@@ -50,6 +50,7 @@ from controlplane.model import (
     step_time_ms,
 )
 from controlplane.planner import Planner
+from kernels.batched_memcpy import probe_in_subprocess
 from sglang_ext.dataplane import dense_attention
 from sglang_ext.dataplane.bench_env import sync, time_ms
 from sglang_ext.tools.gpu_check_attention import BACKENDS, DecodeBackends
@@ -108,6 +109,9 @@ class CoreCheck:
         """Stall observations (ms) of the last :meth:`kvplane_cpu_ms` steps (the timing events')."""
         self.prepare_cpu_ms = 0.0
         """Median of the last :meth:`kvplane_cpu_ms` steps' boundary share (``prepare_step``)."""
+        self.dma_error: str | None = "not probed (CUDA only)"
+        """Why the copy engines (``--kv-copy-engine dma``) are not measured; None once
+        :meth:`run`'s subprocess probe copied right (``kernels.batched_memcpy``)."""
         self.parts_cpu_ms: dict[str, float] = {}
         """Medians of the last :meth:`kvplane_cpu_ms` steps' per-layer calls, summed over layers:
         ``enter`` (``enter_layer``: fetch launches, event waits), ``write``, ``exit``."""
@@ -292,7 +296,10 @@ class CoreCheck:
         resident_timeline = self.timeline()
         comp = [resident_ms / L] * L
         resident_host_fraction = b.core.stats().host_fraction
-        transfer = TransferCheck(b, c.repeat).measure()
+        if cuda:  # in a child process: a driver that takes the call with another ABI must not end the check
+            self.dma_error = probe_in_subprocess()
+        transfer = TransferCheck(b, c.repeat, self.dma_error).measure()
+        self.dma_error = transfer.dma_error
         rows = self.plan(comp, transfer.bw_blocks_per_ms)
         delta = b.place(rows)
         b.core.store.engine.quiesce()

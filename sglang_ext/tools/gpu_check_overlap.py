@@ -31,6 +31,7 @@ from typing import Any
 from controlplane.model import step_time_ms
 from sglang_ext.dataplane.bench_env import sync, time_ms
 from sglang_ext.tools.gpu_check_config import PROGRAM_CAPS
+from sglang_ext.tools.gpu_check_measure import DUPLEX_VS_ONE
 from sglang_ext.tools.gpu_check_report import Figure
 from sglang_ext.tools.step_timeline_probe import StepTimelineProbe
 
@@ -66,7 +67,7 @@ def recommend_programs(step_ms: dict[str, float], link: dict[str, dict[str, floa
     if not ok:
         return "default"
     best = min(ok, key=step_ms.__getitem__)
-    return f"--kv-copy-programs {best}"
+    return "--kv-copy-engine dma" if best == "dma" else f"--kv-copy-programs {best}"
 
 
 class OverlapCheck:
@@ -118,6 +119,15 @@ class OverlapCheck:
                 engine.copy_programs = before
         hidden_ms = by_programs["default"]
         timeline = ch.timeline()
+        dma_error, dma_timeline = ch.dma_error, None
+        if dma_error is None and engine.set_copy_engine("dma"):
+            try:
+                by_programs["dma"] = time_ms(ch.step, ch.device, c.repeat)
+                dma_timeline = ch.timeline()
+            finally:
+                engine.set_copy_engine("triton")
+        elif dma_error is None:
+            dma_error = engine.dma_error
         rel = (hidden_ms - resident_ms) / resident_ms
         self.details = {
             "share": share, "offloaded_layer_pages": offloaded,
@@ -125,6 +135,7 @@ class OverlapCheck:
             "resident_step_ms": resident_ms, "step_ms": hidden_ms, "step_ms_by_programs": by_programs,
             "fastest_programs": min(by_programs, key=by_programs.__getitem__), "timeline": timeline,
             "recommended_programs": recommend_programs(by_programs, link_by_programs or {}, h2d_gbps),
+            "dma_error": dma_error, "dma_timeline": dma_timeline,
         }
         ch.details["overlap"] = self.details
         sweep = ", ".join(f"{k} {v:.2f}" for k, v in by_programs.items())
@@ -141,4 +152,26 @@ class OverlapCheck:
             "<=", HIDDEN_REL, "the planner leaves out the largest KV share whose copies the model hides "
             f"(stall <= {MODEL_STALL_SHARE:.0%} of the resident step); (its step - all-resident step) / "
             "all-resident step, at the engine's default copy launch", meaningful=cuda,
-            note=("CPU: copies are synchronous, nothing overlaps; not meaningful. " if not cuda else "") + note)]
+            note=("CPU: copies are synchronous, nothing overlaps; not meaningful. " if not cuda else "") + note),
+            *self._dma_figures(resident_ms, link_by_programs or {}, cuda)]
+
+    def _dma_figures(self, resident_ms: float, link: dict[str, dict[str, float]], cuda: bool) -> list[Figure]:
+        """The copy engines (``--kv-copy-engine dma``): the hidden placement's step and the duplex
+        ratio with them; N/A with the reason where they did not run."""
+        d = self.details
+        step, error, timeline = d["step_ms_by_programs"].get("dma"), d["dma_error"], d["dma_timeline"]
+        why = f"not measured: {error}" if error else ""
+        rel = None if step is None else (step - resident_ms) / resident_ms
+        figs = [Figure.graded(
+            "overlap.hidden_step_rel.dma", "overlap with the copy engines (dma): hidden placement vs all-resident",
+            rel, "ratio", "<=", HIDDEN_REL, "the same placement and all-resident step, the copies on the DMA "
+            "copy engines (one cuMemcpyBatchAsync per launch, no SM taken)", meaningful=cuda and step is not None,
+            note=why or f"step {step:.2f} vs {resident_ms:.2f} ms; {StepTimelineProbe.summary(timeline)}")]
+        dma = link.get("dma")
+        figs.append(Figure.graded(
+            "duplex_vs_one_direction.dma", "concurrent H2D + D2H vs one direction, copy engines (dma)",
+            None if dma is None else dma["duplex_gbps"] / dma["h2d_gbps"], "ratio", ">=", DUPLEX_VS_ONE,
+            "the transfer check's H2D and D2H issued together on the copy engines: bytes of both over their "
+            "time, vs the H2D alone", meaningful=cuda and dma is not None,
+            note=why if dma is None else f"{dma['duplex_gbps']:.1f} vs {dma['h2d_gbps']:.1f} GB/s"))
+        return figs

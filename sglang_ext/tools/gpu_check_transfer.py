@@ -58,8 +58,11 @@ class TransferResult:
     d2h_event_gbps: float | None = None
     """GB/s of the ``d2h`` loop from the engine's timing account (None: nothing booked)."""
     by_programs: dict[str, dict[str, float]] | None = None
-    """Cap (``PROGRAM_CAPS`` but the default) -> ``{"h2d_gbps", "duplex_gbps"}``; None where the
-    engine has no cap (the CPU's)."""
+    """Cap (``PROGRAM_CAPS`` but the default) -> ``{"h2d_gbps", "duplex_gbps"}``, and ``dma``
+    (the copy engines, ``--kv-copy-engine dma``) when they ran; None where the engine has no cap
+    (the CPU's)."""
+    dma_error: str | None = None
+    """Why the copy engines were not measured (None: they were, in ``by_programs["dma"]``)."""
 
     @property
     def h2d_vs_contiguous(self) -> float:
@@ -83,8 +86,10 @@ class TransferResult:
 class TransferCheck:
     """Measures :class:`TransferResult` on a batch's store (module docstring)."""
 
-    def __init__(self, batch: CheckBatch, repeat: int) -> None:
-        self.batch, self.repeat = batch, repeat
+    def __init__(self, batch: CheckBatch, repeat: int, dma_error: str | None = "not asked for") -> None:
+        """``dma_error``: None to measure the copy engines too (the caller's subprocess probe
+        passed: ``kernels.batched_memcpy.probe_in_subprocess``), else why not."""
+        self.batch, self.repeat, self.dma_error = batch, repeat, dma_error
 
     def measure(self) -> TransferResult:
         b = self.batch
@@ -140,6 +145,7 @@ class TransferCheck:
                         }
                 finally:
                     eng.copy_programs = before
+                by_programs.update(self._dma(eng, h2d, duplex, nbytes_both))
         finally:
             eng.quiesce()
             sync(device)
@@ -150,7 +156,23 @@ class TransferCheck:
         return TransferResult(layer_pages=n, bytes=nbytes, engine=engine, h2d_ms=h2d_ms, h2d_gbps=gbps(h2d_ms),
                               contiguous_gbps=gbps(contig_ms), d2h_gbps=gbps(d2h_ms),
                               duplex_gbps=2 * nbytes / both_ms / 1e6, h2d_event_gbps=h2d_event_gbps,
-                              d2h_event_gbps=d2h_event_gbps, by_programs=by_programs)
+                              d2h_event_gbps=d2h_event_gbps, by_programs=by_programs, dma_error=self.dma_error)
+
+    def _dma(self, eng: Any, h2d: Callable[[], None], duplex: Callable[[], None],
+             nbytes_both: int) -> dict[str, dict[str, float]]:
+        """H2D and duplex GB/s with the copy engines (``dma``), or nothing (``dma_error`` says why);
+        the engine goes back to its kernels after."""
+        if self.dma_error is not None:
+            return {}
+        if not eng.set_copy_engine("dma"):
+            self.dma_error = eng.dma_error
+            return {}
+        device = self.batch.device
+        try:
+            return {"dma": {"h2d_gbps": nbytes_both / 2 / time_ms(h2d, device, self.repeat) / 1e6,
+                            "duplex_gbps": nbytes_both / time_ms(duplex, device, self.repeat) / 1e6}}
+        finally:
+            eng.set_copy_engine("triton")
 
     def _timed(self, fn: Callable[[], None], kind: str) -> tuple[float, float | None]:
         """The median wall ms of ``fn`` (one ``kind`` launch), and the GB/s that the engine's timing

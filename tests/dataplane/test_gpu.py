@@ -44,6 +44,27 @@ def test_cuda_lifecycle_bit_exact_with_capped_copy_launches(programs):
     offload_scenario(CoreDriver(core, seed=3))
 
 
+@pytest.mark.parametrize("budget", [PAGES + 6, 4])
+def test_cuda_lifecycle_bit_exact_on_the_copy_engines(budget):
+    """The same lifecycle with every copy on the DMA copy engines (``--kv-copy-engine dma``: one
+    ``cuMemcpyBatchAsync`` per launch, fetches listed on the host). Only a driver older than
+    CUDA 12.8 (no batched memcpy) skips; any other refusal fails."""
+    from kernels.batched_memcpy import BatchedMemcpy
+
+    try:
+        BatchedMemcpy()
+    except RuntimeError as exc:
+        if "needs a CUDA 12.8+ driver" in str(exc):
+            pytest.skip(str(exc))
+        raise
+    core = make_core(budget, device="cuda")
+    engine = core.store.engine
+    assert engine.set_copy_engine("dma"), engine.dma_error
+    assert engine.impl == "dma"
+    offload_scenario(CoreDriver(core, seed=3))
+    assert engine._dma is not None and engine._dma.calls > 0
+
+
 def test_h2d_and_d2h_streams_are_distinct_and_ordered():
     """The CUDA engine uses two side streams; a fetch waiting on a write-back sees its data."""
     core = make_core(PAGES + 6, device="cuda")

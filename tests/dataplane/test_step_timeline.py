@@ -97,3 +97,7 @@ def test_the_recommended_copy_cap_keeps_the_link_and_speeds_the_hidden_step():
     assert recommend_programs({**steps, "16": 19.8, "32": 19.9}, link, 49.3) == "default"  # within noise
     assert recommend_programs(steps, {}, 49.3) == "default"  # no link figures: no recommendation
     assert recommend_programs({"default": 5.0}, {}, 0.0) == "default"
+    dma = {**link, "dma": {"h2d_gbps": 52.0}}  # the copy engines: fastest, link kept
+    assert recommend_programs({**steps, "dma": 11.0}, dma, 49.3) == "--kv-copy-engine dma"
+    assert recommend_programs({**steps, "dma": 11.0}, {**link, "dma": {"h2d_gbps": 20.0}}, 49.3) == (
+        "--kv-copy-programs 16")  # a slow DMA link is not recommended

@@ -53,11 +53,13 @@ def test_full_flag_set_parses(tmp_path):
         "--kv-recompute-ratio", "0.25",
         "--kv-recompute-layers", "2",
         "--kv-copy-programs", "32",
+        "--kv-copy-engine", "dma",
     )
     assert args.enable_layered_kv and args.kv_host_pool_gb == 2.5 and not args.pacing
     assert args.kv_report_interval == 1
     assert (args.kv_recompute_ratio, args.kv_recompute_layers) == (0.25, 2)
     assert args.kv_copy_programs == 32 and LayeredKVArgs().kv_copy_programs is None
+    assert args.kv_copy_engine == "dma" and LayeredKVArgs().kv_copy_engine == "triton"
     assert (args.control_plane_host, args.control_plane_port) == ("cp.example", 50051)
 
 
@@ -79,6 +81,7 @@ def test_full_flag_set_parses(tmp_path):
         (["--kv-recompute-layers", "-2"], "--kv-recompute-layers=-2 is out of range [0, model layers]"),
         (["--kv-copy-programs", "0"], "--kv-copy-programs=0 is out of range [1, 4096]"),
         (["--kv-copy-programs", "5000"], "--kv-copy-programs=5000 is out of range [1, 4096]"),
+        (["--kv-copy-engine", "cuda"], "--kv-copy-engine='cuda' is invalid; allowed: triton, dma"),
     ],
 )
 def test_bad_values_name_the_flag_and_range(argv, message):

@@ -183,7 +183,7 @@ def test_kv_round_trips_bit_exact_across_random_residency_changes(ops, budget, i
 
 
 def test_copy_programs_flag_reaches_the_store():
-    """``--kv-copy-programs`` reaches the served store's config (the CUDA engine reads it there;
+    """``--kv-copy-programs`` and ``--kv-copy-engine`` reach the served store's config (the CUDA engine reads it there;
     the CPU engine copies synchronously and ignores it); the default leaves the kernel's."""
     pool = LayeredTokenToKVPool(size=SLOTS, page_size=PAGE, dtype=torch.float16, head_num=HEADS, head_dim=DIM,
                                 layer_num=LAYERS, device="cpu", enable_memory_saver=False,
@@ -191,11 +191,19 @@ def test_copy_programs_flag_reaches_the_store():
                                                            kv_copy_programs=16))
     assert pool.store.config.copy_programs == 16
     assert make_pool().store.config.copy_programs is None
+    dma = LayeredTokenToKVPool(size=SLOTS, page_size=PAGE, dtype=torch.float16, head_num=HEADS, head_dim=DIM,
+                               layer_num=LAYERS, device="cpu", enable_memory_saver=False,
+                               layered_args=LayeredKVArgs(enable_layered_kv=True, kv_gpu_budget_tokens=200,
+                                                          kv_copy_engine="dma"))
+    assert dma.store.config.copy_engine == "dma" and make_pool().store.config.copy_engine == "triton"
     from sglang_ext.dataplane.slot_kv_store import SlotStoreConfig
 
     with pytest.raises(ValueError, match="copy_programs=0 must be None or an int >= 1"):
         SlotStoreConfig(layers=1, page_size=1, kv_heads=1, head_dim=1, logical_pages=1, device_pages=1,
                         dtype=torch.float16, device="cpu", copy_programs=0)
+    with pytest.raises(ValueError, match="copy_engine='nvlink' must be 'triton' or 'dma'"):
+        SlotStoreConfig(layers=1, page_size=1, kv_heads=1, head_dim=1, logical_pages=1, device_pages=1,
+                        dtype=torch.float16, device="cpu", copy_engine="nvlink")
 
 
 def test_shared_pages_resident_iff_some_live_request_wants_them():

@@ -1,0 +1,174 @@
+"""BatchedMemcpy: many segment copies in ONE ``cuMemcpyBatchAsync`` call, run by the copy engines.
+
+kvplane's Triton copy kernels (``block_copy.py``) move KV over PCIe from SMs: every program they
+hold is an SM the layers' kernels cannot use while a fetch runs. On an H200 (``kvplane
+gpu-check`` runs 13-16, ``benchmarks/results/gpu/session23-h200-runs.md``) that made a
+placement whose fetches the model hides cost 28-40% over all-resident even at 8 programs, and a
+wave-quantised GEMM loses a whole wave to a single busy SM. The driver's batched memcpy (CUDA
+12.8+) takes arrays of ``(dst, src, size)`` and runs them on the DMA copy engines, leaving every
+SM to the layers; ``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE`` asks the driver to prefer the
+copy engines (honoured on non-Tegra GPUs from CUDA 13.1). NVIDIA's TensorRT-LLM KV cache
+manager copies KV pages the same way. One call per (layer, direction) keeps SuperInfer's
+batched transfer (§4.3.2): the host builds two pointer arrays (NumPy, ``O(segments)``) instead
+of launching a kernel.
+
+The driver entry point is bound with :mod:`ctypes` from ``libcuda.so.1`` (always loaded where
+PyTorch runs on CUDA) through ``cuGetProcAddress`` at the ABI of the driver's version: CUDA 13.0
+dropped the ``failIdx`` argument of 12.8's signature. Attributes: source access in stream order
+(the pinned host pool is written by earlier copies on other streams, ordered by events), no
+location hints (pinned and device memory have fixed locations), the overlap flag. Pinned host
+memory is addressed by its host pointer (unified virtual addressing).
+
+Opt-in (``--kv-copy-engine dma``): ``kvplane gpu-check`` measures it beside the Triton kernels
+(transfer GB/s, duplex and the overlap figure) before it can become the default. Nothing here
+runs on the CPU but :func:`segment_pointers`, the pointer arithmetic, which the tests check
+against the index reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+import torch
+
+SRC_ACCESS_ORDER_STREAM = 1
+"""``CU_MEMCPY_SRC_ACCESS_ORDER_STREAM``: sources are read in stream order."""
+FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1
+"""``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``."""
+MIN_DRIVER = 12080
+"""``cuMemcpyBatchAsync`` exists from CUDA 12.8."""
+ABI_WITHOUT_FAIL_IDX = 13000
+"""From CUDA 13.0 the call has no ``failIdx`` argument."""
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _MemLocation),
+                ("dstLocHint", _MemLocation), ("flags", ctypes.c_uint)]
+
+
+def segment_pointers(src: torch.Tensor, dst: torch.Tensor, src_idx: np.ndarray,
+                     dst_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(dsts, srcs, sizes)`` (uint64) of the copies ``dst[dst_idx[i]] = src[src_idx[i]]`` between
+    two contiguous 2-D tensors of equal row size: row ``i`` of a tensor starts at ``data_ptr() +
+    i * row_bytes``."""
+    if src.dim() != 2 or dst.dim() != 2 or src.shape[1] * src.element_size() != dst.shape[1] * dst.element_size():
+        raise ValueError(f"segment_pointers: 2-D tensors of equal row bytes, got {tuple(src.shape)} "
+                         f"{src.dtype} and {tuple(dst.shape)} {dst.dtype}")
+    if not (src.is_contiguous() and dst.is_contiguous()):
+        raise ValueError("segment_pointers: tensors must be contiguous")
+    row = src.shape[1] * src.element_size()
+    s = np.asarray(src_idx, dtype=np.uint64) * np.uint64(row) + np.uint64(src.data_ptr())
+    d = np.asarray(dst_idx, dtype=np.uint64) * np.uint64(row) + np.uint64(dst.data_ptr())
+    return d, s, np.full(s.size, row, dtype=np.uint64)
+
+
+class BatchedMemcpy:
+    """The driver's ``cuMemcpyBatchAsync`` bound at the driver's ABI (module docstring).
+    Construction raises ``RuntimeError`` naming what is missing (no driver, too old, no entry)."""
+
+    def __init__(self) -> None:
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as exc:
+            raise RuntimeError(f"batched memcpy: the CUDA driver library is not loadable ({exc})") from exc
+        version = ctypes.c_int(0)
+        _check(lib.cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
+        self.driver_version = version.value
+        if version.value < MIN_DRIVER:
+            raise RuntimeError(f"batched memcpy needs a CUDA 12.8+ driver; this one is {_version(version.value)}")
+        abi = ABI_WITHOUT_FAIL_IDX if version.value >= ABI_WITHOUT_FAIL_IDX else MIN_DRIVER
+        get = lib.cuGetProcAddress_v2
+        get.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint64,
+                        ctypes.POINTER(ctypes.c_int)]
+        get.restype = ctypes.c_int
+        pfn, status = ctypes.c_void_p(0), ctypes.c_int(0)
+        _check(get(b"cuMemcpyBatchAsync", ctypes.byref(pfn), abi, 0, ctypes.byref(status)), "cuGetProcAddress")
+        if not pfn.value:
+            raise RuntimeError(f"batched memcpy: the driver ({_version(version.value)}) has no cuMemcpyBatchAsync "
+                               f"(symbol status {status.value})")
+        head = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                ctypes.POINTER(_MemcpyAttributes), ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t]
+        self.fail_idx = abi < ABI_WITHOUT_FAIL_IDX
+        """The 12.8 ABI: a ``failIdx`` pointer before the stream."""
+        tail = [ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p] if self.fail_idx else [ctypes.c_void_p]
+        self._fn: Any = ctypes.CFUNCTYPE(ctypes.c_int, *head, *tail)(pfn.value)
+        self._attrs = _MemcpyAttributes(SRC_ACCESS_ORDER_STREAM, _MemLocation(0, 0), _MemLocation(0, 0),
+                                        FLAG_PREFER_OVERLAP_WITH_COMPUTE)
+        self._first = ctypes.c_size_t(0)
+        self._failed = ctypes.c_size_t(0)
+        self.calls = 0
+
+    def copy(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
+        """Enqueue the copies ``(dsts[i], srcs[i], sizes[i])`` (uint64 arrays, read during the
+        call) on the CUDA stream handle ``stream`` (``torch.cuda.Stream.cuda_stream``; not the
+        legacy default stream)."""
+        n = int(dsts.size)
+        if n == 0:
+            return
+        if not (srcs.size == sizes.size == n and dsts.dtype == srcs.dtype == sizes.dtype == np.uint64):
+            raise ValueError("BatchedMemcpy.copy: three uint64 arrays of equal length")
+        d, s, z = (np.ascontiguousarray(a) for a in (dsts, srcs, sizes))
+        args = [d.ctypes.data, s.ctypes.data, z.ctypes.data, n, ctypes.byref(self._attrs), ctypes.byref(self._first), 1]
+        if self.fail_idx:
+            args.append(ctypes.byref(self._failed))
+        rc = self._fn(*args, ctypes.c_void_p(stream))
+        self.calls += 1
+        if rc != 0:
+            raise RuntimeError(f"cuMemcpyBatchAsync of {n} copies failed: CUresult {rc}")
+
+
+def probe(dma: BatchedMemcpy, device: torch.device | str = "cuda") -> None:
+    """One known copy each way (pinned host -> device, swapping two rows; device -> pinned host)
+    on a side stream; raises ``RuntimeError`` if what arrives is not what was sent."""
+    host = torch.arange(8, dtype=torch.float32).view(2, 4).pin_memory()
+    dev = torch.zeros(2, 4, device=device)
+    back = torch.zeros(2, 4).pin_memory()
+    stream = torch.cuda.Stream(device=device)
+    with torch.cuda.stream(stream):
+        dma.copy(*segment_pointers(host, dev, np.array([1, 0]), np.array([0, 1])), stream.cuda_stream)
+        dma.copy(*segment_pointers(dev, back, np.array([0, 1]), np.array([0, 1])), stream.cuda_stream)
+    stream.synchronize()
+    if back.tolist() != [[4.0, 5.0, 6.0, 7.0], [0.0, 1.0, 2.0, 3.0]]:
+        raise RuntimeError(f"batched memcpy probe: copied {back.tolist()}")
+
+
+def probe_in_subprocess(timeout_s: float = 120.0) -> str | None:
+    """Run :func:`probe` in a child process (``python -m kernels.batched_memcpy``): a driver that
+    takes the call with another ABI could crash the process, and `kvplane gpu-check` must not
+    die of it. None when it copied right, else why not."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    try:
+        done = subprocess.run([sys.executable, "-m", "kernels.batched_memcpy"], capture_output=True, text=True,
+                              timeout=timeout_s, check=False, cwd=root, env=env)
+    except subprocess.TimeoutExpired:
+        return f"the probe did not finish in {timeout_s:.0f} s"
+    if done.returncode == 0 and done.stdout.strip().endswith("ok"):
+        return None
+    tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [""]
+    return f"the probe exited with {done.returncode}: {tail[0][:300]}"
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"batched memcpy: {what} failed with CUresult {rc}")
+
+
+def _version(v: int) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+if __name__ == "__main__":  # the child of probe_in_subprocess
+    probe(BatchedMemcpy())
+    print("ok")
