@@ -7,7 +7,9 @@ placement whose fetches the model hides cost 28-40% over all-resident even at 8 
 wave-quantised GEMM loses a whole wave to a single busy SM. The driver's batched memcpy (CUDA
 12.8+) takes arrays of ``(dst, src, size)`` and runs them on the DMA copy engines, leaving every
 SM to the layers; ``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE`` asks the driver to prefer the
-copy engines (honoured on non-Tegra GPUs from CUDA 13.1). NVIDIA's TensorRT-LLM KV cache
+copy engines (the CUDA 13.1 release notes: "now supported on non-Tegra platforms for the
+batched memcpy APIs ... the driver favors Copy Engines to overlap transfers with compute and
+keep SMs free"; a hint, the driver decides). NVIDIA's TensorRT-LLM KV cache
 manager copies KV pages the same way. One call per (layer, direction) keeps SuperInfer's
 batched transfer (§4.3.2): the host builds two pointer arrays (NumPy, ``O(segments)``) instead
 of launching a kernel.
@@ -41,6 +43,9 @@ MIN_DRIVER = 12080
 """``cuMemcpyBatchAsync`` exists from CUDA 12.8."""
 ABI_WITHOUT_FAIL_IDX = 13000
 """From CUDA 13.0 the call has no ``failIdx`` argument."""
+MAX_BATCH = 8192
+"""Copies per call: a larger batch is split (vLLM issue #49276 reports crashes or hangs near 51K
+descriptors in one call; a layer's fetch at Llama-3-8B shapes is ~10^4 segments)."""
 
 
 class _MemLocation(ctypes.Structure):
@@ -114,34 +119,56 @@ class BatchedMemcpy:
         if not (srcs.size == sizes.size == n and dsts.dtype == srcs.dtype == sizes.dtype == np.uint64):
             raise ValueError("BatchedMemcpy.copy: three uint64 arrays of equal length")
         d, s, z = (np.ascontiguousarray(a) for a in (dsts, srcs, sizes))
-        args = [d.ctypes.data, s.ctypes.data, z.ctypes.data, n, ctypes.byref(self._attrs), ctypes.byref(self._first), 1]
-        if self.fail_idx:
-            args.append(ctypes.byref(self._failed))
-        rc = self._fn(*args, ctypes.c_void_p(stream))
-        self.calls += 1
-        if rc != 0:
-            raise RuntimeError(f"cuMemcpyBatchAsync of {n} copies failed: CUresult {rc}")
+        for at in range(0, n, MAX_BATCH):
+            k = min(MAX_BATCH, n - at)
+            args = [d.ctypes.data + 8 * at, s.ctypes.data + 8 * at, z.ctypes.data + 8 * at, k,
+                    ctypes.byref(self._attrs), ctypes.byref(self._first), 1]
+            if self.fail_idx:
+                args.append(ctypes.byref(self._failed))
+            rc = self._fn(*args, ctypes.c_void_p(stream))
+            self.calls += 1
+            if rc != 0:
+                raise RuntimeError(f"cuMemcpyBatchAsync of {k} copies failed: CUresult {rc}")
 
 
-def probe(dma: BatchedMemcpy, device: torch.device | str = "cuda") -> None:
-    """One known copy each way (pinned host -> device, swapping two rows; device -> pinned host)
-    on a side stream; raises ``RuntimeError`` if what arrives is not what was sent."""
-    host = torch.arange(8, dtype=torch.float32).view(2, 4).pin_memory()
-    dev = torch.zeros(2, 4, device=device)
-    back = torch.zeros(2, 4).pin_memory()
-    stream = torch.cuda.Stream(device=device)
-    with torch.cuda.stream(stream):
-        dma.copy(*segment_pointers(host, dev, np.array([1, 0]), np.array([0, 1])), stream.cuda_stream)
-        dma.copy(*segment_pointers(dev, back, np.array([0, 1]), np.array([0, 1])), stream.cuda_stream)
-    stream.synchronize()
-    if back.tolist() != [[4.0, 5.0, 6.0, 7.0], [0.0, 1.0, 2.0, 3.0]]:
-        raise RuntimeError(f"batched memcpy probe: copied {back.tolist()}")
+def probe(dma: BatchedMemcpy, device: torch.device | str = "cuda", host: torch.Tensor | None = None) -> None:
+    """Known copies each way on a side stream, from and to page-locked host memory of both
+    kinds: ``pin_memory()`` (``cudaHostAlloc``) and ``cudaHostRegister``'d pageable memory, as
+    the host KV pool is (``sglang_ext/dataplane/host_pool.py``); ``host`` (2-D, registered):
+    the caller's own pool, whose first row is copied to the device and back, unchanged. Raises
+    ``RuntimeError`` if what arrives is not what was sent."""
+    cudart = torch.cuda.cudart()
+    whole = torch.empty(1 << 19, dtype=torch.float32)  # 2 MiB: its own mapped pages, as the pool's
+    if int(cudart.cudaHostRegister(whole.data_ptr(), whole.numel() * 4, 0)) != 0:
+        raise RuntimeError("batched memcpy probe: cudaHostRegister of the probe buffer failed")
+    registered = whole[:8].view(2, 4)
+    registered.copy_(torch.arange(8, dtype=torch.float32).view(2, 4) + 10)
+    try:
+        sources = [torch.arange(8, dtype=torch.float32).view(2, 4).pin_memory(), registered]
+        if host is not None:
+            sources.append(host[:1])
+        for src in sources:
+            rows = src.shape[0]
+            dev = torch.zeros(src.shape, dtype=src.dtype, device=device)
+            back = torch.zeros(src.shape, dtype=src.dtype).pin_memory()
+            stream = torch.cuda.Stream(device=device)
+            stream.wait_stream(torch.cuda.current_stream(device))  # the zero-fill comes first
+            order = np.arange(rows)[::-1].copy()
+            with torch.cuda.stream(stream):
+                dma.copy(*segment_pointers(src, dev, order, np.arange(rows)), stream.cuda_stream)
+                dma.copy(*segment_pointers(dev, back, np.arange(rows), order), stream.cuda_stream)
+            stream.synchronize()
+            if not torch.equal(back, src):
+                raise RuntimeError(f"batched memcpy probe: sent {src.tolist()[:2]}, got back {back.tolist()[:2]}")
+    finally:
+        cudart.cudaHostUnregister(whole.data_ptr())
 
 
-def probe_in_subprocess(timeout_s: float = 120.0) -> str | None:
-    """Run :func:`probe` in a child process (``python -m kernels.batched_memcpy``): a driver that
-    takes the call with another ABI could crash the process, and `kvplane gpu-check` must not
-    die of it. None when it copied right, else why not."""
+def probe_in_subprocess(device: int = 0, timeout_s: float = 120.0) -> str | None:
+    """Run :func:`probe` on CUDA device ``device`` in a child process (``python -m
+    kernels.batched_memcpy DEVICE``): a driver that takes the call with another ABI, or faults on
+    the memory, could crash the process or leave its CUDA context dead, and neither a server
+    nor `kvplane gpu-check` may die of it. None when it copied right, else why not."""
     import os
     import subprocess
     import sys
@@ -150,7 +177,7 @@ def probe_in_subprocess(timeout_s: float = 120.0) -> str | None:
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     try:
-        done = subprocess.run([sys.executable, "-m", "kernels.batched_memcpy"], capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-m", "kernels.batched_memcpy", str(device)], capture_output=True, text=True,
                               timeout=timeout_s, check=False, cwd=root, env=env)
     except subprocess.TimeoutExpired:
         return f"the probe did not finish in {timeout_s:.0f} s"
@@ -170,5 +197,7 @@ def _version(v: int) -> str:
 
 
 if __name__ == "__main__":  # the child of probe_in_subprocess
-    probe(BatchedMemcpy())
+    import sys
+
+    probe(BatchedMemcpy(), f"cuda:{int(sys.argv[1]) if len(sys.argv) > 1 else 0}")
     print("ok")

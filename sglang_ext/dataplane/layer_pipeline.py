@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore
 from sglang_ext.dataplane.step_tables import StepTables
 
@@ -40,6 +42,10 @@ class LayerPipeline:
         self.tables: StepTables | None = None
         self._events: list[list[Any]] = [[] for _ in range(store.config.layers)]
         self._by_trigger: dict[int, list] = {}
+        self._reached = -1
+        """The last layer the current forward ended."""
+        self._parked_out = False
+        """The current forward's parked tokens were written back."""
         self.steps = 0
         self.fetched_layer_pages = 0
         """Layer-pages fetched into staging since construction."""
@@ -63,6 +69,8 @@ class LayerPipeline:
         for launch in tables.fetches:
             by_trigger.setdefault(launch.trigger, []).append(launch)
         self._by_trigger = by_trigger
+        self._reached = -1
+        self._parked_out = False
         self._launch_fetches(-1, ())
         self.steps += 1
 
@@ -101,12 +109,10 @@ class LayerPipeline:
             nbytes = launch.segments * self.engine.segment_bytes
             self.store.d2h_bytes += nbytes
             self.store.host_write_bytes += nbytes
+        self._reached = layer
         if parked is not None:  # the step's parked tokens: no fetch reads what this writes
             src, dst, host = tables.launch_indices(parked.launch)
-            self.engine.d2h_rows(parked.src_rows(), self.store.host_rows, src, dst, host_idx=host, keep=(parked.buf,))
-            nbytes = parked.launch.segments * self.store.host_rows.shape[1] * self.store.host.element_size()
-            self.store.d2h_bytes += nbytes
-            self.store.host_write_bytes += nbytes
+            self._write_back_parked(parked, src, dst, host)
         if fetches:
             if launch is None and len(self._by_trigger[layer]) > 1:
                 self.engine.mark_compute()
@@ -115,9 +121,32 @@ class LayerPipeline:
         if layer == self.store.config.layers - 1:
             self.end_step()
 
+    def _write_back_parked(self, parked: Any, src: Any, dst: Any, host: tuple) -> None:
+        self.engine.d2h_rows(parked.src_rows(), self.store.host_rows, src, dst, host_idx=host, keep=(parked.buf,))
+        nbytes = int(host[0].size) * self.store.host_rows.shape[1] * self.store.host.element_size()
+        self.store.d2h_bytes += nbytes
+        self.store.host_write_bytes += nbytes
+        self._parked_out = True
+
+    def _write_back_reached(self, tables: StepTables) -> None:
+        """A forward that ended before its last parked layer: write back the tokens parked at the
+        layers it reached (as the per-layer page write-back had, layer by layer)."""
+        parked = tables.token_writeback
+        if parked is None or self._parked_out or self._reached < 0:
+            return
+        _, _, (src, dst) = tables.launch_indices(parked.launch)
+        c, n = self.store.config, parked.pairs
+        keep = (dst[:n] // c.page_size // 2) % c.layers <= self._reached
+        if keep.any():
+            src = np.concatenate([src[:n][keep], src[n:][keep]])
+            dst = np.concatenate([dst[:n][keep], dst[n:][keep]])
+            self._write_back_parked(parked, self.engine.index_tensor(src), self.engine.index_tensor(dst), (src, dst))
+
     def end_step(self) -> None:
         """The forward is over: staging goes back (its reuse is fenced by the next step)."""
         tables, self.tables = self.tables, None
+        if tables is not None:
+            self._write_back_reached(tables)
         self.engine.end_compute()
         if tables is not None:
             for events in self._events:

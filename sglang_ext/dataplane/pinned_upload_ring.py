@@ -10,10 +10,11 @@ allocates its pinned buffers once and writes each upload into the next one.
 
 Rules:
 
-* :meth:`take` hands out the next slot's buffer (a host ``uint8`` view of ``nbytes``). First it
-  *releases* the slot taken before: it records an event on the current stream, which every copy
-  that reads that slot has been enqueued on by then -- the ring's own copy in :meth:`upload`, and
-  a consumer's copy within the step (FlashInfer's ``plan`` copies the CSR's host views). A slot is
+* :meth:`take` hands out the next slot's buffer (a host ``uint8`` view of ``nbytes``) and notes
+  the stream current then. First it *releases* the slot taken before: it records an event on
+  that slot's stream, where every copy that reads the slot has been enqueued by then -- the
+  ring's own copy in :meth:`upload`, and a consumer's copy within the step on the same stream
+  (FlashInfer's ``plan`` copies the CSR's host views on the forward stream). A slot is
   written again only once its release event has completed: ``query()``, else ``synchronize()``
   (counted in :attr:`waits`). With the GPU at most a step behind the host and one or two takes a
   step, the event of a slot ``slots`` takes old has long completed: no wait in steady state.
@@ -47,15 +48,22 @@ class PinnedUploadRing:
     """Round-robin pinned upload buffers with release events (module docstring)."""
 
     def __init__(self, device: torch.device, slots: int = SLOTS, *, pin: bool | None = None,
-                 new_event: Callable[[], Any] | None = None) -> None:
+                 new_event: Callable[[], Any] | None = None,
+                 current_stream: Callable[[], Any] | None = None) -> None:
         if slots < 2:
             raise ValueError(f"PinnedUploadRing: slots={slots}, must be >= 2 (a host view outlives one take)")
         self.device = torch.device(device)
         self.slots = slots
         self.pin = self.device.type == "cuda" if pin is None else pin
         self._new_event = new_event if new_event is not None else torch.cuda.Event
+        if current_stream is None:
+            cuda = self.device.type == "cuda"
+            current_stream = (lambda: torch.cuda.current_stream(self.device)) if cuda else (lambda: None)
+        self._current_stream = current_stream
         self._buffers: list[torch.Tensor | None] = [None] * slots
         self._events: list[Any] = [None] * slots
+        self._streams: list[Any] = [None] * slots
+        """The stream current when each slot was taken (its readers' stream)."""
         self._at = -1
         """The slot taken last (-1: none yet)."""
         self.takes = 0
@@ -73,8 +81,9 @@ class PinnedUploadRing:
             event = self._events[self._at]
             if event is None:
                 event = self._events[self._at] = self._new_event()
-            event.record()
+            event.record(self._streams[self._at])
         at = self._at = (self._at + 1) % self.slots
+        self._streams[at] = self._current_stream()
         event = self._events[at]
         if event is not None and self._buffers[at] is not None and not event.query():
             event.synchronize()

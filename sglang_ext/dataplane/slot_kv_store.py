@@ -162,6 +162,8 @@ class SlotKVStore:
         self.engine: TransferEngine = make_transfer_engine(self.host.view(-1, seg), self.dev.view(-1, seg),
                                                                copy_programs=c.copy_programs,
                                                                copy_engine=c.copy_engine)
+        if not self.identity:  # a decode step's parked tokens move as token rows: compile that copy now
+            self.engine.warm_rows(self.host_rows)
         self.h2d_bytes = 0
         self.d2h_bytes = 0
         self.host_write_bytes = 0

@@ -35,7 +35,7 @@ import numpy as np
 import structlog
 import torch
 
-from kernels.batched_memcpy import BatchedMemcpy, segment_pointers
+from kernels.batched_memcpy import BatchedMemcpy, probe_in_subprocess, segment_pointers
 from kernels.batched_memcpy import probe as probe_dma
 from kernels.block_copy import copy_segments
 from sglang_ext.dataplane.event_clock import EventClock
@@ -118,6 +118,10 @@ class TransferEngine:
         self.stats.d2h_rows += n
         self.stats.d2h_launches += 1
         return self._launch("d2h", src, dst, src_idx, dst_idx, (), host_idx, keep)
+
+    def warm_rows(self, host_rows: torch.Tensor) -> None:
+        """Prepare :meth:`d2h_rows` of rows shaped like ``host_rows`` (CUDA: compile its copy kernel
+        at start, not at the first step that needs it). Nothing to do here."""
 
     def fetch_pages(self, spec: PageFetch, wait: Sequence[Any] = ()) -> Any:
         """A paged step's fetch at one layer (:class:`PageFetch`: requests, not page lists);
@@ -274,18 +278,24 @@ class CudaTransferEngine(TransferEngine):
 
     def set_copy_engine(self, name: str) -> bool:
         """Run the copies with ``triton`` kernels or the ``dma`` copy engines (``--kv-copy-engine``);
-        ``dma`` is probed once (a known copy each way on a side stream); if the driver lacks it
-        or the probe fails, the engine keeps its kernels, logs why (:attr:`dma_error`) and
-        returns False."""
+        ``dma`` is probed once -- in a child process, then here on this pool's memory (known
+        copies each way on a side stream); if the driver lacks it or a probe fails, the engine
+        keeps its kernels, logs why (:attr:`dma_error`) and returns False."""
         if name not in ("triton", "dma"):
             raise ValueError(f"copy engine {name!r} must be 'triton' or 'dma'")
         if name == "triton":
             self.impl = self._kernel_impl
             return True
         if self._dma is None:
+            # first in a child process: a call the driver takes with another ABI, or a fault on
+            # the memory, would end this process or leave its CUDA context dead
+            why = probe_in_subprocess(self.device.index if self.device.index is not None
+                                      else torch.cuda.current_device())
             try:
+                if why is not None:
+                    raise RuntimeError(why)
                 dma = BatchedMemcpy()
-                probe_dma(dma, self.device)
+                probe_dma(dma, self.device, self.host)  # and here, on this pool's own memory
             except Exception as exc:  # noqa: BLE001 - any failure keeps the kernels
                 self.dma_error = str(exc)
                 log.warning("kv_copy_engine_dma_unavailable", error=self.dma_error)
@@ -293,6 +303,14 @@ class CudaTransferEngine(TransferEngine):
             self._dma = dma
         self.impl = "dma"
         return True
+
+    def warm_rows(self, host_rows: torch.Tensor) -> None:
+        if self._kernel_impl != "triton" or not host_rows.shape[0]:
+            return
+        scratch = torch.empty((1, host_rows.shape[1]), dtype=host_rows.dtype, device=self.device)
+        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+        copy_segments(host_rows, scratch, zero, zero, impl="triton", programs=self.copy_programs)
+        torch.cuda.synchronize(self.device)
 
     def _dma_copy(self, src: torch.Tensor, dst: torch.Tensor, src_idx: np.ndarray, dst_idx: np.ndarray) -> None:
         """The copies as one batched memcpy on the current (side) stream."""

@@ -50,7 +50,6 @@ from controlplane.model import (
     step_time_ms,
 )
 from controlplane.planner import Planner
-from kernels.batched_memcpy import probe_in_subprocess
 from sglang_ext.dataplane import dense_attention
 from sglang_ext.dataplane.bench_env import sync, time_ms
 from sglang_ext.tools.gpu_check_attention import BACKENDS, DecodeBackends
@@ -296,8 +295,8 @@ class CoreCheck:
         resident_timeline = self.timeline()
         comp = [resident_ms / L] * L
         resident_host_fraction = b.core.stats().host_fraction
-        if cuda:  # in a child process: a driver that takes the call with another ABI must not end the check
-            self.dma_error = probe_in_subprocess()
+        if cuda:  # the engine probes the copy engines (in a child process first) when asked to use them
+            self.dma_error = None
         transfer = TransferCheck(b, c.repeat, self.dma_error).measure()
         self.dma_error = transfer.dma_error
         rows = self.plan(comp, transfer.bw_blocks_per_ms)

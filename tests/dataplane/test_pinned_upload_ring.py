@@ -21,6 +21,7 @@ class FakeEvent:
     def record(self, stream=None) -> None:  # noqa: ANN001
         self.records += 1
         self.done = False
+        self.stream = stream
 
     def query(self) -> bool:
         return self.done
@@ -30,7 +31,7 @@ class FakeEvent:
         self.done = True
 
 
-def ring(slots: int = 3, done: bool = True) -> tuple[PinnedUploadRing, list[FakeEvent]]:
+def ring(slots: int = 3, done: bool = True, current_stream=None) -> tuple[PinnedUploadRing, list[FakeEvent]]:  # noqa: ANN001
     events: list[FakeEvent] = []
 
     def new_event() -> FakeEvent:
@@ -41,7 +42,8 @@ def ring(slots: int = 3, done: bool = True) -> tuple[PinnedUploadRing, list[Fake
         events.append(e)
         return e
 
-    return PinnedUploadRing(torch.device("cpu"), slots, pin=False, new_event=new_event), events
+    return PinnedUploadRing(torch.device("cpu"), slots, pin=False, new_event=new_event,
+                            current_stream=current_stream), events
 
 
 def test_host_views_survive_slots_minus_one_takes_and_not_slots():
@@ -68,6 +70,19 @@ def test_release_event_is_recorded_at_the_next_take_and_waited_before_reuse():
     assert events[1].syncs == 0 and r.waits == 1
     r.take(16)  # slot 0: released at the last take, not completed -> a second wait
     assert events[0].syncs == 2 and r.waits == 2
+
+
+def test_a_slot_is_released_on_the_stream_it_was_taken_on():
+    """Taken on stream A, the next take on stream B: the release is recorded on A, where the
+    slot's readers were enqueued (not on B, which would not order after them)."""
+    current = ["A"]
+    r, events = ring(slots=2, done=False, current_stream=lambda: current[0])
+    r.take(8)
+    current[0] = "B"
+    r.take(8)
+    assert events[0].stream == "A"
+    r.take(8)  # slot 0 taken on B now; slot 1 (taken on B) released on B
+    assert events[1].stream == "B"
 
 
 def test_no_wait_when_the_release_event_completed():

@@ -1,0 +1,74 @@
+"""TokenWriteback: the launch's indices address the parked rows and the tokens' host rows, and a
+forward that ends before its last parked layer still writes back what it parked at the layers it
+reached (control: without that, the host copy stays stale)."""
+
+import numpy as np
+import pytest
+import torch
+
+from sglang_ext.dataplane.layer_pipeline import LayerPipeline
+from sglang_ext.dataplane.token_writeback import TokenWriteback
+from tests.dataplane.core_driver import CoreDriver, make_core
+
+
+def test_plan_indexes_the_buffer_and_the_host_rows():
+    """Three tokens, layers 0 and 2 of four host-only for tokens 0 and 2, layer 2 for token 1:
+    sources are buffer rows (slot, K/V, token), destinations the block-first pool's token rows
+    ``((p * L + l) * 2 + kv) * ps + off``; slots number the parked layers in order."""
+    u_host = np.array([[1, 0, 1], [0, 0, 0], [1, 1, 1], [0, 0, 0]], dtype=bool)
+    pages, offs, ps, L, m = np.array([5, 9, 2]), np.array([3, 0, 7]), 8, 4, 3
+    made = []
+    it, idx = TokenWriteback.plan(u_host, pages, offs, ps, 100,
+                                  lambda s, n: made.append((s, n)) or torch.zeros((s, 2, n, 1, 2)))
+    assert made == [(2, 3)] and it.slots == (0, -1, 1, -1) and it.pairs == 5
+    assert (it.launch.layer, it.launch.trigger, it.launch.offset, it.launch.segments) == (2, 2, 100, 10)
+    pairs = [(0, 0), (0, 2), (2, 0), (2, 1), (2, 2)]  # (layer, token), layer-major
+    slot = {0: 0, 2: 1}
+    src_k = [slot[layer] * 2 * m + j for layer, j in pairs]
+    dst_k = [((pages[j] * L + layer) * 2) * ps + offs[j] for layer, j in pairs]
+    assert idx.tolist() == src_k + [s + m for s in src_k] + dst_k + [d + ps for d in dst_k]
+    assert TokenWriteback.plan(np.zeros((4, 3), dtype=bool), pages, offs, ps, 0, torch.zeros) is None
+
+
+def test_park_copies_only_parked_layers():
+    it, _ = TokenWriteback.plan(np.array([[0, 0], [1, 1]], dtype=bool), np.array([1, 2]), np.array([0, 1]), 4, 0,
+                                lambda s, n: torch.zeros((s, 2, n, 1, 3)))
+    k, v = torch.ones(2, 1, 3), torch.full((2, 1, 3), 2.0)
+    it.park(0, k, v)
+    assert it.buf.abs().sum() == 0
+    it.park(1, k, v)
+    assert torch.equal(it.buf[0, 0], k) and torch.equal(it.buf[0, 1], v)
+    assert it.src_rows().shape == (4, 3)
+
+
+@pytest.mark.parametrize("mended", [True, False])
+def test_a_forward_that_ends_early_writes_back_what_it_parked(monkeypatch, mended):
+    """Layers 0 and 2 offloaded (of 3): a decode forward that ends after layer 0 (SGLang's next
+    forward begins) leaves layer 0's new tokens in host memory; layer 2, never run, is not
+    written. Control: without the end-of-step write-back the host rows keep what was there."""
+    if not mended:
+        monkeypatch.setattr(LayerPipeline, "_write_back_reached", lambda self, tables: None)
+    core = make_core(33 + 20)
+    d = CoreDriver(core, seed=7)
+    d.add("a")
+    d.add("b")
+    d.step([("a", 6), ("b", 4)])
+    d.want("a", [False, True, False])
+    d.want("b", [False, True, False])
+    d.step([("a", 1), ("b", 1)])
+    news = [d._grow(rid, 1) for rid in ("a", "b")]
+    loc = torch.tensor([s for new in news for s in new])
+    core.prepare_step([(rid, torch.tensor(d.slots[rid])) for rid in ("a", "b")], loc, [1, 1])
+    parked = core.tables.token_writeback
+    assert parked is not None and parked.slots[0] >= 0 and parked.slots[2] >= 0
+    shape = (2, core.config.kv_heads, core.config.head_dim)
+    k, v = torch.randn(shape), torch.randn(shape)
+    core.enter_layer(0)
+    core.write(0, loc, k, v)
+    core.exit_layer(0)
+    rows_before = core.store.engine.stats.d2h_rows
+    core.pipeline.end_step()  # the forward ends here
+    assert core.store.engine.stats.d2h_rows - rows_before == (2 * 2 if mended else 0)  # layer 0 only
+    got_k, got_v = core.read_kv(0, loc)
+    same = torch.equal(got_k, k) and torch.equal(got_v, v)
+    assert same is mended
