@@ -18,6 +18,9 @@ Rules:
   written again only once its release event has completed: ``query()``, else ``synchronize()``
   (counted in :attr:`waits`). With the GPU at most a step behind the host and one or two takes a
   step, the event of a slot ``slots`` takes old has long completed: no wait in steady state.
+* If the slot coming round is still in use, a fresh slot is inserted in front of it (up to
+  :data:`GROW_TO` times the slots: a boundary with many moves allocates as ``pin_memory()`` did
+  rather than wait for the forward in flight); only a ring at that size waits.
 * A host view stays valid for ``slots - 1`` more takes; an owner that keeps host views across
   steps copies them into its next take (:meth:`PagedStepTables.advanced` does).
 * A slot too small grows to the next power of two of what is asked (at least twice its size).
@@ -42,6 +45,10 @@ SLOTS = 8
 """Slots of a ring: a host view survives seven more takes (a step takes one or two per ring)."""
 MIN_BYTES = 4096
 """Smallest slot buffer."""
+GROW_TO = 4
+"""A ring grows to this many times its slots before a take waits: a boundary that uploads more
+than its slots (many moves) then allocates, as ``pin_memory()`` did, instead of waiting for the
+forward in flight."""
 
 
 class PinnedUploadRing:
@@ -72,6 +79,10 @@ class PinnedUploadRing:
         """Takes that had to wait for a release event (0 in steady state)."""
         self.grown = 0
         """Buffers allocated (at most one per slot in steady state)."""
+        self.max_slots = GROW_TO * slots
+        """Slots the ring may grow to before a take waits."""
+        self.added = 0
+        """Slots added because the one coming round was still in use."""
 
     def take(self, nbytes: int) -> torch.Tensor:
         """The next slot's buffer as ``nbytes`` of host ``uint8`` (see the module's rules)."""
@@ -83,11 +94,17 @@ class PinnedUploadRing:
                 event = self._events[self._at] = self._new_event()
             event.record(self._streams[self._at])
         at = self._at = (self._at + 1) % self.slots
-        self._streams[at] = self._current_stream()
         event = self._events[at]
         if event is not None and self._buffers[at] is not None and not event.query():
-            event.synchronize()
-            self.waits += 1
+            if self.slots < self.max_slots:  # a fresh slot here; the busy one comes round later
+                for slots in (self._buffers, self._events, self._streams):
+                    slots.insert(at, None)
+                self.slots += 1
+                self.added += 1
+            else:
+                event.synchronize()
+                self.waits += 1
+        self._streams[at] = self._current_stream()
         buf = self._buffers[at]
         if buf is None or buf.numel() < nbytes:
             size = max(MIN_BYTES, 1 << max(0, nbytes - 1).bit_length(), 2 * (buf.numel() if buf is not None else 0))

@@ -57,8 +57,22 @@ def test_host_views_survive_slots_minus_one_takes_and_not_slots():
     assert r.takes == 4 and r.grown == 3 and r.waits == 0
 
 
+def test_a_busy_slot_gets_a_fresh_one_in_front_until_the_cap_then_a_wait():
+    """Events never complete: the ring grows to GROW_TO x its slots (no wait, no view reused),
+    then waits; views taken stay intact while the ring grows."""
+    from sglang_ext.dataplane.pinned_upload_ring import GROW_TO
+
+    r, _ = ring(slots=2, done=False)
+    views = [r.stage(np.full(4, i, dtype=np.int64)) for i in range(2 * GROW_TO)]
+    assert r.slots == 2 * GROW_TO and r.waits == 0 and r.added == 2 * GROW_TO - 2
+    assert [v.tolist() for v in views] == [[i] * 4 for i in range(2 * GROW_TO)]
+    r.take(8)
+    assert r.waits == 1 and r.slots == 2 * GROW_TO
+
+
 def test_release_event_is_recorded_at_the_next_take_and_waited_before_reuse():
     r, events = ring(slots=2, done=False)
+    r.max_slots = 2  # no growth: the wait itself
     r.take(16)
     assert events == [], "the slot taken last is not released yet: a consumer may still copy it"
     r.take(16)
