@@ -206,6 +206,49 @@ def test_overlap_sweeps_the_copy_program_caps(tmp_path, monkeypatch):
     assert body["details"]["overlap"]["recommended_programs"].startswith(("default", "--kv-copy-programs "))
 
 
+def test_the_copy_engines_are_swept_where_the_engine_has_them(tmp_path, monkeypatch):
+    """On a GPU the check also runs the copy engines (``set_copy_engine("dma")``): the transfer
+    check's H2D / duplex, the hidden placement's step and timeline, two figures; the engine goes
+    back to its kernels after each. The CPU engine stands in with a switch that only records
+    (it copies synchronously either way), at the default repeat: the batch's slots last these
+    steps too."""
+    from sglang_ext.dataplane.transfer_engine import CpuTransferEngine
+    from sglang_ext.tools.gpu_check_measure import CoreCheck
+
+    switches: list[str] = []
+    init = CpuTransferEngine.__init__
+
+    def tracked(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        init(self, *a, **k)
+        self.copy_programs, self.impl, self.dma_error = None, "triton", None
+
+    def set_copy_engine(self, name):  # noqa: ANN001, ANN202
+        switches.append(name)
+        self.impl = name
+        return True
+
+    check_init = CoreCheck.__init__
+
+    def probed(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        check_init(self, *a, **k)
+        self.dma_error = None  # as on a GPU whose driver has the batched memcpy
+
+    monkeypatch.setattr(CpuTransferEngine, "__init__", tracked)
+    monkeypatch.setattr(CpuTransferEngine, "set_copy_engine", set_copy_engine, raising=False)
+    monkeypatch.setattr(CoreCheck, "__init__", probed)
+    assert main(["gpu-check", "--device", "cpu", "--skip-tests", "--out-dir", str(tmp_path)]) == 0
+    _, body = _result(tmp_path)
+    assert switches == ["dma", "triton", "dma", "triton"]  # transfer check, then the overlap phase
+    overlap, link = body["details"]["overlap"], body["details"]["transfer"]["by_programs"]
+    assert overlap["step_ms_by_programs"]["dma"] > 0 and overlap["dma_error"] is None
+    assert overlap["dma_timeline"]["step_ms"] > 0
+    assert link["dma"]["h2d_gbps"] > 0 and link["dma"]["duplex_gbps"] > 0
+    figures = {f["key"]: f for f in body["figures"]}
+    for key in ("overlap.hidden_step_rel.dma", "duplex_vs_one_direction.dma"):
+        assert figures[key]["value"] is not None and figures[key]["status"] == NA, key  # the CPU's: N/A
+    assert "step " in figures["overlap.hidden_step_rel.dma"]["note"]
+
+
 def test_grade_flags_figures_that_miss_their_target():
     """Negative control of the grading: a figure below / above its bound is FAIL, a missing or
     NaN value on a meaningful figure is FAIL, a not-meaningful or target-less one is N/A."""
