@@ -292,6 +292,18 @@ class CoreDriver:
         assert not (store.dirty_np & (store.map_np < 0)).any()
 
 
+def two_offloading(core: LayeredKVCore, seed: int = 7) -> CoreDriver:
+    """Requests ``a`` (6 tokens) and ``b`` (4) prefilled on ``core``, then both wanting only layer
+    1 of 3 on the device (layers 0 and 2 offloaded): the next decode step stages both."""
+    d = CoreDriver(core, seed=seed)
+    d.add("a")
+    d.add("b")
+    d.step([("a", 6), ("b", 4)])
+    d.want("a", [False, True, False])
+    d.want("b", [False, True, False])
+    return d
+
+
 def offload_scenario(driver: CoreDriver) -> None:
     """Two requests with offloaded layers: a prefill, decode steps, a pause, a resume; then every
     live token is checked at rest (each step checks inside every layer)."""

@@ -17,7 +17,7 @@ import torch
 
 from sglang_ext.dataplane.transfer_engine import CpuEvent
 from sglang_ext.testing.op_audit import OpAudit, audit_core
-from tests.dataplane.core_driver import LAYERS, CoreDriver, make_core
+from tests.dataplane.core_driver import LAYERS, CoreDriver, make_core, two_offloading
 
 PLACEMENT = [True, False, False]
 
@@ -184,12 +184,7 @@ def test_attention_waits_on_its_layers_fetch_events_and_one_write_back_ends_the_
         return event
 
     engine._launch = record
-    d = CoreDriver(core, seed=7)
-    d.add("a")
-    d.add("b")
-    d.step([("a", 6), ("b", 4)])
-    d.want("a", [False, True, False])
-    d.want("b", [False, True, False])
+    d = two_offloading(core)
     entered: dict[int, list] = {}
     real_enter, real_exit = core.enter_layer, core.exit_layer
 

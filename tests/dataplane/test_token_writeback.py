@@ -8,7 +8,7 @@ import torch
 
 from sglang_ext.dataplane.layer_pipeline import LayerPipeline
 from sglang_ext.dataplane.token_writeback import TokenWriteback
-from tests.dataplane.core_driver import CoreDriver, make_core
+from tests.dataplane.core_driver import make_core, two_offloading
 
 
 def test_plan_indexes_the_buffer_and_the_host_rows():
@@ -49,12 +49,7 @@ def test_a_forward_that_ends_early_writes_back_what_it_parked(monkeypatch, mende
     if not mended:
         monkeypatch.setattr(LayerPipeline, "_write_back_reached", lambda self, tables: None)
     core = make_core(33 + 20)
-    d = CoreDriver(core, seed=7)
-    d.add("a")
-    d.add("b")
-    d.step([("a", 6), ("b", 4)])
-    d.want("a", [False, True, False])
-    d.want("b", [False, True, False])
+    d = two_offloading(core)
     d.step([("a", 1), ("b", 1)])
     news = [d._grow(rid, 1) for rid in ("a", "b")]
     loc = torch.tensor([s for new in news for s in new])
