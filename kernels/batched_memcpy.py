@@ -30,6 +30,7 @@ against the index reference.
 from __future__ import annotations
 
 import ctypes
+import time
 from typing import Any
 
 import numpy as np
@@ -108,6 +109,11 @@ class BatchedMemcpy:
         self._first = ctypes.c_size_t(0)
         self._failed = ctypes.c_size_t(0)
         self.calls = 0
+        self.copies = 0
+        """Copies enqueued since construction."""
+        self.call_seconds = 0.0
+        """Host time inside the driver calls (what a copy entry costs the host: ``kvplane
+        gpu-check`` reports it per copy, to weigh against one 2-D copy per run of pages)."""
 
     def copy(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
         """Enqueue the copies ``(dsts[i], srcs[i], sizes[i])`` (uint64 arrays, read during the
@@ -125,8 +131,11 @@ class BatchedMemcpy:
                     ctypes.byref(self._attrs), ctypes.byref(self._first), 1]
             if self.fail_idx:
                 args.append(ctypes.byref(self._failed))
+            t0 = time.perf_counter()
             rc = self._fn(*args, ctypes.c_void_p(stream))
+            self.call_seconds += time.perf_counter() - t0
             self.calls += 1
+            self.copies += k
             if rc != 0:
                 raise RuntimeError(f"cuMemcpyBatchAsync of {k} copies failed: CUresult {rc}")
 

@@ -70,6 +70,16 @@ def recommend_programs(step_ms: dict[str, float], link: dict[str, dict[str, floa
     return "--kv-copy-engine dma" if best == "dma" else f"--kv-copy-programs {best}"
 
 
+def _dma_costs(engine: Any) -> dict[str, float] | None:
+    """The copy engines' calls so far (transfer check and overlap phase): copies, calls, host
+    microseconds per copy inside the driver; None where they never ran."""
+    dma = getattr(engine, "_dma", None)
+    if dma is None or not dma.copies:
+        return None
+    return {"copies": dma.copies, "calls": dma.calls, "driver_version": dma.driver_version,
+            "host_us_per_copy": dma.call_seconds / dma.copies * 1e6}
+
+
 class OverlapCheck:
     """The overlap phase of :class:`~sglang_ext.tools.gpu_check_measure.CoreCheck` (module docstring)."""
 
@@ -135,7 +145,7 @@ class OverlapCheck:
             "resident_step_ms": resident_ms, "step_ms": hidden_ms, "step_ms_by_programs": by_programs,
             "fastest_programs": min(by_programs, key=by_programs.__getitem__), "timeline": timeline,
             "recommended_programs": recommend_programs(by_programs, link_by_programs or {}, h2d_gbps),
-            "dma_error": dma_error, "dma_timeline": dma_timeline,
+            "dma_error": dma_error, "dma_timeline": dma_timeline, "dma_driver": _dma_costs(engine),
         }
         ch.details["overlap"] = self.details
         sweep = ", ".join(f"{k} {v:.2f}" for k, v in by_programs.items())
@@ -166,7 +176,10 @@ class OverlapCheck:
             "overlap.hidden_step_rel.dma", "overlap with the copy engines (dma): hidden placement vs all-resident",
             rel, "ratio", "<=", HIDDEN_REL, "the same placement and all-resident step, the copies on the DMA "
             "copy engines (one cuMemcpyBatchAsync per launch, no SM taken)", meaningful=cuda and step is not None,
-            note=why or f"step {step:.2f} vs {resident_ms:.2f} ms; {StepTimelineProbe.summary(timeline)}")]
+            note=why or f"step {step:.2f} vs {resident_ms:.2f} ms; {StepTimelineProbe.summary(timeline)}"
+            + ("" if d["dma_driver"] is None else
+               f"; driver {d['dma_driver']['driver_version']}, {d['dma_driver']['host_us_per_copy']:.2f} us of host "
+               f"time per copy in {d['dma_driver']['calls']} calls"))]
         dma = link.get("dma")
         figs.append(Figure.graded(
             "duplex_vs_one_direction.dma", "concurrent H2D + D2H vs one direction, copy engines (dma)",
