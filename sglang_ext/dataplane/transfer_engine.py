@@ -46,6 +46,11 @@ from sglang_ext.dataplane.wall_clock import WallClock
 
 log = structlog.get_logger(__name__)
 
+DMA_MIN_BYTES = 28 << 10
+"""Under ``--kv-copy-engine dma``, copies of smaller rows stay on the Triton kernel: the copy
+engines' batched H2D "falls off a cliff" under ~28 KiB a copy (vLLM #42212, which added a kernel
+path for that reason). KV segments at page 16 are 32 KiB (Llama-3-8B shapes); a decode step's
+parked token rows (2 KiB) are one short kernel launch a step."""
 INDEX_SLOTS = 32
 """Slots of the CUDA engine's index-upload ring: a boundary that moves pages takes two per
 launch, and a slot must not come round within one boundary (its release would then wait on the
@@ -319,7 +324,7 @@ class CudaTransferEngine(TransferEngine):
 
     def _launch(self, kind, src, dst, src_idx, dst_idx, wait, host_idx, keep=()):  # noqa: ANN001, ANN202
         def copy() -> None:
-            if self.impl == "dma" and host_idx is not None:
+            if self.impl == "dma" and host_idx is not None and src.shape[1] * src.element_size() >= DMA_MIN_BYTES:
                 self._dma_copy(src, dst, host_idx[0], host_idx[1])
                 return
             if self._kernel_impl == "triton":
@@ -333,7 +338,7 @@ class CudaTransferEngine(TransferEngine):
         return self._on_stream(kind, wait, copy, (src_idx, dst_idx, *keep))
 
     def _fetch(self, spec: PageFetch, wait: Sequence[Any]) -> Any:
-        if self.impl == "dma":  # the pages listed on the host (O(pages) NumPy), no SM taken
+        if self.impl == "dma" and self.segment_bytes >= DMA_MIN_BYTES:  # pages listed on the host, no SM
             src, dst = spec.indices()
             return self._on_stream("h2d", wait, lambda: self._dma_copy(self.host, self.dev, src, dst), (spec.flat,))
         if self.impl != "triton":

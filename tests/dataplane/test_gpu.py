@@ -45,7 +45,7 @@ def test_cuda_lifecycle_bit_exact_with_capped_copy_launches(programs):
 
 
 @pytest.mark.parametrize("budget", [PAGES + 6, 4])
-def test_cuda_lifecycle_bit_exact_on_the_copy_engines(budget):
+def test_cuda_lifecycle_bit_exact_on_the_copy_engines(budget, monkeypatch):
     """The same lifecycle with every copy on the DMA copy engines (``--kv-copy-engine dma``: one
     ``cuMemcpyBatchAsync`` per launch, fetches listed on the host). Only a driver older than
     CUDA 12.8 (no batched memcpy) skips; any other refusal fails (the probe runs in a child
@@ -56,6 +56,9 @@ def test_cuda_lifecycle_bit_exact_on_the_copy_engines(budget):
     if why is not None and "needs a CUDA 12.8+ driver" in why:
         pytest.skip(why)
     assert why is None, why
+    from sglang_ext.dataplane import transfer_engine
+
+    monkeypatch.setattr(transfer_engine, "DMA_MIN_BYTES", 0)  # the toy segments are tiny: DMA all the same
     core = make_core(budget, device="cuda")
     engine = core.store.engine
     assert engine.set_copy_engine("dma"), engine.dma_error
