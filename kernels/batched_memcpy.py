@@ -44,6 +44,8 @@ MIN_DRIVER = 12080
 """``cuMemcpyBatchAsync`` exists from CUDA 12.8."""
 ABI_WITHOUT_FAIL_IDX = 13000
 """From CUDA 13.0 the call has no ``failIdx`` argument."""
+PROBE_BYTES = 2 << 20
+"""Page-locked probe buffer (an anonymous mapping of its own)."""
 MAX_BATCH = 8192
 """Copies per call: a larger batch is split (vLLM issue #49276 reports crashes or hangs near 51K
 descriptors in one call; a layer's fetch at Llama-3-8B shapes is ~10^4 segments)."""
@@ -83,6 +85,7 @@ class BatchedMemcpy:
             lib = ctypes.CDLL("libcuda.so.1")
         except OSError as exc:
             raise RuntimeError(f"batched memcpy: the CUDA driver library is not loadable ({exc})") from exc
+        self._lib = lib
         version = ctypes.c_int(0)
         _check(lib.cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
         self.driver_version = version.value
@@ -115,6 +118,20 @@ class BatchedMemcpy:
         """Host time inside the driver calls (what a copy entry costs the host: ``kvplane
         gpu-check`` reports it per copy, to weigh against one 2-D copy per run of pages)."""
 
+    def register(self, ptr: int, nbytes: int) -> None:
+        """Page-lock host memory with the driver (``cuMemHostRegister``: an error leaves no
+        sticky runtime error behind, unlike the runtime's ``cudaHostRegister``)."""
+        _check(self._lib.cuMemHostRegister_v2(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), ctypes.c_uint(0)),
+               "cuMemHostRegister")
+
+    def unregister(self, ptr: int) -> None:
+        _check(self._lib.cuMemHostUnregister(ctypes.c_void_p(ptr)), "cuMemHostUnregister")
+
+    def reset_counts(self) -> None:
+        """Forget the calls so far (a probe's, before serving)."""
+        self.calls = self.copies = 0
+        self.call_seconds = 0.0
+
     def copy(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
         """Enqueue the copies ``(dsts[i], srcs[i], sizes[i])`` (uint64 arrays, read during the
         call) on the CUDA stream handle ``stream`` (``torch.cuda.Stream.cuda_stream``; not the
@@ -142,17 +159,18 @@ class BatchedMemcpy:
 
 def probe(dma: BatchedMemcpy, device: torch.device | str = "cuda", host: torch.Tensor | None = None) -> None:
     """Known copies each way on a side stream, from and to page-locked host memory of both
-    kinds: ``pin_memory()`` (``cudaHostAlloc``) and ``cudaHostRegister``'d pageable memory, as
-    the host KV pool is (``sglang_ext/dataplane/host_pool.py``); ``host`` (2-D, registered):
+    kinds: ``pin_memory()`` (``cudaHostAlloc``) and registered pageable memory (an anonymous
+    mapping, page-locked in place), as the host KV pool is (``sglang_ext/dataplane/host_pool.py``); ``host`` (2-D, registered):
     the caller's own pool, whose first row is copied to the device and back, unchanged. Raises
     ``RuntimeError`` if what arrives is not what was sent."""
-    cudart = torch.cuda.cudart()
-    whole = torch.empty(1 << 19, dtype=torch.float32)  # 2 MiB: its own mapped pages, as the pool's
-    if int(cudart.cudaHostRegister(whole.data_ptr(), whole.numel() * 4, 0)) != 0:
-        raise RuntimeError("batched memcpy probe: cudaHostRegister of the probe buffer failed")
-    registered = whole[:8].view(2, 4)
-    registered.copy_(torch.arange(8, dtype=torch.float32).view(2, 4) + 10)
+    import mmap
+
+    pages = mmap.mmap(-1, PROBE_BYTES)  # pages of its own (page-aligned), as the pool's are
+    whole = torch.frombuffer(pages, dtype=torch.float32)
+    dma.register(whole.data_ptr(), PROBE_BYTES)
     try:
+        registered = whole[:8].view(2, 4)
+        registered.copy_(torch.arange(8, dtype=torch.float32).view(2, 4) + 10)
         sources = [torch.arange(8, dtype=torch.float32).view(2, 4).pin_memory(), registered]
         if host is not None:
             sources.append(host[:1])
@@ -167,10 +185,10 @@ def probe(dma: BatchedMemcpy, device: torch.device | str = "cuda", host: torch.T
                 dma.copy(*segment_pointers(src, dev, order, np.arange(rows)), stream.cuda_stream)
                 dma.copy(*segment_pointers(dev, back, np.arange(rows), order), stream.cuda_stream)
             stream.synchronize()
-            if not torch.equal(back, src):
+            if not torch.equal(back.view(torch.uint8), src.view(torch.uint8)):  # bytes: NaN-safe
                 raise RuntimeError(f"batched memcpy probe: sent {src.tolist()[:2]}, got back {back.tolist()[:2]}")
     finally:
-        cudart.cudaHostUnregister(whole.data_ptr())
+        dma.unregister(whole.data_ptr())  # the mapping goes with its last tensor
 
 
 def probe_in_subprocess(device: int = 0, timeout_s: float = 120.0) -> str | None:

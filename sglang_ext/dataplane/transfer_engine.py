@@ -292,6 +292,8 @@ class CudaTransferEngine(TransferEngine):
             self.impl = self._kernel_impl
             return True
         if self._dma is None:
+            if self.dma_error is not None:  # refused before: do not probe again
+                return False
             # first in a child process: a call the driver takes with another ABI, or a fault on
             # the memory, would end this process or leave its CUDA context dead
             why = probe_in_subprocess(self.device.index if self.device.index is not None
@@ -300,9 +302,11 @@ class CudaTransferEngine(TransferEngine):
                 if why is not None:
                     raise RuntimeError(why)
                 dma = BatchedMemcpy()
+                self.quiesce()  # the pool's first row is read: nothing in flight may write it
                 probe_dma(dma, self.device, self.host)  # and here, on this pool's own memory
+                dma.reset_counts()
             except Exception as exc:  # noqa: BLE001 - any failure keeps the kernels
-                self.dma_error = str(exc)
+                self.dma_error = str(exc) or type(exc).__name__
                 log.warning("kv_copy_engine_dma_unavailable", error=self.dma_error)
                 return False
             self._dma = dma
@@ -341,7 +345,7 @@ class CudaTransferEngine(TransferEngine):
         if self.impl == "dma" and self.segment_bytes >= DMA_MIN_BYTES:  # pages listed on the host, no SM
             src, dst = spec.indices()
             return self._on_stream("h2d", wait, lambda: self._dma_copy(self.host, self.dev, src, dst), (spec.flat,))
-        if self.impl != "triton":
+        if self._kernel_impl != "triton":
             return super()._fetch(spec, wait)
         return self._on_stream("h2d", wait, lambda: spec.run_triton(self.host, self.dev, self.copy_programs),
                                (spec.flat,))

@@ -170,7 +170,7 @@ class OverlapCheck:
         ratio with them; N/A with the reason where they did not run."""
         d = self.details
         step, error, timeline = d["step_ms_by_programs"].get("dma"), d["dma_error"], d["dma_timeline"]
-        why = f"not measured: {error}" if error else ""
+        why = f"not measured: {error}" if error is not None or step is None else ""
         rel = None if step is None else (step - resident_ms) / resident_ms
         figs = [Figure.graded(
             "overlap.hidden_step_rel.dma", "overlap with the copy engines (dma): hidden placement vs all-resident",

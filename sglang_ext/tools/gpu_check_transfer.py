@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from sglang_ext.dataplane.bench_env import sync, time_ms
+from sglang_ext.dataplane.transfer_engine import DMA_MIN_BYTES
 from sglang_ext.tools.gpu_check_batch import CheckBatch
 from sglang_ext.tools.gpu_check_config import PROGRAM_CAPS
 
@@ -163,6 +164,10 @@ class TransferCheck:
         """H2D and duplex GB/s with the copy engines (``dma``), or nothing (``dma_error`` says why);
         the engine goes back to its kernels after."""
         if self.dma_error is not None:
+            return {}
+        if eng.segment_bytes < DMA_MIN_BYTES:
+            self.dma_error = (f"segments of {eng.segment_bytes} B < {DMA_MIN_BYTES} B: the copies would stay on "
+                              "the Triton kernel")
             return {}
         if not eng.set_copy_engine("dma"):
             self.dma_error = eng.dma_error

@@ -233,9 +233,19 @@ def test_the_copy_engines_are_swept_where_the_engine_has_them(tmp_path, monkeypa
         check_init(self, *a, **k)
         self.dma_error = None  # as on a GPU whose driver has the batched memcpy
 
+    from sglang_ext.tools import gpu_check_transfer
+
     monkeypatch.setattr(CpuTransferEngine, "__init__", tracked)
     monkeypatch.setattr(CpuTransferEngine, "set_copy_engine", set_copy_engine, raising=False)
     monkeypatch.setattr(CoreCheck, "__init__", probed)
+    # the small preset's segments are far under the copy engines' floor: first as they are...
+    assert main(["gpu-check", "--device", "cpu", "--skip-tests", "--out-dir", str(tmp_path)]) == 0
+    _, body = _result(tmp_path)
+    assert switches == [] and body["details"]["overlap"]["dma_error"].startswith("segments of ")
+    assert {f["key"]: f for f in body["figures"]}["overlap.hidden_step_rel.dma"]["note"].startswith(
+        "not measured: segments of ")
+    # ...then with the floor at 0, as Llama-3-8B's 32 KiB segments pass it
+    monkeypatch.setattr(gpu_check_transfer, "DMA_MIN_BYTES", 0)
     assert main(["gpu-check", "--device", "cpu", "--skip-tests", "--out-dir", str(tmp_path)]) == 0
     _, body = _result(tmp_path)
     assert switches == ["dma", "triton", "dma", "triton"]  # transfer check, then the overlap phase
