@@ -14,8 +14,9 @@ Per step (OrbitFlow §3.3.1; SuperInfer §4.3 DuplexKV):
   step's tables park their new tokens instead (:class:`TokenWriteback`): nothing goes back per
   layer, the fetches wait on nothing but the compute stream, and after the last layer with
   parked tokens ONE D2H writes their rows to the host pool.
-- ``end_step()`` (after the last layer, or when the next step begins): the staging pages go back
-  to the allocator; the next boundary's ``begin_step`` fences their reuse.
+- ``end_step()`` (after the last layer, or when the next step begins): a forward that ended
+  before its last parked layer writes back the tokens parked at the layers it reached; the
+  staging pages go back to the allocator; the next boundary's ``begin_step`` fences their reuse.
 
 No call reads device memory from the host; the number of torch operations per layer does not
 depend on the batch or the pool (``tests/dataplane/test_gpu_discipline.py``).

@@ -100,9 +100,10 @@ class GpuCheckConfig:
         profiled, ``TIMELINE_STEPS``), placed (the same, 2 sync-probed, 1 for accuracy), overlap
         (an all-resident timed run, one per cap of ``PROGRAM_CAPS`` -- counted even where the
         engine has no cap -- one with the copy engines and ``TIMELINE_STEPS`` for each copy
-        implementation), recompute (a timed run, 1 for accuracy); with a margin."""
+        implementation; the half-offloaded placement on the copy engines, timed and laid out),
+        recompute (a timed run, 1 for accuracy); with a margin."""
         runs = self.repeat + 2
-        return (8 + len(PROGRAM_CAPS)) * runs + 4 * TIMELINE_STEPS + 8
+        return (9 + len(PROGRAM_CAPS)) * runs + 5 * TIMELINE_STEPS + 8
 
     def with_overrides(self, **changes: object) -> GpuCheckConfig:
         """A copy with the non-None ``changes`` applied (CLI overrides)."""

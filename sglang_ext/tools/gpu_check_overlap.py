@@ -26,6 +26,7 @@ The budget is the first of :data:`SHARES` whose placement the model predicts wit
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from controlplane.model import step_time_ms
@@ -105,8 +106,9 @@ class OverlapCheck:
         note and weighed by :func:`recommend_programs`."""
         ch, b, c = self.check, self.check.batch, self.check.config
         cuda = ch.device.startswith("cuda")
-        share, rows, model_stall = self._choose(comp_ms, bw_blocks_per_ms, resident_ms)
         engine = b.core.store.engine
+        placed_dma = self._placed_on_copy_engines(engine)
+        share, rows, model_stall = self._choose(comp_ms, bw_blocks_per_ms, resident_ms)
         # the all-resident step again, at these contexts (the first was timed ~100 steps ago)
         b.place([(1,) * c.layers for _ in b.rids])
         engine.quiesce()
@@ -146,6 +148,7 @@ class OverlapCheck:
             "fastest_programs": min(by_programs, key=by_programs.__getitem__), "timeline": timeline,
             "recommended_programs": recommend_programs(by_programs, link_by_programs or {}, h2d_gbps),
             "dma_error": dma_error, "dma_timeline": dma_timeline, "dma_driver": _dma_costs(engine),
+            "placed_on_copy_engines": placed_dma,
         }
         ch.details["overlap"] = self.details
         sweep = ", ".join(f"{k} {v:.2f}" for k, v in by_programs.items())
@@ -165,6 +168,21 @@ class OverlapCheck:
             note=("CPU: copies are synchronous, nothing overlaps; not meaningful. " if not cuda else "") + note),
             *self._dma_figures(resident_ms, link_by_programs or {}, cuda)]
 
+    def _placed_on_copy_engines(self, engine: Any) -> dict[str, Any] | None:
+        """The check's half-offloaded placement (installed on entry: transfer-bound, ~10^4
+        segments a fetch at Llama-3-8B shapes) stepped with the copy engines: its step time and
+        one step's timeline (the host's issue time shows the driver's cost per copy entry at
+        that size); None where they do not run."""
+        ch = self.check
+        if ch.dma_error is not None or not engine.set_copy_engine("dma"):
+            return None
+        try:
+            engine.quiesce()
+            sync(ch.device)
+            return {"step_ms": time_ms(ch.step, ch.device, ch.config.repeat), "timeline": ch.timeline()}
+        finally:
+            engine.set_copy_engine("triton")
+
     def _dma_figures(self, resident_ms: float, link: dict[str, dict[str, float]], cuda: bool) -> list[Figure]:
         """The copy engines (``--kv-copy-engine dma``): the hidden placement's step and the duplex
         ratio with them; N/A with the reason where they did not run."""
@@ -180,6 +198,11 @@ class OverlapCheck:
             + ("" if d["dma_driver"] is None else
                f"; driver {d['dma_driver']['driver_version']}, {d['dma_driver']['host_us_per_copy']:.2f} us of host "
                f"time per copy in {d['dma_driver']['calls']} calls"))]
+        placed = d["placed_on_copy_engines"]
+        if placed is not None and step is not None:
+            figs[0] = dataclasses.replace(figs[0], note=figs[0].note + (
+                f"; the half-offloaded placement on the copy engines: {placed['step_ms']:.2f} ms, "
+                f"{StepTimelineProbe.summary(placed['timeline'])}"))
         dma = link.get("dma")
         figs.append(Figure.graded(
             "duplex_vs_one_direction.dma", "concurrent H2D + D2H vs one direction, copy engines (dma)",

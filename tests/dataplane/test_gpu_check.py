@@ -248,7 +248,10 @@ def test_the_copy_engines_are_swept_where_the_engine_has_them(tmp_path, monkeypa
     monkeypatch.setattr(gpu_check_transfer, "DMA_MIN_BYTES", 0)
     assert main(["gpu-check", "--device", "cpu", "--skip-tests", "--out-dir", str(tmp_path)]) == 0
     _, body = _result(tmp_path)
-    assert switches == ["dma", "triton", "dma", "triton"]  # transfer check, then the overlap phase
+    # the transfer check, the half-offloaded placement, then the hidden one
+    assert switches == ["dma", "triton", "dma", "triton", "dma", "triton"]
+    placed = body["details"]["overlap"]["placed_on_copy_engines"]
+    assert placed["step_ms"] > 0 and placed["timeline"]["step_ms"] > 0
     overlap, link = body["details"]["overlap"], body["details"]["transfer"]["by_programs"]
     assert overlap["step_ms_by_programs"]["dma"] > 0 and overlap["dma_error"] is None
     assert overlap["dma_timeline"]["step_ms"] > 0
@@ -257,6 +260,7 @@ def test_the_copy_engines_are_swept_where_the_engine_has_them(tmp_path, monkeypa
     for key in ("overlap.hidden_step_rel.dma", "duplex_vs_one_direction.dma"):
         assert figures[key]["value"] is not None and figures[key]["status"] == NA, key  # the CPU's: N/A
     assert "step " in figures["overlap.hidden_step_rel.dma"]["note"]
+    assert "the half-offloaded placement on the copy engines" in figures["overlap.hidden_step_rel.dma"]["note"]
 
 
 def test_grade_flags_figures_that_miss_their_target():
