@@ -42,6 +42,8 @@ class MapMirror:
         self.device = device
         self.dev = torch.from_numpy(map_np.copy()).to(device)
         """``[L, P]`` int32 on the pool's device: ``map_np`` as of the last :meth:`sync`."""
+        self.rows = self.dev.unbind(0)
+        """``dev``'s rows (views, made once: a fetch takes its layer's without an op)."""
         self.host_bits = self._bits(map_np)
         """``[P, ceil(L / 8)]`` uint8: bit ``l`` (little-endian) set where ``(l, p)`` is host-only."""
         self._log: list[np.ndarray] = []

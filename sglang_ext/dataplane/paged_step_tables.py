@@ -61,6 +61,8 @@ class PagedStepTables(StepTables):
         self.identity = False
         self.recompute = None
         self._store = store
+        self._fetch_views: tuple[torch.Tensor, ...] | None = None
+        """The fetches' views of the upload common to every launch (set at the first fetch)."""
         self.staging_ids = np.zeros(0, dtype=np.int64)
         counts, flat, starts, col, off = self._columns(pages, seq_lens, new_counts, new_slots, ps)
         b, n = self.batch, int(flat.size)
@@ -211,6 +213,7 @@ class PagedStepTables(StepTables):
         nxt = object.__new__(PagedStepTables)
         nxt.__dict__.update(self.__dict__)
         nxt.token_writeback = None  # these tables' parked tokens are theirs
+        nxt._fetch_views = None  # views of these tables' upload
         return nxt
 
     def advanced(self) -> PagedStepTables | None:
@@ -404,10 +407,14 @@ class PagedStepTables(StepTables):
         assert mirror is not None
         if mirror.pending:  # the kernel reads the mirror as synced, the CPU path the map: they agree
             raise RuntimeError("the map changed inside a forward (between the tables and a fetch)")
+        views = self._fetch_views
+        if views is None:  # the step's page lists, staging, starts and counts: sliced once a step
+            views = self._fetch_views = (i32[:n], i32[n: 2 * n], i32[2 * n: 2 * n + b], i32[2 * n + b: 2 * n + 2 * b])
+        flat, stage, starts, counts = views
         spec = PageFetch(
             layer=launch.layer, layers=store.config.layers, dev_v=store.pages_total, max_pages=launch.max_pages,
-            segments=launch.segments, reqs=i32[at: at + launch.n_reqs], flat=i32[:n], stage=i32[n: 2 * n],
-            starts=i32[2 * n: 2 * n + b], counts=i32[2 * n + b: 2 * n + 2 * b], map_row=mirror.dev[launch.layer],
+            segments=launch.segments, reqs=i32[at: at + launch.n_reqs], flat=flat, stage=stage,
+            starts=starts, counts=counts, map_row=mirror.rows[launch.layer],
             host_arrays=(self._reqs_np[launch.first: launch.first + launch.n_reqs], self.pages, self._stage_np,
                          self._starts_np, self._counts_np, store.map_np[launch.layer]),
         )
