@@ -27,8 +27,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore
 from sglang_ext.dataplane.step_tables import StepTables
 
@@ -123,8 +121,9 @@ class LayerPipeline:
             self.end_step()
 
     def _write_back_parked(self, parked: Any, src: Any, dst: Any, host: tuple) -> None:
-        self.engine.d2h_rows(parked.src_rows(), self.store.host_rows, src, dst, host_idx=host, keep=(parked.buf,))
-        nbytes = int(host[0].size) * self.store.host_rows.shape[1] * self.store.host.element_size()
+        rows = self.store.host_rows
+        self.engine.d2h_rows(parked.src_rows(), rows, src, dst, host_idx=host, keep=(parked.buf,))
+        nbytes = int(host[0].size) * rows.shape[1] * rows.element_size()
         self.store.d2h_bytes += nbytes
         self.store.host_write_bytes += nbytes
         self._parked_out = True
@@ -135,12 +134,8 @@ class LayerPipeline:
         parked = tables.token_writeback
         if parked is None or self._parked_out or self._reached < 0:
             return
-        _, _, (src, dst) = tables.launch_indices(parked.launch)
-        c, n = self.store.config, parked.pairs
-        keep = (dst[:n] // c.page_size // 2) % c.layers <= self._reached
-        if keep.any():
-            src = np.concatenate([src[:n][keep], src[n:][keep]])
-            dst = np.concatenate([dst[:n][keep], dst[n:][keep]])
+        src, dst = parked.through(self._reached, *tables.launch_indices(parked.launch)[2])
+        if src.size:
             self._write_back_parked(parked, self.engine.index_tensor(src), self.engine.index_tensor(dst), (src, dst))
 
     def end_step(self) -> None:

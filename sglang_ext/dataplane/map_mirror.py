@@ -50,9 +50,9 @@ class MapMirror:
         self.synced_columns = 0
         """Page columns uploaded since construction (a test reads it: proportional to moves)."""
         self.syncs = 0
+        """Syncs that moved columns (a table built at one count is current while it holds)."""
         self._ring = PinnedUploadRing(device)
         """Pinned buffers of the column uploads (CUDA)."""
-        """Syncs that moved columns (a table built at one count is current while it holds)."""
 
     @staticmethod
     def _bits(cols: np.ndarray) -> np.ndarray:

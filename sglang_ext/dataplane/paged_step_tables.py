@@ -159,10 +159,9 @@ class PagedStepTables(StepTables):
         back in one launch (:class:`TokenWriteback`), its indices appended to ``int64_parts``.
         Returns the offset after them; None (nothing appended) when the buffer would pass
         :data:`PARK_MAX_BYTES`: the caller writes back pages per layer."""
-        c = store.config
+        c, rows = store.config, store.host_rows
         layers_parked = int(new_host.any(axis=1).sum())
-        row_bytes = c.kv_heads * c.head_dim * torch.empty(0, dtype=c.dtype).element_size()
-        if layers_parked * 2 * new_host.shape[1] * row_bytes > PARK_MAX_BYTES:
+        if layers_parked * 2 * new_host.shape[1] * rows.shape[1] * rows.element_size() > PARK_MAX_BYTES:
             return None
         planned = TokenWriteback.plan(
             new_host, pages, offsets, c.page_size, offset,

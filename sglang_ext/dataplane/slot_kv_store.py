@@ -158,6 +158,10 @@ class SlotKVStore:
             IdentityPages(self.pages_total, "device KV pages") if self.identity
             else BlockAllocator(self.pages_total, "device KV pages")
         )
+        self.host_rows = self.host.view(-1, c.kv_heads * c.head_dim)
+        """The host pool as token rows ``[P * L * 2 * page_size, H * D]`` (a view): row
+        ``((p * L + l) * 2 + kv) * page_size + offset`` holds token ``offset`` of page ``p``'s K
+        (``kv = 0``) or V at layer ``l``."""
         seg = c.page_size * c.kv_heads * c.head_dim
         self.engine: TransferEngine = make_transfer_engine(self.host.view(-1, seg), self.dev.view(-1, seg),
                                                                copy_programs=c.copy_programs,
@@ -177,14 +181,6 @@ class SlotKVStore:
             shape = (c.layers, c.logical_pages * c.page_size, c.kv_heads, c.head_dim)
             k_all, v_all = self.dev[0].view(shape), self.dev[1].view(shape)
             self._in_place = [(k_all[layer], v_all[layer]) for layer in range(c.layers)]
-
-    @property
-    def host_rows(self) -> torch.Tensor:
-        """The host pool as token rows ``[P * L * 2 * page_size, H * D]`` (a view): row
-        ``((p * L + l) * 2 + kv) * page_size + offset`` holds token ``offset`` of page ``p``'s K
-        (``kv = 0``) or V at layer ``l``."""
-        c = self.config
-        return self.host.view(-1, c.kv_heads * c.head_dim)
 
     # ----- segment addressing -------------------------------------------------
 

@@ -46,6 +46,7 @@ from sglang_ext.dataplane.transfer_engine import TransferEngine
 if TYPE_CHECKING:
     from sglang_ext.dataplane.token_writeback import TokenWriteback
 
+
 @dataclass(frozen=True)
 class Launch:
     """One batched copy of the step: ``2 * pages`` segments (K then V)."""

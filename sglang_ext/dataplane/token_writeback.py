@@ -70,6 +70,14 @@ class TokenWriteback:
         """:attr:`buf` as the launch's source rows ``[S * 2 * m, H * D]``."""
         return self.buf.view(-1, self.buf.shape[-2] * self.buf.shape[-1])
 
+    def through(self, layer: int, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The launch's indices (``src``, ``dst``: K then V halves) cut to the pairs of layers up
+        to ``layer``: slots number the parked layers in order, so those are the rows of the
+        first slots."""
+        n, m = self.pairs, self.buf.shape[2]
+        first = sum(1 for slot in self.slots[: layer + 1] if slot >= 0)
+        keep = src[:n] // (2 * m) < first
+        return np.concatenate([src[:n][keep], src[n:][keep]]), np.concatenate([dst[:n][keep], dst[n:][keep]])
 
     @classmethod
     def plan(cls, u_host: np.ndarray, pages: np.ndarray, offsets: np.ndarray, page_size: int, offset: int,

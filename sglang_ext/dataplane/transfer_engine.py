@@ -321,6 +321,10 @@ class CudaTransferEngine(TransferEngine):
         copy_segments(host_rows, scratch, zero, zero, impl="triton", programs=self.copy_programs)
         torch.cuda.synchronize(self.device)
 
+    def _on_dma(self, row_bytes: int) -> bool:
+        """Copies of rows this large go to the copy engines (``dma`` on, at or above the floor)."""
+        return self.impl == "dma" and row_bytes >= DMA_MIN_BYTES
+
     def _dma_copy(self, src: torch.Tensor, dst: torch.Tensor, src_idx: np.ndarray, dst_idx: np.ndarray) -> None:
         """The copies as one batched memcpy on the current (side) stream."""
         assert self._dma is not None
@@ -328,7 +332,7 @@ class CudaTransferEngine(TransferEngine):
 
     def _launch(self, kind, src, dst, src_idx, dst_idx, wait, host_idx, keep=()):  # noqa: ANN001, ANN202
         def copy() -> None:
-            if self.impl == "dma" and host_idx is not None and src.shape[1] * src.element_size() >= DMA_MIN_BYTES:
+            if host_idx is not None and self._on_dma(src.shape[1] * src.element_size()):
                 self._dma_copy(src, dst, host_idx[0], host_idx[1])
                 return
             if self._kernel_impl == "triton":
@@ -342,7 +346,7 @@ class CudaTransferEngine(TransferEngine):
         return self._on_stream(kind, wait, copy, (src_idx, dst_idx, *keep))
 
     def _fetch(self, spec: PageFetch, wait: Sequence[Any]) -> Any:
-        if self.impl == "dma" and self.segment_bytes >= DMA_MIN_BYTES:  # pages listed on the host, no SM
+        if self._on_dma(self.segment_bytes):  # the pages listed on the host, no SM taken
             src, dst = spec.indices()
             return self._on_stream("h2d", wait, lambda: self._dma_copy(self.host, self.dev, src, dst), (spec.flat,))
         if self._kernel_impl != "triton":

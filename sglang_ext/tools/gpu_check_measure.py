@@ -109,8 +109,8 @@ class CoreCheck:
         self.prepare_cpu_ms = 0.0
         """Median of the last :meth:`kvplane_cpu_ms` steps' boundary share (``prepare_step``)."""
         self.dma_error: str | None = "not probed (CUDA only)"
-        """Why the copy engines (``--kv-copy-engine dma``) are not measured; None once
-        :meth:`run`'s subprocess probe copied right (``kernels.batched_memcpy``)."""
+        """Why the copy engines (``--kv-copy-engine dma``) are not measured; None on CUDA until the
+        engine refuses them (its probes: ``CudaTransferEngine.set_copy_engine``)."""
         self.parts_cpu_ms: dict[str, float] = {}
         """Medians of the last :meth:`kvplane_cpu_ms` steps' per-layer calls, summed over layers:
         ``enter`` (``enter_layer``: fetch launches, event waits), ``write``, ``exit``."""

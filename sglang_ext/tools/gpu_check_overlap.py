@@ -26,7 +26,6 @@ The budget is the first of :data:`SHARES` whose placement the model predicts wit
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from controlplane.model import step_time_ms
@@ -34,6 +33,7 @@ from sglang_ext.dataplane.bench_env import sync, time_ms
 from sglang_ext.tools.gpu_check_config import PROGRAM_CAPS
 from sglang_ext.tools.gpu_check_measure import DUPLEX_VS_ONE
 from sglang_ext.tools.gpu_check_report import Figure
+from sglang_ext.tools.gpu_check_transfer import on_copy_engines
 from sglang_ext.tools.step_timeline_probe import StepTimelineProbe
 
 SHARES = (0.02, 0.015, 0.01, 0.0075, 0.005)
@@ -132,14 +132,13 @@ class OverlapCheck:
         hidden_ms = by_programs["default"]
         timeline = ch.timeline()
         dma_error, dma_timeline = ch.dma_error, None
-        if dma_error is None and engine.set_copy_engine("dma"):
-            try:
-                by_programs["dma"] = time_ms(ch.step, ch.device, c.repeat)
-                dma_timeline = ch.timeline()
-            finally:
-                engine.set_copy_engine("triton")
-        elif dma_error is None:
-            dma_error = engine.dma_error
+        if dma_error is None:
+            with on_copy_engines(engine) as on:
+                if on:
+                    by_programs["dma"] = time_ms(ch.step, ch.device, c.repeat)
+                    dma_timeline = ch.timeline()
+                else:
+                    dma_error = engine.dma_error
         rel = (hidden_ms - resident_ms) / resident_ms
         self.details = {
             "share": share, "offloaded_layer_pages": offloaded,
@@ -174,14 +173,14 @@ class OverlapCheck:
         one step's timeline (the host's issue time shows the driver's cost per copy entry at
         that size); None where they do not run."""
         ch = self.check
-        if ch.dma_error is not None or not engine.set_copy_engine("dma"):
+        if ch.dma_error is not None:
             return None
-        try:
+        with on_copy_engines(engine) as on:
+            if not on:
+                return None
             engine.quiesce()
             sync(ch.device)
             return {"step_ms": time_ms(ch.step, ch.device, ch.config.repeat), "timeline": ch.timeline()}
-        finally:
-            engine.set_copy_engine("triton")
 
     def _dma_figures(self, resident_ms: float, link: dict[str, dict[str, float]], cuda: bool) -> list[Figure]:
         """The copy engines (``--kv-copy-engine dma``): the hidden placement's step and the duplex
@@ -190,19 +189,21 @@ class OverlapCheck:
         step, error, timeline = d["step_ms_by_programs"].get("dma"), d["dma_error"], d["dma_timeline"]
         why = f"not measured: {error}" if error is not None or step is None else ""
         rel = None if step is None else (step - resident_ms) / resident_ms
+        note = why
+        if step is not None:
+            note = f"step {step:.2f} vs {resident_ms:.2f} ms; {StepTimelineProbe.summary(timeline)}"
+            driver, placed = d["dma_driver"], d["placed_on_copy_engines"]
+            if driver is not None:
+                note += (f"; driver {driver['driver_version']}, {driver['host_us_per_copy']:.2f} us of host time "
+                         f"per copy in {driver['calls']} calls")
+            if placed is not None:
+                note += (f"; the half-offloaded placement on the copy engines: {placed['step_ms']:.2f} ms, "
+                         f"{StepTimelineProbe.summary(placed['timeline'])}")
         figs = [Figure.graded(
             "overlap.hidden_step_rel.dma", "overlap with the copy engines (dma): hidden placement vs all-resident",
             rel, "ratio", "<=", HIDDEN_REL, "the same placement and all-resident step, the copies on the DMA "
             "copy engines (one cuMemcpyBatchAsync per launch, no SM taken)", meaningful=cuda and step is not None,
-            note=why or f"step {step:.2f} vs {resident_ms:.2f} ms; {StepTimelineProbe.summary(timeline)}"
-            + ("" if d["dma_driver"] is None else
-               f"; driver {d['dma_driver']['driver_version']}, {d['dma_driver']['host_us_per_copy']:.2f} us of host "
-               f"time per copy in {d['dma_driver']['calls']} calls"))]
-        placed = d["placed_on_copy_engines"]
-        if placed is not None and step is not None:
-            figs[0] = dataclasses.replace(figs[0], note=figs[0].note + (
-                f"; the half-offloaded placement on the copy engines: {placed['step_ms']:.2f} ms, "
-                f"{StepTimelineProbe.summary(placed['timeline'])}"))
+            note=note)]
         dma = link.get("dma")
         figs.append(Figure.graded(
             "duplex_vs_one_direction.dma", "concurrent H2D + D2H vs one direction, copy engines (dma)",

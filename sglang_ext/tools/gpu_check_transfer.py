@@ -25,7 +25,8 @@ nothing about a GPU link (reported N/A).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -36,6 +37,19 @@ from sglang_ext.dataplane.bench_env import sync, time_ms
 from sglang_ext.dataplane.transfer_engine import DMA_MIN_BYTES
 from sglang_ext.tools.gpu_check_batch import CheckBatch
 from sglang_ext.tools.gpu_check_config import PROGRAM_CAPS
+
+
+@contextmanager
+def on_copy_engines(eng: Any) -> Iterator[bool]:
+    """The engine's copies on the copy engines inside the block (True), back on its kernels after;
+    False, nothing switched, where it refused them (``eng.dma_error`` says why)."""
+    if not eng.set_copy_engine("dma"):
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        eng.set_copy_engine("triton")
 
 
 @dataclass(frozen=True)
@@ -88,8 +102,8 @@ class TransferCheck:
     """Measures :class:`TransferResult` on a batch's store (module docstring)."""
 
     def __init__(self, batch: CheckBatch, repeat: int, dma_error: str | None = "not asked for") -> None:
-        """``dma_error``: None to measure the copy engines too (the caller's subprocess probe
-        passed: ``kernels.batched_memcpy.probe_in_subprocess``), else why not."""
+        """``dma_error``: None to measure the copy engines too (CUDA: the engine probes them when
+        asked, :meth:`CudaTransferEngine.set_copy_engine`), else why not."""
         self.batch, self.repeat, self.dma_error = batch, repeat, dma_error
 
     def measure(self) -> TransferResult:
@@ -140,10 +154,7 @@ class TransferCheck:
                         if cap is None:
                             continue
                         eng.copy_programs = cap
-                        by_programs[str(cap)] = {
-                            "h2d_gbps": nbytes_both / 2 / time_ms(h2d, device, self.repeat) / 1e6,
-                            "duplex_gbps": nbytes_both / time_ms(duplex, device, self.repeat) / 1e6,
-                        }
+                        by_programs[str(cap)] = self._link(h2d, duplex, nbytes_both)
                 finally:
                     eng.copy_programs = before
                 by_programs.update(self._dma(eng, h2d, duplex, nbytes_both))
@@ -169,15 +180,17 @@ class TransferCheck:
             self.dma_error = (f"segments of {eng.segment_bytes} B < {DMA_MIN_BYTES} B: the copies would stay on "
                               "the Triton kernel")
             return {}
-        if not eng.set_copy_engine("dma"):
-            self.dma_error = eng.dma_error
-            return {}
+        with on_copy_engines(eng) as on:
+            if not on:
+                self.dma_error = eng.dma_error
+                return {}
+            return {"dma": self._link(h2d, duplex, nbytes_both)}
+
+    def _link(self, h2d: Callable[[], None], duplex: Callable[[], None], nbytes_both: int) -> dict[str, float]:
+        """H2D and duplex GB/s of the engine's copies as they are set now."""
         device = self.batch.device
-        try:
-            return {"dma": {"h2d_gbps": nbytes_both / 2 / time_ms(h2d, device, self.repeat) / 1e6,
-                            "duplex_gbps": nbytes_both / time_ms(duplex, device, self.repeat) / 1e6}}
-        finally:
-            eng.set_copy_engine("triton")
+        return {"h2d_gbps": nbytes_both / 2 / time_ms(h2d, device, self.repeat) / 1e6,
+                "duplex_gbps": nbytes_both / time_ms(duplex, device, self.repeat) / 1e6}
 
     def _timed(self, fn: Callable[[], None], kind: str) -> tuple[float, float | None]:
         """The median wall ms of ``fn`` (one ``kind`` launch), and the GB/s that the engine's timing
