@@ -17,6 +17,10 @@ only when the worker can serve recompute (the layered pool with a decode backend
 recompute rows). Without the figure, or without the ability, it is absent and the control plane
 never plans recompute for this worker (the controller scales it with the compute it learns).
 
+The file's ``fetch_launch_ms`` (what a hidden fetch still costs per launch, fitted by
+``kvplane gpu-check``) is sent as the profile's; without a file it starts at 0 and the controller
+learns it from the placed steps' samples.
+
 The same ``WorkerInfo`` reaches the embedded controller (``open_session``) and a remote one
 (the gRPC hello), so both start from the file. Pure Python (no torch, no SGLang).
 """
@@ -52,6 +56,8 @@ class InitialProfile:
     """``default`` or the profile file's path."""
     recompute_ms_per_token: float | None = None
     """ms one recomputed prefix token adds to a layer, from the file; None when it has none."""
+    fetch_launch_ms: float = 0.0
+    """Host cost of one fetch launch, from the file; 0 without one."""
 
 
 def initial_profile(layers: int, profile_file: str | Path | None) -> InitialProfile:
@@ -69,7 +75,7 @@ def initial_profile(layers: int, profile_file: str | Path | None) -> InitialProf
         )
     per_layer = measured.layer_compute_ms(PROFILE_BATCH_TOKENS)
     return InitialProfile((per_layer,) * layers, measured.h2d_gbps, measured.d2h_gbps, str(profile_file),
-                          measured.recompute_ms_per_token)
+                          measured.recompute_ms_per_token, measured.fetch_launch_ms)
 
 
 def build_worker_info(
@@ -92,7 +98,7 @@ def build_worker_info(
         worker_id=worker_id,
         model=ModelSpec(layers=layers, block_size=block_size, block_bytes=block_bytes),
         hardware=Hardware(gpu_kv_budget_blocks=gpu_kv_budget_blocks, h2d_gbps=profile.h2d_gbps),
-        profile=Profile(profile.layer_compute_ms, None if rms is None else (rms,) * layers),
+        profile=Profile(profile.layer_compute_ms, None if rms is None else (rms,) * layers, profile.fetch_launch_ms),
         scheduler=args.kv_scheduler,
         tp_size=tp_size,
     )

@@ -315,7 +315,7 @@ class Engine(EngineMemory):
         key = (tuple(rows), tuple(blocks))
         t = self._cache.get(key)
         if t is None:
-            t = step_time_ms(rows, blocks, [comp] * p.layers, p.h2d_blocks_per_ms)
+            t = step_time_ms(rows, blocks, [comp] * p.layers, p.h2d_blocks_per_ms, launch_ms=p.fetch_launch_ms)
             if len(self._cache) > 200_000:
                 self._cache.clear()
             self._cache[key] = t

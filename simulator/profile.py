@@ -80,6 +80,10 @@ class SimProfile:
     """Largest total context tokens of requests in flight."""
     solver_model_ms: float = 2.0
     """Solver time charged per planner call under ``--solver-time model``."""
+    fetch_launch_ms: float = 0.0
+    """Host cost of one fetch launch (``controlplane/model/timeline.py``): the simulated step's
+    truth. 0 (the presets): a host that runs ahead of the GPU; ``kvplane gpu-check`` measured what
+    a hidden fetch still costs an eager H200 forward (``overlap.fetch_launch_ms``)."""
     sources: dict[str, str] = field(default_factory=dict)
     """Where each number comes from."""
 
@@ -99,7 +103,7 @@ class SimProfile:
         for name in ("n_params", "h2d_gbps", "d2h_gbps", "prefill_tflops", "prefill_alpha",
                      "offload_beta"):
             _positive(name, getattr(self, name))
-        for name in ("decode_layer_base_ms", "decode_layer_ms_per_token", "solver_model_ms"):
+        for name in ("decode_layer_base_ms", "decode_layer_ms_per_token", "solver_model_ms", "fetch_launch_ms"):
             _positive(name, getattr(self, name), allow_zero=True)
 
     # ---- derived -----------------------------------------------------------------------
@@ -244,6 +248,8 @@ def from_measured(d: Mapping[str, Any], name: str) -> SimProfile:
     for key in ("gpu_kv_budget_blocks", "block_size"):
         if key in d:
             changes[key] = int(d[key])
+    if d.get("fetch_launch_ms") is not None:
+        changes["fetch_launch_ms"] = float(d["fetch_launch_ms"])
     if "block_bytes" in d:
         bs = int(d.get("block_size", base.block_size))
         changes["kv_bytes_per_token_layer"] = max(1, int(d["block_bytes"]) // bs)

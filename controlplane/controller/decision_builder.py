@@ -89,6 +89,8 @@ class PlanningInput:
     """The worker's batch limits (admissions and resumptions stay within them)."""
     recompute_ms_per_token: tuple[float, ...] | None = None
     """The worker's per-layer recompute cost (``docs/recompute.md``); None: never offered."""
+    fetch_launch_ms: float = 0.0
+    """Host cost of one fetch launch (:mod:`controlplane.model.timeline`), as learnt."""
 
 
 class DecisionBuilder:
@@ -219,6 +221,7 @@ class DecisionBuilder:
             hardware=inp.hardware,
             layer_compute_ms=inp.layer_compute_ms,
             h2d_gbps=inp.h2d_gbps,
+            fetch_launch_ms=inp.fetch_launch_ms,
             tpot_ms=inp.tpot_ms,
             free_gpu_blocks=inp.free_gpu_blocks,
             policy=inp.policy,
@@ -256,7 +259,7 @@ class DecisionBuilder:
         batch = Batch(
             model=inp.model,
             hardware=Hardware(inp.hardware.gpu_kv_budget_blocks, inp.h2d_gbps),
-            profile=Profile(inp.layer_compute_ms, inp.recompute_ms_per_token),
+            profile=Profile(inp.layer_compute_ms, inp.recompute_ms_per_token, inp.fetch_launch_ms),
             requests=requests,
             policy=policy.plan_policy,
         )

@@ -24,6 +24,16 @@ measures the layer with its recompute rows), and the homogeneity above holds wit
 cost scaled like the compute. After every update ``recompute_ms_per_token`` is scaled by the
 ratio of the new to the old summed layer compute: the recomputed tokens run through the same
 layers on the same device, so a slowdown the profile learns applies to them too.
+
+**Fetch launches** (``Profile.fetch_launch_ms``, :mod:`controlplane.model.timeline`): the host
+cost of one fetch launch is a time constant of the timeline like the compute, so the homogeneous
+update scales it by ``s`` too. When the worker sampled both the layers' compute and the bandwidth
+of a step whose placement fetched, the gap those samples leave is the launches': the target is
+the launch cost at which the timeline reproduces the observed step (bisection; the step time is
+non-decreasing in it), 0 when the samples alone already reach it. On a GPU an eager forward's
+host issues each launch before the next layer's kernels, so this is what a hidden fetch still
+costs (``kvplane gpu-check``'s overlap figure: +28-40% of the step on an H200 at 16 launches,
+with the model's stall at 0).
 """
 
 from __future__ import annotations
@@ -51,6 +61,10 @@ class ProfileUpdate:
     """The observation that triggered the update."""
     predicted_step_ms: float
     """The prediction it was compared with."""
+    old_fetch_launch_ms: float = 0.0
+    """Launch cost before the update."""
+    new_fetch_launch_ms: float = 0.0
+    """Launch cost after the update."""
 
 
 class ProfileTracker:
@@ -66,6 +80,7 @@ class ProfileTracker:
         self._block_size = block_size
         rms = profile.recompute_ms_per_token
         self._rms = None if rms is None else tuple(float(x) for x in rms)
+        self._launch = float(profile.fetch_launch_ms)
 
     @property
     def layer_compute_ms(self) -> tuple[float, ...]:
@@ -89,8 +104,14 @@ class ProfileTracker:
         return self._rms
 
     @property
+    def fetch_launch_ms(self) -> float:
+        """Host cost of one fetch launch in ms (:mod:`controlplane.model.timeline`)."""
+        return self._launch
+
+    @property
     def profile(self) -> Profile:
-        return Profile(layer_compute_ms=self._comp, recompute_ms_per_token=self._rms)
+        return Profile(layer_compute_ms=self._comp, recompute_ms_per_token=self._rms,
+                       fetch_launch_ms=self._launch)
 
     def bw_blocks_per_ms(self, gbps: float | None = None) -> float:
         """Bandwidth in blocks per ms (issue 2 §2: ``h2d_gbps * 1e9 / 1e3 / block_bytes``)."""
@@ -111,11 +132,13 @@ class ProfileTracker:
         rms: Sequence[float] | None,
         bw: float,
         recompute: Recompute | None,
+        launch_ms: float | None = None,
     ) -> float:
+        launch = self._launch if launch_ms is None else launch_ms
         if recompute is None or rms is None:
-            return step_time_ms(placement, blocks, comp, bw)
+            return step_time_ms(placement, blocks, comp, bw, launch_ms=launch)
         return step_time_ms(placement, blocks, comp, bw, recompute=recompute, recompute_ms_per_token=rms,
-                            block_size=self._block_size)
+                            block_size=self._block_size, launch_ms=launch)
 
     def _without_recompute(self, sample: Sequence[float], recompute: Recompute | None) -> tuple[float, ...]:
         """A layer sample less the recompute the model puts in each layer (``>= 0``)."""
@@ -144,11 +167,14 @@ class ProfileTracker:
         layer_compute_sample_ms: Sequence[float] | None = None,
         h2d_gbps_sample: float | None = None,
         recompute: Recompute | None = None,
+        steady: bool = True,
     ) -> ProfileUpdate:
         """Move the profile towards the observation by one EWMA step (see module docstring);
-        ``recompute``: the ``(u, k)`` per request of the placement that ran."""
+        ``recompute``: the ``(u, k)`` per request of the placement that ran; ``steady``: the
+        placement ran the step before too (the first step of a new placement also moves pages,
+        time the timeline does not model: it is no evidence of the launch cost)."""
         a = ewma_factor
-        old_comp, old_gbps = self._comp, self._gbps
+        old_comp, old_gbps, old_launch = self._comp, self._gbps, self._launch
         transfers = any(not x for row in placement for x in row) or any(
             u and k < len(old_comp) for u, k in recompute or ()
         )
@@ -178,6 +204,14 @@ class ProfileTracker:
             fitted = self._fit_comp_scale(target_gbps, placement, blocks, observed_step_ms, recompute)
             target_comp = tuple(c * fitted for c in old_comp)
 
+        if layer_compute_sample_ms is not None and h2d_gbps_sample is not None and transfers and steady:
+            target_launch = self._fit_launch(target_comp, target_gbps, placement, blocks, observed_step_ms, recompute)
+        elif layer_compute_sample_ms is None and h2d_gbps_sample is None:
+            target_launch = old_launch * scale  # homogeneous, like the compute (exactness)
+        else:
+            target_launch = old_launch
+        self._launch = (1 - a) * old_launch + a * target_launch
+
         self._comp = tuple((1 - a) * o + a * t for o, t in zip(old_comp, target_comp, strict=True))
         old_total, self._all_gpu_ms = self._all_gpu_ms, float(sum(self._comp))
         if self._rms is not None and old_total > 0:
@@ -185,8 +219,39 @@ class ProfileTracker:
         if target_gbps > 0:
             self._gbps = (1 - a) * old_gbps + a * target_gbps
         return ProfileUpdate(
-            old_comp, self._comp, old_gbps, self._gbps, observed_step_ms, predicted_step_ms
+            old_comp, self._comp, old_gbps, self._gbps, observed_step_ms, predicted_step_ms, old_launch, self._launch
         )
+
+    def _fit_launch(
+        self,
+        comp: Sequence[float],
+        gbps: float,
+        placement: Sequence[Sequence[int]],
+        blocks: Sequence[int],
+        observed_step_ms: float,
+        recompute: Recompute | None = None,
+    ) -> float:
+        """Launch cost at which the timeline with the sampled ``comp`` and ``gbps`` reproduces
+        ``observed_step_ms`` (0 when it already does without; at most the observed step)."""
+        bw = self.bw_blocks_per_ms(gbps)
+        rms = None if self._rms is None else [x * sum(comp) / self._all_gpu_ms if self._all_gpu_ms else x
+                                              for x in self._rms]
+
+        def t(launch: float) -> float:
+            return self._step_ms(placement, blocks, comp, rms, bw, recompute, launch)
+
+        lo, hi = 0.0, max(observed_step_ms, 0.0)
+        if t(lo) >= observed_step_ms:
+            return lo
+        if t(hi) <= observed_step_ms:
+            return hi
+        for _ in range(40):  # t is non-decreasing in the launch cost
+            mid = 0.5 * (lo + hi)
+            if t(mid) < observed_step_ms:
+                lo = mid
+            else:
+                hi = mid
+        return 0.5 * (lo + hi)
 
     def _fit_gbps(
         self,

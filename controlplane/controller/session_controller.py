@@ -120,6 +120,7 @@ class SessionController:
         self._admitted: dict[str, int] = {}
         self._current: Decision | None = None  # latest decision made
         self._installed: Decision | None = None  # decision the worker ran the last step with
+        self._checked: Decision | None = None  # the one it ran the step before (launch evidence)
         self._delivered: Decision | None = None  # latest decision handed to the worker
         self._planned_version: int | None = None
         self._guard_step: int | None = None
@@ -288,6 +289,7 @@ class SessionController:
         if observed is None:
             return False
         self._last_observed_ms = observed
+        steady, self._checked = self._checked is self._installed, self._installed
         if self._installed is None or not self._tracker.has_running():
             return False
         if self._installed_all_gpu():
@@ -311,6 +313,7 @@ class SessionController:
             layer_compute_sample_ms=report.layer_compute_ms,
             h2d_gbps_sample=report.h2d_gbps,
             recompute=rec,
+            steady=steady,
         )
         replan = self._replan_could_change(report, rows, blocks, rec)
         (log.info if replan else log.debug)(
@@ -406,6 +409,7 @@ class SessionController:
             hardware=self._worker.hardware,
             layer_compute_ms=self._profile.layer_compute_ms,
             recompute_ms_per_token=self._profile.recompute_ms_per_token,
+            fetch_launch_ms=self._profile.fetch_launch_ms,
             h2d_gbps=self._profile.h2d_gbps,
             tpot_ms=self._last_observed_ms if self._last_observed_ms is not None else predicted,
             predicted_step_ms=predicted,

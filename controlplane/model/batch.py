@@ -142,6 +142,12 @@ class Profile:
     recompute_ms_per_token: tuple[float, ...] | None = None
     """Per layer, ms one recomputed prefix token adds to the layer's compute (eLLM §4.2.1 Eq. 2,
     linear in the tokens; ``docs/recompute.md``). None: the planner never offers recompute."""
+    fetch_launch_ms: float = 0.0
+    """Host cost of one fetch launch in ms: the next layer starts this much later per launch
+    (:mod:`controlplane.model.timeline`), >= 0; 0 when the host runs ahead of the GPU."""
+
+    def __post_init__(self) -> None:
+        _num(self.fetch_launch_ms, "profile.fetch_launch_ms", 0.0)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], layers: int, path: str = "profile") -> Profile:
@@ -152,7 +158,8 @@ class Profile:
             if raw is None
             else _per_layer(raw, f"{path}.recompute_ms_per_token", layers)
         )
-        return cls(layer_compute_ms=values, recompute_ms_per_token=recompute)
+        launch = _num(d.get("fetch_launch_ms", 0.0), f"{path}.fetch_launch_ms", 0.0)
+        return cls(layer_compute_ms=values, recompute_ms_per_token=recompute, fetch_launch_ms=launch)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,15 @@ Semantics (the data plane's contract):
   transfer stream. Its offloaded layers are fetched in layer order: the first starts at t=0; each
   later one starts when the layer that used the slot has ended.
 * Transfers in flight share the bandwidth equally (fluid processor sharing).
+* **Fetch launches** (``launch_ms``, default 0): the data plane issues one copy launch per
+  (target layer, trigger) -- the fetches that start together at one layer end (or at the step
+  start) and go to one layer share a launch (``sglang_ext/dataplane/paged_step_tables.py``).
+  When the host issues a step's work no faster than the GPU runs it (an eager forward, as
+  ``kvplane gpu-check``'s timelines showed on an H200: the host issued a 22 ms hidden-fetch step
+  in 20.9 ms), each launch delays the next layer's start by its host cost: the next layer starts
+  ``launch_ms`` times the launches later, while the transfers already in flight keep moving.
+  A GPU-bound server learns ``launch_ms`` near 0 (``ProfileTracker``); the start of the step
+  counts the launches of every request's first fetch.
 
 This corrects OrbitFlow Eq. (1) and Algorithm 1 (§3.3.1): the paper sizes one shared buffer by the
 worst layer and approximates the timeline greedily per layer boundary; here every request has its
@@ -144,6 +153,7 @@ def step_time_ms(
     recompute: Recompute | None = None,
     recompute_ms_per_token: Sequence[float] | None = None,
     block_size: int = 1,
+    launch_ms: float = 0.0,
 ) -> float:
     """Exact step time in ms of one decode step under ``placement``.
 
@@ -163,7 +173,7 @@ def step_time_ms(
             [(layer, b) for layer in range(n_layers) if not row[layer]]
             for row, b in zip(placement, blocks, strict=True)
         ]
-        return fetch_timeline_ms(fetches, comp_ms, bw_blocks_per_ms)
+        return fetch_timeline_ms(fetches, comp_ms, bw_blocks_per_ms, launch_ms=launch_ms)
     _check_recompute(recompute, blocks, n_layers)
     comp = list(comp_ms)
     if any(u and k for u, k in recompute):
@@ -174,7 +184,7 @@ def step_time_ms(
     for row, b, (u, k) in zip(placement, blocks, recompute, strict=True):
         sizes = fetch_sizes(row, b, u, k)
         fetches.append([(layer, f) for layer, f in enumerate(sizes) if f > 0])
-    return fetch_timeline_ms(fetches, comp, bw_blocks_per_ms)
+    return fetch_timeline_ms(fetches, comp, bw_blocks_per_ms, launch_ms=launch_ms)
 
 
 def fetch_timeline_ms(
@@ -183,15 +193,19 @@ def fetch_timeline_ms(
     bw_blocks_per_ms: float,
     *,
     cutoff: float = math.inf,
+    launch_ms: float = 0.0,
 ) -> float:
     """The timeline itself: per request its fetches ``(layer, blocks)`` through one slot and one
-    stream, layers computing ``comp_ms[l]`` ms. ``math.inf`` as soon as the step provably reaches
-    ``cutoff`` (a layer may start no earlier than now, and every later layer still runs)."""
+    stream, layers computing ``comp_ms[l]`` ms, ``launch_ms`` per fetch launch (module
+    docstring). ``math.inf`` as soon as the step provably reaches ``cutoff`` (a layer may start
+    no earlier than now, and every later layer still runs)."""
     n_layers = len(comp_ms)
     if not any(fetches):
         return float(sum(comp_ms))
     if bw_blocks_per_ms <= 0:
         raise ValueError(f"bw_blocks_per_ms must be > 0, got {bw_blocks_per_ms}")
+    if not launch_ms >= 0:
+        raise ValueError(f"launch_ms must be >= 0, got {launch_ms}")
     suffix = None
     if cutoff < math.inf:
         suffix = [0.0] * (n_layers + 1)
@@ -210,13 +224,30 @@ def fetch_timeline_ms(
     v = 0.0  # virtual service per active stream, in blocks
     t = 0.0
 
-    def start(r: int) -> None:
+    def start(r: int) -> int:
+        """Start r's next fetch; its target layer (launches are counted per target layer)."""
         layer, size = fetches[r][next_idx[r]]
         heapq.heappush(heap, (v + size, r, layer))
+        return layer
 
-    for r, own in enumerate(fetches):
-        if own:
-            start(r)
+    def flow(t: float, v: float, end: float) -> tuple[float, float]:
+        """Transfers keep moving from ``t`` to ``end`` (a layer's compute, or launch time);
+        returns the new ``(t, v)`` (``t == end``)."""
+        while heap:
+            n = len(heap)
+            finish_v, _, done_layer = heap[0]
+            t_done = t + (finish_v - v) * n / bw_blocks_per_ms
+            if t_done > end:
+                v += (end - t) * bw_blocks_per_ms / n
+                break
+            heapq.heappop(heap)
+            t, v = t_done, finish_v
+            waiting[done_layer] -= 1
+        return end, v
+
+    first = {start(r) for r, own in enumerate(fetches) if own}
+    if launch_ms:  # the step's first launches, before layer 0 starts
+        t, v = flow(t, v, len(first) * launch_ms)
 
     for layer in range(n_layers):
         # Stall until every transfer this layer needs has landed.
@@ -228,21 +259,28 @@ def fetch_timeline_ms(
         if suffix is not None and t + suffix[layer] >= cutoff:
             return math.inf
         # Run the layer; transfers keep flowing underneath.
-        end = t + comp_ms[layer]
-        while heap:
-            n = len(heap)
-            finish_v, _, done_layer = heap[0]
-            t_done = t + (finish_v - v) * n / bw_blocks_per_ms
-            if t_done > end:
-                v += (end - t) * bw_blocks_per_ms / n
-                break
-            heapq.heappop(heap)
-            t, v = t_done, finish_v
-            waiting[done_layer] -= 1
-        t = end
+        t, v = flow(t, v, t + comp_ms[layer])
         # The slots used by this layer are free again: start each owner's next fetch.
+        targets = set()
         for r in slot_users[layer]:
             next_idx[r] += 1
             if next_idx[r] < len(fetches[r]):
-                start(r)
+                targets.add(start(r))
+        if launch_ms and targets:  # one launch per target layer, before the next layer starts
+            t, v = flow(t, v, t + len(targets) * launch_ms)
     return t
+
+
+def launch_count(placement: Placement) -> int:
+    """Fetch launches of one step under ``placement`` (module docstring: one per target layer at
+    the step start and at each layer end): the distinct first offloaded layers, plus per layer
+    the distinct next offloaded layers of the requests whose slot it frees."""
+    firsts: set[int] = set()
+    by_trigger: dict[int, set[int]] = {}
+    for row in placement:
+        off = [layer for layer, x in enumerate(row) if not x]
+        if off:
+            firsts.add(off[0])
+            for prev, nxt in zip(off, off[1:], strict=False):
+                by_trigger.setdefault(prev, set()).add(nxt)
+    return len(firsts) + sum(len(targets) for targets in by_trigger.values())

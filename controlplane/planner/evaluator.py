@@ -82,9 +82,15 @@ class Evaluator:
         comp_ms: Sequence[float],
         bw_blocks_per_ms: float,
         chain_cache: dict[int, list[float]] | None = None,
+        launch_ms: float = 0.0,
     ) -> None:
         """``chain_cache`` (b -> chain row) may be shared by evaluators of the same model,
-        compute profile and bandwidth (e.g. the windows of one plan) to skip recomputation."""
+        compute profile and bandwidth (e.g. the windows of one plan) to skip recomputation.
+        ``launch_ms``: host cost of one fetch launch (:mod:`controlplane.model.timeline`); the
+        bounds leave it out (they stay valid: it only adds time)."""
+        if not launch_ms >= 0:
+            raise ValueError(f"launch_ms must be >= 0, got {launch_ms}")
+        self.launch_ms = float(launch_ms)
         self.cands = cands
         self.blocks = list(blocks)
         self.comp = list(comp_ms)
@@ -238,12 +244,16 @@ class Evaluator:
             fs.extend(bl)
         fs.sort()
         prefix, suffix, comp, bw = self._prefix, self.suffix, self.comp, self.bw
+        launch = self.launch_ms
+        # launch time before the next layer starts (transfers flow): the first fetches' launches
+        delay = launch * len({offl[c][0] for c in by_cand}) if launch else 0.0
         v = 0.0
         t = 0.0
         pos = 0
         for layer, starters in events:
-            # compute of layers pos..layer-1: no stalls, transfers progress
-            dt = prefix[layer] - prefix[pos]
+            # launches, then compute of layers pos..layer-1: no stalls, transfers progress
+            dt = prefix[layer] - prefix[pos] + delay
+            delay = 0.0
             for step in (0, 1):
                 if step == 1:
                     # stall until layer's fetches landed, then run it
@@ -295,6 +305,8 @@ class Evaluator:
                     added = True
                 if added:
                     fs.sort()
+                if launch:  # one launch per target layer
+                    delay = launch * len({nl for _, nl in starters})
             pos = layer + 1
         return t + prefix[n_layers] - prefix[pos]
 
@@ -339,9 +351,25 @@ class Evaluator:
         comp, suffix, inv = self.comp, self.suffix, 1.0 / self.bw
         bw = self.bw
         push, pop = heapq.heappush, heapq.heappop
+        launch = self.launch_ms
+        delay = launch * len({offl[c][0] for c in per_cand_k})
         v = 0.0
         t = 0.0
         for layer in range(n_layers):
+            if delay:  # launch time: transfers flow, the layer has not started
+                end = t + delay
+                while heap:
+                    fv, g, dl = heap[0]
+                    t_done = t + (fv - v) * nact * inv
+                    if t_done > end:
+                        v += (end - t) * bw / nact
+                        break
+                    pop(heap)
+                    t, v = t_done, fv
+                    k = gk[g]
+                    nact -= k
+                    waiting[dl] -= k
+                t, delay = end, 0.0
             if waiting[layer]:
                 while waiting[layer] > 0:
                     fv, g, dl = pop(heap)
@@ -365,12 +393,15 @@ class Evaluator:
                 nact -= k
                 waiting[dl] -= k
             t = end
+            targets = set()
             for c in at[layer]:
                 groups = by_cand.get(c)
                 if groups:
                     nl = nxt_all[c][layer]
                     if nl >= 0:
+                        targets.add(nl)
                         for size, g in groups:
                             push(heap, (v + size, g, nl))
                             nact += gk[g]
+            delay = launch * len(targets)
         return t

@@ -267,6 +267,7 @@ class Planner:
             batch.profile.layer_compute_ms,
             batch.bw_blocks_per_ms,
             chain_cache=ctx.chain_cache,
+            launch_ms=batch.profile.fetch_launch_ms,
         )
         target = max_step_ms(reqs, window, batch.policy.alpha, ev.compute_ms)
         search = PlacementSearch(

@@ -89,7 +89,11 @@ class RecomputeEvaluator:
         comp_ms: Sequence[float],
         bw_blocks_per_ms: float,
         grid: RecomputeGrid,
+        launch_ms: float = 0.0,
     ) -> None:
+        """``launch_ms``: host cost of one fetch launch (:mod:`controlplane.model.timeline`; the
+        exact step time counts it, the bounds leave it out)."""
+        self.launch_ms = float(launch_ms)
         self.cands = cands
         self.grid = grid
         self.blocks = list(blocks)
@@ -228,7 +232,7 @@ class RecomputeEvaluator:
         self.evaluations += 1
         opts = self.chosen(assign)
         return fetch_timeline_ms(
-            [o.fetches for o in opts], self.compute(opts), self.bw, cutoff=cutoff
+            [o.fetches for o in opts], self.compute(opts), self.bw, cutoff=cutoff, launch_ms=self.launch_ms
         )
 
     # --- bounds ---------------------------------------------------------------------------

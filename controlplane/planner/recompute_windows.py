@@ -93,7 +93,8 @@ class RecomputeWindows:
             return solved  # no time to build a search: the layouts' answer stands
         else:
             rsearch = RecomputeSearch(
-                RecomputeEvaluator(ctx.cands, solved.ev.blocks, solved.ev.comp, solved.ev.bw, ctx.grid),
+                RecomputeEvaluator(ctx.cands, solved.ev.blocks, solved.ev.comp, solved.ev.bw, ctx.grid,
+                                   solved.ev.launch_ms),
                 ctx.batch.hardware.gpu_kv_budget_blocks,
                 deadline,
                 target_ms=target,

@@ -87,6 +87,8 @@ def _profile_dict(msg: pb.Profile) -> dict[str, Any]:
     rms = list(msg.recompute_ms_per_token)  # none: absent (no recompute offered)
     if rms:
         out["recompute_ms_per_token"] = rms[0] if len(rms) == 1 else rms
+    if msg.fetch_launch_ms:
+        out["fetch_launch_ms"] = msg.fetch_launch_ms
     return out
 
 
@@ -94,6 +96,7 @@ def profile_to_proto(profile: Profile) -> pb.Profile:
     return pb.Profile(
         layer_compute_ms=profile.layer_compute_ms,
         recompute_ms_per_token=profile.recompute_ms_per_token or (),
+        fetch_launch_ms=profile.fetch_launch_ms,
     )
 
 

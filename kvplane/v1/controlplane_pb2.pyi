@@ -25,12 +25,14 @@ class Hardware(_message.Message):
     def __init__(self, gpu_kv_budget_blocks: _Optional[int] = ..., h2d_gbps: _Optional[float] = ...) -> None: ...
 
 class Profile(_message.Message):
-    __slots__ = ("layer_compute_ms", "recompute_ms_per_token")
+    __slots__ = ("layer_compute_ms", "recompute_ms_per_token", "fetch_launch_ms")
     LAYER_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_MS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FETCH_LAUNCH_MS_FIELD_NUMBER: _ClassVar[int]
     layer_compute_ms: _containers.RepeatedScalarFieldContainer[float]
     recompute_ms_per_token: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, layer_compute_ms: _Optional[_Iterable[float]] = ..., recompute_ms_per_token: _Optional[_Iterable[float]] = ...) -> None: ...
+    fetch_launch_ms: float
+    def __init__(self, layer_compute_ms: _Optional[_Iterable[float]] = ..., recompute_ms_per_token: _Optional[_Iterable[float]] = ..., fetch_launch_ms: _Optional[float] = ...) -> None: ...
 
 class RequestSpec(_message.Message):
     __slots__ = ("id", "context_tokens", "slo_tbt_ms", "deposit_tokens", "remaining_tokens")

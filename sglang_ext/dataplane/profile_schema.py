@@ -8,7 +8,8 @@ Schema (JSON object)::
      "h2d_gbps": 24.1, "d2h_gbps": 24.8,    # 1e9 bytes per second
      "layer_compute_ms": {"fixed_ms": 0.05, "per_token_ms": 0.0004},
                           # or a list of points [{"tokens": 64, "ms": 0.08}, ...]
-     "recompute_ms_per_token": 0.0002       # optional (issue 16, docs/recompute.md)
+     "recompute_ms_per_token": 0.0002,      # optional (issue 16, docs/recompute.md)
+     "fetch_launch_ms": 0.3                 # optional: host cost of one fetch launch
     }
 
 ``layer_compute_ms(tokens)`` gives one layer's compute time for a batch of that many tokens:
@@ -19,6 +20,11 @@ with the end segments' slope).
 layer's compute (eLLM §4.2.1 Eq. 2, linear in the tokens): ``kvplane profile`` times one layer's
 prefill of a prefix through the same layer and divides by its tokens. Absent: the worker reports
 no recompute cost and the control plane never plans recompute for it.
+
+``fetch_launch_ms`` (optional, >= 0; absent: 0) is the host cost of one fetch launch in the
+placement model (``controlplane/model/timeline.py``): what a fetch the model hides still adds to
+the step, per launch. ``kvplane gpu-check`` fits it from its hidden-fetch placement
+(``overlap.fetch_launch_ms``); the controller starts from it and keeps learning it.
 """
 
 from __future__ import annotations
@@ -67,6 +73,8 @@ class DeviceProfile:
     """(batch tokens, layer ms) measured points, ascending tokens."""
     recompute_ms_per_token: float | None = None
     """ms one recomputed prefix token adds to one layer (None: not measured, no recompute)."""
+    fetch_launch_ms: float = 0.0
+    """Host cost of one fetch launch, ms (the placement model's ``launch_ms``)."""
 
     def __post_init__(self) -> None:
         if (self.fixed_ms is None) == (not self.points):
@@ -108,6 +116,7 @@ class DeviceProfile:
             "d2h_gbps": self.d2h_gbps,
             "layer_compute_ms": comp,
             **({} if (rms := self.recompute_ms_per_token) is None else {"recompute_ms_per_token": rms}),
+            **({"fetch_launch_ms": self.fetch_launch_ms} if self.fetch_launch_ms else {}),
         }
 
     @classmethod
@@ -127,6 +136,7 @@ class DeviceProfile:
             d2h_gbps=_num(d, "d2h_gbps", 0, open_lo=True),
             recompute_ms_per_token=None if d.get("recompute_ms_per_token") is None
             else _num(d, "recompute_ms_per_token", 0),
+            fetch_launch_ms=0.0 if d.get("fetch_launch_ms") is None else _num(d, "fetch_launch_ms", 0),
         )
         if isinstance(comp, Mapping):
             return cls(

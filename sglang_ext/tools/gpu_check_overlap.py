@@ -19,6 +19,10 @@ the step is compared with the all-resident one:
   in the sweep stands for the old default.
 - one step of it laid out on the compute stream
   (:class:`~sglang_ext.tools.step_timeline_probe.StepTimelineProbe`).
+- ``overlap.fetch_launch_ms``: what the hidden step still costs per fetch launch, as the
+  controller learns it (``ProfileTracker.update`` with the layers' compute and the link sampled,
+  so the gap is the launches', ``controlplane/model/timeline.py``): the figure a ``--kv-profile``
+  file's ``fetch_launch_ms`` takes, so that the planner prices hiding as this machine delivers it.
 
 The budget is the first of :data:`SHARES` whose placement the model predicts within
 :data:`MODEL_STALL_SHARE` of the resident step (the last if none is).
@@ -28,7 +32,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from controlplane.model import step_time_ms
+from controlplane.controller import ProfileTracker
+from controlplane.model import Profile, launch_count, step_time_ms
 from sglang_ext.dataplane.bench_env import sync, time_ms
 from sglang_ext.tools.gpu_check_config import PROGRAM_CAPS
 from sglang_ext.tools.gpu_check_measure import DUPLEX_VS_ONE
@@ -87,6 +92,8 @@ class OverlapCheck:
     def __init__(self, check: Any) -> None:
         self.check = check
         self.details: dict[str, Any] = {}
+        self._scaled: list[float] = []
+        """The layers' compute scaled to the all-resident step timed in :meth:`run`."""
 
     def _choose(self, comp_ms: list[float], bw: float, resident_ms: float) -> tuple[float, list, float]:
         """(share, rows, the model's stall ms) of the placement to measure."""
@@ -140,6 +147,7 @@ class OverlapCheck:
                 else:
                     dma_error = engine.dma_error
         rel = (hidden_ms - resident_ms) / resident_ms
+        launches, launch_ms = self._launch_cost(rows, comp_ms, bw_blocks_per_ms, resident_ms, hidden_ms)
         self.details = {
             "share": share, "offloaded_layer_pages": offloaded,
             "offloaded_layers_per_request": [r.count(0) for r in rows], "model_stall_ms": model_stall,
@@ -147,7 +155,7 @@ class OverlapCheck:
             "fastest_programs": min(by_programs, key=by_programs.__getitem__), "timeline": timeline,
             "recommended_programs": recommend_programs(by_programs, link_by_programs or {}, h2d_gbps),
             "dma_error": dma_error, "dma_timeline": dma_timeline, "dma_driver": _dma_costs(engine),
-            "placed_on_copy_engines": placed_dma,
+            "placed_on_copy_engines": placed_dma, "launches": launches, "fetch_launch_ms": launch_ms,
         }
         ch.details["overlap"] = self.details
         sweep = ", ".join(f"{k} {v:.2f}" for k, v in by_programs.items())
@@ -165,7 +173,29 @@ class OverlapCheck:
             f"(stall <= {MODEL_STALL_SHARE:.0%} of the resident step); (its step - all-resident step) / "
             "all-resident step, at the engine's default copy launch", meaningful=cuda,
             note=("CPU: copies are synchronous, nothing overlaps; not meaningful. " if not cuda else "") + note),
+            Figure.graded(
+                "overlap.fetch_launch_ms", "overlap: what the hidden step costs per fetch launch (the model's launch_ms)",
+                launch_ms, "ms", None, None, "the controller's fit (ProfileTracker.update, a=1, the layers' compute "
+                "scaled to the all-resident step and the link's bandwidth as samples): the launch cost at which the "
+                "placement model reproduces the hidden step; a --kv-profile file's fetch_launch_ms",
+                meaningful=cuda, note=f"{launches} launches a step; hidden step {hidden_ms:.2f} ms, model without "
+                f"launch cost {step_time_ms(rows, self.check.batch.blocks(1), self._scaled, bw_blocks_per_ms):.2f} ms"),
             *self._dma_figures(resident_ms, link_by_programs or {}, cuda)]
+
+    def _launch_cost(self, rows: list, comp_ms: list[float], bw: float, resident_ms: float,
+                     hidden_ms: float) -> tuple[int, float]:
+        """(launches a step, fitted ``fetch_launch_ms``) of the hidden placement: the controller's
+        update with both samples (the layers' compute scaled to the resident step timed here, the
+        bandwidth the check measured) attributes the rest of the observed step to the launches."""
+        scale = resident_ms / sum(comp_ms) if sum(comp_ms) > 0 else 1.0
+        self._scaled = [x * scale for x in comp_ms]
+        block_bytes = self.check.config.layer_page_bytes
+        gbps = bw * block_bytes / 1e6
+        tracker = ProfileTracker(Profile(tuple(self._scaled)), gbps, block_bytes)
+        blocks = self.check.batch.blocks(1)
+        tracker.update(ewma_factor=1.0, observed_step_ms=hidden_ms, predicted_step_ms=tracker.predict_step_ms(rows, blocks),
+                       placement=rows, blocks=blocks, layer_compute_sample_ms=tuple(self._scaled), h2d_gbps_sample=gbps)
+        return launch_count(rows), tracker.fetch_launch_ms
 
     def _placed_on_copy_engines(self, engine: Any) -> dict[str, Any] | None:
         """The check's half-offloaded placement (installed on entry: transfer-bound, ~10^4

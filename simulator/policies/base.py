@@ -152,7 +152,8 @@ class BasePolicy:
         p = self.p
         comp = p.layer_compute_ms(sum(blocks) * p.block_size)
         row = self.cands.rows[cand]
-        return step_time_ms([row] * len(blocks), blocks, [comp] * p.layers, p.h2d_blocks_per_ms)
+        return step_time_ms([row] * len(blocks), blocks, [comp] * p.layers, p.h2d_blocks_per_ms,
+                            launch_ms=p.fetch_launch_ms)
 
     def fewest_offload_fitting(self, blocks: Sequence[int], budget: int) -> int:
         """Index of the candidate with the fewest offloaded layers that fits ``budget``."""

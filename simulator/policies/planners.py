@@ -77,7 +77,7 @@ class UniformPlanner:
             for window in (pol.window_max, pol.window_min):
                 blocks = [r.blocks(batch.model.block_size, window) for r in reqs]
                 ev = Evaluator(cands, blocks, batch.profile.layer_compute_ms,
-                               batch.bw_blocks_per_ms)
+                               batch.bw_blocks_per_ms, launch_ms=batch.profile.fetch_launch_ms)
                 best: tuple[float, int] | None = None
                 for c in range(cands.size):
                     assign = (c,) * len(reqs)

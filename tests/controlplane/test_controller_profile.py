@@ -103,3 +103,51 @@ def test_mismatch_is_relative_error() -> None:
     assert ProfileTracker.mismatch(12.0, 10.0) == pytest.approx(0.2)
     assert ProfileTracker.mismatch(8.0, 10.0) == pytest.approx(0.2)
     assert ProfileTracker.mismatch(1.0, 0.0) == float("inf")
+
+
+def test_samples_leave_the_gap_to_the_fetch_launch_cost() -> None:
+    """Compute and bandwidth sampled, transfers in the placement: the gap the samples leave is the
+    launches' (controlplane.model.timeline): a=1 fits the truth exactly, EWMA converges to it."""
+    gbps, truth = 20.0, 0.4
+    observed = step_time_ms(ROWS, BLOCKS, list(COMP), gbps, launch_ms=truth)
+    assert observed > step_time_ms(ROWS, BLOCKS, list(COMP), gbps) + 0.5  # the launches show
+    t = tracker(gbps=gbps)
+    update = t.update(ewma_factor=1.0, observed_step_ms=observed, predicted_step_ms=t.predict_step_ms(ROWS, BLOCKS),
+                      placement=ROWS, blocks=BLOCKS, layer_compute_sample_ms=COMP, h2d_gbps_sample=gbps)
+    assert t.fetch_launch_ms == pytest.approx(truth, rel=1e-6)
+    assert (update.old_fetch_launch_ms, update.new_fetch_launch_ms) == (0.0, t.fetch_launch_ms)
+    assert t.predict_step_ms(ROWS, BLOCKS) == pytest.approx(observed, rel=1e-6)
+    assert t.profile.fetch_launch_ms == t.fetch_launch_ms
+    slow = tracker(gbps=gbps)
+    for _ in range(12):
+        slow.update(ewma_factor=0.5, observed_step_ms=observed, predicted_step_ms=slow.predict_step_ms(ROWS, BLOCKS),
+                    placement=ROWS, blocks=BLOCKS, layer_compute_sample_ms=COMP, h2d_gbps_sample=gbps)
+    assert slow.fetch_launch_ms == pytest.approx(truth, rel=1e-3)
+    # negative control: without the bandwidth sample the same gap is taken for a slower link and
+    # the launch cost stays where it was
+    blind = tracker(gbps=gbps)
+    blind.update(ewma_factor=1.0, observed_step_ms=observed, predicted_step_ms=blind.predict_step_ms(ROWS, BLOCKS),
+                 placement=ROWS, blocks=BLOCKS, layer_compute_sample_ms=COMP)
+    assert blind.fetch_launch_ms == 0.0 and blind.h2d_gbps < gbps
+    # nor is the first step of a new placement (it also moved pages) evidence of the launch cost
+    moved = tracker(gbps=gbps)
+    moved.update(ewma_factor=1.0, observed_step_ms=observed, predicted_step_ms=moved.predict_step_ms(ROWS, BLOCKS),
+                 placement=ROWS, blocks=BLOCKS, layer_compute_sample_ms=COMP, h2d_gbps_sample=gbps, steady=False)
+    assert moved.fetch_launch_ms == 0.0
+    # nothing fetched: no evidence about launches
+    resident = tracker(gbps=gbps)
+    rows = [(1, 1, 1, 1)] * 2
+    resident.update(ewma_factor=1.0, observed_step_ms=9.0, predicted_step_ms=6.0, placement=rows, blocks=BLOCKS,
+                    layer_compute_sample_ms=(1.5, 3.0, 1.5, 3.0), h2d_gbps_sample=gbps)
+    assert resident.fetch_launch_ms == 0.0
+
+
+def test_no_samples_scale_the_launch_cost_with_the_profile() -> None:
+    """The homogeneous update scales every time constant, the launch cost too: the updated
+    profile reproduces the observation exactly (a=1)."""
+    t = ProfileTracker(Profile(COMP, fetch_launch_ms=0.3), 20.0, BLOCK_BYTES)
+    predicted = t.predict_step_ms(ROWS, BLOCKS)
+    t.update(ewma_factor=1.0, observed_step_ms=2.0 * predicted, predicted_step_ms=predicted, placement=ROWS,
+             blocks=BLOCKS)
+    assert t.fetch_launch_ms == pytest.approx(0.6)
+    assert t.predict_step_ms(ROWS, BLOCKS) == pytest.approx(2.0 * predicted)

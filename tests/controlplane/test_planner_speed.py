@@ -129,7 +129,9 @@ def test_max_step_is_the_late_fraction_threshold(slos, deposits, window, alpha, 
     data=st.data(),
 )
 def test_prefix_sum_evaluator_matches_heap_and_model_with_cutoffs(blocks, layers, data):
-    """exact_ms equals the event-heap version and model.step_time_ms; with a cutoff it is exact below it and inf at or above it."""
+    """exact_ms equals the event-heap version and model.step_time_ms (with and without a fetch
+    launch cost); with a cutoff it is exact below it and inf at or above it; the lower bound stays
+    below it."""
     cs = candidate_set(layers)
     comp = data.draw(
         st.lists(st.sampled_from([0.0, 0.3, 1.0, 2.5]), min_size=layers, max_size=layers)
@@ -138,11 +140,13 @@ def test_prefix_sum_evaluator_matches_heap_and_model_with_cutoffs(blocks, layers
     assign = data.draw(
         st.lists(st.integers(0, cs.size - 1), min_size=len(blocks), max_size=len(blocks))
     )
-    ev = Evaluator(cs, blocks, comp, bw)
-    exact = step_time_ms([cs.rows[c] for c in assign], blocks, comp, bw)
+    launch = data.draw(st.sampled_from([0.0, 0.0, 0.05, 0.4, 1.5]))
+    ev = Evaluator(cs, blocks, comp, bw, launch_ms=launch)
+    exact = step_time_ms([cs.rows[c] for c in assign], blocks, comp, bw, launch_ms=launch)
     got = ev.exact_ms(assign)
     assert got == pytest.approx(exact, rel=1e-9, abs=1e-12)
     assert ev.exact_heap_ms(assign) == pytest.approx(exact, rel=1e-9, abs=1e-12)
+    assert ev.lower_bound_ms(assign) <= got * (1 + 1e-9) + 1e-12
     cutoff = exact * data.draw(st.floats(0.3, 1.7))
     cut = ev.exact_ms(assign, cutoff)
     assert cut == got or (math.isinf(cut) and got >= cutoff * (1 - 1e-9))
@@ -244,3 +248,37 @@ def test_max_default_budget_is_validated():
     """A non-positive default-budget ceiling is rejected with the allowed range."""
     with pytest.raises(ValueError, match="max_default_budget_ms"):
         Planner(max_default_budget_ms=0.0)
+
+
+def _launch_batch(launch_ms: float) -> Batch:
+    """Eight requests of 20 blocks, 8 layers, half the KV beyond the budget: offloading needed."""
+    d = {
+        "model": {"layers": 8, "block_size": 1, "block_bytes": 1000},
+        "hardware": {"gpu_kv_budget_blocks": 8 * 20 * 5 + 8 * 20, "h2d_gbps": 0.5},
+        "profile": {"layer_compute_ms": 1.0, "fetch_launch_ms": launch_ms},
+        "requests": [{"id": f"r{i}", "context_tokens": 20, "slo_tbt_ms": 1e9} for i in range(8)],
+        "policy": {"alpha": 9.0, "window_min": 1, "window_max": 1},
+    }
+    return Batch.from_dict(d)
+
+
+def test_planner_predicts_and_weighs_the_fetch_launch_cost():
+    """The plan's predicted step is the model's with the profile's launch cost (one launch per
+    target layer and trigger, as the data plane issues them), and the plan made for that cost is
+    no worse under it than the plan made without it."""
+    plans = {}
+    for launch in (0.0, 2.0):
+        batch = _launch_batch(launch)
+        plan = Planner(use_mip=False).plan(batch, time_budget_ms=2000.0)
+        rows = [plan.placements[r.id] for r in batch.requests]
+        blocks = [r.blocks(1, plan.window_steps) for r in batch.requests]
+        model = step_time_ms(rows, blocks, [1.0] * 8, batch.bw_blocks_per_ms, launch_ms=launch)
+        assert plan.feasible and plan.predicted_step_ms == pytest.approx(model, rel=1e-9)
+        plans[launch] = (plan, rows, blocks, batch.bw_blocks_per_ms)
+    plan, rows, blocks, bw = plans[2.0]
+    # 8 ms of compute, the transfers hidden: what is left is the launches (4 offloaded layers)
+    assert plan.predicted_step_ms == pytest.approx(8.0 + 4 * 2.0)
+    # negative control: the same plan priced without its launches
+    assert step_time_ms(rows, blocks, [1.0] * 8, bw) == pytest.approx(8.0)
+    _, cheap_rows, cheap_blocks, _ = plans[0.0]
+    assert step_time_ms(cheap_rows, cheap_blocks, [1.0] * 8, bw, launch_ms=2.0) >= plan.predicted_step_ms - 1e-9

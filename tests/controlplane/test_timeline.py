@@ -78,3 +78,51 @@ def test_shape_errors_are_clear():
         step_time_ms([[1]], [1, 2], [1.0], 1.0)
     with pytest.raises(ValueError, match="layers"):
         step_time_ms([[1, 0]], [1], [1.0], 1.0)
+
+
+def test_fetch_launches_delay_the_next_layer_and_transfers_keep_moving():
+    """launch_ms: one launch per target layer at the step start and at each layer end; the next
+    layer starts that much later while transfers in flight keep moving (module docstring)."""
+    # one request, layers 1 and 2 offloaded, 2 blocks at 1 block/ms, comp 1 ms, launch 0.5:
+    # t=0 launch of layer 1's fetch (0.5) -> layer 0 runs 0.5..1.5 (fetch done at 2.0) -> stall
+    # to 2.0, layer 1 runs 2.0..3.0 -> its slot frees, layer 2's fetch starts at 3.0, launch to
+    # 3.5 -> fetch done at 5.0, layer 2 runs 5.0..6.0
+    assert step_time_ms([[1, 0, 0]], [2], [1.0] * 3, 1.0, launch_ms=0.5) == pytest.approx(6.0)
+    # ... the same step without launch cost: the launches ran while the layers waited on transfers
+    assert step_time_ms([[1, 0, 0]], [2], [1.0] * 3, 1.0) == pytest.approx(6.0)
+    # a launch the transfer does not cover shows: 1 block, so layer 1's fetch lands at 1.0 < 1.5
+    assert step_time_ms([[1, 0, 0]], [1], [1.0] * 3, 1.0, launch_ms=0.5) == pytest.approx(4.5)
+    assert step_time_ms([[1, 0, 0]], [1], [1.0] * 3, 1.0) == pytest.approx(4.0)
+    # a hidden fetch: the launch time is all that is left of it
+    assert step_time_ms([[1, 1, 0]], [1], [1.0] * 3, 1.0, launch_ms=0.25) == pytest.approx(3.25)
+    # two requests fetching the same layer at the same trigger share one launch; different layers
+    # are two launches
+    same = step_time_ms([[1, 1, 0], [1, 1, 0]], [1, 1], [1.0] * 3, 4.0, launch_ms=0.25)
+    apart = step_time_ms([[1, 1, 0], [1, 0, 1]], [1, 1], [1.0] * 3, 4.0, launch_ms=0.25)
+    assert same == pytest.approx(3.25)
+    assert apart == pytest.approx(3.5)
+    # nothing offloaded: no launch
+    assert step_time_ms([[1, 1, 1]], [4], [1.0] * 3, 1.0, launch_ms=9.0) == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="launch_ms"):
+        step_time_ms([[1, 0, 1]], [4], [1.0] * 3, 1.0, launch_ms=-1.0)
+
+
+def test_launch_count_is_what_the_timeline_charges():
+    """launch_count: distinct first offloaded layers + per trigger the distinct next layers; with
+    every transfer instant (huge bandwidth) the timeline adds exactly launch_count x launch_ms."""
+    from controlplane.model import launch_count
+
+    cases = [
+        ([[1, 1, 1]], 0),
+        ([[1, 0, 0]], 2),
+        ([[1, 1, 0], [1, 1, 0]], 1),
+        ([[1, 1, 0], [1, 0, 1]], 2),
+        # firsts {0, 1}; triggers 0: {2, 1}, 1: {3}, 2: {3}
+        ([[0, 1, 0, 0], [1, 0, 1, 0], [0, 0, 1, 1]], 6),
+    ]
+    for rows, want in cases:
+        assert launch_count(rows) == want
+        blocks = [3] * len(rows)
+        comp = [1.0] * len(rows[0])
+        free = step_time_ms(rows, blocks, comp, 1e12)
+        assert step_time_ms(rows, blocks, comp, 1e12, launch_ms=0.5) == pytest.approx(free + 0.5 * want)

@@ -45,3 +45,16 @@ def test_profile_cmd_measures_the_recompute_cost(tmp_path):
     assert DeviceProfile.load(out).recompute_ms_per_token == rms
     assert main([*TOY, "--recompute-tokens", "0", "--out", str(out)]) == 0
     assert "recompute_ms_per_token" not in json.loads(out.read_text())
+
+
+def test_schema_reads_checks_and_writes_the_fetch_launch_cost(tmp_path):
+    """``fetch_launch_ms`` (optional, >= 0): read and written back; absent: 0 and not written."""
+    p = DeviceProfile.from_dict({**BASE, "fetch_launch_ms": 0.3})
+    assert p.fetch_launch_ms == 0.3
+    p.save(tmp_path / "p.json")
+    assert DeviceProfile.load(tmp_path / "p.json") == p
+    old = DeviceProfile.from_dict(BASE)
+    assert old.fetch_launch_ms == 0.0 and "fetch_launch_ms" not in old.to_dict()
+    for bad in (-0.5, "slow", True):
+        with pytest.raises(ValueError, match="fetch_launch_ms"):
+            DeviceProfile.from_dict({**BASE, "fetch_launch_ms": bad})

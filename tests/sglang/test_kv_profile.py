@@ -125,3 +125,18 @@ def test_point_profiles_are_read_at_one_sequence(tmp_path: Path) -> None:
     profile = initial_profile(LAYERS, path)
     assert profile.layer_compute_ms == (0.3,) * LAYERS
     assert (profile.h2d_gbps, profile.d2h_gbps, profile.source) == (24.5, 20.0, str(path))
+
+
+def test_launch_cost_of_the_file_reaches_both_controllers(tmp_path: Path) -> None:
+    """The file's fetch_launch_ms (gpu-check's ``overlap.fetch_launch_ms``) is the session's
+    starting launch cost, embedded and through the gRPC hello; a file without it starts at 0, and
+    a negative one is refused naming the field."""
+    args = LayeredKVArgs(enable_layered_kv=True, kv_profile=str(write_profile(tmp_path, fetch_launch_ms=0.35)))
+    worker = _worker(args)
+    assert worker.profile.fetch_launch_ms == 0.35
+    assert worker_info_from_proto(worker_info_to_proto(worker)).profile.fetch_launch_ms == 0.35
+    plain = _worker(LayeredKVArgs(enable_layered_kv=True, kv_profile=str(write_profile(tmp_path))))
+    assert plain.profile.fetch_launch_ms == 0.0  # negative control
+    assert worker_info_from_proto(worker_info_to_proto(plain)).profile.fetch_launch_ms == 0.0
+    with pytest.raises(ValueError, match="fetch_launch_ms"):
+        initial_profile(LAYERS, write_profile(tmp_path, fetch_launch_ms=-0.1))

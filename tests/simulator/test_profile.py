@@ -62,3 +62,28 @@ def test_data_plane_profile_format_loads(tmp_path):
     pb = load_profile(str(b))
     assert pb.decode_layer_base_ms == pytest.approx(0.1)
     assert pb.decode_layer_ms_per_token == pytest.approx(0.0002)
+
+
+def test_launch_cost_is_the_simulated_steps_truth(tmp_path):
+    """A measured file's fetch_launch_ms becomes the simulator's truth (presets: 0), a negative
+    one is refused, and the engine's step time charges it per fetch launch."""
+    from simulator.engine import Engine, SimConfig
+    from simulator.policies import make_policy
+    from tests.simulator.helpers import small_trace
+
+    common = {"device": "NVIDIA H200", "layers": 32, "block_size": 16, "block_bytes": 65536, "h2d_gbps": 48.0,
+              "d2h_gbps": 49.0, "layer_compute_ms": {"fixed_ms": 0.3, "per_token_ms": 0.0}}
+    f = tmp_path / "launch.json"
+    f.write_text(json.dumps({**common, "fetch_launch_ms": 0.4}))
+    assert load_profile(str(f)).fetch_launch_ms == 0.4
+    assert load_profile("llama3-8b-a5000-pcie3").fetch_launch_ms == 0.0
+    with pytest.raises(ValueError, match="fetch_launch_ms"):
+        load_profile("llama3-8b-a5000-pcie3").with_changes(fetch_launch_ms=-1.0)
+    prof, trace = small_trace(n=3, seed=2, rate=6.0)
+    runs = {}
+    fast = prof.with_changes(h2d_gbps=1e6, d2h_gbps=1e6)  # transfers hide nothing of the launches
+    for launch in (0.0, 2.0):  # the same fixed policy, every layer offloaded
+        res = Engine(fast.with_changes(fetch_launch_ms=launch), trace, make_policy("deepspeed"),
+                     SimConfig(record_steps=True)).run()
+        runs[launch] = res.decode_ms
+    assert runs[2.0] > runs[0.0] + 1.0

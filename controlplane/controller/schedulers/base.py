@@ -87,6 +87,8 @@ class SchedulerView:
     policy: Policy
     limits: BatchLimits = UNLIMITED
     """The worker's batch limits (running requests; paused ones hold no slot)."""
+    fetch_launch_ms: float = 0.0
+    """Current host cost of one fetch launch (:mod:`controlplane.model.timeline`)."""
 
     def evictable_blocks(self) -> int:
         """GPU blocks paused requests still hold (evicted layer by layer when needed, §3.4)."""

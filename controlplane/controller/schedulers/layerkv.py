@@ -181,7 +181,8 @@ class LayerKVScheduler:
             return tokens > capacity
 
         def step_ms(blocks: list[int]) -> float:
-            return predicted_step_ms(blocks, budget, view.layer_compute_ms, h2d_blocks_per_ms)
+            return predicted_step_ms(blocks, budget, view.layer_compute_ms, h2d_blocks_per_ms,
+                                     view.fetch_launch_ms)
 
         running = list(view.running)
         batch = [r.blocks_per_layer(bs) for r in running]  # blocks per layer, next step's batch

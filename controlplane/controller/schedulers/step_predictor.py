@@ -32,10 +32,11 @@ def predicted_step_ms(
     budget_blocks: int,
     layer_compute_ms: Sequence[float],
     h2d_blocks_per_ms: float,
+    launch_ms: float = 0.0,
 ) -> float:
     """Step time of a batch whose requests hold ``blocks`` blocks per layer, on ``budget_blocks``
     GPU blocks, every request keeping the most GPU layers that fit (one staging layer each when
-    anything is offloaded)."""
+    anything is offloaded); ``launch_ms`` per fetch launch."""
     layers = len(layer_compute_ms)
     if not blocks:
         return float(sum(layer_compute_ms))
@@ -45,4 +46,4 @@ def predicted_step_ms(
     gpu = max(0, min(layers - 1, budget_blocks // max(1, total) - 1))
     row = spread_row(layers, gpu)
     return step_time_ms([row] * len(blocks), list(blocks), list(layer_compute_ms),
-                        h2d_blocks_per_ms)
+                        h2d_blocks_per_ms, launch_ms=launch_ms)
