@@ -289,7 +289,7 @@ class SessionController:
         if observed is None:
             return False
         self._last_observed_ms = observed
-        steady, self._checked = self._checked is self._installed, self._installed
+        steady, self._checked = self._same_placement(self._checked, self._installed), self._installed
         if self._installed is None or not self._tracker.has_running():
             return False
         if self._installed_all_gpu():
@@ -326,6 +326,18 @@ class SessionController:
             replan=replan,
         )
         return replan
+
+    @staticmethod
+    def _same_placement(before: Decision | None, now: Decision | None) -> bool:
+        """The worker ran ``now``'s placement the step before too (a re-plan that chose the same
+        placement moves nothing): the step is evidence of the launch cost."""
+        if before is now:
+            return True
+        if before is None or now is None:
+            return False
+        a, b = before.plan, now.plan
+        return (a.placements == b.placements and a.recompute_blocks == b.recompute_blocks
+                and a.recompute_layers == b.recompute_layers)
 
     def _installed_all_gpu(self) -> bool:
         """Whether the installed decision keeps every layer of every request on the GPU (requests

@@ -86,7 +86,11 @@ class ControlledPolicy(BasePolicy):
         victim_rule: str = "largest",
         planner_mode: str = "deterministic",
         deposit_credit: bool = True,
+        known_launch_ms: float | None = None,
     ) -> None:
+        """``known_launch_ms``: the launch cost the worker's profile starts the controller with
+        (None: the simulated truth, as a ``kvplane gpu-check``-fitted ``--kv-profile`` gives it;
+        the controller keeps learning it either way)."""
         if planner not in ("uniform", "request-wise", "request-wise+pause"):
             raise ValueError(f"planner: {planner!r} is not one of uniform, request-wise, "
                              "request-wise+pause")
@@ -99,6 +103,7 @@ class ControlledPolicy(BasePolicy):
         self.victim_rule = victim_rule
         self.planner_mode = planner_mode
         self.deposit_credit = deposit_credit
+        self.known_launch_ms = known_launch_ms
         self.session: SessionController | None = None
 
     def start(self, profile: SimProfile, trace: Sequence[TraceRequest]) -> None:
@@ -136,7 +141,8 @@ class ControlledPolicy(BasePolicy):
             worker_id="sim",
             model=ModelSpec(p.layers, p.block_size, p.block_bytes),
             hardware=Hardware(p.gpu_kv_budget_blocks, p.h2d_gbps),
-            profile=Profile((p.layer_compute_ms(0),) * p.layers),
+            profile=Profile((p.layer_compute_ms(0),) * p.layers, None,
+                            p.fetch_launch_ms if self.known_launch_ms is None else self.known_launch_ms),
             scheduler=self.scheduler,
         )
         self.obs = _SolveObserver()

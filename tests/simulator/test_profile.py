@@ -87,3 +87,27 @@ def test_launch_cost_is_the_simulated_steps_truth(tmp_path):
                      SimConfig(record_steps=True)).run()
         runs[launch] = res.decode_ms
     assert runs[2.0] > runs[0.0] + 1.0
+
+
+def test_controller_learns_the_launch_cost_from_steady_placed_steps():
+    """A controller started without the launch cost (as without --kv-profile) learns it from the
+    placed steps of a run whose truth has one -- re-plans that keep the placement count as
+    steady -- and learns nothing when the truth has none (negative control). Started with the
+    truth (a gpu-check-fitted profile) it keeps it."""
+    from simulator.engine import Engine, SimConfig
+    from simulator.policies.controlled import ControlledPolicy
+    from simulator.trace import TraceSpec, generate_trace
+
+    base = load_profile("llama3-8b-h100-pcie5")
+    tight = base.with_changes(gpu_kv_budget_blocks=int(base.gpu_kv_budget_blocks * 0.05))
+    trace = generate_trace(TraceSpec("orbitflow-32k", 16, 20.0, slo_scale=1.5, seed=2, output_scale=0.08), tight)
+    learnt = {}
+    for truth, known in ((1.0, 0.0), (0.0, 0.0), (1.0, None)):
+        pol = ControlledPolicy("orbitflow", planner="request-wise+pause", known_launch_ms=known)
+        res = Engine(tight.with_changes(fetch_launch_ms=truth), trace, pol, SimConfig(record_steps=True)).run()
+        assert any(0 in row for s in res.step_log for row in s.rows.values())  # placed steps ran
+        assert pol.session is not None
+        learnt[(truth, known)] = pol.session._profile.fetch_launch_ms
+    assert 0.4 <= learnt[(1.0, 0.0)] <= 1.2
+    assert learnt[(0.0, 0.0)] == 0.0
+    assert learnt[(1.0, None)] == pytest.approx(1.0, rel=0.2)
