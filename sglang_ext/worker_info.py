@@ -18,8 +18,9 @@ recompute rows). Without the figure, or without the ability, it is absent and th
 never plans recompute for this worker (the controller scales it with the compute it learns).
 
 The file's ``fetch_launch_ms`` (what a hidden fetch still costs per launch, fitted by
-``kvplane gpu-check``) is sent as the profile's; without a file it starts at 0 and the controller
-learns it from the placed steps' samples.
+``kvplane gpu-check``) is sent as the profile's; without a file it is 0. This worker reports no
+bandwidth sample, so the controller does not fit it online here: it scales it with the profile
+(``ProfileTracker``'s docstring).
 
 The same ``WorkerInfo`` reaches the embedded controller (``open_session``) and a remote one
 (the gRPC hello), so both start from the file. Pure Python (no torch, no SGLang).

@@ -248,8 +248,11 @@ def from_measured(d: Mapping[str, Any], name: str) -> SimProfile:
     for key in ("gpu_kv_budget_blocks", "block_size"):
         if key in d:
             changes[key] = int(d[key])
-    if d.get("fetch_launch_ms") is not None:
-        changes["fetch_launch_ms"] = float(d["fetch_launch_ms"])
+    launch = d.get("fetch_launch_ms")
+    if launch is not None:
+        if isinstance(launch, bool) or not isinstance(launch, int | float):
+            raise ValueError(f"profile {name}: fetch_launch_ms must be a number >= 0, got {launch!r}")
+        changes["fetch_launch_ms"] = float(launch)
     if "block_bytes" in d:
         bs = int(d.get("block_size", base.block_size))
         changes["kv_bytes_per_token_layer"] = max(1, int(d["block_bytes"]) // bs)

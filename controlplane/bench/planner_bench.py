@@ -150,6 +150,7 @@ def reference_ms(
         [r.blocks(batch.model.block_size, window) for r in reqs],
         batch.profile.layer_compute_ms,
         batch.bw_blocks_per_ms,
+        launch_ms=batch.profile.fetch_launch_ms,
     )
     search = PlacementSearch(
         ev,

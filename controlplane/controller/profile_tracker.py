@@ -27,13 +27,17 @@ layers on the same device, so a slowdown the profile learns applies to them too.
 
 **Fetch launches** (``Profile.fetch_launch_ms``, :mod:`controlplane.model.timeline`): the host
 cost of one fetch launch is a time constant of the timeline like the compute, so the homogeneous
-update scales it by ``s`` too. When the worker sampled both the layers' compute and the bandwidth
+update of a placement that fetched scales it by ``s`` too (one that fetched nothing launched
+nothing: no evidence, as for the bandwidth). When the worker sampled both the layers' compute and the bandwidth
 of a step whose placement fetched, the gap those samples leave is the launches': the target is
 the launch cost at which the timeline reproduces the observed step (bisection; the step time is
 non-decreasing in it), 0 when the samples alone already reach it. On a GPU an eager forward's
 host issues each launch before the next layer's kernels, so this is what a hidden fetch still
 costs (``kvplane gpu-check``'s overlap figure: +28-40% of the step on an H200 at 16 launches,
-with the model's stall at 0).
+with the model's stall at 0). The SGLang worker reports no bandwidth sample, and its layer
+samples run from one layer's entry to the next (stalls and the host's launches included), so
+there the launch cost comes from the ``--kv-profile`` file (``kvplane gpu-check``'s fit) and
+moves only with the homogeneous update; the simulator's worker reports both samples.
 """
 
 from __future__ import annotations
@@ -206,7 +210,7 @@ class ProfileTracker:
 
         if layer_compute_sample_ms is not None and h2d_gbps_sample is not None and transfers and steady:
             target_launch = self._fit_launch(target_comp, target_gbps, placement, blocks, observed_step_ms, recompute)
-        elif layer_compute_sample_ms is None and h2d_gbps_sample is None:
+        elif layer_compute_sample_ms is None and h2d_gbps_sample is None and transfers:
             target_launch = old_launch * scale  # homogeneous, like the compute (exactness)
         else:
             target_launch = old_launch
@@ -232,7 +236,10 @@ class ProfileTracker:
         recompute: Recompute | None = None,
     ) -> float:
         """Launch cost at which the timeline with the sampled ``comp`` and ``gbps`` reproduces
-        ``observed_step_ms`` (0 when it already does without; at most the observed step)."""
+        ``observed_step_ms`` (0 when it already does without; at most the observed step), by
+        bisection: the step time grows with the launch cost except where a delayed fetch leaves
+        the link to another one (``Evaluator``'s docstring), so this is a root, not always the
+        smallest."""
         bw = self.bw_blocks_per_ms(gbps)
         rms = None if self._rms is None else [x * sum(comp) / self._all_gpu_ms if self._all_gpu_ms else x
                                               for x in self._rms]

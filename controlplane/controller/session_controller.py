@@ -285,11 +285,12 @@ class SessionController:
         return rows, blocks, rec if planned else None
 
     def _check_mismatch(self, report: StepReport, policy: Policy) -> bool:
+        # every report: a placement that ran unobserved in between still moved pages
+        steady, self._checked = self._same_placement(self._checked, self._installed), self._installed
         observed = report.observed_step_ms
         if observed is None:
             return False
         self._last_observed_ms = observed
-        steady, self._checked = self._same_placement(self._checked, self._installed), self._installed
         if self._installed is None or not self._tracker.has_running():
             return False
         if self._installed_all_gpu():

@@ -158,7 +158,8 @@ class Profile:
             if raw is None
             else _per_layer(raw, f"{path}.recompute_ms_per_token", layers)
         )
-        launch = _num(d.get("fetch_launch_ms", 0.0), f"{path}.fetch_launch_ms", 0.0)
+        raw_launch = d.get("fetch_launch_ms")  # absent or null: 0, as in a profile file
+        launch = 0.0 if raw_launch is None else _num(raw_launch, f"{path}.fetch_launch_ms", 0.0)
         return cls(layer_compute_ms=values, recompute_ms_per_token=recompute, fetch_launch_ms=launch)
 
 
@@ -347,6 +348,8 @@ class Batch:
         }
         if self.profile.recompute_ms_per_token is not None:
             out["profile"]["recompute_ms_per_token"] = list(self.profile.recompute_ms_per_token)
+        if self.profile.fetch_launch_ms:
+            out["profile"]["fetch_launch_ms"] = self.profile.fetch_launch_ms
         if self.policy.max_recompute_ratio:
             out["policy"]["max_recompute_ratio"] = self.policy.max_recompute_ratio
         return out

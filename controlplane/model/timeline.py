@@ -17,7 +17,11 @@ Semantics (the data plane's contract):
   in 20.9 ms), each launch delays the next layer's start by its host cost: the next layer starts
   ``launch_ms`` times the launches later, while the transfers already in flight keep moving.
   A GPU-bound server learns ``launch_ms`` near 0 (``ProfileTracker``); the start of the step
-  counts the launches of every request's first fetch.
+  counts the launches of every request's first fetch. Simplifications: the launched fetches start
+  moving at the layer end (optimistic: the host issues the launches one after the other), and
+  the step time is not monotone in ``launch_ms`` (a delayed fetch can leave the link to one
+  needed sooner). The identity layout (everything fits, nothing staged in steady decode) issues
+  a step's fetches at its start; the model charges them per trigger as the paged layout does.
 
 This corrects OrbitFlow Eq. (1) and Algorithm 1 (§3.3.1): the paper sizes one shared buffer by the
 worst layer and approximates the timeline greedily per layer boundary; here every request has its
@@ -200,12 +204,12 @@ def fetch_timeline_ms(
     docstring). ``math.inf`` as soon as the step provably reaches ``cutoff`` (a layer may start
     no earlier than now, and every later layer still runs)."""
     n_layers = len(comp_ms)
+    if not launch_ms >= 0:
+        raise ValueError(f"launch_ms must be >= 0, got {launch_ms}")
     if not any(fetches):
         return float(sum(comp_ms))
     if bw_blocks_per_ms <= 0:
         raise ValueError(f"bw_blocks_per_ms must be > 0, got {bw_blocks_per_ms}")
-    if not launch_ms >= 0:
-        raise ValueError(f"launch_ms must be >= 0, got {launch_ms}")
     suffix = None
     if cutoff < math.inf:
         suffix = [0.0] * (n_layers + 1)

@@ -87,7 +87,10 @@ class Evaluator:
         """``chain_cache`` (b -> chain row) may be shared by evaluators of the same model,
         compute profile and bandwidth (e.g. the windows of one plan) to skip recomputation.
         ``launch_ms``: host cost of one fetch launch (:mod:`controlplane.model.timeline`); the
-        bounds leave it out (they stay valid: it only adds time)."""
+        bounds leave it out and stay valid: they rest on precedence (a layer starts after the
+        layers before it and after its fetches, which the link serves at most at ``bw``), which
+        launches only lengthen. The step time itself is not monotone in it: a launch that delays
+        a competing fetch can leave the link to one needed sooner."""
         if not launch_ms >= 0:
             raise ValueError(f"launch_ms must be >= 0, got {launch_ms}")
         self.launch_ms = float(launch_ms)

@@ -93,6 +93,8 @@ class RecomputeEvaluator:
     ) -> None:
         """``launch_ms``: host cost of one fetch launch (:mod:`controlplane.model.timeline`; the
         exact step time counts it, the bounds leave it out)."""
+        if not launch_ms >= 0:
+            raise ValueError(f"launch_ms must be >= 0, got {launch_ms}")
         self.launch_ms = float(launch_ms)
         self.cands = cands
         self.grid = grid

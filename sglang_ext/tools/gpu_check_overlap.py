@@ -148,6 +148,9 @@ class OverlapCheck:
                     dma_error = engine.dma_error
         rel = (hidden_ms - resident_ms) / resident_ms
         launches, launch_ms = self._launch_cost(rows, comp_ms, bw_blocks_per_ms, resident_ms, hidden_ms)
+        blocks = b.blocks(1)
+        model_ms = (step_time_ms(rows, blocks, self._scaled, bw_blocks_per_ms),
+                    step_time_ms(rows, blocks, self._scaled, bw_blocks_per_ms, launch_ms=launch_ms))
         self.details = {
             "share": share, "offloaded_layer_pages": offloaded,
             "offloaded_layers_per_request": [r.count(0) for r in rows], "model_stall_ms": model_stall,
@@ -156,6 +159,7 @@ class OverlapCheck:
             "recommended_programs": recommend_programs(by_programs, link_by_programs or {}, h2d_gbps),
             "dma_error": dma_error, "dma_timeline": dma_timeline, "dma_driver": _dma_costs(engine),
             "placed_on_copy_engines": placed_dma, "launches": launches, "fetch_launch_ms": launch_ms,
+            "model_step_ms": {"without_launches": model_ms[0], "with_fitted_launches": model_ms[1]},
         }
         ch.details["overlap"] = self.details
         sweep = ", ".join(f"{k} {v:.2f}" for k, v in by_programs.items())
@@ -178,8 +182,8 @@ class OverlapCheck:
                 launch_ms, "ms", None, None, "the controller's fit (ProfileTracker.update, a=1, the layers' compute "
                 "scaled to the all-resident step and the link's bandwidth as samples): the launch cost at which the "
                 "placement model reproduces the hidden step; a --kv-profile file's fetch_launch_ms",
-                meaningful=cuda, note=f"{launches} launches a step; hidden step {hidden_ms:.2f} ms, model without "
-                f"launch cost {step_time_ms(rows, self.check.batch.blocks(1), self._scaled, bw_blocks_per_ms):.2f} ms"),
+                meaningful=cuda, note=f"{launches} launches a step; hidden step {hidden_ms:.2f} ms, the model "
+                f"{model_ms[0]:.2f} ms without launch cost, {model_ms[1]:.2f} ms with the fitted one"),
             *self._dma_figures(resident_ms, link_by_programs or {}, cuda)]
 
     def _launch_cost(self, rows: list, comp_ms: list[float], bw: float, resident_ms: float,

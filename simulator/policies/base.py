@@ -87,6 +87,7 @@ class BasePolicy:
             model=self.model_spec,
             hardware=self.hardware,
             layer_compute_ms=(self.p.layer_compute_ms(0),) * self.p.layers,
+            fetch_launch_ms=self.p.fetch_launch_ms,
             h2d_gbps=self.p.h2d_gbps,
             tpot_ms=tpot_ms,
             free_gpu_blocks=free_blocks,

@@ -151,3 +151,25 @@ def test_no_samples_scale_the_launch_cost_with_the_profile() -> None:
              blocks=BLOCKS)
     assert t.fetch_launch_ms == pytest.approx(0.6)
     assert t.predict_step_ms(ROWS, BLOCKS) == pytest.approx(2.0 * predicted)
+
+
+def test_a_replan_that_keeps_the_placement_is_steady() -> None:
+    """SessionController._same_placement: the same decision, or another one with the same
+    placements and recompute, is steady (launch-cost evidence); a different placement, or none
+    before, is not."""
+    from controlplane.api import Decision
+    from controlplane.controller.session_controller import SessionController
+    from controlplane.model import Plan
+
+    def decision(placements: dict, rec: dict | None = None) -> Decision:
+        plan = Plan(feasible=True, paused=(), placements=placements, predicted_step_ms=1.0, window_steps=1,
+                    resident_blocks=0, staging_blocks=0, solver="t", solve_ms=0.0,
+                    recompute_blocks=dict(rec or {}), recompute_layers={k: 2 for k in rec or {}})
+        return Decision(plan=plan, apply_at_step=1, expiry_step=9)
+
+    same = SessionController._same_placement
+    a = decision({"r": (1, 0, 1)})
+    assert same(a, a) and same(a, decision({"r": (1, 0, 1)}))
+    assert not same(a, decision({"r": (0, 1, 1)}))
+    assert not same(a, decision({"r": (1, 0, 1)}, {"r": 1}))
+    assert not same(None, a) and not same(a, None) and same(None, None)

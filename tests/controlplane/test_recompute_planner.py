@@ -22,13 +22,13 @@ BLOCK_BYTES = 1_000_000  # 1 MB blocks: h2d_gbps = blocks per ms
 
 def make_batch(
     contexts, *, layers=4, comp=1.0, budget=1000, gbps=1.0, rms=0.05, ratio=0.9, block_size=1,
-    window=(1, 1), slo=1e9, alpha=None,
+    window=(1, 1), slo=1e9, alpha=None, launch=0.0,
 ) -> Batch:
     return Batch.from_dict(
         {
             "model": {"layers": layers, "block_size": block_size, "block_bytes": BLOCK_BYTES},
             "hardware": {"gpu_kv_budget_blocks": budget, "h2d_gbps": gbps},
-            "profile": {"layer_compute_ms": comp, "recompute_ms_per_token": rms},
+            "profile": {"layer_compute_ms": comp, "recompute_ms_per_token": rms, "fetch_launch_ms": launch},
             "requests": [
                 {"id": f"r{i}", "context_tokens": c, "slo_tbt_ms": slo} for i, c in enumerate(contexts)
             ],
@@ -91,6 +91,7 @@ def check_plan_consistent(batch: Batch, plan) -> None:
     exact = step_time_ms(
         placement, blocks, batch.profile.layer_compute_ms, batch.bw_blocks_per_ms, recompute=rec,
         recompute_ms_per_token=batch.profile.recompute_ms_per_token, block_size=batch.model.block_size,
+        launch_ms=batch.profile.fetch_launch_ms,
     )
     assert plan.predicted_step_ms == pytest.approx(exact, rel=1e-9)
 
@@ -338,3 +339,24 @@ def test_heuristic_path_is_consistent_and_never_worse(batch):
     old = planner.plan(without_recompute(batch), time_budget_ms=10_000)
     if plan.window_steps == old.window_steps:
         assert plan.predicted_step_ms <= old.predicted_step_ms * (1 + 1e-9)
+
+
+def test_recompute_plans_price_the_fetch_launches():
+    """With a launch cost the joint (layouts x recompute) plan's step is the model's with it: the
+    recompute search's evaluator carries the profile's launch cost; negative control: the same
+    plan priced without it is cheaper."""
+    contexts = [40, 64, 25, 90, 55, 33]
+    batch = make_batch(contexts, layers=16, comp=0.2, gbps=60.0, rms=0.004, ratio=0.5, launch=3.0,
+                       budget=int(0.45 * sum(c + 1 for c in contexts) * 16))
+    plan = Planner(use_mip=False).plan(batch, time_budget_ms=300)
+    assert plan.recompute_blocks
+    check_plan_consistent(batch, plan)
+    free = batch.without(plan.paused)
+    rows = [plan.placements[r.id] for r in free.requests]
+    blocks = free.blocks(plan.window_steps)
+    rec = plan_recompute(free, plan)
+    unpriced = step_time_ms(rows, blocks, free.profile.layer_compute_ms, free.bw_blocks_per_ms, recompute=rec,
+                            recompute_ms_per_token=free.profile.recompute_ms_per_token,
+                            block_size=free.model.block_size)
+    assert unpriced < plan.predicted_step_ms - 1.0
+    assert Batch.from_dict(batch.to_dict()) == batch  # the launch cost survives the JSON form

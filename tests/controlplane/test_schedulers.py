@@ -379,3 +379,15 @@ def test_lvf_prioritized_blocks_within_budget(
     # that would still have fitted.
     order = sorted(paused, key=lambda r: (r.last_token_ms, r.id))
     assert list(d.resume) == [r.id for r in order][: len(d.resume)]
+
+
+def test_layerkv_step_predictor_prices_the_fetch_launches():
+    """LayerKV's admission predictor (the spread placement of what fits) counts the profile's
+    launch cost: more than without it when the batch offloads on a fast link; nothing when
+    everything fits."""
+    from controlplane.controller.schedulers.step_predictor import predicted_step_ms
+
+    comp = [1.0] * 8
+    offloading = predicted_step_ms([10, 10], 100, comp, 1e9)  # 160 blocks on 100: offloads
+    assert predicted_step_ms([10, 10], 100, comp, 1e9, 0.5) > offloading + 0.4
+    assert predicted_step_ms([10, 10], 1000, comp, 1e9, 0.5) == 8.0
