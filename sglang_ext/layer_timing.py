@@ -1,9 +1,15 @@
 """Sampled per-layer decode timing for the control plane's profile (OrbitFlow §3.4 profile refresh).
 
 Every ``every``-th decode step the layered attention backend marks the entry of each layer's
-attention (:meth:`LayerTimer.mark`) and the scheduler hook marks the end of the forward
-(:meth:`LayerTimer.end`). Layer ``l``'s time is from its mark to the next layer's; the last
-layer's runs to the end of ``run_batch`` and so also carries the LM head and sampling. On CUDA
+attention (:meth:`LayerTimer.mark`), and again once the layer's fetches have arrived
+(:meth:`LayerTimer.ready`, after the compute stream's wait on them), and the scheduler hook
+marks the end of the forward (:meth:`LayerTimer.end`). Layer ``l``'s time is from its ready
+mark (its entry mark when it waited on nothing) to the next layer's entry; the last layer's runs
+to the end of ``run_batch`` and so also carries the LM head and sampling. The wait is left out:
+the placement model's ``comp[l]`` is the layer's compute, and the timeline adds the stalls
+itself (a sample that carried them would have the controller count them twice, and fit the
+bandwidth as if transfers cost nothing). What the wait took is kept per layer
+(:attr:`LayerTimer.last_stall_ms`). On CUDA
 the marks are ``torch.cuda.Event`` records (no sync inside the step; read after
 ``process_batch_result`` has synchronised), on CPU ``time.perf_counter``. The result goes out as
 ``StepReport.layer_compute_ms``; steps that were not sampled report None.
@@ -41,14 +47,18 @@ class LayerTimer:
         self._decode_steps = 0
         self._armed = False
         self._marks: dict[int, Any] = {}
-        self._done: deque[tuple[dict[int, Any], Any] | None] = deque(maxlen=MAX_IN_FLIGHT)
+        self._ready: dict[int, Any] = {}
+        self._done: deque[tuple[dict[int, Any], dict[int, Any], Any] | None] = deque(maxlen=MAX_IN_FLIGHT)
         """Ended forwards not yet taken, oldest first (None: not sampled)."""
         self.samples = 0
         """Steps whose per-layer times were reported."""
+        self.last_stall_ms: tuple[float, ...] = ()
+        """Per layer, the wait on its fetches in the last sample taken (entry to ready)."""
 
     def begin(self, is_decode: bool) -> None:
         """Start of ``run_batch``: arm on every ``every``-th decode step."""
         self._marks = {}
+        self._ready = {}
         self._armed = False
         if is_decode:
             self._armed = self._decode_steps % self.every == 0
@@ -66,13 +76,20 @@ class LayerTimer:
         if self._armed and layer not in self._marks:
             self._marks[layer] = self._now()
 
+    def ready(self, layer: int) -> None:
+        """Layer ``layer``'s fetches have arrived (after the compute stream's wait on them): its
+        compute is timed from here."""
+        if self._armed and layer in self._marks and layer not in self._ready:
+            self._ready[layer] = self._now()
+
     def end(self, stream: Any = None) -> None:
         """The forward (and sampling) returned; on CUDA the end mark goes on ``stream`` (the
         forward's stream: SGLang's overlap loop runs the forward on a stream of its own), default
         the current one. Queues the step's marks for :meth:`take`."""
         armed, self._armed = self._armed, False
-        self._done.append((self._marks, self._now(stream)) if armed else None)
+        self._done.append((self._marks, self._ready, self._now(stream)) if armed else None)
         self._marks = {}
+        self._ready = {}
 
     def take(self) -> tuple[float, ...] | None:
         """Per-layer ms of the oldest ended step not yet taken (None if it was not sampled or is
@@ -82,14 +99,23 @@ class LayerTimer:
         sample = self._done.popleft()
         if sample is None or len(sample[0]) != self.layers:
             return None
-        marks, end = sample
-        points = [marks[layer] for layer in range(self.layers)] + [end]
+        marks, ready, end = sample
+        entries = [marks[layer] for layer in range(self.layers)]
+        starts = [ready.get(layer, entries[layer]) for layer in range(self.layers)]
+        ends = [*entries[1:], end]
         if self.cuda:
-            points[-1].synchronize()
-            out = tuple(float(a.elapsed_time(b)) for a, b in zip(points, points[1:], strict=False))
+            end.synchronize()
+
+            def ms(a: Any, b: Any) -> float:
+                return 0.0 if a is b else float(a.elapsed_time(b))
         else:
-            out = tuple((b - a) * 1e3 for a, b in zip(points, points[1:], strict=False))
-        if any(ms < 0 for ms in out):
+
+            def ms(a: Any, b: Any) -> float:
+                return (b - a) * 1e3
+        out = tuple(ms(a, b) for a, b in zip(starts, ends, strict=True))
+        stall = tuple(ms(a, b) for a, b in zip(entries, starts, strict=True))
+        if any(x < 0 for x in out) or any(x < 0 for x in stall):
             return None
         self.samples += 1
+        self.last_stall_ms = stall
         return out

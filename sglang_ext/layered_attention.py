@@ -295,6 +295,8 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
             self.layer_timer.mark(layer_id - self.pool.start_layer)
         if not self.steady:  # a steady decode step staged nothing: no fetch to wait for
             self.pool.enter_layer(layer_id)
+            if self.layer_timer is not None:  # the layer's compute starts after its fetches' wait
+                self.layer_timer.ready(layer_id - self.pool.start_layer)
         if meter is not None:
             meter.add("layers", time.perf_counter() - t0)
 

@@ -77,3 +77,30 @@ def test_under_the_overlap_loop_take_returns_the_processed_steps_marks_not_the_l
     assert timer.take() == pytest.approx((2.0, 4.0, 6.0))  # processing step k
     assert timer.take() == pytest.approx((6.0, 12.0, 18.0))  # processing step k+1
     assert timer.take() is None and timer.samples == 2
+
+
+def test_the_wait_on_a_layers_fetches_is_not_its_compute(clock: FakeClock):
+    """A layer that waits on its fetches (ready marked after the wait) reports its compute from
+    the ready mark: the wait is kept apart (last_stall_ms); layers without a ready mark are timed
+    from their entry. Negative control: the same marks without ``ready`` put the wait in the
+    layer's time, as before."""
+    timer = LayerTimer(3, every=1)
+    for with_ready in (True, False):
+        timer.begin(True)
+        for layer in range(3):
+            timer.mark(layer)
+            if layer == 1:
+                clock.t += 0.010  # a 10 ms stall on layer 1's fetches
+                if with_ready:
+                    timer.ready(layer)
+            clock.t += 0.002 * (layer + 1)
+        timer.end()
+        got = timer.take()
+        if with_ready:
+            assert got == pytest.approx((2.0, 4.0, 6.0))
+            assert timer.last_stall_ms == pytest.approx((0.0, 10.0, 0.0))
+        else:
+            assert got == pytest.approx((2.0, 14.0, 6.0))
+    timer.begin(True)
+    timer.ready(0)  # a ready mark without an entry mark is ignored
+    assert timer._ready == {}
