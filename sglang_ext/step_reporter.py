@@ -3,8 +3,10 @@
 After ``Scheduler.process_batch_result`` (:mod:`sglang_ext.scheduler_hooks`) the reporter builds
 a :class:`~controlplane.api.StepReport` -- running requests (paused ones included, with their GPU
 layers and SLOs), the queue with first-seen arrival times, the finished requests, the mean
-observed decode step time since the last report, the sampled per-layer times and the free GPU
-blocks -- and sends it; the decisions it gets back go to the
+observed decode step time since the last report, the sampled per-layer times, the host -> device
+bandwidth the data plane's copies achieved since the last report (bytes over the seconds its
+clock measured them, :class:`~sglang_ext.dataplane.transfer_times.TransferTimes`; sent when at
+least :data:`MIN_H2D_SAMPLE_BYTES` were timed) and the free GPU blocks -- and sends it; the decisions it gets back go to the
 :class:`~sglang_ext.decision_inbox.DecisionInbox` for the next boundary.
 
 Steady decode steps are coalesced (:meth:`StepReporter._coalesce`), up to
@@ -23,6 +25,10 @@ from sglang_ext.control_client import ControlClient
 from sglang_ext.decision_inbox import DecisionInbox
 from sglang_ext.pause import PauseManager
 from sglang_ext.tp_sync import PlacementInstaller
+
+MIN_H2D_SAMPLE_BYTES = 1 << 20
+"""Fewer H2D bytes timed since the last report send no bandwidth sample (a few small copies time
+their launch, not the link)."""
 
 
 class StepReporter:
@@ -63,6 +69,8 @@ class StepReporter:
         self._layer_ms: tuple[float, ...] | None = None
         self._sent_step = 0
         self._sent_rids: tuple[str, ...] = ()
+        self._h2d_sent = (0, 0.0)
+        """H2D bytes and seconds the data plane had timed at the last report."""
         self.reports = 0
         """Reports sent to the control plane."""
 
@@ -92,12 +100,27 @@ class StepReporter:
         report = self._report(batch, step, finished, observed)
         if self._layer_ms is not None:
             report = dataclasses.replace(report, layer_compute_ms=self._layer_ms)
+        if send and (gbps := self._h2d_gbps()) is not None:
+            report = dataclasses.replace(report, h2d_gbps=gbps)
         if send:
             self.inbox.receive(self.client.report(report))
             self._decode_ms, self._decode_steps, self._layer_ms = 0.0, 0, None
             self._sent_step, self._sent_rids = step, self._rids(batch)
             self.reports += 1
         return report, send
+
+    def _h2d_gbps(self) -> float | None:
+        """The H2D bandwidth of the copies timed since the last sample (None: too few bytes yet,
+        or not the layered pool)."""
+        times = getattr(getattr(self.pool, "core", None), "transfer_times", None)
+        if times is None:
+            return None
+        nbytes, seconds = times.h2d_bytes, times.h2d_s
+        moved, took = nbytes - self._h2d_sent[0], seconds - self._h2d_sent[1]
+        if moved < MIN_H2D_SAMPLE_BYTES or took <= 0:
+            return None  # kept for the next report's sample
+        self._h2d_sent = (nbytes, seconds)
+        return moved / took / 1e9
 
     @staticmethod
     def _rids(batch: Any) -> tuple[str, ...]:

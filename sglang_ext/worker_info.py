@@ -18,9 +18,8 @@ recompute rows). Without the figure, or without the ability, it is absent and th
 never plans recompute for this worker (the controller scales it with the compute it learns).
 
 The file's ``fetch_launch_ms`` (what a hidden fetch still costs per launch, fitted by
-``kvplane gpu-check``) is sent as the profile's; without a file it is 0. This worker reports no
-bandwidth sample, so the controller does not fit it online here: it scales it with the profile
-(``ProfileTracker``'s docstring).
+``kvplane gpu-check``) is sent as the profile's; without a file it is 0. The controller refits it
+from the worker's samples (``ProfileTracker``'s docstring).
 
 The same ``WorkerInfo`` reaches the embedded controller (``open_session``) and a remote one
 (the gRPC hello), so both start from the file. Pure Python (no torch, no SGLang).

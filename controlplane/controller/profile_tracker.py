@@ -34,10 +34,12 @@ the launch cost at which the timeline reproduces the observed step (bisection; t
 non-decreasing in it), 0 when the samples alone already reach it. On a GPU an eager forward's
 host issues each launch before the next layer's kernels, so this is what a hidden fetch still
 costs (``kvplane gpu-check``'s overlap figure: +28-40% of the step on an H200 at 16 launches,
-with the model's stall at 0). The SGLang worker reports no bandwidth sample, and its layer
-samples run from one layer's entry to the next (stalls and the host's launches included), so
-there the launch cost comes from the ``--kv-profile`` file (``kvplane gpu-check``'s fit) and
-moves only with the homogeneous update; the simulator's worker reports both samples.
+with the model's stall at 0). The SGLang worker samples both: its bandwidth is the data plane's
+timed H2D bytes over their seconds, its layer times run from the layer's ready mark (after its
+wait on fetches) to the next layer's entry. Those leave out the stalls but carry the host time a
+layer's end spends issuing launches where the host sets the pace, so there the fit finds what
+the samples leave (often 0) and a ``--kv-profile`` value (``kvplane gpu-check``'s fit) decays to
+it: the launches are then counted once, in the compute.
 """
 
 from __future__ import annotations

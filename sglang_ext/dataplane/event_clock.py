@@ -49,7 +49,7 @@ class EventClock(TransferClock):
             capacity,
         )
         self._capturing = capturing if capturing is not None else torch.cuda.is_current_stream_capturing
-        self._fifo: dict[str, deque[tuple[tuple[Any, Any], int]]] = {kind: deque() for kind in KINDS}
+        self._fifo: dict[str, deque[tuple[tuple[Any, Any], int, int]]] = {kind: deque() for kind in KINDS}
 
     def start(self, kind: str, stream: Any = None) -> tuple[Any, Any] | None:
         if self._capturing():
@@ -62,21 +62,21 @@ class EventClock(TransferClock):
         pair[0].record(stream)
         return pair
 
-    def stop(self, kind: str, token: Any, stream: Any = None) -> None:
+    def stop(self, kind: str, token: Any, stream: Any = None, nbytes: int = 0) -> None:
         if token is None:
             return
         token[1].record(stream)
         step = self.times.step
         if kind == STALL:
             self.times.expect_stall(step)
-        self._fifo[kind].append((token, step))
+        self._fifo[kind].append((token, step, nbytes))
 
     def harvest(self) -> int:
         booked = 0
         times = self.times
         for kind, fifo in self._fifo.items():
             while fifo:
-                pair, step = fifo[0]
+                pair, step, nbytes = fifo[0]
                 start, end = pair
                 if not (end.query() and start.query()):
                     break
@@ -86,7 +86,7 @@ class EventClock(TransferClock):
                 if kind == STALL:
                     times.add_stall(seconds, step, expected=True)
                 else:
-                    times.add_copy(kind, seconds)
+                    times.add_copy(kind, seconds, nbytes)
                 booked += 1
         return booked
 

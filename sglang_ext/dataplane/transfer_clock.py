@@ -38,8 +38,9 @@ class TransferClock(ABC):
         """Before a copy (``h2d`` / ``d2h``) or a compute-stream wait (``stall``): a token, or None."""
 
     @abstractmethod
-    def stop(self, kind: str, token: Any, stream: Any = None) -> None:
-        """After it, with ``start``'s token (None: not timed, nothing to do)."""
+    def stop(self, kind: str, token: Any, stream: Any = None, nbytes: int = 0) -> None:
+        """After it, with ``start``'s token (None: not timed, nothing to do); ``nbytes``: what the
+        copy moves (booked with its seconds)."""
 
     @abstractmethod
     def harvest(self) -> int:

@@ -200,7 +200,7 @@ class CpuTransferEngine(TransferEngine):
     def _launch(self, kind, src, dst, src_idx, dst_idx, wait, host_idx, keep=()):  # noqa: ANN001, ANN202
         token = self.clock.start(kind)
         dst.index_copy_(0, dst_idx, src.index_select(0, src_idx))
-        self.clock.stop(kind, token)
+        self.clock.stop(kind, token, nbytes=int(src_idx.shape[0]) * src.shape[1] * src.element_size())
         self._seq += 1
         return CpuEvent(kind, self._seq)
 
@@ -343,21 +343,24 @@ class CudaTransferEngine(TransferEngine):
             for s_i, d_i in zip(host_idx[0].tolist(), host_idx[1].tolist(), strict=True):
                 dst[d_i].copy_(src[s_i], non_blocking=True)
 
-        return self._on_stream(kind, wait, copy, (src_idx, dst_idx, *keep))
+        return self._on_stream(kind, wait, copy, (src_idx, dst_idx, *keep),
+                               int(src_idx.shape[0]) * src.shape[1] * src.element_size())
 
     def _fetch(self, spec: PageFetch, wait: Sequence[Any]) -> Any:
+        nbytes = spec.segments * self.segment_bytes
         if self._on_dma(self.segment_bytes):  # the pages listed on the host, no SM taken
             src, dst = spec.indices()
-            return self._on_stream("h2d", wait, lambda: self._dma_copy(self.host, self.dev, src, dst), (spec.flat,))
+            return self._on_stream("h2d", wait, lambda: self._dma_copy(self.host, self.dev, src, dst), (spec.flat,),
+                                   nbytes)
         if self._kernel_impl != "triton":
             return super()._fetch(spec, wait)
         return self._on_stream("h2d", wait, lambda: spec.run_triton(self.host, self.dev, self.copy_programs),
-                               (spec.flat,))
+                               (spec.flat,), nbytes)
 
     def _on_stream(self, kind: str, wait: Sequence[Any], copy: Callable[[], None],
-                   keep: tuple[torch.Tensor, ...]) -> Any:
-        """Run ``copy`` on the ``kind`` stream after the compute stream's work so far and the
-        events of ``wait``; timed by the clock; returns its event."""
+                   keep: tuple[torch.Tensor, ...], nbytes: int = 0) -> Any:
+        """Run ``copy`` (of ``nbytes``) on the ``kind`` stream after the compute stream's work so far
+        and the events of ``wait``; timed by the clock; returns its event."""
         stream = self.h2d_stream if kind == "h2d" else self.d2h_stream
         compute = self._compute_stream()
         compute_done = self._compute_mark if self._compute_mark is not None else compute.record_event()
@@ -375,7 +378,7 @@ class CudaTransferEngine(TransferEngine):
             for t in keep:
                 t.record_stream(stream)
             copy()
-            self.clock.stop(kind, token, stream)
+            self.clock.stop(kind, token, stream, nbytes)
             event = stream.record_event()
         finally:
             torch.cuda.set_stream(compute)

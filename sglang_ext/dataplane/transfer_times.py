@@ -34,6 +34,12 @@ class TransferTimes:
         """Seconds of host -> device copies measured so far."""
         self.d2h_s = 0.0
         """Seconds of device -> host copies measured so far."""
+        self.h2d_bytes = 0
+        """Bytes of the host -> device copies whose seconds are in :attr:`h2d_s` (a copy's bytes
+        are booked with its seconds: their ratio is the link's bandwidth, never bytes still in
+        flight over seconds already measured)."""
+        self.d2h_bytes = 0
+        """Bytes of the device -> host copies whose seconds are in :attr:`d2h_s`."""
         self.stall_s = 0.0
         """Seconds steps waited on transfers, measured so far."""
         self.step = 0
@@ -44,12 +50,14 @@ class TransferTimes:
         self._pending: dict[int, int] = {}
         self._ready: list[float] = []
 
-    def add_copy(self, kind: str, seconds: float) -> None:
-        """A copy of direction ``kind`` (``h2d`` / ``d2h``) took ``seconds``."""
+    def add_copy(self, kind: str, seconds: float, nbytes: int = 0) -> None:
+        """A copy of direction ``kind`` (``h2d`` / ``d2h``) of ``nbytes`` took ``seconds``."""
         if kind == "h2d":
             self.h2d_s += seconds
+            self.h2d_bytes += nbytes
         elif kind == "d2h":
             self.d2h_s += seconds
+            self.d2h_bytes += nbytes
         else:
             raise ValueError(f"TransferTimes.add_copy: kind={kind!r}, allowed {COPY_KINDS}")
 

@@ -20,11 +20,11 @@ class WallClock(TransferClock):
     def start(self, kind: str, stream: Any = None) -> float | None:
         return None if kind == STALL else time.perf_counter()
 
-    def stop(self, kind: str, token: Any, stream: Any = None) -> None:
+    def stop(self, kind: str, token: Any, stream: Any = None, nbytes: int = 0) -> None:
         if token is None:
             return
         seconds = time.perf_counter() - token
-        self.times.add_copy(kind, seconds)
+        self.times.add_copy(kind, seconds, nbytes)
         self.times.add_stall(seconds)
 
     def harvest(self) -> int:

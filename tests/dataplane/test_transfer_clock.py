@@ -256,3 +256,27 @@ def test_a_sync_in_the_timing_path_would_be_caught(monkeypatch):
     with audit:
         assert d.step([("a", 1), ("b", 1)])
     assert audit.violations and all(name == "aten._local_scalar_dense.default" for _, name in audit.violations)
+
+
+def test_bytes_are_booked_with_their_seconds():
+    """A copy's bytes join the account when its seconds do (EventClock: at harvest, never while
+    the pair is pending), so bytes / seconds is the link's bandwidth; the CPU engine books every
+    copy it launched: the account's H2D bytes are the store's (negative control: a copy still in
+    flight is not counted)."""
+    clock, _ = fake_clock()
+    h2d = FakeStream()
+    for ms, nbytes in ((2.0, 4 << 20), (3.0, 6 << 20)):
+        token = clock.start("h2d", h2d)
+        h2d.now_ms += ms
+        clock.stop("h2d", token, h2d, nbytes)
+    h2d.complete(2)  # the first copy only
+    clock.harvest()
+    assert (clock.times.h2d_bytes, clock.times.h2d_s) == (4 << 20, pytest.approx(0.002))
+    h2d.complete()
+    clock.harvest()
+    assert clock.times.h2d_bytes == 10 << 20 and clock.times.d2h_bytes == 0
+    d = offloaded_driver()
+    times, store = d.core.transfer_times, d.core.store
+    assert d.step([("a", 1), ("b", 1)])
+    assert times.h2d_bytes == store.h2d_bytes > 0 and times.h2d_s > 0
+    assert times.d2h_bytes > 0

@@ -8,6 +8,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from controlplane.api import Decision
 from controlplane.model import Plan
 from sglang_ext.admission import AdmissionGate
@@ -199,3 +201,40 @@ def test_stats_line_holds_the_step_and_the_boundary_record(tmp_path: Path) -> No
     assert record["admitted_now"] == ["a"] and "fallback_steps" in record and record["fallback"] is False
     assert record["layer_compute_ms"] == [1.0, 1.5] and record["pool"] is None
     assert stats_dict(SimpleNamespace(x=1)) is None
+
+
+def test_reports_carry_the_h2d_bandwidth_the_copies_achieved_since_the_last_report() -> None:
+    """The data plane's account (bytes booked with their seconds) since the last report, in GB/s;
+    no sample under MIN_H2D_SAMPLE_BYTES (a few small copies time their launch), none without the
+    layered pool, and what was sampled once is not sampled again."""
+    from sglang_ext.dataplane.transfer_times import TransferTimes
+    from sglang_ext.step_reporter import MIN_H2D_SAMPLE_BYTES
+
+    times = TransferTimes()
+    client, inbox = FakeClient(), DecisionInbox()
+    rep = StepReporter(
+        scheduler=scheduler(), client=client, inbox=inbox, pauser=PauseManager(),
+        installer=PlacementInstaller(None, LAYERS), pool=SimpleNamespace(core=SimpleNamespace(transfer_times=times)),
+        layers=LAYERS, page_size=1, report_interval=1,
+    )
+    batch = SimpleNamespace(reqs=[req("a")])
+
+    def send(step: int) -> float | None:
+        report, sent = rep.end_step(batch, step=step, finished=(), is_decode=True, step_ms=1.0, layer_ms=None,
+                                    build_always=False)
+        assert sent and report is not None
+        return report.h2d_gbps
+
+    times.add_copy("h2d", 0.004, 200_000_000)  # 200 MB in 4 ms
+    assert send(1) == 50.0
+    assert send(2) is None  # nothing new
+    times.add_copy("h2d", 0.001, MIN_H2D_SAMPLE_BYTES - 1)
+    assert send(3) is None  # too little to say anything about the link yet: kept for the next
+    times.add_copy("d2h", 0.010, 500_000_000)  # the other direction is not the H2D link
+    times.add_copy("h2d", 0.002, 20_000_000)
+    assert send(4) == pytest.approx((MIN_H2D_SAMPLE_BYTES - 1 + 20_000_000) / 0.003 / 1e9)
+    assert [r.h2d_gbps for r in client.reports][:3] == [50.0, None, None]
+    plain = reporter(FakeClient(), DecisionInbox(), scheduler(), interval=1)  # pool=None: not layered
+    report, _ = plain.end_step(batch, step=1, finished=(), is_decode=True, step_ms=1.0, layer_ms=None,
+                               build_always=False)
+    assert report is not None and report.h2d_gbps is None
