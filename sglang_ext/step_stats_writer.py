@@ -87,6 +87,7 @@ class StepStatsWriter:
             },
             "layers": layers,
             "layer_compute_ms": None if report.layer_compute_ms is None else [round(x, 4) for x in report.layer_compute_ms],
+            "h2d_gbps": report.h2d_gbps,
             "layered_pool": installer.layered,
             "fallback": bool(client is not None and client.in_fallback),
             "fallback_steps": 0 if client is None else client.fallback_steps,

@@ -238,3 +238,26 @@ def test_reports_carry_the_h2d_bandwidth_the_copies_achieved_since_the_last_repo
     report, _ = plain.end_step(batch, step=1, finished=(), is_decode=True, step_ms=1.0, layer_ms=None,
                                build_always=False)
     assert report is not None and report.h2d_gbps is None
+
+
+def test_the_bandwidth_sample_reads_the_served_cores_account(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Wired to a real served core (what ``get_kvcache().core`` is in SGLang) after staged steps:
+    the sample is the core's timed H2D bytes over their seconds."""
+    from sglang_ext import step_reporter
+    from tests.dataplane.core_driver import offloaded_driver
+
+    monkeypatch.setattr(step_reporter, "MIN_H2D_SAMPLE_BYTES", 1)  # toy shapes move a few KiB
+    d = offloaded_driver()
+    for _ in range(3):
+        assert d.step([("a", 1), ("b", 1)])
+    times = d.core.transfer_times
+    client = FakeClient()
+    rep = StepReporter(
+        scheduler=scheduler(), client=client, inbox=DecisionInbox(), pauser=PauseManager(),
+        installer=PlacementInstaller(None, LAYERS), pool=SimpleNamespace(core=d.core), layers=LAYERS,
+        page_size=1, report_interval=1,
+    )
+    report, sent = rep.end_step(SimpleNamespace(reqs=[req("a")]), step=1, finished=(), is_decode=True, step_ms=1.0,
+                                layer_ms=None, build_always=False)
+    assert sent and report is not None and times.h2d_bytes > 0
+    assert report.h2d_gbps == pytest.approx(times.h2d_bytes / times.h2d_s / 1e9)
