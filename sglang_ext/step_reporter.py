@@ -6,7 +6,8 @@ layers and SLOs), the queue with first-seen arrival times, the finished requests
 observed decode step time since the last report, the sampled per-layer times, the host -> device
 bandwidth the data plane's copies achieved since the last report (bytes over the seconds its
 clock measured them, :class:`~sglang_ext.dataplane.transfer_times.TransferTimes`; sent when at
-least :data:`MIN_H2D_SAMPLE_BYTES` were timed) and the free GPU blocks -- and sends it; the decisions it gets back go to the
+least :data:`MIN_H2D_SAMPLE_BYTES` over :data:`MIN_H2D_SAMPLE_SECONDS` were timed; CUDA only,
+``LayeredKVCore.link_account``) and the free GPU blocks -- and sends it; the decisions it gets back go to the
 :class:`~sglang_ext.decision_inbox.DecisionInbox` for the next boundary.
 
 Steady decode steps are coalesced (:meth:`StepReporter._coalesce`), up to
@@ -27,8 +28,10 @@ from sglang_ext.pause import PauseManager
 from sglang_ext.tp_sync import PlacementInstaller
 
 MIN_H2D_SAMPLE_BYTES = 1 << 20
-"""Fewer H2D bytes timed since the last report send no bandwidth sample (a few small copies time
-their launch, not the link)."""
+"""Fewer H2D bytes timed since the last sample send none (a few small copies time their start-up,
+not the link)."""
+MIN_H2D_SAMPLE_SECONDS = 1e-3
+"""...nor less time timed (one short copy of a large launch)."""
 
 
 class StepReporter:
@@ -112,12 +115,12 @@ class StepReporter:
     def _h2d_gbps(self) -> float | None:
         """The H2D bandwidth of the copies timed since the last sample (None: too few bytes yet,
         or not the layered pool)."""
-        times = getattr(getattr(self.pool, "core", None), "transfer_times", None)
+        times = getattr(getattr(self.pool, "core", None), "link_account", None)
         if times is None:
             return None
         nbytes, seconds = times.h2d_bytes, times.h2d_s
         moved, took = nbytes - self._h2d_sent[0], seconds - self._h2d_sent[1]
-        if moved < MIN_H2D_SAMPLE_BYTES or took <= 0:
+        if moved < MIN_H2D_SAMPLE_BYTES or took < MIN_H2D_SAMPLE_SECONDS:
             return None  # kept for the next report's sample
         self._h2d_sent = (nbytes, seconds)
         return moved / took / 1e9

@@ -34,9 +34,11 @@ the launch cost at which the timeline reproduces the observed step (bisection; t
 non-decreasing in it), 0 when the samples alone already reach it. On a GPU an eager forward's
 host issues each launch before the next layer's kernels, so this is what a hidden fetch still
 costs (``kvplane gpu-check``'s overlap figure: +28-40% of the step on an H200 at 16 launches,
-with the model's stall at 0). The SGLang worker samples both: its bandwidth is the data plane's
-timed H2D bytes over their seconds, its layer times run from the layer's ready mark (after its
-wait on fetches) to the next layer's entry. Those leave out the stalls but carry the host time a
+with the model's stall at 0). The SGLang worker samples both on CUDA: its bandwidth is the data
+plane's timed H2D bytes over their seconds (none on the CPU engine, whose synchronous copies are
+inside the layer samples), its layer times run from the layer's ready mark (after its wait on
+fetches) to the next layer's entry. A bandwidth sample moves the link only when the placement
+that ran transferred. Those leave out the stalls but carry the host time a
 layer's end spends issuing launches where the host sets the pace, so there the fit finds what
 the samples leave (often 0) and a ``--kv-profile`` value (``kvplane gpu-check``'s fit) decays to
 it: the launches are then counted once, in the compute.
@@ -197,7 +199,7 @@ class ProfileTracker:
         else:
             target_comp = tuple(c * scale for c in old_comp)
 
-        if h2d_gbps_sample is not None:
+        if h2d_gbps_sample is not None and transfers:
             target_gbps = float(h2d_gbps_sample)
         elif not transfers:
             target_gbps = old_gbps  # nothing crossed the link: no evidence about bandwidth

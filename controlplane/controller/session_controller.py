@@ -106,13 +106,8 @@ class SessionController:
         self._settled = threading.Condition(self._lock)
         if not synchronous:
             warm_up_solver()
-        self._executor: ThreadPoolExecutor | None = (
-            None
-            if synchronous
-            else ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix=f"kvplane-plan-{worker.worker_id}"
-            )
-        )
+        self._executor: ThreadPoolExecutor | None = None if synchronous else ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"kvplane-plan-{worker.worker_id}")
         self._closed = False
         self._on_close = on_close
         self._last: StepReport | None = None
@@ -285,8 +280,10 @@ class SessionController:
         return rows, blocks, rec if planned else None
 
     def _check_mismatch(self, report: StepReport, policy: Policy) -> bool:
-        # every report: a placement that ran unobserved in between still moved pages
-        steady, self._checked = self._same_placement(self._checked, self._installed), self._installed
+        # launch-cost evidence: the placement of the step before ran again (judged on every report)
+        before, now = self._checked, self._installed
+        steady = before is now or (before is not None and now is not None and before.plan.places_like(now.plan))
+        self._checked = now
         observed = report.observed_step_ms
         if observed is None:
             return False
@@ -327,18 +324,6 @@ class SessionController:
             replan=replan,
         )
         return replan
-
-    @staticmethod
-    def _same_placement(before: Decision | None, now: Decision | None) -> bool:
-        """The worker ran ``now``'s placement the step before too (a re-plan that chose the same
-        placement moves nothing): the step is evidence of the launch cost."""
-        if before is now:
-            return True
-        if before is None or now is None:
-            return False
-        a, b = before.plan, now.plan
-        return (a.placements == b.placements and a.recompute_blocks == b.recompute_blocks
-                and a.recompute_layers == b.recompute_layers)
 
     def _installed_all_gpu(self) -> bool:
         """Whether the installed decision keeps every layer of every request on the GPU (requests

@@ -62,6 +62,12 @@ class Plan:
     """GPU blocks for recomputed prefixes, ``sum_r u_r [k_r > 0]`` (one layer each, reused
     layer after layer); resident + staging + transient fit the budget."""
 
+    def places_like(self, other: Plan) -> bool:
+        """Both plans put every request's layers (and recomputed prefix) in the same place: a
+        worker switching from one to the other moves nothing."""
+        return (self.placements == other.placements and self.recompute_blocks == other.recompute_blocks
+                and self.recompute_layers == other.recompute_layers)
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "feasible": self.feasible,

@@ -147,6 +147,14 @@ class LayeredKVCore:
         """Copy and stall seconds so far, one account for CPU and CUDA (the engine's clock's)."""
         return self.store.engine.clock.times
 
+    @property
+    def link_account(self) -> TransferTimes | None:
+        """The copies' account when they run beside the compute (CUDA): what the worker samples the
+        link's bandwidth from. None on the synchronous CPU engine, whose copies run inside the
+        layers (their time is in the layer samples: a bandwidth sample would count it twice)."""
+        engine = self.store.engine
+        return engine.clock.times if engine.copies_beside_compute else None
+
     def close_transfer_step(self) -> list[float]:
         """End of a forward (the metrics call it once per step): books the completed timing
         events without blocking, closes the step; returns the stall seconds of each step now

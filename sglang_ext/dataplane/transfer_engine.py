@@ -77,6 +77,10 @@ class TransferStats:
 class TransferEngine:
     """Base: the two segment views, the counters and the launch bookkeeping."""
 
+    copies_beside_compute = False
+    """Copies run on streams of their own beside the layers (CUDA), not inside the forward's
+    host calls (the synchronous CPU engine, whose copy time is inside the layers' time)."""
+
     def __init__(self, host_segments: torch.Tensor, dev_segments: torch.Tensor) -> None:
         if host_segments.dim() != 2 or dev_segments.dim() != 2 or host_segments.shape[1] != dev_segments.shape[1]:
             raise ValueError(
@@ -228,6 +232,8 @@ class CpuTransferEngine(TransferEngine):
 
 class CudaTransferEngine(TransferEngine):
     """Two side streams (H2D, D2H); one launch per call; events order everything."""
+
+    copies_beside_compute = True
 
     def __init__(self, host_segments: torch.Tensor, dev_segments: torch.Tensor,
                  copy_programs: int | None = None, copy_engine: str = "triton") -> None:

@@ -153,23 +153,31 @@ def test_no_samples_scale_the_launch_cost_with_the_profile() -> None:
     assert t.predict_step_ms(ROWS, BLOCKS) == pytest.approx(2.0 * predicted)
 
 
-def test_a_replan_that_keeps_the_placement_is_steady() -> None:
-    """SessionController._same_placement: the same decision, or another one with the same
-    placements and recompute, is steady (launch-cost evidence); a different placement, or none
-    before, is not."""
-    from controlplane.api import Decision
-    from controlplane.controller.session_controller import SessionController
+def test_a_replan_that_keeps_the_placement_places_like_it() -> None:
+    """Plan.places_like (the session controller's steadiness, launch-cost evidence): the same
+    placements and recompute are alike; another placement or recompute is not."""
     from controlplane.model import Plan
 
-    def decision(placements: dict, rec: dict | None = None) -> Decision:
-        plan = Plan(feasible=True, paused=(), placements=placements, predicted_step_ms=1.0, window_steps=1,
+    def plan(placements: dict, rec: dict | None = None) -> Plan:
+        return Plan(feasible=True, paused=(), placements=placements, predicted_step_ms=1.0, window_steps=1,
                     resident_blocks=0, staging_blocks=0, solver="t", solve_ms=0.0,
                     recompute_blocks=dict(rec or {}), recompute_layers={k: 2 for k in rec or {}})
-        return Decision(plan=plan, apply_at_step=1, expiry_step=9)
 
-    same = SessionController._same_placement
-    a = decision({"r": (1, 0, 1)})
-    assert same(a, a) and same(a, decision({"r": (1, 0, 1)}))
-    assert not same(a, decision({"r": (0, 1, 1)}))
-    assert not same(a, decision({"r": (1, 0, 1)}, {"r": 1}))
-    assert not same(None, a) and not same(a, None) and same(None, None)
+    a = plan({"r": (1, 0, 1)})
+    assert a.places_like(a) and a.places_like(plan({"r": (1, 0, 1)}))
+    assert not a.places_like(plan({"r": (0, 1, 1)}))
+    assert not a.places_like(plan({"r": (1, 0, 1)}, {"r": 1}))
+
+
+def test_a_bandwidth_sample_of_a_step_that_fetched_nothing_is_no_evidence() -> None:
+    """A report's bandwidth sample (copies of earlier steps, carried over) moves the link only when
+    the placement that ran transferred; negative control: the same sample with transfers does."""
+    idle = tracker(gbps=2.0)
+    rows = [(1, 1, 1, 1)] * 2
+    idle.update(ewma_factor=1.0, observed_step_ms=9.0, predicted_step_ms=6.0, placement=rows, blocks=BLOCKS,
+                layer_compute_sample_ms=(1.5, 3.0, 1.5, 3.0), h2d_gbps_sample=0.3)
+    assert idle.h2d_gbps == 2.0
+    busy = tracker(gbps=2.0)
+    busy.update(ewma_factor=1.0, observed_step_ms=20.0, predicted_step_ms=10.0, placement=ROWS, blocks=BLOCKS,
+                layer_compute_sample_ms=COMP, h2d_gbps_sample=0.3)
+    assert busy.h2d_gbps == pytest.approx(0.3)

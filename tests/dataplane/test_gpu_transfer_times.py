@@ -52,6 +52,7 @@ def test_cuda_events_time_copies_and_the_compute_streams_wait():
     core.close_transfer_step()
     times = core.transfer_times
     h0, d0, s0 = times.h2d_s, times.d2h_s, times.stall_s
+    hb0, db0 = times.h2d_bytes, times.d2h_bytes
     t0 = time.perf_counter()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -79,6 +80,9 @@ def test_cuda_events_time_copies_and_the_compute_streams_wait():
     assert len(observed) == 1 and observed[0] == pytest.approx(stall_s)
     assert 0.5 * h2d_s / (REPEAT + 1) <= stall_s <= wall_s, (stall_s, h2d_s, wall_s)
     assert times.untimed == 0 and eng.clock.pending == 0 and eng.clock.pool.in_use == 0
+    # the bytes are booked with their seconds: what was launched, once harvested
+    assert (times.h2d_bytes - hb0, times.d2h_bytes - db0) == ((REPEAT + 1) * nbytes, REPEAT * nbytes)
+    assert core.link_account is times  # the CUDA engine's copies run beside the compute: sampled
     stats = core.stats()
     assert (stats.h2d_seconds_total, stats.d2h_seconds_total, stats.stall_seconds_total) == (
         times.h2d_s, times.d2h_s, times.stall_s)

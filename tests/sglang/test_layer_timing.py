@@ -104,3 +104,34 @@ def test_the_wait_on_a_layers_fetches_is_not_its_compute(clock: FakeClock):
     timer.begin(True)
     timer.ready(0)  # a ready mark without an entry mark is ignored
     assert timer._ready == {}
+
+
+def test_the_served_backend_marks_ready_after_the_pools_wait(clock: FakeClock):
+    """The layered attention backend's per-layer entry (``_begin_layer``, what SGLang's forward
+    calls) marks the entry, lets the pool wait on the layer's fetches, then marks ready: the wait
+    (here the pool's enter_layer advancing the clock by 10 ms) is not the layer's compute. A
+    steady step (nothing staged) waits on nothing and marks no ready."""
+    from types import SimpleNamespace
+
+    from sglang_ext.layered_attention import LayeredTorchNativeAttnBackend
+
+    def enter_layer(layer: int) -> None:
+        clock.t += 0.010
+
+    backend = SimpleNamespace(overhead_meter=None, layer_timer=LayerTimer(2, every=1), steady=False,
+                              pool=SimpleNamespace(start_layer=0, enter_layer=enter_layer))
+    backend.layer_timer.begin(True)
+    for layer in range(2):
+        LayeredTorchNativeAttnBackend._begin_layer(backend, layer)
+        clock.t += 0.003
+    backend.layer_timer.end()
+    assert backend.layer_timer.take() == pytest.approx((3.0, 3.0))
+    assert backend.layer_timer.last_stall_ms == pytest.approx((10.0, 10.0))
+    backend.steady = True
+    backend.layer_timer.begin(True)
+    for layer in range(2):
+        LayeredTorchNativeAttnBackend._begin_layer(backend, layer)
+        clock.t += 0.003
+    backend.layer_timer.end()
+    assert backend.layer_timer.take() == pytest.approx((3.0, 3.0))
+    assert backend.layer_timer.last_stall_ms == (0.0, 0.0)

@@ -214,7 +214,7 @@ def test_reports_carry_the_h2d_bandwidth_the_copies_achieved_since_the_last_repo
     client, inbox = FakeClient(), DecisionInbox()
     rep = StepReporter(
         scheduler=scheduler(), client=client, inbox=inbox, pauser=PauseManager(),
-        installer=PlacementInstaller(None, LAYERS), pool=SimpleNamespace(core=SimpleNamespace(transfer_times=times)),
+        installer=PlacementInstaller(None, LAYERS), pool=SimpleNamespace(core=SimpleNamespace(link_account=times)),
         layers=LAYERS, page_size=1, report_interval=1,
     )
     batch = SimpleNamespace(reqs=[req("a")])
@@ -228,12 +228,14 @@ def test_reports_carry_the_h2d_bandwidth_the_copies_achieved_since_the_last_repo
     times.add_copy("h2d", 0.004, 200_000_000)  # 200 MB in 4 ms
     assert send(1) == 50.0
     assert send(2) is None  # nothing new
-    times.add_copy("h2d", 0.001, MIN_H2D_SAMPLE_BYTES - 1)
-    assert send(3) is None  # too little to say anything about the link yet: kept for the next
+    times.add_copy("h2d", 0.0002, 50_000_000)
+    assert send(3) is None  # enough bytes in too short a time (one short copy): kept for the next
     times.add_copy("d2h", 0.010, 500_000_000)  # the other direction is not the H2D link
     times.add_copy("h2d", 0.002, 20_000_000)
-    assert send(4) == pytest.approx((MIN_H2D_SAMPLE_BYTES - 1 + 20_000_000) / 0.003 / 1e9)
+    assert send(4) == pytest.approx(70_000_000 / 0.0022 / 1e9)
     assert [r.h2d_gbps for r in client.reports][:3] == [50.0, None, None]
+    times.add_copy("h2d", 0.005, MIN_H2D_SAMPLE_BYTES - 1)
+    assert send(5) is None  # too few bytes to say anything about the link
     plain = reporter(FakeClient(), DecisionInbox(), scheduler(), interval=1)  # pool=None: not layered
     report, _ = plain.end_step(batch, step=1, finished=(), is_decode=True, step_ms=1.0, layer_ms=None,
                                build_always=False)
@@ -247,10 +249,13 @@ def test_the_bandwidth_sample_reads_the_served_cores_account(monkeypatch: pytest
     from tests.dataplane.core_driver import offloaded_driver
 
     monkeypatch.setattr(step_reporter, "MIN_H2D_SAMPLE_BYTES", 1)  # toy shapes move a few KiB
+    monkeypatch.setattr(step_reporter, "MIN_H2D_SAMPLE_SECONDS", 0.0)
     d = offloaded_driver()
     for _ in range(3):
         assert d.step([("a", 1), ("b", 1)])
     times = d.core.transfer_times
+    assert d.core.link_account is None  # the CPU engine's copies are inside the layers: no sample
+    d.core.store.engine.copies_beside_compute = True  # as the CUDA engine's
     client = FakeClient()
     rep = StepReporter(
         scheduler=scheduler(), client=client, inbox=DecisionInbox(), pauser=PauseManager(),
