@@ -46,7 +46,7 @@ it: the launches are then counted once, in the compute.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from controlplane.model import Profile, step_time_ms
@@ -251,18 +251,7 @@ class ProfileTracker:
         def t(launch: float) -> float:
             return self._step_ms(placement, blocks, comp, rms, bw, recompute, launch)
 
-        lo, hi = 0.0, max(observed_step_ms, 0.0)
-        if t(lo) >= observed_step_ms:
-            return lo
-        if t(hi) <= observed_step_ms:
-            return hi
-        for _ in range(40):  # t is non-decreasing in the launch cost
-            mid = 0.5 * (lo + hi)
-            if t(mid) < observed_step_ms:
-                lo = mid
-            else:
-                hi = mid
-        return 0.5 * (lo + hi)
+        return _root(t, 0.0, max(observed_step_ms, 0.0), observed_step_ms, geometric=False)
 
     def _fit_gbps(
         self,
@@ -280,17 +269,9 @@ class ProfileTracker:
         def t(gbps: float) -> float:
             return self._step_ms(placement, blocks, comp, rms, self.bw_blocks_per_ms(gbps), recompute)
 
-        if t(hi) >= observed_step_ms:
-            return hi  # even a very fast link is too slow: compute explains it; keep bw high
-        if t(lo) <= observed_step_ms:
-            return lo
-        for _ in range(40):  # geometric bisection: t is non-increasing in bandwidth
-            mid = (lo * hi) ** 0.5
-            if t(mid) > observed_step_ms:
-                lo = mid
-            else:
-                hi = mid
-        return (lo * hi) ** 0.5
+        # t is non-increasing in bandwidth: a root of -t; a step even a very fast link leaves too
+        # slow is the compute's (the bandwidth stays high), one a very slow link cannot reach the link's
+        return _root(lambda gbps: -t(gbps), lo, hi, -observed_step_ms)
 
     def _fit_comp_scale(
         self,
@@ -309,15 +290,21 @@ class ProfileTracker:
             return self._step_ms(placement, blocks, [c * s for c in self._comp],
                                  None if rms is None else [x * s for x in rms], bw, recompute)
 
-        lo, hi = 1e-3, 1e3
-        if t(lo) >= observed_step_ms:
-            return lo
-        if t(hi) <= observed_step_ms:
-            return hi
-        for _ in range(40):  # t is non-decreasing in the compute scale
-            mid = (lo * hi) ** 0.5
-            if t(mid) < observed_step_ms:
-                lo = mid
-            else:
-                hi = mid
-        return (lo * hi) ** 0.5
+        return _root(t, 1e-3, 1e3, observed_step_ms)
+
+
+def _root(t: Callable[[float], float], lo: float, hi: float, target: float, *, geometric: bool = True) -> float:
+    """``x`` in ``[lo, hi]`` with ``t(x) == target`` for a ``t`` non-decreasing there, by 40
+    bisection steps (geometric: on ``log x``); ``lo`` when ``t(lo)`` already reaches it, ``hi``
+    when ``t(hi)`` does not."""
+    if t(lo) >= target:
+        return lo
+    if t(hi) <= target:
+        return hi
+    for _ in range(40):
+        mid = (lo * hi) ** 0.5 if geometric else 0.5 * (lo + hi)
+        if t(mid) < target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo * hi) ** 0.5 if geometric else 0.5 * (lo + hi)

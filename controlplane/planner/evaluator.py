@@ -358,32 +358,10 @@ class Evaluator:
         delay = launch * len({offl[c][0] for c in per_cand_k})
         v = 0.0
         t = 0.0
-        for layer in range(n_layers):
-            if delay:  # launch time: transfers flow, the layer has not started
-                end = t + delay
-                while heap:
-                    fv, g, dl = heap[0]
-                    t_done = t + (fv - v) * nact * inv
-                    if t_done > end:
-                        v += (end - t) * bw / nact
-                        break
-                    pop(heap)
-                    t, v = t_done, fv
-                    k = gk[g]
-                    nact -= k
-                    waiting[dl] -= k
-                t, delay = end, 0.0
-            if waiting[layer]:
-                while waiting[layer] > 0:
-                    fv, g, dl = pop(heap)
-                    t += (fv - v) * nact * inv
-                    v = fv
-                    k = gk[g]
-                    nact -= k
-                    waiting[dl] -= k
-            if t + suffix[layer] >= cutoff:
-                return math.inf
-            end = t + comp[layer]
+
+        def flow(end: float) -> None:
+            """Transfers keep flowing until ``end`` (a layer's compute, or launch time)."""
+            nonlocal t, v, nact
             while heap:
                 fv, g, dl = heap[0]
                 t_done = t + (fv - v) * nact * inv
@@ -396,6 +374,22 @@ class Evaluator:
                 nact -= k
                 waiting[dl] -= k
             t = end
+
+        for layer in range(n_layers):
+            if delay:  # launch time: transfers flow, the layer has not started
+                flow(t + delay)
+                delay = 0.0
+            if waiting[layer]:
+                while waiting[layer] > 0:
+                    fv, g, dl = pop(heap)
+                    t += (fv - v) * nact * inv
+                    v = fv
+                    k = gk[g]
+                    nact -= k
+                    waiting[dl] -= k
+            if t + suffix[layer] >= cutoff:
+                return math.inf
+            flow(t + comp[layer])
             targets = set()
             for c in at[layer]:
                 groups = by_cand.get(c)

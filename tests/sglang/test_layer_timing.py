@@ -120,18 +120,12 @@ def test_the_served_backend_marks_ready_after_the_pools_wait(clock: FakeClock):
 
     backend = SimpleNamespace(overhead_meter=None, layer_timer=LayerTimer(2, every=1), steady=False,
                               pool=SimpleNamespace(start_layer=0, enter_layer=enter_layer))
-    backend.layer_timer.begin(True)
-    for layer in range(2):
-        LayeredTorchNativeAttnBackend._begin_layer(backend, layer)
-        clock.t += 0.003
-    backend.layer_timer.end()
-    assert backend.layer_timer.take() == pytest.approx((3.0, 3.0))
-    assert backend.layer_timer.last_stall_ms == pytest.approx((10.0, 10.0))
-    backend.steady = True
-    backend.layer_timer.begin(True)
-    for layer in range(2):
-        LayeredTorchNativeAttnBackend._begin_layer(backend, layer)
-        clock.t += 0.003
-    backend.layer_timer.end()
-    assert backend.layer_timer.take() == pytest.approx((3.0, 3.0))
-    assert backend.layer_timer.last_stall_ms == (0.0, 0.0)
+    for steady, stall in ((False, 10.0), (True, 0.0)):
+        backend.steady = steady
+        backend.layer_timer.begin(True)
+        for layer in range(2):
+            LayeredTorchNativeAttnBackend._begin_layer(backend, layer)
+            clock.t += 0.003
+        backend.layer_timer.end()
+        assert backend.layer_timer.take() == pytest.approx((3.0, 3.0))
+        assert backend.layer_timer.last_stall_ms == pytest.approx((stall, stall))
