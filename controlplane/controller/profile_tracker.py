@@ -26,22 +26,26 @@ ratio of the new to the old summed layer compute: the recomputed tokens run thro
 layers on the same device, so a slowdown the profile learns applies to them too.
 
 **Fetch launches** (``Profile.fetch_launch_ms``, :mod:`controlplane.model.timeline`): the host
-cost of one fetch launch is a time constant of the timeline like the compute, so the homogeneous
-update of a placement that fetched scales it by ``s`` too (one that fetched nothing launched
-nothing: no evidence, as for the bandwidth). When the worker sampled both the layers' compute and the bandwidth
-of a step whose placement fetched, the gap those samples leave is the launches': the target is
-the launch cost at which the timeline reproduces the observed step (bisection; the step time is
-non-decreasing in it), 0 when the samples alone already reach it. On a GPU an eager forward's
-host issues each launch before the next layer's kernels, so this is what a hidden fetch still
-costs (``kvplane gpu-check``'s overlap figure: +28-40% of the step on an H200 at 16 launches,
-with the model's stall at 0). The SGLang worker samples both on CUDA: its bandwidth is the data
-plane's timed H2D bytes over their seconds (none on the CPU engine, whose synchronous copies are
-inside the layer samples), its layer times run from the layer's ready mark (after its wait on
-fetches) to the next layer's entry. A bandwidth sample moves the link only when the placement
-that ran transferred. Those leave out the stalls but carry the host time a
-layer's end spends issuing launches where the host sets the pace, so there the fit finds what
-the samples leave (often 0) and a ``--kv-profile`` value (``kvplane gpu-check``'s fit) decays to
-it: the launches are then counted once, in the compute.
+cost of one fetch launch, what a fetch the model hides still adds to the step (on a GPU an eager
+forward's host issues each launch before the next layer's kernels: ``kvplane gpu-check``'s
+overlap figure was +28-40% of the step on an H200 at 16 launches, with the model's stall at 0).
+
+* It is a time constant of the timeline like the compute, so the homogeneous update of a
+  placement that fetched scales it by ``s`` too (one that fetched nothing launched nothing: no
+  evidence, as for the bandwidth).
+* When the worker sampled both the layers' compute and the bandwidth of a *steady* step (the
+  placement of the step before ran again: a new one also moved pages) whose placement fetched,
+  the gap the samples leave is the launches': the target is the launch cost at which the
+  timeline reproduces the observed step (bisection; 0 when the samples alone reach it).
+* A bandwidth sample moves the link only when the placement that ran transferred.
+
+The SGLang worker samples both on CUDA: the bandwidth is the data plane's timed H2D bytes over
+their seconds (none on the CPU engine, whose synchronous copies are inside the layer samples);
+a layer's time runs from its ready mark (after its wait on fetches) to the next layer's entry.
+The layer times leave out the stalls but carry the host time a layer's end spends issuing
+launches where the host sets the pace, so there the fit finds what the samples leave (often 0)
+and a ``--kv-profile`` value (``kvplane gpu-check``'s fit) decays to it: the launches are then
+counted once, in the compute.
 """
 
 from __future__ import annotations
