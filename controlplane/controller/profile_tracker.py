@@ -234,6 +234,13 @@ class ProfileTracker:
             old_comp, self._comp, old_gbps, self._gbps, observed_step_ms, predicted_step_ms, old_launch, self._launch
         )
 
+    def _rms_with(self, comp: Sequence[float]) -> list[float] | None:
+        """The recompute cost scaled to ``comp`` (the compute a fit holds fixed), as the update
+        scales it after the fit."""
+        if self._rms is None:
+            return None
+        return [x * sum(comp) / self._all_gpu_ms if self._all_gpu_ms else x for x in self._rms]
+
     def _fit_launch(
         self,
         comp: Sequence[float],
@@ -249,8 +256,7 @@ class ProfileTracker:
         the link to another one (``Evaluator``'s docstring), so this is a root, not always the
         smallest."""
         bw = self.bw_blocks_per_ms(gbps)
-        rms = None if self._rms is None else [x * sum(comp) / self._all_gpu_ms if self._all_gpu_ms else x
-                                              for x in self._rms]
+        rms = self._rms_with(comp)
 
         def t(launch: float) -> float:
             return self._step_ms(placement, blocks, comp, rms, bw, recompute, launch)
@@ -267,8 +273,7 @@ class ProfileTracker:
     ) -> float:
         """Bandwidth at which the timeline reproduces ``observed_step_ms`` (clamped to 1e-3..1e3x)."""
         lo, hi = self._gbps * 1e-3, self._gbps * 1e3
-        rms = None if self._rms is None else [x * sum(comp) / self._all_gpu_ms if self._all_gpu_ms else x
-                                              for x in self._rms]
+        rms = self._rms_with(comp)
 
         def t(gbps: float) -> float:
             return self._step_ms(placement, blocks, comp, rms, self.bw_blocks_per_ms(gbps), recompute)

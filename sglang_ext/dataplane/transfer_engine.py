@@ -57,6 +57,11 @@ launch, and a slot must not come round within one boundary (its release would th
 step the GPU is still running)."""
 
 
+def _rows_bytes(src: torch.Tensor, idx: torch.Tensor) -> int:
+    """Bytes a launch copying rows ``idx`` of the 2-D ``src`` moves (booked with its seconds)."""
+    return int(idx.shape[0]) * src.shape[1] * src.element_size()
+
+
 @dataclass
 class TransferStats:
     """Counters since construction (host-side bookkeeping, no device reads)."""
@@ -204,7 +209,7 @@ class CpuTransferEngine(TransferEngine):
     def _launch(self, kind, src, dst, src_idx, dst_idx, wait, host_idx, keep=()):  # noqa: ANN001, ANN202
         token = self.clock.start(kind)
         dst.index_copy_(0, dst_idx, src.index_select(0, src_idx))
-        self.clock.stop(kind, token, nbytes=int(src_idx.shape[0]) * src.shape[1] * src.element_size())
+        self.clock.stop(kind, token, nbytes=_rows_bytes(src, src_idx))
         self._seq += 1
         return CpuEvent(kind, self._seq)
 
@@ -350,7 +355,7 @@ class CudaTransferEngine(TransferEngine):
                 dst[d_i].copy_(src[s_i], non_blocking=True)
 
         return self._on_stream(kind, wait, copy, (src_idx, dst_idx, *keep),
-                               int(src_idx.shape[0]) * src.shape[1] * src.element_size())
+                               _rows_bytes(src, src_idx))
 
     def _fetch(self, spec: PageFetch, wait: Sequence[Any]) -> Any:
         nbytes = spec.segments * self.segment_bytes

@@ -92,8 +92,6 @@ class OverlapCheck:
     def __init__(self, check: Any) -> None:
         self.check = check
         self.details: dict[str, Any] = {}
-        self._scaled: list[float] = []
-        """The layers' compute scaled to the all-resident step timed in :meth:`run`."""
 
     def _choose(self, comp_ms: list[float], bw: float, resident_ms: float) -> tuple[float, list, float]:
         """(share, rows, the model's stall ms) of the placement to measure."""
@@ -147,10 +145,12 @@ class OverlapCheck:
                 else:
                     dma_error = engine.dma_error
         rel = (hidden_ms - resident_ms) / resident_ms
-        launches, launch_ms = self._launch_cost(rows, comp_ms, bw_blocks_per_ms, resident_ms, hidden_ms)
-        blocks = b.blocks(1)
-        model_ms = (step_time_ms(rows, blocks, self._scaled, bw_blocks_per_ms),
-                    step_time_ms(rows, blocks, self._scaled, bw_blocks_per_ms, launch_ms=launch_ms))
+        # the layers' compute scaled to the all-resident step timed here
+        scaled = [x * resident_ms / sum(comp_ms) for x in comp_ms] if sum(comp_ms) > 0 else list(comp_ms)
+        launch_ms = self._launch_cost(rows, scaled, bw_blocks_per_ms, hidden_ms)
+        launches, blocks = launch_count(rows), b.blocks(1)
+        model_ms = (step_time_ms(rows, blocks, scaled, bw_blocks_per_ms),
+                    step_time_ms(rows, blocks, scaled, bw_blocks_per_ms, launch_ms=launch_ms))
         self.details = {
             "share": share, "offloaded_layer_pages": offloaded,
             "offloaded_layers_per_request": [r.count(0) for r in rows], "model_stall_ms": model_stall,
@@ -186,20 +186,17 @@ class OverlapCheck:
                 f"{model_ms[0]:.2f} ms without launch cost, {model_ms[1]:.2f} ms with the fitted one"),
             *self._dma_figures(resident_ms, link_by_programs or {}, cuda)]
 
-    def _launch_cost(self, rows: list, comp_ms: list[float], bw: float, resident_ms: float,
-                     hidden_ms: float) -> tuple[int, float]:
-        """(launches a step, fitted ``fetch_launch_ms``) of the hidden placement: the controller's
-        update with both samples (the layers' compute scaled to the resident step timed here, the
-        bandwidth the check measured) attributes the rest of the observed step to the launches."""
-        scale = resident_ms / sum(comp_ms) if sum(comp_ms) > 0 else 1.0
-        self._scaled = [x * scale for x in comp_ms]
+    def _launch_cost(self, rows: list, comp_ms: list[float], bw: float, hidden_ms: float) -> float:
+        """The fitted ``fetch_launch_ms`` of the hidden placement: the controller's update with
+        both samples (``comp_ms``, the bandwidth the check measured) attributes the rest of the
+        observed step to the launches."""
         block_bytes = self.check.config.layer_page_bytes
         gbps = bw * block_bytes / 1e6
-        tracker = ProfileTracker(Profile(tuple(self._scaled)), gbps, block_bytes)
+        tracker = ProfileTracker(Profile(tuple(comp_ms)), gbps, block_bytes)
         blocks = self.check.batch.blocks(1)
         tracker.update(ewma_factor=1.0, observed_step_ms=hidden_ms, predicted_step_ms=tracker.predict_step_ms(rows, blocks),
-                       placement=rows, blocks=blocks, layer_compute_sample_ms=tuple(self._scaled), h2d_gbps_sample=gbps)
-        return launch_count(rows), tracker.fetch_launch_ms
+                       placement=rows, blocks=blocks, layer_compute_sample_ms=tuple(comp_ms), h2d_gbps_sample=gbps)
+        return tracker.fetch_launch_ms
 
     def _placed_on_copy_engines(self, engine: Any) -> dict[str, Any] | None:
         """The check's half-offloaded placement (installed on entry: transfer-bound, ~10^4
