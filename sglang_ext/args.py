@@ -34,6 +34,8 @@ RADIX_BACKEND_NAME = "layered"
 MAX_HOST_POOL_GB = 1 << 16
 MAX_GPU_BUDGET_TOKENS = 1 << 40
 MAX_REPORT_INTERVAL = 1024
+QUIET_REPORT_FACTOR = 4
+"""``--kv-report-quiet-interval``'s default, in ``--kv-report-interval``s."""
 MAX_COPY_PROGRAMS = 4096
 COPY_ENGINES = ("triton", "dma")
 """``--kv-copy-engine`` values (``SlotStoreConfig.copy_engine``)."""
@@ -87,6 +89,11 @@ class LayeredKVArgs:
     """Steady decode steps coalesced into one report to the control plane, in [1, 1024]; 1 =
     report every step. A step that changes anything (arrival, finish, queue, pause, plan expiry,
     an outage) is always reported at once (see ``sglang_ext.step_reporter``)."""
+    kv_report_quiet_interval: int | None = None
+    """Steady decode steps per report in a *quiet* stretch (nothing offloaded, recomputed or
+    newly decided, the step time steady; ``sglang_ext.step_reporter``), in
+    [``kv_report_interval``, 1024]; None: ``4 * kv_report_interval`` (capped at 1024). Equal to
+    ``kv_report_interval``: no quiet cadence."""
     kv_profile: str | None = None
     """A ``kvplane profile`` file (:class:`~sglang_ext.dataplane.profile_schema.DeviceProfile`:
     per-layer compute, H2D/D2H GB/s) that seeds the controller's profile; must exist and parse.
@@ -181,6 +188,14 @@ class LayeredKVArgs:
             raise ValueError(
                 f"--kv-report-interval={every!r} is out of range [1, {MAX_REPORT_INTERVAL}] (steps)"
             )
+        quiet = self.kv_report_quiet_interval
+        if quiet is not None and (
+            isinstance(quiet, bool) or not isinstance(quiet, int) or not every <= quiet <= MAX_REPORT_INTERVAL
+        ):
+            raise ValueError(
+                f"--kv-report-quiet-interval={quiet!r} is out of range [{every}, {MAX_REPORT_INTERVAL}] "
+                "(steps; at least --kv-report-interval)"
+            )
         ratio = self.kv_recompute_ratio
         if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 <= ratio < 1:
             raise ValueError(f"--kv-recompute-ratio={ratio!r} is out of range [0, 1)")
@@ -258,6 +273,12 @@ class LayeredKVArgs:
         """Port of a ``grpc://`` control plane, None when embedded."""
         match = _GRPC_TARGET.match(self.kv_control_plane)
         return int(match.group("port")) if match else None
+
+    @property
+    def report_quiet_interval(self) -> int:
+        """``kv_report_quiet_interval``, its default resolved (``4 * kv_report_interval``)."""
+        quiet = self.kv_report_quiet_interval
+        return min(QUIET_REPORT_FACTOR * self.kv_report_interval, MAX_REPORT_INTERVAL) if quiet is None else quiet
 
     @property
     def pacing(self) -> bool:
@@ -373,6 +394,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> bool:
         default=_DEFAULTS.kv_report_interval,
         help="Steady decode steps per report to the control plane (changes are reported at "
         f"once); 1 = every step; [1, {MAX_REPORT_INTERVAL}].",
+    )
+    group.add_argument(
+        "--kv-report-quiet-interval",
+        type=int,
+        default=None,
+        help="Steady decode steps per report while nothing is offloaded and the step time is "
+        "steady (default: 4 x --kv-report-interval); equal to --kv-report-interval turns the "
+        f"quiet cadence off; [--kv-report-interval, {MAX_REPORT_INTERVAL}].",
     )
     group.add_argument(
         "--kv-profile",

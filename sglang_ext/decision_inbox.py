@@ -13,6 +13,12 @@ from __future__ import annotations
 from controlplane.api import Decision
 
 
+def _offloads(decision: Decision) -> bool:
+    plan = decision.plan
+    return bool(decision.pause or decision.resume or plan.recompute_blocks
+                or any(0 in row for row in plan.placements.values()))
+
+
 class DecisionInbox:
     """Decisions received and not yet installed, their expiry, and the deferred pauses."""
 
@@ -21,6 +27,9 @@ class DecisionInbox:
         """Received since the last boundary, oldest first."""
         self.expiry_step = 0
         """Expiry step of the newest decision received."""
+        self.received_offloading = 0
+        """Decisions received so far that keep anything off the GPU: a layer on host, a
+        recomputed prefix, a pause or a resume (the step reporter's quiet cadence ends at one)."""
         self.deferred_pause: dict[str, int] = {}
         """Requests to pause once they join the running batch -> the step the pause was decided."""
 
@@ -30,6 +39,7 @@ class DecisionInbox:
         if decisions:
             self.expiry_step = decisions[-1].expiry_step
             self.pending.extend(decisions)
+            self.received_offloading += sum(map(_offloads, decisions))
 
     def take(self) -> list[Decision]:
         """The pending decisions, oldest first; the inbox keeps none."""

@@ -188,6 +188,7 @@ class SchedulerHooks:
                 layers=self.layers,
                 page_size=self.page_size,
                 report_interval=args.kv_report_interval,
+                quiet_interval=args.report_quiet_interval,
                 t0=t0,
             )
             if self.env.stats_file is not None:

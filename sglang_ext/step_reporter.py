@@ -11,7 +11,15 @@ least :data:`MIN_H2D_SAMPLE_BYTES` over :data:`MIN_H2D_SAMPLE_SECONDS` were time
 :class:`~sglang_ext.decision_inbox.DecisionInbox` for the next boundary.
 
 Steady decode steps are coalesced (:meth:`StepReporter._coalesce`), up to
-``--kv-report-interval`` per report; any change is reported the step it happens.
+``--kv-report-interval`` per report; any change is reported the step it happens. A *quiet*
+stretch -- every running request on the GPU at every layer, nothing recomputed, no decision
+since the last report that offloads, recomputes, pauses or resumes anything, and the mean decode step steady (within :data:`QUIET_DRIFT` of the last
+report's for :data:`QUIET_AFTER` reports in a row and in the current stretch) -- is coalesced up
+to ``--kv-report-quiet-interval`` steps instead: with nothing to move the controller has nothing to
+re-place, and its profile has seen that step time already. A stretch whose step time drifts
+goes back to the base interval at once (reported as soon as ``--kv-report-interval`` steps have
+passed), so the controller's profile-mismatch trigger (OrbitFlow §3.4) sees a change as early
+as before.
 """
 
 from __future__ import annotations
@@ -32,6 +40,12 @@ MIN_H2D_SAMPLE_BYTES = 1 << 20
 not the link)."""
 MIN_H2D_SAMPLE_SECONDS = 1e-3
 """...nor less time timed (one short copy of a large launch)."""
+QUIET_DRIFT = 0.1
+"""A steady stretch is quiet while its mean decode step stays within this fraction of the last
+report's (half the controller's default ``mismatch_threshold``, 0.2)."""
+QUIET_AFTER = 2
+"""Reports in a row whose mean decode step stayed within :data:`QUIET_DRIFT` of the one before
+them, before a stretch may be quiet (the controller has then seen that step time three times)."""
 
 
 class StepReporter:
@@ -49,6 +63,7 @@ class StepReporter:
         layers: int,
         page_size: int,
         report_interval: int,
+        quiet_interval: int | None = None,
         t0: float | None = None,
     ) -> None:
         self.scheduler = scheduler
@@ -60,6 +75,9 @@ class StepReporter:
         self.layers = layers
         self.page_size = page_size
         self.report_interval = report_interval
+        self.quiet_interval = report_interval if quiet_interval is None else max(quiet_interval, report_interval)
+        """Steady decode steps per report in a quiet stretch (module docstring); None: as
+        ``report_interval``."""
         self._t0 = time.monotonic() if t0 is None else t0
         self._first_seen_ms: dict[str, float] = {}
         self._fixed: dict[str, tuple[Any, int, int | None, float | None]] = {}
@@ -74,6 +92,15 @@ class StepReporter:
         self._sent_rids: tuple[str, ...] = ()
         self._h2d_sent = (0, 0.0)
         """H2D bytes and seconds the data plane had timed at the last report."""
+        self._sent_ms: float | None = None
+        """The mean decode step of the last report that had one."""
+        self._steady_reports = 0
+        """Reports in a row whose mean decode step stayed within QUIET_DRIFT of the one before."""
+        self._all_gpu = False
+        """The last report's running requests were all on the GPU at every layer, none paused
+        or recomputing."""
+        self._sent_decisions = 0
+        """``inbox.received_offloading`` at the last report."""
         self.reports = 0
         """Reports sent to the control plane."""
 
@@ -106,11 +133,35 @@ class StepReporter:
         if send and (gbps := self._h2d_gbps()) is not None:
             report = dataclasses.replace(report, h2d_gbps=gbps)
         if send:
+            self._sent(report, observed)
+            self._sent_decisions = self.inbox.received_offloading  # one in the answer ends quiet
             self.inbox.receive(self.client.report(report))
             self._decode_ms, self._decode_steps, self._layer_ms = 0.0, 0, None
             self._sent_step, self._sent_rids = step, self._rids(batch)
             self.reports += 1
         return report, send
+
+    def _sent(self, report: StepReport, observed: float | None) -> None:
+        """What the quiet cadence keeps of a report about to be sent (module docstring)."""
+        if self.quiet_interval == self.report_interval:
+            return
+        if observed is not None:
+            last = self._sent_ms
+            steady = last is not None and abs(observed - last) <= QUIET_DRIFT * last
+            self._steady_reports = self._steady_reports + 1 if steady else 0
+            self._sent_ms = observed
+        layers, installer = self.layers, self.installer
+        self._all_gpu = bool(report.running) and not any(
+            r.paused or (r.gpu_layers is not None and r.gpu_layers != layers) for r in report.running
+        ) and not (installer.uncached and any(installer.uncached.get(r.id) for r in report.running))
+
+    def _quiet(self) -> bool:
+        """This steady stretch may wait up to ``quiet_interval`` steps (module docstring)."""
+        sent = self._sent_ms
+        if (not self._all_gpu or self._steady_reports < QUIET_AFTER or sent is None or not self._decode_steps
+                or self.inbox.received_offloading != self._sent_decisions):
+            return False
+        return abs(self._decode_ms / self._decode_steps - sent) <= QUIET_DRIFT * sent
 
     def _h2d_gbps(self) -> float | None:
         """The H2D bandwidth of the copies timed since the last sample (None: too few bytes yet,
@@ -130,22 +181,27 @@ class StepReporter:
         return tuple(r.rid for r in batch.reqs)
 
     def _coalesce(self, batch: Any, step: int, finished: tuple[str, ...], is_decode: bool) -> bool:
-        """Whether this step's report may wait for the next one (``--kv-report-interval``).
+        """Whether this step's report may wait for the next one (``--kv-report-interval``, or
+        ``--kv-report-quiet-interval`` in a quiet stretch: :meth:`_quiet`).
 
         Only a steady decode step waits: the same requests as the last report, nothing finished,
-        queued or paused, the installed plan not expired, the control plane reachable, fewer
-        than ``interval`` steps since the last report. Everything the controller acts on
-        (OrbitFlow §3.4's batch-change and expiry triggers, admissions, pause state, outages)
-        is therefore reported the step it happens; a steady stretch reaches it as one report
-        with the mean decode step time (the profile-mismatch trigger sees it at most
-        ``interval - 1`` steps late) and each request's tokens generated since.
+        queued or paused, the installed plan's expiry not reached since the last report, the
+        control plane reachable, fewer than ``interval`` steps since the last report. Everything
+        the controller acts on (OrbitFlow §3.4's batch-change and expiry triggers, admissions,
+        pause state, outages) is therefore reported the step it happens; a steady stretch
+        reaches it as one report with the mean decode step time (the profile-mismatch trigger
+        sees it at most ``interval - 1`` steps late, or ``quiet_interval - 1`` in a quiet
+        stretch) and each request's tokens generated since. An expiry is reported once: while
+        the controller plans, the steps after it wait for the next decision as usual (the
+        controller does not fire a second expiry while it plans).
         """
         inbox = self.inbox
+        gap = step - self._sent_step
         return (
             is_decode
             and not finished
-            and step - self._sent_step < self.report_interval
-            and step < inbox.expiry_step
+            and (gap < self.report_interval or (gap < self.quiet_interval and self._quiet()))
+            and (step < inbox.expiry_step or self._sent_step >= inbox.expiry_step)  # expiry: once
             and not self.scheduler.waiting_queue
             and not len(self.pauser)
             and not inbox.deferred_pause

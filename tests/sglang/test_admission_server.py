@@ -96,13 +96,15 @@ def test_sampled_per_layer_timings_are_reported(gated):
 
 
 def test_steady_decode_steps_are_coalesced_and_changes_reported_at_once(gated):
-    """--kv-report-interval (default 8): a steady decode step may wait for the next report, at
-    most 7 in a row; a step that finishes a request, holds a queue, pauses or prefills is
-    reported the step it happens."""
+    """--kv-report-interval (default 8): a steady decode step may wait for the next report; a
+    step that finishes a request, holds a queue, pauses or prefills is reported the step it
+    happens. Nothing is offloaded here, so a long stretch whose step time holds steady turns
+    quiet (--kv-report-quiet-interval, default 32): more than 7 steps wait in a row there, never
+    more than 31."""
     server, stats_path = gated
     start = len(stats_path.read_text().splitlines())
     _burst(server)
-    greedy(server, PROMPTS[6], max_new_tokens=40)  # a long steady stretch of one request
+    greedy(server, PROMPTS[6], max_new_tokens=160)  # a long steady stretch of one request
     steps = read_jsonl(stats_path, start)
     assert any(not s["reported"] for s in steps), "no steady step was coalesced"
     for s in steps:
@@ -112,7 +114,7 @@ def test_steady_decode_steps_are_coalesced_and_changes_reported_at_once(gated):
     for s in steps:
         run = 0 if s["reported"] else run + 1
         longest = max(longest, run)
-    assert longest <= 7
+    assert 7 < longest <= 31, longest
 
 
 def test_the_served_pool_journals_steady_decode_and_batches_request_ends(gated):

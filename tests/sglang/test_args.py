@@ -50,13 +50,16 @@ def test_full_flag_set_parses(tmp_path):
         "--kv-tls-key", str(files["key"]),
         "--kv-policy-token-file", str(files["tok"]),
         "--kv-report-interval", "1",
+        "--kv-report-quiet-interval", "6",
         "--kv-recompute-ratio", "0.25",
         "--kv-recompute-layers", "2",
         "--kv-copy-programs", "32",
         "--kv-copy-engine", "dma",
     )
     assert args.enable_layered_kv and args.kv_host_pool_gb == 2.5 and not args.pacing
-    assert args.kv_report_interval == 1
+    assert args.kv_report_interval == 1 and args.report_quiet_interval == 6
+    assert LayeredKVArgs().report_quiet_interval == 32  # 4 x the default interval 8
+    assert LayeredKVArgs(kv_report_interval=300).report_quiet_interval == 1024  # capped
     assert (args.kv_recompute_ratio, args.kv_recompute_layers) == (0.25, 2)
     assert args.kv_copy_programs == 32 and LayeredKVArgs().kv_copy_programs is None
     assert args.kv_copy_engine == "dma" and LayeredKVArgs().kv_copy_engine == "triton"
@@ -76,6 +79,10 @@ def test_full_flag_set_parses(tmp_path):
         (["--kv-policy", "/nonexistent/policy.yaml"], "--kv-policy='/nonexistent/policy.yaml': no such file"),
         (["--kv-report-interval", "0"], "--kv-report-interval=0 is out of range [1, 1024] (steps)"),
         (["--kv-report-interval", "5000"], "--kv-report-interval=5000 is out of range [1, 1024]"),
+        (["--kv-report-quiet-interval", "4"],
+         "--kv-report-quiet-interval=4 is out of range [8, 1024] (steps; at least --kv-report-interval)"),
+        (["--kv-report-interval", "2", "--kv-report-quiet-interval", "2000"],
+         "--kv-report-quiet-interval=2000 is out of range [2, 1024]"),
         (["--kv-recompute-ratio", "1"], "--kv-recompute-ratio=1.0 is out of range [0, 1)"),
         (["--kv-recompute-ratio", "-0.1"], "--kv-recompute-ratio=-0.1 is out of range [0, 1)"),
         (["--kv-recompute-layers", "-2"], "--kv-recompute-layers=-2 is out of range [0, model layers]"),

@@ -65,11 +65,12 @@ def scheduler(*queued: str) -> SimpleNamespace:
     )
 
 
-def reporter(client: FakeClient, inbox: DecisionInbox, sched: Any, interval: int = 4) -> StepReporter:
+def reporter(client: FakeClient, inbox: DecisionInbox, sched: Any, interval: int = 4, quiet: int | None = None,
+             installer: PlacementInstaller | None = None) -> StepReporter:
     return StepReporter(
         scheduler=sched, client=client, inbox=inbox, pauser=PauseManager(),
-        installer=PlacementInstaller(None, LAYERS), pool=None, layers=LAYERS, page_size=1,
-        report_interval=interval,
+        installer=installer or PlacementInstaller(None, LAYERS), pool=None, layers=LAYERS, page_size=1,
+        report_interval=interval, quiet_interval=quiet,
     )
 
 
@@ -266,3 +267,85 @@ def test_the_bandwidth_sample_reads_the_served_cores_account(monkeypatch: pytest
                                 layer_ms=None, build_always=False)
     assert sent and report is not None and times.h2d_bytes > 0
     assert report.h2d_gbps == pytest.approx(times.h2d_bytes / times.h2d_s / 1e9)
+
+
+def _cadence(rep: StepReporter, inbox: DecisionInbox, times: list[float], start: int = 1,
+             answers: dict[int, list[Decision]] | None = None) -> list[int]:
+    """Steady decode steps of requests a and b taking ``times`` ms; the steps reported. The
+    boundary installs what came back; ``answers[step]`` arrive with that step's report."""
+    client = rep.client
+    batch = SimpleNamespace(reqs=[req("a"), req("b")])
+    sent = []
+    for step, ms in enumerate(times, start=start):
+        inbox.take()
+        client.answers = [(answers or {}).get(step, [])]
+        _, was_sent = rep.end_step(batch, step=step, finished=(), is_decode=True, step_ms=ms, layer_ms=None,
+                                   build_always=False)
+        if was_sent:
+            sent.append(step)
+    return sent
+
+
+def test_a_quiet_stretch_is_reported_at_the_quiet_interval() -> None:
+    """Nothing offloaded and the step time steady for QUIET_AFTER reports: the stretch waits up to
+    the quiet interval; without a quiet interval (the negative control) the base one holds."""
+    inbox = DecisionInbox()
+    inbox.receive([decision(1000)])
+    quiet = reporter(FakeClient(), inbox, scheduler(), interval=2, quiet=8)
+    # reports at 1 (first), 3, 5 (two steady reports in a row), then quiet: 13, 21
+    assert _cadence(quiet, inbox, [10.0] * 24) == [1, 3, 5, 13, 21]
+    assert [r.observed_step_ms for r in quiet.client.reports][-1] == 10.0  # the stretch's mean
+    inbox = DecisionInbox()
+    inbox.receive([decision(1000)])
+    base = reporter(FakeClient(), inbox, scheduler(), interval=2)
+    assert _cadence(base, inbox, [10.0] * 24) == list(range(1, 24, 2))
+
+
+def test_a_drifting_step_time_goes_back_to_the_base_interval() -> None:
+    """A stretch whose mean step moves more than QUIET_DRIFT from the last report's is reported
+    once the base interval has passed; a small wobble stays quiet; steadiness is earned again."""
+    from sglang_ext.step_reporter import QUIET_DRIFT
+
+    inbox = DecisionInbox()
+    inbox.receive([decision(1000)])
+    rep = reporter(FakeClient(), inbox, scheduler(), interval=2, quiet=8)
+    wobble = 10.0 * (1 + QUIET_DRIFT * 0.9)
+    times = [10.0] * 6 + [wobble, 10.0] * 2 + [13.0] * 14
+    # quiet from 5; steps 6-10 wobble within the drift, and so does the stretch's mean with the
+    # first 13 ms step (11: 10.8 ms); at 12 it is 11.1 ms: drifted, reported. 14 (13 ms against
+    # 11.1) is not steady; 16 and 18 are, so the next report would be at 26
+    assert _cadence(rep, inbox, times) == [1, 3, 5, 12, 14, 16, 18]
+    assert [round(r.observed_step_ms, 2) for r in rep.client.reports][3:5] == [11.11, 13.0]
+
+
+def test_offloading_a_decision_or_a_request_off_the_gpu_ends_the_quiet_cadence() -> None:
+    """A decision that puts a layer on host (received with a report) ends quiet until reports
+    show every request on the GPU again; a request with a host layer keeps the base interval."""
+    inbox = DecisionInbox()
+    inbox.receive([decision(1000)])
+    rep = reporter(FakeClient(), inbox, scheduler(), interval=2, quiet=8)
+    offload = decision(1000, placements={"a": (1, 0), "b": (1, 1)})
+    assert inbox.received_offloading == 0
+    assert _cadence(rep, inbox, [10.0] * 16, answers={5: [offload]}) == [1, 3, 5, 7, 15]
+    assert inbox.received_offloading == 1
+    identity = decision(1000, placements={"a": (1, 1), "b": (1, 1)})
+    inbox.receive([identity])  # an all-GPU decision does not
+    assert inbox.received_offloading == 1
+    installer = PlacementInstaller(SimpleNamespace(update_residency=lambda wants: None), LAYERS)
+    installer.placements.update({"a": (1, 0), "b": (1, 1)})
+    inbox = DecisionInbox()
+    inbox.receive([decision(1000)])
+    placed = reporter(FakeClient(), inbox, scheduler(), interval=2, quiet=8, installer=installer)
+    assert _cadence(placed, inbox, [10.0] * 16) == list(range(1, 16, 2))
+    assert placed.client.reports[-1].running[0].gpu_layers == 1
+
+
+def test_an_expiry_is_reported_once() -> None:
+    """The step at the installed plan's expiry is reported; the steps after it wait as usual
+    until the next decision, whose own expiry is reported again."""
+    inbox = DecisionInbox()
+    inbox.receive([decision(4)])
+    rep = reporter(FakeClient(), inbox, scheduler(), interval=100)
+    assert _cadence(rep, inbox, [10.0] * 8) == [1, 4]
+    inbox.receive([decision(9)])
+    assert _cadence(rep, inbox, [10.0] * 4, start=9) == [9]
