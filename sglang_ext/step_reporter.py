@@ -137,7 +137,9 @@ class StepReporter:
             self._sent_decisions = self.inbox.received_offloading  # one in the answer ends quiet
             self.inbox.receive(self.client.report(report))
             self._decode_ms, self._decode_steps, self._layer_ms = 0.0, 0, None
-            self._sent_step, self._sent_rids = step, self._rids(batch)
+            # the requests the controller now knows run (a prefill's report names the running
+            # batch too, so the decode step that merges them is no batch change)
+            self._sent_step, self._sent_rids = step, tuple([r.id for r in report.running])
             self.reports += 1
         return report, send
 
@@ -184,9 +186,10 @@ class StepReporter:
         """Whether this step's report may wait for the next one (``--kv-report-interval``, or
         ``--kv-report-quiet-interval`` in a quiet stretch: :meth:`_quiet`).
 
-        Only a steady decode step waits: the same requests as the last report, nothing finished,
-        queued or paused, the installed plan's expiry not reached since the last report, the
-        control plane reachable, fewer than ``interval`` steps since the last report. Everything
+        Only a steady decode step waits: the same requests (in order) as the last report's
+        running ones, nothing finished, queued or paused, the installed plan's expiry not reached
+        since the last report, the control plane reachable, fewer than ``interval`` steps since
+        the last report. Everything
         the controller acts on (OrbitFlow §3.4's batch-change and expiry triggers, admissions,
         pause state, outages) is therefore reported the step it happens; a steady stretch
         reaches it as one report with the mean decode step time (the profile-mismatch trigger

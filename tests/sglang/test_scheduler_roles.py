@@ -349,3 +349,32 @@ def test_an_expiry_is_reported_once() -> None:
     assert _cadence(rep, inbox, [10.0] * 8) == [1, 4]
     inbox.receive([decision(9)])
     assert _cadence(rep, inbox, [10.0] * 4, start=9) == [9]
+
+
+def test_the_decode_step_after_a_prefill_or_a_finish_is_no_batch_change() -> None:
+    """A prefill's report names the running batch and the new requests; a finish's names those
+    left. The next decode step of exactly those requests is steady (coalesced); a request the
+    last report did not name is reported at once."""
+    client, inbox = FakeClient(), DecisionInbox()
+    inbox.receive([decision(100)])
+    inbox.take()  # installed
+    sched = scheduler()
+    a, b, c = req("a"), req("b"), req("c")
+    sched.running_batch = SimpleNamespace(reqs=[a])
+    rep = reporter(client, inbox, sched, interval=8)
+
+    def end(batch_reqs: list[Any], step: int, decode: bool = True, finished: tuple[str, ...] = ()) -> bool:
+        return rep.end_step(SimpleNamespace(reqs=batch_reqs), step=step, finished=finished, is_decode=decode,
+                            step_ms=1.0, layer_ms=None, build_always=False)[1]
+
+    assert end([b], 1, decode=False)  # prefill of b beside the running a
+    assert [r.id for r in client.reports[-1].running] == ["a", "b"]
+    merged = [a, b]
+    sched.running_batch = SimpleNamespace(reqs=merged)
+    assert not end(merged, 2)  # the merged decode batch: the requests the report named
+    b.finished = lambda: True
+    assert end(merged, 3, finished=("b",))
+    sched.running_batch = SimpleNamespace(reqs=[a])
+    assert not end([a], 4)  # b filtered out: the requests the finish's report named
+    sched.running_batch = SimpleNamespace(reqs=[a, c])
+    assert end([a, c], 5)  # c was never reported
