@@ -109,6 +109,8 @@ class LayeredRadixCache(RadixCache):
                 return original_free(free_index)
 
             def free_group_end() -> Any:
+                if not deferred:  # nothing freed in the group (SGLang opens one every decode step):
+                    return original_group_end()  # nothing of kvplane's to do, nothing to meter
                 flushing[0] = True
                 try:
                     result = original_group_end()
