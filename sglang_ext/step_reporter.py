@@ -12,14 +12,14 @@ least :data:`MIN_H2D_SAMPLE_BYTES` over :data:`MIN_H2D_SAMPLE_SECONDS` were time
 
 Steady decode steps are coalesced (:meth:`StepReporter._coalesce`), up to
 ``--kv-report-interval`` per report; any change is reported the step it happens. A *quiet*
-stretch -- every running request on the GPU at every layer, nothing recomputed, no decision
-since the last report that offloads, recomputes, pauses or resumes anything, and the mean decode step steady (within :data:`QUIET_DRIFT` of the last
-report's for :data:`QUIET_AFTER` reports in a row and in the current stretch) -- is coalesced up
-to ``--kv-report-quiet-interval`` steps instead: with nothing to move the controller has nothing to
-re-place, and its profile has seen that step time already. A stretch whose step time drifts
-goes back to the base interval at once (reported as soon as ``--kv-report-interval`` steps have
-passed), so the controller's profile-mismatch trigger (OrbitFlow §3.4) sees a change as early
-as before.
+stretch is coalesced up to ``--kv-report-quiet-interval`` steps instead: every running request
+on the GPU at every layer, nothing recomputed, no decision since the last report that offloads,
+recomputes, pauses or resumes anything, and the mean decode step steady (within
+:data:`QUIET_DRIFT` of the last report's for :data:`QUIET_AFTER` reports in a row, and in the
+current stretch). With nothing to move the controller has nothing to re-place, and its profile
+has seen that step time already. A stretch whose step time drifts goes back to the base
+interval at once (reported as soon as ``--kv-report-interval`` steps have passed), so the
+controller's profile-mismatch trigger (OrbitFlow §3.4) sees a change as early as before.
 """
 
 from __future__ import annotations
@@ -189,14 +189,13 @@ class StepReporter:
         Only a steady decode step waits: the same requests (in order) as the last report's
         running ones, nothing finished, queued or paused, the installed plan's expiry not reached
         since the last report, the control plane reachable, fewer than ``interval`` steps since
-        the last report. Everything
-        the controller acts on (OrbitFlow §3.4's batch-change and expiry triggers, admissions,
-        pause state, outages) is therefore reported the step it happens; a steady stretch
-        reaches it as one report with the mean decode step time (the profile-mismatch trigger
-        sees it at most ``interval - 1`` steps late, or ``quiet_interval - 1`` in a quiet
-        stretch) and each request's tokens generated since. An expiry is reported once: while
-        the controller plans, the steps after it wait for the next decision as usual (the
-        controller does not fire a second expiry while it plans).
+        the last report. Everything the controller acts on (OrbitFlow §3.4's batch-change and
+        expiry triggers, admissions, pause state, outages) is therefore reported the step it
+        happens; a steady stretch reaches it as one report with the mean decode step time (the
+        profile-mismatch trigger sees it at most ``interval - 1`` steps late, or
+        ``quiet_interval - 1`` in a quiet stretch) and each request's tokens generated since. An
+        expiry is reported once: while the controller plans, the steps after it wait for the
+        next decision as usual (the controller does not fire a second expiry while it plans).
         """
         inbox = self.inbox
         gap = step - self._sent_step
