@@ -17,6 +17,10 @@ unchanged); this class only observes block ownership and reports it through
   evicted and freed. ``rid`` on ``freed`` is best effort (set when the free happens
   inside ``checkpoint`` / ``free_kv_row`` of a known request, None for tree evictions).
 
+``extended``, ``checkpointed`` and ``evicted`` are built only when a subscriber receives them
+(SGLang inserts a running request into the tree every few steps; by default only ``freed``,
+which the layered pool needs, has a subscriber). Building one is metered (``radix``).
+
 Not covered (rejected at construction or documented): speculative decoding and PD
 disaggregation allocate through other paths.
 """
@@ -232,27 +236,39 @@ class LayeredRadixCache(RadixCache):
     # ----- tree hand-over, release, eviction ---------------------------------
 
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
-        with self._owned_by(req.rid):
+        previous, self._owner_rid = self._owner_rid, req.rid  # frees inside belong to req
+        try:
             super().checkpoint(req, up_to=up_to, **kwargs)
+        finally:
+            self._owner_rid = previous
 
     def _insert_helper(self, node: TreeNode, key: Any, value: Any, priority: int = 0, inserted_len: int = 0):
         prefix_len, last_node = super()._insert_helper(node, key, value, priority, inserted_len)
-        if prefix_len < len(key) and value is not None and self._owner_rid is not None:
-            self.residency_hooks.emit(
-                _K.CHECKPOINTED, self._blocks_of_slots(last_node.value), rid=self._owner_rid
-            )
+        # the event's blocks are read only when somebody listens (SGLang checkpoints a running
+        # request every few steps; by default nobody subscribes to CHECKPOINTED)
+        if (prefix_len < len(key) and value is not None and self._owner_rid is not None
+                and self.residency_hooks.wants(_K.CHECKPOINTED)):
+            t0 = time.perf_counter()
+            self.residency_hooks.emit(_K.CHECKPOINTED, self._blocks_of_slots(last_node.value), rid=self._owner_rid)
+            self._metered(t0)
         return prefix_len, last_node
 
     def free_kv_row(self, kv: Any, ranges: list[tuple[int, int]]) -> None:
-        with self._owned_by(self._rid_of_row.pop(kv.req_pool_idx, None)):
+        previous, self._owner_rid = self._owner_rid, self._rid_of_row.pop(kv.req_pool_idx, None)
+        try:
             super().free_kv_row(kv, ranges)
+        finally:
+            self._owner_rid = previous
 
     def _delete_leaf(self, node: TreeNode) -> None:
-        self.residency_hooks.emit(_K.EVICTED, self._blocks_of_slots(node.value))
+        if self.residency_hooks.wants(_K.EVICTED):  # the freed pages are reported by the allocator
+            t0 = time.perf_counter()
+            self.residency_hooks.emit(_K.EVICTED, self._blocks_of_slots(node.value))
+            self._metered(t0)
         super()._delete_leaf(node)
 
     def reset(self) -> None:
-        if getattr(self, "root_node", None) is not None:
+        if getattr(self, "root_node", None) is not None and self.residency_hooks.wants(_K.EVICTED):
             held: list[int] = []
             stack = list(self.root_node.children.values())
             while stack:
