@@ -87,8 +87,9 @@ class LayeredKVArgs:
     as much as SGLang's own pool would hold (no forced offload). In [1, 2**40]."""
     kv_report_interval: int = 8
     """Steady decode steps coalesced into one report to the control plane, in [1, 1024]; 1 =
-    report every step. A step that changes anything (arrival, finish, queue, pause, plan expiry,
-    an outage) is always reported at once (see ``sglang_ext.step_reporter``)."""
+    report every step (with ``kv_report_quiet_interval`` 1 also in quiet stretches). A step that
+    changes anything (arrival, finish, queue, pause, plan expiry, an outage) is always reported
+    at once (see ``sglang_ext.step_reporter``)."""
     kv_report_quiet_interval: int | None = None
     """Steady decode steps per report in a *quiet* stretch (nothing offloaded, recomputed or
     newly decided, the step time steady; ``sglang_ext.step_reporter``), in
@@ -393,7 +394,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> bool:
         type=int,
         default=_DEFAULTS.kv_report_interval,
         help="Steady decode steps per report to the control plane (changes are reported at "
-        f"once); 1 = every step; [1, {MAX_REPORT_INTERVAL}].",
+        "once); 1 = every step (and --kv-report-quiet-interval 1 in quiet stretches); "
+        f"[1, {MAX_REPORT_INTERVAL}].",
     )
     group.add_argument(
         "--kv-report-quiet-interval",

@@ -155,6 +155,12 @@ class ControlClient:
     def session(self) -> WorkerSession | None:
         return self._session
 
+    @property
+    def can_poll(self) -> bool:
+        """The session hands over decisions between reports (:meth:`poll`); without it they
+        arrive only with a report's answer."""
+        return getattr(self._session, "poll", None) is not None
+
     def report(self, report: StepReport) -> list[Decision]:
         """Send one step's telemetry; the decisions ready now, ``[]`` on any failure."""
         if self._session is None and self._clock() >= self._next_open_s:

@@ -4,7 +4,7 @@ boundary that installs them (TP rank 0).
 Decisions arrive with a report's answer (:class:`~sglang_ext.step_reporter.StepReporter`) or a
 poll at the boundary (:class:`~sglang_ext.step_boundary.StepBoundary`); both go through
 :meth:`DecisionInbox.receive`, the one place that tracks the newest decision's expiry (which
-bounds report coalescing). Pauses that could not be applied yet (the request is still
+ends report coalescing: the step that reaches it is reported). Pauses that could not be applied yet (the request is still
 prefilling) wait here too.
 """
 
@@ -35,7 +35,7 @@ class DecisionInbox:
 
     def receive(self, decisions: list[Decision]) -> None:
         """Decisions from the control plane: installed at the next boundary; the newest one's
-        expiry bounds report coalescing."""
+        expiry ends report coalescing (the step reaching it is reported)."""
         if decisions:
             self.expiry_step = decisions[-1].expiry_step
             self.pending.extend(decisions)

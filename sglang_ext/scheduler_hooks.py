@@ -204,6 +204,8 @@ class SchedulerHooks:
                 gpu_kv_budget_blocks=self.worker.hardware.gpu_kv_budget_blocks,
                 layered_pool=self.installer.layered,
                 tp_size=self.tp.world_size,
+                report_interval=args.kv_report_interval,
+                report_quiet_interval=args.report_quiet_interval,
             )
         self.boundary = StepBoundary(
             tp=self.tp,
@@ -339,6 +341,7 @@ class SchedulerHooks:
                 admission=self.admission,
                 installer=self.installer,
                 client=self.client,
+                report_quiet=self.reporter.coalesced_quiet,
             )
 
 

@@ -16,14 +16,18 @@ stretch is coalesced up to ``--kv-report-quiet-interval`` steps instead: every r
 on the GPU at every layer, nothing recomputed, no decision since the last report that offloads,
 recomputes, pauses or resumes anything, and the mean decode step steady (within
 :data:`QUIET_DRIFT` of the last report's for :data:`QUIET_AFTER` reports in a row, and in the
-current stretch). With nothing to move the controller has nothing to re-place, and its profile
-has seen that step time already. A stretch whose step time drifts goes back to the base
-interval at once (reported as soon as ``--kv-report-interval`` steps have passed), so the
-controller's profile-mismatch trigger (OrbitFlow §3.4) sees a change as early as before.
+last ``--kv-report-interval`` steps). With nothing to move the controller has nothing to
+re-place, and its profile has seen that step time already. A stretch whose recent steps drift
+goes back to the base interval at once (reported as soon as ``--kv-report-interval`` steps have
+passed since the last report). The controller's profile-mismatch trigger (OrbitFlow §3.4) then
+sees a change within about one interval of when it did before: the report's mean still holds
+the quiet steps before the change, so a change of 20-30% may need the next report to cross the
+controller's threshold.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from typing import Any
@@ -101,6 +105,13 @@ class StepReporter:
         or recomputing."""
         self._sent_decisions = 0
         """``inbox.received_offloading`` at the last report."""
+        self._recent: collections.deque[float] = collections.deque(maxlen=report_interval)
+        """The last ``report_interval`` decode step times (ms): a quiet stretch's drift is judged
+        on them, not on the whole stretch, whose mean a change dilutes."""
+        self._expiry_reported: int | None = None
+        """The installed plan's expiry step when a report at or after it was sent (None: none)."""
+        self.coalesced_quiet = False
+        """The last step was coalesced past ``report_interval`` steps (the quiet cadence)."""
         self.reports = 0
         """Reports sent to the control plane."""
 
@@ -121,6 +132,7 @@ class StepReporter:
         if is_decode and step_ms is not None:
             self._decode_ms += step_ms
             self._decode_steps += 1
+            self._recent.append(step_ms)
         if layer_ms is not None:
             self._layer_ms = layer_ms
         send = not self._coalesce(batch, step, finished, is_decode)
@@ -134,12 +146,17 @@ class StepReporter:
             report = dataclasses.replace(report, h2d_gbps=gbps)
         if send:
             self._sent(report, observed)
-            self._sent_decisions = self.inbox.received_offloading  # one in the answer ends quiet
-            self.inbox.receive(self.client.report(report))
+            inbox = self.inbox
+            self._sent_decisions = inbox.received_offloading  # one in the answer ends quiet
+            if step >= inbox.expiry_step:  # this report tells the controller the plan expired
+                self._expiry_reported = inbox.expiry_step
+            inbox.receive(self.client.report(report))
             self._decode_ms, self._decode_steps, self._layer_ms = 0.0, 0, None
-            # the requests the controller now knows run (a prefill's report names the running
-            # batch too, so the decode step that merges them is no batch change)
-            self._sent_step, self._sent_rids = step, tuple([r.id for r in report.running])
+            # the running requests the controller now knows of (a prefill's report names the
+            # running batch too, so the decode step that merges them is no batch change; parked
+            # ones are left out, so a resume is one)
+            self._sent_step = step
+            self._sent_rids = tuple([r.id for r in report.running if not r.paused])
             self.reports += 1
         return report, send
 
@@ -159,11 +176,11 @@ class StepReporter:
 
     def _quiet(self) -> bool:
         """This steady stretch may wait up to ``quiet_interval`` steps (module docstring)."""
-        sent = self._sent_ms
-        if (not self._all_gpu or self._steady_reports < QUIET_AFTER or sent is None or not self._decode_steps
-                or self.inbox.received_offloading != self._sent_decisions):
+        sent, recent = self._sent_ms, self._recent
+        if (not self._all_gpu or self._steady_reports < QUIET_AFTER or sent is None or not recent
+                or self.installer.uncached or self.inbox.received_offloading != self._sent_decisions):
             return False
-        return abs(self._decode_ms / self._decode_steps - sent) <= QUIET_DRIFT * sent
+        return abs(sum(recent) / len(recent) - sent) <= QUIET_DRIFT * sent
 
     def _h2d_gbps(self) -> float | None:
         """The H2D bandwidth of the copies timed since the last sample (None: too few bytes yet,
@@ -194,16 +211,18 @@ class StepReporter:
         happens; a steady stretch reaches it as one report with the mean decode step time (the
         profile-mismatch trigger sees it at most ``interval - 1`` steps late, or
         ``quiet_interval - 1`` in a quiet stretch) and each request's tokens generated since. An
-        expiry is reported once: while the controller plans, the steps after it wait for the
-        next decision as usual (the controller does not fire a second expiry while it plans).
+        expiry is reported once when the next decision can arrive by ``poll`` (the controller
+        fires no second expiry while it plans): the steps after it wait as usual
+        (:meth:`_expiry_waits`).
         """
         inbox = self.inbox
         gap = step - self._sent_step
-        return (
+        quiet = gap >= self.report_interval
+        coalesce = (
             is_decode
             and not finished
-            and (gap < self.report_interval or (gap < self.quiet_interval and self._quiet()))
-            and (step < inbox.expiry_step or self._sent_step >= inbox.expiry_step)  # expiry: once
+            and (not quiet or (gap < self.quiet_interval and self._quiet()))
+            and (step < inbox.expiry_step or self._expiry_waits())
             and not self.scheduler.waiting_queue
             and not len(self.pauser)
             and not inbox.deferred_pause
@@ -211,6 +230,15 @@ class StepReporter:
             and not self.client.in_fallback
             and self._rids(batch) == self._sent_rids
         )
+        self.coalesced_quiet = quiet and coalesce
+        return coalesce
+
+    def _expiry_waits(self) -> bool:
+        """The installed plan has expired: a step may wait only once a report told the controller
+        of this very expiry and its next decision will arrive by ``poll`` at a boundary (a
+        control plane that answers only reports is reported to every step, as is an expiry that
+        a stale decision brought back)."""
+        return self.inbox.expiry_step == self._expiry_reported and self.client.can_poll
 
     def _now_ms(self) -> float:
         return (time.monotonic() - self._t0) * 1e3

@@ -66,8 +66,10 @@ class StepStatsWriter:
         admission: Any,
         installer: Any,
         client: Any,
+        report_quiet: bool = False,
     ) -> None:
-        """Write the line of one step (never raises: a failed write is logged)."""
+        """Write the line of one step (never raises: a failed write is logged). ``report_quiet``:
+        the step's report waited past ``--kv-report-interval`` (the quiet cadence)."""
         pool = stats_dict(pool_stats)
         record: dict[str, Any] = {
             "step": step,
@@ -75,6 +77,7 @@ class StepStatsWriter:
             "mode": "decode" if is_decode else "extend",
             "step_ms": None if step_ms is None else round(step_ms, 3),
             "reported": reported,
+            "report_quiet": report_quiet,
             "running": [r.id for r in report.running if not r.paused],
             "slo_tbt_ms": {r.id: r.slo_tbt_ms for r in report.running if r.slo_tbt_ms is not None},
             "held_total": admission.held_total,

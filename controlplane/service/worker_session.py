@@ -170,6 +170,13 @@ class GrpcWorkerSession:
                     self.stats.reports_dropped += 1
         return self._drain()
 
+    def poll(self) -> list[api.Decision]:
+        """The decisions received since the last call, without a report (the worker's step
+        boundary asks every step; the usual empty answer takes no lock)."""
+        if not self._inbox:
+            return []
+        return self._drain()
+
     def _drain(self) -> list[api.Decision]:
         with self._lock:
             out = list(self._inbox)

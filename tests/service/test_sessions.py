@@ -63,6 +63,21 @@ def test_decisions_are_pushed_without_a_further_report(served, client) -> None: 
     assert session.stats.latencies_ms, "the pushed decision's latency was measured"
 
 
+def test_poll_hands_over_a_pushed_decision_without_a_report(served, client) -> None:  # type: ignore[no-untyped-def]
+    """The worker's step boundary polls every step: a decision pushed between reports is
+    handed over by poll() once (then poll is empty), and the next report does not repeat it."""
+    session = client.open_session(worker_info("poller"))
+    assert session.wait_connected(10)
+    assert session.poll() == []  # nothing yet
+    # report() queues the report and returns at once: the plan for it cannot be back yet
+    assert session.report(step_report(0, {"r1": 400})) == []
+    got: list[api.Decision] = []
+    assert wait_until(lambda: bool(got.extend(session.poll()) or got), 10)
+    assert "r1" in got[0].plan.placements and session.stats.reports_sent == 1
+    assert session.poll() == []
+    assert got[-1] is session.last_decision
+
+
 def test_close_delivers_reports_still_queued(served, client) -> None:  # type: ignore[no-untyped-def]
     """close() right after a burst: the server reads every queued report and the worker gets
     every decision the server sent (graceful half-close, not a cancel)."""
