@@ -14,9 +14,7 @@ from controlplane.api import Decision
 
 
 def _offloads(decision: Decision) -> bool:
-    plan = decision.plan
-    return bool(decision.pause or decision.resume or plan.recompute_blocks
-                or any(0 in row for row in plan.placements.values()))
+    return bool(decision.pause or decision.resume) or not decision.plan.all_gpu()
 
 
 class DecisionInbox:

@@ -333,8 +333,7 @@ class SessionController:
             return True
         if self._all_gpu_of is not decision:
             self._all_gpu_of = decision
-            plan = decision.plan  # a recompute adds compute (and may fetch): not the fast path
-            self._all_gpu = all(all(row) for row in plan.placements.values()) and not plan.recompute_blocks
+            self._all_gpu = decision.plan.all_gpu()  # a recompute adds compute: not the fast path
         return self._all_gpu
 
     def _replan_could_change(

@@ -68,6 +68,11 @@ class Plan:
         return (self.placements == other.placements and self.recompute_blocks == other.recompute_blocks
                 and self.recompute_layers == other.recompute_layers)
 
+    def all_gpu(self) -> bool:
+        """Every layer of every placed request stays on the GPU and no prefix is recomputed (a
+        worker running this plan moves nothing; requests it does not place run all-GPU)."""
+        return not self.recompute_blocks and all(all(row) for row in self.placements.values())
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "feasible": self.feasible,
