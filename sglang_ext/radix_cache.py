@@ -236,11 +236,8 @@ class LayeredRadixCache(RadixCache):
     # ----- tree hand-over, release, eviction ---------------------------------
 
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
-        previous, self._owner_rid = self._owner_rid, req.rid  # frees inside belong to req
-        try:
+        with self._owned_by(req.rid):  # frees inside belong to req
             super().checkpoint(req, up_to=up_to, **kwargs)
-        finally:
-            self._owner_rid = previous
 
     def _insert_helper(self, node: TreeNode, key: Any, value: Any, priority: int = 0, inserted_len: int = 0):
         prefix_len, last_node = super()._insert_helper(node, key, value, priority, inserted_len)
@@ -254,11 +251,8 @@ class LayeredRadixCache(RadixCache):
         return prefix_len, last_node
 
     def free_kv_row(self, kv: Any, ranges: list[tuple[int, int]]) -> None:
-        previous, self._owner_rid = self._owner_rid, self._rid_of_row.pop(kv.req_pool_idx, None)
-        try:
+        with self._owned_by(self._rid_of_row.pop(kv.req_pool_idx, None)):
             super().free_kv_row(kv, ranges)
-        finally:
-            self._owner_rid = previous
 
     def _delete_leaf(self, node: TreeNode) -> None:
         if self.residency_hooks.wants(_K.EVICTED):  # the freed pages are reported by the allocator
