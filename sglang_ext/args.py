@@ -37,6 +37,9 @@ MAX_REPORT_INTERVAL = 1024
 QUIET_REPORT_FACTOR = 4
 """``--kv-report-quiet-interval``'s default, in ``--kv-report-interval``s."""
 MAX_COPY_PROGRAMS = 4096
+DEFAULT_TIMING_INTERVAL = 8
+"""``--kv-timing-interval``'s default: the CUDA copies and waits of one step in 8 are timed."""
+MAX_TIMING_INTERVAL = 1 << 16
 COPY_ENGINES = ("triton", "dma")
 """``--kv-copy-engine`` values (``SlotStoreConfig.copy_engine``)."""
 
@@ -118,6 +121,13 @@ class LayeredKVArgs:
     fetch overlaps keep the SMs; one direction still fills PCIe). More raise H2D + D2H together
     at the layers' expense (``kvplane gpu-check``'s overlap figure sweeps 256 / 32 / 16 / 4 and
     recommends one). Ignored on CPU."""
+    kv_timing_interval: int = DEFAULT_TIMING_INTERVAL
+    """Time the host<->device copies and the compute stream's waits on them with CUDA events on
+    one decode step in this many, in [1, 65536]; 1: every step. Each event costs host time on the
+    scheduler thread. The ``kvplane:h2d_seconds_total`` / ``d2h`` / stall totals are then
+    estimates (a timed step's seconds count this many times), and the ``kvplane:stall_seconds``
+    histogram observes the timed steps only (:class:`~sglang_ext.dataplane.event_clock.EventClock`).
+    Ignored on CPU (the synchronous copies are timed by the wall clock, every step)."""
     kv_policy_listen: str | None = None
     """``HOST:PORT`` on which TP rank 0's scheduler serves the embedded control plane's
     ``kvplane.v1.PolicyService`` (get / update / watch the live policy); None: not served.
@@ -208,6 +218,9 @@ class LayeredKVArgs:
         cp = self.kv_copy_programs
         if cp is not None and (isinstance(cp, bool) or not isinstance(cp, int) or not 1 <= cp <= MAX_COPY_PROGRAMS):
             raise ValueError(f"--kv-copy-programs={cp!r} is out of range [1, {MAX_COPY_PROGRAMS}]")
+        ti = self.kv_timing_interval
+        if isinstance(ti, bool) or not isinstance(ti, int) or not 1 <= ti <= MAX_TIMING_INTERVAL:
+            raise ValueError(f"--kv-timing-interval={ti!r} is out of range [1, {MAX_TIMING_INTERVAL}] (steps)")
         if self.kv_profile is not None:
             self._check_profile(self.kv_profile)
         if (self.kv_tls_cert is None) != (self.kv_tls_key is None):
@@ -438,6 +451,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> bool:
         default=None,
         help=f"Programs of each Triton host<->device KV copy launch on CUDA, [1, {MAX_COPY_PROGRAMS}] "
         "(default 8: few, so the layers a fetch overlaps keep the SMs; see kvplane gpu-check).",
+    )
+    group.add_argument(
+        "--kv-timing-interval",
+        type=int,
+        default=DEFAULT_TIMING_INTERVAL,
+        help=f"Time the CUDA KV copies and stalls (events) on one step in N, [1, {MAX_TIMING_INTERVAL}] "
+        f"(default {DEFAULT_TIMING_INTERVAL}; 1: every step; the copy-seconds totals are then estimates).",
     )
     group.add_argument(
         "--kv-policy-listen",

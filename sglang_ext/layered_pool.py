@@ -117,6 +117,7 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
             device=str(self.device),
             copy_programs=self._layered_args.kv_copy_programs,
             copy_engine=self._layered_args.kv_copy_engine,
+            timing_interval=self._layered_args.kv_timing_interval,
         )
         host_pool_limit(config.host_bytes, self._layered_args.kv_host_pool_gb, available_host_bytes(),
                         what=f"every layer of {logical_pages} pages of {self.page_size} tokens")

@@ -219,9 +219,10 @@ class LayeredKVCore:
 
     def _boundary(self, new_slots: torch.Tensor | None) -> None:
         """What every step boundary does first: apply journalled bookkeeping, harvest timing
-        events, end the last forward, eager write-back under pressure."""
+        events (and pick whether this step is timed), end the last forward, eager write-back
+        under pressure."""
         self.residency.settle()
-        self.store.engine.clock.harvest()  # earlier steps' timing events (non-blocking)
+        self.store.engine.clock.boundary()  # earlier steps' timing events (non-blocking); this step's sampling
         self.pipeline.end_step()
         self.step_loc, self._step_index = new_slots, None
         self.residency.drop_anonymous()
@@ -319,7 +320,7 @@ class LayeredKVCore:
             pages, written = [slots[i] // ps for i in owners], [s // ps for s in slots]
         if not self.residency.journal.record(rids, owners, pages, written):
             return False
-        self.store.engine.clock.harvest()
+        self.store.engine.clock.boundary()
         self.pipeline.end_step()
         self.overflow = False
         self.step_loc, self._step_index = new_slots, None

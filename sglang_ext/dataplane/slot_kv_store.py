@@ -82,6 +82,10 @@ class SlotStoreConfig:
     copy_engine: str = "triton"
     """``triton`` or ``dma`` (``--kv-copy-engine``: the copy engines through
     ``kernels.batched_memcpy``, no SM taken). Ignored by the CPU engine."""
+    timing_interval: int = 1
+    """Time the copies and waits of one step in this many on CUDA (``--kv-timing-interval``; the
+    CUDA events' host cost, :class:`~sglang_ext.dataplane.event_clock.EventClock`); 1: every
+    step. Ignored by the CPU engine, whose wall clock costs nothing to read."""
 
     def __post_init__(self) -> None:
         for name in ("layers", "page_size", "kv_heads", "head_dim", "logical_pages"):
@@ -95,6 +99,9 @@ class SlotStoreConfig:
             raise ValueError(f"SlotStoreConfig.copy_programs={cp!r} must be None or an int >= 1")
         if self.copy_engine not in ("triton", "dma"):
             raise ValueError(f"SlotStoreConfig.copy_engine={self.copy_engine!r} must be 'triton' or 'dma'")
+        ti = self.timing_interval
+        if isinstance(ti, bool) or not isinstance(ti, int) or ti < 1:
+            raise ValueError(f"SlotStoreConfig.timing_interval={ti!r} must be an int >= 1")
 
     @property
     def layer_page_bytes(self) -> int:
@@ -165,7 +172,8 @@ class SlotKVStore:
         seg = c.page_size * c.kv_heads * c.head_dim
         self.engine: TransferEngine = make_transfer_engine(self.host.view(-1, seg), self.dev.view(-1, seg),
                                                                copy_programs=c.copy_programs,
-                                                               copy_engine=c.copy_engine)
+                                                               copy_engine=c.copy_engine,
+                                                               timing_interval=c.timing_interval)
         if not self.identity:  # a decode step's parked tokens move as token rows: compile that copy now
             self.engine.warm_rows(self.host_rows)
         self.h2d_bytes = 0

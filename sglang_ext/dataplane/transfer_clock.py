@@ -7,7 +7,9 @@ Primitives (all are called on the scheduler thread. None of them may wait for a 
   has waited for what the copy is ordered after). With ``kind`` ``stall`` they bracket one stream
   wait of the compute stream. A None token means "not timed": ``stop`` ignores it.
 * ``harvest()``: book what has been measured by now into :attr:`times`. It never blocks. The core
-  calls it at step boundaries and when a step is closed for the metrics.
+  calls it when a step is closed for the metrics.
+* ``boundary()``: a step boundary (the core calls it at every one): ``harvest()``, and a clock
+  that samples decides whether the opening step is timed (:class:`EventClock`'s interval).
 
 :class:`~sglang_ext.dataplane.wall_clock.WallClock` (the synchronous CPU engine) and
 :class:`~sglang_ext.dataplane.event_clock.EventClock` (CUDA events) implement it, and both feed a
@@ -46,3 +48,7 @@ class TransferClock(ABC):
     def harvest(self) -> int:
         """Book what has completed into :attr:`times`, without blocking. Returns how many
         measurements were booked."""
+
+    def boundary(self) -> int:
+        """A step boundary: :meth:`harvest` (a sampling clock also picks the step's timing)."""
+        return self.harvest()

@@ -15,7 +15,8 @@ Primitives (one launch each, all pairs of a call batched):
 * ``clock``: times every launch and every compute-stream wait into ``clock.times``
   (:class:`~sglang_ext.dataplane.transfer_times.TransferTimes`). The CPU engine uses a
   :class:`~sglang_ext.dataplane.wall_clock.WallClock`, the CUDA engine an
-  :class:`~sglang_ext.dataplane.event_clock.EventClock` (event pairs, read later without a sync).
+  :class:`~sglang_ext.dataplane.event_clock.EventClock` (event pairs, read later without a sync,
+  on one step in ``timing_interval``).
 
 :class:`CpuTransferEngine` copies synchronously (events are ``None``, born complete), so all the
 ordering logic above runs and is tested on CPU. :class:`CudaTransferEngine` has two side streams
@@ -241,7 +242,8 @@ class CudaTransferEngine(TransferEngine):
     copies_beside_compute = True
 
     def __init__(self, host_segments: torch.Tensor, dev_segments: torch.Tensor,
-                 copy_programs: int | None = None, copy_engine: str = "triton") -> None:
+                 copy_programs: int | None = None, copy_engine: str = "triton",
+                 timing_interval: int = 1) -> None:
         super().__init__(host_segments, dev_segments)
         if not host_segments.is_pinned():
             raise ValueError("CudaTransferEngine needs a pinned host pool")
@@ -264,7 +266,7 @@ class CudaTransferEngine(TransferEngine):
         """Why ``dma`` was refused (None: not asked for, or working)."""
         if copy_engine == "dma":
             self.set_copy_engine("dma")
-        self.clock = EventClock()
+        self.clock = EventClock(interval=timing_interval)
         self._indices = PinnedUploadRing(self.device, INDEX_SLOTS)
         """Pinned sources of :meth:`index_tensor`'s uploads (a boundary's moves take a few each)."""
         self.copy_programs: int | None = copy_programs
@@ -450,10 +452,12 @@ class CudaTransferEngine(TransferEngine):
 
 
 def make_transfer_engine(host_segments: torch.Tensor, dev_segments: torch.Tensor,
-                         copy_programs: int | None = None, copy_engine: str = "triton") -> TransferEngine:
+                         copy_programs: int | None = None, copy_engine: str = "triton",
+                         timing_interval: int = 1) -> TransferEngine:
     """The CUDA engine when the device pool is on a GPU (``copy_programs``: its copy launches'
     programs, :attr:`CudaTransferEngine.copy_programs`; ``copy_engine``: ``triton`` or ``dma``,
-    :meth:`CudaTransferEngine.set_copy_engine`), the synchronous CPU engine otherwise."""
+    :meth:`CudaTransferEngine.set_copy_engine`; ``timing_interval``: its clock's,
+    :class:`~sglang_ext.dataplane.event_clock.EventClock`), the synchronous CPU engine otherwise."""
     if dev_segments.is_cuda:
-        return CudaTransferEngine(host_segments, dev_segments, copy_programs, copy_engine)
+        return CudaTransferEngine(host_segments, dev_segments, copy_programs, copy_engine, timing_interval)
     return CpuTransferEngine(host_segments, dev_segments)

@@ -16,6 +16,14 @@ complete: that step, if nothing of it is still pending, and earlier steps whose 
 stall arrived since the previous close. A step is observed once, with all its stall seconds (0.0
 for a step that waited on nothing).
 
+**Sampled timing** (the CUDA engine, ``--kv-timing-interval N``): the clock times the copies and
+waits of one step in N. A timed measurement is booked with weight N into the running totals
+(``h2d_s``, ``d2h_s``, their bytes, ``stall_s``), which therefore estimate what every step moved and
+waited; ratios such as bytes over seconds are unchanged. A step in which the clock left anything
+untimed by sampling (:meth:`unobserved`) is not observed by :meth:`close_step`: the stall
+observations are the timed steps', each at its own (unweighted) value, never a 0.0 for a step
+nobody timed.
+
 Memory: one float and one count per step that still has pending stalls. Pending stalls are
 bounded by the clock's event pool, so this is bounded too, even if the events never complete.
 """
@@ -46,18 +54,23 @@ class TransferTimes:
         """Number of the open step (steps closed so far)."""
         self.untimed = 0
         """Copies or waits the clock could not time (event pool exhausted, CUDA-graph capture)."""
+        self.sampled_out = 0
+        """Copies or waits left untimed by sampling (steps outside the clock's timing interval)."""
         self._stall: dict[int, float] = {}
+        self._unobserved: set[int] = set()
+        """Steps with something left untimed by sampling: :meth:`close_step` never observes them."""
         self._pending: dict[int, int] = {}
         self._ready: list[float] = []
 
-    def add_copy(self, kind: str, seconds: float, nbytes: int = 0) -> None:
-        """A copy of direction ``kind`` (``h2d`` / ``d2h``) of ``nbytes`` took ``seconds``."""
+    def add_copy(self, kind: str, seconds: float, nbytes: int = 0, weight: int = 1) -> None:
+        """A copy of direction ``kind`` (``h2d`` / ``d2h``) of ``nbytes`` took ``seconds``;
+        ``weight``: the copies it stands for (sampled timing, module docstring)."""
         if kind == "h2d":
-            self.h2d_s += seconds
-            self.h2d_bytes += nbytes
+            self.h2d_s += seconds * weight
+            self.h2d_bytes += nbytes * weight
         elif kind == "d2h":
-            self.d2h_s += seconds
-            self.d2h_bytes += nbytes
+            self.d2h_s += seconds * weight
+            self.d2h_bytes += nbytes * weight
         else:
             raise ValueError(f"TransferTimes.add_copy: kind={kind!r}, allowed {COPY_KINDS}")
 
@@ -65,11 +78,18 @@ class TransferTimes:
         """A stall of ``step`` was recorded and its seconds will arrive later."""
         self._pending[step] = self._pending.get(step, 0) + 1
 
-    def add_stall(self, seconds: float, step: int | None = None, *, expected: bool = False) -> None:
+    def unobserved(self) -> None:
+        """Sampling left a copy or wait of the open step untimed: the step is not observed."""
+        self.sampled_out += 1
+        self._unobserved.add(self.step)
+
+    def add_stall(self, seconds: float, step: int | None = None, *, expected: bool = False,
+                  weight: int = 1) -> None:
         """``step`` (default: the open one) waited ``seconds`` on transfers; ``expected``: the
-        delivery of a stall announced with :meth:`expect_stall`."""
+        delivery of a stall announced with :meth:`expect_stall`; ``weight``: the waits it stands
+        for in the running total (sampled timing; the step's own stall takes ``seconds``)."""
         step = self.step if step is None else step
-        self.stall_s += seconds
+        self.stall_s += seconds * weight
         self._stall[step] = self._stall.get(step, 0.0) + seconds
         if not expected:
             return
@@ -81,16 +101,24 @@ class TransferTimes:
             return
         del self._pending[step]
         if step < self.step:  # closed earlier, and now complete
-            self._ready.append(self._stall.pop(step))
+            seconds = self._stall.pop(step)
+            if step in self._unobserved:
+                self._unobserved.discard(step)
+            else:
+                self._ready.append(seconds)
 
     def close_step(self) -> list[float]:
         """Close the open step. Returns the stall seconds of each step complete since the last
         close. That is this step if none of its stalls is pending, plus any earlier steps that
-        completed late."""
+        completed late; never a step sampling left partly untimed (:meth:`unobserved`)."""
         step = self.step
         self.step += 1
         if step not in self._pending:
-            self._ready.append(self._stall.pop(step, 0.0))
+            seconds = self._stall.pop(step, 0.0)
+            if step in self._unobserved:
+                self._unobserved.discard(step)
+            else:
+                self._ready.append(seconds)
         out, self._ready = self._ready, []
         return out
 

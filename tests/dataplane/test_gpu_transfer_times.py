@@ -112,3 +112,26 @@ def test_served_steps_observe_one_stall_each_and_the_pool_stays_small():
     assert (stats.h2d_seconds_total, stats.d2h_seconds_total, stats.stall_seconds_total) == (
         times.h2d_s, times.d2h_s, times.stall_s)
     d.check_at_rest()
+
+
+def test_sampled_timing_on_cuda_times_one_step_in_n():
+    """``--kv-timing-interval 4`` on CUDA, the core's own placed steps: timing events are recorded
+    (pairs taken) on one step in 4 only, the metrics observe those steps only, the untimed copies
+    and waits are counted as sampled out, and the totals (weighted) still grow. Negative control:
+    interval 1 observes every step (the test above)."""
+    d = offloaded_driver(device="cuda")
+    core = d.core
+    clock = core.store.engine.clock
+    assert isinstance(clock, EventClock)
+    clock.interval = 4
+    observed, pairs = [], []
+    for _ in range(8):
+        before = clock.pool.in_use
+        assert d.step([("a", 1), ("b", 1)])
+        pairs.append(clock.pool.in_use - before)
+        torch.cuda.synchronize()
+        observed.append(len(core.close_transfer_step()))
+    assert sum(observed) == 2 and [i for i, n in enumerate(pairs) if n > 0] == [i for i, n in enumerate(observed) if n]
+    times = core.transfer_times
+    assert times.sampled_out > 0 and times.untimed == 0 and times.h2d_s > 0
+    d.check_at_rest()

@@ -179,6 +179,95 @@ def test_nothing_is_recorded_during_graph_capture():
     assert stream.recorded == [] and clock.pending == 0 and clock.times.untimed == 1
 
 
+def test_sampled_clock_books_a_timed_step_with_its_weight():
+    """``interval`` 4: the step a boundary opens is timed on boundaries 0, 4, 8, ...; a timed
+    pair is booked with weight 4 in the running totals (seconds and bytes alike, so their ratio,
+    the link's bandwidth, is the measured one), while the step's own stall observation is the
+    measured value. An untimed step is counted as sampled out and never observed (no 0.0 for a
+    step nobody timed). Negative control: interval 1 times and observes every step."""
+
+    def run(interval: int) -> tuple[list[bool], list[list[float]], TransferTimes, EventClock]:
+        clock, _ = fake_clock()
+        clock.interval = interval
+        copies, waits = FakeStream(), FakeStream()
+        timing, observed = [], []
+        for _ in range(8):
+            clock.boundary()
+            timing.append(clock.timing)
+            token = clock.start("h2d", copies)
+            copies.now_ms += 2.0
+            clock.stop("h2d", token, copies, 1 << 20)
+            timed(clock, STALL, waits, 0.5)
+            copies.complete()
+            waits.complete()
+            clock.harvest()
+            observed.append(clock.times.close_step())
+        return timing, observed, clock.times, clock
+
+    timing, observed, times, clock = run(4)
+    assert timing == [True, False, False, False, True, False, False, False]
+    assert observed == [[pytest.approx(0.0005)], [], [], [], [pytest.approx(0.0005)], [], [], []]
+    assert times.h2d_s == pytest.approx(8 * 0.002) and times.h2d_bytes == 8 << 20  # 2 timed x weight 4
+    assert times.stall_s == pytest.approx(8 * 0.0005)
+    assert times.sampled_out == 12 and times.untimed == 0  # 6 untimed steps x (a copy + a wait)
+    assert clock.pool.created == 2  # untimed steps took no pair
+    timing, observed, times, _ = run(1)
+    assert all(timing) and [len(o) for o in observed] == [1] * 8 and times.sampled_out == 0
+    assert times.h2d_s == pytest.approx(8 * 0.002) and times.h2d_bytes == 8 << 20
+    with pytest.raises(ValueError, match="interval=0 must be an int >= 1"):
+        EventClock(new_event=object, interval=0)
+
+
+def test_a_step_left_partly_untimed_is_never_observed():
+    """A stall timed in a step that sampling also left partly untimed (the interval changed
+    mid-step; a boundary the metrics did not close) arrives late: its seconds join the total,
+    but the step is not observed, on time or late (negative control: the same late stall of a
+    step sampling did not touch is observed)."""
+    for touched in (True, False):
+        clock, _ = fake_clock()
+        waits = FakeStream()
+        timed(clock, STALL, waits, 1.0)
+        if touched:
+            clock.timing = False
+            assert clock.start("h2d", waits) is None
+        assert clock.times.close_step() == []  # the stall is pending
+        waits.complete()
+        clock.harvest()
+        assert clock.times.stall_s == pytest.approx(0.001)
+        # the late stall (step 0) when sampling did not touch its step, then step 1 (nothing)
+        assert clock.times.close_step() == ([0.0] if touched else [pytest.approx(0.001), 0.0])
+
+
+def test_served_core_records_timing_events_on_one_step_in_n():
+    """``--kv-timing-interval``: the served core's placed decode steps (fetches, write-backs,
+    layer waits) record timing events on one step in 4 and none on the others -- the host cost
+    sampling saves -- and the metrics observe the timed steps only. Negative control: interval 1
+    records on every step."""
+
+    def run(interval: int) -> tuple[list[int], list[int], TransferTimes]:
+        stream = FakeStream()
+        clock = EventClock(new_event=lambda: FakeEvent(stream), capturing=lambda: False, interval=interval)
+        d = offloaded_driver(clock=clock)
+        stream.complete()
+        d.core.close_transfer_step()
+        records, observed = [], []
+        for _ in range(8):
+            before = len(stream.recorded)
+            assert d.step([("a", 1), ("b", 1)])
+            records.append(len(stream.recorded) - before)
+            stream.complete()
+            observed.append(len(d.core.close_transfer_step()))
+        return records, observed, clock.times
+
+    records, observed, times = run(4)
+    timed_steps = [i for i, n in enumerate(records) if n]
+    assert len(timed_steps) == 2 and timed_steps[1] - timed_steps[0] == 4, records
+    assert observed == [int(i in timed_steps) for i in range(8)]
+    assert times.sampled_out > 0 and times.untimed == 0
+    records, observed, times = run(1)
+    assert all(records) and observed == [1] * 8 and times.sampled_out == 0
+
+
 def test_accounting_rejects_what_no_clock_sends():
     """Error messages name the value: an unknown copy kind, a stall delivered without being
     announced, a pool without room."""

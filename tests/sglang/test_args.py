@@ -55,6 +55,7 @@ def test_full_flag_set_parses(tmp_path):
         "--kv-recompute-layers", "2",
         "--kv-copy-programs", "32",
         "--kv-copy-engine", "dma",
+        "--kv-timing-interval", "1",
     )
     assert args.enable_layered_kv and args.kv_host_pool_gb == 2.5 and not args.pacing
     assert args.kv_report_interval == 1 and args.report_quiet_interval == 6
@@ -63,6 +64,7 @@ def test_full_flag_set_parses(tmp_path):
     assert (args.kv_recompute_ratio, args.kv_recompute_layers) == (0.25, 2)
     assert args.kv_copy_programs == 32 and LayeredKVArgs().kv_copy_programs is None
     assert args.kv_copy_engine == "dma" and LayeredKVArgs().kv_copy_engine == "triton"
+    assert args.kv_timing_interval == 1 and LayeredKVArgs().kv_timing_interval == 8
     assert (args.control_plane_host, args.control_plane_port) == ("cp.example", 50051)
 
 
@@ -89,6 +91,7 @@ def test_full_flag_set_parses(tmp_path):
         (["--kv-copy-programs", "0"], "--kv-copy-programs=0 is out of range [1, 4096]"),
         (["--kv-copy-programs", "5000"], "--kv-copy-programs=5000 is out of range [1, 4096]"),
         (["--kv-copy-engine", "cuda"], "--kv-copy-engine='cuda' is invalid; allowed: triton, dma"),
+        (["--kv-timing-interval", "0"], "--kv-timing-interval=0 is out of range [1, 65536] (steps)"),
     ],
 )
 def test_bad_values_name_the_flag_and_range(argv, message):

@@ -183,14 +183,16 @@ def test_kv_round_trips_bit_exact_across_random_residency_changes(ops, budget, i
 
 
 def test_copy_programs_flag_reaches_the_store():
-    """``--kv-copy-programs`` and ``--kv-copy-engine`` reach the served store's config (the CUDA engine reads it there;
-    the CPU engine copies synchronously and ignores it); the default leaves the kernel's."""
+    """``--kv-copy-programs``, ``--kv-copy-engine`` and ``--kv-timing-interval`` reach the served
+    store's config (the CUDA engine reads it there; the CPU engine copies synchronously and ignores
+    it); the default leaves the kernel's."""
     pool = LayeredTokenToKVPool(size=SLOTS, page_size=PAGE, dtype=torch.float16, head_num=HEADS, head_dim=DIM,
                                 layer_num=LAYERS, device="cpu", enable_memory_saver=False,
                                 layered_args=LayeredKVArgs(enable_layered_kv=True, kv_gpu_budget_tokens=200,
-                                                           kv_copy_programs=16))
-    assert pool.store.config.copy_programs == 16
+                                                           kv_copy_programs=16, kv_timing_interval=3))
+    assert pool.store.config.copy_programs == 16 and pool.store.config.timing_interval == 3
     assert make_pool().store.config.copy_programs is None
+    assert make_pool().store.config.timing_interval == 8  # --kv-timing-interval's default reaches the store
     dma = LayeredTokenToKVPool(size=SLOTS, page_size=PAGE, dtype=torch.float16, head_num=HEADS, head_dim=DIM,
                                layer_num=LAYERS, device="cpu", enable_memory_saver=False,
                                layered_args=LayeredKVArgs(enable_layered_kv=True, kv_gpu_budget_tokens=200,
@@ -204,6 +206,9 @@ def test_copy_programs_flag_reaches_the_store():
     with pytest.raises(ValueError, match="copy_engine='nvlink' must be 'triton' or 'dma'"):
         SlotStoreConfig(layers=1, page_size=1, kv_heads=1, head_dim=1, logical_pages=1, device_pages=1,
                         dtype=torch.float16, device="cpu", copy_engine="nvlink")
+    with pytest.raises(ValueError, match="timing_interval=0 must be an int >= 1"):
+        SlotStoreConfig(layers=1, page_size=1, kv_heads=1, head_dim=1, logical_pages=1, device_pages=1,
+                        dtype=torch.float16, device="cpu", timing_interval=0)
 
 
 def test_shared_pages_resident_iff_some_live_request_wants_them():
