@@ -70,11 +70,16 @@ def copy_segments_ref(
     dst.index_copy_(0, dst_idx.to(dst.device, torch.long), rows.to(dst.device))
 
 
-def _word_view(t: torch.Tensor) -> torch.Tensor:
-    """Reinterpret a contiguous 2-D tensor as the widest integer words that divide a row."""
+def word_view(t: torch.Tensor) -> torch.Tensor:
+    """Reinterpret a contiguous 2-D tensor as the widest integer words that divide a row; ``t``
+    itself when it already is that view (a caller that launches on the same pools every step
+    keeps their word views, :class:`~sglang_ext.dataplane.transfer_engine.CudaTransferEngine`:
+    two tensor views fewer per pool and launch on the scheduler thread)."""
     row_bytes = t.shape[1] * t.element_size()
     for word in (torch.int64, torch.int32, torch.int16):
         if row_bytes % word.itemsize == 0:  # no tensor to ask: this runs at every launch
+            if t.dtype == word:
+                return t
             return t.view(torch.uint8).view(word) if t.dtype != torch.uint8 else t.view(word)
     return t.view(torch.uint8)
 
@@ -193,8 +198,8 @@ def copy_segments_triton(
     n = src_idx.numel()
     if n == 0:
         return
-    s_words = _word_view(src)
-    d_words = _word_view(dst)
+    s_words = word_view(src)
+    d_words = word_view(dst)
     seg = s_words.shape[1]
     block = min(COPY_BLOCK_ELEMS, triton.next_power_of_2(seg))
     programs = programs_for(src if src.is_cuda else dst, n, programs)
@@ -221,7 +226,7 @@ def fetch_pages_triton(host: torch.Tensor, dev: torch.Tensor, flat: torch.Tensor
     n = reqs.numel()
     if n == 0 or max_pages == 0:
         return
-    h_words, d_words = _word_view(host), _word_view(dev)
+    h_words, d_words = word_view(host), word_view(dev)
     seg = h_words.shape[1]
     block = min(COPY_BLOCK_ELEMS, triton.next_power_of_2(seg))
     work = n * max_pages

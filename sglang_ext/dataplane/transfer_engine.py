@@ -38,7 +38,7 @@ import torch
 
 from kernels.batched_memcpy import BatchedMemcpy, probe_in_subprocess, segment_pointers
 from kernels.batched_memcpy import probe as probe_dma
-from kernels.block_copy import copy_segments
+from kernels.block_copy import copy_segments, word_view
 from sglang_ext.dataplane.event_clock import EventClock
 from sglang_ext.dataplane.page_fetch import PageFetch
 from sglang_ext.dataplane.pinned_upload_ring import PinnedUploadRing
@@ -256,6 +256,8 @@ class CudaTransferEngine(TransferEngine):
         """The step's compute stream (set at :meth:`wait_fence`, the step start)."""
         self._compute_mark: Any = None
         """A compute-stream event shared by the launches of one layer end (:meth:`mark_compute`)."""
+        self._words = (word_view(host_segments), word_view(dev_segments))
+        """The pools as the copy kernels read them (integer words), viewed once, not per launch."""
         self.impl = self._kernel_impl = self._probe_zero_copy()
         """``triton`` (one gather/scatter launch through UVA) or ``memcpy`` (fallback: one
         ``cudaMemcpyAsync`` per segment, correct but launch-bound) if Triton refuses host memory;
@@ -349,7 +351,8 @@ class CudaTransferEngine(TransferEngine):
                 self._dma_copy(src, dst, host_idx[0], host_idx[1])
                 return
             if self._kernel_impl == "triton":
-                copy_segments(src, dst, src_idx, dst_idx, impl="triton", programs=self.copy_programs)
+                s_words, d_words = self._pool_words(src, dst)
+                copy_segments(s_words, d_words, src_idx, dst_idx, impl="triton", programs=self.copy_programs)
                 return
             if host_idx is None:
                 raise RuntimeError("memcpy transfer fallback needs host indices")
@@ -367,8 +370,19 @@ class CudaTransferEngine(TransferEngine):
                                    nbytes)
         if self._kernel_impl != "triton":
             return super()._fetch(spec, wait)
-        return self._on_stream("h2d", wait, lambda: spec.run_triton(self.host, self.dev, self.copy_programs),
+        host_words, dev_words = self._words
+        return self._on_stream("h2d", wait, lambda: spec.run_triton(host_words, dev_words, self.copy_programs),
                                (spec.flat,), nbytes)
+
+    def _pool_words(self, src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``src`` and ``dst`` as the copy kernel reads them: the pools' kept word views between
+        the two pools (H2D, D2H), else themselves (the kernel views them: token rows)."""
+        host_words, dev_words = self._words
+        if src is self.host and dst is self.dev:
+            return host_words, dev_words
+        if src is self.dev and dst is self.host:
+            return dev_words, host_words
+        return src, dst
 
     def _on_stream(self, kind: str, wait: Sequence[Any], copy: Callable[[], None],
                    keep: tuple[torch.Tensor, ...], nbytes: int = 0) -> Any:

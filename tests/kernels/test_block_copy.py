@@ -2,8 +2,9 @@
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels.block_copy import copy_segments, copy_segments_ref, copy_segments_triton
+from kernels.block_copy import copy_segments, copy_segments_ref, copy_segments_triton, word_view
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
 SEGMENT_ELEMS = (1, 6, 128, 1500)  # odd sizes exercise masking and the word view
@@ -33,6 +34,43 @@ def test_triton_copy_matches_reference(triton_device: str, dtype: torch.dtype, s
     copy_segments_triton(src, dst, src_idx.to(triton_device), dst_idx.to(triton_device))
     torch.testing.assert_close(dst, expected, rtol=0, atol=0)
     torch.testing.assert_close(src, src_before, rtol=0, atol=0)
+
+
+class _Views(TorchDispatchMode):
+    """Counts the tensor views a call makes (host work per launch on a GPU host)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.views = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.views += str(func).startswith("aten.view")
+        return func(*args, **(kwargs or {}))
+
+
+def test_kept_word_views_are_not_viewed_again(triton_device: str) -> None:
+    """The copy engine keeps its pools' word views (``CudaTransferEngine._words``): ``word_view``
+    returns such a view itself, without a new view (negative control: a bf16 pool takes two per
+    call), and the copy over the kept views equals the copy over the pools (bit for bit, against
+    the reference; the negative control of the equality: other indices give another result)."""
+    src, dst = _pools(torch.bfloat16, 1500, triton_device)  # 3000 bytes a row: int64 words
+    words = word_view(src)
+    assert words.dtype == torch.int64 and words.data_ptr() == src.data_ptr()
+    counter = _Views()
+    with counter:
+        again = word_view(words)
+    assert again is words and counter.views == 0
+    with counter:
+        word_view(src)
+    assert counter.views == 2
+    idx_s, idx_d = torch.tensor([3, 0, 8]), torch.tensor([1, 10, 4])
+    expected = dst.clone()
+    copy_segments_ref(src, expected, idx_s, idx_d)
+    copy_segments_triton(words, word_view(dst), idx_s.to(triton_device), idx_d.to(triton_device))
+    torch.testing.assert_close(dst, expected, rtol=0, atol=0)
+    other = dst.clone()
+    copy_segments_ref(src, other, idx_s.flip(0), idx_d)
+    assert not torch.equal(other, expected)
 
 
 def test_reference_is_a_gather_scatter() -> None:
@@ -106,3 +144,22 @@ def test_programs_for_caps_and_refuses() -> None:
     assert programs_for(t, 5, 16) == 5 and programs_for(t, 0, 16) == 1  # never more programs than work
     with pytest.raises(ValueError, match="programs=0"):
         programs_for(t, 10, 0)
+
+
+def test_the_cuda_engine_hands_its_kept_word_views_to_the_kernel_between_its_pools() -> None:
+    """``CudaTransferEngine._pool_words`` (its mapping only: the engine itself needs CUDA): an H2D or
+    D2H between the engine's two pools gets the kept word views, in the copy's direction; any other
+    pair (token rows) passes through unchanged, for the kernel to view."""
+    from types import SimpleNamespace
+
+    from sglang_ext.dataplane.transfer_engine import CudaTransferEngine
+
+    host, dev = torch.zeros(4, 1500, dtype=torch.bfloat16), torch.zeros(6, 1500, dtype=torch.bfloat16)
+    engine = SimpleNamespace(host=host, dev=dev, _words=(word_view(host), word_view(dev)))
+    h2d = CudaTransferEngine._pool_words(engine, host, dev)
+    assert h2d[0] is engine._words[0] and h2d[1] is engine._words[1]
+    d2h = CudaTransferEngine._pool_words(engine, dev, host)
+    assert d2h[0] is engine._words[1] and d2h[1] is engine._words[0]
+    rows = torch.zeros(3, 1500, dtype=torch.bfloat16)
+    assert CudaTransferEngine._pool_words(engine, rows, host) == (rows, host)
+    assert CudaTransferEngine._pool_words(engine, host.clone(), dev)[0] is not engine._words[0]  # another tensor
