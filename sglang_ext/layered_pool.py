@@ -180,6 +180,11 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         """The request finished or was aborted: drop its wants (tree-owned pages stay)."""
         self.core.release_request(rid)
 
+    def holds_wants(self, rid: str) -> bool:
+        """Whether the pool holds installed wants of ``rid`` (none after a release: a request
+        SGLang retracted and re-admits is installed again, :meth:`PlacementInstaller.install`)."""
+        return self.core.holds_wants(rid)
+
     def free_device_pages(self) -> int:
         """Device layer-pages free now, counting prefix-cache pages that are given up on demand."""
         return self.core.free_device_pages()

@@ -177,11 +177,8 @@ class StepBoundary:
         if installer.unchanged(live, parked):
             self.record["install_delta"] = None  # steady state: nothing to install
             return
-        pages_of = self.pages_of
-        running_pages = {rid: pages_of(req) for rid, req in live.items()}
-        paused_pages = {rid: pages_of(req) for rid, req in parked.items()}
-        try:
-            delta = installer.install(running_pages, paused_pages)
+        try:  # the pages of the requests whose wants changed only
+            delta = installer.install(live, parked, self.pages_of)
         except Exception:  # a failed install keeps the previous residency; never fail the step
             log.exception("residency_install_failed", step=step + 1)
             delta = None

@@ -13,7 +13,7 @@ With ``tp_size == 1`` nothing is broadcast.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -244,15 +244,33 @@ class PlacementInstaller:
         return same
 
     def install(
-        self, running: Mapping[str, tuple[int, ...]], paused: Mapping[str, tuple[int, ...]]
+        self, running: Mapping[str, Any], paused: Mapping[str, Any],
+        pages_of: Callable[[Any], Sequence[int]] | None = None,
     ) -> Any:
-        """Install the wants on the pool (None without a layered pool); remembers them."""
-        wants = self.wants(running, paused)
-        self.last_wants = wants
-        self._installed = self._policy(running, paused)
+        """Install on the pool the wants of the requests whose policy (layers, pause state,
+        uncached prefix) differs from the last install's, new requests included; returns the
+        pool's delta (None without a layered pool, or when no request's policy changed). The
+        others are not sent: ``update_residency`` keeps a request it is not given as it was,
+        and their appended pages reach the pool through its step observation, as at a boundary
+        where :meth:`unchanged` holds. ``running`` / ``paused`` map rids to their pages, or to
+        requests whose pages ``pages_of`` reads: then only the changed requests' pages are read
+        (a batch change costs O(its new requests' pages), not O(the batch's)). A request whose
+        wants the pool no longer holds (``holds_wants``: SGLang retracted it, which releases it
+        in the pool without a finish) is sent again. ``last_wants`` holds every request's wants
+        (the unchanged ones' from their last install)."""
+        policy = self._policy(running, paused)
+        prior, last = self._installed or {}, self.last_wants
+        # a request the pool released without a finish (SGLang retracted it) holds no wants
+        holds = self.pool.holds_wants if self.layered else (lambda rid: True)
+        fresh = {rid for rid, p in policy.items() if prior.get(rid) != p or rid not in last or not holds(rid)}
+        read = pages_of if pages_of is not None else (lambda pages: pages)
+        wants = self.wants({rid: read(v) for rid, v in running.items() if rid in fresh},
+                           {rid: read(v) for rid, v in paused.items() if rid in fresh})
+        self.last_wants = {rid: wants[rid] if rid in fresh else last[rid] for rid in policy}
+        self._installed = policy
         self._epoch += 1
         self._installed_key = (self._epoch, tuple(running), tuple(paused))
-        if not self.layered:
+        if not self.layered or not wants:
             return None
         self.installs += 1
         return self.pool.update_residency(wants)

@@ -109,6 +109,10 @@ class LayeredKVCore:
         self._paged_last = self._paged_tables = None
         self.residency.release_request(rid)
 
+    def holds_wants(self, rid: str) -> bool:
+        """Whether the residency holds installed wants of ``rid`` (:meth:`SlotResidency.holds_wants`)."""
+        return self.residency.holds_wants(rid)
+
     def page_freed(self, pages: Sequence[int]) -> None:
         """SGLang's allocator took ``pages`` back. A running request's row may have been rewritten
         (a prefix the tree already held replaces the request's copy): the next step reads every

@@ -209,6 +209,12 @@ class SlotResidency:
                 self._maybe_orphan.update(gone.tolist())
                 req.pages = pages
 
+    def holds_wants(self, rid: str) -> bool:
+        """Whether wants of ``rid`` given by :meth:`update_residency` are held (not released since;
+        a request known only from :meth:`observe` holds none)."""
+        req = self._requests.get(rid)
+        return req is not None and req.planned and rid not in self.ended.released
+
     def release_request(self, rid: str) -> None:
         """Forget ``rid`` (unknown ids are ignored: release is idempotent). Recorded, applied by
         the next reader with the other releases and frees (:class:`EndedRequests`)."""
