@@ -38,7 +38,7 @@ QUIET_REPORT_FACTOR = 4
 """``--kv-report-quiet-interval``'s default, in ``--kv-report-interval``s."""
 MAX_COPY_PROGRAMS = 4096
 DEFAULT_TIMING_INTERVAL = 8
-"""``--kv-timing-interval``'s default: the CUDA copies and waits of one step in 8 are timed."""
+"""``--kv-timing-interval``'s default: the CUDA copies and waits of about one step in 8 are timed."""
 MAX_TIMING_INTERVAL = 1 << 16
 COPY_ENGINES = ("triton", "dma")
 """``--kv-copy-engine`` values (``SlotStoreConfig.copy_engine``)."""
@@ -123,11 +123,12 @@ class LayeredKVArgs:
     recommends one). Ignored on CPU."""
     kv_timing_interval: int = DEFAULT_TIMING_INTERVAL
     """Time the host<->device copies and the compute stream's waits on them with CUDA events on
-    one decode step in this many, in [1, 65536]; 1: every step. Each event costs host time on the
-    scheduler thread. The ``kvplane:h2d_seconds_total`` / ``d2h`` / stall totals are then
-    estimates (a timed step's seconds count this many times), and the ``kvplane:stall_seconds``
-    histogram observes the timed steps only (:class:`~sglang_ext.dataplane.event_clock.EventClock`).
-    Ignored on CPU (the synchronous copies are timed by the wall clock, every step)."""
+    about one decode step in this many (random gaps of mean N), in [1, 65536]; 1: every step.
+    Each event costs host time on the scheduler thread. The ``kvplane:h2d_seconds_total`` /
+    ``d2h`` / stall totals are then estimates (a timed step's seconds count N times), and the
+    ``kvplane:stall_seconds`` histogram observes the timed steps only
+    (:class:`~sglang_ext.dataplane.event_clock.EventClock`). Ignored on CPU (the synchronous
+    copies are timed by the wall clock, every step)."""
     kv_policy_listen: str | None = None
     """``HOST:PORT`` on which TP rank 0's scheduler serves the embedded control plane's
     ``kvplane.v1.PolicyService`` (get / update / watch the live policy); None: not served.
@@ -456,7 +457,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> bool:
         "--kv-timing-interval",
         type=int,
         default=DEFAULT_TIMING_INTERVAL,
-        help=f"Time the CUDA KV copies and stalls (events) on one step in N, [1, {MAX_TIMING_INTERVAL}] "
+        help=f"Time the CUDA KV copies and stalls (events) on about one step in N, [1, {MAX_TIMING_INTERVAL}] "
         f"(default {DEFAULT_TIMING_INTERVAL}; 1: every step; the copy-seconds totals are then estimates).",
     )
     group.add_argument(

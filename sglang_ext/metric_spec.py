@@ -92,7 +92,7 @@ class MetricSpec:
 
 _CUDA_EVENTS = ("CUDA: a CUDA-event pair around each batched copy on its transfer stream, read without a sync "
                 "once complete (at the end of its step or a later one; events still in flight are counted later), "
-                "on one step in --kv-timing-interval (default 8), each timed copy counted that many times: an estimate")
+                "on about one step in --kv-timing-interval (default 8), each timed copy counted that many times: an estimate")
 
 WORKER_METRICS: tuple[MetricSpec, ...] = (
     # ---- KV residency, per TP rank (each rank's layered pool) -----------------------------
@@ -121,7 +121,7 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
                caveat="CPU: the step's copy seconds (copies block the scheduler thread). CUDA: the compute "
                       "stream's waits on the layers' fetch events and on the step start's fence, timed by "
                       "CUDA-event pairs; a step is observed once all its pairs completed (normally at its "
-                      "own end, otherwise at a later step); only the steps timed (one in --kv-timing-interval) "
+                      "own end, otherwise at a later step); only the steps timed (about one in --kv-timing-interval) "
                       "are observed. Known gap (gpu-check run 13, H200): these waits saw "
                       "~1 ms of a half-offloaded step's ~217 ms transfer stall; see README \"GPU check\"",
                buckets=STEP_BUCKETS_S),

@@ -188,7 +188,7 @@ class StepReporter:
         times = getattr(getattr(self.pool, "core", None), "link_account", None)
         if times is None:
             return None
-        nbytes, seconds = times.h2d_bytes, times.h2d_s
+        nbytes, seconds = times.h2d_timed_bytes, times.h2d_timed_s  # measured, not estimated (sampling)
         moved, took = nbytes - self._h2d_sent[0], seconds - self._h2d_sent[1]
         if moved < MIN_H2D_SAMPLE_BYTES or took < MIN_H2D_SAMPLE_SECONDS:
             return None  # kept for the next report's sample

@@ -132,7 +132,8 @@ class PlacementInstaller:
     prefill_placements: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """Admitted prefills not yet in a plan: their lowest ``min_gpu_layers`` layers on the GPU."""
     last_wants: dict[str, Any] = field(default_factory=dict)
-    """The wants of the last install (also kept without a layered pool, for telemetry)."""
+    """Every installed request's wants (also kept without a layered pool, for telemetry); a
+    request not sent by the last install keeps those of the install that sent it (its pages then)."""
     uncached: dict[str, int] = field(default_factory=dict)
     """Running requests' uncached prefix pages (eLLM, ``docs/recompute.md``; set by
     :class:`~sglang_ext.recompute_requests.RecomputeRequests`)."""
@@ -143,7 +144,8 @@ class PlacementInstaller:
     installs: int = 0
     """update_residency calls made."""
     skipped: int = 0
-    """Boundaries where the wants' policy was unchanged, so nothing was installed."""
+    """Boundaries where the wants' policy was unchanged, so nothing was installed (an install
+    that found no request to send counts in neither this nor :attr:`installs`)."""
     _installed: dict[str, tuple[tuple[bool, ...], bool, int]] | None = None
     _epoch: int = 0
     """Bumped whenever the placements or the installed policy change."""
@@ -261,7 +263,8 @@ class PlacementInstaller:
         policy = self._policy(running, paused)
         prior, last = self._installed or {}, self.last_wants
         # a request the pool released without a finish (SGLang retracted it) holds no wants
-        holds = self.pool.holds_wants if self.layered else (lambda rid: True)
+        holds = getattr(self.pool, "holds_wants", None) if self.layered else None
+        holds = holds if holds is not None else (lambda rid: True)
         fresh = {rid for rid, p in policy.items() if prior.get(rid) != p or rid not in last or not holds(rid)}
         read = pages_of if pages_of is not None else (lambda pages: pages)
         wants = self.wants({rid: read(v) for rid, v in running.items() if rid in fresh},
@@ -273,7 +276,11 @@ class PlacementInstaller:
         if not self.layered or not wants:
             return None
         self.installs += 1
-        return self.pool.update_residency(wants)
+        try:
+            return self.pool.update_residency(wants)
+        except Exception:  # the pool kept its previous wants: the next install sends every request
+            self._installed = self._installed_key = None
+            raise
 
     def release(self, rid: str) -> None:
         self._bool_rows.pop(rid, None)

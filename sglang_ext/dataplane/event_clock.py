@@ -15,16 +15,17 @@
   copies and waits issued, not to the pool's size.
 
 * Sampling (``interval`` N, ``--kv-timing-interval``): each event record and query costs host
-  time on the scheduler thread (a half-offloaded Llama-3-8B step records ~100 for timing alone), so
-  only one step in N is timed. :meth:`boundary` (every step boundary) decides. On the other
-  steps ``start`` returns None at once and marks the step :meth:`TransferTimes.unobserved`; a timed
-  pair is booked with weight N (:class:`TransferTimes`). Pairs timed before the switch are still
-  harvested. Measuring code that calls the engine outside steps (no boundary) times everything.
-
-Never here: ``event.synchronize()``, ``torch.cuda.synchronize()``, ``elapsed_time`` on a pair that
-may be incomplete, or ``.item()``. During CUDA-graph capture nothing is recorded (the launch is
-counted as untimed). Pairs come from an :class:`EventPairPool`, so the number of events is
-bounded even if a stream never completes.
+  time on the scheduler thread (a half-offloaded Llama-3-8B step recorded ~100 for timing alone
+  on the H200), so about one step in N is timed. The decision is made when a step opens: at
+  :meth:`opened` (the core's ``close_transfer_step``, the metrics' step) or, where nothing ever
+  closes steps (no metrics), at :meth:`boundary`. So a plan install between two forwards belongs
+  to the step it precedes. The gaps between timed steps are random, 1 to 2N - 1 steps (mean N,
+  the clock's own generator), so no periodic pattern of the workload (a batch opening pages every
+  ``page_size`` steps) lines up with them. An untimed step is marked
+  :meth:`TransferTimes.unobserved` when it opens and ``start`` returns None at once (counted in
+  ``sampled_out``); a pair timed in a sampled step is booked with weight N. Until the first
+  decision (and after :meth:`set_interval`) everything is timed with weight 1: code that calls
+  the engine outside steps (the GPU check's transfer loops) times all of it.
 
 The event factory and the capture test are parameters so that the bookkeeping can run on the CPU
 against a fake event in tests (``tests/dataplane/test_transfer_clock.py``). CUDA does not run
@@ -34,6 +35,7 @@ there.
 from __future__ import annotations
 
 import functools
+import random
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -50,32 +52,64 @@ class EventClock(TransferClock):
 
     def __init__(self, times: TransferTimes | None = None, *, new_event: Callable[[], Any] | None = None,
                  capturing: Callable[[], bool] | None = None, capacity: int = DEFAULT_CAPACITY,
-                 interval: int = 1) -> None:
+                 interval: int = 1, gap: Callable[[int], int] | None = None) -> None:
         super().__init__(times)
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-            raise ValueError(f"EventClock: interval={interval!r} must be an int >= 1")
-        self.interval = interval
-        """Time one step in ``interval`` (module docstring); 1: every step."""
-        self.timing = True
-        """Whether the open step is timed (set by :meth:`boundary`)."""
-        self._boundaries = 0
         self.pool = EventPairPool(
             new_event if new_event is not None else functools.partial(torch.cuda.Event, enable_timing=True),
             capacity,
         )
         self._capturing = capturing if capturing is not None else torch.cuda.is_current_stream_capturing
         self._fifo: dict[str, deque[tuple[tuple[Any, Any], int, int, int]]] = {kind: deque() for kind in KINDS}
+        self._gap = gap if gap is not None else _random_gaps()
+        """Steps from a timed step to the next one, given N (module docstring); tests fix it."""
+        self._closes = False
+        """Something closes steps (:meth:`opened`): it, not :meth:`boundary`, opens them."""
+        self.set_interval(interval)
+
+    def set_interval(self, interval: int, gap: Callable[[int], int] | None = None) -> None:
+        """Time about one step in ``interval`` from the next decision on; until it, everything
+        (weight 1). ``gap``: the steps between timed ones from then on (tests fix it)."""
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"EventClock: interval={interval!r} must be an int >= 1")
+        if gap is not None:
+            self._gap = gap
+        self.interval = interval
+        """Time about one step in ``interval`` (module docstring); 1: every step."""
+        self.timing = True
+        """Whether the open step is timed."""
+        self._weight = 1
+        """Weight of what is timed now (``interval`` once sampling has picked the step)."""
+        self._countdown = 0
+        """Steps left before the next timed one."""
+
+    def _decide(self) -> None:
+        """The step now opening: timed or not (module docstring)."""
+        if self.interval == 1:
+            self.timing, self._weight = True, 1
+            return
+        self._weight = self.interval
+        self.timing = self._countdown <= 0
+        if self.timing:
+            self._countdown = self._gap(self.interval)
+        else:
+            self.times.unobserved()
+        self._countdown -= 1
 
     def boundary(self) -> int:
-        """A step boundary: harvest, then decide whether the step now opening is timed."""
+        """A step boundary: harvest; where nothing closes steps, decide whether this one is timed."""
         booked = self.harvest()
-        self.timing = self._boundaries % self.interval == 0
-        self._boundaries += 1
+        if not self._closes:
+            self._decide()
         return booked
+
+    def opened(self) -> None:
+        """The metrics closed a step (``close_transfer_step``): decide whether the next is timed."""
+        self._closes = True
+        self._decide()
 
     def start(self, kind: str, stream: Any = None) -> tuple[Any, Any] | None:
         if not self.timing:
-            self.times.unobserved()
+            self.times.sampled_out += 1
             return None
         if self._capturing():
             self.times.untimed += 1
@@ -94,7 +128,7 @@ class EventClock(TransferClock):
         step = self.times.step
         if kind == STALL:
             self.times.expect_stall(step)
-        self._fifo[kind].append((token, step, nbytes, self.interval))
+        self._fifo[kind].append((token, step, nbytes, self._weight))
 
     def harvest(self) -> int:
         booked = 0
@@ -119,3 +153,9 @@ class EventClock(TransferClock):
     def pending(self) -> int:
         """Pairs recorded and not yet harvested."""
         return sum(len(fifo) for fifo in self._fifo.values())
+
+
+def _random_gaps() -> Callable[[int], int]:
+    """Gaps of 1 to 2N - 1 steps, uniform (mean N), from a generator of the clock's own."""
+    rng = random.Random(0x5EED)
+    return lambda n: rng.randint(1, 2 * n - 1)

@@ -165,7 +165,9 @@ class LayeredKVCore:
         completely measured (this one, sometimes earlier ones: :class:`TransferTimes`)."""
         clock = self.store.engine.clock
         clock.harvest()
-        return clock.times.close_step()
+        closed = clock.times.close_step()
+        clock.opened()
+        return closed
 
     # ----- the step boundary ----------------------------------------------------------
 

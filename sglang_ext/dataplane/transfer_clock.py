@@ -8,8 +8,9 @@ Primitives (all are called on the scheduler thread. None of them may wait for a 
   wait of the compute stream. A None token means "not timed": ``stop`` ignores it.
 * ``harvest()``: book what has been measured by now into :attr:`times`. It never blocks. The core
   calls it when a step is closed for the metrics.
-* ``boundary()``: a step boundary (the core calls it at every one): ``harvest()``, and a clock
-  that samples decides whether the opening step is timed (:class:`EventClock`'s interval).
+* ``boundary()``: a step boundary (the core calls it at every one): ``harvest()``; and
+  ``opened()``: the metrics closed a step. A clock that samples decides there whether the
+  opening step is timed (:class:`EventClock`'s interval).
 
 :class:`~sglang_ext.dataplane.wall_clock.WallClock` (the synchronous CPU engine) and
 :class:`~sglang_ext.dataplane.event_clock.EventClock` (CUDA events) implement it, and both feed a
@@ -50,5 +51,8 @@ class TransferClock(ABC):
         measurements were booked."""
 
     def boundary(self) -> int:
-        """A step boundary: :meth:`harvest` (a sampling clock also picks the step's timing)."""
+        """A step boundary: :meth:`harvest` (a sampling clock may also pick the step's timing)."""
         return self.harvest()
+
+    def opened(self) -> None:  # noqa: B027 - nothing to do unless the clock samples
+        """The account's step was closed and the next opened (a sampling clock picks its timing)."""

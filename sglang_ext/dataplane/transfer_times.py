@@ -17,15 +17,17 @@ stall arrived since the previous close. A step is observed once, with all its st
 for a step that waited on nothing).
 
 **Sampled timing** (the CUDA engine, ``--kv-timing-interval N``): the clock times the copies and
-waits of one step in N. A timed measurement is booked with weight N into the running totals
-(``h2d_s``, ``d2h_s``, their bytes, ``stall_s``), which therefore estimate what every step moved and
-waited; ratios such as bytes over seconds are unchanged. A step in which the clock left anything
-untimed by sampling (:meth:`unobserved`) is not observed by :meth:`close_step`: the stall
-observations are the timed steps', each at its own (unweighted) value, never a 0.0 for a step
-nobody timed.
+waits of about one step in N (:class:`~sglang_ext.dataplane.event_clock.EventClock`). A timed
+measurement is booked with weight N into the running totals (``h2d_s``, ``d2h_s``, their bytes,
+``stall_s``), which therefore estimate what every step moved and waited; the unweighted
+``h2d_timed_bytes`` / ``h2d_timed_s`` are what the events measured (the link's bandwidth sample
+reads them). A step the clock leaves untimed is marked when it opens (:meth:`unobserved`) and
+:meth:`close_step` never observes it: the stall observations are the timed steps', each at its
+own (unweighted) value, never a 0.0 for a step nobody timed.
 
-Memory: one float and one count per step that still has pending stalls. Pending stalls are
-bounded by the clock's event pool, so this is bounded too, even if the events never complete.
+Memory: one float and one count per step that still has pending stalls, and the unobserved mark
+of at most those steps and the open one. Pending stalls are bounded by the clock's event pool,
+so this is bounded too, even if the events never complete.
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ class TransferTimes:
         flight over seconds already measured)."""
         self.d2h_bytes = 0
         """Bytes of the device -> host copies whose seconds are in :attr:`d2h_s`."""
+        self.h2d_timed_bytes = 0
+        """Bytes of the host -> device copies the clock timed (unweighted: what was measured)."""
+        self.h2d_timed_s = 0.0
+        """Their seconds (unweighted): ``h2d_timed_bytes / h2d_timed_s`` is the measured link."""
         self.stall_s = 0.0
         """Seconds steps waited on transfers, measured so far."""
         self.step = 0
@@ -55,10 +61,10 @@ class TransferTimes:
         self.untimed = 0
         """Copies or waits the clock could not time (event pool exhausted, CUDA-graph capture)."""
         self.sampled_out = 0
-        """Copies or waits left untimed by sampling (steps outside the clock's timing interval)."""
+        """Copies or waits left untimed by sampling (in steps the clock does not time)."""
         self._stall: dict[int, float] = {}
         self._unobserved: set[int] = set()
-        """Steps with something left untimed by sampling: :meth:`close_step` never observes them."""
+        """Steps the clock does not time (:meth:`unobserved`): :meth:`close_step` never observes them."""
         self._pending: dict[int, int] = {}
         self._ready: list[float] = []
 
@@ -68,6 +74,8 @@ class TransferTimes:
         if kind == "h2d":
             self.h2d_s += seconds * weight
             self.h2d_bytes += nbytes * weight
+            self.h2d_timed_s += seconds
+            self.h2d_timed_bytes += nbytes
         elif kind == "d2h":
             self.d2h_s += seconds * weight
             self.d2h_bytes += nbytes * weight
@@ -79,8 +87,7 @@ class TransferTimes:
         self._pending[step] = self._pending.get(step, 0) + 1
 
     def unobserved(self) -> None:
-        """Sampling left a copy or wait of the open step untimed: the step is not observed."""
-        self.sampled_out += 1
+        """The clock does not time the open step: it is not observed (module docstring)."""
         self._unobserved.add(self.step)
 
     def add_stall(self, seconds: float, step: int | None = None, *, expected: bool = False,
@@ -110,7 +117,7 @@ class TransferTimes:
     def close_step(self) -> list[float]:
         """Close the open step. Returns the stall seconds of each step complete since the last
         close. That is this step if none of its stalls is pending, plus any earlier steps that
-        completed late; never a step sampling left partly untimed (:meth:`unobserved`)."""
+        completed late; never a step the clock did not time (:meth:`unobserved`)."""
         step = self.step
         self.step += 1
         if step not in self._pending:

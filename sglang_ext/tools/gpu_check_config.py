@@ -96,7 +96,8 @@ class GpuCheckConfig:
     @property
     def decode_steps(self) -> int:
         """Decode steps one check runs (warm-ups, timed and instrumented steps): the batch's headroom.
-        Per phase: resident (a timed run of ``repeat + 2`` steps, ``repeat`` CPU-timed, 3
+        Per phase: resident (a timed run of ``repeat + 2`` steps, ``2 * repeat`` for the host time
+        (``repeat`` of them timed by events every step, for the stall observations), 3
         profiled, ``TIMELINE_STEPS``), placed (the same, 2 sync-probed, 1 for accuracy), overlap
         (an all-resident timed run, one per cap of ``PROGRAM_CAPS`` -- counted even where the
         engine has no cap -- one with the copy engines and ``TIMELINE_STEPS`` for each copy

@@ -112,6 +112,8 @@ class CoreCheck:
         self.dma_error: str | None = "not probed (CUDA only)"
         """Why the copy engines (``--kv-copy-engine dma``) are not measured; None on CUDA until the
         engine refuses them (its probes: ``CudaTransferEngine.set_copy_engine``)."""
+        self.cpu_mean_ms = 0.0
+        """Mean of the last :meth:`kvplane_cpu_ms` steps (the timed steps' share included)."""
         self.parts_cpu_ms: dict[str, float] = {}
         """Medians of the last :meth:`kvplane_cpu_ms` steps' per-layer calls, summed over layers:
         ``enter`` (``enter_layer``: fetch launches, event waits), ``write``, ``exit``."""
@@ -145,8 +147,9 @@ class CoreCheck:
     def kvplane_cpu_ms(self) -> float:
         """Median thread CPU ms per step spent in kvplane (``prepare_step`` + per-layer calls), at
         the served timing interval (``--kv-timing-interval``'s default: most steps record no timing
-        event). Before them, as many steps timed every step give their stall observations (ms,
-        ``self.stall_ms``: the events' figures need every step observed)."""
+        event; their mean, with the timed steps' share, goes to ``self.cpu_mean_ms``). Before
+        them, as many steps timed every step give their stall observations (ms, ``self.stall_ms``:
+        the events' figures need every step observed)."""
         samples, prepare, parts = [], [], []
         core = self.batch.core
         clock = core.store.engine.clock
@@ -155,14 +158,14 @@ class CoreCheck:
         core.close_transfer_step()  # the stall of earlier steps is not these steps'
         self.stall_ms = []
         if served is not None:
-            clock.interval = 1
-        for _ in range(self.config.repeat):
-            self.step()
-            sync(self.device)
-            self.stall_ms += [s * 1e3 for s in core.close_transfer_step()]
-        if served is not None:
-            clock.interval = DEFAULT_TIMING_INTERVAL
+            clock.set_interval(1)
         try:
+            for _ in range(self.config.repeat):
+                self.step()
+                sync(self.device)
+                self.stall_ms += [s * 1e3 for s in core.close_transfer_step()]
+            if served is not None:
+                clock.set_interval(DEFAULT_TIMING_INTERVAL)
             for _ in range(self.config.repeat):
                 probe = CpuTimeProbe()
                 self.step(probe.scope)
@@ -173,7 +176,8 @@ class CoreCheck:
                 core.close_transfer_step()
         finally:
             if served is not None:
-                clock.interval = served
+                clock.set_interval(served)
+        self.cpu_mean_ms = statistics.fmean(samples)
         self.prepare_cpu_ms = statistics.median(prepare)
         self.parts_cpu_ms = {k: statistics.median(p[k] * 1e3 for p in parts) for k in ("enter", "write", "exit")}
         return statistics.median(samples)
@@ -304,6 +308,7 @@ class CoreCheck:
         resident_ms = time_ms(self.step, device, c.repeat)
         advanced_before = b.core.advanced_decode_steps + b.core.opened_advances
         resident_cpu_ms = self.kvplane_cpu_ms()
+        resident_cpu_mean_ms = self.cpu_mean_ms
         resident_advanced = b.core.advanced_decode_steps + b.core.opened_advances - advanced_before
         resident_prepare_ms, resident_parts_ms = self.prepare_cpu_ms, self.parts_cpu_ms
         resident_profile = self.host_profile()
@@ -326,6 +331,7 @@ class CoreCheck:
         staged_before, launches = b.core.staged_advances, b.core.store.engine.stats
         h2d_before, d2h_before = launches.h2d_launches, launches.d2h_launches
         placed_cpu_ms = self.kvplane_cpu_ms()
+        placed_cpu_mean_ms = self.cpu_mean_ms
         placed_advanced = b.core.staged_advances - staged_before
         steps_run = 2 * c.repeat  # kvplane_cpu_ms: the steps timed every step, then the CPU-timed ones
         placed_launches = {"h2d": (launches.h2d_launches - h2d_before) / steps_run,
@@ -359,6 +365,7 @@ class CoreCheck:
             "stall_predicted_ms": stall_predicted, "model_blocks_per_request": blocks_now,
             "plan_install_offloaded_layer_pages": delta.offloaded_layer_pages,
             "kvplane_cpu_ms_per_step": {"resident": resident_cpu_ms, "placed": placed_cpu_ms,
+                                        "resident_mean": resident_cpu_mean_ms, "placed_mean": placed_cpu_mean_ms,
                                         "resident_boundary": resident_prepare_ms,
                                         "placed_boundary": placed_prepare_ms,
                                         "resident_layer_calls": resident_parts_ms,
@@ -478,5 +485,6 @@ class CoreCheck:
         launches = host["placed_launches_per_step"]
         advanced = (f"{host['placed_steps_advanced']} of {host['resident_steps_timed']} placed steps advanced, "
                     f"{launches['h2d']:g} H2D + {launches['d2h']:g} D2H launches a step")
-        return (f"{split('resident')}; {split('placed')} ({advanced}); "
+        return (f"{split('resident')}; {split('placed')} ({advanced}); means with the timed steps "
+                f"{host['resident_mean']:.3f} / {host['placed_mean']:.3f}; "
                 f"placed step's top own time (cProfile, ms): {profile}")

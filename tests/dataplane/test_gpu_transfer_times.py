@@ -115,15 +115,17 @@ def test_served_steps_observe_one_stall_each_and_the_pool_stays_small():
 
 
 def test_sampled_timing_on_cuda_times_one_step_in_n():
-    """``--kv-timing-interval 4`` on CUDA, the core's own placed steps: timing events are recorded
-    (pairs taken) on one step in 4 only, the metrics observe those steps only, the untimed copies
-    and waits are counted as sampled out, and the totals (weighted) still grow. Negative control:
-    interval 1 observes every step (the test above)."""
+    """``--kv-timing-interval 4`` on CUDA (gaps fixed at 4), the core's own placed steps: timing
+    events are recorded (pairs taken) on one step in 4 only, the metrics observe exactly those
+    steps, the untimed copies and waits are counted as sampled out, and the totals (weighted)
+    grow. Negative control: interval 1 observes every step (the test above)."""
     d = offloaded_driver(device="cuda")
     core = d.core
     clock = core.store.engine.clock
     assert isinstance(clock, EventClock)
-    clock.interval = 4
+    clock.set_interval(4, gap=lambda n: n)
+    times = core.transfer_times
+    h2d_before = times.h2d_s
     observed, pairs = [], []
     for _ in range(8):
         before = clock.pool.in_use
@@ -131,7 +133,7 @@ def test_sampled_timing_on_cuda_times_one_step_in_n():
         pairs.append(clock.pool.in_use - before)
         torch.cuda.synchronize()
         observed.append(len(core.close_transfer_step()))
-    assert sum(observed) == 2 and [i for i, n in enumerate(pairs) if n > 0] == [i for i, n in enumerate(observed) if n]
-    times = core.transfer_times
-    assert times.sampled_out > 0 and times.untimed == 0 and times.h2d_s > 0
+    timed = [i for i, n in enumerate(pairs) if n > 0]
+    assert len(timed) == 2 and timed == [i for i, n in enumerate(observed) if n], (pairs, observed)
+    assert times.sampled_out > 0 and times.untimed == 0 and times.h2d_s > h2d_before
     d.check_at_rest()

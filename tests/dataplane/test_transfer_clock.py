@@ -73,9 +73,9 @@ class FakeEvent:
         raise AssertionError("the data plane must never synchronize on a timing event")
 
 
-def fake_clock(capacity: int = 64, default: FakeStream | None = None) -> tuple[EventClock, FakeStream]:
+def fake_clock(capacity: int = 64, default: FakeStream | None = None, **kw: Any) -> tuple[EventClock, FakeStream]:
     stream = default or FakeStream()
-    return EventClock(new_event=lambda: FakeEvent(stream), capturing=lambda: False, capacity=capacity), stream
+    return EventClock(new_event=lambda: FakeEvent(stream), capturing=lambda: False, capacity=capacity, **kw), stream
 
 
 def timed(clock: EventClock, kind: str, stream: FakeStream, ms: float) -> None:
@@ -180,15 +180,16 @@ def test_nothing_is_recorded_during_graph_capture():
 
 
 def test_sampled_clock_books_a_timed_step_with_its_weight():
-    """``interval`` 4: the step a boundary opens is timed on boundaries 0, 4, 8, ...; a timed
-    pair is booked with weight 4 in the running totals (seconds and bytes alike, so their ratio,
-    the link's bandwidth, is the measured one), while the step's own stall observation is the
-    measured value. An untimed step is counted as sampled out and never observed (no 0.0 for a
-    step nobody timed). Negative control: interval 1 times and observes every step."""
+    """``interval`` 4 with gaps fixed at 4 and nothing closing steps: boundaries decide, the steps
+    they open are timed on boundaries 0, 4, 8, ...; a timed pair is booked with weight 4 in the
+    running totals (seconds and bytes alike, so the estimate's bytes over seconds is the
+    measured bandwidth; the unweighted measured figures beside them), while the step's own
+    stall observation is the measured value. An untimed step counts its copies and waits as
+    sampled out and is never observed (no 0.0 for a step nobody timed). Negative control:
+    interval 1 times and observes every step."""
 
     def run(interval: int) -> tuple[list[bool], list[list[float]], TransferTimes, EventClock]:
-        clock, _ = fake_clock()
-        clock.interval = interval
+        clock, _ = fake_clock(interval=interval, gap=lambda n: n)
         copies, waits = FakeStream(), FakeStream()
         timing, observed = [], []
         for _ in range(8):
@@ -208,6 +209,7 @@ def test_sampled_clock_books_a_timed_step_with_its_weight():
     assert timing == [True, False, False, False, True, False, False, False]
     assert observed == [[pytest.approx(0.0005)], [], [], [], [pytest.approx(0.0005)], [], [], []]
     assert times.h2d_s == pytest.approx(8 * 0.002) and times.h2d_bytes == 8 << 20  # 2 timed x weight 4
+    assert (times.h2d_timed_s, times.h2d_timed_bytes) == (pytest.approx(0.004), 2 << 20)
     assert times.stall_s == pytest.approx(8 * 0.0005)
     assert times.sampled_out == 12 and times.untimed == 0  # 6 untimed steps x (a copy + a wait)
     assert clock.pool.created == 2  # untimed steps took no pair
@@ -218,54 +220,102 @@ def test_sampled_clock_books_a_timed_step_with_its_weight():
         EventClock(new_event=object, interval=0)
 
 
-def test_a_step_left_partly_untimed_is_never_observed():
-    """A stall timed in a step that sampling also left partly untimed (the interval changed
-    mid-step; a boundary the metrics did not close) arrives late: its seconds join the total,
-    but the step is not observed, on time or late (negative control: the same late stall of a
-    step sampling did not touch is observed)."""
-    for touched in (True, False):
+def test_before_any_decision_everything_is_timed_with_weight_one():
+    """A clock at interval 8 that no boundary or close has reached yet (measuring code that drives
+    the engine directly) times every copy once, not 8 times; so does one just given a new
+    interval (``set_interval``). Negative control: after a decision, a timed copy counts 8 times."""
+    clock, _ = fake_clock(interval=8, gap=lambda n: n)
+    stream = FakeStream()
+    for _ in range(3):
+        timed(clock, "h2d", stream, 1.0)
+    stream.complete()
+    clock.harvest()
+    assert clock.times.h2d_s == pytest.approx(0.003)
+    clock.opened()  # a decision: this step is timed (the first), with weight 8
+    timed(clock, "h2d", stream, 1.0)
+    stream.complete()
+    clock.harvest()
+    assert clock.times.h2d_s == pytest.approx(0.003 + 0.008)
+    clock.opened()
+    assert not clock.timing
+    clock.set_interval(8)
+    assert clock.timing
+    timed(clock, "h2d", stream, 1.0)
+    stream.complete()
+    clock.harvest()
+    assert clock.times.h2d_s == pytest.approx(0.011 + 0.001)
+
+
+def test_random_gaps_time_about_one_step_in_n_without_a_period():
+    """The default gaps: 1 to 2N - 1 steps (mean N), so over 8,000 steps at N = 8 about 1,000 are
+    timed, and the timed steps fall on every residue of 16 (a batch opening pages every 16 steps
+    is sampled in every phase; fixed gaps of 8 hit two residues only: negative control)."""
+    for gap, residues in ((None, 16), (lambda n: n, 2)):
+        clock, _ = fake_clock(interval=8, gap=gap)
+        hits = []
+        for step in range(8000):
+            clock.opened()
+            if clock.timing:
+                hits.append(step)
+        if gap is None:
+            assert 900 <= len(hits) <= 1100, len(hits)
+        assert len({h % 16 for h in hits}) == residues
+
+
+def test_a_late_stall_of_an_unobserved_step_is_not_observed():
+    """A stall timed in a step marked unobserved (the interval was reset inside it) arrives late:
+    its seconds join the total, but the step is not observed, on time or late (negative control:
+    the same late stall of an unmarked step is observed)."""
+    for marked in (True, False):
         clock, _ = fake_clock()
         waits = FakeStream()
+        if marked:
+            clock.times.unobserved()
         timed(clock, STALL, waits, 1.0)
-        if touched:
-            clock.timing = False
-            assert clock.start("h2d", waits) is None
         assert clock.times.close_step() == []  # the stall is pending
         waits.complete()
         clock.harvest()
         assert clock.times.stall_s == pytest.approx(0.001)
-        # the late stall (step 0) when sampling did not touch its step, then step 1 (nothing)
-        assert clock.times.close_step() == ([0.0] if touched else [pytest.approx(0.001), 0.0])
+        # the late stall (step 0) when its step was not marked, then step 1 (nothing)
+        assert clock.times.close_step() == ([0.0] if marked else [pytest.approx(0.001), 0.0])
 
 
 def test_served_core_records_timing_events_on_one_step_in_n():
     """``--kv-timing-interval``: the served core's placed decode steps (fetches, write-backs,
     layer waits) record timing events on one step in 4 and none on the others -- the host cost
-    sampling saves -- and the metrics observe the timed steps only. Negative control: interval 1
-    records on every step."""
+    sampling saves -- and the metrics observe exactly the timed steps: also when a plan install
+    moves data between two forwards (it belongs to the step it precedes) and on steps that copy
+    nothing (the batch back on the GPU). Negative control: interval 1 records on every step."""
 
-    def run(interval: int) -> tuple[list[int], list[int], TransferTimes]:
+    def run(interval: int) -> tuple[list[int], list[int], list[bool], TransferTimes]:
         stream = FakeStream()
-        clock = EventClock(new_event=lambda: FakeEvent(stream), capturing=lambda: False, interval=interval)
+        clock = EventClock(new_event=lambda: FakeEvent(stream), capturing=lambda: False, interval=interval,
+                           gap=lambda n: n)
         d = offloaded_driver(clock=clock)
         stream.complete()
         d.core.close_transfer_step()
-        records, observed = [], []
-        for _ in range(8):
+        records, observed, timing = [], [], []
+        for i in range(16):
             before = len(stream.recorded)
+            timing.append(clock.timing)
+            if i % 4 == 1:  # an install between forwards: b's layers move
+                d.want("b", [True, i % 8 == 1, False])
+            if i >= 12:  # the batch back on the GPU: nothing copied or awaited
+                d.want("a", [True] * 3)
+                d.want("b", [True] * 3)
             assert d.step([("a", 1), ("b", 1)])
             records.append(len(stream.recorded) - before)
             stream.complete()
             observed.append(len(d.core.close_transfer_step()))
-        return records, observed, clock.times
+        return records, observed, timing, clock.times
 
-    records, observed, times = run(4)
-    timed_steps = [i for i, n in enumerate(records) if n]
-    assert len(timed_steps) == 2 and timed_steps[1] - timed_steps[0] == 4, records
-    assert observed == [int(i in timed_steps) for i in range(8)]
+    records, observed, timing, times = run(4)
+    assert sum(timing) == 4 and timing == timing[4:] + timing[:4]  # one step in 4
+    assert [bool(n) for n in records[:12]] == timing[:12], records  # events only in timed steps
+    assert observed == [int(t) for t in timing]  # every timed step observed, no other
     assert times.sampled_out > 0 and times.untimed == 0
-    records, observed, times = run(1)
-    assert all(records) and observed == [1] * 8 and times.sampled_out == 0
+    records, observed, timing, times = run(1)
+    assert all(records[:12]) and observed == [1] * 16 and times.sampled_out == 0
 
 
 def test_accounting_rejects_what_no_clock_sends():

@@ -129,3 +129,34 @@ def test_a_request_the_pool_released_without_a_finish_is_installed_again():
             assert twin.read == ["c"] and state["a"] == (True,) * LAYERS
         else:
             assert sorted(twin.read) == ["a", "c"] and state["a"] == tuple(bool(x) for x in PLAN["a"])
+
+
+def test_a_failed_install_makes_the_next_one_send_every_request():
+    """The pool refuses an install (``update_residency`` raises; the step boundary logs it and
+    the pool keeps its previous wants): the installer forgets what it believed installed, so the
+    next install sends every request and the pool ends at the plan. Negative control: an
+    installer that kept its belief sends only the new request, and b stays where it was."""
+    for forget in (True, False):
+        twin = Twin()
+        for rid in ("a", "b", "c"):
+            twin.run(rid)
+        twin.install(["a", "b", "c"], PLAN)
+        update = twin.core.update_residency
+
+        def refuse(wants: Any) -> Any:
+            raise RuntimeError("device pool full")
+
+        twin.core.update_residency = refuse  # type: ignore[method-assign]
+        changed = {**PLAN, "b": (0, 0, 1)}
+        with pytest.raises(RuntimeError, match="device pool full"):
+            twin.install(["a", "b", "c"], changed)
+        twin.core.update_residency = update  # type: ignore[method-assign]
+        if not forget:
+            twin.installer._installed = twin.installer._policy(["a", "b", "c"], [])
+        twin.run("d")
+        twin.install(["a", "b", "c", "d"], changed)
+        state = twin.state()[0]
+        if forget:
+            assert twin.sent[-1] == ["a", "b", "c", "d"] and state["b"] == (False, False, True)
+        else:
+            assert twin.sent[-1] == ["d"] and state["b"] == (True, True, False)

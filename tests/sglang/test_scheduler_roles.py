@@ -244,6 +244,36 @@ def test_reports_carry_the_h2d_bandwidth_the_copies_achieved_since_the_last_repo
     assert report is not None and report.h2d_gbps is None
 
 
+def test_the_bandwidth_sample_floors_apply_to_what_was_measured() -> None:
+    """Under sampled timing (``--kv-timing-interval``) a timed copy counts N times in the totals;
+    the sample's floors and its GB/s read the unweighted measured figures: a quarter of the byte
+    floor measured in one sampled step (weight 8: twice the floor in the totals) is no sample,
+    and the GB/s of a sample is the measured one (negative control of the floor: the weighted
+    bytes pass it)."""
+    from sglang_ext.dataplane.transfer_times import TransferTimes
+    from sglang_ext.step_reporter import MIN_H2D_SAMPLE_BYTES
+
+    times = TransferTimes()
+    client = FakeClient()
+    rep = StepReporter(
+        scheduler=scheduler(), client=client, inbox=DecisionInbox(), pauser=PauseManager(),
+        installer=PlacementInstaller(None, LAYERS), pool=SimpleNamespace(core=SimpleNamespace(link_account=times)),
+        layers=LAYERS, page_size=1, report_interval=1,
+    )
+
+    def send(step: int) -> float | None:
+        report, _ = rep.end_step(SimpleNamespace(reqs=[req("a")]), step=step, finished=(), is_decode=True,
+                                 step_ms=1.0, layer_ms=None, build_always=False)
+        assert report is not None
+        return report.h2d_gbps
+
+    times.add_copy("h2d", 0.002, MIN_H2D_SAMPLE_BYTES // 4, weight=8)
+    assert times.h2d_bytes >= MIN_H2D_SAMPLE_BYTES and times.h2d_timed_bytes < MIN_H2D_SAMPLE_BYTES
+    assert send(1) is None
+    times.add_copy("h2d", 0.006, 3 * MIN_H2D_SAMPLE_BYTES // 4, weight=8)
+    assert send(2) == pytest.approx(MIN_H2D_SAMPLE_BYTES / 0.008 / 1e9)
+
+
 def test_the_bandwidth_sample_reads_the_served_cores_account(monkeypatch: pytest.MonkeyPatch) -> None:
     """Wired to a real served core (what ``get_kvcache().core`` is in SGLang) after staged steps:
     the sample is the core's timed H2D bytes over their seconds."""
@@ -267,7 +297,8 @@ def test_the_bandwidth_sample_reads_the_served_cores_account(monkeypatch: pytest
     report, sent = rep.end_step(SimpleNamespace(reqs=[req("a")]), step=1, finished=(), is_decode=True, step_ms=1.0,
                                 layer_ms=None, build_always=False)
     assert sent and report is not None and times.h2d_bytes > 0
-    assert report.h2d_gbps == pytest.approx(times.h2d_bytes / times.h2d_s / 1e9)
+    assert report.h2d_gbps == pytest.approx(times.h2d_timed_bytes / times.h2d_timed_s / 1e9)
+    assert times.h2d_timed_bytes == times.h2d_bytes  # the CPU engine times every copy (weight 1)
 
 
 def _cadence(rep: StepReporter, inbox: DecisionInbox, times: list[float], start: int = 1,
