@@ -9,8 +9,10 @@ preparation, per-layer calls, the layers' KV writes), against the wall time of t
 
 Opt-in: with ``$KVPLANE_OVERHEAD_FILE`` set (and the flag on), the process's
 :class:`~sglang_ext.context.PluginContext` holds an :class:`OverheadMeter`, which the scheduler
-hooks fill and TP rank 0 rewrites to that JSON file every :data:`WRITE_EVERY` steps (the scheduler
-is usually killed, not exited). Without it the meter is None and the hooks pay one attribute read.
+hooks fill and TP rank 0 rewrites to that JSON file every :data:`WRITE_EVERY` steps and when the
+scheduler goes idle after steps (the scheduler is usually killed, not exited: a reader that waits
+for the server to finish its work reads every step, not the steps up to the last multiple of
+:data:`WRITE_EVERY`). Without it the meter is None and the hooks pay one attribute read.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class OverheadMeter:
         self.steps = 0
         self.step_s = 0.0
         self._last_end: float | None = None
+        self._written = 0
+        """Steps the file holds."""
 
     def add(self, part: str, seconds: float) -> None:
         self.kvplane_s[part] = self.kvplane_s.get(part, 0.0) + seconds
@@ -55,6 +59,8 @@ class OverheadMeter:
         the ``kvplane_seconds`` this iteration spent (its boundary) delayed no step either."""
         self._last_end = None
         self.idle_s += kvplane_seconds
+        if self.steps != self._written:  # the first idle iteration after steps: the file holds them all
+            self.write()
 
     def step_done(self) -> None:
         """End of a scheduler step: the time since the previous step's end is step time (unless
@@ -82,6 +88,7 @@ class OverheadMeter:
         }
 
     def write(self) -> None:
+        self._written = self.steps
         tmp = self.path.with_suffix(self.path.suffix + ".tmp")
         tmp.write_text(json.dumps(self.summary()))
         tmp.replace(self.path)

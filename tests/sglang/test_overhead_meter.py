@@ -65,6 +65,27 @@ def test_file_is_rewritten_every_write_every_steps(tmp_path):
     assert json.loads(path.read_text())["steps"] == WRITE_EVERY
 
 
+def test_file_holds_every_step_once_the_scheduler_idles(tmp_path):
+    """A workload that ends a few steps short of a multiple of ``WRITE_EVERY`` (the bench reads
+    the file once the server finished its runs): the first idle iteration after steps writes
+    them all, once (later idle iterations do not rewrite). Negative control: before the idle,
+    the file lacks the last steps -- what a bench read while the scheduler was killed, not idle,
+    would see."""
+    path = tmp_path / "m.json"
+    meter = OverheadMeter(path)
+    meter.step_done()
+    for _ in range(WRITE_EVERY + 5):
+        meter.add("end_step", 1e-6)
+        meter.step_done()
+    assert json.loads(path.read_text())["steps"] == WRITE_EVERY  # the last 5 steps missing
+    meter.idle()
+    assert json.loads(path.read_text())["steps"] == WRITE_EVERY + 5
+    stamp = path.stat().st_mtime_ns
+    time.sleep(0.01)
+    meter.idle()
+    assert path.stat().st_mtime_ns == stamp  # nothing new: not rewritten
+
+
 def test_bench_meters_layered_servers_only(tmp_path):
     assert OVERHEAD_FILE_ENV not in _bench_env("vanilla", tmp_path, 0)
     assert OVERHEAD_FILE_ENV not in _bench_env("vanilla-b", tmp_path, 0)
