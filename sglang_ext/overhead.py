@@ -70,7 +70,7 @@ class OverheadMeter:
             self.steps += 1
             self.step_s += now - self._last_end
         self._last_end = now
-        if self.steps and self.steps % WRITE_EVERY == 0:
+        if self.steps and self.steps % WRITE_EVERY == 0 and self.steps != self._written:
             self.write()
 
     def summary(self) -> dict[str, object]:

@@ -146,6 +146,9 @@ class PlacementInstaller:
     skipped: int = 0
     """Boundaries where the wants' policy was unchanged, so nothing was installed (an install
     that found no request to send counts in neither this nor :attr:`installs`)."""
+    _unsent: set[str] = field(default_factory=set)
+    """Requests whose wants the pool refused (``update_residency`` raised): the next install,
+    which a change of the batch or the plan triggers (not every step), sends them again."""
     _installed: dict[str, tuple[tuple[bool, ...], bool, int]] | None = None
     _epoch: int = 0
     """Bumped whenever the placements or the installed policy change."""
@@ -265,7 +268,9 @@ class PlacementInstaller:
         # a request the pool released without a finish (SGLang retracted it) holds no wants
         holds = getattr(self.pool, "holds_wants", None) if self.layered else None
         holds = holds if holds is not None else (lambda rid: True)
-        fresh = {rid for rid, p in policy.items() if prior.get(rid) != p or rid not in last or not holds(rid)}
+        unsent = self._unsent
+        fresh = {rid for rid, p in policy.items()
+                 if prior.get(rid) != p or rid not in last or rid in unsent or not holds(rid)}
         read = pages_of if pages_of is not None else (lambda pages: pages)
         wants = self.wants({rid: read(v) for rid, v in running.items() if rid in fresh},
                            {rid: read(v) for rid, v in paused.items() if rid in fresh})
@@ -277,10 +282,17 @@ class PlacementInstaller:
             return None
         self.installs += 1
         try:
-            return self.pool.update_residency(wants)
-        except Exception:  # the pool kept its previous wants: the next install sends every request
-            self._installed = self._installed_key = None
+            delta = self.pool.update_residency(wants)
+        except Exception:  # the pool may not hold these: the next install sends them again
+            unsent.update(wants)
+            for rid in wants:  # what the pool held before, for telemetry
+                if rid in last:
+                    self.last_wants[rid] = last[rid]
+                else:
+                    self.last_wants.pop(rid, None)
             raise
+        unsent.difference_update(wants)
+        return delta
 
     def release(self, rid: str) -> None:
         self._bool_rows.pop(rid, None)
@@ -289,6 +301,7 @@ class PlacementInstaller:
         self.placements.pop(rid, None)
         self.prefill_placements.pop(rid, None)
         self.last_wants.pop(rid, None)
+        self._unsent.discard(rid)
         self._epoch += 1
         if self._installed is not None:
             self._installed.pop(rid, None)

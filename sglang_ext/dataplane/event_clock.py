@@ -17,15 +17,17 @@
 * Sampling (``interval`` N, ``--kv-timing-interval``): each event record and query costs host
   time on the scheduler thread (a half-offloaded Llama-3-8B step recorded ~100 for timing alone
   on the H200), so about one step in N is timed. The decision is made when a step opens: at
-  :meth:`opened` (the core's ``close_transfer_step``, the metrics' step) or, where nothing ever
-  closes steps (no metrics), at :meth:`boundary`. So a plan install between two forwards belongs
-  to the step it precedes. The gaps between timed steps are random, 1 to 2N - 1 steps (mean N,
+  :meth:`opened` (the core's ``close_transfer_step``: with ``--enable-metrics`` the metrics close
+  every forward), so a plan install between two forwards belongs to the step it precedes; where
+  no close came since the last boundary (no metrics), at :meth:`boundary` (an install then
+  follows the previous step's decision; there are no per-step observations to skew). The gaps between timed steps are random, 1 to 2N - 1 steps (mean N,
   the clock's own generator), so no periodic pattern of the workload (a batch opening pages every
   ``page_size`` steps) lines up with them. An untimed step is marked
   :meth:`TransferTimes.unobserved` when it opens and ``start`` returns None at once (counted in
   ``sampled_out``); a pair timed in a sampled step is booked with weight N. Until the first
   decision (and after :meth:`set_interval`) everything is timed with weight 1: code that calls
-  the engine outside steps (the GPU check's transfer loops) times all of it.
+  the engine outside steps (the GPU check's transfer loops) times all of it. The first timed
+  step after a (re)start is a random gap away, so a restart does not force one.
 
 The event factory and the capture test are parameters so that the bookkeeping can run on the CPU
 against a fake event in tests (``tests/dataplane/test_transfer_clock.py``). CUDA does not run
@@ -62,13 +64,14 @@ class EventClock(TransferClock):
         self._fifo: dict[str, deque[tuple[tuple[Any, Any], int, int, int]]] = {kind: deque() for kind in KINDS}
         self._gap = gap if gap is not None else _random_gaps()
         """Steps from a timed step to the next one, given N (module docstring); tests fix it."""
-        self._closes = False
-        """Something closes steps (:meth:`opened`): it, not :meth:`boundary`, opens them."""
+        self._opened = False
+        """:meth:`opened` decided since the last :meth:`boundary` (which then does not)."""
         self.set_interval(interval)
 
     def set_interval(self, interval: int, gap: Callable[[int], int] | None = None) -> None:
         """Time about one step in ``interval`` from the next decision on; until it, everything
-        (weight 1). ``gap``: the steps between timed ones from then on (tests fix it)."""
+        (weight 1). The first timed step is ``gap(interval) - 1`` decisions away (random, so a
+        reset does not force one). ``gap``: the steps between timed ones (tests fix it)."""
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(f"EventClock: interval={interval!r} must be an int >= 1")
         if gap is not None:
@@ -79,8 +82,8 @@ class EventClock(TransferClock):
         """Whether the open step is timed."""
         self._weight = 1
         """Weight of what is timed now (``interval`` once sampling has picked the step)."""
-        self._countdown = 0
-        """Steps left before the next timed one."""
+        self._countdown = self._gap(interval) - 1 if interval > 1 else 0
+        """Decisions left before the next timed step."""
 
     def _decide(self) -> None:
         """The step now opening: timed or not (module docstring)."""
@@ -96,15 +99,18 @@ class EventClock(TransferClock):
         self._countdown -= 1
 
     def boundary(self) -> int:
-        """A step boundary: harvest; where nothing closes steps, decide whether this one is timed."""
+        """A step boundary: harvest; decide whether this step is timed unless :meth:`opened` did
+        since the last boundary (the metrics close every forward; without them, or if their
+        closes stop, the boundaries decide)."""
         booked = self.harvest()
-        if not self._closes:
+        if not self._opened:
             self._decide()
+        self._opened = False
         return booked
 
     def opened(self) -> None:
         """The metrics closed a step (``close_transfer_step``): decide whether the next is timed."""
-        self._closes = True
+        self._opened = True
         self._decide()
 
     def start(self, kind: str, stream: Any = None) -> tuple[Any, Any] | None:

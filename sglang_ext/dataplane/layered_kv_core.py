@@ -18,7 +18,8 @@ Primitives (scheduler thread; a forward is ``prepare_step`` .. ``exit_layer(L-1)
 - ``read_kv(l, slots)`` / ``write_at_rest(...)`` -- at rest, between forwards (tests, tools,
   overflow steps).
 - ``close_transfer_step()`` -- once per forward, for the metrics: the stall seconds of the steps
-  whose transfer timing is complete (:class:`TransferTimes`; CUDA events harvested without a sync).
+  whose transfer timing is complete (:class:`TransferTimes`; CUDA events harvested without a sync);
+  the CUDA clock decides there whether the next step is timed (``--kv-timing-interval``).
 
 When even evicting everything leaves too little room to stage the batch (the control plane let
 the running batch's staging slots outgrow the budget, or has not planned yet) the step
@@ -161,7 +162,8 @@ class LayeredKVCore:
 
     def close_transfer_step(self) -> list[float]:
         """End of a forward (the metrics call it once per step): books the completed timing
-        events without blocking, closes the step; returns the stall seconds of each step now
+        events without blocking, closes the step (the clock decides whether the next is timed);
+        returns the stall seconds of each step now
         completely measured (this one, sometimes earlier ones: :class:`TransferTimes`)."""
         clock = self.store.engine.clock
         clock.harvest()
@@ -225,8 +227,9 @@ class LayeredKVCore:
 
     def _boundary(self, new_slots: torch.Tensor | None) -> None:
         """What every step boundary does first: apply journalled bookkeeping, harvest timing
-        events (and pick whether this step is timed), end the last forward, eager write-back
-        under pressure."""
+        events (the clock decides this step's timing here unless the metrics' close did:
+        :class:`~sglang_ext.dataplane.event_clock.EventClock`), end the last forward, eager
+        write-back under pressure."""
         self.residency.settle()
         self.store.engine.clock.boundary()  # earlier steps' timing events (non-blocking); this step's sampling
         self.pipeline.end_step()

@@ -83,7 +83,7 @@ class SlotStoreConfig:
     """``triton`` or ``dma`` (``--kv-copy-engine``: the copy engines through
     ``kernels.batched_memcpy``, no SM taken). Ignored by the CPU engine."""
     timing_interval: int = 1
-    """Time the copies and waits of one step in this many on CUDA (``--kv-timing-interval``; the
+    """Time the copies and waits of about one step in this many on CUDA (``--kv-timing-interval``; the
     CUDA events' host cost, :class:`~sglang_ext.dataplane.event_clock.EventClock`); 1: every
     step. Ignored by the CPU engine, whose wall clock costs nothing to read."""
 

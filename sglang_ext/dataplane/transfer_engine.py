@@ -16,7 +16,7 @@ Primitives (one launch each, all pairs of a call batched):
   (:class:`~sglang_ext.dataplane.transfer_times.TransferTimes`). The CPU engine uses a
   :class:`~sglang_ext.dataplane.wall_clock.WallClock`, the CUDA engine an
   :class:`~sglang_ext.dataplane.event_clock.EventClock` (event pairs, read later without a sync,
-  on one step in ``timing_interval``).
+  on about one step in ``timing_interval``).
 
 :class:`CpuTransferEngine` copies synchronously (events are ``None``, born complete), so all the
 ordering logic above runs and is tested on CPU. :class:`CudaTransferEngine` has two side streams

@@ -124,6 +124,7 @@ def test_sampled_timing_on_cuda_times_one_step_in_n():
     clock = core.store.engine.clock
     assert isinstance(clock, EventClock)
     clock.set_interval(4, gap=lambda n: n)
+    core.close_transfer_step()  # the first decision (untimed: the first timed step is a gap away)
     times = core.transfer_times
     h2d_before = times.h2d_s
     observed, pairs = [], []

@@ -131,12 +131,13 @@ def test_a_request_the_pool_released_without_a_finish_is_installed_again():
             assert sorted(twin.read) == ["a", "c"] and state["a"] == tuple(bool(x) for x in PLAN["a"])
 
 
-def test_a_failed_install_makes_the_next_one_send_every_request():
-    """The pool refuses an install (``update_residency`` raises; the step boundary logs it and
-    the pool keeps its previous wants): the installer forgets what it believed installed, so the
-    next install sends every request and the pool ends at the plan. Negative control: an
-    installer that kept its belief sends only the new request, and b stays where it was."""
-    for forget in (True, False):
+def test_a_refused_install_is_sent_again_by_the_next_install_not_every_step():
+    """The pool refuses an install (``update_residency`` raises; the step boundary logs it): the
+    installer does not retry at every boundary (the same policy again installs nothing), keeps
+    the wants the pool held in ``last_wants``, and the next install -- a request arrives -- sends
+    the refused request again with the new one, so the pool ends at the plan. Negative control:
+    an installer that forgot the refusal sends only the new request, and b stays where it was."""
+    for remember in (True, False):
         twin = Twin()
         for rid in ("a", "b", "c"):
             twin.run(rid)
@@ -151,12 +152,15 @@ def test_a_failed_install_makes_the_next_one_send_every_request():
         with pytest.raises(RuntimeError, match="device pool full"):
             twin.install(["a", "b", "c"], changed)
         twin.core.update_residency = update  # type: ignore[method-assign]
-        if not forget:
-            twin.installer._installed = twin.installer._policy(["a", "b", "c"], [])
+        assert twin.installer.last_wants["b"].gpu_layers == (True, True, False)  # what the pool holds
+        assert twin.installer.unchanged(["a", "b", "c"], [])  # no retry at every boundary
+        if not remember:
+            twin.installer._unsent.clear()
         twin.run("d")
         twin.install(["a", "b", "c", "d"], changed)
         state = twin.state()[0]
-        if forget:
-            assert twin.sent[-1] == ["a", "b", "c", "d"] and state["b"] == (False, False, True)
+        if remember:
+            assert twin.sent[-1] == ["b", "d"] and state["b"] == (False, False, True)
+            assert twin.installer.last_wants["b"].gpu_layers == (False, False, True)
         else:
             assert twin.sent[-1] == ["d"] and state["b"] == (True, True, False)

@@ -78,12 +78,32 @@ def test_file_holds_every_step_once_the_scheduler_idles(tmp_path):
         meter.add("end_step", 1e-6)
         meter.step_done()
     assert json.loads(path.read_text())["steps"] == WRITE_EVERY  # the last 5 steps missing
+    writes = []
+    real_write = meter.write
+    meter.write = lambda: (writes.append(meter.steps), real_write())[1]  # type: ignore[method-assign]
     meter.idle()
     assert json.loads(path.read_text())["steps"] == WRITE_EVERY + 5
-    stamp = path.stat().st_mtime_ns
-    time.sleep(0.01)
     meter.idle()
-    assert path.stat().st_mtime_ns == stamp  # nothing new: not rewritten
+    meter.step_done()  # after an idle gap: restarts the clock, no step counted
+    meter.idle()
+    assert writes == [WRITE_EVERY + 5]  # written once: nothing new after it
+
+
+def test_file_is_not_rewritten_when_idle_and_steps_alternate_at_a_multiple(tmp_path):
+    """Steps alternating with idle iterations while the count sits at a multiple of
+    ``WRITE_EVERY`` (each step after an idle gap counts nothing) write the file once, not at
+    every step (negative control: the count reached it once, so one write happened)."""
+    meter = OverheadMeter(tmp_path / "m.json")
+    writes = []
+    real_write = meter.write
+    meter.write = lambda: (writes.append(meter.steps), real_write())[1]  # type: ignore[method-assign]
+    meter.step_done()
+    for _ in range(WRITE_EVERY):
+        meter.step_done()
+    for _ in range(20):
+        meter.idle()
+        meter.step_done()
+    assert writes == [WRITE_EVERY]
 
 
 def test_bench_meters_layered_servers_only(tmp_path):

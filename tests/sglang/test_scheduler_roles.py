@@ -270,8 +270,10 @@ def test_the_bandwidth_sample_floors_apply_to_what_was_measured() -> None:
     times.add_copy("h2d", 0.002, MIN_H2D_SAMPLE_BYTES // 4, weight=8)
     assert times.h2d_bytes >= MIN_H2D_SAMPLE_BYTES and times.h2d_timed_bytes < MIN_H2D_SAMPLE_BYTES
     assert send(1) is None
-    times.add_copy("h2d", 0.006, 3 * MIN_H2D_SAMPLE_BYTES // 4, weight=8)
-    assert send(2) == pytest.approx(MIN_H2D_SAMPLE_BYTES / 0.008 / 1e9)
+    times.add_copy("h2d", 0.003, 3 * MIN_H2D_SAMPLE_BYTES // 4, weight=3)  # another weight and speed
+    measured = MIN_H2D_SAMPLE_BYTES / 0.005 / 1e9
+    assert send(2) == pytest.approx(measured)
+    assert times.h2d_bytes / times.h2d_s / 1e9 != pytest.approx(measured)  # the estimates' ratio differs
 
 
 def test_the_bandwidth_sample_reads_the_served_cores_account(monkeypatch: pytest.MonkeyPatch) -> None:
