@@ -20,9 +20,10 @@
   :meth:`opened` (the core's ``close_transfer_step``: with ``--enable-metrics`` the metrics close
   every forward), so a plan install between two forwards belongs to the step it precedes; where
   no close came since the last boundary (no metrics), at :meth:`boundary` (an install then
-  follows the previous step's decision; there are no per-step observations to skew). The gaps between timed steps are random, 1 to 2N - 1 steps (mean N,
-  the clock's own generator), so no periodic pattern of the workload (a batch opening pages every
-  ``page_size`` steps) lines up with them. An untimed step is marked
+  follows the previous step's decision; there are no per-step observations to skew). The gaps
+  between timed steps are random, 1 to 2N - 1 steps (mean N, the clock's own generator), so no
+  periodic pattern of the workload (a batch opening pages every ``page_size`` steps) lines up
+  with them. An untimed step is marked
   :meth:`TransferTimes.unobserved` when it opens and ``start`` returns None at once (counted in
   ``sampled_out``); a pair timed in a sampled step is booked with weight N. Until the first
   decision (and after :meth:`set_interval`) everything is timed with weight 1: code that calls

@@ -163,8 +163,8 @@ class LayeredKVCore:
     def close_transfer_step(self) -> list[float]:
         """End of a forward (the metrics call it once per step): books the completed timing
         events without blocking, closes the step (the clock decides whether the next is timed);
-        returns the stall seconds of each step now
-        completely measured (this one, sometimes earlier ones: :class:`TransferTimes`)."""
+        returns the stall seconds of each step now completely measured (this one, sometimes
+        earlier ones: :class:`TransferTimes`)."""
         clock = self.store.engine.clock
         clock.harvest()
         closed = clock.times.close_step()
@@ -231,7 +231,7 @@ class LayeredKVCore:
         :class:`~sglang_ext.dataplane.event_clock.EventClock`), end the last forward, eager
         write-back under pressure."""
         self.residency.settle()
-        self.store.engine.clock.boundary()  # earlier steps' timing events (non-blocking); this step's sampling
+        self.store.engine.clock.boundary()  # earlier steps' timing events (non-blocking)
         self.pipeline.end_step()
         self.step_loc, self._step_index = new_slots, None
         self.residency.drop_anonymous()
