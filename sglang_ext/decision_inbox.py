@@ -4,8 +4,8 @@ boundary that installs them (TP rank 0).
 Decisions arrive with a report's answer (:class:`~sglang_ext.step_reporter.StepReporter`) or a
 poll at the boundary (:class:`~sglang_ext.step_boundary.StepBoundary`); both go through
 :meth:`DecisionInbox.receive`, the one place that tracks the newest decision's expiry (which
-ends report coalescing: the step that reaches it is reported). Pauses that could not be applied yet (the request is still
-prefilling) wait here too.
+ends report coalescing: the step that reaches it is reported). Pauses that could not be applied
+yet (the request is still prefilling) wait here too.
 """
 
 from __future__ import annotations

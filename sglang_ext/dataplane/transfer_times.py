@@ -108,11 +108,7 @@ class TransferTimes:
             return
         del self._pending[step]
         if step < self.step:  # closed earlier, and now complete
-            seconds = self._stall.pop(step)
-            if step in self._unobserved:
-                self._unobserved.discard(step)
-            else:
-                self._ready.append(seconds)
+            self._complete(step)
 
     def close_step(self) -> list[float]:
         """Close the open step. Returns the stall seconds of each step complete since the last
@@ -121,13 +117,17 @@ class TransferTimes:
         step = self.step
         self.step += 1
         if step not in self._pending:
-            seconds = self._stall.pop(step, 0.0)
-            if step in self._unobserved:
-                self._unobserved.discard(step)
-            else:
-                self._ready.append(seconds)
+            self._complete(step)
         out, self._ready = self._ready, []
         return out
+
+    def _complete(self, step: int) -> None:
+        """Closed ``step`` has all its stall: observed, unless the clock did not time it."""
+        seconds = self._stall.pop(step, 0.0)
+        if step in self._unobserved:
+            self._unobserved.discard(step)
+        else:
+            self._ready.append(seconds)
 
     @property
     def pending_steps(self) -> int:

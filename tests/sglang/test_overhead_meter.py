@@ -11,6 +11,14 @@ from sglang_ext.overhead import WRITE_EVERY, OverheadMeter, share_of
 from sglang_ext.tools.sglang_bench import OVERHEAD_FILE_ENV, _bench_env
 
 
+def _count_writes(meter: OverheadMeter) -> list[int]:
+    """The step counts at which ``meter`` writes its file from now on (it still writes)."""
+    writes: list[int] = []
+    real_write = meter.write
+    meter.write = lambda: (writes.append(meter.steps), real_write())[1]  # type: ignore[method-assign]
+    return writes
+
+
 def test_share_is_kvplane_time_over_the_rest_of_the_step(tmp_path):
     meter = OverheadMeter(tmp_path / "m.json")
     meter.step_done()  # the first end only starts the clock
@@ -78,9 +86,7 @@ def test_file_holds_every_step_once_the_scheduler_idles(tmp_path):
         meter.add("end_step", 1e-6)
         meter.step_done()
     assert json.loads(path.read_text())["steps"] == WRITE_EVERY  # the last 5 steps missing
-    writes = []
-    real_write = meter.write
-    meter.write = lambda: (writes.append(meter.steps), real_write())[1]  # type: ignore[method-assign]
+    writes = _count_writes(meter)
     meter.idle()
     assert json.loads(path.read_text())["steps"] == WRITE_EVERY + 5
     meter.idle()
@@ -94,9 +100,7 @@ def test_file_is_not_rewritten_when_idle_and_steps_alternate_at_a_multiple(tmp_p
     ``WRITE_EVERY`` (each step after an idle gap counts nothing) write the file once, not at
     every step (negative control: the count reached it once, so one write happened)."""
     meter = OverheadMeter(tmp_path / "m.json")
-    writes = []
-    real_write = meter.write
-    meter.write = lambda: (writes.append(meter.steps), real_write())[1]  # type: ignore[method-assign]
+    writes = _count_writes(meter)
     meter.step_done()
     for _ in range(WRITE_EVERY):
         meter.step_done()
