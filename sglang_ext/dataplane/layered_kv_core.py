@@ -329,8 +329,12 @@ class LayeredKVCore:
             pages, written = [slots[i] // ps for i in owners], [s // ps for s in slots]
         if not self.residency.journal.record(rids, owners, pages, written):
             return False
-        self.store.engine.clock.boundary()
+        engine = self.store.engine
+        engine.clock.boundary()
         self.pipeline.end_step()
+        if engine.fence_pending:  # copies since the last step (a plan's moves): the layers follow them
+            engine.wait_fence()
+            engine.end_compute()
         self.overflow = False
         self.step_loc, self._step_index = new_slots, None
         return True

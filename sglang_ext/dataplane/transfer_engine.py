@@ -183,6 +183,13 @@ class TransferEngine:
         moves, the last step's write-backs), the H2D stream for every copy-out."""
         raise NotImplementedError
 
+    @property
+    def fence_pending(self) -> bool:
+        """Copies were launched since the last :meth:`wait_fence` (a step that starts without the
+        pipeline must wait for them before its layers touch the pool). Never on the CPU engine,
+        whose copies are done when launched."""
+        return False
+
     def quiesce(self) -> None:
         raise NotImplementedError
 
@@ -445,6 +452,10 @@ class CudaTransferEngine(TransferEngine):
 
     def fence(self) -> Any:
         return self._last["d2h"]
+
+    @property
+    def fence_pending(self) -> bool:
+        return self._fresh
 
     def wait_fence(self) -> None:
         current = self._compute = torch.cuda.current_stream(self.device)

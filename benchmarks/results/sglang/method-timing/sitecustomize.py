@@ -23,6 +23,9 @@ import time
 from typing import Any
 
 _STATS: dict[str, list[float]] = {}
+_PROFILE: Any = None
+"""A ``cProfile.Profile`` enabled only inside the targets (``$METHOD_PROFILE=1``), dumped beside
+the timings as ``$METHOD_TIMING_FILE.<pid>.prof`` (outermost target calls only)."""
 
 
 def _wrap(owner: Any, name: str, key: str) -> None:
@@ -30,20 +33,32 @@ def _wrap(owner: Any, name: str, key: str) -> None:
     record = _STATS.setdefault(key, [0, 0.0])
 
     def timed(*args: Any, **kwargs: Any) -> Any:
+        outer = _PROFILE is not None and not _DEPTH[0]
+        if outer:
+            _PROFILE.enable()
+        _DEPTH[0] += 1
         t0 = time.perf_counter()
         try:
             return original(*args, **kwargs)
         finally:
             record[0] += 1
             record[1] += time.perf_counter() - t0
+            _DEPTH[0] -= 1
+            if outer:
+                _PROFILE.disable()
 
     timed.__wrapped__ = original  # type: ignore[attr-defined]
     setattr(owner, name, timed)
 
 
+_DEPTH = [0]
+
+
 def _dump(path: str) -> None:
     with open(f"{path}.{os.getpid()}", "w", encoding="utf-8") as out:
         json.dump({k: v for k, v in _STATS.items() if v[0]}, out)
+    if _PROFILE is not None and any(v[0] for v in _STATS.values()):
+        _PROFILE.dump_stats(f"{path}.{os.getpid()}.prof")
 
 
 def _install(path: str, targets: list[str]) -> None:
@@ -112,4 +127,8 @@ if _PERCENTILES:
 _PATH = os.environ.get("METHOD_TIMING_FILE")
 _TARGETS = [t for t in os.environ.get("METHOD_TIMING_TARGETS", "").split(",") if t]
 if _PATH and _TARGETS:
+    if os.environ.get("METHOD_PROFILE") == "1":
+        import cProfile
+
+        _PROFILE = cProfile.Profile()
     _install(_PATH, _TARGETS)

@@ -18,6 +18,7 @@ import argparse
 import glob
 import json
 import os
+import pstats
 import tempfile
 import time
 from pathlib import Path
@@ -36,6 +37,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=50.0)
     parser.add_argument("--targets", default="", help="comma list of module:Class.method")
     parser.add_argument("--percentiles", action="store_true", help="percentiles of the meter's parts")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="cProfile inside the targets; print the N functions with the most own time")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="method-timing-"))
     model = build_tiny_model(work / "model", model_spec("tiny"))
@@ -46,6 +49,7 @@ def main() -> None:
         "PYTHONPATH": os.pathsep.join([str(HERE), os.getcwd()]),
         "METHOD_TIMING_FILE": str(work / "timing"),
         "METHOD_TIMING_TARGETS": args.targets,
+        "METHOD_PROFILE": "1" if args.profile else "0",
     }
     if args.percentiles:
         env["METER_PERCENTILES_FILE"] = str(work / "parts")
@@ -68,13 +72,18 @@ def main() -> None:
         for part, f in sorted(json.loads(Path(path).read_text()).items(), key=lambda kv: -kv[1]["mean"] * kv[1]["n"]):
             print(f"{part:18s} calls {f['n']:6d}  mean {f['mean']:7.1f}  p50 {f['p50']:6.1f}  p90 {f['p90']:6.1f}  "
                   f"p99 {f['p99']:7.1f} us  slowest 1%: {f['top1pct_share']:.0%} of the part")
-    for path in glob.glob(str(work / "timing.*")):
+    for path in glob.glob(str(work / "timing.*[0-9]")):
         figures = json.loads(Path(path).read_text())
         if len(figures) < 2:  # a process that loaded none of the targets
             continue
         for key, (calls, seconds) in sorted(figures.items(), key=lambda kv: -kv[1][1]):
             print(f"{key:90s} calls {int(calls):7d}  {seconds / calls * 1e6:8.1f} us/call  "
                   f"{seconds / steps * 1e6:7.1f} us/step")
+    for path in glob.glob(str(work / "timing.*.prof")) if args.profile else ():
+        stats = pstats.Stats(path).stats  # type: ignore[attr-defined]
+        print(f"cProfile inside the targets (own time per scheduler step, us; {steps} steps):")
+        for (file, line, func), (_cc, nc, tt, ct, _callers) in sorted(stats.items(), key=lambda kv: -kv[1][2])[:args.profile]:
+            print(f"  {tt / steps * 1e6:7.2f} own {ct / steps * 1e6:7.2f} cum  {nc:7d} calls  {Path(file).name}:{line}({func})")
 
 
 if __name__ == "__main__":

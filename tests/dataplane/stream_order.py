@@ -1,0 +1,355 @@
+"""StreamOrder: the CUDA engine's stream and event protocol checked on the CPU, as a race detector.
+
+On a GPU the served data plane runs its copies on two side streams (H2D, D2H) beside the compute
+stream, ordered only by events (``CudaTransferEngine``, ``LayerPipeline``). A missing
+``wait_event`` does not fail there: it corrupts KV *sometimes*, when the copy happens to run
+late, which a GPU check comparing one step's attention may never see. This module runs the
+same engine code on the CPU with simulated streams and events and checks every access to the
+KV pools against the happens-before order those streams and events define (vector clocks):
+
+- Actors: the host, the compute (default) stream and every stream the engine creates. Each
+  stream op is stamped ``(actor, n)``; a stream's clock joins the events it waits on and the
+  host's clock when the op is issued (work issued after a host action follows it); the host's
+  clock joins a stream's or an event's when it synchronizes (``synchronize``). A ``query`` always
+  says "not yet" (the adversarial schedule: copies finish as late as the order allows), so the
+  host learns nothing from one.
+- Accesses: every aten op touching a tracked storage (the host pool, the device pool, a decode
+  step's parked-token buffer) is traced by a ``TorchDispatchMode``; the elements it reads and
+  writes are found by running the same indexing on a tensor of storage offsets. Inside an
+  engine copy the actor is the copy's stream; otherwise host-pool accesses are the host's and
+  device ones the current stream's.
+- Rules, per 32-byte granule: a read must follow the last write (RAW), a write the last write
+  and every read since (WAW, WAR) -- "follow" meaning the earlier stamp is in the accessor's
+  clock. Each violation is kept with the op and the actors.
+
+The copies themselves run eagerly (the Triton kernels replaced by their torch reference), so the
+KV checks of the driver still hold; the race check is what a late copy on a GPU would break.
+Nothing here is a GPU measurement: it checks the ordering protocol, not timing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ACTORS = 8
+GRANULE = 32
+"""Bytes per tracked granule (one fp32 token row of the toy pools: 2 heads x 4)."""
+HOST, COMPUTE = 0, 1
+
+
+class _Stream:
+    """A simulated ``torch.cuda.Stream``: an actor with a vector clock."""
+
+    def __init__(self, sim: StreamOrder, actor: int) -> None:
+        self.sim, self.actor = sim, actor
+        self.vc = np.zeros(ACTORS, dtype=np.int64)
+        self.cuda_stream = 1000 + actor
+
+    def issue(self) -> tuple[int, np.ndarray]:
+        """One op issued to this stream now: its stamp and the clock it runs under."""
+        np.maximum(self.vc, self.sim.host.vc, out=self.vc)
+        self.vc[self.actor] += 1
+        return int(self.vc[self.actor]), self.vc
+
+    def wait_event(self, event: _Event) -> None:
+        if event.vc is not None:  # waiting on a never-recorded event is a no-op in CUDA
+            np.maximum(self.vc, event.vc, out=self.vc)
+
+    def record_event(self, event: _Event | None = None) -> _Event:
+        event = event if event is not None else self.sim.Event()
+        event.record(self)
+        return event
+
+    def synchronize(self) -> None:
+        self.sim.host.join(self.vc)
+
+    def query(self) -> bool:
+        return False
+
+
+class _Host:
+    def __init__(self) -> None:
+        self.vc = np.zeros(ACTORS, dtype=np.int64)
+
+    def join(self, vc: np.ndarray) -> None:
+        np.maximum(self.vc, vc, out=self.vc)
+
+    def issue(self) -> tuple[int, np.ndarray]:
+        self.vc[HOST] += 1
+        return int(self.vc[HOST]), self.vc
+
+
+class _Event:
+    """A simulated ``torch.cuda.Event``: the clock of its stream when recorded."""
+
+    sim: StreamOrder | None = None
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        self.vc: np.ndarray | None = None
+
+    def record(self, stream: _Stream | None = None) -> None:
+        assert self.sim is not None
+        stream = stream if stream is not None else self.sim.current
+        np.maximum(stream.vc, self.sim.host.vc, out=stream.vc)
+        self.vc = stream.vc.copy()
+
+    def wait(self, stream: _Stream | None = None) -> None:
+        assert self.sim is not None
+        (stream if stream is not None else self.sim.current).wait_event(self)
+
+    def query(self) -> bool:
+        """Never complete when asked (the adversarial schedule: the host learns nothing from a
+        query, only from a synchronize)."""
+        return False
+
+    def synchronize(self) -> None:
+        assert self.sim is not None
+        if self.vc is not None:
+            self.sim.host.join(self.vc)
+
+    def elapsed_time(self, end: _Event) -> float:
+        return 0.01
+
+
+class _Tracer(TorchDispatchMode):
+    def __init__(self, sim: StreamOrder) -> None:
+        super().__init__()
+        self.sim = sim
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        self.sim.trace(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+class StreamOrder:
+    """Simulated CUDA streams and events plus the access checker (module docstring)."""
+
+    def __init__(self) -> None:
+        self.host = _Host()
+        self.Event = type("SimEvent", (_Event,), {"sim": self})
+        """``torch.cuda.Event`` here."""
+        self.streams: list[_Stream] = []
+        self.compute = self._new_stream()
+        assert self.compute.actor == COMPUTE
+        self.current = self.compute
+        self.in_copy = 0
+        """Depth of engine copies running (their accesses are their stream's)."""
+        self._state: dict[int, dict[str, np.ndarray]] = {}
+        """Tracked storage (data_ptr) -> per granule: last writer, its stamp, each actor's last read."""
+        self._host_storages: set[int] = set()
+        self._kept: list[torch.Tensor] = []
+        """Every tracked tensor, kept alive: a freed one's address may come back as another
+        tensor's (CUDA's caching allocator orders that reuse with ``record_stream``, which this
+        does not model)."""
+        self.violations: list[str] = []
+        self.accesses = 0
+        """Checked accesses (ops on tracked storages)."""
+
+    def _new_stream(self, device: Any = None, priority: int = 0) -> _Stream:
+        actor = len(self.streams) + 1
+        if actor >= ACTORS:
+            raise RuntimeError("StreamOrder: too many streams")
+        stream = _Stream(self, actor)
+        self.streams.append(stream)
+        return stream
+
+    # ----- tracked memory ------------------------------------------------------------
+
+    def track(self, tensor: torch.Tensor, host: bool = False) -> None:
+        """Check every access to ``tensor``'s storage from now on (fresh: no earlier access)."""
+        self._kept.append(tensor)
+        storage = tensor.untyped_storage()
+        key, n = storage.data_ptr(), -(-storage.nbytes() // GRANULE)
+        self._state[key] = {"writer": np.full(n, -1, dtype=np.int64), "stamp": np.zeros(n, dtype=np.int64),
+                            "reads": np.zeros((ACTORS, n), dtype=np.int64)}
+        if host:
+            self._host_storages.add(key)
+        else:
+            self._host_storages.discard(key)
+
+    def _granules(self, t: torch.Tensor, pick: Any = None) -> np.ndarray:
+        """Granules of ``t``'s storage that ``pick`` (a function of a same-shaped tensor of element
+        offsets; None: all of ``t``) selects."""
+        span = t.storage_offset() + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True)) + 1
+        offsets = torch.as_strided(torch.arange(max(span, 1), dtype=torch.int64), t.shape, t.stride(),
+                                   t.storage_offset())
+        chosen = offsets if pick is None else pick(offsets)
+        return np.unique(chosen.reshape(-1).numpy() * t.element_size() // GRANULE)
+
+    def _actor(self, host_pool: bool) -> tuple[int, int, np.ndarray]:
+        if self.in_copy:
+            stream = self.current
+            return (stream.actor, *stream.issue())
+        if host_pool:
+            return (HOST, *self.host.issue())
+        return (self.current.actor, *self.current.issue())
+
+    def trace(self, func: Any, args: tuple, kwargs: dict) -> None:
+        accesses = list(self._accesses(func, args, kwargs))
+        accesses = [(key, g, w) for key, g, w in accesses if key in self._state and g.size]
+        if not accesses:
+            return
+        actor, stamp, vc = self._actor(any(key in self._host_storages for key, _, _ in accesses))
+        for key, granules, write in sorted(accesses, key=lambda a: a[2]):  # reads first
+            self._check(key, granules, write, actor, stamp, vc, func)
+
+    def _accesses(self, func: Any, args: tuple, kwargs: dict) -> Iterator[tuple[int, np.ndarray, bool]]:
+        name = func.__name__ if hasattr(func, "__name__") else str(func)
+        op = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else name
+
+        def key(t: torch.Tensor) -> int:
+            return t.untyped_storage().data_ptr()
+
+        def tracked(t: Any) -> bool:
+            return isinstance(t, torch.Tensor) and t.device.type == "cpu" and key(t) in self._state
+
+        if op in ("index_copy_", "index_copy"):
+            self_, dim, index, source = args[:4]
+            if tracked(self_):
+                yield key(self_), self._granules(self_, lambda o: o.index_select(dim, index)), True
+            if tracked(source):
+                yield key(source), self._granules(source), False
+            return
+        if op == "index_select":
+            self_, dim, index = args[:3]
+            if tracked(self_):
+                yield key(self_), self._granules(self_, lambda o: o.index_select(dim, index)), False
+            return
+        if op == "index":
+            self_, indices = args[:2]
+            if tracked(self_):
+                yield key(self_), self._granules(self_, lambda o: o[_index(indices)]), False
+            return
+        if op in ("index_put_", "index_put"):
+            self_, indices, values = args[:3]
+            if tracked(self_):
+                yield key(self_), self._granules(self_, lambda o: o[_index(indices)]), True
+            if tracked(values):
+                yield key(values), self._granules(values), False
+            return
+        schema = func._schema
+        if _is_view(schema):
+            return
+        for i, arg in enumerate(schema.arguments):
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            tensors = value if isinstance(value, list | tuple) else [value]
+            write = arg.alias_info is not None and arg.alias_info.is_write
+            for t in tensors:
+                if tracked(t):
+                    yield key(t), self._granules(t), write
+
+    def _check(self, key: int, g: np.ndarray, write: bool, actor: int, stamp: int, vc: np.ndarray, func: Any) -> None:
+        self.accesses += 1
+        st = self._state[key]
+        writer, wstamp, reads = st["writer"][g], st["stamp"][g], st["reads"][:, g]
+        known = writer >= 0
+        unordered = known & (writer != actor) & (vc[np.where(known, writer, 0)] < wstamp)
+        if unordered.any():
+            w = int(writer[unordered][0])
+            self._violate("read" if not write else "write", "write", actor, w, func, int(unordered.sum()))
+        if write:
+            late = reads > vc[:, None]
+            late[actor] = False
+            if late.any():
+                r = int(np.flatnonzero(late.any(axis=1))[0])
+                self._violate("write", "read", actor, r, func, int(late.any(axis=0).sum()))
+            st["writer"][g], st["stamp"][g] = actor, stamp
+            st["reads"][:, g] = 0
+        else:
+            st["reads"][actor, g] = stamp
+
+    def _violate(self, what: str, earlier: str, actor: int, other: int, func: Any, n: int) -> None:
+        self.violations.append(f"{what} by {self.name(actor)} ({func}) not ordered after a {earlier} by "
+                               f"{self.name(other)} ({n} granules)")
+
+    def name(self, actor: int) -> str:
+        return "host" if actor == HOST else "compute" if actor == COMPUTE else f"stream{actor}"
+
+    # ----- install -----------------------------------------------------------------------
+
+    @contextmanager
+    def copying(self) -> Iterator[None]:
+        self.in_copy += 1
+        try:
+            yield
+        finally:
+            self.in_copy -= 1
+
+    def set_stream(self, stream: _Stream) -> None:
+        self.current = stream
+
+    def synchronize(self, device: Any = None) -> None:
+        for stream in self.streams:
+            self.host.join(stream.vc)
+
+    def tracer(self) -> _Tracer:
+        return _Tracer(self)
+
+
+def _index(indices: list) -> tuple:
+    """aten.index's index list as Python indexing (None: the whole dimension)."""
+    return tuple(slice(None) if i is None else i for i in indices)
+
+
+def install(monkeypatch: Any) -> StreamOrder:
+    """Simulated CUDA for the served core (module docstring): ``torch.cuda``'s streams and events,
+    the stores' transfer engine the CUDA one over CPU pools, its Triton copies their torch
+    reference run as copies of the current stream. Build the core after this, then
+    :meth:`StreamOrder.track` its pools (:func:`track_core`) and run it under ``sim.tracer()``."""
+    from kernels.block_copy import copy_segments_ref
+    from sglang_ext.dataplane import slot_kv_store, token_writeback, transfer_engine
+    from sglang_ext.dataplane.page_fetch import PageFetch
+
+    sim = StreamOrder()
+    monkeypatch.setattr(torch.cuda, "Stream", sim._new_stream)
+    monkeypatch.setattr(torch.cuda, "Event", sim.Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: sim.current)
+    monkeypatch.setattr(torch.cuda, "set_stream", sim.set_stream)
+    monkeypatch.setattr(torch.cuda, "synchronize", sim.synchronize)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, device=None: True)
+    engine_cls = transfer_engine.CudaTransferEngine
+    monkeypatch.setattr(engine_cls, "_probe_zero_copy", lambda self: "triton")
+    monkeypatch.setattr(slot_kv_store, "make_transfer_engine",
+                        lambda host, dev, copy_programs=None, copy_engine="triton", timing_interval=1:
+                        engine_cls(host, dev, copy_programs, copy_engine, timing_interval))
+
+    def copy(src, dst, src_idx, dst_idx, impl="auto", programs=None):  # noqa: ANN001, ANN202
+        with sim.copying():
+            copy_segments_ref(src, dst, src_idx, dst_idx)
+
+    def fetch(self, host, dev, programs=None):  # noqa: ANN001, ANN202
+        src, dst = self.indices()
+        with sim.copying():
+            copy_segments_ref(host, dev, torch.from_numpy(src), torch.from_numpy(dst))
+
+    monkeypatch.setattr(transfer_engine, "copy_segments", copy)
+    monkeypatch.setattr(PageFetch, "run_triton", fetch)
+    real_post_init = token_writeback.TokenWriteback.__post_init__
+
+    def post_init(self) -> None:  # noqa: ANN001
+        real_post_init(self)
+        sim.track(self.buf)  # a fresh buffer: its accesses are checked from its allocation on
+
+    monkeypatch.setattr(token_writeback.TokenWriteback, "__post_init__", post_init)
+    return sim
+
+
+def track_core(sim: StreamOrder, core: Any) -> None:
+    """Check the accesses to ``core``'s host and device pools."""
+    sim.track(core.store.host, host=True)
+    sim.track(core.store.dev)
+
+
+def _is_view(schema: Any) -> bool:
+    """An op returning an alias of an input (a view: no memory access)."""
+    return any(r.alias_info is not None for r in schema.returns) and not any(
+        a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)

@@ -1,0 +1,179 @@
+"""The CUDA engine's stream and event protocol, checked on the CPU (``stream_order.py``).
+
+The served core runs with :class:`CudaTransferEngine` over CPU pools, its streams and events
+simulated with vector clocks, and every access to the KV pools is checked against the
+happens-before order they define. These tests are not GPU measurements: they check that no copy
+and no layer can touch KV before what it depends on is ordered before it, which on a GPU is
+the difference between exact KV and KV corrupted when a copy happens to run late.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, invariant
+
+from sglang_ext.dataplane import transfer_engine as te
+from tests.dataplane import test_core_stateful as stateful
+from tests.dataplane.core_driver import LAYERS, PAGES, CoreDriver, make_core, offload_scenario
+from tests.dataplane.stream_order import StreamOrder, install, track_core
+
+
+def scenario(monkeypatch: pytest.MonkeyPatch, patch: Callable[[pytest.MonkeyPatch], None] | None = None
+             ) -> tuple[StreamOrder, CoreDriver]:
+    """The offloading scenario (plan changes, staged steps, write-backs) on the simulated engine."""
+    sim = install(monkeypatch)
+    if patch is not None:
+        patch(monkeypatch)
+    core = make_core(PAGES + 6)
+    track_core(sim, core)
+    driver = CoreDriver(core, seed=1)
+    with sim.tracer():
+        offload_scenario(driver)
+    return sim, driver
+
+
+def test_the_offloading_scenario_keeps_every_access_ordered(monkeypatch):
+    """Fetches, write-backs, parked tokens, layers' writes and reads: every access to the pools
+    follows what it depends on, through the engine's events alone."""
+    sim, driver = scenario(monkeypatch)
+    stats = driver.core.store.engine.stats
+    assert isinstance(driver.core.store.engine, te.CudaTransferEngine)
+    assert stats.h2d_launches >= 10 and stats.d2h_launches >= 5, stats
+    assert sim.accesses >= 150, sim.accesses
+    assert sim.violations == []
+
+
+def _no_layer_waits(mp: pytest.MonkeyPatch) -> None:
+    mp.setattr(te.CudaTransferEngine, "stream_wait", lambda self, events: None)
+
+
+def _no_fence(mp: pytest.MonkeyPatch) -> None:
+    def wait_fence(self: te.CudaTransferEngine) -> None:
+        self._compute = torch.cuda.current_stream(self.device)
+        self._fresh = False
+
+    mp.setattr(te.CudaTransferEngine, "wait_fence", wait_fence)
+
+
+def _launches_wait_nothing(mp: pytest.MonkeyPatch) -> None:
+    real = te.CudaTransferEngine._on_stream
+
+    def on_stream(self, kind, wait, copy, keep, nbytes=0):  # noqa: ANN001, ANN202
+        stream = self.h2d_stream if kind == "h2d" else self.d2h_stream
+        stream.wait_event = lambda event: None
+        try:
+            return real(self, kind, wait, copy, keep, nbytes)
+        finally:
+            del stream.wait_event
+
+    mp.setattr(te.CudaTransferEngine, "_on_stream", on_stream)
+
+
+@pytest.mark.parametrize(("broken", "expected"), [
+    (_no_layer_waits, "read by compute"),  # a layer reads its staged pages before their fetch
+    (_no_fence, "not ordered after a write by stream"),  # the step starts before the boundary's copies
+    (_launches_wait_nothing, "not ordered after a write by compute"),  # a write-back reads before the layer wrote
+])
+def test_each_missing_wait_is_caught(monkeypatch, broken, expected):
+    """Negative controls: the same scenario with one of the engine's waits removed has unordered
+    accesses (on a GPU: KV read or copied before it is there), each of the kind that wait orders."""
+    sim, _ = scenario(monkeypatch, broken)
+    assert sim.violations, broken.__name__
+    assert any(expected in v for v in sim.violations), sim.violations[:3]
+
+
+def test_identity_fast_decode_waits_for_a_plans_moves(monkeypatch):
+    """Scenario: identity layout (the budget holds every layer-page), a request's layers offloaded
+    and then wanted back by a plan between two forwards of the same batch; the next forward is a
+    steady decode step, which takes the journalled fast path (no tables, no pipeline). Its layers
+    write and read the pages the plan's H2D fills: they must wait for it. Before the fix the
+    fast path never waited (found by this checker's state machine)."""
+    sim = install(monkeypatch)
+    core = make_core(None, pages=stateful.BIG)
+    track_core(sim, core)
+    driver = CoreDriver(core, seed=0, fast_decode=True)
+    with sim.tracer():
+        driver.add("a")
+        driver.step([("a", 1)])
+        driver.want("a", [False] * LAYERS)
+        driver.want("a", [True] * LAYERS)
+        for _ in range(2):
+            driver.step([("a", 1)])
+    assert driver.fast_steps == 2
+    assert sim.violations == []
+    # negative control: without the fast path's fence the same run reads before the H2D
+    monkeypatch.setattr(te.CudaTransferEngine, "fence_pending", property(lambda self: False))
+    sim = install(monkeypatch)
+    core = make_core(None, pages=stateful.BIG)
+    track_core(sim, core)
+    driver = CoreDriver(core, seed=0, fast_decode=True)
+    with sim.tracer():
+        driver.add("a")
+        driver.step([("a", 1)])
+        driver.want("a", [False] * LAYERS)
+        driver.want("a", [True] * LAYERS)
+        driver.step([("a", 1)])
+    assert any("by compute" in v and "by stream" in v for v in sim.violations), sim.violations[:3]
+
+
+class _Simulated:
+    """A :mod:`test_core_stateful` machine on the simulated CUDA engine: every rule runs traced and
+    no access may be unordered (besides the machine's own KV and accounting checks)."""
+
+    def _simulate(self, budget: int | None, seed: int, fast: bool, page_size: int = 2,
+                  paged_reads: bool = False) -> None:
+        self.patches = pytest.MonkeyPatch()
+        self.sim = install(self.patches)
+        core = make_core(budget, pages=stateful.BIG, page_size=page_size)
+        track_core(self.sim, core)
+        self.tracing = self.sim.tracer()
+        self.tracing.__enter__()
+        self.driver = CoreDriver(core, seed=seed, fast_decode=fast, paged_reads=paged_reads)
+
+    @invariant()
+    def ordered(self) -> None:
+        if hasattr(self, "sim"):
+            SIMULATED["accesses"] += self.sim.accesses
+            self.sim.accesses = 0
+            assert self.sim.violations == [], self.sim.violations[:5]
+
+    def teardown(self) -> None:
+        if hasattr(self, "tracing"):
+            self.tracing.__exit__(None, None, None)
+            self.patches.undo()
+        super().teardown()  # type: ignore[misc]
+
+
+SIMULATED = {"accesses": 0}
+
+
+class SimulatedCoreMachine(_Simulated, stateful.CoreMachine):
+    @initialize(budget=st.sampled_from([None, 3 * stateful.BIG - 9, stateful.BIG + 6, stateful.BIG, 12, 4]),
+                seed=st.integers(0, 2**16), fast=st.booleans())
+    def setup(self, budget: int | None, seed: int, fast: bool) -> None:
+        self._simulate(budget, seed, fast)
+
+
+class SimulatedPagedReadsMachine(_Simulated, stateful.PagedReadsMachine):
+    @initialize(budget=st.sampled_from([3 * stateful.BIG - 9, 2 * stateful.BIG, stateful.BIG + 6, stateful.BIG, 12]),
+                seed=st.integers(0, 2**16))
+    def setup(self, budget: int, seed: int) -> None:  # type: ignore[override]
+        self._simulate(budget, seed, True, page_size=4, paged_reads=True)
+
+
+TestSimulatedCore = SimulatedCoreMachine.TestCase
+TestSimulatedCore.settings = settings(max_examples=60, stateful_step_count=40, deadline=None, derandomize=True,
+                                      database=None)
+TestSimulatedPagedReads = SimulatedPagedReadsMachine.TestCase
+TestSimulatedPagedReads.settings = settings(max_examples=40, stateful_step_count=40, deadline=None,
+                                            derandomize=True, database=None)
+
+
+def test_the_simulated_machines_checked_accesses():
+    """The two machines above ran traced (runs after them in file order)."""
+    assert SIMULATED["accesses"] >= 5000, SIMULATED
