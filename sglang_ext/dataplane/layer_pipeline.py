@@ -6,7 +6,9 @@ Per step (OrbitFlow §3.3.1; SuperInfer §4.3 DuplexKV):
   (one stream wait each); the fetches whose trigger is the step start are launched (one
   batched H2D per target layer) on the H2D stream.
 - ``begin_layer(l)``: the compute stream waits on the events of the launches that fetch layer
-  ``l`` -- a stream wait, never a host wait. This is the only kvplane work before the layer's
+  ``l``, and on layer ``l - 1``'s page write-back if it had one (layer ``l`` writes its new
+  tokens into the same staging pages; a page with no KV yet is not fetched to order that) --
+  stream waits, never a host wait. This is the only kvplane work before the layer's
   KV write and attention, besides the table row the attention reads.
 - ``end_layer(l)``: the staged pages that received new tokens at ``l`` go back to host (one
   batched D2H, after the layer's compute); then the fetches triggered by ``l`` (requests whose
@@ -43,6 +45,8 @@ class LayerPipeline:
         self._by_trigger: dict[int, list] = {}
         self._reached = -1
         """The last layer the current forward ended."""
+        self._written_back: Any = None
+        """The event of the page write-back launched at the end of the last layer (None: none)."""
         self._parked_out = False
         """The current forward's parked tokens were written back."""
         self.steps = 0
@@ -70,6 +74,7 @@ class LayerPipeline:
         self._by_trigger = by_trigger
         self._reached = -1
         self._parked_out = False
+        self._written_back = None  # the last step's: the fence just waited for it
         self._launch_fetches(-1, ())
         self.steps += 1
 
@@ -83,8 +88,15 @@ class LayerPipeline:
             self.fetched_layer_pages += launch.segments // 2
 
     def begin_layer(self, layer: int) -> None:
-        """The compute stream waits until layer ``layer``'s staged pages have arrived."""
+        """The compute stream waits until layer ``layer``'s staged pages have arrived, and until
+        the last layer's page write-back has read its staging pages: this layer writes its new
+        tokens into the same pages (a request's staging slot serves every layer), and a page
+        holding no KV yet (a prefill's chunk, the page a decode token opens) is written without
+        a fetch to order it after the write-back."""
         events = self._events[layer]
+        written_back, self._written_back = self._written_back, None
+        if written_back is not None:
+            events = [*events, written_back]
         if events:
             self.engine.stream_wait(events)
             self.layer_waits += 1
@@ -105,6 +117,7 @@ class LayerPipeline:
         if launch is not None:
             src, dst, host = tables.launch_indices(launch)
             wait = (self.engine.d2h(src, dst, host_idx=host),)
+            self._written_back = wait[0]
             nbytes = launch.segments * self.engine.segment_bytes
             self.store.d2h_bytes += nbytes
             self.store.host_write_bytes += nbytes

@@ -10,11 +10,14 @@ KV pools against the happens-before order those streams and events define (vecto
 - Actors: the host, the compute (default) stream and every stream the engine creates. Each
   stream op is stamped ``(actor, n)``; a stream's clock joins the events it waits on and the
   host's clock when the op is issued (work issued after a host action follows it); the host's
-  clock joins a stream's or an event's when it synchronizes (``synchronize``). A ``query`` always
-  says "not yet" (the adversarial schedule: copies finish as late as the order allows), so the
-  host learns nothing from one.
-- Accesses: every aten op touching a tracked storage (the host pool, the device pool, a decode
-  step's parked-token buffer) is traced by a ``TorchDispatchMode``; the elements it reads and
+  clock joins a stream's or an event's when it synchronizes (``synchronize``). A ``query`` says
+  "not yet" (copies finish as late as the order allows: the host learns nothing from one) or
+  "done" once recorded (the host joins the event's clock, so what it reuses after a query is
+  checked against what that event covers), by schedule: never, for the upload rings' release
+  events only, or always. Any such answers are a possible execution: "done" joins exactly what
+  the event covers.
+- Accesses: every aten op touching a tracked storage (the host pool, the device pool, the map
+  mirror, a decode step's parked-token buffer, the pinned upload rings' slots) is traced by a ``TorchDispatchMode``; the elements it reads and
   writes are found by running the same indexing on a tensor of storage offsets. Inside an
   engine copy the actor is the copy's stream; otherwise host-pool accesses are the host's and
   device ones the current stream's.
@@ -41,6 +44,8 @@ ACTORS = 8
 GRANULE = 32
 """Bytes per tracked granule (one fp32 token row of the toy pools: 2 heads x 4)."""
 HOST, COMPUTE = 0, 1
+NEVER, RINGS, ALWAYS = "never", "rings", "always"
+"""Schedules of ``query()`` (:class:`StreamOrder`)."""
 
 
 class _Stream:
@@ -70,6 +75,9 @@ class _Stream:
         self.sim.host.join(self.vc)
 
     def query(self) -> bool:
+        if self.sim.query_completes == ALWAYS:
+            self.synchronize()
+            return True
         return False
 
 
@@ -89,6 +97,8 @@ class _Event:
     """A simulated ``torch.cuda.Event``: the clock of its stream when recorded."""
 
     sim: StreamOrder | None = None
+    completes = False
+    """Whether ``query()`` says done once recorded (the simulation's schedule for this kind)."""
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
         self.vc: np.ndarray | None = None
@@ -104,8 +114,13 @@ class _Event:
         (stream if stream is not None else self.sim.current).wait_event(self)
 
     def query(self) -> bool:
-        """Never complete when asked (the adversarial schedule: the host learns nothing from a
-        query, only from a synchronize)."""
+        """Complete when recorded if the simulation says queries complete (copies finish at once:
+        the host joins the event's clock), else never (copies finish as late as the order allows:
+        the host learns nothing from a query, only from a synchronize)."""
+        assert self.sim is not None
+        if self.completes and self.vc is not None:
+            self.sim.host.join(self.vc)
+            return True
         return False
 
     def synchronize(self) -> None:
@@ -131,10 +146,17 @@ class _Tracer(TorchDispatchMode):
 class StreamOrder:
     """Simulated CUDA streams and events plus the access checker (module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, query_completes: str = NEVER) -> None:
+        if query_completes not in (NEVER, RINGS, ALWAYS):
+            raise ValueError(f"query_completes={query_completes!r}")
+        self.query_completes = query_completes
+        """Which recorded events' ``query()`` is True: none, the upload rings' release events
+        only, or all (module docstring)."""
         self.host = _Host()
-        self.Event = type("SimEvent", (_Event,), {"sim": self})
+        self.Event = type("SimEvent", (_Event,), {"sim": self, "completes": query_completes == ALWAYS})
         """``torch.cuda.Event`` here."""
+        self.RingEvent = type("SimRingEvent", (_Event,), {"sim": self, "completes": query_completes != NEVER})
+        """A :class:`PinnedUploadRing`'s release event."""
         self.streams: list[_Stream] = []
         self.compute = self._new_stream()
         assert self.compute.actor == COMPUTE
@@ -173,6 +195,12 @@ class StreamOrder:
             self._host_storages.add(key)
         else:
             self._host_storages.discard(key)
+
+    def host_write(self, t: torch.Tensor) -> None:
+        """The host writes ``t`` (through NumPy: not an aten op)."""
+        key = t.untyped_storage().data_ptr()
+        if key in self._state and t.numel():
+            self._check(key, self._granules(t), True, HOST, *self.host.issue(), "host write")
 
     def _granules(self, t: torch.Tensor, pick: Any = None) -> np.ndarray:
         """Granules of ``t``'s storage that ``pick`` (a function of a same-shaped tensor of element
@@ -298,7 +326,7 @@ def _index(indices: list) -> tuple:
     return tuple(slice(None) if i is None else i for i in indices)
 
 
-def install(monkeypatch: Any) -> StreamOrder:
+def install(monkeypatch: Any, query_completes: str = NEVER) -> StreamOrder:
     """Simulated CUDA for the served core (module docstring): ``torch.cuda``'s streams and events,
     the stores' transfer engine the CUDA one over CPU pools, its Triton copies their torch
     reference run as copies of the current stream. Build the core after this, then
@@ -307,7 +335,7 @@ def install(monkeypatch: Any) -> StreamOrder:
     from sglang_ext.dataplane import slot_kv_store, token_writeback, transfer_engine
     from sglang_ext.dataplane.page_fetch import PageFetch
 
-    sim = StreamOrder()
+    sim = StreamOrder(query_completes)
     monkeypatch.setattr(torch.cuda, "Stream", sim._new_stream)
     monkeypatch.setattr(torch.cuda, "Event", sim.Event)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: sim.current)
@@ -329,6 +357,7 @@ def install(monkeypatch: Any) -> StreamOrder:
     def fetch(self, host, dev, programs=None):  # noqa: ANN001, ANN202
         src, dst = self.indices()
         with sim.copying():
+            self.map_row.sum()  # the kernel reads the mirror's row of its layer
             copy_segments_ref(host, dev, torch.from_numpy(src), torch.from_numpy(dst))
 
     monkeypatch.setattr(transfer_engine, "copy_segments", copy)
@@ -340,13 +369,51 @@ def install(monkeypatch: Any) -> StreamOrder:
         sim.track(self.buf)  # a fresh buffer: its accesses are checked from its allocation on
 
     monkeypatch.setattr(token_writeback.TokenWriteback, "__post_init__", post_init)
+    _ring_as_on_cuda(monkeypatch, sim)
     return sim
+
+
+def _ring_as_on_cuda(monkeypatch: Any, sim: StreamOrder) -> None:
+    """Every :class:`PinnedUploadRing` runs its CUDA path: the release events and the slot's
+    stream are the simulation's; a staged slot is a host write; the upload is a copy of the slot
+    on the current stream (``host.to(device, non_blocking=True)``)."""
+    from sglang_ext.dataplane.pinned_upload_ring import _TORCH, PinnedUploadRing
+
+    real_init, real_take = PinnedUploadRing.__init__, PinnedUploadRing.take
+
+    def init(self, device, slots=8, *, pin=None, new_event=None, current_stream=None):  # noqa: ANN001, ANN202
+        real_init(self, device, slots, pin=False, new_event=sim.RingEvent, current_stream=lambda: sim.current)
+
+    def take(self, nbytes):  # noqa: ANN001, ANN202
+        buf = real_take(self, nbytes)
+        if buf.untyped_storage().data_ptr() not in sim._state:  # a new slot buffer
+            sim.track(buf, host=True)
+        return buf
+
+    def stage(self, values):  # noqa: ANN001, ANN202
+        values = np.ascontiguousarray(values)
+        host = self.take(values.nbytes)
+        sim.host_write(host)
+        host.numpy()[:] = values.view(np.uint8).reshape(-1)
+        return host.view(_TORCH[values.dtype.str])
+
+    def upload(self, values):  # noqa: ANN001, ANN202
+        host = self.stage(values)
+        with sim.copying():
+            return host.clone(), host
+
+    monkeypatch.setattr(PinnedUploadRing, "__init__", init)
+    monkeypatch.setattr(PinnedUploadRing, "take", take)
+    monkeypatch.setattr(PinnedUploadRing, "stage", stage)
+    monkeypatch.setattr(PinnedUploadRing, "upload", upload)
 
 
 def track_core(sim: StreamOrder, core: Any) -> None:
     """Check the accesses to ``core``'s host and device pools."""
     sim.track(core.store.host, host=True)
     sim.track(core.store.dev)
+    if core.store.mirror is not None:
+        sim.track(core.store.mirror.dev)
 
 
 def _is_view(schema: Any) -> bool:

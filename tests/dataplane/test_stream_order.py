@@ -18,22 +18,28 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant
 
 from sglang_ext.dataplane import transfer_engine as te
+from sglang_ext.dataplane.pinned_upload_ring import PinnedUploadRing
 from tests.dataplane import test_core_stateful as stateful
 from tests.dataplane.core_driver import LAYERS, PAGES, CoreDriver, make_core, offload_scenario
-from tests.dataplane.stream_order import StreamOrder, install, track_core
+from tests.dataplane.stream_order import ALWAYS, NEVER, RINGS, StreamOrder, install, track_core
 
 
-def scenario(monkeypatch: pytest.MonkeyPatch, patch: Callable[[pytest.MonkeyPatch], None] | None = None
-             ) -> tuple[StreamOrder, CoreDriver]:
-    """The offloading scenario (plan changes, staged steps, write-backs) on the simulated engine."""
-    sim = install(monkeypatch)
+def scenario(monkeypatch: pytest.MonkeyPatch, patch: Callable[[pytest.MonkeyPatch], None] | None = None,
+             query_completes: str = NEVER, more_steps: int = 0) -> tuple[StreamOrder, CoreDriver]:
+    """The offloading scenario (plan changes, staged steps, write-backs) on the simulated engine,
+    then ``more_steps`` decode steps of both requests, each after a plan change."""
+    sim = install(monkeypatch, query_completes)
     if patch is not None:
         patch(monkeypatch)
     core = make_core(PAGES + 6)
     track_core(sim, core)
-    driver = CoreDriver(core, seed=1)
+    driver = CoreDriver(core, seed=1, fast_decode=True)
     with sim.tracer():
         offload_scenario(driver)
+        for i in range(more_steps):
+            driver.want("a", [i % 2 == 0, True, False])
+            driver.want("b", [False, i % 3 == 0, True])
+            assert driver.step([("a", 1), ("b", 1)])
     return sim, driver
 
 
@@ -46,6 +52,42 @@ def test_the_offloading_scenario_keeps_every_access_ordered(monkeypatch):
     assert stats.h2d_launches >= 10 and stats.d2h_launches >= 5, stats
     assert sim.accesses >= 150, sim.accesses
     assert sim.violations == []
+
+
+@pytest.mark.parametrize("query_completes", [NEVER, RINGS, ALWAYS])
+def test_longer_runs_keep_every_access_ordered_under_each_query_schedule(monkeypatch, query_completes):
+    """Twenty more decode steps after plan changes, with the queries of events answered never,
+    for the upload rings only, or always: still no unordered access; with the rings' queries
+    done the rings reuse their slots (none added)."""
+    sim, driver = scenario(monkeypatch, query_completes=query_completes, more_steps=20)
+    assert sim.violations == []
+    rings = (driver.core.store.uploads, driver.core.store.engine._indices)
+    assert sum(r.takes for r in rings) >= 60
+    if query_completes != NEVER:
+        assert sum(r.added for r in rings) == 0
+
+
+def _ring_releases_at_take(mp: pytest.MonkeyPatch) -> None:
+    real = PinnedUploadRing.take
+
+    def take(self, nbytes):  # noqa: ANN001, ANN202
+        buf = real(self, nbytes)
+        at = self._at
+        if self._events[at] is None:
+            self._events[at] = self._new_event()
+        event = self._events[at]
+        type(event).record(event, self._streams[at])  # released before its upload is enqueued
+        event.record = lambda stream=None: None  # and never again
+        return buf
+
+    mp.setattr(PinnedUploadRing, "take", take)
+
+
+def test_a_ring_slot_released_before_its_upload_is_caught(monkeypatch):
+    """Negative control of the rings' release events: a slot released when taken (before the
+    upload that reads it is enqueued) is rewritten by the host while that upload may still read it."""
+    sim, _ = scenario(monkeypatch, _ring_releases_at_take, query_completes=RINGS, more_steps=20)
+    assert any("write by host" in v and "after a read by compute" in v for v in sim.violations), sim.violations[:3]
 
 
 def _no_layer_waits(mp: pytest.MonkeyPatch) -> None:
@@ -121,14 +163,53 @@ def test_identity_fast_decode_waits_for_a_plans_moves(monkeypatch):
     assert any("by compute" in v and "by stream" in v for v in sim.violations), sim.violations[:3]
 
 
+def _recompute_step(monkeypatch: pytest.MonkeyPatch) -> StreamOrder:
+    sim = install(monkeypatch)
+    core = make_core(3 * stateful.BIG - 9, pages=stateful.BIG)
+    track_core(sim, core)
+    driver = CoreDriver(core, seed=0)
+    with sim.tracer():
+        driver.want("a", [False] * LAYERS)
+        driver.add("a")
+        for _ in range(4):
+            driver.step([("a", 1)])
+        driver.recompute["a"] = (2, 2)
+        driver.want("a", [False] * LAYERS, uncached=2)
+        driver.step([("a", 1)])
+    assert driver.recompute_rows > 0 and core.store.engine.stats.d2h_launches >= LAYERS
+    return sim
+
+
+def test_a_layer_writing_a_staging_page_waits_for_the_last_layers_write_back(monkeypatch):
+    """Scenario: a request whose every layer is on host runs a recompute decode step (the general
+    tables, which write the staged new tokens back after each layer). Its new token's page has no
+    KV on host at the next layer, so nothing is fetched into the staging page there: the layer's
+    KV write must still wait for the write-back of the previous layer reading that page (on a GPU
+    it would overwrite the page under the copy: the host copy of one layer gets the next layer's
+    token). Found by this checker's state machine."""
+    assert _recompute_step(monkeypatch).violations == []
+    # negative control: the compute stream no longer waits on the previous layer's write-back
+    from sglang_ext.dataplane.layer_pipeline import LayerPipeline
+
+    real = LayerPipeline.begin_layer
+
+    def begin_layer(self, layer):  # noqa: ANN001, ANN202
+        self._written_back = None
+        real(self, layer)
+
+    monkeypatch.setattr(LayerPipeline, "begin_layer", begin_layer)
+    violations = _recompute_step(monkeypatch).violations
+    assert any("write by compute" in v and "after a read by stream" in v for v in violations), violations[:3]
+
+
 class _Simulated:
     """A :mod:`test_core_stateful` machine on the simulated CUDA engine: every rule runs traced and
     no access may be unordered (besides the machine's own KV and accounting checks)."""
 
-    def _simulate(self, budget: int | None, seed: int, fast: bool, page_size: int = 2,
+    def _simulate(self, budget: int | None, seed: int, fast: bool, queries: str, page_size: int = 2,
                   paged_reads: bool = False) -> None:
         self.patches = pytest.MonkeyPatch()
-        self.sim = install(self.patches)
+        self.sim = install(self.patches, queries)
         core = make_core(budget, pages=stateful.BIG, page_size=page_size)
         track_core(self.sim, core)
         self.tracing = self.sim.tracer()
@@ -154,16 +235,16 @@ SIMULATED = {"accesses": 0}
 
 class SimulatedCoreMachine(_Simulated, stateful.CoreMachine):
     @initialize(budget=st.sampled_from([None, 3 * stateful.BIG - 9, stateful.BIG + 6, stateful.BIG, 12, 4]),
-                seed=st.integers(0, 2**16), fast=st.booleans())
-    def setup(self, budget: int | None, seed: int, fast: bool) -> None:
-        self._simulate(budget, seed, fast)
+                seed=st.integers(0, 2**16), fast=st.booleans(), queries=st.sampled_from([NEVER, RINGS, ALWAYS]))
+    def setup(self, budget: int | None, seed: int, fast: bool, queries: str) -> None:
+        self._simulate(budget, seed, fast, queries)
 
 
 class SimulatedPagedReadsMachine(_Simulated, stateful.PagedReadsMachine):
     @initialize(budget=st.sampled_from([3 * stateful.BIG - 9, 2 * stateful.BIG, stateful.BIG + 6, stateful.BIG, 12]),
-                seed=st.integers(0, 2**16))
-    def setup(self, budget: int, seed: int) -> None:  # type: ignore[override]
-        self._simulate(budget, seed, True, page_size=4, paged_reads=True)
+                seed=st.integers(0, 2**16), queries=st.sampled_from([NEVER, RINGS, ALWAYS]))
+    def setup(self, budget: int, seed: int, queries: str) -> None:  # type: ignore[override]
+        self._simulate(budget, seed, True, queries, page_size=4, paged_reads=True)
 
 
 TestSimulatedCore = SimulatedCoreMachine.TestCase
