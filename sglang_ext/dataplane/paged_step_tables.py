@@ -89,6 +89,11 @@ class PagedStepTables(StepTables):
             stage_col = np.full(n, -1, dtype=np.int64)
             stage_col[need_cols] = ids
         self._stage_np, self._starts_np, self._counts_np = stage_col, starts, counts
+        # a multi-token step (prefill, extend) fetches only the pages that held KV before it: its
+        # new pages are written by the layers, not read from host (a decode step's opened page is
+        # fetched with the others, so its tables advance as they are)
+        fetch_counts = counts if self._one_each else np.minimum(counts, -(-(seq_lens - new_counts) // ps))
+        self._fetch_counts_np = None if self._one_each else fetch_counts
         last = np.maximum.accumulate(np.where(host_req, np.arange(layers)[:, None], -1), axis=0)
         trigger = np.vstack([np.full((1, b), -1, dtype=np.int64), last[:-1]])
         # the new tokens' pages at every layer: rows, dirty ids, write-backs (L x m)
@@ -114,8 +119,8 @@ class PagedStepTables(StepTables):
         elif u_host.any():
             raise RuntimeError("a new token's page is host-only at some layer but its request is not staged")
         self._token_parts(token_tables, seq_lens, starts, ps, offset, int64_parts)
-        head = [flat] if stage_col is None else [flat, stage_col, starts, counts, self._fetch_launches(
-            mirror, flat, counts, starts, staged_req, host_req, trigger, 2 * n + 2 * b)]
+        head = [flat] if stage_col is None else [flat, stage_col, starts, fetch_counts, self._fetch_launches(
+            mirror, flat, fetch_counts, starts, staged_req, host_req, trigger, 2 * n + 2 * b)]
         self._count_launched()
         self._upload(store, int64_parts, head, counts, seq_lens, ps)
         self._b = b
@@ -358,8 +363,9 @@ class PagedStepTables(StepTables):
         requests with host-only pages at that layer whose staging frees at that trigger. The
         launches' request ids, concatenated, are returned for the int32 upload, where they start
         at ``i32[at]`` (a launch's at ``i32[launch.offset]``); a launch's size comes from the
-        host bits of its requests' pages (exact: what the kernel copies). Host pages without KV
-        yet (opened this step) are copied too: the kernel does not read ``has_kv``."""
+        host bits of its requests' first ``counts`` pages (exact: what the kernel copies). The
+        kernel does not read ``has_kv``: a decode step's page opened this step is copied too, a
+        multi-token step's new pages are not (its ``counts`` stop at the pages that held KV)."""
         staged = np.flatnonzero(staged_req)
         per_layer = np.zeros((host_req.shape[1], host_req.shape[0]), dtype=np.int64)  # [b, L] host pages
         sub = staged[counts[staged] > 0]
@@ -415,7 +421,8 @@ class PagedStepTables(StepTables):
             segments=launch.segments, reqs=i32[at: at + launch.n_reqs], flat=flat, stage=stage,
             starts=starts, counts=counts, map_row=mirror.rows[launch.layer],
             host_arrays=(self._reqs_np[launch.first: launch.first + launch.n_reqs], self.pages, self._stage_np,
-                         self._starts_np, self._counts_np, store.map_np[launch.layer]),
+                         self._starts_np, self._counts_np if self._fetch_counts_np is None else self._fetch_counts_np,
+                         store.map_np[launch.layer]),
         )
         return engine.fetch_pages(spec, wait)
 

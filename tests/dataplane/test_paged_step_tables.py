@@ -325,3 +325,34 @@ def test_a_resident_build_of_a_batch_with_host_pages_is_caught(monkeypatch):
     monkeypatch.setattr(PagedDecodeStep, "still_resident", lambda self, opened, unmoved: True)
     with pytest.raises((AssertionError, RuntimeError)):
         offload_scenario(CoreDriver(make_core(PAGES + 6), seed=7, fast_decode=True))
+
+
+def test_a_prefill_chunk_fetches_only_the_pages_that_held_kv():
+    """Scenario: a request whose layers are all on host (a tight budget) prefills a second chunk.
+    Each layer's fetch copies the first chunk's pages, which the chunk's attention reads, and not
+    the chunk's own new pages, which the layers write (before, those were copied from host too:
+    as many bytes again for nothing at every offloaded layer). The KV stays exact inside every
+    layer (the driver checks it); the control: the new pages are host-only at some layers, so
+    fetching them would have shown in the count."""
+    from tests.dataplane.core_driver import LAYERS
+
+    core = make_core(30, pages=65)
+    d = CoreDriver(core, seed=0)
+    d.add("b")
+    d.step([("b", 2)])
+    d.want("b", [True] * LAYERS)
+    d.add("a")
+    d.want("a", [False] * LAYERS)
+    d.step([("a", 16)])  # the first chunk: 8 pages of 2 tokens
+    stats = core.store.engine.stats
+    before = stats.h2d_segments
+    d.step([("a", 16)])  # the second chunk: 8 new pages
+    fetched = stats.h2d_segments - before
+    core.settle()
+    pages = np.asarray(d.pages("a"))
+    old_host = int((core.store.map_np[:, pages[:8]] < 0).sum())
+    new_host = int((core.store.map_np[:, pages[8:]] < 0).sum())
+    assert old_host > 0 and new_host > 0, (old_host, new_host)
+    assert fetched == 2 * old_host, (fetched, old_host, new_host)
+    assert fetched != 2 * (old_host + new_host)
+    d.check_at_rest()
