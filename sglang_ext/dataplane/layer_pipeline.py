@@ -53,7 +53,7 @@ class LayerPipeline:
         self.fetched_layer_pages = 0
         """Layer-pages fetched into staging since construction."""
         self.layer_waits = 0
-        """Layers whose attention waited on a fetch this process (a test reads it)."""
+        """Layers whose compute waited on a fetch or the last layer's write-back (a test reads it)."""
 
     @property
     def active(self) -> bool:
