@@ -129,12 +129,7 @@ def test_each_missing_wait_is_caught(monkeypatch, broken, expected):
     assert any(expected in v for v in sim.violations), sim.violations[:3]
 
 
-def test_identity_fast_decode_waits_for_a_plans_moves(monkeypatch):
-    """Scenario: identity layout (the budget holds every layer-page), a request's layers offloaded
-    and then wanted back by a plan between two forwards of the same batch; the next forward is a
-    steady decode step, which takes the journalled fast path (no tables, no pipeline). Its layers
-    write and read the pages the plan's H2D fills: they must wait for it. Before the fix the
-    fast path never waited (found by this checker's state machine)."""
+def _onload_then_fast_steps(monkeypatch: pytest.MonkeyPatch) -> tuple[StreamOrder, CoreDriver]:
     sim = install(monkeypatch)
     core = make_core(None, pages=stateful.BIG)
     track_core(sim, core)
@@ -146,20 +141,22 @@ def test_identity_fast_decode_waits_for_a_plans_moves(monkeypatch):
         driver.want("a", [True] * LAYERS)
         for _ in range(2):
             driver.step([("a", 1)])
+    return sim, driver
+
+
+def test_identity_fast_decode_waits_for_a_plans_moves(monkeypatch):
+    """Scenario: identity layout (the budget holds every layer-page), a request's layers offloaded
+    and then wanted back by a plan between two forwards of the same batch; the next forward is a
+    steady decode step, which takes the journalled fast path (no tables, no pipeline). Its layers
+    write and read the pages the plan's H2D fills: they must wait for it. Before the fix the
+    fast path never waited (found by this checker's state machine)."""
+    sim, driver = _onload_then_fast_steps(monkeypatch)
     assert driver.fast_steps == 2
     assert sim.violations == []
     # negative control: without the fast path's fence the same run reads before the H2D
     monkeypatch.setattr(te.CudaTransferEngine, "fence_pending", property(lambda self: False))
-    sim = install(monkeypatch)
-    core = make_core(None, pages=stateful.BIG)
-    track_core(sim, core)
-    driver = CoreDriver(core, seed=0, fast_decode=True)
-    with sim.tracer():
-        driver.add("a")
-        driver.step([("a", 1)])
-        driver.want("a", [False] * LAYERS)
-        driver.want("a", [True] * LAYERS)
-        driver.step([("a", 1)])
+    sim, driver = _onload_then_fast_steps(monkeypatch)
+    assert driver.fast_steps == 2
     assert any("by compute" in v and "by stream" in v for v in sim.violations), sim.violations[:3]
 
 
