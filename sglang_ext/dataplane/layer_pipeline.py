@@ -154,6 +154,7 @@ class LayerPipeline:
     def end_step(self) -> None:
         """The forward is over: staging goes back (its reuse is fenced by the next step)."""
         tables, self.tables = self.tables, None
+        self._written_back = None  # the next step's fence (or at-rest sync) orders it
         if tables is not None:
             self._write_back_reached(tables)
         self.engine.end_compute()

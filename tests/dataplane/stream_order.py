@@ -25,6 +25,13 @@ KV pools against the happens-before order those streams and events define (vecto
   and every read since (WAW, WAR) -- "follow" meaning the earlier stamp is in the accessor's
   clock. Each violation is kept with the op and the actors.
 
+Not modelled: the device copies of the uploads (the index and table tensors the kernels read are
+untracked clones, so neither their reads on the side streams nor the caching allocator's reuse
+of freed device memory, which ``record_stream`` orders on a GPU, is checked; tracked tensors are
+kept alive instead), and the branches that run only on a CUDA device (the map mirror's upload
+through its ring, ``PagedStepTables.advanced``'s re-staged host views): the pools live on the
+CPU here, so the CPU branches run.
+
 The copies themselves run eagerly (the Triton kernels replaced by their torch reference), so the
 KV checks of the driver still hold; the race check is what a late copy on a GPU would break.
 Nothing here is a GPU measurement: it checks the ordering protocol, not timing.
@@ -118,7 +125,9 @@ class _Event:
         the host joins the event's clock), else never (copies finish as late as the order allows:
         the host learns nothing from a query, only from a synchronize)."""
         assert self.sim is not None
-        if self.completes and self.vc is not None:
+        if self.vc is None:  # never recorded: nothing to wait for (CUDA says done)
+            return True
+        if self.completes:
             self.sim.host.join(self.vc)
             return True
         return False
@@ -211,20 +220,20 @@ class StreamOrder:
         chosen = offsets if pick is None else pick(offsets)
         return np.unique(chosen.reshape(-1).numpy() * t.element_size() // GRANULE)
 
-    def _actor(self, host_pool: bool) -> tuple[int, int, np.ndarray]:
-        if self.in_copy:
+    def _actor(self, host_only: bool) -> tuple[int, int, np.ndarray]:
+        """Who runs an op: an engine copy's stream; the host for an op on host memory alone; else
+        the current stream (an op touching device memory, a copy between host and device too)."""
+        if self.in_copy or not host_only:
             stream = self.current
             return (stream.actor, *stream.issue())
-        if host_pool:
-            return (HOST, *self.host.issue())
-        return (self.current.actor, *self.current.issue())
+        return (HOST, *self.host.issue())
 
     def trace(self, func: Any, args: tuple, kwargs: dict) -> None:
         accesses = list(self._accesses(func, args, kwargs))
         accesses = [(key, g, w) for key, g, w in accesses if key in self._state and g.size]
         if not accesses:
             return
-        actor, stamp, vc = self._actor(any(key in self._host_storages for key, _, _ in accesses))
+        actor, stamp, vc = self._actor(all(key in self._host_storages for key, _, _ in accesses))
         for key, granules, write in sorted(accesses, key=lambda a: a[2]):  # reads first
             self._check(key, granules, write, actor, stamp, vc, func)
 

@@ -117,16 +117,19 @@ def _launches_wait_nothing(mp: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(("broken", "expected"), [
-    (_no_layer_waits, "read by compute"),  # a layer reads its staged pages before their fetch
-    (_no_fence, "not ordered after a write by stream"),  # the step starts before the boundary's copies
-    (_launches_wait_nothing, "not ordered after a write by compute"),  # a write-back reads before the layer wrote
+    # a layer reads its staged pages before their fetch
+    (_no_layer_waits, ("read by compute (aten.index.Tensor)", "after a write by stream2")),
+    # the step's layers start before the boundary's copies
+    (_no_fence, ("by compute (aten.", "after a write by stream2")),
+    # a write-back (the D2H stream, stream3) reads a page before the layer wrote it
+    (_launches_wait_nothing, ("read by stream3 (aten.index_select", "after a write by compute")),
 ])
 def test_each_missing_wait_is_caught(monkeypatch, broken, expected):
     """Negative controls: the same scenario with one of the engine's waits removed has unordered
-    accesses (on a GPU: KV read or copied before it is there), each of the kind that wait orders."""
+    accesses (on a GPU: KV read or copied before it is there), each of the kind that wait orders
+    (stream2 is the engine's H2D stream, stream3 its D2H stream)."""
     sim, _ = scenario(monkeypatch, broken)
-    assert sim.violations, broken.__name__
-    assert any(expected in v for v in sim.violations), sim.violations[:3]
+    assert any(all(part in v for part in expected) for v in sim.violations), sim.violations[:5]
 
 
 def _onload_then_fast_steps(monkeypatch: pytest.MonkeyPatch) -> tuple[StreamOrder, CoreDriver]:
@@ -221,13 +224,14 @@ class _Simulated:
             assert self.sim.violations == [], self.sim.violations[:5]
 
     def teardown(self) -> None:
+        SIMULATED["runs"] += 1
         if hasattr(self, "tracing"):
             self.tracing.__exit__(None, None, None)
             self.patches.undo()
         super().teardown()  # type: ignore[misc]
 
 
-SIMULATED = {"accesses": 0}
+SIMULATED = {"accesses": 0, "runs": 0}
 
 
 class SimulatedCoreMachine(_Simulated, stateful.CoreMachine):
@@ -253,5 +257,8 @@ TestSimulatedPagedReads.settings = settings(max_examples=40, stateful_step_count
 
 
 def test_the_simulated_machines_checked_accesses():
-    """The two machines above ran traced (runs after them in file order)."""
+    """The two machines above ran traced (runs after them in file order; skipped when they were
+    not selected)."""
+    if not SIMULATED["runs"]:
+        pytest.skip("the simulated machines did not run in this session")
     assert SIMULATED["accesses"] >= 5000, SIMULATED
