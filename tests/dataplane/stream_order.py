@@ -25,10 +25,12 @@ KV pools against the happens-before order those streams and events define (vecto
   and every read since (WAW, WAR) -- "follow" meaning the earlier stamp is in the accessor's
   clock. Each violation is kept with the op and the actors.
 
-Not modelled: the device copies of the uploads (the index and table tensors the kernels read are
-untracked clones, so neither their reads on the side streams nor the caching allocator's reuse
-of freed device memory, which ``record_stream`` orders on a GPU, is checked; tracked tensors are
-kept alive instead), and the branches that run only on a CUDA device (the map mirror's upload
+The caching allocator's reuse is checked by protocol: a copy on a side stream may read a device
+tensor allocated on another stream (an upload's device copy: indices, the step's tables; a
+parked-token buffer) only once ``record_stream`` named the copy's stream.
+
+Not modelled: the uploads' device copies as memory (their contents are not checked for
+ordering, only their ``record_stream``; every tensor allocated or tracked is kept alive), and the branches that run only on a CUDA device (the map mirror's upload
 through its ring, ``PagedStepTables.advanced``'s re-staged host views): the pools live on the
 CPU here, so the CPU branches run.
 
@@ -180,6 +182,11 @@ class StreamOrder:
         tensor's (CUDA's caching allocator orders that reuse with ``record_stream``, which this
         does not model)."""
         self.violations: list[str] = []
+        self._allocated: dict[int, int] = {}
+        """Device tensors allocated during the run (storage -> the stream allocating them): the
+        uploads' device copies, parked-token buffers."""
+        self._recorded: set[tuple[int, int]] = set()
+        """(storage, stream) pairs named by ``record_stream``."""
         self.accesses = 0
         """Checked accesses (ops on tracked storages)."""
 
@@ -228,7 +235,32 @@ class StreamOrder:
             return (stream.actor, *stream.issue())
         return (HOST, *self.host.issue())
 
+    def allocated(self, t: torch.Tensor) -> None:
+        """``t`` was allocated on the current stream by the caching allocator: a copy on another
+        stream may read it only after ``record_stream`` names that stream (else, once Python drops
+        it, the allocator hands its memory to the next allocation while the copy may still read)."""
+        self._kept.append(t)
+        self._allocated[t.untyped_storage().data_ptr()] = self.current.actor
+
+    def record_stream(self, t: torch.Tensor, stream: _Stream) -> None:
+        self._recorded.add((t.untyped_storage().data_ptr(), stream.actor))
+
+    def _check_recorded(self, func: Any, args: tuple) -> None:
+        actor = self.current.actor
+        for arg in args:
+            for t in arg if isinstance(arg, list | tuple) else (arg,):
+                if not isinstance(t, torch.Tensor):
+                    continue
+                key = t.untyped_storage().data_ptr()
+                owner = self._allocated.get(key)
+                if owner is not None and owner != actor and (key, actor) not in self._recorded:
+                    self._recorded.add((key, actor))  # reported once
+                    self.violations.append(f"{self.name(actor)} ({func}) reads a device tensor allocated on "
+                                           f"{self.name(owner)} without record_stream({self.name(actor)})")
+
     def trace(self, func: Any, args: tuple, kwargs: dict) -> None:
+        if self.in_copy:
+            self._check_recorded(func, args)
         accesses = list(self._accesses(func, args, kwargs))
         accesses = [(key, g, w) for key, g, w in accesses if key in self._state and g.size]
         if not accesses:
@@ -351,7 +383,7 @@ def install(monkeypatch: Any, query_completes: str = NEVER) -> StreamOrder:
     monkeypatch.setattr(torch.cuda, "set_stream", sim.set_stream)
     monkeypatch.setattr(torch.cuda, "synchronize", sim.synchronize)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: sim.record_stream(self, stream))
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, device=None: True)
     engine_cls = transfer_engine.CudaTransferEngine
     monkeypatch.setattr(engine_cls, "_probe_zero_copy", lambda self: "triton")
@@ -366,7 +398,8 @@ def install(monkeypatch: Any, query_completes: str = NEVER) -> StreamOrder:
     def fetch(self, host, dev, programs=None):  # noqa: ANN001, ANN202
         src, dst = self.indices()
         with sim.copying():
-            self.map_row.sum()  # the kernel reads the mirror's row of its layer
+            for t in (self.map_row, self.reqs, self.flat, self.stage, self.starts, self.counts):
+                t.sum()  # the kernel reads the mirror's row of its layer and the step's upload
             copy_segments_ref(host, dev, torch.from_numpy(src), torch.from_numpy(dst))
 
     monkeypatch.setattr(transfer_engine, "copy_segments", copy)
@@ -376,6 +409,7 @@ def install(monkeypatch: Any, query_completes: str = NEVER) -> StreamOrder:
     def post_init(self) -> None:  # noqa: ANN001
         real_post_init(self)
         sim.track(self.buf)  # a fresh buffer: its accesses are checked from its allocation on
+        sim.allocated(self.buf)
 
     monkeypatch.setattr(token_writeback.TokenWriteback, "__post_init__", post_init)
     _ring_as_on_cuda(monkeypatch, sim)
@@ -409,7 +443,9 @@ def _ring_as_on_cuda(monkeypatch: Any, sim: StreamOrder) -> None:
     def upload(self, values):  # noqa: ANN001, ANN202
         host = self.stage(values)
         with sim.copying():
-            return host.clone(), host
+            dev = host.clone()
+        sim.allocated(dev)
+        return dev, host
 
     monkeypatch.setattr(PinnedUploadRing, "__init__", init)
     monkeypatch.setattr(PinnedUploadRing, "take", take)

@@ -116,6 +116,15 @@ def _launches_wait_nothing(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(te.CudaTransferEngine, "_on_stream", on_stream)
 
 
+def _no_record_stream(mp: pytest.MonkeyPatch) -> None:
+    real = te.CudaTransferEngine._on_stream
+
+    def on_stream(self, kind, wait, copy, keep, nbytes=0):  # noqa: ANN001, ANN202
+        return real(self, kind, wait, copy, (), nbytes)  # nothing named to the caching allocator
+
+    mp.setattr(te.CudaTransferEngine, "_on_stream", on_stream)
+
+
 @pytest.mark.parametrize(("broken", "expected"), [
     # a layer reads its staged pages before their fetch
     (_no_layer_waits, ("read by compute (aten.index.Tensor)", "after a write by stream2")),
@@ -123,6 +132,8 @@ def _launches_wait_nothing(mp: pytest.MonkeyPatch) -> None:
     (_no_fence, ("by compute (aten.", "after a write by stream2")),
     # a write-back (the D2H stream, stream3) reads a page before the layer wrote it
     (_launches_wait_nothing, ("read by stream3 (aten.index_select", "after a write by compute")),
+    # a copy reads indices the caching allocator may hand out again before it ran
+    (_no_record_stream, ("reads a device tensor allocated on compute", "without record_stream(stream")),
 ])
 def test_each_missing_wait_is_caught(monkeypatch, broken, expected):
     """Negative controls: the same scenario with one of the engine's waits removed has unordered
