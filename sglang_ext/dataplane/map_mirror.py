@@ -53,6 +53,9 @@ class MapMirror:
         """Syncs that moved columns (a table built at one count is current while it holds)."""
         self._ring = PinnedUploadRing(device)
         """Pinned buffers of the column uploads (CUDA)."""
+        self.staged = self.device.type != "cpu"
+        """The columns go up through :attr:`_ring` (a device pool); on the CPU they are scattered
+        directly (a test may set it to run the device path on the CPU)."""
 
     @staticmethod
     def _bits(cols: np.ndarray) -> np.ndarray:
@@ -88,7 +91,7 @@ class MapMirror:
         self.host_bits[pages] = self._bits(cols)
         self.synced_columns += int(pages.size)
         k = int(pages.size)
-        if self.device.type == "cpu":
+        if not self.staged:
             self.dev.index_copy_(1, torch.from_numpy(pages), torch.from_numpy(np.ascontiguousarray(cols)))
             return
         packed = np.empty(k + -(-self.layers * k // 2), dtype=np.int64)

@@ -236,7 +236,7 @@ class PagedStepTables(StepTables):
         nxt._lens_pair = self._lens_pair + 1
         b = self.batch
         nxt.kv_lens, nxt.last_page_len = nxt._lens_pair[:b], nxt._lens_pair[b:]
-        if self._store.device.type == "cuda":
+        if self._store.staged_uploads:
             # a new pinned host copy in the ring's next slot (the last one may still feed a plan's
             # copy), with the indptr beside it: every host view of a step lives in its own take
             host = self._store.uploads.stage(np.concatenate([self.host_indptr.numpy(), self._host_lens_pair.numpy() + 1]))

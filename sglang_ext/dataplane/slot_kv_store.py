@@ -145,6 +145,10 @@ class SlotKVStore:
         """Paged layout: the map on the pool's device plus per-page host-layer bits, for the
         step's tables (:class:`~sglang_ext.dataplane.map_mirror.MapMirror`); every writer of
         ``map_np`` reports its pages through :meth:`map_changed`."""
+        self.staged_uploads = self.device.type == "cuda"
+        """Host views a step keeps (beside its uploads) are staged in :attr:`uploads` (a device
+        pool: the upload's source must not change under the copy); on the CPU they are plain
+        arrays (a test may set it to run the device path on the CPU)."""
         self.uploads = PinnedUploadRing(self.device)
         """Pinned buffers of the step tables' uploads (:class:`PinnedUploadRing`; the mirror has
         its own)."""

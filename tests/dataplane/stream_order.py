@@ -29,10 +29,11 @@ The caching allocator's reuse is checked by protocol: a copy on a side stream ma
 tensor allocated on another stream (an upload's device copy: indices, the step's tables; a
 parked-token buffer) only once ``record_stream`` named the copy's stream.
 
+The store's device paths run (``SlotKVStore.staged_uploads``, ``MapMirror.staged``): the map
+mirror's columns go up through its ring, a steady step's host views are re-staged in the store's.
+
 Not modelled: the uploads' device copies as memory (their contents are not checked for
-ordering, only their ``record_stream``; every tensor allocated or tracked is kept alive), and the branches that run only on a CUDA device (the map mirror's upload
-through its ring, ``PagedStepTables.advanced``'s re-staged host views): the pools live on the
-CPU here, so the CPU branches run.
+ordering, only their ``record_stream``; every tensor allocated or tracked is kept alive).
 
 The copies themselves run eagerly (the Triton kernels replaced by their torch reference), so the
 KV checks of the driver still hold; the race check is what a late copy on a GPU would break.
@@ -413,6 +414,15 @@ def install(monkeypatch: Any, query_completes: str = NEVER) -> StreamOrder:
 
     monkeypatch.setattr(token_writeback.TokenWriteback, "__post_init__", post_init)
     _ring_as_on_cuda(monkeypatch, sim)
+    real_store_init = slot_kv_store.SlotKVStore.__init__
+
+    def store_init(self, config) -> None:  # noqa: ANN001
+        real_store_init(self, config)
+        self.staged_uploads = True  # the device paths: host views staged in the ring, ...
+        if self.mirror is not None:
+            self.mirror.staged = True  # ... the mirror's columns uploaded through its ring
+
+    monkeypatch.setattr(slot_kv_store.SlotKVStore, "__init__", store_init)
     return sim
 
 
