@@ -368,10 +368,11 @@ def _index(indices: list) -> tuple:
     return tuple(slice(None) if i is None else i for i in indices)
 
 
-def install(monkeypatch: Any, query_completes: str = NEVER) -> StreamOrder:
+def install(monkeypatch: Any, query_completes: str = NEVER, dma: bool = False) -> StreamOrder:
     """Simulated CUDA for the served core (module docstring): ``torch.cuda``'s streams and events,
     the stores' transfer engine the CUDA one over CPU pools, its Triton copies their torch
-    reference run as copies of the current stream. Build the core after this, then
+    reference run as copies of the current stream (``dma``: the copy engines' path, its batched
+    memcpy replaced by the same reference over the listed segments). Build the core after this, then
     :meth:`StreamOrder.track` its pools (:func:`track_core`) and run it under ``sim.tracer()``."""
     from kernels.block_copy import copy_segments_ref
     from sglang_ext.dataplane import slot_kv_store, token_writeback, transfer_engine
@@ -404,6 +405,20 @@ def install(monkeypatch: Any, query_completes: str = NEVER) -> StreamOrder:
             copy_segments_ref(host, dev, torch.from_numpy(src), torch.from_numpy(dst))
 
     monkeypatch.setattr(transfer_engine, "copy_segments", copy)
+    if dma:  # --kv-copy-engine dma: every copy a batched memcpy of the listed segments
+        def dma_copy(self, src, dst, src_idx, dst_idx):  # noqa: ANN001, ANN202
+            with sim.copying():
+                copy_segments_ref(src, dst, torch.from_numpy(src_idx), torch.from_numpy(dst_idx))
+
+        monkeypatch.setattr(transfer_engine, "DMA_MIN_BYTES", 0)
+        monkeypatch.setattr(engine_cls, "_dma_copy", dma_copy)
+        real_engine_init = engine_cls.__init__
+
+        def engine_init(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+            real_engine_init(self, *args, **kwargs)
+            self._dma, self.impl = object(), "dma"  # as set_copy_engine leaves it once probed
+
+        monkeypatch.setattr(engine_cls, "__init__", engine_init)
     monkeypatch.setattr(PageFetch, "run_triton", fetch)
     real_post_init = token_writeback.TokenWriteback.__post_init__
 

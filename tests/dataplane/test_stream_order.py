@@ -25,10 +25,10 @@ from tests.dataplane.stream_order import ALWAYS, NEVER, RINGS, StreamOrder, inst
 
 
 def scenario(monkeypatch: pytest.MonkeyPatch, patch: Callable[[pytest.MonkeyPatch], None] | None = None,
-             query_completes: str = NEVER, more_steps: int = 0) -> tuple[StreamOrder, CoreDriver]:
+             query_completes: str = NEVER, more_steps: int = 0, dma: bool = False) -> tuple[StreamOrder, CoreDriver]:
     """The offloading scenario (plan changes, staged steps, write-backs) on the simulated engine,
     then ``more_steps`` decode steps of both requests, each after a plan change."""
-    sim = install(monkeypatch, query_completes)
+    sim = install(monkeypatch, query_completes, dma)
     if patch is not None:
         patch(monkeypatch)
     core = make_core(PAGES + 6)
@@ -67,6 +67,17 @@ def test_longer_runs_keep_every_access_ordered_under_each_query_schedule(monkeyp
     assert sum(r.takes for r in rings) >= 60 and all(r.takes for r in rings)
     if query_completes != NEVER:
         assert sum(r.added for r in rings) == 0
+
+
+def test_the_copy_engines_path_keeps_every_access_ordered(monkeypatch):
+    """``--kv-copy-engine dma``: fetches and write-backs as batched memcpys of listed segments
+    (host indices, no device index tensors) follow the same order; the negative control drops the
+    layers' waits on their fetches."""
+    sim, driver = scenario(monkeypatch, more_steps=20, dma=True)
+    assert driver.core.store.engine.impl == "dma" and sim.violations == []
+    _no_layer_waits(monkeypatch)
+    sim, _ = scenario(monkeypatch, more_steps=20, dma=True)
+    assert any("read by compute" in v and "after a write by stream2" in v for v in sim.violations), sim.violations[:3]
 
 
 def _ring_releases_at_take(mp: pytest.MonkeyPatch) -> None:
