@@ -227,13 +227,14 @@ def test_a_layer_writing_a_staging_page_waits_for_the_last_layers_write_back(mon
 
 
 class _Simulated:
-    """A :mod:`test_core_stateful` machine on the simulated CUDA engine: every rule runs traced and
-    no access may be unordered (besides the machine's own KV and accounting checks)."""
+    """A :mod:`test_core_stateful` machine on the simulated CUDA engine (its copies on the kernels
+    or the copy engines, its queries answered by one of the three schedules): every rule runs
+    traced and no access may be unordered (besides the machine's own KV and accounting checks)."""
 
-    def _simulate(self, budget: int | None, seed: int, fast: bool, queries: str, page_size: int = 2,
+    def _simulate(self, budget: int | None, seed: int, fast: bool, queries: str, dma: bool, page_size: int = 2,
                   paged_reads: bool = False) -> None:
         self.patches = pytest.MonkeyPatch()
-        self.sim = install(self.patches, queries)
+        self.sim = install(self.patches, queries, dma)
         core = make_core(budget, pages=stateful.BIG, page_size=page_size)
         track_core(self.sim, core)
         self.tracing = self.sim.tracer()
@@ -260,16 +261,17 @@ SIMULATED = {"accesses": 0, "runs": 0}
 
 class SimulatedCoreMachine(_Simulated, stateful.CoreMachine):
     @initialize(budget=st.sampled_from([None, 3 * stateful.BIG - 9, stateful.BIG + 6, stateful.BIG, 12, 4]),
-                seed=st.integers(0, 2**16), fast=st.booleans(), queries=st.sampled_from([NEVER, RINGS, ALWAYS]))
-    def setup(self, budget: int | None, seed: int, fast: bool, queries: str) -> None:
-        self._simulate(budget, seed, fast, queries)
+                seed=st.integers(0, 2**16), fast=st.booleans(), queries=st.sampled_from([NEVER, RINGS, ALWAYS]),
+                dma=st.booleans())
+    def setup(self, budget: int | None, seed: int, fast: bool, queries: str, dma: bool) -> None:
+        self._simulate(budget, seed, fast, queries, dma)
 
 
 class SimulatedPagedReadsMachine(_Simulated, stateful.PagedReadsMachine):
     @initialize(budget=st.sampled_from([3 * stateful.BIG - 9, 2 * stateful.BIG, stateful.BIG + 6, stateful.BIG, 12]),
-                seed=st.integers(0, 2**16), queries=st.sampled_from([NEVER, RINGS, ALWAYS]))
-    def setup(self, budget: int, seed: int, queries: str) -> None:  # type: ignore[override]
-        self._simulate(budget, seed, True, queries, page_size=4, paged_reads=True)
+                seed=st.integers(0, 2**16), queries=st.sampled_from([NEVER, RINGS, ALWAYS]), dma=st.booleans())
+    def setup(self, budget: int, seed: int, queries: str, dma: bool) -> None:  # type: ignore[override]
+        self._simulate(budget, seed, True, queries, dma, page_size=4, paged_reads=True)
 
 
 TestSimulatedCore = SimulatedCoreMachine.TestCase
