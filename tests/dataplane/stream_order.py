@@ -188,6 +188,8 @@ class StreamOrder:
         uploads' device copies, parked-token buffers."""
         self._recorded: set[tuple[int, int]] = set()
         """(storage, stream) pairs named by ``record_stream``."""
+        self.copies = {"kernel": 0, "dma": 0}
+        """Copy calls run, by path (a test checks which path ran)."""
         self.accesses = 0
         """Checked accesses (ops on tracked storages)."""
 
@@ -368,7 +370,7 @@ def _index(indices: list) -> tuple:
     return tuple(slice(None) if i is None else i for i in indices)
 
 
-def install(monkeypatch: Any, query_completes: str = NEVER, dma: bool = False) -> StreamOrder:
+def install(monkeypatch: Any, query_completes: str = NEVER, dma: bool = False, dma_floor: int = 0) -> StreamOrder:
     """Simulated CUDA for the served core (module docstring): ``torch.cuda``'s streams and events,
     the stores' transfer engine the CUDA one over CPU pools, its Triton copies their torch
     reference run as copies of the current stream (``dma``: the copy engines' path, its batched
@@ -394,6 +396,7 @@ def install(monkeypatch: Any, query_completes: str = NEVER, dma: bool = False) -
                         engine_cls(host, dev, copy_programs, copy_engine, timing_interval))
 
     def copy(src, dst, src_idx, dst_idx, impl="auto", programs=None):  # noqa: ANN001, ANN202
+        sim.copies["kernel"] += 1
         with sim.copying():
             copy_segments_ref(src, dst, src_idx, dst_idx)
 
@@ -407,10 +410,11 @@ def install(monkeypatch: Any, query_completes: str = NEVER, dma: bool = False) -
     monkeypatch.setattr(transfer_engine, "copy_segments", copy)
     if dma:  # --kv-copy-engine dma: every copy a batched memcpy of the listed segments
         def dma_copy(self, src, dst, src_idx, dst_idx):  # noqa: ANN001, ANN202
+            sim.copies["dma"] += 1
             with sim.copying():
                 copy_segments_ref(src, dst, torch.from_numpy(src_idx), torch.from_numpy(dst_idx))
 
-        monkeypatch.setattr(transfer_engine, "DMA_MIN_BYTES", 0)
+        monkeypatch.setattr(transfer_engine, "DMA_MIN_BYTES", dma_floor)  # rows under it: the kernels
         monkeypatch.setattr(engine_cls, "_dma_copy", dma_copy)
         real_engine_init = engine_cls.__init__
 

@@ -25,10 +25,11 @@ from tests.dataplane.stream_order import ALWAYS, NEVER, RINGS, StreamOrder, inst
 
 
 def scenario(monkeypatch: pytest.MonkeyPatch, patch: Callable[[pytest.MonkeyPatch], None] | None = None,
-             query_completes: str = NEVER, more_steps: int = 0, dma: bool = False) -> tuple[StreamOrder, CoreDriver]:
+             query_completes: str = NEVER, more_steps: int = 0, dma: bool = False,
+             dma_floor: int = 0) -> tuple[StreamOrder, CoreDriver]:
     """The offloading scenario (plan changes, staged steps, write-backs) on the simulated engine,
     then ``more_steps`` decode steps of both requests, each after a plan change."""
-    sim = install(monkeypatch, query_completes, dma)
+    sim = install(monkeypatch, query_completes, dma, dma_floor)
     if patch is not None:
         patch(monkeypatch)
     core = make_core(PAGES + 6)
@@ -69,14 +70,19 @@ def test_longer_runs_keep_every_access_ordered_under_each_query_schedule(monkeyp
         assert sum(r.added for r in rings) == 0
 
 
-def test_the_copy_engines_path_keeps_every_access_ordered(monkeypatch):
-    """``--kv-copy-engine dma``: fetches and write-backs as batched memcpys of listed segments
-    (host indices, no device index tensors) follow the same order; the negative control drops the
-    layers' waits on their fetches."""
-    sim, driver = scenario(monkeypatch, more_steps=20, dma=True)
-    assert driver.core.store.engine.impl == "dma" and sim.violations == []
+@pytest.mark.parametrize("dma_floor", [0, 64])
+def test_the_copy_engines_path_keeps_every_access_ordered(monkeypatch, dma_floor):
+    """``--kv-copy-engine dma``: fetches, write-backs, boundary moves and parked rows as batched
+    memcpys of listed segments (host indices, no device index tensors) follow the same order,
+    alone or mixed with the kernels (rows under the floor: the 32-byte token rows at 64); the
+    negative control drops the layers' waits on their fetches."""
+    sim, driver = scenario(monkeypatch, more_steps=20, dma=True, dma_floor=dma_floor)
+    stats = driver.core.store.engine.stats
+    launches = stats.h2d_launches + stats.d2h_launches
+    assert sim.copies["dma"] >= launches // 2 and sim.violations == [], (sim.copies, launches)
+    assert (sim.copies["kernel"] > 1) == (dma_floor > 0), sim.copies  # one kernel copy: warm_rows at start
     _no_layer_waits(monkeypatch)
-    sim, _ = scenario(monkeypatch, more_steps=20, dma=True)
+    sim, _ = scenario(monkeypatch, more_steps=20, dma=True, dma_floor=dma_floor)
     assert any("read by compute" in v and "after a write by stream2" in v for v in sim.violations), sim.violations[:3]
 
 
