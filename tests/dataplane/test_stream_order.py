@@ -86,6 +86,50 @@ def test_the_copy_engines_path_keeps_every_access_ordered(monkeypatch, dma_floor
     assert any("read by compute" in v and "after a write by stream2" in v for v in sim.violations), sim.violations[:3]
 
 
+def _overlap_loop(monkeypatch: pytest.MonkeyPatch, barrier: bool) -> tuple[StreamOrder, CoreDriver]:
+    """The offloading scenario and 20 more steps under SGLang's overlap loop's streams
+    (``docs/overlap-schedule.md``): plan installs and the at-rest checks on the schedule stream,
+    each forward on the forward stream, which waits for the schedule stream when it is launched
+    (``forward_stream.wait_stream(schedule_stream)``); after each launch the schedule stream waits
+    for the forward stream (``Scheduler._apply_war_barrier``, whole-forward: ``barrier``)."""
+    sim = install(monkeypatch, RINGS)
+    core = make_core(PAGES + 6)
+    track_core(sim, core)
+    driver = CoreDriver(core, seed=1, fast_decode=True)
+    schedule, forward = sim.current, torch.cuda.Stream()
+    real_step = driver.step
+
+    def step(batch):  # noqa: ANN001, ANN202
+        forward.wait_event(schedule.record_event())
+        sim.set_stream(forward)
+        try:
+            return real_step(batch)
+        finally:
+            sim.set_stream(schedule)
+            if barrier:
+                schedule.wait_event(forward.record_event())
+
+    driver.step = step
+    with sim.tracer():
+        offload_scenario(driver)
+        for i in range(20):
+            driver.want("a", [i % 2 == 0, True, False])
+            driver.want("b", [False, i % 3 == 0, True])
+            assert driver.step([("a", 1), ("b", 1)])
+    return sim, driver
+
+
+def test_the_overlap_loops_streams_keep_every_access_ordered(monkeypatch):
+    """Under the overlap loop the boundary's copies and the at-rest checks run on the schedule
+    stream while the forward runs on its own: SGLang's whole-forward WAR barrier (the premise
+    ``tests/sglang/test_war_barrier.py`` checks) keeps every access ordered; without it the
+    boundary's copies overtake the forward in flight (the negative control)."""
+    sim, _ = _overlap_loop(monkeypatch, barrier=True)
+    assert sim.violations == [] and sim.accesses > 1000
+    sim, _ = _overlap_loop(monkeypatch, barrier=False)
+    assert any("not ordered after" in v and "stream4" in v for v in sim.violations), sim.violations[:3]
+
+
 def _ring_releases_at_take(mp: pytest.MonkeyPatch) -> None:
     real = PinnedUploadRing.take
 
