@@ -74,7 +74,6 @@ class LayerPipeline:
         self._by_trigger = by_trigger
         self._reached = -1
         self._parked_out = False
-        self._written_back = None  # the last step's: the fence just waited for it
         self._launch_fetches(-1, ())
         self.steps += 1
 
