@@ -178,6 +178,8 @@ class StreamOrder:
         self._state: dict[int, dict[str, np.ndarray]] = {}
         """Tracked storage (data_ptr) -> per granule: last writer, its stamp, each actor's last read."""
         self._host_storages: set[int] = set()
+        self._storages: dict[int, Any] = {}
+        """Tracked storage (data_ptr) -> its untyped storage (:meth:`storage_bytes`)."""
         self._kept: list[torch.Tensor] = []
         """Every tracked tensor, kept alive: a freed one's address may come back as another
         tensor's (CUDA's caching allocator orders that reuse with ``record_stream``, which this
@@ -208,12 +210,28 @@ class StreamOrder:
         self._kept.append(tensor)
         storage = tensor.untyped_storage()
         key, n = storage.data_ptr(), -(-storage.nbytes() // GRANULE)
+        self._storages[key] = storage
         self._state[key] = {"writer": np.full(n, -1, dtype=np.int64), "stamp": np.zeros(n, dtype=np.int64),
                             "reads": np.zeros((ACTORS, n), dtype=np.int64)}
         if host:
             self._host_storages.add(key)
         else:
             self._host_storages.discard(key)
+
+    def storage_bytes(self) -> dict[int, torch.Tensor]:
+        """Every tracked storage as a 1-D uint8 tensor over all of it, by its address (what a raw
+        pointer into tracked memory can be resolved against)."""
+        out = {}
+        for key, storage in self._storages.items():
+            out[key] = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+        return out
+
+    def stream_of(self, handle: int) -> _Stream:
+        """The simulated stream whose ``cuda_stream`` is ``handle`` (KeyError: none is)."""
+        for stream in self.streams:
+            if stream.cuda_stream == handle:
+                return stream
+        raise KeyError(f"no stream has the handle {handle}")
 
     def host_write(self, t: torch.Tensor) -> None:
         """The host writes ``t`` (through NumPy: not an aten op)."""
@@ -368,126 +386,6 @@ class StreamOrder:
 def _index(indices: list) -> tuple:
     """aten.index's index list as Python indexing (None: the whole dimension)."""
     return tuple(slice(None) if i is None else i for i in indices)
-
-
-def install(monkeypatch: Any, query_completes: str = NEVER, dma: bool = False, dma_floor: int = 0) -> StreamOrder:
-    """Simulated CUDA for the served core (module docstring): ``torch.cuda``'s streams and events,
-    the stores' transfer engine the CUDA one over CPU pools, its Triton copies their torch
-    reference run as copies of the current stream (``dma``: the copy engines' path, its batched
-    memcpy replaced by the same reference over the listed segments). Build the core after this, then
-    :meth:`StreamOrder.track` its pools (:func:`track_core`) and run it under ``sim.tracer()``."""
-    from kernels.block_copy import copy_segments_ref
-    from sglang_ext.dataplane import slot_kv_store, token_writeback, transfer_engine
-    from sglang_ext.dataplane.page_fetch import PageFetch
-
-    sim = StreamOrder(query_completes)
-    monkeypatch.setattr(torch.cuda, "Stream", sim._new_stream)
-    monkeypatch.setattr(torch.cuda, "Event", sim.Event)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: sim.current)
-    monkeypatch.setattr(torch.cuda, "set_stream", sim.set_stream)
-    monkeypatch.setattr(torch.cuda, "synchronize", sim.synchronize)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: sim.record_stream(self, stream))
-    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, device=None: True)
-    engine_cls = transfer_engine.CudaTransferEngine
-    monkeypatch.setattr(engine_cls, "_probe_zero_copy", lambda self: "triton")
-    monkeypatch.setattr(slot_kv_store, "make_transfer_engine",
-                        lambda host, dev, copy_programs=None, copy_engine="triton", timing_interval=1:
-                        engine_cls(host, dev, copy_programs, copy_engine, timing_interval))
-
-    def copy(src, dst, src_idx, dst_idx, impl="auto", programs=None):  # noqa: ANN001, ANN202
-        sim.copies["kernel"] += 1
-        with sim.copying():
-            copy_segments_ref(src, dst, src_idx, dst_idx)
-
-    def fetch(self, host, dev, programs=None):  # noqa: ANN001, ANN202
-        src, dst = self.indices()
-        with sim.copying():
-            for t in (self.map_row, self.reqs, self.flat, self.stage, self.starts, self.counts):
-                t.sum()  # the kernel reads the mirror's row of its layer and the step's upload
-            copy_segments_ref(host, dev, torch.from_numpy(src), torch.from_numpy(dst))
-
-    monkeypatch.setattr(transfer_engine, "copy_segments", copy)
-    if dma:  # --kv-copy-engine dma: every copy a batched memcpy of the listed segments
-        def dma_copy(self, src, dst, src_idx, dst_idx):  # noqa: ANN001, ANN202
-            sim.copies["dma"] += 1
-            with sim.copying():
-                copy_segments_ref(src, dst, torch.from_numpy(src_idx), torch.from_numpy(dst_idx))
-
-        monkeypatch.setattr(transfer_engine, "DMA_MIN_BYTES", dma_floor)  # rows under it: the kernels
-        monkeypatch.setattr(engine_cls, "_dma_copy", dma_copy)
-        real_engine_init = engine_cls.__init__
-
-        def engine_init(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
-            real_engine_init(self, *args, **kwargs)
-            self._dma, self.impl = object(), "dma"  # as set_copy_engine leaves it once probed
-
-        monkeypatch.setattr(engine_cls, "__init__", engine_init)
-    monkeypatch.setattr(PageFetch, "run_triton", fetch)
-    real_post_init = token_writeback.TokenWriteback.__post_init__
-
-    def post_init(self) -> None:  # noqa: ANN001
-        real_post_init(self)
-        sim.track(self.buf)  # a fresh buffer: its accesses are checked from its allocation on
-        sim.allocated(self.buf)
-
-    monkeypatch.setattr(token_writeback.TokenWriteback, "__post_init__", post_init)
-    _ring_as_on_cuda(monkeypatch, sim)
-    real_store_init = slot_kv_store.SlotKVStore.__init__
-
-    def store_init(self, config) -> None:  # noqa: ANN001
-        real_store_init(self, config)
-        self.staged_uploads = True  # the device paths: host views staged in the ring, ...
-        if self.mirror is not None:
-            self.mirror.staged = True  # ... the mirror's columns uploaded through its ring
-
-    monkeypatch.setattr(slot_kv_store.SlotKVStore, "__init__", store_init)
-    return sim
-
-
-def _ring_as_on_cuda(monkeypatch: Any, sim: StreamOrder) -> None:
-    """Every :class:`PinnedUploadRing` runs its CUDA path: the release events and the slot's
-    stream are the simulation's; a staged slot is a host write; the upload is a copy of the slot
-    on the current stream (``host.to(device, non_blocking=True)``)."""
-    from sglang_ext.dataplane.pinned_upload_ring import _TORCH, PinnedUploadRing
-
-    real_init, real_take = PinnedUploadRing.__init__, PinnedUploadRing.take
-
-    def init(self, device, slots=8, *, pin=None, new_event=None, current_stream=None):  # noqa: ANN001, ANN202
-        real_init(self, device, slots, pin=False, new_event=sim.RingEvent, current_stream=lambda: sim.current)
-
-    def take(self, nbytes):  # noqa: ANN001, ANN202
-        buf = real_take(self, nbytes)
-        if buf.untyped_storage().data_ptr() not in sim._state:  # a new slot buffer
-            sim.track(buf, host=True)
-        return buf
-
-    def stage(self, values):  # noqa: ANN001, ANN202
-        values = np.ascontiguousarray(values)
-        host = self.take(values.nbytes)
-        sim.host_write(host)
-        host.numpy()[:] = values.view(np.uint8).reshape(-1)
-        return host.view(_TORCH[values.dtype.str])
-
-    def upload(self, values):  # noqa: ANN001, ANN202
-        host = self.stage(values)
-        with sim.copying():
-            dev = host.clone()
-        sim.allocated(dev)
-        return dev, host
-
-    monkeypatch.setattr(PinnedUploadRing, "__init__", init)
-    monkeypatch.setattr(PinnedUploadRing, "take", take)
-    monkeypatch.setattr(PinnedUploadRing, "stage", stage)
-    monkeypatch.setattr(PinnedUploadRing, "upload", upload)
-
-
-def track_core(sim: StreamOrder, core: Any) -> None:
-    """Check the accesses to ``core``'s host and device pools."""
-    sim.track(core.store.host, host=True)
-    sim.track(core.store.dev)
-    if core.store.mirror is not None:
-        sim.track(core.store.mirror.dev)
 
 
 def _is_view(schema: Any) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import settings
@@ -21,7 +22,8 @@ from sglang_ext.dataplane import transfer_engine as te
 from sglang_ext.dataplane.pinned_upload_ring import PinnedUploadRing
 from tests.dataplane import test_core_stateful as stateful
 from tests.dataplane.core_driver import LAYERS, PAGES, CoreDriver, make_core, offload_scenario
-from tests.dataplane.stream_order import ALWAYS, NEVER, RINGS, StreamOrder, install, track_core
+from tests.dataplane.cuda_simulation import install, track_core
+from tests.dataplane.stream_order import ALWAYS, NEVER, RINGS, StreamOrder
 
 
 def scenario(monkeypatch: pytest.MonkeyPatch, patch: Callable[[pytest.MonkeyPatch], None] | None = None,
@@ -338,3 +340,77 @@ def test_the_simulated_machines_checked_accesses():
     if not SIMULATED["runs"]:
         pytest.skip("the simulated machines did not run in this session")
     assert SIMULATED["accesses"] >= 5000, SIMULATED
+
+
+def _shift_sources(mp: pytest.MonkeyPatch) -> None:
+    """The negative control of the pointer check: every source address one row further on (wrapping
+    inside its tensor): still inside the pool, the wrong bytes."""
+    real = te.segment_pointers
+
+    def shifted(src, dst, src_idx, dst_idx):  # noqa: ANN001, ANN202
+        return real(src, dst, (np.asarray(src_idx) + 1) % src.shape[0], dst_idx)
+
+    mp.setattr(te, "segment_pointers", shifted)
+
+
+def _handle_of(which: str) -> Callable[[pytest.MonkeyPatch], None]:
+    def patch(mp: pytest.MonkeyPatch) -> None:
+        def dma_copy(self, src, dst, src_idx, dst_idx):  # noqa: ANN001, ANN202
+            stream = {"compute": self._compute_stream(), "h2d": self.h2d_stream, "d2h": self.d2h_stream}[which]
+            self._dma.copy(*te.segment_pointers(src, dst, src_idx, dst_idx), stream.cuda_stream)
+
+        mp.setattr(te.CudaTransferEngine, "_dma_copy", dma_copy)
+    return patch
+
+
+def test_the_copy_engines_calls_are_right_at_the_pointer_level(monkeypatch):
+    """The engine's batched-memcpy calls run as the driver would (``pointer_memcpy.py``): every
+    address lies in the pool it names, the bytes moved are the KV the driver expects at every
+    step, and each call runs on the stream the engine's events describe. Negative controls:
+    source addresses one row off (the KV check fails); every copy handed the compute stream's
+    handle, or the H2D stream's (the order check fails)."""
+    sim, driver = scenario(monkeypatch, more_steps=20, dma=True)
+    engine = driver.core.store.engine
+    assert sim.violations == [] and engine._dma.copies > 100 and engine._dma.bytes > 0, engine._dma.copies
+    with monkeypatch.context() as mp, pytest.raises(AssertionError):
+        scenario(mp, _shift_sources, more_steps=20, dma=True)
+    with monkeypatch.context() as mp:  # the write-backs run on compute: the host's fence misses them
+        sim, _ = scenario(mp, _handle_of("compute"), more_steps=20, dma=True)
+    assert any(v.startswith("read by host") and "after a write by compute" in v for v in sim.violations), sim.violations
+    with monkeypatch.context() as mp:  # the write-backs run on the H2D stream, which never waited for compute
+        sim, _ = scenario(mp, _handle_of("h2d"), more_steps=20, dma=True)
+    h2d = driver.core.store.engine.h2d_stream.actor
+    assert any(v.startswith(f"read by stream{h2d}") and "after a write by compute" in v for v in sim.violations), \
+        sim.violations[:3]
+
+
+def test_the_pointer_memcpy_copies_inside_tracked_memory_only():
+    """``PointerMemcpy`` copies the bytes the addresses name, on the stream the handle names, and
+    refuses a range that leaves the tracked allocation or a handle no stream has (the controls)."""
+    from kernels.batched_memcpy import segment_pointers
+    from tests.dataplane.pointer_memcpy import PointerMemcpy
+
+    sim = StreamOrder()
+    src, dst = torch.arange(24, dtype=torch.float32).view(6, 4), torch.zeros(3, 4)
+    sim.track(src, host=True)
+    sim.track(dst)
+    side = sim._new_stream()
+    dma = PointerMemcpy(sim)
+    with sim.tracer():
+        dma.copy(*segment_pointers(src, dst, np.array([5, 0, 2]), np.array([0, 1, 2])), side.cuda_stream)
+    assert torch.equal(dst, src[[5, 0, 2]]) and not torch.equal(dst, src[[0, 1, 2]])
+    assert sim.current is sim.compute and dma.copies == 3 and dma.bytes == 48
+    assert any("by compute" in v and f"stream{side.actor}" in v for v in _read_on_compute(sim, dst))
+    dsts, srcs, sizes = segment_pointers(src, dst, np.array([5]), np.array([2]))
+    with pytest.raises(RuntimeError, match="not inside one tracked allocation"):
+        dma.copy(dsts, srcs, sizes + np.uint64(4), side.cuda_stream)  # 4 bytes past dst's end
+    with pytest.raises(KeyError, match="no stream has the handle"):
+        dma.copy(dsts, srcs, sizes, 12345)
+
+
+def _read_on_compute(sim: StreamOrder, t: torch.Tensor) -> list[str]:
+    """The violations of a read of ``t`` on the compute stream with no wait (the side stream's
+    copy wrote it)."""
+    with sim.tracer():
+        t.sum()
+    return sim.violations
