@@ -35,8 +35,9 @@ mirror's columns go up through its ring, a steady step's host views are re-stage
 Not modelled: the uploads' device copies as memory (their contents are not checked for
 ordering, only their ``record_stream``; every tensor allocated or tracked is kept alive).
 
-The copies themselves run eagerly (the Triton kernels replaced by their torch reference), so the
-KV checks of the driver still hold; the race check is what a late copy on a GPU would break.
+The copies themselves run eagerly (the Triton kernels replaced by their torch reference; the
+copy engines' batched memcpy at the pointer level, ``pointer_memcpy.py``), so the KV checks of
+the driver still hold; the race check is what a late copy on a GPU would break.
 Nothing here is a GPU measurement: it checks the ordering protocol, not timing.
 """
 
