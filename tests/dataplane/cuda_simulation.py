@@ -27,6 +27,9 @@ def install(monkeypatch: Any, query_completes: str = NEVER, dma: bool = False, d
     from sglang_ext.dataplane import slot_kv_store, token_writeback, transfer_engine
     from sglang_ext.dataplane.page_fetch import PageFetch
 
+    if getattr(torch.cuda.Event, "sim", None) is not None:  # a second install would wrap the first's patches
+        raise RuntimeError("install: a simulation is already installed here; run each in its own "
+                           "monkeypatch.context()")
     sim = StreamOrder(query_completes)
     monkeypatch.setattr(torch.cuda, "Stream", sim._new_stream)
     monkeypatch.setattr(torch.cuda, "Event", sim.Event)

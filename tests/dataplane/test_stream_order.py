@@ -31,18 +31,19 @@ def scenario(monkeypatch: pytest.MonkeyPatch, patch: Callable[[pytest.MonkeyPatc
              dma_floor: int = 0) -> tuple[StreamOrder, CoreDriver]:
     """The offloading scenario (plan changes, staged steps, write-backs) on the simulated engine,
     then ``more_steps`` decode steps of both requests, each after a plan change."""
-    sim = install(monkeypatch, query_completes, dma, dma_floor)
-    if patch is not None:
-        patch(monkeypatch)
-    core = make_core(PAGES + 6)
-    track_core(sim, core)
-    driver = CoreDriver(core, seed=1, fast_decode=True)
-    with sim.tracer():
-        offload_scenario(driver)
-        for i in range(more_steps):
-            driver.want("a", [i % 2 == 0, True, False])
-            driver.want("b", [False, i % 3 == 0, True])
-            assert driver.step([("a", 1), ("b", 1)])
+    with monkeypatch.context() as mp:  # install()'s patches undone after the run
+        sim = install(mp, query_completes, dma, dma_floor)
+        if patch is not None:
+            patch(mp)
+        core = make_core(PAGES + 6)
+        track_core(sim, core)
+        driver = CoreDriver(core, seed=1, fast_decode=True)
+        with sim.tracer():
+            offload_scenario(driver)
+            for i in range(more_steps):
+                driver.want("a", [i % 2 == 0, True, False])
+                driver.want("b", [False, i % 3 == 0, True])
+                assert driver.step([("a", 1), ("b", 1)])
     return sim, driver
 
 
@@ -88,36 +89,53 @@ def test_the_copy_engines_path_keeps_every_access_ordered(monkeypatch, dma_floor
     assert any("read by compute" in v and "after a write by stream2" in v for v in sim.violations), sim.violations[:3]
 
 
-def _overlap_loop(monkeypatch: pytest.MonkeyPatch, barrier: bool) -> tuple[StreamOrder, CoreDriver]:
+def _overlap_loop(monkeypatch: pytest.MonkeyPatch, barrier: bool, churn: bool = False,
+                  queries: str = RINGS, churn_patch: Callable[[pytest.MonkeyPatch], None] | None = None,
+                  ) -> tuple[StreamOrder, CoreDriver]:
     """The offloading scenario and 20 more steps under SGLang's overlap loop's streams
     (``docs/overlap-schedule.md``): plan installs and the at-rest checks on the schedule stream,
     each forward on the forward stream, which waits for the schedule stream when it is launched
     (``forward_stream.wait_stream(schedule_stream)``); after each launch the schedule stream waits
-    for the forward stream (``Scheduler._apply_war_barrier``, whole-forward: ``barrier``)."""
-    sim = install(monkeypatch, RINGS)
-    core = make_core(PAGES + 6)
-    track_core(sim, core)
-    driver = CoreDriver(core, seed=1, fast_decode=True)
-    schedule, forward = sim.current, torch.cuda.Stream()
-    real_step = driver.step
+    for the forward stream (``Scheduler._apply_war_barrier``, whole-forward: ``barrier``). ``churn``:
+    then requests end and arrive (``churn_patch``: applied at the first end)."""
+    with monkeypatch.context() as mp:  # install()'s patches undone after the run
+        sim = install(mp, queries)
+        core = make_core(PAGES + 6)
+        track_core(sim, core)
+        driver = CoreDriver(core, seed=1, fast_decode=True)
+        schedule, forward = sim.current, torch.cuda.Stream()
+        real_step = driver.step
 
-    def step(batch):  # noqa: ANN001, ANN202
-        forward.wait_event(schedule.record_event())
-        sim.set_stream(forward)
-        try:
-            return real_step(batch)
-        finally:
-            sim.set_stream(schedule)
-            if barrier:
-                schedule.wait_event(forward.record_event())
+        def step(batch):  # noqa: ANN001, ANN202
+            forward.wait_event(schedule.record_event())
+            sim.set_stream(forward)
+            try:
+                return real_step(batch)
+            finally:
+                sim.set_stream(schedule)
+                if barrier:
+                    schedule.wait_event(forward.record_event())
 
-    driver.step = step
-    with sim.tracer():
-        offload_scenario(driver)
-        for i in range(20):
-            driver.want("a", [i % 2 == 0, True, False])
-            driver.want("b", [False, i % 3 == 0, True])
-            assert driver.step([("a", 1), ("b", 1)])
+        driver.step = step
+        with sim.tracer():
+            offload_scenario(driver)
+            for i in range(20):
+                driver.want("a", [i % 2 == 0, True, False])
+                driver.want("b", [False, i % 3 == 0, True])
+                assert driver.step([("a", 1), ("b", 1)])
+            if churn:  # results of a forward are processed after the next one is launched: the
+                # requests finishing in the forward in flight release their pages, new ones take them
+                for i in range(12):
+                    assert driver.step([(rid, 1) for rid in ("a", "b", "c") if rid in driver.slots])
+                    old, new = ("a", "c") if i % 2 == 0 else ("c", "a")
+                    driver.finish(old)
+                    if churn_patch is not None and i == 0:
+                        churn_patch(mp)
+                    driver.want("b", [i % 2 == 1, True, i % 3 == 0])  # moves into the freed pages
+                    driver.add(new)
+                    assert driver.step([("b", 1), (new, 5)])
+                    driver.want(new, [i % 3 == 0, False, True])
+            driver.check_at_rest()
     return sim, driver
 
 
@@ -130,6 +148,23 @@ def test_the_overlap_loops_streams_keep_every_access_ordered(monkeypatch):
     assert sim.violations == [] and sim.accesses > 1000
     sim, _ = _overlap_loop(monkeypatch, barrier=False)
     assert any("not ordered after" in v and "stream4" in v for v in sim.violations), sim.violations[:3]
+
+
+def test_requests_ending_in_the_forward_in_flight_release_their_pages_in_order(monkeypatch):
+    """Scenario: under the overlap loop a forward's results are processed after the next forward
+    is launched, so a request that ends there is released while a forward reading its pages is
+    in flight; the next boundary moves another request's layers, and the next arrival's prefill
+    takes pages. Every reuse stays ordered (query schedules never and rings), KV exact at every
+    step and at rest. The control drops the boundary's fence from the first end on: the churn's
+    copies then overwrite pages a copy is still reading."""
+    for queries in (NEVER, RINGS):
+        with monkeypatch.context() as mp:
+            sim, driver = _overlap_loop(mp, barrier=True, churn=True, queries=queries)
+        assert sim.violations == [] and driver.finishes == 12, (sim.violations[:3], driver.finishes)
+    with monkeypatch.context() as mp:
+        sim, _ = _overlap_loop(mp, barrier=True, churn=True, queries=NEVER, churn_patch=_no_fence)
+    assert any(v.startswith("write by stream2") and "after a read by stream3" in v for v in sim.violations), \
+        sim.violations[:3]
 
 
 def _ring_releases_at_take(mp: pytest.MonkeyPatch) -> None:
@@ -209,17 +244,18 @@ def test_each_missing_wait_is_caught(monkeypatch, broken, expected):
 
 
 def _onload_then_fast_steps(monkeypatch: pytest.MonkeyPatch) -> tuple[StreamOrder, CoreDriver]:
-    sim = install(monkeypatch)
-    core = make_core(None, pages=stateful.BIG)
-    track_core(sim, core)
-    driver = CoreDriver(core, seed=0, fast_decode=True)
-    with sim.tracer():
-        driver.add("a")
-        driver.step([("a", 1)])
-        driver.want("a", [False] * LAYERS)
-        driver.want("a", [True] * LAYERS)
-        for _ in range(2):
+    with monkeypatch.context() as mp:  # install()'s patches undone after the run
+        sim = install(mp)
+        core = make_core(None, pages=stateful.BIG)
+        track_core(sim, core)
+        driver = CoreDriver(core, seed=0, fast_decode=True)
+        with sim.tracer():
+            driver.add("a")
             driver.step([("a", 1)])
+            driver.want("a", [False] * LAYERS)
+            driver.want("a", [True] * LAYERS)
+            for _ in range(2):
+                driver.step([("a", 1)])
     return sim, driver
 
 
@@ -240,18 +276,19 @@ def test_identity_fast_decode_waits_for_a_plans_moves(monkeypatch):
 
 
 def _recompute_step(monkeypatch: pytest.MonkeyPatch) -> StreamOrder:
-    sim = install(monkeypatch)
-    core = make_core(3 * stateful.BIG - 9, pages=stateful.BIG)
-    track_core(sim, core)
-    driver = CoreDriver(core, seed=0)
-    with sim.tracer():
-        driver.want("a", [False] * LAYERS)
-        driver.add("a")
-        for _ in range(4):
+    with monkeypatch.context() as mp:  # install()'s patches undone after the run
+        sim = install(mp)
+        core = make_core(3 * stateful.BIG - 9, pages=stateful.BIG)
+        track_core(sim, core)
+        driver = CoreDriver(core, seed=0)
+        with sim.tracer():
+            driver.want("a", [False] * LAYERS)
+            driver.add("a")
+            for _ in range(4):
+                driver.step([("a", 1)])
+            driver.recompute["a"] = (2, 2)
+            driver.want("a", [False] * LAYERS, uncached=2)
             driver.step([("a", 1)])
-        driver.recompute["a"] = (2, 2)
-        driver.want("a", [False] * LAYERS, uncached=2)
-        driver.step([("a", 1)])
     assert driver.recompute_rows > 0 and core.store.engine.stats.d2h_launches >= LAYERS
     return sim
 
