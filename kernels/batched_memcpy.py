@@ -65,15 +65,21 @@ def segment_pointers(src: torch.Tensor, dst: torch.Tensor, src_idx: np.ndarray,
     """``(dsts, srcs, sizes)`` (uint64) of the copies ``dst[dst_idx[i]] = src[src_idx[i]]`` between
     two contiguous 2-D tensors of equal row size: row ``i`` of a tensor starts at ``data_ptr() +
     i * row_bytes``."""
+    row = row_bytes(src, dst)
+    s = np.asarray(src_idx, dtype=np.uint64) * np.uint64(row) + np.uint64(src.data_ptr())
+    d = np.asarray(dst_idx, dtype=np.uint64) * np.uint64(row) + np.uint64(dst.data_ptr())
+    return d, s, np.full(s.size, row, dtype=np.uint64)
+
+
+def row_bytes(src: torch.Tensor, dst: torch.Tensor) -> int:
+    """The row size of two contiguous 2-D tensors of equal row bytes (``ValueError`` otherwise):
+    row ``i`` of each starts at ``data_ptr() + i * row``."""
     if src.dim() != 2 or dst.dim() != 2 or src.shape[1] * src.element_size() != dst.shape[1] * dst.element_size():
         raise ValueError(f"segment_pointers: 2-D tensors of equal row bytes, got {tuple(src.shape)} "
                          f"{src.dtype} and {tuple(dst.shape)} {dst.dtype}")
     if not (src.is_contiguous() and dst.is_contiguous()):
         raise ValueError("segment_pointers: tensors must be contiguous")
-    row = src.shape[1] * src.element_size()
-    s = np.asarray(src_idx, dtype=np.uint64) * np.uint64(row) + np.uint64(src.data_ptr())
-    d = np.asarray(dst_idx, dtype=np.uint64) * np.uint64(row) + np.uint64(dst.data_ptr())
-    return d, s, np.full(s.size, row, dtype=np.uint64)
+    return src.shape[1] * src.element_size()
 
 
 class BatchedMemcpy:
@@ -191,7 +197,7 @@ def probe(dma: BatchedMemcpy, device: torch.device | str = "cuda", host: torch.T
         dma.unregister(whole.data_ptr())  # the mapping goes with its last tensor
 
 
-def probe_in_subprocess(device: int = 0, timeout_s: float = 120.0) -> str | None:
+def probe_in_subprocess(device: int = 0, timeout_s: float = 120.0, module: str = "kernels.batched_memcpy") -> str | None:
     """Run :func:`probe` on CUDA device ``device`` in a child process (``python -m
     kernels.batched_memcpy DEVICE``): a driver that takes the call with another ABI, or faults on
     the memory, could crash the process or leave its CUDA context dead, and neither a server
@@ -204,7 +210,7 @@ def probe_in_subprocess(device: int = 0, timeout_s: float = 120.0) -> str | None
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     try:
-        done = subprocess.run([sys.executable, "-m", "kernels.batched_memcpy", str(device)], capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-m", module, str(device)], capture_output=True, text=True,
                               timeout=timeout_s, check=False, cwd=root, env=env)
     except subprocess.TimeoutExpired:
         return f"the probe did not finish in {timeout_s:.0f} s"

@@ -73,7 +73,7 @@ def copy_segments_ref(
 def word_view(t: torch.Tensor) -> torch.Tensor:
     """Reinterpret a contiguous 2-D tensor as the widest integer words that divide a row; ``t``
     itself when it already is that view (a caller that launches on the same pools every step
-    keeps their word views, :class:`~sglang_ext.dataplane.transfer_engine.CudaTransferEngine`:
+    keeps their word views, :class:`~sglang_ext.dataplane.cuda_transfer_engine.CudaTransferEngine`:
     two tensor views fewer per pool and launch on the scheduler thread)."""
     row_bytes = t.shape[1] * t.element_size()
     for word in (torch.int64, torch.int32, torch.int16):

@@ -178,6 +178,7 @@ class SlotKVStore:
                                                                copy_programs=c.copy_programs,
                                                                copy_engine=c.copy_engine,
                                                                timing_interval=c.timing_interval)
+        self.engine.host_page_rows = 2 * c.layers  # block-first: a page's K and V of every layer, then the next page
         if not self.identity:  # a decode step's parked tokens move as token rows: compile that copy now
             self.engine.warm_rows(self.host_rows)
         self.h2d_bytes = 0

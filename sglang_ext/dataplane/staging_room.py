@@ -44,7 +44,9 @@ class StagingRoom:
         if ids is None:
             return None
         self.residency.staging_lent += n
-        return np.asarray(ids, dtype=np.int64)
+        # ascending: a request's staged pages then take consecutive ids where the free pages are
+        # consecutive, so its fetch is a few strided runs, not one copy per page (copy engines)
+        return np.sort(np.asarray(ids, dtype=np.int64))
 
     def retake(self, ids: np.ndarray) -> int:
         """Reserve again the leading pages of ``ids`` -- the staging the last step gave back, in

@@ -79,11 +79,15 @@ def recommend_programs(step_ms: dict[str, float], link: dict[str, dict[str, floa
 def _dma_costs(engine: Any) -> dict[str, float] | None:
     """The copy engines' calls so far (transfer check and overlap phase): copies, calls, host
     microseconds per copy inside the driver; None where they never ran."""
-    dma = getattr(engine, "_dma", None)
-    if dma is None or not dma.copies:
+    dma, pitched = getattr(engine, "_dma", None), getattr(engine, "_pitched", None)
+    runs = 0 if pitched is None else pitched.calls
+    if dma is None or not (dma.copies or runs):
         return None
     return {"copies": dma.copies, "calls": dma.calls, "driver_version": dma.driver_version,
-            "host_us_per_copy": dma.call_seconds / dma.copies * 1e6}
+            "host_us_per_copy": dma.call_seconds / dma.copies * 1e6 if dma.copies else None,
+            "runs": runs, "run_rows": 0 if pitched is None else pitched.rows,
+            "host_us_per_run": pitched.call_seconds / runs * 1e6 if runs else None,
+            "pitched_error": getattr(engine, "pitched_error", None)}
 
 
 class OverlapCheck:
@@ -225,8 +229,15 @@ class OverlapCheck:
             note = f"step {step:.2f} vs {resident_ms:.2f} ms; {StepTimelineProbe.summary(timeline)}"
             driver, placed = d["dma_driver"], d["placed_on_copy_engines"]
             if driver is not None:
-                note += (f"; driver {driver['driver_version']}, {driver['host_us_per_copy']:.2f} us of host time "
-                         f"per copy in {driver['calls']} calls")
+                note += f"; driver {driver['driver_version']}"
+                if driver["runs"]:
+                    note += (f", {driver['runs']} strided runs (2-D copies) of {driver['run_rows']} segments at "
+                             f"{driver['host_us_per_run']:.2f} us of host time each")
+                elif driver["pitched_error"]:
+                    note += f", no 2-D copies ({driver['pitched_error']})"
+                if driver["copies"]:
+                    note += (f", {driver['copies']} single segments at {driver['host_us_per_copy']:.2f} us each in "
+                             f"{driver['calls']} batched calls")
             if placed is not None:
                 note += (f"; the half-offloaded placement on the copy engines: {placed['step_ms']:.2f} ms, "
                          f"{StepTimelineProbe.summary(placed['timeline'])}")

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from sglang_ext.dataplane.bench_env import sync, time_ms
-from sglang_ext.dataplane.transfer_engine import DMA_MIN_BYTES
+from sglang_ext.dataplane.cuda_transfer_engine import DMA_MIN_BYTES
 from sglang_ext.tools.gpu_check_batch import CheckBatch
 from sglang_ext.tools.gpu_check_config import PROGRAM_CAPS
 

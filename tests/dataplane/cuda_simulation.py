@@ -17,14 +17,18 @@ from tests.dataplane.pointer_memcpy import PointerMemcpy
 from tests.dataplane.stream_order import NEVER, StreamOrder
 
 
-def install(monkeypatch: Any, query_completes: str = NEVER, dma: bool = False, dma_floor: int = 0) -> StreamOrder:
+def install(monkeypatch: Any, query_completes: str = NEVER, dma: bool = False, dma_floor: int = 0,
+            pitched: bool = True) -> StreamOrder:
     """Simulated CUDA for the served core (module docstring): ``torch.cuda``'s streams and events,
     the stores' transfer engine the CUDA one over CPU pools, its Triton copies their torch
     reference run as copies of the current stream (``dma``: the copy engines' path, its batched
-    memcpy calls -- addresses, sizes, stream handle -- run by :class:`PointerMemcpy`). Build the core after this, then
+    memcpy and 2-D copy calls -- addresses, pitches, sizes, stream handle -- run by
+    :class:`PointerMemcpy`; ``pitched=False``: the batched memcpy alone, as when the 2-D copies
+    were refused). Build the core after this, then
     :meth:`StreamOrder.track` its pools (:func:`track_core`) and run it under ``sim.tracer()``."""
     from kernels.block_copy import copy_segments_ref
-    from sglang_ext.dataplane import slot_kv_store, token_writeback, transfer_engine
+    from sglang_ext.dataplane import cuda_transfer_engine as transfer_engine
+    from sglang_ext.dataplane import slot_kv_store, token_writeback
     from sglang_ext.dataplane.page_fetch import PageFetch
 
     if getattr(torch.cuda.Event, "sim", None) is not None:  # a second install would wrap the first's patches
@@ -64,7 +68,9 @@ def install(monkeypatch: Any, query_completes: str = NEVER, dma: bool = False, d
 
         def engine_init(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
             real_engine_init(self, *args, **kwargs)
-            self._dma, self.impl = PointerMemcpy(sim), "dma"  # as set_copy_engine leaves it once probed
+            self._dma = PointerMemcpy(sim)  # as set_copy_engine leaves it once probed: ...
+            self._pitched = self._dma if pitched else None  # ... with the 2-D copies, or without
+            self.impl = "dma"
 
         monkeypatch.setattr(engine_cls, "__init__", engine_init)
     monkeypatch.setattr(PageFetch, "run_triton", fetch)

@@ -1,12 +1,14 @@
-"""PointerMemcpy: ``cuMemcpyBatchAsync``'s contract run on CPU memory, for the stream-order checker.
+"""PointerMemcpy: the copy engines' calls run on CPU memory, for the stream-order checker.
 
 ``--kv-copy-engine dma`` hands the driver three arrays of raw addresses and sizes
 (:func:`kernels.batched_memcpy.segment_pointers`) and a stream handle
 (``CudaTransferEngine._dma_copy``). A wrong base tensor, row size, index or handle there does
 not fail a Python check on a GPU: the copy engines read or write the wrong bytes (another
 request's KV, memory outside the pool), or run on another stream than the events the engine
-records. This stand-in for :class:`kernels.batched_memcpy.BatchedMemcpy` takes the same call and
-does what the driver would, on the CPU, where a tensor's ``data_ptr()`` is a real address:
+records. This stand-in for :class:`kernels.batched_memcpy.BatchedMemcpy` (``copy``) and
+:class:`kernels.pitched_memcpy.PitchedMemcpy` (``copy_runs``: strided runs at two pitches) takes
+the same calls and does what the driver would, on the CPU, where a tensor's ``data_ptr()`` is a
+real address:
 
 - every ``(dst, src, size)`` must lie inside ONE storage the simulation tracks (the host pool,
   the device pool, a parked-token buffer); anything else raises, naming the address;
@@ -35,9 +37,11 @@ class PointerMemcpy:
         self.call_seconds = 0.0
         self.bytes = 0
         """Bytes copied since construction."""
+        self.runs = 0
+        """Strided runs copied (:meth:`copy_runs`)."""
 
     def reset_counts(self) -> None:
-        self.calls = self.copies = self.bytes = 0
+        self.calls = self.copies = self.bytes = self.runs = 0
         self.call_seconds = 0.0
 
     def copy(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
@@ -71,6 +75,23 @@ class PointerMemcpy:
         self.calls += 1
         self.copies += n
         self.bytes += int(sizes.sum())
+
+    def copy_runs(self, dsts: np.ndarray, dst_pitch: int, srcs: np.ndarray, src_pitch: int, width: int,
+                  heights: np.ndarray, stream: int) -> None:
+        """:meth:`kernels.pitched_memcpy.PitchedMemcpy.copy_runs`: each run's rows, at their
+        pitches, resolved and copied as :meth:`copy` does (one call)."""
+        n = int(heights.size)
+        if n == 0:
+            return
+        if not (dsts.size == srcs.size == n) or width > min(src_pitch, dst_pitch):
+            raise ValueError(f"copy_runs: {dsts.size} / {srcs.size} / {n} runs, width {width} over a pitch "
+                             f"({src_pitch}, {dst_pitch})")
+        k = np.arange(int(heights.sum()), dtype=np.uint64) - np.repeat(
+            (np.cumsum(heights) - heights).astype(np.uint64), heights)
+        run_d, run_s = np.repeat(dsts.astype(np.uint64), heights), np.repeat(srcs.astype(np.uint64), heights)
+        self.copy(run_d + k * np.uint64(dst_pitch), run_s + k * np.uint64(src_pitch),
+                  np.full(k.size, width, dtype=np.uint64), stream)
+        self.runs += n
 
     @staticmethod
     def _resolve(ptrs: np.ndarray, sizes: np.ndarray, bases: np.ndarray, ends: np.ndarray) -> np.ndarray:

@@ -44,27 +44,33 @@ def test_cuda_lifecycle_bit_exact_with_capped_copy_launches(programs):
     offload_scenario(CoreDriver(core, seed=3))
 
 
+@pytest.mark.parametrize("pitched", [True, False])
 @pytest.mark.parametrize("budget", [PAGES + 6, 4])
-def test_cuda_lifecycle_bit_exact_on_the_copy_engines(budget, monkeypatch):
-    """The same lifecycle with every copy on the DMA copy engines (``--kv-copy-engine dma``: one
-    ``cuMemcpyBatchAsync`` per launch, fetches listed on the host). Only a driver older than
-    CUDA 12.8 (no batched memcpy) skips; any other refusal fails (the probe runs in a child
-    process first, so a driver that crashes on the call fails this test, not the whole run)."""
+def test_cuda_lifecycle_bit_exact_on_the_copy_engines(budget, pitched, monkeypatch):
+    """The same lifecycle with every copy on the DMA copy engines (``--kv-copy-engine dma``:
+    strided runs as ``cuMemcpy2DAsync`` calls and the rest as one ``cuMemcpyBatchAsync`` per
+    launch, fetches listed on the host; ``pitched=False``: the batched memcpy alone, as when the
+    2-D copies are refused). Only a driver older than CUDA 12.8 (no batched memcpy) skips; any
+    other refusal fails (the probes run in a child process first, so a driver that crashes on
+    the call fails this test, not the whole run)."""
     from kernels.batched_memcpy import probe_in_subprocess
 
     why = probe_in_subprocess()  # first in a child: a crash there fails this test, not the run
     if why is not None and "needs a CUDA 12.8+ driver" in why:
         pytest.skip(why)
     assert why is None, why
-    from sglang_ext.dataplane import transfer_engine
+    from sglang_ext.dataplane import cuda_transfer_engine as transfer_engine
 
     monkeypatch.setattr(transfer_engine, "DMA_MIN_BYTES", 0)  # the toy segments are tiny: DMA all the same
     core = make_core(budget, device="cuda")
     engine = core.store.engine
     assert engine.set_copy_engine("dma"), engine.dma_error
-    assert engine.impl == "dma"
+    assert engine.impl == "dma" and engine._pitched is not None, engine.pitched_error
+    if not pitched:
+        engine._pitched = None
     offload_scenario(CoreDriver(core, seed=3))
     assert engine._dma is not None and engine._dma.calls > 0
+    assert not pitched or engine._pitched.calls > 0
 
 
 def test_h2d_and_d2h_streams_are_distinct_and_ordered():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -230,6 +231,9 @@ def test_the_copy_engines_are_swept_where_the_engine_has_them(tmp_path, monkeypa
     def tracked(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
         init(self, *a, **k)
         self.copy_programs, self.impl, self.dma_error = None, "triton", None
+        # the driver's counters as a GPU run leaves them: 3 strided runs of 40 segments, 5 singles
+        self._dma = SimpleNamespace(copies=5, calls=1, call_seconds=1e-5, driver_version=13000)
+        self._pitched, self.pitched_error = SimpleNamespace(calls=3, rows=40, call_seconds=6e-6), None
 
     def set_copy_engine(self, name):  # noqa: ANN001, ANN202
         switches.append(name)
@@ -270,6 +274,8 @@ def test_the_copy_engines_are_swept_where_the_engine_has_them(tmp_path, monkeypa
         assert figures[key]["value"] is not None and figures[key]["status"] == NA, key  # the CPU's: N/A
     assert "step " in figures["overlap.hidden_step_rel.dma"]["note"]
     assert "the half-offloaded placement on the copy engines" in figures["overlap.hidden_step_rel.dma"]["note"]
+    assert ("driver 13000, 3 strided runs (2-D copies) of 40 segments at 2.00 us of host time each, 5 single "
+            "segments at 2.00 us each in 1 batched calls") in figures["overlap.hidden_step_rel.dma"]["note"]
 
 
 def test_grade_flags_figures_that_miss_their_target():

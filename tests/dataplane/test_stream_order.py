@@ -18,11 +18,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant
 
-from sglang_ext.dataplane import transfer_engine as te
+from sglang_ext.dataplane import cuda_transfer_engine as te
 from sglang_ext.dataplane.pinned_upload_ring import PinnedUploadRing
 from tests.dataplane import test_core_stateful as stateful
 from tests.dataplane.core_driver import LAYERS, PAGES, CoreDriver, make_core, offload_scenario
 from tests.dataplane.cuda_simulation import install, track_core
+from tests.dataplane.pointer_memcpy import PointerMemcpy
 from tests.dataplane.stream_order import ALWAYS, NEVER, RINGS, StreamOrder
 
 
@@ -380,37 +381,69 @@ def test_the_simulated_machines_checked_accesses():
 
 
 def _shift_sources(mp: pytest.MonkeyPatch) -> None:
-    """The negative control of the pointer check: every source address one row further on (wrapping
-    inside its tensor): still inside the pool, the wrong bytes."""
-    real = te.segment_pointers
+    """A negative control of the pointer check: every source address one row further on (a
+    segment's, and a strided run's first row), still inside the pool: the wrong bytes."""
+    real, real_runs = te.segment_pointers, te.run_pointers
 
     def shifted(src, dst, src_idx, dst_idx):  # noqa: ANN001, ANN202
         return real(src, dst, (np.asarray(src_idx) + 1) % src.shape[0], dst_idx)
 
+    def shifted_runs(src_base, dst_base, row, src_start, dst_start):  # noqa: ANN001, ANN202
+        return real_runs(src_base, dst_base, row, src_start + 1, dst_start)
+
     mp.setattr(te, "segment_pointers", shifted)
+    mp.setattr(te, "run_pointers", shifted_runs)
+
+
+def _long_runs(mp: pytest.MonkeyPatch) -> None:
+    """A negative control of the 2-D copies: every strided run one row too long."""
+    real = te.strided_runs
+
+    def longer(*args):  # noqa: ANN002, ANN202
+        s0, d0, n = real(*args)
+        return s0, d0, n + 1
+
+    mp.setattr(te, "strided_runs", longer)
 
 
 def _handle_of(which: str) -> Callable[[pytest.MonkeyPatch], None]:
+    """Every copy-engine call (batched and 2-D) handed the stream handle of ``which`` (``compute``
+    or ``h2d``: the engine's first side stream, stream2) whatever stream the engine is on."""
     def patch(mp: pytest.MonkeyPatch) -> None:
-        def dma_copy(self, src, dst, src_idx, dst_idx):  # noqa: ANN001, ANN202
-            stream = {"compute": self._compute_stream(), "h2d": self.h2d_stream, "d2h": self.d2h_stream}[which]
-            self._dma.copy(*te.segment_pointers(src, dst, src_idx, dst_idx), stream.cuda_stream)
+        real_copy, real_runs = PointerMemcpy.copy, PointerMemcpy.copy_runs
 
-        mp.setattr(te.CudaTransferEngine, "_dma_copy", dma_copy)
+        def handle(self) -> int:  # noqa: ANN001
+            return (self.sim.compute if which == "compute" else self.sim.streams[1]).cuda_stream
+
+        mp.setattr(PointerMemcpy, "copy", lambda self, d, s, z, stream: real_copy(self, d, s, z, handle(self)))
+        mp.setattr(PointerMemcpy, "copy_runs", lambda self, d, dp, s, sp, w, h, stream:
+                   real_runs(self, d, dp, s, sp, w, h, handle(self)))
     return patch
 
 
 def test_the_copy_engines_calls_are_right_at_the_pointer_level(monkeypatch):
-    """The engine's batched-memcpy calls run as the driver would (``pointer_memcpy.py``): every
-    address lies in the pool it names, the bytes moved are the KV the driver expects at every
-    step, and each call runs on the stream the engine's events describe. Negative controls:
-    source addresses one row off (the KV check fails); every copy handed the compute stream's
-    handle, or the H2D stream's (the order check fails)."""
+    """The engine's copy-engine calls run as the driver would (``pointer_memcpy.py``): 2-D copies
+    of strided runs (a layer's consecutive pages: 2L host rows apart, consecutive staging pages)
+    and one batched memcpy of the rest. Every address lies in the pool it names, the bytes moved
+    are the KV the driver expects at every step, and each call runs on the stream the engine's
+    events describe; the same holds with the batched memcpy alone (2-D copies refused).
+    Negative controls: source addresses one row off, or runs one row too long (the KV check or
+    the address check fails); every copy handed the compute stream's handle, or the H2D
+    stream's (the order check fails)."""
     sim, driver = scenario(monkeypatch, more_steps=20, dma=True)
-    engine = driver.core.store.engine
-    assert sim.violations == [] and engine._dma.copies > 100 and engine._dma.bytes > 0, engine._dma.copies
-    with monkeypatch.context() as mp, pytest.raises(AssertionError):
-        scenario(mp, _shift_sources, more_steps=20, dma=True)
+    dma = driver.core.store.engine._dma
+    assert sim.violations == [] and dma.runs > 20 and dma.copies > 100 and dma.bytes > 0, (dma.runs, dma.copies)
+    with monkeypatch.context() as mp:
+        sim = install(mp, dma=True, pitched=False)
+        core = make_core(PAGES + 6)
+        track_core(sim, core)
+        driver = CoreDriver(core, seed=1, fast_decode=True)
+        with sim.tracer():
+            offload_scenario(driver)
+        assert sim.violations == [] and core.store.engine._dma.runs == 0 and core.store.engine._dma.copies > 50
+    for broken in (_shift_sources, _long_runs):
+        with monkeypatch.context() as mp, pytest.raises((AssertionError, RuntimeError)):
+            scenario(mp, broken, more_steps=20, dma=True)
     with monkeypatch.context() as mp:  # the write-backs run on compute: the host's fence misses them
         sim, _ = scenario(mp, _handle_of("compute"), more_steps=20, dma=True)
     assert any(v.startswith("read by host") and "after a write by compute" in v for v in sim.violations), sim.violations
@@ -425,7 +458,6 @@ def test_the_pointer_memcpy_copies_inside_tracked_memory_only():
     """``PointerMemcpy`` copies the bytes the addresses name, on the stream the handle names, and
     refuses a range that leaves the tracked allocation or a handle no stream has (the controls)."""
     from kernels.batched_memcpy import segment_pointers
-    from tests.dataplane.pointer_memcpy import PointerMemcpy
 
     sim = StreamOrder()
     src, dst = torch.arange(24, dtype=torch.float32).view(6, 4), torch.zeros(3, 4)

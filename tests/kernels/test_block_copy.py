@@ -152,7 +152,7 @@ def test_the_cuda_engine_hands_its_kept_word_views_to_the_kernel_between_its_poo
     pair (token rows) passes through unchanged, for the kernel to view."""
     from types import SimpleNamespace
 
-    from sglang_ext.dataplane.transfer_engine import CudaTransferEngine
+    from sglang_ext.dataplane.cuda_transfer_engine import CudaTransferEngine
 
     host, dev = torch.zeros(4, 1500, dtype=torch.bfloat16), torch.zeros(6, 1500, dtype=torch.bfloat16)
     engine = SimpleNamespace(host=host, dev=dev, _words=(word_view(host), word_view(dev)))

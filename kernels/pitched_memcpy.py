@@ -1,0 +1,192 @@
+"""PitchedMemcpy: a layer's fetch as a few strided runs on the copy engines, not one copy per page.
+
+The host pool is block-first (SuperInfer §4.3.2): host row ``page * 2L + 2 * layer`` holds the
+K of one layer-page and the next row its V, so one layer's pages sit ``2L`` rows apart on the
+host while their staging pages are consecutive on the device. ``cuMemcpyBatchAsync``
+(:mod:`kernels.batched_memcpy`) takes one descriptor per 32 KiB segment and its host cost is per
+descriptor: 1.2-2 us each on an H100 (``benchmarks/results/gpu/duplex/dma-batch-probe-run9-*``:
+1,024 copies in 1.2 ms, 8,192 in 17 ms). A half-offloaded Llama-3-8B decode step at batch 32
+fetches ~330K segments, so that path costs the host ~0.5 s a step; even a placement the model
+hides (~14K segments) would cost ~20 ms against a 12 ms step.
+
+The same copy is a few strided runs: consecutive host pages of one request at one layer
+(source rows ``2L`` apart) into consecutive staging pages (rows 1 apart), K and V each. One 2-D
+copy (``cuMemcpy2DAsync``: ``Height`` rows of ``WidthInBytes`` at a source and a destination
+pitch) moves a run, still on the copy engines, so the host cost is per run: ~2,300 runs for
+those 330K segments at ``kvplane gpu-check``'s shapes once staging pages are handed out
+ascending (:class:`~sglang_ext.dataplane.staging_room.StagingRoom`).
+
+:func:`strided_runs` finds the runs (NumPy, ``O(segments)`` at memory speed);
+:class:`PitchedMemcpy` binds ``cuMemcpy2DAsync_v2`` from ``libcuda.so.1`` with :mod:`ctypes`
+(``CUDA_MEMCPY2D``: the layout of ``cuda.h`` since CUDA 3.2, size_t fields; both operands
+``CU_MEMORYTYPE_UNIFIED``, addressed by their unified virtual addresses, pinned host memory
+included) and fills the descriptors of a call in one NumPy record array. Nothing here runs on
+the CPU but :func:`strided_runs`, which the tests check against the segment lists; the copies
+are checked at the pointer level by the stream-order checker and on a GPU by the probe.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from typing import Any
+
+import numpy as np
+
+MEMORYTYPE_UNIFIED = 4
+"""``CU_MEMORYTYPE_UNIFIED``: the operand's ``*Device`` field is a unified virtual address."""
+
+
+class _Memcpy2D(ctypes.Structure):
+    """``CUDA_MEMCPY2D`` (``CUDA_MEMCPY2D_v2`` of ``cuda.h``)."""
+
+    _fields_ = [("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcMemoryType", ctypes.c_int),
+                ("srcHost", ctypes.c_void_p), ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
+                ("srcPitch", ctypes.c_size_t),
+                ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t), ("dstMemoryType", ctypes.c_int),
+                ("dstHost", ctypes.c_void_p), ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p),
+                ("dstPitch", ctypes.c_size_t),
+                ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t)]
+
+
+RECORD = np.dtype({
+    "names": [name for name, _ in _Memcpy2D._fields_],
+    "formats": [np.int32 if kind is ctypes.c_int else np.uint64 for _, kind in _Memcpy2D._fields_],
+    "offsets": [getattr(_Memcpy2D, name).offset for name, _ in _Memcpy2D._fields_],
+    "itemsize": ctypes.sizeof(_Memcpy2D),
+})
+"""One ``CUDA_MEMCPY2D`` as a NumPy record (the struct's own offsets: 128 bytes on x86-64)."""
+
+
+def strided_runs(src_idx: np.ndarray, dst_idx: np.ndarray, src_step: int,
+                 dst_step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The copies ``dst[dst_idx[i]] = src[src_idx[i]]`` as maximal runs ``(src_start, dst_start,
+    length)``: pair ``i`` continues the run of pair ``i - 1`` when its source row is ``src_step``
+    rows on and its destination ``dst_step`` on. Run ``r`` copies rows ``src_start[r] + k *
+    src_step`` to ``dst_start[r] + k * dst_step`` for ``k < length[r]``: the pairs, in order
+    (any input: a pair that continues nothing starts a run of 1)."""
+    if src_step < 1 or dst_step < 1:
+        raise ValueError(f"strided_runs: steps must be >= 1 (a pitch at least one row), got {src_step}, {dst_step}")
+    src = np.asarray(src_idx, dtype=np.int64)
+    dst = np.asarray(dst_idx, dtype=np.int64)
+    if src.shape != dst.shape or src.ndim != 1:
+        raise ValueError(f"strided_runs: two 1-D index arrays of one length, got {src.shape} and {dst.shape}")
+    if not src.size:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    breaks = (np.diff(src) != src_step) | (np.diff(dst) != dst_step)
+    starts = np.concatenate([[0], np.flatnonzero(breaks) + 1])
+    lengths = np.diff(np.append(starts, src.size))
+    return src[starts], dst[starts], lengths
+
+
+class PitchedMemcpy:
+    """``cuMemcpy2DAsync`` bound from the driver (module docstring). Construction raises
+    ``RuntimeError`` naming what is missing."""
+
+    def __init__(self) -> None:
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as exc:
+            raise RuntimeError(f"pitched memcpy: the CUDA driver library is not loadable ({exc})") from exc
+        fn = getattr(lib, "cuMemcpy2DAsync_v2", None)
+        if fn is None:
+            raise RuntimeError("pitched memcpy: the driver has no cuMemcpy2DAsync_v2")
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        self._fn: Any = fn
+        self.calls = 0
+        """Runs copied (one driver call each) since construction."""
+        self.rows = 0
+        """Rows those runs moved."""
+        self.call_seconds = 0.0
+        """Host time inside the driver calls."""
+
+    def reset_counts(self) -> None:
+        self.calls = self.rows = 0
+        self.call_seconds = 0.0
+
+    def copy_runs(self, dsts: np.ndarray, dst_pitch: int, srcs: np.ndarray, src_pitch: int, width: int,
+                  heights: np.ndarray, stream: int) -> None:
+        """Run ``r``: ``heights[r]`` rows of ``width`` bytes from ``srcs[r]`` (rows ``src_pitch``
+        bytes apart) to ``dsts[r]`` (``dst_pitch`` apart), on the CUDA stream handle ``stream``."""
+        n = int(heights.size)
+        if n == 0:
+            return
+        if not (dsts.size == srcs.size == n) or width > min(src_pitch, dst_pitch):
+            raise ValueError(f"copy_runs: {dsts.size} / {srcs.size} / {n} runs, width {width} over a pitch "
+                             f"({src_pitch}, {dst_pitch})")
+        ops = np.zeros(n, dtype=RECORD)
+        ops["srcMemoryType"] = ops["dstMemoryType"] = MEMORYTYPE_UNIFIED
+        ops["srcDevice"], ops["dstDevice"] = srcs, dsts
+        ops["srcPitch"], ops["dstPitch"], ops["WidthInBytes"], ops["Height"] = src_pitch, dst_pitch, width, heights
+        base, size, fn, handle = ops.ctypes.data, RECORD.itemsize, self._fn, ctypes.c_void_p(stream)
+        t0 = time.perf_counter()
+        for i in range(n):
+            rc = fn(base + i * size, handle)
+            if rc != 0:
+                self.call_seconds += time.perf_counter() - t0
+                raise RuntimeError(f"cuMemcpy2DAsync of run {i} of {n} failed: CUresult {rc}")
+        self.call_seconds += time.perf_counter() - t0
+        self.calls += n
+        self.rows += int(heights.sum())
+
+
+def run_pointers(src_base: int, dst_base: int, row_bytes: int, src_start: np.ndarray,
+                 dst_start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(dsts, srcs)`` (uint64) of runs starting at rows ``src_start`` / ``dst_start`` of two
+    tensors at ``src_base`` / ``dst_base`` with rows of ``row_bytes``."""
+    row = np.uint64(row_bytes)
+    return (dst_start.astype(np.uint64) * row + np.uint64(dst_base),
+            src_start.astype(np.uint64) * row + np.uint64(src_base))
+
+
+def probe(pm: PitchedMemcpy, device: Any = "cuda", host: Any = None) -> None:
+    """Known strided runs each way on a side stream, from and to page-locked host memory of both
+    kinds (``pin_memory()`` and registered pageable memory, as the host KV pool is); ``host``
+    (2-D, registered): the caller's own pool, whose first row goes to the device and back.
+    Raises ``RuntimeError`` if what arrives is not what was sent."""
+    import mmap
+
+    import torch
+
+    from kernels.batched_memcpy import PROBE_BYTES, BatchedMemcpy
+
+    pages = mmap.mmap(-1, PROBE_BYTES)
+    whole = torch.frombuffer(pages, dtype=torch.float32)
+    registrar = BatchedMemcpy()
+    registrar.register(whole.data_ptr(), PROBE_BYTES)
+    try:
+        registered = whole[:24].view(6, 4)
+        registered.copy_(torch.arange(24, dtype=torch.float32).view(6, 4) + 100)
+        sources = [torch.arange(24, dtype=torch.float32).view(6, 4).pin_memory(), registered]
+        if host is not None:
+            sources.append(host[:1])
+        for src in sources:
+            rows, row = src.shape[0], src.shape[1] * src.element_size()
+            step = 2 if rows > 1 else 1
+            picked = (rows + step - 1) // step  # source rows 0, 2, 4, ... -> device rows 0, 1, 2, ...
+            dev = torch.zeros((picked, src.shape[1]), dtype=src.dtype, device=device)
+            back = torch.zeros(src.shape, dtype=src.dtype).pin_memory()
+            stream = torch.cuda.Stream(device=device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            one = np.array([picked], dtype=np.uint64)
+            with torch.cuda.stream(stream):
+                pm.copy_runs(np.array([dev.data_ptr()], dtype=np.uint64), row, np.array([src.data_ptr()], dtype=np.uint64),
+                             step * row, row, one, stream.cuda_stream)
+                pm.copy_runs(np.array([back.data_ptr()], dtype=np.uint64), step * row,
+                             np.array([dev.data_ptr()], dtype=np.uint64), row, row, one, stream.cuda_stream)
+            stream.synchronize()
+            want = torch.zeros_like(src)
+            want[::step] = src[::step]
+            if not torch.equal(back.view(torch.uint8), want.view(torch.uint8)):
+                raise RuntimeError(f"pitched memcpy probe: sent {src.tolist()[:3]}, got back {back.tolist()[:3]}")
+    finally:
+        registrar.unregister(whole.data_ptr())
+
+
+if __name__ == "__main__":  # the child of batched_memcpy.probe_in_subprocess(module=...)
+    import sys
+
+    probe(PitchedMemcpy(), f"cuda:{int(sys.argv[1]) if len(sys.argv) > 1 else 0}")
+    print("ok")

@@ -1,0 +1,119 @@
+"""kernels.pitched_memcpy on the CPU: a launch's segments as strided runs (replayed here with
+``ctypes.memmove``, row for row at the runs' pitches, as the copy engines would) equal the
+torch reference ``dst[dst_idx] = src[src_idx]``; a fetch of consecutive pages into consecutive
+staging pages is one run per request; the descriptors handed to the driver have ``cuda.h``'s
+``CUDA_MEMCPY2D`` layout; without a CUDA driver the binding refuses with a message naming it and
+the subprocess probe reports why instead of crashing. The copies on the copy engines themselves
+are ``gpu`` tests (tests/dataplane/test_gpu.py)."""
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.batched_memcpy import probe_in_subprocess
+from kernels.pitched_memcpy import RECORD, PitchedMemcpy, _Memcpy2D, run_pointers, strided_runs
+
+L = 4
+"""Layers of the toy block-first pool: a page's K and V of layer l are host rows 2L * page + 2l (+1)."""
+
+
+def _expand(s0: np.ndarray, d0: np.ndarray, n: np.ndarray, src_step: int, dst_step: int) -> tuple[np.ndarray, np.ndarray]:
+    k = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+    return np.repeat(s0, n) + k * src_step, np.repeat(d0, n) + k * dst_step
+
+
+def test_runs_expand_back_to_the_pairs_and_are_maximal():
+    """Any pairs: the runs give back exactly the pairs, in order, and no run continues the one
+    before it. Negative control: a run starting one row later gives other pairs."""
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        n = int(rng.integers(1, 60))
+        src = np.cumsum(rng.choice([2 * L, 2 * L, 2 * L, 1, 5], size=n)) + int(rng.integers(0, 9))
+        dst = np.cumsum(rng.choice([1, 1, 1, 2, -3], size=n)) + 40
+        s0, d0, k = strided_runs(src, dst, 2 * L, 1)
+        s, d = _expand(s0, d0, k, 2 * L, 1)
+        assert np.array_equal(s, src) and np.array_equal(d, dst)
+        nxt = (s0[1:] == s0[:-1] + k[:-1] * 2 * L) & (d0[1:] == d0[:-1] + k[:-1])
+        assert not nxt.any()
+    moved = s0.copy()
+    moved[-1] += 1  # the last run starting one row later: same length, other pairs
+    assert not np.array_equal(_expand(moved, d0, k, 2 * L, 1)[0], src)
+
+
+def test_a_layers_fetch_of_consecutive_pages_is_one_run_per_request_and_half():
+    """Two requests whose pages 10..14 and 30..32 are fetched at layer 2 into staging pages 7..14
+    (K segments, then V: host row + 1, device row + dev_v): four runs, one per request and half."""
+    pages = np.array([10, 11, 12, 13, 14, 30, 31, 32])
+    stage = np.arange(7, 15)
+    k_src, dev_v = pages * 2 * L + 2 * 2, 100
+    src, dst = np.concatenate([k_src, k_src + 1]), np.concatenate([stage, stage + dev_v])
+    s0, d0, n = strided_runs(src, dst, 2 * L, 1)
+    assert n.tolist() == [5, 3, 5, 3] and s0.tolist() == [84, 244, 85, 245] and d0.tolist() == [7, 12, 107, 112]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_runs_replayed_at_their_pitches_equal_the_reference(dtype):
+    """A block-first host pool ``[P * 2L, row]`` and a device pool: the fetch's runs, replayed row
+    by row at the pitches the engine passes, equal ``dev[dst] = host[src]``; a source pitch one
+    row off (the negative control) does not."""
+    gen = torch.Generator().manual_seed(2)
+    host = (torch.rand((16 * 2 * L, 24), generator=gen) * 100).to(dtype)
+    row = 24 * host.element_size()
+    pages, stage = np.array([3, 4, 5, 9, 10, 2]), np.array([1, 2, 3, 4, 5, 9])
+    src = np.concatenate([pages * 2 * L + 2, pages * 2 * L + 3])
+    dst = np.concatenate([stage, stage + 12])
+    want = torch.zeros((24, 24), dtype=dtype)
+    want[torch.from_numpy(dst)] = host[torch.from_numpy(src)]
+    for pitch_off, equal in ((0, True), (1, False)):
+        dev = torch.zeros((24, 24), dtype=dtype)
+        s0, d0, n = strided_runs(src, dst, 2 * L, 1)
+        dsts, srcs = run_pointers(host.data_ptr(), dev.data_ptr(), row, s0, d0)
+        for ds, ss, h in zip(dsts.tolist(), srcs.tolist(), n.tolist(), strict=True):
+            for k in range(h):
+                ctypes.memmove(ds + k * row, ss + k * (2 * L + pitch_off) * row, row)
+        assert torch.equal(dev, want) == equal
+
+
+def test_descriptors_have_the_driver_layout():
+    """The record array the driver reads is ``CUDA_MEMCPY2D``: 128 bytes, size_t fields at the
+    offsets of ``cuda.h``, both operands unified addresses, one record per run with its pitch,
+    width and height (read back through the ctypes struct, as the driver would read it)."""
+    assert RECORD.itemsize == ctypes.sizeof(_Memcpy2D) == 128
+    assert [RECORD.fields[f][1] for f in ("srcMemoryType", "srcDevice", "srcPitch", "dstMemoryType", "dstDevice",
+                                          "dstPitch", "WidthInBytes", "Height")] == [16, 32, 48, 72, 88, 104, 112, 120]
+    seen: list[tuple] = []
+    pm = PitchedMemcpy.__new__(PitchedMemcpy)
+    pm.calls = pm.rows = 0
+    pm.call_seconds = 0.0
+
+    def fn(ptr, stream):  # noqa: ANN001, ANN202 - what the driver would read at ``ptr``
+        op = ctypes.cast(ptr, ctypes.POINTER(_Memcpy2D)).contents
+        seen.append((op.srcMemoryType, op.srcDevice, op.srcPitch, op.dstMemoryType, op.dstDevice, op.dstPitch,
+                     op.WidthInBytes, op.Height, op.srcXInBytes, op.srcY, stream.value))
+        return 0
+
+    pm._fn = fn
+    pm.copy_runs(np.array([1000, 5000], dtype=np.uint64), 64, np.array([7, 9], dtype=np.uint64), 512, 64,
+                 np.array([3, 1]), 77)
+    assert seen == [(4, 7, 512, 4, 1000, 64, 64, 3, 0, 0, 77), (4, 9, 512, 4, 5000, 64, 64, 1, 0, 0, 77)]
+    assert pm.calls == 2 and pm.rows == 4
+    with pytest.raises(ValueError, match="over a pitch"):
+        pm.copy_runs(np.array([0], dtype=np.uint64), 32, np.array([0], dtype=np.uint64), 512, 64, np.array([1]), 0)
+
+
+def test_bad_runs_are_refused():
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        strided_runs(np.array([0]), np.array([0]), 0, 1)
+    with pytest.raises(ValueError, match="one length"):
+        strided_runs(np.array([0, 1]), np.array([0]), 1, 1)
+    assert all(a.size == 0 for a in strided_runs(np.zeros(0), np.zeros(0), 1, 1))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA host has the driver")
+def test_without_a_driver_the_binding_and_the_probe_say_why():
+    with pytest.raises(RuntimeError, match="CUDA driver library is not loadable"):
+        PitchedMemcpy()
+    why = probe_in_subprocess(module="kernels.pitched_memcpy")
+    assert why is not None and "not loadable" in why
