@@ -12,9 +12,10 @@ hides (~14K segments) would cost ~20 ms against a 12 ms step.
 The same copy is a few strided runs: consecutive host pages of one request at one layer
 (source rows ``2L`` apart) into consecutive staging pages (rows 1 apart), K and V each. One 2-D
 copy (``cuMemcpy2DAsync``: ``Height`` rows of ``WidthInBytes`` at a source and a destination
-pitch) moves a run, still on the copy engines, so the host cost is per run: ~2,300 runs for
-those 330K segments at ``kvplane gpu-check``'s shapes once staging pages are handed out
-ascending (:class:`~sglang_ext.dataplane.staging_room.StagingRoom`).
+pitch) moves a run, still on the copy engines, so the host cost is per run: 2,432 runs for
+those 328,512 segments at ``kvplane gpu-check``'s shapes, 140 for the hidden placement's 14,724,
+once staging pages are handed out ascending (:class:`~sglang_ext.dataplane.staging_room.StagingRoom`;
+``benchmarks/results/core/dma-runs/``).
 
 :func:`strided_runs` finds the runs (NumPy, ``O(segments)`` at memory speed);
 :class:`PitchedMemcpy` binds ``cuMemcpy2DAsync_v2`` from ``libcuda.so.1`` with :mod:`ctypes`

@@ -1,0 +1,89 @@
+"""Copy-engine descriptors per steady decode step at kvplane gpu-check's Llama-3-8B page structure.
+
+On the CPU host (no GPU): the served core at the check's batch (32 requests, contexts 2K-8K,
+32 layers, page 16; tiny heads: only the page structure matters here), two placements:
+``half`` (layers 16-31 offloaded for every request: the check's transfer-bound placement) and
+``hidden`` (the overlap check's: the real planner leaves out what the model hides under a
+12.9 ms step at 48 GB/s, run 14's H200 figures). For each, one steady decode step's fetches as
+the copy engines would take them: segments (one ``cuMemcpyBatchAsync`` descriptor each before
+this change), strided runs (one ``cuMemcpy2DAsync`` each now), and the runs with the staging
+pages in the allocator's order (descending: what the runs were before ``StagingRoom.take``
+sorted them), plus the host time of working out the runs and their pointers.
+
+    PYTHONPATH=. python benchmarks/results/core/dma-runs/dma_runs_probe.py OUT_DIR
+"""
+
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kernels.pitched_memcpy import run_pointers, strided_runs
+from sglang_ext.dataplane.staging_room import StagingRoom
+from sglang_ext.tools.gpu_check_config import GpuCheckConfig
+from sglang_ext.tools.gpu_check_measure import CoreCheck
+from sglang_ext.tools.gpu_check_overlap import OverlapCheck
+
+CFG = GpuCheckConfig(name="probe", layers=32, q_heads=1, kv_heads=1, head_dim=8, page_size=16, requests=32,
+                     context_min=2048, context_max=8192, hidden=16, intermediate=16, dtype="float32", repeat=5)
+RESIDENT_MS, GBPS, KV_BYTES_8B = 12.9, 48.0, 16 * 8 * 128 * 2 * 2  # run 14 (H200); a layer-page's K+V at 8B, bf16
+
+
+def measure(placement: str, ascending: bool) -> dict:
+    real = StagingRoom.take
+    if not ascending:  # the allocator's own order (most recently freed first)
+        StagingRoom.take = lambda self, n: None if (ids := real(self, n)) is None else ids[::-1].copy()
+    try:
+        cc = CoreCheck(CFG, "cpu")
+        b = cc.batch
+        if placement == "half":
+            rows = [[1] * 16 + [0] * 16 for _ in b.rids]
+        else:
+            bw_blocks_per_ms = GBPS * 1e9 / KV_BYTES_8B / 1e3
+            _, rows, _ = OverlapCheck(cc)._choose([RESIDENT_MS / CFG.layers] * CFG.layers, bw_blocks_per_ms, RESIDENT_MS)
+        b.place(rows)
+        engine, specs = b.core.store.engine, []
+        real_fetch = engine.fetch_pages
+        engine.fetch_pages = lambda spec, wait=(): (specs.append(spec), real_fetch(spec, wait))[1]
+        out = []
+        for _ in range(6):
+            specs.clear()
+            cc.step()
+            segs = runs = 0
+            t0 = time.perf_counter()
+            for spec in specs:
+                src, dst = spec.indices()
+                s0, d0, n = strided_runs(src, dst, engine.host_page_rows, 1)
+                run_pointers(engine.host.data_ptr(), engine.dev.data_ptr(), engine.segment_bytes, s0, d0)
+                segs, runs = segs + src.size, runs + n.size
+            out.append((len(specs), segs, runs, time.perf_counter() - t0))
+        launches, segs, runs, _ = out[-1]
+        return {"placement": placement, "staging": "ascending" if ascending else "allocator order",
+                "offloaded_layer_pages": int(sum(r.count(0) * n for r, n in zip(rows, b.blocks(0), strict=True))),
+                "fetch_launches": launches, "segments": segs, "runs": runs,
+                "host_ms_indices_runs_pointers": statistics.median(t for *_, t in out[1:]) * 1e3}
+    finally:
+        StagingRoom.take = real
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+    rows = [measure(p, asc) for p in ("half", "hidden") for asc in (True, False)]
+    machine = f"CPU host ({platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores), no GPU"
+    (out_dir / "dma-runs-cpu.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
+    lines = [f"# Copy-engine descriptors per steady decode step ({machine})", "",
+             "| placement | staging | offloaded layer-pages | fetch launches | segments | strided runs | "
+             "host ms (indices + runs + pointers) |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {r['placement']} | {r['staging']} | {r['offloaded_layer_pages']} | {r['fetch_launches']} | "
+              f"{r['segments']} | {r['runs']} | {r['host_ms_indices_runs_pointers']:.2f} |" for r in rows]
+    (out_dir / "dma-runs-cpu.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    np.set_printoptions(linewidth=200)
+    main()
