@@ -326,7 +326,9 @@ class SlotKVStore:
         else:
             ids = self.allocator.alloc(n)
             assert ids is not None
-            dev_pages = np.asarray(ids, dtype=np.int64)
+            # ascending: consecutive pages of one layer land on consecutive device pages where the
+            # free ones are, so the copy (and a later write-back) is a few strided runs (dma)
+            dev_pages = np.sort(np.asarray(ids, dtype=np.int64))
         if copy.any():
             src, dst = self.host_segs(layers[copy], pages[copy]), self.dev_segs(dev_pages[copy])
             self.engine.h2d(self.engine.index_tensor(src), self.engine.index_tensor(dst),

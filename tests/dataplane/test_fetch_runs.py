@@ -10,6 +10,8 @@ page (the negative control).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -77,3 +79,39 @@ def test_the_staging_room_hands_pages_out_ascending():
     room.give_back(again)
     with pytest.raises(ValueError):  # the same ids twice: the allocator refuses (nothing lent twice)
         room.give_back(again)
+
+
+def _boundary_moves(monkeypatch: pytest.MonkeyPatch | None = None) -> list[tuple[str, int, int]]:
+    """(kind, segments, strided runs) of each copy of a plan that offloads every layer of one
+    request (its dirty prefill written back) and of the plan that takes them back."""
+    batch = CheckBatch(CONFIG.with_overrides(requests=2), "cpu")
+    engine, seen = batch.core.store.engine, []
+    real = engine._launch
+
+    def launch(kind, src, dst, src_idx, dst_idx, wait, host_idx, keep=()):  # noqa: ANN001, ANN202
+        steps = (engine.host_page_rows, 1) if kind == "h2d" else (1, engine.host_page_rows)
+        seen.append((kind, host_idx[0].size, strided_runs(*host_idx, *steps)[2].size))
+        return real(kind, src, dst, src_idx, dst_idx, wait, host_idx, keep)
+
+    engine._launch = launch
+    layers = CONFIG.layers
+    batch.place([[0] * layers, [1] * layers])
+    batch.place([[1] * layers, [1] * layers])
+    return seen
+
+
+def test_a_plans_moves_are_strided_runs_per_layer(monkeypatch):
+    """A plan's offload writes back a request's pages at every layer and the next plan onloads
+    them: each copy is ~2 runs per layer (K, V), not one per segment, because device pages are
+    taken ascending for consecutive pages (``SlotKVStore.onload``). Negative control: the
+    allocator's own (descending) order gives the onload one run per segment."""
+    moves = _boundary_moves()
+    assert [kind for kind, _, _ in moves] == ["d2h", "h2d"], moves
+    for _, segments, runs in moves:
+        assert segments > 20 * CONFIG.layers and runs <= 2 * 2 * CONFIG.layers, moves
+    from sglang_ext.dataplane import slot_kv_store
+
+    unsorted = SimpleNamespace(**{**vars(np), "sort": lambda a, *args, **kwargs: a})
+    monkeypatch.setattr(slot_kv_store, "np", unsorted)  # the store's sort a no-op: the allocator's order
+    moves = _boundary_moves()
+    assert [runs == segments for _, segments, runs in moves] == [False, True], moves  # the onload's pages
