@@ -75,10 +75,10 @@ def row_bytes(src: torch.Tensor, dst: torch.Tensor) -> int:
     """The row size of two contiguous 2-D tensors of equal row bytes (``ValueError`` otherwise):
     row ``i`` of each starts at ``data_ptr() + i * row``."""
     if src.dim() != 2 or dst.dim() != 2 or src.shape[1] * src.element_size() != dst.shape[1] * dst.element_size():
-        raise ValueError(f"segment_pointers: 2-D tensors of equal row bytes, got {tuple(src.shape)} "
+        raise ValueError(f"copy-engine rows: 2-D tensors of equal row bytes, got {tuple(src.shape)} "
                          f"{src.dtype} and {tuple(dst.shape)} {dst.dtype}")
     if not (src.is_contiguous() and dst.is_contiguous()):
-        raise ValueError("segment_pointers: tensors must be contiguous")
+        raise ValueError("copy-engine rows: tensors must be contiguous")
     return src.shape[1] * src.element_size()
 
 
@@ -198,10 +198,11 @@ def probe(dma: BatchedMemcpy, device: torch.device | str = "cuda", host: torch.T
 
 
 def probe_in_subprocess(device: int = 0, timeout_s: float = 120.0, module: str = "kernels.batched_memcpy") -> str | None:
-    """Run :func:`probe` on CUDA device ``device`` in a child process (``python -m
-    kernels.batched_memcpy DEVICE``): a driver that takes the call with another ABI, or faults on
-    the memory, could crash the process or leave its CUDA context dead, and neither a server
-    nor `kvplane gpu-check` may die of it. None when it copied right, else why not."""
+    """Run ``module``'s probe on CUDA device ``device`` in a child process (``python -m module
+    DEVICE``: this module's :func:`probe`, or ``kernels.pitched_memcpy``'s): a driver that takes
+    the call with another ABI, or faults on the memory, could crash the process or leave its
+    CUDA context dead, and neither a server nor `kvplane gpu-check` may die of it. None when it
+    copied right, else why not."""
     import os
     import subprocess
     import sys

@@ -42,7 +42,7 @@ from sglang_ext.dataplane.block_allocator import BlockAllocator, IdentityPages
 from sglang_ext.dataplane.host_pool import allocate_host_pool
 from sglang_ext.dataplane.map_mirror import MapMirror
 from sglang_ext.dataplane.pinned_upload_ring import PinnedUploadRing
-from sglang_ext.dataplane.sorted_ids import distinct_sorted
+from sglang_ext.dataplane.sorted_ids import ascending, distinct_sorted
 from sglang_ext.dataplane.transfer_engine import TransferEngine, make_transfer_engine
 
 DIRTY_LOG_COMPACT = 1 << 16
@@ -328,7 +328,7 @@ class SlotKVStore:
             assert ids is not None
             # ascending: consecutive pages of one layer land on consecutive device pages where the
             # free ones are, so the copy (and a later write-back) is a few strided runs (dma)
-            dev_pages = np.sort(np.asarray(ids, dtype=np.int64))
+            dev_pages = ascending(np.asarray(ids, dtype=np.int64))
         if copy.any():
             src, dst = self.host_segs(layers[copy], pages[copy]), self.dev_segs(dev_pages[copy])
             self.engine.h2d(self.engine.index_tensor(src), self.engine.index_tensor(dst),

@@ -23,7 +23,7 @@ from collections.abc import Collection
 import numpy as np
 
 from sglang_ext.dataplane.slot_residency import SlotResidency
-from sglang_ext.dataplane.sorted_ids import distinct_sorted
+from sglang_ext.dataplane.sorted_ids import ascending, distinct_sorted
 
 
 class StagingRoom:
@@ -46,7 +46,7 @@ class StagingRoom:
         self.residency.staging_lent += n
         # ascending: a request's staged pages then take consecutive ids where the free pages are
         # consecutive, so its fetch is a few strided runs, not one copy per page (copy engines)
-        return np.sort(np.asarray(ids, dtype=np.int64))
+        return ascending(np.asarray(ids, dtype=np.int64))
 
     def retake(self, ids: np.ndarray) -> int:
         """Reserve again the leading pages of ``ids`` -- the staging the last step gave back, in

@@ -10,8 +10,6 @@ page (the negative control).
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
@@ -111,7 +109,6 @@ def test_a_plans_moves_are_strided_runs_per_layer(monkeypatch):
         assert segments > 20 * CONFIG.layers and runs <= 2 * 2 * CONFIG.layers, moves
     from sglang_ext.dataplane import slot_kv_store
 
-    unsorted = SimpleNamespace(**{**vars(np), "sort": lambda a, *args, **kwargs: a})
-    monkeypatch.setattr(slot_kv_store, "np", unsorted)  # the store's sort a no-op: the allocator's order
+    monkeypatch.setattr(slot_kv_store, "ascending", lambda ids: ids)  # the allocator's own order
     moves = _boundary_moves()
     assert [runs == segments for _, segments, runs in moves] == [False, True], moves  # the onload's pages

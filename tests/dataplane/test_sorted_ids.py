@@ -1,5 +1,6 @@
 """distinct_sorted / has_repeats equal np.unique's answers (random and run-shaped ids);
-run_bounds finds the runs of equal values of an unsorted array, as itertools.groupby does."""
+run_bounds finds the runs of equal values of an unsorted array, as itertools.groupby does;
+ascending is the sort of distinct ids (reversed without a sort when they come descending)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang_ext.dataplane.sorted_ids import (
+    ascending,
     distinct_counts,
     distinct_sorted,
     has_repeats,
@@ -73,3 +75,25 @@ def test_run_bounds_are_groupby_runs(values: list[int]) -> None:
     assert starts.tolist() == [sum(want[:i]) for i in range(len(want))]
     if len(want) != len(set(values)):
         assert run_bounds(np.sort(np.asarray(values, dtype=np.int64)))[1].tolist() != want
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sets(st.integers(min_value=0, max_value=10_000), max_size=300), st.sampled_from(["random", "up", "down"]))
+def test_ascending_is_the_sort_of_distinct_ids(values: set[int], order: str) -> None:
+    """``ascending`` of distinct ids (as the allocator hands them out: descending after an ascending
+    free, or any order) is their sort; the reversal it takes for a descending batch is checked
+    for order, not assumed (a batch that starts high and ends low but is not descending)."""
+    a = np.asarray(sorted(values), dtype=np.int64)
+    if order == "down":
+        a = a[::-1].copy()
+    elif order == "random":
+        a = np.random.default_rng(len(values)).permutation(a)
+    np.testing.assert_array_equal(ascending(a), np.sort(a))
+
+
+def test_ascending_sorts_a_batch_that_only_looks_descending() -> None:
+    """First above last, but not descending: sorted, not merely reversed (the negative control:
+    the reversal alone is not the sort)."""
+    a = np.array([9, 1, 7, 3, 2], dtype=np.int64)
+    assert not np.array_equal(a[::-1], np.sort(a))
+    np.testing.assert_array_equal(ascending(a), [1, 2, 3, 7, 9])
