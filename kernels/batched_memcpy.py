@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import ctypes
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -163,24 +165,38 @@ class BatchedMemcpy:
                 raise RuntimeError(f"cuMemcpyBatchAsync of {k} copies failed: CUresult {rc}")
 
 
+@contextmanager
+def registered_pages(registrar: BatchedMemcpy) -> Iterator[torch.Tensor]:
+    """:data:`PROBE_BYTES` of pageable memory of its own (an anonymous mapping: page-aligned, as the
+    host pool's), page-locked with the driver while the block runs, as float32."""
+    import mmap
+
+    pages = mmap.mmap(-1, PROBE_BYTES)
+    whole = torch.frombuffer(pages, dtype=torch.float32)
+    registrar.register(whole.data_ptr(), PROBE_BYTES)
+    try:
+        yield whole
+    finally:
+        registrar.unregister(whole.data_ptr())  # the mapping goes with its last tensor
+
+
+def probe_sources(whole: torch.Tensor, rows: int, host: torch.Tensor | None) -> list[torch.Tensor]:
+    """A probe's sources: ``rows`` known rows of 4 float32 in ``pin_memory()`` memory and in the
+    registered ``whole`` (:func:`registered_pages`), and the first row of ``host`` if given."""
+    registered = whole[: rows * 4].view(rows, 4)
+    registered.copy_(torch.arange(rows * 4, dtype=torch.float32).view(rows, 4) + 10)
+    sources = [torch.arange(rows * 4, dtype=torch.float32).view(rows, 4).pin_memory(), registered]
+    return sources if host is None else [*sources, host[:1]]
+
+
 def probe(dma: BatchedMemcpy, device: torch.device | str = "cuda", host: torch.Tensor | None = None) -> None:
     """Known copies each way on a side stream, from and to page-locked host memory of both
     kinds: ``pin_memory()`` (``cudaHostAlloc``) and registered pageable memory (an anonymous
     mapping, page-locked in place), as the host KV pool is (``sglang_ext/dataplane/host_pool.py``); ``host`` (2-D, registered):
     the caller's own pool, whose first row is copied to the device and back, unchanged. Raises
     ``RuntimeError`` if what arrives is not what was sent."""
-    import mmap
-
-    pages = mmap.mmap(-1, PROBE_BYTES)  # pages of its own (page-aligned), as the pool's are
-    whole = torch.frombuffer(pages, dtype=torch.float32)
-    dma.register(whole.data_ptr(), PROBE_BYTES)
-    try:
-        registered = whole[:8].view(2, 4)
-        registered.copy_(torch.arange(8, dtype=torch.float32).view(2, 4) + 10)
-        sources = [torch.arange(8, dtype=torch.float32).view(2, 4).pin_memory(), registered]
-        if host is not None:
-            sources.append(host[:1])
-        for src in sources:
+    with registered_pages(dma) as whole:
+        for src in probe_sources(whole, 2, host):
             rows = src.shape[0]
             dev = torch.zeros(src.shape, dtype=src.dtype, device=device)
             back = torch.zeros(src.shape, dtype=src.dtype).pin_memory()
@@ -193,8 +209,6 @@ def probe(dma: BatchedMemcpy, device: torch.device | str = "cuda", host: torch.T
             stream.synchronize()
             if not torch.equal(back.view(torch.uint8), src.view(torch.uint8)):  # bytes: NaN-safe
                 raise RuntimeError(f"batched memcpy probe: sent {src.tolist()[:2]}, got back {back.tolist()[:2]}")
-    finally:
-        dma.unregister(whole.data_ptr())  # the mapping goes with its last tensor
 
 
 def probe_in_subprocess(device: int = 0, timeout_s: float = 120.0, module: str = "kernels.batched_memcpy") -> str | None:

@@ -111,12 +111,9 @@ class PitchedMemcpy:
                   heights: np.ndarray, stream: int) -> None:
         """Run ``r``: ``heights[r]`` rows of ``width`` bytes from ``srcs[r]`` (rows ``src_pitch``
         bytes apart) to ``dsts[r]`` (``dst_pitch`` apart), on the CUDA stream handle ``stream``."""
-        n = int(heights.size)
+        n = check_runs(dsts, srcs, heights, width, src_pitch, dst_pitch)
         if n == 0:
             return
-        if not (dsts.size == srcs.size == n) or width > min(src_pitch, dst_pitch):
-            raise ValueError(f"copy_runs: {dsts.size} / {srcs.size} / {n} runs, width {width} over a pitch "
-                             f"({src_pitch}, {dst_pitch})")
         ops = np.zeros(n, dtype=RECORD)
         ops["srcMemoryType"] = ops["dstMemoryType"] = MEMORYTYPE_UNIFIED
         ops["srcDevice"], ops["dstDevice"] = srcs, dsts
@@ -133,6 +130,17 @@ class PitchedMemcpy:
         self.rows += int(heights.sum())
 
 
+def check_runs(dsts: np.ndarray, srcs: np.ndarray, heights: np.ndarray, width: int, src_pitch: int,
+               dst_pitch: int) -> int:
+    """How many runs a :meth:`PitchedMemcpy.copy_runs` call holds; ``ValueError`` for arrays of
+    other lengths or rows wider than a pitch (they would overlap)."""
+    n = int(heights.size)
+    if not (dsts.size == srcs.size == n) or width > min(src_pitch, dst_pitch):
+        raise ValueError(f"copy_runs: {dsts.size} / {srcs.size} / {n} runs, width {width} over a pitch "
+                         f"({src_pitch}, {dst_pitch})")
+    return n
+
+
 def run_pointers(src_base: int, dst_base: int, row_bytes: int, src_start: np.ndarray,
                  dst_start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(dsts, srcs)`` (uint64) of runs starting at rows ``src_start`` / ``dst_start`` of two
@@ -147,23 +155,12 @@ def probe(pm: PitchedMemcpy, device: Any = "cuda", host: Any = None) -> None:
     kinds (``pin_memory()`` and registered pageable memory, as the host KV pool is); ``host``
     (2-D, registered): the caller's own pool, whose first row goes to the device and back.
     Raises ``RuntimeError`` if what arrives is not what was sent."""
-    import mmap
-
     import torch
 
-    from kernels.batched_memcpy import PROBE_BYTES, BatchedMemcpy
+    from kernels.batched_memcpy import BatchedMemcpy, probe_sources, registered_pages
 
-    pages = mmap.mmap(-1, PROBE_BYTES)
-    whole = torch.frombuffer(pages, dtype=torch.float32)
-    registrar = BatchedMemcpy()
-    registrar.register(whole.data_ptr(), PROBE_BYTES)
-    try:
-        registered = whole[:24].view(6, 4)
-        registered.copy_(torch.arange(24, dtype=torch.float32).view(6, 4) + 100)
-        sources = [torch.arange(24, dtype=torch.float32).view(6, 4).pin_memory(), registered]
-        if host is not None:
-            sources.append(host[:1])
-        for src in sources:
+    with registered_pages(BatchedMemcpy()) as whole:
+        for src in probe_sources(whole, 6, host):
             rows, row = src.shape[0], src.shape[1] * src.element_size()
             step = 2 if rows > 1 else 1
             picked = (rows + step - 1) // step  # source rows 0, 2, 4, ... -> device rows 0, 1, 2, ...
@@ -182,8 +179,6 @@ def probe(pm: PitchedMemcpy, device: Any = "cuda", host: Any = None) -> None:
             want[::step] = src[::step]
             if not torch.equal(back.view(torch.uint8), want.view(torch.uint8)):
                 raise RuntimeError(f"pitched memcpy probe: sent {src.tolist()[:3]}, got back {back.tolist()[:3]}")
-    finally:
-        registrar.unregister(whole.data_ptr())
 
 
 if __name__ == "__main__":  # the child of batched_memcpy.probe_in_subprocess(module=...)

@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kernels.pitched_memcpy import check_runs
+
 
 class PointerMemcpy:
     """A :class:`~kernels.batched_memcpy.BatchedMemcpy` over tracked CPU memory (module docstring)."""
@@ -80,12 +82,9 @@ class PointerMemcpy:
                   heights: np.ndarray, stream: int) -> None:
         """:meth:`kernels.pitched_memcpy.PitchedMemcpy.copy_runs`: each run's rows, at their
         pitches, resolved and copied as :meth:`copy` does (one call)."""
-        n = int(heights.size)
+        n = check_runs(dsts, srcs, heights, width, src_pitch, dst_pitch)
         if n == 0:
             return
-        if not (dsts.size == srcs.size == n) or width > min(src_pitch, dst_pitch):
-            raise ValueError(f"copy_runs: {dsts.size} / {srcs.size} / {n} runs, width {width} over a pitch "
-                             f"({src_pitch}, {dst_pitch})")
         k = np.arange(int(heights.sum()), dtype=np.uint64) - np.repeat(
             (np.cumsum(heights) - heights).astype(np.uint64), heights)
         run_d, run_s = np.repeat(dsts.astype(np.uint64), heights), np.repeat(srcs.astype(np.uint64), heights)

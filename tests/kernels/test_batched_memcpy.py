@@ -68,3 +68,33 @@ def test_without_a_driver_the_binding_and_the_probe_say_why():
         BatchedMemcpy()
     why = probe_in_subprocess()
     assert why is not None and "not loadable" in why
+
+
+def test_the_probes_registered_pages_are_locked_while_used_and_released_after():
+    """``registered_pages`` (both probes' registered pageable memory): an anonymous mapping of
+    ``PROBE_BYTES``, page-aligned, registered with the driver for the block and unregistered
+    after, also when the block raises (a recording registrar stands in for the driver)."""
+    from kernels.batched_memcpy import PROBE_BYTES, registered_pages
+
+    calls: list[tuple] = []
+    registrar = type("Registrar", (), {"register": lambda self, p, n: calls.append(("register", p, n)),
+                                       "unregister": lambda self, p: calls.append(("unregister", p))})()
+    with pytest.raises(KeyError), registered_pages(registrar) as whole:
+        assert whole.numel() * 4 == PROBE_BYTES and whole.data_ptr() % 4096 == 0
+        assert calls == [("register", whole.data_ptr(), PROBE_BYTES)]
+        raise KeyError("the block fails")
+    assert calls[-1] == ("unregister", calls[0][1]) and len(calls) == 2
+
+
+def test_the_probes_sources_hold_known_rows(monkeypatch):
+    """``probe_sources``: known rows in ``pin_memory()`` memory (a copy here: no CUDA) and other
+    known rows in the registered buffer, then the pool's first row; a probe compares what comes
+    back with these bytes."""
+    from kernels.batched_memcpy import probe_sources
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, device=None: self.clone())
+    whole, pool = torch.zeros(64), torch.arange(12, dtype=torch.float32).view(3, 4)
+    pinned, registered, first = probe_sources(whole, 3, pool)
+    assert torch.equal(pinned + 10, registered) and registered.data_ptr() == whole.data_ptr()
+    assert registered[2].tolist() == [18.0, 19.0, 20.0, 21.0] and first.tolist() == [[0.0, 1.0, 2.0, 3.0]]
+    assert len(probe_sources(whole, 2, None)) == 2
