@@ -176,24 +176,46 @@ class CudaTransferEngine(TransferEngine):
         return self.impl == "dma" and row_bytes >= DMA_MIN_BYTES
 
     def _dma_copy(self, src: torch.Tensor, dst: torch.Tensor, src_idx: np.ndarray, dst_idx: np.ndarray,
-                  steps: tuple[int, int] = (1, 1)) -> None:
+                  steps: tuple[int, int] = (1, 1)) -> bool:
         """The copies ``dst[dst_idx[i]] = src[src_idx[i]]`` on the copy engines, on the current
         (side) stream: the strided runs (``steps``: source and destination rows between a run's
         rows) of :data:`MIN_RUN` rows or more as one 2-D copy each, the other segments as one
-        batched memcpy (all of them where the 2-D copies were refused)."""
+        batched memcpy (all of them where the 2-D copies were refused). True when enqueued.
+
+        A call the driver refuses while serving does not fail the step: a refused 2-D copy turns
+        them off (:attr:`pitched_error`) and the batched memcpy takes every segment; a refused
+        batched memcpy turns ``dma`` off (:attr:`dma_error`, :attr:`impl` back to the kernels)
+        and this returns False: the caller copies the segments the kernels' way. Segments a
+        refused call's predecessors already enqueued are copied again: the same bytes, in stream
+        order."""
         assert self._dma is not None
         stream = torch.cuda.current_stream(self.device).cuda_stream
         if self._pitched is not None:
             row = row_bytes(src, dst)
             s0, d0, n = strided_runs(src_idx, dst_idx, *steps)
             long = n >= MIN_RUN
-            if long.any():
-                dsts, srcs = run_pointers(src.data_ptr(), dst.data_ptr(), row, s0[long], d0[long])
-                self._pitched.copy_runs(dsts, steps[1] * row, srcs, steps[0] * row, row, n[long], stream)
-                if long.all():
-                    return
-                src_idx, dst_idx = s0[~long], d0[~long]  # runs of one row: the segment itself
-        self._dma.copy(*segment_pointers(src, dst, src_idx, dst_idx), stream)
+            try:
+                if long.any():
+                    dsts, srcs = run_pointers(src.data_ptr(), dst.data_ptr(), row, s0[long], d0[long])
+                    self._pitched.copy_runs(dsts, steps[1] * row, srcs, steps[0] * row, row, n[long], stream)
+                    if long.all():
+                        return True
+                    src_idx, dst_idx = s0[~long], d0[~long]  # runs of one row: the segment itself
+            except RuntimeError as exc:
+                self._pitched, self.pitched_error = None, str(exc)
+                log.warning("kv_copy_engine_pitched_refused", error=self.pitched_error)
+        try:
+            self._dma.copy(*segment_pointers(src, dst, src_idx, dst_idx), stream)
+        except RuntimeError as exc:
+            self.impl, self.dma_error = self._kernel_impl, str(exc)
+            log.warning("kv_copy_engine_dma_refused", error=self.dma_error, now=self.impl)
+            return False
+        return True
+
+    def _memcpy_rows(self, src: torch.Tensor, dst: torch.Tensor, src_idx: np.ndarray, dst_idx: np.ndarray) -> None:
+        """One ``cudaMemcpyAsync`` per row (the fallback where Triton refuses host memory)."""
+        for s_i, d_i in zip(np.asarray(src_idx).tolist(), np.asarray(dst_idx).tolist(), strict=True):
+            dst[d_i].copy_(src[s_i], non_blocking=True)
 
     def _launch(self, kind, src, dst, src_idx, dst_idx, wait, host_idx, keep=()):  # noqa: ANN001, ANN202
         def copy() -> None:
@@ -201,16 +223,15 @@ class CudaTransferEngine(TransferEngine):
                 pitch = self.host_page_rows  # between the pools: one layer's pages, pitched on the host
                 steps = (pitch, 1) if src is self.host and dst is self.dev else (
                     (1, pitch) if src is self.dev and dst is self.host else (1, 1))
-                self._dma_copy(src, dst, host_idx[0], host_idx[1], steps)
-                return
+                if self._dma_copy(src, dst, host_idx[0], host_idx[1], steps):
+                    return
             if self._kernel_impl == "triton":
                 s_words, d_words = self._pool_words(src, dst)
                 copy_segments(s_words, d_words, src_idx, dst_idx, impl="triton", programs=self.copy_programs)
                 return
             if host_idx is None:
                 raise RuntimeError("memcpy transfer fallback needs host indices")
-            for s_i, d_i in zip(host_idx[0].tolist(), host_idx[1].tolist(), strict=True):
-                dst[d_i].copy_(src[s_i], non_blocking=True)
+            self._memcpy_rows(src, dst, *host_idx)
 
         return self._on_stream(kind, wait, copy, (src_idx, dst_idx, *keep),
                                rows_bytes(src, src_idx))
@@ -219,9 +240,16 @@ class CudaTransferEngine(TransferEngine):
         nbytes = spec.segments * self.segment_bytes
         if self._on_dma(self.segment_bytes):  # the pages listed on the host, no SM taken
             src, dst = spec.indices()
-            steps = (self.host_page_rows, 1)  # a layer's pages of one request: 2L host rows apart
-            return self._on_stream("h2d", wait, lambda: self._dma_copy(self.host, self.dev, src, dst, steps),
-                                   (spec.flat,), nbytes)
+
+            def copy() -> None:
+                if self._dma_copy(self.host, self.dev, src, dst, (self.host_page_rows, 1)):  # 2L host rows apart
+                    return
+                if self._kernel_impl == "triton":  # the driver refused: the kernels' way, same stream
+                    spec.run_triton(*self._words, self.copy_programs)
+                else:
+                    self._memcpy_rows(self.host, self.dev, src, dst)
+
+            return self._on_stream("h2d", wait, copy, (spec.flat,), nbytes)
         if self._kernel_impl != "triton":
             return super()._fetch(spec, wait)
         host_words, dev_words = self._words

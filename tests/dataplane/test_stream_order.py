@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import settings
@@ -23,7 +22,6 @@ from sglang_ext.dataplane.pinned_upload_ring import PinnedUploadRing
 from tests.dataplane import test_core_stateful as stateful
 from tests.dataplane.core_driver import LAYERS, PAGES, CoreDriver, make_core, offload_scenario
 from tests.dataplane.cuda_simulation import install, track_core
-from tests.dataplane.pointer_memcpy import PointerMemcpy
 from tests.dataplane.stream_order import ALWAYS, NEVER, RINGS, StreamOrder
 
 
@@ -72,22 +70,6 @@ def test_longer_runs_keep_every_access_ordered_under_each_query_schedule(monkeyp
     assert sum(r.takes for r in rings) >= 60 and all(r.takes for r in rings)
     if query_completes != NEVER:
         assert sum(r.added for r in rings) == 0
-
-
-@pytest.mark.parametrize("dma_floor", [0, 64])
-def test_the_copy_engines_path_keeps_every_access_ordered(monkeypatch, dma_floor):
-    """``--kv-copy-engine dma``: fetches, write-backs, boundary moves and parked rows as batched
-    memcpys of listed segments (host indices, no device index tensors) follow the same order,
-    alone or mixed with the kernels (rows under the floor: the 32-byte token rows at 64); the
-    negative control drops the layers' waits on their fetches."""
-    sim, driver = scenario(monkeypatch, more_steps=20, dma=True, dma_floor=dma_floor)
-    stats = driver.core.store.engine.stats
-    launches = stats.h2d_launches + stats.d2h_launches
-    assert sim.copies["dma"] >= launches // 2 and sim.violations == [], (sim.copies, launches)
-    assert (sim.copies["kernel"] > 1) == (dma_floor > 0), sim.copies  # one kernel copy: warm_rows at start
-    _no_layer_waits(monkeypatch)
-    sim, _ = scenario(monkeypatch, more_steps=20, dma=True, dma_floor=dma_floor)
-    assert any("read by compute" in v and "after a write by stream2" in v for v in sim.violations), sim.violations[:3]
 
 
 def _overlap_loop(monkeypatch: pytest.MonkeyPatch, barrier: bool, churn: bool = False,
@@ -378,108 +360,3 @@ def test_the_simulated_machines_checked_accesses():
     if not SIMULATED["runs"]:
         pytest.skip("the simulated machines did not run in this session")
     assert SIMULATED["accesses"] >= 5000, SIMULATED
-
-
-def _shift_sources(mp: pytest.MonkeyPatch) -> None:
-    """A negative control of the pointer check: every source address one row further on (a
-    segment's, and a strided run's first row), still inside the pool: the wrong bytes."""
-    real, real_runs = te.segment_pointers, te.run_pointers
-
-    def shifted(src, dst, src_idx, dst_idx):  # noqa: ANN001, ANN202
-        return real(src, dst, (np.asarray(src_idx) + 1) % src.shape[0], dst_idx)
-
-    def shifted_runs(src_base, dst_base, row, src_start, dst_start):  # noqa: ANN001, ANN202
-        return real_runs(src_base, dst_base, row, src_start + 1, dst_start)
-
-    mp.setattr(te, "segment_pointers", shifted)
-    mp.setattr(te, "run_pointers", shifted_runs)
-
-
-def _long_runs(mp: pytest.MonkeyPatch) -> None:
-    """A negative control of the 2-D copies: every strided run one row too long."""
-    real = te.strided_runs
-
-    def longer(*args):  # noqa: ANN002, ANN202
-        s0, d0, n = real(*args)
-        return s0, d0, n + 1
-
-    mp.setattr(te, "strided_runs", longer)
-
-
-def _handle_of(which: str) -> Callable[[pytest.MonkeyPatch], None]:
-    """Every copy-engine call (batched and 2-D) handed the stream handle of ``which`` (``compute``
-    or ``h2d``: the engine's first side stream, stream2) whatever stream the engine is on."""
-    def patch(mp: pytest.MonkeyPatch) -> None:
-        real_copy, real_runs = PointerMemcpy.copy, PointerMemcpy.copy_runs
-
-        def handle(self) -> int:  # noqa: ANN001
-            return (self.sim.compute if which == "compute" else self.sim.streams[1]).cuda_stream
-
-        mp.setattr(PointerMemcpy, "copy", lambda self, d, s, z, stream: real_copy(self, d, s, z, handle(self)))
-        mp.setattr(PointerMemcpy, "copy_runs", lambda self, d, dp, s, sp, w, h, stream:
-                   real_runs(self, d, dp, s, sp, w, h, handle(self)))
-    return patch
-
-
-def test_the_copy_engines_calls_are_right_at_the_pointer_level(monkeypatch):
-    """The engine's copy-engine calls run as the driver would (``pointer_memcpy.py``): 2-D copies
-    of strided runs (a layer's consecutive pages: 2L host rows apart, consecutive staging pages)
-    and one batched memcpy of the rest. Every address lies in the pool it names, the bytes moved
-    are the KV the driver expects at every step, and each call runs on the stream the engine's
-    events describe; the same holds with the batched memcpy alone (2-D copies refused).
-    Negative controls: source addresses one row off, or runs one row too long (the KV check or
-    the address check fails); every copy handed the compute stream's handle, or the H2D
-    stream's (the order check fails)."""
-    sim, driver = scenario(monkeypatch, more_steps=20, dma=True)
-    dma = driver.core.store.engine._dma
-    assert sim.violations == [] and dma.runs > 20 and dma.copies > 100 and dma.bytes > 0, (dma.runs, dma.copies)
-    with monkeypatch.context() as mp:
-        sim = install(mp, dma=True, pitched=False)
-        core = make_core(PAGES + 6)
-        track_core(sim, core)
-        driver = CoreDriver(core, seed=1, fast_decode=True)
-        with sim.tracer():
-            offload_scenario(driver)
-        assert sim.violations == [] and core.store.engine._dma.runs == 0 and core.store.engine._dma.copies > 50
-    for broken in (_shift_sources, _long_runs):
-        with monkeypatch.context() as mp, pytest.raises((AssertionError, RuntimeError)):
-            scenario(mp, broken, more_steps=20, dma=True)
-    with monkeypatch.context() as mp:  # the write-backs run on compute: the host's fence misses them
-        sim, _ = scenario(mp, _handle_of("compute"), more_steps=20, dma=True)
-    assert any(v.startswith("read by host") and "after a write by compute" in v for v in sim.violations), sim.violations
-    with monkeypatch.context() as mp:  # the write-backs run on the H2D stream, which never waited for compute
-        sim, _ = scenario(mp, _handle_of("h2d"), more_steps=20, dma=True)
-    h2d = driver.core.store.engine.h2d_stream.actor
-    assert any(v.startswith(f"read by stream{h2d}") and "after a write by compute" in v for v in sim.violations), \
-        sim.violations[:3]
-
-
-def test_the_pointer_memcpy_copies_inside_tracked_memory_only():
-    """``PointerMemcpy`` copies the bytes the addresses name, on the stream the handle names, and
-    refuses a range that leaves the tracked allocation or a handle no stream has (the controls)."""
-    from kernels.batched_memcpy import segment_pointers
-
-    sim = StreamOrder()
-    src, dst = torch.arange(24, dtype=torch.float32).view(6, 4), torch.zeros(3, 4)
-    sim.track(src, host=True)
-    sim.track(dst)
-    side = sim._new_stream()
-    dma = PointerMemcpy(sim)
-    with sim.tracer():
-        dma.copy(*segment_pointers(src, dst, np.array([5, 0, 2]), np.array([0, 1, 2])), side.cuda_stream)
-    assert torch.equal(dst, src[[5, 0, 2]]) and not torch.equal(dst, src[[0, 1, 2]])
-    assert sim.current is sim.compute and dma.copies == 3 and dma.bytes == 48
-    assert any("by compute" in v and f"stream{side.actor}" in v for v in _read_on_compute(sim, dst))
-    dsts, srcs, sizes = segment_pointers(src, dst, np.array([5]), np.array([2]))
-    with pytest.raises(RuntimeError, match="not inside one tracked allocation"):
-        dma.copy(dsts, srcs, sizes + np.uint64(4), side.cuda_stream)  # 4 bytes past dst's end
-    with pytest.raises(KeyError, match="no stream has the handle"):
-        dma.copy(dsts, srcs, sizes, 12345)
-
-
-def _read_on_compute(sim: StreamOrder, t: torch.Tensor) -> list[str]:
-    """The violations of a read of ``t`` on the compute stream with no wait (the side stream's
-    copy wrote it)."""
-    with sim.tracer():
-        t.sum()
-    return sim.violations
