@@ -182,18 +182,19 @@ def registered_pages(registrar: BatchedMemcpy) -> Iterator[torch.Tensor]:
 
 def probe_sources(whole: torch.Tensor, rows: int, host: torch.Tensor | None) -> list[torch.Tensor]:
     """A probe's sources: ``rows`` known rows of 4 float32 in ``pin_memory()`` memory and in the
-    registered ``whole`` (:func:`registered_pages`), and the first row of ``host`` if given."""
+    registered ``whole`` (:func:`registered_pages`), and the first three rows of ``host`` (the
+    pool: read, never written) if given."""
     registered = whole[: rows * 4].view(rows, 4)
     registered.copy_(torch.arange(rows * 4, dtype=torch.float32).view(rows, 4) + 10)
     sources = [torch.arange(rows * 4, dtype=torch.float32).view(rows, 4).pin_memory(), registered]
-    return sources if host is None else [*sources, host[:1]]
+    return sources if host is None else [*sources, host[:3]]
 
 
 def probe(dma: BatchedMemcpy, device: torch.device | str = "cuda", host: torch.Tensor | None = None) -> None:
     """Known copies each way on a side stream, from and to page-locked host memory of both
     kinds: ``pin_memory()`` (``cudaHostAlloc``) and registered pageable memory (an anonymous
     mapping, page-locked in place), as the host KV pool is (``sglang_ext/dataplane/host_pool.py``); ``host`` (2-D, registered):
-    the caller's own pool, whose first row is copied to the device and back, unchanged. Raises
+    the caller's own pool, whose first rows are copied to the device and back, unchanged. Raises
     ``RuntimeError`` if what arrives is not what was sent."""
     with registered_pages(dma) as whole:
         for src in probe_sources(whole, 2, host):

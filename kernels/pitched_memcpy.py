@@ -124,6 +124,8 @@ class PitchedMemcpy:
             rc = fn(base + i * size, handle)
             if rc != 0:
                 self.call_seconds += time.perf_counter() - t0
+                self.calls += i  # the runs enqueued before it
+                self.rows += int(heights[:i].sum())
                 raise RuntimeError(f"cuMemcpy2DAsync of run {i} of {n} failed: CUresult {rc}")
         self.call_seconds += time.perf_counter() - t0
         self.calls += n
@@ -153,7 +155,7 @@ def run_pointers(src_base: int, dst_base: int, row_bytes: int, src_start: np.nda
 def probe(pm: PitchedMemcpy, device: Any = "cuda", host: Any = None) -> None:
     """Known strided runs each way on a side stream, from and to page-locked host memory of both
     kinds (``pin_memory()`` and registered pageable memory, as the host KV pool is); ``host``
-    (2-D, registered): the caller's own pool, whose first row goes to the device and back.
+    (2-D, registered): the caller's own pool, whose rows 0 and 2 go to the device and back.
     Raises ``RuntimeError`` if what arrives is not what was sent."""
     import torch
 
@@ -162,7 +164,7 @@ def probe(pm: PitchedMemcpy, device: Any = "cuda", host: Any = None) -> None:
     with registered_pages(BatchedMemcpy()) as whole:
         for src in probe_sources(whole, 6, host):
             rows, row = src.shape[0], src.shape[1] * src.element_size()
-            step = 2 if rows > 1 else 1
+            step = 2
             picked = (rows + step - 1) // step  # source rows 0, 2, 4, ... -> device rows 0, 1, 2, ...
             dev = torch.zeros((picked, src.shape[1]), dtype=src.dtype, device=device)
             back = torch.zeros(src.shape, dtype=src.dtype).pin_memory()

@@ -122,9 +122,9 @@ class CudaTransferEngine(TransferEngine):
         if name == "triton":
             self.impl = self._kernel_impl
             return True
+        if self.dma_error is not None:  # refused before (by a probe, or by the driver while serving)
+            return False
         if self._dma is None:
-            if self.dma_error is not None:  # refused before: do not probe again
-                return False
             # first in a child process: a call the driver takes with another ABI, or a fault on
             # the memory, would end this process or leave its CUDA context dead
             why = probe_in_subprocess(self.device.index if self.device.index is not None

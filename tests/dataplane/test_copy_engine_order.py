@@ -89,9 +89,19 @@ def test_the_copy_engines_calls_are_right_at_the_pointer_level(monkeypatch):
     Negative controls: source addresses one row off, or runs one row too long (the KV check or
     the address check fails); every copy handed the compute stream's handle, or the H2D
     stream's (the order check fails)."""
-    sim, driver = scenario(monkeypatch, more_steps=20, dma=True)
-    dma = driver.core.store.engine._dma
+    pitches: set[tuple[int, int]] = set()
+    with monkeypatch.context() as mp:
+        real_runs = PointerMemcpy.copy_runs
+
+        def seen(self, d, dp, s, sp, w, h, stream):  # noqa: ANN001, ANN202
+            pitches.add((sp // w, dp // w))  # (source, destination) rows between a run's rows
+            return real_runs(self, d, dp, s, sp, w, h, stream)
+
+        mp.setattr(PointerMemcpy, "copy_runs", seen)
+        sim, driver = scenario(mp, more_steps=20, dma=True)
+    dma, rows = driver.core.store.engine._dma, driver.core.store.engine.host_page_rows
     assert sim.violations == [] and dma.runs > 20 and dma.copies > 100 and dma.bytes > 0, (dma.runs, dma.copies)
+    assert {(rows, 1), (1, rows)} <= pitches, pitches  # fetches and onloads; write-backs (block-first host)
     with monkeypatch.context() as mp:
         sim = install(mp, dma=True, pitched=False)
         core = make_core(PAGES + 6)
@@ -171,6 +181,7 @@ def test_a_copy_the_driver_refuses_while_serving_goes_another_way(monkeypatch, w
     assert sim.violations == []
     if which == "copy":
         assert engine.impl == "triton" and "refused (test)" in engine.dma_error and sim.copies["kernel"] > 5
+        assert not engine.set_copy_engine("dma") and engine.impl == "triton"  # refused for good: not back on
     else:
         assert engine._pitched is None and "refused (test)" in engine.pitched_error
         assert engine.impl == "dma" and engine.dma_error is None and engine._dma.copies > 100

@@ -88,13 +88,13 @@ def test_the_probes_registered_pages_are_locked_while_used_and_released_after():
 
 def test_the_probes_sources_hold_known_rows(monkeypatch):
     """``probe_sources``: known rows in ``pin_memory()`` memory (a copy here: no CUDA) and other
-    known rows in the registered buffer, then the pool's first row; a probe compares what comes
-    back with these bytes."""
+    known rows in the registered buffer, then the pool's first three rows; a probe compares what
+    comes back with these bytes."""
     from kernels.batched_memcpy import probe_sources
 
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, device=None: self.clone())
     whole, pool = torch.zeros(64), torch.arange(12, dtype=torch.float32).view(3, 4)
     pinned, registered, first = probe_sources(whole, 3, pool)
     assert torch.equal(pinned + 10, registered) and registered.data_ptr() == whole.data_ptr()
-    assert registered[2].tolist() == [18.0, 19.0, 20.0, 21.0] and first.tolist() == [[0.0, 1.0, 2.0, 3.0]]
+    assert registered[2].tolist() == [18.0, 19.0, 20.0, 21.0] and torch.equal(first, pool[:3])
     assert len(probe_sources(whole, 2, None)) == 2

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 import kernels.block_copy as bc
-from sglang_ext.dataplane.transfer_engine import CudaTransferEngine
+from sglang_ext.dataplane.cuda_transfer_engine import CudaTransferEngine
 
 dev = torch.device("cuda")
 L, P, SEGB = 32, 10400, 16 * 8 * 128 * 2  # bytes per segment (bf16 page of K)

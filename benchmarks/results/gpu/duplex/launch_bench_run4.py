@@ -9,7 +9,7 @@ sys.path.insert(0, ".")
 import torch
 
 from kernels.block_copy import copy_segments_triton, fetch_pages_triton
-from sglang_ext.dataplane.transfer_engine import CudaTransferEngine
+from sglang_ext.dataplane.cuda_transfer_engine import CudaTransferEngine
 
 dev = torch.device("cuda")
 host = torch.zeros((4096, 4096), dtype=torch.bfloat16).pin_memory()
