@@ -133,7 +133,7 @@ class CudaTransferEngine(TransferEngine):
                 if why is not None:
                     raise RuntimeError(why)
                 dma = BatchedMemcpy()
-                self.quiesce()  # the pool's first row is read: nothing in flight may write it
+                self.quiesce()  # the pool's first rows are read: nothing in flight may write them
                 probe_dma(dma, self.device, self.host)  # and here, on this pool's own memory
                 dma.reset_counts()
             except Exception as exc:  # noqa: BLE001 - any failure keeps the kernels
