@@ -212,12 +212,20 @@ def probe(dma: BatchedMemcpy, device: torch.device | str = "cuda", host: torch.T
                 raise RuntimeError(f"batched memcpy probe: sent {src.tolist()[:2]}, got back {back.tolist()[:2]}")
 
 
-def probe_in_subprocess(device: int = 0, timeout_s: float = 120.0, module: str = "kernels.batched_memcpy") -> str | None:
-    """Run ``module``'s probe on CUDA device ``device`` in a child process (``python -m module
-    DEVICE``: this module's :func:`probe`, or ``kernels.pitched_memcpy``'s): a driver that takes
-    the call with another ABI, or faults on the memory, could crash the process or leave its
-    CUDA context dead, and neither a server nor `kvplane gpu-check` may die of it. None when it
-    copied right, else why not."""
+def probe_in_subprocess(device: int = 0, timeout_s: float = 120.0) -> str | None:
+    """Run :func:`probe` on CUDA device ``device`` in a child process (``python -m
+    kernels.batched_memcpy DEVICE``): a driver that takes the call with another ABI, or faults on
+    the memory, could crash the process or leave its CUDA context dead, and neither a server
+    nor `kvplane gpu-check` may die of it. None when it copied right, else why not."""
+    return probe_stages_in_subprocess(device, timeout_s, "kernels.batched_memcpy", ("ok",))[0]
+
+
+def probe_stages_in_subprocess(device: int, timeout_s: float, module: str,
+                               stages: tuple[str, ...]) -> list[str | None]:
+    """Run ``python -m module DEVICE`` (a probe child, as :func:`probe_in_subprocess`), which
+    prints one line per stage it passed, in order: per stage, None when its line came, else why
+    not (the exit status and the child's last line; a stage after a failed one is not probed).
+    One child for several probes: each costs a process start and a CUDA context."""
     import os
     import subprocess
     import sys
@@ -228,12 +236,23 @@ def probe_in_subprocess(device: int = 0, timeout_s: float = 120.0, module: str =
     try:
         done = subprocess.run([sys.executable, "-m", module, str(device)], capture_output=True, text=True,
                               timeout=timeout_s, check=False, cwd=root, env=env)
-    except subprocess.TimeoutExpired:
-        return f"the probe did not finish in {timeout_s:.0f} s"
-    if done.returncode == 0 and done.stdout.strip().endswith("ok"):
-        return None
-    tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [""]
-    return f"the probe exited with {done.returncode}: {tail[0][:300]}"
+        out, why = done.stdout, None
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [""]
+            why = f"the probe exited with {done.returncode}: {tail[0][:300]}"
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        why = f"the probe did not finish in {timeout_s:.0f} s"
+    passed = {line.strip() for line in out.splitlines()}
+    result: list[str | None] = []
+    failed: str | None = None
+    for stage in stages:
+        if failed is None and stage in passed:
+            result.append(None)
+            continue
+        failed = failed or why or f"the probe exited without passing {stage!r}"
+        result.append(failed)
+    return result
 
 
 def _check(rc: int, what: str) -> None:

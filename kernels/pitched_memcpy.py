@@ -183,8 +183,27 @@ def probe(pm: PitchedMemcpy, device: Any = "cuda", host: Any = None) -> None:
                 raise RuntimeError(f"pitched memcpy probe: sent {src.tolist()[:3]}, got back {back.tolist()[:3]}")
 
 
-if __name__ == "__main__":  # the child of batched_memcpy.probe_in_subprocess(module=...)
+PROBE_STAGES = ("batched ok", "pitched ok")
+"""What this module's probe child prints, one line per probe passed (:func:`probe_in_subprocess`)."""
+
+
+def probe_in_subprocess(device: int = 0, timeout_s: float = 120.0) -> tuple[str | None, str | None]:
+    """Both copy-engine probes (the batched memcpy's, then the 2-D copies') in ONE child process
+    (:func:`kernels.batched_memcpy.probe_stages_in_subprocess`): why each failed, or None."""
+    from kernels.batched_memcpy import probe_stages_in_subprocess
+
+    batched, pitched = probe_stages_in_subprocess(device, timeout_s, "kernels.pitched_memcpy", PROBE_STAGES)
+    return batched, pitched
+
+
+if __name__ == "__main__":  # the child of probe_in_subprocess
     import sys
 
-    probe(PitchedMemcpy(), f"cuda:{int(sys.argv[1]) if len(sys.argv) > 1 else 0}")
-    print("ok")
+    from kernels.batched_memcpy import BatchedMemcpy
+    from kernels.batched_memcpy import probe as probe_batched
+
+    where = f"cuda:{int(sys.argv[1]) if len(sys.argv) > 1 else 0}"
+    probe_batched(BatchedMemcpy(), where)
+    print(PROBE_STAGES[0], flush=True)  # before the next probe: a crash there leaves this one passed
+    probe(PitchedMemcpy(), where)
+    print(PROBE_STAGES[1])

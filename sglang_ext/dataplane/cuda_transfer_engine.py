@@ -20,11 +20,12 @@ import numpy as np
 import structlog
 import torch
 
-from kernels.batched_memcpy import BatchedMemcpy, probe_in_subprocess, row_bytes, segment_pointers
+from kernels.batched_memcpy import BatchedMemcpy, row_bytes, segment_pointers
 from kernels.batched_memcpy import probe as probe_dma
 from kernels.block_copy import copy_segments, word_view
 from kernels.pitched_memcpy import PitchedMemcpy, run_pointers, strided_runs
 from kernels.pitched_memcpy import probe as probe_pitched
+from kernels.pitched_memcpy import probe_in_subprocess as probe_copy_engines
 from sglang_ext.dataplane.event_clock import EventClock
 from sglang_ext.dataplane.page_fetch import PageFetch
 from sglang_ext.dataplane.pinned_upload_ring import PinnedUploadRing
@@ -127,8 +128,8 @@ class CudaTransferEngine(TransferEngine):
         if self._dma is None:
             # first in a child process: a call the driver takes with another ABI, or a fault on
             # the memory, would end this process or leave its CUDA context dead
-            why = probe_in_subprocess(self.device.index if self.device.index is not None
-                                      else torch.cuda.current_device())
+            why, why_pitched = probe_copy_engines(self.device.index if self.device.index is not None
+                                                  else torch.cuda.current_device())
             try:
                 if why is not None:
                     raise RuntimeError(why)
@@ -141,16 +142,14 @@ class CudaTransferEngine(TransferEngine):
                 log.warning("kv_copy_engine_dma_unavailable", error=self.dma_error)
                 return False
             self._dma = dma
-            self._pitched = self._probe_pitched()
+            self._pitched = self._probe_pitched(why_pitched)
         self.impl = "dma"
         return True
 
-    def _probe_pitched(self) -> PitchedMemcpy | None:
-        """The 2-D copies, probed as the batched memcpy is (a child process, then this pool's
-        memory); None, with :attr:`pitched_error` and a log line, when they fail (``dma`` then
-        runs every segment through the batched memcpy)."""
-        why = probe_in_subprocess(self.device.index if self.device.index is not None else torch.cuda.current_device(),
-                                  module="kernels.pitched_memcpy")
+    def _probe_pitched(self, why: str | None) -> PitchedMemcpy | None:
+        """The 2-D copies, probed as the batched memcpy is (``why``: the child process's verdict,
+        from the same child; then this pool's memory); None, with :attr:`pitched_error` and a
+        log line, when they fail (``dma`` then runs every segment through the batched memcpy)."""
         try:
             if why is not None:
                 raise RuntimeError(why)

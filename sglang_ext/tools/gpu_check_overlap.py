@@ -77,8 +77,9 @@ def recommend_programs(step_ms: dict[str, float], link: dict[str, dict[str, floa
 
 
 def _dma_costs(engine: Any) -> dict[str, float] | None:
-    """The copy engines' calls so far (transfer check and overlap phase): copies, calls, host
-    microseconds per copy inside the driver; None where they never ran."""
+    """The copy engines' calls so far (transfer check and overlap phase): single segments and
+    batched calls with the host microseconds per segment inside the driver, strided runs (2-D
+    copies) with theirs per run, why the 2-D copies were refused; None where none ran."""
     dma, pitched = getattr(engine, "_dma", None), getattr(engine, "_pitched", None)
     runs = 0 if pitched is None else pitched.calls
     if dma is None or not (dma.copies or runs):

@@ -12,8 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.batched_memcpy import probe_in_subprocess
-from kernels.pitched_memcpy import RECORD, PitchedMemcpy, _Memcpy2D, run_pointers, strided_runs
+from kernels.pitched_memcpy import (
+    RECORD,
+    PitchedMemcpy,
+    _Memcpy2D,
+    probe_in_subprocess,
+    run_pointers,
+    strided_runs,
+)
 
 L = 4
 """Layers of the toy block-first pool: a page's K and V of layer l are host rows 2L * page + 2l (+1)."""
@@ -115,5 +121,20 @@ def test_bad_runs_are_refused():
 def test_without_a_driver_the_binding_and_the_probe_say_why():
     with pytest.raises(RuntimeError, match="CUDA driver library is not loadable"):
         PitchedMemcpy()
-    why = probe_in_subprocess(module="kernels.pitched_memcpy")
-    assert why is not None and "not loadable" in why
+    batched, pitched = probe_in_subprocess()
+    assert batched is not None and "not loadable" in batched and pitched == batched
+
+
+def test_one_probe_child_reports_each_stage(monkeypatch):
+    """Both copy-engine probes run in one child (one process start, one CUDA context): a stage whose
+    line came passed, even when the child then dies in the next one (the 2-D probe faulting in the
+    driver leaves the batched memcpy usable); stages after a failed one are not probed. A stub
+    child stands in for the driver; the control passes no stage."""
+    from kernels.batched_memcpy import probe_stages_in_subprocess
+    from kernels.pitched_memcpy import PROBE_STAGES
+
+    monkeypatch.setenv("PROBE_STUB_PASSES", PROBE_STAGES[0])
+    batched, pitched = probe_stages_in_subprocess(0, 60, "tests.kernels.probe_child_stub", PROBE_STAGES)
+    assert batched is None and pitched == "the probe exited with 3: a fault in the next probe"
+    monkeypatch.setenv("PROBE_STUB_PASSES", "")
+    assert probe_stages_in_subprocess(0, 60, "tests.kernels.probe_child_stub", PROBE_STAGES) == [pitched, pitched]
