@@ -46,6 +46,7 @@ from sglang_ext.dataplane.slot_kv_store import SlotStoreConfig
 from sglang_ext.dataplane.slot_results import RequestResidency, ResidencyDelta, ResidencyStats
 from sglang_ext.dataplane.step_tables import StepTables
 from sglang_ext.hooks import ResidencyEvent, ResidencyEventKind, ResidencyHooks
+from sglang_ext.store_cache_writer import StoreCacheWriter
 
 log = structlog.get_logger(__name__)
 
@@ -123,6 +124,9 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
                         what=f"every layer of {logical_pages} pages of {self.page_size} tokens")
         self.core = LayeredKVCore(config, on_moves=self._emit_moves)
         self.store = self.core.store
+        # SGLang's own one-launch KV write on CUDA (None elsewhere: two index_copy_ a layer)
+        self.store.row_writer = StoreCacheWriter.for_device(
+            self.store.device, self.head_num * self.head_dim * self.store.dev.element_size())
         self.residency = self.core.residency
         self.room = self.core.room
         self.pipeline = self.core.pipeline

@@ -454,6 +454,17 @@ TYPE_BASED_DISPATCHER = Target("sglang.utils.TypeBasedDispatcher", params=("mapp
                                attrs=("__iadd__", "__call__"), used_by=("plugin",))
 """``dispatcher += TypeBasedDispatcher([(type, handler)])`` adds a type (existing ones are kept)."""
 
+# ----- the KV write kernel (store_cache_writer.py) --------------------------------------------
+
+KV_STORE_CACHE = Target("sglang.kernels.ops.kvcache.kvcache.store_cache",
+                        params=("k", "v", "k_cache", "v_cache", "indices"),
+                        keyword=("row_bytes", "v_row_bytes", "reserved_skip_index"), used_by=("store_cache_writer",))
+"""SGLang's one-launch KV write (``MHATokenToKVPool.set_kv_buffer`` on CUDA); kvplane passes
+``reserved_skip_index=-1`` (SGLang's default 0 skips row 0, real KV in the layered pool)."""
+KV_CAN_USE_STORE_CACHE = Target("sglang.kernels.ops.kvcache.kvcache.can_use_store_cache",
+                                params=("k_row_bytes", "v_row_bytes"), used_by=("store_cache_writer",))
+"""Builds (JIT) and answers whether ``store_cache`` serves a row width."""
+
 # ----- testing -----------------------------------------------------------------------------------
 
 LAUNCH_SERVER = Target("sglang.launch_server", used_by=("testing.server",))

@@ -384,8 +384,7 @@ class LayeredKVCore:
             if index is None:  # once per step: the same ``loc`` comes back at every layer
                 index = self._step_index = loc.to(self.store.device, torch.int64)
             k_layer, v_layer = self.store.layer_in_place(layer)
-            k_layer.index_copy_(0, index, k)
-            v_layer.index_copy_(0, index, v)
+            self.store.write_into(k_layer, v_layer, index, k, v)
         else:
             tables = self.tables
             rows = tables.rows[layer]  # type: ignore[union-attr]

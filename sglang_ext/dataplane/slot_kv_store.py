@@ -33,6 +33,7 @@ Layout (docs/sglang-integration.md, "layered pool contract"):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,6 +45,11 @@ from sglang_ext.dataplane.map_mirror import MapMirror
 from sglang_ext.dataplane.pinned_upload_ring import PinnedUploadRing
 from sglang_ext.dataplane.sorted_ids import ascending, distinct_sorted
 from sglang_ext.dataplane.transfer_engine import TransferEngine, make_transfer_engine
+
+RowWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+"""``writer(k_dst, v_dst, rows, k, v)``: ``k_dst[rows] = k`` and ``v_dst[rows] = v`` (``[R, H, D]``
+destinations, ``[n]`` int64 device rows, ``[n, H, D]`` sources) in one launch
+(:attr:`SlotKVStore.row_writer`)."""
 
 DIRTY_LOG_COMPACT = 1 << 16
 """Entries in the dirty log above which it is compacted (amortised O(marks))."""
@@ -188,6 +194,11 @@ class SlotKVStore:
         self.staging_pages = 0
         """Device pages lent to staging this step (counted in ``used``)."""
         self._flat = (self.dev[0].view(-1, c.kv_heads, c.head_dim), self.dev[1].view(-1, c.kv_heads, c.head_dim))
+        self.row_writer: RowWriter | None = None
+        """Writes a layer's new K and V rows in ONE launch (:data:`RowWriter`); None: two
+        ``index_copy_`` launches. The SGLang adapter sets SGLang's own KV store kernel on CUDA
+        (:class:`sglang_ext.store_cache_writer.StoreCacheWriter`): the launches vanilla SGLang's
+        pool makes, one per layer."""
         self._in_place: list[tuple[torch.Tensor, torch.Tensor]] = []
         """Identity layout: per-layer K/V views (built once; ``dev`` is never reallocated)."""
         if self.identity:
@@ -241,9 +252,24 @@ class SlotKVStore:
 
     def write_rows(self, k_rows: torch.Tensor, v_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """New K/V ``[n, H, D]`` into device rows (K rows of ``device_views()[0]``, V rows of
-        ``[1]``): two scatter launches, no host work."""
+        ``[1]``): one launch through :attr:`row_writer` when both go to the same rows, else two
+        scatter launches; no host work."""
+        if k_rows is v_rows:
+            self.write_into(self._flat[0], self._flat[1], k_rows, k, v)
+            return
         self._flat[0].index_copy_(0, k_rows, k)
         self._flat[1].index_copy_(0, v_rows, v)
+
+    def write_into(self, k_dst: torch.Tensor, v_dst: torch.Tensor, rows: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> None:
+        """``k_dst[rows] = k``, ``v_dst[rows] = v`` (views of the device pool: the flat rows, or an
+        identity layer in place): :attr:`row_writer`'s one launch, else two ``index_copy_``."""
+        writer = self.row_writer
+        if writer is not None:
+            writer(k_dst, v_dst, rows, k, v)
+            return
+        k_dst.index_copy_(0, rows, k)
+        v_dst.index_copy_(0, rows, v)
 
     def mark_dirty(self, flat_ids: np.ndarray) -> None:
         """Layer-pages ``l * P + p`` (int64 NumPy) got new KV on their device copy."""
