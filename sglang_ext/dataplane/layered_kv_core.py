@@ -391,7 +391,7 @@ class LayeredKVCore:
             self.store.write_rows(rows, rows, k, v)
             parked = tables.token_writeback  # type: ignore[union-attr]
             if parked is not None:  # a decode step's new tokens of host-only layer-pages
-                parked.park(layer, k, v)
+                parked.park(layer, k, v, self.store.row_writer)
 
     def write_recompute(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
         """Recomputed prefix K/V at ``layer`` (``[>= active, H, D]``, in the step's recompute

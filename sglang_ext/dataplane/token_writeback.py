@@ -10,8 +10,8 @@ that write-back (the fetch overwrites the staging page the write-back reads).
 
 Now each new token of a host-only (layer, request) is also *parked*: :meth:`park` copies the
 layer's new K and V rows (``[m, H, D]``, the batch's tokens in order) into a step buffer
-``[S, 2, m, H, D]`` (``S``: the layers with such tokens) -- two device copies, no host work,
-inside the layer. After the last such layer, :meth:`LayerPipeline.end_layer` issues ONE D2H of
+``[S, 2, m, H, D]`` (``S``: the layers with such tokens) -- two device copies (one launch with
+the store's ``row_writer``), no host work, inside the layer. After the last such layer, :meth:`LayerPipeline.end_layer` issues ONE D2H of
 the parked rows to the tokens' rows of the block-first host pool (``host_rows``: the pool as
 ``[P * L * 2 * page_size, H * D]``; row ``((p * L + l) * 2 + kv) * page_size + offset``), from the
 step's single upload of indices. The host copy then equals what the page write-back left (the
@@ -30,11 +30,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from sglang_ext.dataplane.step_tables import Launch
+
+if TYPE_CHECKING:
+    from sglang_ext.dataplane.slot_kv_store import RowWriter
 
 
 @dataclass
@@ -55,16 +59,26 @@ class TokenWriteback:
     """``buf`` unbound into its ``2 S`` ``[m, H, D]`` parts (K then V of each slot), at the boundary:
     a layer's park is then its two copies and nothing else."""
 
+    _arange: torch.Tensor = field(init=False, compare=False, repr=False)
+    """Rows ``0..m-1`` on the buffer's device: where a :data:`RowWriter` park writes (made at the
+    boundary, so every parked layer runs the same ops)."""
+
     def __post_init__(self) -> None:
         s, _, m, h, d = self.buf.shape
         self._rows = self.buf.view(2 * s, m, h, d).unbind(0)
+        self._arange = torch.arange(m, device=self.buf.device)
 
-    def park(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Keep layer ``layer``'s new K and V (``[m, H, D]``) for the write-back (two copies)."""
+    def park(self, layer: int, k: torch.Tensor, v: torch.Tensor, writer: RowWriter | None = None) -> None:
+        """Keep layer ``layer``'s new K and V (``[m, H, D]``) for the write-back: two copies, or
+        one launch of ``writer`` (the store's :attr:`~SlotKVStore.row_writer`) to rows ``0..m-1``."""
         slot = self.slots[layer]
-        if slot >= 0:
+        if slot < 0:
+            return
+        if writer is None:
             self._rows[2 * slot].copy_(k)
             self._rows[2 * slot + 1].copy_(v)
+            return
+        writer(self._rows[2 * slot], self._rows[2 * slot + 1], self._arange, k, v)
 
     def src_rows(self) -> torch.Tensor:
         """:attr:`buf` as the launch's source rows ``[S * 2 * m, H * D]``."""

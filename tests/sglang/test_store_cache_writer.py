@@ -31,6 +31,11 @@ class StandIn:
     def __init__(self) -> None:
         self.rows_written: set[int] = set()
         self.calls = 0
+        self.pool: torch.Tensor | None = None
+        """The core's device pool: calls writing into it are counted in :attr:`pool_calls`."""
+        self.pool_calls = 0
+        self.drop_parks = False
+        """Negative control: calls writing anywhere but the pool (parks) write nothing."""
 
     def __call__(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  indices: torch.Tensor, *, row_bytes: int = 0, v_row_bytes: int = 0, num_split: int = 0,
@@ -39,11 +44,14 @@ class StandIn:
         assert row_bytes == k.shape[1] * k.element_size() and v_row_bytes == v.shape[1] * v.element_size()
         limit = size_limit or k_cache.shape[0]
         assert bool(((indices >= 0) & (indices < limit)).all()), "the kernel asserts index < size_limit"
-        keep = indices != reserved_skip_index
+        into_pool = self.pool is not None and k_cache.untyped_storage().data_ptr() == self.pool.untyped_storage().data_ptr()
+        keep = (indices != reserved_skip_index) & (into_pool or not self.drop_parks)
         k_cache[indices[keep]] = k[keep]
         v_cache[indices[keep]] = v[keep]
-        self.rows_written.update(indices[keep].tolist())
         self.calls += 1
+        if into_pool:
+            self.rows_written.update(indices[keep].tolist())
+            self.pool_calls += 1
 
 
 def store_cache_stand_in(k, v, k_cache, v_cache, indices, *, row_bytes=0, v_row_bytes=0, num_split=0,  # noqa: ANN001, ANN201
@@ -73,6 +81,7 @@ def _drive(device_pages: int | None, stand_in: StandIn) -> tuple[CoreDriver, Sto
     core = make_core(device_pages)
     writer = StoreCacheWriter(stand_in, ROW_BYTES)
     core.store.row_writer = writer
+    stand_in.pool = core.store.dev
     driver = CoreDriver(core, seed=3)
     offload_scenario(driver)  # the shadow check inside every layer, and at rest
     return driver, writer
@@ -80,15 +89,22 @@ def _drive(device_pages: int | None, stand_in: StandIn) -> tuple[CoreDriver, Sto
 
 @pytest.mark.parametrize("device_pages", [None, 33 + 6], ids=["identity", "paged"])
 def test_the_served_core_writes_each_layer_in_one_call(device_pages) -> None:
-    """The scenario's prefill, decode steps, pause and resume: every layer's write is ONE kernel
-    call, none falls back, and every token reads back exact (the driver's shadow checks). In
-    the paged layout the writes reach device row 0."""
+    """The scenario's prefill, decode steps, pause and resume: every layer's write into the pool
+    is ONE kernel call, none falls back, and every token reads back exact (the driver's shadow
+    checks inside each layer, and at rest from host memory). In the paged layout the writes
+    reach device row 0, and the decode steps' new tokens of host-only layers are parked with
+    one call a layer too (:class:`TokenWriteback`), not two copies."""
     stand_in = StandIn()
     driver, writer = _drive(device_pages, stand_in)
     assert writer.fallbacks == 0
-    assert writer.calls == stand_in.calls == LAYERS * driver.steps
-    if device_pages is not None:
+    assert stand_in.pool_calls == LAYERS * driver.steps
+    parks = stand_in.calls - stand_in.pool_calls
+    assert writer.calls == stand_in.calls
+    if device_pages is None:
+        assert parks == 0  # the identity layout stages in place: nothing parks
+    else:
         assert 0 in stand_in.rows_written
+        assert parks > 0
 
 
 def test_sglangs_default_skip_index_would_lose_row_zero(monkeypatch) -> None:
@@ -97,6 +113,15 @@ def test_sglangs_default_skip_index_would_lose_row_zero(monkeypatch) -> None:
     monkeypatch.setattr(store_cache_writer, "NO_SKIP", 0)
     with pytest.raises(AssertionError, match=r"\('[ab]', \d\)"):  # the driver's shadow check: (rid, layer)
         _drive(33 + 6, StandIn())
+
+
+def test_parks_through_the_writer_are_what_reaches_host_memory() -> None:
+    """Negative control of the parked path: a writer whose parks write nothing leaves the decode
+    tokens of host-only layers out of host memory, and the driver's checks fail."""
+    stand_in = StandIn()
+    stand_in.drop_parks = True
+    with pytest.raises(AssertionError, match=r"\('[ab]', \d\)"):  # a later step reads the host copy
+        _drive(33 + 6, stand_in)
 
 
 def test_rows_that_are_not_contiguous_go_through_two_index_copies() -> None:
