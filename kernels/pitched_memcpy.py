@@ -81,6 +81,86 @@ def strided_runs(src_idx: np.ndarray, dst_idx: np.ndarray, src_step: int,
     return src[starts], dst[starts], lengths
 
 
+def free_pitch_runs(fixed_idx: np.ndarray, free_idx: np.ndarray,
+                    fixed_step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Runs whose ``fixed_idx`` advance by ``fixed_step`` and whose ``free_idx`` advance by a
+    constant step of their own (>= 1): ``(fixed_start, free_start, length, free_step)``, every
+    pair in exactly one run, in order (``free_step`` 0 for runs of 1).
+
+    A long decode's pages interleave across the batch (SGLang hands out a page to whichever
+    request crosses a page boundary next), so one request's pages at a layer are ``k * 2L`` host
+    rows apart for a ``k`` of their own, not ``2L``: :func:`strided_runs` at ``2L`` sees runs of
+    1. A link (pair ``i`` to ``i + 1``) joins a run when it belongs to a block of at least two
+    consecutive links with the fixed step and one equal free step; where two such blocks share a
+    pair, the later block gives up its first link (each run stays one progression). Isolated
+    two-pair progressions stay runs of 1 (vectorised, no pass per pair in Python)."""
+    fixed = np.asarray(fixed_idx, dtype=np.int64)
+    free = np.asarray(free_idx, dtype=np.int64)
+    n = int(fixed.size)
+    if n < 3:
+        ones = np.ones(n, dtype=np.int64)
+        return fixed, free, ones, np.zeros(n, dtype=np.int64)
+    d = np.diff(free)
+    good = (np.diff(fixed) == fixed_step) & (d >= 1)
+    same = good[1:] & good[:-1] & (d[1:] == d[:-1])  # link j+1 continues link j's step
+    if not same.any():  # no progression of three: every pair alone
+        return fixed, free, np.ones(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    eq_prev = np.concatenate([[False], same])
+    eq_next = np.concatenate([same, [False]])
+    block = eq_prev | eq_next
+    keep = block & ~(block & ~eq_prev & np.concatenate([[False], block[:-1]]))
+    starts = np.concatenate([[0], np.flatnonzero(~keep) + 1])
+    lengths = np.diff(np.append(starts, n))
+    step = np.where(lengths > 1, d[np.minimum(starts, n - 2)], 0)
+    return fixed[starts], free[starts], lengths, step
+
+
+FREE_PITCH_MIN = 64
+"""Pairs left single by the fixed-step runs below which :func:`plan_runs` does not look for
+free-step runs: that pass costs 10-35 us of NumPy whatever its size (the CPU host), what the
+batched memcpy's host cost for 10-20 single segments is (1.2-2 us each on an H100), and a placed
+step makes it per fetch launch. A batch of 32 whose requests each hold two decode pages at a
+layer already leaves 64."""
+
+RunGroup = tuple[np.ndarray, np.ndarray, np.ndarray, "int | np.ndarray", "int | np.ndarray"]
+"""``(src_start, dst_start, length, src_step, dst_step)``: runs with one step each side, or a step
+per run (arrays)."""
+
+
+def plan_runs(src_idx: np.ndarray, dst_idx: np.ndarray, src_step: int, dst_step: int,
+              min_run: int = 2) -> tuple[list[RunGroup], np.ndarray, np.ndarray]:
+    """A copy's pairs as 2-D copies and single segments: ``(groups, rest_src, rest_dst)``, each
+    group's runs of ``min_run`` rows or more (one :meth:`PitchedMemcpy.copy_runs` call each).
+    First :func:`strided_runs` at the given steps; then, when one side is pitched (``src_step``
+    or ``dst_step`` above 1: the block-first host pool) and at least :data:`FREE_PITCH_MIN` pairs
+    are left single, those are cut by :func:`free_pitch_runs` with that side's step free (a long
+    decode's interleaved pages): a second group with a step per run."""
+    s0, d0, n = strided_runs(src_idx, dst_idx, src_step, dst_step)
+    long = n >= min_run
+    groups: list[RunGroup] = []
+    if long.all():
+        return ([(s0, d0, n, src_step, dst_step)] if n.size else []), s0[:0], d0[:0]
+    if long.any():
+        groups.append((s0[long], d0[long], n[long], src_step, dst_step))
+    rest_s, rest_d = s0[~long], d0[~long]
+    if (src_step > 1) == (dst_step > 1) or rest_s.size < FREE_PITCH_MIN:
+        return groups, rest_s, rest_d
+    host_is_src = src_step > 1
+    fixed_step = dst_step if host_is_src else src_step
+    f0, h0, m, step = free_pitch_runs(rest_d if host_is_src else rest_s, rest_s if host_is_src else rest_d, fixed_step)
+    more = m >= min_run
+    if not more.any():
+        return groups, rest_s, rest_d
+    groups.append((h0[more], f0[more], m[more], step[more], fixed_step) if host_is_src else
+                  (f0[more], h0[more], m[more], fixed_step, step[more]))
+    short = ~more  # the pairs of the runs too short, expanded
+    ms = m[short]
+    within = np.arange(int(ms.sum())) - np.repeat(np.cumsum(ms) - ms, ms)
+    free_rows = np.repeat(h0[short], ms) + within * np.repeat(step[short], ms)
+    fixed_rows = np.repeat(f0[short], ms) + within * fixed_step
+    return groups, *((free_rows, fixed_rows) if host_is_src else (fixed_rows, free_rows))
+
+
 class PitchedMemcpy:
     """``cuMemcpy2DAsync`` bound from the driver (module docstring). Construction raises
     ``RuntimeError`` naming what is missing."""
@@ -107,10 +187,11 @@ class PitchedMemcpy:
         self.calls = self.rows = 0
         self.call_seconds = 0.0
 
-    def copy_runs(self, dsts: np.ndarray, dst_pitch: int, srcs: np.ndarray, src_pitch: int, width: int,
-                  heights: np.ndarray, stream: int) -> None:
+    def copy_runs(self, dsts: np.ndarray, dst_pitch: int | np.ndarray, srcs: np.ndarray,
+                  src_pitch: int | np.ndarray, width: int, heights: np.ndarray, stream: int) -> None:
         """Run ``r``: ``heights[r]`` rows of ``width`` bytes from ``srcs[r]`` (rows ``src_pitch``
-        bytes apart) to ``dsts[r]`` (``dst_pitch`` apart), on the CUDA stream handle ``stream``."""
+        bytes apart: one pitch, or one per run) to ``dsts[r]`` (``dst_pitch`` apart), on the CUDA
+        stream handle ``stream``."""
         n = check_runs(dsts, srcs, heights, width, src_pitch, dst_pitch)
         if n == 0:
             return
@@ -132,12 +213,14 @@ class PitchedMemcpy:
         self.rows += int(heights.sum())
 
 
-def check_runs(dsts: np.ndarray, srcs: np.ndarray, heights: np.ndarray, width: int, src_pitch: int,
-               dst_pitch: int) -> int:
+def check_runs(dsts: np.ndarray, srcs: np.ndarray, heights: np.ndarray, width: int, src_pitch: int | np.ndarray,
+               dst_pitch: int | np.ndarray) -> int:
     """How many runs a :meth:`PitchedMemcpy.copy_runs` call holds; ``ValueError`` for arrays of
-    other lengths or rows wider than a pitch (they would overlap)."""
+    other lengths (pitches: one, or one per run) or rows wider than a pitch (they would overlap)."""
     n = int(heights.size)
-    if not (dsts.size == srcs.size == n) or width > min(src_pitch, dst_pitch):
+    pitches = [np.atleast_1d(np.asarray(p, dtype=np.int64)) for p in (src_pitch, dst_pitch)]
+    if (not (dsts.size == srcs.size == n) or any(p.size not in (1, n) for p in pitches)
+            or (n and width > min(int(p.min()) for p in pitches))):
         raise ValueError(f"copy_runs: {dsts.size} / {srcs.size} / {n} runs, width {width} over a pitch "
                          f"({src_pitch}, {dst_pitch})")
     return n

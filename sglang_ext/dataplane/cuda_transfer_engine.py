@@ -23,7 +23,7 @@ import torch
 from kernels.batched_memcpy import BatchedMemcpy, row_bytes, segment_pointers
 from kernels.batched_memcpy import probe as probe_dma
 from kernels.block_copy import copy_segments, word_view
-from kernels.pitched_memcpy import PitchedMemcpy, run_pointers, strided_runs
+from kernels.pitched_memcpy import PitchedMemcpy, plan_runs, run_pointers
 from kernels.pitched_memcpy import probe as probe_pitched
 from kernels.pitched_memcpy import probe_in_subprocess as probe_copy_engines
 from sglang_ext.dataplane.event_clock import EventClock
@@ -178,8 +178,10 @@ class CudaTransferEngine(TransferEngine):
                   steps: tuple[int, int] = (1, 1)) -> bool:
         """The copies ``dst[dst_idx[i]] = src[src_idx[i]]`` on the copy engines, on the current
         (side) stream: the strided runs (``steps``: source and destination rows between a run's
-        rows) of :data:`MIN_RUN` rows or more as one 2-D copy each, the other segments as one
-        batched memcpy (all of them where the 2-D copies were refused). True when enqueued.
+        rows; then, on the host side, runs with a step of their own: a long decode's interleaved
+        pages, :func:`kernels.pitched_memcpy.plan_runs`) of :data:`MIN_RUN` rows or more as one
+        2-D copy each, the other segments as one batched memcpy (all of them where the 2-D copies
+        were refused). True when enqueued.
 
         A call the driver refuses while serving does not fail the step: a refused 2-D copy turns
         them off (:attr:`pitched_error`) and the batched memcpy takes every segment; a refused
@@ -191,15 +193,15 @@ class CudaTransferEngine(TransferEngine):
         stream = torch.cuda.current_stream(self.device).cuda_stream
         if self._pitched is not None:
             row = row_bytes(src, dst)
-            s0, d0, n = strided_runs(src_idx, dst_idx, *steps)
-            long = n >= MIN_RUN
+            groups, rest_s, rest_d = plan_runs(src_idx, dst_idx, *steps, MIN_RUN)
             try:
-                if long.any():
-                    dsts, srcs = run_pointers(src.data_ptr(), dst.data_ptr(), row, s0[long], d0[long])
-                    self._pitched.copy_runs(dsts, steps[1] * row, srcs, steps[0] * row, row, n[long], stream)
-                    if long.all():
+                for s0, d0, n, s_step, d_step in groups:
+                    dsts, srcs = run_pointers(src.data_ptr(), dst.data_ptr(), row, s0, d0)
+                    self._pitched.copy_runs(dsts, d_step * row, srcs, s_step * row, row, n, stream)
+                if groups:
+                    if not rest_s.size:
                         return True
-                    src_idx, dst_idx = s0[~long], d0[~long]  # runs of one row: the segment itself
+                    src_idx, dst_idx = rest_s, rest_d  # left single: the segments themselves
             except RuntimeError as exc:
                 self._pitched, self.pitched_error = None, str(exc)
                 log.warning("kv_copy_engine_pitched_refused", error=self.pitched_error)

@@ -78,8 +78,8 @@ class PointerMemcpy:
         self.copies += n
         self.bytes += int(sizes.sum())
 
-    def copy_runs(self, dsts: np.ndarray, dst_pitch: int, srcs: np.ndarray, src_pitch: int, width: int,
-                  heights: np.ndarray, stream: int) -> None:
+    def copy_runs(self, dsts: np.ndarray, dst_pitch: int | np.ndarray, srcs: np.ndarray, src_pitch: int | np.ndarray,
+                  width: int, heights: np.ndarray, stream: int) -> None:
         """:meth:`kernels.pitched_memcpy.PitchedMemcpy.copy_runs`: each run's rows, at their
         pitches, resolved and copied as :meth:`copy` does (one call)."""
         n = check_runs(dsts, srcs, heights, width, src_pitch, dst_pitch)
@@ -88,7 +88,9 @@ class PointerMemcpy:
         k = np.arange(int(heights.sum()), dtype=np.uint64) - np.repeat(
             (np.cumsum(heights) - heights).astype(np.uint64), heights)
         run_d, run_s = np.repeat(dsts.astype(np.uint64), heights), np.repeat(srcs.astype(np.uint64), heights)
-        self.copy(run_d + k * np.uint64(dst_pitch), run_s + k * np.uint64(src_pitch),
+        d_pitch, s_pitch = (np.repeat(np.broadcast_to(np.asarray(p, dtype=np.uint64), (n,)), heights)
+                            for p in (dst_pitch, src_pitch))  # one pitch, or one per run
+        self.copy(run_d + k * d_pitch, run_s + k * s_pitch,
                   np.full(k.size, width, dtype=np.uint64), stream)
         self.runs += n
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from kernels import pitched_memcpy
 from sglang_ext.dataplane import cuda_transfer_engine as te
 from tests.dataplane.core_driver import PAGES, CoreDriver, make_core, offload_scenario
 from tests.dataplane.cuda_simulation import install, track_core
@@ -56,13 +57,26 @@ def _shift_sources(mp: pytest.MonkeyPatch) -> None:
 
 def _long_runs(mp: pytest.MonkeyPatch) -> None:
     """A negative control of the 2-D copies: every strided run one row too long."""
-    real = te.strided_runs
+    real = te.plan_runs
 
     def longer(*args):  # noqa: ANN002, ANN202
-        s0, d0, n = real(*args)
-        return s0, d0, n + 1
+        groups, rest_s, rest_d = real(*args)
+        return [(s0, d0, n + 1, s_step, d_step) for s0, d0, n, s_step, d_step in groups], rest_s, rest_d
 
-    mp.setattr(te, "strided_runs", longer)
+    mp.setattr(te, "plan_runs", longer)
+
+
+def _free_step_off(mp: pytest.MonkeyPatch) -> None:
+    """A negative control of the free-step runs (a long decode's interleaved pages): each such
+    run's host step one row more, with the pass on at toy sizes."""
+    real = pitched_memcpy.free_pitch_runs
+
+    def off(*args):  # noqa: ANN002, ANN202
+        f0, h0, m, step = real(*args)
+        return f0, h0, m, np.where(m > 1, step + 1, step)
+
+    mp.setattr(pitched_memcpy, "free_pitch_runs", off)
+    mp.setattr(pitched_memcpy, "FREE_PITCH_MIN", 3)
 
 
 def _handle_of(which: str) -> Callable[[pytest.MonkeyPatch], None]:
@@ -86,22 +100,27 @@ def test_the_copy_engines_calls_are_right_at_the_pointer_level(monkeypatch):
     and one batched memcpy of the rest. Every address lies in the pool it names, the bytes moved
     are the KV the driver expects at every step, and each call runs on the stream the engine's
     events describe; the same holds with the batched memcpy alone (2-D copies refused).
-    Negative controls: source addresses one row off, or runs one row too long (the KV check or
-    the address check fails); every copy handed the compute stream's handle, or the H2D
-    stream's (the order check fails)."""
+    Decode pages interleave across the batch, so some runs go at a host step of their own.
+    Negative controls: source addresses one row off, runs one row too long, or the free-step
+    runs' host step one row off (the KV check or the address check fails); every copy handed the
+    compute stream's handle, or the H2D stream's (the order check fails)."""
     pitches: set[tuple[int, int]] = set()
     with monkeypatch.context() as mp:
         real_runs = PointerMemcpy.copy_runs
 
         def seen(self, d, dp, s, sp, w, h, stream):  # noqa: ANN001, ANN202
-            pitches.add((sp // w, dp // w))  # (source, destination) rows between a run's rows
+            rows_apart = (np.broadcast_to(np.asarray(p) // w, h.shape).tolist() for p in (sp, dp))
+            pitches.update(zip(*rows_apart, strict=True))  # (source, destination) rows between a run's rows
             return real_runs(self, d, dp, s, sp, w, h, stream)
 
         mp.setattr(PointerMemcpy, "copy_runs", seen)
+        mp.setattr(pitched_memcpy, "FREE_PITCH_MIN", 3)  # the free-step pass at toy sizes too
         sim, driver = scenario(mp, more_steps=20, dma=True)
     dma, rows = driver.core.store.engine._dma, driver.core.store.engine.host_page_rows
     assert sim.violations == [] and dma.runs > 20 and dma.copies > 100 and dma.bytes > 0, (dma.runs, dma.copies)
     assert {(rows, 1), (1, rows)} <= pitches, pitches  # fetches and onloads; write-backs (block-first host)
+    # decode pages interleave across the batch: runs at a host pitch of their own (plan_runs)
+    assert any(sp > rows and sp % rows == 0 and dp == 1 for sp, dp in pitches), pitches
     with monkeypatch.context() as mp:
         sim = install(mp, dma=True, pitched=False)
         core = make_core(PAGES + 6)
@@ -110,7 +129,7 @@ def test_the_copy_engines_calls_are_right_at_the_pointer_level(monkeypatch):
         with sim.tracer():
             offload_scenario(driver)
         assert sim.violations == [] and core.store.engine._dma.runs == 0 and core.store.engine._dma.copies > 50
-    for broken in (_shift_sources, _long_runs):
+    for broken in (_shift_sources, _long_runs, _free_step_off):
         with monkeypatch.context() as mp, pytest.raises((AssertionError, RuntimeError)):
             scenario(mp, broken, more_steps=20, dma=True)
     with monkeypatch.context() as mp:  # the write-backs run on compute: the host's fence misses them

@@ -16,6 +16,8 @@ from kernels.pitched_memcpy import (
     RECORD,
     PitchedMemcpy,
     _Memcpy2D,
+    free_pitch_runs,
+    plan_runs,
     probe_in_subprocess,
     run_pointers,
     strided_runs,
@@ -46,6 +48,94 @@ def test_runs_expand_back_to_the_pairs_and_are_maximal():
     moved = s0.copy()
     moved[-1] += 1  # the last run starting one row later: same length, other pairs
     assert not np.array_equal(_expand(moved, d0, k, 2 * L, 1)[0], src)
+
+
+def _expand_steps(s0: np.ndarray, d0: np.ndarray, n: np.ndarray, s_step: np.ndarray,
+                  d_step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_expand` with a step per run."""
+    k = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+    return np.repeat(s0, n) + k * np.repeat(s_step, n), np.repeat(d0, n) + k * np.repeat(d_step, n)
+
+
+def _groups(groups: list) -> tuple[np.ndarray, ...]:
+    """:func:`plan_runs`' groups as one ``(src_start, dst_start, length, src_step, dst_step)``
+    with a step per run."""
+    if not groups:
+        return tuple(np.zeros(0, dtype=np.int64) for _ in range(5))
+    parts = [(s0, d0, n, np.broadcast_to(ss, n.shape), np.broadcast_to(ds, n.shape)) for s0, d0, n, ss, ds in groups]
+    return tuple(np.concatenate(column) for column in zip(*parts, strict=True))
+
+
+def test_free_pitch_runs_are_progressions_that_give_back_the_pairs():
+    """Any pairs (random, structured, progressions meeting at a pair): every run is one
+    progression at its own free step (>= 1) and the fixed step, and the runs give back exactly
+    the pairs in order. Negative control: a run's step one off gives other pairs."""
+    rng = np.random.default_rng(1)
+    checked = 0
+    for trial in range(600):
+        n = int(rng.integers(0, 60))
+        if trial % 3 == 0:
+            free, fixed = rng.integers(0, 40, n), rng.integers(0, 40, n)
+        elif trial % 3 == 1:
+            free, fixed = np.cumsum(rng.choice([1, 2, 3, 8], n)), np.cumsum(rng.choice([1, 1, 1, 2], n))
+        else:
+            free, fixed = np.cumsum(rng.choice([6, 6, 6, 24, 24, 5], n)), np.arange(n) + 3
+        f0, h0, m, step = free_pitch_runs(fixed, free, 1)
+        got_f, got_h = _expand_steps(f0, h0, m, np.ones_like(m), step)
+        assert np.array_equal(got_h, free) and np.array_equal(got_f, fixed)
+        assert (step[m > 1] >= 1).all() and (step[m == 1] == 0).all()
+        if (m > 2).any():
+            checked += 1
+            bad = step.copy()
+            bad[np.flatnonzero(m > 2)[0]] += 1
+            assert not np.array_equal(_expand_steps(f0, h0, m, np.ones_like(m), bad)[1], free)
+    assert checked > 100
+    # two progressions sharing pair 3 (steps 2 then 5): the later one gives up its first link
+    f0, h0, m, step = free_pitch_runs(np.arange(7), np.array([0, 2, 4, 6, 11, 16, 21]), 1)
+    assert m.tolist() == [4, 3] and step.tolist() == [2, 5] and h0.tolist() == [0, 11]
+
+
+def test_a_long_decodes_interleaved_pages_are_runs_at_their_own_pitch():
+    """Four requests with 8 prompt pages each, then 30 decode pages each handed out in turn
+    (request r's decode pages 4 apart): a layer's fetch into consecutive staging pages is one
+    run at 2L plus one at 4 x 2L per request (8 runs for 152 segments, none left single). With
+    the fixed step alone (the negative control) each decode page is a run of its own."""
+    reqs, prompt, decode = 4, 8, 30
+    pages = [list(range(100 + 10 * r, 100 + 10 * r + prompt)) + [500 + t * reqs + r for t in range(decode)]
+             for r in range(reqs)]
+    src = np.concatenate([np.array(p) * 2 * L + 2 for p in pages])
+    dst = np.arange(src.size) + 7
+    groups, rest_s, rest_d = plan_runs(src, dst, 2 * L, 1)
+    s0, d0, n, s_step, d_step = _groups(groups)
+    assert len(groups) == 2 and n.size == 2 * reqs and rest_s.size == 0
+    assert sorted(set(s_step.tolist())) == [2 * L, 4 * 2 * L] and set(d_step.tolist()) == {1}
+    got_s, got_d = _expand_steps(s0, d0, n, s_step, d_step)
+    assert sorted(zip(got_s.tolist(), got_d.tolist(), strict=True)) == sorted(zip(src.tolist(), dst.tolist(), strict=True))
+    assert strided_runs(src, dst, 2 * L, 1)[2].size == reqs * (1 + decode)
+    # write-backs (the host is the destination): the same runs, mirrored
+    groups, rest_s, _ = plan_runs(dst, src, 1, 2 * L)
+    s0, d0, n, s_step, d_step = _groups(groups)
+    assert n.size == 2 * reqs and rest_s.size == 0 and sorted(set(d_step.tolist())) == [2 * L, 4 * 2 * L]
+
+
+def test_plan_runs_leaves_pairs_single_only_where_no_progression_holds():
+    """Random pairs: the runs and the single pairs together are exactly the pairs; runs are at
+    least two rows; both pools unpitched (a device copy) gets no free-step pass."""
+    rng = np.random.default_rng(2)
+    for _ in range(300):
+        n = int(rng.integers(0, 50))
+        src, dst = np.cumsum(rng.choice([2 * L, 3 * 2 * L, 1, 7], n)), np.cumsum(rng.choice([1, 1, 2], n))
+        for steps in ((2 * L, 1), (1, 2 * L), (1, 1)):
+            a, b = (src, dst) if steps[0] > 1 or steps == (1, 1) else (dst, src)
+            s0, d0, m, ss, ds = _groups((groups := plan_runs(a, b, *steps))[0])
+            rest_s, rest_d = groups[1], groups[2]
+            assert (m >= 2).all()
+            got_s, got_d = _expand_steps(s0, d0, m, ss, ds)
+            pairs = sorted(zip(np.concatenate([got_s, rest_s]).tolist(), np.concatenate([got_d, rest_d]).tolist(),
+                                  strict=True))
+            assert pairs == sorted(zip(a.tolist(), b.tolist(), strict=True))
+            if steps == (1, 1):
+                assert set(ss.tolist()) <= {1} and set(ds.tolist()) <= {1}
 
 
 def test_a_layers_fetch_of_consecutive_pages_is_one_run_per_request_and_half():
@@ -107,6 +197,14 @@ def test_descriptors_have_the_driver_layout():
     assert pm.calls == 2 and pm.rows == 4
     with pytest.raises(ValueError, match="over a pitch"):
         pm.copy_runs(np.array([0], dtype=np.uint64), 32, np.array([0], dtype=np.uint64), 512, 64, np.array([1]), 0)
+    seen.clear()  # a pitch per run (plan_runs' free-step runs): each record gets its own
+    pm.copy_runs(np.array([1000, 5000], dtype=np.uint64), 64, np.array([7, 9], dtype=np.uint64),
+                 np.array([512, 2048]), 64, np.array([3, 2]), 5)
+    assert [(op[2], op[5], op[7]) for op in seen] == [(512, 64, 3), (2048, 64, 2)]
+    for bad_pitch in (np.array([512, 32]), np.array([512, 512, 512])):  # under the width; not one per run
+        with pytest.raises(ValueError, match="over a pitch"):
+            pm.copy_runs(np.array([0, 8], dtype=np.uint64), 64, np.array([0, 8], dtype=np.uint64), bad_pitch, 64,
+                         np.array([1, 1]), 0)
 
 
 def test_bad_runs_are_refused():

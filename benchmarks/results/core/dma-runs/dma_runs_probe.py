@@ -8,7 +8,9 @@ On the CPU host (no GPU): the served core at the check's batch (32 requests, con
 the copy engines would take them: segments (one ``cuMemcpyBatchAsync`` descriptor each before
 this change), strided runs (one ``cuMemcpy2DAsync`` each now), and the runs with the staging
 pages in the allocator's order (descending: what the runs were before ``StagingRoom.take``
-sorted them), plus the host time of working out the runs and their pointers.
+sorted them), plus the host time of working out the runs and their pointers; and the served plan
+(``plan_runs``: the fixed-step runs, then free-step runs for pages left single), also for a
+synthetic batch after a long decode, whose pages interleave across the batch.
 
     PYTHONPATH=. python benchmarks/results/core/dma-runs/dma_runs_probe.py OUT_DIR
 """
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kernels.pitched_memcpy import run_pointers, strided_runs
+from kernels.pitched_memcpy import plan_runs, run_pointers, strided_runs
 from sglang_ext.dataplane.staging_room import StagingRoom
 from sglang_ext.tools.gpu_check_config import GpuCheckConfig
 from sglang_ext.tools.gpu_check_measure import CoreCheck
@@ -53,21 +55,56 @@ def measure(placement: str, ascending: bool) -> dict:
         for _ in range(6):
             specs.clear()
             cc.step()
-            segs = runs = 0
+            segs = fixed = runs = single = 0
             t0 = time.perf_counter()
-            for spec in specs:
+            for spec in specs:  # as CudaTransferEngine._dma_copy plans a fetch
                 src, dst = spec.indices()
-                s0, d0, n = strided_runs(src, dst, engine.host_page_rows, 1)
-                run_pointers(engine.host.data_ptr(), engine.dev.data_ptr(), engine.segment_bytes, s0, d0)
-                segs, runs = segs + src.size, runs + n.size
-            out.append((len(specs), segs, runs, time.perf_counter() - t0))
-        launches, segs, runs, _ = out[-1]
+                groups, rest, _ = plan_runs(src, dst, engine.host_page_rows, 1)
+                for s0, d0, n, _, _ in groups:
+                    run_pointers(engine.host.data_ptr(), engine.dev.data_ptr(), engine.segment_bytes, s0, d0)
+                    runs += n.size
+                segs, single = segs + src.size, single + rest.size
+            elapsed = time.perf_counter() - t0
+            for spec in specs:
+                fixed += strided_runs(*spec.indices(), engine.host_page_rows, 1)[2].size
+            out.append((len(specs), segs, fixed, runs, single, elapsed))
+        launches, segs, fixed, runs, single, _ = out[-1]
         return {"placement": placement, "staging": "ascending" if ascending else "allocator order",
                 "offloaded_layer_pages": int(sum(r.count(0) * n for r, n in zip(rows, b.blocks(0), strict=True))),
-                "fetch_launches": launches, "segments": segs, "runs": runs,
-                "host_ms_indices_runs_pointers": statistics.median(t for *_, t in out[1:]) * 1e3}
+                "fetch_launches": launches, "segments": segs, "runs": fixed, "served_runs": runs,
+                "served_single": single, "host_ms_indices_runs_pointers": statistics.median(t for *_, t in out[1:]) * 1e3}
     finally:
         StagingRoom.take = real
+
+
+def long_decode(decode_pages: int = 64) -> dict:
+    """Synthetic (no core): the check's batch after a long decode -- each request's context as
+    consecutive prompt pages, then ``decode_pages`` more handed out in turn across the batch (as
+    SGLang's allocator does when every request opens a page every 16 steps: one request's decode
+    pages 32 apart) -- and the half-offloaded placement's fetches (layers 16-31) in
+    ``PageFetch.indices`` order (per layer: K of every page of every request, then V) into
+    consecutive staging pages. Runs at the fixed step (``strided_runs``) against the served plan
+    (``plan_runs``: free-step runs for the interleaved pages)."""
+    L, reqs = CFG.layers, CFG.requests
+    prompt = [-(-c // CFG.page_size) for c in CFG.contexts]
+    starts = 1 + np.concatenate([[0], np.cumsum(prompt)[:-1]])
+    first_decode = int(starts[-1] + prompt[-1])
+    pages = [np.concatenate([np.arange(starts[r], starts[r] + prompt[r]),
+                             first_decode + r + reqs * np.arange(decode_pages)]) for r in range(reqs)]
+    flat = np.concatenate(pages)
+    dev_v = 10 * flat.size
+    segs = fixed = runs = single = 0
+    t0 = time.perf_counter()
+    for layer in range(L // 2, L):
+        k = (flat * L + layer) * 2
+        src, dst = np.concatenate([k, k + 1]), np.concatenate([np.arange(flat.size), np.arange(flat.size) + dev_v])
+        groups, rest, _ = plan_runs(src, dst, 2 * L, 1)
+        segs, runs, single = segs + src.size, runs + sum(g[2].size for g in groups), single + rest.size
+        fixed += strided_runs(src, dst, 2 * L, 1)[2].size
+    return {"placement": f"half, after {decode_pages} decode pages a request (synthetic)", "staging": "ascending",
+            "offloaded_layer_pages": segs // 2, "fetch_launches": L // 2, "segments": segs, "runs": fixed,
+            "served_runs": runs, "served_single": single,
+            "host_ms_indices_runs_pointers": (time.perf_counter() - t0) * 1e3}
 
 
 def python_cost_per_run(n: int) -> float:
@@ -94,13 +131,16 @@ def python_cost_per_run(n: int) -> float:
 
 def main() -> None:
     out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
-    rows = [measure(p, asc) for p in ("half", "hidden") for asc in (True, False)]
+    rows = [measure(p, asc) for p in ("half", "hidden") for asc in (True, False)] + [long_decode()]
     machine = f"CPU host ({platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores), no GPU"
     lines = [f"# Copy-engine descriptors per steady decode step ({machine})", "",
-             "| placement | staging | offloaded layer-pages | fetch launches | segments | strided runs | "
-             "host ms (indices + runs + pointers) |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+             "| placement | staging | offloaded layer-pages | fetch launches | segments | strided runs (2L) | "
+             "served runs (plan_runs) | left single | host ms (indices + plan + pointers) |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     lines += [f"| {r['placement']} | {r['staging']} | {r['offloaded_layer_pages']} | {r['fetch_launches']} | "
-              f"{r['segments']} | {r['runs']} | {r['host_ms_indices_runs_pointers']:.2f} |" for r in rows]
+              f"{r['segments']} | {r['runs']} | {r['served_runs']} | {r['served_single']} | "
+              f"{r['host_ms_indices_runs_pointers']:.2f} |" for r in rows]
+    lines += ["", "The synthetic row times only the planning (no indices from a core, no pointers)."]
     per_run = {n: python_cost_per_run(n) for n in (140, 2432)}
     lines += ["", "Host time per run outside the driver (`copy_runs` with a no-op C call in the driver's place): "
               + ", ".join(f"{us:.2f} us at {n} runs" for n, us in per_run.items())
