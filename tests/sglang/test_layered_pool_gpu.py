@@ -161,3 +161,33 @@ def test_flashinfer_plans_soft_cap_and_window_per_layer_and_bounds_wrappers():
     for batch in range(1, 3 * MAX_WRAPPERS):
         decode._wrapper(batch, AttentionParams(num_qo_heads=Q_HEADS))
     assert decode.wrappers == MAX_WRAPPERS
+
+
+def test_the_pool_writes_with_sglangs_store_kernel_including_row_zero():
+    """On CUDA the pool hands the core SGLang's one-launch ``store_cache`` writer: a layer's write
+    through it equals two ``index_copy_`` -- row 0 included (``reserved_skip_index=-1``); with
+    SGLang's default skip index (the negative control) row 0 keeps its old bytes."""
+    from sglang_ext import store_cache_writer
+    from sglang_ext.store_cache_writer import StoreCacheWriter
+
+    pool = make_cuda_pool(budget_tokens=512)
+    writer = pool.store.row_writer
+    assert isinstance(writer, StoreCacheWriter), "SGLang's store_cache was not built on this host"
+    k_dst = torch.zeros(64, KV_HEADS, DIM, dtype=torch.bfloat16, device="cuda")
+    v_dst = torch.zeros_like(k_dst)
+    rows = torch.tensor([0, 5, 63, 7], device="cuda")
+    k = torch.randn(4, KV_HEADS, DIM, device="cuda").to(torch.bfloat16)
+    v = torch.randn_like(k)
+    want_k, want_v = k_dst.clone().index_copy_(0, rows, k), v_dst.clone().index_copy_(0, rows, v)
+    writer(k_dst, v_dst, rows, k, v)
+    torch.cuda.synchronize()
+    assert writer.calls == 1 and torch.equal(k_dst, want_k) and torch.equal(v_dst, want_v)
+    skipping = StoreCacheWriter(writer._store, writer.row_bytes)
+    k_dst.zero_()
+    store_cache_writer.NO_SKIP, saved = 0, store_cache_writer.NO_SKIP
+    try:
+        skipping(k_dst, v_dst, rows, k, v)
+    finally:
+        store_cache_writer.NO_SKIP = saved
+    torch.cuda.synchronize()
+    assert not torch.equal(k_dst, want_k) and torch.equal(k_dst[1:], want_k[1:])
