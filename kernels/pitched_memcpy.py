@@ -81,11 +81,12 @@ def strided_runs(src_idx: np.ndarray, dst_idx: np.ndarray, src_step: int,
     return src[starts], dst[starts], lengths
 
 
-def free_pitch_runs(fixed_idx: np.ndarray, free_idx: np.ndarray,
-                    fixed_step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def free_pitch_runs(fixed_idx: np.ndarray, free_idx: np.ndarray, fixed_step: int,
+                    max_step: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Runs whose ``fixed_idx`` advance by ``fixed_step`` and whose ``free_idx`` advance by a
-    constant step of their own (>= 1): ``(fixed_start, free_start, length, free_step)``, every
-    pair in exactly one run, in order (``free_step`` 0 for runs of 1).
+    constant step of their own (``1..max_step``; None: unbounded): ``(fixed_start, free_start,
+    length, free_step)``, every pair in exactly one run, in order (``free_step`` 0 for runs of 1).
+    The bound keeps a run's pitch within what the driver takes (:data:`MAX_PITCH_BYTES`).
 
     A long decode's pages interleave across the batch (SGLang hands out a page to whichever
     request crosses a page boundary next), so one request's pages at a layer are ``k * 2L`` host
@@ -102,6 +103,8 @@ def free_pitch_runs(fixed_idx: np.ndarray, free_idx: np.ndarray,
         return fixed, free, ones, np.zeros(n, dtype=np.int64)
     d = np.diff(free)
     good = (np.diff(fixed) == fixed_step) & (d >= 1)
+    if max_step is not None:
+        good &= d <= max_step
     same = good[1:] & good[:-1] & (d[1:] == d[:-1])  # link j+1 continues link j's step
     if not same.any():  # no progression of three: every pair alone
         return fixed, free, np.ones(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
@@ -115,6 +118,15 @@ def free_pitch_runs(fixed_idx: np.ndarray, free_idx: np.ndarray,
     return fixed[starts], free[starts], lengths, step
 
 
+MAX_PITCH_BYTES = (1 << 31) - 1
+"""The largest 2-D copy pitch the driver takes where it does not say otherwise
+(``CU_DEVICE_ATTRIBUTE_MAX_PITCH``: 2^31 - 1 bytes on current GPUs; :meth:`PitchedMemcpy.max_pitch`
+asks the driver). A free-step run above it would be refused, and a refusal turns the 2-D copies
+off for the process (``CudaTransferEngine``): runs are cut below it."""
+
+MAX_PITCH_ATTRIBUTE = 11
+"""``CU_DEVICE_ATTRIBUTE_MAX_PITCH`` in ``cuda.h``'s ``CUdevice_attribute``."""
+
 FREE_PITCH_MIN = 64
 """Pairs left single by the fixed-step runs below which :func:`plan_runs` does not look for
 free-step runs: that pass costs 10-35 us of NumPy whatever its size (the CPU host), what the
@@ -127,14 +139,17 @@ RunGroup = tuple[np.ndarray, np.ndarray, np.ndarray, "int | np.ndarray", "int | 
 per run (arrays)."""
 
 
-def plan_runs(src_idx: np.ndarray, dst_idx: np.ndarray, src_step: int, dst_step: int,
-              min_run: int = 2) -> tuple[list[RunGroup], np.ndarray, np.ndarray]:
+def plan_runs(src_idx: np.ndarray, dst_idx: np.ndarray, src_step: int, dst_step: int, min_run: int = 2,
+              max_step: int | None = None) -> tuple[list[RunGroup], np.ndarray, np.ndarray]:
     """A copy's pairs as 2-D copies and single segments: ``(groups, rest_src, rest_dst)``, each
-    group's runs of ``min_run`` rows or more (one :meth:`PitchedMemcpy.copy_runs` call each).
-    First :func:`strided_runs` at the given steps; then, when one side is pitched (``src_step``
-    or ``dst_step`` above 1: the block-first host pool) and at least :data:`FREE_PITCH_MIN` pairs
-    are left single, those are cut by :func:`free_pitch_runs` with that side's step free (a long
-    decode's interleaved pages): a second group with a step per run."""
+    group's runs of ``min_run`` (>= 2) rows or more (one :meth:`PitchedMemcpy.copy_runs` call
+    each), the rest every pair of the shorter runs. First :func:`strided_runs` at the given steps;
+    then, when one side is pitched (``src_step`` or ``dst_step`` above 1: the block-first host
+    pool) and at least :data:`FREE_PITCH_MIN` pairs are left, those are cut by
+    :func:`free_pitch_runs` with that side's step free up to ``max_step`` (a long decode's
+    interleaved pages): a second group with a step per run."""
+    if min_run < 2:
+        raise ValueError(f"plan_runs: min_run must be >= 2 (a 2-D copy of one row has no step), got {min_run}")
     s0, d0, n = strided_runs(src_idx, dst_idx, src_step, dst_step)
     long = n >= min_run
     groups: list[RunGroup] = []
@@ -142,23 +157,31 @@ def plan_runs(src_idx: np.ndarray, dst_idx: np.ndarray, src_step: int, dst_step:
         return ([(s0, d0, n, src_step, dst_step)] if n.size else []), s0[:0], d0[:0]
     if long.any():
         groups.append((s0[long], d0[long], n[long], src_step, dst_step))
-    rest_s, rest_d = s0[~long], d0[~long]
+    rest_s, rest_d = _pairs_of(s0[~long], d0[~long], n[~long], src_step, dst_step, min_run)
     if (src_step > 1) == (dst_step > 1) or rest_s.size < FREE_PITCH_MIN:
         return groups, rest_s, rest_d
     host_is_src = src_step > 1
     fixed_step = dst_step if host_is_src else src_step
-    f0, h0, m, step = free_pitch_runs(rest_d if host_is_src else rest_s, rest_s if host_is_src else rest_d, fixed_step)
+    f0, h0, m, step = free_pitch_runs(rest_d if host_is_src else rest_s, rest_s if host_is_src else rest_d,
+                                      fixed_step, max_step)
     more = m >= min_run
     if not more.any():
         return groups, rest_s, rest_d
     groups.append((h0[more], f0[more], m[more], step[more], fixed_step) if host_is_src else
                   (f0[more], h0[more], m[more], fixed_step, step[more]))
-    short = ~more  # the pairs of the runs too short, expanded
-    ms = m[short]
-    within = np.arange(int(ms.sum())) - np.repeat(np.cumsum(ms) - ms, ms)
-    free_rows = np.repeat(h0[short], ms) + within * np.repeat(step[short], ms)
-    fixed_rows = np.repeat(f0[short], ms) + within * fixed_step
+    free_rows, fixed_rows = _pairs_of(h0[~more], f0[~more], m[~more], step[~more], fixed_step, min_run)
     return groups, *((free_rows, fixed_rows) if host_is_src else (fixed_rows, free_rows))
+
+
+def _pairs_of(a0: np.ndarray, b0: np.ndarray, m: np.ndarray, a_step: int | np.ndarray, b_step: int | np.ndarray,
+              min_run: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every pair of runs ``(a0, b0, m)`` at their steps, in order (runs of one when ``min_run`` is
+    2: the starts themselves, no expansion)."""
+    if min_run == 2:
+        return a0, b0
+    within = np.arange(int(m.sum())) - np.repeat(np.cumsum(m) - m, m)
+    return (np.repeat(a0, m) + within * np.repeat(np.broadcast_to(a_step, m.shape), m),
+            np.repeat(b0, m) + within * np.repeat(np.broadcast_to(b_step, m.shape), m))
 
 
 class PitchedMemcpy:
@@ -176,12 +199,27 @@ class PitchedMemcpy:
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         fn.restype = ctypes.c_int
         self._fn: Any = fn
+        self._lib = lib
         self.calls = 0
         """Runs copied (one driver call each) since construction."""
         self.rows = 0
         """Rows those runs moved."""
         self.call_seconds = 0.0
         """Host time inside the driver calls."""
+
+    def max_pitch(self, ordinal: int) -> int:
+        """``CU_DEVICE_ATTRIBUTE_MAX_PITCH`` (bytes) of CUDA device ``ordinal``, or
+        :data:`MAX_PITCH_BYTES` where the driver does not answer (CUDA initialised by the caller)."""
+        lib = getattr(self, "_lib", None)
+        get_dev, get_attr = (getattr(lib, name, None) for name in ("cuDeviceGet", "cuDeviceGetAttribute"))
+        if get_dev is None or get_attr is None:
+            return MAX_PITCH_BYTES
+        dev, value = ctypes.c_int(), ctypes.c_int()
+        if get_dev(ctypes.byref(dev), ctypes.c_int(ordinal)) != 0:
+            return MAX_PITCH_BYTES
+        if get_attr(ctypes.byref(value), ctypes.c_int(MAX_PITCH_ATTRIBUTE), dev) != 0 or value.value <= 0:
+            return MAX_PITCH_BYTES
+        return int(value.value)
 
     def reset_counts(self) -> None:
         self.calls = self.rows = 0
@@ -221,8 +259,10 @@ def check_runs(dsts: np.ndarray, srcs: np.ndarray, heights: np.ndarray, width: i
     pitches = [np.atleast_1d(np.asarray(p, dtype=np.int64)) for p in (src_pitch, dst_pitch)]
     if (not (dsts.size == srcs.size == n) or any(p.size not in (1, n) for p in pitches)
             or (n and width > min(int(p.min()) for p in pitches))):
-        raise ValueError(f"copy_runs: {dsts.size} / {srcs.size} / {n} runs, width {width} over a pitch "
-                         f"({src_pitch}, {dst_pitch})")
+        sizes = "/".join(str(p.size) for p in pitches)
+        lowest = ", ".join(str(int(p.min())) if p.size else "-" for p in pitches)
+        raise ValueError(f"copy_runs: {dsts.size} / {srcs.size} / {n} runs, pitches of {sizes}, width {width} "
+                         f"over a pitch (smallest source, destination: {lowest})")
     return n
 
 

@@ -23,7 +23,7 @@ import torch
 from kernels.batched_memcpy import BatchedMemcpy, row_bytes, segment_pointers
 from kernels.batched_memcpy import probe as probe_dma
 from kernels.block_copy import copy_segments, word_view
-from kernels.pitched_memcpy import PitchedMemcpy, plan_runs, run_pointers
+from kernels.pitched_memcpy import MAX_PITCH_BYTES, PitchedMemcpy, plan_runs, run_pointers
 from kernels.pitched_memcpy import probe as probe_pitched
 from kernels.pitched_memcpy import probe_in_subprocess as probe_copy_engines
 from sglang_ext.dataplane.event_clock import EventClock
@@ -77,6 +77,8 @@ class CudaTransferEngine(TransferEngine):
         self._dma: BatchedMemcpy | None = None
         """The copy engines' batched memcpy, once :meth:`set_copy_engine` found it working."""
         self._pitched: PitchedMemcpy | None = None
+        self._max_pitch = MAX_PITCH_BYTES
+        """The largest 2-D copy pitch the driver takes (bytes; asked when the 2-D copies are probed)."""
         """The copy engines' 2-D copies (one per strided run), once :meth:`set_copy_engine` found
         them working beside :attr:`_dma` (None: every segment goes to the batched memcpy)."""
         self.dma_error: str | None = None
@@ -156,6 +158,8 @@ class CudaTransferEngine(TransferEngine):
             pitched = PitchedMemcpy()
             probe_pitched(pitched, self.device, self.host)
             pitched.reset_counts()
+            self._max_pitch = pitched.max_pitch(self.device.index if self.device.index is not None
+                                                else torch.cuda.current_device())
         except Exception as exc:  # noqa: BLE001 - any failure keeps one copy per segment
             self.pitched_error = str(exc) or type(exc).__name__
             log.warning("kv_copy_engine_pitched_unavailable", error=self.pitched_error)
@@ -193,7 +197,7 @@ class CudaTransferEngine(TransferEngine):
         stream = torch.cuda.current_stream(self.device).cuda_stream
         if self._pitched is not None:
             row = row_bytes(src, dst)
-            groups, rest_s, rest_d = plan_runs(src_idx, dst_idx, *steps, MIN_RUN)
+            groups, rest_s, rest_d = plan_runs(src_idx, dst_idx, *steps, MIN_RUN, self._max_pitch // row)
             try:
                 for s0, d0, n, s_step, d_step in groups:
                     dsts, srcs = run_pointers(src.data_ptr(), dst.data_ptr(), row, s0, d0)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from kernels import pitched_memcpy
 from kernels.pitched_memcpy import (
     RECORD,
     PitchedMemcpy,
@@ -118,24 +119,69 @@ def test_a_long_decodes_interleaved_pages_are_runs_at_their_own_pitch():
     assert n.size == 2 * reqs and rest_s.size == 0 and sorted(set(d_step.tolist())) == [2 * L, 4 * 2 * L]
 
 
-def test_plan_runs_leaves_pairs_single_only_where_no_progression_holds():
-    """Random pairs: the runs and the single pairs together are exactly the pairs; runs are at
-    least two rows; both pools unpitched (a device copy) gets no free-step pass."""
+@pytest.mark.parametrize("min_run", [2, 3, 5])
+def test_plan_runs_leaves_pairs_single_only_where_no_progression_holds(monkeypatch, min_run):
+    """Random pairs, the free-step pass on from 3 pairs left: the runs (each ``min_run`` rows or
+    more, at most ``max_step`` apart) and the pairs left together are exactly the pairs; both
+    pools unpitched (a device copy) gets no free-step pass; ``min_run`` below 2 is refused."""
+    monkeypatch.setattr(pitched_memcpy, "FREE_PITCH_MIN", 3)
     rng = np.random.default_rng(2)
+    free_runs = 0
     for _ in range(300):
-        n = int(rng.integers(0, 50))
-        src, dst = np.cumsum(rng.choice([2 * L, 3 * 2 * L, 1, 7], n)), np.cumsum(rng.choice([1, 1, 2], n))
+        n = int(rng.integers(0, 200))
+        src, dst = np.cumsum(rng.choice([2 * L, 3 * 2 * L, 1, 7, 40], n)), np.cumsum(rng.choice([1, 1, 2], n))
         for steps in ((2 * L, 1), (1, 2 * L), (1, 1)):
             a, b = (src, dst) if steps[0] > 1 or steps == (1, 1) else (dst, src)
-            s0, d0, m, ss, ds = _groups((groups := plan_runs(a, b, *steps))[0])
+            s0, d0, m, ss, ds = _groups((groups := plan_runs(a, b, *steps, min_run, 3 * 2 * L))[0])
             rest_s, rest_d = groups[1], groups[2]
-            assert (m >= 2).all()
+            free_runs += len(groups) > 1
+            assert (m >= min_run).all() and (ss <= 3 * 2 * L).all() and (ds <= 3 * 2 * L).all()
             got_s, got_d = _expand_steps(s0, d0, m, ss, ds)
             pairs = sorted(zip(np.concatenate([got_s, rest_s]).tolist(), np.concatenate([got_d, rest_d]).tolist(),
                                   strict=True))
             assert pairs == sorted(zip(a.tolist(), b.tolist(), strict=True))
             if steps == (1, 1):
                 assert set(ss.tolist()) <= {1} and set(ds.tolist()) <= {1}
+    assert free_runs > 50  # the free-step pass found runs
+    with pytest.raises(ValueError, match="min_run"):
+        plan_runs(np.arange(4), np.arange(4), 2, 1, 1)
+
+
+def test_free_step_runs_stay_within_the_drivers_pitch():
+    """A run's free step is at most ``max_step`` (the driver's largest pitch in rows): pages 1,000
+    rows apart stay single under a bound of 999, form one run without it (the control)."""
+    far, fixed = np.arange(6) * 1000, np.arange(6)
+    assert free_pitch_runs(fixed, far, 1)[2].tolist() == [6]
+    assert free_pitch_runs(fixed, far, 1, max_step=999)[2].tolist() == [1] * 6
+    assert free_pitch_runs(fixed, far, 1, max_step=1000)[3].tolist() == [1000]
+
+
+def test_the_drivers_max_pitch_is_asked_and_defaults():
+    """``max_pitch`` reads ``CU_DEVICE_ATTRIBUTE_MAX_PITCH`` through ``cuDeviceGet`` and
+    ``cuDeviceGetAttribute``; a driver that fails or lacks them gives ``MAX_PITCH_BYTES``."""
+    asked: list[tuple[int, int]] = []
+    rc = {"get": 0, "attr": 0}
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int)
+    def get(dev, ordinal):  # noqa: ANN001, ANN202
+        dev[0] = 40 + ordinal
+        return rc["get"]
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int)
+    def attr(value, attribute, dev):  # noqa: ANN001, ANN202
+        asked.append((attribute, dev))
+        value[0] = 12345
+        return rc["attr"]
+
+    pm = PitchedMemcpy.__new__(PitchedMemcpy)
+    pm._lib = type("Lib", (), {"cuDeviceGet": get, "cuDeviceGetAttribute": attr})()
+    assert pm.max_pitch(1) == 12345 and asked == [(pitched_memcpy.MAX_PITCH_ATTRIBUTE, 41)]
+    rc["attr"] = 1
+    assert pm.max_pitch(1) == pitched_memcpy.MAX_PITCH_BYTES
+    rc["get"], rc["attr"] = 100, 0
+    assert pm.max_pitch(0) == pitched_memcpy.MAX_PITCH_BYTES
+    pm._lib = object()
+    assert pm.max_pitch(0) == pitched_memcpy.MAX_PITCH_BYTES
 
 
 def test_a_layers_fetch_of_consecutive_pages_is_one_run_per_request_and_half():
