@@ -194,6 +194,8 @@ class SlotKVStore:
         self.staging_pages = 0
         """Device pages lent to staging this step (counted in ``used``)."""
         self._flat = (self.dev[0].view(-1, c.kv_heads, c.head_dim), self.dev[1].view(-1, c.kv_heads, c.head_dim))
+        self._row_ids = torch.zeros(0, dtype=torch.int64, device=self.device)
+        """:meth:`row_ids`' kept tensor."""
         self.row_writer: RowWriter | None = None
         """Writes a layer's new K and V rows in ONE launch (:data:`RowWriter`); None: two
         ``index_copy_`` launches. The SGLang adapter sets SGLang's own KV store kernel on CUDA
@@ -259,6 +261,13 @@ class SlotKVStore:
             return
         self._flat[0].index_copy_(0, k_rows, k)
         self._flat[1].index_copy_(0, v_rows, v)
+
+    def row_ids(self, m: int) -> torch.Tensor:
+        """``0..m-1`` (int64, on the pool's device): a view of one kept tensor, grown by doubling
+        (no device op per step once it holds the largest batch)."""
+        if self._row_ids.numel() < m:
+            self._row_ids = torch.arange(max(m, 2 * self._row_ids.numel()), device=self.device)
+        return self._row_ids[:m]
 
     def write_into(self, k_dst: torch.Tensor, v_dst: torch.Tensor, rows: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor) -> None:

@@ -59,14 +59,13 @@ class TokenWriteback:
     """``buf`` unbound into its ``2 S`` ``[m, H, D]`` parts (K then V of each slot), at the boundary:
     a layer's park is then its two copies and nothing else."""
 
-    _arange: torch.Tensor = field(init=False, compare=False, repr=False)
-    """Rows ``0..m-1`` on the buffer's device: where a :data:`RowWriter` park writes (made at the
-    boundary, so every parked layer runs the same ops)."""
+    rows_index: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    """Rows ``0..m-1`` on the buffer's device (the store's :meth:`~SlotKVStore.row_ids`, set with
+    a :data:`RowWriter`): where a writer's park puts the layer's rows; None: parks copy."""
 
     def __post_init__(self) -> None:
         s, _, m, h, d = self.buf.shape
         self._rows = self.buf.view(2 * s, m, h, d).unbind(0)
-        self._arange = torch.arange(m, device=self.buf.device)
 
     def park(self, layer: int, k: torch.Tensor, v: torch.Tensor, writer: RowWriter | None = None) -> None:
         """Keep layer ``layer``'s new K and V (``[m, H, D]``) for the write-back: two copies, or
@@ -74,11 +73,11 @@ class TokenWriteback:
         slot = self.slots[layer]
         if slot < 0:
             return
-        if writer is None:
+        if writer is None or self.rows_index is None:
             self._rows[2 * slot].copy_(k)
             self._rows[2 * slot + 1].copy_(v)
             return
-        writer(self._rows[2 * slot], self._rows[2 * slot + 1], self._arange, k, v)
+        writer(self._rows[2 * slot], self._rows[2 * slot + 1], self.rows_index, k, v)
 
     def src_rows(self) -> torch.Tensor:
         """:attr:`buf` as the launch's source rows ``[S * 2 * m, H * D]``."""

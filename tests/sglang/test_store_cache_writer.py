@@ -168,3 +168,17 @@ def test_for_device_asks_sglang_only_on_cuda(monkeypatch) -> None:
     assert StoreCacheWriter.for_device(torch.device("cuda"), 512) is None
     with pytest.raises(ValueError, match="row_bytes"):
         StoreCacheWriter(StandIn(), 0)
+
+
+def test_parks_take_their_rows_from_one_kept_tensor() -> None:
+    """A writer's parks write to rows ``0..m-1`` that the store keeps (a view per step, no device
+    op): the same storage step after step, grown by doubling when a batch is larger."""
+    store = make_core(None).store
+    a, b = store.row_ids(5), store.row_ids(3)
+    assert a.tolist() == list(range(5)) and b.tolist() == list(range(3))
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    c = store.row_ids(11)
+    assert c.tolist() == list(range(11)) and c.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
+    assert store.row_ids(9).untyped_storage().data_ptr() == c.untyped_storage().data_ptr()  # kept: 11 rows
+    d = store.row_ids(12)  # doubled: 22 rows kept
+    assert store.row_ids(22).untyped_storage().data_ptr() == d.untyped_storage().data_ptr() != c.untyped_storage().data_ptr()
