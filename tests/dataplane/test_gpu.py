@@ -44,18 +44,13 @@ def test_cuda_lifecycle_bit_exact_with_capped_copy_launches(programs):
     offload_scenario(CoreDriver(core, seed=3))
 
 
-@pytest.mark.parametrize("pitched", [True, False])
-@pytest.mark.parametrize("budget", [PAGES + 6, 4])
-def test_cuda_lifecycle_bit_exact_on_the_copy_engines(budget, pitched, monkeypatch):
-    """The same lifecycle with every copy on the DMA copy engines (``--kv-copy-engine dma``:
-    strided runs as ``cuMemcpy2DAsync`` calls and the rest as one ``cuMemcpyBatchAsync`` per
-    launch, fetches listed on the host; ``pitched=False``: the batched memcpy alone, as when the
-    2-D copies are refused). Only a driver older than CUDA 12.8 (no batched memcpy) skips; any
-    other refusal fails (the probes run in a child process first, so a driver that crashes on
-    the call fails this test, not the whole run)."""
+def _dma_core(budget: int | None, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN202
+    """A CUDA core whose engine copies on the DMA copy engines (probed in a child process first:
+    a driver that crashes on the call fails the test, not the run; a driver older than CUDA 12.8
+    skips)."""
     from kernels.batched_memcpy import probe_in_subprocess
 
-    why = probe_in_subprocess()  # first in a child: a crash there fails this test, not the run
+    why = probe_in_subprocess()
     if why is not None and "needs a CUDA 12.8+ driver" in why:
         pytest.skip(why)
     assert why is None, why
@@ -66,11 +61,52 @@ def test_cuda_lifecycle_bit_exact_on_the_copy_engines(budget, pitched, monkeypat
     engine = core.store.engine
     assert engine.set_copy_engine("dma"), engine.dma_error
     assert engine.impl == "dma" and engine._pitched is not None, engine.pitched_error
+    return core
+
+
+@pytest.mark.parametrize("pitched", [True, False])
+@pytest.mark.parametrize("budget", [PAGES + 6, 4])
+def test_cuda_lifecycle_bit_exact_on_the_copy_engines(budget, pitched, monkeypatch):
+    """The same lifecycle with every copy on the DMA copy engines (``--kv-copy-engine dma``:
+    strided runs as ``cuMemcpy2DAsync`` calls and the rest as one ``cuMemcpyBatchAsync`` per
+    launch, fetches listed on the host; ``pitched=False``: the batched memcpy alone, as when the
+    2-D copies are refused). Any refusal but an old driver's fails."""
+    core = _dma_core(budget, monkeypatch)
+    engine = core.store.engine
     if not pitched:
         engine._pitched = None
     offload_scenario(CoreDriver(core, seed=3))
     assert engine._dma is not None and engine._dma.calls > 0
     assert not pitched or engine._pitched.calls > 0
+
+
+def test_cuda_interleaved_decode_pages_bit_exact_as_free_step_runs(monkeypatch):
+    """Decode pages interleave across the batch; with the free-step pass on at toy sizes, the
+    fetches and write-backs of 20 more decode steps go partly as 2-D copies at a host step of
+    their own (``kernels.pitched_memcpy.plan_runs``, the pitch per run in each driver record):
+    every read stays bit-exact (the CPU stream-order checker found 172 such runs here)."""
+    from kernels import pitched_memcpy
+
+    core = _dma_core(PAGES + 6, monkeypatch)
+    found: list[int] = []
+    real = pitched_memcpy.free_pitch_runs
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        out = real(*args, **kwargs)
+        found.append(int((out[2] > 1).sum()))
+        return out
+
+    monkeypatch.setattr(pitched_memcpy, "free_pitch_runs", counted)
+    monkeypatch.setattr(pitched_memcpy, "FREE_PITCH_MIN", 3)
+    driver = CoreDriver(core, seed=3)
+    offload_scenario(driver)
+    for i in range(20):
+        driver.want("a", [i % 2 == 0, True, False])
+        driver.want("b", [False, i % 3 == 0, True])
+        assert driver.step([("a", 1), ("b", 1)])
+    driver.check_at_rest()
+    assert core.store.engine._pitched is not None, core.store.engine.pitched_error
+    assert sum(found) > 0, found
 
 
 def test_h2d_and_d2h_streams_are_distinct_and_ordered():
