@@ -17,12 +17,14 @@ those 328,512 segments at ``kvplane gpu-check``'s shapes, 140 for the hidden pla
 once staging pages are handed out ascending (:class:`~sglang_ext.dataplane.staging_room.StagingRoom`;
 ``benchmarks/results/core/dma-runs/``).
 
-:func:`strided_runs` finds the runs (NumPy, ``O(segments)`` at memory speed);
+:func:`strided_runs` finds the runs (NumPy, ``O(segments)`` at memory speed), and
+:func:`plan_runs` adds runs at a host step of their own for what is left single (a long
+decode's pages interleave across the batch: :func:`free_pitch_runs`);
 :class:`PitchedMemcpy` binds ``cuMemcpy2DAsync_v2`` from ``libcuda.so.1`` with :mod:`ctypes`
 (``CUDA_MEMCPY2D``: the layout of ``cuda.h`` since CUDA 3.2, size_t fields; both operands
 ``CU_MEMORYTYPE_UNIFIED``, addressed by their unified virtual addresses, pinned host memory
 included) and fills the descriptors of a call in one NumPy record array. Nothing here runs on
-the CPU but :func:`strided_runs`, which the tests check against the segment lists; the copies
+the CPU but the run planning, which the tests check against the segment lists; the copies
 are checked at the pointer level by the stream-order checker and on a GPU by the probe.
 """
 

@@ -77,10 +77,10 @@ class CudaTransferEngine(TransferEngine):
         self._dma: BatchedMemcpy | None = None
         """The copy engines' batched memcpy, once :meth:`set_copy_engine` found it working."""
         self._pitched: PitchedMemcpy | None = None
-        self._max_pitch = MAX_PITCH_BYTES
-        """The largest 2-D copy pitch the driver takes (bytes; asked when the 2-D copies are probed)."""
         """The copy engines' 2-D copies (one per strided run), once :meth:`set_copy_engine` found
         them working beside :attr:`_dma` (None: every segment goes to the batched memcpy)."""
+        self._max_pitch = MAX_PITCH_BYTES
+        """The largest 2-D copy pitch the driver takes (bytes; asked when the 2-D copies are probed)."""
         self.dma_error: str | None = None
         """Why ``dma`` was refused (None: not asked for, or working)."""
         self.pitched_error: str | None = None

@@ -11,8 +11,9 @@ that write-back (the fetch overwrites the staging page the write-back reads).
 Now each new token of a host-only (layer, request) is also *parked*: :meth:`park` copies the
 layer's new K and V rows (``[m, H, D]``, the batch's tokens in order) into a step buffer
 ``[S, 2, m, H, D]`` (``S``: the layers with such tokens) -- two device copies (one launch with
-the store's ``row_writer``), no host work, inside the layer. After the last such layer, :meth:`LayerPipeline.end_layer` issues ONE D2H of
-the parked rows to the tokens' rows of the block-first host pool (``host_rows``: the pool as
+the store's ``row_writer``), no host work, inside the layer. After the last such layer,
+:meth:`LayerPipeline.end_layer` issues ONE D2H of the parked rows to the tokens' rows of the
+block-first host pool (``host_rows``: the pool as
 ``[P * L * 2 * page_size, H * D]``; row ``((p * L + l) * 2 + kv) * page_size + offset``), from the
 step's single upload of indices. The host copy then equals what the page write-back left (the
 staged page is the host page plus the token), the staging page is free to be overwritten at
