@@ -253,5 +253,9 @@ class OverlapCheck:
             None if dma is None else dma["duplex_gbps"] / dma["h2d_gbps"], "ratio", ">=", DUPLEX_VS_ONE,
             "the transfer check's H2D and D2H issued together on the copy engines: bytes of both over their "
             "time, vs the H2D alone", meaningful=cuda and dma is not None,
-            note=why if dma is None else f"{dma['duplex_gbps']:.1f} vs {dma['h2d_gbps']:.1f} GB/s"))
+            note=why if dma is None else f"{dma['duplex_gbps']:.1f} vs {dma['h2d_gbps']:.1f} GB/s" + (
+                "" if "h2d_interleaved_gbps" not in dma else
+                f"; H2D of the same pages in a long decode's order: {dma['h2d_interleaved_gbps']:.1f} GB/s, "
+                f"{dma['interleaved_runs_per_launch']:.0f} 2-D copies a launch at a "
+                f"{dma['interleaved_pitch_mib']:.0f} MiB pitch")))
         return figs

@@ -17,7 +17,10 @@ layered pool issues), with two groups of free device pages taken from the stagin
   ``kvplane:h2d_seconds_total`` and ``kvplane:d2h_seconds_total`` measure when serving;
 - ``by_programs`` (CUDA): the H2D and duplex GB/s again with the engine's copy launches capped
   at each of ``PROGRAM_CAPS`` (``CudaTransferEngine.copy_programs``): what a cap that leaves SMs
-  to the layers costs the link, beside the overlap phase's step times at the same caps.
+  to the layers costs the link, beside the overlap phase's step times at the same caps;
+  ``by_programs["dma"]`` (the copy engines) also has ``h2d_interleaved_gbps``: the same H2D with
+  the pages in a long decode's order (:func:`interleaved`), which goes as 2-D copies at a host
+  step of their own (``interleaved_runs_per_launch`` of them, ``interleaved_pitch_mib`` apart).
 
 On the CPU the engine copies synchronously: the figures are measured the same way but say
 nothing about a GPU link (reported N/A).
@@ -37,6 +40,18 @@ from sglang_ext.dataplane.bench_env import sync, time_ms
 from sglang_ext.dataplane.cuda_transfer_engine import DMA_MIN_BYTES
 from sglang_ext.tools.gpu_check_batch import CheckBatch
 from sglang_ext.tools.gpu_check_config import PROGRAM_CAPS
+
+INTERLEAVE = 32
+"""The requests a long decode's pages interleave across (the check's batch size): the stride of
+the copy engines' interleaved H2D (:func:`interleaved`)."""
+
+
+def interleaved(pages: np.ndarray, k: int = INTERLEAVE) -> np.ndarray:
+    """``pages`` in the order a long decode leaves one request's pages in: every ``k``-th together
+    (pages ``i, i + k, i + 2k, ...``, then ``i + 1, ...``), so consecutive ones are ``k`` pages
+    apart on the host (``k x 2L`` rows): one free-step run per residue on the copy engines
+    (:func:`kernels.pitched_memcpy.plan_runs`), at a pitch ``k`` times the prompt pages'."""
+    return pages[np.argsort(np.arange(pages.size) % k, kind="stable")]
 
 
 @contextmanager
@@ -136,6 +151,12 @@ class TransferCheck:
                 h2d()
                 d2h()
 
+            src_i = store.host_segs(np.full(n, la), interleaved(pages))
+            idx_i = eng.index_tensor(src_i)
+
+            def h2d_interleaved() -> None:  # the same bytes, a long decode's page order (copy engines)
+                eng.h2d(idx_i, idx[1], host_idx=(src_i, dst_a))
+
             h2d_ms, h2d_event_gbps = self._timed(h2d, "h2d")
             d2h_ms, d2h_event_gbps = self._timed(d2h, "d2h")
             both_ms = time_ms(duplex, device, self.repeat)
@@ -157,7 +178,7 @@ class TransferCheck:
                         by_programs[str(cap)] = self._link(h2d, duplex, nbytes_both)
                 finally:
                     eng.copy_programs = before
-                by_programs.update(self._dma(eng, h2d, duplex, nbytes_both))
+                by_programs.update(self._dma(eng, h2d, duplex, nbytes_both, h2d_interleaved))
         finally:
             eng.quiesce()
             sync(device)
@@ -170,10 +191,12 @@ class TransferCheck:
                               duplex_gbps=2 * nbytes / both_ms / 1e6, h2d_event_gbps=h2d_event_gbps,
                               d2h_event_gbps=d2h_event_gbps, by_programs=by_programs, dma_error=self.dma_error)
 
-    def _dma(self, eng: Any, h2d: Callable[[], None], duplex: Callable[[], None],
-             nbytes_both: int) -> dict[str, dict[str, float]]:
-        """H2D and duplex GB/s with the copy engines (``dma``), or nothing (``dma_error`` says why);
-        the engine goes back to its kernels after."""
+    def _dma(self, eng: Any, h2d: Callable[[], None], duplex: Callable[[], None], nbytes_both: int,
+             h2d_interleaved: Callable[[], None]) -> dict[str, dict[str, float]]:
+        """H2D and duplex GB/s with the copy engines (``dma``), and the H2D of the same bytes in a
+        long decode's page order (``h2d_interleaved_gbps``, with its 2-D copies per launch and
+        their pitch), or nothing (``dma_error`` says why); the engine goes back to its kernels
+        after."""
         if self.dma_error is not None:
             return {}
         if eng.segment_bytes < DMA_MIN_BYTES:
@@ -184,7 +207,20 @@ class TransferCheck:
             if not on:
                 self.dma_error = eng.dma_error
                 return {}
-            return {"dma": self._link(h2d, duplex, nbytes_both)}
+            link = self._link(h2d, duplex, nbytes_both)
+            pitched, calls = getattr(eng, "_pitched", None), [0]
+            runs0 = pitched.calls if pitched is not None else 0
+
+            def counted() -> None:
+                calls[0] += 1
+                h2d_interleaved()
+
+            ms = time_ms(counted, self.batch.device, self.repeat)
+            runs = (pitched.calls - runs0) if pitched is not None and eng._pitched is pitched else 0
+            link.update({"h2d_interleaved_gbps": nbytes_both / 2 / ms / 1e6,
+                         "interleaved_runs_per_launch": runs / max(1, calls[0]),
+                         "interleaved_pitch_mib": INTERLEAVE * eng.host_page_rows * eng.segment_bytes / 2**20})
+            return {"dma": link}
 
     def _link(self, h2d: Callable[[], None], duplex: Callable[[], None], nbytes_both: int) -> dict[str, float]:
         """H2D and duplex GB/s of the engine's copies as they are set now."""

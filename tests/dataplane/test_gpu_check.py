@@ -269,6 +269,8 @@ def test_the_copy_engines_are_swept_where_the_engine_has_them(tmp_path, monkeypa
     assert overlap["step_ms_by_programs"]["dma"] > 0 and overlap["dma_error"] is None
     assert overlap["dma_timeline"]["step_ms"] > 0
     assert link["dma"]["h2d_gbps"] > 0 and link["dma"]["duplex_gbps"] > 0
+    assert link["dma"]["h2d_interleaved_gbps"] > 0 and link["dma"]["interleaved_pitch_mib"] > 0
+    assert "in a long decode's order" in {f["key"]: f for f in body["figures"]}["duplex_vs_one_direction.dma"]["note"]
     figures = {f["key"]: f for f in body["figures"]}
     for key in ("overlap.hidden_step_rel.dma", "duplex_vs_one_direction.dma"):
         assert figures[key]["value"] is not None and figures[key]["status"] == NA, key  # the CPU's: N/A
@@ -276,6 +278,29 @@ def test_the_copy_engines_are_swept_where_the_engine_has_them(tmp_path, monkeypa
     assert "the half-offloaded placement on the copy engines" in figures["overlap.hidden_step_rel.dma"]["note"]
     assert ("driver 13000, 3 strided runs (2-D copies) of 40 segments at 2.00 us of host time each, 5 single "
             "segments at 2.00 us each in 1 batched calls") in figures["overlap.hidden_step_rel.dma"]["note"]
+
+
+def test_the_interleaved_h2d_is_one_free_step_run_per_residue():
+    """The transfer check's interleaved H2D (a long decode's page order over the batch's pages)
+    goes on the copy engines as ``2 x INTERLEAVE`` free-step runs (K and V of each residue), none
+    single, at ``INTERLEAVE`` times the prompt pages' pitch; the batch's own order is ~2 runs
+    (the control: the same pages, fixed-step runs)."""
+    import numpy as np
+
+    from kernels.pitched_memcpy import plan_runs
+    from sglang_ext.tools.gpu_check_transfer import INTERLEAVE, interleaved
+
+    layers, pages = LLAMA3_8B.layers, np.arange(1, 1 + 10_000)
+    stage = np.arange(20_000, 30_000)
+    for order, want_runs, want_step in ((interleaved(pages), 2 * INTERLEAVE, INTERLEAVE * 2 * layers),
+                                        (pages, 2, 2 * layers)):
+        k = (order * layers + 0) * 2
+        src, dst = np.concatenate([k, k + 1]), np.concatenate([stage, stage + 100_000])
+        groups, rest, _ = plan_runs(src, dst, 2 * layers, 1)
+        steps = np.concatenate([np.broadcast_to(g[3], g[2].shape) for g in groups])
+        assert sum(g[2].size for g in groups) == want_runs and rest.size == 0
+        assert set(steps.tolist()) == {want_step}
+    assert sorted(interleaved(pages).tolist()) == pages.tolist()
 
 
 def test_grade_flags_figures_that_miss_their_target():
