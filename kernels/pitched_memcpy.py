@@ -100,20 +100,17 @@ def free_pitch_runs(fixed_idx: np.ndarray, free_idx: np.ndarray, fixed_step: int
     fixed = np.asarray(fixed_idx, dtype=np.int64)
     free = np.asarray(free_idx, dtype=np.int64)
     n = int(fixed.size)
-    if n < 3:
-        ones = np.ones(n, dtype=np.int64)
-        return fixed, free, ones, np.zeros(n, dtype=np.int64)
     d = np.diff(free)
     good = (np.diff(fixed) == fixed_step) & (d >= 1)
     if max_step is not None:
         good &= d <= max_step
     same = good[1:] & good[:-1] & (d[1:] == d[:-1])  # link j+1 continues link j's step
-    if not same.any():  # no progression of three: every pair alone
+    if not same.any():  # no progression of three (or under three pairs): every pair alone
         return fixed, free, np.ones(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
     eq_prev = np.concatenate([[False], same])
-    eq_next = np.concatenate([same, [False]])
-    block = eq_prev | eq_next
-    keep = block & ~(block & ~eq_prev & np.concatenate([[False], block[:-1]]))
+    block = eq_prev | np.concatenate([same, [False]])
+    # a block's first link goes when the link before it is kept (another block's last)
+    keep = block & (eq_prev | ~np.concatenate([[False], block[:-1]]))
     starts = np.concatenate([[0], np.flatnonzero(~keep) + 1])
     lengths = np.diff(np.append(starts, n))
     step = np.where(lengths > 1, d[np.minimum(starts, n - 2)], 0)

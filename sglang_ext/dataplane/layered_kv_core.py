@@ -388,10 +388,10 @@ class LayeredKVCore:
         else:
             tables = self.tables
             rows = tables.rows[layer]  # type: ignore[union-attr]
-            self.store.write_rows(rows, rows, k, v)
+            self.store.write_rows(rows, k, v)
             parked = tables.token_writeback  # type: ignore[union-attr]
             if parked is not None:  # a decode step's new tokens of host-only layer-pages
-                parked.park(layer, k, v, self.store.row_writer)
+                parked.park(layer, k, v)
 
     def write_recompute(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
         """Recomputed prefix K/V at ``layer`` (``[>= active, H, D]``, in the step's recompute
@@ -406,7 +406,7 @@ class LayeredKVCore:
         active = rec.active[layer]
         if active:
             rows = rec.rows[layer, :active]
-            self.store.write_rows(rows, rows, k[:active], v[:active])
+            self.store.write_rows(rows, k[:active], v[:active])
         return active
 
     def token_rows(self, layer: int) -> torch.Tensor:

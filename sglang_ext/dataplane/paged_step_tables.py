@@ -175,6 +175,7 @@ class PagedStepTables(StepTables):
             return offset
         self.token_writeback, indices = planned
         if store.row_writer is not None:  # parks go through the writer: rows 0..m-1, kept by the store
+            self.token_writeback.writer = store.row_writer
             self.token_writeback.rows_index = store.row_ids(int(new_host.shape[1]))
         int64_parts.append(indices)
         return offset + int(indices.size)

@@ -4,7 +4,7 @@ Primitives (pure mechanism; :class:`~sglang_ext.dataplane.slot_residency.SlotRes
 decides what goes where, :class:`~sglang_ext.dataplane.step_tables.StepTables` and
 :class:`~sglang_ext.dataplane.layer_pipeline.LayerPipeline` run a forward over it):
 
-- ``write_rows(k_rows, v_rows, k, v)`` -- a layer's new KV into device rows (resident pages or
+- ``write_rows(rows, k, v)`` -- a layer's new KV into device rows (resident pages or
   staging pages; the step's tables chose them). Never touches host memory.
 - ``onload(layers, pages, copy=)`` / ``offload(layers, pages)`` -- boundary moves of layer-pages
   (one batched H2D / D2H launch each, through the transfer engine; dirty pages are written back
@@ -252,15 +252,10 @@ class SlotKVStore:
 
     # ----- data path -----------------------------------------------------------
 
-    def write_rows(self, k_rows: torch.Tensor, v_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """New K/V ``[n, H, D]`` into device rows (K rows of ``device_views()[0]``, V rows of
-        ``[1]``): one launch through :attr:`row_writer` when both go to the same rows, else two
-        scatter launches; no host work."""
-        if k_rows is v_rows:
-            self.write_into(self._flat[0], self._flat[1], k_rows, k, v)
-            return
-        self._flat[0].index_copy_(0, k_rows, k)
-        self._flat[1].index_copy_(0, v_rows, v)
+    def write_rows(self, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """New K/V ``[n, H, D]`` into device rows ``rows`` (of ``device_views()[0]`` and ``[1]``):
+        :meth:`write_into` the flat pool, no host work."""
+        self.write_into(self._flat[0], self._flat[1], rows, k, v)
 
     def row_ids(self, m: int) -> torch.Tensor:
         """``0..m-1`` (int64, on the pool's device): a view of one kept tensor, grown by doubling
@@ -434,7 +429,7 @@ class SlotKVStore:
         if on_dev.any():
             rows = torch.from_numpy(dev_page[on_dev] * ps + offs[on_dev]).to(self.device)
             idx = torch.from_numpy(np.flatnonzero(on_dev)).to(k.device)
-            self.write_rows(rows, rows, k[idx], v[idx])
+            self.write_rows(rows, k[idx], v[idx])
             self.mark_dirty(layer * self.config.logical_pages + distinct_sorted(pages[on_dev]))
         if (~on_dev).any():
             idx = torch.from_numpy(np.flatnonzero(~on_dev)).to(k.device)

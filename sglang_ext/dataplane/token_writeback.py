@@ -60,25 +60,28 @@ class TokenWriteback:
     """``buf`` unbound into its ``2 S`` ``[m, H, D]`` parts (K then V of each slot), at the boundary:
     a layer's park is then its two copies and nothing else."""
 
+    writer: RowWriter | None = field(default=None, compare=False, repr=False)
+    """The store's :attr:`~SlotKVStore.row_writer` (set at the boundary): a park is then one launch
+    to rows :attr:`rows_index`; None: two copies."""
     rows_index: torch.Tensor | None = field(default=None, compare=False, repr=False)
-    """Rows ``0..m-1`` on the buffer's device (the store's :meth:`~SlotKVStore.row_ids`, set with
-    a :data:`RowWriter`): where a writer's park puts the layer's rows; None: parks copy."""
+    """Rows ``0..m-1`` on the buffer's device (the store's :meth:`~SlotKVStore.row_ids`), set with
+    :attr:`writer`."""
 
     def __post_init__(self) -> None:
         s, _, m, h, d = self.buf.shape
         self._rows = self.buf.view(2 * s, m, h, d).unbind(0)
 
-    def park(self, layer: int, k: torch.Tensor, v: torch.Tensor, writer: RowWriter | None = None) -> None:
+    def park(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keep layer ``layer``'s new K and V (``[m, H, D]``) for the write-back: two copies, or
-        one launch of ``writer`` (the store's :attr:`~SlotKVStore.row_writer`) to rows ``0..m-1``."""
+        one launch of :attr:`writer` to rows ``0..m-1``."""
         slot = self.slots[layer]
         if slot < 0:
             return
-        if writer is None or self.rows_index is None:
+        if self.writer is None:
             self._rows[2 * slot].copy_(k)
             self._rows[2 * slot + 1].copy_(v)
             return
-        writer(self._rows[2 * slot], self._rows[2 * slot + 1], self.rows_index, k, v)
+        self.writer(self._rows[2 * slot], self._rows[2 * slot + 1], self.rows_index, k, v)
 
     def src_rows(self) -> torch.Tensor:
         """:attr:`buf` as the launch's source rows ``[S * 2 * m, H * D]``."""

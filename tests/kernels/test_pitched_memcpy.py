@@ -28,9 +28,12 @@ L = 4
 """Layers of the toy block-first pool: a page's K and V of layer l are host rows 2L * page + 2l (+1)."""
 
 
-def _expand(s0: np.ndarray, d0: np.ndarray, n: np.ndarray, src_step: int, dst_step: int) -> tuple[np.ndarray, np.ndarray]:
+def _expand(s0: np.ndarray, d0: np.ndarray, n: np.ndarray, s_step: int | np.ndarray,
+            d_step: int | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The pairs of runs ``(s0, d0, n)`` at their steps (one for all runs, or one per run)."""
     k = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
-    return np.repeat(s0, n) + k * src_step, np.repeat(d0, n) + k * dst_step
+    s_step, d_step = np.broadcast_to(s_step, n.shape), np.broadcast_to(d_step, n.shape)
+    return np.repeat(s0, n) + k * np.repeat(s_step, n), np.repeat(d0, n) + k * np.repeat(d_step, n)
 
 
 def test_runs_expand_back_to_the_pairs_and_are_maximal():
@@ -49,13 +52,6 @@ def test_runs_expand_back_to_the_pairs_and_are_maximal():
     moved = s0.copy()
     moved[-1] += 1  # the last run starting one row later: same length, other pairs
     assert not np.array_equal(_expand(moved, d0, k, 2 * L, 1)[0], src)
-
-
-def _expand_steps(s0: np.ndarray, d0: np.ndarray, n: np.ndarray, s_step: np.ndarray,
-                  d_step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`_expand` with a step per run."""
-    k = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
-    return np.repeat(s0, n) + k * np.repeat(s_step, n), np.repeat(d0, n) + k * np.repeat(d_step, n)
 
 
 def _groups(groups: list) -> tuple[np.ndarray, ...]:
@@ -82,14 +78,14 @@ def test_free_pitch_runs_are_progressions_that_give_back_the_pairs():
         else:
             free, fixed = np.cumsum(rng.choice([6, 6, 6, 24, 24, 5], n)), np.arange(n) + 3
         f0, h0, m, step = free_pitch_runs(fixed, free, 1)
-        got_f, got_h = _expand_steps(f0, h0, m, np.ones_like(m), step)
+        got_f, got_h = _expand(f0, h0, m, np.ones_like(m), step)
         assert np.array_equal(got_h, free) and np.array_equal(got_f, fixed)
         assert (step[m > 1] >= 1).all() and (step[m == 1] == 0).all()
         if (m > 2).any():
             checked += 1
             bad = step.copy()
             bad[np.flatnonzero(m > 2)[0]] += 1
-            assert not np.array_equal(_expand_steps(f0, h0, m, np.ones_like(m), bad)[1], free)
+            assert not np.array_equal(_expand(f0, h0, m, np.ones_like(m), bad)[1], free)
     assert checked > 100
     # two progressions sharing pair 3 (steps 2 then 5): the later one gives up its first link
     f0, h0, m, step = free_pitch_runs(np.arange(7), np.array([0, 2, 4, 6, 11, 16, 21]), 1)
@@ -110,7 +106,7 @@ def test_a_long_decodes_interleaved_pages_are_runs_at_their_own_pitch():
     s0, d0, n, s_step, d_step = _groups(groups)
     assert len(groups) == 2 and n.size == 2 * reqs and rest_s.size == 0
     assert sorted(set(s_step.tolist())) == [2 * L, 4 * 2 * L] and set(d_step.tolist()) == {1}
-    got_s, got_d = _expand_steps(s0, d0, n, s_step, d_step)
+    got_s, got_d = _expand(s0, d0, n, s_step, d_step)
     assert sorted(zip(got_s.tolist(), got_d.tolist(), strict=True)) == sorted(zip(src.tolist(), dst.tolist(), strict=True))
     assert strided_runs(src, dst, 2 * L, 1)[2].size == reqs * (1 + decode)
     # write-backs (the host is the destination): the same runs, mirrored
@@ -136,7 +132,7 @@ def test_plan_runs_leaves_pairs_single_only_where_no_progression_holds(monkeypat
             rest_s, rest_d = groups[1], groups[2]
             free_runs += len(groups) > 1
             assert (m >= min_run).all() and (ss <= 3 * 2 * L).all() and (ds <= 3 * 2 * L).all()
-            got_s, got_d = _expand_steps(s0, d0, m, ss, ds)
+            got_s, got_d = _expand(s0, d0, m, ss, ds)
             pairs = sorted(zip(np.concatenate([got_s, rest_s]).tolist(), np.concatenate([got_d, rest_d]).tolist(),
                                   strict=True))
             assert pairs == sorted(zip(a.tolist(), b.tolist(), strict=True))
