@@ -182,3 +182,37 @@ def test_parks_take_their_rows_from_one_kept_tensor() -> None:
     assert store.row_ids(9).untyped_storage().data_ptr() == c.untyped_storage().data_ptr()  # kept: 11 rows
     d = store.row_ids(12)  # doubled: 22 rows kept
     assert store.row_ids(22).untyped_storage().data_ptr() == d.untyped_storage().data_ptr() != c.untyped_storage().data_ptr()
+
+
+@pytest.mark.sglang
+def test_the_layered_pool_installs_the_writer_sglang_writes_through(monkeypatch) -> None:
+    """The served adapter: ``LayeredTokenToKVPool`` asks for the writer of its device and row width
+    at construction and installs it as the core's ``row_writer``; SGLang's ``set_kv_buffer``
+    calls (the harness's steps, shadow-checked) then go through it, one call a layer. On the CPU
+    SGLang's kernel is not asked for (the control: no writer, the writes still exact)."""
+    from tests.sglang.test_layered_pool import DIM, HEADS, LAYERS, Harness, make_pool, wants
+
+    asked: list[tuple[str, int]] = []
+    stand_in = StandIn()
+
+    def for_device(cls, device, row_bytes):  # noqa: ANN001, ANN202
+        asked.append((device.type, row_bytes))
+        return StoreCacheWriter(stand_in, row_bytes)
+
+    plain = make_pool()
+    assert plain.store.row_writer is None
+    monkeypatch.setattr(StoreCacheWriter, "for_device", classmethod(for_device))
+    pool = make_pool()
+    assert asked == [("cpu", HEADS * DIM * 2)]  # float16 rows
+    writer = pool.store.row_writer
+    assert isinstance(writer, StoreCacheWriter)
+    stand_in.pool = pool.store.dev
+    h = Harness(pool, seed=4)
+    h.step("a", 5)
+    h.step("b", 3)
+    pool.update_residency({"a": wants(pool, h, "a", [True, False, True])})
+    for _ in range(3):
+        h.step("a", 1)
+        h.step("b", 1)
+    h.check()
+    assert stand_in.pool_calls == LAYERS * 8 and writer.fallbacks == 0
