@@ -240,14 +240,34 @@ def fetch_page_indices(flat, stage, map_row, reqs, starts, counts,  # noqa: ANN0
                        host_base: int, host_stride: int, dev_v: int):  # noqa: ANN201
     """:func:`fetch_pages_triton`'s copy as ``(src, dst)`` segment lists (NumPy int64: K
     segments, then V segments), for the CPU engine and as the kernel's reference."""
+    cols, pages = fetch_page_columns(flat, reqs, starts, counts)
+    return fetch_segments(stage, cols, pages, host_only_mask(map_row, pages), host_base, host_stride, dev_v)
+
+
+def fetch_page_columns(flat, reqs, starts, counts):  # noqa: ANN001, ANN201 - NumPy arrays
+    """The part of :func:`fetch_page_indices` no layer changes: ``(cols, pages)``, the columns of
+    the step's page lists that requests ``reqs`` hold, and their pages (NumPy int64)."""
     import numpy as np
 
     reqs = np.asarray(reqs, dtype=np.int64)
     cnt = np.asarray(counts, dtype=np.int64)[reqs]
     first = np.cumsum(cnt) - cnt
     cols = np.arange(int(cnt.sum())) + np.repeat(np.asarray(starts, dtype=np.int64)[reqs] - first, cnt)
-    pages = np.asarray(flat, dtype=np.int64)[cols]
-    keep = np.asarray(map_row)[pages] < 0
+    return cols, np.asarray(flat, dtype=np.int64)[cols]
+
+
+def host_only_mask(map_row, pages):  # noqa: ANN001, ANN201 - NumPy arrays
+    """Which of ``pages`` are host-only at the layer of ``map_row`` (the map's row: -1 there)."""
+    import numpy as np
+
+    return np.asarray(map_row)[pages] < 0
+
+
+def fetch_segments(stage, cols, pages, keep, host_base: int, host_stride: int, dev_v: int):  # noqa: ANN001, ANN201
+    """:func:`fetch_page_indices` from :func:`fetch_page_columns`' ``(cols, pages)`` and the
+    layer's host-only mask ``keep`` of them: K segments, then V."""
+    import numpy as np
+
     cols, pages = cols[keep], pages[keep]
     k = host_base + pages * host_stride
     d = np.asarray(stage, dtype=np.int64)[cols]

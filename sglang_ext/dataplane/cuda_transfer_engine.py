@@ -27,6 +27,7 @@ from kernels.pitched_memcpy import MAX_PITCH_BYTES, PitchedMemcpy, plan_runs, ru
 from kernels.pitched_memcpy import probe as probe_pitched
 from kernels.pitched_memcpy import probe_in_subprocess as probe_copy_engines
 from sglang_ext.dataplane.event_clock import EventClock
+from sglang_ext.dataplane.fetch_run_cache import FetchRunCache, Plan
 from sglang_ext.dataplane.page_fetch import PageFetch
 from sglang_ext.dataplane.pinned_upload_ring import PinnedUploadRing
 from sglang_ext.dataplane.transfer_clock import STALL
@@ -81,6 +82,9 @@ class CudaTransferEngine(TransferEngine):
         them working beside :attr:`_dma` (None: every segment goes to the batched memcpy)."""
         self._max_pitch = MAX_PITCH_BYTES
         """The largest 2-D copy pitch the driver takes (bytes; asked when the 2-D copies are probed)."""
+        self.fetch_runs = FetchRunCache()
+        """The copy engines' plans of the step's fetches, reused across its layers (cleared at
+        :meth:`wait_fence`, the step start)."""
         self.dma_error: str | None = None
         """Why ``dma`` was refused (None: not asked for, or working)."""
         self.pitched_error: str | None = None
@@ -178,14 +182,16 @@ class CudaTransferEngine(TransferEngine):
         """Copies of rows this large go to the copy engines (``dma`` on, at or above the floor)."""
         return self.impl == "dma" and row_bytes >= DMA_MIN_BYTES
 
-    def _dma_copy(self, src: torch.Tensor, dst: torch.Tensor, src_idx: np.ndarray, dst_idx: np.ndarray,
-                  steps: tuple[int, int] = (1, 1)) -> bool:
-        """The copies ``dst[dst_idx[i]] = src[src_idx[i]]`` on the copy engines, on the current
-        (side) stream: the strided runs (``steps``: source and destination rows between a run's
-        rows; then, on the host side, runs with a step of their own: a long decode's interleaved
-        pages, :func:`kernels.pitched_memcpy.plan_runs`) of :data:`MIN_RUN` rows or more as one
-        2-D copy each, the other segments as one batched memcpy (all of them where the 2-D copies
-        were refused). True when enqueued.
+    def _dma_copy(self, src: torch.Tensor, dst: torch.Tensor, indices: Callable[[], tuple[np.ndarray, np.ndarray]],
+                  steps: tuple[int, int] = (1, 1), plan: Callable[[int], Plan] | None = None) -> bool:
+        """The copies ``dst[dst_idx[i]] = src[src_idx[i]]`` (``indices()``) on the copy engines, on
+        the current (side) stream: the strided runs (``steps``: source and destination rows
+        between a run's rows; then, on the host side, runs with a step of their own: a long
+        decode's interleaved pages, :func:`kernels.pitched_memcpy.plan_runs`) of :data:`MIN_RUN`
+        rows or more as one 2-D copy each, the other segments as one batched memcpy (all of them
+        where the 2-D copies were refused). ``plan(max_step)``: those runs planned by the caller
+        (a fetch's, :class:`FetchRunCache`); ``indices`` is then called only if a refusal needs
+        every segment. True when enqueued.
 
         A call the driver refuses while serving does not fail the step: a refused 2-D copy turns
         them off (:attr:`pitched_error`) and the batched memcpy takes every segment; a refused
@@ -195,22 +201,24 @@ class CudaTransferEngine(TransferEngine):
         order."""
         assert self._dma is not None
         stream = torch.cuda.current_stream(self.device).cuda_stream
+        left = None  # None: every segment (``indices()``)
         if self._pitched is not None:
             row = row_bytes(src, dst)
-            groups, rest_s, rest_d = plan_runs(src_idx, dst_idx, *steps, MIN_RUN, self._max_pitch // row)
+            max_step = self._max_pitch // row
+            groups, rest_s, rest_d = (plan(max_step) if plan is not None
+                                      else plan_runs(*indices(), *steps, MIN_RUN, max_step))
             try:
                 for s0, d0, n, s_step, d_step in groups:
                     dsts, srcs = run_pointers(src.data_ptr(), dst.data_ptr(), row, s0, d0)
                     self._pitched.copy_runs(dsts, d_step * row, srcs, s_step * row, row, n, stream)
-                if groups:
-                    if not rest_s.size:
-                        return True
-                    src_idx, dst_idx = rest_s, rest_d  # left single: the segments themselves
+                if not rest_s.size:
+                    return True
+                left = (rest_s, rest_d)  # left single: the segments themselves
             except RuntimeError as exc:
                 self._pitched, self.pitched_error = None, str(exc)
                 log.warning("kv_copy_engine_pitched_refused", error=self.pitched_error)
         try:
-            self._dma.copy(*segment_pointers(src, dst, src_idx, dst_idx), stream)
+            self._dma.copy(*segment_pointers(src, dst, *(left if left is not None else indices())), stream)
         except RuntimeError as exc:
             self.impl, self.dma_error = self._kernel_impl, str(exc)
             log.warning("kv_copy_engine_dma_refused", error=self.dma_error, now=self.impl)
@@ -228,7 +236,7 @@ class CudaTransferEngine(TransferEngine):
                 pitch = self.host_page_rows  # between the pools: one layer's pages, pitched on the host
                 steps = (pitch, 1) if src is self.host and dst is self.dev else (
                     (1, pitch) if src is self.dev and dst is self.host else (1, 1))
-                if self._dma_copy(src, dst, host_idx[0], host_idx[1], steps):
+                if self._dma_copy(src, dst, lambda: host_idx, steps):
                     return
             if self._kernel_impl == "triton":
                 s_words, d_words = self._pool_words(src, dst)
@@ -244,15 +252,18 @@ class CudaTransferEngine(TransferEngine):
     def _fetch(self, spec: PageFetch, wait: Sequence[Any]) -> Any:
         nbytes = spec.segments * self.segment_bytes
         if self._on_dma(self.segment_bytes):  # the pages listed on the host, no SM taken
-            src, dst = spec.indices()
+            steps = (self.host_page_rows, 1)  # a page's rows at consecutive layers: 2L host rows apart
+
+            def plan(max_step: int) -> Plan:
+                return self.fetch_runs.plan(spec, lambda s, d: plan_runs(s, d, *steps, MIN_RUN, max_step))
 
             def copy() -> None:
-                if self._dma_copy(self.host, self.dev, src, dst, (self.host_page_rows, 1)):  # 2L host rows apart
+                if self._dma_copy(self.host, self.dev, spec.indices, steps, plan):
                     return
                 if self._kernel_impl == "triton":  # the driver refused: the kernels' way, same stream
                     spec.run_triton(*self._words, self.copy_programs)
                 else:
-                    self._memcpy_rows(self.host, self.dev, src, dst)
+                    self._memcpy_rows(self.host, self.dev, *spec.indices())
 
             return self._on_stream("h2d", wait, copy, (spec.flat,), nbytes)
         if self._kernel_impl != "triton":
@@ -338,6 +349,7 @@ class CudaTransferEngine(TransferEngine):
         return self._fresh
 
     def wait_fence(self) -> None:
+        self.fetch_runs.clear()
         current = self._compute = torch.cuda.current_stream(self.device)
         # the wait is timed only if something was launched since the last fence (otherwise the
         # compute stream has already waited on these events)

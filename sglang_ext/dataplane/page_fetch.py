@@ -17,7 +17,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.block_copy import fetch_page_indices, fetch_pages_triton
+from kernels.block_copy import (
+    fetch_page_columns,
+    fetch_page_indices,
+    fetch_pages_triton,
+    fetch_segments,
+    host_only_mask,
+)
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,21 @@ class PageFetch:
         reqs, flat, stage, starts, counts, map_row = self.host_arrays
         return fetch_page_indices(flat, stage, map_row, reqs, starts, counts, 2 * self.layer, 2 * self.layers,
                                   self.dev_v)
+
+    def columns(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(cols, pages)``: the columns of the step's page lists its requests hold and their
+        pages -- :meth:`indices` before the layer's map row decides which to copy (the same for
+        every fetch of these requests in one step)."""
+        reqs, flat, _, starts, counts, _ = self.host_arrays
+        return fetch_page_columns(flat, reqs, starts, counts)
+
+    def host_only(self, pages: np.ndarray) -> np.ndarray:
+        """Which of ``pages`` are host-only at this fetch's layer (those it copies)."""
+        return host_only_mask(self.host_arrays[5], pages)
+
+    def segment_lists(self, cols: np.ndarray, pages: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`indices` from :meth:`columns` and :meth:`host_only`'s ``keep``."""
+        return fetch_segments(self.host_arrays[2], cols, pages, keep, 2 * self.layer, 2 * self.layers, self.dev_v)
 
     def run_triton(self, host: torch.Tensor, dev: torch.Tensor, programs: int | None = None) -> None:
         """The copy as one Triton launch on the current stream (CUDA) of ``programs`` persistent

@@ -17,6 +17,7 @@ import torch
 
 from kernels import pitched_memcpy
 from sglang_ext.dataplane import cuda_transfer_engine as te
+from sglang_ext.dataplane import fetch_run_cache
 from tests.dataplane.core_driver import PAGES, CoreDriver, make_core, offload_scenario
 from tests.dataplane.cuda_simulation import install, track_core
 from tests.dataplane.pointer_memcpy import PointerMemcpy
@@ -66,6 +67,13 @@ def _long_runs(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(te, "plan_runs", longer)
 
 
+def _reuse_one_layer_off(mp: pytest.MonkeyPatch) -> None:
+    """A negative control of the fetch plans reused across layers (``FetchRunCache``): each
+    reused plan's host rows one layer further on than its own."""
+    real = fetch_run_cache.shifted
+    mp.setattr(fetch_run_cache, "shifted", lambda plan, rows: real(plan, rows + 2))
+
+
 def _free_step_off(mp: pytest.MonkeyPatch) -> None:
     """A negative control of the free-step runs (a long decode's interleaved pages): each such
     run's host step one row more, with the pass on at toy sizes."""
@@ -101,8 +109,10 @@ def test_the_copy_engines_calls_are_right_at_the_pointer_level(monkeypatch):
     are the KV the driver expects at every step, and each call runs on the stream the engine's
     events describe; the same holds with the batched memcpy alone (2-D copies refused).
     Decode pages interleave across the batch, so some runs go at a host step of their own.
-    Negative controls: source addresses one row off, runs one row too long, or the free-step
-    runs' host step one row off (the KV check or the address check fails); every copy handed the
+    A step's fetches of the same requests and host-only pages at two layers share one plan,
+    shifted (``FetchRunCache``). Negative controls: source addresses one row off, runs one row
+    too long, the free-step runs' host step one row off, or a reused plan one layer off (the KV
+    check or the address check fails); every copy handed the
     compute stream's handle, or the H2D stream's (the order check fails)."""
     pitches: set[tuple[int, int]] = set()
     with monkeypatch.context() as mp:
@@ -117,6 +127,8 @@ def test_the_copy_engines_calls_are_right_at_the_pointer_level(monkeypatch):
         mp.setattr(pitched_memcpy, "FREE_PITCH_MIN", 3)  # the free-step pass at toy sizes too
         sim, driver = scenario(mp, more_steps=20, dma=True)
     dma, rows = driver.core.store.engine._dma, driver.core.store.engine.host_page_rows
+    reuse = driver.core.store.engine.fetch_runs
+    assert reuse.reused > 5 and reuse.planned > 5, (reuse.planned, reuse.reused)  # plans shifted across layers
     assert sim.violations == [] and dma.runs > 20 and dma.copies > 100 and dma.bytes > 0, (dma.runs, dma.copies)
     assert {(rows, 1), (1, rows)} <= pitches, pitches  # fetches and onloads; write-backs (block-first host)
     # decode pages interleave across the batch: runs at a host pitch of their own (plan_runs)
@@ -129,7 +141,7 @@ def test_the_copy_engines_calls_are_right_at_the_pointer_level(monkeypatch):
         with sim.tracer():
             offload_scenario(driver)
         assert sim.violations == [] and core.store.engine._dma.runs == 0 and core.store.engine._dma.copies > 50
-    for broken in (_shift_sources, _long_runs, _free_step_off):
+    for broken in (_shift_sources, _long_runs, _free_step_off, _reuse_one_layer_off):
         with monkeypatch.context() as mp, pytest.raises((AssertionError, RuntimeError)):
             scenario(mp, broken, more_steps=20, dma=True)
     with monkeypatch.context() as mp:  # the write-backs run on compute: the host's fence misses them

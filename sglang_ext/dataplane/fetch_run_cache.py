@@ -1,0 +1,90 @@
+"""FetchRunCache: the copy engines' plan of a step's fetch, reused at the step's other layers.
+
+Under ``--kv-copy-engine dma`` a fetch is planned on the host: its segments listed
+(:meth:`PageFetch.indices`) and cut into 2-D copies (:func:`kernels.pitched_memcpy.plan_runs`).
+At the check's batch-32 half-offloaded step that is 16 launches of ~20K segments each, ~2.5 ms of
+NumPy per step on the CPU host (``benchmarks/results/core/dma-runs/``). Most of it repeats: in
+one step, the fetches of the same requests read the same page lists into the same staging pages
+(a request's staging slot serves every layer, OrbitFlow §3.3.1), and where the same pages are
+host-only at both layers -- a layer-granular placement: every page of a request at a layer, or
+none -- layer ``l``'s copy is layer ``l0``'s with every host row ``2 (l - l0)`` further on
+(block-first host pool: K of page ``p`` at layer ``l`` is row ``(p L + l) 2``, V the next), the
+device rows unchanged. The runs shift with it; their steps and lengths do not.
+
+So per fetch only the layer's host-only mask over the requests' pages is worked out (one gather
+of the map row); when it equals the last planned fetch's of the same requests, that plan is
+reused, shifted. A step's entries live until the engine's next step start (:meth:`clear`, at
+``wait_fence``): a step's page lists and staging do not change inside it, and each entry keeps
+the arrays its key names alive, so no other array takes their ``id``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kernels.pitched_memcpy import RunGroup
+from sglang_ext.dataplane.page_fetch import PageFetch
+
+Plan = tuple[list[RunGroup], np.ndarray, np.ndarray]
+"""``(groups, rest_src, rest_dst)``, as :func:`kernels.pitched_memcpy.plan_runs` returns it."""
+
+
+@dataclass
+class _Entry:
+    arrays: tuple[np.ndarray, ...]
+    """The step's page lists, staging, starts and counts the key names (kept alive)."""
+    cols: np.ndarray
+    pages: np.ndarray
+    keep: np.ndarray | None = None
+    """The host-only mask of the planned fetch (None: none planned yet)."""
+    layer: int = -1
+    plan: Plan | None = None
+
+
+class FetchRunCache:
+    """Plans of one step's fetches by their requests (module docstring)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, _Entry] = {}
+        self.planned = 0
+        """Fetches planned from their segments since construction."""
+        self.reused = 0
+        """Fetches that took another layer's plan, shifted."""
+
+    def clear(self) -> None:
+        """A new step: its fetches read other page lists (or the same, rewritten)."""
+        self._entries.clear()
+
+    def plan(self, spec: PageFetch, plan_runs: Callable[[np.ndarray, np.ndarray], Plan]) -> Plan:
+        """``spec``'s copy planned: ``plan_runs(src, dst)`` of its segments, or the plan of an
+        earlier fetch of this step with the same requests and host-only pages, shifted to
+        ``spec``'s layer."""
+        reqs, flat, stage, starts, counts, _ = spec.host_arrays
+        key = (id(flat), id(stage), id(starts), id(counts), reqs.tobytes())
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = _Entry((flat, stage, starts, counts), *spec.columns())
+        keep = spec.host_only(entry.pages)
+        if entry.plan is not None and same_pages(keep, entry.keep):
+            self.reused += 1
+            return shifted(entry.plan, 2 * (spec.layer - entry.layer))
+        plan = plan_runs(*spec.segment_lists(entry.cols, entry.pages, keep))
+        entry.keep, entry.layer, entry.plan = keep, spec.layer, plan
+        self.planned += 1
+        return plan
+
+
+def same_pages(keep: np.ndarray, planned: np.ndarray | None) -> bool:
+    """The host-only masks of two fetches of the same requests' pages agree."""
+    return planned is not None and np.array_equal(keep, planned)
+
+
+def shifted(plan: Plan, rows: int) -> Plan:
+    """``plan`` with every source row ``rows`` further on (runs and single pairs alike)."""
+    groups, rest_s, rest_d = plan
+    if not rows:
+        return plan
+    return [(s0 + rows, d0, n, s_step, d_step) for s0, d0, n, s_step, d_step in groups], rest_s + rows, rest_d

@@ -1,0 +1,128 @@
+"""FetchRunCache: a step's fetch planned once per (requests, host-only pages), reused shifted.
+
+Every fetch's plan from the cache expands to exactly the pairs :func:`plan_runs` makes from the
+fetch's own segments (:meth:`PageFetch.indices`), whether it was planned or reused; it is reused
+only where the layer's host-only pages of those requests are the planned layer's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.pitched_memcpy import plan_runs
+from sglang_ext.dataplane import fetch_run_cache
+from sglang_ext.dataplane.fetch_run_cache import FetchRunCache
+from sglang_ext.dataplane.page_fetch import PageFetch
+
+L, P = 8, 64
+"""Layers and logical pages of the toy pool (host rows of page p at layer l: 2 (p L + l), +1)."""
+DEV_V = 500
+
+
+def _pairs(plan: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """Every (src, dst) pair of a plan, runs expanded, in plan order."""
+    groups, rest_s, rest_d = plan
+    src, dst = [], []
+    for s0, d0, n, s_step, d_step in groups:
+        k = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+        src.append(np.repeat(s0, n) + k * np.repeat(np.broadcast_to(s_step, n.shape), n))
+        dst.append(np.repeat(d0, n) + k * np.repeat(np.broadcast_to(d_step, n.shape), n))
+    return np.concatenate([*src, rest_s]), np.concatenate([*dst, rest_d])
+
+
+def _step(rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+    """One step's page lists: 6 requests of consecutive pages (some with a page elsewhere: a
+    decode page), their staging pages ascending, and the map: per (layer, request) every page
+    host-only, none, or a random part."""
+    counts = rng.integers(1, 9, size=6)
+    starts = np.cumsum(counts) - counts
+    lists = [np.arange(s, s + c) * 1 for s, c in zip(rng.choice(P - 9, size=6, replace=False), counts, strict=True)]
+    for pages in lists:
+        if rng.random() < 0.4:
+            pages[-1] = P - 1 - int(rng.integers(0, 3))  # a page of its own, away from the run
+    flat = np.concatenate(lists).astype(np.int64)
+    stage = np.arange(flat.size, dtype=np.int64) * 1 + 3
+    map_np = np.arange(L * P, dtype=np.int64).reshape(L, P) % 300
+    kind = rng.choice(3, size=(L, 6), p=[0.4, 0.5, 0.1])  # 0: resident, 1: every page host-only, 2: a random part
+    for layer in range(L):
+        for r in range(6):
+            cols = np.arange(starts[r], starts[r] + counts[r])
+            host = np.ones(cols.size, bool) if kind[layer, r] == 1 else rng.random(cols.size) < 0.5
+            if kind[layer, r]:
+                map_np[layer, flat[cols[host]]] = -1
+    return flat, stage, starts.astype(np.int64), counts.astype(np.int64), map_np
+
+
+def _spec(layer: int, reqs: np.ndarray, step: tuple[np.ndarray, ...]) -> PageFetch:
+    flat, stage, starts, counts, map_np = step
+    t = torch.zeros(1, dtype=torch.int32)  # the kernel's device views: unused by the copy engines' plan
+    return PageFetch(layer=layer, layers=L, dev_v=DEV_V, max_pages=int(counts.max()), segments=0, reqs=t, flat=t,
+                     stage=t, starts=t, counts=t, map_row=t,
+                     host_arrays=(reqs, flat, stage, starts, counts, map_np[layer]))
+
+
+def _plan(s: np.ndarray, d: np.ndarray) -> tuple:
+    return plan_runs(s, d, 2 * L, 1)
+
+
+def _check(cache: FetchRunCache, seeds: range) -> tuple[int, int]:
+    """Every layer's fetch of a few request sets per step, through ``cache``: the pairs are the
+    fetch's own segments planned afresh (the reference). Returns (planned, reused)."""
+    for seed in seeds:
+        rng = np.random.default_rng(seed)
+        step = _step(rng)
+        cache.clear()
+        request_sets = [np.arange(6), np.array([0, 2, 5]), np.array([1])]
+        for layer in rng.permutation(L):  # any layer order: a plan shifts either way
+            for reqs in request_sets:
+                spec = _spec(int(layer), reqs, step)
+                got = _pairs(cache.plan(spec, _plan))
+                want = _pairs(_plan(*spec.indices()))
+                assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), (seed, layer, reqs)
+    return cache.planned, cache.reused
+
+
+def test_a_reused_plan_is_the_fetchs_own():
+    """Plans reused across layers copy exactly what each fetch's own segments say; plans are
+    reused where the host-only pages repeat, and made where they do not."""
+    planned, reused = _check(FetchRunCache(), range(40))
+    assert reused > 100 and planned > 100, (planned, reused)
+
+
+def test_a_wrong_reuse_is_caught(monkeypatch):
+    """Negative controls: a plan shifted one layer too far, and a plan reused whatever the
+    layer's host-only pages, both copy other pairs."""
+    real = fetch_run_cache.shifted
+    with monkeypatch.context() as mp, pytest.raises(AssertionError):
+        mp.setattr(fetch_run_cache, "shifted", lambda plan, rows: real(plan, rows + 2))
+        _check(FetchRunCache(), range(40))
+    with monkeypatch.context() as mp, pytest.raises(AssertionError):
+        mp.setattr(fetch_run_cache, "same_pages", lambda keep, planned: planned is not None)
+        _check(FetchRunCache(), range(40))
+
+
+def test_a_new_step_forgets_the_last_ones_plans():
+    """After :meth:`clear` (the engine's step start) nothing is reused, even with the same arrays
+    rewritten in place: the control keeps the entries and copies the old plan."""
+    rng = np.random.default_rng(7)
+    step = _step(rng)
+    reqs = np.arange(6)
+    cache = FetchRunCache()
+    cache.plan(_spec(2, reqs, step), _plan)
+    flat, stage = step[0], step[1]
+    stage[:] = stage[::-1].copy()  # the next step's staging, same array
+    flat[:] = (flat + 1) % P
+    cache.clear()
+    spec = _spec(3, reqs, step)
+    assert np.array_equal(_pairs(cache.plan(spec, _plan))[1], _pairs(_plan(*spec.indices()))[1])
+    assert cache.reused == 0
+    kept = FetchRunCache()
+    kept.plan(_spec(2, reqs, _step(np.random.default_rng(7))), _plan)
+    step2 = _step(np.random.default_rng(7))
+    kept._entries = {(id(step2[0]), id(step2[1]), id(step2[2]), id(step2[3]), reqs.tobytes()): e
+                     for e in kept._entries.values()}  # the old plan under the new arrays' key
+    step2[1][:] = step2[1][::-1].copy()
+    spec = _spec(2, reqs, step2)
+    assert not np.array_equal(_pairs(kept.plan(spec, _plan))[1], _pairs(_plan(*spec.indices()))[1])
