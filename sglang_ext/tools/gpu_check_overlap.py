@@ -79,8 +79,10 @@ def recommend_programs(step_ms: dict[str, float], link: dict[str, dict[str, floa
 def _dma_costs(engine: Any) -> dict[str, float] | None:
     """The copy engines' calls so far (transfer check and overlap phase): single segments and
     batched calls with the host microseconds per segment inside the driver, strided runs (2-D
-    copies) with theirs per run, why the 2-D copies were refused; None where none ran."""
+    copies) with theirs per run, why the 2-D copies were refused, the fetches planned from their
+    segments and those that reused an earlier layer's plan (``FetchRunCache``); None where none ran."""
     dma, pitched = getattr(engine, "_dma", None), getattr(engine, "_pitched", None)
+    plans = getattr(engine, "fetch_runs", None)
     runs = 0 if pitched is None else pitched.calls
     if dma is None or not (dma.copies or runs):
         return None
@@ -88,7 +90,9 @@ def _dma_costs(engine: Any) -> dict[str, float] | None:
             "host_us_per_copy": dma.call_seconds / dma.copies * 1e6 if dma.copies else None,
             "runs": runs, "run_rows": 0 if pitched is None else pitched.rows,
             "host_us_per_run": pitched.call_seconds / runs * 1e6 if runs else None,
-            "pitched_error": getattr(engine, "pitched_error", None)}
+            "pitched_error": getattr(engine, "pitched_error", None),
+            "fetches_planned": None if plans is None else plans.planned,
+            "fetches_reusing_a_plan": None if plans is None else plans.reused}
 
 
 class OverlapCheck:
@@ -239,6 +243,9 @@ class OverlapCheck:
                 if driver["copies"]:
                     note += (f", {driver['copies']} single segments at {driver['host_us_per_copy']:.2f} us each in "
                              f"{driver['calls']} batched calls")
+                if driver["fetches_planned"] is not None:
+                    note += (f", fetches planned {driver['fetches_planned']}, reusing a layer's plan "
+                             f"{driver['fetches_reusing_a_plan']}")
             if placed is not None:
                 note += (f"; the half-offloaded placement on the copy engines: {placed['step_ms']:.2f} ms, "
                          f"{StepTimelineProbe.summary(placed['timeline'])}")

@@ -234,6 +234,7 @@ def test_the_copy_engines_are_swept_where_the_engine_has_them(tmp_path, monkeypa
         # the driver's counters as a GPU run leaves them: 3 strided runs of 40 segments, 5 singles
         self._dma = SimpleNamespace(copies=5, calls=1, call_seconds=1e-5, driver_version=13000)
         self._pitched, self.pitched_error = SimpleNamespace(calls=3, rows=40, call_seconds=6e-6), None
+        self.fetch_runs = SimpleNamespace(planned=4, reused=12)  # the CUDA engine's FetchRunCache counters
 
     def set_copy_engine(self, name):  # noqa: ANN001, ANN202
         switches.append(name)
@@ -277,7 +278,8 @@ def test_the_copy_engines_are_swept_where_the_engine_has_them(tmp_path, monkeypa
     assert "step " in figures["overlap.hidden_step_rel.dma"]["note"]
     assert "the half-offloaded placement on the copy engines" in figures["overlap.hidden_step_rel.dma"]["note"]
     assert ("driver 13000, 3 strided runs (2-D copies) of 40 segments at 2.00 us of host time each, 5 single "
-            "segments at 2.00 us each in 1 batched calls") in figures["overlap.hidden_step_rel.dma"]["note"]
+            "segments at 2.00 us each in 1 batched calls, fetches planned 4, reusing a layer's plan 12") in \
+        figures["overlap.hidden_step_rel.dma"]["note"]
 
 
 def test_the_interleaved_h2d_is_one_free_step_run_per_residue():
