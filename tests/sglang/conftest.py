@@ -144,5 +144,20 @@ def assert_same_generation(got: dict, want: dict, context: str = "") -> None:
     assert worst <= LOGPROB_ATOL, f"{context}: logprobs differ by {worst:.3g} > {LOGPROB_ATOL}"
 
 
+def undetected(server: SGLangServer, reference: SGLangServer, prompts: Sequence[str], new_tokens: int) -> int:
+    """How many of ``prompts`` ``server`` generates as ``reference`` does (greedy tokens and
+    per-token logprobs, :func:`assert_same_generation`): a negative control's server must
+    have none."""
+    same = 0
+    for prompt in prompts:
+        try:
+            assert_same_generation(greedy(server, prompt, new_tokens, logprobs=True),
+                                   greedy(reference, prompt, new_tokens, logprobs=True), prompt)
+        except AssertionError:
+            continue
+        same += 1
+    return same
+
+
 FAULT_INJECT_DIR = Path(__file__).parent / "fault_inject"
 """PYTHONPATH entry of the test-only fault injector (``sitecustomize.py``)."""

@@ -25,6 +25,7 @@ from tests.sglang.conftest import (
     assert_same_generation,
     greedy,
     running_servers,
+    undetected,
 )
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # three server start-ups on a loaded host
@@ -73,12 +74,4 @@ def test_bf16_negative_control_a_corrupted_offloaded_page_fails_the_comparison(b
     """Negative control: one offloaded bf16 layer-page per step perturbed on its way through host
     memory moves the logprobs past the tolerance."""
     vanilla, _, corrupted, _ = bf16_servers
-    failures = 0
-    for prompt in PROMPTS[:4]:
-        got = greedy(corrupted, prompt, NEW_TOKENS, logprobs=True)
-        want = greedy(vanilla, prompt, NEW_TOKENS, logprobs=True)
-        try:
-            assert_same_generation(got, want, prompt)
-        except AssertionError:
-            failures += 1
-    assert failures == 4, f"only {failures} of 4 corrupted generations were detected"
+    assert undetected(corrupted, vanilla, PROMPTS[:4], NEW_TOKENS) == 0

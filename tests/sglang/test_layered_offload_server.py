@@ -29,6 +29,7 @@ from tests.sglang.conftest import (
     assert_same_generation,
     greedy,
     running_servers,
+    undetected,
 )
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # server start-ups on a loaded host
@@ -177,12 +178,4 @@ def corrupted(offload_servers) -> SGLangServer:
 def test_negative_control_a_corrupted_offloaded_page_fails_the_comparison(corrupted, vanilla_server):
     """Negative control: with one offloaded layer-page per step perturbed on its way through host
     memory, the comparison of the previous test fails (logprobs move, tokens may not)."""
-    failures = 0
-    for prompt in PROMPTS[:4]:
-        got = greedy(corrupted, prompt, NEW_TOKENS, logprobs=True)
-        want = greedy(vanilla_server, prompt, NEW_TOKENS, logprobs=True)
-        try:
-            assert_same_generation(got, want, prompt)
-        except AssertionError:
-            failures += 1
-    assert failures == 4, f"only {failures} of 4 corrupted generations were detected"
+    assert undetected(corrupted, vanilla_server, PROMPTS[:4], NEW_TOKENS) == 0
