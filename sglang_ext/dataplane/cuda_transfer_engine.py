@@ -253,11 +253,13 @@ class CudaTransferEngine(TransferEngine):
         nbytes = spec.segments * self.segment_bytes
         if self._on_dma(self.segment_bytes):  # the pages listed on the host, no SM taken
             steps = (self.host_page_rows, 1)  # a page's rows at consecutive layers: 2L host rows apart
-
-            def plan(max_step: int) -> Plan:
-                return self.fetch_runs.plan(spec, lambda s, d: plan_runs(s, d, *steps, MIN_RUN, max_step))
+            planned: Plan | None = None
+            if self._pitched is not None:  # planned before the copy's timing window opens
+                max_step = self._max_pitch // self.segment_bytes
+                planned = self.fetch_runs.plan(spec, lambda s, d: plan_runs(s, d, *steps, MIN_RUN, max_step))
 
             def copy() -> None:
+                plan = None if planned is None else (lambda _max_step: planned)
                 if self._dma_copy(self.host, self.dev, spec.indices, steps, plan):
                     return
                 if self._kernel_impl == "triton":  # the driver refused: the kernels' way, same stream

@@ -13,9 +13,11 @@ device rows unchanged. The runs shift with it; their steps and lengths do not.
 
 So per fetch only the layer's host-only mask over the requests' pages is worked out (one gather
 of the map row); when it equals the last planned fetch's of the same requests, that plan is
-reused, shifted. A step's entries live until the engine's next step start (:meth:`clear`, at
-``wait_fence``): a step's page lists and staging do not change inside it, and each entry keeps
-the arrays its key names alive, so no other array takes their ``id``.
+reused, shifted. What makes an entry right is that the step tables' host arrays its key names
+(page lists, staging, starts, counts) are never written in place -- each step's tables make new
+ones where anything changes -- and that the entry keeps them alive, so no other array takes
+their ``id``; the map row is read again at every fetch. :meth:`clear`, at the engine's step
+start (``wait_fence``), bounds the entries to one step's (the last step's arrays go with them).
 """
 
 from __future__ import annotations

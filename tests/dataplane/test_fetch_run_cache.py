@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from kernels import pitched_memcpy
 from kernels.pitched_memcpy import plan_runs
 from sglang_ext.dataplane import fetch_run_cache
 from sglang_ext.dataplane.fetch_run_cache import FetchRunCache
@@ -55,6 +56,35 @@ def _step(rng: np.random.Generator) -> tuple[np.ndarray, ...]:
     return flat, stage, starts.astype(np.int64), counts.astype(np.int64), map_np
 
 
+FREE_GROUPS = {"reused": 0}
+
+
+def _interleaved(rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+    """A long decode's page lists: each of 6 requests holds a few prompt pages, then decode
+    pages handed out in turn across the batch (one request's 6 apart); staging ascending; the
+    map as :func:`_step` draws it."""
+    prompt = rng.integers(1, 4, size=6)
+    decode = int(rng.integers(4, 8))  # at most 18 + 6 * 7 = 60 pages of the 64
+    first = np.concatenate([[0], np.cumsum(prompt)[:-1]])
+    base = int(prompt.sum())
+    lists = [np.concatenate([np.arange(first[r], first[r] + prompt[r]), base + r + 6 * np.arange(decode)])
+             for r in range(6)]
+    counts = np.array([x.size for x in lists], dtype=np.int64)
+    starts = np.cumsum(counts) - counts
+    flat = np.concatenate(lists).astype(np.int64)
+    assert flat.max() < P
+    stage = np.arange(flat.size, dtype=np.int64) + 3
+    map_np = np.arange(L * P, dtype=np.int64).reshape(L, P) % 300
+    kind = rng.choice(3, size=(L, 6), p=[0.3, 0.6, 0.1])
+    for layer in range(L):
+        for r in range(6):
+            cols = np.arange(starts[r], starts[r] + counts[r])
+            host = np.ones(cols.size, bool) if kind[layer, r] == 1 else rng.random(cols.size) < 0.5
+            if kind[layer, r]:
+                map_np[layer, flat[cols[host]]] = -1
+    return flat, stage, starts, counts, map_np
+
+
 def _spec(layer: int, reqs: np.ndarray, step: tuple[np.ndarray, ...]) -> PageFetch:
     flat, stage, starts, counts, map_np = step
     t = torch.zeros(1, dtype=torch.int32)  # the kernel's device views: unused by the copy engines' plan
@@ -67,40 +97,53 @@ def _plan(s: np.ndarray, d: np.ndarray) -> tuple:
     return plan_runs(s, d, 2 * L, 1)
 
 
-def _check(cache: FetchRunCache, seeds: range) -> tuple[int, int]:
+def _check(cache: FetchRunCache, seeds: range, interleave: bool = False) -> tuple[int, int]:
     """Every layer's fetch of a few request sets per step, through ``cache``: the pairs are the
     fetch's own segments planned afresh (the reference). Returns (planned, reused)."""
     for seed in seeds:
         rng = np.random.default_rng(seed)
-        step = _step(rng)
+        step = _interleaved(rng) if interleave else _step(rng)
         cache.clear()
         request_sets = [np.arange(6), np.array([0, 2, 5]), np.array([1])]
         for layer in rng.permutation(L):  # any layer order: a plan shifts either way
             for reqs in request_sets:
                 spec = _spec(int(layer), reqs, step)
-                got = _pairs(cache.plan(spec, _plan))
+                reused = cache.reused
+                plan = cache.plan(spec, _plan)
+                if cache.reused > reused and any(not np.isscalar(g[3]) for g in plan[0]):
+                    FREE_GROUPS["reused"] += 1  # a reused plan with runs at a step of their own
+                got = _pairs(plan)
                 want = _pairs(_plan(*spec.indices()))
                 assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), (seed, layer, reqs)
     return cache.planned, cache.reused
 
 
-def test_a_reused_plan_is_the_fetchs_own():
+@pytest.mark.parametrize("free_steps", [False, True])
+def test_a_reused_plan_is_the_fetchs_own(monkeypatch, free_steps):
     """Plans reused across layers copy exactly what each fetch's own segments say; plans are
-    reused where the host-only pages repeat, and made where they do not."""
-    planned, reused = _check(FetchRunCache(), range(40))
+    reused where the host-only pages repeat, and made where they do not. ``free_steps``: pages
+    interleaved across the requests, as a long decode leaves them, and the free-step pass on at
+    these sizes: reused plans hold runs at a host step of their own too."""
+    if free_steps:
+        monkeypatch.setattr(pitched_memcpy, "FREE_PITCH_MIN", 3)
+    planned, reused = _check(FetchRunCache(), range(40), interleave=free_steps)
     assert reused > 100 and planned > 100, (planned, reused)
+    if free_steps:
+        assert FREE_GROUPS["reused"] > 20, FREE_GROUPS
 
 
 def test_a_wrong_reuse_is_caught(monkeypatch):
     """Negative controls: a plan shifted one layer too far, and a plan reused whatever the
     layer's host-only pages, both copy other pairs."""
     real = fetch_run_cache.shifted
-    with monkeypatch.context() as mp, pytest.raises(AssertionError):
-        mp.setattr(fetch_run_cache, "shifted", lambda plan, rows: real(plan, rows + 2))
-        _check(FetchRunCache(), range(40))
-    with monkeypatch.context() as mp, pytest.raises(AssertionError):
-        mp.setattr(fetch_run_cache, "same_pages", lambda keep, planned: planned is not None)
-        _check(FetchRunCache(), range(40))
+    monkeypatch.setattr(pitched_memcpy, "FREE_PITCH_MIN", 3)
+    for interleave in (False, True):  # fixed-step runs, and runs at a step of their own
+        with monkeypatch.context() as mp, pytest.raises(AssertionError):
+            mp.setattr(fetch_run_cache, "shifted", lambda plan, rows: real(plan, rows + 2))
+            _check(FetchRunCache(), range(40), interleave)
+        with monkeypatch.context() as mp, pytest.raises(AssertionError):
+            mp.setattr(fetch_run_cache, "same_pages", lambda keep, planned: planned is not None)
+            _check(FetchRunCache(), range(40), interleave)
 
 
 def test_a_new_step_forgets_the_last_ones_plans():
