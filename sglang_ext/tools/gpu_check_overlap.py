@@ -38,7 +38,7 @@ from sglang_ext.dataplane.bench_env import sync, time_ms
 from sglang_ext.tools.gpu_check_config import PROGRAM_CAPS
 from sglang_ext.tools.gpu_check_measure import DUPLEX_VS_ONE
 from sglang_ext.tools.gpu_check_report import Figure
-from sglang_ext.tools.gpu_check_transfer import on_copy_engines
+from sglang_ext.tools.gpu_check_transfer import dma_phase_failed, on_copy_engines
 from sglang_ext.tools.step_timeline_probe import StepTimelineProbe
 
 SHARES = (0.02, 0.015, 0.01, 0.0075, 0.005)
@@ -147,12 +147,17 @@ class OverlapCheck:
         timeline = ch.timeline()
         dma_error, dma_timeline = ch.dma_error, None
         if dma_error is None:
-            with on_copy_engines(engine) as on:
-                if on:
-                    by_programs["dma"] = time_ms(ch.step, ch.device, c.repeat)
-                    dma_timeline = ch.timeline()
-                else:
-                    dma_error = engine.dma_error
+            try:
+                with on_copy_engines(engine) as on:
+                    if on:
+                        by_programs["dma"] = time_ms(ch.step, ch.device, c.repeat)
+                        dma_timeline = ch.timeline()
+                    else:
+                        dma_error = engine.dma_error
+            except Exception as exc:  # noqa: BLE001 - reported in the dma figure; the check goes on
+                by_programs.pop("dma", None)
+                dma_error = ch.dma_error = dma_phase_failed("the hidden placement on the copy engines", exc, engine,
+                                                            ch.device)
         rel = (hidden_ms - resident_ms) / resident_ms
         # the layers' compute scaled to the all-resident step timed here
         scaled = [x * resident_ms / sum(comp_ms) for x in comp_ms] if sum(comp_ms) > 0 else list(comp_ms)
@@ -215,12 +220,16 @@ class OverlapCheck:
         ch = self.check
         if ch.dma_error is not None:
             return None
-        with on_copy_engines(engine) as on:
-            if not on:
-                return None
-            engine.quiesce()
-            sync(ch.device)
-            return {"step_ms": time_ms(ch.step, ch.device, ch.config.repeat), "timeline": ch.timeline()}
+        try:
+            with on_copy_engines(engine) as on:
+                if not on:
+                    return None
+                engine.quiesce()
+                sync(ch.device)
+                return {"step_ms": time_ms(ch.step, ch.device, ch.config.repeat), "timeline": ch.timeline()}
+        except Exception as exc:  # noqa: BLE001 - reported in the dma figure; the check goes on
+            ch.dma_error = dma_phase_failed("the half-offloaded placement on the copy engines", exc, engine, ch.device)
+            return None
 
     def _dma_figures(self, resident_ms: float, link: dict[str, dict[str, float]], cuda: bool) -> list[Figure]:
         """The copy engines (``--kv-copy-engine dma``): the hidden placement's step and the duplex

@@ -28,6 +28,7 @@ nothing about a GPU link (reported N/A).
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -52,6 +53,19 @@ def interleaved(pages: np.ndarray, k: int = INTERLEAVE) -> np.ndarray:
     apart on the host (``k x 2L`` rows): one free-step run per residue on the copy engines
     (:func:`kernels.pitched_memcpy.plan_runs`), at a pitch ``k`` times the prompt pages'."""
     return pages[np.argsort(np.arange(pages.size) % k, kind="stable")]
+
+
+def dma_phase_failed(phase: str, exc: BaseException, eng: Any, device: str) -> str:
+    """A copy-engine phase raised (its first run on new hardware): the traceback printed, the
+    engine's copies drained where they still can be, and why, for the phase's ``dma_error``.
+    The check goes on without the copy engines; the other phases' figures are kept."""
+    traceback.print_exc()
+    try:
+        eng.quiesce()
+        sync(device)
+    except Exception:  # noqa: BLE001 - a broken CUDA context fails the phases after this one on its own
+        traceback.print_exc()
+    return f"{phase} raised {type(exc).__name__}: {exc}"
 
 
 @contextmanager
@@ -203,6 +217,14 @@ class TransferCheck:
             self.dma_error = (f"segments of {eng.segment_bytes} B < {DMA_MIN_BYTES} B: the copies would stay on "
                               "the Triton kernel")
             return {}
+        try:
+            return self._dma_link(eng, h2d, duplex, nbytes_both, h2d_interleaved)
+        except Exception as exc:  # noqa: BLE001 - reported in the dma figures; the check goes on
+            self.dma_error = dma_phase_failed("the transfer check on the copy engines", exc, eng, self.batch.device)
+            return {}
+
+    def _dma_link(self, eng: Any, h2d: Callable[[], None], duplex: Callable[[], None], nbytes_both: int,
+                  h2d_interleaved: Callable[[], None]) -> dict[str, dict[str, float]]:
         with on_copy_engines(eng) as on:
             if not on:
                 self.dma_error = eng.dma_error

@@ -282,6 +282,84 @@ def test_the_copy_engines_are_swept_where_the_engine_has_them(tmp_path, monkeypa
         figures["overlap.hidden_step_rel.dma"]["note"]
 
 
+@pytest.mark.parametrize("phase", ["transfer", "half-offloaded", "hidden"])
+def test_a_copy_engine_phase_that_raises_loses_only_the_dma_figures(tmp_path, monkeypatch, capsys, phase):
+    """The copy engines' phases run for the first time on whatever GPU the check is lent: one
+    that raises (here every copy while the engine is on ``dma``) is reported in the dma figures'
+    notes, with its traceback, and every other figure is still measured and written. ``phase``:
+    which one raises first (the earlier ones stood aside). Negative control: without the
+    phases' handlers the exception ends the core check (one ``core_check`` figure)."""
+    from sglang_ext.dataplane.transfer_engine import CpuTransferEngine
+    from sglang_ext.tools import gpu_check_overlap, gpu_check_transfer
+    from sglang_ext.tools.gpu_check_measure import CoreCheck
+
+    init, launch = CpuTransferEngine.__init__, CpuTransferEngine._launch
+
+    def tracked(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        init(self, *a, **k)
+        self.copy_programs, self.impl, self.dma_error = None, "triton", None
+
+    def set_copy_engine(self, name):  # noqa: ANN001, ANN202
+        self.impl = name
+        return True
+
+    def faulty(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if self.impl == "dma":
+            raise RuntimeError("driver fault (test)")
+        return launch(self, *a, **k)
+
+    check_init = CoreCheck.__init__
+
+    def probed(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        check_init(self, *a, **k)
+        self.dma_error = None
+
+    monkeypatch.setattr(CpuTransferEngine, "__init__", tracked)
+    monkeypatch.setattr(CpuTransferEngine, "set_copy_engine", set_copy_engine, raising=False)
+    monkeypatch.setattr(CpuTransferEngine, "_launch", faulty)
+    monkeypatch.setattr(CoreCheck, "__init__", probed)
+    monkeypatch.setattr(gpu_check_transfer, "DMA_MIN_BYTES", 0)
+    if phase != "transfer":  # the transfer check's copy engines stand aside, measuring nothing
+        monkeypatch.setattr(gpu_check_transfer.TransferCheck, "_dma_link", lambda self, *a: {})
+    if phase == "hidden":
+        monkeypatch.setattr(gpu_check_overlap.OverlapCheck, "_placed_on_copy_engines", lambda self, engine: None)
+    argv = ["gpu-check", "--device", "cpu", "--skip-tests", "--repeat", "1", "--out-dir", str(tmp_path)]
+    main(argv)
+    _, body = _result(tmp_path)
+    figures = {f["key"]: f for f in body["figures"]}
+    assert set(figures) == FIGURE_KEYS, set(figures) ^ FIGURE_KEYS
+    raised = f"the {phase} {'check' if phase == 'transfer' else 'placement'} on the copy engines raised " \
+             "RuntimeError: driver fault (test)"
+    for key in NOT_ON_CPU:
+        assert figures[key]["value"] is None and raised in figures[key]["note"], (key, figures[key]["note"])
+    assert figures["attention_max_abs_err.torch"]["status"] == PASS and figures["step_ms.placed"]["value"] > 0
+    assert figures["overlap.hidden_step_rel"]["value"] is not None
+    assert "driver fault (test)" in capsys.readouterr().err  # the traceback
+    handlers = {"transfer": (gpu_check_transfer.TransferCheck, "_dma"),
+                "half-offloaded": (gpu_check_overlap.OverlapCheck, "_placed_on_copy_engines"),
+                "hidden": (gpu_check_overlap, "dma_phase_failed")}
+    owner, name = handlers[phase]
+    if phase == "transfer":  # control: the phase without its handler
+        monkeypatch.setattr(owner, name, lambda self, eng, *a: {"dma": self._dma_link(eng, *a)})
+    elif phase == "half-offloaded":
+        real = gpu_check_transfer.on_copy_engines
+        monkeypatch.setattr(owner, name, lambda self, engine: _unguarded_placed(self, engine, real))
+    else:
+        monkeypatch.setattr(owner, name, lambda phase, exc, eng, device: (_ for _ in ()).throw(exc))
+    assert main(argv) == 1
+    _, body = _result(tmp_path)
+    assert [f["key"] for f in body["figures"]] == ["core_check"]
+
+
+def _unguarded_placed(overlap, engine, on_copy_engines):  # noqa: ANN001, ANN202
+    """``OverlapCheck._placed_on_copy_engines`` without its handler (the test's control)."""
+    from sglang_ext.dataplane.bench_env import time_ms
+
+    ch = overlap.check
+    with on_copy_engines(engine):
+        return {"step_ms": time_ms(ch.step, ch.device, ch.config.repeat), "timeline": ch.timeline()}
+
+
 def test_the_interleaved_h2d_is_one_free_step_run_per_residue():
     """The transfer check's interleaved H2D (a long decode's page order over the batch's pages)
     goes on the copy engines as ``2 x INTERLEAVE`` free-step runs (K and V of each residue), none
