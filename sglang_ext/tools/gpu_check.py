@@ -24,7 +24,6 @@ import shlex
 import subprocess
 import sys
 import time
-import traceback
 from typing import Any
 
 import torch
@@ -32,7 +31,7 @@ import torch
 from sglang_ext.dataplane.bench_env import NO_GPU_EXIT, describe_device, resolve_device
 from sglang_ext.tools.gpu_check_config import PRESETS, GpuCheckConfig
 from sglang_ext.tools.gpu_check_measure import CoreCheck
-from sglang_ext.tools.gpu_check_report import Figure, GpuCheckReport
+from sglang_ext.tools.gpu_check_report import Figure, GpuCheckReport, guarded_phase
 from sglang_ext.tools.gpu_check_tests import REPO_ROOT, GpuTestRun
 
 RESULTS_DIR = "benchmarks/results/gpu"
@@ -119,15 +118,15 @@ def _run(args: argparse.Namespace, device: str, config: GpuCheckConfig) -> int:
             tests["note"] = "; ".join(x for x in ("no CUDA here: every gpu test skips", tests["note"]) if x)
     print(f"  gpu-marked tests: {tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped, "
           f"{tests['errors']} errors ({tests['elapsed_s']:.0f} s)")
-    details: dict[str, Any] = {}
-    try:
-        check = CoreCheck(config, device, args.attention)
-        figures = check.run()
-        details = check.details
-    except Exception as exc:  # noqa: BLE001 - reported as a failed figure, with the traceback
-        traceback.print_exc()
-        figures = [Figure.graded("core_check", "served-core measurements", None, "", "<=", 0.0,
-                                 "CoreCheck.run", note=f"{type(exc).__name__}: {exc}")]
+    built: list[CoreCheck] = []
+
+    def core() -> list[Figure]:
+        built.append(CoreCheck(config, device, args.attention))
+        return built[0].run()
+
+    # a failure keeps what the check measured before it (its details so far)
+    figures = guarded_phase("core_check", "served-core measurements", "CoreCheck.run", core)
+    details: dict[str, Any] = built[0].details if built else {}
     report = GpuCheckReport(
         machine=machine, device=device, command="kvplane " + shlex.join(sys.argv[1:] or ["gpu-check"]),
         environment=environment(), config={**vars(config), "contexts": list(config.contexts)}, tests=tests,

@@ -58,7 +58,7 @@ from sglang_ext.tools.gpu_check_batch import CheckBatch
 from sglang_ext.tools.gpu_check_config import TIMELINE_STEPS, GpuCheckConfig
 from sglang_ext.tools.gpu_check_event_timing import event_timing_figures
 from sglang_ext.tools.gpu_check_probes import CpuTimeProbe, SyncProbe
-from sglang_ext.tools.gpu_check_report import Figure
+from sglang_ext.tools.gpu_check_report import Figure, guarded_phase
 from sglang_ext.tools.gpu_check_transfer import TransferCheck, TransferResult
 from sglang_ext.tools.host_profile_probe import HostProfileProbe
 from sglang_ext.tools.step_timeline_probe import StepTimelineProbe
@@ -351,10 +351,13 @@ class CoreCheck:
         from sglang_ext.tools.gpu_check_overlap import OverlapCheck  # both import this module
         from sglang_ext.tools.gpu_check_recompute import RecomputeCheck
 
-        overlap_figures = OverlapCheck(self).run(comp, transfer.bw_blocks_per_ms, resident_ms,
-                                                 transfer.by_programs, transfer.h2d_gbps)
+        overlap_figures = guarded_phase(
+            "overlap_check", "the overlap phase", "OverlapCheck.run",
+            lambda: OverlapCheck(self).run(comp, transfer.bw_blocks_per_ms, resident_ms, transfer.by_programs,
+                                           transfer.h2d_gbps))
         recompute = RecomputeCheck(self)
-        recompute_figures = recompute.run(comp, transfer.bw_blocks_per_ms)
+        recompute_figures = guarded_phase("recompute_check", "the recompute phase", "RecomputeCheck.run",
+                                          lambda: recompute.run(comp, transfer.bw_blocks_per_ms))
         stall_measured, stall_predicted = placed_ms - resident_ms, predicted_ms - sum(comp)
         stall_err = abs(stall_measured - stall_predicted) / max(stall_predicted, STALL_FLOOR_SHARE * resident_ms)
         self.details.update({

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +75,17 @@ class Figure:
         """A figure whose status :func:`grade` decides."""
         status = grade(value, op, threshold, meaningful=meaningful)
         return cls(key, title, None if value is None else float(value), unit, op, threshold, status, method, note)
+
+
+def guarded_phase(key: str, title: str, method: str, run: Callable[[], list[Figure]]) -> list[Figure]:
+    """A phase's figures, or -- where it raises (code running on hardware for the first time) --
+    one failed figure ``key`` naming the exception, its traceback on stderr: the phases before
+    and after it keep theirs."""
+    try:
+        return run()
+    except Exception as exc:  # noqa: BLE001 - reported as a failed figure, the check goes on
+        traceback.print_exc()
+        return [Figure.graded(key, title, None, "", "<=", 0.0, method, note=f"{type(exc).__name__}: {exc}")]
 
 
 @dataclass

@@ -351,6 +351,40 @@ def test_a_copy_engine_phase_that_raises_loses_only_the_dma_figures(tmp_path, mo
     assert [f["key"] for f in body["figures"]] == ["core_check"]
 
 
+@pytest.mark.parametrize("phase", ["overlap", "recompute"])
+def test_a_phase_that_raises_fails_its_own_figure_only(tmp_path, monkeypatch, capsys, phase):
+    """The overlap and recompute phases run after the core figures are measured: one that raises
+    becomes one failed figure naming the exception (``overlap_check`` / ``recompute_check``),
+    its traceback on stderr; the core's figures and the other phase's are kept. Negative control:
+    the core check itself raising keeps its details so far but only the ``core_check`` figure."""
+    from sglang_ext.tools import gpu_check_overlap, gpu_check_recompute
+    from sglang_ext.tools.gpu_check_measure import CoreCheck
+
+    cls = gpu_check_overlap.OverlapCheck if phase == "overlap" else gpu_check_recompute.RecomputeCheck
+
+    def broken(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        raise RuntimeError(f"{phase} fault (test)")
+
+    monkeypatch.setattr(cls, "run", broken)
+    argv = ["gpu-check", "--device", "cpu", "--skip-tests", "--repeat", "1", "--out-dir", str(tmp_path)]
+    assert main(argv) == 1
+    _, body = _result(tmp_path)
+    figures = {f["key"]: f for f in body["figures"]}
+    failed = figures.pop(f"{phase}_check")
+    assert failed["status"] == FAIL and failed["note"] == f"RuntimeError: {phase} fault (test)"
+    mine = {"overlap": {"overlap.hidden_step_rel", "overlap.hidden_step_rel.dma", "duplex_vs_one_direction.dma",
+                        "overlap.fetch_launch_ms"},
+            "recompute": {"recompute_step_rel_err", "recompute_attention_max_abs_err"}}[phase]
+    assert set(figures) == FIGURE_KEYS - mine, set(figures) ^ (FIGURE_KEYS - mine)
+    assert figures["step_ms.placed"]["value"] > 0 and figures["attention_max_abs_err.torch"]["status"] == PASS
+    assert f"{phase} fault (test)" in capsys.readouterr().err
+    monkeypatch.setattr(CoreCheck, "_figures", broken)  # control: a fault in the core check's own part
+    assert main(argv) == 1
+    _, body = _result(tmp_path)
+    assert [f["key"] for f in body["figures"]] == ["core_check"]
+    assert body["details"]["overlap" if phase == "recompute" else "recompute"]  # measured before the fault
+
+
 def _unguarded_placed(overlap, engine, on_copy_engines):  # noqa: ANN001, ANN202
     """``OverlapCheck._placed_on_copy_engines`` without its handler (the test's control)."""
     from sglang_ext.dataplane.bench_env import time_ms
