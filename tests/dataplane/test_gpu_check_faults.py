@@ -1,0 +1,127 @@
+"""`kvplane gpu-check` on hardware nobody ran it on: a phase that raises costs its own figures
+only (the copy engines' phases, the overlap and recompute phases), never the whole run's."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvplane.cli import main
+from sglang_ext.tools.gpu_check_report import FAIL, PASS
+from tests.dataplane.test_gpu_check import FIGURE_KEYS, NOT_ON_CPU, _result
+
+
+@pytest.mark.parametrize("phase", ["transfer", "half-offloaded", "hidden"])
+def test_a_copy_engine_phase_that_raises_loses_only_the_dma_figures(tmp_path, monkeypatch, capsys, phase):
+    """The copy engines' phases run for the first time on whatever GPU the check is lent: one
+    that raises (here every copy while the engine is on ``dma``) is reported in the dma figures'
+    notes, with its traceback, and every other figure is still measured and written. ``phase``:
+    which one raises first (the earlier ones stood aside). Negative control: without the
+    phases' handlers the exception ends the core check (the transfer check's: one ``core_check``
+    figure) or the overlap phase (the placements': one ``overlap_check`` figure)."""
+    from sglang_ext.dataplane.transfer_engine import CpuTransferEngine
+    from sglang_ext.tools import gpu_check_overlap, gpu_check_transfer
+    from sglang_ext.tools.gpu_check_measure import CoreCheck
+
+    init, launch = CpuTransferEngine.__init__, CpuTransferEngine._launch
+
+    def tracked(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        init(self, *a, **k)
+        self.copy_programs, self.impl, self.dma_error = None, "triton", None
+
+    def set_copy_engine(self, name):  # noqa: ANN001, ANN202
+        self.impl = name
+        return True
+
+    def faulty(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if self.impl == "dma":
+            raise RuntimeError("driver fault (test)")
+        return launch(self, *a, **k)
+
+    check_init = CoreCheck.__init__
+
+    def probed(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        check_init(self, *a, **k)
+        self.dma_error = None
+
+    monkeypatch.setattr(CpuTransferEngine, "__init__", tracked)
+    monkeypatch.setattr(CpuTransferEngine, "set_copy_engine", set_copy_engine, raising=False)
+    monkeypatch.setattr(CpuTransferEngine, "_launch", faulty)
+    monkeypatch.setattr(CoreCheck, "__init__", probed)
+    monkeypatch.setattr(gpu_check_transfer, "DMA_MIN_BYTES", 0)
+    if phase != "transfer":  # the transfer check's copy engines stand aside, measuring nothing
+        monkeypatch.setattr(gpu_check_transfer.TransferCheck, "_dma_link", lambda self, *a: {})
+    if phase == "hidden":
+        monkeypatch.setattr(gpu_check_overlap.OverlapCheck, "_placed_on_copy_engines", lambda self, engine: None)
+    argv = ["gpu-check", "--device", "cpu", "--skip-tests", "--repeat", "1", "--out-dir", str(tmp_path)]
+    main(argv)
+    _, body = _result(tmp_path)
+    figures = {f["key"]: f for f in body["figures"]}
+    assert set(figures) == FIGURE_KEYS, set(figures) ^ FIGURE_KEYS
+    raised = f"the {phase} {'check' if phase == 'transfer' else 'placement'} on the copy engines raised " \
+             "RuntimeError: driver fault (test)"
+    for key in NOT_ON_CPU:
+        assert figures[key]["value"] is None and raised in figures[key]["note"], (key, figures[key]["note"])
+    assert figures["attention_max_abs_err.torch"]["status"] == PASS and figures["step_ms.placed"]["value"] > 0
+    assert figures["overlap.hidden_step_rel"]["value"] is not None
+    assert "driver fault (test)" in capsys.readouterr().err  # the traceback
+    handlers = {"transfer": (gpu_check_transfer.TransferCheck, "_dma"),
+                "half-offloaded": (gpu_check_overlap.OverlapCheck, "_placed_on_copy_engines"),
+                "hidden": (gpu_check_overlap, "dma_phase_failed")}
+    owner, name = handlers[phase]
+    if phase == "transfer":  # control: the phase without its handler
+        monkeypatch.setattr(owner, name, lambda self, eng, *a: {"dma": self._dma_link(eng, *a)})
+    elif phase == "half-offloaded":
+        real = gpu_check_transfer.on_copy_engines
+        monkeypatch.setattr(owner, name, lambda self, engine: _unguarded_placed(self, engine, real))
+    else:
+        monkeypatch.setattr(owner, name, lambda phase, exc, eng, device: (_ for _ in ()).throw(exc))
+    assert main(argv) == 1
+    _, body = _result(tmp_path)
+    keys = [f["key"] for f in body["figures"]]
+    if phase == "transfer":  # the core check's own part: it ends there
+        assert keys == ["core_check"], keys
+    else:  # inside the overlap phase: its figures give way to one failed figure
+        assert "overlap_check" in keys and "overlap.hidden_step_rel" not in keys and "stall_rel_err" in keys, keys
+
+
+@pytest.mark.parametrize("phase", ["overlap", "recompute"])
+def test_a_phase_that_raises_fails_its_own_figure_only(tmp_path, monkeypatch, capsys, phase):
+    """The overlap and recompute phases run after the core figures are measured: one that raises
+    becomes one failed figure naming the exception (``overlap_check`` / ``recompute_check``),
+    its traceback on stderr; the core's figures and the other phase's are kept. Negative control:
+    the core check itself raising keeps its details so far but only the ``core_check`` figure."""
+    from sglang_ext.tools import gpu_check_overlap, gpu_check_recompute
+    from sglang_ext.tools.gpu_check_measure import CoreCheck
+
+    cls = gpu_check_overlap.OverlapCheck if phase == "overlap" else gpu_check_recompute.RecomputeCheck
+
+    def broken(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        raise RuntimeError(f"{phase} fault (test)")
+
+    monkeypatch.setattr(cls, "run", broken)
+    argv = ["gpu-check", "--device", "cpu", "--skip-tests", "--repeat", "1", "--out-dir", str(tmp_path)]
+    assert main(argv) == 1
+    _, body = _result(tmp_path)
+    figures = {f["key"]: f for f in body["figures"]}
+    failed = figures.pop(f"{phase}_check")
+    assert failed["status"] == FAIL and failed["note"] == f"RuntimeError: {phase} fault (test)"
+    mine = {"overlap": {"overlap.hidden_step_rel", "overlap.hidden_step_rel.dma", "duplex_vs_one_direction.dma",
+                        "overlap.fetch_launch_ms"},
+            "recompute": {"recompute_step_rel_err", "recompute_attention_max_abs_err"}}[phase]
+    assert set(figures) == FIGURE_KEYS - mine, set(figures) ^ (FIGURE_KEYS - mine)
+    assert figures["step_ms.placed"]["value"] > 0 and figures["attention_max_abs_err.torch"]["status"] == PASS
+    assert f"{phase} fault (test)" in capsys.readouterr().err
+    monkeypatch.setattr(CoreCheck, "_figures", broken)  # control: a fault in the core check's own part
+    assert main(argv) == 1
+    _, body = _result(tmp_path)
+    assert [f["key"] for f in body["figures"]] == ["core_check"]
+    assert body["details"]["overlap" if phase == "recompute" else "recompute"]  # measured before the fault
+
+
+def _unguarded_placed(overlap, engine, on_copy_engines):  # noqa: ANN001, ANN202
+    """``OverlapCheck._placed_on_copy_engines`` without its handler (the test's control)."""
+    from sglang_ext.dataplane.bench_env import time_ms
+
+    ch = overlap.check
+    with on_copy_engines(engine):
+        return {"step_ms": time_ms(ch.step, ch.device, ch.config.repeat), "timeline": ch.timeline()}
