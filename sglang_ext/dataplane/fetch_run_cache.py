@@ -13,7 +13,10 @@ device rows unchanged. The runs shift with it; their steps and lengths do not.
 
 So per fetch only the layer's host-only mask over the requests' pages is worked out (one gather
 of the map row); when it equals the last planned fetch's of the same requests, that plan is
-reused, shifted. What makes an entry right is that the step tables' host arrays its key names
+reused, shifted. Not even that where the fetch copies every page of its requests: the tables
+count its segments (``PageFetch.segments``) from the host bits the map holds, so a count of
+all of them says the mask is all host-only; such a fetch takes the plan of a planned one that
+was whole too, whose mask agreed with the count when it was planned. What makes an entry right is that the step tables' host arrays its key names
 (page lists, staging, starts, counts) are never written in place -- each step's tables make new
 ones where anything changes -- and that the entry keeps them alive, so no other array takes
 their ``id``; the map row is read again at every fetch. :meth:`clear`, at the engine's step
@@ -42,6 +45,8 @@ class _Entry:
     pages: np.ndarray
     keep: np.ndarray | None = None
     """The host-only mask of the planned fetch (None: none planned yet)."""
+    whole: bool = False
+    """The planned fetch copies every page of its requests, by the tables' count and its mask alike."""
     layer: int = -1
     plan: Plan | None = None
 
@@ -55,6 +60,11 @@ class FetchRunCache:
         """Fetches planned from their segments since construction."""
         self.reused = 0
         """Fetches that took another layer's plan, shifted."""
+        self.reused_whole = 0
+        """Of :attr:`reused`, those taken without reading the map: whole fetches (below)."""
+        self.disagreed = 0
+        """Fetches whose tables counted every page host-only while the map said otherwise (never
+        trusted then; 0 unless the tables and the map disagree)."""
 
     def clear(self) -> None:
         """A new step: its fetches read other page lists (or the same, rewritten)."""
@@ -69,12 +79,22 @@ class FetchRunCache:
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = _Entry((flat, stage, starts, counts), *spec.columns())
+        # the tables count a fetch's segments from the same host bits the map holds (exact: what
+        # the kernel copies); all of its requests' pages host-only is a layer-granular placement's
+        # usual fetch, and its mask needs no gather once a planned one agreed with the map
+        whole = spec.segments == 2 * entry.pages.size
+        if whole and entry.whole:
+            self.reused += 1
+            self.reused_whole += 1
+            return shifted(entry.plan, 2 * (spec.layer - entry.layer))  # type: ignore[arg-type]
         keep = spec.host_only(entry.pages)
         if entry.plan is not None and same_pages(keep, entry.keep):
             self.reused += 1
             return shifted(entry.plan, 2 * (spec.layer - entry.layer))
         plan = plan_runs(*spec.segment_lists(entry.cols, entry.pages, keep))
-        entry.keep, entry.layer, entry.plan = keep, spec.layer, plan
+        agree = bool(keep.all()) if whole else True
+        self.disagreed += not agree
+        entry.keep, entry.whole, entry.layer, entry.plan = keep, whole and agree, spec.layer, plan
         self.planned += 1
         return plan
 

@@ -92,7 +92,8 @@ def _dma_costs(engine: Any) -> dict[str, float] | None:
             "host_us_per_run": pitched.call_seconds / runs * 1e6 if runs else None,
             "pitched_error": getattr(engine, "pitched_error", None),
             "fetches_planned": None if plans is None else plans.planned,
-            "fetches_reusing_a_plan": None if plans is None else plans.reused}
+            "fetches_reusing_a_plan": None if plans is None else plans.reused,
+            "fetches_reusing_without_the_map": None if plans is None else getattr(plans, "reused_whole", None)}
 
 
 class OverlapCheck:

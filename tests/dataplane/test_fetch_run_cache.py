@@ -7,11 +7,14 @@ only where the layer's host-only pages of those requests are the planned layer's
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from kernels import pitched_memcpy
+from kernels.block_copy import fetch_page_indices
 from kernels.pitched_memcpy import plan_runs
 from sglang_ext.dataplane import fetch_run_cache
 from sglang_ext.dataplane.fetch_run_cache import FetchRunCache
@@ -86,10 +89,12 @@ def _interleaved(rng: np.random.Generator) -> tuple[np.ndarray, ...]:
 
 
 def _spec(layer: int, reqs: np.ndarray, step: tuple[np.ndarray, ...]) -> PageFetch:
+    """The fetch of ``reqs`` at ``layer``, its segments counted from the map (as the tables count them)."""
     flat, stage, starts, counts, map_np = step
     t = torch.zeros(1, dtype=torch.int32)  # the kernel's device views: unused by the copy engines' plan
-    return PageFetch(layer=layer, layers=L, dev_v=DEV_V, max_pages=int(counts.max()), segments=0, reqs=t, flat=t,
-                     stage=t, starts=t, counts=t, map_row=t,
+    segments = int(fetch_page_indices(flat, stage, map_np[layer], reqs, starts, counts, 0, 2 * L, DEV_V)[0].size)
+    return PageFetch(layer=layer, layers=L, dev_v=DEV_V, max_pages=int(counts.max()), segments=segments, reqs=t,
+                     flat=t, stage=t, starts=t, counts=t, map_row=t,
                      host_arrays=(reqs, flat, stage, starts, counts, map_np[layer]))
 
 
@@ -169,3 +174,32 @@ def test_a_new_step_forgets_the_last_ones_plans():
     step2[1][:] = step2[1][::-1].copy()
     spec = _spec(2, reqs, step2)
     assert not np.array_equal(_pairs(kept.plan(spec, _plan))[1], _pairs(_plan(*spec.indices()))[1])
+
+
+def test_whole_fetches_skip_the_map_and_a_count_the_map_contradicts_is_never_trusted():
+    """A fetch of every page of its requests (by the tables' count) takes a whole planned
+    fetch's plan without reading the map. A count that claims every page where the map says
+    otherwise is planned from the map (the right pairs), counted in ``disagreed``, and no later
+    fetch skips the map on its word. Control: trusting that count copies the wrong pairs."""
+    rng = np.random.default_rng(3)
+    step = _step(rng)
+    flat, stage, starts, counts, map_np = step
+    reqs = np.arange(6)
+    cols = np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts, strict=True)])
+    map_np[1, flat[cols]] = -1  # layers 1 and 2: every page host-only
+    map_np[2, flat[cols]] = -1
+    map_np[3] = np.arange(P)  # layer 3: every page but one resident, counted as if none were
+    map_np[3, flat[cols[0]]] = -1
+    cache = FetchRunCache()
+    cache.plan(_spec(1, reqs, step), _plan)
+    spec = _spec(2, reqs, step)
+    assert np.array_equal(_pairs(cache.plan(spec, _plan))[0], _pairs(_plan(*spec.indices()))[0])
+    assert cache.reused_whole == 1
+    lie = dataclasses.replace(_spec(3, reqs, step), segments=2 * cols.size)
+    want = _pairs(_plan(*lie.indices()))
+    fresh = FetchRunCache()
+    assert np.array_equal(_pairs(fresh.plan(lie, _plan))[0], want[0]) and fresh.disagreed == 1
+    whole = _spec(1, reqs, step)
+    fresh.plan(whole, _plan)  # the lie's entry: never whole, so this one reads the map
+    assert fresh.reused_whole == 0 and fresh.planned == 2
+    assert np.array_equal(_pairs(cache.plan(lie, _plan))[0], want[0]) is False  # control: trusted, it is wrong
