@@ -129,6 +129,7 @@ def test_the_copy_engines_calls_are_right_at_the_pointer_level(monkeypatch):
     dma, rows = driver.core.store.engine._dma, driver.core.store.engine.host_page_rows
     reuse = driver.core.store.engine.fetch_runs
     assert reuse.reused > 5 and reuse.planned > 5, (reuse.planned, reuse.reused)  # plans shifted across layers
+    assert reuse.reused_whole > 5 and reuse.disagreed == 0, (reuse.reused_whole, reuse.disagreed)  # no map read
     assert len(reuse._entries) <= 3, len(reuse._entries)  # the last step's only: each step start clears them
     assert sim.violations == [] and dma.runs > 20 and dma.copies > 100 and dma.bytes > 0, (dma.runs, dma.copies)
     assert {(rows, 1), (1, rows)} <= pitches, pitches  # fetches and onloads; write-backs (block-first host)
