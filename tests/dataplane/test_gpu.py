@@ -84,7 +84,8 @@ def test_cuda_interleaved_decode_pages_bit_exact_as_free_step_runs(monkeypatch):
     """Decode pages interleave across the batch; with the free-step pass on at toy sizes, the
     fetches and write-backs of 20 more decode steps go partly as 2-D copies at a host step of
     their own (``kernels.pitched_memcpy.plan_runs``, the pitch per run in each driver record):
-    every read stays bit-exact (the CPU stream-order checker found 172 such runs here)."""
+    every read stays bit-exact (the CPU stream-order checker found 172 such runs here), with
+    fetch plans reused across layers (``FetchRunCache``) among them."""
     from kernels import pitched_memcpy
 
     core = _dma_core(PAGES + 6, monkeypatch)
@@ -107,6 +108,8 @@ def test_cuda_interleaved_decode_pages_bit_exact_as_free_step_runs(monkeypatch):
     driver.check_at_rest()
     assert core.store.engine._pitched is not None, core.store.engine.pitched_error
     assert sum(found) > 0, found
+    plans = core.store.engine.fetch_runs  # some fetches took another layer's plan, shifted (11 on the CPU)
+    assert plans.reused > 0 and plans.disagreed == 0, (plans.planned, plans.reused, plans.disagreed)
 
 
 def test_h2d_and_d2h_streams_are_distinct_and_ordered():
