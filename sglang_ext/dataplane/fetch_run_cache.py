@@ -29,9 +29,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import structlog
 
 from kernels.pitched_memcpy import RunGroup
 from sglang_ext.dataplane.page_fetch import PageFetch
+
+log = structlog.get_logger(__name__)
 
 Plan = tuple[list[RunGroup], np.ndarray, np.ndarray]
 """``(groups, rest_src, rest_dst)``, as :func:`kernels.pitched_memcpy.plan_runs` returns it."""
@@ -93,7 +96,11 @@ class FetchRunCache:
             return shifted(entry.plan, 2 * (spec.layer - entry.layer))
         plan = plan_runs(*spec.segment_lists(entry.cols, entry.pages, keep))
         agree = bool(keep.all()) if whole else True
-        self.disagreed += not agree
+        if not agree:  # the copy is right (planned from the map); the tables' count is not
+            self.disagreed += 1
+            if self.disagreed & (self.disagreed - 1) == 0:  # 1, 2, 4, ...: a bug report, not a flood
+                log.warning("kv_fetch_count_disagrees_with_map", layer=spec.layer, segments=spec.segments,
+                            host_only=int(keep.sum()), pages=int(keep.size), times=self.disagreed)
         entry.keep, entry.whole, entry.layer, entry.plan = keep, whole and agree, spec.layer, plan
         self.planned += 1
         return plan

@@ -12,6 +12,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from kernels import pitched_memcpy
 from kernels.block_copy import fetch_page_indices
@@ -198,7 +199,9 @@ def test_whole_fetches_skip_the_map_and_a_count_the_map_contradicts_is_never_tru
     lie = dataclasses.replace(_spec(3, reqs, step), segments=2 * cols.size)
     want = _pairs(_plan(*lie.indices()))
     fresh = FetchRunCache()
-    assert np.array_equal(_pairs(fresh.plan(lie, _plan))[0], want[0]) and fresh.disagreed == 1
+    with capture_logs() as logs:
+        assert np.array_equal(_pairs(fresh.plan(lie, _plan))[0], want[0]) and fresh.disagreed == 1
+    assert [e["event"] for e in logs] == ["kv_fetch_count_disagrees_with_map"] and logs[0]["host_only"] == 1
     whole = _spec(1, reqs, step)
     fresh.plan(whole, _plan)  # the lie's entry: never whole, so this one reads the map
     assert fresh.reused_whole == 0 and fresh.planned == 2
