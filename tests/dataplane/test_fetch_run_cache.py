@@ -39,25 +39,33 @@ def _pairs(plan: tuple) -> tuple[np.ndarray, np.ndarray]:
 
 def _step(rng: np.random.Generator) -> tuple[np.ndarray, ...]:
     """One step's page lists: 6 requests of consecutive pages (some with a page elsewhere: a
-    decode page), their staging pages ascending, and the map: per (layer, request) every page
-    host-only, none, or a random part."""
+    decode page), their staging pages ascending, and the map (:func:`_with_map`)."""
     counts = rng.integers(1, 9, size=6)
-    starts = np.cumsum(counts) - counts
     lists = [np.arange(s, s + c) * 1 for s, c in zip(rng.choice(P - 9, size=6, replace=False), counts, strict=True)]
     for pages in lists:
         if rng.random() < 0.4:
             pages[-1] = P - 1 - int(rng.integers(0, 3))  # a page of its own, away from the run
+    return _with_map(rng, lists, [0.4, 0.5, 0.1])
+
+
+def _with_map(rng: np.random.Generator, lists: list[np.ndarray], kinds: list[float]) -> tuple[np.ndarray, ...]:
+    """``(flat, stage, starts, counts, map)`` of the requests' page ``lists``: staging ascending,
+    and per (layer, request) every page host-only, none, or a random part (drawn with
+    probabilities ``kinds``: resident, every page, a part)."""
+    counts = np.array([x.size for x in lists], dtype=np.int64)
+    starts = np.cumsum(counts) - counts
     flat = np.concatenate(lists).astype(np.int64)
-    stage = np.arange(flat.size, dtype=np.int64) * 1 + 3
+    assert flat.max() < P
+    stage = np.arange(flat.size, dtype=np.int64) + 3
     map_np = np.arange(L * P, dtype=np.int64).reshape(L, P) % 300
-    kind = rng.choice(3, size=(L, 6), p=[0.4, 0.5, 0.1])  # 0: resident, 1: every page host-only, 2: a random part
+    kind = rng.choice(3, size=(L, len(lists)), p=kinds)
     for layer in range(L):
-        for r in range(6):
+        for r in range(len(lists)):
             cols = np.arange(starts[r], starts[r] + counts[r])
             host = np.ones(cols.size, bool) if kind[layer, r] == 1 else rng.random(cols.size) < 0.5
             if kind[layer, r]:
                 map_np[layer, flat[cols[host]]] = -1
-    return flat, stage, starts.astype(np.int64), counts.astype(np.int64), map_np
+    return flat, stage, starts, counts, map_np
 
 
 FREE_GROUPS = {"reused": 0}
@@ -65,28 +73,14 @@ FREE_GROUPS = {"reused": 0}
 
 def _interleaved(rng: np.random.Generator) -> tuple[np.ndarray, ...]:
     """A long decode's page lists: each of 6 requests holds a few prompt pages, then decode
-    pages handed out in turn across the batch (one request's 6 apart); staging ascending; the
-    map as :func:`_step` draws it."""
+    pages handed out in turn across the batch (one request's 6 apart); the rest as :func:`_step`."""
     prompt = rng.integers(1, 4, size=6)
     decode = int(rng.integers(4, 8))  # at most 18 + 6 * 7 = 60 pages of the 64
     first = np.concatenate([[0], np.cumsum(prompt)[:-1]])
     base = int(prompt.sum())
     lists = [np.concatenate([np.arange(first[r], first[r] + prompt[r]), base + r + 6 * np.arange(decode)])
              for r in range(6)]
-    counts = np.array([x.size for x in lists], dtype=np.int64)
-    starts = np.cumsum(counts) - counts
-    flat = np.concatenate(lists).astype(np.int64)
-    assert flat.max() < P
-    stage = np.arange(flat.size, dtype=np.int64) + 3
-    map_np = np.arange(L * P, dtype=np.int64).reshape(L, P) % 300
-    kind = rng.choice(3, size=(L, 6), p=[0.3, 0.6, 0.1])
-    for layer in range(L):
-        for r in range(6):
-            cols = np.arange(starts[r], starts[r] + counts[r])
-            host = np.ones(cols.size, bool) if kind[layer, r] == 1 else rng.random(cols.size) < 0.5
-            if kind[layer, r]:
-                map_np[layer, flat[cols[host]]] = -1
-    return flat, stage, starts, counts, map_np
+    return _with_map(rng, lists, [0.3, 0.6, 0.1])
 
 
 def _spec(layer: int, reqs: np.ndarray, step: tuple[np.ndarray, ...]) -> PageFetch:
