@@ -183,15 +183,15 @@ class CudaTransferEngine(TransferEngine):
         return self.impl == "dma" and row_bytes >= DMA_MIN_BYTES
 
     def _dma_copy(self, src: torch.Tensor, dst: torch.Tensor, indices: Callable[[], tuple[np.ndarray, np.ndarray]],
-                  steps: tuple[int, int] = (1, 1), plan: Callable[[int], Plan] | None = None) -> bool:
+                  steps: tuple[int, int] = (1, 1), plan: Plan | None = None) -> bool:
         """The copies ``dst[dst_idx[i]] = src[src_idx[i]]`` (``indices()``) on the copy engines, on
         the current (side) stream: the strided runs (``steps``: source and destination rows
         between a run's rows; then, on the host side, runs with a step of their own: a long
         decode's interleaved pages, :func:`kernels.pitched_memcpy.plan_runs`) of :data:`MIN_RUN`
         rows or more as one 2-D copy each, the other segments as one batched memcpy (all of them
-        where the 2-D copies were refused). ``plan(max_step)``: those runs planned by the caller
-        (a fetch's, :class:`FetchRunCache`); ``indices`` is then called only if a refusal needs
-        every segment. True when enqueued.
+        where the 2-D copies were refused). ``plan``: those runs planned by the caller (a fetch's,
+        :class:`FetchRunCache`, at this engine's pitch bound); ``indices`` is then called only if a
+        refusal needs every segment. True when enqueued.
 
         A call the driver refuses while serving does not fail the step: a refused 2-D copy turns
         them off (:attr:`pitched_error`) and the batched memcpy takes every segment; a refused
@@ -204,9 +204,8 @@ class CudaTransferEngine(TransferEngine):
         left = None  # None: every segment (``indices()``)
         if self._pitched is not None:
             row = row_bytes(src, dst)
-            max_step = self._max_pitch // row
-            groups, rest_s, rest_d = (plan(max_step) if plan is not None
-                                      else plan_runs(*indices(), *steps, MIN_RUN, max_step))
+            groups, rest_s, rest_d = (plan if plan is not None
+                                      else plan_runs(*indices(), *steps, MIN_RUN, self._max_pitch // row))
             try:
                 for s0, d0, n, s_step, d_step in groups:
                     dsts, srcs = run_pointers(src.data_ptr(), dst.data_ptr(), row, s0, d0)
@@ -259,8 +258,7 @@ class CudaTransferEngine(TransferEngine):
                 planned = self.fetch_runs.plan(spec, lambda s, d: plan_runs(s, d, *steps, MIN_RUN, max_step))
 
             def copy() -> None:
-                plan = None if planned is None else (lambda _max_step: planned)
-                if self._dma_copy(self.host, self.dev, spec.indices, steps, plan):
+                if self._dma_copy(self.host, self.dev, spec.indices, steps, planned):
                     return
                 if self._kernel_impl == "triton":  # the driver refused: the kernels' way, same stream
                     spec.run_triton(*self._words, self.copy_programs)
