@@ -165,12 +165,25 @@ class BatchedMemcpy:
                 raise RuntimeError(f"cuMemcpyBatchAsync of {k} copies failed: CUresult {rc}")
 
 
+def make_current(device: torch.device | str) -> None:
+    """Make ``device``'s primary context current on this thread. ``cuMemHostRegister`` registers
+    with the current context, and a fresh process (the probe child) has none until the runtime
+    makes one: the call then fails with ``CUDA_ERROR_NOT_INITIALIZED`` (CUresult 3, ``kvplane
+    gpu-check`` run 17 on an H200, the copy engines' first GPU run)."""
+    where = torch.device(device)
+    torch.cuda.set_device(where)
+    torch.empty(1, device=where)  # an allocation: the runtime creates the primary context
+
+
 @contextmanager
-def registered_pages(registrar: BatchedMemcpy) -> Iterator[torch.Tensor]:
+def registered_pages(registrar: BatchedMemcpy, device: torch.device | str | None = None) -> Iterator[torch.Tensor]:
     """:data:`PROBE_BYTES` of pageable memory of its own (an anonymous mapping: page-aligned, as the
-    host pool's), page-locked with the driver while the block runs, as float32."""
+    host pool's), page-locked with the driver while the block runs, as float32; ``device``: made
+    current first (:func:`make_current`; None: the caller's context is current already)."""
     import mmap
 
+    if device is not None:
+        make_current(device)
     pages = mmap.mmap(-1, PROBE_BYTES)
     whole = torch.frombuffer(pages, dtype=torch.float32)
     registrar.register(whole.data_ptr(), PROBE_BYTES)
@@ -196,7 +209,7 @@ def probe(dma: BatchedMemcpy, device: torch.device | str = "cuda", host: torch.T
     mapping, page-locked in place), as the host KV pool is (``sglang_ext/dataplane/host_pool.py``); ``host`` (2-D, registered):
     the caller's own pool, whose first rows are copied to the device and back, unchanged. Raises
     ``RuntimeError`` if what arrives is not what was sent."""
-    with registered_pages(dma) as whole:
+    with registered_pages(dma, device) as whole:
         for src in probe_sources(whole, 2, host):
             rows = src.shape[0]
             dev = torch.zeros(src.shape, dtype=src.dtype, device=device)

@@ -283,7 +283,7 @@ def probe(pm: PitchedMemcpy, device: Any = "cuda", host: Any = None) -> None:
 
     from kernels.batched_memcpy import BatchedMemcpy, probe_sources, registered_pages
 
-    with registered_pages(BatchedMemcpy()) as whole:
+    with registered_pages(BatchedMemcpy(), device) as whole:
         for src in probe_sources(whole, 6, host):
             rows, row = src.shape[0], src.shape[1] * src.element_size()
             step = 2

@@ -86,6 +86,23 @@ def test_the_probes_registered_pages_are_locked_while_used_and_released_after():
     assert calls[-1] == ("unregister", calls[0][1]) and len(calls) == 2
 
 
+def test_the_probes_registered_pages_make_the_device_current_before_registering(monkeypatch):
+    """Given a device, ``registered_pages`` makes its context current BEFORE the driver registers
+    (a fresh probe child has no context: ``cuMemHostRegister`` failed with CUresult 3 on an H200,
+    gpu-check run 17). Control: without a device nothing is made current (the caller's is)."""
+    import kernels.batched_memcpy as bm
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(bm, "make_current", lambda device: calls.append(("current", device)))
+    registrar = type("Registrar", (), {"register": lambda self, p, n: calls.append(("register",)),
+                                       "unregister": lambda self, p: calls.append(("unregister",))})()
+    with bm.registered_pages(registrar, "cuda:1"):
+        assert calls == [("current", "cuda:1"), ("register",)]
+    calls.clear()
+    with bm.registered_pages(registrar):
+        assert calls == [("register",)]
+
+
 def test_the_probes_sources_hold_known_rows(monkeypatch):
     """``probe_sources``: known rows in ``pin_memory()`` memory (a copy here: no CUDA) and other
     known rows in the registered buffer, then the pool's first three rows; a probe compares what
