@@ -115,20 +115,26 @@ class OverlapCheck:
 
     def run(self, comp_ms: list[float], bw_blocks_per_ms: float, resident_ms: float,
             link_by_programs: dict[str, dict[str, float]] | None = None, h2d_gbps: float = 0.0) -> list[Figure]:
-        """``resident_ms``: the first all-resident step (the share's bound); the figure compares
-        with the all-resident step timed again here, at the same contexts. ``link_by_programs``:
+        """``comp_ms``: the layers' compute from the first all-resident step (``resident_ms``);
+        the all-resident step is timed again here, at the same contexts, and the placement is
+        chosen with ``comp_ms`` scaled to it (the share's bound is that step too): the figure
+        compares the placement's step with it. ``link_by_programs``:
         the transfer check's GB/s at the same caps (``h2d_gbps``: at the default), quoted in the
         note and weighed by :func:`recommend_programs`."""
         ch, b, c = self.check, self.check.batch, self.check.config
         cuda = ch.device.startswith("cuda")
         engine = b.core.store.engine
         placed_dma = self._placed_on_copy_engines(engine)
-        share, rows, model_stall = self._choose(comp_ms, bw_blocks_per_ms, resident_ms)
-        # the all-resident step again, at these contexts (the first was timed ~100 steps ago)
+        # the all-resident step again, at these contexts (the first was timed ~100 steps ago), and
+        # the placement chosen with the layers' compute scaled to it: an eager step's time moves
+        # with the host (gpu-check run 18 on an H200: 18.3 ms first, 12.5 ms here), and a plan made
+        # for the slower step left 2.2 ms fetch waits at two layers once the copies left the SMs
         b.place([(1,) * c.layers for _ in b.rids])
         engine.quiesce()
         sync(ch.device)
         resident_ms = time_ms(ch.step, ch.device, c.repeat)
+        scaled = [x * resident_ms / sum(comp_ms) for x in comp_ms] if sum(comp_ms) > 0 else list(comp_ms)
+        share, rows, model_stall = self._choose(scaled, bw_blocks_per_ms, resident_ms)
         b.place(rows)
         offloaded = sum(r.count(0) * n for r, n in zip(rows, b.blocks(0), strict=True))
         engine.quiesce()
@@ -160,8 +166,6 @@ class OverlapCheck:
                 dma_error = ch.dma_error = dma_phase_failed("the hidden placement on the copy engines", exc, engine,
                                                             ch.device)
         rel = (hidden_ms - resident_ms) / resident_ms
-        # the layers' compute scaled to the all-resident step timed here
-        scaled = [x * resident_ms / sum(comp_ms) for x in comp_ms] if sum(comp_ms) > 0 else list(comp_ms)
         launch_ms = self._launch_cost(rows, scaled, bw_blocks_per_ms, hidden_ms)
         launches, blocks = launch_count(rows), b.blocks(1)
         model_ms = (step_time_ms(rows, blocks, scaled, bw_blocks_per_ms),

@@ -70,13 +70,20 @@ def test_cuda_lifecycle_bit_exact_on_the_copy_engines(budget, pitched, monkeypat
     """The same lifecycle with every copy on the DMA copy engines (``--kv-copy-engine dma``:
     strided runs as ``cuMemcpy2DAsync`` calls and the rest as one ``cuMemcpyBatchAsync`` per
     launch, fetches listed on the host; ``pitched=False``: the batched memcpy alone, as when the
-    2-D copies are refused). Any refusal but an old driver's fails."""
+    2-D copies are refused). Any refusal but an old driver's fails. At a budget of 4 pages the
+    batch's staging never fits: every step overflows and is served at rest (no pipeline, so no
+    copy-engine launch; the CPU simulation shows the same: gpu-check run 17 on an H200 first ran
+    this and found 0 calls there, which the test had wrongly required)."""
     core = _dma_core(budget, monkeypatch)
     engine = core.store.engine
     if not pitched:
         engine._pitched = None
     offload_scenario(CoreDriver(core, seed=3))
-    assert engine._dma is not None and engine._dma.calls > 0
+    assert engine._dma is not None and engine.impl == "dma", engine.dma_error
+    if budget == 4:
+        assert core.overflow_steps > 0
+        return
+    assert core.overflow_steps == 0 and engine._dma.calls > 0
     assert not pitched or engine._pitched.calls > 0
 
 
