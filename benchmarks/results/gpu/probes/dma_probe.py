@@ -81,7 +81,10 @@ def main() -> None:
     check = CoreCheck(config, device, attention="auto")
     resident = time_ms(check.step, device, config.repeat)
     comp = [resident / config.layers] * config.layers
-    transfer = tr.TransferCheck(check.batch, config.repeat).measure()
+    if device == "cuda":
+        check.dma_error = None  # as CoreCheck.run does on CUDA: the transfer check probes the copy engines
+    transfer = tr.TransferCheck(check.batch, config.repeat, check.dma_error).measure()
+    check.dma_error = transfer.dma_error
     ov.OverlapCheck(check).run(comp, transfer.bw_blocks_per_ms, resident, None, transfer.h2d_gbps)
     o = check.details["overlap"]
     out = {"device": device, "resident_ms": o["resident_step_ms"], "share": o["share"],
