@@ -110,11 +110,16 @@ class LayeredKVArgs:
     kv_recompute_layers: int | None = None
     """Layers recomputed under ``kv_recompute_ratio`` (the prefix is fetched above), >= 0;
     None: all (pure recompute)."""
-    kv_copy_engine: str = "triton"
-    """How host<->device KV copies run on CUDA: ``triton`` (the default: gather/scatter kernels
-    over the pinned pool, on ``kv_copy_programs`` SMs) or ``dma`` (the copy engines, one
-    ``cuMemcpyBatchAsync`` per launch, no SM taken: ``kernels.batched_memcpy``; needs a CUDA
-    12.8+ driver, falls back to ``triton`` with a warning when the probe at start fails)."""
+    kv_copy_engine: str = "dma"
+    """How host<->device KV copies run on CUDA: ``dma`` (the default: the copy engines, strided
+    runs as 2-D copies and the rest as one ``cuMemcpyBatchAsync`` per launch, no SM taken:
+    ``kernels.batched_memcpy``, ``kernels.pitched_memcpy``; needs a CUDA 12.8+ driver, falls back
+    to ``triton`` with a warning when the probe at start fails) or ``triton`` (gather/scatter
+    kernels over the pinned pool, on ``kv_copy_programs`` SMs). The default since `kvplane
+    gpu-check` runs 18-19 on an H200: H2D + D2H 1.65x one direction (the kernels 1.19x), the
+    layers' compute 0.35 ms a layer while fetching (0.49 beside the kernels' programs), the
+    hidden and half-offloaded placements' steps as fast or within 2%
+    (``benchmarks/results/gpu/session32-h200-runs.md``)."""
     kv_copy_programs: int | None = None
     """Persistent programs of each Triton host<->device KV copy launch on CUDA, in [1, 4096];
     None: the kernel's default (``kernels.block_copy.DEFAULT_PROGRAMS``, 8: few, so the layers a
@@ -442,9 +447,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> bool:
     group.add_argument(
         "--kv-copy-engine",
         type=str,
-        default="triton",
-        help="How KV moves between host and GPU on CUDA: triton (default: copy kernels on a few SMs) "
-        "or dma (the copy engines via cuMemcpyBatchAsync, CUDA 12.8+ driver; no SM taken).",
+        default="dma",
+        help="How KV moves between host and GPU on CUDA: dma (default: the copy engines via 2-D copies and "
+        "cuMemcpyBatchAsync, CUDA 12.8+ driver, no SM taken; probed at start, falls back to triton with a "
+        "warning) or triton (copy kernels on a few SMs).",
     )
     group.add_argument(
         "--kv-copy-programs",

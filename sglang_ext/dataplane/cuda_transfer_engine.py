@@ -89,8 +89,6 @@ class CudaTransferEngine(TransferEngine):
         """Why ``dma`` was refused (None: not asked for, or working)."""
         self.pitched_error: str | None = None
         """Why ``dma`` runs without 2-D copies (None: not asked for, or working)."""
-        if copy_engine == "dma":
-            self.set_copy_engine("dma")
         self.clock = EventClock(interval=timing_interval)
         self._indices = PinnedUploadRing(self.device, INDEX_SLOTS)
         """Pinned sources of :meth:`index_tensor`'s uploads (a boundary's moves take a few each)."""
@@ -98,6 +96,8 @@ class CudaTransferEngine(TransferEngine):
         """Persistent programs of each Triton copy launch; None: the kernel's default
         (``kernels.block_copy.DEFAULT_PROGRAMS``). Few leave SMs to the compute stream's
         kernels while a fetch runs (``kvplane gpu-check``'s overlap figure sweeps it)."""
+        if copy_engine == "dma":  # last: the probes run on a whole engine (--kv-copy-engine's default)
+            self.set_copy_engine("dma")
 
     def _probe_zero_copy(self) -> str:
         """Check once, at construction, that the Triton kernel can read and write pinned memory."""

@@ -87,7 +87,10 @@ class SlotStoreConfig:
     the kernel's default (``kernels.block_copy.DEFAULT_PROGRAMS``, 8). Ignored by the CPU engine."""
     copy_engine: str = "triton"
     """``triton`` or ``dma`` (``--kv-copy-engine``: the copy engines through
-    ``kernels.batched_memcpy``, no SM taken). Ignored by the CPU engine."""
+    ``kernels.batched_memcpy``, no SM taken). Ignored by the CPU engine. The core's default is
+    the kernels (what the benchmarks and `kvplane gpu-check` measure against, and the fallback);
+    the served flag defaults to ``dma`` (``LayeredKVArgs.kv_copy_engine``), which falls back
+    here when the driver refuses it."""
     timing_interval: int = 1
     """Time the copies and waits of about one step in this many on CUDA (``--kv-timing-interval``; the
     CUDA events' host cost, :class:`~sglang_ext.dataplane.event_clock.EventClock`); 1: every

@@ -58,7 +58,7 @@ from sglang_ext.tools.gpu_check_batch import CheckBatch
 from sglang_ext.tools.gpu_check_config import TIMELINE_STEPS, GpuCheckConfig
 from sglang_ext.tools.gpu_check_event_timing import event_timing_figures
 from sglang_ext.tools.gpu_check_probes import CpuTimeProbe, SyncProbe
-from sglang_ext.tools.gpu_check_report import Figure, guarded_phase
+from sglang_ext.tools.gpu_check_report import Figure, guarded_phase, kernels_figure
 from sglang_ext.tools.gpu_check_transfer import TransferCheck, TransferResult
 from sglang_ext.tools.host_profile_probe import HostProfileProbe
 from sglang_ext.tools.step_timeline_probe import StepTimelineProbe
@@ -443,8 +443,8 @@ class CoreCheck:
         figs.append(Figure.graded(
             "duplex_vs_one_direction", "concurrent H2D + D2H vs one direction", t.duplex_vs_one_direction,
             "ratio", ">=", DUPLEX_VS_ONE, "an engine H2D and D2H issued together (two streams): bytes of both "
-            "over their time, vs the H2D alone", meaningful=cuda,
-            note=cpu_note or f"{t.duplex_gbps:.1f} vs {t.h2d_gbps:.1f} GB/s"))
+            "over their time, vs the H2D alone", meaningful=cuda and kernels_figure(self.dma_error)[0],
+            note=cpu_note or f"{kernels_figure(self.dma_error)[1]}{t.duplex_gbps:.1f} vs {t.h2d_gbps:.1f} GB/s"))
         how = ("torch.cuda.set_sync_debug_mode('warn') inside each call" if cuda
                else "OpAudit (TorchDispatchMode) inside each call")
         figs.append(Figure.graded(

@@ -37,7 +37,7 @@ from controlplane.model import Profile, launch_count, step_time_ms
 from sglang_ext.dataplane.bench_env import sync, time_ms
 from sglang_ext.tools.gpu_check_config import PROGRAM_CAPS
 from sglang_ext.tools.gpu_check_measure import DUPLEX_VS_ONE
-from sglang_ext.tools.gpu_check_report import Figure
+from sglang_ext.tools.gpu_check_report import Figure, kernels_figure
 from sglang_ext.tools.gpu_check_transfer import dma_phase_failed, on_copy_engines
 from sglang_ext.tools.step_timeline_probe import StepTimelineProbe
 
@@ -62,18 +62,26 @@ STEP_GAIN = 0.02
 
 
 def recommend_programs(step_ms: dict[str, float], link: dict[str, dict[str, float]], h2d_gbps: float) -> str:
-    """``--kv-copy-programs N`` to run with, or ``default``: the cap whose hidden-placement step
-    (``step_ms``, by cap, ``default`` included) is fastest by at least :data:`STEP_GAIN`, among
-    the caps whose H2D GB/s (``link``) keeps :data:`LINK_KEEP` of the default's ``h2d_gbps``."""
+    """The flags to serve with, or ``default``. Among the Triton kernels' caps (``step_ms``: the
+    hidden-placement step by cap, ``default`` their default's) the one fastest by at least
+    :data:`STEP_GAIN` whose H2D GB/s (``link``) keeps :data:`LINK_KEEP` of the default's
+    ``h2d_gbps``. Where the copy engines ran (``dma`` in both), they are the served default
+    (``--kv-copy-engine dma``): the kernels are recommended only if their choice is faster than
+    the copy engines' step by :data:`STEP_GAIN`, or the copy engines' link falls short of
+    :data:`LINK_KEEP` of the kernels'."""
     base = step_ms.get("default")
     if base is None:
         return "default"
-    ok = [cap for cap in step_ms if cap != "default" and cap in link
+    ok = [cap for cap in step_ms if cap not in ("default", "dma") and cap in link
           and link[cap]["h2d_gbps"] >= LINK_KEEP * h2d_gbps and step_ms[cap] <= (1 - STEP_GAIN) * base]
-    if not ok:
-        return "default"
-    best = min(ok, key=step_ms.__getitem__)
-    return "--kv-copy-engine dma" if best == "dma" else f"--kv-copy-programs {best}"
+    best = min(ok, key=step_ms.__getitem__) if ok else None
+    kernels = "" if best is None else f"--kv-copy-programs {best}"
+    if "dma" not in step_ms or "dma" not in link:  # the copy engines refused: the kernels serve
+        return kernels or "default"
+    slow_link = link["dma"]["h2d_gbps"] < LINK_KEEP * h2d_gbps
+    if slow_link or step_ms[best or "default"] <= (1 - STEP_GAIN) * step_ms["dma"]:
+        return f"--kv-copy-engine triton {kernels}".strip()
+    return "default"
 
 
 def _dma_costs(engine: Any) -> dict[str, float] | None:
@@ -194,8 +202,9 @@ class OverlapCheck:
             "overlap.hidden_step_rel", "overlap: a placement the model hides, step vs all-resident", rel, "ratio",
             "<=", HIDDEN_REL, "the planner leaves out the largest KV share whose copies the model hides "
             f"(stall <= {MODEL_STALL_SHARE:.0%} of the resident step); (its step - all-resident step) / "
-            "all-resident step, at the engine's default copy launch", meaningful=cuda,
-            note=("CPU: copies are synchronous, nothing overlaps; not meaningful. " if not cuda else "") + note),
+            "all-resident step, at the engine's default copy launch", meaningful=cuda and kernels_figure(dma_error)[0],
+            note=("CPU: copies are synchronous, nothing overlaps; not meaningful. " if not cuda
+                  else kernels_figure(dma_error)[1]) + note),
             Figure.graded(
                 "overlap.fetch_launch_ms", "overlap: what the hidden step costs per fetch launch (the model's launch_ms)",
                 launch_ms, "ms", None, None, "the controller's fit (ProfileTracker.update, a=1, the layers' compute "

@@ -77,6 +77,16 @@ class Figure:
         return cls(key, title, None if value is None else float(value), unit, op, threshold, status, method, note)
 
 
+def kernels_figure(dma_error: str | None) -> tuple[bool, str]:
+    """Whether a figure measured on the Triton copy kernels is graded, and its note's start. The
+    served default is the copy engines (``--kv-copy-engine dma``); where they ran here (``dma_error``
+    None) the kernels are the fallback, reported beside the ``.dma`` twin that is graded instead."""
+    if dma_error is None:
+        return False, ("the Triton kernels', the fallback (--kv-copy-engine triton): the served default, the "
+                       "copy engines, ran here and its .dma figure is graded; ")
+    return True, ""
+
+
 def guarded_phase(key: str, title: str, method: str, run: Callable[[], list[Figure]]) -> list[Figure]:
     """A phase's figures, or -- where it raises (code running on hardware for the first time) --
     one failed figure ``key`` naming the exception, its traceback on stderr: the phases before

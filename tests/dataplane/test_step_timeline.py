@@ -97,7 +97,27 @@ def test_the_recommended_copy_cap_keeps_the_link_and_speeds_the_hidden_step():
     assert recommend_programs({**steps, "16": 19.8, "32": 19.9}, link, 49.3) == "default"  # within noise
     assert recommend_programs(steps, {}, 49.3) == "default"  # no link figures: no recommendation
     assert recommend_programs({"default": 5.0}, {}, 0.0) == "default"
-    dma = {**link, "dma": {"h2d_gbps": 52.0}}  # the copy engines: fastest, link kept
-    assert recommend_programs({**steps, "dma": 11.0}, dma, 49.3) == "--kv-copy-engine dma"
+    # the copy engines ran: they serve by default, the kernels only where clearly better
+    dma = {**link, "dma": {"h2d_gbps": 52.0}}
+    assert recommend_programs({**steps, "dma": 11.0}, dma, 49.3) == "default"  # fastest, link kept
+    assert recommend_programs({**steps, "dma": 12.6}, dma, 49.3) == "default"  # within noise of 16's 12.5
+    assert recommend_programs({**steps, "dma": 14.0}, dma, 49.3) == "--kv-copy-engine triton --kv-copy-programs 16"
+    assert recommend_programs({"default": 12.0, "dma": 14.0}, {"dma": {"h2d_gbps": 52.0}}, 49.3) == (
+        "--kv-copy-engine triton")  # the kernels' default is faster
     assert recommend_programs({**steps, "dma": 11.0}, {**link, "dma": {"h2d_gbps": 20.0}}, 49.3) == (
-        "--kv-copy-programs 16")  # a slow DMA link is not recommended
+        "--kv-copy-engine triton --kv-copy-programs 16")  # a slow DMA link is not served with
+    assert recommend_programs({**steps, "dma": 11.0}, link, 49.3) == "--kv-copy-programs 16"  # dma never ran
+
+
+def test_the_kernels_figures_are_graded_only_where_they_serve():
+    """The Triton kernels' duplex and hidden-step figures are graded where the copy engines were
+    refused (the kernels then serve); where the copy engines ran, their ``.dma`` twins are graded
+    and the kernels' say they are the fallback's (control: a refusal grades them again)."""
+    from sglang_ext.tools.gpu_check_report import FAIL, NA, Figure, kernels_figure
+
+    graded, note = kernels_figure(None)
+    assert not graded and "fallback" in note
+    assert Figure.graded("k", "t", 1.19, "ratio", ">=", 1.5, "m", meaningful=graded).status == NA
+    graded, note = kernels_figure("the probe exited with 1: no driver")
+    assert graded and note == ""
+    assert Figure.graded("k", "t", 1.19, "ratio", ">=", 1.5, "m", meaningful=graded).status == FAIL

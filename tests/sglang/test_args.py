@@ -26,6 +26,7 @@ def test_defaults_are_off_and_embedded():
     assert _parse("--kv-pacing", "on").pacing  # negative control: the property follows the flag
     assert args.kv_host_pool_gb is None  # sized to what the pool needs (checked at start)
     assert args.kv_overlap_schedule == "off" and _parse("--kv-overlap-schedule", "on").kv_overlap_schedule == "on"
+    assert args.kv_copy_engine == "dma"  # the copy engines (gpu-check runs 18-19); triton where refused
 
 
 def test_full_flag_set_parses(tmp_path):
@@ -54,7 +55,7 @@ def test_full_flag_set_parses(tmp_path):
         "--kv-recompute-ratio", "0.25",
         "--kv-recompute-layers", "2",
         "--kv-copy-programs", "32",
-        "--kv-copy-engine", "dma",
+        "--kv-copy-engine", "triton",
         "--kv-timing-interval", "1",
     )
     assert args.enable_layered_kv and args.kv_host_pool_gb == 2.5 and not args.pacing
@@ -63,7 +64,7 @@ def test_full_flag_set_parses(tmp_path):
     assert LayeredKVArgs(kv_report_interval=300).report_quiet_interval == 1024  # capped
     assert (args.kv_recompute_ratio, args.kv_recompute_layers) == (0.25, 2)
     assert args.kv_copy_programs == 32 and LayeredKVArgs().kv_copy_programs is None
-    assert args.kv_copy_engine == "dma" and LayeredKVArgs().kv_copy_engine == "triton"
+    assert args.kv_copy_engine == "triton" and LayeredKVArgs().kv_copy_engine == "dma"
     assert args.kv_timing_interval == 1 and LayeredKVArgs().kv_timing_interval == 8
     assert (args.control_plane_host, args.control_plane_port) == ("cp.example", 50051)
 

@@ -185,7 +185,7 @@ def test_kv_round_trips_bit_exact_across_random_residency_changes(ops, budget, i
 def test_copy_programs_flag_reaches_the_store():
     """``--kv-copy-programs``, ``--kv-copy-engine`` and ``--kv-timing-interval`` reach the served
     store's config (the CUDA engine reads it there; the CPU engine copies synchronously and ignores
-    it); the default leaves the kernel's."""
+    it); the default leaves the kernel's programs, and the copy engines (``dma``) by default."""
     pool = LayeredTokenToKVPool(size=SLOTS, page_size=PAGE, dtype=torch.float16, head_num=HEADS, head_dim=DIM,
                                 layer_num=LAYERS, device="cpu", enable_memory_saver=False,
                                 layered_args=LayeredKVArgs(enable_layered_kv=True, kv_gpu_budget_tokens=200,
@@ -193,11 +193,11 @@ def test_copy_programs_flag_reaches_the_store():
     assert pool.store.config.copy_programs == 16 and pool.store.config.timing_interval == 3
     assert make_pool().store.config.copy_programs is None
     assert make_pool().store.config.timing_interval == 8  # --kv-timing-interval's default reaches the store
-    dma = LayeredTokenToKVPool(size=SLOTS, page_size=PAGE, dtype=torch.float16, head_num=HEADS, head_dim=DIM,
+    kernels = LayeredTokenToKVPool(size=SLOTS, page_size=PAGE, dtype=torch.float16, head_num=HEADS, head_dim=DIM,
                                layer_num=LAYERS, device="cpu", enable_memory_saver=False,
                                layered_args=LayeredKVArgs(enable_layered_kv=True, kv_gpu_budget_tokens=200,
-                                                          kv_copy_engine="dma"))
-    assert dma.store.config.copy_engine == "dma" and make_pool().store.config.copy_engine == "triton"
+                                                          kv_copy_engine="triton"))
+    assert kernels.store.config.copy_engine == "triton" and make_pool().store.config.copy_engine == "dma"
     from sglang_ext.dataplane.slot_kv_store import SlotStoreConfig
 
     with pytest.raises(ValueError, match="copy_programs=0 must be None or an int >= 1"):
