@@ -47,7 +47,6 @@ from controlplane.model import (
     PlanPolicy,
     Profile,
     RequestSpec,
-    step_time_ms,
 )
 from controlplane.planner import Planner
 from sglang_ext.args import DEFAULT_TIMING_INTERVAL
@@ -57,6 +56,7 @@ from sglang_ext.tools.gpu_check_attention import BACKENDS, DecodeBackends
 from sglang_ext.tools.gpu_check_batch import CheckBatch
 from sglang_ext.tools.gpu_check_config import TIMELINE_STEPS, GpuCheckConfig
 from sglang_ext.tools.gpu_check_event_timing import event_timing_figures
+from sglang_ext.tools.gpu_check_placed import SYNC_STEPS, PlacedPhase
 from sglang_ext.tools.gpu_check_probes import CpuTimeProbe, SyncProbe
 from sglang_ext.tools.gpu_check_report import Figure, guarded_phase, kernels_figure
 from sglang_ext.tools.gpu_check_transfer import TransferCheck, TransferResult
@@ -75,7 +75,6 @@ STALL_FLOOR_SHARE = 0.05
 H2D_VS_CONTIGUOUS = 0.85
 DUPLEX_VS_ONE = 1.5
 CPU_SHARE = 0.05
-SYNC_STEPS = 2
 PROFILE_STEPS = 3
 """Steps of each kind profiled by function (:class:`HostProfileProbe`)."""
 Q_SCALE = 2.0
@@ -322,30 +321,7 @@ class CoreCheck:
             self.dma_error = None
         transfer = TransferCheck(b, c.repeat, self.dma_error).measure()
         self.dma_error = transfer.dma_error
-        rows = self.plan(comp, transfer.bw_blocks_per_ms)
-        delta = b.place(rows)
-        b.core.store.engine.quiesce()
-        sync(device)
-        blocks_now = b.blocks(1)
-        predicted_ms = step_time_ms(rows, blocks_now, comp, transfer.bw_blocks_per_ms)
-        placed_ms = time_ms(self.step, device, c.repeat)
-        staged_before, launches = b.core.staged_advances, b.core.store.engine.stats
-        h2d_before, d2h_before = launches.h2d_launches, launches.d2h_launches
-        placed_cpu_ms = self.kvplane_cpu_ms()
-        placed_cpu_mean_ms = self.cpu_mean_ms
-        placed_advanced = b.core.staged_advances - staged_before
-        steps_run = 2 * c.repeat  # kvplane_cpu_ms: the steps timed every step, then the CPU-timed ones
-        placed_launches = {"h2d": (launches.h2d_launches - h2d_before) / steps_run,
-                           "d2h": (launches.d2h_launches - d2h_before) / steps_run}
-        placed_prepare_ms, placed_parts_ms = self.prepare_cpu_ms, self.parts_cpu_ms
-        placed_stall_ms = self.stall_ms
-        placed_profile = self.host_profile()
-        placed_timeline = self.timeline()
-        probe = SyncProbe(device)
-        with probe:
-            for _ in range(SYNC_STEPS):
-                self.step(probe.scope)
-        sync(device)
+        p = PlacedPhase(self).run(comp, transfer)  # the placed phase, on what serves by default
         errors = self.attention_errors()
         stats = b.core.stats()
         from sglang_ext.tools.gpu_check_overlap import OverlapCheck  # both import this module
@@ -358,35 +334,35 @@ class CoreCheck:
         recompute = RecomputeCheck(self)
         recompute_figures = guarded_phase("recompute_check", "the recompute phase", "RecomputeCheck.run",
                                           lambda: recompute.run(comp, transfer.bw_blocks_per_ms))
-        stall_measured, stall_predicted = placed_ms - resident_ms, predicted_ms - sum(comp)
+        stall_measured, stall_predicted = p.placed_ms - resident_ms, p.predicted_ms - sum(comp)
         stall_err = abs(stall_measured - stall_predicted) / max(stall_predicted, STALL_FLOOR_SHARE * resident_ms)
         self.details.update({
             "attention_backends": {"primary": self.backends.primary, "available": list(self.backends.available),
                                    "unavailable": self.backends.unavailable, "failed": self.backends.failed,
                                    "errors": errors},
-            "resident_step_ms": resident_ms, "placed_step_ms": placed_ms, "layer_compute_ms": comp[0],
-            "predicted_step_ms": predicted_ms, "stall_measured_ms": stall_measured,
-            "stall_predicted_ms": stall_predicted, "model_blocks_per_request": blocks_now,
-            "plan_install_offloaded_layer_pages": delta.offloaded_layer_pages,
-            "kvplane_cpu_ms_per_step": {"resident": resident_cpu_ms, "placed": placed_cpu_ms,
-                                        "resident_mean": resident_cpu_mean_ms, "placed_mean": placed_cpu_mean_ms,
+            "resident_step_ms": resident_ms, "placed_step_ms": p.placed_ms, "layer_compute_ms": comp[0],
+            "predicted_step_ms": p.predicted_ms, "stall_measured_ms": stall_measured,
+            "stall_predicted_ms": stall_predicted, "model_blocks_per_request": p.blocks_now,
+            "plan_install_offloaded_layer_pages": p.delta.offloaded_layer_pages,
+            "kvplane_cpu_ms_per_step": {"resident": resident_cpu_ms, "placed": p.placed_cpu_ms,
+                                        "resident_mean": resident_cpu_mean_ms, "placed_mean": p.placed_cpu_mean_ms,
                                         "resident_boundary": resident_prepare_ms,
-                                        "placed_boundary": placed_prepare_ms,
+                                        "placed_boundary": p.placed_prepare_ms,
                                         "resident_layer_calls": resident_parts_ms,
-                                        "placed_layer_calls": placed_parts_ms,
+                                        "placed_layer_calls": p.placed_parts_ms,
                                         "resident_steps_advanced": resident_advanced,
-                                        "resident_steps_timed": steps_run,
-                                        "placed_steps_advanced": placed_advanced,
-                                        "placed_launches_per_step": placed_launches,
+                                        "resident_steps_timed": p.steps_run,
+                                        "placed_steps_advanced": p.placed_advanced,
+                                        "placed_launches_per_step": p.placed_launches,
                                         "vanilla_kv_write": vanilla_write_ms},
-            "kvplane_host_profile": {"steps": PROFILE_STEPS, "resident": resident_profile, "placed": placed_profile,
+            "kvplane_host_profile": {"steps": PROFILE_STEPS, "resident": resident_profile, "placed": p.placed_profile,
                                      "note": "cProfile inside the boundary and kvplane's per-layer calls only; "
                                              "top functions by own time per step (ranking, not absolute time)"},
-            "transfer": transfer.to_dict(),
-            "step_timeline": {"resident": resident_timeline, "placed": placed_timeline},
-            "syncs": {kind: {"count_per_step": probe.syncs(kind) / SYNC_STEPS,
-                             "runtime": probe.runtime[kind], "op_audit": dict(probe.audited(kind)),
-                             "where": probe.where(kind)}
+            "transfer": transfer.to_dict(), "placed_engine": "dma" if p.on_dma else "triton",
+            "step_timeline": {"resident": resident_timeline, "placed": p.placed_timeline},
+            "syncs": {kind: {"count_per_step": p.probe.syncs(kind) / SYNC_STEPS,
+                             "runtime": p.probe.runtime[kind], "op_audit": dict(p.probe.audited(kind)),
+                             "where": p.probe.where(kind)}
                       for kind in ("kvplane", "attention")},
             "core_stats": {k: v for k, v in asdict(stats).items() if isinstance(v, int | float)},
             "resident_host_fraction": resident_host_fraction,
@@ -396,11 +372,11 @@ class CoreCheck:
         })
         if cuda:
             self.details["peak_device_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        events = event_timing_figures(transfer, placed_stall_ms=placed_stall_ms, resident_stall_ms=resident_stall_ms,
-                                      steps=c.repeat, placed_ms=placed_ms, wall_stall_ms=stall_measured,
+        events = event_timing_figures(transfer, placed_stall_ms=p.placed_stall_ms, resident_stall_ms=resident_stall_ms,
+                                      steps=c.repeat, placed_ms=p.placed_ms, wall_stall_ms=stall_measured,
                                       cuda=cuda, details=self.details)
-        return self._figures(errors, transfer, resident_ms, placed_ms, stall_err, probe,
-                             max(resident_cpu_ms, placed_cpu_ms), stats.host_fraction, cuda) + events + overlap_figures + recompute_figures
+        return self._figures(errors, transfer, resident_ms, p.placed_ms, stall_err, p.probe,
+                             max(resident_cpu_ms, p.placed_cpu_ms), stats.host_fraction, cuda) + events + overlap_figures + recompute_figures
 
     def _figures(self, errors: dict[str, dict[str, float]], t: TransferResult, resident_ms: float,
                  placed_ms: float, stall_err: float, probe: SyncProbe, cpu_ms: float, host_fraction: float,
@@ -434,7 +410,8 @@ class CoreCheck:
             "|(placed - resident) - (step_time_ms - sum comp)| / model stall (at least "
             f"{STALL_FLOOR_SHARE:.0%} of the resident step); comp = resident step / L, bandwidth from one "
             "batched engine fetch", meaningful=cuda,
-            note=cpu_note or f"measured {d['stall_measured_ms']:.3f} ms, model {d['stall_predicted_ms']:.3f} ms"))
+            note=cpu_note or f"measured {d['stall_measured_ms']:.3f} ms, model {d['stall_predicted_ms']:.3f} ms "
+            f"(placed on {d['placed_engine']})"))
         figs.append(Figure.graded(
             "h2d_vs_contiguous", "batched block-first H2D vs one contiguous pinned copy", t.h2d_vs_contiguous,
             "ratio", ">=", H2D_VS_CONTIGUOUS, f"engine.h2d of K and V of one layer of {t.layer_pages} pages "
@@ -487,7 +464,8 @@ class CoreCheck:
         top = self.details["kvplane_host_profile"]["placed"][:3]
         profile = ", ".join(f"{row['function']} {row['own_ms_per_step']:.3f}" for row in top)
         launches = host["placed_launches_per_step"]
-        advanced = (f"{host['placed_steps_advanced']} of {host['resident_steps_timed']} placed steps advanced, "
+        advanced = (f"on {self.details['placed_engine']}, {host['placed_steps_advanced']} of "
+                    f"{host['resident_steps_timed']} placed steps advanced, "
                     f"{launches['h2d']:g} H2D + {launches['d2h']:g} D2H launches a step")
         return (f"{split('resident')}; {split('placed')} ({advanced}); means with the timed steps "
                 f"{host['resident_mean']:.3f} / {host['placed_mean']:.3f}; "

@@ -69,6 +69,18 @@ def dma_phase_failed(phase: str, exc: BaseException, eng: Any, device: str) -> s
 
 
 @contextmanager
+def served_copies(eng: Any, dma_ran: bool) -> Iterator[bool]:
+    """The engine on what serves by default inside the block: the copy engines (the default of
+    ``--kv-copy-engine``) where they ran here (``dma_ran``) and take the switch (True), else its
+    kernels, the fallback (False); back on the kernels after (the overlap phase sweeps them)."""
+    if not dma_ran:
+        yield False
+        return
+    with on_copy_engines(eng) as on:
+        yield on
+
+
+@contextmanager
 def on_copy_engines(eng: Any) -> Iterator[bool]:
     """The engine's copies on the copy engines inside the block (True), back on its kernels after;
     False, nothing switched, where it refused them (``eng.dma_error`` says why)."""
@@ -120,6 +132,12 @@ class TransferResult:
     def bw_blocks_per_ms(self) -> float:
         """The placement model's bandwidth: layer-pages per ms of one batched fetch."""
         return self.layer_pages / self.h2d_ms
+
+    def served_bw_blocks_per_ms(self, on_dma: bool) -> float:
+        """The model's bandwidth on the engine that serves: scaled to the copy engines' H2D where
+        they serve (``on_dma``, measured in ``by_programs["dma"]``), else the kernels'."""
+        dma = (self.by_programs or {}).get("dma") if on_dma else None
+        return self.bw_blocks_per_ms * (dma["h2d_gbps"] / self.h2d_gbps if dma else 1.0)
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "h2d_vs_contiguous": self.h2d_vs_contiguous,

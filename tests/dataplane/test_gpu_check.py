@@ -256,14 +256,20 @@ def test_the_copy_engines_are_swept_where_the_engine_has_them(tmp_path, monkeypa
     assert main(["gpu-check", "--device", "cpu", "--skip-tests", "--out-dir", str(tmp_path)]) == 0
     _, body = _result(tmp_path)
     assert switches == [] and body["details"]["overlap"]["dma_error"].startswith("segments of ")
+    assert body["details"]["placed_engine"] == "triton"  # the copy engines refused: the kernels serve
+    assert body["details"]["plan"]["h2d_gbps"] == pytest.approx(body["details"]["transfer"]["h2d_gbps"], rel=1e-6)
     assert {f["key"]: f for f in body["figures"]}["overlap.hidden_step_rel.dma"]["note"].startswith(
         "not measured: segments of ")
     # ...then with the floor at 0, as Llama-3-8B's 32 KiB segments pass it
     monkeypatch.setattr(gpu_check_transfer, "DMA_MIN_BYTES", 0)
     assert main(["gpu-check", "--device", "cpu", "--skip-tests", "--out-dir", str(tmp_path)]) == 0
     _, body = _result(tmp_path)
-    # the transfer check, the half-offloaded placement, then the hidden one
-    assert switches == ["dma", "triton", "dma", "triton", "dma", "triton"]
+    # the transfer check, the placed phase (on what serves: the copy engines), the half-offloaded
+    # placement, then the hidden one; the model's bandwidth is the copy engines' H2D there
+    assert switches == ["dma", "triton"] * 4
+    assert body["details"]["placed_engine"] == "dma"
+    t = body["details"]["transfer"]
+    assert body["details"]["plan"]["h2d_gbps"] == pytest.approx(t["by_programs"]["dma"]["h2d_gbps"], rel=1e-6)
     placed = body["details"]["overlap"]["placed_on_copy_engines"]
     assert placed["step_ms"] > 0 and placed["timeline"]["step_ms"] > 0
     overlap, link = body["details"]["overlap"], body["details"]["transfer"]["by_programs"]

@@ -10,16 +10,19 @@ from sglang_ext.tools.gpu_check_report import FAIL, PASS
 from tests.dataplane.test_gpu_check import FIGURE_KEYS, NOT_ON_CPU, _result
 
 
-@pytest.mark.parametrize("phase", ["transfer", "half-offloaded", "hidden"])
+@pytest.mark.parametrize("phase", ["transfer", "placed", "half-offloaded", "hidden"])
 def test_a_copy_engine_phase_that_raises_loses_only_the_dma_figures(tmp_path, monkeypatch, capsys, phase):
     """The copy engines' phases run for the first time on whatever GPU the check is lent: one
     that raises (here every copy while the engine is on ``dma``) is reported in the dma figures'
     notes, with its traceback, and every other figure is still measured and written. ``phase``:
-    which one raises first (the earlier ones stood aside). Negative control: without the
-    phases' handlers the exception ends the core check (the transfer check's: one ``core_check``
-    figure) or the overlap phase (the placements': one ``overlap_check`` figure)."""
+    which one raises first (the earlier ones stood aside); the placed phase, which runs on what
+    serves by default, then runs again on the kernels. Negative control: without the phases'
+    handlers the exception ends the core check (the transfer check's and the placed phase's: one
+    ``core_check`` figure) or the overlap phase (the placements': one ``overlap_check`` figure)."""
+    from contextlib import nullcontext
+
     from sglang_ext.dataplane.transfer_engine import CpuTransferEngine
-    from sglang_ext.tools import gpu_check_overlap, gpu_check_transfer
+    from sglang_ext.tools import gpu_check_overlap, gpu_check_placed, gpu_check_transfer
     from sglang_ext.tools.gpu_check_measure import CoreCheck
 
     init, launch = CpuTransferEngine.__init__, CpuTransferEngine._launch
@@ -50,6 +53,8 @@ def test_a_copy_engine_phase_that_raises_loses_only_the_dma_figures(tmp_path, mo
     monkeypatch.setattr(gpu_check_transfer, "DMA_MIN_BYTES", 0)
     if phase != "transfer":  # the transfer check's copy engines stand aside, measuring nothing
         monkeypatch.setattr(gpu_check_transfer.TransferCheck, "_dma_link", lambda self, *a: {})
+    if phase in ("half-offloaded", "hidden"):  # the placed phase stays on the kernels
+        monkeypatch.setattr(gpu_check_placed, "served_copies", lambda eng, ran: nullcontext(False))
     if phase == "hidden":
         monkeypatch.setattr(gpu_check_overlap.OverlapCheck, "_placed_on_copy_engines", lambda self, engine: None)
     argv = ["gpu-check", "--device", "cpu", "--skip-tests", "--repeat", "1", "--out-dir", str(tmp_path)]
@@ -57,19 +62,24 @@ def test_a_copy_engine_phase_that_raises_loses_only_the_dma_figures(tmp_path, mo
     _, body = _result(tmp_path)
     figures = {f["key"]: f for f in body["figures"]}
     assert set(figures) == FIGURE_KEYS, set(figures) ^ FIGURE_KEYS
-    raised = f"the {phase} {'check' if phase == 'transfer' else 'placement'} on the copy engines raised " \
+    what = {"transfer": "check", "placed": "phase"}.get(phase, "placement")
+    raised = f"the {phase} {what} on the copy engines raised " \
              "RuntimeError: driver fault (test)"
     for key in NOT_ON_CPU:
         assert figures[key]["value"] is None and raised in figures[key]["note"], (key, figures[key]["note"])
     assert figures["attention_max_abs_err.torch"]["status"] == PASS and figures["step_ms.placed"]["value"] > 0
     assert figures["overlap.hidden_step_rel"]["value"] is not None
     assert "driver fault (test)" in capsys.readouterr().err  # the traceback
+    assert body["details"]["placed_engine"] == "triton"  # the placed phase: the kernels measured it
     handlers = {"transfer": (gpu_check_transfer.TransferCheck, "_dma"),
+                "placed": (gpu_check_placed, "dma_phase_failed"),
                 "half-offloaded": (gpu_check_overlap.OverlapCheck, "_placed_on_copy_engines"),
                 "hidden": (gpu_check_overlap, "dma_phase_failed")}
     owner, name = handlers[phase]
     if phase == "transfer":  # control: the phase without its handler
         monkeypatch.setattr(owner, name, lambda self, eng, *a: {"dma": self._dma_link(eng, *a)})
+    elif phase == "placed":
+        monkeypatch.setattr(owner, name, lambda phase, exc, eng, device: (_ for _ in ()).throw(exc))
     elif phase == "half-offloaded":
         real = gpu_check_transfer.on_copy_engines
         monkeypatch.setattr(owner, name, lambda self, engine: _unguarded_placed(self, engine, real))
@@ -78,7 +88,7 @@ def test_a_copy_engine_phase_that_raises_loses_only_the_dma_figures(tmp_path, mo
     assert main(argv) == 1
     _, body = _result(tmp_path)
     keys = [f["key"] for f in body["figures"]]
-    if phase == "transfer":  # the core check's own part: it ends there
+    if phase in ("transfer", "placed"):  # the core check's own part: it ends there
         assert keys == ["core_check"], keys
     else:  # inside the overlap phase: its figures give way to one failed figure
         assert "overlap_check" in keys and "overlap.hidden_step_rel" not in keys and "stall_rel_err" in keys, keys
