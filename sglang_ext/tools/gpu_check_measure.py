@@ -475,7 +475,8 @@ class CoreCheck:
         launches = host["placed_launches_per_step"]
         advanced = (f"on {self.details['placed_engine']}, {host['placed_steps_advanced']} of "
                     f"{host['resident_steps_timed']} placed steps advanced, "
-                    f"{launches['h2d']:g} H2D + {launches['d2h']:g} D2H launches a step")
+                    f"{launches['h2d']:g} H2D + {launches['d2h']:g} D2H launches a step, "
+                    f"{launches['driver_ms']:.3f} ms of it inside the copy engines' driver calls")
         return (f"{split('resident')}; {split('placed')} ({advanced}); means with the timed steps "
                 f"{host['resident_mean']:.3f} / {host['placed_mean']:.3f}; "
                 f"placed step's top own time (cProfile, ms): {profile}")

@@ -27,6 +27,14 @@ SYNC_STEPS = 2
 """Placed steps run under the sync probe."""
 
 
+def _driver_seconds(engine: Any) -> float:
+    """Wall seconds inside the copy engines' driver calls so far (2-D and batched); 0 on the kernels.
+    A transfer-bound step's calls block once the driver's copy queue is full (gpu-check run 20:
+    ~3 us a 2-D copy with room, ~42 us without), and that wait is host time of the step too."""
+    calls = {id(c): c for c in (getattr(engine, "_dma", None), getattr(engine, "_pitched", None)) if c is not None}
+    return sum(getattr(c, "call_seconds", 0.0) for c in calls.values())  # one object serving both: once
+
+
 class PlacedPhase:
     """The placed phase of :class:`~sglang_ext.tools.gpu_check_measure.CoreCheck` (module docstring)."""
 
@@ -57,12 +65,14 @@ class PlacedPhase:
         placed_ms = time_ms(ch.step, device, c.repeat)
         staged_before, launches = b.core.staged_advances, b.core.store.engine.stats
         h2d_before, d2h_before = launches.h2d_launches, launches.d2h_launches
+        driver_before = _driver_seconds(b.core.store.engine)
         placed_cpu_ms = ch.kvplane_cpu_ms()
         placed_cpu_mean_ms = ch.cpu_mean_ms
         placed_advanced = b.core.staged_advances - staged_before
         steps_run = 2 * c.repeat  # kvplane_cpu_ms: the steps timed every step, then the CPU-timed ones
         placed_launches = {"h2d": (launches.h2d_launches - h2d_before) / steps_run,
-                           "d2h": (launches.d2h_launches - d2h_before) / steps_run}
+                           "d2h": (launches.d2h_launches - d2h_before) / steps_run,
+                           "driver_ms": (_driver_seconds(b.core.store.engine) - driver_before) * 1e3 / steps_run}
         placed_prepare_ms, placed_parts_ms = ch.prepare_cpu_ms, ch.parts_cpu_ms
         placed_stall_ms = ch.stall_ms
         placed_profile = ch.host_profile()

@@ -31,3 +31,18 @@ def test_the_hidden_placement_is_planned_with_the_compute_timed_beside_it(tmp_pa
     assert len(seen) == 1
     assert seen[0][0] == pytest.approx(overlap, rel=1e-9) and seen[0][1] == overlap, (seen, overlap)
     assert first != pytest.approx(overlap, rel=1e-9), (first, overlap)  # the control: they differ
+
+
+def test_the_placed_phase_counts_the_copy_engines_driver_time_once():
+    """The placed phase reports the host time inside the copy engines' driver calls (a full copy
+    queue blocks them): the batched and the 2-D calls' seconds, one object serving both counted
+    once, none on the kernels."""
+    from types import SimpleNamespace
+
+    from sglang_ext.tools.gpu_check_placed import _driver_seconds
+
+    batched, pitched = SimpleNamespace(call_seconds=0.25), SimpleNamespace(call_seconds=0.5)
+    assert _driver_seconds(SimpleNamespace(_dma=batched, _pitched=pitched)) == 0.75
+    assert _driver_seconds(SimpleNamespace(_dma=batched, _pitched=batched)) == 0.25  # control: not twice
+    assert _driver_seconds(SimpleNamespace(_dma=None, _pitched=None)) == 0.0
+    assert _driver_seconds(SimpleNamespace()) == 0.0  # the CPU engine has neither
