@@ -118,7 +118,7 @@ class LayeredKVArgs:
     kernels over the pinned pool, on ``kv_copy_programs`` SMs). The default since `kvplane
     gpu-check` runs 18-19 on an H200: H2D + D2H 1.65x one direction (the kernels 1.19x), the
     layers' compute 0.35 ms a layer while fetching (0.49 beside the kernels' programs), the
-    hidden and half-offloaded placements' steps as fast or within 2%
+    hidden and half-offloaded placements' steps as fast or within 2.3%
     (``benchmarks/results/gpu/session32-h200-runs.md``)."""
     kv_copy_programs: int | None = None
     """Persistent programs of each Triton host<->device KV copy launch on CUDA, in [1, 4096];
