@@ -165,14 +165,19 @@ class BatchedMemcpy:
                 raise RuntimeError(f"cuMemcpyBatchAsync of {k} copies failed: CUresult {rc}")
 
 
-def make_current(device: torch.device | str) -> None:
-    """Make ``device``'s primary context current on this thread. ``cuMemHostRegister`` registers
-    with the current context, and a fresh process (the probe child) has none until the runtime
-    makes one: the call then fails with ``CUDA_ERROR_NOT_INITIALIZED`` (CUresult 3, ``kvplane
-    gpu-check`` run 17 on an H200, the copy engines' first GPU run)."""
+def make_current(device: torch.device | str) -> int:
+    """Make ``device``'s primary context current on this thread (``cuda`` without an index: the
+    current device); returns the device that was current, for the caller to restore.
+    ``cuMemHostRegister`` registers with the current context, and a fresh process (the probe
+    child) has none until the runtime makes one: the call then fails with
+    ``CUDA_ERROR_NOT_INITIALIZED`` (CUresult 3, ``kvplane gpu-check`` run 17 on an H200, the copy
+    engines' first GPU run)."""
+    before = torch.cuda.current_device()  # initialises the runtime where nothing did yet
     where = torch.device(device)
-    torch.cuda.set_device(where)
-    torch.empty(1, device=where)  # an allocation: the runtime creates the primary context
+    index = before if where.index is None else where.index
+    torch.cuda.set_device(index)
+    torch.empty(1, device=f"cuda:{index}")  # an allocation: the runtime creates the primary context
+    return before
 
 
 @contextmanager
@@ -182,15 +187,18 @@ def registered_pages(registrar: BatchedMemcpy, device: torch.device | str | None
     current first (:func:`make_current`; None: the caller's context is current already)."""
     import mmap
 
-    if device is not None:
-        make_current(device)
-    pages = mmap.mmap(-1, PROBE_BYTES)
-    whole = torch.frombuffer(pages, dtype=torch.float32)
-    registrar.register(whole.data_ptr(), PROBE_BYTES)
+    before = None if device is None else make_current(device)
     try:
-        yield whole
+        pages = mmap.mmap(-1, PROBE_BYTES)
+        whole = torch.frombuffer(pages, dtype=torch.float32)
+        registrar.register(whole.data_ptr(), PROBE_BYTES)
+        try:
+            yield whole
+        finally:
+            registrar.unregister(whole.data_ptr())  # the mapping goes with its last tensor
     finally:
-        registrar.unregister(whole.data_ptr())  # the mapping goes with its last tensor
+        if before is not None:  # the caller's current device again (a server's is its own)
+            torch.cuda.set_device(before)
 
 
 def probe_sources(whole: torch.Tensor, rows: int, host: torch.Tensor | None) -> list[torch.Tensor]:

@@ -243,7 +243,7 @@ class CoreCheck:
         the staging comes out of it too); recorded in ``details[key]``."""
         c, b = self.config, self.batch
         share = c.offload_share if share is None else share
-        window = c.repeat * 3 + 8  # the placed phase's steps: the plan stays valid over them
+        window = c.repeat * 3 + 12  # the placed phase's steps (3 x repeat + 10): the plan stays valid over them
         block_bytes = c.layer_page_bytes
         requests = tuple(RequestSpec(id=rid, context_tokens=b.lens[i] + 1, slo_tbt_ms=LOOSE_SLO_MS)
                          for i, rid in enumerate(b.rids))

@@ -38,7 +38,7 @@ from sglang_ext.dataplane.bench_env import sync, time_ms
 from sglang_ext.tools.gpu_check_config import PROGRAM_CAPS
 from sglang_ext.tools.gpu_check_measure import DUPLEX_VS_ONE
 from sglang_ext.tools.gpu_check_report import Figure, kernels_figure
-from sglang_ext.tools.gpu_check_transfer import dma_phase_failed, on_copy_engines
+from sglang_ext.tools.gpu_check_transfer import dma_phase_failed, on_copy_engines, refused_midway
 from sglang_ext.tools.step_timeline_probe import StepTimelineProbe
 
 SHARES = (0.02, 0.015, 0.01, 0.0075, 0.005)
@@ -123,10 +123,10 @@ class OverlapCheck:
 
     def run(self, comp_ms: list[float], bw_blocks_per_ms: float, resident_ms: float,
             link_by_programs: dict[str, dict[str, float]] | None = None, h2d_gbps: float = 0.0) -> list[Figure]:
-        """``comp_ms``: the layers' compute from the first all-resident step (``resident_ms``);
-        the all-resident step is timed again here, at the same contexts, and the placement is
-        chosen with ``comp_ms`` scaled to it (the share's bound is that step too): the figure
-        compares the placement's step with it. ``link_by_programs``:
+        """``comp_ms``: the layers' compute from the first all-resident step (``resident_ms``, no
+        longer read: kept for the probes' calls); the all-resident step is timed again here, at
+        the same contexts, and the placement is chosen with ``comp_ms`` scaled to it (the share's
+        bound is that step too): the figure compares the placement's step with it. ``link_by_programs``:
         the transfer check's GB/s at the same caps (``h2d_gbps``: at the default), quoted in the
         note and weighed by :func:`recommend_programs`."""
         ch, b, c = self.check, self.check.batch, self.check.config
@@ -167,6 +167,9 @@ class OverlapCheck:
                     if on:
                         by_programs["dma"] = time_ms(ch.step, ch.device, c.repeat)
                         dma_timeline = ch.timeline()
+                        dma_error = ch.dma_error = refused_midway(engine)
+                        if dma_error is not None:
+                            by_programs.pop("dma")
                     else:
                         dma_error = engine.dma_error
             except Exception as exc:  # noqa: BLE001 - reported in the dma figure; the check goes on
@@ -240,7 +243,9 @@ class OverlapCheck:
                     return None
                 engine.quiesce()
                 sync(ch.device)
-                return {"step_ms": time_ms(ch.step, ch.device, ch.config.repeat), "timeline": ch.timeline()}
+                placed = {"step_ms": time_ms(ch.step, ch.device, ch.config.repeat), "timeline": ch.timeline()}
+                ch.dma_error = refused_midway(engine)
+                return placed if ch.dma_error is None else None
         except Exception as exc:  # noqa: BLE001 - reported in the dma figure; the check goes on
             ch.dma_error = dma_phase_failed("the half-offloaded placement on the copy engines", exc, engine, ch.device)
             return None

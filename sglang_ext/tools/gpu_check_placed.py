@@ -21,18 +21,28 @@ from typing import Any
 from controlplane.model import step_time_ms
 from sglang_ext.dataplane.bench_env import sync, time_ms
 from sglang_ext.tools.gpu_check_probes import SyncProbe
-from sglang_ext.tools.gpu_check_transfer import TransferResult, dma_phase_failed, served_copies
+from sglang_ext.tools.gpu_check_transfer import (
+    TransferResult,
+    dma_phase_failed,
+    refused_midway,
+    served_copies,
+)
 
 SYNC_STEPS = 2
 """Placed steps run under the sync probe."""
 
 
-def _driver_seconds(engine: Any) -> float:
-    """Wall seconds inside the copy engines' driver calls so far (2-D and batched); 0 on the kernels.
-    A transfer-bound step's calls block once the driver's copy queue is full (gpu-check run 20:
-    ~3 us a 2-D copy with room, ~42 us without), and that wait is host time of the step too."""
+def _drivers(engine: Any) -> list[Any]:
+    """The engine's copy-engine driver bindings (batched, 2-D), each once; none on the kernels."""
     calls = {id(c): c for c in (getattr(engine, "_dma", None), getattr(engine, "_pitched", None)) if c is not None}
-    return sum(getattr(c, "call_seconds", 0.0) for c in calls.values())  # one object serving both: once
+    return list(calls.values())  # one object serving both: once
+
+
+def _driver_seconds(drivers: list[Any]) -> float:
+    """Wall seconds inside these driver bindings' calls so far. A transfer-bound step's calls block
+    once the driver's copy queue is full (gpu-check run 20: ~3 us a 2-D copy with room, ~42 us
+    without), and that wait is host time of the step too."""
+    return sum(getattr(c, "call_seconds", 0.0) for c in drivers)
 
 
 class PlacedPhase:
@@ -48,7 +58,14 @@ class PlacedPhase:
         if ch.dma_error is None:
             try:
                 with served_copies(engine, True) as on_dma:
-                    return self._measure(comp, transfer, on_dma)
+                    result = self._measure(comp, transfer, on_dma)
+                    midway = refused_midway(engine) if on_dma else None  # before the switch back
+                if not on_dma:  # refused at the switch: the kernels measured the phase
+                    ch.dma_error = engine.dma_error
+                    return result
+                if midway is None:
+                    return result
+                ch.dma_error = midway  # a mix of both: measured again on the kernels
             except Exception as exc:  # noqa: BLE001 - the copy engines' fault; the kernels measure the phase
                 ch.dma_error = dma_phase_failed("the placed phase on the copy engines", exc, engine, ch.device)
         return self._measure(comp, transfer, False)
@@ -65,14 +82,15 @@ class PlacedPhase:
         placed_ms = time_ms(ch.step, device, c.repeat)
         staged_before, launches = b.core.staged_advances, b.core.store.engine.stats
         h2d_before, d2h_before = launches.h2d_launches, launches.d2h_launches
-        driver_before = _driver_seconds(b.core.store.engine)
+        drivers = _drivers(b.core.store.engine)  # held: a refusal midway drops the engine's reference
+        driver_before = _driver_seconds(drivers)
         placed_cpu_ms = ch.kvplane_cpu_ms()
         placed_cpu_mean_ms = ch.cpu_mean_ms
         placed_advanced = b.core.staged_advances - staged_before
         steps_run = 2 * c.repeat  # kvplane_cpu_ms: the steps timed every step, then the CPU-timed ones
         placed_launches = {"h2d": (launches.h2d_launches - h2d_before) / steps_run,
                            "d2h": (launches.d2h_launches - d2h_before) / steps_run,
-                           "driver_ms": (_driver_seconds(b.core.store.engine) - driver_before) * 1e3 / steps_run}
+                           "driver_ms": (_driver_seconds(drivers) - driver_before) * 1e3 / steps_run}
         placed_prepare_ms, placed_parts_ms = ch.prepare_cpu_ms, ch.parts_cpu_ms
         placed_stall_ms = ch.stall_ms
         placed_profile = ch.host_profile()

@@ -68,6 +68,15 @@ def dma_phase_failed(phase: str, exc: BaseException, eng: Any, device: str) -> s
     return f"{phase} raised {type(exc).__name__}: {exc}"
 
 
+def refused_midway(eng: Any) -> str | None:
+    """Why what was just measured on the copy engines is void, or None: the driver refused a call
+    inside the block (``CudaTransferEngine._dma_copy`` then turns ``dma`` off and the kernels copy
+    the rest, so the figures mix the two)."""
+    if getattr(eng, "impl", "dma") == "dma":
+        return None
+    return f"the driver refused a copy-engine call midway ({eng.dma_error}); the kernels finished the copies"
+
+
 @contextmanager
 def served_copies(eng: Any, dma_ran: bool) -> Iterator[bool]:
     """The engine on what serves by default inside the block: the copy engines (the default of
@@ -260,7 +269,8 @@ class TransferCheck:
             link.update({"h2d_interleaved_gbps": nbytes_both / 2 / ms / 1e6,
                          "interleaved_runs_per_launch": runs / max(1, calls[0]),
                          "interleaved_pitch_mib": INTERLEAVE * eng.host_page_rows * eng.segment_bytes / 2**20})
-            return {"dma": link}
+            self.dma_error = refused_midway(eng)
+            return {} if self.dma_error else {"dma": link}
 
     def _link(self, h2d: Callable[[], None], duplex: Callable[[], None], nbytes_both: int) -> dict[str, float]:
         """H2D and duplex GB/s of the engine's copies as they are set now."""

@@ -135,3 +135,58 @@ def _unguarded_placed(overlap, engine, on_copy_engines):  # noqa: ANN001, ANN202
     ch = overlap.check
     with on_copy_engines(engine):
         return {"step_ms": time_ms(ch.step, ch.device, ch.config.repeat), "timeline": ch.timeline()}
+
+
+def test_a_refusal_midway_in_the_placed_phase_measures_it_again_on_the_kernels(tmp_path, monkeypatch):
+    """The driver can refuse a copy-engine call while serving: the engine turns ``dma`` off and
+    the kernels finish (``CudaTransferEngine._dma_copy``), raising nothing. A placed phase begun on
+    the copy engines then mixes both; it is measured again on the kernels, and the ``.dma``
+    figures say why. Control: without the refusal the phase stays on the copy engines."""
+    from sglang_ext.dataplane.transfer_engine import CpuTransferEngine
+    from sglang_ext.tools import gpu_check_transfer
+    from sglang_ext.tools.gpu_check_measure import CoreCheck
+
+    init, launch = CpuTransferEngine.__init__, CpuTransferEngine._launch
+    refuse_after = {"n": None}
+
+    def tracked(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        init(self, *a, **k)
+        self.copy_programs, self.impl, self.dma_error, self.dma_launches = None, "triton", None, 0
+
+    def set_copy_engine(self, name):  # noqa: ANN001, ANN202
+        if name == "dma" and self.dma_error is not None:
+            return False
+        self.impl = name
+        return True
+
+    def refusing(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if self.impl == "dma":
+            self.dma_launches += 1
+            if refuse_after["n"] is not None and self.dma_launches > refuse_after["n"]:
+                self.impl, self.dma_error = "triton", "cuMemcpyBatchAsync of 2 copies failed: CUresult 1 (test)"
+        return launch(self, *a, **k)
+
+    check_init = CoreCheck.__init__
+
+    def probed(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        check_init(self, *a, **k)
+        self.dma_error = None
+
+    monkeypatch.setattr(CpuTransferEngine, "__init__", tracked)
+    monkeypatch.setattr(CpuTransferEngine, "set_copy_engine", set_copy_engine, raising=False)
+    monkeypatch.setattr(CpuTransferEngine, "_launch", refusing)
+    monkeypatch.setattr(CoreCheck, "__init__", probed)
+    monkeypatch.setattr(gpu_check_transfer, "DMA_MIN_BYTES", 0)
+    monkeypatch.setattr(gpu_check_transfer.TransferCheck, "_dma_link", lambda self, *a: {})  # stands aside
+    argv = ["gpu-check", "--device", "cpu", "--skip-tests", "--repeat", "1", "--out-dir", str(tmp_path)]
+    main(argv)
+    _, body = _result(tmp_path)
+    assert body["details"]["placed_engine"] == "dma"  # the control: nothing refused
+    refuse_after["n"] = 3
+    main(argv)
+    _, body = _result(tmp_path)
+    figures = {f["key"]: f for f in body["figures"]}
+    assert set(figures) == FIGURE_KEYS, set(figures) ^ FIGURE_KEYS
+    assert body["details"]["placed_engine"] == "triton" and figures["step_ms.placed"]["value"] > 0
+    for key in NOT_ON_CPU:
+        assert "refused a copy-engine call midway" in figures[key]["note"], (key, figures[key]["note"])

@@ -6,6 +6,8 @@ says why, and serves the same KV bit-exact."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -45,6 +47,15 @@ def _serve(sim, core: LayeredKVCore) -> None:  # noqa: ANN001
     assert sim.violations == [], sim.violations[:3]
 
 
+def _driver_loads() -> bool:
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(_driver_loads(), reason="the probe child finds a CUDA driver on this host")
 def test_where_the_probe_fails_the_default_keeps_the_kernels_and_says_why(monkeypatch):
     """The real probe child runs (``python -m kernels.pitched_memcpy``) and finds no driver here:
     the engine keeps the kernels, with the child's reason, and the lifecycle is bit-exact on them."""
@@ -81,12 +92,3 @@ def test_once_probed_the_default_serves_on_the_copy_engines(monkeypatch):
     assert sim.copies["kernel"] == warmed, sim.copies  # nothing served on the kernels
     control = _core("triton").store.engine
     assert control.impl == "triton" and control._dma is None and len(asked) == 1
-
-
-@pytest.mark.parametrize("flag", [None, "triton"])
-def test_the_served_pool_hands_the_flag_to_its_engine(flag):
-    """``LayeredKVArgs.kv_copy_engine`` (default ``dma``) is what the served store's config carries."""
-    from sglang_ext.args import LayeredKVArgs
-
-    args = LayeredKVArgs() if flag is None else LayeredKVArgs(kv_copy_engine=flag)
-    assert args.kv_copy_engine == (flag or "dma")

@@ -93,7 +93,7 @@ def test_the_probes_registered_pages_make_the_device_current_before_registering(
     import kernels.batched_memcpy as bm
 
     calls: list[tuple] = []
-    monkeypatch.setattr(bm, "make_current", lambda device: calls.append(("current", device)))
+    monkeypatch.setattr(bm, "make_current", lambda device: calls.append(("current", device)))  # returns None
     registrar = type("Registrar", (), {"register": lambda self, p, n: calls.append(("register",)),
                                        "unregister": lambda self, p: calls.append(("unregister",))})()
     with bm.registered_pages(registrar, "cuda:1"):
