@@ -21,36 +21,12 @@ def test_a_copy_engine_phase_that_raises_loses_only_the_dma_figures(tmp_path, mo
     ``core_check`` figure) or the overlap phase (the placements': one ``overlap_check`` figure)."""
     from contextlib import nullcontext
 
-    from sglang_ext.dataplane.transfer_engine import CpuTransferEngine
     from sglang_ext.tools import gpu_check_overlap, gpu_check_placed, gpu_check_transfer
-    from sglang_ext.tools.gpu_check_measure import CoreCheck
 
-    init, launch = CpuTransferEngine.__init__, CpuTransferEngine._launch
+    def faulty(engine) -> None:  # noqa: ANN001
+        raise RuntimeError("driver fault (test)")
 
-    def tracked(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
-        init(self, *a, **k)
-        self.copy_programs, self.impl, self.dma_error = None, "triton", None
-
-    def set_copy_engine(self, name):  # noqa: ANN001, ANN202
-        self.impl = name
-        return True
-
-    def faulty(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
-        if self.impl == "dma":
-            raise RuntimeError("driver fault (test)")
-        return launch(self, *a, **k)
-
-    check_init = CoreCheck.__init__
-
-    def probed(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
-        check_init(self, *a, **k)
-        self.dma_error = None
-
-    monkeypatch.setattr(CpuTransferEngine, "__init__", tracked)
-    monkeypatch.setattr(CpuTransferEngine, "set_copy_engine", set_copy_engine, raising=False)
-    monkeypatch.setattr(CpuTransferEngine, "_launch", faulty)
-    monkeypatch.setattr(CoreCheck, "__init__", probed)
-    monkeypatch.setattr(gpu_check_transfer, "DMA_MIN_BYTES", 0)
+    _copy_engines_on_cpu(monkeypatch, faulty)
     if phase != "transfer":  # the transfer check's copy engines stand aside, measuring nothing
         monkeypatch.setattr(gpu_check_transfer.TransferCheck, "_dma_link", lambda self, *a: {})
     if phase in ("half-offloaded", "hidden"):  # the placed phase stays on the kernels
@@ -142,41 +118,16 @@ def test_a_refusal_midway_in_the_placed_phase_measures_it_again_on_the_kernels(t
     the kernels finish (``CudaTransferEngine._dma_copy``), raising nothing. A placed phase begun on
     the copy engines then mixes both; it is measured again on the kernels, and the ``.dma``
     figures say why. Control: without the refusal the phase stays on the copy engines."""
-    from sglang_ext.dataplane.transfer_engine import CpuTransferEngine
     from sglang_ext.tools import gpu_check_transfer
-    from sglang_ext.tools.gpu_check_measure import CoreCheck
 
-    init, launch = CpuTransferEngine.__init__, CpuTransferEngine._launch
     refuse_after = {"n": None}
 
-    def tracked(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
-        init(self, *a, **k)
-        self.copy_programs, self.impl, self.dma_error, self.dma_launches = None, "triton", None, 0
+    def refusing(engine) -> None:  # noqa: ANN001
+        engine.dma_launches += 1
+        if refuse_after["n"] is not None and engine.dma_launches > refuse_after["n"]:
+            engine.impl, engine.dma_error = "triton", "cuMemcpyBatchAsync of 2 copies failed: CUresult 1 (test)"
 
-    def set_copy_engine(self, name):  # noqa: ANN001, ANN202
-        if name == "dma" and self.dma_error is not None:
-            return False
-        self.impl = name
-        return True
-
-    def refusing(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
-        if self.impl == "dma":
-            self.dma_launches += 1
-            if refuse_after["n"] is not None and self.dma_launches > refuse_after["n"]:
-                self.impl, self.dma_error = "triton", "cuMemcpyBatchAsync of 2 copies failed: CUresult 1 (test)"
-        return launch(self, *a, **k)
-
-    check_init = CoreCheck.__init__
-
-    def probed(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
-        check_init(self, *a, **k)
-        self.dma_error = None
-
-    monkeypatch.setattr(CpuTransferEngine, "__init__", tracked)
-    monkeypatch.setattr(CpuTransferEngine, "set_copy_engine", set_copy_engine, raising=False)
-    monkeypatch.setattr(CpuTransferEngine, "_launch", refusing)
-    monkeypatch.setattr(CoreCheck, "__init__", probed)
-    monkeypatch.setattr(gpu_check_transfer, "DMA_MIN_BYTES", 0)
+    _copy_engines_on_cpu(monkeypatch, refusing)
     monkeypatch.setattr(gpu_check_transfer.TransferCheck, "_dma_link", lambda self, *a: {})  # stands aside
     argv = ["gpu-check", "--device", "cpu", "--skip-tests", "--repeat", "1", "--out-dir", str(tmp_path)]
     main(argv)
@@ -190,3 +141,40 @@ def test_a_refusal_midway_in_the_placed_phase_measures_it_again_on_the_kernels(t
     assert body["details"]["placed_engine"] == "triton" and figures["step_ms.placed"]["value"] > 0
     for key in NOT_ON_CPU:
         assert "refused a copy-engine call midway" in figures[key]["note"], (key, figures[key]["note"])
+
+
+def _copy_engines_on_cpu(monkeypatch: pytest.MonkeyPatch, on_dma_launch) -> None:  # noqa: ANN001
+    """The CPU engine stands in for one with copy engines (as a GPU whose driver has them):
+    ``set_copy_engine`` only switches ``impl`` (refused once ``dma_error`` is set), each launch
+    while on ``dma`` calls ``on_dma_launch(engine)`` first (it may raise, or refuse), the check
+    asks for the copy engines, and the test's small segments pass their floor."""
+    from sglang_ext.dataplane.transfer_engine import CpuTransferEngine
+    from sglang_ext.tools import gpu_check_transfer
+    from sglang_ext.tools.gpu_check_measure import CoreCheck
+
+    init, launch, check_init = CpuTransferEngine.__init__, CpuTransferEngine._launch, CoreCheck.__init__
+
+    def tracked(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        init(self, *a, **k)
+        self.copy_programs, self.impl, self.dma_error, self.dma_launches = None, "triton", None, 0
+
+    def set_copy_engine(self, name):  # noqa: ANN001, ANN202
+        if name == "dma" and self.dma_error is not None:
+            return False
+        self.impl = name
+        return True
+
+    def launched(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if self.impl == "dma":
+            on_dma_launch(self)
+        return launch(self, *a, **k)
+
+    def probed(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        check_init(self, *a, **k)
+        self.dma_error = None
+
+    monkeypatch.setattr(CpuTransferEngine, "__init__", tracked)
+    monkeypatch.setattr(CpuTransferEngine, "set_copy_engine", set_copy_engine, raising=False)
+    monkeypatch.setattr(CpuTransferEngine, "_launch", launched)
+    monkeypatch.setattr(CoreCheck, "__init__", probed)
+    monkeypatch.setattr(gpu_check_transfer, "DMA_MIN_BYTES", 0)
