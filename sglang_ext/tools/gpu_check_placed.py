@@ -24,8 +24,8 @@ from sglang_ext.tools.gpu_check_probes import SyncProbe
 from sglang_ext.tools.gpu_check_transfer import (
     TransferResult,
     dma_phase_failed,
+    on_copy_engines,
     refused_midway,
-    served_copies,
 )
 
 SYNC_STEPS = 2
@@ -57,7 +57,7 @@ class PlacedPhase:
         engine = ch.batch.core.store.engine
         if ch.dma_error is None:
             try:
-                with served_copies(engine, True) as on_dma:
+                with on_copy_engines(engine) as on_dma:
                     result = self._measure(comp, transfer, on_dma)
                     midway = refused_midway(engine) if on_dma else None  # before the switch back
                 if not on_dma:  # refused at the switch: the kernels measured the phase

@@ -78,18 +78,6 @@ def refused_midway(eng: Any) -> str | None:
 
 
 @contextmanager
-def served_copies(eng: Any, dma_ran: bool) -> Iterator[bool]:
-    """The engine on what serves by default inside the block: the copy engines (the default of
-    ``--kv-copy-engine``) where they ran here (``dma_ran``) and take the switch (True), else its
-    kernels, the fallback (False); back on the kernels after (the overlap phase sweeps them)."""
-    if not dma_ran:
-        yield False
-        return
-    with on_copy_engines(eng) as on:
-        yield on
-
-
-@contextmanager
 def on_copy_engines(eng: Any) -> Iterator[bool]:
     """The engine's copies on the copy engines inside the block (True), back on its kernels after;
     False, nothing switched, where it refused them (``eng.dma_error`` says why)."""

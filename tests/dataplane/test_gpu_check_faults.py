@@ -30,7 +30,7 @@ def test_a_copy_engine_phase_that_raises_loses_only_the_dma_figures(tmp_path, mo
     if phase != "transfer":  # the transfer check's copy engines stand aside, measuring nothing
         monkeypatch.setattr(gpu_check_transfer.TransferCheck, "_dma_link", lambda self, *a: {})
     if phase in ("half-offloaded", "hidden"):  # the placed phase stays on the kernels
-        monkeypatch.setattr(gpu_check_placed, "served_copies", lambda eng, ran: nullcontext(False))
+        monkeypatch.setattr(gpu_check_placed, "on_copy_engines", lambda eng: nullcontext(False))
     if phase == "hidden":
         monkeypatch.setattr(gpu_check_overlap.OverlapCheck, "_placed_on_copy_engines", lambda self, engine: None)
     argv = ["gpu-check", "--device", "cpu", "--skip-tests", "--repeat", "1", "--out-dir", str(tmp_path)]
