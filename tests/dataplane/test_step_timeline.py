@@ -121,3 +121,60 @@ def test_the_kernels_figures_are_graded_only_where_they_serve():
     graded, note = kernels_figure("the probe exited with 1: no driver")
     assert graded and note == ""
     assert Figure.graded("k", "t", 1.19, "ratio", ">=", 1.5, "m", meaningful=graded).status == FAIL
+
+
+class _LaggingDevice(StepTimelineProbe):
+    """A device clock that trails the host by ``self.queued`` seconds (the work queued ahead of a
+    mark), and marks that cost the host ``self.mark_s`` each (the probe's own time)."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.queued = 0.0
+        self.mark_s = 0.0
+
+    def _mark(self, stream=None):  # noqa: ANN001, ANN202
+        if self.mark_s:
+            time.sleep(self.mark_s)
+        return time.perf_counter() + self.queued
+
+
+def _lagging_step(probe: _LaggingDevice, lags: list[float], kv_s: float) -> dict:
+    probe.begin()
+    for layer, lag in enumerate(lags):
+        probe.queued = lag
+        with probe.scope("kvplane", layer, "enter"):
+            pass
+        with probe.scope("kvplane", layer, "write"):
+            time.sleep(kv_s)
+        with probe.scope("attention", layer):
+            time.sleep(0.001)
+    probe.queued = 0.0
+    probe.end()
+    return probe.result()
+
+
+def test_timeline_says_where_the_device_waited_for_the_host():
+    """``host_lead_ms``: the device's mark at a layer's enter less the host's arrival there. Layers
+    the device reaches with work queued (here 3 ms) are not host-bound; layers it reaches as the
+    host does are. Control: the same step with nothing queued is host-bound at every layer."""
+    probe = _LaggingDevice()
+    t = _lagging_step(probe, [0.0, 0.0, 0.003, 0.003], 0.002)
+    assert t["host_bound_layers"] == 2
+    assert max(t["host_lead_ms"][:2]) < 0.05 <= 2.5 < min(t["host_lead_ms"][2:])
+    assert t["host_enter_ms"] == sorted(t["host_enter_ms"]) and t["host_enter_ms"][3] >= 3 * 3.0
+    line = StepTimelineProbe.summary(t)
+    assert "waited for the host at 2 of 4 layers" in line and "trailed the host by" in line
+    control = _lagging_step(_LaggingDevice(), [0.0] * 4, 0.002)
+    assert control["host_bound_layers"] == 4
+
+
+def test_kvplane_host_time_excludes_the_probes_own_marks():
+    """``kvplane_host_ms[l]``: the wall time inside kvplane's calls of the layer (enter and write
+    here, 2 ms slept in write), not the probe's marks around enter (made to cost 5 ms each)."""
+    probe = _LaggingDevice()
+    probe.mark_s = 0.005
+    t = _lagging_step(probe, [0.0] * 3, 0.002)
+    assert all(2.0 <= ms < 4.5 for ms in t["kvplane_host_ms"]), t["kvplane_host_ms"]
+    assert t["kvplane_host_ms_total"] == pytest.approx(sum(t["kvplane_host_ms"]))
+    control = _lagging_step(_LaggingDevice(), [0.0] * 3, 0.0)  # nothing inside kvplane's calls
+    assert max(control["kvplane_host_ms"]) < 1.0
