@@ -76,6 +76,23 @@ class CheckBatch:
                 self.core.exit_layer(layer)
         self.core.store.engine.quiesce()
 
+    def rewrite_decoded_token(self) -> None:
+        """Each request's last decoded token (``k1``/``v1``) written again at every layer, at rest
+        (a new ``loc``: the core's at-rest path, after the copies in flight). A step stopped
+        inside a layer (a fault there) wrote its token at the layers before only, while
+        ``begin_decode`` counted it: :meth:`reference_kv` would then regenerate KV the pool does
+        not hold. The same values where the step finished; requests not yet decoding (their last
+        token a prefill one) are left alone."""
+        decoding = [i for i, n in enumerate(self.lens) if n > self.contexts[i]]
+        if not decoding:
+            return
+        loc = torch.tensor([int(self.slots[i][self.lens[i] - 1]) for i in decoding], dtype=torch.int64)
+        idx = torch.tensor(decoding, dtype=torch.int64, device=self.k1.device)
+        k, v = self.k1.index_select(0, idx), self.v1.index_select(0, idx)
+        for layer in range(self.config.layers):
+            self.core.write(layer, loc, k, v)
+        self.core.store.engine.quiesce()
+
     def prefill_kv(self, i: int, layer: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Request ``i``'s prefill K and V at ``layer`` (``[context, H, D]``), regenerated."""
         c = self.config

@@ -174,8 +174,7 @@ class OverlapCheck:
                         dma_error = engine.dma_error
             except Exception as exc:  # noqa: BLE001 - reported in the dma figure; the check goes on
                 by_programs.pop("dma", None)
-                dma_error = ch.dma_error = dma_phase_failed("the hidden placement on the copy engines", exc, engine,
-                                                            ch.device)
+                dma_error = ch.dma_error = dma_phase_failed("the hidden placement on the copy engines", exc, b)
         rel = (hidden_ms - resident_ms) / resident_ms
         launch_ms = self._launch_cost(rows, scaled, bw_blocks_per_ms, hidden_ms)
         launches, blocks = launch_count(rows), b.blocks(1)
@@ -247,7 +246,7 @@ class OverlapCheck:
                 ch.dma_error = refused_midway(engine)
                 return placed if ch.dma_error is None else None
         except Exception as exc:  # noqa: BLE001 - reported in the dma figure; the check goes on
-            ch.dma_error = dma_phase_failed("the half-offloaded placement on the copy engines", exc, engine, ch.device)
+            ch.dma_error = dma_phase_failed("the half-offloaded placement on the copy engines", exc, ch.batch)
             return None
 
     def _dma_figures(self, resident_ms: float, link: dict[str, dict[str, float]], cuda: bool) -> list[Figure]:

@@ -67,7 +67,7 @@ class PlacedPhase:
                     return result
                 ch.dma_error = midway  # a mix of both: measured again on the kernels
             except Exception as exc:  # noqa: BLE001 - the copy engines' fault; the kernels measure the phase
-                ch.dma_error = dma_phase_failed("the placed phase on the copy engines", exc, engine, ch.device)
+                ch.dma_error = dma_phase_failed("the placed phase on the copy engines", exc, ch.batch)
         return self._measure(comp, transfer, False)
 
     def _measure(self, comp: list[float], transfer: TransferResult, on_dma: bool) -> SimpleNamespace:

@@ -55,14 +55,18 @@ def interleaved(pages: np.ndarray, k: int = INTERLEAVE) -> np.ndarray:
     return pages[np.argsort(np.arange(pages.size) % k, kind="stable")]
 
 
-def dma_phase_failed(phase: str, exc: BaseException, eng: Any, device: str) -> str:
+def dma_phase_failed(phase: str, exc: BaseException, batch: Any) -> str:
     """A copy-engine phase raised (its first run on new hardware): the traceback printed, the
-    engine's copies drained where they still can be, and why, for the phase's ``dma_error``.
-    The check goes on without the copy engines; the other phases' figures are kept."""
+    engine's copies drained where they still can be, the batch's last decoded token written
+    again at every layer (a fault inside a layer ends the step there: :meth:`CheckBatch.
+    rewrite_decoded_token`, so the accuracy checks after this read what they regenerate), and
+    why, for the phase's ``dma_error``. The check goes on without the copy engines; the other
+    phases' figures are kept."""
     traceback.print_exc()
     try:
-        eng.quiesce()
-        sync(device)
+        batch.core.store.engine.quiesce()
+        sync(batch.device)
+        batch.rewrite_decoded_token()
     except Exception:  # noqa: BLE001 - a broken CUDA context fails the phases after this one on its own
         traceback.print_exc()
     return f"{phase} raised {type(exc).__name__}: {exc}"
@@ -235,7 +239,7 @@ class TransferCheck:
         try:
             return self._dma_link(eng, h2d, duplex, nbytes_both, h2d_interleaved)
         except Exception as exc:  # noqa: BLE001 - reported in the dma figures; the check goes on
-            self.dma_error = dma_phase_failed("the transfer check on the copy engines", exc, eng, self.batch.device)
+            self.dma_error = dma_phase_failed("the transfer check on the copy engines", exc, self.batch)
             return {}
 
     def _dma_link(self, eng: Any, h2d: Callable[[], None], duplex: Callable[[], None], nbytes_both: int,

@@ -55,12 +55,12 @@ def test_a_copy_engine_phase_that_raises_loses_only_the_dma_figures(tmp_path, mo
     if phase == "transfer":  # control: the phase without its handler
         monkeypatch.setattr(owner, name, lambda self, eng, *a: {"dma": self._dma_link(eng, *a)})
     elif phase == "placed":
-        monkeypatch.setattr(owner, name, lambda phase, exc, eng, device: (_ for _ in ()).throw(exc))
+        monkeypatch.setattr(owner, name, lambda phase, exc, batch: (_ for _ in ()).throw(exc))
     elif phase == "half-offloaded":
         real = gpu_check_transfer.on_copy_engines
         monkeypatch.setattr(owner, name, lambda self, engine: _unguarded_placed(self, engine, real))
     else:
-        monkeypatch.setattr(owner, name, lambda phase, exc, eng, device: (_ for _ in ()).throw(exc))
+        monkeypatch.setattr(owner, name, lambda phase, exc, batch: (_ for _ in ()).throw(exc))
     assert main(argv) == 1
     _, body = _result(tmp_path)
     keys = [f["key"] for f in body["figures"]]
@@ -141,6 +141,51 @@ def test_a_refusal_midway_in_the_placed_phase_measures_it_again_on_the_kernels(t
     assert body["details"]["placed_engine"] == "triton" and figures["step_ms.placed"]["value"] > 0
     for key in NOT_ON_CPU:
         assert "refused a copy-engine call midway" in figures[key]["note"], (key, figures[key]["note"])
+
+
+@pytest.mark.parametrize("phase", ["placed", "hidden"])
+def test_a_fault_inside_a_layer_leaves_the_batch_whole(tmp_path, monkeypatch, capsys, phase):
+    """A copy-engine fault inside a layer (the first fetch a layer's exit launches) ends that
+    step there: the layers after it never get the step's token. The check writes the batch's
+    last token again at every layer (``CheckBatch.rewrite_decoded_token``), so the accuracy
+    checks after it (``attention_max_abs_err``, and the recompute phase's, after the overlap
+    phase) read what they regenerate and PASS. Negative control: without the rewrite they FAIL
+    (the placed phase's fault: the attention check right after; the hidden placement's: the
+    recompute phase's, the one after the overlap phase)."""
+    import inspect
+
+    from sglang_ext.tools import gpu_check_placed, gpu_check_transfer
+    from sglang_ext.tools.gpu_check_batch import CheckBatch
+
+    faults = {"left": 1}
+
+    def inside_a_layer(engine) -> None:  # noqa: ANN001
+        if faults["left"] and any(f.function == "end_layer" for f in inspect.stack(0)):
+            faults["left"] -= 1
+            raise RuntimeError("driver fault inside a layer (test)")
+
+    _copy_engines_on_cpu(monkeypatch, inside_a_layer)
+    monkeypatch.setattr(gpu_check_transfer.TransferCheck, "_dma_link", lambda self, *a: {})  # stands aside
+    if phase == "hidden":  # the placed phase and the half-offloaded placement stay on the kernels
+        from contextlib import nullcontext
+
+        from sglang_ext.tools import gpu_check_overlap
+
+        monkeypatch.setattr(gpu_check_placed, "on_copy_engines", lambda eng: nullcontext(False))
+        monkeypatch.setattr(gpu_check_overlap.OverlapCheck, "_placed_on_copy_engines", lambda self, engine: None)
+    accuracy = "attention_max_abs_err.torch" if phase == "placed" else "recompute_attention_max_abs_err"
+    argv = ["gpu-check", "--device", "cpu", "--skip-tests", "--repeat", "1", "--out-dir", str(tmp_path)]
+    main(argv)
+    _, body = _result(tmp_path)
+    figures = {f["key"]: f for f in body["figures"]}
+    assert faults["left"] == 0 and "driver fault inside a layer (test)" in capsys.readouterr().err
+    assert figures[accuracy]["status"] == PASS and figures[accuracy]["value"] < 1e-5, figures[accuracy]
+    faults["left"] = 1  # control: the same fault, the batch left as the fault left it
+    monkeypatch.setattr(CheckBatch, "rewrite_decoded_token", lambda self: None)
+    main(argv)
+    _, body = _result(tmp_path)
+    figures = {f["key"]: f for f in body["figures"]}
+    assert faults["left"] == 0 and figures[accuracy]["value"] > 1e-3, figures[accuracy]
 
 
 def _copy_engines_on_cpu(monkeypatch: pytest.MonkeyPatch, on_dma_launch) -> None:  # noqa: ANN001
