@@ -25,7 +25,9 @@ One :class:`~sglang_ext.tools.gpu_check_batch.CheckBatch` runs, in order:
    layers before them), its step vs the all-resident one, across copy-program caps
    (:class:`~sglang_ext.tools.gpu_check_overlap.OverlapCheck`): the overlap itself, measured;
 9. recompute steps (eLLM, :class:`~sglang_ext.tools.gpu_check_recompute.RecomputeCheck`): step
-   time vs the placement model with recompute, attention over the recomputed prefixes.
+   time vs the placement model with recompute, attention over the recomputed prefixes;
+10. one all-resident step's layers captured and replayed as a CUDA graph
+    (:class:`~sglang_ext.tools.gpu_check_graph.GraphProbe`): capture-safety, eager vs replay.
 """
 
 from __future__ import annotations
@@ -122,26 +124,39 @@ class CoreCheck:
     def step(self, scope: Callable[[str, int], Any] = _no_scope,
              capture: Callable[[int, Any, torch.Tensor], None] | None = None) -> None:
         """One decode step of the batch; ``scope`` wraps each kvplane / attention call."""
-        b, core = self.batch, self.batch.core
-        loc = b.begin_decode()
+        self.layers(self.batch.begin_decode(), scope, capture)
+
+    def layers(self, loc: torch.Tensor, scope: Callable[[str, int], Any] = _no_scope,
+               capture: Callable[[int, Any, torch.Tensor], None] | None = None, *,
+               backend: str | None = None, plan: bool = True, end_step: bool = True) -> list[torch.Tensor]:
+        """The layers of the step whose boundary gave ``loc``; each layer's attention output.
+        ``backend``: the attention's (default: the primary); ``plan``: FlashInfer's plan inside
+        layer 0, as SGLang's decode plans; ``end_step``: the last layer's ``exit_layer`` (which
+        ends the step) -- without it the same layers may run again, writing the same token
+        (:class:`~sglang_ext.tools.gpu_check_graph.GraphProbe` captures them so)."""
+        core, last = self.batch.core, self.config.layers - 1
+        outs = []
         for layer in range(self.config.layers):
             self.x @ self.w_qkv
             with scope("kvplane", layer, "enter"):
                 core.enter_layer(layer)
             with scope("kvplane", layer, "write"):
-                core.write(layer, loc, b.k1, b.v1)
-            view = b.layer_view(layer)
+                core.write(layer, loc, self.batch.k1, self.batch.v1)
+            view = self.batch.layer_view(layer)
             with scope("attention", layer):
-                if layer == 0:  # as SGLang's layered FlashInfer decode plans: inside layer 0, host CSR
+                if layer == 0 and plan:  # as SGLang's layered FlashInfer decode plans: inside layer 0, host CSR
                     self.backends.plan_step(core.tables.plan_view(view))
-                out = self.backends.run(self.backends.primary, self.q, view)
+                out = self.backends.run(backend or self.backends.primary, self.q, view)
             if capture is not None:
                 capture(layer, view, out)
             gate_up = out.reshape(out.shape[0], -1) @ self.w_o @ self.w_gate_up
             i = self.config.intermediate
             (torch.nn.functional.silu(gate_up[:, :i]) * gate_up[:, i:]) @ self.w_down
-            with scope("kvplane", layer, "exit"):
-                core.exit_layer(layer)
+            outs.append(out)
+            if layer < last or end_step:
+                with scope("kvplane", layer, "exit"):
+                    core.exit_layer(layer)
+        return outs
 
     def kvplane_cpu_ms(self) -> float:
         """Median thread CPU ms per step spent in kvplane (``prepare_step`` + per-layer calls), at
@@ -324,7 +339,8 @@ class CoreCheck:
         p = PlacedPhase(self).run(comp, transfer)  # the placed phase, on what serves by default
         errors = self.attention_errors()
         stats = b.core.stats()
-        from sglang_ext.tools.gpu_check_overlap import OverlapCheck  # both import this module
+        from sglang_ext.tools.gpu_check_graph import GraphProbe  # they import this module
+        from sglang_ext.tools.gpu_check_overlap import OverlapCheck
         from sglang_ext.tools.gpu_check_recompute import RecomputeCheck
 
         overlap_figures = guarded_phase(
@@ -334,6 +350,7 @@ class CoreCheck:
         recompute = RecomputeCheck(self)
         recompute_figures = guarded_phase("recompute_check", "the recompute phase", "RecomputeCheck.run",
                                           lambda: recompute.run(comp, transfer.bw_blocks_per_ms))
+        graph_figures = guarded_phase("graph_probe", "the CUDA-graph probe", "GraphProbe.run", GraphProbe(self).run)
         stall_measured, stall_predicted = p.placed_ms - resident_ms, p.predicted_ms - sum(comp)
         stall_err = abs(stall_measured - stall_predicted) / max(stall_predicted, STALL_FLOOR_SHARE * resident_ms)
         self.details.update({
@@ -376,7 +393,7 @@ class CoreCheck:
                                       steps=c.repeat, placed_ms=p.placed_ms, wall_stall_ms=stall_measured,
                                       cuda=cuda, details=self.details)
         return self._figures(errors, transfer, resident_ms, p.placed_ms, stall_err, p.probe,
-                             max(resident_cpu_ms, p.placed_cpu_ms), stats.host_fraction, cuda) + events + overlap_figures + recompute_figures
+                             max(resident_cpu_ms, p.placed_cpu_ms), stats.host_fraction, cuda) + events + overlap_figures + recompute_figures + graph_figures
 
     def _figures(self, errors: dict[str, dict[str, float]], t: TransferResult, resident_ms: float,
                  placed_ms: float, stall_err: float, probe: SyncProbe, cpu_ms: float, host_fraction: float,

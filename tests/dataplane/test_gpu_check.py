@@ -31,6 +31,7 @@ FIGURE_KEYS = {
     "transfer_events.h2d_gbps", "transfer_events.d2h_gbps", "transfer_events.h2d_vs_wall_rel_err",
     "transfer_events.stall_ms_per_step", "transfer_events.stall_vs_wall_rel_err", "overlap.hidden_step_rel",
     "overlap.hidden_step_rel.dma", "duplex_vs_one_direction.dma", "overlap.fetch_launch_ms", "h2d_vs_contiguous.dma",
+    "graph.replay_max_abs_diff", "graph.layers_ms.eager", "graph.layers_ms.replay", "graph.kvplane_cpu_share",
 }
 TARGETS = {  # the issue's targets, by figure
     "stall_rel_err": ("<=", 0.10), "h2d_vs_contiguous": (">=", 0.85), "duplex_vs_one_direction": (">=", 1.5),
@@ -47,6 +48,8 @@ CPU_NOT_MEANINGFUL = {"stall_rel_err", "h2d_vs_contiguous", "duplex_vs_one_direc
                       "overlap.hidden_step_rel", "overlap.fetch_launch_ms"}
 NOT_ON_CPU = {"overlap.hidden_step_rel.dma", "duplex_vs_one_direction.dma", "h2d_vs_contiguous.dma"}
 """Figures of the copy engines: CUDA only (N/A without a value, the note says why)."""
+GRAPH_KEYS = {"graph.replay_max_abs_diff", "graph.layers_ms.eager", "graph.layers_ms.replay", "graph.kvplane_cpu_share"}
+"""The CUDA-graph probe's figures: N/A without a value on the CPU (no graph to capture)."""
 
 
 def _result(tmp_path):
@@ -104,6 +107,9 @@ def test_cpu_dry_run_end_to_end(tmp_path, capsys):
         assert figures[key]["status"] == NA and figures[key]["value"] is None, key
         assert figures[key]["note"].startswith("not measured: not probed"), key
     assert body["details"]["transfer"]["dma_error"] and body["details"]["overlap"]["dma_error"]
+    for key in GRAPH_KEYS:
+        assert figures[key]["status"] == NA and figures[key]["value"] is None, key
+        assert figures[key]["note"].startswith("CUDA only"), key
     for key in CPU_NOT_MEANINGFUL:
         assert figures[key]["status"] == NA and figures[key]["value"] is not None, key
     assert figures["host_syncs_per_step.kvplane"]["status"] == PASS
