@@ -13,6 +13,7 @@ request (``k1``/``v1``).
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from sglang_ext.dataplane.bench_env import sync
 from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
 from sglang_ext.dataplane.results import LayerView
 from sglang_ext.dataplane.slot_kv_store import SlotStoreConfig
@@ -92,6 +94,31 @@ class CheckBatch:
         for layer in range(self.config.layers):
             self.core.write(layer, loc, k, v)
         self.core.store.engine.quiesce()
+
+    def vanilla_write_cpu_ms(self, repeat: int) -> float:
+        """Thread CPU ms per step of the KV write kvplane's ``write`` replaces: SGLang's
+        ``MHATokenToKVPool.set_kv_buffer`` (``k_buffer[layer][loc] = k``, same for V) for the
+        batch's new tokens at every layer, into flat buffers on the same device (median of ``repeat``)."""
+        c = self.config
+        n = self.k1.shape[0]
+        k_buf = torch.empty((c.layers, 4 * n, c.kv_heads, c.head_dim), dtype=self.dtype, device=self.device)
+        v_buf = torch.empty_like(k_buf)
+        loc = torch.arange(n, device=self.device) * 3
+
+        def write() -> None:
+            for layer in range(c.layers):
+                k_buf[layer][loc] = self.k1
+                v_buf[layer][loc] = self.v1
+
+        write()
+        sync(self.device)
+        samples = []
+        for _ in range(repeat):
+            t0 = time.thread_time()
+            write()
+            samples.append((time.thread_time() - t0) * 1e3)
+            sync(self.device)
+        return statistics.median(samples)
 
     def prefill_kv(self, i: int, layer: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Request ``i``'s prefill K and V at ``layer`` (``[context, H, D]``), regenerated."""

@@ -104,12 +104,11 @@ class GpuCheckConfig:
         implementation; the half-offloaded placement on the copy engines, timed and laid out),
         recompute (a timed run, 1 for accuracy); with a margin; the placed phase once more
         (on the kernels, where the copy engines fault in it: ``gpu_check_placed.PlacedPhase``);
-        and the CUDA-graph probe's steps (``gpu_check_graph.STEPS``: its timed and replayed runs
-        repeat one step's layers, adding no token)."""
-        from sglang_ext.tools.gpu_check_graph import STEPS as GRAPH_STEPS
+        and the CUDA-graph probe's steps (``gpu_check_graph.steps``)."""
+        from sglang_ext.tools.gpu_check_graph import steps as graph_steps
 
         runs = self.repeat + 2
-        return (12 + len(PROGRAM_CAPS)) * runs + 6 * TIMELINE_STEPS + 13 + GRAPH_STEPS
+        return (12 + len(PROGRAM_CAPS)) * runs + 6 * TIMELINE_STEPS + 13 + graph_steps(self.repeat)
 
     def with_overrides(self, **changes: object) -> GpuCheckConfig:
         """A copy with the non-None ``changes`` applied (CLI overrides)."""

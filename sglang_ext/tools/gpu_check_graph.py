@@ -1,37 +1,41 @@
-"""GraphProbe: `kvplane gpu-check`'s all-resident step with its layers replayed as a CUDA graph.
+"""GraphProbe: `kvplane gpu-check`'s all-resident decode steps replayed as one CUDA graph.
 
 Why: the H200 runs (``benchmarks/results/gpu/session32-h200-runs.md``) put the check's eager
 all-resident step at 12.25-18.3 ms, about 0.35-0.39 ms a layer, where the layer's GPU work at
 these shapes is nearer 0.23 ms (its weights, 436 MB, and its KV, ~0.65 GB at batch 32 x 5K
 tokens, read at the H200's ~4.8 TB/s): the eager step is host-bound, and every microsecond of
 host work -- kvplane's included -- is step time. Stock SGLang replays its decode as CUDA graphs,
-which ``--enable-layered-kv`` turns off (``launch_decision.py``). Before kvplane's data plane can
-be replayed, one must know that it can be captured at all, and what replay would buy. So:
+which ``--enable-layered-kv`` turns off (``launch_decision.py``). Before the data plane can be
+replayed one must know that it can be, and what replay buys. So:
 
-1. the batch goes all-resident, decodes two steady steps, and a third step's boundary runs on
-   the host as usual (SGLang's replay too runs ``init_forward_metadata`` outside the graph);
-2. that step's layers -- the stand-in layer body, kvplane's ``enter_layer`` / ``write`` /
-   ``exit_layer`` (the last one's, which ends the step, outside), the Triton paged decode --
-   run eagerly, timed, then are captured in a CUDA graph (after warm-ups on a side stream) and
-   replayed, timed. Running them again writes the same token into the same rows: the step is
-   idempotent until its last ``exit_layer``;
-3. figures: the replay's outputs against the eager ones (bit-exact: the same kernels over the
-   same data; a difference says something in kvplane's per-layer path read the host at capture
-   or moved between runs), the layers' time eager vs replayed (what the host costs this step,
-   i.e. what turning CUDA graphs off costs at these shapes), and kvplane's host share were the
-   layers replayed (its boundary time over boundary + replay).
+1. the batch goes all-resident and decodes eager steps (timed: the eager step);
+2. a step's boundary runs on the host as usual (SGLang's replay too runs
+   ``init_forward_metadata`` outside the graph) and its tables go into
+   :class:`~sglang_ext.dataplane.graph_step_buffers.GraphStepBuffers`; its layers read them (the
+   stand-in layer body, the new token's K/V written to the buffers' rows, the Triton paged decode
+   over the buffers' page table) -- first eagerly, checked against the same layers over the
+   step's own tables, then captured in a CUDA graph (after warm-ups on a side stream) and
+   replayed, checked again: bit-exact, the same kernels over the same data. Running the layers
+   again writes the same token into the same rows: the step is idempotent until it ends;
+3. then successive steps run as boundary + load + replay, timed (the replayed step), and one
+   eager step after them compares every layer's attention with the dense reference over the
+   regenerated KV: the replays wrote every token where the tables say, step after step;
+4. figures: the two agreements (graded), the layers' and the steps' time eager vs replayed (what
+   turning CUDA graphs off costs at these shapes), and kvplane's host share were the steps
+   replayed (its boundary and the load, over the replayed step).
 
-What it does not show: replaying *successive* steps. The captured graph reads this step's tables
-where they lie (kept alive here); a served replay needs each step's tables copied into buffers
-that stay put, which the data plane does not do yet. Triton attention (two launches, nothing read
-on the host); FlashInfer's decode needs its CUDA-graph wrapper mode, not tried here. A capture
-that raises is reported in the figures' notes, N/A, never a failed check; on the CPU there is no
-graph to capture (N/A), but the same orchestration runs under the tests with an eager stand-in.
+Not covered: staged steps (a graph holds kernels only; fetches need host work in the layers,
+:meth:`GraphStepBuffers.why_not`), batches of another size (one graph per batch size, as
+SGLang captures), and SGLang's graph runner, which is not hooked yet. Triton attention (two
+launches, nothing read on the host); FlashInfer's decode needs its CUDA-graph wrapper mode, not
+tried here. A capture that raises is reported in the figures' notes, N/A, never a failed check;
+on the CPU there is no graph (N/A), but the tests run the same steps with an eager stand-in.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -39,14 +43,18 @@ from typing import Any
 import torch
 
 from sglang_ext.dataplane.bench_env import sync, time_ms
+from sglang_ext.dataplane.graph_step_buffers import GraphStepBuffers
 from sglang_ext.tools.gpu_check_report import Figure
 
-STEADY_STEPS = 2
-"""All-resident steps decoded after the placement moves, before the captured one."""
 WARMUP_RUNS = 2
 """Eager runs on a side stream before capture (``torch.cuda.graphs``' advice)."""
-STEPS = STEADY_STEPS + 1
-"""Decode steps (new tokens) the probe adds to the batch (``GpuCheckConfig.decode_steps``)."""
+
+
+def steps(repeat: int) -> int:
+    """Decode steps (new tokens) the probe adds to the batch (``GpuCheckConfig.decode_steps``):
+    the timed eager steps (``time_ms``: 2 warm-ups + ``repeat``), the captured one, the replayed
+    ones (as many) and the accuracy step."""
+    return 2 * (repeat + 2) + 2
 
 
 class CudaGraph:
@@ -94,74 +102,111 @@ class GraphProbe:
         return self.figures(measured, "")
 
     def measure(self) -> dict[str, Any]:
-        """Capture and replay one all-resident step's layers (module docstring, 1-2)."""
+        """Module docstring, 1-3."""
         ch = self.check
         b, c, device = ch.batch, ch.config, ch.device
         core = b.core
         b.place([[1] * c.layers for _ in b.rids])
         core.store.engine.quiesce()
         sync(device)
-        boundary_cpu_ms = []  # kvplane's share of each boundary (prepare_step), the captured step's last
-        for _ in range(STEADY_STEPS):
-            ch.step()
-            boundary_cpu_ms.append(b.prepare_cpu_s * 1e3)
-        sync(device)
-        loc = b.begin_decode()
-        boundary_cpu_ms.append(b.prepare_cpu_s * 1e3)
-        tables = core.tables  # the graph reads these buffers: alive until the step ends
-        if tables is None:
-            raise RuntimeError("the all-resident step staged no tables (overflow?): nothing to capture")
+        host_ms: list[float] = []  # kvplane's host time of each boundary (prepare_step, + the load when replayed)
+        eager_step_ms = time_ms(lambda: (ch.step(), host_ms.append(b.prepare_cpu_s * 1e3)), device, c.repeat)
+        eager_host_ms, host_ms = statistics.median(host_ms), []
+        buffers = GraphStepBuffers(c.layers, len(b.rids), b.batch_pages, device)
         backend = "triton" if "triton" in ch.backends.available else ch.backends.primary
-        if backend == "flashinfer":  # planned once, outside the layers (never the probe's case with Triton)
-            ch.backends.plan_step(tables.plan_view(b.layer_view(0)))
+        if backend == "flashinfer":
+            raise RuntimeError("the probe replays the Triton decode; Triton is not available here")
+        loc = b.begin_decode()
+        buffers.load(core.tables)
 
-        def layers() -> list[torch.Tensor]:
+        def table_layers() -> list[torch.Tensor]:
             return ch.layers(loc, backend=backend, plan=False, end_step=False)
 
+        def graph_layers() -> list[torch.Tensor]:
+            return ch.layers(loc, backend=backend, plan=False, graph=buffers)
+
         try:
-            eager = [out.clone() for out in layers()]
-            sync(device)
-            eager_ms = time_ms(layers, device, c.repeat)
+            eager = [out.clone() for out in table_layers()]
+            buffered = graph_layers()
+            buffers_diff = _max_diff(buffered, eager)
+            eager_layers_ms = time_ms(table_layers, device, c.repeat)
             graph = (self.graph or CudaGraph)(device)
-            static = graph.capture(layers)
+            static = graph.capture(graph_layers)
             graph.replay()
             sync(device)
-            diff = max(float((s.float() - e.float()).abs().max()) for s, e in zip(static, eager, strict=True))
-            replay_ms = time_ms(graph.replay, device, c.repeat)
+            replay_diff = _max_diff(static, eager)
+            replay_layers_ms = time_ms(graph.replay, device, c.repeat)
         finally:
             core.exit_layer(c.layers - 1)  # the step ends as every step does
             core.store.engine.quiesce()
             sync(device)
-        return {"backend": backend, "layers_eager_ms": eager_ms, "layers_replay_ms": replay_ms,
-                "replay_max_abs_diff": diff, "boundary_cpu_ms": statistics.median(boundary_cpu_ms),
-                "boundary_cpu_ms_each": boundary_cpu_ms, "layers": c.layers,
-                "requests": len(b.rids)}
+
+        def replayed_step() -> None:
+            b.begin_decode()
+            t0 = time.thread_time()
+            buffers.load(core.tables)
+            host_ms.append(b.prepare_cpu_s * 1e3 + (time.thread_time() - t0) * 1e3)
+            graph.replay()
+            core.exit_layer(c.layers - 1)
+
+        replay_step_ms = time_ms(replayed_step, device, c.repeat)
+        errors = ch.attention_errors()[backend]  # one eager step over every replayed token
+        return {"backend": backend, "layers": c.layers, "requests": len(b.rids),
+                "buffers_max_abs_diff": buffers_diff, "replay_max_abs_diff": replay_diff,
+                "layers_eager_ms": eager_layers_ms, "layers_replay_ms": replay_layers_ms,
+                "step_eager_ms": eager_step_ms, "step_replay_ms": replay_step_ms,
+                "host_eager_ms": eager_host_ms, "host_replay_ms": statistics.median(host_ms),
+                "replayed_attention": errors, "loads": buffers.loads}
 
     def figures(self, m: dict[str, Any] | None, why: str) -> list[Figure]:
-        """Four figures: the replay's agreement (graded: bit-exact), and three for the record."""
-        got = m is not None
-        eager, replay = (m["layers_eager_ms"], m["layers_replay_ms"]) if got else (None, None)
-        note = why if not got else f"Triton attention ({m['backend']}), {m['layers']} layers, batch {m['requests']}"
-        share = None if not got else m["boundary_cpu_ms"] / (m["boundary_cpu_ms"] + replay)
-        cuda = self.check.device.startswith("cuda")
+        """Two graded agreements and five figures for the record (module docstring, 4)."""
+        got, cuda = m is not None, self.check.device.startswith("cuda")
+        note = why if m is None else (f"{m['backend']} attention, {m['layers']} layers, batch {m['requests']}, "
+                                      f"{m['loads']} steps loaded into the buffers")
+
+        def v(key: str) -> float | None:
+            return None if m is None else m[key]
+
+        err = None if m is None else m["replayed_attention"]
+        agree = None if m is None else max(m["buffers_max_abs_diff"], m["replay_max_abs_diff"])
+        share = None if m is None else m["host_replay_ms"] / m["step_replay_ms"]
+        timed = got and cuda
+
+        def ratio(a: str, b: str) -> str:
+            return "" if m is None else f"; eager / replay {m[a] / m[b]:.2f}x"
+
         return [
             Figure.graded(
-                "graph.replay_max_abs_diff", "CUDA-graph replay of an all-resident step's layers vs eager",
-                None if not got else m["replay_max_abs_diff"], "abs", "<=", 0.0,
-                "the layers (kvplane's enter / write / exit, Triton paged decode, the layer body) captured "
-                "once and replayed: every layer's attention output vs the same layers run eagerly",
-                meaningful=got, note=note),
+                "graph.replay_max_abs_diff", "CUDA-graph replay of an all-resident step's layers vs eager", agree,
+                "abs", "<=", 0.0, "one step's layers over GraphStepBuffers, eagerly and as one captured graph "
+                "replayed: every layer's attention output vs the same layers over the step's own tables",
+                meaningful=got, note=note if m is None else
+                f"buffers {m['buffers_max_abs_diff']:g}, replay {m['replay_max_abs_diff']:g}; {note}"),
             Figure.graded(
-                "graph.layers_ms.eager", "all-resident step's layers, eager", eager, "ms", None, None,
-                "median wall time of the layers alone (the boundary excluded), device-synchronised",
-                meaningful=got and cuda, note=note),
-            Figure.graded(
-                "graph.layers_ms.replay", "all-resident step's layers, CUDA-graph replay", replay, "ms", None,
-                None, "median wall time of one replay, device-synchronised; eager / replay = "
-                + ("-" if not got else f"{eager / replay:.2f}x"), meaningful=got and cuda, note=note),
-            Figure.graded(
-                "graph.kvplane_cpu_share", "kvplane CPU time per step / step, were the layers replayed", share,
-                "ratio", None, None, "the step boundary's thread CPU time (prepare_decode_step: kvplane's "
-                "host work left outside a graph; median of the probe's three steps) over boundary + replay",
-                meaningful=got and cuda, note=note if not got else f"{m['boundary_cpu_ms']:.3f} ms boundary; {note}"),
+                "graph.replayed_steps_attention_err", "attention after replayed steps vs dense reference",
+                None if err is None else err["max_abs_err"], "abs", None if err is None else "<=",
+                None if err is None else err["tolerance"], "steps run as boundary + load + replay, then one "
+                "eager step: every layer's attention vs dense_attention over the regenerated K/V (bf16 "
+                "tolerance)", meaningful=got, note=note),
+            Figure.graded("graph.layers_ms.eager", "all-resident step's layers, eager (kvplane's calls "
+                          "included)", v("layers_eager_ms"), "ms", None, None, "median wall time, the "
+                          "boundary excluded, device-synchronised", meaningful=timed, note=note),
+            Figure.graded("graph.layers_ms.replay", "all-resident step's layers, one CUDA-graph replay",
+                          v("layers_replay_ms"), "ms", None, None, "median wall time of a replay, "
+                          "device-synchronised" + ratio("layers_eager_ms", "layers_replay_ms"),
+                          meaningful=timed, note=note),
+            Figure.graded("graph.step_ms.eager", "all-resident decode step, eager", v("step_eager_ms"), "ms",
+                          None, None, "median wall time, device-synchronised", meaningful=timed, note=note),
+            Figure.graded("graph.step_ms.replay", "all-resident decode step: boundary + load + replay",
+                          v("step_replay_ms"), "ms", None, None, "median wall time, device-synchronised"
+                          + ratio("step_eager_ms", "step_replay_ms"), meaningful=timed, note=note),
+            Figure.graded("graph.kvplane_cpu_share", "kvplane CPU time per replayed step / the step", share,
+                          "ratio", None, None, "thread CPU time of the boundary (prepare_decode_step) and the "
+                          "buffers' load, medians, over the replayed step's wall time", meaningful=timed,
+                          note=note if m is None else f"{m['host_replay_ms']:.3f} ms of {m['step_replay_ms']:.3f} "
+                          f"ms (eager step: {m['host_eager_ms']:.3f} ms of {m['step_eager_ms']:.3f}); {note}"),
         ]
+
+
+def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b, strict=True))

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
@@ -54,6 +53,7 @@ from controlplane.planner import Planner
 from sglang_ext.args import DEFAULT_TIMING_INTERVAL
 from sglang_ext.dataplane import dense_attention
 from sglang_ext.dataplane.bench_env import sync, time_ms
+from sglang_ext.dataplane.graph_step_buffers import GraphStepBuffers
 from sglang_ext.tools.gpu_check_attention import BACKENDS, DecodeBackends
 from sglang_ext.tools.gpu_check_batch import CheckBatch
 from sglang_ext.tools.gpu_check_config import TIMELINE_STEPS, GpuCheckConfig
@@ -128,21 +128,28 @@ class CoreCheck:
 
     def layers(self, loc: torch.Tensor, scope: Callable[[str, int], Any] = _no_scope,
                capture: Callable[[int, Any, torch.Tensor], None] | None = None, *,
-               backend: str | None = None, plan: bool = True, end_step: bool = True) -> list[torch.Tensor]:
+               backend: str | None = None, plan: bool = True, end_step: bool = True,
+               graph: GraphStepBuffers | None = None) -> list[torch.Tensor]:
         """The layers of the step whose boundary gave ``loc``; each layer's attention output.
         ``backend``: the attention's (default: the primary); ``plan``: FlashInfer's plan inside
         layer 0, as SGLang's decode plans; ``end_step``: the last layer's ``exit_layer`` (which
-        ends the step) -- without it the same layers may run again, writing the same token
-        (:class:`~sglang_ext.tools.gpu_check_graph.GraphProbe` captures them so)."""
-        core, last = self.batch.core, self.config.layers - 1
+        ends the step) -- without it the same layers may run again, writing the same token.
+        ``graph``: the tables read from these buffers (loaded with the step's), and no
+        ``enter_layer`` / ``exit_layer`` (their steps have nothing to wait for or launch): what
+        :class:`~sglang_ext.tools.gpu_check_graph.GraphProbe` captures."""
+        b, core, last = self.batch, self.batch.core, self.config.layers - 1
         outs = []
         for layer in range(self.config.layers):
             self.x @ self.w_qkv
-            with scope("kvplane", layer, "enter"):
-                core.enter_layer(layer)
-            with scope("kvplane", layer, "write"):
-                core.write(layer, loc, self.batch.k1, self.batch.v1)
-            view = self.batch.layer_view(layer)
+            if graph is not None:
+                graph.write(core.store, layer, b.k1, b.v1)
+                view = graph.layer_view(core.store, layer, tuple(b.rids))
+            else:
+                with scope("kvplane", layer, "enter"):
+                    core.enter_layer(layer)
+                with scope("kvplane", layer, "write"):
+                    core.write(layer, loc, b.k1, b.v1)
+                view = b.layer_view(layer)
             with scope("attention", layer):
                 if layer == 0 and plan:  # as SGLang's layered FlashInfer decode plans: inside layer 0, host CSR
                     self.backends.plan_step(core.tables.plan_view(view))
@@ -153,7 +160,7 @@ class CoreCheck:
             i = self.config.intermediate
             (torch.nn.functional.silu(gate_up[:, :i]) * gate_up[:, i:]) @ self.w_down
             outs.append(out)
-            if layer < last or end_step:
+            if graph is None and (layer < last or end_step):
                 with scope("kvplane", layer, "exit"):
                     core.exit_layer(layer)
         return outs
@@ -222,31 +229,6 @@ class CoreCheck:
             probe.end(streams)
             sync(self.device)
         return probe.result()
-
-    def vanilla_write_cpu_ms(self) -> float:
-        """Thread CPU ms per step of the KV write kvplane's ``write`` replaces: SGLang's
-        ``MHATokenToKVPool.set_kv_buffer`` (``k_buffer[layer][loc] = k``, same for V) for the
-        batch's new tokens at every layer, into flat buffers on the same device."""
-        b, c = self.batch, self.config
-        n = b.k1.shape[0]
-        k_buf = torch.empty((c.layers, 4 * n, c.kv_heads, c.head_dim), dtype=b.dtype, device=self.device)
-        v_buf = torch.empty_like(k_buf)
-        loc = torch.arange(n, device=self.device) * 3
-
-        def write() -> None:
-            for layer in range(c.layers):
-                k_buf[layer][loc] = b.k1
-                v_buf[layer][loc] = b.v1
-
-        write()
-        sync(self.device)
-        samples = []
-        for _ in range(c.repeat):
-            t0 = time.thread_time()
-            write()
-            samples.append((time.thread_time() - t0) * 1e3)
-            sync(self.device)
-        return statistics.median(samples)
 
     # ----- the plan ---------------------------------------------------------------------
 
@@ -327,7 +309,7 @@ class CoreCheck:
         resident_advanced = b.core.advanced_decode_steps + b.core.opened_advances - advanced_before
         resident_prepare_ms, resident_parts_ms = self.prepare_cpu_ms, self.parts_cpu_ms
         resident_profile = self.host_profile()
-        vanilla_write_ms = self.vanilla_write_cpu_ms()
+        vanilla_write_ms = b.vanilla_write_cpu_ms(c.repeat)
         resident_stall_ms = self.stall_ms
         resident_timeline = self.timeline()
         comp = [resident_ms / L] * L

@@ -31,7 +31,8 @@ FIGURE_KEYS = {
     "transfer_events.h2d_gbps", "transfer_events.d2h_gbps", "transfer_events.h2d_vs_wall_rel_err",
     "transfer_events.stall_ms_per_step", "transfer_events.stall_vs_wall_rel_err", "overlap.hidden_step_rel",
     "overlap.hidden_step_rel.dma", "duplex_vs_one_direction.dma", "overlap.fetch_launch_ms", "h2d_vs_contiguous.dma",
-    "graph.replay_max_abs_diff", "graph.layers_ms.eager", "graph.layers_ms.replay", "graph.kvplane_cpu_share",
+    "graph.replay_max_abs_diff", "graph.replayed_steps_attention_err", "graph.layers_ms.eager",
+    "graph.layers_ms.replay", "graph.step_ms.eager", "graph.step_ms.replay", "graph.kvplane_cpu_share",
 }
 TARGETS = {  # the issue's targets, by figure
     "stall_rel_err": ("<=", 0.10), "h2d_vs_contiguous": (">=", 0.85), "duplex_vs_one_direction": (">=", 1.5),
@@ -48,7 +49,7 @@ CPU_NOT_MEANINGFUL = {"stall_rel_err", "h2d_vs_contiguous", "duplex_vs_one_direc
                       "overlap.hidden_step_rel", "overlap.fetch_launch_ms"}
 NOT_ON_CPU = {"overlap.hidden_step_rel.dma", "duplex_vs_one_direction.dma", "h2d_vs_contiguous.dma"}
 """Figures of the copy engines: CUDA only (N/A without a value, the note says why)."""
-GRAPH_KEYS = {"graph.replay_max_abs_diff", "graph.layers_ms.eager", "graph.layers_ms.replay", "graph.kvplane_cpu_share"}
+GRAPH_KEYS = {key for key in FIGURE_KEYS if key.startswith("graph.")}
 """The CUDA-graph probe's figures: N/A without a value on the CPU (no graph to capture)."""
 
 

@@ -1,16 +1,21 @@
-"""`kvplane gpu-check`'s CUDA-graph probe (``GraphProbe``) on the CPU: the orchestration around
-the capture -- an all-resident step whose layers run again and again, then end as every step
-does -- with an eager stand-in for the graph (there is no CUDA graph on the CPU); the capture
-itself runs on a GPU only."""
+"""`kvplane gpu-check`'s CUDA-graph probe (``GraphProbe``) and the buffers it replays through
+(``GraphStepBuffers``), on the CPU: the steps around the capture -- an all-resident step whose
+layers read persistent buffers, run again and again, then successive steps as boundary + load +
+"replay" -- with an eager stand-in for the graph (there is no CUDA graph on the CPU), and the
+property a real replay needs: the layers' ops touch the same memory every step."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from sglang_ext.dataplane.graph_step_buffers import GraphStepBuffers
 from sglang_ext.tools.gpu_check_config import SMALL
-from sglang_ext.tools.gpu_check_graph import STEPS, GraphProbe
+from sglang_ext.tools.gpu_check_graph import GraphProbe, steps
 from sglang_ext.tools.gpu_check_measure import CoreCheck
 from sglang_ext.tools.gpu_check_report import FAIL, NA, PASS
 
@@ -18,7 +23,8 @@ from sglang_ext.tools.gpu_check_report import FAIL, NA, PASS
 class EagerGraph:
     """Stands in for ``CudaGraph``: ``capture`` runs the layers and keeps their outputs as the
     "static" tensors; ``replay`` runs them again into those tensors (``perturb``: adds it to the
-    first output, a replay that reads something else)."""
+    first output, a replay that reads something else). The layers read only the buffers and the
+    check's fixed tensors, so running them again is what a replay does."""
 
     perturb = 0.0
     replays = 0
@@ -38,38 +44,39 @@ class EagerGraph:
         self.static[0].add_(self.perturb)
 
 
-def _check() -> CoreCheck:
-    config = dataclasses.replace(SMALL, repeat=2)
-    return CoreCheck(config, "cpu", "torch")
+def _check(repeat: int = 2) -> CoreCheck:
+    return CoreCheck(dataclasses.replace(SMALL, repeat=repeat), "cpu", "torch")
 
 
-def test_the_probe_replays_the_layers_and_ends_the_step():
-    """An all-resident step's layers, run eagerly and "replayed", agree exactly (PASS); the step
-    ends afterwards (no tables left), the batch gained the probe's tokens, and the next steps
-    and the accuracy check run as before on the batch it leaves (every attention exact against
-    the regenerated KV: the repeated layers wrote the same token into the same rows)."""
+def test_replayed_steps_decode_what_eager_steps_do():
+    """The layers over the buffers agree exactly with the same layers over the step's own tables,
+    once captured too (PASS); successive steps as boundary + load + replay then leave KV every
+    layer's attention reads exactly against the dense reference (PASS); the probe adds the tokens
+    it says, the step ends each time, the batch goes on."""
     check = _check()
     check.step()
     lens = list(check.batch.lens)
     EagerGraph.replays = 0
     figures = {f.key: f for f in GraphProbe(check, EagerGraph).run()}
-    assert figures["graph.replay_max_abs_diff"].status == PASS and figures["graph.replay_max_abs_diff"].value == 0
-    assert EagerGraph.replays == 1 + check.config.repeat + 2  # the agreement, then time_ms's warm-ups and repeats
-    assert check.batch.core.tables is None  # the step ended at its last layer's exit
-    assert check.batch.lens == [n + STEPS for n in lens]
+    f = figures["graph.replay_max_abs_diff"]
+    assert f.status == PASS and f.value == 0, f
+    f = figures["graph.replayed_steps_attention_err"]
+    assert f.status == PASS and f.value < 1e-5 and f.threshold > 0, f
+    repeat = check.config.repeat
+    assert EagerGraph.replays == 1 + (repeat + 2) + (repeat + 2)  # the agreement, the layers' timing, the steps
     m = check.details["graph_probe"]
-    assert m["layers_eager_ms"] > 0 and m["layers_replay_ms"] > 0 and m["boundary_cpu_ms"] >= 0
-    for key in ("graph.layers_ms.eager", "graph.layers_ms.replay", "graph.kvplane_cpu_share"):
+    assert m["loads"] == 1 + repeat + 2 and m["step_replay_ms"] > 0 and m["host_replay_ms"] > 0
+    assert check.batch.lens == [n + steps(repeat) for n in lens]
+    assert check.batch.core.tables is None
+    for key in ("graph.layers_ms.eager", "graph.layers_ms.replay", "graph.step_ms.eager", "graph.step_ms.replay",
+                "graph.kvplane_cpu_share"):
         assert figures[key].status == NA and figures[key].value is not None, key  # CPU: not meaningful
     check.step()
-    errors = check.attention_errors()
-    assert errors["torch"]["max_abs_err"] <= errors["torch"]["tolerance"]
-    assert errors["torch"]["max_abs_err"] == pytest.approx(0.0, abs=1e-5)
 
 
 def test_a_replay_that_reads_something_else_fails():
-    """Negative control: a replay whose output moves (here by 1e-3 at layer 0) FAILs the graded
-    figure, with the difference as its value."""
+    """Negative control: a replay whose output moves (1e-3 at layer 0) FAILs the graded figure,
+    with the difference as its value."""
     check = _check()
     check.step()
     EagerGraph.perturb = 1e-3
@@ -81,8 +88,29 @@ def test_a_replay_that_reads_something_else_fails():
     assert f.status == FAIL and f.value == pytest.approx(1e-3, rel=1e-3)
 
 
+def test_replays_that_write_nowhere_fail_the_attention_check():
+    """Negative control for the successive steps: replays that skip the new token's write (the
+    buffers' rows never loaded after the capture) leave KV the dense reference does not find."""
+    check = _check()
+    check.step()
+    load = GraphStepBuffers.load
+
+    def first_only(self, tables):  # noqa: ANN001, ANN202
+        if self.loads == 0:
+            load(self, tables)
+        else:  # later steps' rows point at the first step's slots: their tokens land there
+            self.loads += 1
+
+    GraphStepBuffers.load = first_only
+    try:
+        figures = {f.key: f for f in GraphProbe(check, EagerGraph).run()}
+    finally:
+        GraphStepBuffers.load = load
+    assert figures["graph.replayed_steps_attention_err"].status == FAIL
+
+
 def test_a_capture_that_raises_is_reported_not_failed(capsys):
-    """Capture on hardware nobody ran it on may raise: the figures are N/A, the note names the
+    """Capture on hardware nobody ran it on may raise: every figure is N/A, the note names the
     exception, the traceback goes to stderr, and the step still ends (the batch stays usable)."""
     class Refusing(EagerGraph):
         def capture(self, fn):  # noqa: ANN001, ANN201
@@ -96,11 +124,64 @@ def test_a_capture_that_raises_is_reported_not_failed(capsys):
     assert "operation not permitted" in capsys.readouterr().err
     assert check.batch.core.tables is None
     check.step()  # the batch goes on, its KV what the reference regenerates
-    errors = check.attention_errors()
-    assert errors["torch"]["max_abs_err"] == pytest.approx(0.0, abs=1e-5)
+    assert check.attention_errors()["torch"]["max_abs_err"] == pytest.approx(0.0, abs=1e-5)
 
 
 def test_without_a_graph_on_the_cpu_the_probe_says_so():
     figures = GraphProbe(_check()).run()
     assert {f.status for f in figures} == {NA}
     assert all(f.note.startswith("CUDA only") for f in figures)
+
+
+class _Touches(TorchDispatchMode):
+    """Each op's name and the storage addresses of its tensor arguments and results, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seq: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        flat = [*args, *(kwargs or {}).values(), *(out if isinstance(out, tuple | list) else [out])]
+        ptrs = tuple(t.data_ptr() for t in flat if isinstance(t, torch.Tensor))
+        self.seq.append((func.overloadpacket.__name__, ptrs))
+        return out
+
+
+def _touches_over_steps(check: CoreCheck, use_buffers: bool) -> list[list[tuple]]:
+    """What two successive all-resident steps' layers touch (the boundary and load outside)."""
+    b, core, c = check.batch, check.batch.core, check.config
+    buffers = GraphStepBuffers(c.layers, len(b.rids), b.batch_pages, check.device)
+    seen = []
+    for _ in range(2):
+        loc = b.begin_decode()
+        buffers.load(core.tables)
+        touches = _Touches()
+        with touches:
+            check.layers(loc, backend="torch", plan=False, end_step=False, graph=buffers if use_buffers else None)
+        core.exit_layer(c.layers - 1)
+        seen.append([(op, ptrs) for op, ptrs in touches.seq if op not in _ALLOCATING])
+    return seen
+
+
+_ALLOCATING = {"empty", "empty_like", "new_empty", "zeros", "zeros_like", "full", "ones_like"}
+"""Ops that make their own outputs (a graph's private pool gives them the same addresses)."""
+
+
+def test_the_layers_over_the_buffers_touch_the_same_memory_every_step():
+    """What a replay needs: the captured layers' ops, in order, read and write the same addresses
+    at every step (the buffers take each step's tables; the pool, the weights and the inputs stay
+    put). Negative control: the same layers over each step's own tables touch new memory."""
+    check = _check()
+    check.batch.place([[1] * check.config.layers for _ in check.batch.rids])
+    check.step()
+    check.step()
+    first, second = _touches_over_steps(check, use_buffers=True)
+    assert first and Counter(op for op, _ in first)["index_copy_"] == 2 * check.config.layers
+    fresh = [(i, a) for i, (a, b) in enumerate(zip(first, second, strict=True)) if a != b]
+    # the torch reference attention allocates as it goes; the kvplane ops and the inputs must not move
+    moved = {a[0] for _, a in fresh}
+    assert "index_copy_" not in moved, fresh[:5]
+    own_first, own_second = _touches_over_steps(check, use_buffers=False)
+    own_moved = {a[0] for a, b in zip(own_first, own_second, strict=True) if a != b}
+    assert "index_copy_" in own_moved  # the control: the tables' rows are new memory each step

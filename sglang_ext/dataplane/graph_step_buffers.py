@@ -1,0 +1,92 @@
+"""GraphStepBuffers: a step's tables where a captured decode finds them, step after step.
+
+A CUDA graph replays kernels at the addresses they had when captured. The data plane builds each
+step's tables fresh (:class:`~sglang_ext.dataplane.step_tables.StepTables`: one upload, device
+tensors of the step's size), so a decode captured over one step's tables would read that step's
+forever. These buffers stay put: sized once for a batch and a page count, they take each step's
+tables with a few device copies at the boundary (:meth:`load`), and what a layer reads -- its
+new tokens' rows (:meth:`write`) and its page table and CSR (:meth:`layer_view`) -- are views of
+them, the same views every step. The capacities bound what a captured graph serves: a batch of
+``max_batch`` requests (exactly the captured one's: the views are sliced to it) over at most
+``max_pages`` pages.
+
+A graph holds kernels only: no host work runs in a replay. So the steps it may serve are those
+whose layers need none: nothing staged, fetched, written back or parked, no recompute, no token
+tables (:meth:`why_not`) -- the all-resident step, which in the paged layout is the usual one
+until something is offloaded. A staged step runs eagerly as before. What this does not do yet
+is hook SGLang's CUDA-graph runner (``--enable-layered-kv`` still turns graphs off); `kvplane
+gpu-check`'s graph probe (:mod:`sglang_ext.tools.gpu_check_graph`) captures and replays through
+it on a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sglang_ext.dataplane.results import LayerView
+
+
+class GraphStepBuffers:
+    """Persistent per-step tables for ``layers`` layers, ``max_batch`` requests, ``max_pages``
+    pages per layer (module docstring)."""
+
+    def __init__(self, layers: int, max_batch: int, max_pages: int, device: Any) -> None:
+        self.layers, self.max_batch, self.max_pages = layers, max_batch, max_pages
+        self.rows = torch.zeros((layers, max_batch), dtype=torch.int64, device=device)
+        """Device rows (of the flat pool) of each request's new token, per layer."""
+        self.tab = torch.zeros((layers, max_pages), dtype=torch.int32, device=device)
+        """Page table per layer; past the loaded step's pages, stale entries nobody reads."""
+        self.kv_indptr = torch.zeros(max_batch + 1, dtype=torch.int32, device=device)
+        self.kv_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        self.last_page_len = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        self.batch = 0
+        """Requests of the loaded step (the views' size)."""
+        self.pages = 0
+        """Pages per layer of the loaded step."""
+        self.loads = 0
+
+    def why_not(self, tables: Any) -> str | None:
+        """Why the step of ``tables`` cannot be served from these buffers, or None."""
+        if tables is None:
+            return "no tables (an overflowing or in-place step)"
+        if tables.staging_ids is None or tables.staging_ids.size:
+            return "the step stages pages (fetches into staging need host work inside the layers)"
+        if tables.fetches or any(w is not None for w in tables.writebacks) or tables.token_writeback is not None:
+            return "the step copies between host and device inside its layers"
+        if getattr(tables, "recompute", None) is not None or getattr(tables, "_tok_at", -1) >= 0:
+            return "the step recomputes or reads token tables"
+        b, n = int(tables.kv_lens.numel()), int(tables.tab.shape[1])
+        if b > self.max_batch or n > self.max_pages:
+            return f"the step has {b} requests over {n} pages; the buffers hold {self.max_batch} over {self.max_pages}"
+        return None
+
+    def load(self, tables: Any) -> None:
+        """The step's tables into the buffers: five device copies (``ValueError`` with
+        :meth:`why_not`'s reason where the step cannot be served from them)."""
+        why = self.why_not(tables)
+        if why is not None:
+            raise ValueError(f"GraphStepBuffers.load: {why}")
+        b, n = int(tables.kv_lens.numel()), int(tables.tab.shape[1])
+        self.rows[:, :b].copy_(tables.rows, non_blocking=True)
+        self.tab[:, :n].copy_(tables.tab, non_blocking=True)
+        self.kv_indptr[: b + 1].copy_(tables.kv_indptr, non_blocking=True)
+        self.kv_lens[:b].copy_(tables.kv_lens, non_blocking=True)
+        self.last_page_len[:b].copy_(tables.last_page_len, non_blocking=True)
+        self.batch, self.pages = b, n
+        self.loads += 1
+
+    def write(self, store: Any, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The step's new K/V ``[batch, H, D]`` at ``layer`` into their device rows (the store's
+        one-launch writer or two ``index_copy_``), as the core's ``write`` does from the tables."""
+        k_flat, v_flat = store.device_views()
+        store.write_into(k_flat, v_flat, self.rows[layer, : self.batch], k, v)
+
+    def layer_view(self, store: Any, layer: int, rids: tuple[str, ...]) -> LayerView:
+        """Layer ``layer`` as paged kernels take it, from the buffers (the page table's full row:
+        the kernels read only what ``kv_indptr`` spans)."""
+        b = self.batch
+        return LayerView(layer=layer, k_cache=store.dev[0], v_cache=store.dev[1],
+                         kv_indptr=self.kv_indptr[: b + 1], kv_indices=self.tab[layer],
+                         kv_lens=self.kv_lens[:b], last_page_len=self.last_page_len[:b], rids=rids)
