@@ -66,7 +66,8 @@ def test_replayed_steps_decode_what_eager_steps_do():
     assert EagerGraph.replays == 1 + (repeat + 2) + (repeat + 2)  # the agreement, the layers' timing, the steps
     m = check.details["graph_probe"]
     assert m["loads"] == 1 + repeat + 2 and m["step_replay_ms"] > 0 and m["host_replay_ms"] > 0
-    assert check.batch.lens == [n + steps(repeat) for n in lens]
+    one_backend = (repeat + 2) + (1 + (repeat + 2) + 1)  # eager steps; captured, replayed, accuracy
+    assert check.batch.lens == [n + one_backend for n in lens] and one_backend < steps(repeat)  # the headroom: two
     assert check.batch.core.tables is None
     for key in ("graph.layers_ms.eager", "graph.layers_ms.replay", "graph.step_ms.eager", "graph.step_ms.replay",
                 "graph.kvplane_cpu_share"):
@@ -185,3 +186,43 @@ def test_the_layers_over_the_buffers_touch_the_same_memory_every_step():
     own_first, own_second = _touches_over_steps(check, use_buffers=False)
     own_moved = {a[0] for a, b in zip(own_first, own_second, strict=True) if a != b}
     assert "index_copy_" in own_moved  # the control: the tables' rows are new memory each step
+
+
+def test_a_flashinfer_capture_that_raises_falls_back_to_triton(monkeypatch, capsys):
+    """FlashInfer's decode is captured first where it is available (what serves on CUDA); a
+    capture that raises there is named in the notes and the probe measures Triton's. Control:
+    without Triton to fall back on, the failure is the probe's (every figure N/A, named). The
+    CPU has no FlashInfer: here it is Triton's kernel under that name."""
+    check = _check()
+    check.step()
+    backends = check.backends
+    run = backends.run
+    monkeypatch.setattr(backends, "available", ("flashinfer", *backends.available))
+    monkeypatch.setattr(backends, "run", lambda name, q, view: run("triton" if name == "flashinfer" else name, q, view))
+    monkeypatch.setattr(backends, "plan_step", lambda view: None)
+
+    class FirstRefuses(EagerGraph):
+        made = 0
+
+        def __init__(self, device: str) -> None:
+            super().__init__(device)
+            type(self).made += 1
+            self.n = type(self).made
+
+        def capture(self, fn):  # noqa: ANN001, ANN201
+            if self.n == 1:
+                raise RuntimeError("flashinfer capture refused (test)")
+            return super().capture(fn)
+
+    figures = {f.key: f for f in GraphProbe(check, FirstRefuses).run()}
+    f = figures["graph.replay_max_abs_diff"]
+    assert f.status == PASS and "; triton attention" in f.note, f
+    assert "flashinfer's capture raised RuntimeError: flashinfer capture refused (test)" in f.note
+    assert figures["graph.replayed_steps_attention_err"].status == PASS
+    assert check.details["graph_probe"]["backend"] == "triton"
+    FirstRefuses.made = 0
+    monkeypatch.setattr(backends, "available", ("flashinfer", "torch"))
+    figures = GraphProbe(check, FirstRefuses).run()
+    assert {f.status for f in figures} == {NA}
+    assert all("flashinfer capture refused (test)" in f.note for f in figures)
+    assert "flashinfer capture refused" in capsys.readouterr().err
