@@ -38,7 +38,7 @@ from sglang_ext.dataplane.bench_env import sync, time_ms
 from sglang_ext.tools.gpu_check_config import PROGRAM_CAPS
 from sglang_ext.tools.gpu_check_measure import DUPLEX_VS_ONE
 from sglang_ext.tools.gpu_check_report import Figure, kernels_figure
-from sglang_ext.tools.gpu_check_transfer import dma_phase_failed, on_copy_engines, refused_midway
+from sglang_ext.tools.gpu_check_transfer import CopyEnginePhase
 from sglang_ext.tools.step_timeline_probe import StepTimelineProbe
 
 SHARES = (0.02, 0.015, 0.01, 0.0075, 0.005)
@@ -162,19 +162,13 @@ class OverlapCheck:
         timeline = ch.timeline()
         dma_error, dma_timeline = ch.dma_error, None
         if dma_error is None:
-            try:
-                with on_copy_engines(engine) as on:
-                    if on:
-                        by_programs["dma"] = time_ms(ch.step, ch.device, c.repeat)
-                        dma_timeline = ch.timeline()
-                        dma_error = ch.dma_error = refused_midway(engine)
-                        if dma_error is not None:
-                            by_programs.pop("dma")
-                    else:
-                        dma_error = engine.dma_error
-            except Exception as exc:  # noqa: BLE001 - reported in the dma figure; the check goes on
+            with CopyEnginePhase("the hidden placement on the copy engines", b) as dma:
+                if dma.on:
+                    by_programs["dma"] = time_ms(ch.step, ch.device, c.repeat)
+                    dma_timeline = ch.timeline()
+            dma_error = ch.dma_error = dma.error
+            if dma_error is not None:
                 by_programs.pop("dma", None)
-                dma_error = ch.dma_error = dma_phase_failed("the hidden placement on the copy engines", exc, b)
         rel = (hidden_ms - resident_ms) / resident_ms
         launch_ms = self._launch_cost(rows, scaled, bw_blocks_per_ms, hidden_ms)
         launches, blocks = launch_count(rows), b.blocks(1)
@@ -236,18 +230,14 @@ class OverlapCheck:
         ch = self.check
         if ch.dma_error is not None:
             return None
-        try:
-            with on_copy_engines(engine) as on:
-                if not on:
-                    return None
+        placed = None
+        with CopyEnginePhase("the half-offloaded placement on the copy engines", ch.batch) as dma:
+            if dma.on:
                 engine.quiesce()
                 sync(ch.device)
                 placed = {"step_ms": time_ms(ch.step, ch.device, ch.config.repeat), "timeline": ch.timeline()}
-                ch.dma_error = refused_midway(engine)
-                return placed if ch.dma_error is None else None
-        except Exception as exc:  # noqa: BLE001 - reported in the dma figure; the check goes on
-            ch.dma_error = dma_phase_failed("the half-offloaded placement on the copy engines", exc, ch.batch)
-            return None
+        ch.dma_error = dma.error
+        return placed if dma.error is None else None
 
     def _dma_figures(self, resident_ms: float, link: dict[str, dict[str, float]], cuda: bool) -> list[Figure]:
         """The copy engines (``--kv-copy-engine dma``): the hidden placement's step and the duplex

@@ -21,12 +21,7 @@ from typing import Any
 from controlplane.model import step_time_ms
 from sglang_ext.dataplane.bench_env import sync, time_ms
 from sglang_ext.tools.gpu_check_probes import SyncProbe
-from sglang_ext.tools.gpu_check_transfer import (
-    TransferResult,
-    dma_phase_failed,
-    on_copy_engines,
-    refused_midway,
-)
+from sglang_ext.tools.gpu_check_transfer import CopyEnginePhase, TransferResult
 
 SYNC_STEPS = 2
 """Placed steps run under the sync probe."""
@@ -54,20 +49,14 @@ class PlacedPhase:
     def run(self, comp: list[float], transfer: TransferResult) -> SimpleNamespace:
         """The phase's measurements (``on_dma``: on the copy engines)."""
         ch = self.check
-        engine = ch.batch.core.store.engine
         if ch.dma_error is None:
-            try:
-                with on_copy_engines(engine) as on_dma:
-                    result = self._measure(comp, transfer, on_dma)
-                    midway = refused_midway(engine) if on_dma else None  # before the switch back
-                if not on_dma:  # refused at the switch: the kernels measured the phase
-                    ch.dma_error = engine.dma_error
-                    return result
-                if midway is None:
-                    return result
-                ch.dma_error = midway  # a mix of both: measured again on the kernels
-            except Exception as exc:  # noqa: BLE001 - the copy engines' fault; the kernels measure the phase
-                ch.dma_error = dma_phase_failed("the placed phase on the copy engines", exc, ch.batch)
+            result = None
+            with CopyEnginePhase("the placed phase on the copy engines", ch.batch) as dma:
+                if dma.on:
+                    result = self._measure(comp, transfer, True)
+            ch.dma_error = dma.error
+            if dma.on and dma.error is None:
+                return result
         return self._measure(comp, transfer, False)
 
     def _measure(self, comp: list[float], transfer: TransferResult, on_dma: bool) -> SimpleNamespace:

@@ -94,6 +94,43 @@ def on_copy_engines(eng: Any) -> Iterator[bool]:
         eng.set_copy_engine("triton")
 
 
+class CopyEnginePhase:
+    """One of gpu-check's phases on the copy engines, each of which ran on hardware nobody ran
+    them on: ``with CopyEnginePhase(phase, batch) as dma:`` measures inside when ``dma.on``
+    (the batch's engine took the copy engines; it goes back to its kernels at the block's end).
+    After the block ``dma.error`` is None when what ran inside ran on the copy engines alone,
+    else why the phase's copy-engine figures are void: the engine refused them at the switch
+    (``dma.on`` False), or the driver refused a call midway (:func:`refused_midway`: the kernels
+    finished the copies), or the block raised -- then the exception is reported and absorbed
+    (:func:`dma_phase_failed`: traceback, copies drained, the batch mended) and the check goes
+    on without the copy engines."""
+
+    def __init__(self, phase: str, batch: Any) -> None:
+        self.phase, self.batch = phase, batch
+        self.on = False
+        self.error: str | None = None
+        self._switch: Any = None
+
+    def __enter__(self) -> CopyEnginePhase:
+        eng = self.batch.core.store.engine
+        self._switch = on_copy_engines(eng)
+        self.on = self._switch.__enter__()
+        if not self.on:
+            self.error = eng.dma_error
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        midway = refused_midway(self.batch.core.store.engine) if self.on and exc is None else None
+        self._switch.__exit__(None, None, None)  # back on the kernels whatever happened
+        if exc is None:
+            self.error = self.error or midway
+            return False
+        if not isinstance(exc, Exception):  # an interrupt is not the copy engines' fault
+            return False
+        self.error = dma_phase_failed(self.phase, exc, self.batch)
+        return True
+
+
 @dataclass(frozen=True)
 class TransferResult:
     """One layer of every page of the batch, each way."""
@@ -236,33 +273,30 @@ class TransferCheck:
             self.dma_error = (f"segments of {eng.segment_bytes} B < {DMA_MIN_BYTES} B: the copies would stay on "
                               "the Triton kernel")
             return {}
-        try:
-            return self._dma_link(eng, h2d, duplex, nbytes_both, h2d_interleaved)
-        except Exception as exc:  # noqa: BLE001 - reported in the dma figures; the check goes on
-            self.dma_error = dma_phase_failed("the transfer check on the copy engines", exc, self.batch)
-            return {}
+        link: dict[str, dict[str, float]] = {}
+        with CopyEnginePhase("the transfer check on the copy engines", self.batch) as dma:
+            if dma.on:
+                link = self._dma_link(eng, h2d, duplex, nbytes_both, h2d_interleaved)
+        self.dma_error = dma.error
+        return {} if dma.error else link
 
     def _dma_link(self, eng: Any, h2d: Callable[[], None], duplex: Callable[[], None], nbytes_both: int,
                   h2d_interleaved: Callable[[], None]) -> dict[str, dict[str, float]]:
-        with on_copy_engines(eng) as on:
-            if not on:
-                self.dma_error = eng.dma_error
-                return {}
-            link = self._link(h2d, duplex, nbytes_both)
-            pitched, calls = getattr(eng, "_pitched", None), [0]
-            runs0 = pitched.calls if pitched is not None else 0
+        """The copy engines' figures (the engine on them: :class:`CopyEnginePhase`)."""
+        link = self._link(h2d, duplex, nbytes_both)
+        pitched, calls = getattr(eng, "_pitched", None), [0]
+        runs0 = pitched.calls if pitched is not None else 0
 
-            def counted() -> None:
-                calls[0] += 1
-                h2d_interleaved()
+        def counted() -> None:
+            calls[0] += 1
+            h2d_interleaved()
 
-            ms = time_ms(counted, self.batch.device, self.repeat)
-            runs = (pitched.calls - runs0) if pitched is not None and eng._pitched is pitched else 0
-            link.update({"h2d_interleaved_gbps": nbytes_both / 2 / ms / 1e6,
-                         "interleaved_runs_per_launch": runs / max(1, calls[0]),
-                         "interleaved_pitch_mib": INTERLEAVE * eng.host_page_rows * eng.segment_bytes / 2**20})
-            self.dma_error = refused_midway(eng)
-            return {} if self.dma_error else {"dma": link}
+        ms = time_ms(counted, self.batch.device, self.repeat)
+        runs = (pitched.calls - runs0) if pitched is not None and eng._pitched is pitched else 0
+        link.update({"h2d_interleaved_gbps": nbytes_both / 2 / ms / 1e6,
+                     "interleaved_runs_per_launch": runs / max(1, calls[0]),
+                     "interleaved_pitch_mib": INTERLEAVE * eng.host_page_rows * eng.segment_bytes / 2**20})
+        return {"dma": link}
 
     def _link(self, h2d: Callable[[], None], duplex: Callable[[], None], nbytes_both: int) -> dict[str, float]:
         """H2D and duplex GB/s of the engine's copies as they are set now."""

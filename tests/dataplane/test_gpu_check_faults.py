@@ -19,8 +19,6 @@ def test_a_copy_engine_phase_that_raises_loses_only_the_dma_figures(tmp_path, mo
     serves by default, then runs again on the kernels. Negative control: without the phases'
     handlers the exception ends the core check (the transfer check's and the placed phase's: one
     ``core_check`` figure) or the overlap phase (the placements': one ``overlap_check`` figure)."""
-    from contextlib import nullcontext
-
     from sglang_ext.tools import gpu_check_overlap, gpu_check_placed, gpu_check_transfer
 
     def faulty(engine) -> None:  # noqa: ANN001
@@ -28,9 +26,9 @@ def test_a_copy_engine_phase_that_raises_loses_only_the_dma_figures(tmp_path, mo
 
     _copy_engines_on_cpu(monkeypatch, faulty)
     if phase != "transfer":  # the transfer check's copy engines stand aside, measuring nothing
-        monkeypatch.setattr(gpu_check_transfer.TransferCheck, "_dma_link", lambda self, *a: {})
+        monkeypatch.setattr(gpu_check_transfer, "CopyEnginePhase", _StandAside)
     if phase in ("half-offloaded", "hidden"):  # the placed phase stays on the kernels
-        monkeypatch.setattr(gpu_check_placed, "on_copy_engines", lambda eng: nullcontext(False))
+        monkeypatch.setattr(gpu_check_placed, "CopyEnginePhase", _StandAside)
     if phase == "hidden":
         monkeypatch.setattr(gpu_check_overlap.OverlapCheck, "_placed_on_copy_engines", lambda self, engine: None)
     argv = ["gpu-check", "--device", "cpu", "--skip-tests", "--repeat", "1", "--out-dir", str(tmp_path)]
@@ -47,20 +45,9 @@ def test_a_copy_engine_phase_that_raises_loses_only_the_dma_figures(tmp_path, mo
     assert figures["overlap.hidden_step_rel"]["value"] is not None
     assert "driver fault (test)" in capsys.readouterr().err  # the traceback
     assert body["details"]["placed_engine"] == "triton"  # the placed phase: the kernels measured it
-    handlers = {"transfer": (gpu_check_transfer.TransferCheck, "_dma"),
-                "placed": (gpu_check_placed, "dma_phase_failed"),
-                "half-offloaded": (gpu_check_overlap.OverlapCheck, "_placed_on_copy_engines"),
-                "hidden": (gpu_check_overlap, "dma_phase_failed")}
-    owner, name = handlers[phase]
-    if phase == "transfer":  # control: the phase without its handler
-        monkeypatch.setattr(owner, name, lambda self, eng, *a: {"dma": self._dma_link(eng, *a)})
-    elif phase == "placed":
-        monkeypatch.setattr(owner, name, lambda phase, exc, batch: (_ for _ in ()).throw(exc))
-    elif phase == "half-offloaded":
-        real = gpu_check_transfer.on_copy_engines
-        monkeypatch.setattr(owner, name, lambda self, engine: _unguarded_placed(self, engine, real))
-    else:
-        monkeypatch.setattr(owner, name, lambda phase, exc, batch: (_ for _ in ()).throw(exc))
+    # control: the phases without the handler (CopyEnginePhase's report-and-absorb re-raises)
+    monkeypatch.setattr(gpu_check_transfer, "dma_phase_failed",
+                        lambda phase, exc, batch: (_ for _ in ()).throw(exc))
     assert main(argv) == 1
     _, body = _result(tmp_path)
     keys = [f["key"] for f in body["figures"]]
@@ -104,13 +91,18 @@ def test_a_phase_that_raises_fails_its_own_figure_only(tmp_path, monkeypatch, ca
     assert body["details"]["overlap" if phase == "recompute" else "recompute"]  # measured before the fault
 
 
-def _unguarded_placed(overlap, engine, on_copy_engines):  # noqa: ANN001, ANN202
-    """``OverlapCheck._placed_on_copy_engines`` without its handler (the test's control)."""
-    from sglang_ext.dataplane.bench_env import time_ms
+class _StandAside:
+    """``CopyEnginePhase`` standing aside: nothing switched, nothing void (``on`` False, no error):
+    the phase measures on the kernels and the next phase may still try the copy engines."""
 
-    ch = overlap.check
-    with on_copy_engines(engine):
-        return {"step_ms": time_ms(ch.step, ch.device, ch.config.repeat), "timeline": ch.timeline()}
+    def __init__(self, phase: str, batch) -> None:  # noqa: ANN001
+        self.on, self.error = False, None
+
+    def __enter__(self) -> _StandAside:
+        return self
+
+    def __exit__(self, *exc) -> bool:  # noqa: ANN002
+        return False
 
 
 def test_a_refusal_midway_in_the_placed_phase_measures_it_again_on_the_kernels(tmp_path, monkeypatch):
@@ -128,7 +120,7 @@ def test_a_refusal_midway_in_the_placed_phase_measures_it_again_on_the_kernels(t
             engine.impl, engine.dma_error = "triton", "cuMemcpyBatchAsync of 2 copies failed: CUresult 1 (test)"
 
     _copy_engines_on_cpu(monkeypatch, refusing)
-    monkeypatch.setattr(gpu_check_transfer.TransferCheck, "_dma_link", lambda self, *a: {})  # stands aside
+    monkeypatch.setattr(gpu_check_transfer, "CopyEnginePhase", _StandAside)  # stands aside
     argv = ["gpu-check", "--device", "cpu", "--skip-tests", "--repeat", "1", "--out-dir", str(tmp_path)]
     main(argv)
     _, body = _result(tmp_path)
@@ -165,13 +157,11 @@ def test_a_fault_inside_a_layer_leaves_the_batch_whole(tmp_path, monkeypatch, ca
             raise RuntimeError("driver fault inside a layer (test)")
 
     _copy_engines_on_cpu(monkeypatch, inside_a_layer)
-    monkeypatch.setattr(gpu_check_transfer.TransferCheck, "_dma_link", lambda self, *a: {})  # stands aside
+    monkeypatch.setattr(gpu_check_transfer, "CopyEnginePhase", _StandAside)  # stands aside
     if phase == "hidden":  # the placed phase and the half-offloaded placement stay on the kernels
-        from contextlib import nullcontext
-
         from sglang_ext.tools import gpu_check_overlap
 
-        monkeypatch.setattr(gpu_check_placed, "on_copy_engines", lambda eng: nullcontext(False))
+        monkeypatch.setattr(gpu_check_placed, "CopyEnginePhase", _StandAside)
         monkeypatch.setattr(gpu_check_overlap.OverlapCheck, "_placed_on_copy_engines", lambda self, engine: None)
     accuracy = "attention_max_abs_err.torch" if phase == "placed" else "recompute_attention_max_abs_err"
     argv = ["gpu-check", "--device", "cpu", "--skip-tests", "--repeat", "1", "--out-dir", str(tmp_path)]
