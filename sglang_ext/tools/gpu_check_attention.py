@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import torch
 
 from kernels.block_copy import HAVE_TRITON
-from kernels.paged_decode import paged_decode_ref, paged_decode_triton
+from kernels.paged_decode import default_kv_splits, paged_decode_ref, paged_decode_triton
 from sglang_ext.dataplane.results import LayerView
 
 BACKENDS = ("flashinfer", "triton", "torch")
@@ -52,7 +52,7 @@ class DecodeBackends:
     def __init__(self, device: str, q_heads: int, max_pages: int, primary: str = "auto",
                  probe_shape: tuple[int, int, int, torch.dtype] | None = None) -> None:
         """``probe_shape``: (page_size, kv_heads, head_dim, dtype) of the probe run (None: no probe)."""
-        self.device, self.q_heads = device, q_heads
+        self.device, self.q_heads, self.max_pages = device, q_heads, max_pages
         self.cuda = device.startswith("cuda")
         self.unavailable: dict[str, str] = {}
         """Backend -> why it is not run here."""
@@ -110,9 +110,11 @@ class DecodeBackends:
         args = (q, view.k_cache, view.v_cache, view.kv_indptr, view.kv_indices, view.kv_lens)
         if name == "flashinfer" and self.fi is not None:
             return self.fi.run(q, view)
-        if name == "triton":
+        if name == "triton":  # splits sized from the batch's page bound, not the view's length: one kernel
+            # shape whatever the view lists (a step's own tables, or a graph's buffers' whole rows)
+            splits = default_kv_splits(q, view.k_cache.shape[2], self.max_pages, view.k_cache.shape[1])
             with _interpreted(not self.cuda):
-                return paged_decode_triton(*args)
+                return paged_decode_triton(*args, num_kv_splits=splits)
         if name == "torch":
             return paged_decode_ref(*args)
         raise ValueError(f"backend {name!r} is not available: {self.unavailable.get(name, 'unknown')}")

@@ -58,10 +58,10 @@ WARMUP_RUNS = 2
 
 
 def steps(repeat: int) -> int:
-    """Decode steps (new tokens) the probe adds to the batch (``GpuCheckConfig.decode_steps``):
-    the timed eager steps (``time_ms``: 2 warm-ups + ``repeat``), then per backend tried (two at
-    most) the captured one, the replayed ones (as many as timed) and the accuracy step."""
-    return (repeat + 2) + 2 * ((repeat + 2) + 2)
+    """Decode steps (new tokens) the probe adds to the batch (``GpuCheckConfig.decode_steps``): per
+    backend tried (two at most) the timed eager steps (``time_ms``: 2 warm-ups + ``repeat``), the
+    captured one, the replayed ones (as many) and the accuracy step."""
+    return 2 * (2 * (repeat + 2) + 2)
 
 
 class CudaGraph:
@@ -118,8 +118,6 @@ class GraphProbe:
         b.place([[1] * c.layers for _ in b.rids])
         core.store.engine.quiesce()
         sync(device)
-        host_ms: list[float] = []  # kvplane's host time of each boundary (prepare_step)
-        eager_step_ms = time_ms(lambda: (ch.step(), host_ms.append(b.prepare_cpu_s * 1e3)), device, c.repeat)
         tried: dict[str, str] = {}
         for backend in [name for name in BACKENDS if name in ch.backends.available]:
             try:
@@ -128,10 +126,10 @@ class GraphProbe:
                 if backend == BACKENDS[-1] or BACKENDS[-1] not in ch.backends.available:
                     raise
                 traceback.print_exc()
-                tried[backend] = f"{type(exc).__name__}: {exc}"[:300]
+                cause = exc.__context__ or exc  # a capture's own error, not the capture end's that replaced it
+                tried[backend] = f"{type(cause).__name__}: {cause}"[:300]
                 continue
-            return {**result, "step_eager_ms": eager_step_ms, "host_eager_ms": statistics.median(host_ms),
-                    "backends_failed": tried}
+            return {**result, "backends_failed": tried}
         raise RuntimeError("no attention backend the probe replays (flashinfer, triton) is available")
 
     def _attempt(self, backend: str) -> dict[str, Any]:
@@ -140,17 +138,23 @@ class GraphProbe:
         b, c, device = ch.batch, ch.config, ch.device
         core = b.core
         buffers = GraphStepBuffers(c.layers, len(b.rids), b.batch_pages, device)
-        host_ms: list[float] = []  # the boundary, the buffers' load and the attention's plan
+        host_ms: list[float] = []  # kvplane's part of each boundary: prepare_step (+ the buffers' load)
+        plan_ms: list[float] = []  # the attention's plan (FlashInfer's; SGLang's own backend plans too)
+        eager_step_ms = time_ms(lambda: (ch.step(backend=backend), host_ms.append(b.prepare_cpu_s * 1e3)),
+                                device, c.repeat)  # the eager step with the same decode
+        host_eager_ms, host_ms = statistics.median(host_ms), []
 
         def boundary() -> torch.Tensor:
             loc = b.begin_decode()
             t0 = time.thread_time()
             buffers.load(core.tables)
+            t1 = time.thread_time()
             if backend == "flashinfer":  # one plan a step, outside the graph, from the step's host CSR
                 view = buffers.layer_view(core.store, 0, tuple(b.rids))
                 ch.backends.plan_step(dataclasses.replace(view, kv_indptr=core.tables.host_indptr,
                                                           last_page_len=core.tables.host_last_page_len))
-            host_ms.append(b.prepare_cpu_s * 1e3 + (time.thread_time() - t0) * 1e3)
+            host_ms.append(b.prepare_cpu_s * 1e3 + (t1 - t0) * 1e3)
+            plan_ms.append((time.thread_time() - t1) * 1e3)
             return loc
 
         loc = boundary()
@@ -188,7 +192,8 @@ class GraphProbe:
         return {"backend": backend, "layers": c.layers, "requests": len(b.rids),
                 "buffers_max_abs_diff": buffers_diff, "replay_max_abs_diff": replay_diff,
                 "layers_eager_ms": eager_layers_ms, "layers_replay_ms": replay_layers_ms,
-                "step_replay_ms": replay_step_ms, "host_replay_ms": statistics.median(host_ms),
+                "step_eager_ms": eager_step_ms, "step_replay_ms": replay_step_ms, "host_eager_ms": host_eager_ms,
+                "host_replay_ms": statistics.median(host_ms), "plan_replay_ms": statistics.median(plan_ms),
                 "replayed_attention": errors, "loads": buffers.loads}
 
     def figures(self, m: dict[str, Any] | None, why: str) -> list[Figure]:
@@ -236,9 +241,11 @@ class GraphProbe:
                           + ratio("step_eager_ms", "step_replay_ms"), meaningful=timed, note=note),
             Figure.graded("graph.kvplane_cpu_share", "kvplane CPU time per replayed step / the step", share,
                           "ratio", None, None, "thread CPU time of the boundary (prepare_decode_step) and the "
-                          "buffers' load, medians, over the replayed step's wall time", meaningful=timed,
+                          "buffers' load, medians, over the replayed step's wall time (the attention's plan, "
+                          "which SGLang's own backend makes too, apart)", meaningful=timed,
                           note=note if m is None else f"{m['host_replay_ms']:.3f} ms of {m['step_replay_ms']:.3f} "
-                          f"ms (eager step: {m['host_eager_ms']:.3f} ms of {m['step_eager_ms']:.3f}); {note}"),
+                          f"ms, plan {m['plan_replay_ms']:.3f} ms (eager step: {m['host_eager_ms']:.3f} ms of "
+                          f"{m['step_eager_ms']:.3f}); {note}"),
         ]
 
 

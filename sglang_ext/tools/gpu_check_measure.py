@@ -122,9 +122,9 @@ class CoreCheck:
     # ----- one decode step --------------------------------------------------------------
 
     def step(self, scope: Callable[[str, int], Any] = _no_scope,
-             capture: Callable[[int, Any, torch.Tensor], None] | None = None) -> None:
+             capture: Callable[[int, Any, torch.Tensor], None] | None = None, backend: str | None = None) -> None:
         """One decode step of the batch; ``scope`` wraps each kvplane / attention call."""
-        self.layers(self.batch.begin_decode(), scope, capture)
+        self.layers(self.batch.begin_decode(), scope, capture, backend=backend)
 
     def layers(self, loc: torch.Tensor, scope: Callable[[str, int], Any] = _no_scope,
                capture: Callable[[int, Any, torch.Tensor], None] | None = None, *,

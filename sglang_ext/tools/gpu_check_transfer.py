@@ -66,7 +66,12 @@ def dma_phase_failed(phase: str, exc: BaseException, batch: Any) -> str:
     try:
         batch.core.store.engine.quiesce()
         sync(batch.device)
+        # the forward the fault left open ends first (its parked tokens written back, staging
+        # returned, the compute mark its launches would have cleared cleared), so the rewrite's
+        # at-rest writes and whatever copies follow them are ordered as between any two steps
+        batch.core.pipeline.end_step()
         batch.rewrite_decoded_token()
+        sync(batch.device)
     except Exception:  # noqa: BLE001 - a broken CUDA context fails the phases after this one on its own
         traceback.print_exc()
     return f"{phase} raised {type(exc).__name__}: {exc}"

@@ -213,3 +213,45 @@ def _copy_engines_on_cpu(monkeypatch: pytest.MonkeyPatch, on_dma_launch) -> None
     monkeypatch.setattr(CpuTransferEngine, "_launch", launched)
     monkeypatch.setattr(CoreCheck, "__init__", probed)
     monkeypatch.setattr(gpu_check_transfer, "DMA_MIN_BYTES", 0)
+
+
+def test_a_fault_report_closes_the_forward_the_fault_left_open(monkeypatch, capsys):
+    """``dma_phase_failed`` after a fault inside a layer (on the simulated CUDA engine): the open
+    forward ends -- its staging given back, the compute mark its launches would have cleared
+    cleared, so the copies that follow wait on the compute stream's work as it is, the rewrite
+    included -- before the batch's last token is written again; the batch then decodes and reads
+    exactly. Control: the state the fault leaves (a forward open, a compute mark set)."""
+    import dataclasses
+
+    from sglang_ext.tools.gpu_check_config import SMALL
+    from sglang_ext.tools.gpu_check_measure import CoreCheck
+    from sglang_ext.tools.gpu_check_transfer import dma_phase_failed
+    from tests.dataplane import cuda_simulation
+
+    cuda_simulation.install(monkeypatch)
+    check = CoreCheck(dataclasses.replace(SMALL, repeat=1), "cpu", "torch")
+    b = check.batch
+    engine, pipeline = b.core.store.engine, b.core.pipeline
+    assert type(engine).__name__ == "CudaTransferEngine"
+    b.place([[1, 0] * (check.config.layers // 2) for _ in b.rids])
+    check.step()
+    fetch = engine.fetch_pages
+
+    def faulty(spec, wait=()):  # noqa: ANN001, ANN202
+        engine.mark_compute()  # as end_layer does before a layer's write-back and fetches
+        raise RuntimeError("driver fault inside a layer (test)")
+
+    monkeypatch.setattr(engine, "fetch_pages", faulty)
+    with pytest.raises(RuntimeError, match="inside a layer"):
+        check.step()
+    monkeypatch.setattr(engine, "fetch_pages", fetch)
+    assert pipeline.active and engine._compute_mark is not None  # the control: what the fault left
+    try:
+        raise RuntimeError("driver fault inside a layer (test)")
+    except RuntimeError as exc:
+        why = dma_phase_failed("the test phase", exc, b)
+    assert why == "the test phase raised RuntimeError: driver fault inside a layer (test)"
+    assert not pipeline.active and engine._compute_mark is None and b.core.store.staging_pages == 0
+    check.step()
+    assert check.attention_errors()["torch"]["max_abs_err"] == pytest.approx(0.0, abs=1e-5)
+    assert "driver fault inside a layer (test)" in capsys.readouterr().err
