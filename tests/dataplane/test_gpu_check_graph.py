@@ -226,3 +226,20 @@ def test_a_flashinfer_capture_that_raises_falls_back_to_triton(monkeypatch, caps
     assert {f.status for f in figures} == {NA}
     assert all("flashinfer capture refused (test)" in f.note for f in figures)
     assert "flashinfer capture refused" in capsys.readouterr().err
+
+
+def test_the_probe_runs_on_the_cuda_engine_path(monkeypatch):
+    """The same probe over the CUDA transfer engine (simulated streams and events on CPU pools, as
+    the GPU runs it): the placement's moves, the fences, the steps' ends -- the replayed steps
+    agree and leave exact KV."""
+    from tests.dataplane import cuda_simulation
+
+    cuda_simulation.install(monkeypatch)
+    check = _check()
+    assert type(check.batch.core.store.engine).__name__ == "CudaTransferEngine"
+    check.batch.place([[1, 0] * (check.config.layers // 2) for _ in check.batch.rids])  # moves to undo
+    check.step()
+    figures = {f.key: f for f in GraphProbe(check, EagerGraph).run()}
+    assert figures["graph.replay_max_abs_diff"].status == PASS, figures["graph.replay_max_abs_diff"]
+    assert figures["graph.replayed_steps_attention_err"].status == PASS
+    assert check.batch.core.stats().host_fraction == 0  # all resident after the probe's placement
