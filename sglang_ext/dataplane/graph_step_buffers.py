@@ -55,7 +55,7 @@ class GraphStepBuffers:
             return "the step stages pages (fetches into staging need host work inside the layers)"
         if tables.fetches or any(w is not None for w in tables.writebacks) or tables.token_writeback is not None:
             return "the step copies between host and device inside its layers"
-        if getattr(tables, "recompute", None) is not None or getattr(tables, "_tok_at", -1) >= 0:
+        if tables.recompute is not None or tables.has_token_tables:
             return "the step recomputes or reads token tables"
         b, n = int(tables.kv_lens.numel()), int(tables.tab.shape[1])
         if b > self.max_batch or n > self.max_pages:
@@ -80,8 +80,7 @@ class GraphStepBuffers:
     def write(self, store: Any, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """The step's new K/V ``[batch, H, D]`` at ``layer`` into their device rows (the store's
         one-launch writer or two ``index_copy_``), as the core's ``write`` does from the tables."""
-        k_flat, v_flat = store.device_views()
-        store.write_into(k_flat, v_flat, self.rows[layer, : self.batch], k, v)
+        store.write_rows(self.rows[layer, : self.batch], k, v)
 
     def layer_view(self, store: Any, layer: int, rids: tuple[str, ...]) -> LayerView:
         """Layer ``layer`` as paged kernels take it, from the buffers (the page table's full row:

@@ -245,6 +245,11 @@ class StepTables:
         self.host_last_page_len = self._host_lens_pair[b:]
         """``last_page_len`` on the host, like :attr:`host_indptr`."""
 
+    @property
+    def has_token_tables(self) -> bool:
+        """The torch-native token tables were built (:meth:`token_rows` reads them)."""
+        return self._tok_at >= 0
+
     def plan_view(self, view: LayerView) -> LayerView:
         """``view`` with the CSR FlashInfer's plan reads on the host (``kv_indptr``,
         ``last_page_len``) as host tensors: planned from device ones, the plan would copy them

@@ -26,8 +26,9 @@ One :class:`~sglang_ext.tools.gpu_check_batch.CheckBatch` runs, in order:
    (:class:`~sglang_ext.tools.gpu_check_overlap.OverlapCheck`): the overlap itself, measured;
 9. recompute steps (eLLM, :class:`~sglang_ext.tools.gpu_check_recompute.RecomputeCheck`): step
    time vs the placement model with recompute, attention over the recomputed prefixes;
-10. one all-resident step's layers captured and replayed as a CUDA graph
-    (:class:`~sglang_ext.tools.gpu_check_graph.GraphProbe`): capture-safety, eager vs replay.
+10. all-resident steps whose layers are captured once as a CUDA graph and replayed step after step
+    (:class:`~sglang_ext.tools.gpu_check_graph.GraphProbe`): replay vs eager, attention after the
+    replayed steps, step time eager vs replayed.
 """
 
 from __future__ import annotations

@@ -29,8 +29,7 @@ nothing about a GPU link (reported N/A).
 from __future__ import annotations
 
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -86,19 +85,6 @@ def refused_midway(eng: Any) -> str | None:
     return f"the driver refused a copy-engine call midway ({eng.dma_error}); the kernels finished the copies"
 
 
-@contextmanager
-def on_copy_engines(eng: Any) -> Iterator[bool]:
-    """The engine's copies on the copy engines inside the block (True), back on its kernels after;
-    False, nothing switched, where it refused them (``eng.dma_error`` says why)."""
-    if not eng.set_copy_engine("dma"):
-        yield False
-        return
-    try:
-        yield True
-    finally:
-        eng.set_copy_engine("triton")
-
-
 class CopyEnginePhase:
     """One of gpu-check's phases on the copy engines, each of which ran on hardware nobody ran
     them on: ``with CopyEnginePhase(phase, batch) as dma:`` measures inside when ``dma.on``
@@ -114,19 +100,19 @@ class CopyEnginePhase:
         self.phase, self.batch = phase, batch
         self.on = False
         self.error: str | None = None
-        self._switch: Any = None
 
     def __enter__(self) -> CopyEnginePhase:
         eng = self.batch.core.store.engine
-        self._switch = on_copy_engines(eng)
-        self.on = self._switch.__enter__()
+        self.on = eng.set_copy_engine("dma")
         if not self.on:
             self.error = eng.dma_error
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
-        midway = refused_midway(self.batch.core.store.engine) if self.on and exc is None else None
-        self._switch.__exit__(None, None, None)  # back on the kernels whatever happened
+        eng = self.batch.core.store.engine
+        midway = refused_midway(eng) if self.on and exc is None else None
+        if self.on:
+            eng.set_copy_engine("triton")  # back on the kernels whatever happened
         if exc is None:
             self.error = self.error or midway
             return False
