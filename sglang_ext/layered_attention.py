@@ -138,6 +138,11 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         self.steady = False
         """This step took the steady-decode fast path: nothing staged, so the layers skip the
         pool's per-layer calls (no fetch to wait for, nothing to write back)."""
+        self.idle = False
+        """This step's layers launch and wait on nothing (``LayeredKVCore.layers_idle``: an
+        all-resident paged step): they skip the pool's per-layer calls but the last layer's exit,
+        which ends the step."""
+        self._last_layer = self.pool.start_layer + self.pool.core.layers - 1
         self.overhead_meter: Any = None
         """The process's :class:`~sglang_ext.overhead.OverheadMeter` (set by the scheduler hooks
         when ``$KVPLANE_OVERHEAD_FILE`` is on): per-step preparation and per-layer calls."""
@@ -164,9 +169,11 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         meter = self.overhead_meter
         if meter is None:
             self._prepare(forward_batch)
+            self.idle = not self.steady and self.pool.core.layers_idle
             return
         t0 = time.perf_counter()
         fast = self._prepare(forward_batch)
+        self.idle = not self.steady and self.pool.core.layers_idle
         meter.add("attention_prepare", time.perf_counter() - t0)
         meter.count("prepare_steady_decode" if fast else "prepare_general")
 
@@ -293,7 +300,7 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         t0 = 0.0 if meter is None else time.perf_counter()
         if self.layer_timer is not None:
             self.layer_timer.mark(layer_id - self.pool.start_layer)
-        if not self.steady:  # a steady decode step staged nothing: no fetch to wait for
+        if not (self.steady or self.idle):  # a steady or idle step staged nothing: no fetch to wait for
             self.pool.enter_layer(layer_id)
             if self.layer_timer is not None:  # the layer's compute starts after its fetches' wait
                 self.layer_timer.ready(layer_id - self.pool.start_layer)
@@ -301,7 +308,7 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
             meter.add("layers", time.perf_counter() - t0)
 
     def _end_layer(self, layer_id: int) -> None:
-        if self.steady:  # nothing staged: no write-back, no fetch to launch
+        if self.steady or (self.idle and layer_id != self._last_layer):  # no write-back, no fetch to launch
             return
         meter = self.overhead_meter
         if meter is None:

@@ -54,6 +54,11 @@ class LayerPipeline:
         """Layer-pages fetched into staging since construction."""
         self.layer_waits = 0
         """Layers whose compute waited on a fetch or the last layer's write-back (a test reads it)."""
+        self.idle = False
+        """The current step's layers launch and wait on nothing: no fetch, no page write-back, no
+        parked token (an all-resident step). Then :meth:`begin_layer` and :meth:`end_layer` do
+        nothing but the last layer's end of the step, and callers may skip them
+        (:attr:`~sglang_ext.dataplane.layered_kv_core.LayeredKVCore.layers_idle`)."""
 
     @property
     def active(self) -> bool:
@@ -74,6 +79,8 @@ class LayerPipeline:
         self._by_trigger = by_trigger
         self._reached = -1
         self._parked_out = False
+        self.idle = (not tables.fetches and tables.token_writeback is None
+                     and all(w is None for w in tables.writebacks))
         self._launch_fetches(-1, ())
         self.steps += 1
 

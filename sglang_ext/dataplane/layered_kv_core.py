@@ -362,6 +362,18 @@ class LayeredKVCore:
 
     # ----- per layer -------------------------------------------------------------------
 
+    @property
+    def layers_idle(self) -> bool:
+        """This step's layers need no :meth:`enter_layer` and, but for the last layer's (which
+        ends the step), no :meth:`exit_layer`: nothing is fetched, written back or parked
+        (:attr:`LayerPipeline.idle`), or no pipeline runs (the identity layout's in-place step);
+        an overflow step (served at rest) is never idle. The served adapter skips those calls
+        (``LayeredTorchNativeAttnBackend._begin_layer``): an all-resident paged step then costs
+        no kvplane call per layer but its KV write."""
+        if self.overflow:
+            return False
+        return self.pipeline.tables is None or self.pipeline.idle
+
     def enter_layer(self, layer: int) -> None:
         """Before layer ``layer``'s KV write and attention: wait (on the stream) for its fetches."""
         self.pipeline.begin_layer(layer)

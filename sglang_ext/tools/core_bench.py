@@ -4,7 +4,8 @@ Drives :class:`~sglang_ext.dataplane.layered_kv_core.LayeredKVCore` the way SGLa
 attention backend does (``sglang_ext/layered_attention.py``): a fixed batch (default 8 requests
 x 256 tokens, 4 layers, page 16, fp16, CPU device) decodes one token per request per step --
 ``prepare_decode_step`` when it applies (steady decode, identity layout), else ``prepare_step``
-with every request's slots -- then per layer ``enter_layer`` / ``write`` / ``exit_layer``. Only
+with every request's slots -- then per layer ``enter_layer`` / ``write`` / ``exit_layer`` (a step
+whose layers are idle, as served: the writes and the last ``exit_layer``). Only
 the core's calls are timed (the inputs, SGLang's side, are built outside the timer); there is no
 attention or MLP, so the figure is the bookkeeping alone.
 
@@ -159,10 +160,13 @@ class CoreRun:
     def _layers(self, loc: torch.Tensor) -> None:
         core = self.core
         k, v = self._kv_rows(int(loc.numel()))
+        idle, last = core.layers_idle, core.layers - 1  # as served: an idle step skips enter / exit (but the last)
         for layer in range(core.layers):
-            core.enter_layer(layer)
+            if not idle:
+                core.enter_layer(layer)
             core.write(layer, loc, k, v)
-            core.exit_layer(layer)
+            if not idle or layer == last:
+                core.exit_layer(layer)
 
     def _timed(self, phase: str | None, fn: Callable[[], Any]) -> None:
         c0, w0 = time.thread_time(), time.perf_counter()

@@ -4,7 +4,8 @@ One :class:`~sglang_ext.tools.gpu_check_batch.CheckBatch` runs, in order:
 
 1. all-resident decode steps (per layer ``enter_layer`` / ``write`` / paged decode attention /
    a stand-in layer body -- QKV, output projection and a gated MLP of the model's sizes --
-   / ``exit_layer``): the step time, per-layer compute = step / L;
+   / ``exit_layer``; an idle step skips the two calls but the last exit, as served): the step
+   time, per-layer compute = step / L;
 2. the engine's copies (:class:`TransferCheck`): batched H2D vs one contiguous pinned copy,
    duplex vs one direction, and the link bandwidth the placement model takes;
 3. a plan from ``controlplane.planner.Planner`` for a :class:`controlplane.model.Batch` built as
@@ -139,6 +140,7 @@ class CoreCheck:
         ``enter_layer`` / ``exit_layer`` (their steps have nothing to wait for or launch): what
         :class:`~sglang_ext.tools.gpu_check_graph.GraphProbe` captures."""
         b, core, last = self.batch, self.batch.core, self.config.layers - 1
+        idle = core.layers_idle  # as the served adapter: an idle step's layers skip enter / exit (but the last)
         outs = []
         for layer in range(self.config.layers):
             self.x @ self.w_qkv
@@ -146,8 +148,9 @@ class CoreCheck:
                 graph.write(core.store, layer, b.k1, b.v1)
                 view = graph.layer_view(core.store, layer, tuple(b.rids))
             else:
-                with scope("kvplane", layer, "enter"):
-                    core.enter_layer(layer)
+                with scope("kvplane", layer, "enter"):  # the layer's entry (the timeline's mark), called or not
+                    if not idle:
+                        core.enter_layer(layer)
                 with scope("kvplane", layer, "write"):
                     core.write(layer, loc, b.k1, b.v1)
                 view = b.layer_view(layer)
@@ -161,7 +164,7 @@ class CoreCheck:
             i = self.config.intermediate
             (torch.nn.functional.silu(gate_up[:, :i]) * gate_up[:, i:]) @ self.w_down
             outs.append(out)
-            if graph is None and (layer < last or end_step):
+            if graph is None and (layer < last or end_step) and (not idle or layer == last):
                 with scope("kvplane", layer, "exit"):
                     core.exit_layer(layer)
         return outs

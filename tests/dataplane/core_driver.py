@@ -46,6 +46,13 @@ class CoreDriver:
         torch-native backend does."""
         self.fast_steps = 0
         """Forwards the fast path took (their bookkeeping journalled)."""
+        self.skip_idle = paged_reads
+        """As the served adapter does (``LayeredTorchNativeAttnBackend._begin_layer``): a step whose
+        layers are idle (:attr:`LayeredKVCore.layers_idle`) skips ``enter_layer`` and every
+        ``exit_layer`` but the last. On for the paged-reads driver (what the paged decode backends
+        serve); ``"always"`` skips them on every step (a negative control)."""
+        self.idle_steps = 0
+        """Forwards whose layers skipped the per-layer calls."""
         self.loc_dtype = torch.int64
         """dtype of the step's ``out_cache_loc`` (SGLang's is int64; int32 must work as well)."""
         self.finishes = 0
@@ -122,8 +129,11 @@ class CoreDriver:
             core.prepare_step([(rid, torch.tensor(self.slots[rid])) for rid, _ in batch], loc, [n for _, n in batch],
                               recompute=rec, recompute_ids=ids)
         self.check_staging()
+        idle = self.skip_idle == "always" or (bool(self.skip_idle) and core.layers_idle)
+        self.idle_steps += idle
         for layer in range(core.layers):
-            core.enter_layer(layer)
+            if not idle:
+                core.enter_layer(layer)
             shape = (loc.numel(), core.config.kv_heads, core.config.head_dim)
             k = torch.randn(shape, generator=self.gen).to(core.store.dev.dtype)
             v = torch.randn(shape, generator=self.gen).to(core.store.dev.dtype)
@@ -140,7 +150,8 @@ class CoreDriver:
                 want = [self.shadow[(layer, s)] for s in self.slots[rid]]
                 assert torch.equal(got_k.cpu(), torch.stack([w[0] for w in want])), (rid, layer)
                 assert torch.equal(got_v.cpu(), torch.stack([w[1] for w in want])), (rid, layer)
-            core.exit_layer(layer)
+            if not idle or layer == core.layers - 1:
+                core.exit_layer(layer)
         assert core.tables is None and core.store.staging_pages == 0
         self.steps += 1
         return True

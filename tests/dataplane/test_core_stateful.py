@@ -22,7 +22,7 @@ from tests.dataplane.core_driver import LAYERS, PAGES, CoreDriver, make_core, of
 RIDS = ("a", "b", "c", "d")
 BIG = 2 * PAGES - 1
 """Logical pages of the machine's core (65): room for long lifecycles."""
-STEPS = {"total": 0, "recompute_rows": 0, "fast": 0, "advanced": 0, "opened": 0, "resident_builds": 0, "staged": 0}
+STEPS = {"total": 0, "recompute_rows": 0, "fast": 0, "advanced": 0, "opened": 0, "resident_builds": 0, "staged": 0, "idle": 0}
 
 
 class CoreMachine(RuleBasedStateMachine):
@@ -105,6 +105,7 @@ class CoreMachine(RuleBasedStateMachine):
             STEPS["opened"] += self.driver.core.opened_advances
             STEPS["resident_builds"] += self.driver.core.resident_builds
             STEPS["staged"] += self.driver.core.staged_advances
+            STEPS["idle"] += self.driver.idle_steps
 
 
 TestCore = CoreMachine.TestCase
@@ -157,6 +158,7 @@ def test_the_machine_ran_over_a_thousand_forwards():
     assert STEPS["opened"] >= 20, STEPS  # ... and those that opened pages (advanced_opening)
     assert STEPS["resident_builds"] >= 20, STEPS  # and its page-opening steps built knowing the batch resident
     assert STEPS["staged"] >= 5, STEPS  # and its placed batches' steps advanced with their staging (10-52, by test order)
+    assert STEPS["idle"] >= 50, STEPS  # and its steps whose layers skipped enter / exit as served (layers_idle)
     print(f"\nstateful core: {STEPS}")
 
 

@@ -110,7 +110,7 @@ def test_the_served_backend_marks_ready_after_the_pools_wait(clock: FakeClock):
     """The layered attention backend's per-layer entry (``_begin_layer``, what SGLang's forward
     calls) marks the entry, lets the pool wait on the layer's fetches, then marks ready: the wait
     (here the pool's enter_layer advancing the clock by 10 ms) is not the layer's compute. A
-    steady step (nothing staged) waits on nothing and marks no ready."""
+    steady or idle step (nothing staged) waits on nothing and marks no ready."""
     from types import SimpleNamespace
 
     from sglang_ext.layered_attention import LayeredTorchNativeAttnBackend
@@ -118,10 +118,10 @@ def test_the_served_backend_marks_ready_after_the_pools_wait(clock: FakeClock):
     def enter_layer(layer: int) -> None:
         clock.t += 0.010
 
-    backend = SimpleNamespace(overhead_meter=None, layer_timer=LayerTimer(2, every=1), steady=False,
+    backend = SimpleNamespace(overhead_meter=None, layer_timer=LayerTimer(2, every=1), steady=False, idle=False,
                               pool=SimpleNamespace(start_layer=0, enter_layer=enter_layer))
-    for steady, stall in ((False, 10.0), (True, 0.0)):
-        backend.steady = steady
+    for steady, idle, stall in ((False, False, 10.0), (True, False, 0.0), (False, True, 0.0)):
+        backend.steady, backend.idle = steady, idle
         backend.layer_timer.begin(True)
         for layer in range(2):
             LayeredTorchNativeAttnBackend._begin_layer(backend, layer)

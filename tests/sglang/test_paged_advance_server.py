@@ -137,6 +137,21 @@ def test_served_decode_layers_make_no_host_sync_and_the_same_ops(advance_server)
     assert any(moved) and not all(moved)
 
 
+def test_idle_decode_steps_skip_the_pools_per_layer_calls(advance_server):
+    """An all-resident paged decode step fetches, writes back and parks nothing
+    (``LayeredKVCore.layers_idle``): the served backend makes none of the pool's per-layer calls
+    but the last layer's ``exit_layer``, which ends the step. Here nothing is ever on host, so
+    every paged decode step the tests above served is idle; the audit recorded the pool's calls
+    inside each of its layers. (The same skip is KV-exact over the stateful machine's idle steps,
+    and fails the shadow checks when applied to staged steps: ``tests/dataplane/test_layers_idle.py``.)"""
+    server, stats_path = advance_server
+    greedy(server, PROMPTS[3], NEW_TOKENS)
+    steps = [s for s in json.loads((stats_path.parent / "audit.json").read_text()) if s["paged"]]
+    assert len(steps) >= 10 and all(s["idle"] for s in steps), [s["idle"] for s in steps]
+    for s in steps:
+        assert s.get("pool_calls") == [["exit_layer", LAYERS - 1]], s.get("pool_calls")
+
+
 def test_the_meter_counts_the_paged_decode_kv_writes(advance_server):
     """Issue 13: the meter counts every kvplane path that runs per step. The paged decode writes
     K/V through the metered stand-in pool, so ``kv_write`` is measured exactly once per layer of

@@ -17,8 +17,9 @@ server's negative control corrupts one rank's KV shard.
 With ``KVPLANE_TEST_AUDIT_FILE=PATH`` nothing is perturbed: the served Triton paged decode's
 per-layer calls run under :class:`sglang_ext.testing.op_audit.OpAudit` (kvplane's part of each
 layer: the layer's begin, KV write and end; the attention kernel itself is not recorded) and
-``PATH`` is rewritten after every layer with each decode step's ops per layer, its batch size and
-any host-sync op (the GPU-discipline audit, in the process SGLang serves from).
+``PATH`` is rewritten after every layer with each decode step's ops per layer, its batch size,
+any host-sync op (the GPU-discipline audit, in the process SGLang serves from), whether the
+backend took the step as idle and the pool's ``enter_layer`` / ``exit_layer`` calls it made.
 
 With ``KVPLANE_TEST_STALE_ADVANCE=1``, an advanced paged step keeps the last step's new-token
 rows (``PagedStepTables.advanced`` without its ``rows + 1``, ``advanced_staged`` with the last
@@ -119,6 +120,20 @@ def _patch_audit(module) -> None:  # noqa: ANN001
     steps: list[dict] = []
     cls = module.LayeredTritonDecode
     real_forward, real_kernel = cls.forward_decode, cls.decode_layer
+    from sglang_ext.layered_pool import LayeredTokenToKVPool
+
+    inside: list[dict] = []
+    """The audited decode step whose layer is running (empty outside a paged decode layer)."""
+
+    def counting(name: str, real):  # noqa: ANN001, ANN202
+        def call(self, layer_id):  # noqa: ANN001, ANN202
+            if inside:  # the pool's per-layer calls of each audited decode step, in order
+                inside[0].setdefault("pool_calls", []).append([name, int(layer_id)])
+            return real(self, layer_id)
+        return call
+
+    for name in ("enter_layer", "exit_layer"):
+        setattr(LayeredTokenToKVPool, name, counting(name, getattr(LayeredTokenToKVPool, name)))
 
     # host reads that never reach the dispatcher on a CPU host (a device tensor's tolist, numpy,
     # cpu, item): flagged by name while a layer is in scope
@@ -136,10 +151,14 @@ def _patch_audit(module) -> None:  # noqa: ANN001
         if layer.layer_id == self.pool.start_layer:
             core = self.pool.core
             steps.append({"batch": int(forward_batch.batch_size), "paged": bool(self._paged), "layers": {},
-                          "advanced_total": core.advanced_decode_steps})
+                          "advanced_total": core.advanced_decode_steps, "idle": bool(self.idle)})
         audit.ops.clear()
-        with audit, audit.scope(layer.layer_id):
-            out = real_forward(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        inside.append(steps[-1])
+        try:
+            with audit, audit.scope(layer.layer_id):
+                out = real_forward(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        finally:
+            inside.clear()
         steps[-1]["layers"][str(layer.layer_id)] = dict(Counter(audit.ops[layer.layer_id]))
         steps[-1]["violations"] = steps[-1].get("violations", []) + [list(x) for x in audit.violations]
         audit.violations.clear()
