@@ -4,9 +4,10 @@ Every layer of a request has the same number of pages ``b_r`` (resident blocks o
 slot), so ``kv_indptr`` and ``last_page_len`` -- everything FlashInfer's ``plan`` schedules on --
 are identical for all layers: **one plan per step serves every layer** with the same attention
 parameters, whatever the residency pattern (the per-layer-group plans OrbitFlow's
-distance-driven layouts would need collapse to one). Only the page ids differ per layer; they
-are copied into the wrapper's user-owned indices buffer (the CUDA-graph buffer mode, where
-updating buffer contents between runs is the supported pattern) before each layer's ``run``.
+distance-driven layouts would need collapse to one). Only the page ids differ per layer: the
+wrapper (user-owned buffers, FlashInfer's CUDA-graph buffer mode) reads the layer's row of the
+step's table in place of its indices buffer for that ``run`` where its backend reads the buffer
+at run time (:func:`reads_indices_at_run`), else the row is copied into the buffer before the run.
 
 Layers whose attention parameters differ (Gemma-2's alternating sliding-window and global
 layers, soft-capped logits) get one plan per distinct :class:`AttentionParams` per step.
@@ -164,6 +165,35 @@ class FlashInferLayeredDecode:
         if params not in self._planned:
             raise RuntimeError("FlashInferLayeredDecode.run before plan")
         w, indices = self._planned[params]
-        n = view.kv_indices.numel()
-        indices[:n].copy_(view.kv_indices, non_blocking=True)
+        rows = view.kv_indices
+        if reads_indices_at_run(w, rows, indices):
+            # the layer's row of the step's table IS the indices the run reads: no copy launch
+            # per layer; the wrapper's own buffer comes back before anything else (its next plan
+            # writes there) -- see reads_indices_at_run
+            w._paged_kv_indices_buf = rows  # type: ignore[attr-defined]
+            try:
+                return w.run(q, (view.k_cache, view.v_cache))
+            finally:
+                w._paged_kv_indices_buf = indices  # type: ignore[attr-defined]
+        n = rows.numel()
+        indices[:n].copy_(rows, non_blocking=True)
         return w.run(q, (view.k_cache, view.v_cache))
+
+
+RUN_READS_INDICES = ("fa2", "fa3")
+"""FlashInfer decode backends whose ``run`` passes the wrapper's ``_paged_kv_indices_buf`` to the
+kernel as it finds it then (FlashInfer 0.7.2, ``decode.py``: the tensor-core ``paged_run`` and the
+CUDA-core ``run`` argument lists); the others (``trtllm-gen``, cuDNN, cuTile, CuTe-DSL) read block
+tables made at plan time."""
+
+
+def reads_indices_at_run(wrapper: object, rows: torch.Tensor, own: torch.Tensor) -> bool:
+    """Whether ``wrapper.run`` may read a layer's page ids from ``rows`` in place of its own
+    indices buffer ``own``: a planned FlashInfer wrapper of a backend in :data:`RUN_READS_INDICES`
+    (not cuDNN) holding ``own``, and ``rows`` int32, contiguous, on its device. Then
+    :meth:`FlashInferLayeredDecode.run` points the wrapper at ``rows`` for the run and back at
+    ``own`` after it, instead of one copy launch per layer (a few microseconds of host time each
+    on a GPU host, 32 a step at Llama-3-8B's layers). Anything else: the copy."""
+    return (getattr(wrapper, "_backend", None) in RUN_READS_INDICES and not getattr(wrapper, "_uses_cudnn", False)
+            and getattr(wrapper, "_paged_kv_indices_buf", None) is own and rows.dtype == torch.int32
+            and rows.is_contiguous() and rows.device == own.device)
