@@ -31,6 +31,8 @@ class LayeredFlashInferDecode(LayeredPagedDecode):
         if not HAVE_FLASHINFER or self.pool.store.device.type != "cuda":
             raise RuntimeError("LayeredFlashInferDecode needs CUDA and an importable flashinfer")
         self.flashinfer = FlashInferLayeredDecode(self.pool.store.device, self.pool.store.config.logical_pages)
+        self._params: dict[tuple[int, torch.dtype], AttentionParams] = {}
+        """Each layer's attention parameters (fixed by the model), made once, not once a step."""
 
     def new_step(self) -> None:
         self.flashinfer.new_step()
@@ -42,7 +44,10 @@ class LayeredFlashInferDecode(LayeredPagedDecode):
             kv_indices=tables.tab[index], kv_lens=tables.kv_lens, last_page_len=tables.last_page_len,
             rids=(),
         )
-        params = AttentionParams.of_layer(layer, layer.tp_q_head_num, q.dtype)  # soft cap, window
+        key = (layer.layer_id, q.dtype)
+        params = self._params.get(key)
+        if params is None:  # soft cap, window
+            params = self._params[key] = AttentionParams.of_layer(layer, layer.tp_q_head_num, q.dtype)
         if not self.flashinfer.planned(params):  # from the host CSR: no wait for the GPU here
             self.flashinfer.plan(tables.plan_view(view), layer.tp_q_head_num, params=params)
         return self.flashinfer.run(q, view, params)

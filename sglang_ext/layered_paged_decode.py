@@ -56,12 +56,16 @@ class LayeredPagedDecode(LayeredTorchNativeAttnBackend):
         bs = None if rec.rows is None else rec.batch  # recompute rows follow the decode rows
         if bs is not None:  # their K/V first: the decode rows read the prefix through tab[l]
             rec.write(self.pool.core, index, k, v, layer)
+        # no slice without recompute rows: a slice of a device tensor is a dispatch of its own
         if save_kv_cache and k is not None and v is not None:
             # through the stand-in pool, as the torch-native decode writes: the meter's kv_write
-            self.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k[:bs], v[:bs])
+            self.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, *(
+                (k, v) if bs is None else (k[:bs], v[:bs])))
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)  # model dtype, as SGLang keeps it
-        out = self.decode_layer(q3[:bs], layer, index)
-        out = out.to(q.dtype).reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+        out = self.decode_layer(q3 if bs is None else q3[:bs], layer, index)
+        if out.dtype != q.dtype:
+            out = out.to(q.dtype)
+        out = out.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
         if bs is not None:
             full = out.new_empty((q3.shape[0], out.shape[1]))
             full[:bs] = out
