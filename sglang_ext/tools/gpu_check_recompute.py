@@ -78,10 +78,12 @@ class RecomputeCheck:
         loc = b.begin_decode(recompute=recompute)
         rows = core.tables.recompute
         ch.backends.plan_step(core.tables.plan_view(b.layer_view(0)))  # host CSR, as serving plans
+        idle, last = core.layers_idle, ch.config.layers - 1  # as served
         for layer in range(ch.config.layers):
             active = rows.active[layer]
             self._body(torch.cat([ch.x, self.x_rec[:active]]) if active else ch.x)
-            core.enter_layer(layer)
+            if not idle:
+                core.enter_layer(layer)
             core.write(layer, loc, b.k1, b.v1)
             if active:
                 k, v = self.kv[layer]
@@ -90,7 +92,8 @@ class RecomputeCheck:
             out = ch.backends.run(ch.backends.primary, ch.q, view)
             if capture is not None:
                 capture(layer, out)
-            core.exit_layer(layer)
+            if not idle or layer == last:
+                core.exit_layer(layer)
 
     def per_token_ms(self) -> float:
         """Measured slope of the layer body over the prefix tokens (ms per token per layer)."""

@@ -7,7 +7,8 @@ all-resident plan and an offloading one run on the same pool. Requests are fille
 step each through the core; ``place(row)`` installs a plan with ``update_residency``; a decode
 step is ``prepare_step`` + per layer ``enter_layer`` / ``write`` / the attention over the step's
 tables (FlashInfer's paged decode over ``tables.tab[l]``, else the torch reference) /
-``exit_layer`` -- SGLang's layered attention backend's sequence.
+``exit_layer`` -- SGLang's layered attention backend's sequence (an idle step: the writes and
+the last ``exit_layer``).
 """
 
 from __future__ import annotations
@@ -104,12 +105,15 @@ class ServedBatch:
         """One decode step; ``body(layer)`` runs after the layer's KV write (attention, MLP)."""
         loc = self.begin_decode()
         core = self.core
+        idle, last = core.layers_idle, self.layers - 1  # as served: an idle step skips enter / exit (but the last)
         for layer in range(self.layers):
-            core.enter_layer(layer)
+            if not idle:
+                core.enter_layer(layer)
             core.write(layer, loc, self.k1, self.v1)
             if body is not None:
                 body(layer)
-            core.exit_layer(layer)
+            if not idle or layer == last:
+                core.exit_layer(layer)
 
 
 class DecodeAttention:

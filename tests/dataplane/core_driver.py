@@ -50,7 +50,8 @@ class CoreDriver:
         """As the served adapter does (``LayeredTorchNativeAttnBackend._begin_layer``): a step whose
         layers are idle (:attr:`LayeredKVCore.layers_idle`) skips ``enter_layer`` and every
         ``exit_layer`` but the last. On for the paged-reads driver (what the paged decode backends
-        serve); ``"always"`` skips them on every step (a negative control)."""
+        serve); ``"always"`` skips them on every step, ``"enter"`` every ``enter_layer`` and
+        nothing else (negative controls)."""
         self.idle_steps = 0
         """Forwards whose layers skipped the per-layer calls."""
         self.loc_dtype = torch.int64
@@ -129,10 +130,11 @@ class CoreDriver:
             core.prepare_step([(rid, torch.tensor(self.slots[rid])) for rid, _ in batch], loc, [n for _, n in batch],
                               recompute=rec, recompute_ids=ids)
         self.check_staging()
-        idle = self.skip_idle == "always" or (bool(self.skip_idle) and core.layers_idle)
+        idle = self.skip_idle == "always" or (self.skip_idle is True and core.layers_idle)
         self.idle_steps += idle
+        skip_enter = idle or self.skip_idle == "enter"
         for layer in range(core.layers):
-            if not idle:
+            if not skip_enter:
                 core.enter_layer(layer)
             shape = (loc.numel(), core.config.kv_heads, core.config.head_dim)
             k = torch.randn(shape, generator=self.gen).to(core.store.dev.dtype)
