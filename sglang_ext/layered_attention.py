@@ -167,15 +167,12 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
     def init_forward_metadata(self, forward_batch: Any) -> None:
         super().init_forward_metadata(forward_batch)
         meter = self.overhead_meter
-        if meter is None:
-            self._prepare(forward_batch)
-            self.idle = not self.steady and self.pool.core.layers_idle
-            return
-        t0 = time.perf_counter()
+        t0 = 0.0 if meter is None else time.perf_counter()
         fast = self._prepare(forward_batch)
         self.idle = not self.steady and self.pool.core.layers_idle
-        meter.add("attention_prepare", time.perf_counter() - t0)
-        meter.count("prepare_steady_decode" if fast else "prepare_general")
+        if meter is not None:
+            meter.add("attention_prepare", time.perf_counter() - t0)
+            meter.count("prepare_steady_decode" if fast else "prepare_general")
 
     def _prepare(self, forward_batch: Any) -> bool:
         """kvplane's part of the step's metadata: residency for this batch, and how to read it.

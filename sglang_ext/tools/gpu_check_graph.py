@@ -28,8 +28,9 @@ Not covered: staged steps (a graph holds kernels only; fetches need host work in
 :meth:`GraphStepBuffers.why_not`), batches of another size (one graph per batch size, as
 SGLang captures), and SGLang's graph runner, which is not hooked yet. The decode is FlashInfer's
 where it is available (what serves on CUDA: its wrapper is already in CUDA-graph buffer mode,
-one plan a step -- outside the graph, after the load -- and each layer's page ids copied into
-its indices buffer inside the layer), else Triton's (two launches, nothing read on the host);
+one plan a step -- outside the graph, after the load -- and each layer's run reading that
+layer's row of the buffers' page table, in place or copied into the wrapper's indices buffer:
+``FlashInferLayeredDecode.run``), else Triton's (two launches, nothing read on the host);
 where FlashInfer's capture raises, the probe says so and measures Triton's. A capture that
 raises on both is reported in the figures' notes, N/A, never a failed check;
 on the CPU there is no graph (N/A), but the tests run the same steps with an eager stand-in.
@@ -37,7 +38,6 @@ on the CPU there is no graph (N/A), but the tests run the same steps with an eag
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 import traceback
@@ -150,9 +150,7 @@ class GraphProbe:
             buffers.load(core.tables)
             t1 = time.thread_time()
             if backend == "flashinfer":  # one plan a step, outside the graph, from the step's host CSR
-                view = buffers.layer_view(core.store, 0, tuple(b.rids))
-                ch.backends.plan_step(dataclasses.replace(view, kv_indptr=core.tables.host_indptr,
-                                                          last_page_len=core.tables.host_last_page_len))
+                ch.backends.plan_step(core.tables.plan_view(buffers.layer_view(core.store, 0, tuple(b.rids))))
             host_ms.append(b.prepare_cpu_s * 1e3 + (t1 - t0) * 1e3)
             plan_ms.append((time.thread_time() - t1) * 1e3)
             return loc
