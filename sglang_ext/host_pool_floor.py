@@ -100,7 +100,12 @@ class HostPoolFloor:
     def from_server_args(cls, server_args: Any) -> HostPoolFloor:
         """The floor for SGLang's parsed ``ServerArgs`` (reads the model's config through SGLang's
         ``ModelConfig``, as the scheduler will)."""
-        model_config = compat.resolve(compat.MODEL_CONFIG_FROM_SERVER_ARGS.path)(server_args)
+        return cls.from_model_config(compat.resolve(compat.MODEL_CONFIG_FROM_SERVER_ARGS.path)(server_args),
+                                     server_args)
+
+    @classmethod
+    def from_model_config(cls, model_config: Any, server_args: Any) -> HostPoolFloor:
+        """The floor for SGLang's ``ModelConfig`` of the launch and its ``ServerArgs``."""
         kv_dtype = str(server_args.kv_cache_dtype or "auto")
         dtype_bytes = 2 if kv_dtype in ("bf16", "bfloat16") else int(model_config.dtype.itemsize)
         return cls(

@@ -83,6 +83,12 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
     # ----- construction (called from MHATokenToKVPool.__init__) --------------------
 
     def _create_buffers(self) -> None:
+        if self.dtype.is_floating_point and self.dtype.itemsize == 1:  # fp8, however it was reached
+            raise ValueError(
+                f"kvplane layered KV pool: the KV cache dtype resolved to {self.dtype} (--kv-cache-dtype, or a "
+                "checkpoint that quantizes its KV under --kv-cache-dtype auto); quantized KV caches are not "
+                "supported with --enable-layered-kv: pass --kv-cache-dtype bfloat16"
+            )
         if self.use_hnd or getattr(self, "kv_cache_layout", "nhd") != "nhd":
             raise ValueError(f"kvplane layered KV pool needs the NHD layout, got {self.kv_cache_layout!r}")
         if self.v_head_dim != self.head_dim:

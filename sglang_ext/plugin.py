@@ -260,20 +260,43 @@ class KvplanePlugin:
         ctx.layered = layered
         server_args = original(cls, namespace)
         if layered.enable_layered_kv:
-            if layered.kv_host_pool_gb is not None:
-                self._check_host_pool_floor(server_args, layered.kv_host_pool_gb)
+            model_config = self._model_config(server_args)
+            if model_config is not None:
+                self._check_model(model_config, server_args)
+                if layered.kv_host_pool_gb is not None:
+                    self._check_host_pool_floor(model_config, server_args, layered.kv_host_pool_gb)
             if decision.notes:  # said once nothing is refused (a refusal is the only line)
                 print("kvplane: --enable-layered-kv implies " + "; ".join(decision.notes), file=sys.stderr)
         return server_args
 
     @staticmethod
-    def _check_host_pool_floor(server_args: Any, cap_gb: float) -> None:
+    def _model_config(server_args: Any) -> Any:
+        """SGLang's ``ModelConfig`` of the launch, read once (as the scheduler will read it), or
+        None when it cannot be read: SGLang then reports that itself, with its reason."""
+        try:
+            return compat.resolve(compat.MODEL_CONFIG_FROM_SERVER_ARGS.path)(server_args)
+        except Exception:
+            return None
+
+    @staticmethod
+    def _check_model(model_config: Any, server_args: Any) -> None:
+        """Refuse a model the layered pool cannot serve (MLA, recurrent state, hybrid sliding-window
+        memory, attention sinks, a checkpoint-quantized KV), naming the feature and the model,
+        before any weight loads (:class:`~sglang_ext.model_support.ModelSupport`)."""
+        from sglang_ext.model_support import ModelSupport
+
+        refusal = ModelSupport.from_model_config(model_config, server_args.kv_cache_dtype).refusal()
+        if refusal is not None:
+            _refuse_launch(refusal)
+
+    @staticmethod
+    def _check_host_pool_floor(model_config: Any, server_args: Any, cap_gb: float) -> None:
         """Refuse a ``--kv-host-pool-gb`` below what the model's KV needs (the scheduler would
         refuse it after loading the model)."""
         from sglang_ext.host_pool_floor import HostPoolFloor
 
         try:
-            floor = HostPoolFloor.from_server_args(server_args)
+            floor = HostPoolFloor.from_model_config(model_config, server_args)
         except Exception:  # an unreadable model config: SGLang reports it itself, with its reason
             return
         try:

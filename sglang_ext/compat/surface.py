@@ -16,6 +16,11 @@ as a dataclass / msgspec field or annotation, or assigns ``self.<name> = ...`` i
 
 from __future__ import annotations
 
+from sglang_ext.compat.surface_models import (  # noqa: F401 -- part of the surface (TARGETS, __all__)
+    ATTENTION_ARCH,
+    MODEL_CONFIG_SUPPORT,
+    USES_SSM_STATE,
+)
 from sglang_ext.compat.surface_recompute import (  # noqa: F401 -- part of the surface (TARGETS, __all__)
     EAGER_EXECUTE_DECODE,
     FORWARD_BATCH_RESIDUAL,
@@ -290,8 +295,9 @@ MODEL_CONFIG = Target(f"{_SRT}.configs.model_config.ModelConfig",
                              "get_num_kv_heads"),
                       used_by=("scheduler_hooks", "pause", "host_pool_floor"))
 MODEL_CONFIG_FROM_SERVER_ARGS = Target(f"{_SRT}.configs.model_config.ModelConfig.from_server_args",
-                                       params=("server_args",), used_by=("host_pool_floor",))
-"""Called once in the launcher when ``--kv-host-pool-gb`` is given (the model's KV shape)."""
+                                       params=("server_args",), used_by=("plugin", "host_pool_floor"))
+"""Called once in the launcher: the model's features (``model_support``) and, with
+``--kv-host-pool-gb``, its KV shape."""
 MODEL_CONFIG_GET_NUM_KV_HEADS = Target(f"{_SRT}.configs.model_config.ModelConfig.get_num_kv_heads",
                                        params=("self", "tensor_parallel_size"), used_by=("host_pool_floor",))
 TP_MODEL_WORKER = Target(f"{_SRT}.managers.tp_worker.TpModelWorker", attrs=("model_runner",),

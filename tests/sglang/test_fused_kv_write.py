@@ -1,4 +1,4 @@
-"""Models that fuse the KV write into rotary (Qwen3-MoE, gpt-oss: ``enable_fused_set_kv_buffer``)
+"""Models that fuse the KV write into rotary (Qwen3-MoE: ``enable_fused_set_kv_buffer``; gpt-oss fuses too, but is refused at launch for its sinks)
 write through ``set_kv_buffer`` over the layered pool: the fused kernel would write SGLang's flat
 per-layer buffers, which the layered pool does not have (``get_key_buffer`` raises)."""
 

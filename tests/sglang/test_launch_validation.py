@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.service.certs import ThrowawayCA
+from tests.sglang.test_model_support import model_dir
 
 pytestmark = pytest.mark.sglang
 
@@ -169,12 +170,26 @@ BAD_LAUNCH_FILES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
         lambda d: [*REMOTE, "--kv-tls-cert", _worker_pair(d)[0], "--kv-tls-key", _file(d, "k.pem", "garbage")],
         "--kv-tls-key='{d}/k.pem': not an unencrypted PEM private key",
     ),
+    "model-mla": (
+        lambda d: ["--model-path", str(model_dir(d, "deepseek_v3"))],
+        "kvplane: DeepseekV3ForCausalLM uses MLA attention (one compressed latent KV per token)",
+    ),
+    "model-sinks": (
+        lambda d: ["--model-path", str(model_dir(d, "gpt_oss"))],
+        "kvplane: GptOssForCausalLM uses attention sinks",
+    ),
+    "model-fp8-kv": (
+        lambda d: ["--model-path", str(model_dir(d, "llama_fp8_kv"))],
+        "kvplane: LlamaForCausalLM's checkpoint quantizes the KV cache (FP8)",
+    ),
     "token-file-empty": (
         lambda d: [*REMOTE, "--kv-policy-token-file", _file(d, "token", "\n")],
         "--kv-policy-token-file: token file '{d}/token': is empty",
     ),
 }
-"""Issue 17's bad launch files and cap: the flags for a directory, the line the launcher prints."""
+"""Issue 17's bad launch files and cap, and issue 14's unsupported models (config-only model
+directories, ``test_model_support.py``; the later ``--model-path`` wins): the flags for a
+directory, the line the launcher prints."""
 
 
 @pytest.fixture(scope="module")

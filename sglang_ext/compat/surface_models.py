@@ -1,0 +1,26 @@
+"""The SGLang model-config objects the launcher reads to refuse models it cannot serve
+(``sglang_ext/model_support.py``).
+
+Part of :mod:`sglang_ext.compat.surface` (imported there, so in its ``TARGETS``).
+"""
+
+from __future__ import annotations
+
+from sglang_ext.compat.target import Target
+
+_SRT = "sglang.srt"
+
+MODEL_CONFIG_SUPPORT = Target(
+    f"{_SRT}.configs.model_config.ModelConfig",
+    attrs=("attention_arch", "is_hybrid_swa", "has_attention_sinks", "hf_config", "hf_text_config",
+           "_parse_quant_hf_config"),
+    used_by=("model_support",),
+)
+"""``attention_arch`` (MHA / MLA / SSM), ``is_hybrid_swa`` (already False under
+``--disable-hybrid-swa-memory``), ``has_attention_sinks``, the architecture name and the private
+``_parse_quant_hf_config`` (the checkpoint's quantization dict, as SGLang reads it)."""
+ATTENTION_ARCH = Target(f"{_SRT}.configs.model_config.AttentionArch", attrs=("MHA", "MLA"),
+                        used_by=("model_support",))
+USES_SSM_STATE = Target(f"{_SRT}.mem_cache.kv_cache_builder.uses_ssm_state", params=("model_config",),
+                        used_by=("model_support",))
+"""SGLang's own test for a model keeping recurrent (SSM / linear-attention) state beside its KV."""

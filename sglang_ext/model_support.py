@@ -1,0 +1,101 @@
+"""ModelSupport: the model features ``--enable-layered-kv`` cannot serve, refused at launch.
+
+The layered pool holds per-head K and V pages of every attention layer (MHA / GQA) in one pool,
+and its attention backends apply what a layer's ``RadixAttention`` carries (scale, soft cap,
+sliding window). A model needing anything else would fail after its weights load, with a message
+about the pool class, or -- worse -- decode wrong without a word. So the launcher reads the
+model's config through SGLang's own ``ModelConfig`` (as the scheduler will) and refuses, in one
+line naming the feature and the model:
+
+- **MLA** (DeepSeek-V2/V3, Kimi-K2, ...): the KV is one compressed latent per token, not per-head
+  K/V pages.
+- **Recurrent state** (hybrid SSM / linear-attention models: Qwen3-Next, Falcon-H1, Mamba, ...):
+  SGLang keeps conv/SSM state beside the KV, which no layered placement covers.
+- **Hybrid sliding-window memory** (gpt-oss, Llama-4, ...): SGLang serves these from two KV pools;
+  the layered pool is one. ``--disable-hybrid-swa-memory`` gives one pool, and the window is then
+  applied in attention (so a hybrid-SWA model without sinks is served with that flag).
+- **Attention sinks** (gpt-oss, Granite-SWA, ...): per-head softmax sinks reach the attention call
+  as an argument that the layered backends do not apply.
+- **A checkpoint-quantized KV cache** (ModelOpt / compressed-tensors FP8 KV): with
+  ``--kv-cache-dtype auto`` SGLang would store KV in fp8, which the layered pool does not hold
+  (``--kv-cache-dtype fp8_*`` is refused by the flag check; ``LayeredTokenToKVPool`` refuses an
+  fp8 dtype however it was reached).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from sglang_ext import compat
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSupport:
+    """What the launcher needs to know of a model to refuse it (module docstring)."""
+
+    architecture: str
+    """The model's architecture name (``config.json``'s ``architectures[0]``)."""
+    mla: bool = False
+    recurrent_state: bool = False
+    hybrid_swa_memory: bool = False
+    """SGLang would build two KV pools (False under ``--disable-hybrid-swa-memory``)."""
+    sinks: bool = False
+    kv_quant: str | None = None
+    """The checkpoint's KV-cache quantization (``"FP8"``), None when it has none."""
+    kv_cache_dtype: str = "auto"
+    """``--kv-cache-dtype``: a checkpoint's KV quantization applies only under ``auto``."""
+
+    @classmethod
+    def from_model_config(cls, model_config: Any, kv_cache_dtype: str | None) -> ModelSupport:
+        """From SGLang's ``ModelConfig`` of the launch (``ModelConfig.from_server_args``)."""
+        arch = compat.resolve(compat.ATTENTION_ARCH.path)
+        uses_ssm_state = compat.resolve(compat.USES_SSM_STATE.path)
+        architectures = getattr(model_config.hf_config, "architectures", None) or ["?"]
+        return cls(
+            architecture=str(architectures[0]),
+            mla=model_config.attention_arch == arch.MLA,
+            recurrent_state=model_config.attention_arch != arch.MHA or bool(uses_ssm_state(model_config)),
+            hybrid_swa_memory=bool(model_config.is_hybrid_swa),
+            sinks=bool(model_config.has_attention_sinks),
+            kv_quant=_kv_quant(model_config._parse_quant_hf_config()),
+            kv_cache_dtype=str(kv_cache_dtype or "auto"),
+        )
+
+    def refusal(self) -> str | None:
+        """The launch refusal (one line, naming the feature and the model), or None."""
+        model = self.architecture
+        if self.mla:
+            return (f"{model} uses MLA attention (one compressed latent KV per token): --enable-layered-kv "
+                    "places per-head K/V pages and supports MHA / GQA models only")
+        if self.recurrent_state:
+            return (f"{model} keeps recurrent (SSM / linear-attention) state beside its KV: hybrid and "
+                    "state-space models are not supported with --enable-layered-kv")
+        if self.sinks:
+            return (f"{model} uses attention sinks, which the layered attention backends do not apply: "
+                    "not supported with --enable-layered-kv")
+        if self.hybrid_swa_memory:
+            return (f"{model} is a hybrid sliding-window model, which SGLang serves from two KV pools; "
+                    "the layered KV pool is one: add --disable-hybrid-swa-memory (the window is then "
+                    "applied in attention)")
+        if self.kv_quant is not None and self.kv_cache_dtype == "auto":
+            return (f"{model}'s checkpoint quantizes the KV cache ({self.kv_quant}), so --kv-cache-dtype "
+                    "auto would store it in fp8: quantized KV caches are not supported with "
+                    "--enable-layered-kv; pass --kv-cache-dtype bfloat16 to keep the KV unquantized")
+        return None
+
+
+def _kv_quant(quant: Any) -> str | None:
+    """The KV quantization of SGLang's parsed quantization dict, as SGLang resolves
+    ``--kv-cache-dtype auto`` from it: ModelOpt's ``kv_cache_quant_algo``, compressed-tensors'
+    ``kv_cache_scheme`` (an 8-bit float scheme: SGLang takes the
+    static per-tensor ones; the pool's own dtype check refuses whatever else reaches fp8)."""
+    if not isinstance(quant, dict):
+        return None
+    algo = quant.get("kv_cache_quant_algo")
+    if isinstance(algo, str) and algo:
+        return algo.upper()
+    scheme = quant.get("kv_cache_scheme")
+    if isinstance(scheme, dict) and scheme.get("type") == "float" and scheme.get("num_bits") == 8:
+        return "FP8, compressed-tensors kv_cache_scheme"
+    return None

@@ -1,0 +1,118 @@
+"""ModelSupport: models the layered pool cannot serve are refused at launch, naming the feature
+and the model (issue 14, item 3), from SGLang's own ``ModelConfig`` of config-only model dirs.
+
+Each unsupported model has a control that differs in the one feature and is accepted (a Llama,
+the same gpt-oss under ``--disable-hybrid-swa-memory`` minus sinks, the fp8 checkpoint under an
+explicit ``--kv-cache-dtype``). The launcher's path (one ``kvplane:`` line, exit 2, before any
+weight loads) is ``test_launch_validation.py``'s; the pool's own fp8 refusal is here too.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.sglang
+
+BASE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 256, "intermediate_size": 64, "torch_dtype": "bfloat16"}
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
+    "deepseek_v3": {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_key_value_heads": 4,
+                    "kv_lora_rank": 32, "q_lora_rank": None, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16,
+                    "v_head_dim": 16, "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                    "first_k_dense_replace": 2},
+    "qwen3_next": {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "num_hidden_layers": 4,
+                   "head_dim": 16, "full_attention_interval": 4, "linear_num_value_heads": 4,
+                   "linear_num_key_heads": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                   "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "shared_expert_intermediate_size": 32},
+    "gpt_oss": {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "head_dim": 16,
+                "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 32,
+                "layer_types": ["sliding_attention", "full_attention"]},
+    "gemma2": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "head_dim": 16,
+               "attn_logit_softcapping": 50.0, "sliding_window": 32},
+    "llama_fp8_kv": {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                     "quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8",
+                                             "kv_cache_quant_algo": "FP8"}},
+    "llama_ct_fp8_kv": {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                        "quantization_config": {"quant_method": "compressed-tensors", "config_groups": {},
+                                                "kv_cache_scheme": {"type": "float", "num_bits": 8,
+                                                                    "strategy": "tensor", "symmetric": True,
+                                                                    "dynamic": False}}},
+}
+
+
+def model_dir(root: Path, name: str) -> Path:
+    """A config-only model directory (what the launcher reads before any weight)."""
+    path = root / name
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({**BASE, **CONFIGS[name]}))
+    return path
+
+
+def support(root: Path, name: str, *, kv_cache_dtype: str = "auto", disable_hybrid_swa_memory: bool = False):
+    from sglang.srt.configs.model_config import ModelConfig
+
+    from sglang_ext.model_support import ModelSupport
+
+    config = ModelConfig(str(model_dir(root, name)), disable_hybrid_swa_memory=disable_hybrid_swa_memory)
+    return ModelSupport.from_model_config(config, kv_cache_dtype)
+
+
+@pytest.mark.parametrize(("name", "fragment"), [
+    ("deepseek_v3", "DeepseekV3ForCausalLM uses MLA attention (one compressed latent KV per token): "
+                    "--enable-layered-kv places per-head K/V pages and supports MHA / GQA models only"),
+    ("qwen3_next", "Qwen3NextForCausalLM keeps recurrent (SSM / linear-attention) state beside its KV"),
+    ("gpt_oss", "GptOssForCausalLM uses attention sinks, which the layered attention backends do not apply"),
+    ("llama_fp8_kv", "LlamaForCausalLM's checkpoint quantizes the KV cache (FP8), so --kv-cache-dtype auto "
+                     "would store it in fp8"),
+    ("llama_ct_fp8_kv", "quantizes the KV cache (FP8, compressed-tensors kv_cache_scheme)"),
+])
+def test_unsupported_models_are_refused_naming_feature_and_model(tmp_path: Path, name: str, fragment: str) -> None:
+    refusal = support(tmp_path, name).refusal()
+    assert refusal is not None and fragment in refusal and "\n" not in refusal
+
+
+def test_supported_models_pass(tmp_path: Path) -> None:
+    """Controls: a plain Llama; Gemma-2 (soft cap and sliding window are applied in attention); an
+    fp8-KV checkpoint with an explicit unquantized --kv-cache-dtype."""
+    llama = support(tmp_path, "llama")
+    assert llama.refusal() is None and llama.architecture == "LlamaForCausalLM"
+    assert not (llama.mla or llama.recurrent_state or llama.sinks or llama.hybrid_swa_memory or llama.kv_quant)
+    assert support(tmp_path, "gemma2").refusal() is None
+    assert support(tmp_path, "llama_fp8_kv", kv_cache_dtype="bfloat16").refusal() is None
+
+
+def test_hybrid_swa_memory_is_refused_naming_the_flag(tmp_path: Path) -> None:
+    """A hybrid sliding-window model (two SGLang pools) is refused naming --disable-hybrid-swa-memory;
+    under that flag gpt-oss is still refused, for its sinks (a control that each reason is its own)."""
+    from sglang_ext.model_support import ModelSupport
+
+    gpt_oss = support(tmp_path, "gpt_oss")
+    assert gpt_oss.hybrid_swa_memory and gpt_oss.sinks
+    no_sinks = ModelSupport(architecture="Llama4ForCausalLM", hybrid_swa_memory=True)
+    assert "add --disable-hybrid-swa-memory (the window is then applied in attention)" in (no_sinks.refusal() or "")
+    flagged = support(tmp_path, "gpt_oss", disable_hybrid_swa_memory=True)
+    assert not flagged.hybrid_swa_memory and "attention sinks" in (flagged.refusal() or "")
+
+
+def test_the_pool_refuses_an_fp8_dtype_however_it_was_reached() -> None:
+    """``LayeredTokenToKVPool`` refuses an fp8 KV dtype (a checkpoint's KV quantization resolved by
+    SGLang after the launcher); the same pool in fp16 builds (control)."""
+    torch = pytest.importorskip("torch")
+    from sglang_ext.args import LayeredKVArgs
+    from sglang_ext.layered_pool import LayeredTokenToKVPool
+
+    def pool(dtype: Any) -> Any:
+        return LayeredTokenToKVPool(size=64, page_size=2, dtype=dtype, head_num=2, head_dim=4, layer_num=2,
+                                    device="cpu", enable_memory_saver=False,
+                                    layered_args=LayeredKVArgs(enable_layered_kv=True, kv_gpu_budget_tokens=200))
+
+    assert pool(torch.float16).store is not None
+    with pytest.raises(ValueError, match=r"the KV cache dtype resolved to torch\.float8_e4m3fn .*--kv-cache-dtype bfloat16"):
+        pool(torch.float8_e4m3fn)
