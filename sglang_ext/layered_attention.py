@@ -36,9 +36,22 @@ from typing import Any
 import numpy as np
 import torch
 
+from sglang_ext.capped_attention import capped_decode, capped_extend
 from sglang_ext.compat import SDPA_REQ_POOL_INDICES_ARG, TorchNativeAttnBackend
 from sglang_ext.layered_pool import LayeredTokenToKVPool
 from sglang_ext.recompute_forward import RecomputeForward
+
+
+def refuse_attention_kwargs(kwargs: dict[str, Any], layer: Any) -> None:
+    """Raise for an attention argument the layered backends would drop (attention sinks, ...):
+    a model passing one is refused at launch (``sglang_ext/model_support.py``); anything else
+    reaching here fails loudly rather than decode without it. None / False values are no-ops."""
+    passed = sorted(name for name, value in kwargs.items() if value is not None and value is not False)
+    if passed:
+        raise ValueError(
+            f"kvplane layered attention: layer {getattr(layer, 'layer_id', '?')} passed {', '.join(passed)} to "
+            "attention, which the layered backends do not apply: not supported with --enable-layered-kv"
+        )
 
 
 def _request_slots(req_to_token: torch.Tensor, rows: list[int], lens: list[int]) -> list[torch.Tensor]:
@@ -142,6 +155,8 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         """This step's layers launch and wait on nothing (``LayeredKVCore.layers_idle``: an
         all-resident paged step): they skip the pool's per-layer calls but the last layer's exit,
         which ends the step."""
+        self._logit_cap = 0.0
+        """The current layer's soft cap (set around SGLang's torch-native call; 0: none)."""
         self._last_layer = self.pool.start_layer + self.pool.core.layers - 1
         self.overhead_meter: Any = None
         """The process's :class:`~sglang_ext.overhead.OverheadMeter` (set by the scheduler hooks
@@ -256,21 +271,33 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         return True
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):  # noqa: ANN001, ANN201
+        if kwargs:
+            refuse_attention_kwargs(kwargs, layer)
         self._begin_layer(layer.layer_id)
-        out = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        self._logit_cap = layer.logit_cap or 0.0  # > 0: the torch-native loop below is soft-capped
+        try:
+            out = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        finally:
+            self._logit_cap = 0.0
         self._end_layer(layer.layer_id)
         return out
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):  # noqa: ANN001, ANN201
+        if kwargs:
+            refuse_attention_kwargs(kwargs, layer)
         self._begin_layer(layer.layer_id)
         rec = self.recompute
-        if rec.rows is None:
-            out = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
-        else:  # the prefix rows first (their K/V are read by the decode rows), docs/recompute.md
-            index, bs = layer.layer_id - self.pool.start_layer, rec.batch
-            rec.write(self.pool.core, index, k, v, layer)
-            out = super().forward_decode(q, k[:bs], v[:bs], layer, forward_batch, save_kv_cache)
-            rec.attend(index, q, k, v, out, layer)
+        self._logit_cap = layer.logit_cap or 0.0
+        try:
+            if rec.rows is None:
+                out = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+            else:  # the prefix rows first (their K/V are read by the decode rows), docs/recompute.md
+                index, bs = layer.layer_id - self.pool.start_layer, rec.batch
+                rec.write(self.pool.core, index, k, v, layer)
+                out = super().forward_decode(q, k[:bs], v[:bs], layer, forward_batch, save_kv_cache)
+                rec.attend(index, q, k, v, out, layer)
+        finally:
+            self._logit_cap = 0.0
         self._end_layer(layer.layer_id)
         return out
 
@@ -321,9 +348,13 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         return args if self.in_place else (*args[:i], self.compact_rows, *args[i + 1:])
 
     def _run_sdpa_forward_extend(self, *args: Any, **kwargs: Any) -> Any:
+        if self._logit_cap > 0:  # SGLang's loop has no soft cap (sglang_ext/capped_attention.py)
+            return capped_extend(*self._rows_arg(args), cap=self._logit_cap, **kwargs)
         return super()._run_sdpa_forward_extend(*self._rows_arg(args), **kwargs)
 
     def _run_sdpa_forward_decode(self, *args: Any, **kwargs: Any) -> Any:
+        if self._logit_cap > 0:
+            return capped_decode(*self._rows_arg(args), cap=self._logit_cap, **kwargs)
         return super()._run_sdpa_forward_decode(*self._rows_arg(args), **kwargs)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from sglang_ext.layered_attention import LayeredTorchNativeAttnBackend
+from sglang_ext.layered_attention import LayeredTorchNativeAttnBackend, refuse_attention_kwargs
 
 
 class LayeredPagedDecode(LayeredTorchNativeAttnBackend):
@@ -50,7 +50,9 @@ class LayeredPagedDecode(LayeredTorchNativeAttnBackend):
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):  # noqa: ANN001, ANN201
         if not self._paged or layer.is_cross_attention:
-            return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+            return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        if kwargs:
+            refuse_attention_kwargs(kwargs, layer)
         self._begin_layer(layer.layer_id)
         index, rec = layer.layer_id - self.pool.start_layer, self.recompute
         bs = None if rec.rows is None else rec.batch  # recompute rows follow the decode rows

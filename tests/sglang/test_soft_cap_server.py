@@ -1,0 +1,107 @@
+"""A soft-capped model (Gemma-2) served with --enable-layered-kv decodes as the model does.
+
+SGLang's torch-native attention has no logit soft cap, and every layered backend takes its
+extend (prefill) path, so before ``sglang_ext/capped_attention.py`` a Gemma-2 prompt was attended
+uncapped under --enable-layered-kv. The reference here is transformers' own Gemma-2 (eager
+attention, which applies ``attn_logit_softcapping``) on the same fp32 weights: the layered server's
+prompt logprobs, its output tokens' top-5 logprobs (the decode path) and a request that extends
+a cached prefix (the extend path with a prefix) must equal it within :data:`TOL`.
+
+Negative control: vanilla SGLang (the same flags without --enable-layered-kv) serves the same
+model uncapped on the CPU, and the same comparison finds it off by whole units.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sglang_ext.testing.tiny_gemma2 import build_tiny_gemma2
+from tests.sglang.conftest import running_servers
+
+pytestmark = pytest.mark.sglang
+
+TOL = 1e-4
+"""fp32 on both sides: measured 1e-6 on prompt logprobs (the uncapped server: 2.6)."""
+PROMPTS = ("the quick brown fox jumps over the lazy dog and then", "a serving engine keeps the cache")
+FLAGS = ("--dtype", "float32")
+
+
+@pytest.fixture(scope="module")
+def gemma2(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_gemma2(tmp_path_factory.mktemp("tiny-gemma2"), tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def servers(gemma2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
+    specs = [(tmp_path_factory.mktemp("gemma2-vanilla"), FLAGS, None),
+             (tmp_path_factory.mktemp("gemma2-layered"), (*FLAGS, "--enable-layered-kv"), None)]
+    with running_servers(gemma2, specs) as pair:
+        yield pair
+
+
+@pytest.fixture(scope="module")
+def reference(gemma2: Path):
+    """Log-softmax of transformers' Gemma-2 (eager attention: soft-capped) over a token sequence."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(gemma2, attn_implementation="eager", dtype=torch.float32).eval()
+
+    def logprobs(ids: list[int]):
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    return logprobs
+
+
+def generate(server, text: str, *, prompt_logprobs: bool) -> dict:
+    payload = {"text": text, "sampling_params": {"max_new_tokens": 5, "temperature": 0},
+               "return_logprob": True, "top_logprobs_num": 5}
+    if prompt_logprobs:
+        payload["logprob_start_len"] = 0
+    return server.post("/generate", payload)
+
+
+def worst_error(response: dict, reference, ids: list[int]) -> float:
+    """Largest |logprob - reference| over the prompt tokens (when the response has them) and the
+    output positions' top-5 tokens; ``ids``: the prompt's token ids."""
+    meta = response["meta_info"]
+    out = [e[1] for e in meta["output_token_logprobs"]]
+    ref, n, errors = reference(ids + out), len(ids), []
+    for i, entry in enumerate((meta.get("input_token_logprobs") or [])[1:]):
+        assert entry[1] == ids[i + 1]
+        errors.append(abs(float(entry[0]) - float(ref[i, ids[i + 1]])))
+    for pos, tops in enumerate(meta["output_top_logprobs"]):
+        for logprob, token, *_ in tops:
+            errors.append(abs(float(logprob) - float(ref[n - 1 + pos, token])))
+    return max(errors)
+
+
+def prompt_ids(server, text: str) -> list[int]:
+    meta = generate(server, text, prompt_logprobs=True)["meta_info"]
+    return [int(e[1]) for e in meta["input_token_logprobs"]]
+
+
+def test_layered_server_equals_the_soft_capped_model(servers, reference) -> None:
+    """Prompt logprobs (extend), output top-5 logprobs (decode) and a cached-prefix extend."""
+    _, layered = servers
+    for text in PROMPTS:
+        ids = prompt_ids(layered, text)
+        response = generate(layered, text, prompt_logprobs=True)
+        assert worst_error(response, reference, ids) <= TOL, text
+    # served once already (its ids), a longer prompt is served again from its cached prefix: an
+    # extend whose prefix length is > 0
+    longer = PROMPTS[0] + " the cache keeps serving"
+    ids = prompt_ids(layered, longer)
+    response = generate(layered, longer, prompt_logprobs=False)
+    assert response["meta_info"].get("cached_tokens", 0) > 0
+    assert worst_error(response, reference, ids) <= TOL
+
+
+def test_negative_control_the_uncapped_server_is_caught(servers, reference) -> None:
+    """Vanilla SGLang's torch-native attention ignores the cap: the same comparison fails."""
+    vanilla, _ = servers
+    ids = prompt_ids(vanilla, PROMPTS[0])
+    assert worst_error(generate(vanilla, PROMPTS[0], prompt_logprobs=True), reference, ids) > 100 * TOL
