@@ -7,7 +7,11 @@ when this CPU host cannot feel it:
 - ``_local_scalar_dense`` (``item()``, ``int()``/``bool()``/``float()`` of a tensor),
 - ``nonzero`` / ``masked_select`` / ``unique`` family (output size depends on device data),
 - ``repeat_interleave`` without ``output_size``,
-- a copy into a host tensor that is not pinned from another device (pageable D2H).
+- a copy into a host tensor that is not pinned from another device (pageable D2H),
+- a host read of a tensor (``tolist``, ``numpy``, ``cpu``, ``item``, ``__array__``): on a CPU host
+  these never reach the dispatcher as a device-to-host copy, so while the audit is entered they
+  are flagged by name inside a scope (kvplane's per-layer code keeps its host data in NumPy and
+  never reads a tensor back).
 
 Use: ``with OpAudit() as audit:`` then ``with audit.scope(layer): ...`` around kvplane's calls
 of that layer; ``audit.ops[layer]`` lists the op names seen, ``audit.violations`` the flagged
@@ -51,6 +55,10 @@ def _pageable_d2h(func: Any, args: tuple, kwargs: dict) -> bool:
     return False
 
 
+HOST_READS = ("tolist", "numpy", "cpu", "item", "__array__")
+"""``torch.Tensor`` methods that read a tensor back to the host (flagged by name in a scope)."""
+
+
 class OpAudit(TorchDispatchMode):
     """Per-scope op names and sync violations (see module docstring)."""
 
@@ -59,6 +67,32 @@ class OpAudit(TorchDispatchMode):
         self.ops: dict[Any, list[str]] = defaultdict(list)
         self.violations: list[tuple[Any, str]] = []
         self._scope: Any = None
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> OpAudit:
+        if not self._saved:  # the host reads of the module docstring, restored on exit
+            for name in HOST_READS:
+                self._saved[name] = real = getattr(torch.Tensor, name)
+                setattr(torch.Tensor, name, self._reading(name, real))
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            for name, real in self._saved.items():
+                setattr(torch.Tensor, name, real)
+            self._saved = {}
+
+    def _reading(self, name: str, real: Any) -> Any:
+        audit = self
+
+        def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if audit._scope is not None:
+                audit.violations.append((audit._scope, f"Tensor.{name}"))
+            return real(tensor, *args, **kwargs)
+
+        return read
 
     @contextmanager
     def scope(self, label: Any) -> Iterator[None]:

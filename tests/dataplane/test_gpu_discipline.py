@@ -167,6 +167,46 @@ def test_a_sync_in_the_served_path_would_be_caught(monkeypatch):
     assert audit.violations and all(name == "aten._local_scalar_dense.default" for _, name in audit.violations)
 
 
+def test_the_audit_flags_host_reads_that_a_cpu_host_never_dispatches():
+    """Negative control: tolist, numpy, cpu, item and NumPy conversion of a tensor inside a scope
+    are flagged by name (on a CPU host none of them dispatches a device-to-host copy); outside a
+    scope they are not, and after the audit the methods are torch's own again."""
+    import numpy as np
+
+    real = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy", "cpu", "item", "__array__")}
+    audit = OpAudit()
+    x = torch.tensor([0, 2, 1])
+    with audit:
+        x.tolist()  # outside a scope
+        with audit.scope(5):
+            x.tolist()
+            x.numpy()
+            x.cpu()
+            x[0].item()
+            np.asarray(x)
+    flagged = {name for _, name in audit.violations}  # item also dispatches _local_scalar_dense
+    assert flagged - {"aten._local_scalar_dense.default"} == {
+        "Tensor.__array__", "Tensor.cpu", "Tensor.item", "Tensor.numpy", "Tensor.tolist"}
+    assert all(scope == 5 for scope, _ in audit.violations)
+    assert all(getattr(torch.Tensor, name) is fn for name, fn in real.items())
+
+
+def test_a_host_read_in_the_served_path_would_be_caught(monkeypatch):
+    """Negative control on the real path: a ``tolist`` slipped into ``exit_layer`` is flagged."""
+    from sglang_ext.dataplane import layer_pipeline
+
+    real = layer_pipeline.LayerPipeline.end_layer
+
+    def end_layer_with_a_read(self, layer):  # noqa: ANN001
+        if self.tables is not None:
+            self.tables.tab[layer].tolist()
+        return real(self, layer)
+
+    monkeypatch.setattr(layer_pipeline.LayerPipeline, "end_layer", end_layer_with_a_read)
+    audit, _ = _run(40, 33, 2)
+    assert audit.violations and all(name == "Tensor.tolist" for _, name in audit.violations)
+
+
 def test_attention_waits_on_its_layers_fetch_events_and_one_write_back_ends_the_step():
     """Staged decode step, layers 0 and 2 offloaded: layer 0's fetch starts with the step, layer
     2's when layer 0 ends (same staging slot) and waits on no write-back (the new tokens are
