@@ -23,11 +23,6 @@ from sglang_ext.layered_attention import LayeredTorchNativeAttnBackend, refuse_a
 class LayeredPagedDecode(LayeredTorchNativeAttnBackend):
     """Decode over the step's per-layer page tables (see module docstring)."""
 
-    @property
-    def steady_decode_fast_path(self) -> bool:  # type: ignore[override]
-        """Only in the paged layout, whose fast path builds the tables this decode reads."""
-        return not self.pool.store.identity
-
     def __init__(self, model_runner: Any) -> None:
         super().__init__(model_runner)
         self.pool.core.paged_reads = True  # decode reads the step's page tables, even in place

@@ -35,6 +35,7 @@ import numpy as np
 import structlog
 import torch
 
+from sglang_ext.dataplane.identity_decode_step import IdentityDecodeStep
 from sglang_ext.dataplane.layer_page_moves import LayerPageMoves
 from sglang_ext.dataplane.layer_pipeline import LayerPipeline
 from sglang_ext.dataplane.paged_decode_step import PagedDecodeStep
@@ -94,6 +95,8 @@ class LayeredKVCore:
         resident (:meth:`PagedDecodeStep.still_resident`)."""
         self.paged_decode = PagedDecodeStep(self)
         """The paged layout's steady decode boundary (:meth:`prepare_decode_step` there)."""
+        self.identity_decode = IdentityDecodeStep(self)
+        """The identity layout's steady step read through page tables (``paged_reads``)."""
         self.decode_delta: ResidencyDelta | None = None
         """The last paged steady-decode step's reconciliation (the journalled path has none)."""
 
@@ -318,15 +321,23 @@ class LayeredKVCore:
         request's slots (:class:`PagedDecodeStep`) and stages as usual."""
         if self.store.mirror is not None:
             return self.paged_decode.prepare(rids, seq_lens, new_slots)
-        if new_slots.device.type != "cpu" or new_slots.numel() != len(rids) or self.residency.has_anonymous:
+        if ((new_slots.device.type != "cpu" and not self.paged_reads) or new_slots.numel() != len(rids)
+                or self.residency.has_anonymous):
             return False
-        slots = new_slots.tolist()  # plain ints: one call (a NumPy call costs 5-10 us between forwards)
+        # plain ints: one call (a NumPy call costs 5-10 us between forwards); on a GPU the paged
+        # reads' boundary reads the new slots back here, its one sync (as the paged layout's)
+        slots = new_slots.tolist()
         ps = self.page_size
         if ps == 1:
             owners, pages, written = None, slots, None
         else:
             owners = [i for i, n in enumerate(seq_lens) if (n - 1) % ps == 0]  # opens a new page
             pages, written = [slots[i] // ps for i in owners], [s // ps for s in slots]
+        lists = None
+        if self.paged_reads:  # the decode backends read page tables: the last step's lists, grown
+            lists = self.identity_decode.lists(rids, seq_lens, slots, owners, pages)
+            if lists is None:
+                return False
         if not self.residency.journal.record(rids, owners, pages, written):
             return False
         engine = self.store.engine
@@ -337,6 +348,8 @@ class LayeredKVCore:
             engine.end_compute()
         self.overflow = False
         self.step_loc, self._step_index = new_slots, None
+        if lists is not None:
+            self.identity_decode.begin(lists, seq_lens)
         return True
 
     def settle(self) -> None:

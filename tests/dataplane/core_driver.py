@@ -193,7 +193,7 @@ class CoreDriver:
         core = self.core
         if core.overflow:
             return core.read_kv(layer, torch.tensor(slots))
-        if core.store.identity:
+        if core.store.identity and (core.token_tables or not core.paged_reads):  # the paged kernels read tables
             k_layer, v_layer = core.layer_in_place(layer)
             idx = torch.tensor(slots, device=k_layer.device)
             return k_layer[idx], v_layer[idx]

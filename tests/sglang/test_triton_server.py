@@ -29,10 +29,15 @@ exactness itself is tested against its fp32 reference and on the served core
 (tests/kernels/test_paged_decode.py); this test proves SGLang serves through it."""
 
 
+IDENTITY_FLAGS = ["--enable-layered-kv", "--attention-backend", "triton", "--page-size", "4"]
+"""No --kv-gpu-budget-tokens: the identity layout (nothing offloaded), read through page tables as
+on CUDA by default; pages of 4 tokens, so that steady steps open pages."""
+
+
 @pytest.fixture(scope="module")
-def triton_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, object, SGLangServer, object]]:
-    """The layered Triton server and its stale-advance twin (started side by side), with their
-    pool stats files."""
+def triton_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple]:
+    """The layered Triton server, its stale-advance twin and the nothing-offloaded one (started
+    side by side), each with its pool stats file."""
     root, stale_root = tmp_path_factory.mktemp("layered-triton"), tmp_path_factory.mktemp("stale-staged")
     stats, stale_stats = root / "pool_stats.jsonl", stale_root / "pool_stats.jsonl"
     flags = ["--enable-layered-kv", "--attention-backend", "triton", "--kv-gpu-budget-tokens", "49",
@@ -40,8 +45,12 @@ def triton_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangSer
     env = {"TRITON_INTERPRET": "1", POOL_STATS_FILE_ENV: str(stats)}
     stale_env = {"TRITON_INTERPRET": "1", POOL_STATS_FILE_ENV: str(stale_stats),
                  "PYTHONPATH": str(FAULT_INJECT_DIR), "KVPLANE_TEST_STALE_ADVANCE": "1"}
-    with running_servers(tiny_model_dir, [(root, flags, env), (stale_root, flags, stale_env)]) as (server, stale):
-        yield server, stats, stale, stale_stats
+    identity_root = tmp_path_factory.mktemp("identity-triton")
+    identity_stats = identity_root / "pool_stats.jsonl"
+    identity_env = {"TRITON_INTERPRET": "1", POOL_STATS_FILE_ENV: str(identity_stats)}
+    with running_servers(tiny_model_dir, [(root, flags, env), (stale_root, flags, stale_env),
+                                          (identity_root, IDENTITY_FLAGS, identity_env)]) as (server, stale, identity):
+        yield server, stats, stale, stale_stats, identity, identity_stats
 
 
 @pytest.fixture(scope="module")
@@ -99,3 +108,22 @@ def test_recompute_rows_run_on_the_paged_kernel(triton_server, vanilla_server):
     assert worst <= KERNEL_LOGPROB_ATOL, worst
     steps = read_jsonl(stats_path, before)
     assert sum(1 for s in steps if s["recompute_tokens"]) >= NEW_TOKENS - 1
+
+
+def test_nothing_offloaded_steady_steps_take_the_fast_path_and_match_vanilla(triton_servers, vanilla_server):
+    """The CUDA default's shape (paged decode, no budget: the identity layout): steady decode steps
+    are journalled and read tables grown from the last step's page lists
+    (``IdentityDecodeStep``; before, every decode step read every request's slots and rebuilt its
+    tables), and the generations equal vanilla's. The tables' exactness has its negative control
+    on the core (``tests/dataplane/test_identity_decode.py``)."""
+    server, stats_path = triton_servers[4], triton_servers[5]
+    for prompt in PROMPTS[:3]:
+        got = greedy(server, prompt, NEW_TOKENS, logprobs=True)
+        want = greedy(vanilla_server, prompt, NEW_TOKENS, logprobs=True)
+        assert got["output_ids"] == want["output_ids"], prompt
+        worst = max(abs(a - b) for a, b in zip(token_logprobs(got), token_logprobs(want), strict=True))
+        assert worst <= KERNEL_LOGPROB_ATOL, (prompt, worst)
+    assert "impl=triton" in server.log_path.read_text()
+    last = read_jsonl(stats_path)[-1]
+    assert last["host_fraction"] == 0 and last["overflow_steps_total"] == 0
+    assert last["journalled_decode_steps_total"] >= 3 * (NEW_TOKENS - 2), last

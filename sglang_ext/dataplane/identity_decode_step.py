@@ -1,0 +1,70 @@
+"""IdentityDecodeStep: the identity layout's steady decode step when the decode backends read page
+tables (``LayeredKVCore.paged_reads``: FlashInfer, Triton -- the CUDA defaults).
+
+:meth:`LayeredKVCore.prepare_decode_step` journals a steady step's bookkeeping in the identity
+layout (:class:`~sglang_ext.dataplane.decode_journal.DecodeJournal`) and the layers write in place
+by slot id. Backends that read in place need nothing more; the paged-read backends need the step's
+page tables, which a general step builds by reading every request's slots and looking up the
+``[L, P]`` map at ``L x`` the batch's pages. Here they come from the last step's page lists (this
+core's ``_paged_last``, set by the general step) grown by the pages the new tokens open:
+:class:`~sglang_ext.dataplane.identity_decode_tables.IdentityDecodeTables` (one row and the CSR,
+one upload, one device op). It is the core's logic, split out by role, as
+:class:`~sglang_ext.dataplane.paged_decode_step.PagedDecodeStep` is the paged layout's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from sglang_ext.dataplane.identity_decode_tables import IdentityDecodeTables
+
+if TYPE_CHECKING:
+    from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
+
+
+class IdentityDecodeStep:
+    """The identity layout's paged-read steady step of a :class:`LayeredKVCore` (module docstring)."""
+
+    def __init__(self, core: LayeredKVCore) -> None:
+        self.core = core
+        self.steps = 0
+        """Steps prepared here (their tables from the last step's page lists)."""
+        self._layer_base: torch.Tensor | None = None
+        """``[L, 1]`` int32 ``l * P`` on the device (the tables' per-layer base)."""
+
+    def lists(self, rids: Sequence[str], seq_lens: Sequence[int] | np.ndarray, slots: list[int],
+              owners: list[int] | None, pages: list[int]) -> list[np.ndarray] | None:
+        """The batch's page lists: the last step's (same requests, one token more each), rows
+        ``owners`` (None: every row) grown by ``pages``; None when the step does not continue the
+        last one (or a slot does not continue its request's last page). Changes nothing."""
+        core = self.core
+        last = core._paged_last
+        if last is None or list(rids) != last[0] or len(seq_lens) != len(last[1]):
+            return None
+        ps = core.page_size
+        if any(int(n) != p + 1 for n, p in zip(seq_lens, last[1], strict=True)):
+            return None
+        if ps > 1 and any((int(n) - 1) % ps and s // ps != int(lst[-1])
+                          for s, n, lst in zip(slots, seq_lens, last[2], strict=True)):
+            return None
+        lists = list(last[2])
+        for i, page in zip(range(len(lists)) if owners is None else owners, pages, strict=True):
+            lists[i] = np.append(lists[i], page)
+        return lists
+
+    def begin(self, lists: list[np.ndarray], seq_lens: Sequence[int] | np.ndarray) -> None:
+        """The step's tables from ``lists`` (:meth:`lists`; the journal recorded the step)."""
+        core = self.core
+        lens = [int(n) for n in seq_lens]
+        core._paged_last = (core._paged_last[0], lens, lists)  # type: ignore[index]
+        if self._layer_base is None:
+            layers, lp = core.layers, core.store.config.logical_pages
+            self._layer_base = (torch.arange(layers, dtype=torch.int32) * lp).view(layers, 1).to(core.store.device)
+        core.store.staging_pages = 0
+        core.tables = IdentityDecodeTables(core.store, lists, np.asarray(lens, dtype=np.int64), self._layer_base)
+        core.pipeline.begin_step(core.tables)  # idle (nothing to launch); its last layer ends it
+        self.steps += 1
