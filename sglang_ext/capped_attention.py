@@ -17,6 +17,10 @@ import math
 
 import torch
 
+TILE_SCORES = 1 << 25
+"""Scores (float32) held at once: query rows are tiled so that a long prefill's ``[H, Lq, Lk]``
+matrix never exists whole (128 MiB a tile; an 8K-token prompt at 32 heads would need 8.6 GB)."""
+
 
 def capped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cap: float, scale: float | None,
                 mask: torch.Tensor | None) -> torch.Tensor:
@@ -32,11 +36,25 @@ def capped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cap: float
         k = k.repeat_interleave(heads // kv_heads, dim=0)
         v = v.repeat_interleave(heads // kv_heads, dim=0)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / cap) * cap
+    kf, vf = k.float().transpose(-1, -2), v.float()
+    rows = max(1, TILE_SCORES // max(1, heads * k.shape[1]))  # query rows per tile
+    if rows >= q.shape[1]:
+        return _capped_tile(q, kf, vf, cap, scale, mask)
+    out = q.new_empty((heads, q.shape[1], v.shape[-1]))
+    for start in range(0, q.shape[1], rows):
+        end = start + rows
+        out[:, start:end] = _capped_tile(q[:, start:end], kf, vf, cap, scale,
+                                         None if mask is None else mask[start:end])
+    return out
+
+
+def _capped_tile(q: torch.Tensor, kt: torch.Tensor, v: torch.Tensor, cap: float, scale: float,
+                 mask: torch.Tensor | None) -> torch.Tensor:
+    """:func:`capped_sdpa` of some query rows; ``kt``: the keys transposed, float32."""
+    scores = torch.matmul(q.float(), kt).mul_(scale / cap).tanh_().mul_(cap)
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+        scores.masked_fill_(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v).to(q.dtype)
 
 
 def attend_mask(q_start: int, q_len: int, kv_len: int, *, causal: bool, window: int | None,

@@ -42,6 +42,28 @@ from sglang_ext.layered_pool import LayeredTokenToKVPool
 from sglang_ext.recompute_forward import RecomputeForward
 
 
+def attention_features(model: Any) -> bool:
+    """Whether any attention layer (``RadixAttention``) of ``model`` soft-caps or windows its
+    scores. Raises ValueError, naming the model, for a layer feature the layered backends do not
+    apply: Grok-2's attention temperature (``xai_temperature_len``), a non-``tanh`` soft cap."""
+    found = False
+    for module in model.modules():
+        if not (hasattr(module, "logit_cap") and hasattr(module, "sliding_window_size")):
+            continue
+        cap = float(module.logit_cap or 0.0)
+        if int(getattr(module, "xai_temperature_len", -1) or -1) > 0:
+            raise ValueError(f"kvplane layered attention: {type(model).__name__} scales attention by position "
+                             "(xai_temperature_len), which the layered backends do not apply: not supported "
+                             "with --enable-layered-kv")
+        if cap > 0 and getattr(module, "logit_capping_method", "tanh") != "tanh":
+            raise ValueError(f"kvplane layered attention: {type(model).__name__} soft-caps attention with "
+                             f"{module.logit_capping_method!r}; the layered backends apply 'tanh' only: not "
+                             "supported with --enable-layered-kv")
+        window = module.sliding_window_size
+        found = found or cap > 0 or (window is not None and int(window) >= 0)
+    return found
+
+
 def refuse_attention_kwargs(kwargs: dict[str, Any], layer: Any) -> None:
     """Raise for an attention argument the layered backends would drop (attention sinks, ...):
     a model passing one is refused at launch (``sglang_ext/model_support.py``); anything else
@@ -170,7 +192,10 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         """This step's recompute requests, rid -> (uncached pages u, recomputed layers k, prefix
         ids), set by :class:`~sglang_ext.recompute_requests.RecomputeRequests` (decode steps)."""
         self.recompute = RecomputeForward()
-        self.recompute_ok = self.recompute.wrap_logits(model_runner.model)
+        capped_or_windowed = attention_features(model_runner.model)
+        # eLLM's recompute rows attend with plain causal SDPA (RecomputeForward.attend): not for
+        # models whose layers soft-cap or window their attention
+        self.recompute_ok = not capped_or_windowed and self.recompute.wrap_logits(model_runner.model)
         """The model's decode forward can carry recompute rows (``docs/recompute.md``)."""
         self.recompute_cut_layers = self.recompute.wrap_layers(model_runner.model) if self.recompute_ok else 0
         """Decoder layers at whose entry the rows of prefixes recomputed only below them are cut."""

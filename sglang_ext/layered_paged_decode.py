@@ -5,10 +5,12 @@ Decode steps build no token tables (``pool.token_tables`` off): each layer's att
 row ``l`` of the step's one ``[L, n]`` page table (:class:`~sglang_ext.dataplane.step_tables.StepTables`,
 uploaded once per step) with the step's CSR (``kv_indptr``, ``kv_lens``, ``last_page_len``,
 identical for every layer: a host-only page is staged into the request's staging slot). Extend
-steps, cross-attention and steps without tables go through the torch-native path. The steady
-decode fast path runs in the paged layout, which builds the step's tables from the last step's
-page lists; the identity layout's (journalled, no tables) is off: a paged decode always has its
-tables. Subclasses implement :meth:`decode_layer`.
+steps, cross-attention and steps without tables go through the torch-native path (soft-capped
+where a layer caps: ``sglang_ext/capped_attention.py``). The steady decode fast path builds the
+step's tables from the last step's page lists in both layouts: the paged one advances them
+(:class:`~sglang_ext.dataplane.paged_decode_step.PagedDecodeStep`), the identity one journals the
+step and grows them (:class:`~sglang_ext.dataplane.identity_decode_step.IdentityDecodeStep`).
+Subclasses implement :meth:`decode_layer`.
 """
 
 from __future__ import annotations

@@ -25,6 +25,8 @@ line naming the feature and the model:
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any
 
 from sglang_ext import compat
@@ -58,7 +60,8 @@ class ModelSupport:
             recurrent_state=model_config.attention_arch != arch.MHA or bool(uses_ssm_state(model_config)),
             hybrid_swa_memory=bool(model_config.is_hybrid_swa),
             sinks=bool(model_config.has_attention_sinks),
-            kv_quant=_kv_quant(model_config._parse_quant_hf_config()),
+            kv_quant=_kv_quant(model_config._parse_quant_hf_config()) or _modelopt_file_kv_quant(
+                getattr(model_config, "model_path", None)),
             kv_cache_dtype=str(kv_cache_dtype or "auto"),
         )
 
@@ -86,16 +89,32 @@ class ModelSupport:
 
 
 def _kv_quant(quant: Any) -> str | None:
-    """The KV quantization of SGLang's parsed quantization dict, as SGLang resolves
-    ``--kv-cache-dtype auto`` from it: ModelOpt's ``kv_cache_quant_algo``, compressed-tensors'
-    ``kv_cache_scheme`` (an 8-bit float scheme: SGLang takes the
-    static per-tensor ones; the pool's own dtype check refuses whatever else reaches fp8)."""
+    """The KV quantization of SGLang's parsed quantization dict that makes SGLang store KV in fp8
+    under ``--kv-cache-dtype auto`` (``configure_kv_cache_dtype``): ModelOpt's
+    ``kv_cache_quant_algo`` ``FP8`` (other values keep the model's dtype), or a compressed-tensors
+    ``kv_cache_scheme`` that SGLang takes (static symmetric per-tensor 8-bit float,
+    ``CompressedTensorsKVCacheMethod.is_supported_scheme``)."""
     if not isinstance(quant, dict):
         return None
     algo = quant.get("kv_cache_quant_algo")
-    if isinstance(algo, str) and algo:
-        return algo.upper()
+    if isinstance(algo, str) and algo.upper() == "FP8":
+        return "FP8"
     scheme = quant.get("kv_cache_scheme")
-    if isinstance(scheme, dict) and scheme.get("type") == "float" and scheme.get("num_bits") == 8:
+    if (isinstance(scheme, dict) and scheme.get("type") == "float" and scheme.get("num_bits") == 8
+            and scheme.get("strategy") == "tensor" and scheme.get("symmetric", True)
+            and not scheme.get("dynamic", False)):
         return "FP8, compressed-tensors kv_cache_scheme"
     return None
+
+
+def _modelopt_file_kv_quant(model_path: Any) -> str | None:
+    """ModelOpt's standalone ``hf_quant_config.json`` (older FP8 checkpoints): SGLang's parsed dict
+    drops its ``kv_cache_quant_algo``, its ``ModelOptFp8Config`` reads it from the file."""
+    if not model_path:
+        return None
+    path = Path(str(model_path)) / "hf_quant_config.json"
+    try:
+        quant = json.loads(path.read_text()).get("quantization") if path.is_file() else None
+    except (OSError, ValueError):
+        return None
+    return _kv_quant(quant)

@@ -207,7 +207,7 @@ TORCH_NATIVE_FORWARD_DECODE = Target(
 RADIX_ATTENTION = Target(
     f"{_SRT}.layers.radix_attention.RadixAttention",
     attrs=("layer_id", "is_cross_attention", "tp_q_head_num", "tp_k_head_num", "qk_head_dim", "v_head_dim",
-           "scaling", "logit_cap", "sliding_window_size"),
+           "scaling", "logit_cap", "sliding_window_size", "logit_capping_method", "xai_temperature_len"),
     used_by=("layered_attention", "layered_pool", "recompute_forward", "layered_triton_decode",
              "dataplane.flashinfer_attention"),
 )

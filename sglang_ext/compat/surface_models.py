@@ -13,7 +13,7 @@ _SRT = "sglang.srt"
 MODEL_CONFIG_SUPPORT = Target(
     f"{_SRT}.configs.model_config.ModelConfig",
     attrs=("attention_arch", "is_hybrid_swa", "has_attention_sinks", "hf_config", "hf_text_config",
-           "_parse_quant_hf_config"),
+           "_parse_quant_hf_config", "model_path"),
     used_by=("model_support",),
 )
 """``attention_arch`` (MHA / MLA / SSM), ``is_hybrid_swa`` (already False under

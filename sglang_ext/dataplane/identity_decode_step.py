@@ -48,9 +48,9 @@ class IdentityDecodeStep:
         ps = core.page_size
         if any(int(n) != p + 1 for n, p in zip(seq_lens, last[1], strict=True)):
             return None
-        if ps > 1 and any((int(n) - 1) % ps and s // ps != int(lst[-1])
+        if ps > 1 and any(s % ps != (int(n) - 1) % ps or ((int(n) - 1) % ps and s // ps != int(lst[-1]))
                           for s, n, lst in zip(slots, seq_lens, last[2], strict=True)):
-            return None
+            return None  # a slot that does not continue its request: the general path decides
         lists = list(last[2])
         for i, page in zip(range(len(lists)) if owners is None else owners, pages, strict=True):
             lists[i] = np.append(lists[i], page)

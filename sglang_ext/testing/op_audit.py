@@ -68,21 +68,26 @@ class OpAudit(TorchDispatchMode):
         self.violations: list[tuple[Any, str]] = []
         self._scope: Any = None
         self._saved: dict[str, Any] = {}
+        self._depth = 0
 
     def __enter__(self) -> OpAudit:
-        if not self._saved:  # the host reads of the module docstring, restored on exit
+        entered = super().__enter__()
+        self._depth += 1
+        if self._depth == 1:  # the host reads of the module docstring, restored at the outer exit
             for name in HOST_READS:
                 self._saved[name] = real = getattr(torch.Tensor, name)
                 setattr(torch.Tensor, name, self._reading(name, real))
-        return super().__enter__()
+        return entered
 
     def __exit__(self, *exc: Any) -> Any:
         try:
             return super().__exit__(*exc)
         finally:
-            for name, real in self._saved.items():
-                setattr(torch.Tensor, name, real)
-            self._saved = {}
+            self._depth -= 1
+            if self._depth == 0:
+                for name, real in self._saved.items():
+                    setattr(torch.Tensor, name, real)
+                self._saved = {}
 
     def _reading(self, name: str, real: Any) -> Any:
         audit = self

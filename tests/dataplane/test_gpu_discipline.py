@@ -189,6 +189,16 @@ def test_the_audit_flags_host_reads_that_a_cpu_host_never_dispatches():
         "Tensor.__array__", "Tensor.cpu", "Tensor.item", "Tensor.numpy", "Tensor.tolist"}
     assert all(scope == 5 for scope, _ in audit.violations)
     assert all(getattr(torch.Tensor, name) is fn for name, fn in real.items())
+    again = OpAudit()  # re-entered (per layer, as the served audit does): patched until the outer exit
+    with again:
+        with again:
+            pass
+        with again.scope(1):
+            x.tolist()
+    assert again.violations == [(1, "Tensor.tolist")]
+    with pytest.raises(RuntimeError), again:  # an exception inside: restored all the same
+        raise RuntimeError
+    assert all(getattr(torch.Tensor, name) is fn for name, fn in real.items())
 
 
 def test_a_host_read_in_the_served_path_would_be_caught(monkeypatch):

@@ -111,3 +111,40 @@ def test_attention_arguments_the_backends_would_drop_are_refused() -> None:
     refuse_attention_kwargs({"sinks": None, "return_lse": False}, layer)
     with pytest.raises(ValueError, match="layer 3 passed sinks to attention"):
         refuse_attention_kwargs({"sinks": torch.zeros(4)}, layer)
+
+
+def test_long_queries_are_tiled_with_the_same_result(monkeypatch) -> None:
+    """A long prefill is attended in query tiles (``TILE_SCORES``): the same result as in one piece."""
+    from sglang_ext import capped_attention
+
+    k_cache, v_cache, rtt, idx, seq, prefix, ext, q, qd = _case(2, scale=3.0)
+    kw = {"cap": 0.5, "scaling": 0.3, "causal": True, "sliding_window_size": 3}
+    whole = capped_extend(q, torch.empty_like(q), k_cache, v_cache, rtt, idx, seq, prefix, ext, **kw)
+    monkeypatch.setattr(capped_attention, "TILE_SCORES", H * 14 * 2)  # 2 query rows a tile at 14 keys
+    tiled = capped_extend(q, torch.empty_like(q), k_cache, v_cache, rtt, idx, seq, prefix, ext, **kw)
+    assert torch.allclose(tiled, whole, atol=1e-6)
+
+
+def test_model_attention_features_are_read_and_unsupported_ones_refused() -> None:
+    """``attention_features``: a plain model has none (eLLM recompute stays on), a soft cap or a
+    window is found (recompute off: its rows attend with plain causal SDPA), Grok-2's position
+    temperature and a non-tanh cap are refused naming the feature."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    from sglang_ext.layered_attention import attention_features
+
+    def model(**kw):  # noqa: ANN003, ANN202
+        return torch.nn.ModuleList([RadixAttention(4, 16, 0.25, 2, layer_id=0),
+                                    RadixAttention(4, 16, 0.25, 2, layer_id=1, **kw)])
+
+    assert attention_features(model()) is False
+    assert attention_features(model(logit_cap=30.0)) is True
+    assert attention_features(model(sliding_window_size=64)) is True
+    grok = model()
+    grok[1].xai_temperature_len = 1024
+    with pytest.raises(ValueError, match="xai_temperature_len"):
+        attention_features(grok)
+    other = model(logit_cap=30.0)
+    other[1].logit_capping_method = "idx"
+    with pytest.raises(ValueError, match="soft-caps attention with 'idx'"):
+        attention_features(other)

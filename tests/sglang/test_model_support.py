@@ -78,6 +78,41 @@ def test_unsupported_models_are_refused_naming_feature_and_model(tmp_path: Path,
     assert refusal is not None and fragment in refusal and "\n" not in refusal
 
 
+def test_a_standalone_modelopt_quant_file_with_fp8_kv_is_refused(tmp_path: Path) -> None:
+    """Older ModelOpt FP8 checkpoints declare the KV quantization only in ``hf_quant_config.json``
+    (SGLang's parsed dict drops it; its ModelOptFp8Config reads the file); without the KV entry
+    the same checkpoint passes (control)."""
+    path = model_dir(tmp_path / "kv", "llama")
+    (path / "hf_quant_config.json").write_text(json.dumps(
+        {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}))
+    from sglang.srt.configs.model_config import ModelConfig
+
+    from sglang_ext.model_support import ModelSupport
+
+    refusal = ModelSupport.from_model_config(ModelConfig(str(path)), "auto").refusal()
+    assert refusal is not None and "quantizes the KV cache (FP8)" in refusal
+    control = model_dir(tmp_path / "weights-only", "llama")
+    (control / "hf_quant_config.json").write_text(json.dumps(
+        {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8"}}))
+    assert ModelSupport.from_model_config(ModelConfig(str(control)), "auto").refusal() is None
+
+
+@pytest.mark.parametrize(("quant", "expected"), [
+    ({"kv_cache_quant_algo": "fp8"}, "FP8"),
+    ({"kv_cache_quant_algo": "NVFP4"}, None),  # SGLang keeps the model's dtype for anything but FP8
+    ({"kv_cache_scheme": {"type": "float", "num_bits": 8, "strategy": "tensor"}}, "FP8, compressed-tensors kv_cache_scheme"),
+    ({"kv_cache_scheme": {"type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": True}}, None),
+    ({"kv_cache_scheme": {"type": "float", "num_bits": 8, "strategy": "channel"}}, None),
+    ({"kv_cache_scheme": {"type": "int", "num_bits": 8, "strategy": "tensor"}}, None),
+    (None, None),
+])
+def test_only_the_kv_quantizations_sglang_stores_in_fp8_count(quant, expected) -> None:
+    """As SGLang's configure_kv_cache_dtype and is_supported_scheme decide (no false refusals)."""
+    from sglang_ext.model_support import _kv_quant
+
+    assert _kv_quant(quant) == expected
+
+
 def test_supported_models_pass(tmp_path: Path) -> None:
     """Controls: a plain Llama; Gemma-2 (soft cap and sliding window are applied in attention); an
     fp8-KV checkpoint with an explicit unquantized --kv-cache-dtype."""
