@@ -18,7 +18,7 @@ SOFT_CAP = 0.3
 
 
 def build_tiny_gemma2(directory: str | Path, tokenizer_from: str | Path, *, seed: int = 0) -> Path:
-    """Write a 2-layer Gemma-2 (a sliding and a full attention layer) with the tokenizer files of
+    """Write a 2-layer Gemma-2 (a sliding-window layer of 8 tokens, then a full attention layer) with the tokenizer files of
     the tiny model at ``tokenizer_from`` into ``directory``; return its path."""
     import torch
     from transformers import Gemma2Config, Gemma2ForCausalLM
@@ -28,7 +28,7 @@ def build_tiny_gemma2(directory: str | Path, tokenizer_from: str | Path, *, seed
     config = Gemma2Config(
         vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=512, attn_logit_softcapping=SOFT_CAP,
-        final_logit_softcapping=None, sliding_window=64, query_pre_attn_scalar=16, initializer_range=0.3,
+        final_logit_softcapping=None, sliding_window=8, query_pre_attn_scalar=16, initializer_range=0.3,
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
     torch.manual_seed(seed)

@@ -5,7 +5,9 @@ extend (prefill) path, so before ``sglang_ext/capped_attention.py`` a Gemma-2 pr
 uncapped under --enable-layered-kv. The reference here is transformers' own Gemma-2 (eager
 attention, which applies ``attn_logit_softcapping``) on the same fp32 weights: the layered server's
 prompt logprobs, its output tokens' top-5 logprobs (the decode path) and a request that extends
-a cached prefix (the extend path with a prefix) must equal it within :data:`TOL`.
+a cached prefix (the extend path with a prefix) must equal it within :data:`TOL`; so must a
+server decoding with kvplane's Triton paged kernel (under the Triton interpreter), with prompts
+longer than the model's sliding window (8 tokens, on its first layer).
 
 Negative control: vanilla SGLang (the same flags without --enable-layered-kv) serves the same
 model uncapped on the CPU, and the same comparison finds it off by whole units.
@@ -27,6 +29,9 @@ TOL = 1e-4
 """fp32 on both sides: measured 1e-6 on prompt logprobs (the uncapped server: 2.6)."""
 PROMPTS = ("the quick brown fox jumps over the lazy dog and then", "a serving engine keeps the cache")
 FLAGS = ("--dtype", "float32")
+TRITON_FLAGS = ("--enable-layered-kv", "--attention-backend", "triton", "--page-size", "4")
+"""kvplane's Triton paged decode (cap and window in the kernel) over the identity layout's steady
+tables (``IdentityDecodeStep``), pages of 4 tokens."""
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +42,10 @@ def gemma2(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 @pytest.fixture(scope="module")
 def servers(gemma2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
     specs = [(tmp_path_factory.mktemp("gemma2-vanilla"), FLAGS, None),
-             (tmp_path_factory.mktemp("gemma2-layered"), (*FLAGS, "--enable-layered-kv"), None)]
-    with running_servers(gemma2, specs) as pair:
-        yield pair
+             (tmp_path_factory.mktemp("gemma2-layered"), (*FLAGS, "--enable-layered-kv"), None),
+             (tmp_path_factory.mktemp("gemma2-triton"), (*FLAGS, *TRITON_FLAGS), {"TRITON_INTERPRET": "1"})]
+    with running_servers(gemma2, specs) as trio:
+        yield trio
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +92,7 @@ def prompt_ids(server, text: str) -> list[int]:
 
 def test_layered_server_equals_the_soft_capped_model(servers, reference) -> None:
     """Prompt logprobs (extend), output top-5 logprobs (decode) and a cached-prefix extend."""
-    _, layered = servers
+    layered = servers[1]
     for text in PROMPTS:
         ids = prompt_ids(layered, text)
         response = generate(layered, text, prompt_logprobs=True)
@@ -102,6 +108,17 @@ def test_layered_server_equals_the_soft_capped_model(servers, reference) -> None
 
 def test_negative_control_the_uncapped_server_is_caught(servers, reference) -> None:
     """Vanilla SGLang's torch-native attention ignores the cap: the same comparison fails."""
-    vanilla, _ = servers
+    vanilla = servers[0]
     ids = prompt_ids(vanilla, PROMPTS[0])
     assert worst_error(generate(vanilla, PROMPTS[0], prompt_logprobs=True), reference, ids) > 100 * TOL
+
+
+def test_the_triton_paged_decode_applies_cap_and_window(servers, reference) -> None:
+    """The paged decode kernel (under the Triton interpreter) over the identity layout's tables:
+    the same reference, prompts longer than the window (8 tokens, layer 0)."""
+    triton = servers[2]
+    for text in PROMPTS:
+        ids = prompt_ids(triton, text)
+        assert len(ids) > 8
+        assert worst_error(generate(triton, text, prompt_logprobs=True), reference, ids) <= TOL, text
+    assert "impl=triton" in triton.log_path.read_text()
