@@ -213,6 +213,40 @@ def test_cuda_advanced_paged_steps_bit_exact():
     d.check_at_rest()
 
 
+def test_cuda_identity_steady_steps_read_their_grown_tables_bit_exact():
+    """Nothing offloaded on CUDA (the identity layout) with paged reads, as SGLang serves FlashInfer
+    and Triton by default: steady steps are journalled and read tables grown from the last step's
+    page lists (one upload, one device add: ``IdentityDecodeTables``); every read inside a step and
+    at rest equals the shadow bit for bit."""
+    core = make_core(None, device="cuda", page_size=4, pages=24)
+    assert core.store.identity
+    d = CoreDriver(core, seed=9, fast_decode=True, paged_reads=True)
+    d.add("a")
+    d.add("b")
+    d.step([("a", 5), ("b", 3)])
+    for _ in range(8):
+        d.step([("a", 1), ("b", 1)])
+    assert core.identity_decode.steps == 8 and core.tables is None
+    d.check_at_rest()
+
+
+def test_flashinfer_decode_over_identity_tables_matches_dense():
+    """FlashInfer over the identity layout's steady tables (page 16; two steps open a page): every
+    layer of every step equals dense."""
+    core = make_core(None, dtype=torch.bfloat16, device="cuda", page_size=16, head_dim=FLASHINFER_DIM)
+    d = CoreDriver(core, seed=2, fast_decode=True, paged_reads=True)
+    checked: list[int] = []
+    check = _flashinfer_checker(core, d, checked)
+    d.add("a")
+    d.add("b")
+    d.step([("a", 40), ("b", 23)])
+    d.on_layer = check
+    for _ in range(12):
+        d.step([("a", 1), ("b", 1)])
+    assert core.identity_decode.steps == 12 and len(checked) == 12 * LAYERS
+    d.check_at_rest()
+
+
 def test_flashinfer_decode_over_advanced_tables_matches_dense():
     """FlashInfer, as SGLang's layered decode runs it (page tables, no token tables, one plan per
     step), over resident steady steps of page 16: the steps after the first run on advanced tables
