@@ -58,14 +58,19 @@ def triton_server(triton_servers) -> tuple[SGLangServer, object]:
     return triton_servers[0], triton_servers[1]
 
 
-def test_triton_paged_decode_matches_vanilla_with_kv_on_host(triton_server, vanilla_server):
-    server, stats_path = triton_server
-    for prompt in PROMPTS[:4]:
+def assert_kernel_matches_vanilla(server: SGLangServer, vanilla: SGLangServer, prompts) -> None:  # noqa: ANN001
+    """Vanilla's greedy tokens, logprobs within :data:`KERNEL_LOGPROB_ATOL`, for every prompt."""
+    for prompt in prompts:
         got = greedy(server, prompt, NEW_TOKENS, logprobs=True)
-        want = greedy(vanilla_server, prompt, NEW_TOKENS, logprobs=True)
+        want = greedy(vanilla, prompt, NEW_TOKENS, logprobs=True)
         assert got["output_ids"] == want["output_ids"], prompt
         worst = max(abs(a - b) for a, b in zip(token_logprobs(got), token_logprobs(want), strict=True))
         assert worst <= KERNEL_LOGPROB_ATOL, (prompt, worst)
+
+
+def test_triton_paged_decode_matches_vanilla_with_kv_on_host(triton_server, vanilla_server):
+    server, stats_path = triton_server
+    assert_kernel_matches_vanilla(server, vanilla_server, PROMPTS[:4])
     log = server.log_path.read_text()
     assert "layered_triton_decode_active" in log and "impl=triton" in log  # the kernel, not the reference
     steps = read_jsonl(stats_path)
@@ -117,12 +122,7 @@ def test_nothing_offloaded_steady_steps_take_the_fast_path_and_match_vanilla(tri
     tables), and the generations equal vanilla's. The tables' exactness has its negative control
     on the core (``tests/dataplane/test_identity_decode.py``)."""
     server, stats_path = triton_servers[4], triton_servers[5]
-    for prompt in PROMPTS[:3]:
-        got = greedy(server, prompt, NEW_TOKENS, logprobs=True)
-        want = greedy(vanilla_server, prompt, NEW_TOKENS, logprobs=True)
-        assert got["output_ids"] == want["output_ids"], prompt
-        worst = max(abs(a - b) for a, b in zip(token_logprobs(got), token_logprobs(want), strict=True))
-        assert worst <= KERNEL_LOGPROB_ATOL, (prompt, worst)
+    assert_kernel_matches_vanilla(server, vanilla_server, PROMPTS[:3])
     assert "impl=triton" in server.log_path.read_text()
     last = read_jsonl(stats_path)[-1]
     assert last["host_fraction"] == 0 and last["overflow_steps_total"] == 0
