@@ -25,7 +25,8 @@ everything resident) skips re-reading every request's slots: only the step's new
 :class:`LayeredFlashInferDecode` (GPU, import-guarded): decode through
 :class:`~sglang_ext.dataplane.flashinfer_attention.FlashInferLayeredDecode` with one plan per
 step (``kv_indptr``/``last_page_len`` are the same for every layer) and per-layer page tables
-that are rows of the step's one table tensor. Extend (prefill) uses the torch path.
+that are rows of the step's one table tensor. Extend (prefill) reads the same tables through
+kvplane's Triton paged-extend kernel (``sglang_ext/layered_paged_decode.py``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``LayeredFlashInferDecode``: the layered GPU serving backend (replaces SGLang's ``flashinfer``
 under ``--enable-layered-kv``): decode through FlashInfer over the step's per-layer page tables,
-extend through the torch path.
+extend through kvplane's Triton paged-extend kernel over the same tables (``LayeredPagedDecode``).
 
 One FlashInfer plan per step and per distinct layer parameters (soft cap, sliding window:
 :class:`~sglang_ext.dataplane.flashinfer_attention.AttentionParams`); per layer the page ids are

@@ -1,7 +1,7 @@
 """``LayeredTritonDecode``: replaces SGLang's ``triton`` attention backend under
 ``--enable-layered-kv``: decode through kvplane's Triton paged-decode kernel
-(:func:`kernels.paged_decode.paged_decode`) over the step's per-layer page tables, extend
-through the torch path.
+(:func:`kernels.paged_decode.paged_decode`) over the step's per-layer page tables; extend
+through the paged-extend kernel over the same tables (``LayeredPagedDecode``).
 
 The kernel runs natively on CUDA and under the Triton interpreter (``TRITON_INTERPRET=1``) on
 CPU, which is how CI serves real SGLang requests through the same kernel code a GPU runs
@@ -19,7 +19,7 @@ import torch
 
 from kernels.block_copy import triton_usable
 from kernels.paged_decode import paged_decode
-from sglang_ext.layered_paged_decode import LayeredPagedDecode
+from sglang_ext.layered_paged_decode import LayeredPagedDecode, layer_cap_window
 
 log = structlog.get_logger(__name__)
 
@@ -38,10 +38,8 @@ class LayeredTritonDecode(LayeredPagedDecode):
             log.info("layered_triton_decode_active",
                      impl="triton" if triton_usable(q, store.dev[0]) else "torch-reference")
         self.decode_layers += 1
-        cap = float(getattr(layer, "logit_cap", 0.0) or 0.0)
-        window = getattr(layer, "sliding_window_size", -1)
+        cap, window = layer_cap_window(layer)
         return paged_decode(
             q, store.dev[0], store.dev[1], tables.kv_indptr, tables.tab[index], tables.kv_lens,
-            sm_scale=getattr(layer, "scaling", None), logits_soft_cap=max(cap, 0.0),
-            window_left=int(window) if window is not None and int(window) >= 0 else -1,
+            sm_scale=getattr(layer, "scaling", None), logits_soft_cap=cap, window_left=window,
         )

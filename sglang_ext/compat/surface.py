@@ -207,15 +207,16 @@ TORCH_NATIVE_FORWARD_DECODE = Target(
 RADIX_ATTENTION = Target(
     f"{_SRT}.layers.radix_attention.RadixAttention",
     attrs=("layer_id", "is_cross_attention", "tp_q_head_num", "tp_k_head_num", "qk_head_dim", "v_head_dim",
-           "scaling", "logit_cap", "sliding_window_size", "logit_capping_method", "xai_temperature_len"),
+           "scaling", "logit_cap", "sliding_window_size", "logit_capping_method", "xai_temperature_len",
+           "attn_type"),
     used_by=("layered_attention", "layered_pool", "recompute_forward", "layered_triton_decode",
-             "dataplane.flashinfer_attention"),
+             "layered_paged_decode", "dataplane.flashinfer_attention"),
 )
 FORWARD_BATCH = Target(
     f"{_SRT}.model_executor.forward_batch_info.ForwardBatch",
     attrs=("forward_mode", "req_pool_indices", "seq_lens", "seq_lens_cpu", "rids", "out_cache_loc",
-           "input_ids", "positions", "extend_seq_lens_cpu"),
-    used_by=("layered_attention", "recompute_forward"),
+           "input_ids", "positions", "extend_seq_lens_cpu", "extend_seq_lens", "extend_start_loc"),
+    used_by=("layered_attention", "recompute_forward", "layered_paged_decode"),
 )
 FORWARD_MODE = Target(f"{_SRT}.model_executor.forward_batch_info.ForwardMode", attrs=("is_decode", "is_extend"),
                       used_by=("scheduler_hooks", "layered_attention"))

@@ -7,7 +7,9 @@
    vs one contiguous pinned copy; H2D + D2H together vs one direction; host syncs per step inside
    layers; kvplane's CPU time per step as a share of the all-resident step -- each with its
    target and PASS / FAIL / N/A (:mod:`.gpu_check_report`).
-3. JSON and Markdown under ``benchmarks/results/gpu/gpu-check-<machine>.{json,md}``.
+3. The paged-extend (prefill) kernel the paged backends serve extends with, vs its reference and
+   vs the torch-native loop it replaced (:class:`~sglang_ext.tools.gpu_check_extend.ExtendCheck`).
+4. JSON and Markdown under ``benchmarks/results/gpu/gpu-check-<machine>.{json,md}``.
 
 It never imports SGLang (the GPU host has torch, Triton and nvcc; FlashInfer's wheel may be
 brought, SGLang's may not). ``--device cpu`` is the dry run: the same code at the ``small``
@@ -30,6 +32,7 @@ import torch
 
 from sglang_ext.dataplane.bench_env import NO_GPU_EXIT, describe_device, resolve_device
 from sglang_ext.tools.gpu_check_config import PRESETS, GpuCheckConfig
+from sglang_ext.tools.gpu_check_extend import ExtendCheck
 from sglang_ext.tools.gpu_check_measure import CoreCheck
 from sglang_ext.tools.gpu_check_report import Figure, GpuCheckReport, guarded_phase
 from sglang_ext.tools.gpu_check_tests import REPO_ROOT, GpuTestRun
@@ -127,6 +130,9 @@ def _run(args: argparse.Namespace, device: str, config: GpuCheckConfig) -> int:
     # a failure keeps what the check measured before it (its details so far)
     figures = guarded_phase("core_check", "served-core measurements", "CoreCheck.run", core)
     details: dict[str, Any] = built[0].details if built else {}
+    extend = ExtendCheck(config, device)
+    figures += guarded_phase("extend.max_abs_err", "paged extend (prefill) kernel", "ExtendCheck.run", extend.run)
+    details["extend"] = extend.details
     report = GpuCheckReport(
         machine=machine, device=device, command="kvplane " + shlex.join(sys.argv[1:] or ["gpu-check"]),
         environment=environment(), config={**vars(config), "contexts": list(config.contexts)}, tests=tests,

@@ -33,6 +33,7 @@ FIGURE_KEYS = {
     "overlap.hidden_step_rel.dma", "duplex_vs_one_direction.dma", "overlap.fetch_launch_ms", "h2d_vs_contiguous.dma",
     "graph.replay_max_abs_diff", "graph.replayed_steps_attention_err", "graph.layers_ms.eager",
     "graph.layers_ms.replay", "graph.step_ms.eager", "graph.step_ms.replay", "graph.kvplane_cpu_share",
+    "extend.max_abs_err", "extend.vs_torch_loop", "extend.vs_dense_sdpa", "extend.tflops",
 }
 TARGETS = {  # the issue's targets, by figure
     "stall_rel_err": ("<=", 0.10), "h2d_vs_contiguous": (">=", 0.85), "duplex_vs_one_direction": (">=", 1.5),
@@ -41,7 +42,7 @@ TARGETS = {  # the issue's targets, by figure
     "transfer_events.h2d_gbps": (">=", 1.0), "transfer_events.d2h_gbps": (">=", 1.0),
     "transfer_events.h2d_vs_wall_rel_err": ("<=", 0.25), "transfer_events.stall_vs_wall_rel_err": ("<=", 0.25),
     "overlap.hidden_step_rel": ("<=", 0.10), "overlap.hidden_step_rel.dma": ("<=", 0.10),
-    "duplex_vs_one_direction.dma": (">=", 1.5),
+    "duplex_vs_one_direction.dma": (">=", 1.5), "extend.max_abs_err": ("<=", 1e-4), "extend.vs_torch_loop": ("<=", 1.0),
 }
 CPU_NOT_MEANINGFUL = {"stall_rel_err", "h2d_vs_contiguous", "duplex_vs_one_direction", "kvplane_cpu_share",
                       "recompute_step_rel_err", "transfer_events.h2d_gbps", "transfer_events.d2h_gbps",
@@ -49,8 +50,10 @@ CPU_NOT_MEANINGFUL = {"stall_rel_err", "h2d_vs_contiguous", "duplex_vs_one_direc
                       "overlap.hidden_step_rel", "overlap.fetch_launch_ms"}
 NOT_ON_CPU = {"overlap.hidden_step_rel.dma", "duplex_vs_one_direction.dma", "h2d_vs_contiguous.dma"}
 """Figures of the copy engines: CUDA only (N/A without a value, the note says why)."""
-GRAPH_KEYS = {key for key in FIGURE_KEYS if key.startswith("graph.")}
-"""The CUDA-graph probe's figures: N/A without a value on the CPU (no graph to capture)."""
+GRAPH_KEYS = {key for key in FIGURE_KEYS if key.startswith("graph.")} | {
+    "extend.vs_torch_loop", "extend.vs_dense_sdpa", "extend.tflops"}
+"""The CUDA-graph probe's figures (no graph to capture) and the extend kernel's timings: N/A
+without a value on the CPU."""
 
 
 def _result(tmp_path):
@@ -80,6 +83,7 @@ def test_cpu_dry_run_end_to_end(tmp_path, capsys):
     assert tests["skipped"] > 0 and tests["passed"] == tests["failed"] == tests["errors"] == 0
     figures = {f["key"]: f for f in body["figures"]}
     assert set(figures) == FIGURE_KEYS
+    assert figures["extend.max_abs_err"]["status"] == PASS and body["details"]["extend"]["max_abs_err"] < 1e-4
     assert body["environment"]["kvplane_tree"] in ("clean", "modified")  # a stale head is flagged
     cpu = body["details"]["kvplane_cpu_ms_per_step"]
     assert cpu["vanilla_kv_write"] > 0 and 0 <= cpu["resident_steps_advanced"] <= cpu["resident_steps_timed"]
@@ -405,3 +409,28 @@ def test_sync_probe_records_where_a_sync_came_from():
     assert probe.runtime["kvplane"] == 1
     (site, n), = probe.where("kvplane").items()
     assert n == 1 and site.startswith("torch/cuda/x.py:7 <- test_gpu_check.py:")
+
+
+def test_extend_phase_grades_the_kernel_against_its_reference(monkeypatch):
+    """The prefill phase's error figure is the kernel's distance from the fp32 reference (the
+    interpreter here): PASS as served, FAIL when the reference it is held to moves by 1e-3
+    (negative control: the figure reads the kernel's output, not a constant)."""
+    from sglang_ext.tools import gpu_check_extend
+    from sglang_ext.tools.gpu_check_config import SMALL
+
+    check = gpu_check_extend.ExtendCheck(SMALL, "cpu")
+    figures = {f.key: f for f in check.run()}
+    assert figures["extend.max_abs_err"].status == PASS and figures["extend.max_abs_err"].value < 1e-4
+    assert check.details["prompts"] == [list(p) for p in gpu_check_extend.CPU_PROMPTS]
+    real = gpu_check_extend.paged_extend_ref
+    monkeypatch.setattr(gpu_check_extend, "paged_extend_ref", lambda **t: real(**t) + 1e-3)
+    moved = {f.key: f for f in gpu_check_extend.ExtendCheck(SMALL, "cpu").run()}["extend.max_abs_err"]
+    assert moved.status == FAIL and moved.value >= 1e-3
+
+
+def test_causal_flops_counts_the_keys_each_query_sees():
+    """One query after a 3-token prefix sees 4 keys; 3 new tokens without prefix see 1 + 2 + 3."""
+    from sglang_ext.tools.gpu_check_extend import causal_flops
+
+    assert causal_flops(((3, 1),), 1, 1) == 4 * 4
+    assert causal_flops(((0, 3), (3, 1)), 2, 8) == 4 * 2 * 8 * (6 + 4)

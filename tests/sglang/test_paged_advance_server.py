@@ -47,7 +47,8 @@ def advance_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangSe
              "--max-total-tokens", "1024", "--kv-gpu-budget-tokens", "2048"]
     # the test-only injector only audits here (perturbs nothing): the served per-layer ops
     env = {"TRITON_INTERPRET": "1", POOL_STATS_FILE_ENV: str(stats), "PYTHONPATH": str(FAULT_INJECT_DIR),
-           "KVPLANE_TEST_AUDIT_FILE": str(root / "audit.json"), OVERHEAD_FILE_ENV: str(root / "overhead.json")}
+           "KVPLANE_TEST_AUDIT_FILE": str(root / "audit.json"), OVERHEAD_FILE_ENV: str(root / "overhead.json"),
+           "KVPLANE_TEST_AUDIT_TORCH_EXTEND_FILE": str(root / "torch_extend")}
     stale_env = {"TRITON_INTERPRET": "1", "PYTHONPATH": str(FAULT_INJECT_DIR), "KVPLANE_TEST_STALE_ADVANCE": "1"}
     with running_servers(tiny_model_dir, [(root, flags, env), (stale_root, flags, stale_env)]) as (server, stale):
         yield server, stats, stale
@@ -124,7 +125,7 @@ def test_served_decode_layers_make_no_host_sync_and_the_same_ops(advance_server)
     greedy(server, PROMPTS[4], NEW_TOKENS)  # batch 1, then 2 (also what the tests above served)
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda p: greedy(server, p, NEW_TOKENS), (PROMPTS[5], PROMPTS[6] + " again")))
-    steps = json.loads((stats_path.parent / "audit.json").read_text())
+    steps = [s for s in json.loads((stats_path.parent / "audit.json").read_text()) if not s["extend"]]
     paged = [s for s in steps if s["paged"]]
     assert len(paged) >= 10 and {s["batch"] for s in paged} >= {1, 2}
     assert all(not s.get("violations") for s in steps), [s["violations"] for s in steps if s.get("violations")]
@@ -165,3 +166,37 @@ def test_the_meter_counts_the_paged_decode_kv_writes(advance_server):
     forwards = out["counts"]["prepare_steady_decode"] + out["counts"].get("prepare_general", 0)
     assert out["counts"]["prepare_steady_decode"] > forwards // 2  # mostly paged decode steps
     assert out["calls"]["kv_write"] == LAYERS * forwards, (out["calls"], out["counts"])
+
+
+def test_served_extend_layers_run_the_kernel_with_no_host_sync_and_the_same_ops(advance_server, vanilla_server):
+    """GPU discipline for prefill, in the process SGLang serves from: every extend step the tests
+    above served (and a batch of two prompts of different lengths) ran on the paged-extend kernel,
+    and kvplane's per-layer work around it (layer begin, KV write, layer end) made no op that
+    would make a CUDA host wait, with the same ops at every layer of every extend step, whatever
+    the batch or prompt lengths. Negative control: extends served by SGLang's torch-native path
+    (the kernel turned off for them by the test-only injector) show the audit its host reads
+    (``_local_scalar_dense``: the per-request loop's device lengths, at every layer)."""
+    server, stats_path = advance_server
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda p: greedy(server, p, 2, logprobs=True), (PROMPTS[8], PROMPTS[9] + " a b c d")))
+    for prompt, response in zip((PROMPTS[8], PROMPTS[9] + " a b c d"), got, strict=True):
+        _matches(response, greedy(vanilla_server, prompt, 2, logprobs=True), prompt)
+    audit_path = stats_path.parent / "audit.json"
+    extends = [s for s in json.loads(audit_path.read_text()) if s["extend"]]
+    assert len(extends) >= 8 and all(s["kernel"] for s in extends), [s["kernel"] for s in extends]
+    assert {s["batch"] for s in extends} >= {1, 2}
+    assert all(not s.get("violations") for s in extends), [s["violations"] for s in extends if s.get("violations")]
+    first = extends[0]["layers"]["0"]
+    assert first and any("index_copy" in op or "index_put" in op for op in first)  # the KV write is in scope
+    for s in extends:
+        assert len(s["layers"]) == LAYERS and all(ops == first for ops in s["layers"].values()), s
+    seen = len(json.loads(audit_path.read_text()))
+    flag = stats_path.parent / "torch_extend"
+    flag.touch()
+    try:
+        greedy(server, PROMPTS[10] + " control", 1)
+    finally:
+        flag.unlink()
+    control = [s for s in json.loads(audit_path.read_text())[seen:] if s["extend"]]
+    assert control and not any(s["kernel"] for s in control)
+    assert all(any("_local_scalar_dense" in str(v) for v in s.get("violations", [])) for s in control), control

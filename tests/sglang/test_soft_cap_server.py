@@ -6,8 +6,9 @@ uncapped under --enable-layered-kv. The reference here is transformers' own Gemm
 attention, which applies ``attn_logit_softcapping``) on the same fp32 weights: the layered server's
 prompt logprobs, its output tokens' top-5 logprobs (the decode path) and a request that extends
 a cached prefix (the extend path with a prefix) must equal it within :data:`TOL`; so must a
-server decoding with kvplane's Triton paged kernel (under the Triton interpreter), with prompts
-longer than the model's sliding window (8 tokens, on its first layer).
+server prefilling and decoding with kvplane's Triton paged-extend and paged-decode kernels (under
+the Triton interpreter), with prompts longer than the model's sliding window (8 tokens, on its
+first layer).
 
 Negative control: vanilla SGLang (the same flags without --enable-layered-kv) serves the same
 model uncapped on the CPU, and the same comparison finds it off by whole units.
@@ -30,8 +31,8 @@ TOL = 1e-4
 PROMPTS = ("the quick brown fox jumps over the lazy dog and then", "a serving engine keeps the cache")
 FLAGS = ("--dtype", "float32")
 TRITON_FLAGS = ("--enable-layered-kv", "--attention-backend", "triton", "--page-size", "4")
-"""kvplane's Triton paged decode (cap and window in the kernel) over the identity layout's steady
-tables (``IdentityDecodeStep``), pages of 4 tokens."""
+"""kvplane's Triton paged extend and paged decode (cap and window in the kernels) over the
+identity layout's tables (steady decode: ``IdentityDecodeStep``), pages of 4 tokens."""
 
 
 @pytest.fixture(scope="module")
@@ -113,12 +114,19 @@ def test_negative_control_the_uncapped_server_is_caught(servers, reference) -> N
     assert worst_error(generate(vanilla, PROMPTS[0], prompt_logprobs=True), reference, ids) > 100 * TOL
 
 
-def test_the_triton_paged_decode_applies_cap_and_window(servers, reference) -> None:
-    """The paged decode kernel (under the Triton interpreter) over the identity layout's tables:
-    the same reference, prompts longer than the window (8 tokens, layer 0)."""
+def test_the_triton_paged_kernels_apply_cap_and_window(servers, reference) -> None:
+    """The paged extend (prompt logprobs, a cached-prefix extend) and paged decode kernels (under
+    the Triton interpreter) over the identity layout's tables: the same reference, prompts longer
+    than the window (8 tokens, layer 0)."""
     triton = servers[2]
     for text in PROMPTS:
         ids = prompt_ids(triton, text)
         assert len(ids) > 8
         assert worst_error(generate(triton, text, prompt_logprobs=True), reference, ids) <= TOL, text
-    assert "impl=triton" in triton.log_path.read_text()
+    longer = PROMPTS[1] + " and the prefix is cached"
+    ids = prompt_ids(triton, longer)
+    response = generate(triton, longer, prompt_logprobs=False)
+    assert response["meta_info"].get("cached_tokens", 0) > 8
+    assert worst_error(response, reference, ids) <= TOL
+    log = triton.log_path.read_text()
+    assert "layered_paged_extend_active" in log and log.count("impl=triton") >= 2  # extend and decode

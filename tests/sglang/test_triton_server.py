@@ -42,7 +42,9 @@ def triton_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple]:
     stats, stale_stats = root / "pool_stats.jsonl", stale_root / "pool_stats.jsonl"
     flags = ["--enable-layered-kv", "--attention-backend", "triton", "--kv-gpu-budget-tokens", "49",
              "--max-total-tokens", "48"]
-    env = {"TRITON_INTERPRET": "1", POOL_STATS_FILE_ENV: str(stats)}
+    # the test-only injector perturbs nothing until the extend test creates its flag file
+    env = {"TRITON_INTERPRET": "1", POOL_STATS_FILE_ENV: str(stats), "PYTHONPATH": str(FAULT_INJECT_DIR),
+           "KVPLANE_TEST_SHIFT_EXTEND_FILE": str(root / "shift_extend")}
     stale_env = {"TRITON_INTERPRET": "1", POOL_STATS_FILE_ENV: str(stale_stats),
                  "PYTHONPATH": str(FAULT_INJECT_DIR), "KVPLANE_TEST_STALE_ADVANCE": "1"}
     identity_root = tmp_path_factory.mktemp("identity-triton")
@@ -66,6 +68,23 @@ def assert_kernel_matches_vanilla(server: SGLangServer, vanilla: SGLangServer, p
         assert got["output_ids"] == want["output_ids"], prompt
         worst = max(abs(a - b) for a, b in zip(token_logprobs(got), token_logprobs(want), strict=True))
         assert worst <= KERNEL_LOGPROB_ATOL, (prompt, worst)
+
+
+def prompt_logprobs(server: SGLangServer, prompt: str) -> tuple[list[float], list[int], int]:
+    """The prompt tokens' logprobs (all but the first: every one computed by the prefill's
+    extend), the greedy token after them (one: the tiny random model's next logits can tie
+    within fp16 rounding, e.g. -5.2011 vs -5.2001 after this module's extend prompt) and how many
+prompt tokens came from the prefix cache."""
+    got = server.post("/generate", {"text": prompt, "return_logprob": True, "logprob_start_len": 0,
+                                    "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
+    entries = got["meta_info"]["input_token_logprobs"]
+    assert entries[0][0] is None and len(entries) >= 2
+    return [float(e[0]) for e in entries[1:]], got["output_ids"], int(got["meta_info"]["cached_tokens"])
+
+
+EXTEND_PROMPT = "Colors: red orange yellow green blue indigo violet, then the"
+"""A prompt of more new tokens than one interpreter block of the extend kernel (16), short enough
+for the server's 48-token pool with its continuation."""
 
 
 def test_triton_paged_decode_matches_vanilla_with_kv_on_host(triton_server, vanilla_server):
@@ -127,3 +146,36 @@ def test_nothing_offloaded_steady_steps_take_the_fast_path_and_match_vanilla(tri
     last = read_jsonl(stats_path)[-1]
     assert last["host_fraction"] == 0 and last["overflow_steps_total"] == 0
     assert last["journalled_decode_steps_total"] >= 3 * (NEW_TOKENS - 2), last
+
+
+def test_prefill_runs_the_paged_extend_kernel_and_matches_vanilla(triton_servers, vanilla_server):
+    """Prefill on the paged backends reads the layered page tables through kvplane's Triton
+    paged-extend kernel (``kernels/paged_extend.py``; before, SGLang's torch-native per-request
+    loop, which reads lengths from the device at every layer): every prompt token's logprob
+    equals vanilla's within the kernel tolerance -- with most layer-KV on host (the budget of 49
+    tokens) and for a prompt extending a cached prefix. Negative control: the same server handing
+    the kernel ``kv_lens - 1`` (tests/sglang/fault_inject: each new token misses itself) fails."""
+    server, stats_path = triton_servers[0], triton_servers[1]
+    flag = stats_path.parent / "shift_extend"
+    cached = []
+    for prompt in (EXTEND_PROMPT, EXTEND_PROMPT + " quick fox"):  # the second hits the first's prefix
+        got, got_ids, hit = prompt_logprobs(server, prompt)
+        want, want_ids, _ = prompt_logprobs(vanilla_server, prompt)
+        assert len(got) == len(want) > 16 and got_ids == want_ids, prompt
+        cached.append(hit)
+        worst = max(abs(a - b) for a, b in zip(got, want, strict=True))
+        assert worst <= KERNEL_LOGPROB_ATOL, (prompt, worst)
+    assert cached[1] >= 16, cached  # the second prompt's extend read a cached prefix
+    log = server.log_path.read_text()
+    assert "path='paged-extend kernel'" in log or "path=paged-extend kernel" in log, "extend path not logged"
+    assert "layered_paged_extend_active" in log and "impl=triton" in log
+    assert read_jsonl(stats_path)[-1]["overflow_steps_total"] == 0
+    control = "A cache keeps recent data close, and time to first token measures"
+    flag.touch()
+    try:
+        shifted, _, _ = prompt_logprobs(server, control)
+    finally:
+        flag.unlink()
+    want, _, _ = prompt_logprobs(vanilla_server, control)
+    worst = max(abs(a - b) for a, b in zip(shifted, want, strict=True))
+    assert worst > KERNEL_LOGPROB_ATOL, f"a shifted extend table went unnoticed (worst {worst:.2e})"

@@ -20,6 +20,14 @@ layer: the layer's begin, KV write and end; the attention kernel itself is not r
 ``PATH`` is rewritten after every layer with each decode step's ops per layer, its batch size,
 any host-sync op (the GPU-discipline audit, in the process SGLang serves from), whether the
 backend took the step as idle and the pool's ``enter_layer`` / ``exit_layer`` calls it made.
+Extend steps are recorded too (``"extend": true``, ``"kernel"``: whether the paged-extend kernel
+served it; its launch is not recorded, as decode's). While the file
+``KVPLANE_TEST_AUDIT_TORCH_EXTEND_FILE`` exists, extends take SGLang's torch-native path instead
+(the audit's negative control: that path reads lengths from the device inside every layer).
+
+With ``KVPLANE_TEST_SHIFT_EXTEND_FILE=PATH``, while ``PATH`` exists the paged-extend kernel is
+handed ``kv_lens - 1``: every new token attends one position short (it misses itself) -- what a
+wrong extend table would do (the extend test's negative control toggles it per request).
 
 With ``KVPLANE_TEST_STALE_ADVANCE=1``, an advanced paged step keeps the last step's new-token
 rows (``PagedStepTables.advanced`` without its ``rows + 1``, ``advanced_staged`` with the last
@@ -35,6 +43,7 @@ import os
 import sys
 
 TARGET = "sglang_ext.dataplane.layer_pipeline"
+EXTEND_TARGET = "sglang_ext.layered_paged_decode"
 RECOMPUTE_TARGET = "sglang_ext.dataplane.layered_kv_core"
 
 
@@ -135,18 +144,36 @@ def _patch_audit(module) -> None:  # noqa: ANN001
 
     # host reads (a device tensor's tolist, numpy, cpu, item) are flagged by OpAudit itself
 
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):  # noqa: ANN001, ANN202
-        if layer.layer_id == self.pool.start_layer:
-            core = self.pool.core
-            steps.append({"batch": int(forward_batch.batch_size), "paged": bool(self._paged), "layers": {},
-                          "advanced_total": core.advanced_decode_steps, "idle": bool(self.idle)})
-        audit.ops.clear()
-        inside.append(steps[-1])
+    real_extend, real_extend_layer = cls.forward_extend, cls.extend_layer
+    real_metadata = cls.init_forward_metadata
+    torch_extend_flag = os.environ.get("KVPLANE_TEST_AUDIT_TORCH_EXTEND_FILE", "")
+
+    def init_forward_metadata(self, forward_batch):  # noqa: ANN001, ANN202
+        kernel = self.extend_kernel
+        self.extend_kernel = kernel and not (torch_extend_flag and os.path.exists(torch_extend_flag))
         try:
-            with audit, audit.scope(layer.layer_id):
-                out = real_forward(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+            return real_metadata(self, forward_batch)
         finally:
-            inside.clear()
+            self.extend_kernel = kernel
+
+    def audited(real, extend: bool):  # noqa: ANN001, ANN202
+        def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):  # noqa: ANN001, ANN202
+            if layer.layer_id == self.pool.start_layer:
+                core = self.pool.core
+                steps.append({"batch": int(forward_batch.batch_size), "paged": bool(self._paged), "layers": {},
+                              "advanced_total": core.advanced_decode_steps, "idle": bool(self.idle),
+                              "extend": extend, "kernel": bool(self._extend_paged) if extend else None})
+            audit.ops.clear()
+            inside.append(steps[-1])
+            try:
+                with audit, audit.scope(layer.layer_id):
+                    out = real(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+            finally:
+                inside.clear()
+            return _record(out, layer)
+        return forward
+
+    def _record(out, layer):  # noqa: ANN001, ANN202
         steps[-1]["layers"][str(layer.layer_id)] = dict(Counter(audit.ops[layer.layer_id]))
         steps[-1]["violations"] = steps[-1].get("violations", []) + [list(x) for x in audit.violations]
         audit.violations.clear()
@@ -159,7 +186,25 @@ def _patch_audit(module) -> None:  # noqa: ANN001
         with audit.scope(None):  # the attention kernel is not kvplane's per-layer work
             return real_kernel(self, q, layer, index)
 
-    cls.forward_decode, cls.decode_layer = forward_decode, decode_layer
+    def extend_layer(self, q, layer, index, forward_batch):  # noqa: ANN001, ANN202
+        with audit.scope(None):
+            return real_extend_layer(self, q, layer, index, forward_batch)
+
+    cls.forward_decode, cls.decode_layer = audited(real_forward, False), decode_layer
+    cls.forward_extend, cls.extend_layer = audited(real_extend, True), extend_layer
+    cls.init_forward_metadata = init_forward_metadata
+
+
+def _patch_extend_shift(module) -> None:  # noqa: ANN001
+    flag = os.environ["KVPLANE_TEST_SHIFT_EXTEND_FILE"]
+    real = module.paged_extend
+
+    def shifted(q, k_cache, v_cache, q_start, q_lens, kv_indptr, kv_indices, kv_lens, *args, **kwargs):  # noqa: ANN001, ANN202
+        if os.path.exists(flag):
+            kv_lens = kv_lens - 1
+        return real(q, k_cache, v_cache, q_start, q_lens, kv_indptr, kv_indices, kv_lens, *args, **kwargs)
+
+    module.paged_extend = shifted
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -191,3 +236,5 @@ if os.environ.get("KVPLANE_TEST_STALE_ADVANCE"):
     sys.meta_path.insert(0, _Finder(ADVANCE_TARGET, _patch_advance))
 if os.environ.get("KVPLANE_TEST_AUDIT_FILE"):
     sys.meta_path.insert(0, _Finder(AUDIT_TARGET, _patch_audit))
+if os.environ.get("KVPLANE_TEST_SHIFT_EXTEND_FILE"):
+    sys.meta_path.insert(0, _Finder(EXTEND_TARGET, _patch_extend_shift))

@@ -1,0 +1,246 @@
+"""Layered paged extend (prefill) attention: a batch of new tokens per request attends causally to
+the request's whole sequence, every K/V read through one layer's page table.
+
+The extend-side twin of :mod:`kernels.paged_decode`, over the same per-step CSR
+(``StepTables``): ``kv_indptr [B+1]``, ``kv_lens [B]`` (the sequence length *after* this
+forward's tokens) and ``kv_indices = tables.tab[layer]``. The forward writes its new K/V into the
+pages first (``set_kv_buffer``), so a cached prefix (radix hit, earlier chunk of a chunked
+prefill) and the new tokens are read alike, from wherever the layer's table points: the device
+copy, the request's staging slot, or the identity page.
+
+Queries ``q [T, Hq, D]`` are SGLang's extend layout: request ``b``'s ``q_lens[b]`` new tokens are
+rows ``q_start[b] ..`` (``forward_batch.extend_start_loc`` / ``extend_seq_lens``, device
+tensors: no host read). New token ``i`` of request ``b`` sits at position
+``p = kv_lens[b] - q_lens[b] + i`` and attends keys ``j`` with ``j <= p`` (and
+``j >= p - window_left`` when ``window_left >= 0``: SGLang's sliding window), with
+``logits = q . k * sm_scale``, soft-capped ``cap * tanh(logits / cap)`` when ``logits_soft_cap > 0``.
+GQA: q head ``h`` reads kv head ``h // (Hq / Hkv)``. Rows of ``q`` outside every request's range
+are not written.
+
+The Triton kernel is flash-attention shaped: one program per (request, q head, block of
+``BLOCK_M`` new tokens), an online softmax over key tiles of ``BLOCK_N`` tokens up to the block's
+last position (no tile past the diagonal is read). On CUDA with 16-bit K/V its two dots run on
+the tensor cores in the cache dtype with fp32 accumulation (prefill is compute bound); under the
+interpreter (CI) and for fp32 caches both run in fp32 (``input_precision="ieee"``: the
+interpreter multiplies bf16 operands as raw bits, see :mod:`kernels.paged_decode`), so CI tests
+the kernel's indexing, masking and softmax, and the gpu-marked tests its 16-bit dots. The grid
+depends on shapes and ``max_q_len`` (SGLang's ``extend_seq_lens_cpu``): no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.block_copy import HAVE_TRITON, triton_usable
+from kernels.lazy_jit import LazyKernel
+from kernels.paged_decode import SUPPORTED_DTYPES, _scale
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    _MAX = tl.standard._elementwise_max  # builtin reductions: see kernels/paged_decode.py
+    _SUM = tl.standard._sum_combine
+
+CUDA_BLOCKS = (64, 64)
+"""``(BLOCK_M, BLOCK_N)`` on CUDA: new tokens per program, keys per tile."""
+INTERPRETER_BLOCKS = (16, 32)
+"""The same under the interpreter (its cost is per program and per tile op, not per FLOP)."""
+LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_start: torch.Tensor,
+           q_lens: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens: torch.Tensor,
+           logits_soft_cap: float, window_left: int) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [tokens, q_heads, head_dim], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError("k_cache and v_cache must both be [pages, page_size, kv_heads, head_dim]; got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    _, q_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"head_dim differs: q {head_dim} vs cache {k_cache.shape[3]}")
+    if q_heads % kv_heads:
+        raise ValueError(f"q_heads={q_heads} must be a multiple of kv_heads={kv_heads}")
+    if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype not in SUPPORTED_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"q and the caches must have dtypes of {SUPPORTED_DTYPES}, k_cache and v_cache the "
+                         f"same; got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    vectors = {"q_start": q_start, "q_lens": q_lens, "kv_indptr": kv_indptr, "kv_indices": kv_indices,
+               "kv_lens": kv_lens}
+    flat = [name for name, t in vectors.items() if t.dim() != 1]
+    if flat:
+        raise ValueError(f"{', '.join(flat)} must be 1-D")
+    batch = q_lens.numel()
+    if q_start.numel() != batch or kv_lens.numel() != batch or kv_indptr.numel() != batch + 1:
+        raise ValueError(f"batch={batch} (q_lens) needs q_start [B], kv_lens [B] and kv_indptr [B+1]; got "
+                         f"{tuple(q_start.shape)}, {tuple(kv_lens.shape)} and {tuple(kv_indptr.shape)}")
+    if not (isinstance(window_left, int) and window_left >= -1):
+        raise ValueError(f"window_left must be an int >= -1 (-1: no window), got {window_left!r}")
+    if not (logits_soft_cap >= 0.0 and logits_soft_cap < float("inf")):
+        raise ValueError(f"logits_soft_cap must be finite and >= 0 (0: off), got {logits_soft_cap!r}")
+
+
+def paged_extend_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_start: torch.Tensor,
+                     q_lens: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                     kv_lens: torch.Tensor, *, sm_scale: float | None = None, logits_soft_cap: float = 0.0,
+                     window_left: int = -1) -> torch.Tensor:
+    """Torch reference of :func:`paged_extend`: a dense gather and masked softmax per request, in
+    fp32 (host reads of the CSR: a reference, not a served path). Uncovered rows are zero."""
+    _check(q, k_cache, v_cache, q_start, q_lens, kv_indptr, kv_indices, kv_lens, logits_soft_cap, window_left)
+    _, q_heads, head_dim = q.shape
+    num_pages, page_size, kv_heads, _ = k_cache.shape
+    group, scale = q_heads // kv_heads, _scale(sm_scale, head_dim)
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    starts, elens, indptr, lens = q_start.tolist(), q_lens.tolist(), kv_indptr.tolist(), kv_lens.tolist()
+    for b, (s, e, n) in enumerate(zip(starts, elens, lens, strict=True)):
+        pages = kv_indices[indptr[b]: indptr[b + 1]].to(device=k_cache.device, dtype=torch.long)
+        if not 0 <= e <= n or pages.numel() * page_size < n:
+            raise ValueError(f"request {b}: {e} new of {n} tokens in {pages.numel()} pages of {page_size}")
+        if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
+            raise ValueError(f"request {b}: page ids must lie in [0, {num_pages}), got {pages.tolist()}")
+        if e == 0:
+            continue
+        t = torch.arange(n, device=k_cache.device)
+        k = k_cache[pages[t // page_size], t % page_size].float().repeat_interleave(group, dim=1)  # [n, Hq, D]
+        v = v_cache[pages[t // page_size], t % page_size].float().repeat_interleave(group, dim=1)
+        logits = torch.einsum("qhd,thd->hqt", q[s: s + e].float(), k.to(q.device)) * scale
+        if logits_soft_cap > 0:
+            logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
+        pos = (n - e + torch.arange(e, device=q.device))[:, None]
+        keys = torch.arange(n, device=q.device)[None, :]
+        keep = keys <= pos
+        if window_left >= 0:
+            keep &= keys >= pos - window_left
+        logits = logits.masked_fill(~keep[None], float("-inf"))
+        out[s: s + e] = torch.einsum("hqt,thd->qhd", torch.softmax(logits, dim=-1), v.to(q.device))
+    return out.to(q.dtype)
+
+
+if HAVE_TRITON:
+
+    def _extend_fn(
+        q_ptr, k_ptr, v_ptr, o_ptr, qstart_ptr, qlen_ptr, indptr_ptr, indices_ptr, lens_ptr,
+        sm_scale, soft_cap,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+        window_left,
+        GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, USE_CAP: tl.constexpr, LOW_PRECISION: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        first = tl.program_id(2) * BLOCK_M
+        q_len = tl.load(qlen_ptr + b)
+        kv_len = tl.load(lens_ptr + b)
+        q0 = tl.load(qstart_ptr + b).to(tl.int64)
+        page_base = tl.load(indptr_ptr + b).to(tl.int64)
+        prefix = kv_len - q_len
+        offs_m = first + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        m_mask = offs_m < q_len
+        d_mask = offs_d < HEAD_DIM
+        pos = prefix + offs_m
+        kv_head = h // GROUP
+        q = tl.load(q_ptr + (q0 + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                    mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+        if LOW_PRECISION:
+            q = q.to(k_ptr.dtype.element_ty)
+        else:
+            q = q.to(tl.float32)
+        # keys up to this block's last position (none for a block past the request's new tokens)
+        hi = tl.where(first < q_len, tl.minimum(prefix + first + BLOCK_M, kv_len), 0)
+        lo = hi * 0
+        if window_left >= 0:
+            lo = tl.maximum(prefix + first - window_left, 0)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+        acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
+        for t0 in range(lo, hi, BLOCK_N):
+            t = t0 + tl.arange(0, BLOCK_N)
+            t_mask = t < hi
+            page = tl.load(indices_ptr + page_base + t // PAGE, mask=t_mask, other=0).to(tl.int64)
+            slot = (t % PAGE).to(tl.int64)
+            kv_mask = t_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_ks + kv_head * stride_kh
+                        + offs_d[None, :], mask=kv_mask, other=0.0)
+            if LOW_PRECISION:
+                qk = tl.dot(q, tl.trans(k)) * sm_scale
+            else:
+                qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * sm_scale
+            if USE_CAP:  # cap * tanh(x / cap), through exp(-2|x|) (kernels/paged_decode.py)
+                e = tl.exp(-2.0 * tl.abs(qk) / soft_cap)
+                th = (1.0 - e) / (1.0 + e)
+                qk = soft_cap * tl.where(qk < 0, -th, th)
+            keep = t_mask[None, :] & (t[None, :] <= pos[:, None])
+            keep = keep & ((t[None, :] >= pos[:, None] - window_left) | (window_left < 0))
+            qk = tl.where(keep, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.reduce(qk, 1, _MAX))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(qk - m_safe[:, None])
+            l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
+            v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh
+                        + offs_d[None, :], mask=kv_mask, other=0.0)
+            if LOW_PRECISION:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            m_i = m_new
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(o_ptr + (q0 + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+    _extend_kernel = LazyKernel(_extend_fn)
+
+
+def paged_extend_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_start: torch.Tensor,
+                        q_lens: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                        kv_lens: torch.Tensor, max_q_len: int, *, sm_scale: float | None = None,
+                        logits_soft_cap: float = 0.0, window_left: int = -1) -> torch.Tensor:
+    """Triton paged extend (one launch, no host sync). ``max_q_len`` (a host int, at least every
+    ``q_lens[b]``) sizes the grid. Page ids are not range-checked."""
+    if not HAVE_TRITON:
+        raise RuntimeError("triton is not importable; use paged_extend_ref")
+    _check(q, k_cache, v_cache, q_start, q_lens, kv_indptr, kv_indices, kv_lens, logits_soft_cap, window_left)
+    if not (isinstance(max_q_len, int) and max_q_len >= 0):
+        raise ValueError(f"max_q_len must be an int >= 0, got {max_q_len!r}")
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("k_cache and v_cache need a contiguous head_dim (stride 1)")
+    _, q_heads, head_dim = q.shape
+    _, page_size, kv_heads, _ = k_cache.shape
+    batch = q_lens.numel()
+    out = torch.empty_like(q)
+    if batch == 0 or max_q_len == 0 or q.shape[0] == 0:
+        return out
+    q = q if q.stride(2) == 1 else q.contiguous()
+    low = q.is_cuda and k_cache.dtype in LOW_PRECISION_DTYPES
+    block_m, block_n = CUDA_BLOCKS if q.is_cuda else INTERPRETER_BLOCKS
+    _extend_kernel[(batch, q_heads, triton.cdiv(max_q_len, block_m))](
+        q, k_cache, v_cache, out, q_start, q_lens, kv_indptr, kv_indices.contiguous(), kv_lens,
+        _scale(sm_scale, head_dim), float(logits_soft_cap),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        window_left,
+        GROUP=q_heads // kv_heads, PAGE=page_size, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), USE_CAP=logits_soft_cap > 0, LOW_PRECISION=low,
+    )
+    return out
+
+
+def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_start: torch.Tensor,
+                 q_lens: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens: torch.Tensor,
+                 max_q_len: int, *, sm_scale: float | None = None, logits_soft_cap: float = 0.0,
+                 window_left: int = -1, impl: str = "auto") -> torch.Tensor:
+    """Extend attention ``[T, Hq, D]`` of one layer through its page table (module docstring).
+
+    impl ``auto`` (Triton on CUDA or under TRITON_INTERPRET=1, else the reference) | ``triton``
+    | ``torch``."""
+    if impl not in ("auto", "triton", "torch"):
+        raise ValueError(f"impl must be one of auto, triton, torch; got {impl!r}")
+    args = (q, k_cache, v_cache, q_start, q_lens, kv_indptr, kv_indices, kv_lens)
+    if impl == "torch" or (impl == "auto" and not triton_usable(q, k_cache)):
+        return paged_extend_ref(*args, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, window_left=window_left)
+    return paged_extend_triton(*args, max_q_len, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
+                               window_left=window_left)
