@@ -43,7 +43,10 @@ if HAVE_TRITON:
     _SUM = tl.standard._sum_combine
 
 CUDA_BLOCKS = (64, 64)
-"""``(BLOCK_M, BLOCK_N)`` on CUDA: new tokens per program, keys per tile."""
+"""``(BLOCK_M, BLOCK_N)`` on CUDA with 16-bit caches: new tokens per program, keys per tile."""
+CUDA_FP32_BLOCKS = (32, 32)
+"""The same for fp32 caches (fp32 tiles: 64 x 64 at head_dim 128 need 115 KB of shared memory,
+more than consumer Ampere / Ada GPUs have)."""
 INTERPRETER_BLOCKS = (16, 32)
 """The same under the interpreter (its cost is per program and per tile op, not per FLOP)."""
 LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
@@ -215,7 +218,10 @@ def paged_extend_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         return out
     q = q if q.stride(2) == 1 else q.contiguous()
     low = q.is_cuda and k_cache.dtype in LOW_PRECISION_DTYPES
-    block_m, block_n = CUDA_BLOCKS if q.is_cuda else INTERPRETER_BLOCKS
+    block_m, block_n = (CUDA_BLOCKS if low else CUDA_FP32_BLOCKS) if q.is_cuda else INTERPRETER_BLOCKS
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    # 8 warps from head_dim 128: with 4, ptxas spills (255 registers, 1.8 KB of stores at 128 on sm_90)
+    extra = {"num_warps": 8 if block_d >= 128 else 4} if q.is_cuda else {}
     _extend_kernel[(batch, q_heads, triton.cdiv(max_q_len, block_m))](
         q, k_cache, v_cache, out, q_start, q_lens, kv_indptr, kv_indices.contiguous(), kv_lens,
         _scale(sm_scale, head_dim), float(logits_soft_cap),
@@ -224,7 +230,7 @@ def paged_extend_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         window_left,
         GROUP=q_heads // kv_heads, PAGE=page_size, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), USE_CAP=logits_soft_cap > 0, LOW_PRECISION=low,
+        BLOCK_D=block_d, USE_CAP=logits_soft_cap > 0, LOW_PRECISION=low, **extra,
     )
     return out
 

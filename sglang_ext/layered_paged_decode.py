@@ -89,7 +89,10 @@ class LayeredPagedDecode(LayeredTorchNativeAttnBackend):
         tables = self.pool.tables
         staged = tables is not None and tables.batch > 0 and not self.pool.overflow
         self._paged = decode and staged
-        self._extend_paged = extend and staged
+        # SGLang pads extend_seq_lens but not extend_start_loc for two-batch overlap / attention-TP
+        # scatter (ForwardBatch._pad_inputs_to_size): the kernel then reads the torch path's way
+        self._extend_paged = extend and staged and (
+            forward_batch.extend_start_loc.numel() == forward_batch.extend_seq_lens.numel() == tables.batch)
         self._max_new = max(int(x) for x in new) if self._extend_paged else 0
 
     def new_step(self) -> None:

@@ -131,7 +131,7 @@ def _run(args: argparse.Namespace, device: str, config: GpuCheckConfig) -> int:
     figures = guarded_phase("core_check", "served-core measurements", "CoreCheck.run", core)
     details: dict[str, Any] = built[0].details if built else {}
     extend = ExtendCheck(config, device)
-    figures += guarded_phase("extend.max_abs_err", "paged extend (prefill) kernel", "ExtendCheck.run", extend.run)
+    figures += guarded_phase("extend_check", "paged extend (prefill) kernel", "ExtendCheck.run", extend.run)
     details["extend"] = extend.details
     report = GpuCheckReport(
         machine=machine, device=device, command="kvplane " + shlex.join(sys.argv[1:] or ["gpu-check"]),

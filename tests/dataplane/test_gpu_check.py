@@ -23,6 +23,8 @@ from sglang_ext.tools.gpu_check_report import (
 )
 from sglang_ext.tools.gpu_check_tests import GpuTestRun
 
+EXTEND_KEYS = ["extend.max_abs_err", "extend.vs_torch_loop", "extend.vs_dense_sdpa", "extend.tflops"]
+"""The prefill phase's figures, in report order (:mod:`sglang_ext.tools.gpu_check_extend`)."""
 FIGURE_KEYS = {
     "attention_max_abs_err.flashinfer", "attention_max_abs_err.triton", "attention_max_abs_err.torch",
     "step_ms.resident", "step_ms.placed", "stall_rel_err", "h2d_vs_contiguous", "duplex_vs_one_direction",
@@ -33,7 +35,7 @@ FIGURE_KEYS = {
     "overlap.hidden_step_rel.dma", "duplex_vs_one_direction.dma", "overlap.fetch_launch_ms", "h2d_vs_contiguous.dma",
     "graph.replay_max_abs_diff", "graph.replayed_steps_attention_err", "graph.layers_ms.eager",
     "graph.layers_ms.replay", "graph.step_ms.eager", "graph.step_ms.replay", "graph.kvplane_cpu_share",
-    "extend.max_abs_err", "extend.vs_torch_loop", "extend.vs_dense_sdpa", "extend.tflops",
+    *EXTEND_KEYS,
 }
 TARGETS = {  # the issue's targets, by figure
     "stall_rel_err": ("<=", 0.10), "h2d_vs_contiguous": (">=", 0.85), "duplex_vs_one_direction": (">=", 1.5),

@@ -1,10 +1,11 @@
-"""SGLang with --enable-layered-kv --attention-backend triton: decode runs kvplane's Triton
-paged-decode kernel (under the Triton interpreter on this CPU host: the same kernel code a GPU
-compiles) over the layered tables, with most layer-KV on host, and matches vanilla.
+"""SGLang with --enable-layered-kv --attention-backend triton: prefill runs kvplane's Triton
+paged-extend kernel and decode its paged-decode kernel (under the Triton interpreter on this CPU
+host: the same kernel code a GPU compiles) over the layered tables, with most layer-KV on host,
+and matches vanilla.
 
 Scenario: one module-scoped server, ``TRITON_INTERPRET=1``, the offload test's tiny budget
-(``--kv-gpu-budget-tokens 49 --max-total-tokens 48``: staged host pages every step); the
-session's vanilla server (torch_native) is the reference.
+(``--kv-gpu-budget-tokens 49 --max-total-tokens 48``: staged host pages every step) and chunked
+prefill of 16 tokens; the session's vanilla server (torch_native) is the reference.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ def triton_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple]:
     side by side), each with its pool stats file."""
     root, stale_root = tmp_path_factory.mktemp("layered-triton"), tmp_path_factory.mktemp("stale-staged")
     stats, stale_stats = root / "pool_stats.jsonl", stale_root / "pool_stats.jsonl"
+    # chunks of 16 tokens: a longer prompt's second chunk extends the first from the layered pool
     flags = ["--enable-layered-kv", "--attention-backend", "triton", "--kv-gpu-budget-tokens", "49",
-             "--max-total-tokens", "48"]
+             "--max-total-tokens", "48", "--chunked-prefill-size", "16"]
     # the test-only injector perturbs nothing until the extend test creates its flag file
     env = {"TRITON_INTERPRET": "1", POOL_STATS_FILE_ENV: str(stats), "PYTHONPATH": str(FAULT_INJECT_DIR),
            "KVPLANE_TEST_SHIFT_EXTEND_FILE": str(root / "shift_extend")}
@@ -70,16 +72,19 @@ def assert_kernel_matches_vanilla(server: SGLangServer, vanilla: SGLangServer, p
         assert worst <= KERNEL_LOGPROB_ATOL, (prompt, worst)
 
 
-def prompt_logprobs(server: SGLangServer, prompt: str) -> tuple[list[float], list[int], int]:
-    """The prompt tokens' logprobs (all but the first: every one computed by the prefill's
-    extend), the greedy token after them (one: the tiny random model's next logits can tie
-    within fp16 rounding, e.g. -5.2011 vs -5.2001 after this module's extend prompt) and how many
-prompt tokens came from the prefix cache."""
-    got = server.post("/generate", {"text": prompt, "return_logprob": True, "logprob_start_len": 0,
+def prompt_logprobs(server: SGLangServer, prompt: str, start: int = 0) -> tuple[list[float], list[int], int]:
+    """The logprobs of the prompt's tokens after position ``start`` (SGLang's
+    ``logprob_start_len``; every one is computed by the prefill's extend), the greedy token after them (one: the tiny random model's next logits can tie within
+    fp16 rounding, e.g. -5.2011 vs -5.2001 after this module's extend prompt) and how many prompt
+    tokens came from the prefix cache (at most ``start``: SGLang recomputes the positions whose
+    logprobs it returns)."""
+    got = server.post("/generate", {"text": prompt, "return_logprob": True, "logprob_start_len": start,
                                     "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
     entries = got["meta_info"]["input_token_logprobs"]
-    assert entries[0][0] is None and len(entries) >= 2
-    return [float(e[0]) for e in entries[1:]], got["output_ids"], int(got["meta_info"]["cached_tokens"])
+    # the first position reported has no logprob (SGLang's, also when ``start > 0``)
+    assert len(entries) >= 2 and entries[0][0] is None and all(e[0] is not None for e in entries[1:])
+    values = [float(e[0]) for e in entries[1:]]
+    return values, got["output_ids"], int(got["meta_info"]["cached_tokens"])
 
 
 EXTEND_PROMPT = "Colors: red orange yellow green blue indigo violet, then the"
@@ -121,7 +126,7 @@ def test_recompute_rows_run_on_the_paged_kernel(triton_server, vanilla_server):
     prefix through ``tab[l]`` in the Triton kernel; vanilla's tokens, logprobs within the kernel's
     fp16 tolerance (recomputed fp16 GEMMs add ~1e-3: tests/sglang/test_recompute_server.py)."""
     server, stats_path = triton_server
-    before = len(stats_path.read_text().splitlines())
+    before = len(read_jsonl(stats_path))
     prompt = PROMPTS[5]
     payload = {"text": prompt, "return_logprob": True, "sampling_params": {
         "max_new_tokens": NEW_TOKENS, "temperature": 0.0, "custom_params": {"kvplane_recompute_ratio": 0.5}}}
@@ -153,23 +158,28 @@ def test_prefill_runs_the_paged_extend_kernel_and_matches_vanilla(triton_servers
     paged-extend kernel (``kernels/paged_extend.py``; before, SGLang's torch-native per-request
     loop, which reads lengths from the device at every layer): every prompt token's logprob
     equals vanilla's within the kernel tolerance -- with most layer-KV on host (the budget of 49
-    tokens) and for a prompt extending a cached prefix. Negative control: the same server handing
-    the kernel ``kv_lens - 1`` (tests/sglang/fault_inject: each new token misses itself) fails."""
+    tokens), in chunks of 16 tokens (the prompt's second chunk extends its first from the pool),
+    and for a prompt whose extend reads a cached prefix of 20 tokens. Negative control: the same
+    server handing the kernel ``kv_lens - 1`` (tests/sglang/fault_inject: each new token misses
+    itself) fails."""
     server, stats_path = triton_servers[0], triton_servers[1]
     flag = stats_path.parent / "shift_extend"
+    before = len(read_jsonl(stats_path))
     cached = []
-    for prompt in (EXTEND_PROMPT, EXTEND_PROMPT + " quick fox"):  # the second hits the first's prefix
-        got, got_ids, hit = prompt_logprobs(server, prompt)
-        want, want_ids, _ = prompt_logprobs(vanilla_server, prompt)
-        assert len(got) == len(want) > 16 and got_ids == want_ids, prompt
-        cached.append(hit)
+    for prompt, start in ((EXTEND_PROMPT, 0), (EXTEND_PROMPT + " quick fox", 20)):  # the second: a prefix hit
+        got, got_ids, hit = prompt_logprobs(server, prompt, start)
+        want, want_ids, _ = prompt_logprobs(vanilla_server, prompt, start)
+        assert len(got) == len(want) > 8 and got_ids == want_ids, prompt
         worst = max(abs(a - b) for a, b in zip(got, want, strict=True))
         assert worst <= KERNEL_LOGPROB_ATOL, (prompt, worst)
-    assert cached[1] >= 16, cached  # the second prompt's extend read a cached prefix
-    log = server.log_path.read_text()
-    assert "path='paged-extend kernel'" in log or "path=paged-extend kernel" in log, "extend path not logged"
-    assert "layered_paged_extend_active" in log and "impl=triton" in log
-    assert read_jsonl(stats_path)[-1]["overflow_steps_total"] == 0
+        cached.append(hit)
+    assert cached[0] == 0 and cached[1] == 20, cached
+    steps = read_jsonl(stats_path, before)
+    assert 16 in [s["new_tokens"] for s in steps], [s["new_tokens"] for s in steps]  # a chunk of the first
+    assert steps[-1]["overflow_steps_total"] == 0
+    log = server.log_path.read_text().splitlines()
+    assert any("layered_extend_path" in line and "paged-extend kernel" in line for line in log)
+    assert any("layered_paged_extend_active" in line and "impl=triton" in line for line in log)
     control = "A cache keeps recent data close, and time to first token measures"
     flag.touch()
     try:
