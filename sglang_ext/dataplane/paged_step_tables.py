@@ -96,18 +96,23 @@ class PagedStepTables(StepTables):
         self._fetch_counts_np = None if self._one_each else fetch_counts
         last = np.maximum.accumulate(np.where(host_req, np.arange(layers)[:, None], -1), axis=0)
         trigger = np.vstack([np.full((1, b), -1, dtype=np.int64), last[:-1]])
-        # the new tokens' pages at every layer: rows, dirty ids, write-backs (L x m)
+        # the new tokens' pages at every layer: dirty ids, write-backs (L x their pages) and rows:
+        # a decode step's (L x batch) from the map here; a multi-token step's (prefill, extend:
+        # L x its new tokens, 4 MB of int64 for a 16K-token chunk at 32 layers) on the device from
+        # ``tab`` below -- the upload carries each new token's column and in-page offset
         ucol = distinct_sorted(col)
-        new_map = np.take(store.map_np, flat[col], axis=1).astype(np.int64)
-        new_host = new_map < 0
-        if stage_col is not None:
-            new_map = np.where(new_host, stage_col[col][None, :], new_map)
-        rows = new_map * ps + off[None, :]
+        new_host = rows = None
+        if self._one_each:
+            new_map = np.take(store.map_np, flat[col], axis=1).astype(np.int64)
+            new_host = new_map < 0
+            if stage_col is not None:
+                new_map = np.where(new_host, stage_col[col][None, :], new_map)
+            rows = new_map * ps + off[None, :]
         u_host = np.take(store.map_np, flat[ucol], axis=1) < 0
         self.dirty_ids = store.identity_ids(flat[ucol])[~u_host]
         self.new_pages = flat[ucol]
-        int64_parts: list[np.ndarray] = [rows.reshape(-1)]
-        offset = rows.size
+        int64_parts: list[np.ndarray] = [off if rows is None else rows.reshape(-1)]
+        offset = int(int64_parts[0].size)
         self.fetches: list[Launch] = []
         self.writebacks: list[Launch | None] = [None] * layers
         parked = None if stage_col is None or not self._one_each else self._park_parts(  # a decode step parks
@@ -121,6 +126,9 @@ class PagedStepTables(StepTables):
         self._token_parts(token_tables, seq_lens, starts, ps, offset, int64_parts)
         head = [flat] if stage_col is None else [flat, stage_col, starts, fetch_counts, self._fetch_launches(
             mirror, flat, fetch_counts, starts, staged_req, host_req, trigger, 2 * n + 2 * b)]
+        col_at = sum(int(h.size) for h in head)
+        if rows is None:
+            head.append(col)
         self._count_launched()
         self._upload(store, int64_parts, head, counts, seq_lens, ps)
         self._b = b
@@ -130,7 +138,11 @@ class PagedStepTables(StepTables):
             tab = torch.where(tab < 0, self.i32[n: 2 * n][None, :], tab)
         self.tab = tab
         """``[L, n]`` int32 device pages per layer (FlashInfer ``kv_indices`` rows), gathered on the device."""
-        self.rows = self.i64[: rows.size].view(layers, self._m)
+        if rows is None:  # rows[l, j] = tab[l, col[j]] * page_size + off[j]: three device ops
+            m = self._m
+            self.rows = torch.add(self.i64[:m], tab.index_select(1, self.i32[col_at: col_at + m]).long(), alpha=ps)
+        else:
+            self.rows = self.i64[: rows.size].view(layers, self._m)
         """``[L, m]`` int64 device rows of the new tokens per layer."""
         self._bind_csr(sum(int(h.size) for h in head), b)
 

@@ -242,3 +242,22 @@ def test_gpu_llama_shapes(dtype: torch.dtype) -> None:
     capped = paged_extend(**dev, max_q_len=_max_new(t), logits_soft_cap=30.0, window_left=255)  # type: ignore[arg-type]
     torch.testing.assert_close(capped.cpu(), _ref(t, case, logits_soft_cap=30.0, window_left=255),
                                **GPU_TOLERANCE[dtype])
+
+
+GPU_CASES = (
+    Case(16, ((0, 300), (200, 77)), 8, 4, 256, 50.0, 4095, BF16),  # Gemma-2's head_dim 256, cap, window
+    Case(1, ((0, 130), (64, 1)), 8, 2, 128, 0.0, -1, F16),  # page size 1
+    Case(16, ((0, 200), (100, 50)), 8, 2, 128, 0.0, 63, F32),  # fp32 caches: the fp32 dots, smaller tiles
+    Case(16, ((0, 100),), 4, 4, 80, 0.0, -1, BF16),  # a head_dim that is not a power of two
+)
+"""The CUDA launch settings beyond Llama's shapes: 8 warps at head_dim 256, fp32 tiles, page 1."""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"ps{c.page_size}-d{c.head_dim}-{str(c.dtype)[6:]}")
+def test_gpu_launch_settings(case: Case) -> None:
+    t = _build(case, shared_prefix=False)
+    got = _run(t, case, "cuda")
+    tol = TOLERANCE[F32] if case.dtype == F32 else GPU_TOLERANCE[case.dtype]
+    torch.testing.assert_close(got, _ref(t, case), **tol)
