@@ -11,7 +11,10 @@ offloading server -- built so that the host's work is proportional to the batch'
 - Which requests have host-only pages at which layer (staging, triggers) comes from the
   mirror's per-page host-layer bits (``L / 8`` bytes per page).
 - Fetches are enumerated only inside the (layer, request) pairs that have host pages; new
-  tokens' rows, dirty ids and write-backs from the map at the new tokens' pages (``L x m``).
+  tokens' dirty ids and write-backs from the map at the new tokens' pages (``L x`` those pages);
+  their rows from the map too in a decode step (``L x`` the batch), on the device from ``tab`` in
+  a multi-token step (prefill, extend: ``tab[:, col] * page_size + off``, the upload carrying
+  ``col`` and ``off`` instead of ``L x m`` rows).
 
 Launches, rows and tables equal StepTables' (``tests/dataplane/test_paged_step_tables.py``
 builds both on the same store; at Llama-3-8B shapes the boundary drops from ~10 ms to ~1 ms
