@@ -61,10 +61,17 @@ class IdentityDecodeStep:
         core = self.core
         lens = [int(n) for n in seq_lens]
         core._paged_last = (core._paged_last[0], lens, lists)  # type: ignore[index]
-        if self._layer_base is None:
-            layers, lp = core.layers, core.store.config.logical_pages
-            self._layer_base = (torch.arange(layers, dtype=torch.int32) * lp).view(layers, 1).to(core.store.device)
         core.store.staging_pages = 0
-        core.tables = IdentityDecodeTables(core.store, lists, np.asarray(lens, dtype=np.int64), self._layer_base)
+        core.tables = self.tables(lists, np.asarray(lens, dtype=np.int64))
         core.pipeline.begin_step(core.tables)  # idle (nothing to launch); its last layer ends it
         self.steps += 1
+
+    def tables(self, lists: Sequence[np.ndarray], seq_lens: np.ndarray) -> IdentityDecodeTables:
+        """The tables of a step whose every live layer-page is resident (identity layout): a
+        steady decode step's (:meth:`begin`) or a general step's -- a prefill's, an extend's
+        (``LayeredKVCore._begin_in_place``) -- from its page lists."""
+        if self._layer_base is None:
+            core = self.core
+            layers, lp = core.layers, core.store.config.logical_pages
+            self._layer_base = (torch.arange(layers, dtype=torch.int32) * lp).view(layers, 1).to(core.store.device)
+        return IdentityDecodeTables(self.core.store, lists, seq_lens, self._layer_base)

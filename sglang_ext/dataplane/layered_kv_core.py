@@ -284,10 +284,12 @@ class LayeredKVCore:
             )
 
     def _begin_in_place(self, page_lists: list[np.ndarray], lens: np.ndarray, counts: np.ndarray) -> bool:
-        """Identity layout, every live layer-page resident, attention reading in place: the step
-        needs no tables (nothing staged or fetched, writes go in place by slot); only the pages
-        receiving new tokens are marked (O(new tokens)). False (nothing done) otherwise."""
-        if self.paged_reads or not self.store.identity or not self.residency.all_live_resident():
+        """Identity layout, every live layer-page resident: nothing is staged or fetched and writes
+        go in place by slot, so only the pages receiving new tokens are marked (O(new tokens)).
+        Attention reading in place needs no tables; the paged-read backends get the identity
+        row and CSR (:meth:`IdentityDecodeStep.tables`: one upload of the batch's pages, one
+        device add), not :class:`StepTables`' ``L x`` host build. False (nothing done) otherwise."""
+        if not self.store.identity or not self.residency.all_live_resident():
             return False
         ps = self.page_size
         new = [pages[(n - e) // ps: (n - 1) // ps + 1]
@@ -297,6 +299,10 @@ class LayeredKVCore:
             self.store.mark_dirty(self.store.identity_ids(fresh).reshape(-1))
             self.store.has_kv_np[fresh] = True
         self.store.staging_pages = 0
+        if self.paged_reads:
+            self.tables = self.identity_decode.tables(page_lists, lens)
+            self.pipeline.begin_step(self.tables)  # waits for the boundary's copies; idle
+            return True
         self.store.engine.wait_fence()  # the boundary's copies (if any) before the layers read
         self.store.engine.end_compute()  # no pipeline: later launches read the current stream
         return True

@@ -102,3 +102,38 @@ def test_negative_control_a_table_missing_the_opened_page_is_caught(monkeypatch)
     with pytest.raises(AssertionError):
         for _ in range(8):
             d.step([(rid, 1) for rid in rids])
+
+
+def test_all_resident_extends_get_identity_tables_equal_to_a_general_build() -> None:
+    """Prefill and extend steps (several new tokens a request, a request joining) with every live
+    layer-page resident get the identity row and CSR too, not StepTables' ``L x`` host build: the
+    same ``tab`` and CSR as that build of the same batch, and every layer's paged read right
+    (the driver's shadow check). Control: the lists of one request short of its last page differ."""
+    d, rids = _driver(6)
+    core = d.core
+    checked = []
+
+    def compare(layer: int) -> None:
+        tables, batch = core.tables, d.current_batch
+        if layer or any(n == 1 for _, n in batch):
+            return
+        assert isinstance(tables, IdentityDecodeTables), type(tables)
+        lists = [np.asarray(d.pages(rid), dtype=np.int64) for rid, _ in batch]
+        lens = np.asarray([len(d.slots[rid]) for rid, _ in batch], dtype=np.int64)
+        built = StepTables(core.store, lists, lens, np.asarray([n for _, n in batch], dtype=np.int64), None,
+                           lambda n: np.zeros(0, dtype=np.int64), token_tables=False)
+        assert torch.equal(tables.tab, built.tab)
+        for name in ("kv_indptr", "kv_lens", "last_page_len"):
+            assert torch.equal(getattr(tables, name), getattr(built, name)), name
+        short = [lst[:-1] if i == 0 else lst for i, lst in enumerate(lists)]
+        other = core.identity_decode.tables(short, lens)
+        assert not torch.equal(other.kv_indptr, built.kv_indptr)
+        checked.append(len(batch))
+
+    d.on_layer = compare
+    d.add("d")
+    for batch in ([("a", 3), ("b", 6)], [("d", 9)], [("a", 2), ("c", 5), ("d", 4)]):
+        d.current_batch = batch
+        assert d.step(batch)
+    assert checked == [2, 1, 3]
+    d.check_at_rest()

@@ -1,9 +1,9 @@
 """Boundary CPU of a prefill step in the paged layout (README.md next to this file).
 
 Run from the repository root: ``.venv/bin/python benchmarks/results/core/session36-extend-boundary/extend_boundary_probe.py 16384``
-(prompt tokens). It drives ``kvplane bench core``'s ``CoreRun`` (32 layers, page 16, paged reads
-as the FlashInfer / Triton backends set the core, a budget that holds 60% of the pool: the paged
-layout) through 10 arrivals -- each a plan and a prefill step of one request -- and prints the
+(prompt tokens) ``[paged|identity]`` (layout; default paged). It drives ``kvplane bench core``'s ``CoreRun`` (32 layers, page 16, paged reads
+as the FlashInfer / Triton backends set the core; ``paged``: a budget that holds 60% of the
+pool; ``identity``: nothing offloaded, the CUDA default) through 10 arrivals -- each a plan and a prefill step of one request -- and prints the
 median thread CPU time of ``prepare_step`` (the prefill's boundary) with the torch-native token
 tables built (what every layered backend's extend built before session 36) and without them (what
 the paged backends' extends build now: they read page tables through the paged-extend kernel).
@@ -28,12 +28,13 @@ def main() -> None:
         add_arguments(parser)
         args = parser.parse_args(["--requests", "1", "--tokens", str(tokens), "--layers", "32", "--paged-reads",
                                   "--budget-fraction", "0.6", "--kv-heads", "1", "--head-dim", "8"])
-        run = CoreRun(args, 2 * 32 * (12 * (tokens + 76) // 16 + 64), "paged")
+        layout = sys.argv[2] if len(sys.argv) > 2 else "paged"
+        run = CoreRun(args, 2 * 32 * (12 * (tokens + 76) // 16 + 64), layout)
         core = run.core
         core.token_tables = token_tables
         real, times = core.prepare_step, []
 
-        def timed(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        def timed(*a, real=real, times=times, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
             t0 = time.thread_time()
             out = real(*a, **k)
             times.append(time.thread_time() - t0)
