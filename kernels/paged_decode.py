@@ -53,24 +53,17 @@ MAX_KV_SPLITS = 16
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _check(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    kv_lens: torch.Tensor,
-    logits_soft_cap: float,
-    window_left: int,
-) -> None:
+def check_heads_and_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_layout: str) -> None:
+    """The query ``[rows, q_heads, head_dim]`` (``q_layout`` names its first dimension in the
+    message) against the paged caches: shapes, head_dim, the GQA ratio, dtypes. ValueError."""
     if q.dim() != 3:
-        raise ValueError(f"q must be [batch, q_heads, head_dim], got shape {tuple(q.shape)}")
+        raise ValueError(f"q must be [{q_layout}, q_heads, head_dim], got shape {tuple(q.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             "k_cache and v_cache must both be [pages, page_size, kv_heads, head_dim]; got "
             f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
-    batch, q_heads, head_dim = q.shape
+    _, q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim:
         raise ValueError(f"head_dim differs: q {head_dim} vs cache {k_cache.shape[3]}")
@@ -83,6 +76,28 @@ def _check(
             f"q and the caches must have dtypes of {SUPPORTED_DTYPES}, k_cache and v_cache the same; "
             f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
         )
+
+
+def check_cap_window(logits_soft_cap: float, window_left: int) -> None:
+    """``window_left >= -1`` (an int) and a finite ``logits_soft_cap >= 0``. ValueError."""
+    if not (isinstance(window_left, int) and window_left >= -1):
+        raise ValueError(f"window_left must be an int >= -1 (-1: no window), got {window_left!r}")
+    if not (logits_soft_cap >= 0.0 and math.isfinite(logits_soft_cap)):
+        raise ValueError(f"logits_soft_cap must be finite and >= 0 (0: off), got {logits_soft_cap!r}")
+
+
+def _check(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_lens: torch.Tensor,
+    logits_soft_cap: float,
+    window_left: int,
+) -> None:
+    check_heads_and_caches(q, k_cache, v_cache, "batch")
+    batch = q.shape[0]
     if kv_indptr.dim() != 1 or kv_lens.dim() != 1 or kv_indices.dim() != 1:
         raise ValueError("kv_indptr, kv_indices and kv_lens must be 1-D")
     if kv_indptr.numel() != batch + 1 or kv_lens.numel() != batch:
@@ -90,10 +105,7 @@ def _check(
             f"batch={batch} needs kv_indptr [B+1] and kv_lens [B]; got {tuple(kv_indptr.shape)} "
             f"and {tuple(kv_lens.shape)}"
         )
-    if not (isinstance(window_left, int) and window_left >= -1):
-        raise ValueError(f"window_left must be an int >= -1 (-1: no window), got {window_left!r}")
-    if not (logits_soft_cap >= 0.0 and math.isfinite(logits_soft_cap)):
-        raise ValueError(f"logits_soft_cap must be finite and >= 0 (0: off), got {logits_soft_cap!r}")
+    check_cap_window(logits_soft_cap, window_left)
 
 
 def _scale(sm_scale: float | None, head_dim: int) -> float:

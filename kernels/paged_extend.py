@@ -33,7 +33,7 @@ import torch
 
 from kernels.block_copy import HAVE_TRITON, triton_usable
 from kernels.lazy_jit import LazyKernel
-from kernels.paged_decode import SUPPORTED_DTYPES, _scale
+from kernels.paged_decode import _scale, check_cap_window, check_heads_and_caches
 
 if HAVE_TRITON:
     import triton
@@ -55,20 +55,7 @@ LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_start: torch.Tensor,
            q_lens: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens: torch.Tensor,
            logits_soft_cap: float, window_left: int) -> None:
-    if q.dim() != 3:
-        raise ValueError(f"q must be [tokens, q_heads, head_dim], got shape {tuple(q.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError("k_cache and v_cache must both be [pages, page_size, kv_heads, head_dim]; got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    _, q_heads, head_dim = q.shape
-    kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(f"head_dim differs: q {head_dim} vs cache {k_cache.shape[3]}")
-    if q_heads % kv_heads:
-        raise ValueError(f"q_heads={q_heads} must be a multiple of kv_heads={kv_heads}")
-    if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype not in SUPPORTED_DTYPES or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"q and the caches must have dtypes of {SUPPORTED_DTYPES}, k_cache and v_cache the "
-                         f"same; got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    check_heads_and_caches(q, k_cache, v_cache, "tokens")
     vectors = {"q_start": q_start, "q_lens": q_lens, "kv_indptr": kv_indptr, "kv_indices": kv_indices,
                "kv_lens": kv_lens}
     flat = [name for name, t in vectors.items() if t.dim() != 1]
@@ -78,10 +65,7 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_star
     if q_start.numel() != batch or kv_lens.numel() != batch or kv_indptr.numel() != batch + 1:
         raise ValueError(f"batch={batch} (q_lens) needs q_start [B], kv_lens [B] and kv_indptr [B+1]; got "
                          f"{tuple(q_start.shape)}, {tuple(kv_lens.shape)} and {tuple(kv_indptr.shape)}")
-    if not (isinstance(window_left, int) and window_left >= -1):
-        raise ValueError(f"window_left must be an int >= -1 (-1: no window), got {window_left!r}")
-    if not (logits_soft_cap >= 0.0 and logits_soft_cap < float("inf")):
-        raise ValueError(f"logits_soft_cap must be finite and >= 0 (0: off), got {logits_soft_cap!r}")
+    check_cap_window(logits_soft_cap, window_left)
 
 
 def paged_extend_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_start: torch.Tensor,

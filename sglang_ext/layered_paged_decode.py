@@ -30,6 +30,7 @@ import torch
 
 from kernels.block_copy import triton_usable
 from kernels.paged_extend import paged_extend
+from sglang_ext.dataplane.layer_cap_window import layer_cap_window
 from sglang_ext.layered_attention import LayeredTorchNativeAttnBackend, refuse_attention_kwargs
 
 log = structlog.get_logger(__name__)
@@ -49,13 +50,6 @@ def paged_extend_blocker(model: Any) -> str | None:
         if getattr(module, "qk_head_dim", 0) != getattr(module, "v_head_dim", 0):
             return "K and V head dims differ"
     return None
-
-
-def layer_cap_window(layer: Any) -> tuple[float, int]:
-    """The layer's soft cap (0: none) and sliding window as ``window_left`` (-1: none)."""
-    cap = float(getattr(layer, "logit_cap", 0.0) or 0.0)
-    window = getattr(layer, "sliding_window_size", -1)
-    return max(cap, 0.0), int(window) if window is not None and int(window) >= 0 else -1
 
 
 class LayeredPagedDecode(LayeredTorchNativeAttnBackend):

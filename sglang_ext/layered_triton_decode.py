@@ -19,7 +19,8 @@ import torch
 
 from kernels.block_copy import triton_usable
 from kernels.paged_decode import paged_decode
-from sglang_ext.layered_paged_decode import LayeredPagedDecode, layer_cap_window
+from sglang_ext.dataplane.layer_cap_window import layer_cap_window
+from sglang_ext.layered_paged_decode import LayeredPagedDecode
 
 log = structlog.get_logger(__name__)
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_ext.dataplane.layer_cap_window import layer_cap_window
 from sglang_ext.dataplane.results import LayerView
 
 try:
@@ -59,15 +60,9 @@ class AttentionParams:
     @classmethod
     def of_layer(cls, layer: object, num_qo_heads: int, q_dtype: torch.dtype | None = None) -> AttentionParams:
         """From SGLang's ``RadixAttention`` (``scaling``, ``logit_cap``, ``sliding_window_size``)."""
-        cap = float(getattr(layer, "logit_cap", 0.0) or 0.0)
-        window = getattr(layer, "sliding_window_size", -1)
-        return cls(
-            num_qo_heads=num_qo_heads,
-            sm_scale=getattr(layer, "scaling", None),
-            logits_soft_cap=cap if cap > 0 else 0.0,
-            window_left=int(window) if window is not None and int(window) >= 0 else -1,
-            q_dtype=q_dtype,
-        )
+        cap, window = layer_cap_window(layer)
+        return cls(num_qo_heads=num_qo_heads, sm_scale=getattr(layer, "scaling", None), logits_soft_cap=cap,
+                   window_left=window, q_dtype=q_dtype)
 
 
 def grown(capacity: int, needed: int) -> int:

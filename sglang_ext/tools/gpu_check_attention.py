@@ -30,7 +30,7 @@ BACKENDS = ("flashinfer", "triton", "torch")
 
 
 @contextmanager
-def _interpreted(on: bool) -> Iterator[None]:
+def interpreted(on: bool) -> Iterator[None]:
     """``TRITON_INTERPRET=1`` inside the block when ``on`` (restored after)."""
     if not on:
         yield
@@ -113,7 +113,7 @@ class DecodeBackends:
         if name == "triton":  # splits sized from the batch's page bound, not the view's length: one kernel
             # shape whatever the view lists (a step's own tables, or a graph's buffers' whole rows)
             splits = default_kv_splits(q, view.k_cache.shape[2], self.max_pages, view.k_cache.shape[1])
-            with _interpreted(not self.cuda):
+            with interpreted(not self.cuda):
                 return paged_decode_triton(*args, num_kv_splits=splits)
         if name == "torch":
             return paged_decode_ref(*args)

@@ -17,14 +17,12 @@ short prompt and a single decode row in one batch -- and reports:
   beforehand -- what the torch path costs without reading the pool;
 - ``extend.tflops`` (CUDA, no target): causal attention FLOPs over the kernel's time.
 
-Times are medians of CUDA-event pairs around one layer's attention. On the CPU the kernel runs
+Times are medians of device-synchronised wall time of one layer's attention (``bench_env.time_ms``). On the CPU the kernel runs
 under the Triton interpreter for the error only (timing figures are N/A: CUDA only).
 """
 
 from __future__ import annotations
 
-import os
-import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.paged_extend import paged_extend_ref, paged_extend_triton
+from sglang_ext.dataplane.bench_env import time_ms
+from sglang_ext.tools.gpu_check_attention import interpreted
 from sglang_ext.tools.gpu_check_config import GpuCheckConfig
 from sglang_ext.tools.gpu_check_report import Figure
 
@@ -82,18 +82,8 @@ class ExtendCheck:
         }
 
     def _kernel(self, t: dict[str, Any]) -> torch.Tensor:
-        max_new = max(e for _, e in self.prompts)
-        if self.cuda:
-            return paged_extend_triton(**t, max_q_len=max_new)
-        old = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1"
-        try:
-            return paged_extend_triton(**t, max_q_len=max_new)
-        finally:
-            if old is None:
-                del os.environ["TRITON_INTERPRET"]
-            else:
-                os.environ["TRITON_INTERPRET"] = old
+        with interpreted(not self.cuda):
+            return paged_extend_triton(**t, max_q_len=max(e for _, e in self.prompts))
 
     def _loops(self, t: dict[str, Any]) -> tuple[Callable[[], None], Callable[[], None]]:
         """(SGLang's torch-native extend loop over the paged cache, its SDPA alone on K/V
@@ -132,17 +122,7 @@ class ExtendCheck:
         return loop, dense
 
     def _time_ms(self, fn: Callable[[], Any]) -> float:
-        for _ in range(WARMUP):
-            fn()
-        times = []
-        for _ in range(max(self.config.repeat, 3)):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
+        return time_ms(fn, self.device, max(self.config.repeat, 3), warmup=WARMUP)
 
     def run(self) -> list[Figure]:
         c, dtype = self.config, self.config.torch_dtype
@@ -162,7 +142,7 @@ class ExtendCheck:
                   ("extend.vs_dense_sdpa", "paged extend time / torch SDPA on pre-gathered K/V", "x", None, None),
                   ("extend.tflops", "paged extend causal attention throughput", "TFLOP/s", None, None)]
         if not self.cuda:
-            return figures + [Figure.graded(key, title, None, unit, op, thr, "CUDA events", meaningful=False,
+            return figures + [Figure.graded(key, title, None, unit, op, thr, "device-synchronised wall time", meaningful=False,
                                             note="CUDA only: kernel times under the interpreter mean nothing")
                               for key, title, unit, op, thr in timing]
         loop, dense = self._loops(t)
@@ -170,7 +150,7 @@ class ExtendCheck:
         loop_ms, dense_ms = self._time_ms(loop), self._time_ms(dense)
         tflops = causal_flops(self.prompts, c.q_heads, c.head_dim) / (kernel_ms * 1e-3) / 1e12
         self.details.update(kernel_ms=kernel_ms, torch_loop_ms=loop_ms, dense_sdpa_ms=dense_ms, tflops=tflops)
-        method = (f"median of CUDA-event pairs around one layer's attention ({max(c.repeat, 3)} runs after "
+        method = (f"median device-synchronised wall time of one layer's attention ({max(c.repeat, 3)} runs after "
                   f"{WARMUP}), batch {batch}; kernel {kernel_ms:.3f} ms, torch loop {loop_ms:.3f} ms, "
                   f"SDPA alone {dense_ms:.3f} ms")
         values = (kernel_ms / loop_ms, kernel_ms / dense_ms, tflops)

@@ -111,10 +111,10 @@ def test_all_resident_extends_get_identity_tables_equal_to_a_general_build() -> 
     (the driver's shadow check). Control: the lists of one request short of its last page differ."""
     d, rids = _driver(6)
     core = d.core
-    checked = []
+    checked, current = [], []
 
     def compare(layer: int) -> None:
-        tables, batch = core.tables, d.current_batch
+        tables, batch = core.tables, current[-1]
         if layer or any(n == 1 for _, n in batch):
             return
         assert isinstance(tables, IdentityDecodeTables), type(tables)
@@ -133,7 +133,7 @@ def test_all_resident_extends_get_identity_tables_equal_to_a_general_build() -> 
     d.on_layer = compare
     d.add("d")
     for batch in ([("a", 3), ("b", 6)], [("d", 9)], [("a", 2), ("c", 5), ("d", 4)]):
-        d.current_batch = batch
+        current.append(batch)
         assert d.step(batch)
     assert checked == [2, 1, 3]
     d.check_at_rest()
