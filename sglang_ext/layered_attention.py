@@ -187,8 +187,6 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         self.layer_timer: Any = None
         """A :class:`~sglang_ext.layer_timing.LayerTimer` set by the scheduler hooks (rank 0)."""
         self.last_delta = None
-        self._last_batch: tuple[list[str], list[int]] | None = None
-        """Request ids and sequence lengths of the previous forward (for :meth:`_steady_decode`)."""
         self.recompute_inputs: dict[str, tuple[int, int, np.ndarray]] = {}
         """This step's recompute requests, rid -> (uncached pages u, recomputed layers k, prefix
         ids), set by :class:`~sglang_ext.recompute_requests.RecomputeRequests` (decode steps)."""
@@ -258,30 +256,26 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         if self.pool.overflow:
             self.batch_slots = torch.cat(per_req) if per_req else torch.zeros(0, dtype=torch.int64)
             self._build_compact_table(lens)
-        known = bs > 0 and all(rid is not None for rid in rids)
-        self._last_batch = (list(rids), lens) if known else None
         return False
 
     def _steady_decode(self, forward_batch: Any) -> bool:
-        """The usual decode step: the same requests as the previous forward, one token more each,
-        everything resident in the identity layout. Then nothing but the step's new slots
-        (``out_cache_loc``) changes residency, so the general path's per-request slot reads are
-        skipped. False (nothing done) otherwise."""
-        last, self._last_batch = self._last_batch, None
-        if last is None or not self.steady_decode_fast_path or not forward_batch.forward_mode.is_decode():
+        """The usual decode step: each request one token more than at its last boundary (the
+        batch may have changed: the core knows what each request held,
+        :class:`~sglang_ext.dataplane.decode_continuity.DecodeContinuity`). Then nothing but the
+        step's new slots (``out_cache_loc``) changes residency, so the general path's per-request
+        slot reads are skipped. False (nothing done) otherwise."""
+        if not self.steady_decode_fast_path or not forward_batch.forward_mode.is_decode():
             return False
         rids, seq_lens = forward_batch.rids, forward_batch.seq_lens_cpu
-        if rids is None or seq_lens is None or rids != last[0]:
+        if not rids or seq_lens is None or None in rids:
             return False
         lens = seq_lens.tolist()  # a few ints: plain Python beats NumPy's per-call cost here
-        prev = last[1]
-        if len(lens) != len(prev) or any(n != p + 1 for n, p in zip(lens, prev, strict=True)):
-            return False
         if not self.pool.prepare_decode_step(rids, lens, forward_batch.out_cache_loc):
             return False
         self.in_place = self.pool.store.identity  # the paged layout's steady step stages as usual
         # the worker metrics count the step's moves: the paged step reconciles, the journal does not
-        self.last_delta = None if self.in_place else self.pool.core.decode_delta
+        # (but after a release or free)
+        self.last_delta = self.pool.core.decode_delta
         self.batch_rids, self.batch_request_slots = list(rids), []
         if not self.in_place:
             bs = len(lens)
@@ -293,7 +287,6 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
                 self.batch_request_slots = per_req
                 self.batch_slots = torch.cat(per_req) if per_req else torch.zeros(0, dtype=torch.int64)
                 self._build_compact_table(lens)
-        self._last_batch = (last[0], lens)
         return True
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):  # noqa: ANN001, ANN201

@@ -45,6 +45,9 @@ class EndedRequests:
         """Request ids released, in order."""
         self.freed: list[int] = []
         """Pages freed, in order (repeats allowed)."""
+        self.rewritten: set[str] = set()
+        """Live requests a free cut pages from since :meth:`take_rewritten` (their rows were
+        rewritten: :class:`~sglang_ext.dataplane.decode_continuity.DecodeContinuity`)."""
         self.applications = 0
         """Batches applied."""
 
@@ -59,6 +62,11 @@ class EndedRequests:
     def free(self, pages: Sequence[int]) -> None:
         """SGLang's allocator took ``pages`` back (applied by :meth:`apply`)."""
         self.freed.extend(pages)
+
+    def take_rewritten(self) -> set[str]:
+        """The requests freed pages were cut from since the last call (applied frees only)."""
+        cut, self.rewritten = self.rewritten, set()
+        return cut
 
     def apply(self) -> None:
         """Apply the recorded releases, then the frees (module docstring)."""
@@ -78,6 +86,6 @@ class EndedRequests:
         if freed:
             res._changed = True
             pages = distinct_sorted(np.fromiter(freed, dtype=np.int64, count=len(freed)))
-            cut_freed_pages(requests, res.counts, pages)  # first: the counts read the map
+            self.rewritten.update(cut_freed_pages(requests, res.counts, pages))  # first: the counts read the map
             res.store.release_pages(pages)
             res.has_kv_np[pages] = False

@@ -14,9 +14,10 @@ from sglang_ext.dataplane.tracked_request import TrackedRequest
 from sglang_ext.dataplane.want_counts import WantCounts
 
 
-def cut_freed_pages(requests: dict[str, TrackedRequest], counts: WantCounts, freed: np.ndarray) -> None:
+def cut_freed_pages(requests: dict[str, TrackedRequest], counts: WantCounts, freed: np.ndarray) -> list[str]:
     """Remove ``freed`` (int64 pages) from every request of ``requests`` holding one, keeping
-    ``counts`` exact; a request left without pages is dropped from ``requests``.
+    ``counts`` exact; a request left without pages is dropped from ``requests``. Returns the
+    requests cut (SGLang rewrote their rows: the pages they hold now are not all known here).
 
     The holders are found in one vectorised pass over the live requests' pages (a membership
     test of their concatenation, then one reduction per request): a prefill's duplicate frees
@@ -24,10 +25,10 @@ def cut_freed_pages(requests: dict[str, TrackedRequest], counts: WantCounts, fre
     token shared by every prompt) hit most requests of the batch, and a per-request scan in
     Python cost ~100 us per request between forwards (issue 13)."""
     if not int(counts.users[freed].sum()):  # nobody holds any of them (the usual case)
-        return
+        return []
     rids = [rid for rid, req in requests.items() if req.pages.numel()]
     if not rids:
-        return
+        return []
     arrays = [requests[rid].pages.numpy() for rid in rids]
     joined = np.concatenate(arrays)
     hit = counts.members(joined, freed)
@@ -41,6 +42,7 @@ def cut_freed_pages(requests: dict[str, TrackedRequest], counts: WantCounts, fre
     kept = np.split(joined[~hit], np.cumsum(kept_sizes)[:-1])
     gone = np.split(joined[hit], np.cumsum(cut)[:-1])
     leaving: list[tuple[TrackedRequest, np.ndarray]] = []
+    cut_rids = [rids[i] for i in held]
     for i in held:
         rid = rids[i]
         req = requests[rid]
@@ -55,3 +57,4 @@ def cut_freed_pages(requests: dict[str, TrackedRequest], counts: WantCounts, fre
             leaving.append((req, gone[i]))
             req.pages = torch.from_numpy(kept[i])
     counts.track_removed_many(leaving)
+    return cut_rids

@@ -5,8 +5,9 @@ tables (``LayeredKVCore.paged_reads``: FlashInfer, Triton -- the CUDA defaults).
 layout (:class:`~sglang_ext.dataplane.decode_journal.DecodeJournal`) and the layers write in place
 by slot id. Backends that read in place need nothing more; the paged-read backends need the step's
 page tables, which a general step builds by reading every request's slots and looking up the
-``[L, P]`` map at ``L x`` the batch's pages. Here they come from the last step's page lists (this
-core's ``_paged_last``, set by the general step) grown by the pages the new tokens open:
+``[L, P]`` map at ``L x`` the batch's pages. Here they come from each request's page list as of its
+last boundary (the core's :class:`~sglang_ext.dataplane.decode_continuity.DecodeContinuity`; the
+batch may have changed since) grown by the pages the new tokens open:
 :class:`~sglang_ext.dataplane.identity_decode_tables.IdentityDecodeTables` (one row and the CSR,
 one upload, one device op). It is the core's logic, split out by role, as
 :class:`~sglang_ext.dataplane.paged_decode_step.PagedDecodeStep` is the paged layout's.
@@ -36,31 +37,11 @@ class IdentityDecodeStep:
         self._layer_base: torch.Tensor | None = None
         """``[L, 1]`` int32 ``l * P`` on the device (the tables' per-layer base)."""
 
-    def lists(self, rids: Sequence[str], seq_lens: Sequence[int] | np.ndarray, slots: list[int],
-              owners: list[int] | None, pages: list[int]) -> list[np.ndarray] | None:
-        """The batch's page lists: the last step's (same requests, one token more each), rows
-        ``owners`` (None: every row) grown by ``pages``; None when the step does not continue the
-        last one (or a slot does not continue its request's last page). Changes nothing."""
-        core = self.core
-        last = core._paged_last
-        if last is None or list(rids) != last[0] or len(seq_lens) != len(last[1]):
-            return None
-        ps = core.page_size
-        if any(int(n) != p + 1 for n, p in zip(seq_lens, last[1], strict=True)):
-            return None
-        if ps > 1 and any(s % ps != (int(n) - 1) % ps or ((int(n) - 1) % ps and s // ps != int(lst[-1]))
-                          for s, n, lst in zip(slots, seq_lens, last[2], strict=True)):
-            return None  # a slot that does not continue its request: the general path decides
-        lists = list(last[2])
-        for i, page in zip(range(len(lists)) if owners is None else owners, pages, strict=True):
-            lists[i] = np.append(lists[i], page)
-        return lists
-
     def begin(self, lists: list[np.ndarray], seq_lens: Sequence[int] | np.ndarray) -> None:
-        """The step's tables from ``lists`` (:meth:`lists`; the journal recorded the step)."""
+        """The step's tables from ``lists`` (the requests' page lists,
+        :meth:`DecodeContinuity.continued`; the journal recorded the step)."""
         core = self.core
         lens = [int(n) for n in seq_lens]
-        core._paged_last = (core._paged_last[0], lens, lists)  # type: ignore[index]
         core.store.staging_pages = 0
         core.tables = self.tables(lists, np.asarray(lens, dtype=np.int64))
         core.pipeline.begin_step(core.tables)  # idle (nothing to launch); its last layer ends it

@@ -35,6 +35,7 @@ import numpy as np
 import structlog
 import torch
 
+from sglang_ext.dataplane.decode_continuity import DecodeContinuity
 from sglang_ext.dataplane.identity_decode_step import IdentityDecodeStep
 from sglang_ext.dataplane.layer_page_moves import LayerPageMoves
 from sglang_ext.dataplane.layer_pipeline import LayerPipeline
@@ -97,8 +98,11 @@ class LayeredKVCore:
         """The paged layout's steady decode boundary (:meth:`prepare_decode_step` there)."""
         self.identity_decode = IdentityDecodeStep(self)
         """The identity layout's steady step read through page tables (``paged_reads``)."""
+        self.continuity = DecodeContinuity(self.residency, config.page_size)
+        """What each request held at its last boundary: decode steps continue it (:meth:`prepare_decode_step`)."""
         self.decode_delta: ResidencyDelta | None = None
-        """The last paged steady-decode step's reconciliation (the journalled path has none)."""
+        """The last decode step's reconciliation (a journalled step has none, unless a release or
+        free since the last boundary made it reconcile first)."""
 
     # ----- boundary changes ---------------------------------------------------------
 
@@ -111,6 +115,7 @@ class LayeredKVCore:
     def release_request(self, rid: str) -> None:
         """The request finished or was aborted: drop its wants (tree-owned pages stay)."""
         self._paged_last = self._paged_tables = None
+        self.continuity.forget(rid)
         self.residency.release_request(rid)
 
     def holds_wants(self, rid: str) -> bool:
@@ -148,6 +153,7 @@ class LayeredKVCore:
             opened_advances_total=self.opened_advances,
             resident_builds_total=self.resident_builds,
             staged_advances_total=self.staged_advances,
+            decode_turnovers_total=self.continuity.turnovers,
         )
 
     @property
@@ -206,8 +212,10 @@ class LayeredKVCore:
                 self.residency.observe(rid, pages)
             page_lists.append(pages.numpy())
             lens.append(int(slots.numel()))
-        known = all(rid is not None for rid, _ in requests) and recompute is None
-        self._paged_last = ([rid for rid, _ in requests], lens, page_lists) if known else None
+        rids = [rid for rid, _ in requests]
+        self.continuity.record(rids, lens, page_lists)
+        known = all(rid is not None for rid in rids) and recompute is None
+        self._paged_last = (rids, lens, page_lists) if known else None
         delta = self._reconcile()
         n_new = 0 if new_slots is None else int(new_slots.numel())
         if new_counts is None:
@@ -315,16 +323,16 @@ class LayeredKVCore:
 
     def prepare_decode_step(self, rids: Sequence[str], seq_lens: Sequence[int] | np.ndarray,
                             new_slots: torch.Tensor) -> bool:
-        """:meth:`prepare_step` for a steady decode step, or False (nothing done) when it does not
-        apply: every request of ``rids`` ran the previous forward with ``seq_lens - 1`` tokens and
-        the store is in the identity layout with every live layer-page resident. Then the step's
-        only change is the new pages of ``new_slots`` (slot ``i`` is request ``i``'s new token),
-        which the forward writes and reads in place; their bookkeeping (placed at every layer,
-        holding KV, dirty, joined to their requests) is journalled and applied when anything
-        reads residency (:class:`~sglang_ext.dataplane.decode_journal.DecodeJournal`): the step
-        itself checks a few flags and records small lists. Nothing is staged. In the paged layout
-        (offloading) the step starts from the last one's page lists instead of reading every
-        request's slots (:class:`PagedDecodeStep`) and stages as usual."""
+        """:meth:`prepare_step` for a decode step that continues what each of its requests held
+        (:class:`DecodeContinuity`: ``seq_lens[i] - 1`` tokens at its last boundary, the new
+        slot ``new_slots[i]`` continuing its pages; the batch itself may differ from the last
+        step's), or False (nothing done). In the identity layout with every live layer-page
+        resident the step's only change is the new pages of ``new_slots``, which the forward
+        writes and reads in place; their bookkeeping (placed at every layer, holding KV, dirty,
+        joined to their requests) is journalled and applied when anything reads residency
+        (:class:`~sglang_ext.dataplane.decode_journal.DecodeJournal`). Nothing is staged. In the
+        paged layout (offloading) the step's page lists come from the same record and it stages
+        as usual (:class:`PagedDecodeStep`)."""
         if self.store.mirror is not None:
             return self.paged_decode.prepare(rids, seq_lens, new_slots)
         if ((new_slots.device.type != "cpu" and not self.paged_reads) or new_slots.numel() != len(rids)
@@ -333,19 +341,23 @@ class LayeredKVCore:
         # plain ints: one call (a NumPy call costs 5-10 us between forwards); on a GPU the paged
         # reads' boundary reads the new slots back here, its one sync (as the paged layout's)
         slots = new_slots.tolist()
+        # the decode backends read page tables: each request's last pages, grown
+        cont = self.continuity.continued(rids, seq_lens, slots, lists=self.paged_reads)
+        if cont is None:
+            return False
+        opens, lists = cont
+        self.decode_delta = None
+        if not self.residency.all_live_resident():  # a release or free since (a batch change): the
+            self.pipeline.end_step()  # general path's reconciliation, then the journal may apply
+            self.decode_delta = self._reconcile()
         ps = self.page_size
         if ps == 1:
             owners, pages, written = None, slots, None
         else:
-            owners = [i for i, n in enumerate(seq_lens) if (n - 1) % ps == 0]  # opens a new page
-            pages, written = [slots[i] // ps for i in owners], [s // ps for s in slots]
-        lists = None
-        if self.paged_reads:  # the decode backends read page tables: the last step's lists, grown
-            lists = self.identity_decode.lists(rids, seq_lens, slots, owners, pages)
-            if lists is None:
-                return False
+            owners, pages, written = opens, [slots[i] // ps for i in opens], [s // ps for s in slots]
         if not self.residency.journal.record(rids, owners, pages, written):
             return False
+        self.continuity.advanced(rids, seq_lens, slots, lists)
         engine = self.store.engine
         engine.clock.boundary()
         self.pipeline.end_step()

@@ -1,12 +1,15 @@
 """PagedDecodeStep: the paged layout's steady decode boundary of a :class:`LayeredKVCore`.
 
-A steady decode step (the batch of the last step, one token more each) in the paged layout --
-every offloading server's -- starts from the last step's page lists: a page is appended where a
-new token opens one, only those requests are observed, the map reconciled; then the step runs on
-the last step's tables advanced by one token (:meth:`PagedDecodeStep.advance`: resident or
-placed, when the map moved only in the opened pages' columns) or builds its tables
-(:meth:`LayeredKVCore._begin`). The state it reads and keeps is the core's (``_paged_last``,
-``_paged_tables``, the counters): it is the core's logic, split out by role.
+A decode step in the paged layout -- every offloading server's -- whose requests each continue
+what they held at their last boundary (one token more; the batch itself may have changed: a
+request finished or joined, :class:`~sglang_ext.dataplane.decode_continuity.DecodeContinuity`)
+starts from those page lists: a page is appended where a new token opens one, only those
+requests are observed, the map reconciled; then a step of the last step's batch runs on the last
+step's tables advanced by one token (:meth:`PagedDecodeStep.advance`: resident or placed, when
+the map moved only in the opened pages' columns), any other builds its tables
+(:meth:`LayeredKVCore._begin`) without reading a request's slots. The state it reads and keeps is
+the core's (``_paged_last``, ``_paged_tables``, ``continuity``, the counters): it is the core's
+logic, split out by role.
 """
 
 from __future__ import annotations
@@ -28,38 +31,36 @@ class PagedDecodeStep:
         self.core = core
 
     def prepare(self, rids: Sequence[str], seq_lens: Sequence[int] | np.ndarray, new_slots: torch.Tensor) -> bool:
-        """:meth:`LayeredKVCore.prepare_decode_step` in the paged layout: the batch of the last
-        :meth:`LayeredKVCore.prepare_step` with one token more each. Its page lists are the last step's, plus a
-        page for each request whose new token opens one (``new_slots[i] // page_size``); only
-        those requests are observed (the others' pages did not change), then the boundary is the
-        general one (reconcile, :class:`PagedStepTables`, pipeline). O(batch) host work plus the
-        tables'; False (nothing done) when it does not apply."""
+        """:meth:`LayeredKVCore.prepare_decode_step` in the paged layout: a decode step each of
+        whose requests continues what it held at its last boundary (:class:`DecodeContinuity`).
+        Its page lists are those, plus a page for each request whose new token opens one
+        (``new_slots[i] // page_size``); only those requests are observed (the others' pages did
+        not change), then the boundary is the general one (reconcile, :class:`PagedStepTables`,
+        pipeline) -- or, the batch being the last step's, the last tables advanced. O(batch)
+        host work plus the tables'; False (nothing done) when it does not apply."""
         core = self.core
-        last = core._paged_last
-        if (last is None or new_slots.numel() != len(rids) or core.residency.has_anonymous
-                or list(rids) != last[0]):
+        if new_slots.numel() != len(rids) or core.residency.has_anonymous:
             return False
         lens = [int(n) for n in seq_lens]
-        if len(lens) != len(last[1]) or any(n != p + 1 for n, p in zip(lens, last[1], strict=True)):
-            return False
         # on a GPU this reads the step's new slots back: the boundary's one sync (the general
         # path reads every request's slots instead); never inside a layer
         ps, slots = core.page_size, new_slots.tolist()
-        page_lists = list(last[2])
-        opens = [i for i, n in enumerate(lens) if (n - 1) % ps == 0]  # the new token opens a page
-        if any(s % ps != (n - 1) % ps or ((n - 1) % ps and s // ps != pages[-1])
-               for s, n, pages in zip(slots, lens, page_lists, strict=True)):
-            return False  # a slot that does not continue its request: the general path decides
+        cont = core.continuity.continued(rids, lens, slots, lists=True)
+        if cont is None:
+            return False  # a request new, rewritten or not continued: the general path decides
+        opens, page_lists = cont
+        assert page_lists is not None
+        last = core._paged_last
+        same = last is not None and list(rids) == last[0]  # the last step's batch: its tables may advance
         core._boundary(new_slots)
         for i in opens:
-            pages = np.append(page_lists[i], slots[i] // ps)
-            page_lists[i] = pages
-            core.residency.observe(rids[i], torch.from_numpy(pages))
-        core._paged_last = (last[0], lens, page_lists)
+            core.residency.observe(rids[i], torch.from_numpy(page_lists[i]))
+        core._paged_last = (list(rids), lens, page_lists)
+        core.continuity.advanced(rids, lens, slots, page_lists)
         core.decode_delta = core._reconcile()
         new_np = np.asarray(slots, dtype=np.int64)
         opened = new_np[opens] // ps
-        unmoved = self.map_unmoved(opened)
+        unmoved = same and self.map_unmoved(opened)
         resident = self.still_resident(opened, unmoved)
         if (resident or unmoved) and self.advance(
                 np.asarray(opens, dtype=np.int64), opened, lens, resident):
@@ -67,7 +68,7 @@ class PagedDecodeStep:
             return True
         core.resident_builds += resident
         core._begin(page_lists, np.asarray(lens, dtype=np.int64), np.ones(len(lens), dtype=np.int64), new_np,
-                    set(last[0]), None, None, resident=resident)
+                    set(rids), None, None, resident=resident)
         core.paged_decode_steps += 1
         return True
 

@@ -128,6 +128,9 @@ class ResidencyStats:
     staged_advances_total: int = 0
     """Paged steady decode steps that stage host-only layers (a placed batch) and still ran on
     the last step's tables, advanced with the same staging pages (``PagedStepTables.advanced_staged``)."""
+    decode_turnovers_total: int = 0
+    """Decode steps whose batch changed since the last step (a request finished or joined) that
+    continued what each request held instead of reading every request's slots (:class:`DecodeContinuity`)."""
 
     def to_dict(self) -> dict:
         """JSON-ready form."""

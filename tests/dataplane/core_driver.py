@@ -41,9 +41,9 @@ class CoreDriver:
         if paged_reads:  # as SGLang's paged decode backends set the core (layered_paged_decode.py)
             core.paged_reads, core.token_tables = True, False
         self.fast_decode = fast_decode
-        """Steady decode steps (same requests as the previous forward, one token each) try the
-        served fast path first (:meth:`LayeredKVCore.prepare_decode_step`), as SGLang's
-        torch-native backend does."""
+        """Decode steps (one token each) try the served fast path first
+        (:meth:`LayeredKVCore.prepare_decode_step`, which decides whether each request continues
+        what it held), as SGLang's layered backends do."""
         self.fast_steps = 0
         """Forwards the fast path took (their bookkeeping journalled)."""
         self.skip_idle = paged_reads
@@ -57,8 +57,9 @@ class CoreDriver:
         self.loc_dtype = torch.int64
         """dtype of the step's ``out_cache_loc`` (SGLang's is int64; int32 must work as well)."""
         self.finishes = 0
+        self.rewrites = 0
+        """Rows rewritten to another request's first page (:meth:`rewrite_prefix`)."""
         """Requests finished (odd ones free their pages first, as SGLang does, even ones after)."""
-        self._last: tuple[list[str], list[int]] | None = None
         self.ps = core.page_size
         self.gen = torch.Generator().manual_seed(seed)
         self.free_pages = list(range(core.config.logical_pages - 1, 0, -1))
@@ -121,9 +122,7 @@ class CoreDriver:
         rec = self._recompute_spec(batch)
         ids = None if rec is None else [np.asarray(self.slots[rid]) for rid, _ in batch]  # slots stand for ids
         rids, lens = [rid for rid, _ in batch], [len(self.slots[rid]) for rid, _ in batch]
-        last, self._last = self._last, (rids, lens)
-        steady = (self.fast_decode and rec is None and last is not None and last[0] == rids
-                  and all(n == p + 1 for n, p in zip(lens, last[1], strict=True)))
+        steady = self.fast_decode and rec is None and all(n == 1 for _, n in batch)
         if steady and core.prepare_decode_step(rids, lens, loc):
             self.fast_steps += 1
         else:
@@ -254,6 +253,26 @@ class CoreDriver:
             if self._refs(slot // self.ps) == 0:
                 for layer in range(self.core.layers):
                     self.shadow.pop((layer, slot), None)
+
+    def rewrite_prefix(self, rid: str, src: str) -> bool:
+        """SGLang's prefix dedupe after a prefill (``cache_unfinished_req``): the tree already
+        holds ``src``'s first page for the same tokens, so ``rid``'s row is rewritten to it and
+        ``rid``'s own copy freed. (Here the two pages' K/V differ: ``rid`` reads ``src``'s from
+        now on, as the rewritten row says.) False when it does not apply."""
+        a, b = self.slots.get(src), self.slots.get(rid)
+        ps = self.ps
+        if rid == src or not a or not b or len(a) < ps or len(b) <= ps or a[0] // ps == b[0] // ps:
+            return False
+        old = b[0] // ps
+        b[:ps] = a[:ps]
+        if self._refs(old) == 0:
+            self.core.page_freed([old])
+            self.free_pages.append(old)
+            for slot in range(old * ps, old * ps + ps):
+                for layer in range(self.core.layers):
+                    self.shadow.pop((layer, slot), None)
+        self.rewrites += 1
+        return True
 
     # ----- invariants ------------------------------------------------------------------------
 

@@ -22,7 +22,8 @@ from tests.dataplane.core_driver import LAYERS, PAGES, CoreDriver, make_core, of
 RIDS = ("a", "b", "c", "d")
 BIG = 2 * PAGES - 1
 """Logical pages of the machine's core (65): room for long lifecycles."""
-STEPS = {"total": 0, "recompute_rows": 0, "fast": 0, "advanced": 0, "opened": 0, "resident_builds": 0, "staged": 0, "idle": 0}
+STEPS = {"total": 0, "recompute_rows": 0, "fast": 0, "advanced": 0, "opened": 0, "resident_builds": 0, "staged": 0, "idle": 0,
+         "turnovers": 0, "rewrites": 0}
 
 
 class CoreMachine(RuleBasedStateMachine):
@@ -91,6 +92,11 @@ class CoreMachine(RuleBasedStateMachine):
     def finish(self, rid: str) -> None:
         self.driver.finish(rid)
 
+    @rule(rid=st.sampled_from(RIDS), src=st.sampled_from(RIDS))
+    def rewrite(self, rid: str, src: str) -> None:
+        """SGLang's prefix dedupe: ``rid``'s first page replaced by ``src``'s, its own freed."""
+        self.driver.rewrite_prefix(rid, src)
+
     @invariant()
     def exact_and_accounted(self) -> None:
         if hasattr(self, "driver"):
@@ -106,6 +112,8 @@ class CoreMachine(RuleBasedStateMachine):
             STEPS["resident_builds"] += self.driver.core.resident_builds
             STEPS["staged"] += self.driver.core.staged_advances
             STEPS["idle"] += self.driver.idle_steps
+            STEPS["turnovers"] += self.driver.core.continuity.turnovers
+            STEPS["rewrites"] += self.driver.rewrites
 
 
 TestCore = CoreMachine.TestCase
@@ -159,6 +167,8 @@ def test_the_machine_ran_over_a_thousand_forwards():
     assert STEPS["resident_builds"] >= 20, STEPS  # and its page-opening steps built knowing the batch resident
     assert STEPS["staged"] >= 5, STEPS  # and its placed batches' steps advanced with their staging (10-52, by test order)
     assert STEPS["idle"] >= 50, STEPS  # and its steps whose layers skipped enter / exit as served (layers_idle)
+    assert STEPS["turnovers"] >= 50, STEPS  # decode steps whose batch changed, continued (DecodeContinuity)
+    assert STEPS["rewrites"] >= 20, STEPS  # rows rewritten by SGLang's prefix dedupe (the frees cut them)
     print(f"\nstateful core: {STEPS}")
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_ext.dataplane.identity_decode_step import IdentityDecodeStep
+from sglang_ext.dataplane.decode_continuity import DecodeContinuity
 from sglang_ext.dataplane.identity_decode_tables import IdentityDecodeTables
 from sglang_ext.dataplane.step_tables import StepTables
 from tests.dataplane.core_driver import CoreDriver, make_core
@@ -88,16 +88,16 @@ def test_the_tables_equal_a_general_build_of_the_same_batch() -> None:
 
 def test_negative_control_a_table_missing_the_opened_page_is_caught(monkeypatch) -> None:
     """Tables that forget the page a new token opens: the paged read of that request fails."""
-    real = IdentityDecodeStep.lists
+    real = DecodeContinuity.continued
 
-    def forgetting(self, rids, seq_lens, slots, owners, pages):  # noqa: ANN001, ANN202
-        lists = real(self, rids, seq_lens, slots, owners, pages)
-        if lists is not None and pages:
-            i = list(range(len(lists)))[0] if owners is None else owners[0]
-            lists[i] = lists[i][:-1]
-        return lists
+    def forgetting(self, rids, seq_lens, slots, lists):  # noqa: ANN001, ANN202
+        got = real(self, rids, seq_lens, slots, lists)
+        if got is not None and got[0] and got[1] is not None:
+            i = got[0][0]
+            got[1][i] = got[1][i][:-1]
+        return got
 
-    monkeypatch.setattr(IdentityDecodeStep, "lists", forgetting)
+    monkeypatch.setattr(DecodeContinuity, "continued", forgetting)
     d, rids = _driver(6)
     with pytest.raises(AssertionError):
         for _ in range(8):

@@ -281,11 +281,12 @@ def test_a_paged_steady_step_that_drops_its_new_page_is_caught(monkeypatch):
         offload_scenario(CoreDriver(make_core(PAGES + 6), seed=7, fast_decode=True))
 
 
-def test_a_freed_page_sends_the_next_step_through_the_general_path():
+def test_a_free_that_cuts_a_running_request_sends_the_next_step_through_the_general_path():
     """SGLang may rewrite a running request's row when it frees pages (a prefix the tree already
-    holds replaces the request's copy): after ``page_freed`` the steady path declines and the
-    general one reads the rows. Control: without the free the same step takes the fast path."""
-    for free in (False, True):
+    holds replaces the request's copy): after a ``page_freed`` that cuts a page of the batch the
+    decode path declines and the general one reads the rows. A free nobody in the batch holds
+    (a finished request's pages) changes nothing the batch holds: the decode path goes on."""
+    for case in ("none", "unheld", "rewrite"):
         core = make_core(PAGES + 6)
         d = CoreDriver(core, seed=9, fast_decode=True)
         d.add("a")
@@ -294,10 +295,12 @@ def test_a_freed_page_sends_the_next_step_through_the_general_path():
         d.want("a", [True, False, True])
         d.step([("a", 1), ("b", 1)])
         before = core.paged_decode_steps
-        if free:
-            core.page_freed([])  # the call, whatever it frees, is what forgets the page lists
+        if case == "unheld":
+            core.page_freed([])
+        elif case == "rewrite":
+            assert d.rewrite_prefix("b", "a")
         d.step([("a", 1), ("b", 1)])
-        assert core.paged_decode_steps == before + (0 if free else 1)
+        assert core.paged_decode_steps == before + (0 if case == "rewrite" else 1), case
         d.check_at_rest()
 
 

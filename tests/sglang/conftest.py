@@ -79,6 +79,16 @@ def running_server(
         yield server
 
 
+TEST_DTYPE_ARGS: tuple[str, ...] = ("--dtype", "float32")
+"""Every test server serves the tiny fp32 checkpoint in float32 (before the test's own flags, so
+an explicit ``--dtype`` wins: ``test_bf16_server``). SGLang's ``auto`` dtype serves it in fp16 on
+the CPU, and on CPUs with AVX512-FP16 / AMX (Intel Sapphire Rapids; measured in session 37) an
+fp16 GEMM's result depends on the batch's row count (1 ulp, ~1e-4, between 1 and 2, 8 or 54
+rows of the same input): a request batched with others then differs from vanilla's lone run
+by ~1e-3 in logprobs -- the size of one corrupted page's signal (:data:`LOGPROB_ATOL`) -- in 10
+server tests on such a host, whatever the pool did. In float32 the same comparison is ~5e-7 in
+the GEMM, ~1e-6 in logprobs, on any CPU (AMD EPYC hosts were batch-invariant in fp16 too)."""
+
 ServerSpec = tuple[Path, Sequence[str], Mapping[str, str] | None]
 """A server's log directory, extra flags and environment additions (:func:`running_servers`)."""
 
@@ -91,7 +101,8 @@ def running_servers(model_dir: Path, specs: Sequence[ServerSpec]) -> Iterator[tu
     ports are distinct and below the ephemeral range (:mod:`controlplane.service.ports`)."""
     ports = free_ports(len(specs))
     servers = tuple(
-        SGLangServer(model_dir, log_path=root / "server.log", extra_args=list(extra), env=dict(env or {}),
+        SGLangServer(model_dir, log_path=root / "server.log", extra_args=[*TEST_DTYPE_ARGS, *extra],
+                     env=dict(env or {}),
                      startup_timeout_s=STARTUP_TIMEOUT_S, port=port, avoid_ports=tuple(ports))
         for (root, extra, env), port in zip(specs, ports, strict=True)
     )
@@ -122,8 +133,8 @@ def greedy(server: SGLangServer, prompt: str, max_new_tokens: int = 6, *, logpro
 
 
 LOGPROB_ATOL = 1e-4
-"""Per-token logprob tolerance against vanilla (the tiny fp32 checkpoint, which SGLang serves in
-fp16, its ``auto`` dtype; both servers compute attention with the same torch SDPA). Measured on
+"""Per-token logprob tolerance against vanilla (the tiny fp32 checkpoint served in float32,
+:data:`TEST_DTYPE_ARGS`; both servers compute attention with the same torch SDPA). Measured on
 the tiny model: noise between two forwards is ~1e-6, while zeroing one 16-token page of one layer moved the
 logprobs by >= 1.4e-3 every time (and changed the greedy token in 0 of 24 cases): comparing
 tokens alone cannot see a corrupted page, comparing logprobs can."""

@@ -108,7 +108,8 @@ def test_steady_decode_fast_path_leaves_the_pool_as_the_general_path_does(ops, b
         # copy and stall seconds are wall-clock measurements, equal only by chance
         untimed = {"staged_steps_total": 0, "h2d_seconds_total": 0.0, "d2h_seconds_total": 0.0,
                    "stall_seconds_total": 0.0, "journalled_decode_steps_total": 0,  # journalled: the fast one
-                   "resident_builds_total": 0}  # which build a step took, not what it placed
+                   "resident_builds_total": 0,  # which build a step took, not what it placed
+                   "decode_turnovers_total": 0}  # which path a batch change took
         assert replace(fast.residency_stats(), **untimed) == replace(full.residency_stats(), **untimed)
         full.residency._live_stats = None
         assert fast.residency.live_rids() == full.residency.live_rids()

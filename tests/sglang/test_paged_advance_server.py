@@ -48,7 +48,8 @@ def advance_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangSe
     # the test-only injector only audits here (perturbs nothing): the served per-layer ops
     env = {"TRITON_INTERPRET": "1", POOL_STATS_FILE_ENV: str(stats), "PYTHONPATH": str(FAULT_INJECT_DIR),
            "KVPLANE_TEST_AUDIT_FILE": str(root / "audit.json"), OVERHEAD_FILE_ENV: str(root / "overhead.json"),
-           "KVPLANE_TEST_AUDIT_TORCH_EXTEND_FILE": str(root / "torch_extend")}
+           "KVPLANE_TEST_AUDIT_TORCH_EXTEND_FILE": str(root / "torch_extend"),
+           "KVPLANE_TEST_STALE_TURNOVER_FILE": str(root / "stale_turnover")}
     stale_env = {"TRITON_INTERPRET": "1", "PYTHONPATH": str(FAULT_INJECT_DIR), "KVPLANE_TEST_STALE_ADVANCE": "1"}
     with running_servers(tiny_model_dir, [(root, flags, env), (stale_root, flags, stale_env)]) as (server, stale):
         yield server, stats, stale
@@ -99,6 +100,62 @@ def test_a_batch_of_two_with_skewed_pages_still_matches(advance_server, vanilla_
     steps = _steps(stats_path)
     assert steps[-1]["advanced_decode_steps_total"] > before
     assert max(s["batch_size"] for s in steps) == 2 and max(s["host_fraction"] for s in steps) == 0.0
+
+
+def _staggered(server, prompts: tuple[str, ...], lengths: tuple[int, ...]) -> list[dict]:  # noqa: ANN001
+    """``prompts[i]`` generating ``lengths[i]`` tokens, sent a short while apart: requests join a
+    running batch after their prefill and leave it as they finish."""
+    import time
+
+    def one(i: int) -> dict:
+        time.sleep(0.4 * i)
+        return server.post("/generate", {"text": prompts[i], "return_logprob": True, "sampling_params": {
+            "max_new_tokens": lengths[i], "temperature": 0.0, "ignore_eos": True}})
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, range(len(prompts))))
+
+
+TURNOVER_PROMPTS = (PROMPTS[11], PROMPTS[12] + " then", PROMPTS[13] + " one two three")
+TURNOVER_LENGTHS = (14, 6, 10)
+
+
+def test_batch_changes_continue_without_reading_slots(advance_server, vanilla_server):
+    """Requests joining a running batch after their prefill and leaving it as they finish: the
+    decode steps after each change continue what each request held (``DecodeContinuity``: no
+    request's slots read back, the tables built from the kept page lists), counted by the pool's
+    ``decode_turnovers_total``; tokens and logprobs still equal vanilla's, request by request."""
+    server, stats_path = advance_server
+    before = _steps(stats_path)[-1]["decode_turnovers_total"]
+    got = _staggered(server, TURNOVER_PROMPTS, TURNOVER_LENGTHS)
+    for prompt, n, response in zip(TURNOVER_PROMPTS, TURNOVER_LENGTHS, got, strict=True):
+        want = vanilla_server.post("/generate", {"text": prompt, "return_logprob": True, "sampling_params": {
+            "max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}})
+        _matches(response, want, prompt)
+    steps = _steps(stats_path)
+    assert steps[-1]["decode_turnovers_total"] >= before + 2, (before, steps[-1]["decode_turnovers_total"])
+    assert max(s["batch_size"] for s in steps[-40:]) >= 2
+
+
+def test_negative_control_a_stale_turnover_fails_the_comparison(advance_server, vanilla_server):
+    """Control: turnover steps that continue a wrong page list (a request's first page read as
+    its second, tests/sglang/fault_inject) are caught by the same comparison."""
+    server, stats_path = advance_server
+    flag = stats_path.parent / "stale_turnover"
+    flag.touch()
+    try:
+        got = _staggered(server, TURNOVER_PROMPTS, TURNOVER_LENGTHS)
+    finally:
+        flag.unlink()
+    failures = 0
+    for prompt, n, response in zip(TURNOVER_PROMPTS, TURNOVER_LENGTHS, got, strict=True):
+        want = vanilla_server.post("/generate", {"text": prompt, "return_logprob": True, "sampling_params": {
+            "max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}})
+        try:
+            _matches(response, want, prompt)
+        except AssertionError:
+            failures += 1
+    assert failures >= 1, "no stale turnover was detected"
 
 
 def test_negative_control_a_stale_advance_fails_the_comparison(advance_servers, vanilla_server):

@@ -33,6 +33,11 @@ With ``KVPLANE_TEST_STALE_ADVANCE=1``, an advanced paged step keeps the last ste
 rows (``PagedStepTables.advanced`` without its ``rows + 1``, ``advanced_staged`` with the last
 step's rows): each advanced step's new K/V overwrite the previous token's -- what a stale
 advance would do.
+
+With ``KVPLANE_TEST_STALE_TURNOVER_FILE=PATH``, while ``PATH`` exists a decode step whose batch
+changed (a turnover, ``DecodeContinuity.continued``) continues a wrong page list: each request
+of two pages or more that opens no page reads its second page in place of its first -- what a
+stale record of a request's pages would do (the turnover test's negative control toggles it).
 """
 
 from __future__ import annotations
@@ -207,6 +212,27 @@ def _patch_extend_shift(module) -> None:  # noqa: ANN001
     module.paged_extend = shifted
 
 
+CONTINUITY_TARGET = "sglang_ext.dataplane.decode_continuity"
+
+
+def _patch_turnover(module) -> None:  # noqa: ANN001
+    flag = os.environ["KVPLANE_TEST_STALE_TURNOVER_FILE"]
+    real = module.DecodeContinuity.continued
+
+    def continued(self, rids, seq_lens, slots, lists):  # noqa: ANN001, ANN202
+        got = real(self, rids, seq_lens, slots, lists)
+        if got is None or got[1] is None or self._last == list(rids) or not os.path.exists(flag):
+            return got
+        opens, out = got
+        for i, pages in enumerate(out):
+            if i not in opens and pages.size >= 2:
+                out[i] = pages.copy()
+                out[i][0] = pages[1]
+        return opens, out
+
+    module.DecodeContinuity.continued = continued
+
+
 class _Finder(importlib.abc.MetaPathFinder):
     def __init__(self, target: str, patch) -> None:  # noqa: ANN001
         self.target, self.patch = target, patch
@@ -236,5 +262,7 @@ if os.environ.get("KVPLANE_TEST_STALE_ADVANCE"):
     sys.meta_path.insert(0, _Finder(ADVANCE_TARGET, _patch_advance))
 if os.environ.get("KVPLANE_TEST_AUDIT_FILE"):
     sys.meta_path.insert(0, _Finder(AUDIT_TARGET, _patch_audit))
+if os.environ.get("KVPLANE_TEST_STALE_TURNOVER_FILE"):
+    sys.meta_path.insert(0, _Finder(CONTINUITY_TARGET, _patch_turnover))
 if os.environ.get("KVPLANE_TEST_SHIFT_EXTEND_FILE"):
     sys.meta_path.insert(0, _Finder(EXTEND_TARGET, _patch_extend_shift))
