@@ -101,6 +101,25 @@ class MapMirror:
         values = both[k:].view(torch.int32)[: self.layers * k].view(self.layers, k)
         self.dev.index_copy_(1, both[:k], values)
 
+    def sync_within(self, pages: np.ndarray) -> np.ndarray | None:
+        """:meth:`sync`'s host side when every pending column is one of ``pages`` (distinct; the
+        caller checked :meth:`pending_within`) and the caller uploads the columns with its own
+        (ONE upload for a step's tables and the mirror): returns the ``[L, k]`` int32 columns
+        of ``pages`` to upload and :meth:`scatter`, or None when nothing was pending (``dev``
+        already holds them)."""
+        if not self._log:
+            return None
+        self._log = []
+        self.syncs += 1
+        cols = np.ascontiguousarray(np.take(self.map_np, pages, axis=1), dtype=np.int32)
+        self.host_bits[pages] = self._bits(cols)
+        self.synced_columns += int(pages.size)
+        return cols
+
+    def scatter(self, pages: torch.Tensor, cols: torch.Tensor) -> None:
+        """The device side of :meth:`sync_within`: ``dev[:, pages] = cols`` (uploaded by the caller)."""
+        self.dev.index_copy_(1, pages, cols)
+
     def host_layers(self, pages: np.ndarray, starts: np.ndarray) -> np.ndarray:
         """``[L, b]`` bool: whether request ``r`` (pages ``pages[starts[r]:starts[r+1]]``, each
         range non-empty) has any host-only page at layer ``l``. Call after :meth:`sync`."""

@@ -215,13 +215,15 @@ class PagedStepTables(StepTables):
         return counts, ends, flat, starts, starts + counts - 1
 
     def _opened_successor(self, flat: np.ndarray, starts: np.ndarray, counts: np.ndarray, last: np.ndarray,
-                          seq_lens: np.ndarray) -> PagedStepTables:
-        """:meth:`_successor` over the new page lists, the mirror synced, ``last`` the new pages."""
+                          seq_lens: np.ndarray, syncs: int | None = None) -> PagedStepTables:
+        """:meth:`_successor` over the new page lists, ``last`` the new pages, the mirror synced
+        (here, or by the caller: ``syncs``, its count after)."""
         store, mirror = self._store, self._store.mirror
         assert mirror is not None
         nxt = self._successor()
         nxt.pages, nxt._n, nxt._starts_np, nxt._counts_np = flat, int(flat.size), starts, counts
-        nxt._mirror_syncs, nxt._width = _sync_mirror(store, mirror), int(seq_lens.max())
+        nxt._mirror_syncs = _sync_mirror(store, mirror) if syncs is None else syncs
+        nxt._width = int(seq_lens.max())
         nxt.new_pages = last
         return nxt
 
@@ -283,11 +285,21 @@ class PagedStepTables(StepTables):
         counts, ends, flat, starts, lastcol = self._opened_columns(opens, opened)
         last = flat[lastcol]  # the page of each request's new token
         rows = np.take(store.map_np, last, axis=1).astype(np.int64) * ps + ((seq_lens - 1) % ps)[None, :]
-        nxt = self._opened_successor(flat, starts, counts, last, seq_lens)
-        nxt.dirty_ids = store.identity_ids(last).reshape(-1)
-        nxt._upload(store, [rows.reshape(-1)], [opened], counts, seq_lens, ps)
+        if mirror.pending:  # the scatter below must not overtake an earlier step's fetches reading the mirror
+            store.engine.wait_fence()
+        # the opened pages' columns ride with the tables' upload: the mirror's sync and the
+        # splice read them there (one upload, where a separate sync made two)
+        synced = mirror.sync_within(opened)
         k = int(opened.size)
-        cols = mirror.dev.index_select(1, nxt.i32[:k])
+        head = [opened] if synced is None else [opened, synced.reshape(-1)]
+        nxt = self._opened_successor(flat, starts, counts, last, seq_lens, mirror.syncs)
+        nxt.dirty_ids = store.identity_ids(last).reshape(-1)
+        nxt._upload(store, [rows.reshape(-1)], head, counts, seq_lens, ps)
+        if synced is None:
+            cols = mirror.dev.index_select(1, nxt.i32[:k])
+        else:
+            cols = nxt.i32[k: k + layers * k].view(layers, k)
+            mirror.scatter(nxt.i32[:k].long(), cols)
         pieces, at = [], 0
         for j, end in enumerate(ends.tolist()):
             pieces += [self.tab[:, at:end], cols[:, j: j + 1]]
@@ -295,7 +307,7 @@ class PagedStepTables(StepTables):
         pieces.append(self.tab[:, at:])
         nxt.tab = torch.cat(pieces, dim=1)
         nxt.rows = nxt.i64[: layers * b].view(layers, b)
-        nxt._bind_csr(k, b)
+        nxt._bind_csr(k if synced is None else k + layers * k, b)
         return nxt
 
     def advanced_staged(self, opens: np.ndarray, opened: np.ndarray, seq_lens: np.ndarray,

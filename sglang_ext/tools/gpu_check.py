@@ -7,9 +7,12 @@
    vs one contiguous pinned copy; H2D + D2H together vs one direction; host syncs per step inside
    layers; kvplane's CPU time per step as a share of the all-resident step -- each with its
    target and PASS / FAIL / N/A (:mod:`.gpu_check_report`).
-3. The paged-extend (prefill) kernel the paged backends serve extends with, vs its reference and
+3. Batch changes (a request finishes, one joins) on the core check's batch: the next decode
+   step's boundary continued vs through the general path it took before
+   (:class:`~sglang_ext.tools.gpu_check_turnover.TurnoverCheck`).
+4. The paged-extend (prefill) kernel the paged backends serve extends with, vs its reference and
    vs the torch-native loop it replaced (:class:`~sglang_ext.tools.gpu_check_extend.ExtendCheck`).
-4. JSON and Markdown under ``benchmarks/results/gpu/gpu-check-<machine>.{json,md}``.
+5. JSON and Markdown under ``benchmarks/results/gpu/gpu-check-<machine>.{json,md}``.
 
 It never imports SGLang (the GPU host has torch, Triton and nvcc; FlashInfer's wheel may be
 brought, SGLang's may not). ``--device cpu`` is the dry run: the same code at the ``small``
@@ -36,6 +39,7 @@ from sglang_ext.tools.gpu_check_extend import ExtendCheck
 from sglang_ext.tools.gpu_check_measure import CoreCheck
 from sglang_ext.tools.gpu_check_report import Figure, GpuCheckReport, guarded_phase
 from sglang_ext.tools.gpu_check_tests import REPO_ROOT, GpuTestRun
+from sglang_ext.tools.gpu_check_turnover import TurnoverCheck
 
 RESULTS_DIR = "benchmarks/results/gpu"
 
@@ -123,13 +127,21 @@ def _run(args: argparse.Namespace, device: str, config: GpuCheckConfig) -> int:
           f"{tests['errors']} errors ({tests['elapsed_s']:.0f} s)")
     built: list[CoreCheck] = []
 
+    measured: list[bool] = []
+
     def core() -> list[Figure]:
         built.append(CoreCheck(config, device, args.attention))
-        return built[0].run()
+        figures = built[0].run()
+        measured.append(True)
+        return figures
 
     # a failure keeps what the check measured before it (its details so far)
     figures = guarded_phase("core_check", "served-core measurements", "CoreCheck.run", core)
     details: dict[str, Any] = built[0].details if built else {}
+    if measured:  # last on the core check's batch (it finishes and admits requests), when that ran through
+        turnover = TurnoverCheck(built[0])
+        figures += guarded_phase("turnover_check", "batch changes", "TurnoverCheck.run", turnover.run)
+        details["turnover"] = turnover.details
     extend = ExtendCheck(config, device)
     figures += guarded_phase("extend_check", "paged extend (prefill) kernel", "ExtendCheck.run", extend.run)
     details["extend"] = extend.details

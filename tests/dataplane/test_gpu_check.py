@@ -25,6 +25,8 @@ from sglang_ext.tools.gpu_check_tests import GpuTestRun
 
 EXTEND_KEYS = ["extend.max_abs_err", "extend.vs_torch_loop", "extend.vs_dense_sdpa", "extend.tflops"]
 """The prefill phase's figures, in report order (:mod:`sglang_ext.tools.gpu_check_extend`)."""
+TURNOVER_KEYS = ["turnover.boundary_ms", "turnover.general_boundary_ms", "turnover.vs_general", "turnover.vs_steady"]
+"""The batch-change phase's figures (:mod:`sglang_ext.tools.gpu_check_turnover`)."""
 FIGURE_KEYS = {
     "attention_max_abs_err.flashinfer", "attention_max_abs_err.triton", "attention_max_abs_err.torch",
     "step_ms.resident", "step_ms.placed", "stall_rel_err", "h2d_vs_contiguous", "duplex_vs_one_direction",
@@ -35,7 +37,7 @@ FIGURE_KEYS = {
     "overlap.hidden_step_rel.dma", "duplex_vs_one_direction.dma", "overlap.fetch_launch_ms", "h2d_vs_contiguous.dma",
     "graph.replay_max_abs_diff", "graph.replayed_steps_attention_err", "graph.layers_ms.eager",
     "graph.layers_ms.replay", "graph.step_ms.eager", "graph.step_ms.replay", "graph.kvplane_cpu_share",
-    *EXTEND_KEYS,
+    *EXTEND_KEYS, *TURNOVER_KEYS,
 }
 TARGETS = {  # the issue's targets, by figure
     "stall_rel_err": ("<=", 0.10), "h2d_vs_contiguous": (">=", 0.85), "duplex_vs_one_direction": (">=", 1.5),
@@ -45,11 +47,12 @@ TARGETS = {  # the issue's targets, by figure
     "transfer_events.h2d_vs_wall_rel_err": ("<=", 0.25), "transfer_events.stall_vs_wall_rel_err": ("<=", 0.25),
     "overlap.hidden_step_rel": ("<=", 0.10), "overlap.hidden_step_rel.dma": ("<=", 0.10),
     "duplex_vs_one_direction.dma": (">=", 1.5), "extend.max_abs_err": ("<=", 1e-4), "extend.vs_torch_loop": ("<=", 1.0),
+    "turnover.vs_general": ("<=", 1.0),
 }
 CPU_NOT_MEANINGFUL = {"stall_rel_err", "h2d_vs_contiguous", "duplex_vs_one_direction", "kvplane_cpu_share",
                       "recompute_step_rel_err", "transfer_events.h2d_gbps", "transfer_events.d2h_gbps",
                       "transfer_events.h2d_vs_wall_rel_err", "transfer_events.stall_ms_per_step",
-                      "overlap.hidden_step_rel", "overlap.fetch_launch_ms"}
+                      "overlap.hidden_step_rel", "overlap.fetch_launch_ms", "turnover.vs_general"}
 NOT_ON_CPU = {"overlap.hidden_step_rel.dma", "duplex_vs_one_direction.dma", "h2d_vs_contiguous.dma"}
 """Figures of the copy engines: CUDA only (N/A without a value, the note says why)."""
 GRAPH_KEYS = {key for key in FIGURE_KEYS if key.startswith("graph.")} | {

@@ -7,7 +7,13 @@ import pytest
 
 from kvplane.cli import main
 from sglang_ext.tools.gpu_check_report import FAIL, PASS
-from tests.dataplane.test_gpu_check import EXTEND_KEYS, FIGURE_KEYS, NOT_ON_CPU, _result
+from tests.dataplane.test_gpu_check import (
+    EXTEND_KEYS,
+    FIGURE_KEYS,
+    NOT_ON_CPU,
+    TURNOVER_KEYS,
+    _result,
+)
 
 
 @pytest.mark.parametrize("phase", ["transfer", "placed", "half-offloaded", "hidden"])
@@ -57,18 +63,25 @@ def test_a_copy_engine_phase_that_raises_loses_only_the_dma_figures(tmp_path, mo
         assert "overlap_check" in keys and "overlap.hidden_step_rel" not in keys and "stall_rel_err" in keys, keys
 
 
-@pytest.mark.parametrize("phase", ["overlap", "recompute", "extend"])
+@pytest.mark.parametrize("phase", ["overlap", "recompute", "extend", "turnover"])
 def test_a_phase_that_raises_fails_its_own_figure_only(tmp_path, monkeypatch, capsys, phase):
-    """The overlap, recompute and extend phases run after the core figures are measured: one that
-    raises becomes one failed figure naming the exception (``overlap_check`` / ``recompute_check``
-    / ``extend_check``), its traceback on stderr; the core's figures and the other phases' are
-    kept. Negative control: the core check itself raising keeps its details so far but only the
-    ``core_check`` figure of its own (the extend phase, apart from it, keeps its figures)."""
-    from sglang_ext.tools import gpu_check_extend, gpu_check_overlap, gpu_check_recompute
+    """The overlap, recompute, batch-change and extend phases run after the core figures are
+    measured: one that raises becomes one failed figure naming the exception (``overlap_check`` /
+    ``recompute_check`` / ``turnover_check`` / ``extend_check``), its traceback on stderr; the
+    core's figures and the other phases' are kept. Negative control: the core check itself
+    raising keeps its details so far but only the ``core_check`` figure of its own (the extend
+    phase, apart from it, keeps its figures; the batch-change phase, which needs the core check's
+    batch whole, does not run)."""
+    from sglang_ext.tools import (
+        gpu_check_extend,
+        gpu_check_overlap,
+        gpu_check_recompute,
+        gpu_check_turnover,
+    )
     from sglang_ext.tools.gpu_check_measure import CoreCheck
 
     cls = {"overlap": gpu_check_overlap.OverlapCheck, "recompute": gpu_check_recompute.RecomputeCheck,
-           "extend": gpu_check_extend.ExtendCheck}[phase]
+           "extend": gpu_check_extend.ExtendCheck, "turnover": gpu_check_turnover.TurnoverCheck}[phase]
 
     def broken(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
         raise RuntimeError(f"{phase} fault (test)")
@@ -83,7 +96,7 @@ def test_a_phase_that_raises_fails_its_own_figure_only(tmp_path, monkeypatch, ca
     mine = {"overlap": {"overlap.hidden_step_rel", "overlap.hidden_step_rel.dma", "duplex_vs_one_direction.dma",
                         "overlap.fetch_launch_ms"},
             "recompute": {"recompute_step_rel_err", "recompute_attention_max_abs_err"},
-            "extend": set(EXTEND_KEYS)}[phase]
+            "extend": set(EXTEND_KEYS), "turnover": set(TURNOVER_KEYS)}[phase]
     assert set(figures) == FIGURE_KEYS - mine, set(figures) ^ (FIGURE_KEYS - mine)
     assert figures["step_ms.placed"]["value"] > 0 and figures["attention_max_abs_err.torch"]["status"] == PASS
     assert f"{phase} fault (test)" in capsys.readouterr().err
@@ -93,6 +106,7 @@ def test_a_phase_that_raises_fails_its_own_figure_only(tmp_path, monkeypatch, ca
     extend = ["extend_check"] if phase == "extend" else EXTEND_KEYS
     assert [f["key"] for f in body["figures"]] == ["core_check", *extend]
     assert body["details"]["overlap" if phase == "recompute" else "recompute"]  # measured before the fault
+    assert "turnover" not in body["details"]  # the core check did not run through: no batch-change phase
 
 
 class _StandAside:

@@ -51,6 +51,40 @@ def test_resident_steady_steps_advance_and_read_exactly():
     d.check_at_rest()
 
 
+@pytest.mark.parametrize("separate_sync", [False, True])
+def test_an_opening_advance_makes_one_upload(monkeypatch, separate_sync):
+    """A resident step that opens pages uploads its tables and the mirror's new columns in ONE
+    staged copy (the mirror's sync and the splice read the columns there), where a separate
+    mirror sync made two. The mirror runs its device path on the CPU (``staged``). Control
+    (``separate_sync``): the sync made on its own, as before -- two uploads a step."""
+    from sglang_ext.dataplane.pinned_upload_ring import PinnedUploadRing
+
+    d = _driver()
+    d.core.store.mirror.staged = True
+    if separate_sync:
+        monkeypatch.setattr(MapMirror, "sync_within", lambda self, pages: self.sync())
+    uploads: list[int] = []
+    real = PinnedUploadRing.upload
+    monkeypatch.setattr(PinnedUploadRing, "upload", lambda self, values: (uploads.append(1), real(self, values))[1])
+    opening = PagedStepTables.advanced_opening
+    per_step: list[int] = []
+
+    def counted(self, *args):  # noqa: ANN001, ANN002, ANN202
+        before = len(uploads)
+        nxt = opening(self, *args)
+        per_step.append(len(uploads) - before)
+        return nxt
+
+    monkeypatch.setattr(PagedStepTables, "advanced_opening", counted)
+    d.add("a")
+    d.add("b")
+    d.step([("a", 5), ("b", 3)])
+    _decode(d, 12)
+    assert d.core.opened_advances == 6 and len(per_step) == 6
+    assert per_step == [2 if separate_sync else 1] * 6, per_step
+    d.check_at_rest()  # and every layer's reads were exact (the driver)
+
+
 def _fresh_build(core: LayeredKVCore, got: PagedStepTables) -> PagedStepTables:
     """The step's tables built from scratch, staging (if any) in the same device pages as ``got``."""
     _, lens, page_lists = core._paged_last  # type: ignore[misc]

@@ -1,6 +1,6 @@
 """SGLang serving in bfloat16 (the dtype GPU deployments serve in) with most layer-KV on host.
 
-The other server tests run the tiny fp32 checkpoint in SGLang's ``auto`` dtype, fp16 on the CPU.
+The other server tests serve the tiny fp32 checkpoint in float32 (``conftest.TEST_DTYPE_ARGS``).
 Here three servers start side by side with ``--dtype bfloat16``: vanilla, the layered pool at
 ``test_layered_offload_server``'s budget (49 token-layers: at least half of a 16-token request's
 layer-KV on host), and the same with the test-only fault injector perturbing one written-back

@@ -31,9 +31,9 @@ from tests.sglang.request_kinds import (
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # a server start-up on a loaded host
 
-TINY_FLOOR = HostPoolFloor(layers=4, kv_heads=2, head_dim=16, dtype_bytes=2, page_size=1, max_total_tokens=4096)
-"""The tiny model (TinyModelSpec: 4 layers, 2 KV heads x 16, served in fp16) under the CPU recipe
-(``--max-total-tokens 4096``, page size 1)."""
+TINY_FLOOR = HostPoolFloor(layers=4, kv_heads=2, head_dim=16, dtype_bytes=4, page_size=1, max_total_tokens=4096)
+"""The tiny model (TinyModelSpec: 4 layers, 2 KV heads x 16, served in float32 by every test
+server: ``conftest.TEST_DTYPE_ARGS``) under the CPU recipe (``--max-total-tokens 4096``, page size 1)."""
 
 
 @pytest.fixture(scope="module")

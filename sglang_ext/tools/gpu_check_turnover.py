@@ -1,0 +1,142 @@
+"""TurnoverCheck: `kvplane gpu-check`'s batch-change phase (run last, on the check's batch).
+
+SGLang's decode batch changes whenever a request finishes or a prefilled one joins. The decode
+step after such a change used to go through the general boundary: the served adapter read every
+request's slots back from the device (``req_to_token[rows, :max_len]``, one device-to-host copy
+and a host sync) and ``prepare_step`` observed every request and rebuilt the page lists. Now the
+core continues what each request held (:class:`~sglang_ext.dataplane.decode_continuity.
+DecodeContinuity`): ``prepare_decode_step`` takes the step. This phase times both on the served
+core at the check's shapes, with every request resident:
+
+each round, the batch's first request finishes (its release and its pages' free, as SGLang's end
+of step) and a new one joins on the same pages (a prefill of ``context_min`` tokens through the
+core), then the next decode step's boundary is timed -- thread CPU of the adapter's slot read
+(general path only: from a device ``req_to_token`` copy of the batch's slots, as SGLang keeps
+it) plus the core's boundary -- alternating the two paths round by round; then a steady step.
+
+- ``turnover.boundary_ms``: median host time of the decode boundary after a change (continued);
+- ``turnover.general_boundary_ms``: the same through the general path (slot read + ``prepare_step``);
+- ``turnover.vs_general``: their ratio (target <= 1: continuing must cost less than what it replaced);
+- ``turnover.vs_steady``: the continued boundary over the steady (same batch) one's, no target.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from sglang_ext.dataplane.bench_env import sync
+from sglang_ext.tools.gpu_check_report import Figure
+
+if TYPE_CHECKING:
+    from sglang_ext.tools.gpu_check_measure import CoreCheck
+
+ROUNDS = 8
+"""Batch changes timed (half through each path)."""
+STEPS_PER_ROUND = 2
+"""Decode steps each round runs (the one after the change, one steady): the batch's headroom."""
+
+
+class TurnoverCheck:
+    """The batch-change phase (module docstring); mutates the check's batch: run it last."""
+
+    def __init__(self, check: CoreCheck) -> None:
+        self.check = check
+        self.details: dict[str, Any] = {}
+
+    def _finish_and_join(self, r: int) -> None:
+        """The batch's first request finishes; a new one joins on its pages, prefilled."""
+        b, core, c = self.check.batch, self.check.batch.core, self.check.config
+        ps = c.page_size
+        gone, slots, n = b.rids.pop(0), b.slots.pop(0), b.lens.pop(0)
+        b.contexts.pop(0)
+        core.release_request(gone)
+        core.page_freed(sorted({int(s) // ps for s in slots[:n]}))
+        rid, tokens = f"join{r}", c.context_min
+        loc = torch.from_numpy(slots[:tokens].copy())
+        core.prepare_step([(rid, loc.clone())], loc)
+        k = torch.zeros((tokens, c.kv_heads, c.head_dim), dtype=c.torch_dtype, device=b.device)
+        for layer in range(c.layers):
+            core.enter_layer(layer)
+            core.write(layer, loc, k, k)
+            core.exit_layer(layer)
+        b.rids.append(rid)
+        b.slots.append(slots)
+        b.lens.append(tokens)
+        b.contexts.append(tokens)
+
+    def _timed_boundary(self, general: bool) -> tuple[float, torch.Tensor]:
+        """The decode step after a change: its boundary's host ms and its new slots."""
+        b, core = self.check.batch, self.check.batch.core
+        width = max(b.lens) + 1
+        table = np.zeros((len(b.rids), width), dtype=np.int32)
+        for i, slots in enumerate(b.slots):
+            table[i, : b.lens[i] + 1] = slots[: b.lens[i] + 1]
+        req_to_token = torch.from_numpy(table).to(b.device)  # SGLang's device table (not timed)
+        new = []
+        for i in range(len(b.rids)):
+            new.append(int(b.slots[i][b.lens[i]]))
+            b.lens[i] += 1
+        loc = torch.tensor(new, dtype=torch.int64)
+        sync(b.device)
+        t0 = time.thread_time()
+        if general or not core.prepare_decode_step(b.rids, b.lens, loc):
+            # the served adapter's general read (layered_attention._request_slots): the batch's
+            # rows in one device-to-host copy, then a fresh CPU tensor per request
+            rows = torch.tensor(list(range(len(b.rids))), dtype=torch.int64).to(b.device, non_blocking=True)
+            host = req_to_token[rows, : max(b.lens)].cpu().numpy()
+            requests = [(rid, torch.from_numpy(host[i, : b.lens[i]].astype(np.int64)))
+                        for i, rid in enumerate(b.rids)]
+            core.prepare_step(requests, loc)
+            took = False
+        else:
+            took = True
+        ms = (time.thread_time() - t0) * 1e3
+        if took == general:
+            raise RuntimeError(f"TurnoverCheck: the {'general' if general else 'continued'} step took the other path")
+        return ms, loc
+
+    def run(self) -> list[Figure]:
+        check = self.check
+        b, core, c = check.batch, check.batch.core, check.config
+        b.contexts = list(b.contexts)
+        b.place([[1] * c.layers] * len(b.rids))
+        check.step()
+        times: dict[str, list[float]] = {"continued": [], "general": []}
+        steady: list[float] = []
+        turnovers = core.continuity.turnovers
+        for r in range(ROUNDS):
+            self._finish_and_join(r)
+            general = r % 2 == 1
+            ms, loc = self._timed_boundary(general)
+            times["general" if general else "continued"].append(ms)
+            check.layers(loc)
+            check.step()  # the new batch's steady step
+            steady.append(b.prepare_cpu_s * 1e3)
+        sync(b.device)
+        cont, gen = statistics.median(times["continued"]), statistics.median(times["general"])
+        cuda = str(b.device).startswith("cuda")
+        steady_ms = statistics.median(steady)
+        self.details = {"rounds": ROUNDS, "times_ms": times, "steady_ms": steady,
+                        "turnovers": core.continuity.turnovers - turnovers, "join_tokens": c.context_min}
+        how = (f"median thread CPU of the decode boundary after a finish + a join ({ROUNDS // 2} rounds each, "
+               "alternating), every request resident")
+        return [
+            Figure.graded("turnover.boundary_ms", "decode boundary after a batch change (continued)", cont, "ms",
+                          None, None, how + "; prepare_decode_step (DecodeContinuity)",
+                          note="no target of its own: turnover.vs_general grades it"),
+            Figure.graded("turnover.general_boundary_ms", "decode boundary after a batch change (general path)", gen,
+                          "ms", None, None, how + "; the adapter's slot read from the device + prepare_step",
+                          note="the path a batch change took before session 37"),
+            Figure.graded("turnover.vs_general", "continued vs general boundary after a batch change", cont / gen,
+                          "ratio", "<=", 1.0, "turnover.boundary_ms / turnover.general_boundary_ms",
+                          meaningful=cuda, note=("" if cuda else "CPU: the host's timing, not graded; ")
+                          + f"{cont:.3f} vs {gen:.3f} ms"),
+            Figure.graded("turnover.vs_steady", "continued boundary vs a steady step's", cont / steady_ms, "ratio",
+                          None, None, "turnover.boundary_ms / the median boundary of the steady steps after",
+                          note=f"steady {steady_ms:.3f} ms (advanced tables); no target"),
+        ]
