@@ -74,16 +74,22 @@ def test_a_request_not_continued_is_refused_and_nothing_changes(layout):
     d.check_at_rest()
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_a_rewritten_row_is_read_again(layout):
-    """SGLang's prefix dedupe rewrites b's row to a's first page and frees b's copy: the core
-    forgets what b held (the free cut it), so b's next step reads its row again and reads a's page."""
+def _rewritten(layout: str) -> CoreDriver:
+    """a and b prefilled and decoded once, then b's row rewritten to a's first page (b's copy freed)."""
     d = _driver(layout)
     for rid, n in (("a", 5), ("b", 5)):
         d.add(rid)
         d.step([(rid, n)])
     assert _decode(d, ["a", "b"])
     assert d.rewrite_prefix("b", "a")
+    return d
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_rewritten_row_is_read_again(layout):
+    """SGLang's prefix dedupe rewrites b's row to a's first page and frees b's copy: the core
+    forgets what b held (the free cut it), so b's next step reads its row again and reads a's page."""
+    d = _rewritten(layout)
     assert not _decode(d, ["a", "b"])  # the general path: b's rewritten row (reads checked)
     assert _decode(d, ["a", "b"])
     d.check_at_rest()
@@ -95,12 +101,7 @@ def test_the_reads_fail_when_a_rewritten_row_is_not_forgotten(monkeypatch, layou
     page list and the driver's per-layer read check fails (b reads its freed copy). The layouts
     read through page tables; the in-place identity layout reads by slot and has no list to go stale."""
     monkeypatch.setattr(EndedRequests, "take_rewritten", lambda self: set())
-    d = _driver(layout)
-    for rid, n in (("a", 5), ("b", 5)):
-        d.add(rid)
-        d.step([(rid, n)])
-    assert _decode(d, ["a", "b"])
-    assert d.rewrite_prefix("b", "a")
+    d = _rewritten(layout)
     with pytest.raises(AssertionError):
         _decode(d, ["a", "b"])
 
