@@ -94,7 +94,7 @@ class DecodeContinuity:
                 if pages is None:
                     return None
                 out.append(pages)
-        if len(known) < len(rids) or len(set(rids)) != len(rids):
+        if len(set(rids)) != len(rids):
             return None
         return opens, out
 

@@ -326,10 +326,11 @@ class LayeredKVCore:
         """:meth:`prepare_step` for a decode step that continues what each of its requests held
         (:class:`DecodeContinuity`: ``seq_lens[i] - 1`` tokens at its last boundary, the new
         slot ``new_slots[i]`` continuing its pages; the batch itself may differ from the last
-        step's), or False (nothing done). In the identity layout with every live layer-page
-        resident the step's only change is the new pages of ``new_slots``, which the forward
-        writes and reads in place; their bookkeeping (placed at every layer, holding KV, dirty,
-        joined to their requests) is journalled and applied when anything reads residency
+        step's), or False (nothing done, but the reconciliation a release or free since made due).
+        In the identity layout with every live layer-page resident the step's only change is the
+        new pages of ``new_slots``, which the forward writes and reads in place; their bookkeeping
+        (placed at every layer, holding KV, dirty, joined to their requests) is journalled and
+        applied when anything reads residency
         (:class:`~sglang_ext.dataplane.decode_journal.DecodeJournal`). Nothing is staged. In the
         paged layout (offloading) the step's page lists come from the same record and it stages
         as usual (:class:`PagedDecodeStep`)."""
