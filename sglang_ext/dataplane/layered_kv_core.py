@@ -348,9 +348,12 @@ class LayeredKVCore:
             return False
         opens, lists = cont
         self.decode_delta = None
-        if not self.residency.all_live_resident():  # a release or free since (a batch change): the
-            self.pipeline.end_step()  # general path's reconciliation, then the journal may apply
-            self.decode_delta = self._reconcile()
+        res = self.residency
+        if not res.all_live_resident():
+            if res.counts.paused_requests or res.counts.partial_requests:
+                return False  # offloaded requests: the journal refuses whatever a reconciliation does
+            self.pipeline.end_step()  # a release or free since (a batch change): the general path's
+            self.decode_delta = self._reconcile()  # reconciliation, then the journal may apply
         ps = self.page_size
         if ps == 1:
             owners, pages, written = None, slots, None

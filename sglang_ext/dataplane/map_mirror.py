@@ -85,11 +85,7 @@ class MapMirror:
         if not self._log:
             return
         pages = distinct_sorted(np.concatenate(self._log)) if len(self._log) > 1 else distinct_sorted(self._log[0])
-        self._log = []
-        self.syncs += 1
-        cols = np.take(self.map_np, pages, axis=1)
-        self.host_bits[pages] = self._bits(cols)
-        self.synced_columns += int(pages.size)
+        cols = self._take(pages)
         k = int(pages.size)
         if not self.staged:
             self.dev.index_copy_(1, torch.from_numpy(pages), torch.from_numpy(np.ascontiguousarray(cols)))
@@ -109,9 +105,14 @@ class MapMirror:
         already holds them)."""
         if not self._log:
             return None
+        return np.ascontiguousarray(self._take(pages), dtype=np.int32)
+
+    def _take(self, pages: np.ndarray) -> np.ndarray:
+        """The host side of a sync of ``pages`` (the log emptied, the bits and counts updated):
+        their columns of the map, ``[L, k]``."""
         self._log = []
         self.syncs += 1
-        cols = np.ascontiguousarray(np.take(self.map_np, pages, axis=1), dtype=np.int32)
+        cols = np.take(self.map_np, pages, axis=1)
         self.host_bits[pages] = self._bits(cols)
         self.synced_columns += int(pages.size)
         return cols

@@ -50,13 +50,13 @@ class PagedDecodeStep:
             return False  # a request new, rewritten or not continued: the general path decides
         opens, page_lists = cont
         assert page_lists is not None
-        last = core._paged_last
-        same = last is not None and list(rids) == last[0]  # the last step's batch: its tables may advance
+        kept = core._paged_last is not None  # the last step's tables were not given up since
         core._boundary(new_slots)
         for i in opens:
             core.residency.observe(rids[i], torch.from_numpy(page_lists[i]))
         core._paged_last = (list(rids), lens, page_lists)
-        core.continuity.advanced(rids, lens, slots, page_lists)
+        # the last step's batch (the continuity's last batch is the one _paged_last held): its tables may advance
+        same = not core.continuity.advanced(rids, lens, slots, page_lists) and kept
         core.decode_delta = core._reconcile()
         new_np = np.asarray(slots, dtype=np.int64)
         opened = new_np[opens] // ps
