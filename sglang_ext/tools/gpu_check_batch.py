@@ -60,6 +60,9 @@ class CheckBatch:
         self.slots = [int(s) * ps + np.arange(n * ps, dtype=np.int64) for s, n in zip(starts, per_req, strict=True)]
         """SGLang's ``req_to_token`` rows: request ``i`` owns consecutive pages from ``starts[i]``."""
         self.lens = list(self.contexts)
+        self.seeds = list(range(config.requests))
+        """Per row: the seed of its request's prefill KV (:meth:`prefill_kv`); a joining request
+        takes a fresh one (:meth:`replace_first`)."""
         gen = torch.Generator(device="cpu").manual_seed(config.seed)
         shape = (config.requests, config.kv_heads, config.head_dim)
         self.k1 = torch.randn(shape, generator=gen).to(device, self.dtype)
@@ -123,11 +126,29 @@ class CheckBatch:
     def prefill_kv(self, i: int, layer: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Request ``i``'s prefill K and V at ``layer`` (``[context, H, D]``), regenerated."""
         c = self.config
-        gen = torch.Generator(device=self.device).manual_seed(c.seed * 1_000_003 + i * 7919 + layer + 1)
+        gen = torch.Generator(device=self.device).manual_seed(c.seed * 1_000_003 + self.seeds[i] * 7919 + layer + 1)
         shape = (self.contexts[i], c.kv_heads, c.head_dim)
         k = torch.randn(shape, generator=gen, device=self.device).to(self.dtype)
         v = torch.randn(shape, generator=gen, device=self.device).to(self.dtype)
         return (k, v) if dtype is None else (k.to(dtype), v.to(dtype))
+
+    def replace_first(self, rid: str, tokens: int) -> tuple[str, list[int]]:
+        """The batch's first request finishes and ``rid`` joins last on its slots with a prompt of
+        ``tokens`` tokens (not yet written: the caller prefills :meth:`prefill_kv` of the last
+        row). Every row's data moves with its request -- slots, lengths, contexts, the prefill
+        seed and the decode token ``k1``/``v1`` (rotated: the joiner takes the leaver's) -- so
+        :meth:`reference_kv` stays the KV each request holds. Returns the leaver's id and its
+        pages (the caller releases it and frees them in the core, as SGLang's end of step)."""
+        ps = self.config.page_size
+        gone, slots, n = self.rids.pop(0), self.slots.pop(0), self.lens.pop(0)
+        self.contexts = [*self.contexts[1:], tokens]
+        self.seeds = [*self.seeds[1:], max(self.seeds) + 1]
+        self.k1 = torch.cat([self.k1[1:], self.k1[:1]])
+        self.v1 = torch.cat([self.v1[1:], self.v1[:1]])
+        self.rids.append(rid)
+        self.slots.append(slots)
+        self.lens.append(tokens)
+        return gone, sorted({int(s) // ps for s in slots[:n]})
 
     def reference_kv(self, i: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every token of request ``i`` at ``layer`` now (prefill + decoded), float32."""

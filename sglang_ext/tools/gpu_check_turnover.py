@@ -17,11 +17,16 @@ it) plus the core's boundary -- alternating the two paths round by round; then a
 - ``turnover.boundary_ms``: median host time of the decode boundary after a change (continued);
 - ``turnover.general_boundary_ms``: the same through the general path (slot read + ``prepare_step``);
 - ``turnover.vs_general``: their ratio (target <= 1: continuing must cost less than what it replaced);
-- ``turnover.vs_steady``: the continued boundary over the steady (same batch) one's, no target.
+- ``turnover.vs_steady``: the continued boundary over the steady (same batch) one's, no target;
+- ``turnover.attention_max_abs_err``: after one more change, the next step's attention at every
+  layer, every backend, vs the dense reference over the KV each request holds (the joiners'
+  prefills included): the continued boundary's tables read what the pool holds (bf16 tolerance;
+  infinite when that step did not take the continued boundary).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import TYPE_CHECKING, Any
@@ -39,6 +44,8 @@ ROUNDS = 8
 """Batch changes timed (half through each path)."""
 STEPS_PER_ROUND = 2
 """Decode steps each round runs (the one after the change, one steady): the batch's headroom."""
+CHECKED_STEPS = 1
+"""Decode steps after the rounds: the one checked against the reference."""
 
 
 class TurnoverCheck:
@@ -49,25 +56,20 @@ class TurnoverCheck:
         self.details: dict[str, Any] = {}
 
     def _finish_and_join(self, r: int) -> None:
-        """The batch's first request finishes; a new one joins on its pages, prefilled."""
+        """The batch's first request finishes; a new one joins on its pages, prefilled with the
+        KV the reference regenerates (:meth:`CheckBatch.replace_first`)."""
         b, core, c = self.check.batch, self.check.batch.core, self.check.config
-        ps = c.page_size
-        gone, slots, n = b.rids.pop(0), b.slots.pop(0), b.lens.pop(0)
-        b.contexts.pop(0)
-        core.release_request(gone)
-        core.page_freed(sorted({int(s) // ps for s in slots[:n]}))
         rid, tokens = f"join{r}", c.context_min
-        loc = torch.from_numpy(slots[:tokens].copy())
+        gone, pages = b.replace_first(rid, tokens)
+        core.release_request(gone)
+        core.page_freed(pages)
+        loc = torch.from_numpy(b.slots[-1][:tokens].copy())
         core.prepare_step([(rid, loc.clone())], loc)
-        k = torch.zeros((tokens, c.kv_heads, c.head_dim), dtype=c.torch_dtype, device=b.device)
         for layer in range(c.layers):
+            k, v = b.prefill_kv(len(b.rids) - 1, layer)
             core.enter_layer(layer)
-            core.write(layer, loc, k, k)
+            core.write(layer, loc, k, v)
             core.exit_layer(layer)
-        b.rids.append(rid)
-        b.slots.append(slots)
-        b.lens.append(tokens)
-        b.contexts.append(tokens)
 
     def _timed_boundary(self, general: bool) -> tuple[float, torch.Tensor]:
         """The decode step after a change: its boundary's host ms and its new slots."""
@@ -103,7 +105,6 @@ class TurnoverCheck:
     def run(self) -> list[Figure]:
         check = self.check
         b, core, c = check.batch, check.batch.core, check.config
-        b.contexts = list(b.contexts)
         b.place([[1] * c.layers] * len(b.rids))
         check.step()
         times: dict[str, list[float]] = {"continued": [], "general": []}
@@ -117,12 +118,20 @@ class TurnoverCheck:
             check.layers(loc)
             check.step()  # the new batch's steady step
             steady.append(b.prepare_cpu_s * 1e3)
+        # one more change, and the step after it checked: every layer's attention over the tables the
+        # continued boundary built vs the dense reference over every request's regenerated KV
+        self._finish_and_join(ROUNDS)
+        taken = core.paged_decode_steps
+        errors = check.attention_errors()
+        continued = core.paged_decode_steps == taken + 1
+        worst = max(errors.items(), key=lambda kv: kv[1]["max_abs_err"] / kv[1]["tolerance"])
         sync(b.device)
         cont, gen = statistics.median(times["continued"]), statistics.median(times["general"])
         cuda = str(b.device).startswith("cuda")
         steady_ms = statistics.median(steady)
         self.details = {"rounds": ROUNDS, "times_ms": times, "steady_ms": steady,
-                        "turnovers": core.continuity.turnovers - turnovers, "join_tokens": c.context_min}
+                        "turnovers": core.continuity.turnovers - turnovers, "join_tokens": c.context_min,
+                        "checked_step_continued": continued, "attention_errors": errors}
         how = (f"median thread CPU of the decode boundary after a finish + a join ({ROUNDS // 2} rounds each, "
                "alternating), every request resident")
         return [
@@ -139,4 +148,11 @@ class TurnoverCheck:
             Figure.graded("turnover.vs_steady", "continued boundary vs a steady step's", cont / steady_ms, "ratio",
                           None, None, "turnover.boundary_ms / the median boundary of the steady steps after",
                           note=f"steady {steady_ms:.3f} ms (advanced tables); no target"),
+            Figure.graded("turnover.attention_max_abs_err", "layered attention after a batch change vs dense reference",
+                          worst[1]["max_abs_err"] if continued else math.inf, "abs", "<=", worst[1]["tolerance"],
+                          "the decode step after one more finish + join (continued boundary), every layer, every "
+                          "attention backend: paged decode over the step's tables vs dense_attention in fp32 over "
+                          "each request's regenerated K/V; bf16 tolerance",
+                          note=(f"worst backend {worst[0]}; relative L2 error {worst[1]['rel_l2_err']:.2e}"
+                                if continued else "the checked step did not take the continued boundary")),
         ]

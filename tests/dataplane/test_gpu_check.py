@@ -25,7 +25,8 @@ from sglang_ext.tools.gpu_check_tests import GpuTestRun
 
 EXTEND_KEYS = ["extend.max_abs_err", "extend.vs_torch_loop", "extend.vs_dense_sdpa", "extend.tflops"]
 """The prefill phase's figures, in report order (:mod:`sglang_ext.tools.gpu_check_extend`)."""
-TURNOVER_KEYS = ["turnover.boundary_ms", "turnover.general_boundary_ms", "turnover.vs_general", "turnover.vs_steady"]
+TURNOVER_KEYS = ["turnover.boundary_ms", "turnover.general_boundary_ms", "turnover.vs_general", "turnover.vs_steady",
+                 "turnover.attention_max_abs_err"]
 """The batch-change phase's figures (:mod:`sglang_ext.tools.gpu_check_turnover`)."""
 FIGURE_KEYS = {
     "attention_max_abs_err.flashinfer", "attention_max_abs_err.triton", "attention_max_abs_err.torch",
