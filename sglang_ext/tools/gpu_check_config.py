@@ -101,7 +101,8 @@ class GpuCheckConfig:
         profiled, ``TIMELINE_STEPS``), placed (the same, 2 sync-probed, 1 for accuracy), overlap
         (an all-resident timed run, one per cap of ``PROGRAM_CAPS`` -- counted even where the
         engine has no cap -- one with the copy engines and ``TIMELINE_STEPS`` for each copy
-        implementation; the half-offloaded placement on the copy engines, timed and laid out),
+        implementation; its host time, twice where the copy engines refuse midway; the
+        half-offloaded placement on the copy engines, timed and laid out),
         recompute (a timed run, 1 for accuracy); with a margin; the placed phase once more
         (on the kernels, where the copy engines fault in it: ``gpu_check_placed.PlacedPhase``);
         and the CUDA-graph probe's steps (``gpu_check_graph.steps``); the batch-change phase's
@@ -110,7 +111,7 @@ class GpuCheckConfig:
         from sglang_ext.tools.gpu_check_turnover import CHECKED_STEPS, ROUNDS, STEPS_PER_ROUND
 
         runs = self.repeat + 2
-        return ((12 + len(PROGRAM_CAPS)) * runs + 6 * TIMELINE_STEPS + 13 + graph_steps(self.repeat)
+        return ((16 + len(PROGRAM_CAPS)) * runs + 6 * TIMELINE_STEPS + 13 + graph_steps(self.repeat)
                 + 1 + ROUNDS * STEPS_PER_ROUND + CHECKED_STEPS)
 
     def with_overrides(self, **changes: object) -> GpuCheckConfig:

@@ -37,6 +37,7 @@ from controlplane.model import Profile, launch_count, step_time_ms
 from sglang_ext.dataplane.bench_env import sync, time_ms
 from sglang_ext.tools.gpu_check_config import PROGRAM_CAPS
 from sglang_ext.tools.gpu_check_measure import DUPLEX_VS_ONE
+from sglang_ext.tools.gpu_check_placed import driver_seconds, drivers_of
 from sglang_ext.tools.gpu_check_report import Figure, kernels_figure
 from sglang_ext.tools.gpu_check_transfer import CopyEnginePhase
 from sglang_ext.tools.step_timeline_probe import StepTimelineProbe
@@ -160,15 +161,19 @@ class OverlapCheck:
                 engine.copy_programs = before
         hidden_ms = by_programs["default"]
         timeline = ch.timeline()
-        dma_error, dma_timeline = ch.dma_error, None
+        dma_error, dma_timeline, host = ch.dma_error, None, None
         if dma_error is None:
             with CopyEnginePhase("the hidden placement on the copy engines", b) as dma:
                 if dma.on:
                     by_programs["dma"] = time_ms(ch.step, ch.device, c.repeat)
                     dma_timeline = ch.timeline()
+                    host = self._host_time("dma")
             dma_error = ch.dma_error = dma.error
             if dma_error is not None:
                 by_programs.pop("dma", None)
+                host = None
+        if host is None:  # no copy engines here: the kernels serve
+            host = self._host_time(str(getattr(engine, "impl", "cpu")))
         rel = (hidden_ms - resident_ms) / resident_ms
         launch_ms = self._launch_cost(rows, scaled, bw_blocks_per_ms, hidden_ms)
         launches, blocks = launch_count(rows), b.blocks(1)
@@ -183,6 +188,7 @@ class OverlapCheck:
             "dma_error": dma_error, "dma_timeline": dma_timeline, "dma_driver": _dma_costs(engine),
             "placed_on_copy_engines": placed_dma, "launches": launches, "fetch_launch_ms": launch_ms,
             "model_step_ms": {"without_launches": model_ms[0], "with_fitted_launches": model_ms[1]},
+            "kvplane_cpu": host,
         }
         ch.details["overlap"] = self.details
         sweep = ", ".join(f"{k} {v:.2f}" for k, v in by_programs.items())
@@ -209,6 +215,19 @@ class OverlapCheck:
                 meaningful=cuda, note=f"{launches} launches a step; hidden step {hidden_ms:.2f} ms, the model "
                 f"{model_ms[0]:.2f} ms without launch cost, {model_ms[1]:.2f} ms with the fitted one"),
             *self._dma_figures(resident_ms, link_by_programs or {}, cuda)]
+
+    def _host_time(self, engine: str) -> dict[str, Any]:
+        """kvplane's host time per step of the hidden placement on the engine that serves
+        (``engine``, the name it is reported by): :meth:`CoreCheck.kvplane_cpu_ms` over it, with
+        its split and the time inside the copy engines' driver calls. This step is not
+        transfer-bound (the model hides its copies), so its host time is overhead wherever the
+        step is host-bound: with the all-resident step's, what ``kvplane_cpu_share`` grades."""
+        ch = self.check
+        drivers = drivers_of(ch.batch.core.store.engine)
+        before = driver_seconds(drivers)
+        ms = ch.kvplane_cpu_ms()
+        return {"ms": ms, "mean_ms": ch.cpu_mean_ms, "boundary": ch.prepare_cpu_ms, "layer_calls": dict(ch.parts_cpu_ms),
+                "engine": engine, "driver_ms": (driver_seconds(drivers) - before) * 1e3 / (2 * ch.config.repeat)}
 
     def _launch_cost(self, rows: list, comp_ms: list[float], bw: float, hidden_ms: float) -> float:
         """The fitted ``fetch_launch_ms`` of the hidden placement: the controller's update with

@@ -27,13 +27,13 @@ SYNC_STEPS = 2
 """Placed steps run under the sync probe."""
 
 
-def _drivers(engine: Any) -> list[Any]:
+def drivers_of(engine: Any) -> list[Any]:
     """The engine's copy-engine driver bindings (batched, 2-D), each once; none on the kernels."""
     calls = {id(c): c for c in (getattr(engine, "_dma", None), getattr(engine, "_pitched", None)) if c is not None}
     return list(calls.values())  # one object serving both: once
 
 
-def _driver_seconds(drivers: list[Any]) -> float:
+def driver_seconds(drivers: list[Any]) -> float:
     """Wall seconds inside these driver bindings' calls so far. A transfer-bound step's calls block
     once the driver's copy queue is full (gpu-check run 20: ~3 us a 2-D copy with room, ~42 us
     without), and that wait is host time of the step too."""
@@ -71,15 +71,15 @@ class PlacedPhase:
         placed_ms = time_ms(ch.step, device, c.repeat)
         staged_before, launches = b.core.staged_advances, b.core.store.engine.stats
         h2d_before, d2h_before = launches.h2d_launches, launches.d2h_launches
-        drivers = _drivers(b.core.store.engine)  # held: a refusal midway drops the engine's reference
-        driver_before = _driver_seconds(drivers)
+        drivers = drivers_of(b.core.store.engine)  # held: a refusal midway drops the engine's reference
+        driver_before = driver_seconds(drivers)
         placed_cpu_ms = ch.kvplane_cpu_ms()
         placed_cpu_mean_ms = ch.cpu_mean_ms
         placed_advanced = b.core.staged_advances - staged_before
         steps_run = 2 * c.repeat  # kvplane_cpu_ms: the steps timed every step, then the CPU-timed ones
         placed_launches = {"h2d": (launches.h2d_launches - h2d_before) / steps_run,
                            "d2h": (launches.d2h_launches - d2h_before) / steps_run,
-                           "driver_ms": (_driver_seconds(drivers) - driver_before) * 1e3 / steps_run}
+                           "driver_ms": (driver_seconds(drivers) - driver_before) * 1e3 / steps_run}
         placed_prepare_ms, placed_parts_ms = ch.prepare_cpu_ms, ch.parts_cpu_ms
         placed_stall_ms = ch.stall_ms
         placed_profile = ch.host_profile()

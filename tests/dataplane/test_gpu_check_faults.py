@@ -51,6 +51,8 @@ def test_a_copy_engine_phase_that_raises_loses_only_the_dma_figures(tmp_path, mo
     assert figures["overlap.hidden_step_rel"]["value"] is not None
     assert "driver fault (test)" in capsys.readouterr().err  # the traceback
     assert body["details"]["placed_engine"] == "triton"  # the placed phase: the kernels measured it
+    hidden = body["details"]["kvplane_cpu_ms_per_step"]["hidden"]  # the hidden placement's host time: on
+    assert hidden["ms"] > 0 and hidden["engine"] == "triton"  # the kernels, which serve after the fault
     # control: the phases without the handler (CopyEnginePhase's report-and-absorb re-raises)
     monkeypatch.setattr(gpu_check_transfer, "dma_phase_failed",
                         lambda phase, exc, batch: (_ for _ in ()).throw(exc))
@@ -99,6 +101,14 @@ def test_a_phase_that_raises_fails_its_own_figure_only(tmp_path, monkeypatch, ca
             "extend": set(EXTEND_KEYS), "turnover": set(TURNOVER_KEYS)}[phase]
     assert set(figures) == FIGURE_KEYS - mine, set(figures) ^ (FIGURE_KEYS - mine)
     assert figures["step_ms.placed"]["value"] > 0 and figures["attention_max_abs_err.torch"]["status"] == PASS
+    host = body["details"]["kvplane_cpu_ms_per_step"]
+    share, resident_ms = figures["kvplane_cpu_share"]["value"], figures["step_ms.resident"]["value"]
+    if phase == "overlap":  # no hidden placement measured: the half-offloaded step's host time grades instead
+        assert host["hidden"] is None and "hidden placement: not measured" in figures["kvplane_cpu_share"]["note"]
+        assert share == pytest.approx(max(host["resident"], host["placed"]) / resident_ms)
+    else:  # control: the hidden placement's host time grades with the all-resident step's
+        assert host["hidden"]["ms"] > 0 and "hidden placement: not" not in figures["kvplane_cpu_share"]["note"]
+        assert share == pytest.approx(max(host["resident"], host["hidden"]["ms"]) / resident_ms)
     assert f"{phase} fault (test)" in capsys.readouterr().err
     monkeypatch.setattr(CoreCheck, "_figures", broken)  # control: a fault in the core check's own part
     assert main(argv) == 1
@@ -143,6 +153,7 @@ def test_a_refusal_midway_in_the_placed_phase_measures_it_again_on_the_kernels(t
     main(argv)
     _, body = _result(tmp_path)
     assert body["details"]["placed_engine"] == "dma"  # the control: nothing refused
+    assert body["details"]["kvplane_cpu_ms_per_step"]["hidden"]["engine"] == "dma"  # its host time: what serves
     refuse_after["n"] = 3
     main(argv)
     _, body = _result(tmp_path)
@@ -151,6 +162,8 @@ def test_a_refusal_midway_in_the_placed_phase_measures_it_again_on_the_kernels(t
     assert body["details"]["placed_engine"] == "triton" and figures["step_ms.placed"]["value"] > 0
     for key in NOT_ON_CPU:
         assert "refused a copy-engine call midway" in figures[key]["note"], (key, figures[key]["note"])
+    hidden = body["details"]["kvplane_cpu_ms_per_step"]["hidden"]  # the kernels serve from then on
+    assert hidden["engine"] == "triton" and hidden["ms"] > 0
 
 
 @pytest.mark.parametrize("phase", ["placed", "hidden"])

@@ -39,15 +39,15 @@ def test_the_placed_phase_counts_the_copy_engines_driver_time_once():
     once, none on the kernels."""
     from types import SimpleNamespace
 
-    from sglang_ext.tools.gpu_check_placed import _driver_seconds, _drivers
+    from sglang_ext.tools.gpu_check_placed import driver_seconds, drivers_of
 
     batched, pitched = SimpleNamespace(call_seconds=0.25), SimpleNamespace(call_seconds=0.5)
     engine = SimpleNamespace(_dma=batched, _pitched=pitched)
-    drivers = _drivers(engine)
-    assert _driver_seconds(drivers) == 0.75
+    drivers = drivers_of(engine)
+    assert driver_seconds(drivers) == 0.75
     engine._pitched = None  # a refusal midway drops the 2-D copies: the held list still counts them
     pitched.call_seconds += 0.5
-    assert _driver_seconds(drivers) == 1.25 and _driver_seconds(_drivers(engine)) == 0.25
-    assert _driver_seconds(_drivers(SimpleNamespace(_dma=batched, _pitched=batched))) == 0.25  # control: once
-    assert _driver_seconds(_drivers(SimpleNamespace(_dma=None, _pitched=None))) == 0.0
-    assert _driver_seconds(_drivers(SimpleNamespace())) == 0.0  # the CPU engine has neither
+    assert driver_seconds(drivers) == 1.25 and driver_seconds(drivers_of(engine)) == 0.25
+    assert driver_seconds(drivers_of(SimpleNamespace(_dma=batched, _pitched=batched))) == 0.25  # control: once
+    assert driver_seconds(drivers_of(SimpleNamespace(_dma=None, _pitched=None))) == 0.0
+    assert driver_seconds(drivers_of(SimpleNamespace())) == 0.0  # the CPU engine has neither
