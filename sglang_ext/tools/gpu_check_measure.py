@@ -471,20 +471,20 @@ class CoreCheck:
         """Where the host time went (ms per step): boundary and the layers' calls, each step kind.
         Each term is its own median over the same steps, so they add up to about the total."""
         host = self.details["kvplane_cpu_ms_per_step"]
+        h = host["hidden"]
 
         def split(kind: str) -> str:
             calls = host[f"{kind}_layer_calls"]
             return (f"{kind} {host[kind]:.3f} ~ boundary {host[f'{kind}_boundary']:.3f} + "
                     + " + ".join(f"{k} {v:.3f}" for k, v in calls.items()))
 
-        top = self.details["kvplane_host_profile"]["placed"][:3]
+        top = (self.details["kvplane_host_profile"]["placed"] if h is None else h["profile"])[:3]
         profile = ", ".join(f"{row['function']} {row['own_ms_per_step']:.3f}" for row in top)
         launches = host["placed_launches_per_step"]
         advanced = (f"on {self.details['placed_engine']}, {host['placed_steps_advanced']} of "
                     f"{host['resident_steps_timed']} placed steps advanced, "
                     f"{launches['h2d']:g} H2D + {launches['d2h']:g} D2H launches a step, "
                     f"{launches['driver_ms']:.3f} ms of it inside the copy engines' driver calls")
-        h = host["hidden"]
         hidden = ("hidden placement: not measured (the overlap phase failed)" if h is None else
                   f"hidden {h['ms']:.3f} ~ boundary {h['boundary']:.3f} + "
                   + " + ".join(f"{k} {v:.3f}" for k, v in h["layer_calls"].items())
@@ -492,4 +492,4 @@ class CoreCheck:
         return (f"{split('resident')}; {hidden}; half-offloaded {split('placed')} ({advanced}, "
                 f"of a {self.details['placed_step_ms']:.3f} ms step); means with the timed steps "
                 f"{host['resident_mean']:.3f} / {host['placed_mean']:.3f}; "
-                f"placed step's top own time (cProfile, ms): {profile}")
+                f"{'placed' if h is None else 'hidden'} step's top own time (cProfile, ms): {profile}")

@@ -219,15 +219,17 @@ class OverlapCheck:
     def _host_time(self, engine: str) -> dict[str, Any]:
         """kvplane's host time per step of the hidden placement on the engine that serves
         (``engine``, the name it is reported by): :meth:`CoreCheck.kvplane_cpu_ms` over it, with
-        its split and the time inside the copy engines' driver calls. This step is not
+        its split, the time inside the copy engines' driver calls and cProfile's top functions
+        (:meth:`CoreCheck.host_profile`). This step is not
         transfer-bound (the model hides its copies), so its host time is overhead wherever the
         step is host-bound: with the all-resident step's, what ``kvplane_cpu_share`` grades."""
         ch = self.check
         drivers = drivers_of(ch.batch.core.store.engine)
         before = driver_seconds(drivers)
         ms = ch.kvplane_cpu_ms()
+        driver_ms = (driver_seconds(drivers) - before) * 1e3 / (2 * ch.config.repeat)
         return {"ms": ms, "mean_ms": ch.cpu_mean_ms, "boundary": ch.prepare_cpu_ms, "layer_calls": dict(ch.parts_cpu_ms),
-                "engine": engine, "driver_ms": (driver_seconds(drivers) - before) * 1e3 / (2 * ch.config.repeat)}
+                "engine": engine, "driver_ms": driver_ms, "profile": ch.host_profile()}
 
     def _launch_cost(self, rows: list, comp_ms: list[float], bw: float, hidden_ms: float) -> float:
         """The fitted ``fetch_launch_ms`` of the hidden placement: the controller's update with

@@ -103,6 +103,8 @@ def test_cpu_dry_run_end_to_end(tmp_path, capsys):
         assert cpu[f"{kind}_boundary"] + sum(calls.values()) <= 2 * cpu[kind], kind
     assert "placed" in figures["kvplane_cpu_share"]["note"] and "boundary" in figures["kvplane_cpu_share"]["note"]
     hidden = cpu["hidden"]  # the hidden placement's host time, on the engine that serves (the CPU's here)
+    assert hidden["profile"] and "sglang_ext/dataplane/" in " ".join(row["function"] for row in hidden["profile"])
+    assert "hidden step's top own time" in figures["kvplane_cpu_share"]["note"]
     assert hidden["ms"] > 0 and set(hidden["layer_calls"]) == {"enter", "write", "exit"} and hidden["driver_ms"] == 0
     assert hidden["boundary"] + sum(hidden["layer_calls"].values()) <= 2 * hidden["ms"]
     assert body["details"]["overlap"]["kvplane_cpu"] == hidden and f"hidden {hidden['ms']:.3f}" in \
