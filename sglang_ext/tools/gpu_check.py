@@ -5,10 +5,12 @@
    real planner (:class:`CoreCheck`): layered attention vs a dense reference; step time
    all-resident vs half-offloaded; measured stall vs the placement model; batched block-first H2D
    vs one contiguous pinned copy; H2D + D2H together vs one direction; host syncs per step inside
-   layers; kvplane's CPU time per step as a share of the all-resident step -- each with its
+   layers; kvplane's CPU time per step as a share of the all-resident step (the worse of that
+   step and the hidden placement's, :mod:`.gpu_check_host_note`) -- each with its
    target and PASS / FAIL / N/A (:mod:`.gpu_check_report`).
 3. Batch changes (a request finishes, one joins) on the core check's batch: the next decode
-   step's boundary continued vs through the general path it took before
+   step's boundary continued vs through the general path it took before, then the step after one
+   more change checked against the dense reference over the KV each request holds
    (:class:`~sglang_ext.tools.gpu_check_turnover.TurnoverCheck`).
 4. The paged-extend (prefill) kernel the paged backends serve extends with, vs its reference and
    vs the torch-native loop it replaced (:class:`~sglang_ext.tools.gpu_check_extend.ExtendCheck`).

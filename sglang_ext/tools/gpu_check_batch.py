@@ -37,7 +37,7 @@ class CheckBatch:
         self.config, self.device = config, device
         L, ps = config.layers, config.page_size
         self.dtype = config.torch_dtype
-        self.contexts = config.contexts
+        self.contexts: list[int] = list(config.contexts)
         headroom = config.decode_steps + ps
         per_req = [-(-(c + headroom) // ps) for c in self.contexts]
         self.batch_pages = sum(per_req)

@@ -12,8 +12,11 @@ One :class:`~sglang_ext.tools.gpu_check_batch.CheckBatch` runs, in order:
    the controller builds it (context one step ahead, the measured profile and bandwidth, a
    device budget that leaves ``offload_share`` of the batch's KV out plus one staging layer per
    request, a loose SLO so nothing is paused), installed with ``update_residency(planned=True)``;
-4. placed decode steps: the step time, the stall vs ``controlplane.model.step_time_ms``;
-5. kvplane's thread CPU time per step (``prepare_step`` + the per-layer calls), resident and placed,
+4. placed decode steps: the step time, the stall vs ``controlplane.model.step_time_ms`` at the link
+   bandwidth the placed steps' own copies measured (the timing events, as the served controller
+   samples it; the transfer check's bandwidth where none was measured);
+5. kvplane's thread CPU time per step (``prepare_step`` + the per-layer calls), resident and placed
+   (graded with the hidden placement's of 8, :mod:`.gpu_check_host_note`),
    and the same steps' stall as the data plane's timing events observe it (one step closed after
    each step's sync, :mod:`.gpu_check_event_timing`);
    then one step of each kind laid out on the compute stream (:class:`StepTimelineProbe`: waits,
@@ -24,7 +27,8 @@ One :class:`~sglang_ext.tools.gpu_check_batch.CheckBatch` runs, in order:
    with ``dense_attention`` in float32 over the regenerated K/V;
 8. a placement the model hides entirely (a few percent of the KV out: the copies fit under the
    layers before them), its step vs the all-resident one, across copy-program caps
-   (:class:`~sglang_ext.tools.gpu_check_overlap.OverlapCheck`): the overlap itself, measured;
+   (:class:`~sglang_ext.tools.gpu_check_overlap.OverlapCheck`): the overlap itself, measured, and
+   kvplane's host time on it;
 9. recompute steps (eLLM, :class:`~sglang_ext.tools.gpu_check_recompute.RecomputeCheck`): step
    time vs the placement model with recompute, attention over the recomputed prefixes;
 10. all-resident steps whose layers are captured once as a CUDA graph and replayed step after step
@@ -60,6 +64,7 @@ from sglang_ext.tools.gpu_check_attention import BACKENDS, DecodeBackends
 from sglang_ext.tools.gpu_check_batch import CheckBatch
 from sglang_ext.tools.gpu_check_config import TIMELINE_STEPS, GpuCheckConfig
 from sglang_ext.tools.gpu_check_event_timing import event_timing_figures
+from sglang_ext.tools.gpu_check_host_note import cpu_share, cpu_split
 from sglang_ext.tools.gpu_check_placed import SYNC_STEPS, PlacedPhase
 from sglang_ext.tools.gpu_check_probes import CpuTimeProbe, SyncProbe
 from sglang_ext.tools.gpu_check_report import Figure, guarded_phase, kernels_figure
@@ -337,14 +342,18 @@ class CoreCheck:
         recompute_figures = guarded_phase("recompute_check", "the recompute phase", "RecomputeCheck.run",
                                           lambda: recompute.run(comp, transfer.bw_blocks_per_ms))
         graph_figures = guarded_phase("graph_probe", "the CUDA-graph probe", "GraphProbe.run", GraphProbe(self).run)
-        stall_measured, stall_predicted = p.placed_ms - resident_ms, p.predicted_ms - sum(comp)
+        # the model at the link the placed steps' own copies measured (as the served controller
+        # samples it), where they measured one; else at the transfer check's (its copy pattern)
+        predicted_ms = p.predicted_ms if p.predicted_link_ms is None else p.predicted_link_ms
+        stall_measured, stall_predicted = p.placed_ms - resident_ms, predicted_ms - sum(comp)
         stall_err = abs(stall_measured - stall_predicted) / max(stall_predicted, STALL_FLOOR_SHARE * resident_ms)
         self.details.update({
             "attention_backends": {"primary": self.backends.primary, "available": list(self.backends.available),
                                    "unavailable": self.backends.unavailable, "failed": self.backends.failed,
                                    "errors": errors},
             "resident_step_ms": resident_ms, "placed_step_ms": p.placed_ms, "layer_compute_ms": comp[0],
-            "predicted_step_ms": p.predicted_ms, "stall_measured_ms": stall_measured,
+            "predicted_step_ms": predicted_ms, "predicted_step_ms_transfer_check": p.predicted_ms,
+            "model_link_gbps": p.link_gbps, "stall_measured_ms": stall_measured,
             "stall_predicted_ms": stall_predicted, "model_blocks_per_request": p.blocks_now,
             "plan_install_offloaded_layer_pages": p.delta.offloaded_layer_pages,
             "kvplane_cpu_ms_per_step": {"resident": resident_cpu_ms, "placed": p.placed_cpu_ms,
@@ -379,13 +388,11 @@ class CoreCheck:
         events = event_timing_figures(transfer, placed_stall_ms=p.placed_stall_ms, resident_stall_ms=resident_stall_ms,
                                       steps=c.repeat, placed_ms=p.placed_ms, wall_stall_ms=stall_measured,
                                       cuda=cuda, details=self.details)
-        hidden = self.details["kvplane_cpu_ms_per_step"]["hidden"]  # None: the overlap phase failed
-        cpu_ms = max(resident_cpu_ms, p.placed_cpu_ms if hidden is None else hidden["ms"])
         return self._figures(errors, transfer, resident_ms, p.placed_ms, stall_err, p.probe,
-                             cpu_ms, stats.host_fraction, cuda) + events + overlap_figures + recompute_figures + graph_figures
+                             stats.host_fraction, cuda) + events + overlap_figures + recompute_figures + graph_figures
 
     def _figures(self, errors: dict[str, dict[str, float]], t: TransferResult, resident_ms: float,
-                 placed_ms: float, stall_err: float, probe: SyncProbe, cpu_ms: float, host_fraction: float,
+                 placed_ms: float, stall_err: float, probe: SyncProbe, host_fraction: float,
                  cuda: bool) -> list[Figure]:
         cpu_note = "" if cuda else "CPU: copies are synchronous and the step is CPU compute; not meaningful"
         figs = []
@@ -414,10 +421,11 @@ class CoreCheck:
         figs.append(Figure.graded(
             "stall_rel_err", "measured stall vs the placement model", stall_err, "ratio", "<=", STALL_REL_ERR,
             "|(placed - resident) - (step_time_ms - sum comp)| / model stall (at least "
-            f"{STALL_FLOOR_SHARE:.0%} of the resident step); comp = resident step / L, bandwidth from one "
-            "batched engine fetch", meaningful=cuda,
+            f"{STALL_FLOOR_SHARE:.0%} of the resident step); comp = resident step / L, bandwidth from the placed "
+            "steps' own copies (the timing events, as served), else one batched engine fetch", meaningful=cuda,
             note=cpu_note or f"measured {d['stall_measured_ms']:.3f} ms, model {d['stall_predicted_ms']:.3f} ms "
-            f"(placed on {d['placed_engine']})"))
+            f"(placed on {d['placed_engine']}; link {d['model_link_gbps'] or 0:.1f} GB/s from the steps' copies; "
+            f"at the transfer check's bandwidth the model says {d['predicted_step_ms_transfer_check'] - resident_ms:.3f} ms)"))
         kernels_graded, kernels_note = kernels_figure(self.dma_error)
         figs.append(Figure.graded(
             "h2d_vs_contiguous", "batched block-first H2D vs one contiguous pinned copy", t.h2d_vs_contiguous,
@@ -448,13 +456,14 @@ class CoreCheck:
             probe.syncs("attention") / SYNC_STEPS, "syncs", "<=", 0.0, f"{how}: the paged decode call",
             meaningful=cuda, note="" if cuda else "the CPU dry run's attention is the torch reference, "
             "which reads lengths on the host by design"))
+        share, share_of = cpu_share(d, resident_ms)
         figs.append(Figure.graded(
-            "kvplane_cpu_share", "kvplane CPU time per step / all-resident step", cpu_ms / resident_ms, "ratio",
+            "kvplane_cpu_share", "kvplane CPU time per step / all-resident step", share, "ratio",
             "<=", CPU_SHARE, "thread CPU time of prepare_step + per-layer calls (worse of the all-resident step and "
             "the hidden placement's, whose copies the model hides, on the serving engine; the transfer-bound "
             "half-offloaded step's only where the overlap phase failed; median, timing events on about 1 step in "
             f"{DEFAULT_TIMING_INTERVAL} as served) over the all-resident step's wall time", meaningful=cuda,
-            note=f"{cpu_note or f'{cpu_ms:.3f} ms of {resident_ms:.3f} ms'}; {self._cpu_split()}"))
+            note=f"{cpu_note or share_of}; {cpu_split(d)}"))
         host = d["kvplane_cpu_ms_per_step"]
         resident_cpu, vanilla_write = host["resident"], host["vanilla_kv_write"]
         figs.append(Figure.graded(
@@ -466,30 +475,3 @@ class CoreCheck:
             f"{host['resident_steps_advanced']} of {host['resident_steps_timed']} timed steps advanced "
             "(no table build); informational"))
         return figs
-
-    def _cpu_split(self) -> str:
-        """Where the host time went (ms per step): boundary and the layers' calls, each step kind.
-        Each term is its own median over the same steps, so they add up to about the total."""
-        host = self.details["kvplane_cpu_ms_per_step"]
-        h = host["hidden"]
-
-        def split(kind: str) -> str:
-            calls = host[f"{kind}_layer_calls"]
-            return (f"{kind} {host[kind]:.3f} ~ boundary {host[f'{kind}_boundary']:.3f} + "
-                    + " + ".join(f"{k} {v:.3f}" for k, v in calls.items()))
-
-        top = (self.details["kvplane_host_profile"]["placed"] if h is None else h["profile"])[:3]
-        profile = ", ".join(f"{row['function']} {row['own_ms_per_step']:.3f}" for row in top)
-        launches = host["placed_launches_per_step"]
-        advanced = (f"on {self.details['placed_engine']}, {host['placed_steps_advanced']} of "
-                    f"{host['resident_steps_timed']} placed steps advanced, "
-                    f"{launches['h2d']:g} H2D + {launches['d2h']:g} D2H launches a step, "
-                    f"{launches['driver_ms']:.3f} ms of it inside the copy engines' driver calls")
-        hidden = ("hidden placement: not measured (the overlap phase failed)" if h is None else
-                  f"hidden {h['ms']:.3f} ~ boundary {h['boundary']:.3f} + "
-                  + " + ".join(f"{k} {v:.3f}" for k, v in h["layer_calls"].items())
-                  + f" (on {h['engine']}, {h['driver_ms']:.3f} ms in driver calls)")
-        return (f"{split('resident')}; {hidden}; half-offloaded {split('placed')} ({advanced}, "
-                f"of a {self.details['placed_step_ms']:.3f} ms step); means with the timed steps "
-                f"{host['resident_mean']:.3f} / {host['placed_mean']:.3f}; "
-                f"{'placed' if h is None else 'hidden'} step's top own time (cProfile, ms): {profile}")

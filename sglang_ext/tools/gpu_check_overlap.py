@@ -19,6 +19,11 @@ the step is compared with the all-resident one:
   in the sweep stands for the old default.
 - one step of it laid out on the compute stream
   (:class:`~sglang_ext.tools.step_timeline_probe.StepTimelineProbe`).
+- kvplane's host time per step of the hidden placement, on the engine that serves (the copy
+  engines where they run), with its split, driver time and top functions
+  (``details["overlap"]["kvplane_cpu"]``): the step where host time would lengthen the step, so
+  ``kvplane_cpu_share`` grades it with the all-resident step's (the half-offloaded step is
+  transfer-bound).
 - ``overlap.fetch_launch_ms``: what the hidden step still costs per fetch launch, as the
   controller learns it (``ProfileTracker.update`` with the layers' compute and the link sampled,
   so the gap is the launches', ``controlplane/model/timeline.py``): the figure a ``--kv-profile``
@@ -167,13 +172,13 @@ class OverlapCheck:
                 if dma.on:
                     by_programs["dma"] = time_ms(ch.step, ch.device, c.repeat)
                     dma_timeline = ch.timeline()
-                    host = self._host_time("dma")
+                    host = self._host_time("dma", resident_ms)
             dma_error = ch.dma_error = dma.error
             if dma_error is not None:
                 by_programs.pop("dma", None)
                 host = None
         if host is None:  # no copy engines here: the kernels serve
-            host = self._host_time(str(getattr(engine, "impl", "cpu")))
+            host = self._host_time(str(getattr(engine, "impl", "cpu")), resident_ms)
         rel = (hidden_ms - resident_ms) / resident_ms
         launch_ms = self._launch_cost(rows, scaled, bw_blocks_per_ms, hidden_ms)
         launches, blocks = launch_count(rows), b.blocks(1)
@@ -216,9 +221,10 @@ class OverlapCheck:
                 f"{model_ms[0]:.2f} ms without launch cost, {model_ms[1]:.2f} ms with the fitted one"),
             *self._dma_figures(resident_ms, link_by_programs or {}, cuda)]
 
-    def _host_time(self, engine: str) -> dict[str, Any]:
+    def _host_time(self, engine: str, resident_ms: float) -> dict[str, Any]:
         """kvplane's host time per step of the hidden placement on the engine that serves
-        (``engine``, the name it is reported by): :meth:`CoreCheck.kvplane_cpu_ms` over it, with
+        (``engine``, the name it is reported by; ``resident_ms``: this phase's all-resident step,
+        the share's base): :meth:`CoreCheck.kvplane_cpu_ms` over it, with
         its split, the time inside the copy engines' driver calls and cProfile's top functions
         (:meth:`CoreCheck.host_profile`). This step is not
         transfer-bound (the model hides its copies), so its host time is overhead wherever the
@@ -228,8 +234,10 @@ class OverlapCheck:
         before = driver_seconds(drivers)
         ms = ch.kvplane_cpu_ms()
         driver_ms = (driver_seconds(drivers) - before) * 1e3 / (2 * ch.config.repeat)
-        return {"ms": ms, "mean_ms": ch.cpu_mean_ms, "boundary": ch.prepare_cpu_ms, "layer_calls": dict(ch.parts_cpu_ms),
-                "engine": engine, "driver_ms": driver_ms, "profile": ch.host_profile()}
+        host = {"ms": ms, "mean_ms": ch.cpu_mean_ms, "boundary": ch.prepare_cpu_ms, "layer_calls": dict(ch.parts_cpu_ms),
+                "engine": engine, "driver_ms": driver_ms, "profile": ch.host_profile(), "resident_step_ms": resident_ms}
+        ch.details.setdefault("overlap", {})["kvplane_cpu"] = host  # kept should the phase fail after it
+        return host
 
     def _launch_cost(self, rows: list, comp_ms: list[float], bw: float, hidden_ms: float) -> float:
         """The fitted ``fetch_launch_ms`` of the hidden placement: the controller's update with

@@ -1,7 +1,8 @@
 """PlacedPhase: `kvplane gpu-check`'s placed phase, on what serves by default.
 
 The planner's half-offloaded placement (the config's ``offload_share``) is installed on the check's
-batch and stepped: its median step and the model's prediction (the stall figure), kvplane's host
+batch and stepped: its median step and the model's prediction (the stall figure: also at the link
+the steps' own copies measured, from the timing events of the host-time steps), kvplane's host
 time and profile, the launches a step, the stall the engine's timing events saw, one step's
 timeline and the host syncs inside layers. It runs on the engine that serves by default: the
 copy engines (``--kv-copy-engine dma``) where the transfer check ran them (``check.dma_error`` is
@@ -73,7 +74,12 @@ class PlacedPhase:
         h2d_before, d2h_before = launches.h2d_launches, launches.d2h_launches
         drivers = drivers_of(b.core.store.engine)  # held: a refusal midway drops the engine's reference
         driver_before = driver_seconds(drivers)
+        times = b.core.transfer_times  # the link the steps' own copies measure (its first steps time every copy)
+        timed_bytes, timed_s = times.h2d_timed_bytes, times.h2d_timed_s
         placed_cpu_ms = ch.kvplane_cpu_ms()
+        link_s, link_bytes = times.h2d_timed_s - timed_s, times.h2d_timed_bytes - timed_bytes
+        link_bw = link_bytes / link_s / 1e3 / c.layer_page_bytes if link_s > 0 and link_bytes > 0 else None
+        predicted_link_ms = None if link_bw is None else step_time_ms(rows, blocks_now, comp, link_bw)
         placed_cpu_mean_ms = ch.cpu_mean_ms
         placed_advanced = b.core.staged_advances - staged_before
         steps_run = 2 * c.repeat  # kvplane_cpu_ms: the steps timed every step, then the CPU-timed ones
@@ -91,6 +97,7 @@ class PlacedPhase:
         sync(device)
         return SimpleNamespace(
             rows=rows, delta=delta, blocks_now=blocks_now, predicted_ms=predicted_ms, placed_ms=placed_ms,
+            predicted_link_ms=predicted_link_ms, link_gbps=None if link_bw is None else link_bw * c.layer_page_bytes / 1e6,
             placed_cpu_ms=placed_cpu_ms, placed_cpu_mean_ms=placed_cpu_mean_ms, placed_advanced=placed_advanced,
             steps_run=steps_run, placed_launches=placed_launches, placed_prepare_ms=placed_prepare_ms,
             placed_parts_ms=placed_parts_ms, placed_stall_ms=placed_stall_ms, placed_profile=placed_profile,

@@ -109,8 +109,12 @@ def test_cpu_dry_run_end_to_end(tmp_path, capsys):
     assert hidden["boundary"] + sum(hidden["layer_calls"].values()) <= 2 * hidden["ms"]
     assert body["details"]["overlap"]["kvplane_cpu"] == hidden and f"hidden {hidden['ms']:.3f}" in \
         figures["kvplane_cpu_share"]["note"]
-    assert figures["kvplane_cpu_share"]["value"] == pytest.approx(max(cpu["resident"], hidden["ms"])
-                                                                  / figures["step_ms.resident"]["value"])
+    assert hidden["resident_step_ms"] > 0  # the hidden share's base: the overlap phase's own all-resident step
+    assert figures["kvplane_cpu_share"]["value"] == pytest.approx(max(
+        cpu["resident"] / figures["step_ms.resident"]["value"], hidden["ms"] / hidden["resident_step_ms"]))
+    details = body["details"]  # the stall model at the link the placed steps' own copies measured
+    assert details["model_link_gbps"] > 0 and details["predicted_step_ms_transfer_check"] > 0
+    assert details["stall_predicted_ms"] == pytest.approx(details["predicted_step_ms"] - details["resident_step_ms"])
     profile = body["details"]["kvplane_host_profile"]  # by function, inside kvplane's scopes only
     for kind in ("resident", "placed"):
         names = " ".join(row["function"] for row in profile[kind])

@@ -108,7 +108,8 @@ def test_a_phase_that_raises_fails_its_own_figure_only(tmp_path, monkeypatch, ca
         assert share == pytest.approx(max(host["resident"], host["placed"]) / resident_ms)
     else:  # control: the hidden placement's host time grades with the all-resident step's
         assert host["hidden"]["ms"] > 0 and "hidden placement: not" not in figures["kvplane_cpu_share"]["note"]
-        assert share == pytest.approx(max(host["resident"], host["hidden"]["ms"]) / resident_ms)
+        hidden = host["hidden"]
+        assert share == pytest.approx(max(host["resident"] / resident_ms, hidden["ms"] / hidden["resident_step_ms"]))
     assert f"{phase} fault (test)" in capsys.readouterr().err
     monkeypatch.setattr(CoreCheck, "_figures", broken)  # control: a fault in the core check's own part
     assert main(argv) == 1
@@ -286,3 +287,49 @@ def test_a_fault_report_closes_the_forward_the_fault_left_open(monkeypatch, caps
     check.step()
     assert check.attention_errors()["torch"]["max_abs_err"] == pytest.approx(0.0, abs=1e-5)
     assert "driver fault inside a layer (test)" in capsys.readouterr().err
+
+
+def test_the_batch_headroom_covers_every_decode_step_a_gpu_run_can_take(tmp_path, monkeypatch):
+    """``GpuCheckConfig.decode_steps`` sizes the check batch's slots: a check that decoded past
+    it would write beyond its requests' pages. Every decode step the phases take is counted on the
+    CPU with the copy engines standing in, in the worst case: they refuse inside the hidden
+    placement's host-time measurement, which then runs again on the kernels. Those steps plus the
+    CUDA-graph probe's (N/A here: it returns before touching the batch) fit. Control: without the
+    refusal fewer steps run, so the worst case is what was counted."""
+    from sglang_ext.tools import gpu_check_batch, gpu_check_overlap, gpu_check_turnover
+    from sglang_ext.tools.gpu_check_config import SMALL
+    from sglang_ext.tools.gpu_check_graph import steps as graph_steps
+
+    _copy_engines_on_cpu(monkeypatch, lambda engine: None)
+    refuse, count = {"on": False}, {"steps": 0}
+    real_host, real_begin = gpu_check_overlap.OverlapCheck._host_time, gpu_check_batch.CheckBatch.begin_decode
+    real_boundary = gpu_check_turnover.TurnoverCheck._timed_boundary
+
+    def host_time(self, engine, resident_ms):  # noqa: ANN001, ANN202
+        if engine == "dma" and refuse["on"]:  # the driver refuses a copy: the engine turns the copy engines off
+            eng = self.check.batch.core.store.engine
+            eng.impl, eng.dma_error = "triton", "cuMemcpyBatchAsync failed: CUresult 1 (test)"
+        return real_host(self, engine, resident_ms)
+
+    def begin_decode(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        count["steps"] += 1
+        return real_begin(self, *a, **k)
+
+    def timed_boundary(self, general):  # noqa: ANN001, ANN202
+        count["steps"] += 1  # the batch-change phase's timed step advances the batch itself
+        return real_boundary(self, general)
+
+    monkeypatch.setattr(gpu_check_overlap.OverlapCheck, "_host_time", host_time)
+    monkeypatch.setattr(gpu_check_batch.CheckBatch, "begin_decode", begin_decode)
+    monkeypatch.setattr(gpu_check_turnover.TurnoverCheck, "_timed_boundary", timed_boundary)
+    repeat = 3
+    argv = ["gpu-check", "--device", "cpu", "--skip-tests", "--repeat", str(repeat), "--out-dir", str(tmp_path)]
+    counted = {}
+    for on in (False, True):
+        refuse["on"], count["steps"] = on, 0
+        main(argv)
+        _, body = _result(tmp_path)
+        assert body["details"]["kvplane_cpu_ms_per_step"]["hidden"]["engine"] == ("triton" if on else "dma")
+        counted[on] = count["steps"]
+    assert counted[True] > counted[False], counted
+    assert counted[True] + graph_steps(repeat) <= SMALL.with_overrides(repeat=repeat).decode_steps, counted
