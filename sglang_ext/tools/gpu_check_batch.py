@@ -143,8 +143,7 @@ class CheckBatch:
         gone, slots, n = self.rids.pop(0), self.slots.pop(0), self.lens.pop(0)
         self.contexts = [*self.contexts[1:], tokens]
         self.seeds = [*self.seeds[1:], max(self.seeds) + 1]
-        self.k1 = torch.cat([self.k1[1:], self.k1[:1]])
-        self.v1 = torch.cat([self.v1[1:], self.v1[:1]])
+        self.k1, self.v1 = self.k1.roll(-1, 0), self.v1.roll(-1, 0)
         self.rids.append(rid)
         self.slots.append(slots)
         self.lens.append(tokens)
