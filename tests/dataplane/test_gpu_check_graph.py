@@ -45,7 +45,7 @@ class EagerGraph:
 
 
 def _check(repeat: int = 2) -> CoreCheck:
-    return CoreCheck(dataclasses.replace(SMALL, repeat=repeat), "cpu", "torch")
+    return CoreCheck(dataclasses.replace(SMALL, repeat=repeat, layers=2, requests=2), "cpu", "torch")
 
 
 def test_replayed_steps_decode_what_eager_steps_do():
