@@ -172,3 +172,17 @@ def undetected(server: SGLangServer, reference: SGLangServer, prompts: Sequence[
 
 FAULT_INJECT_DIR = Path(__file__).parent / "fault_inject"
 """PYTHONPATH entry of the test-only fault injector (``sitecustomize.py``)."""
+
+
+@contextmanager
+def fault_armed(server: SGLangServer, flag: Path) -> Iterator[None]:
+    """The test-only injector's fault behind ``flag`` (its ``KVPLANE_TEST_*_FILE``) acting while
+    inside: the file exists; on exit it is removed and ``server``'s prefix cache flushed, so no
+    later request reads KV the fault wrote (a module's layered server is its own negative control,
+    where a twin server with the fault always on cost one more SGLang start-up)."""
+    flag.touch()
+    try:
+        yield
+    finally:
+        flag.unlink(missing_ok=True)
+        server.flush_cache()

@@ -27,8 +27,9 @@ from tests.sglang.conftest import (
     FAULT_INJECT_DIR,
     PROMPTS,
     assert_same_generation,
+    fault_armed,
     greedy,
-    running_servers,
+    running_server,
     undetected,
 )
 
@@ -52,23 +53,18 @@ class OffloadServer:
 
 
 @pytest.fixture(scope="module")
-def offload_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[OffloadServer, SGLangServer]]:
-    """:func:`offload` and :func:`corrupted`, started side by side."""
+def offload(tiny_model_dir, tmp_path_factory) -> Iterator[OffloadServer]:
+    """A layered-KV server whose device KV budget is 49 token-layers, with the test-only fault
+    injector loaded (it perturbs nothing until :func:`test_negative_control_a_corrupted_offloaded_page_fails_the_comparison`
+    arms it)."""
     root = tmp_path_factory.mktemp("layered-offload")
     stats, events = root / "pool_stats.jsonl", root / "events.jsonl"
     flags = ["--enable-layered-kv", "--disable-overlap-schedule", "--kv-gpu-budget-tokens", str(BUDGET_TOKENS),
              "--max-total-tokens", str(MAX_TOTAL_TOKENS)]
-    env = {POOL_STATS_FILE_ENV: str(stats), EVENTS_FILE_ENV: str(events)}
-    croot = tmp_path_factory.mktemp("layered-corrupted")
-    cenv = {"PYTHONPATH": str(FAULT_INJECT_DIR), "KVPLANE_TEST_CORRUPT_LAYER": str(CORRUPT_LAYER)}
-    with running_servers(tiny_model_dir, [(root, flags, env), (croot, flags, cenv)]) as (server, corrupt):
-        yield OffloadServer(server, stats, events), corrupt
-
-
-@pytest.fixture(scope="module")
-def offload(offload_servers) -> OffloadServer:
-    """A layered-KV server whose device KV budget is 49 token-layers."""
-    return offload_servers[0]
+    env = {POOL_STATS_FILE_ENV: str(stats), EVENTS_FILE_ENV: str(events), "PYTHONPATH": str(FAULT_INJECT_DIR),
+           "KVPLANE_TEST_CORRUPT_LAYER": str(CORRUPT_LAYER), "KVPLANE_TEST_CORRUPT_FILE": str(root / "corrupt")}
+    with running_server(tiny_model_dir, root, flags, env) as server:
+        yield OffloadServer(server, stats, events)
 
 
 def test_layered_pool_and_attention_are_active(offload):
@@ -168,14 +164,11 @@ CORRUPT_LAYER = 3
 """The tiny model's top layer: the local fallback offloads it first."""
 
 
-@pytest.fixture(scope="module")
-def corrupted(offload_servers) -> SGLangServer:
-    """The same layered server, with the test-only fault injector perturbing the host copy of
-    one written-back page of layer 3 after every step (tests/sglang/fault_inject)."""
-    return offload_servers[1]
-
-
-def test_negative_control_a_corrupted_offloaded_page_fails_the_comparison(corrupted, vanilla_server):
-    """Negative control: with one offloaded layer-page per step perturbed on its way through host
-    memory, the comparison of the previous test fails (logprobs move, tokens may not)."""
-    assert undetected(corrupted, vanilla_server, PROMPTS[:4], NEW_TOKENS) == 0
+def test_negative_control_a_corrupted_offloaded_page_fails_the_comparison(offload, vanilla_server):
+    """Negative control: with one offloaded layer-page of layer 3 per step perturbed on its way
+    through host memory (the test-only fault injector armed on this server), the comparison of the
+    previous tests fails (logprobs move, tokens may not); disarmed, with the cache flushed, the same
+    server matches again."""
+    with fault_armed(offload.server, offload.server.log_path.parent / "corrupt"):
+        assert undetected(offload.server, vanilla_server, PROMPTS[:4], NEW_TOKENS) == 0
+    assert undetected(offload.server, vanilla_server, PROMPTS[:1], NEW_TOKENS) == 1

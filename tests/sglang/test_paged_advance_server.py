@@ -8,8 +8,8 @@ and logprobs equal vanilla's (page size 1).
 
 Requests decoded two at a time with a prompt-length skew still match; the pool's stats show
 both advanced and built steps, and nothing on host; the in-process meter counts the paged
-decode's KV writes (one per layer and forward, decode forwards included). Negative control: a second server with a
-stale advance injected (tests/sglang/fault_inject: the new tokens' rows not advanced) fails the
+decode's KV writes (one per layer and forward, decode forwards included). Negative control: the same server with a
+stale advance armed (tests/sglang/fault_inject: the new tokens' rows not advanced) fails the
 comparison.
 """
 
@@ -25,7 +25,14 @@ from sglang_ext.overhead import WRITE_EVERY
 from sglang_ext.settings import OVERHEAD_FILE_ENV, POOL_STATS_FILE_ENV
 from sglang_ext.testing.jsonl import read_jsonl
 from sglang_ext.testing.server import SGLangServer
-from tests.sglang.conftest import FAULT_INJECT_DIR, PROMPTS, greedy, running_servers, token_logprobs
+from tests.sglang.conftest import (
+    FAULT_INJECT_DIR,
+    PROMPTS,
+    fault_armed,
+    greedy,
+    running_server,
+    token_logprobs,
+)
 from tests.sglang.test_triton_server import KERNEL_LOGPROB_ATOL
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]
@@ -36,9 +43,10 @@ LAYERS = 4
 
 
 @pytest.fixture(scope="module")
-def advance_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, object, SGLangServer]]:
-    """The layered server and its stale-advance twin (started side by side)."""
-    root, stale_root = tmp_path_factory.mktemp("layered-advance"), tmp_path_factory.mktemp("stale-advance")
+def advance_server(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, object]]:
+    """The layered server and its stats file; the test-only injector audits its layers and acts
+    on the faults its flag files arm (stale turnover, stale advance), each in its own control."""
+    root = tmp_path_factory.mktemp("layered-advance")
     stats = root / "pool_stats.jsonl"
     # 512 device pages of 4 tokens < 4 layers x 257 logical pages: the paged layout. The planner
     # provisions each request's growth over its decode window (64 steps: ~23 pages x 4 layers for
@@ -49,15 +57,10 @@ def advance_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangSe
     env = {"TRITON_INTERPRET": "1", POOL_STATS_FILE_ENV: str(stats), "PYTHONPATH": str(FAULT_INJECT_DIR),
            "KVPLANE_TEST_AUDIT_FILE": str(root / "audit.json"), OVERHEAD_FILE_ENV: str(root / "overhead.json"),
            "KVPLANE_TEST_AUDIT_TORCH_EXTEND_FILE": str(root / "torch_extend"),
-           "KVPLANE_TEST_STALE_TURNOVER_FILE": str(root / "stale_turnover")}
-    stale_env = {"TRITON_INTERPRET": "1", "PYTHONPATH": str(FAULT_INJECT_DIR), "KVPLANE_TEST_STALE_ADVANCE": "1"}
-    with running_servers(tiny_model_dir, [(root, flags, env), (stale_root, flags, stale_env)]) as (server, stale):
-        yield server, stats, stale
-
-
-@pytest.fixture(scope="module")
-def advance_server(advance_servers) -> tuple[SGLangServer, object]:
-    return advance_servers[0], advance_servers[1]
+           "KVPLANE_TEST_STALE_TURNOVER_FILE": str(root / "stale_turnover"),
+           "KVPLANE_TEST_STALE_ADVANCE_FILE": str(root / "stale_advance")}
+    with running_server(tiny_model_dir, root, flags, env) as server:
+        yield server, stats
 
 
 def _steps(path) -> list[dict]:  # noqa: ANN001
@@ -158,18 +161,22 @@ def test_negative_control_a_stale_turnover_fails_the_comparison(advance_server, 
     assert failures >= 1, "no stale turnover was detected"
 
 
-def test_negative_control_a_stale_advance_fails_the_comparison(advance_servers, vanilla_server):
+def test_negative_control_a_stale_advance_fails_the_comparison(advance_server, vanilla_server):
     """Control: advanced steps that keep the last step's rows (each new token's K/V overwrite the
-    previous token's) are caught by the same comparison, for every prompt."""
-    stale = advance_servers[2]
+    previous token's) are caught by the same comparison, for every prompt (the fault armed on
+    this server; disarmed, it matches again)."""
+    server, stats_path = advance_server
     failures = 0
-    for prompt in PROMPTS[:2]:
-        try:
-            _matches(greedy(stale, prompt, NEW_TOKENS, logprobs=True),
-                     greedy(vanilla_server, prompt, NEW_TOKENS, logprobs=True), prompt)
-        except AssertionError:
-            failures += 1
+    with fault_armed(server, stats_path.parent / "stale_advance"):
+        for prompt in PROMPTS[:2]:
+            try:
+                _matches(greedy(server, prompt, NEW_TOKENS, logprobs=True),
+                         greedy(vanilla_server, prompt, NEW_TOKENS, logprobs=True), prompt)
+            except AssertionError:
+                failures += 1
     assert failures == 2, f"only {failures} of 2 stale-advance generations were detected"
+    _matches(greedy(server, PROMPTS[0], NEW_TOKENS, logprobs=True),
+             greedy(vanilla_server, PROMPTS[0], NEW_TOKENS, logprobs=True), PROMPTS[0])
 
 
 def test_served_decode_layers_make_no_host_sync_and_the_same_ops(advance_server):

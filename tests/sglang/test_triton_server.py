@@ -21,6 +21,7 @@ from tests.sglang.conftest import (
     FAULT_INJECT_DIR,
     LOGPROB_ATOL,
     PROMPTS,
+    fault_armed,
     greedy,
     running_servers,
     token_logprobs,
@@ -46,24 +47,24 @@ on CUDA by default; pages of 4 tokens, so that steady steps open pages."""
 
 @pytest.fixture(scope="module")
 def triton_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple]:
-    """The layered Triton server, its stale-advance twin and the nothing-offloaded one (started
-    side by side), each with its pool stats file."""
-    root, stale_root = tmp_path_factory.mktemp("layered-triton"), tmp_path_factory.mktemp("stale-staged")
-    stats, stale_stats = root / "pool_stats.jsonl", stale_root / "pool_stats.jsonl"
+    """The layered Triton server and the nothing-offloaded one (started side by side), each with
+    its pool stats file."""
+    root = tmp_path_factory.mktemp("layered-triton")
+    stats = root / "pool_stats.jsonl"
     # chunks of 16 tokens: a longer prompt's second chunk extends the first from the layered pool
     flags = ["--enable-layered-kv", "--attention-backend", "triton", "--kv-gpu-budget-tokens", "49",
              "--max-total-tokens", "48", "--chunked-prefill-size", "16"]
-    # the test-only injector perturbs nothing until the extend test creates its flag file
+    # the test-only injector perturbs nothing until a control creates its flag file (the extend
+    # test's shifted lengths, the stale staged advance)
     env = {"TRITON_INTERPRET": "1", POOL_STATS_FILE_ENV: str(stats), "PYTHONPATH": str(FAULT_INJECT_DIR),
-           "KVPLANE_TEST_SHIFT_EXTEND_FILE": str(root / "shift_extend")}
-    stale_env = {"TRITON_INTERPRET": "1", POOL_STATS_FILE_ENV: str(stale_stats),
-                 "PYTHONPATH": str(FAULT_INJECT_DIR), "KVPLANE_TEST_STALE_ADVANCE": "1"}
+           "KVPLANE_TEST_SHIFT_EXTEND_FILE": str(root / "shift_extend"),
+           "KVPLANE_TEST_STALE_ADVANCE_FILE": str(root / "stale_advance")}
     identity_root = tmp_path_factory.mktemp("identity-triton")
     identity_stats = identity_root / "pool_stats.jsonl"
     identity_env = {"TRITON_INTERPRET": "1", POOL_STATS_FILE_ENV: str(identity_stats)}
-    with running_servers(tiny_model_dir, [(root, flags, env), (stale_root, flags, stale_env),
-                                          (identity_root, IDENTITY_FLAGS, identity_env)]) as (server, stale, identity):
-        yield server, stats, stale, stale_stats, identity, identity_stats
+    with running_servers(tiny_model_dir, [(root, flags, env),
+                                          (identity_root, IDENTITY_FLAGS, identity_env)]) as (server, identity):
+        yield server, stats, identity, identity_stats
 
 
 @pytest.fixture(scope="module")
@@ -114,20 +115,23 @@ def test_triton_paged_decode_matches_vanilla_with_kv_on_host(triton_server, vani
     assert steps[-1]["staged_advances_total"] > 0, steps[-1]
 
 
-def test_negative_control_a_stale_staged_advance_fails_the_comparison(triton_servers, vanilla_server):
+def test_negative_control_a_stale_staged_advance_fails_the_comparison(triton_server, vanilla_server):
     """Control: staged steps advanced with the last step's new-token rows (each new K/V overwrite
     the previous token's, on the device or in staging and written back so) are caught by the same
-    comparison, for every prompt; the twin did advance staged steps."""
-    stale, stale_stats = triton_servers[2], triton_servers[3]
+    comparison, for every prompt (the fault armed on the layered server, which did advance staged
+    steps meanwhile); disarmed, the server matches again."""
+    server, stats_path = triton_server
+    before = read_jsonl(stats_path)[-1]["staged_advances_total"]
     failures = 0
-    for prompt in PROMPTS[:2]:
-        got = greedy(stale, prompt, NEW_TOKENS, logprobs=True)
-        want = greedy(vanilla_server, prompt, NEW_TOKENS, logprobs=True)
-        worst = max(abs(a - b) for a, b in zip(token_logprobs(got), token_logprobs(want), strict=True))
-        failures += got["output_ids"] != want["output_ids"] or worst > KERNEL_LOGPROB_ATOL
-    steps = read_jsonl(stale_stats)
-    assert steps[-1]["staged_advances_total"] > 0
+    with fault_armed(server, stats_path.parent / "stale_advance"):
+        for prompt in PROMPTS[:2]:
+            got = greedy(server, prompt, NEW_TOKENS, logprobs=True)
+            want = greedy(vanilla_server, prompt, NEW_TOKENS, logprobs=True)
+            worst = max(abs(a - b) for a, b in zip(token_logprobs(got), token_logprobs(want), strict=True))
+            failures += got["output_ids"] != want["output_ids"] or worst > KERNEL_LOGPROB_ATOL
+        assert read_jsonl(stats_path)[-1]["staged_advances_total"] > before
     assert failures == 2, f"only {failures} of 2 stale staged-advance generations were detected"
+    assert_kernel_matches_vanilla(server, vanilla_server, PROMPTS[:1])
 
 
 def test_recompute_rows_run_on_the_paged_kernel(triton_server, vanilla_server):
@@ -154,7 +158,7 @@ def test_nothing_offloaded_steady_steps_take_the_fast_path_and_match_vanilla(tri
     (``IdentityDecodeStep``; before, every decode step read every request's slots and rebuilt its
     tables), and the generations equal vanilla's. The tables' exactness has its negative control
     on the core (``tests/dataplane/test_identity_decode.py``)."""
-    server, stats_path = triton_servers[4], triton_servers[5]
+    server, stats_path = triton_servers[2], triton_servers[3]
     assert_kernel_matches_vanilla(server, vanilla_server, PROMPTS[:3])
     assert "impl=triton" in server.log_path.read_text()
     last = read_jsonl(stats_path)[-1]

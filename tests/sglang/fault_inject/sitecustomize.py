@@ -1,9 +1,15 @@
 """Test-only fault injection for the negative control of the layered servers' equality checks.
 
-On the server's PYTHONPATH (never installed), this runs at start-up in every SGLang process and,
-when ``sglang_ext.dataplane.layer_pipeline`` is imported, wraps ``LayerPipeline.end_layer`` so
-that after layer ``KVPLANE_TEST_CORRUPT_LAYER``'s write-back of staged new tokens reached host
-memory, the host copy of the first page it wrote is perturbed (K += 0.5). The next step fetches
+On the server's PYTHONPATH (never installed), this runs at start-up in every SGLang process. Every
+fault is behind a flag file: it acts only while that file exists, so a module's layered server
+is its own negative control (a test creates the file, runs the control's requests, removes it
+and flushes the prefix cache: :func:`tests.sglang.conftest.fault_armed`) instead of starting a
+twin server with the fault always on.
+
+With ``KVPLANE_TEST_CORRUPT_LAYER=L`` and ``KVPLANE_TEST_CORRUPT_FILE=PATH``, when
+``sglang_ext.dataplane.layer_pipeline`` is imported ``LayerPipeline.end_layer`` is wrapped so
+that, while ``PATH`` exists, after layer ``L``'s write-back of staged new tokens reached host
+memory the host copy of the first page it wrote is perturbed (K += 0.5). The next step fetches
 that corrupted page into staging, so the served attention reads wrong KV for one offloaded
 layer-page -- what a lost or misplaced write-back would do.
 
@@ -29,8 +35,8 @@ With ``KVPLANE_TEST_SHIFT_EXTEND_FILE=PATH``, while ``PATH`` exists the paged-ex
 handed ``kv_lens - 1``: every new token attends one position short (it misses itself) -- what a
 wrong extend table would do (the extend test's negative control toggles it per request).
 
-With ``KVPLANE_TEST_STALE_ADVANCE=1``, an advanced paged step keeps the last step's new-token
-rows (``PagedStepTables.advanced`` without its ``rows + 1``, ``advanced_staged`` with the last
+With ``KVPLANE_TEST_STALE_ADVANCE_FILE=PATH``, while ``PATH`` exists an advanced paged step keeps
+the last step's new-token rows (``PagedStepTables.advanced`` without its ``rows + 1``, ``advanced_staged`` with the last
 step's rows): each advanced step's new K/V overwrite the previous token's -- what a stale
 advance would do.
 
@@ -72,9 +78,12 @@ def _patch_recompute(module) -> None:  # noqa: ANN001
 
 def _patch(module) -> None:  # noqa: ANN001
     layer = int(os.environ["KVPLANE_TEST_CORRUPT_LAYER"])
+    flag = os.environ["KVPLANE_TEST_CORRUPT_FILE"]
     real = module.LayerPipeline.end_layer
 
     def end_layer(self, index):  # noqa: ANN001
+        if index != layer or not os.path.exists(flag):
+            return real(self, index)
         tables = self.tables
         launch = tables.writebacks[index] if tables is not None and index == layer else None
         parked = tables.token_writeback if tables is not None else None
@@ -100,17 +109,18 @@ ADVANCE_TARGET = "sglang_ext.dataplane.paged_step_tables"
 
 
 def _patch_advance(module) -> None:  # noqa: ANN001
+    flag = os.environ["KVPLANE_TEST_STALE_ADVANCE_FILE"]
     real, real_staged = module.PagedStepTables.advanced, module.PagedStepTables.advanced_staged
 
     def advanced(self):  # noqa: ANN001, ANN202
         nxt = real(self)
-        if nxt is not None:
+        if nxt is not None and os.path.exists(flag):
             nxt.rows = self.rows
         return nxt
 
     def advanced_staged(self, *args):  # noqa: ANN001, ANN002, ANN202
         nxt = real_staged(self, *args)
-        if nxt is not None:
+        if nxt is not None and os.path.exists(flag):
             nxt.rows = self.rows
         return nxt
 
@@ -254,11 +264,11 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-if os.environ.get("KVPLANE_TEST_CORRUPT_LAYER"):
+if os.environ.get("KVPLANE_TEST_CORRUPT_FILE"):
     sys.meta_path.insert(0, _Finder(TARGET, _patch))
 if os.environ.get("KVPLANE_TEST_CORRUPT_RECOMPUTE_FILE"):
     sys.meta_path.insert(0, _Finder(RECOMPUTE_TARGET, _patch_recompute))
-if os.environ.get("KVPLANE_TEST_STALE_ADVANCE"):
+if os.environ.get("KVPLANE_TEST_STALE_ADVANCE_FILE"):
     sys.meta_path.insert(0, _Finder(ADVANCE_TARGET, _patch_advance))
 if os.environ.get("KVPLANE_TEST_AUDIT_FILE"):
     sys.meta_path.insert(0, _Finder(AUDIT_TARGET, _patch_audit))
