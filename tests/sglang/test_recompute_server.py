@@ -72,9 +72,8 @@ prefill that first wrote its KV, and in SGLang's default fp16 that alone moves l
 
 
 @pytest.fixture(scope="module")
-def recompute_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, RecomputeServer, tuple[SGLangServer, Path, Path]]]:
-    """The module's three servers, started side by side (:func:`vanilla32`, :func:`rec`, :func:`paused_rec`)."""
-    vroot = tmp_path_factory.mktemp("vanilla-fp32")
+def recompute_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[RecomputeServer, tuple[SGLangServer, Path, Path]]]:
+    """The module's two layered servers, started side by side (:func:`rec`, :func:`paused_rec`)."""
     root = tmp_path_factory.mktemp("layered-recompute")
     stats, flag = root / "pool_stats.jsonl", root / "corrupt-recompute"
     (root / "policy.json").write_text(json.dumps(POLICY))
@@ -90,21 +89,22 @@ def recompute_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLang
     pflags = ["--enable-layered-kv", "--kv-policy", str(proot / "policy.json"), "--kv-gpu-budget-tokens", "96",
               "--kv-recompute-ratio", "0.5", "--mem-fraction-static", "0.3", *FP32]
     penv = {STATS_FILE_ENV: str(pstats), POOL_STATS_FILE_ENV: str(ppool_stats)}
-    specs = [(vroot, FP32, None), (root, flags, env), (proot, pflags, penv)]
-    with running_servers(tiny_model_dir, specs) as (vanilla, layered, paused):
-        yield vanilla, RecomputeServer(layered, stats, flag), (paused, pstats, ppool_stats)
+    specs = [(root, flags, env), (proot, pflags, penv)]
+    with running_servers(tiny_model_dir, specs) as (layered, paused):
+        yield RecomputeServer(layered, stats, flag), (paused, pstats, ppool_stats)
 
 
 @pytest.fixture(scope="module")
-def vanilla32(recompute_servers) -> SGLangServer:
-    """Stock SGLang in fp32."""
-    return recompute_servers[0]
+def vanilla32(vanilla_server) -> SGLangServer:
+    """Stock SGLang in fp32: the session's vanilla server (every test server serves float32,
+    ``conftest.TEST_DTYPE_ARGS``, as this module's own vanilla server did)."""
+    return vanilla_server
 
 
 @pytest.fixture(scope="module")
 def rec(recompute_servers) -> RecomputeServer:
     """The layered server whose planner answers an overflow with recompute (fp32)."""
-    return recompute_servers[1]
+    return recompute_servers[0]
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ def paused_rec(recompute_servers) -> tuple[SGLangServer, Path, Path]:
     budget about a fifth of what the batch needs, with a quick starvation guard: the planner
     pauses recomputing requests mid-generation and the guard rotates them back in
     (``tests/sglang/test_pause_server.py``'s setting, in fp32)."""
-    return recompute_servers[2]
+    return recompute_servers[1]
 
 
 def _lines(path: Path) -> list[dict]:
