@@ -21,12 +21,12 @@ from tests.dataplane.test_gpu_check_graph import EagerGraph
 
 @pytest.fixture(scope="module")
 def checked():
-    """A core check run through on SMALL, the graph probe replaying with the eager stand-in."""
+    """A core check run through on SMALL at 2 layers, the graph probe replaying with the eager stand-in."""
     with pytest.MonkeyPatch.context() as mp:
         real_init = gpu_check_graph.GraphProbe.__init__
         mp.setattr(gpu_check_graph.GraphProbe, "__init__",
                    lambda self, check, graph=None: real_init(self, check, EagerGraph))
-        check = CoreCheck(dataclasses.replace(SMALL, repeat=2), "cpu", "torch")
+        check = CoreCheck(dataclasses.replace(SMALL, repeat=2, layers=2), "cpu", "torch")
         figures = {f.key: f for f in check.run()}
     assert figures["graph.replay_max_abs_diff"].status == PASS, figures["graph.replay_max_abs_diff"]
     return check
@@ -50,7 +50,7 @@ def test_the_phase_after_the_graph_probe_reads_what_the_pool_holds(checked):
 
 
 def _fresh() -> CoreCheck:
-    check = CoreCheck(dataclasses.replace(SMALL, repeat=1), "cpu", "torch")
+    check = CoreCheck(dataclasses.replace(SMALL, repeat=1, layers=2), "cpu", "torch")
     check.step()
     return check
 
