@@ -166,12 +166,13 @@ class OverlapCheck:
                 engine.copy_programs = before
         hidden_ms = by_programs["default"]
         timeline = ch.timeline()
-        dma_error, dma_timeline, host = ch.dma_error, None, None
+        dma_error, dma_timeline, host, dma_driver = ch.dma_error, None, None, None
         if dma_error is None:
             with CopyEnginePhase("the hidden placement on the copy engines", b) as dma:
                 if dma.on:
                     by_programs["dma"] = time_ms(ch.step, ch.device, c.repeat)
                     dma_timeline = ch.timeline()
+                    dma_driver = _dma_costs(engine)  # before the host-time steps (timed, profiled) add theirs
                     host = self._host_time("dma", resident_ms)
             dma_error = ch.dma_error = dma.error
             if dma_error is not None:
@@ -190,7 +191,8 @@ class OverlapCheck:
             "resident_step_ms": resident_ms, "step_ms": hidden_ms, "step_ms_by_programs": by_programs,
             "fastest_programs": min(by_programs, key=by_programs.__getitem__), "timeline": timeline,
             "recommended_programs": recommend_programs(by_programs, link_by_programs or {}, h2d_gbps),
-            "dma_error": dma_error, "dma_timeline": dma_timeline, "dma_driver": _dma_costs(engine),
+            "dma_error": dma_error, "dma_timeline": dma_timeline,
+            "dma_driver": dma_driver if dma_driver is not None else _dma_costs(engine),
             "placed_on_copy_engines": placed_dma, "launches": launches, "fetch_launch_ms": launch_ms,
             "model_step_ms": {"without_launches": model_ms[0], "with_fitted_launches": model_ms[1]},
             "kvplane_cpu": host,
