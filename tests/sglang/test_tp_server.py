@@ -1,8 +1,8 @@
-"""A real tensor-parallel layered server: ``--tp-size 2`` on CPU, against a vanilla ``--tp-size 2``.
+"""A real tensor-parallel layered server: ``--tp-size 2`` on CPU, against the session's vanilla server.
 
-Scenario: two SGLang 0.5.23 servers of the tiny model, each with two TP ranks (one scheduler
-process per rank, the model's 4 query / 2 KV heads split 2 / 1 per rank, all-reduces over gloo):
-vanilla SGLang, and a layered one with the embedded control plane, ``--enable-metrics``, a device
+Scenario: a layered SGLang 0.5.23 server of the tiny model with two TP ranks (one scheduler
+process per rank, the model's 4 query / 2 KV heads split 2 / 1 per rank, all-reduces over gloo),
+with the embedded control plane, ``--enable-metrics``, a device
 KV budget of 96 token-layers and a starvation guard after 6 paused steps (the pause test's
 setting), so 20 concurrent requests are offloaded, paused and resumed. Rank 0 plans and
 broadcasts each :class:`~sglang_ext.tp_sync.StepInstall`; both ranks must install it alike, each
@@ -12,10 +12,13 @@ and pool-stats files, identical step for step. Negative controls: the recomputed
 perturbed on TP rank 1 only fails the same generation check; the label and byte checks catch a
 rank-0-only metric and the unsharded page size.
 
-Compare a TP=2 server with a TP=2 vanilla server, not the session's TP=1 one: the all-reduce sums
-partial products in another order, which in fp16 moved logprobs by up to 2e-3 (measured on 4
-prompts, 8 tokens; same tokens), 20x the tolerance. In fp16 the layered and the vanilla TP=2
-server agreed bit for bit on those 4 prompts, and within 1e-4 on the 20 paused ones.
+The reference is the session's TP=1 vanilla server. The all-reduce sums partial products in
+another order than one rank does: in fp16 that moved logprobs by up to 2e-3 (4 prompts, 8
+tokens; same tokens), 20x the tolerance, so this module started a TP=2 vanilla server of its
+own. Every test server now serves float32 (``conftest.TEST_DTYPE_ARGS``), where a vanilla TP=2
+and a vanilla TP=1 server differ by at most 4.8e-7 (the 20 greedy prompts, 8 tokens, same tokens;
+session 39), 200x under the tolerance: that server's start-up (a launcher, two ranks and a
+detokenizer importing SGLang) bought nothing.
 
 What SGLang 0.5.23 needs for ``--tp-size > 1`` on a CPU-only host (:func:`tp_env`), found here:
 ``SGLANG_CPU_OMP_THREADS_BIND`` (otherwise ``numa_utils.init_threads_binding`` asserts ranks <=
@@ -56,7 +59,7 @@ from tests.sglang.conftest import (
     PROMPTS,
     assert_same_generation,
     greedy,
-    running_servers,
+    running_server,
 )
 from tests.sglang.test_dashboard import load_promql
 
@@ -102,10 +105,9 @@ class TpServer:
 
 
 @pytest.fixture(scope="module")
-def tp_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, TpServer]]:
-    """Stock SGLang with two TP ranks, and the layered server with two TP ranks (see the module
-    docstring), started side by side."""
-    vroot, root = tmp_path_factory.mktemp("vanilla-tp2"), tmp_path_factory.mktemp("layered-tp2")
+def layered_tp(tiny_model_dir, tmp_path_factory) -> Iterator[TpServer]:
+    """The layered server with two TP ranks (see the module docstring)."""
+    root = tmp_path_factory.mktemp("layered-tp2")
     (root / "policy.json").write_text(json.dumps({"max_paused_steps": 6, "window_min": 2, "window_max": 4,
                                                   "slo_ttft_ms": 1e7}))
     (root / "prom").mkdir()
@@ -121,20 +123,8 @@ def tp_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer,
         "KVPLANE_TEST_CORRUPT_RECOMPUTE_FILE": str(root / "corrupt-recompute"),
         "KVPLANE_TEST_CORRUPT_RANK": "1",
     }
-    with running_servers(tiny_model_dir, [(vroot, TP_ARGS, tp_env(vroot)), (root, flags, env)]) as (vanilla, layered):
-        yield vanilla, TpServer(layered, root, root / "corrupt-recompute")
-
-
-@pytest.fixture(scope="module")
-def vanilla_tp(tp_servers) -> SGLangServer:
-    """Stock SGLang with two TP ranks."""
-    return tp_servers[0]
-
-
-@pytest.fixture(scope="module")
-def layered_tp(tp_servers) -> TpServer:
-    """The layered server with two TP ranks (see the module docstring)."""
-    return tp_servers[1]
+    with running_server(tiny_model_dir, root, flags, env) as layered:
+        yield TpServer(layered, root, root / "corrupt-recompute")
 
 
 def _lines(path: Path) -> list[dict]:
@@ -204,11 +194,11 @@ def workload(layered_tp: TpServer) -> Workload:
     return Workload(outputs, _lines(ts.root / "stats.jsonl"), pool_lines, events, samples)
 
 
-def test_tp2_layered_server_offloads_pauses_and_matches_vanilla_tp2(workload, vanilla_tp):
+def test_tp2_layered_server_offloads_pauses_and_matches_vanilla(workload, vanilla_server):
     """20 concurrent prompts on the layered TP=2 server, offloaded to host and paused / resumed
     mid-generation, give the vanilla TP=2 server's greedy tokens and logprobs (within 1e-4)."""
     for prompt, got in zip(PROMPTS, workload.outputs, strict=True):
-        assert_same_generation(got, greedy(vanilla_tp, prompt, MAX_NEW_TOKENS, logprobs=True), prompt)
+        assert_same_generation(got, greedy(vanilla_server, prompt, MAX_NEW_TOKENS, logprobs=True), prompt)
     paused = [rid for line in workload.stats for rid in line.get("paused_now") or ()]
     resumed = [rid for line in workload.stats for rid in line.get("resumed_now") or ()]
     assert len(paused) >= 5, f"expected pauses, stats show {len(paused)}"
@@ -274,14 +264,14 @@ def _recompute(server: SGLangServer, prompt: str) -> dict:
     return server.post("/generate", payload)
 
 
-def test_one_ranks_corrupted_kv_shard_is_caught(workload, layered_tp, vanilla_tp):
+def test_one_ranks_corrupted_kv_shard_is_caught(workload, layered_tp, vanilla_server):
     """A request recomputing half its prompt matches vanilla TP=2; the same with the recomputed
     prefix K perturbed on TP rank 1 only (its one KV head; rank 0 untouched) does not -- the check
     sees each rank's shard."""
     clean, corrupted = "Recompute me please: red orange yellow", "Recompute me too: zero one two three"
     before = len(_lines(layered_tp.root / "pool_stats.jsonl"))
     assert_same_generation(_recompute(layered_tp.server, clean),
-                           greedy(vanilla_tp, clean, MAX_NEW_TOKENS, logprobs=True), clean)
+                           greedy(vanilla_server, clean, MAX_NEW_TOKENS, logprobs=True), clean)
     recomputed = [x["recompute_tokens"] for x in _lines(layered_tp.root / "pool_stats.jsonl")[before:]]
     assert max(recomputed) > 0, "the request recomputed nothing: the scenario is not exercised"
     layered_tp.corrupt_flag.touch()
@@ -289,6 +279,6 @@ def test_one_ranks_corrupted_kv_shard_is_caught(workload, layered_tp, vanilla_tp
         got = _recompute(layered_tp.server, corrupted)
     finally:
         layered_tp.corrupt_flag.unlink()
-    want = greedy(vanilla_tp, corrupted, MAX_NEW_TOKENS, logprobs=True)
+    want = greedy(vanilla_server, corrupted, MAX_NEW_TOKENS, logprobs=True)
     with pytest.raises(AssertionError):
         assert_same_generation(got, want, corrupted)
