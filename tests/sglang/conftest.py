@@ -175,14 +175,24 @@ FAULT_INJECT_DIR = Path(__file__).parent / "fault_inject"
 
 
 @contextmanager
-def fault_armed(server: SGLangServer, flag: Path) -> Iterator[None]:
-    """The test-only injector's fault behind ``flag`` (its ``KVPLANE_TEST_*_FILE``) acting while
-    inside: the file exists; on exit it is removed and ``server``'s prefix cache flushed, so no
-    later request reads KV the fault wrote (a module's layered server is its own negative control,
-    where a twin server with the fault always on cost one more SGLang start-up)."""
+def flag_file(flag: Path) -> Iterator[None]:
+    """``flag`` exists while inside: the switch of one of the test-only injector's
+    ``KVPLANE_TEST_*_FILE`` behaviours, which act only while their file exists."""
     flag.touch()
     try:
         yield
     finally:
         flag.unlink(missing_ok=True)
+
+
+@contextmanager
+def fault_armed(server: SGLangServer, flag: Path) -> Iterator[None]:
+    """The test-only injector's fault behind ``flag`` acting while inside (:func:`flag_file`);
+    on exit ``server``'s prefix cache is flushed too, so no later request reads KV the fault wrote
+    (a module's layered server is its own negative control, where a twin server with the fault
+    always on cost one more SGLang start-up)."""
+    try:
+        with flag_file(flag):
+            yield
+    finally:
         server.flush_cache()

@@ -29,6 +29,7 @@ from tests.sglang.conftest import (
     FAULT_INJECT_DIR,
     PROMPTS,
     fault_armed,
+    flag_file,
     greedy,
     running_server,
     token_logprobs,
@@ -144,12 +145,8 @@ def test_negative_control_a_stale_turnover_fails_the_comparison(advance_server, 
     """Control: turnover steps that continue a wrong page list (a request's first page read as
     its second, tests/sglang/fault_inject) are caught by the same comparison."""
     server, stats_path = advance_server
-    flag = stats_path.parent / "stale_turnover"
-    flag.touch()
-    try:
+    with flag_file(stats_path.parent / "stale_turnover"):
         got = _staggered(server, TURNOVER_PROMPTS, TURNOVER_LENGTHS)
-    finally:
-        flag.unlink()
     failures = 0
     for prompt, n, response in zip(TURNOVER_PROMPTS, TURNOVER_LENGTHS, got, strict=True):
         want = vanilla_server.post("/generate", {"text": prompt, "return_logprob": True, "sampling_params": {
@@ -254,12 +251,8 @@ def test_served_extend_layers_run_the_kernel_with_no_host_sync_and_the_same_ops(
     for s in extends:
         assert len(s["layers"]) == LAYERS and all(ops == first for ops in s["layers"].values()), s
     seen = len(json.loads(audit_path.read_text()))
-    flag = stats_path.parent / "torch_extend"
-    flag.touch()
-    try:
+    with flag_file(stats_path.parent / "torch_extend"):
         greedy(server, PROMPTS[10] + " control", 1)
-    finally:
-        flag.unlink()
     control = [s for s in json.loads(audit_path.read_text())[seen:] if s["extend"]]
     assert control and not any(s["kernel"] for s in control)
     assert all(any("_local_scalar_dense" in str(v) for v in s.get("violations", [])) for s in control), control

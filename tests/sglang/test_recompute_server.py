@@ -32,6 +32,7 @@ from tests.sglang.conftest import (
     FAULT_INJECT_DIR,
     PROMPTS,
     assert_same_generation,
+    flag_file,
     greedy,
     running_servers,
 )
@@ -252,11 +253,8 @@ def test_negative_control_corrupted_recompute_fails_the_comparison(rec, vanilla3
     """With the recomputed K/V perturbed on the way into the transient pages, the comparison of
     the tests above fails (and passes again once the perturbation is off)."""
     want = greedy(vanilla32, LONG, NEW_TOKENS, logprobs=True)
-    rec.corrupt_flag.touch()
-    try:
+    with flag_file(rec.corrupt_flag):
         got = generate(rec.server, LONG, 0.5)
-    finally:
-        rec.corrupt_flag.unlink()
     with pytest.raises(AssertionError):
         assert_same_generation(got, want, "corrupted recompute")
     assert_same_generation(generate(rec.server, LONG, 0.5), want, "perturbation off")

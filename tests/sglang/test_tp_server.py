@@ -58,6 +58,7 @@ from tests.sglang.conftest import (
     FAULT_INJECT_DIR,
     PROMPTS,
     assert_same_generation,
+    flag_file,
     greedy,
     running_server,
 )
@@ -274,11 +275,8 @@ def test_one_ranks_corrupted_kv_shard_is_caught(workload, layered_tp, vanilla_se
                            greedy(vanilla_server, clean, MAX_NEW_TOKENS, logprobs=True), clean)
     recomputed = [x["recompute_tokens"] for x in _lines(layered_tp.root / "pool_stats.jsonl")[before:]]
     assert max(recomputed) > 0, "the request recomputed nothing: the scenario is not exercised"
-    layered_tp.corrupt_flag.touch()
-    try:
+    with flag_file(layered_tp.corrupt_flag):
         got = _recompute(layered_tp.server, corrupted)
-    finally:
-        layered_tp.corrupt_flag.unlink()
     want = greedy(vanilla_server, corrupted, MAX_NEW_TOKENS, logprobs=True)
     with pytest.raises(AssertionError):
         assert_same_generation(got, want, corrupted)

@@ -22,6 +22,7 @@ from tests.sglang.conftest import (
     LOGPROB_ATOL,
     PROMPTS,
     fault_armed,
+    flag_file,
     greedy,
     running_servers,
     token_logprobs,
@@ -194,11 +195,8 @@ def test_prefill_runs_the_paged_extend_kernel_and_matches_vanilla(triton_servers
     assert any("layered_extend_path" in line and "paged-extend kernel" in line for line in log)
     assert any("layered_paged_extend_active" in line and "impl=triton" in line for line in log)
     control = "A cache keeps recent data close, and time to first token measures"
-    flag.touch()
-    try:
+    with flag_file(flag):
         shifted, _, _ = prompt_logprobs(server, control)
-    finally:
-        flag.unlink()
     want, _, _ = prompt_logprobs(vanilla_server, control)
     worst = max(abs(a - b) for a, b in zip(shifted, want, strict=True))
     assert worst > KERNEL_LOGPROB_ATOL, f"a shifted extend table went unnoticed (worst {worst:.2e})"

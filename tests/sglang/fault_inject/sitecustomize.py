@@ -85,7 +85,7 @@ def _patch(module) -> None:  # noqa: ANN001
         if index != layer or not os.path.exists(flag):
             return real(self, index)
         tables = self.tables
-        launch = tables.writebacks[index] if tables is not None and index == layer else None
+        launch = tables.writebacks[index] if tables is not None else None
         parked = tables.token_writeback if tables is not None else None
         if parked is not None and parked.launch.layer != index:
             parked = None
