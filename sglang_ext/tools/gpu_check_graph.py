@@ -17,9 +17,12 @@ replayed one must know that it can be, and what replay buys. So:
    step's own tables, then captured in a CUDA graph (after warm-ups on a side stream) and
    replayed, checked again: bit-exact, the same kernels over the same data. Running the layers
    again writes the same token into the same rows: the step is idempotent until it ends;
-3. then successive steps run as boundary + load + replay, timed (the replayed step), and one
-   eager step after them compares every layer's attention with the dense reference over the
-   regenerated KV: the replays wrote every token where the tables say, step after step;
+3. then successive steps run as boundary + load + replay, timed (the replayed step); one more is
+   replayed and its layers run eagerly over its own tables, checked bit-exact again (a graph
+   that read anything the capture's step left behind -- its tables, its batch -- differs here,
+   not at the capture); and one eager step after them compares every layer's attention with
+   the dense reference over the regenerated KV: the replays wrote every token where the tables
+   say, step after step;
 4. figures: the two agreements (graded), the layers' and the steps' time eager vs replayed (what
    turning CUDA graphs off costs at these shapes), and kvplane's host share were the steps
    replayed (its boundary and the load, over the replayed step).
@@ -33,7 +36,8 @@ layer's row of the buffers' page table, in place or copied into the wrapper's in
 ``FlashInferLayeredDecode.run``), else Triton's (two launches, nothing read on the host);
 where FlashInfer's capture raises, the probe says so and measures Triton's. A capture that
 raises on both is reported in the figures' notes, N/A, never a failed check;
-on the CPU there is no graph (N/A), but the tests run the same steps with an eager stand-in.
+on the CPU there is no graph (N/A), but the tests capture and replay the same steps on
+:class:`~sglang_ext.testing.tape_graph.TapeGraph`, an emulation with a graph's semantics.
 """
 
 from __future__ import annotations
@@ -60,8 +64,8 @@ WARMUP_RUNS = 2
 def steps(repeat: int) -> int:
     """Decode steps (new tokens) the probe adds to the batch (``GpuCheckConfig.decode_steps``): per
     backend tried (two at most) the timed eager steps (``time_ms``: 2 warm-ups + ``repeat``), the
-    captured one, the replayed ones (as many) and the accuracy step."""
-    return 2 * (2 * (repeat + 2) + 2)
+    captured one, the replayed ones (as many), the later replay checked and the accuracy step."""
+    return 2 * (2 * (repeat + 2) + 3)
 
 
 class CudaGraph:
@@ -99,7 +103,8 @@ class GraphProbe:
         """The probe's figures (N/A with the reason where nothing could be captured)."""
         ch = self.check
         if self.graph is None and not ch.device.startswith("cuda"):
-            return self.figures(None, "CUDA only: there is no graph to capture on the CPU")
+            return self.figures(None, "CUDA only: there is no graph to capture on the CPU (the tests "
+                                "replay these steps on TapeGraph, an emulation: tests/dataplane/test_gpu_check_graph.py)")
         try:
             measured = self.measure()
         except Exception as exc:  # noqa: BLE001 - a probe on hardware nobody ran it on: reported, not failed
@@ -186,9 +191,18 @@ class GraphProbe:
 
         host_ms = []
         replay_step_ms = time_ms(replayed_step, device, c.repeat)
+        loc = boundary()  # a later step replayed, then its layers eagerly over its own tables: the
+        try:  # same outputs, or the graph read something the capture's step left behind
+            graph.replay()
+            sync(device)
+            late = [out.clone() for out in static]
+            late_diff = _max_diff(late, table_layers())
+        finally:
+            core.exit_layer(c.layers - 1)
         errors = ch.attention_errors()[backend]  # one eager step over every replayed token
         return {"backend": backend, "layers": c.layers, "requests": len(b.rids),
                 "buffers_max_abs_diff": buffers_diff, "replay_max_abs_diff": replay_diff,
+                "late_replay_max_abs_diff": late_diff,
                 "layers_eager_ms": eager_layers_ms, "layers_replay_ms": replay_layers_ms,
                 "step_eager_ms": eager_step_ms, "step_replay_ms": replay_step_ms, "host_eager_ms": host_eager_ms,
                 "host_replay_ms": statistics.median(host_ms), "plan_replay_ms": statistics.median(plan_ms),
@@ -205,7 +219,8 @@ class GraphProbe:
             return None if m is None else m[key]
 
         err = None if m is None else m["replayed_attention"]
-        agree = None if m is None else max(m["buffers_max_abs_diff"], m["replay_max_abs_diff"])
+        agree = None if m is None else max(m["buffers_max_abs_diff"], m["replay_max_abs_diff"],
+                                           m["late_replay_max_abs_diff"])
         share = None if m is None else m["host_replay_ms"] / m["step_replay_ms"]
         timed = got and cuda
 
@@ -216,9 +231,10 @@ class GraphProbe:
             Figure.graded(
                 "graph.replay_max_abs_diff", "CUDA-graph replay of an all-resident step's layers vs eager", agree,
                 "abs", "<=", 0.0, "one step's layers over GraphStepBuffers, eagerly and as one captured graph "
-                "replayed: every layer's attention output vs the same layers over the step's own tables",
-                meaningful=got, note=note if m is None else
-                f"buffers {m['buffers_max_abs_diff']:g}, replay {m['replay_max_abs_diff']:g}; {note}"),
+                "replayed, and a later step's replay: every layer's attention output vs the same layers "
+                "over the step's own tables", meaningful=got, note=note if m is None else
+                f"buffers {m['buffers_max_abs_diff']:g}, replay {m['replay_max_abs_diff']:g}, a later step's "
+                f"replay {m['late_replay_max_abs_diff']:g}; {note}"),
             Figure.graded(
                 "graph.replayed_steps_attention_err", "attention after replayed steps vs dense reference",
                 None if err is None else err["max_abs_err"], "abs", None if err is None else "<=",

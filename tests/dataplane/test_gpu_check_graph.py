@@ -1,8 +1,10 @@
 """`kvplane gpu-check`'s CUDA-graph probe (``GraphProbe``) and the buffers it replays through
 (``GraphStepBuffers``), on the CPU: the steps around the capture -- an all-resident step whose
 layers read persistent buffers, run again and again, then successive steps as boundary + load +
-"replay" -- with an eager stand-in for the graph (there is no CUDA graph on the CPU), and the
-property a real replay needs: the layers' ops touch the same memory every step."""
+replay -- with the capture and replays emulated (:class:`~sglang_ext.testing.tape_graph.TapeGraph`:
+the recorded ops and launches run again on the recorded tensors, no Python; there is no CUDA
+graph on the CPU), and the property a real replay needs: the layers' ops touch the same memory
+every step."""
 
 from __future__ import annotations
 
@@ -14,33 +16,29 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sglang_ext.dataplane.graph_step_buffers import GraphStepBuffers
+from sglang_ext.testing.tape_graph import TapeGraph
 from sglang_ext.tools.gpu_check_config import SMALL
 from sglang_ext.tools.gpu_check_graph import GraphProbe, steps
 from sglang_ext.tools.gpu_check_measure import CoreCheck
 from sglang_ext.tools.gpu_check_report import FAIL, NA, PASS
 
 
-class EagerGraph:
-    """Stands in for ``CudaGraph``: ``capture`` runs the layers and keeps their outputs as the
-    "static" tensors; ``replay`` runs them again into those tensors (``perturb``: adds it to the
-    first output, a replay that reads something else). The layers read only the buffers and the
-    check's fixed tensors, so running them again is what a replay does."""
+class Taped(TapeGraph):
+    """The graph the probe captures on the CPU: :class:`TapeGraph` records the layers' ops and
+    Triton launches and replays them on the recorded tensors, no Python -- a layer that read the
+    step's own tables instead of the buffers would replay the captured step's (``perturb``:
+    added to the first static output after each replay, a replay that reads something else)."""
 
     perturb = 0.0
-    replays = 0
-
-    def __init__(self, device: str) -> None:
-        self.fn, self.static = None, None
+    count = 0
 
     def capture(self, fn):  # noqa: ANN001, ANN201
-        self.fn = fn
-        self.static = [t.clone() for t in fn()]
+        self.static = super().capture(fn)
         return self.static
 
     def replay(self) -> None:
-        type(self).replays += 1
-        for s, new in zip(self.static, self.fn(), strict=True):
-            s.copy_(new)
+        type(self).count += 1
+        super().replay()
         self.static[0].add_(self.perturb)
 
 
@@ -58,17 +56,17 @@ def test_replayed_steps_decode_what_eager_steps_do():
     check = _check()
     check.step()
     lens = list(check.batch.lens)
-    EagerGraph.replays = 0
-    figures = {f.key: f for f in GraphProbe(check, EagerGraph).run()}
+    Taped.count = 0
+    figures = {f.key: f for f in GraphProbe(check, Taped).run()}
     f = figures["graph.replay_max_abs_diff"]
     assert f.status == PASS and f.value == 0, f
     f = figures["graph.replayed_steps_attention_err"]
     assert f.status == PASS and f.value < 1e-5 and f.threshold > 0, f
     repeat = check.config.repeat
-    assert EagerGraph.replays == 1 + (repeat + 2) + (repeat + 2)  # the agreement, the layers' timing, the steps
+    assert Taped.count == 1 + (repeat + 2) + (repeat + 2) + 1  # the agreement, the layers' timing, the steps, the later
     m = check.details["graph_probe"]
-    assert m["loads"] == 1 + repeat + 2 and m["step_replay_ms"] > 0 and m["host_replay_ms"] > 0
-    one_backend = (repeat + 2) + (1 + (repeat + 2) + 1)  # eager steps; captured, replayed, accuracy
+    assert m["loads"] == 1 + repeat + 2 + 1 and m["step_replay_ms"] > 0 and m["host_replay_ms"] > 0
+    one_backend = (repeat + 2) + (1 + (repeat + 2) + 1 + 1)  # eager steps; captured, replayed, later, accuracy
     assert check.batch.lens == [n + one_backend for n in lens] and one_backend < steps(repeat)  # the headroom: two
     assert check.batch.core.tables is None
     for key in ("graph.layers_ms.eager", "graph.layers_ms.replay", "graph.step_ms.eager", "graph.step_ms.replay",
@@ -82,13 +80,51 @@ def test_a_replay_that_reads_something_else_fails():
     with the difference as its value."""
     check = _check()
     check.step()
-    EagerGraph.perturb = 1e-3
+    Taped.perturb = 1e-3
     try:
-        figures = {f.key: f for f in GraphProbe(check, EagerGraph).run()}
+        figures = {f.key: f for f in GraphProbe(check, Taped).run()}
     finally:
-        EagerGraph.perturb = 0.0
+        Taped.perturb = 0.0
     f = figures["graph.replay_max_abs_diff"]
     assert f.status == FAIL and f.value == pytest.approx(1e-3, rel=1e-3)
+
+
+class EagerRerun:
+    """The stand-in these tests used before :class:`TapeGraph`: capture runs the layers, replay
+    runs them again (Python and all) into the static outputs."""
+
+    def __init__(self, device: str) -> None:
+        self.fn, self.static = None, None
+
+    def capture(self, fn):  # noqa: ANN001, ANN201
+        self.fn = fn
+        self.static = [t.clone() for t in fn()]
+        return self.static
+
+    def replay(self) -> None:
+        for s, new in zip(self.static, self.fn(), strict=True):
+            s.copy_(new)
+
+
+@pytest.mark.parametrize("graph", [Taped, EagerRerun], ids=["tape", "eager-rerun"])
+def test_layers_that_read_the_steps_own_tables_fail_only_when_replayed(monkeypatch, graph):
+    """The bug a graph punishes: layers that read each step's freshly built tables (here every
+    layer's page table and CSR from the step's ``StepTables``, the buffers only written) replay
+    the captured step's tables at every later step. The tape shows it (the later step's replay
+    FAILs the agreement); an eager re-run -- the control -- rebuilds the view each time and
+    passes, which is why it could not stand in for a graph."""
+    check = _check()
+    check.step()
+    monkeypatch.setattr(GraphStepBuffers, "layer_view",
+                        lambda self, store, layer, rids: check.batch.layer_view(layer))
+    figures = {f.key: f for f in GraphProbe(check, graph).run()}
+    f = figures["graph.replay_max_abs_diff"]
+    m = check.details["graph_probe"]
+    assert m["buffers_max_abs_diff"] == 0 and m["replay_max_abs_diff"] == 0  # the capture's own step agrees
+    if graph is Taped:
+        assert f.status == FAIL and m["late_replay_max_abs_diff"] > 0, f
+    else:
+        assert f.status == PASS, f
 
 
 def test_replays_that_write_nowhere_fail_the_attention_check():
@@ -106,7 +142,7 @@ def test_replays_that_write_nowhere_fail_the_attention_check():
 
     GraphStepBuffers.load = first_only
     try:
-        figures = {f.key: f for f in GraphProbe(check, EagerGraph).run()}
+        figures = {f.key: f for f in GraphProbe(check, Taped).run()}
     finally:
         GraphStepBuffers.load = load
     assert figures["graph.replayed_steps_attention_err"].status == FAIL
@@ -115,7 +151,7 @@ def test_replays_that_write_nowhere_fail_the_attention_check():
 def test_a_capture_that_raises_is_reported_not_failed(capsys):
     """Capture on hardware nobody ran it on may raise: every figure is N/A, the note names the
     exception, the traceback goes to stderr, and the step still ends (the batch stays usable)."""
-    class Refusing(EagerGraph):
+    class Refusing(Taped):
         def capture(self, fn):  # noqa: ANN001, ANN201
             raise RuntimeError("operation not permitted when stream is capturing (test)")
 
@@ -203,7 +239,7 @@ def test_a_flashinfer_capture_that_raises_falls_back_to_triton(monkeypatch, caps
     monkeypatch.setattr(backends, "run", lambda name, q, view: run("triton" if name == "flashinfer" else name, q, view))
     monkeypatch.setattr(backends, "plan_step", lambda view: None)
 
-    class FirstRefuses(EagerGraph):
+    class FirstRefuses(Taped):
         made = 0
 
         def __init__(self, device: str) -> None:
@@ -241,7 +277,7 @@ def test_the_probe_runs_on_the_cuda_engine_path(monkeypatch):
     assert type(check.batch.core.store.engine).__name__ == "CudaTransferEngine"
     check.batch.place([[1, 0] * (check.config.layers // 2) for _ in check.batch.rids])  # moves to undo
     check.step()
-    figures = {f.key: f for f in GraphProbe(check, EagerGraph).run()}
+    figures = {f.key: f for f in GraphProbe(check, Taped).run()}
     assert figures["graph.replay_max_abs_diff"].status == PASS, figures["graph.replay_max_abs_diff"]
     assert figures["graph.replayed_steps_attention_err"].status == PASS
     assert check.batch.core.stats().host_fraction == 0  # all resident after the probe's placement

@@ -16,16 +16,16 @@ from sglang_ext.tools.gpu_check_config import SMALL
 from sglang_ext.tools.gpu_check_measure import CoreCheck
 from sglang_ext.tools.gpu_check_report import FAIL, PASS
 from sglang_ext.tools.gpu_check_turnover import ROUNDS, TurnoverCheck
-from tests.dataplane.test_gpu_check_graph import EagerGraph
+from tests.dataplane.test_gpu_check_graph import Taped
 
 
 @pytest.fixture(scope="module")
 def checked():
-    """A core check run through on SMALL at 2 layers, the graph probe replaying with the eager stand-in."""
+    """A core check run through on SMALL at 2 layers, the graph probe replaying on the tape (TapeGraph)."""
     with pytest.MonkeyPatch.context() as mp:
         real_init = gpu_check_graph.GraphProbe.__init__
         mp.setattr(gpu_check_graph.GraphProbe, "__init__",
-                   lambda self, check, graph=None: real_init(self, check, EagerGraph))
+                   lambda self, check, graph=None: real_init(self, check, Taped))
         check = CoreCheck(dataclasses.replace(SMALL, repeat=2, layers=2), "cpu", "torch")
         figures = {f.key: f for f in check.run()}
     assert figures["graph.replay_max_abs_diff"].status == PASS, figures["graph.replay_max_abs_diff"]
