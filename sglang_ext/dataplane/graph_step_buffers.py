@@ -10,6 +10,13 @@ them, the same views every step. The capacities bound what a captured graph serv
 ``max_batch`` requests (exactly the captured one's: the views are sliced to it) over at most
 ``max_pages`` pages.
 
+SGLang captures a graph per batch size and replays a batch on the smallest captured size that
+holds it, padding the rest (``decode_cuda_graph_runner.py``). :meth:`load` with ``padded_to``
+does the same to the tables: each padded row is one token on the store's sink page
+(:attr:`~sglang_ext.dataplane.slot_kv_store.SlotKVStore.sink_page`, where no layer-page maps), so
+the captured kernels write the padded rows' K/V there and read one row of it back -- never a
+request's KV. The views are sized to the padded batch (the captured one's).
+
 A graph holds kernels only: no host work runs in a replay. So the steps it may serve are those
 whose layers need none: nothing staged, fetched, written back or parked, no recompute, no token
 tables (:meth:`why_not`) -- the all-resident step, which in the paged layout is the usual one
@@ -21,6 +28,7 @@ it on a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -32,8 +40,13 @@ class GraphStepBuffers:
     """Persistent per-step tables for ``layers`` layers, ``max_batch`` requests, ``max_pages``
     pages per layer (module docstring)."""
 
-    def __init__(self, layers: int, max_batch: int, max_pages: int, device: Any) -> None:
+    def __init__(self, layers: int, max_batch: int, max_pages: int, device: Any, sink_page: int | None = None,
+                 page_size: int = 1) -> None:
         self.layers, self.max_batch, self.max_pages = layers, max_batch, max_pages
+        self.sink_page = sink_page
+        """Device page of the padded rows (the store's ``sink_page``); None: no padding."""
+        self.page_size = page_size
+        self._ramp = torch.arange(1, max_batch + 1, dtype=torch.int32, device=device)
         self.rows = torch.zeros((layers, max_batch), dtype=torch.int64, device=device)
         """Device rows (of the flat pool) of each request's new token, per layer."""
         self.tab = torch.zeros((layers, max_pages), dtype=torch.int32, device=device)
@@ -42,13 +55,16 @@ class GraphStepBuffers:
         self.kv_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
         self.last_page_len = torch.zeros(max_batch, dtype=torch.int32, device=device)
         self.batch = 0
-        """Requests of the loaded step (the views' size)."""
+        """Rows of the loaded step, padding included (the views' size)."""
+        self.real = 0
+        """Requests of the loaded step (rows ``real:batch`` are padding)."""
         self.pages = 0
-        """Pages per layer of the loaded step."""
+        """Pages per layer of the loaded step, the padded rows' included."""
         self.loads = 0
 
-    def why_not(self, tables: Any) -> str | None:
-        """Why the step of ``tables`` cannot be served from these buffers, or None."""
+    def why_not(self, tables: Any, padded_to: int | None = None) -> str | None:
+        """Why the step of ``tables`` cannot be served from these buffers (padded to
+        ``padded_to`` rows), or None."""
         if tables is None:
             return "no tables (an overflowing or in-place step)"
         if tables.staging_ids is None or tables.staging_ids.size:
@@ -58,28 +74,45 @@ class GraphStepBuffers:
         if tables.recompute is not None or tables.has_token_tables:
             return "the step recomputes or reads token tables"
         b, n = int(tables.kv_lens.numel()), int(tables.tab.shape[1])
-        if b > self.max_batch or n > self.max_pages:
-            return f"the step has {b} requests over {n} pages; the buffers hold {self.max_batch} over {self.max_pages}"
+        bs = b if padded_to is None else padded_to
+        if bs < b:
+            return f"the step has {b} requests, more than the {bs} rows it would be padded to"
+        if bs > b and self.sink_page is None:
+            return "padding needs a sink page (SlotStoreConfig.graph_sink)"
+        if bs > self.max_batch or n + bs - b > self.max_pages:
+            padding = f" padded to {bs} rows" if bs > b else ""
+            return (f"the step has {b} requests{padding} over {n + bs - b} pages; the buffers hold {self.max_batch} "
+                    f"over {self.max_pages}")
         return None
 
-    def load(self, tables: Any) -> None:
-        """The step's tables into the buffers: five device copies (``ValueError`` with
-        :meth:`why_not`'s reason where the step cannot be served from them)."""
-        why = self.why_not(tables)
+    def load(self, tables: Any, padded_to: int | None = None) -> None:
+        """The step's tables into the buffers, padded to ``padded_to`` rows (default: none): five
+        device copies, five fills more with padding (``ValueError`` with :meth:`why_not`'s
+        reason where the step cannot be served from them)."""
+        why = self.why_not(tables, padded_to)
         if why is not None:
             raise ValueError(f"GraphStepBuffers.load: {why}")
         b, n = int(tables.kv_lens.numel()), int(tables.tab.shape[1])
+        bs = b if padded_to is None else padded_to
         self.rows[:, :b].copy_(tables.rows, non_blocking=True)
         self.tab[:, :n].copy_(tables.tab, non_blocking=True)
         self.kv_indptr[: b + 1].copy_(tables.kv_indptr, non_blocking=True)
         self.kv_lens[:b].copy_(tables.kv_lens, non_blocking=True)
         self.last_page_len[:b].copy_(tables.last_page_len, non_blocking=True)
-        self.batch, self.pages = b, n
+        if bs > b:  # one token each on the sink page: written there, read back from there
+            pad, sink = bs - b, int(self.sink_page)  # type: ignore[arg-type]
+            self.rows[:, b:bs].fill_(sink * self.page_size)
+            self.tab[:, n: n + pad].fill_(sink)
+            torch.add(self._ramp[:pad], n, out=self.kv_indptr[b + 1: bs + 1])
+            self.kv_lens[b:bs].fill_(1)
+            self.last_page_len[b:bs].fill_(1)
+        self.batch, self.real, self.pages = bs, b, n + bs - b
         self.loads += 1
 
     def write(self, store: Any, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """The step's new K/V ``[batch, H, D]`` at ``layer`` into their device rows (the store's
-        one-launch writer or two ``index_copy_``), as the core's ``write`` does from the tables."""
+        """The step's new K/V ``[batch, H, D]`` (padded rows included) at ``layer`` into their
+        device rows (the store's one-launch writer or two ``index_copy_``), as the core's
+        ``write`` does from the tables."""
         store.write_rows(self.rows[layer, : self.batch], k, v)
 
     def layer_view(self, store: Any, layer: int, rids: tuple[str, ...]) -> LayerView:
@@ -89,3 +122,16 @@ class GraphStepBuffers:
         return LayerView(layer=layer, k_cache=store.dev[0], v_cache=store.dev[1],
                          kv_indptr=self.kv_indptr[: b + 1], kv_indices=self.tab[layer],
                          kv_lens=self.kv_lens[:b], last_page_len=self.last_page_len[:b], rids=rids)
+
+    def plan_view(self, tables: Any, view: LayerView) -> LayerView:
+        """``view`` with the host CSR a FlashInfer plan reads (``tables.plan_view``'s), padded as
+        :meth:`load` padded the device one: the plan's batch is the view's."""
+        pad = self.batch - self.real
+        planned = tables.plan_view(view)
+        if not pad:
+            return planned
+        indptr, last = planned.kv_indptr, planned.last_page_len
+        n = self.pages - pad
+        return dataclasses.replace(
+            planned, kv_indptr=torch.cat([indptr, torch.arange(n + 1, n + pad + 1, dtype=indptr.dtype)]),
+            last_page_len=torch.cat([last, torch.ones(pad, dtype=last.dtype)]))

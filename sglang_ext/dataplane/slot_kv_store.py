@@ -95,6 +95,12 @@ class SlotStoreConfig:
     """Time the copies and waits of about one step in this many on CUDA (``--kv-timing-interval``; the
     CUDA events' host cost, :class:`~sglang_ext.dataplane.event_clock.EventClock`); 1: every
     step. Ignored by the CPU engine, whose wall clock costs nothing to read."""
+    graph_sink: bool = False
+    """Keep one device page where no layer-page ever maps (:attr:`SlotKVStore.sink_page`): a
+    CUDA-graph replay pads its batch to the captured size, and the padded rows write and read
+    there (:class:`~sglang_ext.dataplane.graph_step_buffers.GraphStepBuffers`). The paged layout
+    gives its last page (the budget one page smaller); the identity layout has one already:
+    logical page 0 of layer 0, SGLang's padding page, which its allocators never hand out."""
 
     def __post_init__(self) -> None:
         for name in ("layers", "page_size", "kv_heads", "head_dim", "logical_pages"):
@@ -145,6 +151,13 @@ class SlotKVStore:
         )
         self.dev = torch.zeros((2, self.pages_total, c.page_size, c.kv_heads, c.head_dim), dtype=c.dtype,
                                device=self.device)
+        self.sink_page: int | None = None
+        """``graph_sink``: the device page padded rows go to, which no layer-page maps to (paged:
+        the last, kept from the allocator; identity: 0, SGLang's padding page at layer 0)."""
+        if c.graph_sink:
+            if not self.identity and self.pages_total < 2:
+                raise ValueError("SlotStoreConfig.graph_sink needs device_pages >= 2 (one is the sink)")
+            self.sink_page = 0 if self.identity else self.pages_total - 1
         self.map_np = np.full((c.layers, c.logical_pages), -1, dtype=np.int32)
         self.map_cpu = torch.from_numpy(self.map_np)
         """Torch view of ``map_np`` (same memory)."""
@@ -176,7 +189,7 @@ class SlotKVStore:
         """Times the dirty log was compacted (amortised: see :meth:`mark_dirty`)."""
         self.allocator: BlockAllocator | IdentityPages = (
             IdentityPages(self.pages_total, "device KV pages") if self.identity
-            else BlockAllocator(self.pages_total, "device KV pages")
+            else BlockAllocator(self.pages_total - (self.sink_page is not None), "device KV pages")
         )
         self.host_rows = self.host.view(-1, c.kv_heads * c.head_dim)
         """The host pool as token rows ``[P * L * 2 * page_size, H * D]`` (a view): row

@@ -47,7 +47,7 @@ class CheckBatch:
         logical = self.batch_pages + 2 + -(-extra // L)
         self.core = LayeredKVCore(SlotStoreConfig(
             layers=L, page_size=ps, kv_heads=config.kv_heads, head_dim=config.head_dim, logical_pages=logical,
-            device_pages=L * self.batch_pages + extra, dtype=self.dtype, device=device,
+            device_pages=L * self.batch_pages + extra, dtype=self.dtype, device=device, graph_sink=True,
         ))
         if self.core.store.identity:
             raise RuntimeError("CheckBatch: the store chose the identity layout; the check needs the paged one")

@@ -27,9 +27,13 @@ replayed one must know that it can be, and what replay buys. So:
    turning CUDA graphs off costs at these shapes), and kvplane's host share were the steps
    replayed (its boundary and the load, over the replayed step).
 
+The graph holds :data:`PADDED_ROWS` rows more than the batch, as SGLang replays a batch on the
+smallest captured size that holds it: the padded rows (large random inputs) write and read the
+store's sink page (:meth:`GraphStepBuffers.load`), and every agreement compares the batch's rows.
+
 Not covered: staged steps (a graph holds kernels only; fetches need host work in the layers,
-:meth:`GraphStepBuffers.why_not`), batches of another size (one graph per batch size, as
-SGLang captures), and SGLang's graph runner, which is not hooked yet. The decode is FlashInfer's
+:meth:`GraphStepBuffers.why_not`), several captured sizes, and SGLang's graph runner, which is
+not hooked yet. The decode is FlashInfer's
 where it is available (what serves on CUDA: its wrapper is already in CUDA-graph buffer mode,
 one plan a step -- outside the graph, after the load -- and each layer's run reading that
 layer's row of the buffers' page table, in place or copied into the wrapper's indices buffer:
@@ -59,6 +63,10 @@ BACKENDS = ("flashinfer", "triton")
 CUDA-graph buffer mode, planned once a step outside the graph), then Triton's."""
 WARMUP_RUNS = 2
 """Eager runs on a side stream before capture (``torch.cuda.graphs``' advice)."""
+PADDED_ROWS = 1
+"""Rows the probe's graph holds beyond the batch: SGLang replays a batch on the smallest captured
+size that holds it, the rest padded (:meth:`GraphStepBuffers.load`); the padded rows carry large
+random inputs, and only the batch's rows are compared."""
 
 
 def steps(repeat: int) -> int:
@@ -142,7 +150,11 @@ class GraphProbe:
         ch = self.check
         b, c, device = ch.batch, ch.config, ch.device
         core = b.core
-        buffers = GraphStepBuffers(c.layers, len(b.rids), b.batch_pages, device)
+        real = len(b.rids)
+        rows = real + PADDED_ROWS
+        buffers = GraphStepBuffers(c.layers, rows, b.batch_pages + PADDED_ROWS, device, core.store.sink_page,
+                                   c.page_size)
+        padded = _padded_inputs((ch.x, ch.q, b.k1, b.v1), rows)
         host_ms: list[float] = []  # kvplane's part of each boundary: prepare_step (+ the buffers' load)
         plan_ms: list[float] = []  # the attention's plan (FlashInfer's; SGLang's own backend plans too)
         eager_step_ms = time_ms(lambda: (ch.step(backend=backend), host_ms.append(b.prepare_cpu_s * 1e3)),
@@ -152,10 +164,10 @@ class GraphProbe:
         def boundary() -> torch.Tensor:
             loc = b.begin_decode()
             t0 = time.thread_time()
-            buffers.load(core.tables)
+            buffers.load(core.tables, padded_to=rows)
             t1 = time.thread_time()
             if backend == "flashinfer":  # one plan a step, outside the graph, from the step's host CSR
-                ch.backends.plan_step(core.tables.plan_view(buffers.layer_view(core.store, 0, tuple(b.rids))))
+                ch.backends.plan_step(buffers.plan_view(core.tables, buffers.layer_view(core.store, 0, tuple(b.rids))))
             host_ms.append(b.prepare_cpu_s * 1e3 + (t1 - t0) * 1e3)
             plan_ms.append((time.thread_time() - t1) * 1e3)
             return loc
@@ -166,18 +178,18 @@ class GraphProbe:
             return ch.layers(loc, backend=backend, plan=False, end_step=False)
 
         def graph_layers() -> list[torch.Tensor]:
-            return ch.layers(loc, backend=backend, plan=False, graph=buffers)
+            return ch.layers(loc, backend=backend, plan=False, graph=buffers, padded=padded)
 
         try:
             eager = [out.clone() for out in table_layers()]
             buffered = graph_layers()
-            buffers_diff = _max_diff(buffered, eager)
+            buffers_diff = _max_diff([out[:real] for out in buffered], eager)
             eager_layers_ms = time_ms(table_layers, device, c.repeat)
             graph = (self.graph or CudaGraph)(device)
             static = graph.capture(graph_layers)
             graph.replay()
             sync(device)
-            replay_diff = _max_diff(static, eager)
+            replay_diff = _max_diff([out[:real] for out in static], eager)
             replay_layers_ms = time_ms(graph.replay, device, c.repeat)
         finally:
             core.exit_layer(c.layers - 1)  # the step ends as every step does
@@ -195,12 +207,12 @@ class GraphProbe:
         try:  # same outputs, or the graph read something the capture's step left behind
             graph.replay()
             sync(device)
-            late = [out.clone() for out in static]
+            late = [out[:real].clone() for out in static]
             late_diff = _max_diff(late, table_layers())
         finally:
             core.exit_layer(c.layers - 1)
         errors = ch.attention_errors()[backend]  # one eager step over every replayed token
-        return {"backend": backend, "layers": c.layers, "requests": len(b.rids),
+        return {"backend": backend, "layers": c.layers, "requests": real, "rows": rows,
                 "buffers_max_abs_diff": buffers_diff, "replay_max_abs_diff": replay_diff,
                 "late_replay_max_abs_diff": late_diff,
                 "layers_eager_ms": eager_layers_ms, "layers_replay_ms": replay_layers_ms,
@@ -211,7 +223,8 @@ class GraphProbe:
     def figures(self, m: dict[str, Any] | None, why: str) -> list[Figure]:
         """Two graded agreements and five figures for the record (module docstring, 4)."""
         got, cuda = m is not None, self.check.device.startswith("cuda")
-        note = why if m is None else (f"{m['backend']} attention, {m['layers']} layers, batch {m['requests']}, "
+        note = why if m is None else (f"{m['backend']} attention, {m['layers']} layers, batch {m['requests']} "
+                                      f"padded to {m['rows']} rows, "
                                       f"{m['loads']} steps loaded into the buffers" + "".join(
                                           f"; {name}'s capture raised {err}" for name, err in m["backends_failed"].items()))
 
@@ -261,6 +274,18 @@ class GraphProbe:
                           f"ms, plan {m['plan_replay_ms']:.3f} ms (eager step: {m['host_eager_ms']:.3f} ms of "
                           f"{m['step_eager_ms']:.3f}); {note}"),
         ]
+
+
+def _padded_inputs(inputs: tuple[torch.Tensor, ...], rows: int) -> tuple[torch.Tensor, ...]:
+    """Each input with rows appended up to ``rows``: large random values (the static buffers of a
+    padded replay hold whatever they held), so a padded row that reached a request's KV or output
+    would show."""
+    gen = torch.Generator(device="cpu").manual_seed(7)
+    out = []
+    for t in inputs:
+        extra = (torch.randn((rows - t.shape[0], *t.shape[1:]), generator=gen) * 100).to(t.device, t.dtype)
+        out.append(torch.cat([t, extra]))
+    return tuple(out)
 
 
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:

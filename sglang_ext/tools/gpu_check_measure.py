@@ -136,21 +136,24 @@ class CoreCheck:
     def layers(self, loc: torch.Tensor, scope: Callable[[str, int], Any] = _no_scope,
                capture: Callable[[int, Any, torch.Tensor], None] | None = None, *,
                backend: str | None = None, plan: bool = True, end_step: bool = True,
-               graph: GraphStepBuffers | None = None) -> list[torch.Tensor]:
+               graph: GraphStepBuffers | None = None,
+               padded: tuple[torch.Tensor, ...] | None = None) -> list[torch.Tensor]:
         """The layers of the step whose boundary gave ``loc``; each layer's attention output.
         ``backend``: the attention's (default: the primary); ``plan``: FlashInfer's plan inside
         layer 0, as SGLang's decode plans; ``end_step``: the last layer's ``exit_layer`` (which
         ends the step) -- without it the same layers may run again, writing the same token.
         ``graph``: the tables read from these buffers (loaded with the step's), and no
         ``enter_layer`` / ``exit_layer`` (their steps have nothing to wait for or launch): what
-        :class:`~sglang_ext.tools.gpu_check_graph.GraphProbe` captures."""
+        :class:`~sglang_ext.tools.gpu_check_graph.GraphProbe` captures; ``padded``: that
+        probe's inputs ``(x, q, k, v)`` padded to the buffers' rows."""
         b, core, last = self.batch, self.batch.core, self.config.layers - 1
+        x, q, k1, v1 = padded or (self.x, self.q, b.k1, b.v1)
         idle = core.layers_idle  # as the served adapter: an idle step's layers skip enter / exit (but the last)
         outs = []
         for layer in range(self.config.layers):
-            self.x @ self.w_qkv
+            x @ self.w_qkv
             if graph is not None:
-                graph.write(core.store, layer, b.k1, b.v1)
+                graph.write(core.store, layer, k1, v1)
                 view = graph.layer_view(core.store, layer, tuple(b.rids))
             else:
                 with scope("kvplane", layer, "enter"):  # the layer's entry (the timeline's mark), called or not
@@ -162,7 +165,7 @@ class CoreCheck:
             with scope("attention", layer):
                 if layer == 0 and plan:  # as SGLang's layered FlashInfer decode plans: inside layer 0, host CSR
                     self.backends.plan_step(core.tables.plan_view(view))
-                out = self.backends.run(backend or self.backends.primary, self.q, view)
+                out = self.backends.run(backend or self.backends.primary, q, view)
             if capture is not None:
                 capture(layer, view, out)
             gate_up = out.reshape(out.shape[0], -1) @ self.w_o @ self.w_gate_up

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from sglang_ext.dataplane.graph_step_buffers import GraphStepBuffers
 from sglang_ext.testing.tape_graph import TapeGraph
+from sglang_ext.tools import gpu_check_graph
 from sglang_ext.tools.gpu_check_config import SMALL
 from sglang_ext.tools.gpu_check_graph import GraphProbe, steps
 from sglang_ext.tools.gpu_check_measure import CoreCheck
@@ -115,6 +116,7 @@ def test_layers_that_read_the_steps_own_tables_fail_only_when_replayed(monkeypat
     passes, which is why it could not stand in for a graph."""
     check = _check()
     check.step()
+    monkeypatch.setattr(gpu_check_graph, "PADDED_ROWS", 0)  # the step's own tables have the batch's rows
     monkeypatch.setattr(GraphStepBuffers, "layer_view",
                         lambda self, store, layer, rids: check.batch.layer_view(layer))
     figures = {f.key: f for f in GraphProbe(check, graph).run()}
@@ -134,9 +136,9 @@ def test_replays_that_write_nowhere_fail_the_attention_check():
     check.step()
     load = GraphStepBuffers.load
 
-    def first_only(self, tables):  # noqa: ANN001, ANN202
+    def first_only(self, tables, padded_to=None):  # noqa: ANN001, ANN202
         if self.loads == 0:
-            load(self, tables)
+            load(self, tables, padded_to)
         else:  # later steps' rows point at the first step's slots: their tokens land there
             self.loads += 1
 
