@@ -61,6 +61,8 @@ class GraphStepBuffers:
         self.pages = 0
         """Pages per layer of the loaded step, the padded rows' included."""
         self.loads = 0
+        self.in_place = False
+        """The loaded step's rows are slot ids in each layer's in-place view (identity layout)."""
 
     def why_not(self, tables: Any, padded_to: int | None = None) -> str | None:
         """Why the step of ``tables`` cannot be served from these buffers (padded to
@@ -85,16 +87,24 @@ class GraphStepBuffers:
                     f"over {self.max_pages}")
         return None
 
-    def load(self, tables: Any, padded_to: int | None = None) -> None:
+    def load(self, tables: Any, padded_to: int | None = None, slots: torch.Tensor | None = None) -> None:
         """The step's tables into the buffers, padded to ``padded_to`` rows (default: none): five
         device copies, five fills more with padding (``ValueError`` with :meth:`why_not`'s
-        reason where the step cannot be served from them)."""
+        reason where the step cannot be served from them). Tables without rows (the identity
+        layout's, whose layers write in place by slot id) need the step's new ``slots``: they
+        become every layer's rows, read in the layer's in-place view (:meth:`write`)."""
         why = self.why_not(tables, padded_to)
         if why is not None:
             raise ValueError(f"GraphStepBuffers.load: {why}")
         b, n = int(tables.kv_lens.numel()), int(tables.tab.shape[1])
         bs = b if padded_to is None else padded_to
-        self.rows[:, :b].copy_(tables.rows, non_blocking=True)
+        self.in_place = tables.rows is None
+        if self.in_place:
+            if slots is None or slots.numel() != b:
+                raise ValueError("GraphStepBuffers.load: in-place tables need the step's new slots, one a request")
+            self.rows[:, :b].copy_(slots.to(self.rows.device, torch.int64, non_blocking=True).expand(self.layers, b))
+        else:
+            self.rows[:, :b].copy_(tables.rows, non_blocking=True)
         self.tab[:, :n].copy_(tables.tab, non_blocking=True)
         self.kv_indptr[: b + 1].copy_(tables.kv_indptr, non_blocking=True)
         self.kv_lens[:b].copy_(tables.kv_lens, non_blocking=True)
@@ -113,7 +123,11 @@ class GraphStepBuffers:
         """The step's new K/V ``[batch, H, D]`` (padded rows included) at ``layer`` into their
         device rows (the store's one-launch writer or two ``index_copy_``), as the core's
         ``write`` does from the tables."""
-        store.write_rows(self.rows[layer, : self.batch], k, v)
+        rows = self.rows[layer, : self.batch]
+        if self.in_place:  # slot ids in the layer's own view (padded rows: SGLang's padding slot 0)
+            store.write_into(*store.layer_in_place(layer), rows, k, v)
+        else:
+            store.write_rows(rows, k, v)
 
     def layer_view(self, store: Any, layer: int, rids: tuple[str, ...]) -> LayerView:
         """Layer ``layer`` as paged kernels take it, from the buffers (the page table's full row:

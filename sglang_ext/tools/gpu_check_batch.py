@@ -33,7 +33,9 @@ from sglang_ext.tools.gpu_check_config import GpuCheckConfig
 class CheckBatch:
     """``config.requests`` requests at ``config.contexts`` on a fresh core (module docstring)."""
 
-    def __init__(self, config: GpuCheckConfig, device: str) -> None:
+    def __init__(self, config: GpuCheckConfig, device: str, identity: bool = False) -> None:
+        """``identity``: a device pool that holds every layer of every logical page (the layout
+        that serves while nothing is offloaded) instead of the paged one."""
         self.config, self.device = config, device
         L, ps = config.layers, config.page_size
         self.dtype = config.torch_dtype
@@ -47,10 +49,12 @@ class CheckBatch:
         logical = self.batch_pages + 2 + -(-extra // L)
         self.core = LayeredKVCore(SlotStoreConfig(
             layers=L, page_size=ps, kv_heads=config.kv_heads, head_dim=config.head_dim, logical_pages=logical,
-            device_pages=L * self.batch_pages + extra, dtype=self.dtype, device=device, graph_sink=True,
+            device_pages=L * logical if identity else L * self.batch_pages + extra, dtype=self.dtype, device=device,
+            graph_sink=True,
         ))
-        if self.core.store.identity:
-            raise RuntimeError("CheckBatch: the store chose the identity layout; the check needs the paged one")
+        if self.core.store.identity != identity:
+            raise RuntimeError(f"CheckBatch: the store chose the {'identity' if self.core.store.identity else 'paged'}"
+                               " layout, not the one asked for")
         # as SGLang's paged decode backends set it (layered_paged_decode.py): every attention of
         # the check reads the step's page tables, never the torch-native token tables
         self.core.paged_reads = True

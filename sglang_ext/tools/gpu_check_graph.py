@@ -46,6 +46,7 @@ on the CPU there is no graph (N/A), but the tests capture and replay the same st
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 import traceback
@@ -63,6 +64,9 @@ BACKENDS = ("flashinfer", "triton")
 CUDA-graph buffer mode, planned once a step outside the graph), then Triton's."""
 WARMUP_RUNS = 2
 """Eager runs on a side stream before capture (``torch.cuda.graphs``' advice)."""
+IDENTITY_REQUESTS = 8
+"""Requests of the identity layout's batch (:meth:`GraphProbe.identity_run`): its device pool
+holds every layer of every logical page, so it is kept small beside the check's own batch."""
 PADDED_ROWS = 1
 """Rows the probe's graph holds beyond the batch: SGLang replays a batch on the smallest captured
 size that holds it, the rest padded (:meth:`GraphStepBuffers.load`); the padded rows carry large
@@ -101,25 +105,56 @@ class CudaGraph:
 
 class GraphProbe:
     """The probe (module docstring) on a :class:`~sglang_ext.tools.gpu_check_measure.CoreCheck`;
-    ``graph``: builds the graph object from the device (default :class:`CudaGraph`, CUDA only)."""
+    ``graph``: builds the graph object from the device (default :class:`CudaGraph`, CUDA only);
+    ``identity``: also the identity layout's replay, on a batch of its own (:meth:`identity_figures`)."""
 
-    def __init__(self, check: Any, graph: Callable[[str], Any] | None = None) -> None:
+    def __init__(self, check: Any, graph: Callable[[str], Any] | None = None, identity: bool = False) -> None:
         self.check = check
         self.graph = graph
+        self.identity = identity
 
     def run(self) -> list[Figure]:
         """The probe's figures (N/A with the reason where nothing could be captured)."""
         ch = self.check
         if self.graph is None and not ch.device.startswith("cuda"):
-            return self.figures(None, "CUDA only: there is no graph to capture on the CPU (the tests "
-                                "replay these steps on TapeGraph, an emulation: tests/dataplane/test_gpu_check_graph.py)")
+            why = ("CUDA only: there is no graph to capture on the CPU (the tests replay these steps on "
+                   "TapeGraph, an emulation: tests/dataplane/test_gpu_check_graph.py)")
+            return self.figures(None, why) + (self.identity_figures(None, why) if self.identity else [])
         try:
             measured = self.measure()
         except Exception as exc:  # noqa: BLE001 - a probe on hardware nobody ran it on: reported, not failed
             traceback.print_exc()
-            return self.figures(None, f"the capture or replay raised {type(exc).__name__}: {exc}")
-        ch.details["graph_probe"] = measured
-        return self.figures(measured, "")
+            figures, measured = self.figures(None, f"the capture or replay raised {type(exc).__name__}: {exc}"), None
+        else:
+            ch.details["graph_probe"] = measured
+            figures = self.figures(measured, "")
+        return figures + (self.identity_run() if self.identity else [])
+
+    def identity_run(self) -> list[Figure]:
+        """The identity layout's replay (every layer of every page on the device: what serves
+        while nothing is offloaded; the layers write in place by slot id, padded rows at SGLang's
+        padding slot 0) on a batch of at most :data:`IDENTITY_REQUESTS` requests."""
+        from sglang_ext.tools.gpu_check_measure import CoreCheck  # it imports this module
+
+        ch = self.check
+        config = dataclasses.replace(ch.config, requests=min(ch.config.requests, IDENTITY_REQUESTS))
+        try:
+            sub = CoreCheck(config, ch.device, ch.backends.primary, identity=True)
+            sub.step()
+            measured = GraphProbe(sub, self.graph).measure()
+        except Exception as exc:  # noqa: BLE001 - reported, not failed (as the paged probe)
+            traceback.print_exc()
+            return self.identity_figures(None, f"the identity layout's capture or replay raised "
+                                               f"{type(exc).__name__}: {exc}")
+        ch.details["graph_probe_identity"] = measured
+        return self.identity_figures(measured, "")
+
+    def identity_figures(self, m: dict[str, Any] | None, why: str) -> list[Figure]:
+        """The two graded agreements of :meth:`figures`, for the identity layout."""
+        graded = {f.key: f for f in self.figures(m, why)}
+        return [dataclasses.replace(graded[key], key=key.replace("graph.", "graph.identity.", 1),
+                                    title=f"identity layout: {graded[key].title}")
+                for key in ("graph.replay_max_abs_diff", "graph.replayed_steps_attention_err")]
 
     def measure(self) -> dict[str, Any]:
         """Module docstring, 1-3: with FlashInfer's decode first where it is available (what
@@ -164,7 +199,7 @@ class GraphProbe:
         def boundary() -> torch.Tensor:
             loc = b.begin_decode()
             t0 = time.thread_time()
-            buffers.load(core.tables, padded_to=rows)
+            buffers.load(core.tables, padded_to=rows, slots=loc)
             t1 = time.thread_time()
             if backend == "flashinfer":  # one plan a step, outside the graph, from the step's host CSR
                 ch.backends.plan_step(buffers.plan_view(core.tables, buffers.layer_view(core.store, 0, tuple(b.rids))))

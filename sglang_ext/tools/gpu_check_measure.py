@@ -98,9 +98,9 @@ def _no_scope(kind: str, layer: int, part: str = "") -> Iterator[None]:
 class CoreCheck:
     """The served-core half of the check (module docstring)."""
 
-    def __init__(self, config: GpuCheckConfig, device: str, attention: str = "auto") -> None:
+    def __init__(self, config: GpuCheckConfig, device: str, attention: str = "auto", identity: bool = False) -> None:
         self.config, self.device = config, device
-        self.batch = CheckBatch(config, device)
+        self.batch = CheckBatch(config, device, identity)
         self.backends = DecodeBackends(device, config.q_heads, self.batch.batch_pages, attention,
                                        (config.page_size, config.kv_heads, config.head_dim, config.torch_dtype))
         gen = torch.Generator(device="cpu").manual_seed(config.seed + 1)
@@ -344,7 +344,8 @@ class CoreCheck:
         recompute = RecomputeCheck(self)
         recompute_figures = guarded_phase("recompute_check", "the recompute phase", "RecomputeCheck.run",
                                           lambda: recompute.run(comp, transfer.bw_blocks_per_ms))
-        graph_figures = guarded_phase("graph_probe", "the CUDA-graph probe", "GraphProbe.run", GraphProbe(self).run)
+        graph_figures = guarded_phase("graph_probe", "the CUDA-graph probe", "GraphProbe.run",
+                                      GraphProbe(self, identity=True).run)
         # the model at the link the placed steps' own copies measured (as the served controller
         # samples it), where they measured one; else at the transfer check's (its copy pattern)
         predicted_ms = p.predicted_ms if p.predicted_link_ms is None else p.predicted_link_ms

@@ -105,3 +105,43 @@ def test_padded_replays_leave_exact_kv_and_a_sink_on_a_request_page_does_not():
     store.sink_page = int(np.asarray(store.map_np)[0, first_page])
     figures = {f.key: f for f in GraphProbe(control, Taped).run()}
     assert figures["graph.replayed_steps_attention_err"].status == FAIL
+
+
+def test_the_identity_layout_replays_in_place_with_padding_at_slot_0():
+    """The identity layout (every layer of every page on the device: what serves while nothing is
+    offloaded) on the tape: its steady steps' tables have no rows (the layers write in place by
+    slot id), so the buffers take the step's slots, padded with SGLang's padding slot 0; the
+    batch's rows agree bit-exactly and every request's KV stays exact (PASS). Negative control:
+    the sink on the first request's first page -- the padded rows' writes land on its first
+    token at every layer and the reference check FAILs."""
+    check = CoreCheck(dataclasses.replace(SMALL, repeat=1, layers=2, requests=2), "cpu", "torch", identity=True)
+    assert check.batch.core.store.identity and check.batch.core.store.sink_page == 0
+    figures = {f.key: f for f in GraphProbe(check, Taped, identity=True).run()}
+    for key in ("graph.identity.replay_max_abs_diff", "graph.identity.replayed_steps_attention_err"):
+        assert figures[key].status == PASS, figures[key]
+        assert figures[key].title.startswith("identity layout: ")
+    assert "padded to 3 rows" in figures["graph.identity.replay_max_abs_diff"].note
+    assert figures["graph.replay_max_abs_diff"].status == PASS  # the check's own (paged) probe beside it
+    m = check.details["graph_probe_identity"]
+    assert m["requests"] == 2 and m["late_replay_max_abs_diff"] == 0
+
+    control = CoreCheck(dataclasses.replace(SMALL, repeat=1, layers=2, requests=2), "cpu", "torch", identity=True)
+    control.step()
+    control.batch.core.store.sink_page = control.batch.pages(0)[0]
+    figures = {f.key: f for f in GraphProbe(control, Taped).run()}
+    assert figures["graph.replayed_steps_attention_err"].status == FAIL
+
+
+def test_in_place_tables_need_the_steps_slots():
+    check = CoreCheck(dataclasses.replace(SMALL, repeat=1, layers=2, requests=2), "cpu", "torch", identity=True)
+    check.step()
+    b, core = check.batch, check.batch.core
+    loc = b.begin_decode()
+    tables = core.tables
+    assert tables.rows is None  # the identity layout's steady tables: in place by slot id
+    buffers = GraphStepBuffers(2, 3, int(tables.tab.shape[1]) + 1, "cpu", core.store.sink_page, check.config.page_size)
+    with pytest.raises(ValueError, match="need the step's new slots"):
+        buffers.load(tables, padded_to=3)
+    buffers.load(tables, padded_to=3, slots=loc)
+    assert buffers.in_place and buffers.rows[:, :2].tolist() == [loc.tolist()] * 2 and buffers.rows[:, 2].tolist() == [0, 0]
+    core.exit_layer(1)
