@@ -119,6 +119,26 @@ class GraphStepBuffers:
         self.batch, self.real, self.pages = bs, b, n + bs - b
         self.loads += 1
 
+    def load_padding(self, rows: int, in_place: bool) -> None:
+        """A step of ``rows`` padded rows and no request (``in_place``: the identity layout's
+        rows): what a graph is captured over before any request exists (SGLang captures at
+        start-up) -- every row one token on the sink page, so the capture's warm-ups and the
+        captured run touch nothing but the sink."""
+        if self.sink_page is None:
+            raise ValueError("GraphStepBuffers.load_padding: padding needs a sink page (SlotStoreConfig.graph_sink)")
+        if not 0 < rows <= min(self.max_batch, self.max_pages):
+            raise ValueError(f"GraphStepBuffers.load_padding: {rows} rows; the buffers hold {self.max_batch} over "
+                             f"{self.max_pages} pages")
+        sink = self.sink_page
+        self.rows[:, :rows].fill_(sink * self.page_size)
+        self.tab[:, :rows].fill_(sink)
+        self.kv_indptr[0] = 0
+        self.kv_indptr[1: rows + 1].copy_(self._ramp[:rows])
+        self.kv_lens[:rows].fill_(1)
+        self.last_page_len[:rows].fill_(1)
+        self.batch, self.real, self.pages, self.in_place = rows, 0, rows, in_place
+        self.loads += 1
+
     def write(self, store: Any, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """The step's new K/V ``[batch, H, D]`` (padded rows included) at ``layer`` into their
         device rows (the store's one-launch writer or two ``index_copy_``), as the core's
