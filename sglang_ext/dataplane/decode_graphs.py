@@ -55,12 +55,17 @@ class DecodeGraphs:
         self.eager_reasons: Counter[str] = Counter()
         """Steps admitted eagerly, by reason."""
 
-    def capture(self, layers: Callable[[int], Any], graph: Callable[[], Any]) -> None:
+    def capture(self, layers: Callable[[int], Any], graph: Callable[[], Any],
+                prepare: Callable[[int], None] | None = None) -> None:
         """One graph per size, largest first (as SGLang captures): ``layers(bs)`` runs the step's
         layers over the buffers' views at ``bs`` rows and returns their outputs; ``graph()`` makes
-        a graph object (``capture(fn)`` -> static outputs, ``replay()``)."""
+        a graph object (``capture(fn)`` -> static outputs, ``replay()``); ``prepare(bs)`` runs
+        after the padding-only step is loaded, before the capture (an attention's plan: SGLang's
+        ``init_forward_metadata_out_graph(in_capture=True)``)."""
         for bs in reversed(self.sizes):
             self.buffers.load_padding(bs, self.core.store.identity)
+            if prepare is not None:
+                prepare(bs)
             g = graph()
             static = g.capture(lambda bs=bs: layers(bs))
             self.graphs[bs] = (g, static)

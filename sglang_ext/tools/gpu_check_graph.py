@@ -64,6 +64,8 @@ BACKENDS = ("flashinfer", "triton")
 CUDA-graph buffer mode, planned once a step outside the graph), then Triton's."""
 WARMUP_RUNS = 2
 """Eager runs on a side stream before capture (``torch.cuda.graphs``' advice)."""
+RUNNER_STEPS = 3
+"""Steps the runner's flow admits and replays (:meth:`GraphProbe.runner_run`)."""
 IDENTITY_REQUESTS = 8
 """Requests of the identity layout's batch (:meth:`GraphProbe.identity_run`): its device pool
 holds every layer of every logical page, so it is kept small beside the check's own batch."""
@@ -76,8 +78,9 @@ random inputs, and only the batch's rows are compared."""
 def steps(repeat: int) -> int:
     """Decode steps (new tokens) the probe adds to the batch (``GpuCheckConfig.decode_steps``): per
     backend tried (two at most) the timed eager steps (``time_ms``: 2 warm-ups + ``repeat``), the
-    captured one, the replayed ones (as many), the later replay checked and the accuracy step."""
-    return 2 * (2 * (repeat + 2) + 3)
+    captured one, the replayed ones (as many), the later replay checked and the accuracy step; then
+    the runner's flow: its steps and its accuracy step."""
+    return 2 * (2 * (repeat + 2) + 3) + RUNNER_STEPS + 1
 
 
 class CudaGraph:
@@ -108,10 +111,13 @@ class GraphProbe:
     ``graph``: builds the graph object from the device (default :class:`CudaGraph`, CUDA only);
     ``identity``: also the identity layout's replay, on a batch of its own (:meth:`identity_figures`)."""
 
-    def __init__(self, check: Any, graph: Callable[[str], Any] | None = None, identity: bool = False) -> None:
+    def __init__(self, check: Any, graph: Callable[[str], Any] | None = None, identity: bool = False,
+                 runner: bool = False) -> None:
         self.check = check
         self.graph = graph
         self.identity = identity
+        self.runner = runner
+        """Also the runner's flow (:meth:`runner_run`) after the probe, with the backend it used."""
 
     def run(self) -> list[Figure]:
         """The probe's figures (N/A with the reason where nothing could be captured)."""
@@ -119,7 +125,8 @@ class GraphProbe:
         if self.graph is None and not ch.device.startswith("cuda"):
             why = ("CUDA only: there is no graph to capture on the CPU (the tests replay these steps on "
                    "TapeGraph, an emulation: tests/dataplane/test_gpu_check_graph.py)")
-            return self.figures(None, why) + (self.identity_figures(None, why) if self.identity else [])
+            return (self.figures(None, why) + (self.runner_figures(None, why) if self.runner else [])
+                    + (self.identity_figures(None, why) if self.identity else []))
         try:
             measured = self.measure()
         except Exception as exc:  # noqa: BLE001 - a probe on hardware nobody ran it on: reported, not failed
@@ -128,7 +135,90 @@ class GraphProbe:
         else:
             ch.details["graph_probe"] = measured
             figures = self.figures(measured, "")
+        if self.runner:
+            figures += self.runner_run(None if measured is None else measured["backend"])
         return figures + (self.identity_run() if self.identity else [])
+
+    def runner_run(self, backend: str | None) -> list[Figure]:
+        """SGLang's decode runner's flow on the check's batch, through
+        :class:`~sglang_ext.dataplane.decode_graphs.DecodeGraphs`: graphs of two sizes (the
+        batch padded by :data:`PADDED_ROWS`, and twice that) captured largest first over a
+        padding-only step on the sink (the attention planned for it first, as SGLang's capture
+        does), then :data:`RUNNER_STEPS` steps each admitted after its boundary, its inputs
+        filled, planned, replayed and compared with its layers run eagerly over its own tables
+        (bit-exact), and one eager step after them against the dense reference."""
+        if backend is None:
+            return self.runner_figures(None, "the probe's own capture did not complete")
+        try:
+            m = self._runner(backend)
+        except Exception as exc:  # noqa: BLE001 - reported, not failed (as the probe)
+            traceback.print_exc()
+            return self.runner_figures(None, f"the runner's flow raised {type(exc).__name__}: {exc}")
+        self.check.details["graph_runner"] = m
+        return self.runner_figures(m, "")
+
+    def _runner(self, backend: str) -> dict[str, Any]:
+        from sglang_ext.dataplane.decode_graphs import DecodeGraphs
+
+        ch = self.check
+        b, c, device = ch.batch, ch.config, ch.device
+        core, real = b.core, len(b.rids)
+        sizes = (real + PADDED_ROWS, 2 * (real + PADDED_ROWS))
+        graphs = DecodeGraphs(core, sizes, b.batch_pages + sizes[-1])
+        buffers, rids = graphs.buffers, tuple(b.rids)
+        inputs = _padded_inputs((ch.x, ch.q, b.k1, b.v1), sizes[-1])
+
+        def plan(view: Any) -> None:
+            if backend == "flashinfer":  # outside the graph, from host CSR, as SGLang plans before a replay
+                ch.backends.plan_step(view)
+
+        def plan_padding(bs: int) -> None:
+            view = buffers.layer_view(core.store, 0, rids)
+            plan(dataclasses.replace(view, kv_indptr=view.kv_indptr.cpu(), last_page_len=view.last_page_len.cpu()))
+
+        def layers(bs: int) -> list[torch.Tensor]:
+            return ch.layers(None, backend=backend, plan=False, graph=buffers, padded=tuple(t[:bs] for t in inputs))
+
+        graphs.capture(layers, lambda: (self.graph or CudaGraph)(device), plan_padding)
+        sync(device)
+        diffs, admitted = [], []
+        for _ in range(RUNNER_STEPS):
+            loc = b.begin_decode()
+            try:
+                size = graphs.admit(slots=loc)
+                admitted.append(size)
+                if size is None:
+                    raise RuntimeError(f"an all-resident step was not admitted: {dict(graphs.eager_reasons)}")
+                for dst, src in zip(inputs, (ch.x, ch.q, b.k1, b.v1), strict=True):
+                    dst[:real].copy_(src)
+                plan(buffers.plan_view(core.tables, buffers.layer_view(core.store, 0, rids)))
+                static = [out[:real].clone() for out in graphs.replay(size)]
+                sync(device)
+                diffs.append(_max_diff(static, ch.layers(loc, backend=backend, end_step=False)))
+            finally:
+                core.exit_layer(c.layers - 1)
+        errors = ch.attention_errors()[backend]
+        return {"backend": backend, "sizes": list(sizes), "admitted": admitted, "replays": graphs.replays,
+                "max_abs_diff": max(diffs), "attention": errors}
+
+    def runner_figures(self, m: dict[str, Any] | None, why: str) -> list[Figure]:
+        """The runner's flow: its replays vs eager (graded 0) and the KV after them (bf16 tolerance)."""
+        got = m is not None
+        note = why if m is None else (f"{m['backend']} attention, graphs of {m['sizes']} rows captured over a "
+                                      f"padding-only step, {m['replays']} steps admitted at {m['admitted']}")
+        err = None if m is None else m["attention"]
+        return [
+            Figure.graded("graph.runner.replay_max_abs_diff", "SGLang runner's flow: admitted steps replayed vs "
+                          "eager", None if m is None else m["max_abs_diff"], "abs", "<=", 0.0,
+                          "DecodeGraphs: graphs per batch size captured over a padding-only step (the sink), each "
+                          "step admitted after its boundary, padded, replayed; the batch's rows vs its layers "
+                          "eagerly over its own tables", meaningful=got, note=note),
+            Figure.graded("graph.runner.attention_err", "SGLang runner's flow: attention after the replays vs "
+                          "dense reference", None if err is None else err["max_abs_err"], "abs",
+                          None if err is None else "<=", None if err is None else err["tolerance"],
+                          "one eager step after the replayed ones: every layer's attention vs dense_attention "
+                          "over the regenerated K/V (bf16 tolerance)", meaningful=got, note=note),
+        ]
 
     def identity_run(self) -> list[Figure]:
         """The identity layout's replay (every layer of every page on the device: what serves

@@ -345,7 +345,7 @@ class CoreCheck:
         recompute_figures = guarded_phase("recompute_check", "the recompute phase", "RecomputeCheck.run",
                                           lambda: recompute.run(comp, transfer.bw_blocks_per_ms))
         graph_figures = guarded_phase("graph_probe", "the CUDA-graph probe", "GraphProbe.run",
-                                      GraphProbe(self, identity=True).run)
+                                      GraphProbe(self, identity=True, runner=True).run)
         # the model at the link the placed steps' own copies measured (as the served controller
         # samples it), where they measured one; else at the transfer check's (its copy pattern)
         predicted_ms = p.predicted_ms if p.predicted_link_ms is None else p.predicted_link_ms

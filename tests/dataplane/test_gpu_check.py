@@ -39,6 +39,7 @@ FIGURE_KEYS = {
     "graph.replay_max_abs_diff", "graph.replayed_steps_attention_err", "graph.layers_ms.eager",
     "graph.layers_ms.replay", "graph.step_ms.eager", "graph.step_ms.replay", "graph.kvplane_cpu_share",
     "graph.identity.replay_max_abs_diff", "graph.identity.replayed_steps_attention_err",
+    "graph.runner.replay_max_abs_diff", "graph.runner.attention_err",
     *EXTEND_KEYS, *TURNOVER_KEYS,
 }
 TARGETS = {  # the targets, by figure

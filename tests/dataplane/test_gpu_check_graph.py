@@ -283,3 +283,24 @@ def test_the_probe_runs_on_the_cuda_engine_path(monkeypatch):
     assert figures["graph.replay_max_abs_diff"].status == PASS, figures["graph.replay_max_abs_diff"]
     assert figures["graph.replayed_steps_attention_err"].status == PASS
     assert check.batch.core.stats().host_fraction == 0  # all resident after the probe's placement
+
+
+def test_the_runners_flow_replays_admitted_steps_exactly(monkeypatch):
+    """The runner's flow (``runner=True``, as gpu-check runs it): graphs of two sizes captured over
+    a padding-only step, three steps admitted at the smaller and replayed -- bit-exact against
+    their eager layers, KV exact after (PASS). Negative control: captures over buffers never
+    loaded with the padding-only step write the padded inputs into device row 0, a request's
+    KV -- the attention check FAILs."""
+    check = _check()
+    check.step()
+    figures = {f.key: f for f in GraphProbe(check, Taped, runner=True).run()}
+    for key in ("graph.runner.replay_max_abs_diff", "graph.runner.attention_err"):
+        assert figures[key].status == PASS, figures[key]
+    m = check.details["graph_runner"]
+    assert m["sizes"] == [3, 6] and m["admitted"] == [3, 3, 3] and m["replays"] == 3
+
+    control = _check()
+    control.step()
+    monkeypatch.setattr(GraphStepBuffers, "load_padding", lambda self, rows, in_place: setattr(self, "batch", rows))
+    figures = {f.key: f for f in GraphProbe(control, Taped, runner=True).run()}
+    assert figures["graph.runner.attention_err"].status == FAIL, figures["graph.runner.attention_err"]

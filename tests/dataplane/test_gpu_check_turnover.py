@@ -25,7 +25,7 @@ def checked():
     with pytest.MonkeyPatch.context() as mp:
         real_init = gpu_check_graph.GraphProbe.__init__
         mp.setattr(gpu_check_graph.GraphProbe, "__init__",
-                   lambda self, check, graph=None, identity=False: real_init(self, check, Taped))
+                   lambda self, check, graph=None, identity=False, runner=False: real_init(self, check, Taped))
         check = CoreCheck(dataclasses.replace(SMALL, repeat=2, layers=2), "cpu", "torch")
         figures = {f.key: f for f in check.run()}
     assert figures["graph.replay_max_abs_diff"].status == PASS, figures["graph.replay_max_abs_diff"]
