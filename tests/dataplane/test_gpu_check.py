@@ -38,6 +38,7 @@ FIGURE_KEYS = {
     "overlap.hidden_step_rel.dma", "duplex_vs_one_direction.dma", "overlap.fetch_launch_ms", "h2d_vs_contiguous.dma",
     "graph.replay_max_abs_diff", "graph.replayed_steps_attention_err", "graph.layers_ms.eager",
     "graph.layers_ms.replay", "graph.step_ms.eager", "graph.step_ms.replay", "graph.kvplane_cpu_share",
+    "graph.buffers_vs_tables_err", "graph.identity.buffers_vs_tables_err",
     "graph.identity.replay_max_abs_diff", "graph.identity.replayed_steps_attention_err",
     "graph.runner.replay_max_abs_diff", "graph.runner.attention_err",
     *EXTEND_KEYS, *TURNOVER_KEYS,

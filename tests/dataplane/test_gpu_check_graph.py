@@ -63,6 +63,8 @@ def test_replayed_steps_decode_what_eager_steps_do():
     assert f.status == PASS and f.value == 0, f
     f = figures["graph.replayed_steps_attention_err"]
     assert f.status == PASS and f.value < 1e-5 and f.threshold > 0, f
+    f = figures["graph.buffers_vs_tables_err"]  # the padded buffers vs the step's own tables
+    assert f.status == PASS and f.value == 0 and f.threshold > 0, f
     repeat = check.config.repeat
     assert Taped.count == 1 + (repeat + 2) + (repeat + 2) + 1  # the agreement, the layers' timing, the steps, the later
     m = check.details["graph_probe"]

@@ -105,6 +105,7 @@ def test_padded_replays_leave_exact_kv_and_a_sink_on_a_request_page_does_not():
     store.sink_page = int(np.asarray(store.map_np)[0, first_page])
     figures = {f.key: f for f in GraphProbe(control, Taped).run()}
     assert figures["graph.replayed_steps_attention_err"].status == FAIL
+    assert figures["graph.buffers_vs_tables_err"].status == FAIL  # the padded row's write reached its KV
 
 
 def test_the_identity_layout_replays_in_place_with_padding_at_slot_0():
@@ -117,7 +118,8 @@ def test_the_identity_layout_replays_in_place_with_padding_at_slot_0():
     check = CoreCheck(dataclasses.replace(SMALL, repeat=1, layers=2, requests=2), "cpu", "torch", identity=True)
     assert check.batch.core.store.identity and check.batch.core.store.sink_page == 0
     figures = {f.key: f for f in GraphProbe(check, Taped, identity=True).run()}
-    for key in ("graph.identity.replay_max_abs_diff", "graph.identity.replayed_steps_attention_err"):
+    for key in ("graph.identity.replay_max_abs_diff", "graph.identity.buffers_vs_tables_err",
+                "graph.identity.replayed_steps_attention_err"):
         assert figures[key].status == PASS, figures[key]
         assert figures[key].title.startswith("identity layout: ")
     assert "padded to 3 rows" in figures["graph.identity.replay_max_abs_diff"].note
