@@ -115,8 +115,8 @@ def test_the_identity_layout_replays_in_place_with_padding_at_slot_0():
     batch's rows agree bit-exactly and every request's KV stays exact (PASS). Negative control:
     the sink on the first request's first page -- the padded rows' writes land on its first
     token at every layer and the reference check FAILs."""
-    check = CoreCheck(dataclasses.replace(SMALL, repeat=1, layers=2, requests=2), "cpu", "torch", identity=True)
-    assert check.batch.core.store.identity and check.batch.core.store.sink_page == 0
+    check = _check()  # the check's own batch is paged; the identity probe builds a batch of its own
+    check.step()
     figures = {f.key: f for f in GraphProbe(check, Taped, identity=True).run()}
     for key in ("graph.identity.replay_max_abs_diff", "graph.identity.buffers_vs_tables_err",
                 "graph.identity.replayed_steps_attention_err"):
@@ -128,6 +128,7 @@ def test_the_identity_layout_replays_in_place_with_padding_at_slot_0():
     assert m["requests"] == 2 and m["late_replay_max_abs_diff"] == 0
 
     control = CoreCheck(dataclasses.replace(SMALL, repeat=1, layers=2, requests=2), "cpu", "torch", identity=True)
+    assert control.batch.core.store.identity and control.batch.core.store.sink_page == 0
     control.step()
     control.batch.core.store.sink_page = control.batch.pages(0)[0]
     figures = {f.key: f for f in GraphProbe(control, Taped).run()}
