@@ -75,14 +75,16 @@ class _Recorder(TorchDispatchMode):
         if name in SYNC_OPS:
             raise RuntimeError(f"{CAPTURE_ERROR}: {name} reads device data on the host (TapeGraph)")
         out = func(*args, **kwargs)
+        mutating = _mutates(func)
         made = _tensors(out)
         if made is None:
-            raise RuntimeError(f"{CAPTURE_ERROR}: {name} returned a host value {type(out).__name__} (TapeGraph)")
+            if not (mutating and out is None):  # an in-place op returning nothing (``_foreach_mul_``) is a kernel
+                raise RuntimeError(f"{CAPTURE_ERROR}: {name} returned a host value {type(out).__name__} (TapeGraph)")
+            made = []
         if func.is_view or name in ALLOCATIONS:
             if name in ALLOCATIONS:
                 tape.made.update(t.untyped_storage().data_ptr() for t in made)
             return out
-        mutating = _mutates(func)
         tape.tape.append(("op", func, args, kwargs, None if mutating else made))
         if not mutating:
             tape.made.update(t.untyped_storage().data_ptr() for t in made)

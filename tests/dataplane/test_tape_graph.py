@@ -127,6 +127,27 @@ def test_triton_launches_replay_with_their_arguments(monkeypatch):
     assert not torch.equal(out, src[[1, 2]])
 
 
+def test_in_place_ops_that_return_nothing_replay_too():
+    """``torch._foreach_mul_`` returns nothing: still a kernel, recorded and run again at replay
+    (control: a tape without it leaves the buffers as they were)."""
+    a, b = torch.ones(2), torch.ones(3)
+
+    def fn():
+        torch._foreach_mul_([a, b], 2.0)
+        return [a + 0]
+
+    graph = TapeGraph()
+    graph.capture(fn)
+    a.fill_(1.0)
+    b.fill_(1.0)
+    graph.replay()
+    assert a.tolist() == [2.0, 2.0] and b.tolist() == [2.0, 2.0, 2.0]
+    graph.tape = [e for e in graph.tape if "foreach" not in str(e[1])]
+    a.fill_(1.0)
+    graph.replay()
+    assert a.tolist() == [1.0, 1.0]
+
+
 def test_one_capture_per_graph_and_no_replay_before_it():
     graph = TapeGraph()
     with pytest.raises(RuntimeError, match="nothing captured"):
