@@ -290,7 +290,7 @@ def test_the_probe_runs_on_the_cuda_engine_path(monkeypatch):
 def test_the_runners_flow_replays_admitted_steps_exactly(monkeypatch):
     """The runner's flow (``runner=True``, as gpu-check runs it): graphs of two sizes captured over
     a padding-only step, three steps admitted at the smaller and replayed -- bit-exact against
-    their eager layers, KV exact after (PASS). Negative control: captures over buffers never
+    their layers run eagerly over the same buffers, KV exact after (PASS). Negative control: captures over buffers never
     loaded with the padding-only step write the padded inputs into device row 0, a request's
     KV -- the attention check FAILs."""
     check = _check()
