@@ -121,3 +121,14 @@ def test_without_a_sink_there_are_no_graphs():
         DecodeGraphs(check.batch.core, (2,), 64)
     with pytest.raises(ValueError, match="batch sizes"):
         DecodeGraphs(_check(2).batch.core, (0, 2), 64)
+
+
+def test_a_batch_larger_than_every_graph_runs_eagerly():
+    """3 requests, one graph of 2: the step is not admitted (named), runs eagerly, and the KV stays
+    exact; the control is the captured size's own batch above, which replays."""
+    check = _check(3)
+    runner = _Runner(check, (2,))
+    assert runner.step() == (None, 0.0)
+    assert runner.graphs.eager_reasons == {"no graph holds a batch of 3": 1} and runner.graphs.replays == 0
+    err = check.attention_errors()["torch"]
+    assert err["max_abs_err"] <= err["tolerance"], err
