@@ -78,9 +78,9 @@ class DecodeGraphs:
         """After the step's boundary: the captured size to replay it at (the buffers loaded,
         padded to it), or None -- the step runs eagerly on its own tables (the reason counted).
         ``slots``: the step's new slots (the identity layout's tables write in place by them)."""
-        tables = self.core.tables
-        if self.core.overflow or tables is None:
-            self.eager_reasons["no tables (an overflowing or in-place step)"] += 1
+        tables = None if self.core.overflow else self.core.tables
+        if tables is None:  # served at rest: the buffers' reason
+            self.eager_reasons[str(self.buffers.why_not(None))] += 1
             return None
         b = int(tables.kv_lens.numel())
         size = self.size_for(b)

@@ -21,7 +21,7 @@ ones. ``audit_core(core, audit)`` wraps a :class:`LayeredKVCore`'s per-layer cal
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -59,6 +59,28 @@ HOST_READS = ("tolist", "numpy", "cpu", "item", "__array__")
 """``torch.Tensor`` methods that read a tensor back to the host (flagged by name in a scope)."""
 
 
+@contextmanager
+def hooked_host_reads(on_read: Callable[[str], None]) -> Iterator[None]:
+    """Inside the block each :data:`HOST_READS` method of ``torch.Tensor`` calls ``on_read(name)``
+    before it reads (which may record or raise); the real methods come back on exit."""
+    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def hooked(name: str, real: Any) -> Any:
+        def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            on_read(name)
+            return real(tensor, *args, **kwargs)
+
+        return read
+
+    for name, real in saved.items():
+        setattr(torch.Tensor, name, hooked(name, real))
+    try:
+        yield
+    finally:
+        for name, real in saved.items():
+            setattr(torch.Tensor, name, real)
+
+
 class OpAudit(TorchDispatchMode):
     """Per-scope op names and sync violations (see module docstring)."""
 
@@ -67,16 +89,15 @@ class OpAudit(TorchDispatchMode):
         self.ops: dict[Any, list[str]] = defaultdict(list)
         self.violations: list[tuple[Any, str]] = []
         self._scope: Any = None
-        self._saved: dict[str, Any] = {}
+        self._hooks: Any = None
         self._depth = 0
 
     def __enter__(self) -> OpAudit:
         entered = super().__enter__()
         self._depth += 1
         if self._depth == 1:  # the host reads of the module docstring, restored at the outer exit
-            for name in HOST_READS:
-                self._saved[name] = real = getattr(torch.Tensor, name)
-                setattr(torch.Tensor, name, self._reading(name, real))
+            self._hooks = hooked_host_reads(self._reading)
+            self._hooks.__enter__()
         return entered
 
     def __exit__(self, *exc: Any) -> Any:
@@ -85,19 +106,12 @@ class OpAudit(TorchDispatchMode):
         finally:
             self._depth -= 1
             if self._depth == 0:
-                for name, real in self._saved.items():
-                    setattr(torch.Tensor, name, real)
-                self._saved = {}
+                self._hooks.__exit__(None, None, None)
+                self._hooks = None
 
-    def _reading(self, name: str, real: Any) -> Any:
-        audit = self
-
-        def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if audit._scope is not None:
-                audit.violations.append((audit._scope, f"Tensor.{name}"))
-            return real(tensor, *args, **kwargs)
-
-        return read
+    def _reading(self, name: str) -> None:
+        if self._scope is not None:
+            self.violations.append((self._scope, f"Tensor.{name}"))
 
     @contextmanager
     def scope(self, label: Any) -> Iterator[None]:

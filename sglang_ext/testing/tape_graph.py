@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sglang_ext.testing.op_audit import HOST_READS, SYNC_OPS
+from sglang_ext.testing.op_audit import SYNC_OPS, hooked_host_reads
 
 WARMUP_RUNS = 2
 """Eager runs before the captured one (``CudaGraph``'s, ``torch.cuda.graphs``' advice)."""
@@ -119,20 +119,14 @@ class TapeGraph:
             raise RuntimeError("TapeGraph.capture: already captured (one graph, one capture)")
         for _ in range(WARMUP_RUNS):
             fn()
-        saved: dict[str, Any] = {}
-        for name in HOST_READS:
-            saved[name] = real = getattr(torch.Tensor, name)
-            setattr(torch.Tensor, name, self._refusing(name, real))
         executor = _grid_executor()
         launch = None if executor is None else executor.__call__
         if executor is not None:
             executor.__call__ = self._recording_launch(launch)
         try:
-            with _Recorder(self):
+            with hooked_host_reads(self._refuse), _Recorder(self):
                 out = fn()
         finally:
-            for name, real in saved.items():
-                setattr(torch.Tensor, name, real)
             if executor is not None:
                 executor.__call__ = launch
         for t in _tensors(out) or []:
@@ -157,15 +151,9 @@ class TapeGraph:
                     if dst.data_ptr() != src.data_ptr():
                         dst.copy_(src)
 
-    def _refusing(self, name: str, real: Any) -> Any:
-        graph = self
-
-        def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if not graph.paused:
-                raise RuntimeError(f"{CAPTURE_ERROR}: Tensor.{name} reads device data on the host (TapeGraph)")
-            return real(tensor, *args, **kwargs)
-
-        return read
+    def _refuse(self, name: str) -> None:
+        if not self.paused:
+            raise RuntimeError(f"{CAPTURE_ERROR}: Tensor.{name} reads device data on the host (TapeGraph)")
 
     def _recording_launch(self, launch: Callable[..., Any]) -> Callable[..., Any]:
         graph = self

@@ -176,13 +176,10 @@ class GraphProbe:
         buffers, rids = graphs.buffers, tuple(b.rids)
         inputs = _padded_inputs((ch.x, ch.q, b.k1, b.v1), sizes[-1])
 
-        def plan(view: Any) -> None:
-            if backend == "flashinfer":  # outside the graph, from host CSR, as SGLang plans before a replay
-                ch.backends.plan_step(view)
-
         def plan_padding(bs: int) -> None:
             view = buffers.layer_view(core.store, 0, rids)
-            plan(dataclasses.replace(view, kv_indptr=view.kv_indptr.cpu(), last_page_len=view.last_page_len.cpu()))
+            _plan(ch, backend, dataclasses.replace(view, kv_indptr=view.kv_indptr.cpu(),
+                                                   last_page_len=view.last_page_len.cpu()))
 
         def layers(bs: int) -> list[torch.Tensor]:
             return ch.layers(None, backend=backend, plan=False, graph=buffers, padded=tuple(t[:bs] for t in inputs))
@@ -199,7 +196,7 @@ class GraphProbe:
                     raise RuntimeError(f"an all-resident step was not admitted: {dict(graphs.eager_reasons)}")
                 for dst, src in zip(inputs, (ch.x, ch.q, b.k1, b.v1), strict=True):
                     dst[:real].copy_(src)
-                plan(buffers.plan_view(core.tables, buffers.layer_view(core.store, 0, rids)))
+                _plan_buffers(ch, backend, buffers)
                 static = [out[:real].clone() for out in graphs.replay(size)]
                 sync(device)  # vs the same layers over the same buffers, eagerly (the same token again)
                 diffs.append(_max_diff(static, [out[:real] for out in layers(size)]))
@@ -300,8 +297,7 @@ class GraphProbe:
             t0 = time.thread_time()
             buffers.load(core.tables, padded_to=rows, slots=loc)
             t1 = time.thread_time()
-            if backend == "flashinfer":  # one plan a step, outside the graph, from the step's host CSR
-                ch.backends.plan_step(buffers.plan_view(core.tables, buffers.layer_view(core.store, 0, tuple(b.rids))))
+            _plan_buffers(ch, backend, buffers)  # one plan a step, outside the graph, from the host CSR
             host_ms.append(b.prepare_cpu_s * 1e3 + (t1 - t0) * 1e3)
             plan_ms.append((time.thread_time() - t1) * 1e3)
             return loc
@@ -314,22 +310,14 @@ class GraphProbe:
         def graph_layers() -> list[torch.Tensor]:
             return ch.layers(loc, backend=backend, plan=False, graph=buffers, padded=padded)
 
-        def plan_tables() -> None:  # FlashInfer's plan for the step's own tables (the batch's rows)
-            if backend == "flashinfer":
-                ch.backends.plan_step(core.tables.plan_view(b.layer_view(0)))
-
-        def plan_buffers() -> None:  # ... and for the buffers (padded): each plan fits its batch
-            if backend == "flashinfer":
-                ch.backends.plan_step(buffers.plan_view(core.tables, buffers.layer_view(core.store, 0, tuple(b.rids))))
-
         # a padded batch may split its KV otherwise than the batch alone (the kernels size their
         # splits from the batch), so the buffers vs the step's own tables agree within bf16
         # tolerance; a replay vs the same layers over the same buffers must agree exactly
         try:
-            plan_tables()
+            _plan(ch, backend, core.tables.plan_view(b.layer_view(0)))  # each plan fits its batch
             eager = [out.clone() for out in table_layers()]
             eager_layers_ms = time_ms(table_layers, device, c.repeat)
-            plan_buffers()
+            _plan_buffers(ch, backend, buffers)
             buffered = [out.clone() for out in graph_layers()]
             buffers_diff = _max_diff([out[:real] for out in buffered], eager)
             graph = (self.graph or CudaGraph)(device)
@@ -426,6 +414,19 @@ class GraphProbe:
                           f"ms, plan {m['plan_replay_ms']:.3f} ms (eager step: {m['host_eager_ms']:.3f} ms of "
                           f"{m['step_eager_ms']:.3f}); {note}"),
         ]
+
+
+def _plan(ch: Any, backend: str, view: Any) -> None:
+    """FlashInfer's plan for ``view`` (host CSR), outside any graph, as SGLang plans before a
+    capture or a replay; the other decodes plan nothing."""
+    if backend == "flashinfer":
+        ch.backends.plan_step(view)
+
+
+def _plan_buffers(ch: Any, backend: str, buffers: GraphStepBuffers) -> None:
+    """:func:`_plan` of the step loaded into ``buffers`` (padded as they are)."""
+    b = ch.batch
+    _plan(ch, backend, buffers.plan_view(b.core.tables, buffers.layer_view(b.core.store, 0, tuple(b.rids))))
 
 
 def _padded_inputs(inputs: tuple[torch.Tensor, ...], rows: int) -> tuple[torch.Tensor, ...]:
