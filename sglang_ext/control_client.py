@@ -15,7 +15,8 @@ control plane"):
   ``--enable-metrics``: ``kvplane:control_plane_fallback_steps_total`` of
   :class:`~sglang_ext.worker_metrics.WorkerMetrics`; otherwise nothing is exported) and logs
   ``control_plane_unavailable`` once per outage (``control_plane_recovered`` when a report goes
-  through again);
+  through again), and tells ``on_outage`` both edges (``kvplane:control_plane_degraded`` and
+  ``kvplane:control_plane_outages_total`` with ``--enable-metrics``);
 * a session that raised is dropped and re-opened with exponential backoff; the gRPC session
   reconnects on its own (its background thread), re-sending the hello and the newest report.
 
@@ -113,6 +114,7 @@ class ControlClient:
         *,
         fallbacks: StepCounter | None = None,
         on_decisions: Callable[[Sequence[Decision]], None] | None = None,
+        on_outage: Callable[[bool], None] | None = None,
         reopen_initial_s: float = 0.1,
         reopen_max_s: float = 5.0,
         connect_wait_s: float = 0.0,
@@ -127,6 +129,7 @@ class ControlClient:
         self._worker = worker
         self._fallbacks: StepCounter = fallbacks if fallbacks is not None else _Uncounted()
         self._on_decisions = on_decisions
+        self._on_outage = on_outage
         self._reopen = (reopen_initial_s, reopen_max_s)
         self._delays = _delays(*self._reopen)
         self._clock = clock
@@ -249,6 +252,7 @@ class ControlClient:
                 error=why,
                 action="keeping the last plan / local heuristic; reconnecting with backoff",
             )
+            self._tell_outage(True)
 
     def _recovered(self) -> None:
         if self._in_outage:
@@ -258,6 +262,15 @@ class ControlClient:
                 worker=self._worker.worker_id,
                 fallback_steps=self.fallback_steps,
             )
+            self._tell_outage(False)
+
+    def _tell_outage(self, down: bool) -> None:
+        if self._on_outage is None:
+            return
+        try:
+            self._on_outage(down)
+        except Exception:  # telemetry must never fail a report
+            log.warning("outage_metrics_failed", exc_info=True)
 
 
 def describe(client: Any) -> dict[str, Any]:

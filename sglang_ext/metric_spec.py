@@ -167,6 +167,12 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
                caveat="Generation times, before token-deposit pacing"),
     MetricSpec("kvplane:control_plane_fallback_steps_total", "counter", "steps",
                "Steps reported without a live control plane (last plan or local heuristic)", scope="source"),
+    MetricSpec("kvplane:control_plane_degraded", "gauge", "0/1",
+               "1 from a report that could not reach a live control plane until one that does (the worker "
+               "runs on its last plan meanwhile)", scope="source"),
+    MetricSpec("kvplane:control_plane_outages_total", "counter", "outages",
+               "Control-plane outages seen by the worker (each begins with a report that could not reach it)",
+               scope="source"),
     # ---- the embedded controller (TP rank 0's process) ------------------------------------
     MetricSpec(EMBEDDED_METRIC_NAMES.triggers, "counter", "triggers", "Re-plan triggers by reason",
                scope="controller", label="reason", caveat="Embedded control plane only"),

@@ -170,6 +170,7 @@ class SchedulerHooks:
                 self.worker,
                 fallbacks=None if metrics is None else metrics.fallbacks,
                 on_decisions=None if metrics is None else metrics.decisions,
+                on_outage=None if metrics is None else metrics.outage,
                 connect_wait_s=CONNECT_WAIT_S if args.kv_control_plane != "embedded" else 0.0,
             )
             if metrics is not None:

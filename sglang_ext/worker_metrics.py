@@ -89,6 +89,8 @@ class WorkerMetrics:
                 self._one[spec.key] = metric.labels(**self.labels) if names else metric
         self._gauges: dict[str, float] = {}
         self._totals: dict[str, float] = {}
+        if source:  # written once so /metrics shows it before any outage (an unset gauge is not scraped)
+            self._set("control_plane_degraded", 0.0)
         self._pool: Any = None
         self._backend: Any = None
         self._seen_delta: Any = None
@@ -201,6 +203,13 @@ class WorkerMetrics:
             plans.inc()
             solve.observe(max(0.0, d.plan.solve_ms) / 1e3)
             self._set("window_steps", d.plan.window_steps)
+
+    def outage(self, down: bool) -> None:
+        """A control-plane outage began (``down``) or ended (the control client calls this on
+        both edges): the degraded gauge follows, the outages counter counts beginnings."""
+        self._set("control_plane_degraded", 1.0 if down else 0.0)
+        if down:
+            self._add("control_plane_outages_total", 1)
 
     def resumed(self, count: int) -> None:
         """Paused requests resumed outside a boundary (an abort reaching a paused request)."""

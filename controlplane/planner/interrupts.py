@@ -1,4 +1,4 @@
-"""How a search stage is cut short (shared by :mod:`.search` and :mod:`.branch_and_bound`)."""
+"""How a search stage is cut short (shared by :mod:`.placement_search` and :mod:`.branch_and_bound`)."""
 
 REL_EPS = 1e-12
 """Relative margin by which a plan must beat the incumbent to replace it."""

@@ -215,6 +215,48 @@ def test_plans_fallbacks_and_controller_counters_through_the_real_control_client
     assert type(bare._fallbacks).__name__ == "_Uncounted"
 
 
+def test_outages_set_the_degraded_gauge_and_count_through_the_real_control_client():
+    """Scenario: a real ControlClient on the embedded controller, wired like the scheduler wires
+    it, loses its session twice and gets it back once (its reopen backoff on a test clock). The
+    degraded gauge is 1 exactly while reports fall back, the outages counter counts beginnings;
+    negative control: a client not wired to the metrics falls back the same and moves nothing."""
+    metrics = make_metrics()
+    now = [0.0]
+    client = ControlClient(EmbeddedControlPlane(synchronous=True), _worker(), fallbacks=metrics.fallbacks,
+                           on_outage=metrics.outage, reopen_initial_s=10.0, reopen_max_s=10.0, clock=lambda: now[0])
+    seen = []
+    for step in range(1, 10):
+        if step in (3, 7):
+            client.session.close()  # the controller is gone: the next report falls back
+            client.report(_report(step, step))  # the session raises: dropped, reopened after 10 s
+        elif step == 5:
+            now[0] += 11.0  # past the backoff: the next report reopens and goes through
+            client.report(_report(step, step))
+        else:
+            client.report(_report(step, step))
+        seen.append((value(metrics, "kvplane:control_plane_degraded"),
+                     value(metrics, "kvplane:control_plane_outages_total")))
+    assert client.outages == 2 and client.in_fallback
+    assert seen == [(0, 0), (0, 0), (1, 1), (1, 1), (0, 1), (0, 1), (1, 2), (1, 2), (1, 2)], seen
+    # negative control: the same outage without on_outage leaves both at their start
+    quiet = make_metrics()
+    bare = ControlClient(EmbeddedControlPlane(synchronous=True), _worker("w1"), fallbacks=quiet.fallbacks)
+    bare.session.close()
+    bare.report(_report(1, 1))
+    assert bare.in_fallback and value(quiet, "kvplane:control_plane_fallback_steps_total") == 1
+    assert value(quiet, "kvplane:control_plane_degraded") == 0 and value(quiet, "kvplane:control_plane_outages_total") == 0
+
+
+def test_a_failing_outage_hook_never_fails_a_report():
+    """The outage hook is telemetry: one that raises is logged and the report still falls back."""
+    def broken(down: bool) -> None:
+        raise RuntimeError("metrics down")
+
+    client = ControlClient(EmbeddedControlPlane(synchronous=True), _worker(), on_outage=broken)
+    client.session.close()
+    assert client.report(_report(1, 1)) == [] and client.in_fallback and client.outages == 1
+
+
 def test_deposits_come_from_the_embedded_session():
     """The deposit gauge is the embedded controller's deposit balance summed over the reported
     requests (tokens generated faster than one per SLO interval are banked); with no session
