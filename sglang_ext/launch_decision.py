@@ -23,9 +23,11 @@ Rules (each one names what would break):
   capturing backend, or a ``--cuda-graph-config``, is refused.
 * **KV cache dtype.** Quantized KV caches (fp8, fp4, mxfp8) need scales the layered pool does not
   keep: refused (``auto`` / ``bf16`` only).
-* **Speculative decoding, pipeline parallelism, HiCache, disaggregation, DP attention**: refused
+* **Speculative decoding, pipeline parallelism, HiCache, disaggregation, DP attention, two-batch
+  overlap**: refused
   (the pool's KV copy for draft tokens, per-stage layer ranges, a second tier of its own,
-  transfer of the flat buffers, and per-rank batches inside one TP group are not implemented).
+  transfer of the flat buffers, per-rank batches inside one TP group, and padded half-batches
+  are not implemented).
   ``--dp-size`` replicas are served: each replica's scheduler is a worker of its own (worker id
   ``ID-dpD``, per-replica output files).
 * **Overlap scheduler.** ``--enable-layered-kv`` implies ``--disable-overlap-schedule`` unless
@@ -193,6 +195,12 @@ class LaunchDecision:
             )
         if values.get("enable_dp_attention") or int(values.get("attn_dp_size") or 1) > 1:
             raise LaunchRefused(DP_ATTENTION_REFUSED)
+        if values.get("enable_two_batch_overlap"):
+            raise LaunchRefused(
+                "--enable-two-batch-overlap: two-batch overlap splits and pads each batch "
+                "(ForwardBatch._pad_inputs_to_size), which the layered step tables do not follow; not "
+                "supported with --enable-layered-kv"
+            )
         mode = values.get("disaggregation_mode")
         if mode not in (None, "null"):
             raise LaunchRefused(

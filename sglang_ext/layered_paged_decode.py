@@ -23,6 +23,7 @@ Subclasses implement :meth:`decode_layer`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import structlog
@@ -52,6 +53,16 @@ def paged_extend_blocker(model: Any) -> str | None:
     return None
 
 
+def kernel_extend(kernel: bool, new: Sequence[int] | None, starts: int, lens: int) -> bool:
+    """Whether an extend step (``new``: its requests' new-token counts; None: not an extend) reads
+    the page tables through the paged-extend kernel: Triton runs here and SGLang did not pad the
+    batch's lengths -- ``ForwardBatch._pad_inputs_to_size`` (two-batch overlap, attention-TP
+    scatter) pads ``extend_seq_lens`` (``lens`` entries) but not ``extend_start_loc`` (``starts``).
+    Decided before the step's tables are built: a kernel extend builds no token tables, so the
+    torch-native path could not serve the step once they were skipped."""
+    return kernel and new is not None and starts == lens == len(new)
+
+
 class LayeredPagedDecode(LayeredTorchNativeAttnBackend):
     """Decode over the step's per-layer page tables (see module docstring)."""
 
@@ -75,7 +86,8 @@ class LayeredPagedDecode(LayeredTorchNativeAttnBackend):
         mode = forward_batch.forward_mode
         decode = mode.is_decode()
         new = forward_batch.extend_seq_lens_cpu if not decode and mode.is_extend() else None
-        extend = self.extend_kernel and new is not None
+        extend = new is not None and kernel_extend(self.extend_kernel, new, forward_batch.extend_start_loc.numel(),
+                                                   forward_batch.extend_seq_lens.numel())
         # decode and kernel extends read page tables; torch-native extends read token tables
         self.pool.token_tables = not decode and not extend
         super().init_forward_metadata(forward_batch)
@@ -83,10 +95,10 @@ class LayeredPagedDecode(LayeredTorchNativeAttnBackend):
         tables = self.pool.tables
         staged = tables is not None and tables.batch > 0 and not self.pool.overflow
         self._paged = decode and staged
-        # SGLang pads extend_seq_lens but not extend_start_loc for two-batch overlap / attention-TP
-        # scatter (ForwardBatch._pad_inputs_to_size): the kernel then reads the torch path's way
-        self._extend_paged = extend and staged and (
-            forward_batch.extend_start_loc.numel() == forward_batch.extend_seq_lens.numel() == tables.batch)
+        self._extend_paged = extend and staged
+        if self._extend_paged and tables.batch != len(new):
+            raise RuntimeError(f"kvplane layered extend: the step's tables hold {tables.batch} requests, SGLang's "
+                               f"extend {len(new)}; no token tables were built for the torch path")
         self._max_new = max(int(x) for x in new) if self._extend_paged else 0
 
     def new_step(self) -> None:

@@ -258,10 +258,15 @@ class CoreDriver:
         """SGLang's prefix dedupe after a prefill (``cache_unfinished_req``): the tree already
         holds ``src``'s first page for the same tokens, so ``rid``'s row is rewritten to it and
         ``rid``'s own copy freed. (Here the two pages' K/V differ: ``rid`` reads ``src``'s from
-        now on, as the rewritten row says.) False when it does not apply."""
+        now on, as the rewritten row says.) False when it does not apply -- also when ``rid``'s
+        first page is shared with another request: SGLang rewrites only a request's own unshared
+        slots (``RadixCache._insert_cache``: ``[cache_protected_len, prefix_len)``), so a shared
+        page never leaves a row while its other users keep it."""
         a, b = self.slots.get(src), self.slots.get(rid)
         ps = self.ps
         if rid == src or not a or not b or len(a) < ps or len(b) <= ps or a[0] // ps == b[0] // ps:
+            return False
+        if self._refs(b[0] // ps) > 1:
             return False
         old = b[0] // ps
         b[:ps] = a[:ps]

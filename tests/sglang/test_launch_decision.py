@@ -18,6 +18,7 @@ STOCK = {
     "pp_size": 1, "enable_hierarchical_cache": False, "disaggregation_mode": "null",
     "disable_overlap_schedule": False, "disable_cuda_graph": False, "page_size": None,
     "chunked_prefill_size": None, "enable_dp_attention": False, "attn_dp_size": 1, "dp_size": 1,
+    "enable_two_batch_overlap": False,
 }
 """SGLang 0.5.23's parsed defaults for these options (checked against the real parser in
 ``test_stock_values_are_sglang_defaults``)."""
@@ -111,6 +112,7 @@ def test_kv_overlap_schedule_on_keeps_sglangs_overlap_loop_and_says_so():
         ({"disaggregation_mode": "decode"}, "--disaggregation-mode decode"),
         ({"enable_dp_attention": True}, "--enable-dp-attention"),
         ({"attn_dp_size": 2}, "--attn-dp-size > 1"),
+        ({"enable_two_batch_overlap": True}, "--enable-two-batch-overlap"),
     ],
 )
 def test_unservable_options_are_refused_by_name(changes, names):
