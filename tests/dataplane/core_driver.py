@@ -262,9 +262,13 @@ class CoreDriver:
         first page is shared with another request: SGLang rewrites only a request's own unshared
         slots (``RadixCache._insert_cache``: ``[cache_protected_len, prefix_len)``), so a shared
         page never leaves a row while its other users keep it."""
-        a, b = self.slots.get(src), self.slots.get(rid)
+        return rid != src and self._rewrite_first_page(rid, self.slots.get(src))
+
+    def _rewrite_first_page(self, rid: str, a: list[int] | None) -> bool:
+        """``rid``'s first page replaced by the first page of slots ``a`` (see :meth:`rewrite_prefix`)."""
+        b = self.slots.get(rid)
         ps = self.ps
-        if rid == src or not a or not b or len(a) < ps or len(b) <= ps or a[0] // ps == b[0] // ps:
+        if not a or not b or len(a) < ps or len(b) <= ps or a[0] // ps == b[0] // ps:
             return False
         if self._refs(b[0] // ps) > 1:
             return False
