@@ -84,9 +84,6 @@ def test_request_rows_attainment() -> None:
     assert row["e2e_bound_ms"] == 1600.0 and row["ttft_met"] is False
 
 
-@pytest.mark.sglang
-@pytest.mark.slow
-@pytest.mark.timeout(DEMO_DEADLINE_S + 60)
 def _summary(flags: list[str]) -> dict:
     return {"model": "tiny", "device": "cpu", "launch_flags": flags, "slo_tbt_ms": 200.0, "slo_ttft_ms": 2000.0,
             "notes": [], "placement_lines": [], "events": [], "requests": [], "all_ok": True, "wall_s": 1.0,
@@ -105,6 +102,9 @@ def test_summary_says_the_control_plane_is_embedded_and_why_paced_streams_read_t
     assert "control plane: embedded" not in out and "streams are paced" not in out
 
 
+@pytest.mark.sglang
+@pytest.mark.slow
+@pytest.mark.timeout(DEMO_DEADLINE_S + 60)
 def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     """`kvplane demo` launches SGLang, serves the mixed workload, prints the summary, tears down."""
     pytest.importorskip("sglang")

@@ -19,6 +19,10 @@ from sglang_ext.dataplane.slot_results import RequestResidency
 LAYERS, HEADS, DIM, PAGE, PAGES = 3, 2, 4, 2, 33
 """Toy shapes: 33 logical pages of 2 tokens (page 0 is SGLang's padding page)."""
 
+KV_MISMATCH = r"^\('\w+', \d+\)$"
+"""``pytest.raises(AssertionError, match=KV_MISMATCH)``: the failure is one of the driver's K/V
+comparisons (message ``(rid, layer)``, inside a layer or at rest), not any other assertion."""
+
 
 def make_core(device_pages: int | None, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
               layers: int = LAYERS, pages: int = PAGES, page_size: int = PAGE,

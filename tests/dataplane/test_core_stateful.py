@@ -17,7 +17,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tests.dataplane.core_driver import LAYERS, PAGES, CoreDriver, make_core, offload_scenario
+from tests.dataplane.core_driver import (
+    KV_MISMATCH,
+    LAYERS,
+    PAGES,
+    CoreDriver,
+    make_core,
+    offload_scenario,
+)
 
 RIDS = ("a", "b", "c", "d")
 BIG = 2 * PAGES - 1
@@ -189,7 +196,7 @@ def test_the_scenario_fails_when_parked_tokens_do_not_reach_host(monkeypatch, br
         monkeypatch.setattr(TransferEngine, "d2h_rows", lambda self, *a, **k: None)
     else:
         monkeypatch.setattr(TokenWriteback, "park", lambda self, *a: None)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=KV_MISMATCH):
         offload_scenario(CoreDriver(make_core(PAGES + 6), seed=1))
 
 
@@ -207,5 +214,5 @@ def test_the_scenario_passes_and_fails_when_write_back_is_skipped(monkeypatch):
             self.writebacks = [None] * len(self.writebacks)
 
     monkeypatch.setattr(PagedStepTables, "__init__", no_writeback)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=KV_MISMATCH):
         offload_scenario(CoreDriver(make_core(PAGES + 6), seed=1))

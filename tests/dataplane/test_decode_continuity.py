@@ -10,7 +10,7 @@ import torch
 
 from sglang_ext.dataplane.decode_continuity import DecodeContinuity
 from sglang_ext.dataplane.ended_requests import EndedRequests
-from tests.dataplane.core_driver import PAGES, CoreDriver, make_core
+from tests.dataplane.core_driver import KV_MISMATCH, PAGES, CoreDriver, make_core
 
 LAYOUTS = {
     "identity": dict(budget=None, paged_reads=False),
@@ -102,7 +102,7 @@ def test_the_reads_fail_when_a_rewritten_row_is_not_forgotten(monkeypatch, layou
     read through page tables; the in-place identity layout reads by slot and has no list to go stale."""
     monkeypatch.setattr(EndedRequests, "take_rewritten", lambda self: set())
     d = _rewritten(layout)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=KV_MISMATCH):
         _decode(d, ["a", "b"])
 
 

@@ -17,7 +17,7 @@ import torch
 from sglang_ext.dataplane.decode_continuity import DecodeContinuity
 from sglang_ext.dataplane.identity_decode_tables import IdentityDecodeTables
 from sglang_ext.dataplane.step_tables import StepTables
-from tests.dataplane.core_driver import CoreDriver, make_core
+from tests.dataplane.core_driver import KV_MISMATCH, CoreDriver, make_core
 
 
 def _driver(seed: int = 3) -> tuple[CoreDriver, list[str]]:
@@ -99,7 +99,7 @@ def test_negative_control_a_table_missing_the_opened_page_is_caught(monkeypatch)
 
     monkeypatch.setattr(DecodeContinuity, "continued", forgetting)
     d, rids = _driver(6)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=KV_MISMATCH):
         for _ in range(8):
             d.step([(rid, 1) for rid in rids])
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
-from tests.dataplane.core_driver import LAYERS, PAGES, CoreDriver, make_core
+from tests.dataplane.core_driver import KV_MISMATCH, LAYERS, PAGES, CoreDriver, make_core
 
 ALL = [True] * LAYERS
 
@@ -112,14 +112,14 @@ def test_shared_prefix_pages_stay_exact_for_their_other_user(budget):
 
 @pytest.mark.parametrize("budget", [None, PAGES + 6])
 def test_negative_control_corrupted_recompute_is_caught(budget):
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=KV_MISMATCH):
         _scenario(make_core(budget), 2, LAYERS, corrupt=True)
 
 
 def test_negative_control_a_missing_recompute_write_is_caught(monkeypatch):
     """Transient pages read before anything was recomputed into them: the in-layer read fails."""
     monkeypatch.setattr(LayeredKVCore, "write_recompute", lambda self, layer, k, v: 0)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=KV_MISMATCH):
         _scenario(make_core(PAGES + 6), 2, LAYERS)
 
 

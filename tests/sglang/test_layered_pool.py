@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -395,9 +396,12 @@ def test_unplanned_wants_leave_the_decision_to_the_local_fallback():
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
-@given(ops=st.lists(op, min_size=1, max_size=25), budget=st.sampled_from([4, 12, MIN_BUDGET, 72, 200, None]))
+@given(ops=st.lists(op, min_size=1, max_size=25), budget=st.sampled_from([4, MIN_BUDGET, 72, 200, None]))
 def test_append_fast_path_places_exactly_what_the_full_pass_would(ops, budget):
-    """Residency after every step is the same with and without the append-only fast path."""
+    """Residency after every step is the same with and without the append-only fast path, at
+    every budget but 12 tokens (6 pages), where the two are known to differ (both exact):
+    ``test_layered_pool_fast_path.py::test_append_fast_path_matches_the_full_pass_under_a_tiny_budget``,
+    a strict xfail. (300 random draws per budget found no difference at the others, session 41.)"""
     fast, full = make_pool(budget_tokens=budget), make_pool(budget_tokens=budget)
     full.residency._reconcile_appended = lambda: None
     hf, hs = Harness(fast), Harness(full)
@@ -427,8 +431,21 @@ def test_identity_layout_reads_in_place_exactly_what_the_gather_returns():
     assert torch.equal(pool.store.map_cpu[layers, pages].long(), layers * p + pages)
     pool.update_residency({"a": wants(pool, h, "a", (True, False, True))})
     assert not pool.store.resident_mask()[1, [s // PAGE for s in h.slots["a"]]].any()
+    seen = {}
+    enter = pool.enter_layer
+
+    def entered(layer: int) -> None:  # inside the step: where its tables put each layer-page
+        enter(layer)
+        tables = pool.core.tables
+        seen[layer] = (tables.tab.cpu().numpy().copy(), np.array(tables.pages),
+                       pool.store.map_np[:, tables.pages] < 0)
+
+    pool.enter_layer = entered
     h.step("a", 2)  # layer 1 staged at its identity pages, new tokens written back to host
-    assert pool.pipeline.layer_waits >= 0 and pool.store.host_write_bytes > 0
+    tab, pages, host = seen[1]
+    assert host[1].all() and not host[[0, 2]].any()  # a's layer 1 is host-only during the step
+    assert np.array_equal(tab, pool.store.identity_ids(pages))  # ... and read at its identity page
+    assert pool.store.host_write_bytes > 0
     h.check()
 
 

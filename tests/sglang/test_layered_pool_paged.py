@@ -83,27 +83,38 @@ def test_paged_views_with_staging_equal_dense_attention(budget):
 def test_staging_room_is_made_by_evicting_and_loses_nothing():
     """Scenario: the device is full when a step needs staging pages (the boundary's reserve did
     not foresee them): room is made from prefix-cache pages nobody uses first, then from live
-    requests outside the batch, then from the batch itself, highest layer first; KV stays exact
-    and the next boundary sees the evicted wants as changed."""
+    requests outside the batch, then from the batch itself, highest layer first, whole layers of
+    one request at a time; KV stays exact and the next boundary sees the evicted wants as
+    changed. Each stage is checked against the state before it."""
     pool = make_pool(budget_tokens=MIN_BUDGET)  # 33 device pages
     h = Harness(pool, seed=5)
     h.step("a", 8)  # 4 pages x 3 layers
-    h.step("b", 14)  # 7 pages x 3 layers: 33 used
-    h.step("c", 2)  # 1 page: reserved room forces the local fallback to offload somewhere
-    used = pool.store.allocator.used_count
-    c_pages = sorted({s // 2 for s in h.slots["c"]})
+    h.step("b", 8)  # 4 pages x 3 layers
+    h.step("c", 2)  # 1 page x 3 layers: 27 used, all resident
+    pages = {rid: sorted({s // 2 for s in h.slots[rid]}) for rid in ("a", "b", "c")}
+
+    def layers_on(rid: str) -> list[int]:  # resident pages per layer
+        return pool.store.resident_mask()[:, pages[rid]].sum(dim=1).tolist()
+
+    assert [layers_on(r) for r in "abc"] == [[4, 4, 4], [4, 4, 4], [1, 1, 1]]
+    assert pool.store.allocator.used_count == 27
     pool.release_request("c")  # finished, its page stays in the prefix cache
     h.slots.pop("c")
-    assert pool.room.make_room(pool.store.allocator.free_count + 2, batch={"a"})
-    assert not pool.store.resident_mask()[:, c_pages].any() or pool.room.evicted_layer_pages >= 2
-    b_pages = sorted({s // 2 for s in h.slots["b"]})
-    before = pool.room.evicted_layer_pages
-    assert pool.room.make_room(pool.store.allocator.free_count + 3, batch={"a"})
-    assert pool.room.evicted_layer_pages - before >= 3  # whole layers of one request at a time
-    resident = pool.store.resident_mask()
-    assert not resident[2, b_pages].any()  # "b" (outside the batch) gave up its top layer
-    assert resident[:, sorted({s // 2 for s in h.slots["a"]})].all()  # the batch kept everything
-    assert pool.store.allocator.used_count < used
+
+    def room(more: int) -> int:
+        before = pool.room.evicted_layer_pages
+        assert pool.room.make_room(pool.store.allocator.free_count + more, batch={"a"})
+        return pool.room.evicted_layer_pages - before
+
+    assert room(3) == 3  # the cached page, at every layer, and nothing else
+    assert [layers_on(r) for r in "abc"] == [[4, 4, 4], [4, 4, 4], [0, 0, 0]]
     assert pool.residency._changed
+    assert room(2) == 4  # then "b" (outside the batch): its whole top layer
+    assert [layers_on(r) for r in "ab"] == [[4, 4, 4], [4, 4, 0]]
+    assert room(8) == 8  # the rest of "b", top down, before the batch gives anything
+    assert [layers_on(r) for r in "ab"] == [[4, 4, 4], [0, 0, 0]]
+    assert room(2) == 4  # only then the batch itself, its top layer first
+    assert [layers_on(r) for r in "ab"] == [[4, 4, 0], [0, 0, 0]]
+    assert pool.store.allocator.used_count == 8
     h.check()
     check_map(pool)

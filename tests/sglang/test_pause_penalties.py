@@ -115,12 +115,11 @@ def test_penalty_state_survives_pause_and_resume():
 
 def test_a_shared_orchestrator_does_not_survive():
     """Negative control: the paused row and the running batch sharing one orchestrator (filtered
-    twice, for two batches) do not give the unpaused state."""
-    try:
-        got = _paused_run(_split_shared)
-    except (RuntimeError, IndexError, AttributeError, KeyError):
-        return  # broken outright, as the server died
-    assert not torch.equal(got, _unpaused_reference())
+    twice, for two batches) break the state outright: SGLang's penalizer indexes rows the second
+    filter no longer has (what killed the server before the split), inside SGLang's code."""
+    with pytest.raises(IndexError, match="out of bounds") as err:
+        _paused_run(_split_shared)
+    assert any("sglang/srt/sampling/penaltylib" in entry.path.as_posix() for entry in err.traceback), err.traceback
 
 
 def test_a_batch_without_penalties_splits_and_merges_into_one_with_them():

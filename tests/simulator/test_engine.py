@@ -1,6 +1,8 @@
 """Engine invariants: nothing lost, tokens conserved, memory within budget, deposits sane,
 determinism under a seed."""
 
+import dataclasses
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -34,11 +36,53 @@ def check_invariants(res, trace):
     assert all(s.used_blocks <= budget for s in res.step_log)
 
 
+def _offloaded_rows(res) -> int:
+    """Decode rows that ran with at least one layer in host memory."""
+    return sum(1 for s in res.step_log for row in s.rows.values() if 0 in row)
+
+
+MECHANISM = {
+    # policy: (what its mechanism is, how a run shows it fired)
+    "no-offload": ("recompute preemption", lambda res: sum(r.preemptions for r in res.requests) > 0),
+    "no-offload-swap": ("swap preemption", lambda res: sum(r.preemptions for r in res.requests) > 0),
+    "deepspeed": ("offload", lambda res: _offloaded_rows(res) > 0),
+    "dynamic-heuristic": ("offload", lambda res: _offloaded_rows(res) > 0),
+    "ellm": ("partial caching (uncached prefix recomputed)", lambda res: any(r.uncached_ratio > 0 for r in res.requests)),
+    "layerkv": ("layer-wise offload", lambda res: _offloaded_rows(res) > 0),
+    "lvf": ("rotation (preempt and resume)", lambda res: sum(r.preemptions for r in res.requests) > 0),
+    "orbitflow": ("offload and pause", lambda res: _offloaded_rows(res) > 0 and sum(r.pauses for r in res.requests) > 0),
+    "kvplane": ("offload and pause", lambda res: _offloaded_rows(res) > 0 and sum(r.pauses for r in res.requests) > 0),
+}
+
+
 @pytest.mark.parametrize("policy", ENGINE_POLICIES)
 def test_invariants_hold_for_each_engine_mechanism(policy):
-    """Invariants hold for recompute/swap preemption, offload, eLLM, LayerKV, LVF, OrbitFlow."""
-    prof, trace = small_trace(n=6, seed=2, rate=6.0)
-    check_invariants(run(policy, prof, trace), trace)
+    """Invariants hold for recompute/swap preemption, offload, eLLM, LayerKV, LVF, OrbitFlow --
+    on a trace loaded enough (16 requests at 10/s) that each policy's mechanism fires in the run."""
+    prof, trace = small_trace(n=16, seed=2, rate=10.0)
+    res = run(policy, prof, trace)
+    what, fired = MECHANISM[policy]
+    assert fired(res), f"{policy}: its {what} never happened on this trace"
+    check_invariants(res, trace)
+
+
+@pytest.mark.parametrize("break_it", ["budget", "token", "order"])
+def test_check_invariants_fails_on_a_broken_result(break_it):
+    """Negative control of the invariants: a step above the budget, a lost token, or tokens out
+    of order each fail the check that passes on the same run untouched."""
+    prof, trace = small_trace(n=16, seed=2, rate=10.0)
+    res = run("orbitflow", prof, trace)
+    check_invariants(res, trace)
+    victim = next(r for r in res.requests if r.state == FINISHED and len(r.gen_ms) > 2)
+    if break_it == "budget":
+        i = len(res.step_log) // 2
+        res.step_log[i] = dataclasses.replace(res.step_log[i], used_blocks=res.profile.gpu_kv_budget_blocks + 1)
+    elif break_it == "token":
+        victim.gen_ms.pop()
+    else:
+        victim.gen_ms[0], victim.gen_ms[1] = victim.gen_ms[1] + 1.0, victim.gen_ms[0]
+    with pytest.raises(AssertionError):
+        check_invariants(res, trace)
 
 
 @pytest.mark.parametrize("policy", ["orbitflow", "dynamic-heuristic", "no-offload"])
@@ -48,6 +92,9 @@ def test_same_seed_same_result(policy):
     a = compute_metrics(run(policy, prof, trace)).to_dict()
     b = compute_metrics(run(policy, prof, trace)).to_dict()
     assert a == b
+    # control: another seed's trace gives other metrics (the comparison can fail)
+    prof4, trace4 = small_trace(n=5, seed=4)
+    assert compute_metrics(run(policy, prof4, trace4)).to_dict() != a
 
 
 def test_no_offload_rejects_what_can_never_fit():
