@@ -67,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"--batch: cannot read {args.batch!r}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except UnicodeDecodeError as exc:
+        print(f"--batch: {args.batch!r} is not UTF-8 text (byte {exc.start}): expected JSON", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except json.JSONDecodeError as exc:
         print(f"--batch: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -148,9 +148,14 @@ class Planner:
         victims = self._victim_order(
             batch, victim_rule, random.Random(seed) if victim_rule == "random" else None
         )
-        reqs = tuple(batch.requests)
-        paused: list[str] = []
-        by_bound: list[bool] = []  # per pause: decided by the bound alone (no search)
+        # Pause without searching while a valid bound proves that no assignment works: the
+        # fewest leading victims whose pausing lets the bound allow the rest, found in
+        # O(log R) bound evaluations (one pause at a time was O(R) evaluations of O(R) each).
+        k = self._bound_prefix(batch, victims)
+        gone = {id(v) for v in victims[:k]}
+        reqs = tuple(r for r in batch.requests if id(r) not in gone)
+        paused: list[str] = [v.id for v in victims[:k]]
+        by_bound: list[bool] = [True] * k  # per pause: decided by the bound alone (no search)
         chosen: Solved | None = None
         hint: dict[str, int] = {}
         while reqs:
@@ -223,6 +228,32 @@ class Planner:
             return total
         volume = excess + min(blocks)
         return max(total, volume / batch.bw_blocks_per_ms + comp[-1])
+
+    def _bound_prefix(self, batch: Batch, victims: Sequence[RequestSpec]) -> int:
+        """The fewest leading ``victims`` whose pausing lets :meth:`_bound_allows` (layouts only)
+        allow the rest, by bisection: pausing more lowers the memory, the offloaded volume's
+        bound and every late share, so the bound's verdict turns from no to yes once. (The one
+        term that can rise is the staging of the smallest request: pausing it, when the next
+        smallest holds more than ``L + 1`` times its blocks, can raise the volume's bound. The
+        victims come largest first, so that is near the end of the order; there bisection may
+        pause one more request than pausing one at a time would, never a plan that does not
+        fit: the searches after it decide.)"""
+
+        def allows(k: int) -> bool:
+            gone = {id(v) for v in victims[:k]}
+            return self._bound_allows(batch, tuple(r for r in batch.requests if id(r) not in gone),
+                                      layouts_only=True)
+
+        if allows(0):
+            return 0
+        lo, hi = 0, len(victims)  # no request left: nothing to bound, always allowed
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if allows(mid):
+                hi = mid
+            else:
+                lo = mid
+        return hi
 
     def _bound_allows(
         self, batch: Batch, reqs: tuple[RequestSpec, ...], *, layouts_only: bool = False
@@ -391,7 +422,8 @@ class Planner:
         about to finish (:data:`FINISHING_TOKENS`) last, in the same order among themselves."""
         order = cls._rule_order(batch, rule, rng)
         finishing = [r for r in order if about_to_finish(r.remaining_tokens)]
-        return [r for r in order if r not in finishing] + finishing
+        last = {id(r) for r in finishing}
+        return [r for r in order if id(r) not in last] + finishing
 
     @classmethod
     def _rule_order(cls, batch: Batch, rule: str, rng: random.Random | None) -> list[RequestSpec]:

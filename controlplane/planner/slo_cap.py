@@ -61,6 +61,8 @@ def late_fraction(reqs: Sequence[RequestSpec], step_ms: float, window: int) -> f
     ``D >= Δ (T / slo_r - 1)``. (The earlier form ``1 - slo_r / T - deposit_r / Δ`` counted
     one token per late step and over-credited the deposit by the factor ``T / slo_r``.)
     """
+    if step_ms <= 0.0:  # a step of no time (a profile of zeros) is late for nobody
+        return 0.0
     return sum(max(0.0, 1.0 - covered_step_ms(r, window) / step_ms) for r in reqs)
 
 

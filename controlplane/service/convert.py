@@ -48,6 +48,11 @@ def _check_len(items: Any, path: str, limit: int = MAX_ENTRIES) -> None:
         raise _invalid(path, f"has {len(items)} entries (allowed at most {limit})")
 
 
+MAX_STEP = 2**62
+"""Largest report step accepted: decisions add their window and expiry to it (``apply_at_step``,
+``expiry_step``), which must stay int64 on the wire."""
+
+
 def _check_int(value: int, path: str, lo: int, hi: int = _INT64_MAX) -> int:
     if not lo <= value <= hi:
         bound = f">= {lo}" if hi == _INT64_MAX else f"[{lo}, {hi}]"
@@ -315,7 +320,7 @@ def _finite_ge(x: float, lo: float) -> bool:
 
 def _step_report_fast(msg: pb.StepReport) -> api.StepReport | None:
     """The report when every field is valid, else None (same rules as the checked path)."""
-    if msg.step < 0 or not _finite_ge(msg.now_ms, 0.0):
+    if not 0 <= msg.step <= MAX_STEP or not _finite_ge(msg.now_ms, 0.0):
         return None
     running_msgs, queued_msgs, finished = msg.running, msg.queued, tuple(msg.finished)
     layer_ms = tuple(msg.layer_compute_ms)
@@ -379,7 +384,7 @@ def _step_report_fast(msg: pb.StepReport) -> api.StepReport | None:
 
 def _step_report_checked(msg: pb.StepReport, prefix: str) -> api.StepReport:
     """The slow, path-naming validation (raises InvalidArgument on the first bad field)."""
-    _check_int(msg.step, f"{prefix}.step", 0)
+    _check_int(msg.step, f"{prefix}.step", 0, MAX_STEP)
     _check_num(msg.now_ms, f"{prefix}.now_ms", 0.0)
     for name, items in (
         ("running", msg.running),

@@ -114,7 +114,7 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
                 self._pump = None
                 watchers = list(self._watchers)
             for q in watchers:
-                q.put(_STOP)
+                _stop(q)
 
     def _broadcast(self, policy: Policy) -> None:
         self._metrics.policy_version.set(policy.version)
@@ -136,7 +136,7 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
         with self._lock:
             watchers = list(self._watchers)
         for q in watchers:
-            q.put(_STOP)
+            _stop(q)
 
     def WatchPolicy(
         self, request: pb.WatchPolicyRequest, context: grpc.ServicerContext
@@ -150,7 +150,7 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
                     f"(limit max_watchers = {self._max_watchers})"
                 )
             self._watchers.add(q)
-        context.add_callback(lambda: q.put(_STOP))
+        context.add_callback(lambda: _stop(q))  # on gRPC's event thread: must never block
         self._ensure_pump()
         try:
             last = self._cp.get_policy()
@@ -177,3 +177,14 @@ def _drain(q: queue.Queue[Any]) -> None:
             q.get_nowait()
         except queue.Empty:
             return
+
+
+def _stop(q: queue.Queue[Any]) -> None:
+    """End a watch without blocking: a full queue (a watcher that stopped reading) is drained
+    first -- its policies are moot once the watch ends."""
+    while True:
+        try:
+            q.put_nowait(_STOP)
+            return
+        except queue.Full:
+            _drain(q)

@@ -214,6 +214,13 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
                 self._metrics.sessions.dec()
                 log.info("session_closed", session=session_id, worker=worker_id, peer=peer)
 
+        def vanished() -> None:
+            # gRPC runs this on the server's one event thread: it only signals and closes on a
+            # thread of its own (a report in flight holds the session's lock; waiting for it
+            # there would stall every RPC of the server)
+            outbox.end()
+            threading.Thread(target=cleanup, name=f"kvplane-close-{session_id}", daemon=True).start()
+
         try:
             first = next(request_iterator, None)
             if first is None:
@@ -229,7 +236,7 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
             self._metrics.sessions.inc()
             if self._notifier is not None:
                 self._notifier.register(worker_id, wake)
-            context.add_callback(cleanup)  # the peer vanished while we were blocked elsewhere
+            context.add_callback(vanished)  # the peer vanished while we were blocked elsewhere
             log.info("session_opened", session=session_id, worker=worker_id, peer=peer)
             yield pb.SessionReply(session_id=session_id)
             reader = threading.Thread(

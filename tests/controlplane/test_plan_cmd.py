@@ -70,3 +70,14 @@ def test_missing_field_and_bad_json_exit_2(tmp_path):
     assert out.returncode == 2 and "hardware.h2d_gbps" in out.stderr
     out = kvplane(tmp_path, "{not json")
     assert out.returncode == 2 and "invalid JSON" in out.stderr
+
+
+def test_a_file_that_is_not_utf8_exits_2_naming_it(tmp_path):
+    """Bytes that are not UTF-8 (a binary file passed by mistake) exit 2 with a message, not a
+    traceback; control: the same bytes' UTF-8 prefix parses as far as JSON goes."""
+    path = tmp_path / "batch.json"
+    path.write_bytes(b'{"model": \xff\xfe}')
+    out = subprocess.run([sys.executable, "-m", "kvplane.cli", "plan", "--batch", str(path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "not UTF-8 text (byte 10)" in out.stderr and "Traceback" not in out.stderr
+    assert "invalid JSON" in kvplane(tmp_path, '{"model": }').stderr

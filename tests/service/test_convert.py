@@ -132,7 +132,8 @@ def test_policy_round_trip_and_partial_changes() -> None:
 @pytest.mark.parametrize(
     ("mutate", "field", "fragment"),
     [
-        (lambda m: setattr(m, "step", -1), "report.step", "allowed >= 0"),
+        (lambda m: setattr(m, "step", -1), "report.step", "allowed [0, 4611686018427387904]"),
+        (lambda m: setattr(m, "step", 2**63 - 1), "report.step", "allowed [0, 4611686018427387904]"),
         (lambda m: setattr(m, "now_ms", math.nan), "report.now_ms", "not finite"),
         (lambda m: m.running.add(id="a", context_tokens=0), "report.running[0].context_tokens", "allowed >= 1"),
         (lambda m: m.running.add(id="", context_tokens=5), "report.running[0].id", "non-empty"),
@@ -150,6 +151,17 @@ def test_step_report_validation_names_field(mutate, field: str, fragment: str) -
         convert.step_report_from_proto(msg)
     assert str(info.value).startswith(field + ":"), str(info.value)
     assert fragment in str(info.value)
+
+
+def test_steps_past_max_step_are_refused() -> None:
+    """A report at MAX_STEP (2^62: a decision adds at most a window of 10^6 steps to it and stays
+    int64 on the wire) is accepted; the step after it is refused naming the field (before, a step
+    near 2^63 was accepted and its decision's int64 overflow ended the stream INTERNAL)."""
+    msg = pb.StepReport(step=convert.MAX_STEP, now_ms=1.0)
+    assert convert.step_report_from_proto(msg).step == convert.MAX_STEP
+    msg.step = convert.MAX_STEP + 1
+    with pytest.raises(api.InvalidArgument, match=r"^report\.step: "):
+        convert.step_report_from_proto(msg)
 
 
 def test_duplicate_running_ids_rejected() -> None:
