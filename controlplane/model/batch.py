@@ -273,6 +273,12 @@ class Batch:
             if r.id in seen:
                 raise SchemaError(f"requests[{i}].id", f"duplicate id {r.id!r}")
             seen.add(r.id)
+        if not self.bw_blocks_per_ms > 0:  # each positive, their ratio may still underflow
+            raise SchemaError(
+                "hardware.h2d_gbps",
+                f"{self.hardware.h2d_gbps} GB/s moves no block of model.block_bytes = "
+                f"{self.model.block_bytes} in a millisecond (the link rounds to 0 blocks/ms)",
+            )
 
     @property
     def bw_blocks_per_ms(self) -> float:

@@ -1,6 +1,7 @@
 """Layered paged attention over the served core's step tables equals dense attention over the
 shadow KV, for random placements, decode and extend alike (fp32, atol 1e-5)."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -75,3 +76,27 @@ def test_dense_attention_single_key_returns_value() -> None:
     out = dense_attention(torch.randn(1, 4, 4), k, v)
     torch.testing.assert_close(out[0, :2], v[0, :1].expand(2, 4))
     torch.testing.assert_close(out[0, 2:], v[0, 1:].expand(2, 4))
+
+
+@pytest.mark.parametrize(("nq", "n", "hq", "hkv"), [(1, 37, 8, 2), (5, 37, 8, 2), (9, 9, 4, 4), (3, 20, 6, 1)])
+def test_dense_attention_equals_torch_sdpa(nq, n, hq, hkv):
+    """The reference every layered path is graded against, against torch's own attention: causal
+    queries at the last nq positions, GQA, several keys, default and explicit scales. Controls:
+    a wrong scale and a mask shifted by one position both differ."""
+    gen = torch.Generator().manual_seed(nq * 100 + n)
+    q, k, v = (torch.randn(x, h, 16, generator=gen) for x, h in ((nq, hq), (n, hkv), (n, hkv)))
+    group = hq // hkv
+    kq, vq = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    mask = torch.arange(n)[None, :] <= torch.arange(n - nq, n)[:, None]  # [nq, n] True: attend
+
+    def sdpa(scale: float | None, attend: torch.Tensor) -> torch.Tensor:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), kq.transpose(0, 1), vq.transpose(0, 1), attn_mask=attend, scale=scale)
+        return out.transpose(0, 1)
+
+    torch.testing.assert_close(dense_attention(q, k, v), sdpa(None, mask), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dense_attention(q, k, v, sm_scale=0.3), sdpa(0.3, mask), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(dense_attention(q, k, v, sm_scale=0.3), sdpa(None, mask), atol=1e-3)
+    if nq > 1:  # a mask one position later lets an earlier query see its next key
+        shifted = torch.arange(n)[None, :] <= torch.arange(n - nq, n)[:, None] + 1
+        assert not torch.allclose(dense_attention(q, k, v), sdpa(None, shifted), atol=1e-3)

@@ -153,6 +153,27 @@ def test_step_report_validation_names_field(mutate, field: str, fragment: str) -
     assert fragment in str(info.value)
 
 
+def test_a_link_that_moves_no_block_per_ms_is_refused() -> None:
+    """h2d_gbps 1e-320 with the largest block: each field in range, their ratio 0 blocks/ms (the
+    planner divided by it). Refused at the hello and in a batch, naming h2d_gbps; control: 1e-3 GB/s
+    passes both."""
+    from controlplane.model import Batch, SchemaError
+
+    hello = pb.WorkerInfo(worker_id="w", model=pb.ModelSpec(layers=2, block_size=16, block_bytes=2**63 - 1),
+                          hardware=pb.Hardware(gpu_kv_budget_blocks=10, h2d_gbps=1e-320),
+                          profile=pb.Profile(layer_compute_ms=[0.5]))
+    with pytest.raises(api.InvalidArgument, match=r"^hello\.hardware\.h2d_gbps: "):
+        convert.worker_info_from_proto(hello)
+    batch = {"model": {"layers": 2, "block_size": 16, "block_bytes": 2**63 - 1},
+             "hardware": {"gpu_kv_budget_blocks": 10, "h2d_gbps": 1e-320}, "profile": {"layer_compute_ms": 0.5},
+             "requests": [{"id": "a", "context_tokens": 10, "slo_tbt_ms": 100.0}]}
+    with pytest.raises(SchemaError, match="hardware.h2d_gbps"):
+        Batch.from_dict(batch)
+    hello.hardware.h2d_gbps = batch["hardware"]["h2d_gbps"] = 1e-3
+    assert convert.worker_info_from_proto(hello).hardware.h2d_gbps == 1e-3
+    assert Batch.from_dict(batch).bw_blocks_per_ms > 0
+
+
 def test_steps_past_max_step_are_refused() -> None:
     """A report at MAX_STEP (2^62: a decision adds at most a window of 10^6 steps to it and stays
     int64 on the wire) is accepted; the step after it is refused naming the field (before, a step
