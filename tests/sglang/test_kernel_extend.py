@@ -12,8 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_ext.layered_paged_decode import kernel_extend
 from tests.dataplane.core_driver import CoreDriver, make_core
+
+pytest.importorskip("sglang")  # sglang_ext.layered_paged_decode imports SGLang's backend at module level
+from sglang_ext.layered_paged_decode import kernel_extend  # noqa: E402
 
 
 @pytest.mark.parametrize(
