@@ -86,8 +86,8 @@ class LayeredPagedDecode(LayeredTorchNativeAttnBackend):
         mode = forward_batch.forward_mode
         decode = mode.is_decode()
         new = forward_batch.extend_seq_lens_cpu if not decode and mode.is_extend() else None
-        extend = new is not None and kernel_extend(self.extend_kernel, new, forward_batch.extend_start_loc.numel(),
-                                                   forward_batch.extend_seq_lens.numel())
+        extend = self.extend_kernel and new is not None and kernel_extend(
+            True, new, forward_batch.extend_start_loc.numel(), forward_batch.extend_seq_lens.numel())
         # decode and kernel extends read page tables; torch-native extends read token tables
         self.pool.token_tables = not decode and not extend
         super().init_forward_metadata(forward_batch)
