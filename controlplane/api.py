@@ -43,6 +43,11 @@ class Unauthenticated(ControlPlaneError):
     """A policy write without the right bearer token (UNAUTHENTICATED)."""
 
 
+class PermissionDenied(ControlPlaneError):
+    """The caller may not act on what it named: another client certificate holds that worker
+    id's live session (PERMISSION_DENIED)."""
+
+
 class Unavailable(ControlPlaneError):
     """The control plane cannot be reached or is shutting down (UNAVAILABLE)."""
 

@@ -19,6 +19,7 @@ _TO_STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (SchemaError, grpc.StatusCode.INVALID_ARGUMENT),
     (api.NotFound, grpc.StatusCode.NOT_FOUND),
     (api.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (api.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (api.Unavailable, grpc.StatusCode.UNAVAILABLE),
     (api.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
 )
@@ -27,6 +28,7 @@ _FROM_STATUS: dict[grpc.StatusCode, type[api.ControlPlaneError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: api.InvalidArgument,
     grpc.StatusCode.NOT_FOUND: api.NotFound,
     grpc.StatusCode.UNAUTHENTICATED: api.Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: api.PermissionDenied,
     grpc.StatusCode.RESOURCE_EXHAUSTED: api.ResourceExhausted,
     grpc.StatusCode.UNAVAILABLE: api.Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: api.Unavailable,

@@ -157,6 +157,35 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
         self._ids = itertools.count(1)
         self._notifier = notifier
         self._idle_check_s = idle_check_s
+        self._owners: dict[str, tuple[str, _LiveSession]] = {}
+        """worker id -> (the caller's identity, its live session): under mTLS a worker id belongs
+        to the client certificate whose session holds it (:meth:`_claim`)."""
+        self._owners_lock = threading.Lock()
+
+    def _claim(self, worker_id: str, peer: str) -> None:
+        """Refuse a hello for a worker id whose live session another client certificate holds.
+        Without mTLS the caller is an address that changes with every reconnect, so nothing is
+        checked (a reconnect replaces the old session, as the control plane does)."""
+        with self._owners_lock:
+            owner = self._owners.get(worker_id)
+        if owner is None or owner[1].closed or owner[0] == peer:
+            return
+        if owner[0].startswith("cn=") and peer.startswith("cn="):
+            raise api.PermissionDenied(
+                f"hello.worker_id: {worker_id!r} has a live session of another client certificate "
+                f"({owner[0]}); a worker id belongs to one certificate while its session lives"
+            )
+
+    def _own(self, worker_id: str, peer: str, live: _LiveSession) -> None:
+        with self._owners_lock:
+            self._owners[worker_id] = (peer, live)
+
+    def _disown(self, worker_id: str, live: _LiveSession) -> None:
+        """Forget the holder of ``worker_id`` if it is still ``live`` (a reconnect replaced it)."""
+        with self._owners_lock:
+            owner = self._owners.get(worker_id)
+            if owner is not None and owner[1] is live:
+                del self._owners[worker_id]
 
     def _forget(self, worker_id: str, live: _LiveSession) -> None:
         """Drop the control plane's record of this worker's session if it is still ours.
@@ -211,6 +240,7 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
                 if self._notifier is not None:
                     self._notifier.unregister(worker_id, wake)
                 self._forget(worker_id, live)
+                self._disown(worker_id, live)
                 self._metrics.sessions.dec()
                 log.info("session_closed", session=session_id, worker=worker_id, peer=peer)
 
@@ -232,7 +262,9 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
                 )
             info = convert.worker_info_from_proto(first.hello)
             worker_id = info.worker_id
+            self._claim(worker_id, peer)
             live = _LiveSession(self._cp.open_session(info))
+            self._own(worker_id, peer, live)
             self._metrics.sessions.inc()
             if self._notifier is not None:
                 self._notifier.register(worker_id, wake)

@@ -9,6 +9,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from controlplane import api
+from controlplane.service import convert
 from controlplane.service.client import ClientTLS
 from controlplane.service.server import ServerConfig, TLSConfig
 from kvplane.v1 import controlplane_pb2 as pb
@@ -123,3 +124,38 @@ def test_plaintext_health_port_under_mtls(serve, pki) -> None:  # type: ignore[n
         with pytest.raises(grpc.RpcError) as info:
             pb_grpc.PolicyServiceStub(ch).GetPolicy(pb.GetPolicyRequest(), timeout=5)
         assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED  # only health is exposed there
+
+
+def _tls_channel(port: int, pair, pki) -> grpc.Channel:  # type: ignore[no-untyped-def]
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=pki["ca"].cert_pem, private_key=pair.key_pem, certificate_chain=pair.cert_pem
+    )
+    return grpc.secure_channel(f"localhost:{port}", creds)
+
+
+def test_a_worker_id_belongs_to_the_certificate_holding_its_session(mtls_server, connect, pki) -> None:  # type: ignore[no-untyped-def]
+    """Under mTLS another client certificate cannot take a live worker id over (before, its hello
+    closed the worker's session and the two flapped): PERMISSION_DENIED naming the holder, and
+    the worker keeps streaming. Control: the same certificate (the worker restarted) still
+    replaces its own session."""
+    tls = ClientTLS(
+        root_certificates=pki["ca"].cert_pem,
+        private_key=pki["worker"].key_pem,
+        cert_chain=pki["worker"].cert_pem,
+    )
+    client = connect(f"localhost:{mtls_server.port}", tls=tls, token=TOKEN)
+    session = client.open_session(worker_info("w-shared"))
+    assert session.wait_connected(10)
+    hello = pb.WorkerMessage(hello=convert.worker_info_to_proto(worker_info("w-shared")))
+    intruder = pki["ca"].issue("worker-8", server=False)
+    with _tls_channel(mtls_server.port, intruder, pki) as ch:
+        with pytest.raises(grpc.RpcError) as info:
+            list(pb_grpc.ControlPlaneStub(ch).Session(iter([hello]), timeout=5))
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, info.value
+    assert "cn=worker-7" in info.value.details()
+    session.report(step_report(0, {"r": 300}))
+    assert wait_until(lambda: session.stats.decisions_received >= 1, 10)
+    assert session.stats.reconnects == 0
+    with _tls_channel(mtls_server.port, pki["worker"], pki) as ch:
+        first = next(pb_grpc.ControlPlaneStub(ch).Session(iter([hello]), timeout=5))
+    assert first.session_id
