@@ -40,16 +40,22 @@ def mtls_server(serve, pki):  # type: ignore[no-untyped-def]
     return serve(ServerConfig(max_sessions=4, max_watchers=1, tls=tls, policy_token=TOKEN))
 
 
-def test_mtls_worker_with_cert_streams_and_is_audited_by_cn(mtls_server, connect, pki) -> None:  # type: ignore[no-untyped-def]
-    """A worker presenting a CA-signed cert gets a session; its policy writes are audited as cn=worker-7."""
+def _worker_session(mtls_server, connect, pki, worker_id: str):  # type: ignore[no-untyped-def]
+    """A client with the worker's certificate (cn=worker-7) and its session, connected."""
     tls = ClientTLS(
         root_certificates=pki["ca"].cert_pem,
         private_key=pki["worker"].key_pem,
         cert_chain=pki["worker"].cert_pem,
     )
     client = connect(f"localhost:{mtls_server.port}", tls=tls, token=TOKEN)
-    session = client.open_session(worker_info("tls-worker"))
+    session = client.open_session(worker_info(worker_id))
     assert session.wait_connected(10)
+    return client, session
+
+
+def test_mtls_worker_with_cert_streams_and_is_audited_by_cn(mtls_server, connect, pki) -> None:  # type: ignore[no-untyped-def]
+    """A worker presenting a CA-signed cert gets a session; its policy writes are audited as cn=worker-7."""
+    client, session = _worker_session(mtls_server, connect, pki, "tls-worker")
     session.report(step_report(0, {"r": 300}))
     assert wait_until(lambda: session.stats.decisions_received >= 1, 10)
     with capture_logs() as logs:
@@ -138,14 +144,7 @@ def test_a_worker_id_belongs_to_the_certificate_holding_its_session(mtls_server,
     closed the worker's session and the two flapped): PERMISSION_DENIED naming the holder, and
     the worker keeps streaming. Control: the same certificate (the worker restarted) still
     replaces its own session."""
-    tls = ClientTLS(
-        root_certificates=pki["ca"].cert_pem,
-        private_key=pki["worker"].key_pem,
-        cert_chain=pki["worker"].cert_pem,
-    )
-    client = connect(f"localhost:{mtls_server.port}", tls=tls, token=TOKEN)
-    session = client.open_session(worker_info("w-shared"))
-    assert session.wait_connected(10)
+    _, session = _worker_session(mtls_server, connect, pki, "w-shared")
     hello = pb.WorkerMessage(hello=convert.worker_info_to_proto(worker_info("w-shared")))
     intruder = pki["ca"].issue("worker-8", server=False)
     with _tls_channel(mtls_server.port, intruder, pki) as ch:
