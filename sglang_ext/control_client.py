@@ -214,11 +214,7 @@ class ControlClient:
     # ---- internals -----------------------------------------------------------------------
     def _received(self, decisions: list[Decision]) -> None:
         self.last_decision = decisions[-1]
-        if self._on_decisions is not None:
-            try:
-                self._on_decisions(decisions)
-            except Exception:  # telemetry must never fail a report
-                log.warning("decision_metrics_failed", exc_info=True)
+        _tell(self._on_decisions, decisions, "decision_metrics_failed")
 
     def _open(self) -> None:
         try:
@@ -252,7 +248,7 @@ class ControlClient:
                 error=why,
                 action="keeping the last plan / local heuristic; reconnecting with backoff",
             )
-            self._tell_outage(True)
+            _tell(self._on_outage, True, "outage_metrics_failed")
 
     def _recovered(self) -> None:
         if self._in_outage:
@@ -262,15 +258,18 @@ class ControlClient:
                 worker=self._worker.worker_id,
                 fallback_steps=self.fallback_steps,
             )
-            self._tell_outage(False)
+            _tell(self._on_outage, False, "outage_metrics_failed")
 
-    def _tell_outage(self, down: bool) -> None:
-        if self._on_outage is None:
-            return
-        try:
-            self._on_outage(down)
-        except Exception:  # telemetry must never fail a report
-            log.warning("outage_metrics_failed", exc_info=True)
+
+def _tell(callback: Callable[[Any], None] | None, value: Any, event: str) -> None:
+    """Hand ``value`` to a telemetry callback; one that raises is logged as ``event``: telemetry
+    must never fail a report."""
+    if callback is None:
+        return
+    try:
+        callback(value)
+    except Exception:
+        log.warning(event, exc_info=True)
 
 
 def describe(client: Any) -> dict[str, Any]:

@@ -123,6 +123,20 @@ class Hardware:
             h2d_gbps=_num(_require(d, "h2d_gbps", path), f"{path}.h2d_gbps", 0.0, open_lo=True),
         )
 
+    def blocks_per_ms(self, block_bytes: int) -> float:
+        """Link bandwidth in blocks of ``block_bytes`` per ms: h2d_gbps * 1e9 / 1e3 / block_bytes."""
+        return self.h2d_gbps * 1e9 / 1e3 / block_bytes
+
+    def check_moves_blocks(self, block_bytes: int) -> None:
+        """Raise unless the link moves blocks of ``block_bytes`` at a positive rate: each field in
+        range, their ratio may still underflow to 0 blocks/ms, which the planner divides by."""
+        if not self.blocks_per_ms(block_bytes) > 0:
+            raise SchemaError(
+                "hardware.h2d_gbps",
+                f"{self.h2d_gbps} GB/s moves no block of model.block_bytes = {block_bytes} in a "
+                "millisecond (the link rounds to 0 blocks/ms)",
+            )
+
 
 def _per_layer(raw: Any, p: str, layers: int) -> tuple[float, ...]:
     """A number (every layer) or a list of ``layers`` numbers, each >= 0."""
@@ -273,17 +287,12 @@ class Batch:
             if r.id in seen:
                 raise SchemaError(f"requests[{i}].id", f"duplicate id {r.id!r}")
             seen.add(r.id)
-        if not self.bw_blocks_per_ms > 0:  # each positive, their ratio may still underflow
-            raise SchemaError(
-                "hardware.h2d_gbps",
-                f"{self.hardware.h2d_gbps} GB/s moves no block of model.block_bytes = "
-                f"{self.model.block_bytes} in a millisecond (the link rounds to 0 blocks/ms)",
-            )
+        self.hardware.check_moves_blocks(self.model.block_bytes)
 
     @property
     def bw_blocks_per_ms(self) -> float:
-        """Link bandwidth in blocks per ms: h2d_gbps * 1e9 / 1e3 / block_bytes."""
-        return self.hardware.h2d_gbps * 1e9 / 1e3 / self.model.block_bytes
+        """Link bandwidth in blocks per ms (:meth:`Hardware.blocks_per_ms`)."""
+        return self.hardware.blocks_per_ms(self.model.block_bytes)
 
     @property
     def offers_recompute(self) -> bool:

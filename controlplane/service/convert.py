@@ -257,11 +257,9 @@ def worker_info_from_proto(msg: pb.WorkerInfo, prefix: str = "hello") -> api.Wor
             }
         )
         profile = Profile.from_dict(_profile_dict(msg.profile), model.layers)
+        hardware.check_moves_blocks(model.block_bytes)  # as every Batch of this worker checks
     except SchemaError as exc:
         raise _schema(exc, prefix) from exc
-    if not hardware.h2d_gbps * 1e6 / model.block_bytes > 0:  # as Batch checks every plan's
-        raise _invalid(f"{prefix}.hardware.h2d_gbps", f"{hardware.h2d_gbps} GB/s moves no block of "
-                       f"model.block_bytes = {model.block_bytes} in a millisecond")
     if msg.scheduler and msg.scheduler not in SCHEDULERS:
         raise _invalid(f"{prefix}.scheduler", f"{msg.scheduler!r} is not one of {SCHEDULERS}")
     return api.WorkerInfo(
