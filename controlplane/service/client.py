@@ -20,7 +20,7 @@ import grpc
 import structlog
 
 from controlplane import api
-from controlplane.model import Batch, Plan
+from controlplane.model import Batch, Plan, SchemaError
 from controlplane.policy import Policy
 from controlplane.service import convert, policy_convert
 from controlplane.service.errors import error_for
@@ -126,7 +126,10 @@ class GrpcControlPlane:
 
     def plan(self, batch: Any) -> Plan:
         if isinstance(batch, Mapping):
-            batch = Batch.from_dict(batch)
+            try:
+                batch = Batch.from_dict(batch)
+            except SchemaError as exc:  # the api.ControlPlane contract: as the embedded plane's
+                raise api.InvalidArgument(str(exc)) from exc
         if not isinstance(batch, Batch):
             raise api.InvalidArgument(f"batch: expected a Batch or a mapping, got {type(batch).__name__}")
         request = pb.PlanRequest(batch=convert.batch_to_proto(batch))

@@ -307,17 +307,21 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
                         f"report: expected a StepReport after hello, got {kind or 'an empty message'}"
                     )
                 decisions: list[api.Decision] = []
-                step = -1
-                for i, msg in enumerate(batch):
-                    report = convert.step_report_from_proto(msg, prefix.format(i))
-                    # set before report(): a decision the planner pushes while report() runs
-                    # (another thread) answers this report
-                    live.last_step, live.last_t0 = report.step, t0
-                    decisions += live.report(report)
-                    step = report.step
-                self._metrics.reports.inc(len(batch))
-                if decisions:  # wake the writer only when there is something to send
-                    outbox.put((step, t0, decisions))
+                step, done = -1, 0
+                try:
+                    for i, msg in enumerate(batch):
+                        report = convert.step_report_from_proto(msg, prefix.format(i))
+                        # set before report(): a decision the planner pushes while report() runs
+                        # (another thread) answers this report
+                        live.last_step, live.last_t0 = report.step, t0
+                        decisions += live.report(report)
+                        step, done = report.step, i + 1
+                finally:
+                    # a bad entry ends the stream, but what the controller decided on the reports
+                    # before it goes out first (its state already holds those decisions)
+                    self._metrics.reports.inc(done)
+                    if decisions:  # wake the writer only when there is something to send
+                        outbox.put((step, t0, decisions))
         except grpc.RpcError:
             pass  # the worker went away; the writer ends on _END
         except Exception as exc:

@@ -83,6 +83,24 @@ def test_plan_rpc_validation_names_field(channel) -> None:  # type: ignore[no-un
     assert info.value.details() == "batch: is required"
 
 
+def test_plan_of_a_bad_mapping_is_refused_alike_remote_and_embedded(served, client) -> None:  # type: ignore[no-untyped-def]
+    """``plan`` of a mapping with a bad field raises ``api.InvalidArgument`` naming the field on the
+    gRPC client as on the embedded control plane (the ``api.ControlPlane`` contract), not the
+    model's own ``SchemaError``; a good mapping plans on both."""
+    good = small_batch(2).to_dict()
+    assert client.plan(good).placements == served.control_plane.plan(good).placements
+    bad = small_batch(2).to_dict()
+    bad["requests"][0]["context_tokens"] = 0
+    messages = []
+    for plane in (client, served.control_plane):
+        with pytest.raises(api.InvalidArgument) as info:
+            plane.plan(bad)
+        assert not isinstance(info.value, SchemaError)
+        messages.append(str(info.value))
+    assert messages[0] == messages[1]
+    assert messages[0].startswith("requests[0].context_tokens: 0 is out of range")
+
+
 def test_malformed_bytes_get_invalid_argument(served, channel) -> None:  # type: ignore[no-untyped-def]
     """Bytes that are not a valid protobuf get INVALID_ARGUMENT; the server keeps serving."""
     raw = channel.unary_unary("/kvplane.v1.ControlPlane/Plan")  # no serializer: raw bytes

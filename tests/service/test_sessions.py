@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 import grpc
 import pytest
 
 from controlplane import api
+from controlplane.embedded import EmbeddedControlPlane
 from controlplane.service import convert
-from controlplane.service.server import ServerConfig
+from controlplane.service.server import ServerConfig, create_server
 from kvplane.v1 import controlplane_pb2 as pb
 from kvplane.v1 import controlplane_pb2_grpc as pb_grpc
 
@@ -202,3 +204,70 @@ def test_slow_and_hung_workers_do_not_affect_others(served, connect, channel) ->
     slow.cancel()
     healthy.close()
     assert wait_until(lambda: served.metric("kvplane_sessions") == 0, 15)
+
+
+def _good_then_bad(worker: str) -> list[pb.WorkerMessage]:
+    """Hello, then one ReportBatch: a report admitting a request (the controller decides on it at
+    once), then a report with context_tokens = -4."""
+    good = convert.step_report_to_proto(step_report(0, {f"{worker}-r": 500}))
+    bad = pb.StepReport(step=1, now_ms=10.0)
+    bad.running.add(id=f"{worker}-r", context_tokens=-4)
+    return [
+        pb.WorkerMessage(hello=convert.worker_info_to_proto(worker_info(worker))),
+        pb.WorkerMessage(reports=pb.ReportBatch(reports=[good, bad])),
+    ]
+
+
+def _replies_until_error(call) -> tuple[list[pb.SessionReply], grpc.RpcError]:  # type: ignore[no-untyped-def]
+    replies: list[pb.SessionReply] = []
+    try:
+        for reply in call:
+            replies.append(reply)
+    except grpc.RpcError as exc:
+        return replies, exc
+    raise AssertionError(f"the stream ended without an error after {len(replies)} replies")
+
+
+@pytest.fixture
+def sync_served() -> Iterator[str]:
+    """A real server on port 0 fronting a control plane that plans inline (``synchronous``): a
+    report's decision is in that report's answer, so which reports of a batch decided is certain."""
+    cp = EmbeddedControlPlane(synchronous=True)
+    server, port = create_server("127.0.0.1:0", cp, ServerConfig(max_sessions=4, max_watchers=1))
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(0.5)
+    cp.close()
+
+
+def _session_replies(target: str, messages: list[pb.WorkerMessage]) -> tuple[list[pb.SessionReply], grpc.RpcError]:
+    with grpc.insecure_channel(target) as ch:
+        return _replies_until_error(pb_grpc.ControlPlaneStub(ch).Session(iter(messages), timeout=10))
+
+
+def test_bad_report_in_a_batch_keeps_the_decisions_before_it(sync_served) -> None:  # type: ignore[no-untyped-def]
+    """A ReportBatch whose second report is invalid: the decision the first one produced (the
+    controller now counts it delivered) still reaches the worker, then the stream ends with
+    INVALID_ARGUMENT naming the bad entry."""
+    replies, error = _session_replies(sync_served, _good_then_bad("gb"))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details().startswith("reports.reports[1].running[0].context_tokens: -4 is out of range")
+    decided = [r for r in replies if r.decisions]  # the first reply only acknowledges the hello
+    assert [r.report_step for r in decided] == [0]
+    assert len(decided[0].decisions) == 1 and "gb-r" in decided[0].decisions[0].plan.placements
+
+
+def test_bad_first_report_in_a_batch_sends_nothing(sync_served) -> None:  # type: ignore[no-untyped-def]
+    """Control for the test above: with the invalid report first, no decision goes out (the one
+    above is the first report's, not an artefact of the stream's end)."""
+    msgs = _good_then_bad("bg")
+    batch = msgs[1].reports.reports
+    first = pb.StepReport()
+    first.CopyFrom(batch[1])
+    first.step = 0
+    del batch[:]
+    batch.append(first)
+    replies, error = _session_replies(sync_served, msgs)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details().startswith("reports.reports[0].running[0].context_tokens")
+    assert len(replies) == 1 and replies[0].session_id and not replies[0].decisions  # the hello's
