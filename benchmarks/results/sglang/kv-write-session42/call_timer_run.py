@@ -1,9 +1,10 @@
-"""Serve the bench's tiny model (vanilla or layered), run the throughput workload 4 times, then
+"""Serve the bench's tiny (or small) model (vanilla or layered), run the throughput workload 4 times, then
 ask every server process to write its call timer (call_timer_sitecustomize.py, loaded through
 PYTHONPATH as ``sitecustomize``).
 
     LAYERED=1 .venv/bin/python benchmarks/results/sglang/kv-write-session42/call_timer_run.py OUT_DIR
     LAYERED=0 ...   # vanilla with --disable-overlap-schedule, as --enable-layered-kv forces
+    MODEL=small ... # the bench's small model (default tiny)
 
 Run from the repository root. The timer's files are OUT_DIR/<pid>.json; the scheduler's holds the
 set_kv_buffer entry.
@@ -31,7 +32,7 @@ shutil.copy(here / "call_timer_sitecustomize.py", site / "sitecustomize.py")
 layered = os.environ.get("LAYERED", "1") == "1"
 flags = ("--mem-fraction-static", "0.3", "--sleep-on-idle") + (
     ("--enable-layered-kv",) if layered else ("--disable-overlap-schedule",))
-model = build_tiny_model(work / "model", model_spec("tiny"))
+model = build_tiny_model(work / "model", model_spec(os.environ.get("MODEL", "tiny")))
 env = {"KVPROF_DIR": str(out), "PYTHONPATH": f"{site}:{os.getcwd()}"}
 server = SGLangServer(model, log_path=work / "server.log", extra_args=flags, env=env)
 server.start()
