@@ -19,24 +19,28 @@
 It never imports SGLang (the GPU host has torch, Triton and nvcc; FlashInfer's wheel may be
 brought, SGLang's may not). ``--device cpu`` is the dry run: the same code at the ``small``
 shapes on one intra-op thread, labelled CPU, transfer and timing figures N/A. Exit status: 0 when nothing failed,
-1 when a test or a figure failed, 2 without CUDA unless ``--device cpu``.
+1 when a test or a figure failed, 2 without CUDA unless ``--device cpu``. ``--deadline-s`` (or SIGTERM)
+stops it early with the report written (:mod:`.gpu_check_deadline`).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import math
 import platform
 import shlex
 import subprocess
 import sys
 import time
+import traceback
 from typing import Any
 
 import torch
 
 from sglang_ext.dataplane.bench_env import NO_GPU_EXIT, describe_device, resolve_device
 from sglang_ext.tools.gpu_check_config import PRESETS, GpuCheckConfig
+from sglang_ext.tools.gpu_check_deadline import GpuCheckDeadline, deadline
 from sglang_ext.tools.gpu_check_extend import ExtendCheck
 from sglang_ext.tools.gpu_check_measure import CoreCheck
 from sglang_ext.tools.gpu_check_report import Figure, GpuCheckReport, guarded_phase
@@ -63,9 +67,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-tests", action="store_true", help="do not run the gpu-marked tests")
     parser.add_argument("--tests-timeout", type=float, default=360.0, help="seconds for the gpu-marked tests")
     parser.add_argument("--out-dir", default=RESULTS_DIR, help="where the JSON and Markdown go")
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help="stop after this many seconds and write what was measured (the report names "
+                             "the phase it stopped in; SIGTERM does the same): set it under the GPU host's "
+                             "command limit")
 
 
 def config_from_args(args: argparse.Namespace, device: str) -> GpuCheckConfig:
+    limit = getattr(args, "deadline_s", None)
+    if limit is not None and not (math.isfinite(limit) and limit > 0):
+        raise SystemExit(f"kvplane gpu-check: --deadline-s: {limit} is out of range (allowed > 0)")
     shapes = args.shapes if args.shapes != "auto" else ("small" if device == "cpu" else "llama3-8b")
     try:
         return PRESETS[shapes].with_overrides(layers=args.layers, requests=args.requests,
@@ -118,35 +129,32 @@ def _run(args: argparse.Namespace, device: str, config: GpuCheckConfig) -> int:
     machine = describe_device(device)
     t0 = time.perf_counter()
     print(f"kvplane gpu-check on {machine} ({'GPU' if device == 'cuda' else 'CPU dry run'}; shapes {config.name})")
-    if args.skip_tests:
-        tests: dict[str, Any] = {"command": "", "files": [], "passed": 0, "failed": 0, "skipped": 0, "errors": 0,
-                                 "elapsed_s": 0.0, "failures": [], "excluded": [], "note": "not run (--skip-tests)"}
-    else:
-        tests = GpuTestRun(timeout_s=args.tests_timeout).run().to_dict()
-        if device == "cpu":
-            tests["note"] = "; ".join(x for x in ("no CUDA here: every gpu test skips", tests["note"]) if x)
-    print(f"  gpu-marked tests: {tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped, "
-          f"{tests['errors']} errors ({tests['elapsed_s']:.0f} s)")
+    tests: dict[str, Any] = {"command": "", "files": [], "passed": 0, "failed": 0, "skipped": 0, "errors": 0,
+                             "elapsed_s": 0.0, "failures": [], "excluded": [], "note": "not run (--skip-tests)"}
     built: list[CoreCheck] = []
-
-    measured: list[bool] = []
-
-    def core() -> list[Figure]:
-        built.append(CoreCheck(config, device, args.attention))
-        figures = built[0].run()
-        measured.append(True)
-        return figures
-
-    # a failure keeps what the check measured before it (its details so far)
-    figures = guarded_phase("core_check", "served-core measurements", "CoreCheck.run", core)
-    details: dict[str, Any] = built[0].details if built else {}
-    if measured:  # last on the core check's batch (it finishes and admits requests), when that ran through
-        turnover = TurnoverCheck(built[0])
-        figures += guarded_phase("turnover_check", "batch changes", "TurnoverCheck.run", turnover.run)
-        details["turnover"] = turnover.details
-    extend = ExtendCheck(config, device)
-    figures += guarded_phase("extend_check", "paged extend (prefill) kernel", "ExtendCheck.run", extend.run)
-    details["extend"] = extend.details
+    figures: list[Figure] = []
+    details: dict[str, Any] = {}
+    stage = ["the gpu-marked tests"]
+    try:
+        with deadline(args.deadline_s):
+            if not args.skip_tests:
+                tests = GpuTestRun(timeout_s=args.tests_timeout).run().to_dict()
+                if device == "cpu":
+                    tests["note"] = "; ".join(x for x in ("no CUDA here: every gpu test skips", tests["note"]) if x)
+            print(f"  gpu-marked tests: {tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} "
+                  f"skipped, {tests['errors']} errors ({tests['elapsed_s']:.0f} s)", flush=True)
+            _phases(args, device, config, built, figures, details, stage)
+    except GpuCheckDeadline as stop:  # write what was measured: the phases done, the details so far
+        if built and not details:  # stopped inside the core check: what it finished
+            details.update(built[0].details)
+            figures += _core_so_far(built[0])
+        _settle(device, built)
+        note = f"{stop.why} after {time.perf_counter() - t0:.0f} s, in {stage[0]}; the phases after it did not run"
+        print(f"  stopped: {note}", flush=True)
+        details["stopped"] = {"why": stop.why, "stage": stage[0], "after_s": time.perf_counter() - t0}
+        figures.append(Figure.graded("deadline", "the check ran to its end", None, "", "<=", 0.0,
+                                     "--deadline-s (SIGALRM) or SIGTERM: the report holds what finished before",
+                                     note=note))
     report = GpuCheckReport(
         machine=machine, device=device, command="kvplane " + shlex.join(sys.argv[1:] or ["gpu-check"]),
         environment=environment(), config={**vars(config), "contexts": list(config.contexts)}, tests=tests,
@@ -158,3 +166,57 @@ def _run(args: argparse.Namespace, device: str, config: GpuCheckConfig) -> int:
     json_path, md_path = report.write(args.out_dir)
     print(f"  overall {report.status} in {report.elapsed_s:.0f} s; results: {json_path} and {md_path}")
     return 0 if report.status == "PASS" else 1
+
+
+def _phases(args: argparse.Namespace, device: str, config: GpuCheckConfig, built: list[CoreCheck],
+            figures: list[Figure], details: dict[str, Any], stage: list[str]) -> None:
+    """The measured phases, each guarded (one that raises keeps the others' figures); ``figures``
+    and ``details`` grow as each finishes and ``stage`` names the one running (for a stop)."""
+    measured: list[bool] = []
+
+    def core() -> list[Figure]:
+        built.append(CoreCheck(config, device, args.attention))
+        core_figures = built[0].run()
+        measured.append(True)
+        return core_figures
+
+    stage[0] = "the served-core measurements (CoreCheck)"
+    # a failure keeps what the check measured before it (its details so far)
+    figures += guarded_phase("core_check", "served-core measurements", "CoreCheck.run", core)
+    if built:
+        details.update(built[0].details)
+    if measured:  # last on the core check's batch (it finishes and admits requests), when that ran through
+        stage[0] = "the batch changes (TurnoverCheck)"
+        turnover = TurnoverCheck(built[0])
+        figures += guarded_phase("turnover_check", "batch changes", "TurnoverCheck.run", turnover.run)
+        details["turnover"] = turnover.details
+    stage[0] = "the paged extend kernel (ExtendCheck)"
+    extend = ExtendCheck(config, device)
+    figures += guarded_phase("extend_check", "paged extend (prefill) kernel", "ExtendCheck.run", extend.run)
+    details["extend"] = extend.details
+
+
+def _core_so_far(core: CoreCheck) -> list[Figure]:
+    """The figures of a core check stopped inside :meth:`CoreCheck.run`: its base measurements'
+    once they were in, then each phase it finished."""
+    base, done = core.base, list(core.done)
+    if base is None:
+        return done
+    core.base = None
+    return guarded_phase("core_check_so_far", "served-core measurements so far", "CoreCheck.base", base) + done
+
+
+def _settle(device: str, built: list[CoreCheck]) -> None:
+    """After a stop mid-step: let the copies in flight finish before anything is freed (the host
+    pool's pinned registration is dropped at exit, under a copy still reading it otherwise)."""
+    if device != "cuda":
+        return
+    for check in built:
+        try:
+            check.batch.core.store.engine.quiesce()
+        except Exception:  # noqa: BLE001 - the device-wide sync below still runs
+            traceback.print_exc()
+    try:
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001 - a device error: the report is still written
+        traceback.print_exc()

@@ -113,6 +113,11 @@ class CoreCheck:
         self.w_gate_up = rand(c.hidden, 2 * c.intermediate)
         self.w_down = rand(c.intermediate, c.hidden)
         self.details: dict[str, Any] = {}
+        self.done: list[Figure] = []
+        """Figures of the phases :meth:`run` finished so far (overlap, recompute, graph probe)."""
+        self.base: Callable[[], list[Figure]] | None = None
+        """Builds the base measurements' figures while :meth:`run` runs the phases after them (a
+        check stopped there, ``--deadline-s``, reports them: ``gpu_check``)."""
         self.stall_ms: list[float] = []
         """Stall observations (ms) of the last :meth:`kvplane_cpu_ms` steps (the timing events')."""
         self.prepare_cpu_ms = 0.0
@@ -333,19 +338,6 @@ class CoreCheck:
         p = PlacedPhase(self).run(comp, transfer)  # the placed phase, on what serves by default
         errors = self.attention_errors()
         stats = b.core.stats()
-        from sglang_ext.tools.gpu_check_graph import GraphProbe  # they import this module
-        from sglang_ext.tools.gpu_check_overlap import OverlapCheck
-        from sglang_ext.tools.gpu_check_recompute import RecomputeCheck
-
-        overlap_figures = guarded_phase(
-            "overlap_check", "the overlap phase", "OverlapCheck.run",
-            lambda: OverlapCheck(self).run(comp, transfer.bw_blocks_per_ms, resident_ms, transfer.by_programs,
-                                           transfer.h2d_gbps))
-        recompute = RecomputeCheck(self)
-        recompute_figures = guarded_phase("recompute_check", "the recompute phase", "RecomputeCheck.run",
-                                          lambda: recompute.run(comp, transfer.bw_blocks_per_ms))
-        graph_figures = guarded_phase("graph_probe", "the CUDA-graph probe", "GraphProbe.run",
-                                      GraphProbe(self, identity=True, runner=True).run)
         # the model at the link the placed steps' own copies measured (as the served controller
         # samples it), where they measured one; else at the transfer check's (its copy pattern)
         predicted_ms = p.predicted_ms if p.predicted_link_ms is None else p.predicted_link_ms
@@ -371,7 +363,7 @@ class CoreCheck:
                                         "placed_steps_advanced": p.placed_advanced,
                                         "placed_launches_per_step": p.placed_launches,
                                         "vanilla_kv_write": vanilla_write_ms,
-                                        "hidden": self.details.get("overlap", {}).get("kvplane_cpu")},
+                                        "hidden": None},
             "kvplane_host_profile": {"steps": PROFILE_STEPS, "resident": resident_profile, "placed": p.placed_profile,
                                      "note": "cProfile inside the boundary and kvplane's per-layer calls only; "
                                              "top functions by own time per step (ranking, not absolute time)"},
@@ -383,17 +375,39 @@ class CoreCheck:
                       for kind in ("kvplane", "attention")},
             "core_stats": {k: v for k, v in asdict(stats).items() if isinstance(v, int | float)},
             "resident_host_fraction": resident_host_fraction,
-            "recompute": recompute.details,
             "pools": {"device_layer_pages": b.core.store.pages_total, "host_bytes": b.core.config.host_bytes,
                       "batch_pages": b.batch_pages},
         })
-        if cuda:
-            self.details["peak_device_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        events = event_timing_figures(transfer, placed_stall_ms=p.placed_stall_ms, resident_stall_ms=resident_stall_ms,
-                                      steps=c.repeat, placed_ms=p.placed_ms, wall_stall_ms=stall_measured,
-                                      cuda=cuda, details=self.details)
-        return self._figures(errors, transfer, resident_ms, p.placed_ms, stall_err, p.probe,
-                             stats.host_fraction, cuda) + events + overlap_figures + recompute_figures + graph_figures
+
+        def base() -> list[Figure]:  # the figures of what was measured above (the phases below add theirs)
+            if cuda:
+                self.details["peak_device_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            events = event_timing_figures(transfer, placed_stall_ms=p.placed_stall_ms,
+                                          resident_stall_ms=resident_stall_ms, steps=c.repeat, placed_ms=p.placed_ms,
+                                          wall_stall_ms=stall_measured, cuda=cuda, details=self.details)
+            return self._figures(errors, transfer, resident_ms, p.placed_ms, stall_err, p.probe,
+                                 stats.host_fraction, cuda) + events
+
+        self.base = base
+        from sglang_ext.tools.gpu_check_graph import GraphProbe  # they import this module
+        from sglang_ext.tools.gpu_check_overlap import OverlapCheck
+        from sglang_ext.tools.gpu_check_recompute import RecomputeCheck
+
+        self.done += guarded_phase(
+            "overlap_check", "the overlap phase", "OverlapCheck.run",
+            lambda: OverlapCheck(self).run(comp, transfer.bw_blocks_per_ms, resident_ms, transfer.by_programs,
+                                           transfer.h2d_gbps))
+        # what the overlap phase adds: the hidden placement's host time, the copy caps it swept
+        self.details["kvplane_cpu_ms_per_step"]["hidden"] = self.details.get("overlap", {}).get("kvplane_cpu")
+        self.details["transfer"] = transfer.to_dict()
+        recompute = RecomputeCheck(self)
+        self.details["recompute"] = recompute.details  # filled as it runs
+        self.done += guarded_phase("recompute_check", "the recompute phase", "RecomputeCheck.run",
+                                   lambda: recompute.run(comp, transfer.bw_blocks_per_ms))
+        self.done += guarded_phase("graph_probe", "the CUDA-graph probe", "GraphProbe.run",
+                                   GraphProbe(self, identity=True, runner=True).run)
+        self.base = None
+        return base() + self.done
 
     def _figures(self, errors: dict[str, dict[str, float]], t: TransferResult, resident_ms: float,
                  placed_ms: float, stall_err: float, probe: SyncProbe, host_fraction: float,

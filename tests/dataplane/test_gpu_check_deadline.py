@@ -1,0 +1,88 @@
+"""`kvplane gpu-check --deadline-s`: a check stopped before its end (its deadline, or SIGTERM from
+the GPU host's command limit) still writes its report, with what finished and a failed
+``deadline`` figure naming where it stopped; an unstopped check has neither."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from kvplane.cli import main
+from sglang_ext.tools import gpu_check_overlap
+from sglang_ext.tools.gpu_check_deadline import GpuCheckDeadline, deadline
+
+QUICK = ["gpu-check", "--device", "cpu", "--skip-tests", "--repeat", "1"]
+BASE_KEYS = {"step_ms.resident", "step_ms.placed", "stall_rel_err", "kvplane_cpu_share",
+             "host_syncs_per_step.kvplane", "transfer_events.h2d_gbps"}
+"""Figures of the core check's base measurements (before its overlap phase)."""
+
+
+def _report(tmp_path):
+    [path] = tmp_path.glob("gpu-check-cpu-*.json")
+    body = json.loads(path.read_text())
+    assert (path.with_suffix(".md")).exists()
+    return body, {f["key"]: f for f in body["figures"]}
+
+
+def test_a_sigterm_inside_the_core_check_writes_what_it_measured(tmp_path, monkeypatch):
+    """SIGTERM in the overlap phase (what the host's `timeout` sends): the base measurements'
+    figures are reported, the overlap, recompute, graph, turnover and extend phases' are not, and
+    the failed ``deadline`` figure names the stage; the signal handler is restored after."""
+    def stop_here(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("the signal was not delivered")
+
+    monkeypatch.setattr(gpu_check_overlap.OverlapCheck, "run", stop_here)
+    before = signal.getsignal(signal.SIGTERM)
+    assert main([*QUICK, "--out-dir", str(tmp_path)]) == 1
+    assert signal.getsignal(signal.SIGTERM) is before
+    body, figs = _report(tmp_path)
+    assert body["status"] == "FAIL"
+    assert figs["deadline"]["status"] == "FAIL"
+    assert figs["deadline"]["note"].startswith("stopped by signal SIGTERM after ")
+    assert "in the served-core measurements (CoreCheck)" in figs["deadline"]["note"]
+    assert BASE_KEYS <= set(figs), sorted(figs)
+    assert not any(k.startswith(("overlap.", "graph.", "recompute_", "turnover.", "extend.")) for k in figs)
+    assert body["details"]["stopped"]["stage"] == "the served-core measurements (CoreCheck)"
+    assert body["details"]["resident_step_ms"] > 0  # the details measured before the stop
+
+
+def test_the_deadline_stops_a_running_check_and_the_report_is_written(tmp_path):
+    """A deadline far shorter than the run (the dry run takes seconds): it stops, says where."""
+    assert main([*QUICK, "--deadline-s", "0.2", "--out-dir", str(tmp_path)]) == 1
+    body, figs = _report(tmp_path)
+    note = figs["deadline"]["note"]
+    assert note.startswith("--deadline-s 0.2 reached after "), note
+    assert body["details"]["stopped"]["why"] == "--deadline-s 0.2 reached"
+    assert body["details"]["stopped"]["stage"] in note
+
+
+def test_a_deadline_that_is_not_reached_changes_nothing(tmp_path):
+    """Control: the whole dry run under a generous deadline passes, with no deadline figure and
+    no stop in the details; the alarm is disarmed after (no SIGALRM arrives later)."""
+    assert main([*QUICK, "--deadline-s", "600", "--out-dir", str(tmp_path)]) == 0
+    body, figs = _report(tmp_path)
+    assert "deadline" not in figs and "stopped" not in body["details"]
+    assert BASE_KEYS <= set(figs) and any(k.startswith("overlap.") for k in figs)
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "inf"])
+def test_a_bad_deadline_is_refused_naming_the_flag(value, tmp_path):
+    with pytest.raises(SystemExit) as info:
+        main([*QUICK, "--deadline-s", value, "--out-dir", str(tmp_path)])
+    assert str(info.value) == f"kvplane gpu-check: --deadline-s: {float(value)} is out of range (allowed > 0)"
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_stop_is_not_an_exception_a_guarded_phase_swallows():
+    """The phases catch ``Exception`` to keep the others' figures; the stop must pass through."""
+    assert not issubclass(GpuCheckDeadline, Exception)
+    with pytest.raises(GpuCheckDeadline, match="reached"), deadline(0.05):
+        try:
+            signal.pause()
+        except Exception:  # noqa: BLE001 - what a guarded phase does
+            pytest.fail("the stop was caught as an Exception")
