@@ -44,6 +44,12 @@ class ServiceMetrics:
             "kvplane_whatif_plans", "What-if plans served by the Plan RPC", registry=r
         )
         self.sessions = Gauge("kvplane_sessions", "Open worker sessions", registry=r)
+        self.replaced = Counter(
+            "kvplane_sessions_replaced",
+            "Hellos that replaced a live session of the same worker id (a reconnect, or two workers "
+            "sharing one id when it keeps rising)",
+            registry=r,
+        )
         self.decision_latency_ms = Histogram(
             "kvplane_decision_latency_ms",
             "Server time from a report's arrival to sending its decisions (ms)",

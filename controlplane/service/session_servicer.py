@@ -165,16 +165,21 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
     def _claim(self, worker_id: str, peer: str) -> None:
         """Refuse a hello for a worker id whose live session another client certificate holds.
         Without mTLS the caller is an address that changes with every reconnect, so nothing is
-        checked (a reconnect replaces the old session, as the control plane does)."""
+        refused (a reconnect replaces the old session, as the control plane does); a replaced live
+        session is counted (``kvplane_sessions_replaced``) and logged with both peers: two workers
+        sharing one id replace each other on every reconnect, and only this says so."""
         with self._owners_lock:
             owner = self._owners.get(worker_id)
-        if owner is None or owner[1].closed or owner[0] == peer:
+        if owner is None or owner[1].closed:
             return
-        if owner[0].startswith("cn=") and peer.startswith("cn="):
+        if owner[0] != peer and owner[0].startswith("cn=") and peer.startswith("cn="):
             raise api.PermissionDenied(
                 f"hello.worker_id: {worker_id!r} has a live session of another client certificate "
                 f"({owner[0]}); a worker id belongs to one certificate while its session lives"
             )
+        self._metrics.replaced.inc()
+        log.warning("session_replaced_live", worker=worker_id, old_peer=owner[0], new_peer=peer,
+                    hint="a reconnect; if it repeats, two workers share this worker id (KVPLANE_WORKER_ID)")
 
     def _own(self, worker_id: str, peer: str, live: _LiveSession) -> None:
         with self._owners_lock:

@@ -271,3 +271,23 @@ def test_bad_first_report_in_a_batch_sends_nothing(sync_served) -> None:  # type
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error.details().startswith("reports.reports[0].running[0].context_tokens")
     assert len(replies) == 1 and replies[0].session_id and not replies[0].decisions  # the hello's
+
+
+def test_a_hello_that_replaces_a_live_session_is_counted(served, connect, channel) -> None:  # type: ignore[no-untyped-def]
+    """Without TLS a second hello with a live worker id replaces that session (a reconnect looks
+    the same); it is counted in kvplane_sessions_replaced (and logged with both peers), so two
+    workers sharing one id show up. Control: a hello after the id's session closed is not."""
+    name = "kvplane_sessions_replaced_total"
+    solo = connect(served.target).open_session(worker_info("solo"))
+    assert solo.wait_connected(10)
+    solo.close()
+    assert wait_until(lambda: served.metric("kvplane_sessions") == 0, 10)
+    again = connect(served.target).open_session(worker_info("solo"))
+    assert again.wait_connected(10)
+    assert served.metric(name) == 0  # the old session was gone: nothing replaced
+    hello = pb.WorkerMessage(hello=convert.worker_info_to_proto(worker_info("solo")))
+    call = pb_grpc.ControlPlaneStub(channel).Session(iter([hello]), timeout=10)
+    assert next(call).session_id  # took the id over from the live session
+    assert served.metric(name) >= 1
+    call.cancel()
+    again.close()
