@@ -10,7 +10,9 @@ naming the phase it stopped in.
 :class:`GpuCheckDeadline` is a ``BaseException``: the guarded phases catch ``Exception`` (a phase
 that raises keeps the others' figures) and must not swallow the stop. A pytest child running the
 ``gpu`` tests is killed by ``subprocess.run`` as the exception passes through it. Python handles
-the signal between bytecodes: a long CUDA call (a synchronise) returns first.
+the signal between bytecodes: a long CUDA call (a synchronise) returns first. A CUDA graph capture
+runs under :func:`stop_deferred`: a stop inside it would end the capture with an error of its own
+(which then replaces the stop, and a guarded phase swallows that); the stop arrives after it.
 """
 
 from __future__ import annotations
@@ -57,3 +59,17 @@ def deadline(seconds: float | None) -> Iterator[None]:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old_alarm)
         signal.signal(signal.SIGTERM, old_term)
+
+
+@contextlib.contextmanager
+def stop_deferred() -> Iterator[None]:
+    """Hold a stop (SIGALRM, SIGTERM) back while the block runs, in the main thread; it arrives
+    as soon as the block ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)

@@ -65,6 +65,7 @@ import torch
 
 from sglang_ext.dataplane.bench_env import sync, time_ms
 from sglang_ext.dataplane.graph_step_buffers import GraphStepBuffers
+from sglang_ext.tools.gpu_check_deadline import stop_deferred
 from sglang_ext.tools.gpu_check_report import Figure
 
 BACKENDS = ("flashinfer", "triton")
@@ -107,7 +108,7 @@ class CudaGraph:
             for _ in range(WARMUP_RUNS):
                 fn()
         current.wait_stream(side)
-        with torch.cuda.graph(self.graph):
+        with stop_deferred(), torch.cuda.graph(self.graph):  # a --deadline-s stop waits for the capture's end
             return fn()
 
     def replay(self) -> None:

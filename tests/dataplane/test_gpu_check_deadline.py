@@ -86,3 +86,25 @@ def test_the_stop_is_not_an_exception_a_guarded_phase_swallows():
             signal.pause()
         except Exception:  # noqa: BLE001 - what a guarded phase does
             pytest.fail("the stop was caught as an Exception")
+
+
+def test_a_stop_during_a_capture_waits_for_its_end():
+    """What a CUDA graph capture runs under (``CudaGraph.capture``): the deadline passes inside
+    the block, which still completes; the stop arrives right after it. Control: the same sleep
+    outside the block is cut short."""
+    import time
+
+    from sglang_ext.tools.gpu_check_deadline import stop_deferred
+
+    finished = []
+    t0 = time.perf_counter()
+    with pytest.raises(GpuCheckDeadline), deadline(0.05):
+        with stop_deferred():
+            time.sleep(0.3)
+            finished.append(True)
+        time.sleep(5)  # not reached: the stop was pending
+    assert finished == [True] and time.perf_counter() - t0 < 2  # the 5 s sleep never ran
+    t0 = time.perf_counter()
+    with pytest.raises(GpuCheckDeadline), deadline(0.05):
+        time.sleep(5)
+    assert time.perf_counter() - t0 < 2
