@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from controlplane.model import link_blocks_per_ms
+
 PRESET_DIR = Path(__file__).parent / "presets"
 FORMAT = "kvplane-sim-profile/v1"
 
@@ -114,11 +116,11 @@ class SimProfile:
 
     @property
     def h2d_blocks_per_ms(self) -> float:
-        return self.h2d_gbps * 1e6 / self.block_bytes
+        return link_blocks_per_ms(self.h2d_gbps, self.block_bytes)
 
     @property
     def d2h_blocks_per_ms(self) -> float:
-        return self.d2h_gbps * 1e6 / self.block_bytes
+        return link_blocks_per_ms(self.d2h_gbps, self.block_bytes)
 
     @property
     def gpu_tokens_all_layers(self) -> int:

@@ -53,7 +53,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from controlplane.model import Profile, step_time_ms
+from controlplane.model import Profile, link_blocks_per_ms, step_time_ms
 from controlplane.model.timeline import Recompute
 
 
@@ -126,8 +126,8 @@ class ProfileTracker:
                        fetch_launch_ms=self._launch)
 
     def bw_blocks_per_ms(self, gbps: float | None = None) -> float:
-        """Bandwidth in blocks per ms (issue 2 §2: ``h2d_gbps * 1e9 / 1e3 / block_bytes``)."""
-        return (self._gbps if gbps is None else gbps) * 1e9 / 1e3 / self._block_bytes
+        """Bandwidth in blocks per ms (issue 2 §2: :func:`~controlplane.model.link_blocks_per_ms`)."""
+        return link_blocks_per_ms(self._gbps if gbps is None else gbps, self._block_bytes)
 
     def predict_step_ms(
         self, placement: Sequence[Sequence[int]], blocks: Sequence[int], recompute: Recompute | None = None

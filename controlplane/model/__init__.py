@@ -11,6 +11,7 @@ from controlplane.model.batch import (
     Profile,
     RequestSpec,
     SchemaError,
+    link_blocks_per_ms,
 )
 from controlplane.model.plan import Plan
 from controlplane.model.timeline import (
@@ -26,6 +27,7 @@ from controlplane.model.timeline import (
 )
 
 __all__ = [
+    "link_blocks_per_ms",
     "Batch",
     "Hardware",
     "ModelSpec",

@@ -25,6 +25,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def link_blocks_per_ms(gbps: float, block_bytes: float) -> float:
+    """A link of ``gbps`` GB/s in blocks of ``block_bytes`` per ms: ``gbps * 1e9 / 1e3 / block_bytes``
+    (the placement model's ``bw_blocks_per_ms``; ``block_bytes`` 1: bytes per ms). The one place this
+    conversion is written: the planner's hardware, the controller's learned link, the LayerKV
+    scheduler and the simulator call it (the data plane's profile file, which imports nothing of the
+    control plane, writes it once more: ``DeviceProfile.bw_blocks_per_ms``)."""
+    return gbps * 1e9 / 1e3 / block_bytes
+
+
 class SchemaError(ValueError):
     """A batch or policy field is missing or out of range. ``field`` is the dotted path."""
 
@@ -124,8 +133,8 @@ class Hardware:
         )
 
     def blocks_per_ms(self, block_bytes: int) -> float:
-        """Link bandwidth in blocks of ``block_bytes`` per ms: h2d_gbps * 1e9 / 1e3 / block_bytes."""
-        return self.h2d_gbps * 1e9 / 1e3 / block_bytes
+        """Link bandwidth in blocks of ``block_bytes`` per ms (:func:`link_blocks_per_ms`)."""
+        return link_blocks_per_ms(self.h2d_gbps, block_bytes)
 
     def check_moves_blocks(self, block_bytes: int) -> None:
         """Raise unless the link moves blocks of ``block_bytes`` at a positive rate: each field in

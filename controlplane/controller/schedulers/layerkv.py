@@ -81,6 +81,7 @@ from controlplane.controller.schedulers.base import (
     prompt_blocks,
 )
 from controlplane.controller.schedulers.step_predictor import predicted_step_ms
+from controlplane.model import link_blocks_per_ms
 from controlplane.policy import LayerKVParams
 
 
@@ -110,7 +111,7 @@ def min_gpu_layers(prompt_tokens: int, view: SchedulerView, params: LayerKVParam
     """LayerKV Eq. 4: fewest layers to keep on the GPU so offloading hides under the prefill."""
     layers = view.model.layers
     bytes_per_token_layer = view.model.block_bytes / view.model.block_size
-    bw_bytes_per_ms = view.h2d_gbps * 1e9 / 1e3
+    bw_bytes_per_ms = link_blocks_per_ms(view.h2d_gbps, 1)
     per_layer_ms = (
         params.offload_correction * prompt_tokens * bytes_per_token_layer / bw_bytes_per_ms
     )
@@ -172,7 +173,7 @@ class LayerKVScheduler:
     def _kvplane(self, view: SchedulerView) -> SchedulerDecision:
         params = view.policy.layerkv
         layers, bs = view.model.layers, view.model.block_size
-        h2d_blocks_per_ms = view.h2d_gbps * 1e6 / view.model.block_bytes
+        h2d_blocks_per_ms = link_blocks_per_ms(view.h2d_gbps, view.model.block_bytes)
         budget = view.hardware.gpu_kv_budget_blocks
         capacity = budget // layers * bs  # tokens whose KV fits the GPU in every layer
 
