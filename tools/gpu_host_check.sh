@@ -18,6 +18,9 @@ if ((${#wheels[@]})); then
         --target /tmp/site "${wheels[@]}" || { echo "gpu_host_check: wheel install failed" >&2; exit 3; }
 fi
 export PYTHONPATH="/tmp/site:.${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# A host's `timeout` sends SIGTERM to the whole process group: this shell and tee ignore it (tee
+# keeps the log's pipe open, the shell waits), gpu-check stops and writes its report.
+trap '' TERM
 ${PYTHON:-python3} -m kvplane.cli gpu-check --deadline-s "${DEADLINE_S:-420}" --out-dir "$out" "$@" 2>&1 \
     | tee "$out/gpu-check.log"
 exit "${PIPESTATUS[0]}"

@@ -30,7 +30,7 @@ def link_blocks_per_ms(gbps: float, block_bytes: float) -> float:
     (the placement model's ``bw_blocks_per_ms``; ``block_bytes`` 1: bytes per ms). The one place this
     conversion is written: the planner's hardware, the controller's learned link, the LayerKV
     scheduler and the simulator call it (the data plane's profile file, which imports nothing of the
-    control plane, writes it once more: ``DeviceProfile.bw_blocks_per_ms``)."""
+    control plane, writes it once more: ``DeviceProfile.h2d_blocks_per_ms``)."""
     return gbps * 1e9 / 1e3 / block_bytes
 
 

@@ -162,24 +162,23 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
         to the client certificate whose session holds it (:meth:`_claim`)."""
         self._owners_lock = threading.Lock()
 
-    def _claim(self, worker_id: str, peer: str) -> None:
+    def _claim(self, worker_id: str, peer: str) -> str | None:
         """Refuse a hello for a worker id whose live session another client certificate holds.
         Without mTLS the caller is an address that changes with every reconnect, so nothing is
-        refused (a reconnect replaces the old session, as the control plane does); a replaced live
-        session is counted (``kvplane_sessions_replaced``) and logged with both peers: two workers
-        sharing one id replace each other on every reconnect, and only this says so."""
+        refused (a reconnect replaces the old session, as the control plane does). Returns the peer
+        of the live session the hello replaces (None: none), which :meth:`Session` counts
+        (``kvplane_sessions_replaced``) and logs once the new session is open: two workers sharing
+        one id replace each other on every reconnect, and only this says so."""
         with self._owners_lock:
             owner = self._owners.get(worker_id)
         if owner is None or owner[1].closed:
-            return
+            return None
         if owner[0] != peer and owner[0].startswith("cn=") and peer.startswith("cn="):
             raise api.PermissionDenied(
                 f"hello.worker_id: {worker_id!r} has a live session of another client certificate "
                 f"({owner[0]}); a worker id belongs to one certificate while its session lives"
             )
-        self._metrics.replaced.inc()
-        log.warning("session_replaced_live", worker=worker_id, old_peer=owner[0], new_peer=peer,
-                    hint="a reconnect; if it repeats, two workers share this worker id (KVPLANE_WORKER_ID)")
+        return owner[0]
 
     def _own(self, worker_id: str, peer: str, live: _LiveSession) -> None:
         with self._owners_lock:
@@ -267,9 +266,13 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
                 )
             info = convert.worker_info_from_proto(first.hello)
             worker_id = info.worker_id
-            self._claim(worker_id, peer)
+            replaced = self._claim(worker_id, peer)
             live = _LiveSession(self._cp.open_session(info))
             self._own(worker_id, peer, live)
+            if replaced is not None:
+                self._metrics.replaced.inc()
+                log.warning("session_replaced_live", worker=worker_id, old_peer=replaced, new_peer=peer,
+                            hint="a reconnect; if it repeats, two workers share this worker id (KVPLANE_WORKER_ID)")
             self._metrics.sessions.inc()
             if self._notifier is not None:
                 self._notifier.register(worker_id, wake)

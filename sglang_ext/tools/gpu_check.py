@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import math
+import os
 import platform
 import shlex
 import subprocess
@@ -40,7 +41,7 @@ import torch
 
 from sglang_ext.dataplane.bench_env import NO_GPU_EXIT, describe_device, resolve_device
 from sglang_ext.tools.gpu_check_config import PRESETS, GpuCheckConfig
-from sglang_ext.tools.gpu_check_deadline import GpuCheckDeadline, deadline
+from sglang_ext.tools.gpu_check_deadline import GpuCheckDeadline, deadline, stop_deferred
 from sglang_ext.tools.gpu_check_extend import ExtendCheck
 from sglang_ext.tools.gpu_check_measure import CoreCheck
 from sglang_ext.tools.gpu_check_report import Figure, GpuCheckReport, guarded_phase
@@ -48,6 +49,7 @@ from sglang_ext.tools.gpu_check_tests import REPO_ROOT, GpuTestRun
 from sglang_ext.tools.gpu_check_turnover import TurnoverCheck
 
 RESULTS_DIR = "benchmarks/results/gpu"
+CORE_STAGE = "the served-core measurements (CoreCheck)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -134,37 +136,36 @@ def _run(args: argparse.Namespace, device: str, config: GpuCheckConfig) -> int:
     built: list[CoreCheck] = []
     figures: list[Figure] = []
     details: dict[str, Any] = {}
-    stage = ["the gpu-marked tests"]
-    try:
-        with deadline(args.deadline_s):
+    stage = ["start-up"]
+    with deadline(args.deadline_s):
+        stopped = None
+        try:
             if not args.skip_tests:
+                stage[0] = "the gpu-marked tests"
                 tests = GpuTestRun(timeout_s=args.tests_timeout).run().to_dict()
                 if device == "cpu":
                     tests["note"] = "; ".join(x for x in ("no CUDA here: every gpu test skips", tests["note"]) if x)
             print(f"  gpu-marked tests: {tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} "
                   f"skipped, {tests['errors']} errors ({tests['elapsed_s']:.0f} s)", flush=True)
             _phases(args, device, config, built, figures, details, stage)
-    except GpuCheckDeadline as stop:  # write what was measured: the phases done, the details so far
-        if built and not details:  # stopped inside the core check: what it finished
-            details.update(built[0].details)
-            figures += _core_so_far(built[0])
-        _settle(device, built)
-        note = f"{stop.why} after {time.perf_counter() - t0:.0f} s, in {stage[0]}; the phases after it did not run"
-        print(f"  stopped: {note}", flush=True)
-        details["stopped"] = {"why": stop.why, "stage": stage[0], "after_s": time.perf_counter() - t0}
-        figures.append(Figure.graded("deadline", "the check ran to its end", None, "", "<=", 0.0,
-                                     "--deadline-s (SIGALRM) or SIGTERM: the report holds what finished before",
-                                     note=note))
-    report = GpuCheckReport(
-        machine=machine, device=device, command="kvplane " + shlex.join(sys.argv[1:] or ["gpu-check"]),
-        environment=environment(), config={**vars(config), "contexts": list(config.contexts)}, tests=tests,
-        figures=figures, details=details, elapsed_s=time.perf_counter() - t0,
-    )
-    for f in figures:
-        value = "—" if f.value is None else f"{f.value:.4g} {f.unit}"
-        print(f"  {f.status:>4}  {f.title}: {value} (target {f.target})" + (f" [{f.note}]" if f.note else ""))
-    json_path, md_path = report.write(args.out_dir)
-    print(f"  overall {report.status} in {report.elapsed_s:.0f} s; results: {json_path} and {md_path}")
+        except GpuCheckDeadline as stop:  # write what was measured: the phases done, the details so far
+            stopped = stop.why
+        with stop_deferred(drop=True):  # a second stop must not cut the report's writing short
+            if stopped is not None:
+                _stopped(device, built, figures, details, stage[0], stopped, time.perf_counter() - t0)
+            report = GpuCheckReport(
+                machine=machine, device=device, command="kvplane " + shlex.join(sys.argv[1:] or ["gpu-check"]),
+                environment=environment(), config={**vars(config), "contexts": list(config.contexts)},
+                tests=tests, figures=figures, details=details, elapsed_s=time.perf_counter() - t0,
+            )
+            json_path, md_path = report.write(args.out_dir)
+    try:  # after the write: a pipe closed under a stop (the host's `timeout`) costs the lines only
+        for f in figures:
+            value = "—" if f.value is None else f"{f.value:.4g} {f.unit}"
+            print(f"  {f.status:>4}  {f.title}: {value} (target {f.target})" + (f" [{f.note}]" if f.note else ""))
+        print(f"  overall {report.status} in {report.elapsed_s:.0f} s; results: {json_path} and {md_path}")
+    except BrokenPipeError:  # nothing more reaches that pipe, not even at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0 if report.status == "PASS" else 1
 
 
@@ -177,13 +178,17 @@ def _phases(args: argparse.Namespace, device: str, config: GpuCheckConfig, built
     def core() -> list[Figure]:
         built.append(CoreCheck(config, device, args.attention))
         core_figures = built[0].run()
-        measured.append(True)
-        return core_figures
+        with stop_deferred():  # its figures and details land together (a stop before: _stopped)
+            figures.extend(core_figures)
+            details.update(built[0].details)
+            built[0].base, built[0].done = None, []  # handed over: a later stop adds none of them again
+            measured.append(True)
+        return []
 
-    stage[0] = "the served-core measurements (CoreCheck)"
+    stage[0] = CORE_STAGE
     # a failure keeps what the check measured before it (its details so far)
     figures += guarded_phase("core_check", "served-core measurements", "CoreCheck.run", core)
-    if built:
+    if built and not measured:
         details.update(built[0].details)
     if measured:  # last on the core check's batch (it finishes and admits requests), when that ran through
         stage[0] = "the batch changes (TurnoverCheck)"
@@ -196,13 +201,28 @@ def _phases(args: argparse.Namespace, device: str, config: GpuCheckConfig, built
     details["extend"] = extend.details
 
 
+def _stopped(device: str, built: list[CoreCheck], figures: list[Figure], details: dict[str, Any], stage: str,
+             why: str, after_s: float) -> None:
+    """A stop (``--deadline-s``, SIGTERM) in ``stage``: the copies in flight drained, what the core
+    check finished if it stopped there, and the failed ``deadline`` figure naming the stage."""
+    _settle(device, built)
+    if built:  # stopped inside the core check: what it finished (nothing once it handed them over)
+        figures += _core_so_far(built[0])
+        details.update(built[0].details)
+    note = f"{why} after {after_s:.0f} s, in {stage}; the phases after it did not run"
+    details["stopped"] = {"why": why, "stage": stage, "after_s": after_s}
+    figures.append(Figure.graded("deadline", "the check ran to its end", None, "", "<=", 0.0,
+                                 "--deadline-s (SIGALRM) or SIGTERM: the report holds what finished before",
+                                 note=note))
+
+
 def _core_so_far(core: CoreCheck) -> list[Figure]:
     """The figures of a core check stopped inside :meth:`CoreCheck.run`: its base measurements'
     once they were in, then each phase it finished."""
     base, done = core.base, list(core.done)
+    core.base = None
     if base is None:
         return done
-    core.base = None
     return guarded_phase("core_check_so_far", "served-core measurements so far", "CoreCheck.base", base) + done
 
 

@@ -21,8 +21,10 @@ import contextlib
 import math
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from types import FrameType
+from typing import Any
 
 
 class GpuCheckDeadline(BaseException):
@@ -36,7 +38,8 @@ class GpuCheckDeadline(BaseException):
 @contextlib.contextmanager
 def deadline(seconds: float | None) -> Iterator[None]:
     """Raise :class:`GpuCheckDeadline` in this (the main) thread after ``seconds`` (None: never)
-    or on SIGTERM, while the block runs; the previous handlers come back after it."""
+    or on SIGTERM, while the block runs; the previous handlers come back after it, and a timer
+    armed before (pytest-timeout's) is re-armed for what was left of it."""
     if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
         raise ValueError(f"--deadline-s: {seconds} is out of range (allowed > 0)")
     if threading.current_thread() is not threading.main_thread():
@@ -44,32 +47,54 @@ def deadline(seconds: float | None) -> Iterator[None]:
         return
 
     def stop(signum: int, frame: FrameType | None) -> None:
-        if signum == signal.SIGALRM:
-            raise GpuCheckDeadline(f"--deadline-s {seconds:g} reached")
-        raise GpuCheckDeadline(f"stopped by signal {signal.Signals(signum).name}")
+        why = (f"--deadline-s {seconds:g} reached" if signum == signal.SIGALRM
+               else f"stopped by signal {signal.Signals(signum).name}")
+        if state["held"]:  # inside stop_deferred (or this block's own exit): later
+            state["pending"] = state["pending"] or why
+            return
+        raise GpuCheckDeadline(why)
 
+    state: dict[str, Any] = {"held": 0, "pending": None}
+    stop.state = state  # type: ignore[attr-defined]  # how stop_deferred finds it (the installed handler)
     old_term = signal.signal(signal.SIGTERM, stop)
-    old_alarm = signal.signal(signal.SIGALRM, stop) if seconds is not None else None
+    old_alarm = old_timer = None
+    t0 = time.monotonic()
     if seconds is not None:
-        signal.setitimer(signal.ITIMER_REAL, seconds)
+        old_alarm = signal.signal(signal.SIGALRM, stop)
+        old_timer = signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
         yield
     finally:
+        state["held"] += 1  # a stop arriving now is dropped, not raised inside this cleanup
         if seconds is not None:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old_alarm)
+            if old_timer is not None and old_timer[0] > 0:  # what was left of the timer before
+                signal.setitimer(signal.ITIMER_REAL, max(old_timer[0] - (time.monotonic() - t0), 1e-3),
+                                 old_timer[1])
         signal.signal(signal.SIGTERM, old_term)
 
 
 @contextlib.contextmanager
-def stop_deferred() -> Iterator[None]:
-    """Hold a stop (SIGALRM, SIGTERM) back while the block runs, in the main thread; it arrives
-    as soon as the block ends."""
-    if threading.current_thread() is not threading.main_thread():
+def stop_deferred(drop: bool = False) -> Iterator[None]:
+    """Hold a stop (``--deadline-s``, SIGTERM) back while the block runs; it is raised as the block
+    ends (``drop``: forgotten instead -- the report being written after a first stop). At the
+    Python level: the signal may land on any thread of the process (torch's, the driver's), but
+    its handler runs in the main thread, which records it here instead of raising. Outside
+    :func:`deadline` (no stop armed) it does nothing."""
+    handler = signal.getsignal(signal.SIGTERM)
+    state = getattr(handler, "state", None)
+    if state is None or threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM, signal.SIGTERM})
+    state["held"] += 1
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        state["held"] -= 1
+        pending = state["pending"]
+        if drop:
+            state["pending"] = None
+        elif pending is not None and not state["held"]:
+            state["pending"] = None
+            raise GpuCheckDeadline(pending)

@@ -406,8 +406,7 @@ class CoreCheck:
                                    lambda: recompute.run(comp, transfer.bw_blocks_per_ms))
         self.done += guarded_phase("graph_probe", "the CUDA-graph probe", "GraphProbe.run",
                                    GraphProbe(self, identity=True, runner=True).run)
-        self.base = None
-        return base() + self.done
+        return base() + self.done  # ``base`` stays set: a stop before the caller took these recomputes them
 
     def _figures(self, errors: dict[str, dict[str, float]], t: TransferResult, resident_ms: float,
                  placed_ms: float, stall_err: float, probe: SyncProbe, host_fraction: float,

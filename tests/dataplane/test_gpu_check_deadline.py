@@ -48,6 +48,7 @@ def test_a_sigterm_inside_the_core_check_writes_what_it_measured(tmp_path, monke
     assert not any(k.startswith(("overlap.", "graph.", "recompute_", "turnover.", "extend.")) for k in figs)
     assert body["details"]["stopped"]["stage"] == "the served-core measurements (CoreCheck)"
     assert body["details"]["resident_step_ms"] > 0  # the details measured before the stop
+    assert "transfer_events" in body["details"]  # ...and those the base figures' build writes
 
 
 def test_the_deadline_stops_a_running_check_and_the_report_is_written(tmp_path):
@@ -62,12 +63,26 @@ def test_the_deadline_stops_a_running_check_and_the_report_is_written(tmp_path):
 
 def test_a_deadline_that_is_not_reached_changes_nothing(tmp_path):
     """Control: the whole dry run under a generous deadline passes, with no deadline figure and
-    no stop in the details; the alarm is disarmed after (no SIGALRM arrives later)."""
-    assert main([*QUICK, "--deadline-s", "600", "--out-dir", str(tmp_path)]) == 0
-    body, figs = _report(tmp_path)
-    assert "deadline" not in figs and "stopped" not in body["details"]
-    assert BASE_KEYS <= set(figs) and any(k.startswith("overlap.") for k in figs)
-    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    no stop in the details; a timer armed before (here pytest-timeout's, or the test's own) gets
+    its handler and what was left of it back."""
+    fired = []
+    own = signal.getitimer(signal.ITIMER_REAL)[0] == 0
+    if own:  # no pytest-timeout timer: arm one, as it would
+        previous = signal.signal(signal.SIGALRM, lambda *_: fired.append(True))
+        signal.setitimer(signal.ITIMER_REAL, 500.0)
+    handler, (left, _) = signal.getsignal(signal.SIGALRM), signal.getitimer(signal.ITIMER_REAL)
+    try:
+        assert main([*QUICK, "--deadline-s", "600", "--out-dir", str(tmp_path)]) == 0
+        body, figs = _report(tmp_path)
+        assert "deadline" not in figs and "stopped" not in body["details"]
+        assert BASE_KEYS <= set(figs) and any(k.startswith("overlap.") for k in figs)
+        assert signal.getsignal(signal.SIGALRM) is handler
+        assert 0 < signal.getitimer(signal.ITIMER_REAL)[0] < left
+    finally:
+        if own:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+    assert not fired
 
 
 @pytest.mark.parametrize("value", ["0", "-5", "nan", "inf"])
@@ -108,3 +123,56 @@ def test_a_stop_during_a_capture_waits_for_its_end():
     with pytest.raises(GpuCheckDeadline), deadline(0.05):
         time.sleep(5)
     assert time.perf_counter() - t0 < 2
+
+
+def test_a_stop_delivered_to_another_thread_still_waits_for_the_block():
+    """The signal goes to the process: with other threads running (torch's, the driver's), the
+    kernel may hand it to any of them; the block still completes and the stop follows it."""
+    import threading
+    import time
+
+    from sglang_ext.tools.gpu_check_deadline import stop_deferred
+
+    running = threading.Event()
+    done = threading.Event()
+
+    def spin() -> None:  # a thread that does not block the signal (created outside the block)
+        running.set()
+        while not done.is_set():
+            sum(range(1000))
+
+    worker = threading.Thread(target=spin, daemon=True)
+    worker.start()
+    running.wait(5)
+    finished = []
+    try:
+        with pytest.raises(GpuCheckDeadline, match="SIGTERM"), deadline(None):
+            with stop_deferred():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.3)
+                finished.append(True)
+    finally:
+        done.set()
+        worker.join(5)
+    assert finished == [True]
+
+
+def test_a_second_stop_while_the_report_is_written_is_dropped(tmp_path, monkeypatch):
+    """A stop, then another one during the report's writing (the host's `timeout` repeating
+    itself): the report is written all the same."""
+    from sglang_ext.tools import gpu_check_report
+
+    write = gpu_check_report.GpuCheckReport.write
+
+    def write_twice_stopped(self, out_dir):  # noqa: ANN001, ANN202
+        os.kill(os.getpid(), signal.SIGTERM)
+        return write(self, out_dir)
+
+    def stop_here(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(gpu_check_overlap.OverlapCheck, "run", stop_here)
+    monkeypatch.setattr(gpu_check_report.GpuCheckReport, "write", write_twice_stopped)
+    assert main([*QUICK, "--out-dir", str(tmp_path)]) == 1
+    _, figs = _report(tmp_path)
+    assert figs["deadline"]["status"] == "FAIL"

@@ -41,6 +41,25 @@ def test_the_host_script_passes_on_the_checks_exit_status(tmp_path):
     assert any(f["key"] == "deadline" for f in json.loads(report.read_text())["figures"])
 
 
+def test_a_sigterm_to_the_whole_group_still_leaves_the_report(tmp_path):
+    """What a host's command limit does: `timeout` sends SIGTERM to the script's process group
+    (tee included) mid-run; the check stops, writes its report and log, and the script exits
+    with the check's status (1)."""
+    wheels = tmp_path / "no-wheels"
+    wheels.mkdir()
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable, "WHEELS_DIR": str(wheels),
+           "DEADLINE_S": "600"}
+    done = subprocess.run(["timeout", "--preserve-status", "-k", "60", "8", "bash", str(ROOT / "tools" / "gpu_host_check.sh"),
+                           "--device", "cpu", "--skip-tests", "--repeat", "400"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1, (done.returncode, done.stdout[-1500:], done.stderr[-1500:])
+    out = tmp_path / "out"
+    [report] = out.glob("gpu-check-cpu-*.json")
+    figures = {f["key"]: f for f in json.loads(report.read_text())["figures"]}
+    assert figures["deadline"]["note"].startswith("stopped by signal SIGTERM"), figures["deadline"]
+    assert "stopped by signal SIGTERM" in (out / "gpu-check.log").read_text()
+
+
 def test_gpu_wheels_are_the_pinned_versions():
     makefile = (ROOT / "Makefile").read_text()
     wheels = re.search(r"^GPU_WHEELS := (.+)$", makefile, re.M)
