@@ -77,3 +77,19 @@ def test_negative_control_a_missing_file_fails_the_render(helm, tmp_path):
     proc = subprocess.run([str(helm), "template", "kv", str(chart), "--set", "grafanaDashboard.enabled=true"],
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode != 0 and "dashboards/kvplane-grafana.json" in proc.stderr
+
+
+def test_a_long_release_name_keeps_the_dashboard_and_policy_configmaps_apart(helm, tmp_path):
+    """A 42-character release name: the full name is cut at 63 characters, and the dashboard's
+    name must not collapse onto the policy ConfigMap's."""
+    from tests.helm.conftest import CHART, run_helm
+
+    release = "llama-3-1-70b-instruct-prod-eu-west-1-blue"
+    proc = run_helm(helm, ["template", release, str(CHART), "--namespace", "serving"],
+                    {"grafanaDashboard": {"enabled": True}}, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    import yaml
+
+    names = [d["metadata"]["name"] for d in yaml.safe_load_all(proc.stdout) if d and d["kind"] == "ConfigMap"]
+    assert len(names) == 2 and len(set(names)) == 2, names
+    assert all(len(n) <= 63 for n in names) and any(n.endswith("-dashboard") for n in names)

@@ -208,8 +208,8 @@ def test_tls_probes_fall_back_to_tcp(render):
 
 def test_extra_args_follow_chart_flags(render):
     """extraArgs are appended after the chart's flags, verbatim."""
-    args = container(render({"extraArgs": ["--log-format", "json"]}).one("Deployment"))["args"]
-    assert args[-2:] == ["--log-format", "json"]
+    args = container(render({"extraArgs": ["--max-watchers", "7"]}).one("Deployment"))["args"]
+    assert args[-2:] == ["--max-watchers", "7"]
     assert args[0] == "--listen"
 
 
@@ -283,7 +283,9 @@ def test_server_limits_become_flags(render):
 def test_grace_must_fit_termination_period(render_error):
     """A drain longer than the pod's termination grace period is rejected naming both values."""
     err = render_error({"server": {"graceSeconds": 40}, "terminationGracePeriodSeconds": 30})
-    assert "server.graceSeconds: 40 is not below terminationGracePeriodSeconds = 30" in err
+    assert "server.graceSeconds: 40 is not 2 s below terminationGracePeriodSeconds = 30" in err
+    err = render_error({"server": {"graceSeconds": 28.5}, "terminationGracePeriodSeconds": 30})
+    assert "server.graceSeconds: 28.5 is not 2 s below terminationGracePeriodSeconds = 30" in err
 
 
 def test_graceful_termination_period(render):

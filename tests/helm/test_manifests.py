@@ -34,7 +34,7 @@ ALL_ON: dict[str, Any] = {
     "grafanaDashboard": {"enabled": True, "annotations": {"grafana_folder": "kvplane"}},
     "networkPolicy": {"workerPodLabels": {"app": "sglang"}},
     "extraEnv": [{"name": "KVPLANE_LOG_FORMAT", "value": "json"}],
-    "extraArgs": ["--log-format", "json"],
+    "extraArgs": ["--max-message-bytes", "8388608"],
     "podAnnotations": {"example.com/owner": "serving"},
     "imagePullSecrets": [{"name": "regcred"}],
     "topologySpreadConstraints": [
@@ -135,3 +135,16 @@ def test_every_resource_labelled_and_namespaced(render):
         assert labels["app.kubernetes.io/instance"] == "kv"
         assert labels["app.kubernetes.io/version"] == "0.1.0"
         assert doc["metadata"]["namespace"] == "serving"
+
+
+@pytest.mark.parametrize("tag", ["v" + "1" * 70, "1.0-", "_x", "sha-" + "a" * 64])
+def test_the_version_label_is_a_valid_label_value_for_any_valid_tag(render, tag):
+    """The image tag (up to 128 characters, which may end in - or .) becomes app.kubernetes.io/version:
+    cut to 63 characters and trimmed to alphanumerics at both ends, a valid label value."""
+    import re
+
+    label = re.compile(r"^([A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?)?$")
+    for doc in render({"image": {"tag": tag}}).docs:
+        version = doc["metadata"]["labels"].get("app.kubernetes.io/version", "")
+        assert label.match(version), (doc["kind"], version)
+        assert version and tag.strip("-._").startswith(version[:10])

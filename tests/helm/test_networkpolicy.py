@@ -78,3 +78,23 @@ def test_non_string_label_value_rejected(render_error):
     """Label values must be strings (true unquoted is a boolean) -- rejected naming the field."""
     err = render_error({"networkPolicy": {"workerNamespaceLabel": {"value": True}}})
     assert "networkPolicy.workerNamespaceLabel.value" in err
+
+
+def test_workers_outside_the_cluster_are_admitted_by_cidr_to_grpc_only(render):
+    """networkPolicy.workerCIDRs (workers reaching a LoadBalancer Service): an ipBlock rule per
+    range on the gRPC port; the metrics port keeps its namespace rule only. Control: none by default."""
+    def rules(values):  # noqa: ANN001, ANN202
+        return render(values).one("NetworkPolicy")["spec"]["ingress"]
+
+    default = rules(None)
+    assert not any("ipBlock" in peer for rule in default for peer in rule["from"])
+    got = rules({"service": {"type": "LoadBalancer"}, "networkPolicy": {"workerCIDRs": ["203.0.113.0/24", "2001:db8::/32"]}})
+    blocks = [rule for rule in got if any("ipBlock" in peer for peer in rule["from"])]
+    assert len(blocks) == 1
+    assert [peer["ipBlock"]["cidr"] for peer in blocks[0]["from"]] == ["203.0.113.0/24", "2001:db8::/32"]
+    assert blocks[0]["ports"] == [{"port": "grpc", "protocol": "TCP"}]
+
+
+def test_a_worker_cidr_that_is_not_a_cidr_is_refused(render_error):
+    err = render_error({"networkPolicy": {"workerCIDRs": ["10.0.0.1"]}})
+    assert "workerCIDRs" in err

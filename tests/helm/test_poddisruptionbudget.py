@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 
 def test_absent_by_default(render):
     """No PodDisruptionBudget unless enabled."""
@@ -34,3 +36,32 @@ def test_both_set_is_an_error(render_error):
         {"podDisruptionBudget": {"enabled": True, "minAvailable": 1, "maxUnavailable": 1}}
     )
     assert "minAvailable" in err and "maxUnavailable" in err
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"podDisruptionBudget": {"enabled": True, "minAvailable": 1}},
+         "podDisruptionBudget.minAvailable: 1 is not below replicaCount = 1"),
+        ({"replicaCount": 3, "podDisruptionBudget": {"enabled": True, "minAvailable": 3}},
+         "podDisruptionBudget.minAvailable: 3 is not below replicaCount = 3"),
+        ({"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 4},
+          "podDisruptionBudget": {"enabled": True, "minAvailable": 2}},
+         "podDisruptionBudget.minAvailable: 2 is not below autoscaling.minReplicas = 2"),
+        ({"replicaCount": 2, "podDisruptionBudget": {"enabled": True, "minAvailable": "100%"}},
+         'podDisruptionBudget.minAvailable: "100%" lets no pod be evicted'),
+        ({"replicaCount": 2, "podDisruptionBudget": {"enabled": True, "minAvailable": None, "maxUnavailable": 0}},
+         "podDisruptionBudget.maxUnavailable: 0 lets no pod be evicted"),
+    ],
+)
+def test_a_budget_that_blocks_every_eviction_is_refused(render_error, values, message):
+    """A PDB that allows no disruption makes every node drain wait for ever: refused at render,
+    naming the fields."""
+    assert message in render_error(values)
+
+
+def test_a_budget_that_allows_one_eviction_renders(render):
+    """Control: two replicas with minAvailable 1, or maxUnavailable 1 on one replica."""
+    assert render({"replicaCount": 2, "podDisruptionBudget": {"enabled": True}}).one("PodDisruptionBudget")
+    one = {"podDisruptionBudget": {"enabled": True, "minAvailable": None, "maxUnavailable": 1}}
+    assert render(one).one("PodDisruptionBudget")["spec"]["maxUnavailable"] == 1

@@ -38,7 +38,10 @@ app.kubernetes.io/component: controlplane
 {{- define "kvplane.labels" -}}
 helm.sh/chart: {{ include "kvplane.chart" . }}
 {{ include "kvplane.selectorLabels" . }}
-app.kubernetes.io/version: {{ .Values.image.tag | quote }}
+{{- $version := .Values.image.tag | toString | trunc 63 | trimAll "-._" }}
+{{- if $version }}
+app.kubernetes.io/version: {{ $version | quote }}
+{{- end }}
 app.kubernetes.io/part-of: kvplane
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
@@ -140,9 +143,20 @@ and the allowed range.
 {{- if eq (kindIs "invalid" $min) (kindIs "invalid" $max) }}
 {{- fail "podDisruptionBudget: set exactly one of minAvailable and maxUnavailable (the other null)" }}
 {{- end }}
+{{- $replicas := ternary .Values.autoscaling.minReplicas .Values.replicaCount .Values.autoscaling.enabled | int64 }}
+{{- $source := ternary "autoscaling.minReplicas" "replicaCount" .Values.autoscaling.enabled }}
+{{- if and (not (kindIs "invalid" $min)) (not (kindIs "string" $min)) (ge (int64 $min) $replicas) }}
+{{- fail (printf "podDisruptionBudget.minAvailable: %d is not below %s = %d (no pod could ever be evicted: a node drain would wait for ever; raise %s or use maxUnavailable)" (int64 $min) $source $replicas $source) }}
 {{- end }}
-{{- if ge (float64 .Values.server.graceSeconds) (float64 .Values.terminationGracePeriodSeconds) }}
-{{- fail (printf "server.graceSeconds: %v is not below terminationGracePeriodSeconds = %v (the pod would be killed mid-drain)" .Values.server.graceSeconds .Values.terminationGracePeriodSeconds) }}
+{{- if and (kindIs "string" $min) (eq $min "100%") }}
+{{- fail "podDisruptionBudget.minAvailable: \"100%\" lets no pod be evicted (a node drain would wait for ever)" }}
+{{- end }}
+{{- if and (not (kindIs "invalid" $max)) (or (eq (toString $max) "0") (eq (toString $max) "0%")) }}
+{{- fail (printf "podDisruptionBudget.maxUnavailable: %v lets no pod be evicted (a node drain would wait for ever)" $max) }}
+{{- end }}
+{{- end }}
+{{- if gt (addf (float64 .Values.server.graceSeconds) 2.0) (float64 .Values.terminationGracePeriodSeconds) }}
+{{- fail (printf "server.graceSeconds: %v is not 2 s below terminationGracePeriodSeconds = %v (the server notices SIGTERM within 1 s, then drains for graceSeconds: the pod would be killed mid-drain)" .Values.server.graceSeconds .Values.terminationGracePeriodSeconds) }}
 {{- end }}
 {{- if eq (int64 .Values.service.grpcPort) (int64 .Values.service.metricsPort) }}
 {{- fail (printf "service.metricsPort: %d equals service.grpcPort (allowed: two different ports)" (int64 .Values.service.metricsPort)) }}
