@@ -196,14 +196,25 @@ def test_tls_without_client_ca(render):
     assert [i["path"] for i in _volume(d, "tls")["secret"]["items"]] == ["tls.crt", "tls.key"]
 
 
-def test_tls_probes_fall_back_to_tcp(render):
-    """kubelet's gRPC probe cannot speak TLS, so with TLS on the probes check the TCP port."""
+def test_tls_probes_check_the_plaintext_health_port(render):
+    """kubelet's gRPC probe cannot speak TLS, so with TLS on the server also serves grpc.health.v1
+    in plaintext on service.healthPort (--health-port) and the probes check that port (a drain's
+    NOT_SERVING reaches readiness). Control: without TLS there is no health port."""
     c = container(
         render({"tls": {"enabled": True, "existingSecret": TLS_SECRET}}).one("Deployment")
     )
+    assert c["args"][c["args"].index("--health-port") + 1] == "50052"
+    assert {"name": "health", "containerPort": 50052, "protocol": "TCP"} in c["ports"]
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        assert c[probe]["tcpSocket"] == {"port": "grpc"}
-        assert "grpc" not in c[probe]
+        assert c[probe]["grpc"] == {"port": 50052, "service": ""}
+        assert "tcpSocket" not in c[probe]
+    plain = container(render(None).one("Deployment"))
+    assert "--health-port" not in plain["args"] and all(p["name"] != "health" for p in plain["ports"])
+
+
+def test_the_health_port_must_differ_from_the_others(render_error):
+    err = render_error({"tls": {"enabled": True, "existingSecret": TLS_SECRET}, "service": {"healthPort": 9090}})
+    assert "service.healthPort: 9090 equals service.grpcPort or service.metricsPort" in err
 
 
 def test_extra_args_follow_chart_flags(render):

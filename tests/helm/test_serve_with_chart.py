@@ -133,3 +133,49 @@ def test_sigterm_stops_within_the_grace_period(served):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=VALUES["server"]["graceSeconds"] + 10) == 0
     assert time.monotonic() - start < 30  # terminationGracePeriodSeconds
+
+
+def test_a_tls_pod_answers_its_probes_on_the_plaintext_health_port(helm, tmp_path):
+    """The TLS chart's args, with the Secret's files from a throwaway CA, start a server whose API
+    needs TLS while the probes' port (--health-port, plaintext) answers SERVING; plaintext on the
+    API port fails (control: the probe port is not just the API without TLS)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from controlplane.service.ports import free_ports
+    from tests.service.certs import ThrowawayCA
+
+    values = {**VALUES, "tls": {"enabled": True, "existingSecret": "kv-tls", "caKey": ""}}
+    proc_helm = run_helm(helm, ["template", RELEASE, str(CHART), "--namespace", NAMESPACE], values, tmp_path)
+    assert proc_helm.returncode == 0, proc_helm.stderr
+    rendered = Rendered(docs=[d for d in yaml.safe_load_all(proc_helm.stdout) if d])
+    cmd = _pod_command(rendered, tmp_path)
+    tls_dir = tmp_path / "etc/kvplane/tls"
+    tls_dir.mkdir(parents=True)
+    server = ThrowawayCA().issue("localhost", server=True)
+    (tls_dir / "tls.crt").write_bytes(server.cert_pem)
+    (tls_dir / "tls.key").write_bytes(server.key_pem)
+    health = free_ports(1)[0]
+    cmd[cmd.index("--health-port") + 1] = str(health)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    log_path = tmp_path / "serve.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        def serving() -> dict[str, Any] | None:
+            if proc.poll() is not None:
+                raise AssertionError(f"kvplane serve exited {proc.returncode}:\n{log_path.read_text()}")
+            for line in log_path.read_text().splitlines():
+                if line.startswith("{") and json.loads(line).get("event") == "serving":
+                    return json.loads(line)
+            return None
+
+        event = _wait_for(serving, 60, "the serving event")
+        assert event["tls"] is True
+        with grpc.insecure_channel(f"127.0.0.1:{health}") as channel:
+            got = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert got.status == health_pb2.HealthCheckResponse.SERVING
+        with grpc.insecure_channel(f"127.0.0.1:{event['port']}") as channel, pytest.raises(grpc.RpcError):
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=3)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)

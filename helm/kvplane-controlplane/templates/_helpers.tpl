@@ -161,4 +161,7 @@ and the allowed range.
 {{- if eq (int64 .Values.service.grpcPort) (int64 .Values.service.metricsPort) }}
 {{- fail (printf "service.metricsPort: %d equals service.grpcPort (allowed: two different ports)" (int64 .Values.service.metricsPort)) }}
 {{- end }}
+{{- if and .Values.tls.enabled (has (int64 .Values.service.healthPort) (list (int64 .Values.service.grpcPort) (int64 .Values.service.metricsPort))) }}
+{{- fail (printf "service.healthPort: %d equals service.grpcPort or service.metricsPort (allowed: three different ports)" (int64 .Values.service.healthPort)) }}
+{{- end }}
 {{- end }}
