@@ -40,6 +40,30 @@ def _wait_for(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
+def _rendered(helm: Path, values: dict[str, Any], tmp_path: Path) -> Rendered:
+    proc = run_helm(helm, ["template", RELEASE, str(CHART), "--namespace", NAMESPACE], values, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    return Rendered(docs=[d for d in yaml.safe_load_all(proc.stdout) if d])
+
+
+def _start(cmd: list[str], tmp_path: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    """The pod's command started, its output in tmp_path/serve.log."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    log_path = tmp_path / "serve.log"
+    with log_path.open("wb") as log:
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log_path
+
+
+def _serving_event(proc: subprocess.Popen[bytes], log_path: Path) -> dict[str, Any] | None:
+    """The server's `serving` log event once written (None before); fails if the server exited."""
+    if proc.poll() is not None:
+        raise AssertionError(f"kvplane serve exited {proc.returncode}:\n{log_path.read_text()}")
+    for line in log_path.read_text().splitlines():
+        if line.startswith("{") and json.loads(line).get("event") == "serving":
+            return json.loads(line)
+    return None
+
+
 def _pod_command(rendered, root: Path) -> list[str]:
     """`kvplane serve` + the Deployment's args, with mount paths under ``root`` and loopback ports."""
     c = container(rendered.one("Deployment"))
@@ -60,27 +84,10 @@ def served(helm, tmp_path_factory) -> Iterator[tuple[subprocess.Popen[bytes], di
     """One server started as the pod would start it (shared by this module's tests; the SIGTERM
     test runs last); yields (process, its `serving` log event)."""
     tmp_path = tmp_path_factory.mktemp("pod")
-    proc_helm = run_helm(
-        helm, ["template", RELEASE, str(CHART), "--namespace", NAMESPACE], VALUES, tmp_path
-    )
-    assert proc_helm.returncode == 0, proc_helm.stderr
-    rendered = Rendered(docs=[d for d in yaml.safe_load_all(proc_helm.stdout) if d])
-    cmd = _pod_command(rendered, tmp_path)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    log_path = tmp_path / "serve.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-    def serving_event() -> dict[str, Any] | None:
-        if proc.poll() is not None:
-            raise AssertionError(f"kvplane serve exited {proc.returncode}:\n{log_path.read_text()}")
-        for line in log_path.read_text().splitlines():
-            if line.startswith("{") and json.loads(line).get("event") == "serving":
-                return json.loads(line)
-        return None
-
+    cmd = _pod_command(_rendered(helm, VALUES, tmp_path), tmp_path)
+    proc, log_path = _start(cmd, tmp_path)
     try:
-        event = _wait_for(serving_event, 60, "the serving event")
+        event = _wait_for(lambda: _serving_event(proc, log_path), 60, "the serving event")
         yield proc, event
     finally:
         if proc.poll() is None:
@@ -145,10 +152,7 @@ def test_a_tls_pod_answers_its_probes_on_the_plaintext_health_port(helm, tmp_pat
     from tests.service.certs import ThrowawayCA
 
     values = {**VALUES, "tls": {"enabled": True, "existingSecret": "kv-tls", "caKey": ""}}
-    proc_helm = run_helm(helm, ["template", RELEASE, str(CHART), "--namespace", NAMESPACE], values, tmp_path)
-    assert proc_helm.returncode == 0, proc_helm.stderr
-    rendered = Rendered(docs=[d for d in yaml.safe_load_all(proc_helm.stdout) if d])
-    cmd = _pod_command(rendered, tmp_path)
+    cmd = _pod_command(_rendered(helm, values, tmp_path), tmp_path)
     tls_dir = tmp_path / "etc/kvplane/tls"
     tls_dir.mkdir(parents=True)
     server = ThrowawayCA().issue("localhost", server=True)
@@ -156,20 +160,9 @@ def test_a_tls_pod_answers_its_probes_on_the_plaintext_health_port(helm, tmp_pat
     (tls_dir / "tls.key").write_bytes(server.key_pem)
     health = free_ports(1)[0]
     cmd[cmd.index("--health-port") + 1] = str(health)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    log_path = tmp_path / "serve.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc, log_path = _start(cmd, tmp_path)
     try:
-        def serving() -> dict[str, Any] | None:
-            if proc.poll() is not None:
-                raise AssertionError(f"kvplane serve exited {proc.returncode}:\n{log_path.read_text()}")
-            for line in log_path.read_text().splitlines():
-                if line.startswith("{") and json.loads(line).get("event") == "serving":
-                    return json.loads(line)
-            return None
-
-        event = _wait_for(serving, 60, "the serving event")
+        event = _wait_for(lambda: _serving_event(proc, log_path), 60, "the serving event")
         assert event["tls"] is True
         with grpc.insecure_channel(f"127.0.0.1:{health}") as channel:
             got = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
