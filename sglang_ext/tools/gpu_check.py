@@ -205,7 +205,7 @@ def _stopped(device: str, built: list[CoreCheck], figures: list[Figure], details
              why: str, after_s: float) -> None:
     """A stop (``--deadline-s``, SIGTERM) in ``stage``: the copies in flight drained, what the core
     check finished if it stopped there, and the failed ``deadline`` figure naming the stage."""
-    _settle(device, built)
+    _settle(device)
     if built:  # stopped inside the core check: what it finished (nothing once it handed them over)
         figures += _core_so_far(built[0])
         details.update(built[0].details)
@@ -226,16 +226,12 @@ def _core_so_far(core: CoreCheck) -> list[Figure]:
     return guarded_phase("core_check_so_far", "served-core measurements so far", "CoreCheck.base", base) + done
 
 
-def _settle(device: str, built: list[CoreCheck]) -> None:
+def _settle(device: str) -> None:
     """After a stop mid-step: let the copies in flight finish before anything is freed (the host
-    pool's pinned registration is dropped at exit, under a copy still reading it otherwise)."""
+    pool's pinned registration is dropped at exit, under a copy still reading it otherwise). One
+    device-wide sync: it waits for every stream, the engines' transfer streams included."""
     if device != "cuda":
         return
-    for check in built:
-        try:
-            check.batch.core.store.engine.quiesce()
-        except Exception:  # noqa: BLE001 - the device-wide sync below still runs
-            traceback.print_exc()
     try:
         torch.cuda.synchronize()
     except Exception:  # noqa: BLE001 - a device error: the report is still written

@@ -14,11 +14,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+def _run(tmp_path: Path, *args: str, wrap: tuple[str, ...] = (), **env: str) -> subprocess.CompletedProcess[str]:
+    """The script with ``args`` (under ``wrap``, e.g. a `timeout` command line), its output in tmp_path/out."""
     wheels = tmp_path / "no-wheels"  # the host's .whl/ holds cp312 wheels; none are needed here
     wheels.mkdir(exist_ok=True)
     full = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable, "WHEELS_DIR": str(wheels), **env}
-    return subprocess.run(["bash", str(ROOT / "tools" / "gpu_host_check.sh"), *args], cwd=ROOT, env=full,
+    return subprocess.run([*wrap, "bash", str(ROOT / "tools" / "gpu_host_check.sh"), *args], cwd=ROOT, env=full,
                           capture_output=True, text=True, timeout=300, check=False)
 
 
@@ -45,13 +46,8 @@ def test_a_sigterm_to_the_whole_group_still_leaves_the_report(tmp_path):
     """What a host's command limit does: `timeout` sends SIGTERM to the script's process group
     (tee included) mid-run; the check stops, writes its report and log, and the script exits
     with the check's status (1)."""
-    wheels = tmp_path / "no-wheels"
-    wheels.mkdir()
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable, "WHEELS_DIR": str(wheels),
-           "DEADLINE_S": "600"}
-    done = subprocess.run(["timeout", "--preserve-status", "-k", "60", "8", "bash", str(ROOT / "tools" / "gpu_host_check.sh"),
-                           "--device", "cpu", "--skip-tests", "--repeat", "400"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
+    done = _run(tmp_path, "--device", "cpu", "--skip-tests", "--repeat", "400",
+                wrap=("timeout", "--preserve-status", "-k", "60", "8"), DEADLINE_S="600")
     assert done.returncode == 1, (done.returncode, done.stdout[-1500:], done.stderr[-1500:])
     out = tmp_path / "out"
     [report] = out.glob("gpu-check-cpu-*.json")
