@@ -124,7 +124,7 @@ class Engine(EngineMemory):
     def _apply(self, act: Actions) -> tuple[list[SimRequest], float, float]:
         """Apply decisions; returns (admitted, serial_ms, overlapped_ms) transfer costs."""
         serial_ms = 0.0
-        overlap_ms = 0.0
+        out_ms_total = in_ms_total = 0.0  # overlapped swaps per direction (full duplex)
         by_id = self.reqs
         d2h = self.p.d2h_blocks_per_ms
         h2d = self.p.h2d_blocks_per_ms
@@ -143,7 +143,7 @@ class Engine(EngineMemory):
             out_ms = getattr(self.policy, "swap_out_ms", None)  # e.g. HCache's own cost
             cost = out_ms(r) if out_ms is not None else self._held(r) / d2h
             if self.policy.overlap_swaps:
-                overlap_ms += cost
+                out_ms_total += cost
             else:
                 serial_ms += cost
             self.running.remove(r)
@@ -174,7 +174,7 @@ class Engine(EngineMemory):
                 in_ms = getattr(self.policy, "swap_in_ms", None)
                 cost = in_ms(r) if in_ms is not None else need / h2d
                 if self.policy.overlap_swaps:
-                    overlap_ms += cost
+                    in_ms_total += cost
                 else:
                     serial_ms += cost
                 self.swapped.remove(r)
@@ -228,7 +228,9 @@ class Engine(EngineMemory):
             admitted.append(r)
         for r in admitted:
             self.queue.remove(r)
-        return admitted, serial_ms, overlap_ms
+        # SuperInfer §4.3 (DuplexKV): swap-outs (D2H) and swap-ins (H2D) run at once on the
+        # full-duplex link, so the overlapped transfers take the longer direction, not the sum.
+        return admitted, serial_ms, max(out_ms_total, in_ms_total)
 
     def _row_for(self, gpu_layers: int) -> tuple[int, ...]:
         """The distance-driven candidate row with this many GPU layers, else an even spread."""
@@ -267,8 +269,11 @@ class Engine(EngineMemory):
         dur = extra_ms
         for r in admitted:
             dur += self.p.prefill_step_ms(r.context, r.min_gpu_layers or 0)
+        # The admitted prompts are not running yet: their resident layers, plus a staging slot
+        # for the layers offloaded at prefill (as admission's ``pending`` counts them).
         used = self.used_blocks() + sum(
-            r.blocks(self.p) for r in admitted if (r.min_gpu_layers or 0) < self.p.layers
+            self._held(r) + (self._kvb(r) if (r.min_gpu_layers or 0) < self.p.layers else 0)
+            for r in admitted
         )
         start = self.now
         end = start + dur

@@ -7,8 +7,9 @@ For a batch, :meth:`Planner.plan`
    token to align with the target step", §3.3.1 decode window);
 2. searches candidate layouts (:class:`PlacementSearch`, with the CBC stage when the budget allows)
    for the least exact step time ``T`` that fits memory;
-3. checks the SLO cap of OrbitFlow §3.3.1 with token deposits (§3.2):
-   ``sum_r max(0, 1 - slo_r (1 + deposit_r / Δ) / T) <= alpha`` (:mod:`.slo_cap`);
+3. checks the SLO cap of OrbitFlow §3.3.1 with token deposits (§3.2): the requests' shares of
+   the window's steps that fail their TBT SLO, ``late_r = 1 - deposit_r / (Δ (T / slo_r - 1))``
+   once ``T > slo_r (1 + deposit_r / Δ)`` (else 0), sum to at most alpha (:mod:`.slo_cap`);
 4. picks the largest feasible Δ in ``[window_min, window_max]`` analytically from the step
    times found (feasibility is monotone: a larger Δ has more blocks, hence a larger optimal
    ``T``, and a smaller deposit credit per step ``deposit_r / Δ``), with at most four searches that stop

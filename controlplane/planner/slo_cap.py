@@ -1,13 +1,22 @@
 """The SLO cap of OrbitFlow §3.3.1 with the token-deposit credit of §3.2 (issue 15 item 4).
 
-Violations are averaged over the decode window Δ (§3.3.1, "we enforce it on the average over the
-next Δ steps") and a request's deposit (§3.2: tokens generated but not yet delivered, released
-one per SLO interval) masks late steps until it drains. A step of T ms drains ``T / slo_r``
-deposited tokens, so over Δ steps request r is late for the share
-``max(0, 1 - slo_r (1 + deposit_r / Δ) / T)`` of its deliveries, and its deposit covers the
-whole window exactly when ``deposit_r >= Δ (T / slo_r - 1)``, i.e. up to the step time
-``covered_step_ms = slo_r (1 + deposit_r / Δ)``. The planner's cap is
-``sum_r late_r <= alpha``.
+§3.3.1: "Let sloFail_r denote whether request r violates the SLO in the current decode step ...
+sum_r sloFail_r <= alpha", enforced "on the average over the next Δ steps":
+``(1/Δ) sum_t sum_r sloFail_r <= alpha``. sloFail is binary: a request whose step is slower than
+its SLO fails that step whatever the margin (every delivery gap is then T > slo).
+
+A deposit (§3.2: tokens generated but not yet delivered, released one per SLO interval) masks
+late steps until it drains. A step of T ms drains ``T / slo_r - 1`` deposited tokens (``T / slo_r``
+delivered, one generated), so a deposit of D tokens keeps the first ``D / (T / slo_r - 1)`` steps
+on time, and over Δ steps request r fails the share
+
+    late_r(T) = 0                                    if T <= theta_r = slo_r (1 + D_r / Δ)
+              = 1 - D_r / (Δ (T / slo_r - 1))        otherwise
+
+of them (``theta_r``: the deposit covers the whole window exactly). The planner's cap is
+``sum_r late_r <= alpha``. (Up to session 42 the cap was ``sum_r max(0, 1 - theta_r / T)``, the
+share of owed tokens missing rather than of steps failed: it counted a request with no deposit at
+1.5x its SLO as 1/3 late instead of late at every step, so alpha = 1 let three such requests run.)
 """
 
 from __future__ import annotations
@@ -17,53 +26,82 @@ from collections.abc import Sequence
 
 from controlplane.model import RequestSpec
 
+_EPS = 1e-12
+
 
 def max_step_ms(reqs: Sequence[RequestSpec], window: int, alpha: float, floor_ms: float) -> float:
     """The largest step time T whose late fraction at ``window`` is within alpha, or -1 when
-    even ``floor_ms`` (the compute sum, a lower bound on any step) exceeds it.
+    even ``floor_ms`` (the compute sum, a lower bound on any step) exceeds it; inf when no step
+    time does (at most alpha requests in all).
 
-    Request r is late once ``T > theta_r = slo_r (1 + c_r)``, ``c_r = deposit_r / Δ`` (its
-    deposit covers the window exactly at ``theta_r``, see :func:`late_fraction`). Between consecutive
-    thresholds the late fraction is ``|A| - sum_A theta_r / T`` (A: the late ones), so the
-    crossing with alpha, ``T = sum_A theta_r / (|A| - alpha)``, is solved per segment.
+    The late fraction is nondecreasing in T, constant 0 per request up to its ``theta_r`` and
+    continuous after it (a jump to 1 there when the request has no deposit). The last threshold
+    ``theta_k`` within alpha is found by bisection over the sorted thresholds; above it the late
+    set is fixed and the crossing is bisected on that set's sum.
     """
-    eps = 1e-12
-    if late_fraction(reqs, floor_ms, window) > alpha + eps:
+    if late_fraction(reqs, floor_ms, window) > alpha + _EPS:
         return -1.0
+    if len(reqs) <= alpha + _EPS:
+        return math.inf
     thetas = sorted(covered_step_ms(r, window) for r in reqs)
-    late = 0  # |A|
-    total = 0.0  # sum_A theta_r
-    for i, theta in enumerate(thetas):
-        late += 1
-        total += theta
-        nxt = thetas[i + 1] if i + 1 < len(thetas) else math.inf
-        if late > alpha + eps:
-            t = total / (late - alpha - eps)
-            if t < nxt:
-                return max(t, theta, floor_ms)
-    return math.inf
+    lo_i, hi_i = 0, len(thetas) - 1  # f(thetas[0]) = 0 <= alpha
+    while lo_i < hi_i:
+        mid = (lo_i + hi_i + 1) // 2
+        if late_fraction(reqs, thetas[mid], window) <= alpha + _EPS:
+            lo_i = mid
+        else:
+            hi_i = mid - 1
+    start = thetas[lo_i]
+    late = [r for r in reqs if covered_step_ms(r, window) <= start]  # late just above ``start``
+    terms = [(r.slo_tbt_ms, r.deposit_tokens / window) for r in late]
+
+    def over(t: float) -> bool:
+        return sum(_late_one(t / s, c) for s, c in terms) > alpha + _EPS
+
+    nxt = thetas[lo_i + 1] if lo_i + 1 < len(thetas) else math.inf
+    lo = start
+    hi = nxt
+    if math.isinf(hi):  # the late set grows no more: its sum tends to |late| > alpha
+        hi = max(2.0 * start, 1.0)
+        while not over(hi):
+            lo, hi = hi, 2.0 * hi
+    for _ in range(200):  # f(lo) <= alpha < f(hi); stop at float resolution
+        mid = 0.5 * (lo + hi)
+        if mid <= lo or mid >= hi:
+            break
+        if over(mid):
+            hi = mid
+        else:
+            lo = mid
+    return max(lo, floor_ms)
 
 
 def covered_step_ms(r: RequestSpec, window: int) -> float:
     """The step time up to which ``r``'s deposit covers a window of ``window`` steps:
-    ``slo_r (1 + deposit_r / Δ)``."""
+    ``theta_r = slo_r (1 + deposit_r / Δ)``."""
     return r.slo_tbt_ms * (1.0 + r.deposit_tokens / window)
 
 
 def late_fraction(reqs: Sequence[RequestSpec], step_ms: float, window: int) -> float:
-    """``sum_r max(0, 1 - slo_r (1 + deposit_r / Δ) / T)``: the SLO cap of OrbitFlow §3.3.1
-    (violations averaged over the decode window Δ) with the token deposit of §3.2 as credit.
-
-    Over Δ steps of T ms the user is owed ``Δ T / slo_r`` tokens (one per SLO interval) and gets
-    the Δ generated plus the ``deposit_r`` already banked, so the late share of the window's
-    deliveries is ``1 - slo_r (Δ + deposit_r) / (Δ T)``. A step of T ms drains ``T / slo_r``
-    deposited tokens, not one: a deposit of D tokens covers the window exactly when
-    ``D >= Δ (T / slo_r - 1)``. (The earlier form ``1 - slo_r / T - deposit_r / Δ`` counted
-    one token per late step and over-credited the deposit by the factor ``T / slo_r``.)
-    """
+    """``sum_r late_r(T)``: the requests' shares of the window's Δ steps that fail their TBT SLO
+    (OrbitFlow §3.3.1's ``(1/Δ) sum_t sum_r sloFail_r``, module docstring), the token deposit of
+    §3.2 covering the first ``D_r / (T / slo_r - 1)`` of them."""
     if step_ms <= 0.0:  # a step of no time (a profile of zeros) is late for nobody
         return 0.0
-    return sum(max(0.0, 1.0 - covered_step_ms(r, window) / step_ms) for r in reqs)
+    total = 0.0
+    for r in reqs:
+        if step_ms > covered_step_ms(r, window):
+            total += _late_one(step_ms / r.slo_tbt_ms, r.deposit_tokens / window)
+    return total
+
+
+def _late_one(ratio: float, credit: float) -> float:
+    """``1 - c / (T / slo - 1)`` for a step ``ratio = T / slo`` past ``1 + c`` (``c = D / Δ``),
+    within [0, 1] whatever the rounding (no deposit: late at every step)."""
+    if credit <= 0.0:
+        return 1.0
+    over = ratio - 1.0
+    return 0.0 if over <= credit else 1.0 - credit / over
 
 
 def largest_window(
@@ -74,11 +112,11 @@ def largest_window(
     The late fraction depends on Δ only through ``deposit_r / Δ`` and grows with Δ (a fixed
     deposit is spread over more steps).
     """
-    if lo > hi or late_fraction(reqs, step_ms, lo) > alpha + 1e-12:
+    if lo > hi or late_fraction(reqs, step_ms, lo) > alpha + _EPS:
         return None
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if late_fraction(reqs, step_ms, mid) <= alpha + 1e-12:
+        if late_fraction(reqs, step_ms, mid) <= alpha + _EPS:
             lo = mid
         else:
             hi = mid - 1

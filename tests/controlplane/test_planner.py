@@ -216,31 +216,53 @@ def test_tight_slo_with_deposit_gives_small_window():
 
 
 def test_deposit_credit_is_scaled_by_the_drain_rate():
-    """Late fraction 1 - slo (1 + D/Δ) / T by hand: slo 5, T 10, D 8, Δ 16 gives 1 - 5 * 1.5 / 10 = 0.25
-    (the unscaled 1 - 5/10 - 8/16 = 0 counted the deposit as covering every late step)."""
+    """Late fraction by hand (OrbitFlow §3.3.1: the share of the window's steps that fail):
+    slo 5, T 10 drains T/slo - 1 = 1 deposited token a step, so D = 8 keeps 8 steps on time:
+    at Δ = 16 half of them fail (the unscaled 1 - 5/10 - 8/16 = 0 counted the deposit as
+    covering every late step)."""
     req = RequestSpec("r0", 10, 5.0, 8)
-    assert _late([req], 10.0, 16) == pytest.approx(0.25)
+    assert _late([req], 10.0, 16) == pytest.approx(0.5)
     assert _late([req], 10.0, 8) == pytest.approx(0.0)  # D = 8 >= Δ (T/slo - 1) = 8: covered
-    assert _late([req], 10.0, 9) == pytest.approx(1 - 5 * (1 + 8 / 9) / 10)
+    assert _late([req], 10.0, 9) == pytest.approx(1 - 8 / 9)
+    assert _late([req], 15.0, 16) == pytest.approx(1 - 8 / (16 * 2))  # drains 2 a step
     assert _late([req], 4.0, 64) == 0.0  # within the SLO: never late
     unscaled = max(0.0, 1 - 5.0 / 10.0 - 8 / 16)
     assert _late([req], 10.0, 16) != pytest.approx(unscaled)  # negative control: the old formula
 
 
+def test_a_request_over_its_slo_without_deposit_fails_every_step():
+    """sloFail is binary (§3.3.1): with no deposit, a step even 1% over the SLO fails the
+    request's every step (late fraction 1), not the 1 - slo/T share of tokens owed (the cap up
+    to session 42: 0.01 here, 1/3 at 1.5x the SLO)."""
+    req = RequestSpec("r0", 10, 5.0, 0)
+    assert _late([req], 5.05, 8) == 1.0
+    assert _late([req], 7.5, 8) == 1.0
+    assert _late([req], 5.0, 8) == 0.0  # at the SLO: on time
+    # alpha 1 tolerates one such request, not three at 1.5x (the old cap summed them to 1.0)
+    three = [RequestSpec(f"r{i}", 10, 5.0, 0) for i in range(3)]
+    assert _late(three, 7.5, 8) == pytest.approx(3.0)
+    assert _max_step_ms(three, 8, 1.0, 1.0) == pytest.approx(5.0)
+    assert _max_step_ms(three, 8, 1.0, 1.0) != pytest.approx(7.5)  # control: the old crossing
+    assert _max_step_ms(three, 8, 3.0, 1.0) == math.inf
+
+
 def test_alpha_trades_late_fraction_for_a_longer_window():
-    """alpha 0.25 at slo 5, T 10, D 8: 1 - 0.5 (1 + 8/Δ) <= 0.25 up to Δ = 16 (Δ = 8 with alpha 0).
-    The threshold step time solved per segment is the same crossing: T = slo (1 + D/Δ) / (1 - alpha)."""
-    for alpha, window in ((0.25, 16), (0.0, 8)):
+    """alpha 0.25 at slo 5, T 10, D 8: 1 - 8/Δ <= 0.25 up to Δ = 10 (Δ = 8 with alpha 0).
+    The threshold step time is the crossing 1 - c / (T/slo - 1) = alpha, c = D/Δ:
+    T = slo (1 + c / (1 - alpha))."""
+    for alpha, window in ((0.25, 10), (0.0, 8)):
         batch = make_batch([10], layers=4, comp=2.5, slo=5.0, deposits=[8], alpha=alpha, window=(1, 64))
         plan = Planner().plan(batch)
         assert plan.window_steps == window and not plan.paused
     req = RequestSpec("r0", 10, 5.0, 8)
-    assert _max_step_ms([req], 16, 0.25, 1.0) == pytest.approx(5.0 * 1.5 / 0.75)  # 10 ms
+    assert _max_step_ms([req], 16, 0.25, 1.0) == pytest.approx(5.0 * (1 + 0.5 / 0.75))
     assert _max_step_ms([req], 8, 0.0, 1.0) == pytest.approx(10.0)
-    # two requests, alpha 1: sum_A theta / (|A| - 1) = (10 + 6) / 1 = 16 ms once both are late
+    # two requests, alpha 1: r1 (no deposit) is late at every step past 6 ms, so r0 must stay
+    # covered: T <= theta_0 = 5 (1 + 8/8) = 10 ms
     reqs = [req, RequestSpec("r1", 10, 6.0, 0)]
-    assert _max_step_ms(reqs, 8, 1.0, 1.0) == pytest.approx(16.0)
-    assert _late(reqs, 16.0, 8) == pytest.approx(1.0)
+    assert _max_step_ms(reqs, 8, 1.0, 1.0) == pytest.approx(10.0)
+    assert _late(reqs, 10.0, 8) == pytest.approx(1.0)
+    assert _late(reqs, 10.01, 8) > 1.0
 
 
 def test_deposit_lets_a_tight_request_stay():
@@ -255,10 +277,15 @@ def test_deposit_lets_a_tight_request_stay():
 
 
 def test_alpha_tolerates_late_fraction():
-    """alpha = 0.5 accepts a request whose late fraction is exactly 1 - 5/10 = 0.5."""
-    batch = make_batch([10], layers=4, comp=2.5, slo=5.0, alpha=0.5, window=(4, 4))
+    """A request with no deposit at twice its SLO fails every step: late fraction 1, within
+    alpha 1; alpha 0.5 pauses it (the cap up to session 42 counted it as 1 - 5/10 = 0.5 late and
+    kept it)."""
+    batch = make_batch([10], layers=4, comp=2.5, slo=5.0, alpha=1.0, window=(4, 4))
     plan = Planner().plan(batch)
-    assert plan.feasible and plan.paused == () and plan.extras["late_fraction"] == pytest.approx(0.5)
+    assert plan.feasible and plan.paused == () and plan.extras["late_fraction"] == pytest.approx(1.0)
+    half = make_batch([10], layers=4, comp=2.5, slo=5.0, alpha=0.5, window=(4, 4))
+    plan = Planner().plan(half)
+    assert plan.paused == ("r0",) and not plan.feasible
 
 
 # Memory (b = context + 1): all-offloaded needs 101 + 61 + 21 = 183 > 165; any single pause fits.
