@@ -59,10 +59,13 @@ def request_slo_tbt_ms(sampling_params: Any, default_slo_tbt_ms: float) -> float
 
 def sampling_params_error(sampling_params: Any) -> str | None:
     """The refusal for a request's ``sampling_params`` (a dict, a list of dicts, or anything SGLang
-    itself judges), or None when its SLO override and its placement-info opt-in
-    (``custom_params.kvplane_return_placement``, a JSON boolean) are absent or valid."""
+    itself judges), or None when its ``custom_params`` is absent or an object and its SLO
+    override and its placement-info opt-in (``custom_params.kvplane_return_placement``, a JSON
+    boolean) are absent or valid."""
     items = sampling_params if isinstance(sampling_params, list) else [sampling_params]
     for item in items:
+        if isinstance(item, dict) and (shape := custom_params_type_error(item.get("custom_params"))):
+            return shape  # SGLang types it Optional[Dict] but does not check it on /generate
         try:
             request_slo_tbt_ms(item, 0.0)
         except ValueError as exc:
@@ -72,6 +75,13 @@ def sampling_params_error(sampling_params: Any) -> str | None:
         if isinstance(item, dict) and (forced := recompute_param_error(item.get("custom_params"))):
             return forced  # custom_params.kvplane_recompute_* (sglang_ext/recompute_param.py)
     return None
+
+
+def custom_params_type_error(custom: Any) -> str | None:
+    """The refusal for a ``custom_params`` that is neither absent nor an object, or None."""
+    if custom is None or isinstance(custom, dict):
+        return None
+    return f"custom_params={custom!r} is invalid (allowed: an object)"
 
 
 def body_error(body: Any) -> str | None:

@@ -43,7 +43,7 @@ from sglang_ext import compat
 from sglang_ext.openai_placement import KvplaneSglExt
 from sglang_ext.placement_param import KEY, wants_placement
 from sglang_ext.placement_response import SINK_PARAM
-from sglang_ext.request_slo import sampling_params_error
+from sglang_ext.request_slo import custom_params_type_error, sampling_params_error
 
 PREFIX = "kvplane_"
 """``custom_params`` keys kvplane forwards on ``/v1/responses``."""
@@ -63,10 +63,10 @@ def body_custom_params(body: Any) -> tuple[dict[str, Any] | None, str | None]:
     """The ``kvplane_*`` keys of a Responses body's ``custom_params`` and the refusal, if any:
     ``(keys, None)``, ``(None, message)``, or ``(None, None)`` when there is nothing of kvplane's."""
     custom = body.get("custom_params") if isinstance(body, dict) else None
+    if (shape := custom_params_type_error(custom)) is not None:
+        return None, shape
     if custom is None:
         return None, None
-    if not isinstance(custom, dict):
-        return None, f"custom_params={custom!r} is invalid (allowed: an object)"
     own = {k: v for k, v in custom.items() if isinstance(k, str) and k.startswith(PREFIX)}
     if not own:
         return None, None

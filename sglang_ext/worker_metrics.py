@@ -221,10 +221,13 @@ class WorkerMetrics:
         TTFT: scheduler arrival -> first token against the policy's ``slo_ttft_ms``; TBT: mean
         time per output token after the first against the request's ``kvplane_slo_tbt_ms`` or
         the policy's ``slo_tbt_ms`` (a single token has no gap: met). A request that never got
-        its first token (aborted while queued) is not judged."""
+        its first token (aborted while queued) is not judged, nor a request asking no tokens (the
+        prefix warm-up SGLang sends ahead of an ``n > 1`` request, ``max_new_tokens == 0``)."""
         policy: Policy | None = None
         ttft, tbt = self._by["ttft_slo_requests_total"], self._by["tbt_slo_requests_total"]
         for req in reqs:
+            if req.sampling_params.max_new_tokens == 0:
+                continue
             stats = req.time_stats
             arrived, first, done = stats.scheduler_recv_time, stats.prefill_finished_time, stats.completion_time
             if arrived <= 0.0 or first <= 0.0:

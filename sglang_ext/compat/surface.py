@@ -274,7 +274,8 @@ REQ = Target(
 REQ_KV_INFO = Target(f"{_SRT}.managers.schedule_batch.ReqKvInfo", attrs=("req_pool_idx", "kv_allocated_len"),
                      used_by=("scheduler_hooks", "radix_cache"))
 SAMPLING_PARAMS = Target(f"{_SRT}.sampling.sampling_params.SamplingParams",
-                         attrs=("max_new_tokens", "custom_params"), used_by=("scheduler_hooks", "admission"))
+                         attrs=("max_new_tokens", "custom_params"),
+                         used_by=("scheduler_hooks", "admission", "worker_metrics"))
 SAMPLING_BATCH_INFO = Target(f"{_SRT}.sampling.sampling_batch_info.SamplingBatchInfo",
                              attrs=("penalizer_orchestrator", "has_custom_logit_processor"), used_by=("pause",))
 SAMPLING_BATCH_INFO_FROM_SCHEDULE_BATCH = Target(

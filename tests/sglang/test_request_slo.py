@@ -54,12 +54,26 @@ def test_valid_value_is_accepted(value: Any) -> None:
 @pytest.mark.parametrize(
     "sampling_params",
     [None, {}, {"custom_params": None}, {"custom_params": {}}, {"custom_params": {SLO_PARAM: None}},
-     {"custom_params": "not-a-dict"}, [{}, {"custom_params": {SLO_PARAM: 40}}]],
-    ids=["none", "empty", "custom-null", "custom-empty", "slo-null", "custom-str", "batch-ok"],
+     [{}, {"custom_params": {SLO_PARAM: 40}}]],
+    ids=["none", "empty", "custom-null", "custom-empty", "slo-null", "batch-ok"],
 )
 def test_absent_override_is_accepted(sampling_params: Any) -> None:
-    """No override (or custom_params SGLang itself judges) is not kvplane's to refuse."""
+    """No override is not kvplane's to refuse."""
     assert sampling_params_error(sampling_params) is None
+
+
+@pytest.mark.parametrize("custom", ["kvplane_slo_tbt_ms=-1", [{SLO_PARAM: -1}], 5, True], ids=repr)
+def test_custom_params_that_is_not_an_object_is_refused(custom: Any) -> None:
+    """SGLang types ``custom_params`` Optional[Dict] but serves anything on /generate, so an
+    override written as a string or a list was dropped silently; now refused as on
+    /v1/responses, alone or in a batch. Control: the same override as an object is judged on its
+    value (refused for -1, accepted for 40)."""
+    message = f"custom_params={custom!r} is invalid (allowed: an object)"
+    assert sampling_params_error({"custom_params": custom}) == message
+    assert sampling_params_error([{}, {"custom_params": custom}]) == message
+    assert body_error({"text": "x", "sampling_params": {"custom_params": custom}}) == message
+    assert sampling_params_error({"custom_params": {SLO_PARAM: -1}}) != message
+    assert sampling_params_error({"custom_params": {SLO_PARAM: 40}}) is None
 
 
 def test_batch_with_one_bad_item_is_refused() -> None:

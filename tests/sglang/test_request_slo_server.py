@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from sglang_ext.host_pool_floor import HostPoolFloor
+from sglang_ext.request_slo import SLO_PARAM
 from sglang_ext.testing.server import SGLangServer
 from sglang_ext.tools.workload import SHARED_HOST_ARGS
 from tests.sglang.conftest import running_server
@@ -73,3 +74,17 @@ def test_flag_off_leaves_custom_params_to_sglang(vanilla_server: SGLangServer) -
     for path, stream in KINDS:
         status, text = send(vanilla_server, path, request_body(path, stream, "fast"))
         assert status == 200 and served_tokens(path, stream, text), (path, stream, status, text[:300])
+
+
+def test_a_custom_params_that_is_not_an_object_is_a_400_on_generate(unpaced_server: SGLangServer) -> None:
+    """/generate served a ``custom_params`` written as a string or a list (the override inside it
+    dropped silently, HTTP 200); it is a 400 naming the field now, streaming or not, as on
+    /v1/responses. Control: the same request with the object form is served."""
+    for stream in (False, True):
+        for custom in (f"{SLO_PARAM}=-1", [{SLO_PARAM: -1}]):
+            body = request_body("/generate", stream, 150)
+            body["sampling_params"]["custom_params"] = custom
+            status, text = send(unpaced_server, "/generate", body)
+            assert status == 400 and "custom_params=" in text and "allowed: an object" in text, (stream, status, text[:300])
+        status, text = send(unpaced_server, "/generate", request_body("/generate", stream, 150))
+        assert status == 200 and served_tokens("/generate", stream, text), (stream, status, text[:300])

@@ -280,14 +280,15 @@ def test_deposits_come_from_the_embedded_session():
     assert value(remote, "kvplane:deposit_tokens") == 0.0
 
 
-def _req(rid: str, arrived: float, first: float, done: float, tokens: int, slo_tbt_ms: float | None = None):
+def _req(rid: str, arrived: float, first: float, done: float, tokens: int, slo_tbt_ms: float | None = None,
+         max_new_tokens: int = 16):
     """What WorkerMetrics.finished reads of an SGLang Req: time_stats stamps, output ids, params."""
     custom = None if slo_tbt_ms is None else {"kvplane_slo_tbt_ms": slo_tbt_ms}
     return SimpleNamespace(
         rid=rid,
         time_stats=SimpleNamespace(scheduler_recv_time=arrived, prefill_finished_time=first, completion_time=done),
         output_ids=list(range(tokens)),
-        sampling_params=SimpleNamespace(custom_params=custom),
+        sampling_params=SimpleNamespace(custom_params=custom, max_new_tokens=max_new_tokens),
     )
 
 
@@ -313,6 +314,20 @@ def test_slo_verdicts_use_the_live_embedded_policy_and_per_request_slos():
     cp.update_policy({"slo_ttft_ms": 10.0})
     metrics.finished(reqs[:1])
     assert value(metrics, "kvplane:ttft_slo_requests_total", result="missed") == 2
+
+
+def test_the_prefix_warm_up_of_an_n_request_is_not_judged():
+    """SGLang sends an ``n > 1`` request's prompt ahead as a request of ``max_new_tokens`` 0 (to
+    cache the prefix); it finishes like any other and was counted as one more met request (one
+    client request with n=4 made 5 verdicts). Control: the same request asking one token is judged."""
+    metrics = make_metrics()
+    cp = EmbeddedControlPlane(PolicyStore(Policy(slo_ttft_ms=100.0, slo_tbt_ms=50.0)), synchronous=True)
+    metrics.bind_control_plane(cp, SimpleNamespace(session=None), None)
+    metrics.finished([_req("warm", 1.0, 1.05, 1.05, 0, max_new_tokens=0)])
+    for name in ("kvplane:ttft_slo_requests_total", "kvplane:tbt_slo_requests_total"):
+        assert value(metrics, name, result="met") == 0 and value(metrics, name, result="missed") == 0
+    metrics.finished([_req("one", 1.0, 1.05, 1.05, 1, max_new_tokens=1)])
+    assert value(metrics, "kvplane:ttft_slo_requests_total", result="met") == 1
 
 
 # ---- multiprocess mode ----------------------------------------------------------------------
