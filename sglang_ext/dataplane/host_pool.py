@@ -37,10 +37,13 @@ def available_host_bytes(meminfo: str | Path = "/proc/meminfo") -> int | None:
 
 
 def host_pool_limit(needed_bytes: int, cap_gb: float | None, available: int | None,
-                    *, what: str) -> None:
+                    *, what: str, device_in_host_bytes: int = 0) -> None:
     """Raise ValueError, with the figures and the remedy, when the host pool of ``needed_bytes``
     (``what`` says what it holds) exceeds ``--kv-host-pool-gb`` (``cap_gb``) or, without one,
-    :data:`AVAILABLE_SHARE` of the host's ``available`` memory."""
+    :data:`AVAILABLE_SHARE` of the host's ``available`` memory -- together with the device pool
+    when that lives in host memory too (``device_in_host_bytes``: ``--device cpu``, where a
+    launch without ``--max-total-tokens`` sized both pools from the same free memory and the
+    scheduler was killed for memory)."""
     need = needed_bytes / GB
     if cap_gb is not None:
         if needed_bytes > cap_gb * GB:
@@ -49,6 +52,17 @@ def host_pool_limit(needed_bytes: int, cap_gb: float | None, available: int | No
                 "raise it or lower --max-total-tokens"
             )
         return
+    if available is not None and device_in_host_bytes and (
+        needed_bytes + device_in_host_bytes > AVAILABLE_SHARE * available
+    ):
+        both = (needed_bytes + device_in_host_bytes) / GB
+        raise ValueError(
+            f"the host KV pool ({what} = {need:.3f} GB) and the device KV pool, which on CPU is "
+            f"host memory too ({device_in_host_bytes / GB:.3f} GB), need {both:.3f} GB, more than "
+            f"{AVAILABLE_SHARE:.0%} of the host's available memory ({available / GB:.3f} GB); "
+            "lower --max-total-tokens or set --kv-gpu-budget-tokens (or set --kv-host-pool-gb to "
+            "override the check)"
+        )
     if available is not None and needed_bytes > AVAILABLE_SHARE * available:
         raise ValueError(
             f"the host KV pool must hold {what} = {need:.3f} GB, more than "

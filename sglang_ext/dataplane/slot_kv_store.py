@@ -129,6 +129,11 @@ class SlotStoreConfig:
         return self.logical_pages * self.layers * self.layer_page_bytes
 
     @property
+    def device_bytes(self) -> int:
+        """Bytes of the device page pool (``device_pages`` layer-pages)."""
+        return self.device_pages * self.layer_page_bytes
+
+    @property
     def identity(self) -> bool:
         """The budget holds every layer-page: the identity layout."""
         return self.device_pages >= self.layers * self.logical_pages

@@ -34,6 +34,21 @@ def test_default_is_checked_against_available_memory():
     assert AVAILABLE_SHARE == 0.8
 
 
+def test_on_cpu_the_device_pool_counts_against_available_memory_too():
+    """--device cpu: the device KV pool is host memory as well. A launch without
+    --max-total-tokens had SGLang size 30 M tokens on a 23 GB host: 15.4 GB of host pool passed
+    the check alone, and the scheduler was killed for memory once the device pool (as large)
+    was allocated too. Control: the same host pool alone passes; an explicit cap overrides."""
+    host_pool_limit(int(5 * GB), None, int(10 * GB), what="x")  # alone: 5 <= 8
+    with pytest.raises(ValueError) as err:
+        host_pool_limit(int(5 * GB), None, int(10 * GB), what="x", device_in_host_bytes=int(5 * GB))
+    message = str(err.value)
+    assert "device KV pool, which on CPU is host memory too (5.000 GB), need 10.000 GB" in message
+    assert "--kv-gpu-budget-tokens" in message and "--max-total-tokens" in message
+    host_pool_limit(int(5 * GB), None, int(10 * GB), what="x", device_in_host_bytes=int(2 * GB))
+    host_pool_limit(int(5 * GB), 6.0, int(10 * GB), what="x", device_in_host_bytes=int(5 * GB))
+
+
 def test_available_memory_is_read_from_meminfo(tmp_path):
     f = tmp_path / "meminfo"
     f.write_text("MemTotal:       24000000 kB\nMemAvailable:   12000000 kB\n")

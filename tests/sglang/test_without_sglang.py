@@ -30,7 +30,8 @@ PURE = (
     "test_tiny_model",
 )
 """Modules that never import SGLang: they must run where it is not installed."""
-NEEDS_SGLANG_AT_IMPORT = ("test_layered_pool", "test_layered_pool_paged", "test_layered_pool_harness", "test_kernel_extend")
+NEEDS_SGLANG_AT_IMPORT = ("test_layered_pool", "test_layered_pool_paged", "test_layered_pool_harness", "test_kernel_extend",
+                          "test_layered_pool_memory")
 """Modules importing ``sglang_ext.layered_pool`` (which subclasses SGLang's pool) at module level."""
 
 
