@@ -126,6 +126,12 @@ class Policy:
     """Largest uncached prefix the planner may recompute, as a fraction of a request's blocks
     (eLLM's uncached ratio, issue 16, ``docs/recompute.md``); in [0, 1), 0 = off. Offered only
     when the profile also measures ``recompute_ms_per_token``."""
+    deposit_credit: bool = False
+    """Whether token deposits mask late steps in the planner's SLO cap (OrbitFlow §3.3.1 with
+    §3.2: true is the paper's rule). kvplane's default is false: measured in the simulator, the
+    credit keeps requests in plans slower than their SLO until their deposits drain, and SLO
+    goodput falls (``controlplane/planner/README.md``, "Deposit credit"). Deposits still pace
+    delivery and weigh in the victim rule."""
     layerkv: LayerKVParams = field(default_factory=LayerKVParams)
     lvf: LVFParams = field(default_factory=LVFParams)
 
@@ -153,6 +159,8 @@ class Policy:
             raise SchemaError("max_recompute_ratio", f"expected a number, got {ratio!r}")
         if not 0.0 <= ratio < 1.0:  # NaN fails too
             raise SchemaError("max_recompute_ratio", f"{ratio} is out of range (allowed [0.0, 1.0))")
+        if not isinstance(self.deposit_credit, bool):
+            raise SchemaError("deposit_credit", f"expected true or false, got {self.deposit_credit!r}")
 
     @property
     def plan_policy(self) -> PlanPolicy:
@@ -162,6 +170,7 @@ class Policy:
             window_min=self.window_min,
             window_max=self.window_max,
             max_recompute_ratio=self.max_recompute_ratio,
+            deposit_credit=self.deposit_credit,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -8,7 +8,8 @@ Batch JSON::
                  "recompute_ms_per_token": number or list (optional)},
      "requests": [{"id", "context_tokens", "slo_tbt_ms", "deposit_tokens",
                    "remaining_tokens" (optional)}],
-     "policy": {"alpha", "window_min", "window_max", "max_recompute_ratio" (optional)}}
+     "policy": {"alpha", "window_min", "window_max", "max_recompute_ratio" (optional),
+                "deposit_credit" (optional, default true)}}
 
 The two optional fields are the recompute option (issue 16, ``docs/recompute.md``): absent (or a
 ratio of 0) means no recompute, exactly the schema and behaviour before it.
@@ -72,6 +73,13 @@ def _num(value: Any, path: str, lo: float, hi: float | None = None, *, open_lo: 
         left = "(" if open_lo else "["
         bound = f"{left}{lo}, {hi}]" if hi is not None else (f"> {lo}" if open_lo else f">= {lo}")
         raise SchemaError(path, f"{value} is out of range (allowed {bound})")
+    return value
+
+
+def _flag(value: Any, path: str) -> bool:
+    """A JSON boolean."""
+    if not isinstance(value, bool):
+        raise SchemaError(path, f"expected true or false, got {value!r}")
     return value
 
 
@@ -240,9 +248,14 @@ class PlanPolicy:
     max_recompute_ratio: float = 0.0
     """Largest uncached prefix the planner may choose, as a fraction of a request's blocks:
     ``u_r <= min(floor(ratio * b_r), b_r - 1)`` (``docs/recompute.md``); in [0, 1), 0 = off."""
+    deposit_credit: bool = True
+    """Whether a request's token deposit masks its late steps in the SLO cap (OrbitFlow §3.3.1
+    with §3.2, :mod:`controlplane.planner.slo_cap`); False: the cap counts every step slower
+    than the SLO (the victim rule still weighs deposits)."""
 
     def __post_init__(self) -> None:
         _num(self.alpha, "policy.alpha", 0.0)
+        _flag(self.deposit_credit, "policy.deposit_credit")
         _int(self.window_min, "policy.window_min", 1, 1_000_000)
         _int(self.window_max, "policy.window_max", 1, 1_000_000)
         _ratio(self.max_recompute_ratio, "policy.max_recompute_ratio")
@@ -266,6 +279,7 @@ class PlanPolicy:
                 d.get("max_recompute_ratio", default.max_recompute_ratio),
                 f"{path}.max_recompute_ratio",
             ),
+            deposit_credit=_flag(d.get("deposit_credit", default.deposit_credit), f"{path}.deposit_credit"),
         )
 
 
@@ -376,4 +390,6 @@ class Batch:
             out["profile"]["fetch_launch_ms"] = self.profile.fetch_launch_ms
         if self.policy.max_recompute_ratio:
             out["policy"]["max_recompute_ratio"] = self.policy.max_recompute_ratio
+        if not self.policy.deposit_credit:
+            out["policy"]["deposit_credit"] = False
         return out

@@ -34,6 +34,7 @@ to be paused gives ``feasible=False`` with all ids in ``paused``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -144,11 +145,13 @@ class Planner:
             if time_budget_ms is None
             else time_budget_ms
         )
-        ctx = PlanContext(batch, t0 + budget_ms / 1e3, self._clock)
-        joint = None if ctx.grid is None else RecomputeWindows(self._solve, exact=self._exact)
         victims = self._victim_order(
             batch, victim_rule, random.Random(seed) if victim_rule == "random" else None
         )
+        if not batch.policy.deposit_credit:
+            batch, victims = self._without_credit(batch, victims)
+        ctx = PlanContext(batch, t0 + budget_ms / 1e3, self._clock)
+        joint = None if ctx.grid is None else RecomputeWindows(self._solve, exact=self._exact)
         # Pause without searching while a valid bound proves that no assignment works: the
         # fewest leading victims whose pausing lets the bound allow the rest, found in
         # O(log R) bound evaluations (one pause at a time was O(R) evaluations of O(R) each).
@@ -444,6 +447,19 @@ class Planner:
             order.append(v)
             reqs.remove(v)
         return order
+
+    @staticmethod
+    def _without_credit(
+        batch: Batch, victims: list[RequestSpec]
+    ) -> tuple[Batch, list[RequestSpec]]:
+        """The batch as the SLO cap sees it without deposit credit (``policy.deposit_credit``
+        off): every deposit 0, and the victims, ordered by the rule on the real deposits, mapped
+        onto its requests (O(R), nothing when no request holds a deposit)."""
+        if not any(r.deposit_tokens for r in batch.requests):
+            return batch, victims
+        reqs = tuple(dataclasses.replace(r, deposit_tokens=0) for r in batch.requests)
+        at = {id(r): i for i, r in enumerate(batch.requests)}
+        return dataclasses.replace(batch, requests=reqs), [reqs[at[id(v)]] for v in victims]
 
     # --- pausing ------------------------------------------------------------------------
     @staticmethod

@@ -125,6 +125,7 @@ def batch_to_proto(batch: Batch) -> pb.Batch:
             window_min=batch.policy.window_min,
             window_max=batch.policy.window_max,
             max_recompute_ratio=batch.policy.max_recompute_ratio,
+            deposit_credit=batch.policy.deposit_credit,
         ),
     )
 
@@ -164,6 +165,8 @@ def batch_from_proto(msg: pb.Batch, prefix: str = "batch") -> Batch:
             "window_max": msg.policy.window_max,
             "max_recompute_ratio": msg.policy.max_recompute_ratio,
         }
+        if msg.policy.HasField("deposit_credit"):
+            d["policy"]["deposit_credit"] = msg.policy.deposit_credit
     try:
         return Batch.from_dict(d)
     except SchemaError as exc:

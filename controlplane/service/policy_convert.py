@@ -27,6 +27,7 @@ _POLICY_SCALARS = (
     "solve_budget_fraction",
     "scheduler",
     "max_recompute_ratio",
+    "deposit_credit",
 )
 # Derived from the dataclasses so that the wire format cannot silently drift from the policy
 # (tests/service/test_convert.py checks every field round-trips).

@@ -49,16 +49,18 @@ class RequestSpec(_message.Message):
     def __init__(self, id: _Optional[str] = ..., context_tokens: _Optional[int] = ..., slo_tbt_ms: _Optional[float] = ..., deposit_tokens: _Optional[int] = ..., remaining_tokens: _Optional[int] = ...) -> None: ...
 
 class PlanPolicy(_message.Message):
-    __slots__ = ("alpha", "window_min", "window_max", "max_recompute_ratio")
+    __slots__ = ("alpha", "window_min", "window_max", "max_recompute_ratio", "deposit_credit")
     ALPHA_FIELD_NUMBER: _ClassVar[int]
     WINDOW_MIN_FIELD_NUMBER: _ClassVar[int]
     WINDOW_MAX_FIELD_NUMBER: _ClassVar[int]
     MAX_RECOMPUTE_RATIO_FIELD_NUMBER: _ClassVar[int]
+    DEPOSIT_CREDIT_FIELD_NUMBER: _ClassVar[int]
     alpha: float
     window_min: int
     window_max: int
     max_recompute_ratio: float
-    def __init__(self, alpha: _Optional[float] = ..., window_min: _Optional[int] = ..., window_max: _Optional[int] = ..., max_recompute_ratio: _Optional[float] = ...) -> None: ...
+    deposit_credit: bool
+    def __init__(self, alpha: _Optional[float] = ..., window_min: _Optional[int] = ..., window_max: _Optional[int] = ..., max_recompute_ratio: _Optional[float] = ..., deposit_credit: _Optional[bool] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("model", "hardware", "profile", "requests", "policy")
@@ -303,7 +305,7 @@ class LVFParams(_message.Message):
     def __init__(self, alpha: _Optional[float] = ..., beta_b: _Optional[float] = ..., beta_f: _Optional[float] = ..., transfer_budget_blocks: _Optional[int] = ...) -> None: ...
 
 class Policy(_message.Message):
-    __slots__ = ("version", "slo_tbt_ms", "slo_ttft_ms", "alpha", "window_min", "window_max", "mismatch_threshold", "ewma_factor", "victim_rule", "max_paused_steps", "solve_budget_fraction", "scheduler", "layerkv", "lvf", "max_recompute_ratio")
+    __slots__ = ("version", "slo_tbt_ms", "slo_ttft_ms", "alpha", "window_min", "window_max", "mismatch_threshold", "ewma_factor", "victim_rule", "max_paused_steps", "solve_budget_fraction", "scheduler", "layerkv", "lvf", "max_recompute_ratio", "deposit_credit")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SLO_TBT_MS_FIELD_NUMBER: _ClassVar[int]
     SLO_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -319,6 +321,7 @@ class Policy(_message.Message):
     LAYERKV_FIELD_NUMBER: _ClassVar[int]
     LVF_FIELD_NUMBER: _ClassVar[int]
     MAX_RECOMPUTE_RATIO_FIELD_NUMBER: _ClassVar[int]
+    DEPOSIT_CREDIT_FIELD_NUMBER: _ClassVar[int]
     version: int
     slo_tbt_ms: float
     slo_ttft_ms: float
@@ -334,7 +337,8 @@ class Policy(_message.Message):
     layerkv: LayerKVParams
     lvf: LVFParams
     max_recompute_ratio: float
-    def __init__(self, version: _Optional[int] = ..., slo_tbt_ms: _Optional[float] = ..., slo_ttft_ms: _Optional[float] = ..., alpha: _Optional[float] = ..., window_min: _Optional[int] = ..., window_max: _Optional[int] = ..., mismatch_threshold: _Optional[float] = ..., ewma_factor: _Optional[float] = ..., victim_rule: _Optional[str] = ..., max_paused_steps: _Optional[int] = ..., solve_budget_fraction: _Optional[float] = ..., scheduler: _Optional[str] = ..., layerkv: _Optional[_Union[LayerKVParams, _Mapping]] = ..., lvf: _Optional[_Union[LVFParams, _Mapping]] = ..., max_recompute_ratio: _Optional[float] = ...) -> None: ...
+    deposit_credit: bool
+    def __init__(self, version: _Optional[int] = ..., slo_tbt_ms: _Optional[float] = ..., slo_ttft_ms: _Optional[float] = ..., alpha: _Optional[float] = ..., window_min: _Optional[int] = ..., window_max: _Optional[int] = ..., mismatch_threshold: _Optional[float] = ..., ewma_factor: _Optional[float] = ..., victim_rule: _Optional[str] = ..., max_paused_steps: _Optional[int] = ..., solve_budget_fraction: _Optional[float] = ..., scheduler: _Optional[str] = ..., layerkv: _Optional[_Union[LayerKVParams, _Mapping]] = ..., lvf: _Optional[_Union[LVFParams, _Mapping]] = ..., max_recompute_ratio: _Optional[float] = ..., deposit_credit: _Optional[bool] = ...) -> None: ...
 
 class GetPolicyRequest(_message.Message):
     __slots__ = ()

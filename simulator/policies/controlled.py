@@ -16,9 +16,10 @@ Names:
 * ablations (Fig. 14a): ``batch-uniform`` (uniform planner, no pause, no deposit),
   ``request-wise`` (planner without SLO cap/pause, no deposit), ``request-wise+pause`` (planner
   with SLO cap and pause, no deposit);
-* ``kvplane``: OrbitFlow placement + LayerKV admission (Eq. 1-4) + deposit;
-* diagnostics ``orbitflow-nocredit`` / ``kvplane-nocredit``: deposit pacing kept, but the planner
-  gets no SLO-cap credit from deposits.
+* ``kvplane``: OrbitFlow placement + LayerKV admission (Eq. 1-4) + deposit pacing, with the
+  served default's ``Policy.deposit_credit = False``: deposits earn no SLO-cap credit;
+* diagnostics ``orbitflow-nocredit`` (OrbitFlow without the credit) and ``kvplane-credit``
+  (kvplane with the paper's credit).
 
 Planner: ``Planner(use_mip=False, exact_search=False)`` with a 60 s budget by default, so
 decisions never depend on the wall clock (the controller's documented deterministic setup);
@@ -116,6 +117,7 @@ class ControlledPolicy(BasePolicy):
             slo_ttft_ms=ttft,
             scheduler=self.scheduler,
             victim_rule=self.victim_rule,
+            deposit_credit=self.deposit_credit,
             layerkv=LayerKVParams(
                 ttft_slo_ms=ttft,
                 model_params=p.n_params,
@@ -134,8 +136,7 @@ class ControlledPolicy(BasePolicy):
         planner = {
             "uniform": UniformPlanner(),
             "request-wise": NoPausePlanner(base),
-            "request-wise+pause": (
-                base if self.deposit and self.deposit_credit else NoDepositPlanner(base)),
+            "request-wise+pause": base if self.deposit else NoDepositPlanner(base),
         }[self.planner_kind]
         worker = WorkerInfo(
             worker_id="sim",
@@ -235,11 +236,11 @@ def _variants() -> dict:
         "orbitflow-nocredit": lambda: ControlledPolicy("orbitflow-nocredit",
                                                        planner="request-wise+pause",
                                                        deposit_credit=False),
-        "kvplane-nocredit": lambda: ControlledPolicy("kvplane-nocredit",
-                                                     planner="request-wise+pause",
-                                                     scheduler="layerkv", deposit_credit=False),
+        "kvplane-credit": lambda: ControlledPolicy("kvplane-credit",
+                                                   planner="request-wise+pause",
+                                                   scheduler="layerkv", deposit_credit=True),
         "kvplane": lambda: ControlledPolicy("kvplane", planner="request-wise+pause",
-                                            scheduler="layerkv"),
+                                            scheduler="layerkv", deposit_credit=False),
     }
     for rule in ("longest", "shortest", "random"):
         out[f"orbitflow-{rule}"] = (

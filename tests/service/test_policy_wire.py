@@ -35,6 +35,7 @@ def _non_default_policy() -> Policy:
         solve_budget_fraction=0.5,
         scheduler="lvf",
         max_recompute_ratio=0.25,
+        deposit_credit=True,
         layerkv=layerkv,
         lvf=lvf,
     )
