@@ -46,11 +46,11 @@ def max_step_ms(reqs: Sequence[RequestSpec], window: int, alpha: float, floor_ms
     thetas = sorted(covered_step_ms(r, window) for r in reqs)
     lo_i, hi_i = 0, len(thetas) - 1  # f(thetas[0]) = 0 <= alpha
     while lo_i < hi_i:
-        mid = (lo_i + hi_i + 1) // 2
-        if late_fraction(reqs, thetas[mid], window) <= alpha + _EPS:
-            lo_i = mid
+        k = (lo_i + hi_i + 1) // 2
+        if late_fraction(reqs, thetas[k], window) <= alpha + _EPS:
+            lo_i = k
         else:
-            hi_i = mid - 1
+            hi_i = k - 1
     start = thetas[lo_i]
     late = [r for r in reqs if covered_step_ms(r, window) <= start]  # late just above ``start``
     terms = [(r.slo_tbt_ms, r.deposit_tokens / window) for r in late]
@@ -59,8 +59,8 @@ def max_step_ms(reqs: Sequence[RequestSpec], window: int, alpha: float, floor_ms
         return sum(_late_one(t / s, c) for s, c in terms) > alpha + _EPS
 
     nxt = thetas[lo_i + 1] if lo_i + 1 < len(thetas) else math.inf
-    lo = start
-    hi = nxt
+    lo: float = start
+    hi: float = nxt
     if math.isinf(hi):  # the late set grows no more: its sum tends to |late| > alpha
         hi = max(2.0 * start, 1.0)
         while not over(hi):
