@@ -220,7 +220,7 @@ def print_summary(summary: dict) -> None:
     flags = summary["launch_flags"]
     print(f"launch: {' '.join(flags)}")
     if "--kv-control-plane" not in flags:
-        print("control plane: embedded in the scheduler (the default; --kv-control-plane HOST:PORT for kvplane serve)")
+        print("control plane: embedded in the scheduler (the default; --kv-control-plane grpc://HOST:PORT for kvplane serve)")
     print(
         f"SLOs: TBT {summary['slo_tbt_ms']:g} ms (policy default; per-request overrides below), "
         f"TTFT {summary['slo_ttft_ms']:g} ms"

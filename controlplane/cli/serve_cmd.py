@@ -170,18 +170,27 @@ def run(args: argparse.Namespace) -> int:
         log.info("signal_received", signal=signal.Signals(signum).name)
         stop.set()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    server.start()
     metrics_port = None
-    if args.metrics_port is not None:
+    if args.metrics_port is not None:  # bound before serving: a taken port refuses the start
         from prometheus_client import start_http_server
 
         host = args.metrics_host or args.listen.rpartition(":")[0].strip("[]") or "0.0.0.0"
-        http_server, _thread = start_http_server(
-            args.metrics_port, addr=host, registry=server.metrics.registry
-        )
+        try:
+            http_server, _thread = start_http_server(
+                args.metrics_port, addr=host, registry=server.metrics.registry
+            )
+        except OSError as exc:  # a taken port, an unresolvable --metrics-host
+            server.stop(0)
+            print(
+                f"kvplane serve: --metrics-host/--metrics-port: cannot serve metrics on "
+                f"{host}:{args.metrics_port}: {exc}",
+                file=sys.stderr,
+            )
+            return 2
         metrics_port = http_server.server_port
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server.start()
     log.info(
         "serving",
         listen=args.listen,

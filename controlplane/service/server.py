@@ -235,9 +235,12 @@ def create_server(
             maximum_concurrent_rpcs=8,
         )
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
-        health_port = health_server.add_insecure_port(config.health_listen)
+        try:
+            health_port = health_server.add_insecure_port(config.health_listen)
+        except RuntimeError as exc:
+            raise RuntimeError(f"--health-port: cannot bind {config.health_listen}: {exc}") from exc
         if health_port == 0:
-            raise RuntimeError(f"cannot bind health listener {config.health_listen}")
+            raise RuntimeError(f"--health-port: cannot bind {config.health_listen}")
     return (
         ControlPlaneServer(
             server, port, health_servicer, policy_servicer, metrics, health_server, health_port,

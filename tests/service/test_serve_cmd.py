@@ -196,3 +196,33 @@ def test_metrics_endpoint_exports_service_and_controller_metrics(tmp_path, conne
         assert proc.metric("kvplane_solve_ms_count") >= 1
     finally:
         proc.kill()
+
+
+def test_taken_metrics_and_health_ports_exit_2_naming_the_flag() -> None:
+    """A taken --metrics-port (bound after the gRPC server had started: a traceback, exit 1), an
+    unresolvable --metrics-host, and a --health-port on the API's own port each end in one line
+    naming the flag and exit 2. Control: the same command with a free metrics port serves (it is
+    stopped by the timeout)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        busy = taken.getsockname()[1]
+        api = free_ports(1)[0]
+        cases = [
+            (["--listen", "127.0.0.1:0", "--metrics-port", str(busy)], "--metrics-host/--metrics-port"),
+            (["--listen", "127.0.0.1:0", "--metrics-host", "999.1.1.1", "--metrics-port", "0"],
+             "--metrics-host/--metrics-port"),
+            (["--listen", f"127.0.0.1:{api}", "--health-port", str(api)], "--health-port"),
+        ]
+        for argv, flag in cases:
+            proc = subprocess.run(kvplane_cmd("serve", *argv), env=subprocess_env(),
+                                  capture_output=True, text=True, timeout=60)
+            assert proc.returncode == 2, (argv, proc.stderr[-2000:])
+            assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+            ours = [ln for ln in proc.stderr.splitlines() if ln.startswith("kvplane serve: ")]
+            assert len(ours) == 1 and flag in ours[0], proc.stderr[-2000:]
+        with pytest.raises(subprocess.TimeoutExpired):
+            subprocess.run(kvplane_cmd("serve", "--listen", "127.0.0.1:0", "--metrics-port", "0"),
+                           env=subprocess_env(), capture_output=True, text=True, timeout=8)
