@@ -81,3 +81,18 @@ def test_a_file_that_is_not_utf8_exits_2_naming_it(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "not UTF-8 text (byte 10)" in out.stderr and "Traceback" not in out.stderr
     assert "invalid JSON" in kvplane(tmp_path, '{"model": }').stderr
+
+
+def test_the_shipped_example_batch_plans_with_offload():
+    """controlplane/examples/batch.json (README "kvplane plan") is a valid batch whose budget
+    forces layers to host memory: the plan is feasible, fits, and offloads some layer."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "controlplane" / "examples" / "batch.json"
+    out = subprocess.run([sys.executable, "-m", "kvplane.cli", "plan", "--batch", str(path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    budget = json.loads(path.read_text())["hardware"]["gpu_kv_budget_blocks"]
+    assert plan["feasible"] and plan["resident_blocks"] + plan["staging_blocks"] <= budget
+    assert any(0 in row for row in plan["placements"].values())
