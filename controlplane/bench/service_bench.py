@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 
 from controlplane.bench.service_load import LoadResult, LoadSpec, run_load
+from controlplane.service.client import parse_target
 from controlplane.service.ports import free_port
 
 DEFAULT_OUT = Path("benchmarks/results/service")
@@ -134,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
             for rate in rates
             for n in counts
         ]
+        if args.target:
+            parse_target(args.target)
     except ValueError as exc:
         print(f"kvplane bench service: {exc}", file=sys.stderr)
         return 2
@@ -157,8 +160,12 @@ def run(args: argparse.Namespace) -> int:
         )
 
     if args.target:
-        for spec in specs:
-            one(args.target, spec)
+        try:
+            for spec in specs:
+                one(args.target, spec)
+        except RuntimeError as exc:  # the service is not there (or went away mid-run)
+            print(f"kvplane bench service: --target {args.target}: {exc}", file=sys.stderr)
+            return 1
     else:
         for spec in specs:  # a fresh server per worker count: runs do not inherit state
             with ServeSubprocess(log_path) as server:
