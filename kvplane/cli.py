@@ -73,7 +73,13 @@ def main(argv: list[str] | None = None) -> int:
         print(error, file=sys.stderr)
         return 2
     mod = importlib.import_module(args._module)
-    return int(mod.run(args) or 0)
+    try:
+        return int(mod.run(args) or 0)
+    except BrokenPipeError:  # `kvplane ... | head`: the reader left; nothing more to say
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
 
 
 if __name__ == "__main__":

@@ -68,6 +68,12 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-step-lines={args.max_step_lines} is out of range [1, inf)")
     if args.policy is not None and not args.policy.is_file():
         raise ValueError(f"--policy={str(args.policy)!r}: no such file")
+    from kvplane.output_path import output_path_error
+
+    for flag, path, directory in (("--json", args.json, False), ("--workdir", args.workdir, True)):
+        problem = None if path is None else output_path_error(path, flag, directory=directory)
+        if problem:
+            raise ValueError(problem)
 
 
 def _policy(path: Path | None) -> Any:

@@ -108,9 +108,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    from kvplane.output_path import output_path_error
     from simulator.runner import RunSpec, run_many, run_spec_dict
 
     cmd = args.sim_command
+    out = getattr(args, "json", None) or getattr(args, "out", None)
+    if out is not None:  # before any work: a run that cannot write its result is refused
+        flag = "--json" if getattr(args, "json", None) is not None else "--out"
+        problem = output_path_error(out, flag, directory=cmd == "reproduce")
+        if problem:
+            raise ValueError(problem)
     if cmd == "trace":
         from simulator.profile import load_profile
         from simulator.trace import generate_trace, save_trace
