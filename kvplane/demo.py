@@ -140,10 +140,12 @@ def _step_line(rec: dict, names: dict[str, str]) -> tuple[str, str]:
     hostp = f"host {100 * host:3.0f}%" if isinstance(host, int | float) else "host ?"
     step_ms = rec.get("step_ms")
     timing = f"{step_ms:7.1f}ms" if isinstance(step_ms, int | float) else "      ?  "
+    short = (rec.get("delta") or {}).get("shortfall_layer_pages")
     line = (
         f"  step {rec.get('step', '?'):>4} {str(rec.get('mode', '?'))[:6]:<6} {timing}  "
         f"{' '.join(parts) or '(idle)':<48} {dev:<14} {hostp}"
         + (f"  [{'; '.join(events)}]" if events else "")
+        + (f"  (short {short} layer-pages: planned layers not on device yet)" if short else "")
     )
     return signature, line
 
@@ -233,7 +235,8 @@ def print_summary(summary: dict) -> None:
     )
     for note in summary["notes"]:
         print(f"note: {note}")
-    print("\nplacements over time (request:layers on device/total, P = paused):")
+    print("\nplacements over time (request:layers planned on device/total, P = paused; dev, host: "
+          "measured in the pool):")
     for line in summary["placement_lines"] or ["  (no per-step stats)"]:
         print(line)
     print("\npauses / resumes:")
@@ -250,7 +253,7 @@ def print_summary(summary: dict) -> None:
     print("\nrequests (TTFT/TBT as the client saw them; TBT on time when <= 1.1 x SLO):")
     print(
         f"  {'name':<8} {'kind':<12} {'in':>4} {'out':>4} {'TTFT ms':>8} {'TBT p50':>8} "
-        f"{'TBT max':>8} {'SLO':>5} {'TTFT ok':>7} {'TBT att':>7} {'e2e ms':>8}"
+        f"{'TBT max':>8} {'TBT SLO':>7} {'TTFT ok':>7} {'TBT att':>7} {'e2e ms':>8}"
     )
     for r in summary["requests"]:
         ttft_ok = "-" if r["ttft_met"] is None else ("yes" if r["ttft_met"] else "NO")
@@ -258,7 +261,7 @@ def print_summary(summary: dict) -> None:
         print(
             f"  {r['name']:<8} {r['kind']:<12} {r['prompt_tokens']:>4} {r['completion_tokens']:>4} "
             f"{_fmt(r['ttft_ms'], '8.0f'):>8} {_fmt(r['tbt_p50_ms'], '8.0f'):>8} "
-            f"{_fmt(r['tbt_max_ms'], '8.0f'):>8} {r['slo_tbt_ms']:>5g} {ttft_ok:>7} {att:>7} "
+            f"{_fmt(r['tbt_max_ms'], '8.0f'):>8} {r['slo_tbt_ms']:>7g} {ttft_ok:>7} {att:>7} "
             f"{r['e2e_ms']:>8.0f}" + (f"  ERROR {r['error']}" if not r["ok"] else "")
         )
     print("  (non-streaming rows: 'TTFT ok' checks e2e <= TTFT SLO + (out-1) x TBT SLO)")
@@ -368,6 +371,12 @@ def run(args: argparse.Namespace) -> int:
         if args.json is not None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(summary, indent=2, sort_keys=True))
+            print(f"summary written to {args.json}")
+        if own_dir:
+            print(f"(model, server log and per-step stats were in {workdir}, deleted now: "
+                  "--workdir DIR keeps them, --json FILE writes this summary)")
+        else:
+            print(f"model, server log (server.log) and per-step stats (stats.jsonl) are in {workdir}")
         return 0 if summary["all_ok"] else 1
     finally:
         if own_dir:

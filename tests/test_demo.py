@@ -163,3 +163,17 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
             if model_dir in cmdline:
                 alive.append(cmdline)
     assert not alive, alive
+
+
+def test_a_step_short_of_its_plan_says_so_in_its_line():
+    """The request columns are the plan's; a step whose plan did not fit the device yet (the
+    pool's per-step ``delta.shortfall_layer_pages``) says so, so "4/4" beside "dev 0/640" is not
+    a contradiction left unexplained. Control: a step with no shortfall has no such note."""
+    from kvplane.demo import _step_line
+
+    base = {"step": 35, "mode": "decode", "step_ms": 12.0, "layers": 4, "running": ["a"],
+            "gpu_layers": {"a": 4}, "device_pages_used": 0, "device_pages_total": 640, "host_fraction": 1.0}
+    _, line = _step_line({**base, "delta": {"shortfall_layer_pages": 2232}}, {})
+    assert "short 2232 layer-pages" in line
+    _, line = _step_line({**base, "delta": {"shortfall_layer_pages": 0}}, {})
+    assert "short" not in line
