@@ -219,6 +219,8 @@ class LayeredKVArgs:
         rl = self.kv_recompute_layers
         if rl is not None and (isinstance(rl, bool) or not isinstance(rl, int) or rl < 0):
             raise ValueError(f"--kv-recompute-layers={rl!r} is out of range [0, model layers]")
+        if rl is not None and not ratio:  # it only says where --kv-recompute-ratio's prefix is recomputed
+            raise ValueError(f"--kv-recompute-layers={rl!r} needs --kv-recompute-ratio > 0 (alone it does nothing)")
         if self.kv_copy_engine not in COPY_ENGINES:
             raise ValueError(f"--kv-copy-engine={self.kv_copy_engine!r} is invalid; allowed: {', '.join(COPY_ENGINES)}")
         cp = self.kv_copy_programs

@@ -89,6 +89,7 @@ def test_full_flag_set_parses(tmp_path):
         (["--kv-recompute-ratio", "1"], "--kv-recompute-ratio=1.0 is out of range [0, 1)"),
         (["--kv-recompute-ratio", "-0.1"], "--kv-recompute-ratio=-0.1 is out of range [0, 1)"),
         (["--kv-recompute-layers", "-2"], "--kv-recompute-layers=-2 is out of range [0, model layers]"),
+        (["--kv-recompute-layers", "3"], "--kv-recompute-layers=3 needs --kv-recompute-ratio > 0"),
         (["--kv-copy-programs", "0"], "--kv-copy-programs=0 is out of range [1, 4096]"),
         (["--kv-copy-programs", "5000"], "--kv-copy-programs=5000 is out of range [1, 4096]"),
         (["--kv-copy-engine", "cuda"], "--kv-copy-engine='cuda' is invalid; allowed: triton, dma"),
