@@ -107,6 +107,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
+def _floats(text: str, flag: str) -> list[float]:
+    """A comma list of numbers (ValueError naming the flag and the value)."""
+    try:
+        return [float(x) for x in text.split(",") if x]
+    except ValueError:
+        raise ValueError(f"{flag}={text!r}: expected a comma list of numbers") from None
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     from kvplane.output_path import output_path_error
     from simulator.runner import RunSpec, run_many, run_spec_dict
@@ -149,8 +157,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if cmd == "sweep":
         pols = [p for p in args.policies.split(",") if p]
-        rates = [float(x) for x in args.rates.split(",") if x]
-        scales = [float(x) for x in args.slo_scales.split(",") if x]
+        rates = _floats(args.rates, "--rates")
+        scales = _floats(args.slo_scales, "--slo-scales")
         from simulator.policies import policy_names
 
         for p in pols:

@@ -45,6 +45,7 @@ import dataclasses
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -68,9 +69,9 @@ def _ints(text: str, name: str) -> list[int]:
     try:
         values = [int(float(x)) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise SystemExit(f"--{name}: expected a comma list of numbers, got {text!r}") from None
+        raise ValueError(f"--{name}: expected a comma list of numbers, got {text!r}") from None
     if not values or min(values) < 1:
-        raise SystemExit(f"--{name}: values must be >= 1, got {text!r}")
+        raise ValueError(f"--{name}: values must be >= 1, got {text!r}")
     return values
 
 
@@ -303,19 +304,33 @@ def _markdown(where: str, args: argparse.Namespace, rows: list[dict[str, Any]]) 
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        layouts, pools, lives = _checked(args)
+    except ValueError as exc:  # a bad option: one line, exit 2
+        print(f"kvplane bench core: {exc}", file=sys.stderr)
+        return 2
+    return _run(args, layouts, pools, lives)
+
+
+def _checked(args: argparse.Namespace) -> tuple[list[str], list[int], list[int]]:
+    """(layouts, pool sizes, live request counts) from the options; ValueError naming a bad one."""
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
     bad = [x for x in layouts if x not in LAYOUTS]
     if bad or not layouts:
-        raise SystemExit(f"--layouts: unknown {bad or layouts!r}; choose from {', '.join(LAYOUTS)}")
+        raise ValueError(f"--layouts: unknown {bad or layouts!r}; choose from {', '.join(LAYOUTS)}")
     if not 0 < args.budget_fraction < 1:
-        raise SystemExit(f"--budget-fraction must be in (0, 1), got {args.budget_fraction}")
+        raise ValueError(f"--budget-fraction must be in (0, 1), got {args.budget_fraction}")
     for name in ("requests", "tokens", "layers", "page_size", "kv_heads", "head_dim", "steps", "events"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     pools = _ints(args.pool_sizes, "pool-sizes")
     lives = [args.requests] if args.live_requests is None else _ints(args.live_requests, "live-requests")
     if min(lives) < args.requests:
-        raise SystemExit(f"--live-requests: each value must be >= --requests ({args.requests}), got {lives}")
+        raise ValueError(f"--live-requests: each value must be >= --requests ({args.requests}), got {lives}")
+    return layouts, pools, lives
+
+
+def _run(args: argparse.Namespace, layouts: list[str], pools: list[int], lives: list[int]) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -54,3 +54,11 @@ def test_sim_sweep_cli_runs_the_grid(tmp_path, capsys):
     assert main(["sim", "sweep", "--policies", "deepspeed,no-offload", "--rates", "2",
                  "--slo-scales", "1,2", "--n", "2", "--json", str(out)]) == 0
     assert len(json.loads(out.read_text())) == 4
+
+
+def test_sim_sweep_names_a_bad_number_list(capsys):
+    """`--rates a,b` was "could not convert string to float: 'a'"; now one line naming the flag."""
+    assert main(["sim", "sweep", "--policies", "orbitflow", "--rates", "a,b"]) == 2
+    assert capsys.readouterr().err.strip() == "kvplane sim: --rates='a,b': expected a comma list of numbers"
+    assert main(["sim", "sweep", "--policies", "orbitflow", "--slo-scales", "1,x"]) == 2
+    assert "--slo-scales='1,x'" in capsys.readouterr().err
