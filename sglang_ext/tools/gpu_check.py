@@ -41,7 +41,12 @@ import torch
 
 from sglang_ext.dataplane.bench_env import NO_GPU_EXIT, describe_device, resolve_device
 from sglang_ext.tools.gpu_check_config import PRESETS, GpuCheckConfig
-from sglang_ext.tools.gpu_check_deadline import GpuCheckDeadline, deadline, stop_deferred
+from sglang_ext.tools.gpu_check_deadline import (
+    GpuCheckDeadline,
+    deadline,
+    raise_if_stopped,
+    stop_deferred,
+)
 from sglang_ext.tools.gpu_check_extend import ExtendCheck
 from sglang_ext.tools.gpu_check_measure import CoreCheck
 from sglang_ext.tools.gpu_check_report import Figure, GpuCheckReport, guarded_phase
@@ -148,6 +153,7 @@ def _run(args: argparse.Namespace, device: str, config: GpuCheckConfig) -> int:
             print(f"  gpu-marked tests: {tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} "
                   f"skipped, {tests['errors']} errors ({tests['elapsed_s']:.0f} s)", flush=True)
             _phases(args, device, config, built, figures, details, stage)
+            raise_if_stopped()  # one a finalizer swallowed after the last phase
         except GpuCheckDeadline as stop:  # write what was measured: the phases done, the details so far
             stopped = stop.why
         with stop_deferred(drop=True):  # a second stop must not cut the report's writing short

@@ -13,6 +13,9 @@ that raises keeps the others' figures) and must not swallow the stop. A pytest c
 the signal between bytecodes: a long CUDA call (a synchronise) returns first. A CUDA graph capture
 runs under :func:`stop_deferred`: a stop inside it would end the capture with an error of its own
 (which then replaces the stop, and a guarded phase swallows that); the stop arrives after it.
+A stop whose handler ran inside a finalizer (``__del__``, a ``weakref.finalize`` callback, where
+Python prints an exception and drops it) is not lost: :func:`raise_if_stopped`, at every phase's
+edges, raises it again.
 """
 
 from __future__ import annotations
@@ -52,9 +55,10 @@ def deadline(seconds: float | None) -> Iterator[None]:
         if state["held"]:  # inside stop_deferred (or this block's own exit): later
             state["pending"] = state["pending"] or why
             return
+        state["fired"] = state["fired"] or why  # raised again at a phase's edge if it is dropped
         raise GpuCheckDeadline(why)
 
-    state: dict[str, Any] = {"held": 0, "pending": None}
+    state: dict[str, Any] = {"held": 0, "pending": None, "fired": None}
     stop.state = state  # type: ignore[attr-defined]  # how stop_deferred finds it (the installed handler)
     old_term = signal.signal(signal.SIGTERM, stop)
     old_alarm = old_timer = None
@@ -75,6 +79,23 @@ def deadline(seconds: float | None) -> Iterator[None]:
         signal.signal(signal.SIGTERM, old_term)
 
 
+def _armed_state() -> dict[str, Any] | None:
+    """The running :func:`deadline`'s state (via its installed handler), None outside one or off
+    the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return getattr(signal.getsignal(signal.SIGTERM), "state", None)
+
+
+def raise_if_stopped() -> None:
+    """Raise a stop that was delivered but did not reach the check: its handler ran in a finalizer
+    and Python dropped the exception (or a ``BaseException`` handler ate it). Nothing while a stop
+    is held back (:func:`stop_deferred`) or outside :func:`deadline`."""
+    state = _armed_state()
+    if state is not None and not state["held"] and state["fired"]:
+        raise GpuCheckDeadline(state["fired"])
+
+
 @contextlib.contextmanager
 def stop_deferred(drop: bool = False) -> Iterator[None]:
     """Hold a stop (``--deadline-s``, SIGTERM) back while the block runs; it is raised as the block
@@ -82,9 +103,8 @@ def stop_deferred(drop: bool = False) -> Iterator[None]:
     Python level: the signal may land on any thread of the process (torch's, the driver's), but
     its handler runs in the main thread, which records it here instead of raising. Outside
     :func:`deadline` (no stop armed) it does nothing."""
-    handler = signal.getsignal(signal.SIGTERM)
-    state = getattr(handler, "state", None)
-    if state is None or threading.current_thread() is not threading.main_thread():
+    state = _armed_state()
+    if state is None:
         yield
         return
     state["held"] += 1
@@ -97,4 +117,5 @@ def stop_deferred(drop: bool = False) -> Iterator[None]:
             state["pending"] = None
         elif pending is not None and not state["held"]:
             state["pending"] = None
+            state["fired"] = state["fired"] or pending
             raise GpuCheckDeadline(pending)

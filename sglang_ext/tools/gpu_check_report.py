@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sglang_ext.tools.gpu_check_deadline import raise_if_stopped
+
 PASS, FAIL, NA = "PASS", "FAIL", "N/A"
 STATUSES = (PASS, FAIL, NA)
 OPS = ("<=", ">=")
@@ -91,11 +93,14 @@ def guarded_phase(key: str, title: str, method: str, run: Callable[[], list[Figu
     """A phase's figures, or -- where it raises (code running on hardware for the first time) --
     one failed figure ``key`` naming the exception, its traceback on stderr: the phases before
     and after it keep theirs."""
+    raise_if_stopped()  # a --deadline-s / SIGTERM stop that a finalizer swallowed: no more phases
     try:
-        return run()
+        figures = run()
     except Exception as exc:  # noqa: BLE001 - reported as a failed figure, the check goes on
         traceback.print_exc()
-        return [Figure.graded(key, title, None, "", "<=", 0.0, method, note=f"{type(exc).__name__}: {exc}")]
+        figures = [Figure.graded(key, title, None, "", "<=", 0.0, method, note=f"{type(exc).__name__}: {exc}")]
+    raise_if_stopped()
+    return figures
 
 
 @dataclass
