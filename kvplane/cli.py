@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         import os
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-        return 0
+        return 141  # what a shell reports for a writer SIGPIPE ended: cut short, not a success
 
 
 if __name__ == "__main__":

@@ -83,6 +83,12 @@ def _fig14a(smoke: bool) -> list[RunSpec]:
                         VANILLA), smoke)
 
 
+def _deposit_credit(smoke: bool) -> list[RunSpec]:
+    """The token deposit with and without its SLO-cap credit (``Policy.deposit_credit``)."""
+    return _point_runs(("request-wise+pause", "orbitflow", "orbitflow-nocredit", "kvplane",
+                        "kvplane-credit"), smoke)
+
+
 def _fig14c(smoke: bool) -> list[RunSpec]:
     return _point_runs(("orbitflow-longest", "orbitflow-shortest", "orbitflow-random",
                         "orbitflow", VANILLA), smoke)
@@ -196,6 +202,14 @@ EXPERIMENTS: dict[str, Experiment] = {
             "OrbitFlow Fig. 14c: pausing the longest request is the most effective rule "
             "(numbers not given in the text).",
             _fig14c,
+        ),
+        Experiment(
+            "deposit-credit", "Token deposit: delivery pacing with and without its SLO-cap "
+            "credit (orbitflow, kvplane; request-wise+pause has no deposit)",
+            "OrbitFlow §3.2/§3.3.1 (no number): the deposit masks SLO violations, and the SLO "
+            "cap counts a step as failed only once the deposit is empty. kvplane's default "
+            "(Policy.deposit_credit = false) keeps the pacing and drops the credit.",
+            _deposit_credit,
         ),
         Experiment(
             "orbitflow-table1", "Solver overhead (calls per request, E2E %, TBT %)",

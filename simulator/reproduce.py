@@ -196,7 +196,8 @@ def _ratio_checks(rows: list[Row], key: str, a: str, b: str, metric: str) -> lis
     return out
 
 
-POINT_EXPERIMENTS = ("orbitflow-fig8a", "orbitflow-fig14a", "orbitflow-fig14c", "kvplane-combined")
+POINT_EXPERIMENTS = ("orbitflow-fig8a", "orbitflow-fig14a", "orbitflow-fig14c", "kvplane-combined",
+                     "deposit-credit")
 
 
 # ---- plots ------------------------------------------------------------------------------------

@@ -130,8 +130,9 @@ class SlotStoreConfig:
 
     @property
     def device_bytes(self) -> int:
-        """Bytes of the device page pool (``device_pages`` layer-pages)."""
-        return self.device_pages * self.layer_page_bytes
+        """Bytes of the device page pool: ``device_pages`` layer-pages, at most every layer of
+        every page (a larger budget is the identity layout, allocated at exactly that)."""
+        return min(self.device_pages, self.layers * self.logical_pages) * self.layer_page_bytes
 
     @property
     def identity(self) -> bool:
