@@ -157,12 +157,14 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
                "Queued requests let in by the gate's work-conserving rule (nothing else running)", scope="source"),
     MetricSpec("kvplane:ttft_slo_requests_total", "counter", "requests",
                "Finished requests by TTFT SLO verdict (scheduler arrival -> first token vs the policy's "
-               "slo_ttft_ms)", scope="source", label="result", label_values=("met", "missed"),
+               "slo_ttft_ms; not the `max_new_tokens` 0 prefix warm-up SGLang sends ahead of an `n > 1` "
+               "request)", scope="source", label="result", label_values=("met", "missed"),
                caveat="Scheduler-side times (tokenizer and HTTP time not included); remote control plane: "
                       "judged against --kv-policy or the defaults"),
     MetricSpec("kvplane:tbt_slo_requests_total", "counter", "requests",
                "Finished requests by TBT SLO verdict (mean time per output token after the first vs the "
-               "request's kvplane_slo_tbt_ms or the policy's slo_tbt_ms; one token: met)",
+               "request's kvplane_slo_tbt_ms or the policy's slo_tbt_ms; one token: met; not the "
+               "`max_new_tokens` 0 prefix warm-up of an `n > 1` request)",
                scope="source", label="result", label_values=("met", "missed"),
                caveat="Generation times, before token-deposit pacing"),
     MetricSpec("kvplane:control_plane_fallback_steps_total", "counter", "steps",

@@ -65,11 +65,14 @@ def test_a_reader_that_leaves_early_is_not_a_traceback(tmp_path: Path) -> None:
     example = json.loads((Path(__file__).resolve().parents[1] / "controlplane" / "examples" / "batch.json").read_text())
     batches = tmp_path / "many.json"
     batches.write_text(json.dumps([example] * 300))
-    proc = subprocess.Popen([sys.executable, "-m", "kvplane.cli", "plan", "--batch", str(batches)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert proc.stdout is not None and proc.stderr is not None
-    proc.stdout.read(10)
-    proc.stdout.close()
-    err = proc.stderr.read().decode()
-    assert proc.wait(timeout=120) == 141, err[-2000:]
+    err_path = tmp_path / "stderr.txt"  # a file: a stderr pipe nobody reads would fill and block the child
+    with err_path.open("wb") as err_file:
+        proc = subprocess.Popen([sys.executable, "-m", "kvplane.cli", "plan", "--batch", str(batches)],
+                                stdout=subprocess.PIPE, stderr=err_file)
+        assert proc.stdout is not None
+        proc.stdout.read(10)
+        proc.stdout.close()
+        code = proc.wait(timeout=120)
+    err = err_path.read_text()
+    assert code == 141, err[-2000:]
     assert "BrokenPipe" not in err and "Traceback" not in err, err[-2000:]
