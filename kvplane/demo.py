@@ -319,7 +319,6 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     own_dir = args.workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="kvplane-demo-")) if own_dir else args.workdir
-    workdir.mkdir(parents=True, exist_ok=True)
     notes: list[str] = []
     try:
         print(f"[demo] building the tiny model in {workdir} ...", flush=True)
@@ -369,7 +368,6 @@ def run(args: argparse.Namespace) -> int:
         }
         print_summary(summary)
         if args.json is not None:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(summary, indent=2, sort_keys=True))
             print(f"summary written to {args.json}")
         if own_dir:
