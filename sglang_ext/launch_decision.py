@@ -24,7 +24,9 @@ Rules (each one names what would break):
 * **KV cache dtype.** Quantized KV caches (fp8, fp4, mxfp8) need scales the layered pool does not
   keep: refused (``auto`` / ``bf16`` only).
 * **Speculative decoding, pipeline parallelism, HiCache, disaggregation, DP attention, two-batch
-  overlap**: refused
+  overlap**, and the options in :data:`_REFUSED_SWITCHES`, :data:`_REFUSED_SIZES` and
+  ``--kv-canary`` (other KV tiers, SGLang's own radix-cache features, the memory saver, PD
+  multiplexing, context parallelism, multi-item scoring, deterministic inference): refused
   (the pool's KV copy for draft tokens, per-stage layer ranges, a second tier of its own,
   transfer of the flat buffers, per-rank batches inside one TP group, and padded half-batches
   are not implemented).
@@ -90,6 +92,44 @@ _GRAPH_FLAGS = (
     ("cuda_graph_backend_decode", "--cuda-graph-backend-decode"),
     ("cuda_graph_backend_prefill", "--cuda-graph-backend-prefill"),
 )
+
+
+_REFUSED_SWITCHES: tuple[tuple[str, str, str], ...] = (
+    ("enable_lmcache", "--enable-lmcache",
+     "LMCache is a second KV tier with a radix cache of its own (SGLang's scheduler then calls "
+     "its tier's events on kvplane's radix cache and stops at the first step)"),
+    ("enable_flexkv", "--enable-flexkv",
+     "FlexKV is a second KV tier with a radix cache of its own (SGLang's scheduler then calls "
+     "its tier's events on kvplane's radix cache and stops at the first step)"),
+    ("enable_unified_cache_external_linker", "--enable-unified-cache-external-linker",
+     "the external cache linker is a second KV tier on SGLang's UnifiedRadixCache"),
+    ("enable_session_radix_cache", "--enable-session-radix-cache",
+     "session radix caching needs SGLang's UnifiedRadixCache; --enable-layered-kv serves its own radix cache"),
+    ("enable_streaming_session", "--enable-streaming-session",
+     "streaming sessions need SGLang's UnifiedRadixCache; --enable-layered-kv serves its own radix cache"),
+    ("enable_memory_saver", "--enable-memory-saver",
+     "the layered KV pool's device pages and pinned host pool are not allocated through "
+     "torch_memory_saver, so /release_memory_occupation would leave them in place"),
+    ("enable_pdmux", "--enable-pdmux",
+     "PD multiplexing runs prefill and decode batches on streams of their own in a loop that "
+     "bypasses the scheduling step kvplane's step boundary hooks"),
+    ("enable_prefill_cp", "--enable-prefill-cp",
+     "context parallelism splits each request's KV over ranks, which the layered page tables do not follow"),
+    ("enable_mis", "--enable-mis",
+     "multi-item scoring needs custom attention masks, which the layered attention backends do not take"),
+    ("enable_deterministic_inference", "--enable-deterministic-inference",
+     "the layered decode backends do not apply SGLang's fixed split sizes, so batch-invariant "
+     "output is not guaranteed"),
+)
+"""Boolean SGLang options the layered KV pool cannot serve: (option, flag, why)."""
+
+_REFUSED_SIZES: tuple[tuple[str, str, str], ...] = (
+    ("dcp_size", "--dcp-size",
+     "decode context parallelism stripes each request's KV over ranks, which the layered page tables do not follow"),
+    ("attn_cp_size", "--attn-cp-size",
+     "context parallelism splits each request's KV over ranks, which the layered page tables do not follow"),
+)
+"""Parallel sizes above one that the layered KV pool cannot serve: (option, flag, why)."""
 
 
 class LaunchRefused(ValueError):
@@ -206,6 +246,18 @@ class LaunchDecision:
             raise LaunchRefused(
                 f"--disaggregation-mode {mode}: prefill/decode disaggregation is not supported with "
                 "--enable-layered-kv"
+            )
+        for name, flag, why in _REFUSED_SWITCHES:
+            if values.get(name):
+                raise LaunchRefused(f"{flag}: {why}; not supported with --enable-layered-kv")
+        for name, flag, why in _REFUSED_SIZES:
+            if int(values.get(name) or 1) > 1:
+                raise LaunchRefused(f"{flag} > 1: {why}; not supported with --enable-layered-kv")
+        canary = values.get("kv_canary")
+        if canary not in (None, "none"):
+            raise LaunchRefused(
+                f"--kv-canary {canary}: SGLang's KV canary checks the flat KV buffers, which the layered KV "
+                "pool does not have; not supported with --enable-layered-kv (use --kv-canary none)"
             )
 
     def apply(self, namespace: Any) -> None:

@@ -18,7 +18,11 @@ STOCK = {
     "pp_size": 1, "enable_hierarchical_cache": False, "disaggregation_mode": "null",
     "disable_overlap_schedule": False, "disable_cuda_graph": False, "page_size": None,
     "chunked_prefill_size": None, "enable_dp_attention": False, "attn_dp_size": 1, "dp_size": 1,
-    "enable_two_batch_overlap": False,
+    "enable_two_batch_overlap": False, "enable_lmcache": False, "enable_flexkv": False,
+    "enable_unified_cache_external_linker": False, "enable_session_radix_cache": False,
+    "enable_streaming_session": False, "enable_memory_saver": False, "enable_pdmux": False,
+    "enable_prefill_cp": False, "enable_mis": False, "enable_deterministic_inference": False,
+    "dcp_size": 1, "attn_cp_size": 1, "kv_canary": "none",
 }
 """SGLang 0.5.23's parsed defaults for these options (checked against the real parser in
 ``test_stock_values_are_sglang_defaults``)."""
@@ -113,6 +117,20 @@ def test_kv_overlap_schedule_on_keeps_sglangs_overlap_loop_and_says_so():
         ({"enable_dp_attention": True}, "--enable-dp-attention"),
         ({"attn_dp_size": 2}, "--attn-dp-size > 1"),
         ({"enable_two_batch_overlap": True}, "--enable-two-batch-overlap"),
+        ({"enable_lmcache": True}, "--enable-lmcache: LMCache is a second KV tier"),
+        ({"enable_flexkv": True}, "--enable-flexkv: FlexKV is a second KV tier"),
+        ({"enable_unified_cache_external_linker": True}, "--enable-unified-cache-external-linker"),
+        ({"enable_session_radix_cache": True}, "--enable-session-radix-cache"),
+        ({"enable_streaming_session": True}, "--enable-streaming-session"),
+        ({"enable_memory_saver": True}, "--enable-memory-saver: the layered KV pool"),
+        ({"enable_pdmux": True}, "--enable-pdmux"),
+        ({"enable_prefill_cp": True}, "--enable-prefill-cp"),
+        ({"enable_mis": True}, "--enable-mis"),
+        ({"enable_deterministic_inference": True}, "--enable-deterministic-inference"),
+        ({"dcp_size": 2}, "--dcp-size > 1: decode context parallelism"),
+        ({"attn_cp_size": 4}, "--attn-cp-size > 1"),
+        ({"kv_canary": "raise"}, "--kv-canary raise: SGLang's KV canary"),
+        ({"kv_canary": "log"}, "--kv-canary log"),
     ],
 )
 def test_unservable_options_are_refused_by_name(changes, names):

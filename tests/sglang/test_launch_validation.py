@@ -118,8 +118,13 @@ BAD_OPTIONS: list[tuple[list[str], str]] = [
     (["--attention-backend", "torch_native", "--cuda-graph-backend-decode", "full"],
      "kvplane: --cuda-graph-backend-decode full: CUDA graph capture is not supported with "
      "--enable-layered-kv"),
+    (["--enable-lmcache"],
+     "kvplane: --enable-lmcache: LMCache is a second KV tier with a radix cache of its own"),
+    (["--enable-memory-saver"], "kvplane: --enable-memory-saver: the layered KV pool's device pages"),
 ]
-"""Bad flags and the line the launcher prints for each."""
+"""Bad flags and the line the launcher prints for each (without kvplane's refusal, the two last
+start the server: LMCache's scheduler stops at its first step on kvplane's radix cache with a bare
+``NotImplementedError``, measured in session 44; the memory saver's would not release the pool)."""
 
 BAD_ENV: list[tuple[dict[str, str], str]] = [
     ({"KVPLANE_LOG_LEVEL": "chatty"},
