@@ -97,6 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rates", default="0,100", help="comma-separated report rates per worker in Hz; 0 = closed loop")
     parser.add_argument("--change-every-steps", type=int, default=20, help="open loop: a request finishes and one arrives every N steps (closed loop: every step)")
     parser.add_argument("--target", default=None, help="use a running service at HOST:PORT instead of starting one")
+    parser.add_argument("--connect-timeout-s", type=float, default=30.0,
+                        help="how long each worker session may take to connect before the run fails")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
     parser.add_argument("--no-save", action="store_true", help="print only")
 
@@ -137,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
         ]
         if args.target:
             parse_target(args.target)
+        if not 0 < args.connect_timeout_s <= 3600:
+            raise ValueError(f"--connect-timeout-s {args.connect_timeout_s:g} is out of range (0, 3600]")
     except ValueError as exc:
         print(f"kvplane bench service: {exc}", file=sys.stderr)
         return 2
@@ -150,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvplane-bench-serve-{os.getpid()}.log"
 
     def one(target: str, spec: LoadSpec) -> None:
-        r = run_load(target, spec)
+        r = run_load(target, spec, connect_timeout_s=args.connect_timeout_s)
         results.append(r)
         print(
             f"workers={r.workers:3d} {r.mode}: {r.decisions_per_s:8.0f} decisions/s  "

@@ -176,8 +176,10 @@ CLOSE_DRAIN_S = 120.0
 """How long closing the sessions may wait for the server to read the reports still queued."""
 
 
-def run_load(target: str, spec: LoadSpec, *, settle_s: float = 5.0, tls: object = None) -> LoadResult:
-    """Run ``spec`` against the service at ``target``; close every session before returning."""
+def run_load(target: str, spec: LoadSpec, *, settle_s: float = 5.0, tls: object = None,
+             connect_timeout_s: float = 30.0) -> LoadResult:
+    """Run ``spec`` against the service at ``target``; close every session before returning
+    (a session not connected within ``connect_timeout_s`` raises ``RuntimeError``)."""
     client = GrpcControlPlane(target, backoff=Backoff(initial_s=0.05, max_s=1.0), tls=tls)  # type: ignore[arg-type]
     try:
         sessions = [
@@ -185,7 +187,7 @@ def run_load(target: str, spec: LoadSpec, *, settle_s: float = 5.0, tls: object 
             for i in range(spec.workers)
         ]
         for s in sessions:
-            if not s.wait_connected(30):
+            if not s.wait_connected(connect_timeout_s):
                 raise RuntimeError(f"session {s.worker_id} did not connect to {target}: {s.last_error}")
         workers = [_Worker(s, spec, i) for i, s in enumerate(sessions)]
         start = time.perf_counter()
