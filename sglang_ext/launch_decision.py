@@ -26,7 +26,8 @@ Rules (each one names what would break):
 * **Speculative decoding, pipeline parallelism, HiCache, disaggregation, DP attention, two-batch
   overlap**, and the options in :data:`_REFUSED_SWITCHES`, :data:`_REFUSED_SIZES` and
   ``--kv-canary`` (other KV tiers, SGLang's own radix-cache features, the memory saver, PD
-  multiplexing, context parallelism, multi-item scoring, deterministic inference): refused
+  multiplexing, context parallelism, multi-item scoring, deterministic inference, more than one
+  tokenizer worker): refused
   (the pool's KV copy for draft tokens, per-stage layer ranges, a second tier of its own,
   transfer of the flat buffers, per-rank batches inside one TP group, and padded half-batches
   are not implemented).
@@ -128,8 +129,11 @@ _REFUSED_SIZES: tuple[tuple[str, str, str], ...] = (
      "decode context parallelism stripes each request's KV over ranks, which the layered page tables do not follow"),
     ("attn_cp_size", "--attn-cp-size",
      "context parallelism splits each request's KV over ranks, which the layered page tables do not follow"),
+    ("tokenizer_worker_num", "--tokenizer-worker-num",
+     "SGLang loads no plugins in its extra tokenizer worker processes, so kvplane's request checks "
+     "(custom_params.kvplane_slo_tbt_ms), placement replies and --kv-pacing would be skipped there"),
 )
-"""Parallel sizes above one that the layered KV pool cannot serve: (option, flag, why)."""
+"""Sizes above one that ``--enable-layered-kv`` cannot serve with: (option, flag, why)."""
 
 
 class LaunchRefused(ValueError):

@@ -22,7 +22,7 @@ STOCK = {
     "enable_unified_cache_external_linker": False, "enable_session_radix_cache": False,
     "enable_streaming_session": False, "enable_memory_saver": False, "enable_pdmux": False,
     "enable_prefill_cp": False, "enable_mis": False, "enable_deterministic_inference": False,
-    "dcp_size": 1, "attn_cp_size": 1, "kv_canary": "none",
+    "dcp_size": 1, "attn_cp_size": 1, "kv_canary": "none", "tokenizer_worker_num": 1,
 }
 """SGLang 0.5.23's parsed defaults for these options (checked against the real parser in
 ``test_stock_values_are_sglang_defaults``)."""
@@ -131,6 +131,7 @@ def test_kv_overlap_schedule_on_keeps_sglangs_overlap_loop_and_says_so():
         ({"attn_cp_size": 4}, "--attn-cp-size > 1"),
         ({"kv_canary": "raise"}, "--kv-canary raise: SGLang's KV canary"),
         ({"kv_canary": "log"}, "--kv-canary log"),
+        ({"tokenizer_worker_num": 2}, "--tokenizer-worker-num > 1: SGLang loads no plugins"),
     ],
 )
 def test_unservable_options_are_refused_by_name(changes, names):

@@ -121,10 +121,14 @@ BAD_OPTIONS: list[tuple[list[str], str]] = [
     (["--enable-lmcache"],
      "kvplane: --enable-lmcache: LMCache is a second KV tier with a radix cache of its own"),
     (["--enable-memory-saver"], "kvplane: --enable-memory-saver: the layered KV pool's device pages"),
+    (["--tokenizer-worker-num", "2"], "kvplane: --tokenizer-worker-num > 1: SGLang loads no plugins in its extra "
+     "tokenizer worker processes"),
 ]
-"""Bad flags and the line the launcher prints for each (without kvplane's refusal, the two last
+"""Bad flags and the line the launcher prints for each (without kvplane's refusal, the three last
 start the server: LMCache's scheduler stops at its first step on kvplane's radix cache with a bare
-``NotImplementedError``, measured in session 44; the memory saver's would not release the pool)."""
+``NotImplementedError``, measured in session 44; the memory saver's would not release the pool;
+two tokenizer workers served a request whose ``kvplane_slo_tbt_ms`` is -1, which one answers with
+HTTP 400, also measured in session 44)."""
 
 BAD_ENV: list[tuple[dict[str, str], str]] = [
     ({"KVPLANE_LOG_LEVEL": "chatty"},
