@@ -26,11 +26,12 @@ Rules (each one names what would break):
 * **Speculative decoding, pipeline parallelism, HiCache, disaggregation, DP attention, two-batch
   overlap**, and the options in :data:`_REFUSED_SWITCHES`, :data:`_REFUSED_SIZES` and
   ``--kv-canary`` (other KV tiers, SGLang's own radix-cache features, the memory saver, PD
-  multiplexing, context parallelism, multi-item scoring, deterministic inference, more than one
-  tokenizer worker): refused
-  (the pool's KV copy for draft tokens, per-stage layer ranges, a second tier of its own,
-  transfer of the flat buffers, per-rank batches inside one TP group, and padded half-batches
-  are not implemented).
+  multiplexing, context parallelism, multi-item scoring, deterministic inference, front ends
+  where kvplane's tokenizer hooks do not run: more than one tokenizer worker, the SMG gRPC mode,
+  ``SGLANG_RUST_SERVER``): refused. The first six need what is not implemented (the pool's KV
+  copy for draft tokens, per-stage layer ranges, a second tier of its own, transfer of the flat
+  buffers, per-rank batches inside one TP group, padded half-batches); each table entry's
+  message says why for its option.
   ``--dp-size`` replicas are served: each replica's scheduler is a worker of its own (worker id
   ``ID-dpD``, per-replica output files).
 * **Overlap scheduler.** ``--enable-layered-kv`` implies ``--disable-overlap-schedule`` unless
@@ -95,6 +96,10 @@ _GRAPH_FLAGS = (
 )
 
 
+_FRONT_END = ("the SMG gRPC front end serves requests without SGLang's TokenizerManager, so kvplane's "
+              "request checks (custom_params.kvplane_slo_tbt_ms), placement replies and --kv-pacing would "
+              "be skipped")
+
 _REFUSED_SWITCHES: tuple[tuple[str, str, str], ...] = (
     ("enable_lmcache", "--enable-lmcache",
      "LMCache is a second KV tier with a radix cache of its own (SGLang's scheduler then calls "
@@ -112,8 +117,8 @@ _REFUSED_SWITCHES: tuple[tuple[str, str, str], ...] = (
      "the layered KV pool's device pages and pinned host pool are not allocated through "
      "torch_memory_saver, so /release_memory_occupation would leave them in place"),
     ("enable_pdmux", "--enable-pdmux",
-     "PD multiplexing runs prefill and decode batches on streams of their own in a loop that "
-     "bypasses the scheduling step kvplane's step boundary hooks"),
+     "PD multiplexing runs prefill and decode batches on streams of their own in a loop that never "
+     "calls Scheduler.get_next_batch_to_run, where kvplane's step boundary runs"),
     ("enable_prefill_cp", "--enable-prefill-cp",
      "context parallelism splits each request's KV over ranks, which the layered page tables do not follow"),
     ("enable_mis", "--enable-mis",
@@ -121,6 +126,10 @@ _REFUSED_SWITCHES: tuple[tuple[str, str, str], ...] = (
     ("enable_deterministic_inference", "--enable-deterministic-inference",
      "the layered decode backends do not apply SGLang's fixed split sizes, so batch-invariant "
      "output is not guaranteed"),
+    ("rl_on_policy_target", "--rl-on-policy-target",
+     "it turns on deterministic inference, whose fixed split sizes the layered decode backends do not apply"),
+    ("smg_grpc_mode", "--smg-grpc-mode", _FRONT_END),
+    ("grpc_mode", "--grpc-mode", _FRONT_END),
 )
 """Boolean SGLang options the layered KV pool cannot serve: (option, flag, why)."""
 
@@ -134,6 +143,14 @@ _REFUSED_SIZES: tuple[tuple[str, str, str], ...] = (
      "(custom_params.kvplane_slo_tbt_ms), placement replies and --kv-pacing would be skipped there"),
 )
 """Sizes above one that ``--enable-layered-kv`` cannot serve with: (option, flag, why)."""
+
+
+RUST_SERVER_REFUSED = (
+    "SGLANG_RUST_SERVER=1: SGLang's Rust server replaces the API server, TokenizerManager and "
+    "detokenizer, so kvplane's request checks (custom_params.kvplane_slo_tbt_ms), placement replies "
+    "and --kv-pacing would be skipped; not supported with --enable-layered-kv (unset it)"
+)
+"""The refusal of SGLang's Rust server (an environment flag, read by the launcher's caller)."""
 
 
 class LaunchRefused(ValueError):
@@ -152,9 +169,11 @@ class LaunchDecision:
     """One sentence per implied option (logged at launch)."""
 
     @classmethod
-    def decide(cls, values: Mapping[str, Any], *, rocm: bool = False) -> LaunchDecision:
+    def decide(cls, values: Mapping[str, Any], *, rocm: bool = False, rust_server: bool = False) -> LaunchDecision:
         """The decision for SGLang's parsed options ``values`` (``rocm``: the torch build is
-        ROCm's); raises :class:`LaunchRefused`."""
+        ROCm's; ``rust_server``: SGLang's ``SGLANG_RUST_SERVER`` is on); raises :class:`LaunchRefused`."""
+        if rust_server:
+            raise LaunchRefused(RUST_SERVER_REFUSED)
         device = str(values.get("device") or "cuda")
         if device not in LAYERED_BACKENDS:
             raise LaunchRefused(

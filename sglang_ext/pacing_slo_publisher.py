@@ -12,9 +12,10 @@ Nothing is sent per token or per request; other policy changes (alpha, scheduler
 nothing (the pacer does not use them).
 
 Built only where it can work (:meth:`for_scheduler`): rank 0 with the endpoint on and pacing on,
-and one tokenizer process (``--tokenizer-worker-num 1``, SGLang's default). With several tokenizer
-workers SGLang's router forwards only per-request outputs, so the pacers keep the launch default
-(one ``pacing_slo_not_live`` warning at start). The send happens on the scheduler thread, the
+and one tokenizer process (``--tokenizer-worker-num 1``, SGLang's default). Several tokenizer
+workers are refused at launch under ``--enable-layered-kv`` (SGLang loads no plugins in them:
+:mod:`sglang_ext.launch_decision`); should a scheduler see them anyway, SGLang's router forwards
+only per-request outputs, so no publisher is built (one ``pacing_slo_not_live`` warning). The send happens on the scheduler thread, the
 only one using that socket, through SGLang's ``wrap_as_pickle`` (the object as is with SGLang's
 default pickle IPC, a ``PickleWrapper`` the receiver unwraps with ``SGLANG_USE_PICKLE_IPC=0``).
 A failed send is logged, never raised (the scheduler serves on).

@@ -95,6 +95,15 @@ def _refuse_launch(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
+def _rust_server() -> bool:
+    """SGLang's ``SGLANG_RUST_SERVER`` flag, as SGLang reads it (a value it cannot parse: False here,
+    SGLang's own error later)."""
+    try:
+        return bool(compat.resolve(compat.SGLANG_ENVS.path).SGLANG_RUST_SERVER.get())
+    except ValueError:
+        return False
+
+
 def _after_add_cli_args(result: Any, *args: Any, **kwargs: Any) -> None:
     for candidate in (*args, *kwargs.values()):
         if isinstance(candidate, argparse.ArgumentParser):
@@ -244,7 +253,8 @@ class KvplanePlugin:
             try:
                 import torch  # the launcher has it loaded (SGLang's server_args imports it)
 
-                decision = LaunchDecision.decide(vars(namespace), rocm=bool(getattr(torch.version, "hip", None)))
+                decision = LaunchDecision.decide(vars(namespace), rocm=bool(getattr(torch.version, "hip", None)),
+                                                 rust_server=_rust_server())
             except LaunchRefused as exc:
                 _refuse_launch(str(exc))
             decision.apply(namespace)

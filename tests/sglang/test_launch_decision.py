@@ -23,6 +23,7 @@ STOCK = {
     "enable_streaming_session": False, "enable_memory_saver": False, "enable_pdmux": False,
     "enable_prefill_cp": False, "enable_mis": False, "enable_deterministic_inference": False,
     "dcp_size": 1, "attn_cp_size": 1, "kv_canary": "none", "tokenizer_worker_num": 1,
+    "rl_on_policy_target": None, "smg_grpc_mode": False, "grpc_mode": False,
 }
 """SGLang 0.5.23's parsed defaults for these options (checked against the real parser in
 ``test_stock_values_are_sglang_defaults``)."""
@@ -132,12 +133,23 @@ def test_kv_overlap_schedule_on_keeps_sglangs_overlap_loop_and_says_so():
         ({"kv_canary": "raise"}, "--kv-canary raise: SGLang's KV canary"),
         ({"kv_canary": "log"}, "--kv-canary log"),
         ({"tokenizer_worker_num": 2}, "--tokenizer-worker-num > 1: SGLang loads no plugins"),
+        ({"rl_on_policy_target": "fsdp"}, "--rl-on-policy-target: it turns on deterministic inference"),
+        ({"smg_grpc_mode": True}, "--smg-grpc-mode: the SMG gRPC front end serves requests without"),
+        ({"grpc_mode": True}, "--grpc-mode: the SMG gRPC front end"),
     ],
 )
 def test_unservable_options_are_refused_by_name(changes, names):
     with pytest.raises(LaunchRefused) as err:
         _decide(**changes)
     assert names in str(err.value)
+
+
+def test_sglangs_rust_server_is_refused():
+    """``SGLANG_RUST_SERVER`` (an environment flag the plugin reads through SGLang's ``envs``)
+    replaces the tokenizer manager; the same options without it pass (the control)."""
+    with pytest.raises(LaunchRefused, match="SGLANG_RUST_SERVER=1: SGLang's Rust server replaces"):
+        LaunchDecision.decide(STOCK, rust_server=True)
+    assert LaunchDecision.decide(STOCK, rust_server=False).device == "cuda"
 
 
 @pytest.mark.parametrize("dtype", ["auto", "bf16", "bfloat16"])

@@ -133,6 +133,7 @@ HTTP 400, also measured in session 44)."""
 BAD_ENV: list[tuple[dict[str, str], str]] = [
     ({"KVPLANE_LOG_LEVEL": "chatty"},
      "kvplane: KVPLANE_LOG_LEVEL: 'chatty' is not a log level (allowed: debug, info, warning"),
+    ({"SGLANG_RUST_SERVER": "1"}, "kvplane: SGLANG_RUST_SERVER=1: SGLang's Rust server replaces the API server"),
     ({"KVPLANE_STATS_FILE": "/nonexistent-kvplane-dir/stats.jsonl"},
      "kvplane: KVPLANE_STATS_FILE='/nonexistent-kvplane-dir/stats.jsonl': directory "
      "'/nonexistent-kvplane-dir' does not exist"),

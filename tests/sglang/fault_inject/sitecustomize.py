@@ -40,6 +40,12 @@ the last step's new-token rows (``PagedStepTables.advanced`` without its ``rows 
 step's rows): each advanced step's new K/V overwrite the previous token's -- what a stale
 advance would do.
 
+With ``KVPLANE_TEST_MIXED_FILE=PATH`` nothing is perturbed: SGLang's
+``ScheduleBatch.mix_with_running`` appends a line to ``PATH`` each time the scheduler runs a
+prefill chunk and the running decodes as one batch (the mixed-chunk test's evidence: SGLang's log
+lines cannot tell that apart from a prefill beside running decodes, and its model runner hands
+the attention backend a mixed batch as ``EXTEND``).
+
 With ``KVPLANE_TEST_STALE_TURNOVER_FILE=PATH``, while ``PATH`` exists a decode step whose batch
 changed (a turnover, ``DecodeContinuity.continued``) continues a wrong page list: each request
 of two pages or more that opens no page reads its second page in place of its first -- what a
@@ -243,6 +249,21 @@ def _patch_turnover(module) -> None:  # noqa: ANN001
     module.DecodeContinuity.continued = continued
 
 
+MIXED_TARGET = "sglang.srt.managers.schedule_batch"
+
+
+def _patch_mixed(module) -> None:  # noqa: ANN001
+    path = os.environ["KVPLANE_TEST_MIXED_FILE"]
+    real = module.ScheduleBatch.mix_with_running
+
+    def mix_with_running(self, running_batch):  # noqa: ANN001, ANN202
+        with open(path, "a", encoding="utf-8") as out:
+            out.write(f"mixed {running_batch.batch_size()} running\n")
+        return real(self, running_batch)
+
+    module.ScheduleBatch.mix_with_running = mix_with_running
+
+
 class _Finder(importlib.abc.MetaPathFinder):
     def __init__(self, target: str, patch) -> None:  # noqa: ANN001
         self.target, self.patch = target, patch
@@ -276,3 +297,5 @@ if os.environ.get("KVPLANE_TEST_STALE_TURNOVER_FILE"):
     sys.meta_path.insert(0, _Finder(CONTINUITY_TARGET, _patch_turnover))
 if os.environ.get("KVPLANE_TEST_SHIFT_EXTEND_FILE"):
     sys.meta_path.insert(0, _Finder(EXTEND_TARGET, _patch_extend_shift))
+if os.environ.get("KVPLANE_TEST_MIXED_FILE"):
+    sys.meta_path.insert(0, _Finder(MIXED_TARGET, _patch_mixed))
