@@ -25,7 +25,7 @@ Rules (each one names what would break):
   keep: refused (``auto`` / ``bf16`` only).
 * **Speculative decoding, pipeline parallelism, HiCache, disaggregation, DP attention, two-batch
   overlap**, and the options in :data:`_REFUSED_SWITCHES`, :data:`_REFUSED_SIZES` and
-  ``--kv-canary`` (other KV tiers, SGLang's own radix-cache features, the memory saver, PD
+  ``--kv-canary`` and ``--radix-eviction-policy tlru`` (other KV tiers, SGLang's own radix-cache features, the memory saver, PD
   multiplexing, context parallelism, multi-item scoring, deterministic inference, front ends
   where kvplane's tokenizer hooks do not run: more than one tokenizer worker, the SMG gRPC mode,
   ``SGLANG_RUST_SERVER``): refused. The first six need what is not implemented (the pool's KV
@@ -276,6 +276,11 @@ class LaunchDecision:
         for name, flag, why in _REFUSED_SIZES:
             if int(values.get(name) or 1) > 1:
                 raise LaunchRefused(f"{flag} > 1: {why}; not supported with --enable-layered-kv")
+        if values.get("radix_eviction_policy") == "tlru":
+            raise LaunchRefused(
+                "--radix-eviction-policy tlru: T-LRU needs SGLang's UnifiedRadixCache; --enable-layered-kv "
+                "serves its own radix cache (use lru or another policy)"
+            )
         canary = values.get("kv_canary")
         if canary not in (None, "none"):
             raise LaunchRefused(

@@ -23,7 +23,7 @@ STOCK = {
     "enable_streaming_session": False, "enable_memory_saver": False, "enable_pdmux": False,
     "enable_prefill_cp": False, "enable_mis": False, "enable_deterministic_inference": False,
     "dcp_size": 1, "attn_cp_size": 1, "kv_canary": "none", "tokenizer_worker_num": 1,
-    "rl_on_policy_target": None, "smg_grpc_mode": False, "grpc_mode": False,
+    "rl_on_policy_target": None, "smg_grpc_mode": False, "grpc_mode": False, "radix_eviction_policy": "lru",
 }
 """SGLang 0.5.23's parsed defaults for these options (checked against the real parser in
 ``test_stock_values_are_sglang_defaults``)."""
@@ -136,6 +136,7 @@ def test_kv_overlap_schedule_on_keeps_sglangs_overlap_loop_and_says_so():
         ({"rl_on_policy_target": "fsdp"}, "--rl-on-policy-target: it turns on deterministic inference"),
         ({"smg_grpc_mode": True}, "--smg-grpc-mode: the SMG gRPC front end serves requests without"),
         ({"grpc_mode": True}, "--grpc-mode: the SMG gRPC front end"),
+        ({"radix_eviction_policy": "tlru"}, "--radix-eviction-policy tlru: T-LRU needs"),
     ],
 )
 def test_unservable_options_are_refused_by_name(changes, names):
