@@ -24,11 +24,11 @@ Rules (each one names what would break):
 * **KV cache dtype.** Quantized KV caches (fp8, fp4, mxfp8) need scales the layered pool does not
   keep: refused (``auto`` / ``bf16`` only).
 * **Speculative decoding, pipeline parallelism, HiCache, disaggregation, DP attention, two-batch
-  overlap**, and the options in :data:`_REFUSED_SWITCHES`, :data:`_REFUSED_SIZES` and
-  ``--kv-canary`` and ``--radix-eviction-policy tlru`` (other KV tiers, SGLang's own radix-cache features, the memory saver, PD
-  multiplexing, context parallelism, multi-item scoring, deterministic inference, front ends
-  where kvplane's tokenizer hooks do not run: more than one tokenizer worker, the SMG gRPC mode,
-  ``SGLANG_RUST_SERVER``): refused. The first six need what is not implemented (the pool's KV
+  overlap**, the options in :data:`_REFUSED_SWITCHES` and :data:`_REFUSED_SIZES`, ``--kv-canary``
+  and ``--radix-eviction-policy tlru`` (other KV tiers, SGLang's own radix-cache features, the
+  memory saver, PD multiplexing, context parallelism, multi-item scoring, deterministic
+  inference, front ends where kvplane's tokenizer hooks do not run: more than one tokenizer
+  worker, the SMG gRPC mode, ``SGLANG_RUST_SERVER``): refused. The first six need what is not implemented (the pool's KV
   copy for draft tokens, per-stage layer ranges, a second tier of its own, transfer of the flat
   buffers, per-rank batches inside one TP group, padded half-batches); each table entry's
   message says why for its option.
@@ -101,6 +101,10 @@ _FRONT_END = ("the SMG gRPC front end serves requests without SGLang's Tokenizer
               "be skipped")
 
 _REFUSED_SWITCHES: tuple[tuple[str, str, str], ...] = (
+    ("enable_hierarchical_cache", "--enable-hierarchical-cache", "HiCache is a second KV tier of its own"),
+    ("enable_two_batch_overlap", "--enable-two-batch-overlap",
+     "two-batch overlap splits and pads each batch (ForwardBatch._pad_inputs_to_size), which the "
+     "layered step tables do not follow"),
     ("enable_lmcache", "--enable-lmcache",
      "LMCache is a second KV tier with a radix cache of its own (SGLang's scheduler then calls "
      "its tier's events on kvplane's radix cache and stops at the first step)"),
@@ -114,8 +118,8 @@ _REFUSED_SWITCHES: tuple[tuple[str, str, str], ...] = (
     ("enable_streaming_session", "--enable-streaming-session",
      "streaming sessions need SGLang's UnifiedRadixCache; --enable-layered-kv serves its own radix cache"),
     ("enable_memory_saver", "--enable-memory-saver",
-     "the layered KV pool's device pages and pinned host pool are not allocated through "
-     "torch_memory_saver, so /release_memory_occupation would leave them in place"),
+     "the layered KV pool's device pages are not allocated through torch_memory_saver, so "
+     "/release_memory_occupation would leave them in place"),
     ("enable_pdmux", "--enable-pdmux",
      "PD multiplexing runs prefill and decode batches on streams of their own in a loop that never "
      "calls Scheduler.get_next_batch_to_run, where kvplane's step boundary runs"),
@@ -131,7 +135,8 @@ _REFUSED_SWITCHES: tuple[tuple[str, str, str], ...] = (
     ("smg_grpc_mode", "--smg-grpc-mode", _FRONT_END),
     ("grpc_mode", "--grpc-mode", _FRONT_END),
 )
-"""Boolean SGLang options the layered KV pool cannot serve: (option, flag, why)."""
+"""SGLang options ``--enable-layered-kv`` cannot serve with once they are set (true, or a value
+where the default is None): (option, flag, why)."""
 
 _REFUSED_SIZES: tuple[tuple[str, str, str], ...] = (
     ("dcp_size", "--dcp-size",
@@ -251,19 +256,8 @@ class LaunchDecision:
             )
         if int(values.get("pp_size") or 1) > 1:
             raise LaunchRefused("--pp-size > 1: pipeline parallelism is not supported with --enable-layered-kv")
-        if values.get("enable_hierarchical_cache"):
-            raise LaunchRefused(
-                "--enable-hierarchical-cache: HiCache is a second KV tier of its own; it cannot be "
-                "combined with --enable-layered-kv"
-            )
         if values.get("enable_dp_attention") or int(values.get("attn_dp_size") or 1) > 1:
             raise LaunchRefused(DP_ATTENTION_REFUSED)
-        if values.get("enable_two_batch_overlap"):
-            raise LaunchRefused(
-                "--enable-two-batch-overlap: two-batch overlap splits and pads each batch "
-                "(ForwardBatch._pad_inputs_to_size), which the layered step tables do not follow; not "
-                "supported with --enable-layered-kv"
-            )
         mode = values.get("disaggregation_mode")
         if mode not in (None, "null"):
             raise LaunchRefused(
