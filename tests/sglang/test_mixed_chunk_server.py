@@ -7,7 +7,8 @@ SGLang mixes only batches where no request asks for logprobs (``Scheduler`` 0.5.
 return_logprob + mixed chunked prefill"), so the comparison here is the final hidden state of
 every token (``return_hidden_states``, fp32: ~1e-6 apart between two forwards of the same tokens,
 while one perturbed page moves them by orders of magnitude more), against a vanilla twin that
-mixes and chunks the same way. The test-only injector records each mixed batch SGLang builds
+mixes and chunks the same way, under SGLang's normal loop and under its overlap loop
+(``--kv-overlap-schedule on``). The test-only injector records each mixed batch SGLang builds
 (``KVPLANE_TEST_MIXED_FILE``) as the evidence that they ran; its fault (one offloaded layer-page
 of layer 3 perturbed per step on its way through host memory) is the negative control.
 """
@@ -51,13 +52,17 @@ class Pair:
         self.mixed, self.stats, self.corrupt = root / "mixed.txt", root / "pool_stats.jsonl", root / "corrupt"
 
 
-@pytest.fixture(scope="module")
-def pair(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+@pytest.fixture(scope="module", params=["normal-loop", "overlap-loop"])
+def pair(request: pytest.FixtureRequest, tiny_model_dir: Path,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    """The pair under SGLang's normal loop, then under its overlap loop (``--kv-overlap-schedule on``;
+    the vanilla twin runs SGLang's default, the overlap loop, in both)."""
     root, twin = tmp_path_factory.mktemp("layered-mixed-chunk"), tmp_path_factory.mktemp("vanilla-mixed-chunk")
     env = {POOL_STATS_FILE_ENV: str(root / "pool_stats.jsonl"), "PYTHONPATH": str(FAULT_INJECT_DIR),
            "KVPLANE_TEST_MIXED_FILE": str(root / "mixed.txt"),
            "KVPLANE_TEST_CORRUPT_LAYER": str(CORRUPT_LAYER), "KVPLANE_TEST_CORRUPT_FILE": str(root / "corrupt")}
-    layered = ["--enable-layered-kv", "--kv-gpu-budget-tokens", str(BUDGET_TOKENS), *SHARED_FLAGS]
+    loop = ["--kv-overlap-schedule", "on"] if request.param == "overlap-loop" else []
+    layered = ["--enable-layered-kv", *loop, "--kv-gpu-budget-tokens", str(BUDGET_TOKENS), *SHARED_FLAGS]
     with running_servers(tiny_model_dir, [(root, layered, env), (twin, SHARED_FLAGS, None)]) as (lay, van):
         yield Pair(lay, van)
 
