@@ -20,7 +20,8 @@ Rules (each one names what would break):
 * **CUDA graphs.** A captured decode replays fixed metadata, but the layered tables, staging slots
   and fetch launches change every step: capture is turned off (``--cuda-graph-backend-decode``
   and ``--cuda-graph-backend-prefill disabled``, said in one line); an explicit request for a
-  capturing backend, or a ``--cuda-graph-config``, is refused.
+  capturing backend, or a ``--cuda-graph-config``, is refused. ``--enable-torch-compile``, which
+  SGLang applies inside its graph runners only, then does nothing: said at launch.
 * **KV cache dtype.** Quantized KV caches (fp8, fp4, mxfp8) need scales the layered pool does not
   keep: refused (``auto`` / ``bf16`` only).
 * **Speculative decoding, pipeline parallelism, HiCache, disaggregation, DP attention, two-batch
@@ -84,6 +85,15 @@ ROCM_OVERLAP_REFUSED = (
     "SGLang enables on CUDA only); use --kv-overlap-schedule off"
 )
 """The refusal of the overlap loop on ROCm (at launch, and again at scheduler start)."""
+
+TORCH_COMPILE_NOTE = (
+    "--enable-torch-compile has no effect: SGLang compiles the model inside its graph runners, "
+    "and --enable-layered-kv runs without them (the model runs eagerly)"
+)
+"""Said at launch when ``--enable-torch-compile`` is given: SGLang 0.5.23 applies ``torch.compile``
+in its decode graph runners only (``DecodeCudaGraphRunner``; on a CPU, ``CPUGraphRunner``), and
+with the layered pool no graph is captured (measured on the CPU: ``cpu graph: False`` in every
+batch line, output equal to the run without the flag)."""
 
 _BACKEND_FLAGS = (
     ("attention_backend", "--attention-backend"),
@@ -219,6 +229,8 @@ class LaunchDecision:
         if any(name.startswith("cuda_graph_backend") for name, _ in implied):
             notes.append("CUDA graphs off (--cuda-graph-backend-decode/prefill disabled): the "
                          "layered tables change every step")
+        if values.get("enable_torch_compile"):
+            notes.append(TORCH_COMPILE_NOTE)
         dtype = str(values.get("kv_cache_dtype") or "auto")
         if dtype not in UNQUANTIZED_KV_DTYPES:
             raise LaunchRefused(

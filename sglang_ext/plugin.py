@@ -276,7 +276,7 @@ class KvplanePlugin:
                 if layered.kv_host_pool_gb is not None:
                     self._check_host_pool_floor(model_config, server_args, layered.kv_host_pool_gb)
             if decision.notes:  # said once nothing is refused (a refusal is the only line)
-                print("kvplane: --enable-layered-kv implies " + "; ".join(decision.notes), file=sys.stderr)
+                print("kvplane: with --enable-layered-kv: " + "; ".join(decision.notes), file=sys.stderr)
         return server_args
 
     @staticmethod

@@ -9,7 +9,7 @@ import argparse
 
 import pytest
 
-from sglang_ext.launch_decision import LaunchDecision, LaunchRefused
+from sglang_ext.launch_decision import TORCH_COMPILE_NOTE, LaunchDecision, LaunchRefused
 
 STOCK = {
     "device": None, "attention_backend": None, "decode_attention_backend": None,
@@ -24,6 +24,7 @@ STOCK = {
     "enable_prefill_cp": False, "enable_mis": False, "enable_deterministic_inference": False,
     "dcp_size": 1, "attn_cp_size": 1, "kv_canary": "none", "tokenizer_worker_num": 1,
     "rl_on_policy_target": None, "smg_grpc_mode": False, "grpc_mode": False, "radix_eviction_policy": "lru",
+    "enable_torch_compile": False,
 }
 """SGLang 0.5.23's parsed defaults for these options (checked against the real parser in
 ``test_stock_values_are_sglang_defaults``)."""
@@ -77,6 +78,19 @@ def test_cpu_gets_torch_native_and_explicit_choices_are_kept():
     assert d.implied == () and d.notes == ()  # negative control: nothing to imply, nothing said
     d = _decide(attention_backend="torch_native", cuda_graph_backend_decode="disabled", page_size=16)
     assert dict(d.implied) == {"cuda_graph_backend_prefill": "disabled", "disable_overlap_schedule": True}
+
+
+def test_torch_compile_is_said_to_do_nothing_without_graph_runners():
+    """SGLang compiles inside its graph runners only; the layered pool runs without them, so the
+    flag is served (nothing breaks) and the launch says it has no effect -- on CUDA and on a CPU,
+    also where the caller turned graphs off already."""
+    for changes in ({}, {"device": "cpu"}, {"device": "cpu", "disable_cuda_graph": True,
+                                             "attention_backend": "torch_native"}):
+        d = _decide(enable_torch_compile=True, **changes)
+        assert TORCH_COMPILE_NOTE in d.notes, changes
+        assert "enable_torch_compile" not in dict(d.implied)
+        assert TORCH_COMPILE_NOTE not in _decide(**changes).notes  # control: not given, not said
+    assert "--enable-torch-compile" in TORCH_COMPILE_NOTE and "no effect" in TORCH_COMPILE_NOTE
 
 
 def test_kv_overlap_schedule_on_keeps_sglangs_overlap_loop_and_says_so():
