@@ -22,6 +22,11 @@ Rules (each one names what would break):
   and ``--cuda-graph-backend-prefill disabled``, said in one line); an explicit request for a
   capturing backend, or a ``--cuda-graph-config``, is refused. ``--enable-torch-compile``, which
   SGLang applies inside its graph runners only, then does nothing: said at launch.
+  ``--kv-cuda-graphs on`` keeps SGLang's decode graphs for the layered Triton decode instead
+  (``docs/cuda-graphs.md``: all-resident steps replay over persistent tables, staging steps run
+  eagerly); it refuses other backends, ``--disable-cuda-graph``, a non-``full`` decode graph
+  backend, ``--enable-torch-compile``, ``--kv-overlap-schedule on`` and ``--tp-size`` > 1, and
+  keeps prefill graphs off.
 * **KV cache dtype.** Quantized KV caches (fp8, fp4, mxfp8) need scales the layered pool does not
   keep: refused (``auto`` / ``bf16`` only).
 * **Speculative decoding, pipeline parallelism, HiCache, disaggregation, DP attention, two-batch
@@ -215,22 +220,10 @@ class LaunchDecision:
                 "--cuda-graph-config: CUDA graph capture is not supported with --enable-layered-kv "
                 "(the per-layer tables and fetches change every step); remove the option"
             )
-        graphs_off = bool(values.get("disable_cuda_graph"))  # the deprecated --disable-cuda-graph
-        for name, flag in _GRAPH_FLAGS:
-            chosen = values.get(name)
-            if chosen is None:
-                if not graphs_off:
-                    implied.append((name, "disabled"))
-            elif chosen != "disabled":
-                raise LaunchRefused(
-                    f"{flag} {chosen}: CUDA graph capture is not supported with --enable-layered-kv "
-                    f"(the per-layer tables and fetches change every step); use {flag} disabled"
-                )
-        if any(name.startswith("cuda_graph_backend") for name, _ in implied):
-            notes.append("CUDA graphs off (--cuda-graph-backend-decode/prefill disabled): the "
-                         "layered tables change every step")
-        if values.get("enable_torch_compile"):
-            notes.append(TORCH_COMPILE_NOTE)
+        if values.get("kv_cuda_graphs", "off") == "on":
+            cls._keep_decode_graphs(values, device, implied, notes)
+        else:
+            cls._graphs_off(values, implied, notes)
         dtype = str(values.get("kv_cache_dtype") or "auto")
         if dtype not in UNQUANTIZED_KV_DTYPES:
             raise LaunchRefused(
@@ -258,6 +251,62 @@ class LaunchDecision:
             notes.append("--disable-overlap-schedule: plans are installed at step boundaries "
                          "(--kv-overlap-schedule on keeps SGLang's overlap scheduler)")
         return cls(device=device, implied=tuple(implied), notes=tuple(notes))
+
+    @staticmethod
+    def _graphs_off(values: Mapping[str, Any], implied: list[tuple[str, Any]], notes: list[str]) -> None:
+        graphs_off = bool(values.get("disable_cuda_graph"))  # the deprecated --disable-cuda-graph
+        for name, flag in _GRAPH_FLAGS:
+            chosen = values.get(name)
+            if chosen is None:
+                if not graphs_off:
+                    implied.append((name, "disabled"))
+            elif chosen != "disabled":
+                raise LaunchRefused(
+                    f"{flag} {chosen}: CUDA graph capture is not supported with --enable-layered-kv "
+                    f"(the per-layer tables and fetches change every step); use {flag} disabled "
+                    "(or --kv-cuda-graphs on for decode graphs with --attention-backend triton)"
+                )
+        if any(name.startswith("cuda_graph_backend") for name, _ in implied):
+            notes.append("CUDA graphs off (--cuda-graph-backend-decode/prefill disabled): the "
+                         "layered tables change every step (--kv-cuda-graphs on keeps decode graphs)")
+        if values.get("enable_torch_compile"):
+            notes.append(TORCH_COMPILE_NOTE)
+
+    @staticmethod
+    def _keep_decode_graphs(values: Mapping[str, Any], device: str, implied: list[tuple[str, Any]],
+                            notes: list[str]) -> None:
+        """``--kv-cuda-graphs on``: SGLang's decode graphs kept for the layered Triton decode
+        (``docs/cuda-graphs.md``); prefill graphs stay off."""
+        for name, flag in _BACKEND_FLAGS[:2]:
+            if values.get(name) not in (None, "triton") or (name == "attention_backend" and values.get(name) is None):
+                got = f"{flag} {values.get(name)}" if values.get(name) else f"{flag} unset"
+                raise LaunchRefused(
+                    f"--kv-cuda-graphs on needs --attention-backend triton (got {got}): only "
+                    "the layered Triton decode reads its tables from persistent buffers a graph replays"
+                )
+        why_not = (
+            ("disable_cuda_graph", "--disable-cuda-graph", "turns decode graphs off"),
+            ("enable_torch_compile", "--enable-torch-compile", "would compile kvplane's layer code into the graphs"),
+            ("kv_overlap_schedule", "--kv-overlap-schedule on", "is not validated with decode graphs"),
+        )
+        for name, flag, why in why_not:
+            if values.get(name) not in (None, False, "off"):
+                raise LaunchRefused(f"--kv-cuda-graphs on with {flag}: it {why}; not supported")
+        if int(values.get("tp_size") or 1) > 1:
+            raise LaunchRefused("--kv-cuda-graphs on with --tp-size > 1: not validated yet; not supported")
+        decode, prefill = (values.get(name) for name, _ in _GRAPH_FLAGS)
+        if decode not in (None, "full"):
+            raise LaunchRefused(f"--kv-cuda-graphs on with --cuda-graph-backend-decode {decode}: the layered "
+                                "decode is captured whole (use full, or leave it unset)")
+        if prefill is None:
+            implied.append(("cuda_graph_backend_prefill", "disabled"))
+        elif prefill != "disabled":
+            raise LaunchRefused(f"--cuda-graph-backend-prefill {prefill}: prefill graphs are not supported with "
+                                "--enable-layered-kv; use --cuda-graph-backend-prefill disabled")
+        notes.append("decode CUDA graphs kept (--kv-cuda-graphs on): all-resident decode steps replay, steps that "
+                     "stage pages run eagerly; prefill graphs off"
+                     + ("; not yet validated on a GPU" if device == "cuda" else
+                        "; SGLang captures no graphs on a CPU, so it has no effect here"))
 
     @staticmethod
     def _refuse_features(values: Mapping[str, Any]) -> None:

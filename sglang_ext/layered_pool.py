@@ -125,6 +125,7 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
             copy_programs=self._layered_args.kv_copy_programs,
             copy_engine=self._layered_args.kv_copy_engine,
             timing_interval=self._layered_args.kv_timing_interval,
+            graph_sink=self._layered_args.kv_cuda_graphs == "on",  # padded graph rows' page
         )
         host_pool_limit(config.host_bytes, self._layered_args.kv_host_pool_gb, available_host_bytes(),
                         what=f"every layer of {logical_pages} pages of {self.page_size} tokens",
@@ -316,6 +317,13 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
             raise ValueError("kvplane layered KV pool: dcp_kv_mask (decode context parallel) is unsupported")
         loc, _, _ = unwrap_write_loc(loc_info)
         layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
+        cache_k, cache_v = self.stored_kv(cache_k, cache_v, loc.shape[0], k_scale, v_scale)
+        self.core.write(layer_id - self.start_layer, loc, cache_k, cache_v)
+
+    def stored_kv(self, cache_k: torch.Tensor, cache_v: torch.Tensor, n: int, k_scale: float | None = None,
+                  v_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """New K/V of ``n`` tokens as the store keeps them: the pool's dtype (scaled first where
+        SGLang passes scales), viewed as the store's, ``[n, H, D]``."""
         if cache_k.dtype != self.dtype:
             if k_scale is not None:
                 cache_k.div_(k_scale)
@@ -327,10 +335,9 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
             cache_k = cache_k.view(self.store_dtype)
             cache_v = cache_v.view(self.store_dtype)
         if cache_k.dim() != 3 or cache_v.dim() != 3:  # SGLang's attention passes [n, H, D] already
-            n = loc.shape[0]
             cache_k = cache_k.reshape(n, self.head_num, self.head_dim)
             cache_v = cache_v.reshape(n, self.head_num, self.head_dim)
-        self.core.write(layer_id - self.start_layer, loc, cache_k, cache_v)
+        return cache_k, cache_v
 
     def layer_kv(self, layer_id: int, token_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[n, H, D]`` (pool dtype) of ``token_slots`` at ``layer_id``, read at rest

@@ -8,6 +8,10 @@ CPU, which is how CI serves real SGLang requests through the same kernel code a 
 (``tests/sglang/test_triton_server.py``). On CPU without the interpreter the kernel's torch
 reference (the same paged-table decode) runs instead. Soft cap and sliding window come from the
 layer (``logit_cap``, ``sliding_window_size``).
+
+With ``--kv-cuda-graphs on`` it also serves SGLang's decode graph runner: the graph hooks below
+capture the decode over :class:`~sglang_ext.layered_decode_graph.LayeredDecodeGraph`'s persistent
+tables (``docs/cuda-graphs.md``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import torch
 from kernels.block_copy import triton_usable
 from kernels.paged_decode import paged_decode
 from sglang_ext.dataplane.layer_cap_window import layer_cap_window
+from sglang_ext.layered_attention import refuse_attention_kwargs
+from sglang_ext.layered_decode_graph import SEQ_LEN_FILL, LayeredDecodeGraph
 from sglang_ext.layered_paged_decode import LayeredPagedDecode
 
 log = structlog.get_logger(__name__)
@@ -32,6 +38,8 @@ class LayeredTritonDecode(LayeredPagedDecode):
         super().__init__(model_runner)
         self.decode_layers = 0
         """Layer decodes served through the paged kernel (per process)."""
+        self.graph: LayeredDecodeGraph | None = None
+        """Decode graph state (SGLang's runner built it: ``--kv-cuda-graphs on``); None: eager only."""
 
     def decode_layer(self, q: torch.Tensor, layer: Any, index: int) -> torch.Tensor:
         tables, store = self.pool.tables, self.pool.store
@@ -44,3 +52,55 @@ class LayeredTritonDecode(LayeredPagedDecode):
             q, store.dev[0], store.dev[1], tables.kv_indptr, tables.tab[index], tables.kv_lens,
             sm_scale=getattr(layer, "scaling", None), logits_soft_cap=cap, window_left=window,
         )
+
+    # ----- SGLang's decode graph runner (--kv-cuda-graphs on) -----------------------------
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self.graph = LayeredDecodeGraph(self.pool.core, max_bs)
+        log.info("layered_decode_graphs", max_bs=max_bs, max_pages=self.graph.buffers.max_pages)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return SEQ_LEN_FILL
+
+    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
+        """At capture: a padding-only step of the captured size. Before a replay: nothing -- the
+        runner's ``can_run_graph`` ran the boundary and loaded the buffers
+        (:mod:`sglang_ext.graph_runner_hooks`)."""
+        if in_capture:
+            self.graph.capture(int(forward_batch.batch_size))  # type: ignore[union-attr]
+
+    def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
+        """Nothing is recorded ahead of the layers: they read the buffers loaded outside the graph."""
+
+    def init_forward_metadata(self, forward_batch: Any) -> None:
+        graph = self.graph
+        if graph is not None:
+            graph.forward = False
+            if graph.prepared is not None:
+                prepared, graph.prepared = graph.prepared, None
+                if prepared is forward_batch:  # the runner's can_run_graph ran this step's boundary
+                    return
+        super().init_forward_metadata(forward_batch)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):  # noqa: ANN001, ANN201
+        graph = self.graph
+        if graph is None or not graph.forward:
+            return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        if kwargs:
+            refuse_attention_kwargs(kwargs, layer)
+        index, store = layer.layer_id - self.pool.start_layer, self.pool.store
+        if save_kv_cache and k is not None and v is not None:  # every row, padded ones onto the sink
+            graph.write(index, *self.pool.stored_kv(k, v, q.shape[0]))
+        q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        view = graph.view(index)
+        cap, window = layer_cap_window(layer)
+        out = paged_decode(q3, store.dev[0], store.dev[1], view.kv_indptr, view.kv_indices, view.kv_lens,
+                           sm_scale=getattr(layer, "scaling", None), logits_soft_cap=cap, window_left=window)
+        if out.dtype != q.dtype:
+            out = out.to(q.dtype)
+        return out.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+    def end_graph_step(self) -> None:
+        """After a replay: the step ends as an eager one does (the last layer's exit)."""
+        self.graph.replays += 1  # type: ignore[union-attr]
+        self._end_layer(self._last_layer)

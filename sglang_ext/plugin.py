@@ -66,7 +66,7 @@ import sys
 from typing import Any, NoReturn
 
 from sglang_ext import args as kv_args
-from sglang_ext import compat, logs, settings
+from sglang_ext import compat, layered_kv_cli, logs, settings
 from sglang_ext.context import PluginContext
 from sglang_ext.launch_decision import LaunchDecision, LaunchRefused
 from sglang_ext.placement_hooks import PlacementHooks
@@ -107,7 +107,7 @@ def _rust_server() -> bool:
 def _after_add_cli_args(result: Any, *args: Any, **kwargs: Any) -> None:
     for candidate in (*args, *kwargs.values()):
         if isinstance(candidate, argparse.ArgumentParser):
-            kv_args.add_arguments(candidate)
+            layered_kv_cli.add_arguments(candidate)
             break
     return None
 
@@ -411,7 +411,10 @@ class KvplanePlugin:
             compat.ENABLE_FUSED_SET_KV_BUFFER.path, _around_enable_fused_set_kv_buffer, hook_type.AROUND
         )
         _swap_attention_backends()
-        from sglang_ext import scheduler_hooks
+        from sglang_ext import graph_runner_hooks, scheduler_hooks
+
+        graph_runner_hooks.register(hook_registry, hook_type, compat.DECODE_GRAPH_CAN_RUN.path,
+                                    compat.DECODE_GRAPH_EXECUTE.path)
 
         scheduler_hooks.register(hook_registry, hook_type, self.ctx)
 

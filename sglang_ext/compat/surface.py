@@ -16,6 +16,7 @@ as a dataclass / msgspec field or annotation, or assigns ``self.<name> = ...`` i
 
 from __future__ import annotations
 
+from sglang_ext.compat.surface_graphs import *  # noqa: F403 -- part of the surface (TARGETS, __all__)
 from sglang_ext.compat.surface_models import (  # noqa: F401 -- part of the surface (TARGETS, __all__)
     ATTENTION_ARCH,
     MODEL_CONFIG_SUPPORT,

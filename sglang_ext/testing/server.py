@@ -108,7 +108,11 @@ class SGLangServer:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        """The launch command line."""
+        """The launch command line (without :data:`CPU_ARGS`' ``--disable-cuda-graph`` when the
+        flags ask for decode graphs, ``--kv-cuda-graphs on``: on a CPU they are captured only under
+        the test injector's ``KVPLANE_TEST_TAPE_GRAPHS``)."""
+        args = list(self.extra_args)
+        graphs = any(a == "--kv-cuda-graphs" and b == "on" for a, b in zip(args, args[1:], strict=False))
         return [
             self.python,
             "-m",
@@ -119,8 +123,8 @@ class SGLangServer:
             "127.0.0.1",
             "--port",
             str(self.port),
-            *CPU_ARGS,
-            *self.extra_args,
+            *(a for a in CPU_ARGS if not (graphs and a == "--disable-cuda-graph")),
+            *args,
         ]
 
     def start(self) -> SGLangServer:

@@ -6,7 +6,8 @@ import argparse
 
 import pytest
 
-from sglang_ext.args import ENV_VAR, LayeredKVArgs, add_arguments
+from sglang_ext.args import ENV_VAR, LayeredKVArgs
+from sglang_ext.layered_kv_cli import add_arguments
 from tests.service.certs import ThrowawayCA
 
 

@@ -15,7 +15,8 @@ import pytest
 
 from controlplane.embedded import EmbeddedControlPlane
 from controlplane.service.convert import worker_info_from_proto, worker_info_to_proto
-from sglang_ext.args import LayeredKVArgs, add_arguments
+from sglang_ext.args import LayeredKVArgs
+from sglang_ext.layered_kv_cli import add_arguments
 from sglang_ext.worker_info import (
     DEFAULT_H2D_GBPS,
     DEFAULT_LAYER_COMPUTE_MS,

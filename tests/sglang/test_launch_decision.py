@@ -24,14 +24,18 @@ STOCK = {
     "enable_prefill_cp": False, "enable_mis": False, "enable_deterministic_inference": False,
     "dcp_size": 1, "attn_cp_size": 1, "kv_canary": "none", "tokenizer_worker_num": 1,
     "rl_on_policy_target": None, "smg_grpc_mode": False, "grpc_mode": False, "radix_eviction_policy": "lru",
-    "enable_torch_compile": False,
+    "enable_torch_compile": False, "tp_size": 1,
 }
 """SGLang 0.5.23's parsed defaults for these options (checked against the real parser in
 ``test_stock_values_are_sglang_defaults``)."""
 
 
+KVPLANE_STOCK = {"kv_cuda_graphs": "off", "kv_overlap_schedule": "off"}
+"""kvplane's own options the decision reads (``LayeredKVArgs``' defaults)."""
+
+
 def _decide(**changes):
-    return LaunchDecision.decide({**STOCK, **changes})
+    return LaunchDecision.decide({**STOCK, **KVPLANE_STOCK, **changes})
 
 
 def test_stock_values_are_sglang_defaults():
@@ -91,6 +95,48 @@ def test_torch_compile_is_said_to_do_nothing_without_graph_runners():
         assert "enable_torch_compile" not in dict(d.implied)
         assert TORCH_COMPILE_NOTE not in _decide(**changes).notes  # control: not given, not said
     assert "--enable-torch-compile" in TORCH_COMPILE_NOTE and "no effect" in TORCH_COMPILE_NOTE
+
+
+GRAPHS_ON = {"kv_cuda_graphs": "on", "attention_backend": "triton"}
+
+
+def test_kv_cuda_graphs_on_keeps_decode_graphs_for_the_triton_decode():
+    """--kv-cuda-graphs on: SGLang's decode graphs stay (nothing implied for them), prefill graphs
+    off, said in the line; with graphs off (the control) both are turned off."""
+    d = _decide(**GRAPHS_ON)
+    assert "cuda_graph_backend_decode" not in dict(d.implied)
+    assert dict(d.implied)["cuda_graph_backend_prefill"] == "disabled"
+    assert any("decode CUDA graphs kept" in n and "not yet validated on a GPU" in n for n in d.notes)
+    assert _decide(**GRAPHS_ON, cuda_graph_backend_decode="full").implied == d.implied  # SGLang's full: kept
+    assert any("no effect here" in n for n in _decide(**GRAPHS_ON, device="cpu").notes)
+    off = _decide(attention_backend="triton")
+    assert dict(off.implied)["cuda_graph_backend_decode"] == "disabled"
+    assert not any("kept" in n for n in off.notes)
+
+
+@pytest.mark.parametrize(
+    ("changes", "names"),
+    [
+        ({"attention_backend": None}, "needs --attention-backend triton (got --attention-backend unset)"),
+        ({"attention_backend": "flashinfer"}, "(got --attention-backend flashinfer)"),
+        ({"decode_attention_backend": "torch_native"}, "(got --decode-attention-backend torch_native)"),
+        ({"disable_cuda_graph": True}, "--kv-cuda-graphs on with --disable-cuda-graph"),
+        ({"enable_torch_compile": True}, "--kv-cuda-graphs on with --enable-torch-compile"),
+        ({"kv_overlap_schedule": "on"}, "--kv-cuda-graphs on with --kv-overlap-schedule on"),
+        ({"tp_size": 2}, "--kv-cuda-graphs on with --tp-size > 1"),
+        ({"cuda_graph_backend_decode": "breakable"}, "--cuda-graph-backend-decode breakable"),
+        ({"cuda_graph_backend_decode": "disabled"}, "--cuda-graph-backend-decode disabled"),
+        ({"cuda_graph_backend_prefill": "breakable"}, "--cuda-graph-backend-prefill breakable"),
+    ],
+)
+def test_kv_cuda_graphs_on_refuses_what_it_cannot_capture(changes, names):
+    with pytest.raises(LaunchRefused) as err:
+        _decide(**{**GRAPHS_ON, **changes})
+    assert names in str(err.value)
+    try:  # control: with decode graphs off the same option is served, or refused for another reason
+        _decide(**changes)
+    except LaunchRefused as other:
+        assert str(other) != str(err.value)
 
 
 def test_kv_overlap_schedule_on_keeps_sglangs_overlap_loop_and_says_so():

@@ -367,9 +367,9 @@ def test_budget_flag_parses_and_travels_in_the_environment():
     import argparse
 
     from sglang_ext import args as kv_args
+    from sglang_ext import layered_kv_cli
 
-    parser = argparse.ArgumentParser()
-    kv_args.add_arguments(parser)
+    layered_kv_cli.add_arguments(parser := argparse.ArgumentParser())
     ns = parser.parse_args(["--enable-layered-kv", "--kv-gpu-budget-tokens", "24"])
     parsed = LayeredKVArgs.from_namespace(ns)
     assert LayeredKVArgs.from_env({kv_args.ENV_VAR: parsed.to_json()}).kv_gpu_budget_tokens == 24

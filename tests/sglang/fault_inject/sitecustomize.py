@@ -46,6 +46,13 @@ prefill chunk and the running decodes as one batch (the mixed-chunk test's evide
 lines cannot tell that apart from a prefill beside running decodes, and its model runner hands
 the attention backend a mixed batch as ``EXTEND``).
 
+With ``KVPLANE_TEST_TAPE_GRAPHS=PATH``, SGLang captures and replays decode graphs on the CPU:
+its platform declares the capability, the runner's CUDA stream plumbing around capture becomes a
+no-op, and its graph backend is :class:`sglang_ext.testing.tape_graph_backend.TapeGraphBackend`
+(each capture and replay appended to ``PATH``). With ``KVPLANE_TEST_STALE_GRAPH_FILE=PATH`` as well,
+while ``PATH`` exists an admitted step does not load its tables into the graph buffers: the replay
+reads the last loaded step's -- what a replay over stale tables would do (the negative control).
+
 With ``KVPLANE_TEST_STALE_TURNOVER_FILE=PATH``, while ``PATH`` exists a decode step whose batch
 changed (a turnover, ``DecodeContinuity.continued``) continues a wrong page list: each request
 of two pages or more that opens no page reads its second page in place of its first -- what a
@@ -264,6 +271,80 @@ def _patch_mixed(module) -> None:  # noqa: ANN001
     module.ScheduleBatch.mix_with_running = mix_with_running
 
 
+PLATFORM_TARGET = "sglang.srt.platforms.interface"
+GRAPH_RUNNER_TARGET = "sglang.srt.model_executor.runner.decode_cuda_graph_runner"
+GRAPH_SETUP_TARGET = "sglang.srt.model_executor.model_runner_components.cuda_graph_setup"
+
+
+def _patch_platform(module) -> None:  # noqa: ANN001
+    """The CPU may capture, with SGLang's CUDA decode graph runner (not its torch.compile CPU one)."""
+    module.SRTPlatform.capabilities = module.PlatformCapabilities(graph_capture=True)
+
+    def get_graph_runner_cls(self):  # noqa: ANN001, ANN202
+        from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+
+        return DecodeCudaGraphRunner
+
+    module.SRTPlatform.get_graph_runner_cls = get_graph_runner_cls
+
+
+def _patch_graph_runner(module) -> None:  # noqa: ANN001
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    import torch
+
+    from sglang_ext.testing.tape_graph_backend import TapeGraphBackend
+
+    log = os.environ["KVPLANE_TEST_TAPE_GRAPHS"]
+
+    @contextmanager
+    def graph_capture(stream=None):  # noqa: ANN001, ANN202
+        yield SimpleNamespace(stream=stream)
+
+    module.graph_capture = graph_capture
+    module.get_or_create_global_graph_capture_stream = lambda *args, **kwargs: None
+    module.resolve_decode_backend = lambda runner: TapeGraphBackend(runner, log)
+    if not hasattr(torch.cpu, "is_current_stream_capturing"):
+        torch.cpu.is_current_stream_capturing = lambda: False
+    real_init = module.DecodeCudaGraphRunner.__init__
+
+    def init(self, *args, **kwargs):  # noqa: ANN001, ANN202
+        from sglang.srt.runtime_context import get_flags
+
+        get_flags().capture.enable_torch_compile = False  # set only to pass the CPU check below
+        return real_init(self, *args, **kwargs)
+
+    module.DecodeCudaGraphRunner.__init__ = init
+
+
+def _patch_graph_setup(module) -> None:  # noqa: ANN001
+    """SGLang captures on a CPU only under --enable-torch-compile (its CPU graph runner compiles);
+    the flag is raised for that check alone (the runner above lowers it: nothing compiles)."""
+    real = module.capture_decode_graph
+
+    def capture_decode_graph(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        from sglang.srt.runtime_context import get_flags
+
+        get_flags().capture.enable_torch_compile = True
+        return real(*args, **kwargs)
+
+    module.capture_decode_graph = capture_decode_graph
+
+
+def _patch_stale_graph(module) -> None:  # noqa: ANN001
+    flag = os.environ["KVPLANE_TEST_STALE_GRAPH_FILE"]
+    real = module.GraphStepBuffers.load
+
+    def load(self, tables, padded_to=None, slots=None):  # noqa: ANN001, ANN202
+        if os.path.exists(flag) and self.loads:
+            self.loads += 1  # the step's tables never reach the buffers
+            return None
+        return real(self, tables, padded_to, slots)
+
+    module.GraphStepBuffers.load = load
+
+
 class _Finder(importlib.abc.MetaPathFinder):
     def __init__(self, target: str, patch) -> None:  # noqa: ANN001
         self.target, self.patch = target, patch
@@ -299,3 +380,9 @@ if os.environ.get("KVPLANE_TEST_SHIFT_EXTEND_FILE"):
     sys.meta_path.insert(0, _Finder(EXTEND_TARGET, _patch_extend_shift))
 if os.environ.get("KVPLANE_TEST_MIXED_FILE"):
     sys.meta_path.insert(0, _Finder(MIXED_TARGET, _patch_mixed))
+if os.environ.get("KVPLANE_TEST_TAPE_GRAPHS"):
+    sys.meta_path.insert(0, _Finder(PLATFORM_TARGET, _patch_platform))
+    sys.meta_path.insert(0, _Finder(GRAPH_RUNNER_TARGET, _patch_graph_runner))
+    sys.meta_path.insert(0, _Finder(GRAPH_SETUP_TARGET, _patch_graph_setup))
+if os.environ.get("KVPLANE_TEST_STALE_GRAPH_FILE"):
+    sys.meta_path.insert(0, _Finder("sglang_ext.dataplane.graph_step_buffers", _patch_stale_graph))

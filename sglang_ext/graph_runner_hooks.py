@@ -1,0 +1,57 @@
+"""Hooks on SGLang's decode graph runner for ``--kv-cuda-graphs on`` (``docs/cuda-graphs.md``).
+
+SGLang asks ``DecodeCudaGraphRunner.can_run_graph(forward_batch)`` before any metadata of a
+decode step is built, and never asks the attention backend: a backend cannot veto a replay. A
+layered step that stages pages must not replay (its layers need host work), and which steps stage
+is only known once kvplane's boundary has run. So, for a layered backend with graph state:
+
+* AROUND ``can_run_graph``: SGLang's own answer first; if it would replay, kvplane's boundary runs
+  now (the backend's ``init_forward_metadata``: plans, pauses, residency, the step's tables), and
+  :meth:`~sglang_ext.layered_decode_graph.LayeredDecodeGraph.admit` loads the buffers padded to
+  the captured size SGLang will replay at (``_pad_to_bucket``, SGLang's own rounding) or names
+  why the step runs eagerly -- then the answer is False and the eager forward reuses the boundary.
+* AROUND ``execute`` (the replay): after it, the step ends as an eager one does
+  (``end_graph_step``: the last layer's exit).
+
+Every other runner (no layered backend, or one without graph state) passes through untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _graph_backend(runner: Any) -> Any:
+    backend = getattr(runner, "attn_backend", None)
+    return backend if getattr(backend, "graph", None) is not None else None
+
+
+def around_can_run_graph(original: Any, runner: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """SGLang's answer, then kvplane's (module docstring)."""
+    ok = original(runner, forward_batch, *args, **kwargs)
+    backend = _graph_backend(runner)
+    if backend is None or not ok or not forward_batch.forward_mode.is_decode():
+        return ok
+    graph = backend.graph
+    backend.init_forward_metadata(forward_batch)  # the boundary, as every step's
+    graph.prepared = forward_batch
+    padded = runner._pad_to_bucket(forward_batch.batch_size, runner.capture_bs)
+    if not graph.admit(padded, forward_batch.out_cache_loc):
+        return False  # eager: its init_forward_metadata finds the boundary done (graph.prepared)
+    graph.prepared = None
+    return True
+
+
+def around_execute(original: Any, runner: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """The replay, then the end of the step."""
+    out = original(runner, forward_batch, *args, **kwargs)
+    backend = _graph_backend(runner)
+    if backend is not None:
+        backend.end_graph_step()
+    return out
+
+
+def register(hook_registry: Any, hook_type: Any, can_run_graph_path: str, execute_path: str) -> None:
+    """Install both hooks (the layered plugin, ``--enable-layered-kv``)."""
+    hook_registry.register(can_run_graph_path, around_can_run_graph, hook_type.AROUND)
+    hook_registry.register(execute_path, around_execute, hook_type.AROUND)

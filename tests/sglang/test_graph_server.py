@@ -1,0 +1,127 @@
+"""SGLang's own decode graph runner over the layered Triton decode (``--kv-cuda-graphs on``), on
+this CPU: graphs captured and replayed by ``DecodeCudaGraphRunner`` on an emulated graph.
+
+The test injector (``fault_inject/sitecustomize.py``, ``KVPLANE_TEST_TAPE_GRAPHS``) lets SGLang
+capture on a CPU and gives its runner :class:`~sglang_ext.testing.tape_graph_backend.TapeGraphBackend`:
+capture records every aten op and Triton launch (``TRITON_INTERPRET=1``) of the runner's forward,
+a replay reruns the record on the captured tensors -- no Python of the model or of kvplane -- so a
+layer that reads anything but the persistent graph buffers replays stale data, as on a GPU.
+
+Servers (side by side): the layered Triton decode eager (the reference), the same with decode
+graphs in the identity layout (nothing offloaded: steps replay), and with decode graphs and a
+tiny device budget (KV on host: steps that stage pages must run eagerly). Outputs are compared
+as per-token logprobs (:data:`tests.sglang.conftest.LOGPROB_ATOL`); the negative control replays
+over tables that were not loaded (``KVPLANE_TEST_STALE_GRAPH_FILE``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sglang_ext.testing.server import SGLangServer
+from tests.sglang.conftest import (
+    FAULT_INJECT_DIR,
+    LOGPROB_ATOL,
+    PROMPTS,
+    fault_armed,
+    running_servers,
+    token_logprobs,
+)
+
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]
+
+NEW_TOKENS = 6
+TRITON = ["--enable-layered-kv", "--attention-backend", "triton", "--page-size", "4"]
+GRAPHS = ["--kv-cuda-graphs", "on", "--cuda-graph-backend-decode", "full", "--cuda-graph-bs-decode", "1", "2", "4"]
+"""Decode graphs of 1, 2 and 4 rows: a batch of 3 replays padded to 4 (padded rows on the sink)."""
+OFFLOAD = ["--kv-gpu-budget-tokens", "49", "--max-total-tokens", "48"]
+"""The offload tests' budget: 12 device pages (one the graphs' sink), most layer-pages on host."""
+BATCH = list(PROMPTS[4:7])
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir, tmp_path_factory) -> Iterator[dict]:
+    roots = {name: tmp_path_factory.mktemp(f"graphs-{name}") for name in ("eager", "identity", "offload")}
+    env = {"TRITON_INTERPRET": "1", "PYTHONPATH": str(FAULT_INJECT_DIR)}
+
+    def graph_env(name: str) -> dict:
+        root = roots[name]
+        return {**env, "KVPLANE_TEST_TAPE_GRAPHS": str(root / "tape.log"),
+                "KVPLANE_TEST_STALE_GRAPH_FILE": str(root / "stale")}
+
+    specs = [(roots["eager"], TRITON, env), (roots["identity"], [*TRITON, *GRAPHS], graph_env("identity")),
+             (roots["offload"], [*TRITON, *GRAPHS, *OFFLOAD], graph_env("offload"))]
+    with running_servers(tiny_model_dir, specs) as (eager, identity, offload):
+        yield {"eager": eager, "identity": identity, "offload": offload, "roots": roots}
+
+
+def _generate(server: SGLangServer, prompts: list[str]) -> list[dict]:
+    """One batched greedy request of ``prompts`` (SGLang runs them as one decode batch)."""
+    out = server.post("/generate", {"text": prompts, "return_logprob": True,
+                                    "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0.0}})
+    return out if isinstance(out, list) else [out]
+
+
+def _worst(got: list[dict], want: list[dict]) -> float:
+    """The largest per-token logprob difference (inf where the tokens differ)."""
+    worst = 0.0
+    for g, w in zip(got, want, strict=True):
+        if g["output_ids"] != w["output_ids"]:
+            return float("inf")
+        worst = max(worst, *(abs(a - b) for a, b in zip(token_logprobs(g), token_logprobs(w), strict=True)))
+    return worst
+
+
+def _tape(root: Path) -> Counter:
+    """Captures and replays by size, from the injector's log."""
+    lines = (root / "tape.log").read_text().splitlines() if (root / "tape.log").exists() else []
+    return Counter(tuple(line.split()[:2]) for line in lines)
+
+
+def _requests(server: SGLangServer, root: Path) -> tuple[list[dict], Counter]:
+    """A lone prompt, then a batch of three (padded to 4); the outputs and what replayed meanwhile."""
+    before = _tape(root)
+    out = _generate(server, [PROMPTS[0]]) + _generate(server, BATCH)
+    server.flush_cache()
+    return out, _tape(root) - before
+
+
+def test_identity_decode_replays_sglangs_graphs_and_equals_eager(servers):
+    want, _ = _requests(servers["eager"], servers["roots"]["eager"])
+    got, replayed = _requests(servers["identity"], servers["roots"]["identity"])
+    assert _worst(got, want) <= LOGPROB_ATOL
+    tape = _tape(servers["roots"]["identity"])
+    assert {size for kind, size in tape if kind == "capture"} == {"1", "2", "4"}, tape  # SGLang's sizes
+    # every decode step of both requests replayed: the lone one at 1 row, the batch padded to 4
+    assert replayed[("replay", "1")] >= NEW_TOKENS - 2 and replayed[("replay", "4")] >= NEW_TOKENS - 2, replayed
+    assert "layered_decode_graph_eager" not in servers["identity"].log_path.read_text()
+
+
+def test_replays_over_stale_tables_are_caught(servers):
+    """Negative control: admitted steps whose tables never reach the graph buffers replay the last
+    loaded step's -- the comparison above fails."""
+    want, _ = _requests(servers["eager"], servers["roots"]["eager"])
+    server, root = servers["identity"], servers["roots"]["identity"]
+    with fault_armed(server, root / "stale"):
+        got, replayed = _requests(server, root)
+    assert replayed[("replay", "4")] >= 1
+    assert _worst(got, want) > 100 * LOGPROB_ATOL
+
+
+def test_steps_that_stage_pages_run_eagerly_and_equal_eager(servers):
+    """KV on host: a step that stages pages needs host work in its layers, so SGLang's replay is
+    declined after kvplane's boundary and the step runs eagerly on its own tables; the output is
+    the eager server's."""
+    want, _ = _requests(servers["eager"], servers["roots"]["eager"])
+    got, replayed = _requests(servers["offload"], servers["roots"]["offload"])
+    assert _worst(got, want) <= LOGPROB_ATOL
+    log = servers["offload"].log_path.read_text()
+    reasons = re.findall(r"layered_decode_graph_eager\s+reason='([^']*)'", log)
+    assert reasons and reasons[0].startswith("the step stages pages"), reasons
+    identity_replays = 2 * (NEW_TOKENS - 1)  # at most: every decode step of the two requests
+    assert sum(n for (kind, _), n in replayed.items() if kind == "replay") < identity_replays, replayed
