@@ -20,8 +20,10 @@ What SGLang's decode graph runner asks of an attention backend, on the core, SGL
   :class:`~sglang_ext.testing.tape_graph.TapeGraph` on the CPU): this class keeps which size
   replays, not how a graph is made.
 
-The SGLang adapter that maps the runner's hooks onto this is not written yet (``--enable-layered-kv``
-keeps CUDA graphs off); the tests drive it as that runner would.
+The SGLang adapter (``--kv-cuda-graphs on``: ``sglang_ext/layered_decode_graph.py``,
+``sglang_ext/graph_runner_hooks.py``) lets SGLang's runner own the capture loop and the graphs, so it
+uses :class:`GraphStepBuffers` and the same admission directly; this class is what ``kvplane
+gpu-check`` and the core's tests drive, as that runner would.
 """
 
 from __future__ import annotations
