@@ -125,3 +125,17 @@ def test_steps_that_stage_pages_run_eagerly_and_equal_eager(servers):
     assert reasons and reasons[0].startswith("the step stages pages"), reasons
     identity_replays = 2 * (NEW_TOKENS - 1)  # at most: every decode step of the two requests
     assert sum(n for (kind, _), n in replayed.items() if kind == "replay") < identity_replays, replayed
+
+
+def test_a_batch_larger_than_every_graph_runs_eagerly(servers):
+    """Five requests: more rows than the largest graph (4), so SGLang itself declines the replay
+    (kvplane's boundary then runs in the eager forward, once); the output is the eager server's."""
+    prompts = list(PROMPTS[:5])
+    want = _generate(servers["eager"], prompts)
+    server, root = servers["identity"], servers["roots"]["identity"]
+    before = _tape(root)
+    got = _generate(server, prompts)
+    server.flush_cache()
+    assert _worst(got, want) <= LOGPROB_ATOL
+    replayed = _tape(root) - before
+    assert replayed[("replay", "4")] == 0, replayed  # as the batch shrinks at the end, smaller ones may

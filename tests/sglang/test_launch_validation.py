@@ -118,6 +118,9 @@ BAD_OPTIONS: list[tuple[list[str], str]] = [
     (["--attention-backend", "torch_native", "--cuda-graph-backend-decode", "full"],
      "kvplane: --cuda-graph-backend-decode full: CUDA graph capture is not supported with "
      "--enable-layered-kv"),
+    (["--kv-cuda-graphs", "on", "--attention-backend", "torch_native"],
+     "kvplane: --kv-cuda-graphs on needs --attention-backend triton (got --attention-backend torch_native)"),
+    (["--kv-cuda-graphs", "yes"], "kvplane: invalid launch option: --kv-cuda-graphs='yes' is invalid; allowed: on, off"),
     (["--enable-lmcache"],
      "kvplane: --enable-lmcache: LMCache is a second KV tier with a radix cache of its own"),
     (["--enable-memory-saver"], "kvplane: --enable-memory-saver: the layered KV pool's device pages"),
