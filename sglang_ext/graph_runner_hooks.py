@@ -9,7 +9,8 @@ is only known once kvplane's boundary has run. So, for a layered backend with gr
   now (the backend's ``init_forward_metadata``: plans, pauses, residency, the step's tables), and
   :meth:`~sglang_ext.layered_decode_graph.LayeredDecodeGraph.admit` loads the buffers padded to
   the captured size SGLang will replay at (``_pad_to_bucket``, SGLang's own rounding) or names
-  why the step runs eagerly -- then the answer is False and the eager forward reuses the boundary.
+  why the step runs eagerly -- then the answer is False and the eager forward (on SGLang's copy of
+  the batch) skips a second boundary. A recompute step is declined before its boundary.
 * AROUND ``execute`` (the replay): after it, the step ends as an eager one does
   (``end_graph_step``: the last layer's exit).
 
@@ -33,13 +34,13 @@ def around_can_run_graph(original: Any, runner: Any, forward_batch: Any, *args: 
     if backend is None or not ok or not forward_batch.forward_mode.is_decode():
         return ok
     graph = backend.graph
+    if backend.recompute_inputs:  # its rows join the batch's inputs at the boundary: eager, one boundary
+        graph.decline("the step recomputes a prefix", ())
+        return False
     backend.init_forward_metadata(forward_batch)  # the boundary, as every step's
-    graph.prepared = forward_batch
     padded = runner._pad_to_bucket(forward_batch.batch_size, runner.capture_bs)
-    if not graph.admit(padded, forward_batch.out_cache_loc):
-        return False  # eager: its init_forward_metadata finds the boundary done (graph.prepared)
-    graph.prepared = None
-    return True
+    # declined: the eager forward's metadata (SGLang's copy of the batch) finds the boundary done
+    return graph.admit(padded, forward_batch.out_cache_loc, graph.step_key(forward_batch))
 
 
 def around_execute(original: Any, runner: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:

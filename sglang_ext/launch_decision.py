@@ -24,7 +24,7 @@ Rules (each one names what would break):
   SGLang applies inside its graph runners only, then does nothing: said at launch.
   ``--kv-cuda-graphs on`` keeps SGLang's decode graphs for the layered Triton decode instead
   (``docs/cuda-graphs.md``: all-resident steps replay over persistent tables, staging steps run
-  eagerly); it refuses other backends, ``--disable-cuda-graph``, a non-``full`` decode graph
+  eagerly); it refuses other backends (decode and prefill), ``--disable-cuda-graph``, a non-``full`` decode graph
   backend, ``--enable-torch-compile``, ``--kv-overlap-schedule on`` and ``--tp-size`` > 1, and
   keeps prefill graphs off.
 * **KV cache dtype.** Quantized KV caches (fp8, fp4, mxfp8) need scales the layered pool does not
@@ -217,8 +217,8 @@ class LaunchDecision:
             )
         if values.get("cuda_graph_config") is not None:
             raise LaunchRefused(
-                "--cuda-graph-config: CUDA graph capture is not supported with --enable-layered-kv "
-                "(the per-layer tables and fetches change every step); remove the option"
+                "--cuda-graph-config: not supported with --enable-layered-kv (kvplane decides the graph "
+                "backends: off, or decode graphs with --kv-cuda-graphs on); remove the option"
             )
         if values.get("kv_cuda_graphs", "off") == "on":
             cls._keep_decode_graphs(values, device, implied, notes)
@@ -277,7 +277,7 @@ class LaunchDecision:
                             notes: list[str]) -> None:
         """``--kv-cuda-graphs on``: SGLang's decode graphs kept for the layered Triton decode
         (``docs/cuda-graphs.md``); prefill graphs stay off."""
-        for name, flag in _BACKEND_FLAGS[:2]:
+        for name, flag in _BACKEND_FLAGS:  # a prefill backend of its own would make SGLang's hybrid backend
             if values.get(name) not in (None, "triton") or (name == "attention_backend" and values.get(name) is None):
                 got = f"{flag} {values.get(name)}" if values.get(name) else f"{flag} unset"
                 raise LaunchRefused(
@@ -287,17 +287,20 @@ class LaunchDecision:
         why_not = (
             ("disable_cuda_graph", "--disable-cuda-graph", "turns decode graphs off"),
             ("enable_torch_compile", "--enable-torch-compile", "would compile kvplane's layer code into the graphs"),
-            ("kv_overlap_schedule", "--kv-overlap-schedule on", "is not validated with decode graphs"),
         )
         for name, flag, why in why_not:
-            if values.get(name) not in (None, False, "off"):
+            if values.get(name):
                 raise LaunchRefused(f"--kv-cuda-graphs on with {flag}: it {why}; not supported")
+        if values.get("kv_overlap_schedule") == "on" and not values.get("disable_overlap_schedule"):
+            raise LaunchRefused("--kv-cuda-graphs on with --kv-overlap-schedule on: SGLang's overlap loop is not "
+                                "validated with decode graphs; not supported")
         if int(values.get("tp_size") or 1) > 1:
             raise LaunchRefused("--kv-cuda-graphs on with --tp-size > 1: not validated yet; not supported")
         decode, prefill = (values.get(name) for name, _ in _GRAPH_FLAGS)
         if decode not in (None, "full"):
-            raise LaunchRefused(f"--kv-cuda-graphs on with --cuda-graph-backend-decode {decode}: the layered "
-                                "decode is captured whole (use full, or leave it unset)")
+            why = "turns decode graphs off" if decode == "disabled" else "the layered decode is captured whole"
+            raise LaunchRefused(f"--kv-cuda-graphs on with --cuda-graph-backend-decode {decode}: {why} (use full, "
+                                "or leave it unset)")
         if prefill is None:
             implied.append(("cuda_graph_backend_prefill", "disabled"))
         elif prefill != "disabled":

@@ -17,13 +17,19 @@ parked or recomputed). This class is the adapter's state between SGLang's hooks:
   :mod:`sglang_ext.graph_runner_hooks`): kvplane's boundary runs first, as for every step, then
   :meth:`admit` loads the step's tables into the buffers, padded to the captured size SGLang will
   replay, or counts why the step runs eagerly (:attr:`eager_reasons`). The eager forward that
-  follows reuses that boundary (:attr:`prepared`). Deciding after the boundary is exact: no
-  prediction of what it will stage.
+  follows gets SGLang's copy of the batch (its ``out_cache_loc`` another tensor of the same
+  values): :meth:`declined` recognises it by its requests and lengths, and the backend skips a
+  second boundary, only pointing the core's step at the copy's slots. Deciding after the boundary
+  is exact: no prediction of what it will stage. A recompute step is declined before its boundary
+  (its rows join the batch's inputs there, ahead of SGLang's copy).
+- **Before a replay** (``init_forward_metadata_out_graph``): :meth:`replaying` checks that this
+  step was admitted -- a replay kvplane did not admit would read the last step's tables.
 - **After a replay**: the step ends as an eager one does (the last layer's exit), run by the hook.
 """
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from typing import Any
 
@@ -57,9 +63,13 @@ class LayeredDecodeGraph:
         the pool has logical pages (prefixes shared by many requests) runs eagerly."""
         self.forward = False
         """The forward running now reads the buffers (a capture's; a replay runs no Python)."""
-        self.prepared: Any = None
-        """The ``ForwardBatch`` whose boundary ran in ``can_run_graph``: its eager forward's
-        ``init_forward_metadata`` reuses it instead of running a second boundary."""
+        self.in_place = store.identity
+        """The captured graphs write by slot id within a layer (identity layout) or by row of the
+        whole pool: a Python branch, frozen at capture (:meth:`GraphStepBuffers.write`)."""
+        self.admitted = False
+        """This step's tables are in the buffers (set by :meth:`admit`, taken by :meth:`replaying`)."""
+        self._declined: tuple | None = None
+        """``(rids, seq_lens)`` of the step whose boundary ran in ``can_run_graph`` and which runs eagerly."""
         self.captured: list[int] = []
         self.replays = 0
         self.eager_reasons: Counter[str] = Counter()
@@ -71,22 +81,51 @@ class LayeredDecodeGraph:
         self.forward = True
         self.captured.append(rows)
 
-    def admit(self, padded_to: int, slots: torch.Tensor) -> bool:
+    def admit(self, padded_to: int, slots: torch.Tensor, key: tuple) -> bool:
         """After the step's boundary: load its tables padded to ``padded_to`` rows (the size SGLang
         replays it at; ``slots``: its new tokens' slots, ``out_cache_loc``), or count why it runs
-        eagerly and return False."""
+        eagerly, remember the step (``key``: :meth:`step_key`) and return False."""
         core = self.core
         tables = None if core.overflow else core.tables
         why = self.buffers.why_not(tables, padded_to)
+        if why is None and (tables.rows is None) != self.in_place:
+            # the identity layout builds general tables (rows of the whole pool) while a live
+            # request is paused or partly on host: the graphs write by slot id
+            why = "the step's tables are not in the layout the graphs were captured in"
+        self.forward = False
         if why is not None:
-            reason = why.split(";")[0]
-            if not self.eager_reasons[reason]:  # once per reason: an operator sees why steps run eagerly
-                log.info("layered_decode_graph_eager", reason=reason, replays_so_far=self.replays)
-            self.eager_reasons[reason] += 1
+            self.decline(re.sub(r"\d+", "N", why.split(";")[0]), key)
             return False
         self.buffers.load(tables, padded_to=padded_to, slots=slots)
-        self.forward = False
+        self.admitted = True
         return True
+
+    def decline(self, reason: str, key: tuple) -> None:
+        """The step runs eagerly (``reason``, counted; logged the first time); its boundary ran
+        if ``key`` is set (the eager forward's metadata must not run it again)."""
+        if not self.eager_reasons[reason]:  # once per reason: an operator sees why steps run eagerly
+            log.info("layered_decode_graph_eager", reason=reason, replays_so_far=self.replays)
+        self.eager_reasons[reason] += 1
+        self._declined = key or None
+
+    @staticmethod
+    def step_key(forward_batch: Any) -> tuple:
+        """What identifies a decode step across SGLang's copy of its batch: requests and lengths."""
+        lens = forward_batch.seq_lens_cpu
+        return tuple(forward_batch.rids or ()), None if lens is None else tuple(lens.tolist())
+
+    def declined(self, forward_batch: Any) -> bool:
+        """``forward_batch`` is (SGLang's eager copy of) the step declined after its boundary; taken once."""
+        key, self._declined = self._declined, None
+        return key is not None and key == self.step_key(forward_batch)
+
+    def replaying(self) -> None:
+        """A replay is about to run: it must be of the step :meth:`admit` loaded."""
+        if not self.admitted:
+            raise RuntimeError("kvplane: SGLang is replaying a decode graph for a step kvplane did not admit (its "
+                               "tables are not in the graph buffers); --kv-cuda-graphs on serves only through "
+                               "the layered Triton backend's own hooks")
+        self.admitted = False
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """The new K/V ``[rows, H, D]`` (pool dtype) of every row at ``layer`` into the buffers' rows."""

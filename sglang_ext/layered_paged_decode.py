@@ -72,6 +72,8 @@ class LayeredPagedDecode(LayeredTorchNativeAttnBackend):
         self._paged = False
         blocker = paged_extend_blocker(model_runner.model)
         kernel = triton_usable(torch.empty(0, device=self.device))
+        self.paged_blocker = blocker
+        """What of the model the paged kernels do not compute (None: nothing)."""
         self.extend_kernel = blocker is None and kernel
         """Extends read the page tables through the paged-extend kernel (module docstring)."""
         self._extend_paged = False

@@ -56,6 +56,9 @@ class LayeredTritonDecode(LayeredPagedDecode):
     # ----- SGLang's decode graph runner (--kv-cuda-graphs on) -----------------------------
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        if self.paged_blocker is not None:  # the graph path has the kernel only (no torch fallback)
+            raise RuntimeError(f"kvplane: --kv-cuda-graphs on: this model has {self.paged_blocker}, which the "
+                               "layered graph decode does not compute; use --kv-cuda-graphs off")
         self.graph = LayeredDecodeGraph(self.pool.core, max_bs)
         log.info("layered_decode_graphs", max_bs=max_bs, max_pages=self.graph.buffers.max_pages)
 
@@ -68,6 +71,8 @@ class LayeredTritonDecode(LayeredPagedDecode):
         (:mod:`sglang_ext.graph_runner_hooks`)."""
         if in_capture:
             self.graph.capture(int(forward_batch.batch_size))  # type: ignore[union-attr]
+        else:
+            self.graph.replaying()  # type: ignore[union-attr]
 
     def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
         """Nothing is recorded ahead of the layers: they read the buffers loaded outside the graph."""
@@ -75,11 +80,10 @@ class LayeredTritonDecode(LayeredPagedDecode):
     def init_forward_metadata(self, forward_batch: Any) -> None:
         graph = self.graph
         if graph is not None:
-            graph.forward = False
-            if graph.prepared is not None:
-                prepared, graph.prepared = graph.prepared, None
-                if prepared is forward_batch:  # the runner's can_run_graph ran this step's boundary
-                    return
+            graph.forward = graph.admitted = False
+            if graph.declined(forward_batch):  # the runner's can_run_graph ran this step's boundary
+                self.pool.core.rebind_step_loc(forward_batch.out_cache_loc)
+                return
         super().init_forward_metadata(forward_batch)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):  # noqa: ANN001, ANN201

@@ -418,6 +418,11 @@ class LayeredKVCore:
         its staging slots released."""
         self.pipeline.end_layer(layer)
 
+    def rebind_step_loc(self, new_slots: torch.Tensor) -> None:
+        """The step's new slots arrive as another tensor of the same values (SGLang's eager copy of
+        a batch whose boundary already ran): :meth:`write` recognises them by identity."""
+        self.step_loc, self._step_index = new_slots, None
+
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """New K/V ``[n, H, D]`` of ``loc`` at ``layer``. The step's own slots go to their device rows
         (identity: in place by slot id; otherwise the step's row table) -- no host work; anything

@@ -7,9 +7,10 @@ capture records every aten op and Triton launch (``TRITON_INTERPRET=1``) of the 
 a replay reruns the record on the captured tensors -- no Python of the model or of kvplane -- so a
 layer that reads anything but the persistent graph buffers replays stale data, as on a GPU.
 
-Servers (side by side): the layered Triton decode eager (the reference), the same with decode
-graphs in the identity layout (nothing offloaded: steps replay), and with decode graphs and a
-tiny device budget (KV on host: steps that stage pages must run eagerly). Outputs are compared
+Servers (side by side): the layered Triton decode eager with most KV on host (the reference), and
+with decode graphs: in the identity layout and in the paged layout with nothing offloaded (steps
+replay), and with the reference's tiny device budget (steps that stage pages must run eagerly,
+each with one kvplane boundary). Outputs are compared
 as per-token logprobs (:data:`tests.sglang.conftest.LOGPROB_ATOL`); the negative control replays
 over tables that were not loaded (``KVPLANE_TEST_STALE_GRAPH_FILE``).
 """
@@ -23,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from sglang_ext.settings import POOL_STATS_FILE_ENV
+from sglang_ext.testing.jsonl import read_jsonl_settled
 from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import (
     FAULT_INJECT_DIR,
@@ -44,20 +47,27 @@ OFFLOAD = ["--kv-gpu-budget-tokens", "49", "--max-total-tokens", "48"]
 BATCH = list(PROMPTS[4:7])
 
 
+PAGED = ["--kv-gpu-budget-tokens", "4000"]
+"""A budget that holds every layer-page of these requests: the paged layout, nothing offloaded."""
+
+
 @pytest.fixture(scope="module")
 def servers(tiny_model_dir, tmp_path_factory) -> Iterator[dict]:
-    roots = {name: tmp_path_factory.mktemp(f"graphs-{name}") for name in ("eager", "identity", "offload")}
+    names = ("eager", "identity", "paged", "offload")
+    roots = {name: tmp_path_factory.mktemp(f"graphs-{name}") for name in names}
     env = {"TRITON_INTERPRET": "1", "PYTHONPATH": str(FAULT_INJECT_DIR)}
 
     def graph_env(name: str) -> dict:
         root = roots[name]
         return {**env, "KVPLANE_TEST_TAPE_GRAPHS": str(root / "tape.log"),
-                "KVPLANE_TEST_STALE_GRAPH_FILE": str(root / "stale")}
+                "KVPLANE_TEST_STALE_GRAPH_FILE": str(root / "stale"), POOL_STATS_FILE_ENV: str(root / "stats.jsonl")}
 
-    specs = [(roots["eager"], TRITON, env), (roots["identity"], [*TRITON, *GRAPHS], graph_env("identity")),
+    specs = [(roots["eager"], [*TRITON, *OFFLOAD], {**env, POOL_STATS_FILE_ENV: str(roots["eager"] / "stats.jsonl")}),
+             (roots["identity"], [*TRITON, *GRAPHS], graph_env("identity")),
+             (roots["paged"], [*TRITON, *GRAPHS, *PAGED], graph_env("paged")),
              (roots["offload"], [*TRITON, *GRAPHS, *OFFLOAD], graph_env("offload"))]
-    with running_servers(tiny_model_dir, specs) as (eager, identity, offload):
-        yield {"eager": eager, "identity": identity, "offload": offload, "roots": roots}
+    with running_servers(tiny_model_dir, specs) as started:
+        yield {**dict(zip(names, started, strict=True)), "roots": roots}
 
 
 def _generate(server: SGLangServer, prompts: list[str]) -> list[dict]:
@@ -113,18 +123,37 @@ def test_replays_over_stale_tables_are_caught(servers):
     assert _worst(got, want) > 100 * LOGPROB_ATOL
 
 
-def test_steps_that_stage_pages_run_eagerly_and_equal_eager(servers):
+def test_paged_layout_decode_replays_and_equals_eager(servers):
+    """A budget that holds everything: the paged layout's tables (rows of the whole pool, the sink
+    its last page) replay."""
+    want, _ = _requests(servers["eager"], servers["roots"]["eager"])
+    got, replayed = _requests(servers["paged"], servers["roots"]["paged"])
+    assert _worst(got, want) <= LOGPROB_ATOL
+    assert replayed[("replay", "1")] >= NEW_TOKENS - 2 and replayed[("replay", "4")] >= NEW_TOKENS - 2, replayed
+    assert "layered_decode_graph_eager" not in servers["paged"].log_path.read_text()
+
+
+def _stats_lines(root: Path) -> int:
+    return len(read_jsonl_settled(root / "stats.jsonl")) if (root / "stats.jsonl").exists() else 0
+
+
+def test_steps_that_stage_pages_run_eagerly_once_and_equal_eager(servers):
     """KV on host: a step that stages pages needs host work in its layers, so SGLang's replay is
-    declined after kvplane's boundary and the step runs eagerly on its own tables; the output is
-    the eager server's."""
+    declined after kvplane's boundary and the step runs eagerly on its own tables; the eager forward
+    (on SGLang's copy of the batch) runs no second boundary -- the pool writes one stats line per
+    boundary, as many as the eager server's for the same requests -- and the output is the eager
+    server's."""
+    before = {name: _stats_lines(servers["roots"][name]) for name in ("eager", "offload")}
     want, _ = _requests(servers["eager"], servers["roots"]["eager"])
     got, replayed = _requests(servers["offload"], servers["roots"]["offload"])
     assert _worst(got, want) <= LOGPROB_ATOL
     log = servers["offload"].log_path.read_text()
-    reasons = re.findall(r"layered_decode_graph_eager\s+reason='([^']*)'", log)
+    reasons = re.findall(r"layered_decode_graph_eager\s+reason=.([^'\"]*)", log)
     assert reasons and reasons[0].startswith("the step stages pages"), reasons
     identity_replays = 2 * (NEW_TOKENS - 1)  # at most: every decode step of the two requests
     assert sum(n for (kind, _), n in replayed.items() if kind == "replay") < identity_replays, replayed
+    added = {name: _stats_lines(servers["roots"][name]) - before[name] for name in before}
+    assert added["offload"] == added["eager"] > 0, added
 
 
 def test_a_batch_larger_than_every_graph_runs_eagerly(servers):

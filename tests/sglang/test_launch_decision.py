@@ -114,18 +114,23 @@ def test_kv_cuda_graphs_on_keeps_decode_graphs_for_the_triton_decode():
     assert not any("kept" in n for n in off.notes)
 
 
+def test_kv_cuda_graphs_on_with_the_overlap_loop_forced_off_is_served():
+    _decide(**GRAPHS_ON, kv_overlap_schedule="on", disable_overlap_schedule=True)
+
+
 @pytest.mark.parametrize(
     ("changes", "names"),
     [
         ({"attention_backend": None}, "needs --attention-backend triton (got --attention-backend unset)"),
         ({"attention_backend": "flashinfer"}, "(got --attention-backend flashinfer)"),
         ({"decode_attention_backend": "torch_native"}, "(got --decode-attention-backend torch_native)"),
+        ({"prefill_attention_backend": "torch_native"}, "(got --prefill-attention-backend torch_native)"),
         ({"disable_cuda_graph": True}, "--kv-cuda-graphs on with --disable-cuda-graph"),
         ({"enable_torch_compile": True}, "--kv-cuda-graphs on with --enable-torch-compile"),
         ({"kv_overlap_schedule": "on"}, "--kv-cuda-graphs on with --kv-overlap-schedule on"),
         ({"tp_size": 2}, "--kv-cuda-graphs on with --tp-size > 1"),
         ({"cuda_graph_backend_decode": "breakable"}, "--cuda-graph-backend-decode breakable"),
-        ({"cuda_graph_backend_decode": "disabled"}, "--cuda-graph-backend-decode disabled"),
+        ({"cuda_graph_backend_decode": "disabled"}, "--cuda-graph-backend-decode disabled: turns decode graphs off"),
         ({"cuda_graph_backend_prefill": "breakable"}, "--cuda-graph-backend-prefill breakable"),
     ],
 )
@@ -197,6 +202,8 @@ def test_kv_overlap_schedule_on_keeps_sglangs_overlap_loop_and_says_so():
         ({"smg_grpc_mode": True}, "--smg-grpc-mode: the SMG gRPC front end serves requests without"),
         ({"grpc_mode": True}, "--grpc-mode: the SMG gRPC front end"),
         ({"radix_eviction_policy": "tlru"}, "--radix-eviction-policy tlru: T-LRU needs"),
+        ({"cuda_graph_config": {"decode": {}}}, "--cuda-graph-config: not supported with --enable-layered-kv"),
+        ({"cuda_graph_config": {}, "kv_cuda_graphs": "on", "attention_backend": "triton"}, "--cuda-graph-config"),
     ],
 )
 def test_unservable_options_are_refused_by_name(changes, names):

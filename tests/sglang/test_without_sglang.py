@@ -23,6 +23,7 @@ PURE = (
     "test_control_client",
     "test_hooks",
     "test_layer_timing",
+    "test_layered_decode_graph",
     "test_logs",
     "test_overhead_meter",
     "test_pacing",

@@ -1,0 +1,85 @@
+"""LayeredDecodeGraph on the core, SGLang-free: what it admits to a replay, what it declines, and
+how the eager forward of a declined step is recognised (``docs/cuda-graphs.md``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
+from sglang_ext.dataplane.slot_kv_store import SlotStoreConfig
+from sglang_ext.dataplane.slot_results import RequestResidency
+from sglang_ext.layered_decode_graph import LayeredDecodeGraph
+
+LAYERS, PAGES = 2, 16
+
+
+def _identity_core(partial: bool) -> LayeredKVCore:
+    """Requests A (slots 1-3) and B (4-5) prefilled in the identity layout; with ``partial`` the
+    plan keeps B's layer 1 on host. Then A's decode step (new slot 6) alone."""
+    config = SlotStoreConfig(layers=LAYERS, page_size=1, kv_heads=1, head_dim=2, logical_pages=PAGES,
+                             device_pages=LAYERS * PAGES, dtype=torch.float32, device="cpu", graph_sink=True)
+    core = LayeredKVCore(config)
+    core.paged_reads, core.token_tables = True, False
+    core.prepare_step([("A", torch.tensor([1, 2, 3]))], torch.tensor([1, 2, 3]), [3])
+    core.prepare_step([("B", torch.tensor([4, 5]))], torch.tensor([4, 5]), [2])
+    core.pipeline.end_step()
+    core.update_residency({"A": RequestResidency(pages=(1, 2, 3), gpu_layers=(True, True)),
+                           "B": RequestResidency(pages=(4, 5), gpu_layers=(True, not partial))})
+    core.prepare_step([("A", torch.tensor([1, 2, 3, 6]))], torch.tensor([6]))
+    return core
+
+
+def _batch(rids: list[str], lens: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(rids=rids, seq_lens_cpu=torch.tensor(lens), out_cache_loc=torch.tensor([6]))
+
+
+def test_identity_steps_replay_only_in_the_layout_the_graphs_were_captured_in():
+    """A paused or partly offloaded request anywhere makes the identity layout build general tables
+    (rows of the whole pool): the graphs, captured writing by slot id within a layer, would write
+    those rows into another layer's memory -- so the step runs eagerly."""
+    core = _identity_core(partial=True)
+    assert core.store.identity and core.tables.rows is not None
+    graph = LayeredDecodeGraph(core, max_bs=2)
+    graph.capture(2)
+    assert graph.buffers.why_not(core.tables, 2) is None  # what the buffers alone would admit
+    assert not graph.admit(2, torch.tensor([6]), ("A",))
+    assert graph.eager_reasons == {"the step's tables are not in the layout the graphs were captured in": 1}
+    control = _identity_core(partial=False)  # every live request resident: in-place tables, admitted
+    graph = LayeredDecodeGraph(control, max_bs=2)
+    graph.capture(2)
+    assert control.tables.rows is None and graph.admit(2, torch.tensor([6]), ("A",)) and graph.admitted
+
+
+def test_the_eager_forward_of_a_declined_step_is_recognised_once_by_requests_and_lengths():
+    graph = LayeredDecodeGraph(_identity_core(partial=True), max_bs=2)
+    key = graph.step_key(_batch(["A"], [4]))
+    graph.decline("the step stages pages", key)
+    assert not graph.declined(_batch(["A"], [5]))  # another step: its boundary must run
+    graph.decline("the step stages pages", key)
+    assert graph.declined(_batch(["A"], [4]))  # SGLang's copy of the declined batch
+    assert not graph.declined(_batch(["A"], [4]))  # taken: a later identical key runs its boundary
+    graph.decline("the step recomputes a prefix", ())  # declined before its boundary: nothing to skip
+    assert not graph.declined(_batch(["A"], [4]))
+    assert graph.eager_reasons == {"the step stages pages": 2, "the step recomputes a prefix": 1}
+
+
+def test_a_replay_of_a_step_that_was_not_admitted_is_refused():
+    core = _identity_core(partial=False)
+    graph = LayeredDecodeGraph(core, max_bs=2)
+    graph.capture(2)
+    with pytest.raises(RuntimeError, match="did not admit"):
+        graph.replaying()
+    assert graph.admit(2, torch.tensor([6]), ("A",))
+    graph.replaying()  # admitted: taken
+    with pytest.raises(RuntimeError, match="did not admit"):
+        graph.replaying()
+
+
+def test_a_pool_without_a_sink_page_cannot_capture():
+    config = SlotStoreConfig(layers=LAYERS, page_size=1, kv_heads=1, head_dim=2, logical_pages=PAGES,
+                             device_pages=LAYERS * PAGES, dtype=torch.float32, device="cpu")
+    with pytest.raises(RuntimeError, match="--kv-cuda-graphs on"):
+        LayeredDecodeGraph(LayeredKVCore(config), max_bs=2)
