@@ -168,3 +168,18 @@ def test_a_batch_larger_than_every_graph_runs_eagerly(servers):
     assert _worst(got, want) <= LOGPROB_ATOL
     replayed = _tape(root) - before
     assert replayed[("replay", "4")] == 0, replayed  # as the batch shrinks at the end, smaller ones may
+
+
+def test_recompute_steps_run_eagerly_with_one_boundary(servers):
+    """eLLM's recompute (``custom_params.kvplane_recompute_ratio``): the step's prefix rows join the
+    batch's inputs at kvplane's boundary, so a recompute step is declined before it (SGLang's eager
+    copy of the batch then carries the rows) -- two requests in one batch, the eager server's output."""
+    payload = {"text": BATCH[:2], "return_logprob": True,
+               "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0.0,
+                                   "custom_params": {"kvplane_recompute_ratio": 0.5}}}
+    want = servers["eager"].post("/generate", payload)
+    got = servers["offload"].post("/generate", payload)
+    for server in (servers["eager"], servers["offload"]):
+        server.flush_cache()
+    assert _worst(got, want) <= LOGPROB_ATOL
+    assert "reason='the step recomputes a prefix'" in servers["offload"].log_path.read_text()
