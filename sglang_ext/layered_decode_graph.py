@@ -1,5 +1,5 @@
 """``LayeredDecodeGraph``: the layered decode under SGLang's decode graph runner (``--kv-cuda-graphs
-on``; ``docs/cuda-graphs.md``, "The way there" steps 2-3).
+on``; ``docs/cuda-graphs.md``, "What is served").
 
 SGLang 0.5.23's ``DecodeCudaGraphRunner`` captures the model's decode forward once per batch size at
 start-up and, for every later decode step it can serve, fills its static inputs and replays: no

@@ -66,9 +66,9 @@ class LayeredTritonDecode(LayeredPagedDecode):
         return SEQ_LEN_FILL
 
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
-        """At capture: a padding-only step of the captured size. Before a replay: nothing -- the
-        runner's ``can_run_graph`` ran the boundary and loaded the buffers
-        (:mod:`sglang_ext.graph_runner_hooks`)."""
+        """At capture: a padding-only step of the captured size. Before a replay: only the check
+        that kvplane admitted the step -- the runner's ``can_run_graph`` ran the boundary and
+        loaded the buffers (:mod:`sglang_ext.graph_runner_hooks`)."""
         if in_capture:
             self.graph.capture(int(forward_batch.batch_size))  # type: ignore[union-attr]
         else:
