@@ -1,4 +1,4 @@
-"""The ``--enable-layered-kv`` flag family: one frozen dataclass, its CLI, its transport.
+"""The ``--enable-layered-kv`` flag family: one frozen dataclass and its transport (its command line: ``layered_kv_cli.py``).
 
 SGLang 0.5.23's ``ServerArgs`` is a sealed msgspec Struct that keeps only its own
 fields (``ServerArgs.from_cli_args`` drops every other namespace attribute), so a

@@ -45,6 +45,8 @@ GRAPHS = ["--kv-cuda-graphs", "on", "--cuda-graph-backend-decode", "full", "--cu
 OFFLOAD = ["--kv-gpu-budget-tokens", "49", "--max-total-tokens", "48"]
 """The offload tests' budget: 12 device pages (one the graphs' sink), most layer-pages on host."""
 BATCH = list(PROMPTS[4:7])
+STEP_SLACK = 2
+"""Boundaries two servers may differ by for the same requests (when SGLang admits a request)."""
 
 
 PAGED = ["--kv-gpu-budget-tokens", "4000"]
@@ -141,8 +143,8 @@ def test_steps_that_stage_pages_run_eagerly_once_and_equal_eager(servers):
     """KV on host: a step that stages pages needs host work in its layers, so SGLang's replay is
     declined after kvplane's boundary and the step runs eagerly on its own tables; the eager forward
     (on SGLang's copy of the batch) runs no second boundary -- the pool writes one stats line per
-    boundary, as many as the eager server's for the same requests -- and the output is the eager
-    server's."""
+    boundary, as many as the eager server's for the same requests (within :data:`STEP_SLACK`) --
+    and the output is the eager server's."""
     before = {name: _stats_lines(servers["roots"][name]) for name in ("eager", "offload")}
     want, _ = _requests(servers["eager"], servers["roots"]["eager"])
     got, replayed = _requests(servers["offload"], servers["roots"]["offload"])
@@ -153,7 +155,9 @@ def test_steps_that_stage_pages_run_eagerly_once_and_equal_eager(servers):
     identity_replays = 2 * (NEW_TOKENS - 1)  # at most: every decode step of the two requests
     assert sum(n for (kind, _), n in replayed.items() if kind == "replay") < identity_replays, replayed
     added = {name: _stats_lines(servers["roots"][name]) - before[name] for name in before}
-    assert added["offload"] == added["eager"] > 0, added
+    # SGLang may batch the three requests a step apart on two servers (17 vs 18 lines measured
+    # under the full suite's load); a second boundary adds a line to every declined step (31 vs 18)
+    assert added["eager"] > 0 and abs(added["offload"] - added["eager"]) <= STEP_SLACK, added
 
 
 def test_a_batch_larger_than_every_graph_runs_eagerly(servers):
