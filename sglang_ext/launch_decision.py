@@ -278,8 +278,9 @@ class LaunchDecision:
         """``--kv-cuda-graphs on``: SGLang's decode graphs kept for the layered Triton decode
         (``docs/cuda-graphs.md``); prefill graphs stay off."""
         for name, flag in _BACKEND_FLAGS:  # a prefill backend of its own would make SGLang's hybrid backend
-            if values.get(name) not in (None, "triton") or (name == "attention_backend" and values.get(name) is None):
-                got = f"{flag} {values.get(name)}" if values.get(name) else f"{flag} unset"
+            chosen = values.get(name)  # --attention-backend must be triton; the other two triton or unset
+            if chosen != "triton" and (chosen is not None or name == "attention_backend"):
+                got = f"{flag} {chosen}" if chosen else f"{flag} unset"
                 raise LaunchRefused(
                     f"--kv-cuda-graphs on needs --attention-backend triton (got {got}): only "
                     "the layered Triton decode reads its tables from persistent buffers a graph replays"

@@ -70,7 +70,6 @@ class LayeredDecodeGraph:
         """This step's tables are in the buffers (set by :meth:`admit`, taken by :meth:`replaying`)."""
         self._declined: tuple | None = None
         """``(rids, seq_lens)`` of the step whose boundary ran in ``can_run_graph`` and which runs eagerly."""
-        self.captured: list[int] = []
         self.replays = 0
         self.eager_reasons: Counter[str] = Counter()
         """Decode steps the runner could have replayed that ran eagerly, by reason."""
@@ -79,7 +78,6 @@ class LayeredDecodeGraph:
         """A capture of ``rows`` rows starts: a padding-only step, every row on the sink."""
         self.buffers.load_padding(rows, self.core.store.identity)
         self.forward = True
-        self.captured.append(rows)
 
     def admit(self, padded_to: int, slots: torch.Tensor, key: tuple) -> bool:
         """After the step's boundary: load its tables padded to ``padded_to`` rows (the size SGLang
@@ -134,8 +132,3 @@ class LayeredDecodeGraph:
     def view(self, layer: int) -> LayerView:
         """Layer ``layer``'s page table and CSR, from the buffers."""
         return self.buffers.layer_view(self.core.store, layer, ())
-
-    def stats(self) -> dict[str, Any]:
-        """What the graphs served (for logs and tests)."""
-        return {"captured": sorted(set(self.captured)), "replays": self.replays,
-                "eager": dict(self.eager_reasons)}
