@@ -63,9 +63,6 @@ class LayeredDecodeGraph:
         the pool has logical pages (prefixes shared by many requests) runs eagerly."""
         self.forward = False
         """The forward running now reads the buffers (a capture's; a replay runs no Python)."""
-        self.in_place = store.identity
-        """The captured graphs write by slot id within a layer (identity layout) or by row of the
-        whole pool: a Python branch, frozen at capture (:meth:`GraphStepBuffers.write`)."""
         self.admitted = False
         """This step's tables are in the buffers (set by :meth:`admit`, taken by :meth:`replaying`)."""
         self._declined: tuple | None = None
@@ -86,10 +83,6 @@ class LayeredDecodeGraph:
         core = self.core
         tables = None if core.overflow else core.tables
         why = self.buffers.why_not(tables, padded_to)
-        if why is None and (tables.rows is None) != self.in_place:
-            # the identity layout builds general tables (rows of the whole pool) while a live
-            # request is paused or partly on host: the graphs write by slot id
-            why = "the step's tables are not in the layout the graphs were captured in"
         self.forward = False
         if why is not None:
             self.decline(re.sub(r"\d+", "N", why.split(";")[0]), key)

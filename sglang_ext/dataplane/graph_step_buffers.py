@@ -19,8 +19,8 @@ request's KV. The views are sized to the padded batch (the captured one's).
 
 A graph holds kernels only: no host work runs in a replay. So the steps it may serve are those
 whose layers need none: nothing staged, fetched, written back or parked, no recompute, no token
-tables (:meth:`why_not`) -- the all-resident step, which in the paged layout is the usual one
-until something is offloaded. A staged step runs eagerly as before. SGLang's decode graph
+tables, and tables in the layout the graphs were captured in (:meth:`why_not`) -- the
+all-resident step, which in the paged layout is the usual one until something is offloaded. A staged step runs eagerly as before. SGLang's decode graph
 runner serves through these buffers under ``--kv-cuda-graphs on``
 (:mod:`sglang_ext.layered_decode_graph`); ``kvplane gpu-check``'s graph probe
 (:mod:`sglang_ext.tools.gpu_check_graph`) captures and replays through them on a GPU.
@@ -63,6 +63,10 @@ class GraphStepBuffers:
         self.loads = 0
         self.in_place = False
         """The loaded step's rows are slot ids in each layer's in-place view (identity layout)."""
+        self.captured_in_place: bool | None = None
+        """The layout graphs were captured in (:meth:`load_padding`'s), None before a capture: a
+        graph captured writing by slot id within a layer would write a step's whole-pool rows
+        into another layer's memory, and the other way round."""
 
     def why_not(self, tables: Any, padded_to: int | None = None) -> str | None:
         """Why the step of ``tables`` cannot be served from these buffers (padded to
@@ -75,6 +79,11 @@ class GraphStepBuffers:
             return "the step copies between host and device inside its layers"
         if tables.recompute is not None or tables.has_token_tables:
             return "the step recomputes or reads token tables"
+        if self.captured_in_place is not None and (tables.rows is None) != self.captured_in_place:
+            # the identity layout builds general tables (rows of the whole pool) while a live
+            # request is paused or partly on host
+            return ("the step's tables are not in the layout the graphs were captured in; captured "
+                    f"{'in place (slot ids)' if self.captured_in_place else 'over whole-pool rows'}")
         b, n = int(tables.kv_lens.numel()), int(tables.tab.shape[1])
         bs = b if padded_to is None else padded_to
         if bs < b:
@@ -137,6 +146,7 @@ class GraphStepBuffers:
         self.kv_lens[:rows].fill_(1)
         self.last_page_len[:rows].fill_(1)
         self.batch, self.real, self.pages, self.in_place = rows, 0, rows, in_place
+        self.captured_in_place = in_place
         self.loads += 1
 
     def write(self, store: Any, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

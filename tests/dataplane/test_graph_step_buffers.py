@@ -24,7 +24,8 @@ def _check(rows=None) -> CoreCheck:  # noqa: ANN001
 def _buffers(check: CoreCheck, **kw) -> GraphStepBuffers:  # noqa: ANN003
     b = check.batch
     args = {"layers": check.config.layers, "max_batch": len(b.rids), "max_pages": b.batch_pages, **kw}
-    return GraphStepBuffers(args["layers"], args["max_batch"], args["max_pages"], check.device)
+    return GraphStepBuffers(args["layers"], args["max_batch"], args["max_pages"], check.device,
+                            sink_page=args.get("sink_page"))
 
 
 def test_load_copies_the_step_tables_and_the_views_stay_put():
@@ -100,3 +101,24 @@ def test_steps_with_host_work_in_their_layers_or_over_capacity_are_refused():
     with pytest.raises(ValueError, match="the buffers hold"):
         few_pages.load(t)
     resident.batch.core.exit_layer(layers - 1)
+
+
+def test_tables_in_another_layout_than_the_captures_are_refused():
+    """Graphs captured writing by slot id within a layer (the identity layout's in-place rows)
+    would write a step's whole-pool rows into another layer's memory: such a step is refused
+    with the reason, and ``load`` raises. Control: the same tables before any capture, and after a
+    capture in their own layout (whole-pool rows), are admitted."""
+    resident = _check()
+    resident.batch.begin_decode()
+    t = resident.batch.core.tables
+    assert t.rows is not None  # the paged layout: rows of the whole pool
+    buffers = _buffers(resident, sink_page=0)
+    assert buffers.why_not(t) is None  # no capture yet: no layout to keep
+    buffers.load_padding(1, in_place=False)
+    assert buffers.why_not(t) is None
+    buffers.load_padding(1, in_place=True)
+    why = buffers.why_not(t)
+    assert why is not None and "not in the layout the graphs were captured in" in why and "slot ids" in why
+    with pytest.raises(ValueError, match="captured in"):
+        buffers.load(t)
+    resident.batch.core.exit_layer(SMALL.layers - 1)

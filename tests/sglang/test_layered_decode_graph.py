@@ -43,8 +43,8 @@ def test_identity_steps_replay_only_in_the_layout_the_graphs_were_captured_in():
     core = _identity_core(partial=True)
     assert core.store.identity and core.tables.rows is not None
     graph = LayeredDecodeGraph(core, max_bs=2)
+    assert graph.buffers.why_not(core.tables, 2) is None  # before a capture: no layout to keep
     graph.capture(2)
-    assert graph.buffers.why_not(core.tables, 2) is None  # what the buffers alone would admit
     assert not graph.admit(2, torch.tensor([6]), ("A",))
     assert graph.eager_reasons == {"the step's tables are not in the layout the graphs were captured in": 1}
     control = _identity_core(partial=False)  # every live request resident: in-place tables, admitted
