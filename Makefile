@@ -22,11 +22,8 @@ setup: $(BIN)/kvplane $(BIN)/helm
 demo: setup
 	$(BIN)/kvplane demo
 
-# Two workers, a test module each at a time (module-scoped servers stay in one process): on a
-# 2-core host one core idles through the single-threaded modules and each SGLang launcher's import.
-TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q
 
 lint: setup
 	$(BIN)/ruff check .
