@@ -52,19 +52,32 @@ class Pair:
         self.mixed, self.stats, self.corrupt = root / "mixed.txt", root / "pool_stats.jsonl", root / "corrupt"
 
 
-@pytest.fixture(scope="module", params=["normal-loop", "overlap-loop"])
-def pair(request: pytest.FixtureRequest, tiny_model_dir: Path,
-         tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    """The pair under SGLang's normal loop, then under its overlap loop (``--kv-overlap-schedule on``;
-    the vanilla twin runs SGLang's default, the overlap loop, in both)."""
-    root, twin = tmp_path_factory.mktemp("layered-mixed-chunk"), tmp_path_factory.mktemp("vanilla-mixed-chunk")
-    env = {POOL_STATS_FILE_ENV: str(root / "pool_stats.jsonl"), "PYTHONPATH": str(FAULT_INJECT_DIR),
-           "KVPLANE_TEST_MIXED_FILE": str(root / "mixed.txt"),
-           "KVPLANE_TEST_CORRUPT_LAYER": str(CORRUPT_LAYER), "KVPLANE_TEST_CORRUPT_FILE": str(root / "corrupt")}
-    loop = ["--kv-overlap-schedule", "on"] if request.param == "overlap-loop" else []
-    layered = ["--enable-layered-kv", *loop, "--kv-gpu-budget-tokens", str(BUDGET_TOKENS), *SHARED_FLAGS]
-    with running_servers(tiny_model_dir, [(root, layered, env), (twin, SHARED_FLAGS, None)]) as (lay, van):
-        yield Pair(lay, van)
+LOOPS = ("normal-loop", "overlap-loop")
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Pair]]:
+    """A layered server under SGLang's normal loop and one under its overlap loop
+    (``--kv-overlap-schedule on``), each paired with the one vanilla twin (SGLang's default, the
+    overlap loop): three servers started side by side."""
+    specs, roots = [], {}
+    for loop in LOOPS:
+        root = roots[loop] = tmp_path_factory.mktemp(f"layered-mixed-chunk-{loop}")
+        env = {POOL_STATS_FILE_ENV: str(root / "pool_stats.jsonl"), "PYTHONPATH": str(FAULT_INJECT_DIR),
+               "KVPLANE_TEST_MIXED_FILE": str(root / "mixed.txt"),
+               "KVPLANE_TEST_CORRUPT_LAYER": str(CORRUPT_LAYER), "KVPLANE_TEST_CORRUPT_FILE": str(root / "corrupt")}
+        flags = ["--kv-overlap-schedule", "on"] if loop == "overlap-loop" else []
+        specs.append((root, ["--enable-layered-kv", *flags, "--kv-gpu-budget-tokens", str(BUDGET_TOKENS),
+                             *SHARED_FLAGS], env))
+    specs.append((tmp_path_factory.mktemp("vanilla-mixed-chunk"), SHARED_FLAGS, None))
+    with running_servers(tiny_model_dir, specs) as (*layered, twin):
+        yield {loop: Pair(server, twin) for loop, server in zip(LOOPS, layered, strict=True)}
+
+
+@pytest.fixture(scope="module", params=LOOPS)
+def pair(request: pytest.FixtureRequest, servers: dict[str, Pair]) -> Pair:
+    """The pair under SGLang's normal loop, then under its overlap loop."""
+    return servers[request.param]
 
 
 def _generate(server: SGLangServer, prompt: str) -> dict:
