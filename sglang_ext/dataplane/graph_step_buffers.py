@@ -64,7 +64,7 @@ class GraphStepBuffers:
         self.in_place = False
         """The loaded step's rows are slot ids in each layer's in-place view (identity layout)."""
         self.captured_in_place: bool | None = None
-        """The layout graphs were captured in (:meth:`load_padding`'s), None before a capture: a
+        """The layout graphs were captured in (:meth:`mark_captured`), None before a capture: a
         graph captured writing by slot id within a layer would write a step's whole-pool rows
         into another layer's memory, and the other way round."""
 
@@ -146,8 +146,13 @@ class GraphStepBuffers:
         self.kv_lens[:rows].fill_(1)
         self.last_page_len[:rows].fill_(1)
         self.batch, self.real, self.pages, self.in_place = rows, 0, rows, in_place
-        self.captured_in_place = in_place
+        self.mark_captured()
         self.loads += 1
+
+    def mark_captured(self) -> None:
+        """Graphs are captured over the loaded step (a padding-only one, or a real one): a later
+        step is served from these buffers only in its layout (:meth:`why_not`)."""
+        self.captured_in_place = self.in_place
 
     def write(self, store: Any, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """The step's new K/V ``[batch, H, D]`` (padded rows included) at ``layer`` into their

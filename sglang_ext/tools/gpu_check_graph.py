@@ -322,6 +322,7 @@ class GraphProbe:
             buffered = [out.clone() for out in graph_layers()]
             buffers_diff = _max_diff([out[:real] for out in buffered], eager)
             graph = (self.graph or CudaGraph)(device)
+            buffers.mark_captured()
             static = graph.capture(graph_layers)
             graph.replay()
             sync(device)

@@ -121,4 +121,21 @@ def test_tables_in_another_layout_than_the_captures_are_refused():
     assert why is not None and "not in the layout the graphs were captured in" in why and "slot ids" in why
     with pytest.raises(ValueError, match="captured in"):
         buffers.load(t)
+    fresh = _buffers(resident, sink_page=0)
+    fresh.load(t)
+    fresh.mark_captured()  # gpu-check's probe captures over a loaded step: its layout is kept
+    assert fresh.captured_in_place is False and fresh.why_not(t) is None
     resident.batch.core.exit_layer(SMALL.layers - 1)
+    identity = CoreCheck(dataclasses.replace(SMALL, repeat=1), "cpu", "torch", identity=True)
+    identity.batch.place([[1] * SMALL.layers for _ in identity.batch.rids])
+    identity.step()
+    identity.batch.begin_decode()
+    t = identity.batch.core.tables
+    assert t.rows is None  # the identity layout, every request resident: in-place tables
+    buffers = _buffers(identity, sink_page=0)
+    buffers.load_padding(1, in_place=False)  # the other way round
+    why = buffers.why_not(t)
+    assert why is not None and "over whole-pool rows" in why
+    buffers.load_padding(1, in_place=True)
+    assert buffers.why_not(t) is None
+    identity.batch.core.exit_layer(SMALL.layers - 1)

@@ -140,6 +140,7 @@ def _stats(root: Path) -> list[dict]:
 def _one_at_a_time(server: SGLangServer, root: Path) -> tuple[list[dict], Counter]:
     """:func:`_requests`' prompts sent one after another: every server runs the same forwards (a
     batch's requests may reach two servers' schedulers a step apart, and then their steps differ)."""
+    server.flush_cache()  # whatever ran before: no prefix of these prompts cached
     before = _tape(root)
     out = [r for prompt in [PROMPTS[0], *BATCH] for r in _generate(server, [prompt])]
     server.flush_cache()
@@ -166,6 +167,29 @@ def test_steps_that_stage_pages_run_eagerly_once_and_equal_eager(servers):
              for name in before}
     # a second boundary adds a line to every declined step (measured with requests batched: 31 vs 18)
     assert added["eager"] and added["offload"] == added["eager"], added
+
+
+def _decode_rows(lines: list[dict]) -> int:
+    """Rows of the decode steps among ``lines``: one new token a request (a prefill writes at least
+    two a request here: every prompt's uncached part is longer than one token)."""
+    return sum(line["batch_size"] for line in lines if line["new_tokens"] == line["batch_size"])
+
+
+def test_batched_steps_that_stage_pages_run_one_boundary_each(servers):
+    """The same with the three requests batched (their step declined as one, padded to 4): SGLang
+    may start them a step apart on the two servers, so the lines differ, but each request decodes
+    one step per output token after its first on each: the decode rows the lines count are those
+    tokens (a second boundary would count every declined step's rows twice)."""
+    roots = servers["roots"]
+    before = {name: len(_stats(roots[name])) for name in ("eager", "offload")}
+    for name in before:
+        servers[name].flush_cache()
+    want, _ = _requests(servers["eager"], roots["eager"])
+    got, replayed = _requests(servers["offload"], roots["offload"])
+    assert _worst(got, want) <= LOGPROB_ATOL
+    rows = {name: _decode_rows(_stats(roots[name])[before[name]:]) for name in before}
+    decoded = sum(len(out["output_ids"]) - 1 for out in want)  # the first token comes from the prefill
+    assert rows["eager"] == decoded and rows["offload"] == rows["eager"], (rows, decoded)
 
 
 def test_a_batch_larger_than_every_graph_runs_eagerly(servers):
