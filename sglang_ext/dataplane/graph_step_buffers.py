@@ -20,8 +20,9 @@ request's KV. The views are sized to the padded batch (the captured one's).
 A graph holds kernels only: no host work runs in a replay. So the steps it may serve are those
 whose layers need none: nothing staged, fetched, written back or parked, no recompute, no token
 tables, and tables in the layout the graphs were captured in (:meth:`why_not`) -- the
-all-resident step, which in the paged layout is the usual one until something is offloaded. A staged step runs eagerly as before. SGLang's decode graph
-runner serves through these buffers under ``--kv-cuda-graphs on``
+all-resident step, which in the paged layout is the usual one until something is offloaded. A
+staged step runs eagerly as before. SGLang's decode graph runner serves through these buffers
+under ``--kv-cuda-graphs on``
 (:mod:`sglang_ext.layered_decode_graph`); ``kvplane gpu-check``'s graph probe
 (:mod:`sglang_ext.tools.gpu_check_graph`) captures and replays through them on a GPU.
 """
