@@ -185,7 +185,7 @@ def test_batched_steps_that_stage_pages_run_one_boundary_each(servers):
     for name in before:
         servers[name].flush_cache()
     want, _ = _requests(servers["eager"], roots["eager"])
-    got, replayed = _requests(servers["offload"], roots["offload"])
+    got, _ = _requests(servers["offload"], roots["offload"])
     assert _worst(got, want) <= LOGPROB_ATOL
     rows = {name: _decode_rows(_stats(roots[name])[before[name]:]) for name in before}
     decoded = sum(len(out["output_ids"]) - 1 for out in want)  # the first token comes from the prefill

@@ -60,9 +60,9 @@ def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     """A layered server under SGLang's normal loop and one under its overlap loop
     (``--kv-overlap-schedule on``), each paired with the one vanilla twin (SGLang's default, the
     overlap loop): three servers started side by side."""
-    specs, roots = [], {}
+    specs = []
     for loop in LOOPS:
-        root = roots[loop] = tmp_path_factory.mktemp(f"layered-mixed-chunk-{loop}")
+        root = tmp_path_factory.mktemp(f"layered-mixed-chunk-{loop}")
         env = {POOL_STATS_FILE_ENV: str(root / "pool_stats.jsonl"), "PYTHONPATH": str(FAULT_INJECT_DIR),
                "KVPLANE_TEST_MIXED_FILE": str(root / "mixed.txt"),
                "KVPLANE_TEST_CORRUPT_LAYER": str(CORRUPT_LAYER), "KVPLANE_TEST_CORRUPT_FILE": str(root / "corrupt")}
