@@ -21,6 +21,7 @@ examples whatever else runs beside it (the pinned hypothesis's own constants sti
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -45,3 +46,11 @@ settings.register_profile(
     "kvplane", deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile("kvplane")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--sglang-fresh-launch", action="store_true",
+        help="start every SGLang test server as a fresh process (no launch zygote: "
+             "tests/sglang/conftest.py's launch_zygote)",
+    )

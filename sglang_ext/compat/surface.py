@@ -32,6 +32,7 @@ from sglang_ext.compat.surface_recompute import (  # noqa: F401 -- part of the s
     RESIDUAL_PLAIN_ADD,
     RESIDUAL_STREAM,
 )
+from sglang_ext.compat.surface_testing import *  # noqa: F403 -- part of the surface (TARGETS, __all__)
 from sglang_ext.compat.target import Target
 
 _SRT = "sglang.srt"
@@ -476,11 +477,6 @@ KV_STORE_CACHE = Target("sglang.kernels.ops.kvcache.kvcache.store_cache",
 KV_CAN_USE_STORE_CACHE = Target("sglang.kernels.ops.kvcache.kvcache.can_use_store_cache",
                                 params=("k_row_bytes", "v_row_bytes"), used_by=("store_cache_writer",))
 """Builds (JIT) and answers whether ``store_cache`` serves a row width."""
-
-# ----- testing -----------------------------------------------------------------------------------
-
-LAUNCH_SERVER = Target("sglang.launch_server", used_by=("testing.server",))
-"""Run with ``python -m`` by the server fixture."""
 
 TARGETS: tuple[Target, ...] = tuple(v for v in dict(globals()).values() if isinstance(v, Target))
 """Every target above, in definition order."""

@@ -28,6 +28,8 @@ from typing import Any
 
 from controlplane.service.ports import free_port
 from sglang_ext import compat
+from sglang_ext.testing.launch_zygote import LaunchZygote
+from sglang_ext.testing.zygote_process import ZygoteProcess
 
 CPU_ARGS: tuple[str, ...] = (
     "--device",
@@ -99,7 +101,13 @@ class SGLangServer:
     gets a fresh ``startup_timeout_s``)."""
     avoid_ports: tuple[int, ...] = ()
     """Ports a retry must not take: those of servers started beside this one, not bound yet."""
-    _proc: subprocess.Popen | None = None
+    zygote: LaunchZygote | None = None
+    """Fork the launcher from this zygote (SGLang imported once for the test session) unless
+    :meth:`LaunchZygote.why_not` refuses the launch; None: a fresh process."""
+    launched_by: str = ""
+    """How the last :meth:`spawn` started the launcher: ``"zygote"``, or ``"fresh process"``
+    followed by why the zygote did not."""
+    _proc: subprocess.Popen | ZygoteProcess | None = None
     _deadline: float = 0.0
 
     @property
@@ -141,15 +149,25 @@ class SGLangServer:
             self.port = free_port()
         env = {**os.environ, **self.env, **cpu_env(self.env)}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log_file = self.log_path.open("wb")
-        self._proc = subprocess.Popen(
-            self.command(),
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-        log_file.close()
+        command = self.command()
+        reason = "no zygote" if self.zygote is None else self.zygote.why_not(env, self.python)
+        if self.zygote is not None and reason is None:
+            self._proc = self.zygote.launch(command[3:], env, self.log_path, os.getcwd())
+            self.launched_by = "zygote"
+        else:
+            self.launched_by = f"fresh process ({reason})"
+            log_file = self.log_path.open("wb")
+            if self.zygote is not None:  # say why the zygote did not fork it (the log's first line)
+                log_file.write(f"kvplane test harness: {self.launched_by}\n".encode())
+                log_file.flush()
+            self._proc = subprocess.Popen(
+                command,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+            log_file.close()
         self._deadline = time.monotonic() + self.startup_timeout_s
         return self
 

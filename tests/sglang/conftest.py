@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from controlplane.service.ports import free_ports
+from sglang_ext.testing.launch_zygote import LaunchZygote
 from sglang_ext.testing.server import SGLangServer
 from sglang_ext.testing.tiny_model import TinyModelSpec, build_tiny_model
 
@@ -69,13 +70,31 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), TinyModelSpec())
 
 
+@pytest.fixture(scope="session")
+def launch_zygote(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchZygote | None]:
+    """The session's launch zygote (:mod:`sglang_ext.testing.zygote_server`): SGLang imported
+    once, each test server's launcher and SGLang processes forked from it -- ~7 s to a healthy
+    tiny-model server on this 2-core host instead of ~49 s (session 47). A server whose launch
+    it cannot reproduce starts fresh (``SGLangServer.launched_by`` says why). None without SGLang
+    or under ``--sglang-fresh-launch`` (every server a fresh process, as before)."""
+    if sglang_missing() or request.config.getoption("--sglang-fresh-launch"):
+        yield None
+        return
+    zygote = LaunchZygote(tmp_path_factory.mktemp("zygote")).start()
+    try:
+        yield zygote
+    finally:
+        zygote.close()
+
+
 @contextmanager
 def running_server(
-    model_dir: Path, root: Path, extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None
+    model_dir: Path, root: Path, extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+    *, zygote: LaunchZygote | None = None,
 ) -> Iterator[SGLangServer]:
     """An SGLang server on a free port, logging to ``root/server.log``, healthy on entry and
-    stopped on exit (module fixtures wrap one)."""
-    with running_servers(model_dir, [(root, extra_args, env)]) as (server,):
+    stopped on exit (module fixtures wrap one); forked from ``zygote`` when it can be."""
+    with running_servers(model_dir, [(root, extra_args, env)], zygote=zygote) as (server,):
         yield server
 
 
@@ -94,7 +113,8 @@ ServerSpec = tuple[Path, Sequence[str], Mapping[str, str] | None]
 
 
 @contextmanager
-def running_servers(model_dir: Path, specs: Sequence[ServerSpec]) -> Iterator[tuple[SGLangServer, ...]]:
+def running_servers(model_dir: Path, specs: Sequence[ServerSpec], *,
+                    zygote: LaunchZygote | None = None) -> Iterator[tuple[SGLangServer, ...]]:
     """:func:`running_server` for several servers, started side by side: every one is spawned
     before any is waited for (a lone start-up leaves one of this host's two cores idle while the
     launcher imports SGLang; a module's servers together take ~1.3x one instead of 2x). Their
@@ -103,7 +123,7 @@ def running_servers(model_dir: Path, specs: Sequence[ServerSpec]) -> Iterator[tu
     servers = tuple(
         SGLangServer(model_dir, log_path=root / "server.log", extra_args=[*TEST_DTYPE_ARGS, *extra],
                      env=dict(env or {}),
-                     startup_timeout_s=STARTUP_TIMEOUT_S, port=port, avoid_ports=tuple(ports))
+                     startup_timeout_s=STARTUP_TIMEOUT_S, port=port, avoid_ports=tuple(ports), zygote=zygote)
         for (root, extra, env), port in zip(specs, ports, strict=True)
     )
     try:
@@ -118,9 +138,10 @@ def running_servers(model_dir: Path, specs: Sequence[ServerSpec]) -> Iterator[tu
 
 
 @pytest.fixture(scope="session")
-def vanilla_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangServer]:
+def vanilla_server(tiny_model_dir: Path, launch_zygote: LaunchZygote | None,
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangServer]:
     """SGLang with kvplane installed (entry point) but --enable-layered-kv off."""
-    with running_server(tiny_model_dir, tmp_path_factory.mktemp("vanilla")) as server:
+    with running_server(tiny_model_dir, tmp_path_factory.mktemp("vanilla"), zygote=launch_zygote) as server:
         yield server
 
 

@@ -25,11 +25,11 @@ NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def gated(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, Path]]:
+def gated(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[tuple[SGLangServer, Path]]:
     root = tmp_path_factory.mktemp("admission")
     stats = root / "stats.jsonl"
     flags = ["--enable-layered-kv", "--disable-overlap-schedule", "--kv-scheduler", "layerkv"]
-    with running_server(tiny_model_dir, root, flags, {"KVPLANE_STATS_FILE": str(stats)}) as server:
+    with running_server(tiny_model_dir, root, flags, {"KVPLANE_STATS_FILE": str(stats)}, zygote=launch_zygote) as server:
         yield server, stats
 
 

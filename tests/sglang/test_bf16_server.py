@@ -40,14 +40,14 @@ PROMPT_COUNT = 8
 
 
 @pytest.fixture(scope="module")
-def bf16_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, SGLangServer, Path, Path]]:
+def bf16_servers(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[tuple[SGLangServer, SGLangServer, Path, Path]]:
     """(vanilla, layered, the layered server's stats file, its fault flag file), all in bf16."""
     roots = [tmp_path_factory.mktemp(name) for name in ("bf16-vanilla", "bf16-layered")]
     stats, flag = roots[1] / "pool_stats.jsonl", roots[1] / "corrupt"
     env = {POOL_STATS_FILE_ENV: str(stats), "PYTHONPATH": str(FAULT_INJECT_DIR),
            "KVPLANE_TEST_CORRUPT_LAYER": "3", "KVPLANE_TEST_CORRUPT_FILE": str(flag)}
     specs = [(roots[0], BF16, None), (roots[1], BF16 + LAYERED, env)]
-    with running_servers(tiny_model_dir, specs) as (vanilla, layered):
+    with running_servers(tiny_model_dir, specs, zygote=launch_zygote) as (vanilla, layered):
         yield vanilla, layered, stats, flag
 
 

@@ -29,7 +29,7 @@ MAX_NEW_TOKENS = 48
 
 
 @pytest.fixture(scope="module")
-def remote(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, ServeProcess, Path]]:
+def remote(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[tuple[SGLangServer, ServeProcess, Path]]:
     """`kvplane serve` plus an SGLang server using it over gRPC."""
     root = tmp_path_factory.mktemp("outage")
     service = ServeProcess.with_policy(root, {"max_paused_steps": 3, "window_min": 2, "window_max": 4})
@@ -48,6 +48,7 @@ def remote(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, Ser
         ],
         env={STATS_FILE_ENV: str(stats)},
         startup_timeout_s=600.0,
+        zygote=launch_zygote,
     )
     try:
         server.start()

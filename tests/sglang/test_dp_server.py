@@ -41,7 +41,7 @@ MAX_NEW_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
-def dp_server(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, ServeProcess, Path]]:
+def dp_server(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[tuple[SGLangServer, ServeProcess, Path]]:
     root = tmp_path_factory.mktemp("dp2")
     service = ServeProcess.with_policy(root, {"max_paused_steps": 6, "window_min": 2, "window_max": 4})
     flags = ["--dp-size", str(DP), "--enable-layered-kv", "--kv-control-plane", f"grpc://{service.target}",
@@ -49,7 +49,7 @@ def dp_server(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, 
     env = {**tp_env(root), STATS_FILE_ENV: str(root / "stats.jsonl"),
            POOL_STATS_FILE_ENV: str(root / "pool_stats.jsonl"), RESIDENCY_EVENTS_FILE_ENV: str(root / "events.jsonl")}
     try:
-        with running_server(tiny_model_dir, root, flags, env) as server:
+        with running_server(tiny_model_dir, root, flags, env, zygote=launch_zygote) as server:
             yield server, service, root
     finally:
         service.kill()

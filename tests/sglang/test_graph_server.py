@@ -52,7 +52,7 @@ PAGED = ["--kv-gpu-budget-tokens", "4000"]
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model_dir, tmp_path_factory) -> Iterator[dict]:
+def servers(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[dict]:
     names = ("eager", "identity", "paged", "offload")
     roots = {name: tmp_path_factory.mktemp(f"graphs-{name}") for name in names}
     env = {"TRITON_INTERPRET": "1", "PYTHONPATH": str(FAULT_INJECT_DIR)}
@@ -66,7 +66,7 @@ def servers(tiny_model_dir, tmp_path_factory) -> Iterator[dict]:
              (roots["identity"], [*TRITON, *GRAPHS], graph_env("identity")),
              (roots["paged"], [*TRITON, *GRAPHS, *PAGED], graph_env("paged")),
              (roots["offload"], [*TRITON, *GRAPHS, *OFFLOAD], graph_env("offload"))]
-    with running_servers(tiny_model_dir, specs) as started:
+    with running_servers(tiny_model_dir, specs, zygote=launch_zygote) as started:
         yield {**dict(zip(names, started, strict=True)), "roots": roots}
 
 

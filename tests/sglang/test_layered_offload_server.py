@@ -53,7 +53,7 @@ class OffloadServer:
 
 
 @pytest.fixture(scope="module")
-def offload(tiny_model_dir, tmp_path_factory) -> Iterator[OffloadServer]:
+def offload(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[OffloadServer]:
     """A layered-KV server whose device KV budget is 49 token-layers, with the test-only fault
     injector loaded (it perturbs nothing until :func:`test_negative_control_a_corrupted_offloaded_page_fails_the_comparison`
     arms it)."""
@@ -63,7 +63,7 @@ def offload(tiny_model_dir, tmp_path_factory) -> Iterator[OffloadServer]:
              "--max-total-tokens", str(MAX_TOTAL_TOKENS)]
     env = {POOL_STATS_FILE_ENV: str(stats), EVENTS_FILE_ENV: str(events), "PYTHONPATH": str(FAULT_INJECT_DIR),
            "KVPLANE_TEST_CORRUPT_LAYER": str(CORRUPT_LAYER), "KVPLANE_TEST_CORRUPT_FILE": str(root / "corrupt")}
-    with running_server(tiny_model_dir, root, flags, env) as server:
+    with running_server(tiny_model_dir, root, flags, env, zygote=launch_zygote) as server:
         yield OffloadServer(server, stats, events)
 
 

@@ -3,6 +3,12 @@
 Scenario: one layered server (module-scoped) writes its residency events to a JSONL
 file (KVPLANE_RESIDENCY_EVENTS_FILE) and starts its controller from a ``kvplane profile`` file
 (``--kv-profile``); the session's vanilla server is the reference.
+
+This module's server is the suite's one layered server started as a fresh process
+(``python -m sglang.launch_server``, SGLang spawning its scheduler and detokenizer): every other
+module's servers, the vanilla reference among them, are forked from the session's launch zygote
+(``tests/sglang/conftest.py:launch_zygote``). Its equality with the vanilla server (tokens and
+logprobs) and its residency events hold across the two ways of starting a server.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # server start-ups
 
 @pytest.fixture(scope="module")
 def layered(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, object]]:
-    """A layered-KV server and the path of its residency-event file."""
+    """A layered-KV server (a fresh process: the module docstring) and the path of its
+    residency-event file."""
     root = tmp_path_factory.mktemp("layered")
     events = root / "events.jsonl"
     env = {EVENTS_FILE_ENV: str(events), OVERHEAD_FILE_ENV: str(root / "overhead.json")}
@@ -35,6 +42,7 @@ def layered(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, ob
     profile.write_text(json.dumps(PROFILE))
     flags = ["--enable-layered-kv", "--kv-profile", str(profile)]
     with running_server(tiny_model_dir, root, flags, env) as server:
+        assert server.launched_by == "fresh process (no zygote)"
         yield server, events
 
 

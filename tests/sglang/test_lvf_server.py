@@ -28,12 +28,12 @@ NEW_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def lvf_server(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, Path]]:
+def lvf_server(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[tuple[SGLangServer, Path]]:
     root = tmp_path_factory.mktemp("lvf")
     stats = root / "stats.jsonl"
     flags = ["--enable-layered-kv", "--kv-scheduler", "lvf", "--kv-gpu-budget-tokens", "96",
              "--mem-fraction-static", "0.3"]
-    with running_server(tiny_model_dir, root, flags, {STATS_FILE_ENV: str(stats)}) as server:
+    with running_server(tiny_model_dir, root, flags, {STATS_FILE_ENV: str(stats)}, zygote=launch_zygote) as server:
         yield server, stats
 
 

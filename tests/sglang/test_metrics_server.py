@@ -83,10 +83,10 @@ def _spec(root: Path, *, metrics: bool) -> tuple[Path, list[str], dict[str, str]
 
 
 @pytest.fixture(scope="module")
-def metrics_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[MetricsServer, MetricsServer]]:
+def metrics_servers(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[tuple[MetricsServer, MetricsServer]]:
     """:func:`metrics_server` and :func:`quiet_server`, started side by side."""
     on, off = tmp_path_factory.mktemp("metrics-on"), tmp_path_factory.mktemp("metrics-off")
-    with running_servers(tiny_model_dir, [_spec(on, metrics=True), _spec(off, metrics=False)]) as (a, b):
+    with running_servers(tiny_model_dir, [_spec(on, metrics=True), _spec(off, metrics=False)], zygote=launch_zygote) as (a, b):
         yield MetricsServer(a, on, on / "prom"), MetricsServer(b, off, off / "prom")
 
 

@@ -56,7 +56,7 @@ LOOPS = ("normal-loop", "overlap-loop")
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Pair]]:
+def servers(tiny_model_dir: Path, launch_zygote, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Pair]]:
     """A layered server under SGLang's normal loop and one under its overlap loop
     (``--kv-overlap-schedule on``), each paired with the one vanilla twin (SGLang's default, the
     overlap loop): three servers started side by side."""
@@ -70,7 +70,7 @@ def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         specs.append((root, ["--enable-layered-kv", *flags, "--kv-gpu-budget-tokens", str(BUDGET_TOKENS),
                              *SHARED_FLAGS], env))
     specs.append((tmp_path_factory.mktemp("vanilla-mixed-chunk"), SHARED_FLAGS, None))
-    with running_servers(tiny_model_dir, specs) as (*layered, twin):
+    with running_servers(tiny_model_dir, specs, zygote=launch_zygote) as (*layered, twin):
         yield {loop: Pair(server, twin) for loop, server in zip(LOOPS, layered, strict=True)}
 
 

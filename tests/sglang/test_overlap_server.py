@@ -29,12 +29,12 @@ MAX_NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def overlap_server(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, Path, Path]]:
+def overlap_server(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[tuple[SGLangServer, Path, Path]]:
     root = tmp_path_factory.mktemp("overlap")
     stats, pool_stats = root / "stats.jsonl", root / "pool_stats.jsonl"
     flags = [*pause_flags(root), "--kv-overlap-schedule", "on"]
     env = {STATS_FILE_ENV: str(stats), POOL_STATS_FILE_ENV: str(pool_stats)}
-    with running_server(tiny_model_dir, root, flags, env) as server:
+    with running_server(tiny_model_dir, root, flags, env, zygote=launch_zygote) as server:
         yield server, stats, pool_stats
 
 

@@ -71,12 +71,12 @@ def live_policy(tmp_path_factory) -> SimpleNamespace:
 
 
 @pytest.fixture(scope="module")
-def paced_server(tiny_model_dir, tmp_path_factory, live_policy) -> Iterator[SGLangServer]:
+def paced_server(tiny_model_dir, launch_zygote, tmp_path_factory, live_policy) -> Iterator[SGLangServer]:
     """A layered-KV server with pacing on (asked for: the default is off) and the live policy API."""
     root = tmp_path_factory.mktemp("paced")
     flags = [*SHARED_HOST_ARGS, "--enable-layered-kv", "--disable-overlap-schedule", "--kv-pacing", "on",
              "--kv-policy-listen", live_policy.target, "--kv-policy-listen-token-file", str(live_policy.token_file)]
-    with running_server(tiny_model_dir, root, flags) as server:
+    with running_server(tiny_model_dir, root, flags, zygote=launch_zygote) as server:
         yield server
 
 

@@ -44,7 +44,7 @@ LAYERS = 4
 
 
 @pytest.fixture(scope="module")
-def advance_server(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, object]]:
+def advance_server(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[tuple[SGLangServer, object]]:
     """The layered server and its stats file; the test-only injector audits its layers and acts
     on the faults its flag files arm (stale turnover, stale advance), each in its own control."""
     root = tmp_path_factory.mktemp("layered-advance")
@@ -60,7 +60,7 @@ def advance_server(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangSer
            "KVPLANE_TEST_AUDIT_TORCH_EXTEND_FILE": str(root / "torch_extend"),
            "KVPLANE_TEST_STALE_TURNOVER_FILE": str(root / "stale_turnover"),
            "KVPLANE_TEST_STALE_ADVANCE_FILE": str(root / "stale_advance")}
-    with running_server(tiny_model_dir, root, flags, env) as server:
+    with running_server(tiny_model_dir, root, flags, env, zygote=launch_zygote) as server:
         yield server, stats
 
 

@@ -44,13 +44,13 @@ def pause_flags(root: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def paused_server(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, Path, Path]]:
+def paused_server(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[tuple[SGLangServer, Path, Path]]:
     """Layered server forced to pause (:func:`pause_flags`)."""
     root = tmp_path_factory.mktemp("pause")
     stats, events = root / "stats.jsonl", root / "events.jsonl"
     flags = pause_flags(root)
     env = {STATS_FILE_ENV: str(stats), EVENTS_FILE_ENV: str(events)}
-    with running_server(tiny_model_dir, root, flags, env) as server:
+    with running_server(tiny_model_dir, root, flags, env, zygote=launch_zygote) as server:
         yield server, stats, events
 
 

@@ -34,13 +34,13 @@ TOKEN = "tune-me-live"
 
 
 @pytest.fixture(scope="module")
-def live(tiny_model_dir, tmp_path_factory) -> Iterator[Any]:
+def live(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[Any]:
     root = tmp_path_factory.mktemp("policy-live")
     token, stats = root / "token", root / "stats.jsonl"
     token.write_text(TOKEN)
     port = free_port()
     flags = ["--enable-layered-kv", "--kv-policy-listen", f"127.0.0.1:{port}", "--kv-policy-listen-token-file", str(token)]
-    with running_server(tiny_model_dir, root, flags, {STATS_FILE_ENV: str(stats)}) as server:
+    with running_server(tiny_model_dir, root, flags, {STATS_FILE_ENV: str(stats)}, zygote=launch_zygote) as server:
         yield SimpleNamespace(server=server, port=port, target=f"127.0.0.1:{port}", stats_path=stats, token=token)
 
 

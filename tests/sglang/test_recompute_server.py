@@ -73,7 +73,7 @@ prefill that first wrote its KV, and in SGLang's default fp16 that alone moves l
 
 
 @pytest.fixture(scope="module")
-def recompute_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[RecomputeServer, tuple[SGLangServer, Path, Path]]]:
+def recompute_servers(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[tuple[RecomputeServer, tuple[SGLangServer, Path, Path]]]:
     """The module's two layered servers, started side by side (:func:`rec`, :func:`paused_rec`)."""
     root = tmp_path_factory.mktemp("layered-recompute")
     stats, flag = root / "pool_stats.jsonl", root / "corrupt-recompute"
@@ -91,7 +91,7 @@ def recompute_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[Recomp
               "--kv-recompute-ratio", "0.5", "--mem-fraction-static", "0.3", *FP32]
     penv = {STATS_FILE_ENV: str(pstats), POOL_STATS_FILE_ENV: str(ppool_stats)}
     specs = [(root, flags, env), (proot, pflags, penv)]
-    with running_servers(tiny_model_dir, specs) as (layered, paused):
+    with running_servers(tiny_model_dir, specs, zygote=launch_zygote) as (layered, paused):
         yield RecomputeServer(layered, stats, flag), (paused, pstats, ppool_stats)
 
 

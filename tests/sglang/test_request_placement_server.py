@@ -69,7 +69,7 @@ def _spec(root: Path, flags: list[str]) -> tuple[Path, list[str], dict[str, str]
 
 
 @pytest.fixture(scope="module")
-def placement_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[Served, Served]]:
+def placement_servers(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[tuple[Served, Served]]:
     """:func:`pressure` and :func:`relaxed`, started side by side."""
     proot, rroot = tmp_path_factory.mktemp("placement-pressure"), tmp_path_factory.mktemp("placement-relaxed")
     policy = proot / "policy.json"
@@ -79,7 +79,7 @@ def placement_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[Served
     # pacing on (not the default): the streamed test reads the pacer's deposit
     relaxed_flags = ["--kv-pacing", "on"]
     specs = [_spec(proot, pressure_flags), _spec(rroot, relaxed_flags)]
-    with running_servers(tiny_model_dir, specs) as (p, r):
+    with running_servers(tiny_model_dir, specs, zygote=launch_zygote) as (p, r):
         yield (Served(p, proot / "stats.jsonl", proot / "pool_stats.jsonl"),
                Served(r, rroot / "stats.jsonl", rroot / "pool_stats.jsonl"))
 

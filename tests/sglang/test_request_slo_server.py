@@ -38,7 +38,7 @@ server: ``conftest.TEST_DTYPE_ARGS``) under the CPU recipe (``--max-total-tokens
 
 
 @pytest.fixture(scope="module")
-def unpaced_server(tiny_model_dir, tmp_path_factory) -> Iterator[SGLangServer]:
+def unpaced_server(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[SGLangServer]:
     """A layered server with pacing off, a valid policy file and the host pool capped at the floor."""
     root = tmp_path_factory.mktemp("slo-unpaced")
     policy = root / "policy.yaml"
@@ -47,7 +47,7 @@ def unpaced_server(tiny_model_dir, tmp_path_factory) -> Iterator[SGLangServer]:
         *SHARED_HOST_ARGS, "--enable-layered-kv", "--kv-pacing", "off", "--kv-policy", str(policy),
         "--kv-host-pool-gb", f"{TINY_FLOOR.min_gb}",
     ]
-    with running_server(tiny_model_dir, root, flags) as server:
+    with running_server(tiny_model_dir, root, flags, zygote=launch_zygote) as server:
         yield server
 
 

@@ -41,11 +41,11 @@ def gemma2(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 
 @pytest.fixture(scope="module")
-def servers(gemma2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
+def servers(gemma2: Path, launch_zygote, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
     specs = [(tmp_path_factory.mktemp("gemma2-vanilla"), FLAGS, None),
              (tmp_path_factory.mktemp("gemma2-layered"), (*FLAGS, "--enable-layered-kv"), None),
              (tmp_path_factory.mktemp("gemma2-triton"), (*FLAGS, *TRITON_FLAGS), {"TRITON_INTERPRET": "1"})]
-    with running_servers(gemma2, specs) as trio:
+    with running_servers(gemma2, specs, zygote=launch_zygote) as trio:
         yield trio
 
 

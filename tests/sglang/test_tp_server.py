@@ -106,7 +106,7 @@ class TpServer:
 
 
 @pytest.fixture(scope="module")
-def layered_tp(tiny_model_dir, tmp_path_factory) -> Iterator[TpServer]:
+def layered_tp(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[TpServer]:
     """The layered server with two TP ranks (see the module docstring)."""
     root = tmp_path_factory.mktemp("layered-tp2")
     (root / "policy.json").write_text(json.dumps({"max_paused_steps": 6, "window_min": 2, "window_max": 4,
@@ -124,7 +124,7 @@ def layered_tp(tiny_model_dir, tmp_path_factory) -> Iterator[TpServer]:
         "KVPLANE_TEST_CORRUPT_RECOMPUTE_FILE": str(root / "corrupt-recompute"),
         "KVPLANE_TEST_CORRUPT_RANK": "1",
     }
-    with running_server(tiny_model_dir, root, flags, env) as layered:
+    with running_server(tiny_model_dir, root, flags, env, zygote=launch_zygote) as layered:
         yield TpServer(layered, root, root / "corrupt-recompute")
 
 

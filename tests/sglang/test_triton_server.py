@@ -47,7 +47,7 @@ on CUDA by default; pages of 4 tokens, so that steady steps open pages."""
 
 
 @pytest.fixture(scope="module")
-def triton_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple]:
+def triton_servers(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[tuple]:
     """The layered Triton server and the nothing-offloaded one (started side by side), each with
     its pool stats file."""
     root = tmp_path_factory.mktemp("layered-triton")
@@ -64,7 +64,7 @@ def triton_servers(tiny_model_dir, tmp_path_factory) -> Iterator[tuple]:
     identity_stats = identity_root / "pool_stats.jsonl"
     identity_env = {"TRITON_INTERPRET": "1", POOL_STATS_FILE_ENV: str(identity_stats)}
     with running_servers(tiny_model_dir, [(root, flags, env),
-                                          (identity_root, IDENTITY_FLAGS, identity_env)]) as (server, identity):
+                                          (identity_root, IDENTITY_FLAGS, identity_env)], zygote=launch_zygote) as (server, identity):
         yield server, stats, identity, identity_stats
 
 

@@ -366,23 +366,35 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _install(target: str, patch) -> None:  # noqa: ANN001
+    """Patch ``target`` when it is imported, or now if it already is (a process forked from the
+    test harness's launch zygote, :mod:`sglang_ext.testing.zygote_server`, has SGLang imported
+    before this file runs; the patches replace module and class attributes, which callers look up
+    at call time)."""
+    module = sys.modules.get(target)
+    if module is not None:
+        patch(module)
+    else:
+        sys.meta_path.insert(0, _Finder(target, patch))
+
+
 if os.environ.get("KVPLANE_TEST_CORRUPT_FILE"):
-    sys.meta_path.insert(0, _Finder(TARGET, _patch))
+    _install(TARGET, _patch)
 if os.environ.get("KVPLANE_TEST_CORRUPT_RECOMPUTE_FILE"):
-    sys.meta_path.insert(0, _Finder(RECOMPUTE_TARGET, _patch_recompute))
+    _install(RECOMPUTE_TARGET, _patch_recompute)
 if os.environ.get("KVPLANE_TEST_STALE_ADVANCE_FILE"):
-    sys.meta_path.insert(0, _Finder(ADVANCE_TARGET, _patch_advance))
+    _install(ADVANCE_TARGET, _patch_advance)
 if os.environ.get("KVPLANE_TEST_AUDIT_FILE"):
-    sys.meta_path.insert(0, _Finder(AUDIT_TARGET, _patch_audit))
+    _install(AUDIT_TARGET, _patch_audit)
 if os.environ.get("KVPLANE_TEST_STALE_TURNOVER_FILE"):
-    sys.meta_path.insert(0, _Finder(CONTINUITY_TARGET, _patch_turnover))
+    _install(CONTINUITY_TARGET, _patch_turnover)
 if os.environ.get("KVPLANE_TEST_SHIFT_EXTEND_FILE"):
-    sys.meta_path.insert(0, _Finder(EXTEND_TARGET, _patch_extend_shift))
+    _install(EXTEND_TARGET, _patch_extend_shift)
 if os.environ.get("KVPLANE_TEST_MIXED_FILE"):
-    sys.meta_path.insert(0, _Finder(MIXED_TARGET, _patch_mixed))
+    _install(MIXED_TARGET, _patch_mixed)
 if os.environ.get("KVPLANE_TEST_TAPE_GRAPHS"):
-    sys.meta_path.insert(0, _Finder(PLATFORM_TARGET, _patch_platform))
-    sys.meta_path.insert(0, _Finder(GRAPH_RUNNER_TARGET, _patch_graph_runner))
-    sys.meta_path.insert(0, _Finder(GRAPH_SETUP_TARGET, _patch_graph_setup))
+    _install(PLATFORM_TARGET, _patch_platform)
+    _install(GRAPH_RUNNER_TARGET, _patch_graph_runner)
+    _install(GRAPH_SETUP_TARGET, _patch_graph_setup)
 if os.environ.get("KVPLANE_TEST_STALE_GRAPH_FILE"):
-    sys.meta_path.insert(0, _Finder("sglang_ext.dataplane.graph_step_buffers", _patch_stale_graph))
+    _install("sglang_ext.dataplane.graph_step_buffers", _patch_stale_graph)
