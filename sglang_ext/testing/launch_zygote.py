@@ -27,7 +27,7 @@ from sglang_ext.testing.zygote_process import ZygoteProcess
 
 FREE_VARIABLES: tuple[str, ...] = (
     "KVPLANE_", "TRITON_INTERPRET", "PROMETHEUS_MULTIPROC_DIR", "SGLANG_CPU_OMP_THREADS_BIND",
-    "SGLANG_NCCL_SO_PATH", "PYTEST_CURRENT_TEST",
+    "SGLANG_NCCL_SO_PATH", "PYTEST_CURRENT_TEST", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
 )
 """Environment variables (names, or prefixes ending in ``_``) a zygote-forked server may set
 differently from the zygote, because nothing the zygote imported has read them yet: kvplane
@@ -35,7 +35,8 @@ differently from the zygote, because nothing the zygote imported has read them y
 fork, ``prometheus_client`` (``PROMETHEUS_MULTIPROC_DIR``) too, and SGLang reads the two
 ``SGLANG_*`` ones when it binds threads and loads NCCL, at run time
 (``tests/sglang/test_launch_zygote.py`` checks the imports); pytest's ``PYTEST_CURRENT_TEST``
-(set around each test) nothing reads. Any other difference --
+(set around each test) nothing reads, and torch sets ``_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR``
+itself in a process that loads a compiled inductor library, before each load. Any other difference --
 ``OMP_NUM_THREADS`` (OpenMP reads it when torch loads), other ``SGLANG_*`` variables -- needs a
 fresh interpreter."""
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -193,6 +194,13 @@ def undetected(server: SGLangServer, reference: SGLangServer, prompts: Sequence[
 
 FAULT_INJECT_DIR = Path(__file__).parent / "fault_inject"
 """PYTHONPATH entry of the test-only fault injector (``sitecustomize.py``)."""
+
+
+def fault_inject_path() -> str:
+    """A server's ``PYTHONPATH`` with the fault injector: :data:`FAULT_INJECT_DIR` before this
+    session's own entries (a fresh server keeps importing kvplane from where this session does,
+    and the launch zygote can fork it: ``LaunchZygote.why_not``)."""
+    return os.pathsep.join([str(FAULT_INJECT_DIR), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 @contextmanager

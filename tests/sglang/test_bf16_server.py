@@ -20,10 +20,10 @@ from sglang_ext.settings import POOL_STATS_FILE_ENV
 from sglang_ext.testing.jsonl import read_jsonl
 from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import (
-    FAULT_INJECT_DIR,
     PROMPTS,
     assert_same_generation,
     fault_armed,
+    fault_inject_path,
     greedy,
     running_servers,
     undetected,
@@ -44,7 +44,7 @@ def bf16_servers(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[tu
     """(vanilla, layered, the layered server's stats file, its fault flag file), all in bf16."""
     roots = [tmp_path_factory.mktemp(name) for name in ("bf16-vanilla", "bf16-layered")]
     stats, flag = roots[1] / "pool_stats.jsonl", roots[1] / "corrupt"
-    env = {POOL_STATS_FILE_ENV: str(stats), "PYTHONPATH": str(FAULT_INJECT_DIR),
+    env = {POOL_STATS_FILE_ENV: str(stats), "PYTHONPATH": fault_inject_path(),
            "KVPLANE_TEST_CORRUPT_LAYER": "3", "KVPLANE_TEST_CORRUPT_FILE": str(flag)}
     specs = [(roots[0], BF16, None), (roots[1], BF16 + LAYERED, env)]
     with running_servers(tiny_model_dir, specs, zygote=launch_zygote) as (vanilla, layered):

@@ -28,10 +28,10 @@ from sglang_ext.settings import POOL_STATS_FILE_ENV
 from sglang_ext.testing.jsonl import read_jsonl_settled
 from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import (
-    FAULT_INJECT_DIR,
     LOGPROB_ATOL,
     PROMPTS,
     fault_armed,
+    fault_inject_path,
     running_servers,
     token_logprobs,
 )
@@ -55,7 +55,7 @@ PAGED = ["--kv-gpu-budget-tokens", "4000"]
 def servers(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[dict]:
     names = ("eager", "identity", "paged", "offload")
     roots = {name: tmp_path_factory.mktemp(f"graphs-{name}") for name in names}
-    env = {"TRITON_INTERPRET": "1", "PYTHONPATH": str(FAULT_INJECT_DIR)}
+    env = {"TRITON_INTERPRET": "1", "PYTHONPATH": fault_inject_path()}
 
     def graph_env(name: str) -> dict:
         root = roots[name]

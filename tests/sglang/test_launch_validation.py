@@ -7,17 +7,16 @@ case of each, and ``test_request_slo_server.py`` launches with a valid policy an
 floor (their negative control).
 
 Each refusal is a launcher process that spends ~25 s of CPU importing SGLang before it refuses;
-one after another they took ~6 minutes of the suite. So the flag and file cases share one
-import: ``launcher_forks.py`` imports SGLang once and runs each case's launcher module as
-``__main__`` in a fork (the code ``python -m sglang.launch_server`` runs, with the case's argv).
-The variable cases (read when the plugin loads) launch fresh processes, all at the start of the
-module (:func:`launch_all`); so does one flag case, and a test checks that its fresh launch and
-its fork print the same line.
+one after another they took ~6 minutes of the suite. So the cases are forks of the session's
+launch zygote (``tests/sglang/conftest.py:launch_zygote``: SGLang imported once; each fork runs
+the code ``python -m sglang.launch_server`` runs, with the case's argv and environment), all
+started at once. The cases the zygote cannot reproduce (an ``SGLANG_*`` variable, read by
+SGLang at import) launch fresh processes, as does one flag case: a test checks that its fresh
+launch and its fork print the same line.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -27,15 +26,13 @@ from pathlib import Path
 
 import pytest
 
+from sglang_ext.testing.launch_zygote import LaunchZygote
 from tests.service.certs import ThrowawayCA
 from tests.sglang.test_model_support import model_dir
 
 pytestmark = pytest.mark.sglang
 
 REMOTE = ["--kv-control-plane", "grpc://127.0.0.1:50051"]
-
-
-FORKS = Path(__file__).with_name("launcher_forks.py")
 
 
 def launcher_argv(model_dir: Path, *extra: str) -> list[str]:
@@ -71,24 +68,20 @@ def launch_all(
 
 
 def launch_forked(
-    model_dir: Path, cases: Mapping[str, Sequence[str]], work: Path
+    zygote: LaunchZygote, model_dir: Path, cases: Mapping[str, tuple[Sequence[str], Mapping[str, str] | None]],
+    work: Path,
 ) -> dict[str, subprocess.CompletedProcess[str]]:
-    """Every case (name -> extra flags) through ``launcher_forks.py``: one SGLang import, one
-    fork per case; each result as :func:`launch` would return it (exit status, stdout, stderr)."""
-    spec = []
-    for name, extra in cases.items():
-        spec.append({"argv": launcher_argv(model_dir, *extra), "out": str(work / f"{name}.out"),
-                     "err": str(work / f"{name}.err"), "code": str(work / f"{name}.code")})
-    (work / "cases.json").write_text(json.dumps(spec))
-    driver = subprocess.run([sys.executable, str(FORKS), str(work / "cases.json")], capture_output=True,
-                            text=True, timeout=600)
-    assert driver.returncode == 0, driver.stdout[-2000:] + driver.stderr[-3000:]
+    """Every case (name -> extra flags, environment) forked from ``zygote``, all at once; each
+    result as :func:`launch` would return it (exit status; stdout and stderr together, as
+    ``stderr``: the fork writes both to one file)."""
+    started = {}
+    for name, (extra, env) in cases.items():
+        argv = launcher_argv(model_dir, *extra)
+        started[name] = (argv, zygote.launch(argv, {**os.environ, **(env or {})}, work / f"{name}.log", os.getcwd()))
     results = {}
-    for name, case in zip(cases, spec, strict=True):
-        code = Path(case["code"]).read_text()
-        returncode = int(code) if code.lstrip("-").isdigit() else -9  # "timeout": killed
-        results[name] = subprocess.CompletedProcess(case["argv"], returncode, Path(case["out"]).read_text(),
-                                                    Path(case["err"]).read_text())
+    for name, (argv, proc) in started.items():
+        returncode = proc.wait(timeout=180)
+        results[name] = subprocess.CompletedProcess(argv, returncode, "", (work / f"{name}.log").read_text())
     return results
 
 
@@ -207,31 +200,42 @@ directory, the line the launcher prints."""
 
 @pytest.fixture(scope="module")
 def launched(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_model_dir: Path, launch_zygote: LaunchZygote | None, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, tuple[subprocess.CompletedProcess[str], Path | None]]:
     """Every case of this module launched at once: name -> (the launcher's result, its files' directory)."""
-    fresh: dict[str, tuple[Sequence[str], Mapping[str, str] | None]] = {"fresh-option0": (BAD_OPTIONS[0][0], None)}
-    forked: dict[str, Sequence[str]] = {}
+    cases: dict[str, tuple[Sequence[str], Mapping[str, str] | None]] = {}
     dirs: dict[str, Path | None] = {}
     for i, (extra, _) in enumerate(BAD_OPTIONS):
-        forked[f"option{i}"], dirs[f"option{i}"] = extra, None
+        cases[f"option{i}"], dirs[f"option{i}"] = (extra, None), None
     for i, (env, _) in enumerate(BAD_ENV):
-        fresh[f"env{i}"], dirs[f"env{i}"] = ((), env), None
+        cases[f"env{i}"], dirs[f"env{i}"] = ((), env), None
     for name, (flags, _) in BAD_LAUNCH_FILES.items():
         d = tmp_path_factory.mktemp(f"launch-{name}")
-        forked[f"file-{name}"], dirs[f"file-{name}"] = flags(d), d
+        cases[f"file-{name}"], dirs[f"file-{name}"] = (flags(d), None), d
+    fresh = {"fresh-option0": cases["option0"]}
     dirs["fresh-option0"] = None
+    forked = {}
+    for name, (extra, env) in cases.items():
+        if launch_zygote is None or launch_zygote.why_not({**os.environ, **(env or {})}, sys.executable):
+            fresh[name] = (extra, env)
+        else:
+            forked[name] = (extra, env)
+    assert launch_zygote is None or set(fresh) == {"fresh-option0", "env1"}, sorted(fresh)  # SGLANG_RUST_SERVER
     with ThreadPoolExecutor(max_workers=1) as pool:  # the fresh launches run beside the forks
         fresh_results = pool.submit(launch_all, tiny_model_dir, fresh)
-        results = launch_forked(tiny_model_dir, forked, tmp_path_factory.mktemp("launcher-forks"))
+        results = {}
+        if launch_zygote is not None:
+            results = launch_forked(launch_zygote, tiny_model_dir, forked, tmp_path_factory.mktemp("launcher-forks"))
         results.update(fresh_results.result())
     return {name: (results[name], dirs[name]) for name in results}
 
 
-def test_a_forked_launch_refuses_as_a_fresh_launcher_process_does(launched):
+def test_a_forked_launch_refuses_as_a_fresh_launcher_process_does(launched, launch_zygote):
     """The forks run the launcher as a fresh process does: the same exit status and kvplane line
     for the same flags (the other flag and file cases rely on it). Negative control: another
     case's line differs, so the comparison can fail."""
+    if launch_zygote is None:
+        pytest.skip("no launch zygote in this session (--sglang-fresh-launch): every case is fresh")
     fresh, forked = launched["fresh-option0"][0], launched["option0"][0]
     assert (fresh.returncode, kvplane_lines(fresh)) == (forked.returncode, kvplane_lines(forked))
     assert kvplane_lines(launched["option1"][0]) != kvplane_lines(fresh)

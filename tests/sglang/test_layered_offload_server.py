@@ -24,10 +24,10 @@ from sglang_ext.testing.jsonl import read_jsonl
 from sglang_ext.testing.residency import check_block_lifecycle
 from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import (
-    FAULT_INJECT_DIR,
     PROMPTS,
     assert_same_generation,
     fault_armed,
+    fault_inject_path,
     greedy,
     running_server,
     undetected,
@@ -61,7 +61,7 @@ def offload(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[Offload
     stats, events = root / "pool_stats.jsonl", root / "events.jsonl"
     flags = ["--enable-layered-kv", "--disable-overlap-schedule", "--kv-gpu-budget-tokens", str(BUDGET_TOKENS),
              "--max-total-tokens", str(MAX_TOTAL_TOKENS)]
-    env = {POOL_STATS_FILE_ENV: str(stats), EVENTS_FILE_ENV: str(events), "PYTHONPATH": str(FAULT_INJECT_DIR),
+    env = {POOL_STATS_FILE_ENV: str(stats), EVENTS_FILE_ENV: str(events), "PYTHONPATH": fault_inject_path(),
            "KVPLANE_TEST_CORRUPT_LAYER": str(CORRUPT_LAYER), "KVPLANE_TEST_CORRUPT_FILE": str(root / "corrupt")}
     with running_server(tiny_model_dir, root, flags, env, zygote=launch_zygote) as server:
         yield OffloadServer(server, stats, events)

@@ -25,7 +25,12 @@ import pytest
 from sglang_ext.settings import POOL_STATS_FILE_ENV
 from sglang_ext.testing.jsonl import read_jsonl
 from sglang_ext.testing.server import SGLangServer
-from tests.sglang.conftest import FAULT_INJECT_DIR, PROMPTS, fault_armed, running_servers
+from tests.sglang.conftest import (
+    PROMPTS,
+    fault_armed,
+    fault_inject_path,
+    running_servers,
+)
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]
 
@@ -63,7 +68,7 @@ def servers(tiny_model_dir: Path, launch_zygote, tmp_path_factory: pytest.TempPa
     specs = []
     for loop in LOOPS:
         root = tmp_path_factory.mktemp(f"layered-mixed-chunk-{loop}")
-        env = {POOL_STATS_FILE_ENV: str(root / "pool_stats.jsonl"), "PYTHONPATH": str(FAULT_INJECT_DIR),
+        env = {POOL_STATS_FILE_ENV: str(root / "pool_stats.jsonl"), "PYTHONPATH": fault_inject_path(),
                "KVPLANE_TEST_MIXED_FILE": str(root / "mixed.txt"),
                "KVPLANE_TEST_CORRUPT_LAYER": str(CORRUPT_LAYER), "KVPLANE_TEST_CORRUPT_FILE": str(root / "corrupt")}
         flags = ["--kv-overlap-schedule", "on"] if loop == "overlap-loop" else []

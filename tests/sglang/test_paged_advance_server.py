@@ -26,9 +26,9 @@ from sglang_ext.settings import OVERHEAD_FILE_ENV, POOL_STATS_FILE_ENV
 from sglang_ext.testing.jsonl import read_jsonl
 from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import (
-    FAULT_INJECT_DIR,
     PROMPTS,
     fault_armed,
+    fault_inject_path,
     flag_file,
     greedy,
     running_server,
@@ -55,7 +55,7 @@ def advance_server(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[
     flags = ["--enable-layered-kv", "--attention-backend", "triton", "--page-size", "4",
              "--max-total-tokens", "1024", "--kv-gpu-budget-tokens", "2048"]
     # the test-only injector only audits here (perturbs nothing): the served per-layer ops
-    env = {"TRITON_INTERPRET": "1", POOL_STATS_FILE_ENV: str(stats), "PYTHONPATH": str(FAULT_INJECT_DIR),
+    env = {"TRITON_INTERPRET": "1", POOL_STATS_FILE_ENV: str(stats), "PYTHONPATH": fault_inject_path(),
            "KVPLANE_TEST_AUDIT_FILE": str(root / "audit.json"), OVERHEAD_FILE_ENV: str(root / "overhead.json"),
            "KVPLANE_TEST_AUDIT_TORCH_EXTEND_FILE": str(root / "torch_extend"),
            "KVPLANE_TEST_STALE_TURNOVER_FILE": str(root / "stale_turnover"),

@@ -29,9 +29,9 @@ from sglang_ext.settings import POOL_STATS_FILE_ENV, STATS_FILE_ENV
 from sglang_ext.testing.jsonl import read_jsonl
 from sglang_ext.testing.server import ServerError, SGLangServer
 from tests.sglang.conftest import (
-    FAULT_INJECT_DIR,
     PROMPTS,
     assert_same_generation,
+    fault_inject_path,
     flag_file,
     greedy,
     running_servers,
@@ -82,7 +82,7 @@ def recompute_servers(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterat
     flags = ["--enable-layered-kv", "--disable-overlap-schedule", "--kv-gpu-budget-tokens", str(BUDGET_TOKENS),
              "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--kv-policy", str(root / "policy.json"),
              "--kv-profile", str(root / "profile.json"), *FP32]
-    env = {POOL_STATS_FILE_ENV: str(stats), "PYTHONPATH": str(FAULT_INJECT_DIR),
+    env = {POOL_STATS_FILE_ENV: str(stats), "PYTHONPATH": fault_inject_path(),
            "KVPLANE_TEST_CORRUPT_RECOMPUTE_FILE": str(flag)}
     proot = tmp_path_factory.mktemp("recompute-pause")
     (proot / "policy.json").write_text(json.dumps({"max_paused_steps": 6, "window_min": 2, "window_max": 4}))

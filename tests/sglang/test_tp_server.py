@@ -55,9 +55,9 @@ from sglang_ext.testing.jsonl import read_jsonl
 from sglang_ext.testing.server import SGLangServer
 from sglang_ext.testing.tiny_model import TinyModelSpec
 from tests.sglang.conftest import (
-    FAULT_INJECT_DIR,
     PROMPTS,
     assert_same_generation,
+    fault_inject_path,
     flag_file,
     greedy,
     running_server,
@@ -120,7 +120,7 @@ def layered_tp(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[TpSe
         STATS_FILE_ENV: str(root / "stats.jsonl"),
         POOL_STATS_FILE_ENV: str(root / "pool_stats.jsonl"),
         RESIDENCY_EVENTS_FILE_ENV: str(root / "events.jsonl"),
-        "PYTHONPATH": str(FAULT_INJECT_DIR),
+        "PYTHONPATH": fault_inject_path(),
         "KVPLANE_TEST_CORRUPT_RECOMPUTE_FILE": str(root / "corrupt-recompute"),
         "KVPLANE_TEST_CORRUPT_RANK": "1",
     }

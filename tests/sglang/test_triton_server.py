@@ -18,10 +18,10 @@ from sglang_ext.settings import POOL_STATS_FILE_ENV
 from sglang_ext.testing.jsonl import read_jsonl
 from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import (
-    FAULT_INJECT_DIR,
     LOGPROB_ATOL,
     PROMPTS,
     fault_armed,
+    fault_inject_path,
     flag_file,
     greedy,
     running_servers,
@@ -57,7 +57,7 @@ def triton_servers(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[
              "--max-total-tokens", "48", "--chunked-prefill-size", "16"]
     # the test-only injector perturbs nothing until a control creates its flag file (the extend
     # test's shifted lengths, the stale staged advance)
-    env = {"TRITON_INTERPRET": "1", POOL_STATS_FILE_ENV: str(stats), "PYTHONPATH": str(FAULT_INJECT_DIR),
+    env = {"TRITON_INTERPRET": "1", POOL_STATS_FILE_ENV: str(stats), "PYTHONPATH": fault_inject_path(),
            "KVPLANE_TEST_SHIFT_EXTEND_FILE": str(root / "shift_extend"),
            "KVPLANE_TEST_STALE_ADVANCE_FILE": str(root / "stale_advance")}
     identity_root = tmp_path_factory.mktemp("identity-triton")
