@@ -35,3 +35,6 @@ ZYGOTE_PRELOAD: tuple[str, ...] = (
     RUN_DATA_PARALLEL_CONTROLLER_PROCESS.path.rsplit(".", 1)[0],
 )
 """Modules the launch zygote imports once (and its fork server before forking any process)."""
+
+__all__ = ["LAUNCH_SERVER", "RUN_DATA_PARALLEL_CONTROLLER_PROCESS", "RUN_DETOKENIZER_PROCESS",
+           "RUN_SCHEDULER_PROCESS"]

@@ -31,8 +31,9 @@ FREE_VARIABLES: tuple[str, ...] = (
 )
 """Environment variables (names, or prefixes ending in ``_``) a zygote-forked server may set
 differently from the zygote, because nothing the zygote imported has read them yet: kvplane
-(``KVPLANE_*``) and the Triton kernels ``TRITON_INTERPRET`` decides about are imported after the
-fork, ``prometheus_client`` (``PROMETHEUS_MULTIPROC_DIR``) too, and SGLang reads the two
+(``KVPLANE_*``) and its Triton kernels, which ``TRITON_INTERPRET`` decides about when they are
+defined, are imported after the fork (SGLang's own Triton kernels, defined in the zygote, stay
+compiled ones: SGLang runs none of them on a CPU, its platform declares no Triton), ``prometheus_client`` (``PROMETHEUS_MULTIPROC_DIR``) too, and SGLang reads the two
 ``SGLANG_*`` ones when it binds threads and loads NCCL, at run time
 (``tests/sglang/test_launch_zygote.py`` checks the imports); pytest's ``PYTEST_CURRENT_TEST``
 (set around each test) nothing reads, and torch sets ``_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR``
@@ -166,7 +167,8 @@ class LaunchZygote:
             return "(no log)"
 
     def close(self, timeout_s: float = 20.0) -> None:
-        """Stop the zygote (it kills the launchers still running) and its fork server."""
+        """Stop the zygote (it kills the launchers still running); its fork server exits once no
+        forked launcher holds its liveness pipe any more."""
         proc, self._proc = self._proc, None
         if proc is None:
             return

@@ -12,9 +12,11 @@ Two kinds:
   target runs it takes what a spawned child would have inherited from the process that started
   it: the environment, stdout and stderr, the process group (``killpg`` of the launcher's group
   reaches it), the parent SGLang sees (``psutil.Process().parent()``: the scheduler signals its
-  parent when it fails) and the parent's death (SGLang sets ``PR_SET_PDEATHSIG``, which here would
-  watch the fork server: a thread watches the real parent instead and kills the process as the
-  kernel would).
+  parent when it fails) and the parent's death (SGLang sets ``PR_SET_PDEATHSIG``, which here
+  watches the fork server: a thread watches the real parent too and SIGKILLs the process when it
+  exits -- once it gets the GIL, where the kernel's signal needs none; the zygote also kills the
+  launcher's group when the launcher exits). The target's return runs the process's ``atexit``
+  handlers, as a spawned child's interpreter exit does (a fork-server child ends in ``os._exit``).
 
 In both, the directories a fresh interpreter would have taken from ``PYTHONPATH`` beyond the
 zygote's own join ``sys.path``, and the ``sitecustomize`` in them runs (the test-only fault
@@ -23,6 +25,7 @@ injector, ``tests/sglang/fault_inject/``, is one).
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib.util
 import os
@@ -83,7 +86,9 @@ def _watch_parent(parent_pid: int) -> None:
         return
 
     def watch() -> None:
-        select.select([pidfd], [], [])
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        poller.poll()
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="zygote-parent-watch", daemon=True).start()
@@ -123,7 +128,10 @@ def adopt(handover: Mapping[str, Any], target: Callable[..., Any], args: tuple, 
     _reseed()
     join_site_dirs(handover["site_dirs"])
     install_spawn(handover["site_dirs"])
-    return target(*args, **kwargs)
+    try:
+        return target(*args, **kwargs)
+    finally:
+        atexit._run_exitfuncs()
 
 
 def run_launcher(request: Mapping[str, Any], base_path: Sequence[str]) -> int:
@@ -157,9 +165,12 @@ def run_launcher(request: Mapping[str, Any], base_path: Sequence[str]) -> int:
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)  # what the interpreter prints for sys.exit("text")
     except BaseException:  # noqa: BLE001 - reported like an uncaught exception in a launcher
         traceback.print_exc()
         code = 1
+    atexit._run_exitfuncs()  # the interpreter's exit (the zygote's fork ends in os._exit)
     sys.stdout.flush()
     sys.stderr.flush()
     return code

@@ -30,8 +30,9 @@ class ZygoteProcess:
 
     def _read(self, timeout: float | None) -> None:
         while self.returncode is None:
-            ready, _, _ = select.select([self._conn], [], [], timeout)
-            if not ready:
+            poller = select.poll()
+            poller.register(self._conn, select.POLLIN)
+            if not poller.poll(None if timeout is None else int(timeout * 1000)):
                 return
             chunk = self._conn.recv(4096)
             if not chunk:

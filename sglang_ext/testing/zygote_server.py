@@ -13,14 +13,21 @@ Then, for each request on ``SOCKET`` (one JSON line: ``argv``, ``env``, ``cwd``,
 ``site_dirs``; or ``{"query": "modules"}``, answered with the modules it imported), it forks a
 launcher (:func:`sglang_ext.testing.zygote_child.run_launcher`) in a
 process group of its own, answers ``{"pid": PID}`` and, when that launcher exits,
-``{"exit": STATUS}`` on the same connection. The launcher's SGLang processes are forked by the
+``{"exit": STATUS}`` on the same connection, after killing what is left of its process group
+(a fresh launcher's ``kill_process_tree`` does that on its way out; here SGLang's processes are
+the fork server's children, which the launcher's own process tree does not hold). The launcher's SGLang processes are forked by the
 fork server (:class:`sglang_ext.testing.zygote_popen.ZygotePopen`). The zygote is
 single-threaded (a fork of a threaded process may inherit a held lock) and exits when its stdin
 reaches end of file, killing the process groups of the launchers still running.
 
 What a server forked this way does not exercise is the interpreter start-up itself; the
 servers that need it (another interpreter, an environment variable SGLang or torch reads at
-import) start as fresh processes (:meth:`LaunchZygote.why_not`).
+import) start as fresh processes (:meth:`LaunchZygote.why_not`), and so does one layered server
+on purpose (``tests/sglang/test_layered_server.py``). Shared by all the session's servers: the
+zygote's multiprocessing resource tracker (leaked semaphores are reported in ``zygote.log`` at
+the end) and its authentication key. A fork-server child unpickles its process and re-runs the
+launcher module as ``__mp_main__`` (as a spawned child does) before it adopts its starter's
+environment and output: an error that early is in ``zygote.log``.
 """
 
 from __future__ import annotations
@@ -33,8 +40,13 @@ import selectors
 import signal
 import socket
 import sys
+import threading
 import time
 from multiprocessing import forkserver
+
+REQUEST_TIMEOUT_S = 10.0
+"""A client that connects and sends no whole request line within this is dropped (the loop
+serves one connection at a time)."""
 
 
 def _preload() -> None:
@@ -53,6 +65,7 @@ def _preload() -> None:
 
 
 def _read_request(conn: socket.socket) -> dict:
+    conn.settimeout(REQUEST_TIMEOUT_S)
     data = b""
     while not data.endswith(b"\n"):
         chunk = conn.recv(65536)
@@ -76,6 +89,8 @@ def main(argv: list[str]) -> int:
     path = argv[1]
     _preload()
     base_path = list(sys.path)
+    if threading.active_count() != 1:  # a fork copies held locks, not the threads that hold them
+        raise RuntimeError(f"the zygote must be single-threaded to fork: {threading.enumerate()}")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
     listener.listen(64)
@@ -99,7 +114,7 @@ def main(argv: list[str]) -> int:
                 conn, _ = listener.accept()
                 try:
                     request = _read_request(conn)
-                except (OSError, ValueError) as exc:
+                except (OSError, ValueError) as exc:  # a timeout is an OSError
                     _send(conn, {"error": f"bad request: {exc}"})
                     conn.close()
                     continue
@@ -111,10 +126,15 @@ def main(argv: list[str]) -> int:
                 sys.stderr.flush()
                 pid = os.fork()
                 if pid == 0:
-                    for fd in (listener.fileno(), conn.fileno(), *launchers):
-                        os.close(fd)
-                    selector.close()
-                    os._exit(run_launcher(request, base_path))
+                    code = 1
+                    try:  # nothing of the zygote's loop runs on in the launcher, whatever fails
+                        for fd in (listener.fileno(), conn.fileno(), *launchers,
+                                   *(c.fileno() for _, c in launchers.values())):
+                            os.close(fd)
+                        selector.close()
+                        code = run_launcher(request, base_path)
+                    finally:
+                        os._exit(code)
                 try:
                     os.setpgid(pid, pid)  # also done by the child: whichever runs first
                 except OSError:
@@ -129,6 +149,10 @@ def main(argv: list[str]) -> int:
                 selector.unregister(pidfd)
                 os.close(pidfd)
                 _, status = os.waitpid(pid, 0)
+                try:  # what the launcher's kill_process_tree does to its SGLang processes
+                    os.killpg(pid, signal.SIGKILL)  # (children of the fork server: it finds none)
+                except (ProcessLookupError, PermissionError):
+                    pass
                 _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
                 conn.close()
 

@@ -71,21 +71,39 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), TinyModelSpec())
 
 
+ZYGOTE = pytest.StashKey[LaunchZygote]()
+
+
+def _start_zygote(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> LaunchZygote:
+    zygote = LaunchZygote(tmp_path_factory.mktemp("zygote")).start()
+    config.stash[ZYGOTE] = zygote
+    config.add_cleanup(zygote.close)
+    return zygote
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the launch zygote as soon as the session knows a test will use it: its imports
+    (~30 s of CPU, in the zygote and its fork server) run beside the suite's first tests, on the
+    core they leave idle, instead of delaying the first server module."""
+    config = session.config
+    if sglang_missing() or config.getoption("--sglang-fresh-launch") or ZYGOTE in config.stash:
+        return
+    if any("launch_zygote" in getattr(item, "fixturenames", ()) for item in session.items):
+        _start_zygote(config, config._tmp_path_factory)  # type: ignore[attr-defined] # the tmp_path_factory fixture's
+
+
 @pytest.fixture(scope="session")
-def launch_zygote(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchZygote | None]:
+def launch_zygote(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LaunchZygote | None:
     """The session's launch zygote (:mod:`sglang_ext.testing.zygote_server`): SGLang imported
     once, each test server's launcher and SGLang processes forked from it -- ~7 s to a healthy
     tiny-model server on this 2-core host instead of ~49 s (session 47). A server whose launch
-    it cannot reproduce starts fresh (``SGLangServer.launched_by`` says why). None without SGLang
-    or under ``--sglang-fresh-launch`` (every server a fresh process, as before)."""
-    if sglang_missing() or request.config.getoption("--sglang-fresh-launch"):
-        yield None
-        return
-    zygote = LaunchZygote(tmp_path_factory.mktemp("zygote")).start()
-    try:
-        yield zygote
-    finally:
-        zygote.close()
+    it cannot reproduce starts fresh (``SGLangServer.launched_by`` says why). Started at the end
+    of collection (:func:`pytest_collection_finish`), closed when the session ends. None without
+    SGLang or under ``--sglang-fresh-launch`` (every server a fresh process, as before)."""
+    config = request.config
+    if sglang_missing() or config.getoption("--sglang-fresh-launch"):
+        return None
+    return config.stash.get(ZYGOTE, None) or _start_zygote(config, tmp_path_factory)
 
 
 @contextmanager

@@ -18,8 +18,10 @@ launch and its fork print the same line.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -79,10 +81,20 @@ def launch_forked(
         argv = launcher_argv(model_dir, *extra)
         started[name] = (argv, zygote.launch(argv, {**os.environ, **(env or {})}, work / f"{name}.log", os.getcwd()))
     results = {}
+    deadline = time.monotonic() + CASE_TIMEOUT_S
     for name, (argv, proc) in started.items():
-        returncode = proc.wait(timeout=180)
+        try:
+            returncode = proc.wait(timeout=max(deadline - time.monotonic(), 1.0))
+        except subprocess.TimeoutExpired:  # not refused: it went on to start a server
+            os.killpg(proc.pid, signal.SIGKILL)
+            returncode = proc.wait(timeout=60)
         results[name] = subprocess.CompletedProcess(argv, returncode, "", (work / f"{name}.log").read_text())
     return results
+
+
+CASE_TIMEOUT_S = 180.0
+"""A forked case still running this long after the forks started was not refused (it is killed,
+with its process group, and fails its test on the status)."""
 
 
 def kvplane_lines(proc: subprocess.CompletedProcess[str]) -> list[str]:

@@ -113,8 +113,9 @@ def test_a_forked_servers_processes_die_with_its_launcher(zygote: LaunchZygote, 
     """A forked server's scheduler and detokenizer are children of the zygote's fork server,
     in the launcher's process group (``SGLangServer.stop``'s ``killpg`` reaches them). SIGKILL of
     the launcher alone ends them too: SGLang's ``PR_SET_PDEATHSIG`` watches their real parent,
-    the fork server, which lives on; the adoption's watch of the launcher does it. The server
-    served a request first (control: it was a working server)."""
+    the fork server, which lives on; the adoption's watch of the launcher and the zygote's kill
+    of the exited launcher's group do it. The server served a request first (control: it was a
+    working server)."""
     server = SGLangServer(tiny_model_dir, log_path=tmp_path / "server.log", extra_args=TEST_DTYPE_ARGS,
                           startup_timeout_s=600, zygote=zygote)
     server.start()

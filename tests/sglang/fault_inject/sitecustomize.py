@@ -367,10 +367,13 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 def _install(target: str, patch) -> None:  # noqa: ANN001
-    """Patch ``target`` when it is imported, or now if it already is (a process forked from the
-    test harness's launch zygote, :mod:`sglang_ext.testing.zygote_server`, has SGLang imported
-    before this file runs; the patches replace module and class attributes, which callers look up
-    at call time)."""
+    """Patch ``target`` when it is imported, or now if it already is: a process forked from the
+    test harness's launch zygote (:mod:`sglang_ext.testing.zygote_server`) has SGLang's launcher
+    and process entry modules imported before this file runs. Of the targets below the platform
+    interface, the decode graph runner and ``schedule_batch`` are among them; their patches
+    replace class attributes and module globals the module itself looks up at call time, so
+    patching them late equals patching them at import. (The others, kvplane's modules and
+    ``cuda_graph_setup``, are imported after this runs either way.)"""
     module = sys.modules.get(target)
     if module is not None:
         patch(module)
