@@ -173,10 +173,10 @@ def _configs(args: argparse.Namespace, policy_file: Path) -> dict[str, tuple[str
     return {c: all_configs[c] for c in chosen}
 
 
-def group_cpu_s(pgid: int) -> float:
-    """User + system CPU seconds of every live process in process group ``pgid`` (Linux /proc)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
+def group_processes(pgid: int) -> dict[int, tuple[str, int, int]]:
+    """Every live process in process group ``pgid`` (Linux /proc): pid -> (state, parent pid,
+    user + system CPU clock ticks)."""
+    members = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -185,9 +185,14 @@ def group_cpu_s(pgid: int) -> float:
         except OSError:
             continue
         fields = raw[raw.rindex(")") + 2 :].split()
-        if int(fields[2]) == pgid:  # fields[0] is the state (stat field 3)
-            total += int(fields[11]) + int(fields[12])  # utime, stime (stat fields 14, 15)
-    return total / tick
+        if int(fields[2]) == pgid:  # fields[0] is the state (stat field 3), fields[1] the ppid
+            members[int(entry.name)] = (fields[0], int(fields[1]), int(fields[11]) + int(fields[12]))  # utime, stime
+    return members
+
+
+def group_cpu_s(pgid: int) -> float:
+    """User + system CPU seconds of every live process in process group ``pgid``."""
+    return sum(ticks for _, _, ticks in group_processes(pgid).values()) / os.sysconf("SC_CLK_TCK")
 
 
 def _server_overlap(base_url: str) -> bool | None:

@@ -19,6 +19,7 @@ import pytest
 
 from sglang_ext.testing.launch_zygote import LaunchZygote
 from sglang_ext.testing.server import SGLangServer, cpu_env
+from sglang_ext.tools.sglang_bench import group_processes
 from tests.sglang.conftest import FAULT_INJECT_DIR, TEST_DTYPE_ARGS, greedy
 
 pytestmark = pytest.mark.sglang
@@ -93,19 +94,8 @@ def test_a_forked_launcher_exits_as_a_fresh_one_would(zygote: LaunchZygote, tmp_
 
 
 def _group(pgid: int) -> dict[int, int]:
-    """pid -> parent pid of the live processes in process group ``pgid``."""
-    members = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members[int(entry)] = int(fields[1])
-    return members
+    """pid -> parent pid of the live, not yet reaped processes in process group ``pgid``."""
+    return {pid: ppid for pid, (state, ppid, _) in group_processes(pgid).items() if state != "Z"}
 
 
 def test_a_forked_servers_processes_die_with_its_launcher(zygote: LaunchZygote, tiny_model_dir: Path,
