@@ -24,6 +24,8 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
+from sglang_ext.testing.early_starts import EarlyStarts
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
@@ -54,3 +56,36 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="start every SGLang test server as a fresh process (no launch zygote: "
              "tests/sglang/conftest.py's launch_zygote)",
     )
+
+
+EARLY = pytest.StashKey[EarlyStarts]()
+
+
+def early_starts_of(config: pytest.Config) -> EarlyStarts:
+    """The session's :class:`EarlyStarts` (made on first use, closed when the session ends)."""
+    if EARLY not in config.stash:
+        early = config.stash[EARLY] = EarlyStarts()
+        config.add_cleanup(early.close)
+    return config.stash[EARLY]
+
+
+@pytest.fixture(scope="session")
+def early_starts(request: pytest.FixtureRequest) -> EarlyStarts:
+    """Set-ups the session started at the end of collection (:func:`pytest_collection_finish`)."""
+    return early_starts_of(request.config)
+
+
+@pytest.hookimpl(trylast=True)  # after tests/sglang/conftest.py's: its zygote's wait is the first job
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the slow fresh-process set-ups now, beside the suite's first tests
+    (:mod:`sglang_ext.testing.early_starts`): each test module with an ``early_start(early,
+    tmp_path_factory, items)`` function (``items``: its selected tests) submits its own, in test
+    order."""
+    by_module: dict[object, list[pytest.Item]] = {}
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if module is not None and hasattr(module, "early_start"):
+            by_module.setdefault(module, []).append(item)
+    factory = session.config._tmp_path_factory  # type: ignore[attr-defined] # the tmp_path_factory fixture's
+    for module, items in by_module.items():
+        module.early_start(early_starts_of(session.config), factory, items)  # type: ignore[attr-defined]

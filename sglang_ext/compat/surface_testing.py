@@ -27,14 +27,22 @@ RUN_DATA_PARALLEL_CONTROLLER_PROCESS = Target(
     f"{_MANAGERS}.data_parallel_controller.run_data_parallel_controller_process",
     params=("server_args", "port_args"), used_by=("testing.zygote_server",))
 """The ``--dp`` controller's entry (it starts the replicas' schedulers); pre-imported too."""
+MODEL_REGISTRY = Target("sglang.srt.models.registry.ModelRegistry", attrs=("models", "register"),
+                        used_by=("testing.zygote_server",))
+"""SGLang's model registry: importing its module imports every model module SGLang ships
+(``ModelRegistry.register("sglang.srt.models")``, ~3.5 s of CPU on the 2-core host), which each
+scheduler does when it loads its model. Pre-imported by the zygote; the plugin's hooks on names
+the model modules import (``models.utils.enable_fused_set_kv_buffer``) still reach them, since
+SGLang's ``HookRegistry`` rebinds every module's stale binding when it applies a hook."""
 
 ZYGOTE_PRELOAD: tuple[str, ...] = (
     LAUNCH_SERVER.path,
     RUN_SCHEDULER_PROCESS.path.rsplit(".", 1)[0],
     RUN_DETOKENIZER_PROCESS.path.rsplit(".", 1)[0],
     RUN_DATA_PARALLEL_CONTROLLER_PROCESS.path.rsplit(".", 1)[0],
+    MODEL_REGISTRY.path.rsplit(".", 1)[0],
 )
 """Modules the launch zygote imports once (and its fork server before forking any process)."""
 
-__all__ = ["LAUNCH_SERVER", "RUN_DATA_PARALLEL_CONTROLLER_PROCESS", "RUN_DETOKENIZER_PROCESS",
+__all__ = ["LAUNCH_SERVER", "MODEL_REGISTRY", "RUN_DATA_PARALLEL_CONTROLLER_PROCESS", "RUN_DETOKENIZER_PROCESS",
            "RUN_SCHEDULER_PROCESS"]

@@ -106,7 +106,8 @@ class LaunchZygote:
             return None
         return want[: len(want) - len(base)]
 
-    def _wait_ready(self) -> None:
+    def wait_ready(self) -> None:
+        """Wait until the zygote has imported SGLang and listens (``start`` does not wait)."""
         deadline = time.monotonic() + self.start_timeout_s
         assert self._proc is not None
         while not self.socket_path.exists():
@@ -122,7 +123,7 @@ class LaunchZygote:
         reason = self.why_not(env, self.python)
         if reason is not None:
             raise ZygoteError(reason)
-        self._wait_ready()
+        self.wait_ready()
         request = {"argv": list(argv), "env": dict(env), "cwd": cwd, "log": str(log_path),
                    "site_dirs": self._site_dirs(env)}
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -156,7 +157,7 @@ class LaunchZygote:
 
     def imported_modules(self) -> list[str]:
         """The modules the zygote process has imported (what its forks start with)."""
-        self._wait_ready()
+        self.wait_ready()
         answer, _ = self._ask({"query": "modules"})
         return list(answer["modules"])
 

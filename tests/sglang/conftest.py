@@ -23,9 +23,11 @@ from pathlib import Path
 import pytest
 
 from controlplane.service.ports import free_ports
+from sglang_ext.testing.early_starts import EarlyStarts
 from sglang_ext.testing.launch_zygote import LaunchZygote
 from sglang_ext.testing.server import SGLangServer
 from sglang_ext.testing.tiny_model import TinyModelSpec, build_tiny_model
+from tests.conftest import early_starts_of
 
 PROMPTS: tuple[str, ...] = tuple(
     f"{head} {tail}"
@@ -62,13 +64,19 @@ STARTUP_TIMEOUT_S = 600.0
 """Server start-up deadline: 30-200 s normally, longer when several servers start at once here."""
 
 
+def tiny_model(early: EarlyStarts, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's tiny random-weight Llama model, built once by whoever asks first (the
+    ``tiny_model_dir`` fixture, or an early start: :mod:`sglang_ext.testing.early_starts`)."""
+    return early.shared("tiny-model", lambda: build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), TinyModelSpec()))
+
+
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_model_dir(early_starts: EarlyStarts, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random-weight Llama model, built once per session (needs torch, tokenizers and
     safetensors, which come with the [sglang] extra; SGLang itself is not needed)."""
     for module in ("torch", "tokenizers", "safetensors"):
         pytest.importorskip(module)
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), TinyModelSpec())
+    return tiny_model(early_starts, tmp_path_factory)
 
 
 ZYGOTE = pytest.StashKey[LaunchZygote]()
@@ -81,6 +89,21 @@ def _start_zygote(config: pytest.Config, tmp_path_factory: pytest.TempPathFactor
     return zygote
 
 
+def _early_start_tiny_model(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Early starts (``tests/conftest.py``) begin by building the tiny model; with the zygote
+    started, after its imports (the fresh processes the later jobs start would otherwise import
+    SGLang beside it, four importers on two cores)."""
+    early = early_starts_of(config)
+    zygote = config.stash.get(ZYGOTE, None)
+
+    def job() -> Path:
+        if zygote is not None:
+            zygote.wait_ready()
+        return tiny_model(early, tmp_path_factory)
+
+    early.submit("tiny-model-after-zygote", job)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the launch zygote as soon as the session knows a test will use it: its imports
     (~30 s of CPU, in the zygote and its fork server) run beside the suite's first tests, on the
@@ -88,8 +111,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     config = session.config
     if sglang_missing() or config.getoption("--sglang-fresh-launch") or ZYGOTE in config.stash:
         return
+    factory = config._tmp_path_factory  # type: ignore[attr-defined] # the tmp_path_factory fixture's
     if any("launch_zygote" in getattr(item, "fixturenames", ()) for item in session.items):
-        _start_zygote(config, config._tmp_path_factory)  # type: ignore[attr-defined] # the tmp_path_factory fixture's
+        _start_zygote(config, factory)
+    if any("tiny_model_dir" in getattr(item, "fixturenames", ()) for item in session.items):
+        _early_start_tiny_model(config, factory)
 
 
 @pytest.fixture(scope="session")

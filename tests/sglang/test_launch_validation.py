@@ -28,8 +28,10 @@ from pathlib import Path
 
 import pytest
 
+from sglang_ext.testing.early_starts import EarlyStarts
 from sglang_ext.testing.launch_zygote import LaunchZygote
 from tests.service.certs import ThrowawayCA
+from tests.sglang.conftest import sglang_missing, tiny_model
 from tests.sglang.test_model_support import model_dir
 
 pytestmark = pytest.mark.sglang
@@ -210,11 +212,25 @@ directories, ``test_model_support.py``; the later ``--model-path`` wins): the fl
 directory, the line the launcher prints."""
 
 
+FRESH_CASE = "fresh-option0"
+"""The flag case launched as a fresh process on purpose (compared with its fork)."""
+
+
+def early_start(early: EarlyStarts, tmp_path_factory: pytest.TempPathFactory, items: list[pytest.Item]) -> None:
+    """Launch :data:`FRESH_CASE` at the end of collection (``tests/conftest.py``): its ~25 s of
+    imports run beside the suite's first tests; :func:`launched` takes its result."""
+    if sglang_missing() or not any("launched" in getattr(item, "fixturenames", ()) for item in items):
+        return
+    early.submit(FRESH_CASE, lambda: launch(tiny_model(early, tmp_path_factory), *BAD_OPTIONS[0][0]))
+
+
 @pytest.fixture(scope="module")
 def launched(
-    tiny_model_dir: Path, launch_zygote: LaunchZygote | None, tmp_path_factory: pytest.TempPathFactory
+    tiny_model_dir: Path, launch_zygote: LaunchZygote | None, tmp_path_factory: pytest.TempPathFactory,
+    early_starts: EarlyStarts,
 ) -> dict[str, tuple[subprocess.CompletedProcess[str], Path | None]]:
-    """Every case of this module launched at once: name -> (the launcher's result, its files' directory)."""
+    """Every case of this module launched at once: name -> (the launcher's result, its files'
+    directory); :data:`FRESH_CASE` from the end of collection (:func:`early_start`) if it ran there."""
     cases: dict[str, tuple[Sequence[str], Mapping[str, str] | None]] = {}
     dirs: dict[str, Path | None] = {}
     for i, (extra, _) in enumerate(BAD_OPTIONS):
@@ -224,20 +240,23 @@ def launched(
     for name, (flags, _) in BAD_LAUNCH_FILES.items():
         d = tmp_path_factory.mktemp(f"launch-{name}")
         cases[f"file-{name}"], dirs[f"file-{name}"] = (flags(d), None), d
-    fresh = {"fresh-option0": cases["option0"]}
-    dirs["fresh-option0"] = None
+    fresh = {FRESH_CASE: cases["option0"]}
+    dirs[FRESH_CASE] = None
     forked = {}
     for name, (extra, env) in cases.items():
         if launch_zygote is None or launch_zygote.why_not({**os.environ, **(env or {})}, sys.executable):
             fresh[name] = (extra, env)
         else:
             forked[name] = (extra, env)
-    assert launch_zygote is None or set(fresh) == {"fresh-option0", "env1"}, sorted(fresh)  # SGLANG_RUST_SERVER
+    assert launch_zygote is None or set(fresh) == {FRESH_CASE, "env1"}, sorted(fresh)  # SGLANG_RUST_SERVER
+    early = early_starts.take(FRESH_CASE)
+    if early is not None:
+        del fresh[FRESH_CASE]
     with ThreadPoolExecutor(max_workers=1) as pool:  # the fresh launches run beside the forks
         fresh_results = pool.submit(launch_all, tiny_model_dir, fresh)
-        results = {}
+        results = {} if early is None else {FRESH_CASE: early}
         if launch_zygote is not None:
-            results = launch_forked(launch_zygote, tiny_model_dir, forked, tmp_path_factory.mktemp("launcher-forks"))
+            results.update(launch_forked(launch_zygote, tiny_model_dir, forked, tmp_path_factory.mktemp("launcher-forks")))
         results.update(fresh_results.result())
     return {name: (results[name], dirs[name]) for name in results}
 
@@ -248,7 +267,7 @@ def test_a_forked_launch_refuses_as_a_fresh_launcher_process_does(launched, laun
     case's line differs, so the comparison can fail."""
     if launch_zygote is None:
         pytest.skip("no launch zygote in this session (--sglang-fresh-launch): every case is fresh")
-    fresh, forked = launched["fresh-option0"][0], launched["option0"][0]
+    fresh, forked = launched[FRESH_CASE][0], launched["option0"][0]
     assert (fresh.returncode, kvplane_lines(fresh)) == (forked.returncode, kvplane_lines(forked))
     assert kvplane_lines(launched["option1"][0]) != kvplane_lines(fresh)
 

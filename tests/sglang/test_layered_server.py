@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import urllib.request
 from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
 
 import pytest
 
@@ -23,25 +25,60 @@ from sglang_ext.hooks import ResidencyEventKind, read_jsonl_events
 from sglang_ext.overhead import WRITE_EVERY
 from sglang_ext.settings import OVERHEAD_FILE_ENV
 from sglang_ext.settings import RESIDENCY_EVENTS_FILE_ENV as EVENTS_FILE_ENV
+from sglang_ext.testing.early_starts import EarlyStarts
 from sglang_ext.testing.residency import check_block_lifecycle
 from sglang_ext.testing.server import SGLangServer
 from sglang_ext.testing.tiny_model import TinyModelSpec
-from tests.sglang.conftest import PROMPTS, assert_same_generation, greedy, running_server
+from tests.sglang.conftest import (
+    PROMPTS,
+    assert_same_generation,
+    greedy,
+    running_server,
+    sglang_missing,
+    tiny_model,
+)
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # server start-ups on a loaded host
 
 
-@pytest.fixture(scope="module")
-def layered(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[SGLangServer, object]]:
-    """A layered-KV server (a fresh process: the module docstring) and the path of its
-    residency-event file."""
+def _start_layered(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[SGLangServer, Path, ExitStack]:
+    """The layered-KV server (a fresh process: the module docstring), the path of its
+    residency-event file, and the stack that stops it."""
     root = tmp_path_factory.mktemp("layered")
     events = root / "events.jsonl"
     env = {EVENTS_FILE_ENV: str(events), OVERHEAD_FILE_ENV: str(root / "overhead.json")}
     profile = root / "profile.json"
     profile.write_text(json.dumps(PROFILE))
     flags = ["--enable-layered-kv", "--kv-profile", str(profile)]
-    with running_server(tiny_model_dir, root, flags, env) as server:
+    stack = ExitStack()  # a start-up that raises has stopped its own processes (running_servers)
+    server = stack.enter_context(running_server(model_dir, root, flags, env))
+    return server, events, stack
+
+
+def early_start(early: EarlyStarts, tmp_path_factory: pytest.TempPathFactory, items: list[pytest.Item]) -> None:
+    """Start the server at the end of collection (``tests/conftest.py``): its ~50 s fresh start-up
+    runs beside the suite's first tests instead of before this module's."""
+    if sglang_missing() or not any("layered" in getattr(item, "fixturenames", ()) for item in items):
+        return
+
+    def job() -> tuple[SGLangServer, Path, ExitStack]:
+        started = _start_layered(tiny_model(early, tmp_path_factory), tmp_path_factory)
+        early.cleanup(started[2].close)
+        return started
+
+    early.submit(EARLY_NAME, job)
+
+
+EARLY_NAME = "fresh-layered-server"
+
+
+@pytest.fixture(scope="module")
+def layered(early_starts: EarlyStarts, tiny_model_dir: Path,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SGLangServer, object]]:
+    """The layered-KV server started early (:func:`early_start`), or now if it was not, and the
+    path of its residency-event file; stopped at the module's end."""
+    server, events, stack = early_starts.take(EARLY_NAME) or _start_layered(tiny_model_dir, tmp_path_factory)
+    with stack:
         assert server.launched_by == "fresh process (no zygote)"
         yield server, events
 

@@ -1,0 +1,96 @@
+"""EarlyStarts: slow test set-ups started at the end of collection, beside the suite's first tests.
+
+Test-harness only. A few of the suite's set-ups must start fresh processes on purpose -- the demo
+(the product's own command), the one layered server started as ``python -m
+sglang.launch_server`` -- and each takes ~50 s on the 2-core CI host, almost all of it imports
+on one core while the other idles. Started when collection ends, one after another on a worker
+thread, they run while the first (single-threaded) tests take the other core, and their tests
+find them ready::
+
+    early = EarlyStarts()
+    early.submit("demo", lambda: run_demo(...))
+    ...
+    result = early.take("demo")   # waits; re-raises the job's exception; None if never submitted
+    early.close()                 # queued jobs cancelled, cleanups run (newest first)
+
+What is started is the same as a test's own start-up would be (the jobs call the fixtures' own
+start-up code); only when it starts changes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class EarlyStarts:
+    """Jobs run in submission order on one worker thread; results taken by name."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="early-start")
+        self._jobs: dict[str, Future[Any]] = {}
+        self._shared: dict[str, Future[Any]] = {}
+        self._cleanups: list[Callable[[], object]] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, name: str, job: Callable[[], object]) -> None:
+        """Queue ``job`` under ``name`` (a name is submitted once)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("EarlyStarts is closed")
+            if name in self._jobs:
+                raise ValueError(f"early start {name!r} already submitted")
+            self._jobs[name] = self._pool.submit(job)
+
+    def submitted(self, name: str) -> bool:
+        return name in self._jobs
+
+    def take(self, name: str, timeout_s: float | None = None) -> Any:
+        """The result of job ``name`` (waiting for it; its exception re-raised), or None if no
+        job of that name was submitted."""
+        future = self._jobs.get(name)
+        return None if future is None else future.result(timeout_s)
+
+    def shared(self, name: str, make: Callable[[], T]) -> T:
+        """``make()``'s result, made once by whichever thread asks first (a fixture or a job);
+        other callers wait for it. Its exception is re-raised to every caller."""
+        with self._lock:
+            future = self._shared.get(name)
+            mine = future is None
+            if mine:
+                future = self._shared[name] = Future()
+        assert future is not None
+        if mine:
+            try:
+                future.set_result(make())
+            except BaseException as exc:
+                future.set_exception(exc)
+        return future.result()
+
+    def cleanup(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` at :meth:`close` (newest first): a job registers how to stop what it
+        started before it starts it, so a session that ends early stops it too."""
+        with self._lock:
+            self._cleanups.append(fn)
+
+    def close(self) -> None:
+        """Cancel the jobs not started, wait for the running one, then run every cleanup
+        (each once; an exception in one does not skip the others: the first is re-raised)."""
+        with self._lock:
+            self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            cleanups, self._cleanups = self._cleanups[::-1], []
+        first: BaseException | None = None
+        for fn in cleanups:
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - every cleanup runs; the first error is raised
+                first = first or exc
+        if first is not None:
+            raise first

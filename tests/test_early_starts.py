@@ -1,0 +1,104 @@
+"""EarlyStarts (the suite's set-ups started at the end of collection): order, results, errors,
+the shared value made once, and close() stopping what was started -- each with its control."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from sglang_ext.testing.early_starts import EarlyStarts
+
+
+def test_jobs_run_one_at_a_time_in_submission_order_and_results_are_taken_by_name():
+    early = EarlyStarts()
+    order: list[str] = []
+    running = threading.Semaphore(1)
+
+    def job(name: str) -> str:
+        assert running.acquire(blocking=False), "two jobs ran at once"
+        time.sleep(0.02)
+        order.append(name)
+        running.release()
+        return name.upper()
+
+    for name in ("a", "b", "c"):
+        early.submit(name, lambda name=name: job(name))
+    assert early.take("c", timeout_s=10) == "C"
+    assert order == ["a", "b", "c"]
+    assert early.take("a") == "A" and early.take("b") == "B"
+    assert early.take("never") is None and not early.submitted("never") and early.submitted("a")
+    with pytest.raises(ValueError, match="already submitted"):
+        early.submit("a", lambda: None)
+    early.close()
+
+
+def test_a_jobs_exception_reaches_the_taker_and_the_next_job_still_runs():
+    early = EarlyStarts()
+    early.submit("bad", lambda: (_ for _ in ()).throw(RuntimeError("server did not start")))
+    early.submit("good", lambda: 1)
+    with pytest.raises(RuntimeError, match="server did not start"):
+        early.take("bad")
+    assert early.take("good") == 1  # control: the worker survived the failure
+    early.close()
+
+
+def test_shared_is_made_once_for_every_caller_even_from_two_threads():
+    early = EarlyStarts()
+    made: list[int] = []
+    gate = threading.Event()
+
+    def make() -> int:
+        gate.wait(5)
+        made.append(1)
+        return 42
+
+    early.submit("job", lambda: early.shared("model", make))
+    time.sleep(0.05)  # the job is inside make(), waiting on the gate
+    other = threading.Thread(target=lambda: made.append(early.shared("model", make)))
+    other.start()
+    gate.set()
+    other.join(5)
+    assert early.take("job") == 42 and made == [1, 42]  # made once; the second caller got its value
+    other_made: list[int] = []
+    assert early.shared("other", lambda: other_made.append(1) or 7) == 7 and other_made == [1]  # control
+    with pytest.raises(ZeroDivisionError):
+        early.shared("broken", lambda: 1 // 0)
+    with pytest.raises(ZeroDivisionError):  # the same error again, not a second make()
+        early.shared("broken", lambda: 3)
+    early.close()
+
+
+def test_close_cancels_queued_jobs_waits_for_the_running_one_and_runs_every_cleanup_newest_first():
+    early = EarlyStarts()
+    stopped: list[str] = []
+    release = threading.Event()
+    ran: list[str] = []
+
+    def slow() -> None:
+        early.cleanup(lambda: stopped.append("slow"))
+        release.wait(5)
+        ran.append("slow")
+
+    early.cleanup(lambda: stopped.append("first"))
+    early.submit("slow", slow)
+    early.submit("queued", lambda: ran.append("queued"))
+    time.sleep(0.05)
+    threading.Timer(0.1, release.set).start()
+    early.close()
+    assert ran == ["slow"]  # the queued job never ran; the running one finished
+    assert stopped == ["slow", "first"]
+    with pytest.raises(RuntimeError, match="closed"):
+        early.submit("late", lambda: None)
+
+
+def test_a_failing_cleanup_does_not_skip_the_others_and_is_raised():
+    early = EarlyStarts()
+    stopped: list[str] = []
+    early.cleanup(lambda: stopped.append("a"))
+    early.cleanup(lambda: 1 // 0)
+    early.cleanup(lambda: stopped.append("c"))
+    with pytest.raises(ZeroDivisionError):
+        early.close()
+    assert stopped == ["c", "a"]
