@@ -214,14 +214,22 @@ directory, the line the launcher prints."""
 
 FRESH_CASE = "fresh-option0"
 """The flag case launched as a fresh process on purpose (compared with its fork)."""
+EARLY_CASES: dict[str, tuple[Sequence[str], Mapping[str, str] | None]] = {
+    FRESH_CASE: (BAD_OPTIONS[0][0], None),
+    "env1": ((), BAD_ENV[1][0]),  # SGLANG_RUST_SERVER: read by SGLang at import, so never forked
+}
+"""The cases that launch fresh processes under a zygote, launched at the end of collection."""
+EARLY_NAME = "launch-validation-fresh-cases"
 
 
 def early_start(early: EarlyStarts, tmp_path_factory: pytest.TempPathFactory, items: list[pytest.Item]) -> None:
-    """Launch :data:`FRESH_CASE` at the end of collection (``tests/conftest.py``): its ~25 s of
-    imports run beside the suite's first tests; :func:`launched` takes its result."""
+    """Launch :data:`EARLY_CASES` at the end of collection (``tests/conftest.py``), one after the
+    other: their ~25 s of imports each run beside the suite's first tests; :func:`launched` takes
+    the results."""
     if sglang_missing() or not any("launched" in getattr(item, "fixturenames", ()) for item in items):
         return
-    early.submit(FRESH_CASE, lambda: launch(tiny_model(early, tmp_path_factory), *BAD_OPTIONS[0][0]))
+    early.submit(EARLY_NAME, lambda: {name: launch(tiny_model(early, tmp_path_factory), *extra, env=dict(env or {}))
+                                      for name, (extra, env) in EARLY_CASES.items()})
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +238,7 @@ def launched(
     early_starts: EarlyStarts,
 ) -> dict[str, tuple[subprocess.CompletedProcess[str], Path | None]]:
     """Every case of this module launched at once: name -> (the launcher's result, its files'
-    directory); :data:`FRESH_CASE` from the end of collection (:func:`early_start`) if it ran there."""
+    directory); :data:`EARLY_CASES` from the end of collection (:func:`early_start`) if they ran there."""
     cases: dict[str, tuple[Sequence[str], Mapping[str, str] | None]] = {}
     dirs: dict[str, Path | None] = {}
     for i, (extra, _) in enumerate(BAD_OPTIONS):
@@ -249,12 +257,11 @@ def launched(
         else:
             forked[name] = (extra, env)
     assert launch_zygote is None or set(fresh) == {FRESH_CASE, "env1"}, sorted(fresh)  # SGLANG_RUST_SERVER
-    early = early_starts.take(FRESH_CASE)
-    if early is not None:
-        del fresh[FRESH_CASE]
+    results = early_starts.take(EARLY_NAME) or {}
+    fresh = {name: case for name, case in fresh.items() if name not in results}
+    forked = {name: case for name, case in forked.items() if name not in results}
     with ThreadPoolExecutor(max_workers=1) as pool:  # the fresh launches run beside the forks
         fresh_results = pool.submit(launch_all, tiny_model_dir, fresh)
-        results = {} if early is None else {FRESH_CASE: early}
         if launch_zygote is not None:
             results.update(launch_forked(launch_zygote, tiny_model_dir, forked, tmp_path_factory.mktemp("launcher-forks")))
         results.update(fresh_results.result())

@@ -26,7 +26,11 @@ from sglang_ext.settings import STATS_FILE_ENV
 from sglang_ext.testing.jsonl import read_jsonl_settled
 from tests.service.conftest import wait_until
 from tests.sglang.conftest import PROMPTS, running_server
-from tests.sglang.test_launch_validation import assert_refused_in_one_line, launch_all
+from tests.sglang.test_launch_validation import (
+    assert_refused_in_one_line,
+    launch_all,
+    launch_forked,
+)
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]
 
@@ -125,13 +129,17 @@ def test_a_live_scheduler_change_reaches_the_admission_gate(live):
     assert _burst(live) == 0
 
 
-def test_launch_refuses_a_taken_port_and_updates_without_a_token(live, tiny_model_dir):
+def test_launch_refuses_a_taken_port_and_updates_without_a_token(live, tiny_model_dir, launch_zygote, tmp_path):
     """A second server on the same policy port stops at launch with one line naming the flag and
-    the address; so does one that would serve updates without a token."""
-    got = launch_all(tiny_model_dir, {
+    the address; so does one that would serve updates without a token. The launchers are forks
+    of the session's zygote (a fresh launcher refuses as a fork does:
+    ``test_launch_validation.py``), fresh processes without one."""
+    cases = {
         "taken": (["--kv-policy-listen", live.target, "--kv-policy-listen-token-file", str(live.token)], None),
         "open": (["--kv-policy-listen", f"127.0.0.1:{free_port()}"], None),
-    })
+    }
+    got = (launch_all(tiny_model_dir, cases) if launch_zygote is None
+           else launch_forked(launch_zygote, tiny_model_dir, cases, tmp_path))
     assert_refused_in_one_line(got["taken"], f"--kv-policy-listen='{live.target}': cannot bind (Address already in use)")
     assert_refused_in_one_line(got["open"], "serves policy updates: give --kv-policy-listen-token-file FILE")
     assert live.server.post("/generate", {"text": "still", "sampling_params": {"max_new_tokens": 1}})["meta_info"]
