@@ -64,7 +64,8 @@ EARLY = pytest.StashKey[EarlyStarts]()
 def early_starts_of(config: pytest.Config) -> EarlyStarts:
     """The session's :class:`EarlyStarts` (made on first use, closed when the session ends)."""
     if EARLY not in config.stash:
-        early = config.stash[EARLY] = EarlyStarts()
+        config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined] # made here: jobs' mktemp runs on their thread
+        early = config.stash[EARLY] = EarlyStarts(dict(os.environ))
         config.add_cleanup(early.close)
     return config.stash[EARLY]
 
@@ -81,6 +82,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     (:mod:`sglang_ext.testing.early_starts`): each test module with an ``early_start(early,
     tmp_path_factory, items)`` function (``items``: its selected tests) submits its own, in test
     order."""
+    if session.config.option.collectonly or session.testsfailed:  # nothing will run (or collection failed)
+        return
     by_module: dict[object, list[pytest.Item]] = {}
     for item in session.items:
         module = getattr(item, "module", None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -104,22 +105,48 @@ def test_summary_says_the_control_plane_is_embedded_and_why_paced_streams_read_t
     assert "control plane: embedded" not in out and "streams are paced" not in out
 
 
-def _run_demo(work: Path, early: EarlyStarts | None = None) -> subprocess.CompletedProcess[str]:
-    """``kvplane demo --workdir WORK/w --json WORK/summary.json``, as a user runs it (``early``:
-    its process is killed if the session ends first)."""
+def _alive_serving(model_dir: Path) -> list[str]:
+    """Command lines of the processes whose arguments name ``model_dir``."""
+    alive = []
+    for proc_dir in Path("/proc").iterdir():
+        if proc_dir.name.isdigit():
+            try:
+                cmdline = (proc_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if str(model_dir) in cmdline:
+                alive.append(cmdline)
+    return alive
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    """Ctrl-C, as a user stops the demo (it stops its server), then SIGKILL after 30 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _run_demo(work: Path, early: EarlyStarts | None = None) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """``kvplane demo --workdir WORK/w --json WORK/summary.json``, as a user runs it, and the
+    processes still serving its model right after it exits (``early``: run in its environment,
+    stopped if the session ends first)."""
     command = [sys.executable, "-m", "kvplane.cli", "demo", "--workdir", str(work / "w"),
                "--json", str(work / "summary.json")]
+    base = os.environ if early is None else early.env
     proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+                            env={**base, "PYTHONPATH": str(REPO)})
     if early is not None:
-        early.cleanup(proc.kill)
+        early.cleanup(lambda: _stop(proc))
     try:
         out, err = proc.communicate(timeout=DEMO_DEADLINE_S)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        _stop(proc)
         out, err = proc.communicate()
-        err += f"\n(test: killed after {DEMO_DEADLINE_S} s)"
-    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+        err += f"\n(test: stopped after {DEMO_DEADLINE_S} s)"
+    return subprocess.CompletedProcess(command, proc.returncode, out, err), _alive_serving(work / "w" / "model")
 
 
 def early_start(early: EarlyStarts, tmp_path_factory: pytest.TempPathFactory, items: list[pytest.Item]) -> None:
@@ -129,7 +156,7 @@ def early_start(early: EarlyStarts, tmp_path_factory: pytest.TempPathFactory, it
     if importlib.util.find_spec("sglang") is None or not any(i.name == _END_TO_END for i in items):
         return
     work = tmp_path_factory.mktemp("demo")
-    early.submit(_END_TO_END, lambda: (work, _run_demo(work, early)))
+    early.submit(_END_TO_END, lambda: (work, *_run_demo(work, early)))
 
 
 _END_TO_END = "test_demo_runs_end_to_end"
@@ -142,7 +169,7 @@ def test_demo_runs_end_to_end(tmp_path: Path, early_starts: EarlyStarts) -> None
     """`kvplane demo` launches SGLang, serves the mixed workload, prints the summary, tears down
     (run from the end of collection: :func:`early_start`; here if it was not)."""
     pytest.importorskip("sglang")
-    work, proc = early_starts.take(_END_TO_END) or (tmp_path, _run_demo(tmp_path))
+    work, proc, alive = early_starts.take(_END_TO_END) or (tmp_path, *_run_demo(tmp_path))
     out_json = work / "summary.json"
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert SUMMARY_HEADER in proc.stdout
@@ -164,22 +191,7 @@ def test_demo_runs_end_to_end(tmp_path: Path, early_starts: EarlyStarts) -> None
     assert "pause" in whats and "resume" in whats, (
         f"the default budget did not pause and resume a request: events {summary['events']}"
     )
-    # Torn down: no process is left serving the demo's model directory.
-    model_dir = str(work / "w" / "model")
-    alive = []
-    for proc_dir in Path("/proc").iterdir():
-        if proc_dir.name.isdigit():
-            try:
-                cmdline = (
-                    (proc_dir / "cmdline")
-                    .read_bytes()
-                    .replace(b"\0", b" ")
-                    .decode(errors="replace")
-                )
-            except OSError:
-                continue
-            if model_dir in cmdline:
-                alive.append(cmdline)
+    # Torn down: no process was left serving the demo's model directory when it exited.
     assert not alive, alive
 
 

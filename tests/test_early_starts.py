@@ -28,7 +28,7 @@ def test_jobs_run_one_at_a_time_in_submission_order_and_results_are_taken_by_nam
     assert early.take("c", timeout_s=10) == "C"
     assert order == ["a", "b", "c"]
     assert early.take("a") == "A" and early.take("b") == "B"
-    assert early.take("never") is None and not early.submitted("never") and early.submitted("a")
+    assert early.take("never") is None
     with pytest.raises(ValueError, match="already submitted"):
         early.submit("a", lambda: None)
     early.close()
@@ -47,20 +47,22 @@ def test_a_jobs_exception_reaches_the_taker_and_the_next_job_still_runs():
 def test_shared_is_made_once_for_every_caller_even_from_two_threads():
     early = EarlyStarts()
     made: list[int] = []
-    gate = threading.Event()
+    got: list[int] = []
+    entered, gate = threading.Event(), threading.Event()
 
     def make() -> int:
-        gate.wait(5)
+        entered.set()
+        assert gate.wait(10)
         made.append(1)
         return 42
 
     early.submit("job", lambda: early.shared("model", make))
-    time.sleep(0.05)  # the job is inside make(), waiting on the gate
-    other = threading.Thread(target=lambda: made.append(early.shared("model", make)))
+    assert entered.wait(10)  # the job is inside make(): the value is being made
+    other = threading.Thread(target=lambda: got.append(early.shared("model", make)))
     other.start()
     gate.set()
-    other.join(5)
-    assert early.take("job") == 42 and made == [1, 42]  # made once; the second caller got its value
+    other.join(10)
+    assert early.take("job") == 42 and made == [1] and got == [42]  # made once; the other caller got it
     other_made: list[int] = []
     assert early.shared("other", lambda: other_made.append(1) or 7) == 7 and other_made == [1]  # control
     with pytest.raises(ZeroDivisionError):
@@ -70,25 +72,30 @@ def test_shared_is_made_once_for_every_caller_even_from_two_threads():
     early.close()
 
 
-def test_close_cancels_queued_jobs_waits_for_the_running_one_and_runs_every_cleanup_newest_first():
+def test_close_cancels_queued_jobs_stops_what_the_running_one_waits_for_then_runs_the_rest():
+    """The running job's cleanup (registered before its wait) runs first and ends its wait; the
+    queued job never runs; a cleanup the job registers after that runs once it has finished."""
     early = EarlyStarts()
     stopped: list[str] = []
-    release = threading.Event()
     ran: list[str] = []
+    started, release = threading.Event(), threading.Event()
 
     def slow() -> None:
-        early.cleanup(lambda: stopped.append("slow"))
-        release.wait(5)
-        ran.append("slow")
+        early.cleanup(lambda: (stopped.append("slow"), release.set()))
+        started.set()
+        released = release.wait(30)
+        early.cleanup(lambda: stopped.append("late"))
+        ran.append(f"slow released={released}")
 
     early.cleanup(lambda: stopped.append("first"))
     early.submit("slow", slow)
     early.submit("queued", lambda: ran.append("queued"))
-    time.sleep(0.05)
-    threading.Timer(0.1, release.set).start()
+    assert started.wait(10)
+    t0 = time.monotonic()
     early.close()
-    assert ran == ["slow"]  # the queued job never ran; the running one finished
-    assert stopped == ["slow", "first"]
+    assert ran == ["slow released=True"]  # its wait ended by the cleanup, not by its 30 s timeout
+    assert time.monotonic() - t0 < 20
+    assert stopped == ["slow", "first", "late"]
     with pytest.raises(RuntimeError, match="closed"):
         early.submit("late", lambda: None)
 

@@ -13,14 +13,16 @@ find them ready::
     result = early.take("demo")   # waits; re-raises the job's exception; None if never submitted
     early.close()                 # queued jobs cancelled, cleanups run (newest first)
 
-What is started is the same as a test's own start-up would be (the jobs call the fixtures' own
-start-up code); only when it starts changes.
+The jobs call the fixtures' own start-up code, with the session's environment as it was when
+collection ended (the tests that run meanwhile change ``os.environ``); what differs is when they
+run, and that the suite's first tests share the host with them.
 """
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -30,7 +32,10 @@ T = TypeVar("T")
 class EarlyStarts:
     """Jobs run in submission order on one worker thread; results taken by name."""
 
-    def __init__(self) -> None:
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        self.env: dict[str, str] = dict(os.environ if env is None else env)
+        """The environment the jobs' processes start with: the session's when it was made (at
+        the end of collection); the tests running meanwhile may change ``os.environ``."""
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="early-start")
         self._jobs: dict[str, Future[Any]] = {}
         self._shared: dict[str, Future[Any]] = {}
@@ -46,9 +51,6 @@ class EarlyStarts:
             if name in self._jobs:
                 raise ValueError(f"early start {name!r} already submitted")
             self._jobs[name] = self._pool.submit(job)
-
-    def submitted(self, name: str) -> bool:
-        return name in self._jobs
 
     def take(self, name: str, timeout_s: float | None = None) -> Any:
         """The result of job ``name`` (waiting for it; its exception re-raised), or None if no
@@ -73,17 +75,26 @@ class EarlyStarts:
         return future.result()
 
     def cleanup(self, fn: Callable[[], object]) -> None:
-        """Run ``fn`` at :meth:`close` (newest first): a job registers how to stop what it
-        started before it starts it, so a session that ends early stops it too."""
+        """Run ``fn`` at :meth:`close` (newest first). A job registers how to stop a process as
+        soon as it has one, before waiting for it: a session that ends while the job waits stops
+        the process, and the job's wait ends with it."""
         with self._lock:
             self._cleanups.append(fn)
 
     def close(self) -> None:
-        """Cancel the jobs not started, wait for the running one, then run every cleanup
-        (each once; an exception in one does not skip the others: the first is re-raised)."""
+        """Cancel the jobs not started; run the cleanups registered so far (which stop what a
+        running job is waiting for); wait for that job; run the cleanups it registered since.
+        Each runs once; an exception in one does not skip the others (the first is re-raised)."""
         with self._lock:
             self._closed = True
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        first = self._run_cleanups()
+        self._pool.shutdown(wait=True)
+        first = self._run_cleanups() or first
+        if first is not None:
+            raise first
+
+    def _run_cleanups(self) -> BaseException | None:
         with self._lock:
             cleanups, self._cleanups = self._cleanups[::-1], []
         first: BaseException | None = None
@@ -92,5 +103,4 @@ class EarlyStarts:
                 fn()
             except BaseException as exc:  # noqa: BLE001 - every cleanup runs; the first error is raised
                 first = first or exc
-        if first is not None:
-            raise first
+        return first

@@ -33,7 +33,10 @@ FREE_VARIABLES: tuple[str, ...] = (
 differently from the zygote, because nothing the zygote imported has read them yet: kvplane
 (``KVPLANE_*``) and its Triton kernels, which ``TRITON_INTERPRET`` decides about when they are
 defined, are imported after the fork (SGLang's own Triton kernels, defined in the zygote, stay
-compiled ones: SGLang runs none of them on a CPU, its platform declares no Triton), ``prometheus_client`` (``PROMETHEUS_MULTIPROC_DIR``) too, and SGLang reads the two
+compiled ones, those of the model modules it pre-imports included: SGLang runs none of them on a
+CPU, its platform declares no Triton -- a compiled kernel launched there would fail on the missing
+driver, and the suite's ``TRITON_INTERPRET=1`` servers serve), ``prometheus_client``
+(``PROMETHEUS_MULTIPROC_DIR``) too, and SGLang reads the two
 ``SGLANG_*`` ones when it binds threads and loads NCCL, at run time
 (``tests/sglang/test_launch_zygote.py`` checks the imports); pytest's ``PYTEST_CURRENT_TEST``
 (set around each test) nothing reads, and torch sets ``_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR``

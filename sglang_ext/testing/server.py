@@ -60,11 +60,12 @@ detokenizer and the client were preempting the scheduler (the tiny model gains n
 second thread). The test suite sets the same default for its own reasons (``tests/conftest.py``)."""
 
 
-def cpu_env(own: Mapping[str, str] | None = None) -> dict[str, str]:
+def cpu_env(own: Mapping[str, str] | None = None, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """:data:`CPU_ENV` as a server started now gets it: the server's ``own`` environment
-    (:attr:`SGLangServer.env`) wins, then the caller's, then the recipe's default."""
-    own = own or {}
-    return {key: own.get(key, os.environ.get(key, value)) for key, value in CPU_ENV}
+    (:attr:`SGLangServer.env`) wins, then the caller's (``base``, default ``os.environ``), then
+    the recipe's default."""
+    own, base = own or {}, os.environ if base is None else base
+    return {key: own.get(key, base.get(key, value)) for key, value in CPU_ENV}
 
 
 BIND_FAILURE = "error while attempting to bind on address"
@@ -90,6 +91,8 @@ class SGLangServer:
     """Flags appended after :data:`CPU_ARGS` (e.g. ``--enable-layered-kv``)."""
     env: Mapping[str, str] = field(default_factory=dict)
     """Environment additions for the server process."""
+    base_env: Mapping[str, str] | None = None
+    """The environment ``env`` adds to (None: ``os.environ`` when it spawns)."""
     startup_timeout_s: float = 240.0
     """Deadline for ``/health`` to answer 200."""
     port: int = 0
@@ -147,7 +150,8 @@ class SGLangServer:
             raise ServerError("server already started")
         if not self.port:
             self.port = free_port()
-        env = {**os.environ, **self.env, **cpu_env(self.env)}
+        base = os.environ if self.base_env is None else self.base_env
+        env = {**base, **self.env, **cpu_env(self.env, base)}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         command = self.command()
         reason = "no zygote" if self.zygote is None else self.zygote.why_not(env, self.python)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -109,9 +109,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     (~30 s of CPU, in the zygote and its fork server) run beside the suite's first tests, on the
     core they leave idle, instead of delaying the first server module."""
     config = session.config
-    if sglang_missing() or config.getoption("--sglang-fresh-launch") or ZYGOTE in config.stash:
+    if (sglang_missing() or config.getoption("--sglang-fresh-launch") or ZYGOTE in config.stash
+            or config.option.collectonly or session.testsfailed):
         return
     factory = config._tmp_path_factory  # type: ignore[attr-defined] # the tmp_path_factory fixture's
+    # `import sglang` setdefaults its third-party cache variables (CUDA_CACHE_PATH, TRITON_CACHE_DIR,
+    # ...: sglang.srt.environ.redirect_third_party_caches) in os.environ. Imported here, before the
+    # zygote and the early starts take the session's environment, a test that imports SGLang first
+    # later (a run of a few modules) cannot make every later launch differ from the zygote's.
+    importlib.import_module("sglang")
     if any("launch_zygote" in getattr(item, "fixturenames", ()) for item in session.items):
         _start_zygote(config, factory)
     if any("tiny_model_dir" in getattr(item, "fixturenames", ()) for item in session.items):
@@ -135,11 +141,13 @@ def launch_zygote(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
 @contextmanager
 def running_server(
     model_dir: Path, root: Path, extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
-    *, zygote: LaunchZygote | None = None,
+    *, zygote: LaunchZygote | None = None, base_env: Mapping[str, str] | None = None,
+    on_spawn: Callable[[SGLangServer], object] | None = None,
 ) -> Iterator[SGLangServer]:
     """An SGLang server on a free port, logging to ``root/server.log``, healthy on entry and
     stopped on exit (module fixtures wrap one); forked from ``zygote`` when it can be."""
-    with running_servers(model_dir, [(root, extra_args, env)], zygote=zygote) as (server,):
+    with running_servers(model_dir, [(root, extra_args, env)], zygote=zygote, base_env=base_env,
+                         on_spawn=on_spawn) as (server,):
         yield server
 
 
@@ -158,22 +166,27 @@ ServerSpec = tuple[Path, Sequence[str], Mapping[str, str] | None]
 
 
 @contextmanager
-def running_servers(model_dir: Path, specs: Sequence[ServerSpec], *,
-                    zygote: LaunchZygote | None = None) -> Iterator[tuple[SGLangServer, ...]]:
+def running_servers(model_dir: Path, specs: Sequence[ServerSpec], *, zygote: LaunchZygote | None = None,
+                    base_env: Mapping[str, str] | None = None,
+                    on_spawn: Callable[[SGLangServer], object] | None = None) -> Iterator[tuple[SGLangServer, ...]]:
     """:func:`running_server` for several servers, started side by side: every one is spawned
     before any is waited for (a lone start-up leaves one of this host's two cores idle while the
     launcher imports SGLang; a module's servers together take ~1.3x one instead of 2x). Their
-    ports are distinct and below the ephemeral range (:mod:`controlplane.service.ports`)."""
+    ports are distinct and below the ephemeral range (:mod:`controlplane.service.ports`).
+    ``base_env``: the environment their additions go onto (default ``os.environ``); ``on_spawn``:
+    called with each server once spawned, before the wait (an early start registers its stop)."""
     ports = free_ports(len(specs))
     servers = tuple(
         SGLangServer(model_dir, log_path=root / "server.log", extra_args=[*TEST_DTYPE_ARGS, *extra],
-                     env=dict(env or {}),
+                     env=dict(env or {}), base_env=base_env,
                      startup_timeout_s=STARTUP_TIMEOUT_S, port=port, avoid_ports=tuple(ports), zygote=zygote)
         for (root, extra, env), port in zip(specs, ports, strict=True)
     )
     try:
         for server in servers:
             server.spawn()
+            if on_spawn is not None:
+                on_spawn(server)
         for server in servers:
             server.wait_ready()
         yield servers

@@ -45,14 +45,16 @@ def launcher_argv(model_dir: Path, *extra: str) -> list[str]:
             "--enable-layered-kv", *extra]
 
 
-def launch(model_dir: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run the launcher with --enable-layered-kv on the CPU recipe's device; it must exit by itself."""
+def launch(model_dir: Path, *extra: str, env: dict[str, str] | None = None,
+           base_env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the launcher with --enable-layered-kv on the CPU recipe's device (``env`` added to
+    ``base_env``, default ``os.environ``); it must exit by itself."""
     return subprocess.run(
         [sys.executable, "-m", "sglang.launch_server", *launcher_argv(model_dir, *extra)],
         capture_output=True,
         text=True,
         timeout=180,
-        env={**os.environ, **(env or {})},
+        env={**(os.environ if base_env is None else base_env), **(env or {})},
     )
 
 
@@ -228,8 +230,9 @@ def early_start(early: EarlyStarts, tmp_path_factory: pytest.TempPathFactory, it
     the results."""
     if sglang_missing() or not any("launched" in getattr(item, "fixturenames", ()) for item in items):
         return
-    early.submit(EARLY_NAME, lambda: {name: launch(tiny_model(early, tmp_path_factory), *extra, env=dict(env or {}))
-                                      for name, (extra, env) in EARLY_CASES.items()})
+    early.submit(EARLY_NAME, lambda: {
+        name: launch(tiny_model(early, tmp_path_factory), *extra, env=dict(env or {}), base_env=early.env)
+        for name, (extra, env) in EARLY_CASES.items()})
 
 
 @pytest.fixture(scope="module")

@@ -50,8 +50,8 @@ def test_the_zygote_imports_sglang_but_not_kvplane_nor_what_reads_the_free_varia
     ``PROMETHEUS_MULTIPROC_DIR`` when imported). (SGLang reads the two free ``SGLANG_*`` variables
     inside the functions that use them, ``find_nccl_library`` and the CPU thread binding.)"""
     modules = set(zygote.imported_modules())
-    assert {"sglang.launch_server", "sglang.srt.managers.scheduler",
-            "sglang.srt.managers.detokenizer_manager"} <= modules
+    assert {"sglang.launch_server", "sglang.srt.managers.scheduler", "sglang.srt.managers.detokenizer_manager",
+            "sglang.srt.models.registry", "sglang.srt.models.llama"} <= modules  # the model modules too
     kvplane = sorted(m for m in modules if m.split(".")[0] in ("sglang_ext", "controlplane", "kernels"))
     harness = {"sglang_ext", "sglang_ext.testing", "sglang_ext.testing.zygote_child", "sglang_ext.testing.zygote_server"}
     assert [m for m in kvplane if m not in harness and not m.startswith("sglang_ext.compat")] == []

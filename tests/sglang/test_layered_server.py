@@ -41,9 +41,11 @@ from tests.sglang.conftest import (
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # server start-ups on a loaded host
 
 
-def _start_layered(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[SGLangServer, Path, ExitStack]:
+def _start_layered(model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+                   early: EarlyStarts | None = None) -> tuple[SGLangServer, Path, ExitStack]:
     """The layered-KV server (a fresh process: the module docstring), the path of its
-    residency-event file, and the stack that stops it."""
+    residency-event file, and the stack that stops it. ``early``: started by an early start,
+    in its environment, its stop registered there once spawned."""
     root = tmp_path_factory.mktemp("layered")
     events = root / "events.jsonl"
     env = {EVENTS_FILE_ENV: str(events), OVERHEAD_FILE_ENV: str(root / "overhead.json")}
@@ -51,7 +53,9 @@ def _start_layered(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     profile.write_text(json.dumps(PROFILE))
     flags = ["--enable-layered-kv", "--kv-profile", str(profile)]
     stack = ExitStack()  # a start-up that raises has stopped its own processes (running_servers)
-    server = stack.enter_context(running_server(model_dir, root, flags, env))
+    server = stack.enter_context(running_server(
+        model_dir, root, flags, env, base_env=None if early is None else early.env,
+        on_spawn=None if early is None else (lambda spawned: early.cleanup(spawned.stop))))
     return server, events, stack
 
 
@@ -62,9 +66,7 @@ def early_start(early: EarlyStarts, tmp_path_factory: pytest.TempPathFactory, it
         return
 
     def job() -> tuple[SGLangServer, Path, ExitStack]:
-        started = _start_layered(tiny_model(early, tmp_path_factory), tmp_path_factory)
-        early.cleanup(started[2].close)
-        return started
+        return _start_layered(tiny_model(early, tmp_path_factory), tmp_path_factory, early)
 
     early.submit(EARLY_NAME, job)
 

@@ -9,6 +9,8 @@ the project's gRPC client (:class:`GrpcControlPlane`), the way ``kvplane policy`
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -133,13 +135,14 @@ def test_launch_refuses_a_taken_port_and_updates_without_a_token(live, tiny_mode
     """A second server on the same policy port stops at launch with one line naming the flag and
     the address; so does one that would serve updates without a token. The launchers are forks
     of the session's zygote (a fresh launcher refuses as a fork does:
-    ``test_launch_validation.py``), fresh processes without one."""
+    ``test_launch_validation.py``), fresh processes where it cannot fork them."""
     cases = {
         "taken": (["--kv-policy-listen", live.target, "--kv-policy-listen-token-file", str(live.token)], None),
         "open": (["--kv-policy-listen", f"127.0.0.1:{free_port()}"], None),
     }
-    got = (launch_all(tiny_model_dir, cases) if launch_zygote is None
-           else launch_forked(launch_zygote, tiny_model_dir, cases, tmp_path))
+    forkable = launch_zygote is not None and launch_zygote.why_not(dict(os.environ), sys.executable) is None
+    got = (launch_forked(launch_zygote, tiny_model_dir, cases, tmp_path) if forkable
+           else launch_all(tiny_model_dir, cases))
     assert_refused_in_one_line(got["taken"], f"--kv-policy-listen='{live.target}': cannot bind (Address already in use)")
     assert_refused_in_one_line(got["open"], "serves policy updates: give --kv-policy-listen-token-file FILE")
     assert live.server.post("/generate", {"text": "still", "sampling_params": {"max_new_tokens": 1}})["meta_info"]
