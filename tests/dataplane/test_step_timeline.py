@@ -170,11 +170,13 @@ def test_timeline_says_where_the_device_waited_for_the_host():
 
 def test_kvplane_host_time_excludes_the_probes_own_marks():
     """``kvplane_host_ms[l]``: the wall time inside kvplane's calls of the layer (enter and write
-    here, 2 ms slept in write), not the probe's marks around enter (made to cost 5 ms each)."""
+    here, 20 ms slept in write), not the probe's marks around enter (made to cost 50 ms each).
+    Wall-clock margins of 25-30 ms: the suite's first tests share the 2-core host with its early
+    starts, and a do-nothing call measured 1.06 ms there once (session 48) against a 1 ms bound."""
     probe = _LaggingDevice()
-    probe.mark_s = 0.005
-    t = _lagging_step(probe, [0.0] * 3, 0.002)
-    assert all(2.0 <= ms < 4.5 for ms in t["kvplane_host_ms"]), t["kvplane_host_ms"]
+    probe.mark_s = 0.05
+    t = _lagging_step(probe, [0.0] * 3, 0.02)
+    assert all(20.0 <= ms < 45.0 for ms in t["kvplane_host_ms"]), t["kvplane_host_ms"]
     assert t["kvplane_host_ms_total"] == pytest.approx(sum(t["kvplane_host_ms"]))
     control = _lagging_step(_LaggingDevice(), [0.0] * 3, 0.0)  # nothing inside kvplane's calls
-    assert max(control["kvplane_host_ms"]) < 1.0
+    assert max(control["kvplane_host_ms"]) < 10.0
