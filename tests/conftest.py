@@ -70,6 +70,11 @@ def early_starts_of(config: pytest.Config) -> EarlyStarts:
     return config.stash[EARLY]
 
 
+def uses_fixture(items: list[pytest.Item], name: str) -> bool:
+    """Whether any of ``items`` (selected tests) requests fixture ``name``."""
+    return any(name in getattr(item, "fixturenames", ()) for item in items)
+
+
 @pytest.fixture(scope="session")
 def early_starts(request: pytest.FixtureRequest) -> EarlyStarts:
     """Set-ups the session started at the end of collection (:func:`pytest_collection_finish`)."""

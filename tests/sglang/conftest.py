@@ -27,7 +27,7 @@ from sglang_ext.testing.early_starts import EarlyStarts
 from sglang_ext.testing.launch_zygote import LaunchZygote
 from sglang_ext.testing.server import SGLangServer
 from sglang_ext.testing.tiny_model import TinyModelSpec, build_tiny_model
-from tests.conftest import early_starts_of
+from tests.conftest import early_starts_of, uses_fixture
 
 PROMPTS: tuple[str, ...] = tuple(
     f"{head} {tail}"
@@ -118,9 +118,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     # zygote and the early starts take the session's environment, a test that imports SGLang first
     # later (a run of a few modules) cannot make every later launch differ from the zygote's.
     importlib.import_module("sglang")
-    if any("launch_zygote" in getattr(item, "fixturenames", ()) for item in session.items):
+    if uses_fixture(session.items, "launch_zygote"):
         _start_zygote(config, factory)
-    if any("tiny_model_dir" in getattr(item, "fixturenames", ()) for item in session.items):
+    if uses_fixture(session.items, "tiny_model_dir"):
         _early_start_tiny_model(config, factory)
 
 

@@ -30,6 +30,7 @@ import pytest
 
 from sglang_ext.testing.early_starts import EarlyStarts
 from sglang_ext.testing.launch_zygote import LaunchZygote
+from tests.conftest import uses_fixture
 from tests.service.certs import ThrowawayCA
 from tests.sglang.conftest import sglang_missing, tiny_model
 from tests.sglang.test_model_support import model_dir
@@ -228,7 +229,7 @@ def early_start(early: EarlyStarts, tmp_path_factory: pytest.TempPathFactory, it
     """Launch :data:`EARLY_CASES` at the end of collection (``tests/conftest.py``), one after the
     other: their ~25 s of imports each run beside the suite's first tests; :func:`launched` takes
     the results."""
-    if sglang_missing() or not any("launched" in getattr(item, "fixturenames", ()) for item in items):
+    if sglang_missing() or not uses_fixture(items, "launched"):
         return
     early.submit(EARLY_NAME, lambda: {
         name: launch(tiny_model(early, tmp_path_factory), *extra, env=dict(env or {}), base_env=early.env)

@@ -29,6 +29,7 @@ from sglang_ext.testing.early_starts import EarlyStarts
 from sglang_ext.testing.residency import check_block_lifecycle
 from sglang_ext.testing.server import SGLangServer
 from sglang_ext.testing.tiny_model import TinyModelSpec
+from tests.conftest import uses_fixture
 from tests.sglang.conftest import (
     PROMPTS,
     assert_same_generation,
@@ -62,7 +63,7 @@ def _start_layered(model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
 def early_start(early: EarlyStarts, tmp_path_factory: pytest.TempPathFactory, items: list[pytest.Item]) -> None:
     """Start the server at the end of collection (``tests/conftest.py``): its ~50 s fresh start-up
     runs beside the suite's first tests instead of before this module's."""
-    if sglang_missing() or not any("layered" in getattr(item, "fixturenames", ()) for item in items):
+    if sglang_missing() or not uses_fixture(items, "layered"):
         return
 
     def job() -> tuple[SGLangServer, Path, ExitStack]:
