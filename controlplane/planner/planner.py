@@ -107,7 +107,8 @@ class Planner:
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         """``clock`` (seconds) measures the time budget and ``solve_ms``: wall time by default;
-        ``time.process_time`` makes the budget CPU time (benchmarks on a shared machine).
+        ``time.process_time`` makes the budget CPU time (benchmarks on a shared machine),
+        ``time.thread_time`` the calling thread's (tests sharing the process with other threads).
         The default budget (no ``time_budget_ms``) is ``budget_fraction`` of the all-on-GPU
         compute, raised to ``min_default_budget_ms`` and then capped at
         ``max_default_budget_ms`` (the cap wins)."""

@@ -104,7 +104,13 @@ TIED = dict(contexts=[403] * 4, layers=8, gbps=10.0, frac=0.75, slo_factors=[2.0
 @given(batch=issue_batches)
 @example(batch=random_batch(**TIED))
 def test_default_budget_plans_are_within_one_percent_and_exact_labels_are_optimal(batch):
-    """Within the default budget (CPU clock: a shared machine's waits not counted) every plan is within 1% of the exhaustive optimum at its window; a plan labelled "exact" (or extras["optimal"]) is the optimum.
+    """Within the default budget (this thread's CPU clock: a shared machine's waits not counted) every plan is within 1% of the exhaustive optimum at its window; a plan labelled "exact" (or extras["optimal"]) is the optimum.
+
+    The clock is ``time.thread_time``, not ``time.process_time``: the suite's early starts
+    (``tests/conftest.py``) build the tiny model on a worker thread of this process while the first
+    tests run, and the process clock charged that thread's CPU to the planner's 4 ms budget (CI,
+    session 48: a plan 5.3% above the optimum that did not reproduce, a ``FlakyFailure``). The
+    planner and its CBC stage (``threads = 1``) run on the calling thread.
 
     The cyclic GC is held off during ``plan()``: a full collection of the test process's heap
     (Hypothesis, pytest) inside it is charged to the CPU clock (29 ms measured, seven times the
@@ -115,7 +121,7 @@ def test_default_budget_plans_are_within_one_percent_and_exact_labels_are_optima
     enabled = gc.isenabled()
     gc.disable()
     try:
-        plan = Planner(clock=time.process_time).plan(batch)
+        plan = Planner(clock=time.thread_time).plan(batch)
     finally:
         if enabled:
             gc.enable()
