@@ -1,14 +1,18 @@
 """EarlyStarts (the suite's set-ups started at the end of collection): order, results, errors,
-the shared value made once, and close() stopping what was started -- each with its control."""
+the shared value made once, close() stopping what was started, and the jobs' lower priority --
+each with its control."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
-from sglang_ext.testing.early_starts import EarlyStarts
+from sglang_ext.testing.early_starts import NICE, EarlyStarts
 
 
 def test_jobs_run_one_at_a_time_in_submission_order_and_results_are_taken_by_name():
@@ -109,3 +113,30 @@ def test_a_failing_cleanup_does_not_skip_the_others_and_is_raised():
     with pytest.raises(ZeroDivisionError):
         early.close()
     assert stopped == ["c", "a"]
+
+
+def child_nice() -> int:
+    """The niceness of a process started from the calling thread."""
+    out = subprocess.run([sys.executable, "-c", "import os; print(os.nice(0))"], capture_output=True, text=True,
+                         check=True)
+    return int(out.stdout)
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no setpriority")
+def test_jobs_and_the_processes_they_start_run_niced_while_the_caller_keeps_its_priority():
+    """The worker thread runs at nice >= NICE and its child processes inherit it; the calling
+    thread's own niceness is untouched. Control: ``nice=0`` leaves the jobs at the caller's."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    early = EarlyStarts()
+    early.submit("own", lambda: os.getpriority(os.PRIO_PROCESS, 0))
+    early.submit("child", child_nice)
+    assert early.take("own", timeout_s=30) == max(NICE, base)
+    assert early.take("child", timeout_s=30) == max(NICE, base)
+    early.close()
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base
+    assert child_nice() == base
+
+    control = EarlyStarts(nice=0)
+    control.submit("child", child_nice)
+    assert control.take("child", timeout_s=30) == base
+    control.close()

@@ -15,7 +15,9 @@ find them ready::
 
 The jobs call the fixtures' own start-up code, with the session's environment as it was when
 collection ended (the tests that run meanwhile change ``os.environ``); what differs is when they
-run, and that the suite's first tests share the host with them.
+run, and that the suite's first tests share the host with them -- at a lower priority: the worker
+thread runs at nice :data:`NICE` (on Linux a thread's own; the processes it starts inherit it), so
+the foreground tests, some of which bound wall-clock times, get a core first.
 """
 
 from __future__ import annotations
@@ -28,15 +30,26 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+NICE = 10
+"""The jobs' niceness (at least; a worker already nicer keeps its own)."""
+
+
+def lower_priority(nice: int) -> None:
+    """Make the calling thread (and what it starts) at least ``nice``: Linux keeps a nice value
+    per thread (``setpriority(2)``, "a caveat"), so ``PRIO_PROCESS, 0`` is this thread only."""
+    if nice > 0 and hasattr(os, "setpriority"):
+        os.setpriority(os.PRIO_PROCESS, 0, max(nice, os.getpriority(os.PRIO_PROCESS, 0)))
+
 
 class EarlyStarts:
     """Jobs run in submission order on one worker thread; results taken by name."""
 
-    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, env: Mapping[str, str] | None = None, nice: int = NICE) -> None:
         self.env: dict[str, str] = dict(os.environ if env is None else env)
         """The environment the jobs' processes start with: the session's when it was made (at
         the end of collection); the tests running meanwhile may change ``os.environ``."""
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="early-start")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="early-start",
+                                        initializer=lower_priority, initargs=(nice,))
         self._jobs: dict[str, Future[Any]] = {}
         self._shared: dict[str, Future[Any]] = {}
         self._cleanups: list[Callable[[], object]] = []
