@@ -41,12 +41,19 @@ over a padding-only step, each step admitted after its boundary
 layout's probe on a batch of its own (``graph.identity.*``).
 
 Not covered: staged steps (a graph holds kernels only; fetches need host work in the layers,
-:meth:`GraphStepBuffers.why_not`), and SGLang's graph runner itself, which is not hooked yet. The decode is FlashInfer's
+:meth:`GraphStepBuffers.why_not`), and SGLang's graph runner itself (no SGLang on the GPU host; the
+served path hooks it, ``sglang_ext/graph_runner_hooks.py``, and ``tests/sglang/test_graph_server.py``
+runs it on the CPU over an emulated graph). The decode is FlashInfer's
 where it is available (what serves on CUDA: its wrapper is already in CUDA-graph buffer mode,
 one plan a step -- outside the graph, after the load -- and each layer's run reading that
 layer's row of the buffers' page table, in place or copied into the wrapper's indices buffer:
 ``FlashInferLayeredDecode.run``), else Triton's (two launches, nothing read on the host);
-where FlashInfer's capture raises, the probe says so and measures Triton's. A capture that
+where FlashInfer's capture raises, the probe says so and measures Triton's. A FlashInfer graph
+captured over one plan replays a later plan's lengths: in FlashInfer 0.7.2 (``decode.py``) a
+tensor-core ``auto`` wrapper with bf16/fp16 q and KV resolves to ``fa2`` at ``plan`` (cuDNN only
+for multi-token rows on SM100), and fa2's ``paged_run`` arguments carry the plan's lengths only
+through the int workspace the next ``plan`` rewrites -- no plan-time ``max_kv_len`` scalar, which
+``trtllm-gen`` and ``cute-dsl`` pass and a replay would keep. A capture that
 raises on both is reported in the figures' notes, N/A, never a failed check;
 on the CPU there is no graph (N/A), but the tests capture and replay the same steps on
 :class:`~sglang_ext.testing.tape_graph.TapeGraph`, an emulation with a graph's semantics.
