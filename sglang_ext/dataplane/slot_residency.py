@@ -123,10 +123,8 @@ class SlotResidency:
         logical = self.store.config.logical_pages
         for rid, want in wants.items():  # every want checked before any is applied
             if len(want.gpu_layers) != self.layers:
-                raise ValueError(
-                    f"wants[{rid!r}].gpu_layers has {len(want.gpu_layers)} entries; the pool has "
-                    f"{self.layers} layers"
-                )
+                raise ValueError(f"wants[{rid!r}].gpu_layers has {len(want.gpu_layers)} entries; the pool has "
+                                 f"{self.layers} layers")
             if want.pages and max(want.pages) >= logical:
                 bad = [p for p in want.pages if p >= logical]
                 raise ValueError(f"wants[{rid!r}].pages {bad[:4]} out of range [0, {logical})")
@@ -181,8 +179,7 @@ class SlotResidency:
         self.settle()
         req = self._requests.get(rid)
         if req is None:
-            # A new request only adds wants (nothing can become droppable), so it takes the
-            # append-only path: all its pages count as appended.
+            # a new request only adds wants (nothing becomes droppable): all its pages count as appended
             req = self._requests[rid] = _Request(pages, gpu_layers=[True] * self.layers, anonymous=anonymous)
             if anonymous:
                 self._anonymous.add(rid)
@@ -273,8 +270,8 @@ class SlotResidency:
         """Make the device hold the wanted layer-pages (within the budget); see module doc.
 
         Fast path: when the only change since the last full reconciliation is pages appended to
-        known requests (decode), no request is paused and the new layer-pages fit, they are
-        placed directly -- the same result as the full computation, without it. The full one
+        known requests (decode), no request is paused and the new layer-pages and the staging
+        reserve fit, they are placed directly -- the full computation's result, without it. The full one
         looks at the pages whose wants changed since the last one (:class:`WantCounts`: the
         others are settled) and, when space is short, at paused requests' pages too
         (:class:`LivePages`); never at the other live pages or the pool.
@@ -378,7 +375,10 @@ class SlotResidency:
             a = distinct_sorted(a)
             layer_parts.append(np.repeat(np.arange(self.layers, dtype=np.int64), a.size))
             page_parts.append(np.tile(a, self.layers))
-        if not layer_parts:
+        if not layer_parts:  # nothing to place, but an offloading request's grown staging slot must fit too
+            if self.store.allocator.free_count < self.staging_reserve():
+                self._changed = True  # the full pass makes the room (as it would have without this path)
+                return None
             self.last_moves = LayerPageMoves({}, {})
             return ResidencyDelta(0, 0, 0, 0, 0, 0, 0, 0)
         lp = self.store.config.logical_pages

@@ -1,6 +1,6 @@
 """The steady-decode fast path leaves the pool as the general path does; and the append fast path
-vs the full reconciliation under a tiny budget: a known discrepancy found by
-``test_layered_pool.py``'s property test, kept as a strict xfail until it is decided."""
+vs the full reconciliation under a tiny budget, where the fast path once skipped the staging
+reserve of an offloading request that grew."""
 
 from __future__ import annotations
 
@@ -30,22 +30,32 @@ from tests.sglang.test_layered_pool import (
 pytestmark = pytest.mark.sglang
 
 
-@pytest.mark.xfail(strict=True, reason="known: under a 6-page budget the append fast path keeps a layer the "
-                   "full pass's local fallback gives up (both placements are exact; the harness checks the KV)")
-def test_append_fast_path_matches_the_full_pass_under_a_tiny_budget():
-    """Found by the property test above (random seed, 2026-11-24): request b growing past the
-    6-page budget makes the full pass offload a's layer 1 too, the fast path does not."""
+def test_append_fast_path_keeps_the_staging_reserve_of_a_grown_offloading_request():
+    """Found by ``test_layered_pool.py``'s property test (2026-11-24; a strict xfail until session
+    49): with a 6-page budget, b (every layer on host by the local fallback) grows from 2 to 4
+    pages. It places nothing, but its staging slot grows to 4 pages, and with a's 3 resident
+    layer-pages that is 7 > 6: the full pass's local fallback moves a's layers 2 and 1 to host.
+    The append fast path used to return "nothing to place" there and kept a's layers; now it
+    declines and the full pass runs. Control: a full pass without the local fallback keeps a's
+    layers, and the comparison tells it apart."""
     ops = [("step", "a", 1, None, 0), ("step", "a", 1, None, 0), ("step", "b", 2, None, 0),
            ("step", "b", 2, None, 0), ("step", "b", 3, None, 0)]
-    fast, full = make_pool(budget_tokens=12), make_pool(budget_tokens=12)
+    fast, full, control = (make_pool(budget_tokens=12) for _ in range(3))
     full.residency._reconcile_appended = lambda: None
-    hf, hs = Harness(fast), Harness(full)
+    control.residency._reconcile_appended = lambda: None
+    control.residency._flip_local_layer = lambda: False
+    harnesses = [(Harness(pool), pool) for pool in (fast, full, control)]
     for item in ops:
-        for h, pool in ((hf, fast), (hs, full)):
+        passes = fast.residency.full_reconciles
+        for h, pool in harnesses:
             apply_op(pool, h, item)
-    hf.check()
-    hs.check()
+    assert fast.residency.full_reconciles == passes + 1  # the last step's append: the fast path declined
+    for h, _ in harnesses:
+        h.check()
+    assert fast.residency.gpu_layers("a") == (True, False, False)
     assert torch.equal(fast.store.resident_mask(), full.store.resident_mask())
+    assert control.residency.gpu_layers("a") == (True, True, True)
+    assert not torch.equal(fast.store.resident_mask(), control.store.resident_mask())
 
 
 def _decode(pool: LayeredTokenToKVPool, h: Harness, rids: list[str], fast: bool) -> bool:
