@@ -16,13 +16,15 @@ find them ready::
 The jobs call the fixtures' own start-up code, with the session's environment as it was when
 collection ended (the tests that run meanwhile change ``os.environ``); what differs is when they
 run, and that the suite's first tests share the host with them -- at a lower priority: the worker
-thread runs at nice :data:`NICE` (on Linux a thread's own; the processes it starts inherit it), so
-the foreground tests, some of which bound wall-clock times, get a core first.
+thread runs at nice :data:`NICE` (on Linux a thread's own; the processes and threads it starts
+inherit it, e.g. a tokenizer's thread pool first used by a job), so the foreground tests, some of
+which bound wall-clock times, get a core first.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,9 +38,15 @@ NICE = 10
 
 def lower_priority(nice: int) -> None:
     """Make the calling thread (and what it starts) at least ``nice``: Linux keeps a nice value
-    per thread (``setpriority(2)``, "a caveat"), so ``PRIO_PROCESS, 0`` is this thread only."""
-    if nice > 0 and hasattr(os, "setpriority"):
+    per thread (``setpriority(2)``, "a caveat"), so ``PRIO_PROCESS, 0`` is this thread only.
+    Elsewhere that would be the whole process: nothing is done there, nor when the call fails
+    (the jobs then run at the caller's priority; a failed initializer would break the pool)."""
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return
+    try:
         os.setpriority(os.PRIO_PROCESS, 0, max(nice, os.getpriority(os.PRIO_PROCESS, 0)))
+    except OSError:
+        pass
 
 
 class EarlyStarts:

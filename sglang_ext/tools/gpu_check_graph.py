@@ -51,9 +51,10 @@ layer's row of the buffers' page table, in place or copied into the wrapper's in
 where FlashInfer's capture raises, the probe says so and measures Triton's. A FlashInfer graph
 captured over one plan replays a later plan's lengths: in FlashInfer 0.7.2 (``decode.py``) a
 tensor-core ``auto`` wrapper with bf16/fp16 q and KV resolves to ``fa2`` at ``plan`` (cuDNN only
-for multi-token rows on SM100), and fa2's ``paged_run`` arguments carry the plan's lengths only
-through the int workspace the next ``plan`` rewrites -- no plan-time ``max_kv_len`` scalar, which
-``trtllm-gen`` and ``cute-dsl`` pass and a replay would keep. A capture that
+for multi-token rows on SM100/103), and fa2's kernel gets the plan's lengths only through the int
+workspace the next ``plan`` rewrites: the wrapper hands ``paged_run`` its ``max_kv_len``, which
+``prefill.py``'s fa2 branch drops, while ``trtllm-gen`` and ``cute-dsl`` pass it to their kernels
+(a replay would keep it). A capture that
 raises on both is reported in the figures' notes, N/A, never a failed check;
 on the CPU there is no graph (N/A), but the tests capture and replay the same steps on
 :class:`~sglang_ext.testing.tape_graph.TapeGraph`, an emulation with a graph's semantics.

@@ -46,10 +46,11 @@ def test_append_fast_path_keeps_the_staging_reserve_of_a_grown_offloading_reques
     control.residency._flip_local_layer = lambda: False
     harnesses = [(Harness(pool), pool) for pool in (fast, full, control)]
     for item in ops:
-        passes = fast.residency.full_reconciles
+        passes, eligible = fast.residency.full_reconciles, not fast.residency._changed
         for h, pool in harnesses:
             apply_op(pool, h, item)
-    assert fast.residency.full_reconciles == passes + 1  # the last step's append: the fast path declined
+    assert eligible  # nothing but appends since the last full pass: the fast path was asked
+    assert fast.residency.full_reconciles == passes + 1  # and declined
     for h, _ in harnesses:
         h.check()
     assert fast.residency.gpu_layers("a") == (True, False, False)
