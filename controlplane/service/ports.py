@@ -49,7 +49,7 @@ def free_ports(count: int, *, rng: random.Random | None = None, eph_low: int | N
         for port in rng.sample(range(low, high + 1), min(high - low + 1, 64 * max(count, 1))):
             if len(picked) == count:
                 break
-            if port not in avoid and _bindable(port):
+            if port not in avoid and bindable(port):
                 picked.append(port)
     while len(picked) < count:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -65,7 +65,8 @@ def free_port(avoid: Collection[int] = ()) -> int:
     return free_ports(1, avoid=avoid)[0]
 
 
-def _bindable(port: int) -> bool:
+def bindable(port: int) -> bool:
+    """Whether ``port`` can be bound on all interfaces now (what :func:`free_ports` asks)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
             sock.bind(("0.0.0.0", port))

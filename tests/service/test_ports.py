@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.service.ports import PORT_RANGE, ephemeral_low, free_port, free_ports
+from controlplane.service.ports import PORT_RANGE, bindable, ephemeral_low, free_port, free_ports
 
 
 def test_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> None:
@@ -49,15 +49,6 @@ def test_a_taken_port_is_never_returned() -> None:
             sock.close()
     seen = {p for seed in range(20) for p in free_ports(2, rng=random.Random(seed), eph_low=low + 8)}
     assert seen & set(ours)
-
-
-def bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def test_avoided_ports_are_never_returned() -> None:

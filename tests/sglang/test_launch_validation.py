@@ -74,6 +74,12 @@ def launch_all(
         return {name: future.result() for name, future in futures.items()}
 
 
+def forkable(zygote: LaunchZygote | None, env: Mapping[str, str] | None = None) -> bool:
+    """Whether a launcher with ``env`` added to ``os.environ`` can be a fork of ``zygote``
+    (:meth:`LaunchZygote.why_not`)."""
+    return zygote is not None and zygote.why_not({**os.environ, **(env or {})}, sys.executable) is None
+
+
 def launch_forked(
     zygote: LaunchZygote, model_dir: Path, cases: Mapping[str, tuple[Sequence[str], Mapping[str, str] | None]],
     work: Path,
@@ -256,10 +262,7 @@ def launched(
     dirs[FRESH_CASE] = None
     forked = {}
     for name, (extra, env) in cases.items():
-        if launch_zygote is None or launch_zygote.why_not({**os.environ, **(env or {})}, sys.executable):
-            fresh[name] = (extra, env)
-        else:
-            forked[name] = (extra, env)
+        (forked if forkable(launch_zygote, env) else fresh)[name] = (extra, env)
     assert launch_zygote is None or set(fresh) == {FRESH_CASE, "env1"}, sorted(fresh)  # SGLANG_RUST_SERVER
     results = early_starts.take(EARLY_NAME) or {}
     fresh = {name: case for name, case in fresh.items() if name not in results}

@@ -9,8 +9,6 @@ the project's gRPC client (:class:`GrpcControlPlane`), the way ``kvplane policy`
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +28,7 @@ from tests.service.conftest import wait_until
 from tests.sglang.conftest import PROMPTS, running_server
 from tests.sglang.test_launch_validation import (
     assert_refused_in_one_line,
+    forkable,
     launch_all,
     launch_forked,
 )
@@ -140,8 +139,7 @@ def test_launch_refuses_a_taken_port_and_updates_without_a_token(live, tiny_mode
         "taken": (["--kv-policy-listen", live.target, "--kv-policy-listen-token-file", str(live.token)], None),
         "open": (["--kv-policy-listen", f"127.0.0.1:{free_port()}"], None),
     }
-    forkable = launch_zygote is not None and launch_zygote.why_not(dict(os.environ), sys.executable) is None
-    got = (launch_forked(launch_zygote, tiny_model_dir, cases, tmp_path) if forkable
+    got = (launch_forked(launch_zygote, tiny_model_dir, cases, tmp_path) if forkable(launch_zygote)
            else launch_all(tiny_model_dir, cases))
     assert_refused_in_one_line(got["taken"], f"--kv-policy-listen='{live.target}': cannot bind (Address already in use)")
     assert_refused_in_one_line(got["open"], "serves policy updates: give --kv-policy-listen-token-file FILE")
