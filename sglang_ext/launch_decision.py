@@ -25,8 +25,9 @@ Rules (each one names what would break):
   ``--kv-cuda-graphs on`` keeps SGLang's decode graphs for the layered Triton decode instead
   (``docs/cuda-graphs.md``: all-resident steps replay over persistent tables, staging steps run
   eagerly); it refuses other backends (decode and prefill), ``--disable-cuda-graph``, a non-``full`` decode graph
-  backend, ``--enable-torch-compile``, ``--kv-overlap-schedule on`` and ``--tp-size`` > 1, and
-  keeps prefill graphs off.
+  backend, ``--enable-torch-compile``, ``--kv-overlap-schedule on``, ``--tp-size`` > 1 and
+  ``SGLANG_ENABLE_METADATA_GLUE_GRAPH`` (a replayed copy of the per-replay preparation would skip
+  kvplane's admission check), and keeps prefill graphs off.
 * **KV cache dtype.** Quantized KV caches (fp8, fp4, mxfp8) need scales the layered pool does not
   keep: refused (``auto`` / ``bf16`` only).
 * **Speculative decoding, pipeline parallelism, HiCache, disaggregation, DP attention, two-batch
@@ -172,6 +173,13 @@ RUST_SERVER_REFUSED = (
 )
 """The refusal of SGLang's Rust server (an environment flag, read by the launcher's caller)."""
 
+GLUE_GRAPH_REFUSED = (
+    "--kv-cuda-graphs on with SGLANG_ENABLE_METADATA_GLUE_GRAPH=1: SGLang would replay a captured copy of "
+    "the attention backend's per-replay preparation instead of calling it, skipping kvplane's check that "
+    "it admitted each replayed step; not supported (unset it)"
+)
+"""The refusal of SGLang's metadata glue graph under decode graphs (an environment flag)."""
+
 
 class LaunchRefused(ValueError):
     """``--enable-layered-kv`` cannot serve with these options (the message names the option)."""
@@ -189,9 +197,11 @@ class LaunchDecision:
     """One sentence per implied option (logged at launch)."""
 
     @classmethod
-    def decide(cls, values: Mapping[str, Any], *, rocm: bool = False, rust_server: bool = False) -> LaunchDecision:
+    def decide(cls, values: Mapping[str, Any], *, rocm: bool = False, rust_server: bool = False,
+               glue_graph: bool = False) -> LaunchDecision:
         """The decision for SGLang's parsed options ``values`` (``rocm``: the torch build is
-        ROCm's; ``rust_server``: SGLang's ``SGLANG_RUST_SERVER`` is on); raises :class:`LaunchRefused`."""
+        ROCm's; ``rust_server`` / ``glue_graph``: SGLang's ``SGLANG_RUST_SERVER`` /
+        ``SGLANG_ENABLE_METADATA_GLUE_GRAPH`` is on); raises :class:`LaunchRefused`."""
         if rust_server:
             raise LaunchRefused(RUST_SERVER_REFUSED)
         device = str(values.get("device") or "cuda")
@@ -221,6 +231,8 @@ class LaunchDecision:
                 "backends: off, or decode graphs with --kv-cuda-graphs on); remove the option"
             )
         if values.get("kv_cuda_graphs", "off") == "on":
+            if glue_graph:
+                raise LaunchRefused(GLUE_GRAPH_REFUSED)
             cls._keep_decode_graphs(values, device, implied, notes)
         else:
             cls._graphs_off(values, implied, notes)

@@ -92,6 +92,29 @@ def _request_slots(req_to_token: torch.Tensor, rows: list[int], lens: list[int])
     return [torch.from_numpy(table[row, :n].astype(np.int64)) for row, n in zip(rows, lens, strict=True)]
 
 
+def _warmup_rows(rids: list, per_req: list[torch.Tensor], lens: list[int], counts: list[int] | None,
+                 out_cache_loc: torch.Tensor) -> tuple[list[torch.Tensor], list[int]]:
+    """Rows of no request that are shorter than the tokens they write, made to hold exactly those
+    tokens' slots. SGLang's warm-up forward (``BaseRunner._dummy_run``: FlashInfer's autotune, on
+    CUDA sm90+ for FP8 / FP4 GEMMs or FlashInfer MoE, before any request) runs anonymous rows at
+    ``req_to_token`` row 0 writing the padding slot 0. The eager runner's rows hold one token (the
+    fill value); a decode graph runner that warms up first hands over buffers whose ``seq_lens``
+    may still be 0 (SGLang refills them only after its warm-up). Such a row's slots become its
+    ``out_cache_loc`` run -- SGLang's padding slot, so its pages agree with its new tokens. A
+    real request's row is never changed: the core refuses one shorter than its new tokens."""
+    if counts is None:
+        return per_req, lens
+    short = [i for i, (rid, n, c) in enumerate(zip(rids, lens, counts, strict=True)) if rid is None and n < c]
+    if not short:
+        return per_req, lens
+    loc = out_cache_loc.to("cpu", torch.int64)  # the boundary, once, in a warm-up forward only
+    starts = np.cumsum([0, *counts])
+    per_req, lens = list(per_req), list(lens)
+    for i in short:
+        per_req[i], lens[i] = loc[starts[i]: starts[i] + counts[i]].clone(), counts[i]
+    return per_req, lens
+
+
 class _LayeredKV:
     """Stand-in for the pool inside the parent's forward: writes go to the pool, reads are the
     device pool (in place, or through the layer's row table)."""
@@ -203,6 +226,12 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
     steady_decode_fast_path = True
     """Steady decode steps skip re-reading every request's slots (:meth:`_steady_decode`)."""
 
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """SGLang's ``seq_lens`` of dummy rows: its warm-up forward's buffers ask every backend
+        (``BaseRunner._alloc_dummy_decode_buffers``; SGLang's torch-native backend does not
+        answer, so that warm-up fails on it, FlashInfer's says 1). One token: the padding slot."""
+        return 1
+
     def init_forward_metadata(self, forward_batch: Any) -> None:
         super().init_forward_metadata(forward_batch)
         meter = self.overhead_meter
@@ -237,6 +266,10 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         new_counts = None
         if forward_batch.forward_mode.is_extend() and forward_batch.extend_seq_lens_cpu is not None:
             new_counts = [int(x) for x in forward_batch.extend_seq_lens_cpu]
+        if None in rids:
+            decode = forward_batch.forward_mode.is_decode()
+            per_req, lens = _warmup_rows(rids, per_req, lens, new_counts or ([1] * bs if decode else None),
+                                         forward_batch.out_cache_loc)
         inputs = self.recompute_inputs
         spec = ids = None
         if inputs and self.recompute_ok and forward_batch.forward_mode.is_decode():

@@ -95,11 +95,11 @@ def _refuse_launch(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-def _rust_server() -> bool:
-    """SGLang's ``SGLANG_RUST_SERVER`` flag, as SGLang reads it (a value it cannot parse: False here,
-    SGLang's own error later)."""
+def _env_flag(name: str) -> bool:
+    """One of SGLang's environment flags (``compat.SGLANG_ENVS``), as SGLang reads it (a value it
+    cannot parse: False here, SGLang's own error later)."""
     try:
-        return bool(compat.resolve(compat.SGLANG_ENVS.path).SGLANG_RUST_SERVER.get())
+        return bool(getattr(compat.resolve(compat.SGLANG_ENVS.path), name).get())
     except ValueError:
         return False
 
@@ -254,7 +254,8 @@ class KvplanePlugin:
                 import torch  # the launcher has it loaded (SGLang's server_args imports it)
 
                 decision = LaunchDecision.decide(vars(namespace), rocm=bool(getattr(torch.version, "hip", None)),
-                                                 rust_server=_rust_server())
+                                                 rust_server=_env_flag("SGLANG_RUST_SERVER"),
+                                                 glue_graph=_env_flag("SGLANG_ENABLE_METADATA_GLUE_GRAPH"))
             except LaunchRefused as exc:
                 _refuse_launch(str(exc))
             decision.apply(namespace)

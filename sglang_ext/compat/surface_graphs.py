@@ -31,7 +31,7 @@ DECODE_GRAPH_EXECUTE = Target(f"{_RUNNER}.execute", params=("self", "forward_bat
 """The replay; the step ends after it."""
 BACKEND_GRAPH_HOOKS = Target(_BACKEND, attrs=("init_cuda_graph_state", "get_cuda_graph_seq_len_fill_value",
                                               "init_forward_metadata_out_graph", "init_forward_metadata_in_graph"),
-                             used_by=("layered_triton_decode",))
+                             used_by=("layered_triton_decode", "layered_attention"))
 BACKEND_GRAPH_STATE = Target(f"{_BACKEND}.init_cuda_graph_state", params=("self", "max_bs", "max_num_tokens"),
                              used_by=("layered_triton_decode",))
 BACKEND_GRAPH_OUT = Target(f"{_BACKEND}.init_forward_metadata_out_graph", params=("self", "forward_batch"),

@@ -39,6 +39,7 @@ from sglang_ext.dataplane.decode_continuity import DecodeContinuity
 from sglang_ext.dataplane.identity_decode_step import IdentityDecodeStep
 from sglang_ext.dataplane.layer_page_moves import LayerPageMoves
 from sglang_ext.dataplane.layer_pipeline import LayerPipeline
+from sglang_ext.dataplane.new_token_counts import new_token_counts
 from sglang_ext.dataplane.paged_decode_step import PagedDecodeStep
 from sglang_ext.dataplane.paged_step_tables import PagedStepTables
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore, SlotStoreConfig
@@ -197,9 +198,12 @@ class LayeredKVCore:
         ``recompute[i] = (u, k)`` (decode steps): request ``i``'s first ``u`` pages are recomputed
         by the forward at layers ``< k`` (``tables.recompute``; ``docs/recompute.md``);
         ``recompute_ids[i]`` its token ids, uploaded with the tables (``tables.recompute.input_ids``)."""
+        rids, lens = [rid for rid, _ in requests], [int(slots.numel()) for _, slots in requests]
+        n_new = 0 if new_slots is None else int(new_slots.numel())
+        counts = new_token_counts(rids, lens, n_new, new_counts)  # refused before anything changes
         self._boundary(new_slots)
         ps = self.page_size
-        page_lists, lens = [], []
+        page_lists = []
         for index, (rid, slots) in enumerate(requests):
             # kept by residency, so never a view of req_to_token
             fresh = slots.device.type == "cpu" and slots.dtype == torch.int64 and slots._base is None
@@ -211,29 +215,15 @@ class LayeredKVCore:
             else:
                 self.residency.observe(rid, pages)
             page_lists.append(pages.numpy())
-            lens.append(int(slots.numel()))
-        rids = [rid for rid, _ in requests]
         self.continuity.record(rids, lens, page_lists)
         known = all(rid is not None for rid in rids) and recompute is None
         self._paged_last = (rids, lens, page_lists) if known else None
         delta = self._reconcile()
-        n_new = 0 if new_slots is None else int(new_slots.numel())
-        if new_counts is None:
-            if n_new == len(requests):
-                new_counts = [1] * len(requests)
-            elif len(requests) == 1:
-                new_counts = [n_new]
-            else:
-                raise ValueError(
-                    f"prepare_step: {n_new} new slots for {len(requests)} requests needs new_counts "
-                    "(new tokens per request, the last positions of each)"
-                )
         new_np = None  # rows come from positions; on CPU the slots are also checked against them
         if n_new and new_slots is not None and new_slots.device.type == "cpu":
             new_np = new_slots.numpy().astype(np.int64, copy=False)
         batch = {rid for rid, _ in requests if rid is not None}
-        self._begin(page_lists, np.asarray(lens, dtype=np.int64), np.asarray(new_counts, dtype=np.int64),
-                    new_np, batch, recompute, recompute_ids)
+        self._begin(page_lists, np.asarray(lens, dtype=np.int64), counts, new_np, batch, recompute, recompute_ids)
         return delta
 
     def _boundary(self, new_slots: torch.Tensor | None) -> None:

@@ -220,6 +220,33 @@ def test_sglangs_rust_server_is_refused():
     assert LaunchDecision.decide(STOCK, rust_server=False).device == "cuda"
 
 
+def test_sglangs_metadata_glue_graph_is_refused_with_decode_graphs():
+    """``SGLANG_ENABLE_METADATA_GLUE_GRAPH`` replays a captured copy of the backend's per-replay
+    preparation, skipping kvplane's admission check: refused with ``--kv-cuda-graphs on``;
+    controls: the same options without it, and the flag with decode graphs off (SGLang captures
+    nothing then), pass."""
+    graphs = {**STOCK, **GRAPHS_ON}
+    with pytest.raises(LaunchRefused, match="--kv-cuda-graphs on with SGLANG_ENABLE_METADATA_GLUE_GRAPH=1"):
+        LaunchDecision.decide(graphs, glue_graph=True)
+    assert LaunchDecision.decide(graphs, glue_graph=False).device == "cuda"
+    assert LaunchDecision.decide(STOCK, glue_graph=True).device == "cuda"
+
+
+@pytest.mark.parametrize("name", ["SGLANG_RUST_SERVER", "SGLANG_ENABLE_METADATA_GLUE_GRAPH"])
+def test_the_launcher_reads_the_refused_environment_flags_as_sglang_does(name, monkeypatch):
+    """The plugin hands ``decide`` these flags as SGLang's ``envs`` reads them (the names exist
+    there); unset, or a value SGLang cannot parse (its own error later), reads False."""
+    pytest.importorskip("sglang")
+    from sglang_ext.plugin import _env_flag
+
+    monkeypatch.setenv(name, "1")
+    assert _env_flag(name) is True
+    monkeypatch.setenv(name, "maybe")
+    assert _env_flag(name) is False
+    monkeypatch.delenv(name)
+    assert _env_flag(name) is False
+
+
 @pytest.mark.parametrize("dtype", ["auto", "bf16", "bfloat16"])
 def test_unquantized_kv_dtypes_pass(dtype):
     assert _decide(kv_cache_dtype=dtype).device == "cuda"

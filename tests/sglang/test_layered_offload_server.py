@@ -62,7 +62,8 @@ def offload(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[Offload
     flags = ["--enable-layered-kv", "--disable-overlap-schedule", "--kv-gpu-budget-tokens", str(BUDGET_TOKENS),
              "--max-total-tokens", str(MAX_TOTAL_TOKENS)]
     env = {POOL_STATS_FILE_ENV: str(stats), EVENTS_FILE_ENV: str(events), "PYTHONPATH": fault_inject_path(),
-           "KVPLANE_TEST_CORRUPT_LAYER": str(CORRUPT_LAYER), "KVPLANE_TEST_CORRUPT_FILE": str(root / "corrupt")}
+           "KVPLANE_TEST_CORRUPT_LAYER": str(CORRUPT_LAYER), "KVPLANE_TEST_CORRUPT_FILE": str(root / "corrupt"),
+           "KVPLANE_TEST_WARMUP_DUMMY_FILE": str(root / "warmup.jsonl")}
     with running_server(tiny_model_dir, root, flags, env, zygote=launch_zygote) as server:
         yield OffloadServer(server, stats, events)
 
@@ -74,6 +75,22 @@ def test_layered_pool_and_attention_are_active(offload):
     before = len(offload.stats())
     greedy(offload.server, PROMPTS[0], 2)
     assert len(offload.stats()) > before, "the forward did not go through the layered attention backend"
+
+
+def test_sglangs_warm_up_forward_ran_through_the_layered_pool_before_serving(offload):
+    """SGLang's warm-up forward as its eager runner allocates it (``BaseRunner._dummy_run`` on
+    ``_alloc_dummy_decode_buffers``: FlashInfer's autotune on CUDA sm90+ for FP8 / FP4 GEMMs or
+    FlashInfer MoE; run here on the CPU by the test injector) asks the backend for its padded
+    ``seq_len`` (``get_cuda_graph_seq_len_fill_value``, which SGLang's torch-native backend, and
+    so kvplane's torch-native and FlashInfer ones before, did not answer: the start failed with
+    ``NotImplementedError``), then runs anonymous one-token rows at the padding slot through the
+    layered pool before any request; the server serves exactly (the tests below)."""
+    records = read_jsonl(offload.stats_path.parent / "warmup.jsonl")
+    assert len(records) == 1 and records[0]["runner"] == "EagerRunner", records
+    (forward,) = records[0]["forwards"]
+    assert forward == {"backend": "LayeredTorchNativeAttnBackend", "rows": records[0]["batch_size"],
+                       "seq_lens": [1], "rids": None}
+    assert forward["rows"] > 1
 
 
 def test_greedy_tokens_identical_with_most_kv_on_host(offload, vanilla_server):

@@ -59,7 +59,8 @@ def triton_servers(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[
     # test's shifted lengths, the stale staged advance)
     env = {"TRITON_INTERPRET": "1", POOL_STATS_FILE_ENV: str(stats), "PYTHONPATH": fault_inject_path(),
            "KVPLANE_TEST_SHIFT_EXTEND_FILE": str(root / "shift_extend"),
-           "KVPLANE_TEST_STALE_ADVANCE_FILE": str(root / "stale_advance")}
+           "KVPLANE_TEST_STALE_ADVANCE_FILE": str(root / "stale_advance"),
+           "KVPLANE_TEST_WARMUP_DUMMY_FILE": str(root / "warmup.jsonl"), "KVPLANE_TEST_WARMUP_DUMMY_SEQ_LEN": "0"}
     identity_root = tmp_path_factory.mktemp("identity-triton")
     identity_stats = identity_root / "pool_stats.jsonl"
     identity_env = {"TRITON_INTERPRET": "1", POOL_STATS_FILE_ENV: str(identity_stats)}
@@ -114,6 +115,24 @@ def test_triton_paged_decode_matches_vanilla_with_kv_on_host(triton_server, vani
     assert max(s["host_fraction"] for s in steps) >= 0.5
     # steady steps of the placed batch ran on the last step's tables, staging again (no build)
     assert steps[-1]["staged_advances_total"] > 0, steps[-1]
+
+
+def test_sglangs_warm_up_forward_with_empty_rows_ran_through_the_layered_pool(triton_server):
+    """SGLang's warm-up forward (``BaseRunner._dummy_run``: FlashInfer's autotune on CUDA sm90+
+    for FP8 / FP4 GEMMs or FlashInfer MoE; run here on the CPU by the test injector) with
+    ``seq_lens`` of 0 -- what a decode graph runner's buffers may hold when it warms up first --
+    reached kvplane's Triton backend: anonymous rows shorter than the token each writes, given
+    the slots they write (``layered_attention._warmup_rows``); the server started and serves (the
+    other tests of this module). Without that, the paged layout's start failed on those rows
+    (the core refuses them by name: ``tests/sglang/test_warmup_rows.py``). The rows as SGLang's
+    eager runner allocates them: ``test_layered_offload_server.py``."""
+    server, stats_path = triton_server
+    records = read_jsonl(stats_path.parent / "warmup.jsonl")
+    assert len(records) == 1 and records[0]["runner"] == "EagerRunner", records
+    (forward,) = records[0]["forwards"]
+    assert forward == {"backend": "LayeredTritonDecode", "rows": records[0]["batch_size"], "seq_lens": [0],
+                       "rids": None}
+    assert forward["rows"] > 1
 
 
 def test_negative_control_a_stale_staged_advance_fails_the_comparison(triton_server, vanilla_server):

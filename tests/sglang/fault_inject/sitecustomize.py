@@ -57,6 +57,13 @@ With ``KVPLANE_TEST_STALE_TURNOVER_FILE=PATH``, while ``PATH`` exists a decode s
 changed (a turnover, ``DecodeContinuity.continued``) continues a wrong page list: each request
 of two pages or more that opens no page reads its second page in place of its first -- what a
 stale record of a request's pages would do (the turnover test's negative control toggles it).
+
+With ``KVPLANE_TEST_WARMUP_DUMMY_FILE=PATH``, the model runners' first warm-up runs SGLang's own
+warm-up forward on the CPU as FlashInfer's autotune runs it on CUDA (``BaseRunner._dummy_run`` on
+the runner's autotune buffers, as SGLang allocates them; ``_warmup`` returns before it off CUDA);
+with ``KVPLANE_TEST_WARMUP_DUMMY_SEQ_LEN=N`` as well, their ``seq_lens`` are N (0: what a decode
+graph runner's buffers may hold when it warms up first, SGLang says). One JSON line per warm-up
+goes to ``PATH``.
 """
 
 from __future__ import annotations
@@ -345,6 +352,48 @@ def _patch_stale_graph(module) -> None:  # noqa: ANN001
     module.GraphStepBuffers.load = load
 
 
+WARMUP_TARGET = "sglang.srt.model_executor.runner.base_runner"
+
+
+def _patch_warmup_dummy(module) -> None:  # noqa: ANN001
+    import json
+
+    path = os.environ["KVPLANE_TEST_WARMUP_DUMMY_FILE"]
+    real = module.BaseRunner._warmup
+
+    def _warmup(self):  # noqa: ANN001, ANN202
+        first = not getattr(self.model_runner, "_kernel_warmed_up", False)
+        real(self)
+        if not first:
+            return
+        buffers, batch_size = self._autotune_buffers()
+        record: dict = {"runner": type(self).__name__, "batch_size": batch_size, "forwards": []}
+        if buffers is not None:
+            seq_len = os.environ.get("KVPLANE_TEST_WARMUP_DUMMY_SEQ_LEN")
+            if seq_len is not None:
+                buffers.seq_lens.fill_(int(seq_len))
+                buffers.seq_lens_cpu.fill_(int(seq_len))
+            backend = self.model_runner.attn_backend
+            real_init = backend.init_forward_metadata
+
+            def init_forward_metadata(forward_batch):  # noqa: ANN001, ANN202
+                lens = forward_batch.seq_lens_cpu
+                record["forwards"].append({"backend": type(backend).__name__, "rows": int(forward_batch.batch_size),
+                                           "seq_lens": sorted({int(x) for x in lens.tolist()}),
+                                           "rids": forward_batch.rids})
+                return real_init(forward_batch)
+
+            backend.init_forward_metadata = init_forward_metadata
+            try:
+                self._dummy_run(batch_size=batch_size, buffers=buffers)
+            finally:
+                del backend.init_forward_metadata
+        with open(path, "a") as out:
+            out.write(json.dumps(record) + "\n")
+
+    module.BaseRunner._warmup = _warmup
+
+
 class _Finder(importlib.abc.MetaPathFinder):
     def __init__(self, target: str, patch) -> None:  # noqa: ANN001
         self.target, self.patch = target, patch
@@ -399,5 +448,7 @@ if os.environ.get("KVPLANE_TEST_TAPE_GRAPHS"):
     _install(PLATFORM_TARGET, _patch_platform)
     _install(GRAPH_RUNNER_TARGET, _patch_graph_runner)
     _install(GRAPH_SETUP_TARGET, _patch_graph_setup)
+if os.environ.get("KVPLANE_TEST_WARMUP_DUMMY_FILE"):
+    _install(WARMUP_TARGET, _patch_warmup_dummy)
 if os.environ.get("KVPLANE_TEST_STALE_GRAPH_FILE"):
     _install("sglang_ext.dataplane.graph_step_buffers", _patch_stale_graph)
