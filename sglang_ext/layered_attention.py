@@ -39,6 +39,7 @@ import torch
 
 from sglang_ext.capped_attention import capped_decode, capped_extend
 from sglang_ext.compat import SDPA_REQ_POOL_INDICES_ARG, TorchNativeAttnBackend
+from sglang_ext.layered_decode_graph import SEQ_LEN_FILL
 from sglang_ext.layered_pool import LayeredTokenToKVPool
 from sglang_ext.recompute_forward import RecomputeForward
 
@@ -227,10 +228,11 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
     """Steady decode steps skip re-reading every request's slots (:meth:`_steady_decode`)."""
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
-        """SGLang's ``seq_lens`` of dummy rows: its warm-up forward's buffers ask every backend
-        (``BaseRunner._alloc_dummy_decode_buffers``; SGLang's torch-native backend does not
-        answer, so that warm-up fails on it, FlashInfer's says 1). One token: the padding slot."""
-        return 1
+        """SGLang's ``seq_lens`` of dummy and padded rows: its warm-up forward's buffers ask every
+        backend (``BaseRunner._alloc_dummy_decode_buffers``; SGLang's torch-native backend does not
+        answer, so that warm-up fails on it, FlashInfer's says 1), and its decode graph runner
+        pads with it (the layered Triton decode's graphs)."""
+        return SEQ_LEN_FILL
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
         super().init_forward_metadata(forward_batch)

@@ -25,7 +25,7 @@ from kernels.block_copy import triton_usable
 from kernels.paged_decode import paged_decode
 from sglang_ext.dataplane.layer_cap_window import layer_cap_window
 from sglang_ext.layered_attention import refuse_attention_kwargs
-from sglang_ext.layered_decode_graph import SEQ_LEN_FILL, LayeredDecodeGraph
+from sglang_ext.layered_decode_graph import LayeredDecodeGraph
 from sglang_ext.layered_paged_decode import LayeredPagedDecode
 
 log = structlog.get_logger(__name__)
@@ -61,9 +61,6 @@ class LayeredTritonDecode(LayeredPagedDecode):
                                "layered graph decode does not compute; use --kv-cuda-graphs off")
         self.graph = LayeredDecodeGraph(self.pool.core, max_bs)
         log.info("layered_decode_graphs", max_bs=max_bs, max_pages=self.graph.buffers.max_pages)
-
-    def get_cuda_graph_seq_len_fill_value(self) -> int:
-        return SEQ_LEN_FILL
 
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
         """At capture: a padding-only step of the captured size. Before a replay: only the check

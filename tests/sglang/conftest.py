@@ -24,6 +24,7 @@ import pytest
 
 from controlplane.service.ports import free_ports
 from sglang_ext.testing.early_starts import EarlyStarts
+from sglang_ext.testing.jsonl import read_jsonl
 from sglang_ext.testing.launch_zygote import LaunchZygote
 from sglang_ext.testing.server import SGLangServer
 from sglang_ext.testing.tiny_model import TinyModelSpec, build_tiny_model
@@ -217,6 +218,16 @@ LOGPROB_ATOL = 1e-4
 the tiny model: noise between two forwards is ~1e-6, while zeroing one 16-token page of one layer moved the
 logprobs by >= 1.4e-3 every time (and changed the greedy token in 0 of 24 cases): comparing
 tokens alone cannot see a corrupted page, comparing logprobs can."""
+
+
+def warmup_forward(path: Path) -> dict:
+    """The one forward of SGLang's warm-up that the test injector ran at a server's start
+    (``KVPLANE_TEST_WARMUP_DUMMY_FILE``), from its eager runner: backend, rows, seq_lens, rids."""
+    records = read_jsonl(path)
+    assert len(records) == 1 and records[0]["runner"] == "EagerRunner", records
+    (forward,) = records[0]["forwards"]
+    assert forward["rows"] == records[0]["batch_size"] > 1, records
+    return forward
 
 
 def token_logprobs(response: dict) -> list[float]:
