@@ -49,7 +49,7 @@ BLOCK_TOKENS = 32
 MIN_BLOCK_HEADS = 16
 """Query-head tile of stage 1 (``tl.dot`` needs M >= 16; the GQA group is masked into it)."""
 MAX_KV_SPLITS = 16
-"""Upper bound of the automatic split count."""
+"""Upper bound of the split count (the merge kernel's tile)."""
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -191,7 +191,6 @@ if HAVE_TRITON:
         GROUP: tl.constexpr,
         PAGE: tl.constexpr,
         HEAD_DIM: tl.constexpr,
-        SPLITS: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -200,12 +199,13 @@ if HAVE_TRITON:
         b = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
+        splits = tl.num_programs(2)  # a launch's grid, not a constexpr: one kernel for every split count
         n = tl.load(lens_ptr + b)
         page_base = tl.load(indptr_ptr + b).to(tl.int64)
         start = n * 0
         if window_left >= 0:
             start = tl.maximum(n - 1 - window_left, 0)
-        per_split = ((n - start + SPLITS - 1) // SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        per_split = ((n - start + splits - 1) // splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
         lo = start + split * per_split
         hi = tl.minimum(lo + per_split, n)
 
@@ -259,7 +259,7 @@ if HAVE_TRITON:
         has = l_i > 0.0
         o = acc / tl.where(has, l_i, 1.0)[:, None]
         lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-        row = (b * (GROUP * tl.num_programs(1)) + q_head).to(tl.int64) * SPLITS + split
+        row = (b * (GROUP * tl.num_programs(1)) + q_head).to(tl.int64) * splits + split
         tl.store(mid_lse_ptr + row, lse, mask=h_mask)
         tl.store(
             mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=h_mask[:, None] & d_mask[None, :]
@@ -271,9 +271,9 @@ if HAVE_TRITON:
         out_ptr,
         stride_ob,
         stride_oh,
+        splits,
         Q_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
-        SPLITS: tl.constexpr,
         BLOCK_S: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
@@ -281,9 +281,9 @@ if HAVE_TRITON:
         h = tl.program_id(1)
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_D)
-        s_mask = offs_s < SPLITS
+        s_mask = offs_s < splits
         d_mask = offs_d < HEAD_DIM
-        row = (b * Q_HEADS + h).to(tl.int64) * SPLITS + offs_s
+        row = (b * Q_HEADS + h).to(tl.int64) * splits + offs_s
         lse = tl.load(mid_lse_ptr + row, mask=s_mask, other=float("-inf"))
         m = tl.reduce(lse, 0, _MAX)
         m = tl.where(m == float("-inf"), 0.0, m)
@@ -295,16 +295,24 @@ if HAVE_TRITON:
         tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
     _decode_split_kernel = LazyKernel(_decode_split_fn)
-    _merge_splits_kernel = LazyKernel(_merge_splits_fn)
+    _merge_splits_kernel = LazyKernel(_merge_splits_fn, do_not_specialize=["splits"])
 
 
 def default_kv_splits(q: torch.Tensor, kv_heads: int, num_pages_in_batch: int, page_size: int) -> int:
-    """Splits per (request, kv head): enough programs to fill a GPU (about 2 per SM), never more
-    than the batch's token tiles allow; 1 off CUDA (the interpreter pays per program)."""
+    """Splits per (request, kv head) for a step on ``q``'s device (:func:`kv_splits`); 1 off CUDA
+    (the interpreter pays per program)."""
     if not q.is_cuda:
         return 1
-    batch = max(q.shape[0], 1)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    return kv_splits(q.shape[0], kv_heads, sms, num_pages_in_batch, page_size)
+
+
+def kv_splits(batch: int, kv_heads: int, sms: int, num_pages_in_batch: int, page_size: int) -> int:
+    """Enough programs to fill a GPU of ``sms`` SMs (about 2 per SM), never more than the batch's
+    token tiles allow, at most :data:`MAX_KV_SPLITS`. Eager decode sizes it from every step's
+    pages; the kernels take it at launch (stage 1's grid, stage 2's unspecialized argument), so
+    no value compiles a kernel of its own while serving."""
+    batch = max(batch, 1)
     want = -(-2 * sms // (batch * kv_heads))
     # upper bound from the average tokens per request (num_pages_in_batch is known on the host)
     tiles = max(1, (num_pages_in_batch * page_size) // (batch * BLOCK_TOKENS))
@@ -334,8 +342,8 @@ def paged_decode_triton(
         raise ValueError("k_cache and v_cache need a contiguous head_dim (stride 1)")
     if num_kv_splits is None:
         num_kv_splits = default_kv_splits(q, kv_heads, kv_indices.numel(), page_size)
-    if num_kv_splits < 1:
-        raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
+    if not 1 <= num_kv_splits <= MAX_KV_SPLITS:
+        raise ValueError(f"num_kv_splits must be in [1, {MAX_KV_SPLITS}], got {num_kv_splits}")
     scale = _scale(sm_scale, head_dim)
     out = torch.empty_like(q)
     if batch == 0:
@@ -353,14 +361,13 @@ def paged_decode_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         window_left,
-        GROUP=group, PAGE=page_size, HEAD_DIM=head_dim, SPLITS=num_kv_splits,
+        GROUP=group, PAGE=page_size, HEAD_DIM=head_dim,
         BLOCK_H=max(MIN_BLOCK_HEADS, triton.next_power_of_2(group)), BLOCK_N=BLOCK_TOKENS,
         BLOCK_D=block_d, USE_CAP=logits_soft_cap > 0,
     )
     _merge_splits_kernel[(batch, q_heads)](
-        mid_o, mid_lse, out, out.stride(0), out.stride(1),
-        Q_HEADS=q_heads, HEAD_DIM=head_dim, SPLITS=num_kv_splits,
-        BLOCK_S=triton.next_power_of_2(num_kv_splits), BLOCK_D=block_d,
+        mid_o, mid_lse, out, out.stride(0), out.stride(1), num_kv_splits,
+        Q_HEADS=q_heads, HEAD_DIM=head_dim, BLOCK_S=MAX_KV_SPLITS, BLOCK_D=block_d,
     )
     return out
 

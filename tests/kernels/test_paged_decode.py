@@ -9,8 +9,12 @@ from typing import Any
 import pytest
 import torch
 
+from kernels.lazy_jit import LazyKernel
 from kernels.paged_decode import (
+    MAX_KV_SPLITS,
+    _merge_splits_kernel,
     kv_lens_from_last_page_len,
+    kv_splits,
     paged_decode,
     paged_decode_ref,
     paged_decode_triton,
@@ -169,6 +173,59 @@ def test_splits_agree_and_empty_request_is_zero(triton_device: str) -> None:
     four = _run(t, case, triton_device, num_kv_splits=4)
     torch.testing.assert_close(one, expected, **TOLERANCE[F32])
     torch.testing.assert_close(four, one, **TOLERANCE[F32])
+
+
+def test_every_split_count_launches_the_same_compiled_kernels(triton_device: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eager decode sizes the split count from each step's pages (:func:`kv_splits`, 1 to 16). A
+    compile-time argument that depended on it would compile a kernel per count while serving (a
+    JIT stall on a request's path each): the two kernels' compile-time (keyword) arguments are
+    the same for 1, 2, 3, 7 and 16 splits, the merge kernel does not specialize its split count,
+    and the results agree with the reference. The control: the same recording tells two soft-cap
+    settings apart (a real compile-time difference)."""
+    launched: dict[str, list[dict[str, Any]]] = {}
+    real = LazyKernel.__getitem__
+
+    def recording(self: LazyKernel, grid: Any) -> Any:
+        launch = real(self, grid)
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            launched.setdefault(self.fn.__name__, []).append(kwargs)
+            return launch(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(LazyKernel, "__getitem__", recording)
+    case = Case(4, (0, 5, 70), 4, 2, 32, 0.0, -1, F32, 1)
+    t = _build(case, shared_prefix=False)
+    expected = _ref(t, case)
+    for splits in (1, 2, 3, 7, MAX_KV_SPLITS):
+        torch.testing.assert_close(_run(t, case, triton_device, num_kv_splits=splits), expected, **TOLERANCE[F32])
+    assert sorted(launched) == ["_decode_split_fn", "_merge_splits_fn"]
+    for name, calls in launched.items():
+        assert len(calls) == 5 and all(kw == calls[0] for kw in calls), (name, calls)
+    assert "splits" in _merge_splits_kernel.jit_options["do_not_specialize"]
+    for bad in (0, MAX_KV_SPLITS + 1):
+        with pytest.raises(ValueError, match="num_kv_splits"):
+            _run(t, case, triton_device, num_kv_splits=bad)
+    launched.clear()  # the control
+    _run(t, case, triton_device, num_kv_splits=2, logits_soft_cap=30.0)
+    _run(t, case, triton_device, num_kv_splits=2)
+    first, second = launched["_decode_split_fn"]
+    assert first != second and first["USE_CAP"] != second["USE_CAP"]
+
+
+def test_split_count_fills_the_gpu_within_the_tokens_of_the_batch() -> None:
+    """About 2 programs per SM (rounded up), capped by the batch's 32-token tiles and by 16; one
+    split for short contexts or an empty batch."""
+    assert kv_splits(32, 8, 132, 100_000, 16) == 2  # 256 programs of 264 wanted: 2 splits
+    assert kv_splits(3, 8, 132, 100_000, 16) == 11
+    assert kv_splits(1, 8, 132, 100_000, 16) == MAX_KV_SPLITS
+    assert kv_splits(4, 8, 132, 4 * 6, 16) == 3  # 96 tokens a request: 3 tiles
+    assert kv_splits(8, 8, 132, 8, 16) == 1  # 16 tokens a request: one tile
+    assert kv_splits(0, 8, 132, 0, 16) == 1
+    assert all(1 <= kv_splits(b, h, 132, p, 16) <= MAX_KV_SPLITS
+               for b in (1, 2, 5, 64) for h in (1, 8) for p in (1, 9, 700, 50_000))
 
 
 def test_layer_row_of_step_table(triton_device: str) -> None:
