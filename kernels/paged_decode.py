@@ -294,7 +294,10 @@ if HAVE_TRITON:
         out = tl.reduce(w[:, None] * o, 0, _SUM) / tl.where(den > 0.0, den, 1.0)
         tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
-    _decode_split_kernel = LazyKernel(_decode_split_fn)
+    # the tables are views into a step's metadata upload (kv_indices a layer's row), their
+    # alignment varies from step to step: specialising on it would compile kernels mid-serving
+    _decode_split_kernel = LazyKernel(
+        _decode_split_fn, do_not_specialize_on_alignment=["indptr_ptr", "indices_ptr", "lens_ptr"])
     _merge_splits_kernel = LazyKernel(_merge_splits_fn, do_not_specialize=["splits"])
 
 

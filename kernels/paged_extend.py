@@ -178,7 +178,10 @@ if HAVE_TRITON:
         tl.store(o_ptr + (q0 + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
-    _extend_kernel = LazyKernel(_extend_fn)
+    # the tables are views into a step's metadata upload, their alignment varies from step to
+    # step: specialising on it would compile kernels mid-serving
+    _extend_kernel = LazyKernel(_extend_fn, do_not_specialize_on_alignment=[
+        "qstart_ptr", "qlen_ptr", "indptr_ptr", "indices_ptr", "lens_ptr"])
 
 
 def paged_extend_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_start: torch.Tensor,
