@@ -285,11 +285,17 @@ class CudaTransferEngine(TransferEngine):
     def _on_stream(self, kind: str, wait: Sequence[Any], copy: Callable[[], None],
                    keep: tuple[torch.Tensor, ...], nbytes: int = 0) -> Any:
         """Run ``copy`` (of ``nbytes``) on the ``kind`` stream after the compute stream's work so far
-        and the events of ``wait``; timed by the clock; returns its event."""
+        and the events of ``wait``; timed by the clock; returns its event. When the caller's
+        current stream is not the step's compute stream (SGLang's overlap loop installs plans on
+        its schedule stream while the last forward's stream is remembered), the copy also follows
+        the current stream, where its index lists were uploaded, and that stream stays current."""
         stream = self.h2d_stream if kind == "h2d" else self.d2h_stream
-        compute = self._compute_stream()
+        current = torch.cuda.current_stream(self.device)
+        compute = self._compute if self._compute is not None else current
         compute_done = self._compute_mark if self._compute_mark is not None else compute.record_event()
         stream.wait_event(compute_done)
+        if compute != current:
+            stream.wait_event(current.record_event())
         for e in wait:
             if e is not None:
                 stream.wait_event(e)
@@ -306,7 +312,7 @@ class CudaTransferEngine(TransferEngine):
             self.clock.stop(kind, token, stream, nbytes)
             event = stream.record_event()
         finally:
-            torch.cuda.set_stream(compute)
+            torch.cuda.set_stream(current)
         self._last[kind] = event
         self._fresh = True
         return event

@@ -44,7 +44,12 @@ class IdentityDecodeStep:
         lens = [int(n) for n in seq_lens]
         core.store.staging_pages = 0
         core.tables = self.tables(lists, np.asarray(lens, dtype=np.int64))
-        core.pipeline.begin_step(core.tables)  # idle (nothing to launch); its last layer ends it
+        core.pipeline.begin_step(core.tables)  # idle: nothing to launch, nothing to wait for
+        # the served adapter skips every per-layer call of this step, the last layer's exit (which
+        # ends the step) included: forget the compute stream now, or the copies of a plan installed
+        # before the next step (on SGLang's schedule stream, under the overlap loop) would order
+        # themselves after this forward's stream alone
+        core.store.engine.end_compute()
         self.steps += 1
 
     def tables(self, lists: Sequence[np.ndarray], seq_lens: np.ndarray) -> IdentityDecodeTables:

@@ -53,11 +53,15 @@ class CoreDriver:
         self.skip_idle = paged_reads
         """As the served adapter does (``LayeredTorchNativeAttnBackend._begin_layer``): a step whose
         layers are idle (:attr:`LayeredKVCore.layers_idle`) skips ``enter_layer`` and every
-        ``exit_layer`` but the last. On for the paged-reads driver (what the paged decode backends
+        ``exit_layer`` but the last, and a steady step (the decode fast path in the identity
+        layout: ``_prepare``'s ``steady``) skips that one too, so its pipeline stays begun until
+        the next step begins. On for the paged-reads driver (what the paged decode backends
         serve); ``"always"`` skips them on every step, ``"enter"`` every ``enter_layer`` and
         nothing else (negative controls)."""
         self.idle_steps = 0
         """Forwards whose layers skipped the per-layer calls."""
+        self.steady_steps = 0
+        """Of those, steady ones (below): not even the last layer's exit ran."""
         self.loc_dtype = torch.int64
         """dtype of the step's ``out_cache_loc`` (SGLang's is int64; int32 must work as well)."""
         self.finishes = 0
@@ -129,12 +133,17 @@ class CoreDriver:
         steady = self.fast_decode and rec is None and all(n == 1 for _, n in batch)
         if steady and core.prepare_decode_step(rids, lens, loc):
             self.fast_steps += 1
+            # the adapter's steady step (``LayeredTorchNativeAttnBackend._prepare``): the fast path
+            # in the identity layout stages nothing, and its layers skip every per-layer call
+            steady = self.skip_idle is True and core.store.identity
         else:
+            steady = False
             core.prepare_step([(rid, torch.tensor(self.slots[rid])) for rid, _ in batch], loc, [n for _, n in batch],
                               recompute=rec, recompute_ids=ids)
         self.check_staging()
-        idle = self.skip_idle == "always" or (self.skip_idle is True and core.layers_idle)
+        idle = steady or self.skip_idle == "always" or (self.skip_idle is True and core.layers_idle)
         self.idle_steps += idle
+        self.steady_steps += steady
         skip_enter = idle or self.skip_idle == "enter"
         for layer in range(core.layers):
             if not skip_enter:
@@ -155,9 +164,9 @@ class CoreDriver:
                 want = [self.shadow[(layer, s)] for s in self.slots[rid]]
                 assert torch.equal(got_k.cpu(), torch.stack([w[0] for w in want])), (rid, layer)
                 assert torch.equal(got_v.cpu(), torch.stack([w[1] for w in want])), (rid, layer)
-            if not idle or layer == core.layers - 1:
+            if not idle or (layer == core.layers - 1 and not steady):
                 core.exit_layer(layer)
-        assert core.tables is None and core.store.staging_pages == 0
+        assert (core.tables is None or steady) and core.store.staging_pages == 0
         self.steps += 1
         return True
 

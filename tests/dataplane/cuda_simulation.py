@@ -52,6 +52,7 @@ def install(monkeypatch: Any, query_completes: str = NEVER, dma: bool = False, d
     def copy(src, dst, src_idx, dst_idx, impl="auto", programs=None):  # noqa: ANN001, ANN202
         sim.copies["kernel"] += 1
         with sim.copying():
+            src_idx.sum(), dst_idx.sum()  # the kernel reads its index lists (uploads: tracked)
             copy_segments_ref(src, dst, src_idx, dst_idx)
 
     def fetch(self, host, dev, programs=None):  # noqa: ANN001, ANN202
@@ -98,7 +99,7 @@ def install(monkeypatch: Any, query_completes: str = NEVER, dma: bool = False, d
 def _ring_as_on_cuda(monkeypatch: Any, sim: StreamOrder) -> None:
     """Every :class:`PinnedUploadRing` runs its CUDA path: the release events and the slot's
     stream are the simulation's; a staged slot is a host write; the upload is a copy of the slot
-    on the current stream (``host.to(device, non_blocking=True)``)."""
+    on the current stream (``host.to(device, non_blocking=True)``), which writes its device copy."""
     from sglang_ext.dataplane.pinned_upload_ring import _TORCH, PinnedUploadRing
 
     real_init, real_take = PinnedUploadRing.__init__, PinnedUploadRing.take
@@ -124,6 +125,7 @@ def _ring_as_on_cuda(monkeypatch: Any, sim: StreamOrder) -> None:
         with sim.copying():
             dev = host.clone()
         sim.allocated(dev)
+        sim.device_write(dev)  # written on the current stream: what reads it must follow that
         return dev, host
 
     monkeypatch.setattr(PinnedUploadRing, "__init__", init)

@@ -32,8 +32,10 @@ parked-token buffer) only once ``record_stream`` named the copy's stream.
 The store's device paths run (``SlotKVStore.staged_uploads``, ``MapMirror.staged``): the map
 mirror's columns go up through its ring, a steady step's host views are re-staged in the store's.
 
-Not modelled: the uploads' device copies as memory (their contents are not checked for
-ordering, only their ``record_stream``; every tensor allocated or tracked is kept alive).
+The uploads' device copies are memory too: each is written by the stream current at the upload,
+and a copy on a side stream that reads its indices must be ordered after that write (an upload
+made on one stream and read by a copy that waited only on another is a race on a GPU). Every
+tensor allocated or tracked is kept alive (address reuse is checked by protocol, below).
 
 The copies themselves run eagerly (the Triton kernels replaced by their torch reference; the
 copy engines' batched memcpy at the pointer level, ``pointer_memcpy.py``), so the KV checks of
@@ -239,6 +241,14 @@ class StreamOrder:
         key = t.untyped_storage().data_ptr()
         if key in self._state and t.numel():
             self._check(key, self._granules(t), True, HOST, *self.host.issue(), "host write")
+
+    def device_write(self, t: torch.Tensor) -> None:
+        """The current stream wrote all of ``t`` (an upload's device copy: tracked from here on)."""
+        self.track(t)
+        if t.numel():
+            stream = self.current
+            self._check(t.untyped_storage().data_ptr(), self._granules(t), True, stream.actor, *stream.issue(),
+                        "upload")
 
     def _granules(self, t: torch.Tensor, pick: Any = None) -> np.ndarray:
         """Granules of ``t``'s storage that ``pick`` (a function of a same-shaped tensor of element

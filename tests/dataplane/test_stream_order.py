@@ -360,3 +360,89 @@ def test_the_simulated_machines_checked_accesses():
     if not SIMULATED["runs"]:
         pytest.skip("the simulated machines did not run in this session")
     assert SIMULATED["accesses"] >= 5000, SIMULATED
+
+
+
+def _steady_overlap(monkeypatch: pytest.MonkeyPatch, patch: Callable[[pytest.MonkeyPatch, StreamOrder], None]
+                    | None = None) -> tuple[StreamOrder, CoreDriver, list[bool], list[bool]]:
+    """The identity layout read through page tables (FlashInfer's and Triton's), its steady decode
+    steps skipping every per-layer call as the adapter does, under the overlap loop's streams:
+    each forward on the forward stream; plan installs (offloads and onloads, their index lists
+    uploaded on the current stream) on the schedule stream between forwards, which waits for the
+    forward stream after each launch (SGLang's WAR barrier). Returns, after each install, whether
+    the schedule stream was still current, and, after each forward, whether the engine had
+    forgotten the forward's stream."""
+    current_after: list[bool] = []
+    forgotten: list[bool] = []
+    with monkeypatch.context() as mp:
+        sim = install(mp, RINGS)
+        if patch is not None:
+            patch(mp, sim)
+        core = make_core(None, pages=stateful.BIG)
+        track_core(sim, core)
+        driver = CoreDriver(core, seed=2, fast_decode=True, paged_reads=True)
+        schedule, forward = sim.current, torch.cuda.Stream()
+        real_step = driver.step
+
+        def step(batch):  # noqa: ANN001, ANN202
+            forward.wait_event(schedule.record_event())
+            sim.set_stream(forward)
+            try:
+                return real_step(batch)
+            finally:
+                sim.set_stream(schedule)
+                schedule.wait_event(forward.record_event())
+                forgotten.append(core.store.engine._compute is None)
+
+        driver.step = step
+        with sim.tracer():
+            for rid in ("a", "b"):
+                driver.add(rid)
+                assert driver.step([(rid, 3)])
+            for i in range(8):  # steady steps (all resident), a plan moving layers out, its steps, all back
+                for placement in ([i % 2 == 0, True, i % 3 != 0], [True] * LAYERS):
+                    for _ in range(2):
+                        assert driver.step([("a", 1), ("b", 1)])
+                    driver.want("a", placement)
+                    driver.want("b", placement[::-1])
+                    current_after.append(sim.current is schedule)
+            driver.check_at_rest()
+        assert driver.steady_steps >= 8 and core.store.engine.stats.d2h_launches >= 5
+    return sim, driver, current_after, forgotten
+
+
+def _compute_never_forgotten(mp: pytest.MonkeyPatch, sim: StreamOrder) -> None:
+    mp.setattr(te.CudaTransferEngine, "end_compute", lambda self: None)
+
+
+def _launch_on_the_remembered_stream(mp: pytest.MonkeyPatch, sim: StreamOrder) -> None:
+    """The launch before the fix: the remembered compute stream taken for the current one (its
+    event alone waited for, and left current afterwards)."""
+    _compute_never_forgotten(mp, sim)
+    real = te.CudaTransferEngine._on_stream
+
+    def on_stream(self, kind, wait, copy, keep, nbytes=0):  # noqa: ANN001, ANN202
+        if self._compute is not None:
+            sim.set_stream(self._compute)
+        return real(self, kind, wait, copy, keep, nbytes)
+
+    mp.setattr(te.CudaTransferEngine, "_on_stream", on_stream)
+
+
+def test_plans_after_steady_identity_steps_copy_on_the_schedule_streams_order(monkeypatch):
+    """Scenario (a review's finding, GPU-only): a steady identity step's layers skip every
+    per-layer call, the last layer's exit (which ends the step) included; a plan installed next,
+    on the schedule stream, uploads its index lists there and launches its copies. The step
+    forgets its stream when it begins, and a launch follows the current stream's uploads and
+    leaves it current even when the engine still remembers another stream (the second run: it
+    never forgets). The control, the launch as it was: copies read index lists not ordered after
+    their upload, and the forward stream is left current for SGLang's schedule work (which
+    serialises the overlap from then on). KV exact at every step and at rest."""
+    sim, _, current_after, forgotten = _steady_overlap(monkeypatch)
+    assert sim.violations == [] and all(current_after) and all(forgotten), (sim.violations[:3], current_after)
+    sim, _, current_after, forgotten = _steady_overlap(monkeypatch, _compute_never_forgotten)
+    assert sim.violations == [] and all(current_after) and not any(forgotten[2:]), sim.violations[:3]
+    sim, _, current_after, _ = _steady_overlap(monkeypatch, _launch_on_the_remembered_stream)
+    assert any(v.startswith("read by stream3 (aten.sum") and "after a write by compute" in v
+               for v in sim.violations), sim.violations[:3]
+    assert not all(current_after)
