@@ -22,7 +22,7 @@ import torch
 
 from kernels.batched_memcpy import BatchedMemcpy, row_bytes, segment_pointers
 from kernels.batched_memcpy import probe as probe_dma
-from kernels.block_copy import copy_segments, word_view
+from kernels.block_copy import copy_segments, fetch_pages_triton, word_view
 from kernels.pitched_memcpy import MAX_PITCH_BYTES, PitchedMemcpy, plan_runs, run_pointers
 from kernels.pitched_memcpy import probe as probe_pitched
 from kernels.pitched_memcpy import probe_in_subprocess as probe_copy_engines
@@ -169,6 +169,23 @@ class CudaTransferEngine(TransferEngine):
             log.warning("kv_copy_engine_pitched_unavailable", error=self.pitched_error)
             return None
         return pitched
+
+    def warm_pool_copies(self, map_row: torch.Tensor | None) -> None:
+        """One launch of each pool copy kernel, specialised as served, so Triton compiles them here:
+        a segment copy of host segment 0 into a scratch segment (every H2D and D2H of segments
+        runs this kernel on the pools' words, with int64 index lists), and for a paged store one
+        fetch of a request with no page (int32 index views of a step's upload, the mirror's row):
+        it copies nothing. Without it the first of each, on a request's path, waits for a compile."""
+        if self._kernel_impl != "triton":
+            return
+        host_words, dev_words = self._words
+        scratch = torch.empty((1, dev_words.shape[1]), dtype=dev_words.dtype, device=self.device)
+        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+        copy_segments(host_words, scratch, zero, zero, impl="triton", programs=self.copy_programs)
+        if map_row is not None:
+            none = torch.zeros(1, dtype=torch.int32, device=self.device)  # request 0 holds no page
+            fetch_pages_triton(host_words, dev_words, none, none, map_row, none, none, none, 1, 0,
+                               self.host_page_rows, 0, self.copy_programs)
 
     def warm_rows(self, host_rows: torch.Tensor) -> None:
         if self._kernel_impl != "triton" or not host_rows.shape[0]:

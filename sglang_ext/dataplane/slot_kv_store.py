@@ -207,7 +207,10 @@ class SlotKVStore:
                                                                copy_engine=c.copy_engine,
                                                                timing_interval=c.timing_interval)
         self.engine.host_page_rows = 2 * c.layers  # block-first: a page's K and V of every layer, then the next page
-        if not self.identity:  # a decode step's parked tokens move as token rows: compile that copy now
+        # the copies' kernels compiled now, not on a request's path: the pools' segments, a paged
+        # step's fetch, and a decode step's parked tokens (token rows)
+        self.engine.warm_pool_copies(None if self.mirror is None else self.mirror.rows[0])
+        if not self.identity:
             self.engine.warm_rows(self.host_rows)
         self.h2d_bytes = 0
         self.d2h_bytes = 0

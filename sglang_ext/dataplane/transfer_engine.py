@@ -117,6 +117,11 @@ class TransferEngine:
         self.stats.d2h_launches += 1
         return self._launch("d2h", src, dst, src_idx, dst_idx, (), host_idx, keep)
 
+    def warm_pool_copies(self, map_row: torch.Tensor | None) -> None:
+        """Prepare the copies between the pools (CUDA: compile their kernels at start, not at the
+        first offload, write-back or fetch while serving; ``map_row``: a row of the store's map
+        mirror, whose dtype the fetch kernel is compiled for; None: no paged fetch). Nothing to do here."""
+
     def warm_rows(self, host_rows: torch.Tensor) -> None:
         """Prepare :meth:`d2h_rows` of rows shaped like ``host_rows`` (CUDA: compile its copy kernel
         at start, not at the first step that needs it). Nothing to do here."""

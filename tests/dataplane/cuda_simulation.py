@@ -26,7 +26,7 @@ def install(monkeypatch: Any, query_completes: str = NEVER, dma: bool = False, d
     :class:`PointerMemcpy`; ``pitched=False``: the batched memcpy alone, as when the 2-D copies
     were refused). Build the core after this, then
     :meth:`StreamOrder.track` its pools (:func:`track_core`) and run it under ``sim.tracer()``."""
-    from kernels.block_copy import copy_segments_ref
+    from kernels.block_copy import copy_segments_ref, fetch_page_indices
     from sglang_ext.dataplane import cuda_transfer_engine as transfer_engine
     from sglang_ext.dataplane import slot_kv_store, token_writeback
     from sglang_ext.dataplane.page_fetch import PageFetch
@@ -62,7 +62,15 @@ def install(monkeypatch: Any, query_completes: str = NEVER, dma: bool = False, d
                 t.sum()  # the kernel reads the mirror's row of its layer and the step's upload
             copy_segments_ref(host, dev, torch.from_numpy(src), torch.from_numpy(dst))
 
+    def fetch_pages(host, dev, flat, stage, map_row, reqs, starts, counts, max_pages, host_base,  # noqa: ANN001, ANN202
+                    host_stride, dev_v, programs=None):
+        arrays = [t.numpy() for t in (flat, stage, map_row, reqs, starts, counts)]
+        src, dst = fetch_page_indices(*arrays, host_base, host_stride, dev_v)
+        with sim.copying():
+            copy_segments_ref(host, dev, torch.from_numpy(src), torch.from_numpy(dst))
+
     monkeypatch.setattr(transfer_engine, "copy_segments", copy)
+    monkeypatch.setattr(transfer_engine, "fetch_pages_triton", fetch_pages)  # the engine's warm-up calls it
     if dma:  # --kv-copy-engine dma: the engine's own batched-memcpy calls, run at the pointer level
         monkeypatch.setattr(transfer_engine, "DMA_MIN_BYTES", dma_floor)  # rows under it: the kernels
         real_engine_init = engine_cls.__init__
