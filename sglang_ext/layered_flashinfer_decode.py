@@ -3,8 +3,10 @@ under ``--enable-layered-kv``): decode through FlashInfer over the step's per-la
 extend through kvplane's Triton paged-extend kernel over the same tables (``LayeredPagedDecode``).
 
 One FlashInfer plan per step and per distinct layer parameters (soft cap, sliding window:
-:class:`~sglang_ext.dataplane.flashinfer_attention.AttentionParams`); per layer the page ids are
-row ``l`` of the step's one ``[L, n]`` table. Staging is always reserved (the pool makes room),
+:class:`~sglang_ext.dataplane.flashinfer_attention.AttentionParams`), on FlashInfer's eager
+(dynamic) wrappers, one per parameter set, as SGLang's own backend builds them (its ``fa2``
+decode, its tensor-core choice); per layer the page ids are row ``l`` of the step's one
+``[L, n]`` table. Staging is always reserved (the pool makes room),
 so there is no fallback path. CUDA graphs are off under the flag (``launch_decision.py``).
 """
 
@@ -14,6 +16,7 @@ from typing import Any
 
 import torch
 
+from sglang_ext import compat
 from sglang_ext.dataplane.flashinfer_attention import (
     HAVE_FLASHINFER,
     AttentionParams,
@@ -30,7 +33,9 @@ class LayeredFlashInferDecode(LayeredPagedDecode):
         super().__init__(model_runner)
         if not HAVE_FLASHINFER or self.pool.store.device.type != "cuda":
             raise RuntimeError("LayeredFlashInferDecode needs CUDA and an importable flashinfer")
-        self.flashinfer = FlashInferLayeredDecode(self.pool.store.device, self.pool.store.config.logical_pages)
+        # FlashInfer's kernel for the model's heads as SGLang's own backend picks it
+        self.flashinfer = FlashInferLayeredDecode(self.pool.store.device, self.pool.store.config.logical_pages,
+                                                  tensor_cores=compat.should_use_tensor_core)
         self._params: dict[tuple[int, torch.dtype], AttentionParams] = {}
         """Each layer's attention parameters (fixed by the model), made once, not once a step."""
 

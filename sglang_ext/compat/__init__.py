@@ -13,7 +13,7 @@ Everything else in ``sglang_ext/`` reaches SGLang through here:
   ``register_radix_cache_backend``, ``get_radix_cache_factory``, ``get_attn_backend``, the OpenAI
   response models ``SglExt``, ``CompletionResponse``, ``CompletionStreamResponse``,
   ``ChatCompletionResponse``, ``ChatCompletionStreamResponse``, ``ResponsesResponse``,
-  ``TypeBasedDispatcher``;
+  ``TypeBasedDispatcher``, ``should_use_tensor_core``;
   :func:`attention_backends` for
   the backend registry dict and :func:`resolve` for any target.
 * **The supported version**: :data:`SUPPORTED_VERSION` and :func:`check_version`, run by
@@ -35,6 +35,7 @@ from sglang_ext.compat.surface import *  # noqa: F403 -- the Target constants ar
 from sglang_ext.compat.surface import (
     ATTENTION_BACKEND_FACTORIES,
     BROADCAST_PYOBJ,
+    FLASHINFER_TENSOR_CORES,
     GET_ATTN_BACKEND,
     GET_RADIX_CACHE_FACTORY,
     HOOK_REGISTRY,
@@ -83,6 +84,7 @@ _LAZY: MappingProxyType[str, Target] = MappingProxyType({
     "ChatCompletionStreamResponse": OPENAI_CHAT_STREAM_RESPONSE,
     "TypeBasedDispatcher": TYPE_BASED_DISPATCHER,
     "ResponsesResponse": OPENAI_RESPONSES_RESPONSE,
+    "should_use_tensor_core": FLASHINFER_TENSOR_CORES,
 })
 """SGLang objects importable from this package, imported on first access."""
 

@@ -173,6 +173,10 @@ ATTENTION_REGISTRY = Target(f"{_SRT}.layers.attention.attention_registry", attrs
                             used_by=("plugin",))
 ATTENTION_BACKEND_FACTORIES = Target(f"{_SRT}.layers.attention.attention_registry.ATTENTION_BACKENDS",
                             keys=("torch_native", "flashinfer"), used_by=("plugin",))
+FLASHINFER_TENSOR_CORES = Target(f"{_SRT}.layers.attention.flashinfer_backend.should_use_tensor_core",
+                                 params=("kv_cache_dtype", "num_attention_heads", "num_kv_heads"),
+                                 used_by=("layered_flashinfer_decode",))
+"""SGLang's FlashInfer decode kernel choice (and its ``SGLANG_FLASHINFER_USE_TENSOR_CORE`` override)."""
 TORCH_NATIVE_ATTN_BACKEND = Target(
     f"{_SRT}.layers.attention.torch_native_backend.TorchNativeAttnBackend",
     attrs=("device", "token_to_kv_pool", "req_to_token_pool", "init_forward_metadata", "forward_extend",

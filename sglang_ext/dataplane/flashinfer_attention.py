@@ -5,24 +5,38 @@ slot), so ``kv_indptr`` and ``last_page_len`` -- everything FlashInfer's ``plan`
 are identical for all layers: **one plan per step serves every layer** with the same attention
 parameters, whatever the residency pattern (the per-layer-group plans OrbitFlow's
 distance-driven layouts would need collapse to one). Only the page ids differ per layer: the
-wrapper (user-owned buffers, FlashInfer's CUDA-graph buffer mode) reads the layer's row of the
-step's table in place of its indices buffer for that ``run`` where its backend reads the buffer
-at run time (:func:`reads_indices_at_run`), else the row is copied into the buffer before the run.
+wrapper's ``run`` reads its indices buffer at run time (the ``fa2`` backend, which kvplane asks
+for as SGLang's own FlashInfer backend does: :func:`reads_rows_at_run`; another is refused at
+plan), so each layer's run is handed that layer's row of the step's table, no copy launched.
 
 Layers whose attention parameters differ (Gemma-2's alternating sliding-window and global
 layers, soft-capped logits) get one plan per distinct :class:`AttentionParams` per step.
 
-Bounded memory: wrappers (each holds FlashInfer's own int workspace, 8 MiB device + 8 MiB
-pinned) are kept for at most :data:`MAX_WRAPPERS` (batch size, parameters) keys, least recently
-used dropped first; the float workspace is shared. The indices buffers grow (to the next power
-of two) when a step's batch lists more pages than they hold -- requests sharing a prefix list
-its pages once each, so a step may list more pages than the pool has.
+Two kinds of wrappers:
+
+- **Eager** (serving; ``plan(..., graph=False)``): FlashInfer's dynamic mode, as SGLang's eager
+  backend builds it -- one wrapper per parameter set whatever the batch size, FlashInfer's
+  scheduler free to leave the KV unsplit. Its CUDA-graph mode would force a split KV on every
+  run (partial results and a merge kernel per layer) and reserve partial results for the padded
+  batch in the float workspace: 128 MiB overflows at about 1,600 requests of 32 query heads on
+  an H100, inside SGLang's default running-request limit.
+- **Graph** (``graph=True``: ``kvplane gpu-check``'s capture probe; serving's decode graphs run
+  Triton): user-owned buffers of a fixed batch size, at most :data:`MAX_WRAPPERS` (batch size,
+  parameters) keys; a wrapper dropped from the cache is kept alive (a captured graph may still
+  replay its buffers). The indices buffers grow (to the next power of two) when a step lists
+  more pages than they hold -- requests sharing a prefix list its pages once each.
+
+Tensor cores follow SGLang's rule (``should_use_tensor_core``: the adapter passes SGLang's own;
+:func:`default_tensor_cores` otherwise). Each wrapper holds FlashInfer's int workspace (8 MiB
+device + 8 MiB pinned); the float workspace is shared.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -41,7 +55,21 @@ WORKSPACE_BYTES = 128 * 1024 * 1024
 """FlashInfer float workspace (its recommended size), shared by every wrapper."""
 
 MAX_WRAPPERS = 8
-"""(batch size, parameters) keys whose wrappers are kept (least recently used dropped)."""
+"""Graph wrappers: (batch size, parameters) keys kept in the cache (least recently used dropped)."""
+
+BACKEND = "fa2"
+"""FlashInfer's decode backend, as SGLang's FlashInfer backend asks for it (``decode_backend``)."""
+
+
+def default_tensor_cores(kv_dtype: torch.dtype, num_qo_heads: int, num_kv_heads: int) -> bool:
+    """SGLang 0.5.23's ``should_use_tensor_core`` without its environment override: fp8 KV, or
+    16-bit KV with a GQA group of 4 or more (the tensor-core kernel fuses the group with the
+    tokens); the CUDA-core decode kernel otherwise."""
+    if kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return True
+    if kv_dtype in (torch.float16, torch.bfloat16):
+        return num_qo_heads // max(1, num_kv_heads) >= 4
+    return False
 
 
 @dataclass(frozen=True)
@@ -74,62 +102,98 @@ def grown(capacity: int, needed: int) -> int:
 
 class FlashInferLayeredDecode:
     """Batch decode over the served core's per-step tables, one FlashInfer plan per step and
-    per distinct :class:`AttentionParams`."""
+    per distinct :class:`AttentionParams` (module docstring)."""
 
-    def __init__(self, device: torch.device | str, max_pages: int) -> None:
-        if not HAVE_FLASHINFER:
-            raise RuntimeError("flashinfer is not importable; use torch_layered_attention")
+    def __init__(self, device: torch.device | str, max_pages: int, *,
+                 tensor_cores: Callable[[torch.dtype, int, int], bool] = default_tensor_cores,
+                 wrapper_class: Any = None, workspace_bytes: int = WORKSPACE_BYTES) -> None:
+        """``max_pages``: the graph wrappers' first indices capacity; ``tensor_cores``: the rule
+        (KV dtype, query heads, KV heads); ``wrapper_class``: FlashInfer's
+        ``BatchDecodeWithPagedKVCacheWrapper`` (None), or a stand-in of it (tests, on the CPU)."""
+        if wrapper_class is None:
+            if not HAVE_FLASHINFER:
+                raise RuntimeError("flashinfer is not importable; use torch_layered_attention")
+            if torch.device(device).type != "cuda":
+                raise ValueError(f"FlashInferLayeredDecode needs a CUDA device, got {device}")
+            wrapper_class = flashinfer.BatchDecodeWithPagedKVCacheWrapper
         self.device = torch.device(device)
-        if self.device.type != "cuda":
-            raise ValueError(f"FlashInferLayeredDecode needs a CUDA device, got {self.device}")
+        self.wrapper_class = wrapper_class
+        self.tensor_cores = tensor_cores
         self.max_pages = max(1, max_pages)
-        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self._wrappers: OrderedDict[tuple[int, AttentionParams], tuple[object, torch.Tensor]] = OrderedDict()
-        self._planned: dict[AttentionParams, tuple[object, torch.Tensor]] = {}
+        self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
+        self._eager: dict[AttentionParams, object] = {}
+        self._graph: OrderedDict[tuple[int, AttentionParams], tuple[object, torch.Tensor]] = OrderedDict()
+        self._retired: list[tuple[object, torch.Tensor]] = []
+        """Graph wrappers dropped from the cache, kept alive: a captured graph may replay them."""
+        self._planned: dict[AttentionParams, tuple[object, torch.Tensor | None]] = {}
 
-    def _wrapper(self, batch: int, params: AttentionParams) -> tuple[object, torch.Tensor]:
-        key = (batch, params)
-        if key in self._wrappers:
-            self._wrappers.move_to_end(key)
-            return self._wrappers[key]
-        while len(self._wrappers) >= MAX_WRAPPERS:
-            self._wrappers.popitem(last=False)
-        indices = torch.zeros(self.max_pages, dtype=torch.int32, device=self.device)
-        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace,
-            "NHD",
-            use_cuda_graph=True,
-            use_tensor_cores=True,
-            paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device=self.device),
-            paged_kv_indices_buffer=indices,
-            paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=self.device),
+    def _new(self, params: AttentionParams, kv_dtype: torch.dtype, kv_heads: int, **buffers: Any) -> object:
+        return self.wrapper_class(
+            self.workspace, "NHD", use_cuda_graph=bool(buffers), backend=BACKEND,
+            use_tensor_cores=self.tensor_cores(kv_dtype, params.num_qo_heads, kv_heads), **buffers,
         )
-        self._wrappers[key] = (w, indices)
+
+    def _eager_wrapper(self, params: AttentionParams, kv_dtype: torch.dtype, kv_heads: int) -> object:
+        w = self._eager.get(params)
+        if w is None:
+            w = self._eager[params] = self._new(params, kv_dtype, kv_heads)
+        return w
+
+    def _graph_wrapper(self, batch: int, params: AttentionParams, kv_dtype: torch.dtype,
+                       kv_heads: int) -> tuple[object, torch.Tensor]:
+        key = (batch, params)
+        if key in self._graph:
+            self._graph.move_to_end(key)
+            return self._graph[key]
+        while len(self._graph) >= MAX_WRAPPERS:
+            self._retired.append(self._graph.popitem(last=False)[1])
+        indices = torch.zeros(self.max_pages, dtype=torch.int32, device=self.device)
+        w = self._new(params, kv_dtype, kv_heads,
+                      paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device=self.device),
+                      paged_kv_indices_buffer=indices,
+                      paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=self.device))
+        self._graph[key] = (w, indices)
         return w, indices
 
     @property
     def wrappers(self) -> int:
-        """Wrappers held now (at most :data:`MAX_WRAPPERS`)."""
-        return len(self._wrappers)
+        """Wrappers held now (eager ones, one per parameter set; graph ones, at most
+        :data:`MAX_WRAPPERS`; the retired graph ones apart)."""
+        return len(self._eager) + len(self._graph)
 
     def new_step(self) -> None:
         """Forget the previous step's plans (the next ``run`` of each parameter set plans)."""
         self._planned.clear()
 
     def plan(self, view: LayerView, num_qo_heads: int, sm_scale: float | None = None,
-             params: AttentionParams | None = None) -> AttentionParams:
+             params: AttentionParams | None = None, graph: bool = False) -> AttentionParams:
         """Plan this step for ``params`` (default: plain attention with ``num_qo_heads`` and
-        ``sm_scale``) from any layer's view (all layers share indptr and lengths)."""
+        ``sm_scale``) from any layer's view (all layers share indptr and lengths); ``graph``: on
+        a graph wrapper of the view's batch size (captured replays read its buffers)."""
         if params is None:
             params = AttentionParams(num_qo_heads=num_qo_heads, sm_scale=sm_scale)
+        kv_dtype, kv_heads = view.k_cache.dtype, view.k_cache.shape[2]
+        own: torch.Tensor | None = None
+        if graph:
+            needed = grown(self.max_pages, int(view.kv_indices.numel()))
+            if needed != self.max_pages:  # shared-prefix pages listed per request: grow, re-create
+                self.max_pages = needed
+                self._retired.extend(self._graph.values())
+                self._graph.clear()
+                self._planned.clear()
+            w, own = self._graph_wrapper(view.kv_lens.numel(), params, kv_dtype, kv_heads)
+        else:
+            w = self._eager_wrapper(params, kv_dtype, kv_heads)
+        self._plan(w, view, params)
+        if own is None and not reads_rows_at_run(w):
+            raise RuntimeError(f"kvplane's FlashInfer decode hands each layer its page table at run time, which "
+                               f"FlashInfer's {getattr(w, '_backend', None)!r} backend does not read "
+                               f"(it needs one of {RUN_READS_INDICES}, not cuDNN)")
+        self._planned[params] = (w, own)
+        return params
+
+    def _plan(self, w: Any, view: LayerView, params: AttentionParams) -> None:
         _, page_size, num_kv_heads, head_dim = view.k_cache.shape
-        batch = view.kv_lens.numel()
-        needed = grown(self.max_pages, int(view.kv_indices.numel()))
-        if needed != self.max_pages:  # shared-prefix pages listed per request: grow, re-create
-            self.max_pages = needed
-            self._wrappers.clear()
-            self._planned.clear()
-        w, indices = self._wrapper(batch, params)
         w.plan(
             view.kv_indptr,
             view.kv_indices,
@@ -144,8 +208,6 @@ class FlashInferLayeredDecode:
             kv_data_type=view.k_cache.dtype,
             sm_scale=params.sm_scale,
         )
-        self._planned[params] = (w, indices)
-        return params
 
     def planned(self, params: AttentionParams) -> bool:
         return params in self._planned
@@ -159,20 +221,25 @@ class FlashInferLayeredDecode:
             params = next(iter(self._planned))
         if params not in self._planned:
             raise RuntimeError("FlashInferLayeredDecode.run before plan")
-        w, indices = self._planned[params]
+        w, own = self._planned[params]
         rows = view.kv_indices
-        if reads_indices_at_run(w, rows, indices):
+        if own is None:  # eager: the run reads whatever indices buffer it finds (checked at plan)
+            if rows.dtype != torch.int32 or not rows.is_contiguous():
+                rows = rows.to(torch.int32).contiguous()  # a copy launch (the step's table rows need none)
+            w._paged_kv_indices_buf = rows  # type: ignore[attr-defined]
+            return w.run(q, (view.k_cache, view.v_cache))  # type: ignore[attr-defined]
+        if reads_indices_at_run(w, rows, own):
             # the layer's row of the step's table IS the indices the run reads: no copy launch
             # per layer; the wrapper's own buffer comes back before anything else (its next plan
             # writes there) -- see reads_indices_at_run
             w._paged_kv_indices_buf = rows  # type: ignore[attr-defined]
             try:
-                return w.run(q, (view.k_cache, view.v_cache))
+                return w.run(q, (view.k_cache, view.v_cache))  # type: ignore[attr-defined]
             finally:
-                w._paged_kv_indices_buf = indices  # type: ignore[attr-defined]
+                w._paged_kv_indices_buf = own  # type: ignore[attr-defined]
         n = rows.numel()
-        indices[:n].copy_(rows, non_blocking=True)
-        return w.run(q, (view.k_cache, view.v_cache))
+        own[:n].copy_(rows, non_blocking=True)
+        return w.run(q, (view.k_cache, view.v_cache))  # type: ignore[attr-defined]
 
 
 RUN_READS_INDICES = ("fa2", "fa3")
@@ -182,13 +249,18 @@ CUDA-core ``run`` argument lists); the others (``trtllm-gen``, cuDNN, cuTile, Cu
 tables made at plan time."""
 
 
+def reads_rows_at_run(wrapper: object) -> bool:
+    """A planned FlashInfer wrapper of a backend in :data:`RUN_READS_INDICES` (not cuDNN): its
+    ``run`` reads the page ids from whatever ``_paged_kv_indices_buf`` it finds then."""
+    return getattr(wrapper, "_backend", None) in RUN_READS_INDICES and not getattr(wrapper, "_uses_cudnn", False)
+
+
 def reads_indices_at_run(wrapper: object, rows: torch.Tensor, own: torch.Tensor) -> bool:
-    """Whether ``wrapper.run`` may read a layer's page ids from ``rows`` in place of its own
-    indices buffer ``own``: a planned FlashInfer wrapper of a backend in :data:`RUN_READS_INDICES`
-    (not cuDNN) holding ``own``, and ``rows`` int32, contiguous, on its device. Then
-    :meth:`FlashInferLayeredDecode.run` points the wrapper at ``rows`` for the run and back at
-    ``own`` after it, instead of one copy launch per layer (a few microseconds of host time each
-    on a GPU host, 32 a step at Llama-3-8B's layers). Anything else: the copy."""
-    return (getattr(wrapper, "_backend", None) in RUN_READS_INDICES and not getattr(wrapper, "_uses_cudnn", False)
-            and getattr(wrapper, "_paged_kv_indices_buf", None) is own and rows.dtype == torch.int32
-            and rows.is_contiguous() and rows.device == own.device)
+    """Whether a graph wrapper's ``run`` may read a layer's page ids from ``rows`` in place of its
+    own indices buffer ``own``: :func:`reads_rows_at_run`, the wrapper holding ``own``, and
+    ``rows`` int32, contiguous, on its device. Then :meth:`FlashInferLayeredDecode.run` points
+    the wrapper at ``rows`` for the run and back at ``own`` after it, instead of one copy launch
+    per layer (a few microseconds of host time each on a GPU host, 32 a step at Llama-3-8B's
+    layers). Anything else: the copy."""
+    return (reads_rows_at_run(wrapper) and getattr(wrapper, "_paged_kv_indices_buf", None) is own
+            and rows.dtype == torch.int32 and rows.is_contiguous() and rows.device == own.device)

@@ -100,10 +100,11 @@ class DecodeBackends:
         except Exception as exc:  # noqa: BLE001 - reported as a failed backend
             self.failed[name] = f"{type(exc).__name__}: {exc}"[:300]
 
-    def plan_step(self, view: LayerView) -> None:
-        """Once per step, before layer 0 (FlashInfer's plan; the others need none)."""
+    def plan_step(self, view: LayerView, graph: bool = False) -> None:
+        """Once per step, before layer 0 (FlashInfer's plan; the others need none); ``graph``: on
+        FlashInfer's CUDA-graph wrappers (a capture or a replay), else its eager ones (serving's)."""
         if self.fi is not None:
-            self.fi.plan(view, self.q_heads)
+            self.fi.plan(view, self.q_heads, graph=graph)
 
     def run(self, name: str, q: torch.Tensor, view: LayerView) -> torch.Tensor:
         """Decode attention of ``view``'s layer with backend ``name`` (``[B, Hq, D]``)."""

@@ -430,7 +430,7 @@ def _plan(ch: Any, backend: str, view: Any) -> None:
     """FlashInfer's plan for ``view`` (host CSR), outside any graph, as SGLang plans before a
     capture or a replay; the other decodes plan nothing."""
     if backend == "flashinfer":
-        ch.backends.plan_step(view)
+        ch.backends.plan_step(view, graph=True)
 
 
 def _plan_buffers(ch: Any, backend: str, buffers: GraphStepBuffers) -> None:

@@ -241,7 +241,7 @@ def test_a_flashinfer_capture_that_raises_falls_back_to_triton(monkeypatch, caps
     run = backends.run
     monkeypatch.setattr(backends, "available", ("flashinfer", *backends.available))
     monkeypatch.setattr(backends, "run", lambda name, q, view: run("triton" if name == "flashinfer" else name, q, view))
-    monkeypatch.setattr(backends, "plan_step", lambda view: None)
+    monkeypatch.setattr(backends, "plan_step", lambda view, graph=False: None)
 
     class FirstRefuses(Taped):
         made = 0
