@@ -10,6 +10,7 @@ the difference between exact KV and KV corrupted when a copy happens to run late
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -72,6 +73,31 @@ def test_longer_runs_keep_every_access_ordered_under_each_query_schedule(monkeyp
         assert sum(r.added for r in rings) == 0
 
 
+def _on_overlap_streams(sim: StreamOrder, driver: CoreDriver, barrier: bool,
+                        after: Callable[[], None] | None = None) -> Any:
+    """``driver``'s forwards run as SGLang's overlap loop runs them: each on the forward stream,
+    which waits for the schedule stream (the current one) at launch; after it, back on the
+    schedule stream, which waits for the forward stream (``barrier``: SGLang's WAR barrier) --
+    then ``after()``. Returns the schedule stream."""
+    schedule, forward = sim.current, torch.cuda.Stream()
+    real_step = driver.step
+
+    def step(batch):  # noqa: ANN001, ANN202
+        forward.wait_event(schedule.record_event())
+        sim.set_stream(forward)
+        try:
+            return real_step(batch)
+        finally:
+            sim.set_stream(schedule)
+            if barrier:
+                schedule.wait_event(forward.record_event())
+            if after is not None:
+                after()
+
+    driver.step = step  # type: ignore[method-assign]
+    return schedule
+
+
 def _overlap_loop(monkeypatch: pytest.MonkeyPatch, barrier: bool, churn: bool = False,
                   queries: str = RINGS, churn_patch: Callable[[pytest.MonkeyPatch], None] | None = None,
                   ) -> tuple[StreamOrder, CoreDriver]:
@@ -86,20 +112,7 @@ def _overlap_loop(monkeypatch: pytest.MonkeyPatch, barrier: bool, churn: bool = 
         core = make_core(PAGES + 6)
         track_core(sim, core)
         driver = CoreDriver(core, seed=1, fast_decode=True)
-        schedule, forward = sim.current, torch.cuda.Stream()
-        real_step = driver.step
-
-        def step(batch):  # noqa: ANN001, ANN202
-            forward.wait_event(schedule.record_event())
-            sim.set_stream(forward)
-            try:
-                return real_step(batch)
-            finally:
-                sim.set_stream(schedule)
-                if barrier:
-                    schedule.wait_event(forward.record_event())
-
-        driver.step = step
+        _on_overlap_streams(sim, driver, barrier)
         with sim.tracer():
             offload_scenario(driver)
             for i in range(20):
@@ -381,20 +394,8 @@ def _steady_overlap(monkeypatch: pytest.MonkeyPatch, patch: Callable[[pytest.Mon
         core = make_core(None, pages=stateful.BIG)
         track_core(sim, core)
         driver = CoreDriver(core, seed=2, fast_decode=True, paged_reads=True)
-        schedule, forward = sim.current, torch.cuda.Stream()
-        real_step = driver.step
-
-        def step(batch):  # noqa: ANN001, ANN202
-            forward.wait_event(schedule.record_event())
-            sim.set_stream(forward)
-            try:
-                return real_step(batch)
-            finally:
-                sim.set_stream(schedule)
-                schedule.wait_event(forward.record_event())
-                forgotten.append(core.store.engine._compute is None)
-
-        driver.step = step
+        schedule = _on_overlap_streams(sim, driver, True,
+                                       after=lambda: forgotten.append(core.store.engine._compute is None))
         with sim.tracer():
             for rid in ("a", "b"):
                 driver.add(rid)
