@@ -22,8 +22,8 @@ Two kinds of wrappers:
   an H100, inside SGLang's default running-request limit.
 - **Graph** (``graph=True``: ``kvplane gpu-check``'s capture probe; serving's decode graphs run
   Triton): user-owned buffers of a fixed batch size, at most :data:`MAX_WRAPPERS` (batch size,
-  parameters) keys; a wrapper dropped from the cache is kept alive (a captured graph may still
-  replay its buffers). The indices buffers grow (to the next power of two) when a step lists
+  parameters) keys; a wrapper dropped from the cache is kept alive as long as the decode object
+  (a captured graph may still replay its buffers): unbounded, so for a probe of a few sizes only. The indices buffers grow (to the next power of two) when a step lists
   more pages than they hold -- requests sharing a prefix list its pages once each.
 
 Tensor cores follow SGLang's rule (``should_use_tensor_core``: the adapter passes SGLang's own;

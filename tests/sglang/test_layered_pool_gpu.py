@@ -131,16 +131,19 @@ def _capped_windowed(q, k, v, scale, cap, window):  # noqa: ANN001, ANN202
 
 
 @pytest.mark.skipif(not HAVE_FLASHINFER, reason="flashinfer not importable")
-def test_flashinfer_plans_soft_cap_and_window_per_layer_and_bounds_wrappers():
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph-wrappers"])
+def test_flashinfer_plans_soft_cap_and_window_per_layer_and_bounds_wrappers(graph):
     """Layers with different soft caps / windows (Gemma-2 style) each get their plan; outputs
-    match an fp32 reference; the wrappers stay bounded over many batch sizes."""
+    match an fp32 reference, on serving's eager wrappers (one per parameter set) and on the graph
+    probe's CUDA-graph wrappers (their indices buffers grown from 1 on the first plan; at most
+    MAX_WRAPPERS kept over many batch sizes)."""
     from sglang_ext.dataplane.flashinfer_attention import MAX_WRAPPERS, AttentionParams
 
     pool = make_cuda_pool(budget_tokens=PAGE * 64)
     slots = fill(pool, {"a": 100, "b": 37})
     pool.prepare_step([(rid, slots[rid].cpu()) for rid in ("a", "b")], None, [0, 0])
     tables = pool.tables
-    decode = FlashInferLayeredDecode("cuda", max_pages=1)  # grows on the first plan
+    decode = FlashInferLayeredDecode("cuda", max_pages=1)
     decode.new_step()
     settings = [(0.0, -1), (30.0, -1), (0.0, 15), (50.0, 31)]
     scale = DIM ** -0.5
@@ -149,7 +152,7 @@ def test_flashinfer_plans_soft_cap_and_window_per_layer_and_bounds_wrappers():
         view = LayerView(layer, pool.store.dev[0], pool.store.dev[1], tables.kv_indptr, tables.tab[layer],
                          tables.kv_lens, tables.last_page_len, ("a", "b"))
         params = AttentionParams(num_qo_heads=Q_HEADS, sm_scale=scale, logits_soft_cap=cap, window_left=window)
-        decode.plan(view, Q_HEADS, params=params)
+        decode.plan(view, Q_HEADS, params=params, graph=graph)
         q = torch.randn((2, Q_HEADS, DIM), device="cuda", dtype=torch.bfloat16)
         out = decode.run(q, view, params)
         for b, rid in enumerate(("a", "b")):
@@ -157,10 +160,14 @@ def test_flashinfer_plans_soft_cap_and_window_per_layer_and_bounds_wrappers():
             want = _capped_windowed(q[b : b + 1], k, v, scale, cap, window)
             torch.testing.assert_close(out[b : b + 1].float(), want, atol=3e-2, rtol=3e-2)
         pool.exit_layer(layer)
+    assert decode.wrappers == len(settings)  # one a parameter set
+    if not graph:
+        return
     assert decode.max_pages >= int(tables.tab.shape[1])  # grown from 1 to hold the step's pages
     for batch in range(1, 3 * MAX_WRAPPERS):
-        decode._wrapper(batch, AttentionParams(num_qo_heads=Q_HEADS))
-    assert decode.wrappers == MAX_WRAPPERS
+        decode._graph_wrapper(batch, AttentionParams(num_qo_heads=Q_HEADS), torch.bfloat16, KV_HEADS)
+    made = len(settings) + 3 * MAX_WRAPPERS - 1
+    assert decode.wrappers == MAX_WRAPPERS and len(decode._retired) == made - MAX_WRAPPERS  # kept alive
 
 
 def test_the_pool_writes_with_sglangs_store_kernel_including_row_zero():
