@@ -73,3 +73,38 @@ def test_params_are_made_once_per_layer_and_each_layer_reads_its_row(monkeypatch
     plain = {params for i, (params, _) in enumerate(runs) if i % 3 != 2}
     assert len(capped) == len(plain) == 1 and capped != plain
     assert next(iter(capped)).logits_soft_cap == 30.0 and next(iter(plain)).logits_soft_cap == 0.0
+
+
+def test_decode_layer_over_the_real_decode_plans_once_a_step_and_reads_each_layers_row():
+    """The same backend over the real :class:`FlashInferLayeredDecode` (FlashInfer's wrapper a
+    stand-in with its 0.7.2 behaviour, ``tests/dataplane/test_flashinfer_indices.py``) and SGLang's
+    own tensor-core rule, as ``__init__`` wires them: what each layer's run read is that layer's
+    row; one eager wrapper per parameter set, planned once a step, over steps of 2 and 3
+    requests. Control: the capped layer's row differs from the plain layers'."""
+    from sglang_ext import compat
+    from sglang_ext.dataplane.flashinfer_attention import FlashInferLayeredDecode
+    from sglang_ext.layered_flashinfer_decode import LayeredFlashInferDecode
+    from tests.dataplane.test_flashinfer_indices import _Wrapper
+
+    _Wrapper.made = []
+    backend = object.__new__(LayeredFlashInferDecode)
+    backend.flashinfer = FlashInferLayeredDecode("cpu", 16, tensor_cores=compat.should_use_tensor_core,
+                                                 wrapper_class=_Wrapper, workspace_bytes=64)
+    backend._params = {}
+    kv = torch.zeros(8, 4, 2, 16, dtype=torch.bfloat16)
+    layers = [SimpleNamespace(layer_id=i, tp_q_head_num=8, scaling=0.25, logit_cap=30.0 if i == 2 else 0.0,
+                              sliding_window_size=-1) for i in range(3)]
+    for step, batch in enumerate((2, 3, 2)):
+        tab = torch.arange(3 * 2 * batch, dtype=torch.int32).view(3, 2 * batch) + 100 * step
+        i32 = torch.int32
+        tables = SimpleNamespace(kv_indptr=torch.arange(0, 2 * batch + 1, 2, dtype=i32), tab=tab,
+                                 kv_lens=torch.full((batch,), 7, dtype=i32),
+                                 last_page_len=torch.full((batch,), 3, dtype=i32), plan_view=lambda view: view)
+        backend.pool = SimpleNamespace(tables=tables, store=SimpleNamespace(dev=(kv, kv)))
+        backend.new_step()
+        q = torch.zeros(batch, 8, 16, dtype=torch.bfloat16)
+        for index, layer in enumerate(layers):
+            assert torch.equal(backend.decode_layer(q, layer, index), tab[index])
+    assert len(_Wrapper.made) == 2 and all(len(w.plans) == 3 for w in _Wrapper.made)
+    assert all(not w.graph and w._backend == "fa2" and w.tensor_cores for w in _Wrapper.made)  # group 4, bf16
+    assert not torch.equal(tab[2], tab[0])
