@@ -348,10 +348,10 @@ def paged_decode_triton(
     if not 1 <= num_kv_splits <= MAX_KV_SPLITS:
         raise ValueError(f"num_kv_splits must be in [1, {MAX_KV_SPLITS}], got {num_kv_splits}")
     scale = _scale(sm_scale, head_dim)
-    out = torch.empty_like(q)
+    q = q if q.stride(2) == 1 else q.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # dense: the kernel stores head_dim at stride 1
     if batch == 0:
         return out
-    q = q if q.stride(2) == 1 else q.contiguous()
     kv_indices = kv_indices.contiguous()
     group = q_heads // kv_heads
     mid_o = torch.empty((batch, q_heads, num_kv_splits, head_dim), dtype=torch.float32, device=q.device)

@@ -70,8 +70,9 @@ class RecomputeForward:
         bs = self.batch
         self.layer_rows += k.shape[0] - bs
         heads, dim = layer.tp_k_head_num, layer.qk_head_dim
-        k_rec = k[bs:].reshape(-1, heads, dim)
-        v_rec = v[bs:].reshape(-1, heads, layer.v_head_dim)
+        dtype = core.store.dev.dtype  # as the pool stores new K/V (LayeredTokenToKVPool.stored_kv)
+        k_rec = k[bs:].reshape(-1, heads, dim).to(dtype)
+        v_rec = v[bs:].reshape(-1, heads, layer.v_head_dim).to(dtype)
         core.write_recompute(layer_index, k_rec, v_rec)
 
     def attend(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -91,11 +92,14 @@ class RecomputeForward:
             if k_layers <= layer_index:
                 break  # spans are ordered by decreasing k: the rest are fetched here
             a, b = bs + start, bs + end
+            # [1, H, T, D]: PyTorch's fused kernels (flash, memory-efficient) take 4-D inputs only;
+            # 3-D ones fall to its math path, which builds the [H, T, T] scores in fp32 (2 GiB at
+            # 4K tokens and 32 heads) and repeats K/V per query head
             out = F.scaled_dot_product_attention(
-                q_[a:b].transpose(0, 1), k_[a:b].transpose(0, 1), v_[a:b].transpose(0, 1),
+                q_[a:b].transpose(0, 1)[None], k_[a:b].transpose(0, 1)[None], v_[a:b].transpose(0, 1)[None],
                 is_causal=True, scale=layer.scaling, enable_gqa=gqa,
             )
-            o_[a:b] = out.transpose(0, 1).to(o_.dtype)
+            o_[a:b] = out[0].transpose(0, 1).to(o_.dtype)
 
     def wrap_logits(self, model: Any) -> bool:
         """Make the model's ``logits_processor`` see only the decode rows of a recompute step.

@@ -326,3 +326,18 @@ def test_gpu_llama_shapes(dtype: torch.dtype) -> None:
     capped = paged_decode(**dev, logits_soft_cap=30.0, window_left=255)  # type: ignore[arg-type]
     expected = paged_decode_ref(**t, logits_soft_cap=30.0, window_left=255)
     torch.testing.assert_close(capped.cpu(), expected, **TOLERANCE[dtype])
+
+
+def test_a_permuted_query_gives_the_references_output_in_a_dense_tensor(triton_device: str) -> None:
+    """A dense query whose head_dim is not its innermost dimension is made contiguous for the
+    kernel, and the output is allocated dense, as the kernel stores it (head_dim at stride 1):
+    equal to the reference. The premise, the control: ``empty_like`` of the permuted query would
+    not have head_dim at stride 1."""
+    case = CASES[0]
+    t = _build(case, shared_prefix=False)
+    permuted = t["q"].permute(2, 0, 1).contiguous().permute(1, 2, 0)
+    assert torch.equal(permuted, t["q"]) and permuted.stride(2) != 1
+    assert torch.empty_like(permuted).stride(2) != 1
+    got = _run({**t, "q": permuted}, case, triton_device)
+    assert got.stride(2) == 1
+    torch.testing.assert_close(got, _ref(t, case), **TOLERANCE[case.dtype])
