@@ -47,11 +47,6 @@ CUDA_BLOCKS = (64, 64)
 CUDA_FP32_BLOCKS = (32, 32)
 """The same for fp32 caches (fp32 tiles: 64 x 64 at head_dim 128 need 115 KB of shared memory,
 more than consumer Ampere / Ada GPUs have)."""
-SMALL_SMEM_BYTES = 128 * 1024
-"""Devices whose opt-in shared memory per block is below this (consumer Ampere / Ada: 99 KB) get
-the fp32 tiles for 16-bit caches too when a K/V row is over 256 bytes (head_dim 256: Gemma-2/3),
-whose 64 x 64 tiles need the same ~115 KB as fp32 at head_dim 128; A100 (163 KB) and Hopper
-(227 KB) keep them."""
 INTERPRETER_BLOCKS = (16, 32)
 """The same under the interpreter (its cost is per program and per tile op, not per FLOP)."""
 LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
@@ -189,15 +184,6 @@ if HAVE_TRITON:
         "qstart_ptr", "qlen_ptr", "indptr_ptr", "indices_ptr", "lens_ptr"])
 
 
-def cuda_blocks(low_precision: bool, row_bytes: int, smem_optin: int) -> tuple[int, int]:
-    """``(BLOCK_M, BLOCK_N)`` on CUDA: :data:`CUDA_BLOCKS` for 16-bit caches unless their rows
-    (``row_bytes``: the padded head_dim's bytes) are over 256 bytes on a device with less than
-    :data:`SMALL_SMEM_BYTES` of opt-in shared memory per block; :data:`CUDA_FP32_BLOCKS` else."""
-    if low_precision and (row_bytes <= 256 or smem_optin >= SMALL_SMEM_BYTES):
-        return CUDA_BLOCKS
-    return CUDA_FP32_BLOCKS
-
-
 def paged_extend_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_start: torch.Tensor,
                         q_lens: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                         kv_lens: torch.Tensor, max_q_len: int, *, sm_scale: float | None = None,
@@ -219,12 +205,8 @@ def paged_extend_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if batch == 0 or max_q_len == 0 or q.shape[0] == 0:
         return out
     low = q.is_cuda and k_cache.dtype in LOW_PRECISION_DTYPES
+    block_m, block_n = (CUDA_BLOCKS if low else CUDA_FP32_BLOCKS) if q.is_cuda else INTERPRETER_BLOCKS
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_m, block_n = INTERPRETER_BLOCKS
-    if q.is_cuda:
-        # (torch's device properties are cached: no driver call per launch)
-        smem = getattr(torch.cuda.get_device_properties(q.device), "shared_memory_per_block_optin", SMALL_SMEM_BYTES)
-        block_m, block_n = cuda_blocks(low, block_d * k_cache.element_size(), smem)
     # 8 warps from head_dim 128: with 4, ptxas spills (255 registers, 1.8 KB of stores at 128 on sm_90)
     extra = {"num_warps": 8 if block_d >= 128 else 4} if q.is_cuda else {}
     _extend_kernel[(batch, q_heads, triton.cdiv(max_q_len, block_m))](

@@ -92,9 +92,9 @@ class RecomputeForward:
             if k_layers <= layer_index:
                 break  # spans are ordered by decreasing k: the rest are fetched here
             a, b = bs + start, bs + end
-            # [1, H, T, D]: PyTorch's fused kernels (flash, memory-efficient) take 4-D inputs only;
-            # 3-D ones fall to its math path, which builds the [H, T, T] scores in fp32 (2 GiB at
-            # 4K tokens and 32 heads) and repeats K/V per query head
+            # [1, H, T, D]: before torch 2.14 PyTorch's fused kernels (flash, memory-efficient) take
+            # 4-D inputs only and 3-D ones fall to its math path, which builds the [H, T, T] scores
+            # in fp32 (2 GiB at 4K tokens and 32 heads); 2.14 (pinned) adds the batch dim itself
             out = F.scaled_dot_product_attention(
                 q_[a:b].transpose(0, 1)[None], k_[a:b].transpose(0, 1)[None], v_[a:b].transpose(0, 1)[None],
                 is_causal=True, scale=layer.scaling, enable_gqa=gqa,

@@ -278,17 +278,3 @@ def test_a_permuted_query_gives_the_references_output_in_a_dense_tensor(triton_d
     assert got.stride(2) == 1
     torch.testing.assert_close(got, _ref(t, case), **TOLERANCE[case.dtype])
 
-
-def test_cuda_tiles_fit_the_devices_shared_memory() -> None:
-    """16-bit caches take 64 x 64 tiles, except rows over 256 bytes (head_dim 256) on devices
-    with under 128 KB of opt-in shared memory per block (L4 / RTX: 99 KB), which take the fp32
-    tiles, whose footprint fits them; A100 (163 KB) and H100 (227 KB) keep 64 x 64 at head_dim
-    256. fp32 caches always take 32 x 32."""
-    from kernels.paged_extend import CUDA_BLOCKS, CUDA_FP32_BLOCKS, cuda_blocks
-
-    l4, a100, h100 = 99 * 1024, 163 * 1024, 227 * 1024
-    assert cuda_blocks(True, 128 * 2, l4) == CUDA_BLOCKS  # Llama's head_dim 128, bf16
-    assert cuda_blocks(True, 256 * 2, l4) == CUDA_FP32_BLOCKS  # Gemma's 256 on an L4
-    assert cuda_blocks(True, 256 * 2, a100) == cuda_blocks(True, 256 * 2, h100) == CUDA_BLOCKS
-    assert cuda_blocks(False, 128 * 4, h100) == cuda_blocks(False, 64 * 4, l4) == CUDA_FP32_BLOCKS
-    assert CUDA_BLOCKS != CUDA_FP32_BLOCKS  # the control: the two answers differ

@@ -1,7 +1,8 @@
 """``RecomputeForward``'s per-layer work on the recompute rows, without a server: the prefixes'
-causal attention runs PyTorch's SDPA on 4-D inputs (its fused flash / memory-efficient kernels
-take only those; 3-D ones fall to its math path, which on a GPU builds each prefix's
-``[H, T, T]`` scores in fp32: gigabytes at a few thousand tokens), and equals a dense causal
+causal attention runs PyTorch's SDPA on 4-D inputs (before torch 2.14 its fused flash /
+memory-efficient kernels took only those, and 3-D ones fell to its math path, which on a GPU
+builds each prefix's ``[H, T, T]`` scores in fp32: gigabytes at a few thousand tokens; the pinned
+2.14.1 adds the batch dimension itself), and equals a dense causal
 reference; the recomputed K/V reach the core in the pool's dtype, as the pool converts new K/V
 (a model's activations in another dtype than ``--kv-cache-dtype`` would make the store's write
 raise). The served proof is ``tests/sglang/test_recompute_server.py``."""
