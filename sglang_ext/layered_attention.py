@@ -347,7 +347,7 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
                 out = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
             else:  # the prefix rows first (their K/V are read by the decode rows), docs/recompute.md
                 index, bs = layer.layer_id - self.pool.start_layer, rec.batch
-                rec.write(self.pool.core, index, k, v, layer)
+                rec.write(self.pool, index, k, v, layer)
                 out = super().forward_decode(q, k[:bs], v[:bs], layer, forward_batch, save_kv_cache)
                 rec.attend(index, q, k, v, out, layer)
         finally:

@@ -150,7 +150,7 @@ class LayeredPagedDecode(LayeredTorchNativeAttnBackend):
         index, rec = layer.layer_id - self.pool.start_layer, self.recompute
         bs = None if rec.rows is None else rec.batch  # recompute rows follow the decode rows
         if bs is not None:  # their K/V first: the decode rows read the prefix through tab[l]
-            rec.write(self.pool.core, index, k, v, layer)
+            rec.write(self.pool, index, k, v, layer)
         # no slice without recompute rows: a slice of a device tensor is a dispatch of its own
         if save_kv_cache and k is not None and v is not None:
             # through the stand-in pool, as the torch-native decode writes: the meter's kv_write

@@ -65,15 +65,15 @@ class RecomputeForward:
         self.steps += 1
         self.tokens += rows.m
 
-    def write(self, core: Any, layer_index: int, k: torch.Tensor, v: torch.Tensor, layer: Any) -> None:
-        """The recompute rows' K/V at this layer into their device rows (before any read)."""
+    def write(self, pool: Any, layer_index: int, k: torch.Tensor, v: torch.Tensor, layer: Any) -> None:
+        """The recompute rows' K/V at this layer into their device rows (before any read), as
+        ``pool`` (the layered pool) stores new K/V (:meth:`LayeredTokenToKVPool.stored_kv`)."""
         bs = self.batch
-        self.layer_rows += k.shape[0] - bs
+        n = k.shape[0] - bs
+        self.layer_rows += n
         heads, dim = layer.tp_k_head_num, layer.qk_head_dim
-        dtype = core.store.dev.dtype  # as the pool stores new K/V (LayeredTokenToKVPool.stored_kv)
-        k_rec = k[bs:].reshape(-1, heads, dim).to(dtype)
-        v_rec = v[bs:].reshape(-1, heads, layer.v_head_dim).to(dtype)
-        core.write_recompute(layer_index, k_rec, v_rec)
+        k_rec, v_rec = pool.stored_kv(k[bs:].reshape(-1, heads, dim), v[bs:].reshape(-1, heads, layer.v_head_dim), n)
+        pool.core.write_recompute(layer_index, k_rec, v_rec)
 
     def attend(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                layer: Any) -> None:

@@ -63,14 +63,17 @@ def test_prefix_attention_runs_sdpa_on_4d_inputs_and_equals_the_dense_reference(
 def test_recomputed_kv_reach_the_core_in_the_pools_dtype(pool_dtype):
     """fp32 activations, a bf16 pool: the rows handed to ``write_recompute`` are bf16 (the store's
     write takes its own dtype only); with an fp32 pool they are unchanged. Shapes ``[rows, H, D]``."""
+    from sglang_ext.layered_pool import LayeredTokenToKVPool
+
     written = []
-    core = SimpleNamespace(store=SimpleNamespace(dev=torch.zeros(1, dtype=pool_dtype)),
-                           write_recompute=lambda layer, k, v: written.append((layer, k, v)))
+    core = SimpleNamespace(write_recompute=lambda layer, k, v: written.append((layer, k, v)))
+    pool = SimpleNamespace(dtype=pool_dtype, store_dtype=pool_dtype, head_num=HK, head_dim=D, core=core)
+    pool.stored_kv = lambda *args: LayeredTokenToKVPool.stored_kv(pool, *args)  # the pool's own conversion
     rec = RecomputeForward()
     rec.batch = 2
     k, v = torch.randn(6, HK * D), torch.randn(6, HK * D)
     layer = SimpleNamespace(tp_k_head_num=HK, qk_head_dim=D, v_head_dim=D)
-    rec.write(core, 3, k, v, layer)
+    rec.write(pool, 3, k, v, layer)
     (index, k_rec, v_rec), = written
     assert index == 3 and k_rec.dtype == v_rec.dtype == pool_dtype and k_rec.shape == (4, HK, D)
     torch.testing.assert_close(k_rec.float(), k[2:].view(4, HK, D).to(pool_dtype).float(), rtol=0, atol=0)
