@@ -17,7 +17,8 @@ Semantics (those of FlashInfer's batch decode):
 
 The Triton version is split-KV (flash-decoding): stage 1 runs one program per (request,
 kv head, split), all the q heads of the kv head together (``tl.dot`` over a ``[BLOCK_H, D]``
-query tile), and writes a partial output with its log-sum-exp; stage 2 merges the splits.
+query tile; a group larger than the tile shared memory allows, :data:`MAX_BLOCK_HEADS`, takes
+several head blocks), and writes a partial output with its log-sum-exp; stage 2 merges the splits.
 Both dots run in fp32 (``input_precision="ieee"``; 16-bit K/V are widened after the load): the
 interpreter multiplies bf16 operands as raw bits (Triton 3.8), and one code path is what CI tests.
 Decode is bound by reading K/V, so the fp32 FMA dots cost little; a bf16 tensor-core variant is
@@ -47,7 +48,18 @@ if HAVE_TRITON:
 BLOCK_TOKENS = 32
 """Tokens per stage-1 tile (the ``tl.dot`` N dimension; at least 16)."""
 MIN_BLOCK_HEADS = 16
-"""Query-head tile of stage 1 (``tl.dot`` needs M >= 16; the GQA group is masked into it)."""
+"""Least query-head tile of stage 1 (``tl.dot`` needs M >= 16; the GQA group is masked into it)."""
+MAX_BLOCK_HEADS = {16: 128, 32: 128, 64: 128, 128: 64, 256: 16}
+"""Largest query-head tile of stage 1 per ``BLOCK_D`` (the head dim's power of two). Stage 1 keeps
+its fp32 ``[BLOCK_H, D]`` query and ``[BLOCK_N, D]`` key and value tiles in shared memory, about
+``4 * D * (BLOCK_H + 2 * BLOCK_N) + 136 * BLOCK_H`` bytes; compiled offline with the pinned
+Triton 3.8 for sm_86 (``tests/kernels/test_shared_memory.py``): 84,160 B at D 256 with 16 heads
+(32 heads: 102,656 B, over the 101,376 B a block may use on consumer Ampere, Ada, L4, L40S),
+74,112 B at D 128 with 64 heads (128: 115,328 B), 66,176 B at D 64 with 128. A GQA group larger
+than the tile (MQA models) takes several head blocks, each reading the kv head's K/V."""
+MAX_HEAD_DIM = 256
+"""Largest head_dim the Triton kernels take: at 512 no tile of either kernel fits a GPU's shared
+memory (FlashInfer's decode stops at 256 too)."""
 MAX_KV_SPLITS = 16
 """Upper bound of the split count (the merge kernel's tile)."""
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -76,6 +88,19 @@ def check_heads_and_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             f"q and the caches must have dtypes of {SUPPORTED_DTYPES}, k_cache and v_cache the same; "
             f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
         )
+
+
+def check_head_dim(head_dim: int) -> None:
+    """A Triton launch's ``head_dim`` is at most :data:`MAX_HEAD_DIM`. ValueError."""
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim} is over {MAX_HEAD_DIM}, the largest the layered Triton kernels "
+                         "take (their tiles would not fit a GPU's shared memory)")
+
+
+def decode_block_heads(group: int, block_d: int) -> int:
+    """Stage 1's query-head tile for a GQA group of ``group`` q heads per kv head: the group's power
+    of two, at least :data:`MIN_BLOCK_HEADS`, at most :data:`MAX_BLOCK_HEADS` of ``block_d``."""
+    return min(max(MIN_BLOCK_HEADS, 1 << (group - 1).bit_length()), MAX_BLOCK_HEADS[block_d])
 
 
 def check_cap_window(logits_soft_cap: float, window_left: int) -> None:
@@ -194,10 +219,12 @@ if HAVE_TRITON:
         BLOCK_H: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        HEAD_BLOCKS: tl.constexpr,
         USE_CAP: tl.constexpr,
     ):
         b = tl.program_id(0)
-        kv_head = tl.program_id(1)
+        kv_head = tl.program_id(1) // HEAD_BLOCKS
+        head_block = tl.program_id(1) % HEAD_BLOCKS
         split = tl.program_id(2)
         splits = tl.num_programs(2)  # a launch's grid, not a constexpr: one kernel for every split count
         n = tl.load(lens_ptr + b)
@@ -209,7 +236,7 @@ if HAVE_TRITON:
         lo = start + split * per_split
         hi = tl.minimum(lo + per_split, n)
 
-        offs_h = tl.arange(0, BLOCK_H)
+        offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)  # the block's q heads within the group
         offs_d = tl.arange(0, BLOCK_D)
         h_mask = offs_h < GROUP
         d_mask = offs_d < HEAD_DIM
@@ -259,7 +286,7 @@ if HAVE_TRITON:
         has = l_i > 0.0
         o = acc / tl.where(has, l_i, 1.0)[:, None]
         lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-        row = (b * (GROUP * tl.num_programs(1)) + q_head).to(tl.int64) * splits + split
+        row = (b * (GROUP * (tl.num_programs(1) // HEAD_BLOCKS)) + q_head).to(tl.int64) * splits + split
         tl.store(mid_lse_ptr + row, lse, mask=h_mask)
         tl.store(
             mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=h_mask[:, None] & d_mask[None, :]
@@ -340,6 +367,7 @@ def paged_decode_triton(
         raise RuntimeError("triton is not importable; use paged_decode_ref")
     _check(q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, logits_soft_cap, window_left)
     batch, q_heads, head_dim = q.shape
+    check_head_dim(head_dim)
     _, page_size, kv_heads, _ = k_cache.shape
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("k_cache and v_cache need a contiguous head_dim (stride 1)")
@@ -357,7 +385,9 @@ def paged_decode_triton(
     mid_o = torch.empty((batch, q_heads, num_kv_splits, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((batch, q_heads, num_kv_splits), dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
-    _decode_split_kernel[(batch, kv_heads, num_kv_splits)](
+    block_h = decode_block_heads(group, block_d)
+    head_blocks = triton.cdiv(group, block_h)
+    _decode_split_kernel[(batch, kv_heads * head_blocks, num_kv_splits)](
         q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, mid_o, mid_lse,
         scale, float(logits_soft_cap),
         q.stride(0), q.stride(1),
@@ -365,8 +395,8 @@ def paged_decode_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         window_left,
         GROUP=group, PAGE=page_size, HEAD_DIM=head_dim,
-        BLOCK_H=max(MIN_BLOCK_HEADS, triton.next_power_of_2(group)), BLOCK_N=BLOCK_TOKENS,
-        BLOCK_D=block_d, USE_CAP=logits_soft_cap > 0,
+        BLOCK_H=block_h, BLOCK_N=BLOCK_TOKENS, BLOCK_D=block_d, HEAD_BLOCKS=head_blocks,
+        USE_CAP=logits_soft_cap > 0,
     )
     _merge_splits_kernel[(batch, q_heads)](
         mid_o, mid_lse, out, out.stride(0), out.stride(1), num_kv_splits,

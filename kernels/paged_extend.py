@@ -33,7 +33,7 @@ import torch
 
 from kernels.block_copy import HAVE_TRITON, triton_usable
 from kernels.lazy_jit import LazyKernel
-from kernels.paged_decode import _scale, check_cap_window, check_heads_and_caches
+from kernels.paged_decode import _scale, check_cap_window, check_head_dim, check_heads_and_caches
 
 if HAVE_TRITON:
     import triton
@@ -43,13 +43,56 @@ if HAVE_TRITON:
     _SUM = tl.standard._sum_combine
 
 CUDA_BLOCKS = (64, 64)
-"""``(BLOCK_M, BLOCK_N)`` on CUDA with 16-bit caches: new tokens per program, keys per tile."""
+"""``(BLOCK_M, BLOCK_N)`` on CUDA with 16-bit caches: new tokens per program, keys per tile.
+Compiled by the pinned Triton 3.8, 8 warps: 57,600 B of shared memory at head_dim 128 on sm_86
+(82,176 B on sm_90, whose ``wgmma`` stages more), 106,752 B at head_dim 256 (164,096 B on sm_90)."""
+CUDA_NARROW_BLOCKS = (64, 32)
+"""16-bit caches at head_dim 256 on a GPU whose block may use less than :data:`WIDE_TILES_SHARED`
+(consumer Ampere, A10, A40, Ada, L4, L40S, RTX 50: 99 KB): 69,760 B on sm_86."""
+WIDE_TILES_SHARED = 164_096
+"""Per-block shared memory a GPU needs for :data:`CUDA_BLOCKS` at head_dim 256 (the most any
+compile of them needs, sm_90's; A100 and H100 / H200 allow 163 KB and 227 KB)."""
 CUDA_FP32_BLOCKS = (32, 32)
-"""The same for fp32 caches (fp32 tiles: 64 x 64 at head_dim 128 need 115 KB of shared memory,
-more than consumer Ampere / Ada GPUs have)."""
+"""The same for fp32 caches up to head_dim 128 (fp32 tiles: 64 x 64 at head_dim 128 need 115 KB
+of shared memory, more than the 99 KB a block may use on consumer Ampere, Ada, L4, L40S; 32 x 32
+need 53,376 B on sm_86)."""
+CUDA_FP32_WIDE_BLOCKS = (32, 16)
+"""fp32 caches at head_dim 256: 32 x 32 tiles need 102,656 B there (sm_86 and sm_90, Triton 3.8),
+over 99 KB; 32 x 16 need 67,776 B. Every CUDA configuration is compiled offline for sm_86 and
+sm_90 and checked against those GPUs' limits in ``tests/kernels/test_shared_memory.py``."""
 INTERPRETER_BLOCKS = (16, 32)
 """The same under the interpreter (its cost is per program and per tile op, not per FLOP)."""
 LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def extend_launch_options(cache_dtype: torch.dtype, head_dim: int, *,
+                          shared_per_block: int | None) -> dict[str, object]:
+    """The extend kernel's tiles (``BLOCK_M``, ``BLOCK_N``, ``BLOCK_D``), its dot precision
+    (``LOW_PRECISION``: 16-bit tensor-core dots on CUDA) and, on CUDA, ``num_warps``, for a cache
+    of ``cache_dtype`` and ``head_dim`` on a CUDA GPU whose block may use ``shared_per_block``
+    bytes of shared memory (:func:`shared_per_block`), or under the interpreter (None)."""
+    cuda = shared_per_block is not None
+    low = cuda and cache_dtype in LOW_PRECISION_DTYPES
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    if not cuda:
+        block_m, block_n = INTERPRETER_BLOCKS
+    elif low:
+        wide = block_d < 256 or (shared_per_block or 0) >= WIDE_TILES_SHARED
+        block_m, block_n = CUDA_BLOCKS if wide else CUDA_NARROW_BLOCKS
+    else:
+        block_m, block_n = CUDA_FP32_WIDE_BLOCKS if block_d >= 256 else CUDA_FP32_BLOCKS
+    options: dict[str, object] = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d, "LOW_PRECISION": low}
+    if cuda:
+        # 8 warps from head_dim 128: with 4, ptxas spills (255 registers, 1.8 KB of stores at 128 on sm_90)
+        options["num_warps"] = 8 if block_d >= 128 else 4
+    return options
+
+
+def shared_per_block(device: torch.device) -> int:
+    """Bytes of shared memory a block may use on CUDA ``device`` (the opt-in limit Triton
+    launches against)."""
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block))
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_start: torch.Tensor,
@@ -198,26 +241,23 @@ def paged_extend_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("k_cache and v_cache need a contiguous head_dim (stride 1)")
     _, q_heads, head_dim = q.shape
+    check_head_dim(head_dim)
     _, page_size, kv_heads, _ = k_cache.shape
     batch = q_lens.numel()
     q = q if q.stride(2) == 1 else q.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # dense: the kernel stores head_dim at stride 1
     if batch == 0 or max_q_len == 0 or q.shape[0] == 0:
         return out
-    low = q.is_cuda and k_cache.dtype in LOW_PRECISION_DTYPES
-    block_m, block_n = (CUDA_BLOCKS if low else CUDA_FP32_BLOCKS) if q.is_cuda else INTERPRETER_BLOCKS
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    # 8 warps from head_dim 128: with 4, ptxas spills (255 registers, 1.8 KB of stores at 128 on sm_90)
-    extra = {"num_warps": 8 if block_d >= 128 else 4} if q.is_cuda else {}
-    _extend_kernel[(batch, q_heads, triton.cdiv(max_q_len, block_m))](
+    options = extend_launch_options(k_cache.dtype, head_dim,
+                                    shared_per_block=shared_per_block(q.device) if q.is_cuda else None)
+    _extend_kernel[(batch, q_heads, triton.cdiv(max_q_len, options["BLOCK_M"]))](
         q, k_cache, v_cache, out, q_start, q_lens, kv_indptr, kv_indices.contiguous(), kv_lens,
         _scale(sm_scale, head_dim), float(logits_soft_cap),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         window_left,
-        GROUP=q_heads // kv_heads, PAGE=page_size, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=block_d, USE_CAP=logits_soft_cap > 0, LOW_PRECISION=low, **extra,
+        GROUP=q_heads // kv_heads, PAGE=page_size, HEAD_DIM=head_dim, USE_CAP=logits_soft_cap > 0, **options,
     )
     return out
 

@@ -16,6 +16,9 @@ line naming the feature and the model:
   applied in attention (so a hybrid-SWA model without sinks is served with that flag).
 - **Attention sinks** (gpt-oss, Granite-SWA, ...): per-head softmax sinks reach the attention call
   as an argument that the layered backends do not apply.
+- **A head_dim over 256 on a GPU** (:data:`kernels.paged_decode.MAX_HEAD_DIM`): the layered Triton
+  kernels' tiles would not fit a block's shared memory (FlashInfer's decode stops at 256 too); on
+  the CPU the torch paths take any head_dim.
 - **A checkpoint-quantized KV cache** (ModelOpt / compressed-tensors FP8 KV): with
   ``--kv-cache-dtype auto`` SGLang would store KV in fp8, which the layered pool does not hold
   (``--kv-cache-dtype fp8_*`` is refused by the flag check; ``LayeredTokenToKVPool`` refuses an
@@ -29,6 +32,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kernels.paged_decode import MAX_HEAD_DIM
 from sglang_ext import compat
 
 
@@ -47,10 +51,16 @@ class ModelSupport:
     """The checkpoint's KV-cache quantization (``"FP8"``), None when it has none."""
     kv_cache_dtype: str = "auto"
     """``--kv-cache-dtype``: a checkpoint's KV quantization applies only under ``auto``."""
+    head_dim: int = 0
+    """The attention layers' head dim (SGLang's ``ModelConfig.head_dim``)."""
+    device: str = "cuda"
+    """``--device`` (None, before SGLang resolves it, counts as a GPU)."""
 
     @classmethod
-    def from_model_config(cls, model_config: Any, kv_cache_dtype: str | None) -> ModelSupport:
-        """From SGLang's ``ModelConfig`` of the launch (``ModelConfig.from_server_args``)."""
+    def from_model_config(cls, model_config: Any, kv_cache_dtype: str | None,
+                          device: str | None = None) -> ModelSupport:
+        """From SGLang's ``ModelConfig`` of the launch (``ModelConfig.from_server_args``) and
+        ``--device``."""
         arch = compat.resolve(compat.ATTENTION_ARCH.path)
         uses_ssm_state = compat.resolve(compat.USES_SSM_STATE.path)
         architectures = getattr(model_config.hf_config, "architectures", None) or ["?"]
@@ -63,6 +73,8 @@ class ModelSupport:
             kv_quant=_kv_quant(model_config._parse_quant_hf_config()) or _modelopt_file_kv_quant(
                 getattr(model_config, "model_path", None)),
             kv_cache_dtype=str(kv_cache_dtype or "auto"),
+            head_dim=int(getattr(model_config, "head_dim", 0) or 0),
+            device=str(device or "cuda"),
         )
 
     def refusal(self) -> str | None:
@@ -81,6 +93,10 @@ class ModelSupport:
             return (f"{model} is a hybrid sliding-window model, which SGLang serves from two KV pools; "
                     "the layered KV pool is one: add --disable-hybrid-swa-memory (the window is then "
                     "applied in attention)")
+        if self.device != "cpu" and self.head_dim > MAX_HEAD_DIM:
+            return (f"{model} has head_dim {self.head_dim}: the layered attention kernels take head_dim up "
+                    f"to {MAX_HEAD_DIM} on a GPU (their tiles would not fit its shared memory): not supported "
+                    "with --enable-layered-kv")
         if self.kv_quant is not None and self.kv_cache_dtype == "auto":
             return (f"{model}'s checkpoint quantizes the KV cache ({self.kv_quant}), so --kv-cache-dtype "
                     "auto would store it in fp8: quantized KV caches are not supported with "

@@ -292,11 +292,12 @@ class KvplanePlugin:
     @staticmethod
     def _check_model(model_config: Any, server_args: Any) -> None:
         """Refuse a model the layered pool cannot serve (MLA, recurrent state, hybrid sliding-window
-        memory, attention sinks, a checkpoint-quantized KV), naming the feature and the model,
-        before any weight loads (:class:`~sglang_ext.model_support.ModelSupport`)."""
+        memory, attention sinks, a head_dim over 256 on a GPU, a checkpoint-quantized KV), naming
+        the feature and the model, before any weight loads (:class:`~sglang_ext.model_support.ModelSupport`)."""
         from sglang_ext.model_support import ModelSupport
 
-        refusal = ModelSupport.from_model_config(model_config, server_args.kv_cache_dtype).refusal()
+        refusal = ModelSupport.from_model_config(model_config, server_args.kv_cache_dtype,
+                                                 getattr(server_args, "device", None)).refusal()
         if refusal is not None:
             _refuse_launch(refusal)
 

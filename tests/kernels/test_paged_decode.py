@@ -63,9 +63,11 @@ CASES = (
     Case(16, (16, 32, 47, 3), 8, 2, 128, 50.0, 31, BF16, 4),
     Case(16, (100,), 4, 4, 64, 0.0, 15, F32, 2),
     Case(1, (40, 7), 8, 2, 64, 20.0, -1, F32, 2),
+    Case(16, (21, 40), 64, 2, 256, 0.0, -1, F32, 2),
 )
 """Page size 1 and 16; batch 1-4; ragged lengths (mid-page ends, single-token requests, one full
-page); GQA 1, 2 and 4; head_dim 64 and 128; soft cap and window on and off (windows of 0, inside one
+page); GQA 1, 2, 4 and 32 (at head_dim 256: two head blocks of 16 per kv head, as
+``MAX_BLOCK_HEADS`` has it); head_dim 64, 128 and 256; soft cap and window on and off (windows of 0, inside one
 page, exactly one and two pages, wider than the request); fp32, bf16, fp16; 1-4 KV splits (the
 split-merge path and empty splits of short requests)."""
 

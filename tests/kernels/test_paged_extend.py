@@ -248,9 +248,11 @@ GPU_CASES = (
     Case(16, ((0, 300), (200, 77)), 8, 4, 256, 50.0, 4095, BF16),  # Gemma-2's head_dim 256, cap, window
     Case(1, ((0, 130), (64, 1)), 8, 2, 128, 0.0, -1, F16),  # page size 1
     Case(16, ((0, 200), (100, 50)), 8, 2, 128, 0.0, 63, F32),  # fp32 caches: the fp32 dots, smaller tiles
+    Case(16, ((0, 150), (40, 90)), 8, 4, 256, 0.0, -1, F32),  # fp32 at head_dim 256: 32 x 16 tiles
     Case(16, ((0, 100),), 4, 4, 80, 0.0, -1, BF16),  # a head_dim that is not a power of two
 )
-"""The CUDA launch settings beyond Llama's shapes: 8 warps at head_dim 256, fp32 tiles, page 1."""
+"""The CUDA launch settings beyond Llama's shapes: 8 warps at head_dim 256, fp32 tiles (both
+sizes), page 1."""
 
 
 @pytest.mark.gpu
@@ -261,6 +263,21 @@ def test_gpu_launch_settings(case: Case) -> None:
     got = _run(t, case, "cuda")
     tol = TOLERANCE[F32] if case.dtype == F32 else GPU_TOLERANCE[case.dtype]
     torch.testing.assert_close(got, _ref(t, case), **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+def test_gpu_narrow_tiles_of_99_kb_gpus_at_head_dim_256(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    """The 64 x 32 tiles a 16-bit head_dim-256 extend takes on GPUs with 99 KB of shared memory a
+    block (L4, A10, RTX) decode right here too: the launcher told this GPU allows 101,376 B."""
+    import kernels.paged_extend as pe
+
+    assert pe.extend_launch_options(dtype, 256, shared_per_block=101_376)["BLOCK_N"] == pe.CUDA_NARROW_BLOCKS[1]
+    monkeypatch.setattr(pe, "shared_per_block", lambda device: 101_376)
+    case = Case(16, ((0, 300), (200, 77)), 8, 4, 256, 50.0, 4095, dtype)
+    t = _build(case, shared_prefix=False)
+    torch.testing.assert_close(_run(t, case, "cuda"), _ref(t, case), **GPU_TOLERANCE[dtype])
 
 
 def test_a_permuted_query_gives_the_references_output_in_a_dense_tensor(triton_device: str) -> None:

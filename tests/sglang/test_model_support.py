@@ -36,6 +36,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
                 "layer_types": ["sliding_attention", "full_attention"]},
     "gemma2": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "head_dim": 16,
                "attn_logit_softcapping": 50.0, "sliding_window": 32},
+    "llama_head_dim_512": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "head_dim": 512},
     "llama_fp8_kv": {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
                      "quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8",
                                              "kv_cache_quant_algo": "FP8"}},
@@ -55,13 +56,14 @@ def model_dir(root: Path, name: str) -> Path:
     return path
 
 
-def support(root: Path, name: str, *, kv_cache_dtype: str = "auto", disable_hybrid_swa_memory: bool = False):
+def support(root: Path, name: str, *, kv_cache_dtype: str = "auto", disable_hybrid_swa_memory: bool = False,
+            device: str | None = None):
     from sglang.srt.configs.model_config import ModelConfig
 
     from sglang_ext.model_support import ModelSupport
 
     config = ModelConfig(str(model_dir(root, name)), disable_hybrid_swa_memory=disable_hybrid_swa_memory)
-    return ModelSupport.from_model_config(config, kv_cache_dtype)
+    return ModelSupport.from_model_config(config, kv_cache_dtype, device)
 
 
 @pytest.mark.parametrize(("name", "fragment"), [
@@ -121,6 +123,21 @@ def test_supported_models_pass(tmp_path: Path) -> None:
     assert not (llama.mla or llama.recurrent_state or llama.sinks or llama.hybrid_swa_memory or llama.kv_quant)
     assert support(tmp_path, "gemma2").refusal() is None
     assert support(tmp_path, "llama_fp8_kv", kv_cache_dtype="bfloat16").refusal() is None
+
+
+def test_a_head_dim_over_256_is_refused_on_a_gpu_only(tmp_path: Path) -> None:
+    """head_dim 512 is refused on CUDA (and with --device unresolved), naming the head dim and the
+    limit; on the CPU, whose torch paths take any head_dim, it is served. Control: Llama's head_dim
+    16 passes on CUDA."""
+    for device in ("cuda", None):
+        wide = support(tmp_path, "llama_head_dim_512", device=device)
+        assert wide.head_dim == 512
+        assert wide.refusal() == ("LlamaForCausalLM has head_dim 512: the layered attention kernels take head_dim "
+                                  "up to 256 on a GPU (their tiles would not fit its shared memory): not supported "
+                                  "with --enable-layered-kv")
+    assert support(tmp_path, "llama_head_dim_512", device="cpu").refusal() is None
+    llama = support(tmp_path, "llama", device="cuda")
+    assert llama.head_dim == 16 and llama.refusal() is None
 
 
 def test_hybrid_swa_memory_is_refused_naming_the_flag(tmp_path: Path) -> None:

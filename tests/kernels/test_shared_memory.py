@@ -1,0 +1,160 @@
+"""Every CUDA launch configuration of the attention kernels fits the shared memory of the GPUs
+kvplane serves on, checked with no GPU: the real launchers run on CPU tensors with their launches
+recorded (:mod:`tests.kernels.offline_compile`), the extend launcher's CUDA options (chosen by the
+GPU's per-block limit) substituted for the interpreter's, and each configuration is compiled by
+Triton for the GPU it is chosen for. A launch that does not fit fails at its first run on such a
+GPU, mid-serving, with Triton's ``OutOfResources``.
+
+- The 16-bit extend runs on tensor cores (``mma`` on sm_80..89, ``wgmma`` on sm_90: different code)
+  and its tiles depend on the limit: compiled for sm_80 (A100, 163 KB a block), sm_86 (consumer
+  Ampere, A10, A40; Ada, L4, L40S compile alike: 99 KB) and sm_90 (H100, H200: 227 KB).
+- The fp32 extend, the decode (fp32 FMA dots whatever the cache dtype) and the merge compile alike
+  on every target (measured: the same bytes on sm_86 and sm_90), so sm_86, the least limit.
+
+Shared memory is set by a kernel's tiles, its element sizes and its warps; the head dim, GQA group,
+page size and soft cap only mask and index. So of the launches of the whole domain below, one per
+class (kernel, element sizes, every compile-time argument but those) is compiled: the one of the
+largest ``BLOCK_D``, whose tiles are the widest of the class.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib
+from typing import Any
+
+import pytest
+import torch
+
+from tests.kernels.offline_compile import SHARED_LIMITS, Launch, compile_for, record
+
+pytest.importorskip("triton")
+pd = importlib.import_module("kernels.paged_decode")
+pe = importlib.import_module("kernels.paged_extend")
+
+HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
+GROUPS = (1, 2, 4, 8, 16, 32, 64, 128)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MASKING = {"HEAD_DIM", "GROUP", "PAGE", "USE_CAP", "HEAD_BLOCKS", "Q_HEADS", "BLOCK_D"}
+"""Compile-time arguments that mask or index, and ``BLOCK_D``, by which a class is ordered."""
+TENSOR_CORE_TARGETS = (80, 86, 90)
+"""Where the 16-bit extend is compiled (module docstring); everything else: sm_86."""
+
+
+def _decode_launches(dtype: torch.dtype, head_dim: int, group: int) -> list[Launch]:
+    q = torch.zeros(2, group, head_dim, dtype=dtype)
+    cache = torch.zeros(3, 16, 1, head_dim, dtype=dtype)
+    i32 = {"dtype": torch.int32}
+    with record() as launches:
+        pd.paged_decode_triton(q, cache, cache, torch.tensor([0, 1, 2], **i32), torch.tensor([0, 1], **i32),
+                               torch.tensor([5, 16], **i32), num_kv_splits=2)
+    return launches
+
+
+def _extend_launch(dtype: torch.dtype, head_dim: int, group: int, capability: int) -> Launch:
+    """The extend's launch as on a GPU of ``capability``: the interpreter's tile options replaced
+    by those the launcher picks for that GPU's shared memory per block."""
+    q = torch.zeros(4, group, head_dim, dtype=dtype)
+    cache = torch.zeros(3, 16, 1, head_dim, dtype=dtype)
+    i32 = {"dtype": torch.int32}
+    with record() as launches:
+        pe.paged_extend_triton(q, cache, cache, torch.tensor([0], **i32), torch.tensor([4], **i32),
+                               torch.tensor([0, 1], **i32), torch.tensor([0], **i32), torch.tensor([9], **i32), 4)
+    (kernel, args, kwargs), = launches
+    cuda = pe.extend_launch_options(dtype, head_dim, shared_per_block=SHARED_LIMITS[capability])
+    assert set(pe.extend_launch_options(dtype, head_dim, shared_per_block=None)) == set(cuda) - {"num_warps"}
+    assert set(cuda) - {"num_warps"} <= set(kwargs)
+    return kernel, args, {**kwargs, **cuda}
+
+
+def _class(launch: Launch) -> tuple:
+    kernel, args, kwargs = launch
+    sizes = tuple(a.element_size() for a in args if isinstance(a, torch.Tensor))
+    return kernel.fn.__name__, sizes, tuple(sorted((k, v) for k, v in kwargs.items() if k not in MASKING))
+
+
+def _widest(launches: list[Launch]) -> dict[tuple, Launch]:
+    """One launch per class: the one of the largest ``BLOCK_D``."""
+    widest: dict[tuple, Launch] = {}
+    for launch in launches:
+        key = _class(launch)
+        if key not in widest or launch[2]["BLOCK_D"] > widest[key][2]["BLOCK_D"]:
+            widest[key] = launch
+    return widest
+
+
+def _jobs() -> list[tuple[Launch, int]]:
+    """(launch, capability to compile it for) of every class (module docstring)."""
+    here: list[Launch] = []
+    tensor_core: dict[int, list[Launch]] = {cap: [] for cap in TENSOR_CORE_TARGETS}
+    for dtype in DTYPES:
+        for head_dim in HEAD_DIMS:
+            for group in GROUPS:
+                here += _decode_launches(dtype, head_dim, group)
+                if dtype == torch.float32:
+                    here.append(_extend_launch(dtype, head_dim, group, 86))
+                    continue
+                for cap, launches in tensor_core.items():
+                    launches.append(_extend_launch(dtype, head_dim, group, cap))
+    jobs = [(launch, 86) for launch in _widest(here).values()]
+    return jobs + [(launch, cap) for cap, launches in tensor_core.items() for launch in _widest(launches).values()]
+
+
+def _shared(jobs: list[tuple[Launch, int]]) -> list[int]:
+    """Shared memory per block of each (launch, capability), compiled two at a time (ptxas and
+    the MLIR passes release the GIL)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(lambda job: compile_for(*job).metadata.shared, jobs))
+
+
+def _name(launch: Launch) -> str:
+    kernel, args, kwargs = launch
+    tiles = {k: v for k, v in kwargs.items() if k.startswith("BLOCK") or k == "num_warps"}
+    return f"{kernel.fn.__name__} {args[0].dtype} {tiles}"
+
+
+def test_every_cuda_launch_fits_the_shared_memory_of_its_gpus() -> None:
+    """Each class of the decode's, merge's and extend's CUDA launches over head dims 32-256, GQA
+    groups 1-128 and bf16 / fp16 / fp32 caches compiles within the per-block shared memory of the
+    GPUs it is chosen for; the classes include every extend tiling and every decode head tile of
+    ``MAX_BLOCK_HEADS``."""
+    jobs = _jobs()
+    launches = [launch for launch, _ in jobs]
+    assert set(pd.MAX_BLOCK_HEADS.values()) <= {kw["BLOCK_H"] for _, _, kw in launches if "BLOCK_H" in kw}
+    extend_tiles = {(kw["BLOCK_M"], kw["BLOCK_N"]) for _, _, kw in launches if "BLOCK_M" in kw}
+    assert extend_tiles == {pe.CUDA_BLOCKS, pe.CUDA_NARROW_BLOCKS, pe.CUDA_FP32_BLOCKS, pe.CUDA_FP32_WIDE_BLOCKS}
+    over = [f"{_name(launch)} on sm_{cap}: {shared} B > {SHARED_LIMITS[cap]} B"
+            for (launch, cap), shared in zip(jobs, _shared(jobs), strict=True) if shared > SHARED_LIMITS[cap]]
+    assert not over, "\n".join(over)
+
+
+@pytest.mark.parametrize(("dtype", "tiles"), [(torch.bfloat16, (64, 64)), (torch.float32, (32, 32))])
+def test_negative_control_wider_tiles_at_head_dim_256_do_not_fit_99_kb(dtype: torch.dtype,
+                                                                       tiles: tuple[int, int]) -> None:
+    """Control: at head_dim 256 on sm_86 the extend's next wider tiles -- the 16-bit 64 x 64 it
+    keeps on A100 / H100, the fp32 32 x 32 it took before -- compile to more shared memory than a
+    block may use there (106,752 B and 102,656 B measured), so the check above can fail, and the
+    narrower tiles the launcher picks there are needed."""
+    kernel, args, kwargs = _extend_launch(dtype, 256, 4, 86)
+    assert (kwargs["BLOCK_M"], kwargs["BLOCK_N"]) != tiles
+    shared: Any = compile_for((kernel, args, {**kwargs, "BLOCK_M": tiles[0], "BLOCK_N": tiles[1]}), 86).metadata.shared
+    assert shared > SHARED_LIMITS[86]
+
+
+@pytest.mark.parametrize("kernel", ["decode", "extend"])
+def test_a_head_dim_over_256_is_refused_by_the_launchers(kernel: str) -> None:
+    """The Triton launchers refuse head_dim 512 (no tile of theirs fits a GPU there), naming the
+    limit, before any launch; control: head_dim 256 launches."""
+    def launch(head_dim: int) -> list[Launch]:
+        if kernel == "decode":
+            return _decode_launches(torch.bfloat16, head_dim, 4)
+        with record() as launches:
+            q, cache = torch.zeros(4, 4, head_dim), torch.zeros(3, 16, 1, head_dim)
+            i32 = {"dtype": torch.int32}
+            pe.paged_extend_triton(q, cache, cache, torch.tensor([0], **i32), torch.tensor([4], **i32),
+                                   torch.tensor([0, 1], **i32), torch.tensor([0], **i32), torch.tensor([9], **i32), 4)
+        return launches
+
+    with pytest.raises(ValueError, match="head_dim 512 is over 256, the largest the layered Triton kernels take"):
+        launch(512)
+    assert launch(256)
