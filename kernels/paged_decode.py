@@ -19,15 +19,18 @@ The Triton version is split-KV (flash-decoding): stage 1 runs one program per (r
 kv head, split), all the q heads of the kv head together (``tl.dot`` over a ``[BLOCK_H, D]``
 query tile; a group larger than the tile shared memory allows, :data:`MAX_BLOCK_HEADS`, takes
 several head blocks), and writes a partial output with its log-sum-exp; stage 2 merges the splits.
-Both dots run in fp32 (``input_precision="ieee"``; 16-bit K/V are widened after the load): the
-interpreter multiplies bf16 operands as raw bits (Triton 3.8), and one code path is what CI tests.
-Decode is bound by reading K/V, so the fp32 FMA dots cost little; a bf16 tensor-core variant is
-a later optimisation to measure on a GPU. No host sync: the grid depends on shapes only.
+On CUDA with a 16-bit cache the dots run on the tensor cores in the cache dtype (fp32
+accumulation; :func:`decode_launch_options` says why: the fp32 FMA dots spill registers there);
+under the interpreter (CI), for fp32 caches and for a query wider than the cache both run in fp32
+(``input_precision="ieee"``: the interpreter multiplies bf16 operands as raw bits, Triton 3.8), so
+CI tests the kernel's indexing, masking and softmax, and the gpu-marked tests its 16-bit dots, as
+for :mod:`kernels.paged_extend`. No host sync: the grid depends on shapes only.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -35,7 +38,6 @@ from kernels.block_copy import HAVE_TRITON, triton_usable
 from kernels.lazy_jit import LazyKernel
 
 if HAVE_TRITON:
-    import triton
     import triton.language as tl
 
     # Reductions through ``tl.reduce`` with Triton's own combine functions: ``tl.max``/``tl.sum``
@@ -101,6 +103,29 @@ def decode_block_heads(group: int, block_d: int) -> int:
     """Stage 1's query-head tile for a GQA group of ``group`` q heads per kv head: the group's power
     of two, at least :data:`MIN_BLOCK_HEADS`, at most :data:`MAX_BLOCK_HEADS` of ``block_d``."""
     return min(max(MIN_BLOCK_HEADS, 1 << (group - 1).bit_length()), MAX_BLOCK_HEADS[block_d])
+
+
+def decode_launch_options(q_dtype: torch.dtype, cache_dtype: torch.dtype, group: int, head_dim: int, *,
+                          cuda: bool) -> dict[str, Any]:
+    """Stage 1's tiles (``BLOCK_H``, ``BLOCK_N``, ``BLOCK_D``), head blocks, dot precision and, on
+    CUDA, ``num_warps``, for a query of ``q_dtype`` over a cache of ``cache_dtype`` with ``group`` q
+    heads per kv head, on CUDA or under the interpreter.
+
+    ``LOW_PRECISION`` (CUDA, a 16-bit cache and a query of the same dtype): both dots on the tensor
+    cores in that dtype, the probabilities rounded to it, fp32 accumulation, as SGLang's Triton
+    decode and FlashAttention do. Compiled offline (Triton 3.8, 4 warps) the fp32 FMA dots need 255
+    registers and spill at Llama's shapes (head_dim 128, 16-head tile) and fall to 32 registers with
+    5-7 KB of stack a thread at head_dim 256 or 64-head tiles; the tensor-core dots need 72 and 142
+    registers there, no spill, half the shared memory. Otherwise (the interpreter, fp32 caches, a
+    query wider than the cache) fp32 dots, with 8 warps from ``BLOCK_D`` 128 on CUDA (no spill)."""
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    block_h = decode_block_heads(group, block_d)
+    low = cuda and cache_dtype in (torch.float16, torch.bfloat16) and q_dtype == cache_dtype
+    options: dict[str, Any] = {"BLOCK_H": block_h, "BLOCK_N": BLOCK_TOKENS, "BLOCK_D": block_d,
+                               "HEAD_BLOCKS": -(-group // block_h), "LOW_PRECISION": low}
+    if cuda:
+        options["num_warps"] = 8 if block_d >= 128 and not low else 4
+    return options
 
 
 def check_cap_window(logits_soft_cap: float, window_left: int) -> None:
@@ -221,6 +246,7 @@ if HAVE_TRITON:
         BLOCK_D: tl.constexpr,
         HEAD_BLOCKS: tl.constexpr,
         USE_CAP: tl.constexpr,
+        LOW_PRECISION: tl.constexpr,
     ):
         b = tl.program_id(0)
         kv_head = tl.program_id(1) // HEAD_BLOCKS
@@ -245,7 +271,11 @@ if HAVE_TRITON:
             q_ptr + b * stride_qb + q_head[:, None] * stride_qh + offs_d[None, :],
             mask=h_mask[:, None] & d_mask[None, :],
             other=0.0,
-        ).to(tl.float32)
+        )
+        if LOW_PRECISION:
+            q = q.to(k_ptr.dtype.element_ty)
+        else:
+            q = q.to(tl.float32)
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.full([BLOCK_H], 0.0, dtype=tl.float32)
         acc = tl.full([BLOCK_H, BLOCK_D], 0.0, dtype=tl.float32)
@@ -261,7 +291,10 @@ if HAVE_TRITON:
                 mask=kv_mask,
                 other=0.0,
             )
-            qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * sm_scale
+            if LOW_PRECISION:
+                qk = tl.dot(q, tl.trans(k)) * sm_scale
+            else:
+                qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * sm_scale
             if USE_CAP:
                 # cap * tanh(x / cap); tanh through exp(-2|x|) (no overflow; no libdevice under
                 # the interpreter)
@@ -279,7 +312,10 @@ if HAVE_TRITON:
                 mask=kv_mask,
                 other=0.0,
             )
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            if LOW_PRECISION:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
             m_i = m_new
 
         # partials: o = acc / l and lse = m + log(l); an empty split has lse = -inf
@@ -384,10 +420,9 @@ def paged_decode_triton(
     group = q_heads // kv_heads
     mid_o = torch.empty((batch, q_heads, num_kv_splits, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((batch, q_heads, num_kv_splits), dtype=torch.float32, device=q.device)
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    block_h = decode_block_heads(group, block_d)
-    head_blocks = triton.cdiv(group, block_h)
-    _decode_split_kernel[(batch, kv_heads * head_blocks, num_kv_splits)](
+    options = decode_launch_options(q.dtype, k_cache.dtype, group, head_dim, cuda=q.is_cuda)
+    block_d = options["BLOCK_D"]
+    _decode_split_kernel[(batch, kv_heads * options["HEAD_BLOCKS"], num_kv_splits)](
         q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, mid_o, mid_lse,
         scale, float(logits_soft_cap),
         q.stride(0), q.stride(1),
@@ -395,8 +430,7 @@ def paged_decode_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         window_left,
         GROUP=group, PAGE=page_size, HEAD_DIM=head_dim,
-        BLOCK_H=block_h, BLOCK_N=BLOCK_TOKENS, BLOCK_D=block_d, HEAD_BLOCKS=head_blocks,
-        USE_CAP=logits_soft_cap > 0,
+        USE_CAP=logits_soft_cap > 0, **options,
     )
     _merge_splits_kernel[(batch, q_heads)](
         mid_o, mid_lse, out, out.stride(0), out.stride(1), num_kv_splits,

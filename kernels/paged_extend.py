@@ -49,9 +49,10 @@ Compiled by the pinned Triton 3.8, 8 warps: 57,600 B of shared memory at head_di
 CUDA_NARROW_BLOCKS = (64, 32)
 """16-bit caches at head_dim 256 on a GPU whose block may use less than :data:`WIDE_TILES_SHARED`
 (consumer Ampere, A10, A40, Ada, L4, L40S, RTX 50: 99 KB): 69,760 B on sm_86."""
-WIDE_TILES_SHARED = 164_096
-"""Per-block shared memory a GPU needs for :data:`CUDA_BLOCKS` at head_dim 256 (the most any
-compile of them needs, sm_90's; A100 and H100 / H200 allow 163 KB and 227 KB)."""
+WIDE_TILES_SHARED = 164_640
+"""Per-block shared memory a GPU needs for :data:`CUDA_BLOCKS` at head_dim 256: the most any
+compile of them needs (sm_100's; sm_90 164,096 B, sm_80..89 106,752 B). A100 (163 KB), H100 /
+H200 and B200 (227 KB) allow it."""
 CUDA_FP32_BLOCKS = (32, 32)
 """The same for fp32 caches up to head_dim 128 (fp32 tiles: 64 x 64 at head_dim 128 need 115 KB
 of shared memory, more than the 99 KB a block may use on consumer Ampere, Ada, L4, L40S; 32 x 32
@@ -70,7 +71,7 @@ def extend_launch_options(cache_dtype: torch.dtype, head_dim: int, *,
     """The extend kernel's tiles (``BLOCK_M``, ``BLOCK_N``, ``BLOCK_D``), its dot precision
     (``LOW_PRECISION``: 16-bit tensor-core dots on CUDA) and, on CUDA, ``num_warps``, for a cache
     of ``cache_dtype`` and ``head_dim`` on a CUDA GPU whose block may use ``shared_per_block``
-    bytes of shared memory (:func:`shared_per_block`), or under the interpreter (None)."""
+    bytes of shared memory (:func:`shared_per_block_of`), or under the interpreter (None)."""
     cuda = shared_per_block is not None
     low = cuda and cache_dtype in LOW_PRECISION_DTYPES
     block_d = max(16, 1 << (head_dim - 1).bit_length())
@@ -88,7 +89,7 @@ def extend_launch_options(cache_dtype: torch.dtype, head_dim: int, *,
     return options
 
 
-def shared_per_block(device: torch.device) -> int:
+def shared_per_block_of(device: torch.device) -> int:
     """Bytes of shared memory a block may use on CUDA ``device`` (the opt-in limit Triton
     launches against)."""
     props = torch.cuda.get_device_properties(device)
@@ -230,9 +231,12 @@ if HAVE_TRITON:
 def paged_extend_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_start: torch.Tensor,
                         q_lens: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                         kv_lens: torch.Tensor, max_q_len: int, *, sm_scale: float | None = None,
-                        logits_soft_cap: float = 0.0, window_left: int = -1) -> torch.Tensor:
+                        logits_soft_cap: float = 0.0, window_left: int = -1,
+                        shared_per_block: int | None = None) -> torch.Tensor:
     """Triton paged extend (one launch, no host sync). ``max_q_len`` (a host int, at least every
-    ``q_lens[b]``) sizes the grid. Page ids are not range-checked."""
+    ``q_lens[b]``) sizes the grid. Page ids are not range-checked. ``shared_per_block``: the CUDA
+    device's :func:`shared_per_block_of`, which a caller launching every layer reads once (None: read
+    here)."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not importable; use paged_extend_ref")
     _check(q, k_cache, v_cache, q_start, q_lens, kv_indptr, kv_indices, kv_lens, logits_soft_cap, window_left)
@@ -248,8 +252,10 @@ def paged_extend_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # dense: the kernel stores head_dim at stride 1
     if batch == 0 or max_q_len == 0 or q.shape[0] == 0:
         return out
-    options = extend_launch_options(k_cache.dtype, head_dim,
-                                    shared_per_block=shared_per_block(q.device) if q.is_cuda else None)
+    limit = None
+    if q.is_cuda:
+        limit = shared_per_block_of(q.device) if shared_per_block is None else shared_per_block
+    options = extend_launch_options(k_cache.dtype, head_dim, shared_per_block=limit)
     _extend_kernel[(batch, q_heads, triton.cdiv(max_q_len, options["BLOCK_M"]))](
         q, k_cache, v_cache, out, q_start, q_lens, kv_indptr, kv_indices.contiguous(), kv_lens,
         _scale(sm_scale, head_dim), float(logits_soft_cap),
@@ -265,15 +271,15 @@ def paged_extend_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_start: torch.Tensor,
                  q_lens: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens: torch.Tensor,
                  max_q_len: int, *, sm_scale: float | None = None, logits_soft_cap: float = 0.0,
-                 window_left: int = -1, impl: str = "auto") -> torch.Tensor:
+                 window_left: int = -1, impl: str = "auto", shared_per_block: int | None = None) -> torch.Tensor:
     """Extend attention ``[T, Hq, D]`` of one layer through its page table (module docstring).
 
     impl ``auto`` (Triton on CUDA or under TRITON_INTERPRET=1, else the reference) | ``triton``
-    | ``torch``."""
+    | ``torch``; ``shared_per_block``: see :func:`paged_extend_triton`."""
     if impl not in ("auto", "triton", "torch"):
         raise ValueError(f"impl must be one of auto, triton, torch; got {impl!r}")
     args = (q, k_cache, v_cache, q_start, q_lens, kv_indptr, kv_indices, kv_lens)
     if impl == "torch" or (impl == "auto" and not triton_usable(q, k_cache)):
         return paged_extend_ref(*args, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, window_left=window_left)
     return paged_extend_triton(*args, max_q_len, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
-                               window_left=window_left)
+                               window_left=window_left, shared_per_block=shared_per_block)

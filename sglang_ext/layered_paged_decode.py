@@ -30,7 +30,7 @@ import structlog
 import torch
 
 from kernels.block_copy import triton_usable
-from kernels.paged_extend import paged_extend
+from kernels.paged_extend import paged_extend, shared_per_block_of
 from sglang_ext.dataplane.layer_cap_window import layer_cap_window
 from sglang_ext.layered_attention import LayeredTorchNativeAttnBackend, refuse_attention_kwargs
 
@@ -80,6 +80,10 @@ class LayeredPagedDecode(LayeredTorchNativeAttnBackend):
         self._max_new = 0
         self.extend_layers = 0
         """Layer extends served through the paged-extend kernel (per process)."""
+        cuda = torch.device(self.device).type == "cuda"
+        self.shared_per_block = shared_per_block_of(torch.device(self.device)) if cuda else None
+        """The GPU's shared memory a block may use (the extend's tiles depend on it), read once here
+        rather than at every layer's launch (a device-property query each); None off CUDA."""
         log.info("layered_extend_path", path="paged-extend kernel" if self.extend_kernel else "torch-native",
                  reason=None if self.extend_kernel else blocker or "triton does not run on this device "
                  "(CUDA, or TRITON_INTERPRET=1 on CPU)")
@@ -123,6 +127,7 @@ class LayeredPagedDecode(LayeredTorchNativeAttnBackend):
             q, store.dev[0], store.dev[1], forward_batch.extend_start_loc, forward_batch.extend_seq_lens,
             tables.kv_indptr, tables.tab[index], tables.kv_lens, self._max_new,
             sm_scale=getattr(layer, "scaling", None), logits_soft_cap=cap, window_left=window,
+            shared_per_block=self.shared_per_block,
         )
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):  # noqa: ANN001, ANN201

@@ -22,7 +22,7 @@ import structlog
 import torch
 
 from kernels.block_copy import triton_usable
-from kernels.paged_decode import paged_decode
+from kernels.paged_decode import kv_splits, paged_decode
 from sglang_ext.dataplane.layer_cap_window import layer_cap_window
 from sglang_ext.layered_attention import refuse_attention_kwargs
 from sglang_ext.layered_decode_graph import LayeredDecodeGraph
@@ -40,6 +40,21 @@ class LayeredTritonDecode(LayeredPagedDecode):
         """Layer decodes served through the paged kernel (per process)."""
         self.graph: LayeredDecodeGraph | None = None
         """Decode graph state (SGLang's runner built it: ``--kv-cuda-graphs on``); None: eager only."""
+        device = torch.device(self.device)
+        self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+        """The GPU's SMs (the split count fills them), read once; None off CUDA (one split)."""
+        self._splits: tuple[tuple[int, int], int] = ((-1, -1), 1)
+        """((batch, table width), split count) of the last eager decode step: every layer of a step
+        launches with the same count, worked out at its first layer."""
+
+    def step_splits(self, batch: int, width: int, kv_heads: int, page_size: int) -> int:
+        """The eager decode's split count for a step of ``batch`` requests over tables ``width``
+        pages wide (:func:`kernels.paged_decode.kv_splits`), once per step shape."""
+        key, splits = self._splits
+        if key != (batch, width):
+            splits = 1 if self.sms is None else kv_splits(batch, kv_heads, self.sms, width, page_size)
+            self._splits = ((batch, width), splits)
+        return splits
 
     def decode_layer(self, q: torch.Tensor, layer: Any, index: int) -> torch.Tensor:
         tables, store = self.pool.tables, self.pool.store
@@ -48,9 +63,11 @@ class LayeredTritonDecode(LayeredPagedDecode):
                      impl="triton" if triton_usable(q, store.dev[0]) else "torch-reference")
         self.decode_layers += 1
         cap, window = layer_cap_window(layer)
+        _, page_size, kv_heads, _ = store.dev[0].shape
         return paged_decode(
             q, store.dev[0], store.dev[1], tables.kv_indptr, tables.tab[index], tables.kv_lens,
             sm_scale=getattr(layer, "scaling", None), logits_soft_cap=cap, window_left=window,
+            num_kv_splits=self.step_splits(q.shape[0], tables.tab.shape[1], kv_heads, page_size),
         )
 
     # ----- SGLang's decode graph runner (--kv-cuda-graphs on) -----------------------------

@@ -16,9 +16,10 @@ line naming the feature and the model:
   applied in attention (so a hybrid-SWA model without sinks is served with that flag).
 - **Attention sinks** (gpt-oss, Granite-SWA, ...): per-head softmax sinks reach the attention call
   as an argument that the layered backends do not apply.
-- **A head_dim over 256 on a GPU** (:data:`kernels.paged_decode.MAX_HEAD_DIM`): the layered Triton
-  kernels' tiles would not fit a block's shared memory (FlashInfer's decode stops at 256 too); on
-  the CPU the torch paths take any head_dim.
+- **A head_dim over 256 where kvplane's Triton kernels serve** (:data:`kernels.paged_decode.MAX_HEAD_DIM`;
+  the extend of the ``flashinfer`` and ``triton`` backends, the ``triton`` decode, on a GPU or
+  under ``TRITON_INTERPRET=1``): their tiles would not fit a block's shared memory (FlashInfer's
+  decode stops at 256 too). The ``torch_native`` backend takes any head_dim.
 - **A checkpoint-quantized KV cache** (ModelOpt / compressed-tensors FP8 KV): with
   ``--kv-cache-dtype auto`` SGLang would store KV in fp8, which the layered pool does not hold
   (``--kv-cache-dtype fp8_*`` is refused by the flag check; ``LayeredTokenToKVPool`` refuses an
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,14 +55,15 @@ class ModelSupport:
     """``--kv-cache-dtype``: a checkpoint's KV quantization applies only under ``auto``."""
     head_dim: int = 0
     """The attention layers' head dim (SGLang's ``ModelConfig.head_dim``)."""
-    device: str = "cuda"
-    """``--device`` (None, before SGLang resolves it, counts as a GPU)."""
+    triton_backend: str | None = None
+    """The attention backend whose layered version runs kvplane's Triton kernels
+    (:func:`triton_kernel_backend`), None when none does."""
 
     @classmethod
     def from_model_config(cls, model_config: Any, kv_cache_dtype: str | None,
-                          device: str | None = None) -> ModelSupport:
+                          triton_backend: str | None = None) -> ModelSupport:
         """From SGLang's ``ModelConfig`` of the launch (``ModelConfig.from_server_args``) and
-        ``--device``."""
+        :func:`triton_kernel_backend` of its server arguments."""
         arch = compat.resolve(compat.ATTENTION_ARCH.path)
         uses_ssm_state = compat.resolve(compat.USES_SSM_STATE.path)
         architectures = getattr(model_config.hf_config, "architectures", None) or ["?"]
@@ -74,7 +77,7 @@ class ModelSupport:
                 getattr(model_config, "model_path", None)),
             kv_cache_dtype=str(kv_cache_dtype or "auto"),
             head_dim=int(getattr(model_config, "head_dim", 0) or 0),
-            device=str(device or "cuda"),
+            triton_backend=triton_backend,
         )
 
     def refusal(self) -> str | None:
@@ -93,15 +96,30 @@ class ModelSupport:
             return (f"{model} is a hybrid sliding-window model, which SGLang serves from two KV pools; "
                     "the layered KV pool is one: add --disable-hybrid-swa-memory (the window is then "
                     "applied in attention)")
-        if self.device != "cpu" and self.head_dim > MAX_HEAD_DIM:
-            return (f"{model} has head_dim {self.head_dim}: the layered attention kernels take head_dim up "
-                    f"to {MAX_HEAD_DIM} on a GPU (their tiles would not fit its shared memory): not supported "
-                    "with --enable-layered-kv")
+        if self.triton_backend is not None and self.head_dim > MAX_HEAD_DIM:
+            return (f"{model} has head_dim {self.head_dim}: kvplane's Triton attention kernels, which serve "
+                    f"--attention-backend {self.triton_backend} under --enable-layered-kv, take head_dim up to "
+                    f"{MAX_HEAD_DIM} (their tiles would not fit a GPU's shared memory); --attention-backend "
+                    "torch_native serves any head_dim")
         if self.kv_quant is not None and self.kv_cache_dtype == "auto":
             return (f"{model}'s checkpoint quantizes the KV cache ({self.kv_quant}), so --kv-cache-dtype "
                     "auto would store it in fp8: quantized KV caches are not supported with "
                     "--enable-layered-kv; pass --kv-cache-dtype bfloat16 to keep the KV unquantized")
         return None
+
+
+def triton_kernel_backend(server_args: Any, environ: Mapping[str, str]) -> str | None:
+    """The attention backend of ``server_args`` (``--attention-backend`` and its prefill / decode
+    variants) whose layered version runs kvplane's Triton kernels -- ``flashinfer`` or ``triton``
+    on a GPU, ``triton`` on the CPU under ``TRITON_INTERPRET=1`` (without it the CPU runs the
+    kernels' torch references) -- or None."""
+    names = ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
+    chosen = [b for b in (getattr(server_args, n, None) for n in names) if b in ("flashinfer", "triton")]
+    if not chosen:
+        return None
+    if getattr(server_args, "device", None) == "cpu" and environ.get("TRITON_INTERPRET", "0") != "1":
+        return None
+    return chosen[0]
 
 
 def _kv_quant(quant: Any) -> str | None:

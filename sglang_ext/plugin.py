@@ -62,6 +62,7 @@ Loaded in every SGLang process: module-level imports stay light (no torch, no SG
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any, NoReturn
 
@@ -292,12 +293,12 @@ class KvplanePlugin:
     @staticmethod
     def _check_model(model_config: Any, server_args: Any) -> None:
         """Refuse a model the layered pool cannot serve (MLA, recurrent state, hybrid sliding-window
-        memory, attention sinks, a head_dim over 256 on a GPU, a checkpoint-quantized KV), naming
+        memory, attention sinks, a head_dim over 256 for the Triton kernels, a checkpoint-quantized KV), naming
         the feature and the model, before any weight loads (:class:`~sglang_ext.model_support.ModelSupport`)."""
-        from sglang_ext.model_support import ModelSupport
+        from sglang_ext.model_support import ModelSupport, triton_kernel_backend
 
         refusal = ModelSupport.from_model_config(model_config, server_args.kv_cache_dtype,
-                                                 getattr(server_args, "device", None)).refusal()
+                                                 triton_kernel_backend(server_args, os.environ)).refusal()
         if refusal is not None:
             _refuse_launch(refusal)
 

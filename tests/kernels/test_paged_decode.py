@@ -13,6 +13,7 @@ from kernels.lazy_jit import LazyKernel
 from kernels.paged_decode import (
     MAX_KV_SPLITS,
     _merge_splits_kernel,
+    decode_launch_options,
     kv_lens_from_last_page_len,
     kv_splits,
     paged_decode,
@@ -28,9 +29,22 @@ TOLERANCE: dict[torch.dtype, dict[str, Any]] = {
     torch.bfloat16: {"atol": 1e-2, "rtol": 1e-2},
     torch.float16: {"atol": 1e-3, "rtol": 1e-3},
 }
-"""Kernel vs reference, per dtype. Both accumulate in fp32 and round the output once, so 16-bit
-outputs may differ by one ulp (bf16: 2^-7 relative; measured max 7.8e-3); fp32 by summation order
-(measured max 1.3e-6 absolute)."""
+"""Kernel vs reference, per dtype, where the kernel's dots run in fp32 (the interpreter; fp32
+caches). Both accumulate in fp32 and round the output once, so 16-bit outputs may differ by one
+ulp (bf16: 2^-7 relative; measured max 7.8e-3); fp32 by summation order (measured max 1.3e-6
+absolute)."""
+GPU_TOLERANCE: dict[torch.dtype, dict[str, Any]] = {
+    torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2},
+    torch.float16: {"atol": 5e-3, "rtol": 5e-3},
+}
+"""On CUDA a 16-bit cache's dots run on the tensor cores in its dtype (q and the probabilities
+rounded to it, fp32 accumulation; ``decode_launch_options``): a few ulps of the 16-bit type, the
+extend kernel's tolerance (``tests/kernels/test_paged_extend.py``)."""
+
+
+def _tol(dtype: torch.dtype, device: str) -> dict[str, Any]:
+    """The tolerance of a kernel output of ``dtype`` computed on ``device``."""
+    return GPU_TOLERANCE[dtype] if device == "cuda" and dtype in GPU_TOLERANCE else TOLERANCE[dtype]
 
 
 @dataclass(frozen=True)
@@ -132,7 +146,7 @@ def test_triton_matches_reference(triton_device: str, case: Case) -> None:
     assert torch.isfinite(expected).all()
     got = _run(t, case, triton_device)
     assert got.dtype == case.dtype and got.shape == t["q"].shape
-    torch.testing.assert_close(got, expected, **TOLERANCE[case.dtype])
+    torch.testing.assert_close(got, expected, **_tol(case.dtype, triton_device))
     for name, x in t.items():
         torch.testing.assert_close(x, before[name], rtol=0, atol=0, equal_nan=True)
 
@@ -217,6 +231,23 @@ def test_every_split_count_launches_the_same_compiled_kernels(triton_device: str
     assert first != second and first["USE_CAP"] != second["USE_CAP"]
 
 
+def test_launch_options_put_16_bit_caches_on_the_tensor_cores_on_cuda_only() -> None:
+    """On CUDA a 16-bit cache under a query of its dtype takes tensor-core dots (4 warps); an fp32
+    cache or a wider query keeps the fp32 dots (8 warps from BLOCK_D 128); the interpreter always
+    the fp32 dots, without a warp count. Head blocks cover the group: 32 q heads per kv head at
+    head_dim 256 take two tiles of 16."""
+    bf16 = decode_launch_options(BF16, BF16, 4, 128, cuda=True)
+    assert bf16["LOW_PRECISION"] and bf16["num_warps"] == 4 and bf16["HEAD_BLOCKS"] == 1
+    assert not decode_launch_options(F32, BF16, 4, 128, cuda=True)["LOW_PRECISION"]  # q wider than the cache
+    fp32 = decode_launch_options(F32, F32, 4, 128, cuda=True)
+    assert not fp32["LOW_PRECISION"] and fp32["num_warps"] == 8
+    assert decode_launch_options(F32, F32, 4, 64, cuda=True)["num_warps"] == 4
+    interp = decode_launch_options(BF16, BF16, 4, 128, cuda=False)
+    assert not interp["LOW_PRECISION"] and "num_warps" not in interp
+    wide = decode_launch_options(BF16, BF16, 32, 256, cuda=True)
+    assert (wide["BLOCK_H"], wide["HEAD_BLOCKS"], wide["BLOCK_D"]) == (16, 2, 256)
+
+
 def test_split_count_fills_the_gpu_within_the_tokens_of_the_batch() -> None:
     """About 2 programs per SM (rounded up), capped by the batch's 32-token tiles and by 16; one
     split for short contexts or an empty batch."""
@@ -244,7 +275,7 @@ def test_layer_row_of_step_table(triton_device: str) -> None:
         tab = torch.stack([other, t["kv_indices"], other]).to(dtype)
         got = _run({**t, "kv_indices": tab[1], "kv_indptr": t["kv_indptr"].to(dtype),
                     "kv_lens": t["kv_lens"].to(dtype)}, case, triton_device)
-        torch.testing.assert_close(got, expected, **TOLERANCE[case.dtype])
+        torch.testing.assert_close(got, expected, **_tol(case.dtype, triton_device))
 
 
 def test_reference_matches_dense_attention() -> None:
@@ -324,10 +355,26 @@ def test_gpu_llama_shapes(dtype: torch.dtype) -> None:
     t = _build(case, shared_prefix=True)
     dev = {name: x.cuda() for name, x in t.items()}
     got = paged_decode(**dev)  # type: ignore[arg-type]
-    torch.testing.assert_close(got.cpu(), _ref(t, case), **TOLERANCE[dtype])
+    torch.testing.assert_close(got.cpu(), _ref(t, case), **GPU_TOLERANCE[dtype])
     capped = paged_decode(**dev, logits_soft_cap=30.0, window_left=255)  # type: ignore[arg-type]
     expected = paged_decode_ref(**t, logits_soft_cap=30.0, window_left=255)
-    torch.testing.assert_close(capped.cpu(), expected, **TOLERANCE[dtype])
+    torch.testing.assert_close(capped.cpu(), expected, **GPU_TOLERANCE[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+def test_gpu_head_blocks_on_the_tensor_cores(dtype: torch.dtype) -> None:
+    """Gemma-like head_dim 256 with 32 q heads per kv head (two head blocks of 16 on the tensor
+    cores), soft cap and window, and an fp32 query over the 16-bit cache (the fp32 dots), match
+    the reference."""
+    case = Case(16, (600, 1, 77, 300), 64, 2, 256, 30.0, 127, dtype, 2)
+    t = _build(case, shared_prefix=True)
+    assert decode_launch_options(dtype, dtype, 32, 256, cuda=True)["HEAD_BLOCKS"] == 2
+    got = _run(t, case, "cuda")
+    torch.testing.assert_close(got, _ref(t, case), **GPU_TOLERANCE[dtype])
+    wide_q = {**t, "q": t["q"].float()}
+    torch.testing.assert_close(_run(wide_q, case, "cuda"), _ref(wide_q, case), **TOLERANCE[torch.float32])
 
 
 def test_a_permuted_query_gives_the_references_output_in_a_dense_tensor(triton_device: str) -> None:
@@ -342,4 +389,4 @@ def test_a_permuted_query_gives_the_references_output_in_a_dense_tensor(triton_d
     assert torch.empty_like(permuted).stride(2) != 1
     got = _run({**t, "q": permuted}, case, triton_device)
     assert got.stride(2) == 1
-    torch.testing.assert_close(got, _ref(t, case), **TOLERANCE[case.dtype])
+    torch.testing.assert_close(got, _ref(t, case), **_tol(case.dtype, triton_device))

@@ -1,20 +1,24 @@
 """Every CUDA launch configuration of the attention kernels fits the shared memory of the GPUs
 kvplane serves on, checked with no GPU: the real launchers run on CPU tensors with their launches
-recorded (:mod:`tests.kernels.offline_compile`), the extend launcher's CUDA options (chosen by the
-GPU's per-block limit) substituted for the interpreter's, and each configuration is compiled by
-Triton for the GPU it is chosen for. A launch that does not fit fails at its first run on such a
-GPU, mid-serving, with Triton's ``OutOfResources``.
+recorded (:mod:`tests.kernels.offline_compile`), the launchers' CUDA options (``decode_launch_options``,
+``extend_launch_options``: the extend's by the GPU's per-block limit) substituted for the
+interpreter's, and each configuration is compiled by Triton for the GPU it is chosen for. A launch
+that does not fit fails at its first run on such a GPU, mid-serving, with Triton's ``OutOfResources``.
 
-- The 16-bit extend runs on tensor cores (``mma`` on sm_80..89, ``wgmma`` on sm_90: different code)
-  and its tiles depend on the limit: compiled for sm_80 (A100, 163 KB a block), sm_86 (consumer
-  Ampere, A10, A40; Ada, L4, L40S compile alike: 99 KB) and sm_90 (H100, H200: 227 KB).
-- The fp32 extend, the decode (fp32 FMA dots whatever the cache dtype) and the merge compile alike
-  on every target (measured: the same bytes on sm_86 and sm_90), so sm_86, the least limit.
+- 16-bit launches run on tensor cores (``mma`` on sm_80..89, ``wgmma`` on sm_90: different code)
+  and the extend's tiles depend on the limit: compiled for sm_86 (consumer Ampere, A10, A40; Ada,
+  L4, L40S compile alike: 99 KB) and sm_90 (H100, H200: 227 KB). A100 (sm_80: the sm_86 code,
+  163 KB) takes the extend's wide tiles at head_dim 256, whose sm_86 compile the control below
+  measures against its limit.
+- fp32 launches (FMA dots) and the merge compile alike on every target (measured: the same bytes
+  on sm_86 and sm_90), so sm_86, the least limit.
 
-Shared memory is set by a kernel's tiles, its element sizes and its warps; the head dim, GQA group,
-page size and soft cap only mask and index. So of the launches of the whole domain below, one per
-class (kernel, element sizes, every compile-time argument but those) is compiled: the one of the
-largest ``BLOCK_D``, whose tiles are the widest of the class.
+Shared memory is set by a kernel's tiles, its element sizes and its warps, and by the head dim
+within its power of two (a head dim of 200 compiles to less than 256: masked columns vectorise
+less); the GQA group, page size and soft cap only mask and index (no compile of the review's
+changed the bytes). So of the launches of the whole domain below, one per class (kernel, element
+sizes, every compile-time argument but those) is compiled: the one of the largest ``BLOCK_D`` and,
+within it, the largest head dim (a power of two: the full tile).
 """
 
 from __future__ import annotations
@@ -37,18 +41,23 @@ GROUPS = (1, 2, 4, 8, 16, 32, 64, 128)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MASKING = {"HEAD_DIM", "GROUP", "PAGE", "USE_CAP", "HEAD_BLOCKS", "Q_HEADS", "BLOCK_D"}
 """Compile-time arguments that mask or index, and ``BLOCK_D``, by which a class is ordered."""
-TENSOR_CORE_TARGETS = (80, 86, 90)
-"""Where the 16-bit extend is compiled (module docstring); everything else: sm_86."""
+TENSOR_CORE_TARGETS = (86, 90)
+"""Where 16-bit launches are compiled (module docstring); everything else: sm_86."""
 
 
 def _decode_launches(dtype: torch.dtype, head_dim: int, group: int) -> list[Launch]:
+    """The decode's two launches as on CUDA: stage 1's interpreter options replaced by the CUDA ones."""
     q = torch.zeros(2, group, head_dim, dtype=dtype)
     cache = torch.zeros(3, 16, 1, head_dim, dtype=dtype)
     i32 = {"dtype": torch.int32}
     with record() as launches:
         pd.paged_decode_triton(q, cache, cache, torch.tensor([0, 1, 2], **i32), torch.tensor([0, 1], **i32),
                                torch.tensor([5, 16], **i32), num_kv_splits=2)
-    return launches
+    (kernel, args, kwargs), merge = launches
+    cuda = pd.decode_launch_options(dtype, dtype, group, head_dim, cuda=True)
+    assert set(pd.decode_launch_options(dtype, dtype, group, head_dim, cuda=False)) == set(cuda) - {"num_warps"}
+    assert set(cuda) - {"num_warps"} <= set(kwargs)
+    return [(kernel, args, {**kwargs, **cuda}), merge]
 
 
 def _extend_launch(dtype: torch.dtype, head_dim: int, group: int, capability: int) -> Launch:
@@ -74,11 +83,15 @@ def _class(launch: Launch) -> tuple:
 
 
 def _widest(launches: list[Launch]) -> dict[tuple, Launch]:
-    """One launch per class: the one of the largest ``BLOCK_D``."""
+    """One launch per class: the one of the largest ``BLOCK_D``, then ``HEAD_DIM``."""
     widest: dict[tuple, Launch] = {}
+
+    def size(launch: Launch) -> tuple[int, int]:
+        return launch[2]["BLOCK_D"], launch[2]["HEAD_DIM"]
+
     for launch in launches:
         key = _class(launch)
-        if key not in widest or launch[2]["BLOCK_D"] > widest[key][2]["BLOCK_D"]:
+        if key not in widest or size(launch) > size(widest[key]):
             widest[key] = launch
     return widest
 
@@ -90,12 +103,13 @@ def _jobs() -> list[tuple[Launch, int]]:
     for dtype in DTYPES:
         for head_dim in HEAD_DIMS:
             for group in GROUPS:
-                here += _decode_launches(dtype, head_dim, group)
+                split, merge = _decode_launches(dtype, head_dim, group)
+                here.append(merge)
                 if dtype == torch.float32:
-                    here.append(_extend_launch(dtype, head_dim, group, 86))
+                    here += [split, _extend_launch(dtype, head_dim, group, 86)]
                     continue
                 for cap, launches in tensor_core.items():
-                    launches.append(_extend_launch(dtype, head_dim, group, cap))
+                    launches += [split, _extend_launch(dtype, head_dim, group, cap)]
     jobs = [(launch, 86) for launch in _widest(here).values()]
     return jobs + [(launch, cap) for cap, launches in tensor_core.items() for launch in _widest(launches).values()]
 
@@ -120,6 +134,7 @@ def test_every_cuda_launch_fits_the_shared_memory_of_its_gpus() -> None:
     ``MAX_BLOCK_HEADS``."""
     jobs = _jobs()
     launches = [launch for launch, _ in jobs]
+    assert {kw["HEAD_DIM"] for _, _, kw in launches} == {64, 128, 256}  # full tiles, the largest
     assert set(pd.MAX_BLOCK_HEADS.values()) <= {kw["BLOCK_H"] for _, _, kw in launches if "BLOCK_H" in kw}
     extend_tiles = {(kw["BLOCK_M"], kw["BLOCK_N"]) for _, _, kw in launches if "BLOCK_M" in kw}
     assert extend_tiles == {pe.CUDA_BLOCKS, pe.CUDA_NARROW_BLOCKS, pe.CUDA_FP32_BLOCKS, pe.CUDA_FP32_WIDE_BLOCKS}
@@ -134,11 +149,15 @@ def test_negative_control_wider_tiles_at_head_dim_256_do_not_fit_99_kb(dtype: to
     """Control: at head_dim 256 on sm_86 the extend's next wider tiles -- the 16-bit 64 x 64 it
     keeps on A100 / H100, the fp32 32 x 32 it took before -- compile to more shared memory than a
     block may use there (106,752 B and 102,656 B measured), so the check above can fail, and the
-    narrower tiles the launcher picks there are needed."""
+    narrower tiles the launcher picks there are needed. The 16-bit wide tiles are the A100's
+    (``WIDE_TILES_SHARED``; sm_80 compiles as sm_86) and fit its 163 KB."""
     kernel, args, kwargs = _extend_launch(dtype, 256, 4, 86)
     assert (kwargs["BLOCK_M"], kwargs["BLOCK_N"]) != tiles
     shared: Any = compile_for((kernel, args, {**kwargs, "BLOCK_M": tiles[0], "BLOCK_N": tiles[1]}), 86).metadata.shared
     assert shared > SHARED_LIMITS[86]
+    if dtype == torch.bfloat16:
+        a100 = pe.extend_launch_options(dtype, 256, shared_per_block=SHARED_LIMITS[80])
+        assert (a100["BLOCK_M"], a100["BLOCK_N"]) == tiles and shared <= SHARED_LIMITS[80]
 
 
 @pytest.mark.parametrize("kernel", ["decode", "extend"])
@@ -158,3 +177,12 @@ def test_a_head_dim_over_256_is_refused_by_the_launchers(kernel: str) -> None:
     with pytest.raises(ValueError, match="head_dim 512 is over 256, the largest the layered Triton kernels take"):
         launch(512)
     assert launch(256)
+
+
+def test_negative_control_the_decode_head_tile_cap_is_needed() -> None:
+    """Control: stage 1 of the fp32 decode at head_dim 256 with a 32-head tile, one over its
+    ``MAX_BLOCK_HEADS``, compiles to more shared memory than sm_86 allows (102,656 B measured)."""
+    (kernel, args, kwargs), _ = _decode_launches(torch.float32, 256, 32)
+    assert kwargs["BLOCK_H"] == pd.MAX_BLOCK_HEADS[256] == 16 and kwargs["HEAD_BLOCKS"] == 2
+    wider = {**kwargs, "BLOCK_H": 32, "HEAD_BLOCKS": 1}
+    assert compile_for((kernel, args, wider), 86).metadata.shared > SHARED_LIMITS[86]

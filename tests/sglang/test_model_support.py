@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -57,13 +58,13 @@ def model_dir(root: Path, name: str) -> Path:
 
 
 def support(root: Path, name: str, *, kv_cache_dtype: str = "auto", disable_hybrid_swa_memory: bool = False,
-            device: str | None = None):
+            triton_backend: str | None = None):
     from sglang.srt.configs.model_config import ModelConfig
 
     from sglang_ext.model_support import ModelSupport
 
     config = ModelConfig(str(model_dir(root, name)), disable_hybrid_swa_memory=disable_hybrid_swa_memory)
-    return ModelSupport.from_model_config(config, kv_cache_dtype, device)
+    return ModelSupport.from_model_config(config, kv_cache_dtype, triton_backend)
 
 
 @pytest.mark.parametrize(("name", "fragment"), [
@@ -125,18 +126,34 @@ def test_supported_models_pass(tmp_path: Path) -> None:
     assert support(tmp_path, "llama_fp8_kv", kv_cache_dtype="bfloat16").refusal() is None
 
 
-def test_a_head_dim_over_256_is_refused_on_a_gpu_only(tmp_path: Path) -> None:
-    """head_dim 512 is refused on CUDA (and with --device unresolved), naming the head dim and the
-    limit; on the CPU, whose torch paths take any head_dim, it is served. Control: Llama's head_dim
-    16 passes on CUDA."""
-    for device in ("cuda", None):
-        wide = support(tmp_path, "llama_head_dim_512", device=device)
-        assert wide.head_dim == 512
-        assert wide.refusal() == ("LlamaForCausalLM has head_dim 512: the layered attention kernels take head_dim "
-                                  "up to 256 on a GPU (their tiles would not fit its shared memory): not supported "
-                                  "with --enable-layered-kv")
-    assert support(tmp_path, "llama_head_dim_512", device="cpu").refusal() is None
-    llama = support(tmp_path, "llama", device="cuda")
+def test_a_head_dim_over_256_is_refused_where_the_triton_kernels_serve(tmp_path: Path) -> None:
+    """head_dim 512 is refused where a layered backend runs kvplane's Triton kernels (flashinfer's
+    extend or triton on a GPU; triton on the CPU under TRITON_INTERPRET=1), naming the head dim,
+    the backend, the limit and the backend that serves it. Controls: torch_native on a GPU, triton
+    on the CPU without the interpreter (the kernels' torch references) and Llama's head_dim 16
+    under flashinfer pass."""
+    from sglang_ext.model_support import triton_kernel_backend
+
+    def args(device: str, backend: str, **more: str) -> SimpleNamespace:
+        return SimpleNamespace(device=device, attention_backend=backend, prefill_attention_backend=None,
+                               decode_attention_backend=None, **more)
+
+    interpret = {"TRITON_INTERPRET": "1"}
+    assert triton_kernel_backend(args("cuda", "flashinfer"), {}) == "flashinfer"
+    assert triton_kernel_backend(args("cpu", "triton"), interpret) == "triton"
+    assert triton_kernel_backend(args("cpu", "triton"), {}) is None
+    assert triton_kernel_backend(args("cuda", "torch_native"), {}) is None
+    mixed = SimpleNamespace(device="cuda", attention_backend="torch_native", prefill_attention_backend="triton",
+                            decode_attention_backend=None)
+    assert triton_kernel_backend(mixed, {}) == "triton"
+    wide = support(tmp_path, "llama_head_dim_512", triton_backend="flashinfer")
+    assert wide.head_dim == 512
+    assert wide.refusal() == ("LlamaForCausalLM has head_dim 512: kvplane's Triton attention kernels, which serve "
+                              "--attention-backend flashinfer under --enable-layered-kv, take head_dim up to 256 "
+                              "(their tiles would not fit a GPU's shared memory); --attention-backend torch_native "
+                              "serves any head_dim")
+    assert support(tmp_path, "llama_head_dim_512", triton_backend=None).refusal() is None
+    llama = support(tmp_path, "llama", triton_backend="flashinfer")
     assert llama.head_dim == 16 and llama.refusal() is None
 
 
