@@ -186,3 +186,27 @@ def test_negative_control_the_decode_head_tile_cap_is_needed() -> None:
     assert kwargs["BLOCK_H"] == pd.MAX_BLOCK_HEADS[256] == 16 and kwargs["HEAD_BLOCKS"] == 2
     wider = {**kwargs, "BLOCK_H": 32, "HEAD_BLOCKS": 1}
     assert compile_for((kernel, args, wider), 86).metadata.shared > SHARED_LIMITS[86]
+
+
+def test_the_copy_kernels_compile_for_the_gpus() -> None:
+    """The served copy kernels -- the pool's gather / scatter, the per-layer fetch of host-only
+    pages, the page-to-slot expansion -- compile for sm_86 and sm_90 at Llama-3-8B's page segment
+    (16 tokens x 8 kv heads x 128, bf16: 32 KiB, 4,096 int64 words a segment) within the limit:
+    CI runs them only in Triton's interpreter, which accepts code the compiler may not."""
+    bc = importlib.import_module("kernels.block_copy")
+    pi = importlib.import_module("kernels.page_index")
+    host, dev = torch.zeros(12, 16 * 8 * 128, dtype=torch.bfloat16), torch.zeros(10, 16 * 8 * 128, dtype=torch.bfloat16)
+    i64, i32 = {"dtype": torch.int64}, {"dtype": torch.int32}
+    with record() as launches:
+        bc.copy_segments_triton(host, dev, torch.tensor([1, 4], **i64), torch.tensor([0, 2], **i64))
+        bc.fetch_pages_triton(host, dev, torch.tensor([0, 3, 1], **i32), torch.tensor([5, 6, 7], **i32),
+                              torch.tensor([-1, 2, -1, -1], **i32), torch.tensor([0, 1], **i32),
+                              torch.tensor([0, 2], **i32), torch.tensor([2, 1], **i32), 2, 0, 2, 1)
+        pi.pages_to_token_locs_triton(torch.tensor([0, 2], **i32), torch.tensor([3, 1], **i32),
+                                      torch.tensor([20], **i32), 16)
+    assert [launch[0].fn.__name__ for launch in launches] == ["_copy_segments_kernel", "_fetch_pages_kernel",
+                                                               "_pages_to_locs_kernel"]
+    assert launches[0][2]["BLOCK"] == 4096
+    jobs = [(launch, cap) for launch in launches for cap in (86, 90)]
+    shared = _shared(jobs)
+    assert all(s <= SHARED_LIMITS[cap] for (_, cap), s in zip(jobs, shared, strict=True)), shared
