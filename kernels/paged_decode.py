@@ -19,9 +19,9 @@ The Triton version is split-KV (flash-decoding): stage 1 runs one program per (r
 kv head, split), all the q heads of the kv head together (``tl.dot`` over a ``[BLOCK_H, D]``
 query tile; a group larger than the tile shared memory allows, :data:`MAX_BLOCK_HEADS`, takes
 several head blocks), and writes a partial output with its log-sum-exp; stage 2 merges the splits.
-On CUDA with a 16-bit cache the dots run on the tensor cores in the cache dtype (fp32
-accumulation; :func:`decode_launch_options` says why: the fp32 FMA dots spill registers there);
-under the interpreter (CI), for fp32 caches and for a query wider than the cache both run in fp32
+On CUDA with a 16-bit cache the dots run on the tensor cores in the cache dtype (q rounded to it,
+fp32 accumulation; :func:`decode_launch_options` says why: the fp32 FMA dots spill registers
+there); under the interpreter (CI) and for fp32 caches both run in fp32
 (``input_precision="ieee"``: the interpreter multiplies bf16 operands as raw bits, Triton 3.8), so
 CI tests the kernel's indexing, masking and softmax, and the gpu-marked tests its 16-bit dots, as
 for :mod:`kernels.paged_extend`. No host sync: the grid depends on shapes only.
@@ -105,22 +105,23 @@ def decode_block_heads(group: int, block_d: int) -> int:
     return min(max(MIN_BLOCK_HEADS, 1 << (group - 1).bit_length()), MAX_BLOCK_HEADS[block_d])
 
 
-def decode_launch_options(q_dtype: torch.dtype, cache_dtype: torch.dtype, group: int, head_dim: int, *,
-                          cuda: bool) -> dict[str, Any]:
+def decode_launch_options(cache_dtype: torch.dtype, group: int, head_dim: int, *, cuda: bool) -> dict[str, Any]:
     """Stage 1's tiles (``BLOCK_H``, ``BLOCK_N``, ``BLOCK_D``), head blocks, dot precision and, on
-    CUDA, ``num_warps``, for a query of ``q_dtype`` over a cache of ``cache_dtype`` with ``group`` q
-    heads per kv head, on CUDA or under the interpreter.
+    CUDA, ``num_warps``, for a cache of ``cache_dtype`` with ``group`` q heads per kv head, on CUDA
+    or under the interpreter.
 
-    ``LOW_PRECISION`` (CUDA, a 16-bit cache and a query of the same dtype): both dots on the tensor
-    cores in that dtype, the probabilities rounded to it, fp32 accumulation, as SGLang's Triton
-    decode and FlashAttention do. Compiled offline (Triton 3.8, 4 warps) the fp32 FMA dots need 255
-    registers and spill at Llama's shapes (head_dim 128, 16-head tile) and fall to 32 registers with
-    5-7 KB of stack a thread at head_dim 256 or 64-head tiles; the tensor-core dots need 72 and 142
-    registers there, no spill, half the shared memory. Otherwise (the interpreter, fp32 caches, a
-    query wider than the cache) fp32 dots, with 8 warps from ``BLOCK_D`` 128 on CUDA (no spill)."""
+    ``LOW_PRECISION`` (CUDA, a 16-bit cache): both dots on the tensor cores in the cache dtype --
+    the query (whatever its dtype) and the probabilities rounded to it, fp32 accumulation -- as
+    SGLang's Triton decode (which casts q to K's dtype) and FlashAttention do. Compiled offline
+    (Triton 3.8, 4 warps) the fp32 FMA dots need 255 registers and spill at Llama's shapes (head_dim
+    128, 16-head tile) and fall to 32-40 registers with 3-7 KB of stack a thread at head_dim 256 or
+    64-head tiles (a query wider than the cache, fp32 or fp16 over bf16, spills too); the
+    tensor-core dots need 72 and 142 registers there, no spill, half the shared memory. Otherwise
+    (the interpreter, fp32 caches) fp32 dots, with 8 warps from ``BLOCK_D`` 128 on CUDA (no spill
+    at 16-head tiles; 168 B of stack at 64)."""
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     block_h = decode_block_heads(group, block_d)
-    low = cuda and cache_dtype in (torch.float16, torch.bfloat16) and q_dtype == cache_dtype
+    low = cuda and cache_dtype in (torch.float16, torch.bfloat16)
     options: dict[str, Any] = {"BLOCK_H": block_h, "BLOCK_N": BLOCK_TOKENS, "BLOCK_D": block_d,
                                "HEAD_BLOCKS": -(-group // block_h), "LOW_PRECISION": low}
     if cuda:
@@ -420,7 +421,7 @@ def paged_decode_triton(
     group = q_heads // kv_heads
     mid_o = torch.empty((batch, q_heads, num_kv_splits, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((batch, q_heads, num_kv_splits), dtype=torch.float32, device=q.device)
-    options = decode_launch_options(q.dtype, k_cache.dtype, group, head_dim, cuda=q.is_cuda)
+    options = decode_launch_options(k_cache.dtype, group, head_dim, cuda=q.is_cuda)
     block_d = options["BLOCK_D"]
     _decode_split_kernel[(batch, kv_heads * options["HEAD_BLOCKS"], num_kv_splits)](
         q, k_cache, v_cache, kv_indptr, kv_indices, kv_lens, mid_o, mid_lse,

@@ -56,8 +56,8 @@ class ModelSupport:
     head_dim: int = 0
     """The attention layers' head dim (SGLang's ``ModelConfig.head_dim``)."""
     triton_backend: str | None = None
-    """The attention backend whose layered version runs kvplane's Triton kernels
-    (:func:`triton_kernel_backend`), None when none does."""
+    """The flag and attention backend whose layered version runs kvplane's Triton kernels
+    (:func:`triton_kernel_backend`: ``--attention-backend flashinfer``), None when none does."""
 
     @classmethod
     def from_model_config(cls, model_config: Any, kv_cache_dtype: str | None,
@@ -98,7 +98,7 @@ class ModelSupport:
                     "applied in attention)")
         if self.triton_backend is not None and self.head_dim > MAX_HEAD_DIM:
             return (f"{model} has head_dim {self.head_dim}: kvplane's Triton attention kernels, which serve "
-                    f"--attention-backend {self.triton_backend} under --enable-layered-kv, take head_dim up to "
+                    f"{self.triton_backend} under --enable-layered-kv, take head_dim up to "
                     f"{MAX_HEAD_DIM} (their tiles would not fit a GPU's shared memory); --attention-backend "
                     "torch_native serves any head_dim")
         if self.kv_quant is not None and self.kv_cache_dtype == "auto":
@@ -109,12 +109,13 @@ class ModelSupport:
 
 
 def triton_kernel_backend(server_args: Any, environ: Mapping[str, str]) -> str | None:
-    """The attention backend of ``server_args`` (``--attention-backend`` and its prefill / decode
-    variants) whose layered version runs kvplane's Triton kernels -- ``flashinfer`` or ``triton``
-    on a GPU, ``triton`` on the CPU under ``TRITON_INTERPRET=1`` (without it the CPU runs the
-    kernels' torch references) -- or None."""
+    """The flag and backend of ``server_args`` (``--attention-backend`` and its prefill / decode
+    variants: ``"--prefill-attention-backend triton"``) whose layered version runs kvplane's Triton
+    kernels -- ``flashinfer`` or ``triton`` on a GPU, ``triton`` on the CPU under
+    ``TRITON_INTERPRET=1`` (without it the CPU runs the kernels' torch references) -- or None."""
     names = ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
-    chosen = [b for b in (getattr(server_args, n, None) for n in names) if b in ("flashinfer", "triton")]
+    chosen = [f"--{n.replace('_', '-')} {b}" for n in names
+              if (b := getattr(server_args, n, None)) in ("flashinfer", "triton")]
     if not chosen:
         return None
     if getattr(server_args, "device", None) == "cpu" and environ.get("TRITON_INTERPRET", "0") != "1":

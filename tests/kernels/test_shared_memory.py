@@ -54,8 +54,8 @@ def _decode_launches(dtype: torch.dtype, head_dim: int, group: int) -> list[Laun
         pd.paged_decode_triton(q, cache, cache, torch.tensor([0, 1, 2], **i32), torch.tensor([0, 1], **i32),
                                torch.tensor([5, 16], **i32), num_kv_splits=2)
     (kernel, args, kwargs), merge = launches
-    cuda = pd.decode_launch_options(dtype, dtype, group, head_dim, cuda=True)
-    assert set(pd.decode_launch_options(dtype, dtype, group, head_dim, cuda=False)) == set(cuda) - {"num_warps"}
+    cuda = pd.decode_launch_options(dtype, group, head_dim, cuda=True)
+    assert set(pd.decode_launch_options(dtype, group, head_dim, cuda=False)) == set(cuda) - {"num_warps"}
     assert set(cuda) - {"num_warps"} <= set(kwargs)
     return [(kernel, args, {**kwargs, **cuda}), merge]
 

@@ -139,21 +139,21 @@ def test_a_head_dim_over_256_is_refused_where_the_triton_kernels_serve(tmp_path:
                                decode_attention_backend=None, **more)
 
     interpret = {"TRITON_INTERPRET": "1"}
-    assert triton_kernel_backend(args("cuda", "flashinfer"), {}) == "flashinfer"
-    assert triton_kernel_backend(args("cpu", "triton"), interpret) == "triton"
+    assert triton_kernel_backend(args("cuda", "flashinfer"), {}) == "--attention-backend flashinfer"
+    assert triton_kernel_backend(args("cpu", "triton"), interpret) == "--attention-backend triton"
     assert triton_kernel_backend(args("cpu", "triton"), {}) is None
     assert triton_kernel_backend(args("cuda", "torch_native"), {}) is None
     mixed = SimpleNamespace(device="cuda", attention_backend="torch_native", prefill_attention_backend="triton",
                             decode_attention_backend=None)
-    assert triton_kernel_backend(mixed, {}) == "triton"
-    wide = support(tmp_path, "llama_head_dim_512", triton_backend="flashinfer")
+    assert triton_kernel_backend(mixed, {}) == "--prefill-attention-backend triton"
+    wide = support(tmp_path, "llama_head_dim_512", triton_backend="--attention-backend flashinfer")
     assert wide.head_dim == 512
     assert wide.refusal() == ("LlamaForCausalLM has head_dim 512: kvplane's Triton attention kernels, which serve "
                               "--attention-backend flashinfer under --enable-layered-kv, take head_dim up to 256 "
                               "(their tiles would not fit a GPU's shared memory); --attention-backend torch_native "
                               "serves any head_dim")
     assert support(tmp_path, "llama_head_dim_512", triton_backend=None).refusal() is None
-    llama = support(tmp_path, "llama", triton_backend="flashinfer")
+    llama = support(tmp_path, "llama", triton_backend="--attention-backend flashinfer")
     assert llama.head_dim == 16 and llama.refusal() is None
 
 
