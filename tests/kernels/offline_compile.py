@@ -64,3 +64,31 @@ def compile_for(launch: Launch, capability: int) -> Any:
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def ptxas_report(compiled: Any, capability: int) -> dict[str, int]:
+    """What ptxas reports of ``compiled`` (:func:`compile_for`) for ``capability``: ``registers`` a
+    thread, ``stack`` (bytes a thread) and ``spill_stores`` (bytes). Its PTX is assembled again with
+    the flags Triton 3.8's ``make_cubin`` passes (``-lineinfo -v --regAllocOptLevel=2``), so a
+    compile cache hit reports too."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.ptx"
+        src.write_text(compiled.asm["ptx"])
+        log = subprocess.run([get_ptxas(capability).path, "-lineinfo", "-v", "--regAllocOptLevel=2",
+                              f"--gpu-name={sm_arch_from_capability(capability)}", str(src), "-o",
+                              str(src.with_suffix(".o"))], capture_output=True, text=True, check=True).stderr
+
+    def number(pattern: str) -> int:
+        found = re.search(pattern, log)
+        assert found, f"ptxas said: {log}"
+        return int(found.group(1))
+
+    return {"registers": number(r"Used (\d+) registers"), "stack": number(r"(\d+) bytes stack frame"),
+            "spill_stores": number(r"(\d+) bytes spill stores")}

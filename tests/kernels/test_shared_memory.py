@@ -4,6 +4,8 @@ recorded (:mod:`tests.kernels.offline_compile`), the launchers' CUDA options (``
 ``extend_launch_options``: the extend's by the GPU's per-block limit) substituted for the
 interpreter's, and each configuration is compiled by Triton for the GPU it is chosen for. A launch
 that does not fit fails at its first run on such a GPU, mid-serving, with Triton's ``OutOfResources``.
+The same compiles' ptxas reports must show no register spill for the 16-bit launches (the served
+default; a spilling decode was the reason its dots moved to the tensor cores).
 
 - 16-bit launches run on tensor cores (``mma`` on sm_80..89, ``wgmma`` on sm_90: different code)
   and the extend's tiles depend on the limit: compiled for sm_86 (consumer Ampere, A10, A40; Ada,
@@ -30,7 +32,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.kernels.offline_compile import SHARED_LIMITS, Launch, compile_for, record
+from tests.kernels.offline_compile import SHARED_LIMITS, Launch, compile_for, ptxas_report, record
 
 pytest.importorskip("triton")
 pd = importlib.import_module("kernels.paged_decode")
@@ -114,9 +116,19 @@ def _jobs() -> list[tuple[Launch, int]]:
     return jobs + [(launch, cap) for cap, launches in tensor_core.items() for launch in _widest(launches).values()]
 
 
+def _compiled(jobs: list[tuple[Launch, int]]) -> list[tuple[int, dict[str, int]]]:
+    """(shared memory per block, :func:`ptxas_report`) of each (launch, capability), compiled two
+    at a time (ptxas and the MLIR passes release the GIL)."""
+    def one(job: tuple[Launch, int]) -> tuple[int, dict[str, int]]:
+        compiled = compile_for(*job)
+        return compiled.metadata.shared, ptxas_report(compiled, job[1])
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(one, jobs))
+
+
 def _shared(jobs: list[tuple[Launch, int]]) -> list[int]:
-    """Shared memory per block of each (launch, capability), compiled two at a time (ptxas and
-    the MLIR passes release the GIL)."""
+    """Shared memory per block of each (launch, capability)."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
         return list(pool.map(lambda job: compile_for(*job).metadata.shared, jobs))
 
@@ -138,9 +150,13 @@ def test_every_cuda_launch_fits_the_shared_memory_of_its_gpus() -> None:
     assert set(pd.MAX_BLOCK_HEADS.values()) <= {kw["BLOCK_H"] for _, _, kw in launches if "BLOCK_H" in kw}
     extend_tiles = {(kw["BLOCK_M"], kw["BLOCK_N"]) for _, _, kw in launches if "BLOCK_M" in kw}
     assert extend_tiles == {pe.CUDA_BLOCKS, pe.CUDA_NARROW_BLOCKS, pe.CUDA_FP32_BLOCKS, pe.CUDA_FP32_WIDE_BLOCKS}
+    compiled = _compiled(jobs)
     over = [f"{_name(launch)} on sm_{cap}: {shared} B > {SHARED_LIMITS[cap]} B"
-            for (launch, cap), shared in zip(jobs, _shared(jobs), strict=True) if shared > SHARED_LIMITS[cap]]
+            for (launch, cap), (shared, _) in zip(jobs, compiled, strict=True) if shared > SHARED_LIMITS[cap]]
     assert not over, "\n".join(over)
+    spilling = [f"{_name(launch)} on sm_{cap}: {report}" for (launch, cap), (_, report) in zip(jobs, compiled, strict=True)
+                if launch[1][1].element_size() == 2 and (report["spill_stores"] or report["stack"])]
+    assert not spilling, "\n".join(spilling)  # the served 16-bit launches: no register spill
 
 
 @pytest.mark.parametrize(("dtype", "tiles"), [(torch.bfloat16, (64, 64)), (torch.float32, (32, 32))])
@@ -210,3 +226,14 @@ def test_the_copy_kernels_compile_for_the_gpus() -> None:
     jobs = [(launch, cap) for launch in launches for cap in (86, 90)]
     shared = _shared(jobs)
     assert all(s <= SHARED_LIMITS[cap] for (_, cap), s in zip(jobs, shared, strict=True)), shared
+
+
+def test_negative_control_the_fp32_dots_over_a_16_bit_cache_spill() -> None:
+    """Control for the spill check above: stage 1 of the decode over a bf16 cache at head_dim 256
+    with the fp32 FMA dots it took before (``LOW_PRECISION`` off, 4 warps) spills on sm_86 (about
+    9.7 KB of spill stores measured), where its tensor-core launch does not."""
+    (kernel, args, kwargs), _ = _decode_launches(torch.bfloat16, 256, 4)
+    assert kwargs["LOW_PRECISION"]
+    served = ptxas_report(compile_for((kernel, args, kwargs), 86), 86)
+    before = ptxas_report(compile_for((kernel, args, {**kwargs, "LOW_PRECISION": False, "num_warps": 4}), 86), 86)
+    assert served["spill_stores"] == served["stack"] == 0 and before["spill_stores"] > 1000, (served, before)
