@@ -52,8 +52,9 @@ BLOCK_TOKENS = 32
 MIN_BLOCK_HEADS = 16
 """Least query-head tile of stage 1 (``tl.dot`` needs M >= 16; the GQA group is masked into it)."""
 MAX_BLOCK_HEADS = {16: 128, 32: 128, 64: 128, 128: 64, 256: 16}
-"""Largest query-head tile of stage 1 per ``BLOCK_D`` (the head dim's power of two). Stage 1 keeps
-its fp32 ``[BLOCK_H, D]`` query and ``[BLOCK_N, D]`` key and value tiles in shared memory, about
+"""Largest query-head tile of stage 1 per ``BLOCK_D`` (the head dim's power of two), sized for
+the fp32 dots (the tensor-core ones need half). Stage 1 keeps its fp32 ``[BLOCK_H, D]`` query
+and ``[BLOCK_N, D]`` key and value tiles in shared memory, about
 ``4 * D * (BLOCK_H + 2 * BLOCK_N) + 136 * BLOCK_H`` bytes; compiled offline with the pinned
 Triton 3.8 for sm_86 (``tests/kernels/test_shared_memory.py``): 84,160 B at D 256 with 16 heads
 (32 heads: 102,656 B, over the 101,376 B a block may use on consumer Ampere, Ada, L4, L40S),
@@ -115,7 +116,7 @@ def decode_launch_options(cache_dtype: torch.dtype, group: int, head_dim: int, *
     SGLang's Triton decode (which casts q to K's dtype) and FlashAttention do. Compiled offline
     (Triton 3.8, 4 warps) the fp32 FMA dots need 255 registers and spill at Llama's shapes (head_dim
     128, 16-head tile) and fall to 32-40 registers with 3-7 KB of stack a thread at head_dim 256 or
-    64-head tiles (a query wider than the cache, fp32 or fp16 over bf16, spills too); the
+    64-head tiles (a query of another dtype, fp32 or fp16 over bf16, spilled too); the
     tensor-core dots need 72 and 142 registers there, no spill, half the shared memory. Otherwise
     (the interpreter, fp32 caches) fp32 dots, with 8 warps from ``BLOCK_D`` 128 on CUDA (no spill
     at 16-head tiles; 168 B of stack at 64)."""
