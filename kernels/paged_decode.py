@@ -100,6 +100,16 @@ def check_head_dim(head_dim: int) -> None:
                          "take (their tiles would not fit a GPU's shared memory)")
 
 
+def block_dim(head_dim: int) -> int:
+    """The kernels' ``BLOCK_D``: ``head_dim``'s power of two, at least 16 (``tl.dot``'s least K)."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def sm_count(device: torch.device) -> int:
+    """The SMs of CUDA ``device`` (the decode's split count fills them)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def decode_block_heads(group: int, block_d: int) -> int:
     """Stage 1's query-head tile for a GQA group of ``group`` q heads per kv head: the group's power
     of two, at least :data:`MIN_BLOCK_HEADS`, at most :data:`MAX_BLOCK_HEADS` of ``block_d``."""
@@ -120,7 +130,7 @@ def decode_launch_options(cache_dtype: torch.dtype, group: int, head_dim: int, *
     tensor-core dots need 72 and 142 registers there, no spill, half the shared memory. Otherwise
     (the interpreter, fp32 caches) fp32 dots, with 8 warps from ``BLOCK_D`` 128 on CUDA (no spill
     at 16-head tiles; 168 B of stack at 64)."""
-    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    block_d = block_dim(head_dim)
     block_h = decode_block_heads(group, block_d)
     low = cuda and cache_dtype in (torch.float16, torch.bfloat16)
     options: dict[str, Any] = {"BLOCK_H": block_h, "BLOCK_N": BLOCK_TOKENS, "BLOCK_D": block_d,
@@ -371,8 +381,7 @@ def default_kv_splits(q: torch.Tensor, kv_heads: int, num_pages_in_batch: int, p
     (the interpreter pays per program)."""
     if not q.is_cuda:
         return 1
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    return kv_splits(q.shape[0], kv_heads, sms, num_pages_in_batch, page_size)
+    return kv_splits(q.shape[0], kv_heads, sm_count(q.device), num_pages_in_batch, page_size)
 
 
 def kv_splits(batch: int, kv_heads: int, sms: int, num_pages_in_batch: int, page_size: int) -> int:

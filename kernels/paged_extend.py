@@ -33,7 +33,13 @@ import torch
 
 from kernels.block_copy import HAVE_TRITON, triton_usable
 from kernels.lazy_jit import LazyKernel
-from kernels.paged_decode import _scale, check_cap_window, check_head_dim, check_heads_and_caches
+from kernels.paged_decode import (
+    _scale,
+    block_dim,
+    check_cap_window,
+    check_head_dim,
+    check_heads_and_caches,
+)
 
 if HAVE_TRITON:
     import triton
@@ -74,7 +80,7 @@ def extend_launch_options(cache_dtype: torch.dtype, head_dim: int, *,
     bytes of shared memory (:func:`shared_per_block_of`), or under the interpreter (None)."""
     cuda = shared_per_block is not None
     low = cuda and cache_dtype in LOW_PRECISION_DTYPES
-    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    block_d = block_dim(head_dim)
     if not cuda:
         block_m, block_n = INTERPRETER_BLOCKS
     elif low:

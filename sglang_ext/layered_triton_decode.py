@@ -22,7 +22,7 @@ import structlog
 import torch
 
 from kernels.block_copy import triton_usable
-from kernels.paged_decode import kv_splits, paged_decode
+from kernels.paged_decode import kv_splits, paged_decode, sm_count
 from sglang_ext.dataplane.layer_cap_window import layer_cap_window
 from sglang_ext.layered_attention import refuse_attention_kwargs
 from sglang_ext.layered_decode_graph import LayeredDecodeGraph
@@ -41,7 +41,7 @@ class LayeredTritonDecode(LayeredPagedDecode):
         self.graph: LayeredDecodeGraph | None = None
         """Decode graph state (SGLang's runner built it: ``--kv-cuda-graphs on``); None: eager only."""
         device = torch.device(self.device)
-        self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+        self.sms = sm_count(device) if device.type == "cuda" else None
         """The GPU's SMs (the split count fills them), read once; None off CUDA (one split)."""
         self._splits: tuple[tuple[int, int], int] = ((-1, -1), 1)
         """((batch, table width), split count) of the last eager decode step: every layer of a step

@@ -62,16 +62,21 @@ def _decode_launches(dtype: torch.dtype, head_dim: int, group: int) -> list[Laun
     return [(kernel, args, {**kwargs, **cuda}), merge]
 
 
-def _extend_launch(dtype: torch.dtype, head_dim: int, group: int, capability: int) -> Launch:
-    """The extend's launch as on a GPU of ``capability``: the interpreter's tile options replaced
-    by those the launcher picks for that GPU's shared memory per block."""
+def _extend_launches(dtype: torch.dtype, head_dim: int, group: int) -> list[Launch]:
+    """The extend launcher's recorded launches (under the interpreter's options)."""
     q = torch.zeros(4, group, head_dim, dtype=dtype)
     cache = torch.zeros(3, 16, 1, head_dim, dtype=dtype)
     i32 = {"dtype": torch.int32}
     with record() as launches:
         pe.paged_extend_triton(q, cache, cache, torch.tensor([0], **i32), torch.tensor([4], **i32),
                                torch.tensor([0, 1], **i32), torch.tensor([0], **i32), torch.tensor([9], **i32), 4)
-    (kernel, args, kwargs), = launches
+    return launches
+
+
+def _extend_launch(dtype: torch.dtype, head_dim: int, group: int, capability: int) -> Launch:
+    """The extend's launch as on a GPU of ``capability``: the interpreter's tile options replaced
+    by those the launcher picks for that GPU's shared memory per block."""
+    (kernel, args, kwargs), = _extend_launches(dtype, head_dim, group)
     cuda = pe.extend_launch_options(dtype, head_dim, shared_per_block=SHARED_LIMITS[capability])
     assert set(pe.extend_launch_options(dtype, head_dim, shared_per_block=None)) == set(cuda) - {"num_warps"}
     assert set(cuda) - {"num_warps"} <= set(kwargs)
@@ -127,12 +132,6 @@ def _compiled(jobs: list[tuple[Launch, int]]) -> list[tuple[int, dict[str, int]]
         return list(pool.map(one, jobs))
 
 
-def _shared(jobs: list[tuple[Launch, int]]) -> list[int]:
-    """Shared memory per block of each (launch, capability)."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        return list(pool.map(lambda job: compile_for(*job).metadata.shared, jobs))
-
-
 def _name(launch: Launch) -> str:
     kernel, args, kwargs = launch
     tiles = {k: v for k, v in kwargs.items() if k.startswith("BLOCK") or k == "num_warps"}
@@ -183,12 +182,7 @@ def test_a_head_dim_over_256_is_refused_by_the_launchers(kernel: str) -> None:
     def launch(head_dim: int) -> list[Launch]:
         if kernel == "decode":
             return _decode_launches(torch.bfloat16, head_dim, 4)
-        with record() as launches:
-            q, cache = torch.zeros(4, 4, head_dim), torch.zeros(3, 16, 1, head_dim)
-            i32 = {"dtype": torch.int32}
-            pe.paged_extend_triton(q, cache, cache, torch.tensor([0], **i32), torch.tensor([4], **i32),
-                                   torch.tensor([0, 1], **i32), torch.tensor([0], **i32), torch.tensor([9], **i32), 4)
-        return launches
+        return _extend_launches(torch.float32, head_dim, 4)
 
     with pytest.raises(ValueError, match="head_dim 512 is over 256, the largest the layered Triton kernels take"):
         launch(512)
@@ -224,7 +218,7 @@ def test_the_copy_kernels_compile_for_the_gpus() -> None:
                                                                "_pages_to_locs_kernel"]
     assert launches[0][2]["BLOCK"] == 4096
     jobs = [(launch, cap) for launch in launches for cap in (86, 90)]
-    shared = _shared(jobs)
+    shared = [bytes_ for bytes_, _ in _compiled(jobs)]
     assert all(s <= SHARED_LIMITS[cap] for (_, cap), s in zip(jobs, shared, strict=True)), shared
 
 
