@@ -25,7 +25,6 @@ within it, the largest head dim (a power of two: the full tile).
 
 from __future__ import annotations
 
-import concurrent.futures
 import importlib
 from typing import Any
 
@@ -122,14 +121,14 @@ def _jobs() -> list[tuple[Launch, int]]:
 
 
 def _compiled(jobs: list[tuple[Launch, int]]) -> list[tuple[int, dict[str, int]]]:
-    """(shared memory per block, :func:`ptxas_report`) of each (launch, capability), compiled two
-    at a time (ptxas and the MLIR passes release the GIL)."""
-    def one(job: tuple[Launch, int]) -> tuple[int, dict[str, int]]:
-        compiled = compile_for(*job)
-        return compiled.metadata.shared, ptxas_report(compiled, job[1])
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        return list(pool.map(one, jobs))
+    """(shared memory per block, :func:`ptxas_report`) of each (launch, capability), one at a time:
+    Triton parses the kernel's source with ``ast.parse``, which Python 3.11 does not allow from two
+    threads at once ("AST constructor recursion depth mismatch", seen in a suite run)."""
+    out = []
+    for launch, capability in jobs:
+        compiled = compile_for(launch, capability)
+        out.append((compiled.metadata.shared, ptxas_report(compiled, capability)))
+    return out
 
 
 def _name(launch: Launch) -> str:
