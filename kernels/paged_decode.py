@@ -49,6 +49,10 @@ if HAVE_TRITON:
 
 BLOCK_TOKENS = 32
 """Tokens per stage-1 tile (the ``tl.dot`` N dimension; at least 16)."""
+FP32_WIDE_BLOCK_TOKENS = 16
+"""Tokens per stage-1 tile of an fp32 cache at ``BLOCK_D`` 256 on a GPU: with 32, its 16-head
+tile needs 67,584 B of shared memory on AMD's CDNA (gfx90a / gfx942, 64 KB a block) and 84,160 B
+on sm_86; with 16, 33,792 B and 50,368 B (Triton 3.8, compiled offline)."""
 MIN_BLOCK_HEADS = 16
 """Least query-head tile of stage 1 (``tl.dot`` needs M >= 16; the GQA group is masked into it)."""
 MAX_BLOCK_HEADS = {16: 128, 32: 128, 64: 128, 128: 64, 256: 16}
@@ -56,10 +60,11 @@ MAX_BLOCK_HEADS = {16: 128, 32: 128, 64: 128, 128: 64, 256: 16}
 the fp32 dots (the tensor-core ones need half). Stage 1 keeps its fp32 ``[BLOCK_H, D]`` query
 and ``[BLOCK_N, D]`` key and value tiles in shared memory, about
 ``4 * D * (BLOCK_H + 2 * BLOCK_N) + 136 * BLOCK_H`` bytes; compiled offline with the pinned
-Triton 3.8 for sm_86 (``tests/kernels/test_shared_memory.py``): 84,160 B at D 256 with 16 heads
-(32 heads: 102,656 B, over the 101,376 B a block may use on consumer Ampere, Ada, L4, L40S),
-74,112 B at D 128 with 64 heads (128: 115,328 B), 66,176 B at D 64 with 128. A GQA group larger
-than the tile (MQA models) takes several head blocks, each reading the kv head's K/V."""
+Triton 3.8 (``tests/kernels/test_shared_memory.py``), sm_86: 74,112 B at D 128 with 64 heads
+(128: 115,328 B, over the 101,376 B a block may use on consumer Ampere, Ada, L4, L40S, RTX 50;
+98,816 B on sm_75, over a T4's 64 KB), 66,176 B at D 64 with 128, 50,368 B at D 256 with 16
+(:data:`FP32_WIDE_BLOCK_TOKENS`). A GQA group larger than the tile (MQA models) takes several
+head blocks, each reading the kv head's K/V."""
 MAX_HEAD_DIM = 256
 """Largest head_dim the Triton kernels take: at 512 no tile of either kernel fits a GPU's shared
 memory (FlashInfer's decode stops at 256 too)."""
@@ -129,11 +134,13 @@ def decode_launch_options(cache_dtype: torch.dtype, group: int, head_dim: int, *
     64-head tiles (a query of another dtype, fp32 or fp16 over bf16, spilled too); the
     tensor-core dots need 72 and 142 registers there, no spill, half the shared memory. Otherwise
     (the interpreter, fp32 caches) fp32 dots, with 8 warps from ``BLOCK_D`` 128 on CUDA (no spill
-    at 16-head tiles; 168 B of stack at 64)."""
+    at 16-head tiles; 168 B of stack at 64) and, at ``BLOCK_D`` 256 on CUDA, 16-token tiles
+    (:data:`FP32_WIDE_BLOCK_TOKENS`: 64 KB GPUs)."""
     block_d = block_dim(head_dim)
     block_h = decode_block_heads(group, block_d)
     low = cuda and cache_dtype in (torch.float16, torch.bfloat16)
-    options: dict[str, Any] = {"BLOCK_H": block_h, "BLOCK_N": BLOCK_TOKENS, "BLOCK_D": block_d,
+    block_n = FP32_WIDE_BLOCK_TOKENS if cuda and not low and block_d >= 256 else BLOCK_TOKENS
+    options: dict[str, Any] = {"BLOCK_H": block_h, "BLOCK_N": block_n, "BLOCK_D": block_d,
                                "HEAD_BLOCKS": -(-group // block_h), "LOW_PRECISION": low}
     if cuda:
         options["num_warps"] = 8 if block_d >= 128 and not low else 4

@@ -54,11 +54,19 @@ Compiled by the pinned Triton 3.8, 8 warps: 57,600 B of shared memory at head_di
 (82,176 B on sm_90, whose ``wgmma`` stages more), 106,752 B at head_dim 256 (164,096 B on sm_90)."""
 CUDA_NARROW_BLOCKS = (64, 32)
 """16-bit caches at head_dim 256 on a GPU whose block may use less than :data:`WIDE_TILES_SHARED`
-(consumer Ampere, A10, A40, Ada, L4, L40S, RTX 50: 99 KB): 69,760 B on sm_86."""
+but at least :data:`NARROW_TILES_SHARED` (consumer Ampere, A10, A40, Ada, L4, L40S, RTX 50:
+99 KB): 69,760 B on sm_86 and sm_120."""
 WIDE_TILES_SHARED = 164_640
 """Per-block shared memory a GPU needs for :data:`CUDA_BLOCKS` at head_dim 256: the most any
-compile of them needs (sm_100's; sm_90 164,096 B, sm_80..89 106,752 B). A100 (163 KB), H100 /
-H200 and B200 (227 KB) allow it."""
+compile of them needs (sm_100's; sm_90 164,096 B, sm_80..89 and sm_120 106,752 B). A100 (163 KB),
+H100 / H200 and B200 (227 KB) allow it."""
+NARROW_TILES_SHARED = 98_976
+"""The same for :data:`CUDA_NARROW_BLOCKS`: the most any compile of them needs (sm_100's; sm_75
+98,304 B, sm_86 69,760 B, AMD gfx950 71,616 B)."""
+CUDA_SMALL_BLOCKS = (32, 32)
+"""16-bit caches at head_dim 256 on a GPU whose block may use less than
+:data:`NARROW_TILES_SHARED`: 64 KB GPUs (T4; AMD MI200 / MI300, whose LDS is 64 KB a block).
+65,536 B on sm_75, 32,768 B on gfx942."""
 CUDA_FP32_BLOCKS = (32, 32)
 """The same for fp32 caches up to head_dim 128 (fp32 tiles: 64 x 64 at head_dim 128 need 115 KB
 of shared memory, more than the 99 KB a block may use on consumer Ampere, Ada, L4, L40S; 32 x 32
@@ -84,8 +92,11 @@ def extend_launch_options(cache_dtype: torch.dtype, head_dim: int, *,
     if not cuda:
         block_m, block_n = INTERPRETER_BLOCKS
     elif low:
-        wide = block_d < 256 or (shared_per_block or 0) >= WIDE_TILES_SHARED
-        block_m, block_n = CUDA_BLOCKS if wide else CUDA_NARROW_BLOCKS
+        limit = shared_per_block or 0
+        if block_d < 256 or limit >= WIDE_TILES_SHARED:
+            block_m, block_n = CUDA_BLOCKS
+        else:
+            block_m, block_n = CUDA_NARROW_BLOCKS if limit >= NARROW_TILES_SHARED else CUDA_SMALL_BLOCKS
     else:
         block_m, block_n = CUDA_FP32_WIDE_BLOCKS if block_d >= 256 else CUDA_FP32_BLOCKS
     options: dict[str, object] = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d, "LOW_PRECISION": low}
@@ -98,8 +109,8 @@ def extend_launch_options(cache_dtype: torch.dtype, head_dim: int, *,
 def shared_per_block_of(device: torch.device) -> int:
     """Bytes of shared memory a block may use on CUDA ``device`` (the opt-in limit Triton
     launches against)."""
-    props = torch.cuda.get_device_properties(device)
-    return int(getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block))
+    props = torch.cuda.get_device_properties(device)  # ROCm builds may report no opt-in limit (0)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block)
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_start: torch.Tensor,

@@ -16,7 +16,11 @@ Rules (each one names what would break):
   decoding through the step's per-layer page tables. With no ``--attention-backend`` SGLang would choose one
   itself (``fa3`` on Hopper, which reads the flat buffers): kvplane chooses ``flashinfer`` on
   CUDA, ``torch_native`` on CPU, and says so. A named unsupported backend (``--attention-backend``,
-  ``--decode-attention-backend`` or ``--prefill-attention-backend``) is refused.
+  ``--decode-attention-backend`` or ``--prefill-attention-backend``) is refused. On ROCm (a
+  ``cuda`` device of a ROCm torch build) FlashInfer does not exist: kvplane chooses ``triton``
+  there and refuses ``flashinfer`` by name (:data:`ROCM_BACKENDS`; the Triton kernels' launches
+  are compiled offline for AMD CDNA 3 and 4 in ``tests/kernels/test_shared_memory.py``, and have
+  not run on an AMD GPU).
 * **CUDA graphs.** A captured decode replays fixed metadata, but the layered tables, staging slots
   and fetch launches change every step: capture is turned off (``--cuda-graph-backend-decode``
   and ``--cuda-graph-backend-prefill disabled``, said in one line); an explicit request for a
@@ -71,6 +75,10 @@ LAYERED_BACKENDS: Mapping[str, tuple[str, ...]] = MappingProxyType({
 
 DEFAULT_BACKEND: Mapping[str, str] = MappingProxyType({"cuda": "flashinfer", "cpu": "torch_native"})
 """What kvplane picks when ``--attention-backend`` is not given."""
+
+ROCM_BACKENDS = ("triton", "torch_native")
+"""The layered backends on ROCm (``--device cuda`` with a ROCm torch build), the first the default:
+FlashInfer is built for NVIDIA GPUs only."""
 
 CUDA_PAGE_SIZE = 16
 """``--page-size`` kvplane sets on CUDA when none is given (module docstring, "Page size")."""
@@ -211,19 +219,27 @@ class LaunchDecision:
             )
         implied: list[tuple[str, Any]] = []
         notes: list[str] = []
-        supported = LAYERED_BACKENDS[device]
+        rocm = rocm and device == "cuda"
+        supported = ROCM_BACKENDS if rocm else LAYERED_BACKENDS[device]
+        platform = "ROCm" if rocm else device
         for name, flag in _BACKEND_FLAGS:
             chosen = values.get(name)
+            if rocm and chosen == "flashinfer":
+                raise LaunchRefused(
+                    f"{flag} flashinfer: FlashInfer runs on NVIDIA GPUs only and this torch is a ROCm build; "
+                    f"on ROCm use {' or '.join(supported)} (or leave it unset: kvplane picks {supported[0]})"
+                )
             if chosen is not None and chosen not in supported:
                 raise LaunchRefused(
                     f"{flag} {chosen} reads SGLang's flat KV buffers, which the layered KV pool does "
-                    f"not have; on {device} use {' or '.join(supported)} (or leave it unset)"
+                    f"not have; on {platform} use {' or '.join(supported)} (or leave it unset)"
                 )
         if values.get("attention_backend") is None:
-            implied.append(("attention_backend", DEFAULT_BACKEND[device]))
+            default = supported[0] if rocm else DEFAULT_BACKEND[device]
+            implied.append(("attention_backend", default))
             notes.append(
-                f"--attention-backend {DEFAULT_BACKEND[device]} (layered): SGLang's own choice "
-                "would read the flat KV buffers"
+                f"--attention-backend {default} (layered{'; FlashInfer is NVIDIA-only' if rocm else ''}): "
+                "SGLang's own choice would read the flat KV buffers"
             )
         if values.get("cuda_graph_config") is not None:
             raise LaunchRefused(
@@ -253,7 +269,7 @@ class LaunchDecision:
                 notes.append(f"--page-size {CUDA_PAGE_SIZE}: KV moves between host and device in whole pages "
                              "(one-token pages make every copy segment a few KiB)")
         if values.get("kv_overlap_schedule", "off") == "on":
-            if rocm and device == "cuda" and not values.get("disable_overlap_schedule"):
+            if rocm and not values.get("disable_overlap_schedule"):
                 raise LaunchRefused(ROCM_OVERLAP_REFUSED)
             if not values.get("disable_overlap_schedule"):
                 notes.append("SGLang's overlap scheduler kept (--kv-overlap-schedule on)"

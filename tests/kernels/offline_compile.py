@@ -1,10 +1,11 @@
 """Compile a recorded Triton launch for a named GPU, with no GPU here: Triton's own launch path
 (``JITFunction.run``: its binder's specialisation of the arguments, ``_pack_args``, then
-``triton.compile``) pointed at ``GPUTarget("cuda", capability, 32)`` instead of the current
-device. ptxas ships in the Triton wheel, so the result is the kernel a GPU of that capability
-would load, and its metadata says the shared memory a block needs -- which decides whether the
-launch can run there at all (Triton raises ``OutOfResources`` at the first launch on a GPU whose
-per-block limit is smaller, mid-serving).
+``triton.compile``) pointed at a named target -- ``GPUTarget("cuda", capability, 32)`` for an
+NVIDIA GPU, ``GPUTarget("hip", arch, 64)`` for an AMD one -- instead of the current device.
+ptxas and the AMD backend's linker ship in the Triton wheel, so the result is the kernel a GPU of
+that kind would load, and its metadata says the shared memory (AMD: LDS) a block needs -- which
+decides whether the launch can run there at all (Triton raises ``OutOfResources`` at the first
+launch on a GPU whose per-block limit is smaller, mid-serving).
 
 :func:`record` runs a real launcher (its checks, its choice of grid and compile-time arguments)
 with every ``LazyKernel`` launch recorded instead of run, so a test compiles exactly what the
@@ -21,10 +22,13 @@ import pytest
 
 from kernels.lazy_jit import LazyKernel
 
-SHARED_LIMITS = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}
-"""Shared memory a block may use (``cudaDevAttrMaxSharedMemoryPerBlockOptin``), bytes: A100,
-consumer Ampere (RTX 30, A10, A40), Ada (L4, L40S, RTX 40), Hopper (H100, H200). sm_80..89
-compile to the same code, so a launch that fits 86's limit fits the family."""
+SHARED_LIMITS = {"sm_75": 65_536, "sm_80": 166_912, "sm_86": 101_376, "sm_90": 232_448, "sm_100": 232_448,
+                 "sm_120": 101_376, "gfx942": 65_536, "gfx950": 163_840}
+"""Shared memory a block may use (``cudaDevAttrMaxSharedMemoryPerBlockOptin``; AMD: LDS), bytes,
+per compile target: Turing (T4), A100, consumer Ampere (RTX 30, A10, A40; Ada -- L4, L40S, RTX 40,
+sm_89 -- compiles as sm_86 with the same limit), Hopper (H100, H200), Blackwell (B200, GB200),
+consumer Blackwell (RTX 50, RTX PRO 6000), CDNA 3 (MI300X, MI325X; CDNA 2's gfx90a, MI200, has
+the same 64 KB and compiled to the same bytes in every launch measured), CDNA 4 (MI355X)."""
 
 Launch = tuple[LazyKernel, tuple, dict]
 """A recorded launch: the kernel, its positional arguments, its keyword arguments."""
@@ -48,9 +52,14 @@ def record() -> Iterator[list[Launch]]:
         LazyKernel.__getitem__ = real  # type: ignore[method-assign]
 
 
-def compile_for(launch: Launch, capability: int) -> Any:
-    """``launch`` compiled by Triton for an NVIDIA GPU of ``capability`` (86: sm_86): the
-    ``CompiledKernel`` (``.metadata.shared``: bytes of shared memory per block)."""
+def capability(target: str) -> int | None:
+    """The compute capability of NVIDIA ``target`` (``"sm_86"``: 86), None for an AMD one."""
+    return int(target[3:]) if target.startswith("sm_") else None
+
+
+def compile_for(launch: Launch, target: str) -> Any:
+    """``launch`` compiled by Triton for ``target`` (a key of :data:`SHARED_LIMITS`: ``"sm_86"``,
+    ``"gfx942"``): the ``CompiledKernel`` (``.metadata.shared``: bytes of shared memory per block)."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -58,16 +67,17 @@ def compile_for(launch: Launch, capability: int) -> Any:
 
     kernel, args, kwargs = launch
     fn = triton.jit(kernel.fn, **kernel.jit_options)
-    target = GPUTarget("cuda", capability, 32)
-    backend = make_backend(target)
+    cap = capability(target)
+    gpu = GPUTarget("cuda", cap, 32) if cap is not None else GPUTarget("hip", target, 64)
+    backend = make_backend(gpu)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=gpu, options=options.__dict__)
 
 
-def ptxas_report(compiled: Any, capability: int) -> dict[str, int]:
-    """What ptxas reports of ``compiled`` (:func:`compile_for`) for ``capability``: ``registers`` a
+def ptxas_report(compiled: Any, target: str) -> dict[str, int]:
+    """What ptxas reports of ``compiled`` (:func:`compile_for`) for NVIDIA ``target``: ``registers`` a
     thread, ``stack`` (bytes a thread) and ``spill_stores`` (bytes). Its PTX is assembled again with
     the flags Triton 3.8's ``make_cubin`` passes (``-lineinfo -v --regAllocOptLevel=2``), so a
     compile cache hit reports too."""
@@ -78,11 +88,13 @@ def ptxas_report(compiled: Any, capability: int) -> dict[str, int]:
 
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
+    cap = capability(target)
+    assert cap is not None, f"{target}: ptxas reports on NVIDIA targets only"
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "kernel.ptx"
         src.write_text(compiled.asm["ptx"])
-        log = subprocess.run([get_ptxas(capability).path, "-lineinfo", "-v", "--regAllocOptLevel=2",
-                              f"--gpu-name={sm_arch_from_capability(capability)}", str(src), "-o",
+        log = subprocess.run([get_ptxas(cap).path, "-lineinfo", "-v", "--regAllocOptLevel=2",
+                              f"--gpu-name={sm_arch_from_capability(cap)}", str(src), "-o",
                               str(src.with_suffix(".o"))], capture_output=True, text=True, check=True).stderr
 
     def number(pattern: str) -> int:
@@ -92,3 +104,47 @@ def ptxas_report(compiled: Any, capability: int) -> dict[str, int]:
 
     return {"registers": number(r"Used (\d+) registers"), "stack": number(r"(\d+) bytes stack frame"),
             "spill_stores": number(r"(\d+) bytes spill stores")}
+
+
+def compile_job(job: tuple[Launch, str, bool]) -> tuple[int, dict[str, int]]:
+    """``(launch, target, report)`` compiled: bytes of shared memory per block and, when ``report``,
+    :func:`ptxas_report` (else ``{}``)."""
+    launch, target, report = job
+    compiled = compile_for(launch, target)
+    return compiled.metadata.shared, ptxas_report(compiled, target) if report else {}
+
+
+def compile_all(jobs: list[tuple[Launch, str, bool]]) -> list[tuple[int, dict[str, int]]]:
+    """:func:`compile_job` of each job, in order, over up to two spawned processes (the compiles
+    are CPU-bound; processes, not threads: Triton parses a kernel's source with ``ast.parse``, which
+    Python 3.11 does not allow from two threads at once -- "AST constructor recursion depth
+    mismatch", seen in a suite run)."""
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    workers = min(2, os.cpu_count() or 1, len(jobs))
+    if workers < 2:
+        return [compile_job(job) for job in jobs]
+    sent = [((_kernel_name(kernel), args, kwargs), target, report) for (kernel, args, kwargs), target, report in jobs]
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(_compile_sent, sent))
+
+
+def _kernel_name(kernel: LazyKernel) -> tuple[str, str]:
+    """(module, attribute) naming ``kernel``: a ``LazyKernel`` is bound to the name of the function
+    it wraps, so pickle cannot send the function by reference; the worker looks the kernel up."""
+    import sys
+
+    module = kernel.fn.__module__
+    names = [name for name, value in vars(sys.modules[module]).items() if value is kernel]
+    assert names, f"{kernel.fn.__name__} is not a module-level LazyKernel of {module}"
+    return module, names[0]
+
+
+def _compile_sent(job: tuple[tuple[tuple[str, str], tuple, dict], str, bool]) -> tuple[int, dict[str, int]]:
+    """:func:`compile_job` in a worker, of a launch whose kernel comes by name (:func:`_kernel_name`)."""
+    import importlib
+
+    ((module, name), args, kwargs), target, report = job
+    return compile_job(((getattr(importlib.import_module(module), name), args, kwargs), target, report))

@@ -3,6 +3,7 @@ dense fp32 torch reference, over scattered, shared and partly filled pages."""
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -244,7 +245,32 @@ def test_launch_options_put_16_bit_caches_on_the_tensor_cores_on_cuda_only() -> 
     interp = decode_launch_options(BF16, 4, 128, cuda=False)
     assert not interp["LOW_PRECISION"] and "num_warps" not in interp
     wide = decode_launch_options(BF16, 32, 256, cuda=True)
-    assert (wide["BLOCK_H"], wide["HEAD_BLOCKS"], wide["BLOCK_D"]) == (16, 2, 256)
+    assert (wide["BLOCK_H"], wide["HEAD_BLOCKS"], wide["BLOCK_D"], wide["BLOCK_N"]) == (16, 2, 256, 32)
+    # an fp32 cache at head_dim 256 takes 16-token tiles on a GPU (64 KB GPUs), 32 elsewhere
+    assert decode_launch_options(F32, 4, 256, cuda=True)["BLOCK_N"] == 16
+    assert decode_launch_options(F32, 4, 128, cuda=True)["BLOCK_N"] == 32 == decode_launch_options(
+        F32, 4, 256, cuda=False)["BLOCK_N"]
+
+
+def test_sixteen_token_tiles_match_the_reference(triton_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 16-token tiles an fp32 cache takes at head_dim 256 on a GPU, run here (under the
+    interpreter the launcher takes 32: forced to 16), match the reference with two splits and
+    ragged lengths (a split boundary inside a page)."""
+    pd = importlib.import_module("kernels.paged_decode")  # the package's ``paged_decode`` is the function
+    real = pd.decode_launch_options
+    seen: list[int] = []
+
+    def sixteen(*args: object, **kwargs: object) -> dict:
+        options = {**real(*args, **kwargs), "BLOCK_N": pd.FP32_WIDE_BLOCK_TOKENS}  # type: ignore[arg-type]
+        seen.append(options["BLOCK_N"])
+        return options
+
+    monkeypatch.setattr(pd, "decode_launch_options", sixteen)
+    case = CASES[-1]
+    assert (case.head_dim, case.dtype, case.splits) == (256, F32, 2)
+    t = _build(case, shared_prefix=True)
+    torch.testing.assert_close(_run(t, case, triton_device), _ref(t, case), **_tol(case.dtype, triton_device))
+    assert seen == [16]
 
 
 def test_split_count_fills_the_gpu_within_the_tokens_of_the_batch() -> None:

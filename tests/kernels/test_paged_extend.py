@@ -266,16 +266,42 @@ def test_gpu_launch_settings(case: Case) -> None:
     torch.testing.assert_close(got, _ref(t, case), **tol)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
-def test_gpu_narrow_tiles_of_99_kb_gpus_at_head_dim_256(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
-    """The 64 x 32 tiles a 16-bit head_dim-256 extend takes on GPUs with 99 KB of shared memory a
-    block (L4, A10, RTX) decode right here too: the launcher told this GPU allows 101,376 B."""
+def test_the_extend_tiles_follow_the_gpus_shared_memory() -> None:
+    """16-bit caches: 64 x 64 tiles up to head_dim 128 on any GPU (the 64 KB ones included), and at
+    head_dim 256 by the block's limit -- 64 x 64 on A100 / H100 / B200, 64 x 32 on 99 KB GPUs, 32 x
+    32 on 64 KB ones (T4, MI300); fp32 caches 32 x 32, 32 x 16 at 256; the interpreter its own.
+    ``tests/kernels/test_shared_memory.py`` compiles each for those GPUs."""
     import kernels.paged_extend as pe
 
-    assert pe.extend_launch_options(dtype, 256, shared_per_block=101_376)["BLOCK_N"] == pe.CUDA_NARROW_BLOCKS[1]
-    monkeypatch.setattr(pe, "shared_per_block_of", lambda device: 101_376)
+    def tiles(dtype: torch.dtype, head_dim: int, limit: int | None) -> tuple[object, object]:
+        options = pe.extend_launch_options(dtype, head_dim, shared_per_block=limit)
+        return options["BLOCK_M"], options["BLOCK_N"]
+
+    for dtype in (torch.bfloat16, torch.float16):
+        assert tiles(dtype, 128, 65_536) == pe.CUDA_BLOCKS
+        assert [tiles(dtype, 256, limit) for limit in (232_448, 166_912, 163_840, 101_376, 65_536)] == [
+            pe.CUDA_BLOCKS, pe.CUDA_BLOCKS, pe.CUDA_NARROW_BLOCKS, pe.CUDA_NARROW_BLOCKS, pe.CUDA_SMALL_BLOCKS]
+        assert tiles(dtype, 256, pe.NARROW_TILES_SHARED - 1) == pe.CUDA_SMALL_BLOCKS
+    assert tiles(torch.float32, 256, 232_448) == pe.CUDA_FP32_WIDE_BLOCKS == tiles(torch.float32, 256, 65_536)
+    assert tiles(torch.float32, 128, 65_536) == pe.CUDA_FP32_BLOCKS
+    assert tiles(torch.bfloat16, 256, None) == pe.INTERPRETER_BLOCKS
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("limit", (101_376, 65_536))
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+def test_gpu_narrow_tiles_of_99_kb_gpus_at_head_dim_256(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+                                                        limit: int) -> None:
+    """The tiles a 16-bit head_dim-256 extend takes on GPUs with 99 KB of shared memory a block (L4,
+    A10, RTX: 64 x 32) and with 64 KB (T4, MI300: 32 x 32) decode right here too: the launcher is
+    told this GPU allows ``limit`` bytes."""
+    import kernels.paged_extend as pe
+
+    expected = pe.CUDA_NARROW_BLOCKS if limit > 98_976 else pe.CUDA_SMALL_BLOCKS
+    options = pe.extend_launch_options(dtype, 256, shared_per_block=limit)
+    assert (options["BLOCK_M"], options["BLOCK_N"]) == expected
+    monkeypatch.setattr(pe, "shared_per_block_of", lambda device: limit)
     case = Case(16, ((0, 300), (200, 77)), 8, 4, 256, 50.0, 4095, dtype)
     t = _build(case, shared_prefix=False)
     torch.testing.assert_close(_run(t, case, "cuda"), _ref(t, case), **GPU_TOLERANCE[dtype])

@@ -7,13 +7,15 @@ that does not fit fails at its first run on such a GPU, mid-serving, with Triton
 The same compiles' ptxas reports must show no register spill for the 16-bit launches (the served
 default; a spilling decode was the reason its dots moved to the tensor cores).
 
-- 16-bit launches run on tensor cores (``mma`` on sm_80..89, ``wgmma`` on sm_90: different code)
-  and the extend's tiles depend on the limit: compiled for sm_86 (consumer Ampere, A10, A40; Ada,
-  L4, L40S compile alike: 99 KB) and sm_90 (H100, H200: 227 KB). A100 (sm_80: the sm_86 code,
-  163 KB) takes the extend's wide tiles at head_dim 256, whose sm_86 compile the control below
-  measures against its limit.
-- fp32 launches (FMA dots) and the merge compile alike on every target (measured: the same bytes
-  on sm_86 and sm_90), so sm_86, the least limit.
+Every class is compiled for every target of :data:`~tests.kernels.offline_compile.SHARED_LIMITS`
+-- T4 (sm_75), consumer Ampere (sm_86; A100's sm_80, Ada's sm_89 and consumer Blackwell's sm_120
+compile alike: :data:`SAME_CODE`), Hopper (sm_90), Blackwell (sm_100), AMD CDNA 3 (gfx942) and
+CDNA 4 (gfx950) -- with the extend's tiles chosen by that target's limit, and checked against it.
+16-bit launches run on tensor cores (``mma.sync``; the extend on ``wgmma`` on sm_90 and ``tcgen05``
+on sm_100; none on sm_75, where Triton 3.8 compiles ``tl.dot`` to fp32 FMAs: read in the PTX); the
+ptxas reports of their sm_86, sm_90 and sm_100 compiles must show no spill (:data:`SPILL_CHECKED`).
+Not checked, measured: the T4's 16-bit launches spill (255 registers, up to 10 KB of stores a
+thread: FMA dots), as does A100's wide extend at head_dim 256 (80 B) and some fp32 launches.
 
 Shared memory is set by a kernel's tiles, its element sizes and its warps, and by the head dim
 within its power of two (a head dim of 200 compiles to less than 256: masked columns vectorise
@@ -31,7 +33,14 @@ from typing import Any
 import pytest
 import torch
 
-from tests.kernels.offline_compile import SHARED_LIMITS, Launch, compile_for, ptxas_report, record
+from tests.kernels.offline_compile import (
+    SHARED_LIMITS,
+    Launch,
+    compile_all,
+    compile_for,
+    ptxas_report,
+    record,
+)
 
 pytest.importorskip("triton")
 pd = importlib.import_module("kernels.paged_decode")
@@ -42,8 +51,11 @@ GROUPS = (1, 2, 4, 8, 16, 32, 64, 128)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MASKING = {"HEAD_DIM", "GROUP", "PAGE", "USE_CAP", "HEAD_BLOCKS", "Q_HEADS", "BLOCK_D"}
 """Compile-time arguments that mask or index, and ``BLOCK_D``, by which a class is ordered."""
-TENSOR_CORE_TARGETS = (86, 90)
-"""Where 16-bit launches are compiled (module docstring); everything else: sm_86."""
+SAME_CODE = {"sm_80": "sm_86", "sm_120": "sm_86"}
+"""Targets compiled as another (measured, Triton 3.8: the same bytes of shared memory in every
+class): a launch of theirs is compiled once, for the other, and checked against their own limit."""
+SPILL_CHECKED = ("sm_86", "sm_90", "sm_100")
+"""Where the 16-bit launches must not spill (module docstring)."""
 
 
 def _decode_launches(dtype: torch.dtype, head_dim: int, group: int) -> list[Launch]:
@@ -72,11 +84,11 @@ def _extend_launches(dtype: torch.dtype, head_dim: int, group: int) -> list[Laun
     return launches
 
 
-def _extend_launch(dtype: torch.dtype, head_dim: int, group: int, capability: int) -> Launch:
-    """The extend's launch as on a GPU of ``capability``: the interpreter's tile options replaced
-    by those the launcher picks for that GPU's shared memory per block."""
+def _extend_launch(dtype: torch.dtype, head_dim: int, group: int, target: str) -> Launch:
+    """The extend's launch as on a GPU of ``target``: the interpreter's tile options replaced by
+    those the launcher picks for that GPU's shared memory per block."""
     (kernel, args, kwargs), = _extend_launches(dtype, head_dim, group)
-    cuda = pe.extend_launch_options(dtype, head_dim, shared_per_block=SHARED_LIMITS[capability])
+    cuda = pe.extend_launch_options(dtype, head_dim, shared_per_block=SHARED_LIMITS[target])
     assert set(pe.extend_launch_options(dtype, head_dim, shared_per_block=None)) == set(cuda) - {"num_warps"}
     assert set(cuda) - {"num_warps"} <= set(kwargs)
     return kernel, args, {**kwargs, **cuda}
@@ -102,33 +114,37 @@ def _widest(launches: list[Launch]) -> dict[tuple, Launch]:
     return widest
 
 
-def _jobs() -> list[tuple[Launch, int]]:
-    """(launch, capability to compile it for) of every class (module docstring)."""
-    here: list[Launch] = []
-    tensor_core: dict[int, list[Launch]] = {cap: [] for cap in TENSOR_CORE_TARGETS}
-    for dtype in DTYPES:
-        for head_dim in HEAD_DIMS:
-            for group in GROUPS:
-                split, merge = _decode_launches(dtype, head_dim, group)
-                here.append(merge)
-                if dtype == torch.float32:
-                    here += [split, _extend_launch(dtype, head_dim, group, 86)]
-                    continue
-                for cap, launches in tensor_core.items():
-                    launches += [split, _extend_launch(dtype, head_dim, group, cap)]
-    jobs = [(launch, 86) for launch in _widest(here).values()]
-    return jobs + [(launch, cap) for cap, launches in tensor_core.items() for launch in _widest(launches).values()]
+def _jobs() -> list[tuple[Launch, str]]:
+    """(launch, target whose limit it must fit): every class of every target (module docstring)."""
+    jobs: list[tuple[Launch, str]] = []
+    for target in SHARED_LIMITS:
+        launches: list[Launch] = []
+        for dtype in DTYPES:
+            for head_dim in HEAD_DIMS:
+                for group in GROUPS:
+                    launches += [*_decode_launches(dtype, head_dim, group), _extend_launch(dtype, head_dim, group, target)]
+        jobs += [(launch, target) for launch in _widest(launches).values()]
+    return jobs
 
 
-def _compiled(jobs: list[tuple[Launch, int]]) -> list[tuple[int, dict[str, int]]]:
-    """(shared memory per block, :func:`ptxas_report`) of each (launch, capability), one at a time:
-    Triton parses the kernel's source with ``ast.parse``, which Python 3.11 does not allow from two
-    threads at once ("AST constructor recursion depth mismatch", seen in a suite run)."""
-    out = []
-    for launch, capability in jobs:
-        compiled = compile_for(launch, capability)
-        out.append((compiled.metadata.shared, ptxas_report(compiled, capability)))
-    return out
+def _compiled(jobs: list[tuple[Launch, str]]) -> list[tuple[int, dict[str, int]]]:
+    """(shared memory per block, :func:`ptxas_report` for a 16-bit launch on a
+    :data:`SPILL_CHECKED` target, else possibly ``{}``) of each (launch, target); a launch is
+    compiled once for the targets that share its code (:data:`SAME_CODE`)."""
+    def key(launch: Launch, target: str) -> tuple:
+        return _class(launch), launch[2]["BLOCK_D"], launch[2]["HEAD_DIM"], SAME_CODE.get(target, target)
+
+    unique: dict[tuple, tuple[Launch, str, bool]] = {}
+    for launch, target in jobs:
+        report = target in SPILL_CHECKED and _sixteen_bit(launch)
+        _, code, reported = unique.get(key(launch, target), (launch, SAME_CODE.get(target, target), False))
+        unique[key(launch, target)] = (launch, code, reported or report)
+    results = dict(zip(unique, compile_all(list(unique.values())), strict=True))
+    return [results[key(launch, target)] for launch, target in jobs]
+
+
+def _sixteen_bit(launch: Launch) -> bool:
+    return launch[1][1].element_size() == 2
 
 
 def _name(launch: Launch) -> str:
@@ -146,14 +162,20 @@ def test_every_cuda_launch_fits_the_shared_memory_of_its_gpus() -> None:
     launches = [launch for launch, _ in jobs]
     assert {kw["HEAD_DIM"] for _, _, kw in launches} == {64, 128, 256}  # full tiles, the largest
     assert set(pd.MAX_BLOCK_HEADS.values()) <= {kw["BLOCK_H"] for _, _, kw in launches if "BLOCK_H" in kw}
-    extend_tiles = {(kw["BLOCK_M"], kw["BLOCK_N"]) for _, _, kw in launches if "BLOCK_M" in kw}
-    assert extend_tiles == {pe.CUDA_BLOCKS, pe.CUDA_NARROW_BLOCKS, pe.CUDA_FP32_BLOCKS, pe.CUDA_FP32_WIDE_BLOCKS}
+    extend_tiles = {((kw["BLOCK_M"], kw["BLOCK_N"]), _sixteen_bit(launch)) for launch in launches
+                    if "BLOCK_M" in (kw := launch[2])}
+    assert extend_tiles == {(pe.CUDA_BLOCKS, True), (pe.CUDA_NARROW_BLOCKS, True), (pe.CUDA_SMALL_BLOCKS, True),
+                            (pe.CUDA_FP32_BLOCKS, False), (pe.CUDA_FP32_WIDE_BLOCKS, False)}
+    assert {pd.BLOCK_TOKENS, pd.FP32_WIDE_BLOCK_TOKENS} == {kw["BLOCK_N"] for _, _, kw in launches if "BLOCK_H" in kw}
     compiled = _compiled(jobs)
-    over = [f"{_name(launch)} on sm_{cap}: {shared} B > {SHARED_LIMITS[cap]} B"
-            for (launch, cap), (shared, _) in zip(jobs, compiled, strict=True) if shared > SHARED_LIMITS[cap]]
+    over = [f"{_name(launch)} on {target}: {shared} B > {SHARED_LIMITS[target]} B"
+            for (launch, target), (shared, _) in zip(jobs, compiled, strict=True) if shared > SHARED_LIMITS[target]]
     assert not over, "\n".join(over)
-    spilling = [f"{_name(launch)} on sm_{cap}: {report}" for (launch, cap), (_, report) in zip(jobs, compiled, strict=True)
-                if launch[1][1].element_size() == 2 and (report["spill_stores"] or report["stack"])]
+    checked = [(launch, target, report) for (launch, target), (_, report) in zip(jobs, compiled, strict=True)
+               if target in SPILL_CHECKED and _sixteen_bit(launch)]
+    assert checked and all(report for _, _, report in checked)
+    spilling = [f"{_name(launch)} on {target}: {report}" for launch, target, report in checked
+                if report["spill_stores"] or report["stack"]]
     assert not spilling, "\n".join(spilling)  # the served 16-bit launches: no register spill
 
 
@@ -165,13 +187,13 @@ def test_negative_control_wider_tiles_at_head_dim_256_do_not_fit_99_kb(dtype: to
     block may use there (106,752 B and 102,656 B measured), so the check above can fail, and the
     narrower tiles the launcher picks there are needed. The 16-bit wide tiles are the A100's
     (``WIDE_TILES_SHARED``; sm_80 compiles as sm_86) and fit its 163 KB."""
-    kernel, args, kwargs = _extend_launch(dtype, 256, 4, 86)
+    kernel, args, kwargs = _extend_launch(dtype, 256, 4, "sm_86")
     assert (kwargs["BLOCK_M"], kwargs["BLOCK_N"]) != tiles
-    shared: Any = compile_for((kernel, args, {**kwargs, "BLOCK_M": tiles[0], "BLOCK_N": tiles[1]}), 86).metadata.shared
-    assert shared > SHARED_LIMITS[86]
+    shared: Any = compile_for((kernel, args, {**kwargs, "BLOCK_M": tiles[0], "BLOCK_N": tiles[1]}), "sm_86").metadata.shared
+    assert shared > SHARED_LIMITS["sm_86"]
     if dtype == torch.bfloat16:
-        a100 = pe.extend_launch_options(dtype, 256, shared_per_block=SHARED_LIMITS[80])
-        assert (a100["BLOCK_M"], a100["BLOCK_N"]) == tiles and shared <= SHARED_LIMITS[80]
+        a100 = pe.extend_launch_options(dtype, 256, shared_per_block=SHARED_LIMITS["sm_80"])
+        assert (a100["BLOCK_M"], a100["BLOCK_N"]) == tiles and shared <= SHARED_LIMITS["sm_80"]
 
 
 @pytest.mark.parametrize("kernel", ["decode", "extend"])
@@ -188,13 +210,30 @@ def test_a_head_dim_over_256_is_refused_by_the_launchers(kernel: str) -> None:
     assert launch(256)
 
 
+def test_negative_control_the_64_kb_tiles_are_needed() -> None:
+    """Control for the 64 KB GPUs: the 16-bit extend's 99 KB tiles at head_dim 256 (64 x 32)
+    compile to more than a T4 block may use (98,304 B measured on sm_75), and the fp32 decode's
+    32-token tile at head_dim 256 to more than an MI300's LDS (67,584 B on gfx942): the launchers
+    pick 32 x 32 and 16 tokens there, which the check above compiles."""
+    kernel, args, kwargs = _extend_launch(torch.float16, 256, 4, "sm_75")
+    assert (kwargs["BLOCK_M"], kwargs["BLOCK_N"]) == pe.CUDA_SMALL_BLOCKS
+    narrow = {**kwargs, "BLOCK_M": pe.CUDA_NARROW_BLOCKS[0], "BLOCK_N": pe.CUDA_NARROW_BLOCKS[1]}
+    (split, decode_args, decode_kwargs), _ = _decode_launches(torch.float32, 256, 4)
+    assert decode_kwargs["BLOCK_N"] == pd.FP32_WIDE_BLOCK_TOKENS
+    wide = {**decode_kwargs, "BLOCK_N": pd.BLOCK_TOKENS}
+    shared = compile_all([((kernel, args, narrow), "sm_75", False), ((split, decode_args, wide), "gfx942", False)])
+    assert all(bytes_ > SHARED_LIMITS[target] for (bytes_, _), target in zip(shared, ("sm_75", "gfx942"), strict=True))
+
+
 def test_negative_control_the_decode_head_tile_cap_is_needed() -> None:
-    """Control: stage 1 of the fp32 decode at head_dim 256 with a 32-head tile, one over its
-    ``MAX_BLOCK_HEADS``, compiles to more shared memory than sm_86 allows (102,656 B measured)."""
-    (kernel, args, kwargs), _ = _decode_launches(torch.float32, 256, 32)
-    assert kwargs["BLOCK_H"] == pd.MAX_BLOCK_HEADS[256] == 16 and kwargs["HEAD_BLOCKS"] == 2
-    wider = {**kwargs, "BLOCK_H": 32, "HEAD_BLOCKS": 1}
-    assert compile_for((kernel, args, wider), 86).metadata.shared > SHARED_LIMITS[86]
+    """Control: stage 1 of the fp32 decode at head_dim 128 with an MQA-like group of 128 in one
+    128-head tile, over its ``MAX_BLOCK_HEADS`` of 64, compiles to more shared memory than sm_86
+    allows (115,328 B measured; 98,816 B on sm_75, over its 64 KB)."""
+    (kernel, args, kwargs), _ = _decode_launches(torch.float32, 128, 128)
+    assert kwargs["BLOCK_H"] == pd.MAX_BLOCK_HEADS[128] == 64 and kwargs["HEAD_BLOCKS"] == 2
+    wider = {**kwargs, "BLOCK_H": 128, "HEAD_BLOCKS": 1}
+    shared = compile_all([((kernel, args, wider), target, False) for target in ("sm_86", "sm_75")])
+    assert all(bytes_ > SHARED_LIMITS[target] for (bytes_, _), target in zip(shared, ("sm_86", "sm_75"), strict=True))
 
 
 def test_the_copy_kernels_compile_for_the_gpus() -> None:
@@ -216,9 +255,9 @@ def test_the_copy_kernels_compile_for_the_gpus() -> None:
     assert [launch[0].fn.__name__ for launch in launches] == ["_copy_segments_kernel", "_fetch_pages_kernel",
                                                                "_pages_to_locs_kernel"]
     assert launches[0][2]["BLOCK"] == 4096
-    jobs = [(launch, cap) for launch in launches for cap in (86, 90)]
-    shared = [bytes_ for bytes_, _ in _compiled(jobs)]
-    assert all(s <= SHARED_LIMITS[cap] for (_, cap), s in zip(jobs, shared, strict=True)), shared
+    jobs = [(launch, target) for launch in launches for target in ("sm_86", "sm_90", "gfx942")]
+    shared = [bytes_ for bytes_, _ in compile_all([(launch, target, False) for launch, target in jobs])]
+    assert all(s <= SHARED_LIMITS[target] for (_, target), s in zip(jobs, shared, strict=True)), shared
 
 
 def test_negative_control_the_fp32_dots_over_a_16_bit_cache_spill() -> None:
@@ -227,6 +266,7 @@ def test_negative_control_the_fp32_dots_over_a_16_bit_cache_spill() -> None:
     9.7 KB of spill stores measured), where its tensor-core launch does not."""
     (kernel, args, kwargs), _ = _decode_launches(torch.bfloat16, 256, 4)
     assert kwargs["LOW_PRECISION"]
-    served = ptxas_report(compile_for((kernel, args, kwargs), 86), 86)
-    before = ptxas_report(compile_for((kernel, args, {**kwargs, "LOW_PRECISION": False, "num_warps": 4}), 86), 86)
+    served = ptxas_report(compile_for((kernel, args, kwargs), "sm_86"), "sm_86")
+    before = ptxas_report(compile_for((kernel, args, {**kwargs, "LOW_PRECISION": False, "num_warps": 4}), "sm_86"),
+                          "sm_86")
     assert served["spill_stores"] == served["stack"] == 0 and before["spill_stores"] > 1000, (served, before)

@@ -144,6 +144,34 @@ def test_kv_cuda_graphs_on_refuses_what_it_cannot_capture(changes, names):
         assert str(other) != str(err.value)
 
 
+def test_on_rocm_the_default_is_the_layered_triton_backend_and_flashinfer_is_refused_by_name():
+    """A ROCm torch build has no FlashInfer: with SGLang's defaults kvplane picks ``triton`` there
+    (said in the note), and a FlashInfer backend named by any of the three flags is refused with a
+    message naming FlashInfer, ROCm and what to use. Controls: the same options on a CUDA build
+    (``rocm=False``) take and accept ``flashinfer``; ``--device cpu`` on a ROCm build is the CPU's."""
+    values = {**STOCK, **KVPLANE_STOCK}
+    rocm = LaunchDecision.decide(values, rocm=True)
+    assert dict(rocm.implied)["attention_backend"] == "triton"
+    assert rocm.notes[0].startswith("--attention-backend triton (layered; FlashInfer is NVIDIA-only)")
+    assert dict(LaunchDecision.decide(values).implied)["attention_backend"] == "flashinfer"
+    for name, flag in (("attention_backend", "--attention-backend"),
+                       ("decode_attention_backend", "--decode-attention-backend"),
+                       ("prefill_attention_backend", "--prefill-attention-backend")):
+        with pytest.raises(LaunchRefused) as refused:
+            LaunchDecision.decide({**values, name: "flashinfer"}, rocm=True)
+        assert str(refused.value) == (
+            f"{flag} flashinfer: FlashInfer runs on NVIDIA GPUs only and this torch is a ROCm build; on ROCm "
+            "use triton or torch_native (or leave it unset: kvplane picks triton)")
+        LaunchDecision.decide({**values, name: "flashinfer"})  # control: a CUDA build
+    assert dict(LaunchDecision.decide({**values, "attention_backend": "torch_native"}, rocm=True).implied).get(
+        "attention_backend") is None
+    with pytest.raises(LaunchRefused, match="--attention-backend aiter reads SGLang's flat KV buffers.*on ROCm "
+                                            "use triton or torch_native"):
+        LaunchDecision.decide({**values, "attention_backend": "aiter"}, rocm=True)
+    cpu = LaunchDecision.decide({**values, "device": "cpu"}, rocm=True)
+    assert dict(cpu.implied)["attention_backend"] == "torch_native"
+
+
 def test_kv_overlap_schedule_on_keeps_sglangs_overlap_loop_and_says_so():
     """``--kv-overlap-schedule on``: nothing implies ``--disable-overlap-schedule``, the note says
     the loop is kept (and, on CUDA, not yet GPU-validated); ``off`` (the default) implies it."""
@@ -153,9 +181,9 @@ def test_kv_overlap_schedule_on_keeps_sglangs_overlap_loop_and_says_so():
     assert "disable_overlap_schedule" not in dict(gpu.implied)
     assert any("not yet validated on a GPU" in note for note in gpu.notes)
     with pytest.raises(LaunchRefused, match="--kv-overlap-schedule on: not supported on ROCm"):
-        LaunchDecision.decide({"attention_backend": "flashinfer", "page_size": 16, "kv_overlap_schedule": "on"},
+        LaunchDecision.decide({"attention_backend": "triton", "page_size": 16, "kv_overlap_schedule": "on"},
                               rocm=True)
-    assert LaunchDecision.decide({"attention_backend": "flashinfer", "page_size": 16}, rocm=True).implied  # off: fine
+    assert LaunchDecision.decide({"attention_backend": "triton", "page_size": 16}, rocm=True).implied  # off: fine
     off = _decide(device="cpu", attention_backend="torch_native", disable_cuda_graph=True, kv_overlap_schedule="off")
     assert off.implied == (("disable_overlap_schedule", True),)  # negative control: the default
     assert "--kv-overlap-schedule on keeps" in off.notes[0]
