@@ -141,7 +141,7 @@ def decode_launch_options(cache_dtype: torch.dtype, group: int, head_dim: int, *
     low = cuda and cache_dtype in (torch.float16, torch.bfloat16)
     block_n = FP32_WIDE_BLOCK_TOKENS if cuda and not low and block_d >= 256 else BLOCK_TOKENS
     options: dict[str, Any] = {"BLOCK_H": block_h, "BLOCK_N": block_n, "BLOCK_D": block_d,
-                               "HEAD_BLOCKS": -(-group // block_h), "LOW_PRECISION": low}
+                               "HEAD_BLOCKS": head_blocks(group, head_dim), "LOW_PRECISION": low}
     if cuda:
         options["num_warps"] = 8 if block_d >= 128 and not low else 4
     return options
@@ -388,16 +388,26 @@ def default_kv_splits(q: torch.Tensor, kv_heads: int, num_pages_in_batch: int, p
     (the interpreter pays per program)."""
     if not q.is_cuda:
         return 1
-    return kv_splits(q.shape[0], kv_heads, sm_count(q.device), num_pages_in_batch, page_size)
+    _, q_heads, head_dim = q.shape
+    return kv_splits(q.shape[0], kv_heads, sm_count(q.device), num_pages_in_batch, page_size,
+                     head_blocks(q_heads // kv_heads, head_dim))
 
 
-def kv_splits(batch: int, kv_heads: int, sms: int, num_pages_in_batch: int, page_size: int) -> int:
-    """Enough programs to fill a GPU of ``sms`` SMs (about 2 per SM), never more than the batch's
+def head_blocks(group: int, head_dim: int) -> int:
+    """Stage 1's head blocks per kv head for a GQA group of ``group`` at ``head_dim``
+    (:func:`decode_block_heads`): more than one only for groups over the tile (MQA-like models)."""
+    return -(-group // decode_block_heads(group, block_dim(head_dim)))
+
+
+def kv_splits(batch: int, kv_heads: int, sms: int, num_pages_in_batch: int, page_size: int,
+              blocks: int = 1) -> int:
+    """Enough programs to fill a GPU of ``sms`` SMs (about 2 per SM) -- stage 1 runs ``batch x
+    kv_heads x blocks`` (:func:`head_blocks`) programs a split -- never more than the batch's
     token tiles allow, at most :data:`MAX_KV_SPLITS`. Eager decode sizes it from every step's
     pages; the kernels take it at launch (stage 1's grid, stage 2's unspecialized argument), so
     no value compiles a kernel of its own while serving."""
     batch = max(batch, 1)
-    want = -(-2 * sms // (batch * kv_heads))
+    want = -(-2 * sms // (batch * kv_heads * max(blocks, 1)))
     # upper bound from the average tokens per request (num_pages_in_batch is known on the host)
     tiles = max(1, (num_pages_in_batch * page_size) // (batch * BLOCK_TOKENS))
     return max(1, min(want, tiles, MAX_KV_SPLITS))

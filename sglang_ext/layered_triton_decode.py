@@ -22,7 +22,7 @@ import structlog
 import torch
 
 from kernels.block_copy import triton_usable
-from kernels.paged_decode import kv_splits, paged_decode, sm_count
+from kernels.paged_decode import head_blocks, kv_splits, paged_decode, sm_count
 from sglang_ext.dataplane.layer_cap_window import layer_cap_window
 from sglang_ext.layered_attention import refuse_attention_kwargs
 from sglang_ext.layered_decode_graph import LayeredDecodeGraph
@@ -47,12 +47,16 @@ class LayeredTritonDecode(LayeredPagedDecode):
         """((batch, table width), split count) of the last eager decode step: every layer of a step
         launches with the same count, worked out at its first layer."""
 
-    def step_splits(self, batch: int, width: int, kv_heads: int, page_size: int) -> int:
-        """The eager decode's split count for a step of ``batch`` requests over tables ``width``
-        pages wide (:func:`kernels.paged_decode.kv_splits`), once per step shape."""
+    def step_splits(self, q: torch.Tensor, width: int, cache_shape: torch.Size) -> int:
+        """The eager decode's split count for a step of query ``q`` over tables ``width`` pages
+        wide and caches of ``cache_shape`` (:func:`kernels.paged_decode.kv_splits`, counting
+        stage 1's head blocks), once per step shape."""
         key, splits = self._splits
+        batch = q.shape[0]
         if key != (batch, width):
-            splits = 1 if self.sms is None else kv_splits(batch, kv_heads, self.sms, width, page_size)
+            _, page_size, kv_heads, head_dim = cache_shape
+            blocks = head_blocks(q.shape[1] // kv_heads, head_dim)
+            splits = 1 if self.sms is None else kv_splits(batch, kv_heads, self.sms, width, page_size, blocks)
             self._splits = ((batch, width), splits)
         return splits
 
@@ -63,11 +67,10 @@ class LayeredTritonDecode(LayeredPagedDecode):
                      impl="triton" if triton_usable(q, store.dev[0]) else "torch-reference")
         self.decode_layers += 1
         cap, window = layer_cap_window(layer)
-        _, page_size, kv_heads, _ = store.dev[0].shape
         return paged_decode(
             q, store.dev[0], store.dev[1], tables.kv_indptr, tables.tab[index], tables.kv_lens,
             sm_scale=getattr(layer, "scaling", None), logits_soft_cap=cap, window_left=window,
-            num_kv_splits=self.step_splits(q.shape[0], tables.tab.shape[1], kv_heads, page_size),
+            num_kv_splits=self.step_splits(q, tables.tab.shape[1], store.dev[0].shape),
         )
 
     # ----- SGLang's decode graph runner (--kv-cuda-graphs on) -----------------------------

@@ -15,6 +15,7 @@ from kernels.paged_decode import (
     MAX_KV_SPLITS,
     _merge_splits_kernel,
     decode_launch_options,
+    head_blocks,
     kv_lens_from_last_page_len,
     kv_splits,
     paged_decode,
@@ -282,6 +283,9 @@ def test_split_count_fills_the_gpu_within_the_tokens_of_the_batch() -> None:
     assert kv_splits(4, 8, 132, 4 * 6, 16) == 3  # 96 tokens a request: 3 tiles
     assert kv_splits(8, 8, 132, 8, 16) == 1  # 16 tokens a request: one tile
     assert kv_splits(0, 8, 132, 0, 16) == 1
+    # stage 1's head blocks count as programs: two blocks a kv head (MQA-like groups) halve the want
+    assert kv_splits(3, 8, 132, 100_000, 16, 2) == 6 and kv_splits(3, 8, 132, 100_000, 16, 1) == 11
+    assert (head_blocks(32, 256), head_blocks(8, 128), head_blocks(128, 128), head_blocks(128, 64)) == (2, 1, 2, 1)
     assert all(1 <= kv_splits(b, h, 132, p, 16) <= MAX_KV_SPLITS
                for b in (1, 2, 5, 64) for h in (1, 8) for p in (1, 9, 700, 50_000))
 

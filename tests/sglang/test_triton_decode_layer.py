@@ -50,7 +50,7 @@ def test_the_split_count_is_worked_out_once_per_step_shape_and_each_layer_reads_
             got = backend.decode_layer(q, layer, index)
             want = paged_decode_ref(q, kv, kv, tables.kv_indptr, tab[index], tables.kv_lens, sm_scale=0.25)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    assert worked == [(2, 2, 132, 16, 16), (3, 2, 132, 24, 16)]  # steps 0 and 1 share a shape
+    assert worked == [(2, 2, 132, 16, 16, 1), (3, 2, 132, 24, 16, 1)]  # steps 0 and 1 share a shape; one head block
     counts = [n for n, _ in launched]
     assert counts == [real_splits(2, 2, 132, 16, 16)] * 6 + [real_splits(3, 2, 132, 24, 16)] * 3
     assert counts[0] == 4  # 8 pages a request: four 32-token tiles; the interpreter ran the split-merge path
