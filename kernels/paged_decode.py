@@ -50,9 +50,8 @@ if HAVE_TRITON:
 BLOCK_TOKENS = 32
 """Tokens per stage-1 tile (the ``tl.dot`` N dimension; at least 16)."""
 FP32_WIDE_BLOCK_TOKENS = 16
-"""Tokens per stage-1 tile of an fp32 cache at ``BLOCK_D`` 256 on a GPU: with 32, its 16-head
-tile needs 67,584 B of shared memory on AMD's CDNA (gfx90a / gfx942, 64 KB a block) and 84,160 B
-on sm_86; with 16, 33,792 B and 50,368 B (Triton 3.8, compiled offline)."""
+"""Tokens per stage-1 tile of an fp32 cache at ``BLOCK_D`` 256 on a GPU: 32 need 67,584 B of LDS on
+gfx942 (MI300: 64 KB) and 84,160 B on sm_86; 16 need 33,792 B and 50,368 B (Triton 3.8)."""
 MIN_BLOCK_HEADS = 16
 """Least query-head tile of stage 1 (``tl.dot`` needs M >= 16; the GQA group is masked into it)."""
 MAX_BLOCK_HEADS = {16: 128, 32: 128, 64: 128, 128: 64, 256: 16}
@@ -60,7 +59,7 @@ MAX_BLOCK_HEADS = {16: 128, 32: 128, 64: 128, 128: 64, 256: 16}
 the fp32 dots (the tensor-core ones need half). Stage 1 keeps its fp32 ``[BLOCK_H, D]`` query
 and ``[BLOCK_N, D]`` key and value tiles in shared memory, about
 ``4 * D * (BLOCK_H + 2 * BLOCK_N) + 136 * BLOCK_H`` bytes; compiled offline with the pinned
-Triton 3.8 (``tests/kernels/test_shared_memory.py``), sm_86: 74,112 B at D 128 with 64 heads
+Triton 3.8 (``tests/kernels/test_shared_memory.py``), sm_86: 73,856 B at D 128 with 64 heads
 (128: 115,328 B, over the 101,376 B a block may use on consumer Ampere, Ada, L4, L40S, RTX 50;
 98,816 B on sm_75, over a T4's 64 KB), 66,176 B at D 64 with 128, 50,368 B at D 256 with 16
 (:data:`FP32_WIDE_BLOCK_TOKENS`). A GQA group larger than the tile (MQA models) takes several
@@ -394,8 +393,7 @@ def default_kv_splits(q: torch.Tensor, kv_heads: int, num_pages_in_batch: int, p
 
 
 def head_blocks(group: int, head_dim: int) -> int:
-    """Stage 1's head blocks per kv head for a GQA group of ``group`` at ``head_dim``
-    (:func:`decode_block_heads`): more than one only for groups over the tile (MQA-like models)."""
+    """Stage 1's head blocks per kv head for a GQA group of ``group`` at ``head_dim`` (MQA-like: > 1)."""
     return -(-group // decode_block_heads(group, block_dim(head_dim)))
 
 

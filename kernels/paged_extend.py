@@ -65,8 +65,10 @@ NARROW_TILES_SHARED = 98_976
 98,304 B, sm_86 69,760 B, AMD gfx950 71,616 B)."""
 CUDA_SMALL_BLOCKS = (32, 32)
 """16-bit caches at head_dim 256 on a GPU whose block may use less than
-:data:`NARROW_TILES_SHARED`: 64 KB GPUs (T4; AMD MI200 / MI300, whose LDS is 64 KB a block).
-65,536 B on sm_75, 32,768 B on gfx942."""
+:data:`NARROW_TILES_SHARED`: 64 KB GPUs (T4, 65,536 B on sm_75; AMD MI200 / MI300, whose LDS is
+64 KB a block: 32,768 B on gfx942). The thresholds are the most any compile target needs, so AMD
+GPUs, whose compiles need less (gfx942: 36,864 B for 64 x 32; gfx950: 143,296 B for 64 x 64),
+take narrower tiles than they could."""
 CUDA_FP32_BLOCKS = (32, 32)
 """The same for fp32 caches up to head_dim 128 (fp32 tiles: 64 x 64 at head_dim 128 need 115 KB
 of shared memory, more than the 99 KB a block may use on consumer Ampere, Ada, L4, L40S; 32 x 32
@@ -109,7 +111,7 @@ def extend_launch_options(cache_dtype: torch.dtype, head_dim: int, *,
 def shared_per_block_of(device: torch.device) -> int:
     """Bytes of shared memory a block may use on CUDA ``device`` (the opt-in limit Triton
     launches against)."""
-    props = torch.cuda.get_device_properties(device)  # ROCm builds may report no opt-in limit (0)
+    props = torch.cuda.get_device_properties(device)  # ROCm builds of torch have no opt-in attribute
     return int(getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block)
 
 

@@ -249,7 +249,8 @@ class LaunchDecision:
         if values.get("kv_cuda_graphs", "off") == "on":
             if glue_graph:
                 raise LaunchRefused(GLUE_GRAPH_REFUSED)
-            cls._keep_decode_graphs(values, device, implied, notes)
+            backend = {"attention_backend": supported[0]} if rocm and values.get("attention_backend") is None else {}
+            cls._keep_decode_graphs({**values, **backend}, device, implied, notes)  # ROCm's default is triton
         else:
             cls._graphs_off(values, implied, notes)
         dtype = str(values.get("kv_cache_dtype") or "auto")

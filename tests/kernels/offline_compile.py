@@ -29,6 +29,8 @@ per compile target: Turing (T4), A100, consumer Ampere (RTX 30, A10, A40; Ada --
 sm_89 -- compiles as sm_86 with the same limit), Hopper (H100, H200), Blackwell (B200, GB200),
 consumer Blackwell (RTX 50, RTX PRO 6000), CDNA 3 (MI300X, MI325X; CDNA 2's gfx90a, MI200, has
 the same 64 KB and compiled to the same bytes in every launch measured), CDNA 4 (MI355X)."""
+TENSOR_MEMORY_COLUMNS = 512
+"""Tensor memory a block may use on sm_100 (columns; Triton 3.8's ``CompiledKernel`` check)."""
 
 Launch = tuple[LazyKernel, tuple, dict]
 """A recorded launch: the kernel, its positional arguments, its keyword arguments."""
@@ -107,28 +109,36 @@ def ptxas_report(compiled: Any, target: str) -> dict[str, int]:
 
 
 def compile_job(job: tuple[Launch, str, bool]) -> tuple[int, dict[str, int]]:
-    """``(launch, target, report)`` compiled: bytes of shared memory per block and, when ``report``,
-    :func:`ptxas_report` (else ``{}``)."""
+    """``(launch, target, report)`` compiled: bytes of shared memory per block, and ``tmem`` (the
+    tensor-memory columns a block uses: sm_100, else 0) with, when ``report``, :func:`ptxas_report`."""
     launch, target, report = job
     compiled = compile_for(launch, target)
-    return compiled.metadata.shared, ptxas_report(compiled, target) if report else {}
+    facts = {"tmem": int(getattr(compiled.metadata, "tmem_size", 0) or 0)}
+    return compiled.metadata.shared, {**facts, **(ptxas_report(compiled, target) if report else {})}
 
 
 def compile_all(jobs: list[tuple[Launch, str, bool]]) -> list[tuple[int, dict[str, int]]]:
-    """:func:`compile_job` of each job, in order, over up to two spawned processes (the compiles
-    are CPU-bound; processes, not threads: Triton parses a kernel's source with ``ast.parse``, which
-    Python 3.11 does not allow from two threads at once -- "AST constructor recursion depth
-    mismatch", seen in a suite run)."""
+    """:func:`compile_job` of each job, in order: a few in this process, more over two spawned
+    processes (the compiles are CPU-bound, a worker's start about 4 s; processes, not threads:
+    Triton parses a kernel's source with ``ast.parse``, which Python 3.11 does not allow from two
+    threads at once -- "AST constructor recursion depth mismatch", seen in a suite run). A failing
+    job cancels those not started."""
     import multiprocessing
     import os
     from concurrent.futures import ProcessPoolExecutor
 
-    workers = min(2, os.cpu_count() or 1, len(jobs))
-    if workers < 2:
+    if len(jobs) < POOL_FROM or (os.cpu_count() or 1) < 2:
         return [compile_job(job) for job in jobs]
     sent = [((_kernel_name(kernel), args, kwargs), target, report) for (kernel, args, kwargs), target, report in jobs]
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"))
+    try:
         return list(pool.map(_compile_sent, sent))
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+POOL_FROM = 8
+"""Fewest jobs :func:`compile_all` spreads over processes."""
 
 
 def _kernel_name(kernel: LazyKernel) -> tuple[str, str]:

@@ -8,12 +8,14 @@ The same compiles' ptxas reports must show no register spill for the 16-bit laun
 default; a spilling decode was the reason its dots moved to the tensor cores).
 
 Every class is compiled for every target of :data:`~tests.kernels.offline_compile.SHARED_LIMITS`
--- T4 (sm_75), consumer Ampere (sm_86; A100's sm_80, Ada's sm_89 and consumer Blackwell's sm_120
-compile alike: :data:`SAME_CODE`), Hopper (sm_90), Blackwell (sm_100), AMD CDNA 3 (gfx942) and
-CDNA 4 (gfx950) -- with the extend's tiles chosen by that target's limit, and checked against it.
+-- T4 (sm_75), consumer Ampere (sm_86; A100's sm_80 compiles to the same TTGIR, Ada's sm_89 to
+the same bytes: :data:`SAME_CODE`), Hopper (sm_90), Blackwell (sm_100), consumer Blackwell
+(sm_120), AMD CDNA 3 (gfx942) and CDNA 4 (gfx950) -- with the extend's tiles chosen by that
+target's limit, and checked against it; on sm_100 the tensor memory too (Triton's 512 columns).
 16-bit launches run on tensor cores (``mma.sync``; the extend on ``wgmma`` on sm_90 and ``tcgen05``
 on sm_100; none on sm_75, where Triton 3.8 compiles ``tl.dot`` to fp32 FMAs: read in the PTX); the
-ptxas reports of their sm_86, sm_90 and sm_100 compiles must show no spill (:data:`SPILL_CHECKED`).
+ptxas reports of their sm_86, sm_90, sm_100 and sm_120 compiles must show no spill
+(:data:`SPILL_CHECKED`).
 Not checked, measured: the T4's 16-bit launches spill (255 registers, up to 10 KB of stores a
 thread: FMA dots), as does A100's wide extend at head_dim 256 (80 B) and some fp32 launches.
 
@@ -35,6 +37,7 @@ import torch
 
 from tests.kernels.offline_compile import (
     SHARED_LIMITS,
+    TENSOR_MEMORY_COLUMNS,
     Launch,
     compile_all,
     compile_for,
@@ -51,10 +54,10 @@ GROUPS = (1, 2, 4, 8, 16, 32, 64, 128)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MASKING = {"HEAD_DIM", "GROUP", "PAGE", "USE_CAP", "HEAD_BLOCKS", "Q_HEADS", "BLOCK_D"}
 """Compile-time arguments that mask or index, and ``BLOCK_D``, by which a class is ordered."""
-SAME_CODE = {"sm_80": "sm_86", "sm_120": "sm_86"}
-"""Targets compiled as another (measured, Triton 3.8: the same bytes of shared memory in every
-class): a launch of theirs is compiled once, for the other, and checked against their own limit."""
-SPILL_CHECKED = ("sm_86", "sm_90", "sm_100")
+SAME_CODE = {"sm_80": "sm_86"}
+"""Targets compiled as another (measured, Triton 3.8: sm_80's TTGIR is sm_86's but for the target
+name): a launch of theirs is compiled once, for the other, and checked against their own limit."""
+SPILL_CHECKED = ("sm_86", "sm_90", "sm_100", "sm_120")
 """Where the 16-bit launches must not spill (module docstring)."""
 
 
@@ -128,8 +131,8 @@ def _jobs() -> list[tuple[Launch, str]]:
 
 
 def _compiled(jobs: list[tuple[Launch, str]]) -> list[tuple[int, dict[str, int]]]:
-    """(shared memory per block, :func:`ptxas_report` for a 16-bit launch on a
-    :data:`SPILL_CHECKED` target, else possibly ``{}``) of each (launch, target); a launch is
+    """(shared memory per block, facts: ``tmem`` and :func:`ptxas_report` for a 16-bit launch on a
+    :data:`SPILL_CHECKED` target) of each (launch, target); a launch is
     compiled once for the targets that share its code (:data:`SAME_CODE`)."""
     def key(launch: Launch, target: str) -> tuple:
         return _class(launch), launch[2]["BLOCK_D"], launch[2]["HEAD_DIM"], SAME_CODE.get(target, target)
@@ -171,9 +174,12 @@ def test_every_cuda_launch_fits_the_shared_memory_of_its_gpus() -> None:
     over = [f"{_name(launch)} on {target}: {shared} B > {SHARED_LIMITS[target]} B"
             for (launch, target), (shared, _) in zip(jobs, compiled, strict=True) if shared > SHARED_LIMITS[target]]
     assert not over, "\n".join(over)
+    tmem = [f"{_name(launch)} on {target}: {facts['tmem']} columns" for (launch, target), (_, facts)
+            in zip(jobs, compiled, strict=True) if facts["tmem"] > TENSOR_MEMORY_COLUMNS]
+    assert not tmem and any(facts["tmem"] for _, facts in compiled)  # sm_100's extend uses tensor memory
     checked = [(launch, target, report) for (launch, target), (_, report) in zip(jobs, compiled, strict=True)
                if target in SPILL_CHECKED and _sixteen_bit(launch)]
-    assert checked and all(report for _, _, report in checked)
+    assert checked and all("spill_stores" in report for _, _, report in checked)
     spilling = [f"{_name(launch)} on {target}: {report}" for launch, target, report in checked
                 if report["spill_stores"] or report["stack"]]
     assert not spilling, "\n".join(spilling)  # the served 16-bit launches: no register spill

@@ -170,6 +170,10 @@ def test_on_rocm_the_default_is_the_layered_triton_backend_and_flashinfer_is_ref
         LaunchDecision.decide({**values, "attention_backend": "aiter"}, rocm=True)
     cpu = LaunchDecision.decide({**values, "device": "cpu"}, rocm=True)
     assert dict(cpu.implied)["attention_backend"] == "torch_native"
+    graphs = LaunchDecision.decide({**values, "kv_cuda_graphs": "on"}, rocm=True)  # triton by default there
+    assert dict(graphs.implied)["attention_backend"] == "triton"
+    with pytest.raises(LaunchRefused, match="needs --attention-backend triton"):  # control: CUDA's default
+        LaunchDecision.decide({**values, "kv_cuda_graphs": "on"})
 
 
 def test_kv_overlap_schedule_on_keeps_sglangs_overlap_loop_and_says_so():
