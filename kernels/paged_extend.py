@@ -68,7 +68,8 @@ CUDA_SMALL_BLOCKS = (32, 32)
 :data:`NARROW_TILES_SHARED`: 64 KB GPUs (T4, 65,536 B on sm_75; AMD MI200 / MI300, whose LDS is
 64 KB a block: 32,768 B on gfx942). The thresholds are the most any compile target needs, so AMD
 GPUs, whose compiles need less (gfx942: 36,864 B for 64 x 32; gfx950: 143,296 B for 64 x 64),
-take narrower tiles than they could."""
+take narrower tiles than they could. SGLang's own Triton extend takes the same two on GPUs before
+sm_80 (64 x 64 up to head_dim 128, 32 x 32 above: ``sglang/kernels/ops/attention/extend_attention.py``)."""
 CUDA_FP32_BLOCKS = (32, 32)
 """The same for fp32 caches up to head_dim 128 (fp32 tiles: 64 x 64 at head_dim 128 need 115 KB
 of shared memory, more than the 99 KB a block may use on consumer Ampere, Ada, L4, L40S; 32 x 32
