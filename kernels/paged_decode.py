@@ -16,8 +16,8 @@ Semantics (those of FlashInfer's batch decode):
 - fp32 accumulation (online softmax); a request with no tokens gets a zero output.
 
 The Triton version is split-KV (flash-decoding): stage 1 runs one program per (request,
-kv head, split), all the q heads of the kv head together (``tl.dot`` over a ``[BLOCK_H, D]``
-query tile; a group larger than the tile shared memory allows, :data:`MAX_BLOCK_HEADS`, takes
+kv head, head block, split), the q heads of the kv head together (``tl.dot`` over a ``[BLOCK_H,
+D]`` query tile; a group larger than the tile shared memory allows, :data:`MAX_BLOCK_HEADS`, takes
 several head blocks), and writes a partial output with its log-sum-exp; stage 2 merges the splits.
 On CUDA with a 16-bit cache the dots run on the tensor cores in the cache dtype (q rounded to it,
 fp32 accumulation; :func:`decode_launch_options` says why: the fp32 FMA dots spill registers
@@ -117,7 +117,7 @@ def sm_count(device: torch.device) -> int:
 def decode_block_heads(group: int, block_d: int) -> int:
     """Stage 1's query-head tile for a GQA group of ``group`` q heads per kv head: the group's power
     of two, at least :data:`MIN_BLOCK_HEADS`, at most :data:`MAX_BLOCK_HEADS` of ``block_d``."""
-    return min(max(MIN_BLOCK_HEADS, 1 << (group - 1).bit_length()), MAX_BLOCK_HEADS[block_d])
+    return min(max(MIN_BLOCK_HEADS, 1 << (group - 1).bit_length()), MAX_BLOCK_HEADS.get(block_d, MIN_BLOCK_HEADS))
 
 
 def decode_launch_options(cache_dtype: torch.dtype, group: int, head_dim: int, *, cuda: bool) -> dict[str, Any]:

@@ -43,21 +43,23 @@ class LayeredTritonDecode(LayeredPagedDecode):
         device = torch.device(self.device)
         self.sms = sm_count(device) if device.type == "cuda" else None
         """The GPU's SMs (the split count fills them), read once; None off CUDA (one split)."""
-        self._splits: tuple[tuple[int, int], int] = ((-1, -1), 1)
-        """((batch, table width), split count) of the last eager decode step: every layer of a step
-        launches with the same count, worked out at its first layer."""
+        self._splits: tuple[tuple[int, int, int], int] = ((-1, -1, -1), 1)
+        """((batch, table width, q heads), split count) of the last eager decode step: every layer
+        of a step launches with the same count, worked out at its first layer."""
 
     def step_splits(self, q: torch.Tensor, width: int, cache_shape: torch.Size) -> int:
         """The eager decode's split count for a step of query ``q`` over tables ``width`` pages
         wide and caches of ``cache_shape`` (:func:`kernels.paged_decode.kv_splits`, counting
         stage 1's head blocks), once per step shape."""
         key, splits = self._splits
-        batch = q.shape[0]
-        if key != (batch, width):
-            _, page_size, kv_heads, head_dim = cache_shape
-            blocks = head_blocks(q.shape[1] // kv_heads, head_dim)
-            splits = 1 if self.sms is None else kv_splits(batch, kv_heads, self.sms, width, page_size, blocks)
-            self._splits = ((batch, width), splits)
+        batch, q_heads = q.shape[0], q.shape[1]
+        if key != (batch, width, q_heads):
+            splits = 1  # off CUDA (where a head_dim over the kernels' is served by the torch reference)
+            if self.sms is not None:
+                _, page_size, kv_heads, head_dim = cache_shape
+                blocks = head_blocks(q_heads // kv_heads, head_dim)
+                splits = kv_splits(batch, kv_heads, self.sms, width, page_size, blocks)
+            self._splits = ((batch, width, q_heads), splits)
         return splits
 
     def decode_layer(self, q: torch.Tensor, layer: Any, index: int) -> torch.Tensor:

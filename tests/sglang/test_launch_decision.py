@@ -174,6 +174,8 @@ def test_on_rocm_the_default_is_the_layered_triton_backend_and_flashinfer_is_ref
     assert dict(graphs.implied)["attention_backend"] == "triton"
     with pytest.raises(LaunchRefused, match="needs --attention-backend triton"):  # control: CUDA's default
         LaunchDecision.decide({**values, "kv_cuda_graphs": "on"})
+    with pytest.raises(LaunchRefused, match="needs --attention-backend triton"):  # an explicit other backend
+        LaunchDecision.decide({**values, "kv_cuda_graphs": "on", "attention_backend": "torch_native"}, rocm=True)
 
 
 def test_kv_overlap_schedule_on_keeps_sglangs_overlap_loop_and_says_so():

@@ -35,7 +35,7 @@ def test_the_split_count_is_worked_out_once_per_step_shape_and_each_layer_reads_
     monkeypatch.setattr(ltd, "kv_splits", counting_splits)
     monkeypatch.setattr(ltd, "paged_decode", recording_decode)
     backend = object.__new__(ltd.LayeredTritonDecode)
-    backend.decode_layers, backend.sms, backend._splits = 0, 132, ((-1, -1), 1)
+    backend.decode_layers, backend.sms, backend._splits = 0, 132, ((-1, -1, -1), 1)
     g = torch.Generator().manual_seed(3)
     kv = torch.randn(40, 16, 2, 16, generator=g)  # pages of 16 tokens, 2 kv heads
     layers = [SimpleNamespace(layer_id=i, scaling=0.25, logit_cap=0.0, sliding_window_size=-1) for i in range(3)]
@@ -57,6 +57,24 @@ def test_the_split_count_is_worked_out_once_per_step_shape_and_each_layer_reads_
     assert all(torch.equal(rows, tab_row) for (_, rows), tab_row in zip(launched[6:], tab, strict=True))
     assert not torch.equal(tab[0], tab[1])  # control: a layer reading another's row would differ
 
+
+
+def test_the_split_count_counts_head_blocks_and_a_cpu_step_takes_one():
+    """On a GPU an MQA-like group (32 q heads per kv head at head_dim 256: two head blocks of 16)
+    halves the splits wanted, and the count follows the step's q heads; off CUDA (``sms`` None) a
+    step takes one split whatever its head dim -- a head_dim of 512, which only the torch reference
+    serves, included."""
+    import sglang_ext.layered_triton_decode as ltd
+    from kernels.paged_decode import kv_splits
+
+    backend = object.__new__(ltd.LayeredTritonDecode)
+    backend.sms, backend._splits = 132, ((-1, -1, -1), 1)
+    cache = torch.Size((100, 16, 2, 256))
+    mqa = backend.step_splits(torch.zeros(8, 64, 256), 400, cache)
+    assert mqa == kv_splits(8, 2, 132, 400, 16, 2) == 9  # 264 programs wanted over 8 x 2 x 2
+    assert backend.step_splits(torch.zeros(8, 4, 256), 400, cache) == kv_splits(8, 2, 132, 400, 16, 1) == 16  # control
+    backend.sms, backend._splits = None, ((-1, -1, -1), 1)
+    assert backend.step_splits(torch.zeros(2, 8, 512), 4, torch.Size((10, 16, 2, 512))) == 1
 
 def test_the_extend_launches_with_the_shared_memory_read_at_construction(monkeypatch):
     """``extend_layer`` hands the kernel the GPU's per-block shared memory the backend read once
