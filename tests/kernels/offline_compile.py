@@ -108,13 +108,35 @@ def ptxas_report(compiled: Any, target: str) -> dict[str, int]:
             "spill_stores": number(r"(\d+) bytes spill stores")}
 
 
+def amdgcn_report(compiled: Any) -> dict[str, int]:
+    """What the AMD backend's assembly of ``compiled`` (:func:`compile_for`, an AMD target) says:
+    ``registers`` (VGPRs a lane), ``stack`` (scratch bytes a lane) and ``spill_stores`` (VGPRs
+    spilled to scratch; SGPR spills go to VGPR lanes, not memory), as :func:`ptxas_report` does."""
+    import re
+
+    asm = compiled.asm["amdgcn"]
+
+    def number(pattern: str) -> int:
+        found = re.search(pattern, asm)
+        assert found, f"{pattern} not in the kernel's assembly"
+        return int(found.group(1))
+
+    return {"registers": number(r"; NumVgprs: (\d+)"), "stack": number(r"; ScratchSize: (\d+)"),
+            "spill_stores": number(r"\.vgpr_spill_count:\s+(\d+)")}
+
+
+def register_report(compiled: Any, target: str) -> dict[str, int]:
+    """:func:`ptxas_report` on an NVIDIA ``target``, :func:`amdgcn_report` on an AMD one."""
+    return ptxas_report(compiled, target) if capability(target) is not None else amdgcn_report(compiled)
+
+
 def compile_job(job: tuple[Launch, str, bool]) -> tuple[int, dict[str, int]]:
     """``(launch, target, report)`` compiled: bytes of shared memory per block, and ``tmem`` (the
-    tensor-memory columns a block uses: sm_100, else 0) with, when ``report``, :func:`ptxas_report`."""
+    tensor-memory columns a block uses: sm_100, else 0) with, when ``report``, :func:`register_report`."""
     launch, target, report = job
     compiled = compile_for(launch, target)
     facts = {"tmem": int(getattr(compiled.metadata, "tmem_size", 0) or 0)}
-    return compiled.metadata.shared, {**facts, **(ptxas_report(compiled, target) if report else {})}
+    return compiled.metadata.shared, {**facts, **(register_report(compiled, target) if report else {})}
 
 
 def compile_all(jobs: list[tuple[Launch, str, bool]]) -> list[tuple[int, dict[str, int]]]:

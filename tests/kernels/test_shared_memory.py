@@ -16,8 +16,8 @@ that target's limit, and checked against it; on sm_100 the tensor memory too (Tr
 columns, which some launches use whole). 16-bit launches run on tensor cores (``mma.sync``; in
 places ``wgmma`` on sm_90 and ``tcgen05`` on sm_100, as the extend at Llama's shapes; none on
 sm_75, where Triton 3.8 compiles ``tl.dot`` to fp32 FMAs: read in the PTX); the
-ptxas reports of their sm_86, sm_90, sm_100 and sm_120 compiles must show no spill
-(:data:`SPILL_CHECKED`).
+register reports of their sm_86, sm_90, sm_100, sm_120 (ptxas), gfx942 and gfx950 (the AMD
+assembly's VGPR spill count and scratch size) compiles must show no spill (:data:`SPILL_CHECKED`).
 Not checked, measured: the T4's 16-bit launches spill (255 registers, up to 10 KB of stores a
 thread: FMA dots), as does A100's wide extend at head_dim 256 (80 B) and some fp32 launches.
 
@@ -41,6 +41,7 @@ from tests.kernels.offline_compile import (
     SHARED_LIMITS,
     TENSOR_MEMORY_COLUMNS,
     Launch,
+    amdgcn_report,
     compile_all,
     compile_for,
     ptxas_report,
@@ -59,7 +60,7 @@ MASKING = {"HEAD_DIM", "GROUP", "PAGE", "USE_CAP", "HEAD_BLOCKS", "Q_HEADS", "BL
 SAME_CODE = {"sm_80": "sm_86"}
 """Targets compiled as another (measured, Triton 3.8: sm_80's TTGIR is sm_86's but for the target
 name): a launch of theirs is compiled once, for the other, and checked against their own limit."""
-SPILL_CHECKED = ("sm_86", "sm_90", "sm_100", "sm_120")
+SPILL_CHECKED = ("sm_86", "sm_90", "sm_100", "sm_120", "gfx942", "gfx950")
 """Where the 16-bit launches must not spill (module docstring)."""
 
 
@@ -133,7 +134,7 @@ def _jobs() -> list[tuple[Launch, str]]:
 
 
 def _compiled(jobs: list[tuple[Launch, str]]) -> list[tuple[int, dict[str, int]]]:
-    """(shared memory per block, facts: ``tmem`` and :func:`ptxas_report` for a 16-bit launch on a
+    """(shared memory per block, facts: ``tmem`` and ``register_report`` for a 16-bit launch on a
     :data:`SPILL_CHECKED` target) of each (launch, target); a launch is
     compiled once for the targets that share its code (:data:`SAME_CODE`)."""
     def key(launch: Launch, target: str) -> tuple:
@@ -278,3 +279,13 @@ def test_negative_control_the_fp32_dots_over_a_16_bit_cache_spill() -> None:
     before = ptxas_report(compile_for((kernel, args, {**kwargs, "LOW_PRECISION": False, "num_warps": 4}), "sm_86"),
                           "sm_86")
     assert served["spill_stores"] == served["stack"] == 0 and before["spill_stores"] > 1000, (served, before)
+
+
+def test_negative_control_the_amd_report_sees_a_spill() -> None:
+    """Control for the AMD half of the spill check: stage 1 of the bf16 decode at head_dim 256 with
+    a 64-head tile on one warp (a wavefront of 64 lanes) spills VGPRs to scratch on gfx942 (576
+    spilled, 1,220 B of scratch a lane measured), where the served launch does not."""
+    (kernel, args, kwargs), _ = _decode_launches(torch.bfloat16, 256, 4)
+    served = amdgcn_report(compile_for((kernel, args, kwargs), "gfx942"))
+    crowded = amdgcn_report(compile_for((kernel, args, {**kwargs, "BLOCK_H": 64, "num_warps": 1}), "gfx942"))
+    assert served["spill_stores"] == served["stack"] == 0 and crowded["spill_stores"] > 100, (served, crowded)
