@@ -35,6 +35,10 @@ from sglang_ext.dataplane.transfer_engine import TransferEngine, rows_bytes
 
 log = structlog.get_logger(__name__)
 
+ROCM_NO_COPY_ENGINES = ("--kv-copy-engine dma: the batched and 2-D copies are CUDA driver calls "
+                        "(cuMemcpyBatchAsync, cuMemcpy2DAsync), not on ROCm; the Triton copy kernels serve")
+"""Why ``dma`` keeps the kernels on a ROCm build, said without the probe child (which would fail)."""
+
 DMA_MIN_BYTES = 28 << 10
 """Under ``--kv-copy-engine dma``, copies of smaller rows stay on the Triton kernel: the copy
 engines' batched H2D "falls off a cliff" under ~28 KiB a copy (vLLM #42212, which added a kernel
@@ -130,6 +134,10 @@ class CudaTransferEngine(TransferEngine):
             self.impl = self._kernel_impl
             return True
         if self.dma_error is not None:  # refused before (by a probe, or by the driver while serving)
+            return False
+        if self._dma is None and getattr(torch.version, "hip", None):  # no child probe: it cannot pass
+            self.dma_error = ROCM_NO_COPY_ENGINES
+            log.info("kv_copy_engine_dma_not_on_rocm", now=self.impl)
             return False
         if self._dma is None:
             # first in a child process: a call the driver takes with another ABI, or a fault on

@@ -69,6 +69,25 @@ def test_where_the_probe_fails_the_default_keeps_the_kernels_and_says_why(monkey
     assert sim.copies["kernel"] > 0
 
 
+def test_on_rocm_the_default_keeps_the_kernels_without_a_probe(monkeypatch):
+    """A ROCm build has none of the CUDA driver calls the copy engines are: ``dma`` keeps the
+    Triton kernels and says why without starting the probe child; the lifecycle is bit-exact on
+    the kernels. Control: the same build without ``torch.version.hip`` asks the probe."""
+    sim = _simulate(monkeypatch)
+    asked: list[int] = []
+    monkeypatch.setattr(cte, "probe_copy_engines", lambda device: asked.append(device) or ("no driver", "no driver"))
+    monkeypatch.setattr(torch.version, "hip", "6.4.0", raising=False)
+    core = _core("dma")
+    engine = core.store.engine
+    assert engine.impl == "triton" and engine._dma is None and asked == []
+    assert engine.dma_error == cte.ROCM_NO_COPY_ENGINES
+    _serve(sim, core)
+    assert sim.copies["kernel"] > 0
+    monkeypatch.setattr(torch.version, "hip", None)
+    control = _core("dma").store.engine
+    assert asked == [0] and control.dma_error == "no driver"
+
+
 def test_once_probed_the_default_serves_on_the_copy_engines(monkeypatch):
     """With the probes passing (the driver's calls replayed at the pointer level), the engine is on
     the copy engines when construction ends: every copy of the lifecycle goes there, none to the
