@@ -83,7 +83,6 @@ def ptxas_report(compiled: Any, target: str) -> dict[str, int]:
     thread, ``stack`` (bytes a thread) and ``spill_stores`` (bytes). Its PTX is assembled again with
     the flags Triton 3.8's ``make_cubin`` passes (``-lineinfo -v --regAllocOptLevel=2``), so a
     compile cache hit reports too."""
-    import re
     import subprocess
     import tempfile
     from pathlib import Path
@@ -99,30 +98,26 @@ def ptxas_report(compiled: Any, target: str) -> dict[str, int]:
                               f"--gpu-name={sm_arch_from_capability(cap)}", str(src), "-o",
                               str(src.with_suffix(".o"))], capture_output=True, text=True, check=True).stderr
 
-    def number(pattern: str) -> int:
-        found = re.search(pattern, log)
-        assert found, f"ptxas said: {log}"
-        return int(found.group(1))
-
-    return {"registers": number(r"Used (\d+) registers"), "stack": number(r"(\d+) bytes stack frame"),
-            "spill_stores": number(r"(\d+) bytes spill stores")}
+    return _numbers(log, {"registers": r"Used (\d+) registers", "stack": r"(\d+) bytes stack frame",
+                          "spill_stores": r"(\d+) bytes spill stores"})
 
 
 def amdgcn_report(compiled: Any) -> dict[str, int]:
     """What the AMD backend's assembly of ``compiled`` (:func:`compile_for`, an AMD target) says:
     ``registers`` (VGPRs a lane), ``stack`` (scratch bytes a lane) and ``spill_stores`` (VGPRs
     spilled to scratch; SGPR spills go to VGPR lanes, not memory), as :func:`ptxas_report` does."""
+    return _numbers(compiled.asm["amdgcn"], {"registers": r"; NumVgprs: (\d+)", "stack": r"; ScratchSize: (\d+)",
+                                             "spill_stores": r"\.vgpr_spill_count:\s+(\d+)"})
+
+
+def _numbers(text: str, patterns: dict[str, str]) -> dict[str, int]:
+    """Each pattern's first number in ``text`` (a compiler's report), by name."""
     import re
 
-    asm = compiled.asm["amdgcn"]
-
-    def number(pattern: str) -> int:
-        found = re.search(pattern, asm)
-        assert found, f"{pattern} not in the kernel's assembly"
-        return int(found.group(1))
-
-    return {"registers": number(r"; NumVgprs: (\d+)"), "stack": number(r"; ScratchSize: (\d+)"),
-            "spill_stores": number(r"\.vgpr_spill_count:\s+(\d+)")}
+    found = {name: re.search(pattern, text) for name, pattern in patterns.items()}
+    missing = [name for name, match in found.items() if match is None]
+    assert not missing, f"{missing} not in: {text[:2000]}"
+    return {name: int(match.group(1)) for name, match in found.items() if match is not None}
 
 
 def register_report(compiled: Any, target: str) -> dict[str, int]:
