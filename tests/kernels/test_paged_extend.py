@@ -298,7 +298,7 @@ def test_gpu_narrow_tiles_of_99_kb_gpus_at_head_dim_256(monkeypatch: pytest.Monk
     told this GPU allows ``limit`` bytes."""
     import kernels.paged_extend as pe
 
-    expected = pe.CUDA_NARROW_BLOCKS if limit > 98_976 else pe.CUDA_SMALL_BLOCKS
+    expected = pe.CUDA_NARROW_BLOCKS if limit >= pe.NARROW_TILES_SHARED else pe.CUDA_SMALL_BLOCKS
     options = pe.extend_launch_options(dtype, 256, shared_per_block=limit)
     assert (options["BLOCK_M"], options["BLOCK_N"]) == expected
     monkeypatch.setattr(pe, "shared_per_block_of", lambda device: limit)

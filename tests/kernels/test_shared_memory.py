@@ -141,10 +141,10 @@ def _compiled(jobs: list[tuple[Launch, str]]) -> list[tuple[int, dict[str, int]]
         return _class(launch), launch[2]["BLOCK_D"], launch[2]["HEAD_DIM"], SAME_CODE.get(target, target)
 
     unique: dict[tuple, tuple[Launch, str, bool]] = {}
-    for launch, target in jobs:
-        report = target in SPILL_CHECKED and _sixteen_bit(launch)
-        _, code, reported = unique.get(key(launch, target), (launch, SAME_CODE.get(target, target), False))
-        unique[key(launch, target)] = (launch, code, reported or report)
+    for launch, target in jobs:  # a shared compile reports when any of its targets is spill-checked
+        reported = unique.get(key(launch, target), (launch, "", False))[2]
+        report = reported or (target in SPILL_CHECKED and _sixteen_bit(launch))
+        unique[key(launch, target)] = (launch, SAME_CODE.get(target, target), report)
     results = dict(zip(unique, compile_all(list(unique.values())), strict=True))
     return [results[key(launch, target)] for launch, target in jobs]
 
