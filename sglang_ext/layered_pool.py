@@ -129,7 +129,8 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         )
         host_pool_limit(config.host_bytes, self._layered_args.kv_host_pool_gb, available_host_bytes(),
                         what=f"every layer of {logical_pages} pages of {self.page_size} tokens",
-                        device_in_host_bytes=config.device_bytes if config.device == "cpu" else 0)
+                        device_in_host_bytes=config.device_bytes if config.device == "cpu" else 0,
+                        share=settings.read_host_memory())
         self.core = LayeredKVCore(config, on_moves=self._emit_moves)
         self.store = self.core.store
         # SGLang's own one-launch KV write on CUDA (None elsewhere: two index_copy_ a layer)

@@ -271,12 +271,13 @@ class KvplanePlugin:
         settings.export_layered_kv_args(layered)
         ctx.layered = layered
         server_args = original(cls, namespace)
+        share = self._host_memory_share(server_args) if layered.enable_layered_kv else None
+        settings.export_host_memory(share)
         if layered.enable_layered_kv:
             model_config = self._model_config(server_args)
             if model_config is not None:
                 self._check_model(model_config, server_args)
-                if layered.kv_host_pool_gb is not None:
-                    self._check_host_pool_floor(model_config, server_args, layered.kv_host_pool_gb)
+                self._check_host_pool_floor(model_config, server_args, layered, share)
             if decision.notes:  # said once nothing is refused (a refusal is the only line)
                 print("kvplane: with --enable-layered-kv: " + "; ".join(decision.notes), file=sys.stderr)
         return server_args
@@ -303,9 +304,22 @@ class KvplanePlugin:
             _refuse_launch(refusal)
 
     @staticmethod
-    def _check_host_pool_floor(model_config: Any, server_args: Any, cap_gb: float) -> None:
-        """Refuse a ``--kv-host-pool-gb`` below what the model's KV needs (the scheduler would
-        refuse it after loading the model)."""
+    def _host_memory_share(server_args: Any) -> Any:
+        """What this host has available now, before any scheduler starts, and how many scheduler
+        processes (each pinning a host KV pool) the launch starts on it."""
+        from sglang_ext.dataplane.host_memory_share import HostMemoryShare, available_host_bytes
+
+        return HostMemoryShare.at_launch(
+            tp_size=server_args.tp_size, pp_size=server_args.pp_size, dp_size=server_args.dp_size,
+            nnodes=server_args.nnodes, available=available_host_bytes())
+
+    @staticmethod
+    def _check_host_pool_floor(model_config: Any, server_args: Any, layered: Any, share: Any) -> None:
+        """Refuse a ``--kv-host-pool-gb`` below what the model's KV needs, and without one (given
+        ``--max-total-tokens``) host pools that the launch's scheduler processes could not pin in
+        what this host has available (on CPU with their device pools, host memory there too): the
+        scheduler would refuse either, after loading the model."""
+        from sglang_ext.dataplane.host_pool import host_pool_limit
         from sglang_ext.host_pool_floor import HostPoolFloor
 
         try:
@@ -313,7 +327,17 @@ class KvplanePlugin:
         except Exception:  # an unreadable model config: SGLang reports it itself, with its reason
             return
         try:
-            floor.check(cap_gb)
+            if layered.kv_host_pool_gb is not None:
+                floor.check(layered.kv_host_pool_gb)
+            elif floor.max_total_tokens is not None:
+                device = 0
+                if str(server_args.device) == "cpu":
+                    budget = layered.kv_gpu_budget_tokens
+                    device = floor.min_bytes if budget is None else min(  # token-layers
+                        floor.min_bytes, budget * floor.token_bytes // floor.layers)
+                host_pool_limit(floor.min_bytes, None, share.available_bytes if share else None, share=share,
+                                device_in_host_bytes=device,
+                                what=f"every layer of --max-total-tokens {floor.max_total_tokens}")
         except ValueError as exc:
             _refuse_launch(f"invalid launch option: {exc}")
 

@@ -15,6 +15,9 @@ naming the variable, the value and what is allowed; unset or empty means the def
 ``KVPLANE_OVERHEAD_FILE``          kvplane's own time per step, rewritten every 64 steps
 ``KVPLANE_WORKER_ID``              worker id sent to the control plane (default ``sglang-HOST-PORT``;
                                    ``ID-dpD`` per replica with ``--dp-size > 1``: :func:`replica_worker_id`)
+``KVPLANE_HOST_MEMORY``            the host memory the launcher saw and the scheduler processes sharing it
+                                   (:class:`~sglang_ext.dataplane.host_memory_share.HostMemoryShare` as
+                                   JSON), set by the launcher with ``--enable-layered-kv``
 =================================  =====================================================================
 
 Files must be in an existing directory (and not be a directory). With ``--dp-size > 1`` every
@@ -33,6 +36,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sglang_ext.args import LayeredKVArgs
+    from sglang_ext.dataplane.host_memory_share import HostMemoryShare
 
 LAYERED_KV_ARGS_ENV = "KVPLANE_LAYERED_KV_ARGS"
 LOG_LEVEL_ENV = "KVPLANE_LOG_LEVEL"
@@ -41,6 +45,7 @@ STATS_FILE_ENV = "KVPLANE_STATS_FILE"
 POOL_STATS_FILE_ENV = "KVPLANE_POOL_STATS_FILE"
 OVERHEAD_FILE_ENV = "KVPLANE_OVERHEAD_FILE"
 WORKER_ID_ENV = "KVPLANE_WORKER_ID"
+HOST_MEMORY_ENV = "KVPLANE_HOST_MEMORY"
 ALL_VARIABLES = (
     LAYERED_KV_ARGS_ENV,
     LOG_LEVEL_ENV,
@@ -49,6 +54,7 @@ ALL_VARIABLES = (
     POOL_STATS_FILE_ENV,
     OVERHEAD_FILE_ENV,
     WORKER_ID_ENV,
+    HOST_MEMORY_ENV,
 )
 """Every variable this module reads, in the table's order."""
 
@@ -160,6 +166,20 @@ def read_layered_kv_args(environ: Mapping[str, str] | None = None) -> LayeredKVA
         raise ValueError(f"{LAYERED_KV_ARGS_ENV}: {exc}") from exc
 
 
+def read_host_memory(environ: Mapping[str, str] | None = None) -> HostMemoryShare | None:
+    """``KVPLANE_HOST_MEMORY`` as a :class:`~sglang_ext.dataplane.host_memory_share.HostMemoryShare`;
+    None when unset (a pool built outside a launch checks only its own share)."""
+    from sglang_ext.dataplane.host_memory_share import HostMemoryShare
+
+    raw = _raw(environ, HOST_MEMORY_ENV)
+    if raw is None:
+        return None
+    try:
+        return HostMemoryShare.from_json(raw)
+    except ValueError as exc:
+        raise ValueError(f"{HOST_MEMORY_ENV}: {exc}") from exc
+
+
 # ----- writers (the launcher exports for SGLang's subprocesses) --------------------------------------
 
 
@@ -170,6 +190,15 @@ def export_layered_kv_args(args: LayeredKVArgs | None, environ: MutableMapping[s
         env.pop(LAYERED_KV_ARGS_ENV, None)
     else:
         env[LAYERED_KV_ARGS_ENV] = args.to_json()
+
+
+def export_host_memory(share: HostMemoryShare | None, environ: MutableMapping[str, str] | None = None) -> None:
+    """Set ``KVPLANE_HOST_MEMORY`` to ``share`` (removed when None)."""
+    env = os.environ if environ is None else environ
+    if share is None:
+        env.pop(HOST_MEMORY_ENV, None)
+    else:
+        env[HOST_MEMORY_ENV] = share.to_json()
 
 
 def export_log_level(sglang_level: str | None, environ: MutableMapping[str, str] | None = None) -> str:
@@ -211,6 +240,8 @@ class KvplaneEnv:
     """``KVPLANE_OVERHEAD_FILE``."""
     worker_id: str | None = None
     """``KVPLANE_WORKER_ID``."""
+    host_memory: HostMemoryShare | None = None
+    """``KVPLANE_HOST_MEMORY``."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> KvplaneEnv:
@@ -224,4 +255,5 @@ class KvplaneEnv:
             pool_stats_file=read_output_file(POOL_STATS_FILE_ENV, environ),
             overhead_file=read_output_file(OVERHEAD_FILE_ENV, environ),
             worker_id=read_worker_id(environ),
+            host_memory=read_host_memory(environ),
         )

@@ -49,7 +49,7 @@ SERVER_ARGS = Target(
     f"{_SRT}.server_args.ServerArgs",
     attrs=("device", "port", "pp_size", "log_level", "radix_cache_backend", "disable_radix_cache",
            "disable_overlap_schedule", "enable_metrics", "kv_cache_dtype", "tp_size", "page_size",
-           "max_total_tokens"),
+           "max_total_tokens", "nnodes"),
     used_by=("plugin", "scheduler_hooks", "worker_metrics", "host_pool_floor"),
 )
 SERVER_ARGS_ADD_CLI_ARGS = Target(f"{_SRT}.server_args.ServerArgs.add_cli_args", params=("parser",),

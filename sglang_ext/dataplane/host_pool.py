@@ -8,42 +8,38 @@ copy -- and unregistered when the tensor dies. On CPU nothing is pinned (and the
 the test sizes are small and at-rest reads of never-written pages then read zeros).
 
 :func:`host_pool_limit` is the launch check: without ``--kv-host-pool-gb`` the pool may take up
-to :data:`AVAILABLE_SHARE` of the host's available memory; either way a pool that cannot hold
-every layer of every page (what the store keeps on the host) fails at start with the figures
-and what to change.
+to :data:`AVAILABLE_SHARE` of the host's available memory (the least of ``MemAvailable`` and the
+process's cgroup limits: :func:`~sglang_ext.dataplane.host_memory_share.available_host_bytes`), and the
+pools of all the launch's scheduler processes on the host together may take that share of what
+the host had when the server was launched (:class:`~sglang_ext.dataplane.host_memory_share.HostMemoryShare`);
+either way a pool that cannot hold every layer of every page (what the store keeps on the host)
+fails at start with the figures and what to change.
 """
 
 from __future__ import annotations
 
 import weakref
-from pathlib import Path
 
 import torch
+
+from sglang_ext.dataplane.host_memory_share import HostMemoryShare, available_host_bytes
+
+__all__ = ["AVAILABLE_SHARE", "GB", "HostMemoryShare", "allocate_host_pool", "available_host_bytes", "host_pool_limit"]
 
 GB = 1e9
 AVAILABLE_SHARE = 0.8
 """Share of the host's available memory a pool sized by default may take."""
 
 
-def available_host_bytes(meminfo: str | Path = "/proc/meminfo") -> int | None:
-    """``MemAvailable`` of the host in bytes, None where it cannot be read."""
-    try:
-        for line in Path(meminfo).read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def host_pool_limit(needed_bytes: int, cap_gb: float | None, available: int | None,
-                    *, what: str, device_in_host_bytes: int = 0) -> None:
+                    *, what: str, device_in_host_bytes: int = 0, share: HostMemoryShare | None = None) -> None:
     """Raise ValueError, with the figures and the remedy, when the host pool of ``needed_bytes``
     (``what`` says what it holds) exceeds ``--kv-host-pool-gb`` (``cap_gb``) or, without one,
     :data:`AVAILABLE_SHARE` of the host's ``available`` memory -- together with the device pool
     when that lives in host memory too (``device_in_host_bytes``: ``--device cpu``, where a
     launch without ``--max-total-tokens`` sized both pools from the same free memory and the
-    scheduler was killed for memory)."""
+    scheduler was killed for memory) -- or when the pools of the ``share.ranks`` scheduler
+    processes of the launch on this host exceed that share of what it had at launch."""
     need = needed_bytes / GB
     if cap_gb is not None:
         if needed_bytes > cap_gb * GB:
@@ -52,6 +48,20 @@ def host_pool_limit(needed_bytes: int, cap_gb: float | None, available: int | No
                 "raise it or lower --max-total-tokens"
             )
         return
+    per_rank = needed_bytes + device_in_host_bytes
+    if share is not None and share.ranks > 1 and share.available_bytes is not None and (
+        share.ranks * per_rank > AVAILABLE_SHARE * share.available_bytes
+    ):
+        each = f"{what} = {need:.3f} GB" + (
+            f" and its device KV pool, host memory on CPU, {device_in_host_bytes / GB:.3f} GB" if device_in_host_bytes
+            else "")
+        raise ValueError(
+            f"the {share.ranks} scheduler processes this launch starts on this host (--tp-size x --pp-size x "
+            f"--dp-size / --nnodes) each pin a host KV pool of {each}: {share.ranks * per_rank / GB:.3f} GB in all, "
+            f"more than {AVAILABLE_SHARE:.0%} of the host's available memory when the server was launched "
+            f"({share.available_bytes / GB:.3f} GB, cgroup memory limits counted); lower --max-total-tokens "
+            "(or set --kv-host-pool-gb to override the check)"
+        )
     if available is not None and device_in_host_bytes and (
         needed_bytes + device_in_host_bytes > AVAILABLE_SHARE * available
     ):
@@ -66,8 +76,8 @@ def host_pool_limit(needed_bytes: int, cap_gb: float | None, available: int | No
     if available is not None and needed_bytes > AVAILABLE_SHARE * available:
         raise ValueError(
             f"the host KV pool must hold {what} = {need:.3f} GB, more than "
-            f"{AVAILABLE_SHARE:.0%} of the host's available memory ({available / GB:.3f} GB); "
-            "lower --max-total-tokens (or set --kv-host-pool-gb to override the check)"
+            f"{AVAILABLE_SHARE:.0%} of the host's available memory ({available / GB:.3f} GB, cgroup "
+            "memory limits counted); lower --max-total-tokens (or set --kv-host-pool-gb to override the check)"
         )
 
 

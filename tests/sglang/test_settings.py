@@ -9,6 +9,7 @@ import pytest
 
 from sglang_ext import settings
 from sglang_ext.args import LayeredKVArgs
+from sglang_ext.dataplane.host_memory_share import HostMemoryShare
 from sglang_ext.settings import KvplaneEnv
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,7 +25,7 @@ def test_unset_or_empty_means_defaults() -> None:
 
 
 def test_every_variable_is_read_into_a_typed_field(tmp_path: Path) -> None:
-    """Each of the seven variables lands in its field with its type (paths, normalised level)."""
+    """Each of the eight variables lands in its field with its type (paths, normalised level)."""
     layered = LayeredKVArgs(enable_layered_kv=True, kv_scheduler="lvf")
     env = KvplaneEnv.from_environ({
         settings.LAYERED_KV_ARGS_ENV: layered.to_json(),
@@ -34,6 +35,7 @@ def test_every_variable_is_read_into_a_typed_field(tmp_path: Path) -> None:
         settings.POOL_STATS_FILE_ENV: str(tmp_path / "pool.jsonl"),
         settings.OVERHEAD_FILE_ENV: str(tmp_path / "overhead.json"),
         settings.WORKER_ID_ENV: "sglang-node7-30000",
+        settings.HOST_MEMORY_ENV: '{"ranks": 8, "available_bytes": 512000000000}',
     })
     assert env == KvplaneEnv(
         layered_kv_args=layered,
@@ -43,8 +45,9 @@ def test_every_variable_is_read_into_a_typed_field(tmp_path: Path) -> None:
         pool_stats_file=tmp_path / "pool.jsonl",
         overhead_file=tmp_path / "overhead.json",
         worker_id="sglang-node7-30000",
+        host_memory=HostMemoryShare(ranks=8, available_bytes=512_000_000_000),
     )
-    assert len(settings.ALL_VARIABLES) == 7 == len(KvplaneEnv.__dataclass_fields__)
+    assert len(settings.ALL_VARIABLES) == 8 == len(KvplaneEnv.__dataclass_fields__)
 
 
 @pytest.mark.parametrize(
@@ -67,6 +70,12 @@ def test_every_variable_is_read_into_a_typed_field(tmp_path: Path) -> None:
         (settings.LAYERED_KV_ARGS_ENV, '{"kv_scheduler": "sjf"}',
          "KVPLANE_LAYERED_KV_ARGS: --kv-scheduler='sjf' is invalid; allowed: fcfs, layerkv, lvf"),
         (settings.LAYERED_KV_ARGS_ENV, '{"kv_bogus": 1}', "KVPLANE_LAYERED_KV_ARGS: unknown kvplane option(s) ['kv_bogus']"),
+        (settings.HOST_MEMORY_ENV, "{", "KVPLANE_HOST_MEMORY: not JSON"),
+        (settings.HOST_MEMORY_ENV, '{"ranks": 0, "available_bytes": null}',
+         "KVPLANE_HOST_MEMORY: ranks=0 is out of range [1, 65536]"),
+        (settings.HOST_MEMORY_ENV, '{"ranks": 2, "available_bytes": -1}',
+         "KVPLANE_HOST_MEMORY: available_bytes=-1 must be a byte count >= 0 or null"),
+        (settings.HOST_MEMORY_ENV, '{"ranks": 2}', "KVPLANE_HOST_MEMORY: '{\"ranks\": 2}': want an object with exactly"),
     ],
 )
 def test_bad_value_names_variable_value_and_allowed(tmp_path: Path, name: str, value: str, message: str) -> None:
@@ -85,6 +94,16 @@ def test_layered_kv_args_round_trip_through_export() -> None:
     assert settings.read_layered_kv_args(environ) == on == LayeredKVArgs.from_env(environ)
     settings.export_layered_kv_args(LayeredKVArgs(), environ)
     assert settings.LAYERED_KV_ARGS_ENV not in environ
+
+
+def test_host_memory_round_trips_through_export() -> None:
+    """The launcher's snapshot is what the schedulers read; None removes the variable."""
+    environ: dict[str, str] = {}
+    share = HostMemoryShare(ranks=4, available_bytes=None)
+    settings.export_host_memory(share, environ)
+    assert settings.read_host_memory(environ) == share
+    settings.export_host_memory(None, environ)
+    assert settings.HOST_MEMORY_ENV not in environ and settings.read_host_memory(environ) is None
 
 
 def test_log_level_export_keeps_a_user_value_and_validates_it() -> None:
