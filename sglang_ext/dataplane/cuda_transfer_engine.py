@@ -28,6 +28,7 @@ from kernels.pitched_memcpy import probe as probe_pitched
 from kernels.pitched_memcpy import probe_in_subprocess as probe_copy_engines
 from sglang_ext.dataplane.event_clock import EventClock
 from sglang_ext.dataplane.fetch_run_cache import FetchRunCache, Plan
+from sglang_ext.dataplane.host_pool import registered_host_pointers
 from sglang_ext.dataplane.page_fetch import PageFetch
 from sglang_ext.dataplane.pinned_upload_ring import PinnedUploadRing
 from sglang_ext.dataplane.transfer_clock import STALL
@@ -104,20 +105,33 @@ class CudaTransferEngine(TransferEngine):
             self.set_copy_engine("dma")
 
     def _probe_zero_copy(self) -> str:
-        """Check once, at construction, that the Triton kernel can read and write pinned memory."""
-        probe_host = torch.arange(8, dtype=torch.float32).view(2, 4).pin_memory()
-        probe_dev = torch.zeros(2, 4, device=self.device)
+        """Check once, at construction, that the Triton kernel can read and write the host pool:
+        the pool is registered memory (``cudaHostRegister``), whose host address a kernel may use
+        only where the device says so (:func:`registered_host_pointers`; a kernel touching it
+        elsewhere faults the whole context, so it is never tried), and then two of the pool's own
+        rows make a round trip (restored after)."""
+        if registered_host_pointers(self.device) is False:
+            log.warning("kv_transfer_zero_copy_unavailable",
+                        error="the device cannot use registered host memory's host pointers")
+            return "memcpy"
+        host = self._words[0]
+        if host.shape[0] < 2:
+            return "memcpy"
+        saved = host[:2].clone()
+        host[:2] = torch.arange(2 * host.shape[1], dtype=host.dtype).view(2, -1)
+        expected = host[:2].clone()
+        probe_dev = torch.zeros_like(expected, device=self.device)
         idx = torch.tensor([1, 0], device=self.device)
         try:
-            copy_segments(probe_host, probe_dev, idx, idx.flip(0), impl="triton")
-            copy_segments(probe_dev, probe_host, idx[1:], idx[1:], impl="triton")  # row 0 -> row 0
+            copy_segments(host, probe_dev, idx, idx.flip(0), impl="triton")
+            copy_segments(probe_dev, host, idx[1:], idx[1:], impl="triton")  # dev row 0 (pool row 1) -> row 0
             torch.cuda.synchronize(self.device)
-            ok = probe_dev.cpu().tolist() == [[4.0, 5.0, 6.0, 7.0], [0.0, 1.0, 2.0, 3.0]] and (
-                probe_host.tolist() == [[4.0, 5.0, 6.0, 7.0], [4.0, 5.0, 6.0, 7.0]]
-            )
+            ok = torch.equal(probe_dev.cpu(), expected.flip(0)) and torch.equal(host[:2], expected[1:].expand(2, -1))
         except Exception as exc:  # noqa: BLE001 - any failure selects the safe path
             log.warning("kv_transfer_zero_copy_unavailable", error=str(exc))
             return "memcpy"
+        finally:
+            host[:2] = saved
         if not ok:
             log.warning("kv_transfer_zero_copy_wrong_result")
             return "memcpy"

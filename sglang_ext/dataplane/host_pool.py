@@ -18,17 +18,21 @@ fails at start with the figures and what to change.
 
 from __future__ import annotations
 
+import ctypes
 import weakref
 
 import torch
 
 from sglang_ext.dataplane.host_memory_share import HostMemoryShare, available_host_bytes
 
-__all__ = ["AVAILABLE_SHARE", "GB", "HostMemoryShare", "allocate_host_pool", "available_host_bytes", "host_pool_limit"]
+__all__ = ["AVAILABLE_SHARE", "GB", "HostMemoryShare", "allocate_host_pool", "available_host_bytes", "host_pool_limit",
+           "registered_host_pointers"]
 
 GB = 1e9
 AVAILABLE_SHARE = 0.8
 """Share of the host's available memory a pool sized by default may take."""
+CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91
+"""``CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM`` (``cuda.h``)."""
 
 
 def host_pool_limit(needed_bytes: int, cap_gb: float | None, available: int | None,
@@ -95,3 +99,24 @@ def allocate_host_pool(shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool)
             raise RuntimeError(f"cudaHostRegister of the {nbytes / GB:.3f} GB host KV pool failed: {err}")
         weakref.finalize(pool, cudart.cudaHostUnregister, pool.data_ptr())
     return pool
+
+
+def registered_host_pointers(device: torch.device, driver: str = "libcuda.so.1") -> bool | None:
+    """Whether kernels on CUDA ``device`` may address registered host memory (the pool:
+    :func:`allocate_host_pool`) by its host pointer, as kvplane's Triton copy kernels do
+    (``CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM``; memory from
+    ``cudaHostAlloc`` is not in question); None where the driver cannot say (no ``libcuda``, as
+    on ROCm). CUDA must be initialised (the caller holds device tensors)."""
+    try:
+        lib = ctypes.CDLL(driver)
+        get_dev, get_attr = lib.cuDeviceGet, lib.cuDeviceGetAttribute
+    except (OSError, AttributeError):
+        return None
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    dev, value = ctypes.c_int(), ctypes.c_int()
+    if get_dev(ctypes.byref(dev), ctypes.c_int(index)) != 0:
+        return None
+    if get_attr(ctypes.byref(value), ctypes.c_int(CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM), dev) != 0:
+        return None
+    return value.value != 0
