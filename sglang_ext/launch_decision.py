@@ -156,6 +156,9 @@ _REFUSED_SWITCHES: tuple[tuple[str, str, str], ...] = (
      "output is not guaranteed"),
     ("rl_on_policy_target", "--rl-on-policy-target",
      "it turns on deterministic inference, whose fixed split sizes the layered decode backends do not apply"),
+    ("dllm_algorithm", "--dllm-algorithm",
+     "diffusion-LM inference denoises blocks of tokens in a forward mode (DLLM_EXTEND) and CUDA graphs of "
+     "its own, which the layered step tables and decode graphs do not follow"),
     ("smg_grpc_mode", "--smg-grpc-mode", _FRONT_END),
     ("grpc_mode", "--grpc-mode", _FRONT_END),
 )

@@ -24,7 +24,7 @@ STOCK = {
     "enable_prefill_cp": False, "enable_mis": False, "enable_deterministic_inference": False,
     "dcp_size": 1, "attn_cp_size": 1, "kv_canary": "none", "tokenizer_worker_num": 1,
     "rl_on_policy_target": None, "smg_grpc_mode": False, "grpc_mode": False, "radix_eviction_policy": "lru",
-    "enable_torch_compile": False, "tp_size": 1,
+    "enable_torch_compile": False, "tp_size": 1, "dllm_algorithm": None,
 }
 """SGLang 0.5.23's parsed defaults for these options (checked against the real parser in
 ``test_stock_values_are_sglang_defaults``)."""
@@ -235,6 +235,7 @@ def test_kv_overlap_schedule_on_keeps_sglangs_overlap_loop_and_says_so():
         ({"rl_on_policy_target": "fsdp"}, "--rl-on-policy-target: it turns on deterministic inference"),
         ({"smg_grpc_mode": True}, "--smg-grpc-mode: the SMG gRPC front end serves requests without"),
         ({"grpc_mode": True}, "--grpc-mode: the SMG gRPC front end"),
+        ({"dllm_algorithm": "LowConfidence"}, "--dllm-algorithm: diffusion-LM inference denoises"),
         ({"radix_eviction_policy": "tlru"}, "--radix-eviction-policy tlru: T-LRU needs"),
         ({"cuda_graph_config": {"decode": {}}}, "--cuda-graph-config: not supported with --enable-layered-kv"),
         ({"cuda_graph_config": {}, "kv_cuda_graphs": "on", "attention_backend": "triton"}, "--cuda-graph-config"),
