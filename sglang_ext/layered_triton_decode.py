@@ -117,6 +117,9 @@ class LayeredTritonDecode(LayeredPagedDecode):
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         view = graph.view(index)
         cap, window = layer_cap_window(layer)
+        # no split count: paged_decode's default, bounded by the buffers' full row width, is the
+        # one a captured size serves every context length with; an eager step bounds it by its own
+        # tables (step_splits), so on a GPU a replay and an eager step sum in different orders
         out = paged_decode(q3, store.dev[0], store.dev[1], view.kv_indptr, view.kv_indices, view.kv_lens,
                            sm_scale=getattr(layer, "scaling", None), logits_soft_cap=cap, window_left=window)
         if out.dtype != q.dtype:

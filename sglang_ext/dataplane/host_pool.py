@@ -19,8 +19,10 @@ fails at start with the figures and what to change.
 from __future__ import annotations
 
 import ctypes
+import time
 import weakref
 
+import structlog
 import torch
 
 from sglang_ext.dataplane.host_memory_share import HostMemoryShare, available_host_bytes
@@ -31,6 +33,7 @@ __all__ = ["AVAILABLE_SHARE", "GB", "HostMemoryShare", "allocate_host_pool", "av
 GB = 1e9
 AVAILABLE_SHARE = 0.8
 """Share of the host's available memory a pool sized by default may take."""
+log = structlog.get_logger(__name__)
 CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91
 """``CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM`` (``cuda.h``)."""
 
@@ -94,10 +97,13 @@ def allocate_host_pool(shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool)
     nbytes = pool.numel() * pool.element_size()
     if nbytes:
         cudart = torch.cuda.cudart()
+        t0 = time.perf_counter()
         err = cudart.cudaHostRegister(pool.data_ptr(), nbytes, 0)
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister of the {nbytes / GB:.3f} GB host KV pool failed: {err}")
         weakref.finalize(pool, cudart.cudaHostUnregister, pool.data_ptr())
+        # registering faults in and locks every page: seconds per tens of GB, at start-up
+        log.info("host_kv_pool_pinned", gb=round(nbytes / GB, 3), seconds=round(time.perf_counter() - t0, 2))
     return pool
 
 
