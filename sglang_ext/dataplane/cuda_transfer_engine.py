@@ -131,6 +131,10 @@ class CudaTransferEngine(TransferEngine):
             log.warning("kv_transfer_zero_copy_unavailable", error=str(exc))
             return "memcpy"
         finally:
+            try:  # a failed launch may have left a copy running: it must not land after the restore
+                torch.cuda.synchronize(self.device)
+            except Exception:  # noqa: BLE001 - the context may be gone; the rows are restored anyway
+                pass
             host[:2] = saved
         if not ok:
             log.warning("kv_transfer_zero_copy_wrong_result")
