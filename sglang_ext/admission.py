@@ -61,7 +61,10 @@ class AdmissionGate:
         self._positions: dict[int, int] = {}
 
     def admit(self, rids: Iterable[str]) -> None:
-        self.admitted.update(rids)
+        """The control plane admitted ``rids``; remembered only while the gate is on (the control
+        plane sends admits under every scheduler, and nothing prunes them with the gate off)."""
+        if self.enabled:
+            self.admitted.update(rids)
 
     def hold_back(self, scheduler: Any, running_batch: Any, pauser: Any) -> list[tuple[int, Any]]:
         """Remove the not-admitted requests from ``scheduler.waiting_queue``; returns them with

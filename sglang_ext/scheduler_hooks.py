@@ -33,8 +33,8 @@ Hook points:
 * AFTER ``Scheduler.process_batch_result``: step time (launch to processed result, so it includes
   the device sync), finished requests released from the pool, and on rank 0 the step report
   (:meth:`StepReporter.end_step`) and the stats line.
-* AROUND ``Scheduler.abort_request``: a paused request being aborted is resumed first, so SGLang's
-  own abort path finishes it and frees its KV.
+* AROUND ``Scheduler.abort_request``, ``pause_generation`` and ``is_fully_idle``: SGLang's calls
+  that must see parked requests (:mod:`sglang_ext.parked_lifecycle`).
 * AFTER ``Scheduler._add_request_to_queue``: a request that asked for its placement info is noted.
 """
 
@@ -52,7 +52,7 @@ import structlog
 import torch
 
 from controlplane.api import WorkerInfo
-from sglang_ext import compat, settings
+from sglang_ext import compat, parked_lifecycle, settings
 from sglang_ext.admission import GATED_SCHEDULERS, AdmissionGate
 from sglang_ext.context import PluginContext
 from sglang_ext.control_client import ControlClient, build_control_plane
@@ -442,21 +442,6 @@ def _after_add_request_to_queue(result: Any, scheduler: Any, req: Any, *args: An
     return None
 
 
-def _around_abort(original: Any, scheduler: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
-    hooks = _hooks_of(scheduler)
-    if hooks is not None and len(hooks.pauser):
-        rid = getattr(recv_req, "rid", "") or ""
-        every = bool(getattr(recv_req, "abort_all", False))
-        scheduler.running_batch, resumed = hooks.pauser.resume_matching(
-            scheduler.running_batch, lambda req: every or req.rid.startswith(rid)
-        )
-        if resumed:
-            log.info("paused_requests_aborted", rids=resumed)
-            if hooks.metrics is not None and hooks.tp.is_source:
-                hooks.metrics.resumed(len(resumed))
-    return original(scheduler, recv_req, *args, **kwargs)
-
-
 def register(hook_registry: Any, hook_type: Any, ctx: PluginContext) -> None:
     """Install the scheduler hooks (called by the plugin when the flag is on); the schedulers
     built in this process get ``ctx``."""
@@ -464,5 +449,8 @@ def register(hook_registry: Any, hook_type: Any, ctx: PluginContext) -> None:
     hook_registry.register(compat.SCHEDULER_GET_NEXT_BATCH_TO_RUN.path, _around_next_batch, hook_type.AROUND)
     hook_registry.register(compat.SCHEDULER_RUN_BATCH.path, _around_run_batch, hook_type.AROUND)
     hook_registry.register(compat.SCHEDULER_PROCESS_BATCH_RESULT.path, _after_process_result, hook_type.AFTER)
-    hook_registry.register(compat.SCHEDULER_ABORT_REQUEST.path, _around_abort, hook_type.AROUND)
+    hook_registry.register(compat.SCHEDULER_ABORT_REQUEST.path, parked_lifecycle.around_abort, hook_type.AROUND)
+    hook_registry.register(compat.SCHEDULER_PAUSE_GENERATION.path, parked_lifecycle.around_pause_generation,
+                           hook_type.AROUND)
+    hook_registry.register(compat.SCHEDULER_IS_FULLY_IDLE.path, parked_lifecycle.around_is_fully_idle, hook_type.AROUND)
     hook_registry.register(compat.SCHEDULER_ADD_REQUEST_TO_QUEUE.path, _after_add_request_to_queue, hook_type.AFTER)

@@ -8,8 +8,9 @@ Called AROUND ``Scheduler.get_next_batch_to_run`` (:mod:`sglang_ext.scheduler_ho
   (:class:`~sglang_ext.tp_sync.TpSync`); each rank installs the placements' policy
   (:class:`~sglang_ext.tp_sync.PlacementInstaller`), opens the admission gate for the admitted
   requests, pauses / resumes requests keeping their KV (:class:`~sglang_ext.pause.PauseManager`).
-  Local rule: the running batch is never left empty while requests are parked (they are all
-  resumed), so paused KV never idles a server. A quiet single-rank boundary (nothing received,
+  Local rules: the running batch is never left empty while requests are parked (they are all
+  resumed), so paused KV never idles a server; without a control plane (fallback) nothing is
+  paused and every parked request is resumed, since only the controller would resume them. A quiet single-rank boundary (nothing received,
   nobody paused or waiting to be, the fallback state unchanged) installs nothing.
 * :meth:`StepBoundary.after_schedule` (SGLang allocated this step's KV): the residency wants go
   to the layered pool unless the policy is unchanged since the last install.
@@ -99,13 +100,17 @@ class StepBoundary:
             layers = d.plan.recompute_layers  # docs/recompute.md: u > 0 only, k alongside
             recompute = {rid: (int(u), int(layers.get(rid, 0))) for rid, u in d.plan.recompute_blocks.items()}
             reasons.append(d.reason)
+        fallback = bool(self.client is not None and self.client.in_fallback)
+        if fallback:  # no control plane to resume them: pause nobody (apply resumes the parked)
+            pause.clear()
+            inbox.deferred_pause.clear()
         return StepInstall(
             step=step + 1,
             pause=tuple(pause),
             resume=tuple(r for r in resume if r in self.pauser),
             placements=placements,
             recompute=recompute or None,
-            fallback=bool(self.client is not None and self.client.in_fallback),
+            fallback=fallback,
             reason=",".join(r for r in reasons if r),
             admit=tuple(admit),
             prefill_layers=prefill_layers or None,
@@ -125,6 +130,14 @@ class StepBoundary:
         for rid in paused:
             deferred.pop(rid, None)
         running_batch, resumed = self.pauser.resume(running_batch, install.resume)
+        if install.fallback:
+            # without a control plane nothing would resume a parked request (OrbitFlow's pause is
+            # the controller's, bounded by its policy): every rank resumes them all, and drops
+            # the pauses that waited for a request to join the batch
+            deferred.clear()
+            if len(self.pauser):
+                running_batch, more = self.pauser.resume_all(running_batch)
+                resumed += more
         refill = last_batch is not None and not last_batch.is_empty() and last_batch.forward_mode.is_extend()
         if len(self.pauser) and not refill and all(req.finished() for req in running_batch.reqs):
             # idle (finished requests are filtered next): resume everyone rather than idle

@@ -17,6 +17,7 @@ as a dataclass / msgspec field or annotation, or assigns ``self.<name> = ...`` i
 from __future__ import annotations
 
 from sglang_ext.compat.surface_graphs import *  # noqa: F403 -- part of the surface (TARGETS, __all__)
+from sglang_ext.compat.surface_lifecycle import *  # noqa: F403 -- part of the surface (TARGETS, __all__)
 from sglang_ext.compat.surface_models import (  # noqa: F401 -- part of the surface (TARGETS, __all__)
     ATTENTION_ARCH,
     MODEL_CONFIG_SUPPORT,
@@ -262,8 +263,6 @@ SCHEDULER_RUN_BATCH = Target(f"{_SRT}.managers.scheduler.Scheduler.run_batch", p
                              used_by=("scheduler_hooks",))
 SCHEDULER_PROCESS_BATCH_RESULT = Target(f"{_SRT}.managers.scheduler.Scheduler.process_batch_result",
                                         params=("self", "batch", "result"), used_by=("scheduler_hooks",))
-SCHEDULER_ABORT_REQUEST = Target(f"{_SRT}.managers.scheduler.Scheduler.abort_request",
-                                 params=("self", "recv_req"), used_by=("scheduler_hooks",))
 NEXT_BATCH_PLAN = Target(f"{_SRT}.managers.schedule_batch.NextBatchPlan", attrs=("running_batch", "batch_to_run"),
                          used_by=("scheduler_hooks",))
 ABORT_REQ = Target(f"{_SRT}.managers.io_struct.AbortReq", attrs=("rid", "abort_all"), used_by=("scheduler_hooks",))

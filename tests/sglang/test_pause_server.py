@@ -234,3 +234,37 @@ def test_aborting_a_paused_request_frees_it_and_the_server_keeps_serving(paused_
     assert greedy(server, "Still serving after the abort", 4)["meta_info"]["completion_tokens"] == 4
     last = _stats(stats_path)[-1]
     assert last["paused"] == [] and not any(r.startswith("kvplane-abort-me") for r in last["running"])
+
+
+def test_a_retract_pause_and_a_cache_flush_take_parked_requests_too(paused_server, vanilla_server):
+    """The RL weight-update sequence -- ``/pause_generation`` (retract), ``/flush_cache``,
+    ``/continue_generation`` -- while requests are parked. SGLang's retract takes the running batch
+    only, and its flush then clears the request rows, the radix tree and the KV allocator: parked
+    requests kept theirs through it and resumed on freed KV (scheduler review, session 54). Now
+    they are resumed into the retract first: every request recomputes its KV after the flush and
+    ends token-identical to vanilla SGLang; the server log says which were parked."""
+    import urllib.request
+
+    from tests.service.conftest import wait_until
+
+    server, stats_path, _ = paused_server
+    prompts, new_tokens = PROMPTS[:8], 40
+    start = stats_path.stat().st_size
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(greedy, server, p, new_tokens, logprobs=True) for p in prompts]
+        try:
+            parked = wait_until(lambda: bool(_last_paused(stats_path, start)), 400.0, 0.01)
+            server.post("/pause_generation", {"mode": "retract"})
+            flush = urllib.request.Request(server.base_url + "/flush_cache", data=b"", method="POST")
+            with urllib.request.urlopen(flush, timeout=60) as resp:
+                flushed = resp.status == 200
+        finally:
+            server.post("/continue_generation", {})
+        outs = [f.result(timeout=900) for f in futures]
+    assert parked, "no request was parked"
+    assert flushed, "the flush was refused"
+    retracted = [line for line in server.log_path.read_text().splitlines() if "paused_requests_retracted" in line]
+    assert retracted, "the retract found no parked request"
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert_same_generation(out, greedy(vanilla_server, prompt, new_tokens, logprobs=True), prompt)
+    assert greedy(server, "Still serving after the flush", 4)["meta_info"]["completion_tokens"] == 4

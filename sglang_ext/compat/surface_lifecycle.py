@@ -1,0 +1,31 @@
+"""The SGLang scheduler calls that must see kvplane's parked (paused) requests
+(:mod:`sglang_ext.parked_lifecycle`).
+
+Part of :mod:`sglang_ext.compat.surface` (imported there, so in its ``TARGETS``). A parked request
+is out of SGLang's running batch but holds its request row, KV slots and radix-tree lock; SGLang
+calls that reason about "everything running" would otherwise not see it.
+"""
+
+from __future__ import annotations
+
+from sglang_ext.compat.target import Target
+
+_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+
+__all__ = ["SCHEDULER_ABORT_REQUEST", "SCHEDULER_PAUSE_GENERATION", "PAUSE_GENERATION_REQ", "SCHEDULER_IS_FULLY_IDLE"]
+
+SCHEDULER_ABORT_REQUEST = Target(f"{_SCHEDULER}.abort_request", params=("self", "recv_req"),
+                                 used_by=("parked_lifecycle",))
+"""A parked request being aborted is resumed first, so SGLang's abort finishes it."""
+SCHEDULER_PAUSE_GENERATION = Target(f"{_SCHEDULER}.pause_generation", params=("self", "recv_req"),
+                                    used_by=("parked_lifecycle",))
+"""``/pause_generation``: its ``retract`` mode retracts the running batch, the last batch and the
+chunked request, then empties the running batch -- parked requests are resumed first so that it
+retracts them too (RL weight updates: pause, update with ``flush_cache``, continue)."""
+PAUSE_GENERATION_REQ = Target("sglang.srt.managers.io_struct.PauseGenerationReqInput", attrs=("mode",),
+                              used_by=("parked_lifecycle",))
+SCHEDULER_IS_FULLY_IDLE = Target(f"{_SCHEDULER}.is_fully_idle", params=("self",),
+                                 keyword=("for_health_check", "ignore_waiting"), used_by=("parked_lifecycle",))
+"""Whether nothing holds KV or runs: gates ``flush_cache`` (which clears the radix tree, the request
+rows and the KV allocator), weight updates, HiCache attach / detach and the health check; a
+scheduler with parked requests is not idle."""

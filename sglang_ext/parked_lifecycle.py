@@ -1,0 +1,77 @@
+"""SGLang scheduler calls that must see kvplane's parked requests (keep-KV pause, ``pause.py``).
+
+A parked request is out of SGLang's running batch but keeps its request row, its KV slots and its
+radix-tree lock, and the step boundary merges it back later. SGLang's own calls that act on
+"everything in flight" do not see it, so each is wrapped here (AROUND hooks, registered by
+:func:`sglang_ext.scheduler_hooks.register`; pass-throughs on a scheduler without kvplane):
+
+* ``Scheduler.abort_request``: a parked request being aborted is resumed first, so SGLang's own
+  abort finishes it and frees its KV once; a request aborted while still queued (SGLang drops it
+  from the queue without a batch, so no step ever ends it) has kvplane's per-request install state
+  released (it grew without bound under repeated aborts).
+* ``Scheduler.pause_generation`` in ``retract`` mode (RL weight updates: pause, update weights
+  with ``flush_cache``, continue): parked requests are resumed first, so SGLang retracts them with
+  the running batch. Before, they stayed parked through the flush, which cleared the request rows,
+  the radix tree and the KV allocator under them; at ``/continue_generation`` they resumed on
+  freed KV and later freed slots that belonged to other requests.
+* ``Scheduler.is_fully_idle``: not idle while any request is parked (it gates ``flush_cache``,
+  weight updates, HiCache attach / detach and the health check; an in-place pause with parked
+  requests now refuses a flush, as SGLang does with running ones).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+
+def _hooks_of(scheduler: Any) -> Any:
+    return getattr(scheduler, "_kvplane", None)
+
+
+def _resume(scheduler: Any, hooks: Any, predicate: Any, event: str) -> list[str]:
+    scheduler.running_batch, resumed = hooks.pauser.resume_matching(scheduler.running_batch, predicate)
+    if resumed:
+        log.info(event, rids=resumed)
+        if hooks.metrics is not None and hooks.tp.is_source:
+            hooks.metrics.resumed(len(resumed))
+    return resumed
+
+
+def around_abort(original: Any, scheduler: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
+    hooks = _hooks_of(scheduler)
+    if hooks is None:
+        return original(scheduler, recv_req, *args, **kwargs)
+    rid = getattr(recv_req, "rid", "") or ""
+    every = bool(getattr(recv_req, "abort_all", False))
+
+    def matches(req: Any) -> bool:
+        return every or req.rid.startswith(rid)
+
+    if len(hooks.pauser):
+        _resume(scheduler, hooks, matches, "paused_requests_aborted")
+    queued = [req.rid for req in getattr(scheduler, "waiting_queue", None) or () if matches(req)]
+    result = original(scheduler, recv_req, *args, **kwargs)
+    still = {req.rid for req in getattr(scheduler, "waiting_queue", None) or ()} if queued else set()
+    for gone in queued:
+        if gone not in still:
+            hooks.installer.release(gone)
+    return result
+
+
+def around_pause_generation(original: Any, scheduler: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
+    hooks = _hooks_of(scheduler)
+    if hooks is not None and len(hooks.pauser) and getattr(recv_req, "mode", None) == "retract":
+        _resume(scheduler, hooks, lambda req: True, "paused_requests_retracted")
+    return original(scheduler, recv_req, *args, **kwargs)
+
+
+def around_is_fully_idle(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> bool:
+    idle = original(scheduler, *args, **kwargs)
+    if not idle:
+        return idle
+    hooks = _hooks_of(scheduler)
+    return hooks is None or not len(hooks.pauser)

@@ -1,0 +1,160 @@
+"""Parked (keep-KV paused) requests through SGLang's lifecycle calls and a control-plane outage
+(scheduler review, session 54): ``sglang_ext/parked_lifecycle.py`` and the boundary's fallback.
+
+The real :class:`~sglang_ext.pause.PauseManager`, :class:`~sglang_ext.step_boundary.StepBoundary`,
+:class:`~sglang_ext.admission.AdmissionGate` and :class:`~sglang_ext.tp_sync.PlacementInstaller`
+on the part of SGLang's batch they touch; the real server's retract-and-flush sequence is in
+``test_pause_server.py``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from controlplane.api import Decision
+from controlplane.model import Plan
+from sglang_ext import compat, parked_lifecycle
+from sglang_ext.admission import AdmissionGate
+from sglang_ext.decision_inbox import DecisionInbox
+from sglang_ext.pause import PauseManager
+from sglang_ext.step_boundary import StepBoundary
+from sglang_ext.tp_sync import PlacementInstaller, StepInstall, TpSync
+from tests.sglang.test_pause_drop_finished import _Batch as _SplitBatch
+from tests.sglang.test_pause_finishing import _Req
+from tests.sglang.test_scheduler_roles import FakeClient
+
+
+@dataclass
+class _Batch(_SplitBatch):
+    """Also merges (a resume)."""
+
+    model_config: Any = None
+    forward_mode: Any = None
+
+    def merge_batch(self, other: Any) -> None:
+        self.reqs.extend(other.reqs)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_sampling(monkeypatch):
+    """A resume rebuilds the batch's sampling tensors through SGLang; these batches have none."""
+    monkeypatch.setattr(compat, "SamplingBatchInfo", SimpleNamespace(
+        from_schedule_batch=lambda batch, vocab: SimpleNamespace(penalizer_orchestrator=None)), raising=False)
+
+
+def _req(rid: str) -> _Req:
+    return _Req(rid, 1, None)
+
+
+def _batch(*reqs: _Req) -> _Batch:
+    return _Batch(list(reqs), sampling_info=SimpleNamespace(penalizer_orchestrator=None),
+                  model_config=SimpleNamespace(vocab_size=8, is_encoder_decoder=False), forward_mode=SimpleNamespace(is_extend=lambda: False))
+
+
+def _decision(**fields: Any) -> Decision:
+    plan = Plan(True, (), fields.pop("placements", {}), 1.0, 8, 0, 0, "test", 0.0)
+    return Decision(plan=plan, apply_at_step=0, expiry_step=10_000, **fields)
+
+
+def _boundary(client: FakeClient, gate: bool = False) -> StepBoundary:
+    return StepBoundary(tp=TpSync(0, 1), installer=PlacementInstaller(None, 4), pauser=PauseManager(),
+                        admission=AdmissionGate(enabled=gate), inbox=DecisionInbox(), client=client,
+                        pages_of=lambda r: ())
+
+
+@pytest.mark.parametrize("outage", [True, False], ids=["outage", "control-plane-up"])
+def test_without_a_control_plane_nobody_stays_parked_and_no_deferred_pause_lands(outage):
+    """A plan pauses ``p`` while it is still prefilling (deferred) and parks ``q``; then the control
+    plane goes away. Nothing would resume ``q``, and ``p``'s pause would land with nobody left to
+    undo it: in fallback the boundary resumes ``q`` and drops ``p``'s pause. Control: with the
+    control plane up, ``q`` stays parked and ``p`` is parked once it decodes."""
+    client = FakeClient()
+    boundary = _boundary(client)
+    q, p = _req("q"), _req("p")
+    running = _batch(_req("a"), q)
+    prefill = _batch(p)
+    prefill.forward_mode = SimpleNamespace(is_extend=lambda: True)
+    boundary.inbox.receive([_decision(pause=("p", "q"))])
+    running = boundary.apply(running, prefill, 0)
+    assert "q" in boundary.pauser and "p" in boundary.inbox.deferred_pause
+    client.in_fallback = outage
+    running.reqs.append(p)  # p's prefill is done: it decodes in the running batch
+    for step in range(1, 40):  # steady load: the running batch is never empty
+        running = boundary.apply(running, running, step)
+    rids = {r.rid for r in running.reqs}
+    if outage:
+        assert len(boundary.pauser) == 0 and {"a", "p", "q"} <= rids
+        assert not boundary.inbox.deferred_pause
+    else:
+        assert set(boundary.pauser.paused_ids) == {"p", "q"} and rids == {"a"}
+
+
+def test_admits_are_remembered_only_while_the_gate_is_on():
+    """The control plane sends ``admit`` under every scheduler; with the gate off nothing pruned
+    them (a set entry per request served, for the life of the process). Control: the gate keeps
+    them until the request leaves the queue."""
+    off, on = AdmissionGate(enabled=False), AdmissionGate(enabled=True)
+    for i in range(100):
+        off.admit([f"r{i}"])
+        on.admit([f"r{i}"])
+    assert off.admitted == set() and len(on.admitted) == 100
+
+
+@dataclass
+class _Scheduler:
+    running_batch: Any
+    waiting_queue: list
+    _kvplane: Any
+
+
+def _scheduler(*queued: str) -> _Scheduler:
+    installer = PlacementInstaller(None, 4)
+    hooks = SimpleNamespace(pauser=PauseManager(), installer=installer, metrics=None, tp=TpSync(0, 1))
+    return _Scheduler(_batch(_req("a"), _req("b")), [SimpleNamespace(rid=r) for r in queued], hooks)
+
+
+def _sglang_abort(scheduler: _Scheduler, recv_req: Any) -> str:
+    """SGLang's abort of queued requests: popped from the queue, no batch."""
+    scheduler.waiting_queue = [r for r in scheduler.waiting_queue
+                               if not (recv_req.abort_all or r.rid.startswith(recv_req.rid))]
+    return "aborted"
+
+
+def test_a_request_aborted_while_queued_has_its_install_state_released():
+    """Admitted with its prefill layers (the plan's ``min_gpu_layers``), then aborted in the queue:
+    no step ever ends it, so its install state stayed for good. Control: the queued request not
+    aborted keeps its state."""
+    sched = _scheduler("r1", "r2")
+    installer = sched._kvplane.installer
+    installer.apply(StepInstall(step=1, prefill_layers={"r1": 2, "r2": 3}))
+    assert set(installer.prefill_placements) == {"r1", "r2"}
+    out = parked_lifecycle.around_abort(_sglang_abort, sched, SimpleNamespace(rid="r1", abort_all=False))
+    assert out == "aborted" and set(installer.prefill_placements) == {"r2"}
+
+
+def test_a_parked_request_is_resumed_into_an_abort_a_retract_and_counts_against_idle():
+    sched = _scheduler()
+    pauser = sched._kvplane.pauser
+    assert pauser.pause(sched.running_batch, ["b"], step=1) == ["b"]
+    seen: list[list[str]] = []
+
+    def sglang(scheduler: Any, recv_req: Any) -> None:
+        seen.append([r.rid for r in scheduler.running_batch.reqs])
+
+    # idle: SGLang's answer, unless a request is parked
+    assert parked_lifecycle.around_is_fully_idle(lambda s, **k: True, sched) is False
+    assert parked_lifecycle.around_is_fully_idle(lambda s, **k: False, sched) is False
+    # an in-place pause keeps the scheduler's state as it is: b stays parked (control)
+    parked_lifecycle.around_pause_generation(sglang, sched, SimpleNamespace(mode="in_place"))
+    assert seen[-1] == ["a"] and "b" in pauser
+    # a retract takes what runs: b is merged back first
+    parked_lifecycle.around_pause_generation(sglang, sched, SimpleNamespace(mode="retract"))
+    assert seen[-1] == ["a", "b"] and len(pauser) == 0
+    assert parked_lifecycle.around_is_fully_idle(lambda s, **k: True, sched) is True
+    # an abort of a parked request resumes it first; another parked request stays (control)
+    assert pauser.pause(sched.running_batch, ["a", "b"], step=2) == ["a", "b"]
+    parked_lifecycle.around_abort(sglang, sched, SimpleNamespace(rid="a", abort_all=False))
+    assert seen[-1] == ["a"] and pauser.paused_ids == ("b",)
