@@ -14,6 +14,10 @@ radix-tree lock, and the step boundary merges it back later. SGLang's own calls 
   the running batch. Before, they stayed parked through the flush, which cleared the request rows,
   the radix tree and the KV allocator under them; at ``/continue_generation`` they resumed on
   freed KV and later freed slots that belonged to other requests.
+* ``Scheduler.update_running_batch`` when the KV pool cannot hold the next decode step: parked
+  requests are merged back first, so that SGLang's retraction (longest first; the last request
+  left is aborted with "out of memory") chooses among them too. Before, it retracted and aborted
+  running requests while parked ones kept their KV slots.
 * ``Scheduler.is_fully_idle``: not idle while any request is parked (it gates ``flush_cache``,
   weight updates, HiCache attach / detach and the health check; an in-place pause with parked
   requests now refuses a flush, as SGLang does with running ones).
@@ -75,3 +79,15 @@ def around_is_fully_idle(original: Any, scheduler: Any, *args: Any, **kwargs: An
         return idle
     hooks = _hooks_of(scheduler)
     return hooks is None or not len(hooks.pauser)
+
+
+def around_update_running_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    hooks = _hooks_of(scheduler)
+    if hooks is not None and len(hooks.pauser) and batch is not None and not batch.is_empty() \
+            and not batch.check_decode_mem():
+        _, resumed = hooks.pauser.resume_all(batch)  # merged into the non-empty batch, in place
+        if resumed:
+            log.info("paused_requests_resumed_for_retraction", rids=resumed)
+            if hooks.metrics is not None and hooks.tp.is_source:
+                hooks.metrics.resumed(len(resumed))
+    return original(scheduler, batch, *args, **kwargs)

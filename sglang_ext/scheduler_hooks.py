@@ -33,7 +33,8 @@ Hook points:
 * AFTER ``Scheduler.process_batch_result``: step time (launch to processed result, so it includes
   the device sync), finished requests released from the pool, and on rank 0 the step report
   (:meth:`StepReporter.end_step`) and the stats line.
-* AROUND ``Scheduler.abort_request``, ``pause_generation`` and ``is_fully_idle``: SGLang's calls
+* AROUND ``Scheduler.abort_request``, ``pause_generation``, ``update_running_batch`` and
+  ``is_fully_idle``: SGLang's calls
   that must see parked requests (:mod:`sglang_ext.parked_lifecycle`).
 * AFTER ``Scheduler._add_request_to_queue``: a request that asked for its placement info is noted.
 """
@@ -453,4 +454,6 @@ def register(hook_registry: Any, hook_type: Any, ctx: PluginContext) -> None:
     hook_registry.register(compat.SCHEDULER_PAUSE_GENERATION.path, parked_lifecycle.around_pause_generation,
                            hook_type.AROUND)
     hook_registry.register(compat.SCHEDULER_IS_FULLY_IDLE.path, parked_lifecycle.around_is_fully_idle, hook_type.AROUND)
+    hook_registry.register(compat.SCHEDULER_UPDATE_RUNNING_BATCH.path, parked_lifecycle.around_update_running_batch,
+                           hook_type.AROUND)
     hook_registry.register(compat.SCHEDULER_ADD_REQUEST_TO_QUEUE.path, _after_add_request_to_queue, hook_type.AFTER)

@@ -12,7 +12,8 @@ from sglang_ext.compat.target import Target
 
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 
-__all__ = ["SCHEDULER_ABORT_REQUEST", "SCHEDULER_PAUSE_GENERATION", "PAUSE_GENERATION_REQ", "SCHEDULER_IS_FULLY_IDLE"]
+__all__ = ["SCHEDULER_ABORT_REQUEST", "SCHEDULER_PAUSE_GENERATION", "PAUSE_GENERATION_REQ", "SCHEDULER_IS_FULLY_IDLE",
+           "SCHEDULER_UPDATE_RUNNING_BATCH", "BATCH_CHECK_DECODE_MEM"]
 
 SCHEDULER_ABORT_REQUEST = Target(f"{_SCHEDULER}.abort_request", params=("self", "recv_req"),
                                  used_by=("parked_lifecycle",))
@@ -29,3 +30,11 @@ SCHEDULER_IS_FULLY_IDLE = Target(f"{_SCHEDULER}.is_fully_idle", params=("self",)
 """Whether nothing holds KV or runs: gates ``flush_cache`` (which clears the radix tree, the request
 rows and the KV allocator), weight updates, HiCache attach / detach and the health check; a
 scheduler with parked requests is not idle."""
+SCHEDULER_UPDATE_RUNNING_BATCH = Target(f"{_SCHEDULER}.update_running_batch", params=("self", "batch"),
+                                        used_by=("parked_lifecycle",))
+"""Before a decode step: when the KV pool cannot hold the step (``check_decode_mem``) it retracts
+running requests (``ScheduleBatch.retract_decode``), longest first, and aborts the last one left
+("out of memory even after retracting all other requests"); parked requests, holding their KV
+slots, are merged back first so that the retraction chooses among them too."""
+BATCH_CHECK_DECODE_MEM = Target("sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem", params=("self",),
+                                used_by=("parked_lifecycle",))

@@ -158,3 +158,19 @@ def test_a_parked_request_is_resumed_into_an_abort_a_retract_and_counts_against_
     assert pauser.pause(sched.running_batch, ["a", "b"], step=2) == ["a", "b"]
     parked_lifecycle.around_abort(sglang, sched, SimpleNamespace(rid="a", abort_all=False))
     assert seen[-1] == ["a"] and pauser.paused_ids == ("b",)
+
+
+@pytest.mark.parametrize("fits", [False, True], ids=["pool-full", "fits"])
+def test_when_the_next_decode_step_does_not_fit_parked_requests_join_the_retraction(fits):
+    """SGLang retracts running requests (and aborts the last one left) when the KV pool cannot
+    hold the next decode step; parked ones kept their slots out of its reach. Now they are merged
+    into the batch first. Control: when the step fits they stay parked."""
+    sched = _scheduler()
+    pauser = sched._kvplane.pauser
+    assert pauser.pause(sched.running_batch, ["b"], step=1) == ["b"]
+    batch = sched.running_batch
+    batch.check_decode_mem = lambda: fits  # type: ignore[attr-defined]
+    seen: list[list[str]] = []
+    parked_lifecycle.around_update_running_batch(lambda s, b: seen.append([r.rid for r in b.reqs]), sched, batch)
+    assert seen == [["a"] if fits else ["a", "b"]]
+    assert ("b" in pauser) is fits
