@@ -84,6 +84,7 @@ class GrpcControlPlane:
         self._timeout_s = timeout_s
         self._plan_timeout_s = plan_timeout_s
         self._backoff = backoff or Backoff()
+        self._max_message_bytes = max_message_bytes
         self.metrics = metrics or ClientMetrics()
         options: list[tuple[str, Any]] = [
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -114,7 +115,7 @@ class GrpcControlPlane:
         hello = convert.worker_info_to_proto(worker)  # fails fast on a bad WorkerInfo
         session = GrpcWorkerSession(
             self._cp, hello, worker.worker_id, backoff=self._backoff, metrics=self.metrics,
-            on_close=self._forget,
+            on_close=self._forget, max_batch_bytes=self._max_message_bytes // 2,
         )
         with self._lock:
             self._sessions.add(session)

@@ -350,8 +350,12 @@ def _step_report_fast(msg: pb.StepReport) -> api.StepReport | None:
             api.RequestState(rid, r.context_tokens, r.generated_tokens, slo, r.paused, gpu_layers, max_new)
         )
     queued = []
+    seen_queued: set[str] = set()
     for q in queued_msgs:
         ttft = q.slo_ttft_ms if q.HasField("slo_ttft_ms") else None
+        if q.id in seen_queued:
+            return None
+        seen_queued.add(q.id)
         if (
             not 0 < len(q.id) <= MAX_ID_CHARS
             or q.prompt_tokens < 1
@@ -420,9 +424,13 @@ def _step_report_checked(msg: pb.StepReport, prefix: str) -> api.StepReport:
             )
         )
     queued = []
+    seen_queued: set[str] = set()
     for i, q in enumerate(msg.queued):
         p = f"{prefix}.queued[{i}]"
         _check_id(q.id, f"{p}.id")
+        if q.id in seen_queued:
+            raise _invalid(f"{p}.id", f"duplicate id {q.id!r}")
+        seen_queued.add(q.id)
         ttft = _opt(q, "slo_ttft_ms")
         queued.append(
             api.QueuedRequest(

@@ -44,7 +44,7 @@ def step_reports(draw: st.DrawFn) -> api.StepReport:
             arrival_ms=draw(finite),
             slo_ttft_ms=draw(st.none() | positive),
         )
-        for rid in draw(st.lists(ids, max_size=4))
+        for rid in draw(st.lists(ids, unique=True, max_size=4))
     )
     layer_ms = draw(st.none() | st.lists(finite, min_size=1, max_size=8).map(tuple))
     return api.StepReport(
@@ -192,6 +192,19 @@ def test_duplicate_running_ids_rejected() -> None:
     msg.running.add(id="x", context_tokens=3)
     with pytest.raises(api.InvalidArgument, match=r"report\.running\[1\]\.id: duplicate"):
         convert.step_report_from_proto(msg)
+
+
+def test_duplicate_queued_ids_rejected() -> None:
+    """Two queued requests with one id are rejected naming the second (the controller admitted
+    it twice: control-plane review, session 54); on both decode paths. Control: distinct ids pass."""
+    msg = pb.StepReport(step=1, now_ms=1.0)
+    msg.queued.add(id="q", prompt_tokens=3)
+    msg.queued.add(id="r", prompt_tokens=3)
+    assert [q.id for q in convert.step_report_from_proto(msg).queued] == ["q", "r"]
+    msg.queued.add(id="q", prompt_tokens=3)
+    with pytest.raises(api.InvalidArgument, match=r"report\.queued\[2\]\.id: duplicate id 'q'"):
+        convert.step_report_from_proto(msg)
+    assert convert._step_report_fast(msg) is None
 
 
 def test_batch_validation_uses_plan_schema_paths() -> None:

@@ -137,3 +137,48 @@ def test_a_watcher_that_stopped_reading_leaves_without_stalling_the_server(serve
     t0 = time.perf_counter()
     servicer.stop()
     assert time.perf_counter() - t0 < 1.0
+
+
+def _queued_reports_after_a_slow_one(serve, connect, monkeypatch, max_batch_bytes: int | None):  # noqa: ANN001, ANN202
+    """A worker with 150 running requests (~5 KB a report) on a client whose messages may be at
+    most 64 KiB; the controller holds report 2 until 30 more have queued up, then lets go."""
+    served = serve()
+    entered, release = threading.Event(), threading.Event()
+    real = SessionController.report
+
+    def slow(self, report):  # noqa: ANN001, ANN202
+        if report.step == 2:
+            entered.set()
+            release.wait(20.0)
+        return real(self, report)
+
+    monkeypatch.setattr(SessionController, "report", slow)
+    client = connect(served.target, max_message_bytes=64 << 10)
+    session = client.open_session(worker_info("w-batch"))
+    assert session.wait_connected(10)
+    if max_batch_bytes is not None:  # the negative control: batches by count only, as before
+        session.max_batch_bytes = max_batch_bytes
+    running = {f"request-{i:04d}-{'x' * 20}": 300 for i in range(150)}
+    session.report(step_report(1, running))
+    session.report(step_report(2, running))
+    assert entered.wait(10), "the slow report never started"
+    for step in range(3, 33):
+        session.report(step_report(step, running))
+    release.set()
+    wait_until(lambda: session.stats.reconnects > 0 or served.metric("kvplane_reports_total") >= 32, 30)
+    return session, served
+
+
+def test_queued_reports_are_batched_within_the_message_limit(serve, connect, monkeypatch):
+    """Reports that queued up behind a slow one go out as ReportBatches no larger than half the
+    client's message limit: every report arrives on the one stream (control-plane review, session
+    54: 64 of them made one batch past gRPC's limit, which dropped the stream under load).
+    Control: batching by count alone breaks the stream and reconnects."""
+    session, served = _queued_reports_after_a_slow_one(serve, connect, monkeypatch, None)
+    assert session.stats.reconnects == 0 and session.stats.batches_sent >= 2, session.stats
+    assert served.metric("kvplane_reports_total") >= 32
+
+
+def test_batching_by_count_alone_breaks_the_stream(serve, connect, monkeypatch):
+    session, _ = _queued_reports_after_a_slow_one(serve, connect, monkeypatch, 1 << 40)
+    assert session.stats.reconnects >= 1, session.stats

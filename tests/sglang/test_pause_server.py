@@ -268,3 +268,32 @@ def test_a_retract_pause_and_a_cache_flush_take_parked_requests_too(paused_serve
     for prompt, out in zip(prompts, outs, strict=True):
         assert_same_generation(out, greedy(vanilla_server, prompt, new_tokens, logprobs=True), prompt)
     assert greedy(server, "Still serving after the flush", 4)["meta_info"]["completion_tokens"] == 4
+
+
+@pytest.fixture(scope="module")
+def tight_paused_server(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[tuple[SGLangServer, Path]]:
+    """:func:`pause_flags` on a KV pool of 1024 tokens: eight 200-token generations do not fit, so
+    SGLang retracts while kvplane has requests parked."""
+    root = tmp_path_factory.mktemp("pause-tight")
+    stats = root / "stats.jsonl"
+    flags = [*pause_flags(root), "--max-total-tokens", "1024"]
+    with running_server(tiny_model_dir, root, flags, {STATS_FILE_ENV: str(stats)}, zygote=launch_zygote) as server:
+        yield server, stats
+
+
+def test_parked_requests_join_sglangs_retraction_when_the_pool_is_full(tight_paused_server, vanilla_server):
+    """When the next decode step does not fit the KV pool SGLang retracts running requests,
+    longest first, and aborts the last one left; parked requests held their slots out of its
+    reach (scheduler review, session 54). Now they are merged back first and retracted like the
+    rest: no request is aborted, every one ends token-identical to vanilla, and the log shows the
+    parked ones joining a retraction."""
+    server, stats_path = tight_paused_server
+    prompts, new_tokens = PROMPTS[:8], 200
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(lambda p: greedy(server, p, new_tokens, logprobs=True), prompts))
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out["meta_info"]["finish_reason"]["type"] == "length", (prompt, out["meta_info"]["finish_reason"])
+        assert_same_generation(out, greedy(vanilla_server, prompt, new_tokens, logprobs=True), prompt)
+    log_text = server.log_path.read_text()
+    assert "paused_requests_resumed_for_retraction" in log_text, "no retraction met a parked request"
+    assert any(line.get("paused_now") for line in _stats(stats_path)), "nothing was parked"
