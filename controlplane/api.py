@@ -26,6 +26,10 @@ from typing import Any, Protocol
 from controlplane.model import Hardware, ModelSpec, Plan, Profile
 from controlplane.policy import Policy
 
+MAX_ID_CHARS = 256
+"""Longest accepted worker or request id (the gRPC service refuses longer ones; SGLang accepts any
+``rid``, so the plugin refuses longer ones where requests enter)."""
+
 
 class ControlPlaneError(Exception):
     """Base of the control plane's domain errors (mapped to gRPC status codes by the service)."""

@@ -19,7 +19,8 @@ Accepted: a number (int or float, not a bool) in (0, 1e7] ms, the same bound as
 :attr:`controlplane.policy.Policy.slo_tbt_ms`; a missing key or ``null`` means the policy's
 default. ``sampling_params`` may be one dict or a list of them (a ``/generate`` batch). The same
 entry refuses a ``custom_params.kvplane_return_placement`` that is not a JSON boolean
-(:mod:`sglang_ext.placement_param`).
+(:mod:`sglang_ext.placement_param`) and a caller-chosen ``rid`` longer than the control plane's
+id limit (:func:`rid_error`).
 
 Per request: one dict lookup when the key is absent. No torch, no SGLang import.
 """
@@ -30,6 +31,7 @@ import math
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from controlplane.api import MAX_ID_CHARS
 from sglang_ext import compat
 from sglang_ext.placement_param import placement_param_error
 from sglang_ext.recompute_param import recompute_param_error
@@ -86,7 +88,9 @@ def custom_params_type_error(custom: Any) -> str | None:
 
 def body_error(body: Any) -> str | None:
     """The refusal for a raw ``/generate`` JSON body, or None (non-objects are SGLang's to judge)."""
-    return sampling_params_error(body.get("sampling_params")) if isinstance(body, dict) else None
+    if not isinstance(body, dict):
+        return None
+    return sampling_params_error(body.get("sampling_params")) or rid_error(body.get("rid"))
 
 
 async def _refused(message: str) -> AsyncIterator[Any]:
@@ -99,10 +103,22 @@ def around_generate_request(original: Callable[..., Any], *args: Any, **kwargs: 
     whose first item is the refusal (nothing sent to the scheduler, no request state created)."""
     obj_at = compat.TOKENIZER_GENERATE_REQUEST.params.index("obj")
     obj = kwargs["obj"] if "obj" in kwargs else (args[obj_at] if len(args) > obj_at else None)
-    message = sampling_params_error(getattr(obj, "sampling_params", None))
+    message = sampling_params_error(getattr(obj, "sampling_params", None)) or rid_error(getattr(obj, "rid", None))
     if message is not None:
         return _refused(message)
     return original(*args, **kwargs)
+
+
+def rid_error(rid: Any) -> str | None:
+    """The refusal for a caller-chosen ``rid`` (one, or a batch's list) longer than the control
+    plane's id limit, or None. The gRPC control plane refuses a whole step report naming such an
+    id, so one request with a long ``rid`` kept its worker in fallback for as long as it ran
+    (control-plane review, session 54)."""
+    for one in rid if isinstance(rid, list) else (rid,):
+        if isinstance(one, str) and len(one) > MAX_ID_CHARS:
+            return (f"rid has {len(one)} characters (allowed at most {MAX_ID_CHARS} with "
+                    "--enable-layered-kv: the control plane's request id limit)")
+    return None
 
 
 def after_generate_contract_error(result: str | None, body: Any) -> str | None:

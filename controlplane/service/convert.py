@@ -16,7 +16,7 @@ from controlplane.model import Batch, Hardware, ModelSpec, Plan, Profile, Schema
 from controlplane.policy import SCHEDULERS
 from kvplane.v1 import controlplane_pb2 as pb
 
-MAX_ID_CHARS = 256
+MAX_ID_CHARS = api.MAX_ID_CHARS
 """Longest accepted worker or request id."""
 MAX_ENTRIES = 65_536
 """Most entries accepted in any repeated field (requests, running, queued, finished)."""
