@@ -93,6 +93,13 @@ class PlanningInput:
     """Host cost of one fetch launch (:mod:`controlplane.model.timeline`), as learnt."""
 
 
+MAX_PLAN_BUDGET_MS = 1000.0
+"""Ceiling of a session plan's search budget (``solve_budget_fraction`` of the predicted step).
+A worker profile claiming 5-second layers (every field valid) made a 100-second budget: the plan
+came far too late to place anything, kept a core busy after its session closed, and held
+``kvplane serve`` past SIGTERM (control-plane review, session 54). A second covers any real step."""
+
+
 class DecisionBuilder:
     """Stateless apart from its planner; one per session."""
 
@@ -268,7 +275,7 @@ class DecisionBuilder:
             time_budget_ms=(
                 self._budget_ms
                 if self._budget_ms is not None
-                else policy.solve_budget_fraction * inp.predicted_step_ms
+                else min(policy.solve_budget_fraction * inp.predicted_step_ms, MAX_PLAN_BUDGET_MS)
             ),
             victim_rule=policy.victim_rule,
             current_step=inp.step + 1,
