@@ -8,6 +8,7 @@ any exception into a status, so every RPC ends with OK or a proper code, never a
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import threading
 import time
@@ -108,15 +109,30 @@ def _checked(request: Any) -> Any:
     return request
 
 
+CERTIFICATE_IDENTITIES = ("cn=", "san=", "cert-sha256=")
+"""Prefixes of :func:`peer_identity` for a client certificate (anything else is a peer address)."""
+
+
 def peer_identity(context: grpc.ServicerContext) -> str:
-    """Who is calling: the client certificate's CN under mTLS, else the peer address."""
+    """Who is calling: under mTLS the client certificate's CN, else (certificates without one: SPIFFE,
+    cert-manager) its subject alternative names, else a digest of the certificate; without a
+    client certificate the peer address. gRPC reports a certificate without a CN as
+    ``x509_common_name = [b'']``, which once made every such peer ``"cn="``: one identity, so two
+    workers' certificates could take each other's worker id (control-plane review, session 54)."""
     try:
         auth = context.auth_context()
     except Exception:  # pragma: no cover - auth_context is always there on real contexts
         auth = {}
-    cn = auth.get("x509_common_name") if auth else None
-    if cn:
-        return "cn=" + cn[0].decode("utf-8", "replace")
+    if auth:
+        cn = [v for v in auth.get("x509_common_name", ()) if v]
+        if cn:
+            return "cn=" + cn[0].decode("utf-8", "replace")
+        san = sorted(v.decode("utf-8", "replace") for v in auth.get("x509_subject_alternative_name", ()) if v)
+        if san:
+            return "san=" + ",".join(san)
+        pem = [v for v in auth.get("x509_pem_cert", ()) if v]
+        if pem:
+            return "cert-sha256=" + hashlib.sha256(pem[0]).hexdigest()
     return str(context.peer())
 
 

@@ -30,7 +30,7 @@ import structlog
 from controlplane import api
 from controlplane.service import convert
 from controlplane.service.decision_notifier import DecisionNotifier
-from controlplane.service.interceptors import peer_identity
+from controlplane.service.interceptors import CERTIFICATE_IDENTITIES, peer_identity
 from controlplane.service.metrics import ServiceMetrics
 from kvplane.v1 import controlplane_pb2 as pb
 from kvplane.v1 import controlplane_pb2_grpc as pb_grpc
@@ -173,7 +173,7 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
             owner = self._owners.get(worker_id)
         if owner is None or owner[1].closed:
             return None
-        if owner[0] != peer and owner[0].startswith("cn=") and peer.startswith("cn="):
+        if owner[0] != peer and owner[0].startswith(CERTIFICATE_IDENTITIES) and peer.startswith(CERTIFICATE_IDENTITIES):
             raise api.PermissionDenied(
                 f"hello.worker_id: {worker_id!r} has a live session of another client certificate "
                 f"({owner[0]}); a worker id belongs to one certificate while its session lives"

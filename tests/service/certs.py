@@ -53,6 +53,26 @@ class ThrowawayCA:
         )
         self.cert_pem = self.cert.public_bytes(serialization.Encoding.PEM)
 
+    def issue_san_only(self, uri: str) -> KeyPair:
+        """A client certificate with an empty subject and ``uri`` as its only subject alternative
+        name, as SPIFFE and cert-manager issue them."""
+        key = ec.generate_private_key(ec.SECP256R1())
+        now = datetime.datetime.now(datetime.UTC)
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([]))
+            .issuer_name(self._name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+            .add_extension(x509.SubjectAlternativeName([x509.UniformResourceIdentifier(uri)]), critical=True)
+            .sign(self._key, hashes.SHA256())
+        )
+        return KeyPair(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
+
     def issue(self, cn: str, *, server: bool) -> KeyPair:
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)

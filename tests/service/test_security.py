@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
@@ -158,3 +159,31 @@ def test_a_worker_id_belongs_to_the_certificate_holding_its_session(mtls_server,
     with _tls_channel(mtls_server.port, pki["worker"], pki) as ch:
         first = next(pb_grpc.ControlPlaneStub(ch).Session(iter([hello]), timeout=5))
     assert first.session_id
+
+
+def test_certificates_without_a_cn_are_told_apart_by_their_san(mtls_server, pki) -> None:  # type: ignore[no-untyped-def]
+    """SAN-only client certificates (SPIFFE, cert-manager) all had the identity ``"cn="`` (gRPC
+    reports an empty CN), so one could take another's live worker id (control-plane review,
+    session 54): now their SAN is the identity -- PERMISSION_DENIED naming the holder's SAN.
+    Control: the holder's own certificate still replaces its session."""
+    holder = pki["ca"].issue_san_only("spiffe://kvplane.test/worker-w1")
+    other = pki["ca"].issue_san_only("spiffe://kvplane.test/attacker")
+    hello = pb.WorkerMessage(hello=convert.worker_info_to_proto(worker_info("w-san")))
+    done = threading.Event()
+
+    def holding():  # type: ignore[no-untyped-def]  # the holder's stream stays open until the end
+        yield hello
+        done.wait(30)
+
+    with _tls_channel(mtls_server.port, holder, pki) as ch:
+        held = pb_grpc.ControlPlaneStub(ch).Session(holding())
+        assert next(held).session_id
+        with _tls_channel(mtls_server.port, other, pki) as intruder:
+            with pytest.raises(grpc.RpcError) as info:
+                list(pb_grpc.ControlPlaneStub(intruder).Session(iter([hello]), timeout=5))
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, info.value
+        assert "san=spiffe://kvplane.test/worker-w1" in info.value.details()
+        done.set()
+        held.cancel()
+    with _tls_channel(mtls_server.port, holder, pki) as ch:
+        assert next(pb_grpc.ControlPlaneStub(ch).Session(iter([hello]), timeout=5)).session_id
