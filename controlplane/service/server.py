@@ -91,6 +91,8 @@ class ServerConfig:
     health_listen: str | None = None
     """Extra plaintext ``HOST:PORT`` serving only grpc.health.v1 (for kubelet gRPC probes, which
     cannot do TLS); None = health only on the main port."""
+    hello_timeout_s: float = 10.0
+    """Seconds a new session stream has to send its hello before it is cancelled (its slot freed)."""
 
     def __post_init__(self) -> None:
         for name, lo, hi in (
@@ -106,6 +108,8 @@ class ServerConfig:
             raise ValueError(f"rate_limit_rps: {self.rate_limit_rps} is out of range (allowed [0, 1e7])")
         if not 0.1 <= self.keepalive_s <= 3600:
             raise ValueError(f"keepalive_s: {self.keepalive_s} is out of range (allowed [0.1, 3600])")
+        if not 0.1 <= self.hello_timeout_s <= 3600:
+            raise ValueError(f"hello_timeout_s: {self.hello_timeout_s} is out of range (allowed [0.1, 3600])")
         if self.policy_token is not None and not self.policy_token.strip():
             raise ValueError("policy_token: must not be empty (use None for no token)")
 
@@ -209,7 +213,8 @@ def create_server(
     )
     service_names = SERVICE_NAMES if sessions else (POLICY_SERVICE_NAME,)
     if sessions:
-        session_servicer = SessionServicer(control_plane, metrics, config.max_sessions, notifier)
+        session_servicer = SessionServicer(control_plane, metrics, config.max_sessions, notifier,
+                                           hello_timeout_s=config.hello_timeout_s)
         pb_grpc.add_ControlPlaneServicer_to_server(session_servicer, server)
     policy_servicer = PolicyServicer(control_plane, metrics, config.max_watchers)
     pb_grpc.add_PolicyServiceServicer_to_server(policy_servicer, server)

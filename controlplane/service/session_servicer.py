@@ -135,6 +135,12 @@ class _Outbox:
         self.offer(_END)
 
 
+HELLO_TIMEOUT_S = 10.0
+"""Seconds a new session stream has to send its hello before it is cancelled and its
+``max_sessions`` slot freed (four silent streams held all four slots of a server, the gauge at 0:
+control-plane review, session 54)."""
+
+
 class SessionServicer(pb_grpc.ControlPlaneServicer):
     """Serves worker sessions and what-if plans from ``control_plane``.
 
@@ -150,8 +156,10 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
         max_sessions: int,
         notifier: DecisionNotifier | None = None,
         idle_check_s: float = 1.0,
+        hello_timeout_s: float = HELLO_TIMEOUT_S,
     ) -> None:
         self._cp = control_plane
+        self._hello_timeout_s = hello_timeout_s
         self._metrics = metrics
         self._slots = _SessionSlots(max_sessions)
         self._ids = itertools.count(1)
@@ -255,9 +263,19 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
             outbox.end()
             threading.Thread(target=cleanup, name=f"kvplane-close-{session_id}", daemon=True).start()
 
+        # a stream that sends no hello would hold its slot for good (keepalive pings keep it up)
+        deadline = threading.Timer(self._hello_timeout_s, context.cancel)
+        deadline.daemon = True
+        deadline.start()
         try:
-            first = next(request_iterator, None)
-            if first is None:
+            try:
+                first = next(request_iterator, None)
+            finally:
+                deadline.cancel()
+            if first is None or not context.is_active():
+                if first is None and not context.is_active():
+                    log.warning("session_without_hello", session=session_id, peer=peer,
+                                timeout_s=self._hello_timeout_s)
                 return
             if first.WhichOneof("kind") != "hello":
                 raise api.InvalidArgument(

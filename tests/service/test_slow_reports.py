@@ -10,6 +10,7 @@ import threading
 import time
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from controlplane.controller.session_controller import SessionController
@@ -182,3 +183,36 @@ def test_queued_reports_are_batched_within_the_message_limit(serve, connect, mon
 def test_batching_by_count_alone_breaks_the_stream(serve, connect, monkeypatch):
     session, _ = _queued_reports_after_a_slow_one(serve, connect, monkeypatch, 1 << 40)
     assert session.stats.reconnects >= 1, session.stats
+
+
+def test_a_stream_that_never_says_hello_gives_its_session_slot_back(serve, connect):
+    """Streams that open and send nothing held their ``max_sessions`` slots for good (keepalive
+    kept them up; control-plane review, session 54): after ``hello_timeout_s`` the server cancels
+    them and a worker gets a session. Control: before the timeout the slot is still taken."""
+    from controlplane.service.server import ServerConfig
+
+    served = serve(ServerConfig(max_sessions=1, hello_timeout_s=1.5))
+    silent = threading.Event()
+
+    def nothing():  # noqa: ANN202
+        silent.wait(30)
+        yield from ()
+
+    channel = grpc.insecure_channel(served.target)
+    call = pb_grpc.ControlPlaneStub(channel).Session(nothing())
+    time.sleep(0.5)  # the silent stream holds the one slot
+    hello = pb.WorkerMessage(hello=convert.worker_info_to_proto(worker_info("w-after")))
+    with grpc.insecure_channel(served.target) as ch:
+        try:
+            next(pb_grpc.ControlPlaneStub(ch).Session(iter([hello]), timeout=5))
+            early = "served"
+        except grpc.RpcError as exc:
+            early = exc.code().name
+    assert early == "RESOURCE_EXHAUSTED", early
+    with pytest.raises(grpc.RpcError) as info:
+        list(call)
+    assert info.value.code() == grpc.StatusCode.CANCELLED, info.value
+    session = connect(served.target).open_session(worker_info("w-after"))
+    assert session.wait_connected(10)
+    silent.set()
+    channel.close()
