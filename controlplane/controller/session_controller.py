@@ -48,6 +48,7 @@ from controlplane.api import Decision, InvalidArgument, StepReport, Unavailable,
 from controlplane.controller.batch_limits import UNLIMITED, BatchLimits
 from controlplane.controller.decision_builder import DecisionBuilder, PlannerLike, PlanningInput
 from controlplane.controller.metrics import ControllerObserver, NullObserver, SafeObserver
+from controlplane.controller.outlier_guard import OutlierGuard
 from controlplane.controller.profile_tracker import ProfileTracker, ProfileUpdate
 from controlplane.controller.report_validation import validate_report
 from controlplane.controller.request_tracker import RequestTracker
@@ -116,6 +117,7 @@ class SessionController:
         self._current: Decision | None = None  # latest decision made
         self._installed: Decision | None = None  # decision the worker ran the last step with
         self._checked: Decision | None = None  # the one it ran the step before (launch evidence)
+        self._outliers = OutlierGuard(self.worker_id)
         self._delivered: Decision | None = None  # latest decision handed to the worker
         self._planned_version: int | None = None
         self._guard_step: int | None = None
@@ -290,18 +292,14 @@ class SessionController:
         self._last_observed_ms = observed
         if self._installed is None or not self._tracker.has_running():
             return False
-        if self._installed_all_gpu():
-            # no transfers: the timeline is the layers' compute whatever the request sizes, so
-            # the rows are built only when the profile moves (most steps it does not)
-            predicted = self._profile.all_gpu_step_ms
-            if ProfileTracker.mismatch(observed, predicted) <= policy.mismatch_threshold:
-                return False
+        all_gpu = self._installed_all_gpu()  # no transfers: the timeline is the layers' compute
+        if not all_gpu:
             rows, blocks, rec = self._placement_now(self._installed)
-        else:
+        predicted = self._profile.all_gpu_step_ms if all_gpu else self._profile.predict_step_ms(rows, blocks, rec)
+        if not self._outliers.moves(observed, predicted, policy.mismatch_threshold, report.step):
+            return False
+        if all_gpu:  # its rows are built only when the profile moves (most steps it does not)
             rows, blocks, rec = self._placement_now(self._installed)
-            predicted = self._profile.predict_step_ms(rows, blocks, rec)
-            if ProfileTracker.mismatch(observed, predicted) <= policy.mismatch_threshold:
-                return False
         self._last_update = self._profile.update(
             ewma_factor=policy.ewma_factor,
             observed_step_ms=observed,

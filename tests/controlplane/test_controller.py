@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 
 import pytest
@@ -15,11 +14,11 @@ from controlplane.controller import (
     PrometheusObserver,
     SessionController,
 )
-from controlplane.model import Batch, Plan, Profile
+from controlplane.model import Batch, Plan
 from controlplane.planner import Planner
 from controlplane.policy import Policy
 from controlplane.policy_store import PolicyStore
-from tests.controlplane.test_controller_harness import MODEL, PROFILE, WorkerLoop, worker_info
+from tests.controlplane.test_controller_harness import PROFILE, WorkerLoop, worker_info
 
 # Fixed window so expiry and KV growth are predictable: Δ = 4 steps.
 FIXED_WINDOW = {"window_min": 4, "window_max": 4, "slo_tbt_ms": 1000.0}
@@ -463,27 +462,3 @@ def test_rejected_report_changes_nothing() -> None:
     assert (dep_a.generated, dep_a.balance) == before
     w.report()  # the same step number is still accepted
     assert dep_a.generated == before[0] + 1
-
-
-def test_the_plan_budget_is_capped_whatever_the_profile_claims() -> None:
-    """A profile of 5-second layers makes the predicted step minutes long; a quarter of it was
-    the plan's search budget (100 s: control-plane review, session 54). It is capped at
-    MAX_PLAN_BUDGET_MS; control: an ordinary profile keeps its fraction of the step."""
-    from controlplane.controller.decision_builder import MAX_PLAN_BUDGET_MS
-
-    budgets: list[float | None] = []
-
-    class Recording(Planner):
-        def plan(self, batch, *, time_budget_ms=None, **kwargs):  # type: ignore[no-untyped-def,override]
-            budgets.append(time_budget_ms)
-            return super().plan(batch, time_budget_ms=0.0, **kwargs)
-
-    for layer_ms in (5000.0, 0.5):
-        info = dataclasses.replace(worker_info(), profile=Profile(layer_compute_ms=(layer_ms,) * MODEL.layers))
-        session = SessionController(info, policy_source=PolicyStore(Policy.from_dict(FIXED_WINDOW)).get,
-                                    planner=Recording(), synchronous=True)
-        w = WorkerLoop(session)
-        w.add("a", 100)
-        assert w.report()
-    assert budgets[0] == MAX_PLAN_BUDGET_MS
-    assert budgets[1] is not None and 0 < budgets[1] < MAX_PLAN_BUDGET_MS
