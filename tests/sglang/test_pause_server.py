@@ -272,11 +272,13 @@ def test_a_retract_pause_and_a_cache_flush_take_parked_requests_too(paused_serve
 
 @pytest.fixture(scope="module")
 def tight_paused_server(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[tuple[SGLangServer, Path]]:
-    """:func:`pause_flags` on a KV pool of 1024 tokens: eight 200-token generations do not fit, so
-    SGLang retracts while kvplane has requests parked."""
+    """:func:`pause_flags` on a KV pool of 512 tokens, admitting freely: eight 200-token generations
+    do not fit, so SGLang retracts while kvplane has requests parked."""
     root = tmp_path_factory.mktemp("pause-tight")
     stats = root / "stats.jsonl"
-    flags = [*pause_flags(root), "--max-total-tokens", "1024"]
+    # SGLang admits as if each request will use a small share of its max_new_tokens: it then runs
+    # out mid-decode and retracts
+    flags = [*pause_flags(root), "--max-total-tokens", "512", "--schedule-conservativeness", "0.05"]
     with running_server(tiny_model_dir, root, flags, {STATS_FILE_ENV: str(stats)}, zygote=launch_zygote) as server:
         yield server, stats
 
@@ -286,7 +288,9 @@ def test_parked_requests_join_sglangs_retraction_when_the_pool_is_full(tight_pau
     longest first, and aborts the last one left; parked requests held their slots out of its
     reach (scheduler review, session 54). Now they are merged back first and retracted like the
     rest: no request is aborted, every one ends token-identical to vanilla, and the log shows the
-    parked ones joining a retraction."""
+    parked ones joining a retraction. Negative control (run by hand, session 54): with the hook
+    off, a request ends HTTP 500, "Out of memory even after retracting all other requests in the
+    decode batch. Aborting the last request.""""
     server, stats_path = tight_paused_server
     prompts, new_tokens = PROMPTS[:8], 200
     with ThreadPoolExecutor(len(prompts)) as pool:
