@@ -289,8 +289,8 @@ def test_parked_requests_join_sglangs_retraction_when_the_pool_is_full(tight_pau
     reach (scheduler review, session 54). Now they are merged back first and retracted like the
     rest: no request is aborted, every one ends token-identical to vanilla, and the log shows the
     parked ones joining a retraction. Negative control (run by hand, session 54): with the hook
-    off, a request ends HTTP 500, "Out of memory even after retracting all other requests in the
-    decode batch. Aborting the last request.""""
+    off, a request ends HTTP 500 with SGLang's "Out of memory even after retracting all other
+    requests in the decode batch" abort."""
     server, stats_path = tight_paused_server
     prompts, new_tokens = PROMPTS[:8], 200
     with ThreadPoolExecutor(len(prompts)) as pool:
