@@ -135,6 +135,11 @@ class _Outbox:
         self.offer(_END)
 
 
+MAX_WHAT_IF_CELLS = 1 << 20
+"""Most requests x layers of one what-if ``Plan`` (a million placements; 1,024 requests x 1,024
+layers). Larger ones took seconds before the search's budget even applied, and the server kept
+computing calls their callers had abandoned, one after another, stalling every other what-if plan
+(control-plane review, session 54)."""
 HELLO_TIMEOUT_S = 10.0
 """Seconds a new session stream has to send its hello before it is cancelled and its
 ``max_sessions`` slot freed (four silent streams held all four slots of a server, the gauge at 0:
@@ -160,6 +165,7 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
     ) -> None:
         self._cp = control_plane
         self._hello_timeout_s = hello_timeout_s
+        self._what_if_gate = threading.Lock()
         self._metrics = metrics
         self._slots = _SessionSlots(max_sessions)
         self._ids = itertools.count(1)
@@ -223,7 +229,17 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
         if not request.HasField("batch"):
             raise api.InvalidArgument("batch: is required")
         batch = convert.batch_from_proto(request.batch)
-        plan = self._cp.plan(batch)
+        cells = len(batch.requests) * batch.model.layers
+        if cells > MAX_WHAT_IF_CELLS:
+            self._metrics.rejected.labels(limit="what_if_cells").inc()
+            raise api.ResourceExhausted(
+                f"batch: {len(batch.requests)} requests x {batch.model.layers} layers = {cells} placements "
+                f"(limit {MAX_WHAT_IF_CELLS} for a what-if plan)"
+            )
+        with self._what_if_gate:  # one at a time; a caller that gave up while waiting costs nothing
+            if not context.is_active():
+                raise api.Unavailable("the caller cancelled or passed its deadline before its plan started")
+            plan = self._cp.plan(batch)
         self._metrics.whatif_plans.inc()
         self._metrics.solve_ms.observe(max(0.0, float(plan.solve_ms)))
         return pb.PlanResponse(plan=convert.plan_to_proto(plan))

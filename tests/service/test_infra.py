@@ -172,3 +172,20 @@ def test_domain_error_maps_to_status(exc: Exception, code: grpc.StatusCode) -> N
     finally:
         server.stop(0)
         cp.close()
+
+
+def test_a_what_if_plan_past_the_size_limit_is_refused_by_name(channel) -> None:  # type: ignore[no-untyped-def]
+    """1,025 requests x 1,024 layers is past MAX_WHAT_IF_CELLS: RESOURCE_EXHAUSTED naming the
+    sizes and the limit, before any planning (such calls took seconds each and queued up every
+    other what-if plan: control-plane review, session 54). Control: 1,024 x 1,024 is planned."""
+    from controlplane.service.session_servicer import MAX_WHAT_IF_CELLS
+
+    stub = pb_grpc.ControlPlaneStub(channel)
+    assert MAX_WHAT_IF_CELLS == 1024 * 1024
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Plan(pb.PlanRequest(batch=convert.batch_to_proto(small_batch(1025, layers=1024))), timeout=30)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value
+    assert info.value.details() == (
+        "batch: 1025 requests x 1024 layers = 1049600 placements (limit 1048576 for a what-if plan)")
+    reply = stub.Plan(pb.PlanRequest(batch=convert.batch_to_proto(small_batch(1024, layers=1024))), timeout=120)
+    assert len(reply.plan.placements) + len(reply.plan.paused) == 1024
