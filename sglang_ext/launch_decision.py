@@ -191,6 +191,14 @@ GLUE_GRAPH_REFUSED = (
 )
 """The refusal of SGLang's metadata glue graph under decode graphs (an environment flag)."""
 
+BUSY_MEM_CHECK_REFUSED = (
+    "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY: SGLang's busy-time KV leak check counts the KV rows "
+    "of the running batch only, so a request kvplane paused (it keeps its KV) reads as a leak and the "
+    "check stops the scheduler; not supported with --enable-layered-kv (unset it; the idle-time check "
+    "stays on)"
+)
+"""The refusal of SGLang's busy-time strict memory check (an environment level)."""
+
 
 class LaunchRefused(ValueError):
     """``--enable-layered-kv`` cannot serve with these options (the message names the option)."""
@@ -209,12 +217,15 @@ class LaunchDecision:
 
     @classmethod
     def decide(cls, values: Mapping[str, Any], *, rocm: bool = False, rust_server: bool = False,
-               glue_graph: bool = False) -> LaunchDecision:
+               glue_graph: bool = False, busy_mem_check: bool = False) -> LaunchDecision:
         """The decision for SGLang's parsed options ``values`` (``rocm``: the torch build is
-        ROCm's; ``rust_server`` / ``glue_graph``: SGLang's ``SGLANG_RUST_SERVER`` /
-        ``SGLANG_ENABLE_METADATA_GLUE_GRAPH`` is on); raises :class:`LaunchRefused`."""
+        ROCm's; ``rust_server`` / ``glue_graph`` / ``busy_mem_check``: SGLang's
+        ``SGLANG_RUST_SERVER`` / ``SGLANG_ENABLE_METADATA_GLUE_GRAPH`` /
+        ``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY`` is on); raises :class:`LaunchRefused`."""
         if rust_server:
             raise LaunchRefused(RUST_SERVER_REFUSED)
+        if busy_mem_check:
+            raise LaunchRefused(BUSY_MEM_CHECK_REFUSED)
         device = str(values.get("device") or "cuda")
         if device not in LAYERED_BACKENDS:
             raise LaunchRefused(

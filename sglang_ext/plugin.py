@@ -256,7 +256,8 @@ class KvplanePlugin:
 
                 decision = LaunchDecision.decide(vars(namespace), rocm=bool(getattr(torch.version, "hip", None)),
                                                  rust_server=_env_flag("SGLANG_RUST_SERVER"),
-                                                 glue_graph=_env_flag("SGLANG_ENABLE_METADATA_GLUE_GRAPH"))
+                                                 glue_graph=_env_flag("SGLANG_ENABLE_METADATA_GLUE_GRAPH"),
+                                                 busy_mem_check=_env_flag("SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"))
             except LaunchRefused as exc:
                 _refuse_launch(str(exc))
             decision.apply(namespace)

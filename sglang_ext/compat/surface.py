@@ -59,8 +59,8 @@ SERVER_ARGS_FROM_CLI_ARGS = Target(f"{_SRT}.server_args.ServerArgs.from_cli_args
                                    used_by=("plugin",))
 RUNTIME_CONTEXT_PUBLISH = Target(f"{_SRT}.runtime_context.publish", params=("server_args",),
                                  keyword=("role",), used_by=("plugin",))
-SGLANG_ENVS = Target(f"{_SRT}.environ.envs", attrs=("SGLANG_RUST_SERVER", "SGLANG_ENABLE_METADATA_GLUE_GRAPH"),
-                     used_by=("plugin",))
+SGLANG_ENVS = Target(f"{_SRT}.environ.envs", attrs=("SGLANG_RUST_SERVER", "SGLANG_ENABLE_METADATA_GLUE_GRAPH",
+                                                    "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"), used_by=("plugin",))
 """SGLang's environment flags: ``SGLANG_RUST_SERVER`` swaps the API server, tokenizer and
 detokenizer for Rust threads, where kvplane's tokenizer hooks do not run (refused at launch);
 ``SGLANG_ENABLE_METADATA_GLUE_GRAPH`` replays a captured per-replay metadata preparation instead of

@@ -255,6 +255,15 @@ def test_sglangs_rust_server_is_refused():
     assert LaunchDecision.decide(STOCK, rust_server=False).device == "cuda"
 
 
+def test_sglangs_busy_time_memory_check_is_refused():
+    """``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY`` counts only the running batch's KV rows: a
+    paused request would read as a leak and stop the scheduler (scheduler review, session 54).
+    Control: the same options without it pass."""
+    with pytest.raises(LaunchRefused, match="SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY: SGLang's busy-time"):
+        LaunchDecision.decide(STOCK, busy_mem_check=True)
+    assert LaunchDecision.decide(STOCK, busy_mem_check=False).device == "cuda"
+
+
 def test_sglangs_metadata_glue_graph_is_refused_with_decode_graphs():
     """``SGLANG_ENABLE_METADATA_GLUE_GRAPH`` replays a captured copy of the backend's per-replay
     preparation, skipping kvplane's admission check: refused with ``--kv-cuda-graphs on``;
