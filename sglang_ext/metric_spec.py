@@ -171,7 +171,7 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
                "Steps reported without a live control plane (last plan or local heuristic)", scope="source"),
     MetricSpec("kvplane:control_plane_degraded", "gauge", "0/1",
                "1 from a report that could not reach a live control plane until one that does (the worker "
-               "runs on its last plan meanwhile)", scope="source"),
+               "runs on its last plan meanwhile, its paused requests resumed)", scope="source"),
     MetricSpec("kvplane:control_plane_outages_total", "counter", "outages",
                "Control-plane outages seen by the worker (each begins with a report that could not reach it)",
                scope="source"),

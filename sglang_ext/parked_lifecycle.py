@@ -84,7 +84,9 @@ def around_is_fully_idle(original: Any, scheduler: Any, *args: Any, **kwargs: An
 def around_update_running_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
     hooks = _hooks_of(scheduler)
     if hooks is not None and len(hooks.pauser) and batch is not None and not batch.is_empty() \
-            and not batch.check_decode_mem():
+            and not scheduler._reqs_finishing_inflight(batch) and not batch.check_decode_mem():
+        # (under the overlap loop SGLang first drops the requests whose in-flight step finishes
+        # them, and skips a full step while any does: only a batch without them is checked here)
         _, resumed = hooks.pauser.resume_all(batch)  # merged into the non-empty batch, in place
         if resumed:
             log.info("paused_requests_resumed_for_retraction", rids=resumed)

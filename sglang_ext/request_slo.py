@@ -36,6 +36,9 @@ from sglang_ext import compat
 from sglang_ext.placement_param import placement_param_error
 from sglang_ext.recompute_param import recompute_param_error
 
+MAX_RID_CHARS = MAX_ID_CHARS - 16
+"""Longest caller-chosen ``rid``: the control plane's id limit less room for ``_N`` (SGLang names
+the requests of a batch or of ``n`` parallel samples ``f"{rid}_{i}"``)."""
 SLO_PARAM = "kvplane_slo_tbt_ms"
 """Key in a request's ``custom_params`` overriding its TBT SLO (ms)."""
 MAX_SLO_TBT_MS = 1e7
@@ -115,9 +118,10 @@ def rid_error(rid: Any) -> str | None:
     id, so one request with a long ``rid`` kept its worker in fallback for as long as it ran
     (control-plane review, session 54)."""
     for one in rid if isinstance(rid, list) else (rid,):
-        if isinstance(one, str) and len(one) > MAX_ID_CHARS:
-            return (f"rid has {len(one)} characters (allowed at most {MAX_ID_CHARS} with "
-                    "--enable-layered-kv: the control plane's request id limit)")
+        if isinstance(one, str) and len(one) > MAX_RID_CHARS:
+            return (f"rid has {len(one)} characters (allowed at most {MAX_RID_CHARS} with "
+                    f"--enable-layered-kv: the control plane's request id limit, {MAX_ID_CHARS}, less room "
+                    "for the _N suffix SGLang adds to a batch's or a parallel sample's ids)")
     return None
 
 

@@ -374,12 +374,12 @@ def _around_next_batch(original: Any, scheduler: Any, *args: Any, **kwargs: Any)
     call = dict(zip(_NEXT_BATCH_ARGS, args, strict=False))
     call.update(kwargs)
     running = call.get("running_batch", scheduler.running_batch)
+    endpoint = hooks.policy_endpoint
+    if endpoint is not None and hooks.tp.world_size == 1:  # the gate follows the live scheduler
+        hooks.admission.enabled = endpoint.scheduler_gated()  # (before the boundary's admits)
     running = hooks.boundary.apply(running, call.get("last_batch", scheduler.last_batch), hooks.step)
     scheduler.running_batch = running
     call["running_batch"] = running
-    endpoint = hooks.policy_endpoint
-    if endpoint is not None and hooks.tp.world_size == 1:  # the gate follows the live scheduler
-        hooks.admission.enabled = endpoint.scheduler_gated()
     if hooks.slo_publisher is not None:  # the pacer follows the live default SLO
         hooks.slo_publisher.poll()
     held = hooks.admission.hold_back(scheduler, running, hooks.pauser)

@@ -115,7 +115,7 @@ class GrpcControlPlane:
         hello = convert.worker_info_to_proto(worker)  # fails fast on a bad WorkerInfo
         session = GrpcWorkerSession(
             self._cp, hello, worker.worker_id, backoff=self._backoff, metrics=self.metrics,
-            on_close=self._forget, max_batch_bytes=self._max_message_bytes // 2,
+            on_close=self._forget, max_batch_bytes=min(self._max_message_bytes // 2, 1 << 20),
         )
         with self._lock:
             self._sessions.add(session)

@@ -280,7 +280,13 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
             threading.Thread(target=cleanup, name=f"kvplane-close-{session_id}", daemon=True).start()
 
         # a stream that sends no hello would hold its slot for good (keepalive pings keep it up)
-        deadline = threading.Timer(self._hello_timeout_s, context.cancel)
+        expired = threading.Event()
+
+        def expire() -> None:
+            expired.set()
+            context.cancel()
+
+        deadline = threading.Timer(self._hello_timeout_s, expire)
         deadline.daemon = True
         deadline.start()
         try:
@@ -288,10 +294,10 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
                 first = next(request_iterator, None)
             finally:
                 deadline.cancel()
-            if first is None or not context.is_active():
-                if first is None and not context.is_active():
-                    log.warning("session_without_hello", session=session_id, peer=peer,
-                                timeout_s=self._hello_timeout_s)
+            if expired.is_set():
+                log.warning("session_without_hello", session=session_id, peer=peer, timeout_s=self._hello_timeout_s)
+                return
+            if first is None:
                 return
             if first.WhichOneof("kind") != "hello":
                 raise api.InvalidArgument(

@@ -103,7 +103,8 @@ class GrpcWorkerSession:
     ) -> None:
         self.worker_id = worker_id
         self.max_batch_bytes = max_batch_bytes
-        """Most serialized bytes of one ReportBatch (the client passes half its message limit). By
+        """Most serialized bytes of one ReportBatch (the client passes half its message limit, at most
+        1 MiB, so that a server with a lower ``--max-message-bytes`` than its workers still takes them). By
         count alone, 64 reports of a worker running 1,500 requests made a 5.4 MB batch, which gRPC
         refused (RESOURCE_EXHAUSTED), dropping the stream -- under load, when reports queue up."""
         self.stats = SessionStats()

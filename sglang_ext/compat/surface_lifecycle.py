@@ -13,7 +13,7 @@ from sglang_ext.compat.target import Target
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 
 __all__ = ["SCHEDULER_ABORT_REQUEST", "SCHEDULER_PAUSE_GENERATION", "PAUSE_GENERATION_REQ", "SCHEDULER_IS_FULLY_IDLE",
-           "SCHEDULER_UPDATE_RUNNING_BATCH", "BATCH_CHECK_DECODE_MEM"]
+           "SCHEDULER_UPDATE_RUNNING_BATCH", "SCHEDULER_FINISHING_INFLIGHT", "BATCH_CHECK_DECODE_MEM"]
 
 SCHEDULER_ABORT_REQUEST = Target(f"{_SCHEDULER}.abort_request", params=("self", "recv_req"),
                                  used_by=("parked_lifecycle",))
@@ -32,6 +32,10 @@ rows and the KV allocator), weight updates, HiCache attach / detach and the heal
 scheduler with parked requests is not idle."""
 SCHEDULER_UPDATE_RUNNING_BATCH = Target(f"{_SCHEDULER}.update_running_batch", params=("self", "batch"),
                                         used_by=("parked_lifecycle",))
+SCHEDULER_FINISHING_INFLIGHT = Target(f"{_SCHEDULER}._reqs_finishing_inflight", params=("self", "batch"),
+                                      used_by=("parked_lifecycle",))
+"""Under the overlap loop, the requests whose in-flight step finishes them by length: SGLang drops
+them before its memory check and skips a full step while any is there."""
 """Before a decode step: when the KV pool cannot hold the step (``check_decode_mem``) it retracts
 running requests (``ScheduleBatch.retract_decode``), longest first, and aborts the last one left
 ("out of memory even after retracting all other requests"); parked requests, holding their KV

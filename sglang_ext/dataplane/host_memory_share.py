@@ -9,7 +9,7 @@ host, a 55 GB pool passed and the process was killed for memory while pinning it
 
 So the launcher, before any scheduler starts, records what the host has available -- the least
 of ``MemAvailable`` and the headroom of every cgroup memory limit above the process (v2
-``memory.max``, v1 ``memory.limit_in_bytes``; reclaimable page cache, ``inactive_file``, is not
+``memory.max``, v1 ``memory.limit_in_bytes``; file page cache, which the kernel reclaims, is not
 counted as used) -- and how many scheduler processes this launch starts on the host; the pools'
 check (:func:`sglang_ext.dataplane.host_pool.host_pool_limit`) then holds all of them against
 that one snapshot, whichever rank pins first. Standard library only: the launcher and
@@ -46,14 +46,18 @@ def _read_int(path: Path) -> int | None:
     return int(text) if text.isdigit() else None  # v2 "max" (no limit) reads as None
 
 
-def _inactive_file(stat: Path) -> int:
-    """Reclaimable page cache of a cgroup (``total_inactive_file`` in v1, ``inactive_file`` in v2)."""
+def _page_cache(stat: Path) -> int:
+    """A cgroup's file page cache, which the kernel reclaims to pin memory (active and inactive:
+    ``total_*_file`` in v1, ``*_file`` in v2), as ``MemAvailable`` counts it available."""
     try:
         fields = dict(line.split(maxsplit=1) for line in stat.read_text().splitlines() if " " in line)
     except OSError:
         return 0
-    value = fields.get("total_inactive_file", fields.get("inactive_file", "0")).strip()
-    return int(value) if value.isdigit() else 0
+    total = 0
+    for kind in ("active_file", "inactive_file"):
+        value = fields.get(f"total_{kind}", fields.get(kind, "0")).strip()
+        total += int(value) if value.isdigit() else 0
+    return total
 
 
 def _ancestors(leaf: Path, top: Path) -> list[Path]:
@@ -70,7 +74,7 @@ def _ancestors(leaf: Path, top: Path) -> list[Path]:
 def cgroup_headroom(proc_cgroup: str | Path = "/proc/self/cgroup",
                     root: str | Path = "/sys/fs/cgroup") -> int | None:
     """Bytes the process's cgroups still allow: the least, over every memory-limited cgroup from
-    the process's own up to the root, of its limit minus its usage (less reclaimable page cache);
+    the process's own up to the root, of its limit minus its usage (less its file page cache);
     None when no cgroup limits memory or none can be read."""
     try:
         lines = Path(proc_cgroup).read_text().splitlines()
@@ -96,7 +100,7 @@ def cgroup_headroom(proc_cgroup: str | Path = "/proc/self/cgroup",
             limit, usage = _read_int(d / names[0]), _read_int(d / names[1])
             if limit is None or limit >= UNLIMITED or usage is None:
                 continue
-            found.append(max(0, limit - max(0, usage - _inactive_file(d / "memory.stat"))))
+            found.append(max(0, limit - max(0, usage - _page_cache(d / "memory.stat"))))
     return min(found) if found else None
 
 

@@ -71,7 +71,7 @@ def _cgroup(root, rel, files):
 
 def test_a_cgroup_v2_memory_limit_caps_what_the_host_has_available(tmp_path):
     """A container allowed 64 GiB on a host with 1.5 TB available: the pool may take 80% of the
-    cgroup's headroom (its limit less what it uses, reclaimable page cache not counted), the
+    cgroup's headroom (its limit less what it uses, file page cache -- active or not -- not counted), the
     tightest of the cgroup and its parents. Controls: "max" is no limit; without cgroups the
     host's MemAvailable stands."""
     meminfo = tmp_path / "meminfo"
@@ -80,11 +80,11 @@ def test_a_cgroup_v2_memory_limit_caps_what_the_host_has_available(tmp_path):
     _cgroup(root, "", {"cgroup.controllers": "cpu memory\n"})
     _cgroup(root, "kubepods", {"memory.max": "max\n", "memory.current": str(900 << 30)})
     _cgroup(root, "kubepods/pod1", {"memory.max": str(64 << 30), "memory.current": str(10 << 30),
-                                    "memory.stat": f"anon 1\ninactive_file {4 << 30}\n"})
+                                    "memory.stat": f"anon 1\nactive_file {1 << 30}\ninactive_file {3 << 30}\n"})
     _cgroup(root, "kubepods/pod1/c1", {"memory.max": "max\n", "memory.current": str(10 << 30)})
     proc = tmp_path / "cgroup"
     proc.write_text("0::/kubepods/pod1/c1\n")
-    assert cgroup_headroom(proc, root) == (64 << 30) - (6 << 30)  # 10 GiB used, 4 of it page cache
+    assert cgroup_headroom(proc, root) == (64 << 30) - (6 << 30)  # 10 GiB used, 4 of it page cache (1 active)
     assert available_host_bytes(meminfo, proc, root) == 58 << 30
     with pytest.raises(ValueError, match=r"\(62.277 GB, cgroup memory limits counted\)"):
         host_pool_limit(55 * 10**9, None, available_host_bytes(meminfo, proc, root), what="x")
@@ -103,7 +103,8 @@ def test_a_cgroup_v1_memory_limit_counts_too(tmp_path):
     _cgroup(root, "unified", {"cgroup.procs": ""})
     _cgroup(root, "memory", {"memory.limit_in_bytes": "9223372036854771712", "memory.usage_in_bytes": "1"})
     _cgroup(root, "memory/job", {"memory.limit_in_bytes": str(32 << 30), "memory.usage_in_bytes": str(8 << 30),
-                                 "memory.stat": f"inactive_file 1\ntotal_inactive_file {2 << 30}\n"})
+                                 "memory.stat": f"inactive_file 1\ntotal_inactive_file {1 << 30}\n"
+                                                f"active_file 1\ntotal_active_file {1 << 30}\n"})
     proc = tmp_path / "cgroup"
     proc.write_text("4:memory:/job\n1:cpu:/\n0::/\n")
     assert cgroup_headroom(proc, root) == (32 << 30) - (6 << 30)

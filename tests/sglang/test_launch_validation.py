@@ -188,11 +188,12 @@ BAD_LAUNCH_FILES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
         "kvplane: invalid launch option: --kv-host-pool-gb=0.0001 is out of range [0.002098, 65536] (GB)",
     ),
     "host-pools-over-host-memory": (  # one KV head a rank at --tp-size 2; the control: every launch of 4096 tokens
-        lambda d: ["--tp-size", "2", "--max-total-tokens", "100000000"],
+        lambda d: ["--tp-size", "2", "--max-total-tokens", "100000000000"],  # 102 TB: no host holds it
         "kvplane: invalid launch option: the 2 scheduler processes this launch starts on this host "
         "(--tp-size x --pp-size x --dp-size / --nnodes) each pin a host KV pool of every layer of "
-        "--max-total-tokens 100000000 = 25.600 GB and its device KV pool, host memory on CPU, 25.600 GB: "
-        "102.400 GB in all, more than 80% of the host's available memory when the server was launched",
+        "--max-total-tokens 100000000000 = 25600.000 GB and its device KV pool, host memory on CPU, "
+        "25600.000 GB: 102400.000 GB in all, more than 80% of the host's available memory when the server "
+        "was launched",
     ),
     "tls-ca-garbage": (
         lambda d: [*REMOTE, "--kv-tls-ca", _file(d, "ca.pem", "-----BEGIN CERTIFICATE-----\ngarbage\n")],

@@ -108,6 +108,11 @@ class _Scheduler:
     running_batch: Any
     waiting_queue: list
     _kvplane: Any
+    finishing: tuple = ()
+    """Under the overlap loop: rids whose in-flight step finishes them (SGLang drops them first)."""
+
+    def _reqs_finishing_inflight(self, batch: Any) -> list:
+        return [r for r in batch.reqs if r.rid in self.finishing]
 
 
 def _scheduler(*queued: str) -> _Scheduler:
@@ -160,17 +165,22 @@ def test_a_parked_request_is_resumed_into_an_abort_a_retract_and_counts_against_
     assert seen[-1] == ["a"] and pauser.paused_ids == ("b",)
 
 
-@pytest.mark.parametrize("fits", [False, True], ids=["pool-full", "fits"])
-def test_when_the_next_decode_step_does_not_fit_parked_requests_join_the_retraction(fits):
+@pytest.mark.parametrize(("fits", "finishing"), [(False, ()), (True, ()), (False, ("a",))],
+                         ids=["pool-full", "fits", "pool-full-one-finishing-in-flight"])
+def test_when_the_next_decode_step_does_not_fit_parked_requests_join_the_retraction(fits, finishing):
     """SGLang retracts running requests (and aborts the last one left) when the KV pool cannot
     hold the next decode step; parked ones kept their slots out of its reach. Now they are merged
-    into the batch first. Control: when the step fits they stay parked."""
+    into the batch first. Controls: when the step fits they stay parked; under the overlap loop,
+    while a request's in-flight step finishes it SGLang skips a full step instead of retracting,
+    and they stay parked too (review of session 54)."""
     sched = _scheduler()
+    sched.finishing = finishing
     pauser = sched._kvplane.pauser
     assert pauser.pause(sched.running_batch, ["b"], step=1) == ["b"]
     batch = sched.running_batch
     batch.check_decode_mem = lambda: fits  # type: ignore[attr-defined]
     seen: list[list[str]] = []
     parked_lifecycle.around_update_running_batch(lambda s, b: seen.append([r.rid for r in b.reqs]), sched, batch)
-    assert seen == [["a"] if fits else ["a", "b"]]
-    assert ("b" in pauser) is fits
+    stays = fits or bool(finishing)
+    assert seen == [["a"] if stays else ["a", "b"]]
+    assert ("b" in pauser) is stays

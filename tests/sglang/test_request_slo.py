@@ -160,17 +160,20 @@ def test_plugin_passes_everything_through_with_the_flag_off(layered: LayeredKVAr
 
 
 def test_a_rid_past_the_control_planes_id_limit_is_refused() -> None:
-    """One, or one of a batch's list; 256 characters and SGLang's own (None) pass (the control)."""
-    from sglang_ext.request_slo import rid_error
+    """One, or one of a batch's list; 240 characters (256 less room for SGLang's ``_N`` suffix)
+    and SGLang's own (None) pass (the control)."""
+    from sglang_ext.request_slo import MAX_RID_CHARS, rid_error
 
-    assert rid_error("r" * 256) is None and rid_error(None) is None and rid_error(["a", "b" * 256]) is None
-    assert rid_error("r" * 257) == ("rid has 257 characters (allowed at most 256 with --enable-layered-kv: "
-                                    "the control plane's request id limit)")
+    assert MAX_RID_CHARS == 240
+    assert rid_error("r" * 240) is None and rid_error(None) is None and rid_error(["a", "b" * 240]) is None
+    assert rid_error("r" * 241) == (
+        "rid has 241 characters (allowed at most 240 with --enable-layered-kv: the control plane's request id "
+        "limit, 256, less room for the _N suffix SGLang adds to a batch's or a parallel sample's ids)")
     assert rid_error(["a", "b" * 300]) is not None
-    assert body_error({"rid": "x" * 257}) is not None and body_error({"rid": "x"}) is None
+    assert body_error({"rid": "x" * 241}) is not None and body_error({"rid": "x"}) is None
     original = _Original()
     long_rid = _Obj(params(150))
-    long_rid.rid = "x" * 257
-    with pytest.raises(ValueError, match="rid has 257 characters"):
+    long_rid.rid = "x" * 241
+    with pytest.raises(ValueError, match="rid has 241 characters"):
         first_item(around_generate_request(original, object(), long_rid, None))
     assert original.calls == 0
