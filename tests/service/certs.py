@@ -57,41 +57,31 @@ class ThrowawayCA:
         """A client certificate with an empty subject and ``uri`` as its only subject alternative
         name, as SPIFFE and cert-manager issue them."""
         key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.UTC)
         cert = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([]))
-            .issuer_name(self._name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+            self._leaf(x509.Name([]), key, ExtendedKeyUsageOID.CLIENT_AUTH)
             .add_extension(x509.SubjectAlternativeName([x509.UniformResourceIdentifier(uri)]), critical=True)
             .sign(self._key, hashes.SHA256())
         )
         return KeyPair(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
 
-    def issue(self, cn: str, *, server: bool) -> KeyPair:
-        key = ec.generate_private_key(ec.SECP256R1())
+    def _leaf(self, subject: x509.Name, key: ec.EllipticCurvePrivateKey, usage: x509.ObjectIdentifier
+              ) -> x509.CertificateBuilder:
         now = datetime.datetime.now(datetime.UTC)
-        builder = (
+        return (
             x509.CertificateBuilder()
-            .subject_name(_name(cn))
+            .subject_name(subject)
             .issuer_name(self._name)
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + datetime.timedelta(days=1))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(
-                x509.ExtendedKeyUsage(
-                    [ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH]
-                ),
-                critical=False,
-            )
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
         )
+
+    def issue(self, cn: str, *, server: bool) -> KeyPair:
+        key = ec.generate_private_key(ec.SECP256R1())
+        builder = self._leaf(_name(cn), key, ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH)
         if server:
             builder = builder.add_extension(
                 x509.SubjectAlternativeName(

@@ -31,21 +31,28 @@ def _health_s(target: str) -> float:
         return time.perf_counter() - t0
 
 
-def test_a_worker_leaving_during_a_slow_report_does_not_stall_the_server(serve, monkeypatch):
-    """A report the controller takes 4 s over (held here by an event inside the real report) is
-    in flight when its worker drops the stream. The server still answers at once, and the
-    session closes once the report is done."""
-    served = serve()
+def _hold_report_2(monkeypatch, seconds: float) -> tuple[threading.Event, threading.Event]:  # noqa: ANN001
+    """The real controller's report of step 2 waits (at most ``seconds``) for the returned
+    ``release``; ``entered`` is set once it waits."""
     entered, release = threading.Event(), threading.Event()
     real = SessionController.report
 
     def slow(self, report):  # noqa: ANN001, ANN202
         if report.step == 2:
             entered.set()
-            release.wait(4.0)
+            release.wait(seconds)
         return real(self, report)
 
     monkeypatch.setattr(SessionController, "report", slow)
+    return entered, release
+
+
+def test_a_worker_leaving_during_a_slow_report_does_not_stall_the_server(serve, monkeypatch):
+    """A report the controller takes 4 s over (held here by an event inside the real report) is
+    in flight when its worker drops the stream. The server still answers at once, and the
+    session closes once the report is done."""
+    served = serve()
+    entered, release = _hold_report_2(monkeypatch, 4.0)
     sent: queue.Queue = queue.Queue()
 
     def messages():  # noqa: ANN202
@@ -144,16 +151,7 @@ def _queued_reports_after_a_slow_one(serve, connect, monkeypatch, max_batch_byte
     """A worker with 150 running requests (~5 KB a report) on a client whose messages may be at
     most 64 KiB; the controller holds report 2 until 30 more have queued up, then lets go."""
     served = serve()
-    entered, release = threading.Event(), threading.Event()
-    real = SessionController.report
-
-    def slow(self, report):  # noqa: ANN001, ANN202
-        if report.step == 2:
-            entered.set()
-            release.wait(20.0)
-        return real(self, report)
-
-    monkeypatch.setattr(SessionController, "report", slow)
+    entered, release = _hold_report_2(monkeypatch, 20.0)
     client = connect(served.target, max_message_bytes=64 << 10)
     session = client.open_session(worker_info("w-batch"))
     assert session.wait_connected(10)
