@@ -183,6 +183,21 @@ def _pairs_of(a0: np.ndarray, b0: np.ndarray, m: np.ndarray, a_step: int | np.nd
             np.repeat(b0, m) + within * np.repeat(np.broadcast_to(b_step, m.shape), m))
 
 
+def device_attribute(lib: Any, ordinal: int, attribute: int) -> int | None:
+    """``cuDeviceGetAttribute(attribute)`` of CUDA device ``ordinal`` through the driver library
+    ``lib`` (``libcuda.so.1`` loaded with :mod:`ctypes`), or None where it lacks the calls or
+    fails (CUDA initialised by the caller)."""
+    get_dev, get_attr = (getattr(lib, name, None) for name in ("cuDeviceGet", "cuDeviceGetAttribute"))
+    if get_dev is None or get_attr is None:
+        return None
+    dev, value = ctypes.c_int(), ctypes.c_int()
+    if get_dev(ctypes.byref(dev), ctypes.c_int(ordinal)) != 0:
+        return None
+    if get_attr(ctypes.byref(value), ctypes.c_int(attribute), dev) != 0:
+        return None
+    return int(value.value)
+
+
 class PitchedMemcpy:
     """``cuMemcpy2DAsync`` bound from the driver (module docstring). Construction raises
     ``RuntimeError`` naming what is missing."""
@@ -209,16 +224,8 @@ class PitchedMemcpy:
     def max_pitch(self, ordinal: int) -> int:
         """``CU_DEVICE_ATTRIBUTE_MAX_PITCH`` (bytes) of CUDA device ``ordinal``, or
         :data:`MAX_PITCH_BYTES` where the driver does not answer (CUDA initialised by the caller)."""
-        lib = getattr(self, "_lib", None)
-        get_dev, get_attr = (getattr(lib, name, None) for name in ("cuDeviceGet", "cuDeviceGetAttribute"))
-        if get_dev is None or get_attr is None:
-            return MAX_PITCH_BYTES
-        dev, value = ctypes.c_int(), ctypes.c_int()
-        if get_dev(ctypes.byref(dev), ctypes.c_int(ordinal)) != 0:
-            return MAX_PITCH_BYTES
-        if get_attr(ctypes.byref(value), ctypes.c_int(MAX_PITCH_ATTRIBUTE), dev) != 0 or value.value <= 0:
-            return MAX_PITCH_BYTES
-        return int(value.value)
+        value = device_attribute(getattr(self, "_lib", None), ordinal, MAX_PITCH_ATTRIBUTE)
+        return MAX_PITCH_BYTES if value is None or value <= 0 else value
 
     def reset_counts(self) -> None:
         self.calls = self.rows = 0

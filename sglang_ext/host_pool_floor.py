@@ -73,6 +73,14 @@ class HostPoolFloor:
         """The floor in bytes: every layer of :attr:`min_pages` pages."""
         return self.min_pages * self.page_size * self.token_bytes
 
+    def device_min_bytes(self, budget_tokens: int | None) -> int:
+        """The device pool the layered pool builds beside :attr:`min_bytes` (host memory on
+        ``--device cpu``): every layer of every page, or ``--kv-gpu-budget-tokens`` token-layers
+        when that is less (``SlotStoreConfig.device_bytes``)."""
+        if budget_tokens is None:
+            return self.min_bytes
+        return min(self.min_bytes, budget_tokens * self.token_bytes // self.layers)
+
     @property
     def min_gb(self) -> float:
         """The floor in GB, rounded up to the kB (so that passing this figure is accepted)."""

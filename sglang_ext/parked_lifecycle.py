@@ -36,13 +36,15 @@ def _hooks_of(scheduler: Any) -> Any:
     return getattr(scheduler, "_kvplane", None)
 
 
-def _resume(scheduler: Any, hooks: Any, predicate: Any, event: str) -> list[str]:
-    scheduler.running_batch, resumed = hooks.pauser.resume_matching(scheduler.running_batch, predicate)
+def _resume(hooks: Any, batch: Any, predicate: Any, event: str) -> Any:
+    """Merge the parked requests ``predicate`` picks into ``batch``; returns the batch (a new one
+    when ``batch`` was empty), the resume logged as ``event`` and counted."""
+    batch, resumed = hooks.pauser.resume_matching(batch, predicate)
     if resumed:
         log.info(event, rids=resumed)
         if hooks.metrics is not None and hooks.tp.is_source:
             hooks.metrics.resumed(len(resumed))
-    return resumed
+    return batch
 
 
 def around_abort(original: Any, scheduler: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
@@ -56,7 +58,7 @@ def around_abort(original: Any, scheduler: Any, recv_req: Any, *args: Any, **kwa
         return every or req.rid.startswith(rid)
 
     if len(hooks.pauser):
-        _resume(scheduler, hooks, matches, "paused_requests_aborted")
+        scheduler.running_batch = _resume(hooks, scheduler.running_batch, matches, "paused_requests_aborted")
     queued = [req.rid for req in getattr(scheduler, "waiting_queue", None) or () if matches(req)]
     result = original(scheduler, recv_req, *args, **kwargs)
     still = {req.rid for req in getattr(scheduler, "waiting_queue", None) or ()} if queued else set()
@@ -69,7 +71,7 @@ def around_abort(original: Any, scheduler: Any, recv_req: Any, *args: Any, **kwa
 def around_pause_generation(original: Any, scheduler: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
     hooks = _hooks_of(scheduler)
     if hooks is not None and len(hooks.pauser) and getattr(recv_req, "mode", None) == "retract":
-        _resume(scheduler, hooks, lambda req: True, "paused_requests_retracted")
+        scheduler.running_batch = _resume(hooks, scheduler.running_batch, lambda req: True, "paused_requests_retracted")
     return original(scheduler, recv_req, *args, **kwargs)
 
 
@@ -87,9 +89,5 @@ def around_update_running_batch(original: Any, scheduler: Any, batch: Any, *args
             and not scheduler._reqs_finishing_inflight(batch) and not batch.check_decode_mem():
         # (under the overlap loop SGLang first drops the requests whose in-flight step finishes
         # them, and skips a full step while any does: only a batch without them is checked here)
-        _, resumed = hooks.pauser.resume_all(batch)  # merged into the non-empty batch, in place
-        if resumed:
-            log.info("paused_requests_resumed_for_retraction", rids=resumed)
-            if hooks.metrics is not None and hooks.tp.is_source:
-                hooks.metrics.resumed(len(resumed))
+        _resume(hooks, batch, lambda req: True, "paused_requests_resumed_for_retraction")  # non-empty: in place
     return original(scheduler, batch, *args, **kwargs)

@@ -331,11 +331,8 @@ class KvplanePlugin:
             if layered.kv_host_pool_gb is not None:
                 floor.check(layered.kv_host_pool_gb)
             elif floor.max_total_tokens is not None:
-                device = 0
-                if str(server_args.device) == "cpu":
-                    budget = layered.kv_gpu_budget_tokens
-                    device = floor.min_bytes if budget is None else min(  # token-layers
-                        floor.min_bytes, budget * floor.token_bytes // floor.layers)
+                cpu = str(server_args.device) == "cpu"
+                device = floor.device_min_bytes(layered.kv_gpu_budget_tokens) if cpu else 0
                 host_pool_limit(floor.min_bytes, None, share.available_bytes if share else None, share=share,
                                 device_in_host_bytes=device,
                                 what=f"every layer of --max-total-tokens {floor.max_total_tokens}")

@@ -101,9 +101,8 @@ class StepBoundary:
             recompute = {rid: (int(u), int(layers.get(rid, 0))) for rid, u in d.plan.recompute_blocks.items()}
             reasons.append(d.reason)
         fallback = bool(self.client is not None and self.client.in_fallback)
-        if fallback:  # no control plane to resume them: pause nobody (apply resumes the parked)
-            pause.clear()
-            inbox.deferred_pause.clear()
+        if fallback:  # no control plane to resume them: pause nobody (apply resumes the parked
+            pause.clear()  # and drops the deferred pauses)
         return StepInstall(
             step=step + 1,
             pause=tuple(pause),

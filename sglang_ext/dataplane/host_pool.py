@@ -25,6 +25,7 @@ import weakref
 import structlog
 import torch
 
+from kernels.pitched_memcpy import device_attribute
 from sglang_ext.dataplane.host_memory_share import HostMemoryShare, available_host_bytes
 
 __all__ = ["AVAILABLE_SHARE", "GB", "HostMemoryShare", "allocate_host_pool", "available_host_bytes", "host_pool_limit",
@@ -115,14 +116,9 @@ def registered_host_pointers(device: torch.device, driver: str = "libcuda.so.1")
     on ROCm). CUDA must be initialised (the caller holds device tensors)."""
     try:
         lib = ctypes.CDLL(driver)
-        get_dev, get_attr = lib.cuDeviceGet, lib.cuDeviceGetAttribute
-    except (OSError, AttributeError):
+    except OSError:
         return None
     device = torch.device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    dev, value = ctypes.c_int(), ctypes.c_int()
-    if get_dev(ctypes.byref(dev), ctypes.c_int(index)) != 0:
-        return None
-    if get_attr(ctypes.byref(value), ctypes.c_int(CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM), dev) != 0:
-        return None
-    return value.value != 0
+    value = device_attribute(lib, index, CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM)
+    return None if value is None else value != 0
