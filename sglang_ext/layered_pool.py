@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import structlog
@@ -45,6 +45,7 @@ from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
 from sglang_ext.dataplane.slot_kv_store import SlotStoreConfig
 from sglang_ext.dataplane.slot_results import RequestResidency, ResidencyDelta, ResidencyStats
 from sglang_ext.dataplane.step_tables import StepTables
+from sglang_ext.device_capacity import DeviceCapacity
 from sglang_ext.hooks import ResidencyEvent, ResidencyEventKind, ResidencyHooks
 from sglang_ext.store_cache_writer import StoreCacheWriter
 
@@ -61,6 +62,20 @@ _GB = 1e9
 
 class LayeredTokenToKVPool(MHATokenToKVPool):
     """MHA KV pool whose layers live partly on the device, partly in host memory."""
+
+    device_capacity: ClassVar[DeviceCapacity | None] = None
+    """SGLang's profiled device capacity when the slot space is wider (:meth:`for_capacity`);
+    None: the slot space is SGLang's profile (or within it)."""
+
+    @classmethod
+    def for_capacity(cls, capacity: DeviceCapacity | None) -> type[LayeredTokenToKVPool]:
+        """This class, or (``capacity`` given) a subclass of it bound to that capacity: SGLang
+        constructs the pool class it is handed with its own arguments, and the capacity was
+        measured by the same scheduler's configurator just before (:mod:`sglang_ext.capacity_hooks`)."""
+        if capacity is None:
+            return cls
+        return type(cls.__name__, (cls,), {"device_capacity": capacity, "__module__": cls.__module__,
+                                           "__qualname__": cls.__qualname__})
 
     def __init__(self, *args: Any, layered_args: LayeredKVArgs | None = None, **kwargs: Any) -> None:
         self._layered_args = layered_args if layered_args is not None else LayeredKVArgs.from_env()
@@ -103,7 +118,13 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         self._kv_buffer_descs = ()
         logical_pages = -(-(self.size + self.page_size) // self.page_size)
         budget_tokens = self._layered_args.kv_gpu_budget_tokens
-        if budget_tokens is None:
+        capacity = self.device_capacity
+        if capacity is not None:  # a slot space beyond the device (sglang_ext.device_capacity)
+            device_pages = capacity.device_pages(
+                layers=self.layer_num, page_size=self.page_size, logical_pages=logical_pages,
+                layer_page_bytes=2 * self.page_size * self.head_num * self.head_dim * self.store_dtype.itemsize,
+                budget_tokens=budget_tokens)
+        elif budget_tokens is None:
             # every layer of every page (what SGLang's own pool holds, plus the padding page):
             # the store then uses the identity layout and attention reads it in place
             device_pages = logical_pages * self.layer_num
@@ -146,6 +167,7 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
             logical_pages=logical_pages,
             device_pages=device_pages,
             host_gb=round(config.host_bytes / _GB, 4),
+            profiled_device_tokens=None if capacity is None else capacity.profiled_tokens,
         )
 
     def get_kv_size_bytes(self) -> tuple[int, int]:

@@ -68,6 +68,7 @@ from typing import Any, NoReturn
 
 from sglang_ext import args as kv_args
 from sglang_ext import compat, layered_kv_cli, logs, settings
+from sglang_ext.capacity_hooks import CapacityHooks
 from sglang_ext.context import PluginContext
 from sglang_ext.launch_decision import LaunchDecision, LaunchRefused
 from sglang_ext.placement_hooks import PlacementHooks
@@ -151,15 +152,6 @@ def _attach_layered_pool(cache: Any, tp_rank: int = 0, dp_rank: int = 0) -> None
     pool = allocator.get_kvcache() if allocator is not None else None
     if isinstance(pool, LayeredTokenToKVPool):
         pool.attach(cache, tp_rank=tp_rank, dp_rank=dp_rank)
-
-
-def _around_resolve_kv_pool_class(original: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND ``KVCacheConfigurator._resolve_kv_pool_class``: the layered pool for kind ``mha``."""
-    if kwargs.get(compat.KV_POOL_CLASS_RESOLVER.keyword[0]) == "mha":
-        from sglang_ext.layered_pool import LayeredTokenToKVPool
-
-        return LayeredTokenToKVPool
-    return original(self, *args, **kwargs)
 
 
 def _around_enable_fused_set_kv_buffer(original: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
@@ -429,9 +421,11 @@ class KvplanePlugin:
             compat.register_radix_cache_backend(kv_args.RADIX_BACKEND_NAME, self.radix_cache_factory)
         hook_registry.register(compat.ALLOC_FOR_EXTEND.path, _after_alloc_for_extend, hook_type.AFTER)
         hook_registry.register(compat.ALLOC_FOR_DECODE.path, _after_alloc_for_decode, hook_type.AFTER)
-        hook_registry.register(
-            compat.KV_POOL_CLASS_RESOLVER.path, _around_resolve_kv_pool_class, hook_type.AROUND
-        )
+        capacity = CapacityHooks()  # the layered pool, over a slot space beyond the device's profile
+        hook_registry.register(compat.KV_POOL_CLASS_RESOLVER.path, capacity.around_resolve_kv_pool_class,
+                               hook_type.AROUND)
+        hook_registry.register(compat.KV_CONFIG_FROM_BUDGET.path, capacity.around_config_from_budget,
+                               hook_type.AROUND)
         hook_registry.register(
             compat.ENABLE_FUSED_SET_KV_BUFFER.path, _around_enable_fused_set_kv_buffer, hook_type.AROUND
         )

@@ -16,6 +16,7 @@ as a dataclass / msgspec field or annotation, or assigns ``self.<name> = ...`` i
 
 from __future__ import annotations
 
+from sglang_ext.compat.surface_capacity import *  # noqa: F403 -- part of the surface (TARGETS, __all__)
 from sglang_ext.compat.surface_graphs import *  # noqa: F403 -- part of the surface (TARGETS, __all__)
 from sglang_ext.compat.surface_lifecycle import *  # noqa: F403 -- part of the surface (TARGETS, __all__)
 from sglang_ext.compat.surface_models import (  # noqa: F401 -- part of the surface (TARGETS, __all__)
@@ -139,7 +140,7 @@ KV_POOL_CLASS_RESOLVER = Target(
     f"{_SRT}.mem_cache.kv_cache_configurator.KVCacheConfigurator._resolve_kv_pool_class",
     params=("self",),
     keyword=("kind", "default"),
-    used_by=("plugin",),
+    used_by=("capacity_hooks", "plugin"),
 )
 MHA_TOKEN_TO_KV_POOL = Target(
     f"{_SRT}.mem_cache.memory_pool.MHATokenToKVPool",

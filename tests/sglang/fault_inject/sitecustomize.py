@@ -64,6 +64,10 @@ the runner's autotune buffers, as SGLang allocates them; ``_warmup`` returns bef
 with ``KVPLANE_TEST_WARMUP_DUMMY_SEQ_LEN=N`` as well, their ``seq_lens`` are N (0: what a decode
 graph runner's buffers may hold when it warms up first, SGLang says). One JSON line per warm-up
 goes to ``PATH``.
+
+With ``KVPLANE_TEST_KV_PROFILE_BYTES=N``, SGLang's memory profile finds at most N bytes for the KV
+cache (``KVCacheConfigurator._profile_available_bytes``): a GPU whose memory, after the weights,
+holds fewer tokens than ``--max-total-tokens`` (on the CPU the profile reads the host's free memory).
 """
 
 from __future__ import annotations
@@ -352,6 +356,19 @@ def _patch_stale_graph(module) -> None:  # noqa: ANN001
     module.GraphStepBuffers.load = load
 
 
+PROFILE_TARGET = "sglang.srt.mem_cache.kv_cache_configurator"
+
+
+def _patch_profile(module) -> None:  # noqa: ANN001
+    cap = int(os.environ["KVPLANE_TEST_KV_PROFILE_BYTES"])
+    real = module.KVCacheConfigurator._profile_available_bytes
+
+    def profile(self, pre_model_load_memory):  # noqa: ANN001, ANN202
+        return min(real(self, pre_model_load_memory), cap)
+
+    module.KVCacheConfigurator._profile_available_bytes = profile
+
+
 WARMUP_TARGET = "sglang.srt.model_executor.runner.base_runner"
 
 
@@ -452,3 +469,5 @@ if os.environ.get("KVPLANE_TEST_WARMUP_DUMMY_FILE"):
     _install(WARMUP_TARGET, _patch_warmup_dummy)
 if os.environ.get("KVPLANE_TEST_STALE_GRAPH_FILE"):
     _install("sglang_ext.dataplane.graph_step_buffers", _patch_stale_graph)
+if os.environ.get("KVPLANE_TEST_KV_PROFILE_BYTES"):
+    _install(PROFILE_TARGET, _patch_profile)

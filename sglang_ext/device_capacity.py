@@ -1,0 +1,89 @@
+"""DeviceCapacity: a slot space wider than the device, and the device pages it leaves the layered pool.
+
+SGLang sizes its KV slot space from a memory profile: the device memory left after the weights
+(under ``--mem-fraction-static``), divided by the bytes of one token at *every* layer, capped by
+``--max-total-tokens`` ("larger than the profiled value: use the profiled value instead"). Its
+pool holds every layer of every slot on the device, so that cap is right for it. The layered pool
+holds every layer of every slot in *host* memory and only ``--kv-gpu-budget-tokens`` layer-tokens
+on the device -- so on a GPU the profile's cap would keep the slot space (the tokens SGLang admits
+and keeps) to what fits the device at every layer, and offloading could never serve more KV than
+stock SGLang: the one thing it is for (OrbitFlow §1; LayerKV §1: the waiting queue grows because
+the KV cache is full, not because the GPU computes too slowly).
+
+So under ``--enable-layered-kv`` a ``--max-total-tokens`` above the profile is honoured
+(:mod:`sglang_ext.capacity_hooks`): the slot space is what was asked for (its host pool checked
+against host memory, as always: :func:`~sglang_ext.dataplane.host_pool.host_pool_limit` and, at
+launch, :class:`~sglang_ext.host_pool_floor.HostPoolFloor`), and the device keeps what the profile
+measured. This class is that record and the arithmetic of the device pages (pure; no SGLang):
+
+* without ``--kv-gpu-budget-tokens`` the device holds the profile's tokens at every layer, less
+  the paged layout's device copy of the ``[L, P]`` int32 page map
+  (:class:`~sglang_ext.dataplane.map_mirror.MapMirror`), the one device buffer that grows with the
+  slot space;
+* with it, a budget the profile cannot hold is refused at start (naming both flags), where a
+  bigger device pool would otherwise be allocated into the memory SGLang keeps for activations and
+  CUDA graphs and fail, or crowd them out, mid-serving.
+
+Without ``--max-total-tokens``, or with one the profile fits, nothing changes: SGLang's slot space
+and, by default, every layer of it on the device (the identity layout).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAP_ENTRY_BYTES = 4
+"""Bytes of one ``[L, P]`` page-map entry in its device mirror (int32)."""
+
+
+@dataclass(frozen=True)
+class DeviceCapacity:
+    """SGLang's profiled slot space and the wider one the layered pool was built for (tokens)."""
+
+    profiled_tokens: int
+    """Tokens SGLang's memory profile fits on the device at every layer (page-aligned, PP-synced:
+    SGLang's own figure)."""
+    slot_tokens: int
+    """The slot space the pool holds: ``--max-total-tokens``, page-aligned (> ``profiled_tokens``)."""
+
+    def __post_init__(self) -> None:
+        for name in ("profiled_tokens", "slot_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"DeviceCapacity.{name}={value!r} must be an int >= 1")
+        if self.slot_tokens <= self.profiled_tokens:
+            raise ValueError(f"DeviceCapacity: slot_tokens={self.slot_tokens} must exceed "
+                             f"profiled_tokens={self.profiled_tokens} (a slot space the device fits needs none)")
+
+    def profiled_pages(self, *, layers: int, page_size: int) -> int:
+        """Layer-pages the profile's device memory holds: its whole pages at every layer."""
+        return self.profiled_tokens // page_size * layers
+
+    @staticmethod
+    def map_pages(*, layers: int, logical_pages: int, layer_page_bytes: int) -> int:
+        """Layer-pages' worth of device memory the paged layout's page-map mirror takes."""
+        return -(-(layers * logical_pages * MAP_ENTRY_BYTES) // layer_page_bytes)
+
+    def device_pages(self, *, layers: int, page_size: int, logical_pages: int, layer_page_bytes: int,
+                     budget_tokens: int | None) -> int:
+        """Device layer-pages of the layered pool over this slot space (module docstring);
+        ValueError, with the figures and the flags to change, when the profile cannot hold
+        ``--kv-gpu-budget-tokens`` (``budget_tokens``) or not even one page beside the map."""
+        fits = self.profiled_pages(layers=layers, page_size=page_size)
+        mirror = self.map_pages(layers=layers, logical_pages=logical_pages, layer_page_bytes=layer_page_bytes)
+        what = (f"SGLang's memory profile fits {self.profiled_tokens} tokens at all {layers} layers on the "
+                f"device ({fits} pages of {page_size} token(s) a layer), and the page map of the "
+                f"--max-total-tokens {self.slot_tokens} slot space takes {mirror} of them")
+        if budget_tokens is None:
+            if fits - mirror < 1:
+                raise ValueError(f"kvplane layered KV: {what}, leaving no device page; raise "
+                                 "--mem-fraction-static or lower --max-total-tokens")
+            return fits - mirror
+        pages = budget_tokens // page_size
+        if pages < 1:
+            raise ValueError(f"--kv-gpu-budget-tokens={budget_tokens} is below one page ({page_size} tokens)")
+        if pages + mirror > fits:
+            raise ValueError(
+                f"--kv-gpu-budget-tokens={budget_tokens} ({pages} pages) does not fit the device: {what}; "
+                f"lower it to at most {max(0, fits - mirror) * page_size} or raise --mem-fraction-static")
+        return pages

@@ -1,0 +1,120 @@
+"""A slot space beyond the device, in real SGLang servers (``sglang_ext.capacity_hooks``).
+
+On a GPU SGLang sizes its KV slot space from a memory profile -- the device bytes left after the
+weights, over one token's bytes at every layer -- and caps ``--max-total-tokens`` at it. The
+layered pool keeps every layer of every slot on the host, so under ``--enable-layered-kv`` the
+cap is lifted: the slot space is what was asked for, and the device keeps the profiled tokens'
+worth of layer-pages. The CPU profile reads the host's free memory, so the test injector makes the
+profile find room for :data:`PROFILE_TOKENS` tokens, as on a small GPU
+(``KVPLANE_TEST_KV_PROFILE_BYTES``, ``tests/sglang/fault_inject/sitecustomize.py``).
+
+Two servers, both with that profile and ``--max-total-tokens 4096`` (``CPU_ARGS``): stock SGLang
+(kvplane installed, flag off: the negative control, which keeps the profile's slot space) and
+the layered pool. The layered one then serves eight concurrent generations whose KV exceeds what
+the profile fits, token-identical to the session's vanilla server.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from sglang_ext.settings import STATS_FILE_ENV
+from sglang_ext.testing.jsonl import read_jsonl
+from sglang_ext.testing.server import SGLangServer
+from tests.sglang.conftest import (
+    PROMPTS,
+    assert_same_generation,
+    fault_inject_path,
+    greedy,
+    running_servers,
+)
+
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]
+
+PROFILE_TOKENS = 1024
+"""Tokens (at every layer) the injected memory profile fits."""
+SLOT_TOKENS = 4096
+"""``--max-total-tokens`` of both servers (``CPU_ARGS``)."""
+
+
+def token_bytes(model_dir: Path) -> int:
+    """One token's KV bytes at every layer of the tiny model, served in float32."""
+    config = json.loads((model_dir / "config.json").read_text())
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    return config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * 4
+
+
+@pytest.fixture(scope="module")
+def profiled_servers(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[tuple[SGLangServer, SGLangServer, Path]]:
+    """(stock, layered, the layered server's stats file), both profiled at :data:`PROFILE_TOKENS`."""
+    root = tmp_path_factory.mktemp("slot-space")
+    stats = root / "stats.jsonl"
+    env = {"PYTHONPATH": fault_inject_path(),
+           "KVPLANE_TEST_KV_PROFILE_BYTES": str(PROFILE_TOKENS * token_bytes(tiny_model_dir))}
+    (root / "stock").mkdir()
+    (root / "layered").mkdir()
+    specs = [(root / "stock", [], env),
+             (root / "layered", ["--enable-layered-kv"], {**env, STATS_FILE_ENV: str(stats)})]
+    with running_servers(tiny_model_dir, specs, zygote=launch_zygote) as (stock, layered):
+        yield stock, layered, stats
+
+
+def slot_tokens(server: SGLangServer) -> int:
+    """The slot space the scheduler logged at start (SGLang's ``max_total_num_tokens=`` line)."""
+    (tokens,) = re.findall(r"\bmax_total_num_tokens=(\d+)", server.log_path.read_text())
+    return int(tokens)
+
+
+def pool_line(server: SGLangServer) -> dict[str, int]:
+    """The integer fields of the layered pool's ``layered_kv_pool_created`` log line."""
+    created = re.search(r"layered_kv_pool_created.*", server.log_path.read_text())
+    assert created is not None, "no pool line"
+    return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)\b", created.group(0))}
+
+
+def test_the_layered_slot_space_is_what_was_asked_beyond_the_profile(profiled_servers, tiny_model_dir):
+    """Stock SGLang keeps the profile's slot space (the control: the injected profile binds, and
+    ``--max-total-tokens`` above it is ignored, with SGLang's warning); the layered pool's is
+    ``--max-total-tokens``, and its device pages are the profile's tokens at every layer less the
+    page map's device mirror (4 bytes per layer-page of the slot space)."""
+    stock, layered, _ = profiled_servers
+    assert slot_tokens(stock) == PROFILE_TOKENS
+    assert "larger than the profiled value" in stock.log_path.read_text()
+    assert slot_tokens(layered) == SLOT_TOKENS
+    log = layered.log_path.read_text()
+    assert f"slot_tokens={SLOT_TOKENS}" in log and f"device_tokens_all_layers={PROFILE_TOKENS}" in log
+    fields = pool_line(layered)
+    layers, page = fields["layers"], fields["page_size"]
+    logical = -(-(SLOT_TOKENS + page) // page)
+    layer_page_bytes = token_bytes(tiny_model_dir) // layers * page
+    mirror = -(-(layers * logical * 4) // layer_page_bytes)
+    assert fields["logical_pages"] == logical
+    assert fields["device_pages"] == PROFILE_TOKENS // page * layers - mirror
+    assert fields["profiled_device_tokens"] == PROFILE_TOKENS
+
+
+def test_more_kv_than_the_profile_fits_is_served_token_identical(profiled_servers, vanilla_server):
+    """Eight concurrent 200-token generations hold more KV than the profile fits on the device
+    (more live layer-pages than its device pages, some only on the host at once); every one ends
+    by length, token-identical (tokens and logprobs) to vanilla SGLang's."""
+    _, layered, stats_path = profiled_servers
+    prompts, new_tokens = PROMPTS[:8], 200
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(lambda p: greedy(layered, p, new_tokens, logprobs=True), prompts))
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out["meta_info"]["finish_reason"]["type"] == "length", (prompt, out["meta_info"]["finish_reason"])
+        assert_same_generation(out, greedy(vanilla_server, prompt, new_tokens, logprobs=True), prompt)
+    pools = [line["pool"] for line in read_jsonl(stats_path) if line.get("pool")]
+    assert pools, "no stats line with the pool"
+    fields = pool_line(layered)
+    device_total = pools[-1]["device_pages_total"]
+    assert device_total < PROFILE_TOKENS // fields["page_size"] * fields["layers"]  # within the profile
+    peak = max(p["live_layer_pages"] for p in pools)
+    assert peak > device_total, f"the live KV ({peak} layer-pages) never exceeded the device ({device_total})"
+    assert max(p["host_layer_pages"] for p in pools) > 0, "no live layer-page was only on the host"
