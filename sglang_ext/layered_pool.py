@@ -175,6 +175,7 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         return half.numel() * half.element_size(), half.numel() * half.element_size()
 
     def _clear_buffers(self) -> None:
+        self.store.engine.quiesce()  # no copy in flight may outlive the pool it reads and writes
         del self.store
 
     # ----- wiring -------------------------------------------------------------------

@@ -21,6 +21,8 @@ from __future__ import annotations
 import ctypes
 import time
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import structlog
 import torch
@@ -29,7 +31,7 @@ from kernels.pitched_memcpy import device_attribute
 from sglang_ext.dataplane.host_memory_share import HostMemoryShare, available_host_bytes
 
 __all__ = ["AVAILABLE_SHARE", "GB", "HostMemoryShare", "allocate_host_pool", "available_host_bytes", "host_pool_limit",
-           "registered_host_pointers"]
+           "registered_host_pointers", "release_registration"]
 
 GB = 1e9
 AVAILABLE_SHARE = 0.8
@@ -102,10 +104,22 @@ def allocate_host_pool(shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool)
         err = cudart.cudaHostRegister(pool.data_ptr(), nbytes, 0)
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister of the {nbytes / GB:.3f} GB host KV pool failed: {err}")
-        weakref.finalize(pool, cudart.cudaHostUnregister, pool.data_ptr())
+        weakref.finalize(pool, release_registration, cudart, pool.data_ptr(), torch.cuda.current_device())
         # registering faults in and locks every page: seconds per tens of GB, at start-up
         log.info("host_kv_pool_pinned", gb=round(nbytes / GB, 3), seconds=round(time.perf_counter() - t0, 2))
     return pool
+
+
+def release_registration(cudart: Any, pointer: int, device: int, synchronize: Callable[[int], None] | None = None) -> None:
+    """Finalizer of a pool registered by :func:`allocate_host_pool`: wait for CUDA ``device``'s
+    work first (a copy still in flight reads or writes the pool's pages, and unregistering under
+    it is undefined), then unregister. A failed wait (CUDA already torn down at interpreter exit)
+    does not keep the pages locked. ``synchronize``: ``torch.cuda.synchronize`` (tests pass their own)."""
+    try:
+        (synchronize or torch.cuda.synchronize)(device)
+    except Exception:  # noqa: BLE001 - the unregister below must still run
+        log.warning("host_kv_pool_release_without_sync", exc_info=True)
+    cudart.cudaHostUnregister(pointer)
 
 
 def registered_host_pointers(device: torch.device, driver: str = "libcuda.so.1") -> bool | None:

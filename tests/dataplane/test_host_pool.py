@@ -13,6 +13,7 @@ from sglang_ext.dataplane.host_pool import (
     allocate_host_pool,
     available_host_bytes,
     host_pool_limit,
+    release_registration,
 )
 
 
@@ -168,3 +169,31 @@ def test_cuda_pool_is_pinned_at_exactly_its_size():
     dev = pool[:16].to("cuda", non_blocking=True)
     torch.cuda.synchronize()
     assert bool((dev == 1.0).all())
+
+
+class Cudart:
+    """Records the driver calls of :func:`release_registration` (CUDA does not run here)."""
+
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def cudaHostUnregister(self, pointer: int) -> int:  # noqa: N802 - cudart's name
+        self.calls.append(("unregister", pointer))
+        return 0
+
+
+def test_a_registered_pool_is_released_after_the_devices_work():
+    """The device's copies finish before the pages are unregistered; a wait that fails (CUDA torn
+    down at exit) still unregisters them. Control: the order is checked, so unregistering first
+    fails it."""
+    calls: list = []
+    release_registration(Cudart(calls), 0x1000, 3, synchronize=lambda device: calls.append(("sync", device)))
+    assert calls == [("sync", 3), ("unregister", 0x1000)]
+
+    def torn_down(device: int) -> None:
+        calls.append(("sync", device))
+        raise RuntimeError("CUDA driver shutting down")
+
+    calls.clear()
+    release_registration(Cudart(calls), 0x2000, 0, synchronize=torn_down)
+    assert calls == [("sync", 0), ("unregister", 0x2000)]
