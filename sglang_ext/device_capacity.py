@@ -17,12 +17,23 @@ launch, :class:`~sglang_ext.host_pool_floor.HostPoolFloor`), and the device keep
 measured. This class is that record and the arithmetic of the device pages (pure; no SGLang):
 
 * without ``--kv-gpu-budget-tokens`` the device holds the profile's tokens at every layer, less
-  the paged layout's device copy of the ``[L, P]`` int32 page map
-  (:class:`~sglang_ext.dataplane.map_mirror.MapMirror`), the one device buffer that grows with the
-  slot space;
+  kvplane's device buffers that grow with the slot space: the paged layout's copy of the ``[L, P]``
+  int32 page map (:class:`~sglang_ext.dataplane.map_mirror.MapMirror`) and, with
+  ``--kv-cuda-graphs on``, the graphs' table of the same size
+  (:class:`~sglang_ext.dataplane.graph_step_buffers.GraphStepBuffers`). It must hold one layer of
+  the whole slot space, as the staging room assumes (:mod:`~sglang_ext.dataplane.staging_room`: a
+  batch over every slot is then always staged; below it a full batch would be read at rest,
+  synchronously, every step), else the start is refused naming the largest slot space it holds;
 * with it, a budget the profile cannot hold is refused at start (naming both flags), where a
   bigger device pool would otherwise be allocated into the memory SGLang keeps for activations and
-  CUDA graphs and fail, or crowd them out, mid-serving.
+  CUDA graphs and fail, or crowd them out, mid-serving. (A budget below one layer of the slot
+  space is the user's choice, as without a wider slot space.)
+
+What else grows with the slot space is SGLang's, and kept to the profile's size where it is on the
+device and sized from it: the request count and so the ``[requests, context]`` int32 request
+table (:meth:`~sglang_ext.capacity_hooks.CapacityHooks.around_resolve_max_num_reqs`). The token
+allocator's free list and the eager runner's per-token registry (tens of bytes a token) come out
+of SGLang's slack (``1 - --mem-fraction-static``).
 
 Without ``--max-total-tokens``, or with one the profile fits, nothing changes: SGLang's slot space
 and, by default, every layer of it on the device (the identity layout).
@@ -65,19 +76,26 @@ class DeviceCapacity:
         return -(-(layers * logical_pages * MAP_ENTRY_BYTES) // layer_page_bytes)
 
     def device_pages(self, *, layers: int, page_size: int, logical_pages: int, layer_page_bytes: int,
-                     budget_tokens: int | None) -> int:
-        """Device layer-pages of the layered pool over this slot space (module docstring);
-        ValueError, with the figures and the flags to change, when the profile cannot hold
-        ``--kv-gpu-budget-tokens`` (``budget_tokens``) or not even one page beside the map."""
+                     budget_tokens: int | None, maps: int = 1) -> int:
+        """Device layer-pages of the layered pool over this slot space (module docstring), beside
+        ``maps`` device copies of the page map (2 with ``--kv-cuda-graphs on``); ValueError, with
+        the figures and the flags to change, when the profile cannot hold
+        ``--kv-gpu-budget-tokens`` (``budget_tokens``) or, without it, one layer of the slot space."""
         fits = self.profiled_pages(layers=layers, page_size=page_size)
-        mirror = self.map_pages(layers=layers, logical_pages=logical_pages, layer_page_bytes=layer_page_bytes)
+        mirror = maps * self.map_pages(layers=layers, logical_pages=logical_pages, layer_page_bytes=layer_page_bytes)
         what = (f"SGLang's memory profile fits {self.profiled_tokens} tokens at all {layers} layers on the "
                 f"device ({fits} pages of {page_size} token(s) a layer), and the page map of the "
                 f"--max-total-tokens {self.slot_tokens} slot space takes {mirror} of them")
         if budget_tokens is None:
-            if fits - mirror < 1:
-                raise ValueError(f"kvplane layered KV: {what}, leaving no device page; raise "
-                                 "--mem-fraction-static or lower --max-total-tokens")
+            if fits - mirror < logical_pages:
+                # the most tokens t with t // page + 1 pages of one layer and their maps inside the fits
+                per_page = 1 + maps * layers * MAP_ENTRY_BYTES / layer_page_bytes
+                most = max(0, int((fits - per_page) / per_page)) * page_size
+                raise ValueError(
+                    f"kvplane layered KV: {what}, leaving {fits - mirror} device pages for the {logical_pages} "
+                    f"pages of one layer of the slot space that every batch's staging may need; lower "
+                    f"--max-total-tokens to at most about {most}, raise --mem-fraction-static, or set "
+                    "--kv-gpu-budget-tokens to accept batches read from host memory at rest")
             return fits - mirror
         pages = budget_tokens // page_size
         if pages < 1:

@@ -123,7 +123,7 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
             device_pages = capacity.device_pages(
                 layers=self.layer_num, page_size=self.page_size, logical_pages=logical_pages,
                 layer_page_bytes=2 * self.page_size * self.head_num * self.head_dim * self.store_dtype.itemsize,
-                budget_tokens=budget_tokens)
+                budget_tokens=budget_tokens, maps=2 if self._layered_args.kv_cuda_graphs == "on" else 1)
         elif budget_tokens is None:
             # every layer of every page (what SGLang's own pool holds, plus the padding page):
             # the store then uses the identity layout and attention reads it in place

@@ -426,6 +426,8 @@ class KvplanePlugin:
                                hook_type.AROUND)
         hook_registry.register(compat.KV_CONFIG_FROM_BUDGET.path, capacity.around_config_from_budget,
                                hook_type.AROUND)
+        hook_registry.register(compat.KV_RESOLVE_MAX_NUM_REQS.path, capacity.around_resolve_max_num_reqs,
+                               hook_type.AROUND)
         hook_registry.register(
             compat.ENABLE_FUSED_SET_KV_BUFFER.path, _around_enable_fused_set_kv_buffer, hook_type.AROUND
         )

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from sglang_ext.compat.target import Target
 
-__all__ = ["KV_CONFIG_FROM_BUDGET", "MEMORY_POOL_CONFIG", "SCHEDULE_CONTEXT", "SCHEDULE_FIELDS"]
+__all__ = ["KV_CONFIG_FROM_BUDGET", "KV_RESOLVE_MAX_NUM_REQS", "MEMORY_POOL_CONFIG", "SCHEDULE_CONTEXT",
+           "SCHEDULE_FIELDS"]
 
 KV_CONFIG_FROM_BUDGET = Target(
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.config_from_budget",
@@ -22,5 +23,10 @@ MEMORY_POOL_CONFIG = Target(
     used_by=("capacity_hooks",))
 SCHEDULE_CONTEXT = Target("sglang.srt.runtime_context.get_schedule", used_by=("capacity_hooks",))
 """The process's scheduling arguments (a ``Schedule`` bag: ``max_total_tokens``)."""
-SCHEDULE_FIELDS = Target("sglang.srt.arg_groups.fields.schedule.Schedule", attrs=("max_total_tokens",),
-                         used_by=("capacity_hooks",))
+KV_RESOLVE_MAX_NUM_REQS = Target(
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.resolve_max_num_reqs",
+    params=("self", "token_capacity"), used_by=("capacity_hooks",))
+"""The request count (and so the device's ``[requests, context]`` request table) from the pool's
+token count, unless ``--max-running-requests`` is given."""
+SCHEDULE_FIELDS = Target("sglang.srt.arg_groups.fields.schedule.Schedule",
+                         attrs=("max_total_tokens", "max_running_requests"), used_by=("capacity_hooks",))

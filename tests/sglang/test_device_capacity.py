@@ -5,6 +5,7 @@ hook and pool in a served SGLang: ``test_slot_space_server.py``."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -41,11 +42,28 @@ def test_the_device_keeps_the_profiles_tokens_at_every_layer_less_the_page_map()
                          budget_tokens=PAGE - 1)
 
 
-def test_a_profile_the_page_map_fills_is_refused_naming_the_flags():
-    cap = DeviceCapacity(profiled_tokens=16, slot_tokens=10_000_000)
-    with pytest.raises(ValueError, match=r"leaving no device page.*--mem-fraction-static.*--max-total-tokens"):
-        cap.device_pages(layers=LAYERS, page_size=PAGE, logical_pages=10_000_000 // PAGE + 1,
-                         layer_page_bytes=PAGE_BYTES, budget_tokens=None)
+def test_the_default_must_stage_one_layer_of_the_slot_space():
+    """Without a budget the device must hold one layer of the slot space beside the maps (the
+    staging room's premise). The figure the refusal names is the largest slot space that passes:
+    it does, and one page more is refused. Under --kv-cuda-graphs on two maps are kept."""
+    profiled = 4096
+
+    def pages(slot: int, maps: int = 1) -> int:
+        logical = slot // PAGE + 1
+        return DeviceCapacity(profiled_tokens=profiled, slot_tokens=slot).device_pages(
+            layers=LAYERS, page_size=PAGE, logical_pages=logical, layer_page_bytes=PAGE_BYTES, budget_tokens=None,
+            maps=maps)
+
+    with pytest.raises(ValueError, match=r"one layer of the slot space.*at most about (\d+)") as refused:
+        pages(10_000_000)
+    assert "--mem-fraction-static" in str(refused.value) and "--kv-gpu-budget-tokens" in str(refused.value)
+    most = int(re.search(r"at most about (\d+)", str(refused.value)).group(1))
+    assert pages(most) >= most // PAGE + 1
+    with pytest.raises(ValueError, match="one layer of the slot space"):
+        pages(most + 2 * PAGE)
+    one, two = pages(most // 2), pages(most // 2, maps=2)
+    assert one - two == DeviceCapacity.map_pages(layers=LAYERS, logical_pages=most // 2 // PAGE + 1,
+                                                 layer_page_bytes=PAGE_BYTES) > 0
 
 
 @pytest.mark.parametrize(("profiled", "slot"), [(0, 10), (10, 10), (11, 10), (True, 10), (5, 2.5)])
@@ -85,8 +103,29 @@ def test_the_hook_widens_a_cap_above_the_profile_and_records_the_capacity():
     wide = hooks.around_config_from_budget(original, configurator, 1024 * 1024)
     assert wide.max_total_num_tokens == 4096
     assert hooks.capacity_of(configurator) == DeviceCapacity(profiled_tokens=1024, slot_tokens=4096)
-    assert hooks.capacity_of(SimpleNamespace()) is None  # another configurator's is its own
     assert len(calls) == 2 and calls[1][0] >= 4096 * 1024  # the second sizing's budget holds the cap
+    # a new profile of the same configurator that fits forgets the capacity
+    hooks.wanted = lambda: 512
+    hooks.around_config_from_budget(original, configurator, 1024 * 1024)
+    assert hooks.capacity_of(configurator) is None
+
+
+@pytest.mark.parametrize(("requests", "seen"), [(None, 1024), (64, 4096)])
+def test_the_request_count_of_a_widened_slot_space_is_the_profiles(requests, seen):
+    """SGLang's request count (and the request table on the device) is sized from the profiled
+    tokens unless --max-running-requests is given; an unwidened configurator's stays its own."""
+    original, _ = sizing(cell=1024, cap=4096)
+    widened, hooks = SimpleNamespace(), CapacityHooks(wanted=lambda: 4096, requests=lambda: requests)
+    hooks.around_config_from_budget(original, widened, 1024 * 1024)
+    asked: list[int] = []
+
+    def resolve(self, token_capacity):  # noqa: ANN001, ANN202
+        asked.append(token_capacity)
+        return token_capacity // 2
+
+    assert hooks.around_resolve_max_num_reqs(resolve, widened, 4096) == seen // 2
+    assert hooks.around_resolve_max_num_reqs(resolve, SimpleNamespace(), 4096) == 2048
+    assert asked == [seen, 4096]
 
 
 @pytest.mark.parametrize(("why", "cap", "wanted", "args", "kwargs", "extra"), [
@@ -120,7 +159,7 @@ def test_the_pool_over_a_wider_slot_space_keeps_the_profile_on_the_device():
     from sglang_ext.layered_pool import LayeredTokenToKVPool
 
     assert LayeredTokenToKVPool.for_capacity(None) is LayeredTokenToKVPool
-    cap = DeviceCapacity(profiled_tokens=32, slot_tokens=128)
+    cap = DeviceCapacity(profiled_tokens=64, slot_tokens=128)
     cls = LayeredTokenToKVPool.for_capacity(cap)
 
     def build(budget):  # noqa: ANN001, ANN202
@@ -130,13 +169,16 @@ def test_the_pool_over_a_wider_slot_space_keeps_the_profile_on_the_device():
 
     pool = build(None)
     assert isinstance(pool, LayeredTokenToKVPool) and pool.device_capacity == cap
-    logical = -(-(128 + 2) // 2)
-    mirror = -(-(3 * logical * 4) // (2 * 2 * 2 * 4 * 2))
-    assert pool.store.config.device_pages == 32 // 2 * 3 - mirror
-    assert pool.residency_stats().device_pages_total <= 32 // 2 * 3
+    # measured: the device pool and the page map's mirror take at most the profile's bytes
+    # (64 tokens x 3 layers x K,V x 2 heads x 4 x fp16), and the pool holds one layer of the slots
+    store = pool.store
+    assert store.mirror is not None and not store.config.identity
+    assert store.dev.nbytes + store.mirror.dev.nbytes <= 64 * 3 * 2 * 2 * 4 * 2
+    assert store.dev.nbytes + store.mirror.dev.nbytes > 0.9 * 64 * 3 * 2 * 2 * 4 * 2
+    assert store.config.device_pages >= store.config.logical_pages
     assert build(20).store.config.device_pages == 10
     with pytest.raises(ValueError, match="does not fit the device"):
-        build(32 * 3)
+        build(64 * 3)
 
 
 def test_the_resolver_hands_the_layered_pool_its_configurators_capacity():

@@ -26,7 +26,7 @@ import pytest
 
 from sglang_ext.settings import STATS_FILE_ENV
 from sglang_ext.testing.jsonl import read_jsonl
-from sglang_ext.testing.server import SGLangServer
+from sglang_ext.testing.server import SGLangServer, ServerError
 from tests.sglang.conftest import (
     PROMPTS,
     assert_same_generation,
@@ -37,8 +37,9 @@ from tests.sglang.conftest import (
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]
 
-PROFILE_TOKENS = 1024
-"""Tokens (at every layer) the injected memory profile fits."""
+PROFILE_TOKENS = 1280
+"""Tokens (at every layer) the injected memory profile fits: room for one layer of the 4096-token
+slot space and its page maps (the layered pool refuses less without a budget)."""
 SLOT_TOKENS = 4096
 """``--max-total-tokens`` of both servers (``CPU_ARGS``)."""
 
@@ -65,10 +66,10 @@ def profiled_servers(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterato
         yield stock, layered, stats
 
 
-def slot_tokens(server: SGLangServer) -> int:
-    """The slot space the scheduler logged at start (SGLang's ``max_total_num_tokens=`` line)."""
-    (tokens,) = re.findall(r"\bmax_total_num_tokens=(\d+)", server.log_path.read_text())
-    return int(tokens)
+def started(server: SGLangServer, name: str) -> int:
+    """A figure of the scheduler's start line (``max_total_num_tokens=``, ``max_running_requests=``)."""
+    (value,) = re.findall(rf"\b{name}=(\d+)", server.log_path.read_text())
+    return int(value)
 
 
 def pool_line(server: SGLangServer) -> dict[str, int]:
@@ -81,12 +82,16 @@ def pool_line(server: SGLangServer) -> dict[str, int]:
 def test_the_layered_slot_space_is_what_was_asked_beyond_the_profile(profiled_servers, tiny_model_dir):
     """Stock SGLang keeps the profile's slot space (the control: the injected profile binds, and
     ``--max-total-tokens`` above it is ignored, with SGLang's warning); the layered pool's is
-    ``--max-total-tokens``, and its device pages are the profile's tokens at every layer less the
-    page map's device mirror (4 bytes per layer-page of the slot space)."""
+    ``--max-total-tokens``, its request count stays the profile's, and its device pages are the
+    profile's tokens at every layer less the page map's device mirror (4 bytes per layer-page of
+    the slot space)."""
     stock, layered, _ = profiled_servers
-    assert slot_tokens(stock) == PROFILE_TOKENS
+    assert started(stock, "max_total_num_tokens") == PROFILE_TOKENS
     assert "larger than the profiled value" in stock.log_path.read_text()
-    assert slot_tokens(layered) == SLOT_TOKENS
+    assert started(layered, "max_total_num_tokens") == SLOT_TOKENS
+    # the request count (and the request table SGLang sizes with it) stays the profile's: without
+    # the hook it would be SGLang's count for 4096 tokens, min(2048, 4096 // 2) = 2048
+    assert started(layered, "max_running_requests") == started(stock, "max_running_requests") < 2048
     log = layered.log_path.read_text()
     assert f"slot_tokens={SLOT_TOKENS}" in log and f"device_tokens_all_layers={PROFILE_TOKENS}" in log
     fields = pool_line(layered)
@@ -100,11 +105,11 @@ def test_the_layered_slot_space_is_what_was_asked_beyond_the_profile(profiled_se
 
 
 def test_more_kv_than_the_profile_fits_is_served_token_identical(profiled_servers, vanilla_server):
-    """Eight concurrent 200-token generations hold more KV than the profile fits on the device
+    """Eight concurrent 250-token generations hold more KV than the profile fits on the device
     (more live layer-pages than its device pages, some only on the host at once); every one ends
     by length, token-identical (tokens and logprobs) to vanilla SGLang's."""
     _, layered, stats_path = profiled_servers
-    prompts, new_tokens = PROMPTS[:8], 200
+    prompts, new_tokens = PROMPTS[:8], 250
     with ThreadPoolExecutor(len(prompts)) as pool:
         outs = list(pool.map(lambda p: greedy(layered, p, new_tokens, logprobs=True), prompts))
     for prompt, out in zip(prompts, outs, strict=True):
@@ -118,3 +123,22 @@ def test_more_kv_than_the_profile_fits_is_served_token_identical(profiled_server
     peak = max(p["live_layer_pages"] for p in pools)
     assert peak > device_total, f"the live KV ({peak} layer-pages) never exceeded the device ({device_total})"
     assert max(p["host_layer_pages"] for p in pools) > 0, "no live layer-page was only on the host"
+
+
+def test_a_device_that_cannot_stage_one_layer_of_the_slot_space_is_refused_at_start(
+        tiny_model_dir, launch_zygote, tmp_path_factory):
+    """A profile of 600 tokens (2,400 layer-pages, 257 of them the page map's) cannot stage one
+    layer of the 4096-token slot space (4,097 pages): the scheduler stops at start with the
+    figures, the largest slot space that fits, and the flags to change; nothing is served from a
+    pool every full batch would overflow. (The control: the fixture's 1,280-token profile starts.)"""
+    root = tmp_path_factory.mktemp("slot-space-refused")
+    env = {"PYTHONPATH": fault_inject_path(), "KVPLANE_TEST_KV_PROFILE_BYTES": str(600 * token_bytes(tiny_model_dir))}
+    with pytest.raises(ServerError), running_servers(tiny_model_dir, [(root, ["--enable-layered-kv"], env)],
+                                                     zygote=launch_zygote):
+        pass
+    log = (root / "server.log").read_text()
+    assert "2143 device pages for the 4097 pages of one layer of the slot space" in log, log[-3000:]
+    most = int(re.search(r"lower --max-total-tokens to at most about (\d+)", log).group(1))
+    # the largest slot space whose one layer fits beside its page map: 2,400 - ceil(16 (t+1) / 256) >= t + 1
+    assert most == max(t for t in range(1, 2400) if 2400 - -(-16 * (t + 1) // 256) >= t + 1), most
+    assert "--mem-fraction-static" in log and "--kv-gpu-budget-tokens" in log
