@@ -26,7 +26,7 @@ import pytest
 
 from sglang_ext.settings import STATS_FILE_ENV
 from sglang_ext.testing.jsonl import read_jsonl
-from sglang_ext.testing.server import SGLangServer, ServerError
+from sglang_ext.testing.server import ServerError, SGLangServer
 from tests.sglang.conftest import (
     PROMPTS,
     assert_same_generation,
