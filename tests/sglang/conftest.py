@@ -17,6 +17,7 @@ import functools
 import importlib.util
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -243,6 +244,18 @@ def assert_same_generation(got: dict, want: dict, context: str = "") -> None:
     assert len(got_lp) == len(want_lp) > 0, context
     worst = max(abs(a - b) for a, b in zip(got_lp, want_lp, strict=True))
     assert worst <= LOGPROB_ATOL, f"{context}: logprobs differ by {worst:.3g} > {LOGPROB_ATOL}"
+
+
+def concurrent_as_vanilla(server: SGLangServer, vanilla: SGLangServer, prompts: Sequence[str],
+                          new_tokens: int) -> list[dict]:
+    """``prompts`` generated on ``server`` all at once (greedy, with logprobs): every one must end
+    by length and match ``vanilla``'s lone run (:func:`assert_same_generation`); the responses."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(lambda p: greedy(server, p, new_tokens, logprobs=True), prompts))
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out["meta_info"]["finish_reason"]["type"] == "length", (prompt, out["meta_info"]["finish_reason"])
+        assert_same_generation(out, greedy(vanilla, prompt, new_tokens, logprobs=True), prompt)
+    return outs
 
 
 def undetected(server: SGLangServer, reference: SGLangServer, prompts: Sequence[str], new_tokens: int) -> int:

@@ -23,7 +23,13 @@ from sglang_ext.settings import RESIDENCY_EVENTS_FILE_ENV as EVENTS_FILE_ENV
 from sglang_ext.settings import STATS_FILE_ENV
 from sglang_ext.testing.jsonl import read_jsonl, read_jsonl_settled
 from sglang_ext.testing.server import SGLangServer
-from tests.sglang.conftest import PROMPTS, assert_same_generation, greedy, running_server
+from tests.sglang.conftest import (
+    PROMPTS,
+    assert_same_generation,
+    concurrent_as_vanilla,
+    greedy,
+    running_server,
+)
 
 # Two SGLang start-ups (30-600 s each on the shared 2-core host) happen inside the first test.
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]
@@ -292,12 +298,7 @@ def test_parked_requests_join_sglangs_retraction_when_the_pool_is_full(tight_pau
     off, a request ends HTTP 500 with SGLang's "Out of memory even after retracting all other
     requests in the decode batch" abort."""
     server, stats_path = tight_paused_server
-    prompts, new_tokens = PROMPTS[:8], 200
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        outs = list(pool.map(lambda p: greedy(server, p, new_tokens, logprobs=True), prompts))
-    for prompt, out in zip(prompts, outs, strict=True):
-        assert out["meta_info"]["finish_reason"]["type"] == "length", (prompt, out["meta_info"]["finish_reason"])
-        assert_same_generation(out, greedy(vanilla_server, prompt, new_tokens, logprobs=True), prompt)
+    concurrent_as_vanilla(server, vanilla_server, PROMPTS[:8], 200)
     log_text = server.log_path.read_text()
     assert "paused_requests_resumed_for_retraction" in log_text, "no retraction met a parked request"
     assert any(line.get("paused_now") for line in _stats(stats_path)), "nothing was parked"

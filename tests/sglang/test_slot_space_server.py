@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -27,13 +26,7 @@ import pytest
 from sglang_ext.settings import STATS_FILE_ENV
 from sglang_ext.testing.jsonl import read_jsonl
 from sglang_ext.testing.server import ServerError, SGLangServer
-from tests.sglang.conftest import (
-    PROMPTS,
-    assert_same_generation,
-    fault_inject_path,
-    greedy,
-    running_servers,
-)
+from tests.sglang.conftest import PROMPTS, concurrent_as_vanilla, fault_inject_path, running_servers
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]
 
@@ -109,12 +102,7 @@ def test_more_kv_than_the_profile_fits_is_served_token_identical(profiled_server
     (more live layer-pages than its device pages, some only on the host at once); every one ends
     by length, token-identical (tokens and logprobs) to vanilla SGLang's."""
     _, layered, stats_path = profiled_servers
-    prompts, new_tokens = PROMPTS[:8], 250
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        outs = list(pool.map(lambda p: greedy(layered, p, new_tokens, logprobs=True), prompts))
-    for prompt, out in zip(prompts, outs, strict=True):
-        assert out["meta_info"]["finish_reason"]["type"] == "length", (prompt, out["meta_info"]["finish_reason"])
-        assert_same_generation(out, greedy(vanilla_server, prompt, new_tokens, logprobs=True), prompt)
+    concurrent_as_vanilla(layered, vanilla_server, PROMPTS[:8], 250)
     pools = [line["pool"] for line in read_jsonl(stats_path) if line.get("pool")]
     assert pools, "no stats line with the pool"
     fields = pool_line(layered)
