@@ -169,6 +169,16 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
             host_gb=round(config.host_bytes / _GB, 4),
             profiled_device_tokens=None if capacity is None else capacity.profiled_tokens,
         )
+        if config.identity:
+            log.info("layered_kv_slot_space_on_device", slot_tokens=self.size,
+                     note=("every layer of SGLang's slot space is on the device and the host pool only "
+                           "mirrors it: to hold more KV than the device, set --max-total-tokens above "
+                           f"{self.size} (README 'More KV than the GPU holds')"))
+        elif device_pages < logical_pages:
+            log.warning("layered_kv_budget_below_one_layer", device_pages=device_pages, layer_pages=logical_pages,
+                        note=("--kv-gpu-budget-tokens counts token-layers; below one layer of the slot space a "
+                              "batch over most of it cannot be staged and is read from host memory at rest, "
+                              "synchronously, until the control plane pauses requests"))
 
     def get_kv_size_bytes(self) -> tuple[int, int]:
         half = self.store.dev[0]

@@ -21,6 +21,13 @@ radix-tree lock, and the step boundary merges it back later. SGLang's own calls 
 * ``Scheduler.is_fully_idle``: not idle while any request is parked (it gates ``flush_cache``,
   weight updates, HiCache attach / detach and the health check; an in-place pause with parked
   requests now refuses a flush, as SGLang does with running ones).
+* ``Scheduler.get_prefill_adder_class``: SGLang's prefill admission reserves the tokens each
+  running request may still decode (``PrefillAdder``: ``min(max_new_tokens - output,
+  CLIP_MAX_NEW_TOKENS) x new_token_ratio`` into its budget's ``total_offset``); parked requests
+  will decode theirs after resuming, so the adder it builds reserves theirs too
+  (:func:`reserving_adder`). Before, new prompts were admitted into that room, and when the pool
+  filled every parked request was merged back and SGLang retracted requests: their KV dropped and
+  prefilled again.
 """
 
 from __future__ import annotations
@@ -91,3 +98,29 @@ def around_update_running_batch(original: Any, scheduler: Any, batch: Any, *args
         # them, and skips a full step while any does: only a batch without them is checked here)
         _resume(hooks, batch, lambda req: True, "paused_requests_resumed_for_retraction")  # non-empty: in place
     return original(scheduler, batch, *args, **kwargs)
+
+
+def reserving_adder(base: type, pauser: Any, made: dict[type, type]) -> type:
+    """``base`` (SGLang's ``PrefillAdder`` class) subclassed so that a new adder also reserves the
+    decode tokens of ``pauser``'s parked requests, as ``base`` does for the running batch's;
+    built once per ``base`` (``made`` keeps them: a scheduler hooks object's)."""
+    cls = made.get(base)
+    if cls is None:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            base.__init__(self, *args, **kwargs)
+            parked = pauser.parked() if len(pauser) else ()
+            if parked:
+                self.memory_budget.total_offset += sum(
+                    self._get_running_request_total_token_offset(p.req) for p in parked)
+
+        cls = made[base] = type(base.__name__, (base,), {"__init__": __init__, "__module__": base.__module__,
+                                                         "__qualname__": base.__qualname__})
+    return cls
+
+
+def around_prefill_adder_class(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    base = original(scheduler, *args, **kwargs)
+    hooks = _hooks_of(scheduler)
+    if hooks is None:
+        return base
+    return reserving_adder(base, hooks.pauser, hooks.prefill_adders)

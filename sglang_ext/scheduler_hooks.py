@@ -118,6 +118,9 @@ class SchedulerHooks:
         self.installer = PlacementInstaller(self.pool, self.layers)
         tree_hooks = getattr(getattr(scheduler, "tree_cache", None), "residency_hooks", None)
         self.pauser = PauseManager(hooks=tree_hooks, pages_of=self.pages_of, in_flight_steps=int(self.overlap))
+        self.prefill_adders: dict[type, type] = {}
+        """SGLang's prefill adder classes -> their subclass reserving parked requests' decode tokens
+        (:func:`sglang_ext.parked_lifecycle.reserving_adder`)."""
         self.tp = TpSync.for_scheduler(scheduler)
         self.step = 0
         t0 = time.monotonic()
@@ -454,6 +457,8 @@ def register(hook_registry: Any, hook_type: Any, ctx: PluginContext) -> None:
     hook_registry.register(compat.SCHEDULER_PAUSE_GENERATION.path, parked_lifecycle.around_pause_generation,
                            hook_type.AROUND)
     hook_registry.register(compat.SCHEDULER_IS_FULLY_IDLE.path, parked_lifecycle.around_is_fully_idle, hook_type.AROUND)
+    hook_registry.register(compat.SCHEDULER_PREFILL_ADDER_CLASS.path, parked_lifecycle.around_prefill_adder_class,
+                           hook_type.AROUND)
     hook_registry.register(compat.SCHEDULER_UPDATE_RUNNING_BATCH.path, parked_lifecycle.around_update_running_batch,
                            hook_type.AROUND)
     hook_registry.register(compat.SCHEDULER_ADD_REQUEST_TO_QUEUE.path, _after_add_request_to_queue, hook_type.AFTER)

@@ -13,7 +13,8 @@ from sglang_ext.compat.target import Target
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 
 __all__ = ["SCHEDULER_ABORT_REQUEST", "SCHEDULER_PAUSE_GENERATION", "PAUSE_GENERATION_REQ", "SCHEDULER_IS_FULLY_IDLE",
-           "SCHEDULER_UPDATE_RUNNING_BATCH", "SCHEDULER_FINISHING_INFLIGHT", "BATCH_CHECK_DECODE_MEM"]
+           "SCHEDULER_UPDATE_RUNNING_BATCH", "SCHEDULER_FINISHING_INFLIGHT", "BATCH_CHECK_DECODE_MEM",
+           "SCHEDULER_PREFILL_ADDER_CLASS", "PREFILL_ADDER", "PREFILL_BUDGET"]
 
 SCHEDULER_ABORT_REQUEST = Target(f"{_SCHEDULER}.abort_request", params=("self", "recv_req"),
                                  used_by=("parked_lifecycle",))
@@ -42,3 +43,11 @@ running requests (``ScheduleBatch.retract_decode``), longest first, and aborts t
 slots, are merged back first so that the retraction chooses among them too."""
 BATCH_CHECK_DECODE_MEM = Target("sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem", params=("self",),
                                 used_by=("parked_lifecycle",))
+SCHEDULER_PREFILL_ADDER_CLASS = Target(f"{_SCHEDULER}.get_prefill_adder_class", params=("self",),
+                                       used_by=("parked_lifecycle",))
+"""The class of each prefill's admission (``PrefillAdder``); it reserves the running requests'
+remaining decode tokens, and kvplane's subclass the parked requests' too."""
+PREFILL_ADDER = Target("sglang.srt.managers.schedule_policy.PrefillAdder",
+                       attrs=("memory_budget", "_get_running_request_total_token_offset"), used_by=("parked_lifecycle",))
+PREFILL_BUDGET = Target("sglang.srt.mem_cache.prefill_budget.PrefillBudget", attrs=("total_offset",),
+                        used_by=("parked_lifecycle",))

@@ -100,6 +100,8 @@ def allocate_host_pool(shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool)
     nbytes = pool.numel() * pool.element_size()
     if nbytes:
         cudart = torch.cuda.cudart()
+        log.info("host_kv_pool_pinning", gb=round(nbytes / GB, 3),
+                 note="page-locking faults in every page: seconds per tens of GB")
         t0 = time.perf_counter()
         err = cudart.cudaHostRegister(pool.data_ptr(), nbytes, 0)
         if int(err) != 0:

@@ -73,6 +73,9 @@ def test_layered_pool_and_attention_are_active(offload):
     """The flag swaps in the layered pool (device pages = budget) and the layered torch_native backend."""
     log = offload.server.log_path.read_text()
     assert "layered_kv_pool_created" in log and f"device_pages={BUDGET_TOKENS}" in log
+    # one layer of the slot space exactly: no warning (test_pause_server's 96 token-layers get it),
+    # and not the identity layout (test_layered_server's pool is)
+    assert "layered_kv_budget_below_one_layer" not in log and "layered_kv_slot_space_on_device" not in log
     before = len(offload.stats())
     greedy(offload.server, PROMPTS[0], 2)
     assert len(offload.stats()) > before, "the forward did not go through the layered attention backend"

@@ -100,6 +100,14 @@ def test_kv_profile_seeds_the_controller(layered):
     assert "h2d_gbps=24.5" in ready and "profile.json" in ready
 
 
+def test_an_identity_pool_says_how_to_hold_more_than_the_device(layered):
+    """No budget and SGLang's slot space: every layer on the device, and the start line says the host
+    pool only mirrors it and which flag holds more (controls: a budget's pool,
+    ``test_layered_offload_server.py``, and a widened one, ``test_slot_space_server.py``)."""
+    log = layered[0].log_path.read_text()
+    assert "layered_kv_slot_space_on_device" in log and "set --max-total-tokens above" in log
+
+
 def test_layered_radix_backend_is_active(layered):
     """The flag implies --radix-cache-backend layered and SGLang builds LayeredRadixCache."""
     server, _ = layered

@@ -117,7 +117,8 @@ class _Scheduler:
 
 def _scheduler(*queued: str) -> _Scheduler:
     installer = PlacementInstaller(None, 4)
-    hooks = SimpleNamespace(pauser=PauseManager(), installer=installer, metrics=None, tp=TpSync(0, 1))
+    hooks = SimpleNamespace(pauser=PauseManager(), installer=installer, metrics=None, tp=TpSync(0, 1),
+                            prefill_adders={})
     return _Scheduler(_batch(_req("a"), _req("b")), [SimpleNamespace(rid=r) for r in queued], hooks)
 
 
@@ -184,3 +185,39 @@ def test_when_the_next_decode_step_does_not_fit_parked_requests_join_the_retract
     stays = fits or bool(finishing)
     assert seen == [["a"] if stays else ["a", "b"]]
     assert ("b" in pauser) is stays
+
+
+def test_prefill_admission_reserves_the_parked_requests_decode_tokens_too():
+    """SGLang's real ``PrefillAdder`` reserves ``min(max_new - output, CLIP) x new_token_ratio``
+    tokens for each running request; the class the hook hands out reserves the parked ones' too,
+    as if they still ran, and nothing more once they are resumed. Control: SGLang's own class
+    (what the hook replaced) reserves the running request's only."""
+    pytest.importorskip("sglang")
+    from sglang.srt.managers.schedule_policy import PrefillAdder
+    from sglang.srt.mem_cache.prefill_budget import PrefillBudget
+
+    sched = _scheduler()
+    a, b = sched.running_batch.reqs
+    a.sampling_params.max_new_tokens, b.sampling_params.max_new_tokens = 101, 61  # 100 and 60 left
+    for req in (a, b):
+        req.sampling_params.ignore_eos = False
+    allocator = SimpleNamespace(page_size=1)
+    allocator.create_prefill_budget = lambda tree, num_mixed_decode_tokens=0: PrefillBudget(
+        allocator, tree, num_mixed_decode_tokens=num_mixed_decode_tokens)
+    tree = SimpleNamespace(supports_mamba=lambda: False, supports_prefix_sharing=lambda: True)
+
+    def adder(cls: type) -> Any:
+        return cls(1, tree, allocator, sched.running_batch, 0.5, 4096, 512)
+
+    cls = parked_lifecycle.around_prefill_adder_class(lambda scheduler: PrefillAdder, sched)
+    assert issubclass(cls, PrefillAdder)
+    assert parked_lifecycle.around_prefill_adder_class(lambda scheduler: PrefillAdder, sched) is cls  # built once
+    assert adder(cls).memory_budget.total_offset == (100 + 60) * 0.5  # nothing parked: SGLang's figure
+    assert sched._kvplane.pauser.pause(sched.running_batch, ["b"], step=1) == ["b"]
+    assert [r.rid for r in sched.running_batch.reqs] == ["a"]
+    assert adder(cls).memory_budget.total_offset == (100 + 60) * 0.5
+    assert adder(PrefillAdder).memory_budget.total_offset == 100 * 0.5  # the control: b's room was free
+    sched.running_batch, _ = sched._kvplane.pauser.resume_all(sched.running_batch)
+    assert adder(cls).memory_budget.total_offset == (100 + 60) * 0.5  # resumed: counted once
+    no_kvplane = SimpleNamespace(_kvplane=None)
+    assert parked_lifecycle.around_prefill_adder_class(lambda scheduler: PrefillAdder, no_kvplane) is PrefillAdder

@@ -147,6 +147,13 @@ def test_grammar_constrained_requests_are_paused_and_resumed_like_any_other(paus
     assert lines[-1]["paused"] == []
 
 
+def test_a_budget_below_one_layer_of_the_slot_space_is_warned_at_start(paused_server):
+    """96 token-layers against 4,097 pages a layer (``--kv-gpu-budget-tokens`` counts token-layers):
+    the start warns (the control, exactly one layer: ``test_layered_offload_server.py``)."""
+    log = paused_server[0].log_path.read_text()
+    assert "layered_kv_budget_below_one_layer" in log and "device_pages=96" in log
+
+
 def test_flag_implies_disable_overlap_schedule(paused_server):
     """By default --enable-layered-kv runs SGLang's normal (non-overlap) loop (the negative control of
     test_overlap_server.py, where --kv-overlap-schedule on keeps the overlap loop)."""

@@ -87,6 +87,7 @@ def test_the_layered_slot_space_is_what_was_asked_beyond_the_profile(profiled_se
     assert started(layered, "max_running_requests") == started(stock, "max_running_requests") < 2048
     log = layered.log_path.read_text()
     assert f"slot_tokens={SLOT_TOKENS}" in log and f"device_tokens_all_layers={PROFILE_TOKENS}" in log
+    assert "layered_kv_slot_space_on_device" not in log and "layered_kv_budget_below_one_layer" not in log
     fields = pool_line(layered)
     layers, page = fields["layers"], fields["page_size"]
     logical = -(-(SLOT_TOKENS + page) // page)
