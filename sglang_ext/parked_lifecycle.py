@@ -28,10 +28,17 @@ radix-tree lock, and the step boundary merges it back later. SGLang's own calls 
   (:func:`reserving_adder`). Before, new prompts were admitted into that room, and when the pool
   filled every parked request was merged back and SGLang retracted requests: their KV dropped and
   prefilled again.
+* ``Scheduler.init_load_inquirer``: SGLang's load snapshot (``/v1/loads``, DP balancing, the
+  router's load gauge) counts the running batch's requests; the inquirer's running batch then
+  includes the parked ones (:func:`around_init_load_inquirer`). Their KV was counted already
+  (the allocator's used tokens); before, a server with most requests parked looked idle to a
+  router, which sent it more.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
 from typing import Any
 
 import structlog
@@ -124,3 +131,25 @@ def around_prefill_adder_class(original: Any, scheduler: Any, *args: Any, **kwar
     if hooks is None:
         return base
     return reserving_adder(base, hooks.pauser, hooks.prefill_adders)
+
+
+def around_init_load_inquirer(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """The scheduler's load inquirer (a frozen dataclass) rebuilt with a running batch that lists
+    the parked requests too; kvplane's hooks are looked up at each call (they are attached after
+    SGLang's ``__init__``, which builds the inquirer)."""
+    result = original(scheduler, *args, **kwargs)
+    inquirer = getattr(scheduler, "load_inquirer", None)
+    if inquirer is None:
+        return result
+    running = inquirer.get_running_batch
+
+    def with_parked() -> Any:
+        batch = running()
+        hooks = _hooks_of(scheduler)
+        if hooks is None or not len(hooks.pauser):
+            return batch
+        return SimpleNamespace(reqs=[*batch.reqs, *(p.req for p in hooks.pauser.parked())])
+
+    scheduler.load_inquirer = dataclasses.replace(inquirer, get_running_batch=with_parked)
+    log.info("kvplane_parked_load_inquirer", note="SGLang's load snapshot counts parked requests as running")
+    return result

@@ -459,6 +459,8 @@ def register(hook_registry: Any, hook_type: Any, ctx: PluginContext) -> None:
     hook_registry.register(compat.SCHEDULER_IS_FULLY_IDLE.path, parked_lifecycle.around_is_fully_idle, hook_type.AROUND)
     hook_registry.register(compat.SCHEDULER_PREFILL_ADDER_CLASS.path, parked_lifecycle.around_prefill_adder_class,
                            hook_type.AROUND)
+    hook_registry.register(compat.SCHEDULER_INIT_LOAD_INQUIRER.path, parked_lifecycle.around_init_load_inquirer,
+                           hook_type.AROUND)
     hook_registry.register(compat.SCHEDULER_UPDATE_RUNNING_BATCH.path, parked_lifecycle.around_update_running_batch,
                            hook_type.AROUND)
     hook_registry.register(compat.SCHEDULER_ADD_REQUEST_TO_QUEUE.path, _after_add_request_to_queue, hook_type.AFTER)

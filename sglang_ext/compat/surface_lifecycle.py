@@ -14,7 +14,8 @@ _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 
 __all__ = ["SCHEDULER_ABORT_REQUEST", "SCHEDULER_PAUSE_GENERATION", "PAUSE_GENERATION_REQ", "SCHEDULER_IS_FULLY_IDLE",
            "SCHEDULER_UPDATE_RUNNING_BATCH", "SCHEDULER_FINISHING_INFLIGHT", "BATCH_CHECK_DECODE_MEM",
-           "SCHEDULER_PREFILL_ADDER_CLASS", "PREFILL_ADDER", "PREFILL_BUDGET"]
+           "SCHEDULER_PREFILL_ADDER_CLASS", "PREFILL_ADDER", "PREFILL_BUDGET", "SCHEDULER_INIT_LOAD_INQUIRER",
+           "SCHEDULER_LOAD_STATE", "SCHEDULER_LOAD_INQUIRER"]
 
 SCHEDULER_ABORT_REQUEST = Target(f"{_SCHEDULER}.abort_request", params=("self", "recv_req"),
                                  used_by=("parked_lifecycle",))
@@ -51,3 +52,10 @@ PREFILL_ADDER = Target("sglang.srt.managers.schedule_policy.PrefillAdder",
                        attrs=("memory_budget", "_get_running_request_total_token_offset"), used_by=("parked_lifecycle",))
 PREFILL_BUDGET = Target("sglang.srt.mem_cache.prefill_budget.PrefillBudget", attrs=("total_offset",),
                         used_by=("parked_lifecycle",))
+SCHEDULER_INIT_LOAD_INQUIRER = Target(f"{_SCHEDULER}.init_load_inquirer", params=("self",),
+                                      used_by=("parked_lifecycle",))
+SCHEDULER_LOAD_STATE = Target(_SCHEDULER, attrs=("load_inquirer",), used_by=("parked_lifecycle",))
+"""The inquirer ``init_load_inquirer`` builds (replaced by kvplane's rebuilt one)."""
+SCHEDULER_LOAD_INQUIRER = Target("sglang.srt.managers.scheduler_components.load_inquirer.SchedulerLoadInquirer",
+                                 attrs=("get_running_batch", "get_loads"), used_by=("parked_lifecycle",))
+"""A frozen dataclass; ``get_loads`` reads ``len(get_running_batch().reqs)`` as the running count."""

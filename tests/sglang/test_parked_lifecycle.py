@@ -221,3 +221,39 @@ def test_prefill_admission_reserves_the_parked_requests_decode_tokens_too():
     assert adder(cls).memory_budget.total_offset == (100 + 60) * 0.5  # resumed: counted once
     no_kvplane = SimpleNamespace(_kvplane=None)
     assert parked_lifecycle.around_prefill_adder_class(lambda scheduler: PrefillAdder, no_kvplane) is PrefillAdder
+
+
+def test_the_load_snapshot_counts_parked_requests_as_running():
+    """SGLang's ``SchedulerLoadInquirer`` (real, a frozen dataclass) reads the running count as
+    ``len(get_running_batch().reqs)``; after the hook its running batch lists the parked requests
+    too, and again only the running ones once they are resumed. Control: the inquirer SGLang built
+    (before the hook replaced it) does not count a parked request."""
+    pytest.importorskip("sglang")
+    import dataclasses
+
+    from sglang.srt.managers.scheduler_components.load_inquirer import SchedulerLoadInquirer
+
+    sched = _scheduler()
+    fields = {f.name: None for f in dataclasses.fields(SchedulerLoadInquirer)}
+
+    def sglang_init(scheduler: Any) -> None:
+        scheduler.load_inquirer = SchedulerLoadInquirer(**{**fields, "get_running_batch": lambda: scheduler.running_batch})
+
+    sched.load_inquirer = None
+    parked_lifecycle.around_init_load_inquirer(sglang_init, sched)
+    inquirer = sched.load_inquirer
+    assert isinstance(inquirer, SchedulerLoadInquirer)
+
+    def running() -> list[str]:
+        return [r.rid for r in sched.load_inquirer.get_running_batch().reqs]
+
+    assert running() == ["a", "b"]
+    original = SchedulerLoadInquirer(**{**fields, "get_running_batch": lambda: sched.running_batch})
+    assert sched._kvplane.pauser.pause(sched.running_batch, ["b"], step=1) == ["b"]
+    assert running() == ["a", "b"]
+    assert [r.rid for r in original.get_running_batch().reqs] == ["a"]  # the control
+    sched.running_batch, _ = sched._kvplane.pauser.resume_all(sched.running_batch)
+    assert sorted(running()) == ["a", "b"]
+    bare = SimpleNamespace(_kvplane=None, running_batch=sched.running_batch, load_inquirer=None)
+    parked_lifecycle.around_init_load_inquirer(sglang_init, bare)  # a scheduler without kvplane: same figures
+    assert [r.rid for r in bare.load_inquirer.get_running_batch().reqs] == ["a", "b"]

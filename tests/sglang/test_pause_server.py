@@ -154,6 +154,20 @@ def test_a_budget_below_one_layer_of_the_slot_space_is_warned_at_start(paused_se
     assert "layered_kv_budget_below_one_layer" in log and "device_pages=96" in log
 
 
+def test_the_load_snapshot_is_served_through_kvplanes_inquirer(paused_server):
+    """``/v1/loads`` answers from the load inquirer kvplane rebuilt (its running batch lists parked
+    requests: ``test_parked_lifecycle.py`` checks the count against SGLang's own inquirer); after
+    the module's runs nothing is running or parked."""
+    import urllib.request
+
+    server = paused_server[0]
+    greedy(server, PROMPTS[0], 4)
+    body = json.loads(urllib.request.urlopen(server.base_url + "/v1/loads", timeout=30).read())
+    (load,) = body["loads"]
+    assert load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0, load
+    assert "kvplane_parked_load_inquirer" in server.log_path.read_text()
+
+
 def test_flag_implies_disable_overlap_schedule(paused_server):
     """By default --enable-layered-kv runs SGLang's normal (non-overlap) loop (the negative control of
     test_overlap_server.py, where --kv-overlap-schedule on keeps the overlap loop)."""
