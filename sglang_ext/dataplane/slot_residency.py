@@ -297,7 +297,7 @@ class SlotResidency:
         loaded, placed, shortfall = self._apply_needs(need_flat, reserve)
         self.reclaimable_pages = self.counts.orphan_resident(store.allocator.used_count - self.staging_lent)
         self.shortfall_total += shortfall
-        self._changed = shortfall > 0 or given_up > 0 or self.counts.paused_requests > 0
+        self._changed = shortfall > 0 or given_up > 0
         self.last_moves = LayerPageMoves(offloaded=offloaded, loaded=loaded)
         return ResidencyDelta(
             loaded_layer_pages=sum(len(v) for v in loaded.values()),

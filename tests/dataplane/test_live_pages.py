@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from sglang_ext.dataplane.live_pages import LivePages, live_layer_pages
-from tests.dataplane.core_driver import LAYERS, CoreDriver, make_core
+from tests.dataplane.core_driver import LAYERS, PAGE, CoreDriver, make_core
 
 
 class TreeDriver(CoreDriver):
@@ -176,3 +176,28 @@ def test_pages_lent_as_staging_are_not_counted_resident():
     assert d.core.residency.live_pages().orphan_resident == brute_force(d.core)[0] == 3 * LAYERS
     d.core.room.give_back(ids)
     assert d.core.residency.staging_lent == 0
+
+
+@pytest.mark.parametrize("tight", [False, True])
+def test_a_paused_request_does_not_put_every_step_on_the_full_pass(tight):
+    """A paused request's resident layers are given up only when space is needed, and the
+    appended-pages path falls back to the full pass by itself when the new pages do not fit. So
+    once the pause is reconciled, decode steps of the others with room to spare take the cheap
+    path (before, any paused request made every step a full reconciliation); with the device full
+    (``tight``, the control) the steps that open pages do reconcile fully and give up the paused
+    request's layers, and the KV stays exact either way (the driver's checks)."""
+    d = CoreDriver(make_core(3 * 3 * LAYERS + 4 if tight else 30 * LAYERS, pages=40), seed=1)
+    for rid in ("a", "b", "p"):
+        d.add(rid)
+        assert d.step([(rid, 6)])
+    d.want("p", [True] * LAYERS, paused=True)
+    res = d.core.residency
+    full = res.full_reconciles
+    for _ in range(12):  # six new pages each for a and b
+        assert d.step([("a", 1), ("b", 1)])
+    d.check_at_rest()
+    resident_p = int((d.core.store.map_np[:, sorted({s // PAGE for s in d.slots["p"]})] >= 0).sum())
+    if tight:
+        assert res.full_reconciles - full >= 6 and resident_p < 3 * LAYERS
+    else:
+        assert res.full_reconciles - full <= 1 and resident_p == 3 * LAYERS
