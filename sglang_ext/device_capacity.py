@@ -75,6 +75,23 @@ class DeviceCapacity:
         """Layer-pages' worth of device memory the paged layout's page-map mirror takes."""
         return -(-(layers * logical_pages * MAP_ENTRY_BYTES) // layer_page_bytes)
 
+    def largest_slot_tokens(self, *, layers: int, page_size: int, layer_page_bytes: int, maps: int = 1) -> int:
+        """The largest page-aligned slot space whose one layer (``tokens // page + 1`` pages, the
+        padding page included) fits on the device beside its ``maps`` page-map copies: what
+        :meth:`device_pages` accepts without a budget (0: not even one page)."""
+        fits = self.profiled_pages(layers=layers, page_size=page_size)
+
+        def fit(n: int) -> bool:
+            return fits - maps * self.map_pages(layers=layers, logical_pages=n, layer_page_bytes=layer_page_bytes) >= n
+
+        lo, hi = 1, max(1, fits)  # n pages: fit(lo) or none fits; the answer is the largest n that fits
+        if not fit(lo):
+            return 0
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fit(mid) else (lo, mid - 1)
+        return (lo - 1) * page_size
+
     def device_pages(self, *, layers: int, page_size: int, logical_pages: int, layer_page_bytes: int,
                      budget_tokens: int | None, maps: int = 1) -> int:
         """Device layer-pages of the layered pool over this slot space (module docstring), beside
@@ -88,13 +105,12 @@ class DeviceCapacity:
                 f"--max-total-tokens {self.slot_tokens} slot space takes {mirror} of them")
         if budget_tokens is None:
             if fits - mirror < logical_pages:
-                # the most tokens t with t // page + 1 pages of one layer and their maps inside the fits
-                per_page = 1 + maps * layers * MAP_ENTRY_BYTES / layer_page_bytes
-                most = max(0, int((fits - per_page) / per_page)) * page_size
+                most = self.largest_slot_tokens(layers=layers, page_size=page_size,
+                                                layer_page_bytes=layer_page_bytes, maps=maps)
                 raise ValueError(
                     f"kvplane layered KV: {what}, leaving {fits - mirror} device pages for the {logical_pages} "
                     f"pages of one layer of the slot space that every batch's staging may need; lower "
-                    f"--max-total-tokens to at most about {most}, raise --mem-fraction-static, or set "
+                    f"--max-total-tokens to at most {most}, raise --mem-fraction-static, or set "
                     "--kv-gpu-budget-tokens to accept batches read from host memory at rest")
             return fits - mirror
         pages = budget_tokens // page_size

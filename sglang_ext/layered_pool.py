@@ -185,7 +185,9 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         return half.numel() * half.element_size(), half.numel() * half.element_size()
 
     def _clear_buffers(self) -> None:
-        self.store.engine.quiesce()  # no copy in flight may outlive the pool it reads and writes
+        # no copy in flight may outlive the pool it reads and writes (SGLang 0.5.23 itself calls
+        # _clear_buffers only from subclasses; teardown is the host pool's finalizer, host_pool.py)
+        self.store.engine.quiesce()
         del self.store
 
     # ----- wiring -------------------------------------------------------------------

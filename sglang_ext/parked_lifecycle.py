@@ -37,8 +37,8 @@ radix-tree lock, and the step boundary merges it back later. SGLang's own calls 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from types import SimpleNamespace
 from typing import Any
 
 import structlog
@@ -107,7 +107,7 @@ def around_update_running_batch(original: Any, scheduler: Any, batch: Any, *args
     return original(scheduler, batch, *args, **kwargs)
 
 
-def reserving_adder(base: type, pauser: Any, made: dict[type, type]) -> type:
+def reserving_adder(base: Any, pauser: Any, made: dict[Any, type]) -> type:
     """``base`` (SGLang's ``PrefillAdder`` class) subclassed so that a new adder also reserves the
     decode tokens of ``pauser``'s parked requests, as ``base`` does for the running batch's;
     built once per ``base`` (``made`` keeps them: a scheduler hooks object's)."""
@@ -148,7 +148,9 @@ def around_init_load_inquirer(original: Any, scheduler: Any, *args: Any, **kwarg
         hooks = _hooks_of(scheduler)
         if hooks is None or not len(hooks.pauser):
             return batch
-        return SimpleNamespace(reqs=[*batch.reqs, *(p.req for p in hooks.pauser.parked())])
+        view = copy.copy(batch)  # SGLang's batch, every other attribute as is (get_loads reads reqs)
+        view.reqs = [*batch.reqs, *(p.req for p in hooks.pauser.parked())]
+        return view
 
     scheduler.load_inquirer = dataclasses.replace(inquirer, get_running_batch=with_parked)
     log.info("kvplane_parked_load_inquirer", note="SGLang's load snapshot counts parked requests as running")

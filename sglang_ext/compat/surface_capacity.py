@@ -25,7 +25,7 @@ SCHEDULE_CONTEXT = Target("sglang.srt.runtime_context.get_schedule", used_by=("c
 """The process's scheduling arguments (a ``Schedule`` bag: ``max_total_tokens``)."""
 KV_RESOLVE_MAX_NUM_REQS = Target(
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.resolve_max_num_reqs",
-    params=("self", "token_capacity"), used_by=("capacity_hooks",))
+    params=("self", "token_capacity"), used_by=("capacity_hooks", "plugin"))
 """The request count (and so the device's ``[requests, context]`` request table) from the pool's
 token count, unless ``--max-running-requests`` is given."""
 SCHEDULE_FIELDS = Target("sglang.srt.arg_groups.fields.schedule.Schedule",

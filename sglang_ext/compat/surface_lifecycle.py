@@ -58,4 +58,5 @@ SCHEDULER_LOAD_STATE = Target(_SCHEDULER, attrs=("load_inquirer",), used_by=("pa
 """The inquirer ``init_load_inquirer`` builds (replaced by kvplane's rebuilt one)."""
 SCHEDULER_LOAD_INQUIRER = Target("sglang.srt.managers.scheduler_components.load_inquirer.SchedulerLoadInquirer",
                                  attrs=("get_running_batch", "get_loads"), used_by=("parked_lifecycle",))
-"""A frozen dataclass; ``get_loads`` reads ``len(get_running_batch().reqs)`` as the running count."""
+"""A frozen dataclass; ``get_loads`` reads ``len(get_running_batch().reqs)`` as the running count
+(called by ``tests/sglang/test_parked_lifecycle.py`` against kvplane's rebuilt inquirer)."""

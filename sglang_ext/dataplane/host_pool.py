@@ -118,7 +118,12 @@ def release_registration(cudart: Any, pointer: int, device: int, synchronize: Ca
     it is undefined), then unregister. A failed wait (CUDA already torn down at interpreter exit)
     does not keep the pages locked. ``synchronize``: ``torch.cuda.synchronize`` (tests pass their own)."""
     try:
-        (synchronize or torch.cuda.synchronize)(device)
+        if synchronize is None and torch.cuda.is_current_stream_capturing():
+            # collected mid-capture (a tool capturing graphs in the same process): a device-wide
+            # sync would invalidate the capture; the graph's own copies cannot read a dead pool
+            log.warning("host_kv_pool_release_during_capture")
+        else:
+            (synchronize or torch.cuda.synchronize)(device)
     except Exception:  # noqa: BLE001 - the unregister below must still run
         log.warning("host_kv_pool_release_without_sync", exc_info=True)
     cudart.cudaHostUnregister(pointer)

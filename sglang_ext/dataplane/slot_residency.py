@@ -269,9 +269,9 @@ class SlotResidency:
     def reconcile(self) -> ResidencyDelta:
         """Make the device hold the wanted layer-pages (within the budget); see module doc.
 
-        Fast path: when the only change since the last full reconciliation is pages appended to
-        known requests (decode), no request is paused and the new layer-pages and the staging
-        reserve fit, they are placed directly -- the full computation's result, without it. The full one
+        Fast path: when the only change since the last full pass is pages appended to known
+        requests (decode) and they fit with the staging reserve, they are placed directly (paused
+        requests' layers are given up only by the full pass, when they do not). The full one
         looks at the pages whose wants changed since the last one (:class:`WantCounts`: the
         others are settled) and, when space is short, at paused requests' pages too
         (:class:`LivePages`); never at the other live pages or the pool.

@@ -201,3 +201,37 @@ def test_a_paused_request_does_not_put_every_step_on_the_full_pass(tight):
         assert res.full_reconciles - full >= 6 and resident_p < 3 * LAYERS
     else:
         assert res.full_reconciles - full <= 1 and resident_p == 3 * LAYERS
+
+
+@pytest.mark.parametrize("budget", [3 * 4 * LAYERS + 8, 30 * LAYERS])
+def test_paused_beside_an_offloading_request_and_a_shared_prefix(budget):
+    """The cheap path with requests paused when the staging reserve is not zero (``a`` keeps one
+    layer of three on the device) and the paused request shares a prefix page with a running one:
+    steps that open pages, then the resume. Every wanted layer-page is on the device whenever no
+    full pass is pending, and the KV reads back exactly (the driver checks inside every layer and
+    at rest); at the tight budget the full pass runs and gives up paused layers."""
+    d = CoreDriver(make_core(budget, pages=40), seed=2)
+    d.add("b")
+    assert d.step([("b", 6)])
+    d.add("p", share_from="b", share_pages=2)
+    d.add("a")
+    assert d.step([("p", 3), ("a", 6)])
+    d.want("a", [True, False, False])
+    d.want("p", [True] * LAYERS, paused=True)
+    res, store = d.core.residency, d.core.store
+    full, reserves = res.full_reconciles, []
+    for step in range(10):
+        assert d.step([("a", 1), ("b", 1)])
+        reserves.append(res.staging_reserve())
+        if not res._changed:  # nothing pending: the running requests' wanted layer-pages are resident
+            for rid, layers in (("a", [0]), ("b", range(LAYERS))):
+                cols = sorted({s // PAGE for s in d.slots[rid]})
+                assert (store.map_np[np.ix_(list(layers), cols)] >= 0).all(), (step, rid)
+        d.check_at_rest()
+    assert min(reserves) > 0  # a's staging slot kept free on every step
+    p_cols = sorted({s // PAGE for s in d.slots["p"]})
+    if budget < 30 * LAYERS:
+        assert res.full_reconciles > full and (store.map_np[:, p_cols] >= 0).sum() < LAYERS * len(p_cols)
+    d.want("p", [True] * LAYERS)  # resumed
+    assert d.step([("p", 1), ("a", 1), ("b", 1)])
+    d.check_at_rest()

@@ -223,37 +223,56 @@ def test_prefill_admission_reserves_the_parked_requests_decode_tokens_too():
     assert parked_lifecycle.around_prefill_adder_class(lambda scheduler: PrefillAdder, no_kvplane) is PrefillAdder
 
 
-def test_the_load_snapshot_counts_parked_requests_as_running():
-    """SGLang's ``SchedulerLoadInquirer`` (real, a frozen dataclass) reads the running count as
-    ``len(get_running_batch().reqs)``; after the hook its running batch lists the parked requests
-    too, and again only the running ones once they are resumed. Control: the inquirer SGLang built
-    (before the hook replaced it) does not count a parked request."""
+class _Zero:
+    """Any attribute is 0 and calling it gives 0 (the scheduler's stats and collaborators that
+    ``get_loads`` reads besides the running batch)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self
+
+
+def test_the_load_snapshot_counts_parked_requests_as_running(monkeypatch):
+    """SGLang's real ``SchedulerLoadInquirer.get_loads`` (its collaborators stubbed to zeros) counts
+    ``len(get_running_batch().reqs)``; after the hook a parked request is counted as running, and
+    once resumed it is counted once. Control: the inquirer SGLang built (before the hook replaced
+    it) leaves the parked request out. A scheduler without kvplane keeps SGLang's figure."""
     pytest.importorskip("sglang")
     import dataclasses
 
-    from sglang.srt.managers.scheduler_components.load_inquirer import SchedulerLoadInquirer
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.managers.scheduler_components import load_inquirer
 
+    monkeypatch.setattr(load_inquirer, "get_parallel", lambda: SimpleNamespace(dp_rank=0))
+    monkeypatch.setattr(load_inquirer, "get_lora", lambda: SimpleNamespace(enable_lora=False))
+    zero = _Zero()
+    pool_stats = SimpleNamespace(get_pool_stats=lambda: SimpleNamespace(get_kv_token_stats=lambda: (0, 0.0)))
+    fields = {f.name: zero for f in dataclasses.fields(load_inquirer.SchedulerLoadInquirer)}
+    fields.update(disaggregation_mode=DisaggregationMode.NULL, max_total_num_tokens=4096, max_running_requests=8,
+                  pool_stats_observer=pool_stats, spec_algorithm=SimpleNamespace(is_none=lambda: True),
+                  get_waiting_queue=lambda: [], get_chunked_req=lambda: None, get_waiting_storage_span=None,
+                  waiting_queue_prefix_matched=lambda: False, get_recent_cache_hit_rate=lambda: 0.0,
+                  get_decode_moment_totals=lambda: (0, 0, 0))
     sched = _scheduler()
-    fields = {f.name: None for f in dataclasses.fields(SchedulerLoadInquirer)}
 
     def sglang_init(scheduler: Any) -> None:
-        scheduler.load_inquirer = SchedulerLoadInquirer(**{**fields, "get_running_batch": lambda: scheduler.running_batch})
+        scheduler.load_inquirer = load_inquirer.SchedulerLoadInquirer(
+            **{**fields, "get_running_batch": lambda: scheduler.running_batch})
 
     sched.load_inquirer = None
+    sglang_init(sched)
+    original = sched.load_inquirer
     parked_lifecycle.around_init_load_inquirer(sglang_init, sched)
-    inquirer = sched.load_inquirer
-    assert isinstance(inquirer, SchedulerLoadInquirer)
-
-    def running() -> list[str]:
-        return [r.rid for r in sched.load_inquirer.get_running_batch().reqs]
-
-    assert running() == ["a", "b"]
-    original = SchedulerLoadInquirer(**{**fields, "get_running_batch": lambda: sched.running_batch})
+    assert isinstance(sched.load_inquirer, load_inquirer.SchedulerLoadInquirer)
+    assert sched.load_inquirer.get_loads().num_running_reqs == 2
     assert sched._kvplane.pauser.pause(sched.running_batch, ["b"], step=1) == ["b"]
-    assert running() == ["a", "b"]
-    assert [r.rid for r in original.get_running_batch().reqs] == ["a"]  # the control
+    assert sched.load_inquirer.get_loads().num_running_reqs == 2
+    assert original.get_loads().num_running_reqs == 1  # the control: SGLang's own leaves b out
+    assert [r.rid for r in sched.running_batch.reqs] == ["a"]  # the view did not touch the batch
     sched.running_batch, _ = sched._kvplane.pauser.resume_all(sched.running_batch)
-    assert sorted(running()) == ["a", "b"]
+    assert sched.load_inquirer.get_loads().num_running_reqs == 2
     bare = SimpleNamespace(_kvplane=None, running_batch=sched.running_batch, load_inquirer=None)
-    parked_lifecycle.around_init_load_inquirer(sglang_init, bare)  # a scheduler without kvplane: same figures
-    assert [r.rid for r in bare.load_inquirer.get_running_batch().reqs] == ["a", "b"]
+    parked_lifecycle.around_init_load_inquirer(sglang_init, bare)
+    assert bare.load_inquirer.get_loads().num_running_reqs == 2
