@@ -422,12 +422,10 @@ class KvplanePlugin:
         hook_registry.register(compat.ALLOC_FOR_EXTEND.path, _after_alloc_for_extend, hook_type.AFTER)
         hook_registry.register(compat.ALLOC_FOR_DECODE.path, _after_alloc_for_decode, hook_type.AFTER)
         capacity = CapacityHooks()  # the layered pool, over a slot space beyond the device's profile
-        hook_registry.register(compat.KV_POOL_CLASS_RESOLVER.path, capacity.around_resolve_kv_pool_class,
-                               hook_type.AROUND)
-        hook_registry.register(compat.KV_CONFIG_FROM_BUDGET.path, capacity.around_config_from_budget,
-                               hook_type.AROUND)
-        hook_registry.register(compat.KV_RESOLVE_MAX_NUM_REQS.path, capacity.around_resolve_max_num_reqs,
-                               hook_type.AROUND)
+        for target, hook in ((compat.KV_POOL_CLASS_RESOLVER, capacity.around_resolve_kv_pool_class),
+                             (compat.KV_CONFIG_FROM_BUDGET, capacity.around_config_from_budget),
+                             (compat.KV_RESOLVE_MAX_NUM_REQS, capacity.around_resolve_max_num_reqs)):
+            hook_registry.register(target.path, hook, hook_type.AROUND)
         hook_registry.register(
             compat.ENABLE_FUSED_SET_KV_BUFFER.path, _around_enable_fused_set_kv_buffer, hook_type.AROUND
         )

@@ -453,14 +453,11 @@ def register(hook_registry: Any, hook_type: Any, ctx: PluginContext) -> None:
     hook_registry.register(compat.SCHEDULER_GET_NEXT_BATCH_TO_RUN.path, _around_next_batch, hook_type.AROUND)
     hook_registry.register(compat.SCHEDULER_RUN_BATCH.path, _around_run_batch, hook_type.AROUND)
     hook_registry.register(compat.SCHEDULER_PROCESS_BATCH_RESULT.path, _after_process_result, hook_type.AFTER)
-    hook_registry.register(compat.SCHEDULER_ABORT_REQUEST.path, parked_lifecycle.around_abort, hook_type.AROUND)
-    hook_registry.register(compat.SCHEDULER_PAUSE_GENERATION.path, parked_lifecycle.around_pause_generation,
-                           hook_type.AROUND)
-    hook_registry.register(compat.SCHEDULER_IS_FULLY_IDLE.path, parked_lifecycle.around_is_fully_idle, hook_type.AROUND)
-    hook_registry.register(compat.SCHEDULER_PREFILL_ADDER_CLASS.path, parked_lifecycle.around_prefill_adder_class,
-                           hook_type.AROUND)
-    hook_registry.register(compat.SCHEDULER_INIT_LOAD_INQUIRER.path, parked_lifecycle.around_init_load_inquirer,
-                           hook_type.AROUND)
-    hook_registry.register(compat.SCHEDULER_UPDATE_RUNNING_BATCH.path, parked_lifecycle.around_update_running_batch,
-                           hook_type.AROUND)
+    for target, hook in ((compat.SCHEDULER_ABORT_REQUEST, parked_lifecycle.around_abort),
+                         (compat.SCHEDULER_PAUSE_GENERATION, parked_lifecycle.around_pause_generation),
+                         (compat.SCHEDULER_IS_FULLY_IDLE, parked_lifecycle.around_is_fully_idle),
+                         (compat.SCHEDULER_PREFILL_ADDER_CLASS, parked_lifecycle.around_prefill_adder_class),
+                         (compat.SCHEDULER_INIT_LOAD_INQUIRER, parked_lifecycle.around_init_load_inquirer),
+                         (compat.SCHEDULER_UPDATE_RUNNING_BATCH, parked_lifecycle.around_update_running_batch)):
+        hook_registry.register(target.path, hook, hook_type.AROUND)  # parked requests' lifecycle
     hook_registry.register(compat.SCHEDULER_ADD_REQUEST_TO_QUEUE.path, _after_add_request_to_queue, hook_type.AFTER)
