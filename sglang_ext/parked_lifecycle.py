@@ -122,6 +122,7 @@ def reserving_adder(base: Any, pauser: Any, made: dict[Any, type]) -> type:
 
         cls = made[base] = type(base.__name__, (base,), {"__init__": __init__, "__module__": base.__module__,
                                                          "__qualname__": base.__qualname__})
+        log.info("kvplane_prefill_adder_reserves_parked", base=base.__qualname__)
     return cls
 
 

@@ -154,7 +154,7 @@ def test_a_budget_below_one_layer_of_the_slot_space_is_warned_at_start(paused_se
     assert "layered_kv_budget_below_one_layer" in log and "device_pages=96" in log
 
 
-def test_the_load_snapshot_is_served_through_kvplanes_inquirer(paused_server):
+def test_the_load_snapshot_and_prefill_admission_go_through_kvplanes_hooks(paused_server):
     """``/v1/loads`` answers from the load inquirer kvplane rebuilt (its running batch lists parked
     requests: ``test_parked_lifecycle.py`` checks the count against SGLang's own inquirer); after
     the module's runs nothing is running or parked."""
@@ -165,7 +165,11 @@ def test_the_load_snapshot_is_served_through_kvplanes_inquirer(paused_server):
     body = json.loads(urllib.request.urlopen(server.base_url + "/v1/loads", timeout=30).read())
     (load,) = body["loads"]
     assert load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0, load
-    assert "kvplane_parked_load_inquirer" in server.log_path.read_text()
+    log = server.log_path.read_text()
+    assert "kvplane_parked_load_inquirer" in log
+    # the prefills of this module went through kvplane's PrefillAdder subclass (the reservation
+    # of parked requests' tokens: test_parked_lifecycle.py checks it against SGLang's own class)
+    assert "kvplane_prefill_adder_reserves_parked" in log and "base=PrefillAdder" in log
 
 
 def test_flag_implies_disable_overlap_schedule(paused_server):
