@@ -22,7 +22,10 @@ the same; a core whose bookkeeping is proportional to what changes shows flat ro
 batch: the others arrived (plan + prefill) before it and hold their pages (resident as planned)
 without decoding -- requests SGLang keeps waiting or paused-by-plan-free, as far as the core is
 concerned. A core whose per-event bookkeeping is proportional to the changed request shows
-``finish`` and ``arrival`` flat in the number of live requests too.
+``finish`` and ``arrival`` flat in the number of live requests too. ``--idle-paused`` has the plan
+pause those idle requests (their layers become removable, given up only when space is needed):
+with room on the device the batch's steady steps must stay on the cheap path, not reconcile fully
+every step (``full reconciles`` in the table).
 
 Per configuration: ``steady`` (a decode step of the unchanged batch; ``boundary``: its
 ``prepare_decode_step`` / ``prepare_step`` alone, less the wall time of the copies it makes --
@@ -93,6 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=24, help="steady steps timed per event cycle")
     parser.add_argument("--events", type=int, default=6, help="finish + arrival cycles timed")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--idle-paused", action="store_true",
+                        help="the idle live requests (beyond the batch) are paused by the plan, as the planner "
+                        "parks requests that do not fit: their layers become removable, given up when space is needed")
     parser.add_argument("--paged-reads", action="store_true",
                         help="read as SGLang's paged decode backends do (FlashInfer, Triton: page tables, "
                         "no token tables; steady steps may advance the last tables), not as torch-native")
@@ -125,6 +131,8 @@ class CoreRun:
         rng = np.random.default_rng(args.seed)
         self.free = list(rng.permutation(np.arange(1, self.logical)).tolist())  # page 0: padding
         self.reqs: list[_Req] = []
+        self.idle: list[_Req] = []
+        """Live requests outside the batch (``--live-requests``), paused with ``--idle-paused``."""
         self.last_lens: list[int] | None = None
         self.next_id = 0
         self.samples: dict[str, list[tuple[float, float]]] = {p: [] for p in PHASES}
@@ -221,8 +229,7 @@ class CoreRun:
             self._layers(loc)
 
         self._timed(phase, step)
-        if not idle:
-            self.reqs.append(req)
+        (self.idle if idle else self.reqs).append(req)
         self.last_lens = None  # the batch changed: the next decode step is not steady
 
     def finish(self, phase: str | None) -> None:
@@ -251,6 +258,8 @@ class CoreRun:
             self.arrive(None, idle=True)
         for _ in range(a.requests):
             self.arrive(None)
+        if getattr(a, "idle_paused", False) and self.idle:  # the plan parks them (untimed)
+            self.core.update_residency({r.rid: dataclasses.replace(self._want(r), paused=True) for r in self.idle})
         for _ in range(3):
             self.decode(None)
         for _ in range(a.events):
@@ -264,6 +273,7 @@ class CoreRun:
         row: dict[str, Any] = {
             "layout": self.layout,
             "live_requests": self.live,
+            "idle_paused": bool(getattr(a, "idle_paused", False)) and bool(self.idle),
             "pool_layer_pages": self.logical * a.layers,
             "logical_pages": self.logical,
             "device_pages": self.core.config.device_pages if not self.core.store.identity
@@ -289,7 +299,8 @@ def _markdown(where: str, args: argparse.Namespace, rows: list[dict[str, Any]]) 
         f"{args.page_size}, {args.dtype}, {args.kv_heads} KV head(s) x {args.head_dim} dims, CPU device "
         f"(no model: the core's calls only), read {'through page tables (paged decode backends)' if args.paged_reads else 'through token tables (torch-native)'}. Paged layouts: budget {args.budget_fraction:g} of the "
         "layer-pages; `paged-offload` offloads every other layer. Live requests: the batch plus idle "
-        "ones (planned, prefilled, holding their pages, not decoding). Median thread CPU time per step, ms "
+        "ones (planned, prefilled, holding their pages, not decoding"
+        f"{'; paused by the plan: their layers removable' if getattr(args, 'idle_paused', False) else ''}). Median thread CPU time per step, ms "
         f"({args.steps} x {args.events} steady steps, {args.events} of each event); wall medians in the JSON.\n\n"
         "| layout | live requests | pool layer-pages | steady | its boundary | finish + step | arrival (plan + prefill) "
         "| join step | stats() | full reconciles |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"

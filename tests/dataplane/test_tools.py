@@ -135,3 +135,20 @@ def test_profile_cpu_round_trips(tmp_path):
     assert body["block_bytes"] == 2 * 4 * 2 * 8 * 4 and body["h2d_gbps"] > 0
     assert [p["tokens"] for p in body["measured_points"]] == [1, 2]
     assert np.isfinite(body["layer_compute_ms"]["fixed_ms"])
+
+
+def test_bench_core_idle_paused_parks_the_idle_requests(tmp_path):
+    """``--idle-paused``: the live requests beyond the batch are paused by the plan. With room on
+    the device their steady steps take the cheap path: the full reconciliations are the same as
+    with the idle ones running-but-idle (the control run without the flag), not one per step."""
+    base = ["bench", "core", "--pool-sizes", "8000", "--requests", "2", "--live-requests", "6", "--tokens", "40",
+            "--steps", "8", "--events", "1", "--layouts", "paged", "--budget-fraction", "0.9"]
+    rows = {}
+    for flag in ([], ["--idle-paused"]):
+        out = tmp_path / ("paused" if flag else "idle")
+        assert main([*base, *flag, "--out-dir", str(out)]) == 0
+        [path] = out.glob("core-*.json")
+        [rows[bool(flag)]] = json.loads(path.read_text())["rows"]
+    assert rows[True]["idle_paused"] and not rows[False]["idle_paused"]
+    assert rows[True]["full_reconciles"] <= rows[False]["full_reconciles"] + 1 < 8
+    assert "paused by the plan" in (tmp_path / "paused").joinpath(path.name).with_suffix(".md").read_text()
