@@ -134,6 +134,15 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
                 raise ValueError(
                     f"--kv-gpu-budget-tokens={budget_tokens} is below one page ({self.page_size} tokens)"
                 )
+        identity = device_pages >= self.layer_num * logical_pages
+        ratio = self._layered_args.kv_recompute_ratio
+        if identity and ratio:
+            raise ValueError(
+                f"--kv-recompute-ratio={ratio}: eLLM's recompute keeps a prefix off the device, but every layer of "
+                f"this launch's slot space ({self.size} tokens) is on the device, so there is no host pool to keep "
+                f"it in and nothing to save: drop the flag, or set --max-total-tokens above {self.size} (README "
+                "'More KV than the GPU holds')"
+            )
         config = SlotStoreConfig(
             layers=self.layer_num,
             page_size=self.page_size,
@@ -147,9 +156,11 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
             copy_engine=self._layered_args.kv_copy_engine,
             timing_interval=self._layered_args.kv_timing_interval,
             graph_sink=self._layered_args.kv_cuda_graphs == "on",  # padded graph rows' page
+            host_tier=not identity,  # every layer on the device: a host mirror would hold nothing used
         )
         host_pool_limit(config.host_bytes, self._layered_args.kv_host_pool_gb, available_host_bytes(),
-                        what=f"every layer of {logical_pages} pages of {self.page_size} tokens",
+                        what=(f"every layer of {logical_pages} pages of {self.page_size} tokens" if not identity
+                              else "the copy engine's one-page scratch (no host tier)"),
                         device_in_host_bytes=config.device_bytes if config.device == "cpu" else 0,
                         share=settings.read_host_memory())
         self.core = LayeredKVCore(config, on_moves=self._emit_moves)
@@ -167,13 +178,15 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
             logical_pages=logical_pages,
             device_pages=device_pages,
             host_gb=round(config.host_bytes / _GB, 4),
+            host_tier=config.host_tier,
             profiled_device_tokens=None if capacity is None else capacity.profiled_tokens,
         )
         if config.identity:
-            log.info("layered_kv_slot_space_on_device", slot_tokens=self.size,
-                     note=("every layer of SGLang's slot space is on the device and the host pool only "
-                           "mirrors it: to hold more KV than the device, set --max-total-tokens above "
-                           f"{self.size} (README 'More KV than the GPU holds')"))
+            log.info("layered_kv_slot_space_on_device", slot_tokens=self.size, host_tier=False,
+                     note=("every layer of SGLang's slot space is on the device: no host pool is pinned and "
+                           "nothing is offloaded or recomputed (pauses keep their KV in place); to hold more KV "
+                           f"than the device, set --max-total-tokens above {self.size} (README 'More KV than "
+                           "the GPU holds')"))
         elif device_pages < logical_pages:
             log.warning("layered_kv_budget_below_one_layer", device_pages=device_pages, layer_pages=logical_pages,
                         note=("--kv-gpu-budget-tokens counts token-layers; below one layer of the slot space a "

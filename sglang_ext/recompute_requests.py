@@ -18,6 +18,9 @@ Called after SGLang built the step's batch and before the residency wants are in
 - the layered attention backend receives ``recompute_inputs[rid] = (u, k, token ids of the
   prefix)``: it appends the prefix tokens to the forward (``docs/recompute.md``).
 
+Nothing is chosen when the layered pool has no host tier (every layer of the slot space on the
+device: ``SlotStoreConfig.host_tier``): an uncached prefix would save nothing there.
+
 Work per step is proportional to the batch (a few dict lookups per request); a request's prefix
 ids are cut once per ``(u, k)`` it takes.
 """
@@ -42,7 +45,12 @@ class RecomputeRequests:
         self.default_layers = default_layers
         self.page_size = page_size
         self.installer = installer
-        self.backend = backend if hasattr(backend, "recompute_inputs") else None
+        store = getattr(getattr(installer, "pool", None), "store", None)
+        host_tier = getattr(store, "host_tier", True)
+        self.backend = backend if hasattr(backend, "recompute_inputs") and host_tier else None
+        """None without the layered backend, or when the layered pool has no host tier (every layer
+        on the device, :attr:`SlotStoreConfig.host_tier`): a request's ``custom_params`` ratio and
+        the plan's recompute are then not taken, and the worker reports it cannot recompute."""
         self._specs: dict[str, tuple[int, int, np.ndarray] | None] = {}
         self._forced: dict[str, bool] = {}
         """Per live request: forced (custom_params / launch flag) or planned, checked once."""

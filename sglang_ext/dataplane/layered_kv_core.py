@@ -108,7 +108,11 @@ class LayeredKVCore:
     # ----- boundary changes ---------------------------------------------------------
 
     def update_residency(self, wants: Mapping[str, RequestResidency]) -> ResidencyDelta:
-        """Install the plan's wants and move data now (call at a step boundary only)."""
+        """Install the plan's wants and move data now (call at a step boundary only). Without a
+        host tier every want is kept on the device (:meth:`RequestResidency.on_device`): a plan's
+        offload, or an uncached prefix, would free no page another could use."""
+        if not self.store.host_tier:
+            wants = {rid: want.on_device() for rid, want in wants.items()}
         self.residency.update_residency(wants)
         self._eager_writeback()
         return self._reconcile()

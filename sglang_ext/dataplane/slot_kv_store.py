@@ -18,7 +18,8 @@ decides what goes where, :class:`~sglang_ext.dataplane.step_tables.StepTables` a
 Layout (docs/sglang-integration.md, "layered pool contract"):
 
 - host ``[P, L, 2, page_size, H, D]``: block-first home of every layer of every logical page
-  (pinned on CUDA: the DMA source and target of every copy, no pageable intermediates);
+  (pinned on CUDA: the DMA source and target of every copy, no pageable intermediates); none
+  without a host tier (:attr:`SlotStoreConfig.host_tier`: a served identity layout);
 - device ``[2, N, page_size, H, D]``: ONE page pool shared by all layers (a page holds one
   layer's K and V of ``page_size`` tokens; FlashInfer's NHD paged layout), N = the budget;
   when the budget holds all ``L * P`` layer-pages the layout is the *identity* one
@@ -101,6 +102,11 @@ class SlotStoreConfig:
     there (:class:`~sglang_ext.dataplane.graph_step_buffers.GraphStepBuffers`). The paged layout
     gives its last page (the budget one page smaller); the identity layout has one already:
     logical page 0 of layer 0, SGLang's padding page, which its allocators never hand out."""
+    host_tier: bool = True
+    """Keep the block-first host pool (every layer of every page). False -- only for the identity
+    layout, where the device holds every layer of the slot space and offloading frees nothing
+    another page could use: no host pool (the copy engine gets a one-page scratch to probe and
+    warm up on) and :meth:`LayeredKVCore.update_residency` keeps every want on the device."""
 
     def __post_init__(self) -> None:
         for name in ("layers", "page_size", "kv_heads", "head_dim", "logical_pages"):
@@ -117,6 +123,12 @@ class SlotStoreConfig:
         ti = self.timing_interval
         if isinstance(ti, bool) or not isinstance(ti, int) or ti < 1:
             raise ValueError(f"SlotStoreConfig.timing_interval={ti!r} must be an int >= 1")
+        if not self.host_tier and not self.identity:
+            raise ValueError(
+                f"SlotStoreConfig.host_tier=False needs the identity layout (device_pages >= layers * logical_pages "
+                f"= {self.layers * self.logical_pages}), got device_pages={self.device_pages}: a budget below "
+                "every layer-page keeps the rest in the host pool"
+            )
 
     @property
     def layer_page_bytes(self) -> int:
@@ -124,9 +136,14 @@ class SlotStoreConfig:
         return 2 * self.page_size * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
     @property
+    def host_pages(self) -> int:
+        """Pages of the host pool: every page, or the one-page scratch without a host tier."""
+        return self.logical_pages if self.host_tier else 1
+
+    @property
     def host_bytes(self) -> int:
-        """Bytes of the host pool."""
-        return self.logical_pages * self.layers * self.layer_page_bytes
+        """Bytes of the host pool (every layer of :attr:`host_pages`)."""
+        return self.host_pages * self.layers * self.layer_page_bytes
 
     @property
     def device_bytes(self) -> int:
@@ -151,8 +168,11 @@ class SlotKVStore:
         each layer is one contiguous slice readable in place with SGLang's slot ids, and a
         host-only layer-page is staged at its own identity page."""
         self.pages_total = c.layers * c.logical_pages if self.identity else c.device_pages
+        self.host_tier = c.host_tier
+        """Host pages exist (:attr:`SlotStoreConfig.host_tier`); without them :attr:`host` is a
+        one-page scratch no layer-page is ever copied to or read from."""
         self.host = allocate_host_pool(  # pinned at exactly its size on CUDA (host_pool.py)
-            (c.logical_pages, c.layers, 2, c.page_size, c.kv_heads, c.head_dim), c.dtype,
+            (c.host_pages, c.layers, 2, c.page_size, c.kv_heads, c.head_dim), c.dtype,
             pin=self.device.type == "cuda",
         )
         self.dev = torch.zeros((2, self.pages_total, c.page_size, c.kv_heads, c.head_dim), dtype=c.dtype,

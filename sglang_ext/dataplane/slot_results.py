@@ -7,7 +7,7 @@ tokens), the unit the device pool hands out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 _INT = frozenset({int})
 """Page ids are plain ints (``bool`` and NumPy scalars are not ``int`` by type)."""
@@ -46,6 +46,14 @@ class RequestResidency:
                 f"RequestResidency.uncached_pages must be an int in [0, len(pages) - 1 = "
                 f"{max(len(self.pages) - 1, 0)}], got {u!r}"
             )
+
+    def on_device(self) -> RequestResidency:
+        """This want with every layer of every page on the device, not paused, no uncached prefix:
+        what a store without a host tier keeps (:attr:`SlotStoreConfig.host_tier`: a paused
+        request's KV stays in place as a running one's, its new pages placed); itself when it is that."""
+        if self.uncached_pages == 0 and not self.paused and all(self.gpu_layers):
+            return self
+        return replace(self, gpu_layers=(True,) * len(self.gpu_layers), paused=False, uncached_pages=0)
 
 
 @dataclass(frozen=True)

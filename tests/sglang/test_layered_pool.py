@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -25,6 +24,9 @@ from sglang_ext.layered_pool import LayeredTokenToKVPool  # noqa: E402
 LAYERS, HEADS, DIM, PAGE, SLOTS = 3, 2, 4, 2, 64
 MIN_BUDGET = 66
 """One layer of the slot space (33 pages of 2 tokens): from here on any batch can be staged."""
+ROOMY = 196
+"""98 device pages, one short of every layer-page (99): the paged layout, with its host tier
+(from 198 on the pool is the identity layout, which has none: ``SlotStoreConfig.host_tier``)."""
 
 
 def make_pool(budget_tokens: int | None = 200, page_size: int = PAGE) -> LayeredTokenToKVPool:
@@ -214,7 +216,7 @@ def test_copy_programs_flag_reaches_the_store():
 
 def test_shared_pages_resident_iff_some_live_request_wants_them():
     """A shared prefix page is on device at layer l iff a live, unpaused user wants layer l."""
-    pool = make_pool(budget_tokens=200)
+    pool = make_pool(budget_tokens=ROOMY)
     h = Harness(pool)
     h.step("a", 4)
     h.step("b", 2, share_from="a", share_pages=2)
@@ -247,7 +249,7 @@ def test_full_device_pool_never_crashes_and_loses_nothing():
 
 def test_kv_is_preserved_on_host_after_offload():
     """Offloading drops the device copy only after the host copy is current (device garbage is harmless)."""
-    pool = make_pool(budget_tokens=200)
+    pool = make_pool(budget_tokens=ROOMY)
     h = Harness(pool)
     h.step("a", 6)
     assert pool.store.resident_mask().sum() == 3 * LAYERS
@@ -264,7 +266,7 @@ def test_move_kv_cache_copies_every_layer_at_rest(offloaded):
     """SGLang's ``move_kv_cache``: the target slots read back the source slots' K/V at every
     layer (resident or offloaded), and the moved page is marked written so an offload keeps it.
     Negative control: before the move the target slots read something else."""
-    pool = make_pool(budget_tokens=200)
+    pool = make_pool(budget_tokens=ROOMY)
     h = Harness(pool)
     h.step("a", 4)
     h.step("b", 4)
@@ -313,7 +315,7 @@ def test_local_fallback_offloads_highest_layers_of_the_largest_request():
 
 def test_freed_pages_return_their_device_pages():
     """Pages SGLang frees give their device pages back; offload/load events reach subscribers."""
-    pool = make_pool(budget_tokens=200)
+    pool = make_pool(budget_tokens=ROOMY)
     events = []
     pool.residency_hooks.subscribe(events.append)
     h = Harness(pool)
@@ -413,10 +415,11 @@ def test_append_fast_path_places_exactly_what_the_full_pass_would(ops, budget):
 
 def test_identity_layout_reads_in_place_exactly_what_the_gather_returns():
     """No budget: every layer-page sits at device page l * P + p, and reading a layer in place with
-    SGLang's slot ids gives the same K/V as the read at rest; an offloaded layer is staged at its own
-    identity page, so steps keep reading in place (the harness checks every step)."""
+    SGLang's slot ids gives the same K/V as the read at rest. The pool has no host tier (one
+    scratch page): a plan that offloads a layer keeps it at its identity pages, and the steps
+    after it read in place with no byte written to host (the harness checks every step)."""
     pool = make_pool(budget_tokens=None)
-    assert pool.store.identity
+    assert pool.store.identity and not pool.store.host_tier and pool.store.host.shape[0] == 1
     h = Harness(pool)
     h.step("a", 3)
     h.step("b", 2)
@@ -429,37 +432,28 @@ def test_identity_layout_reads_in_place_exactly_what_the_gather_returns():
     layers, pages = (pool.store.map_cpu >= 0).nonzero(as_tuple=True)
     assert torch.equal(pool.store.map_cpu[layers, pages].long(), layers * p + pages)
     pool.update_residency({"a": wants(pool, h, "a", (True, False, True))})
-    assert not pool.store.resident_mask()[1, [s // PAGE for s in h.slots["a"]]].any()
-    seen = {}
-    enter = pool.enter_layer
-
-    def entered(layer: int) -> None:  # inside the step: where its tables put each layer-page
-        enter(layer)
-        tables = pool.core.tables
-        seen[layer] = (tables.tab.cpu().numpy().copy(), np.array(tables.pages),
-                       pool.store.map_np[:, tables.pages] < 0)
-
-    pool.enter_layer = entered
-    h.step("a", 2)  # layer 1 staged at its identity pages, new tokens written back to host
-    tab, pages, host = seen[1]
-    assert host[1].all() and not host[[0, 2]].any()  # a's layer 1 is host-only during the step
-    assert np.array_equal(tab, pool.store.identity_ids(pages))  # ... and read at its identity page
-    assert pool.store.host_write_bytes > 0
-    h.check()
-
-
-def test_in_place_writes_are_written_back_when_offloaded():
-    """Identity layout, in-place steps (dirty marked once per step for every layer, not per
-    write): pausing the request afterwards writes every layer's new K/V back to host."""
-    pool = make_pool(budget_tokens=None)
-    h = Harness(pool, in_place=True)
-    h.step("a", 3)
+    assert pool.store.resident_mask()[:, [s // PAGE for s in h.slots["a"]]].all()
+    assert pool.residency.gpu_layers("a") == (True,) * LAYERS
     h.step("a", 2)
-    assert bool(pool.store.dirty[:, [s // PAGE for s in h.slots["a"]]].all())
-    pool.update_residency({"a": wants(pool, h, "a", (True,) * LAYERS, paused=True)})
-    pool.update_residency({"a": wants(pool, h, "a", (False,) * LAYERS)})
-    assert not bool((pool.store.map_cpu[:, [s // PAGE for s in h.slots["a"]]] >= 0).any())
+    assert (pool.store.host_write_bytes, pool.store.d2h_bytes, pool.store.h2d_bytes) == (0, 0, 0)
     h.check()
+
+
+def test_in_place_writes_stay_in_place_when_paused_and_offloaded():
+    """Identity layout, in-place steps: pausing the request, then a plan offloading every layer,
+    leaves every layer-page where it is (nothing to write back to, nothing freed that another
+    page could use) and the KV exact. Control: the paged layout offloads the same wants."""
+    for budget, stays in ((None, True), (ROOMY, False)):
+        pool = make_pool(budget_tokens=budget)
+        h = Harness(pool, in_place=budget is None)
+        h.step("a", 3)
+        h.step("a", 2)
+        pool.update_residency({"a": wants(pool, h, "a", (True,) * LAYERS, paused=True)})
+        pool.update_residency({"a": wants(pool, h, "a", (False,) * LAYERS)})
+        resident = (pool.store.map_cpu[:, [s // PAGE for s in h.slots["a"]]] >= 0)
+        assert bool(resident.all()) is stays and bool(resident.any()) is stays, budget
+        assert (pool.store.d2h_bytes == 0) is stays, budget
+        h.check()
 
 
 def test_cached_pages_stay_resident_until_space_is_needed():
@@ -496,3 +490,19 @@ def test_a_batch_that_cannot_be_staged_overflows_correctly_and_is_counted():
     assert not small.overflow and small.overflow_steps == 0
     hs.check()
 
+
+
+def test_recompute_ratio_is_refused_where_every_layer_is_on_the_device():
+    """--kv-recompute-ratio keeps a prefix off the device; the identity layout (no budget) has no
+    host pool to keep it in and nothing to save: the pool refuses, naming the flag, the slot space
+    and the way out. Control: the paged layout takes the same flag."""
+    def pool(budget: int | None) -> LayeredTokenToKVPool:
+        return LayeredTokenToKVPool(size=SLOTS, page_size=PAGE, dtype=torch.float16, head_num=HEADS, head_dim=DIM,
+                                    layer_num=LAYERS, device="cpu", enable_memory_saver=False,
+                                    layered_args=LayeredKVArgs(enable_layered_kv=True, kv_gpu_budget_tokens=budget,
+                                                               kv_recompute_ratio=0.3))
+
+    with pytest.raises(ValueError, match=r"--kv-recompute-ratio=0.3: .* \(64 tokens\) is on the device.*"
+                                         r"set --max-total-tokens above 64"):
+        pool(None)
+    assert pool(ROOMY).store.host_tier

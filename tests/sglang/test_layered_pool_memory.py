@@ -25,12 +25,16 @@ def _pool(budget_tokens: int | None) -> object:
 
 
 def test_the_cpu_device_pool_counts_against_available_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Available memory room for the host pool alone (1.5x it at 80%): without a device budget
-    the device pool holds every layer too and the start is refused, naming both pools and the
-    flags; with a small --kv-gpu-budget-tokens the same pool starts (control)."""
-    monkeypatch.setattr(layered_pool, "available_host_bytes", lambda: int(1.5 * HOST_BYTES / 0.8))
+    """On CPU the device pool is host memory too. Without a budget (the identity layout, no host
+    tier) it is all the pool takes: at 1.1x its size available (at 80%) it starts, and a pool with
+    a quarter budget, which pins the host pool beside its device pages, is refused (control); at
+    0.9x the identity pool is refused too, naming the device pool and the flag."""
+    monkeypatch.setattr(layered_pool, "available_host_bytes", lambda: int(1.1 * HOST_BYTES / 0.8))
+    pool = _pool(None)
+    assert pool.store.identity and pool.store.host.numel() * 4 == HOST_BYTES // SLOTS  # one page
+    with pytest.raises(ValueError, match=r"device KV pool, which on CPU is host memory too"):
+        _pool(LAYERS * SLOTS // 4)  # a quarter of the layer-pages on the "device", every one on host
+    monkeypatch.setattr(layered_pool, "available_host_bytes", lambda: int(0.9 * HOST_BYTES / 0.8))
     with pytest.raises(ValueError, match=r"device KV pool, which on CPU is host memory too") as err:
         _pool(None)
     assert "--kv-gpu-budget-tokens" in str(err.value)
-    pool = _pool(LAYERS * SLOTS // 4)  # a quarter of the layer-pages on the "device"
-    assert pool.store.dev[0].numel() > 0

@@ -225,3 +225,26 @@ def test_planned_prefix_is_clamped_to_the_request_and_reaches_into_its_output(tm
     got_u, _, ids = w.backend.recompute_inputs["a"]
     assert got_u == 16 and ids.tolist() == (short.origin_input_ids + short.output_ids)[:16]
     assert w.installer.uncached == {"a": 16} and w.installer.last_wants["a"].uncached_pages == 16
+
+
+def test_a_pool_without_a_host_tier_recomputes_nothing(tmp_path: Path) -> None:
+    """No budget (the identity layout: every layer of the slot space on the device, no host
+    pool): the plan's recompute and a request's forced ratio reach neither the installer nor the
+    forward, the worker reports it cannot recompute, and every page stays on the device in every
+    layer. Control: the budget pool takes the same plan (the test above)."""
+    from sglang_ext.layered_pool import LayeredTokenToKVPool
+
+    pool = LayeredTokenToKVPool(size=SLOTS, page_size=1, dtype=torch.float32, head_num=HEADS, head_dim=DIM,
+                                layer_num=LAYERS, device="cpu", enable_memory_saver=False,
+                                layered_args=LayeredKVArgs(enable_layered_kv=True))
+    assert not pool.store.host_tier
+    a, b = request("a", LONG - 1, 0), request("b", SHORT - 1, LONG, custom={"kvplane_recompute_ratio": 0.5})
+    plan = decisions_for(worker(tmp_path), {"a": LONG, "b": SHORT})
+    assert plan[-1].plan.recompute_blocks  # the same plan recomputes on the budget pool
+    w = Worker(pool)
+    assert not w.recompute.enabled and not w.recompute.plannable
+    w.run_step([a, b], plan)
+    assert w.backend.recompute_inputs == {} and w.installer.uncached == {}
+    assert pool.residency_stats().device_pages_used == (LONG + SHORT) * LAYERS
+    control = Worker()
+    assert control.recompute.enabled and control.recompute.plannable
