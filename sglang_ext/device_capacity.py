@@ -36,7 +36,8 @@ allocator's free list and the eager runner's per-token registry (tens of bytes a
 of SGLang's slack (``1 - --mem-fraction-static``).
 
 Without ``--max-total-tokens``, or with one the profile fits, nothing changes: SGLang's slot space
-and, by default, every layer of it on the device (the identity layout).
+and, by default, every layer of it on the device (the identity layout, which pins no host pool:
+``SlotStoreConfig.host_tier``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ from dataclasses import dataclass
 
 MAP_ENTRY_BYTES = 4
 """Bytes of one ``[L, P]`` page-map entry in its device mirror (int32)."""
+
+
+def budget_pages(budget_tokens: int, page_size: int) -> int:
+    """Device layer-pages of ``--kv-gpu-budget-tokens``: its whole pages; ValueError below one."""
+    pages = budget_tokens // page_size
+    if pages < 1:
+        raise ValueError(f"--kv-gpu-budget-tokens={budget_tokens} is below one page ({page_size} tokens)")
+    return pages
 
 
 @dataclass(frozen=True)
@@ -113,9 +122,7 @@ class DeviceCapacity:
                     f"--max-total-tokens to at most {most}, raise --mem-fraction-static, or set "
                     "--kv-gpu-budget-tokens to accept batches read from host memory at rest")
             return fits - mirror
-        pages = budget_tokens // page_size
-        if pages < 1:
-            raise ValueError(f"--kv-gpu-budget-tokens={budget_tokens} is below one page ({page_size} tokens)")
+        pages = budget_pages(budget_tokens, page_size)
         if pages + mirror > fits:
             raise ValueError(
                 f"--kv-gpu-budget-tokens={budget_tokens} ({pages} pages) does not fit the device: {what}; "

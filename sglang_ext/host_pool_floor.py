@@ -1,12 +1,16 @@
 """``HostPoolFloor``: the smallest host KV pool a launch can run with, known before any process starts.
 
-The layered pool keeps every layer of every KV page in host memory (``LayeredTokenToKVPool``:
-``logical_pages = ceil((size + page_size) / page_size)``, one padding page included, times the
-layers, times K and V of every KV head), and refuses at start-up when ``--kv-host-pool-gb``
-cannot hold that -- inside the scheduler, after the model is loaded. The launcher already knows
-the model's KV shape (SGLang's ``ModelConfig``: layers, KV heads per TP rank, head dim, dtype),
-the page size when given and ``--max-total-tokens``, the most tokens SGLang sizes the pool to.
-So it refuses a cap below:
+Where the slot space does not fit the device (``--max-total-tokens`` above SGLang's memory
+profile, or a ``--kv-gpu-budget-tokens`` below every layer of it) the layered pool keeps every
+layer of every KV page in host memory (``LayeredTokenToKVPool``: ``logical_pages = ceil((size +
+page_size) / page_size)``, one padding page included, times the layers, times K and V of every KV
+head), and refuses at start-up when ``--kv-host-pool-gb`` cannot hold that -- inside the
+scheduler, after the model is loaded. Where all of the slot space is on the device (the identity
+layout) no host pool is pinned, but the launcher cannot tell the two apart before SGLang profiles
+memory, so the floor assumes the first. The launcher already knows the model's KV shape
+(SGLang's ``ModelConfig``: layers, KV heads per TP rank, head dim, dtype), the page size when
+given and ``--max-total-tokens``, the most tokens SGLang sizes the pool to. So it refuses a cap
+below:
 
 * with ``--max-total-tokens T``: every layer of ``T // page + 1`` pages (what the pool holds when
   SGLang's memory profile allows T tokens, the usual case; the scheduler checks the size it

@@ -42,10 +42,10 @@ from sglang_ext.compat import MHATokenToKVPool, unwrap_write_loc
 from sglang_ext.dataplane.host_pool import available_host_bytes, host_pool_limit
 from sglang_ext.dataplane.layer_page_moves import LayerPageMoves
 from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
-from sglang_ext.dataplane.slot_kv_store import SlotStoreConfig
+from sglang_ext.dataplane.slot_kv_store import SlotStoreConfig, layer_page_bytes
 from sglang_ext.dataplane.slot_results import RequestResidency, ResidencyDelta, ResidencyStats
 from sglang_ext.dataplane.step_tables import StepTables
-from sglang_ext.device_capacity import DeviceCapacity
+from sglang_ext.device_capacity import DeviceCapacity, budget_pages
 from sglang_ext.hooks import ResidencyEvent, ResidencyEventKind, ResidencyHooks
 from sglang_ext.store_cache_writer import StoreCacheWriter
 
@@ -122,18 +122,14 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         if capacity is not None:  # a slot space beyond the device (sglang_ext.device_capacity)
             device_pages = capacity.device_pages(
                 layers=self.layer_num, page_size=self.page_size, logical_pages=logical_pages,
-                layer_page_bytes=2 * self.page_size * self.head_num * self.head_dim * self.store_dtype.itemsize,
+                layer_page_bytes=layer_page_bytes(self.page_size, self.head_num, self.head_dim, self.store_dtype),
                 budget_tokens=budget_tokens, maps=2 if self._layered_args.kv_cuda_graphs == "on" else 1)
         elif budget_tokens is None:
             # every layer of every page (what SGLang's own pool holds, plus the padding page):
             # the store then uses the identity layout and attention reads it in place
             device_pages = logical_pages * self.layer_num
         else:
-            device_pages = budget_tokens // self.page_size
-            if device_pages < 1:
-                raise ValueError(
-                    f"--kv-gpu-budget-tokens={budget_tokens} is below one page ({self.page_size} tokens)"
-                )
+            device_pages = budget_pages(budget_tokens, self.page_size)
         identity = device_pages >= self.layer_num * logical_pages
         ratio = self._layered_args.kv_recompute_ratio
         if identity and ratio:

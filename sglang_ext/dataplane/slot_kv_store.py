@@ -63,6 +63,11 @@ def as_np(values) -> np.ndarray:  # noqa: ANN001 - tensor, array or list
     return np.asarray(values, dtype=np.int64)
 
 
+def layer_page_bytes(page_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one layer-page: K and V of ``page_size`` tokens."""
+    return 2 * page_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
 @dataclass(frozen=True)
 class SlotStoreConfig:
     """Shapes of a :class:`SlotKVStore` (validated)."""
@@ -133,7 +138,7 @@ class SlotStoreConfig:
     @property
     def layer_page_bytes(self) -> int:
         """Bytes of one layer-page (K and V)."""
-        return 2 * self.page_size * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return layer_page_bytes(self.page_size, self.kv_heads, self.head_dim, self.dtype)
 
     @property
     def host_pages(self) -> int:

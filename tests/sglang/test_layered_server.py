@@ -106,6 +106,27 @@ def test_an_identity_pool_says_how_to_hold_more_than_the_device(layered):
     ``test_layered_offload_server.py``, and a widened one, ``test_slot_space_server.py``)."""
     log = layered[0].log_path.read_text()
     assert "layered_kv_slot_space_on_device" in log and "set --max-total-tokens above" in log
+    created = next(line for line in log.splitlines() if "layered_kv_pool_created" in line)
+    assert "host_tier=False" in created and "host_gb=0.0 " in created, created  # one scratch page, no mirror
+
+
+def test_a_recompute_request_is_served_in_place_without_a_host_tier(layered, vanilla_server):
+    """A request asking for eLLM recompute (``custom_params.kvplane_recompute_ratio``) on the
+    identity pool: vanilla's tokens and logprobs, and its placement info says no layer-page left
+    the device (no host pool to keep a prefix in; ``test_recompute_server.py`` is the control,
+    where a budget pool recomputes the same request's prefix)."""
+    server, events_path = layered
+    prompt = PROMPTS[3]
+    body = {"text": prompt, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0.0,
+                                "custom_params": {"kvplane_recompute_ratio": 0.5, "kvplane_return_placement": True}}}
+    got = server.post("/generate", body)
+    assert_same_generation(got, greedy(vanilla_server, prompt, max_new_tokens=8, logprobs=True), prompt)
+    info = got["meta_info"]["kvplane"]
+    assert (info["layers_offloaded_max"], info["host_fraction"]) == (0, 0.0), info
+    rid = got["meta_info"]["id"]
+    moved = [e for e in read_jsonl_events(events_path) if e.rid == rid and e.kind is ResidencyEventKind.OFFLOADED]
+    assert moved == []
 
 
 def test_layered_radix_backend_is_active(layered):
