@@ -135,7 +135,8 @@ def test_steady_decode_fast_path_leaves_the_pool_as_the_general_path_does(ops, b
 def test_steady_decode_fast_path_takes_plain_decode_steps_and_declines_after_a_change():
     """Identity layout: a plain decode of known requests takes the fast path (new pages read in
     place; placed at every layer and dirty once the journal is applied, which the first reader of
-    residency does); after an offloading want it declines."""
+    residency does); an offloading want changes nothing there (no host tier: it is kept on the
+    device, and every page stays resident); a request the pool does not know yet declines it."""
     pool = make_pool(budget_tokens=None, page_size=PAGE)
     h = Harness(pool, in_place=True)
     h.step("a", 3)
@@ -151,5 +152,10 @@ def test_steady_decode_fast_path_takes_plain_decode_steps_and_declines_after_a_c
     assert bool((pool.store.map_cpu[:, pages] >= 0).all())
     assert bool(pool.store.dirty[:, pages[-1]].all())
     pool.update_residency({"a": wants(pool, h, "a", (True, False, True))})
-    assert not _decode(pool, h, ["a", "b"], fast=True)
+    assert _decode(pool, h, ["a", "b"], fast=True)
+    pages = [s // PAGE for s in h.slots["a"] + h.slots["b"]]
+    assert pool.residency_stats().live_layer_pages == LAYERS * len(set(pages))
+    assert bool((pool.store.map_cpu[:, pages] >= 0).all())
+    h.slots["c"] = []  # its first token's page: a request the pool has not seen
+    assert not _decode(pool, h, ["a", "b", "c"], fast=True)
     h.check()
