@@ -59,9 +59,11 @@ class LayeredKVArgs:
     accepts (``controlplane.policy_store.load_policy_file``, checked here)."""
     kv_host_pool_gb: float | None = None
     """Cap on the host (pinned on CUDA) KV pool in GB (1e9 bytes), in (0, 65536]; None (the
-    default) sizes it to what the pool needs, checked against the host's available memory. The
-    launcher also refuses a cap below what the model's KV needs
-    (:class:`sglang_ext.host_pool_floor.HostPoolFloor`, which needs the model config)."""
+    default) sizes it to what the pool needs (nothing where every layer of the slot space is on
+    the device: ``SlotStoreConfig.host_tier``), checked against the host's available memory. The
+    launcher also refuses a cap below what the model's KV needs, assuming ``--max-total-tokens``
+    is beyond the device (:class:`sglang_ext.host_pool_floor.HostPoolFloor`, which needs the
+    model config)."""
     kv_scheduler: str = "fcfs"
     """Admission/rotation scheduler: fcfs, layerkv (LayerKV §3.1) or lvf (SuperInfer §4.2)."""
     kv_pacing: str = "off"

@@ -48,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> bool:
         type=float,
         default=DEFAULTS.kv_host_pool_gb,
         help=f"Cap on the host KV pool in GB, (0, {MAX_HOST_POOL_GB}]; default: what the pool "
-        "needs (every layer of --max-total-tokens), checked against the host's available memory.",
+        "needs (every layer of --max-total-tokens; none when all of it is on the GPU), checked against the "
+        "host's available memory; the launcher assumes --max-total-tokens is beyond the GPU.",
     )
     group.add_argument(
         "--kv-scheduler",

@@ -159,6 +159,9 @@ class PlacementInstaller:
         self._all_gpu = (True,) * self.layers
         self._bool_rows: dict[str, tuple[tuple[int, ...], tuple[bool, ...]]] = {}
         self._layered = self.pool is not None and hasattr(self.pool, "update_residency")
+        self._host_tier = getattr(getattr(self.pool, "store", None), "host_tier", True)
+        """False: the layered pool keeps every layer on the device (``SlotStoreConfig.host_tier``),
+        so every placement installed, reported and recorded is all-GPU, as the pool keeps it."""
 
     @property
     def layered(self) -> bool:
@@ -168,11 +171,11 @@ class PlacementInstaller:
         if install.prefill_layers or install.placements is not None:
             self._epoch += 1
         for rid, keep in (install.prefill_layers or {}).items():
-            keep = max(1, min(self.layers, int(keep)))
+            keep = max(1, min(self.layers, int(keep) if self._host_tier else self.layers))
             self.prefill_placements[rid] = (1,) * keep + (0,) * (self.layers - keep)
         if install.placements is not None:
             self.placements = {
-                rid: tuple(int(x) for x in row)
+                rid: tuple(int(x) for x in row) if self._host_tier else (1,) * self.layers
                 for rid, row in install.placements.items()
                 if len(row) == self.layers
             }

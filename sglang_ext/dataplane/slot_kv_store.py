@@ -108,10 +108,9 @@ class SlotStoreConfig:
     gives its last page (the budget one page smaller); the identity layout has one already:
     logical page 0 of layer 0, SGLang's padding page, which its allocators never hand out."""
     host_tier: bool = True
-    """Keep the block-first host pool (every layer of every page). False -- only for the identity
-    layout, where the device holds every layer of the slot space and offloading frees nothing
-    another page could use: no host pool (the copy engine gets a one-page scratch to probe and
-    warm up on) and :meth:`LayeredKVCore.update_residency` keeps every want on the device."""
+    """Keep the block-first host pool. False (identity layout only: offloading frees nothing another
+    page could use): no host pool, a one-page scratch for the copy engine's probe and warm-up, and
+    :meth:`LayeredKVCore.update_residency` keeps every want on the device."""
 
     def __post_init__(self) -> None:
         for name in ("layers", "page_size", "kv_heads", "head_dim", "logical_pages"):
@@ -174,8 +173,7 @@ class SlotKVStore:
         host-only layer-page is staged at its own identity page."""
         self.pages_total = c.layers * c.logical_pages if self.identity else c.device_pages
         self.host_tier = c.host_tier
-        """Host pages exist (:attr:`SlotStoreConfig.host_tier`); without them :attr:`host` is a
-        one-page scratch no layer-page is ever copied to or read from."""
+        """Host pages exist (:attr:`SlotStoreConfig.host_tier`; else :attr:`host` is a scratch page)."""
         self.host = allocate_host_pool(  # pinned at exactly its size on CUDA (host_pool.py)
             (c.host_pages, c.layers, 2, c.page_size, c.kv_heads, c.head_dim), c.dtype,
             pin=self.device.type == "cuda",
@@ -356,6 +354,7 @@ class SlotKVStore:
         """D2H of these resident layer-pages (one launch); their dirty marks are cleared."""
         if not layers.size:
             return
+        self._host_tier_for("a write-back")
         dev_pages = self.map_np[layers, pages].astype(np.int64)
         src, dst = self.dev_segs(dev_pages), self.host_segs(layers, pages)
         self.engine.d2h(self.engine.index_tensor(src), self.engine.index_tensor(dst), host_idx=(src, dst))
@@ -379,6 +378,7 @@ class SlotKVStore:
         layers, pages = as_np(layers), as_np(pages)
         if not layers.size:
             return
+        self._host_tier_for("an offload")  # nothing changed: the KV stays where it is
         dev_pages = self.map_np[layers, pages].astype(np.int64)
         if (dev_pages < 0).any():
             raise ValueError("offload of a layer-page that is not on device")
@@ -400,6 +400,8 @@ class SlotKVStore:
             return
         if n > self.allocator.free_count:
             raise ValueError(f"onload of {n} layer-pages with {self.allocator.free_count} free device pages")
+        if copy.any():
+            self._host_tier_for("an onload copy")
         if isinstance(self.allocator, IdentityPages):
             dev_pages = layers * self.config.logical_pages + pages
             self.allocator.take_distinct(dev_pages)
@@ -440,16 +442,24 @@ class SlotKVStore:
             self.allocator.free(dev_pages)
         self.dirty_np[:, p] = False
 
+    def _host_tier_for(self, what: str) -> None:
+        """Refuse ``what`` (a copy to or from host pages) on a store without a host tier, before any change."""
+        if not self.host_tier:
+            raise RuntimeError(f"{what} needs host pages; this store has none (SlotStoreConfig.host_tier=False)")
+
     # ----- reads at rest (tests, move_kv_cache) ------------------------------------
 
     def _at_rest(self, layer: int, slots: torch.Tensor) -> tuple[np.ndarray, ...]:
         """Wait for copies in flight; slots, their pages and offsets, device page at ``layer``
-        (-1: host only) and whether it is on the device."""
+        (-1: host only; without a host tier an unplaced page's own identity page) and whether it
+        is on the device."""
         self.engine.quiesce()
         ps = self.config.page_size
         s = as_np(slots.cpu())
         pages, offs = s // ps, s % ps
         dev_page = self.map_np[layer, pages].astype(np.int64)
+        if not self.host_tier:
+            dev_page = np.where(dev_page >= 0, dev_page, layer * self.config.logical_pages + pages)
         return s, pages, offs, dev_page, dev_page >= 0
 
     def read_kv(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -480,7 +490,8 @@ class SlotKVStore:
             rows = torch.from_numpy(dev_page[on_dev] * ps + offs[on_dev]).to(self.device)
             idx = torch.from_numpy(np.flatnonzero(on_dev)).to(k.device)
             self.write_rows(rows, k[idx], v[idx])
-            self.mark_dirty(layer * self.config.logical_pages + distinct_sorted(pages[on_dev]))
+            placed = pages[self.map_np[layer, pages] >= 0]  # (a store without a host tier: unplaced ones too)
+            self.mark_dirty(layer * self.config.logical_pages + distinct_sorted(placed))
         if (~on_dev).any():
             idx = torch.from_numpy(np.flatnonzero(~on_dev)).to(k.device)
             hp, ho = torch.from_numpy(pages[~on_dev]), torch.from_numpy(offs[~on_dev])

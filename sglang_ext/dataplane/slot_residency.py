@@ -485,7 +485,7 @@ class SlotResidency:
             device_pages_used=store.allocator.used_count,
             device_pages_total=store.allocator.capacity,
             staging_pages=store.staging_pages,
-            host_pages=store.config.logical_pages,
+            host_pages=store.config.logical_pages if store.host_tier else 0,
             live_requests=len(self._requests),
             live_layer_pages=live,
             host_layer_pages=host,

@@ -89,7 +89,8 @@ class ResidencyStats:
     staging_pages: int
     """Device pages used as staging for offloaded layers (0 on the gather path)."""
     host_pages: int
-    """Logical pages in the host pool (every page has a host home for all layers)."""
+    """Logical pages in the host pool (every page has a host home for all layers; 0 without a
+    host tier, :attr:`SlotStoreConfig.host_tier`)."""
     live_requests: int
     """Requests the pool tracks (running or paused)."""
     live_layer_pages: int

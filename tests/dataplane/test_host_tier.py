@@ -9,6 +9,7 @@ every layer and at rest; the controls run it on the same store with the host tie
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -65,15 +66,15 @@ def test_control_the_host_tier_moves_the_same_scenario() -> None:
     assert (store.map_np[:, live_pages(driver)] < 0).any()
 
 
-def test_control_a_host_read_without_the_host_tier_is_caught() -> None:
+def test_control_an_offload_without_the_host_tier_is_caught() -> None:
     """Negative control: bypassing the core's clamp (the residency given an offload directly) on a
-    store without host pages fails loudly, never reads another page's KV."""
+    store without host pages fails loudly, by name, never writes past the scratch page."""
     driver = CoreDriver(LayeredKVCore(config(host_tier=False)), seed=11)
     driver.add("a")
     driver.step([("a", 5)])
     pages = driver.pages("a")
     driver.core.residency.update_residency({"a": RequestResidency(pages=pages, gpu_layers=(True, False, True))})
-    with pytest.raises(IndexError, match="out of bounds"):
+    with pytest.raises(RuntimeError, match="an offload needs host pages"):
         driver.core._reconcile()  # noqa: SLF001 - the write-back the clamp prevents
 
 
@@ -85,3 +86,47 @@ def test_on_device_keeps_every_layer_and_no_uncached_prefix() -> None:
     full = RequestResidency(pages=(1,), gpu_layers=(True, True))
     assert full.on_device() is full
 
+
+
+def test_at_rest_reads_and_writes_of_an_unplaced_page_use_its_identity_page() -> None:
+    """A page SGLang allocated but no step has observed yet (``map < 0``): without a host tier a
+    write between forwards lands on its own identity page and reads back, unmarked; placed
+    later, the page keeps it. Control: the host tier writes it to the host home."""
+    for host_tier in (False, True):
+        store = LayeredKVCore(config(host_tier=host_tier)).store
+        slots = torch.tensor([20, 21])  # page 10, never placed
+        k = torch.randn(2, HEADS, DIM)
+        v = torch.randn(2, HEADS, DIM)
+        store.write_at_rest(1, slots, k, v)
+        got = store.read_kv(1, slots)
+        assert torch.equal(got[0], k) and torch.equal(got[1], v)
+        assert not store.dirty_np.any() and (store.map_np < 0).all()
+        if host_tier:
+            assert torch.equal(store.host[10, 1, 0], k) and torch.equal(store.host[10, 1, 1], v)
+        if not host_tier:  # placed at its identity pages, the page reads what was written
+            store.place_identity(np.array([10]))
+            got = store.read_kv(1, slots)
+            assert store.map_np[1, 10] >= 0 and torch.equal(got[0], k) and torch.equal(got[1], v)
+
+
+def test_copies_to_or_from_host_pages_are_refused_with_nothing_changed() -> None:
+    """The clamp keeps them from the served path; called anyway, each is refused by name before
+    any change (on CUDA an index past the scratch page would be an out-of-bounds copy)."""
+    driver = CoreDriver(LayeredKVCore(config(host_tier=False)), seed=3)
+    driver.add("a")
+    driver.step([("a", 5)])
+    store = driver.core.store
+    pages = np.array(driver.pages("a"))
+    layers = np.zeros_like(pages)
+    before = (store.map_np.copy(), store.dirty_np.copy(), store.allocator.free_count)
+    for call, what in ((lambda: store.offload(layers, pages), "an offload"),
+                       (lambda: store.sync_dirty(), "a write-back")):
+        with pytest.raises(RuntimeError, match=f"{what} needs host pages; this store has none"):
+            call()
+        assert np.array_equal(store.map_np, before[0]) and store.allocator.free_count == before[2]
+    assert store.dirty_np.any()  # the refused write-back cleared no mark
+    fresh = np.array([30])
+    with pytest.raises(RuntimeError, match="an onload copy needs host pages"):
+        store.onload(np.array([0]), fresh, np.array([True]))
+    assert store.map_np[0, 30] < 0 and store.allocator.free_count == before[2]
+    driver.check_at_rest()

@@ -5,6 +5,8 @@ host pool (``SlotStoreConfig.host_tier``), keeps offloads and pauses on the devi
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -82,3 +84,48 @@ def test_recompute_ratio_is_refused_where_every_layer_is_on_the_device():
                                          r"set --max-total-tokens above 64"):
         pool(None)
     assert pool(ROOMY).store.host_tier
+
+
+def test_writes_and_moves_outside_a_step_land_on_the_device():
+    """SGLang writes outside a step (a cross-attention cache write, ``set_kv_buffer`` with its own
+    slots) and moves slots (``move_kv_cache``) into pages no step has placed yet: without a host
+    tier both land on those pages' identity device pages and read back (before: into the host
+    home; with one scratch page they raised). The stats report no host pages."""
+    pool = make_pool(budget_tokens=None)
+    h = Harness(pool)
+    h.step("a", 3)
+    fresh = torch.tensor([20, 21])  # page 10: allocated by SGLang, never observed by a step
+    k = torch.randn((2, HEADS, DIM)).half()
+    v = torch.randn((2, HEADS, DIM)).half()
+    pool.set_kv_buffer(SimpleNamespace(layer_id=2), fresh, k, v)
+    got = pool.layer_kv(2, fresh)
+    assert torch.equal(got[0], k) and torch.equal(got[1], v)
+    src = torch.tensor(h.slots["a"][:2])
+    want = [pool.layer_kv(layer, src) for layer in range(LAYERS)]
+    moved = torch.tensor([24, 25])
+    pool.move_kv_cache(moved, src)
+    for layer in range(LAYERS):
+        got = pool.layer_kv(layer, moved)
+        assert torch.equal(got[0], want[layer][0]) and torch.equal(got[1], want[layer][1]), layer
+    assert pool.residency_stats().host_pages == 0
+    assert make_pool(budget_tokens=ROOMY).residency_stats().host_pages == pool.store.config.logical_pages  # control
+    h.check()
+
+
+def test_the_installer_reports_the_placement_the_pool_keeps():
+    """A plan offloading layers, installed on the identity pool: the installer's rows (what the
+    step reports and stats lines tell the control plane) are all-GPU, as the pool keeps them, and
+    nothing leaves the device. Control: on the paged layout the same plan is reported and kept."""
+    from sglang_ext.tp_sync import PlacementInstaller, StepInstall
+
+    for budget, kept in ((None, LAYERS), (ROOMY, 2)):
+        pool = make_pool(budget_tokens=budget)
+        h = Harness(pool)
+        h.step("a", 4)
+        installer = PlacementInstaller(pool, LAYERS)
+        installer.apply(StepInstall(step=1, placements={"a": (1, 0, 1)}, prefill_layers={"b": 1}))
+        assert installer.gpu_layer_count("a") == kept and sum(installer.gpu_layers("a")) == kept
+        assert sum(installer.prefill_placements["b"]) == (LAYERS if budget is None else 1)
+        installer.install({"a": tuple(dict.fromkeys(s // PAGE for s in h.slots["a"]))}, {})
+        assert sum(pool.residency.gpu_layers("a")) == kept
+        h.check()
