@@ -400,8 +400,8 @@ class SlotKVStore:
             return
         if n > self.allocator.free_count:
             raise ValueError(f"onload of {n} layer-pages with {self.allocator.free_count} free device pages")
-        if copy.any():
-            self._host_tier_for("an onload copy")
+        if not self.host_tier:  # identity pages only: a page's KV written at rest is there already
+            copy = np.zeros_like(copy)
         if isinstance(self.allocator, IdentityPages):
             dev_pages = layers * self.config.logical_pages + pages
             self.allocator.take_distinct(dev_pages)

@@ -95,11 +95,20 @@ def test_writes_and_moves_outside_a_step_land_on_the_device():
     h = Harness(pool)
     h.step("a", 3)
     fresh = torch.tensor([20, 21])  # page 10: allocated by SGLang, never observed by a step
-    k = torch.randn((2, HEADS, DIM)).half()
-    v = torch.randn((2, HEADS, DIM)).half()
-    pool.set_kv_buffer(SimpleNamespace(layer_id=2), fresh, k, v)
-    got = pool.layer_kv(2, fresh)
-    assert torch.equal(got[0], k) and torch.equal(got[1], v)
+    for layer in range(LAYERS):
+        k = torch.randn((2, HEADS, DIM)).half()
+        v = torch.randn((2, HEADS, DIM)).half()
+        pool.set_kv_buffer(SimpleNamespace(layer_id=layer), fresh, k, v)
+        got = pool.layer_kv(layer, fresh)
+        assert torch.equal(got[0], k) and torch.equal(got[1], v)
+        for i, slot in enumerate((20, 21)):
+            h.shadow[(layer, slot)] = (k[i].clone(), v[i].clone())
+    # the request that owns page 10 decodes: its step places the page (the KV written at rest is
+    # at its identity pages already: nothing to copy) and reads it inside every layer
+    h.free_pages.remove(10)
+    h.slots["c"] = [20, 21]
+    h.step("c", 1)
+    assert (pool.store.map_np[:, 10] >= 0).all()
     src = torch.tensor(h.slots["a"][:2])
     want = [pool.layer_kv(layer, src) for layer in range(LAYERS)]
     moved = torch.tensor([24, 25])
