@@ -77,6 +77,14 @@ class HostPoolFloor:
         """The floor in bytes: every layer of :attr:`min_pages` pages."""
         return self.min_pages * self.page_size * self.token_bytes
 
+    def on_device(self, budget_tokens: int | None) -> bool:
+        """Whether ``--kv-gpu-budget-tokens`` holds every layer of every page of
+        ``--max-total-tokens``: the identity layout, which pins no host pool (or, beyond SGLang's
+        memory profile, a budget the scheduler refuses); the launcher knows it without the profile."""
+        if self.max_total_tokens is None or budget_tokens is None:
+            return False
+        return budget_tokens // self.page_size >= self.layers * self.min_pages
+
     def device_min_bytes(self, budget_tokens: int | None) -> int:
         """The device pool the layered pool builds beside :attr:`min_bytes` (host memory on
         ``--device cpu``): every layer of every page, or ``--kv-gpu-budget-tokens`` token-layers

@@ -311,7 +311,8 @@ class KvplanePlugin:
         """Refuse a ``--kv-host-pool-gb`` below what the model's KV needs, and without one (given
         ``--max-total-tokens``) host pools that the launch's scheduler processes could not pin in
         what this host has available (on CPU with their device pools, host memory there too): the
-        scheduler would refuse either, after loading the model."""
+        scheduler would refuse either, after loading the model. A ``--kv-gpu-budget-tokens`` that
+        holds every layer of ``--max-total-tokens`` needs no host pool (:meth:`HostPoolFloor.on_device`)."""
         from sglang_ext.dataplane.host_pool import host_pool_limit
         from sglang_ext.host_pool_floor import HostPoolFloor
 
@@ -319,15 +320,18 @@ class KvplanePlugin:
             floor = HostPoolFloor.from_model_config(model_config, server_args)
         except Exception:  # an unreadable model config: SGLang reports it itself, with its reason
             return
+        on_device = floor.on_device(layered.kv_gpu_budget_tokens)  # no host pool (identity layout)
         try:
-            if layered.kv_host_pool_gb is not None:
+            if layered.kv_host_pool_gb is not None and not on_device:
                 floor.check(layered.kv_host_pool_gb)
-            elif floor.max_total_tokens is not None:
+            elif layered.kv_host_pool_gb is None and floor.max_total_tokens is not None:
                 cpu = str(server_args.device) == "cpu"
                 device = floor.device_min_bytes(layered.kv_gpu_budget_tokens) if cpu else 0
-                host_pool_limit(floor.min_bytes, None, share.available_bytes if share else None, share=share,
+                host_pool_limit(0 if on_device else floor.min_bytes, None, share.available_bytes if share else None,
+                                share=share,
                                 device_in_host_bytes=device,
-                                what=f"every layer of --max-total-tokens {floor.max_total_tokens}")
+                                what=("no host pool: every layer on the device" if on_device else
+                                      f"every layer of --max-total-tokens {floor.max_total_tokens}"))
         except ValueError as exc:
             _refuse_launch(f"invalid launch option: {exc}")
 

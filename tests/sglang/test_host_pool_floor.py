@@ -87,3 +87,26 @@ def test_from_server_args_reads_the_models_kv_shape(tiny_model_dir) -> None:
     assert floor_for("--dtype", "float32").dtype_bytes == 4
     assert floor_for("--dtype", "float32", "--kv-cache-dtype", "bf16").dtype_bytes == 2
     assert floor_for("--page-size", "16").page_size == 16
+
+
+def test_a_budget_of_every_layer_needs_no_host_pool_at_launch() -> None:
+    """--kv-gpu-budget-tokens holding every layer of every page of --max-total-tokens is the
+    identity layout, which pins no host pool: the launcher takes any --kv-host-pool-gb then. One
+    page less keeps a host tier, and the cap below the floor is refused (control)."""
+    pytest.importorskip("sglang")
+    from types import SimpleNamespace
+
+    from sglang_ext.args import LayeredKVArgs
+    from sglang_ext.plugin import KvplanePlugin
+
+    floor = HostPoolFloor(**TINY, page_size=16, max_total_tokens=4096)
+    every = 4 * floor.min_pages * 16  # 4 layers x 257 pages of 16 tokens
+    assert floor.on_device(every) and not floor.on_device(every - 16) and not floor.on_device(None)
+    assert not HostPoolFloor(**TINY, page_size=16, max_total_tokens=None).on_device(every)
+    model = SimpleNamespace(num_hidden_layers=4, get_num_kv_heads=lambda tp: 2, head_dim=16, dtype=SimpleNamespace(itemsize=2))
+    args = SimpleNamespace(kv_cache_dtype="auto", tp_size=1, page_size=16, max_total_tokens=4096, device="cuda")
+    check = KvplanePlugin._check_host_pool_floor
+    check(model, args, LayeredKVArgs(enable_layered_kv=True, kv_gpu_budget_tokens=every, kv_host_pool_gb=1e-4), None)
+    with pytest.raises(SystemExit):
+        check(model, args, LayeredKVArgs(enable_layered_kv=True, kv_gpu_budget_tokens=every - 16, kv_host_pool_gb=1e-4),
+              None)

@@ -39,13 +39,15 @@ server: ``conftest.TEST_DTYPE_ARGS``) under the CPU recipe (``--max-total-tokens
 
 @pytest.fixture(scope="module")
 def unpaced_server(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[SGLangServer]:
-    """A layered server with pacing off, a valid policy file and the host pool capped at the floor."""
+    """A layered server with pacing off, a valid policy file and the host pool capped at the floor
+    (a budget of half the slot space's layer-pages: without one every layer is on the device and
+    no host pool is built, ``SlotStoreConfig.host_tier``)."""
     root = tmp_path_factory.mktemp("slo-unpaced")
     policy = root / "policy.yaml"
     policy.write_text("slo_tbt_ms: 200\nwindow_min: 4\nwindow_max: 32\n")
     flags = [
         *SHARED_HOST_ARGS, "--enable-layered-kv", "--kv-pacing", "off", "--kv-policy", str(policy),
-        "--kv-host-pool-gb", f"{TINY_FLOOR.min_gb}",
+        "--kv-host-pool-gb", f"{TINY_FLOOR.min_gb}", "--kv-gpu-budget-tokens", "8192",
     ]
     with running_server(tiny_model_dir, root, flags, zygote=launch_zygote) as server:
         yield server
@@ -61,7 +63,7 @@ def test_host_pool_cap_at_the_floor_is_what_the_pool_needs(unpaced_server: SGLan
     """The scheduler built the pool the launcher's floor describes: same pages, and its bytes fit
     the cap (the floor is neither below the real need nor above it)."""
     text = unpaced_server.log_path.read_text(errors="replace")
-    match = re.search(r"layered_kv_pool_created.*?logical_pages=(\d+).*?page_size=(\d+)", text)
+    match = re.search(r"layered_kv_pool_created.*?host_tier=True.*?logical_pages=(\d+).*?page_size=(\d+)", text)
     assert match, unpaced_server.log_tail()
     pages, page_size = int(match.group(1)), int(match.group(2))
     assert (pages, page_size) == (TINY_FLOOR.min_pages, TINY_FLOOR.page_size)
