@@ -138,7 +138,9 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
                "Requests paused (KV kept) at step boundaries", scope="source"),
     MetricSpec("kvplane:requests_resumed_total", "counter", "requests",
                "Paused requests resumed (at step boundaries, or to be aborted)", scope="source"),
-    MetricSpec("kvplane:paused_requests", "gauge", "requests", "Requests paused now", scope="source"),
+    MetricSpec("kvplane:paused_requests", "gauge", "requests", "Requests paused now", scope="source",
+               caveat="SGLang's sglang:num_running_reqs and its #running-req log line leave them out (a paused "
+                       "request is parked outside the running batch, its KV and slots kept): in flight = running + paused"),
     MetricSpec("kvplane:pauses_skipped_total", "counter", "pause attempts",
                "Pauses of decoding requests the plan asked for and a step boundary did not apply, by reason: finishing (the "
                "request's last token comes in the next step, or the step in flight under the overlap loop: "
