@@ -1,9 +1,13 @@
 """Build the served layered pool (identity layout: no budget) at Llama-3-8B KV shapes on the CPU and
 report its process RSS growth and build time."""
-import resource, sys, time, os
+import sys
+import time
+
 import torch
+
 from sglang_ext.args import LayeredKVArgs
 from sglang_ext.layered_pool import LayeredTokenToKVPool
+
 
 def rss_mb():
     with open("/proc/self/status") as f:
