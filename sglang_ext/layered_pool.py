@@ -137,7 +137,7 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
                 f"--kv-recompute-ratio={ratio}: eLLM's recompute keeps a prefix off the device, but every layer of "
                 f"this launch's slot space ({self.size} tokens) is on the device, so there is no host pool to keep "
                 f"it in and nothing to save: drop the flag, or set --max-total-tokens above {self.size} (README "
-                "'More KV than the GPU holds')"
+                f"'More KV than the GPU holds') or --kv-gpu-budget-tokens below {self.layer_num * logical_pages * self.page_size}"
             )
         config = SlotStoreConfig(
             layers=self.layer_num,

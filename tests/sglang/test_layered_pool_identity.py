@@ -81,7 +81,7 @@ def test_recompute_ratio_is_refused_where_every_layer_is_on_the_device():
                                                                kv_recompute_ratio=0.3))
 
     with pytest.raises(ValueError, match=r"--kv-recompute-ratio=0.3: .* \(64 tokens\) is on the device.*"
-                                         r"set --max-total-tokens above 64"):
+                                         r"set --max-total-tokens above 64 .* or --kv-gpu-budget-tokens below 198"):
         pool(None)
     assert pool(ROOMY).store.host_tier
 
