@@ -264,3 +264,25 @@ def test_flashinfer_decode_over_advanced_tables_matches_dense():
         d.step([("a", 1), ("b", 1)])
     assert core.advanced_decode_steps >= 8 and core.opened_advances == 2 and len(checked) == 12 * LAYERS
     d.check_at_rest()
+
+
+def test_cuda_store_without_a_host_tier_probes_its_scratch_and_moves_nothing():
+    """The served identity layout on CUDA (``SlotStoreConfig.host_tier=False``): the copy engines'
+    probes run on the one-page pinned scratch and end where they end on a full host pool (``dma``
+    where the driver takes it: no fallback warning at start), and the offload scenario --
+    offloads, a pause, a resume -- reads bit-exact with no byte copied."""
+    from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
+    from sglang_ext.dataplane.slot_kv_store import SlotStoreConfig
+
+    def core(host_tier: bool) -> LayeredKVCore:
+        return LayeredKVCore(SlotStoreConfig(
+            layers=LAYERS, page_size=2, kv_heads=HEADS, head_dim=4, logical_pages=PAGES, device_pages=LAYERS * PAGES,
+            dtype=torch.float32, device="cuda", copy_engine="dma", host_tier=host_tier))
+
+    full, scratch = core(True), core(False)
+    store = scratch.store
+    assert store.host.shape[0] == 1 and store.host.is_pinned()
+    assert store.engine.impl == full.store.engine.impl, (store.engine.dma_error, store.engine.pitched_error)
+    assert (store.engine.pitched_error is None) == (full.store.engine.pitched_error is None), store.engine.pitched_error
+    offload_scenario(CoreDriver(scratch, seed=3))
+    assert (store.h2d_bytes, store.d2h_bytes) == (0, 0)
