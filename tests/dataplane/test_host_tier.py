@@ -42,8 +42,8 @@ def test_no_host_tier_pins_one_page_and_needs_the_identity_layout() -> None:
 
 
 def test_offloads_pauses_and_uncached_prefixes_stay_on_the_device_and_read_right() -> None:
-    """The offload scenario without a host tier: every read right, every live layer-page mapped,
-    no byte copied either way, nothing dirty left waiting for a write-back."""
+    """The offload scenario without a host tier: every read right (inside every layer and at
+    rest), every live layer-page mapped at every layer, no byte copied either way."""
     driver = CoreDriver(LayeredKVCore(config(host_tier=False)), seed=11)
     offload_scenario(driver)
     driver.want("a", [False] * LAYERS, uncached=2)  # a plan's uncached prefix too
