@@ -178,6 +178,30 @@ def _kvplane(smoke: bool) -> list[RunSpec]:
                         VANILLA, "no-offload"), smoke, seeds=SEEDS + HELD_OUT_SEEDS)
 
 
+SGLANG_ADMISSION = {"max_batch_size": 64, "token_budget": 131072}
+"""SGLang's admission when the plugin widens its slot space (``--max-total-tokens`` beyond the
+GPU): memory binds, not OrbitFlow's batch of 4 (§5.1). The slot space is 128K tokens, 8x the 16K
+the A5000 preset holds in every layer; 64 requests stand for ``--max-running-requests``, which
+128K tokens of 32K-context prompts never reach."""
+SERVED_RATES = (1.0, 2.0, 4.0)
+"""Arrivals per minute of the served-admission experiment (1: :data:`POINT`; 4: the queue grows)."""
+
+
+def _served_admission(smoke: bool) -> list[RunSpec]:
+    """``--kv-scheduler`` as served: ``kvplane-fcfs`` (the plugin's default: SGLang admits, the
+    planner places and pauses) against ``kvplane`` (LayerKV admission), with vanilla, under
+    :data:`SGLANG_ADMISSION`."""
+    n = 6 if smoke else N_REQUESTS
+    rates = (2.0,) if smoke else SERVED_RATES
+    seeds = SEEDS[:1] if smoke else SEEDS
+    return [
+        RunSpec(pol, A5000, SGLANG_ADMISSION,
+                trace=_ts("orbitflow-32k", n, rate, smoke, slo_scale=POINT["slo_scale"], seed=seed),
+                tags={"rate_per_min": rate, "slo_scale": POINT["slo_scale"], "seed": seed})
+        for seed in seeds for rate in rates for pol in ("kvplane-fcfs", "kvplane", VANILLA)
+    ]
+
+
 EXPERIMENTS: dict[str, Experiment] = {
     e.name: e
     for e in (
@@ -235,6 +259,14 @@ EXPERIMENTS: dict[str, Experiment] = {
             "orbitflow's, P99 TTFT <= orbitflow's, SLO goodput >= every baseline's (vanilla "
             "included), zero rejections.",
             _kvplane,
+        ),
+        Experiment(
+            "served-admission", "The served default --kv-scheduler fcfs vs layerkv under SGLang's "
+            "admission (the widened slot space binds, not a batch size), with vanilla",
+            "No paper number (our question): kvplane-combined's win of the LayerKV admission is "
+            "at OrbitFlow's batch of 4; does it hold where SGLang admits up to its slot space, "
+            "and so should it be the plugin's default?",
+            _served_admission,
         ),
         Experiment(
             "ellm-throughput", "Output token throughput, TTFT, TPOT attainment and SLO goodput vs "

@@ -186,6 +186,30 @@ def _kvplane_checks(agg: list[Row], raw: list[Row]) -> list[str]:
     return out
 
 
+def _served_checks(agg: list[Row], raw: list[Row]) -> list[str]:
+    """Per rate: the served default (``kvplane-fcfs``) beside ``kvplane`` (LayerKV admission),
+    mean over seeds, then whether the default's SLO goodput is at least LayerKV's on every run."""
+    out = []
+    for rate in sorted({r["rate_per_min"] for r in agg}):
+        sel = {r["policy"]: r for r in agg if r["rate_per_min"] == rate}
+        if "kvplane-fcfs" not in sel or "kvplane" not in sel:
+            continue
+        f, k = sel["kvplane-fcfs"], sel["kvplane"]
+        out.append(
+            f"- {rate:g} req/min: TBT {_pct(f['tbt_attainment'])} (fcfs) vs {_pct(k['tbt_attainment'])} "
+            f"(layerkv); P99 TTFT {f['ttft_p99_ms'] / 1e3:.1f} vs {k['ttft_p99_ms'] / 1e3:.1f} s; SLO "
+            f"goodput {f['slo_goodput_req_per_min']:.3f} vs {k['slo_goodput_req_per_min']:.3f}")
+    pairs = [(pols["kvplane-fcfs"], pols["kvplane"])
+             for rate in sorted({r["rate_per_min"] for r in raw})
+             for pols in _by_seed([r for r in raw if r["rate_per_min"] == rate]).values()
+             if "kvplane-fcfs" in pols and "kvplane" in pols]
+    if pairs:
+        wins = sum(f["slo_goodput_req_per_min"] >= k["slo_goodput_req_per_min"] for f, k in pairs)
+        out.append(f"- fcfs SLO goodput >= layerkv's on {wins} of {len(pairs)} runs (rate x seed): "
+                   + ("PASS" if wins == len(pairs) else "FAIL"))
+    return out
+
+
 def _ratio_checks(rows: list[Row], key: str, a: str, b: str, metric: str) -> list[str]:
     out = []
     for x in sorted({r[key] for r in rows}):
@@ -248,6 +272,13 @@ def _plot(name: str, rows: list[Row], path: Path) -> None:
         ax.bar([str(r["workload"]) for r in rows],
                [r.get("solver_calls_per_request") or 0 for r in rows])
         ax.set_ylabel("solver calls per request")
+    elif name == "served-admission":
+        fig, axes = plt.subplots(1, 3, figsize=(13, 4), squeeze=False)
+        lines(axes[0][0], rows, "rate_per_min", "tbt_attainment", "TBT attainment", "att.")
+        lines(axes[0][1], rows, "rate_per_min", "ttft_p99_ms", "P99 TTFT", "ms")
+        lines(axes[0][2], rows, "rate_per_min", "slo_goodput_req_per_min", "SLO goodput",
+              "req/min")
+        axes[0][0].legend(fontsize=7)
     elif name == "layerkv-ttft":
         fig, axes = plt.subplots(1, 3, figsize=(13, 4), squeeze=False)
         lines(axes[0][0], rows, "rate_per_s", "ttft_mean_ms", "mean TTFT", "ms")
@@ -295,6 +326,7 @@ def _write(name: str, raw: list[Row], out_dir: Path, meta: Row) -> Path:
         "orbitflow-fig14a": _fig14a_checks,
         "orbitflow-fig14c": _fig14c_checks,
         "kvplane-combined": _kvplane_checks,
+        "served-admission": _served_checks,
         "ellm-throughput": ellm_experiment.checks,
     }.get(name, lambda agg, raw: [])(agg, raw)
     if name == "layerkv-ttft":

@@ -241,6 +241,9 @@ def _variants() -> dict:
                                                    scheduler="layerkv", deposit_credit=True),
         "kvplane": lambda: ControlledPolicy("kvplane", planner="request-wise+pause",
                                             scheduler="layerkv", deposit_credit=False),
+        # The plugin's default (`--kv-scheduler fcfs`): kvplane with SGLang's own admission.
+        "kvplane-fcfs": lambda: ControlledPolicy("kvplane-fcfs", planner="request-wise+pause",
+                                                 scheduler="fcfs", deposit_credit=False),
     }
     for rule in ("longest", "shortest", "random"):
         out[f"orbitflow-{rule}"] = (

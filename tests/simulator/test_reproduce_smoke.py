@@ -12,7 +12,7 @@ def test_reproduce_all_smoke(tmp_path):
     assert main(["sim", "reproduce", "all", "--smoke", "--out", str(tmp_path)]) == 0
     wall = time.perf_counter() - t0
     for name in ("orbitflow-fig8a", "orbitflow-fig14a", "orbitflow-fig14c", "orbitflow-table1",
-                 "layerkv-ttft", "superinfer-attainment"):
+                 "layerkv-ttft", "superinfer-attainment", "served-admission"):
         d = tmp_path / name
         assert (d / "table.md").read_text().startswith(f"# {name}")
         assert (d / f"{name}.png").stat().st_size > 1000
@@ -62,3 +62,23 @@ def test_sim_sweep_names_a_bad_number_list(capsys):
     assert capsys.readouterr().err.strip() == "kvplane sim: --rates='a,b': expected a comma list of numbers"
     assert main(["sim", "sweep", "--policies", "orbitflow", "--slo-scales", "1,x"]) == 2
     assert "--slo-scales='1,x'" in capsys.readouterr().err
+
+
+def _served_row(policy, rate, seed, goodput):
+    return {"policy": policy, "rate_per_min": rate, "seed": seed, "slo_goodput_req_per_min": goodput,
+            "tbt_attainment": 0.9, "ttft_p99_ms": 1000.0}
+
+
+def test_served_admission_checks_compare_the_default_with_layerkv_on_every_run():
+    """The served-admission check passes only when fcfs's goodput is at least layerkv's on every
+    (rate, seed) run; one run where layerkv is ahead fails it (the control)."""
+    from simulator.reproduce import _served_checks
+
+    raw = [_served_row("kvplane-fcfs", r, s, 2.0) for r in (1.0, 2.0) for s in (1, 2)]
+    raw += [_served_row("kvplane", r, s, 1.5) for r in (1.0, 2.0) for s in (1, 2)]
+    agg = [_served_row(p, r, 0, g) for p, g in (("kvplane-fcfs", 2.0), ("kvplane", 1.5)) for r in (1.0, 2.0)]
+    out = _served_checks(agg, raw)
+    assert out[-1] == "- fcfs SLO goodput >= layerkv's on 4 of 4 runs (rate x seed): PASS"
+    assert out[0].startswith("- 1 req/min: TBT 90.0% (fcfs) vs 90.0% (layerkv)")
+    raw[-1] = _served_row("kvplane", 2.0, 2, 2.5)
+    assert _served_checks(agg, raw)[-1].endswith("on 3 of 4 runs (rate x seed): FAIL")
