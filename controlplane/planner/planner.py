@@ -9,7 +9,9 @@ For a batch, :meth:`Planner.plan`
    for the least exact step time ``T`` that fits memory;
 3. checks the SLO cap of OrbitFlow §3.3.1 with token deposits (§3.2): the requests' shares of
    the window's steps that fail their TBT SLO, ``late_r = 1 - deposit_r / (Δ (T / slo_r - 1))``
-   once ``T > slo_r (1 + deposit_r / Δ)`` (else 0), sum to at most alpha (:mod:`.slo_cap`);
+   once ``T > slo_r (1 + deposit_r / Δ)`` (else 0), sum to at most alpha (:mod:`.slo_cap`); an
+   SLO below the all-resident step, which no placement or pause beats, counts from that step
+   (:func:`.slo_cap.cap_view`);
 4. picks the largest feasible Δ in ``[window_min, window_max]`` analytically from the step
    times found (feasibility is monotone: a larger Δ has more blocks, hence a larger optimal
    ``T``, and a smaller deposit credit per step ``deposit_r / Δ``), with at most four searches that stop
@@ -50,7 +52,7 @@ from controlplane.planner.plan_builder import build_plan
 from controlplane.planner.plan_context import PlanContext
 from controlplane.planner.recompute_grid import RecomputeGrid
 from controlplane.planner.recompute_windows import RecomputeWindows
-from controlplane.planner.slo_cap import largest_window, late_fraction, max_step_ms
+from controlplane.planner.slo_cap import cap_view, largest_window, late_fraction, max_step_ms
 from controlplane.planner.solved import Solved
 
 log = structlog.get_logger(__name__)
@@ -149,8 +151,7 @@ class Planner:
         victims = self._victim_order(
             batch, victim_rule, random.Random(seed) if victim_rule == "random" else None
         )
-        if not batch.policy.deposit_credit:
-            batch, victims = self._without_credit(batch, victims)
+        batch, victims = cap_view(batch, victims)
         ctx = PlanContext(batch, t0 + budget_ms / 1e3, self._clock)
         joint = None if ctx.grid is None else RecomputeWindows(self._solve, exact=self._exact)
         # Pause without searching while a valid bound proves that no assignment works: the
@@ -448,19 +449,6 @@ class Planner:
             order.append(v)
             reqs.remove(v)
         return order
-
-    @staticmethod
-    def _without_credit(
-        batch: Batch, victims: list[RequestSpec]
-    ) -> tuple[Batch, list[RequestSpec]]:
-        """The batch as the SLO cap sees it without deposit credit (``policy.deposit_credit``
-        off): every deposit 0, and the victims, ordered by the rule on the real deposits, mapped
-        onto its requests (O(R), nothing when no request holds a deposit)."""
-        if not any(r.deposit_tokens for r in batch.requests):
-            return batch, victims
-        reqs = tuple(dataclasses.replace(r, deposit_tokens=0) for r in batch.requests)
-        at = {id(r): i for i, r in enumerate(batch.requests)}
-        return dataclasses.replace(batch, requests=reqs), [reqs[at[id(v)]] for v in victims]
 
     # --- pausing ------------------------------------------------------------------------
     @staticmethod

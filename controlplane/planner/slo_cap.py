@@ -17,14 +17,25 @@ of them (``theta_r``: the deposit covers the whole window exactly). The planner'
 ``sum_r late_r <= alpha``. (Up to session 42 the cap was ``sum_r max(0, 1 - theta_r / T)``, the
 share of owed tokens missing rather than of steps failed: it counted a request with no deposit at
 1.5x its SLO as 1/3 late instead of late at every step, so alpha = 1 let three such requests run.)
+
+**An SLO no placement can meet** (:func:`cap_view`). OrbitFlow's SLO scales are multiples of the
+measured decode step (§5.1), so a request is late only through its fetches, and pausing others
+frees the memory that makes it on time. A served SLO is milliseconds from a client or the
+policy, and can lie below the step with every layer of every request on the GPU: the compute
+sum, which the placement model holds whatever the batch. Counted as it is, such a request is
+late in every plan, and the cap pauses requests -- on-time ones first when they are the largest
+-- until at most alpha late ones run, though no pause makes any of them faster: two clients
+asking 10 ms of a 32 ms model paused every other request. The cap therefore measures such a
+request from the all-resident step: it is late when the placement makes it slower than that.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
-from controlplane.model import RequestSpec
+from controlplane.model import Batch, RequestSpec
 
 _EPS = 1e-12
 
@@ -121,3 +132,24 @@ def largest_window(
         else:
             hi = mid - 1
     return lo
+
+
+def cap_view(batch: Batch, victims: list[RequestSpec]) -> tuple[Batch, list[RequestSpec]]:
+    """The batch as the SLO cap sees it, and ``victims`` (ordered by the victim rule on the real
+    requests) mapped onto its requests; the same objects when nothing changes (O(R)):
+
+    * without deposit credit (``policy.deposit_credit`` off) every deposit is 0;
+    * an SLO below the all-resident step ``sum(layer_compute_ms)`` is raised to it (module
+      docstring: no plan is faster, and a pause does not change the step in the model).
+    """
+    floor = sum(batch.profile.layer_compute_ms)
+    credit = batch.policy.deposit_credit
+    if all((credit or not r.deposit_tokens) and r.slo_tbt_ms >= floor for r in batch.requests):
+        return batch, victims
+    reqs = tuple(
+        dataclasses.replace(r, deposit_tokens=r.deposit_tokens if credit else 0,
+                            slo_tbt_ms=max(r.slo_tbt_ms, floor))
+        for r in batch.requests
+    )
+    at = {id(r): i for i, r in enumerate(batch.requests)}
+    return dataclasses.replace(batch, requests=reqs), [reqs[at[id(v)]] for v in victims]

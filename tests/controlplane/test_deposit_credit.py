@@ -9,7 +9,7 @@ from controlplane.model import Batch, SchemaError
 from controlplane.planner import Planner
 from controlplane.policy import Policy
 from controlplane.service import convert
-from tests.controlplane.test_planner import VICTIM_CASE, make_batch
+from tests.controlplane.test_planner import VICTIM_CASE, fetch_bound, make_batch
 
 
 def _with_credit(batch: Batch, credit: bool) -> Batch:
@@ -22,7 +22,7 @@ def test_without_credit_a_request_its_deposit_would_cover_is_paused():
     """Step 10 ms against a 5 ms SLO, deposit 8, window 8: the deposit covers the window
     (D = Δ (T/slo - 1)), so with the credit the request runs; without it every step fails and,
     at alpha 0, it is paused."""
-    batch = make_batch([10], layers=4, comp=2.5, slo=5.0, deposits=[8], alpha=0.0, window=(8, 8))
+    batch = fetch_bound([10], slo=5.0, deposits=[8], alpha=0.0, window=(8, 8))
     assert batch.policy.deposit_credit  # the planner's default is the paper's rule
     kept = Planner().plan(batch)
     assert kept.feasible and kept.paused == ()

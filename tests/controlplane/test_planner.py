@@ -52,6 +52,24 @@ def make_batch(
     )
 
 
+def fetch_bound(contexts, *, slo, deposits=None, alpha=1.0, window=(1, 1)) -> Batch:
+    """Requests of ``contexts`` tokens (KV growth 0, so every window has the same blocks) whose
+    step is fetch-bound: 4 layers of 0.5 ms (the all-resident step is 2 ms), 5 blocks/ms, room
+    for one layer of each request and 5 blocks more, so every layer is offloaded. One request of
+    10 tokens: 40 blocks / 5 + 2 = 10 ms."""
+    deposits = deposits or [0] * len(contexts)
+    slos = slo if isinstance(slo, list) else [slo] * len(contexts)
+    return Batch.from_dict({
+        "model": {"layers": 4, "block_size": 1, "block_bytes": BLOCK_BYTES},
+        "hardware": {"gpu_kv_budget_blocks": sum(contexts) + 5, "h2d_gbps": 5.0},
+        "profile": {"layer_compute_ms": 0.5},
+        "requests": [{"id": f"r{i}", "context_tokens": c, "slo_tbt_ms": s, "deposit_tokens": d,
+                      "remaining_tokens": 0}
+                     for i, (c, s, d) in enumerate(zip(contexts, slos, deposits, strict=True))],
+        "policy": {"alpha": alpha, "window_min": window[0], "window_max": window[1]},
+    })
+
+
 def exhaustive(batch: Batch, window: int) -> tuple[float, float]:
     """(optimum, best uniform) step time over the full candidate space, via the model module."""
     rows = candidate_set(batch.model.layers).rows
@@ -208,7 +226,7 @@ def test_tight_slo_with_deposit_gives_small_window():
     """Step 10 ms vs SLO 4 ms: each step drains 10/4 = 2.5 tokens, so a deposit of 12 covers
     Δ(10/4 - 1) = 1.5Δ late tokens up to Δ = 8 (the one-token-per-step credit,
     1 - 4/10 - 12/Δ <= 0, would have allowed Δ = 20)."""
-    batch = make_batch([10], layers=4, comp=2.5, slo=4.0, deposits=[12], alpha=0.0, window=(1, 64))
+    batch = fetch_bound([10], slo=4.0, deposits=[12], alpha=0.0, window=(1, 64))
     plan = Planner().plan(batch)
     assert plan.predicted_step_ms == pytest.approx(10.0)
     assert plan.window_steps == 8 and not plan.paused
@@ -251,7 +269,7 @@ def test_alpha_trades_late_fraction_for_a_longer_window():
     The threshold step time is the crossing 1 - c / (T/slo - 1) = alpha, c = D/Δ:
     T = slo (1 + c / (1 - alpha))."""
     for alpha, window in ((0.25, 10), (0.0, 8)):
-        batch = make_batch([10], layers=4, comp=2.5, slo=5.0, deposits=[8], alpha=alpha, window=(1, 64))
+        batch = fetch_bound([10], slo=5.0, deposits=[8], alpha=alpha, window=(1, 64))
         plan = Planner().plan(batch)
         assert plan.window_steps == window and not plan.paused
     req = RequestSpec("r0", 10, 5.0, 8)
@@ -267,10 +285,10 @@ def test_alpha_trades_late_fraction_for_a_longer_window():
 
 def test_deposit_lets_a_tight_request_stay():
     """A request over its SLO stays when its token deposit covers the window; without it, it is paused."""
-    with_deposit = make_batch([10, 12], layers=4, comp=2.5, slo=[5.0, 100.0], deposits=[8, 0], alpha=0.0, window=(1, 8))
+    with_deposit = fetch_bound([10, 12], slo=[5.0, 100.0], deposits=[30, 0], alpha=0.0, window=(1, 8))
     plan = Planner().plan(with_deposit)
     assert plan.paused == () and set(plan.placements) == {"r0", "r1"}
-    without = make_batch([10, 12], layers=4, comp=2.5, slo=[5.0, 100.0], deposits=[0, 0], alpha=0.0, window=(1, 8))
+    without = fetch_bound([10, 12], slo=[5.0, 100.0], deposits=[0, 0], alpha=0.0, window=(1, 8))
     plan = Planner().plan(without)
     # r1 (larger) goes first by the "largest" rule; the cap still fails for r0, then r0 goes.
     assert plan.paused == ("r1", "r0") and not plan.feasible
@@ -280,10 +298,10 @@ def test_alpha_tolerates_late_fraction():
     """A request with no deposit at twice its SLO fails every step: late fraction 1, within
     alpha 1; alpha 0.5 pauses it (the cap up to session 42 counted it as 1 - 5/10 = 0.5 late and
     kept it)."""
-    batch = make_batch([10], layers=4, comp=2.5, slo=5.0, alpha=1.0, window=(4, 4))
+    batch = fetch_bound([10], slo=5.0, alpha=1.0, window=(4, 4))
     plan = Planner().plan(batch)
     assert plan.feasible and plan.paused == () and plan.extras["late_fraction"] == pytest.approx(1.0)
-    half = make_batch([10], layers=4, comp=2.5, slo=5.0, alpha=0.5, window=(4, 4))
+    half = fetch_bound([10], slo=5.0, alpha=0.5, window=(4, 4))
     plan = Planner().plan(half)
     assert plan.paused == ("r0",) and not plan.feasible
 

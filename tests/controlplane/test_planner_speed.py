@@ -16,6 +16,7 @@ from controlplane.planner import Planner, candidate_set
 from controlplane.planner.evaluator import Evaluator
 from controlplane.planner.mip_search import MipStage
 from controlplane.planner.placement_search import PlacementSearch
+from controlplane.planner.slo_cap import cap_view
 from controlplane.planner.slo_cap import late_fraction as _late
 from controlplane.planner.slo_cap import max_step_ms as _max_step_ms
 from tests.controlplane.test_planner import make_batch
@@ -40,7 +41,9 @@ def optimum_at(batch: Batch, ids: list[str], window: int) -> float:
 
 
 def slo_feasible(batch: Batch, ids: list[str], window: int) -> bool:
-    reqs = [r for r in batch.requests if r.id in set(ids)]
+    """The survivors fit and meet the SLO cap as the planner applies it (:func:`cap_view`: an SLO
+    below the all-resident step counts from that step)."""
+    reqs = [r for r in cap_view(batch, [])[0].requests if r.id in set(ids)]
     t = optimum_at(batch, ids, window)
     return not reqs or (t < math.inf and _late(reqs, t, window) <= batch.policy.alpha + 1e-12)
 
