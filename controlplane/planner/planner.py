@@ -36,7 +36,6 @@ to be paused gives ``feasible=False`` with all ids in ``paused``.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 import time
