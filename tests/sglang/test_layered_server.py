@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -127,6 +128,30 @@ def test_a_recompute_request_is_served_in_place_without_a_host_tier(layered, van
     rid = got["meta_info"]["id"]
     moved = [e for e in read_jsonl_events(events_path) if e.rid == rid and e.kind is ResidencyEventKind.OFFLOADED]
     assert moved == []
+
+
+def test_slos_no_step_can_meet_pause_nobody(layered, vanilla_server):
+    """Four concurrent requests asking a TBT SLO of 1 us, below any step of any host: no
+    placement or pause meets it, so the planner's SLO cap counts it from the all-resident step
+    (``controlplane/planner/slo_cap.py``) and pauses none of them; each gets vanilla's tokens.
+    Control, run by hand: with the cap counting the raw SLO, the controller (alpha 1) paused
+    all but one of them (PAUSED events here)."""
+    server, events_path = layered
+    before = len(read_jsonl_events(events_path))
+    prompts = PROMPTS[:4]
+
+    def one(prompt: str) -> dict:
+        return server.post("/generate", {"text": prompt, "return_logprob": True, "sampling_params": {
+            "max_new_tokens": 24, "temperature": 0.0, "custom_params": {"kvplane_slo_tbt_ms": 0.001}}})
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(one, prompts))
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert_same_generation(out, greedy(vanilla_server, prompt, max_new_tokens=24, logprobs=True), prompt)
+    rids = {out["meta_info"]["id"] for out in outs}
+    events = [e for e in read_jsonl_events(events_path)[before:] if e.rid in rids]
+    assert events, "no residency event of the burst was read"
+    assert [e for e in events if e.kind is ResidencyEventKind.PAUSED] == []
 
 
 def test_layered_radix_backend_is_active(layered):
