@@ -56,9 +56,11 @@ changes five things and keeps Eq. 1-3:
   background requests longer than itself, largest first (so background work takes turns). A running background request that makes the fitting
   requests' steps late is paused. On SGLang (no batch limits) the memory rule alone applies.
 * **refill**: a paused *fitting* request is resumed as soon as the batch limits have room for it
-  and the predicted step with it stays within ``tpot_margin * slo_tbt_ms`` (running background
-  requests are paused, largest first, to make that so, as for a fitting prompt; undone when it
-  still does not fit), not only after a finish: a no-offload server would be running it. Longest
+  and the predicted step with it stays within ``tpot_margin * slo_tbt_ms``, or within the step
+  with every layer resident when that is slower (the planner's floor, ``slo_cap.cap_view``)
+  (running background requests are paused, largest first, to make that so, as for a fitting
+  prompt; undone when it still does not fit), not only after a finish: a no-offload server
+  would be running it. Longest
   paused first, and the first that cannot run ends the refill (no overtaking); after this
   step's admissions (a paused request already has its first token, a queued one waits for its
   TTFT). The resumed batch is on time without deposit credit, so the planner's SLO cap has no
@@ -191,8 +193,11 @@ class LayerKVScheduler:
         in_batch_tokens = sum(r.context_tokens for r in running)
         fitting_in_batch = sum(1 for r in running if not oversize(r.context_tokens))
         free = view.free_gpu_blocks + view.evictable_blocks()
-        target = params.tpot_margin * min(
-            [r.slo_tbt_ms for r in running] + [view.policy.slo_tbt_ms])
+        # No admission, rotation or refill makes a step faster than every layer resident: an SLO
+        # below that step is met at it (the planner's SLO cap counts from it too: slo_cap.cap_view).
+        floor = sum(view.layer_compute_ms) * (1.0 + 1e-9)
+        target = max(floor, params.tpot_margin * min(
+            [r.slo_tbt_ms for r in running] + [view.policy.slo_tbt_ms]))
         rotate: list[str] = []
 
         def rotate_out(v: RequestView) -> None:
@@ -289,7 +294,7 @@ class LayerKVScheduler:
         for p in sorted((p for p in view.paused if not oversize(p.context_tokens)),
                         key=lambda p: (-p.paused_steps, p.id)):
             b = p.blocks_per_layer(bs)
-            on_time = min(target, params.tpot_margin * p.slo_tbt_ms)
+            on_time = max(floor, min(target, params.tpot_margin * p.slo_tbt_ms))
             undo = (list(running), list(batch), n, in_batch_tokens, free, len(rotate))
             for v in background():
                 if view.limits.admits(n, in_batch_tokens, p.context_tokens) and step_ms(
