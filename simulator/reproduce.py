@@ -225,6 +225,19 @@ POINT_EXPERIMENTS = ("orbitflow-fig8a", "orbitflow-fig14a", "orbitflow-fig14c", 
 
 
 # ---- plots ------------------------------------------------------------------------------------
+LINE_PANELS: dict[str, tuple[str, tuple[tuple[str, str, str], ...]]] = {
+    "served-admission": ("rate_per_min", (("tbt_attainment", "TBT attainment", "att."),
+                                          ("ttft_p99_ms", "P99 TTFT", "ms"),
+                                          ("slo_goodput_req_per_min", "SLO goodput", "req/min"))),
+    "layerkv-ttft": ("rate_per_s", (("ttft_mean_ms", "mean TTFT", "ms"), ("ttft_p99_ms", "P99 TTFT", "ms"),
+                                    ("slo_goodput_req_per_min", "SLO goodput", "req/min"))),
+    "superinfer-attainment": ("rate_per_s", (("ttft_attainment", "TTFT attainment", "att."),
+                                             ("tbt_attainment", "TBT attainment", "att."),
+                                             ("slo_goodput_req_per_min", "SLO goodput", "req/min"))),
+}
+"""The line plots: x axis and (metric, title, unit) per panel."""
+
+
 def _plot(name: str, rows: list[Row], path: Path) -> None:
     if name == "ellm-throughput":
         ellm_experiment.plot(rows, path)
@@ -272,26 +285,11 @@ def _plot(name: str, rows: list[Row], path: Path) -> None:
         ax.bar([str(r["workload"]) for r in rows],
                [r.get("solver_calls_per_request") or 0 for r in rows])
         ax.set_ylabel("solver calls per request")
-    elif name == "served-admission":
-        fig, axes = plt.subplots(1, 3, figsize=(13, 4), squeeze=False)
-        lines(axes[0][0], rows, "rate_per_min", "tbt_attainment", "TBT attainment", "att.")
-        lines(axes[0][1], rows, "rate_per_min", "ttft_p99_ms", "P99 TTFT", "ms")
-        lines(axes[0][2], rows, "rate_per_min", "slo_goodput_req_per_min", "SLO goodput",
-              "req/min")
-        axes[0][0].legend(fontsize=7)
-    elif name == "layerkv-ttft":
-        fig, axes = plt.subplots(1, 3, figsize=(13, 4), squeeze=False)
-        lines(axes[0][0], rows, "rate_per_s", "ttft_mean_ms", "mean TTFT", "ms")
-        lines(axes[0][1], rows, "rate_per_s", "ttft_p99_ms", "P99 TTFT", "ms")
-        lines(axes[0][2], rows, "rate_per_s", "slo_goodput_req_per_min", "SLO goodput",
-              "req/min")
-        axes[0][0].legend(fontsize=7)
-    else:  # superinfer-attainment
-        fig, axes = plt.subplots(1, 3, figsize=(13, 4), squeeze=False)
-        lines(axes[0][0], rows, "rate_per_s", "ttft_attainment", "TTFT attainment", "att.")
-        lines(axes[0][1], rows, "rate_per_s", "tbt_attainment", "TBT attainment", "att.")
-        lines(axes[0][2], rows, "rate_per_s", "slo_goodput_req_per_min", "SLO goodput",
-              "req/min")
+    else:  # served-admission, layerkv-ttft, superinfer-attainment: one line per policy
+        x, panels = LINE_PANELS[name]
+        fig, axes = plt.subplots(1, len(panels), figsize=(13, 4), squeeze=False)
+        for ax, (metric, title, unit) in zip(axes[0], panels, strict=True):
+            lines(ax, rows, x, metric, title, unit)
         axes[0][0].legend(fontsize=7)
     fig.suptitle(f"{name} (simulated; error bars: sd over seeds)", fontsize=10)
     fig.tight_layout()
