@@ -311,7 +311,7 @@ class SessionController:
             recompute=rec,
             steady=steady,
         )
-        replan = self._replan_could_change(report, rows, blocks, rec)
+        replan = self._replan_could_change(report, rows, rec)
         (log.info if replan else log.debug)(
             "profile_mismatch",
             worker=self.worker_id,
@@ -335,21 +335,19 @@ class SessionController:
         return self._all_gpu
 
     def _replan_could_change(
-        self, report: StepReport, rows: list[tuple[int, ...]], blocks: list[int], rec: Recompute | None = None
+        self, report: StepReport, rows: list[tuple[int, ...]], rec: Recompute | None = None
     ) -> bool:
         """Whether re-running the solver on the refreshed profile can change the installed plan.
 
         OrbitFlow §3.4 re-runs the solver after every profile update. It cannot change anything
-        while every layer of every running request is on the GPU, nobody is paused or queued,
-        and the refreshed profile's all-GPU step meets every request's TBT SLO: no placement is
-        faster (no transfers) and none violates less, so the solver returns the installed plan.
-        That is the steady state of a server whose KV fits; skipping the solve there keeps the
-        per-step cost of the controller flat. The profile is updated either way.
+        while every layer of every running request is on the GPU and nobody is paused or queued:
+        no placement is faster (no transfers), and the SLO cap counts an SLO below that
+        all-resident step from the step (:func:`controlplane.planner.slo_cap.cap_view`), so
+        nobody is late there and the solver returns the installed plan. That is the steady
+        state of a server whose KV fits; skipping the solve there keeps the per-step cost of
+        the controller flat. The profile is updated either way.
         """
-        if report.queued or self._tracker.has_paused() or any(0 in row for row in rows) or rec:
-            return True
-        step_ms = self._profile.predict_step_ms(rows, blocks)
-        return any(step_ms > r.deposit.slo_tbt_ms for r in self._tracker.running())
+        return bool(report.queued or self._tracker.has_paused() or any(0 in row for row in rows) or rec)
 
     def _update_queue(self, report: StepReport) -> None:
         waiting = {q.id for q in report.queued}

@@ -18,15 +18,17 @@ of them (``theta_r``: the deposit covers the whole window exactly). The planner'
 share of owed tokens missing rather than of steps failed: it counted a request with no deposit at
 1.5x its SLO as 1/3 late instead of late at every step, so alpha = 1 let three such requests run.)
 
-**An SLO no placement can meet** (:func:`cap_view`). OrbitFlow's SLO scales are multiples of the
-measured decode step (§5.1), so a request is late only through its fetches, and pausing others
-frees the memory that makes it on time. A served SLO is milliseconds from a client or the
+**An SLO no placement can meet** (:func:`cap_view`). OrbitFlow's SLOs are multiples of a measured
+decode step (§5.1; the reproductions use 1.5x and 2.5x), so there a request is late mostly
+through its fetches, and pausing others frees the memory that makes it on time. A served SLO is milliseconds from a client or the
 policy, and can lie below the step with every layer of every request on the GPU: the compute
 sum, which the placement model holds whatever the batch. Counted as it is, such a request is
 late in every plan, and the cap pauses requests -- on-time ones first when they are the largest
--- until at most alpha late ones run, though no pause makes any of them faster: two clients
-asking 10 ms of a 32 ms model paused every other request. The cap therefore measures such a
-request from the all-resident step: it is late when the placement makes it slower than that.
+-- until at most alpha late ones run, though in the placement model (whose compute does not
+depend on the batch) no pause makes any of them faster: two clients asking 10 ms of a 32 ms
+model paused every other request. The cap therefore measures such a request from the
+all-resident step: it is late when the placement makes it slower than that.
+(``Plan.extras["late_fraction"]`` is the cap's left-hand side in this view.)
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from collections.abc import Sequence
 from controlplane.model import Batch, RequestSpec
 
 _EPS = 1e-12
+FLOOR_ROOM = 1e-9
+"""Relative room above the all-resident step within which a raised SLO is met (:func:`cap_view`)."""
 
 
 def max_step_ms(reqs: Sequence[RequestSpec], window: int, alpha: float, floor_ms: float) -> float:
@@ -139,15 +143,19 @@ def cap_view(batch: Batch, victims: list[RequestSpec]) -> tuple[Batch, list[Requ
     requests) mapped onto its requests; the same objects when nothing changes (O(R)):
 
     * without deposit credit (``policy.deposit_credit`` off) every deposit is 0;
-    * an SLO below the all-resident step ``sum(layer_compute_ms)`` is raised to it (module
-      docstring: no plan is faster, and a pause does not change the step in the model).
+    * an SLO below the all-resident step ``sum(layer_compute_ms)`` is raised to it, with a
+      relative 1e-9 of room, so that a plan whose fetches all hide, one rounding error above the
+      sum, is not late (module docstring: no plan is faster, and a pause does not change the
+      step in the model); such a request's deposit is 0 too, as it drains one token per raw SLO
+      and would be overcounted at the raised one.
     """
-    floor = sum(batch.profile.layer_compute_ms)
+    floor = sum(batch.profile.layer_compute_ms) * (1.0 + FLOOR_ROOM)
     credit = batch.policy.deposit_credit
     if all((credit or not r.deposit_tokens) and r.slo_tbt_ms >= floor for r in batch.requests):
         return batch, victims
     reqs = tuple(
-        dataclasses.replace(r, deposit_tokens=r.deposit_tokens if credit else 0,
+        r if r.slo_tbt_ms >= floor and (credit or not r.deposit_tokens) else
+        dataclasses.replace(r, deposit_tokens=r.deposit_tokens if credit and r.slo_tbt_ms >= floor else 0,
                             slo_tbt_ms=max(r.slo_tbt_ms, floor))
         for r in batch.requests
     )

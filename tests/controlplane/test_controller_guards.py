@@ -54,6 +54,6 @@ def test_one_outlier_step_does_not_move_the_profile_but_two_do() -> None:
     w.report(observed_step_ms=4.0)  # an ordinary step clears it
     assert w.report(observed_step_ms=24.0) == []
     assert session.status().layer_compute_ms == PROFILE.layer_compute_ms
-    (d,) = w.report(observed_step_ms=24.0)  # slower again: the profile follows
-    assert d.reason == "profile-mismatch"
+    w.report(observed_step_ms=24.0)  # slower again: the profile follows (all on the GPU: no
+    # re-plan could change the plan, as the cap counts the SLO from the all-GPU step)
     assert session.status().layer_compute_ms == pytest.approx(((1 - a) + a * 6.0,) * 4)

@@ -205,6 +205,14 @@ def test_kvplane_layerkv_refill_pauses_background_work_and_undoes_it_when_useles
     d = make_scheduler("layerkv").schedule(tight)
     assert d.pause == ("bg",) and d.resume == ("f2",)
     # (before the floor, the control: f2 stayed paused and bg ran on, pause == resume == ())
+    # undo: beside f1 (1500 tokens) the batch limit of 1900 refuses f2 (500) even with bg
+    # paused, so bg's pause is undone; at 2100 (the control) it makes room and stays
+    crowded = dataclasses.replace(v, h2d_gbps=1e6, running=(req("f1", ctx=1500), req("bg", ctx=2000)),
+                                  limits=BatchLimits(max_tokens=1900))
+    d = make_scheduler("layerkv").schedule(crowded)
+    assert d.pause == () and d.resume == ()
+    d = make_scheduler("layerkv").schedule(dataclasses.replace(crowded, limits=BatchLimits(max_tokens=2100)))
+    assert d.pause == ("bg",) and d.resume == ("f2",)
 
 
 def test_kvplane_layerkv_refill_comes_after_the_admissions() -> None:

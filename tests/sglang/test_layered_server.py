@@ -151,6 +151,10 @@ def test_slos_no_step_can_meet_pause_nobody(layered, vanilla_server):
     rids = {out["meta_info"]["id"] for out in outs}
     events = [e for e in read_jsonl_events(events_path)[before:] if e.rid in rids]
     assert events, "no residency event of the burst was read"
+    spans = {rid: (min(e.time_s for e in events if e.rid == rid), max(e.time_s for e in events if e.rid == rid))
+             for rid in rids}
+    assert len(spans) == 4 and max(a for a, _ in spans.values()) < min(b for _, b in spans.values()), \
+        f"the four requests did not hold KV at the same time: {spans}"  # so the planner saw them together
     assert [e for e in events if e.kind is ResidencyEventKind.PAUSED] == []
 
 
