@@ -138,26 +138,33 @@ def largest_window(
     return lo
 
 
+def floor_ms(layer_compute_ms: Sequence[float]) -> float:
+    """The all-resident step with :data:`FLOOR_ROOM`: no placement, pause, admission or refill
+    makes a step faster in the placement model, so an SLO below it is met at it."""
+    return sum(layer_compute_ms) * (1.0 + FLOOR_ROOM)
+
+
 def cap_view(batch: Batch, victims: list[RequestSpec]) -> tuple[Batch, list[RequestSpec]]:
     """The batch as the SLO cap sees it, and ``victims`` (ordered by the victim rule on the real
     requests) mapped onto its requests; the same objects when nothing changes (O(R)):
 
-    * without deposit credit (``policy.deposit_credit`` off) every deposit is 0;
-    * an SLO below the all-resident step ``sum(layer_compute_ms)`` is raised to it, with a
-      relative 1e-9 of room, so that a plan whose fetches all hide, one rounding error above the
-      sum, is not late (module docstring: no plan is faster, and a pause does not change the
-      step in the model); such a request's deposit is 0 too, as it drains one token per raw SLO
-      and would be overcounted at the raised one.
+    * an SLO below :func:`floor_ms` is raised to it (module docstring; the room keeps a plan whose
+      fetches all hide, one rounding error above the compute sum, on time), and that request's
+      deposit counts 0: it drains one token per raw SLO and would be overcounted at the raised one;
+    * without deposit credit (``policy.deposit_credit`` off) every deposit is 0.
     """
-    floor = sum(batch.profile.layer_compute_ms) * (1.0 + FLOOR_ROOM)
+    floor = floor_ms(batch.profile.layer_compute_ms)
     credit = batch.policy.deposit_credit
-    if all((credit or not r.deposit_tokens) and r.slo_tbt_ms >= floor for r in batch.requests):
+
+    def seen(r: RequestSpec) -> RequestSpec:
+        raised = r.slo_tbt_ms < floor
+        deposit = r.deposit_tokens if credit and not raised else 0
+        if not raised and deposit == r.deposit_tokens:
+            return r
+        return dataclasses.replace(r, deposit_tokens=deposit, slo_tbt_ms=max(r.slo_tbt_ms, floor))
+
+    reqs = tuple(seen(r) for r in batch.requests)
+    if all(a is b for a, b in zip(reqs, batch.requests, strict=True)):
         return batch, victims
-    reqs = tuple(
-        r if r.slo_tbt_ms >= floor and (credit or not r.deposit_tokens) else
-        dataclasses.replace(r, deposit_tokens=r.deposit_tokens if credit and r.slo_tbt_ms >= floor else 0,
-                            slo_tbt_ms=max(r.slo_tbt_ms, floor))
-        for r in batch.requests
-    )
     at = {id(r): i for i, r in enumerate(batch.requests)}
     return dataclasses.replace(batch, requests=reqs), [reqs[at[id(v)]] for v in victims]

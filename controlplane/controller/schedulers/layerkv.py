@@ -84,7 +84,7 @@ from controlplane.controller.schedulers.base import (
 )
 from controlplane.controller.schedulers.step_predictor import predicted_step_ms
 from controlplane.model import link_blocks_per_ms
-from controlplane.planner.slo_cap import FLOOR_ROOM
+from controlplane.planner.slo_cap import floor_ms
 from controlplane.policy import LayerKVParams
 
 
@@ -194,9 +194,7 @@ class LayerKVScheduler:
         in_batch_tokens = sum(r.context_tokens for r in running)
         fitting_in_batch = sum(1 for r in running if not oversize(r.context_tokens))
         free = view.free_gpu_blocks + view.evictable_blocks()
-        # No admission, rotation or refill makes a step faster than every layer resident: an SLO
-        # below that step is met at it (the planner's SLO cap counts from it too: slo_cap.cap_view).
-        floor = sum(view.layer_compute_ms) * (1.0 + FLOOR_ROOM)
+        floor = floor_ms(view.layer_compute_ms)  # an SLO below it is met at it, as in the planner's cap
         target = max(floor, params.tpot_margin * min(
             [r.slo_tbt_ms for r in running] + [view.policy.slo_tbt_ms]))
         rotate: list[str] = []
