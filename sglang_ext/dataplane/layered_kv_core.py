@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 
 import numpy as np
 import structlog
@@ -41,7 +42,7 @@ from sglang_ext.dataplane.layer_page_moves import LayerPageMoves
 from sglang_ext.dataplane.layer_pipeline import LayerPipeline
 from sglang_ext.dataplane.new_token_counts import new_token_counts
 from sglang_ext.dataplane.paged_decode_step import PagedDecodeStep
-from sglang_ext.dataplane.paged_step_tables import PagedStepTables
+from sglang_ext.dataplane.paged_step_tables import PagedStepTables, staging_demand
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore, SlotStoreConfig
 from sglang_ext.dataplane.slot_residency import SlotResidency
 from sglang_ext.dataplane.slot_results import RequestResidency, ResidencyDelta, ResidencyStats
@@ -270,7 +271,7 @@ class LayeredKVCore:
                 self.tables = tables
                 self.pipeline.begin_step(tables)
                 return
-            if not self.room.make_room(self.room.wanted, batch):
+            if not self.room.make_room_for(batch, partial(staging_demand, self.store, page_lists) if paged else None):
                 break
         self.overflow = True
         self.overflow_steps += 1

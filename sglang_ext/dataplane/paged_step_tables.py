@@ -465,3 +465,22 @@ def _sync_mirror(store: SlotKVStore, mirror: MapMirror) -> int:
         store.engine.wait_fence()
     mirror.sync()
     return mirror.syncs
+
+
+def staging_demand(store: SlotKVStore, pages: Sequence[np.ndarray]) -> int:
+    """The staging pages a :class:`PagedStepTables` build of the batch ``pages`` (each request's
+    pages) would ask now: every page of each request with a host-only page at some layer (the
+    build's ``staged_req``), from the map mirror in O(the batch's pages). The staging room uses it
+    to make room once for what its own evictions add (:meth:`StagingRoom.make_room_for`)."""
+    mirror = store.mirror
+    if mirror is None:
+        raise ValueError("staging_demand needs the paged layout (the store has no map mirror)")
+    counts = np.fromiter((p.size for p in pages), dtype=np.int64, count=len(pages))
+    nonempty = counts > 0
+    if not nonempty.any():
+        return 0
+    _sync_mirror(store, mirror)
+    flat = np.concatenate([p for p in pages if p.size])
+    kept = counts[nonempty]
+    staged = np.bitwise_or.reduceat(mirror.host_bits[flat], np.cumsum(kept) - kept, axis=0).any(axis=1)
+    return int(kept[staged].sum())

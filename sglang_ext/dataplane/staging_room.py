@@ -14,11 +14,18 @@ changed since the boundary, or wants were short), room is made in this order, ne
    slot space).
 
 Evicted wanted layers show up as shortfall at the next boundary, which retries placing them.
+
+Evicting the batch's own layers (step 3, or a page a batch request shares) stages more of the
+batch, so the build would ask more staging than the room was made for. In the paged layout
+:meth:`StagingRoom.make_room_for` asks the build's demand again after each round
+(:func:`~sglang_ext.dataplane.paged_step_tables.staging_demand`, O(the batch's pages) from the map
+mirror) and makes room until it holds: the step's tables are built at most twice (the build that
+found the room short and the one that reserves), where a rebuild per round took up to ``L + 2``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import numpy as np
 
@@ -60,6 +67,24 @@ class StagingRoom:
         if ids is not None and ids.size:
             self.store.allocator.free(ids)
             self.residency.staging_lent -= int(ids.size)
+
+    def make_room_for(self, batch: Collection[str], demand: Callable[[], int] | None = None) -> bool:
+        """Room for the staging the last :meth:`take` could not reserve; False if even evicting
+        everything cannot make it. ``demand``: what the batch's build would ask now. Evicting a
+        resident layer of the batch's own requests (or of a page they share) stages more of the
+        batch, so the demand is asked again after each round and room made until it holds: the
+        caller then builds its tables once more, not once per round (at most ``L + 1`` rounds:
+        each stages at least one more layer of the batch)."""
+        want = self.wanted
+        for _ in range(self.store.config.layers + 1):
+            if not self.make_room(want, batch):
+                return False
+            if demand is None:
+                return True
+            want = demand()
+            if want <= self.store.allocator.free_count:
+                return True
+        return True
 
     def make_room(self, n: int, batch: Collection[str]) -> bool:
         """Free device pages until ``n`` are free; False if even evicting everything cannot."""

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from sglang_ext.dataplane.attention import dense_attention, torch_layered_attention
+from sglang_ext.dataplane.paged_step_tables import staging_demand
 from tests.sglang.test_layered_pool import (
     DIM,
     HEADS,
     LAYERS,
     MIN_BUDGET,
+    PAGE,
     Harness,
     check_map,
     make_pool,
@@ -118,3 +121,78 @@ def test_staging_room_is_made_by_evicting_and_loses_nothing():
     assert pool.store.allocator.used_count == 8
     h.check()
     check_map(pool)
+
+
+def batch_decode(h: Harness, rids: list[str]) -> None:
+    """One whole decode step of ``rids`` through the pool: boundary, every layer's write (kept
+    in the shadow), enter and exit."""
+    pool = h.pool
+    new = [h._new_slots(rid, 1)[0] for rid in rids]
+    loc = torch.tensor(new, dtype=torch.int64)
+    pool.prepare_step([(rid, torch.tensor(h.slots[rid])) for rid in rids], loc)
+    for layer in range(LAYERS):
+        pool.enter_layer(layer)
+        k = torch.randn((len(rids), HEADS, DIM), generator=h.gen).half()
+        v = torch.randn((len(rids), HEADS, DIM), generator=h.gen).half()
+        pool.set_kv_buffer(SimpleNamespace(layer_id=layer), loc, k, v)
+        for i, slot in enumerate(new):
+            h.shadow[(layer, slot)] = (k[i].clone(), v[i].clone())
+        pool.exit_layer(layer)
+
+
+def test_staging_room_made_for_what_its_evictions_stage_builds_the_tables_once_more():
+    """Scenario: a batch of four requests fills the device (66 pages hold every layer of them but
+    no staging); one request's plan offloads its top layer, and the boundary kept no staging
+    reserve (the reserve is zeroed here: the case where it did not foresee the step). Making room
+    evicts the batch's own resident layers, which stages those requests too, so the step asks
+    more staging than the first build did. The room is made for that in rounds that read the map
+    mirror (``staging_demand``), and the tables are built once more: two builds a step, where a
+    rebuild per round took three here (up to ``L + 2`` on deep models). KV stays exact."""
+    pool = make_pool(budget_tokens=MIN_BUDGET)
+    h = Harness(pool, seed=5)
+    rids = ["r0", "r1", "r2", "r3"]
+    for i, rid in enumerate(rids):
+        h.step(rid, 6 + 2 * i)
+    builds: list[tuple[int, bool]] = []
+    take = pool.room.take
+
+    def counted(n: int) -> np.ndarray | None:
+        ids = take(n)
+        builds.append((n, ids is not None))
+        return ids
+
+    pool.room.take = counted
+    pool.residency.staging_reserve = lambda every_active=False: 0  # the reserve did not foresee it
+    pool.update_residency({"r0": wants(pool, h, "r0", [1, 1, 0])})
+    evicted = pool.room.evicted_layer_pages
+    rounds_needed = 0
+    for _ in range(2):
+        builds.clear()
+        batch_decode(h, rids)
+        assert not pool.overflow
+        assert 1 <= len(builds) <= 2 and builds[-1][1], builds
+        if len(builds) == 2:
+            first, second = builds
+            assert not first[1] and second[0] > first[0], builds  # its evictions staged more
+            rounds_needed += 1
+        h.check()
+        check_map(pool)
+    assert rounds_needed >= 1 and pool.room.evicted_layer_pages > evicted
+
+
+def test_staging_demand_is_what_the_build_reserves():
+    """``staging_demand`` counts every page of each request with a host-only layer, as the paged
+    build reserves; a request whose layers are all resident adds nothing."""
+    h = build(MIN_BUDGET)  # "a" [1, 0, 1], "b" [0, 1, 0]: both staged, sharing two pages
+    pool = h.pool
+    decode_step(h, ["a", "b"])
+    pages = [np.asarray(sorted({s // PAGE for s in h.slots[rid]}), dtype=np.int64) for rid in ("a", "b")]
+    by_position = [np.asarray([s // PAGE for s in h.slots[rid][::PAGE]], dtype=np.int64) for rid in ("a", "b")]
+    assert pool.tables.staging_ids.size == staging_demand(pool.store, by_position) == sum(p.size for p in pages)
+    for layer in range(LAYERS):
+        pool.enter_layer(layer)
+        pool.exit_layer(layer)
+    pool.update_residency({"b": wants(pool, h, "b", [1, 1, 1])})
+    pool.prepare_step([("b", torch.tensor(h.slots["b"]))], None)
+    assert staging_demand(pool.store, by_position[1:]) == 0
+    assert staging_demand(pool.store, by_position) == pages[0].size  # "a" alone is staged
