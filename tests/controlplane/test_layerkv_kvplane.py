@@ -125,6 +125,27 @@ def test_kvplane_layerkv_background_prompts_never_jump_or_block_fitting_ones() -
     assert make_scheduler("layerkv").schedule(alone).admit == ("bg",)
 
 
+def test_kvplane_layerkv_eq2_ignores_a_tpot_target_below_the_all_resident_step() -> None:
+    """Scenario: small decodes with a 10 ms SLO on a model whose every-layer-resident step is
+    20 ms (4 layers of 5 ms): late whatever is admitted. Eq. 1 over its raw target had no slack
+    at all, so it held the fitting prompt f (memory free, nothing aged) until f aged; its target
+    is below the planner's floor, so it bounds nothing and f is admitted at once."""
+    unmeetable = req("small", ctx=500, gen=0, slo=10.0, first_seen=0.0)
+    v = _background_view(h2d_gbps=1e6, running=(unmeetable,), queued=(q("f", 100, 0.0, ttft=1e9),))
+    v = dataclasses.replace(v, free_gpu_blocks=1000, policy=Policy())
+    assert make_scheduler("layerkv").schedule(v).admit == ("f",)
+    # negative controls: a meetable target (100 ms) without slack still holds f (Eq. 1-2 as
+    # before); so does one beside the unmeetable one; the paper's rule weighs the raw 10 ms
+    meetable = req("other", ctx=500, gen=0, slo=100.0, first_seen=0.0)
+    assert make_scheduler("layerkv").schedule(dataclasses.replace(v, running=(meetable,))).admit == ()
+    assert make_scheduler("layerkv").schedule(
+        dataclasses.replace(v, running=(unmeetable, meetable))).admit == ()
+    assert PAPER.schedule(v).admit == ()
+    # a target just above the floor (20 ms) counts, and has no slack
+    at_floor = dataclasses.replace(unmeetable, slo_tbt_ms=20.0 / v.policy.layerkv.tpot_margin * (1 + 1e-6))
+    assert make_scheduler("layerkv").schedule(dataclasses.replace(v, running=(at_floor,))).admit == ()
+
+
 def test_kvplane_layerkv_background_prompts_take_turns_once_aged() -> None:
     """Scenario: two background requests (3000 and 2500 tokens, neither fits the GPU) fill the
     2-request batch limit; a background prompt of 2000 tokens that has aged pauses the longest

@@ -8,6 +8,7 @@ SLO (``custom_params.kvplane_slo_tbt_ms``). The session's vanilla server is the 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -139,3 +140,40 @@ def test_the_served_pool_journals_steady_decode_and_batches_request_ends(gated):
     assert last["journalled_decode_steps_total"] > 0
     assert last["ended_batches_total"] > 0
     assert pools[0]["journalled_decode_steps_total"] == 0  # the counters started at 0
+
+
+def test_an_slo_no_step_can_meet_holds_no_prompt_back(gated):
+    """Scenario: request ``tight`` decodes with a 1 us TBT SLO (below any step this server runs
+    with every layer resident: late whatever is admitted) when prompt ``late`` arrives. LayerKV's
+    Eq. 1 over the raw target left ``tight`` no slack, so the gate held ``late`` until it had
+    aged (half its 5 s TTFT SLO: hundreds of steps here); the target counts from the
+    all-resident step, where it bounds nothing, so ``late`` is admitted within a few steps.
+    Control, run by hand: with Eq. 2 over the raw targets, ``late`` waited 332 steps (aged)."""
+    server, stats_path = gated
+    start = len(stats_path.read_text().splitlines())
+    errors: list[BaseException] = []
+
+    def tight() -> None:
+        try:
+            server.post("/generate", {"rid": "tight-slo", "text": PROMPTS[1], "sampling_params": {
+                "max_new_tokens": 400, "temperature": 0, "ignore_eos": True,
+                "custom_params": {"kvplane_slo_tbt_ms": 1e-3}}})
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=tight)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not any(
+            s["mode"] == "decode" and "tight-slo" in s["running"] for s in read_jsonl(stats_path, start)):
+        time.sleep(0.02)
+    arrived = len(stats_path.read_text().splitlines())
+    out = server.post("/generate", {"rid": "late-prompt", "text": PROMPTS[2],
+                                    "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    thread.join(timeout=300)
+    assert not errors, errors
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+    steps = read_jsonl(stats_path, arrived)
+    admitted_at = next(i for i, s in enumerate(steps) if "late-prompt" in (s.get("admitted_now") or ()))
+    assert all("tight-slo" in s["running"] for s in steps[:admitted_at]), "tight was not decoding throughout"
+    assert admitted_at <= 16, f"the prompt waited {admitted_at} steps behind an SLO no step meets"

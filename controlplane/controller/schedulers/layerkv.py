@@ -29,7 +29,9 @@ longer than the cap is admitted alone (the engine chunks it) so it can never blo
 forever.
 
 The default ``variant="kvplane"`` (issue 15, the admission of the shipped ``kvplane`` policy)
-changes five things and keeps Eq. 1-3:
+changes five things and keeps Eq. 1-3 (Eq. 2's bound over the running requests whose TPOT target
+is at least the all-resident step, the planner's floor: ``slo_cap.floor_ms``; one below it is late
+whatever is admitted, and held every fitting prompt until it aged):
 
 * **predicted slowdown**: the decode step the batch would run *with* the admitted prompt
   (:func:`predicted_step_ms`, the placement model with the KV that does not fit streamed over
@@ -199,6 +201,13 @@ class LayerKVScheduler:
             [r.slo_tbt_ms for r in running] + [view.policy.slo_tbt_ms]))
         rotate: list[str] = []
 
+        def eq2_bound(step: float) -> float:
+            """Eq. 2's bound (Eq. 1 at the predicted TPOT ``step``) over the running requests whose
+            TPOT target the GPU can meet: one below the all-resident step (``floor``) is late
+            whatever is admitted, so it holds no prompt back (as in the planner's cap)."""
+            return min((allow_prefill_ms(r, view, params, step) for r in running
+                        if params.tpot_margin * r.slo_tbt_ms >= floor), default=math.inf)
+
         def rotate_out(v: RequestView) -> None:
             nonlocal n, in_batch_tokens, free
             rotate.append(v.id)
@@ -248,8 +257,7 @@ class LayerKVScheduler:
                     continue
                 if running and not aged:  # Eq. 2, and no late steps for fitting requests
                     step = step_ms(batch + [b])
-                    bound_ms = min(allow_prefill_ms(r, view, params, step) for r in running)
-                    if (fitting_in_batch and step > target) or not spent_ms + t_prefill < bound_ms:
+                    if (fitting_in_batch and step > target) or not spent_ms + t_prefill < eq2_bound(step):
                         continue
             else:
                 # Make room the way a no-offload server's memory would have: pause background
@@ -268,8 +276,7 @@ class LayerKVScheduler:
                     # admitted with offload only when the steps stay on time.
                     step = step_ms(batch + [b])
                     late = b * layers > free and step > max(target, step_ms(batch))
-                    bound_ms = min(allow_prefill_ms(r, view, params, step) for r in running)
-                    held = late or not spent_ms + t_prefill < bound_ms
+                    held = late or not spent_ms + t_prefill < eq2_bound(step)
                 if held:
                     running, batch, n, in_batch_tokens, free, kept = undo
                     del rotate[kept:]
