@@ -28,6 +28,7 @@ from tests.sglang.test_layered_pool import (
     make_pool,
     wants,
 )
+from tests.sglang.test_layered_pool_fast_path import _decode
 
 
 def build(budget_tokens: int) -> Harness:
@@ -123,23 +124,6 @@ def test_staging_room_is_made_by_evicting_and_loses_nothing():
     check_map(pool)
 
 
-def batch_decode(h: Harness, rids: list[str]) -> None:
-    """One whole decode step of ``rids`` through the pool: boundary, every layer's write (kept
-    in the shadow), enter and exit."""
-    pool = h.pool
-    new = [h._new_slots(rid, 1)[0] for rid in rids]
-    loc = torch.tensor(new, dtype=torch.int64)
-    pool.prepare_step([(rid, torch.tensor(h.slots[rid])) for rid in rids], loc)
-    for layer in range(LAYERS):
-        pool.enter_layer(layer)
-        k = torch.randn((len(rids), HEADS, DIM), generator=h.gen).half()
-        v = torch.randn((len(rids), HEADS, DIM), generator=h.gen).half()
-        pool.set_kv_buffer(SimpleNamespace(layer_id=layer), loc, k, v)
-        for i, slot in enumerate(new):
-            h.shadow[(layer, slot)] = (k[i].clone(), v[i].clone())
-        pool.exit_layer(layer)
-
-
 def test_staging_room_made_for_what_its_evictions_stage_builds_the_tables_once_more():
     """Scenario: a batch of four requests fills the device (66 pages hold every layer of them but
     no staging); one request's plan offloads its top layer, and the boundary kept no staging
@@ -168,7 +152,7 @@ def test_staging_room_made_for_what_its_evictions_stage_builds_the_tables_once_m
     rounds_needed = 0
     for _ in range(2):
         builds.clear()
-        batch_decode(h, rids)
+        _decode(pool, h, rids, fast=False)  # the general path: a build at every step
         assert not pool.overflow
         assert 1 <= len(builds) <= 2 and builds[-1][1], builds
         if len(builds) == 2:
