@@ -18,6 +18,10 @@ below:
 * without it: every layer of 2 pages (one page and the padding page), the least any pool holds;
   the exact need is then known only once SGLang has profiled memory (the scheduler's check).
 
+A refusal names the ``--kv-gpu-budget-tokens`` that holds every layer of ``--max-total-tokens``
+(:meth:`HostPoolFloor.identity_hint`): with it the launcher knows the identity layout, and the
+scheduler refuses it where the device cannot hold it.
+
 The page size defaults to 1 when not given (SGLang's default; a larger page only adds padding,
 so the floor stays a lower bound). Bytes per value: 2 with ``--kv-cache-dtype bf16``, else the
 model dtype SGLang resolved (quantized KV caches are refused before this runs).
@@ -84,6 +88,25 @@ class HostPoolFloor:
         if self.max_total_tokens is None or budget_tokens is None:
             return False
         return budget_tokens // self.page_size >= self.layers * self.min_pages
+
+    @property
+    def on_device_budget(self) -> int | None:
+        """The least ``--kv-gpu-budget-tokens`` that :meth:`on_device` takes (every layer of every
+        page of ``--max-total-tokens``), None without it: what a launch whose memory profile holds
+        ``--max-total-tokens`` on the device passes to tell the launcher so (a refusal's hint)."""
+        return None if self.max_total_tokens is None else self.layers * self.min_pages * self.page_size
+
+    def identity_hint(self, budget_tokens: int | None) -> str:
+        """What a refusal of the host pool adds: where SGLang's memory profile holds
+        ``--max-total-tokens`` on the device, the pool pins no host memory, and the budget that
+        says so (the launcher cannot know the profile; the scheduler refuses the budget when the
+        device cannot hold it). Empty when it does not apply."""
+        every = self.on_device_budget
+        if every is None or self.on_device(budget_tokens):
+            return ""
+        return (f"; if the device holds all of --max-total-tokens {self.max_total_tokens} (SGLang's memory "
+                f"profile), no host pool is pinned: pass --kv-gpu-budget-tokens {every} (every layer of it) "
+                "to say so, which the scheduler refuses if the device cannot hold it")
 
     def device_min_bytes(self, budget_tokens: int | None) -> int:
         """The device pool the layered pool builds beside :attr:`min_bytes` (host memory on

@@ -333,7 +333,7 @@ class KvplanePlugin:
                                 what=("no host pool: every layer on the device" if on_device else
                                       f"every layer of --max-total-tokens {floor.max_total_tokens}"))
         except ValueError as exc:
-            _refuse_launch(f"invalid launch option: {exc}")
+            _refuse_launch(f"invalid launch option: {exc}{floor.identity_hint(layered.kv_gpu_budget_tokens)}")
 
     def around_stream_one_response(self, original: Any, *args: Any, **kwargs: Any) -> Any:
         """AROUND ``TokenizerManager._stream_one_response``: with ``--kv-pacing on`` paced streaming

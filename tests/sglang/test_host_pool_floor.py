@@ -110,3 +110,34 @@ def test_a_budget_of_every_layer_needs_no_host_pool_at_launch() -> None:
     with pytest.raises(SystemExit):
         check(model, args, LayeredKVArgs(enable_layered_kv=True, kv_gpu_budget_tokens=every - 16, kv_host_pool_gb=1e-4),
               None)
+
+
+def test_a_refused_host_pool_names_the_budget_that_declares_the_device_holds_it(capsys) -> None:
+    """The launcher cannot know SGLang's memory profile, so it charges --max-total-tokens to the
+    host pool; where the device holds it all, no host pool is pinned. A refusal (a cap below the
+    floor; without one, a host with too little memory) names the --kv-gpu-budget-tokens that says
+    so, and that budget passes (control: one page less is still refused, with the hint)."""
+    pytest.importorskip("sglang")
+    from types import SimpleNamespace
+
+    from sglang_ext.args import LayeredKVArgs
+    from sglang_ext.dataplane.host_memory_share import HostMemoryShare
+    from sglang_ext.plugin import KvplanePlugin
+
+    floor = HostPoolFloor(**TINY, page_size=16, max_total_tokens=4096)
+    every = floor.on_device_budget
+    assert every == 4 * floor.min_pages * 16 and floor.on_device(every) and not floor.on_device(every - 1)
+    assert HostPoolFloor(**TINY, page_size=16, max_total_tokens=None).on_device_budget is None
+    model = SimpleNamespace(num_hidden_layers=4, get_num_kv_heads=lambda tp: 2, head_dim=16, dtype=SimpleNamespace(itemsize=2))
+    args = SimpleNamespace(kv_cache_dtype="auto", tp_size=1, page_size=16, max_total_tokens=4096, device="cuda")
+    check = KvplanePlugin._check_host_pool_floor
+    small_host = HostMemoryShare.at_launch(tp_size=1, pp_size=1, dp_size=1, nnodes=1, available=floor.min_bytes // 4)
+    for layered, share in ((LayeredKVArgs(enable_layered_kv=True, kv_host_pool_gb=1e-4), None),
+                           (LayeredKVArgs(enable_layered_kv=True), small_host),
+                           (LayeredKVArgs(enable_layered_kv=True, kv_gpu_budget_tokens=every - 16), small_host)):
+        with pytest.raises(SystemExit):
+            check(model, args, layered, share)
+        err = capsys.readouterr().err
+        assert f"pass --kv-gpu-budget-tokens {every} (every layer of it)" in err, err
+    check(model, args, LayeredKVArgs(enable_layered_kv=True, kv_gpu_budget_tokens=every), small_host)
+    assert capsys.readouterr().err == ""
