@@ -56,6 +56,7 @@ def _resume(hooks: Any, batch: Any, predicate: Any, event: str) -> Any:
     batch, resumed = hooks.pauser.resume_matching(batch, predicate)
     if resumed:
         log.info(event, rids=resumed)
+        hooks.boundary.note_resumed(resumed)  # the next stats line's resumed_now
         if hooks.metrics is not None and hooks.tp.is_source:
             hooks.metrics.resumed(len(resumed))
     return batch

@@ -16,7 +16,11 @@ Called AROUND ``Scheduler.get_next_batch_to_run`` (:mod:`sglang_ext.scheduler_ho
   to the layered pool unless the policy is unchanged since the last install.
 
 What the boundary did is kept in :attr:`StepBoundary.record` for the step's stats line (admitted,
-paused, resumed, pauses asked for and not applied by reason, decision, install delta).
+paused, resumed, pauses asked for and not applied by reason, decision, install delta). A record
+no processed step took before the next boundary is carried into the next one
+(:func:`merged_record`), not overwritten: SGLang's overlap loop processes no step after the
+boundary that follows an idle iteration (``last_batch`` is None there), e.g. when every running
+request finishes in the step in flight and the parked ones are resumed a boundary later.
 """
 
 from __future__ import annotations
@@ -45,6 +49,33 @@ _QUIET_BOUNDARY: Mapping[str, Any] = MappingProxyType({
 })
 """What a boundary that installs nothing did (copied per step: the stats line extends it)."""
 
+_LISTS = ("admitted_now", "paused_now", "resumed_now")
+
+
+def merged_record(first: Mapping[str, Any], then: Mapping[str, Any]) -> dict[str, Any]:
+    """Two boundaries' records as one: requests admitted, paused and resumed in order, skipped
+    pauses and install moves summed by key, decisions joined, ``fallback`` the latest."""
+    out = dict(first)
+    out.update(then)
+    for key in _LISTS:
+        if key in first and key in then:
+            out[key] = [*first[key], *then[key]]
+    for key in ("pauses_skipped", "install_delta"):
+        a, b = first.get(key), then.get(key)
+        if a and b:
+            out[key] = {k: a.get(k, 0) + b.get(k, 0) for k in dict.fromkeys([*a, *b])}
+        elif key in out:
+            out[key] = a or b
+    decisions = [d for d in (first.get("decision"), then.get("decision")) if d]
+    if "decision" in out:
+        out["decision"] = ",".join(decisions) or None
+    return out
+
+
+def _carries(record: Mapping[str, Any]) -> bool:
+    """Whether a record holds anything a stats line would miss (a quiet one does not)."""
+    return any(record.get(k) for k in (*_LISTS, "pauses_skipped", "install_delta", "decision"))
+
 
 class StepBoundary:
     """Installs the control plane's decisions at step boundaries (one per scheduler, every rank)."""
@@ -72,6 +103,8 @@ class StepBoundary:
         """Build the install record even without a layered pool (a stats line is written)."""
         self.record: dict[str, Any] = {}
         """What the last boundary did (admitted, paused, resumed, decision, install delta)."""
+        self._carried: dict[str, Any] = {}
+        """Earlier boundaries' records no stats line took yet (:meth:`take_record`)."""
 
     def compose(self, step: int) -> StepInstall:
         """Rank 0: the decisions received since the last boundary -> one install for ``step + 1``."""
@@ -117,6 +150,8 @@ class StepBoundary:
 
     def apply(self, running_batch: Any, last_batch: Any, step: int) -> Any:
         """Apply this step's install before SGLang builds the batch; returns the running batch."""
+        if self.record and _carries(self.record):  # no processed step took it: carried
+            self._carried = merged_record(self._carried, self.record) if self._carried else self.record
         if self._quiet():
             self.record = dict(_QUIET_BOUNDARY, fallback=self.admission.open)
             return running_batch
@@ -196,7 +231,16 @@ class StepBoundary:
             delta = None
         self.record["install_delta"] = stats_dict(delta)
 
+    def note_resumed(self, rids: Sequence[str]) -> None:
+        """Requests resumed outside a boundary (an abort, a retraction: :mod:`sglang_ext.parked_lifecycle`,
+        which counts them in the metrics itself): the next stats line lists them too."""
+        if rids:
+            self._carried = merged_record(self._carried, {"resumed_now": list(rids)})
+
     def take_record(self) -> dict[str, Any]:
-        """What the boundary did since the last call (for the stats line); the record restarts."""
+        """What the boundaries did since the last call (for the stats line: the last one's record
+        with any earlier one no line took merged in front); the record restarts."""
         record, self.record = self.record, {}
+        if self._carried:
+            record, self._carried = merged_record(self._carried, record), {}
         return record

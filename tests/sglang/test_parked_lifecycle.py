@@ -116,9 +116,11 @@ class _Scheduler:
 
 
 def _scheduler(*queued: str) -> _Scheduler:
-    installer = PlacementInstaller(None, 4)
-    hooks = SimpleNamespace(pauser=PauseManager(), installer=installer, metrics=None, tp=TpSync(0, 1),
-                            prefill_adders={})
+    installer, pauser, tp = PlacementInstaller(None, 4), PauseManager(), TpSync(0, 1)
+    boundary = StepBoundary(tp=tp, installer=installer, pauser=pauser, admission=AdmissionGate(enabled=False),
+                            inbox=DecisionInbox(), client=FakeClient(), pages_of=lambda r: ())
+    hooks = SimpleNamespace(pauser=pauser, installer=installer, metrics=None, tp=tp, prefill_adders={},
+                            boundary=boundary)
     return _Scheduler(_batch(_req("a"), _req("b")), [SimpleNamespace(rid=r) for r in queued], hooks)
 
 
@@ -157,13 +159,17 @@ def test_a_parked_request_is_resumed_into_an_abort_a_retract_and_counts_against_
     parked_lifecycle.around_pause_generation(sglang, sched, SimpleNamespace(mode="in_place"))
     assert seen[-1] == ["a"] and "b" in pauser
     # a retract takes what runs: b is merged back first
+    assert sched._kvplane.boundary.take_record() == {}  # control: nothing resumed yet
     parked_lifecycle.around_pause_generation(sglang, sched, SimpleNamespace(mode="retract"))
     assert seen[-1] == ["a", "b"] and len(pauser) == 0
+    # the next stats line lists the resume (it counted in the metrics, not on a boundary's record)
+    assert sched._kvplane.boundary.take_record() == {"resumed_now": ["b"]}
     assert parked_lifecycle.around_is_fully_idle(lambda s, **k: True, sched) is True
     # an abort of a parked request resumes it first; another parked request stays (control)
     assert pauser.pause(sched.running_batch, ["a", "b"], step=2) == ["a", "b"]
     parked_lifecycle.around_abort(sglang, sched, SimpleNamespace(rid="a", abort_all=False))
     assert seen[-1] == ["a"] and pauser.paused_ids == ("b",)
+    assert sched._kvplane.boundary.take_record() == {"resumed_now": ["a"]}
 
 
 @pytest.mark.parametrize(("fits", "finishing"), [(False, ()), (True, ()), (False, ("a",))],
