@@ -221,6 +221,8 @@ class SchedulerHooks:
             client=self.client,
             pages_of=self.pages_of,
             keep_record=self.stats is not None,
+            # compat.SCHEDULER_FINISHING_INFLIGHT (the overlap loop's; [] without it)
+            finishing_in_flight=getattr(scheduler, "_reqs_finishing_inflight", None),
         )
 
     # ---- set-up -------------------------------------------------------------------------

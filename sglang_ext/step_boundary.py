@@ -9,7 +9,8 @@ Called AROUND ``Scheduler.get_next_batch_to_run`` (:mod:`sglang_ext.scheduler_ho
   (:class:`~sglang_ext.tp_sync.PlacementInstaller`), opens the admission gate for the admitted
   requests, pauses / resumes requests keeping their KV (:class:`~sglang_ext.pause.PauseManager`).
   Local rules: the running batch is never left empty while requests are parked (they are all
-  resumed), so paused KV never idles a server; without a control plane (fallback) nothing is
+  resumed; under the overlap loop a request its in-flight step finishes by length counts as
+  gone), so paused KV never idles a server; without a control plane (fallback) nothing is
   paused and every parked request is resumed, since only the controller would resume them. A quiet single-rank boundary (nothing received,
   nobody paused or waiting to be, the fallback state unchanged) installs nothing.
 * :meth:`StepBoundary.after_schedule` (SGLang allocated this step's KV): the residency wants go
@@ -91,6 +92,7 @@ class StepBoundary:
         client: ControlClient | None,
         pages_of: Callable[[Any], Sequence[int]],
         keep_record: bool = False,
+        finishing_in_flight: Callable[[Any], Sequence[Any]] | None = None,
     ) -> None:
         self.tp = tp
         self.installer = installer
@@ -101,6 +103,9 @@ class StepBoundary:
         self.pages_of = pages_of
         self.keep_record = keep_record
         """Build the install record even without a layered pool (a stats line is written)."""
+        self.finishing_in_flight = finishing_in_flight
+        """The running batch's requests that the step in flight finishes by length (SGLang's
+        overlap loop drops them from the next batch); None: none are known."""
         self.record: dict[str, Any] = {}
         """What the last boundary did (admitted, paused, resumed, decision, install delta)."""
         self._carried: dict[str, Any] = {}
@@ -173,7 +178,7 @@ class StepBoundary:
                 running_batch, more = self.pauser.resume_all(running_batch)
                 resumed += more
         refill = last_batch is not None and not last_batch.is_empty() and last_batch.forward_mode.is_extend()
-        if len(self.pauser) and not refill and all(req.finished() for req in running_batch.reqs):
+        if len(self.pauser) and not refill and self._all_ending(running_batch):
             # idle (finished requests are filtered next): resume everyone rather than idle
             running_batch, more = self.pauser.resume_all(running_batch)
             resumed += more
@@ -195,6 +200,19 @@ class StepBoundary:
             "fallback": install.fallback,
         }
         return running_batch
+
+    def _all_ending(self, running_batch: Any) -> bool:
+        """Every running request finished, or finishes by length in the step in flight (the
+        overlap loop): the next batch would be empty. Without the second case the overlap loop
+        idled one iteration (no batch; SGLang skips decoding while the in-flight step finishes
+        them) before the parked requests were resumed."""
+        reqs = running_batch.reqs
+        if all(req.finished() for req in reqs):
+            return True
+        if self.finishing_in_flight is None:
+            return False
+        ending = {id(req) for req in self.finishing_in_flight(running_batch)}
+        return bool(ending) and all(req.finished() or id(req) in ending for req in reqs)
 
     def _quiet(self) -> bool:
         """Single rank, nothing to install: no decision received, nobody paused or waiting to

@@ -35,9 +35,10 @@ scheduler with parked requests is not idle."""
 SCHEDULER_UPDATE_RUNNING_BATCH = Target(f"{_SCHEDULER}.update_running_batch", params=("self", "batch"),
                                         used_by=("parked_lifecycle",))
 SCHEDULER_FINISHING_INFLIGHT = Target(f"{_SCHEDULER}._reqs_finishing_inflight", params=("self", "batch"),
-                                      used_by=("parked_lifecycle",))
+                                      used_by=("parked_lifecycle", "scheduler_hooks", "step_boundary"))
 """Under the overlap loop, the requests whose in-flight step finishes them by length: SGLang drops
-them before its memory check and skips a full step while any is there."""
+them before its memory check and skips a full step while any is there; a boundary whose running
+requests all end so resumes the parked ones (``StepBoundary._all_ending``)."""
 """Before a decode step: when the KV pool cannot hold the step (``check_decode_mem``) it retracts
 running requests (``ScheduleBatch.retract_decode``), longest first, and aborts the last one left
 ("out of memory even after retracting all other requests"); parked requests, holding their KV

@@ -92,6 +92,41 @@ def test_without_a_control_plane_nobody_stays_parked_and_no_deferred_pause_lands
         assert set(boundary.pauser.paused_ids) == {"p", "q"} and rids == {"a"}
 
 
+@pytest.mark.parametrize("ending", [("a", "b"), ("a",), ()], ids=["all-ending", "one-of-two", "none"])
+def test_parked_requests_resume_when_the_step_in_flight_ends_every_running_one(ending):
+    """Under SGLang's overlap loop a running request whose in-flight step finishes it by length is
+    dropped from the next batch; when that is every running request the boundary resumes the
+    parked ones at once (before: the loop idled one iteration with no batch, and they were
+    resumed a boundary later). Controls: one running request not ending, or none known to end,
+    keeps them parked (the plan's pause stands)."""
+    client = FakeClient()
+    seen: list[list[str]] = []
+
+    now: tuple[str, ...] = ()  # the step in flight at the first boundary ends nobody
+
+    def in_flight(batch: Any) -> list:
+        seen.append([r.rid for r in batch.reqs])
+        return [r for r in batch.reqs if r.rid in now]
+
+    boundary = StepBoundary(tp=TpSync(0, 1), installer=PlacementInstaller(None, 4), pauser=PauseManager(),
+                            admission=AdmissionGate(enabled=False), inbox=DecisionInbox(), client=client,
+                            pages_of=lambda r: (), finishing_in_flight=in_flight)
+    running = _batch(_req("a"), _req("b"), _req("p"))
+    boundary.inbox.receive([_decision(pause=("p",))])
+    running = boundary.apply(running, running, 0)
+    assert boundary.pauser.paused_ids == ("p",)
+    boundary.take_record()
+    now = ending
+    running = boundary.apply(running, running, 1)
+    rids = [r.rid for r in running.reqs]
+    if ending == ("a", "b"):
+        assert rids == ["a", "b", "p"] and len(boundary.pauser) == 0
+        assert boundary.take_record()["resumed_now"] == ["p"]
+    else:
+        assert rids == ["a", "b"] and boundary.pauser.paused_ids == ("p",)
+    assert seen and all(batch == ["a", "b"] for batch in seen)  # asked of the running batch only
+
+
 def test_admits_are_remembered_only_while_the_gate_is_on():
     """The control plane sends ``admit`` under every scheduler; with the gate off nothing pruned
     them (a set entry per request served, for the life of the process). Control: the gate keeps
