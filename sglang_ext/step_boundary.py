@@ -102,7 +102,9 @@ class StepBoundary:
         self.client = client
         self.pages_of = pages_of
         self.keep_record = keep_record
-        """Build the install record even without a layered pool (a stats line is written)."""
+        """A stats line takes the records (:meth:`take_record`, TP rank 0 with a stats file):
+        build the install record even without a layered pool, and carry a record no line took.
+        False: nothing is carried (no line would ever take it)."""
         self.finishing_in_flight = finishing_in_flight
         """The running batch's requests that the step in flight finishes by length (SGLang's
         overlap loop drops them from the next batch); None: none are known."""
@@ -155,7 +157,7 @@ class StepBoundary:
 
     def apply(self, running_batch: Any, last_batch: Any, step: int) -> Any:
         """Apply this step's install before SGLang builds the batch; returns the running batch."""
-        if self.record and _carries(self.record):  # no processed step took it: carried
+        if self.keep_record and self.record and _carries(self.record):  # no line took it: carried
             self._carried = merged_record(self._carried, self.record) if self._carried else self.record
         if self._quiet():
             self.record = dict(_QUIET_BOUNDARY, fallback=self.admission.open)
@@ -252,7 +254,7 @@ class StepBoundary:
     def note_resumed(self, rids: Sequence[str]) -> None:
         """Requests resumed outside a boundary (an abort, a retraction: :mod:`sglang_ext.parked_lifecycle`,
         which counts them in the metrics itself): the next stats line lists them too."""
-        if rids:
+        if rids and self.keep_record:  # only a stats line takes the carry (else it would grow)
             self._carried = merged_record(self._carried, {"resumed_now": list(rids)})
 
     def take_record(self) -> dict[str, Any]:

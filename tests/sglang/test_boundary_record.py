@@ -23,10 +23,11 @@ from tests.sglang.test_scheduler_roles import FakeClient
 PLAN = Plan(True, (), {}, 1.0, 8, 0, 0, "test", 0.0)
 
 
-def _boundary(inbox: DecisionInbox) -> StepBoundary:
+def _boundary(inbox: DecisionInbox, keep_record: bool = True) -> StepBoundary:
     return StepBoundary(
         tp=TpSync(0, 1), installer=PlacementInstaller(None, 2), pauser=PauseManager(),
         admission=AdmissionGate(enabled=False), inbox=inbox, client=FakeClient(), pages_of=lambda r: (),
+        keep_record=keep_record,
     )
 
 
@@ -34,7 +35,7 @@ def test_a_record_no_step_took_is_carried_into_the_next_line():
     """Boundary 1 pauses b and skips a finishing a; boundary 2 pauses c; no step is processed
     between them: the one line taken after boundary 2 holds both boundaries' pauses, skips and
     decisions. Negative control: the line taken after boundary 2 alone, before the fix, held
-    only c (asserted below on a boundary whose record is taken at once)."""
+    only c (this test's first assertion fails on that code: ``['c']``)."""
     inbox = DecisionInbox()
     boundary = _boundary(inbox)
     running = _Batch([_Req("a", 7, 8), _Req("b", 1, 8), _Req("c", 1, 8), _Req("d", 1, 8)])
@@ -79,3 +80,23 @@ def test_merged_records_sum_moves_and_keep_the_latest_fallback():
     both = merged_record(first, dict(then, install_delta={"loaded_layer_pages": 1, "d2h_bytes": 4}))
     assert both["install_delta"] == {"loaded_layer_pages": 4, "h2d_bytes": 10, "d2h_bytes": 4}
     assert merged_record(then, first)["fallback"] is True  # control: the later record's fallback wins
+
+
+def test_nothing_is_carried_where_no_stats_line_takes_the_records():
+    """Without a stats file (and on every TP rank but 0) no line ever calls :meth:`take_record`:
+    the boundaries carry nothing, so a long-running server's boundary does not grow with every
+    request it paused, resumed or admitted. Control: with a stats line (``keep_record``) the same
+    boundaries carry their records until a line takes them."""
+    carried = {}
+    for keep in (False, True):
+        inbox = DecisionInbox()
+        boundary = _boundary(inbox, keep_record=keep)
+        running = _Batch([_Req(f"r{i}", 1, 8) for i in range(51)])  # r50 keeps running
+        for i in range(50):
+            inbox.receive([Decision(plan=PLAN, apply_at_step=0, expiry_step=10**6, pause=(f"r{i}",),
+                                    reason=f"d{i}")])
+            boundary.apply(running, None, step=4)
+            boundary.note_resumed([f"x{i}"])
+        carried[keep] = boundary._carried
+    assert carried[False] == {}
+    assert len(carried[True]["paused_now"]) >= 49 and len(carried[True]["resumed_now"]) == 50

@@ -62,7 +62,7 @@ def _decision(**fields: Any) -> Decision:
 def _boundary(client: FakeClient, gate: bool = False) -> StepBoundary:
     return StepBoundary(tp=TpSync(0, 1), installer=PlacementInstaller(None, 4), pauser=PauseManager(),
                         admission=AdmissionGate(enabled=gate), inbox=DecisionInbox(), client=client,
-                        pages_of=lambda r: ())
+                        pages_of=lambda r: (), keep_record=True)  # a stats line takes the records
 
 
 @pytest.mark.parametrize("outage", [True, False], ids=["outage", "control-plane-up"])
@@ -153,7 +153,8 @@ class _Scheduler:
 def _scheduler(*queued: str) -> _Scheduler:
     installer, pauser, tp = PlacementInstaller(None, 4), PauseManager(), TpSync(0, 1)
     boundary = StepBoundary(tp=tp, installer=installer, pauser=pauser, admission=AdmissionGate(enabled=False),
-                            inbox=DecisionInbox(), client=FakeClient(), pages_of=lambda r: ())
+                            inbox=DecisionInbox(), client=FakeClient(), pages_of=lambda r: (),
+                            keep_record=True)  # a stats line takes the records
     hooks = SimpleNamespace(pauser=pauser, installer=installer, metrics=None, tp=tp, prefill_adders={},
                             boundary=boundary)
     return _Scheduler(_batch(_req("a"), _req("b")), [SimpleNamespace(rid=r) for r in queued], hooks)
