@@ -208,13 +208,13 @@ class StepBoundary:
         overlap loop): the next batch would be empty. Without the second case the overlap loop
         idled one iteration (no batch; SGLang skips decoding while the in-flight step finishes
         them) before the parked requests were resumed."""
-        reqs = running_batch.reqs
-        if all(req.finished() for req in reqs):
+        left = [req for req in running_batch.reqs if not req.finished()]
+        if not left:
             return True
         if self.finishing_in_flight is None:
             return False
         ending = {id(req) for req in self.finishing_in_flight(running_batch)}
-        return bool(ending) and all(req.finished() or id(req) in ending for req in reqs)
+        return all(id(req) in ending for req in left)
 
     def _quiet(self) -> bool:
         """Single rank, nothing to install: no decision received, nobody paused or waiting to
