@@ -144,8 +144,10 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvplane:pauses_skipped_total", "counter", "pause attempts",
                "Pauses of decoding requests the plan asked for and a step boundary did not apply, by reason: finishing (the "
                "request's last token comes in the next step, or the step in flight under the overlap loop: "
-               "finishing frees its KV sooner) or a batch feature whose per-request state cannot be split "
-               "off (custom logit processor, speculative decoding, encoder-decoder; penalties split with the row). "
+               "finishing frees its KV sooner), a batch feature whose per-request state cannot be split "
+               "off (custom logit processor, speculative decoding, encoder-decoder; penalties split with the row), "
+               "or would_idle (it would take the last running request not ending, and the boundary would resume "
+               "it at once rather than idle). "
                "The pause stays deferred and is retried at each boundary while its request runs",
                scope="source", label="reason", label_values=PAUSE_SKIP_REASONS),
     MetricSpec("kvplane:deposit_tokens", "gauge", "tokens",

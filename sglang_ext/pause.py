@@ -28,7 +28,9 @@ finishes, and parking it would only write its KV back to host memory for one mor
 Grammar-constrained requests are paused: in SGLang 0.5.23 a request's grammar lives on the
 request (``req.grammar``), each forward derives its grammars and vocab mask from the batch's
 requests, and ``filter_batch`` / ``merge_batch`` recompute ``has_grammar``
-(``test_pause_server.py``: regex-constrained requests paused, resumed, vanilla's output). Skipped pauses are counted by reason (:data:`PAUSE_SKIP_REASONS`,
+(``test_pause_server.py``: regex-constrained requests paused, resumed, vanilla's output). A pause that would take the last running request
+the next batch keeps is skipped as ``would_idle`` (the step boundary's ``keep_one_of``: its rule
+would resume it at once rather than idle). Skipped pauses are counted by reason (:data:`PAUSE_SKIP_REASONS`,
 ``kvplane:pauses_skipped_total``); the control plane's pause stays deferred, retried at each
 boundary, and is dropped when the request is gone.
 
@@ -39,7 +41,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +53,7 @@ log = structlog.get_logger(__name__)
 
 
 PAUSE_SKIP_REASONS: tuple[str, ...] = (
-    "finishing", "custom_logit_processor", "speculative_decoding", "encoder_decoder",
+    "finishing", "custom_logit_processor", "speculative_decoding", "encoder_decoder", "would_idle",
 )
 """Why a pause the plan asked for was not applied (:attr:`PauseManager.skipped`)."""
 WARNED_MAX = 4096
@@ -149,10 +151,17 @@ class PauseManager:
         return len(self._parked)
 
     # ---- pause ---------------------------------------------------------------------------
-    def pause(self, running_batch: Any, rids: Iterable[str], step: int) -> list[str]:
+    def pause(
+        self, running_batch: Any, rids: Iterable[str], step: int, keep_one_of: Collection[int] | None = None,
+    ) -> list[str]:
         """Split ``rids`` off ``running_batch`` (in place) and park them; returns those paused.
         Only requests decoding in the batch count: a pause of one prefilling, finishing, aborted
-        or unknown is neither applied nor counted (it stays deferred by the boundary)."""
+        or unknown is neither applied nor counted (it stays deferred by the boundary).
+
+        ``keep_one_of``: the ``id()`` of the running requests that keep the next batch non-empty
+        (the step boundary's rule: an empty one resumes every parked request rather than idle).
+        A pause that would take the last of them is skipped as ``would_idle`` -- it would be
+        undone at the same boundary, after a write-back for nothing. None: no such rule."""
         self.last_skipped = {}
         wanted = [rid for rid in dict.fromkeys(rids) if rid not in self._parked]
         if not wanted or running_batch is None or running_batch.is_empty():
@@ -172,11 +181,17 @@ class PauseManager:
                 log.warning("pause_skipped", rids=new, reason=reason)
             return []
         done: list[str] = []
+        keep = None if keep_one_of is None else set(keep_one_of)
         for rid in found:
             req = decoding[rid]
             if self._finishing(req):
                 self._skip("finishing", 1)
                 continue
+            if keep is not None and id(req) in keep:
+                if len(keep) == 1:
+                    self._skip("would_idle", 1)
+                    continue
+                keep.discard(id(req))
             idx = running_batch.reqs.index(req)
             taken = copy.copy(running_batch)
             taken.sampling_info = split_sampling_info(running_batch.sampling_info, taken)

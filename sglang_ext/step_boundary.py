@@ -10,7 +10,8 @@ Called AROUND ``Scheduler.get_next_batch_to_run`` (:mod:`sglang_ext.scheduler_ho
   requests, pauses / resumes requests keeping their KV (:class:`~sglang_ext.pause.PauseManager`).
   Local rules: the running batch is never left empty while requests are parked (they are all
   resumed; under the overlap loop a request its in-flight step finishes by length counts as
-  gone), so paused KV never idles a server; without a control plane (fallback) nothing is
+  gone), so paused KV never idles a server, and a pause that would empty it is skipped
+  (``would_idle``) rather than undone at once; without a control plane (fallback) nothing is
   paused and every parked request is resumed, since only the controller would resume them. A quiet single-rank boundary (nothing received,
   nobody paused or waiting to be, the fallback state unchanged) installs nothing.
 * :meth:`StepBoundary.after_schedule` (SGLang allocated this step's KV): the residency wants go
@@ -51,11 +52,15 @@ _QUIET_BOUNDARY: Mapping[str, Any] = MappingProxyType({
 """What a boundary that installs nothing did (copied per step: the stats line extends it)."""
 
 _LISTS = ("admitted_now", "paused_now", "resumed_now")
+_LEVELS = frozenset({"shortfall_layer_pages"})
+"""Install fields that are a state after the install, not a count of moves: the latest one holds
+(two boundaries leaving the same pages short are not twice as short)."""
 
 
 def merged_record(first: Mapping[str, Any], then: Mapping[str, Any]) -> dict[str, Any]:
     """Two boundaries' records as one: requests admitted, paused and resumed in order, skipped
-    pauses and install moves summed by key, decisions joined, ``fallback`` the latest."""
+    pauses and install moves summed by key (a level, :data:`_LEVELS`, the latest), decisions
+    joined, ``fallback`` the latest."""
     out = dict(first)
     out.update(then)
     for key in _LISTS:
@@ -64,7 +69,8 @@ def merged_record(first: Mapping[str, Any], then: Mapping[str, Any]) -> dict[str
     for key in ("pauses_skipped", "install_delta"):
         a, b = first.get(key), then.get(key)
         if a and b:
-            out[key] = {k: a.get(k, 0) + b.get(k, 0) for k in dict.fromkeys([*a, *b])}
+            out[key] = {k: b[k] if k in _LEVELS and k in b else a.get(k, 0) + b.get(k, 0)
+                        for k in dict.fromkeys([*a, *b])}
         elif key in out:
             out[key] = a or b
     decisions = [d for d in (first.get("decision"), then.get("decision")) if d]
@@ -167,7 +173,13 @@ class StepBoundary:
         self.admission.admit(install.admit)
         self.admission.open = install.fallback
         deferred = self.inbox.deferred_pause
-        paused = self.pauser.pause(running_batch, install.pause, step + 1)
+        refill = last_batch is not None and not last_batch.is_empty() and last_batch.forward_mode.is_extend()
+        # the running requests the next batch keeps (asked once): none left while some are parked
+        # resumes them all rather than idle (below), so a pause that would take the last of them
+        # is skipped (would_idle) -- unless a refill or a resume in this install keeps it going
+        live = None if refill or not (install.pause or len(self.pauser)) else self._live(running_batch)
+        guard = None if live is None or install.resume else live
+        paused = self.pauser.pause(running_batch, install.pause, step + 1, keep_one_of=guard)
         for rid in paused:
             deferred.pop(rid, None)
         running_batch, resumed = self.pauser.resume(running_batch, install.resume)
@@ -179,8 +191,7 @@ class StepBoundary:
             if len(self.pauser):
                 running_batch, more = self.pauser.resume_all(running_batch)
                 resumed += more
-        refill = last_batch is not None and not last_batch.is_empty() and last_batch.forward_mode.is_extend()
-        if len(self.pauser) and not refill and self._all_ending(running_batch):
+        if len(self.pauser) and live is not None and not resumed and live.isdisjoint(map(id, running_batch.reqs)):
             # idle (finished requests are filtered next): resume everyone rather than idle
             running_batch, more = self.pauser.resume_all(running_batch)
             resumed += more
@@ -203,18 +214,17 @@ class StepBoundary:
         }
         return running_batch
 
-    def _all_ending(self, running_batch: Any) -> bool:
-        """Every running request finished, or finishes by length in the step in flight (the
-        overlap loop): the next batch would be empty. Without the second case the overlap loop
-        idled one iteration (no batch; SGLang skips decoding while the in-flight step finishes
-        them) before the parked requests were resumed."""
-        left = [req for req in running_batch.reqs if not req.finished()]
-        if not left:
-            return True
-        if self.finishing_in_flight is None:
-            return False
-        ending = {id(req) for req in self.finishing_in_flight(running_batch)}
-        return all(id(req) in ending for req in left)
+    def _live(self, running_batch: Any) -> set[int]:
+        """The ``id()`` of the running requests the next batch keeps: not finished, and not
+        finished by length in the step in flight (the overlap loop). Empty: the next batch would
+        be empty. Without the second case the overlap loop idled one iteration (no batch; SGLang
+        skips decoding while the in-flight step finishes them) before the parked requests were
+        resumed."""
+        left = {id(req): req for req in running_batch.reqs if not req.finished()}
+        if left and self.finishing_in_flight is not None:
+            for req in self.finishing_in_flight(running_batch):
+                left.pop(id(req), None)
+        return set(left)
 
     def _quiet(self) -> bool:
         """Single rank, nothing to install: no decision received, nobody paused or waiting to

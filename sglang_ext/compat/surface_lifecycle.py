@@ -34,15 +34,16 @@ rows and the KV allocator), weight updates, HiCache attach / detach and the heal
 scheduler with parked requests is not idle."""
 SCHEDULER_UPDATE_RUNNING_BATCH = Target(f"{_SCHEDULER}.update_running_batch", params=("self", "batch"),
                                         used_by=("parked_lifecycle",))
-SCHEDULER_FINISHING_INFLIGHT = Target(f"{_SCHEDULER}._reqs_finishing_inflight", params=("self", "batch"),
-                                      used_by=("parked_lifecycle", "scheduler_hooks", "step_boundary"))
-"""Under the overlap loop, the requests whose in-flight step finishes them by length: SGLang drops
-them before its memory check and skips a full step while any is there; a boundary whose running
-requests all end so resumes the parked ones (``StepBoundary._all_ending``)."""
 """Before a decode step: when the KV pool cannot hold the step (``check_decode_mem``) it retracts
 running requests (``ScheduleBatch.retract_decode``), longest first, and aborts the last one left
 ("out of memory even after retracting all other requests"); parked requests, holding their KV
 slots, are merged back first so that the retraction chooses among them too."""
+SCHEDULER_FINISHING_INFLIGHT = Target(f"{_SCHEDULER}._reqs_finishing_inflight", params=("self", "batch"),
+                                      used_by=("parked_lifecycle", "scheduler_hooks", "step_boundary"))
+"""Under the overlap loop, the requests whose in-flight step finishes them by length: SGLang drops
+them before its memory check and skips a full step while any is there; a boundary whose running
+requests all end so resumes the parked ones, and skips a pause that would take the last one
+left (``StepBoundary._live``, ``would_idle``)."""
 BATCH_CHECK_DECODE_MEM = Target("sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem", params=("self",),
                                 used_by=("parked_lifecycle",))
 SCHEDULER_PREFILL_ADDER_CLASS = Target(f"{_SCHEDULER}.get_prefill_adder_class", params=("self",),

@@ -82,6 +82,19 @@ def test_merged_records_sum_moves_and_keep_the_latest_fallback():
     assert merged_record(then, first)["fallback"] is True  # control: the later record's fallback wins
 
 
+def test_a_shortfall_is_a_level_the_latest_install_holds_not_a_sum():
+    """``shortfall_layer_pages`` is what an install left short, a state: two carried installs that
+    both left the same 5 pages short merge to 5 (summed, the stats line read 10 -- the negative
+    control: drop ``_LEVELS`` and this fails). The latest holds, also when it is 0 (it fitted);
+    moves beside it are still summed, and an install without the field keeps the earlier one."""
+    short = {"install_delta": {"shortfall_layer_pages": 5, "loaded_layer_pages": 2}}
+    assert merged_record(short, short)["install_delta"] == {"shortfall_layer_pages": 5, "loaded_layer_pages": 4}
+    fitted = {"install_delta": {"shortfall_layer_pages": 0, "loaded_layer_pages": 1}}
+    assert merged_record(short, fitted)["install_delta"] == {"shortfall_layer_pages": 0, "loaded_layer_pages": 3}
+    moves = {"install_delta": {"loaded_layer_pages": 1}}
+    assert merged_record(short, moves)["install_delta"] == {"shortfall_layer_pages": 5, "loaded_layer_pages": 3}
+
+
 def test_nothing_is_carried_where_no_stats_line_takes_the_records():
     """Without a stats file (and on every TP rank but 0) no line ever calls :meth:`take_record`:
     the boundaries carry nothing, so a long-running server's boundary does not grow with every

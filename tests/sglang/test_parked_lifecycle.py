@@ -124,7 +124,67 @@ def test_parked_requests_resume_when_the_step_in_flight_ends_every_running_one(e
         assert boundary.take_record()["resumed_now"] == ["p"]
     else:
         assert rids == ["a", "b"] and boundary.pauser.paused_ids == ("p",)
-    assert seen and all(batch == ["a", "b"] for batch in seen)  # asked of the running batch only
+    assert seen == [["a", "b", "p"], ["a", "b"]]  # once a boundary, of the running batch only
+
+
+def _pause_beside(ending: tuple[str, ...], pause: tuple[str, ...], *, refill: bool = False,
+                  resume_too: bool = False) -> tuple[StepBoundary, _Batch, dict]:
+    """Running a and p (and q parked when ``resume_too``); the step in flight ends ``ending``;
+    the plan pauses ``pause`` (and resumes q): one boundary -> (boundary, running batch, record)."""
+    boundary = StepBoundary(tp=TpSync(0, 1), installer=PlacementInstaller(None, 4), pauser=PauseManager(),
+                            admission=AdmissionGate(enabled=False), inbox=DecisionInbox(), client=FakeClient(),
+                            pages_of=lambda r: (), keep_record=True,
+                            finishing_in_flight=lambda batch: [r for r in batch.reqs if r.rid in ending])
+    running = _batch(_req("a"), _req("p"))
+    if resume_too:
+        running.reqs.append(_req("q"))
+        boundary.inbox.receive([_decision(pause=("q",))])
+        running = boundary.apply(running, running, 0)
+        assert boundary.pauser.paused_ids == ("q",)
+        boundary.take_record()
+    last = _batch(_req("new")) if refill else running
+    if refill:
+        last.forward_mode = SimpleNamespace(is_extend=lambda: True)
+    boundary.inbox.receive([_decision(pause=pause, resume=("q",) if resume_too else ())])
+    running = boundary.apply(running, last, 1)
+    return boundary, running, boundary.take_record()
+
+
+@pytest.mark.parametrize("ending", [("a",), ()], ids=["the-other-ends-in-flight", "control-none-ending"])
+def test_a_pause_that_would_leave_nobody_running_is_skipped_as_would_idle(ending):
+    """a ends in the step in flight and the plan pauses p, the only other running request: paused,
+    the next batch would be empty, and the idle rule would resume p at the same boundary (a
+    write-back for nothing, a pause and a resume on one record). The pause is skipped
+    (``would_idle``) and stays deferred. Negative control (before the rule): the record read
+    ``paused_now == resumed_now == ['p']``. Control: with nobody ending, p is parked."""
+    boundary, running, record = _pause_beside(ending, ("p",))
+    if ending:
+        assert (record["paused_now"], record["resumed_now"]) == ([], [])
+        assert record["pauses_skipped"] == {"would_idle": 1}
+        assert [r.rid for r in running.reqs] == ["a", "p"] and "p" in boundary.inbox.deferred_pause
+        assert boundary.pauser.skipped == {"would_idle": 1}
+    else:
+        assert (record["paused_now"], record["resumed_now"], record["pauses_skipped"]) == (["p"], [], {})
+        assert [r.rid for r in running.reqs] == ["a"] and boundary.pauser.paused_ids == ("p",)
+
+
+def test_pausing_every_running_request_keeps_one_running():
+    """The plan pauses both running requests, none ending: a is parked, p (the last) is kept
+    running (``would_idle``) rather than both parked and resumed at once."""
+    boundary, running, record = _pause_beside((), ("a", "p"))
+    assert (record["paused_now"], record["resumed_now"]) == (["a"], [])
+    assert record["pauses_skipped"] == {"would_idle": 1} and [r.rid for r in running.reqs] == ["p"]
+
+
+@pytest.mark.parametrize("keeps", ["refill", "resume"])
+def test_a_refill_or_a_resume_in_the_same_install_lets_the_last_running_request_pause(keeps):
+    """Controls of the rule: a prefill batch that joins next (refill), or a parked request the same
+    install resumes, keeps the next batch non-empty -- p is parked although a ends in flight."""
+    boundary, running, record = _pause_beside(("a",), ("p",), refill=keeps == "refill",
+                                              resume_too=keeps == "resume")
+    assert record["paused_now"] == ["p"] and record["pauses_skipped"] == {}
+    assert record["resumed_now"] == (["q"] if keeps == "resume" else [])
+    assert boundary.pauser.paused_ids == ("p",)
 
 
 def test_admits_are_remembered_only_while_the_gate_is_on():
