@@ -378,3 +378,50 @@ def test_the_load_snapshot_counts_parked_requests_as_running(monkeypatch):
     bare = SimpleNamespace(_kvplane=None, running_batch=sched.running_batch, load_inquirer=None)
     parked_lifecycle.around_init_load_inquirer(sglang_init, bare)
     assert bare.load_inquirer.get_loads().num_running_reqs == 2
+
+
+class _OverlapScheduler:
+    """The two fields SGLang's own ``_reqs_finishing_inflight`` reads, and that method itself
+    (``compat.SCHEDULER_FINISHING_INFLIGHT``, resolved from SGLang, not restated)."""
+
+    def __init__(self, overlap: bool, in_flight: list) -> None:
+        from collections import deque
+
+        from sglang_ext.compat.checker import resolve
+
+        self.enable_skip_finishing_decode = overlap  # set by SGLang's event_loop_overlap only
+        self.result_queue = deque([(SimpleNamespace(reqs=in_flight), None)])  # the step in flight
+        self._reqs_finishing_inflight = resolve(compat.SCHEDULER_FINISHING_INFLIGHT.path).__get__(self)
+
+
+@pytest.mark.parametrize("case", ["overlap", "control-normal-loop", "control-not-in-flight"])
+def test_sglangs_own_in_flight_finishing_drives_the_would_idle_rule(case):
+    """The wiring ``scheduler_hooks`` installs (``getattr(scheduler, "_reqs_finishing_inflight")``)
+    with SGLang's real method and real ``Req`` objects: a's in-flight step commits its last token
+    (``max_new_tokens``), so pausing p, the only other running request, is skipped (would_idle).
+    Controls: the normal loop (SGLang's method answers [] there), or a not in the step in
+    flight -- p is parked."""
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    a = Req("a", "", array("i", [1, 2, 3]), SamplingParams(max_new_tokens=4))
+    a.output_ids = [5, 6, 7]  # the step in flight commits the 4th: a finishes by length
+    p = Req("p", "", array("i", [1, 2, 3]), SamplingParams(max_new_tokens=64))
+    p.output_ids = [5]
+    scheduler = _OverlapScheduler(case != "control-normal-loop", [p] if case == "control-not-in-flight" else [a, p])
+    boundary = StepBoundary(tp=TpSync(0, 1), installer=PlacementInstaller(None, 4), pauser=PauseManager(),
+                            admission=AdmissionGate(enabled=False), inbox=DecisionInbox(), client=FakeClient(),
+                            pages_of=lambda r: (), keep_record=True,
+                            finishing_in_flight=getattr(scheduler, "_reqs_finishing_inflight", None))
+    running = _batch(a, p)
+    boundary.inbox.receive([_decision(pause=("p",))])
+    running = boundary.apply(running, running, 0)
+    record = boundary.take_record()
+    if case == "overlap":
+        assert record["pauses_skipped"] == {"would_idle": 1} and record["paused_now"] == []
+        assert [r.rid for r in running.reqs] == ["a", "p"]
+    else:
+        assert record["paused_now"] == ["p"] and record["pauses_skipped"] == {}
+        assert [r.rid for r in running.reqs] == ["a"]
