@@ -20,7 +20,9 @@ below:
 
 A refusal names the ``--kv-gpu-budget-tokens`` that holds every layer of ``--max-total-tokens``
 (:meth:`HostPoolFloor.identity_hint`): with it the launcher knows the identity layout, and the
-scheduler refuses it where the device cannot hold it.
+scheduler refuses it where the device cannot hold it. On ``--device cpu`` the device pool is host
+memory too, so the launcher names it only where every layer fits this host's memory; elsewhere
+the refusal says that no budget helps.
 
 The page size defaults to 1 when not given (SGLang's default; a larger page only adds padding,
 so the floor stays a lower bound). Bytes per value: 2 with ``--kv-cache-dtype bf16``, else the

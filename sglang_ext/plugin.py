@@ -320,20 +320,31 @@ class KvplanePlugin:
             floor = HostPoolFloor.from_model_config(model_config, server_args)
         except Exception:  # an unreadable model config: SGLang reports it itself, with its reason
             return
-        on_device = floor.on_device(layered.kv_gpu_budget_tokens)  # no host pool (identity layout)
+        budget, cpu = layered.kv_gpu_budget_tokens, str(server_args.device) == "cpu"
+        on_device = floor.on_device(budget)  # no host pool (identity layout)
+
+        def fits_host(tokens: int | None) -> None:  # without a cap: what this host can pin
+            here = floor.on_device(tokens)
+            host_pool_limit(0 if here else floor.min_bytes, None, share.available_bytes if share else None,
+                            share=share, device_in_host_bytes=floor.device_min_bytes(tokens) if cpu else 0,
+                            what=("no host pool: every layer on the device" if here else
+                                  f"every layer of --max-total-tokens {floor.max_total_tokens}"))
+
         try:
             if layered.kv_host_pool_gb is not None and not on_device:
                 floor.check(layered.kv_host_pool_gb)
             elif layered.kv_host_pool_gb is None and floor.max_total_tokens is not None:
-                cpu = str(server_args.device) == "cpu"
-                device = floor.device_min_bytes(layered.kv_gpu_budget_tokens) if cpu else 0
-                host_pool_limit(0 if on_device else floor.min_bytes, None, share.available_bytes if share else None,
-                                share=share,
-                                device_in_host_bytes=device,
-                                what=("no host pool: every layer on the device" if on_device else
-                                      f"every layer of --max-total-tokens {floor.max_total_tokens}"))
+                fits_host(budget)
         except ValueError as exc:
-            _refuse_launch(f"invalid launch option: {exc}{floor.identity_hint(layered.kv_gpu_budget_tokens)}")
+            hint = floor.identity_hint(budget)
+            if hint and cpu and layered.kv_host_pool_gb is None:  # the device pool is host memory too:
+                try:  # name the budget only where its launch passes this check
+                    fits_host(floor.on_device_budget)
+                except ValueError:
+                    hint = ("; on --device cpu the device KV pool is host memory too, and every layer of "
+                            f"--max-total-tokens {floor.max_total_tokens} does not fit there either: no "
+                            "--kv-gpu-budget-tokens helps, lower --max-total-tokens")
+            _refuse_launch(f"invalid launch option: {exc}{hint}")
 
     def around_stream_one_response(self, original: Any, *args: Any, **kwargs: Any) -> Any:
         """AROUND ``TokenizerManager._stream_one_response``: with ``--kv-pacing on`` paced streaming

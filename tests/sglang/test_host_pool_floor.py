@@ -141,3 +141,41 @@ def test_a_refused_host_pool_names_the_budget_that_declares_the_device_holds_it(
         assert f"pass --kv-gpu-budget-tokens {every} (every layer of it)" in err, err
     check(model, args, LayeredKVArgs(enable_layered_kv=True, kv_gpu_budget_tokens=every), small_host)
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("room", ["budget-fits", "nothing-fits"])
+def test_on_cpu_the_hint_names_the_budget_only_where_its_launch_would_pass(capsys, room) -> None:
+    """On --device cpu the device KV pool is host memory too: the identity budget moves every
+    layer of --max-total-tokens from the host pool into the device pool, both in this host's
+    memory. Where that fits (the two pools together did not), the refusal names the budget and
+    a launch with it passes; where every layer alone does not fit, naming it only led to a
+    second refusal -- the refusal says no budget helps (negative control: before, the hint was
+    there and the relaunch was refused again)."""
+    pytest.importorskip("sglang")
+    from types import SimpleNamespace
+
+    from sglang_ext.args import LayeredKVArgs
+    from sglang_ext.dataplane.host_memory_share import HostMemoryShare
+    from sglang_ext.plugin import KvplanePlugin
+
+    floor = HostPoolFloor(**TINY, page_size=16, max_total_tokens=4096)
+    every = floor.on_device_budget
+    model = SimpleNamespace(num_hidden_layers=4, get_num_kv_heads=lambda tp: 2, head_dim=16, dtype=SimpleNamespace(itemsize=2))
+    args = SimpleNamespace(kv_cache_dtype="auto", tp_size=1, page_size=16, max_total_tokens=4096, device="cpu")
+    check = KvplanePlugin._check_host_pool_floor
+    # 0.8 of it: 1.5x every layer (both pools need 2x), or 0.75x (every layer alone does not fit)
+    available = int(floor.min_bytes * (1.5 if room == "budget-fits" else 0.75) / 0.8)
+    host = HostMemoryShare.at_launch(tp_size=1, pp_size=1, dp_size=1, nnodes=1, available=available)
+    with pytest.raises(SystemExit):
+        check(model, args, LayeredKVArgs(enable_layered_kv=True), host)
+    err = capsys.readouterr().err
+    relaunch = LayeredKVArgs(enable_layered_kv=True, kv_gpu_budget_tokens=every)
+    if room == "budget-fits":
+        assert f"pass --kv-gpu-budget-tokens {every}" in err, err
+        check(model, args, relaunch, host)
+        assert capsys.readouterr().err == ""
+    else:
+        assert "--kv-gpu-budget-tokens" in err and f"pass --kv-gpu-budget-tokens {every}" not in err, err
+        assert "no --kv-gpu-budget-tokens helps, lower --max-total-tokens" in err, err
+        with pytest.raises(SystemExit):  # what the hint would have led to
+            check(model, args, relaunch, host)
