@@ -42,8 +42,8 @@ from sglang_ext.compat import MHATokenToKVPool, unwrap_write_loc
 from sglang_ext.dataplane.host_pool import available_host_bytes, host_pool_limit
 from sglang_ext.dataplane.layer_page_moves import LayerPageMoves
 from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
-from sglang_ext.dataplane.slot_kv_store import SlotStoreConfig, layer_page_bytes
 from sglang_ext.dataplane.slot_results import RequestResidency, ResidencyDelta, ResidencyStats
+from sglang_ext.dataplane.slot_store_config import SlotStoreConfig, layer_page_bytes
 from sglang_ext.dataplane.step_tables import StepTables
 from sglang_ext.device_capacity import DeviceCapacity, budget_pages
 from sglang_ext.hooks import ResidencyEvent, ResidencyEventKind, ResidencyHooks

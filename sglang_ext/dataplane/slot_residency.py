@@ -1,29 +1,25 @@
 """SlotResidency: which (layer, page) of SGLang's slot space lives on the device, per step.
 
-Primitives (called at step boundaries only, on the scheduler thread):
-
-- ``update_residency(wants)`` -- install the plan's wanted residency per request.
-- ``observe(rid, pages)`` -- a request's current pages as the step sees them
-  (from ``req_to_token``); requests without a plan get the local fallback (all layers wanted).
-- ``release_request(rid)`` -- finished / aborted: its wants go; tree-owned pages stay.
-- ``reconcile()`` -- move data so the device holds what is wanted, within the budget.
-- ``mark_written(pages)`` -- these pages receive KV in the coming forward.
-- ``page_freed(pages)`` -- SGLang's allocator took the pages back.
+Primitives (step boundaries only, on the scheduler thread): ``update_residency(wants)``, the
+plan's wanted residency per request; ``observe(rid, pages)``, a request's pages as the step sees
+them (``req_to_token``; without a plan all layers are wanted); ``release_request(rid)``, finished
+or aborted: its wants go, tree-owned pages stay; ``reconcile()``, move data so the device holds
+what is wanted, within the budget; ``mark_written(pages)``, pages receiving KV in the coming
+forward; ``page_freed(pages)``, SGLang's allocator took them back.
 
 Rules (docs/sglang-integration.md, layered pool contract):
 
 - A layer-page is *wanted* iff some live, not paused request that uses the page wants that
   layer on the device (shared prefix pages: resident iff ANY live user wants them).
-- Unwanted resident layer-pages are dropped at the boundary, except those of paused requests
-  and those no live request uses any more (prefix-cache pages of finished requests): they are
-  *removable* and given up lazily, only when space is needed -- cached pages first, then paused
+- Unwanted resident layer-pages are dropped at the boundary, except those of paused requests and
+  those no live request uses any more (prefix-cache pages of finished requests): they are
+  *removable*, given up lazily, only when space is needed -- cached pages first, then paused
   requests oldest pause first; highest layer first (OrbitFlow "removable cache"). Keeping cached
-  prefixes on the device while there is room is what SGLang itself does, and saves a prefix hit
-  from reloading them.
-- When the wanted set does not fit: first removable pages go; then, for requests without a
-  plan, the local heuristic switches the highest layer of the largest request to host until
-  it fits (LayerKV §3: offload whole layers of the largest contexts first); what still does not
-  fit stays on host and is reported as shortfall. Never an exception, never lost KV.
+  prefixes while there is room is what SGLang does, and saves a prefix hit reloading them.
+- When the wanted set does not fit: first removable pages go; then, for requests without a plan,
+  the local heuristic switches the highest layer of the largest request to host until it fits
+  (LayerKV §3: offload whole layers of the largest contexts first); what still does not fit stays
+  on host, reported as shortfall. Never lost KV; a failed copy launch moves nothing (retried).
 - Data never moves during a step: the device pool holds at most ``device_pages`` layer-pages.
 """
 
@@ -269,13 +265,12 @@ class SlotResidency:
     def reconcile(self) -> ResidencyDelta:
         """Make the device hold the wanted layer-pages (within the budget); see module doc.
 
-        Fast path: when the only change since the last full pass is pages appended to known
-        requests (decode) and they fit with the staging reserve, they are placed directly (paused
-        requests' layers are given up only by the full pass, when they do not). The full one
-        looks at the pages whose wants changed since the last one (:class:`WantCounts`: the
-        others are settled) and, when space is short, at paused requests' pages too
-        (:class:`LivePages`); never at the other live pages or the pool.
-        """
+        Fast path: when the only change since the last full pass is pages appended to known requests
+        (decode) and they fit with the staging reserve, they are placed directly (paused requests'
+        layers are given up only by the full pass, when they do not). The full one looks at the
+        pages whose wants changed since the last one (:class:`WantCounts`: the others are settled)
+        and, when space is short, at paused requests' pages too (:class:`LivePages`); never at the
+        other live pages or the pool."""
         self.settle()
         fast = self._reconcile_appended()
         if fast is not None:
@@ -470,7 +465,12 @@ class SlotResidency:
         self.counts.mark_dirty(pages[room:])  # wants left short: the next pass retries them
         layers, pages = layers[:room], pages[:room]
         copy = self.has_kv_np[pages]
-        self.store.onload(layers, pages, copy)
+        try:
+            self.store.onload(layers, pages, copy)
+        except BaseException:  # nothing moved (SlotKVStore.onload): the next pass retries them all,
+            self.counts.mark_dirty(pages)  # and no step reads them as resident meanwhile
+            self._changed = True
+            raise
         self.counts.moved(pages, 1)
         return _by_layer(layers[copy], pages[copy]), int((~copy).sum()), shortfall
 

@@ -59,8 +59,8 @@ import torch
 
 from sglang_ext.dataplane.bench_env import describe_device, write_result
 from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
-from sglang_ext.dataplane.slot_kv_store import SlotStoreConfig
 from sglang_ext.dataplane.slot_results import RequestResidency
+from sglang_ext.dataplane.slot_store_config import SlotStoreConfig
 
 RESULTS_DIR = Path("benchmarks/results/core")
 LAYOUTS = ("identity", "paged", "paged-offload")

@@ -25,8 +25,8 @@ import torch
 from sglang_ext.dataplane.bench_env import sync
 from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
 from sglang_ext.dataplane.results import LayerView
-from sglang_ext.dataplane.slot_kv_store import SlotStoreConfig
 from sglang_ext.dataplane.slot_results import RequestResidency, ResidencyDelta
+from sglang_ext.dataplane.slot_store_config import SlotStoreConfig
 from sglang_ext.tools.gpu_check_config import GpuCheckConfig
 
 

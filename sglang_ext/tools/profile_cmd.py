@@ -39,7 +39,8 @@ from sglang_ext.dataplane.bench_env import (
     write_result,
 )
 from sglang_ext.dataplane.profile_schema import DeviceProfile
-from sglang_ext.dataplane.slot_kv_store import SlotKVStore, SlotStoreConfig
+from sglang_ext.dataplane.slot_kv_store import SlotKVStore
+from sglang_ext.dataplane.slot_store_config import SlotStoreConfig
 from sglang_ext.tools.served_batch import DecodeAttention, ServedBatch
 
 

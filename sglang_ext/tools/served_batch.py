@@ -21,8 +21,8 @@ import torch
 from sglang_ext.dataplane.attention import torch_layered_attention
 from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
 from sglang_ext.dataplane.results import LayerView
-from sglang_ext.dataplane.slot_kv_store import SlotStoreConfig
 from sglang_ext.dataplane.slot_results import RequestResidency, ResidencyDelta
+from sglang_ext.dataplane.slot_store_config import SlotStoreConfig
 
 
 class ServedBatch:

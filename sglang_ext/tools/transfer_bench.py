@@ -31,7 +31,8 @@ from sglang_ext.dataplane.bench_env import (
     time_ms,
     write_result,
 )
-from sglang_ext.dataplane.slot_kv_store import SlotKVStore, SlotStoreConfig
+from sglang_ext.dataplane.slot_kv_store import SlotKVStore
+from sglang_ext.dataplane.slot_store_config import SlotStoreConfig
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 

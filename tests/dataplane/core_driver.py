@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
-from sglang_ext.dataplane.slot_kv_store import SlotStoreConfig
 from sglang_ext.dataplane.slot_results import RequestResidency
+from sglang_ext.dataplane.slot_store_config import SlotStoreConfig
 
 LAYERS, HEADS, DIM, PAGE, PAGES = 3, 2, 4, 2, 33
 """Toy shapes: 33 logical pages of 2 tokens (page 0 is SGLang's padding page)."""

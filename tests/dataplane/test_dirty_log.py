@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from sglang_ext.dataplane.slot_kv_store import DIRTY_LOG_COMPACT, SlotKVStore, SlotStoreConfig
+from sglang_ext.dataplane.slot_kv_store import DIRTY_LOG_COMPACT, SlotKVStore
+from sglang_ext.dataplane.slot_store_config import SlotStoreConfig
 
 LAYERS, PAGES = 4, 40_000
 

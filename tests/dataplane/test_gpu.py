@@ -272,7 +272,7 @@ def test_cuda_store_without_a_host_tier_probes_its_scratch_and_moves_nothing():
     where the driver takes it: no fallback warning at start), and the offload scenario --
     offloads, a pause, a resume -- reads bit-exact with no byte copied."""
     from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
-    from sglang_ext.dataplane.slot_kv_store import SlotStoreConfig
+    from sglang_ext.dataplane.slot_store_config import SlotStoreConfig
 
     def core(host_tier: bool) -> LayeredKVCore:
         return LayeredKVCore(SlotStoreConfig(

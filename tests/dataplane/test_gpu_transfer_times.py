@@ -12,7 +12,7 @@ import torch
 
 from sglang_ext.dataplane.event_clock import EventClock
 from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
-from sglang_ext.dataplane.slot_kv_store import SlotStoreConfig
+from sglang_ext.dataplane.slot_store_config import SlotStoreConfig
 from tests.dataplane.core_driver import offloaded_driver
 
 pytestmark = [

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from sglang_ext.dataplane.graph_step_buffers import GraphStepBuffers
-from sglang_ext.dataplane.slot_kv_store import SlotKVStore, SlotStoreConfig
+from sglang_ext.dataplane.slot_kv_store import SlotKVStore
+from sglang_ext.dataplane.slot_store_config import SlotStoreConfig
 from sglang_ext.tools.gpu_check_config import SMALL
 from sglang_ext.tools.gpu_check_graph import GraphProbe
 from sglang_ext.tools.gpu_check_measure import CoreCheck

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
-from sglang_ext.dataplane.slot_kv_store import SlotStoreConfig
 from sglang_ext.dataplane.slot_results import RequestResidency
+from sglang_ext.dataplane.slot_store_config import SlotStoreConfig
 from tests.dataplane.core_driver import HEADS, LAYERS, PAGE, PAGES, CoreDriver, offload_scenario
 
 DIM = 4

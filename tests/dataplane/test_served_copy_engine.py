@@ -13,7 +13,7 @@ import torch
 
 from sglang_ext.dataplane import cuda_transfer_engine as cte
 from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
-from sglang_ext.dataplane.slot_kv_store import SlotStoreConfig
+from sglang_ext.dataplane.slot_store_config import SlotStoreConfig
 from tests.dataplane.core_driver import (
     DIM,
     HEADS,

@@ -22,7 +22,7 @@ TINY = {"layers": 4, "kv_heads": 2, "head_dim": 16, "dtype_bytes": 2}
 def test_floor_equals_the_pools_host_bytes(page_size: int, max_total_tokens: int) -> None:
     """With --max-total-tokens, the floor is the host pool SlotStoreConfig sizes for that pool."""
     torch = pytest.importorskip("torch")
-    from sglang_ext.dataplane.slot_kv_store import SlotStoreConfig
+    from sglang_ext.dataplane.slot_store_config import SlotStoreConfig
 
     floor = HostPoolFloor(**TINY, page_size=page_size, max_total_tokens=max_total_tokens)
     size = max_total_tokens // page_size * page_size  # SGLang page-aligns the pool's token count

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
-from sglang_ext.dataplane.slot_kv_store import SlotStoreConfig
 from sglang_ext.dataplane.slot_results import RequestResidency
+from sglang_ext.dataplane.slot_store_config import SlotStoreConfig
 from sglang_ext.layered_decode_graph import LayeredDecodeGraph
 
 LAYERS, PAGES = 2, 16

@@ -201,7 +201,7 @@ def test_copy_programs_flag_reaches_the_store():
                                layered_args=LayeredKVArgs(enable_layered_kv=True, kv_gpu_budget_tokens=200,
                                                           kv_copy_engine="triton"))
     assert kernels.store.config.copy_engine == "triton" and make_pool().store.config.copy_engine == "dma"
-    from sglang_ext.dataplane.slot_kv_store import SlotStoreConfig
+    from sglang_ext.dataplane.slot_store_config import SlotStoreConfig
 
     with pytest.raises(ValueError, match="copy_programs=0 must be None or an int >= 1"):
         SlotStoreConfig(layers=1, page_size=1, kv_heads=1, head_dim=1, logical_pages=1, device_pages=1,

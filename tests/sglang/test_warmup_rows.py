@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("sglang")
 
 from sglang_ext.dataplane.layered_kv_core import LayeredKVCore  # noqa: E402
-from sglang_ext.dataplane.slot_kv_store import SlotStoreConfig  # noqa: E402
+from sglang_ext.dataplane.slot_store_config import SlotStoreConfig  # noqa: E402
 from sglang_ext.layered_attention import _warmup_rows  # noqa: E402
 
 LAYERS, PS, ROWS = 4, 4, 5

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
-from sglang_ext.dataplane.slot_kv_store import SlotStoreConfig
+from sglang_ext.dataplane.slot_store_config import SlotStoreConfig
 from sglang_ext.tp_sync import PlacementInstaller, StepInstall
 
 LAYERS, PAGE, ROUNDS = 4, 16, 15

@@ -1,0 +1,45 @@
+"""A copy launch that raises at a step boundary (on CUDA: an out-of-memory error uploading the
+copy's index tensors, which the server survives) moves nothing and loses no KV: the layer-pages
+it was to load stay host-only with their KV there, the device pages taken for them are free
+again, no step reads them as resident, and the next reconciliation retries them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.dataplane.core_driver import LAYERS, PAGES, CoreDriver, make_core
+
+
+def _raise(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    raise RuntimeError("CUDA out of memory (injected into the copy launch)")
+
+
+@pytest.mark.parametrize("device_pages", [None, PAGES + 40], ids=["identity", "paged"])
+def test_a_failed_onload_moves_nothing_and_the_next_pass_retries_it(monkeypatch, device_pages):
+    """Layers 1 and 2 of a are offloaded; the plan wants them back and the H2D launch raises.
+    The error reaches the caller (the served boundary logs it and keeps serving), the map and
+    the free count are as before, and the next step reloads them and reads every token right
+    (inside every layer and at rest). Negative controls, by hand: without the store freeing
+    the device pages the free count drops by the pages taken (identity: 90 != 96); without the
+    residency marking the wants dirty again the next step leaves them on host (map -1)."""
+    driver = CoreDriver(make_core(device_pages), seed=3)
+    driver.add("a")
+    driver.step([("a", 5)])
+    driver.want("a", [True, False, False])
+    driver.step([("a", 1)])
+    store = driver.core.store
+    pages = np.array(driver.pages("a"))
+    assert (store.map_np[1:, pages] < 0).all()  # offloaded: the launch below has work to do
+    before = (store.map_np.copy(), store.allocator.free_count, store.h2d_bytes)
+    with monkeypatch.context() as patch:
+        patch.setattr(store.engine, "h2d", _raise)
+        with pytest.raises(RuntimeError, match="injected"):
+            driver.want("a", [True] * LAYERS)
+    assert np.array_equal(store.map_np, before[0])
+    assert (store.allocator.free_count, store.h2d_bytes) == before[1:]
+    assert not driver.core.residency.all_live_resident()
+    driver.step([("a", 1)])  # the retry: a plain step, no new want
+    pages = np.array(driver.pages("a"))
+    assert (store.map_np[:, pages] >= 0).all() and store.h2d_bytes > before[2]
+    driver.check_at_rest()
