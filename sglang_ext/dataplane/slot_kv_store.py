@@ -266,11 +266,9 @@ class SlotKVStore:
     def sync_dirty(self) -> int:
         """Write every dirty device layer-page back to host (background); return how many."""
         ids = self._dirty_ids()
+        if ids.size:  # a launch that raises clears no mark and keeps the log (retried next time)
+            self._write_back(*np.divmod(ids, self.config.logical_pages))
         self._dirty_log, self._dirty_logged, self._dirty_compact_at = [], 0, DIRTY_LOG_COMPACT
-        if not ids.size:
-            return 0
-        layers, pages = np.divmod(ids, self.config.logical_pages)
-        self._write_back(layers, pages)
         return int(ids.size)
 
     # ----- movement at step boundaries ------------------------------------------

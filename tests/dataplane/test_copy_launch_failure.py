@@ -43,3 +43,23 @@ def test_a_failed_onload_moves_nothing_and_the_next_pass_retries_it(monkeypatch,
     pages = np.array(driver.pages("a"))
     assert (store.map_np[:, pages] >= 0).all() and store.h2d_bytes > before[2]
     driver.check_at_rest()
+
+
+def test_a_failed_eager_write_back_keeps_every_mark_for_the_next_one(monkeypatch):
+    """The eager write-back's D2H launch raises: no dirty mark is cleared and the dirty log is
+    kept, so the next write-back copies the same layer-pages. Negative control (the log reset
+    before the launch, as it was): the log lost all 9 marks, which no eager write-back found again."""
+    driver = CoreDriver(make_core(None), seed=4)
+    driver.add("a")
+    driver.step([("a", 5)])
+    store = driver.core.store
+    dirty = store._dirty_ids()
+    assert dirty.size
+    with monkeypatch.context() as patch:
+        patch.setattr(store.engine, "d2h", _raise)
+        with pytest.raises(RuntimeError, match="injected"):
+            store.sync_dirty()
+    assert np.array_equal(store._dirty_ids(), dirty) and store.d2h_bytes == 0
+    assert store.sync_dirty() == dirty.size and store.d2h_bytes > 0
+    assert store._dirty_ids().size == 0
+    driver.check_at_rest()
