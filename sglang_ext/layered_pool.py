@@ -158,7 +158,7 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
                         what=(f"every layer of {logical_pages} pages of {self.page_size} tokens" if not identity
                               else "the copy engine's one-page scratch (no host tier)"),
                         device_in_host_bytes=config.device_bytes if config.device == "cpu" else 0,
-                        share=settings.read_host_memory())
+                        share=settings.read_host_memory(), host_tier=not identity)
         self.core = LayeredKVCore(config, on_moves=self._emit_moves)
         self.store = self.core.store
         # SGLang's own one-launch KV write on CUDA (None elsewhere: two index_copy_ a layer)

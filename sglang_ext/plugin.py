@@ -327,6 +327,7 @@ class KvplanePlugin:
             here = floor.on_device(tokens)
             host_pool_limit(0 if here else floor.min_bytes, None, share.available_bytes if share else None,
                             share=share, device_in_host_bytes=floor.device_min_bytes(tokens) if cpu else 0,
+                            host_tier=not here,
                             what=("no host pool: every layer on the device" if here else
                                   f"every layer of --max-total-tokens {floor.max_total_tokens}"))
 

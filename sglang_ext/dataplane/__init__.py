@@ -11,7 +11,7 @@ from typing import Any
 
 _EXPORTS = {
     "LayeredKVCore": "sglang_ext.dataplane.layered_kv_core",
-    "SlotStoreConfig": "sglang_ext.dataplane.slot_kv_store",
+    "SlotStoreConfig": "sglang_ext.dataplane.slot_store_config",
     "StepTables": "sglang_ext.dataplane.step_tables",
     "LayerView": "sglang_ext.dataplane.results",
     "torch_layered_attention": "sglang_ext.dataplane.attention",

@@ -42,14 +42,18 @@ CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91
 
 
 def host_pool_limit(needed_bytes: int, cap_gb: float | None, available: int | None,
-                    *, what: str, device_in_host_bytes: int = 0, share: HostMemoryShare | None = None) -> None:
+                    *, what: str, device_in_host_bytes: int = 0, share: HostMemoryShare | None = None,
+                    host_tier: bool = True) -> None:
     """Raise ValueError, with the figures and the remedy, when the host pool of ``needed_bytes``
     (``what`` says what it holds) exceeds ``--kv-host-pool-gb`` (``cap_gb``) or, without one,
     :data:`AVAILABLE_SHARE` of the host's ``available`` memory -- together with the device pool
     when that lives in host memory too (``device_in_host_bytes``: ``--device cpu``, where a
     launch without ``--max-total-tokens`` sized both pools from the same free memory and the
     scheduler was killed for memory) -- or when the pools of the ``share.ranks`` scheduler
-    processes of the launch on this host exceed that share of what it had at launch."""
+    processes of the launch on this host exceed that share of what it had at launch.
+    ``host_tier`` False: every layer is on the device (no host pool, or only the copy engine's
+    scratch page), so a smaller device budget would add a host pool, not save memory: the
+    combined refusal does not suggest one."""
     need = needed_bytes / GB
     if cap_gb is not None:
         if needed_bytes > cap_gb * GB:
@@ -72,6 +76,13 @@ def host_pool_limit(needed_bytes: int, cap_gb: float | None, available: int | No
             f"({share.available_bytes / GB:.3f} GB, cgroup memory limits counted); lower --max-total-tokens "
             "(or set --kv-host-pool-gb to override the check)"
         )
+    # the host pool alone first: where it does not fit, no device budget helps
+    if available is not None and needed_bytes > AVAILABLE_SHARE * available:
+        raise ValueError(
+            f"the host KV pool must hold {what} = {need:.3f} GB, more than "
+            f"{AVAILABLE_SHARE:.0%} of the host's available memory ({available / GB:.3f} GB, cgroup "
+            "memory limits counted); lower --max-total-tokens (or set --kv-host-pool-gb to override the check)"
+        )
     if available is not None and device_in_host_bytes and (
         needed_bytes + device_in_host_bytes > AVAILABLE_SHARE * available
     ):
@@ -80,14 +91,8 @@ def host_pool_limit(needed_bytes: int, cap_gb: float | None, available: int | No
             f"the host KV pool ({what} = {need:.3f} GB) and the device KV pool, which on CPU is "
             f"host memory too ({device_in_host_bytes / GB:.3f} GB), need {both:.3f} GB, more than "
             f"{AVAILABLE_SHARE:.0%} of the host's available memory ({available / GB:.3f} GB); "
-            "lower --max-total-tokens or set --kv-gpu-budget-tokens (or set --kv-host-pool-gb to "
-            "override the check)"
-        )
-    if available is not None and needed_bytes > AVAILABLE_SHARE * available:
-        raise ValueError(
-            f"the host KV pool must hold {what} = {need:.3f} GB, more than "
-            f"{AVAILABLE_SHARE:.0%} of the host's available memory ({available / GB:.3f} GB, cgroup "
-            "memory limits counted); lower --max-total-tokens (or set --kv-host-pool-gb to override the check)"
+            "lower --max-total-tokens" + (" or --kv-gpu-budget-tokens (a smaller device pool)" if host_tier else "")
+            + " (or set --kv-host-pool-gb to override the check)"
         )
 
 

@@ -385,9 +385,7 @@ class SlotResidency:
             self._changed = True
             return None
         h2d_before = self.store.h2d_bytes
-        copy = self.store.has_kv_np[pages]
-        self.store.onload(layers, pages, copy)
-        self.counts.moved(pages, 1)
+        copy = self._load(layers, pages)
         n_copy = int(np.count_nonzero(copy))
         self.last_moves = LayerPageMoves(offloaded={}, loaded=_by_layer(layers[copy], pages[copy]) if n_copy else {})
         return ResidencyDelta(loaded_layer_pages=n_copy, offloaded_layer_pages=0, removable_dropped_layer_pages=0,
@@ -395,22 +393,18 @@ class SlotResidency:
                               local_offloaded_layers=0, h2d_bytes=self.store.h2d_bytes - h2d_before, d2h_bytes=0)
 
     def _place_new_identity(self, pages: np.ndarray) -> ResidencyDelta | None:
-        """Identity layout, every layer wanted: the usual decode step. New pages without KV that
-        are on host at every layer go to their fixed device pages ``l * P + p`` in one indexed
-        write; anything else (prefix pages already placed, pages holding KV) returns None and the
-        general append path handles it. NumPy: a handful of tiny ops per decode step."""
+        """Identity layout, every layer wanted (the usual decode step): new pages without KV, on host
+        at every layer, go to their device pages ``l * P + p`` in one indexed write; anything else
+        (prefix pages already placed, pages holding KV) returns None for the general append path."""
         if self.place_fresh_identity(pages) is None:
             return None
         self.last_moves = LayerPageMoves({}, {})
         return ResidencyDelta(0, 0, 0, self.layers * int(pages.size), 0, 0, 0, 0)
 
     def place_fresh_identity(self, pages: np.ndarray, *, distinct: bool = False) -> np.ndarray | None:
-        """Place every layer of these distinct new pages (no KV yet, on host at every layer) at
-        their fixed identity device pages and return those ids (``[L, n]``); None, changing
-        nothing, if any condition fails (``distinct``: the caller knows the pages are distinct).
-
-        Few NumPy calls: the map is read flat at the identity ids (``map[l, p]`` is element
-        ``l * P + p``)."""
+        """Place every layer of these distinct new pages (no KV yet, on host at every layer) at their
+        identity device pages and return those ids (``[L, n]``); None, changing nothing, if any
+        condition fails (``distinct``: the caller knows). The map is read flat at the ids."""
         store = self.store
         n = int(pages.size)
         if self.layers * n > store.allocator.free_count or (not distinct and has_repeats(pages)):
@@ -457,6 +451,19 @@ class SlotResidency:
         self.counts.moved(pages, -1)
         return _by_layer(layers, pages)
 
+    def _load(self, layers: np.ndarray, pages: np.ndarray) -> np.ndarray:
+        """Onload, copying the pages holding KV (returned). A launch that raises moves nothing: the
+        wants are marked again, the next pass is a full one, no step reads them as resident."""
+        copy = self.has_kv_np[pages]
+        try:
+            self.store.onload(layers, pages, copy)
+        except BaseException:
+            self.counts.mark_dirty(pages)
+            self._changed = True
+            raise
+        self.counts.moved(pages, 1)
+        return copy
+
     def _apply_needs(self, flat: np.ndarray, reserve: int) -> tuple[dict[int, list[int]], int, int]:
         """Onload the sorted flat ids (lower layers first) that fit beside ``reserve``."""
         layers, pages = np.divmod(flat, self.store.config.logical_pages)
@@ -464,14 +471,7 @@ class SlotResidency:
         shortfall = max(0, int(layers.size) - room)
         self.counts.mark_dirty(pages[room:])  # wants left short: the next pass retries them
         layers, pages = layers[:room], pages[:room]
-        copy = self.has_kv_np[pages]
-        try:
-            self.store.onload(layers, pages, copy)
-        except BaseException:  # nothing moved (SlotKVStore.onload): the next pass retries them all,
-            self.counts.mark_dirty(pages)  # and no step reads them as resident meanwhile
-            self._changed = True
-            raise
-        self.counts.moved(pages, 1)
+        copy = self._load(layers, pages)
         return _by_layer(layers[copy], pages[copy]), int((~copy).sum()), shortfall
 
     # ----- stats ----------------------------------------------------------------------

@@ -90,9 +90,10 @@ class TransferEngine:
         n = int(src_idx.shape[0])
         if n == 0:
             return None
-        self.stats.h2d_segments += n
+        event = self._launch("h2d", self.host, self.dev, src_idx, dst_idx, wait, host_idx)
+        self.stats.h2d_segments += n  # counted once launched (a launch that raises is not)
         self.stats.h2d_launches += 1
-        return self._launch("h2d", self.host, self.dev, src_idx, dst_idx, wait, host_idx)
+        return event
 
     def d2h(self, src_idx: torch.Tensor, dst_idx: torch.Tensor, wait: Sequence[Any] = (),
             host_idx: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
@@ -100,9 +101,10 @@ class TransferEngine:
         n = int(src_idx.shape[0])
         if n == 0:
             return None
+        event = self._launch("d2h", self.dev, self.host, src_idx, dst_idx, wait, host_idx)
         self.stats.d2h_segments += n
         self.stats.d2h_launches += 1
-        return self._launch("d2h", self.dev, self.host, src_idx, dst_idx, wait, host_idx)
+        return event
 
     def d2h_rows(self, src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor,
                  host_idx: tuple[np.ndarray, np.ndarray] | None = None, keep: tuple[torch.Tensor, ...] = ()) -> Any:
@@ -113,9 +115,10 @@ class TransferEngine:
         n = int(src_idx.shape[0])
         if n == 0:
             return None
+        event = self._launch("d2h", src, dst, src_idx, dst_idx, (), host_idx, keep)
         self.stats.d2h_rows += n
         self.stats.d2h_launches += 1
-        return self._launch("d2h", src, dst, src_idx, dst_idx, (), host_idx, keep)
+        return event
 
     def warm_pool_copies(self, map_row: torch.Tensor | None) -> None:
         """Prepare the copies between the pools (CUDA: compile their kernels at start, not at the
@@ -132,9 +135,10 @@ class TransferEngine:
         device; the others copy ``spec.indices()``."""
         if spec.segments == 0:
             return None
+        event = self._fetch(spec, wait)
         self.stats.h2d_segments += spec.segments
         self.stats.h2d_launches += 1
-        return self._fetch(spec, wait)
+        return event
 
     def _fetch(self, spec: PageFetch, wait: Sequence[Any]) -> Any:
         src, dst = spec.indices()

@@ -31,13 +31,13 @@ def test_a_failed_onload_moves_nothing_and_the_next_pass_retries_it(monkeypatch,
     store = driver.core.store
     pages = np.array(driver.pages("a"))
     assert (store.map_np[1:, pages] < 0).all()  # offloaded: the launch below has work to do
-    before = (store.map_np.copy(), store.allocator.free_count, store.h2d_bytes)
+    before = (store.map_np.copy(), store.allocator.free_count, store.h2d_bytes, store.engine.stats.h2d_launches)
     with monkeypatch.context() as patch:
-        patch.setattr(store.engine, "h2d", _raise)
+        patch.setattr(store.engine, "_launch", _raise)  # inside the engine's h2d, after its checks
         with pytest.raises(RuntimeError, match="injected"):
             driver.want("a", [True] * LAYERS)
     assert np.array_equal(store.map_np, before[0])
-    assert (store.allocator.free_count, store.h2d_bytes) == before[1:]
+    assert (store.allocator.free_count, store.h2d_bytes, store.engine.stats.h2d_launches) == before[1:]
     assert not driver.core.residency.all_live_resident()
     driver.step([("a", 1)])  # the retry: a plain step, no new want
     pages = np.array(driver.pages("a"))
@@ -56,10 +56,37 @@ def test_a_failed_eager_write_back_keeps_every_mark_for_the_next_one(monkeypatch
     dirty = store._dirty_ids()
     assert dirty.size
     with monkeypatch.context() as patch:
-        patch.setattr(store.engine, "d2h", _raise)
+        patch.setattr(store.engine, "_launch", _raise)
         with pytest.raises(RuntimeError, match="injected"):
             store.sync_dirty()
-    assert np.array_equal(store._dirty_ids(), dirty) and store.d2h_bytes == 0
+    assert np.array_equal(store._dirty_ids(), dirty) and store.d2h_bytes == store.engine.stats.d2h_launches == 0
     assert store.sync_dirty() == dirty.size and store.d2h_bytes > 0
     assert store._dirty_ids().size == 0
+    driver.check_at_rest()
+
+
+@pytest.mark.parametrize("device_pages", [None, PAGES + 40], ids=["identity", "paged"])
+def test_a_failed_onload_on_the_append_path_forces_the_next_pass_to_retry(monkeypatch, device_pages):
+    """The append-only fast path (a new request joining on a prefix whose layers 1 and 2 are on
+    host, as a prefix-cache hit does): its copy launch raises. The next pass is a full one that
+    loads them. Negative control (the fast path unguarded, as it was): the retry took the fast
+    path again with nothing appended and left them on host (map -1) until some other change."""
+    import torch
+
+    driver = CoreDriver(make_core(device_pages), seed=6)
+    driver.add("a")
+    driver.step([("a", 5)])
+    driver.want("a", [True, False, False])
+    driver.step([("a", 1)])
+    residency, store = driver.core.residency, driver.core.store
+    pages = np.array(driver.pages("a"))
+    assert (store.map_np[1:, pages] < 0).all() and not residency._changed  # the fast path is next
+    residency.observe("b", torch.from_numpy(pages[:2].copy()))  # all layers wanted: a copy-back
+    with monkeypatch.context() as patch:
+        patch.setattr(store.engine, "h2d", _raise)
+        with pytest.raises(RuntimeError, match="injected"):
+            residency.reconcile()
+    assert (store.map_np[1:, pages[:2]] < 0).all() and not residency.all_live_resident()
+    residency.reconcile()  # the retry
+    assert (store.map_np[:, pages[:2]] >= 0).all()
     driver.check_at_rest()

@@ -177,5 +177,6 @@ def test_on_cpu_the_hint_names_the_budget_only_where_its_launch_would_pass(capsy
     else:
         assert "--kv-gpu-budget-tokens" in err and f"pass --kv-gpu-budget-tokens {every}" not in err, err
         assert "no --kv-gpu-budget-tokens helps, lower --max-total-tokens" in err, err
+        assert "a smaller device pool" not in err, err  # the host pool alone is refused first
         with pytest.raises(SystemExit):  # what the hint would have led to
             check(model, args, relaunch, host)

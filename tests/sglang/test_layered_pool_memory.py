@@ -28,13 +28,16 @@ def test_the_cpu_device_pool_counts_against_available_memory(monkeypatch: pytest
     """On CPU the device pool is host memory too. Without a budget (the identity layout, no host
     tier) it is all the pool takes: at 1.1x its size available (at 80%) it starts, and a pool with
     a quarter budget, which pins the host pool beside its device pages, is refused (control); at
-    0.9x the identity pool is refused too, naming the device pool and the flag."""
+    0.9x the identity pool is refused too, naming the device pool and --max-total-tokens, not a
+    smaller --kv-gpu-budget-tokens (that adds a host pool of every layer: control, the quarter
+    budget's refusal names it)."""
     monkeypatch.setattr(layered_pool, "available_host_bytes", lambda: int(1.1 * HOST_BYTES / 0.8))
     pool = _pool(None)
     assert pool.store.identity and pool.store.host.numel() * 4 == HOST_BYTES // SLOTS  # one page
-    with pytest.raises(ValueError, match=r"device KV pool, which on CPU is host memory too"):
+    with pytest.raises(ValueError, match=r"device KV pool, which on CPU is host memory too") as quarter:
         _pool(LAYERS * SLOTS // 4)  # a quarter of the layer-pages on the "device", every one on host
+    assert "--kv-gpu-budget-tokens (a smaller device pool)" in str(quarter.value)
     monkeypatch.setattr(layered_pool, "available_host_bytes", lambda: int(0.9 * HOST_BYTES / 0.8))
     with pytest.raises(ValueError, match=r"device KV pool, which on CPU is host memory too") as err:
         _pool(None)
-    assert "--kv-gpu-budget-tokens" in str(err.value)
+    assert "--max-total-tokens" in str(err.value) and "--kv-gpu-budget-tokens" not in str(err.value)
