@@ -146,9 +146,9 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
                "request's last token comes in the next step, or the step in flight under the overlap loop: "
                "finishing frees its KV sooner), a batch feature whose per-request state cannot be split "
                "off (custom logit processor, speculative decoding, encoder-decoder; penalties split with the row), "
-               "or would_idle (it would take the last running request not ending, and the boundary would resume "
-               "it at once rather than idle). "
-               "The pause stays deferred and is retried at each boundary while its request runs",
+               "or would_idle (it would take the last running request not ending by the next step, and the "
+               "boundary would resume it at once rather than idle; that pause is dropped). "
+               "The others stay deferred and are retried at each boundary while the request runs",
                scope="source", label="reason", label_values=PAUSE_SKIP_REASONS),
     MetricSpec("kvplane:deposit_tokens", "gauge", "tokens",
                "Tokens generated but not yet due under the token-deposit rule, summed over the controller's "

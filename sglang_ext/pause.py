@@ -29,10 +29,10 @@ Grammar-constrained requests are paused: in SGLang 0.5.23 a request's grammar li
 request (``req.grammar``), each forward derives its grammars and vocab mask from the batch's
 requests, and ``filter_batch`` / ``merge_batch`` recompute ``has_grammar``
 (``test_pause_server.py``: regex-constrained requests paused, resumed, vanilla's output). A pause that would take the last running request
-the next batch keeps is skipped as ``would_idle`` (the step boundary's ``keep_one_of``: its rule
-would resume it at once rather than idle). Skipped pauses are counted by reason (:data:`PAUSE_SKIP_REASONS`,
-``kvplane:pauses_skipped_total``); the control plane's pause stays deferred, retried at each
-boundary, and is dropped when the request is gone.
+that keeps the batch going is skipped as ``would_idle`` (the step boundary's ``keep_one_of``: its
+rule would resume it at once rather than idle), and the boundary drops it. Skipped pauses are
+counted by reason (:data:`PAUSE_SKIP_REASONS`, ``kvplane:pauses_skipped_total``); the control
+plane's other pauses stay deferred, retried at each boundary, and are dropped when the request is gone.
 
 Runs on the scheduler thread; every TP rank applies the same calls in the same order.
 """
@@ -132,6 +132,9 @@ class PauseManager:
         """Pause attempts not applied, by reason (:data:`PAUSE_SKIP_REASONS`; running totals)."""
         self.last_skipped: dict[str, int] = {}
         """The same, of the last :meth:`pause` call only (the boundary's record)."""
+        self.last_would_idle: list[str] = []
+        """Requests the last :meth:`pause` call skipped as ``would_idle`` (the boundary drops
+        their deferred pause: it could wait a whole generation of a lone request)."""
         self._warned: set[str] = set()
         """Requests whose skipped pause was logged (a batch feature: once per request)."""
 
@@ -158,11 +161,11 @@ class PauseManager:
         Only requests decoding in the batch count: a pause of one prefilling, finishing, aborted
         or unknown is neither applied nor counted (it stays deferred by the boundary).
 
-        ``keep_one_of``: the ``id()`` of the running requests that keep the next batch non-empty
-        (the step boundary's rule: an empty one resumes every parked request rather than idle).
-        A pause that would take the last of them is skipped as ``would_idle`` -- it would be
-        undone at the same boundary, after a write-back for nothing. None: no such rule."""
-        self.last_skipped = {}
+        ``keep_one_of``: the ``id()`` of the running requests that keep the batch going (the step
+        boundary's rule: an empty one resumes every parked request rather than idle). A pause
+        that would take the last of them is skipped as ``would_idle`` (:attr:`last_would_idle`)
+        -- it would be undone at once, after a write-back for nothing. None: no such rule."""
+        self.last_skipped, self.last_would_idle = {}, []
         wanted = [rid for rid in dict.fromkeys(rids) if rid not in self._parked]
         if not wanted or running_batch is None or running_batch.is_empty():
             return []
@@ -190,6 +193,7 @@ class PauseManager:
             if keep is not None and id(req) in keep:
                 if len(keep) == 1:
                     self._skip("would_idle", 1)
+                    self.last_would_idle.append(rid)
                     continue
                 keep.discard(id(req))
             idx = running_batch.reqs.index(req)
@@ -210,6 +214,11 @@ class PauseManager:
     def _skip(self, reason: str, count: int) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + count
         self.last_skipped[reason] = self.last_skipped.get(reason, 0) + count
+
+    def ends_soon(self, req: Any) -> bool:
+        """Ending by the step after the boundary: aborted (``to_finish``), or its last token comes
+        in a step in flight or the next one. It keeps no batch going beyond that step."""
+        return req.to_finish is not None or self._finishing(req)
 
     def _finishing(self, req: Any) -> bool:
         """The request's last output token comes in a step in flight or in the next one."""

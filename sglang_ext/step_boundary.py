@@ -178,10 +178,11 @@ class StepBoundary:
         # resumes them all rather than idle (below), so a pause that would take the last of them
         # is skipped (would_idle) -- unless a refill or a resume in this install keeps it going
         live = None if refill or not (install.pause or len(self.pauser)) else self._live(running_batch)
-        guard = None if live is None or install.resume else live
+        guard = None if live is None or install.resume else {  # those ending by the next step go too
+            i for i, req in live.items() if not self.pauser.ends_soon(req)}
         paused = self.pauser.pause(running_batch, install.pause, step + 1, keep_one_of=guard)
-        for rid in paused:
-            deferred.pop(rid, None)
+        for rid in (*paused, *self.pauser.last_would_idle):  # a would_idle pause is dropped: the
+            deferred.pop(rid, None)  # request may run alone for its whole generation
         running_batch, resumed = self.pauser.resume(running_batch, install.resume)
         if install.fallback:
             # without a control plane nothing would resume a parked request (OrbitFlow's pause is
@@ -191,7 +192,7 @@ class StepBoundary:
             if len(self.pauser):
                 running_batch, more = self.pauser.resume_all(running_batch)
                 resumed += more
-        if len(self.pauser) and live is not None and not resumed and live.isdisjoint(map(id, running_batch.reqs)):
+        if len(self.pauser) and live is not None and not resumed and live.keys().isdisjoint(map(id, running_batch.reqs)):
             # idle (finished requests are filtered next): resume everyone rather than idle
             running_batch, more = self.pauser.resume_all(running_batch)
             resumed += more
@@ -214,8 +215,8 @@ class StepBoundary:
         }
         return running_batch
 
-    def _live(self, running_batch: Any) -> set[int]:
-        """The ``id()`` of the running requests the next batch keeps: not finished, and not
+    def _live(self, running_batch: Any) -> dict[int, Any]:
+        """The running requests the next batch keeps, by ``id()``: not finished, and not
         finished by length in the step in flight (the overlap loop). Empty: the next batch would
         be empty. Without the second case the overlap loop idled one iteration (no batch; SGLang
         skips decoding while the in-flight step finishes them) before the parked requests were
@@ -224,7 +225,7 @@ class StepBoundary:
         if left and self.finishing_in_flight is not None:
             for req in self.finishing_in_flight(running_batch):
                 left.pop(id(req), None)
-        return set(left)
+        return left
 
     def _quiet(self) -> bool:
         """Single rank, nothing to install: no decision received, nobody paused or waiting to

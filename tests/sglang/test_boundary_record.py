@@ -38,7 +38,8 @@ def test_a_record_no_step_took_is_carried_into_the_next_line():
     only c (this test's first assertion fails on that code: ``['c']``)."""
     inbox = DecisionInbox()
     boundary = _boundary(inbox)
-    running = _Batch([_Req("a", 7, 8), _Req("b", 1, 8), _Req("c", 1, 8), _Req("d", 1, 8)])
+    running = _Batch([_Req("a", 7, 8), _Req("b", 1, 8), _Req("c", 1, 8), _Req("d", 1, 8),
+                      _Req("e", 1, 8)])  # e keeps the batch going (no pause is would_idle)
     inbox.receive([Decision(plan=PLAN, apply_at_step=0, expiry_step=10, pause=("a", "b"), reason="first")])
     boundary.apply(running, None, step=4)
     inbox.receive([Decision(plan=PLAN, apply_at_step=0, expiry_step=10, pause=("c",), reason="second")])

@@ -127,15 +127,18 @@ def test_parked_requests_resume_when_the_step_in_flight_ends_every_running_one(e
     assert seen == [["a", "b", "p"], ["a", "b"]]  # once a boundary, of the running batch only
 
 
-def _pause_beside(ending: tuple[str, ...], pause: tuple[str, ...], *, refill: bool = False,
+def _pause_beside(ending: tuple[str, ...] | str, pause: tuple[str, ...], *, refill: bool = False,
                   resume_too: bool = False) -> tuple[StepBoundary, _Batch, dict]:
-    """Running a and p (and q parked when ``resume_too``); the step in flight ends ``ending``;
-    the plan pauses ``pause`` (and resumes q): one boundary -> (boundary, running batch, record)."""
+    """Running a and p (and q parked when ``resume_too``); the step in flight ends ``ending``
+    (``"aborted"``: a was aborted); the plan pauses ``pause`` (and resumes q): one boundary -> (boundary, running batch, record)."""
     boundary = StepBoundary(tp=TpSync(0, 1), installer=PlacementInstaller(None, 4), pauser=PauseManager(),
                             admission=AdmissionGate(enabled=False), inbox=DecisionInbox(), client=FakeClient(),
                             pages_of=lambda r: (), keep_record=True,
-                            finishing_in_flight=lambda batch: [r for r in batch.reqs if r.rid in ending])
+                            finishing_in_flight=lambda batch: [r for r in batch.reqs if r.rid in in_flight])
+    in_flight = () if ending == "aborted" else ending
     running = _batch(_req("a"), _req("p"))
+    if ending == "aborted":
+        running.reqs[0].to_finish = object()  # SGLang's FINISH_ABORT, applied at its next step
     if resume_too:
         running.reqs.append(_req("q"))
         boundary.inbox.receive([_decision(pause=("q",))])
@@ -150,18 +153,21 @@ def _pause_beside(ending: tuple[str, ...], pause: tuple[str, ...], *, refill: bo
     return boundary, running, boundary.take_record()
 
 
-@pytest.mark.parametrize("ending", [("a",), ()], ids=["the-other-ends-in-flight", "control-none-ending"])
+@pytest.mark.parametrize("ending", [("a",), "aborted", ()],
+                         ids=["the-other-ends-in-flight", "the-other-aborted", "control-none-ending"])
 def test_a_pause_that_would_leave_nobody_running_is_skipped_as_would_idle(ending):
-    """a ends in the step in flight and the plan pauses p, the only other running request: paused,
-    the next batch would be empty, and the idle rule would resume p at the same boundary (a
-    write-back for nothing, a pause and a resume on one record). The pause is skipped
-    (``would_idle``) and stays deferred. Negative control (before the rule): the record read
-    ``paused_now == resumed_now == ['p']``. Control: with nobody ending, p is parked."""
+    """a ends in the step in flight (or was aborted: it ends in the next step) and the plan
+    pauses p, the only other running request: paused, the batch would empty, and the idle rule
+    would resume p at once (a write-back for nothing, a pause and a resume on one record). The
+    pause is skipped (``would_idle``) and dropped, not deferred (a lone request could keep it
+    waiting for its whole generation, every boundary a full one). Negative control (before the
+    rule): the record read ``paused_now == resumed_now == ['p']``. Control: with nobody
+    ending, p is parked."""
     boundary, running, record = _pause_beside(ending, ("p",))
     if ending:
         assert (record["paused_now"], record["resumed_now"]) == ([], [])
-        assert record["pauses_skipped"] == {"would_idle": 1}
-        assert [r.rid for r in running.reqs] == ["a", "p"] and "p" in boundary.inbox.deferred_pause
+        assert record["pauses_skipped"] == {"would_idle": 1} and boundary.pauser.last_would_idle == ["p"]
+        assert [r.rid for r in running.reqs] == ["a", "p"] and not boundary.inbox.deferred_pause
         assert boundary.pauser.skipped == {"would_idle": 1}
     else:
         assert (record["paused_now"], record["resumed_now"], record["pauses_skipped"]) == (["p"], [], {})
@@ -395,19 +401,19 @@ class _OverlapScheduler:
 
 
 @pytest.mark.parametrize("case", ["overlap", "control-normal-loop", "control-not-in-flight"])
-def test_sglangs_own_in_flight_finishing_drives_the_would_idle_rule(case):
+def test_sglangs_own_in_flight_finishing_drives_the_resume_rule(case):
     """The wiring ``scheduler_hooks`` installs (``getattr(scheduler, "_reqs_finishing_inflight")``)
-    with SGLang's real method and real ``Req`` objects: a's in-flight step commits its last token
-    (``max_new_tokens``), so pausing p, the only other running request, is skipped (would_idle).
-    Controls: the normal loop (SGLang's method answers [] there), or a not in the step in
-    flight -- p is parked."""
+    with SGLang's real method and real ``Req`` objects: p is parked beside a; then the step in
+    flight commits a's last token (``max_new_tokens``), so the next batch would be empty and the
+    boundary resumes p at once. Controls: the normal loop (SGLang's method answers [] there), or
+    a not in the step in flight -- p stays parked (negative control: no hook -> fails)."""
     from array import array
 
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
 
     a = Req("a", "", array("i", [1, 2, 3]), SamplingParams(max_new_tokens=4))
-    a.output_ids = [5, 6, 7]  # the step in flight commits the 4th: a finishes by length
+    a.output_ids = [5]
     p = Req("p", "", array("i", [1, 2, 3]), SamplingParams(max_new_tokens=64))
     p.output_ids = [5]
     scheduler = _OverlapScheduler(case != "control-normal-loop", [p] if case == "control-not-in-flight" else [a, p])
@@ -418,10 +424,11 @@ def test_sglangs_own_in_flight_finishing_drives_the_would_idle_rule(case):
     running = _batch(a, p)
     boundary.inbox.receive([_decision(pause=("p",))])
     running = boundary.apply(running, running, 0)
+    assert boundary.take_record()["paused_now"] == ["p"]  # a has 3 tokens to go: it keeps the batch
+    a.output_ids = [5, 6, 7]  # the step in flight commits the 4th: a finishes by length
+    running = boundary.apply(running, running, 1)
     record = boundary.take_record()
     if case == "overlap":
-        assert record["pauses_skipped"] == {"would_idle": 1} and record["paused_now"] == []
-        assert [r.rid for r in running.reqs] == ["a", "p"]
+        assert record["resumed_now"] == ["p"] and [r.rid for r in running.reqs] == ["a", "p"]
     else:
-        assert record["paused_now"] == ["p"] and record["pauses_skipped"] == {}
-        assert [r.rid for r in running.reqs] == ["a"]
+        assert record["resumed_now"] == [] and boundary.pauser.paused_ids == ("p",)

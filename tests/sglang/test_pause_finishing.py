@@ -69,11 +69,11 @@ def test_the_boundary_records_the_skip_and_keeps_the_pause_deferred():
         tp=TpSync(0, 1), installer=PlacementInstaller(None, 2), pauser=pauser, admission=AdmissionGate(enabled=False),
         inbox=inbox, client=FakeClient(), pages_of=lambda r: (),
     )
-    running = _Batch([_Req("a", 7, 8), _Req("b", 1, 8)])
+    running = _Batch([_Req("a", 7, 8), _Req("b", 1, 8), _Req("e", 1, 8)])  # e keeps the batch going
     boundary.apply(running, None, step=4)
     record = boundary.take_record()
     assert record["paused_now"] == ["b"] and record["pauses_skipped"] == {"finishing": 1}
-    assert [r.rid for r in running.reqs] == ["a"] and "a" in inbox.deferred_pause
+    assert [r.rid for r in running.reqs] == ["a", "e"] and "a" in inbox.deferred_pause
     running.reqs = [_Req("c", 0, 8)]  # "a" finished and left: its deferred pause is dropped
     boundary.apply(running, None, step=5)
     assert "a" not in inbox.deferred_pause and boundary.take_record()["pauses_skipped"] == {}
