@@ -386,10 +386,11 @@ class LayeredKVCore:
             self.store.sync_dirty()
 
     def _reconcile(self) -> ResidencyDelta:
-        delta = self.residency.reconcile()
-        if self._on_moves is not None:
-            self._on_moves(self.residency.last_moves)
-        return delta
+        try:
+            return self.residency.reconcile()
+        finally:  # a pass whose loads raised still reports the drops it made (SlotResidency._load)
+            if self._on_moves is not None:
+                self._on_moves(self.residency.last_moves)
 
     # ----- per layer -------------------------------------------------------------------
 

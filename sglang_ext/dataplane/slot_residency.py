@@ -272,6 +272,7 @@ class SlotResidency:
         and, when space is short, at paused requests' pages too (:class:`LivePages`); never at the
         other live pages or the pool."""
         self.settle()
+        self.last_moves = LayerPageMoves({}, {})  # this pass's, even one that raises (its drops)
         fast = self._reconcile_appended()
         if fast is not None:
             self.counts.forget_settled()
@@ -374,7 +375,6 @@ class SlotResidency:
             if self.store.allocator.free_count < self.staging_reserve():
                 self._changed = True  # the full pass makes the room (as it would have without this path)
                 return None
-            self.last_moves = LayerPageMoves({}, {})
             return ResidencyDelta(0, 0, 0, 0, 0, 0, 0, 0)
         lp = self.store.config.logical_pages
         layers, pages = ((layer_parts[0], page_parts[0]) if grid_only
@@ -398,7 +398,6 @@ class SlotResidency:
         (prefix pages already placed, pages holding KV) returns None for the general append path."""
         if self.place_fresh_identity(pages) is None:
             return None
-        self.last_moves = LayerPageMoves({}, {})
         return ResidencyDelta(0, 0, 0, self.layers * int(pages.size), 0, 0, 0, 0)
 
     def place_fresh_identity(self, pages: np.ndarray, *, distinct: bool = False) -> np.ndarray | None:
@@ -449,7 +448,8 @@ class SlotResidency:
         layers, pages = np.divmod(flat, self.store.config.logical_pages)
         self.store.offload(layers, pages)
         self.counts.moved(pages, -1)
-        return _by_layer(layers, pages)
+        self.last_moves = LayerPageMoves(offloaded=_by_layer(layers, pages), loaded={})  # if loads raise
+        return self.last_moves.offloaded
 
     def _load(self, layers: np.ndarray, pages: np.ndarray) -> np.ndarray:
         """Onload, copying the pages holding KV (returned). A launch that raises moves nothing: the

@@ -70,23 +70,56 @@ def test_a_failed_onload_on_the_append_path_forces_the_next_pass_to_retry(monkey
     """The append-only fast path (a new request joining on a prefix whose layers 1 and 2 are on
     host, as a prefix-cache hit does): its copy launch raises. The next pass is a full one that
     loads them. Negative control (the fast path unguarded, as it was): the retry took the fast
-    path again with nothing appended and left them on host (map -1) until some other change."""
+    path again with nothing appended and left them on host (map -1) until some other change.
+    The event hook gets the failed pass's moves (none), not the last pass's again (negative
+    control: without ``last_moves``' reset at the start of a pass, the earlier offloads)."""
     import torch
 
     driver = CoreDriver(make_core(device_pages), seed=6)
     driver.add("a")
     driver.step([("a", 5)])
-    driver.want("a", [True, False, False])
-    driver.step([("a", 1)])
+    seen: list = []
+    driver.core._on_moves = seen.append
+    driver.want("a", [True, False, False])  # the last pass before the failing one moved pages
     residency, store = driver.core.residency, driver.core.store
     pages = np.array(driver.pages("a"))
     assert (store.map_np[1:, pages] < 0).all() and not residency._changed  # the fast path is next
+    assert seen[-1].offloaded
     residency.observe("b", torch.from_numpy(pages[:2].copy()))  # all layers wanted: a copy-back
     with monkeypatch.context() as patch:
         patch.setattr(store.engine, "h2d", _raise)
         with pytest.raises(RuntimeError, match="injected"):
-            residency.reconcile()
+            driver.core._reconcile()
     assert (store.map_np[1:, pages[:2]] < 0).all() and not residency.all_live_resident()
+    assert (seen[-1].offloaded, seen[-1].loaded) == ({}, {})  # the failed pass moved nothing
     residency.reconcile()  # the retry
     assert (store.map_np[:, pages[:2]] >= 0).all()
+    driver.check_at_rest()
+
+
+def test_a_pass_whose_loads_raise_still_reports_the_drops_it_made(monkeypatch):
+    """The plan swaps a's layers (0 to host, 1 and 2 back): the drops of layer 0 happen, then the
+    loads' launch raises. The residency-event hook still gets this pass's moves -- the drops, no
+    loads. Negative control (moves reported only after a pass returned): no event
+    for the failed pass (``[]``)."""
+    driver = CoreDriver(make_core(None), seed=7)
+    seen: list = []
+    driver.core._on_moves = seen.append
+    driver.add("a")
+    driver.step([("a", 5)])
+    driver.want("a", [True, False, False])
+    pages = sorted(driver.pages("a"))
+    seen.clear()
+    engine = driver.core.store.engine
+    launch = engine._launch
+
+    def h2d_fails(kind, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - the write-backs run
+        return _raise() if kind == "h2d" else launch(kind, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "_launch", h2d_fails)
+        with pytest.raises(RuntimeError, match="injected"):
+            driver.want("a", [False, True, True])
+    assert [(m.offloaded, m.loaded) for m in seen] == [({0: pages}, {})]
+    driver.step([("a", 1)])  # the retry loads them
     driver.check_at_rest()
