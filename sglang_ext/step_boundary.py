@@ -178,8 +178,8 @@ class StepBoundary:
         # resumes them all rather than idle (below), so a pause that would take the last of them
         # is skipped (would_idle) -- unless a refill or a resume in this install keeps it going
         live = None if refill or not (install.pause or len(self.pauser)) else self._live(running_batch)
-        guard = None if live is None or install.resume else {  # those ending by the next step go too
-            i for i, req in live.items() if not self.pauser.ends_soon(req)}
+        guard = None if live is None or install.resume or not install.pause else {  # built only for a
+            i for i, req in live.items() if not self.pauser.ends_soon(req)}  # pause; ending soon: not kept
         paused = self.pauser.pause(running_batch, install.pause, step + 1, keep_one_of=guard)
         for rid in (*paused, *self.pauser.last_would_idle):  # a would_idle pause is dropped: the
             deferred.pop(rid, None)  # request may run alone for its whole generation
