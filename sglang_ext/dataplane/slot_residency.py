@@ -53,8 +53,7 @@ class SlotResidency:
         self._pause_seq = itertools.count(1)
         self.shortfall_total = 0
         self.last_moves = LayerPageMoves({}, {})
-        self.has_kv = store.has_kv
-        """Pages holding KV (the store's flags): only these are copied on onload."""
+        self.has_kv = store.has_kv  # pages holding KV (the store's flags): only these are onloaded
         self.has_kv_np = store.has_kv_np  # same memory, for the per-step fast path
         self._anonymous: set[str] = set()
         """Ids of requests observed without an id (dropped at the next boundary)."""
@@ -65,8 +64,7 @@ class SlotResidency:
         """Pages that may no longer have a tracked user (released, dropped, re-observed requests'
         pages): where :class:`LivePages` looks for cached orphans when space is needed."""
         self.reclaimable_pages = 0
-        """Device layer-pages held only by the prefix cache (no live user), as of the last full
-        reconciliation: given up first when space is needed, so they count as free capacity."""
+        """Device layer-pages only the prefix cache holds, as of the last full pass: free capacity."""
         self.full_reconciles = 0
         """Full reconciliations run; the rest took the append-only fast path."""
         self.staging_lent = 0
@@ -290,8 +288,10 @@ class SlotResidency:
             drop_flat, need_flat = plan
         offloaded = self._apply_drops(drop_flat)
         self.counts.clear_dirty()  # every live page settled, but for the wants left short
-        loaded, placed, shortfall = self._apply_needs(need_flat, reserve)
-        self.reclaimable_pages = self.counts.orphan_resident(store.allocator.used_count - self.staging_lent)
+        try:
+            loaded, placed, shortfall = self._apply_needs(need_flat, reserve)
+        finally:  # orphans given up count as free even when the loads raise
+            self.reclaimable_pages = self.counts.orphan_resident(store.allocator.used_count - self.staging_lent)
         self.shortfall_total += shortfall
         self._changed = shortfall > 0 or given_up > 0
         self.last_moves = LayerPageMoves(offloaded=offloaded, loaded=loaded)

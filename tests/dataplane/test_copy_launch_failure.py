@@ -123,3 +123,41 @@ def test_a_pass_whose_loads_raise_still_reports_the_drops_it_made(monkeypatch):
     assert [(m.offloaded, m.loaded) for m in seen] == [({0: pages}, {})]
     driver.step([("a", 1)])  # the retry loads them
     driver.check_at_rest()
+
+
+def test_a_pass_whose_loads_raise_after_giving_up_orphans_keeps_the_reclaimable_count_true(monkeypatch):
+    """A finished request's pages stay resident for SGLang's prefix cache (orphans). The plan
+    wants b's offloaded layers back; the budget is short, so the pass gives up orphan pages, then
+    its loads' launch raises. The pool's free figure (``free_device_pages``: free plus
+    reclaimable) is the pool-wide count afterwards, not the freed orphans counted twice.
+    Negative control (the count refreshed only after a pass's loads returned): it stays at the
+    old orphan count and the figure overstates the free pages."""
+    from tests.dataplane.test_live_pages import TreeDriver, brute_force
+
+    d = TreeDriver(make_core(16), seed=8)
+    d.add("b")
+    d.step([("b", 5)])
+    d.want("b", [True, False, False])
+    d.step([("b", 1)])
+    d.add("a")
+    d.step([("a", 6)])
+    d.cache("a")  # a's pages stay resident, used by no request
+    d.core.update_residency({})
+    orphans = brute_force(d.core)[0]
+    assert orphans > 0 and d.core.residency.reclaimable_pages == orphans
+    engine = d.core.store.engine
+    launch = engine._launch
+
+    def h2d_fails(kind, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        return _raise() if kind == "h2d" else launch(kind, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "_launch", h2d_fails)
+        with pytest.raises(RuntimeError, match="injected"):
+            d.want("b", [True] * LAYERS)
+    left = brute_force(d.core)[0]
+    assert left < orphans  # the pass gave some up before the loads raised
+    assert d.core.residency.reclaimable_pages == left
+    assert d.core.free_device_pages() == d.core.store.allocator.free_count + left
+    d.step([("b", 1)])  # the retry loads them
+    d.check_at_rest()
