@@ -79,7 +79,22 @@ def sampling_params_error(sampling_params: Any) -> str | None:
             return opt_in  # custom_params.kvplane_return_placement (sglang_ext/placement_param.py)
         if isinstance(item, dict) and (forced := recompute_param_error(item.get("custom_params"))):
             return forced  # custom_params.kvplane_recompute_* (sglang_ext/recompute_param.py)
+        if isinstance(item, dict) and (beam := beam_width_error(item.get("beam_width"))):
+            return beam
     return None
+
+
+def beam_width_error(beam_width: Any) -> str | None:
+    """The refusal for a beam search (``sampling_params.beam_width`` > 1), or None. SGLang 0.5.23
+    decodes a beam's members as rows beside their request (``ScheduleBatch.prepare_for_decode``
+    appends them to ``out_cache_loc``, aliasing the leader's prompt KV), which kvplane's
+    per-request residency does not track: the step's slots would not match its requests, and
+    the scheduler would die on the first decode step."""
+    if isinstance(beam_width, bool) or not isinstance(beam_width, int | float) or beam_width <= 1:
+        return None  # absent, 1, or SGLang's to judge (it refuses < 1 itself)
+    return (f"sampling_params.beam_width={beam_width!r} is not served under --enable-layered-kv (beam "
+            "search rows share their request's KV, which the layered pool does not track); send "
+            "beam_width 1 or none, or serve this model without --enable-layered-kv")
 
 
 def custom_params_type_error(custom: Any) -> str | None:

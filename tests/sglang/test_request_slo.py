@@ -177,3 +177,19 @@ def test_a_rid_past_the_control_planes_id_limit_is_refused() -> None:
     with pytest.raises(ValueError, match="rid has 241 characters"):
         first_item(around_generate_request(original, object(), long_rid, None))
     assert original.calls == 0
+
+
+@pytest.mark.parametrize("beam", [2, 8, 2.0])
+def test_a_beam_search_is_refused_naming_the_field(beam: Any) -> None:
+    """A beam search would kill the scheduler at its first decode step (its member rows join the
+    step's slots; the layered pool tracks requests): refused where it enters, in a batch too."""
+    message = sampling_params_error({"max_new_tokens": 4, "beam_width": beam})
+    assert message is not None and f"sampling_params.beam_width={beam!r}" in message
+    assert "--enable-layered-kv" in message
+    assert sampling_params_error([{}, {"beam_width": beam}]) == message
+
+
+@pytest.mark.parametrize("beam", [None, 1, 0, -1, True, "2"])
+def test_no_beam_or_one_beam_is_left_to_sglang(beam: Any) -> None:
+    """Control: absent, 1, and what SGLang judges itself (below 1, not a number) pass here."""
+    assert sampling_params_error({"max_new_tokens": 4, "beam_width": beam}) is None

@@ -107,3 +107,16 @@ def test_a_rid_past_the_id_limit_is_a_400(unpaced_server: SGLangServer) -> None:
                 assert f"rid has {length} characters (allowed at most 240" in text, (path, stream, text[:300])
             else:
                 assert served_tokens(path, stream, text), (path, stream, text[:300])
+
+
+def test_a_beam_search_is_a_400_and_the_server_keeps_serving(unpaced_server: SGLangServer) -> None:
+    """SGLang 0.5.23 accepts ``beam_width`` 2 at page size 1 (this recipe's); under the layered
+    pool its first decode step killed the scheduler (every later request: connection refused).
+    It is a 400 naming the field, streaming or not, and the next request is served."""
+    for stream in (False, True):
+        body = request_body("/generate", stream, 150)
+        body["sampling_params"]["beam_width"] = 2
+        status, text = send(unpaced_server, "/generate", body)
+        assert status == 400 and "sampling_params.beam_width=2 is not served" in text, (stream, status, text[:300])
+        status, text = send(unpaced_server, "/generate", request_body("/generate", stream, 150))
+        assert status == 200 and served_tokens("/generate", stream, text), (stream, status, text[:300])
