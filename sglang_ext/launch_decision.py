@@ -248,8 +248,9 @@ class LaunchDecision:
                     f"{flag} {chosen} reads SGLang's flat KV buffers, which the layered KV pool does "
                     f"not have; on {platform} use {' or '.join(supported)} (or leave it unset)"
                 )
+        default = supported[0] if rocm else DEFAULT_BACKEND[device]
+        cls._refuse_split(values, values.get("attention_backend") or default)
         if values.get("attention_backend") is None:
-            default = supported[0] if rocm else DEFAULT_BACKEND[device]
             implied.append(("attention_backend", default))
             notes.append(
                 f"--attention-backend {default} (layered{'; FlashInfer is NVIDIA-only' if rocm else ''}): "
@@ -294,6 +295,21 @@ class LaunchDecision:
             notes.append("--disable-overlap-schedule: plans are installed at step boundaries "
                          "(--kv-overlap-schedule on keeps SGLang's overlap scheduler)")
         return cls(device=device, implied=tuple(implied), notes=tuple(notes))
+
+    @staticmethod
+    def _refuse_split(values: Mapping[str, Any], backend: str) -> None:
+        """A prefill backend other than the decode one makes SGLang wrap both in its
+        ``HybridAttnBackend`` (``attention_backend_setup.py``), which kvplane's hooks (fused KV
+        writes, recompute rows, layer timing) do not see through, and a torch-native half of it
+        reads token tables the paged half's steps do not build."""
+        prefill = values.get("prefill_attention_backend") or backend
+        decode = values.get("decode_attention_backend") or backend
+        if prefill != decode:
+            raise LaunchRefused(
+                f"--prefill-attention-backend {prefill} with --decode-attention-backend {decode}: "
+                "--enable-layered-kv serves one attention backend for both phases; set --attention-backend "
+                f"{decode} (or {prefill}) and drop the other two"
+            )
 
     @staticmethod
     def _graphs_off(values: Mapping[str, Any], implied: list[tuple[str, Any]], notes: list[str]) -> None:

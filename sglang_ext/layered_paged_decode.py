@@ -63,6 +63,14 @@ def kernel_extend(kernel: bool, new: Sequence[int] | None, starts: int, lens: in
     return kernel and new is not None and starts == lens == len(new)
 
 
+def token_tables_needed(decode: bool, kernel_extend: bool, blocker: str | None) -> bool:
+    """Whether a step builds token tables: decode and kernel extends read page tables,
+    torch-native extends read token tables, and so does a decode of a model with layers the
+    paged kernels do not compute (``blocker``: its cross-attention layers decode through the
+    torch-native path, which once KV is offloaded reads the step's token tables)."""
+    return (not decode and not kernel_extend) or (decode and blocker is not None)
+
+
 class LayeredPagedDecode(LayeredTorchNativeAttnBackend):
     """Decode over the step's per-layer page tables (see module docstring)."""
 
@@ -94,8 +102,7 @@ class LayeredPagedDecode(LayeredTorchNativeAttnBackend):
         new = forward_batch.extend_seq_lens_cpu if not decode and mode.is_extend() else None
         extend = self.extend_kernel and new is not None and kernel_extend(
             True, new, forward_batch.extend_start_loc.numel(), forward_batch.extend_seq_lens.numel())
-        # decode and kernel extends read page tables; torch-native extends read token tables
-        self.pool.token_tables = not decode and not extend
+        self.pool.token_tables = token_tables_needed(decode, extend, self.paged_blocker)
         super().init_forward_metadata(forward_batch)
         self.new_step()
         tables = self.pool.tables

@@ -123,8 +123,8 @@ def test_kv_cuda_graphs_on_with_the_overlap_loop_forced_off_is_served():
     [
         ({"attention_backend": None}, "needs --attention-backend triton (got --attention-backend unset)"),
         ({"attention_backend": "flashinfer"}, "(got --attention-backend flashinfer)"),
-        ({"decode_attention_backend": "torch_native"}, "(got --decode-attention-backend torch_native)"),
-        ({"prefill_attention_backend": "torch_native"}, "(got --prefill-attention-backend torch_native)"),
+        ({"decode_attention_backend": "torch_native"}, "with --decode-attention-backend torch_native: "),
+        ({"prefill_attention_backend": "torch_native"}, "--prefill-attention-backend torch_native with "),
         ({"disable_cuda_graph": True}, "--kv-cuda-graphs on with --disable-cuda-graph"),
         ({"enable_torch_compile": True}, "--kv-cuda-graphs on with --enable-torch-compile"),
         ({"kv_overlap_schedule": "on"}, "--kv-cuda-graphs on with --kv-overlap-schedule on"),
@@ -300,3 +300,31 @@ def test_data_parallel_replicas_are_served():
     """``--dp-size 2`` (replicas, each its own scheduler and worker) passes; DP attention does not
     (the negative control above)."""
     assert _decide(dp_size=2).device == "cuda"
+
+
+@pytest.mark.parametrize("changes, refused", [
+    ({"prefill_attention_backend": "triton"}, "--prefill-attention-backend triton with --decode-attention-backend "
+                                              "flashinfer"),
+    ({"decode_attention_backend": "torch_native"}, "--prefill-attention-backend flashinfer with "
+                                                   "--decode-attention-backend torch_native"),
+    ({"attention_backend": "triton", "prefill_attention_backend": "torch_native"},
+     "--prefill-attention-backend torch_native with --decode-attention-backend triton"),
+    ({"prefill_attention_backend": "triton", "decode_attention_backend": "flashinfer"},
+     "--prefill-attention-backend triton with --decode-attention-backend flashinfer"),
+])
+def test_a_prefill_backend_other_than_the_decode_one_is_refused(changes, refused):
+    """SGLang would wrap the two in its HybridAttnBackend, which kvplane's hooks do not see through
+    (a fused-KV-write model then asked the pool for flat buffers after its weights loaded)."""
+    with pytest.raises(LaunchRefused) as info:
+        _decide(**changes)
+    assert str(info.value).startswith(refused) and "set --attention-backend" in str(info.value)
+
+
+@pytest.mark.parametrize("changes", [
+    {"prefill_attention_backend": "flashinfer"}, {"decode_attention_backend": "flashinfer"},
+    {"attention_backend": "triton", "prefill_attention_backend": "triton", "decode_attention_backend": "triton"},
+    {"prefill_attention_backend": "triton", "decode_attention_backend": "triton"},
+])
+def test_the_same_backend_for_both_phases_is_served(changes):
+    """Control: naming the one backend again, per phase or both, is accepted."""
+    _decide(**changes)
