@@ -20,6 +20,16 @@ line naming the feature and the model:
   the extend of the ``flashinfer`` and ``triton`` backends, the ``triton`` decode, on a GPU or
   under ``TRITON_INTERPRET=1``): their tiles would not fit a block's shared memory (FlashInfer's
   decode stops at 256 too). The ``torch_native`` backend takes any head_dim.
+- **Chunked local attention** (Llama-4's ``attention_chunk_size``): its chunked layers carry no
+  window the layered backends apply, so they would attend over the whole context.
+- **K and V head dims that differ** (``has_asymmetric_kv``: MiMo-V2): the pool holds K and V
+  pages of one head dim.
+- **KV-shared layers** (Gemma-3n / Gemma-4 ``num_kv_shared_layers``): a layer reading another
+  layer's KV would run that layer's fetch and write-back pipeline twice in one step.
+- **Architectures SGLang refuses on FlashInfer** (:data:`NO_FLASHINFER`: Olmo2, Exaone-4 with
+  sliding windows): with no ``--attention-backend`` the launcher serves them on the layered
+  ``triton`` backend instead of its ``flashinfer`` default, and says so; an explicit
+  ``--attention-backend flashinfer`` is refused naming ``triton``.
 - **A checkpoint-quantized KV cache** (ModelOpt / compressed-tensors FP8 KV): with
   ``--kv-cache-dtype auto`` SGLang would store KV in fp8, which the layered pool does not hold
   (``--kv-cache-dtype fp8_*`` is refused by the flag check; ``LayeredTokenToKVPool`` refuses an
@@ -58,6 +68,12 @@ class ModelSupport:
     triton_backend: str | None = None
     """The flag and attention backend whose layered version runs kvplane's Triton kernels
     (:func:`triton_kernel_backend`: ``--attention-backend flashinfer``), None when none does."""
+    attention_chunk_size: int | None = None
+    """Llama-4's chunked local attention span (None: none)."""
+    asymmetric_kv: bool = False
+    """K and V head dims differ (SGLang's ``ModelConfig.has_asymmetric_kv``)."""
+    kv_shared_layers: int = 0
+    """Layers that read another layer's KV (``num_kv_shared_layers``)."""
 
     @classmethod
     def from_model_config(cls, model_config: Any, kv_cache_dtype: str | None,
@@ -67,6 +83,7 @@ class ModelSupport:
         arch = compat.resolve(compat.ATTENTION_ARCH.path)
         uses_ssm_state = compat.resolve(compat.USES_SSM_STATE.path)
         architectures = getattr(model_config.hf_config, "architectures", None) or ["?"]
+        text = getattr(model_config, "hf_text_config", model_config.hf_config)
         return cls(
             architecture=str(architectures[0]),
             mla=model_config.attention_arch == arch.MLA,
@@ -78,6 +95,9 @@ class ModelSupport:
             kv_cache_dtype=str(kv_cache_dtype or "auto"),
             head_dim=int(getattr(model_config, "head_dim", 0) or 0),
             triton_backend=triton_backend,
+            attention_chunk_size=getattr(model_config, "attention_chunk_size", None) or None,
+            asymmetric_kv=bool(getattr(model_config, "has_asymmetric_kv", False)),
+            kv_shared_layers=int(getattr(text, "num_kv_shared_layers", 0) or 0),
         )
 
     def refusal(self) -> str | None:
@@ -92,6 +112,16 @@ class ModelSupport:
         if self.sinks:
             return (f"{model} uses attention sinks, which the layered attention backends do not apply: "
                     "not supported with --enable-layered-kv")
+        if self.attention_chunk_size:
+            return (f"{model} uses chunked local attention (attention_chunk_size {self.attention_chunk_size}), "
+                    "which the layered attention backends do not apply: not supported with --enable-layered-kv")
+        if self.kv_shared_layers:
+            return (f"{model} has {self.kv_shared_layers} layers that read another layer's KV "
+                    "(num_kv_shared_layers), which the layered pool places per layer: not supported with "
+                    "--enable-layered-kv")
+        if self.asymmetric_kv:
+            return (f"{model} has K and V head dims that differ, and the layered KV pool holds pages of one "
+                    "head dim: not supported with --enable-layered-kv")
         if self.hybrid_swa_memory:
             return (f"{model} is a hybrid sliding-window model, which SGLang serves from two KV pools; "
                     "the layered KV pool is one: add --disable-hybrid-swa-memory (the window is then "
@@ -106,6 +136,20 @@ class ModelSupport:
                     "auto would store it in fp8: quantized KV caches are not supported with "
                     "--enable-layered-kv; pass --kv-cache-dtype bfloat16 to keep the KV unquantized")
         return None
+
+
+NO_FLASHINFER = frozenset({"Olmo2ForCausalLM", "Exaone4ForCausalLM", "ExaoneMoEForCausalLM", "ExaoneMoeForCausalLM"})
+"""Architectures SGLang 0.5.23 asserts against FlashInfer for (``arg_groups/model_hook.py``:
+Olmo2 always, Exaone-4 with a sliding-window pattern; both take ``triton``)."""
+
+
+def refuses_flashinfer(model_config: Any) -> bool:
+    """Whether SGLang's launch would assert against ``--attention-backend flashinfer`` for this model."""
+    hf = model_config.hf_config
+    arch = str((getattr(hf, "architectures", None) or ["?"])[0])
+    if arch.startswith("Exaone"):
+        return arch in NO_FLASHINFER and getattr(hf, "sliding_window_pattern", None) is not None
+    return arch in NO_FLASHINFER
 
 
 def triton_kernel_backend(server_args: Any, environ: Mapping[str, str]) -> str | None:

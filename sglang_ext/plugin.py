@@ -268,11 +268,14 @@ class KvplanePlugin:
         settings.export_host_memory(share)
         if layered.enable_layered_kv:
             model_config = self._model_config(server_args)
+            notes = list(decision.notes)
             if model_config is not None:
+                if switched := self._avoid_flashinfer(model_config, server_args, decision):
+                    notes = [n for n in notes if not n.startswith("--attention-backend flashinfer")] + switched
                 self._check_model(model_config, server_args)
                 self._check_host_pool_floor(model_config, server_args, layered, share)
-            if decision.notes:  # said once nothing is refused (a refusal is the only line)
-                print("kvplane: with --enable-layered-kv: " + "; ".join(decision.notes), file=sys.stderr)
+            if notes:  # said once nothing is refused (a refusal is the only line)
+                print("kvplane: with --enable-layered-kv: " + "; ".join(notes), file=sys.stderr)
         return server_args
 
     @staticmethod
@@ -283,6 +286,22 @@ class KvplanePlugin:
             return compat.resolve(compat.MODEL_CONFIG_FROM_SERVER_ARGS.path)(server_args)
         except Exception:
             return None
+
+    @staticmethod
+    def _avoid_flashinfer(model_config: Any, server_args: Any, decision: LaunchDecision) -> list[str]:
+        """A model SGLang asserts against FlashInfer for (``model_support.NO_FLASHINFER``) is served
+        on the layered ``triton`` backend when kvplane chose ``flashinfer``; chosen by the user,
+        it is refused naming ``triton``. Returns the launch note."""
+        from sglang_ext.model_support import refuses_flashinfer
+
+        if getattr(server_args, "attention_backend", None) != "flashinfer" or not refuses_flashinfer(model_config):
+            return []
+        arch = str((getattr(model_config.hf_config, "architectures", None) or ["?"])[0])
+        if ("attention_backend", "flashinfer") not in decision.implied:
+            _refuse_launch(f"{arch}: SGLang does not serve this model on --attention-backend flashinfer; "
+                           "use --attention-backend triton (layered) under --enable-layered-kv")
+        server_args.attention_backend = "triton"
+        return [f"--attention-backend triton for {arch} (SGLang does not serve it on flashinfer)"]
 
     @staticmethod
     def _check_model(model_config: Any, server_args: Any) -> None:

@@ -37,6 +37,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
                 "layer_types": ["sliding_attention", "full_attention"]},
     "gemma2": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "head_dim": 16,
                "attn_logit_softcapping": 50.0, "sliding_window": 32},
+    "olmo2": {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2"},
+    "exaone4_swa": {"architectures": ["Exaone4ForCausalLM"], "model_type": "exaone4", "head_dim": 16,
+                    "sliding_window": 32, "sliding_window_pattern": "LLLG",
+                    "layer_types": ["sliding_attention", "full_attention"]},
+    "llama4_text": {"architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", "num_hidden_layers": 4,
+                    "head_dim": 16, "intermediate_size_mlp": 128, "num_local_experts": 2, "num_experts_per_tok": 1,
+                    "attention_chunk_size": 32, "interleave_moe_layer_step": 1, "no_rope_layers": [1, 1, 1, 0]},
     "llama_head_dim_512": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "head_dim": 512},
     "llama_fp8_kv": {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
                      "quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8",
@@ -185,3 +192,50 @@ def test_the_pool_refuses_an_fp8_dtype_however_it_was_reached() -> None:
     assert pool(torch.float16).store is not None
     with pytest.raises(ValueError, match=r"the KV cache dtype resolved to torch\.float8_e4m3fn .*--kv-cache-dtype bfloat16"):
         pool(torch.float8_e4m3fn)
+
+
+def test_chunked_attention_kv_sharing_and_asymmetric_kv_are_refused(tmp_path: Path) -> None:
+    """Llama-4's chunked local attention (its layers would attend over the whole context), layers
+    reading another layer's KV (Gemma-3n / -4) and K/V head dims that differ (MiMo-V2) are
+    refused naming the feature. Control: the same fields unset pass."""
+    from sglang_ext.model_support import ModelSupport
+
+    llama4 = support(tmp_path, "llama4_text")
+    assert llama4.attention_chunk_size == 32
+    assert (llama4.refusal() or "").startswith("Llama4ForCausalLM uses chunked local attention "
+                                               "(attention_chunk_size 32)")
+    shared = ModelSupport(architecture="Gemma4ForCausalLM", kv_shared_layers=6).refusal()
+    assert shared is not None and "6 layers that read another layer's KV (num_kv_shared_layers)" in shared
+    asym = ModelSupport(architecture="MiMoV2FlashForCausalLM", asymmetric_kv=True).refusal()
+    assert asym is not None and "K and V head dims that differ" in asym
+    assert ModelSupport(architecture="LlamaForCausalLM").refusal() is None
+    llama = support(tmp_path, "llama")
+    assert (llama.attention_chunk_size, llama.kv_shared_layers, llama.asymmetric_kv) == (None, 0, False)
+
+
+def test_models_sglang_refuses_on_flashinfer_are_served_on_triton(tmp_path: Path) -> None:
+    """Olmo2 and Exaone-4 with sliding windows: SGLang asserts against FlashInfer at launch. Where
+    kvplane chose flashinfer (no --attention-backend), the launch switches to the layered triton
+    backend and says so; an explicit --attention-backend flashinfer is refused naming triton.
+    Controls: a Llama keeps flashinfer; triton is left as is."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    from sglang_ext.launch_decision import LaunchDecision
+    from sglang_ext.model_support import refuses_flashinfer
+    from sglang_ext.plugin import KvplanePlugin
+    from tests.sglang.test_launch_decision import KVPLANE_STOCK, STOCK
+
+    implied = LaunchDecision.decide({**STOCK, **KVPLANE_STOCK})
+    chosen = LaunchDecision.decide({**STOCK, **KVPLANE_STOCK, "attention_backend": "flashinfer"})
+    for name, refused in (("olmo2", True), ("exaone4_swa", True), ("llama", False)):
+        config = ModelConfig(str(model_dir(tmp_path, name)))
+        assert refuses_flashinfer(config) is refused, name
+        args = SimpleNamespace(attention_backend="flashinfer")
+        notes = KvplanePlugin._avoid_flashinfer(config, args, implied)
+        assert args.attention_backend == ("triton" if refused else "flashinfer"), name
+        assert bool(notes) is refused and all("--attention-backend triton for " in n for n in notes)
+        if refused:
+            with pytest.raises(SystemExit):
+                KvplanePlugin._avoid_flashinfer(config, SimpleNamespace(attention_backend="flashinfer"), chosen)
+        kept = SimpleNamespace(attention_backend="triton")
+        assert KvplanePlugin._avoid_flashinfer(config, kept, chosen) == [] and kept.attention_backend == "triton"
