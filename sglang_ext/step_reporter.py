@@ -253,9 +253,11 @@ class StepReporter:
         # steady decode runs the running batch itself: its requests once, not twice
         live = batch.reqs if running is batch.reqs else [*running, *batch.reqs]
         state = self._state
+        # a request SGLang retracted since the batch ran is back in the queue: queued, not running
+        waiting = {r.rid for r in s.waiting_queue} if s.waiting_queue else ()
         for req in live:
             rid = req.rid
-            if rid in seen or req.finished() or req is chunked or (paused_any and rid in pauser):
+            if rid in seen or req.finished() or req is chunked or (paused_any and rid in pauser) or rid in waiting:
                 continue
             seen[rid] = state(req, False)
         if paused_any:
@@ -267,7 +269,6 @@ class StepReporter:
         now = self._now_ms()
         queued = []
         if s.waiting_queue or self._first_seen_ms:
-            waiting = {r.rid for r in s.waiting_queue}
             self._first_seen_ms = {k: v for k, v in self._first_seen_ms.items() if k in waiting}
         for req in s.waiting_queue:
             arrival = self._first_seen_ms.setdefault(req.rid, now)

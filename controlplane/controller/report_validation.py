@@ -24,3 +24,13 @@ def validate_report(report: StepReport, last: StepReport | None, layers: int) ->
         )
     if report.h2d_gbps is not None and not report.h2d_gbps > 0:
         raise InvalidArgument(f"h2d_gbps: {report.h2d_gbps} is out of range (allowed > 0)")
+    running = set()
+    for i, r in enumerate(report.running):
+        if r.gpu_layers is not None and r.gpu_layers > layers:
+            raise InvalidArgument(
+                f"running[{i}].gpu_layers: {r.gpu_layers} is out of range (allowed 0..model.layers = {layers})"
+            )
+        running.add(r.id)
+    for i, q in enumerate(report.queued):
+        if q.id in running:
+            raise InvalidArgument(f"queued[{i}].id: {q.id!r} is also running (a request is one or the other)")

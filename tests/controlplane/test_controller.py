@@ -484,3 +484,24 @@ def test_rejected_report_changes_nothing() -> None:
     assert (dep_a.generated, dep_a.balance) == before
     w.report()  # the same step number is still accepted
     assert dep_a.generated == before[0] + 1
+
+
+def test_a_report_past_the_model_or_naming_a_request_twice_is_rejected() -> None:
+    """A paused request's ``gpu_layers`` above the model's layers inflated the memory the
+    schedulers could free (a queued request was admitted with layers that do not exist), and a
+    queued id also running was admitted while it ran: both are InvalidArgument naming the field,
+    and the session's state is untouched (the next valid report is served). Controls: the
+    model's layer count, and distinct ids, are accepted."""
+    session, w, _ = make()
+    layers = len(PROFILE.layer_compute_ms)
+    w.add("a", 100)
+    w.report()
+    step, now = w.step + 1, w.now_ms + 1
+    over = RequestState("a", 110, 10, None, True, layers + 1)
+    with pytest.raises(InvalidArgument, match=rf"running\[0\]\.gpu_layers: {layers + 1} is out of range"):
+        session.report(StepReport(step=step, now_ms=now, running=(over,)))
+    with pytest.raises(InvalidArgument, match=r"queued\[1\]\.id: 'a' is also running"):
+        session.report(StepReport(step=step, now_ms=now, running=(RequestState("a", 110, 10),),
+                                  queued=(QueuedRequest("q", 10, now), QueuedRequest("a", 10, now))))
+    session.report(StepReport(step=step, now_ms=now, running=(RequestState("a", 110, 10, None, True, layers),),
+                              queued=(QueuedRequest("q", 10, now),)))
