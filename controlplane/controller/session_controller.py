@@ -293,6 +293,8 @@ class SessionController:
         if self._installed is None or not self._tracker.has_running():
             return False
         all_gpu = self._installed_all_gpu()  # no transfers: the timeline is the layers' compute
+        if not all_gpu and report.finished:
+            return False  # the step also read the finished requests' KV, which the tracker dropped
         if not all_gpu:
             rows, blocks, rec = self._placement_now(self._installed)
         predicted = self._profile.all_gpu_step_ms if all_gpu else self._profile.predict_step_ms(rows, blocks, rec)
