@@ -45,6 +45,7 @@ import structlog
 
 from controlplane.model import Batch, Plan, RequestSpec
 from controlplane.planner.evaluator import Evaluator
+from controlplane.planner.late_pauses import LATE_BISECT_MIN, late_pause_count
 from controlplane.planner.mip_search import MipStage
 from controlplane.planner.placement_search import PlacementSearch
 from controlplane.planner.plan_builder import build_plan
@@ -170,6 +171,12 @@ class Planner:
             else:
                 chosen = self._best_window(ctx, reqs, hint, optimistic=not paused)
                 if chosen is not None:
+                    break
+                rest = victims[len(paused):]
+                if len(rest) > LATE_BISECT_MIN and ctx.left_s() <= 0:  # out of time: O(log R) searches
+                    m, chosen = late_pause_count(reqs, rest, lambda left: self._best_window(ctx, left, hint, optimistic=False))
+                    paused += [v.id for v in rest[:m]]
+                    by_bound += [False] * m
                     break
                 by_bound.append(False)
             victim = victims[len(paused)]

@@ -140,6 +140,8 @@ MAX_WHAT_IF_CELLS = 1 << 20
 layers). Larger ones took seconds before the search's budget even applied, and the server kept
 computing calls their callers had abandoned, one after another, stalling every other what-if plan
 (control-plane review, session 54)."""
+WHAT_IF_WAIT_S = 1.0
+"""Seconds a what-if ``Plan`` waits for the one running before it is RESOURCE_EXHAUSTED."""
 HELLO_TIMEOUT_S = 10.0
 """Seconds a new session stream has to send its hello before it is cancelled and its
 ``max_sessions`` slot freed (four silent streams held all four slots of a server, the gauge at 0:
@@ -236,10 +238,16 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
                 f"batch: {len(batch.requests)} requests x {batch.model.layers} layers = {cells} placements "
                 f"(limit {MAX_WHAT_IF_CELLS} for a what-if plan)"
             )
-        with self._what_if_gate:  # one at a time; a caller that gave up while waiting costs nothing
+        # one at a time; a caller waits at most WHAT_IF_WAIT_S (queued callers held a server
+        # thread each until the RPC limit refused health checks too: control-plane review, session 63)
+        if not self._what_if_gate.acquire(timeout=WHAT_IF_WAIT_S):
+            raise api.ResourceExhausted(f"another what-if plan is running (waited {WHAT_IF_WAIT_S:g} s); retry later")
+        try:
             if not context.is_active():
                 raise api.Unavailable("the caller cancelled or passed its deadline before its plan started")
             plan = self._cp.plan(batch)
+        finally:
+            self._what_if_gate.release()
         self._metrics.whatif_plans.inc()
         self._metrics.solve_ms.observe(max(0.0, float(plan.solve_ms)))
         return pb.PlanResponse(plan=convert.plan_to_proto(plan))

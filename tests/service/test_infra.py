@@ -189,3 +189,46 @@ def test_a_what_if_plan_past_the_size_limit_is_refused_by_name(channel) -> None:
         "batch: 1025 requests x 1024 layers = 1049600 placements (limit 1048576 for a what-if plan)")
     reply = stub.Plan(pb.PlanRequest(batch=convert.batch_to_proto(small_batch(1024, layers=1024))), timeout=120)
     assert len(reply.plan.placements) + len(reply.plan.paused) == 1024
+
+
+def test_a_what_if_plan_waits_a_bounded_time_for_the_one_running() -> None:
+    """A slow what-if plan runs; a second caller is RESOURCE_EXHAUSTED after WHAT_IF_WAIT_S
+    instead of holding a server thread until the slow one ends (queued callers reached the RPC
+    limit, and health checks were refused), and the policy service answers meanwhile. Control:
+    once the slow plan is done, the next plan is served."""
+    import threading
+    import time
+
+    from controlplane.service.session_servicer import WHAT_IF_WAIT_S
+
+    cp, _ = build_control_plane(None, None)
+    real_plan, release = cp.plan, threading.Event()
+
+    def slow_plan(batch: object) -> object:
+        release.wait(30)
+        return real_plan(batch)  # type: ignore[arg-type]
+
+    cp.plan = slow_plan  # type: ignore[method-assign]
+    server, port = create_server("127.0.0.1:0", cp, ServerConfig(max_sessions=2, max_watchers=1))
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.ControlPlaneStub(ch)
+            request = pb.PlanRequest(batch=convert.batch_to_proto(small_batch(1)))
+            first = stub.Plan.future(request, timeout=60)
+            time.sleep(0.3)  # the first holds the gate
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Plan(request, timeout=30)
+            waited = time.monotonic() - t0
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value
+            assert "another what-if plan is running" in info.value.details()
+            assert WHAT_IF_WAIT_S <= waited + 0.05 < WHAT_IF_WAIT_S + 5
+            assert pb_grpc.PolicyServiceStub(ch).GetPolicy(pb.GetPolicyRequest(), timeout=5)
+            release.set()
+            assert first.result().plan.feasible
+            assert stub.Plan(request, timeout=30).plan.feasible
+    finally:
+        release.set()
+        server.stop(0)
+        cp.close()
