@@ -226,10 +226,11 @@ class LaunchDecision:
             raise LaunchRefused(RUST_SERVER_REFUSED)
         if busy_mem_check:
             raise LaunchRefused(BUSY_MEM_CHECK_REFUSED)
-        device = str(values.get("device") or "cuda")
+        given = str(values.get("device") or "cuda")
+        device = given.split(":")[0]  # SGLang takes cuda:N as cuda
         if device not in LAYERED_BACKENDS:
             raise LaunchRefused(
-                f"--enable-layered-kv supports --device cuda or cpu, got --device {device}"
+                f"--enable-layered-kv supports --device cuda or cpu, got --device {given}"
             )
         implied: list[tuple[str, Any]] = []
         notes: list[str] = []

@@ -328,3 +328,12 @@ def test_a_prefill_backend_other_than_the_decode_one_is_refused(changes, refused
 def test_the_same_backend_for_both_phases_is_served(changes):
     """Control: naming the one backend again, per phase or both, is accepted."""
     _decide(**changes)
+
+
+def test_a_device_with_an_index_is_its_platform():
+    """SGLang takes --device cuda:0 as cuda; so does the decision (it was refused). Control: an
+    unsupported device is still refused."""
+    assert _decide(device="cuda:0").device == "cuda"
+    assert dict(_decide(device="cuda:0").implied)["attention_backend"] == "flashinfer"
+    with pytest.raises(LaunchRefused, match="--device npu:0"):
+        _decide(device="npu:0")
