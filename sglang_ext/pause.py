@@ -21,7 +21,8 @@ batch gets its own copy of the batch's penalizer orchestrator (:func:`split_samp
 each side filters its own rows of the penalizers' state (token counts, output lengths), and at
 resume that state -- not a fresh one -- is merged back with SGLang's own ``merge``. Not paused
 (the request is left running, reason logged): batches using custom logit processors or
-speculative decoding -- their per-batch state cannot be split faithfully here. Nor
+speculative decoding -- their per-batch state cannot be split faithfully here. Nor, under SGLang's overlap loop, a request with a frequency, presence or repetition penalty
+(:func:`penalized`: its token counts would drift), nor
 a request whose last token (``max_new_tokens``) comes in the next step, or under SGLang's overlap
 loop in the step in flight at the boundary (``in_flight_steps``): it frees its KV as soon as it
 finishes, and parking it would only write its KV back to host memory for one more token later.
@@ -54,6 +55,7 @@ log = structlog.get_logger(__name__)
 
 PAUSE_SKIP_REASONS: tuple[str, ...] = (
     "finishing", "custom_logit_processor", "speculative_decoding", "encoder_decoder", "would_idle",
+    "penalties_in_flight",
 )
 """Why a pause the plan asked for was not applied (:attr:`PauseManager.skipped`)."""
 WARNED_MAX = 4096
@@ -82,6 +84,17 @@ def unpausable_reason(batch: Any) -> str | None:
     if getattr(batch, "model_config", None) is not None and batch.model_config.is_encoder_decoder:
         return "encoder_decoder"
     return None
+
+
+def penalized(req: Any) -> bool:
+    """Whether ``req``'s sampling counts its output tokens (frequency, presence or repetition
+    penalty). Under SGLang's overlap loop a step's ``prepare_for_decode`` counts the token of the
+    step before the one in flight: a row parked there misses one token's count and counts
+    another twice at its resume, so it is not paused (``penalties_in_flight``; control-plane
+    review, session 63). ``min_new_tokens`` counts only lengths, which the split keeps."""
+    p = getattr(req, "sampling_params", None)
+    return bool(getattr(p, "frequency_penalty", 0.0) or getattr(p, "presence_penalty", 0.0)
+                or getattr(p, "repetition_penalty", 1.0) != 1.0)
 
 
 def split_sampling_info(info: Any, taken: Any) -> Any:
@@ -133,8 +146,9 @@ class PauseManager:
         self.last_skipped: dict[str, int] = {}
         """The same, of the last :meth:`pause` call only (the boundary's record)."""
         self.last_would_idle: list[str] = []
-        """Requests the last :meth:`pause` call skipped as ``would_idle`` (the boundary drops
-        their deferred pause: it could wait a whole generation of a lone request)."""
+        """Requests the last :meth:`pause` call skipped as ``would_idle`` or
+        ``penalties_in_flight`` (the boundary drops their deferred pause: it could wait a whole
+        generation)."""
         self._warned: set[str] = set()
         """Requests whose skipped pause was logged (a batch feature: once per request)."""
 
@@ -189,6 +203,10 @@ class PauseManager:
             req = decoding[rid]
             if self._finishing(req):
                 self._skip("finishing", 1)
+                continue
+            if self.in_flight_steps and penalized(req):
+                self._skip("penalties_in_flight", 1)
+                self.last_would_idle.append(rid)
                 continue
             if keep is not None and id(req) in keep:
                 if len(keep) == 1:
