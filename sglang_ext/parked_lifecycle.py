@@ -75,11 +75,14 @@ def around_abort(original: Any, scheduler: Any, recv_req: Any, *args: Any, **kwa
     if len(hooks.pauser):
         scheduler.running_batch = _resume(hooks, scheduler.running_batch, matches, "paused_requests_aborted")
     queued = [req.rid for req in getattr(scheduler, "waiting_queue", None) or () if matches(req)]
+    chunked = getattr(scheduler, "chunked_req", None)
     result = original(scheduler, recv_req, *args, **kwargs)
     still = {req.rid for req in getattr(scheduler, "waiting_queue", None) or ()} if queued else set()
     for gone in queued:
         if gone not in still:
             hooks.installer.release(gone)
+    if chunked is not None and matches(chunked):  # SGLang tears it down later, never in a
+        hooks.installer.forget(chunked.rid)  # processed batch's finished list (the pool: on_release)
     return result
 
 

@@ -298,6 +298,13 @@ class PlacementInstaller:
         return delta
 
     def release(self, rid: str) -> None:
+        self.forget(rid)
+        if self.layered:
+            self.pool.release_request(rid)
+
+    def forget(self, rid: str) -> None:
+        """Drop ``rid``'s plan bookkeeping, leaving the pool to SGLang's own release of it (an
+        abort of a chunked prefill: SGLang tears it down at a later step, through ``on_release``)."""
         self._bool_rows.pop(rid, None)
         self.uncached.pop(rid, None)
         self.planned_recompute.pop(rid, None)
@@ -308,5 +315,3 @@ class PlacementInstaller:
         self._epoch += 1
         if self._installed is not None:
             self._installed.pop(rid, None)
-        if self.layered:
-            self.pool.release_request(rid)

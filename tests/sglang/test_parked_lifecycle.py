@@ -211,6 +211,7 @@ class _Scheduler:
     _kvplane: Any
     finishing: tuple = ()
     """Under the overlap loop: rids whose in-flight step finishes them (SGLang drops them first)."""
+    chunked_req: Any = None
 
     def _reqs_finishing_inflight(self, batch: Any) -> list:
         return [r for r in batch.reqs if r.rid in self.finishing]
@@ -243,6 +244,23 @@ def test_a_request_aborted_while_queued_has_its_install_state_released():
     assert set(installer.prefill_placements) == {"r1", "r2"}
     out = parked_lifecycle.around_abort(_sglang_abort, sched, SimpleNamespace(rid="r1", abort_all=False))
     assert out == "aborted" and set(installer.prefill_placements) == {"r2"}
+
+
+def test_a_request_aborted_in_its_chunked_prefill_has_its_plan_bookkeeping_dropped():
+    """Aborted mid chunked prefill: SGLang defers the teardown (``process_pending_chunked_abort``)
+    and the request is never in a processed batch's finished list again, so its prefill placement
+    stayed for good. It is forgotten at the abort; the pool is left to SGLang's own release
+    (on_release), not released under the chunk in flight. Controls: another request's state stays,
+    and an abort of some other rid leaves the chunked one's."""
+    sched = _scheduler()
+    sched.chunked_req = SimpleNamespace(rid="c1")
+    installer = sched._kvplane.installer
+    installer.apply(StepInstall(step=1, prefill_layers={"c1": 2, "r2": 3}))
+    installer.gpu_layers("c1")
+    parked_lifecycle.around_abort(_sglang_abort, sched, SimpleNamespace(rid="zz", abort_all=False))
+    assert set(installer.prefill_placements) == {"c1", "r2"}
+    parked_lifecycle.around_abort(_sglang_abort, sched, SimpleNamespace(rid="c1", abort_all=False))
+    assert set(installer.prefill_placements) == {"r2"} and "c1" not in installer._bool_rows
 
 
 def test_a_parked_request_is_resumed_into_an_abort_a_retract_and_counts_against_idle():
