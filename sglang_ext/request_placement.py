@@ -136,7 +136,12 @@ class RequestPlacement:
     # ---- finish ------------------------------------------------------------------------------
     def finishing(self, req: Any) -> None:
         """The request is being released (finished or aborted, before its last output is streamed
-        and before the pool drops it): attach its result to ``req.customized_info``."""
+        and before the pool drops it): attach its result to ``req.customized_info``. A request
+        released unfinished (SGLang's retraction, back to the queue) keeps its record: its output
+        is not final, and the pauses and offloads it had count in the final one."""
+        finished = getattr(req, "finished", None)
+        if finished is not None and not finished():
+            return
         record = self._records.pop(req.rid, None)
         if record is None:
             return

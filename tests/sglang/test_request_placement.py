@@ -228,3 +228,26 @@ def test_records_of_requests_that_never_ran_do_not_leak():
     del req
     gc.collect()
     assert "gone" not in scene.placement and not scene.placement.active
+
+
+def test_a_retracted_request_keeps_its_record_for_its_final_output():
+    """SGLang's retraction releases a request unfinished (``release_req``, then back to the queue,
+    where ``arrived`` sees it again): its record, with the pause it had, is kept and nothing is
+    attached to its output; at its real finish the one record carries that pause. Negative
+    control, by hand: without the finished check the retraction attached a record (returned 2
+    with the final one) and the re-queue started a fresh record with no pause."""
+    scene = Scene()
+    req = Req("r", {PARAM: True})
+    req.finished = lambda: False  # type: ignore[attr-defined]
+    scene.placement.arrived(req)
+    scene.run("r")
+    scene.tree.residency_hooks.emit(ResidencyEventKind.PAUSED, [], rid="r")
+    scene.step = 18
+    scene.tree.residency_hooks.emit(ResidencyEventKind.RESUMED, [], rid="r")
+    scene.release(req)  # retract_decode's release
+    assert req.customized_info is None and "r" in scene.placement and scene.placement.returned == 0
+    scene.placement.arrived(req)  # _add_request_to_queue(req, is_retracted=True)
+    req.finished = lambda: True  # type: ignore[attr-defined]
+    scene.release(req)
+    record = req.customized_info[KEY][0]
+    assert (record["pauses"], record["paused_steps"]) == (1, 8) and scene.placement.returned == 1
