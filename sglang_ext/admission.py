@@ -66,9 +66,13 @@ class AdmissionGate:
         if self.enabled:
             self.admitted.update(rids)
 
-    def hold_back(self, scheduler: Any, running_batch: Any, pauser: Any) -> list[tuple[int, Any]]:
+    def hold_back(self, scheduler: Any, running_batch: Any, pauser: Any,
+                  last_batch: Any = None) -> list[tuple[int, Any]]:
         """Remove the not-admitted requests from ``scheduler.waiting_queue``; returns them with
-        their queue positions for :meth:`restore`."""
+        their queue positions for :meth:`restore`. ``last_batch``: the step that just ran; a
+        prefill there joins the running batch inside SGLang's ``get_next_batch_to_run`` (after
+        this gate), so the server is not idle (the work-conserving rule let a second prefill in
+        without the control plane's admit: scheduler review, session 63)."""
         queue = list(getattr(scheduler, "waiting_queue", None) or ())
         if not self.enabled or not queue:
             return []
@@ -79,7 +83,9 @@ class AdmissionGate:
         held: list[tuple[int, Any]] = []
         for item in enumerate(queue):
             (keep if item[1].rid in self.admitted else held).append(item)
-        idle = running_batch.is_empty() and getattr(scheduler, "chunked_req", None) is None and not len(pauser)
+        refill = last_batch is not None and not last_batch.is_empty() and last_batch.forward_mode.is_extend()
+        idle = (running_batch.is_empty() and getattr(scheduler, "chunked_req", None) is None and not len(pauser)
+                and not refill)
         if not keep and held and idle:
             keep.append(held.pop(0))
             self.local_admits += 1

@@ -382,12 +382,13 @@ def _around_next_batch(original: Any, scheduler: Any, *args: Any, **kwargs: Any)
     endpoint = hooks.policy_endpoint
     if endpoint is not None and hooks.tp.world_size == 1:  # the gate follows the live scheduler
         hooks.admission.enabled = endpoint.scheduler_gated()  # (before the boundary's admits)
-    running = hooks.boundary.apply(running, call.get("last_batch", scheduler.last_batch), hooks.step)
+    last_batch = call.get("last_batch", scheduler.last_batch)
+    running = hooks.boundary.apply(running, last_batch, hooks.step)
     scheduler.running_batch = running
     call["running_batch"] = running
     if hooks.slo_publisher is not None:  # the pacer follows the live default SLO
         hooks.slo_publisher.poll()
-    held = hooks.admission.hold_back(scheduler, running, hooks.pauser)
+    held = hooks.admission.hold_back(scheduler, running, hooks.pauser, last_batch)
     t1 = time.perf_counter()
     try:
         plan = original(scheduler, **call)

@@ -98,3 +98,27 @@ def test_request_slo_reads_custom_params_and_ignores_bad_values():
     assert request_slo(req(None)) is None
     assert request_slo(req({"kvplane_slo_tbt_ms": -1})) is None
     assert request_slo(req({"other": 1})) is None
+
+
+def test_a_prefill_that_just_ran_is_not_idle():
+    """The prefill of the last step joins the running batch inside SGLang's get_next_batch_to_run,
+    after the gate: with nothing running yet, the server is not idle, and the next queued
+    request waits for the control plane's admit (it was let in locally, one boundary after
+    the first). Controls: a decode or empty last batch, and none, leave the rule as it was."""
+    from types import SimpleNamespace
+
+    def last(n: int, extend: bool) -> object:
+        batch = _Batch(n)
+        batch.forward_mode = SimpleNamespace(is_extend=lambda: extend)
+        return batch
+
+    gate = AdmissionGate(enabled=True)
+    s = _sched("b", "c")
+    held = gate.hold_back(s, _Batch(0), pauser=(), last_batch=last(1, True))
+    assert _rids(s) == [] and gate.local_admits == 0
+    gate.restore(s, held)
+    for other in (last(1, False), last(0, True), None):
+        held = gate.hold_back(s, _Batch(0), pauser=(), last_batch=other)
+        assert _rids(s) == ["b"], other
+        gate.restore(s, held)
+    assert gate.local_admits == 3
