@@ -183,6 +183,10 @@ def _kv_quant(quant: Any) -> str | None:
             and scheme.get("strategy") == "tensor" and scheme.get("symmetric", True)
             and not scheme.get("dynamic", False)):
         return "FP8, compressed-tensors kv_cache_scheme"
+    if str(quant.get("quant_method", "")).lower().startswith("modelopt") and (  # ModelOpt's flat exports
+            (isinstance(scheme, str) and scheme.upper() == "FP8")
+            or (isinstance(scheme, dict) and scheme.get("type") == "float" and scheme.get("num_bits") == 8)):
+        return "FP8, ModelOpt kv_cache_scheme"
     return None
 
 

@@ -37,6 +37,15 @@ CONFIGS: dict[str, dict[str, Any]] = {
                 "layer_types": ["sliding_attention", "full_attention"]},
     "gemma2": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "head_dim": 16,
                "attn_logit_softcapping": 50.0, "sliding_window": 32},
+    "modelopt_flat_fp8": {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                          "quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8",
+                                                  "kv_cache_scheme": {"dynamic": False, "num_bits": 8,
+                                                                      "type": "float"}}},
+    "modelopt_flat_str": {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                          "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4",
+                                                  "kv_cache_scheme": "FP8", "group_size": 16}},
+    "modelopt_flat_no_kv": {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                            "quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8"}},
     "olmo2": {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2"},
     "exaone4_swa": {"architectures": ["Exaone4ForCausalLM"], "model_type": "exaone4", "head_dim": 16,
                     "sliding_window": 32, "sliding_window_pattern": "LLLG",
@@ -82,6 +91,8 @@ def support(root: Path, name: str, *, kv_cache_dtype: str = "auto", disable_hybr
     ("llama_fp8_kv", "LlamaForCausalLM's checkpoint quantizes the KV cache (FP8), so --kv-cache-dtype auto "
                      "would store it in fp8"),
     ("llama_ct_fp8_kv", "quantizes the KV cache (FP8, compressed-tensors kv_cache_scheme)"),
+    ("modelopt_flat_fp8", "quantizes the KV cache (FP8, ModelOpt kv_cache_scheme)"),
+    ("modelopt_flat_str", "quantizes the KV cache (FP8, ModelOpt kv_cache_scheme)"),
 ])
 def test_unsupported_models_are_refused_naming_feature_and_model(tmp_path: Path, name: str, fragment: str) -> None:
     refusal = support(tmp_path, name).refusal()
@@ -131,6 +142,7 @@ def test_supported_models_pass(tmp_path: Path) -> None:
     assert not (llama.mla or llama.recurrent_state or llama.sinks or llama.hybrid_swa_memory or llama.kv_quant)
     assert support(tmp_path, "gemma2").refusal() is None
     assert support(tmp_path, "llama_fp8_kv", kv_cache_dtype="bfloat16").refusal() is None
+    assert support(tmp_path, "modelopt_flat_no_kv").refusal() is None  # ModelOpt weights, KV unquantized
 
 
 def test_a_head_dim_over_256_is_refused_where_the_triton_kernels_serve(tmp_path: Path) -> None:
