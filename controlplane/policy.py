@@ -59,17 +59,17 @@ class LayerKVParams:
     """FLOP per second of the device in Eq. 3, in TFLOP/s."""
 
     def __post_init__(self) -> None:
-        _check_range("scheduler_params.layerkv.ttft_slo_ms", self.ttft_slo_ms, 0.0, 1e7, open_lo=True)
-        _check_range("scheduler_params.layerkv.tpot_margin", self.tpot_margin, 0.0, 1.0, open_lo=True)
-        _check_int("scheduler_params.layerkv.max_prefill_tokens", self.max_prefill_tokens, 1, 1 << 24)
+        _check_range("layerkv.ttft_slo_ms", self.ttft_slo_ms, 0.0, 1e7, open_lo=True)
+        _check_range("layerkv.tpot_margin", self.tpot_margin, 0.0, 1.0, open_lo=True)
+        _check_int("layerkv.max_prefill_tokens", self.max_prefill_tokens, 1, 1 << 24)
         _check_int(
-            "scheduler_params.layerkv.output_len_lower_bound", self.output_len_lower_bound, 0, 1 << 24
+            "layerkv.output_len_lower_bound", self.output_len_lower_bound, 0, 1 << 24
         )
         for name in ("prefill_correction", "offload_correction"):
-            _check_range(f"scheduler_params.layerkv.{name}", getattr(self, name), 0.0, 1e6, open_lo=True)
-        _check_range("scheduler_params.layerkv.model_params", self.model_params, 0.0, 1e15, open_lo=True)
-        _check_int("scheduler_params.layerkv.hidden_size", self.hidden_size, 1, 1 << 24)
-        _check_range("scheduler_params.layerkv.device_tflops", self.device_tflops, 0.0, 1e6, open_lo=True)
+            _check_range(f"layerkv.{name}", getattr(self, name), 0.0, 1e6, open_lo=True)
+        _check_range("layerkv.model_params", self.model_params, 0.0, 1e15, open_lo=True)
+        _check_int("layerkv.hidden_size", self.hidden_size, 1, 1 << 24)
+        _check_range("layerkv.device_tflops", self.device_tflops, 0.0, 1e6, open_lo=True)
 
 
 @dataclass(frozen=True)
@@ -86,11 +86,11 @@ class LVFParams:
     """B_xfer: one-layer blocks the rotation may swap in per step beyond the free GPU blocks."""
 
     def __post_init__(self) -> None:
-        _check_range("scheduler_params.lvf.alpha", self.alpha, 0.0, 1e6)
+        _check_range("lvf.alpha", self.alpha, 0.0, 1e6)
         for name in ("beta_b", "beta_f"):
-            _check_range(f"scheduler_params.lvf.{name}", getattr(self, name), -1e6, 1e6)
+            _check_range(f"lvf.{name}", getattr(self, name), -1e6, 1e6)
         _check_int(
-            "scheduler_params.lvf.transfer_budget_blocks", self.transfer_budget_blocks, 0, 1 << 30
+            "lvf.transfer_budget_blocks", self.transfer_budget_blocks, 0, 1 << 30
         )
 
 
@@ -193,9 +193,9 @@ class Policy:
             if key == "version" and keep_version:
                 continue
             if key == "layerkv":
-                value = _merge_params(self.layerkv, value, "scheduler_params.layerkv")
+                value = _merge_params(self.layerkv, value, "layerkv")
             elif key == "lvf":
-                value = _merge_params(self.lvf, value, "scheduler_params.lvf")
+                value = _merge_params(self.lvf, value, "lvf")
             values[key] = value
         try:
             return dataclasses.replace(self, **values)

@@ -74,8 +74,8 @@ def policy_changes_to_proto(changes: Mapping[str, Any]) -> pb.Policy:
             sub = getattr(msg, key)
             for sub_key, sub_value in value.items():
                 if sub_key not in _NESTED[key]:
-                    raise _invalid(f"scheduler_params.{key}.{sub_key}", "unknown field")
-                _set_field(sub, sub_key, sub_value, f"scheduler_params.{key}.{sub_key}")
+                    raise _invalid(f"{key}.{sub_key}", "unknown field")
+                _set_field(sub, sub_key, sub_value, f"{key}.{sub_key}")
             sub.SetInParent()
         elif key in _POLICY_SCALARS:
             _set_field(msg, key, value, key)

@@ -62,7 +62,7 @@ def test_update_with_right_token_is_applied_and_audited(served, connect) -> None
         ({"window_min": 10, "window_max": 5}, "window_max: 5 is below window_min = 10"),
         ({"ewma_factor": 1.5}, "ewma_factor: 1.5 is out of range"),
         ({"scheduler": "magic"}, "scheduler: 'magic' is not one of"),
-        ({"layerkv": {"tpot_margin": 0.0}}, "scheduler_params.layerkv.tpot_margin"),
+        ({"layerkv": {"tpot_margin": 0.0}}, "layerkv.tpot_margin"),  # the API path (was scheduler_params.layerkv...)
     ],
 )
 def test_invalid_update_names_field_and_range(served, connect, changes, fragment) -> None:  # type: ignore[no-untyped-def]
