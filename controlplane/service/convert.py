@@ -158,15 +158,9 @@ def batch_from_proto(msg: pb.Batch, prefix: str = "batch") -> Batch:
                 "remaining_tokens": r.remaining_tokens if r.HasField("remaining_tokens") else None,
             }
         )
-    if msg.HasField("policy"):
-        d["policy"] = {
-            "alpha": msg.policy.alpha,
-            "window_min": msg.policy.window_min,
-            "window_max": msg.policy.window_max,
-            "max_recompute_ratio": msg.policy.max_recompute_ratio,
-        }
-        if msg.policy.HasField("deposit_credit"):
-            d["policy"]["deposit_credit"] = msg.policy.deposit_credit
+    if msg.HasField("policy"):  # each field unset: the planner's default
+        names = ("alpha", "window_min", "window_max", "max_recompute_ratio", "deposit_credit")
+        d["policy"] = {name: getattr(msg.policy, name) for name in names if msg.policy.HasField(name)}
     try:
         return Batch.from_dict(d)
     except SchemaError as exc:

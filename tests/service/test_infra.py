@@ -232,3 +232,29 @@ def test_a_what_if_plan_waits_a_bounded_time_for_the_one_running() -> None:
         release.set()
         server.stop(0)
         cp.close()
+
+
+def test_a_plan_policy_naming_some_fields_takes_the_defaults_for_the_rest() -> None:
+    """``PlanPolicy`` fields are optional: a policy naming only ``deposit_credit`` (or only the
+    windows) plans with the planner's defaults for the others (before, an unset field arrived as
+    0: ``window_min: 0 is out of range``). Control: an explicit out-of-range value is still refused
+    naming the field; a full policy round-trips."""
+    from controlplane.model import Batch
+    from controlplane.model.batch import PlanPolicy as Defaults
+
+    base = convert.batch_to_proto(small_batch(1))
+    only_credit = pb.Batch()
+    only_credit.CopyFrom(base)
+    only_credit.policy.Clear()
+    only_credit.policy.deposit_credit = False
+    got = convert.batch_from_proto(only_credit)
+    defaults = Defaults()
+    assert (got.policy.window_min, got.policy.window_max, got.policy.alpha) == (
+        defaults.window_min, defaults.window_max, defaults.alpha)
+    assert got.policy.deposit_credit is False
+    bad = pb.Batch()
+    bad.CopyFrom(only_credit)
+    bad.policy.window_min = 0
+    with pytest.raises(api.InvalidArgument, match="window_min"):
+        convert.batch_from_proto(bad)
+    assert isinstance(convert.batch_from_proto(base), Batch)
