@@ -25,7 +25,9 @@ line naming the feature and the model:
 - **K and V head dims that differ** (``has_asymmetric_kv``: MiMo-V2): the pool holds K and V
   pages of one head dim.
 - **KV-shared layers** (Gemma-3n / Gemma-4 ``num_kv_shared_layers``): a layer reading another
-  layer's KV would run that layer's fetch and write-back pipeline twice in one step.
+  layer's KV would run that layer's fetch and write-back pipeline twice in one step. Gemma-3n and
+  Gemma-4 are refused by name (:data:`PER_LAYER_KV_SHAPES`): their sliding and global layers also
+  differ in KV head counts and head dims.
 - **Architectures SGLang refuses on FlashInfer** (:data:`NO_FLASHINFER`: Olmo2, Exaone-4 with
   sliding windows): with no ``--attention-backend`` the launcher serves them on the layered
   ``triton`` backend instead of its ``flashinfer`` default, and says so; an explicit
@@ -115,6 +117,10 @@ class ModelSupport:
         if self.attention_chunk_size:
             return (f"{model} uses chunked local attention (attention_chunk_size {self.attention_chunk_size}), "
                     "which the layered attention backends do not apply: not supported with --enable-layered-kv")
+        if self.architecture.startswith(PER_LAYER_KV_SHAPES):
+            return (f"{model} gives its sliding-window and global layers different KV shapes (head counts, "
+                    "head dims) and shares KV across layers, and the layered KV pool holds pages of one "
+                    "shape per layer-page: not supported with --enable-layered-kv")
         if self.kv_shared_layers:
             return (f"{model} has {self.kv_shared_layers} layers that read another layer's KV "
                     "(num_kv_shared_layers), which the layered pool places per layer: not supported with "
@@ -137,6 +143,10 @@ class ModelSupport:
                     "--enable-layered-kv; pass --kv-cache-dtype bfloat16 to keep the KV unquantized")
         return None
 
+
+PER_LAYER_KV_SHAPES = ("Gemma4", "Gemma3n")
+"""Architecture prefixes whose layers differ in KV shape or share KV (SGLang's ``gemma4_causal``:
+``swa_num_key_value_heads``, ``num_kv_shared_layers``), refused by name."""
 
 NO_FLASHINFER = frozenset({"Olmo2ForCausalLM", "Exaone4ForCausalLM", "ExaoneMoEForCausalLM", "ExaoneMoeForCausalLM"})
 """Architectures SGLang 0.5.23 asserts against FlashInfer for (``arg_groups/model_hook.py``:

@@ -216,8 +216,12 @@ def test_chunked_attention_kv_sharing_and_asymmetric_kv_are_refused(tmp_path: Pa
     assert llama4.attention_chunk_size == 32
     assert (llama4.refusal() or "").startswith("Llama4ForCausalLM uses chunked local attention "
                                                "(attention_chunk_size 32)")
-    shared = ModelSupport(architecture="Gemma4ForCausalLM", kv_shared_layers=6).refusal()
+    shared = ModelSupport(architecture="SomeForCausalLM", kv_shared_layers=6).refusal()
     assert shared is not None and "6 layers that read another layer's KV (num_kv_shared_layers)" in shared
+    for arch in ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "Gemma3nForConditionalGeneration"):
+        gemma = ModelSupport(architecture=arch, hybrid_swa_memory=False).refusal()
+        assert gemma is not None and gemma.startswith(f"{arch} gives its sliding-window and global layers"), arch
+    assert ModelSupport(architecture="Gemma3ForCausalLM").refusal() is None  # control: Gemma-3 is served
     asym = ModelSupport(architecture="MiMoV2FlashForCausalLM", asymmetric_kv=True).refusal()
     assert asym is not None and "K and V head dims that differ" in asym
     assert ModelSupport(architecture="LlamaForCausalLM").refusal() is None
