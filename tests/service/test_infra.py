@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -143,35 +146,43 @@ ERROR_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("exc", "code"), ERROR_CASES, ids=lambda v: type(v).__name__)
-def test_domain_error_maps_to_status(exc: Exception, code: grpc.StatusCode) -> None:
-    """Each domain error raised by the control plane reaches the client as its status code."""
-    cp, notifier = build_control_plane(None, None)
 
-    def failing_plan(batch: object) -> object:
-        raise exc
 
-    cp.plan = failing_plan  # type: ignore[method-assign]
+@contextlib.contextmanager
+def _served_plan(plan: Callable[[object], object]) -> Iterator[grpc.Channel]:
+    """A real server on port 0 whose control plane plans with ``plan``; a channel to it."""
+    cp, _ = build_control_plane(None, None)
+    cp.plan = plan  # type: ignore[method-assign]
     server, port = create_server("127.0.0.1:0", cp, ServerConfig(max_sessions=2, max_watchers=1))
     server.start()
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-            stub = pb_grpc.ControlPlaneStub(ch)
-            with pytest.raises(grpc.RpcError) as info:
-                stub.Plan(pb.PlanRequest(batch=convert.batch_to_proto(small_batch(1))), timeout=5)
-            assert info.value.code() == code
-            if code != grpc.StatusCode.INTERNAL:
-                assert str(exc) in info.value.details()
-                assert type(error_for(info.value)) is (
-                    api.InvalidArgument if isinstance(exc, SchemaError) else type(exc)
-                )
-            else:
-                assert "bug" not in info.value.details()  # internals are not leaked
-            assert status_for(exc) == (None if code == grpc.StatusCode.INTERNAL else code)
-            assert pb_grpc.PolicyServiceStub(ch).GetPolicy(pb.GetPolicyRequest(), timeout=5)
+            yield ch
     finally:
         server.stop(0)
         cp.close()
+
+@pytest.mark.parametrize(("exc", "code"), ERROR_CASES, ids=lambda v: type(v).__name__)
+def test_domain_error_maps_to_status(exc: Exception, code: grpc.StatusCode) -> None:
+    """Each domain error raised by the control plane reaches the client as its status code."""
+
+    def failing_plan(batch: object) -> object:
+        raise exc
+
+    with _served_plan(failing_plan) as ch:
+        stub = pb_grpc.ControlPlaneStub(ch)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Plan(pb.PlanRequest(batch=convert.batch_to_proto(small_batch(1))), timeout=5)
+        assert info.value.code() == code
+        if code != grpc.StatusCode.INTERNAL:
+            assert str(exc) in info.value.details()
+            assert type(error_for(info.value)) is (
+                api.InvalidArgument if isinstance(exc, SchemaError) else type(exc)
+            )
+        else:
+            assert "bug" not in info.value.details()  # internals are not leaked
+        assert status_for(exc) == (None if code == grpc.StatusCode.INTERNAL else code)
+        assert pb_grpc.PolicyServiceStub(ch).GetPolicy(pb.GetPolicyRequest(), timeout=5)
 
 
 def test_a_what_if_plan_past_the_size_limit_is_refused_by_name(channel) -> None:  # type: ignore[no-untyped-def]
@@ -199,20 +210,17 @@ def test_a_what_if_plan_waits_a_bounded_time_for_the_one_running() -> None:
     import threading
     import time
 
+    from controlplane.planner import Planner
     from controlplane.service.session_servicer import WHAT_IF_WAIT_S
 
-    cp, _ = build_control_plane(None, None)
-    real_plan, release = cp.plan, threading.Event()
+    release = threading.Event()
 
     def slow_plan(batch: object) -> object:
         release.wait(30)
-        return real_plan(batch)  # type: ignore[arg-type]
+        return Planner().plan(batch)  # type: ignore[arg-type]
 
-    cp.plan = slow_plan  # type: ignore[method-assign]
-    server, port = create_server("127.0.0.1:0", cp, ServerConfig(max_sessions=2, max_watchers=1))
-    server.start()
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+    with _served_plan(slow_plan) as ch:
+        try:
             stub = pb_grpc.ControlPlaneStub(ch)
             request = pb.PlanRequest(batch=convert.batch_to_proto(small_batch(1)))
             first = stub.Plan.future(request, timeout=60)
@@ -228,10 +236,8 @@ def test_a_what_if_plan_waits_a_bounded_time_for_the_one_running() -> None:
             release.set()
             assert first.result().plan.feasible
             assert stub.Plan(request, timeout=30).plan.feasible
-    finally:
-        release.set()
-        server.stop(0)
-        cp.close()
+        finally:
+            release.set()
 
 
 def test_a_plan_policy_naming_some_fields_takes_the_defaults_for_the_rest() -> None:
