@@ -9,8 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_ext.layered_paged_decode import token_tables_needed
 from tests.dataplane.core_driver import make_core
+
+pytest.importorskip("sglang")  # sglang_ext.layered_paged_decode subclasses SGLang's backend
+from sglang_ext.layered_paged_decode import token_tables_needed  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
