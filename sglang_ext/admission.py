@@ -45,6 +45,12 @@ def request_slo(req: Any) -> float | None:
         return None
 
 
+def prefill_joins(last_batch: Any) -> bool:
+    """Whether the step that just ran was a prefill whose requests join the running batch inside
+    SGLang's ``get_next_batch_to_run`` (after kvplane's boundary and gate run)."""
+    return last_batch is not None and not last_batch.is_empty() and last_batch.forward_mode.is_extend()
+
+
 class AdmissionGate:
     """Which queued requests SGLang may prefill this step."""
 
@@ -83,9 +89,8 @@ class AdmissionGate:
         held: list[tuple[int, Any]] = []
         for item in enumerate(queue):
             (keep if item[1].rid in self.admitted else held).append(item)
-        refill = last_batch is not None and not last_batch.is_empty() and last_batch.forward_mode.is_extend()
         idle = (running_batch.is_empty() and getattr(scheduler, "chunked_req", None) is None and not len(pauser)
-                and not refill)
+                and not prefill_joins(last_batch))
         if not keep and held and idle:
             keep.append(held.pop(0))
             self.local_admits += 1

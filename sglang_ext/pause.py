@@ -145,10 +145,10 @@ class PauseManager:
         """Pause attempts not applied, by reason (:data:`PAUSE_SKIP_REASONS`; running totals)."""
         self.last_skipped: dict[str, int] = {}
         """The same, of the last :meth:`pause` call only (the boundary's record)."""
-        self.last_would_idle: list[str] = []
-        """Requests the last :meth:`pause` call skipped as ``would_idle`` or
-        ``penalties_in_flight`` (the boundary drops their deferred pause: it could wait a whole
-        generation)."""
+        self.last_dropped: list[str] = []
+        """Requests whose pause the last :meth:`pause` call skipped for good (``would_idle``,
+        ``penalties_in_flight``): the boundary drops their deferred pause, which could otherwise
+        wait a whole generation."""
         self._warned: set[str] = set()
         """Requests whose skipped pause was logged (a batch feature: once per request)."""
 
@@ -177,9 +177,9 @@ class PauseManager:
 
         ``keep_one_of``: the ``id()`` of the running requests that keep the batch going (the step
         boundary's rule: an empty one resumes every parked request rather than idle). A pause
-        that would take the last of them is skipped as ``would_idle`` (:attr:`last_would_idle`)
+        that would take the last of them is skipped as ``would_idle`` (:attr:`last_dropped`)
         -- it would be undone at once, after a write-back for nothing. None: no such rule."""
-        self.last_skipped, self.last_would_idle = {}, []
+        self.last_skipped, self.last_dropped = {}, []
         wanted = [rid for rid in dict.fromkeys(rids) if rid not in self._parked]
         if not wanted or running_batch is None or running_batch.is_empty():
             return []
@@ -206,12 +206,12 @@ class PauseManager:
                 continue
             if self.in_flight_steps and penalized(req):
                 self._skip("penalties_in_flight", 1)
-                self.last_would_idle.append(rid)
+                self.last_dropped.append(rid)
                 continue
             if keep is not None and id(req) in keep:
                 if len(keep) == 1:
                     self._skip("would_idle", 1)
-                    self.last_would_idle.append(rid)
+                    self.last_dropped.append(rid)
                     continue
                 keep.discard(id(req))
             idx = running_batch.reqs.index(req)

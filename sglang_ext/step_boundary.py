@@ -33,7 +33,7 @@ from typing import Any
 
 import structlog
 
-from sglang_ext.admission import AdmissionGate
+from sglang_ext.admission import AdmissionGate, prefill_joins
 from sglang_ext.control_client import ControlClient
 from sglang_ext.decision_inbox import DecisionInbox
 from sglang_ext.pause import PauseManager
@@ -173,7 +173,7 @@ class StepBoundary:
         self.admission.admit(install.admit)
         self.admission.open = install.fallback
         deferred = self.inbox.deferred_pause
-        refill = last_batch is not None and not last_batch.is_empty() and last_batch.forward_mode.is_extend()
+        refill = prefill_joins(last_batch)
         # the running requests the next batch keeps (asked once): none left while some are parked
         # resumes them all rather than idle (below), so a pause that would take the last of them
         # is skipped (would_idle) -- unless a refill or a resume in this install keeps it going
@@ -181,7 +181,7 @@ class StepBoundary:
         guard = None if live is None or install.resume or not install.pause else {  # built only for a
             i for i, req in live.items() if not self.pauser.ends_soon(req)}  # pause; ending soon: not kept
         paused = self.pauser.pause(running_batch, install.pause, step + 1, keep_one_of=guard)
-        for rid in (*paused, *self.pauser.last_would_idle):  # a would_idle pause is dropped: the
+        for rid in (*paused, *self.pauser.last_dropped):  # a pause skipped for good is dropped: the
             deferred.pop(rid, None)  # request may run alone for its whole generation
         running_batch, resumed = self.pauser.resume(running_batch, install.resume)
         if install.fallback:

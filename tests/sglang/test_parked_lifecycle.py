@@ -166,7 +166,7 @@ def test_a_pause_that_would_leave_nobody_running_is_skipped_as_would_idle(ending
     boundary, running, record = _pause_beside(ending, ("p",))
     if ending:
         assert (record["paused_now"], record["resumed_now"]) == ([], [])
-        assert record["pauses_skipped"] == {"would_idle": 1} and boundary.pauser.last_would_idle == ["p"]
+        assert record["pauses_skipped"] == {"would_idle": 1} and boundary.pauser.last_dropped == ["p"]
         assert [r.rid for r in running.reqs] == ["a", "p"] and not boundary.inbox.deferred_pause
         assert boundary.pauser.skipped == {"would_idle": 1}
     else:

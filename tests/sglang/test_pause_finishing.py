@@ -111,7 +111,7 @@ def test_under_overlap_a_request_with_a_token_counting_penalty_is_not_paused(pen
                                             presence_penalty=0.0, repetition_penalty=1.0)
     paused, pauser = _pause(1, [pen, plain])
     assert paused == ["plain"]
-    assert pauser.skipped == {"penalties_in_flight": 1} and pauser.last_would_idle == ["pen"]
+    assert pauser.skipped == {"penalties_in_flight": 1} and pauser.last_dropped == ["pen"]
     pen2, plain2 = _Req("pen", 3, None), _Req("plain", 3, None)
     pen2.sampling_params, plain2.sampling_params = pen.sampling_params, plain.sampling_params
     assert _pause(0, [pen2, plain2])[0] == ["pen", "plain"]
