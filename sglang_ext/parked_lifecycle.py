@@ -33,12 +33,19 @@ radix-tree lock, and the step boundary merges it back later. SGLang's own calls 
   includes the parked ones (:func:`around_init_load_inquirer`). Their KV was counted already
   (the allocator's used tokens); before, a server with most requests parked looked idle to a
   router, which sent it more.
+* ``Scheduler._poll_timeout_aborts`` (``SGLANG_REQ_RUNNING_TIMEOUT``): SGLang aborts a request
+  whose first forward is older than the timeout, scanning its in-flight batches only; a parked
+  request never timed out and could hold its KV for good. SGLang's own rule is run once more over
+  the parked requests (:func:`around_poll_timeout_aborts`), and each abort it emits resumes its
+  request through ``abort_request`` above (SGLang's abort of a running request: one more decode
+  step, then the KV is freed). Rank 0 polls; the aborts reach the other ranks with its requests.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+from types import SimpleNamespace
 from typing import Any
 
 import structlog
@@ -160,3 +167,22 @@ def around_init_load_inquirer(original: Any, scheduler: Any, *args: Any, **kwarg
     scheduler.load_inquirer = dataclasses.replace(inquirer, get_running_batch=with_parked)
     log.info("kvplane_parked_load_inquirer", note="SGLang's load snapshot counts parked requests as running")
     return result
+
+
+def around_poll_timeout_aborts(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """SGLang's timeout aborts, plus those its running-timeout rule gives for the parked requests:
+    ``original`` (SGLang's own method, unbound) runs again on a view whose only in-flight batch is
+    the parked requests and whose queue is empty, so the timeout, its clock, the message and the
+    status code stay SGLang's. A rid already aborted is not aborted twice (a request parked by the
+    step in flight is still in SGLang's ``last_batch``)."""
+    aborts = original(scheduler, *args, **kwargs)
+    hooks = _hooks_of(scheduler)
+    if hooks is None or not len(hooks.pauser):
+        return aborts
+    parked = SimpleNamespace(reqs=[p.req for p in hooks.pauser.parked()])
+    view = SimpleNamespace(waiting_queue=(), _collect_inflight_batches=lambda: [parked])
+    named = {abort.rid for abort in aborts}
+    more = [abort for abort in original(view, *args, **kwargs) if abort.rid not in named]
+    if more:
+        log.info("kvplane_parked_requests_timed_out", rids=[abort.rid for abort in more])
+    return [*aborts, *more]

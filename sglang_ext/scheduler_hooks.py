@@ -33,9 +33,9 @@ Hook points:
 * AFTER ``Scheduler.process_batch_result``: step time (launch to processed result, so it includes
   the device sync), finished requests released from the pool, and on rank 0 the step report
   (:meth:`StepReporter.end_step`) and the stats line.
-* AROUND ``Scheduler.abort_request``, ``pause_generation``, ``update_running_batch`` and
-  ``is_fully_idle``: SGLang's calls
-  that must see parked requests (:mod:`sglang_ext.parked_lifecycle`).
+* AROUND ``Scheduler.abort_request``, ``pause_generation``, ``update_running_batch``,
+  ``is_fully_idle``, ``get_prefill_adder_class``, ``init_load_inquirer`` and
+  ``_poll_timeout_aborts``: SGLang's calls that must see parked requests (:mod:`sglang_ext.parked_lifecycle`).
 * AFTER ``Scheduler._add_request_to_queue``: a request that asked for its placement info is noted.
 """
 
@@ -461,6 +461,7 @@ def register(hook_registry: Any, hook_type: Any, ctx: PluginContext) -> None:
                          (compat.SCHEDULER_IS_FULLY_IDLE, parked_lifecycle.around_is_fully_idle),
                          (compat.SCHEDULER_PREFILL_ADDER_CLASS, parked_lifecycle.around_prefill_adder_class),
                          (compat.SCHEDULER_INIT_LOAD_INQUIRER, parked_lifecycle.around_init_load_inquirer),
-                         (compat.SCHEDULER_UPDATE_RUNNING_BATCH, parked_lifecycle.around_update_running_batch)):
+                         (compat.SCHEDULER_UPDATE_RUNNING_BATCH, parked_lifecycle.around_update_running_batch),
+                         (compat.SCHEDULER_POLL_TIMEOUT_ABORTS, parked_lifecycle.around_poll_timeout_aborts)):
         hook_registry.register(target.path, hook, hook_type.AROUND)  # parked requests' lifecycle
     hook_registry.register(compat.SCHEDULER_ADD_REQUEST_TO_QUEUE.path, _after_add_request_to_queue, hook_type.AFTER)

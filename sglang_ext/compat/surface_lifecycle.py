@@ -15,7 +15,8 @@ _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 __all__ = ["SCHEDULER_ABORT_REQUEST", "SCHEDULER_PAUSE_GENERATION", "PAUSE_GENERATION_REQ", "SCHEDULER_IS_FULLY_IDLE",
            "SCHEDULER_UPDATE_RUNNING_BATCH", "SCHEDULER_FINISHING_INFLIGHT", "BATCH_CHECK_DECODE_MEM",
            "SCHEDULER_PREFILL_ADDER_CLASS", "PREFILL_ADDER", "PREFILL_BUDGET", "SCHEDULER_INIT_LOAD_INQUIRER",
-           "SCHEDULER_LOAD_STATE", "SCHEDULER_LOAD_INQUIRER"]
+           "SCHEDULER_LOAD_STATE", "SCHEDULER_LOAD_INQUIRER", "SCHEDULER_POLL_TIMEOUT_ABORTS",
+           "SCHEDULER_TIMEOUT_STATE"]
 
 SCHEDULER_ABORT_REQUEST = Target(f"{_SCHEDULER}.abort_request", params=("self", "recv_req"),
                                  used_by=("parked_lifecycle",))
@@ -62,3 +63,10 @@ SCHEDULER_LOAD_INQUIRER = Target("sglang.srt.managers.scheduler_components.load_
                                  attrs=("get_running_batch", "get_loads"), used_by=("parked_lifecycle",))
 """A frozen dataclass; ``get_loads`` reads ``len(get_running_batch().reqs)`` as the running count
 (called by ``tests/sglang/test_parked_lifecycle.py`` against kvplane's rebuilt inquirer)."""
+SCHEDULER_POLL_TIMEOUT_ABORTS = Target(f"{_SCHEDULER}._poll_timeout_aborts", params=("self",),
+                                       used_by=("parked_lifecycle",))
+"""Rank 0's ``SGLANG_REQ_WAITING_TIMEOUT`` / ``SGLANG_REQ_RUNNING_TIMEOUT`` scan (aborts only); kvplane
+runs it again over the parked requests, on a view with only the two attributes of
+:data:`SCHEDULER_TIMEOUT_STATE` (``tests/sglang/test_parked_timeout.py`` runs SGLang's method so)."""
+SCHEDULER_TIMEOUT_STATE = Target(_SCHEDULER, attrs=("waiting_queue", "_collect_inflight_batches"),
+                                 used_by=("parked_lifecycle",))
