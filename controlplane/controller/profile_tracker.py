@@ -220,6 +220,11 @@ class ProfileTracker:
         if h2d_gbps_sample is not None and layer_compute_sample_ms is None and transfers:
             fitted = self._fit_comp_scale(target_gbps, placement, blocks, observed_step_ms, recompute)
             target_comp = tuple(c * fitted for c in old_comp)
+        if layer_compute_sample_ms is None and not any(target_comp):
+            # a profile of zeros (a hello without a measured profile) predicts 0 ms, and no scale
+            # moves it: the step is spread over the layers (an upper bound where it stalled; the
+            # next mismatch scales it down, a layer sample replaces it)
+            target_comp = (observed_step_ms / len(old_comp),) * len(old_comp)
 
         if layer_compute_sample_ms is not None and h2d_gbps_sample is not None and transfers and steady:
             target_launch = self._fit_launch(target_comp, target_gbps, placement, blocks, observed_step_ms, recompute)

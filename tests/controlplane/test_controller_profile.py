@@ -181,3 +181,23 @@ def test_a_bandwidth_sample_of_a_step_that_fetched_nothing_is_no_evidence() -> N
     busy.update(ewma_factor=1.0, observed_step_ms=20.0, predicted_step_ms=10.0, placement=ROWS, blocks=BLOCKS,
                 layer_compute_sample_ms=COMP, h2d_gbps_sample=0.3)
     assert busy.h2d_gbps == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize("gbps_sample", [None, 1.0], ids=["no-samples", "bandwidth-sample"])
+def test_a_profile_of_zeros_learns_the_compute_from_the_step(gbps_sample: float | None) -> None:
+    """A worker's hello with every layer at 0 ms predicts 0 ms for any step, and scaling by
+    ``observed / predicted`` (or a compute scale fitted under a bandwidth sample) kept it at 0 for
+    good. The step is spread over the layers instead (a=1: each layer 5 ms of a 20 ms step), and a
+    second update then scales as usual. Control: a non-zero profile is scaled, not spread."""
+    t = ProfileTracker(Profile((0.0,) * 4), 2.0, BLOCK_BYTES)
+    rows = [(1, 1, 1, 1)] * 2  # nothing on the link
+    assert t.predict_step_ms(rows, BLOCKS) == 0.0
+    t.update(ewma_factor=1.0, observed_step_ms=20.0, predicted_step_ms=0.0, placement=rows, blocks=BLOCKS,
+             h2d_gbps_sample=gbps_sample)
+    assert t.layer_compute_ms == pytest.approx((5.0,) * 4)
+    assert t.predict_step_ms(rows, BLOCKS) == pytest.approx(20.0)
+    t.update(ewma_factor=1.0, observed_step_ms=10.0, predicted_step_ms=20.0, placement=rows, blocks=BLOCKS)
+    assert t.layer_compute_ms == pytest.approx((2.5,) * 4)
+    control = tracker()
+    control.update(ewma_factor=1.0, observed_step_ms=12.0, predicted_step_ms=6.0, placement=rows, blocks=BLOCKS)
+    assert control.layer_compute_ms == pytest.approx(tuple(2 * c for c in COMP))
