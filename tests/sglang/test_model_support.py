@@ -10,6 +10,8 @@ weight loads) is ``test_launch_validation.py``'s; the pool's own fp8 refusal is 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -17,6 +19,18 @@ from typing import Any
 import pytest
 
 pytestmark = pytest.mark.sglang
+
+
+@pytest.fixture(autouse=True)
+def _environment_kept() -> Iterator[None]:
+    """The environment as it was before each test: SGLang's model modules set variables when first
+    imported (DeepSeek's: ``DG_JIT_*``, ``OMP_NUM_THREADS``, ``CUTE_DSL_CACHE_DIR``, ...). Left
+    in ``os.environ``, every later server launch differed from the launch zygote's environment
+    and ``test_launch_validation.py`` (run after this module) errored."""
+    before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(before)
 
 BASE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "vocab_size": 256, "intermediate_size": 64, "torch_dtype": "bfloat16"}
