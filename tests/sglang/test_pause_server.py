@@ -327,3 +327,33 @@ def test_parked_requests_join_sglangs_retraction_when_the_pool_is_full(tight_pau
     log_text = server.log_path.read_text()
     assert "paused_requests_resumed_for_retraction" in log_text, "no retraction met a parked request"
     assert any(line.get("paused_now") for line in _stats(stats_path)), "nothing was parked"
+
+
+def test_a_retracted_request_keeps_its_placement_record_to_the_end(tight_paused_server):
+    """Eight 200-token generations asking for their placement info
+    (``custom_params.kvplane_return_placement``) on the pool that does not hold them: SGLang
+    retracts some (releases them unfinished, back to the queue). Each final response still carries
+    the ``kvplane`` record. Negative control, by hand (session 64): with
+    ``RequestPlacement.finishing`` dropping the record of a request released unfinished (before
+    90aa3ff), the retracted requests' responses came back without it."""
+    server, stats_path = tight_paused_server
+    before = server.log_path.read_text().count("Retract requests")
+    start = len(_stats(stats_path))
+
+    def one(prompt: str) -> dict:
+        return server.post("/generate", {"text": prompt, "sampling_params": {
+            "max_new_tokens": 200, "temperature": 0.0, "custom_params": {"kvplane_return_placement": True}}})
+
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(one, PROMPTS[:8]))
+    assert server.log_path.read_text().count("Retract requests") > before, "SGLang retracted nothing"
+    missing = [out["meta_info"]["id"] for out in outs if "kvplane" not in out["meta_info"]]
+    assert missing == [], f"responses without their placement record: {missing}"
+    assert all(out["meta_info"]["completion_tokens"] == 200 for out in outs)
+    lines = read_jsonl_settled(stats_path, start)
+    pauses = {out["meta_info"]["id"]: 0 for out in outs}
+    for rid in (rid for line in lines for rid in line.get("paused_now") or ()):
+        pauses[rid] += 1
+    assert sum(pauses.values()) > 0, "nothing was paused"
+    recorded = {out["meta_info"]["id"]: out["meta_info"]["kvplane"]["pauses"] for out in outs}
+    assert recorded == pauses, "a record lost the pauses its request had before a retraction"
