@@ -55,16 +55,13 @@ class SlotResidency:
         self.last_moves = LayerPageMoves({}, {})
         self.has_kv = store.has_kv  # pages holding KV (the store's flags): only these are onloaded
         self.has_kv_np = store.has_kv_np  # same memory, for the per-step fast path
-        self._anonymous: set[str] = set()
-        """Ids of requests observed without an id (dropped at the next boundary)."""
+        self._anonymous: set[str] = set()  # requests observed without an id (dropped at the next boundary)
         self._changed = True
         """Anything but appended pages changed since the last full reconcile (forces a full one)."""
         self._appended: list[tuple[_Request, torch.Tensor]] = []
         self._maybe_orphan: set[int] = set()
         """Pages that may no longer have a tracked user (released, dropped, re-observed requests'
         pages): where :class:`LivePages` looks for cached orphans when space is needed."""
-        self.reclaimable_pages = 0
-        """Device layer-pages only the prefix cache holds, as of the last full pass: free capacity."""
         self.full_reconciles = 0
         """Full reconciliations run; the rest took the append-only fast path."""
         self.staging_lent = 0
@@ -212,6 +209,12 @@ class SlotResidency:
         self.ended.release(rid)
 
     @property
+    def reclaimable_pages(self) -> int:
+        """Device layer-pages only the prefix cache holds (free capacity), now: resident less live
+        (neither counts journalled pages; a last full pass's figure went stale on fast paths)."""
+        return self.counts.orphan_resident(self.store.allocator.used_count - self.staging_lent)
+
+    @property
     def has_anonymous(self) -> bool:
         """Requests observed without an id are tracked (dropped at the next full boundary)."""
         return bool(self._anonymous)
@@ -288,10 +291,7 @@ class SlotResidency:
             drop_flat, need_flat = plan
         offloaded = self._apply_drops(drop_flat)
         self.counts.clear_dirty()  # every live page settled, but for the wants left short
-        try:
-            loaded, placed, shortfall = self._apply_needs(need_flat, reserve)
-        finally:  # orphans given up count as free even when the loads raise
-            self.reclaimable_pages = self.counts.orphan_resident(store.allocator.used_count - self.staging_lent)
+        loaded, placed, shortfall = self._apply_needs(need_flat, reserve)
         self.shortfall_total += shortfall
         self._changed = shortfall > 0 or given_up > 0
         self.last_moves = LayerPageMoves(offloaded=offloaded, loaded=loaded)
