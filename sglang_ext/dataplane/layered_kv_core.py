@@ -41,6 +41,7 @@ from sglang_ext.dataplane.identity_decode_step import IdentityDecodeStep
 from sglang_ext.dataplane.layer_page_moves import LayerPageMoves
 from sglang_ext.dataplane.layer_pipeline import LayerPipeline
 from sglang_ext.dataplane.new_token_counts import new_token_counts
+from sglang_ext.dataplane.page_ids import check_page_ids
 from sglang_ext.dataplane.paged_decode_step import PagedDecodeStep
 from sglang_ext.dataplane.paged_step_tables import PagedStepTables, staging_demand
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore
@@ -115,6 +116,7 @@ class LayeredKVCore:
         offload, or an uncached prefix, would free no page another could use."""
         if not self.store.host_tier:
             wants = {rid: want.on_device() for rid, want in wants.items()}
+        self.pipeline.end_step()  # a forward that stopped early writes its parked tokens back first
         self.residency.update_residency(wants)
         self._eager_writeback()
         return self._reconcile()
@@ -207,15 +209,17 @@ class LayeredKVCore:
         rids, lens = [rid for rid, _ in requests], [int(slots.numel()) for _, slots in requests]
         n_new = 0 if new_slots is None else int(new_slots.numel())
         counts = new_token_counts(rids, lens, n_new, new_counts)  # refused before anything changes
-        self._boundary(new_slots)
         ps = self.page_size
-        page_lists = []
-        for index, (rid, slots) in enumerate(requests):
+        page_lists, pages_of = [], []
+        for _, slots in requests:
             # kept by residency, so never a view of req_to_token
             fresh = slots.device.type == "cpu" and slots.dtype == torch.int64 and slots._base is None
             pages = slots if fresh else slots.to("cpu", torch.int64, copy=True)
-            if ps > 1:
-                pages = pages[::ps] // ps  # position order; one slot per page
+            pages_of.append(pages[::ps] // ps if ps > 1 else pages)  # position order; one slot per page
+        if pages_of:  # before any request is recorded
+            check_page_ids(np.concatenate([p.numpy() for p in pages_of]), self.store.map_np.shape[1], "a request's slots")
+        self._boundary(new_slots)
+        for index, ((rid, _), pages) in enumerate(zip(requests, pages_of, strict=True)):
             if rid is None:
                 self.residency.observe(f"__anonymous_{index}", pages, anonymous=True)
             else:
