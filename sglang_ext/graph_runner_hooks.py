@@ -10,7 +10,8 @@ is only known once kvplane's boundary has run. So, for a layered backend with gr
   :meth:`~sglang_ext.layered_decode_graph.LayeredDecodeGraph.admit` loads the buffers padded to
   the captured size SGLang will replay at (``_pad_to_bucket``, SGLang's own rounding) or names
   why the step runs eagerly -- then the answer is False and the eager forward (on SGLang's copy of
-  the batch) skips a second boundary. A recompute step is declined before its boundary.
+  the batch) skips a second boundary. A recompute step is declined before its boundary, and so
+  is any step that is not a decode (on CUDA SGLang asks for IDLE / TARGET_VERIFY steps too).
 * AROUND ``execute`` (the replay): after it, the step ends as an eager one does
   (``end_graph_step``: the last layer's exit).
 
@@ -31,9 +32,12 @@ def around_can_run_graph(original: Any, runner: Any, forward_batch: Any, *args: 
     """SGLang's answer, then kvplane's (module docstring)."""
     ok = original(runner, forward_batch, *args, **kwargs)
     backend = _graph_backend(runner)
-    if backend is None or not ok or not forward_batch.forward_mode.is_decode():
+    if backend is None or not ok:
         return ok
     graph = backend.graph
+    if not forward_batch.forward_mode.is_decode():  # on CUDA SGLang also asks for IDLE / TARGET_VERIFY /
+        graph.decline("not a decode step", ())  # DLLM_EXTEND steps; kvplane admits none (a replay raises)
+        return False
     if backend.recompute_inputs:  # its rows join the batch's inputs at the boundary: eager, one boundary
         graph.decline("the step recomputes a prefix", ())
         return False

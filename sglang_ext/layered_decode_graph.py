@@ -117,6 +117,7 @@ class LayeredDecodeGraph:
                                "tables are not in the graph buffers); --kv-cuda-graphs on serves only through "
                                "the layered Triton backend's own hooks")
         self.admitted = False
+        self.forward = False  # a capture's flag ends here too (no decode reads the buffers unasked)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """The new K/V ``[rows, H, D]`` (pool dtype) of every row at ``layer`` into the buffers' rows."""

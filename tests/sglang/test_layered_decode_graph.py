@@ -83,3 +83,32 @@ def test_a_pool_without_a_sink_page_cannot_capture():
                              device_pages=LAYERS * PAGES, dtype=torch.float32, device="cpu")
     with pytest.raises(RuntimeError, match="--kv-cuda-graphs on"):
         LayeredDecodeGraph(LayeredKVCore(config), max_bs=2)
+
+
+def test_non_decode_steps_sglang_would_replay_are_declined_and_a_replay_ends_the_capture_flag():
+    """On CUDA SGLang asks ``can_run_graph`` for IDLE, TARGET_VERIFY and DLLM_EXTEND steps too
+    (``is_cuda_graph``); kvplane admits none, so answering SGLang's True let a replay raise "did
+    not admit" (graph review, session 64). They are declined, counted; a decode step still runs
+    kvplane's boundary and is admitted (control). After a capture, the replay clears the
+    capture's ``forward`` flag (it stayed until the next metadata)."""
+    from sglang_ext import graph_runner_hooks
+
+    core = _identity_core(partial=False)
+    graph = LayeredDecodeGraph(core, max_bs=2)
+    graph.capture(2)
+    boundaries: list[object] = []
+    backend = SimpleNamespace(graph=graph, recompute_inputs=None, init_forward_metadata=boundaries.append)
+    runner = SimpleNamespace(attn_backend=backend, capture_bs=[1, 2], _pad_to_bucket=lambda bs, buckets: 2)
+
+    def batch(decode: bool) -> SimpleNamespace:
+        return SimpleNamespace(forward_mode=SimpleNamespace(is_decode=lambda: decode), batch_size=1,
+                               out_cache_loc=torch.tensor([6]), rids=["A"], seq_lens_cpu=torch.tensor([4]))
+
+    sglang_yes = lambda runner, fb: True  # noqa: E731
+    assert graph_runner_hooks.around_can_run_graph(sglang_yes, runner, batch(decode=False)) is False
+    assert graph.eager_reasons == {"not a decode step": 1} and boundaries == [] and not graph.admitted
+    assert graph_runner_hooks.around_can_run_graph(sglang_yes, runner, batch(decode=True)) is True
+    assert len(boundaries) == 1 and graph.admitted
+    graph.forward = True  # as a capture leaves it
+    graph.replaying()
+    assert graph.forward is False
