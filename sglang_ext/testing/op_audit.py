@@ -55,6 +55,18 @@ def _pageable_d2h(func: Any, args: tuple, kwargs: dict) -> bool:
     return False
 
 
+def data_dependent(name: str, args: tuple, kwargs: dict) -> bool:
+    """An op whose output size the device decides, read back by the host on CUDA:
+    ``repeat_interleave`` without ``output_size``, and indexing (``x[mask]``, ``x[mask] = v``) by
+    a bool or uint8 mask, which runs ``nonzero`` inside the op (below where a dispatch mode sees
+    it)."""
+    if name.startswith("aten.repeat_interleave"):
+        return kwargs.get("output_size") is None
+    if name.startswith(("aten.index.", "aten.index_put", "aten._index_put_impl_")) and len(args) > 1:
+        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] or ())
+    return False
+
+
 HOST_READS = ("tolist", "numpy", "cpu", "item", "__array__")
 """``torch.Tensor`` methods that read a tensor back to the host (flagged by name in a scope)."""
 
@@ -127,9 +139,7 @@ class OpAudit(TorchDispatchMode):
         if self._scope is not None:
             name = str(func)
             self.ops[self._scope].append(name)
-            if name in SYNC_OPS or _pageable_d2h(func, args, kwargs):
-                self.violations.append((self._scope, name))
-            elif name.startswith("aten.repeat_interleave") and kwargs.get("output_size") is None:
+            if name in SYNC_OPS or _pageable_d2h(func, args, kwargs) or data_dependent(name, args, kwargs):
                 self.violations.append((self._scope, name))
         return func(*args, **kwargs)
 

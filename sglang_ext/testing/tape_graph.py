@@ -18,7 +18,13 @@ CUDA graph would read stale data.
 Capture refuses what CUDA refuses while a stream captures, with CUDA's wording: a host read of
 device data (``item()``, ``bool()``, ``tolist()``, ``nonzero``, ``.cpu()``, an op whose result
 is a Python value -- :data:`~sglang_ext.testing.op_audit.SYNC_OPS`,
-:data:`~sglang_ext.testing.op_audit.HOST_READS`).
+:data:`~sglang_ext.testing.op_audit.HOST_READS`), an op whose output size the device decides
+(a bool-mask index, ``repeat_interleave`` without ``output_size``:
+:func:`~sglang_ext.testing.op_audit.data_dependent`) and a tensor made from Python data
+(:data:`HOST_DATA`). Not emulated (all one device here): a ``.to()`` between host and device,
+streams and events, and lifetimes -- the tape keeps every tensor it recorded alive, where a
+graph keeps only addresses, so a buffer rebound after capture replays here and reads freed memory
+on a GPU (graph review, session 64).
 
 As ``CudaGraph`` (``sglang_ext/tools/gpu_check_graph.py``), capture first runs the function
 eagerly :data:`WARMUP_RUNS` times. Two differences from CUDA, both stated: the captured run
@@ -36,7 +42,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sglang_ext.testing.op_audit import SYNC_OPS, hooked_host_reads
+from sglang_ext.testing.op_audit import SYNC_OPS, data_dependent, hooked_host_reads
 
 WARMUP_RUNS = 2
 """Eager runs before the captured one (``CudaGraph``'s, ``torch.cuda.graphs``' advice)."""
@@ -45,6 +51,9 @@ CAPTURE_ERROR = "operation not permitted when stream is capturing"
 ALLOCATIONS = frozenset({"aten.empty.memory_format", "aten.empty_strided.default", "aten.new_empty.default",
                          "aten.empty_like.default", "aten.new_empty_strided.default"})
 """Ops that only allocate: a graph holds no kernel for them (their contents are undefined)."""
+HOST_DATA = frozenset({"aten.lift_fresh.default", "aten.lift_fresh_copy.default"})
+"""A tensor made from Python data (``torch.tensor([...])``): on a GPU it reaches the kernels by a
+pageable host-to-device copy, which a capture refuses (and which a replay would not repeat)."""
 
 
 def _tensors(out: Any) -> list[torch.Tensor] | None:
@@ -72,8 +81,10 @@ class _Recorder(TorchDispatchMode):
         if tape.paused:  # inside a recorded kernel launch: the kernel's own business
             return func(*args, **kwargs)
         name = str(func)
-        if name in SYNC_OPS:
+        if name in SYNC_OPS or data_dependent(name, args, kwargs):
             raise RuntimeError(f"{CAPTURE_ERROR}: {name} reads device data on the host (TapeGraph)")
+        if name in HOST_DATA:
+            raise RuntimeError(f"{CAPTURE_ERROR}: {name} copies host data into the graph (TapeGraph)")
         out = func(*args, **kwargs)
         mutating = _mutates(func)
         made = _tensors(out)

@@ -39,21 +39,25 @@ def test_replay_reads_persistent_inputs_at_their_addresses():
 
 
 def test_a_table_rebuilt_each_step_replays_stale_and_an_eager_rerun_hides_it():
-    """The bug a graph punishes: the step's index table made fresh in Python (``torch.tensor`` of
-    a list). The tape replays the captured table; re-running the function reads the new one.
-    Negative control for the stand-in the probe's tests used before."""
+    """The bug a graph punishes: the step's index table made fresh from Python values each step.
+    Made by a kernel from Python ints (``arange``), the tape replays the captured table; re-running
+    the function reads the new one. Made from a Python list (``torch.tensor``: a host copy on a
+    GPU) the capture is refused, as CUDA refuses it. Negative control for the stand-in the
+    probe's tests used before."""
     pool = torch.arange(10, dtype=torch.float32) * 10
-    step = {"rows": [1, 2]}
+    step = {"first": 1}
 
     def fn():
-        return [pool[torch.tensor(step["rows"])].clone()]
+        return [pool[torch.arange(step["first"], step["first"] + 2)].clone()]
 
     graph = TapeGraph()
     (out,) = graph.capture(fn)
-    step["rows"] = [7, 8]
+    step["first"] = 7
     graph.replay()
     assert out.tolist() == [10.0, 20.0]  # stale: what a CUDA graph would read
     assert fn()[0].tolist() == [70.0, 80.0]  # the eager re-run would have passed
+    with pytest.raises(RuntimeError, match="copies host data"):
+        TapeGraph().capture(lambda: [pool[torch.tensor([step["first"]])].clone()])
 
 
 def test_in_place_writes_replay_into_the_captured_destination():
@@ -77,7 +81,8 @@ def test_in_place_writes_replay_into_the_captured_destination():
     assert kv[:, 0].tolist() == [0, 0, 0, 0, 0, 3, 3, 0]  # rows 5, 6 (not 7: the batch was 2 at capture)
 
 
-@pytest.mark.parametrize("sync", ["item", "bool", "tolist", "nonzero", "cpu", "equal"])
+@pytest.mark.parametrize("sync", ["item", "bool", "tolist", "nonzero", "cpu", "equal", "mask-index", "mask-put",
+                                  "repeat-interleave", "host-list"])
 def test_capture_refuses_host_reads(sync):
     """Whatever would sync the host with the stream is refused with CUDA's message; the tape is
     left empty and the warm-ups (eager) ran."""
@@ -89,6 +94,11 @@ def test_capture_refuses_host_reads(sync):
         "nonzero": lambda: t.nonzero(),
         "cpu": lambda: t.cpu(),
         "equal": lambda: torch.equal(t, t),
+        # refused since session 64 (graph review): on CUDA each reads a size back or copies host data
+        "mask-index": lambda: t[t > 1],
+        "mask-put": lambda: t.clone().index_put_((t > 1,), torch.zeros(())),
+        "repeat-interleave": lambda: torch.repeat_interleave(t, torch.tensor([1, 2])),
+        "host-list": lambda: t + torch.tensor([1.0, 2.0]),
     }
 
     def fn():
@@ -98,6 +108,17 @@ def test_capture_refuses_host_reads(sync):
     with pytest.raises(RuntimeError, match=CAPTURE_ERROR):
         TapeGraph().capture(fn)
     fn()  # the host reads work again after the capture
+
+
+def test_what_a_graph_may_do_instead_is_captured():
+    """Controls for the refusals above: an index by integer rows, ``repeat_interleave`` with its
+    ``output_size`` and a constant made before the capture are captured and replay."""
+    t, rows, counts, const = torch.tensor([1.0, 2.0]), torch.tensor([1]), torch.tensor([1, 2]), torch.tensor([1.0, 2.0])
+    graph = TapeGraph()
+    out = graph.capture(lambda: [t[rows], torch.repeat_interleave(t, counts, output_size=3), t + const])
+    t.copy_(torch.tensor([5.0, 6.0]))
+    graph.replay()
+    assert [o.tolist() for o in out] == [[6.0], [5.0, 6.0, 6.0], [6.0, 8.0]]
 
 
 def test_triton_launches_replay_with_their_arguments(monkeypatch):
