@@ -419,7 +419,9 @@ class GraphProbe:
             Figure.graded("graph.kvplane_cpu_share", "kvplane CPU time per replayed step / the step", share,
                           "ratio", None, None, "thread CPU time of the boundary (prepare_decode_step) and the "
                           "buffers' load, medians, over the replayed step's wall time (the attention's plan, "
-                          "which SGLang's own backend makes too, apart)", meaningful=timed,
+                          "which SGLang's own backend makes too, apart); a lower bound: the check's new slots "
+                          "are a host tensor, so the served boundary's read-back of SGLang's device "
+                          "out_cache_loc (its one sync) is not in it", meaningful=timed,
                           note=note if m is None else f"{m['host_replay_ms']:.3f} ms of {m['step_replay_ms']:.3f} "
                           f"ms, plan {m['plan_replay_ms']:.3f} ms (eager step: {m['host_eager_ms']:.3f} ms of "
                           f"{m['step_eager_ms']:.3f}); {note}"),
