@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.helm.conftest import FULLNAME, container
 
 TOKEN_SECRET = "kvplane-policy-token"
@@ -18,9 +20,10 @@ def _mounts(deployment: dict) -> dict[str, dict]:
 
 
 def test_ports_and_args_default(render):
-    """The container serves gRPC on 50051 and metrics on 9090 and is told so by its flags."""
+    """The container serves gRPC on 50051, metrics on 9090 and its probes on 50052, and is told so
+    by its flags."""
     c = container(render().one("Deployment"))
-    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 50051, "metrics": 9090}
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 50051, "metrics": 9090, "health": 50052}
     assert c["args"] == [
         "--listen",
         "0.0.0.0:50051",
@@ -40,23 +43,28 @@ def test_ports_and_args_default(render):
         "4194304",
         "--rate-limit-rps",
         "0",
+        "--health-port",
+        "50052",
     ]
     assert "command" not in c, "the image ENTRYPOINT (kvplane serve) must not be overridden"
 
 
 def test_custom_ports_flow_everywhere(render):
     """Changing service ports changes container ports, flags and the probe port together."""
-    c = container(render({"service": {"grpcPort": 7000, "metricsPort": 7001}}).one("Deployment"))
-    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 7000, "metrics": 7001}
+    c = container(render({"service": {"grpcPort": 7000, "metricsPort": 7001, "healthPort": 7002}}).one("Deployment"))
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 7000, "metrics": 7001, "health": 7002}
     assert c["args"][:4] == ["--listen", "0.0.0.0:7000", "--metrics-port", "7001"]
-    assert c["livenessProbe"]["grpc"]["port"] == 7000
+    assert c["livenessProbe"]["grpc"]["port"] == 7002
 
 
 def test_probes_are_native_grpc(render):
-    """Startup, liveness and readiness use kubelet's gRPC probe on the health service."""
+    """Startup, liveness and readiness use kubelet's gRPC probe on the health service, on the
+    plaintext health-only port (--health-port) also without TLS: on the API port the probes
+    shared its bounded unary-call slots with Plan and policy calls (Helm review, session 64)."""
     c = container(render().one("Deployment"))
+    assert c["args"][c["args"].index("--health-port") + 1] == "50052"
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        assert c[probe]["grpc"] == {"port": 50051, "service": ""}, probe
+        assert c[probe]["grpc"] == {"port": 50052, "service": ""}, probe
         assert "tcpSocket" not in c[probe] and "exec" not in c[probe]
     assert c["livenessProbe"]["periodSeconds"] == 10
     assert c["readinessProbe"]["failureThreshold"] == 2
@@ -199,7 +207,7 @@ def test_tls_without_client_ca(render):
 def test_tls_probes_check_the_plaintext_health_port(render):
     """kubelet's gRPC probe cannot speak TLS, so with TLS on the server also serves grpc.health.v1
     in plaintext on service.healthPort (--health-port) and the probes check that port (a drain's
-    NOT_SERVING reaches readiness). Control: without TLS there is no health port."""
+    NOT_SERVING reaches readiness); without TLS too (test_probes_are_native_grpc)."""
     c = container(
         render({"tls": {"enabled": True, "existingSecret": TLS_SECRET}}).one("Deployment")
     )
@@ -208,12 +216,12 @@ def test_tls_probes_check_the_plaintext_health_port(render):
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert c[probe]["grpc"] == {"port": 50052, "service": ""}
         assert "tcpSocket" not in c[probe]
-    plain = container(render(None).one("Deployment"))
-    assert "--health-port" not in plain["args"] and all(p["name"] != "health" for p in plain["ports"])
 
 
-def test_the_health_port_must_differ_from_the_others(render_error):
-    err = render_error({"tls": {"enabled": True, "existingSecret": TLS_SECRET}, "service": {"healthPort": 9090}})
+@pytest.mark.parametrize("tls", [True, False])
+def test_the_health_port_must_differ_from_the_others(render_error, tls):
+    values = {"tls": {"enabled": True, "existingSecret": TLS_SECRET}} if tls else {}
+    err = render_error({**values, "service": {"healthPort": 9090}})
     assert "service.healthPort: 9090 equals service.grpcPort or service.metricsPort" in err
 
 

@@ -54,6 +54,6 @@ def test_notes_grpcurl_under_tls_carries_the_ca_and_the_client_certificate(rende
     asks for none."""
     server_name = f"-servername {FULLNAME}.{NAMESPACE}.svc"
     mtls = _grpcurl_lines(render_notes({"tls": {"enabled": True, "existingSecret": "kv-tls"}}))
-    assert all("-cacert ca.crt -cert worker.crt -key worker.key" in line and server_name in line for line in mtls)
+    assert all("-cacert server-ca.crt -cert worker.crt -key worker.key" in line and server_name in line for line in mtls)
     tls = _grpcurl_lines(render_notes({"tls": {"enabled": True, "existingSecret": "kv-tls", "caKey": ""}}))
-    assert all("-cacert ca.crt" in line and "-cert worker.crt" not in line and server_name in line for line in tls)
+    assert all("-cacert server-ca.crt" in line and "-cert worker.crt" not in line and server_name in line for line in tls)

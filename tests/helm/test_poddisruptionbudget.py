@@ -49,7 +49,12 @@ def test_both_set_is_an_error(render_error):
           "podDisruptionBudget": {"enabled": True, "minAvailable": 2}},
          "podDisruptionBudget.minAvailable: 2 is not below autoscaling.minReplicas = 2"),
         ({"replicaCount": 2, "podDisruptionBudget": {"enabled": True, "minAvailable": "100%"}},
-         'podDisruptionBudget.minAvailable: "100%" lets no pod be evicted'),
+         'podDisruptionBudget.minAvailable: "100%" of replicaCount = 2 rounds up to 2 pods'),
+        # Kubernetes rounds a percentage up: 50% of 1 is 1 pod, 60% of 2 is 2 (Helm review, session 64)
+        ({"podDisruptionBudget": {"enabled": True, "minAvailable": "50%"}},
+         'podDisruptionBudget.minAvailable: "50%" of replicaCount = 1 rounds up to 1 pods'),
+        ({"replicaCount": 2, "podDisruptionBudget": {"enabled": True, "minAvailable": "60%"}},
+         'podDisruptionBudget.minAvailable: "60%" of replicaCount = 2 rounds up to 2 pods'),
         ({"replicaCount": 2, "podDisruptionBudget": {"enabled": True, "minAvailable": None, "maxUnavailable": 0}},
          "podDisruptionBudget.maxUnavailable: 0 lets no pod be evicted"),
     ],

@@ -148,8 +148,12 @@ and the allowed range.
 {{- if and (not (kindIs "invalid" $min)) (not (kindIs "string" $min)) (ge (int64 $min) $replicas) }}
 {{- fail (printf "podDisruptionBudget.minAvailable: %d is not below %s = %d (no pod could ever be evicted: a node drain would wait for ever; raise %s or use maxUnavailable)" (int64 $min) $source $replicas $source) }}
 {{- end }}
-{{- if and (kindIs "string" $min) (eq $min "100%") }}
-{{- fail "podDisruptionBudget.minAvailable: \"100%\" lets no pod be evicted (a node drain would wait for ever)" }}
+{{- if and (kindIs "string" $min) (hasSuffix "%" $min) }}
+{{- $pct := trimSuffix "%" $min | int64 }}
+{{- /* Kubernetes rounds a percentage of minAvailable up: ceil(pct x replicas / 100) pods */}}
+{{- if ge (div (add (mul $pct $replicas) 99) 100) $replicas }}
+{{- fail (printf "podDisruptionBudget.minAvailable: %q of %s = %d rounds up to %d pods, all of them (no pod could ever be evicted: a node drain would wait for ever; lower it or use maxUnavailable)" $min $source $replicas (div (add (mul $pct $replicas) 99) 100)) }}
+{{- end }}
 {{- end }}
 {{- if and (not (kindIs "invalid" $max)) (or (eq (toString $max) "0") (eq (toString $max) "0%")) }}
 {{- fail (printf "podDisruptionBudget.maxUnavailable: %v lets no pod be evicted (a node drain would wait for ever)" $max) }}
@@ -161,7 +165,7 @@ and the allowed range.
 {{- if eq (int64 .Values.service.grpcPort) (int64 .Values.service.metricsPort) }}
 {{- fail (printf "service.metricsPort: %d equals service.grpcPort (allowed: two different ports)" (int64 .Values.service.metricsPort)) }}
 {{- end }}
-{{- if and .Values.tls.enabled (has (int64 .Values.service.healthPort) (list (int64 .Values.service.grpcPort) (int64 .Values.service.metricsPort))) }}
+{{- if (has (int64 .Values.service.healthPort) (list (int64 .Values.service.grpcPort) (int64 .Values.service.metricsPort))) }}
 {{- fail (printf "service.healthPort: %d equals service.grpcPort or service.metricsPort (allowed: three different ports)" (int64 .Values.service.healthPort)) }}
 {{- end }}
 {{- end }}
