@@ -32,6 +32,13 @@ line naming the feature and the model:
   sliding windows): with no ``--attention-backend`` the launcher serves them on the layered
   ``triton`` backend instead of its ``flashinfer`` default, and says so; an explicit
   ``--attention-backend flashinfer`` is refused naming ``triton``.
+- **Encoder-decoder models** (``is_encoder_decoder``: Whisper, Mllama, MossVL): SGLang puts a
+  request's encoder slots ahead of its decoder's in its ``req_to_token`` row and reads
+  self-attention from past them; kvplane's tables start at the row's head, so decoder layers read
+  the encoder's KV (attention review, session 64: off by 1.3-5.5 against SGLang's own backend).
+- **Bidirectional prompt attention** (:data:`BIDIRECTIONAL_PROMPT`, EmbeddingGemma's
+  ``use_bidirectional_attention``): SGLang's Triton backend drops the causal mask at prefill;
+  kvplane's extend keeps it (off by 2.2 on a 6-token prompt).
 - **A checkpoint-quantized KV cache** (ModelOpt / compressed-tensors FP8 KV): with
   ``--kv-cache-dtype auto`` SGLang would store KV in fp8, which the layered pool does not hold
   (``--kv-cache-dtype fp8_*`` is refused by the flag check; ``LayeredTokenToKVPool`` refuses an
@@ -48,6 +55,15 @@ from typing import Any
 
 from kernels.paged_decode import MAX_HEAD_DIM
 from sglang_ext import compat
+
+BIDIRECTIONAL_PROMPT = ("HrmTextForCausalLM", "DiffusionGemmaForBlockDiffusion")
+"""Architectures whose SGLang models build every attention layer ``DECODER_BIDIRECTIONAL``
+(EmbeddingGemma's does so under ``use_bidirectional_attention``, read from its config)."""
+
+
+def bidirectional_prompt(architecture: str, text_config: Any) -> bool:
+    """Whether SGLang builds the model's attention ``DECODER_BIDIRECTIONAL``."""
+    return architecture in BIDIRECTIONAL_PROMPT or bool(getattr(text_config, "use_bidirectional_attention", False))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +92,12 @@ class ModelSupport:
     """K and V head dims differ (SGLang's ``ModelConfig.has_asymmetric_kv``)."""
     kv_shared_layers: int = 0
     """Layers that read another layer's KV (``num_kv_shared_layers``)."""
+    encoder_decoder: bool = False
+    """SGLang's ``ModelConfig.is_encoder_decoder`` (Whisper, Mllama, MossVL): a request's row holds
+    its encoder's slots before its decoder's, which kvplane's self-attention tables do not skip."""
+    bidirectional_prompt: bool = False
+    """Prompt attention without the causal mask (``AttentionType.DECODER_BIDIRECTIONAL``: HRM-Text,
+    DiffusionGemma, EmbeddingGemma's ``use_bidirectional_attention``); kvplane's extend is causal."""
 
     @classmethod
     def from_model_config(cls, model_config: Any, kv_cache_dtype: str | None,
@@ -100,11 +122,19 @@ class ModelSupport:
             attention_chunk_size=getattr(model_config, "attention_chunk_size", None) or None,
             asymmetric_kv=bool(getattr(model_config, "has_asymmetric_kv", False)),
             kv_shared_layers=int(getattr(text, "num_kv_shared_layers", 0) or 0),
+            encoder_decoder=bool(getattr(model_config, "is_encoder_decoder", False)),
+            bidirectional_prompt=bidirectional_prompt(str(architectures[0]), text),
         )
 
     def refusal(self) -> str | None:
         """The launch refusal (one line, naming the feature and the model), or None."""
         model = self.architecture
+        if self.encoder_decoder:
+            return (f"{model} is an encoder-decoder model (its requests' slots start with the encoder's, "
+                    "and cross-attention reads them): not supported with --enable-layered-kv")
+        if self.bidirectional_prompt:
+            return (f"{model} attends over its prompt bidirectionally (no causal mask at prefill), which the "
+                    "layered attention backends do not apply: not supported with --enable-layered-kv")
         if self.mla:
             return (f"{model} uses MLA attention (one compressed latent KV per token): --enable-layered-kv "
                     "places per-head K/V pages and supports MHA / GQA models only")

@@ -220,6 +220,34 @@ def test_the_pool_refuses_an_fp8_dtype_however_it_was_reached() -> None:
         pool(torch.float8_e4m3fn)
 
 
+def test_encoder_decoder_and_bidirectional_prompt_models_are_refused(tmp_path: Path) -> None:
+    """Encoder-decoder models (a request's row starts with its encoder's slots, which kvplane's
+    self-attention tables read: 1.3-5.5 off SGLang's own backend) and bidirectional prompt
+    attention (kvplane's extend is causal: 2.2 off) are refused naming the feature; found by the
+    attention review of session 64. Controls: Gemma-3 without ``use_bidirectional_attention``,
+    and a Llama, pass."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    from sglang_ext.model_support import ModelSupport
+
+    whisper = tmp_path / "whisper"  # a Llama config named as Whisper: SGLang decides by architecture
+    whisper.mkdir()
+    (whisper / "config.json").write_text(json.dumps(
+        {**BASE, **CONFIGS["llama"], "architectures": ["WhisperForConditionalGeneration"]}))
+    refusal = ModelSupport.from_model_config(ModelConfig(str(whisper)), "auto").refusal() or ""
+    assert refusal.startswith("WhisperForConditionalGeneration is an encoder-decoder model"), refusal
+    from sglang_ext.model_support import bidirectional_prompt
+
+    for arch in ("HrmTextForCausalLM", "DiffusionGemmaForBlockDiffusion"):
+        assert bidirectional_prompt(arch, SimpleNamespace()), arch
+    assert bidirectional_prompt("Gemma3TextModel", SimpleNamespace(use_bidirectional_attention=True))
+    assert not bidirectional_prompt("Gemma3ForCausalLM", SimpleNamespace(use_bidirectional_attention=False))
+    refusal = ModelSupport(architecture="HrmTextForCausalLM", bidirectional_prompt=True).refusal() or ""
+    assert refusal.startswith("HrmTextForCausalLM attends over its prompt bidirectionally"), refusal
+    assert not support(tmp_path, "gemma2", disable_hybrid_swa_memory=True).bidirectional_prompt  # control
+    assert support(tmp_path, "llama").refusal() is None  # control, from SGLang's ModelConfig
+
+
 def test_chunked_attention_kv_sharing_and_asymmetric_kv_are_refused(tmp_path: Path) -> None:
     """Llama-4's chunked local attention (its layers would attend over the whole context), layers
     reading another layer's KV (Gemma-3n / -4) and K/V head dims that differ (MiMo-V2) are
