@@ -28,13 +28,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
-import structlog
 
 from sglang_ext.dataplane.freed_pages import cut_freed_pages
-from sglang_ext.dataplane.page_ids import check_page_ids
+from sglang_ext.dataplane.page_ids import in_pool
 from sglang_ext.dataplane.sorted_ids import distinct_sorted
-
-log = structlog.get_logger(__name__)
 
 if TYPE_CHECKING:
     from sglang_ext.dataplane.slot_residency import SlotResidency
@@ -64,16 +61,9 @@ class EndedRequests:
         self.released.append(rid)
 
     def free(self, pages: Sequence[int]) -> None:
-        """SGLang's allocator took ``pages`` back (applied by :meth:`apply`). Ids outside the pool
-        name no page of it: they are logged and left out (raising here would fail SGLang's free)."""
-        ids = np.asarray(pages, dtype=np.int64).reshape(-1)
-        n = self.residency.store.map_np.shape[1]
-        try:
-            check_page_ids(ids, n, "a freed page")
-        except ValueError as err:
-            log.error("kvplane_bad_page_free_ignored", error=str(err))
-            ids = ids[(ids >= 0) & (ids < n)]
-        self.freed.extend(ids.tolist())
+        """SGLang's allocator took ``pages`` back (applied by :meth:`apply`, which leaves out ids
+        outside the pool)."""
+        self.freed.extend(pages)
 
     def take_rewritten(self) -> set[str]:
         """The requests freed pages were cut from since the last call (applied frees only)."""
@@ -97,7 +87,8 @@ class EndedRequests:
             res.counts.track_many(gone, -1)
         if freed:
             res._changed = True
-            pages = distinct_sorted(np.fromiter(freed, dtype=np.int64, count=len(freed)))
+            pages = in_pool(distinct_sorted(np.fromiter(freed, dtype=np.int64, count=len(freed))),
+                            res.store.map_np.shape[1], "a freed page")
             self.rewritten.update(cut_freed_pages(requests, res.counts, pages))  # first: the counts read the map
             res.store.release_pages(pages)
             res.has_kv_np[pages] = False

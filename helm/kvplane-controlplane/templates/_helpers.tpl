@@ -149,10 +149,10 @@ and the allowed range.
 {{- fail (printf "podDisruptionBudget.minAvailable: %d is not below %s = %d (no pod could ever be evicted: a node drain would wait for ever; raise %s or use maxUnavailable)" (int64 $min) $source $replicas $source) }}
 {{- end }}
 {{- if and (kindIs "string" $min) (hasSuffix "%" $min) }}
-{{- $pct := trimSuffix "%" $min | int64 }}
 {{- /* Kubernetes rounds a percentage of minAvailable up: ceil(pct x replicas / 100) pods */}}
-{{- if ge (div (add (mul $pct $replicas) 99) 100) $replicas }}
-{{- fail (printf "podDisruptionBudget.minAvailable: %q of %s = %d rounds up to %d pods, all of them (no pod could ever be evicted: a node drain would wait for ever; lower it or use maxUnavailable)" $min $source $replicas (div (add (mul $pct $replicas) 99) 100)) }}
+{{- $pods := div (add (mul (trimSuffix "%" $min | int64) $replicas) 99) 100 }}
+{{- if ge $pods $replicas }}
+{{- fail (printf "podDisruptionBudget.minAvailable: %q of %s = %d rounds up to %d pods, all of them (no pod could ever be evicted: a node drain would wait for ever; lower it or use maxUnavailable)" $min $source $replicas $pods) }}
 {{- end }}
 {{- end }}
 {{- if and (not (kindIs "invalid" $max)) (or (eq (toString $max) "0") (eq (toString $max) "0%")) }}
