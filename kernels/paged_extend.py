@@ -102,7 +102,8 @@ def extend_launch_options(cache_dtype: torch.dtype, head_dim: int, *,
             block_m, block_n = CUDA_NARROW_BLOCKS if limit >= NARROW_TILES_SHARED else CUDA_SMALL_BLOCKS
     else:
         block_m, block_n = CUDA_FP32_WIDE_BLOCKS if block_d >= 256 else CUDA_FP32_BLOCKS
-    options: dict[str, object] = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d, "LOW_PRECISION": low}
+    options: dict[str, object] = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d, "LOW_PRECISION": low,
+                                  "PACK_GQA": False, "SPLIT_MASK": True}
     if cuda:
         # 8 warps from head_dim 128: with 4, ptxas spills (255 registers, 1.8 KB of stores at 128 on sm_90)
         options["num_warps"] = 8 if block_d >= 128 else 4
@@ -178,32 +179,53 @@ if HAVE_TRITON:
         window_left,
         GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, USE_CAP: tl.constexpr, LOW_PRECISION: tl.constexpr,
+        PACK_GQA: tl.constexpr, SPLIT_MASK: tl.constexpr,
     ):
         b = tl.program_id(0)
-        h = tl.program_id(1)
-        first = tl.program_id(2) * BLOCK_M
+        hh = tl.program_id(1)  # the q head; with PACK_GQA the kv head, its GROUP q heads in the rows
+        # the last row blocks first: they see the most keys (no tail of heavy programs at the end)
+        blk = tl.num_programs(2) - 1 - tl.program_id(2)
         q_len = tl.load(qlen_ptr + b)
         kv_len = tl.load(lens_ptr + b)
         q0 = tl.load(qstart_ptr + b).to(tl.int64)
         page_base = tl.load(indptr_ptr + b).to(tl.int64)
         prefix = kv_len - q_len
-        offs_m = first + tl.arange(0, BLOCK_M)
+        rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        if PACK_GQA:  # row r: new token r // GROUP, q head hh * GROUP + r % GROUP (one K/V load for the group)
+            tok = rows // GROUP
+            head = hh * GROUP + rows % GROUP
+            kv_head = hh
+            first_tok = blk * BLOCK_M // GROUP
+            last_tok = (blk * BLOCK_M + BLOCK_M - 1) // GROUP
+        else:
+            tok = rows
+            head = hh + rows * 0
+            kv_head = hh // GROUP
+            first_tok = blk * BLOCK_M
+            last_tok = first_tok + BLOCK_M - 1
         offs_d = tl.arange(0, BLOCK_D)
-        m_mask = offs_m < q_len
+        m_mask = tok < q_len
         d_mask = offs_d < HEAD_DIM
-        pos = prefix + offs_m
-        kv_head = h // GROUP
-        q = tl.load(q_ptr + (q0 + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        pos = prefix + tok
+        q = tl.load(q_ptr + (q0 + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                     mask=m_mask[:, None] & d_mask[None, :], other=0.0)
         if LOW_PRECISION:
             q = q.to(k_ptr.dtype.element_ty)
         else:
             q = q.to(tl.float32)
+        # logits in log2 units (exp2, as FlashAttention): the scale folds log2(e) in, or the cap does
+        LOG2E: tl.constexpr = 1.4426950408889634
+        qk_scale = sm_scale if USE_CAP else sm_scale * LOG2E
         # keys up to this block's last position (none for a block past the request's new tokens)
-        hi = tl.where(first < q_len, tl.minimum(prefix + first + BLOCK_M, kv_len), 0)
+        hi = tl.where(first_tok < q_len, tl.minimum(prefix + last_tok + 1, kv_len), 0)
         lo = hi * 0
         if window_left >= 0:
-            lo = tl.maximum(prefix + first - window_left, 0)
+            lo = tl.maximum(prefix + first_tok - window_left, 0)
+        # keys every row of the block sees, with no window: tiles wholly below them need no mask
+        full = tl.where(window_left < 0, tl.minimum(prefix + first_tok + 1, hi), lo)
+        if not SPLIT_MASK:
+            full = lo
+        mid = lo + tl.maximum(full - lo, 0) // BLOCK_N * BLOCK_N
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
         acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
@@ -216,20 +238,21 @@ if HAVE_TRITON:
             k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_ks + kv_head * stride_kh
                         + offs_d[None, :], mask=kv_mask, other=0.0)
             if LOW_PRECISION:
-                qk = tl.dot(q, tl.trans(k)) * sm_scale
+                qk = tl.dot(q, tl.trans(k)) * qk_scale
             else:
-                qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * sm_scale
+                qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * qk_scale
             if USE_CAP:  # cap * tanh(x / cap), through exp(-2|x|) (kernels/paged_decode.py)
                 e = tl.exp(-2.0 * tl.abs(qk) / soft_cap)
                 th = (1.0 - e) / (1.0 + e)
-                qk = soft_cap * tl.where(qk < 0, -th, th)
-            keep = t_mask[None, :] & (t[None, :] <= pos[:, None])
-            keep = keep & ((t[None, :] >= pos[:, None] - window_left) | (window_left < 0))
-            qk = tl.where(keep, qk, float("-inf"))
+                qk = soft_cap * tl.where(qk < 0, -th, th) * LOG2E
+            if t0 >= mid:  # a tile at the diagonal, the window's edge or the sequence's end
+                keep = t_mask[None, :] & (t[None, :] <= pos[:, None])
+                keep = keep & ((t[None, :] >= pos[:, None] - window_left) | (window_left < 0))
+                qk = tl.where(keep, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.reduce(qk, 1, _MAX))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(qk - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(qk - m_safe[:, None])
             l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
             v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh
                         + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -239,7 +262,7 @@ if HAVE_TRITON:
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
             m_i = m_new
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        tl.store(o_ptr + (q0 + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        tl.store(o_ptr + (q0 + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
     # the tables are views into a step's metadata upload, their alignment varies from step to
@@ -252,11 +275,13 @@ def paged_extend_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         q_lens: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                         kv_lens: torch.Tensor, max_q_len: int, *, sm_scale: float | None = None,
                         logits_soft_cap: float = 0.0, window_left: int = -1,
-                        shared_per_block: int | None = None) -> torch.Tensor:
+                        shared_per_block: int | None = None,
+                        launch: dict[str, object] | None = None) -> torch.Tensor:
     """Triton paged extend (one launch, no host sync). ``max_q_len`` (a host int, at least every
     ``q_lens[b]``) sizes the grid. Page ids are not range-checked. ``shared_per_block``: the CUDA
     device's :func:`shared_per_block_of`, which a caller launching every layer reads once (None: read
-    here)."""
+    here). ``launch``: options replacing :func:`extend_launch_options`' (tiles, ``PACK_GQA``,
+    ``SPLIT_MASK``, ``num_warps``, ``num_stages``: the tests' and the tuning probe's)."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not importable; use paged_extend_ref")
     _check(q, k_cache, v_cache, q_start, q_lens, kv_indptr, kv_indices, kv_lens, logits_soft_cap, window_left)
@@ -275,15 +300,20 @@ def paged_extend_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     limit = None
     if q.is_cuda:
         limit = shared_per_block_of(q.device) if shared_per_block is None else shared_per_block
-    options = extend_launch_options(k_cache.dtype, head_dim, shared_per_block=limit)
-    _extend_kernel[(batch, q_heads, triton.cdiv(max_q_len, options["BLOCK_M"]))](
+    options = {**extend_launch_options(k_cache.dtype, head_dim, shared_per_block=limit), **(launch or {})}
+    group = q_heads // kv_heads
+    if options["PACK_GQA"]:  # a program per kv head, its group's q heads in the rows
+        grid = (batch, kv_heads, triton.cdiv(max_q_len * group, options["BLOCK_M"]))
+    else:
+        grid = (batch, q_heads, triton.cdiv(max_q_len, options["BLOCK_M"]))
+    _extend_kernel[grid](
         q, k_cache, v_cache, out, q_start, q_lens, kv_indptr, kv_indices.contiguous(), kv_lens,
         _scale(sm_scale, head_dim), float(logits_soft_cap),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         window_left,
-        GROUP=q_heads // kv_heads, PAGE=page_size, HEAD_DIM=head_dim, USE_CAP=logits_soft_cap > 0, **options,
+        GROUP=group, PAGE=page_size, HEAD_DIM=head_dim, USE_CAP=logits_soft_cap > 0, **options,
     )
     return out
 

@@ -133,6 +133,42 @@ def test_triton_matches_reference(triton_device: str, case: Case) -> None:
         torch.testing.assert_close(x, before[name], rtol=0, atol=0, equal_nan=True)
 
 
+VARIANTS = {"pack": {"PACK_GQA": True}, "mask-every-tile": {"SPLIT_MASK": False},
+            "pack-mask-every-tile": {"PACK_GQA": True, "SPLIT_MASK": False},
+            "pack-wide-rows": {"PACK_GQA": True, "BLOCK_M": 32, "BLOCK_N": 16}}
+"""The kernel's other launch forms (the tuning probe's, ``benchmarks/results/gpu/probes/extend_probe.py``):
+the q heads of a kv head packed into the rows, every tile masked (no unmasked tiles below the
+diagonal), packed rows over a block that spans several tokens' heads and a key tile smaller than
+it."""
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("case", CASES[1:6], ids=lambda c: f"b{len(c.lens)}-g{c.q_heads // c.kv_heads}"
+                         f"-ps{c.page_size}-cap{c.soft_cap:g}-w{c.window_left}")
+def test_launch_variants_match_reference(triton_device: str, case: Case, variant: str) -> None:
+    """Each launch form equals the reference on the cases with GQA, soft caps, windows and page 1."""
+    t = _build(case, shared_prefix=all(p + e > case.page_size for p, e in case.lens[:2]))
+    got = _run(t, case, triton_device, launch=VARIANTS[variant])
+    tol = GPU_TOLERANCE if triton_device == "cuda" and case.dtype in GPU_TOLERANCE else TOLERANCE
+    torch.testing.assert_close(got, _ref(t, case), **tol[case.dtype])
+
+
+def test_negative_control_packed_rows_read_by_the_wrong_head_fail(triton_device: str) -> None:
+    """Control: the packed launch told the group is 1 (each row's q head read as the kv head's
+    first) disagrees with the reference; the premise, the same launch at its true group, agrees."""
+    import kernels.paged_extend as pe
+
+    case = CASES[1]  # 8 q heads over 2 kv heads
+    t = _build(case)
+    dev = {name: x.to(triton_device) for name, x in t.items()}
+    good = pe.paged_extend_triton(**dev, max_q_len=_max_new(t), launch={"PACK_GQA": True}).cpu()
+    torch.testing.assert_close(good, _ref(t, case), **TOLERANCE[case.dtype])
+    bad = pe.paged_extend_triton(**{**dev, "k_cache": dev["k_cache"].repeat(1, 1, 4, 1),
+                                    "v_cache": dev["v_cache"].repeat(1, 1, 4, 1)},
+                                 max_q_len=_max_new(t), launch={"PACK_GQA": True}).cpu()
+    assert not torch.allclose(bad, _ref(t, case), **TOLERANCE[case.dtype])
+
+
 NEG_CASE = CASES[1]
 
 
