@@ -52,6 +52,18 @@ CUDA_BLOCKS = (64, 64)
 """``(BLOCK_M, BLOCK_N)`` on CUDA with 16-bit caches: new tokens per program, keys per tile.
 Compiled by the pinned Triton 3.8, 8 warps: 57,600 B of shared memory at head_dim 128 on sm_86
 (82,176 B on sm_90, whose ``wgmma`` stages more), 106,752 B at head_dim 256 (164,096 B on sm_90)."""
+CUDA_WIDE_ROW_BLOCKS = (128, 64)
+"""16-bit caches up to head_dim 128 on a GPU whose block may use :data:`WIDE_ROWS_SHARED` (H100,
+H200, B200): 128 rows of a kv head's GQA-packed q heads (``PACK_GQA``), 64 keys a tile, 8 warps,
+2 stages. Measured on an H200 (session 65, run 22, ``benchmarks/results/gpu/probes/extend-probe-run22-*``):
+gpu-check's mixed batch 1.36 ms against 1.83 ms at 64 x 64 (8 warps, 3 stages) and SGLang's
+torch-native loop's 1.55 ms; four 4K prompts 2.06 against 2.72 ms. Compiled offline: 98,304 B on
+sm_90, 99,360 B on sm_100, no register spill; on sm_86 the same launch spills (40 B), so GPUs with
+less shared memory keep :data:`CUDA_BLOCKS`."""
+WIDE_ROWS_SHARED = 232_448
+"""The per-block shared memory of H100 / H200 / B200 (227 KB): where :data:`CUDA_WIDE_ROW_BLOCKS` serve."""
+WIDE_ROW_LAUNCH = {"PACK_GQA": True, "num_warps": 8, "num_stages": 2}
+"""The rest of :data:`CUDA_WIDE_ROW_BLOCKS`' launch."""
 CUDA_NARROW_BLOCKS = (64, 32)
 """16-bit caches at head_dim 256 on a GPU whose block may use less than :data:`WIDE_TILES_SHARED`
 but at least :data:`NARROW_TILES_SHARED` (consumer Ampere, A10, A40, Ada, L4, L40S, RTX 50:
@@ -86,7 +98,8 @@ LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
 def extend_launch_options(cache_dtype: torch.dtype, head_dim: int, *,
                           shared_per_block: int | None) -> dict[str, object]:
     """The extend kernel's tiles (``BLOCK_M``, ``BLOCK_N``, ``BLOCK_D``), its dot precision
-    (``LOW_PRECISION``: 16-bit tensor-core dots on CUDA) and, on CUDA, ``num_warps``, for a cache
+    (``LOW_PRECISION``: 16-bit tensor-core dots on CUDA), the row layout (``PACK_GQA``), the mask
+    split (``SPLIT_MASK``) and, on CUDA, ``num_warps`` (and ``num_stages`` on 227 KB GPUs), for a cache
     of ``cache_dtype`` and ``head_dim`` on a CUDA GPU whose block may use ``shared_per_block``
     bytes of shared memory (:func:`shared_per_block_of`), or under the interpreter (None)."""
     cuda = shared_per_block is not None
@@ -96,6 +109,9 @@ def extend_launch_options(cache_dtype: torch.dtype, head_dim: int, *,
         block_m, block_n = INTERPRETER_BLOCKS
     elif low:
         limit = shared_per_block or 0
+        if block_d <= 128 and limit >= WIDE_ROWS_SHARED:
+            return {"BLOCK_M": CUDA_WIDE_ROW_BLOCKS[0], "BLOCK_N": CUDA_WIDE_ROW_BLOCKS[1], "BLOCK_D": block_d,
+                    "LOW_PRECISION": True, "SPLIT_MASK": True, **WIDE_ROW_LAUNCH}
         if block_d < 256 or limit >= WIDE_TILES_SHARED:
             block_m, block_n = CUDA_BLOCKS
         else:

@@ -303,7 +303,8 @@ def test_gpu_launch_settings(case: Case) -> None:
 
 
 def test_the_extend_tiles_follow_the_gpus_shared_memory() -> None:
-    """16-bit caches: 64 x 64 tiles up to head_dim 128 on any GPU (the 64 KB ones included), and at
+    """16-bit caches: 128 GQA-packed rows x 64 keys up to head_dim 128 on 227 KB GPUs (H100, H200,
+    B200), 64 x 64 on any other GPU (the 64 KB ones included), and at
     head_dim 256 by the block's limit -- 64 x 64 on A100 / H100 / B200, 64 x 32 on 99 KB GPUs, 32 x
     32 on 64 KB ones (T4, MI300); fp32 caches 32 x 32, 32 x 16 at 256; the interpreter its own.
     ``tests/kernels/test_shared_memory.py`` compiles each for those GPUs."""
@@ -314,7 +315,12 @@ def test_the_extend_tiles_follow_the_gpus_shared_memory() -> None:
         return options["BLOCK_M"], options["BLOCK_N"]
 
     for dtype in (torch.bfloat16, torch.float16):
-        assert tiles(dtype, 128, 65_536) == pe.CUDA_BLOCKS
+        assert tiles(dtype, 128, 65_536) == pe.CUDA_BLOCKS == tiles(dtype, 128, 166_912)  # A100 included
+        for head_dim in (64, 80, 128):  # H100 / H200 / B200: GQA-packed 128-row blocks (run 22, H200)
+            options = pe.extend_launch_options(dtype, head_dim, shared_per_block=232_448)
+            assert (options["BLOCK_M"], options["BLOCK_N"]) == pe.CUDA_WIDE_ROW_BLOCKS
+            assert options["PACK_GQA"] and options["num_stages"] == 2 and options["num_warps"] == 8
+        assert not pe.extend_launch_options(dtype, 128, shared_per_block=166_912)["PACK_GQA"]
         assert [tiles(dtype, 256, limit) for limit in (232_448, 166_912, 163_840, 101_376, 65_536)] == [
             pe.CUDA_BLOCKS, pe.CUDA_BLOCKS, pe.CUDA_NARROW_BLOCKS, pe.CUDA_NARROW_BLOCKS, pe.CUDA_SMALL_BLOCKS]
         assert tiles(dtype, 256, pe.NARROW_TILES_SHARED - 1) == pe.CUDA_SMALL_BLOCKS

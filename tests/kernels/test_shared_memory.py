@@ -95,8 +95,8 @@ def _extend_launch(dtype: torch.dtype, head_dim: int, group: int, target: str) -
     those the launcher picks for that GPU's shared memory per block."""
     (kernel, args, kwargs), = _extend_launches(dtype, head_dim, group)
     cuda = pe.extend_launch_options(dtype, head_dim, shared_per_block=SHARED_LIMITS[target])
-    assert set(pe.extend_launch_options(dtype, head_dim, shared_per_block=None)) == set(cuda) - {"num_warps"}
-    assert set(cuda) - {"num_warps"} <= set(kwargs)
+    assert set(pe.extend_launch_options(dtype, head_dim, shared_per_block=None)) == set(cuda) - {"num_warps", "num_stages"}
+    assert set(cuda) - {"num_warps", "num_stages"} <= set(kwargs)
     return kernel, args, {**kwargs, **cuda}
 
 
@@ -155,7 +155,7 @@ def _sixteen_bit(launch: Launch) -> bool:
 
 def _name(launch: Launch) -> str:
     kernel, args, kwargs = launch
-    tiles = {k: v for k, v in kwargs.items() if k.startswith("BLOCK") or k == "num_warps"}
+    tiles = {k: v for k, v in kwargs.items() if k.startswith("BLOCK") or k in ("num_warps", "num_stages", "PACK_GQA")}
     return f"{kernel.fn.__name__} {args[0].dtype} {tiles}"
 
 
@@ -170,7 +170,8 @@ def test_every_cuda_launch_fits_the_shared_memory_of_its_gpus() -> None:
     assert set(pd.MAX_BLOCK_HEADS.values()) <= {kw["BLOCK_H"] for _, _, kw in launches if "BLOCK_H" in kw}
     extend_tiles = {((kw["BLOCK_M"], kw["BLOCK_N"]), _sixteen_bit(launch)) for launch in launches
                     if "BLOCK_M" in (kw := launch[2])}
-    assert extend_tiles == {(pe.CUDA_BLOCKS, True), (pe.CUDA_NARROW_BLOCKS, True), (pe.CUDA_SMALL_BLOCKS, True),
+    assert extend_tiles == {(pe.CUDA_WIDE_ROW_BLOCKS, True),
+                            (pe.CUDA_BLOCKS, True), (pe.CUDA_NARROW_BLOCKS, True), (pe.CUDA_SMALL_BLOCKS, True),
                             (pe.CUDA_FP32_BLOCKS, False), (pe.CUDA_FP32_WIDE_BLOCKS, False)}
     assert {pd.BLOCK_TOKENS, pd.FP32_WIDE_BLOCK_TOKENS} == {kw["BLOCK_N"] for _, _, kw in launches if "BLOCK_H" in kw}
     compiled = _compiled(jobs)
