@@ -142,8 +142,12 @@ diagonal), packed rows over a block that spans several tokens' heads and a key t
 it."""
 
 
+ODD_GROUP = Case(16, ((5, 30), (40, 11)), 7, 1, 64, 0.0, -1, F32)
+"""Seven q heads a kv head (Qwen2-7B's 28 / 4): packed rows of a block end inside a token's group."""
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("case", CASES[1:6], ids=lambda c: f"b{len(c.lens)}-g{c.q_heads // c.kv_heads}"
+@pytest.mark.parametrize("case", (*CASES[1:6], ODD_GROUP), ids=lambda c: f"b{len(c.lens)}-g{c.q_heads // c.kv_heads}"
                          f"-ps{c.page_size}-cap{c.soft_cap:g}-w{c.window_left}")
 def test_launch_variants_match_reference(triton_device: str, case: Case, variant: str) -> None:
     """Each launch form equals the reference on the cases with GQA, soft caps, windows and page 1."""
