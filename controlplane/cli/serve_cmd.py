@@ -128,6 +128,30 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     )
 
 
+def start_metrics(port: int, host: str, registry: Any, *, dual_stack: bool) -> Any:
+    """The Prometheus endpoint on ``host:port``; returns its HTTP server (``OSError`` when it cannot
+    bind). With ``dual_stack`` (the host follows ``--listen``), the IPv4 wildcard ``0.0.0.0`` binds
+    as gRPC binds it: ``::`` taking IPv4 too, so an IPv6-only or dual-stack pod's metrics answer
+    on its IPv6 address; ``0.0.0.0`` alone where the host has no IPv6 or binds ``::`` IPv6-only
+    (``net.ipv6.bindv6only``). An explicit ``--metrics-host`` is bound as given."""
+    import socket
+
+    from prometheus_client import start_http_server
+
+    if dual_stack and host == "0.0.0.0" and socket.has_ipv6:
+        try:
+            http_server, _thread = start_http_server(port, addr="::", registry=registry)
+        except OSError:
+            pass  # no IPv6 here (or the port taken: the IPv4 bind below says so)
+        else:
+            if not http_server.socket.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY):
+                return http_server
+            http_server.shutdown()
+            http_server.server_close()
+    http_server, _thread = start_http_server(port, addr=host, registry=registry)
+    return http_server
+
+
 def build_control_plane(
     policy: Policy | None, token: str | None, metrics: ServiceMetrics | None = None
 ) -> tuple[EmbeddedControlPlane, DecisionNotifier]:
@@ -172,12 +196,10 @@ def run(args: argparse.Namespace) -> int:
 
     metrics_port = None
     if args.metrics_port is not None:  # bound before serving: a taken port refuses the start
-        from prometheus_client import start_http_server
-
         host = args.metrics_host or args.listen.rpartition(":")[0].strip("[]") or "0.0.0.0"
         try:
-            http_server, _thread = start_http_server(
-                args.metrics_port, addr=host, registry=server.metrics.registry
+            http_server = start_metrics(
+                args.metrics_port, host, server.metrics.registry, dual_stack=args.metrics_host is None
             )
         except OSError as exc:  # a taken port, an unresolvable --metrics-host
             server.stop(0)

@@ -74,7 +74,8 @@ def _pod_command(rendered, root: Path) -> list[str]:
     (policy_dir / "policy.yaml").write_text(rendered.one("ConfigMap")["data"]["policy.yaml"])
     (token_dir / "token").write_text(TOKEN + "\n")
     args = [a.replace("/etc/kvplane", str(root / "etc/kvplane")) for a in c["args"]]
-    args[args.index("--listen") + 1] = "127.0.0.1:0"
+    host = args[args.index("--listen") + 1].rpartition(":")[0]  # loopback, but the chart's [::] kept
+    args[args.index("--listen") + 1] = "[::]:0" if host == "[::]" else "127.0.0.1:0"
     args[args.index("--metrics-port") + 1] = "0"
     return [sys.executable, "-m", "kvplane.cli", "serve", *args]
 
@@ -172,3 +173,63 @@ def test_a_tls_pod_answers_its_probes_on_the_plaintext_health_port(helm, tmp_pat
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this host")
+def test_the_pod_answers_on_ipv4_and_ipv6(helm, tmp_path):
+    """IPv6-only and dual-stack clusters: the chart's ``--listen 0.0.0.0:PORT`` starts a server
+    whose API, health and metrics ports all answer on 127.0.0.1 and on ::1 (gRPC binds a wildcard
+    on both families; the metrics port follows ``--listen`` the same way). Control: an explicit
+    ``--metrics-host 0.0.0.0`` is bound as given, IPv4 alone, so the metrics do not answer on ::1
+    (the check can fail); the gRPC ports still do."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from controlplane.service.ports import free_ports
+
+    def answers(host: str, event: dict[str, Any], health: int) -> list[bool]:
+        got = []
+        for port in (event["port"], health):
+            try:
+                with grpc.insecure_channel(f"{host}:{port}") as channel:
+                    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=3)
+                got.append(reply.status == health_pb2.HealthCheckResponse.SERVING)
+            except grpc.RpcError:
+                got.append(False)
+        try:
+            with urllib.request.urlopen(f"http://{host}:{event['metrics_port']}/metrics", timeout=3) as response:
+                got.append(b"kvplane_sessions " in response.read())
+        except OSError:
+            got.append(False)
+        return got
+
+    rendered = _rendered(helm, VALUES, tmp_path)
+    assert container(rendered.one("Deployment"))["args"][:2] == ["--listen", "0.0.0.0:50051"]
+    for explicit in (False, True):
+        root = tmp_path / ("explicit" if explicit else "chart")
+        root.mkdir()
+        cmd = _pod_command(rendered, root)
+        cmd[cmd.index("--listen") + 1] = "0.0.0.0:0"  # the pod's own address, as rendered
+        cmd[cmd.index("--health-port") + 1] = str(free_ports(1)[0])
+        if explicit:
+            cmd += ["--metrics-host", "0.0.0.0"]
+        proc, log_path = _start(cmd, root)
+        try:
+            event = _wait_for(lambda proc=proc, log_path=log_path: _serving_event(proc, log_path), 60,
+                              "the serving event")
+            health = int(cmd[cmd.index("--health-port") + 1])
+            assert answers("127.0.0.1", event, health) == [True, True, True]
+            assert answers("[::1]", event, health) == [True, True, not explicit]
+        finally:
+            proc.kill()
+            proc.wait(timeout=10)

@@ -162,6 +162,9 @@ and the allowed range.
 {{- if gt (addf (float64 .Values.server.graceSeconds) 2.0) (float64 .Values.terminationGracePeriodSeconds) }}
 {{- fail (printf "server.graceSeconds: %v is not 2 s below terminationGracePeriodSeconds = %v (the server notices SIGTERM within 1 s, then drains for graceSeconds: the pod would be killed mid-drain)" .Values.server.graceSeconds .Values.terminationGracePeriodSeconds) }}
 {{- end }}
+{{- if and .Values.service.externalTrafficPolicy (eq .Values.service.type "ClusterIP") }}
+{{- fail (printf "service.externalTrafficPolicy: %q applies to NodePort and LoadBalancer Services only (service.type is ClusterIP; Kubernetes rejects it there)" .Values.service.externalTrafficPolicy) }}
+{{- end }}
 {{- if eq (int64 .Values.service.grpcPort) (int64 .Values.service.metricsPort) }}
 {{- fail (printf "service.metricsPort: %d equals service.grpcPort (allowed: two different ports)" (int64 .Values.service.metricsPort)) }}
 {{- end }}
