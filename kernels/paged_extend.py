@@ -42,7 +42,6 @@ from kernels.paged_decode import (
 )
 
 if HAVE_TRITON:
-    import triton
     import triton.language as tl
 
     _MAX = tl.standard._elementwise_max  # builtin reductions: see kernels/paged_decode.py
@@ -124,6 +123,26 @@ def extend_launch_options(cache_dtype: torch.dtype, head_dim: int, *,
         # 8 warps from head_dim 128: with 4, ptxas spills (255 registers, 1.8 KB of stores at 128 on sm_90)
         options["num_warps"] = 8 if block_d >= 128 else 4
     return options
+
+
+MAX_GRID_Z = 65_535
+"""CUDA's limit on a grid's third dimension (the extend's row blocks)."""
+
+
+def extend_grid(options: dict[str, object], batch: int, q_heads: int, kv_heads: int,
+                max_q_len: int) -> tuple[dict[str, object], tuple[int, int, int]]:
+    """The launch's options and grid: ``(batch, kv_heads, row blocks of the packed rows)`` with
+    ``PACK_GQA`` (a program per kv head, its group's q heads in the rows), else ``(batch, q_heads,
+    row blocks)``. Packing multiplies the row blocks by the group: where that passes
+    :data:`MAX_GRID_Z` (an MQA model's prefill of over ~118K tokens unchunked, at group 71) the
+    launch is unpacked."""
+    block_m = int(options["BLOCK_M"])  # type: ignore[call-overload]
+    if options["PACK_GQA"]:
+        blocks = -(-max_q_len * (q_heads // kv_heads) // block_m)
+        if blocks <= MAX_GRID_Z:
+            return options, (batch, kv_heads, blocks)
+        options = {**options, "PACK_GQA": False}
+    return options, (batch, q_heads, -(-max_q_len // block_m))
 
 
 def shared_per_block_of(device: torch.device) -> int:
@@ -318,10 +337,7 @@ def paged_extend_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         limit = shared_per_block_of(q.device) if shared_per_block is None else shared_per_block
     options = {**extend_launch_options(k_cache.dtype, head_dim, shared_per_block=limit), **(launch or {})}
     group = q_heads // kv_heads
-    if options["PACK_GQA"]:  # a program per kv head, its group's q heads in the rows
-        grid = (batch, kv_heads, triton.cdiv(max_q_len * group, options["BLOCK_M"]))
-    else:
-        grid = (batch, q_heads, triton.cdiv(max_q_len, options["BLOCK_M"]))
+    options, grid = extend_grid(options, batch, q_heads, kv_heads, max_q_len)
     _extend_kernel[grid](
         q, k_cache, v_cache, out, q_start, q_lens, kv_indptr, kv_indices.contiguous(), kv_lens,
         _scale(sm_scale, head_dim), float(logits_soft_cap),

@@ -134,6 +134,7 @@ def start_metrics(port: int, host: str, registry: Any, *, dual_stack: bool) -> A
     as gRPC binds it: ``::`` taking IPv4 too, so an IPv6-only or dual-stack pod's metrics answer
     on its IPv6 address; ``0.0.0.0`` alone where the host has no IPv6 or binds ``::`` IPv6-only
     (``net.ipv6.bindv6only``). An explicit ``--metrics-host`` is bound as given."""
+    import errno
     import socket
 
     from prometheus_client import start_http_server
@@ -141,8 +142,10 @@ def start_metrics(port: int, host: str, registry: Any, *, dual_stack: bool) -> A
     if dual_stack and host == "0.0.0.0" and socket.has_ipv6:
         try:
             http_server, _thread = start_http_server(port, addr="::", registry=registry)
-        except OSError:
-            pass  # no IPv6 here (or the port taken: the IPv4 bind below says so)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:  # taken, if only on IPv6: IPv4 alone would leave an
+                raise  # IPv6 pod's metrics unanswered with no error
+            # no IPv6 here: IPv4 alone
         else:
             if not http_server.socket.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY):
                 return http_server

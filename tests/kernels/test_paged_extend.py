@@ -173,6 +173,21 @@ def test_negative_control_packed_rows_read_by_the_wrong_head_fail(triton_device:
     assert not torch.allclose(bad, _ref(t, case), **TOLERANCE[case.dtype])
 
 
+def test_a_packed_grid_past_cudas_limit_launches_unpacked() -> None:
+    """Packing multiplies the row blocks by the group: an MQA prefill of 200K new tokens at group
+    71 (Falcon-7B) would need 110,938 blocks of 128 rows, past CUDA's 65,535; the launch goes
+    unpacked (1,563 blocks). Control: at 100K tokens the packed grid fits (55,469) and stays."""
+    import kernels.paged_extend as pe
+
+    packed = {"BLOCK_M": 128, "PACK_GQA": True}
+    options, grid = pe.extend_grid(packed, 2, 71, 1, 200_000)
+    assert not options["PACK_GQA"] and grid == (2, 71, 1563)
+    options, grid = pe.extend_grid(packed, 2, 71, 1, 100_000)
+    assert options["PACK_GQA"] and grid == (2, 1, 55_469) and grid[2] <= pe.MAX_GRID_Z
+    assert pe.extend_grid({"BLOCK_M": 64, "PACK_GQA": False}, 3, 8, 2, 100) == ({"BLOCK_M": 64, "PACK_GQA": False},
+                                                                                (3, 8, 2))
+
+
 NEG_CASE = CASES[1]
 
 

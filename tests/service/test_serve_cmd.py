@@ -226,3 +226,39 @@ def test_taken_metrics_and_health_ports_exit_2_naming_the_flag() -> None:
         with pytest.raises(subprocess.TimeoutExpired):
             subprocess.run(kvplane_cmd("serve", "--listen", "127.0.0.1:0", "--metrics-port", "0"),
                            env=subprocess_env(), capture_output=True, text=True, timeout=8)
+
+
+def _ipv6() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6(), reason="no IPv6 on this host")
+def test_metrics_refuse_a_port_taken_on_ipv6_alone() -> None:
+    """The wildcard's dual-stack metrics bind refuses a port some IPv6-only socket holds (an IPv4
+    fallback would start, and an IPv6 pod's metrics would not answer, with no error). Control: an
+    explicit IPv4 host binds the same port (only IPv6 is taken)."""
+    import socket
+
+    from prometheus_client import CollectorRegistry
+
+    holder = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    holder.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+    holder.bind(("::", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        with pytest.raises(OSError):
+            serve_cmd.start_metrics(port, "0.0.0.0", CollectorRegistry(), dual_stack=True)
+        server = serve_cmd.start_metrics(port, "0.0.0.0", CollectorRegistry(), dual_stack=False)
+        assert server.server_port == port
+        server.shutdown()
+        server.server_close()
+    finally:
+        holder.close()
