@@ -28,7 +28,7 @@ Behavior = Callable[..., Any]
 Around = Callable[[Behavior, bool, str], Behavior]
 """Wraps a behavior: (behavior, response_streaming, method) -> behavior."""
 
-EXEMPT_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
+EXEMPT_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")  # HEALTH_PREFIX, REFLECTION_PREFIX
 """Infrastructure services never rate limited (probes must always get through)."""
 
 
@@ -136,11 +136,38 @@ def peer_identity(context: grpc.ServicerContext) -> str:
     return str(context.peer())
 
 
-class ErrorMappingInterceptor(grpc.ServerInterceptor):
-    """Maps domain errors to status codes; anything else becomes INTERNAL (and is logged)."""
+HEALTH_PREFIX = "/grpc.health.v1."
+REFLECTION_PREFIX = "/grpc.reflection."
 
-    def __init__(self, metrics: ServiceMetrics | None = None) -> None:
+
+class ErrorMappingInterceptor(grpc.ServerInterceptor):
+    """Maps domain errors to status codes; anything else becomes INTERNAL (and is logged).
+
+    Health is left unwrapped: it raises no domain error, and wrapping ``Watch`` dropped its
+    ``experimental_non_blocking``, so each watch held a server thread and an RPC slot while open
+    (a mesh's health watches took every slot: sessions, ``Check`` and ``GetPolicy`` refused,
+    control-plane review of session 65). Reflection streams hold a thread each while open: at
+    most ``reflection_streams`` at once, more get RESOURCE_EXHAUSTED naming the limit."""
+
+    def __init__(self, metrics: ServiceMetrics | None = None, reflection_streams: int = 2) -> None:
         self._metrics = metrics
+        self.reflection_streams = reflection_streams
+        self._reflection = threading.BoundedSemaphore(reflection_streams)
+
+    def _reflection_limited(self, behavior: Behavior, streaming: bool, method: str) -> Behavior:
+        def stream_behavior(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            if not self._reflection.acquire(blocking=False):
+                if self._metrics is not None:
+                    self._metrics.rejected.labels(limit="reflection_streams").inc()
+                raise api.ResourceExhausted(
+                    f"reflection: {self.reflection_streams} reflection streams already open "
+                    f"(limit {self.reflection_streams}; each holds a server thread)")
+            try:
+                yield from behavior(request, context)
+            finally:
+                self._reflection.release()
+
+        return stream_behavior if streaming else behavior
 
     def _abort(self, context: grpc.ServicerContext, method: str, exc: Exception) -> None:
         code = status_for(exc)
@@ -183,7 +210,12 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
 
             return unary_behavior
 
-        return _wrap_handler(continuation(handler_call_details), method, around, safe=True)
+        if method.startswith(HEALTH_PREFIX):
+            return continuation(handler_call_details)
+        handler = continuation(handler_call_details)
+        if method.startswith(REFLECTION_PREFIX):
+            handler = _wrap_handler(handler, method, self._reflection_limited)
+        return _wrap_handler(handler, method, around, safe=True)
 
 
 def _guard(check: Callable[[grpc.ServicerContext, str], None]) -> Around:

@@ -204,7 +204,7 @@ def create_server(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="kvplane-rpc"),
         interceptors=[
-            ErrorMappingInterceptor(metrics),
+            ErrorMappingInterceptor(metrics, reflection_streams=max(1, config.unary_workers // 4)),
             RateLimitInterceptor(config.rate_limit_rps, metrics),
             AuthInterceptor(config.policy_token, WRITE_METHODS),
         ],

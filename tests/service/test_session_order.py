@@ -1,0 +1,162 @@
+"""A session's decisions reach the worker in the order the controller handed them out, and a hello
+that replaces a live session ends the old stream (control-plane review, session 65).
+
+Each report of the order test adds one request, so the requests a decision's plan holds say which
+report's state it was planned from; in arrival order that must never go down. Before the fix the
+reader kept a ``ReportBatch``'s decisions until the batch ended while the writer sent a plan the
+controller finished meanwhile: 41 of 81 decisions arrived after a newer one."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+
+from controlplane.service.server import ServerConfig
+from kvplane.v1 import controlplane_pb2 as pb
+from kvplane.v1 import controlplane_pb2_grpc as pb_grpc
+
+from .conftest import wait_until
+
+BACKGROUND = 400
+"""Requests in every report besides the ones it adds (each report costs real ingest time)."""
+
+
+class RawStream:
+    """A Session stream fed from a queue, its replies (or its error) collected on a thread."""
+
+    def __init__(self, stub: pb_grpc.ControlPlaneStub, first: pb.WorkerMessage) -> None:
+        self.sent: queue.Queue[pb.WorkerMessage | None] = queue.Queue()
+        self.sent.put(first)
+        self.replies: list[pb.SessionReply] = []
+        self.error: grpc.StatusCode | None = None
+        self.call = stub.Session(self._messages())
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _messages(self) -> Iterator[pb.WorkerMessage]:
+        while (message := self.sent.get()) is not None:
+            yield message
+
+    def _read(self) -> None:
+        try:
+            for reply in self.call:
+                self.replies.append(reply)
+        except grpc.RpcError as exc:
+            self.error = exc.code()
+
+    def end(self) -> None:
+        self.sent.put(None)
+
+
+def _hello(worker_id: str) -> pb.WorkerMessage:
+    return pb.WorkerMessage(hello=pb.WorkerInfo(
+        worker_id=worker_id, model=pb.ModelSpec(layers=8, block_size=16, block_bytes=65536),
+        hardware=pb.Hardware(gpu_kv_budget_blocks=10**7, h2d_gbps=25.0),
+        profile=pb.Profile(layer_compute_ms=[0.5])))
+
+
+def _report(step: int) -> pb.StepReport:
+    report = pb.StepReport(step=step, now_ms=step * 20.0, observed_step_ms=4.0)
+    for i in range(BACKGROUND):
+        report.running.add(id=f"bg{i}", context_tokens=500 + step, generated_tokens=step, slo_tbt_ms=200.0)
+    for k in range(step):
+        report.running.add(id=f"r{k}", context_tokens=100 + step, generated_tokens=step - k, slo_tbt_ms=200.0)
+    return report
+
+
+def _planned_requests(stream: RawStream) -> list[int]:
+    return [len(d.plan.placements) + len(d.plan.paused) - BACKGROUND
+            for reply in stream.replies[1:] for d in reply.decisions]
+
+
+def test_decisions_arrive_in_the_order_they_were_planned(serve: Any) -> None:
+    served = serve()
+    with grpc.insecure_channel(served.target) as channel:
+        stream = RawStream(pb_grpc.ControlPlaneStub(channel), _hello("w0"))
+        assert wait_until(lambda: len(stream.replies) >= 1)
+        step = 1
+        for _ in range(4):  # a worker catching up: ReportBatch messages of 32 reports
+            stream.sent.put(pb.WorkerMessage(reports=pb.ReportBatch(reports=[_report(step + i) for i in range(32)])))
+            step += 32
+        assert wait_until(lambda: any(n == step - 1 for n in _planned_requests(stream)), timeout_s=60)
+        stream.end()
+        stream.thread.join(10)
+    planned = _planned_requests(stream)
+    assert len(planned) > 10 and stream.error is None
+    late = [(i, n) for i, n in enumerate(planned) if n < max(planned[:i], default=-1)]
+    assert not late, f"{len(late)} of {len(planned)} decisions arrived after a newer one: {late[:5]}"
+    steps = [reply.report_step for reply in stream.replies[1:]]
+    assert steps == sorted(steps)
+
+
+@pytest.mark.parametrize("replace", [True, False])
+def test_a_replaced_session_stream_ends_and_frees_its_slot(serve: Any, replace: bool) -> None:
+    """With ``max_sessions`` 2, a reconnect of ``w0`` (a hello replacing its live session) ends
+    the old stream at once (UNAVAILABLE, naming the replacement), so another worker still gets a
+    slot. Control: two distinct workers fill both slots and a third is refused."""
+    served = serve(ServerConfig(max_sessions=2, max_watchers=1))
+    with grpc.insecure_channel(served.target) as channel:
+        stub = pb_grpc.ControlPlaneStub(channel)
+        old = RawStream(stub, _hello("w0"))
+        assert wait_until(lambda: len(old.replies) >= 1)
+        second = RawStream(stub, _hello("w0" if replace else "w1"))
+        assert wait_until(lambda: len(second.replies) >= 1)
+        if replace:
+            assert wait_until(lambda: old.error is not None, timeout_s=5)
+            assert old.error == grpc.StatusCode.UNAVAILABLE
+        third = RawStream(stub, _hello("w2"))
+        assert wait_until(lambda: len(third.replies) >= 1 or third.error is not None, timeout_s=5)
+        assert (third.error is None) == replace
+        if not replace:
+            assert third.error == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for s in (old, second, third):
+            s.end()
+        time.sleep(0.1)
+
+
+def test_open_health_watches_and_reflection_streams_leave_the_server_answering(serve: Any) -> None:
+    """Health ``Watch`` streams as a service mesh opens them (one per channel), as many as the
+    server has threads, take no RPC slot: a worker's session, health ``Check`` and ``GetPolicy``
+    still answer. Reflection streams beyond the server's limit are refused, naming it, and the
+    ones admitted leave room too. (Before: every slot taken, all refused with gRPC's "Concurrent
+    RPC limit exceeded!".)"""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    config = ServerConfig(max_sessions=4, max_watchers=2, unary_workers=2, rate_limit_rps=5.0)
+    served = serve(config)
+    with grpc.insecure_channel(served.target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        watches = [health.Watch(health_pb2.HealthCheckRequest()) for _ in range(config.threads)]
+        for watch in watches:
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+        feeds: list[queue.Queue[Any]] = []
+        streams = []
+        for _ in range(3):
+            feed: queue.Queue[Any] = queue.Queue()
+            feed.put(reflection_pb2.ServerReflectionRequest(list_services=""))
+            feeds.append(feed)
+            streams.append(reflect.ServerReflectionInfo(iter(feed.get, None)))
+        assert next(streams[0]).list_services_response.service  # admitted, held open
+        with pytest.raises(grpc.RpcError) as refused:
+            for stream in streams[1:]:
+                next(stream)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "reflection" in (refused.value.details() or "")
+        session = RawStream(pb_grpc.ControlPlaneStub(channel), _hello("w0"))
+        assert wait_until(lambda: len(session.replies) >= 1 or session.error is not None, timeout_s=5)
+        assert session.error is None
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=3).status == health_pb2.HealthCheckResponse.SERVING
+        assert pb_grpc.PolicyServiceStub(channel).GetPolicy(pb.GetPolicyRequest(), timeout=3).version >= 0
+        session.end()
+        for watch in watches:
+            watch.cancel()
+        for feed in feeds:
+            feed.put(None)
