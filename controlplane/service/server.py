@@ -214,7 +214,8 @@ def create_server(
     service_names = SERVICE_NAMES if sessions else (POLICY_SERVICE_NAME,)
     if sessions:
         session_servicer = SessionServicer(control_plane, metrics, config.max_sessions, notifier,
-                                           hello_timeout_s=config.hello_timeout_s)
+                                           hello_timeout_s=config.hello_timeout_s,
+                                           max_message_bytes=config.max_message_bytes)
         pb_grpc.add_ControlPlaneServicer_to_server(session_servicer, server)
     policy_servicer = PolicyServicer(control_plane, metrics, config.max_watchers)
     pb_grpc.add_PolicyServiceServicer_to_server(policy_servicer, server)

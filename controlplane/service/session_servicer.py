@@ -191,8 +191,11 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
         notifier: DecisionNotifier | None = None,
         idle_check_s: float = 1.0,
         hello_timeout_s: float = HELLO_TIMEOUT_S,
+        max_message_bytes: int = 4 * 1024 * 1024,
     ) -> None:
         self._cp = control_plane
+        self._max_bytes = max_message_bytes
+        """gRPC's send limit (``--max-message-bytes``): a reply above it fails the stream."""
         self._hello_timeout_s = hello_timeout_s
         self._what_if_gate = threading.Lock()
         self._metrics = metrics
@@ -278,7 +281,31 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
             self._what_if_gate.release()
         self._metrics.whatif_plans.inc()
         self._metrics.solve_ms.observe(max(0.0, float(plan.solve_ms)))
-        return pb.PlanResponse(plan=convert.plan_to_proto(plan))
+        response = pb.PlanResponse(plan=convert.plan_to_proto(plan))
+        self._check_size(response.ByteSize(), "the plan")
+        return response
+
+    def _check_size(self, size: int, what: str) -> None:
+        """RESOURCE_EXHAUSTED naming ``--max-message-bytes`` when ``what`` (``size`` bytes) cannot
+        be sent (gRPC failed such a stream with no log and no metric, and the worker reconnected
+        into the same failure for ever: control-plane review, session 65)."""
+        if size > self._max_bytes:
+            self._metrics.rejected.labels(limit="max_message_bytes").inc()
+            log.error("reply_too_large", what=what, bytes=size, max_message_bytes=self._max_bytes)
+            raise api.ResourceExhausted(
+                f"max_message_bytes: {what} takes {size} bytes, over the server's limit of {self._max_bytes} "
+                "(raise --max-message-bytes on the server and the client)")
+
+    def _reply(self, step: int, decisions: list[pb.Decision], sent: int) -> Iterator[pb.SessionReply]:
+        """``decisions`` as one reply, or as several where one would pass the send limit."""
+        reply = pb.SessionReply(report_step=step, decisions=decisions, decisions_sent=sent)
+        if reply.ByteSize() <= self._max_bytes or len(decisions) == 1:
+            self._check_size(reply.ByteSize(), "a decision")
+            yield reply
+            return
+        half = len(decisions) // 2
+        yield from self._reply(step, decisions[:half], sent - (len(decisions) - half))
+        yield from self._reply(step, decisions[half:], sent)
 
     def Session(
         self, request_iterator: Iterator[pb.WorkerMessage], context: grpc.ServicerContext
@@ -434,7 +461,7 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
                 out = self._observe_decisions(decisions)
                 sent += len(out)
                 self._metrics.decision_latency_ms.observe((time.perf_counter() - t0) * 1e3)
-                yield pb.SessionReply(report_step=step, decisions=out, decisions_sent=sent)
+                yield from self._reply(step, out, sent)
             if item is _END:
                 return
             if isinstance(item, Exception):

@@ -160,3 +160,55 @@ def test_open_health_watches_and_reflection_streams_leave_the_server_answering(s
             watch.cancel()
         for feed in feeds:
             feed.put(None)
+
+
+def test_a_decision_over_the_send_limit_ends_the_stream_naming_the_limit(serve: Any) -> None:
+    """An 80-layer model with 1,000 running requests under ``--max-message-bytes`` 65,536: its
+    decision (~80 KB) cannot be sent. The stream ends with RESOURCE_EXHAUSTED naming the limit and
+    the size, counted and logged (before: gRPC's own "Sent message larger than max", no log, no
+    metric, and the worker reconnected into it for ever). Control: at the default 4 MiB the same
+    report gets its decision."""
+    for limit, fits in ((65_536, False), (4 * 1024 * 1024, True)):
+        served = serve(ServerConfig(max_sessions=2, max_watchers=1, max_message_bytes=limit))
+        hello = pb.WorkerMessage(hello=pb.WorkerInfo(
+            worker_id="w0", model=pb.ModelSpec(layers=80, block_size=16, block_bytes=65536),
+            hardware=pb.Hardware(gpu_kv_budget_blocks=4_600_000, h2d_gbps=25.0),
+            profile=pb.Profile(layer_compute_ms=[0.2] * 80)))
+        with grpc.insecure_channel(served.target) as channel:
+            stream = RawStream(pb_grpc.ControlPlaneStub(channel), hello)
+            assert wait_until(lambda stream=stream: len(stream.replies) >= 1)
+            for step in (1, 2):
+                report = pb.StepReport(step=step, now_ms=step * 30.0, observed_step_ms=16.0)
+                for i in range(1000):
+                    report.running.add(id=f"r{i}", context_tokens=1000 + step, generated_tokens=step, slo_tbt_ms=200.0)
+                stream.sent.put(pb.WorkerMessage(report=report))
+            got = wait_until(lambda stream=stream: stream.error is not None or len(stream.replies) >= 2, timeout_s=30)
+            assert got
+            if fits:
+                assert stream.error is None and stream.replies[1].decisions
+            else:
+                assert stream.error == grpc.StatusCode.RESOURCE_EXHAUSTED
+                details = stream.call.details() or ""
+                assert "max_message_bytes" in details and "65536" in details
+                assert served.metric("kvplane_rejected_total", {"limit": "max_message_bytes"}) >= 1
+            stream.end()
+
+
+def test_decisions_over_the_limit_together_go_out_as_several_replies() -> None:
+    """Five 1 KB decisions under a 2,500-byte limit leave as replies of at most two, in order,
+    each reply's ``decisions_sent`` counting through its last decision; one decision over the
+    limit alone is refused naming it. Control: under a 1 MB limit they leave as one reply."""
+    from controlplane import api
+    from controlplane.service.metrics import ServiceMetrics
+    from controlplane.service.session_servicer import SessionServicer
+
+    decisions = [pb.Decision(reason=f"d{i}", pause=["x" * 1000]) for i in range(5)]
+    small = SessionServicer(None, ServiceMetrics(), 1, max_message_bytes=2500)  # type: ignore[arg-type]
+    replies = list(small._reply(7, decisions, 12))
+    assert [[d.reason for d in r.decisions] for r in replies] == [["d0", "d1"], ["d2"], ["d3", "d4"]]
+    assert [r.decisions_sent for r in replies] == [9, 10, 12] and {r.report_step for r in replies} == {7}
+    assert all(r.ByteSize() <= 2500 for r in replies)
+    big = SessionServicer(None, ServiceMetrics(), 1, max_message_bytes=1 << 20)  # type: ignore[arg-type]
+    assert len(list(big._reply(7, decisions, 12))) == 1
+    with pytest.raises(api.ResourceExhausted, match="max_message_bytes"):
+        list(SessionServicer(None, ServiceMetrics(), 1, max_message_bytes=500)._reply(7, decisions[:1], 1))  # type: ignore[arg-type]
