@@ -73,3 +73,13 @@ def bindable(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def ipv6_loopback() -> bool:
+    """Whether this host can bind IPv6's loopback (``::1``): the IPv6 tests need it."""
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("::1", 0))
+        except OSError:
+            return False
+    return True

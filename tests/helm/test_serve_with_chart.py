@@ -20,6 +20,7 @@ import grpc
 import pytest
 import yaml
 
+from controlplane.service.ports import ipv6_loopback
 from tests.helm.conftest import CHART, NAMESPACE, RELEASE, REPO, Rendered, container, run_helm
 
 TOKEN = "s3cret-policy-token"
@@ -175,18 +176,7 @@ def test_a_tls_pod_answers_its_probes_on_the_plaintext_health_port(helm, tmp_pat
         proc.wait(timeout=10)
 
 
-def _ipv6_loopback() -> bool:
-    import socket
-
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as sock:
-            sock.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this host")
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback on this host")
 def test_the_pod_answers_on_ipv4_and_ipv6(helm, tmp_path):
     """IPv6-only and dual-stack clusters: the chart's ``--listen 0.0.0.0:PORT`` starts a server
     whose API, health and metrics ports all answer on 127.0.0.1 and on ::1 (gRPC binds a wildcard

@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 
 from controlplane.cli import serve_cmd
-from controlplane.service.ports import free_ports
+from controlplane.service.ports import free_ports, ipv6_loopback
 
 from .certs import ThrowawayCA
 from .conftest import (
@@ -228,18 +228,7 @@ def test_taken_metrics_and_health_ports_exit_2_naming_the_flag() -> None:
                            env=subprocess_env(), capture_output=True, text=True, timeout=8)
 
 
-def _ipv6() -> bool:
-    import socket
-
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as sock:
-            sock.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _ipv6(), reason="no IPv6 on this host")
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 on this host")
 def test_metrics_refuse_a_port_taken_on_ipv6_alone() -> None:
     """The wildcard's dual-stack metrics bind refuses a port some IPv6-only socket holds (an IPv4
     fallback would start, and an IPv6 pod's metrics would not answer, with no error). Control: an
