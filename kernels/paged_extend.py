@@ -104,13 +104,13 @@ def extend_launch_options(cache_dtype: torch.dtype, head_dim: int, *,
     cuda = shared_per_block is not None
     low = cuda and cache_dtype in LOW_PRECISION_DTYPES
     block_d = block_dim(head_dim)
+    wide_rows = low and block_d <= 128 and (shared_per_block or 0) >= WIDE_ROWS_SHARED
     if not cuda:
         block_m, block_n = INTERPRETER_BLOCKS
+    elif wide_rows:
+        block_m, block_n = CUDA_WIDE_ROW_BLOCKS
     elif low:
         limit = shared_per_block or 0
-        if block_d <= 128 and limit >= WIDE_ROWS_SHARED:
-            return {"BLOCK_M": CUDA_WIDE_ROW_BLOCKS[0], "BLOCK_N": CUDA_WIDE_ROW_BLOCKS[1], "BLOCK_D": block_d,
-                    "LOW_PRECISION": True, "SPLIT_MASK": True, **WIDE_ROW_LAUNCH}
         if block_d < 256 or limit >= WIDE_TILES_SHARED:
             block_m, block_n = CUDA_BLOCKS
         else:
@@ -122,6 +122,8 @@ def extend_launch_options(cache_dtype: torch.dtype, head_dim: int, *,
     if cuda:
         # 8 warps from head_dim 128: with 4, ptxas spills (255 registers, 1.8 KB of stores at 128 on sm_90)
         options["num_warps"] = 8 if block_d >= 128 else 4
+    if wide_rows:
+        options.update(WIDE_ROW_LAUNCH)
     return options
 
 

@@ -299,8 +299,9 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
     def _reply(self, step: int, decisions: list[pb.Decision], sent: int) -> Iterator[pb.SessionReply]:
         """``decisions`` as one reply, or as several where one would pass the send limit."""
         reply = pb.SessionReply(report_step=step, decisions=decisions, decisions_sent=sent)
-        if reply.ByteSize() <= self._max_bytes or len(decisions) == 1:
-            self._check_size(reply.ByteSize(), "a decision")
+        size = reply.ByteSize()  # once: a large decision's size is a pass over all of it
+        if size <= self._max_bytes or len(decisions) == 1:
+            self._check_size(size, "a decision")
             yield reply
             return
         half = len(decisions) // 2
