@@ -39,11 +39,16 @@ def test_kvplane_layerkv_pauses_background_requests_for_a_fitting_prompt() -> No
     d = make_scheduler("layerkv").schedule(_rotation_view(now=100.0, big_ctx=3000))
     assert d.pause == ("big",) and d.admit == ("a",)
     # negative control: the blocking request fits the GPU (1500 <= 1600 tokens): a no-offload
-    # server would serve it too, so it is not paused; with 1500 + 500 + 1000 > 2500 a waits
-    view = _rotation_view(now=5000.0, big_ctx=1500)
+    # server would serve it too, so it is not paused while a has time left (100 ms of its 2 s
+    # TTFT SLO used); with 1500 + 500 + 1000 > 2500 a waits
+    view = _rotation_view(now=100.0, big_ctx=1500)
     view = dataclasses.replace(view, limits=BatchLimits(max_tokens=2500))
     d = make_scheduler("layerkv").schedule(view)
     assert d.pause == () and d.admit == ()
+    # once a has used half its TTFT SLO (aged), its deadline outranks a request that already has
+    # its first token: the fitting big is paused (largest first; 500 + 1000 <= 2500) and a admitted
+    d = make_scheduler("layerkv").schedule(dataclasses.replace(view, now_ms=5000.0))
+    assert d.pause == ("big",) and d.admit == ("a",)
     # a background prompt does not pause another background request
     view = _rotation_view(now=100.0, big_ctx=3000)
     view = dataclasses.replace(view, queued=(q("b2", 2000, arrival=0.0, ttft=1e9),))
@@ -146,28 +151,54 @@ def test_kvplane_layerkv_eq2_ignores_a_tpot_target_below_the_all_resident_step()
     assert make_scheduler("layerkv").schedule(dataclasses.replace(v, running=(at_floor,))).admit == ()
 
 
-def test_kvplane_layerkv_background_prompts_take_turns_once_aged() -> None:
+def test_kvplane_layerkv_an_aged_prompt_pauses_running_requests_until_it_fits() -> None:
     """Scenario: two background requests (3000 and 2500 tokens, neither fits the GPU) fill the
-    2-request batch limit; a background prompt of 2000 tokens that has aged pauses the longest
-    running background request (never a fitting one) and is admitted."""
+    2-request batch limit; a background prompt of 2000 tokens that has aged (its TTFT SLO is a
+    deadline) pauses the largest running background request and is admitted."""
     running = (req("bg1", ctx=3000), req("bg2", ctx=2500))
     v = _background_view(h2d_gbps=1e6, running=running,
                          queued=(q("bg3", 2000, 0.0, ttft=10.0),))
     v = dataclasses.replace(v, limits=BatchLimits(max_requests=2), free_gpu_blocks=1000)
     d = make_scheduler("layerkv").schedule(v)
     assert d.pause == ("bg1",) and d.admit == ("bg3",)
-    # negative controls: not aged yet -> it waits and nothing is paused
+    # negative control: not aged yet -> it waits and nothing is paused
     young = dataclasses.replace(v, queued=(q("bg3", 2000, 1000.0, ttft=1e9),))
     d = make_scheduler("layerkv").schedule(young)
     assert d.pause == () and d.admit == ()
-    # the running requests are shorter than the prompt: they keep their turn
-    short = dataclasses.replace(v, queued=(q("bg3", 3500, 0.0, ttft=10.0),))
-    d = make_scheduler("layerkv").schedule(short)
-    assert d.pause == () and d.admit == ()
-    # a fitting request is never paused for background work
-    fit = dataclasses.replace(v, running=(req("bg1", ctx=3000), req("f", ctx=500)))
+    # running requests shorter than the prompt are paused too (the older rule let them keep
+    # their turn, and the aged prompt waited for a longer one to appear)
+    longer = dataclasses.replace(v, queued=(q("bg3", 3500, 0.0, ttft=10.0),))
+    d = make_scheduler("layerkv").schedule(longer)
+    assert d.pause == ("bg1",) and d.admit == ("bg3",)
+    # background requests go first: the fitting f keeps running
+    fit = dataclasses.replace(v, running=(req("f", ctx=500), req("bg1", ctx=3000)))
     d = make_scheduler("layerkv").schedule(fit)
-    assert d.pause == ("bg1",) and "f" not in d.pause
+    assert d.pause == ("bg1",) and d.admit == ("bg3",)
+    # with only fitting requests running, the largest of them makes room ...
+    fitting = dataclasses.replace(v, running=(req("f1", ctx=500), req("f2", ctx=1200)))
+    d = make_scheduler("layerkv").schedule(fitting)
+    assert d.pause == ("f2",) and d.admit == ("bg3",)
+    # ... but only for an aged prompt: a young background prompt pauses no fitting request
+    d = make_scheduler("layerkv").schedule(dataclasses.replace(fitting, queued=young.queued))
+    assert d.pause == () and d.admit == ()
+    # pausing everything admits any prompt (a lone request always fits the limits) ...
+    alone = dataclasses.replace(v, limits=BatchLimits(max_requests=2, max_tokens=1500))
+    d = make_scheduler("layerkv").schedule(alone)
+    assert d.pause == ("bg1", "bg2") and d.admit == ("bg3",)
+    # ... but a prompt over this step's prefill-token cap (f took the third slot first) pauses
+    # nothing
+    capped = dataclasses.replace(v, limits=BatchLimits(max_requests=3), policy=Policy.from_dict(
+        {"layerkv": {"output_len_lower_bound": 300, "max_prefill_tokens": 2000}}),
+        queued=(q("f", 100, 0.0, ttft=1e9), q("bg3", 2000, 1.0, ttft=10.0)))
+    d = make_scheduler("layerkv").schedule(capped)
+    assert d.pause == () and d.admit == ("f",)
+    # negative control: with a cap that holds both, bg3 pauses bg1 for the slot f left full
+    roomy = dataclasses.replace(capped, policy=Policy.from_dict(
+        {"layerkv": {"output_len_lower_bound": 300, "max_prefill_tokens": 2100}}))
+    d = make_scheduler("layerkv").schedule(roomy)
+    assert d.pause == ("bg1",) and d.admit == ("f", "bg3")
+    # the paper's rule never pauses
+    assert PAPER.schedule(v).pause == ()
 
 
 def _paused(rid: str, ctx: int, paused_steps: int, slo: float = 100.0) -> RequestView:

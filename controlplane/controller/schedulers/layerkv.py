@@ -52,11 +52,20 @@ whatever is admitted, and held every fitting prompt until it aged):
   check has nothing to predict); when it does not fit (memory or batch limits), running
   background requests are paused, largest first, until it does (a paused request's GPU layers
   are evicted as needed, OrbitFlow §3.4); only then may it be admitted with offload, under the
-  slowdown check above, or once aged. A background prompt never jumps a fitting prompt that waits and never blocks the
-  queue; it is admitted when the batch limits allow and it does not make the fitting requests'
-  steps late (predicted), or once aged; an aged one that the batch limits block pauses running
-  background requests longer than itself, largest first (so background work takes turns). A running background request that makes the fitting
-  requests' steps late is paused. On SGLang (no batch limits) the memory rule alone applies.
+  slowdown check above, or once aged. A background prompt never jumps a fitting prompt that waits
+  and never blocks the queue; it is admitted when the batch limits allow and it does not make the
+  fitting requests' steps late (predicted), or once aged. A running background request that
+  makes the fitting requests' steps late is paused. On SGLang (no batch limits) the memory rule
+  alone applies.
+* **aging is a TTFT deadline, and it outranks the principle above**: an aged prompt (either
+  class) that the batch limits block pauses running requests until it fits, background ones of
+  any length first, then fitting ones, largest first in both groups (:func:`make_room_for_aged`
+  inside ``_kvplane``); the pauses are undone when it still does not fit. A request that has its
+  first token waits a few steps; one that has none would miss its TTFT SLO. The prefill stalls
+  every decoding request anyway, and the refill below resumes the paused fitting requests after
+  it (``benchmarks/results/sim/ttft-tail/``: the older rule, where an aged background prompt
+  paused only longer background requests, left kvplane's P99 TTFT above orbitflow's on two of
+  nine seeds).
 * **refill**: a paused *fitting* request is resumed as soon as the batch limits have room for it
   and the predicted step with it stays within ``tpot_margin * slo_tbt_ms``, or within the step
   with every layer resident when that is slower (the planner's floor, ``slo_cap.cap_view``)
@@ -223,6 +232,23 @@ class LayerKVScheduler:
             return sorted((r for r in running if oversize(r.context_tokens)),
                           key=lambda r: (-r.context_tokens, r.id))
 
+        def fitting_running() -> list[RequestView]:
+            """Running fitting requests, largest first (rotated out only for an aged prompt)."""
+            return sorted((r for r in running if not oversize(r.context_tokens)),
+                          key=lambda r: (-r.context_tokens, r.id))
+
+        def make_room_for_aged(prompt_tokens: int) -> int:
+            """Aging is a TTFT deadline: an aged prompt outranks requests that already have their
+            first token. Pause running background requests (any length), then fitting ones, largest
+            first, until the batch limits admit it; returns the fitting requests paused."""
+            paused_fitting = 0
+            for v in background() + fitting_running():
+                if view.limits.admits(n, in_batch_tokens, prompt_tokens):
+                    break
+                paused_fitting += not oversize(v.context_tokens)
+                rotate_out(v)
+            return paused_fitting
+
         # Background requests never make the requests a no-offload server would serve late.
         if fitting_in_batch:
             for v in background():
@@ -239,22 +265,18 @@ class LayerKVScheduler:
             aged = view.now_ms - q.arrival_ms + t_prefill >= AGING_FRACTION * ttft
             b = prompt_blocks(q.prompt_tokens, bs)
             if oversize(q.prompt_tokens):
+                if admit and tokens + q.prompt_tokens > params.max_prefill_tokens:
+                    continue  # before making room: nothing is paused for a prompt not admitted
                 if aged and not view.limits.admits(n, in_batch_tokens, q.prompt_tokens):
-                    # Background work takes turns: longer background requests make room.
                     undo = (list(running), list(batch), n, in_batch_tokens, free, len(rotate))
-                    for v in background():
-                        if view.limits.admits(n, in_batch_tokens, q.prompt_tokens):
-                            break
-                        if v.context_tokens <= q.prompt_tokens:
-                            break
-                        rotate_out(v)
+                    fib0 = fitting_in_batch
+                    fitting_in_batch -= make_room_for_aged(q.prompt_tokens)
                     if not view.limits.admits(n, in_batch_tokens, q.prompt_tokens):
                         running, batch, n, in_batch_tokens, free, kept = undo
                         del rotate[kept:]
+                        fitting_in_batch = fib0
                 if not view.limits.admits(n, in_batch_tokens, q.prompt_tokens):
                     continue  # skipped, not waited for: it never blocks the queue
-                if admit and tokens + q.prompt_tokens > params.max_prefill_tokens:
-                    continue
                 if running and not aged:  # Eq. 2, and no late steps for fitting requests
                     step = step_ms(batch + [b])
                     if (fitting_in_batch and step > target) or not spent_ms + t_prefill < eq2_bound(step):
@@ -269,6 +291,9 @@ class LayerKVScheduler:
                                                                  q.prompt_tokens):
                         break
                     rotate_out(v)
+                fib0 = fitting_in_batch
+                if aged:
+                    fitting_in_batch -= make_room_for_aged(q.prompt_tokens)
                 held = not view.limits.admits(n, in_batch_tokens, q.prompt_tokens) or bool(
                     admit and tokens + q.prompt_tokens > params.max_prefill_tokens)
                 if not held and running and not aged:
@@ -280,6 +305,7 @@ class LayerKVScheduler:
                 if held:
                     running, batch, n, in_batch_tokens, free, kept = undo
                     del rotate[kept:]
+                    fitting_in_batch = fib0
                     break  # FCFS: nothing behind a held fitting prompt jumps it
                 fitting_in_batch += 1
             keep = layers if b * layers <= free else max(0, free // b - 1)
