@@ -208,6 +208,8 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         base = settings.read_output_file(POOL_STATS_FILE_ENV)  # from the variable: idempotent
         if base is not None:
             self._stats_path = settings.rank_output_file(base, tp_rank, dp_rank)
+        if hasattr(tree_cache, "decode_slots_sink"):  # the decode step's slots, read once (HostSlots)
+            tree_cache.decode_slots_sink = self.core.continuity.slots.publish
         hooks = getattr(tree_cache, "residency_hooks", None)
         if hooks is not None:
             self.residency_hooks = hooks

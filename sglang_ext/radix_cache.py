@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import structlog
@@ -51,6 +51,9 @@ class LayeredRadixCache(RadixCache):
         self.overhead_meter: Any = None
         """The process's overhead meter (set by the scheduler hooks when it is on): the per-step
         allocation wrappers count as kvplane time (``radix``)."""
+        self.decode_slots_sink: Callable[[list[str], list[int], list[int]], None] | None = None
+        """Takes a decode step's new slots with the host list read here (the layered pool's
+        :class:`~sglang_ext.dataplane.host_slots.HostSlots`: its boundary reads nothing back)."""
         self._owner_rid: str | None = None
         self._rid_of_row: dict[int, str] = {}
         self._live_blocks: set[int] = set()
@@ -220,6 +223,10 @@ class LayeredRadixCache(RadixCache):
         # One slot per request: one host copy for the batch (on CUDA one read of the device's
         # slots per step, not one per request)
         blocks = out_cache_loc.tolist()
+        if self.decode_slots_sink is not None:  # the step: its requests and lengths with the new token
+            lens = (batch.seq_lens_cpu + 1).tolist() if batch.seq_lens_cpu is not None else None
+            if lens is not None:
+                self.decode_slots_sink([req.rid for req in batch.reqs], lens, blocks)
         ps = self.page_size
         if ps != 1:  # a slot at offset 0 opens its page; the others continue one already reported
             for req, slot in zip(batch.reqs, blocks, strict=True):

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from sglang_ext.dataplane.host_slots import HostSlots
+
 if TYPE_CHECKING:
     from sglang_ext.dataplane.slot_residency import SlotResidency
 
@@ -43,6 +45,8 @@ class DecodeContinuity:
         """The last step's batch."""
         self.turnovers = 0
         """Decode steps continued across a batch change (a request finished or joined)."""
+        self.slots = HostSlots()
+        """The decode steps' new slots as the allocation's hook read them (the boundary's input)."""
 
     def __len__(self) -> int:
         return len(self._known)

@@ -163,6 +163,7 @@ class LayeredKVCore:
             resident_builds_total=self.resident_builds,
             staged_advances_total=self.staged_advances,
             decode_turnovers_total=self.continuity.turnovers,
+            slot_handoffs_total=self.continuity.slots.handoffs, slot_readbacks_total=self.continuity.slots.readbacks,
         )
 
     @property
@@ -339,9 +340,9 @@ class LayeredKVCore:
         if ((new_slots.device.type != "cpu" and not self.paged_reads) or new_slots.numel() != len(rids)
                 or self.residency.has_anonymous):
             return False
-        # plain ints: one call (a NumPy call costs 5-10 us between forwards); on a GPU the paged
-        # reads' boundary reads the new slots back here, its one sync (as the paged layout's)
-        slots = new_slots.tolist()
+        # plain ints (a NumPy call costs 5-10 us between forwards): the allocation hook's list, or
+        # on a GPU read back here, the boundary's one sync (HostSlots)
+        slots = self.continuity.slots.read(rids, seq_lens, new_slots)
         # the decode backends read page tables: each request's last pages, grown
         cont = self.continuity.continued(rids, seq_lens, slots, lists=self.paged_reads)
         if cont is None:

@@ -42,9 +42,9 @@ class PagedDecodeStep:
         if new_slots.numel() != len(rids) or core.residency.has_anonymous:
             return False
         lens = [int(n) for n in seq_lens]
-        # on a GPU this reads the step's new slots back: the boundary's one sync (the general
-        # path reads every request's slots instead); never inside a layer
-        ps, slots = core.page_size, new_slots.tolist()
+        # the allocation hook's host list of the new slots; else (on a GPU) read back here, the
+        # boundary's one sync (the general path reads every request's slots); never inside a layer
+        ps, slots = core.page_size, core.continuity.slots.read(rids, lens, new_slots)
         cont = core.continuity.continued(rids, lens, slots, lists=True)
         if cont is None:
             return False  # a request new, rewritten or not continued: the general path decides

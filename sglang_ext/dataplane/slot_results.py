@@ -140,6 +140,12 @@ class ResidencyStats:
     decode_turnovers_total: int = 0
     """Decode steps whose batch changed since the last step (a request finished or joined) that
     continued what each request held instead of reading every request's slots (:class:`DecodeContinuity`)."""
+    slot_handoffs_total: int = 0
+    """Steady decode boundaries that took their new slots from the allocation hook's host list
+    (:class:`~sglang_ext.dataplane.host_slots.HostSlots`: no second read of the device)."""
+    slot_readbacks_total: int = 0
+    """Steady decode boundaries that read their new slots back from the tensor (on a GPU a sync
+    of the forward stream: nothing was published for that tensor)."""
 
     def to_dict(self) -> dict:
         """JSON-ready form."""

@@ -50,6 +50,9 @@ class CoreDriver:
         what it held), as SGLang's layered backends do."""
         self.fast_steps = 0
         """Forwards the fast path took (their bookkeeping journalled)."""
+        self.publish_slots = False
+        """Decode steps publish their new slots' host list first, as SGLang's allocation hook does
+        (``LayeredRadixCache.on_alloc_decode`` -> :class:`HostSlots`)."""
         self.skip_idle = paged_reads
         """As the served adapter does (``LayeredTorchNativeAttnBackend._begin_layer``): a step whose
         layers are idle (:attr:`LayeredKVCore.layers_idle`) skips ``enter_layer`` and every
@@ -131,6 +134,8 @@ class CoreDriver:
         ids = None if rec is None else [np.asarray(self.slots[rid]) for rid, _ in batch]  # slots stand for ids
         rids, lens = [rid for rid, _ in batch], [len(self.slots[rid]) for rid, _ in batch]
         steady = self.fast_decode and rec is None and all(n == 1 for _, n in batch)
+        if self.publish_slots and all(n == 1 for _, n in batch):
+            core.continuity.slots.publish(rids, lens, loc.tolist())
         if steady and core.prepare_decode_step(rids, lens, loc):
             self.fast_steps += 1
             # the adapter's steady step (``LayeredTorchNativeAttnBackend._prepare``): the fast path

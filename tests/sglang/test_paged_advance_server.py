@@ -87,6 +87,10 @@ def test_resident_paged_decode_runs_on_advanced_tables(advance_server, vanilla_s
     assert last["advanced_decode_steps_total"] < last["staged_steps_total"]  # prefills and page opens build
     assert last["resident_builds_total"] > 0  # the first decode step builds knowing the batch resident
     assert last["opened_advances_total"] > 0  # page-opening steps advance too, in the served path
+    # every steady boundary took its new slots from the allocation hook's host list (HostSlots):
+    # none read them back from the device (on a GPU, a sync of the forward stream)
+    assert last["slot_readbacks_total"] == 0, last
+    assert last["slot_handoffs_total"] >= 2 * (NEW_TOKENS - 1) - 2, last
     log = server.log_path.read_text()
     assert "layered_triton_decode_active" in log and "impl=triton" in log
 
