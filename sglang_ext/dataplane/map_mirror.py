@@ -9,7 +9,9 @@ cost of a whole GPU step). The mirror moves that gather to the pool's device:
   catch a move the mirror missed). Every writer of the map reports the pages it touched
   (:meth:`changed`, O(1)); :meth:`sync`, at the step boundary, uploads those pages' columns in
   ONE non-blocking copy from pinned memory (a :class:`PinnedUploadRing`) and scatters them (one ``index_copy_``): work
-  proportional to what moved, never to the pool.
+  proportional to what moved, never to the pool. A sync whose device side raises logs its pages
+  again (the map is the truth, the device copy catches up at the next sync), as does the opening
+  advance that uploads the columns with its tables (``PagedStepTables.advanced_opening``).
 - ``host_bits [P, ceil(L/8)]`` uint8 (host): bit ``l`` of page ``p`` is set when ``(l, p)``
   has no device copy. A request's offloaded layers are the OR of its pages' rows
   (``np.bitwise_or.reduceat``: ``L / 8`` bytes per page instead of ``L`` map reads), and the
@@ -87,15 +89,19 @@ class MapMirror:
         pages = distinct_sorted(np.concatenate(self._log)) if len(self._log) > 1 else distinct_sorted(self._log[0])
         cols = self._take(pages)
         k = int(pages.size)
-        if not self.staged:
-            self.dev.index_copy_(1, torch.from_numpy(pages), torch.from_numpy(np.ascontiguousarray(cols)))
-            return
-        packed = np.empty(k + -(-self.layers * k // 2), dtype=np.int64)
-        packed[:k] = pages
-        packed[k:].view(np.int32)[: self.layers * k] = cols.reshape(-1)
-        both, _ = self._ring.upload(packed)
-        values = both[k:].view(torch.int32)[: self.layers * k].view(self.layers, k)
-        self.dev.index_copy_(1, both[:k], values)
+        try:
+            if not self.staged:
+                self.dev.index_copy_(1, torch.from_numpy(pages), torch.from_numpy(np.ascontiguousarray(cols)))
+                return
+            packed = np.empty(k + -(-self.layers * k // 2), dtype=np.int64)
+            packed[:k] = pages
+            packed[k:].view(np.int32)[: self.layers * k] = cols.reshape(-1)
+            both, _ = self._ring.upload(packed)
+            values = both[k:].view(torch.int32)[: self.layers * k].view(self.layers, k)
+            self.dev.index_copy_(1, both[:k], values)
+        except BaseException:
+            self.changed(pages)  # not on the device: still due (the next sync uploads them)
+            raise
 
     def sync_within(self, pages: np.ndarray) -> np.ndarray | None:
         """:meth:`sync`'s host side when every pending column is one of ``pages`` (distinct; the
@@ -118,7 +124,8 @@ class MapMirror:
         return cols
 
     def scatter(self, pages: torch.Tensor, cols: torch.Tensor) -> None:
-        """The device side of :meth:`sync_within`: ``dev[:, pages] = cols`` (uploaded by the caller)."""
+        """The device side of :meth:`sync_within`: ``dev[:, pages] = cols`` (uploaded by the caller;
+        a caller that fails between the two reports the pages :meth:`changed` again)."""
         self.dev.index_copy_(1, pages, cols)
 
     def host_layers(self, pages: np.ndarray, starts: np.ndarray) -> np.ndarray:

@@ -292,14 +292,19 @@ class PagedStepTables(StepTables):
         synced = mirror.sync_within(opened)
         k = int(opened.size)
         head = [opened] if synced is None else [opened, synced.reshape(-1)]
-        nxt = self._opened_successor(flat, starts, counts, last, seq_lens, mirror.syncs)
-        nxt.dirty_ids = store.identity_ids(last).reshape(-1)
-        nxt._upload(store, [rows.reshape(-1)], head, counts, seq_lens, ps)
-        if synced is None:
-            cols = mirror.dev.index_select(1, nxt.i32[:k])
-        else:
-            cols = nxt.i32[k: k + layers * k].view(layers, k)
-            mirror.scatter(nxt.i32[:k].long(), cols)
+        try:
+            nxt = self._opened_successor(flat, starts, counts, last, seq_lens, mirror.syncs)
+            nxt.dirty_ids = store.identity_ids(last).reshape(-1)
+            nxt._upload(store, [rows.reshape(-1)], head, counts, seq_lens, ps)
+            if synced is None:
+                cols = mirror.dev.index_select(1, nxt.i32[:k])
+            else:
+                cols = nxt.i32[k: k + layers * k].view(layers, k)
+                mirror.scatter(nxt.i32[:k].long(), cols)
+        except BaseException:
+            if synced is not None:  # the columns never reached the device: still due
+                mirror.changed(opened)
+            raise
         pieces, at = [], 0
         for j, end in enumerate(ends.tolist()):
             pieces += [self.tab[:, at:end], cols[:, j: j + 1]]

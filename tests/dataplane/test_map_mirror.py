@@ -37,3 +37,42 @@ def test_pending_within_after_sync_is_vacuous() -> None:
     assert mirror.pending_within(np.array([5, 3]))
     mirror.sync()
     assert mirror.pending_within(np.array([], dtype=np.int64))
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["cpu", "staged"])
+def test_a_failed_sync_leaves_the_columns_due(monkeypatch: pytest.MonkeyPatch, staged: bool) -> None:
+    """A sync whose device side raises (an upload or scatter that fails) keeps its columns
+    pending: the next sync uploads them, and the device copy equals the map again. Before, the
+    log was emptied first and the device copy stayed stale for good."""
+    from sglang_ext.dataplane.pinned_upload_ring import PinnedUploadRing
+
+    map_np = np.full((3, 16), -1, dtype=np.int32)
+    mirror = MapMirror(map_np, torch.device("cpu"))
+    mirror.staged = staged
+    map_np[:, [2, 7]] = [[5, 6], [7, 8], [9, 10]]
+    mirror.changed(np.array([2, 7]))
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("simulated device failure")
+
+    if staged:
+        monkeypatch.setattr(PinnedUploadRing, "upload", fail)
+    else:
+        monkeypatch.setattr(mirror, "dev", _FailingCopy(mirror.dev))
+    with pytest.raises(RuntimeError, match="simulated"):
+        mirror.sync()
+    monkeypatch.undo()
+    assert mirror.pending and mirror.pending_within(np.array([2, 7]))
+    assert not torch.equal(mirror.dev, torch.from_numpy(map_np))  # control: stale after the failure
+    mirror.sync()
+    assert not mirror.pending and torch.equal(mirror.dev, torch.from_numpy(map_np))
+
+
+class _FailingCopy:
+    """Stands in for ``MapMirror.dev`` (CPU path): its ``index_copy_`` raises."""
+
+    def __init__(self, base: torch.Tensor) -> None:
+        self.base = base
+
+    def index_copy_(self, *args: object) -> None:
+        raise RuntimeError("simulated device failure")

@@ -85,6 +85,35 @@ def test_an_opening_advance_makes_one_upload(monkeypatch, separate_sync):
     d.check_at_rest()  # and every layer's reads were exact (the driver)
 
 
+def test_an_opening_advance_that_fails_leaves_the_opened_columns_due(monkeypatch):
+    """The opening advance takes the opened pages' columns off the mirror's log and uploads them
+    with its tables; when that upload raises, the columns are logged again, so the next sync
+    brings the device copy back to the map (control: right after the failure it is stale)."""
+    d = _driver()
+    mirror = d.core.store.mirror
+    d.add("a")
+    d.add("b")
+    d.step([("a", 5), ("b", 3)])
+    _decode(d, 1)  # lens a 6, b 4: built; the next step opens b's page 2 (len 5) and advances
+    failing = {"armed": True}
+    real = PagedStepTables._upload
+
+    def upload(self, *args):  # noqa: ANN001, ANN002, ANN202
+        if failing["armed"]:
+            failing["armed"] = False
+            raise RuntimeError("simulated upload failure")
+        return real(self, *args)
+
+    monkeypatch.setattr(PagedStepTables, "_upload", upload)
+    with pytest.raises(RuntimeError, match="simulated upload failure"):
+        d.step([("a", 1), ("b", 1)])
+    assert not failing["armed"] and mirror.pending  # the failure came from the opening advance
+    current = torch.from_numpy(d.core.store.map_np.astype(np.int32))
+    assert not torch.equal(mirror.dev.to(torch.int32), current)  # control: the opened column is stale
+    mirror.sync()
+    assert torch.equal(mirror.dev.to(torch.int32), current)
+
+
 def _fresh_build(core: LayeredKVCore, got: PagedStepTables) -> PagedStepTables:
     """The step's tables built from scratch, staging (if any) in the same device pages as ``got``."""
     _, lens, page_lists = core._paged_last  # type: ignore[misc]
