@@ -208,6 +208,9 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
         a worker id belongs to the client certificate whose session holds it (:meth:`_claim`); a
         hello that replaces a session ends its stream through the outbox."""
         self._owners_lock = threading.Lock()
+        self._hello_lock = threading.Lock()
+        """Makes a hello's claim, its session's opening and its ownership one step: two hellos of
+        one worker id from two certificates at once cannot both pass :meth:`_claim`."""
 
     def _claim(self, worker_id: str, peer: str) -> tuple[str, _LiveSession, _Outbox] | None:
         """Refuse a hello for a worker id whose live session another client certificate holds.
@@ -370,9 +373,10 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
                 )
             info = convert.worker_info_from_proto(first.hello)
             worker_id = info.worker_id
-            replaced = self._claim(worker_id, peer)
-            live = _LiveSession(self._cp.open_session(info))
-            self._own(worker_id, peer, live, outbox)
+            with self._hello_lock:  # claim, open and own at once (hellos are rare: no contention)
+                replaced = self._claim(worker_id, peer)
+                live = _LiveSession(self._cp.open_session(info))
+                self._own(worker_id, peer, live, outbox)
             if replaced is not None:
                 self._metrics.replaced.inc()
                 log.warning("session_replaced_live", worker=worker_id, old_peer=replaced[0], new_peer=peer,

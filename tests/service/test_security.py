@@ -187,3 +187,57 @@ def test_certificates_without_a_cn_are_told_apart_by_their_san(mtls_server, pki)
         held.cancel()
     with _tls_channel(mtls_server.port, holder, pki) as ch:
         assert next(pb_grpc.ControlPlaneStub(ch).Session(iter([hello]), timeout=5)).session_id
+
+
+def test_two_certificates_saying_hello_for_one_worker_id_at_once_cannot_both_hold_it(mtls_server, pki) -> None:  # type: ignore[no-untyped-def]
+    """The claim of a worker id and its session's opening are one step: while the holder's hello
+    is inside the control plane's ``open_session``, another certificate's hello for the same id
+    waits, then finds the id held: PERMISSION_DENIED. Before, both passed the claim (the id was
+    not yet owned) and the later one took the id over. The holder's ``open_session`` waits up to
+    2 s for a second call: one arriving while it is inside is the race itself (it fails below)."""
+    cp = mtls_server.control_plane
+    real_open = cp.open_session
+    inside = threading.Event()
+    second = threading.Event()
+    calls: list[str] = []
+
+    def open_session(info):  # type: ignore[no-untyped-def]
+        calls.append(info.worker_id)
+        if len(calls) == 1:
+            inside.set()
+            second.wait(2.0)  # the race window, held open
+        else:
+            second.set()
+        return real_open(info)
+
+    cp.open_session = open_session
+    hello = pb.WorkerMessage(hello=convert.worker_info_to_proto(worker_info("w-race")))
+    done = threading.Event()
+    first_reply: list[object] = []
+
+    def holding():  # type: ignore[no-untyped-def]
+        yield hello
+        done.wait(30)
+
+    def holder() -> None:
+        with _tls_channel(mtls_server.port, pki["worker"], pki) as ch:
+            stream = pb_grpc.ControlPlaneStub(ch).Session(holding())
+            first_reply.append(next(stream))
+            done.wait(30)
+            stream.cancel()
+
+    t = threading.Thread(target=holder, daemon=True)
+    t.start()
+    try:
+        assert inside.wait(10)
+        intruder = pki["ca"].issue("worker-9", server=False)
+        with _tls_channel(mtls_server.port, intruder, pki) as ch:
+            with pytest.raises(grpc.RpcError) as info:
+                list(pb_grpc.ControlPlaneStub(ch).Session(iter([hello]), timeout=10))
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, info.value
+        assert "cn=worker-7" in info.value.details()
+        assert calls == ["w-race"] and not second.is_set()  # the intruder never opened a session
+        assert wait_until(lambda: bool(first_reply), 10)
+    finally:
+        done.set()
+        t.join(10)
