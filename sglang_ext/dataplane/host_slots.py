@@ -11,9 +11,9 @@ layered backends' whole-forward WAR barrier it already waits for the forward in 
 ``docs/overlap-schedule.md``.)
 
 So the hook publishes its list with the step it allocated for: the batch's requests and their
-lengths with the new token. The forward's tensor is not the allocation's (SGLang 0.5.23 copies
-``out_cache_loc`` into a capture-stable buffer, ``KVLocPlan``), so the step, not the tensor, is
-the key: a decode allocation happens once per (requests, lengths) -- lengths only grow, and a
+lengths with the new token. The forward's tensor need not be the allocation's (on the CPU server
+it is another tensor object every step; the CUDA-graph runner copies the slots into its buffer),
+so the step, not the tensor, is the key: a decode allocation happens once per (requests, lengths) -- lengths only grow, and a
 retracted request's next steps are allocated (and published) again. The boundary takes the list
 when its step is the published one, once; any other step reads the tensor back (counted: a
 served steady step that reads back is a wiring fault worth seeing in the stats).

@@ -87,9 +87,9 @@ class MapMirror:
         if not self._log:
             return
         pages = distinct_sorted(np.concatenate(self._log)) if len(self._log) > 1 else distinct_sorted(self._log[0])
-        cols = self._take(pages)
-        k = int(pages.size)
         try:
+            cols = self._take(pages)
+            k = int(pages.size)
             if not self.staged:
                 self.dev.index_copy_(1, torch.from_numpy(pages), torch.from_numpy(np.ascontiguousarray(cols)))
                 return

@@ -201,6 +201,25 @@ def test_kvplane_layerkv_an_aged_prompt_pauses_running_requests_until_it_fits() 
     assert PAPER.schedule(v).pause == ()
 
 
+def test_kvplane_layerkv_room_freed_for_an_aged_prompt_is_not_taken_by_a_young_one() -> None:
+    """Scenario (review, session 66): big (1500) and small (500) fit the GPU and fill the
+    2500-token limit; a (600 tokens) has aged, b (900) behind it has not. a pauses big (largest
+    first), which frees 1500 tokens where a needs 600; b must not take the rest: big was paused
+    for a's deadline only, and b sees the batch as if big still ran."""
+    base = dataclasses.replace(_rotation_view(now=100.0, big_ctx=1500),
+                               limits=BatchLimits(max_tokens=2500), free_gpu_blocks=10000)
+    aged_a, young_b = q("a", 600, arrival=0.0, ttft=150.0), q("b", 900, arrival=90.0, ttft=1e9)
+    d = make_scheduler("layerkv").schedule(dataclasses.replace(base, queued=(aged_a, young_b)))
+    assert d.admit == ("a",) and d.pause == ("big",)
+    assert make_scheduler("layerkv").schedule(dataclasses.replace(base, queued=(young_b,))).admit == ()
+    # control: big a background request (3000 > the 1600 tokens the GPU holds): its pause
+    # reserves nothing (a fitting prompt may pause it anyway), so b is admitted behind a
+    bg = dataclasses.replace(base, running=(req("big", ctx=3000), req("small", ctx=500)),
+                             queued=(aged_a, young_b))
+    d = make_scheduler("layerkv").schedule(bg)
+    assert d.admit == ("a", "b") and d.pause == ("big",)
+
+
 def _paused(rid: str, ctx: int, paused_steps: int, slo: float = 100.0) -> RequestView:
     return dataclasses.replace(req(rid, ctx=ctx, slo=slo), paused=True, paused_steps=paused_steps)
 

@@ -61,7 +61,9 @@ whatever is admitted, and held every fitting prompt until it aged):
   class) that the batch limits block pauses running requests until it fits, background ones of
   any length first, then fitting ones, largest first in both groups (:func:`make_room_for_aged`
   inside ``_kvplane``); the pauses are undone when it still does not fit. A request that has its
-  first token waits a few steps; one that has none would miss its TTFT SLO. The prefill stalls
+  first token waits a few steps; one that has none would miss its TTFT SLO. The room pauses of
+  fitting requests free beyond what the aged prompt takes stays theirs: a prompt that has not
+  aged, and the refill, see the batch as if they still ran (``reserved``). The prefill stalls
   every decoding request anyway, and the refill below resumes the paused fitting requests after
   it (``benchmarks/results/sim/ttft-tail/``: the older rule, where an aged background prompt
   paused only longer background requests, left kvplane's P99 TTFT above orbitflow's on two of
@@ -237,16 +239,37 @@ class LayerKVScheduler:
             return sorted((r for r in running if not oversize(r.context_tokens)),
                           key=lambda r: (-r.context_tokens, r.id))
 
+        reserved = [0, 0, 0]
+        """Fitting requests paused for aged prompts: requests, tokens, GPU blocks. A prompt that has
+        not aged (and the refill) sees the batch as if they still ran: room they free beyond what
+        the aged prompt takes is not for requests their pause was not for."""
+
+        def fits(prompt_tokens: int, aged_: bool) -> bool:
+            """The batch limits admit a prompt (a request) of ``prompt_tokens`` now."""
+            r_n, r_tok = (0, 0) if aged_ else (reserved[0], reserved[1])
+            return view.limits.admits(n + r_n, in_batch_tokens + r_tok, prompt_tokens)
+
+        def free_for(aged_: bool) -> int:
+            return free if aged_ else free - reserved[2]
+
         def make_room_for_aged(prompt_tokens: int) -> int:
             """Aging is a TTFT deadline: an aged prompt outranks requests that already have their
             first token. Pause running background requests (any length), then fitting ones, largest
-            first, until the batch limits admit it; returns the fitting requests paused."""
+            first, until the batch limits admit it; returns the fitting requests paused (held in
+            ``reserved``)."""
             paused_fitting = 0
             for v in background() + fitting_running():
                 if view.limits.admits(n, in_batch_tokens, prompt_tokens):
                     break
-                paused_fitting += not oversize(v.context_tokens)
-                rotate_out(v)
+                if not oversize(v.context_tokens):
+                    paused_fitting += 1
+                    reserved[0] += 1
+                    reserved[1] += v.context_tokens
+                    before = free
+                    rotate_out(v)
+                    reserved[2] += free - before
+                else:
+                    rotate_out(v)
             return paused_fitting
 
         # Background requests never make the requests a no-offload server would serve late.
@@ -269,13 +292,13 @@ class LayerKVScheduler:
                     continue  # before making room: nothing is paused for a prompt not admitted
                 if aged and not view.limits.admits(n, in_batch_tokens, q.prompt_tokens):
                     undo = (list(running), list(batch), n, in_batch_tokens, free, len(rotate))
-                    fib0 = fitting_in_batch
+                    fib0, res0 = fitting_in_batch, list(reserved)
                     fitting_in_batch -= make_room_for_aged(q.prompt_tokens)
                     if not view.limits.admits(n, in_batch_tokens, q.prompt_tokens):
                         running, batch, n, in_batch_tokens, free, kept = undo
                         del rotate[kept:]
-                        fitting_in_batch = fib0
-                if not view.limits.admits(n, in_batch_tokens, q.prompt_tokens):
+                        fitting_in_batch, reserved[:] = fib0, res0
+                if not fits(q.prompt_tokens, aged):
                     continue  # skipped, not waited for: it never blocks the queue
                 if running and not aged:  # Eq. 2, and no late steps for fitting requests
                     step = step_ms(batch + [b])
@@ -287,28 +310,28 @@ class LayerKVScheduler:
                 # undone below when the prompt is held after all.
                 undo = (list(running), list(batch), n, in_batch_tokens, free, len(rotate))
                 for v in background():
-                    if b * layers <= free and view.limits.admits(n, in_batch_tokens,
-                                                                 q.prompt_tokens):
+                    if b * layers <= free_for(aged) and fits(q.prompt_tokens, aged):
                         break
                     rotate_out(v)
-                fib0 = fitting_in_batch
+                fib0, res0 = fitting_in_batch, list(reserved)
                 if aged:
                     fitting_in_batch -= make_room_for_aged(q.prompt_tokens)
-                held = not view.limits.admits(n, in_batch_tokens, q.prompt_tokens) or bool(
+                held = not fits(q.prompt_tokens, aged) or bool(
                     admit and tokens + q.prompt_tokens > params.max_prefill_tokens)
                 if not held and running and not aged:
                     # Eq. 2 with the predicted TPOT; a prompt that does not fit memory is
                     # admitted with offload only when the steps stay on time.
                     step = step_ms(batch + [b])
-                    late = b * layers > free and step > max(target, step_ms(batch))
+                    late = b * layers > free_for(aged) and step > max(target, step_ms(batch))
                     held = late or not spent_ms + t_prefill < eq2_bound(step)
                 if held:
                     running, batch, n, in_batch_tokens, free, kept = undo
                     del rotate[kept:]
-                    fitting_in_batch = fib0
+                    fitting_in_batch, reserved[:] = fib0, res0
                     break  # FCFS: nothing behind a held fitting prompt jumps it
                 fitting_in_batch += 1
-            keep = layers if b * layers <= free else max(0, free // b - 1)
+            avail = free_for(aged)  # what this prompt may take (the rest stays reserved)
+            keep = layers if b * layers <= avail else max(0, avail // b - 1)
             free = max(0, free - b * (keep + (0 if keep == layers else 1)))
             batch.append(b)
             n += 1
@@ -329,12 +352,10 @@ class LayerKVScheduler:
             on_time = max(floor, min(target, params.tpot_margin * p.slo_tbt_ms))
             undo = (list(running), list(batch), n, in_batch_tokens, free, len(rotate))
             for v in background():
-                if view.limits.admits(n, in_batch_tokens, p.context_tokens) and step_ms(
-                        batch + [b]) <= on_time:
+                if fits(p.context_tokens, False) and step_ms(batch + [b]) <= on_time:
                     break
                 rotate_out(v)
-            if not (view.limits.admits(n, in_batch_tokens, p.context_tokens)
-                    and step_ms(batch + [b]) <= on_time):
+            if not (fits(p.context_tokens, False) and step_ms(batch + [b]) <= on_time):
                 running, batch, n, in_batch_tokens, free, kept = undo
                 del rotate[kept:]
                 break
