@@ -153,3 +153,18 @@ def test_requests_with_a_frequency_penalty_are_not_paused_under_the_overlap_loop
     assert all(len(out["output_ids"]) == MAX_NEW_TOKENS or out["meta_info"]["finish_reason"]["type"] == "stop"
                for out in got)
     assert lines[-1]["paused"] == []
+
+
+def test_steady_decode_boundaries_take_the_allocation_hooks_slots_under_the_overlap_loop(overlap_server):
+    """Under the overlap loop step k+1 is allocated after step k launched: each steady decode
+    boundary still finds its own step's slots published (``HostSlots``, keyed by requests and
+    lengths) and reads none back from the forward's tensor (on a GPU a sync of the forward
+    stream, which here still runs step k). Requests decode one at a time, so steps stay steady."""
+    server, _, pool_path = overlap_server
+    before = read_jsonl(pool_path)[-1] if pool_path.exists() and read_jsonl(pool_path) else {}
+    for prompt in PROMPTS[:2]:
+        greedy(server, prompt, MAX_NEW_TOKENS)
+    last = read_jsonl(pool_path)[-1]
+    taken = last["slot_handoffs_total"] - before.get("slot_handoffs_total", 0)
+    assert taken >= MAX_NEW_TOKENS, last  # two requests' decode steps, most of them steady
+    assert last["slot_readbacks_total"] == before.get("slot_readbacks_total", 0), last
