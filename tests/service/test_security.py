@@ -140,6 +140,15 @@ def _tls_channel(port: int, pair, pki) -> grpc.Channel:  # type: ignore[no-untyp
     return grpc.secure_channel(f"localhost:{port}", creds)
 
 
+def _refused(port: int, pair, pki, hello, holder: str, timeout: float = 5) -> None:  # type: ignore[no-untyped-def]
+    """A hello from the certificate ``pair`` is refused: PERMISSION_DENIED naming ``holder``."""
+    with _tls_channel(port, pair, pki) as ch:
+        with pytest.raises(grpc.RpcError) as info:
+            list(pb_grpc.ControlPlaneStub(ch).Session(iter([hello]), timeout=timeout))
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, info.value
+    assert holder in info.value.details()
+
+
 def test_a_worker_id_belongs_to_the_certificate_holding_its_session(mtls_server, connect, pki) -> None:  # type: ignore[no-untyped-def]
     """Under mTLS another client certificate cannot take a live worker id over (before, its hello
     closed the worker's session and the two flapped): PERMISSION_DENIED naming the holder, and
@@ -147,12 +156,7 @@ def test_a_worker_id_belongs_to_the_certificate_holding_its_session(mtls_server,
     replaces its own session."""
     _, session = _worker_session(mtls_server, connect, pki, "w-shared")
     hello = pb.WorkerMessage(hello=convert.worker_info_to_proto(worker_info("w-shared")))
-    intruder = pki["ca"].issue("worker-8", server=False)
-    with _tls_channel(mtls_server.port, intruder, pki) as ch:
-        with pytest.raises(grpc.RpcError) as info:
-            list(pb_grpc.ControlPlaneStub(ch).Session(iter([hello]), timeout=5))
-    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, info.value
-    assert "cn=worker-7" in info.value.details()
+    _refused(mtls_server.port, pki["ca"].issue("worker-8", server=False), pki, hello, "cn=worker-7")
     session.report(step_report(0, {"r": 300}))
     assert wait_until(lambda: session.stats.decisions_received >= 1, 10)
     assert session.stats.reconnects == 0
@@ -178,11 +182,7 @@ def test_certificates_without_a_cn_are_told_apart_by_their_san(mtls_server, pki)
     with _tls_channel(mtls_server.port, holder, pki) as ch:
         held = pb_grpc.ControlPlaneStub(ch).Session(holding())
         assert next(held).session_id
-        with _tls_channel(mtls_server.port, other, pki) as intruder:
-            with pytest.raises(grpc.RpcError) as info:
-                list(pb_grpc.ControlPlaneStub(intruder).Session(iter([hello]), timeout=5))
-        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, info.value
-        assert "san=spiffe://kvplane.test/worker-w1" in info.value.details()
+        _refused(mtls_server.port, other, pki, hello, "san=spiffe://kvplane.test/worker-w1")
         done.set()
         held.cancel()
     with _tls_channel(mtls_server.port, holder, pki) as ch:
@@ -230,12 +230,7 @@ def test_two_certificates_saying_hello_for_one_worker_id_at_once_cannot_both_hol
     t.start()
     try:
         assert inside.wait(10)
-        intruder = pki["ca"].issue("worker-9", server=False)
-        with _tls_channel(mtls_server.port, intruder, pki) as ch:
-            with pytest.raises(grpc.RpcError) as info:
-                list(pb_grpc.ControlPlaneStub(ch).Session(iter([hello]), timeout=10))
-        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, info.value
-        assert "cn=worker-7" in info.value.details()
+        _refused(mtls_server.port, pki["ca"].issue("worker-9", server=False), pki, hello, "cn=worker-7", 10)
         assert calls == ["w-race"] and not second.is_set()  # the intruder never opened a session
         assert wait_until(lambda: bool(first_reply), 10)
     finally:
