@@ -179,6 +179,10 @@ class PlacementInstaller:
                 for rid, row in install.placements.items()
                 if len(row) == self.layers
             }
+            if len(self.placements) != len(install.placements):  # not this model's: refused, said
+                wrong = {rid: len(row) for rid, row in install.placements.items() if len(row) != self.layers}
+                log.warning("placement_rows_refused", layers=self.layers, refused=len(wrong),
+                            example=next(iter(wrong.items())), hint="those requests run all-GPU")
             for rid in self.placements:  # planned now: the prefill placement has done its job
                 self.prefill_placements.pop(rid, None)
             self.planned_recompute = {

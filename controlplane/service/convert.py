@@ -192,7 +192,7 @@ def plan_from_proto(msg: pb.Plan) -> Plan:
     return Plan(
         feasible=msg.feasible,
         paused=tuple(msg.paused),
-        placements={rid: tuple(p.on_gpu) for rid, p in msg.placements.items()},
+        placements=_placements(msg),
         predicted_step_ms=msg.predicted_step_ms,
         window_steps=msg.window_steps,
         resident_blocks=msg.resident_blocks,
@@ -202,6 +202,21 @@ def plan_from_proto(msg: pb.Plan) -> Plan:
         expiry_step=_opt(msg, "expiry_step"),
         **_plan_recompute(msg),
     )
+
+
+_BINARY = frozenset((0, 1))
+
+
+def _placements(msg: pb.Plan, prefix: str = "plan") -> dict[str, tuple[int, ...]]:
+    """The plan's placement rows, each value 0 (host) or 1 (GPU): a worker read any other value
+    through ``bool()`` (2 and -1 meant the GPU), without a word."""
+    out = {}
+    for rid, p in msg.placements.items():
+        if not _BINARY.issuperset(p.on_gpu):
+            bad = next(x for x in p.on_gpu if x not in _BINARY)
+            raise _invalid(f"{prefix}.placements[{rid!r}].on_gpu", f"{bad} is not 0 (host) or 1 (GPU)")
+        out[rid] = tuple(p.on_gpu)
+    return out
 
 
 def _plan_recompute(msg: pb.Plan, prefix: str = "plan") -> dict[str, Any]:

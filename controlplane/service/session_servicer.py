@@ -78,6 +78,8 @@ class _LiveSession:
         """Step of the newest report processed (for decisions pushed between reports)."""
         self.last_t0 = time.perf_counter()
         """When that report arrived (perf_counter seconds)."""
+        self.processed_step = -1
+        """Step of the newest report the controller has answered (the writer's heartbeat acks it)."""
         self.pending: deque[tuple[int, float, list[api.Decision]]] = deque()
         """(report step, its arrival, decisions) taken from the controller, not yet sent."""
 
@@ -90,6 +92,7 @@ class _LiveSession:
             got = list(self.session.report(report))
             if got:
                 self.pending.append((report.step, t0, got))
+            self.processed_step = report.step
             return bool(got)
 
     def poll(self) -> None:
@@ -450,13 +453,20 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
         self, live: _LiveSession, outbox: _Outbox, context: grpc.ServicerContext
     ) -> Iterator[pb.SessionReply]:
         """Writer (gRPC handler thread): turn report results and wake-ups into replies."""
-        sent = 0
+        sent, acked = 0, -1
         while True:
             try:
                 item = outbox.queue.get(timeout=self._idle_check_s)
             except queue.Empty:
                 if outbox.ended.is_set() or not context.is_active():
                     return
+                # heartbeat: reports answered without a decision since the last reply are acked
+                # (the worker tells a hung control plane from a quiet one by these: a worker
+                # whose reports go unanswered falls back to its own placement)
+                done = live.processed_step
+                if done >= 0 and done != acked:
+                    acked = done
+                    yield pb.SessionReply(report_step=done, decisions_sent=sent)
                 continue
             if item is _WAKE:
                 live.poll()
@@ -465,6 +475,7 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
             for step, t0, decisions in live.take():
                 out = self._observe_decisions(decisions)
                 sent += len(out)
+                acked = live.processed_step
                 self._metrics.decision_latency_ms.observe((time.perf_counter() - t0) * 1e3)
                 yield from self._reply(step, out, sent)
             if item is _END:

@@ -69,6 +69,12 @@ class SessionStats:
     """Reports not sent: stream down (only the newest is kept) or send queue full."""
     decisions_received: int = 0
     """Decisions received over all streams."""
+    decisions_refused: int = 0
+    """Decisions received that could not be decoded (each logged ``decision_refused``; the
+    others of the same reply are delivered and the stream stays up)."""
+    stale_periods: int = 0
+    """Times a live stream went unanswered for ``stale_after_s`` while reports were out (a hung
+    control plane: the worker is degraded until a reply comes)."""
     decisions_announced: int = 0
     """Sum over streams of the server's last ``decisions_sent`` (equals received when none lost)."""
     reconnects: int = 0
@@ -100,8 +106,16 @@ class GrpcWorkerSession:
         send_queue: int = 1024,
         on_close: Callable[[GrpcWorkerSession], None] | None = None,
         max_batch_bytes: int = 2 << 20,
+        stale_after_s: float = 5.0,
+        healthy_after_s: float = 5.0,
     ) -> None:
         self.worker_id = worker_id
+        self.stale_after_s = stale_after_s
+        """A live stream whose reports go unanswered this long is degraded (the server acks
+        answered reports at least once a second, ``SessionServicer``'s heartbeat); 0: never."""
+        self.healthy_after_s = healthy_after_s
+        """A stream that stayed up this long resets the reconnect backoff; one that fails sooner
+        (a replaced session, a stream the server ends after its hello) waits longer each time."""
         self.max_batch_bytes = max_batch_bytes
         """Most serialized bytes of one ReportBatch (the client passes half its message limit, at most
         1 MiB, so that a server with a lower ``--max-message-bytes`` than its workers still takes them). By
@@ -128,6 +142,9 @@ class GrpcWorkerSession:
         self.session_id: str | None = None
         self.last_error: str | None = None
         self._announced_this_stream = 0
+        self._unacked_since: float | None = None
+        """When the oldest report not followed by any reply went out (monotonic; None: none)."""
+        self._stale = False
         self._degraded_gauge.set(1)
         self._thread = threading.Thread(
             target=self._run, name=f"kvplane-session-{worker_id}", daemon=True
@@ -138,8 +155,23 @@ class GrpcWorkerSession:
 
     @property
     def degraded(self) -> bool:
-        """True while no stream is live (the worker should keep its last plan)."""
-        return not self._connected.is_set()
+        """True while no stream is live, or while a live one has left reports unanswered for
+        ``stale_after_s`` (a hung control plane; the worker should keep its last plan)."""
+        if not self._connected.is_set():
+            return True
+        since = self._unacked_since
+        stale = bool(self.stale_after_s > 0 and since is not None
+                     and time.monotonic() - since > self.stale_after_s)
+        if stale != self._stale:  # an edge: said once each way
+            self._stale = stale
+            self._degraded_gauge.set(int(stale))
+            if stale:
+                self.stats.stale_periods += 1
+                self.last_error = f"no reply for {self.stale_after_s:g} s with reports out (control plane hung?)"
+                log.warning("control_plane_unresponsive", worker=self.worker_id, stale_after_s=self.stale_after_s)
+            else:
+                log.info("control_plane_responsive", worker=self.worker_id)
+        return stale
 
     @property
     def last_decision(self) -> api.Decision | None:
@@ -167,6 +199,8 @@ class GrpcWorkerSession:
             else:
                 try:
                     outbox.put_nowait(msg)
+                    if self._unacked_since is None:
+                        self._unacked_since = time.monotonic()
                     self._sent_at[report.step] = time.perf_counter()
                     if len(self._sent_at) > 4 * self._send_queue:
                         for step in sorted(self._sent_at)[: len(self._sent_at) // 2]:
@@ -277,12 +311,13 @@ class GrpcWorkerSession:
             call = self._stub.Session(self._requests(outbox))
             with self._lock:
                 self._call = call
+            up_at = None
             try:
                 for reply in call:
                     if reply.session_id:
                         self._on_connected(reply.session_id, outbox, streams)
                         streams += 1
-                        delays = self._backoff.delays()
+                        up_at = time.monotonic()
                         continue
                     self._on_reply(reply)
             except grpc.RpcError as err:
@@ -299,6 +334,8 @@ class GrpcWorkerSession:
                 log.error("session_stream_error", worker=self.worker_id, error=repr(exc))
             finally:
                 self._on_disconnected(outbox, call)
+            if up_at is not None and time.monotonic() - up_at >= self.healthy_after_s:
+                delays = self._backoff.delays()  # it was healthy: the next attempt is quick again
             if self._closed.wait(next(delays)):
                 return
 
@@ -306,6 +343,8 @@ class GrpcWorkerSession:
         with self._lock:
             self.session_id = session_id
             pending, self._pending = self._pending, None
+            self._unacked_since = None if pending is None else time.monotonic()
+            self._stale = False  # a new stream: its own answers decide
             if pending is not None:
                 outbox.put_nowait(pending)
                 self._sent_at[pending.report.step] = time.perf_counter()
@@ -322,15 +361,23 @@ class GrpcWorkerSession:
 
     def _on_reply(self, reply: pb.SessionReply) -> None:
         now = time.perf_counter()
-        decisions = [convert.decision_from_proto(d) for d in reply.decisions]
+        decisions = []
+        for i, d in enumerate(reply.decisions):  # one undecodable decision costs itself, not the stream
+            try:
+                decisions.append(convert.decision_from_proto(d))
+            except Exception as exc:
+                self.stats.decisions_refused += 1
+                log.warning("decision_refused", worker=self.worker_id, report_step=reply.report_step,
+                            index=i, reason=d.reason, error=str(exc))
         with self._lock:
+            self._unacked_since = None  # any reply, a heartbeat's included, says the server answers
             sent_at = self._sent_at.pop(reply.report_step, None)
             self._inbox.extend(decisions)
             if decisions:
                 self._last_decision = decisions[-1]
                 self._arrived.notify_all()
             self.stats.decisions_received += len(decisions)
-            if sent_at is not None:
+            if sent_at is not None and reply.decisions:
                 self.stats.latencies_ms.append((now - sent_at) * 1e3)
             self._announced_this_stream = reply.decisions_sent
 

@@ -221,3 +221,14 @@ def test_batch_validation_uses_plan_schema_paths() -> None:
     msg.requests[1].slo_tbt_ms = -5
     with pytest.raises(api.InvalidArgument, match=r"^batch\.requests\[1\]\.slo_tbt_ms"):
         convert.batch_from_proto(msg)
+
+
+@pytest.mark.parametrize("value", [2, -1])
+def test_a_placement_value_other_than_0_or_1_is_refused(value: int) -> None:
+    """A worker read on_gpu values through bool() (2 and -1 meant the GPU): a decision carrying
+    one is now refused, naming the request and the value. Control: 0 and 1 decode."""
+    ok = pb.Plan(placements={"a": pb.Placement(on_gpu=[1, 0, 1])})
+    assert convert.plan_from_proto(ok).placements == {"a": (1, 0, 1)}
+    bad = pb.Plan(placements={"a": pb.Placement(on_gpu=[1, 0]), "b": pb.Placement(on_gpu=[1, value])})
+    with pytest.raises(api.InvalidArgument, match=rf"plan.placements\['b'\].on_gpu: {value} is not 0"):
+        convert.plan_from_proto(bad)

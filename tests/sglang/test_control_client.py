@@ -174,3 +174,42 @@ def test_grpc_outage_falls_back_and_reconnects_after_restart(serve):
         assert client.session.stats.reconnects >= 1
     finally:
         client.close()
+
+
+def test_a_hung_control_plane_sends_the_scheduler_to_its_fallback():
+    """A control plane whose stream stays up but never answers (scripted: acks the hello, then
+    hangs): once the session's reports have gone unanswered ``stale_after_s``, the scheduler's
+    handle runs its fallback and says the outage (``on_outage(True)``); before, it counted 0
+    fallback steps and no outage, and under LayerKV admission waited for admissions that never
+    came. Control: the same steps against the embedded controller run no fallback."""
+    import time
+    from concurrent import futures
+
+    import grpc
+
+    from kvplane.v1 import controlplane_pb2_grpc as pb_grpc
+    from tests.service.test_misbehaving_control_plane import _Scripted
+
+    servicer = _Scripted("hang")
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    pb_grpc.add_ControlPlaneServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    outages: list[bool] = []
+    client = ControlClient(GrpcControlPlane(f"127.0.0.1:{port}", backoff=Backoff(0.05, 0.2)), _worker(),
+                           on_outage=outages.append, connect_wait_s=2.0)
+    try:
+        client.report(_report(0, {"a": 10}))
+        client.session.stale_after_s = 0.3
+        for step in range(1, 40):
+            client.report(_report(step, {"a": 10}))
+            time.sleep(0.02)
+        assert client.fallback_steps > 0 and outages == [True], (client.fallback_steps, outages)
+    finally:
+        servicer.stop.set()
+        client.close()
+        server.stop(0)
+    embedded = ControlClient(EmbeddedControlPlane(PolicyStore(Policy())), _worker())
+    for step in range(40):
+        embedded.report(_report(step, {"a": 10}))
+    assert embedded.fallback_steps == 0

@@ -134,3 +134,22 @@ def test_rank0_must_pass_an_install():
     """Rank 0 sharing nothing is a programming error named clearly."""
     with pytest.raises(ValueError, match="install"):
         TpSync(0, 1).share(None)
+
+
+def test_placement_rows_of_another_length_are_refused_and_said() -> None:
+    """A plan row that is not this model's length (a control plane planning another model) is
+    not installed (that request runs all-GPU) and a warning names how many and one example;
+    rows of the right length in the same install are installed. Control: an install of right
+    rows says nothing."""
+    from structlog.testing import capture_logs
+
+    installer = PlacementInstaller(None, 4)
+    with capture_logs() as logs:
+        installer.apply(StepInstall(step=1, placements={"a": (1, 0, 1, 1), "b": (1, 0)}))
+    assert installer.placements == {"a": (1, 0, 1, 1)}
+    assert installer.gpu_layers("b") == (True,) * 4
+    refused = [e for e in logs if e["event"] == "placement_rows_refused"]
+    assert len(refused) == 1 and refused[0]["refused"] == 1 and refused[0]["example"] == ("b", 2)
+    with capture_logs() as logs:
+        installer.apply(StepInstall(step=2, placements={"a": (1, 1, 1, 1)}))
+    assert not [e for e in logs if e["event"] == "placement_rows_refused"]
