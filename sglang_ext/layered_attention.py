@@ -39,6 +39,7 @@ import torch
 
 from sglang_ext.capped_attention import capped_decode, capped_extend
 from sglang_ext.compat import SDPA_REQ_POOL_INDICES_ARG, TorchNativeAttnBackend
+from sglang_ext.dataplane.at_rest_batch import at_rest_batch
 from sglang_ext.layered_decode_graph import SEQ_LEN_FILL
 from sglang_ext.layered_pool import LayeredTokenToKVPool
 from sglang_ext.recompute_forward import RecomputeForward
@@ -289,8 +290,7 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         if not self.in_place and self.compact_rows.numel() != bs:
             self.compact_rows = torch.arange(bs, dtype=torch.int64, device=self.device)
         if self.pool.overflow:
-            self.batch_slots = torch.cat(per_req) if per_req else torch.zeros(0, dtype=torch.int64)
-            self._build_compact_table(lens)
+            self.batch_slots, self.compact_table = at_rest_batch(per_req, lens, self.device)
         return False
 
     def _steady_decode(self, forward_batch: Any) -> bool:
@@ -320,8 +320,7 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
                 per_req = _request_slots(self.real_req_to_token_pool.req_to_token,
                                          forward_batch.req_pool_indices.cpu().tolist(), lens)
                 self.batch_request_slots = per_req
-                self.batch_slots = torch.cat(per_req) if per_req else torch.zeros(0, dtype=torch.int64)
-                self._build_compact_table(lens)
+                self.batch_slots, self.compact_table = at_rest_batch(per_req, lens, self.device)
         return True
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):  # noqa: ANN001, ANN201
@@ -364,14 +363,6 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
             if got is not None:
                 spec[i] = (min(got[0], -(-lens[i] // ps) - 1), got[1])
         return spec if spec[:, 0].any() else None
-
-    def _build_compact_table(self, lens: list[int]) -> None:
-        """Overflow steps: row i = positions of request i's tokens in ``batch_slots`` (0-padded)."""
-        width = max(lens, default=1) or 1
-        lens_t = torch.tensor(lens, dtype=torch.int64, device=self.device)
-        starts = torch.cumsum(lens_t, 0) - lens_t
-        cols = torch.arange(width, dtype=torch.int64, device=self.device)
-        self.compact_table = torch.where(cols[None, :] < lens_t[:, None], starts[:, None] + cols[None, :], 0)
 
     def _begin_layer(self, layer_id: int) -> None:
         meter = self.overhead_meter

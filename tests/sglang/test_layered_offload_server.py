@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -64,7 +65,8 @@ def offload(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[Offload
              "--max-total-tokens", str(MAX_TOTAL_TOKENS)]
     env = {POOL_STATS_FILE_ENV: str(stats), EVENTS_FILE_ENV: str(events), "PYTHONPATH": fault_inject_path(),
            "KVPLANE_TEST_CORRUPT_LAYER": str(CORRUPT_LAYER), "KVPLANE_TEST_CORRUPT_FILE": str(root / "corrupt"),
-           "KVPLANE_TEST_WARMUP_DUMMY_FILE": str(root / "warmup.jsonl")}
+           "KVPLANE_TEST_WARMUP_DUMMY_FILE": str(root / "warmup.jsonl"),
+           "KVPLANE_TEST_FORCE_OVERFLOW_FILE": str(root / "overflow")}
     with running_server(tiny_model_dir, root, flags, env, zygote=launch_zygote) as server:
         yield OffloadServer(server, stats, events)
 
@@ -190,3 +192,20 @@ def test_negative_control_a_corrupted_offloaded_page_fails_the_comparison(offloa
     with fault_armed(offload.server, offload.server.log_path.parent / "corrupt"):
         assert undetected(offload.server, vanilla_server, PROMPTS[:4], NEW_TOKENS) == 0
     assert undetected(offload.server, vanilla_server, PROMPTS[:1], NEW_TOKENS) == 1
+
+
+def test_steps_served_at_rest_with_a_shared_prefix_match_vanilla(offload, vanilla_server):
+    """The overflow path as SGLang serves it (kept last: the module's other tests assert no
+    overflow). With the staging room forced empty (the injector) every step that stages is served
+    at rest: each layer's K/V of the batch read from where it lies, each distinct slot once
+    (``at_rest_batch``), and the attention reads it through the compact table. Two requests
+    sharing a prompt prefix decode together (the prefix read once for both) and match vanilla;
+    the stats count the overflow steps."""
+    before = offload.stats()[-1]["overflow_steps_total"] if offload.stats() else 0
+    prompts = (PROMPTS[1], PROMPTS[1] + " and so on")
+    with fault_armed(offload.server, offload.stats_path.parent / "overflow"):
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda p: greedy(offload.server, p, NEW_TOKENS, logprobs=True), prompts))
+    for prompt, out in zip(prompts, got, strict=True):
+        assert_same_generation(out, greedy(vanilla_server, prompt, NEW_TOKENS, logprobs=True), prompt)
+    assert offload.stats()[-1]["overflow_steps_total"] - before >= NEW_TOKENS
