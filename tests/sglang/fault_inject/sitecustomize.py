@@ -414,31 +414,6 @@ def _patch_warmup_dummy(module) -> None:  # noqa: ANN001
     module.BaseRunner._warmup = _warmup
 
 
-OVERFLOW_TARGET = "sglang_ext.dataplane.staging_room"
-
-
-def _patch_overflow(module) -> None:  # noqa: ANN001
-    """While the flag exists the staging room has no room: every step that stages is served at
-    rest (``LayeredKVCore.overflow``), the path a batch whose staging exceeds the device takes."""
-    flag = os.environ["KVPLANE_TEST_FORCE_OVERFLOW_FILE"]
-    room = module.StagingRoom
-    real_take, real_retake, real_make_room_for = room.take, room.retake, room.make_room_for
-
-    def take(self, n):  # noqa: ANN001, ANN202
-        if n > 0 and os.path.exists(flag):
-            self.wanted = n
-            return None
-        return real_take(self, n)
-
-    def retake(self, ids):  # noqa: ANN001, ANN202
-        return 0 if os.path.exists(flag) else real_retake(self, ids)
-
-    def make_room_for(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        return False if os.path.exists(flag) else real_make_room_for(self, *args, **kwargs)
-
-    room.take, room.retake, room.make_room_for = take, retake, make_room_for
-
-
 class _Finder(importlib.abc.MetaPathFinder):
     def __init__(self, target: str, patch) -> None:  # noqa: ANN001
         self.target, self.patch = target, patch
@@ -498,6 +473,9 @@ if os.environ.get("KVPLANE_TEST_WARMUP_DUMMY_FILE"):
 if os.environ.get("KVPLANE_TEST_STALE_GRAPH_FILE"):
     _install("sglang_ext.dataplane.graph_step_buffers", _patch_stale_graph)
 if os.environ.get("KVPLANE_TEST_FORCE_OVERFLOW_FILE"):
+    from kvplane_force_overflow import TARGET as OVERFLOW_TARGET
+    from kvplane_force_overflow import patch as _patch_overflow
+
     _install(OVERFLOW_TARGET, _patch_overflow)
 if os.environ.get("KVPLANE_TEST_KV_PROFILE_BYTES"):
     _install(PROFILE_TARGET, _patch_profile)
