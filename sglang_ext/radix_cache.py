@@ -223,10 +223,9 @@ class LayeredRadixCache(RadixCache):
         # One slot per request: one host copy for the batch (on CUDA one read of the device's
         # slots per step, not one per request)
         blocks = out_cache_loc.tolist()
-        if self.decode_slots_sink is not None:  # the step: its requests and lengths with the new token
-            lens = (batch.seq_lens_cpu + 1).tolist() if batch.seq_lens_cpu is not None else None
-            if lens is not None:
-                self.decode_slots_sink([req.rid for req in batch.reqs], lens, blocks)
+        if self.decode_slots_sink is not None and batch.seq_lens_cpu is not None:
+            # the step: its requests and their lengths with the new token
+            self.decode_slots_sink([req.rid for req in batch.reqs], (batch.seq_lens_cpu + 1).tolist(), blocks)
         ps = self.page_size
         if ps != 1:  # a slot at offset 0 opens its page; the others continue one already reported
             for req, slot in zip(batch.reqs, blocks, strict=True):

@@ -272,6 +272,16 @@ class LayerKVScheduler:
                     rotate_out(v)
             return paused_fitting
 
+        def snapshot() -> tuple:
+            """The batch being built, to :func:`restore` when pauses admit nothing after all."""
+            return (list(running), list(batch), n, in_batch_tokens, free, len(rotate), fitting_in_batch,
+                    list(reserved))
+
+        def restore(state: tuple) -> None:
+            nonlocal running, batch, n, in_batch_tokens, free, fitting_in_batch
+            running, batch, n, in_batch_tokens, free, kept, fitting_in_batch, reserved[:] = state
+            del rotate[kept:]
+
         # Background requests never make the requests a no-offload server would serve late.
         if fitting_in_batch:
             for v in background():
@@ -291,13 +301,10 @@ class LayerKVScheduler:
                 if admit and tokens + q.prompt_tokens > params.max_prefill_tokens:
                     continue  # before making room: nothing is paused for a prompt not admitted
                 if aged and not view.limits.admits(n, in_batch_tokens, q.prompt_tokens):
-                    undo = (list(running), list(batch), n, in_batch_tokens, free, len(rotate))
-                    fib0, res0 = fitting_in_batch, list(reserved)
+                    undo = snapshot()
                     fitting_in_batch -= make_room_for_aged(q.prompt_tokens)
                     if not view.limits.admits(n, in_batch_tokens, q.prompt_tokens):
-                        running, batch, n, in_batch_tokens, free, kept = undo
-                        del rotate[kept:]
-                        fitting_in_batch, reserved[:] = fib0, res0
+                        restore(undo)
                 if not fits(q.prompt_tokens, aged):
                     continue  # skipped, not waited for: it never blocks the queue
                 if running and not aged:  # Eq. 2, and no late steps for fitting requests
@@ -308,12 +315,11 @@ class LayerKVScheduler:
                 # Make room the way a no-offload server's memory would have: pause background
                 # requests (largest first) until the prompt fits memory and the batch limits;
                 # undone below when the prompt is held after all.
-                undo = (list(running), list(batch), n, in_batch_tokens, free, len(rotate))
+                undo = snapshot()
                 for v in background():
                     if b * layers <= free_for(aged) and fits(q.prompt_tokens, aged):
                         break
                     rotate_out(v)
-                fib0, res0 = fitting_in_batch, list(reserved)
                 if aged:
                     fitting_in_batch -= make_room_for_aged(q.prompt_tokens)
                 held = not fits(q.prompt_tokens, aged) or bool(
@@ -325,9 +331,7 @@ class LayerKVScheduler:
                     late = b * layers > free_for(aged) and step > max(target, step_ms(batch))
                     held = late or not spent_ms + t_prefill < eq2_bound(step)
                 if held:
-                    running, batch, n, in_batch_tokens, free, kept = undo
-                    del rotate[kept:]
-                    fitting_in_batch, reserved[:] = fib0, res0
+                    restore(undo)
                     break  # FCFS: nothing behind a held fitting prompt jumps it
                 fitting_in_batch += 1
             avail = free_for(aged)  # what this prompt may take (the rest stays reserved)
@@ -350,14 +354,13 @@ class LayerKVScheduler:
                         key=lambda p: (-p.paused_steps, p.id)):
             b = p.blocks_per_layer(bs)
             on_time = max(floor, min(target, params.tpot_margin * p.slo_tbt_ms))
-            undo = (list(running), list(batch), n, in_batch_tokens, free, len(rotate))
+            undo = snapshot()
             for v in background():
                 if fits(p.context_tokens, False) and step_ms(batch + [b]) <= on_time:
                     break
                 rotate_out(v)
             if not (fits(p.context_tokens, False) and step_ms(batch + [b]) <= on_time):
-                running, batch, n, in_batch_tokens, free, kept = undo
-                del rotate[kept:]
+                restore(undo)
                 break
             resume.append(p.id)
             batch.append(b)
