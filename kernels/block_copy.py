@@ -140,6 +140,7 @@ if HAVE_TRITON:
             page = tl.load(flat_ptr + col, mask=inside, other=0).to(tl.int64)
             on_host = inside & (tl.load(map_row_ptr + page, mask=inside, other=0) < 0)
             d = tl.load(stage_ptr + col, mask=on_host, other=0).to(tl.int64)
+            on_host = on_host & (d >= 0)  # a negative entry reads a page another column fetches
             s = host_base + page * host_stride
             for start in range(0, SEG, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
@@ -213,9 +214,10 @@ def fetch_pages_triton(host: torch.Tensor, dev: torch.Tensor, flat: torch.Tensor
                        max_pages: int, host_base: int, host_stride: int, dev_v: int,
                        programs: int | None = None) -> None:
     """One launch: for each request ``r`` of ``reqs`` and each of its ``counts[r]`` pages
-    (column ``c = starts[r] + j``, page ``flat[c]``) with ``map_row[page] < 0``, copy host
-    segments ``host_base + page * host_stride`` (K) and ``+ 1`` (V) to device segments
-    ``stage[c]`` and ``stage[c] + dev_v``. ``max_pages >= max(counts[reqs])``. Pools are 2-D
+    (column ``c = starts[r] + j``, page ``flat[c]``) with ``map_row[page] < 0`` and
+    ``stage[c] >= 0``, copy host segments ``host_base + page * host_stride`` (K) and ``+ 1`` (V)
+    to device segments ``stage[c]`` and ``stage[c] + dev_v`` (a negative ``stage[c]``: the
+    column reads a page another column fetches, ``sglang_ext/dataplane/staging_columns.py``). ``max_pages >= max(counts[reqs])``. Pools are 2-D
     segment views (pinned host, device); index tensors int32 or int64 on the kernel's device.
     ``programs``: the launch's persistent programs (:func:`programs_for`).
     The host works out nothing per page: see :func:`fetch_page_indices` for the same copy as index lists."""
@@ -265,12 +267,15 @@ def host_only_mask(map_row, pages):  # noqa: ANN001, ANN201 - NumPy arrays
 
 def fetch_segments(stage, cols, pages, keep, host_base: int, host_stride: int, dev_v: int):  # noqa: ANN001, ANN201
     """:func:`fetch_page_indices` from :func:`fetch_page_columns`' ``(cols, pages)`` and the
-    layer's host-only mask ``keep`` of them: K segments, then V."""
+    layer's host-only mask ``keep`` of them: K segments, then V. Columns whose ``stage`` entry is
+    negative copy nothing (another column fetches their page)."""
     import numpy as np
 
+    stage = np.asarray(stage, dtype=np.int64)
+    keep = keep & (stage[cols] >= 0)
     cols, pages = cols[keep], pages[keep]
     k = host_base + pages * host_stride
-    d = np.asarray(stage, dtype=np.int64)[cols]
+    d = stage[cols]
     return np.concatenate([k, k + 1]), np.concatenate([d, d + dev_v])
 
 

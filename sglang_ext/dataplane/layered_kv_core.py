@@ -43,12 +43,13 @@ from sglang_ext.dataplane.layer_pipeline import LayerPipeline
 from sglang_ext.dataplane.new_token_counts import new_token_counts
 from sglang_ext.dataplane.page_ids import check_page_ids
 from sglang_ext.dataplane.paged_decode_step import PagedDecodeStep
-from sglang_ext.dataplane.paged_step_tables import PagedStepTables, staging_demand
+from sglang_ext.dataplane.paged_step_tables import PagedStepTables
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore
 from sglang_ext.dataplane.slot_residency import SlotResidency
 from sglang_ext.dataplane.slot_results import RequestResidency, ResidencyDelta, ResidencyStats
 from sglang_ext.dataplane.slot_store_config import SlotStoreConfig
 from sglang_ext.dataplane.sorted_ids import distinct_sorted
+from sglang_ext.dataplane.staging_columns import staging_demand
 from sglang_ext.dataplane.staging_room import StagingRoom
 from sglang_ext.dataplane.step_tables import StepTables
 from sglang_ext.dataplane.transfer_times import TransferTimes

@@ -34,6 +34,7 @@ from sglang_ext.dataplane.page_fetch import PageFetch
 from sglang_ext.dataplane.page_launch import PageLaunch
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore
 from sglang_ext.dataplane.sorted_ids import distinct_sorted, run_bounds
+from sglang_ext.dataplane.staging_columns import decoded, fetch_entries, shared_columns, sync_mirror
 from sglang_ext.dataplane.step_tables import Launch, StepTables
 from sglang_ext.dataplane.token_writeback import TokenWriteback
 from sglang_ext.dataplane.transfer_engine import TransferEngine
@@ -71,27 +72,44 @@ class PagedStepTables(StepTables):
         b, n = self.batch, int(flat.size)
         self._one_each = bool((new_counts == 1).all())
         """Every request writes one new token (a decode step): the tables may be :meth:`advanced`."""
-        self._mirror_syncs = _sync_mirror(store, mirror)
+        self._mirror_syncs = sync_mirror(store, mirror)
         nonempty = counts > 0
         host_req = np.zeros((layers, b), dtype=bool)
         if n and not resident:
             host_req[:, nonempty] = mirror.host_layers(flat, starts[nonempty])
         staged_req = host_req.any(axis=0)
         self._host_req = host_req
-        stage_col = None
+        stage_col = stage_up = readers = None
         if staged_req.any():
-            need_cols = np.repeat(staged_req, counts)
-            ids = stage(int(counts[staged_req].sum()))
+            need_at = np.flatnonzero(np.repeat(staged_req, counts))
+            private = np.zeros(n, dtype=bool)
+            private[col] = True  # pages that receive new tokens keep a staging page each
+            shared = shared_columns(flat[need_at], private[need_at])
+            ids = stage(int(need_at.size if shared is None else shared[1].size))
             if ids is None:
                 self.staging_ids = None  # type: ignore[assignment]
                 return
             self.staging_ids = ids
-            self._stage_pos = np.flatnonzero(need_cols)
-            """The column of each of ``staging_ids``, in that order (ascending after a build, not
-            after an advance: the opened pages' staging comes last)."""
             stage_col = np.full(n, -1, dtype=np.int64)
-            stage_col[need_cols] = ids
-        self._stage_np, self._starts_np, self._counts_np = stage_col, starts, counts
+            if shared is None:
+                self._stage_pos = need_at
+                """The column of each of ``staging_ids``, in that order (ascending after a build,
+                not after an advance: the opened pages' staging comes last); with shared pages,
+                each page's owner column (:mod:`~sglang_ext.dataplane.staging_columns`)."""
+                stage_col[need_at] = ids
+                stage_up = stage_col
+            else:
+                rank, owners = shared
+                self._stage_pos = need_at[owners]
+                stage_col[need_at] = ids[rank]
+                reads = np.ones(need_at.size, dtype=bool)
+                reads[owners] = False
+                readers = need_at[reads]
+                stage_up = fetch_entries(stage_col, readers)
+        self._shared_staging = readers is not None
+        """Staged columns share staging pages: their fetches copy each shared page once (owners
+        only), and the tables do not advance (a build each step)."""
+        self._stage_np, self._starts_np, self._counts_np = stage_up, starts, counts
         # a multi-token step (prefill, extend) fetches only the pages that held KV before it: its
         # new pages are written by the layers, not read from host (a decode step's opened page is
         # fetched with the others, so its tables advance as they are)
@@ -127,8 +145,8 @@ class PagedStepTables(StepTables):
         elif u_host.any():
             raise RuntimeError("a new token's page is host-only at some layer but its request is not staged")
         self._token_parts(token_tables, seq_lens, starts, ps, offset, int64_parts)
-        head = [flat] if stage_col is None else [flat, stage_col, starts, fetch_counts, self._fetch_launches(
-            mirror, flat, fetch_counts, starts, staged_req, host_req, trigger, 2 * n + 2 * b)]
+        head = [flat] if stage_col is None else [flat, stage_up, starts, fetch_counts, self._fetch_launches(
+            mirror, flat, fetch_counts, starts, staged_req, host_req, trigger, 2 * n + 2 * b, readers)]
         col_at = sum(int(h.size) for h in head)
         if rows is None:
             head.append(col)
@@ -138,7 +156,8 @@ class PagedStepTables(StepTables):
         page_idx = self.i32[:n]
         tab = mirror.dev.index_select(1, page_idx)
         if stage_col is not None:
-            tab = torch.where(tab < 0, self.i32[n: 2 * n][None, :], tab)
+            entries = self.i32[n: 2 * n]
+            tab = torch.where(tab < 0, (decoded(entries) if readers is not None else entries)[None, :], tab)
         self.tab = tab
         """``[L, n]`` int32 device pages per layer (FlashInfer ``kv_indices`` rows), gathered on the device."""
         if rows is None:  # rows[l, j] = tab[l, col[j]] * page_size + off[j]: three device ops
@@ -222,7 +241,7 @@ class PagedStepTables(StepTables):
         assert mirror is not None
         nxt = self._successor()
         nxt.pages, nxt._n, nxt._starts_np, nxt._counts_np = flat, int(flat.size), starts, counts
-        nxt._mirror_syncs = _sync_mirror(store, mirror) if syncs is None else syncs
+        nxt._mirror_syncs = sync_mirror(store, mirror) if syncs is None else syncs
         nxt._width = int(seq_lens.max())
         nxt.new_pages = last
         return nxt
@@ -329,7 +348,7 @@ class PagedStepTables(StepTables):
         Rebuilt: the page lists (one insert), the fetches' sizes, the new tokens' rows,
         write-backs and dirty ids (``L x batch``), one upload and the page tables' gather on the
         device; not the pass over every page's host bits a build makes."""
-        if not self._advances or not self.staging_ids.size:
+        if not self._advances or not self.staging_ids.size or self._shared_staging:
             return None
         store, mirror = self._store, self._store.mirror
         assert mirror is not None
@@ -393,7 +412,8 @@ class PagedStepTables(StepTables):
         return mirror.host_count(self.pages) if self.pages.size else 0
 
     def _fetch_launches(self, mirror: MapMirror, flat: np.ndarray, counts: np.ndarray, starts: np.ndarray,
-                        staged_req: np.ndarray, host_req: np.ndarray, trigger: np.ndarray, at: int) -> np.ndarray:
+                        staged_req: np.ndarray, host_req: np.ndarray, trigger: np.ndarray, at: int,
+                        readers: np.ndarray | None = None) -> np.ndarray:
         """One :class:`PageLaunch` per (layer, trigger), in layer then trigger order: the
         requests with host-only pages at that layer whose staging frees at that trigger. The
         launches' request ids, concatenated, are returned for the int32 upload, where they start
@@ -409,6 +429,10 @@ class PagedStepTables(StepTables):
             sub_starts = np.cumsum(sub_counts) - sub_counts  # each staged request's first place in cols
             cols = np.arange(int(sub_counts.sum())) + np.repeat(starts[sub] - sub_starts, sub_counts)
             bits = np.unpackbits(mirror.host_bits[flat[cols]], axis=1, count=mirror.layers, bitorder="little")
+            if readers is not None:  # a shared page is fetched by its owner column only
+                owns = np.ones(flat.size, dtype=bool)
+                owns[readers] = False
+                bits *= owns[cols][:, None]
             per_layer[sub] = np.add.reduceat(bits, sub_starts, axis=0, dtype=np.int32)
         pair_l, pair_r = np.nonzero(host_req)
         key = pair_l * (host_req.shape[0] + 1) + (trigger[pair_l, pair_r] + 1)
@@ -460,32 +484,3 @@ class PagedStepTables(StepTables):
                          store.map_np[launch.layer]),
         )
         return engine.fetch_pages(spec, wait)
-
-
-def _sync_mirror(store: SlotKVStore, mirror: MapMirror) -> int:
-    """Bring the mirror up to date for a step's tables; its sync count (tables built at one count
-    are current while it holds). The scatter must not overtake an earlier step's fetches reading
-    the mirror: they are fenced first."""
-    if mirror.pending:
-        store.engine.wait_fence()
-    mirror.sync()
-    return mirror.syncs
-
-
-def staging_demand(store: SlotKVStore, pages: Sequence[np.ndarray]) -> int:
-    """The staging pages a :class:`PagedStepTables` build of the batch ``pages`` (each request's
-    pages) would ask now: every page of each request with a host-only page at some layer (the
-    build's ``staged_req``), from the map mirror in O(the batch's pages). The staging room uses it
-    to make room once for what its own evictions add (:meth:`StagingRoom.make_room_for`)."""
-    mirror = store.mirror
-    if mirror is None:
-        raise ValueError("staging_demand needs the paged layout (the store has no map mirror)")
-    counts = np.fromiter((p.size for p in pages), dtype=np.int64, count=len(pages))
-    nonempty = counts > 0
-    if not nonempty.any():
-        return 0
-    _sync_mirror(store, mirror)
-    flat = np.concatenate([p for p in pages if p.size])
-    kept = counts[nonempty]
-    staged = np.bitwise_or.reduceat(mirror.host_bits[flat], np.cumsum(kept) - kept, axis=0).any(axis=1)
-    return int(kept[staged].sum())

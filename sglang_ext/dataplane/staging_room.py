@@ -18,7 +18,7 @@ Evicted wanted layers show up as shortfall at the next boundary, which retries p
 Evicting the batch's own layers (step 3, or a page a batch request shares) stages more of the
 batch, so the build would ask more staging than the room was made for. In the paged layout
 :meth:`StagingRoom.make_room_for` asks the build's demand again after each round
-(:func:`~sglang_ext.dataplane.paged_step_tables.staging_demand`, O(the batch's pages) from the map
+(:func:`~sglang_ext.dataplane.staging_columns.staging_demand`, O(the batch's pages) from the map
 mirror) and makes room until it holds: the step's tables are built at most twice (the build that
 found the room short and the one that reserves), where a rebuild per round took up to ``L + 2``.
 """

@@ -66,3 +66,33 @@ def test_a_wrong_layer_is_caught(triton_device):
     fetch_pages_triton(host.to(triton_device), dev, t(flat), t(stage), t(map_row), t(reqs), t(starts), t(counts),
                        5, 0, 2 * L, DEV // 2)
     assert src.size and not torch.equal(dev.cpu(), expected)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_reader_entry_copies_nothing(triton_device, seed):
+    """A negative staging entry (``-2 - s``: the column reads a page another column fetches,
+    ``staging_columns.py``) copies nothing, in the kernel and in its index-list reference; the
+    other columns copy as before. Control: the same launch with the entries decoded copies more."""
+    flat, stage, map_row, starts, counts, host = _case(seed)
+    reqs, layer = [0, 2, 3], 1
+    readers = np.zeros(stage.size, dtype=bool)
+    readers[1::2] = True
+    entries = np.where(readers, -2 - stage, stage)
+    src, dst = fetch_page_indices(flat, entries, map_row, reqs, starts, counts, 2 * layer, 2 * L, DEV // 2)
+    expected = torch.full((DEV, SEG), -1.0)
+    copy_segments_ref(host, expected, torch.from_numpy(src), torch.from_numpy(dst))
+    looped = torch.full((DEV, SEG), -1.0)
+    for r in reqs:
+        for j in range(counts[r]):
+            c = starts[r] + j
+            if map_row[flat[c]] < 0 and not readers[c]:
+                s = (flat[c] * L + layer) * 2
+                looped[stage[c]], looped[stage[c] + DEV // 2] = host[s], host[s + 1]
+    assert torch.equal(expected, looped)
+    full, _ = fetch_page_indices(flat, stage, map_row, reqs, starts, counts, 2 * layer, 2 * L, DEV // 2)
+    assert 0 < src.size < full.size
+    dev = torch.full((DEV, SEG), -1.0, device=triton_device)
+    t = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.int32, device=triton_device)  # noqa: E731
+    fetch_pages_triton(host.to(triton_device), dev, t(flat), t(entries), t(map_row), t(reqs), t(starts), t(counts),
+                       int(counts[reqs].max()), 2 * layer, 2 * L, DEV // 2)
+    assert torch.equal(dev.cpu(), expected)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from sglang_ext.dataplane.attention import dense_attention, torch_layered_attention
-from sglang_ext.dataplane.paged_step_tables import staging_demand
+from sglang_ext.dataplane.staging_columns import staging_demand
 from tests.sglang.test_layered_pool import (
     DIM,
     HEADS,
@@ -165,14 +165,17 @@ def test_staging_room_made_for_what_its_evictions_stage_builds_the_tables_once_m
 
 
 def test_staging_demand_is_what_the_build_reserves():
-    """``staging_demand`` counts every page of each request with a host-only layer, as the paged
-    build reserves; a request whose layers are all resident adds nothing."""
+    """``staging_demand`` counts the distinct pages of the requests with a host-only layer, as the
+    paged build reserves (a page two staged requests share takes one staging page,
+    ``staging_columns.py``); a request whose layers are all resident adds nothing."""
     h = build(MIN_BUDGET)  # "a" [1, 0, 1], "b" [0, 1, 0]: both staged, sharing two pages
     pool = h.pool
     decode_step(h, ["a", "b"])
     pages = [np.asarray(sorted({s // PAGE for s in h.slots[rid]}), dtype=np.int64) for rid in ("a", "b")]
     by_position = [np.asarray([s // PAGE for s in h.slots[rid][::PAGE]], dtype=np.int64) for rid in ("a", "b")]
-    assert pool.tables.staging_ids.size == staging_demand(pool.store, by_position) == sum(p.size for p in pages)
+    distinct = len(set(pages[0].tolist()) | set(pages[1].tolist()))
+    assert distinct == sum(p.size for p in pages) - 2  # the two shared pages
+    assert pool.tables.staging_ids.size == staging_demand(pool.store, by_position) == distinct
     for layer in range(LAYERS):
         pool.enter_layer(layer)
         pool.exit_layer(layer)

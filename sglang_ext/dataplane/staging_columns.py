@@ -1,0 +1,118 @@
+"""staging_columns: one staging page per distinct page of a step, however many requests share it.
+
+A staged request's columns (its pages in position order) each read a device staging page at the
+layers where their page is host-only: the page is fetched into it and read from it, one layer
+after another (OrbitFlow §3.3.1's per-request staging slot, ``b_r`` device pages). SGLang's radix
+cache shares prefix pages between requests. When each column took its own staging page, a page
+held by ``k`` staged requests:
+
+- took ``k`` staging pages, so a batch sharing a long prefix asked more staging than the device
+  budget guarantees (one layer of the slot space) and its steps overflowed to the at-rest path;
+- was fetched ``k`` times at each of its host-only layers: ``k`` times the link's bytes.
+
+Here a page that several staged columns hold takes ONE staging page. Its first column in batch
+order *owns* it and its fetch copies it; the other columns read the same staging page and fetch
+nothing. In the step's uploaded staging array an owner's entry is its staging page ``s`` and a
+reader's is ``-2 - s``. The fetch kernel and its index-list twin copy only entries ``>= 0``
+(:func:`kernels.block_copy.fetch_segments`). The page tables decode the entry back
+(:func:`decoded`); ``-1`` (a column that stages nothing) decodes to itself.
+
+Why the owner's fetch is in time and safe:
+
+- A staging page is read only at the layers where its page is host-only, and whoever holds the
+  page is staged at each of those layers. So every holder's fetch trigger for layer ``l`` (the
+  last layer before ``l`` at which that request had any host-only page) is at or after the
+  page's previous host-only layer. The owner's fetch therefore starts only after every read of
+  the previous layer's copy.
+- A layer waits for all of its layer's fetches (``LayerPipeline.begin_layer``), whichever
+  request's launch carried the shared page.
+
+A page that receives new tokens in the step is never shared here (``private``): its staging page
+is written by the layers and written back, as a column of its own. SGLang shares only full
+prefix pages, so this does not arise when serving.
+
+Not done yet: tables with shared staging are not advanced to the next steady step
+(:meth:`PagedStepTables.advanced_staged` declines), so such a batch builds its tables every
+step (host work O(its pages)); and the residency's ``staging_reserve`` still counts every
+offloading request's pages, an upper bound once pages are shared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from sglang_ext.dataplane.map_mirror import MapMirror
+from sglang_ext.dataplane.slot_kv_store import SlotKVStore
+from sglang_ext.dataplane.sorted_ids import distinct_sorted, run_firsts
+
+
+def shared_columns(pages: np.ndarray, private: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+    """For staged columns holding ``pages`` (batch order): ``(rank, owners)``, or None when no page
+    repeats (each column then owns a staging page of its own, as before sharing existed).
+    ``rank[i]``: the index of column ``i``'s staging page among the distinct pages, in the order
+    of their first columns (a batch without repeats keeps its columns' order: a request's staging
+    pages stay consecutive where the allocator's are). ``owners``: each distinct page's first
+    column, in that order. ``private``: columns never shared (pages that receive new tokens)."""
+    keys = pages
+    if private is not None and private.any():
+        keys = np.where(private, -1 - np.arange(pages.size, dtype=np.int64), pages)
+    order = np.argsort(keys, kind="stable")  # the batch's pages come in ascending runs: timsort merges them
+    first = run_firsts(keys[order])
+    if first.all():
+        return None
+    group = np.cumsum(first) - 1
+    owners = order[first]  # stable: each distinct page's first column
+    by_place = np.argsort(owners, kind="stable")
+    group_rank = np.empty(owners.size, dtype=np.int64)
+    group_rank[by_place] = np.arange(owners.size)
+    rank = np.empty(keys.size, dtype=np.int64)
+    rank[order] = group_rank[group]
+    return rank, owners[by_place]
+
+
+def fetch_entries(stage_col: np.ndarray, readers: np.ndarray) -> np.ndarray:
+    """The uploaded staging array: ``stage_col`` with the reader columns ``readers`` encoded as
+    ``-2 - s`` (module docstring)."""
+    out = stage_col.copy()
+    out[readers] = -2 - stage_col[readers]
+    return out
+
+
+def decoded(entries: torch.Tensor) -> torch.Tensor:
+    """The staging page of each uploaded entry (a reader's ``-2 - s`` back to ``s``; ``-1`` stays)."""
+    return torch.where(entries >= 0, entries, -2 - entries)
+
+
+def sync_mirror(store: SlotKVStore, mirror: MapMirror) -> int:
+    """Bring the mirror up to date for a step's tables; its sync count (tables built at one count
+    are current while it holds). The scatter must not overtake an earlier step's fetches reading
+    the mirror: they are fenced first."""
+    if mirror.pending:
+        store.engine.wait_fence()
+    mirror.sync()
+    return mirror.syncs
+
+
+def staging_demand(store: SlotKVStore, pages: Sequence[np.ndarray]) -> int:
+    """The staging pages a :class:`~sglang_ext.dataplane.paged_step_tables.PagedStepTables` build
+    of the batch ``pages`` (each request's pages) would ask now: the distinct pages of the
+    requests with a host-only page at some layer (the build's ``staged_req``), from the map
+    mirror in O(the batch's pages). The staging room uses it to make room once for what its own
+    evictions add (:meth:`StagingRoom.make_room_for`)."""
+    mirror = store.mirror
+    if mirror is None:
+        raise ValueError("staging_demand needs the paged layout (the store has no map mirror)")
+    counts = np.fromiter((p.size for p in pages), dtype=np.int64, count=len(pages))
+    nonempty = counts > 0
+    if not nonempty.any():
+        return 0
+    sync_mirror(store, mirror)
+    flat = np.concatenate([p for p in pages if p.size])
+    kept = counts[nonempty]
+    staged = np.bitwise_or.reduceat(mirror.host_bits[flat], np.cumsum(kept) - kept, axis=0).any(axis=1)
+    if not staged.any():
+        return 0
+    return int(distinct_sorted(flat[np.repeat(staged, kept)]).size)
