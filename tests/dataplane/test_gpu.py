@@ -290,3 +290,21 @@ def test_cuda_store_without_a_host_tier_probes_its_scratch_and_moves_nothing():
     assert (store.engine.pitched_error is None) == (full.store.engine.pitched_error is None), store.engine.pitched_error
     offload_scenario(CoreDriver(scratch, seed=3))
     assert (store.h2d_bytes, store.d2h_bytes) == (0, 0)
+
+
+@pytest.mark.parametrize("engine", ["triton", "dma"])
+@pytest.mark.parametrize("budget", [60, 22])
+def test_cuda_shared_prefix_staged_once_bit_exact(engine, budget, monkeypatch):
+    """A prefix three staged requests share (``staging_columns.py``): one staging page and one
+    fetch per distinct host-only layer-page -- the Triton fetch kernel skips the readers'
+    entries, the copy engines copy the owners' segments -- every read bit-exact, and at 22
+    device pages (where per-column staging overflowed every step) no step at rest."""
+    from tests.dataplane.test_shared_staging import _decode, _prefix_batch
+
+    core = _dma_core(budget, monkeypatch) if engine == "dma" else make_core(budget, device="cuda")
+    d = CoreDriver(core, seed=4)
+    _prefix_batch(d)
+    seen = _decode(d, 4)
+    d.check_at_rest()
+    assert len(seen) == 4 and core.overflow_steps == 0, (seen, core.overflow_steps)
+    assert all(staged == distinct and fetched == host for staged, distinct, fetched, host in seen), seen
