@@ -31,10 +31,12 @@ A page that receives new tokens in the step is never shared here (``private``): 
 is written by the layers and written back, as a column of its own. SGLang shares only full
 prefix pages, so this does not arise when serving.
 
-Not done yet: tables with shared staging are not advanced to the next steady step
-(:meth:`PagedStepTables.advanced_staged` declines), so such a batch builds its tables every
-step (host work O(its pages)); and the residency's ``staging_reserve`` still counts every
-offloading request's pages, an upper bound once pages are shared.
+The residency keeps free what this takes: its staging reserve counts the distinct pages of the
+offloading requests (:class:`~sglang_ext.dataplane.want_counts.WantCounts`, O(a changed
+request's pages)). Not done yet: tables with shared staging are not advanced to the next steady
+step (:meth:`PagedStepTables.advanced_staged` declines), so such a batch builds its tables every
+step (host work O(its pages)); and the planner's memory model still counts each request's pages
+(shared KV included) per request.
 """
 
 from __future__ import annotations

@@ -62,8 +62,12 @@ class WantCounts:
         """Tracked requests that are paused / do not want every layer."""
         self.active_pages = 0
         self.offloading_pages = 0
-        """Pages (with repeats) of the not paused requests / of those among them that do not
-        want every layer (the staging reserve's two sums)."""
+        """Distinct pages of the not paused requests / of those among them that do not want every
+        layer: the staging reserve's two sums (a page several staged requests share takes one
+        staging page, :mod:`~sglang_ext.dataplane.staging_columns`)."""
+        self._active_holders = np.zeros(pages, dtype=np.int32)
+        self._offloading_holders = np.zeros(pages, dtype=np.int32)
+        """``[P]``: the requests behind each page of the two sums (with multiplicity)."""
 
     # ----- requests -----------------------------------------------------------------------
 
@@ -76,7 +80,7 @@ class WantCounts:
             self.add(pages[u:], req.gpu_layers, req.paused, sign)
         else:
             self.add(pages, req.gpu_layers, req.paused, sign)
-        self._requests_moved(1, int(pages.size), req.paused, not u and all(req.gpu_layers), sign)
+        self._requests_moved(1, pages, req.paused, not u and all(req.gpu_layers), sign)
 
     def track_many(self, reqs: Sequence[TrackedRequest], sign: int) -> None:
         """:meth:`track` of several requests, one pass per distinct (wants, pause state) for
@@ -96,22 +100,42 @@ class WantCounts:
         for (paused, layers), group in groups.items():
             pages = group[0] if len(group) == 1 else np.concatenate(group)
             self.add(pages, layers, paused, sign)
-            self._requests_moved(len(group) if whole else 0, int(pages.size), paused, all(layers), sign)
+            self._requests_moved(len(group) if whole else 0, pages, paused, all(layers), sign)
 
-    def _requests_moved(self, requests: int, pages: int, paused: bool, every: bool, sign: int) -> None:
+    def _requests_moved(self, requests: int, pages: np.ndarray, paused: bool, every: bool, sign: int) -> None:
         """The per-request sums of ``requests`` requests (0: pages of a request that stays)
-        holding ``pages`` pages in total, paused or not, wanting every layer or not."""
+        holding ``pages`` (repeats allowed), paused or not, wanting every layer or not."""
         self.paused_requests += sign * requests * paused
         self.partial_requests += sign * requests * (not every)
         if not paused:
-            self.active_pages += sign * pages
+            self.active_pages += self._held(self._active_holders, pages, sign)
             if not every:
-                self.offloading_pages += sign * pages
+                self.offloading_pages += self._held(self._offloading_holders, pages, sign)
+
+    def _held(self, holders: np.ndarray, pages: np.ndarray, sign: int) -> int:
+        """``pages`` (repeats allowed) gain (``sign=1``) or lose (``-1``) a holder in ``holders``;
+        returns how the number of held pages changed. O(len(pages))."""
+        if pages.size <= SMALL:
+            change = 0
+            for page in pages.tolist():
+                was = int(holders[page])
+                holders[page] = was + sign
+                change += (was + sign > 0) - (was > 0)
+            return change
+        if self._distinct(pages):
+            uniq, delta = pages, sign
+        else:
+            uniq, reps = distinct_counts(pages)
+            delta = sign * reps
+        before = holders[uniq]
+        after = before + delta
+        holders[uniq] = after
+        return int(np.count_nonzero(after)) - int(np.count_nonzero(before))
 
     def track_added(self, req: TrackedRequest, added: np.ndarray) -> None:
         """Pages appended to ``req`` join the counts."""
         self.add(added, req.gpu_layers, req.paused, 1)  # appended pages are never in the prefix
-        self._requests_moved(0, int(added.size), req.paused, not req.uncached and all(req.gpu_layers), 1)
+        self._requests_moved(0, added, req.paused, not req.uncached and all(req.gpu_layers), 1)
 
     def track_replaced(self, req: TrackedRequest, new: np.ndarray) -> np.ndarray | None:
         """``req`` is about to hold ``new`` instead of its pages (SGLang rewrote its row, e.g. a
@@ -224,7 +248,7 @@ class WantCounts:
         path's new pages): joined without dirtying them (they are settled)."""
         self.users[pages] += 1
         self.want[:, pages] += 1
-        self.active_pages += int(pages.size)
+        self.active_pages += self._held(self._active_holders, pages, 1)
         self.live_count += int(pages.size)
         self.live_resident += self.layers * int(pages.size)
 

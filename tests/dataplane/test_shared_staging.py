@@ -162,3 +162,18 @@ def test_shared_staging_keeps_every_access_ordered(monkeypatch, dma):
     assert all(staged < cols for (staged, *_), cols in zip(seen[-2:], d.columns[-2:], strict=True)), d.columns
     assert any(fetched for *_, fetched, _ in seen)
     assert sim.accesses >= 100 and sim.violations == [], sim.violations[:3]
+
+
+def test_the_staging_reserve_counts_a_shared_page_once():
+    """The residency keeps free what the batch's staging takes: the distinct pages of the
+    offloading requests (before, their pages with repeats: the shared prefix three times)."""
+    d = CoreDriver(make_core(60), seed=4)
+    _prefix_batch(d)
+    res = d.core.residency
+    held = [np.asarray(d.pages(rid)) for rid in ("a", "b", "c")]
+    distinct = np.unique(np.concatenate(held)).size
+    assert res.staging_reserve() == distinct == sum(p.size for p in held) - 2 * 8
+    d.want("c", [True, True, True])  # c wants every layer: only its own pages leave the reserve
+    assert res.staging_reserve() == distinct - (held[2].size - 8)
+    d.want("a", [True, True, True])
+    assert res.staging_reserve() == held[1].size  # b alone offloads: all its pages, the prefix too

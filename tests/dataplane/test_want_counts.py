@@ -19,20 +19,22 @@ def recount(res) -> None:  # noqa: ANN001 - SlotResidency
     res.settle()  # recorded releases and frees first (what every reader does)
     c, store = res.counts, res.store
     users, paused, want = np.zeros_like(c.users), np.zeros_like(c.paused_users), np.zeros_like(c.want)
-    active = offloading = 0
+    active: set[int] = set()
+    offloading: set[int] = set()  # distinct pages: one staging page per page (staging_columns.py)
     for r in res._requests.values():
         p = r.pages.numpy()
         np.add.at(users, p, 1)
         if r.paused:
             np.add.at(paused, p, 1)
             continue
-        active += p.size
-        offloading += 0 if all(r.gpu_layers) else p.size
+        active.update(p.tolist())
+        if r.uncached or not all(r.gpu_layers):
+            offloading.update(p.tolist())
         for layer, on in enumerate(r.gpu_layers):
             if on:
                 np.add.at(want[layer], p, 1)
     assert (users == c.users).all() and (paused == c.paused_users).all() and (want == c.want).all()
-    assert (c.active_pages, c.offloading_pages) == (active, offloading)
+    assert (c.active_pages, c.offloading_pages) == (len(active), len(offloading))
     assert c.paused_requests == sum(r.paused for r in res._requests.values())
     live, resident = users > 0, store.map_np >= 0
     assert (c.live_count, c.live_resident) == (int(live.sum()), int(resident[:, live].sum()))
