@@ -34,7 +34,13 @@ from sglang_ext.dataplane.page_fetch import PageFetch
 from sglang_ext.dataplane.page_launch import PageLaunch
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore
 from sglang_ext.dataplane.sorted_ids import distinct_sorted, run_bounds
-from sglang_ext.dataplane.staging_columns import decoded, fetch_entries, shared_columns, sync_mirror
+from sglang_ext.dataplane.staging_columns import (
+    decoded,
+    fetch_entries,
+    restaged,
+    shared_columns,
+    sync_mirror,
+)
 from sglang_ext.dataplane.step_tables import Launch, StepTables
 from sglang_ext.dataplane.token_writeback import TokenWriteback
 from sglang_ext.dataplane.transfer_engine import TransferEngine
@@ -108,7 +114,7 @@ class PagedStepTables(StepTables):
                 stage_up = fetch_entries(stage_col, readers)
         self._shared_staging = readers is not None
         """Staged columns share staging pages: their fetches copy each shared page once (owners
-        only), and the tables do not advance (a build each step)."""
+        only); ``_stage_np`` holds the readers' entries encoded."""
         self._stage_np, self._starts_np, self._counts_np = stage_up, starts, counts
         # a multi-token step (prefill, extend) fetches only the pages that held KV before it: its
         # new pages are written by the layers, not read from host (a decode step's opened page is
@@ -348,7 +354,7 @@ class PagedStepTables(StepTables):
         Rebuilt: the page lists (one insert), the fetches' sizes, the new tokens' rows,
         write-backs and dirty ids (``L x batch``), one upload and the page tables' gather on the
         device; not the pass over every page's host bits a build makes."""
-        if not self._advances or not self.staging_ids.size or self._shared_staging:
+        if not self._advances or not self.staging_ids.size:
             return None
         store, mirror = self._store, self._store.mirror
         assert mirror is not None
@@ -364,8 +370,10 @@ class PagedStepTables(StepTables):
         if more is None:
             room.give_back(old[:kept])
             return None
-        stage_col = self._stage_np
-        if kept < old.size:  # the columns whose staging page was taken get new ones
+        stage_col = self._stage_np  # the uploaded entries: shared pages' readers encoded
+        if kept < old.size and self._shared_staging:  # every column reading a taken page gets its new one
+            stage_col = restaged(stage_col, old[kept:], more[: old.size - kept])
+        elif kept < old.size:  # the columns whose staging page was taken get new ones
             stage_col = stage_col.copy()
             stage_col[self._stage_pos[kept:]] = more[: old.size - kept]
         counts, ends, flat, starts, lastcol = self._opened_columns(opens, opened)
@@ -398,7 +406,8 @@ class PagedStepTables(StepTables):
         head = [flat, stage_col, starts, counts, self._reqs_np]
         nxt._upload(store, int64_parts, head, counts, seq_lens, ps)
         tab = mirror.dev.index_select(1, nxt.i32[:n])
-        nxt.tab = torch.where(tab < 0, nxt.i32[n: 2 * n][None, :], tab)
+        entries = nxt.i32[n: 2 * n]
+        nxt.tab = torch.where(tab < 0, (decoded(entries) if self._shared_staging else entries)[None, :], tab)
         nxt.rows = nxt.i64[: layers * b].view(layers, b)
         nxt._bind_csr(2 * n + 2 * b + int(self._reqs_np.size), b)
         return nxt

@@ -33,10 +33,9 @@ prefix pages, so this does not arise when serving.
 
 The residency keeps free what this takes: its staging reserve counts the distinct pages of the
 offloading requests (:class:`~sglang_ext.dataplane.want_counts.WantCounts`, O(a changed
-request's pages)). Not done yet: tables with shared staging are not advanced to the next steady
-step (:meth:`PagedStepTables.advanced_staged` declines), so such a batch builds its tables every
-step (host work O(its pages)); and the planner's memory model still counts each request's pages
-(shared KV included) per request.
+request's pages)); an advanced steady step keeps the sharing (:func:`restaged` where its
+staging pages were partly taken). Not done yet: the planner's memory model still counts each
+request's pages (shared KV included) per request.
 """
 
 from __future__ import annotations
@@ -81,6 +80,18 @@ def fetch_entries(stage_col: np.ndarray, readers: np.ndarray) -> np.ndarray:
     out = stage_col.copy()
     out[readers] = -2 - stage_col[readers]
     return out
+
+
+def restaged(entries: np.ndarray, gone: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """``entries`` (the uploaded staging array) with staging page ``gone[i]`` replaced by
+    ``new[i]`` in every column that reads it, its owner and its readers alike (readers stay
+    encoded): an advanced step whose staging pages were partly taken meanwhile."""
+    real = np.where(entries >= -1, entries, -2 - entries)
+    order = np.argsort(gone)
+    at = np.searchsorted(gone, real, sorter=order).clip(max=gone.size - 1)
+    hit = gone[order[at]] == real
+    real = np.where(hit, new[order[at]], real)
+    return np.where(entries < -1, -2 - real, real)
 
 
 def decoded(entries: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from sglang_ext.dataplane import paged_step_tables, staging_columns, step_tables
-from sglang_ext.dataplane.staging_columns import shared_columns
+from sglang_ext.dataplane.staging_columns import fetch_entries, restaged, shared_columns
 from tests.dataplane.core_driver import KV_MISMATCH, CoreDriver, make_core
 from tests.dataplane.cuda_simulation import install, track_core
 
@@ -90,11 +90,12 @@ def _per_column(mp: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("paged_reads", [False, True])
 def test_a_shared_prefix_takes_one_staging_page_and_one_fetch_per_page(paged_reads, monkeypatch):
-    d = CoreDriver(make_core(60), seed=4, paged_reads=paged_reads)
+    d = CoreDriver(make_core(60), seed=4, paged_reads=paged_reads, fast_decode=True)
     _prefix_batch(d)
     seen = _decode(d, 4)  # every read inside every layer is checked against the shadow KV
     d.check_at_rest()
     assert len(seen) == 4 and d.core.overflow_steps == 0
+    assert (d.core.staged_advances >= 2) == paged_reads, d.core.staged_advances  # the paged backends' advance
     # one staging page per distinct page; each host-only layer-page is fetched once
     assert all(staged == distinct and fetched == host for staged, distinct, fetched, host in seen), seen
     fetched = d.core.store.h2d_bytes
@@ -147,7 +148,7 @@ def test_shared_staging_keeps_every_access_ordered(monkeypatch, dma):
         sim = install(mp, dma=dma)
         core = make_core(60)
         track_core(sim, core)
-        d = CoreDriver(core, seed=4, fast_decode=True)
+        d = CoreDriver(core, seed=4, fast_decode=True, paged_reads=True)
         with sim.tracer():
             _prefix_batch(d)
             d.want("a", [False, True, False])
@@ -162,6 +163,7 @@ def test_shared_staging_keeps_every_access_ordered(monkeypatch, dma):
     assert all(staged < cols for (staged, *_), cols in zip(seen[-2:], d.columns[-2:], strict=True)), d.columns
     assert any(fetched for *_, fetched, _ in seen)
     assert sim.accesses >= 100 and sim.violations == [], sim.violations[:3]
+    assert d.core.staged_advances >= 3, d.core.staged_advances  # steady steps kept the sharing, advanced
 
 
 def test_the_staging_reserve_counts_a_shared_page_once():
@@ -177,3 +179,14 @@ def test_the_staging_reserve_counts_a_shared_page_once():
     assert res.staging_reserve() == distinct - (held[2].size - 8)
     d.want("a", [True, True, True])
     assert res.staging_reserve() == held[1].size  # b alone offloads: all its pages, the prefix too
+
+
+def test_restaged_moves_owners_and_readers_of_a_taken_page():
+    """An advanced step whose staging pages 11 and 13 were taken: every column on them, owner
+    or reader, moves to the replacements; readers stay encoded, other columns are untouched."""
+    stage_col = np.array([10, 11, 12, 11, 13, -1, 13, 10])
+    readers = np.array([3, 6, 7])
+    entries = fetch_entries(stage_col, readers)
+    assert entries.tolist() == [10, 11, 12, -13, 13, -1, -15, -12]
+    got = restaged(entries, np.array([13, 11]), np.array([20, 21]))
+    assert got.tolist() == [10, 21, 12, -23, 20, -1, -22, -12]
