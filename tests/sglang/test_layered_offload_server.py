@@ -194,6 +194,36 @@ def test_negative_control_a_corrupted_offloaded_page_fails_the_comparison(offloa
     assert undetected(offload.server, vanilla_server, PROMPTS[:1], NEW_TOKENS) == 1
 
 
+def test_requests_sharing_a_cached_prefix_stage_it_once(offload, vanilla_server):
+    """Two requests that hit one cached prefix decode together with most of their KV on host.
+    Staged per request, their pages would ask more staging than the budget (the prefix twice:
+    more than one layer of the slot space), and every such step would run at rest. One staging
+    page per distinct page (``staging_columns.py``) fits: the steps stay staged, and the tokens
+    match vanilla's."""
+    prefix = PROMPTS[0] + " " + PROMPTS[2]
+    greedy(offload.server, prefix, 2)  # the prefix, cached
+    seen = len(offload.stats())
+    before = offload.stats()[-1]
+    prompts = (prefix + " dawn", prefix + " night")  # ~20 prefix tokens (the tiny BPE) + a few
+    new = 6
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda p: greedy(offload.server, p, new, logprobs=True), prompts))
+    for prompt, out in zip(prompts, got, strict=True):
+        assert_same_generation(out, greedy(vanilla_server, prompt, new, logprobs=True), prompt)
+    cached = min(o["meta_info"]["cached_tokens"] for o in got)
+    per_request = sum(o["meta_info"]["prompt_tokens"] + new - 1 for o in got)  # the last decode step's pages
+    # staged per request, the last decode step of the two asks more than the budget; distinct, it fits
+    assert cached > 2 * new and per_request > BUDGET_TOKENS >= per_request - cached, (cached, per_request)
+    steps = offload.stats()[seen:]  # one line per forward, written once its staging is reserved
+    together = [s for s in steps if s["batch_size"] == 2 and s["new_tokens"] == 2 and s["staging_pages"]]
+    assert together, "the two never decoded together staged"
+    # page size 1: staged per request, a step of the two takes at least their prompts' tokens
+    prompts_total = sum(o["meta_info"]["prompt_tokens"] for o in got)
+    assert max(s["staging_pages"] for s in together) <= prompts_total + 2 * new - cached < prompts_total, together
+    assert steps[-1]["overflow_steps_total"] == before["overflow_steps_total"]
+    assert steps[-1]["staged_steps_total"] > before["staged_steps_total"]
+
+
 def test_steps_served_at_rest_with_a_shared_prefix_match_vanilla(offload, vanilla_server):
     """The overflow path as SGLang serves it (kept last: the module's other tests assert no
     overflow). With the staging room forced empty (the injector) every step that stages is served
