@@ -16,7 +16,9 @@ of the map row); when it equals the last planned fetch's of the same requests, t
 reused, shifted. Not even that where the fetch copies every page of its requests: the tables
 count its segments (``PageFetch.segments``) from the host bits the map holds, so a count of
 all of them says the mask is all host-only; such a fetch takes the plan of a planned one that
-was whole too, whose mask agreed with the count when it was planned. What makes an entry right is that the step tables' host arrays its key names
+was whole too, whose mask agreed with the count when it was planned. "Every page" means every
+page its columns fetch: a column reading a shared page another column fetches
+(:mod:`~sglang_ext.dataplane.staging_columns`) copies nothing and counts for nothing. What makes an entry right is that the step tables' host arrays its key names
 (page lists, staging, starts, counts) are never written in place -- each step's tables make new
 ones where anything changes -- and that the entry keeps them alive, so no other array takes
 their ``id``; the map row is read again at every fetch. :meth:`clear`, at the engine's step
@@ -52,6 +54,10 @@ class _Entry:
     """The planned fetch copies every page of its requests, by the tables' count and its mask alike."""
     layer: int = -1
     plan: Plan | None = None
+    owned: np.ndarray | None = None
+    """Which columns fetch their page (False: a reader of a page another column fetches,
+    :mod:`~sglang_ext.dataplane.staging_columns`); set with the entry."""
+    owned_count: int = 0
 
 
 class FetchRunCache:
@@ -82,10 +88,12 @@ class FetchRunCache:
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = _Entry((flat, stage, starts, counts), *spec.columns())
+            entry.owned = np.asarray(stage)[entry.cols] >= 0
+            entry.owned_count = int(np.count_nonzero(entry.owned))
         # the tables count a fetch's segments from the same host bits the map holds (exact: what
         # the kernel copies); all of its requests' pages host-only is a layer-granular placement's
         # usual fetch, and its mask needs no gather once a planned one agreed with the map
-        whole = spec.segments == 2 * entry.pages.size
+        whole = spec.segments == 2 * entry.owned_count  # every page it fetches (readers fetch none)
         if whole and entry.whole:
             self.reused += 1
             self.reused_whole += 1
@@ -95,7 +103,8 @@ class FetchRunCache:
             self.reused += 1
             return shifted(entry.plan, 2 * (spec.layer - entry.layer))
         plan = plan_runs(*spec.segment_lists(entry.cols, entry.pages, keep))
-        agree = bool(keep.all()) if whole else True
+        assert entry.owned is not None
+        agree = bool(keep[entry.owned].all()) if whole else True
         if not agree:  # the copy is right (planned from the map); the tables' count is not
             self.disagreed += 1
             if self.disagreed & (self.disagreed - 1) == 0:  # 1, 2, 4, ...: a bug report, not a flood

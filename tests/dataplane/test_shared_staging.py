@@ -190,3 +190,24 @@ def test_restaged_moves_owners_and_readers_of_a_taken_page():
     assert entries.tolist() == [10, 11, 12, -13, 13, -1, -15, -12]
     got = restaged(entries, np.array([13, 11]), np.array([20, 21]))
     assert got.tolist() == [10, 21, 12, -23, 20, -1, -22, -12]
+
+
+def test_the_copy_engines_reuse_a_whole_fetchs_plan_with_readers(monkeypatch):
+    """On the copy engines a fetch that copies every page its requests own (readers fetch none)
+    takes the last layer's plan, shifted, without reading the map (``FetchRunCache``'s whole
+    fetch): the readers' columns do not count against it. KV exact, every access ordered."""
+    with monkeypatch.context() as mp:
+        sim = install(mp, dma=True)
+        core = make_core(60)
+        track_core(sim, core)
+        d = CoreDriver(core, seed=4, fast_decode=True, paged_reads=True)
+        with sim.tracer():
+            _prefix_batch(d)
+            for rid in ("a", "b", "c"):
+                d.want(rid, [True, False, False])  # layers 1 and 2 on host: two fetches a step
+            seen = _decode(d, 4)
+            d.check_at_rest()
+    runs = core.store.engine.fetch_runs
+    assert len(seen) == 4 and all(staged < cols for (staged, *_), cols in zip(seen, d.columns, strict=True))
+    assert runs.reused_whole >= 3 and runs.disagreed == 0, (runs.reused_whole, runs.disagreed)
+    assert sim.violations == [], sim.violations[:3]
