@@ -6,6 +6,8 @@ owner that fetches nothing reads wrong KV."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
@@ -138,12 +140,10 @@ def test_an_owner_that_fetches_nothing_is_caught(monkeypatch):
         _decode(d, 2)
 
 
-@pytest.mark.parametrize("dma", [False, True])
-def test_shared_staging_keeps_every_access_ordered(monkeypatch, dma):
-    """The simulated CUDA engine (``cuda_simulation.py``): the kernel path and the copy engines'.
-    The shared pages' owner (``a``) and readers (``b``, ``c``) have different offloaded layers,
-    so the owner's fetch trigger is not the readers'. Every fetch, read and write-back of the
-    staging pages is ordered by the engine's events alone."""
+def _simulated(monkeypatch: pytest.MonkeyPatch, dma: bool, run: Callable[[CoreDriver], list]) -> tuple:
+    """``run`` (after :func:`_prefix_batch`, as the paged decode backends serve) on the simulated
+    CUDA engine (``cuda_simulation.py``), every pool access traced; then every token checked at
+    rest. Returns ``(sim, driver, what run returned)``."""
     with monkeypatch.context() as mp:
         sim = install(mp, dma=dma)
         core = make_core(60)
@@ -151,13 +151,27 @@ def test_shared_staging_keeps_every_access_ordered(monkeypatch, dma):
         d = CoreDriver(core, seed=4, fast_decode=True, paged_reads=True)
         with sim.tracer():
             _prefix_batch(d)
-            d.want("a", [False, True, False])
-            d.want("b", [True, False, False])
-            seen = _decode(d, 3)
-            for wants in ([True, False, False], [False, False, True]):
-                d.want("c", wants)
-                seen += _decode(d, 2)
+            seen = run(d)
             d.check_at_rest()
+    return sim, d, seen
+
+
+@pytest.mark.parametrize("dma", [False, True])
+def test_shared_staging_keeps_every_access_ordered(monkeypatch, dma):
+    """The simulated CUDA engine (``cuda_simulation.py``): the kernel path and the copy engines'.
+    The shared pages' owner (``a``) and readers (``b``, ``c``) have different offloaded layers,
+    so the owner's fetch trigger is not the readers'. Every fetch, read and write-back of the
+    staging pages is ordered by the engine's events alone."""
+    def run(d: CoreDriver) -> list:
+        d.want("a", [False, True, False])
+        d.want("b", [True, False, False])
+        seen = _decode(d, 3)
+        for wants in ([True, False, False], [False, False, True]):
+            d.want("c", wants)
+            seen += _decode(d, 2)
+        return seen
+
+    sim, d, seen = _simulated(monkeypatch, dma, run)
     assert len(seen) == 7 and all(staged == distinct and fetched == host for staged, distinct, fetched, host in seen), seen
     # the shared pages were staged (fewer staging pages than columns) and some fetched
     assert all(staged < cols for (staged, *_), cols in zip(seen[-2:], d.columns[-2:], strict=True)), d.columns
@@ -196,18 +210,13 @@ def test_the_copy_engines_reuse_a_whole_fetchs_plan_with_readers(monkeypatch):
     """On the copy engines a fetch that copies every page its requests own (readers fetch none)
     takes the last layer's plan, shifted, without reading the map (``FetchRunCache``'s whole
     fetch): the readers' columns do not count against it. KV exact, every access ordered."""
-    with monkeypatch.context() as mp:
-        sim = install(mp, dma=True)
-        core = make_core(60)
-        track_core(sim, core)
-        d = CoreDriver(core, seed=4, fast_decode=True, paged_reads=True)
-        with sim.tracer():
-            _prefix_batch(d)
-            for rid in ("a", "b", "c"):
-                d.want(rid, [True, False, False])  # layers 1 and 2 on host: two fetches a step
-            seen = _decode(d, 4)
-            d.check_at_rest()
-    runs = core.store.engine.fetch_runs
+    def run(d: CoreDriver) -> list:
+        for rid in ("a", "b", "c"):
+            d.want(rid, [True, False, False])  # layers 1 and 2 on host: two fetches a step
+        return _decode(d, 4)
+
+    sim, d, seen = _simulated(monkeypatch, True, run)
+    runs = d.core.store.engine.fetch_runs
     assert len(seen) == 4 and all(staged < cols for (staged, *_), cols in zip(seen, d.columns, strict=True))
     assert runs.reused_whole >= 3 and runs.disagreed == 0, (runs.reused_whole, runs.disagreed)
     assert sim.violations == [], sim.violations[:3]
