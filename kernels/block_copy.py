@@ -217,8 +217,8 @@ def fetch_pages_triton(host: torch.Tensor, dev: torch.Tensor, flat: torch.Tensor
     (column ``c = starts[r] + j``, page ``flat[c]``) with ``map_row[page] < 0`` and
     ``stage[c] >= 0``, copy host segments ``host_base + page * host_stride`` (K) and ``+ 1`` (V)
     to device segments ``stage[c]`` and ``stage[c] + dev_v`` (a negative ``stage[c]``: the
-    column reads a page another column fetches, ``sglang_ext/dataplane/staging_columns.py``). ``max_pages >= max(counts[reqs])``. Pools are 2-D
-    segment views (pinned host, device); index tensors int32 or int64 on the kernel's device.
+    column reads a page another column fetches, ``sglang_ext/dataplane/staging_columns.py``).
+    ``max_pages >= max(counts[reqs])``. Pools are 2-D segment views (pinned host, device); index tensors int32 or int64 on the kernel's device.
     ``programs``: the launch's persistent programs (:func:`programs_for`).
     The host works out nothing per page: see :func:`fetch_page_indices` for the same copy as index lists."""
     if not HAVE_TRITON:

@@ -4,10 +4,10 @@ A step whose staging does not fit the device budget is served at rest (``Layered
 each layer's K/V of the batch's slots is read into a tensor outside the device pool, and the
 attention reads it through a compact table (request ``i``'s row: where its tokens sit in that
 tensor). The batch's slots used to be every request's slots concatenated, so a prefix shared by
-many requests (SGLang's radix cache) was read once per request: and a batch overflows precisely
-when its per-request staging demand exceeds the device, shared prefixes being the common way
-there (review, session 66). Reading distinct slots bounds each layer's read by one layer of the
-slot space, which the launch check keeps within the device pool. SGLang-free.
+many requests (SGLang's radix cache) was read once per request. Reading distinct slots bounds
+each layer's read by one layer of the slot space, which the launch check keeps within the device
+pool. (Shared prefixes no longer make a batch overflow by themselves: staging takes one page a
+distinct page, :mod:`~sglang_ext.dataplane.staging_columns`.) SGLang-free.
 """
 
 from __future__ import annotations

@@ -18,7 +18,9 @@ count its segments (``PageFetch.segments``) from the host bits the map holds, so
 all of them says the mask is all host-only; such a fetch takes the plan of a planned one that
 was whole too, whose mask agreed with the count when it was planned. "Every page" means every
 page its columns fetch: a column reading a shared page another column fetches
-(:mod:`~sglang_ext.dataplane.staging_columns`) copies nothing and counts for nothing. What makes an entry right is that the step tables' host arrays its key names
+(:mod:`~sglang_ext.dataplane.staging_columns`) copies nothing and counts for nothing.
+
+What makes an entry right is that the step tables' host arrays its key names
 (page lists, staging, starts, counts) are never written in place -- each step's tables make new
 ones where anything changes -- and that the entry keeps them alive, so no other array takes
 their ``id``; the map row is read again at every fetch. :meth:`clear`, at the engine's step
@@ -48,16 +50,16 @@ class _Entry:
     """The step's page lists, staging, starts and counts the key names (kept alive)."""
     cols: np.ndarray
     pages: np.ndarray
+    owned: np.ndarray
+    """Which columns fetch their page (False: a reader of a page another column fetches,
+    :mod:`~sglang_ext.dataplane.staging_columns`)."""
+    owned_count: int
     keep: np.ndarray | None = None
     """The host-only mask of the planned fetch (None: none planned yet)."""
     whole: bool = False
     """The planned fetch copies every page of its requests, by the tables' count and its mask alike."""
     layer: int = -1
     plan: Plan | None = None
-    owned: np.ndarray | None = None
-    """Which columns fetch their page (False: a reader of a page another column fetches,
-    :mod:`~sglang_ext.dataplane.staging_columns`); set with the entry."""
-    owned_count: int = 0
 
 
 class FetchRunCache:
@@ -87,9 +89,10 @@ class FetchRunCache:
         key = (id(flat), id(stage), id(starts), id(counts), reqs.tobytes())
         entry = self._entries.get(key)
         if entry is None:
-            entry = self._entries[key] = _Entry((flat, stage, starts, counts), *spec.columns())
-            entry.owned = np.asarray(stage)[entry.cols] >= 0
-            entry.owned_count = int(np.count_nonzero(entry.owned))
+            cols, pages = spec.columns()
+            owned = np.asarray(stage)[cols] >= 0
+            entry = self._entries[key] = _Entry((flat, stage, starts, counts), cols, pages, owned,
+                                                int(np.count_nonzero(owned)))
         # the tables count a fetch's segments from the same host bits the map holds (exact: what
         # the kernel copies); all of its requests' pages host-only is a layer-granular placement's
         # usual fetch, and its mask needs no gather once a planned one agreed with the map
@@ -103,7 +106,6 @@ class FetchRunCache:
             self.reused += 1
             return shifted(entry.plan, 2 * (spec.layer - entry.layer))
         plan = plan_runs(*spec.segment_lists(entry.cols, entry.pages, keep))
-        assert entry.owned is not None
         agree = bool(keep[entry.owned].all()) if whole else True
         if not agree:  # the copy is right (planned from the map); the tables' count is not
             self.disagreed += 1

@@ -38,7 +38,7 @@ from sglang_ext.dataplane.staging_columns import (
     decoded,
     fetch_entries,
     restaged,
-    shared_columns,
+    staged_columns,
     sync_mirror,
 )
 from sglang_ext.dataplane.step_tables import Launch, StepTables
@@ -88,30 +88,19 @@ class PagedStepTables(StepTables):
         stage_col = stage_up = readers = None
         if staged_req.any():
             need_at = np.flatnonzero(np.repeat(staged_req, counts))
-            private = np.zeros(n, dtype=bool)
-            private[col] = True  # pages that receive new tokens keep a staging page each
-            shared = shared_columns(flat[need_at], private[need_at])
-            ids = stage(int(need_at.size if shared is None else shared[1].size))
+            rank, owners, readers = staged_columns(flat, need_at, col)  # one staging page a distinct page
+            ids = stage(int(owners.size))
             if ids is None:
                 self.staging_ids = None  # type: ignore[assignment]
                 return
             self.staging_ids = ids
+            self._stage_pos = owners
+            """The column of each of ``staging_ids``, in that order (ascending after a build, not
+            after an advance: the opened pages' staging comes last): its owner column
+            (:mod:`~sglang_ext.dataplane.staging_columns`)."""
             stage_col = np.full(n, -1, dtype=np.int64)
-            if shared is None:
-                self._stage_pos = need_at
-                """The column of each of ``staging_ids``, in that order (ascending after a build,
-                not after an advance: the opened pages' staging comes last); with shared pages,
-                each page's owner column (:mod:`~sglang_ext.dataplane.staging_columns`)."""
-                stage_col[need_at] = ids
-                stage_up = stage_col
-            else:
-                rank, owners = shared
-                self._stage_pos = need_at[owners]
-                stage_col[need_at] = ids[rank]
-                reads = np.ones(need_at.size, dtype=bool)
-                reads[owners] = False
-                readers = need_at[reads]
-                stage_up = fetch_entries(stage_col, readers)
+            stage_col[need_at] = ids if rank is None else ids[rank]
+            stage_up = stage_col if readers is None else fetch_entries(stage_col, readers)
         self._shared_staging = readers is not None
         """Staged columns share staging pages: their fetches copy each shared page once (owners
         only); ``_stage_np`` holds the readers' entries encoded."""

@@ -74,6 +74,25 @@ def shared_columns(pages: np.ndarray, private: np.ndarray | None = None) -> tupl
     return rank, owners[by_place]
 
 
+def staged_columns(flat: np.ndarray, need_at: np.ndarray,
+                   new_cols: np.ndarray) -> tuple[np.ndarray | None, np.ndarray, np.ndarray | None]:
+    """The staging of columns ``need_at`` (ascending) of a step's page lists ``flat``, whose new
+    tokens sit in columns ``new_cols`` (private: :func:`shared_columns`): ``(rank, owners,
+    readers)``. Staging page ``i`` (of ``owners.size``) is owned and fetched by column
+    ``owners[i]`` and read by every column of ``need_at`` of rank ``i``; ``readers``: the columns
+    that read a page another column fetches. Without a repeat ``(None, need_at, None)``: each
+    column its own page, in order."""
+    private = np.zeros(flat.size, dtype=bool)
+    private[new_cols] = True
+    shared = shared_columns(flat[need_at], private[need_at])
+    if shared is None:
+        return None, need_at, None
+    rank, owners = shared
+    reads = np.ones(need_at.size, dtype=bool)
+    reads[owners] = False
+    return rank, need_at[owners], need_at[reads]
+
+
 def fetch_entries(stage_col: np.ndarray, readers: np.ndarray) -> np.ndarray:
     """The uploaded staging array: ``stage_col`` with the reader columns ``readers`` encoded as
     ``-2 - s`` (module docstring)."""

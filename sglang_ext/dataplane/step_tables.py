@@ -41,7 +41,7 @@ from sglang_ext.dataplane.recompute_rows import RecomputeRows
 from sglang_ext.dataplane.results import LayerView
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore
 from sglang_ext.dataplane.sorted_ids import distinct_sorted
-from sglang_ext.dataplane.staging_columns import shared_columns
+from sglang_ext.dataplane.staging_columns import staged_columns
 from sglang_ext.dataplane.transfer_engine import TransferEngine
 
 if TYPE_CHECKING:
@@ -102,17 +102,16 @@ class StepTables:
             nonempty = counts > 0
             if n:
                 host_req[:, nonempty] = np.logical_or.reduceat(fetched, starts[nonempty], axis=1)
-            shared = None
+            rank = None
             if pre is None or rec is None:
                 need_cols = host_req.any(axis=0)[req_of_col]
                 trans_cols = np.zeros(n, dtype=bool)
-                need_at = np.flatnonzero(need_cols)
-                private = np.zeros(n, dtype=bool)
-                private[col] = True
-                shared = shared_columns(flat[need_at], private[need_at])  # one staging page a shared page
+                # one staging page a distinct page (a recompute step stages per column)
+                rank, owners, readers = staged_columns(flat, np.flatnonzero(need_cols), col)
+                n_stage = int(owners.size)
             else:
                 need_cols, trans_cols = RecomputeRows.slots(pre, rec, fetched, req_of_col, b)
-            n_stage = int(need_cols.sum()) if shared is None else int(shared[1].size)
+                n_stage = int(need_cols.sum())
             want = n_stage + int(trans_cols.sum())
             if want:
                 ids = stage(want)
@@ -121,11 +120,7 @@ class StepTables:
                     return
                 self.staging_ids = ids
                 stage_col = np.full(n, -1, dtype=np.int64)
-                stage_col[need_cols] = ids[:n_stage] if shared is None else ids[shared[0]]
-                if shared is not None:  # a shared page is fetched by its first column only
-                    reads = np.ones(need_at.size, dtype=bool)
-                    reads[shared[1]] = False
-                    readers = need_at[reads]
+                stage_col[need_cols] = ids[:n_stage] if rank is None else ids[rank]
                 tab = np.where(fetched, stage_col[None, :], tab)
                 if rec is not None and trans_cols.any():
                     stage_col[trans_cols] = ids[n_stage:]  # transient: one layer of the prefix
@@ -141,7 +136,7 @@ class StepTables:
         """Pages that receive new tokens (they hold KV after this step)."""
         # launches: fetch host-only pages that hold KV; write back staged pages that get tokens
         fetch = fetched & store.has_kv_np[flat][None, :]
-        if readers is not None:
+        if readers is not None:  # a shared page is fetched by its owner column only
             fetch[:, readers] = False
         int64_parts: list[np.ndarray] = [rows.reshape(-1)]
         offset = rows.size

@@ -108,29 +108,38 @@ class WantCounts:
         self.paused_requests += sign * requests * paused
         self.partial_requests += sign * requests * (not every)
         if not paused:
-            self.active_pages += self._held(self._active_holders, pages, sign)
+            held = [self._active_holders] if every else [self._active_holders, self._offloading_holders]
+            changes = self._held(held, pages, sign)
+            self.active_pages += changes[0]
             if not every:
-                self.offloading_pages += self._held(self._offloading_holders, pages, sign)
+                self.offloading_pages += changes[1]
 
-    def _held(self, holders: np.ndarray, pages: np.ndarray, sign: int) -> int:
-        """``pages`` (repeats allowed) gain (``sign=1``) or lose (``-1``) a holder in ``holders``;
-        returns how the number of held pages changed. O(len(pages))."""
-        if pages.size <= SMALL:
-            change = 0
-            for page in pages.tolist():
-                was = int(holders[page])
-                holders[page] = was + sign
-                change += (was + sign > 0) - (was > 0)
-            return change
+    def _held(self, held: list[np.ndarray], pages: np.ndarray, sign: int) -> list[int]:
+        """``pages`` (repeats allowed) gain (``sign=1``) or lose (``-1``) a holder in each array of
+        ``held``; how the number of held pages changed in each. O(len(pages)), the pages counted
+        once for all the arrays."""
+        if pages.size <= SMALL:  # a decode step's appended page: no NumPy call per array
+            listed, changes = pages.tolist(), []
+            for holders in held:
+                change = 0
+                for page in listed:
+                    was = int(holders[page])
+                    holders[page] = was + sign
+                    change += (was + sign > 0) - (was > 0)
+                changes.append(change)
+            return changes
         if self._distinct(pages):
-            uniq, delta = pages, sign
+            uniq, step = pages, sign
         else:
             uniq, reps = distinct_counts(pages)
-            delta = sign * reps
-        before = holders[uniq]
-        after = before + delta
-        holders[uniq] = after
-        return int(np.count_nonzero(after)) - int(np.count_nonzero(before))
+            step = sign * reps
+        changes = []
+        for holders in held:
+            before = holders[uniq]
+            after = before + step
+            holders[uniq] = after
+            changes.append(int(np.count_nonzero(after)) - int(np.count_nonzero(before)))
+        return changes
 
     def track_added(self, req: TrackedRequest, added: np.ndarray) -> None:
         """Pages appended to ``req`` join the counts."""
@@ -248,7 +257,7 @@ class WantCounts:
         path's new pages): joined without dirtying them (they are settled)."""
         self.users[pages] += 1
         self.want[:, pages] += 1
-        self.active_pages += self._held(self._active_holders, pages, 1)
+        self.active_pages += self._held([self._active_holders], pages, 1)[0]
         self.live_count += int(pages.size)
         self.live_resident += self.layers * int(pages.size)
 

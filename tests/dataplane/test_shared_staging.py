@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from sglang_ext.dataplane import paged_step_tables, staging_columns, step_tables
+from sglang_ext.dataplane import paged_step_tables, staging_columns
 from sglang_ext.dataplane.staging_columns import fetch_entries, restaged, shared_columns
 from tests.dataplane.core_driver import KV_MISMATCH, CoreDriver, make_core
 from tests.dataplane.cuda_simulation import install, track_core
@@ -86,8 +86,7 @@ def _decode(d: CoreDriver, steps: int) -> list[tuple[int, int, int, int]]:
 
 def _per_column(mp: pytest.MonkeyPatch) -> None:
     """The old way: every staged column its own staging page and its own fetch."""
-    for module in (paged_step_tables, step_tables):
-        mp.setattr(module, "shared_columns", lambda pages, private=None: None)
+    mp.setattr(staging_columns, "shared_columns", lambda pages, private=None: None)
 
 
 @pytest.mark.parametrize("paged_reads", [False, True])
