@@ -92,10 +92,14 @@ if HAVE_TRITON:
         src_idx_ptr,
         dst_idx_ptr,
         n,
+        n_ptr,
         programs,
         SEG: tl.constexpr,
         BLOCK: tl.constexpr,
+        COUNTED: tl.constexpr,
     ):
+        if COUNTED:  # the count lives in device memory (a CUDA graph's launch: copy_segments_triton)
+            n = tl.load(n_ptr)
         # persistent: ``programs`` programs stride over the pairs, each copying a whole segment in
         # BLOCK chunks; few, so the layers' kernels and a copy in the other direction find SMs
         # free (see DEFAULT_PROGRAMS)
@@ -123,10 +127,15 @@ if HAVE_TRITON:
         dev_v,
         max_pages,
         programs,
+        listed_ptr,
         SEG: tl.constexpr,
         BLOCK: tl.constexpr,
+        LISTED: tl.constexpr,
     ):
         # max_pages and programs are runtime values (constexprs would compile a kernel per shape)
+        if LISTED:  # requests and extent in device memory (a CUDA graph's launch: fetch_pages_triton)
+            max_pages = tl.load(listed_ptr + 1)
+            work = tl.load(listed_ptr) * max_pages
         # item = (request i of the launch, its page j): page j of request reqs[i] is column
         # starts[r] + j of the step; copied (K then V segment) when the map has no device copy of
         # it at this layer, from host segment host_base + page * host_stride (+1 for V) to the
@@ -154,12 +163,12 @@ if HAVE_TRITON:
     # compile a kernel per step shape in the middle of serving
     _copy_segments_kernel = LazyKernel(
         _copy_segments_kernel, do_not_specialize=["n", "programs"],
-        do_not_specialize_on_alignment=["src_idx_ptr", "dst_idx_ptr"])
+        do_not_specialize_on_alignment=["src_idx_ptr", "dst_idx_ptr", "n_ptr"])
     _fetch_pages_kernel = LazyKernel(
         _fetch_pages_kernel,
         do_not_specialize=["work", "host_base", "host_stride", "dev_v", "max_pages", "programs"],
         do_not_specialize_on_alignment=["flat_ptr", "stage_ptr", "map_row_ptr", "reqs_ptr", "starts_ptr",
-                                        "counts_ptr"])
+                                        "counts_ptr", "listed_ptr"])
 
 DEFAULT_PROGRAMS = 8
 """Persistent programs of one copy launch on CUDA (``--kv-copy-programs N`` sets another). Few
@@ -189,10 +198,12 @@ def programs_for(t: torch.Tensor, work: int, programs: int | None = None) -> int
 
 def copy_segments_triton(
     src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor,
-    programs: int | None = None,
+    programs: int | None = None, count: torch.Tensor | None = None,
 ) -> None:
     """Triton gather/scatter: one launch for all pairs. Indices must be on the kernel's device.
-    ``programs``: the launch's persistent programs (:func:`programs_for`)."""
+    ``programs``: the launch's persistent programs (:func:`programs_for`). ``count``: a one-element
+    int32 tensor on the kernel's device holding how many of the index pairs to copy (at most
+    their length), read by the kernel: a launch a CUDA graph replays over other lists (none: all)."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not importable; use copy_segments_ref")
     _check(src, dst, src_idx, dst_idx)
@@ -205,21 +216,25 @@ def copy_segments_triton(
     block = min(COPY_BLOCK_ELEMS, triton.next_power_of_2(seg))
     programs = programs_for(src if src.is_cuda else dst, n, programs)
     # n and programs are runtime values: constexprs would compile a kernel per launch size
-    _copy_segments_kernel[(programs,)](s_words, d_words, src_idx, dst_idx, n, programs, SEG=seg, BLOCK=block,
+    _copy_segments_kernel[(programs,)](s_words, d_words, src_idx, dst_idx, n, src_idx if count is None else count,
+                                       programs, SEG=seg, BLOCK=block, COUNTED=count is not None,
                                        num_warps=COPY_WARPS)
 
 
 def fetch_pages_triton(host: torch.Tensor, dev: torch.Tensor, flat: torch.Tensor, stage: torch.Tensor,
                        map_row: torch.Tensor, reqs: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
                        max_pages: int, host_base: int, host_stride: int, dev_v: int,
-                       programs: int | None = None) -> None:
+                       programs: int | None = None, listed: torch.Tensor | None = None) -> None:
     """One launch: for each request ``r`` of ``reqs`` and each of its ``counts[r]`` pages
     (column ``c = starts[r] + j``, page ``flat[c]``) with ``map_row[page] < 0`` and
     ``stage[c] >= 0``, copy host segments ``host_base + page * host_stride`` (K) and ``+ 1`` (V)
     to device segments ``stage[c]`` and ``stage[c] + dev_v`` (a negative ``stage[c]``: the
     column reads a page another column fetches, ``sglang_ext/dataplane/staging_columns.py``).
     ``max_pages >= max(counts[reqs])``. Pools are 2-D segment views (pinned host, device); index tensors int32 or int64 on the kernel's device.
-    ``programs``: the launch's persistent programs (:func:`programs_for`).
+    ``programs``: the launch's persistent programs (:func:`programs_for`). ``listed``: two int32
+    on the kernel's device, how many of ``reqs`` the launch copies and their ``max_pages``, read by
+    the kernel (then ``max_pages`` here bounds those and sizes the launch): a launch a CUDA graph
+    replays over other lists (:class:`~sglang_ext.dataplane.graph_staging.GraphStaging`).
     The host works out nothing per page: see :func:`fetch_page_indices` for the same copy as index lists."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not importable")
@@ -234,8 +249,9 @@ def fetch_pages_triton(host: torch.Tensor, dev: torch.Tensor, flat: torch.Tensor
     work = n * max_pages
     programs = programs_for(dev, work, programs)
     _fetch_pages_kernel[(programs,)](h_words, d_words, flat, stage, map_row, reqs, starts, counts, work,
-                                     host_base, host_stride, dev_v, max_pages, programs, SEG=seg,
-                                     BLOCK=block, num_warps=COPY_WARPS)
+                                     host_base, host_stride, dev_v, max_pages, programs,
+                                     reqs if listed is None else listed, SEG=seg, BLOCK=block,
+                                     LISTED=listed is not None, num_warps=COPY_WARPS)
 
 
 def fetch_page_indices(flat, stage, map_row, reqs, starts, counts,  # noqa: ANN001 - NumPy arrays

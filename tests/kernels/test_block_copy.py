@@ -163,3 +163,26 @@ def test_the_cuda_engine_hands_its_kept_word_views_to_the_kernel_between_its_poo
     rows = torch.zeros(3, 1500, dtype=torch.bfloat16)
     assert CudaTransferEngine._pool_words(engine, rows, host) == (rows, host)
     assert CudaTransferEngine._pool_words(engine, host.clone(), dev)[0] is not engine._words[0]  # another tensor
+
+
+@pytest.mark.parametrize("count", [0, 2, 4])
+def test_a_counted_copy_reads_its_count_on_the_device(triton_device: str, count: int) -> None:
+    """A graph's launch (``count``: a device int32) copies the first ``count`` pairs of its lists
+    and nothing after them; rewriting the count and running the same call again copies the new
+    prefix. Control: the whole lists copy more (the pairs past ``count`` move other segments)."""
+    src, dst = _pools(torch.float32, 6, triton_device)
+    src_idx = torch.tensor([0, 3, 8, 1, 5, 2], device=triton_device)
+    dst_idx = torch.tensor([10, 4, 0, 7, 2, 9], device=triton_device)
+    n = torch.tensor([count], dtype=torch.int32, device=triton_device)
+    expected = dst.clone()
+    copy_segments_ref(src, expected, src_idx[:count].cpu(), dst_idx[:count].cpu())
+    got = dst.clone()
+    copy_segments_triton(src, got, src_idx, dst_idx, count=n)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    n.fill_(count + 1)  # a replay over a longer list
+    copy_segments_ref(src, expected, src_idx[: count + 1].cpu(), dst_idx[: count + 1].cpu())
+    copy_segments_triton(src, got, src_idx, dst_idx, count=n)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    whole = dst.clone()
+    copy_segments_triton(src, whole, src_idx, dst_idx)
+    assert not torch.equal(whole, got)

@@ -96,3 +96,35 @@ def test_a_reader_entry_copies_nothing(triton_device, seed):
     fetch_pages_triton(host.to(triton_device), dev, t(flat), t(entries), t(map_row), t(reqs), t(starts), t(counts),
                        int(counts[reqs].max()), 2 * layer, 2 * L, DEV // 2)
     assert torch.equal(dev.cpu(), expected)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("listed", [0, 1, 2, 3])
+def test_a_listed_launch_reads_its_count_and_extent_on_the_device(triton_device, seed, listed):
+    """A graph's launch (``listed``: how many of ``reqs`` and their extent, read by the kernel)
+    copies what an ordinary launch of those requests copies, whatever the buffer beyond them
+    holds and however large the extent the launch was sized for; the same launch replayed after
+    the device values change copies the new list. Control: with the count read as the buffer's
+    length (an ordinary launch of the whole buffer), the stale requests past it are copied too."""
+    flat, stage, map_row, starts, counts, host = _case(seed)
+    t = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.int32, device=triton_device)  # noqa: E731
+    buffer = [2, 3, 0, 1]  # a fixed-size list: its first ``listed`` entries are the launch's
+
+    def copied(reqs, through_kernel):  # noqa: ANN001, ANN202
+        dev = torch.full((DEV, SEG), -1.0, device=triton_device)
+        if through_kernel:
+            n, widest = len(reqs), int(counts[reqs].max()) if reqs else 0
+            fetch_pages_triton(host.to(triton_device), dev, t(flat), t(stage), t(map_row), t(buffer), t(starts),
+                               t(counts), int(counts.max()) + 3, 2, 2 * L, DEV // 2, listed=t([n, widest]))
+        elif reqs:
+            fetch_pages_triton(host.to(triton_device), dev, t(flat), t(stage), t(map_row), t(reqs), t(starts),
+                               t(counts), int(counts[reqs].max()), 2, 2 * L, DEV // 2)
+        return dev.cpu()
+
+    want = copied(buffer[:listed], False)
+    assert torch.equal(copied(buffer[:listed], True), want)
+    if listed < len(buffer):  # the control: the whole buffer copies what the list does not
+        whole = copied(buffer, False)
+        moved = int((map_row[flat[np.concatenate([np.arange(starts[r], starts[r] + counts[r])
+                                                   for r in buffer[listed:]])]] < 0).sum())
+        assert torch.equal(whole, want) == (moved == 0)

@@ -248,7 +248,8 @@ def test_negative_control_the_decode_head_tile_cap_is_needed() -> None:
 
 def test_the_copy_kernels_compile_for_the_gpus() -> None:
     """The served copy kernels -- the pool's gather / scatter, the per-layer fetch of host-only
-    pages, the page-to-slot expansion -- compile for sm_86 and sm_90 at Llama-3-8B's page segment
+    pages, the page-to-slot expansion, and the first two's graph launches (counts read on the
+    device) -- compile for sm_86 and sm_90 at Llama-3-8B's page segment
     (16 tokens x 8 kv heads x 128, bf16: 32 KiB, 4,096 int64 words a segment) within the limit:
     CI runs them only in Triton's interpreter, which accepts code the compiler may not."""
     bc = importlib.import_module("kernels.block_copy")
@@ -262,8 +263,18 @@ def test_the_copy_kernels_compile_for_the_gpus() -> None:
                               torch.tensor([0, 2], **i32), torch.tensor([2, 1], **i32), 2, 0, 2, 1)
         pi.pages_to_token_locs_triton(torch.tensor([0, 2], **i32), torch.tensor([3, 1], **i32),
                                       torch.tensor([20], **i32), 16)
+        # the launches a CUDA graph replays: counts read from device memory (graph_staging.py)
+        bc.copy_segments_triton(host, dev, torch.tensor([1, 4], **i64), torch.tensor([0, 2], **i64),
+                                count=torch.tensor([1], **i32))
+        bc.fetch_pages_triton(host, dev, torch.tensor([0, 3, 1], **i32), torch.tensor([5, 6, 7], **i32),
+                              torch.tensor([-1, 2, -1, -1], **i32), torch.tensor([0, 1], **i32),
+                              torch.tensor([0, 2], **i32), torch.tensor([2, 1], **i32), 2, 0, 2, 1,
+                              listed=torch.tensor([2, 2], **i32))
     assert [launch[0].fn.__name__ for launch in launches] == ["_copy_segments_kernel", "_fetch_pages_kernel",
-                                                               "_pages_to_locs_kernel"]
+                                                               "_pages_to_locs_kernel", "_copy_segments_kernel",
+                                                               "_fetch_pages_kernel"]
+    assert [launch[2]["COUNTED"] for launch in launches[::3]] == [False, True]
+    assert [launch[2]["LISTED"] for launch in launches[1::3]] == [False, True]
     assert launches[0][2]["BLOCK"] == 4096
     jobs = [(launch, target) for launch in launches for target in ("sm_86", "sm_90", "gfx942")]
     shared = [bytes_ for bytes_, _ in compile_all([(launch, target, False) for launch, target in jobs])]
