@@ -32,6 +32,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from sglang_ext.dataplane.graph_staging import GraphStaging
 from sglang_ext.dataplane.graph_step_buffers import GraphStepBuffers
 
 
@@ -39,9 +40,11 @@ class DecodeGraphs:
     """Graphs of a decode step's layers, one per batch size in ``sizes``, over the step buffers of
     ``core`` (whose store must keep a sink page: ``SlotStoreConfig(graph_sink=True)``);
     ``max_pages``: the most pages a step served from the buffers may list per layer (padding
-    included)."""
+    included); ``staged``: staged decode steps are replayed too (their fetches and parked
+    write-back captured: :class:`~sglang_ext.dataplane.graph_staging.GraphStaging`; the paged
+    layout only, and the layers call the buffers' ``enter`` / ``exit``)."""
 
-    def __init__(self, core: Any, sizes: Sequence[int], max_pages: int) -> None:
+    def __init__(self, core: Any, sizes: Sequence[int], max_pages: int, staged: bool = False) -> None:
         store = core.store
         if store.sink_page is None:
             raise ValueError("DecodeGraphs needs a store with a sink page (SlotStoreConfig(graph_sink=True))")
@@ -49,8 +52,9 @@ class DecodeGraphs:
             raise ValueError(f"DecodeGraphs: batch sizes must be ints >= 1, got {list(sizes)}")
         self.core = core
         self.sizes = tuple(sorted({int(n) for n in sizes}))
+        staging = GraphStaging(store, self.sizes[-1], max_pages) if staged else None
         self.buffers = GraphStepBuffers(store.config.layers, self.sizes[-1], max_pages, store.device,
-                                        store.sink_page, store.config.page_size)
+                                        store.sink_page, store.config.page_size, staging)
         self.graphs: dict[int, tuple[Any, Any]] = {}
         """Captured size -> (graph, its static outputs)."""
         self.replays = 0
@@ -94,6 +98,8 @@ class DecodeGraphs:
             self.eager_reasons[why.split(";")[0]] += 1
             return None
         self.buffers.load(tables, padded_to=size, slots=slots)
+        if self.core.pipeline.tables is not None:  # the graph moves what the pipeline would have
+            self.core.pipeline.in_graph()
         return size
 
     def replay(self, size: int) -> Any:

@@ -20,8 +20,12 @@ request's KV. The views are sized to the padded batch (the captured one's).
 A graph holds kernels only: no host work runs in a replay. So the steps it may serve are those
 whose layers need none: nothing staged, fetched, written back or parked, no recompute, no token
 tables, and tables in the layout the graphs were captured in (:meth:`why_not`) -- the
-all-resident step, which in the paged layout is the usual one until something is offloaded. A
-staged step runs eagerly as before. SGLang's decode graph runner serves through these buffers
+all-resident step, which in the paged layout is the usual one until something is offloaded.
+With ``staging`` (:class:`~sglang_ext.dataplane.graph_staging.GraphStaging`, the paged layout)
+a staged decode step that parks its new tokens is served too: the layers' fetches and the
+parked write-back are launches of the graph, their lists loaded with the tables; the layers
+then call :meth:`enter` and :meth:`exit` around their work (nothing without ``staging``). Other
+staged steps run eagerly as before. SGLang's decode graph runner serves through these buffers
 under ``--kv-cuda-graphs on``
 (:mod:`sglang_ext.layered_decode_graph`); ``kvplane gpu-check``'s graph probe
 (:mod:`sglang_ext.tools.gpu_check_graph`) captures and replays through them on a GPU.
@@ -42,8 +46,11 @@ class GraphStepBuffers:
     pages per layer (module docstring)."""
 
     def __init__(self, layers: int, max_batch: int, max_pages: int, device: Any, sink_page: int | None = None,
-                 page_size: int = 1) -> None:
+                 page_size: int = 1, staging: Any = None) -> None:
         self.layers, self.max_batch, self.max_pages = layers, max_batch, max_pages
+        self.staging = staging
+        """Staged steps' lists and launches (a :class:`~sglang_ext.dataplane.graph_staging.GraphStaging`
+        sized as these buffers), or None: staged steps run eagerly."""
         self.sink_page = sink_page
         """Device page of the padded rows (the store's ``sink_page``); None: no padding."""
         self.page_size = page_size
@@ -74,10 +81,15 @@ class GraphStepBuffers:
         ``padded_to`` rows), or None."""
         if tables is None:
             return "no tables (an overflowing or in-place step)"
-        if tables.staging_ids is None or tables.staging_ids.size:
-            return "the step stages pages (fetches into staging need host work inside the layers)"
-        if tables.fetches or any(w is not None for w in tables.writebacks) or tables.token_writeback is not None:
+        staged = tables.staging_ids is None or bool(tables.staging_ids.size)
+        copies = bool(tables.fetches or any(w is not None for w in tables.writebacks)
+                      or tables.token_writeback is not None)
+        if (staged or copies) and (self.staging is None or tables.staging_ids is None):
+            if staged:
+                return "the step stages pages (fetches into staging need host work inside the layers)"
             return "the step copies between host and device inside its layers"
+        if (staged or copies) and (why := self.staging.why_not(tables)) is not None:  # type: ignore[union-attr]
+            return why
         if tables.recompute is not None or tables.has_token_tables:
             return "the step recomputes or reads token tables"
         if self.captured_in_place is not None and (tables.rows is None) != self.captured_in_place:
@@ -127,6 +139,8 @@ class GraphStepBuffers:
             self.kv_lens[b:bs].fill_(1)
             self.last_page_len[b:bs].fill_(1)
         self.batch, self.real, self.pages = bs, b, n + bs - b
+        if self.staging is not None:
+            self.staging.load(tables)
         self.loads += 1
 
     def load_padding(self, rows: int, in_place: bool) -> None:
@@ -147,6 +161,8 @@ class GraphStepBuffers:
         self.kv_lens[:rows].fill_(1)
         self.last_page_len[:rows].fill_(1)
         self.batch, self.real, self.pages, self.in_place = rows, 0, rows, in_place
+        if self.staging is not None:
+            self.staging.clear()
         self.mark_captured()
         self.loads += 1
 
@@ -164,6 +180,22 @@ class GraphStepBuffers:
             store.write_into(*store.layer_in_place(layer), rows, k, v)
         else:
             store.write_rows(rows, k, v)
+        if self.staging is not None:  # kept for the parked write-back (what a host-only layer-page gets)
+            self.staging.park(layer, self.batch, k, v)
+
+    def enter(self, layer: int) -> None:
+        """Before layer ``layer``'s KV write (captured): with :attr:`staging`, the step's fetches
+        start (layer 0) and the layer waits for its own; else nothing."""
+        if self.staging is not None:
+            if layer == 0:
+                self.staging.begin_step()
+            self.staging.begin_layer(layer)
+
+    def exit(self, layer: int) -> None:
+        """After layer ``layer``'s attention (captured): with :attr:`staging`, the next layer's
+        triggered fetches, or after the last the parked write-back; else nothing."""
+        if self.staging is not None:
+            self.staging.end_layer(layer)
 
     def layer_view(self, store: Any, layer: int, rids: tuple[str, ...]) -> LayerView:
         """Layer ``layer`` as paged kernels take it, from the buffers (the page table's full row:

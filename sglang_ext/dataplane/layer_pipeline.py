@@ -3,8 +3,10 @@
 Per step (OrbitFlow §3.3.1; SuperInfer §4.3 DuplexKV):
 
 - ``begin_step(tables)``: the compute and H2D streams wait for the copies of the boundary
-  (one stream wait each); the fetches whose trigger is the step start are launched (one
-  batched H2D per target layer) on the H2D stream.
+  (one stream wait each). The fetches whose trigger is the step start (one batched H2D per
+  target layer, on the H2D stream) are launched when the forward reaches its first layer, so
+  that a step replayed in a CUDA graph (:meth:`LayerPipeline.in_graph`, decided after the
+  boundary) has launched nothing eagerly.
 - ``begin_layer(l)``: the compute stream waits on the events of the launches that fetch layer
   ``l``, and on layer ``l - 1``'s page write-back if it had one (layer ``l`` writes its new
   tokens into the same staging pages; a page with no KV yet is not fetched to order that) --
@@ -16,6 +18,10 @@ Per step (OrbitFlow §3.3.1; SuperInfer §4.3 DuplexKV):
   step's tables park their new tokens instead (:class:`TokenWriteback`): nothing goes back per
   layer, the fetches wait on nothing but the compute stream, and after the last layer with
   parked tokens ONE D2H writes their rows to the host pool.
+- ``in_graph()`` (after the boundary, before the forward): the step's layers replay in a CUDA
+  graph whose launches are the step's fetches and parked write-back
+  (:class:`~sglang_ext.dataplane.graph_staging.GraphStaging`); the pipeline launches nothing,
+  counts what the graph moves, and ends the step at the last layer as before.
 - ``end_step()`` (after the last layer, or when the next step begins): a forward that ended
   before its last parked layer writes back the tokens parked at the layers it reached; the
   staging pages go back to the allocator; the next boundary's ``begin_step`` fences their reuse.
@@ -49,6 +55,10 @@ class LayerPipeline:
         """The event of the page write-back launched at the end of the last layer (None: none)."""
         self._parked_out = False
         """The current forward's parked tokens were written back."""
+        self._started = True
+        """The step-start fetches were launched (or belong to a graph)."""
+        self.graphed_steps = 0
+        """Steps whose transfers ran inside a CUDA graph (:meth:`in_graph`)."""
         self.steps = 0
         self.fetched_layer_pages = 0
         """Layer-pages fetched into staging since construction."""
@@ -81,8 +91,35 @@ class LayerPipeline:
         self._parked_out = False
         self.idle = (not tables.fetches and tables.token_writeback is None
                      and all(w is None for w in tables.writebacks))
-        self._launch_fetches(-1, ())
+        self._started = False
         self.steps += 1
+
+    def _start(self) -> None:
+        """The step-start fetches, at the forward's first layer call."""
+        if not self._started:
+            self._started = True
+            self._launch_fetches(-1, ())
+
+    def in_graph(self) -> None:
+        """The current step's layers replay in a CUDA graph holding its fetches and parked
+        write-back (:class:`~sglang_ext.dataplane.graph_staging.GraphStaging`, loaded with these
+        tables): nothing is launched here; the moved bytes are counted as the launches would."""
+        tables = self.tables
+        if tables is None or self._started:
+            raise RuntimeError("LayerPipeline.in_graph: no step, or its fetches were launched eagerly already")
+        self._started = True
+        self._by_trigger = {}
+        for launch in tables.fetches:
+            self.store.h2d_bytes += launch.segments * self.engine.segment_bytes
+            self.fetched_layer_pages += launch.segments // 2
+        parked = tables.token_writeback
+        if parked is not None:
+            rows = self.store.host_rows
+            nbytes = parked.launch.segments * rows.shape[1] * rows.element_size()
+            self.store.d2h_bytes += nbytes
+            self.store.host_write_bytes += nbytes
+            self._parked_out = True
+        self.graphed_steps += 1
 
     def _launch_fetches(self, trigger: int, wait: tuple) -> None:
         tables = self.tables
@@ -99,6 +136,7 @@ class LayerPipeline:
         tokens into the same pages (a request's staging slot serves every layer), and a page
         holding no KV yet (a prefill's chunk, the page a decode token opens) is written without
         a fetch to order it after the write-back."""
+        self._start()
         events = self._events[layer]
         written_back, self._written_back = self._written_back, None
         if written_back is not None:
@@ -112,10 +150,11 @@ class LayerPipeline:
         tables = self.tables
         if tables is None:
             return
+        self._start()
         wait: tuple = ()
         launch = tables.writebacks[layer]
         parked = tables.token_writeback
-        if parked is not None and parked.launch.layer != layer:
+        if parked is not None and (parked.launch.layer != layer or self._parked_out):
             parked = None
         fetches = layer in self._by_trigger
         if (launch is not None or parked is not None) and fetches:

@@ -147,8 +147,8 @@ class CoreCheck:
         ``backend``: the attention's (default: the primary); ``plan``: FlashInfer's plan inside
         layer 0, as SGLang's decode plans; ``end_step``: the last layer's ``exit_layer`` (which
         ends the step) -- without it the same layers may run again, writing the same token.
-        ``graph``: the tables read from these buffers (loaded with the step's), and no
-        ``enter_layer`` / ``exit_layer`` (their steps have nothing to wait for or launch): what
+        ``graph``: the tables read from these buffers (loaded with the step's), and the buffers'
+        ``enter`` / ``exit`` (a staged step's captured fetches and write-back) for the core's: what
         :class:`~sglang_ext.tools.gpu_check_graph.GraphProbe` captures; ``padded``: that
         probe's inputs ``(x, q, k, v)`` padded to the buffers' rows."""
         b, core, last = self.batch, self.batch.core, self.config.layers - 1
@@ -157,7 +157,8 @@ class CoreCheck:
         outs = []
         for layer in range(self.config.layers):
             x @ self.w_qkv
-            if graph is not None:
+            if graph is not None:  # enter / exit: the graph's staged fetches and write-back (if any)
+                graph.enter(layer)
                 graph.write(core.store, layer, k1, v1)
                 view = graph.layer_view(core.store, layer, tuple(b.rids))
             else:
@@ -171,6 +172,8 @@ class CoreCheck:
                 if layer == 0 and plan:  # as SGLang's layered FlashInfer decode plans: inside layer 0, host CSR
                     self.backends.plan_step(core.tables.plan_view(view))
                 out = self.backends.run(backend or self.backends.primary, q, view)
+            if graph is not None:
+                graph.exit(layer)
             if capture is not None:
                 capture(layer, view, out)
             gate_up = out.reshape(out.shape[0], -1) @ self.w_o @ self.w_gate_up

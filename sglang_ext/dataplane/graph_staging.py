@@ -1,0 +1,254 @@
+"""GraphStaging: a staged decode step's fetches and parked write-back, in a form a CUDA graph replays.
+
+An eager staged step (:class:`~sglang_ext.dataplane.layer_pipeline.LayerPipeline`) decides on the
+host, layer by layer, which fetch launches to issue and which events to wait for: a request's first
+host-only layer is fetched at step start, each later one when its previous one has ended, and
+after the last layer with parked new tokens one D2H writes them to the host pool
+(:class:`~sglang_ext.dataplane.token_writeback.TokenWriteback`). Those host calls -- Triton
+launches, event records and waits, index views -- are most of kvplane's host time on a GPU
+(``benchmarks/results/gpu/session67-h200-runs.md``: 0.64-0.70 of the all-resident step, where
+the target is 0.05), and a graph holds kernels only.
+
+So the launches take a fixed shape, the same every step, and the step's choices travel as data:
+
+- **Fetch lists.** Per target layer ``t`` two lists of the batch's request rows: ``start[t]``,
+  the requests whose first host-only layer this step is ``t`` (fetched at step start), and
+  ``trig[t]``, those host-only at ``t`` and at an earlier layer (fetched once layer ``t - 1`` has
+  ended; the eager pipeline may start such a fetch earlier, after the request's previous host-only
+  layer, when the request skips layers -- the graph waits a little longer there, never less).
+  Each list's length and its widest request's page count are two int32 on the device
+  (``listed``); the fetch kernel reads them (:func:`kernels.block_copy.fetch_pages_triton`'s
+  ``listed``), so an empty list launches and copies nothing.
+- **The batch's page lists** (pages, staging entries, first columns, page counts: what every
+  fetch reads) in fixed buffers sized for ``max_pages`` columns and ``max_batch`` requests.
+- **Parked tokens.** Every layer parks every row's new K/V into ``park [L, 2, max_batch, H, D]``
+  (two device copies a layer, unconditionally: a graph cannot skip the layers that park nothing);
+  after the last layer one counted copy (:func:`kernels.block_copy.copy_segments_triton`'s
+  ``count``) writes the step's host-only ones to their rows of the host pool.
+
+Captured order (:meth:`begin_step`, :meth:`begin_layer`, :meth:`park`, :meth:`end_layer`; on
+CUDA the fetches on the engine's H2D stream and the write-back on its D2H stream, joined back
+before the graph ends):
+
+- before layer 0, the ``L`` start launches, an event after each;
+- before layer ``t``: the compute stream waits for ``start[t]``'s event and, for ``t > 0``,
+  ``trig[t]``'s;
+- after layer ``t``'s attention (the last reader of the staging pages at ``t``): the H2D stream
+  waits for the compute stream, launches ``trig[t + 1]``, records its event;
+- after the last layer: the write-back, then the joins.
+
+Why this is safe is the eager pipeline's argument (:mod:`~sglang_ext.dataplane.staging_columns`):
+a staging page is read only at the layers where its page is host-only and its owner request is
+staged at each of them; ``trig[t]`` overwrites it only after layer ``t - 1`` ended, and a start
+fetch writes a page no earlier layer of the step reads. A step that is not staged loads empty
+lists and an empty write-back, so one graph serves both.
+
+What :meth:`load` takes: :class:`~sglang_ext.dataplane.paged_step_tables.PagedStepTables` of a
+decode step that parks (one token per request; no per-layer page write-back, no recompute, no
+token tables: :meth:`why_not`). It regroups the tables' launches on the host (``O(L + fetched
+requests)``), then one upload from the store's pinned ring and seven device copies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from kernels.block_copy import copy_segments_triton, fetch_pages_triton, triton_usable
+
+START, TRIG = 0, 1
+"""Rows of :attr:`GraphStaging.lists`: fetched at step start, fetched after the layer before."""
+
+
+class GraphStaging:
+    """Fixed buffers and captured launches of staged decode steps over ``store`` (a paged
+    :class:`~sglang_ext.dataplane.slot_kv_store.SlotKVStore`), for ``max_batch`` requests over
+    ``max_pages`` page columns (module docstring)."""
+
+    def __init__(self, store: Any, max_batch: int, max_pages: int) -> None:
+        if store.mirror is None:
+            raise ValueError("GraphStaging needs the paged layout (the store has no map mirror)")
+        c = store.config
+        self.store, self.layers, self.max_batch, self.max_pages = store, c.layers, max_batch, max_pages
+        dev = store.device
+        i32 = {"dtype": torch.int32, "device": dev}
+        self.flat = torch.zeros(max_pages, **i32)
+        self.stage = torch.full((max_pages,), -1, **i32)
+        self.starts = torch.zeros(max_batch, **i32)
+        self.counts = torch.zeros(max_batch, **i32)
+        lists, listed = 2 * c.layers * max_batch, 2 * c.layers * 2
+        self._ctl = torch.zeros(lists + listed + 2, **i32)
+        """``lists``, ``listed``, the write-back's count (and one word of padding), one region."""
+        self.lists = self._ctl[:lists].view(2, c.layers, max_batch)
+        self.listed = self._ctl[lists: lists + listed].view(2, c.layers, 2)
+        self.wb_count = self._ctl[lists + listed: lists + listed + 1]
+        self._zero_from = lists
+        pairs = 2 * c.layers * max_batch
+        self.wb_src = torch.zeros(pairs, dtype=torch.int64, device=dev)
+        self.wb_dst = torch.zeros(pairs, dtype=torch.int64, device=dev)
+        self.park_buf = torch.zeros((c.layers, 2, max_batch, c.kv_heads, c.head_dim), dtype=c.dtype, device=dev)
+        self._park_rows = self.park_buf.view(-1, c.kv_heads * c.head_dim)
+        self.loaded_pairs = 0
+        """(layer, request) pairs the loaded step writes back."""
+        self.loaded_fetches = 0
+        """Fetch launches of the loaded step's eager tables (regrouped into the lists)."""
+        self._programs: int | None = getattr(store.engine, "copy_programs", None)
+        """Persistent programs of each copy launch (the engine's, ``--kv-copy-programs``)."""
+        self._streams = getattr(store.engine, "h2d_stream", None) is not None
+        """The engine copies on side streams (CUDA): the fetches and the write-back fork to them."""
+        self._events: list[Any] = []
+        if self._streams:
+            self._events = [torch.cuda.Event() for _ in range(2 * c.layers)]
+
+    # ----- at the boundary (host) -----------------------------------------------------
+
+    @staticmethod
+    def why_not(tables: Any) -> str | None:
+        """Why a staged step of ``tables`` cannot be replayed through these buffers, or None."""
+        from sglang_ext.dataplane.paged_step_tables import PagedStepTables
+
+        if not isinstance(tables, PagedStepTables):
+            return "the step stages through general tables (recompute or the identity layout)"
+        if any(w is not None for w in tables.writebacks):
+            return "the step writes staged pages back per layer (a multi-token step, or too many parked tokens)"
+        if not tables._one_each:
+            return "the step writes more than one token per request"
+        return None
+
+    def clear(self) -> None:
+        """An unstaged step: every list empty, nothing written back (one device fill)."""
+        self._ctl[self._zero_from:].zero_()
+        self.loaded_pairs = self.loaded_fetches = 0
+
+    def load(self, tables: Any) -> None:
+        """The staged step of ``tables`` (:meth:`why_not` None; its page count within the
+        buffers) into the buffers: its page lists, its fetch launches regrouped by target layer
+        into start and trigger lists, its parked tokens' write-back rows."""
+        if tables.staging_ids is None or not tables.staging_ids.size:
+            self.clear()
+            return
+        layers, cap = self.layers, self.max_batch
+        n, b = tables._n, tables._b
+        if n > self.max_pages or b > cap:
+            raise ValueError(f"GraphStaging.load: {b} requests over {n} pages; the buffers hold {cap} over "
+                             f"{self.max_pages}")
+        ctl = np.zeros(self._ctl.numel(), dtype=np.int32)
+        lists = ctl[: self._zero_from].reshape(2, layers, cap)
+        listed = ctl[self._zero_from: self._zero_from + 4 * layers].reshape(2, layers, 2)
+        reqs = tables._reqs_np
+        for launch in tables.fetches:
+            kind = START if launch.trigger < 0 else TRIG
+            k, at = launch.layer, int(listed[kind, launch.layer, 0])
+            lists[kind, k, at: at + launch.n_reqs] = reqs[launch.first: launch.first + launch.n_reqs]
+            listed[kind, k, 0] = at + launch.n_reqs
+            listed[kind, k, 1] = max(int(listed[kind, k, 1]), launch.max_pages)
+        parked = tables.token_writeback
+        wb = np.zeros(0, dtype=np.int64)
+        if parked is not None:
+            src, dst = tables.launch_indices(parked.launch)[2]
+            wb = np.concatenate([self._park_sources(parked, src), dst])
+            ctl[self._zero_from + 4 * layers] = src.size
+        self.loaded_pairs = 0 if parked is None else parked.pairs
+        self.loaded_fetches = len(tables.fetches)
+        both, _ = self.store.uploads.upload(np.concatenate([wb, ctl.view(np.int64)]))
+        half = wb.size // 2
+        if half:
+            self.wb_src[:half].copy_(both[:half], non_blocking=True)
+            self.wb_dst[:half].copy_(both[half: wb.size], non_blocking=True)
+        self._ctl.copy_(both[wb.size:].view(torch.int32), non_blocking=True)
+        i32 = tables.i32  # the tables' upload: pages, staging entries, first columns, fetch counts
+        self.flat[:n].copy_(i32[:n], non_blocking=True)
+        self.stage[:n].copy_(i32[n: 2 * n], non_blocking=True)
+        self.starts[:b].copy_(i32[2 * n: 2 * n + b], non_blocking=True)
+        self.counts[:b].copy_(i32[2 * n + b: 2 * n + 2 * b], non_blocking=True)
+
+    def _park_sources(self, parked: Any, src: np.ndarray) -> np.ndarray:
+        """The write-back's source rows (``src``: rows of the tables' compact park buffer, K then
+        V) as rows of :attr:`park_buf`: slot ``s`` of the compact buffer is the ``s``-th parked
+        layer, its token ``j`` row ``j`` of the step."""
+        m = parked.buf.shape[2]
+        slots = np.asarray(parked.slots)
+        used = np.flatnonzero(slots >= 0)
+        slot, rest = np.divmod(src, 2 * m)
+        kv, j = np.divmod(rest, m)
+        return (used[slot] * 2 + kv) * self.max_batch + j
+
+    # ----- captured (inside the layers) ------------------------------------------------
+
+    def _fetch(self, kind: int, layer: int) -> None:
+        store = self.store
+        engine = store.engine
+        fetch_pages_triton(engine.host, engine.dev, self.flat, self.stage, store.mirror.rows[layer],
+                           self.lists[kind, layer], self.starts, self.counts, self.max_pages, 2 * layer,
+                           2 * self.layers, store.pages_total, self._programs, listed=self.listed[kind, layer])
+
+    def begin_step(self) -> None:
+        """Before layer 0: every start list's launch (on the H2D stream, with side streams)."""
+        store = self.store
+        if not triton_usable(store.engine.dev):
+            raise RuntimeError("GraphStaging: the graph's copies are Triton launches (CUDA, or TRITON_INTERPRET=1)")
+        if not self._streams:
+            for layer in range(self.layers):
+                self._fetch(START, layer)
+            return
+
+        def starts() -> None:
+            for layer in range(self.layers):
+                self._fetch(START, layer)
+                self._events[layer].record(store.engine.h2d_stream)
+
+        self._on(store.engine.h2d_stream, starts)
+
+    def begin_layer(self, layer: int) -> None:
+        """Before layer ``layer``'s KV write: the compute stream waits for its fetches."""
+        if not self._streams:
+            return
+        current = torch.cuda.current_stream(self.store.device)
+        current.wait_event(self._events[layer])
+        if layer:
+            current.wait_event(self._events[self.layers + layer])
+
+    def park(self, layer: int, rows: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Layer ``layer``'s new K/V of the step's ``rows`` rows into :attr:`park_buf`."""
+        self.park_buf[layer, 0, :rows].copy_(k)
+        self.park_buf[layer, 1, :rows].copy_(v)
+
+    def end_layer(self, layer: int) -> None:
+        """After layer ``layer``'s attention: the next layer's trigger list (after this layer's
+        compute); after the last, the parked rows' write-back and the joins."""
+        engine = self.store.engine
+        last = layer == self.layers - 1
+        if not self._streams:
+            if last:
+                self._write_back()
+            else:
+                self._fetch(TRIG, layer + 1)
+            return
+        if last:
+            self._on(engine.d2h_stream, self._write_back)
+            current = torch.cuda.current_stream(self.store.device)
+            for side in (engine.d2h_stream, engine.h2d_stream):  # a capture ends with its forks joined
+                current.wait_event(side.record_event())
+            return
+
+        def trig() -> None:
+            self._fetch(TRIG, layer + 1)
+            self._events[self.layers + layer + 1].record(engine.h2d_stream)
+
+        self._on(engine.h2d_stream, trig)
+
+    def _on(self, stream: Any, launch: Any) -> None:
+        """``launch()`` on ``stream`` after the compute stream's work so far (a fork in a capture)."""
+        current = torch.cuda.current_stream(self.store.device)
+        stream.wait_event(current.record_event())
+        torch.cuda.set_stream(stream)
+        try:
+            launch()
+        finally:
+            torch.cuda.set_stream(current)
+
+    def _write_back(self) -> None:
+        copy_segments_triton(self._park_rows, self.store.host_rows, self.wb_src, self.wb_dst, self._programs,
+                             count=self.wb_count)

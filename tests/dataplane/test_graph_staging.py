@@ -1,0 +1,173 @@
+"""Staged decode steps replayed as a graph (:class:`GraphStaging` through :class:`DecodeGraphs`),
+on the CPU: the layers' fetches and the parked tokens' write-back are Triton launches (the
+interpreter) whose lists and counts the boundary loads into fixed buffers; the capture and replays
+are :class:`~sglang_ext.testing.tape_graph.TapeGraph`'s (recorded ops and launches rerun on the
+recorded tensors, no Python). Two identical batches decode the same staged steps, one eagerly
+through the core's pipeline, one as boundary + admit + replay: every layer's attention, every
+step, and the host pool after them must be equal. Controls: lists never loaded, the write-back's
+count never loaded, the triggered fetches launched at step start."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from sglang_ext.dataplane.decode_graphs import DecodeGraphs
+from sglang_ext.dataplane.graph_staging import START, TRIG, GraphStaging
+from sglang_ext.testing.tape_graph import TapeGraph
+from sglang_ext.tools.gpu_check_config import SMALL
+from sglang_ext.tools.gpu_check_measure import CoreCheck
+
+LAYERS = 3
+PLACEMENT = [(0, 0, 1), (1, 0, 0), (0, 1, 0)]
+"""Per request, 1 = on the device at that layer: request 0 is fetched at step start (layer 0) and
+after layer 0 (layer 1); request 1 from layer 1 on; request 2 at layers 0 and 2 (a gap: the eager
+pipeline fetches layer 2 after layer 0 ends, the graph after layer 1)."""
+STEPS = 3
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _check() -> CoreCheck:
+    config = dataclasses.replace(SMALL, layers=LAYERS, requests=len(PLACEMENT), repeat=2)
+    ch = CoreCheck(config, "cpu", "torch")
+    ch.step()
+    ch.batch.place(PLACEMENT)
+    ch.step()  # the placement's moves happen at this boundary; its steps stage from the next
+    return ch
+
+
+def _run(control: str | None = None) -> tuple[list, list, dict]:
+    """The eager batch's and the replayed batch's outputs, step by step, and facts of the replays."""
+    eager, graphed = _check(), _check()
+    eager_outs = [[o.clone() for o in eager.layers(eager.batch.begin_decode(), backend="triton")]
+                  for _ in range(STEPS)]
+    core = graphed.batch.core
+    real = len(graphed.batch.rids)
+    graphs = DecodeGraphs(core, (real,), graphed.batch.batch_pages + real, staged=True)
+    staging = graphs.buffers.staging
+    assert isinstance(staging, GraphStaging)
+    graphs.capture(lambda bs: graphed.layers(None, backend="triton", plan=False, graph=graphs.buffers),
+                   lambda: TapeGraph("cpu"))
+    outs, facts = [], {"fetches": [], "pairs": [], "kinds": set()}
+    for _ in range(STEPS):
+        loc = graphed.batch.begin_decode()
+        assert core.tables.staging_ids.size and core.tables.fetches and core.tables.token_writeback is not None
+        size = graphs.admit(slots=loc)
+        assert size == real, dict(graphs.eager_reasons)
+        if control == "no-lists":
+            staging.clear()
+        elif control == "no-write-back":
+            staging.wb_count.zero_()
+        elif control == "all-at-start":
+            _all_at_start(staging)
+        facts["fetches"].append(staging.loaded_fetches)
+        facts["pairs"].append(staging.loaded_pairs)
+        facts["kinds"] |= {kind for kind in (START, TRIG) if int(staging.listed[kind, :, 0].sum())}
+        try:
+            outs.append([o.clone() for o in graphs.replay(size)])
+        finally:
+            core.exit_layer(LAYERS - 1)  # the step ends as after a replay served
+    facts["graphed"] = core.pipeline.graphed_steps
+    facts["replays"] = graphs.replays
+    after = (eager.layers(eager.batch.begin_decode(), backend="triton"),
+             graphed.layers(graphed.batch.begin_decode(), backend="triton"))
+    facts["after_equal"] = all(torch.equal(a, b) for a, b in zip(*after, strict=True))
+    facts["host_equal"] = torch.equal(eager.batch.core.store.host, core.store.host)
+    return eager_outs, outs, facts
+
+
+def _all_at_start(staging: GraphStaging) -> None:
+    """Every triggered fetch moved into its layer's start list (launched before layer 0)."""
+    for layer in range(LAYERS):
+        n_s, n_t = (int(staging.listed[kind, layer, 0]) for kind in (START, TRIG))
+        staging.lists[START, layer, n_s: n_s + n_t] = staging.lists[TRIG, layer, :n_t]
+        staging.listed[START, layer, 0] = n_s + n_t
+        staging.listed[START, layer, 1] = staging.listed[:, layer, 1].max()
+        staging.listed[TRIG, layer] = 0
+
+
+def _equal(a: list, b: list) -> bool:
+    return all(torch.equal(x, y) for sa, sb in zip(a, b, strict=True) for x, y in zip(sa, sb, strict=True))
+
+
+def test_staged_steps_replayed_decode_what_eager_steps_do():
+    """Every replayed staged step's attention equals the eager step's at every layer; the host pool
+    holds the same KV after them (the parked tokens' write-back ran in the graph), and the next
+    eager step over it decodes equally. The steps did stage: fetch launches regrouped into both
+    start and trigger lists, parked pairs written back, every step replayed and counted."""
+    eager, graphed, facts = _run()
+    assert _equal(eager, graphed)
+    assert facts["host_equal"] and facts["after_equal"]
+    assert min(facts["fetches"]) > 0 and min(facts["pairs"]) == sum(row.count(0) for row in PLACEMENT)
+    assert facts["kinds"] == {START, TRIG}
+    assert facts["replays"] == facts["graphed"] == STEPS
+
+
+def test_negative_control_lists_not_loaded():
+    """The replay with empty fetch lists reads stale staging pages: the outputs differ."""
+    eager, graphed, _ = _run("no-lists")
+    assert not _equal(eager, graphed)
+
+
+def test_negative_control_write_back_not_loaded():
+    """The replay whose write-back copies nothing leaves the parked tokens out of the host pool:
+    the pools differ, and the next steps read the stale rows (staged layers fetch them)."""
+    eager, graphed, facts = _run("no-write-back")
+    assert not facts["host_equal"]
+    assert not facts["after_equal"] or not _equal(eager, graphed)
+
+
+def test_negative_control_triggered_fetches_launched_at_step_start():
+    """The order matters: with every triggered fetch launched at step start, a request staged at
+    two layers gets its second layer's pages into the staging page before its first layer read
+    it -- the outputs differ (on a GPU the same launches on the H2D stream would race the layers)."""
+    eager, graphed, _ = _run("all-at-start")
+    assert not _equal(eager, graphed)
+
+
+def test_why_not_names_what_a_graph_cannot_replay():
+    """Staging buffers admit a paged decode step that parks; they refuse general tables (a
+    recompute step's) and steps that write staged pages back per layer, naming why."""
+    ch = _check()
+    core = ch.batch.core
+    ch.batch.begin_decode()
+    tables = core.tables
+    assert GraphStaging.why_not(tables) is None
+    per_layer = dataclasses.replace(tables.fetches[0]) if tables.fetches else None
+    tables.writebacks[0] = per_layer
+    assert "per layer" in GraphStaging.why_not(tables)
+    tables.writebacks[0] = None
+    core.exit_layer(LAYERS - 1)
+
+
+def test_load_regroups_launches_by_target_layer():
+    """The lists equal the tables' launches regrouped: per target layer, the requests of its
+    step-start launches (START) and of its later ones (TRIG), each list's widest request."""
+    ch = _check()
+    core = ch.batch.core
+    ch.batch.begin_decode()
+    tables = core.tables
+    staging = GraphStaging(core.store, len(PLACEMENT), ch.batch.batch_pages)
+    staging.load(tables)
+    want: dict[tuple[int, int], set] = {}
+    for f in tables.fetches:
+        key = (START if f.trigger < 0 else TRIG, f.layer)
+        want.setdefault(key, set()).update(tables._reqs_np[f.first: f.first + f.n_reqs].tolist())
+    got = {}
+    for kind in (START, TRIG):
+        for layer in range(LAYERS):
+            n = int(staging.listed[kind, layer, 0])
+            if n:
+                got[(kind, layer)] = set(staging.lists[kind, layer, :n].tolist())
+    assert got == want and want
+    # request 2's layer 2 is triggered by layer 0 eagerly (a gap), listed for layer 2 all the same
+    assert 2 in got[(TRIG, 2)] and 2 in got[(START, 0)]
+    assert np.array_equal(staging.flat[: tables._n].numpy(), tables.pages)
+    core.exit_layer(LAYERS - 1)
