@@ -4,15 +4,20 @@ on``; ``docs/cuda-graphs.md``, "What is served").
 SGLang 0.5.23's ``DecodeCudaGraphRunner`` captures the model's decode forward once per batch size at
 start-up and, for every later decode step it can serve, fills its static inputs and replays: no
 Python runs in the layers. A layered decode step reads per-step tables, so a replay may only serve
-a step whose layers need no host work, and only through tables that stay put. The data plane has
-both (SGLang-free): :class:`~sglang_ext.dataplane.graph_step_buffers.GraphStepBuffers` (persistent
-tables, a sink page for padded rows) and its ``why_not`` (nothing staged, fetched, written back,
-parked or recomputed). This class is the adapter's state between SGLang's hooks:
+a step through tables that stay put, and only a step whose per-layer host work the graph holds as
+launches. The data plane has both (SGLang-free):
+:class:`~sglang_ext.dataplane.graph_step_buffers.GraphStepBuffers` (persistent tables, a sink page
+for padded rows) with, in the paged layout, :class:`~sglang_ext.dataplane.graph_staging.GraphStaging`
+(a staged decode step's fetches and parked write-back as fixed launches over device lists), and
+their ``why_not`` (no recompute, no per-layer page write-back, within capacity). This class is
+the adapter's state between SGLang's hooks:
 
 - **Capture** (``init_forward_metadata_out_graph(in_capture=True)``, before any request): the
   buffers hold a padding-only step of the captured size (:meth:`capture`); the forward then runs
-  in graph mode (:attr:`forward`): each layer writes its new K/V through the buffers' rows
-  (:meth:`write`, padded rows onto the sink) and attends over their page table (:meth:`view`).
+  in graph mode (:attr:`forward`): each layer enters (:meth:`enter`: its staged fetches), writes
+  its new K/V through the buffers' rows (:meth:`write`, padded rows onto the sink; parked for the
+  write-back), attends over their page table (:meth:`view`) and exits (:meth:`exit`: the fetches
+  it frees; after the last layer the parked rows' write-back).
 - **Replay or eager** (the runner's ``can_run_graph``, wrapped by
   :mod:`sglang_ext.graph_runner_hooks`): kvplane's boundary runs first, as for every step, then
   :meth:`admit` loads the step's tables into the buffers, padded to the captured size SGLang will
@@ -36,6 +41,7 @@ from typing import Any
 import structlog
 import torch
 
+from sglang_ext.dataplane.graph_staging import GraphStaging
 from sglang_ext.dataplane.graph_step_buffers import GraphStepBuffers
 from sglang_ext.dataplane.results import LayerView
 
@@ -57,8 +63,9 @@ class LayeredDecodeGraph:
                                "for padded rows; launch with --kv-cuda-graphs on (or leave decode graphs off)")
         c = store.config
         self.core = core
+        staging = None if store.mirror is None else GraphStaging(store, max_bs, c.logical_pages + max_bs)
         self.buffers = GraphStepBuffers(c.layers, max_bs, c.logical_pages + max_bs, store.device,
-                                        store.sink_page, c.page_size)
+                                        store.sink_page, c.page_size, staging)
         """The steps' tables where the captured kernels read them. A step listing more pages than
         the pool has logical pages (prefixes shared by many requests) runs eagerly."""
         self.forward = False
@@ -88,6 +95,8 @@ class LayeredDecodeGraph:
             self.decline(re.sub(r"\d+", "N", why.split(";")[0]), key)
             return False
         self.buffers.load(tables, padded_to=padded_to, slots=slots)
+        if core.pipeline.tables is not None:  # a staged step's copies are the graph's launches
+            core.pipeline.in_graph()
         self.admitted = True
         return True
 
@@ -122,6 +131,14 @@ class LayeredDecodeGraph:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """The new K/V ``[rows, H, D]`` (pool dtype) of every row at ``layer`` into the buffers' rows."""
         self.buffers.write(self.core.store, layer, k, v)
+
+    def enter(self, layer: int) -> None:
+        """Before layer ``layer``'s KV write (captured): its staged fetches start or are waited for."""
+        self.buffers.enter(layer)
+
+    def exit(self, layer: int) -> None:
+        """After layer ``layer``'s attention (captured): the fetches it frees, or the write-back."""
+        self.buffers.exit(layer)
 
     def view(self, layer: int) -> LayerView:
         """Layer ``layer``'s page table and CSR, from the buffers."""

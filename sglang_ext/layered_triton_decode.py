@@ -112,6 +112,7 @@ class LayeredTritonDecode(LayeredPagedDecode):
         if kwargs:
             refuse_attention_kwargs(kwargs, layer)
         index, store = layer.layer_id - self.pool.start_layer, self.pool.store
+        graph.enter(index)  # a staged step's fetches of this layer, waited for on the stream
         if save_kv_cache and k is not None and v is not None:  # every row, padded ones onto the sink
             graph.write(index, *self.pool.stored_kv(k, v, q.shape[0]))
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
@@ -122,6 +123,7 @@ class LayeredTritonDecode(LayeredPagedDecode):
         # tables (step_splits), so on a GPU a replay and an eager step sum in different orders
         out = paged_decode(q3, store.dev[0], store.dev[1], view.kv_indptr, view.kv_indices, view.kv_lens,
                            sm_scale=getattr(layer, "scaling", None), logits_soft_cap=cap, window_left=window)
+        graph.exit(index)  # after the layer's last read of staging: the fetches it frees
         if out.dtype != q.dtype:
             out = out.to(q.dtype)
         return out.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)

@@ -411,6 +411,13 @@ class CudaTransferEngine(TransferEngine):
         if self._last["d2h"] is not None:
             self.h2d_stream.wait_event(self._last["d2h"])
 
+    def after_graph(self) -> None:
+        # the graph's fetches and write-back are joined into the compute stream at its end: an
+        # event there stands for the last copy each way (the next fence, quiesce, host reads)
+        event = self._compute_stream().record_event()
+        self._last["h2d"] = self._last["d2h"] = event
+        self._fresh = True
+
     def quiesce(self) -> None:
         for event in self._last.values():
             if event is not None:

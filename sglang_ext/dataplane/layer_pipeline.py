@@ -57,6 +57,8 @@ class LayerPipeline:
         """The current forward's parked tokens were written back."""
         self._started = True
         """The step-start fetches were launched (or belong to a graph)."""
+        self._graphed = False
+        """The current step's transfers run inside a graph (:meth:`in_graph`)."""
         self.graphed_steps = 0
         """Steps whose transfers ran inside a CUDA graph (:meth:`in_graph`)."""
         self.steps = 0
@@ -91,7 +93,7 @@ class LayerPipeline:
         self._parked_out = False
         self.idle = (not tables.fetches and tables.token_writeback is None
                      and all(w is None for w in tables.writebacks))
-        self._started = False
+        self._started = self._graphed = False
         self.steps += 1
 
     def _start(self) -> None:
@@ -107,7 +109,7 @@ class LayerPipeline:
         tables = self.tables
         if tables is None or self._started:
             raise RuntimeError("LayerPipeline.in_graph: no step, or its fetches were launched eagerly already")
-        self._started = True
+        self._started = self._graphed = True
         self._by_trigger = {}
         for launch in tables.fetches:
             self.store.h2d_bytes += launch.segments * self.engine.segment_bytes
@@ -200,7 +202,10 @@ class LayerPipeline:
         """The forward is over: staging goes back (its reuse is fenced by the next step)."""
         tables, self.tables = self.tables, None
         self._written_back = None  # the next step's fence (or at-rest sync) orders it
-        if tables is not None:
+        if tables is not None and self._graphed:  # the graph's copies, joined into the compute stream
+            self._graphed = False
+            self.engine.after_graph()
+        elif tables is not None:
             self._write_back_reached(tables)
         self.engine.end_compute()
         if tables is not None:

@@ -150,6 +150,10 @@ class TransferEngine:
                 keep: tuple[torch.Tensor, ...] = ()) -> Any:
         raise NotImplementedError
 
+    def after_graph(self) -> None:
+        """A step whose copies ran inside a replayed graph has ended (its forks joined into the
+        compute stream): later fences and host reads order after it (CUDA). Nothing to do here."""
+
     def mark_compute(self) -> None:
         """The next launches may share one wait on the compute stream's work so far (CUDA)."""
 

@@ -105,14 +105,15 @@ class GpuCheckConfig:
         half-offloaded placement on the copy engines, timed and laid out),
         recompute (a timed run, 1 for accuracy); with a margin; the placed phase once more
         (on the kernels, where the copy engines fault in it: ``gpu_check_placed.PlacedPhase``);
-        and the CUDA-graph probe's steps (``gpu_check_graph.steps``); the batch-change phase's
-        (``gpu_check_turnover``: one settling step, two a round, one checked)."""
+        and the CUDA-graph probes' steps (``gpu_check_graph.steps``, ``gpu_check_staged_graph.steps``);
+        the batch-change phase's (``gpu_check_turnover``: one settling step, two a round, one checked)."""
         from sglang_ext.tools.gpu_check_graph import steps as graph_steps
+        from sglang_ext.tools.gpu_check_staged_graph import steps as staged_steps
         from sglang_ext.tools.gpu_check_turnover import CHECKED_STEPS, ROUNDS, STEPS_PER_ROUND
 
         runs = self.repeat + 2
         return ((16 + len(PROGRAM_CAPS)) * runs + 6 * TIMELINE_STEPS + 13 + graph_steps(self.repeat)
-                + 1 + ROUNDS * STEPS_PER_ROUND + CHECKED_STEPS)
+                + staged_steps(self.repeat) + 1 + ROUNDS * STEPS_PER_ROUND + CHECKED_STEPS)
 
     def with_overrides(self, **changes: object) -> GpuCheckConfig:
         """A copy with the non-None ``changes`` applied (CLI overrides)."""

@@ -33,8 +33,8 @@ One :class:`~sglang_ext.tools.gpu_check_batch.CheckBatch` runs, in order:
    time vs the placement model with recompute, attention over the recomputed prefixes;
 10. all-resident steps whose layers are captured once as a CUDA graph and replayed step after step
     (:class:`~sglang_ext.tools.gpu_check_graph.GraphProbe`): replay vs eager, attention after the
-    replayed steps, step time eager vs replayed.
-"""
+    replayed steps, step time eager vs replayed; then staged ones, their fetches and write-back in
+    the graph (:class:`~sglang_ext.tools.gpu_check_staged_graph.StagedGraphProbe`)."""
 
 from __future__ import annotations
 
@@ -81,9 +81,7 @@ STALL_REL_ERR = 0.10
 STALL_FLOOR_SHARE = 0.05
 """The stall error's denominator is the model's stall, at least this share of the resident step
 (a placement whose copies the model hides entirely predicts a stall near zero)."""
-H2D_VS_CONTIGUOUS = 0.85
-DUPLEX_VS_ONE = 1.5
-CPU_SHARE = 0.05
+H2D_VS_CONTIGUOUS, DUPLEX_VS_ONE, CPU_SHARE = 0.85, 1.5, 0.05
 PROFILE_STEPS = 3
 """Steps of each kind profiled by function (:class:`HostProfileProbe`)."""
 Q_SCALE = 2.0
@@ -395,6 +393,7 @@ class CoreCheck:
         from sglang_ext.tools.gpu_check_graph import GraphProbe  # they import this module
         from sglang_ext.tools.gpu_check_overlap import OverlapCheck
         from sglang_ext.tools.gpu_check_recompute import RecomputeCheck
+        from sglang_ext.tools.gpu_check_staged_graph import StagedGraphProbe
 
         self.done += guarded_phase(
             "overlap_check", "the overlap phase", "OverlapCheck.run",
@@ -409,6 +408,8 @@ class CoreCheck:
                                    lambda: recompute.run(comp, transfer.bw_blocks_per_ms))
         self.done += guarded_phase("graph_probe", "the CUDA-graph probe", "GraphProbe.run",
                                    GraphProbe(self, identity=True, runner=True).run)
+        self.done += guarded_phase("graph_staged_probe", "the staged CUDA-graph probe", "StagedGraphProbe.run",
+                                   StagedGraphProbe(self).run)  # after the overlap phase: its hidden placement
         return base() + self.done  # ``base`` stays set: a stop before the caller took these recomputes them
 
     def _figures(self, errors: dict[str, dict[str, float]], t: TransferResult, resident_ms: float,

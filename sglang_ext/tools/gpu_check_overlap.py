@@ -188,6 +188,7 @@ class OverlapCheck:
         self.details = {
             "share": share, "offloaded_layer_pages": offloaded,
             "offloaded_layers_per_request": [r.count(0) for r in rows], "model_stall_ms": model_stall,
+            "rows": [list(r) for r in rows],
             "resident_step_ms": resident_ms, "step_ms": hidden_ms, "step_ms_by_programs": by_programs,
             "fastest_programs": min(by_programs, key=by_programs.__getitem__), "timeline": timeline,
             "recommended_programs": recommend_programs(by_programs, link_by_programs or {}, h2d_gbps),

@@ -6,6 +6,7 @@ returns exactly the shadow."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -77,6 +78,13 @@ class CoreDriver:
         self.slots: dict[str, list[int]] = {}
         self.paused: set[str] = set()
         self.shadow: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.graph_buffers: Any = None
+        """A :class:`GraphStepBuffers` (with a :class:`GraphStaging`, or not): the decode steps it
+        admits run their layers through it -- its ``enter`` / ``write`` / tables / ``exit``, the
+        core's pipeline told the step is graphed (``in_graph``) -- as a replayed graph's layers
+        do; the others as before. Counts: :attr:`graph_steps`, :attr:`graph_declined`."""
+        self.graph_steps = 0
+        self.graph_declined: Counter[str] = Counter()
         self.on_layer = on_layer
         """Called inside every layer (after the write, before the read): tests hook assertions."""
         self.steps = 0
@@ -146,6 +154,9 @@ class CoreDriver:
             core.prepare_step([(rid, torch.tensor(self.slots[rid])) for rid, _ in batch], loc, [n for _, n in batch],
                               recompute=rec, recompute_ids=ids)
         self.check_staging()
+        graph = self._admit_graph(batch, loc) if rec is None else None
+        if graph is not None:
+            return self._graph_layers(graph, batch, loc)
         idle = steady or self.skip_idle == "always" or (self.skip_idle is True and core.layers_idle)
         self.idle_steps += idle
         self.steady_steps += steady
@@ -172,6 +183,48 @@ class CoreDriver:
             if not idle or (layer == core.layers - 1 and not steady):
                 core.exit_layer(layer)
         assert (core.tables is None or steady) and core.store.staging_pages == 0
+        self.steps += 1
+        return True
+
+    def _admit_graph(self, batch: Sequence[tuple[str, int]], loc: torch.Tensor) -> Any:
+        """:attr:`graph_buffers` loaded with this decode step, or None (the reason counted)."""
+        g, core = self.graph_buffers, self.core
+        if g is None or any(n != 1 for _, n in batch):
+            return None
+        why = g.why_not(None if core.overflow else core.tables, len(batch))
+        if why is not None:
+            self.graph_declined[why.split(";")[0]] += 1
+            return None
+        g.load(core.tables, padded_to=len(batch), slots=loc)
+        core.pipeline.in_graph()
+        self.graph_steps += 1
+        return g
+
+    def _graph_layers(self, g: Any, batch: Sequence[tuple[str, int]], loc: torch.Tensor) -> bool:
+        """The step's layers as a graph replays them: the buffers' calls only, the shadow check
+        reading the buffers' page table; the core's last exit ends the step."""
+        core = self.core
+        for layer in range(core.layers):
+            g.enter(layer)
+            shape = (loc.numel(), core.config.kv_heads, core.config.head_dim)
+            k = torch.randn(shape, generator=self.gen).to(core.store.dev.dtype)
+            v = torch.randn(shape, generator=self.gen).to(core.store.dev.dtype)
+            g.write(core.store, layer, k.to(core.store.device), v.to(core.store.device))
+            for i, slot in enumerate(loc.tolist()):
+                self.shadow[(layer, slot)] = (k[i].clone(), v[i].clone())
+            if self.on_layer is not None:
+                self.on_layer(layer)
+            for b, (rid, _) in enumerate(batch):
+                lo, hi, n = int(g.kv_indptr[b]), int(g.kv_indptr[b + 1]), int(g.kv_lens[b])
+                pages = g.tab[layer][lo:hi].to(torch.int64)
+                rows = (pages[:, None] * self.ps + torch.arange(self.ps, device=pages.device)).reshape(-1)[:n]
+                k_all, v_all = core.device_kv()
+                want = [self.shadow[(layer, s)] for s in self.slots[rid]]
+                assert torch.equal(k_all[rows].cpu(), torch.stack([w[0] for w in want])), (rid, layer, "graph")
+                assert torch.equal(v_all[rows].cpu(), torch.stack([w[1] for w in want])), (rid, layer, "graph")
+            g.exit(layer)
+        core.exit_layer(core.layers - 1)
+        assert core.tables is None and core.store.staging_pages == 0
         self.steps += 1
         return True
 

@@ -10,6 +10,7 @@ count never loaded, the triggered fetches launched at step start."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import pytest
@@ -34,18 +35,19 @@ def _interpret(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-def _check() -> CoreCheck:
+def _check(device: str = "cpu") -> CoreCheck:
     config = dataclasses.replace(SMALL, layers=LAYERS, requests=len(PLACEMENT), repeat=2)
-    ch = CoreCheck(config, "cpu", "torch")
+    ch = CoreCheck(config, device, "torch")
     ch.step()
     ch.batch.place(PLACEMENT)
     ch.step()  # the placement's moves happen at this boundary; its steps stage from the next
     return ch
 
 
-def _run(control: str | None = None) -> tuple[list, list, dict]:
-    """The eager batch's and the replayed batch's outputs, step by step, and facts of the replays."""
-    eager, graphed = _check(), _check()
+def _run(control: str | None = None, device: str = "cpu", graph: Any = TapeGraph) -> tuple[list, list, dict]:
+    """The eager batch's and the replayed batch's outputs, step by step, and facts of the replays
+    (``graph``: the graph object's class, made from the device)."""
+    eager, graphed = _check(device), _check(device)
     eager_outs = [[o.clone() for o in eager.layers(eager.batch.begin_decode(), backend="triton")]
                   for _ in range(STEPS)]
     core = graphed.batch.core
@@ -54,7 +56,7 @@ def _run(control: str | None = None) -> tuple[list, list, dict]:
     staging = graphs.buffers.staging
     assert isinstance(staging, GraphStaging)
     graphs.capture(lambda bs: graphed.layers(None, backend="triton", plan=False, graph=graphs.buffers),
-                   lambda: TapeGraph("cpu"))
+                   lambda: graph(device))
     outs, facts = [], {"fetches": [], "pairs": [], "kinds": set()}
     for _ in range(STEPS):
         loc = graphed.batch.begin_decode()

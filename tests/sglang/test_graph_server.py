@@ -9,10 +9,11 @@ layer that reads anything but the persistent graph buffers replays stale data, a
 
 Servers (side by side): the layered Triton decode eager with most KV on host (the reference), and
 with decode graphs: in the identity layout and in the paged layout with nothing offloaded (steps
-replay), and with the reference's tiny device budget (steps that stage pages must run eagerly,
-each with one kvplane boundary). Outputs are compared
+replay), and with the reference's tiny device budget (steps that stage pages replay too, their
+fetches and write-back launches of the graph, each step with one kvplane boundary). Outputs are compared
 as per-token logprobs (:data:`tests.sglang.conftest.LOGPROB_ATOL`); the negative control replays
-over tables that were not loaded (``KVPLANE_TEST_STALE_GRAPH_FILE``).
+over tables that were not loaded (``KVPLANE_TEST_STALE_GRAPH_FILE``), and staged steps whose
+fetch lists were emptied (``KVPLANE_TEST_EMPTY_GRAPH_FETCHES_FILE``).
 """
 
 from __future__ import annotations
@@ -60,7 +61,9 @@ def servers(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[dict]:
     def graph_env(name: str) -> dict:
         root = roots[name]
         return {**env, "KVPLANE_TEST_TAPE_GRAPHS": str(root / "tape.log"),
-                "KVPLANE_TEST_STALE_GRAPH_FILE": str(root / "stale"), POOL_STATS_FILE_ENV: str(root / "stats.jsonl")}
+                "KVPLANE_TEST_STALE_GRAPH_FILE": str(root / "stale"),
+                "KVPLANE_TEST_EMPTY_GRAPH_FETCHES_FILE": str(root / "no-fetches"),
+                POOL_STATS_FILE_ENV: str(root / "stats.jsonl")}
 
     specs = [(roots["eager"], [*TRITON, *OFFLOAD], {**env, POOL_STATS_FILE_ENV: str(roots["eager"] / "stats.jsonl")}),
              (roots["identity"], [*TRITON, *GRAPHS], graph_env("identity")),
@@ -147,12 +150,13 @@ def _one_at_a_time(server: SGLangServer, root: Path) -> tuple[list[dict], Counte
     return out, _tape(root) - before
 
 
-def test_steps_that_stage_pages_run_eagerly_once_and_equal_eager(servers):
-    """KV on host: a step that stages pages needs host work in its layers, so SGLang's replay is
-    declined after kvplane's boundary and the step runs eagerly on its own tables; the eager forward
-    (on SGLang's copy of the batch) runs no second boundary -- the pool writes one stats line per
-    boundary, exactly as many as the eager server's for the same requests, with the same tokens --
-    and the output is the eager server's."""
+def test_steps_that_stage_pages_replay_and_equal_eager(servers):
+    """KV on host: a decode step that stages pages replays too -- its fetches and its parked tokens'
+    write-back are launches of the graph, their lists loaded after kvplane's boundary
+    (``GraphStaging``) -- and the output is the eager server's. The pool writes one stats line per
+    boundary, exactly as many as the eager server's for the same requests, with the same tokens
+    (no second boundary for any step); the decode steps that staged pages replayed: no step ran
+    eagerly for staging, and the replays number the decode steps."""
     roots = servers["roots"]
     before = {name: len(_stats(roots[name])) for name in ("eager", "offload")}
     want, _ = _one_at_a_time(servers["eager"], roots["eager"])
@@ -160,13 +164,26 @@ def test_steps_that_stage_pages_run_eagerly_once_and_equal_eager(servers):
     assert _worst(got, want) <= LOGPROB_ATOL
     log = servers["offload"].log_path.read_text()
     reasons = re.findall(r"layered_decode_graph_eager\s+reason=.([^'\"]*)", log)
-    assert reasons and reasons[0].startswith("the step stages pages"), reasons
-    identity_replays = 4 * (NEW_TOKENS - 1)  # at most: every decode step of the four requests
-    assert sum(n for (kind, _), n in replayed.items() if kind == "replay") < identity_replays, replayed
-    added = {name: [(line["batch_size"], line["new_tokens"]) for line in _stats(roots[name])[before[name]:]]
-             for name in before}
-    # a second boundary adds a line to every declined step (measured with requests batched: 31 vs 18)
+    assert not [r for r in reasons if "stage" in r or "copies" in r], reasons
+    lines = {name: _stats(roots[name])[before[name]:] for name in before}
+    added = {name: [(line["batch_size"], line["new_tokens"]) for line in lines[name]] for name in before}
     assert added["eager"] and added["offload"] == added["eager"], added
+    decode = [line for line in lines["offload"] if line["new_tokens"] == line["batch_size"]]
+    staged = [line for line in decode if line["staging_pages"] > 0]
+    replays = sum(n for (kind, _), n in replayed.items() if kind == "replay")
+    assert len(staged) >= 2 and replays == len(decode), (len(staged), replays, len(decode))
+
+
+def test_staged_replays_without_their_fetches_are_caught(servers):
+    """Negative control: the staged steps' graph lists emptied after they load -- the replays'
+    fetches copy nothing, the staged layers read stale staging pages, and the comparison above fails."""
+    roots = servers["roots"]
+    want, _ = _one_at_a_time(servers["eager"], roots["eager"])
+    server, root = servers["offload"], roots["offload"]
+    with fault_armed(server, root / "no-fetches"):
+        got, replayed = _one_at_a_time(server, root)
+    assert sum(n for (kind, _), n in replayed.items() if kind == "replay") >= 1
+    assert _worst(got, want) > 100 * LOGPROB_ATOL
 
 
 def _decode_rows(lines: list[dict]) -> int:

@@ -52,6 +52,8 @@ no-op, and its graph backend is :class:`sglang_ext.testing.tape_graph_backend.Ta
 (each capture and replay appended to ``PATH``). With ``KVPLANE_TEST_STALE_GRAPH_FILE=PATH`` as well,
 while ``PATH`` exists an admitted step does not load its tables into the graph buffers: the replay
 reads the last loaded step's -- what a replay over stale tables would do (the negative control).
+With ``KVPLANE_TEST_EMPTY_GRAPH_FETCHES_FILE=PATH``, while ``PATH`` exists a staged step's graph
+lists are emptied after they load: the replay's fetches copy nothing (the staged replays' control).
 
 With ``KVPLANE_TEST_STALE_TURNOVER_FILE=PATH``, while ``PATH`` exists a decode step whose batch
 changed (a turnover, ``DecodeContinuity.continued``) continues a wrong page list: each request
@@ -359,6 +361,18 @@ def _patch_stale_graph(module) -> None:  # noqa: ANN001
     module.GraphStepBuffers.load = load
 
 
+def _patch_empty_fetches(module) -> None:  # noqa: ANN001
+    flag = os.environ["KVPLANE_TEST_EMPTY_GRAPH_FETCHES_FILE"]
+    real = module.GraphStaging.load
+
+    def load(self, tables):  # noqa: ANN001, ANN202
+        real(self, tables)
+        if os.path.exists(flag):
+            self.listed.zero_()  # the replay's fetch launches copy nothing
+
+    module.GraphStaging.load = load
+
+
 PROFILE_TARGET = "sglang.srt.mem_cache.kv_cache_configurator"
 
 
@@ -472,6 +486,8 @@ if os.environ.get("KVPLANE_TEST_WARMUP_DUMMY_FILE"):
     _install(WARMUP_TARGET, _patch_warmup_dummy)
 if os.environ.get("KVPLANE_TEST_STALE_GRAPH_FILE"):
     _install("sglang_ext.dataplane.graph_step_buffers", _patch_stale_graph)
+if os.environ.get("KVPLANE_TEST_EMPTY_GRAPH_FETCHES_FILE"):
+    _install("sglang_ext.dataplane.graph_staging", _patch_empty_fetches)
 if os.environ.get("KVPLANE_TEST_FORCE_OVERFLOW_FILE"):
     from kvplane_force_overflow import TARGET as OVERFLOW_TARGET
     from kvplane_force_overflow import patch as _patch_overflow
