@@ -102,6 +102,12 @@ class GraphStaging:
         if self._streams:
             self._events = [torch.cuda.Event() for _ in range(2 * c.layers)]
 
+    @staticmethod
+    def park_bytes(config: Any, max_batch: int) -> int:
+        """Device bytes of the park buffer for ``max_batch`` rows (every layer's K and V rows)."""
+        itemsize = torch.empty(0, dtype=config.dtype).element_size()
+        return config.layers * 2 * max_batch * config.kv_heads * config.head_dim * itemsize
+
     # ----- at the boundary (host) -----------------------------------------------------
 
     @staticmethod

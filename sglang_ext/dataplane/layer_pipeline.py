@@ -3,10 +3,10 @@
 Per step (OrbitFlow §3.3.1; SuperInfer §4.3 DuplexKV):
 
 - ``begin_step(tables)``: the compute and H2D streams wait for the copies of the boundary
-  (one stream wait each). The fetches whose trigger is the step start (one batched H2D per
-  target layer, on the H2D stream) are launched when the forward reaches its first layer, so
-  that a step replayed in a CUDA graph (:meth:`LayerPipeline.in_graph`, decided after the
-  boundary) has launched nothing eagerly.
+  (one stream wait each); the fetches whose trigger is the step start are launched (one
+  batched H2D per target layer) on the H2D stream -- or, with :attr:`LayerPipeline.defer_start`
+  (staged steps may replay in a CUDA graph, which is decided after the boundary), at the
+  forward's first layer call, so that a replayed step has launched nothing eagerly.
 - ``begin_layer(l)``: the compute stream waits on the events of the launches that fetch layer
   ``l``, and on layer ``l - 1``'s page write-back if it had one (layer ``l`` writes its new
   tokens into the same staging pages; a page with no KV yet is not fetched to order that) --
@@ -59,6 +59,11 @@ class LayerPipeline:
         """The step-start fetches were launched (or belong to a graph)."""
         self._graphed = False
         """The current step's transfers run inside a graph (:meth:`in_graph`)."""
+        self.defer_start = False
+        """Launch the step-start fetches at the forward's first layer call instead of at
+        :meth:`begin_step`: set where a CUDA graph may take a staged step's transfers after the
+        boundary (:class:`~sglang_ext.dataplane.decode_graphs.DecodeGraphs` and the SGLang adapter
+        with staging); off, the fetches also overlap the host work between boundary and layer 0."""
         self.graphed_steps = 0
         """Steps whose transfers ran inside a CUDA graph (:meth:`in_graph`)."""
         self.steps = 0
@@ -95,10 +100,12 @@ class LayerPipeline:
                      and all(w is None for w in tables.writebacks))
         self._started = self._graphed = False
         self.steps += 1
+        if not self.defer_start:
+            self._start()
 
     def _start(self) -> None:
-        """The step-start fetches, at the forward's first layer call."""
-        if not self._started:
+        """The step-start fetches (at the step's begin, or its first layer call: :attr:`defer_start`)."""
+        if not self._started and self.tables is not None:
             self._started = True
             self._launch_fetches(-1, ())
 
@@ -107,9 +114,11 @@ class LayerPipeline:
         write-back (:class:`~sglang_ext.dataplane.graph_staging.GraphStaging`, loaded with these
         tables): nothing is launched here; the moved bytes are counted as the launches would."""
         tables = self.tables
-        if tables is None or self._started:
-            raise RuntimeError("LayerPipeline.in_graph: no step, or its fetches were launched eagerly already")
-        self._started = self._graphed = True
+        if tables is None or self._started and -1 in self._by_trigger:
+            raise RuntimeError("LayerPipeline.in_graph: no step, or its fetches were launched eagerly already "
+                               "(a graph that stages needs LayerPipeline.defer_start)")
+        self._started = True
+        self._graphed = bool(tables.fetches) or tables.token_writeback is not None
         self._by_trigger = {}
         for launch in tables.fetches:
             self.store.h2d_bytes += launch.segments * self.engine.segment_bytes
@@ -201,6 +210,7 @@ class LayerPipeline:
     def end_step(self) -> None:
         """The forward is over: staging goes back (its reuse is fenced by the next step)."""
         tables, self.tables = self.tables, None
+        self._started = True  # nothing to start until the next step begins
         self._written_back = None  # the next step's fence (or at-rest sync) orders it
         if tables is not None and self._graphed:  # the graph's copies, joined into the compute stream
             self._graphed = False

@@ -23,6 +23,10 @@ the check's batch, and grades that it decodes right:
    them compares every layer's attention with the dense reference too (the replays' parked tokens
    reached the host pool: the staged layers fetch them from there).
 
+Then the batch goes all-resident and steps replay through the same graph (its staging launches
+empty): what staging in the graph costs where nothing is offloaded, beside the graph probe's
+all-resident replay without it.
+
 Figures ``graph.staged.*``: the three agreements (graded), the step eager vs replayed, and kvplane's
 host time per replayed step over the all-resident eager step -- the issue's measure, graded with
 its target (0.05) as the figure where graphs serve. On the CPU there is no graph (N/A); the tests
@@ -53,9 +57,9 @@ BACKEND = "triton"
 
 def steps(repeat: int) -> int:
     """Decode steps the probe adds to the batch (``GpuCheckConfig.decode_steps``): the timed eager
-    steps (2 warm-ups + ``repeat``), the timed replayed ones (as many), the later one and the
-    accuracy step."""
-    return 2 * (repeat + 2) + 2
+    steps (2 warm-ups + ``repeat``), the timed replayed ones (as many), the later one, the timed
+    all-resident replays (as many) and the accuracy step."""
+    return 3 * (repeat + 2) + 2
 
 
 class StagedGraphProbe:
@@ -143,10 +147,17 @@ class StagedGraphProbe:
         finally:
             core.exit_layer(last)
         dense = _dense_errors(ch, replayed)
+        b.place([[1] * c.layers for _ in b.rids])  # all-resident steps through the same graph: what its
+        core.store.engine.quiesce()  # empty staging launches cost where nothing is offloaded
+        sync(device)
+        resident_replay_ms = time_ms(replayed_step, device, c.repeat)
+        b.place(rows)
         errors = ch.attention_errors()[BACKEND]  # one eager staged step over every replayed token
         resident_ms = ch.details.get("overlap", {}).get("resident_step_ms") or ch.details.get("resident_step_ms")
         return {"layers": c.layers, "requests": real, "offloaded_layers_per_request": [r.count(0) for r in rows],
                 "step_eager_ms": eager_ms, "step_replay_ms": replay_ms, "resident_step_ms": resident_ms,
+                "resident_replay_ms": resident_replay_ms,
+                "resident_replay_ms_plain": ch.details.get("graph_probe", {}).get("step_replay_ms"),
                 "host_replay_ms": statistics.median(host_replay),
                 "hidden_eager_kvplane_cpu": ch.details.get("overlap", {}).get("kvplane_cpu"),
                 "staged_replays": staged_steps[0], "replays": graphs.replays, "replay_max_abs_diff": diff,
@@ -192,6 +203,13 @@ class StagedGraphProbe:
             Figure.graded("graph.staged.step_ms.replay", "staged decode step: boundary + admit + replay",
                           v("step_replay_ms"), "ms", None, None, "median wall time, device-synchronised",
                           meaningful=timed, note=note),
+            Figure.graded("graph.staged.resident_step_ms.replay", "all-resident decode step through the staged "
+                          "graph: boundary + admit + replay", v("resident_replay_ms"), "ms", None, None,
+                          "median wall time, device-synchronised: the staging launches (empty lists) and the "
+                          "parks are the cost where nothing is offloaded; graph.step_ms.replay is the same step "
+                          "through a graph without them", meaningful=timed,
+                          note=note if m is None else f"without staging (graph probe): "
+                          f"{m['resident_replay_ms_plain']} ms; {note}"),
             Figure.graded("graph.staged.kvplane_cpu_share", "kvplane CPU time per replayed staged step / the "
                           "all-resident eager step", share, "ratio", "<=", HOST_SHARE_TARGET,
                           "thread CPU time of the boundary and the admission (tables and fetch lists into the "

@@ -42,10 +42,12 @@ def test_replayed_staged_steps_decode_what_the_reference_does():
     f = figures["graph.staged.replay_max_abs_diff"]
     assert f.status == PASS and f.value == 0, f
     m = ch.details["graph_staged"]
-    assert m["staged_replays"] == m["replays"] == ch.config.repeat + 2 + 1, m
+    runs = ch.config.repeat + 2
+    assert m["staged_replays"] == runs + 1 and m["replays"] == 2 * runs + 1, m  # then all-resident ones
     assert m["offloaded_layers_per_request"] == [2, 2] and not m["eager_reasons"]
     assert ch.batch.lens == [n + steps(ch.config.repeat) for n in lens]
-    for key in ("graph.staged.step_ms.eager", "graph.staged.step_ms.replay", "graph.staged.kvplane_cpu_share"):
+    for key in ("graph.staged.step_ms.eager", "graph.staged.step_ms.replay", "graph.staged.kvplane_cpu_share",
+                "graph.staged.resident_step_ms.replay"):
         assert figures[key].status == NA, key
 
 

@@ -240,7 +240,6 @@ def test_attention_waits_on_its_layers_fetch_events_and_one_write_back_ends_the_
 
     def enter(layer: int) -> None:
         at_layer[0] = layer
-        core.pipeline._start()  # the step-start fetches go out at the first layer's entry
         expected = list(core.pipeline._events[layer])
         real_enter(layer)
         entered[layer] = (expected, list(engine.waited[-len(expected):]) if expected else [])

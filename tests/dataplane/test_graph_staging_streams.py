@@ -8,6 +8,8 @@ waiting for the layer that frees their staging."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -25,6 +27,7 @@ MAX_BATCH = 4
 def _driver(seed: int = 3, device: str = "cpu") -> CoreDriver:
     core = make_core(PAGES + 8, device=device)
     d = CoreDriver(core, seed=seed, fast_decode=True, paged_reads=True)
+    core.pipeline.defer_start = True  # as DecodeGraphs(staged=True) and the adapter set it
     staging = GraphStaging(core.store, MAX_BATCH, PAGES + MAX_BATCH)
     d.graph_buffers = GraphStepBuffers(LAYERS, MAX_BATCH, PAGES + MAX_BATCH, core.store.device, None,
                                        core.page_size, staging)
@@ -186,3 +189,45 @@ def test_the_graph_and_the_pipeline_account_the_same_bytes(monkeypatch):
     assert (a.h2d_bytes, a.d2h_bytes, a.host_write_bytes) == (b.h2d_bytes, b.d2h_bytes, b.host_write_bytes)
     assert a.h2d_bytes > 0 and graphed.graph_steps > eager.graph_steps
     assert np.array_equal(a.host.numpy(), b.host.numpy())
+
+
+def _launches_seen(defer: bool) -> tuple[Any, int, list[int]]:
+    """A staged decode step with ``defer_start``: the core, the H2D launches before it, and the
+    count after its boundary and at each layer."""
+    core = make_core(PAGES + 8)
+    core.pipeline.defer_start = defer
+    d = CoreDriver(core, seed=3, fast_decode=True, paged_reads=True)
+    d.add("a")
+    assert d.step([("a", 9)])
+    d.want("a", [False, True, False])
+    assert d.step([("a", 1)])  # the placement's moves
+    launches = core.store.engine.stats.h2d_launches
+    seen: list[int] = []
+    d.on_layer = lambda layer: seen.append(core.store.engine.stats.h2d_launches)
+    real = core.prepare_decode_step
+
+    def boundary(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        out = real(*args, **kwargs)
+        seen.append(core.store.engine.stats.h2d_launches)
+        return out
+
+    core.prepare_decode_step = boundary
+    assert d.step([("a", 1)])
+    core.prepare_decode_step = real
+    return core, launches, seen
+
+
+def test_step_start_fetches_go_out_at_the_boundary_unless_deferred(monkeypatch):
+    """Eagerly (no graph), a staged step's step-start fetches launch at its boundary, overlapping
+    whatever runs before layer 0; deferred (a graph may take the step), at the first layer call.
+    After a deferred step ends, a layer entered outside any step launches nothing (and raises
+    nothing)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for defer in (False, True):
+        core, launches, seen = _launches_seen(defer)
+        assert seen[0] == launches + (0 if defer else 1) and seen[1] == launches + 1, (defer, launches, seen)
+    ends = core.store.engine.stats.h2d_launches
+    core.pipeline.end_step()
+    core.enter_layer(0)  # no step: nothing to launch, nothing raised
+    core.exit_layer(0)
+    assert core.store.engine.stats.h2d_launches == ends
