@@ -36,7 +36,10 @@ does on the device), ``finish`` (a request
 finishes -- ``release_request`` + ``page_freed`` -- and the next decode step runs without it),
 ``arrival`` (a new request's plan, ``update_residency``, and its prefill step) and ``join`` (the
 first decode step with the newcomer in the batch), plus ``stats`` (one ``core.stats()``, which
-SGLang's adapter calls per step when the stats file is on). Medians of thread CPU time (torch
+SGLang's adapter calls per step when the stats file is on), and with ``--graph-admit`` ``admit``
+(the steady step's tables and fetch lists loaded into CUDA-graph buffers with staging: what
+``--kv-cuda-graphs on`` adds to a boundary, so that a replayed step's host work is ``boundary``
+plus ``admit``). Medians of thread CPU time (torch
 runs single-threaded here) and of wall time. Results:
 ``benchmarks/results/core/core-<machine>.{json,md}``.
 """
@@ -65,7 +68,7 @@ from sglang_ext.dataplane.slot_store_config import SlotStoreConfig
 RESULTS_DIR = Path("benchmarks/results/core")
 LAYOUTS = ("identity", "paged", "paged-offload")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-PHASES = ("steady", "boundary", "finish", "arrival", "join", "stats")
+PHASES = ("steady", "boundary", "finish", "arrival", "join", "stats", "admit")
 
 
 def _ints(text: str, name: str) -> list[int]:
@@ -102,6 +105,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--paged-reads", action="store_true",
                         help="read as SGLang's paged decode backends do (FlashInfer, Triton: page tables, "
                         "no token tables; steady steps may advance the last tables), not as torch-native")
+    parser.add_argument("--graph-admit", action="store_true",
+                        help="also time each steady step's admission into CUDA-graph buffers with staging "
+                        "(GraphStepBuffers + GraphStaging.load, what --kv-cuda-graphs on adds to a boundary: "
+                        "the host work left per replayed step is the boundary plus this); paged layouts, "
+                        "with --paged-reads")
     parser.add_argument("--out-dir", default=str(RESULTS_DIR), help="where the JSON and Markdown go")
 
 
@@ -137,6 +145,14 @@ class CoreRun:
         self.next_id = 0
         self.samples: dict[str, list[tuple[float, float]]] = {p: [] for p in PHASES}
         self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.graph: Any = None
+        """Graph buffers with staging the steady steps are admitted into (``--graph-admit``)."""
+        if getattr(args, "graph_admit", False) and layout != "identity" and args.paged_reads:
+            from sglang_ext.dataplane.graph_staging import GraphStaging
+            from sglang_ext.dataplane.graph_step_buffers import GraphStepBuffers
+
+            rows, cols = args.requests, self.logical + args.requests
+            self.graph = GraphStepBuffers(L, rows, cols, "cpu", None, ps, GraphStaging(self.core.store, rows, cols))
 
     # ----- SGLang's side (untimed) ---------------------------------------------------------
 
@@ -204,6 +220,7 @@ class CoreRun:
         prepare()
         c1, w1 = time.thread_time(), time.perf_counter()
         copies = (times.h2d_s + times.d2h_s - copies0) * 1e3
+        tables = None if self.core.overflow else self.core.tables  # the step's (released with it)
         self._layers(loc)
         c2, w2 = time.thread_time(), time.perf_counter()
         if phase is not None:
@@ -211,6 +228,9 @@ class CoreRun:
         if phase == "steady":  # the boundary's host work, approximately: without the copies it
             # made (synchronous on this CPU device, asynchronous on a GPU; module docstring)
             self.samples["boundary"].append((max(0.0, (c1 - c0) * 1e3 - copies), max(0.0, (w1 - w0) * 1e3 - copies)))
+            if self.graph is not None and self.graph.why_not(tables, len(new)) is None:
+                # timed after the step, apart from it: the buffers' loads of the step's tables
+                self._timed("admit", lambda: self.graph.load(tables, padded_to=len(new)))
         self.last_lens = lens
 
     def arrive(self, phase: str | None, *, idle: bool = False) -> None:
@@ -286,8 +306,9 @@ class CoreRun:
             + stats.staged_advances_total,
         }
         for phase, samples in self.samples.items():
-            row[f"{phase}_cpu_ms"] = statistics.median(s[0] for s in samples)
-            row[f"{phase}_wall_ms"] = statistics.median(s[1] for s in samples)
+            row[f"{phase}_cpu_ms"] = statistics.median(s[0] for s in samples) if samples else None
+            row[f"{phase}_wall_ms"] = statistics.median(s[1] for s in samples) if samples else None
+        row["admitted_steps"] = len(self.samples["admit"])
         return row
 
 
@@ -303,15 +324,20 @@ def _markdown(where: str, args: argparse.Namespace, rows: list[dict[str, Any]]) 
         f"{'; paused by the plan: their layers removable' if getattr(args, 'idle_paused', False) else ''}). Median thread CPU time per step, ms "
         f"({args.steps} x {args.events} steady steps, {args.events} of each event); wall medians in the JSON.\n\n"
         "| layout | live requests | pool layer-pages | steady | its boundary | finish + step | arrival (plan + prefill) "
-        "| join step | stats() | full reconciles |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        "| join step | stats() | full reconciles | graph admission |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     body = "".join(
         f"| {r['layout']} | {r['live_requests']} | {r['pool_layer_pages']:,} | {r['steady_cpu_ms']:.3f} | "
         f"{r['boundary_cpu_ms']:.3f} | {r['finish_cpu_ms']:.3f} | "
-        f"{r['arrival_cpu_ms']:.3f} | {r['join_cpu_ms']:.3f} | {r['stats_cpu_ms']:.3f} | {r['full_reconciles']} |\n"
+        f"{r['arrival_cpu_ms']:.3f} | {r['join_cpu_ms']:.3f} | {r['stats_cpu_ms']:.3f} | {r['full_reconciles']} | "
+        f"{_ms(r['admit_cpu_ms'])} |\n"
         for r in rows
     )
     return head + body
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -349,7 +375,7 @@ def _run(args: argparse.Namespace, layouts: list[str], pools: list[int], lives: 
         print(f"kvplane bench core on {where} ({args.requests} requests x {args.tokens} tokens, "
               f"{args.layers} layers, page {args.page_size}; median thread CPU ms per step)")
         print(f"{'layout':>14} {'live':>5} {'layer-pages':>12} {'steady':>8} {'bound.':>8} {'finish':>8} {'arrival':>8} "
-              f"{'join':>8} {'stats':>8} {'full':>5}")
+              f"{'join':>8} {'stats':>8} {'full':>5} {'admit':>8}")
         rows = []
         for layout in layouts:
             for pool, live in ((pool, live) for live in lives for pool in pools):
@@ -357,7 +383,7 @@ def _run(args: argparse.Namespace, layouts: list[str], pools: list[int], lives: 
                 rows.append(r)
                 print(f"{layout:>14} {live:>5} {r['pool_layer_pages']:>12,} {r['steady_cpu_ms']:>8.3f} "
                       f"{r['boundary_cpu_ms']:>8.3f} {r['finish_cpu_ms']:>8.3f} {r['arrival_cpu_ms']:>8.3f} {r['join_cpu_ms']:>8.3f} "
-                      f"{r['stats_cpu_ms']:>8.3f} {r['full_reconciles']:>5}")
+                      f"{r['stats_cpu_ms']:>8.3f} {r['full_reconciles']:>5} {_ms(r['admit_cpu_ms']):>8}")
     finally:
         torch.set_num_threads(threads)
     params = {k: v for k, v in vars(args).items() if not k.startswith("_")}

@@ -49,7 +49,8 @@ def test_bench_core_tiny_cpu_run(tmp_path, capsys):
     assert [(r["layout"], r["pool_layer_pages"]) for r in rows] == [
         (layout, size) for layout in core_bench.LAYOUTS for size in (400, 4000)]
     for r in rows:
-        assert all(r[f"{p}_cpu_ms"] >= 0 and r[f"{p}_wall_ms"] > 0 for p in core_bench.PHASES)
+        assert all(r[f"{p}_cpu_ms"] >= 0 and r[f"{p}_wall_ms"] > 0 for p in core_bench.PHASES if p != "admit")
+        assert r["admit_cpu_ms"] is None and r["admitted_steps"] == 0  # no --graph-admit
         assert r["overflow_steps"] == 0
         assert r["full_reconciles"] >= 2  # the finishes
     offload = [r for r in rows if r["layout"] == "paged-offload"]
@@ -72,6 +73,20 @@ def test_bench_core_paged_reads_advance_the_paged_steps(tmp_path):
     assert [r["layout"] for r in rows] == ["paged", "paged-offload"]
     assert all(r["advanced_steps"] > 0 and 0 <= r["boundary_cpu_ms"] <= r["steady_cpu_ms"] for r in rows)
     assert rows[1]["staged_steps"] > 0 and "page tables" in path.with_suffix(".md").read_text()
+
+
+def test_bench_core_graph_admit_times_the_graph_buffers_load(tmp_path):
+    """``--graph-admit``: every steady step of the paged layouts is admitted into graph buffers
+    with staging (the offloading layout's staged ones too) and the load is timed apart; the
+    Markdown has the column."""
+    argv = ["bench", "core", "--pool-sizes", "4000", "--requests", "2", "--tokens", "40", "--steps", "4",
+            "--events", "1", "--layouts", "paged,paged-offload", "--paged-reads", "--graph-admit",
+            "--out-dir", str(tmp_path)]
+    assert main(argv) == 0
+    [path] = tmp_path.glob("core-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert all(r["admitted_steps"] == 4 and r["admit_cpu_ms"] > 0 for r in rows), rows
+    assert rows[1]["staged_steps"] > 0 and "graph admission" in path.with_suffix(".md").read_text()
 
 
 def test_bench_attention_cpu_runs_on_the_served_core(tmp_path):
