@@ -367,8 +367,8 @@ class LaunchDecision:
         elif prefill != "disabled":
             raise LaunchRefused(f"--cuda-graph-backend-prefill {prefill}: prefill graphs are not supported with "
                                 "--enable-layered-kv; use --cuda-graph-backend-prefill disabled")
-        notes.append("decode CUDA graphs kept (--kv-cuda-graphs on): all-resident decode steps replay, steps that "
-                     "stage pages run eagerly; prefill graphs off"
+        notes.append("decode CUDA graphs kept (--kv-cuda-graphs on): decode steps replay, staged ones with their "
+                     "fetches in the graph (recompute steps run eagerly); prefill graphs off"
                      + ("; not yet validated on a GPU" if device == "cuda" else
                         "; SGLang captures no graphs on a CPU, so it has no effect here"))
 
