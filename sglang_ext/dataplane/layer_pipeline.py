@@ -60,9 +60,9 @@ class LayerPipeline:
         self._graphed = False
         """The current step's transfers run inside a graph (:meth:`in_graph`)."""
         self.defer_start = False
-        """Launch the step-start fetches at the forward's first layer call instead of at
-        :meth:`begin_step`: set where a CUDA graph may take a staged step's transfers after the
-        boundary (:class:`~sglang_ext.dataplane.decode_graphs.DecodeGraphs` and the SGLang adapter
+        """Launch a decode step's step-start fetches at the forward's first layer call instead of
+        at :meth:`begin_step` (other steps never replay): set where a CUDA graph may take a staged
+        step's transfers after the boundary (:class:`~sglang_ext.dataplane.decode_graphs.DecodeGraphs` and the SGLang adapter
         with staging); off, the fetches also overlap the host work between boundary and layer 0."""
         self.graphed_steps = 0
         """Steps whose transfers ran inside a CUDA graph (:meth:`in_graph`)."""
@@ -100,7 +100,7 @@ class LayerPipeline:
                      and all(w is None for w in tables.writebacks))
         self._started = self._graphed = False
         self.steps += 1
-        if not self.defer_start:
+        if not (self.defer_start and getattr(tables, "_one_each", False)):  # only a decode step may replay
             self._start()
 
     def _start(self) -> None:

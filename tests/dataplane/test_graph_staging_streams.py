@@ -191,9 +191,9 @@ def test_the_graph_and_the_pipeline_account_the_same_bytes(monkeypatch):
     assert np.array_equal(a.host.numpy(), b.host.numpy())
 
 
-def _launches_seen(defer: bool) -> tuple[Any, int, list[int]]:
-    """A staged decode step with ``defer_start``: the core, the H2D launches before it, and the
-    count after its boundary and at each layer."""
+def _launches_seen(defer: bool, tokens: int = 1) -> tuple[Any, int, list[int]]:
+    """A staged step of ``tokens`` new tokens (1: a decode step) with ``defer_start``: the core,
+    the H2D launches before it, and the count after its boundary and at each layer."""
     core = make_core(PAGES + 8)
     core.pipeline.defer_start = defer
     d = CoreDriver(core, seed=3, fast_decode=True, paged_reads=True)
@@ -204,28 +204,32 @@ def _launches_seen(defer: bool) -> tuple[Any, int, list[int]]:
     launches = core.store.engine.stats.h2d_launches
     seen: list[int] = []
     d.on_layer = lambda layer: seen.append(core.store.engine.stats.h2d_launches)
-    real = core.prepare_decode_step
+    name = "prepare_decode_step" if tokens == 1 else "prepare_step"  # an extend: the general boundary
+    real = getattr(core, name)
 
     def boundary(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         out = real(*args, **kwargs)
         seen.append(core.store.engine.stats.h2d_launches)
         return out
 
-    core.prepare_decode_step = boundary
-    assert d.step([("a", 1)])
-    core.prepare_decode_step = real
+    setattr(core, name, boundary)
+    assert d.step([("a", tokens)])
+    setattr(core, name, real)
     return core, launches, seen
 
 
 def test_step_start_fetches_go_out_at_the_boundary_unless_deferred(monkeypatch):
     """Eagerly (no graph), a staged step's step-start fetches launch at its boundary, overlapping
-    whatever runs before layer 0; deferred (a graph may take the step), at the first layer call.
+    whatever runs before layer 0; deferred (a graph may take the step), at the first layer call --
+    a decode step's only: a multi-token step never replays, and keeps the boundary's launch.
     After a deferred step ends, a layer entered outside any step launches nothing (and raises
     nothing)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     for defer in (False, True):
         core, launches, seen = _launches_seen(defer)
         assert seen[0] == launches + (0 if defer else 1) and seen[1] == launches + 1, (defer, launches, seen)
+    core, launches, seen = _launches_seen(True, tokens=3)  # an extend never replays: not deferred
+    assert seen[0] == launches + 1, (launches, seen)
     ends = core.store.engine.stats.h2d_launches
     core.pipeline.end_step()
     core.enter_layer(0)  # no step: nothing to launch, nothing raised
