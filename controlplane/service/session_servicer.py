@@ -453,21 +453,14 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
         self, live: _LiveSession, outbox: _Outbox, context: grpc.ServicerContext
     ) -> Iterator[pb.SessionReply]:
         """Writer (gRPC handler thread): turn report results and wake-ups into replies."""
-        sent, acked = 0, -1
+        sent, acked, replied = 0, -1, time.monotonic()
         while True:
             try:
                 item = outbox.queue.get(timeout=self._idle_check_s)
             except queue.Empty:
                 if outbox.ended.is_set() or not context.is_active():
                     return
-                # heartbeat: reports answered without a decision since the last reply are acked
-                # (the worker tells a hung control plane from a quiet one by these: a worker
-                # whose reports go unanswered falls back to its own placement)
-                done = live.processed_step
-                if done >= 0 and done != acked:
-                    acked = done
-                    yield pb.SessionReply(report_step=done, decisions_sent=sent)
-                continue
+                item = None
             if item is _WAKE:
                 live.poll()
             # every wake-up sends what is pending, in the order it was taken (before an error
@@ -475,10 +468,18 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
             for step, t0, decisions in live.take():
                 out = self._observe_decisions(decisions)
                 sent += len(out)
-                acked = live.processed_step
+                acked, replied = live.processed_step, time.monotonic()
                 self._metrics.decision_latency_ms.observe((time.perf_counter() - t0) * 1e3)
                 yield from self._reply(step, out, sent)
             if item is _END:
                 return
             if isinstance(item, Exception):
                 raise item
+            # heartbeat: reports answered without a decision since the last reply are acked once
+            # ``idle_check_s`` has passed without a reply, however often the writer woke meanwhile
+            # (the worker tells a hung control plane from a quiet one by these: a worker whose
+            # reports go unanswered falls back to its own placement)
+            done = live.processed_step
+            if done >= 0 and done != acked and time.monotonic() - replied >= self._idle_check_s:
+                acked, replied = done, time.monotonic()
+                yield pb.SessionReply(report_step=done, decisions_sent=sent)

@@ -87,6 +87,8 @@ class Served:
         self.port = port
         self.control_plane = control_plane
         self.target = f"127.0.0.1:{port}"
+        self.notifier: object = None
+        """The control plane's decision notifier (its ``on_plan`` wakes a worker's stream)."""
 
     def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
         return self.server.metrics.value(name, labels)
@@ -104,6 +106,7 @@ def serve() -> Iterator[Callable[..., Served]]:
         server, port = create_server("127.0.0.1:0", cp, config, metrics, notifier)
         server.start()
         served = Served(server, port, cp)
+        served.notifier = notifier
         started.append(served)
         return served
 

@@ -127,6 +127,41 @@ def test_the_real_server_acks_answered_reports_without_decisions(served) -> None
     assert ack.report_step == 7 and not ack.decisions
 
 
+def test_the_heartbeat_goes_out_however_often_the_writer_wakes(served) -> None:  # type: ignore[no-untyped-def]
+    """Heartbeat starvation (review, session 66): the writer used to ack only after a second with
+    no wake-up, so a stream woken more often than that without a decision (the notifier's
+    pushes) never acked, and its worker took the control plane for hung. Woken every 0.2 s with
+    nothing to send, the stream still acks the answered report within a few seconds, after
+    several wake-ups (checked against the code before the fix: no ack in 10 s)."""
+    from controlplane.service import convert
+
+    stop, wakes = threading.Event(), [0]
+
+    def messages():  # type: ignore[no-untyped-def]
+        yield pb.WorkerMessage(hello=convert.worker_info_to_proto(worker_info("w-woken")))
+        yield pb.WorkerMessage(report=convert.step_report_to_proto(step_report(7, {})))
+        stop.wait(10)
+
+    def wake() -> None:
+        while not stop.wait(0.2):
+            served.notifier.on_plan("w-woken", "test", 0.0, True)
+            wakes[0] += 1
+
+    waker = threading.Thread(target=wake, daemon=True)
+    with grpc.insecure_channel(f"127.0.0.1:{served.port}") as ch:
+        stream = pb_grpc.ControlPlaneStub(ch).Session(messages(), timeout=10)
+        assert next(stream).session_id
+        waker.start()
+        t0 = time.monotonic()
+        ack = next(stream)
+        waited, woken = time.monotonic() - t0, wakes[0]
+        stop.set()
+        stream.cancel()
+    waker.join(2)
+    assert ack.report_step == 7 and not ack.decisions
+    assert woken >= 3 and waited < 5, (woken, waited)
+
+
 def test_an_undecodable_decision_is_refused_alone(scripted, connect) -> None:  # type: ignore[no-untyped-def]
     """Each reply carries a good decision and one whose recompute names a request it does not
     place: the good ones arrive, each bad one is counted and logged, and the stream stays up
