@@ -80,10 +80,12 @@ class AdmissionGate:
         this gate), so the server is not idle (the work-conserving rule let a second prefill in
         without the control plane's admit: scheduler review, session 63)."""
         queue = list(getattr(scheduler, "waiting_queue", None) or ())
-        if not self.enabled or not queue:
+        if not self.enabled:
             return []
-        self.admitted &= {req.rid for req in queue}  # the rest were scheduled (or aborted)
-        if self.open:
+        # the rest were scheduled, aborted, or never queued here (an id the control plane sent for
+        # no request of this worker): forgotten at once, an empty queue included
+        self.admitted &= {req.rid for req in queue}
+        if not queue or self.open:
             return []
         keep: list[tuple[int, Any]] = []
         held: list[tuple[int, Any]] = []

@@ -80,6 +80,18 @@ def test_admitted_ids_are_forgotten_once_they_leave_the_queue():
     assert gate.admitted == {"a"}
 
 
+def test_unknown_admitted_ids_do_not_wait_for_a_queued_request():
+    """An admit naming no request of this worker (or one already gone) is forgotten at the next
+    step even while nothing is queued (before, it stayed until a request queued). Control: an
+    admitted request still queued stays admitted."""
+    gate = AdmissionGate(enabled=True)
+    gate.admit(["unknown"])
+    assert gate.hold_back(_sched(), _Batch(1), pauser=()) == [] and gate.admitted == set()
+    gate.admit(["a"])
+    gate.hold_back(_sched("a", "b"), _Batch(1), pauser=())
+    assert gate.admitted == {"a"}
+
+
 def test_retracted_requests_added_during_the_call_go_after_the_queued_ones():
     gate = AdmissionGate(enabled=True)
     s = _sched("a", "b")
