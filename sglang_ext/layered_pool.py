@@ -45,6 +45,7 @@ from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
 from sglang_ext.dataplane.slot_results import RequestResidency, ResidencyDelta, ResidencyStats
 from sglang_ext.dataplane.slot_store_config import SlotStoreConfig, layer_page_bytes
 from sglang_ext.dataplane.step_tables import StepTables
+from sglang_ext.dataplane.triton_row_writer import TritonRowWriter
 from sglang_ext.device_capacity import DeviceCapacity, budget_pages
 from sglang_ext.hooks import ResidencyEvent, ResidencyEventKind, ResidencyHooks
 from sglang_ext.store_cache_writer import StoreCacheWriter
@@ -161,9 +162,11 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
                         share=settings.read_host_memory(), host_tier=not identity)
         self.core = LayeredKVCore(config, on_moves=self._emit_moves)
         self.store = self.core.store
-        # SGLang's own one-launch KV write on CUDA (None elsewhere: two index_copy_ a layer)
+        # SGLang's own one-launch KV write on CUDA, else kvplane's Triton one (None off CUDA: two
+        # index_copy_ a layer)
         self.store.row_writer = StoreCacheWriter.for_device(
-            self.store.device, self.head_num * self.head_dim * self.store.dev.element_size())
+            self.store.device, self.head_num * self.head_dim * self.store.dev.element_size()
+        ) or TritonRowWriter.for_device(self.store.device)
         self.residency = self.core.residency
         self.room = self.core.room
         self.pipeline = self.core.pipeline

@@ -217,9 +217,14 @@ class GraphStaging:
             current.wait_event(self._events[self.layers + layer])
 
     def park(self, layer: int, rows: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Layer ``layer``'s new K/V of the step's ``rows`` rows into :attr:`park_buf`."""
-        self.park_buf[layer, 0, :rows].copy_(k)
-        self.park_buf[layer, 1, :rows].copy_(v)
+        """Layer ``layer``'s new K/V of the step's ``rows`` rows into :attr:`park_buf` (the
+        store's one-launch writer, or two copies)."""
+        writer = self.store.row_writer
+        if writer is None:
+            self.park_buf[layer, 0, :rows].copy_(k)
+            self.park_buf[layer, 1, :rows].copy_(v)
+            return
+        writer(self.park_buf[layer, 0], self.park_buf[layer, 1], self.store.row_ids(rows), k, v)
 
     def end_layer(self, layer: int) -> None:
         """After layer ``layer``'s attention: the next layer's trigger list (after this layer's

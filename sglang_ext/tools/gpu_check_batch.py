@@ -27,6 +27,7 @@ from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
 from sglang_ext.dataplane.results import LayerView
 from sglang_ext.dataplane.slot_results import RequestResidency, ResidencyDelta
 from sglang_ext.dataplane.slot_store_config import SlotStoreConfig
+from sglang_ext.dataplane.triton_row_writer import TritonRowWriter
 from sglang_ext.tools.gpu_check_config import GpuCheckConfig
 
 
@@ -52,6 +53,9 @@ class CheckBatch:
             device_pages=L * logical if identity else L * self.batch_pages + extra, dtype=self.dtype, device=device,
             graph_sink=True,
         ))
+        # a one-launch KV write, as the served pool has on CUDA (SGLang's store kernel there; no
+        # SGLang here: kvplane's Triton one), not two index_copy_ a layer
+        self.core.store.row_writer = TritonRowWriter.for_device(device)
         if self.core.store.identity != identity:
             raise RuntimeError(f"CheckBatch: the store chose the {'identity' if self.core.store.identity else 'paged'}"
                                " layout, not the one asked for")

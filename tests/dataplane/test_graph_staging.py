@@ -18,6 +18,7 @@ import torch
 
 from sglang_ext.dataplane.decode_graphs import DecodeGraphs
 from sglang_ext.dataplane.graph_staging import START, TRIG, GraphStaging
+from sglang_ext.dataplane.triton_row_writer import TritonRowWriter
 from sglang_ext.testing.tape_graph import TapeGraph
 from sglang_ext.tools.gpu_check_config import SMALL
 from sglang_ext.tools.gpu_check_measure import CoreCheck
@@ -44,10 +45,14 @@ def _check(device: str = "cpu") -> CoreCheck:
     return ch
 
 
-def _run(control: str | None = None, device: str = "cpu", graph: Any = TapeGraph) -> tuple[list, list, dict]:
+def _run(control: str | None = None, device: str = "cpu", graph: Any = TapeGraph,
+         writer: bool = False) -> tuple[list, list, dict]:
     """The eager batch's and the replayed batch's outputs, step by step, and facts of the replays
-    (``graph``: the graph object's class, made from the device)."""
+    (``graph``: the graph object's class, made from the device; ``writer``: the replayed batch's
+    store writes and parks with the one-launch Triton writer)."""
     eager, graphed = _check(device), _check(device)
+    if writer:
+        graphed.batch.core.store.row_writer = TritonRowWriter()
     eager_outs = [[o.clone() for o in eager.layers(eager.batch.begin_decode(), backend="triton")]
                   for _ in range(STEPS)]
     core = graphed.batch.core
@@ -99,12 +104,13 @@ def _equal(a: list, b: list) -> bool:
     return all(torch.equal(x, y) for sa, sb in zip(a, b, strict=True) for x, y in zip(sa, sb, strict=True))
 
 
-def test_staged_steps_replayed_decode_what_eager_steps_do():
+@pytest.mark.parametrize("writer", [False, True], ids=["two-copies", "triton-writer"])
+def test_staged_steps_replayed_decode_what_eager_steps_do(writer):
     """Every replayed staged step's attention equals the eager step's at every layer; the host pool
     holds the same KV after them (the parked tokens' write-back ran in the graph), and the next
     eager step over it decodes equally. The steps did stage: fetch launches regrouped into both
     start and trigger lists, parked pairs written back, every step replayed and counted."""
-    eager, graphed, facts = _run()
+    eager, graphed, facts = _run(writer=writer)
     assert _equal(eager, graphed)
     assert facts["host_equal"] and facts["after_equal"]
     assert min(facts["fetches"]) > 0 and min(facts["pairs"]) == sum(row.count(0) for row in PLACEMENT)

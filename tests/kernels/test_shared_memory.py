@@ -248,12 +248,13 @@ def test_negative_control_the_decode_head_tile_cap_is_needed() -> None:
 
 def test_the_copy_kernels_compile_for_the_gpus() -> None:
     """The served copy kernels -- the pool's gather / scatter, the per-layer fetch of host-only
-    pages, the page-to-slot expansion, and the first two's graph launches (counts read on the
-    device) -- compile for sm_86 and sm_90 at Llama-3-8B's page segment
+    pages, the page-to-slot expansion, the first two's graph launches (counts read on the
+    device) and the one-launch KV row write -- compile for sm_86 and sm_90 at Llama-3-8B's page segment
     (16 tokens x 8 kv heads x 128, bf16: 32 KiB, 4,096 int64 words a segment) within the limit:
     CI runs them only in Triton's interpreter, which accepts code the compiler may not."""
     bc = importlib.import_module("kernels.block_copy")
     pi = importlib.import_module("kernels.page_index")
+    rw = importlib.import_module("kernels.row_write")
     host, dev = torch.zeros(12, 16 * 8 * 128, dtype=torch.bfloat16), torch.zeros(10, 16 * 8 * 128, dtype=torch.bfloat16)
     i64, i32 = {"dtype": torch.int64}, {"dtype": torch.int32}
     with record() as launches:
@@ -270,9 +271,11 @@ def test_the_copy_kernels_compile_for_the_gpus() -> None:
                               torch.tensor([-1, 2, -1, -1], **i32), torch.tensor([0, 1], **i32),
                               torch.tensor([0, 2], **i32), torch.tensor([2, 1], **i32), 2, 0, 2, 1,
                               listed=torch.tensor([2, 2], **i32))
+        rw.write_rows_triton(dev.view(-1, 8, 128)[:20], dev.view(-1, 8, 128)[20:40], torch.tensor([1, 3], **i64),
+                             torch.zeros(2, 8, 128, dtype=torch.bfloat16), torch.zeros(2, 8, 128, dtype=torch.bfloat16))
     assert [launch[0].fn.__name__ for launch in launches] == ["_copy_segments_kernel", "_fetch_pages_kernel",
                                                                "_pages_to_locs_kernel", "_copy_segments_kernel",
-                                                               "_fetch_pages_kernel"]
+                                                               "_fetch_pages_kernel", "_write_rows_kernel"]
     assert [launch[2]["COUNTED"] for launch in launches[::3]] == [False, True]
     assert [launch[2]["LISTED"] for launch in launches[1::3]] == [False, True]
     assert launches[0][2]["BLOCK"] == 4096
