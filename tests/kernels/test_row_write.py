@@ -77,3 +77,24 @@ def test_the_core_writes_every_token_with_it(triton_device, budget):
     writer = core.store.row_writer = TritonRowWriter()
     offload_scenario(CoreDriver(core, seed=4))
     assert writer.calls > 0 and writer.fallbacks == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_row_write_at_llama_width_and_the_core_with_it():
+    """On a GPU (``kvplane gpu-check`` runs the gpu-marked tests): Llama-3-8B's row (8 KV heads x
+    128, bf16) from a fused projection's slices, batch 32, equals two ``index_copy_``; the core's
+    lifecycle with the writer on CUDA reads every token bit-exactly."""
+    g = torch.Generator().manual_seed(5)
+    k_dst = torch.randn((4096, 8, 128), generator=g).to("cuda", torch.bfloat16)
+    v_dst = torch.randn((4096, 8, 128), generator=g).to("cuda", torch.bfloat16)
+    qkv = torch.randn((32, 6, 8, 128), generator=g).to("cuda", torch.bfloat16)
+    k, v, rows = qkv[:, 4], qkv[:, 5], torch.randperm(4096, generator=g)[:32].cuda()
+    want_k, want_v = k_dst.clone(), v_dst.clone()
+    write_rows_ref(want_k, want_v, rows, k, v)
+    write_rows_triton(k_dst, v_dst, rows, k, v)
+    assert torch.equal(k_dst, want_k) and torch.equal(v_dst, want_v)
+    core = make_core(PAGES + 6, device="cuda")
+    writer = core.store.row_writer = TritonRowWriter()
+    offload_scenario(CoreDriver(core, seed=6))
+    assert writer.calls > 0 and writer.fallbacks == 0
