@@ -22,7 +22,8 @@ So the launches take a fixed shape, the same every step, and the step's choices 
 - **The batch's page lists** (pages, staging entries, first columns, page counts: what every
   fetch reads) in fixed buffers sized for ``max_pages`` columns and ``max_batch`` requests.
 - **Parked tokens.** Every layer parks every row's new K/V into ``park [L, 2, max_batch, H, D]``
-  (two device copies a layer, unconditionally: a graph cannot skip the layers that park nothing);
+  (one launch a layer with the store's row writer, else two copies, unconditionally: a graph cannot
+  skip the layers that park nothing);
   after the last layer one counted copy (:func:`kernels.block_copy.copy_segments_triton`'s
   ``count``) writes the step's host-only ones to their rows of the host pool.
 
