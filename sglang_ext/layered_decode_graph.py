@@ -43,7 +43,6 @@ import torch
 
 from sglang_ext.dataplane.graph_staging import GraphStaging
 from sglang_ext.dataplane.graph_step_buffers import GraphStepBuffers
-from sglang_ext.dataplane.paged_step_tables import PARK_MAX_BYTES
 from sglang_ext.dataplane.results import LayerView
 
 log = structlog.get_logger(__name__)
@@ -64,15 +63,9 @@ class LayeredDecodeGraph:
                                "for padded rows; launch with --kv-cuda-graphs on (or leave decode graphs off)")
         c = store.config
         self.core = core
-        park = GraphStaging.park_bytes(c, max_bs)
-        staging = None
-        if store.mirror is not None and park <= PARK_MAX_BYTES:
-            staging = GraphStaging(store, max_bs, c.logical_pages + max_bs)
-            core.pipeline.defer_start = True  # a replay launches a staged step's fetches itself
-        elif store.mirror is not None:
-            log.info("layered_decode_graph_staging_off", park_bytes=park, limit=PARK_MAX_BYTES,
-                     why="the graphs' park buffer for every layer's new tokens at the largest captured batch would "
-                         "pass the parked write-back's limit; staged decode steps run eagerly")
+        staging, why = GraphStaging.for_core(core, max_bs, c.logical_pages + max_bs)
+        if staging is None and store.mirror is not None:
+            log.info("layered_decode_graph_staging_off", why=why)
         self.buffers = GraphStepBuffers(c.layers, max_bs, c.logical_pages + max_bs, store.device,
                                         store.sink_page, c.page_size, staging)
         """The steps' tables where the captured kernels read them. A step listing more pages than

@@ -31,6 +31,7 @@ from typing import Any
 import structlog
 import torch
 
+from kernels.row_write import rows_contiguous
 from sglang_ext import compat
 
 log = structlog.get_logger(__name__)
@@ -77,7 +78,7 @@ class StoreCacheWriter:
     def __call__(self, k_dst: torch.Tensor, v_dst: torch.Tensor, rows: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> None:
         """``k_dst[rows] = k``, ``v_dst[rows] = v`` in one launch."""
-        if not (_rows_contiguous(k) and _rows_contiguous(v)):
+        if not (rows_contiguous(k) and rows_contiguous(v)):
             k_dst.index_copy_(0, rows, k)
             v_dst.index_copy_(0, rows, v)
             self.fallbacks += 1
@@ -87,7 +88,3 @@ class StoreCacheWriter:
                     row_bytes=self.row_bytes, v_row_bytes=self.row_bytes, reserved_skip_index=NO_SKIP)
         self.calls += 1
 
-
-def _rows_contiguous(t: torch.Tensor) -> bool:
-    """``t`` is ``[n, H, D]`` with each row's ``H * D`` elements contiguous (viewable as ``[n, H * D]``)."""
-    return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]

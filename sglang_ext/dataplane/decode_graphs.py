@@ -52,9 +52,7 @@ class DecodeGraphs:
             raise ValueError(f"DecodeGraphs: batch sizes must be ints >= 1, got {list(sizes)}")
         self.core = core
         self.sizes = tuple(sorted({int(n) for n in sizes}))
-        staging = GraphStaging(store, self.sizes[-1], max_pages) if staged else None
-        if staged:  # the step-start fetches wait for the forward: a replay launches its own
-            core.pipeline.defer_start = True
+        staging = GraphStaging.for_core(core, self.sizes[-1], max_pages)[0] if staged else None
         self.buffers = GraphStepBuffers(store.config.layers, self.sizes[-1], max_pages, store.device,
                                         store.sink_page, store.config.page_size, staging)
         self.graphs: dict[int, tuple[Any, Any]] = {}

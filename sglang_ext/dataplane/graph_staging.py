@@ -103,6 +103,24 @@ class GraphStaging:
         if self._streams:
             self._events = [torch.cuda.Event() for _ in range(2 * c.layers)]
 
+    @classmethod
+    def for_core(cls, core: Any, max_batch: int, max_pages: int) -> tuple[GraphStaging | None, str | None]:
+        """Staging for graphs over ``core``'s store, with the core's pipeline told to hold a decode
+        step's step-start fetches for the graph (``LayerPipeline.defer_start``); or None and why
+        (the identity layout, or a park buffer past the parked write-back's limit,
+        ``PARK_MAX_BYTES``: staged steps then run eagerly)."""
+        from sglang_ext.dataplane.paged_step_tables import PARK_MAX_BYTES
+
+        store = core.store
+        if store.mirror is None:
+            return None, "the identity layout stages nothing"
+        park = cls.park_bytes(store.config, max_batch)
+        if park > PARK_MAX_BYTES:
+            return None, (f"the park buffer for every layer's new tokens at {max_batch} rows ({park} bytes) would "
+                          f"pass the parked write-back's limit ({PARK_MAX_BYTES}); staged decode steps run eagerly")
+        core.pipeline.defer_start = True  # a replay launches a staged step's fetches itself
+        return cls(store, max_batch, max_pages), None
+
     @staticmethod
     def park_bytes(config: Any, max_batch: int) -> int:
         """Device bytes of the park buffer for ``max_batch`` rows (every layer's K and V rows)."""

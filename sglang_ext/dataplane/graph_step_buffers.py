@@ -84,12 +84,13 @@ class GraphStepBuffers:
         staged = tables.staging_ids is None or bool(tables.staging_ids.size)
         copies = bool(tables.fetches or any(w is not None for w in tables.writebacks)
                       or tables.token_writeback is not None)
-        if (staged or copies) and (self.staging is None or tables.staging_ids is None):
-            if staged:
-                return "the step stages pages (fetches into staging need host work inside the layers)"
-            return "the step copies between host and device inside its layers"
-        if (staged or copies) and (why := self.staging.why_not(tables)) is not None:  # type: ignore[union-attr]
-            return why
+        if staged or copies:  # host work in the layers: served only as launches of the staging graph
+            if self.staging is None or tables.staging_ids is None:
+                return ("the step stages pages (fetches into staging need host work inside the layers)" if staged
+                        else "the step copies between host and device inside its layers")
+            why = self.staging.why_not(tables)
+            if why is not None:
+                return why
         if tables.recompute is not None or tables.has_token_tables:
             return "the step recomputes or reads token tables"
         if self.captured_in_place is not None and (tables.rows is None) != self.captured_in_place:

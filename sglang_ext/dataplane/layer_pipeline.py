@@ -121,16 +121,23 @@ class LayerPipeline:
         self._graphed = bool(tables.fetches) or tables.token_writeback is not None
         self._by_trigger = {}
         for launch in tables.fetches:
-            self.store.h2d_bytes += launch.segments * self.engine.segment_bytes
-            self.fetched_layer_pages += launch.segments // 2
+            self._count_fetch(launch)
         parked = tables.token_writeback
         if parked is not None:
-            rows = self.store.host_rows
-            nbytes = parked.launch.segments * rows.shape[1] * rows.element_size()
-            self.store.d2h_bytes += nbytes
-            self.store.host_write_bytes += nbytes
+            self._count_parked(parked.launch.segments)
             self._parked_out = True
         self.graphed_steps += 1
+
+    def _count_fetch(self, launch: Any) -> None:
+        self.store.h2d_bytes += launch.segments * self.engine.segment_bytes
+        self.fetched_layer_pages += launch.segments // 2
+
+    def _count_parked(self, rows: int) -> None:
+        """``rows`` parked token rows written back to host."""
+        host_rows = self.store.host_rows
+        nbytes = rows * host_rows.shape[1] * host_rows.element_size()
+        self.store.d2h_bytes += nbytes
+        self.store.host_write_bytes += nbytes
 
     def _launch_fetches(self, trigger: int, wait: tuple) -> None:
         tables = self.tables
@@ -138,8 +145,7 @@ class LayerPipeline:
         for launch in self._by_trigger.get(trigger, ()):
             event = tables.fetch(self.engine, launch, wait)
             self._events[launch.layer].append(event)
-            self.store.h2d_bytes += launch.segments * self.engine.segment_bytes
-            self.fetched_layer_pages += launch.segments // 2
+            self._count_fetch(launch)
 
     def begin_layer(self, layer: int) -> None:
         """The compute stream waits until layer ``layer``'s staged pages have arrived, and until
@@ -190,11 +196,8 @@ class LayerPipeline:
             self.end_step()
 
     def _write_back_parked(self, parked: Any, src: Any, dst: Any, host: tuple) -> None:
-        rows = self.store.host_rows
-        self.engine.d2h_rows(parked.src_rows(), rows, src, dst, host_idx=host, keep=(parked.buf,))
-        nbytes = int(host[0].size) * rows.shape[1] * rows.element_size()
-        self.store.d2h_bytes += nbytes
-        self.store.host_write_bytes += nbytes
+        self.engine.d2h_rows(parked.src_rows(), self.store.host_rows, src, dst, host_idx=host, keep=(parked.buf,))
+        self._count_parked(int(host[0].size))
         self._parked_out = True
 
     def _write_back_reached(self, tables: StepTables) -> None:

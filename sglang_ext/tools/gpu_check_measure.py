@@ -295,24 +295,25 @@ class CoreCheck:
 
         self.step(capture=capture)
         sync(self.device)
+        return self.dense_errors(outs)
+
+    def dense_errors(self, outs: dict[str, list[torch.Tensor]]) -> dict[str, dict[str, float]]:
+        """Each named output (per layer, the batch's rows) of the step that just ran vs
+        ``dense_attention`` over the batch's regenerated K/V (computed once for all of them)."""
         q = self.q.float()
-        errors: dict[str, dict[str, float]] = {}
         acc = {name: [0.0, 0.0, 0.0, 0.0] for name in outs}  # max abs, sum sq err, sum sq ref, max |ref|
         for layer in range(self.config.layers):
             for i in range(len(self.batch.rids)):
-                k, v = self.batch.reference_kv(i, layer)
-                ref = dense_attention(q[i : i + 1], k, v)[0]
+                ref = dense_attention(q[i : i + 1], *self.batch.reference_kv(i, layer))[0]
                 for name, per_layer in outs.items():
-                    diff = (per_layer[layer][i] - ref).nan_to_num(nan=math.inf)
-                    a = acc[name]
+                    diff, a = (per_layer[layer][i].float() - ref).nan_to_num(nan=math.inf), acc[name]
                     a[0] = max(a[0], float(diff.abs().max()))
                     a[1] += float((diff * diff).sum())
                     a[2] += float((ref * ref).sum())
                     a[3] = max(a[3], float(ref.abs().max()))
-        for name, (mx, se, sr, rmax) in acc.items():
-            errors[name] = {"max_abs_err": mx, "rel_l2_err": math.sqrt(se / sr) if sr > 0 else math.inf,
-                            "ref_max_abs": rmax, "tolerance": BF16_ATOL + BF16_RTOL * rmax}
-        return errors
+        return {name: {"max_abs_err": mx, "rel_l2_err": math.sqrt(se / sr) if sr > 0 else math.inf,
+                       "ref_max_abs": rmax, "tolerance": BF16_ATOL + BF16_RTOL * rmax}
+                for name, (mx, se, sr, rmax) in acc.items()}
 
     # ----- everything -------------------------------------------------------------------
 

@@ -35,7 +35,6 @@ capture and replay the same steps on :class:`~sglang_ext.testing.tape_graph.Tape
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 import traceback
@@ -146,7 +145,7 @@ class StagedGraphProbe:
             diff = max(float((x.float() - y.float()).abs().max()) for x, y in zip(replayed, again, strict=True))
         finally:
             core.exit_layer(last)
-        dense = _dense_errors(ch, replayed)
+        dense = ch.dense_errors({"replay": replayed})["replay"]
         b.place([[1] * c.layers for _ in b.rids])  # all-resident steps through the same graph: what its
         core.store.engine.quiesce()  # empty staging launches cost where nothing is offloaded
         sync(device)
@@ -220,17 +219,3 @@ class StagedGraphProbe:
                           f"{note}"),
         ]
 
-
-def _dense_errors(ch: Any, outs: list[torch.Tensor]) -> dict[str, float]:
-    """``outs`` (per layer, the batch's rows) of the step that just ran vs ``dense_attention`` over
-    the batch's regenerated K/V (as :meth:`CoreCheck.attention_errors` grades an eager step)."""
-    from sglang_ext.dataplane import dense_attention
-    from sglang_ext.tools.gpu_check_measure import BF16_ATOL, BF16_RTOL
-
-    q, worst, ref_max = ch.q.float(), 0.0, 0.0
-    for layer, out in enumerate(outs):
-        for i in range(len(ch.batch.rids)):
-            ref = dense_attention(q[i: i + 1], *ch.batch.reference_kv(i, layer))[0]
-            worst = max(worst, float((out[i].float() - ref).nan_to_num(nan=math.inf).abs().max()))
-            ref_max = max(ref_max, float(ref.abs().max()))
-    return {"max_abs_err": worst, "ref_max_abs": ref_max, "tolerance": BF16_ATOL + BF16_RTOL * ref_max}

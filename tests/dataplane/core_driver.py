@@ -164,12 +164,8 @@ class CoreDriver:
         for layer in range(core.layers):
             if not skip_enter:
                 core.enter_layer(layer)
-            shape = (loc.numel(), core.config.kv_heads, core.config.head_dim)
-            k = torch.randn(shape, generator=self.gen).to(core.store.dev.dtype)
-            v = torch.randn(shape, generator=self.gen).to(core.store.dev.dtype)
+            k, v = self._layer_kv(layer, loc)
             core.write(layer, loc, k.to(core.store.device), v.to(core.store.device))
-            for i, slot in enumerate(loc.tolist()):
-                self.shadow[(layer, slot)] = (k[i].clone(), v[i].clone())
             if rec is not None:
                 self._write_recompute(layer, batch)
             if self.on_layer is not None:
@@ -185,6 +181,17 @@ class CoreDriver:
         assert (core.tables is None or steady) and core.store.staging_pages == 0
         self.steps += 1
         return True
+
+    def _layer_kv(self, layer: int, loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Random new K/V of the step's slots ``loc`` at ``layer`` (host, the pool's dtype), recorded
+        in the shadow."""
+        core = self.core
+        shape = (loc.numel(), core.config.kv_heads, core.config.head_dim)
+        k = torch.randn(shape, generator=self.gen).to(core.store.dev.dtype)
+        v = torch.randn(shape, generator=self.gen).to(core.store.dev.dtype)
+        for i, slot in enumerate(loc.tolist()):
+            self.shadow[(layer, slot)] = (k[i].clone(), v[i].clone())
+        return k, v
 
     def _admit_graph(self, batch: Sequence[tuple[str, int]], loc: torch.Tensor) -> Any:
         """:attr:`graph_buffers` loaded with this decode step, or None (the reason counted)."""
@@ -206,12 +213,8 @@ class CoreDriver:
         core = self.core
         for layer in range(core.layers):
             g.enter(layer)
-            shape = (loc.numel(), core.config.kv_heads, core.config.head_dim)
-            k = torch.randn(shape, generator=self.gen).to(core.store.dev.dtype)
-            v = torch.randn(shape, generator=self.gen).to(core.store.dev.dtype)
+            k, v = self._layer_kv(layer, loc)
             g.write(core.store, layer, k.to(core.store.device), v.to(core.store.device))
-            for i, slot in enumerate(loc.tolist()):
-                self.shadow[(layer, slot)] = (k[i].clone(), v[i].clone())
             if self.on_layer is not None:
                 self.on_layer(layer)
             for b, (rid, _) in enumerate(batch):
