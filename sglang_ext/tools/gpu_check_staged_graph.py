@@ -39,12 +39,14 @@ import statistics
 import time
 import traceback
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 
 from sglang_ext.dataplane.bench_env import sync, time_ms
 from sglang_ext.tools.gpu_check_report import Figure
+from sglang_ext.tools.host_profile_probe import HostProfileProbe
 
 HOST_SHARE_TARGET = 0.05
 """Issue 14's target for kvplane's host time per step, as a share of the all-resident GPU step."""
@@ -54,11 +56,15 @@ BACKEND = "triton"
 """The decode the staged graphs capture (what ``--kv-cuda-graphs on`` serves)."""
 
 
+PROFILED = 3
+"""Replayed staged steps whose host work (boundary + admission) is profiled by function."""
+
+
 def steps(repeat: int) -> int:
     """Decode steps the probe adds to the batch (``GpuCheckConfig.decode_steps``): the timed eager
     steps (2 warm-ups + ``repeat``), the timed replayed ones (as many), the later one, the timed
-    all-resident replays (as many) and the accuracy step."""
-    return 3 * (repeat + 2) + 2
+    all-resident replays (as many), the profiled replays and the accuracy step."""
+    return 3 * (repeat + 2) + 2 + PROFILED
 
 
 class StagedGraphProbe:
@@ -114,11 +120,14 @@ class StagedGraphProbe:
         graphs.capture(layers, lambda: (self.graph or CudaGraph)(device))
         host_replay: list[float] = []
         staged_steps = [0]
+        profile = HostProfileProbe()
+        profiling = [False]
 
         def admit() -> int:
             loc = b.begin_decode()
             t0 = time.thread_time()
-            size = graphs.admit(slots=loc)
+            with profile.boundary() if profiling[0] else nullcontext():
+                size = graphs.admit(slots=loc)
             host_replay.append(b.prepare_cpu_s * 1e3 + (time.thread_time() - t0) * 1e3)
             if size is None:
                 core.exit_layer(last)
@@ -150,14 +159,25 @@ class StagedGraphProbe:
         core.store.engine.quiesce()  # empty staging launches cost where nothing is offloaded
         sync(device)
         resident_replay_ms = time_ms(replayed_step, device, c.repeat)
+        host_resident = statistics.median(host_replay[-c.repeat:])
         b.place(rows)
+        core.store.engine.quiesce()
+        profiling[0], b.boundary_scope = True, profile.boundary  # where a replayed step's host time goes
+        try:
+            for _ in range(PROFILED):
+                replayed_step()
+                profile.steps += 1
+        finally:
+            profiling[0], b.boundary_scope = False, nullcontext
+        sync(device)
         errors = ch.attention_errors()[BACKEND]  # one eager staged step over every replayed token
         resident_ms = ch.details.get("overlap", {}).get("resident_step_ms") or ch.details.get("resident_step_ms")
         return {"layers": c.layers, "requests": real, "offloaded_layers_per_request": [r.count(0) for r in rows],
                 "step_eager_ms": eager_ms, "step_replay_ms": replay_ms, "resident_step_ms": resident_ms,
                 "resident_replay_ms": resident_replay_ms,
                 "resident_replay_ms_plain": ch.details.get("graph_probe", {}).get("step_replay_ms"),
-                "host_replay_ms": statistics.median(host_replay),
+                "host_replay_ms": statistics.median(host_replay[2: c.repeat + 2]),  # the timed ones
+                "host_resident_replay_ms": host_resident, "host_profile": profile.top(),
                 "hidden_eager_kvplane_cpu": ch.details.get("overlap", {}).get("kvplane_cpu"),
                 "staged_replays": staged_steps[0], "replays": graphs.replays, "replay_max_abs_diff": diff,
                 "replay_vs_dense": dense,
@@ -215,7 +235,9 @@ class StagedGraphProbe:
                           "buffers), median, over the all-resident eager step of the overlap phase (issue 14's "
                           "measure, where --kv-cuda-graphs on serves)", meaningful=timed and share is not None,
                           note=note if m is None else f"{m['host_replay_ms']:.3f} ms a replayed step over "
-                          f"{resident} ms (the eager hidden step's kvplane host time: details.overlap.kvplane_cpu); "
+                          f"{resident} ms (the eager hidden step's kvplane host time: details.overlap.kvplane_cpu; an all-resident "
+                          f"step replayed through the same graph: {m['host_resident_replay_ms']:.3f} ms; by function: "
+                          "details.graph_staged.host_profile); "
                           f"{note}"),
         ]
 

@@ -15,7 +15,7 @@ from sglang_ext.testing.tape_graph import TapeGraph
 from sglang_ext.tools.gpu_check_config import SMALL
 from sglang_ext.tools.gpu_check_measure import CoreCheck
 from sglang_ext.tools.gpu_check_report import FAIL, NA, PASS
-from sglang_ext.tools.gpu_check_staged_graph import StagedGraphProbe, steps
+from sglang_ext.tools.gpu_check_staged_graph import PROFILED, StagedGraphProbe, steps
 
 
 @pytest.fixture(autouse=True)
@@ -43,8 +43,13 @@ def test_replayed_staged_steps_decode_what_the_reference_does():
     assert f.status == PASS and f.value == 0, f
     m = ch.details["graph_staged"]
     runs = ch.config.repeat + 2
-    assert m["staged_replays"] == runs + 1 and m["replays"] == 2 * runs + 1, m  # then all-resident ones
+    assert m["staged_replays"] == runs + 1 + PROFILED and m["replays"] == 2 * runs + 1 + PROFILED, m  # all-resident
+    # ones between the checked replay and the profiled ones
     assert m["offloaded_layers_per_request"] == [2, 2] and not m["eager_reasons"]
+    profiled = {row["function"] for row in m["host_profile"]}  # the boundary's and the admission's calls
+    assert any("paged_decode_step.py" in f for f in profiled) and any("graph_staging.py" in f for f in profiled), \
+        sorted(profiled)
+    assert m["host_replay_ms"] > 0 and m["host_resident_replay_ms"] > 0, m
     assert ch.batch.lens == [n + steps(ch.config.repeat) for n in lens]
     for key in ("graph.staged.step_ms.eager", "graph.staged.step_ms.replay", "graph.staged.kvplane_cpu_share",
                 "graph.staged.resident_step_ms.replay"):
