@@ -14,6 +14,12 @@ the marks are ``torch.cuda.Event`` records (no sync inside the step; read after
 ``process_batch_result`` has synchronised), on CPU ``time.perf_counter``. The result goes out as
 ``StepReport.layer_compute_ms``; steps that were not sampled report None.
 
+A replayed CUDA graph (``--kv-cuda-graphs on``) runs no Python: its marks are events the graph
+records itself (:class:`~sglang_ext.dataplane.graph_layer_marks.GraphLayerMarks`), handed over by
+:meth:`LayerTimer.replayed` for every replay. Those events are recorded again by the next replay
+of the same graph, so a sample a later replay overwrote before :meth:`LayerTimer.take` read it
+(SGLang's overlap loop launches step k+1 before processing step k) is dropped, not misread.
+
 Each forward's marks are queued at :meth:`LayerTimer.end` and :meth:`LayerTimer.take` returns the
 oldest: one ``end`` per ``run_batch`` and one ``take`` per ``process_batch_result``, in the same
 order. Without SGLang's overlap loop the queue holds one entry at most; with it, step k's results
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,18 +45,28 @@ MAX_IN_FLIGHT = 4
 class LayerTimer:
     """Per-layer marks of one sampled decode step."""
 
-    def __init__(self, layers: int, device: str | torch.device = "cpu", every: int = DEFAULT_EVERY) -> None:
+    def __init__(self, layers: int, device: str | torch.device = "cpu", every: int = DEFAULT_EVERY,
+                 event: Callable[[], Any] | None = None) -> None:
         if layers < 1 or every < 1:
             raise ValueError(f"LayerTimer needs layers >= 1 and every >= 1, got {layers}, {every}")
         self.layers = layers
         self.every = every
         self.cuda = torch.device(device).type == "cuda"
+        self._event = event or (_cuda_event if self.cuda else None)
+        """Makes a timing event (``record(stream)``, ``synchronize()``, ``elapsed_time(other)``);
+        None: marks are ``time.perf_counter`` readings (the CPU)."""
         self._decode_steps = 0
         self._armed = False
         self._marks: dict[int, Any] = {}
         self._ready: dict[int, Any] = {}
-        self._done: deque[tuple[dict[int, Any], dict[int, Any], Any] | None] = deque(maxlen=MAX_IN_FLIGHT)
-        """Ended forwards not yet taken, oldest first (None: not sampled)."""
+        self._done: deque[tuple[dict[int, Any], dict[int, Any], Any, tuple[int, int] | None] | None] = deque(
+            maxlen=MAX_IN_FLIGHT)
+        """Ended forwards not yet taken, oldest first (None: not sampled); the last item tags a
+        replayed step's graph marks (their set, its replay count then)."""
+        self._graph: tuple[int, int] | None = None
+        """This forward's graph marks (a replay's), as :attr:`_done` tags them."""
+        self._replays: dict[int, int] = {}
+        """Replays so far per set of graph marks (by identity)."""
         self.samples = 0
         """Steps whose per-layer times were reported."""
         self.last_stall_ms: tuple[float, ...] = ()
@@ -60,13 +77,14 @@ class LayerTimer:
         self._marks = {}
         self._ready = {}
         self._armed = False
+        self._graph = None
         if is_decode:
             self._armed = self._decode_steps % self.every == 0
             self._decode_steps += 1
 
     def _now(self, stream: Any = None) -> Any:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
+        if self._event is not None:
+            event = self._event()
             event.record(stream)
             return event
         return time.perf_counter()
@@ -82,14 +100,28 @@ class LayerTimer:
         if self._armed and layer in self._marks and layer not in self._ready:
             self._ready[layer] = self._now()
 
+    def replayed(self, marks: tuple[dict[int, Any], dict[int, Any]] | None) -> None:
+        """This forward replays a captured graph recording ``marks`` (entry and ready events by
+        layer: ``GraphLayerMarks.of``; None: it records none, and a sampled step goes unreported
+        as before; so on the CPU, whose marks are clock readings). Called for every replay, sampled
+        or not: each one records the events again."""
+        if marks is None or self._event is None:
+            return
+        key = id(marks[0])
+        uses = self._replays[key] = self._replays.get(key, 0) + 1
+        if self._armed:
+            self._marks, self._ready = dict(marks[0]), dict(marks[1])
+            self._graph = (key, uses)
+
     def end(self, stream: Any = None) -> None:
         """The forward (and sampling) returned; on CUDA the end mark goes on ``stream`` (the
         forward's stream: SGLang's overlap loop runs the forward on a stream of its own), default
         the current one. Queues the step's marks for :meth:`take`."""
         armed, self._armed = self._armed, False
-        self._done.append((self._marks, self._ready, self._now(stream)) if armed else None)
+        self._done.append((self._marks, self._ready, self._now(stream), self._graph) if armed else None)
         self._marks = {}
         self._ready = {}
+        self._graph = None
 
     def take(self) -> tuple[float, ...] | None:
         """Per-layer ms of the oldest ended step not yet taken (None if it was not sampled or is
@@ -99,11 +131,13 @@ class LayerTimer:
         sample = self._done.popleft()
         if sample is None or len(sample[0]) != self.layers:
             return None
-        marks, ready, end = sample
+        marks, ready, end, graph = sample
+        if graph is not None and self._replays.get(graph[0]) != graph[1]:
+            return None  # a later replay of the same graph recorded its events again
         entries = [marks[layer] for layer in range(self.layers)]
         starts = [ready.get(layer, entries[layer]) for layer in range(self.layers)]
         ends = [*entries[1:], end]
-        if self.cuda:
+        if self._event is not None:
             end.synchronize()
 
             def ms(a: Any, b: Any) -> float:
@@ -112,10 +146,17 @@ class LayerTimer:
 
             def ms(a: Any, b: Any) -> float:
                 return (b - a) * 1e3
-        out = tuple(ms(a, b) for a, b in zip(starts, ends, strict=True))
-        stall = tuple(ms(a, b) for a, b in zip(entries, starts, strict=True))
+        try:
+            out = tuple(ms(a, b) for a, b in zip(starts, ends, strict=True))
+            stall = tuple(ms(a, b) for a, b in zip(entries, starts, strict=True))
+        except RuntimeError:  # an event never recorded (a graph's, replayed before its capture finished)
+            return None
         if any(x < 0 for x in out) or any(x < 0 for x in stall):
             return None
         self.samples += 1
         self.last_stall_ms = stall
         return out
+
+
+def _cuda_event() -> Any:
+    return torch.cuda.Event(enable_timing=True)

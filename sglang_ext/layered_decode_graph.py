@@ -130,6 +130,11 @@ class LayeredDecodeGraph:
         self.admitted = False
         self.forward = False  # a capture's flag ends here too (no decode reads the buffers unasked)
 
+    def layer_marks(self) -> tuple[dict[int, Any], dict[int, Any]] | None:
+        """The per-layer timing events the graph of the loaded size records (CUDA), or None."""
+        marks = self.buffers.marks
+        return None if marks is None else marks.of(self.buffers.batch)
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """The new K/V ``[rows, H, D]`` (pool dtype) of every row at ``layer`` into the buffers' rows."""
         self.buffers.write(self.core.store, layer, k, v)

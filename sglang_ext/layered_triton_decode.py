@@ -85,13 +85,18 @@ class LayeredTritonDecode(LayeredPagedDecode):
         log.info("layered_decode_graphs", max_bs=max_bs, max_pages=self.graph.buffers.max_pages)
 
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
-        """At capture: a padding-only step of the captured size. Before a replay: only the check
-        that kvplane admitted the step -- the runner's ``can_run_graph`` ran the boundary and
-        loaded the buffers (:mod:`sglang_ext.graph_runner_hooks`)."""
+        """At capture: a padding-only step of the captured size. Before a replay: the check that
+        kvplane admitted the step -- the runner's ``can_run_graph`` ran the boundary and loaded
+        the buffers (:mod:`sglang_ext.graph_runner_hooks`) -- and the layer timer handed the
+        timing events the replayed graph records (``GraphLayerMarks``)."""
+        graph = self.graph
+        assert graph is not None
         if in_capture:
-            self.graph.capture(int(forward_batch.batch_size))  # type: ignore[union-attr]
+            graph.capture(int(forward_batch.batch_size))
         else:
-            self.graph.replaying()  # type: ignore[union-attr]
+            graph.replaying()
+            if self.layer_timer is not None:  # a sampled replay is timed by the events its graph records
+                self.layer_timer.replayed(graph.layer_marks())
 
     def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
         """Nothing is recorded ahead of the layers: they read the buffers loaded outside the graph."""

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from sglang_ext.dataplane.graph_layer_marks import GraphLayerMarks
 from sglang_ext.dataplane.results import LayerView
 
 
@@ -54,6 +55,8 @@ class GraphStepBuffers:
         self.sink_page = sink_page
         """Device page of the padded rows (the store's ``sink_page``); None: no padding."""
         self.page_size = page_size
+        self.marks = GraphLayerMarks.for_device(layers, device)
+        """Per-layer timing events the captured graphs record (:meth:`enter`; CUDA only, else None)."""
         self._ramp = torch.arange(1, max_batch + 1, dtype=torch.int32, device=device)
         self.rows = torch.zeros((layers, max_batch), dtype=torch.int64, device=device)
         """Device rows (of the flat pool) of each request's new token, per layer."""
@@ -186,11 +189,17 @@ class GraphStepBuffers:
 
     def enter(self, layer: int) -> None:
         """Before layer ``layer``'s KV write (captured): with :attr:`staging`, the step's fetches
-        start (layer 0) and the layer waits for its own; else nothing."""
+        start (layer 0) and the layer waits for its own; a capture records the layer's timing
+        events around that wait (:attr:`marks`)."""
+        marks = self.marks
+        if marks is not None:
+            marks.mark(layer, self.batch)
         if self.staging is not None:
             if layer == 0:
                 self.staging.begin_step()
             self.staging.begin_layer(layer)
+        if marks is not None:
+            marks.ready(layer, self.batch)
 
     def exit(self, layer: int) -> None:
         """After layer ``layer``'s attention (captured): with :attr:`staging`, the next layer's

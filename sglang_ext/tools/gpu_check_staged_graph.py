@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from sglang_ext.dataplane.bench_env import sync, time_ms
+from sglang_ext.layer_timing import LayerTimer
 from sglang_ext.tools.gpu_check_report import Figure
 from sglang_ext.tools.host_profile_probe import HostProfileProbe
 
@@ -60,11 +61,15 @@ PROFILED = 3
 """Replayed staged steps whose host work (boundary + admission) is profiled by function."""
 
 
+def _total(layer_ms: list[float] | None) -> str:
+    return "none recorded" if layer_ms is None else f"{sum(layer_ms):.3f}"
+
+
 def steps(repeat: int) -> int:
     """Decode steps the probe adds to the batch (``GpuCheckConfig.decode_steps``): the timed eager
     steps (2 warm-ups + ``repeat``), the timed replayed ones (as many), the later one, the timed
-    all-resident replays (as many), the profiled replays and the accuracy step."""
-    return 3 * (repeat + 2) + 2 + PROFILED
+    all-resident replays (as many), the profiled replays, the layer-timed one and the accuracy step."""
+    return 3 * (repeat + 2) + 3 + PROFILED
 
 
 class StagedGraphProbe:
@@ -169,6 +174,17 @@ class StagedGraphProbe:
                 profile.steps += 1
         finally:
             profiling[0], b.boundary_scope = False, nullcontext
+        timer = LayerTimer(c.layers, device, every=1)  # a sampled replay, timed by its graph's events
+        timer.begin(True)
+        size = admit()
+        marks = graphs.buffers.marks
+        timer.replayed(None if marks is None else marks.of(size))
+        try:
+            graphs.replay(size)
+        finally:
+            core.exit_layer(last)
+        timer.end()
+        layer_ms = timer.take()
         sync(device)
         errors = ch.attention_errors()[BACKEND]  # one eager staged step over every replayed token
         resident_ms = ch.details.get("overlap", {}).get("resident_step_ms") or ch.details.get("resident_step_ms")
@@ -178,6 +194,8 @@ class StagedGraphProbe:
                 "resident_replay_ms_plain": ch.details.get("graph_probe", {}).get("step_replay_ms"),
                 "host_replay_ms": statistics.median(host_replay[2: c.repeat + 2]),  # the timed ones
                 "host_resident_replay_ms": host_resident, "host_profile": profile.top(),
+                "replay_layer_ms": None if layer_ms is None else list(layer_ms),
+                "replay_layer_stall_ms": None if layer_ms is None else list(timer.last_stall_ms),
                 "hidden_eager_kvplane_cpu": ch.details.get("overlap", {}).get("kvplane_cpu"),
                 "staged_replays": staged_steps[0], "replays": graphs.replays, "replay_max_abs_diff": diff,
                 "replay_vs_dense": dense,
@@ -221,7 +239,9 @@ class StagedGraphProbe:
                           "Triton decode", meaningful=timed, note=note),
             Figure.graded("graph.staged.step_ms.replay", "staged decode step: boundary + admit + replay",
                           v("step_replay_ms"), "ms", None, None, "median wall time, device-synchronised",
-                          meaningful=timed, note=note),
+                          meaningful=timed, note=note if m is None else f"a sampled replay's layers by the "
+                          f"events its graph records (the controller's layer timings): "
+                          f"{_total(m['replay_layer_ms'])} ms in all; {note}"),
             Figure.graded("graph.staged.resident_step_ms.replay", "all-resident decode step through the staged "
                           "graph: boundary + admit + replay", v("resident_replay_ms"), "ms", None, None,
                           "median wall time, device-synchronised: the staging launches (empty lists) and the "

@@ -50,10 +50,13 @@ def test_cuda_replayed_staged_steps_equal_eager_twins():
 def test_cuda_staged_graph_probe_passes():
     """``kvplane gpu-check``'s staged probe at toy shapes on CUDA: the scrambled-staging replay and
     the eager step after the replays within tolerance of the dense reference, the replay equal to
-    its layers rerun eagerly."""
+    its layers rerun eagerly; a sampled replay's per-layer times come from the events its graph
+    records (``GraphLayerMarks``), one positive time per layer."""
     ch = CoreCheck(dataclasses.replace(SMALL, layers=3, requests=2, repeat=2), "cuda", "torch")
     ch.step()
     figures = {f.key: f for f in StagedGraphProbe(ch).run()}
     for key in ("graph.staged.replay_vs_dense_err", "graph.staged.attention_err"):
         assert figures[key].status == PASS, figures[key]
     assert figures["graph.staged.replay_max_abs_diff"].value <= 1e-5, figures["graph.staged.replay_max_abs_diff"]
+    layer_ms = ch.details["graph_staged"]["replay_layer_ms"]
+    assert layer_ms is not None and len(layer_ms) == 3 and all(ms > 0 for ms in layer_ms), layer_ms

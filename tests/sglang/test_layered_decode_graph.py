@@ -112,3 +112,45 @@ def test_non_decode_steps_sglang_would_replay_are_declined_and_a_replay_ends_the
     graph.forward = True  # as a capture leaves it
     graph.replaying()
     assert graph.forward is False
+
+
+def test_a_sampled_replay_hands_the_timer_the_events_its_graph_records():
+    """The Triton backend's replay metadata (``init_forward_metadata_out_graph``) gives the layer
+    timer the timing events the graph of the admitted size recorded at its capture (each layer's
+    ``enter``): a sampled replayed step reports per-layer times. The device's part -- stamping
+    the events as the replay runs -- is played by hand (``StampClock``; on a GPU the graph's event
+    nodes do it: ``tests/dataplane/test_graph_layer_marks_gpu.py``). Control: a replay at a size
+    whose capture recorded no marks reports nothing."""
+    from sglang_ext.dataplane.graph_layer_marks import GraphLayerMarks
+    from sglang_ext.layer_timing import LayerTimer
+    from sglang_ext.layered_triton_decode import LayeredTritonDecode
+    from sglang_ext.testing.stamp_clock import StampClock
+
+    clock = StampClock()
+    graph = LayeredDecodeGraph(_identity_core(partial=False), max_bs=2)
+    graph.buffers.marks = GraphLayerMarks(LAYERS, clock.event, clock)
+    timer = LayerTimer(LAYERS, every=1, event=clock.event)
+    backend = SimpleNamespace(graph=graph, layer_timer=timer)
+    for size in (2, 1):  # SGLang captures largest first; only size 2's capture runs the layers here
+        LayeredTritonDecode.init_forward_metadata_out_graph(backend, SimpleNamespace(batch_size=size), True)
+        clock.capturing = size == 2
+        for layer in range(LAYERS):
+            graph.enter(layer)  # as forward_decode does in graph mode
+        clock.capturing = False
+
+    def replayed_step(size: int) -> tuple[float, ...] | None:
+        timer.begin(True)
+        assert graph.admit(size, torch.tensor([6]), ("A",))
+        LayeredTritonDecode.init_forward_metadata_out_graph(backend, SimpleNamespace(batch_size=size), False)
+        marks = graph.buffers.marks.of(size)
+        for layer in range(LAYERS) if marks is not None else ():  # the graph's event nodes
+            marks[0][layer].record()
+            clock.ms += 0.5
+            marks[1][layer].record()
+            clock.ms += layer + 1.0
+        timer.end()
+        return timer.take()
+
+    assert replayed_step(2) == (1.0, 2.0)
+    assert timer.last_stall_ms == (0.5, 0.5)
+    assert replayed_step(1) is None  # control
