@@ -51,6 +51,22 @@ def prefill_joins(last_batch: Any) -> bool:
     return last_batch is not None and not last_batch.is_empty() and last_batch.forward_mode.is_extend()
 
 
+def live_request_ids(scheduler: Any, running_batch: Any, last_batch: Any, pauser: Any) -> set[str]:
+    """The ids of every request this worker still holds before SGLang picks the next batch:
+    queued, running, just prefilled (``last_batch``: it joins the running batch inside
+    ``get_next_batch_to_run``), prefilling in chunks, or parked by a pause."""
+    live = {req.rid for req in getattr(scheduler, "waiting_queue", None) or ()}
+    for batch in (running_batch, last_batch):
+        if batch is not None:
+            live.update(req.rid for req in batch.reqs)
+    chunked = getattr(scheduler, "chunked_req", None)
+    if chunked is not None:
+        live.add(chunked.rid)
+    if len(pauser):
+        live.update(p.req.rid for p in pauser.parked())
+    return live
+
+
 class AdmissionGate:
     """Which queued requests SGLang may prefill this step."""
 

@@ -54,7 +54,7 @@ import torch
 
 from controlplane.api import WorkerInfo
 from sglang_ext import compat, parked_lifecycle, settings
-from sglang_ext.admission import GATED_SCHEDULERS, AdmissionGate
+from sglang_ext.admission import GATED_SCHEDULERS, AdmissionGate, live_request_ids
 from sglang_ext.context import PluginContext
 from sglang_ext.control_client import ControlClient, build_control_plane
 from sglang_ext.decision_inbox import DecisionInbox
@@ -77,6 +77,8 @@ log = structlog.get_logger(__name__)
 
 CONNECT_WAIT_S = 2.0
 """How long start-up waits for a remote control plane before running on the local heuristic."""
+PRUNE_EVERY = 64
+"""Steps between prunes of prefill placements whose request this worker no longer holds."""
 
 
 class SchedulerHooks:
@@ -388,6 +390,9 @@ def _around_next_batch(original: Any, scheduler: Any, *args: Any, **kwargs: Any)
     call["running_batch"] = running
     if hooks.slo_publisher is not None:  # the pacer follows the live default SLO
         hooks.slo_publisher.poll()
+    installer = hooks.installer
+    if installer.prefill_placements and hooks.step % PRUNE_EVERY == 0:  # before SGLang takes from the queue
+        installer.prune_prefill(live_request_ids(scheduler, running, last_batch, hooks.pauser))
     held = hooks.admission.hold_back(scheduler, running, hooks.pauser, last_batch)
     t1 = time.perf_counter()
     try:

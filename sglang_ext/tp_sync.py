@@ -13,7 +13,7 @@ With ``tp_size == 1`` nothing is broadcast.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,6 +192,19 @@ class PlacementInstaller:
                 rid: hit for rid, hit in self._bool_rows.items()
                 if rid in self.placements or rid in self.prefill_placements
             }
+
+    def prune_prefill(self, live: Collection[str]) -> int:
+        """Drop the prefill placements of requests this worker no longer holds (``live``: the
+        ids queued, running, prefilling or parked; ``admission.live_request_ids``). A placement
+        leaves when its request is planned or released; one the control plane sent for a request
+        aborted while queued, or for no request of this worker, stayed for good. Returns how
+        many went."""
+        gone = [rid for rid in self.prefill_placements if rid not in live]
+        for rid in gone:
+            del self.prefill_placements[rid]
+            if rid not in self.placements:
+                self._bool_rows.pop(rid, None)
+        return len(gone)
 
     def gpu_layers(self, rid: str) -> tuple[bool, ...]:
         row = self.placements.get(rid) or self.prefill_placements.get(rid)

@@ -196,3 +196,43 @@ def test_scheduler_hooks_take_meter_counter_and_files_from_the_context(tmp_path:
         assert [x["step"] for x in lines] == [1, 2] and lines[0]["running"] == ["r1"]
     finally:
         hooks.client.close()
+
+
+def test_prefill_placements_of_requests_the_worker_no_longer_holds_are_pruned(tmp_path: Path) -> None:
+    """The control plane's admission layers (``min_gpu_layers``) for a request that finished or
+    was aborted before its decision arrived -- or that never was this worker's -- stayed in the
+    installer for good. Every ``PRUNE_EVERY`` steps, before SGLang takes from its queue, those of
+    requests neither queued, running, just prefilled, prefilling in chunks nor parked go.
+    Controls: the live ones stay, and off the cadence a ghost stays too."""
+    pytest.importorskip("torch")
+    from sglang_ext import scheduler_hooks
+    from sglang_ext.tp_sync import StepInstall
+
+    environ = {settings.LAYERED_KV_ARGS_ENV: LayeredKVArgs(enable_layered_kv=True).to_json(),
+               settings.WORKER_ID_ENV: "unit-worker"}
+    ctx = PluginContext.from_environ(environ)
+    ctx.metrics_registry = CollectorRegistry()
+    scheduler, _ = _fake_scheduler()
+    scheduler_hooks._after_init(ctx, None, scheduler)
+    hooks = scheduler._kvplane
+    try:
+        def req(rid: str) -> SimpleNamespace:
+            return SimpleNamespace(rid=rid, finished=lambda: False)
+
+        scheduler.waiting_queue = [req("queued")]
+        scheduler.running_batch = SimpleNamespace(reqs=[req("running")], is_empty=lambda: False)
+        scheduler.chunked_req = req("chunked")
+        extend = SimpleNamespace(is_decode=lambda: False, is_extend=lambda: True)
+        scheduler.last_batch = SimpleNamespace(reqs=[req("prefilled")], forward_mode=extend, is_empty=lambda: False)
+        installer = hooks.installer
+        installer.apply(StepInstall(step=1, prefill_layers={
+            rid: 1 for rid in ("queued", "running", "chunked", "prefilled", "ghost")}))
+        plan = SimpleNamespace(running_batch=scheduler.running_batch, batch_to_run=None)
+        hooks.step = scheduler_hooks.PRUNE_EVERY + 1  # off the cadence: nothing pruned
+        scheduler_hooks._around_next_batch(lambda s, **kw: plan, scheduler)
+        assert set(installer.prefill_placements) == {"queued", "running", "chunked", "prefilled", "ghost"}
+        hooks.step = 2 * scheduler_hooks.PRUNE_EVERY
+        scheduler_hooks._around_next_batch(lambda s, **kw: plan, scheduler)
+        assert set(installer.prefill_placements) == {"queued", "running", "chunked", "prefilled"}
+    finally:
+        hooks.client.close()
