@@ -155,6 +155,17 @@ def _fake_scheduler() -> tuple[SimpleNamespace, SimpleNamespace]:
     return scheduler, backend
 
 
+def _hooked(environ: dict[str, str]) -> tuple[PluginContext, Any, Any]:
+    """The context from ``environ``, a fake scheduler and its backend, the scheduler hooks installed."""
+    from sglang_ext import scheduler_hooks
+
+    ctx = PluginContext.from_environ(environ)
+    ctx.metrics_registry = CollectorRegistry()
+    scheduler, backend = _fake_scheduler()
+    scheduler_hooks._after_init(ctx, None, scheduler)
+    return ctx, scheduler, backend
+
+
 def test_scheduler_hooks_take_meter_counter_and_files_from_the_context(tmp_path: Path) -> None:
     """Scenario: a scheduler process with the flag, the overhead meter and the stats file on runs
     one step through the hook functions (fake SGLang scheduler, embedded control plane, SGLang's
@@ -169,10 +180,7 @@ def test_scheduler_hooks_take_meter_counter_and_files_from_the_context(tmp_path:
         settings.STATS_FILE_ENV: str(tmp_path / "stats.jsonl"),
         settings.WORKER_ID_ENV: "unit-worker",
     }
-    ctx = PluginContext.from_environ(environ)
-    ctx.metrics_registry = CollectorRegistry()
-    scheduler, backend = _fake_scheduler()
-    scheduler_hooks._after_init(ctx, None, scheduler)
+    ctx, scheduler, backend = _hooked(environ)
     hooks = scheduler._kvplane
     try:
         assert backend.overhead_meter is ctx.meter
@@ -210,10 +218,7 @@ def test_prefill_placements_of_requests_the_worker_no_longer_holds_are_pruned(tm
 
     environ = {settings.LAYERED_KV_ARGS_ENV: LayeredKVArgs(enable_layered_kv=True).to_json(),
                settings.WORKER_ID_ENV: "unit-worker"}
-    ctx = PluginContext.from_environ(environ)
-    ctx.metrics_registry = CollectorRegistry()
-    scheduler, _ = _fake_scheduler()
-    scheduler_hooks._after_init(ctx, None, scheduler)
+    _, scheduler, _ = _hooked(environ)
     hooks = scheduler._kvplane
     try:
         def req(rid: str) -> SimpleNamespace:
