@@ -11,7 +11,9 @@ is only known once kvplane's boundary has run. So, for a layered backend with gr
   the captured size SGLang will replay at (``_pad_to_bucket``, SGLang's own rounding) or names
   why the step runs eagerly -- then the answer is False and the eager forward (on SGLang's copy of
   the batch) skips a second boundary. A recompute step is declined before its boundary, and so
-  is any step that is not a decode (on CUDA SGLang asks for IDLE / TARGET_VERIFY steps too).
+  is any step that is not a decode (on CUDA SGLang asks for IDLE / TARGET_VERIFY steps too), and,
+  under SGLang's overlap loop, a step the layer timer samples (``LayerTimer.wants_eager``: the
+  next step's replay would stamp the graph's timing events before this one's are read).
 * AROUND ``execute`` (the replay): after it, the step ends as an eager one does
   (``end_graph_step``: the last layer's exit).
 
@@ -40,6 +42,10 @@ def around_can_run_graph(original: Any, runner: Any, forward_batch: Any, *args: 
         return False
     if backend.recompute_inputs:  # its rows join the batch's inputs at the boundary: eager, one boundary
         graph.decline("the step recomputes a prefix", ())
+        return False
+    timer = getattr(backend, "layer_timer", None)
+    if timer is not None and timer.wants_eager:  # the overlap loop would overwrite a replay's timing
+        graph.decline("a sampled step is timed eagerly (the overlap loop)", ())
         return False
     backend.init_forward_metadata(forward_batch)  # the boundary, as every step's
     padded = runner._pad_to_bucket(forward_batch.batch_size, runner.capture_bs)

@@ -46,7 +46,7 @@ class LayerTimer:
     """Per-layer marks of one sampled decode step."""
 
     def __init__(self, layers: int, device: str | torch.device = "cpu", every: int = DEFAULT_EVERY,
-                 event: Callable[[], Any] | None = None) -> None:
+                 event: Callable[[], Any] | None = None, eager_samples: bool = False) -> None:
         if layers < 1 or every < 1:
             raise ValueError(f"LayerTimer needs layers >= 1 and every >= 1, got {layers}, {every}")
         self.layers = layers
@@ -55,6 +55,10 @@ class LayerTimer:
         self._event = event or (_cuda_event if self.cuda else None)
         """Makes a timing event (``record(stream)``, ``synchronize()``, ``elapsed_time(other)``);
         None: marks are ``time.perf_counter`` readings (the CPU)."""
+        self.eager_samples = eager_samples
+        """A sampled step must run eagerly, not replay a graph (:attr:`wants_eager`): SGLang's
+        overlap loop replays step k+1 -- the same graph, a steady batch -- before step k's sample
+        is read, so a replayed sample would be overwritten and dropped every time."""
         self._decode_steps = 0
         self._armed = False
         self._marks: dict[int, Any] = {}
@@ -99,6 +103,11 @@ class LayerTimer:
         compute is timed from here."""
         if self._armed and layer in self._marks and layer not in self._ready:
             self._ready[layer] = self._now()
+
+    @property
+    def wants_eager(self) -> bool:
+        """This forward is sampled and must run eagerly to be timed (:attr:`eager_samples`)."""
+        return self._armed and self.eager_samples
 
     def replayed(self, marks: tuple[dict[int, Any], dict[int, Any]] | None) -> None:
         """This forward replays a captured graph recording ``marks`` (entry and ready events by

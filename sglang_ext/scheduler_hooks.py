@@ -138,7 +138,8 @@ class SchedulerHooks:
         runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
         backend = getattr(runner, "attn_backend", None)
         if self.tp.is_source and hasattr(backend, "layer_timer"):
-            self.timer = backend.layer_timer = LayerTimer(self.layers, getattr(self.pool, "device", "cpu"))
+            self.timer = backend.layer_timer = LayerTimer(self.layers, getattr(self.pool, "device", "cpu"),
+                                                          eager_samples=self.overlap)
         self._forward_stream = getattr(runner, "forward_stream", None) if self.overlap else None
         """Where the overlap loop runs the forward (None: the current stream)."""
         if hasattr(backend, "layer_timer"):  # the layered attention backend times its own parts

@@ -44,6 +44,9 @@ class GraphLayerMarks:
         self._capturing = capturing
         self._sets: dict[int, tuple[dict[int, Any], dict[int, Any]]] = {}
         """Captured size -> (entry events, ready events), by layer."""
+        self._kept: list[Any] = []
+        """Every event a capture recorded: a graph captured again replaces its size's set, and
+        the older graph's event nodes must not record into destroyed events."""
 
     @classmethod
     def for_device(cls, layers: int, device: Any) -> GraphLayerMarks | None:
@@ -70,6 +73,7 @@ class GraphLayerMarks:
             return
         event = self._event()
         event.record()
+        self._kept.append(event)
         self._sets.setdefault(size, ({}, {}))[kind][layer] = event
 
     def of(self, size: int) -> tuple[dict[int, Any], dict[int, Any]] | None:

@@ -91,6 +91,10 @@ class GraphStaging:
         self.wb_dst = torch.zeros(pairs, dtype=torch.int64, device=dev)
         self.park_buf = torch.zeros((c.layers, 2, max_batch, c.kv_heads, c.head_dim), dtype=c.dtype, device=dev)
         self._park_rows = self.park_buf.view(-1, c.kv_heads * c.head_dim)
+        self._park_ids = torch.arange(max_batch, device=dev)
+        """Rows ``0..max_batch-1`` the park writes to: the staging's own, for the graph's lifetime
+        (the store's ``row_ids`` replaces its tensor when a bigger eager step asks: a captured
+        park reading it would read freed memory; graph review, session 69)."""
         self.loaded_pairs = 0
         """(layer, request) pairs the loaded step writes back."""
         self.loaded_fetches = 0
@@ -114,6 +118,9 @@ class GraphStaging:
         store = core.store
         if store.mirror is None:
             return None, "the identity layout stages nothing"
+        if getattr(store.engine, "_kernel_impl", "triton") != "triton":
+            return None, ("the copy engine cannot run Triton kernels on the host pool (its copies fell back to "
+                          "memcpy); staged decode steps run eagerly")
         park = cls.park_bytes(store.config, max_batch)
         if park > PARK_MAX_BYTES:
             return None, (f"the park buffer for every layer's new tokens at {max_batch} rows ({park} bytes) would "
@@ -243,7 +250,7 @@ class GraphStaging:
             self.park_buf[layer, 0, :rows].copy_(k)
             self.park_buf[layer, 1, :rows].copy_(v)
             return
-        writer(self.park_buf[layer, 0], self.park_buf[layer, 1], self.store.row_ids(rows), k, v)
+        writer(self.park_buf[layer, 0], self.park_buf[layer, 1], self._park_ids[:rows], k, v)
 
     def end_layer(self, layer: int) -> None:
         """After layer ``layer``'s attention: the next layer's trigger list (after this layer's

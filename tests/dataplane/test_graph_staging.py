@@ -86,6 +86,8 @@ def _run(control: str | None = None, device: str = "cpu", graph: Any = TapeGraph
     after = (eager.layers(eager.batch.begin_decode(), backend="triton"),
              graphed.layers(graphed.batch.begin_decode(), backend="triton"))
     facts["after_equal"] = all(torch.equal(a, b) for a, b in zip(*after, strict=True))
+    for ch in (eager, graphed):  # the last parked write-back (a side stream on CUDA) has landed
+        ch.batch.core.store.engine.quiesce()
     facts["host_equal"] = torch.equal(eager.batch.core.store.host, core.store.host)
     return eager_outs, outs, facts
 
@@ -116,6 +118,30 @@ def test_staged_steps_replayed_decode_what_eager_steps_do(writer):
     assert min(facts["fetches"]) > 0 and min(facts["pairs"]) == sum(row.count(0) for row in PLACEMENT)
     assert facts["kinds"] == {START, TRIG}
     assert facts["replays"] == facts["graphed"] == STEPS
+
+
+def test_the_park_writes_through_row_ids_the_staging_owns():
+    """A graph keeps addresses, not tensors: the park's row ids must live as long as the staging.
+    The store's ``row_ids`` replaces its tensor when a bigger eager step asks (a batch over the
+    largest captured size), which would leave a captured park reading freed memory (graph
+    review, session 69). The ids the writer gets are the staging's own, before and after."""
+    ch = _check()
+    store = ch.batch.core.store
+    seen: list[int] = []
+    writer = TritonRowWriter()
+
+    def recording(k_dst, v_dst, rows, k, v) -> None:  # noqa: ANN001
+        seen.append(rows.untyped_storage().data_ptr())
+        writer(k_dst, v_dst, rows, k, v)
+
+    store.row_writer = recording
+    staging = GraphStaging(store, 4, 64)
+    k = torch.zeros((3, store.config.kv_heads, store.config.head_dim), dtype=store.config.dtype)
+    staging.park(0, 3, k, k)
+    store.row_ids(4096)  # a big eager step grows (replaces) the store's ids
+    staging.park(1, 3, k, k)
+    own = staging._park_ids.untyped_storage().data_ptr()
+    assert seen == [own, own] and store.row_ids(3).untyped_storage().data_ptr() != own
 
 
 def test_negative_control_lists_not_loaded():

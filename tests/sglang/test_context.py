@@ -185,6 +185,7 @@ def test_scheduler_hooks_take_meter_counter_and_files_from_the_context(tmp_path:
     try:
         assert backend.overhead_meter is ctx.meter
         assert backend.layer_timer is hooks.timer and hooks.worker.worker_id == "unit-worker"
+        assert hooks.timer.eager_samples is hooks.overlap is False  # sampled steps may replay a graph
         assert hooks.client is not None and hooks.metrics is None
         req = SimpleNamespace(
             rid="r1", finished=lambda: False, origin_input_ids=[1, 2], output_ids=[],

@@ -154,3 +154,35 @@ def test_a_sampled_replay_hands_the_timer_the_events_its_graph_records():
     assert replayed_step(2) == (1.0, 2.0)
     assert timer.last_stall_ms == (0.5, 0.5)
     assert replayed_step(1) is None  # control
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap-loop", "normal-loop"])
+def test_under_the_overlap_loop_a_sampled_step_runs_eagerly(overlap: bool):
+    """SGLang's overlap loop replays step k+1 -- the same graph for a steady batch -- before it
+    processes step k, so a sampled replay's events would be stamped again before they are read
+    (graph review, session 69): there the sampled step is declined before its boundary and runs
+    eagerly, timed by its own events. Controls: an unsampled step replays, and without the
+    overlap loop a sampled step replays too (its sample is read before the next replay)."""
+    from sglang_ext import graph_runner_hooks
+    from sglang_ext.layer_timing import LayerTimer
+
+    graph = LayeredDecodeGraph(_identity_core(partial=False), max_bs=2)
+    graph.capture(2)
+    timer = LayerTimer(LAYERS, every=2, eager_samples=overlap)
+    boundaries: list[object] = []
+    backend = SimpleNamespace(graph=graph, recompute_inputs=None, init_forward_metadata=boundaries.append,
+                              layer_timer=timer)
+    runner = SimpleNamespace(attn_backend=backend, capture_bs=[1, 2], _pad_to_bucket=lambda bs, buckets: 2)
+    decode = SimpleNamespace(forward_mode=SimpleNamespace(is_decode=lambda: True), batch_size=1,
+                             out_cache_loc=torch.tensor([6]), rids=["A"], seq_lens_cpu=torch.tensor([4]))
+    sglang_yes = lambda runner, fb: True  # noqa: E731
+    timer.begin(True)  # step 0: sampled
+    assert timer.wants_eager is overlap
+    got = graph_runner_hooks.around_can_run_graph(sglang_yes, runner, decode)
+    assert got is not overlap and len(boundaries) == (0 if overlap else 1)
+    assert graph.eager_reasons == ({"a sampled step is timed eagerly (the overlap loop)": 1} if overlap else {})
+    timer.end()
+    timer.begin(True)  # step 1: not sampled -- replays either way
+    graph.admitted = False
+    assert not timer.wants_eager
+    assert graph_runner_hooks.around_can_run_graph(sglang_yes, runner, decode) is True
