@@ -205,3 +205,16 @@ def test_load_regroups_launches_by_target_layer():
     assert 2 in got[(TRIG, 2)] and 2 in got[(START, 0)]
     assert np.array_equal(staging.flat[: tables._n].numpy(), tables.pages)
     core.exit_layer(LAYERS - 1)
+
+
+def test_no_staging_where_the_copy_engine_fell_back_to_memcpy():
+    """The graph's copies are Triton kernels reading the host pool through its device mapping: an
+    engine that fell back to ``memcpy`` (no such mapping) gets no staging, and the pipeline keeps
+    launching a decode step's fetches at its boundary. Control: the same core with Triton copies."""
+    core = _check().batch.core
+    staging, why = GraphStaging.for_core(core, 4, 64)
+    assert staging is not None and why is None and core.pipeline.defer_start
+    core = _check().batch.core
+    core.store.engine._kernel_impl = "memcpy"
+    staging, why = GraphStaging.for_core(core, 4, 64)
+    assert staging is None and "memcpy" in why and not core.pipeline.defer_start
