@@ -30,6 +30,10 @@
   the engine outside steps (the GPU check's transfer loops) times all of it. The first timed
   step after a (re)start is a random gap away, so a restart does not force one.
 
+* A replayed CUDA graph's copies: the graph's own event nodes stamp a pair every replay
+  (:class:`~sglang_ext.dataplane.graph_staging.GraphStaging`); :meth:`EventClock.book` queues it
+  for the open step with the bytes moved, never releasing it to the pool.
+
 The event factory and the capture test are parameters so that the bookkeeping can run on the CPU
 against a fake event in tests (``tests/dataplane/test_transfer_clock.py``). CUDA does not run
 there.
@@ -62,7 +66,8 @@ class EventClock(TransferClock):
             capacity,
         )
         self._capturing = capturing if capturing is not None else torch.cuda.is_current_stream_capturing
-        self._fifo: dict[str, deque[tuple[tuple[Any, Any], int, int, int]]] = {kind: deque() for kind in KINDS}
+        self._fifo: dict[str, deque[tuple[tuple[Any, Any], int, int, int, bool]]] = {kind: deque() for kind in KINDS}
+        """Per kind, in recording order: (pair, step, bytes, weight, the pool's pair)."""
         self._gap = gap if gap is not None else _random_gaps()
         """Steps from a timed step to the next one, given N (module docstring); tests fix it."""
         self._opened = False
@@ -135,20 +140,38 @@ class EventClock(TransferClock):
         step = self.times.step
         if kind == STALL:
             self.times.expect_stall(step)
-        self._fifo[kind].append((token, step, nbytes, self._weight))
+        self._fifo[kind].append((token, step, nbytes, self._weight, True))
+
+    def book(self, kind: str, pair: tuple[Any, Any], nbytes: int = 0) -> None:
+        """A copy timed by a pair recorded elsewhere -- a replayed CUDA graph's event nodes
+        (:class:`~sglang_ext.dataplane.graph_staging.GraphStaging`), stamped again by every
+        replay -- booked for the step now open if it is timed. Not the pool's: never released to
+        it. The same pair still waiting from an earlier booking is dropped unread first (this
+        replay stamps it again before it could be read)."""
+        fifo = self._fifo[kind]
+        for i, entry in enumerate(fifo):
+            if entry[0] is pair:
+                del fifo[i]
+                self.times.untimed += 1
+                break
+        if not self.timing:
+            self.times.sampled_out += 1
+            return
+        fifo.append((pair, self.times.step, nbytes, self._weight, False))
 
     def harvest(self) -> int:
         booked = 0
         times = self.times
         for kind, fifo in self._fifo.items():
             while fifo:
-                pair, step, nbytes, weight = fifo[0]
+                pair, step, nbytes, weight, pooled = fifo[0]
                 start, end = pair
                 if not (end.query() and start.query()):
                     break
                 fifo.popleft()
                 seconds = max(0.0, float(start.elapsed_time(end))) / 1e3
-                self.pool.release(pair)
+                if pooled:
+                    self.pool.release(pair)
                 if kind == STALL:
                     times.add_stall(seconds, step, expected=True, weight=weight)
                 else:

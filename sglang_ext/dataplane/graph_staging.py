@@ -58,6 +58,7 @@ import numpy as np
 import torch
 
 from kernels.block_copy import copy_segments_triton, fetch_pages_triton, triton_usable
+from sglang_ext.dataplane.graph_layer_marks import GraphLayerMarks
 
 START, TRIG = 0, 1
 """Rows of :attr:`GraphStaging.lists`: fetched at step start, fetched after the layer before."""
@@ -95,6 +96,11 @@ class GraphStaging:
         """Rows ``0..max_batch-1`` the park writes to: the staging's own, for the graph's lifetime
         (the store's ``row_ids`` replaces its tensor when a bigger eager step asks: a captured
         park reading it would read freed memory; graph review, session 69)."""
+        self.copy_marks = GraphLayerMarks.for_device(2, dev)
+        """Timing events a capture records around the start lists' launches (slot 0, on the H2D
+        stream) and the write-back (slot 1, D2H), by captured size: booked with the engine's clock
+        at each admission (:meth:`load`), so replayed steps keep feeding the link's bandwidth
+        samples (CUDA only, else None)."""
         self.loaded_pairs = 0
         """(layer, request) pairs the loaded step writes back."""
         self.loaded_fetches = 0
@@ -154,7 +160,7 @@ class GraphStaging:
         self._ctl[self._zero_from:].zero_()
         self.loaded_pairs = self.loaded_fetches = 0
 
-    def load(self, tables: Any) -> None:
+    def load(self, tables: Any, size: int = 0) -> None:
         """The staged step of ``tables`` (:meth:`why_not` None; its page count within the
         buffers) into the buffers: its page lists, its fetch launches regrouped by target layer
         into start and trigger lists, its parked tokens' write-back rows."""
@@ -184,6 +190,7 @@ class GraphStaging:
             ctl[self._zero_from + 4 * layers] = src.size
         self.loaded_pairs = 0 if parked is None else parked.pairs
         self.loaded_fetches = len(tables.fetches)
+        self._book(size, tables.fetches, 0 if parked is None else parked.launch.segments)
         both, _ = self.store.uploads.upload(np.concatenate([wb, ctl.view(np.int64)]))
         half = wb.size // 2
         if half:
@@ -195,6 +202,23 @@ class GraphStaging:
         self.stage[:n].copy_(i32[n: 2 * n], non_blocking=True)
         self.starts[:b].copy_(i32[2 * n: 2 * n + b], non_blocking=True)
         self.counts[:b].copy_(i32[2 * n + b: 2 * n + 2 * b], non_blocking=True)
+
+    def _book(self, size: int, fetches: list, parked_rows: int) -> None:
+        """The graph of ``size`` rows times its start lists and its write-back (:attr:`copy_marks`):
+        booked with the engine's clock for the step being admitted, with the bytes they move --
+        the start-list launches' segments and the parked rows (what the pipeline counts)."""
+        marks = self.copy_marks.of(size) if self.copy_marks is not None else None
+        engine = self.store.engine
+        book = getattr(engine.clock, "book", None)
+        if marks is None or book is None:
+            return
+        start_segments = sum(f.segments for f in fetches if f.trigger < 0)
+        host_rows = self.store.host_rows
+        moved = (("h2d", 0, start_segments * engine.segment_bytes),
+                 ("d2h", 1, parked_rows * host_rows.shape[1] * host_rows.element_size()))
+        for kind, slot, nbytes in moved:
+            if nbytes:
+                book(kind, (marks[0][slot], marks[1][slot]), nbytes)
 
     def _park_sources(self, parked: Any, src: np.ndarray) -> np.ndarray:
         """The write-back's source rows (``src``: rows of the tables' compact park buffer, K then
@@ -216,22 +240,28 @@ class GraphStaging:
                            self.lists[kind, layer], self.starts, self.counts, self.max_pages, 2 * layer,
                            2 * self.layers, store.pages_total, self._programs, listed=self.listed[kind, layer])
 
-    def begin_step(self) -> None:
-        """Before layer 0: every start list's launch (on the H2D stream, with side streams)."""
+    def begin_step(self, size: int = 0) -> None:
+        """Before layer 0 of a step of ``size`` rows: every start list's launch (on the H2D
+        stream, with side streams), timed by :attr:`copy_marks` in a capture."""
         store = self.store
         if not triton_usable(store.engine.dev):
             raise RuntimeError("GraphStaging: the graph's copies are Triton launches (CUDA, or TRITON_INTERPRET=1)")
-        if not self._streams:
-            for layer in range(self.layers):
-                self._fetch(START, layer)
-            return
+        marks = self.copy_marks
 
         def starts() -> None:
+            if marks is not None:
+                marks.mark(0, size)
             for layer in range(self.layers):
                 self._fetch(START, layer)
-                self._events[layer].record(store.engine.h2d_stream)
+                if self._streams:
+                    self._events[layer].record(store.engine.h2d_stream)
+            if marks is not None:
+                marks.ready(0, size)
 
-        self._on(store.engine.h2d_stream, starts)
+        if self._streams:
+            self._on(store.engine.h2d_stream, starts)
+        else:
+            starts()
 
     def begin_layer(self, layer: int) -> None:
         """Before layer ``layer``'s KV write: the compute stream waits for its fetches."""
@@ -252,19 +282,20 @@ class GraphStaging:
             return
         writer(self.park_buf[layer, 0], self.park_buf[layer, 1], self._park_ids[:rows], k, v)
 
-    def end_layer(self, layer: int) -> None:
+    def end_layer(self, layer: int, size: int = 0) -> None:
         """After layer ``layer``'s attention: the next layer's trigger list (after this layer's
-        compute); after the last, the parked rows' write-back and the joins."""
+        compute); after the last, the parked rows' write-back (timed by :attr:`copy_marks` in a
+        capture of ``size`` rows) and the joins."""
         engine = self.store.engine
         last = layer == self.layers - 1
         if not self._streams:
             if last:
-                self._write_back()
+                self._write_back(size)
             else:
                 self._fetch(TRIG, layer + 1)
             return
         if last:
-            self._on(engine.d2h_stream, self._write_back)
+            self._on(engine.d2h_stream, lambda: self._write_back(size))
             current = torch.cuda.current_stream(self.store.device)
             for side in (engine.d2h_stream, engine.h2d_stream):  # a capture ends with its forks joined
                 current.wait_event(side.record_event())
@@ -286,6 +317,11 @@ class GraphStaging:
         finally:
             torch.cuda.set_stream(current)
 
-    def _write_back(self) -> None:
+    def _write_back(self, size: int) -> None:
+        marks = self.copy_marks
+        if marks is not None:
+            marks.mark(1, size)
         copy_segments_triton(self._park_rows, self.store.host_rows, self.wb_src, self.wb_dst, self._programs,
                              count=self.wb_count)
+        if marks is not None:
+            marks.ready(1, size)

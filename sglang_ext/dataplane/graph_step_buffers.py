@@ -144,7 +144,7 @@ class GraphStepBuffers:
             self.last_page_len[b:bs].fill_(1)
         self.batch, self.real, self.pages = bs, b, n + bs - b
         if self.staging is not None:
-            self.staging.load(tables)
+            self.staging.load(tables, bs)
         self.loads += 1
 
     def load_padding(self, rows: int, in_place: bool) -> None:
@@ -196,7 +196,7 @@ class GraphStepBuffers:
             marks.mark(layer, self.batch)
         if self.staging is not None:
             if layer == 0:
-                self.staging.begin_step()
+                self.staging.begin_step(self.batch)
             self.staging.begin_layer(layer)
         if marks is not None:
             marks.ready(layer, self.batch)
@@ -205,7 +205,7 @@ class GraphStepBuffers:
         """After layer ``layer``'s attention (captured): with :attr:`staging`, the next layer's
         triggered fetches, or after the last the parked write-back; else nothing."""
         if self.staging is not None:
-            self.staging.end_layer(layer)
+            self.staging.end_layer(layer, self.batch)
 
     def layer_view(self, store: Any, layer: int, rids: tuple[str, ...]) -> LayerView:
         """Layer ``layer`` as paged kernels take it, from the buffers (the page table's full row:

@@ -16,6 +16,10 @@ class StampEvent:
     def record(self, stream: object = None) -> None:
         self.at = self.clock.ms
 
+    def query(self) -> bool:
+        """Complete once recorded (the clock is moved by hand: what is stamped has run)."""
+        return self.at is not None
+
     def synchronize(self) -> None:
         """Nothing to wait for: the clock is moved by hand."""
 

@@ -62,8 +62,8 @@ def test_negative_control_a_replay_without_fetches_fails(monkeypatch):
     (the eager rerun over the same emptied lists agrees with it: only the reference catches it)."""
     real = GraphStaging.load
 
-    def load(self, tables) -> None:  # noqa: ANN001
-        real(self, tables)
+    def load(self, tables, size: int = 0) -> None:  # noqa: ANN001
+        real(self, tables, size)
         self.listed.zero_()
 
     monkeypatch.setattr(GraphStaging, "load", load)

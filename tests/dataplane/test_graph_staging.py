@@ -17,8 +17,11 @@ import pytest
 import torch
 
 from sglang_ext.dataplane.decode_graphs import DecodeGraphs
+from sglang_ext.dataplane.event_clock import EventClock
+from sglang_ext.dataplane.graph_layer_marks import GraphLayerMarks
 from sglang_ext.dataplane.graph_staging import START, TRIG, GraphStaging
 from sglang_ext.dataplane.triton_row_writer import TritonRowWriter
+from sglang_ext.testing.stamp_clock import StampClock
 from sglang_ext.testing.tape_graph import TapeGraph
 from sglang_ext.tools.gpu_check_config import SMALL
 from sglang_ext.tools.gpu_check_measure import CoreCheck
@@ -63,6 +66,9 @@ def _run(control: str | None = None, device: str = "cpu", graph: Any = TapeGraph
     graphs.capture(lambda bs: graphed.layers(None, backend="triton", plan=False, graph=graphs.buffers),
                    lambda: graph(device))
     outs, facts = [], {"fetches": [], "pairs": [], "kinds": set()}
+    marks = staging.copy_marks  # CUDA: the capture timed the start lists and the write-back
+    facts["copy_marks"] = marks is not None and marks.of(real) is not None
+    timed0 = core.store.engine.clock.times.h2d_timed_bytes
     for _ in range(STEPS):
         loc = graphed.batch.begin_decode()
         assert core.tables.staging_ids.size and core.tables.fetches and core.tables.token_writeback is not None
@@ -88,6 +94,8 @@ def _run(control: str | None = None, device: str = "cpu", graph: Any = TapeGraph
     facts["after_equal"] = all(torch.equal(a, b) for a, b in zip(*after, strict=True))
     for ch in (eager, graphed):  # the last parked write-back (a side stream on CUDA) has landed
         ch.batch.core.store.engine.quiesce()
+    core.store.engine.clock.harvest()
+    facts["h2d_timed"] = core.store.engine.clock.times.h2d_timed_bytes - timed0
     facts["host_equal"] = torch.equal(eager.batch.core.store.host, core.store.host)
     return eager_outs, outs, facts
 
@@ -218,3 +226,44 @@ def test_no_staging_where_the_copy_engine_fell_back_to_memcpy():
     core.store.engine._kernel_impl = "memcpy"
     staging, why = GraphStaging.for_core(core, 4, 64)
     assert staging is None and "memcpy" in why and not core.pipeline.defer_start
+
+
+@pytest.mark.parametrize("captured", [True, False], ids=["timed-capture", "control-untimed-capture"])
+def test_admitted_steps_book_the_graphs_copy_timings_with_their_bytes(captured: bool):
+    """A capture records timing events around the start lists' launches and the write-back
+    (``copy_marks``); every admission books them with the engine's clock with the bytes the
+    replay moves -- the start-list launches' segments, the parked rows -- so replayed steps keep
+    feeding the link's bandwidth samples (``EventClock.book``; events played by ``StampClock``).
+    Control: a capture that recorded none books nothing."""
+    ch = _check()
+    core, store = ch.batch.core, ch.batch.core.store
+    stamps = StampClock()
+    real = len(ch.batch.rids)
+    graphs = DecodeGraphs(core, (real,), ch.batch.batch_pages + real, staged=True)
+    staging = graphs.buffers.staging
+    staging.copy_marks = GraphLayerMarks(2, stamps.event, stamps)
+    clock = store.engine.clock = EventClock(new_event=stamps.event, capturing=lambda: False)
+    stamps.capturing = captured
+    graphs.capture(lambda bs: ch.layers(None, backend="triton", plan=False, graph=graphs.buffers),
+                   lambda: TapeGraph("cpu"))
+    stamps.capturing = False
+    booked = {"h2d": 0, "d2h": 0}
+    for _ in range(2):
+        loc = ch.batch.begin_decode()
+        tables = core.tables
+        d2h0 = store.d2h_bytes
+        size = graphs.admit(slots=loc)
+        assert size == real and tables.token_writeback is not None
+        graph_pairs = {kind: [e for e in clock._fifo[kind] if not e[4]] for kind in booked}
+        start = sum(f.segments for f in tables.fetches if f.trigger < 0) * store.engine.segment_bytes
+        expected = {"h2d": start, "d2h": store.d2h_bytes - d2h0} if captured else {"h2d": 0, "d2h": 0}
+        got = {kind: sum(e[2] for e in graph_pairs[kind]) for kind in booked}
+        assert got == expected and (not captured or start > 0), (got, expected)
+        try:
+            graphs.replay(size)
+        finally:
+            core.exit_layer(LAYERS - 1)
+        clock.harvest()
+        for kind in booked:
+            booked[kind] += expected[kind]
+    assert clock.times.h2d_timed_bytes >= booked["h2d"] and clock.pending == 0

@@ -38,8 +38,11 @@ def test_cuda_replayed_staged_steps_equal_eager_twins():
     """Two identical batches, one eager, one boundary + admit + ``CUDAGraph`` replay: every layer's
     attention within float32 rounding (the replay's decode reads the buffers' wider page table,
     which may split the KV otherwise), the host pools equal bit for bit (the parked write-back in
-    the graph), and the next eager steps equal."""
+    the graph), and the next eager steps equal. The capture timed the start lists' launches and
+    the write-back on the side streams (``copy_marks``), and the replayed steps' bookings reached
+    the engine's clock as measured H2D bytes."""
     eager, graphed, facts = twins._run(device="cuda", graph=CudaGraph)
+    assert facts["copy_marks"] and facts["h2d_timed"] > 0, facts
     for a, b in zip(eager, graphed, strict=True):
         for x, y in zip(a, b, strict=True):
             torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-5)

@@ -42,8 +42,8 @@ def _scenario(d: CoreDriver, steps: int = 4) -> dict[str, int]:
     fetched = [0]
     real_load = staging.load
 
-    def load(tables) -> None:  # noqa: ANN001
-        real_load(tables)
+    def load(tables, size: int = 0) -> None:  # noqa: ANN001
+        real_load(tables, size)
         fetched[0] += staging.loaded_fetches > 0
 
     staging.load = load
@@ -87,8 +87,8 @@ def test_negative_control_a_graph_without_its_fetches_reads_stale_kv(monkeypatch
     staging = d.graph_buffers.staging
     real = GraphStaging.load
 
-    def load(self, tables) -> None:  # noqa: ANN001
-        real(self, tables)
+    def load(self, tables, size: int = 0) -> None:  # noqa: ANN001
+        real(self, tables, size)
         self.listed.zero_()
 
     monkeypatch.setattr(GraphStaging, "load", load)

@@ -108,6 +108,39 @@ def test_harvest_books_only_completed_pairs_in_stream_order():
     assert clock.pending == 0 and clock.pool.in_use == 0
 
 
+def test_a_pair_a_replayed_graph_records_is_booked_with_its_bytes_never_pooled():
+    """``book``: a pair recorded by a CUDA graph's event nodes (every replay stamps the same two
+    events) is booked for the open step with the bytes it moved, harvested once the stream runs it,
+    and never released to the pool. Booked again before its harvest (the next replay stamps it),
+    the earlier booking is dropped unread. An untimed step books nothing (sampled out)."""
+    clock, _ = fake_clock()
+    h2d = FakeStream()
+    pair = (FakeEvent(h2d), FakeEvent(h2d))
+
+    def replay(ms: float) -> None:  # the graph's nodes stamp the pair
+        pair[0].record(h2d)
+        h2d.now_ms += ms
+        pair[1].record(h2d)
+
+    clock.book("h2d", pair, 4_000_000)
+    replay(2.0)
+    h2d.complete()
+    assert clock.harvest() == 1
+    assert clock.times.h2d_timed_bytes == 4_000_000 and clock.times.h2d_timed_s == pytest.approx(0.002)
+    assert clock.pool.in_use == 0 and clock.pool.created == 0  # the graph's pair, not the pool's
+    clock.book("h2d", pair, 1_000)
+    replay(1.0)
+    clock.book("h2d", pair, 2_000)  # the next step's replay before the harvest: the first dropped
+    replay(3.0)
+    h2d.complete()
+    assert clock.harvest() == 1 and clock.times.h2d_timed_bytes == 4_002_000
+    assert clock.times.untimed == 1
+    clock.set_interval(1_000_000, gap=lambda n: n)
+    clock.boundary()  # the step opening now is not timed
+    clock.book("h2d", pair, 5_000)
+    assert clock.pending == 0 and clock.times.sampled_out == 1
+
+
 def test_the_fake_refuses_what_the_clock_must_never_do():
     """Negative control: reading an incomplete pair, or synchronizing on it, fails loudly. So the
     test above would have caught a clock that read pairs without querying them."""

@@ -365,8 +365,8 @@ def _patch_empty_fetches(module) -> None:  # noqa: ANN001
     flag = os.environ["KVPLANE_TEST_EMPTY_GRAPH_FETCHES_FILE"]
     real = module.GraphStaging.load
 
-    def load(self, tables):  # noqa: ANN001, ANN202
-        real(self, tables)
+    def load(self, tables, size=0):  # noqa: ANN001, ANN202
+        real(self, tables, size)
         if os.path.exists(flag):
             self.listed.zero_()  # the replay's fetch launches copy nothing
 
