@@ -145,15 +145,18 @@ class EventClock(TransferClock):
     def book(self, kind: str, pair: tuple[Any, Any], nbytes: int = 0) -> None:
         """A copy timed by a pair recorded elsewhere -- a replayed CUDA graph's event nodes
         (:class:`~sglang_ext.dataplane.graph_staging.GraphStaging`), stamped again by every
-        replay -- booked for the step now open if it is timed. Not the pool's: never released to
-        it. The same pair still waiting from an earlier booking is dropped unread first (this
-        replay stamps it again before it could be read)."""
+        replay -- booked for the step now open if it is timed and moved bytes. Not the pool's:
+        never released to it. The same events still waiting from an earlier booking are dropped
+        unread first, whatever this step moves (its replay stamps them again before they could
+        be read): call it for every replay of the graph."""
         fifo = self._fifo[kind]
         for i, entry in enumerate(fifo):
-            if entry[0] is pair:
+            if entry[0][0] is pair[0] and entry[0][1] is pair[1]:
                 del fifo[i]
                 self.times.untimed += 1
                 break
+        if not nbytes:
+            return
         if not self.timing:
             self.times.sampled_out += 1
             return
@@ -169,9 +172,15 @@ class EventClock(TransferClock):
                 if not (end.query() and start.query()):
                     break
                 fifo.popleft()
-                seconds = max(0.0, float(start.elapsed_time(end))) / 1e3
                 if pooled:
+                    seconds = max(0.0, float(start.elapsed_time(end))) / 1e3
                     self.pool.release(pair)
+                else:
+                    try:  # a graph's event nodes: a platform without timing in graphs (ROCm) raises
+                        seconds = max(0.0, float(start.elapsed_time(end))) / 1e3
+                    except RuntimeError:
+                        times.untimed += 1
+                        continue
                 if kind == STALL:
                     times.add_stall(seconds, step, expected=True, weight=weight)
                 else:

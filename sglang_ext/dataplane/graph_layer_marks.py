@@ -20,7 +20,9 @@ Only the capture records (``capturing()``: ``torch.cuda.is_current_stream_captur
 capture's eager warm-ups and any eager run over the same buffers leave the captured events alone,
 so the events of a size are the ones its graph records. One set per captured size: a replay
 re-records its set, which is why a sample must be read before the next replay of that size
-(:meth:`LayerTimer.replayed` keeps count and drops a sample a later replay overwrote).
+(:meth:`LayerTimer.replayed` keeps count and drops a sample a later replay overwrote). A size
+captured twice (SGLang's LoRA and no-LoRA graphs) gives no events: which graph replays is not
+known here. ROCm gives none: HIP does not time events recorded inside graphs.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ class GraphLayerMarks:
         self._capturing = capturing
         self._sets: dict[int, tuple[dict[int, Any], dict[int, Any]]] = {}
         """Captured size -> (entry events, ready events), by layer."""
+        self._twice: set[int] = set()
+        """Sizes captured more than once (SGLang's LoRA and no-LoRA graphs of one size): whose
+        events a replay stamps is then unknown, so those sizes give none (:meth:`of`)."""
         self._kept: list[Any] = []
         """Every event a capture recorded: a graph captured again replaces its size's set, and
         the older graph's event nodes must not record into destroyed events."""
@@ -53,8 +58,8 @@ class GraphLayerMarks:
         """Marks for graphs on ``device``: CUDA with events that a capture records as graph nodes
         (``torch.cuda.Event(external=True)``), else None (no graph timing: the CPU, where the tests'
         emulated graphs replay no events, or a torch without external events)."""
-        if torch.device(device).type != "cuda":
-            return None
+        if torch.device(device).type != "cuda" or torch.version.hip is not None:
+            return None  # (HIP does not time events recorded inside graphs: ROCm/rocm-systems#2380)
         if "external" not in inspect.signature(torch.cuda.Event.__new__).parameters:
             return None
         return cls(layers, lambda: torch.cuda.Event(enable_timing=True, external=True),
@@ -74,12 +79,15 @@ class GraphLayerMarks:
         event = self._event()
         event.record()
         self._kept.append(event)
-        self._sets.setdefault(size, ({}, {}))[kind][layer] = event
+        recorded = self._sets.setdefault(size, ({}, {}))[kind]
+        if layer in recorded:  # a capture records each point once: this is another graph of the size
+            self._twice.add(size)
+        recorded[layer] = event
 
     def of(self, size: int) -> tuple[dict[int, Any], dict[int, Any]] | None:
         """The entry and ready events the graph of ``size`` rows records, or None where it
         records none for some layer (not captured through :meth:`mark`, or not every layer)."""
         got = self._sets.get(size)
-        if got is None or len(got[0]) != self.layers or len(got[1]) != self.layers:
+        if got is None or size in self._twice or len(got[0]) != self.layers or len(got[1]) != self.layers:
             return None
         return got

@@ -166,6 +166,7 @@ class GraphStaging:
         into start and trigger lists, its parked tokens' write-back rows."""
         if tables.staging_ids is None or not tables.staging_ids.size:
             self.clear()
+            self._book(size, [], 0)  # the replay stamps the graph's copy events all the same
             return
         layers, cap = self.layers, self.max_batch
         n, b = tables._n, tables._b
@@ -216,9 +217,8 @@ class GraphStaging:
         host_rows = self.store.host_rows
         moved = (("h2d", 0, start_segments * engine.segment_bytes),
                  ("d2h", 1, parked_rows * host_rows.shape[1] * host_rows.element_size()))
-        for kind, slot, nbytes in moved:
-            if nbytes:
-                book(kind, (marks[0][slot], marks[1][slot]), nbytes)
+        for kind, slot, nbytes in moved:  # every replay: an earlier booking it would stamp is dropped
+            book(kind, (marks[0][slot], marks[1][slot]), nbytes)
 
     def _park_sources(self, parked: Any, src: np.ndarray) -> np.ndarray:
         """The write-back's source rows (``src``: rows of the tables' compact park buffer, K then

@@ -108,6 +108,9 @@ class TapeGraph:
 
     def __init__(self, device: str = "cpu") -> None:
         self.device = device
+        self.capturing = False
+        """The recorded run is under way (``torch.cuda.is_current_stream_capturing``'s stand-in:
+        not during the warm-ups)."""
         self.tape: list[tuple[Any, ...]] = []
         """The recorded entries: ``("op", func, args, kwargs, made | None)`` and
         ``("kernel", executor, args, kwargs)``."""
@@ -134,10 +137,12 @@ class TapeGraph:
         launch = None if executor is None else executor.__call__
         if executor is not None:
             executor.__call__ = self._recording_launch(launch)
+        self.capturing = True
         try:
             with hooked_host_reads(self._refuse), _Recorder(self):
                 out = fn()
         finally:
+            self.capturing = False
             if executor is not None:
                 executor.__call__ = launch
         for t in _tensors(out) or []:

@@ -153,3 +153,25 @@ def test_marks_need_a_layer():
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 def test_no_marks_off_cuda(device: str):
     assert GraphLayerMarks.for_device(2, torch.device(device)) is None
+
+
+def test_a_size_captured_twice_gives_no_marks():
+    """SGLang 0.5.23 may capture two graphs of one size (LoRA and no-LoRA): which one replays is
+    not known here, so the size gives no events rather than the other graph's stale ones.
+    Control: captured once, it gives them."""
+    clock = StampClock()
+    buffers = _buffers(clock)
+    _capture(buffers, clock, 4)
+    _capture(buffers, clock, 2)
+    assert buffers.marks.of(4) is not None and buffers.marks.of(2) is not None
+    _capture(buffers, clock, 4)
+    assert buffers.marks.of(4) is None and buffers.marks.of(2) is not None
+
+
+def test_no_marks_on_rocm(monkeypatch: pytest.MonkeyPatch):
+    """HIP does not time events recorded inside graphs (ROCm/rocm-systems#2380). Control: a CUDA
+    build gets marks (made without touching a device)."""
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert GraphLayerMarks.for_device(2, "cuda") is not None
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    assert GraphLayerMarks.for_device(2, "cuda") is None

@@ -89,13 +89,14 @@ def _run(control: str | None = None, device: str = "cpu", graph: Any = TapeGraph
             core.exit_layer(LAYERS - 1)  # the step ends as after a replay served
     facts["graphed"] = core.pipeline.graphed_steps
     facts["replays"] = graphs.replays
+    core.store.engine.quiesce()  # the replays' copies (and their bookings) complete; no eager step yet
+    core.store.engine.clock.harvest()
+    facts["h2d_timed"] = core.store.engine.clock.times.h2d_timed_bytes - timed0
     after = (eager.layers(eager.batch.begin_decode(), backend="triton"),
              graphed.layers(graphed.batch.begin_decode(), backend="triton"))
     facts["after_equal"] = all(torch.equal(a, b) for a, b in zip(*after, strict=True))
     for ch in (eager, graphed):  # the last parked write-back (a side stream on CUDA) has landed
         ch.batch.core.store.engine.quiesce()
-    core.store.engine.clock.harvest()
-    facts["h2d_timed"] = core.store.engine.clock.times.h2d_timed_bytes - timed0
     facts["host_equal"] = torch.equal(eager.batch.core.store.host, core.store.host)
     return eager_outs, outs, facts
 
@@ -121,6 +122,7 @@ def test_staged_steps_replayed_decode_what_eager_steps_do(writer):
     eager step over it decodes equally. The steps did stage: fetch launches regrouped into both
     start and trigger lists, parked pairs written back, every step replayed and counted."""
     eager, graphed, facts = _run(writer=writer)
+    assert not facts["copy_marks"] and facts["h2d_timed"] == 0  # the CPU: no graph timing (the GPU twin's control)
     assert _equal(eager, graphed)
     assert facts["host_equal"] and facts["after_equal"]
     assert min(facts["fetches"]) > 0 and min(facts["pairs"]) == sum(row.count(0) for row in PLACEMENT)
@@ -228,42 +230,59 @@ def test_no_staging_where_the_copy_engine_fell_back_to_memcpy():
     assert staging is None and "memcpy" in why and not core.pipeline.defer_start
 
 
+def _start_list_bytes(staging: GraphStaging, tables: Any, store: Any) -> int:
+    """The bytes the loaded start lists move, from what the kernel reads: per listed request, its
+    host-only pages at the list's layer among its first ``counts`` pages, K and V each a segment."""
+    lists, listed = staging.lists.numpy(), staging.listed.numpy()
+    starts, counts = staging.starts.numpy(), staging.counts.numpy()
+    pages = 0
+    for layer in range(LAYERS):
+        for r in lists[START, layer, : listed[START, layer, 0]]:
+            cols = tables.pages[starts[r]: starts[r] + counts[r]]
+            pages += int((store.map_np[layer, cols] < 0).sum())
+    return 2 * pages * store.engine.segment_bytes
+
+
 @pytest.mark.parametrize("captured", [True, False], ids=["timed-capture", "control-untimed-capture"])
 def test_admitted_steps_book_the_graphs_copy_timings_with_their_bytes(captured: bool):
     """A capture records timing events around the start lists' launches and the write-back
-    (``copy_marks``); every admission books them with the engine's clock with the bytes the
-    replay moves -- the start-list launches' segments, the parked rows -- so replayed steps keep
-    feeding the link's bandwidth samples (``EventClock.book``; events played by ``StampClock``).
-    Control: a capture that recorded none books nothing."""
+    (``copy_marks``); each admission books them with the engine's clock with the bytes the replay
+    moves -- the start lists' host pages, the parked rows -- so replayed steps keep feeding the
+    link's bandwidth samples (``EventClock.book``; events played by ``StampClock``). Two steps
+    admitted and replayed before a harvest: the first booking is dropped unread (the second
+    replay stamped its events: SGLang's overlap loop, where step k+1 is admitted before step k's
+    replay has run), one booking per direction is read, the second step's. Control: a capture that
+    recorded none books nothing."""
     ch = _check()
     core, store = ch.batch.core, ch.batch.core.store
     stamps = StampClock()
     real = len(ch.batch.rids)
     graphs = DecodeGraphs(core, (real,), ch.batch.batch_pages + real, staged=True)
     staging = graphs.buffers.staging
-    staging.copy_marks = GraphLayerMarks(2, stamps.event, stamps)
+    tapes: list[TapeGraph] = []
+    staging.copy_marks = GraphLayerMarks(2, stamps.event, lambda: captured and tapes[-1].capturing)
     clock = store.engine.clock = EventClock(new_event=stamps.event, capturing=lambda: False)
-    stamps.capturing = captured
     graphs.capture(lambda bs: ch.layers(None, backend="triton", plan=False, graph=graphs.buffers),
-                   lambda: TapeGraph("cpu"))
-    stamps.capturing = False
-    booked = {"h2d": 0, "d2h": 0}
+                   lambda: tapes.append(TapeGraph("cpu")) or tapes[-1])
+    assert (staging.copy_marks.of(real) is not None) is captured
+    expected = {}
     for _ in range(2):
         loc = ch.batch.begin_decode()
-        tables = core.tables
         d2h0 = store.d2h_bytes
-        size = graphs.admit(slots=loc)
-        assert size == real and tables.token_writeback is not None
-        graph_pairs = {kind: [e for e in clock._fifo[kind] if not e[4]] for kind in booked}
-        start = sum(f.segments for f in tables.fetches if f.trigger < 0) * store.engine.segment_bytes
-        expected = {"h2d": start, "d2h": store.d2h_bytes - d2h0} if captured else {"h2d": 0, "d2h": 0}
-        got = {kind: sum(e[2] for e in graph_pairs[kind]) for kind in booked}
-        assert got == expected and (not captured or start > 0), (got, expected)
+        assert graphs.admit(slots=loc) == real
+        expected = {"h2d": _start_list_bytes(staging, core.tables, store), "d2h": store.d2h_bytes - d2h0}
+        marks = staging.copy_marks.of(real)
+        events = [] if marks is None else [*marks[0].values(), *marks[1].values()]
+        for event in events:  # the replay is enqueued, not yet run: its events are not complete
+            event.at = None
         try:
-            graphs.replay(size)
+            graphs.replay(real)
         finally:
             core.exit_layer(LAYERS - 1)
-        clock.harvest()
-        for kind in booked:
-            booked[kind] += expected[kind]
-    assert clock.times.h2d_timed_bytes >= booked["h2d"] and clock.pending == 0
+    for event in events:  # the last replay has run (the emulated graph stamps no events itself)
+        event.record()
+    assert expected["h2d"] > 0 and expected["d2h"] > 0
+    h2d0 = clock.times.h2d_timed_bytes
+    assert clock.harvest() == (2 if captured else 0)
+    assert clock.times.h2d_timed_bytes - h2d0 == (expected["h2d"] if captured else 0)
+    assert clock.times.untimed == (2 if captured else 0)  # the first step's two bookings, dropped unread

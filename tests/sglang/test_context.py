@@ -238,7 +238,35 @@ def test_prefill_placements_of_requests_the_worker_no_longer_holds_are_pruned(tm
         scheduler_hooks._around_next_batch(lambda s, **kw: plan, scheduler)
         assert set(installer.prefill_placements) == {"queued", "running", "chunked", "prefilled", "ghost"}
         hooks.step = 2 * scheduler_hooks.PRUNE_EVERY
-        scheduler_hooks._around_next_batch(lambda s, **kw: plan, scheduler)
+
+        def takes_from_the_queue(s, **kw):  # noqa: ANN001, ANN202 - SGLang schedules the queued request
+            s.waiting_queue = []
+            return plan
+
+        scheduler_hooks._around_next_batch(takes_from_the_queue, scheduler)
         assert set(installer.prefill_placements) == {"queued", "running", "chunked", "prefilled"}
     finally:
         hooks.client.close()
+
+
+def test_the_live_set_holds_every_request_the_worker_still_holds():
+    """``live_request_ids``: queued, running, just prefilled, prefilling in chunks and parked (a
+    pause keeps a request's KV out of the batch); nothing else."""
+    from sglang_ext.admission import live_request_ids
+
+    def req(rid: str) -> SimpleNamespace:
+        return SimpleNamespace(rid=rid)
+
+    class Parked:
+        def __len__(self) -> int:
+            return 1
+
+        def parked(self) -> list[SimpleNamespace]:
+            return [SimpleNamespace(req=req("parked"))]
+
+    scheduler = SimpleNamespace(waiting_queue=[req("queued")], chunked_req=req("chunked"))
+    live = live_request_ids(scheduler, SimpleNamespace(reqs=[req("running")]), SimpleNamespace(reqs=[req("prefilled")]),
+                            Parked())
+    assert live == {"queued", "chunked", "running", "prefilled", "parked"}
+    empty = SimpleNamespace(waiting_queue=[], chunked_req=None)
+    assert live_request_ids(empty, SimpleNamespace(reqs=[]), None, []) == set()
