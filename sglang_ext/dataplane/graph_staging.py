@@ -166,7 +166,7 @@ class GraphStaging:
         into start and trigger lists, its parked tokens' write-back rows."""
         if tables.staging_ids is None or not tables.staging_ids.size:
             self.clear()
-            self._book(size, [], 0)  # the replay stamps the graph's copy events all the same
+            self._book(size, 0, 0)  # the replay stamps the graph's copy events all the same
             return
         layers, cap = self.layers, self.max_batch
         n, b = tables._n, tables._b
@@ -177,8 +177,10 @@ class GraphStaging:
         lists = ctl[: self._zero_from].reshape(2, layers, cap)
         listed = ctl[self._zero_from: self._zero_from + 4 * layers].reshape(2, layers, 2)
         reqs = tables._reqs_np
+        start_segments = 0
         for launch in tables.fetches:
             kind = START if launch.trigger < 0 else TRIG
+            start_segments += launch.segments if kind == START else 0
             k, at = launch.layer, int(listed[kind, launch.layer, 0])
             lists[kind, k, at: at + launch.n_reqs] = reqs[launch.first: launch.first + launch.n_reqs]
             listed[kind, k, 0] = at + launch.n_reqs
@@ -191,7 +193,7 @@ class GraphStaging:
             ctl[self._zero_from + 4 * layers] = src.size
         self.loaded_pairs = 0 if parked is None else parked.pairs
         self.loaded_fetches = len(tables.fetches)
-        self._book(size, tables.fetches, 0 if parked is None else parked.launch.segments)
+        self._book(size, start_segments, 0 if parked is None else parked.launch.segments)
         both, _ = self.store.uploads.upload(np.concatenate([wb, ctl.view(np.int64)]))
         half = wb.size // 2
         if half:
@@ -204,19 +206,16 @@ class GraphStaging:
         self.starts[:b].copy_(i32[2 * n: 2 * n + b], non_blocking=True)
         self.counts[:b].copy_(i32[2 * n + b: 2 * n + 2 * b], non_blocking=True)
 
-    def _book(self, size: int, fetches: list, parked_rows: int) -> None:
+    def _book(self, size: int, start_segments: int, parked_rows: int) -> None:
         """The graph of ``size`` rows times its start lists and its write-back (:attr:`copy_marks`):
         booked with the engine's clock for the step being admitted, with the bytes they move --
-        the start-list launches' segments and the parked rows (what the pipeline counts)."""
+        the start-list launches' ``start_segments`` and ``parked_rows`` (what the pipeline counts)."""
         marks = self.copy_marks.of(size) if self.copy_marks is not None else None
         engine = self.store.engine
         book = getattr(engine.clock, "book", None)
         if marks is None or book is None:
             return
-        start_segments = sum(f.segments for f in fetches if f.trigger < 0)
-        host_rows = self.store.host_rows
-        moved = (("h2d", 0, start_segments * engine.segment_bytes),
-                 ("d2h", 1, parked_rows * host_rows.shape[1] * host_rows.element_size()))
+        moved = (("h2d", 0, start_segments * engine.segment_bytes), ("d2h", 1, parked_rows * self.store.host_row_bytes))
         for kind, slot, nbytes in moved:  # every replay: an earlier booking it would stamp is dropped
             book(kind, (marks[0][slot], marks[1][slot]), nbytes)
 

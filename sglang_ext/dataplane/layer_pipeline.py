@@ -134,8 +134,7 @@ class LayerPipeline:
 
     def _count_parked(self, rows: int) -> None:
         """``rows`` parked token rows written back to host."""
-        host_rows = self.store.host_rows
-        nbytes = rows * host_rows.shape[1] * host_rows.element_size()
+        nbytes = rows * self.store.host_row_bytes
         self.store.d2h_bytes += nbytes
         self.store.host_write_bytes += nbytes
 

@@ -123,6 +123,8 @@ class SlotKVStore:
             else BlockAllocator(self.pages_total - (self.sink_page is not None), "device KV pages")
         )
         self.host_rows = self.host.view(-1, c.kv_heads * c.head_dim)
+        self.host_row_bytes = self.host_rows.shape[1] * self.host_rows.element_size()
+        """Bytes of one token row of :attr:`host_rows` (a parked token's K or V as written back)."""
         """The host pool as token rows ``[P * L * 2 * page_size, H * D]`` (a view): row
         ``((p * L + l) * 2 + kv) * page_size + offset`` holds token ``offset`` of page ``p``'s K
         (``kv = 0``) or V at layer ``l``."""

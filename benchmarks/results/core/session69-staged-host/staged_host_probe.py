@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 import traceback
+from contextlib import nullcontext
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -82,7 +83,7 @@ def main() -> None:
     graphs.graphs[real] = (_NoReplay(), None)
 
     def step(ops: _Ops | None = None) -> tuple[float, float]:
-        with ops if ops is not None else _nothing():
+        with ops if ops is not None else nullcontext():
             loc = b.begin_decode()
             t0 = time.thread_time()
             size = graphs.admit(slots=loc)
@@ -109,14 +110,6 @@ def main() -> None:
     for (op, where), count in sorted(audits[-1].sites.items(), key=lambda kv: kv[0][1]):
         if op not in VIEWS:
             print(f"  {count} x {op} at {where}")
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 if __name__ == "__main__":
