@@ -176,15 +176,9 @@ class GraphStaging:
         ctl = np.zeros(self._ctl.numel(), dtype=np.int32)
         lists = ctl[: self._zero_from].reshape(2, layers, cap)
         listed = ctl[self._zero_from: self._zero_from + 4 * layers].reshape(2, layers, 2)
-        reqs = tables._reqs_np
-        start_segments = 0
-        for launch in tables.fetches:
-            kind = START if launch.trigger < 0 else TRIG
-            start_segments += launch.segments if kind == START else 0
-            k, at = launch.layer, int(listed[kind, launch.layer, 0])
-            lists[kind, k, at: at + launch.n_reqs] = reqs[launch.first: launch.first + launch.n_reqs]
-            listed[kind, k, 0] = at + launch.n_reqs
-            listed[kind, k, 1] = max(int(listed[kind, k, 1]), launch.max_pages)
+        launches = tables.page_launches
+        launches.regroup(tables._reqs_np, lists, listed)  # rows START and TRIG
+        start_segments = launches.start_segments
         parked = tables.token_writeback
         wb = np.zeros(0, dtype=np.int64)
         if parked is not None:
@@ -192,7 +186,7 @@ class GraphStaging:
             wb = np.concatenate([self._park_sources(parked, src), dst])
             ctl[self._zero_from + 4 * layers] = src.size
         self.loaded_pairs = 0 if parked is None else parked.pairs
-        self.loaded_fetches = len(tables.fetches)
+        self.loaded_fetches = len(launches)
         self._book(size, start_segments, 0 if parked is None else parked.launch.segments)
         both, _ = self.store.uploads.upload(np.concatenate([wb, ctl.view(np.int64)]))
         half = wb.size // 2

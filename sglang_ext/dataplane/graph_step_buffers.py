@@ -85,7 +85,7 @@ class GraphStepBuffers:
         if tables is None:
             return "no tables (an overflowing or in-place step)"
         staged = tables.staging_ids is None or bool(tables.staging_ids.size)
-        copies = bool(tables.fetches or any(w is not None for w in tables.writebacks)
+        copies = bool(tables.n_fetches or any(w is not None for w in tables.writebacks)
                       or tables.token_writeback is not None)
         if staged or copies:  # host work in the layers: served only as launches of the staging graph
             if self.staging is None or tables.staging_ids is None:

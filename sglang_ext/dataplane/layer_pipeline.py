@@ -48,7 +48,7 @@ class LayerPipeline:
         self._release = release_staging
         self.tables: StepTables | None = None
         self._events: list[list[Any]] = [[] for _ in range(store.config.layers)]
-        self._by_trigger: dict[int, list] = {}
+        self._by_trigger: dict[int, list] | None = {}
         self._reached = -1
         """The last layer the current forward ended."""
         self._written_back: Any = None
@@ -90,18 +90,25 @@ class LayerPipeline:
         self.engine.wait_fence()
         for events in self._events:
             events.clear()
-        by_trigger: dict[int, list] = {}
-        for launch in tables.fetches:
-            by_trigger.setdefault(launch.trigger, []).append(launch)
-        self._by_trigger = by_trigger
+        self._by_trigger = None  # grouped when a layer first asks (a step replayed in a graph never does)
         self._reached = -1
         self._parked_out = False
-        self.idle = (not tables.fetches and tables.token_writeback is None
+        self.idle = (not tables.n_fetches and tables.token_writeback is None
                      and all(w is None for w in tables.writebacks))
         self._started = self._graphed = False
         self.steps += 1
         if not (self.defer_start and getattr(tables, "_one_each", False)):  # only a decode step may replay
             self._start()
+
+    def _triggers(self) -> dict[int, list]:
+        """The current step's fetch launches by trigger layer (-1: step start)."""
+        if self._by_trigger is None:
+            by_trigger: dict[int, list] = {}
+            if self.tables is not None:
+                for launch in self.tables.fetches:
+                    by_trigger.setdefault(launch.trigger, []).append(launch)
+            self._by_trigger = by_trigger
+        return self._by_trigger
 
     def _start(self) -> None:
         """The step-start fetches (at the step's begin, or its first layer call: :attr:`defer_start`)."""
@@ -114,14 +121,13 @@ class LayerPipeline:
         write-back (:class:`~sglang_ext.dataplane.graph_staging.GraphStaging`, loaded with these
         tables): nothing is launched here; the moved bytes are counted as the launches would."""
         tables = self.tables
-        if tables is None or self._started and -1 in self._by_trigger:
+        if tables is None or self._started and -1 in self._triggers():
             raise RuntimeError("LayerPipeline.in_graph: no step, or its fetches were launched eagerly already "
                                "(a graph that stages needs LayerPipeline.defer_start)")
         self._started = True
-        self._graphed = bool(tables.fetches) or tables.token_writeback is not None
+        self._graphed = bool(tables.n_fetches) or tables.token_writeback is not None
         self._by_trigger = {}
-        for launch in tables.fetches:
-            self._count_fetch(launch)
+        self._count_fetched(tables.fetch_layer_pages)
         parked = tables.token_writeback
         if parked is not None:
             self._count_parked(parked.launch.segments)
@@ -129,8 +135,11 @@ class LayerPipeline:
         self.graphed_steps += 1
 
     def _count_fetch(self, launch: Any) -> None:
-        self.store.h2d_bytes += launch.segments * self.engine.segment_bytes
-        self.fetched_layer_pages += launch.segments // 2
+        self._count_fetched(launch.segments // 2)
+
+    def _count_fetched(self, layer_pages: int) -> None:
+        self.store.h2d_bytes += 2 * layer_pages * self.engine.segment_bytes
+        self.fetched_layer_pages += layer_pages
 
     def _count_parked(self, rows: int) -> None:
         """``rows`` parked token rows written back to host."""
@@ -141,7 +150,7 @@ class LayerPipeline:
     def _launch_fetches(self, trigger: int, wait: tuple) -> None:
         tables = self.tables
         assert tables is not None
-        for launch in self._by_trigger.get(trigger, ()):
+        for launch in self._triggers().get(trigger, ()):
             event = tables.fetch(self.engine, launch, wait)
             self._events[launch.layer].append(event)
             self._count_fetch(launch)
@@ -172,7 +181,7 @@ class LayerPipeline:
         parked = tables.token_writeback
         if parked is not None and (parked.launch.layer != layer or self._parked_out):
             parked = None
-        fetches = layer in self._by_trigger
+        fetches = layer in self._triggers()
         if (launch is not None or parked is not None) and fetches:
             self.engine.mark_compute()  # the write-back and the fetches follow one compute event
         if launch is not None:
@@ -187,7 +196,7 @@ class LayerPipeline:
             src, dst, host = tables.launch_indices(parked.launch)
             self._write_back_parked(parked, src, dst, host)
         if fetches:
-            if launch is None and len(self._by_trigger[layer]) > 1:
+            if launch is None and len(self._triggers()[layer]) > 1:
                 self.engine.mark_compute()
             self._launch_fetches(layer, wait)
         self.engine.clear_compute_mark()

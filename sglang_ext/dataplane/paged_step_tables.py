@@ -32,6 +32,7 @@ import torch
 from sglang_ext.dataplane.map_mirror import MapMirror
 from sglang_ext.dataplane.page_fetch import PageFetch
 from sglang_ext.dataplane.page_launch import PageLaunch
+from sglang_ext.dataplane.page_launches import PageLaunches
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore
 from sglang_ext.dataplane.sorted_ids import distinct_sorted, run_bounds
 from sglang_ext.dataplane.staging_columns import (
@@ -129,7 +130,8 @@ class PagedStepTables(StepTables):
         self.new_pages = flat[ucol]
         int64_parts: list[np.ndarray] = [off if rows is None else rows.reshape(-1)]
         offset = int(int64_parts[0].size)
-        self.fetches: list[Launch] = []
+        self.page_launches = PageLaunches()
+        self._fetch_list: list[Launch] | None = None
         self.writebacks: list[Launch | None] = [None] * layers
         parked = None if stage_col is None or not self._one_each else self._park_parts(  # a decode step parks
             store, new_host, flat[col], off, offset, int64_parts)
@@ -212,7 +214,7 @@ class PagedStepTables(StepTables):
     def _count_launched(self) -> None:
         """The layer-pages the fetch and write-back launches move (for the pipeline's accounts;
         a parked token counts as its layer-page, as the page write-back moved it)."""
-        self.fetch_layer_pages = sum(f.segments for f in self.fetches) // 2
+        self.fetch_layer_pages = self.page_launches.layer_pages
         self.writeback_layer_pages = sum(w.segments for w in self.writebacks if w is not None) // 2 + (
             self.token_writeback.pairs if self.token_writeback is not None else 0)
 
@@ -445,20 +447,34 @@ class PagedStepTables(StepTables):
         return pair_r
 
     def _emit_fetches(self, pages: np.ndarray, counts: np.ndarray, reqs: np.ndarray, at: int) -> None:
-        """``self.fetches`` from the (layer, trigger) groups of ``self._groups`` holding
-        ``pages[g]`` host pages each (``reqs``: the groups' request ids, concatenated; they start
-        at ``i32[at]``); groups without pages launch nothing. Sets ``self._group_pages``."""
+        """The step's fetch launches (:attr:`page_launches`) from the (layer, trigger) groups of
+        ``self._groups`` holding ``pages[g]`` host pages each (``reqs``: the groups' request ids,
+        concatenated; they start at ``i32[at]``); groups without pages launch nothing. Sets
+        ``self._group_pages``."""
         a, firsts, pair_l = self._groups
         self._group_pages = pages
-        self.fetches = []
+        self._fetch_list = None
         if not a.size:
+            self.page_launches = PageLaunches()
             return
+        g = np.flatnonzero(pages)
         ends = np.concatenate([a[1:], [reqs.size]])
-        widest = np.maximum.reduceat(counts[reqs], a)
-        for g in np.flatnonzero(pages).tolist():
-            ga = int(a[g])
-            self.fetches.append(PageLaunch(int(firsts[g]), int(pair_l[ga]), at + ga, 2 * int(pages[g]),
-                                           ga, int(ends[g]) - ga, int(widest[g])))
+        ga = a[g]
+        self.page_launches = PageLaunches(
+            trigger=firsts[g], layer=pair_l[ga], offset=ga + at, segments=2 * pages[g], first=ga,
+            n_reqs=ends[g] - ga, max_pages=np.maximum.reduceat(counts[reqs], a)[g])
+
+    @property
+    def fetches(self) -> list[Launch]:  # type: ignore[override]
+        """The fetch launches as :class:`PageLaunch` objects, made at the first read (a step
+        replayed in a graph reads :attr:`page_launches` only)."""
+        if self._fetch_list is None:
+            self._fetch_list = self.page_launches.launches()
+        return self._fetch_list
+
+    @property
+    def n_fetches(self) -> int:
+        return len(self.page_launches)
 
     def fetch(self, engine: TransferEngine, launch: Launch, wait: tuple) -> Any:
         """Issue fetch ``launch`` (a :class:`PageLaunch`) as one :class:`PageFetch`."""

@@ -254,6 +254,11 @@ class StepTables:
         """``last_page_len`` on the host, like :attr:`host_indptr`."""
 
     @property
+    def n_fetches(self) -> int:
+        """Fetch launches of the step."""
+        return len(self.fetches)
+
+    @property
     def has_token_tables(self) -> bool:
         """The torch-native token tables were built (:meth:`token_rows` reads them)."""
         return self._tok_at >= 0
