@@ -67,7 +67,7 @@ class LayeredDecodeGraph:
         if staging is None and store.mirror is not None:
             log.info("layered_decode_graph_staging_off", why=why)
         self.buffers = GraphStepBuffers(c.layers, max_bs, c.logical_pages + max_bs, store.device,
-                                        store.sink_page, c.page_size, staging)
+                                        store.sink_page, c.page_size, staging, store.mirror)
         """The steps' tables where the captured kernels read them. A step listing more pages than
         the pool has logical pages (prefixes shared by many requests) runs eagerly."""
         self.forward = False

@@ -54,7 +54,7 @@ class DecodeGraphs:
         self.sizes = tuple(sorted({int(n) for n in sizes}))
         staging = GraphStaging.for_core(core, self.sizes[-1], max_pages)[0] if staged else None
         self.buffers = GraphStepBuffers(store.config.layers, self.sizes[-1], max_pages, store.device,
-                                        store.sink_page, store.config.page_size, staging)
+                                        store.sink_page, store.config.page_size, staging, store.mirror)
         self.graphs: dict[int, tuple[Any, Any]] = {}
         """Captured size -> (graph, its static outputs)."""
         self.replays = 0

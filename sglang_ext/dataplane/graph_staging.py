@@ -47,7 +47,9 @@ lists and an empty write-back, so one graph serves both.
 What :meth:`load` takes: :class:`~sglang_ext.dataplane.paged_step_tables.PagedStepTables` of a
 decode step that parks (one token per request; no per-layer page write-back, no recompute, no
 token tables: :meth:`why_not`). It regroups the tables' launches on the host (``O(L + fetched
-requests)``), then one upload from the store's pinned ring and seven device copies.
+requests)``) into the host twin of the graph buffers' block, which the buffers send in their one
+copy (:class:`~sglang_ext.dataplane.step_block.StepBlock`: the page lists are the buffers' regions,
+the lists and write-back rows these, bound by :meth:`GraphStaging.attach`).
 """
 
 from __future__ import annotations
@@ -75,21 +77,14 @@ class GraphStaging:
         c = store.config
         self.store, self.layers, self.max_batch, self.max_pages = store, c.layers, max_batch, max_pages
         dev = store.device
-        i32 = {"dtype": torch.int32, "device": dev}
-        self.flat = torch.zeros(max_pages, **i32)
-        self.stage = torch.full((max_pages,), -1, **i32)
-        self.starts = torch.zeros(max_batch, **i32)
-        self.counts = torch.zeros(max_batch, **i32)
-        lists, listed = 2 * c.layers * max_batch, 2 * c.layers * 2
-        self._ctl = torch.zeros(lists + listed + 2, **i32)
-        """``lists``, ``listed``, the write-back's count (and one word of padding), one region."""
-        self.lists = self._ctl[:lists].view(2, c.layers, max_batch)
-        self.listed = self._ctl[lists: lists + listed].view(2, c.layers, 2)
-        self.wb_count = self._ctl[lists + listed: lists + listed + 1]
+        lists = 2 * c.layers * max_batch
         self._zero_from = lists
-        pairs = 2 * c.layers * max_batch
-        self.wb_src = torch.zeros(pairs, dtype=torch.int64, device=dev)
-        self.wb_dst = torch.zeros(pairs, dtype=torch.int64, device=dev)
+        self._ctl_size = lists + 2 * c.layers * 2 + 2
+        """``lists``, ``listed``, the write-back's count (and one word of padding), one region."""
+        self._pairs = 2 * c.layers * max_batch
+        self.flat = self.stage = self.starts = self.counts = self._ctl = self.wb_src = self.wb_dst = None  # type: ignore[assignment]
+        """Views of the graph buffers' block, bound by :meth:`attach`: the batch's page lists (pages,
+        staging entries, first columns, page counts), the fetch lists' region, the write-back's rows."""
         self.park_buf = torch.zeros((c.layers, 2, max_batch, c.kv_heads, c.head_dim), dtype=c.dtype, device=dev)
         self._park_rows = self.park_buf.view(-1, c.kv_heads * c.head_dim)
         self._park_ids = torch.arange(max_batch, device=dev)
@@ -112,6 +107,22 @@ class GraphStaging:
         self._events: list[Any] = []
         if self._streams:
             self._events = [torch.cuda.Event() for _ in range(2 * c.layers)]
+
+    def regions(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """The block regions these lists need besides the buffers' own (``staging_ctl``: fetch
+        lists, their lengths and widest pages, the write-back's count; the write-back's rows)."""
+        return [("wb_src", torch.int64, (self._pairs,)), ("wb_dst", torch.int64, (self._pairs,)),
+                ("staging_ctl", torch.int32, (self._ctl_size,))]
+
+    def attach(self, views: dict[str, torch.Tensor], buffers: Any) -> None:
+        """Bind the block's views (:class:`~sglang_ext.dataplane.graph_step_buffers.GraphStepBuffers`
+        made it with :meth:`regions`; the page lists are the buffers')."""
+        layers, cap, lists = self.layers, self.max_batch, self._zero_from
+        self.flat, self.stage, self.starts, self.counts = buffers.flat, buffers.stage, buffers.starts, buffers.counts
+        self.wb_src, self.wb_dst, self._ctl = views["wb_src"], views["wb_dst"], views["staging_ctl"]
+        self.lists = self._ctl[:lists].view(2, layers, cap)
+        self.listed = self._ctl[lists: lists + 4 * layers].view(2, layers, 2)
+        self.wb_count = self._ctl[lists + 4 * layers: lists + 4 * layers + 1]
 
     @classmethod
     def for_core(cls, core: Any, max_batch: int, max_pages: int) -> tuple[GraphStaging | None, str | None]:
@@ -160,12 +171,15 @@ class GraphStaging:
         self._ctl[self._zero_from:].zero_()
         self.loaded_pairs = self.loaded_fetches = 0
 
-    def load(self, tables: Any, size: int = 0) -> None:
+    def load(self, tables: Any, size: int, host: dict[str, np.ndarray]) -> None:
         """The staged step of ``tables`` (:meth:`why_not` None; its page count within the
-        buffers) into the buffers: its page lists, its fetch launches regrouped by target layer
-        into start and trigger lists, its parked tokens' write-back rows."""
+        buffers) into ``host``, the block's host twin the buffers send next (its page lists are
+        the buffers' part): its fetch launches regrouped by target layer into start and trigger
+        lists, its parked tokens' write-back rows. A step that stages nothing: empty lists."""
+        ctl = host["staging_ctl"]
+        ctl[self._zero_from:] = 0
         if tables.staging_ids is None or not tables.staging_ids.size:
-            self.clear()
+            self.loaded_pairs = self.loaded_fetches = 0
             self._book(size, 0, 0)  # the replay stamps the graph's copy events all the same
             return
         layers, cap = self.layers, self.max_batch
@@ -173,32 +187,20 @@ class GraphStaging:
         if n > self.max_pages or b > cap:
             raise ValueError(f"GraphStaging.load: {b} requests over {n} pages; the buffers hold {cap} over "
                              f"{self.max_pages}")
-        ctl = np.zeros(self._ctl.numel(), dtype=np.int32)
         lists = ctl[: self._zero_from].reshape(2, layers, cap)
         listed = ctl[self._zero_from: self._zero_from + 4 * layers].reshape(2, layers, 2)
         launches = tables.page_launches
         launches.regroup(tables._reqs_np, lists, listed)  # rows START and TRIG
         start_segments = launches.start_segments
         parked = tables.token_writeback
-        wb = np.zeros(0, dtype=np.int64)
         if parked is not None:
             src, dst = tables.launch_indices(parked.launch)[2]
-            wb = np.concatenate([self._park_sources(parked, src), dst])
+            host["wb_src"][: src.size] = self._park_sources(parked, src)
+            host["wb_dst"][: dst.size] = dst
             ctl[self._zero_from + 4 * layers] = src.size
         self.loaded_pairs = 0 if parked is None else parked.pairs
         self.loaded_fetches = len(launches)
         self._book(size, start_segments, 0 if parked is None else parked.launch.segments)
-        both, _ = self.store.uploads.upload(np.concatenate([wb, ctl.view(np.int64)]))
-        half = wb.size // 2
-        if half:
-            self.wb_src[:half].copy_(both[:half], non_blocking=True)
-            self.wb_dst[:half].copy_(both[half: wb.size], non_blocking=True)
-        self._ctl.copy_(both[wb.size:].view(torch.int32), non_blocking=True)
-        i32 = tables.i32  # the tables' upload: pages, staging entries, first columns, fetch counts
-        self.flat[:n].copy_(i32[:n], non_blocking=True)
-        self.stage[:n].copy_(i32[n: 2 * n], non_blocking=True)
-        self.starts[:b].copy_(i32[2 * n: 2 * n + b], non_blocking=True)
-        self.counts[:b].copy_(i32[2 * n + b: 2 * n + 2 * b], non_blocking=True)
 
     def _book(self, size: int, start_segments: int, parked_rows: int) -> None:
         """The graph of ``size`` rows times its start lists and its write-back (:attr:`copy_marks`):

@@ -4,7 +4,10 @@ A CUDA graph replays kernels at the addresses they had when captured. The data p
 step's tables fresh (:class:`~sglang_ext.dataplane.step_tables.StepTables`: one upload, device
 tensors of the step's size), so a decode captured over one step's tables would read that step's
 forever. These buffers stay put: sized once for a batch and a page count, they take each step's
-tables with a few device copies at the boundary (:meth:`load`), and what a layer reads -- its
+tables at the boundary (:meth:`load`: in the paged layout one copy of a
+:class:`~sglang_ext.dataplane.step_block.StepBlock` filled from the tables' host arrays, the page
+tables gathered in the graph from the map mirror, :meth:`gather_tables`; in the identity layout
+five device copies), and what a layer reads -- its
 new tokens' rows (:meth:`write`) and its page table and CSR (:meth:`layer_view`) -- are views of
 them, the same views every step. The capacities bound what a captured graph serves: a batch of
 ``max_batch`` requests (exactly the captured one's: the views are sliced to it) over at most
@@ -36,10 +39,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
 import torch
 
+from kernels.block_copy import triton_usable
+from kernels.table_gather import gather_tables_ref, gather_tables_triton
 from sglang_ext.dataplane.graph_layer_marks import GraphLayerMarks
 from sglang_ext.dataplane.results import LayerView
+from sglang_ext.dataplane.step_block import StepBlock
 
 
 class GraphStepBuffers:
@@ -47,7 +54,7 @@ class GraphStepBuffers:
     pages per layer (module docstring)."""
 
     def __init__(self, layers: int, max_batch: int, max_pages: int, device: Any, sink_page: int | None = None,
-                 page_size: int = 1, staging: Any = None) -> None:
+                 page_size: int = 1, staging: Any = None, mirror: Any = None) -> None:
         self.layers, self.max_batch, self.max_pages = layers, max_batch, max_pages
         self.staging = staging
         """Staged steps' lists and launches (a :class:`~sglang_ext.dataplane.graph_staging.GraphStaging`
@@ -55,16 +62,38 @@ class GraphStepBuffers:
         self.sink_page = sink_page
         """Device page of the padded rows (the store's ``sink_page``); None: no padding."""
         self.page_size = page_size
+        self.mirror = mirror if mirror is not None or staging is None else staging.store.mirror
+        """The paged store's :class:`~sglang_ext.dataplane.map_mirror.MapMirror` (given, or the
+        staging's store's): the step's inputs are sent as one block and the page tables gathered
+        in the graph (:class:`~sglang_ext.dataplane.step_block.StepBlock`, :meth:`gather_tables`).
+        None (the identity layout): the step's device tables are copied in (:meth:`load`)."""
         self.marks = GraphLayerMarks.for_device(layers, device)
         """Per-layer timing events the captured graphs record (:meth:`enter`; CUDA only, else None)."""
         self._ramp = torch.arange(1, max_batch + 1, dtype=torch.int32, device=device)
-        self.rows = torch.zeros((layers, max_batch), dtype=torch.int64, device=device)
-        """Device rows (of the flat pool) of each request's new token, per layer."""
         self.tab = torch.zeros((layers, max_pages), dtype=torch.int32, device=device)
         """Page table per layer; past the loaded step's pages, stale entries nobody reads."""
-        self.kv_indptr = torch.zeros(max_batch + 1, dtype=torch.int32, device=device)
-        self.kv_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
-        self.last_page_len = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        self.block: StepBlock | None = None
+        if self.mirror is None:
+            self.rows = torch.zeros((layers, max_batch), dtype=torch.int64, device=device)
+            self.kv_indptr = torch.zeros(max_batch + 1, dtype=torch.int32, device=device)
+            self.kv_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
+            self.last_page_len = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        else:
+            i32, i64 = torch.int32, torch.int64
+            regions = [("rows", i64, (layers, max_batch)), *(staging.regions() if staging is not None else ()),
+                       ("kv_indptr", i32, (max_batch + 1,)), ("kv_lens", i32, (max_batch,)),
+                       ("last_page_len", i32, (max_batch,)), ("starts", i32, (max_batch,)),
+                       ("counts", i32, (max_batch,)), ("flat", i32, (max_pages,)), ("stage", i32, (max_pages,))]
+            self.block = StepBlock(regions, device)
+            views = self.block.views
+            self.rows, self.kv_indptr, self.kv_lens = views["rows"], views["kv_indptr"], views["kv_lens"]
+            self.last_page_len, self.flat, self.stage = views["last_page_len"], views["flat"], views["stage"]
+            """``flat``: the step's pages, a column each (-1: a padded row's); ``stage``: each column's
+            staging entry (-1: none; a padded row's: the sink page)."""
+            self.starts, self.counts = views["starts"], views["counts"]
+            if staging is not None:
+                staging.attach(views, self)
+        """Device rows (of the flat pool) of each request's new token, per layer; CSR."""
         self.batch = 0
         """Rows of the loaded step, padding included (the views' size)."""
         self.real = 0
@@ -96,12 +125,17 @@ class GraphStepBuffers:
                 return why
         if tables.recompute is not None or tables.has_token_tables:
             return "the step recomputes or reads token tables"
+        if self.mirror is not None:
+            if getattr(tables, "_rows_np", None) is None:  # the block is filled from the tables' host arrays
+                return "the step's tables are general ones (the paged graph gathers a paged decode step's)"
+            if self.mirror.pending or self.mirror.syncs != tables._mirror_syncs:
+                return "the map moved since the step's tables were built (the graph gathers the tables from it)"
         if self.captured_in_place is not None and (tables.rows is None) != self.captured_in_place:
             # the identity layout builds general tables (rows of the whole pool) while a live
             # request is paused or partly on host
             return ("the step's tables are not in the layout the graphs were captured in; captured "
                     f"{'in place (slot ids)' if self.captured_in_place else 'over whole-pool rows'}")
-        b, n = int(tables.kv_lens.numel()), int(tables.tab.shape[1])
+        b, n = self._shape(tables)
         bs = b if padded_to is None else padded_to
         if bs < b:
             return f"the step has {b} requests, more than the {bs} rows it would be padded to"
@@ -114,16 +148,20 @@ class GraphStepBuffers:
         return None
 
     def load(self, tables: Any, padded_to: int | None = None, slots: torch.Tensor | None = None) -> None:
-        """The step's tables into the buffers, padded to ``padded_to`` rows (default: none): five
-        device copies, five fills more with padding (``ValueError`` with :meth:`why_not`'s
+        """The step's tables into the buffers, padded to ``padded_to`` rows (default: none): the
+        block's one copy (paged), or five device copies and five fills more with padding (``ValueError`` with :meth:`why_not`'s
         reason where the step cannot be served from them). Tables without rows (the identity
         layout's, whose layers write in place by slot id) need the step's new ``slots``: they
         become every layer's rows, read in the layer's in-place view (:meth:`write`)."""
         why = self.why_not(tables, padded_to)
         if why is not None:
             raise ValueError(f"GraphStepBuffers.load: {why}")
-        b, n = int(tables.kv_lens.numel()), int(tables.tab.shape[1])
+        b, n = self._shape(tables)
         bs = b if padded_to is None else padded_to
+        if self.block is not None:
+            self._send(tables, b, n, bs)
+            self.loads += 1
+            return
         self.in_place = tables.rows is None
         if self.in_place:
             if slots is None or slots.numel() != b:
@@ -143,9 +181,61 @@ class GraphStepBuffers:
             self.kv_lens[b:bs].fill_(1)
             self.last_page_len[b:bs].fill_(1)
         self.batch, self.real, self.pages = bs, b, n + bs - b
-        if self.staging is not None:
-            self.staging.load(tables, bs)
         self.loads += 1
+
+    @staticmethod
+    def _shape(tables: Any) -> tuple[int, int]:
+        """Requests and page columns of ``tables`` (from host arrays where they have them)."""
+        pages = getattr(tables, "pages", None)
+        if getattr(tables, "_rows_np", None) is not None and pages is not None:
+            return int(tables.batch), int(pages.size)
+        return int(tables.kv_lens.numel()), int(tables.tab.shape[1])
+
+    def _send(self, tables: Any, b: int, n: int, bs: int) -> None:
+        """A paged decode step into the block (:attr:`mirror` set): its host arrays written into
+        the block's next host twin, padded to ``bs`` rows, and sent in one copy; the page tables
+        are gathered in the graph (:meth:`gather_tables`)."""
+        block = self.block
+        assert block is not None
+        h = block.host()
+        pad, ps = bs - b, self.page_size
+        rows = h["rows"]
+        rows[:, :b] = tables._rows_np
+        lens = tables._host_lens_pair.numpy()
+        h["kv_indptr"][: b + 1] = tables.host_indptr.numpy()
+        h["kv_lens"][:b] = lens[:b]
+        h["last_page_len"][:b] = lens[b:]
+        h["starts"][:b] = tables._starts_np
+        h["counts"][:b] = tables._counts_np
+        h["flat"][:n] = tables.pages
+        staged = tables._stage_np is not None and tables.staging_ids.size
+        h["stage"][:n] = tables._stage_np if staged else -1
+        if pad:  # one token each on the sink page: its column's page -1, its staging entry the sink
+            sink = int(self.sink_page)  # type: ignore[arg-type]
+            rows[:, b:bs] = sink * ps
+            h["flat"][n: n + pad] = -1
+            h["stage"][n: n + pad] = sink
+            h["kv_indptr"][b + 1: bs + 1] = n + np.arange(1, pad + 1)
+            h["kv_lens"][b:bs] = 1
+            h["last_page_len"][b:bs] = 1
+        self.batch, self.real, self.pages, self.in_place = bs, b, n + pad, False
+        if self.staging is not None:
+            self.staging.load(tables, bs, h)
+        block.send(block.end("stage", n + pad))
+
+    def gather_tables(self) -> None:
+        """The loaded step's page tables, gathered from the map mirror into :attr:`tab` (the
+        paged block's mode; first thing in a captured step: :meth:`enter` at layer 0). One
+        Triton launch bounded by the step's columns on CUDA (``kv_indptr[batch]``), torch ops over
+        the buffers' width elsewhere (:mod:`kernels.table_gather`)."""
+        mirror = self.mirror
+        if mirror is None:
+            return
+        if triton_usable(self.tab):
+            gather_tables_triton(mirror.dev, self.flat, self.stage, self.tab,
+                                 self.kv_indptr[self.batch: self.batch + 1])
+        else:
+            gather_tables_ref(mirror.dev, self.flat, self.stage, self.tab)
 
     def load_padding(self, rows: int, in_place: bool) -> None:
         """A step of ``rows`` padded rows and no request (``in_place``: the identity layout's
@@ -160,6 +250,9 @@ class GraphStepBuffers:
         sink = self.sink_page
         self.rows[:, :rows].fill_(sink * self.page_size)
         self.tab[:, :rows].fill_(sink)
+        if self.block is not None:  # the gather's inputs: every column a padded row's
+            self.flat[:rows].fill_(-1)
+            self.stage[:rows].fill_(sink)
         self.kv_indptr[0] = 0
         self.kv_indptr[1: rows + 1].copy_(self._ramp[:rows])
         self.kv_lens[:rows].fill_(1)
@@ -191,6 +284,8 @@ class GraphStepBuffers:
         """Before layer ``layer``'s KV write (captured): with :attr:`staging`, the step's fetches
         start (layer 0) and the layer waits for its own; a capture records the layer's timing
         events around that wait (:attr:`marks`)."""
+        if layer == 0:
+            self.gather_tables()
         marks = self.marks
         if marks is not None:
             marks.mark(layer, self.batch)

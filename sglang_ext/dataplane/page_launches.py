@@ -23,7 +23,6 @@ import numpy as np
 from sglang_ext.dataplane.page_launch import PageLaunch
 
 
-
 def _empty() -> np.ndarray:
     return np.zeros(0, dtype=np.int64)
 

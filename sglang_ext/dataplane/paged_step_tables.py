@@ -103,8 +103,7 @@ class PagedStepTables(StepTables):
             stage_col[need_at] = ids if rank is None else ids[rank]
             stage_up = stage_col if readers is None else fetch_entries(stage_col, readers)
         self._shared_staging = readers is not None
-        """Staged columns share staging pages: their fetches copy each shared page once (owners
-        only); ``_stage_np`` holds the readers' entries encoded."""
+        """Staged columns share staging pages (fetched once, by owners; readers' entries encoded)."""
         self._stage_np, self._starts_np, self._counts_np = stage_up, starts, counts
         # a multi-token step (prefill, extend) fetches only the pages that held KV before it: its
         # new pages are written by the layers, not read from host (a decode step's opened page is
@@ -163,6 +162,7 @@ class PagedStepTables(StepTables):
         else:
             self.rows = self.i64[: rows.size].view(layers, self._m)
         """``[L, m]`` int64 device rows of the new tokens per layer."""
+        self._rows_np = rows  # on the host (a decode step's, else None): what a graph's block is sent
         self._bind_csr(sum(int(h.size) for h in head), b)
 
     def _writeback_parts(self, store: SlotKVStore, u_host: np.ndarray, dev_pages: np.ndarray, pages: np.ndarray,
@@ -269,6 +269,7 @@ class PagedStepTables(StepTables):
             return None
         nxt = self._successor()
         nxt.rows = self.rows + 1
+        nxt._rows_np = self._rows_np + 1
         nxt._lens_pair = self._lens_pair + 1
         b = self.batch
         nxt.kv_lens, nxt.last_page_len = nxt._lens_pair[:b], nxt._lens_pair[b:]
@@ -328,6 +329,7 @@ class PagedStepTables(StepTables):
         pieces.append(self.tab[:, at:])
         nxt.tab = torch.cat(pieces, dim=1)
         nxt.rows = nxt.i64[: layers * b].view(layers, b)
+        nxt._rows_np = rows
         nxt._bind_csr(k if synced is None else k + layers * k, b)
         return nxt
 
@@ -400,6 +402,7 @@ class PagedStepTables(StepTables):
         entries = nxt.i32[n: 2 * n]
         nxt.tab = torch.where(tab < 0, (decoded(entries) if self._shared_staging else entries)[None, :], tab)
         nxt.rows = nxt.i64[: layers * b].view(layers, b)
+        nxt._rows_np = rows
         nxt._bind_csr(2 * n + 2 * b + int(self._reqs_np.size), b)
         return nxt
 
@@ -447,15 +450,12 @@ class PagedStepTables(StepTables):
         return pair_r
 
     def _emit_fetches(self, pages: np.ndarray, counts: np.ndarray, reqs: np.ndarray, at: int) -> None:
-        """The step's fetch launches (:attr:`page_launches`) from the (layer, trigger) groups of
-        ``self._groups`` holding ``pages[g]`` host pages each (``reqs``: the groups' request ids,
-        concatenated; they start at ``i32[at]``); groups without pages launch nothing. Sets
-        ``self._group_pages``."""
+        """:attr:`page_launches` from the (layer, trigger) groups of ``self._groups`` holding
+        ``pages[g]`` host pages each (``reqs``: their request ids, concatenated, from ``i32[at]``);
+        groups without pages launch nothing."""
         a, firsts, pair_l = self._groups
-        self._group_pages = pages
-        self._fetch_list = None
+        self._group_pages, self._fetch_list, self.page_launches = pages, None, PageLaunches()
         if not a.size:
-            self.page_launches = PageLaunches()
             return
         g = np.flatnonzero(pages)
         ends = np.concatenate([a[1:], [reqs.size]])
@@ -466,8 +466,7 @@ class PagedStepTables(StepTables):
 
     @property
     def fetches(self) -> list[Launch]:  # type: ignore[override]
-        """The fetch launches as :class:`PageLaunch` objects, made at the first read (a step
-        replayed in a graph reads :attr:`page_launches` only)."""
+        """:attr:`page_launches` as objects, made at the first read (a replayed step never reads it)."""
         if self._fetch_list is None:
             self._fetch_list = self.page_launches.launches()
         return self._fetch_list

@@ -293,7 +293,7 @@ class GraphProbe:
         real = len(b.rids)
         rows = real + PADDED_ROWS
         buffers = GraphStepBuffers(c.layers, rows, b.batch_pages + PADDED_ROWS, device, core.store.sink_page,
-                                   c.page_size)
+                                   c.page_size, mirror=core.store.mirror)
         padded = _padded_inputs((ch.x, ch.q, b.k1, b.v1), rows)
         host_ms: list[float] = []  # kvplane's part of each boundary: prepare_step (+ the buffers' load)
         plan_ms: list[float] = []  # the attention's plan (FlashInfer's; SGLang's own backend plans too)

@@ -20,6 +20,7 @@ from sglang_ext.dataplane.decode_graphs import DecodeGraphs
 from sglang_ext.dataplane.event_clock import EventClock
 from sglang_ext.dataplane.graph_layer_marks import GraphLayerMarks
 from sglang_ext.dataplane.graph_staging import START, TRIG, GraphStaging
+from sglang_ext.dataplane.graph_step_buffers import GraphStepBuffers
 from sglang_ext.dataplane.triton_row_writer import TritonRowWriter
 from sglang_ext.testing.stamp_clock import StampClock
 from sglang_ext.testing.tape_graph import TapeGraph
@@ -199,7 +200,8 @@ def test_load_regroups_launches_by_target_layer():
     ch.batch.begin_decode()
     tables = core.tables
     staging = GraphStaging(core.store, len(PLACEMENT), ch.batch.batch_pages)
-    staging.load(tables)
+    buffers = GraphStepBuffers(LAYERS, len(PLACEMENT), ch.batch.batch_pages, core.store.device, staging=staging)
+    buffers.load(tables)  # the block: the tables' host arrays, sent in one copy
     want: dict[tuple[int, int], set] = {}
     for f in tables.fetches:
         key = (START if f.trigger < 0 else TRIG, f.layer)

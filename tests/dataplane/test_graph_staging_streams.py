@@ -42,8 +42,8 @@ def _scenario(d: CoreDriver, steps: int = 4) -> dict[str, int]:
     fetched = [0]
     real_load = staging.load
 
-    def load(tables, size: int = 0) -> None:  # noqa: ANN001
-        real_load(tables, size)
+    def load(tables, *args) -> None:  # noqa: ANN001, ANN002
+        real_load(tables, *args)
         fetched[0] += staging.loaded_fetches > 0
 
     staging.load = load
@@ -87,9 +87,9 @@ def test_negative_control_a_graph_without_its_fetches_reads_stale_kv(monkeypatch
     staging = d.graph_buffers.staging
     real = GraphStaging.load
 
-    def load(self, tables, size: int = 0) -> None:  # noqa: ANN001
-        real(self, tables, size)
-        self.listed.zero_()
+    def load(self, tables, size, host) -> None:  # noqa: ANN001
+        real(self, tables, size, host)
+        host["staging_ctl"][self._zero_from: self._zero_from + 4 * self.layers] = 0  # every list's length
 
     monkeypatch.setattr(GraphStaging, "load", load)
     with pytest.raises(AssertionError) as failed:

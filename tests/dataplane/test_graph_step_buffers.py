@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from sglang_ext.dataplane.graph_staging import GraphStaging
 from sglang_ext.dataplane.graph_step_buffers import GraphStepBuffers
 from sglang_ext.tools.gpu_check_config import SMALL
 from sglang_ext.tools.gpu_check_measure import CoreCheck
@@ -139,3 +140,62 @@ def test_tables_in_another_layout_than_the_captures_are_refused():
     buffers.load_padding(1, in_place=True)
     assert buffers.why_not(t) is None
     identity.batch.core.exit_layer(SMALL.layers - 1)
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["resident", "staged"])
+@pytest.mark.parametrize("pad", [0, 3], ids=["unpadded", "padded"])
+def test_the_block_sends_a_paged_step_in_one_copy_and_the_graph_gathers_its_tables(staged, pad, monkeypatch):
+    """Paged layout (the map mirror given): each step's host arrays go to the device in one copy of
+    the block, and the page tables gathered from the mirror (what a captured step does first)
+    equal the step's own -- staged columns at their staging pages -- with padded rows' columns on
+    the sink; the CSR and rows are the step's; the views are the block's, every step. Control:
+    a map moved after the tables were built is refused, with the reason."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    layers = SMALL.layers
+    check = _check([[1] * (layers // 2) + [0] * (layers - layers // 2) if staged and i % 2 else [1] * layers
+                    for i in range(SMALL.requests)])
+    b, core = check.batch, check.batch.core
+    real, sink, ps = len(b.rids), core.store.sink_page, check.config.page_size
+    staging = GraphStaging(core.store, real + pad, b.batch_pages + pad + 8) if staged else None
+    buffers = GraphStepBuffers(layers, real + pad, b.batch_pages + pad + 8, check.device, sink, ps, staging,
+                               core.store.mirror)
+    assert buffers.block is not None
+    base = buffers.block.dev.untyped_storage().data_ptr()
+    for step in range(3):
+        b.begin_decode()
+        t = core.tables
+        assert bool(t.staging_ids.size) == staged
+        assert buffers.why_not(t, real + pad) is None, buffers.why_not(t, real + pad)
+        buffers.load(t, padded_to=real + pad)
+        assert buffers.block.sends == step + 1
+        buffers.gather_tables()
+        n = t.tab.shape[1]
+        assert torch.equal(buffers.tab[:, :n], t.tab) and (buffers.tab[:, n: n + pad] == sink).all()
+        assert torch.equal(buffers.rows[:, :real], t.rows) and (buffers.rows[:, real: real + pad] == sink * ps).all()
+        assert buffers.kv_indptr[: real + pad + 1].tolist() == [*t.kv_indptr.tolist(), *range(n + 1, n + pad + 1)]
+        assert torch.equal(buffers.kv_lens[:real], t.kv_lens) and torch.equal(buffers.last_page_len[:real],
+                                                                               t.last_page_len)
+        for view in (buffers.rows, buffers.kv_indptr, buffers.flat, buffers.stage):
+            assert view.untyped_storage().data_ptr() == base
+        core.exit_layer(layers - 1)
+    b.begin_decode()
+    core.store.mirror.changed(b.core.tables.pages[:1])  # control: the map moved after the build
+    assert "the map moved" in buffers.why_not(core.tables, real + pad)
+    core.exit_layer(layers - 1)
+
+
+def test_control_a_block_never_sent_leaves_the_last_steps_tables(monkeypatch):
+    """Control for the test above: with the copy skipped after the first step, the next step's
+    rows and lengths in the buffers are the first step's, not the tables'."""
+    check = _check()
+    b, core = check.batch, check.batch.core
+    buffers = GraphStepBuffers(SMALL.layers, len(b.rids), b.batch_pages + 8, check.device, core.store.sink_page,
+                               check.config.page_size, mirror=core.store.mirror)
+    for step in range(2):
+        b.begin_decode()
+        if step:
+            monkeypatch.setattr(buffers.block, "send", lambda nbytes=None: None)
+        buffers.load(core.tables)
+        equal = torch.equal(buffers.rows, core.tables.rows) and torch.equal(buffers.kv_lens, core.tables.kv_lens)
+        assert equal == (step == 0)
+        core.exit_layer(SMALL.layers - 1)

@@ -339,7 +339,7 @@ def test_a_staged_advance_that_keeps_stale_launches_or_staging_is_caught(monkeyp
         def stale(self: PagedStepTables, opens: np.ndarray, *args: object) -> PagedStepTables | None:
             nxt = original(self, opens, *args)
             if nxt is not None and opens.size:
-                nxt.fetches = self.fetches
+                nxt.page_launches, nxt._fetch_list = self.page_launches, None
                 ran.append(1)
             return nxt
 
