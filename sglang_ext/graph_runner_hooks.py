@@ -47,7 +47,12 @@ def around_can_run_graph(original: Any, runner: Any, forward_batch: Any, *args: 
     if timer is not None and timer.wants_eager:  # the overlap loop would overwrite a replay's timing
         graph.decline("a sampled step is timed eagerly (the overlap loop)", ())
         return False
-    backend.init_forward_metadata(forward_batch)  # the boundary, as every step's
+    core = graph.core
+    core.defer_tables = graph.buffers.block is not None  # a replay never reads its tables' device half
+    try:
+        backend.init_forward_metadata(forward_batch)  # the boundary, as every step's
+    finally:
+        core.defer_tables = False
     padded = runner._pad_to_bucket(forward_batch.batch_size, runner.capture_bs)
     # declined: the eager forward's metadata (SGLang's copy of the batch) finds the boundary done
     return graph.admit(padded, forward_batch.out_cache_loc, graph.step_key(forward_batch))

@@ -95,6 +95,8 @@ class LayeredDecodeGraph:
         self.forward = False
         if why is not None:
             self.decline(re.sub(r"\d+", "N", why.split(";")[0]), key)
+            if getattr(tables, "pending", False):  # the eager forward reads the device half: made now
+                tables.materialize()
             return False
         self.buffers.load(tables, padded_to=padded_to, slots=slots)
         if core.pipeline.tables is not None:  # a staged step's copies are the graph's launches

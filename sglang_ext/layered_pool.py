@@ -335,6 +335,8 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
             "new_tokens": new_tokens,
             "recompute_tokens": self._recompute_tokens(),
             "recompute_layer_rows_total": getattr(self.recompute_forward, "layer_rows", 0),
+            # decode tables built without their device half for a graph, and those made after all (declined)
+            "deferred_tables": self.store.deferred_tables, "materialized_tables": self.store.materialized_tables,
             **self.residency_stats().to_dict(),
             "delta": {name: getattr(delta, name) for name in delta.__dataclass_fields__},
         }

@@ -55,6 +55,8 @@ class DecodeGraphs:
         staging = GraphStaging.for_core(core, self.sizes[-1], max_pages)[0] if staged else None
         self.buffers = GraphStepBuffers(store.config.layers, self.sizes[-1], max_pages, store.device,
                                         store.sink_page, store.config.page_size, staging, store.mirror)
+        if self.buffers.block is not None:  # steps the graphs take never need their tables' device half
+            core.defer_tables = True
         self.graphs: dict[int, tuple[Any, Any]] = {}
         """Captured size -> (graph, its static outputs)."""
         self.replays = 0
@@ -88,14 +90,14 @@ class DecodeGraphs:
         if tables is None:  # served at rest: the buffers' reason
             self.eager_reasons[str(self.buffers.why_not(None))] += 1
             return None
-        b = int(tables.kv_lens.numel())
+        b = self.buffers._shape(tables)[0]
         size = self.size_for(b)
-        if size is None or size not in self.graphs:
-            self.eager_reasons[f"no graph holds a batch of {b}"] += 1
-            return None
-        why = self.buffers.why_not(tables, size)
+        why = f"no graph holds a batch of {b}" if size is None or size not in self.graphs else None
+        why = why or self.buffers.why_not(tables, size)
         if why is not None:
             self.eager_reasons[why.split(";")[0]] += 1
+            if getattr(tables, "pending", False):  # the eager forward reads the device half: made here
+                tables.materialize()
             return None
         self.buffers.load(tables, padded_to=size, slots=slots)
         if self.core.pipeline.tables is not None:  # the graph moves what the pipeline would have

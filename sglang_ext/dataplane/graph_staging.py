@@ -194,7 +194,7 @@ class GraphStaging:
         start_segments = launches.start_segments
         parked = tables.token_writeback
         if parked is not None:
-            src, dst = tables.launch_indices(parked.launch)[2]
+            src, dst = tables.launch_host_indices(parked.launch)
             host["wb_src"][: src.size] = self._park_sources(parked, src)
             host["wb_dst"][: dst.size] = dst
             ctl[self._zero_from + 4 * layers] = src.size

@@ -130,7 +130,8 @@ class GraphStepBuffers:
                 return "the step's tables are general ones (the paged graph gathers a paged decode step's)"
             if self.mirror.pending or self.mirror.syncs != tables._mirror_syncs:
                 return "the map moved since the step's tables were built (the graph gathers the tables from it)"
-        if self.captured_in_place is not None and (tables.rows is None) != self.captured_in_place:
+        in_place = getattr(tables, "_rows_np", None) is None and tables.rows is None  # a paged step's: never
+        if self.captured_in_place is not None and in_place != self.captured_in_place:
             # the identity layout builds general tables (rows of the whole pool) while a live
             # request is paused or partly on host
             return ("the step's tables are not in the layout the graphs were captured in; captured "
@@ -201,8 +202,8 @@ class GraphStepBuffers:
         pad, ps = bs - b, self.page_size
         rows = h["rows"]
         rows[:, :b] = tables._rows_np
-        lens = tables._host_lens_pair.numpy()
-        h["kv_indptr"][: b + 1] = tables.host_indptr.numpy()
+        indptr, lens = tables._csr_np  # the host CSR (its device half may never be made)
+        h["kv_indptr"][: b + 1] = indptr
         h["kv_lens"][:b] = lens[:b]
         h["last_page_len"][:b] = lens[b:]
         h["starts"][:b] = tables._starts_np

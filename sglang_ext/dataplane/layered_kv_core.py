@@ -93,8 +93,9 @@ class LayeredKVCore:
         self.paged_decode_steps = 0
         """Steps the paged steady-decode path prepared."""
         self._paged_tables: PagedStepTables | None = None
-        """The last step's tables when :class:`PagedStepTables` built them (the next steady step
-        may advance them: :meth:`PagedDecodeStep.advance`)."""
+        """The last step's tables when :class:`PagedStepTables` built them (may advance: :meth:`PagedDecodeStep.advance`)."""
+        self.defer_tables = False
+        """A CUDA graph may take the next decode steps: their tables' device half waits (``DeferredDevice``)."""
         self.advanced_decode_steps = self.opened_advances = self.staged_advances = self.resident_builds = 0
         """Paged steady-decode steps whose tables were advanced (no build): resident opening no page,
         resident opening pages, staging (a placed batch); and steps built knowing the batch
@@ -264,7 +265,7 @@ class LayeredKVCore:
         for attempt in range(self.layers + 2):
             if paged:
                 tables: StepTables = PagedStepTables(self.store, page_lists, lens, counts, new_np, self.room.take,
-                                                     token_tables=self.token_tables,
+                                                     token_tables=self.token_tables, defer=self.defer_tables,
                                                      resident=resident and attempt == 0)
             else:
                 tables = StepTables(self.store, page_lists, lens, counts, new_np, self.room.take,

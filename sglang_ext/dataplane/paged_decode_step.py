@@ -82,10 +82,11 @@ class PagedDecodeStep:
         if last is None or core.token_tables:
             return False
         seq = np.asarray(lens, dtype=np.int64)
+        defer = core.defer_tables
         if not resident:
-            tables = last.advanced_staged(opens, opened, seq, core.room)
+            tables = last.advanced_staged(opens, opened, seq, core.room, defer)
         else:
-            tables = last.advanced_opening(opens, opened, seq) if opens.size else last.advanced()
+            tables = last.advanced_opening(opens, opened, seq, defer) if opens.size else last.advanced(defer)
         if tables is None:
             return False
         core.overflow = False

@@ -24,15 +24,14 @@ of host time, ``kvplane gpu-check``).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from sglang_ext.dataplane.map_mirror import MapMirror
-from sglang_ext.dataplane.page_fetch import PageFetch
-from sglang_ext.dataplane.page_launch import PageLaunch
+from sglang_ext.dataplane.deferred_device import DeferredDevice
 from sglang_ext.dataplane.page_launches import PageLaunches
+from sglang_ext.dataplane.paged_fetch_plan import PagedFetchPlan
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore
 from sglang_ext.dataplane.sorted_ids import distinct_sorted, run_bounds
 from sglang_ext.dataplane.staging_columns import (
@@ -44,7 +43,6 @@ from sglang_ext.dataplane.staging_columns import (
 )
 from sglang_ext.dataplane.step_tables import Launch, StepTables
 from sglang_ext.dataplane.token_writeback import TokenWriteback
-from sglang_ext.dataplane.transfer_engine import TransferEngine
 
 PARK_MAX_BYTES = 64 << 20
 """Largest step buffer of parked new tokens (:class:`TokenWriteback`): a decode batch whose
@@ -55,15 +53,16 @@ if TYPE_CHECKING:
     from sglang_ext.dataplane.staging_room import StagingRoom
 
 
-class PagedStepTables(StepTables):
+class PagedStepTables(PagedFetchPlan, DeferredDevice, StepTables):
     """StepTables for the paged layout without recompute (module docstring)."""
 
     def __init__(self, store: SlotKVStore, pages: Sequence[np.ndarray], seq_lens: np.ndarray,
                  new_counts: np.ndarray, new_slots: np.ndarray | None,
                  stage: Callable[[int], np.ndarray | None], *, token_tables: bool = True,
-                 resident: bool = False) -> None:
+                 resident: bool = False, defer: bool = False) -> None:
         """``resident``: the caller knows no page of the batch is host-only at any layer (the
-        host-bit pass over the batch's pages is skipped: nothing stages, fetches or writes back)."""
+        host-bit pass over the batch's pages is skipped: nothing stages, fetches or writes back).
+        ``defer``: a decode step's device half waits for a reader (:class:`DeferredDevice`)."""
         mirror = store.mirror
         if mirror is None:
             raise ValueError("PagedStepTables needs the paged layout (the store has no map mirror)")
@@ -143,27 +142,34 @@ class PagedStepTables(StepTables):
         self._token_parts(token_tables, seq_lens, starts, ps, offset, int64_parts)
         head = [flat] if stage_col is None else [flat, stage_up, starts, fetch_counts, self._fetch_launches(
             mirror, flat, fetch_counts, starts, staged_req, host_req, trigger, 2 * n + 2 * b, readers)]
-        col_at = sum(int(h.size) for h in head)
+        self._col_at = sum(int(h.size) for h in head)
         if rows is None:
             head.append(col)
         self._count_launched()
-        self._upload(store, int64_parts, head, counts, seq_lens, ps)
-        self._b = b
-        page_idx = self.i32[:n]
-        tab = mirror.dev.index_select(1, page_idx)
-        if stage_col is not None:
+        self._b, self._rows_np = b, rows
+        """``_rows_np``: the new tokens' rows on the host (a decode step's, else None): a graph's block is sent them."""
+        self._pack(int64_parts, head, counts, seq_lens, ps)
+        self._finish(defer and rows is not None)
+
+    def _materialize_now(self) -> None:
+        """The device half (:class:`DeferredDevice`) from the packed upload: ``tab [L, n]``, int32
+        device pages per layer (FlashInfer ``kv_indices`` rows) gathered from the mirror, staged
+        columns at their staging pages; ``rows [L, m]``, the new tokens' int64 device rows (a
+        multi-token step's from ``tab``: three device ops); the CSR."""
+        store, n, ps = self._store, self._n, self._store.config.page_size
+        assert store.mirror is not None
+        self._send_packed(store)
+        tab = store.mirror.dev.index_select(1, self.i32[:n])
+        if self._stage_np is not None and self.staging_ids.size:
             entries = self.i32[n: 2 * n]
-            tab = torch.where(tab < 0, (decoded(entries) if readers is not None else entries)[None, :], tab)
+            tab = torch.where(tab < 0, (decoded(entries) if self._shared_staging else entries)[None, :], tab)
         self.tab = tab
-        """``[L, n]`` int32 device pages per layer (FlashInfer ``kv_indices`` rows), gathered on the device."""
-        if rows is None:  # rows[l, j] = tab[l, col[j]] * page_size + off[j]: three device ops
-            m = self._m
-            self.rows = torch.add(self.i64[:m], tab.index_select(1, self.i32[col_at: col_at + m]).long(), alpha=ps)
+        if self._rows_np is None:  # rows[l, j] = tab[l, col[j]] * page_size + off[j]
+            m, at = self._m, self._col_at
+            self.rows = torch.add(self.i64[:m], tab.index_select(1, self.i32[at: at + m]).long(), alpha=ps)
         else:
-            self.rows = self.i64[: rows.size].view(layers, self._m)
-        """``[L, m]`` int64 device rows of the new tokens per layer."""
-        self._rows_np = rows  # on the host (a decode step's, else None): what a graph's block is sent
-        self._bind_csr(sum(int(h.size) for h in head), b)
+            self.rows = self.i64[: self._rows_np.size].view(store.config.layers, self._m)
+        self._bind_csr(self._csr_at, self._b)
 
     def _writeback_parts(self, store: SlotKVStore, u_host: np.ndarray, dev_pages: np.ndarray, pages: np.ndarray,
                          offset: int, int64_parts: list[np.ndarray]) -> int:
@@ -253,10 +259,10 @@ class PagedStepTables(StepTables):
         nxt = object.__new__(PagedStepTables)
         nxt.__dict__.update(self.__dict__)
         nxt.token_writeback = None  # these tables' parked tokens are theirs
-        nxt._fetch_views = None  # views of these tables' upload
+        nxt._fetch_views, nxt._pending = None, False  # views of these tables' upload; set again by the advance
         return nxt
 
-    def advanced(self) -> PagedStepTables | None:
+    def advanced(self, defer: bool = False) -> PagedStepTables | None:
         """The next steady decode step's tables, derived on the device from these, or None when
         that step needs a build. The caller knows the step is the same batch with one token more
         each, no page opened, these staged nothing (so fetched and wrote back nothing) and the
@@ -267,11 +273,19 @@ class PagedStepTables(StepTables):
         host work per page). Dirty ids and new pages are these (the caller marks them again)."""
         if not self._advances:
             return None
+        b, lens = self.batch, self._csr_np[1] + 1
+        if defer:  # the host half only: the rows and lengths one more, the same pages
+            nxt = self._successor()
+            nxt._rows_np = self._rows_np + 1
+            nxt._pack([nxt._rows_np.reshape(-1)], [self.pages], self._counts_np, lens[:b].astype(np.int64),
+                      self._store.config.page_size)
+            nxt._finish(True)
+            return nxt
+        self.materialize()
         nxt = self._successor()
         nxt.rows = self.rows + 1
-        nxt._rows_np = self._rows_np + 1
+        nxt._rows_np, nxt._csr_np = self._rows_np + 1, (self._csr_np[0], lens)
         nxt._lens_pair = self._lens_pair + 1
-        b = self.batch
         nxt.kv_lens, nxt.last_page_len = nxt._lens_pair[:b], nxt._lens_pair[b:]
         if self._store.staged_uploads:
             # a new pinned host copy in the ring's next slot (the last one may still feed a plan's
@@ -283,7 +297,8 @@ class PagedStepTables(StepTables):
         nxt.host_last_page_len = nxt._host_lens_pair[b:]
         return nxt
 
-    def advanced_opening(self, opens: np.ndarray, opened: np.ndarray, seq_lens: np.ndarray) -> PagedStepTables | None:
+    def advanced_opening(self, opens: np.ndarray, opened: np.ndarray, seq_lens: np.ndarray,
+                         defer: bool = False) -> PagedStepTables | None:
         """The next steady decode step's tables when batch rows ``opens`` (ascending) open pages
         ``opened`` with their new token, or None when these tables do not advance (as
         :meth:`advanced`). The caller knows the rest is :meth:`advanced`'s case and the opened
@@ -302,6 +317,13 @@ class PagedStepTables(StepTables):
         counts, ends, flat, starts, lastcol = self._opened_columns(opens, opened)
         last = flat[lastcol]  # the page of each request's new token
         rows = np.take(store.map_np, last, axis=1).astype(np.int64) * ps + ((seq_lens - 1) % ps)[None, :]
+        if defer:  # the host half only (the mirror synced on its own: the tables' upload may never go)
+            nxt = self._opened_successor(flat, starts, counts, last, seq_lens)
+            nxt.dirty_ids, nxt._rows_np = store.identity_ids(last).reshape(-1), rows
+            nxt._pack([rows.reshape(-1)], [flat], counts, seq_lens, ps)
+            nxt._finish(True)
+            return nxt
+        self.materialize()
         if mirror.pending:  # the scatter below must not overtake an earlier step's fetches reading the mirror
             store.engine.wait_fence()
         # the opened pages' columns ride with the tables' upload: the mirror's sync and the
@@ -334,7 +356,7 @@ class PagedStepTables(StepTables):
         return nxt
 
     def advanced_staged(self, opens: np.ndarray, opened: np.ndarray, seq_lens: np.ndarray,
-                        room: StagingRoom) -> PagedStepTables | None:
+                        room: StagingRoom, defer: bool = False) -> PagedStepTables | None:
         """The next steady decode step's tables when these staged (the placed steady step), or
         None (nothing taken) when that step needs a build. Batch rows ``opens`` (ascending, maybe
         none) open pages ``opened``. The caller knows the step is :meth:`advanced_opening`'s but
@@ -396,14 +418,9 @@ class PagedStepTables(StepTables):
             pages = pages + np.add.reduceat(add[pair_l, self._reqs_np], a)
         nxt._emit_fetches(pages, counts, self._reqs_np, 2 * n + 2 * b)
         nxt._count_launched()
-        head = [flat, stage_col, starts, counts, self._reqs_np]
-        nxt._upload(store, int64_parts, head, counts, seq_lens, ps)
-        tab = mirror.dev.index_select(1, nxt.i32[:n])
-        entries = nxt.i32[n: 2 * n]
-        nxt.tab = torch.where(tab < 0, (decoded(entries) if self._shared_staging else entries)[None, :], tab)
-        nxt.rows = nxt.i64[: layers * b].view(layers, b)
         nxt._rows_np = rows
-        nxt._bind_csr(2 * n + 2 * b + int(self._reqs_np.size), b)
+        nxt._pack(int64_parts, [flat, stage_col, starts, counts, self._reqs_np], counts, seq_lens, ps)
+        nxt._finish(defer)  # the device half: one upload, the page tables' gather
         return nxt
 
     @property
@@ -413,87 +430,3 @@ class PagedStepTables(StepTables):
         mirror = self._store.mirror
         assert mirror is not None
         return mirror.host_count(self.pages) if self.pages.size else 0
-
-    def _fetch_launches(self, mirror: MapMirror, flat: np.ndarray, counts: np.ndarray, starts: np.ndarray,
-                        staged_req: np.ndarray, host_req: np.ndarray, trigger: np.ndarray, at: int,
-                        readers: np.ndarray | None = None) -> np.ndarray:
-        """One :class:`PageLaunch` per (layer, trigger), in layer then trigger order: the
-        requests with host-only pages at that layer whose staging frees at that trigger. The
-        launches' request ids, concatenated, are returned for the int32 upload, where they start
-        at ``i32[at]`` (a launch's at ``i32[launch.offset]``); a launch's size comes from the
-        host bits of its requests' first ``counts`` pages (exact: what the kernel copies). The
-        kernel does not read ``has_kv``: a decode step's page opened this step is copied too, a
-        multi-token step's new pages are not (its ``counts`` stop at the pages that held KV)."""
-        staged = np.flatnonzero(staged_req)
-        per_layer = np.zeros((host_req.shape[1], host_req.shape[0]), dtype=np.int64)  # [b, L] host pages
-        sub = staged[counts[staged] > 0]
-        if sub.size:
-            sub_counts = counts[sub]
-            sub_starts = np.cumsum(sub_counts) - sub_counts  # each staged request's first place in cols
-            cols = np.arange(int(sub_counts.sum())) + np.repeat(starts[sub] - sub_starts, sub_counts)
-            bits = np.unpackbits(mirror.host_bits[flat[cols]], axis=1, count=mirror.layers, bitorder="little")
-            if readers is not None:  # a shared page is fetched by its owner column only
-                owns = np.ones(flat.size, dtype=bool)
-                owns[readers] = False
-                bits *= owns[cols][:, None]
-            per_layer[sub] = np.add.reduceat(bits, sub_starts, axis=0, dtype=np.int32)
-        pair_l, pair_r = np.nonzero(host_req)
-        key = pair_l * (host_req.shape[0] + 1) + (trigger[pair_l, pair_r] + 1)
-        order = np.argsort(key, kind="stable")  # requests stay ascending inside a (layer, trigger)
-        pair_l, pair_r, key = pair_l[order], pair_r[order], key[order]
-        a = run_bounds(key)[0] if key.size else np.zeros(0, dtype=np.int64)
-        # per (layer, trigger) group, all groups at once: its first pair, pages, trigger
-        pages = np.add.reduceat(per_layer[pair_r, pair_l], a) if key.size else a
-        self._groups = (a, trigger[pair_l[a], pair_r[a]], pair_l)
-        self._emit_fetches(pages, counts, pair_r, at)
-        self._reqs_np = pair_r
-        return pair_r
-
-    def _emit_fetches(self, pages: np.ndarray, counts: np.ndarray, reqs: np.ndarray, at: int) -> None:
-        """:attr:`page_launches` from the (layer, trigger) groups of ``self._groups`` holding
-        ``pages[g]`` host pages each (``reqs``: their request ids, concatenated, from ``i32[at]``);
-        groups without pages launch nothing."""
-        a, firsts, pair_l = self._groups
-        self._group_pages, self._fetch_list, self.page_launches = pages, None, PageLaunches()
-        if not a.size:
-            return
-        g = np.flatnonzero(pages)
-        ends = np.concatenate([a[1:], [reqs.size]])
-        ga = a[g]
-        self.page_launches = PageLaunches(
-            trigger=firsts[g], layer=pair_l[ga], offset=ga + at, segments=2 * pages[g], first=ga,
-            n_reqs=ends[g] - ga, max_pages=np.maximum.reduceat(counts[reqs], a)[g])
-
-    @property
-    def fetches(self) -> list[Launch]:  # type: ignore[override]
-        """:attr:`page_launches` as objects, made at the first read (a replayed step never reads it)."""
-        if self._fetch_list is None:
-            self._fetch_list = self.page_launches.launches()
-        return self._fetch_list
-
-    @property
-    def n_fetches(self) -> int:
-        return len(self.page_launches)
-
-    def fetch(self, engine: TransferEngine, launch: Launch, wait: tuple) -> Any:
-        """Issue fetch ``launch`` (a :class:`PageLaunch`) as one :class:`PageFetch`."""
-        assert isinstance(launch, PageLaunch)
-        store, n, b = self._store, self._n, self._b
-        i32, at = self.i32, launch.offset
-        mirror = store.mirror
-        assert mirror is not None
-        if mirror.pending:  # the kernel reads the mirror as synced, the CPU path the map: they agree
-            raise RuntimeError("the map changed inside a forward (between the tables and a fetch)")
-        views = self._fetch_views
-        if views is None:  # the step's page lists, staging, starts and counts: sliced once a step
-            views = self._fetch_views = (i32[:n], i32[n: 2 * n], i32[2 * n: 2 * n + b], i32[2 * n + b: 2 * n + 2 * b])
-        flat, stage, starts, counts = views
-        spec = PageFetch(
-            layer=launch.layer, layers=store.config.layers, dev_v=store.pages_total, max_pages=launch.max_pages,
-            segments=launch.segments, reqs=i32[at: at + launch.n_reqs], flat=flat, stage=stage,
-            starts=starts, counts=counts, map_row=mirror.rows[launch.layer],
-            host_arrays=(self._reqs_np[launch.first: launch.first + launch.n_reqs], self.pages, self._stage_np,
-                         self._starts_np, self._counts_np if self._fetch_counts_np is None else self._fetch_counts_np,
-                         store.map_np[launch.layer]),
-        )
-        return engine.fetch_pages(spec, wait)

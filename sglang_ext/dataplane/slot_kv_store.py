@@ -145,6 +145,9 @@ class SlotKVStore:
         """Bytes of new KV that reached host memory by write-back of staged pages."""
         self.staging_pages = 0
         """Device pages lent to staging this step (counted in ``used``)."""
+        self.deferred_tables = self.materialized_tables = 0
+        """Decode steps' tables built without their device half, and those of them made later
+        (``DeferredDevice``: a step a graph declined, or read eagerly)."""
         self._flat = (self.dev[0].view(-1, c.kv_heads, c.head_dim), self.dev[1].view(-1, c.kv_heads, c.head_dim))
         self._row_ids = torch.zeros(0, dtype=torch.int64, device=self.device)
         """:meth:`row_ids`' kept tensor."""

@@ -227,17 +227,32 @@ class StepTables:
         """ONE upload: the int64 parts, then ``int32_head`` and the CSR (``indptr``, ``kv_lens``,
         ``last_page_len``) as int32 packed two to a word (viewed back on the device). Sets
         ``i64`` / ``i32`` (the CSR follows the head in ``i32``: :meth:`_bind_csr`)."""
+        self._pack(int64_parts, int32_head, counts, seq_lens, ps)
+        self._send_packed(store)
+
+    def _pack(self, int64_parts: list[np.ndarray], int32_head: list[np.ndarray], counts: np.ndarray,
+              seq_lens: np.ndarray, ps: int) -> None:
+        """:meth:`_upload`'s host half: the one buffer it sends (``_packed``), the int64 parts
+        (``_int64_np``), the CSR on the host (``_csr_np``: ``indptr``, then ``kv_lens`` and
+        ``last_page_len``) and where it starts in ``i32`` (``_csr_at``)."""
         last_len = seq_lens - (counts - 1) * ps
         indptr = np.concatenate([[0], np.cumsum(counts)])
+        self._csr_at = sum(int(h.size) for h in int32_head)
         int32 = np.concatenate([*int32_head, indptr, seq_lens, last_len]).astype(np.int32)
+        self._csr_np = (int32[self._csr_at: self._csr_at + indptr.size], int32[self._csr_at + indptr.size:])
         if int32.size % 2:
             int32 = np.append(int32, np.int32(0))
         int64 = np.concatenate(int64_parts) if int64_parts else np.zeros(0, dtype=np.int64)
         self._int64_np = int64
-        both, host = store.uploads.upload(np.concatenate([int64, int32.view(np.int64)]))
-        self.i64 = both[: int64.size]
-        self.i32 = both[int64.size:].view(torch.int32)
-        self._i32_host = host[int64.size:].view(torch.int32)
+        self._packed = np.concatenate([int64, int32.view(np.int64)])
+
+    def _send_packed(self, store: SlotKVStore) -> None:
+        """:meth:`_upload`'s device half: ``_packed`` in one upload; ``i64`` / ``i32`` its views."""
+        both, host = store.uploads.upload(self._packed)
+        n64 = self._int64_np.size
+        self.i64 = both[:n64]
+        self.i32 = both[n64:].view(torch.int32)
+        self._i32_host = host[n64:].view(torch.int32)
 
     def _bind_csr(self, base: int, b: int) -> None:
         """FlashInfer's CSR views at ``i32[base:]``."""
@@ -278,6 +293,11 @@ class StepTables:
         """Issue fetch ``launch`` on ``engine`` after ``wait``; its event."""
         src, dst, host = self.launch_indices(launch)
         return engine.h2d(src, dst, wait=wait, host_idx=host)
+
+    def launch_host_indices(self, launch: Launch) -> tuple[np.ndarray, np.ndarray]:
+        """Source and destination segment indices of ``launch`` on the host (no device half read)."""
+        o, s = launch.offset, launch.segments
+        return self._int64_np[o: o + s], self._int64_np[o + s: o + 2 * s]
 
     def launch_indices(self, launch: Launch) -> tuple[torch.Tensor, torch.Tensor, tuple[np.ndarray, np.ndarray]]:
         """Source and destination segment indices of ``launch`` (device views; and NumPy)."""

@@ -301,8 +301,12 @@ class GraphProbe:
                                 device, c.repeat)  # the eager step with the same decode
         host_eager_ms, host_ms = statistics.median(host_ms), []
 
-        def boundary() -> torch.Tensor:
-            loc = b.begin_decode()
+        def boundary(defer: bool = False) -> torch.Tensor:
+            core.defer_tables = defer  # a replayed step's tables need no device half (as served)
+            try:
+                loc = b.begin_decode()
+            finally:
+                core.defer_tables = False
             t0 = time.thread_time()
             buffers.load(core.tables, padded_to=rows, slots=loc)
             t1 = time.thread_time()
@@ -342,7 +346,7 @@ class GraphProbe:
             sync(device)
 
         def replayed_step() -> None:
-            boundary()
+            boundary(defer=buffers.block is not None)
             graph.replay()
             core.exit_layer(c.layers - 1)
 

@@ -130,5 +130,27 @@ def test_a_batch_larger_than_every_graph_runs_eagerly():
     runner = _Runner(check, (2,))
     assert runner.step() == (None, 0.0)
     assert runner.graphs.eager_reasons == {"no graph holds a batch of 3": 1} and runner.graphs.replays == 0
+    store = check.batch.core.store  # a paged step deferred for a graph, declined: made at the admission
+    assert store.deferred_tables == store.materialized_tables > 0
     err = check.attention_errors()["torch"]
     assert err["max_abs_err"] <= err["tolerance"], err
+
+
+def test_a_paged_steps_device_tables_are_made_only_when_it_runs_eagerly():
+    """The boundary of a step a graph may take leaves its tables' device half unmade: admitted, it
+    stays so (the graph is sent the host half); declined, the admission makes it before the eager
+    forward (not the forward's first read). Control: the admitted step's tables are still pending."""
+    for requests, admitted in ((2, True), (3, False)):
+        check = _check(requests)
+        runner = _Runner(check, (2,))
+        b, core = check.batch, check.batch.core
+        loc = b.begin_decode()
+        assert core.tables.pending
+        assert (runner.graphs.admit(slots=loc) is not None) == admitted
+        assert core.tables.pending == admitted and core.store.materialized_tables == (0 if admitted else 1)
+        if admitted:
+            runner.graphs.replay(2)
+            core.exit_layer(check.config.layers - 1)
+        else:
+            check.layers(loc, backend=BACKEND)
+        assert core.store.materialized_tables == (0 if admitted else 1)

@@ -90,6 +90,7 @@ def _run(control: str | None = None, device: str = "cpu", graph: Any = TapeGraph
             core.exit_layer(LAYERS - 1)  # the step ends as after a replay served
     facts["graphed"] = core.pipeline.graphed_steps
     facts["replays"] = graphs.replays
+    facts["deferred"], facts["materialized"] = core.store.deferred_tables, core.store.materialized_tables
     core.store.engine.quiesce()  # the replays' copies (and their bookings) complete; no eager step yet
     core.store.engine.clock.harvest()
     facts["h2d_timed"] = core.store.engine.clock.times.h2d_timed_bytes - timed0
@@ -129,6 +130,8 @@ def test_staged_steps_replayed_decode_what_eager_steps_do(writer):
     assert min(facts["fetches"]) > 0 and min(facts["pairs"]) == sum(row.count(0) for row in PLACEMENT)
     assert facts["kinds"] == {START, TRIG}
     assert facts["replays"] == facts["graphed"] == STEPS
+    # the replayed steps' tables were never made on the device (the graph gathers its own)
+    assert facts["deferred"] >= STEPS and facts["materialized"] == 0, facts
 
 
 def test_the_park_writes_through_row_ids_the_staging_owns():

@@ -252,8 +252,8 @@ def _run_until_advanced(d: CoreDriver) -> None:
 def test_an_advance_that_forgets_the_token_step_is_caught(monkeypatch, forget):
     original = PagedStepTables.advanced
 
-    def stale(self: PagedStepTables) -> PagedStepTables | None:
-        nxt = original(self)
+    def stale(self: PagedStepTables, *args: object) -> PagedStepTables | None:
+        nxt = original(self, *args)
         if nxt is not None and forget == "rows":
             nxt.rows = self.rows  # the new tokens overwrite the last step's
         elif nxt is not None:
@@ -288,8 +288,9 @@ def test_an_opening_advance_that_misplaces_the_page_is_caught(monkeypatch, mista
     original = PagedStepTables.advanced_opening
     ran = []
 
-    def wrong(self: PagedStepTables, opens: np.ndarray, opened: np.ndarray, seq_lens: np.ndarray):  # noqa: ANN202
-        nxt = original(self, opens, opened, seq_lens)
+    def wrong(self: PagedStepTables, opens: np.ndarray, opened: np.ndarray, seq_lens: np.ndarray,  # noqa: ANN202
+              *args: object):
+        nxt = original(self, opens, opened, seq_lens, *args)
         if nxt is None:
             return None
         ran.append(1)

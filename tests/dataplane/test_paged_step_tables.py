@@ -113,10 +113,11 @@ def compared(monkeypatch) -> list[int]:
     seen = [0, 0]
 
     def both(store, pages, lens, counts, new_np, stage: Callable, *, token_tables: bool = True,  # noqa: ANN001
-             resident: bool = False):
-        # a resident build (the core knew no batch page host-only) must equal the host-built one too
+             resident: bool = False, defer: bool = False):
+        # a resident build (the core knew no batch page host-only) must equal the host-built one too;
+        # a deferred one (its device half made at the first read) too
         got = PagedStepTables(store, pages, lens, counts, new_np, stage, token_tables=token_tables,
-                              resident=resident)
+                              resident=resident, defer=defer)
         if got.reserved:
             ids = got.staging_ids
             ref = StepTables(store, pages, lens, counts, new_np, lambda n: ids if n == ids.size else None,
@@ -217,9 +218,9 @@ def test_a_missed_fetch_is_caught(monkeypatch):
     monkeypatch.setattr(PagedStepTables, "_fetch_launches", drop_last)
     caught = []
 
-    def both(store, pages, lens, counts, new_np, stage, *, token_tables=True, resident=False):  # noqa: ANN001
+    def both(store, pages, lens, counts, new_np, stage, *, token_tables=True, resident=False, defer=False):  # noqa: ANN001
         got = PagedStepTables(store, pages, lens, counts, new_np, stage, token_tables=token_tables,
-                              resident=resident)
+                              resident=resident, defer=defer)
         if got.reserved and got.fetches is not None:
             ids = got.staging_ids
             ref = StepTables(store, pages, lens, counts, new_np, lambda n: ids, token_tables=token_tables)

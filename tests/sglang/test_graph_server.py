@@ -172,6 +172,11 @@ def test_steps_that_stage_pages_replay_and_equal_eager(servers):
     staged = [line for line in decode if line["staging_pages"] > 0]
     replays = sum(n for (kind, _), n in replayed.items() if kind == "replay")
     assert len(staged) >= 2 and replays == len(decode), (len(staged), replays, len(decode))
+    # the replayed steps' tables were never made on the device (the graph is sent their host half)
+    first, last = lines["offload"][0], lines["offload"][-1]
+    deferred = last["deferred_tables"] - first["deferred_tables"]
+    made = last["materialized_tables"] - first["materialized_tables"]
+    assert deferred >= len(decode) - 1 and made <= deferred - (len(decode) - 1), (deferred, made, len(decode))
 
 
 def test_staged_replays_without_their_fetches_are_caught(servers):
