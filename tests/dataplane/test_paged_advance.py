@@ -145,17 +145,20 @@ def _assert_equal_tables(got: PagedStepTables, ref: PagedStepTables, uploaded: b
     assert np.array_equal(np.sort(got.staging_ids), np.sort(ref.staging_ids))
 
 
-def _comparing(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, bool]]:
-    """Every advance is compared with a fresh build; returns (opened, staged) per advance."""
+def _comparing(monkeypatch: pytest.MonkeyPatch, defer: bool = False) -> list[tuple[bool, bool]]:
+    """Every advance is compared with a fresh build; returns (opened, staged) per advance.
+    ``defer``: the advances leave their device half to the comparison's first read (``DeferredDevice``)."""
     checked: list[tuple[bool, bool]] = []
     original = PagedDecodeStep.advance
 
     def advance_and_compare(step: PagedDecodeStep, opens: np.ndarray, *args: object) -> bool:
+        step.core.defer_tables = step.core.pipeline.defer_start = defer  # as a graph that may take the step sets them
         if not original(step, opens, *args):
             return False
         core = step.core
         got = core.tables
         assert isinstance(got, PagedStepTables) and core._paged_last is not None
+        assert got.pending == defer  # deferred: nothing read its device half yet
         _assert_equal_tables(got, _fresh_build(core, got), bool(opens.size or got.staging_ids.size))
         checked.append((bool(opens.size), bool(got.staging_ids.size)))
         return True
@@ -177,8 +180,9 @@ def _retakes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     return kept
 
 
-def test_advanced_tables_equal_a_fresh_build(monkeypatch):
-    checked = _comparing(monkeypatch)
+@pytest.mark.parametrize("defer", [False, True], ids=["at-once", "deferred"])
+def test_advanced_tables_equal_a_fresh_build(monkeypatch, defer):
+    checked = _comparing(monkeypatch, defer)
     d = _driver(seed=4)
     d.add("a")
     d.add("b")
@@ -190,12 +194,14 @@ def test_advanced_tables_equal_a_fresh_build(monkeypatch):
     assert len(checked) >= 8 and sum(o for o, _ in checked) >= 3, checked  # some opened pages
 
 
-def test_staged_advances_equal_a_fresh_build_and_read_exactly(monkeypatch):
+@pytest.mark.parametrize("defer", [False, True], ids=["at-once", "deferred"])
+def test_staged_advances_equal_a_fresh_build_and_read_exactly(monkeypatch, defer):
     """A placed batch (layer 1 of ``a`` and layers 1-2 of ``b`` on the host): its steady steps
     advance the last tables with the same staging pages -- no page opened, or pages opened that
     stage and fetch at their requests' host layers -- and equal a fresh build staged in the same
-    pages (fetch sizes, write-backs, rows, the int32 upload); every layer's reads are exact."""
-    checked = _comparing(monkeypatch)
+    pages (fetch sizes, write-backs, rows, the int32 upload); every layer's reads are exact.
+    Deferred: each advance's device half made at the comparison's first read."""
+    checked = _comparing(monkeypatch, defer)
     kept = _retakes(monkeypatch)
     d = _driver(seed=8)
     d.add("a")

@@ -5,7 +5,7 @@ misses the map's writes, and a missed fetch, are caught."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -106,18 +106,22 @@ def assert_same_tables(got: PagedStepTables, ref: StepTables, has_kv: np.ndarray
         assert torch.equal(got.token_rows(0, 1), ref.token_rows(0, 1))
 
 
-@pytest.fixture
-def compared(monkeypatch) -> list[int]:
+@pytest.fixture(params=[False, True], ids=["at-once", "deferred"])
+def compared(monkeypatch, request) -> Iterator[list[int]]:
     """Every PagedStepTables the core builds is compared with a StepTables built on the same
-    store state and staging ids; the list counts the comparisons (and the fetches seen)."""
-    seen = [0, 0]
+    store state and staging ids; the list counts the comparisons (and the fetches seen). Each
+    test runs twice: the tables' device half made at once, and deferred (a decode step's made
+    at the comparison's first read of it, ``DeferredDevice``)."""
+    seen = [0, 0, 0]
+    deferring = request.param
 
     def both(store, pages, lens, counts, new_np, stage: Callable, *, token_tables: bool = True,  # noqa: ANN001
              resident: bool = False, defer: bool = False):
         # a resident build (the core knew no batch page host-only) must equal the host-built one too;
         # a deferred one (its device half made at the first read) too
         got = PagedStepTables(store, pages, lens, counts, new_np, stage, token_tables=token_tables,
-                              resident=resident, defer=defer)
+                              resident=resident, defer=defer or deferring)
+        seen[2] += got.pending
         if got.reserved:
             ids = got.staging_ids
             ref = StepTables(store, pages, lens, counts, new_np, lambda n: ids if n == ids.size else None,
@@ -129,7 +133,8 @@ def compared(monkeypatch) -> list[int]:
         return got
 
     monkeypatch.setattr(layered_kv_core, "PagedStepTables", both)
-    return seen
+    yield seen
+    assert (seen[2] > 0) == (deferring and seen[0] > 0), seen  # the deferred runs did defer (decode steps)
 
 
 def shared_prefix_scenario(d: CoreDriver) -> None:
