@@ -219,7 +219,7 @@ class GraphStaging:
         """The write-back's source rows (``src``: rows of the tables' compact park buffer, K then
         V) as rows of :attr:`park_buf`: slot ``s`` of the compact buffer is the ``s``-th parked
         layer, its token ``j`` row ``j`` of the step."""
-        m = parked.buf.shape[2]
+        m = parked.tokens
         slots = np.asarray(parked.slots)
         used = np.flatnonzero(slots >= 0)
         slot, rest = np.divmod(src, 2 * m)

@@ -158,6 +158,11 @@ class PagedStepTables(PagedFetchPlan, DeferredDevice, StepTables):
         multi-token step's from ``tab``: three device ops); the CSR."""
         store, n, ps = self._store, self._n, self._store.config.page_size
         assert store.mirror is not None
+        parked = self.token_writeback
+        if parked is not None:  # the parked tokens' transient buffer (a replayed step parks in the graph's)
+            parked.allocate()
+            if parked.writer is not None:
+                parked.rows_index = store.row_ids(parked.tokens)
         self._send_packed(store)
         tab = store.mirror.dev.index_select(1, self.i32[:n])
         if self._stage_np is not None and self.staging_ids.size:
@@ -211,9 +216,7 @@ class PagedStepTables(PagedFetchPlan, DeferredDevice, StepTables):
         if planned is None:
             return offset
         self.token_writeback, indices = planned
-        if store.row_writer is not None:  # parks go through the writer: rows 0..m-1, kept by the store
-            self.token_writeback.writer = store.row_writer
-            self.token_writeback.rows_index = store.row_ids(int(new_host.shape[1]))
+        self.token_writeback.writer = store.row_writer  # parks go through it (rows 0..m-1, the store's)
         int64_parts.append(indices)
         return offset + int(indices.size)
 

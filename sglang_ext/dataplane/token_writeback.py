@@ -54,9 +54,14 @@ class TokenWriteback:
     ``host_rows``); ``layer`` and ``trigger``: the last layer with parked tokens."""
     pairs: int
     """(layer, request) pairs written back (the page write-back's layer-pages)."""
-    buf: torch.Tensor = field(compare=False, repr=False)
-    """``[S, 2, m, H, D]`` on the pool's device."""
-    _rows: tuple[torch.Tensor, ...] = field(init=False, compare=False, repr=False)
+    tokens: int
+    """The step's new tokens (``m``: rows per slot of :attr:`buf`)."""
+    new_buf: Callable[[int, int], torch.Tensor] = field(compare=False, repr=False)
+    """Allocates :attr:`buf` (``new_buf(S, m)``): at :meth:`allocate`."""
+    buf: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    """``[S, 2, m, H, D]`` on the pool's device; None until :meth:`allocate` (a step a CUDA graph
+    replays parks into the graph's own buffer and never allocates it)."""
+    _rows: tuple[torch.Tensor, ...] = field(init=False, compare=False, repr=False, default=())
     """``buf`` unbound into its ``2 S`` ``[m, H, D]`` parts (K then V of each slot), at the boundary:
     a layer's park is then its two copies and nothing else."""
 
@@ -67,9 +72,14 @@ class TokenWriteback:
     """Rows ``0..m-1`` on the buffer's device (the store's :meth:`~SlotKVStore.row_ids`), set with
     :attr:`writer`."""
 
-    def __post_init__(self) -> None:
-        s, _, m, h, d = self.buf.shape
-        self._rows = self.buf.view(2 * s, m, h, d).unbind(0)
+    def allocate(self) -> None:
+        """The buffer and its parts (the device half of the step's tables: at the boundary of a
+        step that runs eagerly)."""
+        if self.buf is None:
+            s = sum(1 for slot in self.slots if slot >= 0)
+            self.buf = buf = self.new_buf(s, self.tokens)
+            _, _, m, h, d = buf.shape
+            self._rows = buf.view(2 * s, m, h, d).unbind(0)
 
     def park(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keep layer ``layer``'s new K and V (``[m, H, D]``) for the write-back: two copies, or
@@ -77,6 +87,7 @@ class TokenWriteback:
         slot = self.slots[layer]
         if slot < 0:
             return
+        self.allocate()  # a no-op: allocated at the boundary (a net for tables made without it)
         if self.writer is None:
             self._rows[2 * slot].copy_(k)
             self._rows[2 * slot + 1].copy_(v)
@@ -85,13 +96,15 @@ class TokenWriteback:
 
     def src_rows(self) -> torch.Tensor:
         """:attr:`buf` as the launch's source rows ``[S * 2 * m, H * D]``."""
+        self.allocate()
+        assert self.buf is not None
         return self.buf.view(-1, self.buf.shape[-2] * self.buf.shape[-1])
 
     def through(self, layer: int, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The launch's indices (``src``, ``dst``: K then V halves) cut to the pairs of layers up
         to ``layer``: slots number the parked layers in order, so those are the rows of the
         first slots."""
-        n, m = self.pairs, self.buf.shape[2]
+        n, m = self.pairs, self.tokens
         first = sum(1 for slot in self.slots[: layer + 1] if slot >= 0)
         keep = src[:n] // (2 * m) < first
         return np.concatenate([src[:n][keep], src[n:][keep]]), np.concatenate([dst[:n][keep], dst[n:][keep]])
@@ -102,7 +115,7 @@ class TokenWriteback:
         """The write-back of new tokens ``j`` (``pages[j]`` at ``offsets[j]``) host-only at layers
         ``u_host[l, j]`` (``[L, m]``), its indices placed at ``offset`` of the step's int64 upload:
         ``(it, indices)`` with the indices src K, src V, dst K, dst V (layer-major, then token
-        order); None when there are none. ``new_buf(S, m)`` allocates the buffer."""
+        order); None when there are none. ``new_buf(S, m)`` allocates the buffer (:meth:`allocate`)."""
         w_layer, w_j = np.nonzero(u_host)
         n = int(w_layer.size)
         if not n:
@@ -114,6 +127,6 @@ class TokenWriteback:
         src_k = slot_of[w_layer] * 2 * m + w_j
         dst_k = (pages[w_j] * layers + w_layer) * 2 * page_size + offsets[w_j]
         last = int(used[-1])
-        it = cls(slots=tuple(slot_of.tolist()), launch=Launch(last, last, offset, 2 * n), pairs=n,
-                 buf=new_buf(int(used.size), int(m)))
+        it = cls(slots=tuple(slot_of.tolist()), launch=Launch(last, last, offset, 2 * n), pairs=n, tokens=int(m),
+                 new_buf=new_buf)
         return it, np.concatenate([src_k, src_k + m, dst_k, dst_k + page_size])

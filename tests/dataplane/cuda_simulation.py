@@ -83,14 +83,16 @@ def install(monkeypatch: Any, query_completes: str = NEVER, dma: bool = False, d
 
         monkeypatch.setattr(engine_cls, "__init__", engine_init)
     monkeypatch.setattr(PageFetch, "run_triton", fetch)
-    real_post_init = token_writeback.TokenWriteback.__post_init__
+    real_allocate = token_writeback.TokenWriteback.allocate
 
-    def post_init(self) -> None:  # noqa: ANN001
-        real_post_init(self)
-        sim.track(self.buf)  # a fresh buffer: its accesses are checked from its allocation on
-        sim.allocated(self.buf)
+    def allocate(self) -> None:  # noqa: ANN001
+        fresh = self.buf is None
+        real_allocate(self)
+        if fresh:
+            sim.track(self.buf)  # a fresh buffer: its accesses are checked from its allocation on
+            sim.allocated(self.buf)
 
-    monkeypatch.setattr(token_writeback.TokenWriteback, "__post_init__", post_init)
+    monkeypatch.setattr(token_writeback.TokenWriteback, "allocate", allocate)
     _ring_as_on_cuda(monkeypatch, sim)
     real_store_init = slot_kv_store.SlotKVStore.__init__
 

@@ -77,7 +77,7 @@ def _written_back(t: StepTables, layers: int) -> list[tuple[int, int]]:
         assert np.array_equal(src.cpu().numpy(), host[0]) and np.array_equal(dst.cpu().numpy(), host[1])
         n = tw.pairs
         src_k, src_v, dst_k, dst_v = host[0][:n], host[0][n:], host[1][:n], host[1][n:]
-        m, ps = tw.buf.shape[2], (dst_v - dst_k)[0]
+        m, ps = tw.tokens, (dst_v - dst_k)[0]
         assert np.all(dst_v - dst_k == ps) and np.all(src_v - src_k == m)
         seg, off = np.divmod(dst_k, ps)
         assert np.all(seg % 2 == 0)

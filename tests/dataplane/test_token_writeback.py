@@ -20,7 +20,10 @@ def test_plan_indexes_the_buffer_and_the_host_rows():
     made = []
     it, idx = TokenWriteback.plan(u_host, pages, offs, ps, 100,
                                   lambda s, n: made.append((s, n)) or torch.zeros((s, 2, n, 1, 2)))
-    assert made == [(2, 3)] and it.slots == (0, -1, 1, -1) and it.pairs == 5
+    assert made == [] and it.buf is None  # allocated with the step's device half, not at the plan
+    it.allocate()
+    it.allocate()
+    assert made == [(2, 3)] and it.slots == (0, -1, 1, -1) and it.pairs == 5 and it.tokens == m
     assert (it.launch.layer, it.launch.trigger, it.launch.offset, it.launch.segments) == (2, 2, 100, 10)
     pairs = [(0, 0), (0, 2), (2, 0), (2, 1), (2, 2)]  # (layer, token), layer-major
     slot = {0: 0, 2: 1}
@@ -34,6 +37,7 @@ def test_park_copies_only_parked_layers():
     it, _ = TokenWriteback.plan(np.array([[0, 0], [1, 1]], dtype=bool), np.array([1, 2]), np.array([0, 1]), 4, 0,
                                 lambda s, n: torch.zeros((s, 2, n, 1, 3)))
     k, v = torch.ones(2, 1, 3), torch.full((2, 1, 3), 2.0)
+    it.allocate()  # as the step's device half does at its boundary
     it.park(0, k, v)
     assert it.buf.abs().sum() == 0
     it.park(1, k, v)
