@@ -141,8 +141,8 @@ def _patch_advance(module) -> None:  # noqa: ANN001
     flag = os.environ["KVPLANE_TEST_STALE_ADVANCE_FILE"]
     real, real_staged = module.PagedStepTables.advanced, module.PagedStepTables.advanced_staged
 
-    def advanced(self):  # noqa: ANN001, ANN202
-        nxt = real(self)
+    def advanced(self, *args):  # noqa: ANN001, ANN002, ANN202
+        nxt = real(self, *args)
         if nxt is not None and os.path.exists(flag):
             nxt.rows = self.rows
         return nxt
