@@ -315,7 +315,13 @@ class GraphStepBuffers:
         """``view`` with the host CSR a FlashInfer plan reads (``tables.plan_view``'s), padded as
         :meth:`load` padded the device one: the plan's batch is the view's."""
         pad = self.batch - self.real
-        planned = tables.plan_view(view)
+        csr = getattr(tables, "_csr_np", None)
+        if self.block is not None and csr is not None:  # the host half's CSR: a replayed step's device half is never made
+            b = self.real
+            planned = dataclasses.replace(view, kv_indptr=torch.from_numpy(csr[0]),
+                                          last_page_len=torch.from_numpy(csr[1][b:]))
+        else:
+            planned = tables.plan_view(view)
         if not pad:
             return planned
         indptr, last = planned.kv_indptr, planned.last_page_len

@@ -441,6 +441,8 @@ def _plan(ch: Any, backend: str, view: Any) -> None:
 
 def _plan_buffers(ch: Any, backend: str, buffers: GraphStepBuffers) -> None:
     """:func:`_plan` of the step loaded into ``buffers`` (padded as they are)."""
+    if backend != "flashinfer":  # the others plan nothing
+        return
     b = ch.batch
     _plan(ch, backend, buffers.plan_view(b.core.tables, buffers.layer_view(b.core.store, 0, tuple(b.rids))))
 

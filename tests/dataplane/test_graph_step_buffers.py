@@ -199,3 +199,26 @@ def test_control_a_block_never_sent_leaves_the_last_steps_tables(monkeypatch):
         equal = torch.equal(buffers.rows, core.tables.rows) and torch.equal(buffers.kv_lens, core.tables.kv_lens)
         assert equal == (step == 0)
         core.exit_layer(SMALL.layers - 1)
+
+
+def test_a_plan_of_a_deferred_step_reads_the_host_half():
+    """FlashInfer's plan of a replayed step (the buffers' padded host CSR) reads the tables' host
+    half: a deferred step stays without its device half, and the CSR is the one the block sent.
+    Control: the tables' own plan view (their device half's pinned CSR) makes the device half."""
+    check = _check()
+    b, core = check.batch, check.batch.core
+    real, pad = len(b.rids), 2
+    buffers = GraphStepBuffers(SMALL.layers, real + pad, b.batch_pages + 8, check.device, core.store.sink_page,
+                               check.config.page_size, mirror=core.store.mirror)
+    core.defer_tables = True
+    loc = b.begin_decode()
+    t = core.tables
+    buffers.load(t, padded_to=real + pad, slots=loc)
+    view = buffers.layer_view(core.store, 0, tuple(b.rids))
+    planned = buffers.plan_view(t, view)
+    assert t.pending and core.store.materialized_tables == 0
+    assert torch.equal(planned.kv_indptr, buffers.kv_indptr[: real + pad + 1])
+    assert torch.equal(planned.last_page_len, buffers.last_page_len[: real + pad])
+    t.plan_view(view)  # control
+    assert not t.pending and core.store.materialized_tables == 1
+    core.exit_layer(SMALL.layers - 1)
