@@ -57,7 +57,7 @@ def _gather_tables_kernel(mirror, flat, stage, tab, bound, P, W, BLOCK: tl.const
     n = tl.load(bound)
     if start < n:
         cols = start + tl.arange(0, BLOCK)
-        m = cols < n
+        m = (cols < n) & (cols < W)  # a bound past the table's width writes nothing past it
         p = tl.load(flat + cols, mask=m, other=-1)
         s = tl.load(stage + cols, mask=m, other=-1)
         s = tl.where(s >= 0, s, -2 - s)

@@ -42,7 +42,10 @@ class DecodeGraphs:
     ``max_pages``: the most pages a step served from the buffers may list per layer (padding
     included); ``staged``: staged decode steps are replayed too (their fetches and parked
     write-back captured: :class:`~sglang_ext.dataplane.graph_staging.GraphStaging`; the paged
-    layout only, and the layers call the buffers' ``enter`` / ``exit``)."""
+    layout only; the layers call the buffers' ``enter`` / ``exit``, which in the paged layout they
+    must in any case: layer 0's ``enter`` gathers the page tables). In the paged layout the core's
+    ``defer_tables`` is set for good: its decode steps' tables get their device half at a declined
+    admission, or at an eager reader's first read (gpu-check's eager steps over the same core)."""
 
     def __init__(self, core: Any, sizes: Sequence[int], max_pages: int, staged: bool = False) -> None:
         store = core.store

@@ -56,9 +56,9 @@ class DeferredDevice:
     def materialize(self) -> None:
         """Make the device half if it is pending (a step a graph declined, before its forward)."""
         if self._pending:
+            self._materialize_now()  # raised: still pending (a later read retries)
             self._pending = False
             self._store.materialized_tables += 1
-            self._materialize_now()
 
     def __getattr__(self, name: str) -> Any:
         if name in DEVICE_ATTRS and self.__dict__.get("_pending"):

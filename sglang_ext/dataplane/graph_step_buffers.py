@@ -27,7 +27,9 @@ all-resident step, which in the paged layout is the usual one until something is
 With ``staging`` (:class:`~sglang_ext.dataplane.graph_staging.GraphStaging`, the paged layout)
 a staged decode step that parks its new tokens is served too: the layers' fetches and the
 parked write-back are launches of the graph, their lists loaded with the tables; the layers
-then call :meth:`enter` and :meth:`exit` around their work (nothing without ``staging``). Other
+then call :meth:`enter` and :meth:`exit` around their work. In the paged layout every captured
+layer must call :meth:`enter` (layer 0's gathers the page tables: a capture without it replays
+a stale table), staged or not; ``exit`` does nothing without ``staging``. Other
 staged steps run eagerly as before. SGLang's decode graph runner serves through these buffers
 under ``--kv-cuda-graphs on``
 (:mod:`sglang_ext.layered_decode_graph`); ``kvplane gpu-check``'s graph probe

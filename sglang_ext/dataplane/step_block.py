@@ -8,7 +8,9 @@ of the ~80 torch ops a staged step's boundary and admission dispatch). Here ever
 graph reads -- rows, CSR, page lists, staging entries, fetch lists, write-back indices -- is a
 view of one device buffer laid out once, and the host writes a step's values into NumPy views
 of a pinned twin of it (no torch op) and sends them with one non-blocking copy
-(:meth:`send`), only up to the last byte the step uses.
+(:meth:`send`) of a prefix of the buffer (the graph buffers send up to the step's last staging
+entry: every region before it whole, so the copy grows with the buffers' page capacity,
+~0.5 MiB at Llama-3-8B's 32 layers and 256 rows plus 4 bytes a page column).
 
 Two host twins alternate: the one being written was sent two admissions ago, and on CUDA an
 event recorded after that copy says it has been read (waited for only if not: ``waits`` counts
@@ -86,7 +88,7 @@ class StepBlock:
             raise ValueError(f"StepBlock.send: {n} bytes of a {self.nbytes}-byte block")
         at = self._at
         self.dev[:n].copy_(self._hosts[at][:n], non_blocking=True)
-        if self._events:
-            self._events[at].record()
+        if self._events:  # on the stream the copy went to (the block's device's current one)
+            self._events[at].record(torch.cuda.current_stream(self.device))
         self._sent[at] = True
         self.sends += 1

@@ -85,3 +85,25 @@ def test_shapes_are_checked():
         gather_tables_ref(mirror, flat, stage, tab)
     with pytest.raises(ValueError, match=f"W={WIDTH}"):
         gather_tables_ref(mirror, flat[:-1], stage, torch.zeros((LAYERS, WIDTH), dtype=torch.int32))
+
+
+@pytest.mark.parametrize("n", [1023, 1024, 1025, 2049, 2600])
+def test_the_kernel_spans_several_programs_of_columns(n):
+    """Past one program's block of columns (``GATHER_BLOCK``): every used column of a wide table,
+    none past the bound; a bound past the width writes nothing past it."""
+    rng = np.random.default_rng(n)
+    layers, pages, width = 2, 5000, 2600
+    mirror = rng.integers(0, 900, size=(layers, pages)).astype(np.int32)
+    mirror[rng.random((layers, pages)) < 0.2] = -1
+    flat = torch.from_numpy(rng.integers(0, pages, size=width).astype(np.int32))
+    stage = torch.from_numpy(np.where(rng.random(width) < 0.5, -1, rng.integers(0, 100, size=width)).astype(np.int32))
+    mirror_t = torch.from_numpy(mirror)
+    ref = torch.full((layers, width), SENTINEL, dtype=torch.int32)
+    gather_tables_ref(mirror_t, flat, stage, ref)
+    for bound in (n, width + 700):
+        memory = torch.full((layers * width + 1024,), SENTINEL, dtype=torch.int32)  # a guard after the table
+        tri = memory[: layers * width].view(layers, width)
+        gather_tables_triton(mirror_t, flat, stage, tri, torch.tensor([bound], dtype=torch.int32))
+        used = min(bound, width)
+        assert torch.equal(tri[:, :used], ref[:, :used]) and (tri[:, used:] == SENTINEL).all()
+        assert (memory[layers * width:] == SENTINEL).all()
