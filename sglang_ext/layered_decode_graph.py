@@ -95,7 +95,7 @@ class LayeredDecodeGraph:
         self.forward = False
         if why is not None:
             self.decline(re.sub(r"\d+", "N", why.split(";")[0]), key)
-            if getattr(tables, "pending", False):  # the eager forward reads the device half: made now
+            if tables is not None:  # the eager forward reads the device half: made now (if it waits)
                 tables.materialize()
             return False
         self.buffers.load(tables, padded_to=padded_to, slots=slots)

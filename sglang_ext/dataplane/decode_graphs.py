@@ -93,14 +93,13 @@ class DecodeGraphs:
         if tables is None:  # served at rest: the buffers' reason
             self.eager_reasons[str(self.buffers.why_not(None))] += 1
             return None
-        b = self.buffers._shape(tables)[0]
+        b = self.buffers.step_shape(tables)[0]
         size = self.size_for(b)
         why = f"no graph holds a batch of {b}" if size is None or size not in self.graphs else None
         why = why or self.buffers.why_not(tables, size)
         if why is not None:
             self.eager_reasons[why.split(";")[0]] += 1
-            if getattr(tables, "pending", False):  # the eager forward reads the device half: made here
-                tables.materialize()
+            tables.materialize()  # the eager forward reads the device half: made here (if it waits)
             return None
         self.buffers.load(tables, padded_to=size, slots=slots)
         if self.core.pipeline.tables is not None:  # the graph moves what the pipeline would have

@@ -128,17 +128,17 @@ class GraphStepBuffers:
         if tables.recompute is not None or tables.has_token_tables:
             return "the step recomputes or reads token tables"
         if self.mirror is not None:
-            if getattr(tables, "_rows_np", None) is None:  # the block is filled from the tables' host arrays
+            if tables._rows_np is None:  # the block is filled from the tables' host arrays
                 return "the step's tables are general ones (the paged graph gathers a paged decode step's)"
             if self.mirror.pending or self.mirror.syncs != tables._mirror_syncs:
                 return "the map moved since the step's tables were built (the graph gathers the tables from it)"
-        in_place = getattr(tables, "_rows_np", None) is None and tables.rows is None  # a paged step's: never
+        in_place = tables._rows_np is None and tables.rows is None  # a paged step's: never
         if self.captured_in_place is not None and in_place != self.captured_in_place:
             # the identity layout builds general tables (rows of the whole pool) while a live
             # request is paused or partly on host
             return ("the step's tables are not in the layout the graphs were captured in; captured "
                     f"{'in place (slot ids)' if self.captured_in_place else 'over whole-pool rows'}")
-        b, n = self._shape(tables)
+        b, n = self.step_shape(tables)
         bs = b if padded_to is None else padded_to
         if bs < b:
             return f"the step has {b} requests, more than the {bs} rows it would be padded to"
@@ -159,7 +159,7 @@ class GraphStepBuffers:
         why = self.why_not(tables, padded_to)
         if why is not None:
             raise ValueError(f"GraphStepBuffers.load: {why}")
-        b, n = self._shape(tables)
+        b, n = self.step_shape(tables)
         bs = b if padded_to is None else padded_to
         if self.block is not None:
             self._send(tables, b, n, bs)
@@ -187,11 +187,10 @@ class GraphStepBuffers:
         self.loads += 1
 
     @staticmethod
-    def _shape(tables: Any) -> tuple[int, int]:
-        """Requests and page columns of ``tables`` (from host arrays where they have them)."""
-        pages = getattr(tables, "pages", None)
-        if getattr(tables, "_rows_np", None) is not None and pages is not None:
-            return int(tables.batch), int(pages.size)
+    def step_shape(tables: Any) -> tuple[int, int]:
+        """Requests and page columns of ``tables`` (a paged decode step's from its host half)."""
+        if tables._rows_np is not None:
+            return int(tables.batch), int(tables.pages.size)
         return int(tables.kv_lens.numel()), int(tables.tab.shape[1])
 
     def _send(self, tables: Any, b: int, n: int, bs: int) -> None:

@@ -69,6 +69,11 @@ class StepTables:
     """A paged decode step's parked new tokens and their one write-back (its
     :class:`~sglang_ext.dataplane.token_writeback.TokenWriteback`); None here: these tables write
     back staged pages per layer (:attr:`writebacks`)."""
+    _rows_np: np.ndarray | None = None
+    """A paged decode step's new-token rows on the host (``PagedStepTables``), what a CUDA graph's
+    block is sent; None for other tables (a graph copies their device tables)."""
+    pending = False
+    """The device half is not made yet (``DeferredDevice``); these tables make theirs at once."""
 
     def __init__(self, store: SlotKVStore, pages: Sequence[np.ndarray], seq_lens: np.ndarray,
                  new_counts: np.ndarray, new_slots: np.ndarray | None,
@@ -268,6 +273,9 @@ class StepTables:
         self.host_last_page_len = self._host_lens_pair[b:]
         """``last_page_len`` on the host, like :attr:`host_indptr`."""
 
+    def materialize(self) -> None:
+        """Make the device half if it waits (``DeferredDevice``); these tables' is made."""
+
     @property
     def n_fetches(self) -> int:
         """Fetch launches of the step."""
@@ -302,8 +310,7 @@ class StepTables:
     def launch_indices(self, launch: Launch) -> tuple[torch.Tensor, torch.Tensor, tuple[np.ndarray, np.ndarray]]:
         """Source and destination segment indices of ``launch`` (device views; and NumPy)."""
         o, s = launch.offset, launch.segments
-        host = (self._int64_np[o: o + s], self._int64_np[o + s: o + 2 * s])
-        return self.i64[o: o + s], self.i64[o + s: o + 2 * s], host
+        return self.i64[o: o + s], self.i64[o + s: o + 2 * s], self.launch_host_indices(launch)
 
     def token_rows(self, layer: int, page_size: int) -> torch.Tensor:
         """``[B, W]`` device rows of every token of the batch at ``layer`` (non-identity only)."""
