@@ -52,8 +52,11 @@ class BlockAllocator:
         n, top = int(ids.size), self._top
         if not n or not top:
             return 0
-        hit = np.flatnonzero(ids == self._free[top - 1])
-        m = int(hit[0]) + 1 if hit.size else 0
+        if ids[-1] == self._free[top - 1]:  # nothing allocated since they went back: all of them
+            m = n
+        else:
+            hit = np.flatnonzero(ids == self._free[top - 1])
+            m = int(hit[0]) + 1 if hit.size else 0
         if not m or m > top or not np.array_equal(self._free[top - m: top], ids[:m]):
             return 0
         self._top -= m

@@ -101,7 +101,7 @@ class DecodeGraphs:
             self.eager_reasons[why.split(";")[0]] += 1
             tables.materialize()  # the eager forward reads the device half: made here (if it waits)
             return None
-        self.buffers.load(tables, padded_to=size, slots=slots)
+        self.buffers.load(tables, padded_to=size, slots=slots, checked=True)
         if self.core.pipeline.tables is not None:  # the graph moves what the pipeline would have
             self.core.pipeline.in_graph()
         return size

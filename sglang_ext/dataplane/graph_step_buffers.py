@@ -150,13 +150,15 @@ class GraphStepBuffers:
                     f"over {self.max_pages}")
         return None
 
-    def load(self, tables: Any, padded_to: int | None = None, slots: torch.Tensor | None = None) -> None:
+    def load(self, tables: Any, padded_to: int | None = None, slots: torch.Tensor | None = None,
+             checked: bool = False) -> None:
         """The step's tables into the buffers, padded to ``padded_to`` rows (default: none): the
         block's one copy (paged), or five device copies and five fills more with padding (``ValueError`` with :meth:`why_not`'s
         reason where the step cannot be served from them). Tables without rows (the identity
         layout's, whose layers write in place by slot id) need the step's new ``slots``: they
-        become every layer's rows, read in the layer's in-place view (:meth:`write`)."""
-        why = self.why_not(tables, padded_to)
+        become every layer's rows, read in the layer's in-place view (:meth:`write`). ``checked``:
+        the caller's :meth:`why_not` of these tables and ``padded_to`` was None just now."""
+        why = None if checked else self.why_not(tables, padded_to)
         if why is not None:
             raise ValueError(f"GraphStepBuffers.load: {why}")
         b, n = self.step_shape(tables)

@@ -33,7 +33,7 @@ from sglang_ext.dataplane.deferred_device import DeferredDevice
 from sglang_ext.dataplane.page_launches import PageLaunches
 from sglang_ext.dataplane.paged_fetch_plan import PagedFetchPlan
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore
-from sglang_ext.dataplane.sorted_ids import distinct_sorted, run_bounds
+from sglang_ext.dataplane.sorted_ids import distinct_sorted, inserted, run_bounds
 from sglang_ext.dataplane.staging_columns import (
     decoded,
     fetch_entries,
@@ -235,7 +235,7 @@ class PagedStepTables(PagedFetchPlan, DeferredDevice, StepTables):
         counts = self._counts_np.copy()
         counts[opens] += 1
         ends = self._starts_np[opens] + self._counts_np[opens]
-        flat = np.insert(self.pages, ends, opened)
+        flat = inserted(self.pages, ends, opened)
         starts = np.cumsum(counts) - counts
         return counts, ends, flat, starts, starts + counts - 1
 
@@ -397,7 +397,7 @@ class PagedStepTables(PagedFetchPlan, DeferredDevice, StepTables):
         counts, ends, flat, starts, lastcol = self._opened_columns(opens, opened)
         values = np.full(opened.size, -1, dtype=np.int64)
         values[stage_new] = more[old.size - kept:]
-        stage_col = np.insert(stage_col, ends, values)
+        stage_col = inserted(stage_col, ends, values)
         last, last_stage = flat[lastcol], stage_col[lastcol]
         new_map = np.take(store.map_np, last, axis=1).astype(np.int64)
         u_host = new_map < 0

@@ -38,7 +38,7 @@ from sglang_ext.dataplane.layer_page_moves import by_layer as _by_layer
 from sglang_ext.dataplane.live_pages import LivePages
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore
 from sglang_ext.dataplane.slot_results import RequestResidency, ResidencyDelta, ResidencyStats
-from sglang_ext.dataplane.sorted_ids import distinct_sorted, has_repeats
+from sglang_ext.dataplane.sorted_ids import has_repeats, wanted_pairs
 from sglang_ext.dataplane.tracked_request import TrackedRequest as _Request
 from sglang_ext.dataplane.want_counts import WantCounts
 
@@ -343,42 +343,38 @@ class SlotResidency:
         return drop_flat, live.flat(*np.nonzero(need)), reserve, given_up, local_flips
 
     def _reconcile_appended(self) -> ResidencyDelta | None:
-        """Pages appended since the last pass get device pages at their wanted layers (NumPy: torch
-        ops on such tiny tensors cost ~0.5 ms per batch-32 step on the 2-core host)."""
+        """Pages appended since the last pass get device pages at their wanted layers (NumPy: torch ops on tiny tensors cost ~0.5 ms a batch-32 step on the 2-core host)."""
         if self._changed:
             return None
         appended, self._appended = self._appended, []
-        layer_parts, page_parts, every_layer = [], [], []  # every_layer: all layers wanted, one grid
+        cols, wants, every_layer = [], [], []  # every_layer: the pages of requests wanting all layers
         for req, added in appended:
             if not added.numel():
                 continue
+            a = added.numpy().astype(np.int64, copy=False)
             if all(req.gpu_layers):
-                every_layer.append(added)
+                every_layer.append(a)
                 continue
-            self.counts.check_appended = True  # unwanted layers of its pages may be resident
-            wanted = np.flatnonzero(req.gpu_layers)
-            if wanted.size:
-                a = added.numpy().astype(np.int64, copy=False)
-                layer_parts.append(np.repeat(wanted, a.size))
-                page_parts.append(np.tile(a, wanted.size))
-        grid_only = bool(every_layer) and not layer_parts  # (layer, page) sorted and distinct as built
+            layer_mask = np.asarray(req.gpu_layers, dtype=bool)
+            if not self.counts.check_appended and (self.store.map_np[:, a][~layer_mask] >= 0).any():
+                self.counts.check_appended = True  # a layer it does not want is resident: maybe one to drop
+            if layer_mask.any():
+                cols.append(a)
+                wants.append(np.broadcast_to(layer_mask[:, None], (self.layers, a.size)))
         if every_layer:
-            a = np.concatenate([t.numpy() for t in every_layer]).astype(np.int64, copy=False)
-            if grid_only and self.store.identity:
+            a = np.concatenate(every_layer) if len(every_layer) > 1 else every_layer[0]
+            if not cols and self.store.identity:
                 fast = self._place_new_identity(a)
                 if fast is not None:
                     return fast
-            a = distinct_sorted(a)
-            layer_parts.append(np.repeat(np.arange(self.layers, dtype=np.int64), a.size))
-            page_parts.append(np.tile(a, self.layers))
-        if not layer_parts:  # nothing to place, but an offloading request's grown staging slot must fit too
+            cols.append(a)
+            wants.append(np.ones((self.layers, a.size), dtype=bool))
+        if not cols:  # nothing to place, but an offloading request's grown staging slot must fit too
             if self.store.allocator.free_count < self.staging_reserve():
                 self._changed = True  # the full pass makes the room (as it would have without this path)
                 return None
             return ResidencyDelta(0, 0, 0, 0, 0, 0, 0, 0)
-        lp = self.store.config.logical_pages
-        layers, pages = ((layer_parts[0], page_parts[0]) if grid_only
-                         else np.divmod(distinct_sorted(np.concatenate(layer_parts) * lp + np.concatenate(page_parts)), lp))
+        layers, pages = wanted_pairs(np.concatenate(cols), np.concatenate(wants, axis=1))
         missing = self.store.map_np[layers, pages] < 0
         layers, pages = layers[missing], pages[missing]
         if layers.size > self.store.allocator.free_count - self.staging_reserve():

@@ -240,16 +240,28 @@ class StepTables:
         """:meth:`_upload`'s host half: the one buffer it sends (``_packed``), the int64 parts
         (``_int64_np``), the CSR on the host (``_csr_np``: ``indptr``, then ``kv_lens`` and
         ``last_page_len``) and where it starts in ``i32`` (``_csr_at``)."""
-        last_len = seq_lens - (counts - 1) * ps
-        indptr = np.concatenate([[0], np.cumsum(counts)])
-        self._csr_at = sum(int(h.size) for h in int32_head)
-        int32 = np.concatenate([*int32_head, indptr, seq_lens, last_len]).astype(np.int32)
-        self._csr_np = (int32[self._csr_at: self._csr_at + indptr.size], int32[self._csr_at + indptr.size:])
-        if int32.size % 2:
-            int32 = np.append(int32, np.int32(0))
-        int64 = np.concatenate(int64_parts) if int64_parts else np.zeros(0, dtype=np.int64)
-        self._int64_np = int64
-        self._packed = np.concatenate([int64, int32.view(np.int64)])
+        b = int(counts.size)
+        n64 = sum(int(p.size) for p in int64_parts)
+        self._csr_at = at = sum(int(h.size) for h in int32_head)
+        n32 = at + 3 * b + 1
+        packed = np.empty(n64 + (n32 + 1) // 2, dtype=np.int64)  # written in place: no concatenation
+        o = 0
+        for part in int64_parts:
+            packed[o: o + part.size] = part.reshape(-1)
+            o += part.size
+        int32 = packed[n64:].view(np.int32)
+        o = 0
+        for part in int32_head:
+            int32[o: o + part.size] = part
+            o += part.size
+        int32[at] = 0
+        np.cumsum(counts, out=int32[at + 1: at + b + 1], dtype=np.int32)  # indptr
+        int32[at + b + 1: at + 2 * b + 1] = seq_lens
+        int32[at + 2 * b + 1: n32] = seq_lens - (counts - 1) * ps  # last_page_len
+        int32[n32:] = 0
+        self._csr_np = (int32[at: at + b + 1], int32[at + b + 1: n32])
+        self._int64_np = packed[:n64]
+        self._packed = packed
 
     def _send_packed(self, store: SlotKVStore) -> None:
         """:meth:`_upload`'s device half: ``_packed`` in one upload; ``i64`` / ``i32`` its views."""

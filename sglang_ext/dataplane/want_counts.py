@@ -246,8 +246,7 @@ class WantCounts:
             elif on is None:
                 self.want[:, page] += sign
             else:
-                for layer in on:
-                    self.want[layer, page] += sign
+                self.want[on, page] += sign  # one indexed add (distinct layers), not one per layer
             if not mask[page]:
                 mask[page] = True
                 self._dirty_small.append(page)

@@ -15,7 +15,7 @@ the check's batch, and grades that it decodes right:
 2. graphs are captured over a padding-only step (SGLang's start-up capture,
    :class:`~sglang_ext.dataplane.decode_graphs.DecodeGraphs` with ``staged=True``); then steps run
    as boundary + admit (the tables and the fetch lists into the buffers) + replay, timed, with
-   kvplane's host time (the boundary and the admission, thread CPU);
+   kvplane's host time (the boundary, the admission and the step's end after the replay, thread CPU);
 3. one more step is admitted, its staging pages filled with :data:`SCRAMBLE`, replayed: every
    layer's attention vs the dense reference over the regenerated KV (a replay whose fetches
    missed a page reads the scramble); then its layers run eagerly over the same buffers -- the
@@ -144,8 +144,10 @@ class StagedGraphProbe:
             size = admit()
             try:
                 graphs.replay(size)
-            finally:
+            finally:  # the step's end is kvplane's host work too (served: end_graph_step after the replay)
+                t0 = time.thread_time()
                 core.exit_layer(last)
+                host_replay[-1] += (time.thread_time() - t0) * 1e3
 
         replay_ms = time_ms(replayed_step, device, c.repeat)
         size = admit()  # a later step, its staging pages scrambled first: replayed, then its layers
@@ -251,8 +253,8 @@ class StagedGraphProbe:
                           f"{m['resident_replay_ms_plain']} ms; {note}"),
             Figure.graded("graph.staged.kvplane_cpu_share", "kvplane CPU time per replayed staged step / the "
                           "all-resident eager step", share, "ratio", "<=", HOST_SHARE_TARGET,
-                          "thread CPU time of the boundary and the admission (tables and fetch lists into the "
-                          "buffers), median, over the all-resident eager step of the overlap phase (issue 14's "
+                          "thread CPU time of the boundary, the admission (tables and fetch lists into the "
+                          "buffers) and the step's end after the replay, median, over the all-resident eager step of the overlap phase (issue 14's "
                           "measure, where --kv-cuda-graphs on serves)", meaningful=timed and share is not None,
                           note=note if m is None else f"{m['host_replay_ms']:.3f} ms a replayed step over "
                           f"{resident} ms (the eager hidden step's kvplane host time: details.overlap.kvplane_cpu; an all-resident "

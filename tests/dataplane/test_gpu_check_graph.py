@@ -138,9 +138,9 @@ def test_replays_that_write_nowhere_fail_the_attention_check():
     check.step()
     load = GraphStepBuffers.load
 
-    def first_only(self, tables, padded_to=None, slots=None):  # noqa: ANN001, ANN202
+    def first_only(self, tables, padded_to=None, slots=None, checked=False):  # noqa: ANN001, ANN202
         if self.loads == 0:
-            load(self, tables, padded_to, slots)
+            load(self, tables, padded_to, slots, checked)
         else:  # later steps' rows point at the first step's slots: their tokens land there
             self.loads += 1
 

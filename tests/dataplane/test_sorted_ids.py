@@ -1,6 +1,8 @@
 """distinct_sorted / has_repeats equal np.unique's answers (random and run-shaped ids);
 run_bounds finds the runs of equal values of an unsorted array, as itertools.groupby does;
-ascending is the sort of distinct ids (reversed without a sort when they come descending)."""
+ascending is the sort of distinct ids (reversed without a sort when they come descending);
+inserted is np.insert at ascending places (few: slices; many: a mask); wanted_pairs is the
+unique (layer, page) pairs of repeated and tiled parts."""
 
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ from sglang_ext.dataplane.sorted_ids import (
     distinct_counts,
     distinct_sorted,
     has_repeats,
+    inserted,
     run_bounds,
+    wanted_pairs,
 )
 
 ids_lists = st.lists(st.integers(min_value=0, max_value=300), max_size=200)
@@ -97,3 +101,45 @@ def test_ascending_sorts_a_batch_that_only_looks_descending() -> None:
     a = np.array([9, 1, 7, 3, 2], dtype=np.int64)
     assert not np.array_equal(a[::-1], np.sort(a))
     np.testing.assert_array_equal(ascending(a), [1, 2, 3, 7, 9])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-50, 50), max_size=60), st.lists(st.integers(0, 60), max_size=20))
+def test_inserted_is_numpy_insert(values: list[int], places: list[int]) -> None:
+    a = np.asarray(values, dtype=np.int64)
+    at = np.sort(np.asarray([p % (a.size + 1) for p in places], dtype=np.int64))  # repeats allowed
+    new = -1000 - np.arange(at.size, dtype=np.int64)
+    got = inserted(a, at, new)
+    np.testing.assert_array_equal(got, np.insert(a, at, new))
+    assert got.dtype == a.dtype and not np.shares_memory(got, a)
+
+
+def test_negative_control_inserted_order_matters() -> None:
+    """Two new values at one place keep their order: swapping them gives a different array."""
+    a, at = np.arange(5, dtype=np.int64), np.array([2, 2])
+    assert inserted(a, at, np.array([7, 8])).tolist() == [0, 1, 7, 8, 2, 3, 4]
+    assert inserted(a, at, np.array([8, 7])).tolist() != [0, 1, 7, 8, 2, 3, 4]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 40), min_size=1, max_size=6),
+                          st.lists(st.booleans(), min_size=5, max_size=5)), min_size=1, max_size=6))
+def test_wanted_pairs_is_the_unique_of_the_tiled_pairs(parts: list[tuple[list[int], list[bool]]]) -> None:
+    """Requests' page lists (pages may repeat, within and across) with their wanted layers: the
+    pairs equal the old construction (np.repeat / np.tile, then unique flat ids)."""
+    layers, lp = 5, 41
+    pages = np.concatenate([np.asarray(p, dtype=np.int64) for p, _ in parts])
+    want = np.concatenate([np.broadcast_to(np.asarray(m)[:, None], (layers, len(p))) for p, m in parts], axis=1)
+    flat = [np.repeat(np.flatnonzero(m), len(p)) * lp + np.tile(np.asarray(p, dtype=np.int64), int(sum(m)))
+            for p, m in parts]
+    want_l, want_p = np.divmod(np.unique(np.concatenate(flat)), lp)
+    got_l, got_p = wanted_pairs(pages, want)
+    np.testing.assert_array_equal(got_l, want_l)
+    np.testing.assert_array_equal(got_p, want_p)
+
+
+def test_negative_control_wanted_pairs_unions_a_repeated_page() -> None:
+    """Page 3 wanted at layer 0 by one request and at layer 1 by another: both pairs, once each."""
+    got = wanted_pairs(np.array([3, 3, 1]), np.array([[True, False, False], [False, True, True]]))
+    assert [g.tolist() for g in got] == [[0, 1, 1], [3, 1, 3]]
+    assert [g.tolist() for g in got] != [[0, 1], [3, 1]]

@@ -219,3 +219,23 @@ def test_members_is_numpy_isin():
         of = rng.integers(0, 65, size=int(rng.integers(0, 10)))
         assert (counts.members(pages, of) == np.isin(pages, of)).all()
     assert counts.members(np.array([1, 2, 3]), np.array([2])).tolist() == [False, True, False]  # not all-False
+
+
+def test_an_appended_page_resident_at_an_unwanted_layer_stays_dirty(monkeypatch):
+    """The append-only fast path checks its pages only when a request that does not want every
+    layer appended a page resident at a layer it does not want (a prefix page): seed 10 of the
+    random ops makes one (found by search), the check sees a page to drop, and the page stays
+    dirty -- the recount's settled invariant holds after every op. The control: without the
+    resident check in ``_reconcile_appended`` the page is taken for settled and the recount fails."""
+    counts_cls = type(make_core(None).residency.counts)
+    seen = []
+    plan_of = counts_cls.settle_plan
+    monkeypatch.setattr(counts_cls, "settle_plan", lambda self, room: seen.append(plan_of(self, room)) or seen[-1])
+    rng = random.Random(10)
+    d = TreeDriver(make_core(rng.choice([None, 9, 15, 40])), seed=10)
+    n = 0
+    for _ in range(40):
+        n = random_op(d, rng, n)
+        recount(d.core.residency)
+    assert any(p is None or p[0].size for p in seen), "the seed no longer appends a resident unwanted layer"
+    d.check_at_rest()
