@@ -219,12 +219,15 @@ class GraphStaging:
         """The write-back's source rows (``src``: rows of the tables' compact park buffer, K then
         V) as rows of :attr:`park_buf`: slot ``s`` of the compact buffer is the ``s``-th parked
         layer, its token ``j`` row ``j`` of the step."""
-        m = parked.tokens
-        slots = np.asarray(parked.slots)
-        used = np.flatnonzero(slots >= 0)
-        slot, rest = np.divmod(src, 2 * m)
-        kv, j = np.divmod(rest, m)
-        return (used[slot] * 2 + kv) * self.max_batch + j
+        key = ("graph_park_sources", self.max_batch)
+        rows = parked.memo.get(key)  # the sources depend on the slots alone: kept for steps planned alike
+        if rows is None:
+            m = parked.tokens
+            used = np.flatnonzero(np.asarray(parked.slots) >= 0)
+            slot, rest = np.divmod(src, 2 * m)
+            kv, j = np.divmod(rest, m)
+            rows = parked.memo[key] = (used[slot] * 2 + kv) * self.max_batch + j
+        return rows
 
     # ----- captured (inside the layers) ------------------------------------------------
 

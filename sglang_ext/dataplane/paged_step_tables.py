@@ -200,7 +200,7 @@ class PagedStepTables(PagedFetchPlan, DeferredDevice, StepTables):
         return offset + 4 * n
 
     def _park_parts(self, store: SlotKVStore, new_host: np.ndarray, pages: np.ndarray, offsets: np.ndarray,
-                    offset: int, int64_parts: list[np.ndarray]) -> int | None:
+                    offset: int, int64_parts: list[np.ndarray], like: TokenWriteback | None = None) -> int | None:
         """A decode step's write-back of its new tokens host-only at some layer (``new_host [L, m]``,
         token ``j`` at ``offsets[j]`` of page ``pages[j]``): parked in a step buffer and written
         back in one launch (:class:`TokenWriteback`), its indices appended to ``int64_parts``.
@@ -212,7 +212,7 @@ class PagedStepTables(PagedFetchPlan, DeferredDevice, StepTables):
             return None
         planned = TokenWriteback.plan(
             new_host, pages, offsets, c.page_size, offset,
-            lambda s, m: torch.empty((s, 2, m, c.kv_heads, c.head_dim), dtype=c.dtype, device=store.device))
+            lambda s, m: torch.empty((s, 2, m, c.kv_heads, c.head_dim), dtype=c.dtype, device=store.device), like)
         if planned is None:
             return offset
         self.token_writeback, indices = planned
@@ -411,7 +411,8 @@ class PagedStepTables(PagedFetchPlan, DeferredDevice, StepTables):
         nxt.dirty_ids = store.identity_ids(last)[~u_host]
         nxt.writebacks = [None] * layers
         int64_parts: list[np.ndarray] = [rows.reshape(-1)]
-        if nxt._park_parts(store, u_host, last, (seq_lens - 1) % ps, rows.size, int64_parts) is None:
+        if nxt._park_parts(store, u_host, last, (seq_lens - 1) % ps, rows.size, int64_parts,
+                           self.token_writeback) is None:
             nxt._writeback_parts(store, u_host, last_stage, last, rows.size, int64_parts)
         pages = self._group_pages
         if opened.size:  # each opened host-only layer-page joins its request's group at that layer

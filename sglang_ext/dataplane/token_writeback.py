@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -71,6 +71,12 @@ class TokenWriteback:
     rows_index: torch.Tensor | None = field(default=None, compare=False, repr=False)
     """Rows ``0..m-1`` on the buffer's device (the store's :meth:`~SlotKVStore.row_ids`), set with
     :attr:`writer`."""
+    shape: tuple[np.ndarray, ...] | None = field(default=None, compare=False, repr=False)
+    """``(u_host, src_k, w_layer, w_j)`` of :meth:`plan`: a next step whose host-only new tokens sit at the same
+    (layer, token) places reuses the slots and sources (:meth:`plan`'s ``like``)."""
+    memo: dict[Any, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
+    """Arrays derived from the slots and sources alone (a graph's park rows), shared with the
+    writebacks planned ``like`` this one."""
 
     def allocate(self) -> None:
         """The buffer and its parts (the device half of the step's tables: at the boundary of a
@@ -111,22 +117,33 @@ class TokenWriteback:
 
     @classmethod
     def plan(cls, u_host: np.ndarray, pages: np.ndarray, offsets: np.ndarray, page_size: int, offset: int,
-             new_buf: Callable[[int, int], torch.Tensor]) -> tuple[TokenWriteback, np.ndarray] | None:
+             new_buf: Callable[[int, int], torch.Tensor],
+             like: TokenWriteback | None = None) -> tuple[TokenWriteback, np.ndarray] | None:
         """The write-back of new tokens ``j`` (``pages[j]`` at ``offsets[j]``) host-only at layers
         ``u_host[l, j]`` (``[L, m]``), its indices placed at ``offset`` of the step's int64 upload:
         ``(it, indices)`` with the indices src K, src V, dst K, dst V (layer-major, then token
-        order); None when there are none. ``new_buf(S, m)`` allocates the buffer (:meth:`allocate`)."""
-        w_layer, w_j = np.nonzero(u_host)
-        n = int(w_layer.size)
-        if not n:
-            return None
+        order); None when there are none. ``new_buf(S, m)`` allocates the buffer (:meth:`allocate`).
+        ``like``: the last step's (a steady step's host-only places seldom move): where its
+        ``u_host`` equals this one, its slots, sources and :attr:`memo` are reused; only the
+        destinations are computed."""
         layers, m = u_host.shape
-        used = np.flatnonzero(u_host.any(axis=1))
-        slot_of = np.full(layers, -1, dtype=np.int64)
-        slot_of[used] = np.arange(used.size)
-        src_k = slot_of[w_layer] * 2 * m + w_j
+        if like is not None and like.shape is not None and like.shape[0].shape == u_host.shape \
+                and like.launch.offset == offset and np.array_equal(like.shape[0], u_host):
+            _, src_k, w_layer, w_j = like.shape
+            n = like.pairs
+            it = cls(slots=like.slots, launch=like.launch, pairs=n, tokens=int(m), new_buf=new_buf,
+                     shape=like.shape, memo=like.memo)
+        else:
+            w_layer, w_j = np.nonzero(u_host)
+            n = int(w_layer.size)
+            if not n:
+                return None
+            used = np.flatnonzero(u_host.any(axis=1))
+            slot_of = np.full(layers, -1, dtype=np.int64)
+            slot_of[used] = np.arange(used.size)
+            src_k = slot_of[w_layer] * 2 * m + w_j
+            last = int(used[-1])
+            it = cls(slots=tuple(slot_of.tolist()), launch=Launch(last, last, offset, 2 * n), pairs=n, tokens=int(m),
+                     new_buf=new_buf, shape=(u_host.copy(), src_k, w_layer, w_j))
         dst_k = (pages[w_j] * layers + w_layer) * 2 * page_size + offsets[w_j]
-        last = int(used[-1])
-        it = cls(slots=tuple(slot_of.tolist()), launch=Launch(last, last, offset, 2 * n), pairs=n, tokens=int(m),
-                 new_buf=new_buf)
         return it, np.concatenate([src_k, src_k + m, dst_k, dst_k + page_size])

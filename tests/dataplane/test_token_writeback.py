@@ -33,6 +33,50 @@ def test_plan_indexes_the_buffer_and_the_host_rows():
     assert TokenWriteback.plan(np.zeros((4, 3), dtype=bool), pages, offs, ps, 0, torch.zeros) is None
 
 
+def test_a_plan_like_the_last_reuses_its_slots_only_where_the_places_match():
+    """Random host-only places over steps: a plan given the last step's (``like``) equals a fresh
+    plan (slots, launch, pairs and every index), reusing the last one's sources and memo exactly
+    when ``u_host`` is the same (the usual steady step); a moved place plans afresh (the control
+    below: reusing across moved places gives other indices)."""
+    rng = np.random.default_rng(3)
+    ps, L, m = 16, 6, 5
+    u_host = rng.random((L, m)) < 0.3
+    last, reused, moved = None, 0, 0
+    for step in range(60):
+        if step % 4 == 3:  # a placement moved some (layer, token) places
+            u_host = u_host ^ (rng.random((L, m)) < 0.2)
+            moved += 1
+        pages, offs = rng.integers(0, 50, m), rng.integers(0, ps, m)
+        fresh = TokenWriteback.plan(u_host, pages, offs, ps, 7, torch.zeros)
+        got = TokenWriteback.plan(u_host, pages, offs, ps, 7, torch.zeros, like=last)
+        assert (got is None) == (fresh is None)
+        if got is None:
+            last = None
+            continue
+        assert got[0] == fresh[0] and np.array_equal(got[1], fresh[1]), step
+        if last is not None and np.array_equal(last.shape[0], u_host):
+            assert got[0].shape is last.shape and got[0].memo is last.memo
+            reused += 1
+        else:
+            assert last is None or got[0].memo is not last.memo
+        last = got[0]
+    assert reused > 20 and moved > 10
+
+
+def test_negative_control_a_reuse_across_moved_places_gives_other_indices():
+    """The last step parked layer 0 of token 0 only; this one also layer 1 of token 1: reusing
+    the last one's sources (what ``like`` does when the places match) writes other indices than
+    the plan of this step's places."""
+    pages, offs = np.array([4, 8]), np.array([1, 2])
+    old = np.array([[1, 0], [0, 0]], dtype=bool)
+    new = np.array([[1, 0], [0, 1]], dtype=bool)
+    last, _ = TokenWriteback.plan(old, pages, offs, 16, 0, torch.zeros)
+    right = TokenWriteback.plan(new, pages, offs, 16, 0, torch.zeros, like=last)
+    stale = TokenWriteback.plan(old, pages, offs, 16, 0, torch.zeros, like=last)  # what a blind reuse gives
+    assert right[0].pairs == 2 and stale[0].pairs == 1
+    assert not np.array_equal(right[1], stale[1])
+
+
 def test_park_copies_only_parked_layers():
     it, _ = TokenWriteback.plan(np.array([[0, 0], [1, 1]], dtype=bool), np.array([1, 2]), np.array([0, 1]), 4, 0,
                                 lambda s, n: torch.zeros((s, 2, n, 1, 3)))
