@@ -71,7 +71,7 @@ class TokenWriteback:
     rows_index: torch.Tensor | None = field(default=None, compare=False, repr=False)
     """Rows ``0..m-1`` on the buffer's device (the store's :meth:`~SlotKVStore.row_ids`), set with
     :attr:`writer`."""
-    shape: tuple[np.ndarray, ...] | None = field(default=None, compare=False, repr=False)
+    places: tuple[np.ndarray, ...] | None = field(default=None, compare=False, repr=False)
     """``(u_host, src_k, w_layer, w_j)`` of :meth:`plan`: a next step whose host-only new tokens sit at the same
     (layer, token) places reuses the slots and sources (:meth:`plan`'s ``like``)."""
     memo: dict[Any, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
@@ -127,12 +127,12 @@ class TokenWriteback:
         ``u_host`` equals this one, its slots, sources and :attr:`memo` are reused; only the
         destinations are computed."""
         layers, m = u_host.shape
-        if like is not None and like.shape is not None and like.shape[0].shape == u_host.shape \
-                and like.launch.offset == offset and np.array_equal(like.shape[0], u_host):
-            _, src_k, w_layer, w_j = like.shape
+        if like is not None and like.places is not None and like.places[0].shape == u_host.shape \
+                and like.launch.offset == offset and np.array_equal(like.places[0], u_host):
+            _, src_k, w_layer, w_j = like.places
             n = like.pairs
             it = cls(slots=like.slots, launch=like.launch, pairs=n, tokens=int(m), new_buf=new_buf,
-                     shape=like.shape, memo=like.memo)
+                     places=like.places, memo=like.memo)
         else:
             w_layer, w_j = np.nonzero(u_host)
             n = int(w_layer.size)
@@ -144,6 +144,6 @@ class TokenWriteback:
             src_k = slot_of[w_layer] * 2 * m + w_j
             last = int(used[-1])
             it = cls(slots=tuple(slot_of.tolist()), launch=Launch(last, last, offset, 2 * n), pairs=n, tokens=int(m),
-                     new_buf=new_buf, shape=(u_host.copy(), src_k, w_layer, w_j))
+                     new_buf=new_buf, places=(u_host.copy(), src_k, w_layer, w_j))
         dst_k = (pages[w_j] * layers + w_layer) * 2 * page_size + offsets[w_j]
         return it, np.concatenate([src_k, src_k + m, dst_k, dst_k + page_size])
