@@ -21,6 +21,10 @@ class BlockAllocator:
         self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)
         self._top = capacity
         self._in_use = np.zeros(capacity, dtype=bool)
+        self._held = 0
+        """The top ``_held`` entries of the free stack are the ids last freed with ``hold`` (a
+        step's staging pages, in their order): :meth:`alloc` takes from under them while it can,
+        so the next step's :meth:`retake` finds them whole."""
 
     @property
     def free_count(self) -> int:
@@ -39,7 +43,14 @@ class BlockAllocator:
             raise ValueError(f"{self.name}: cannot allocate {n} blocks")
         if n > self._top:
             return None
-        ids = self._free[self._top - n: self._top][::-1].copy()
+        top, held = self._top, self._held
+        if held and n <= top - held:  # from under the held run, which moves down whole
+            lo = top - held
+            ids = self._free[lo - n: lo][::-1].copy()
+            self._free[lo - n: top - n] = self._free[lo: top]  # overlapping: NumPy copies through a buffer
+        else:  # the held run's last ids go first: a prefix of it stays for retake
+            ids = self._free[top - n: top][::-1].copy()
+            self._held = max(0, held - n)
         self._top -= n
         self._in_use[ids] = True
         return ids
@@ -57,14 +68,18 @@ class BlockAllocator:
         else:
             hit = np.flatnonzero(ids == self._free[top - 1])
             m = int(hit[0]) + 1 if hit.size else 0
+        self._held = 0  # consumed, or not what was held: either way no longer kept apart
         if not m or m > top or not np.array_equal(self._free[top - m: top], ids[:m]):
             return 0
         self._top -= m
         self._in_use[ids[:m]] = True
         return m
 
-    def free(self, ids) -> None:  # noqa: ANN001 - a sequence of ints or an int array
-        """Return ids; raises ValueError (freeing nothing) on an unknown or already free id."""
+    def free(self, ids, *, hold: bool = False) -> None:  # noqa: ANN001 - a sequence of ints or an int array
+        """Return ids; raises ValueError (freeing nothing) on an unknown or already free id.
+        ``hold``: a step's staging pages the next step will :meth:`retake` -- kept on top of the
+        free stack, in this order, while allocations can be served from under them (ids freed
+        later without ``hold`` go under them too); a later ``hold`` replaces them."""
         arr = np.asarray(ids, dtype=np.int64).reshape(-1)
         if not arr.size:
             return
@@ -72,8 +87,16 @@ class BlockAllocator:
                 or (arr.size > 1 and has_repeats(arr))):
             self._refuse(arr)
         self._in_use[arr] = False
-        self._free[self._top: self._top + arr.size] = arr
-        self._top += int(arr.size)
+        top, n = self._top, int(arr.size)
+        if self._held and not hold:  # under the held run, which moves up whole
+            lo = top - self._held
+            self._free[lo + n: top + n] = self._free[lo: top]
+            self._free[lo: lo + n] = arr
+        else:
+            self._free[top: top + n] = arr
+            if hold:
+                self._held = n
+        self._top = top + n
 
     def _refuse(self, arr: np.ndarray) -> None:
         """Raise for the first offending id of ``arr`` (in order)."""
@@ -158,9 +181,10 @@ class IdentityPages:
         self.take(ids)
         return ids.tolist()
 
-    def free(self, ids) -> None:  # noqa: ANN001
-        """Return ids; raises ValueError (freeing nothing) on an unknown or already free id.
-        NumPy on the shared memory: torch's bool ``index_put_`` costs ~2 us per id on CPU."""
+    def free(self, ids, *, hold: bool = False) -> None:  # noqa: ANN001
+        """Return ids; raises ValueError (freeing nothing) on an unknown or already free id
+        (``hold``: :meth:`BlockAllocator.free`'s; nothing here is taken again in order). NumPy
+        on the shared memory: torch's bool ``index_put_`` costs ~2 us per id on CPU."""
         flat = np.asarray(ids.numpy() if isinstance(ids, torch.Tensor) else ids, dtype=np.int64).reshape(-1)
         if flat.size and (int(flat.min()) < 0 or int(flat.max()) >= self.capacity):
             raise ValueError(f"{self.name}: block id out of range [0, {self.capacity})")

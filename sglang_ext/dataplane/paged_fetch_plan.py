@@ -74,8 +74,9 @@ class PagedFetchPlan:
         ``pages[g]`` host pages each (``reqs``: their request ids, concatenated, from ``i32[at]``);
         groups without pages launch nothing."""
         a, firsts, pair_l = self._groups
-        self._group_pages, self._fetch_list, self.page_launches = pages, None, PageLaunches()
+        self._group_pages, self._fetch_list = pages, None
         if not a.size:
+            self.page_launches = PageLaunches()
             return
         g = np.flatnonzero(pages)
         ends = np.concatenate([a[1:], [reqs.size]])

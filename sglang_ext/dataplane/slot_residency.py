@@ -356,11 +356,11 @@ class SlotResidency:
                 every_layer.append(a)
                 continue
             layer_mask = np.asarray(req.gpu_layers, dtype=bool)
-            if not self.counts.check_appended and (self.store.map_np[:, a][~layer_mask] >= 0).any():
+            if not self.counts.check_appended and (np.take(self.store.map_np, a, axis=1)[~layer_mask] >= 0).any():
                 self.counts.check_appended = True  # a layer it does not want is resident: maybe one to drop
             if layer_mask.any():
                 cols.append(a)
-                wants.append(np.broadcast_to(layer_mask[:, None], (self.layers, a.size)))
+                wants.append(np.repeat(layer_mask[:, None], a.size, axis=1))
         if every_layer:
             a = np.concatenate(every_layer) if len(every_layer) > 1 else every_layer[0]
             if not cols and self.store.identity:

@@ -63,9 +63,10 @@ class StagingRoom:
         return m
 
     def give_back(self, ids: np.ndarray | None) -> None:
-        """Return a step's staging pages."""
+        """Return a step's staging pages (held for the next step's :meth:`retake`: allocations
+        meanwhile are served from under them, :meth:`BlockAllocator.free`)."""
         if ids is not None and ids.size:
-            self.store.allocator.free(ids)
+            self.store.allocator.free(ids, hold=True)
             self.residency.staging_lent -= int(ids.size)
 
     def make_room_for(self, batch: Collection[str], demand: Callable[[], int] | None = None) -> bool:

@@ -1,7 +1,10 @@
-"""BlockAllocator: low ids first, LIFO reuse, all-or-nothing alloc, refused frees change nothing."""
+"""BlockAllocator: low ids first, LIFO reuse, all-or-nothing alloc, refused frees change nothing,
+held staging retaken whole."""
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sglang_ext.dataplane.block_allocator import BlockAllocator
 
@@ -50,3 +53,75 @@ def test_retake_takes_the_prefix_still_where_free_put_it():
     a.free(np.array([2]))
     assert a.retake(np.array([5, 2])) == 0  # 2 is on top but 5 is not just below it: nothing taken
     assert a.used_ids() == set()
+
+
+def test_held_staging_is_retaken_whole_after_allocations_and_frees():
+    """Staging given back with ``hold`` stays on top: a placement allocated meanwhile is served
+    from under it and ids freed meanwhile go under it, so the next step retakes all of it.
+    Control: the same sequence without ``hold`` retakes only the prefix the placement left."""
+    for hold, expect in ((True, 4), (False, 3)):
+        a = BlockAllocator(12, "pages")
+        a.alloc(3)  # [0, 1, 2]
+        staging = a.alloc(4)  # [3, 4, 5, 6]
+        a.free(staging, hold=hold)
+        a.free(np.array([1]))  # a request's page came back meanwhile
+        got = a.alloc(2)  # the boundary places an opened page (without hold: 1 and staging's 6)
+        assert set(got.tolist()).isdisjoint(staging.tolist()) == hold
+        assert a.retake(staging) == expect
+        assert a.used_ids() == ({0, 2} | set(got.tolist()) | set(staging[:expect].tolist()))
+        assert a.free_count == 12 - len(a.used_ids())
+
+
+def test_an_allocation_larger_than_what_lies_under_the_held_run_takes_its_last_ids():
+    a = BlockAllocator(8, "pages")
+    a.alloc(6)
+    staging = np.array([2, 3, 4, 5])
+    a.free(staging, hold=True)  # free stack: 7 6 | 2 3 4 5
+    got = a.alloc(3)  # two under it are not enough: popped from the top, the held run's last ids first
+    assert got.tolist() == [5, 4, 3]
+    assert a.retake(staging) == 1 and a.used_ids() == set(range(6))  # its prefix, 2, again
+    assert a.alloc(2).tolist() == [6, 7] and a.alloc(1) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "free", "hold", "retake"]), st.integers(0, 7)), max_size=40))
+def test_random_sequences_keep_the_free_stack_exact(ops):
+    """Whatever the order of allocations, frees (held or not) and retakes: the free stack holds
+    every free id once and nothing else, ``alloc`` hands out only free ids, ``retake`` a prefix
+    of its ids that were free; and held staging with only room-fitting allocations and other
+    frees since is retaken whole."""
+    a = BlockAllocator(16, "pages")
+    used: set[int] = set()
+    held: np.ndarray | None = None
+    under = 0  # ids the allocations since the hold could take from under it
+    whole = False
+    for op, k in ops:
+        if op == "alloc":
+            got = a.alloc(k)
+            if got is None:
+                assert k > 16 - len(used)
+                continue
+            assert used.isdisjoint(got.tolist()) and len(set(got.tolist())) == k
+            used |= set(got.tolist())
+            whole = whole and k <= under
+            under -= k
+        elif op in ("free", "hold") and used:
+            ids = np.array(sorted(used)[: max(1, k)], dtype=np.int64)
+            a.free(ids, hold=op == "hold")
+            used -= set(ids.tolist())
+            if op == "hold":
+                held, under, whole = ids, a.free_count - ids.size, True
+            else:
+                under += ids.size
+        elif op == "retake" and held is not None:
+            free_before = set(range(16)) - used
+            m = a.retake(held)
+            assert set(held[:m].tolist()) <= free_before
+            assert m == held.size or not whole
+            used |= set(held[:m].tolist())
+            held, whole = None, False
+        stack = a._free[: a._top].tolist()
+        assert sorted(stack) == sorted(set(range(16)) - used) and a.free_count == 16 - len(used)
+        # the run kept apart is what is left of the held ids, in order, on top
+        kept = a._held
+        assert kept == 0 or (held is not None and stack[len(stack) - kept:] == held[:kept].tolist())

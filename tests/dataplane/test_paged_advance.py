@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from sglang_ext.dataplane.block_allocator import BlockAllocator
 from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
 from sglang_ext.dataplane.map_mirror import MapMirror
 from sglang_ext.dataplane.paged_decode_step import PagedDecodeStep
@@ -167,6 +168,13 @@ def _comparing(monkeypatch: pytest.MonkeyPatch, defer: bool = False) -> list[tup
     return checked
 
 
+def _without_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Staging given back goes on the free stack like any page (as in a pool with nothing free
+    under it): the boundary's placement of opened pages then takes some of it."""
+    free = BlockAllocator.free
+    monkeypatch.setattr(BlockAllocator, "free", lambda a, ids, hold=False: free(a, ids))
+
+
 def _retakes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """(staging pages retaken, of how many) per staged advance."""
     kept: list[tuple[int, int]] = []
@@ -194,15 +202,21 @@ def test_advanced_tables_equal_a_fresh_build(monkeypatch, defer):
     assert len(checked) >= 8 and sum(o for o, _ in checked) >= 3, checked  # some opened pages
 
 
+@pytest.mark.parametrize("held", [True, False], ids=["held", "taken"])
 @pytest.mark.parametrize("defer", [False, True], ids=["at-once", "deferred"])
-def test_staged_advances_equal_a_fresh_build_and_read_exactly(monkeypatch, defer):
+def test_staged_advances_equal_a_fresh_build_and_read_exactly(monkeypatch, defer, held):
     """A placed batch (layer 1 of ``a`` and layers 1-2 of ``b`` on the host): its steady steps
     advance the last tables with the same staging pages -- no page opened, or pages opened that
     stage and fetch at their requests' host layers -- and equal a fresh build staged in the same
     pages (fetch sizes, write-backs, rows, the int32 upload); every layer's reads are exact.
-    Deferred: each advance's device half made at the comparison's first read."""
+    Deferred: each advance's device half made at the comparison's first read. ``held``: the
+    staging given back is held for the next step (``BlockAllocator.free(hold=True)``), so the
+    boundary's placements take other pages and every advance retakes all of it; ``taken``: as
+    in a pool with nothing free under it, the placements take some of it, replaced."""
     checked = _comparing(monkeypatch, defer)
     kept = _retakes(monkeypatch)
+    if not held:
+        _without_hold(monkeypatch)
     d = _driver(seed=8)
     d.add("a")
     d.add("b")
@@ -215,14 +229,17 @@ def test_staged_advances_equal_a_fresh_build_and_read_exactly(monkeypatch, defer
     staged = [o for o, s in checked if s]
     assert core.staged_advances == len(staged) >= 10 and sum(staged) >= 5, checked
     assert core.stats().staged_advances_total == core.staged_advances
-    # the opened pages' placement took some of the last step's staging pages: replaced, still equal
-    assert any(0 < m < n for m, n in kept) and any(m == n for m, n in kept), kept
+    if held:  # every advance reserved the last step's staging pages again, all of them
+        assert kept and all(m == n for m, n in kept), kept
+    else:  # the opened pages' placement took some of the last step's staging pages: replaced, still equal
+        assert any(0 < m < n for m, n in kept) and any(m == n for m, n in kept), kept
     d.check_staging()
     d.check_at_rest()
 
 
 def test_a_moved_map_or_token_tables_build_the_step(monkeypatch):
     checked, kept = _comparing(monkeypatch), _retakes(monkeypatch)
+    _without_hold(monkeypatch)  # the placement may take every staging page (below)
     d = _driver(seed=5)
     d.add("a")
     d.add("b")
@@ -352,6 +369,7 @@ def test_a_staged_advance_that_keeps_stale_launches_or_staging_is_caught(monkeyp
 
         monkeypatch.setattr(PagedStepTables, "advanced_staged", stale)
     else:
+        _without_hold(monkeypatch)  # the placement takes some staging pages
         retake = StagingRoom.retake
 
         def claims_all(room: StagingRoom, ids: np.ndarray) -> int:
