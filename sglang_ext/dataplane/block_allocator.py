@@ -37,7 +37,7 @@ class BlockAllocator:
         return self.capacity - self._top
 
     def alloc(self, n: int) -> np.ndarray | None:
-        """``n`` distinct free ids (int64, most recently freed first), or None (and nothing
+        """``n`` distinct free ids (int64, most recently freed first, but from under a held run while it fits), or None (and nothing
         taken) when fewer than ``n`` are free."""
         if n < 0:
             raise ValueError(f"{self.name}: cannot allocate {n} blocks")
