@@ -37,8 +37,8 @@ class BlockAllocator:
         return self.capacity - self._top
 
     def alloc(self, n: int) -> np.ndarray | None:
-        """``n`` distinct free ids (int64, most recently freed first, but from under a held run while it fits), or None (and nothing
-        taken) when fewer than ``n`` are free."""
+        """``n`` distinct free ids (int64, most recently freed first -- from under a held run
+        while enough lie there), or None (and nothing taken) when fewer than ``n`` are free."""
         if n < 0:
             raise ValueError(f"{self.name}: cannot allocate {n} blocks")
         if n > self._top:
@@ -57,9 +57,10 @@ class BlockAllocator:
 
     def retake(self, ids: np.ndarray) -> int:
         """Take again the leading ids of ``ids`` (int64) that are still free where :meth:`free`
-        put them: ``ids`` were freed in this order and since then only allocations ran (which pop
-        the last of them first). Returns how many, a prefix of ``ids`` (0: nothing taken). A
-        step's staging pages reused by the next step: O(len), no search of the free list."""
+        put them: ``ids`` were freed in this order (held, or nothing freed on top since) and the
+        allocations since popped at most the last of them. Returns how many, a prefix of ``ids``
+        (0: nothing taken); ends any hold. A step's staging pages reused by the next step:
+        O(len), no search of the free list in the usual case."""
         n, top = int(ids.size), self._top
         if not n or not top:
             return 0

@@ -1,5 +1,5 @@
-"""BlockAllocator: low ids first, LIFO reuse, all-or-nothing alloc, refused frees change nothing,
-held staging retaken whole."""
+"""BlockAllocator: low ids first, LIFO reuse (under a held run while it fits), all-or-nothing alloc,
+refused frees change nothing, held staging retaken whole."""
 
 import numpy as np
 import pytest
