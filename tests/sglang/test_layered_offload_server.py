@@ -206,10 +206,14 @@ def test_requests_sharing_a_cached_prefix_stage_it_once(offload, vanilla_server)
     before = offload.stats()[-1]
     prompts = (prefix + " dawn", prefix + " night")  # ~20 prefix tokens (the tiny BPE) + a few
     new = 6
-    # one batched request: the scheduler takes both at once (two concurrent calls on a loaded host
-    # reached it a whole generation apart once, in a full suite run, and never decoded together)
-    got = offload.server.post("/generate", {"text": list(prompts), "return_logprob": True,
+    # one batched request of token ids: SGLang's tokenizer sends a batch without text to the scheduler
+    # as one message (``_should_use_batch_tokenization``), so both reach it at once. Two concurrent
+    # calls on a loaded host reached it a whole generation apart once; so did a batch of texts (sent
+    # one by one, an await between them), in a CI run, and the two never decoded together.
+    ids = offload.server.post("/tokenize", {"prompt": list(prompts)})["tokens"]
+    got = offload.server.post("/generate", {"input_ids": ids, "return_logprob": True,
                                             "sampling_params": {"max_new_tokens": new, "temperature": 0.0}})
+    assert [o["meta_info"]["prompt_tokens"] for o in got] == [len(i) for i in ids], got
     for prompt, out in zip(prompts, got, strict=True):
         assert_same_generation(out, greedy(vanilla_server, prompt, new, logprobs=True), prompt)
     cached = min(o["meta_info"]["cached_tokens"] for o in got)
@@ -218,7 +222,8 @@ def test_requests_sharing_a_cached_prefix_stage_it_once(offload, vanilla_server)
     assert cached > 2 * new and per_request > BUDGET_TOKENS >= per_request - cached, (cached, per_request)
     steps = offload.stats()[seen:]  # one line per forward, written once its staging is reserved
     together = [s for s in steps if s["batch_size"] == 2 and s["new_tokens"] == 2 and s["staging_pages"]]
-    assert together, "the two never decoded together staged"
+    assert together, ("the two never decoded together staged",
+                      [(s["batch_size"], s["new_tokens"], s["staging_pages"]) for s in steps])
     # page size 1: staged per request, a step of the two takes at least their prompts' tokens
     prompts_total = sum(o["meta_info"]["prompt_tokens"] for o in got)
     assert max(s["staging_pages"] for s in together) <= prompts_total + 2 * new - cached < prompts_total, together
