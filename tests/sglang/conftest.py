@@ -213,6 +213,23 @@ def greedy(server: SGLangServer, prompt: str, max_new_tokens: int = 6, *, logpro
     return server.post("/generate", payload)
 
 
+def batched(server: SGLangServer, prompts: Sequence[str], sampling_params: dict | list[dict], *,
+            logprobs: bool = False) -> list[dict]:
+    """``prompts`` as one ``/generate`` call of token ids (one response each, in order). SGLang's
+    tokenizer manager forwards a batch without text to the scheduler as one message
+    (``TokenizerManager._should_use_batch_tokenization``), so the scheduler receives every request
+    at once. Concurrent calls, or a batch of texts (tokenized and sent one by one, an ``await``
+    between them), reached a loaded CI host's scheduler a whole generation apart: a test that needs
+    requests decoding together sends them with this."""
+    ids = server.post("/tokenize", {"prompt": list(prompts)})["tokens"]
+    payload: dict = {"input_ids": ids, "sampling_params": sampling_params}
+    if logprobs:
+        payload["return_logprob"] = True
+    got = server.post("/generate", payload)
+    assert [o["meta_info"]["prompt_tokens"] for o in got] == [len(i) for i in ids], got
+    return got
+
+
 LOGPROB_ATOL = 1e-4
 """Per-token logprob tolerance against vanilla (the tiny fp32 checkpoint served in float32,
 :data:`TEST_DTYPE_ARGS`; both servers compute attention with the same torch SDPA). Measured on

@@ -11,7 +11,6 @@ radix cache's) to ``$KVPLANE_RESIDENCY_EVENTS_FILE``.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,6 +26,7 @@ from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import (
     PROMPTS,
     assert_same_generation,
+    batched,
     fault_armed,
     fault_inject_path,
     greedy,
@@ -151,19 +151,9 @@ def test_streaming_and_non_streaming_openai_endpoints(offload, vanilla_server):
 def test_concurrent_requests_share_the_budget(offload):
     """Six concurrent requests (batched decode) all finish; the device never holds more than the budget."""
     before = len(offload.stats())
-    results: dict[int, dict] = {}
-
-    def send(i: int) -> None:
-        # short requests (a few prompt tokens, 4 new): several fit the 48-token slot space at once
-        results[i] = greedy(offload.server, PROMPTS[i], 4)
-
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert sorted(results) == list(range(6))
-    assert all(len(r["output_ids"]) == 4 for r in results.values())
+    # short requests (a few prompt tokens, 4 new): several fit the 48-token slot space at once
+    results = batched(offload.server, PROMPTS[:6], {"max_new_tokens": 4, "temperature": 0.0})
+    assert len(results) == 6 and all(len(r["output_ids"]) == 4 for r in results)
     steps = offload.stats()[before:]
     assert max(s["batch_size"] for s in steps) >= 2
     assert all(s["device_pages_used"] <= BUDGET_TOKENS for s in steps)
@@ -206,14 +196,9 @@ def test_requests_sharing_a_cached_prefix_stage_it_once(offload, vanilla_server)
     before = offload.stats()[-1]
     prompts = (prefix + " dawn", prefix + " night")  # ~20 prefix tokens (the tiny BPE) + a few
     new = 6
-    # one batched request of token ids: SGLang's tokenizer sends a batch without text to the scheduler
-    # as one message (``_should_use_batch_tokenization``), so both reach it at once. Two concurrent
-    # calls on a loaded host reached it a whole generation apart once; so did a batch of texts (sent
-    # one by one, an await between them), in a CI run, and the two never decoded together.
-    ids = offload.server.post("/tokenize", {"prompt": list(prompts)})["tokens"]
-    got = offload.server.post("/generate", {"input_ids": ids, "return_logprob": True,
-                                            "sampling_params": {"max_new_tokens": new, "temperature": 0.0}})
-    assert [o["meta_info"]["prompt_tokens"] for o in got] == [len(i) for i in ids], got
+    # both reach the scheduler at once (two concurrent calls, then a batch of texts, once reached a
+    # loaded CI host's a whole generation apart and never decoded together)
+    got = batched(offload.server, prompts, {"max_new_tokens": new, "temperature": 0.0}, logprobs=True)
     for prompt, out in zip(prompts, got, strict=True):
         assert_same_generation(out, greedy(vanilla_server, prompt, new, logprobs=True), prompt)
     cached = min(o["meta_info"]["cached_tokens"] for o in got)

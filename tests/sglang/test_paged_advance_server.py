@@ -27,6 +27,7 @@ from sglang_ext.testing.jsonl import read_jsonl
 from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import (
     PROMPTS,
+    batched,
     fault_armed,
     fault_inject_path,
     flag_file,
@@ -101,8 +102,7 @@ def test_a_batch_of_two_with_skewed_pages_still_matches(advance_server, vanilla_
     server, stats_path = advance_server
     before = _steps(stats_path)[-1]["advanced_decode_steps_total"]
     prompts = (PROMPTS[2], PROMPTS[3] + " and then")
-    with ThreadPoolExecutor(2) as pool:
-        got = list(pool.map(lambda p: greedy(server, p, NEW_TOKENS, logprobs=True), prompts))
+    got = batched(server, prompts, {"max_new_tokens": NEW_TOKENS, "temperature": 0.0}, logprobs=True)
     for prompt, response in zip(prompts, got, strict=True):
         _matches(response, greedy(vanilla_server, prompt, NEW_TOKENS, logprobs=True), prompt)
     steps = _steps(stats_path)
@@ -188,8 +188,7 @@ def test_served_decode_layers_make_no_host_sync_and_the_same_ops(advance_server)
     a CPU host never dispatches), and the same ops at every layer of every step."""
     server, stats_path = advance_server
     greedy(server, PROMPTS[4], NEW_TOKENS)  # batch 1, then 2 (also what the tests above served)
-    with ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda p: greedy(server, p, NEW_TOKENS), (PROMPTS[5], PROMPTS[6] + " again")))
+    batched(server, (PROMPTS[5], PROMPTS[6] + " again"), {"max_new_tokens": NEW_TOKENS, "temperature": 0.0})
     steps = [s for s in json.loads((stats_path.parent / "audit.json").read_text()) if not s["extend"]]
     paged = [s for s in steps if s["paged"]]
     assert len(paged) >= 10 and {s["batch"] for s in paged} >= {1, 2}
@@ -242,9 +241,9 @@ def test_served_extend_layers_run_the_kernel_with_no_host_sync_and_the_same_ops(
     (the kernel turned off for them by the test-only injector) show the audit its host reads
     (``_local_scalar_dense``: the per-request loop's device lengths, at every layer)."""
     server, stats_path = advance_server
-    with ThreadPoolExecutor(2) as pool:
-        got = list(pool.map(lambda p: greedy(server, p, 2, logprobs=True), (PROMPTS[8], PROMPTS[9] + " a b c d")))
-    for prompt, response in zip((PROMPTS[8], PROMPTS[9] + " a b c d"), got, strict=True):
+    pair = (PROMPTS[8], PROMPTS[9] + " a b c d")
+    got = batched(server, pair, {"max_new_tokens": 2, "temperature": 0.0}, logprobs=True)
+    for prompt, response in zip(pair, got, strict=True):
         _matches(response, greedy(vanilla_server, prompt, 2, logprobs=True), prompt)
     audit_path = stats_path.parent / "audit.json"
     extends = [s for s in json.loads(audit_path.read_text()) if s["extend"]]

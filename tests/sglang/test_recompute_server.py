@@ -31,6 +31,7 @@ from sglang_ext.testing.server import ServerError, SGLangServer
 from tests.sglang.conftest import (
     PROMPTS,
     assert_same_generation,
+    batched,
     fault_inject_path,
     flag_file,
     greedy,
@@ -189,20 +190,12 @@ def test_recomputed_prefix_serves_vanilla_tokens(rec, vanilla32, ratio, layers):
 
 def test_batched_requests_with_mixed_ratios(rec, vanilla32):
     """Four concurrent requests, three ratios and one without: one batched decode, each exact."""
-    results: dict[int, dict] = {}
     ratios = [0.5, None, 0.9, 0.2]
     prompts = [LONG, PROMPTS[6] * 3, " ".join(PROMPTS[7:11]), " ".join(PROMPTS[11:15])]
     before = len(rec.stats())
-
-    def send(i: int) -> None:
-        results[i] = generate(rec.server, prompts[i], ratios[i])
-
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
-    assert sorted(results) == [0, 1, 2, 3]
+    params = [{"max_new_tokens": NEW_TOKENS, "temperature": 0.0,
+               "custom_params": {} if r is None else {"kvplane_recompute_ratio": r}} for r in ratios]
+    results = batched(rec.server, prompts, params, logprobs=True)
     for i, prompt in enumerate(prompts):
         assert_same_generation(results[i], greedy(vanilla32, prompt, NEW_TOKENS, logprobs=True), f"request {i}")
     steps = rec.stats()[before:]
