@@ -233,7 +233,8 @@ class WantCounts:
         """:meth:`add` of a few pages with scalar operations (a decode step's appended page:
         NumPy's per-call overhead would dominate)."""
         users, mask = self.users, self._dirty_mask
-        on = None if paused or all(gpu_layers) else [i for i, x in enumerate(gpu_layers) if x]
+        # a partial request's wants: one add of its 0/1 layer column (a fancy-indexed add costs ~4x)
+        on = None if paused or all(gpu_layers) else np.array(gpu_layers, dtype=np.int32) * sign
         for page in pages:
             was = int(users[page])
             users[page] = was + sign
@@ -246,7 +247,8 @@ class WantCounts:
             elif on is None:
                 self.want[:, page] += sign
             else:
-                self.want[on, page] += sign  # one indexed add (distinct layers), not one per layer
+                column = self.want[:, page]
+                column += on
             if not mask[page]:
                 mask[page] = True
                 self._dirty_small.append(page)
