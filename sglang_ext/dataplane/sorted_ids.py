@@ -32,8 +32,15 @@ def _sorted_firsts(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return s, run_firsts(s)
 
 
+FEW_IDS = 64
+"""Up to this many ids, :func:`distinct_sorted` sorts a Python set (a decode step's few changed
+pages, repeated per layer: three calls instead of NumPy's five)."""
+
+
 def distinct_sorted(ids: np.ndarray) -> np.ndarray:
-    """``np.unique(ids)`` of a 1-D integer array."""
+    """``np.unique(ids)`` of a 1-D integer array (its dtype kept)."""
+    if ids.size <= FEW_IDS:
+        return np.array(sorted(set(ids.tolist())), dtype=ids.dtype)
     s, first = _sorted_firsts(ids)
     return s if first.all() else s[first]
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang_ext.dataplane.sorted_ids import (
+    FEW_IDS,
     ascending,
     distinct_counts,
     distinct_sorted,
@@ -58,6 +60,18 @@ def test_negative_control_repeats_are_removed() -> None:
     uniq, counts = distinct_counts(a)
     assert uniq.tolist() == [1, 3, 5] and counts.tolist() == [1, 2, 2]
     assert counts.tolist() != [1, 1, 1]  # counting every id once would fail the comparison
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int32])
+@pytest.mark.parametrize("size", [FEW_IDS // 2, FEW_IDS, FEW_IDS + 1, 4 * FEW_IDS])
+def test_both_paths_of_distinct_sorted_are_numpy_unique(size: int, dtype: type) -> None:
+    """A few ids (a Python set sorted) and more (a stable sort): np.unique's values and dtype, a
+    decode step's shape (two pages repeated per layer) and a random one."""
+    rng = np.random.default_rng(size)
+    for a in (np.tile(np.array([9, 4], dtype=dtype), size // 2), rng.integers(0, size, size).astype(dtype)):
+        got = distinct_sorted(a)
+        assert got.dtype == a.dtype
+        np.testing.assert_array_equal(got, np.unique(a))
 
 
 def test_result_is_not_the_input() -> None:
