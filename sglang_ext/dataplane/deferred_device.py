@@ -64,4 +64,7 @@ class DeferredDevice:
         if name in DEVICE_ATTRS and self.__dict__.get("_pending"):
             self.materialize()
             return self.__dict__[name]
+        rest = getattr(super(), "__getattr__", None)  # the host half's own lazy parts (StepTables)
+        if rest is not None:
+            return rest(name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")

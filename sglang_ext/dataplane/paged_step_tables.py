@@ -148,7 +148,7 @@ class PagedStepTables(PagedFetchPlan, DeferredDevice, StepTables):
         self._count_launched()
         self._b, self._rows_np = b, rows
         """``_rows_np``: the new tokens' rows on the host (a decode step's, else None): a graph's block is sent them."""
-        self._pack(int64_parts, head, counts, seq_lens, ps)
+        self._pack(int64_parts, head, counts, seq_lens, ps, lazy=defer and rows is not None)
         self._finish(defer and rows is not None)
 
     def _materialize_now(self) -> None:
@@ -281,7 +281,7 @@ class PagedStepTables(PagedFetchPlan, DeferredDevice, StepTables):
             nxt = self._successor()
             nxt._rows_np = self._rows_np + 1
             nxt._pack([nxt._rows_np.reshape(-1)], [self.pages], self._counts_np, lens[:b].astype(np.int64),
-                      self._store.config.page_size)
+                      self._store.config.page_size, lazy=True)
             nxt._finish(True)
             return nxt
         self.materialize()
@@ -323,7 +323,7 @@ class PagedStepTables(PagedFetchPlan, DeferredDevice, StepTables):
         if defer:  # the host half only (the mirror synced on its own: the tables' upload may never go)
             nxt = self._opened_successor(flat, starts, counts, last, seq_lens)
             nxt.dirty_ids, nxt._rows_np = store.identity_ids(last).reshape(-1), rows
-            nxt._pack([rows.reshape(-1)], [flat], counts, seq_lens, ps)
+            nxt._pack([rows.reshape(-1)], [flat], counts, seq_lens, ps, lazy=True)
             nxt._finish(True)
             return nxt
         self.materialize()
@@ -423,7 +423,7 @@ class PagedStepTables(PagedFetchPlan, DeferredDevice, StepTables):
         nxt._emit_fetches(pages, counts, self._reqs_np, 2 * n + 2 * b)
         nxt._count_launched()
         nxt._rows_np = rows
-        nxt._pack(int64_parts, [flat, stage_col, starts, counts, self._reqs_np], counts, seq_lens, ps)
+        nxt._pack(int64_parts, [flat, stage_col, starts, counts, self._reqs_np], counts, seq_lens, ps, lazy=defer)
         nxt._finish(defer)  # the device half: one upload, the page tables' gather
         return nxt
 

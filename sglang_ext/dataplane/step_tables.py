@@ -62,6 +62,10 @@ class Launch:
     """Segments moved (2 per layer-page)."""
 
 
+LAZY_PACKED = ("_packed", "_int64_np", "_csr_at")
+"""What :meth:`StepTables._pack` sets beside the host CSR (made at first read when ``lazy``)."""
+
+
 class StepTables:
     """The step's tables and launch plan (see module docstring)."""
 
@@ -236,11 +240,26 @@ class StepTables:
         self._send_packed(store)
 
     def _pack(self, int64_parts: list[np.ndarray], int32_head: list[np.ndarray], counts: np.ndarray,
-              seq_lens: np.ndarray, ps: int) -> None:
+              seq_lens: np.ndarray, ps: int, lazy: bool = False) -> None:
         """:meth:`_upload`'s host half: the one buffer it sends (``_packed``), the int64 parts
         (``_int64_np``), the CSR on the host (``_csr_np``: ``indptr``, then ``kv_lens`` and
-        ``last_page_len``) and where it starts in ``i32`` (``_csr_at``)."""
+        ``last_page_len``) and where it starts in ``i32`` (``_csr_at``). ``lazy`` (a step whose
+        device half is deferred, :class:`~sglang_ext.dataplane.deferred_device.DeferredDevice`):
+        only the host CSR now; the buffer when first read (:meth:`__getattr__`: a replayed step
+        never sends it, and its int64 parts alone are joined if a write-back reads them)."""
         b = int(counts.size)
+        if lazy:
+            csr = np.empty(3 * b + 1, dtype=np.int32)
+            csr[0] = 0
+            np.cumsum(counts, out=csr[1: b + 1], dtype=np.int32)
+            csr[b + 1: 2 * b + 1] = seq_lens
+            csr[2 * b + 1:] = seq_lens - (counts - 1) * ps
+            self._csr_np = (csr[: b + 1], csr[b + 1:])
+            for name in LAZY_PACKED:  # a predecessor's (copied by an advance) are not this step's
+                self.__dict__.pop(name, None)
+            self._lazy_pack = (int64_parts, int32_head, counts, seq_lens, ps)
+            return
+        self._lazy_pack = None
         n64 = sum(int(p.size) for p in int64_parts)
         self._csr_at = at = sum(int(h.size) for h in int32_head)
         n32 = at + 3 * b + 1
@@ -262,6 +281,20 @@ class StepTables:
         self._csr_np = (int32[at: at + b + 1], int32[at + b + 1: n32])
         self._int64_np = packed[:n64]
         self._packed = packed
+
+    def __getattr__(self, name: str) -> Any:
+        """A lazily packed step's buffer (:meth:`_pack`) made at its first read: the int64 parts
+        alone for ``_int64_np`` (a write-back's host indices), the whole buffer otherwise."""
+        lazy = self.__dict__.get("_lazy_pack")
+        if name in LAZY_PACKED and lazy is not None:
+            if name == "_int64_np":
+                parts = lazy[0]
+                self._int64_np = parts[0].reshape(-1) if len(parts) == 1 else np.concatenate(
+                    [p.reshape(-1) for p in parts])
+            else:
+                self._pack(*lazy)
+            return self.__dict__[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def _send_packed(self, store: SlotKVStore) -> None:
         """:meth:`_upload`'s device half: ``_packed`` in one upload; ``i64`` / ``i32`` its views."""
