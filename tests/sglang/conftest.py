@@ -214,7 +214,7 @@ def greedy(server: SGLangServer, prompt: str, max_new_tokens: int = 6, *, logpro
 
 
 def batched(server: SGLangServer, prompts: Sequence[str], sampling_params: dict | list[dict], *,
-            logprobs: bool = False) -> list[dict]:
+            logprobs: bool = False, timeout_s: float = 600.0) -> list[dict]:
     """``prompts`` as one ``/generate`` call of token ids (one response each, in order). SGLang's
     tokenizer manager forwards a batch without text to the scheduler as one message
     (``TokenizerManager._should_use_batch_tokenization``), so the scheduler receives every request
@@ -225,7 +225,7 @@ def batched(server: SGLangServer, prompts: Sequence[str], sampling_params: dict 
     payload: dict = {"input_ids": ids, "sampling_params": sampling_params}
     if logprobs:
         payload["return_logprob"] = True
-    got = server.post("/generate", payload)
+    got = server.post("/generate", payload, timeout_s=timeout_s)  # the whole batch: a loaded host's pace
     assert [o["meta_info"]["prompt_tokens"] for o in got] == [len(i) for i in ids], got
     return got
 
