@@ -26,8 +26,9 @@ def missing_pairs(map_np: np.ndarray, cols: Sequence[np.ndarray],
     None: every layer). Sorted by layer, then page (what :func:`wanted_pairs` of every wanted pair,
     then the map's filter, gives). A few distinct pages: the sorted pages' ``[L, n]`` mask, each
     column cut to its request's layers, one ``nonzero``; no sort of the pairs."""
-    listed = [(page, i) for i, col in enumerate(cols) for page in col.tolist()] if len(cols) <= FEW else []
-    if 0 < len(listed) <= FEW and len({page for page, _ in listed}) == len(listed):
+    few = sum(int(col.size) for col in cols) <= FEW  # sized first: a new request's thousands stay NumPy
+    listed = [(page, i) for i, col in enumerate(cols) for page in col.tolist()] if few else []
+    if listed and len({page for page, _ in listed}) == len(listed):
         listed.sort()
         pages = np.array([page for page, _ in listed], dtype=np.int64)
         want = np.take(map_np, pages, axis=1) < 0

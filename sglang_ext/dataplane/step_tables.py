@@ -66,6 +66,17 @@ LAZY_PACKED = ("_packed", "_int64_np", "_csr_at")
 """What :meth:`StepTables._pack` sets beside the host CSR (made at first read when ``lazy``)."""
 
 
+def _write_csr(out: np.ndarray, counts: np.ndarray, seq_lens: np.ndarray, ps: int) -> tuple[np.ndarray, np.ndarray]:
+    """The host CSR of ``b`` requests into ``out`` (int32, ``3b + 1``): ``indptr``, then ``kv_lens``
+    and ``last_page_len``; returns ``(indptr, lens)`` views of it."""
+    b = int(counts.size)
+    out[0] = 0
+    np.cumsum(counts, out=out[1: b + 1], dtype=np.int32)
+    out[b + 1: 2 * b + 1] = seq_lens
+    out[2 * b + 1:] = seq_lens - (counts - 1) * ps
+    return out[: b + 1], out[b + 1:]
+
+
 class StepTables:
     """The step's tables and launch plan (see module docstring)."""
 
@@ -249,12 +260,7 @@ class StepTables:
         never sends it, and its int64 parts alone are joined if a write-back reads them)."""
         b = int(counts.size)
         if lazy:
-            csr = np.empty(3 * b + 1, dtype=np.int32)
-            csr[0] = 0
-            np.cumsum(counts, out=csr[1: b + 1], dtype=np.int32)
-            csr[b + 1: 2 * b + 1] = seq_lens
-            csr[2 * b + 1:] = seq_lens - (counts - 1) * ps
-            self._csr_np = (csr[: b + 1], csr[b + 1:])
+            self._csr_np = _write_csr(np.empty(3 * b + 1, dtype=np.int32), counts, seq_lens, ps)
             for name in LAZY_PACKED:  # a predecessor's (copied by an advance) are not this step's
                 self.__dict__.pop(name, None)
             self._lazy_pack = (int64_parts, int32_head, counts, seq_lens, ps)
@@ -273,12 +279,8 @@ class StepTables:
         for part in int32_head:
             int32[o: o + part.size] = part
             o += part.size
-        int32[at] = 0
-        np.cumsum(counts, out=int32[at + 1: at + b + 1], dtype=np.int32)  # indptr
-        int32[at + b + 1: at + 2 * b + 1] = seq_lens
-        int32[at + 2 * b + 1: n32] = seq_lens - (counts - 1) * ps  # last_page_len
+        self._csr_np = _write_csr(int32[at: n32], counts, seq_lens, ps)
         int32[n32:] = 0
-        self._csr_np = (int32[at: at + b + 1], int32[at + b + 1: n32])
         self._int64_np = packed[:n64]
         self._packed = packed
 
