@@ -21,6 +21,10 @@ class BlockAllocator:
         self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)
         self._top = capacity
         self._in_use = np.zeros(capacity, dtype=bool)
+        self._stamp = np.zeros(capacity, dtype=np.int64)
+        """Scratch for :meth:`free`'s repeat check: each freed id's place in its batch (O(n), no sort)."""
+        self._ramp = np.zeros(0, dtype=np.int64)
+        """``0, 1, ...``: the places (grown on demand)."""
         self._held = 0
         """The top ``_held`` entries of the free stack are the ids last freed with ``hold`` (a
         step's staging pages, in their order): :meth:`alloc` takes from under them while it can,
@@ -84,8 +88,10 @@ class BlockAllocator:
         arr = np.asarray(ids, dtype=np.int64).reshape(-1)
         if not arr.size:
             return
-        if (arr.min() < 0 or arr.max() >= self.capacity or not self._in_use[arr].all()
-                or (arr.size > 1 and has_repeats(arr))):
+        # one reduction for the range (a negative id is huge as unsigned); repeats by stamping
+        # each id with its place (an id twice keeps its last place only)
+        if int(arr.view(np.uint64).max()) >= self.capacity or not self._in_use[arr].all() or (
+                arr.size > 1 and self._repeats(arr)):
             self._refuse(arr)
         self._in_use[arr] = False
         top, n = self._top, int(arr.size)
@@ -98,6 +104,14 @@ class BlockAllocator:
             if hold:
                 self._held = n
         self._top = top + n
+
+    def _repeats(self, arr: np.ndarray) -> bool:
+        """Whether ``arr`` (in range) holds an id twice: O(len), no sort."""
+        if self._ramp.size < arr.size:
+            self._ramp = np.arange(max(arr.size, 2 * self._ramp.size), dtype=np.int64)
+        places = self._ramp[: arr.size]
+        self._stamp[arr] = places
+        return not np.array_equal(self._stamp[arr], places)
 
     def _refuse(self, arr: np.ndarray) -> None:
         """Raise for the first offending id of ``arr`` (in order)."""

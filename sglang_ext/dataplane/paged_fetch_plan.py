@@ -69,21 +69,28 @@ class PagedFetchPlan:
         self._reqs_np = pair_r
         return pair_r
 
-    def _emit_fetches(self, pages: np.ndarray, counts: np.ndarray, reqs: np.ndarray, at: int) -> None:
+    def _emit_fetches(self, pages: np.ndarray, counts: np.ndarray, reqs: np.ndarray, at: int,
+                      like: PageLaunches | None = None) -> None:
         """:attr:`page_launches` from the (layer, trigger) groups of ``self._groups`` holding
         ``pages[g]`` host pages each (``reqs``: their request ids, concatenated, from ``i32[at]``);
-        groups without pages launch nothing."""
+        groups without pages launch nothing. ``like``: launches of these groups and ``reqs``
+        (an advance's predecessor's); when each of its groups launched and still does, the new
+        launches are its own resized (:meth:`PageLaunches.resized`: the regroup remembered)."""
         a, firsts, pair_l = self._groups
         self._group_pages, self._fetch_list = pages, None
         if not a.size:
             self.page_launches = PageLaunches()
+            return
+        widest = np.maximum.reduceat(counts[reqs], a)
+        if like is not None and len(like) == a.size and pages.all():
+            self.page_launches = like.resized(2 * pages, widest, at - int(like.offset[0] - like.first[0]))
             return
         g = np.flatnonzero(pages)
         ends = np.concatenate([a[1:], [reqs.size]])
         ga = a[g]
         self.page_launches = PageLaunches(
             trigger=firsts[g], layer=pair_l[ga], offset=ga + at, segments=2 * pages[g], first=ga,
-            n_reqs=ends[g] - ga, max_pages=np.maximum.reduceat(counts[reqs], a)[g])
+            n_reqs=ends[g] - ga, max_pages=widest[g])
 
     @property
     def fetches(self) -> list[Launch]:  # type: ignore[override]

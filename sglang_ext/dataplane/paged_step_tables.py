@@ -207,15 +207,15 @@ class PagedStepTables(PagedFetchPlan, DeferredDevice, StepTables):
         Returns the offset after them; None (nothing appended) when the buffer would pass
         :data:`PARK_MAX_BYTES`: the caller writes back pages per layer."""
         c, rows = store.config, store.host_rows
-        layers_parked = int(new_host.any(axis=1).sum())
-        if layers_parked * 2 * new_host.shape[1] * rows.shape[1] * rows.element_size() > PARK_MAX_BYTES:
-            return None
         planned = TokenWriteback.plan(
             new_host, pages, offsets, c.page_size, offset,
             lambda s, m: torch.empty((s, 2, m, c.kv_heads, c.head_dim), dtype=c.dtype, device=store.device), like)
         if planned is None:
             return offset
-        self.token_writeback, indices = planned
+        parked, indices = planned  # planned only (nothing allocated): dropped if it is too large
+        if parked.layers * 2 * parked.tokens * rows.shape[1] * rows.element_size() > PARK_MAX_BYTES:
+            return None
+        self.token_writeback = parked
         self.token_writeback.writer = store.row_writer  # parks go through it (rows 0..m-1, the store's)
         int64_parts.append(indices)
         return offset + int(indices.size)
@@ -420,7 +420,7 @@ class PagedStepTables(PagedFetchPlan, DeferredDevice, StepTables):
             add[:, opens] = host_new
             a, _, pair_l = self._groups
             pages = pages + np.add.reduceat(add[pair_l, self._reqs_np], a)
-        nxt._emit_fetches(pages, counts, self._reqs_np, 2 * n + 2 * b)
+        nxt._emit_fetches(pages, counts, self._reqs_np, 2 * n + 2 * b, like=self.page_launches)
         nxt._count_launched()
         nxt._rows_np = rows
         nxt._pack(int64_parts, [flat, stage_col, starts, counts, self._reqs_np], counts, seq_lens, ps, lazy=defer)

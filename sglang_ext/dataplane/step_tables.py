@@ -350,9 +350,22 @@ class StepTables:
         return engine.h2d(src, dst, wait=wait, host_idx=host)
 
     def launch_host_indices(self, launch: Launch) -> tuple[np.ndarray, np.ndarray]:
-        """Source and destination segment indices of ``launch`` on the host (no device half read)."""
+        """Source and destination segment indices of ``launch`` on the host (no device half read;
+        a lazily packed step's from the int64 part holding them, when one does: nothing joined)."""
         o, s = launch.offset, launch.segments
-        return self._int64_np[o: o + s], self._int64_np[o + s: o + 2 * s]
+        src = self.__dict__.get("_int64_np")
+        lazy = self.__dict__.get("_lazy_pack")
+        if src is None and lazy is not None:
+            for part in lazy[0]:
+                if o < part.size:
+                    src = part.reshape(-1) if o + 2 * s <= part.size else None
+                    break
+                o -= part.size
+            if src is None:
+                o, src = launch.offset, self._int64_np
+        else:
+            src = self._int64_np
+        return src[o: o + s], src[o + s: o + 2 * s]
 
     def launch_indices(self, launch: Launch) -> tuple[torch.Tensor, torch.Tensor, tuple[np.ndarray, np.ndarray]]:
         """Source and destination segment indices of ``launch`` (device views; and NumPy)."""

@@ -78,11 +78,16 @@ class TokenWriteback:
     """Arrays derived from the slots and sources alone (a graph's park rows), shared with the
     writebacks planned ``like`` this one."""
 
+    @property
+    def layers(self) -> int:
+        """Layers with parked tokens (``S``: slots of :attr:`buf`)."""
+        return sum(1 for slot in self.slots if slot >= 0)
+
     def allocate(self) -> None:
         """The buffer and its parts (the device half of the step's tables: at the boundary of a
         step that runs eagerly)."""
         if self.buf is None:
-            s = sum(1 for slot in self.slots if slot >= 0)
+            s = self.layers
             self.buf = buf = self.new_buf(s, self.tokens)
             _, _, m, h, d = buf.shape
             self._rows = buf.view(2 * s, m, h, d).unbind(0)
@@ -133,6 +138,14 @@ class TokenWriteback:
             n = like.pairs
             it = cls(slots=like.slots, launch=like.launch, pairs=n, tokens=int(m), new_buf=new_buf,
                      places=like.places, memo=like.memo)
+            src = like.memo.get("src")
+            if src is None:
+                src = like.memo["src"] = np.concatenate([src_k, src_k + m])
+            out = np.empty(4 * n, dtype=np.int64)
+            out[: 2 * n] = src
+            dst_k = np.add((pages[w_j] * layers + w_layer) * 2 * page_size, offsets[w_j], out=out[2 * n: 3 * n])
+            np.add(dst_k, page_size, out=out[3 * n:])
+            return it, out
         else:
             w_layer, w_j = np.nonzero(u_host)
             n = int(w_layer.size)

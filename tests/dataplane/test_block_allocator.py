@@ -125,3 +125,42 @@ def test_random_sequences_keep_the_free_stack_exact(ops):
         # the run kept apart is what is left of the held ids, in order, on top
         kept = a._held
         assert kept == 0 or (held is not None and stack[len(stack) - kept:] == held[:kept].tolist())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-64, 70), min_size=1, max_size=60), st.booleans())
+def test_a_free_is_refused_exactly_when_an_id_is_out_of_range_free_or_repeated(ids, reverse):
+    """The free's checks (one unsigned max for the range, places stamped for repeats: no sort)
+    against a set reference, on batches of any order: refused -- naming the first offending id,
+    nothing changed -- exactly when an id is out of range, not in use or given twice. Negative ids
+    reach ids in use if wrapped (as NumPy indexing would)."""
+    a = BlockAllocator(64, "pages")
+    a.alloc(40)
+    arr = np.asarray(ids, dtype=np.int64)
+    arr = arr[::-1] if reverse else arr  # a strided view frees as well
+    seen: set[int] = set()
+    bad = None
+    for i in arr.tolist():
+        if not 0 <= i < 64 or i >= 40 or i in seen:
+            bad = i
+            break
+        seen.add(i)
+    if bad is None:
+        a.free(arr)
+        assert a.used_ids() == set(range(40)) - seen and a.free_count == 24 + len(seen)
+        return
+    with pytest.raises(ValueError, match=f"block( id)? {bad}( |$)"):
+        a.free(arr)
+    assert a.used_ids() == set(range(40)) and a.free_count == 24
+
+
+def test_control_a_repeat_far_apart_in_a_large_batch_is_refused():
+    """Control for the stamped places: one id twice, thousands apart, in a batch of 3,000."""
+    a = BlockAllocator(5000, "pages")
+    ids = a.alloc(3000)
+    batch = np.concatenate([ids, ids[7:8]])
+    with pytest.raises(ValueError, match=f"double free of block {int(ids[7])}"):
+        a.free(batch)
+    assert a.free_count == 2000
+    a.free(ids)  # the same ids once each go back
+    assert a.free_count == 5000

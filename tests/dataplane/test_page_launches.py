@@ -102,3 +102,33 @@ def test_a_list_past_the_capacity_is_refused():
                             n_reqs=one + CAP + 1, max_pages=one + 1)
     with pytest.raises(ValueError, match=f"{CAP + 1} requests; lists hold {CAP}"):
         _vectorised(launches, np.arange(CAP + 1))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_resized_launches_regroup_as_the_loop_does_from_the_shared_memo(seed):
+    """A steady step's launches are the last step's resized (:meth:`PageLaunches.resized`): the
+    regroup's remembered ids and lengths are reused, the widest pages recomputed -- equal to the
+    launch-by-launch loop over the resized launches. Control: the widths did change the lists'
+    widest pages (the comparison sees them), and other request ids are not served from the memo."""
+    launches, reqs = _random(seed)
+    if not len(launches):
+        return
+    first = _vectorised(launches, reqs)
+    rng = np.random.default_rng(100 + seed)
+    bigger = launches.resized(launches.segments + 2 * rng.integers(0, 3, len(launches)),
+                              launches.max_pages + rng.integers(1, 4, len(launches)), 7)
+    assert bigger.memo is launches.memo and ("regroup", LAYERS, CAP) in bigger.memo
+    np.testing.assert_array_equal(bigger.offset, launches.offset + 7)
+    want, got = _loop(bigger.launches(), reqs), _vectorised(bigger, reqs)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    assert not np.array_equal(got[1], first[1])  # control: the new widths reached the lists
+    assert bigger.start_segments == sum(o.segments for o in bigger.launches() if o.trigger < 0)
+    other = (reqs + 1) % CAP  # a different array of ids: planned again, not the memo's
+    np.testing.assert_array_equal(_vectorised(bigger, other)[0], _loop(bigger.launches(), other)[0])
+
+
+def test_resized_refuses_sizes_of_another_length():
+    launches, _ = _random(3)
+    with pytest.raises(ValueError, match=f"1 sizes and {len(launches)} widths for {len(launches)} launches"):
+        launches.resized(launches.segments[:1], launches.max_pages, 0)

@@ -164,6 +164,11 @@ def _comparing(monkeypatch: pytest.MonkeyPatch, defer: bool = False) -> list[tup
         ref, uploaded = _fresh_build(core, got), bool(opens.size or got.staging_ids.size)
         # the host half a replayed step reads (GraphStepBuffers, GraphStaging), still lazy when deferred
         assert all(np.array_equal(a, r) for a, r in zip(got._csr_np, ref._csr_np, strict=True)), "host CSR"
+        if got.token_writeback is not None:  # a graph's park rows: read from the int64 part, nothing joined
+            launch = got.token_writeback.launch
+            for a, r in zip(got.launch_host_indices(launch), ref.launch_host_indices(launch), strict=True):
+                assert np.array_equal(a, r), "parked tokens' write-back indices"
+            assert ("_int64_np" in vars(got)) != defer
         assert not uploaded or np.array_equal(got._int64_np, ref._int64_np), "rows and write-back segments"
         assert ("_packed" in vars(got)) != defer  # the int64 parts alone were joined
         _assert_equal_tables(got, ref, uploaded)
