@@ -41,8 +41,8 @@ class DeferredDevice:
     def _finish(self, defer: bool) -> None:
         """The host half is packed: make the device half now, or (``defer``) when first read."""
         if defer:  # what a successor copied of its predecessor's device half is not this step's
-            for name in DEVICE_ATTRS:
-                self.__dict__.pop(name, None)
+            for name in DEVICE_ATTRS.intersection(self.__dict__):
+                del self.__dict__[name]
             self._pending = True
             self._store.deferred_tables += 1
         else:

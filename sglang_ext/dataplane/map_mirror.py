@@ -119,7 +119,7 @@ class MapMirror:
         self._log = []
         self.syncs += 1
         cols = np.take(self.map_np, pages, axis=1)
-        self.host_bits[pages] = self._bits(cols)
+        self.host_bits[pages] = np.packbits(cols < 0, axis=0, bitorder="little").T  # as _bits, assigned (no copy)
         self.synced_columns += int(pages.size)
         return cols
 

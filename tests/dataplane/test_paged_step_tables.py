@@ -282,9 +282,22 @@ def test_paged_steady_decode_steps_serve_exactly(compared):
 
 def test_a_paged_steady_step_that_drops_its_new_page_is_caught(monkeypatch):
     """Control: a fast path that forgets the page a new token opens fails the step's checks."""
-    monkeypatch.setattr(layered_kv_core.np, "append", lambda pages, page: pages)
+    from sglang_ext.dataplane.decode_continuity import DecodeContinuity
+
+    real, dropped = DecodeContinuity.continued, []
+
+    def forgets(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        cont = real(self, *args, **kwargs)
+        if cont is not None and cont[1] is not None:
+            for i in cont[0]:  # the opening rows' lists without the page their token opens
+                cont[1][i] = cont[1][i][:-1]
+                dropped.append(i)
+        return cont
+
+    monkeypatch.setattr(DecodeContinuity, "continued", forgets)
     with pytest.raises((AssertionError, ValueError)):
         offload_scenario(CoreDriver(make_core(PAGES + 6), seed=7, fast_decode=True))
+    assert dropped, "no step opened a page: the control proves nothing"
 
 
 def test_a_free_that_cuts_a_running_request_sends_the_next_step_through_the_general_path():
