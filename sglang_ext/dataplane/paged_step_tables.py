@@ -146,8 +146,9 @@ class PagedStepTables(PagedFetchPlan, DeferredDevice, StepTables):
         if rows is None:
             head.append(col)
         self._count_launched()
-        self._b, self._rows_np = b, rows
-        """``_rows_np``: the new tokens' rows on the host (a decode step's, else None): a graph's block is sent them."""
+        self._b, self._rows_np, self._new_host = b, rows, new_host
+        """``_rows_np``: the new tokens' rows on the host (a decode step's, else None): a graph's
+        block is sent them. ``_new_host``: ``[L, b]``, where they are host-only (a decode step's)."""
         self._pack(int64_parts, head, counts, seq_lens, ps, lazy=defer and rows is not None)
         self._finish(defer and rows is not None)
 
@@ -262,6 +263,7 @@ class PagedStepTables(PagedFetchPlan, DeferredDevice, StepTables):
         nxt = object.__new__(PagedStepTables)
         nxt.__dict__.update(self.__dict__)
         nxt.token_writeback = None  # these tables' parked tokens are theirs
+        nxt._new_host = None  # set by an advance that knows it (advanced_staged)
         nxt._fetch_views, nxt._pending = None, False  # views of these tables' upload; set again by the advance
         return nxt
 
@@ -377,7 +379,8 @@ class PagedStepTables(PagedFetchPlan, DeferredDevice, StepTables):
         store, mirror = self._store, self._store.mirror
         assert mirror is not None
         layers, ps, b = store.config.layers, store.config.page_size, self._b
-        host_new = np.take(store.map_np, opened, axis=1) < 0  # [L, k]
+        taken = np.take(store.map_np, opened, axis=1)  # [L, k]: the opened pages' map columns
+        host_new = taken < 0
         host_req = self._host_req[:, opens]
         if opened.size and (host_new & ~host_req).any():
             return None  # a new host-only (layer, request): new fetch groups
@@ -399,10 +402,20 @@ class PagedStepTables(PagedFetchPlan, DeferredDevice, StepTables):
         values[stage_new] = more[old.size - kept:]
         stage_col = inserted(stage_col, ends, values)
         last, last_stage = flat[lastcol], stage_col[lastcol]
-        new_map = np.take(store.map_np, last, axis=1).astype(np.int64)
-        u_host = new_map < 0
-        rows = np.where(u_host, last_stage[None, :], new_map) * ps + ((seq_lens - 1) % ps)[None, :]
+        off = (seq_lens - 1) % ps
+        if kept == old.size and self._new_host is not None:
+            # every staging page kept: a request that opened no page writes one row further on the
+            # same page, placed and staged as it was; an opening one at offset 0 of its new page
+            u_host, rows = self._new_host.copy(), self._rows_np + 1
+            if opened.size:
+                u_host[:, opens] = host_new
+                rows[:, opens] = np.where(host_new, values[None, :], taken) * ps
+        else:
+            new_map = np.take(store.map_np, last, axis=1).astype(np.int64)
+            u_host = new_map < 0
+            rows = np.where(u_host, last_stage[None, :], new_map) * ps + off[None, :]
         nxt = self._opened_successor(flat, starts, counts, last, seq_lens)
+        nxt._new_host = u_host
         n = int(flat.size)
         nxt._stage_np = stage_col
         nxt.staging_ids = np.concatenate([old[:kept], more])
@@ -411,7 +424,7 @@ class PagedStepTables(PagedFetchPlan, DeferredDevice, StepTables):
         nxt.dirty_ids = store.identity_ids(last)[~u_host]
         nxt.writebacks = [None] * layers
         int64_parts: list[np.ndarray] = [rows.reshape(-1)]
-        if nxt._park_parts(store, u_host, last, (seq_lens - 1) % ps, rows.size, int64_parts,
+        if nxt._park_parts(store, u_host, last, off, rows.size, int64_parts,
                            self.token_writeback) is None:
             nxt._writeback_parts(store, u_host, last_stage, last, rows.size, int64_parts)
         pages = self._group_pages

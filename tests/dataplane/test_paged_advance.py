@@ -392,3 +392,46 @@ def test_a_staged_advance_that_keeps_stale_launches_or_staging_is_caught(monkeyp
     with pytest.raises((AssertionError, ValueError)):
         _staged_scenario()
     assert ran, "the mistake never ran: the control proves nothing"
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["at-once", "deferred"])
+def test_an_opened_page_placed_unlike_its_requests_last_page_advances_exactly(monkeypatch, defer):
+    """A staged advance that kept every staging page steps the last tables' rows and host-only
+    places by one token and recomputes the opening requests' (their new pages' map columns): so
+    an opened page placed at more layers than its request's last page (here: every layer,
+    although the request keeps layer 1 on the host) advances to tables equal to a fresh build,
+    and every layer reads exactly. The placement is forced through ``missing_pairs`` (every
+    appended page wanted at every layer) once the batch is staged."""
+    from sglang_ext.dataplane import slot_residency
+
+    checked, kept = _comparing(monkeypatch, defer), _retakes(monkeypatch)
+    real, armed, differed = slot_residency.missing_pairs, [False], []
+
+    def every_layer(map_np, cols, masks):  # noqa: ANN001, ANN202
+        return real(map_np, cols, [None] * len(masks) if armed[0] else masks)
+
+    monkeypatch.setattr(slot_residency, "missing_pairs", every_layer)
+    original = PagedStepTables.advanced_staged
+
+    def noted(self: PagedStepTables, opens: np.ndarray, opened: np.ndarray, *args: object) -> PagedStepTables | None:
+        nxt = original(self, opens, opened, *args)
+        if nxt is not None and opens.size and self._new_host is not None:
+            old_last = np.take(self._store.map_np, self.new_pages[opens], axis=1) < 0
+            differed.append(bool((old_last != (np.take(self._store.map_np, opened, axis=1) < 0)).any()))
+        return nxt
+
+    monkeypatch.setattr(PagedStepTables, "advanced_staged", noted)
+    d = _driver(seed=8)
+    d.add("a")
+    d.add("b")
+    d.step([("a", 6), ("b", 3)])
+    _decode(d, 2)
+    d.want("a", [True, False, True])
+    d.want("b", [True, False, False])
+    _decode(d, 3)
+    armed[0] = True
+    _decode(d, 8)
+    assert any(differed), differed  # an opened page was placed unlike its request's last page
+    assert all(m == n for m, n in kept[-len(differed):]), kept
+    assert sum(1 for o, s in checked if o and s) >= len(differed)
+    d.check_staging()
