@@ -321,7 +321,10 @@ class PagedStepTables(PagedFetchPlan, DeferredDevice, StepTables):
         layers, ps, b = store.config.layers, store.config.page_size, self._b
         counts, ends, flat, starts, lastcol = self._opened_columns(opens, opened)
         last = flat[lastcol]  # the page of each request's new token
-        rows = np.take(store.map_np, last, axis=1).astype(np.int64) * ps + ((seq_lens - 1) % ps)[None, :]
+        # a request that opened no page writes one row further on its page (the map unmoved there),
+        # an opening one row 0 of its new page
+        rows = self._rows_np + 1
+        rows[:, opens] = np.multiply(np.take(store.map_np, opened, axis=1), ps, dtype=np.int64)
         if defer:  # the host half only (the mirror synced on its own: the tables' upload may never go)
             nxt = self._opened_successor(flat, starts, counts, last, seq_lens)
             nxt.dirty_ids, nxt._rows_np = store.identity_ids(last).reshape(-1), rows
