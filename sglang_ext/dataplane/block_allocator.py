@@ -74,7 +74,7 @@ class BlockAllocator:
             hit = np.flatnonzero(ids == self._free[top - 1])
             m = int(hit[0]) + 1 if hit.size else 0
         self._held = 0  # consumed, or not what was held: either way no longer kept apart
-        if not m or m > top or not np.array_equal(self._free[top - m: top], ids[:m]):
+        if not m or m > top or not (self._free[top - m: top] == ids[:m]).all():  # both m long
             return 0
         self._top -= m
         self._in_use[ids[:m]] = True
@@ -111,7 +111,7 @@ class BlockAllocator:
             self._ramp = np.arange(max(arr.size, 2 * self._ramp.size), dtype=np.int64)
         places = self._ramp[: arr.size]
         self._stamp[arr] = places
-        return not np.array_equal(self._stamp[arr], places)
+        return bool((self._stamp[arr] != places).any())  # not np.array_equal: its wrapper costs as much as the compare
 
     def _refuse(self, arr: np.ndarray) -> None:
         """Raise for the first offending id of ``arr`` (in order)."""
