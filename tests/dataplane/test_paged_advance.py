@@ -11,6 +11,8 @@ map, are caught."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -345,7 +347,9 @@ def test_an_opening_advance_that_misplaces_the_page_is_caught(monkeypatch, mista
     assert ran, "no opening advance ran: the control proves nothing"
 
 
-def _staged_scenario() -> None:
+def _staged_scenario(midway: Callable[[], None] | None = None) -> CoreDriver:
+    """Layer 1 of ``a`` and layers 1-2 of ``b`` to the host, then 14 decode steps (``midway``
+    called after the third)."""
     d = _driver(seed=8)
     d.add("a")
     d.add("b")
@@ -353,8 +357,12 @@ def _staged_scenario() -> None:
     _decode(d, 2)
     d.want("a", [True, False, True])
     d.want("b", [True, False, False])
-    _decode(d, 14)
+    _decode(d, 3)
+    if midway is not None:
+        midway()
+    _decode(d, 11)
     d.check_at_rest()
+    return d
 
 
 @pytest.mark.parametrize("mistake", ["stale_fetches", "taken_staging_kept"])
@@ -421,16 +429,7 @@ def test_an_opened_page_placed_unlike_its_requests_last_page_advances_exactly(mo
         return nxt
 
     monkeypatch.setattr(PagedStepTables, "advanced_staged", noted)
-    d = _driver(seed=8)
-    d.add("a")
-    d.add("b")
-    d.step([("a", 6), ("b", 3)])
-    _decode(d, 2)
-    d.want("a", [True, False, True])
-    d.want("b", [True, False, False])
-    _decode(d, 3)
-    armed[0] = True
-    _decode(d, 8)
+    d = _staged_scenario(lambda: armed.__setitem__(0, True))
     assert any(differed), differed  # an opened page was placed unlike its request's last page
     assert all(m == n for m, n in kept[-len(differed):]), kept
     assert sum(1 for o, s in checked if o and s) >= len(differed)
