@@ -92,7 +92,8 @@ class PageLaunches:
         ``reqs[first[g]:][:n_reqs[g]]``) into per-layer fetch lists: ``lists [2, L, cap]`` row 0
         the step-start launches' requests of each layer, row 1 the triggered ones' (several
         triggers of a layer one after the other, in launch order), ``listed [2, L, 2]`` each
-        list's length and its widest request's pages. Both zeroed by the caller. What
+        list's length and its widest request's pages (zeroed by the caller; ``lists`` need not be: a
+        reader takes each list's first ``count`` entries). What
         :class:`~sglang_ext.dataplane.graph_staging.GraphStaging` loads, as a loop over
         :meth:`launches` would fill them (a test compares the two)."""
         if not len(self):
