@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from sglang_ext.dataplane.distinct_ids import DistinctIds
 from sglang_ext.dataplane.sorted_ids import has_repeats
 
 
@@ -21,10 +22,8 @@ class BlockAllocator:
         self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)
         self._top = capacity
         self._in_use = np.zeros(capacity, dtype=bool)
-        self._stamp = np.zeros(capacity, dtype=np.int64)
-        """Scratch for :meth:`free`'s repeat check: each freed id's place in its batch (O(n), no sort)."""
-        self._ramp = np.zeros(0, dtype=np.int64)
-        """``0, 1, ...``: the places (grown on demand)."""
+        self._ids = DistinctIds(capacity)
+        """:meth:`free`'s repeat check (O(n), no sort)."""
         self._held = 0
         """The top ``_held`` entries of the free stack are the ids last freed with ``hold`` (a
         step's staging pages, in their order): :meth:`alloc` takes from under them while it can,
@@ -88,10 +87,9 @@ class BlockAllocator:
         arr = np.asarray(ids, dtype=np.int64).reshape(-1)
         if not arr.size:
             return
-        # one reduction for the range (a negative id is huge as unsigned); repeats by stamping
-        # each id with its place (an id twice keeps its last place only)
+        # one reduction for the range (a negative id is huge as unsigned); repeats without a sort
         if int(arr.view(np.uint64).max()) >= self.capacity or not self._in_use[arr].all() or (
-                arr.size > 1 and self._repeats(arr)):
+                arr.size > 1 and not self._ids.distinct(arr)):
             self._refuse(arr)
         self._in_use[arr] = False
         top, n = self._top, int(arr.size)
@@ -104,14 +102,6 @@ class BlockAllocator:
             if hold:
                 self._held = n
         self._top = top + n
-
-    def _repeats(self, arr: np.ndarray) -> bool:
-        """Whether ``arr`` (in range) holds an id twice: O(len), no sort."""
-        if self._ramp.size < arr.size:
-            self._ramp = np.arange(max(arr.size, 2 * self._ramp.size), dtype=np.int64)
-        places = self._ramp[: arr.size]
-        self._stamp[arr] = places
-        return bool((self._stamp[arr] != places).any())  # not np.array_equal: its wrapper costs as much as the compare
 
     def _refuse(self, arr: np.ndarray) -> None:
         """Raise for the first offending id of ``arr`` (in order)."""

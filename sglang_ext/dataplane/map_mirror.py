@@ -46,7 +46,7 @@ class MapMirror:
         """``[L, P]`` int32 on the pool's device: ``map_np`` as of the last :meth:`sync`."""
         self.rows = self.dev.unbind(0)
         """``dev``'s rows (views, made once: a fetch takes its layer's without an op)."""
-        self.host_bits = self._bits(map_np)
+        self.host_bits = np.ascontiguousarray(self._bits(map_np))
         """``[P, ceil(L / 8)]`` uint8: bit ``l`` (little-endian) set where ``(l, p)`` is host-only."""
         self._log: list[np.ndarray] = []
         self.synced_columns = 0
@@ -61,7 +61,9 @@ class MapMirror:
 
     @staticmethod
     def _bits(cols: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(np.packbits(cols < 0, axis=0, bitorder="little").T)
+        """``host_bits`` rows of the map columns ``cols`` (``[k, ceil(L/8)]``, a transposed view:
+        assigned into :attr:`host_bits`, or made contiguous once at construction)."""
+        return np.packbits(cols < 0, axis=0, bitorder="little").T
 
     def changed(self, pages: np.ndarray) -> None:
         """The map's columns of ``pages`` (int64, repeats allowed) were written."""
@@ -119,7 +121,7 @@ class MapMirror:
         self._log = []
         self.syncs += 1
         cols = np.take(self.map_np, pages, axis=1)
-        self.host_bits[pages] = np.packbits(cols < 0, axis=0, bitorder="little").T  # as _bits, assigned (no copy)
+        self.host_bits[pages] = self._bits(cols)
         self.synced_columns += int(pages.size)
         return cols
 

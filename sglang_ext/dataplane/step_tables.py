@@ -353,19 +353,15 @@ class StepTables:
         """Source and destination segment indices of ``launch`` on the host (no device half read;
         a lazily packed step's from the int64 part holding them, when one does: nothing joined)."""
         o, s = launch.offset, launch.segments
-        src = self.__dict__.get("_int64_np")
         lazy = self.__dict__.get("_lazy_pack")
-        if src is None and lazy is not None:
+        if lazy is not None and "_int64_np" not in self.__dict__:
+            start = 0
             for part in lazy[0]:
-                if o < part.size:
-                    src = part.reshape(-1) if o + 2 * s <= part.size else None
-                    break
-                o -= part.size
-            if src is None:
-                o, src = launch.offset, self._int64_np
-        else:
-            src = self._int64_np
-        return src[o: o + s], src[o + s: o + 2 * s]
+                if start <= o and o + 2 * s <= start + part.size:
+                    flat, at = part.reshape(-1), o - start
+                    return flat[at: at + s], flat[at + s: at + 2 * s]
+                start += part.size
+        return self._int64_np[o: o + s], self._int64_np[o + s: o + 2 * s]
 
     def launch_indices(self, launch: Launch) -> tuple[torch.Tensor, torch.Tensor, tuple[np.ndarray, np.ndarray]]:
         """Source and destination segment indices of ``launch`` (device views; and NumPy)."""

@@ -138,14 +138,6 @@ class TokenWriteback:
             n = like.pairs
             it = cls(slots=like.slots, launch=like.launch, pairs=n, tokens=int(m), new_buf=new_buf,
                      places=like.places, memo=like.memo)
-            src = like.memo.get("src")
-            if src is None:
-                src = like.memo["src"] = np.concatenate([src_k, src_k + m])
-            out = np.empty(4 * n, dtype=np.int64)
-            out[: 2 * n] = src
-            dst_k = np.add((pages[w_j] * layers + w_layer) * 2 * page_size, offsets[w_j], out=out[2 * n: 3 * n])
-            np.add(dst_k, page_size, out=out[3 * n:])
-            return it, out
         else:
             w_layer, w_j = np.nonzero(u_host)
             n = int(w_layer.size)
@@ -158,5 +150,11 @@ class TokenWriteback:
             last = int(used[-1])
             it = cls(slots=tuple(slot_of.tolist()), launch=Launch(last, last, offset, 2 * n), pairs=n, tokens=int(m),
                      new_buf=new_buf, places=(u_host.copy(), src_k, w_layer, w_j))
-        dst_k = (pages[w_j] * layers + w_layer) * 2 * page_size + offsets[w_j]
-        return it, np.concatenate([src_k, src_k + m, dst_k, dst_k + page_size])
+        src = it.memo.get("src")  # the sources depend on the places alone: kept for the steps planned alike
+        if src is None:
+            src = it.memo["src"] = np.concatenate([src_k, src_k + m])
+        out = np.empty(4 * n, dtype=np.int64)
+        out[: 2 * n] = src
+        dst_k = np.add((pages[w_j] * layers + w_layer) * 2 * page_size, offsets[w_j], out=out[2 * n: 3 * n])
+        np.add(dst_k, page_size, out=out[3 * n:])
+        return it, out

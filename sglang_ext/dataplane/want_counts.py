@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from sglang_ext.dataplane.distinct_ids import DistinctIds
 from sglang_ext.dataplane.slot_kv_store import SlotKVStore
 from sglang_ext.dataplane.sorted_ids import distinct_counts, distinct_sorted
 from sglang_ext.dataplane.tracked_request import TrackedRequest
@@ -48,9 +49,8 @@ class WantCounts:
         self.live_resident = 0
         """Layer-pages of pages with a user that have a device copy."""
         self._dirty_mask = np.zeros(pages, dtype=bool)
-        self._scratch = np.zeros(pages, dtype=np.int64)
-        self._index = np.arange(0, dtype=np.int64)
-        """Scratch for :meth:`_distinct` (contents meaningless between calls)."""
+        self._ids = DistinctIds(pages)
+        """The repeat check of :meth:`_distinct`; its scratch serves :meth:`members` too."""
         self._dirty: list[np.ndarray] = []
         self._dirty_small: list[int] = []
         self.check_appended = False
@@ -211,20 +211,14 @@ class WantCounts:
         self.mark_dirty(uniq)
 
     def _distinct(self, pages: np.ndarray) -> bool:
-        """True when ``pages`` has no repeat: O(len) with a scratch array (no sort; a request's
-        pages are nearly always distinct). Every position writes its index; a repeated page
-        keeps only its last writer, so an earlier position reads back another index."""
-        n = int(pages.size)
-        if self._index.size < n:
-            self._index = np.arange(max(n, 2 * self._index.size), dtype=np.int64)
-        index = self._index[:n]
-        self._scratch[pages] = index
-        return bool((self._scratch[pages] == index).all())
+        """True when ``pages`` has no repeat: O(len), no sort (a request's pages are nearly always
+        distinct; :class:`DistinctIds`)."""
+        return self._ids.distinct(pages)
 
     def members(self, pages: np.ndarray, of: np.ndarray) -> np.ndarray:
         """``np.isin(pages, of)`` for page ids, O(len) with the page-sized scratch (no sort and no
         table sized to the ids' range)."""
-        scratch = self._scratch
+        scratch = self._ids.scratch
         scratch[pages] = 0
         scratch[of] = 1
         return scratch[pages] == 1
