@@ -20,6 +20,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from sglang_ext.dataplane.opened_pages import OpenedPages
+from sglang_ext.dataplane.slot_results import ResidencyDelta
+
 if TYPE_CHECKING:
     from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
 
@@ -29,6 +32,8 @@ class PagedDecodeStep:
 
     def __init__(self, core: LayeredKVCore) -> None:
         self.core = core
+        self.openings = OpenedPages(core.residency)
+        """The opened pages' one-pass observe and reconcile."""
 
     def prepare(self, rids: Sequence[str], seq_lens: Sequence[int] | np.ndarray, new_slots: torch.Tensor) -> bool:
         """:meth:`LayeredKVCore.prepare_decode_step` in the paged layout: a decode step each of
@@ -52,12 +57,10 @@ class PagedDecodeStep:
         assert page_lists is not None
         kept = core._paged_last is not None  # the last step's tables were not given up since
         core._boundary(new_slots)
-        for i in opens:
-            core.residency.observe(rids[i], torch.from_numpy(page_lists[i]))
         core._paged_last = (list(rids), lens, page_lists)
         # the last step's batch (the continuity's last batch is the one _paged_last held): its tables may advance
         same = not core.continuity.advanced(rids, lens, slots, page_lists) and kept
-        core.decode_delta = core._reconcile()
+        core.decode_delta = self.reconcile_opened([rids[i] for i in opens], [page_lists[i] for i in opens])
         new_np = np.asarray(slots, dtype=np.int64)
         opened = new_np[opens] // ps
         unmoved = same and self.map_unmoved(opened)
@@ -71,6 +74,18 @@ class PagedDecodeStep:
                     set(rids), None, None, resident=resident)
         core.paged_decode_steps += 1
         return True
+
+    def reconcile_opened(self, rids: list[str], lists: list[np.ndarray]) -> ResidencyDelta:
+        """The opened pages' requests ``rids`` hold ``lists`` now: observed and reconciled in one
+        pass (:class:`OpenedPages`, which reports its moves), else each observed and the core's
+        reconciliation run."""
+        core = self.core
+        delta = self.openings.reconcile(rids, lists, core._on_moves)
+        if delta is not None:
+            return delta
+        for rid, pages in zip(rids, lists, strict=True):
+            core.residency.observe(rid, torch.from_numpy(pages))
+        return core._reconcile()
 
     def advance(self, opens: np.ndarray, opened: np.ndarray, lens: list[int], resident: bool) -> bool:
         """A paged steady step, the map unmoved since the last tables but for the ``opened`` pages

@@ -20,6 +20,7 @@ import torch
 from sglang_ext.dataplane.block_allocator import BlockAllocator
 from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
 from sglang_ext.dataplane.map_mirror import MapMirror
+from sglang_ext.dataplane.opened_pages import OpenedPages
 from sglang_ext.dataplane.paged_decode_step import PagedDecodeStep
 from sglang_ext.dataplane.paged_step_tables import PagedStepTables
 from sglang_ext.dataplane.staging_room import StagingRoom
@@ -409,7 +410,7 @@ def test_an_opened_page_placed_unlike_its_requests_last_page_advances_exactly(mo
     an opened page placed at more layers than its request's last page (here: every layer,
     although the request keeps layer 1 on the host) advances to tables equal to a fresh build,
     and every layer reads exactly. The placement is forced through ``missing_pairs`` (every
-    appended page wanted at every layer) once the batch is staged."""
+    appended page wanted at every layer; :class:`OpenedPages` declining) once the batch is staged."""
     from sglang_ext.dataplane import slot_residency
 
     checked, kept = _comparing(monkeypatch, defer), _retakes(monkeypatch)
@@ -419,6 +420,8 @@ def test_an_opened_page_placed_unlike_its_requests_last_page_advances_exactly(mo
         return real(map_np, cols, [None] * len(masks) if armed[0] else masks)
 
     monkeypatch.setattr(slot_residency, "missing_pairs", every_layer)
+    one_pass = OpenedPages.reconcile  # declines once armed: the general route (and missing_pairs) places
+    monkeypatch.setattr(OpenedPages, "reconcile", lambda self, *a: None if armed[0] else one_pass(self, *a))
     original = PagedStepTables.advanced_staged
 
     def noted(self: PagedStepTables, opens: np.ndarray, opened: np.ndarray, *args: object) -> PagedStepTables | None:
