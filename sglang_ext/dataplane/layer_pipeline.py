@@ -48,6 +48,8 @@ class LayerPipeline:
         self._release = release_staging
         self.tables: StepTables | None = None
         self._events: list[list[Any]] = [[] for _ in range(store.config.layers)]
+        self._evented = False
+        """Some layer's list holds events (a step replayed in a graph adds none: nothing to clear)."""
         self._by_trigger: dict[int, list] | None = {}
         self._reached = -1
         """The last layer the current forward ended."""
@@ -88,13 +90,12 @@ class LayerPipeline:
             self.end_step()
         self.tables = tables
         self.engine.wait_fence()
-        for events in self._events:
-            events.clear()
+        self._clear_events()
         self._by_trigger = None  # grouped when a layer first asks (a step replayed in a graph never does)
         self._reached = -1
         self._parked_out = False
         self.idle = (not tables.n_fetches and tables.token_writeback is None
-                     and all(w is None for w in tables.writebacks))
+                     and tables.writebacks.count(None) == len(tables.writebacks))
         self._started = self._graphed = False
         self.steps += 1
         if not (self.defer_start and getattr(tables, "_one_each", False)):  # only a decode step may replay
@@ -153,6 +154,7 @@ class LayerPipeline:
         for launch in self._triggers().get(trigger, ()):
             event = tables.fetch(self.engine, launch, wait)
             self._events[launch.layer].append(event)
+            self._evented = True
             self._count_fetch(launch)
 
     def begin_layer(self, layer: int) -> None:
@@ -230,6 +232,12 @@ class LayerPipeline:
             self._write_back_reached(tables)
         self.engine.end_compute()
         if tables is not None:
+            self._clear_events()
+            self._release(tables)
+
+    def _clear_events(self) -> None:
+        """Every layer's fetch events forgotten (none added since the last clear: nothing done)."""
+        if self._evented:
+            self._evented = False
             for events in self._events:
                 events.clear()
-            self._release(tables)

@@ -31,6 +31,8 @@ from sglang_ext.dataplane.sorted_ids import distinct_sorted
 SMALL_ISIN = 8192
 """Up to this many (logged column, page) pairs :meth:`MapMirror.pending_within` compares them
 all at once: ``np.isin`` sorts, ~50 us for a decode step's handful of pages on the 2-core host."""
+SMALL_SET = 256
+"""Up to this many logged column entries :meth:`MapMirror.pending_within` compares Python sets."""
 POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)
 """Set bits of each byte value."""
 
@@ -80,7 +82,9 @@ class MapMirror:
         if not self.pending:
             return True
         log = np.concatenate(self._log) if len(self._log) > 1 else self._log[0]
-        if log.size * pages.size <= SMALL_ISIN:  # a decode step's few opened pages: no sort
+        if log.size <= SMALL_SET:  # a decode step's placed pairs: two small sets (~4 us; the 2-D compare ~11)
+            return set(log.tolist()) <= set(pages.tolist())
+        if log.size * pages.size <= SMALL_ISIN:  # no sort
             return bool((log[:, None] == pages[None, :]).any(axis=1).all())
         return bool(np.isin(log, pages).all())
 

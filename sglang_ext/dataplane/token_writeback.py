@@ -80,8 +80,8 @@ class TokenWriteback:
 
     @property
     def layers(self) -> int:
-        """Layers with parked tokens (``S``: slots of :attr:`buf`)."""
-        return sum(1 for slot in self.slots if slot >= 0)
+        """Layers with parked tokens (``S``: slots of :attr:`buf`; the others' slot is -1)."""
+        return len(self.slots) - self.slots.count(-1)
 
     def allocate(self) -> None:
         """The buffer and its parts (the device half of the step's tables: at the boundary of a

@@ -221,7 +221,8 @@ def test_attention_waits_on_its_layers_fetch_events_and_one_write_back_ends_the_
     """Staged decode step, layers 0 and 2 offloaded: layer 0's fetch starts with the step, layer
     2's when layer 0 ends (same staging slot) and waits on no write-back (the new tokens are
     parked, not written back from the slot); ONE D2H, of token rows, after layer 2, the last
-    offloaded layer; entering a layer waits on exactly the events of the launches that fetched it."""
+    offloaded layer; entering a layer waits on exactly the events of this step's launches that
+    fetched it."""
     core = make_core(33 + 20)
     engine = core.store.engine
     launches: list[tuple[str, int, tuple, int]] = []
@@ -249,6 +250,7 @@ def test_attention_waits_on_its_layers_fetch_events_and_one_write_back_ends_the_
         real_exit(layer)
 
     core.enter_layer, core.exit_layer = enter, exit_
+    d.step([("a", 1), ("b", 1)])  # a staged step before: its events are not the next one's
     launches.clear()
     rows_before = engine.stats.d2h_rows
     d.step([("a", 1), ("b", 1)])
@@ -256,6 +258,8 @@ def test_attention_waits_on_its_layers_fetch_events_and_one_write_back_ends_the_
     assert expected0 and waited0 == expected0 and all(isinstance(e, CpuEvent) and e.kind == "h2d" for e in expected0)
     expected2, waited2 = entered[2]
     assert expected2 and waited2 == expected2
+    this_step = {seq for _, seq, _, _ in launches}  # no earlier step's event left in a layer's list
+    assert all(e.seq in this_step for e in expected0 + expected2), (expected0, expected2)
     assert entered[1][0] == []  # a resident layer waits on nothing
     fetch2 = [launch for launch in launches if launch[0] == "h2d" and launch[3] == 0]
     assert fetch2 and all(wait == () for _, _, wait, _ in fetch2), "layer 2's fetch waits on no write-back"

@@ -1,4 +1,5 @@
-"""MapMirror.pending_within: the small-case comparison agrees with np.isin, both branches."""
+"""MapMirror.pending_within: the small cases' comparisons (Python sets, a 2-D compare) agree with
+np.isin, each branch."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from sglang_ext.dataplane import map_mirror
 from sglang_ext.dataplane.map_mirror import MapMirror
 
 
-@pytest.mark.parametrize("small_isin", [0, map_mirror.SMALL_ISIN])
-def test_pending_within_matches_isin(monkeypatch: pytest.MonkeyPatch, small_isin: int) -> None:
-    monkeypatch.setattr(map_mirror, "SMALL_ISIN", small_isin)  # 0: every call takes np.isin
+@pytest.mark.parametrize(("small_set", "small_isin"), [(0, 0), (0, map_mirror.SMALL_ISIN), (map_mirror.SMALL_SET, 0)],
+                         ids=["isin", "2-D compare", "sets"])
+def test_pending_within_matches_isin(monkeypatch: pytest.MonkeyPatch, small_set: int, small_isin: int) -> None:
+    monkeypatch.setattr(map_mirror, "SMALL_SET", small_set)  # 0: no call compares sets
+    monkeypatch.setattr(map_mirror, "SMALL_ISIN", small_isin)  # 0: no call compares in 2-D
     rng = np.random.default_rng(0)
     seen = {True: 0, False: 0}
     for _ in range(300):
