@@ -4,7 +4,8 @@ A decode step in the paged layout -- every offloading server's -- whose requests
 what they held at their last boundary (one token more; the batch itself may have changed: a
 request finished or joined, :class:`~sglang_ext.dataplane.decode_continuity.DecodeContinuity`)
 starts from those page lists: a page is appended where a new token opens one, only those
-requests are observed, the map reconciled; then a step of the last step's batch runs on the last
+requests are observed, the map reconciled (in one pass where the opened pages are fresh:
+:class:`~sglang_ext.dataplane.opened_pages.OpenedPages`); then a step of the last step's batch runs on the last
 step's tables advanced by one token (:meth:`PagedDecodeStep.advance`: resident or placed, when
 the map moved only in the opened pages' columns), any other builds its tables
 (:meth:`LayeredKVCore._begin`) without reading a request's slots. The state it reads and keeps is
