@@ -162,7 +162,7 @@ class LayeredKVCore:
             stall_seconds_total=times.stall_s,
             advanced_decode_steps_total=self.advanced_decode_steps,
             opened_advances_total=self.opened_advances,
-            resident_builds_total=self.resident_builds,
+            resident_builds_total=self.resident_builds, opened_one_pass_total=self.paged_decode.openings.taken,
             staged_advances_total=self.staged_advances,
             decode_turnovers_total=self.continuity.turnovers,
             slot_handoffs_total=self.continuity.slots.handoffs, slot_readbacks_total=self.continuity.slots.readbacks,

@@ -49,7 +49,7 @@ class OpenedPages:
     def __init__(self, residency: SlotResidency) -> None:
         self.residency = residency
         self.taken = 0
-        """Steps whose opened pages took the one pass (the others took the general route)."""
+        """Steps that opened pages and placed them in one pass (the others took the general route)."""
 
     def reconcile(self, rids: Sequence[str], lists: Sequence[np.ndarray],
                   on_moves: Callable[[LayerPageMoves], None] | None = None) -> ResidencyDelta | None:
@@ -99,7 +99,7 @@ class OpenedPages:
         for req, now in zip(reqs, lists, strict=True):
             req.pages = torch.from_numpy(now)
         res.last_moves = LayerPageMoves({}, {})
-        self.taken += 1
+        self.taken += k > 0
         try:
             self._place(p, want, need, identity)
         finally:  # a placement that raised moved nothing: reported all the same, as the core's pass

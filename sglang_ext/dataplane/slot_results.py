@@ -134,6 +134,10 @@ class ResidencyStats:
     resident_builds_total: int = 0
     """Paged steady decode steps built knowing their batch resident (the host-bit pass skipped:
     :meth:`PagedDecodeStep.still_resident`)."""
+    opened_one_pass_total: int = 0
+    """Paged decode steps whose opened pages were observed and placed in one pass
+    (:class:`~sglang_ext.dataplane.opened_pages.OpenedPages`; the others' went through
+    ``observe`` and ``reconcile``)."""
     staged_advances_total: int = 0
     """Paged steady decode steps that stage host-only layers (a placed batch) and still ran on
     the last step's tables, advanced with the same staging pages (``PagedStepTables.advanced_staged``)."""

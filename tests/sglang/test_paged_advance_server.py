@@ -88,6 +88,7 @@ def test_resident_paged_decode_runs_on_advanced_tables(advance_server, vanilla_s
     assert last["advanced_decode_steps_total"] < last["staged_steps_total"]  # prefills and page opens build
     assert last["resident_builds_total"] > 0  # the first decode step builds knowing the batch resident
     assert last["opened_advances_total"] > 0  # page-opening steps advance too, in the served path
+    assert last["opened_one_pass_total"] > 0  # and their opened pages are placed in one pass (OpenedPages)
     # every steady boundary took its new slots from the allocation hook's host list (HostSlots):
     # none read them back from the device (on a GPU, a sync of the forward stream)
     assert last["slot_readbacks_total"] == 0, last
