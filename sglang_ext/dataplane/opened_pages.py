@@ -4,10 +4,10 @@ A steady paged decode step (:class:`~sglang_ext.dataplane.paged_decode_step.Page
 appends a page to the few requests whose new token opens one. The general route is
 :meth:`SlotResidency.observe` per request, then :meth:`SlotResidency.reconcile`'s append-only
 fast path (:meth:`WantCounts.track_added`, ``missing_pairs``, ``_load``,
-:meth:`WantCounts.forget_settled`): ~190 us of Python and NumPy calls at Llama-3-8B's batch on the
-2-core host, for two or three pages. Usually each opened page is fresh (no user, no KV, no device
-copy at any layer) and nothing else is unsettled; then what that route does comes down to a few
-writes, which :meth:`OpenedPages.reconcile` makes directly:
+:meth:`WantCounts.forget_settled`): ~165-175 us of Python and NumPy calls at Llama-3-8B's batch on
+the 2-core host, for about two pages (this pass: ~120 us). Usually each opened page is fresh (no
+user, no KV, no device copy at any layer) and nothing else is unsettled; then what that route does
+comes down to a few writes, which :meth:`OpenedPages.reconcile` makes directly:
 
 - each page gains its request as its only user, its wants (the request's layers), and a holder
   in the staging reserve's sums (``active``, and ``offloading`` for a request that does not want
