@@ -18,11 +18,12 @@ comes down to a few writes, which :meth:`OpenedPages.reconcile` makes directly:
 - nothing stays dirty (the route marks the pages dirty, then ``forget_settled`` clears them: a
   fresh page has no resident layer nobody wants).
 
-Anything else -- an unknown, paused or uncached-prefix request, a list that is not the last one
-plus one page, a page already used, placed or holding KV, repeats, dirty pages, a check pending,
-or pairs that do not fit beside the staging reserve -- returns None with nothing changed, and the
-caller takes the general route. ``tests/dataplane/test_opened_pages.py`` compares the whole state
-of both routes after random histories.
+Anything else -- an unknown, paused or uncached-prefix request, a request named twice, a list
+that is not the last one plus one page, a page already used, placed or holding KV, a page out of
+range, repeats, dirty pages, a check pending, or pairs that do not fit beside the staging reserve
+-- returns None with nothing changed, and the caller takes the general route.
+``tests/dataplane/test_opened_pages.py`` compares the whole state of both routes after random
+histories.
 """
 
 from __future__ import annotations
@@ -55,14 +56,17 @@ class OpenedPages:
                   on_moves: Callable[[LayerPageMoves], None] | None = None) -> ResidencyDelta | None:
         """``observe(rids[i], lists[i])`` for each, then ``reconcile()``: the same state and delta
         when every condition of the module docstring holds (``on_moves`` then gets the pass's
-        moves, as ``LayeredKVCore._reconcile`` reports them); else None, nothing changed. A
-        placement that raises leaves what the general route's would (the pages' wants counted
-        and dirty, the next pass a full one), reports and propagates."""
+        moves, as ``LayeredKVCore._reconcile`` reports them); else None, nothing changed but what
+        the general route does first anyway (pending journal entries and ended requests applied,
+        a request's decode tail joined to its pages). A placement that raises leaves the pages'
+        wants counted and dirty and the next pass a full one -- what the general route's
+        ``onload`` leaves; its identity placement sets no full pass, this one does -- reports
+        and propagates."""
         res = self.residency
         res.settle()
         counts, store = res.counts, res.store
         if (res._changed or res._appended or counts._dirty or counts._dirty_small or counts._kept
-                or counts.check_appended or len(rids) > FEW):
+                or counts.check_appended or len(rids) > FEW or len(set(rids)) != len(rids)):
             return None
         reqs, pages = [], []
         for rid, now in zip(rids, lists, strict=True):
@@ -75,8 +79,8 @@ class OpenedPages:
             reqs.append(req)
             pages.append(int(now[-1]))
         k, layers = len(pages), res.layers
-        if len(set(pages)) != k:
-            return None
+        if len(set(pages)) != k or (k and not 0 <= min(pages) <= max(pages) < store.config.logical_pages):
+            return None  # repeats (-1 and P - 1 are one NumPy index: ids out of range decline too)
         order = sorted(range(k), key=pages.__getitem__)  # missing_pairs' order: layer, then page
         p = np.array([pages[j] for j in order], dtype=np.int64)
         users, has_kv = counts.users, res.has_kv_np  # scalar reads: a few pages
@@ -95,9 +99,10 @@ class OpenedPages:
             room = store.allocator.free_count - (0 if store.identity else counts.offloading_pages + every.count(False))
         if need > room:
             return None
+        tensors = [torch.from_numpy(now) for now in lists]  # one that raises does before any change
         self._count(reqs, p, order, every)
-        for req, now in zip(reqs, lists, strict=True):
-            req.pages = torch.from_numpy(now)
+        for req, tensor in zip(reqs, tensors, strict=True):
+            req.pages = tensor
         res.last_moves = LayerPageMoves({}, {})
         self.taken += k > 0
         try:
@@ -113,17 +118,17 @@ class OpenedPages:
         ``p``; None in the identity layout, every layer wanted)."""
         res = self.residency
         store = res.store
-        if identity:  # no mirror to log for: the order is the allocator's no matter
-            store.place_identity(p, store.identity_ids(p))
-        elif need:
-            assert want is not None
-            pair_layers, at = np.nonzero(want)
-            try:
+        try:
+            if identity:  # no mirror to log for: the order is the allocator's no matter
+                store.place_identity(p, store.identity_ids(p))
+            elif need:
+                assert want is not None
+                pair_layers, at = np.nonzero(want)
                 store.onload(pair_layers.astype(np.int64), p[at], np.zeros(need, dtype=bool))
-            except BaseException:  # as SlotResidency._load: the wants stay due, the next pass is full
-                res.counts.mark_dirty(p)
-                res._changed = True
-                raise
+        except BaseException:  # as SlotResidency._load: the wants stay due, the next pass is full
+            res.counts.mark_dirty(p)
+            res._changed = True
+            raise
 
     def _count(self, reqs: list, p: np.ndarray, order: list[int], every: list[bool]) -> None:
         """Each fresh page ``p[i]`` joins the counts with its request ``reqs[order[i]]`` as its
