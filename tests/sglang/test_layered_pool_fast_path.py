@@ -120,6 +120,7 @@ def test_steady_decode_fast_path_leaves_the_pool_as_the_general_path_does(ops, b
         untimed = {"staged_steps_total": 0, "h2d_seconds_total": 0.0, "d2h_seconds_total": 0.0,
                    "stall_seconds_total": 0.0, "journalled_decode_steps_total": 0,  # journalled: the fast one
                    "resident_builds_total": 0,  # which build a step took, not what it placed
+                   "opened_one_pass_total": 0,  # which route placed the opened pages, not what it placed
                    "decode_turnovers_total": 0,  # which path a batch change took
                    "slot_handoffs_total": 0, "slot_readbacks_total": 0}  # how the fast path got its slots
         assert replace(fast.residency_stats(), **untimed) == replace(full.residency_stats(), **untimed)
