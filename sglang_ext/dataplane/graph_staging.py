@@ -160,7 +160,7 @@ class GraphStaging:
 
         if not isinstance(tables, PagedStepTables):
             return "the step stages through general tables (recompute or the identity layout)"
-        if tables.writebacks.count(None) != len(tables.writebacks):
+        if tables.writes_back_pages:
             return "the step writes staged pages back per layer (a multi-token step, or too many parked tokens)"
         if not tables._one_each:
             return "the step writes more than one token per request"

@@ -94,8 +94,7 @@ class LayerPipeline:
         self._by_trigger = None  # grouped when a layer first asks (a step replayed in a graph never does)
         self._reached = -1
         self._parked_out = False
-        self.idle = (not tables.n_fetches and tables.token_writeback is None
-                     and tables.writebacks.count(None) == len(tables.writebacks))
+        self.idle = not tables.n_fetches and tables.token_writeback is None and not tables.writes_back_pages
         self._started = self._graphed = False
         self.steps += 1
         if not (self.defer_start and getattr(tables, "_one_each", False)):  # only a decode step may replay

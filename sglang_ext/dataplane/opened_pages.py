@@ -65,8 +65,7 @@ class OpenedPages:
         res = self.residency
         res.settle()
         counts, store = res.counts, res.store
-        if (res._changed or res._appended or counts._dirty or counts._dirty_small or counts._kept
-                or counts.check_appended or len(rids) > FEW or len(set(rids)) != len(rids)):
+        if res._changed or res._appended or not counts.all_settled or len(rids) > FEW or len(set(rids)) != len(rids):
             return None
         reqs, pages = [], []
         for rid, now in zip(rids, lists, strict=True):
@@ -100,7 +99,7 @@ class OpenedPages:
         if need > room:
             return None
         tensors = [torch.from_numpy(now) for now in lists]  # one that raises does before any change
-        self._count(reqs, p, order, every)
+        counts.join_fresh(p, want)
         for req, tensor in zip(reqs, tensors, strict=True):
             req.pages = tensor
         res.last_moves = LayerPageMoves({}, {})
@@ -129,21 +128,3 @@ class OpenedPages:
             res.counts.mark_dirty(p)
             res._changed = True
             raise
-
-    def _count(self, reqs: list, p: np.ndarray, order: list[int], every: list[bool]) -> None:
-        """Each fresh page ``p[i]`` joins the counts with its request ``reqs[order[i]]`` as its
-        one user (what ``track_added`` does for a page nobody held)."""
-        counts = self.residency.counts
-        users, active, offloading, want = counts.users, counts._active_holders, counts._offloading_holders, counts.want
-        counts.live_count += int(p.size)
-        counts.active_pages += int(p.size)
-        for i, j in enumerate(order):  # scalar writes: a few pages
-            page = int(p[i])
-            users[page] += 1
-            active[page] += 1
-            if every[j]:
-                want[:, page] += 1
-            else:
-                want[:, page] += np.asarray(reqs[j].gpu_layers, dtype=np.int32)
-                offloading[page] += 1
-                counts.offloading_pages += 1

@@ -225,9 +225,8 @@ class PagedStepTables(PagedFetchPlan, DeferredDevice, StepTables):
         """The layer-pages the fetch and write-back launches move (for the pipeline's accounts;
         a parked token counts as its layer-page, as the page write-back moved it)."""
         self.fetch_layer_pages = self.page_launches.layer_pages
-        wb = self.writebacks  # a decode step's are all None: counted in C
-        self.writeback_layer_pages = (0 if wb.count(None) == len(wb) else sum(
-            w.segments for w in wb if w is not None) // 2) + (self.token_writeback.pairs if self.token_writeback is not None else 0)
+        pages = sum(w.segments for w in self.writebacks if w is not None) // 2 if self.writes_back_pages else 0
+        self.writeback_layer_pages = pages + (self.token_writeback.pairs if self.token_writeback is not None else 0)
 
     def _opened_columns(self, opens: np.ndarray, opened: np.ndarray) -> tuple[np.ndarray, ...]:
         """The page lists with batch rows ``opens`` (ascending) one page longer (``opened``, each

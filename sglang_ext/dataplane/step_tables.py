@@ -329,6 +329,12 @@ class StepTables:
         return len(self.fetches)
 
     @property
+    def writes_back_pages(self) -> bool:
+        """Some layer writes staged pages back (a launch in :attr:`writebacks`; a decode step's
+        are all None: counted in C, no loop per layer)."""
+        return self.writebacks.count(None) != len(self.writebacks)
+
+    @property
     def has_token_tables(self) -> bool:
         """The torch-native token tables were built (:meth:`token_rows` reads them)."""
         return self._tok_at >= 0

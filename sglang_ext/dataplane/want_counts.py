@@ -256,6 +256,34 @@ class WantCounts:
         self.live_count += int(pages.size)
         self.live_resident += self.layers * int(pages.size)
 
+    def join_fresh(self, pages: np.ndarray, want: np.ndarray | None) -> None:
+        """A few distinct pages no request used join, each with one not paused user wanting the
+        layers of its column of ``want`` (``[L, n]`` bool; None: every layer): counted in the
+        staging reserve's sums, not dirtied (the caller places every wanted layer, so they are
+        settled) and not resident yet (the caller adds what it places to ``live_resident``). What
+        :meth:`add` and :meth:`_requests_moved` do for pages nobody held, with scalar writes
+        (a decode step's opened pages); :meth:`add_fresh` for pages already resident everywhere."""
+        users, active, offloading = self.users, self._active_holders, self._offloading_holders
+        every = [True] * int(pages.size) if want is None else want.all(axis=0).tolist()
+        self.live_count += int(pages.size)
+        self.active_pages += int(pages.size)
+        for i, page in enumerate(pages.tolist()):
+            users[page] += 1
+            active[page] += 1
+            if every[i]:
+                self.want[:, page] += 1
+            else:
+                assert want is not None
+                self.want[:, page] += want[:, i]
+                offloading[page] += 1
+                self.offloading_pages += 1
+
+    @property
+    def all_settled(self) -> bool:
+        """No page is dirty and no check is pending (:meth:`forget_settled`): every live page's
+        wants are placed."""
+        return not (self._dirty or self._dirty_small or self._kept or self.check_appended)
+
     def _live_changed(self, pages: np.ndarray, sign: int) -> None:
         if pages.size:
             self.live_count += sign * int(pages.size)
