@@ -51,6 +51,11 @@ class MapMirror:
         self.host_bits = np.ascontiguousarray(self._bits(map_np))
         """``[P, ceil(L / 8)]`` uint8: bit ``l`` (little-endian) set where ``(l, p)`` is host-only."""
         self._log: list[np.ndarray] = []
+        self.changes = 0
+        """Calls of :meth:`changed` that logged pages (columns read at one count are current while it holds)."""
+        self._covered: tuple[int, np.ndarray] | None = None
+        """``(changes, pages)`` of the last :meth:`pending_within` that answered True with columns
+        pending: the log is within ``pages`` while :attr:`changes` is that count."""
         self.synced_columns = 0
         """Page columns uploaded since construction (a test reads it: proportional to moves)."""
         self.syncs = 0
@@ -71,6 +76,7 @@ class MapMirror:
         """The map's columns of ``pages`` (int64, repeats allowed) were written."""
         if pages.size:
             self._log.append(np.array(pages, dtype=np.int64, copy=True))
+            self.changes += 1
 
     @property
     def pending(self) -> bool:
@@ -83,18 +89,34 @@ class MapMirror:
             return True
         log = np.concatenate(self._log) if len(self._log) > 1 else self._log[0]
         if log.size <= SMALL_SET:  # a decode step's placed pairs: two small sets (~4 us; the 2-D compare ~11)
-            return set(log.tolist()) <= set(pages.tolist())
-        if log.size * pages.size <= SMALL_ISIN:  # no sort
-            return bool((log[:, None] == pages[None, :]).any(axis=1).all())
-        return bool(np.isin(log, pages).all())
+            within = set(log.tolist()) <= set(pages.tolist())
+        elif log.size * pages.size <= SMALL_ISIN:  # no sort
+            within = bool((log[:, None] == pages[None, :]).any(axis=1).all())
+        else:
+            within = bool(np.isin(log, pages).all())
+        if within:
+            self._covered = (self.changes, pages)
+        return within
 
-    def sync(self) -> None:
-        """Bring ``dev`` and ``host_bits`` up to date with the map (see module docstring)."""
+    def sync(self, known: tuple[np.ndarray, np.ndarray, int] | None = None) -> None:
+        """Bring ``dev`` and ``host_bits`` up to date with the map (see module docstring).
+        ``known``: ``(pages, cols, seen)``, distinct pages, their ``[L, k]`` map columns read when
+        :attr:`changes` was ``seen``. They are the sync's -- no distinct pass over the log, no
+        read of the map -- when :meth:`pending_within` answered True for this very ``pages``
+        array and nothing changed since it nor since the columns were read; else ignored."""
         if not self._log:
             return
-        pages = distinct_sorted(np.concatenate(self._log)) if len(self._log) > 1 else distinct_sorted(self._log[0])
+        covered = self._covered
+        if (known is not None and known[2] == self.changes and covered is not None
+                and covered[0] == self.changes and covered[1] is known[0]):
+            pages, cols = known[0], known[1]
+            self._took(pages, cols)
+        else:
+            pages = distinct_sorted(np.concatenate(self._log)) if len(self._log) > 1 else distinct_sorted(self._log[0])
+            cols = None
         try:
-            cols = self._take(pages)
+            if cols is None:
+                cols = self._take(pages)
             k = int(pages.size)
             if not self.staged:
                 self.dev.index_copy_(1, torch.from_numpy(pages), torch.from_numpy(np.ascontiguousarray(cols)))
@@ -122,12 +144,17 @@ class MapMirror:
     def _take(self, pages: np.ndarray) -> np.ndarray:
         """The host side of a sync of ``pages`` (the log emptied, the bits and counts updated):
         their columns of the map, ``[L, k]``."""
-        self._log = []
-        self.syncs += 1
         cols = np.take(self.map_np, pages, axis=1)
+        self._took(pages, cols)
+        return cols
+
+    def _took(self, pages: np.ndarray, cols: np.ndarray) -> None:
+        """The log emptied, the bits and counts updated for the columns ``cols`` of ``pages``."""
+        self._log = []
+        self._covered = None
+        self.syncs += 1
         self.host_bits[pages] = self._bits(cols)
         self.synced_columns += int(pages.size)
-        return cols
 
     def scatter(self, pages: torch.Tensor, cols: torch.Tensor) -> None:
         """The device side of :meth:`sync_within`: ``dev[:, pages] = cols`` (uploaded by the caller;

@@ -241,14 +241,16 @@ class PagedStepTables(PagedFetchPlan, DeferredDevice, StepTables):
         return counts, ends, flat, starts, starts + counts - 1
 
     def _opened_successor(self, flat: np.ndarray, starts: np.ndarray, counts: np.ndarray, last: np.ndarray,
-                          seq_lens: np.ndarray, syncs: int | None = None) -> PagedStepTables:
+                          seq_lens: np.ndarray, syncs: int | None = None,
+                          known: tuple[np.ndarray, np.ndarray, int] | None = None) -> PagedStepTables:
         """:meth:`_successor` over the new page lists, ``last`` the new pages, the mirror synced
-        (here, or by the caller: ``syncs``, its count after)."""
+        (here, with the caller's ``known`` columns if they serve: :meth:`MapMirror.sync`; or by
+        the caller: ``syncs``, its count after)."""
         store, mirror = self._store, self._store.mirror
         assert mirror is not None
         nxt = self._successor()
         nxt.pages, nxt._n, nxt._starts_np, nxt._counts_np = flat, int(flat.size), starts, counts
-        nxt._mirror_syncs = sync_mirror(store, mirror) if syncs is None else syncs
+        nxt._mirror_syncs = sync_mirror(store, mirror, known) if syncs is None else syncs
         nxt._width = int(seq_lens.max())
         nxt.new_pages = last
         return nxt
@@ -324,9 +326,10 @@ class PagedStepTables(PagedFetchPlan, DeferredDevice, StepTables):
         # a request that opened no page writes one row further on its page (the map unmoved there),
         # an opening one row 0 of its new page
         rows = self._rows_np + 1
-        rows[:, opens] = np.multiply(np.take(store.map_np, opened, axis=1), ps, dtype=np.int64)
+        seen, taken = mirror.changes, np.take(store.map_np, opened, axis=1)  # the opened pages' columns
+        rows[:, opens] = np.multiply(taken, ps, dtype=np.int64)
         if defer:  # the host half only (the mirror synced on its own: the tables' upload may never go)
-            nxt = self._opened_successor(flat, starts, counts, last, seq_lens)
+            nxt = self._opened_successor(flat, starts, counts, last, seq_lens, known=(opened, taken, seen))
             nxt.dirty_ids, nxt._rows_np = store.identity_ids(last).reshape(-1), rows
             nxt._pack([rows.reshape(-1)], [flat], counts, seq_lens, ps, lazy=True)
             nxt._finish(True)
@@ -382,7 +385,8 @@ class PagedStepTables(PagedFetchPlan, DeferredDevice, StepTables):
         store, mirror = self._store, self._store.mirror
         assert mirror is not None
         layers, ps, b = store.config.layers, store.config.page_size, self._b
-        taken = np.take(store.map_np, opened, axis=1)  # [L, k]: the opened pages' map columns
+        seen = mirror.changes  # the opened pages' map columns [L, k], as of this count of changes:
+        taken = np.take(store.map_np, opened, axis=1)  # the mirror's sync, if nothing moves meanwhile
         host_new = taken < 0
         host_req = self._host_req[:, opens]
         if opened.size and (host_new & ~host_req).any():
@@ -417,7 +421,7 @@ class PagedStepTables(PagedFetchPlan, DeferredDevice, StepTables):
             new_map = np.take(store.map_np, last, axis=1).astype(np.int64)
             u_host = new_map < 0
             rows = np.where(u_host, last_stage[None, :], new_map) * ps + off[None, :]
-        nxt = self._opened_successor(flat, starts, counts, last, seq_lens)
+        nxt = self._opened_successor(flat, starts, counts, last, seq_lens, known=(opened, taken, seen))
         nxt._new_host = u_host
         n = int(flat.size)
         nxt._stage_np = stage_col

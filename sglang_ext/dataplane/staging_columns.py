@@ -118,13 +118,14 @@ def decoded(entries: torch.Tensor) -> torch.Tensor:
     return torch.where(entries >= 0, entries, -2 - entries)
 
 
-def sync_mirror(store: SlotKVStore, mirror: MapMirror) -> int:
-    """Bring the mirror up to date for a step's tables; its sync count (tables built at one count
-    are current while it holds). The scatter must not overtake an earlier step's fetches reading
-    the mirror: they are fenced first."""
+def sync_mirror(store: SlotKVStore, mirror: MapMirror,
+                known: tuple[np.ndarray, np.ndarray, int] | None = None) -> int:
+    """Bring the mirror up to date for a step's tables (``known``: :meth:`MapMirror.sync`'s); its
+    sync count (tables built at one count are current while it holds). The scatter must not
+    overtake an earlier step's fetches reading the mirror: they are fenced first."""
     if mirror.pending:
         store.engine.wait_fence()
-    mirror.sync()
+    mirror.sync(known)
     return mirror.syncs
 
 

@@ -1,5 +1,6 @@
 """MapMirror.pending_within: the small cases' comparisons (Python sets, a 2-D compare) agree with
-np.isin, each branch."""
+np.isin, each branch; a sync with the caller's known columns takes them only when they are
+provably the sync's; a failed sync leaves its columns due."""
 
 from __future__ import annotations
 
@@ -40,6 +41,52 @@ def test_pending_within_after_sync_is_vacuous() -> None:
     assert mirror.pending_within(np.array([5, 3]))
     mirror.sync()
     assert mirror.pending_within(np.array([], dtype=np.int64))
+
+
+@pytest.mark.parametrize("case", ["used", "no pending_within", "another array", "not within",
+                                  "changed after pending_within", "columns read before a change",
+                                  "another page changed after pending_within"])
+@pytest.mark.parametrize("staged", [False, True], ids=["cpu", "staged"])
+def test_sync_takes_known_columns_only_when_they_are_the_syncs(case: str, staged: bool) -> None:
+    """``sync(known)`` skips the log's distinct pass and the map read only when the last True
+    ``pending_within`` was for this very pages array and nothing changed since (nor since the
+    columns were read). The known columns are deliberately wrong (all 99): where they are taken the
+    device copy holds 99 (the case "used" -- the control that the path runs), everywhere else the
+    sync reads the map and the device copy equals it."""
+    map_np = np.full((3, 16), -1, dtype=np.int32)
+    mirror = MapMirror(map_np, torch.device("cpu"))
+    mirror.staged = staged
+    map_np[:, [2, 7]] = [[5, 6], [7, 8], [9, 10]]
+    mirror.changed(np.array([2, 7]))
+    pages = np.array([7, 2], dtype=np.int64)
+    wrong = np.full((3, 2), 99, dtype=np.int32)
+    seen = mirror.changes
+    if case == "columns read before a change":
+        map_np[0, 2] = 11
+        mirror.changed(np.array([2]))
+    if case == "not within":
+        map_np[1, 9] = 12
+        mirror.changed(np.array([9]))
+    if case != "no pending_within":
+        assert mirror.pending_within(pages if case != "another array" else pages.copy()) is (case != "not within")
+    if case == "changed after pending_within":
+        map_np[2, 7] = 13
+        mirror.changed(np.array([7]))
+    if case == "another page changed after pending_within":  # the columns read after it: current, not within
+        map_np[2, 9] = 14
+        mirror.changed(np.array([9]))
+        seen = mirror.changes
+    syncs = mirror.syncs
+    mirror.sync((pages, wrong, seen))
+    assert not mirror.pending and mirror.syncs == syncs + 1
+    expect = torch.from_numpy(map_np).clone()
+    bits = np.packbits(map_np < 0, axis=0, bitorder="little").T
+    if case == "used":
+        expect[:, [7, 2]] = 99
+        bits[[7, 2]] = 0  # 99 >= 0: device-resident at every layer
+    assert torch.equal(mirror.dev, expect)
+    assert np.array_equal(mirror.host_bits, bits)
+    assert mirror.sync((pages, wrong, mirror.changes)) is None and torch.equal(mirror.dev, expect)  # nothing pending
 
 
 @pytest.mark.parametrize("staged", [False, True], ids=["cpu", "staged"])
