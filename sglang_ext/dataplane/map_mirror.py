@@ -110,13 +110,14 @@ class MapMirror:
         if (known is not None and known[2] == self.changes and covered is not None
                 and covered[0] == self.changes and covered[1] is known[0]):
             pages, cols = known[0], known[1]
-            self._took(pages, cols)
         else:
             pages = distinct_sorted(np.concatenate(self._log)) if len(self._log) > 1 else distinct_sorted(self._log[0])
             cols = None
         try:
             if cols is None:
                 cols = self._take(pages)
+            else:
+                self._took(pages, cols)
             k = int(pages.size)
             if not self.staged:
                 self.dev.index_copy_(1, torch.from_numpy(pages), torch.from_numpy(np.ascontiguousarray(cols)))
@@ -149,11 +150,12 @@ class MapMirror:
         return cols
 
     def _took(self, pages: np.ndarray, cols: np.ndarray) -> None:
-        """The log emptied, the bits and counts updated for the columns ``cols`` of ``pages``."""
+        """The bits and counts updated for the columns ``cols`` of ``pages``, then the log emptied
+        (a raise before leaves the log: the next sync does it again)."""
+        self.host_bits[pages] = self._bits(cols)
         self._log = []
         self._covered = None
         self.syncs += 1
-        self.host_bits[pages] = self._bits(cols)
         self.synced_columns += int(pages.size)
 
     def scatter(self, pages: torch.Tensor, cols: torch.Tensor) -> None:

@@ -89,11 +89,16 @@ def test_sync_takes_known_columns_only_when_they_are_the_syncs(case: str, staged
     assert mirror.sync((pages, wrong, mirror.changes)) is None and torch.equal(mirror.dev, expect)  # nothing pending
 
 
+@pytest.mark.parametrize(("route", "where"), [("log", "device"), ("log", "host bits"), ("known", "device"),
+                                              ("known", "host bits"), ("within", "host bits")])
 @pytest.mark.parametrize("staged", [False, True], ids=["cpu", "staged"])
-def test_a_failed_sync_leaves_the_columns_due(monkeypatch: pytest.MonkeyPatch, staged: bool) -> None:
-    """A sync whose device side raises (an upload or scatter that fails) keeps its columns
-    pending: the next sync uploads them, and the device copy equals the map again. Before, the
-    log was emptied first and the device copy stayed stale for good."""
+def test_a_failed_sync_leaves_the_columns_due(monkeypatch: pytest.MonkeyPatch, staged: bool, route: str,
+                                              where: str) -> None:
+    """A sync whose device side raises (an upload or scatter that fails), or whose host side
+    does (the host bits), keeps its columns pending: the next sync uploads them, and the device
+    copy and host bits equal the map again. Each route: the log's, the caller's known columns
+    (a host-side raise there once emptied the log for good: the review of session 76), and
+    ``sync_within``'s host side (its device side is the caller's)."""
     from sglang_ext.dataplane.pinned_upload_ring import PinnedUploadRing
 
     map_np = np.full((3, 16), -1, dtype=np.int32)
@@ -101,21 +106,27 @@ def test_a_failed_sync_leaves_the_columns_due(monkeypatch: pytest.MonkeyPatch, s
     mirror.staged = staged
     map_np[:, [2, 7]] = [[5, 6], [7, 8], [9, 10]]
     mirror.changed(np.array([2, 7]))
+    pages = np.array([2, 7])
+    assert mirror.pending_within(pages)
+    known = (pages, np.take(map_np, pages, axis=1), mirror.changes) if route == "known" else None
 
     def fail(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("simulated device failure")
+        raise RuntimeError("simulated failure")
 
-    if staged:
+    if where == "host bits":
+        monkeypatch.setattr(MapMirror, "_bits", staticmethod(fail))
+    elif staged:
         monkeypatch.setattr(PinnedUploadRing, "upload", fail)
     else:
         monkeypatch.setattr(mirror, "dev", _FailingCopy(mirror.dev))
     with pytest.raises(RuntimeError, match="simulated"):
-        mirror.sync()
+        mirror.sync_within(pages) if route == "within" else mirror.sync(known)
     monkeypatch.undo()
     assert mirror.pending and mirror.pending_within(np.array([2, 7]))
     assert not torch.equal(mirror.dev, torch.from_numpy(map_np))  # control: stale after the failure
     mirror.sync()
     assert not mirror.pending and torch.equal(mirror.dev, torch.from_numpy(map_np))
+    assert np.array_equal(mirror.host_bits, np.packbits(map_np < 0, axis=0, bitorder="little").T)
 
 
 class _FailingCopy:
