@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from sglang_ext.dataplane.distinct_ids import DistinctIds
-from sglang_ext.dataplane.sorted_ids import has_repeats
+from sglang_ext.dataplane.sorted_ids import ascending, has_repeats
 
 
 class BlockAllocator:
@@ -28,6 +28,9 @@ class BlockAllocator:
         """The top ``_held`` entries of the free stack are the ids last freed with ``hold`` (a
         step's staging pages, in their order): :meth:`alloc` takes from under them while it can,
         so the next step's :meth:`retake` finds them whole."""
+        self._lent: np.ndarray | None = None
+        """The last :meth:`renew`'s ids (read-only): distinct and in range by construction, so a
+        :meth:`free` with ``hold`` of this very array checks only that each is still in use."""
 
     @property
     def free_count(self) -> int:
@@ -79,16 +82,42 @@ class BlockAllocator:
         self._in_use[ids[:m]] = True
         return m
 
+    def renew(self, ids: np.ndarray, extra: int) -> tuple[int, np.ndarray | None]:
+        """A step's staging again: :meth:`retake` of ``ids`` (int64, as freed with ``hold``), then
+        as many new ids as that left out plus ``extra``. Returns ``(kept, joined)``: the kept
+        prefix of ``ids`` then the new ids ascending, one read-only array that a :meth:`free`
+        with ``hold`` trusts (distinct and in range: the kept ids were the top of the free
+        stack, the new ones came from under them). ``(kept, None)``, nothing taken (the kept
+        ids held again), when too few are free."""
+        m = self.retake(ids)
+        more = self.alloc(int(ids.size) - m + extra)
+        if more is None:
+            if m:
+                self.free(ids[:m], hold=True)
+            return m, None
+        joined = np.empty(m + more.size, dtype=np.int64)
+        joined[:m] = ids[:m]
+        joined[m:] = ascending(more)
+        joined.flags.writeable = False
+        self._lent = joined
+        return m, joined
+
     def free(self, ids, *, hold: bool = False) -> None:  # noqa: ANN001 - a sequence of ints or an int array
         """Return ids; raises ValueError (freeing nothing) on an unknown or already free id.
         ``hold``: a step's staging pages the next step will :meth:`retake` -- kept on top of the
         free stack, in this order, while allocations can be served from under them (ids freed
-        later without ``hold`` go under them too); a later ``hold`` replaces them."""
+        later without ``hold`` go under them too); a later ``hold`` replaces them. The last
+        :meth:`renew`'s array freed with ``hold`` is checked only for ids no longer in use."""
+        trusted = hold and ids is self._lent and ids is not None
         arr = np.asarray(ids, dtype=np.int64).reshape(-1)
         if not arr.size:
             return
+        if trusted:  # distinct and in range by construction (renew): in use is all there is to check
+            if not self._in_use[arr].all():
+                self._refuse(arr)
+            self._lent = None
         # one reduction for the range (a negative id is huge as unsigned); repeats without a sort
-        if int(arr.view(np.uint64).max()) >= self.capacity or not self._in_use[arr].all() or (
+        elif int(arr.view(np.uint64).max()) >= self.capacity or not self._in_use[arr].all() or (
                 arr.size > 1 and not self._ids.distinct(arr)):
             self._refuse(arr)
         self._in_use[arr] = False

@@ -374,7 +374,7 @@ class PagedStepTables(PagedFetchPlan, DeferredDevice, StepTables):
         for staging: the map changed since these were built in the opened pages' columns only.
         Then the host-only (layer, request) pairs, the fetch groups and their triggers are these
         -- provided each opened page is host-only only at layers where its request already was
-        (else None) -- and the staging pages are these again (``room.retake``: as
+        (else None) -- and the staging pages are these again (``room.renew``: as
         :meth:`LayerPipeline.end_step` gave them back, but for those the boundary's placement of
         the opened pages took meanwhile, replaced), plus one per opened page of a staged request.
         Rebuilt: the page lists (one insert), the fetches' sizes, the new tokens' rows,
@@ -393,11 +393,12 @@ class PagedStepTables(PagedFetchPlan, DeferredDevice, StepTables):
             return None  # a new host-only (layer, request): new fetch groups
         stage_new = host_req.any(axis=0)  # opened pages of staged requests
         old = self.staging_ids
-        kept = room.retake(old)  # those the boundary's placements did not take meanwhile
-        more = room.take(old.size - kept + int(stage_new.sum()))
-        if more is None:
-            room.give_back(old[:kept])
+        # those the boundary's placements did not take meanwhile, then new ones for the others and
+        # the opened pages of staged requests
+        kept, joined = room.renew(old, int(stage_new.sum()))
+        if joined is None:
             return None
+        more = joined[kept:]
         stage_col = self._stage_np  # the uploaded entries: shared pages' readers encoded
         if kept < old.size and self._shared_staging:  # every column reading a taken page gets its new one
             stage_col = restaged(stage_col, old[kept:], more[: old.size - kept])
@@ -425,7 +426,7 @@ class PagedStepTables(PagedFetchPlan, DeferredDevice, StepTables):
         nxt._new_host = u_host
         n = int(flat.size)
         nxt._stage_np = stage_col
-        nxt.staging_ids = np.concatenate([old[:kept], more])
+        nxt.staging_ids = joined
         nxt._stage_pos = np.concatenate([self._stage_pos + np.searchsorted(ends, self._stage_pos, side="right"),
                                          (ends + np.arange(ends.size))[stage_new]])
         nxt.dirty_ids = store.identity_ids(last)[~u_host]

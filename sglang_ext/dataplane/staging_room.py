@@ -55,15 +55,19 @@ class StagingRoom:
         # consecutive, so its fetch is a few strided runs, not one copy per page (copy engines)
         return ascending(np.asarray(ids, dtype=np.int64))
 
-    def retake(self, ids: np.ndarray) -> int:
+    def renew(self, ids: np.ndarray, extra: int) -> tuple[int, np.ndarray | None]:
         """Reserve again the leading pages of ``ids`` -- the staging the last step gave back, in
-        its order -- that nothing allocated since (:meth:`BlockAllocator.retake`); how many."""
-        m = self.store.allocator.retake(ids)
-        self.residency.staging_lent += m
-        return m
+        its order -- that nothing allocated since, and new pages for the others plus ``extra``
+        (:meth:`BlockAllocator.renew`): ``(kept, pages)``, the kept ones first, the new ones
+        ascending; ``(kept, None)``, nothing reserved, when too few are free."""
+        kept, joined = self.store.allocator.renew(ids, extra)
+        self.wanted = int(ids.size) - kept + extra
+        if joined is not None:
+            self.residency.staging_lent += int(joined.size)
+        return kept, joined
 
     def give_back(self, ids: np.ndarray | None) -> None:
-        """Return a step's staging pages (held for the next step's :meth:`retake`: allocations
+        """Return a step's staging pages (held for the next step's :meth:`renew`: allocations
         meanwhile are served from under them, :meth:`BlockAllocator.free`)."""
         if ids is not None and ids.size:
             self.store.allocator.free(ids, hold=True)

@@ -1,5 +1,6 @@
 """BlockAllocator: low ids first, LIFO reuse (under a held run while it fits), all-or-nothing alloc,
-refused frees change nothing, held staging retaken whole."""
+refused frees change nothing, held staging retaken whole; a renewed staging is trusted by its
+free exactly as far as its construction proves."""
 
 import numpy as np
 import pytest
@@ -83,15 +84,79 @@ def test_an_allocation_larger_than_what_lies_under_the_held_run_takes_its_last_i
     assert a.alloc(2).tolist() == [6, 7] and a.alloc(1) is None
 
 
+def test_renew_keeps_the_retaken_prefix_and_adds_new_ids_ascending():
+    """``renew``: the prefix ``retake`` finds, then the new ids (those the placement took plus
+    ``extra``) ascending, as one read-only array; too few free: nothing taken, the prefix held
+    again (the next renew finds it whole)."""
+    a = BlockAllocator(12, "pages")
+    a.alloc(2)  # [0, 1]
+    staging = a.alloc(4)  # [2, 3, 4, 5]
+    a.free(staging, hold=True)
+    assert a.alloc(5).tolist() == [6, 7, 8, 9, 10]  # from under the held run (the free stack's order), the run kept
+    a.free(np.array([7, 8]))  # back under the run, in this order: popped 8 then 7
+    kept, joined = a.renew(staging, 2)
+    assert kept == 4 and joined.tolist() == [2, 3, 4, 5, 7, 8] and not joined.flags.writeable
+    assert a.used_ids() == set(range(11)) and a.free_count == 1
+    with pytest.raises(ValueError, match="read-only"):
+        joined[0] = 9
+    a.free(joined, hold=True)
+    kept, none = a.renew(joined, 2)  # all six retaken, but only one more id (11) is free
+    assert kept == 6 and none is None and a.free_count == 7 and a.used_ids() == {0, 1, 6, 9, 10}
+    kept, again = a.renew(joined, 0)  # the run was held again whole
+    assert kept == 6 and again.tolist() == joined.tolist() and a.free_count == 1
+
+
+def test_a_renewed_staging_freed_with_hold_skips_only_the_checks_its_construction_proves(monkeypatch):
+    """The free of the last renew's array with ``hold`` does not check range or repeats (the
+    array is distinct and in range by construction, and read-only) but still refuses an id no
+    longer in use, changing nothing. Controls: an equal copy of it, or the array freed without
+    ``hold``, gets the repeat check; the array freed twice is refused the second time."""
+    from sglang_ext.dataplane.distinct_ids import DistinctIds
+
+    calls = []
+    real = DistinctIds.distinct
+
+    def counted(self, ids):
+        calls.append(int(ids.size))
+        return real(self, ids)
+
+    monkeypatch.setattr(DistinctIds, "distinct", counted)
+    a = BlockAllocator(10, "pages")
+    staging = a.alloc(4)
+    a.free(staging, hold=True)
+    _, joined = a.renew(staging, 1)
+    calls.clear()
+    a.free(joined, hold=True)
+    assert calls == [] and a.free_count == 10  # trusted: no repeat check
+    with pytest.raises(ValueError, match="double free"):
+        a.free(joined, hold=True)  # the trust ends with the free: checked, refused
+    _, joined = a.renew(joined, 0)
+    a.free(joined.copy(), hold=True)  # control: an equal copy is checked
+    assert calls == [5]
+    _, joined = a.renew(joined, 0)
+    a.free(joined)  # control: without hold, checked
+    assert calls == [5, 5]
+    _, joined = a.renew(joined, 0)
+    a.free(joined[:1])  # one of them goes back by another route
+    used = a.used_ids()
+    with pytest.raises(ValueError, match=f"double free of block {joined[0]}"):
+        a.free(joined, hold=True)  # trusted, yet the in-use check refuses it
+    assert a.used_ids() == used
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["alloc", "free", "hold", "retake"]), st.integers(0, 7)), max_size=40))
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "free", "hold", "retake", "renew", "give"]), st.integers(0, 7)),
+                max_size=40))
 def test_random_sequences_keep_the_free_stack_exact(ops):
-    """Whatever the order of allocations, frees (held or not) and retakes: the free stack holds
-    every free id once and nothing else, ``alloc`` hands out only free ids, ``retake`` a prefix
-    of its ids that were free; and held staging with only room-fitting allocations and other
-    frees since is retaken whole."""
+    """Whatever the order of allocations, frees (held or not), retakes and renews (and the
+    renewed arrays given back with ``hold``, trusted): the free stack holds every free id once
+    and nothing else, ``alloc`` hands out only free ids, ``retake`` a prefix of its ids that were
+    free, ``renew`` that prefix then free ids (or nothing, the prefix held again); held staging
+    with only room-fitting allocations and other frees since is retaken whole; a renewed array
+    some of whose ids went back by another route is refused, changing nothing."""
     a = BlockAllocator(16, "pages")
     used: set[int] = set()
+    lent: np.ndarray | None = None
     held: np.ndarray | None = None
     under = 0  # ids the allocations since the hold could take from under it
     whole = False
@@ -120,6 +185,29 @@ def test_random_sequences_keep_the_free_stack_exact(ops):
             assert m == held.size or not whole
             used |= set(held[:m].tolist())
             held, whole = None, False
+        elif op == "renew" and held is not None:
+            free_before = set(range(16)) - used
+            m, joined = a.renew(held, k % 3)
+            assert set(held[:m].tolist()) <= free_before
+            assert m == held.size or not whole
+            if joined is None:  # nothing taken: the prefix is the held run now
+                assert held.size - m + k % 3 > len(free_before) - m
+                held, under, whole = (held[:m], a.free_count - m, True) if m else (None, 0, False)
+            else:
+                assert joined[:m].tolist() == held[:m].tolist() and not joined.flags.writeable
+                assert set(joined[m:].tolist()) <= free_before - set(held[:m].tolist())
+                assert len(set(joined.tolist())) == joined.size == held.size + k % 3
+                used |= set(joined.tolist())
+                lent, held, whole = joined, None, False
+        elif op == "give" and lent is not None:
+            if set(lent.tolist()) <= used:
+                a.free(lent, hold=True)
+                used -= set(lent.tolist())
+                held, under, whole = lent, a.free_count - lent.size, True
+            else:  # some went back by another route
+                with pytest.raises(ValueError, match="double free"):
+                    a.free(lent, hold=True)
+            lent = None
         stack = a._free[: a._top].tolist()
         assert sorted(stack) == sorted(set(range(16)) - used) and a.free_count == 16 - len(used)
         # the run kept apart is what is left of the held ids, in order, on top

@@ -192,13 +192,14 @@ def _without_hold(monkeypatch: pytest.MonkeyPatch) -> None:
 def _retakes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """(staging pages retaken, of how many) per staged advance."""
     kept: list[tuple[int, int]] = []
-    retake = StagingRoom.retake
+    renew = StagingRoom.renew
 
-    def counted(room: StagingRoom, ids: np.ndarray) -> int:
-        kept.append((retake(room, ids), int(ids.size)))
-        return kept[-1][0]
+    def counted(room: StagingRoom, ids: np.ndarray, extra: int) -> tuple[int, np.ndarray | None]:
+        got = renew(room, ids, extra)
+        kept.append((got[0], int(ids.size)))
+        return got
 
-    monkeypatch.setattr(StagingRoom, "retake", counted)
+    monkeypatch.setattr(StagingRoom, "renew", counted)
     return kept
 
 
@@ -371,7 +372,7 @@ def test_a_staged_advance_that_keeps_stale_launches_or_staging_is_caught(monkeyp
     """Controls for :meth:`PagedStepTables.advanced_staged`: one that keeps the last step's fetch
     launches (their request ids' offsets and sizes from before the opened pages) is caught by the
     comparison with a fresh build -- on the CPU the copies come from the host arrays, so only the
-    CUDA kernel would read the stale offsets; one whose retake claims every staging page back
+    CUDA kernel would read the stale offsets; one whose renew claims every staging page back
     although the opened pages' placement took some (staging over placed pages) is caught by the
     step's checks (staging disjoint from placed pages, the layers' reads). Without the mistakes the same scenario
     passes (the tests above)."""
@@ -390,14 +391,18 @@ def test_a_staged_advance_that_keeps_stale_launches_or_staging_is_caught(monkeyp
         monkeypatch.setattr(PagedStepTables, "advanced_staged", stale)
     else:
         _without_hold(monkeypatch)  # the placement takes some staging pages
-        retake = StagingRoom.retake
-
-        def claims_all(room: StagingRoom, ids: np.ndarray) -> int:
-            if retake(room, ids) < ids.size:
+        def claims_all(room: StagingRoom, ids: np.ndarray, extra: int) -> tuple[int, np.ndarray | None]:
+            m = room.store.allocator.retake(ids)  # what renew retakes, then claimed whole
+            room.residency.staging_lent += m
+            if m < ids.size:
                 ran.append(1)
-            return int(ids.size)
+            more = room.take(extra)  # new pages for the opened ones only
+            if more is None:
+                room.give_back(ids[:m])
+                return 0, None
+            return int(ids.size), np.concatenate([ids, more])
 
-        monkeypatch.setattr(StagingRoom, "retake", claims_all)
+        monkeypatch.setattr(StagingRoom, "renew", claims_all)
     with pytest.raises((AssertionError, ValueError)):
         _staged_scenario()
     assert ran, "the mistake never ran: the control proves nothing"

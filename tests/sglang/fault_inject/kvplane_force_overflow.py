@@ -15,7 +15,7 @@ def patch(module) -> None:  # noqa: ANN001
     rest (``LayeredKVCore.overflow``), the path a batch whose staging exceeds the device takes."""
     flag = os.environ["KVPLANE_TEST_FORCE_OVERFLOW_FILE"]
     room = module.StagingRoom
-    real_take, real_retake, real_make_room_for = room.take, room.retake, room.make_room_for
+    real_take, real_renew, real_make_room_for = room.take, room.renew, room.make_room_for
 
     def take(self, n):  # noqa: ANN001, ANN202
         if n > 0 and os.path.exists(flag):
@@ -23,10 +23,13 @@ def patch(module) -> None:  # noqa: ANN001
             return None
         return real_take(self, n)
 
-    def retake(self, ids):  # noqa: ANN001, ANN202
-        return 0 if os.path.exists(flag) else real_retake(self, ids)
+    def renew(self, ids, extra):  # noqa: ANN001, ANN202
+        if ids.size + extra > 0 and os.path.exists(flag):
+            self.wanted = int(ids.size) + extra
+            return 0, None
+        return real_renew(self, ids, extra)
 
     def make_room_for(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         return False if os.path.exists(flag) else real_make_room_for(self, *args, **kwargs)
 
-    room.take, room.retake, room.make_room_for = take, retake, make_room_for
+    room.take, room.renew, room.make_room_for = take, renew, make_room_for
