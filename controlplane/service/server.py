@@ -25,6 +25,7 @@ from controlplane.service.interceptors import (
     ErrorMappingInterceptor,
     RateLimitInterceptor,
 )
+from controlplane.service.lock_safe_health_servicer import LockSafeHealthServicer
 from controlplane.service.metrics import ServiceMetrics
 from controlplane.service.policy_servicer import PolicyServicer
 from controlplane.service.session_servicer import SessionServicer
@@ -128,7 +129,7 @@ class ControlPlaneServer:
         self,
         grpc_server: grpc.Server,
         port: int,
-        health_servicer: health.HealthServicer,
+        health_servicer: LockSafeHealthServicer,
         policy_servicer: PolicyServicer,
         metrics: ServiceMetrics,
         health_server: grpc.Server | None = None,
@@ -219,7 +220,7 @@ def create_server(
         pb_grpc.add_ControlPlaneServicer_to_server(session_servicer, server)
     policy_servicer = PolicyServicer(control_plane, metrics, config.max_watchers)
     pb_grpc.add_PolicyServiceServicer_to_server(policy_servicer, server)
-    health_servicer = health.HealthServicer()
+    health_servicer = LockSafeHealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
