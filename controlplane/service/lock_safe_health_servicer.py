@@ -95,7 +95,7 @@ class LockSafeHealthServicer(health_pb2_grpc.HealthServicer):
                 if self._shutting_down:
                     return
                 self._shutting_down = True
-                watchers = []
+                watchers: list[Send] = []
                 for service in self._status:
                     self._status[service] = not_serving
                     watchers += self._watchers.get(service, ())
