@@ -108,7 +108,7 @@ class BlockAllocator:
         free stack, in this order, while allocations can be served from under them (ids freed
         later without ``hold`` go under them too); a later ``hold`` replaces them. The last
         :meth:`renew`'s array freed with ``hold`` is checked only for ids no longer in use."""
-        trusted = hold and ids is self._lent and ids is not None
+        trusted = hold and self._lent is not None and ids is self._lent
         arr = np.asarray(ids, dtype=np.int64).reshape(-1)
         if not arr.size:
             return

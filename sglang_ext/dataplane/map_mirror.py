@@ -106,10 +106,9 @@ class MapMirror:
         array and nothing changed since it nor since the columns were read; else ignored."""
         if not self._log:
             return
-        covered = self._covered
-        if (known is not None and known[2] == self.changes and covered is not None
-                and covered[0] == self.changes and covered[1] is known[0]):
-            pages, cols = known[0], known[1]
+        taken = self._known(known)
+        if taken is not None:
+            pages, cols = taken
         else:
             pages = distinct_sorted(np.concatenate(self._log)) if len(self._log) > 1 else distinct_sorted(self._log[0])
             cols = None
@@ -132,15 +131,32 @@ class MapMirror:
             self.changed(pages)  # not on the device: still due (the next sync uploads them)
             raise
 
-    def sync_within(self, pages: np.ndarray) -> np.ndarray | None:
+    def sync_within(self, pages: np.ndarray,
+                    known: tuple[np.ndarray, np.ndarray, int] | None = None) -> np.ndarray | None:
         """:meth:`sync`'s host side when every pending column is one of ``pages`` (distinct; the
         caller checked :meth:`pending_within`) and the caller uploads the columns with its own
         (ONE upload for a step's tables and the mirror): returns the ``[L, k]`` int32 columns
         of ``pages`` to upload and :meth:`scatter`, or None when nothing was pending (``dev``
-        already holds them)."""
+        already holds them). ``known``: as :meth:`sync`'s, for these ``pages``."""
         if not self._log:
             return None
-        return np.ascontiguousarray(self._take(pages), dtype=np.int32)
+        taken = self._known(known) if known is not None and known[0] is pages else None
+        if taken is None:
+            cols = self._take(pages)
+        else:
+            cols = taken[1]
+            self._took(pages, cols)
+        return np.ascontiguousarray(cols, dtype=np.int32)
+
+    def _known(self, known: tuple[np.ndarray, np.ndarray, int] | None) -> tuple[np.ndarray, np.ndarray] | None:
+        """``(pages, cols)`` of ``known`` (``(pages, cols, seen)``) when they are the pending
+        sync's: :meth:`pending_within` answered True for this very ``pages`` array and nothing was
+        logged since that answer nor since the columns were read (``seen``); else None."""
+        covered = self._covered
+        if (known is None or known[2] != self.changes or covered is None or covered[0] != self.changes
+                or covered[1] is not known[0]):
+            return None
+        return known[0], known[1]
 
     def _take(self, pages: np.ndarray) -> np.ndarray:
         """The host side of a sync of ``pages`` (the log emptied, the bits and counts updated):

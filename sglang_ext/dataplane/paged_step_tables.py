@@ -339,7 +339,7 @@ class PagedStepTables(PagedFetchPlan, DeferredDevice, StepTables):
             store.engine.wait_fence()
         # the opened pages' columns ride with the tables' upload: the mirror's sync and the
         # splice read them there (one upload, where a separate sync made two)
-        synced = mirror.sync_within(opened)
+        synced = mirror.sync_within(opened, known=(opened, taken, seen))  # the columns read above
         k = int(opened.size)
         head = [opened] if synced is None else [opened, synced.reshape(-1)]
         try:
@@ -385,8 +385,9 @@ class PagedStepTables(PagedFetchPlan, DeferredDevice, StepTables):
         store, mirror = self._store, self._store.mirror
         assert mirror is not None
         layers, ps, b = store.config.layers, store.config.page_size, self._b
-        seen = mirror.changes  # the opened pages' map columns [L, k], as of this count of changes:
-        taken = np.take(store.map_np, opened, axis=1)  # the mirror's sync, if nothing moves meanwhile
+        # the opened pages' map columns [L, k] and the mirror's count of changes when read: the
+        # mirror's sync takes them if nothing moves meanwhile
+        seen, taken = mirror.changes, np.take(store.map_np, opened, axis=1)
         host_new = taken < 0
         host_req = self._host_req[:, opens]
         if opened.size and (host_new & ~host_req).any():

@@ -66,7 +66,7 @@ def test_an_opening_advance_makes_one_upload(monkeypatch, separate_sync):
     d = _driver()
     d.core.store.mirror.staged = True
     if separate_sync:
-        monkeypatch.setattr(MapMirror, "sync_within", lambda self, pages: self.sync())
+        monkeypatch.setattr(MapMirror, "sync_within", lambda self, pages, known=None: self.sync())
     uploads: list[int] = []
     real = PinnedUploadRing.upload
     monkeypatch.setattr(PinnedUploadRing, "upload", lambda self, values: (uploads.append(1), real(self, values))[1])
