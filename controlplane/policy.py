@@ -39,8 +39,9 @@ def _check_int(path: str, value: int, lo: int, hi: int) -> None:
 class LayerKVParams:
     """LayerKV §3.1 admission (Eq. 1-4)."""
 
-    ttft_slo_ms: float = 5000.0
-    """TTFT target for queued prefills."""
+    ttft_slo_ms: float = 0.0
+    """TTFT target for queued prefills that carry no TTFT SLO of their own; 0 (the default): the
+    policy's ``slo_ttft_ms``, as every other consumer of the default reads it."""
     tpot_margin: float = 0.9
     """Admission keeps predicted decode TPOT below ``tpot_margin * slo_tbt_ms`` (T_tpot of Eq. 1)."""
     max_prefill_tokens: int = 8192
@@ -59,7 +60,7 @@ class LayerKVParams:
     """FLOP per second of the device in Eq. 3, in TFLOP/s."""
 
     def __post_init__(self) -> None:
-        _check_range("layerkv.ttft_slo_ms", self.ttft_slo_ms, 0.0, 1e7, open_lo=True)
+        _check_range("layerkv.ttft_slo_ms", self.ttft_slo_ms, 0.0, 1e7)
         _check_range("layerkv.tpot_margin", self.tpot_margin, 0.0, 1.0, open_lo=True)
         _check_int("layerkv.max_prefill_tokens", self.max_prefill_tokens, 1, 1 << 24)
         _check_int(

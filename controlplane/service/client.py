@@ -77,8 +77,9 @@ class GrpcControlPlane:
         max_message_bytes: int = 4 * 1024 * 1024,
         metrics: ClientMetrics | None = None,
     ) -> None:
-        if not 0 < timeout_s <= 3600:
-            raise ValueError(f"timeout_s: {timeout_s} is out of range (allowed (0, 3600])")
+        for name, value in (("timeout_s", timeout_s), ("plan_timeout_s", plan_timeout_s)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 3600:
+                raise ValueError(f"{name}: {value!r} is out of range (allowed (0, 3600])")
         self.target = parse_target(target)
         self._token = token
         self._timeout_s = timeout_s

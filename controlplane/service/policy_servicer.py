@@ -31,6 +31,10 @@ from kvplane.v1 import controlplane_pb2_grpc as pb_grpc
 log = structlog.get_logger(__name__)
 
 _STOP = object()
+"""A watch's queue item: its client went away (the stream just ends)."""
+_GONE = object()
+"""A watch's queue item: the policy source ended (server stop, a failed source); the stream
+ends UNAVAILABLE, so a client tells an outage from a normal end."""
 
 
 class PolicyServicer(pb_grpc.PolicyServiceServicer):
@@ -79,13 +83,14 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
             else:
                 new = self._cp.update_policy(changes, bearer_token(context))
         self._metrics.policy_version.set(new.version)
-        log.info(
-            "policy_audit",
-            actor=actor,
-            old_version=old.version,
-            new_version=new.version,
-            changes=changes,
-        )
+        if new.version != old.version:  # a change that changes nothing makes no version (PolicyStore.update)
+            log.info(
+                "policy_audit",
+                actor=actor,
+                old_version=old.version,
+                new_version=new.version,
+                changes=changes,
+            )
         return pb.UpdatePolicyResponse(policy=policy_convert.policy_to_proto(new), old_version=old.version)
 
     # ------------------------------------------------------------ watch
@@ -114,7 +119,7 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
                 self._pump = None
                 watchers = list(self._watchers)
             for q in watchers:
-                _stop(q)
+                _stop(q, _GONE)
 
     def _broadcast(self, policy: Policy) -> None:
         self._metrics.policy_version.set(policy.version)
@@ -136,7 +141,7 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
         with self._lock:
             watchers = list(self._watchers)
         for q in watchers:
-            _stop(q)
+            _stop(q, _GONE)
 
     def WatchPolicy(
         self, request: pb.WatchPolicyRequest, context: grpc.ServicerContext
@@ -155,13 +160,17 @@ class PolicyServicer(pb_grpc.PolicyServiceServicer):
         try:
             last = self._cp.get_policy()
             yield pb.PolicyEvent(policy=policy_convert.policy_to_proto(last))
-            while context.is_active() and not self._stopped.is_set():
+            while context.is_active():
+                if self._stopped.is_set():
+                    raise _unavailable()
                 try:
                     item = q.get(timeout=self._poll_s)
                 except queue.Empty:
                     continue
                 if item is _STOP:
                     return
+                if item is _GONE:
+                    raise _unavailable()
                 if item.version <= last.version:
                     continue  # already sent (raced with the initial GetPolicy)
                 last = item
@@ -179,12 +188,16 @@ def _drain(q: queue.Queue[Any]) -> None:
             return
 
 
-def _stop(q: queue.Queue[Any]) -> None:
-    """End a watch without blocking: a full queue (a watcher that stopped reading) is drained
-    first -- its policies are moot once the watch ends."""
+def _unavailable() -> api.Unavailable:
+    return api.Unavailable("policy watch: the policy service is shutting down or lost its source; watch again")
+
+
+def _stop(q: queue.Queue[Any], item: object = _STOP) -> None:
+    """End a watch (``item``: :data:`_STOP` or :data:`_GONE`) without blocking: a full queue (a
+    watcher that stopped reading) is drained first -- its policies are moot once the watch ends."""
     while True:
         try:
-            q.put_nowait(_STOP)
+            q.put_nowait(item)
             return
         except queue.Full:
             _drain(q)

@@ -184,7 +184,8 @@ class PolicyServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchPolicy(self, request, context):
-        """The current policy first, then every accepted update, until the client cancels.
+        """The current policy first, then every accepted update, until the client cancels; a watch the
+        server ends (shutdown, a lost policy source) ends UNAVAILABLE: watch again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -119,7 +119,6 @@ class ControlledPolicy(BasePolicy):
             victim_rule=self.victim_rule,
             deposit_credit=self.deposit_credit,
             layerkv=LayerKVParams(
-                ttft_slo_ms=ttft,
                 model_params=p.n_params,
                 # LayerKV Eq. 3 with n_hidden read as L*h, as the simulator's prefill model.
                 hidden_size=p.layers * p.hidden,

@@ -27,7 +27,6 @@ class LayerKVPolicy(BasePolicy):
             slo_ttft_ms=self.cp_policy.slo_ttft_ms,
             scheduler="layerkv",
             layerkv=LayerKVParams(
-                ttft_slo_ms=self.cp_policy.slo_ttft_ms,
                 model_params=p.n_params,
                 hidden_size=p.layers * p.hidden,
                 device_tflops=p.prefill_tflops,

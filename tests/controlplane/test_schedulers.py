@@ -271,6 +271,28 @@ def test_kvplane_layerkv_ages_waiting_prompts() -> None:
     assert make_scheduler("layerkv").schedule(late).admit == ("a",)  # 900 + 200 >= 1000
 
 
+def test_kvplane_layerkv_ages_by_the_policy_ttft_slo_by_default() -> None:
+    """Scenario: a prompt without its own TTFT SLO. It ages against the policy's ``slo_ttft_ms``
+    (the default every other reader of it uses) unless ``layerkv.ttft_slo_ms`` overrides it; it
+    aged against a separate 5000 ms default, so a policy's tighter TTFT SLO never reached
+    LayerKV's admission (control-plane review, session 77)."""
+    model = {"model_params": 1e9, "hidden_size": 1000, "device_tflops": 1.0}
+    tight = req("d", gen=100, slo=100.0, first_seen=0.0)
+    queued = (q("a", 100, arrival=8600.0),)  # no own TTFT SLO; T_prefill = 200.02 ms
+    late = {"now": 9500.0, "running": (tight,), "queued": queued}  # 900 + 200 >= 1000 = 0.5 * 2000
+    inherit = Policy.from_dict({"slo_ttft_ms": 2000.0, "layerkv": model})
+    assert inherit.layerkv.ttft_slo_ms == 0.0
+    assert make_scheduler("layerkv").schedule(view(**late, policy=inherit)).admit == ("a",)
+    # the controls: a looser policy SLO, or a looser override, holds it
+    loose = Policy.from_dict({"slo_ttft_ms": 5000.0, "layerkv": model})
+    assert make_scheduler("layerkv").schedule(view(**late, policy=loose)).admit == ()
+    override = Policy.from_dict({"slo_ttft_ms": 2000.0, "layerkv": {**model, "ttft_slo_ms": 5000.0}})
+    assert make_scheduler("layerkv").schedule(view(**late, policy=override)).admit == ()
+    # and an override tighter than the policy's SLO is the one aged against
+    tighter = Policy.from_dict({"slo_ttft_ms": 5000.0, "layerkv": {**model, "ttft_slo_ms": 2000.0}})
+    assert make_scheduler("layerkv").schedule(view(**late, policy=tighter)).admit == ("a",)
+
+
 def test_kvplane_layerkv_admits_by_batch_limits_not_memory() -> None:
     """With nothing decoding, kvplane's rule admits within the batch limits even with no free
     memory (the prompt keeps 0 layers, offloaded at prefill); the paper's rule admits nothing."""

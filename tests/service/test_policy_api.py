@@ -63,6 +63,13 @@ def test_update_with_right_token_is_applied_and_audited(served, connect) -> None
         ({"ewma_factor": 1.5}, "ewma_factor: 1.5 is out of range"),
         ({"scheduler": "magic"}, "scheduler: 'magic' is not one of"),
         ({"layerkv": {"tpot_margin": 0.0}}, "layerkv.tpot_margin"),  # the API path (was scheduler_params.layerkv...)
+        # wrong types protobuf itself would coerce (True -> 1.0, 2 -> True): refused as the
+        # embedded control plane refuses them (control-plane review, session 77)
+        ({"slo_tbt_ms": True}, "slo_tbt_ms: expected a number, got True"),
+        ({"deposit_credit": 2}, "deposit_credit: expected true or false, got 2"),
+        ({"deposit_credit": 1}, "deposit_credit: expected true or false, got 1"),
+        ({"victim_rule": False}, "victim_rule: expected a string, got False"),
+        ({"layerkv": {"max_prefill_tokens": True}}, "layerkv.max_prefill_tokens: expected a number, got True"),
     ],
 )
 def test_invalid_update_names_field_and_range(served, connect, changes, fragment) -> None:  # type: ignore[no-untyped-def]
@@ -72,6 +79,26 @@ def test_invalid_update_names_field_and_range(served, connect, changes, fragment
         client.update_policy(changes)
     assert fragment in str(info.value)
     assert client.get_policy().version == 1
+
+
+def test_update_that_changes_nothing_makes_no_version_and_no_audit(served, connect) -> None:  # type: ignore[no-untyped-def]
+    """Scenario: an update naming the current values. The store keeps the version and writes no
+    audit record; the service logs no ``policy_audit`` either (it logged one per call) and answers
+    ``old_version`` equal to the policy's version. The control: a real change right after is audited."""
+    client = connect(served.target, token=TOKEN)
+    current = client.get_policy()
+    with capture_logs() as logs:
+        same = client.update_policy({"alpha": current.alpha, "deposit_credit": current.deposit_credit})
+    assert same == current
+    assert [e for e in logs if e["event"] == "policy_audit"] == []
+    raw = pb_grpc.PolicyServiceStub(client._channel).UpdatePolicy(  # noqa: SLF001 - the raw answer's old_version
+        pb.UpdatePolicyRequest(changes=pb.Policy(alpha=current.alpha)),
+        metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=5)
+    assert raw.old_version == raw.policy.version == current.version
+    with capture_logs() as logs:
+        client.update_policy({"alpha": current.alpha / 2})
+    assert [(e["old_version"], e["new_version"]) for e in logs if e["event"] == "policy_audit"] == [
+        (current.version, current.version + 1)]
 
 
 def test_empty_update_is_invalid(served, channel) -> None:  # type: ignore[no-untyped-def]
@@ -105,6 +132,32 @@ def test_watch_gets_current_then_every_update(served, connect) -> None:  # type:
     t.join(10)
     assert seen == [2, 3, 4]
     watch.close()
+
+
+def test_watch_ended_by_server_stop_is_unavailable(serve, connect) -> None:  # type: ignore[no-untyped-def]
+    """Scenario: the server stops while a policy watch is open. The watch ends UNAVAILABLE (the
+    client's iterator raises ``api.Unavailable``), not OK as if it had ended normally -- a watcher
+    must tell an outage from the end (control-plane review, session 77). The control: a watch the
+    client closes ends without an error."""
+    served = serve()
+    client = connect(served.target)
+    closed = client.watch_policy()
+    assert next(closed).version == 1
+    closed.close()  # the client's own end: no error
+    watch = client.watch_policy()
+    assert next(watch).version == 1
+    raw_channel = grpc.insecure_channel(served.target)
+    raw = pb_grpc.PolicyServiceStub(raw_channel).WatchPolicy(pb.WatchPolicyRequest(), timeout=30)
+    assert next(raw).policy.version == 1
+    stopper = threading.Timer(0.3, lambda: served.server.stop(2.0))
+    stopper.start()
+    with pytest.raises(api.Unavailable, match="policy watch: the policy service is shutting down"):
+        next(watch)
+    with pytest.raises(grpc.RpcError) as info:
+        next(raw)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    stopper.join(10)
+    raw_channel.close()
 
 
 def test_policy_update_racing_with_sessions(served, connect) -> None:  # type: ignore[no-untyped-def]

@@ -294,7 +294,7 @@ class LayerKVScheduler:
         retained: dict[str, int] = {}
         for q in sorted(view.queued, key=lambda q: (q.arrival_ms, q.id)):
             t_prefill = prefill_ms(q.prompt_tokens, params)
-            ttft = q.slo_ttft_ms if q.slo_ttft_ms is not None else params.ttft_slo_ms
+            ttft = q.slo_ttft_ms if q.slo_ttft_ms is not None else (params.ttft_slo_ms or view.policy.slo_ttft_ms)
             aged = view.now_ms - q.arrival_ms + t_prefill >= AGING_FRACTION * ttft
             b = prompt_blocks(q.prompt_tokens, bs)
             if oversize(q.prompt_tokens):
