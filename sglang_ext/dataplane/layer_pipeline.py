@@ -220,15 +220,21 @@ class LayerPipeline:
             self._write_back_parked(parked, self.engine.index_tensor(src), self.engine.index_tensor(dst), (src, dst))
 
     def end_step(self) -> None:
-        """The forward is over: staging goes back (its reuse is fenced by the next step)."""
-        tables, self.tables = self.tables, None
-        self._started = True  # nothing to start until the next step begins
-        self._written_back = None  # the next step's fence (or at-rest sync) orders it
+        """The forward is over: staging goes back (its reuse is fenced by the next step). The
+        step is held until its copies are launched: a launch that raises (the parked tokens'
+        write-back of a forward that stopped early, the graph's join) leaves it held, and the
+        next ``end_step`` -- the next boundary's, or the next step's begin -- tries again (the
+        parked tokens go once: ``_parked_out``). Forgotten first, it lost those tokens and
+        never gave its staging back (data-plane review, session 77)."""
+        tables = self.tables
         if tables is not None and self._graphed:  # the graph's copies, joined into the compute stream
-            self._graphed = False
             self.engine.after_graph()
+            self._graphed = False
         elif tables is not None:
             self._write_back_reached(tables)
+        self.tables = None
+        self._started = True  # nothing to start until the next step begins
+        self._written_back = None  # the next step's fence (or at-rest sync) orders it
         self.engine.end_compute()
         if tables is not None:
             self._clear_events()

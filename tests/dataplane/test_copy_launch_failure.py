@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
+from sglang_ext.dataplane.slot_results import RequestResidency
 from tests.dataplane.core_driver import LAYERS, PAGES, CoreDriver, make_core
 
 
@@ -161,3 +163,47 @@ def test_a_pass_whose_loads_raise_after_giving_up_orphans_keeps_the_reclaimable_
     assert d.core.free_device_pages() == d.core.store.allocator.free_count + left
     d.step([("b", 1)])  # the retry loads them
     d.check_at_rest()
+
+
+def test_a_failed_write_back_of_a_stopped_forward_keeps_the_step_for_the_next_boundary(monkeypatch):
+    """Scenario (data-plane review, session 77): a wants layers 0 and 2 on host, so a decode step
+    parks its new token at them and writes it back after layer 2. A forward stops after layer 1;
+    the next boundary's ``end_step`` writes the token's layer-0 K/V back, and that D2H launch
+    raises. The pipeline keeps the step (the staging still lent), the boundary after it writes
+    the token back and gives the staging back: every token reads back right at the layers
+    written, and the map and the allocator agree. Negative control (the step forgotten before
+    its write-back, as it was): the token's layer 0 reads wrong and the staging pages stay in
+    use with no map entry."""
+    driver = CoreDriver(make_core(PAGES + 6), seed=1)
+    driver.add("a")
+    driver.step([("a", 5)])
+    driver.want("a", [False, True, False])
+    driver.step([("a", 1)])
+    driver.check_at_rest()
+    core = driver.core
+    new = driver._grow("a", 1)
+    loc = torch.tensor(new)
+    core.prepare_step([("a", torch.tensor(driver.slots["a"]))], loc, [1])
+    for layer in range(2):  # the forward stops after layer 1
+        core.enter_layer(layer)
+        k, v = driver._layer_kv(layer, loc)
+        core.write(layer, loc, k, v)
+        core.exit_layer(layer)
+    assert core.tables.token_writeback is not None and core.store.staging_pages > 0
+    lent = core.store.staging_pages
+    want = {"a": RequestResidency(pages=driver.pages("a"), gpu_layers=(False, True, False))}
+    with monkeypatch.context() as patch:
+        patch.setattr(core.store.engine, "_launch", _raise)
+        with pytest.raises(RuntimeError, match="injected"):
+            core.update_residency(want)
+    assert core.pipeline.active and core.store.staging_pages == lent  # held for the retry
+    core.update_residency(want)  # the next boundary: written back, the staging given back
+    store = core.store
+    assert not core.pipeline.active and store.staging_pages == 0 and core.residency.staging_lent == 0
+    mapped = store.map_np[store.map_np >= 0].tolist()
+    assert len(mapped) == len(set(mapped)) and set(mapped) == store.allocator.used_ids()
+    slots = driver.slots["a"]
+    for layer in range(2):  # layer 2 of the new token was never written
+        got_k, got_v = core.read_kv(layer, torch.tensor(slots))
+        assert torch.equal(got_k.cpu(), torch.stack([driver.shadow[(layer, s)][0] for s in slots])), layer
+        assert torch.equal(got_v.cpu(), torch.stack([driver.shadow[(layer, s)][1] for s in slots])), layer
