@@ -319,6 +319,14 @@ class LayeredKVArgs:
         """Whether streamed output is paced."""
         return self.kv_pacing == "on"
 
+    def model_error(self, layers: int) -> str | None:
+        """The refusal of these values for a model of ``layers`` layers (known once its config is
+        read, at launch), or None: ``--kv-recompute-layers`` past them was clamped silently."""
+        rl = self.kv_recompute_layers
+        if rl is not None and rl > layers:
+            return f"--kv-recompute-layers={rl} is out of range [0, {layers}] (the model's layers)"
+        return None
+
     def to_json(self) -> str:
         """Serialise for :data:`ENV_VAR`."""
         return json.dumps(asdict(self), sort_keys=True)

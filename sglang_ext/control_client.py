@@ -132,6 +132,8 @@ class ControlClient:
         self._on_outage = on_outage
         self._reopen = (reopen_initial_s, reopen_max_s)
         self._delays = _delays(*self._reopen)
+        self._backing_off = False
+        """A delay was taken since a report last went through (such a report starts them again)."""
         self._clock = clock
         self._session: WorkerSession | None = None
         self._next_open_s = 0.0
@@ -178,6 +180,8 @@ class ControlClient:
             self._drop_session(exc)
             self._fallback(self.last_error or repr(exc))
             return []
+        if self._backing_off:  # a report went through: the next outage backs off from the start
+            self._delays, self._backing_off = _delays(*self._reopen), False
         if getattr(session, "degraded", False):
             self._fallback(getattr(session, "last_error", None) or "stream down")
         else:
@@ -223,8 +227,10 @@ class ControlClient:
             self._session = None
             self.last_error = repr(exc)
             self._next_open_s = self._clock() + next(self._delays)
+            self._backing_off = True
             return
-        self._delays = _delays(*self._reopen)
+        # the delays start again once a report goes through (:meth:`report`), not here: a session
+        # that opens but whose reports raise was re-opened at the first delay forever
 
     def _drop_session(self, exc: BaseException) -> None:
         self.last_error = repr(exc)
@@ -235,6 +241,7 @@ class ControlClient:
         except Exception:
             pass
         self._next_open_s = self._clock() + next(self._delays)
+        self._backing_off = True
 
     def _fallback(self, why: str) -> None:
         self.fallback_steps += 1

@@ -243,6 +243,8 @@ class KvplanePlugin:
                 _refuse_launch(str(ctx.env_error))
             # backends, CUDA graphs, KV dtype, unsupported features; --disable-overlap-schedule
             # unless --kv-overlap-schedule on (docs/overlap-schedule.md; refused on ROCm)
+            if getattr(namespace, "device", None) is None:  # as SGLang will resolve it: not always CUDA
+                namespace.device = compat.default_device()
             try:
                 import torch  # the launcher has it loaded (SGLang's server_args imports it)
 
@@ -273,6 +275,8 @@ class KvplanePlugin:
                 if switched := self._avoid_flashinfer(model_config, server_args, decision):
                     notes = [n for n in notes if not n.startswith("--attention-backend flashinfer")] + switched
                 self._check_model(model_config, server_args)
+                if (why := layered.model_error(int(model_config.num_hidden_layers))) is not None:
+                    _refuse_launch(f"invalid launch option: {why}")
                 self._check_host_pool_floor(model_config, server_args, layered, share)
             if notes:  # said once nothing is refused (a refusal is the only line)
                 print("kvplane: with --enable-layered-kv: " + "; ".join(notes), file=sys.stderr)

@@ -19,8 +19,9 @@ Accepted: a number (int or float, not a bool) in (0, 1e7] ms, the same bound as
 :attr:`controlplane.policy.Policy.slo_tbt_ms`; a missing key or ``null`` means the policy's
 default. ``sampling_params`` may be one dict or a list of them (a ``/generate`` batch). The same
 entry refuses a ``custom_params.kvplane_return_placement`` that is not a JSON boolean
-(:mod:`sglang_ext.placement_param`) and a caller-chosen ``rid`` longer than the control plane's
-id limit (:func:`rid_error`).
+(:mod:`sglang_ext.placement_param`), any ``kvplane_*`` key that is not one of kvplane's
+(:data:`KVPLANE_PARAMS`: a misspelling, which would otherwise be ignored) and a caller-chosen
+``rid`` longer than the control plane's id limit (:func:`rid_error`).
 
 Per request: one dict lookup when the key is absent. No torch, no SGLang import.
 """
@@ -33,7 +34,10 @@ from typing import Any
 
 from controlplane.api import MAX_ID_CHARS
 from sglang_ext import compat
+from sglang_ext.placement_param import PARAM as PLACEMENT_PARAM
 from sglang_ext.placement_param import placement_param_error
+from sglang_ext.recompute_param import LAYERS as RECOMPUTE_LAYERS
+from sglang_ext.recompute_param import RATIO as RECOMPUTE_RATIO
 from sglang_ext.recompute_param import recompute_param_error
 
 MAX_RID_CHARS = MAX_ID_CHARS - 16
@@ -43,6 +47,9 @@ SLO_PARAM = "kvplane_slo_tbt_ms"
 """Key in a request's ``custom_params`` overriding its TBT SLO (ms)."""
 MAX_SLO_TBT_MS = 1e7
 """Largest accepted SLO, the same bound as :attr:`controlplane.policy.Policy.slo_tbt_ms`."""
+KVPLANE_PARAMS = (SLO_PARAM, PLACEMENT_PARAM, RECOMPUTE_RATIO, RECOMPUTE_LAYERS)
+"""Every ``custom_params`` key of kvplane's: any other ``kvplane_*`` key is refused (a misspelt one
+would otherwise be ignored, the request served as if it had not asked); other keys are SGLang's."""
 
 
 def request_slo_tbt_ms(sampling_params: Any, default_slo_tbt_ms: float) -> float:
@@ -57,7 +64,8 @@ def request_slo_tbt_ms(sampling_params: Any, default_slo_tbt_ms: float) -> float
     allowed = f"(allowed (0, {MAX_SLO_TBT_MS:g}] ms)"
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"custom_params.{SLO_PARAM}={value!r} is not a number {allowed}")
-    if not math.isfinite(value) or not 0 < value <= MAX_SLO_TBT_MS:
+    # the range first: an int past a float's range compares exactly, where isfinite would overflow
+    if not 0 < value <= MAX_SLO_TBT_MS or not math.isfinite(value):
         raise ValueError(f"custom_params.{SLO_PARAM}={value!r} is out of range {allowed}")
     return float(value)
 
@@ -71,6 +79,8 @@ def sampling_params_error(sampling_params: Any) -> str | None:
     for item in items:
         if isinstance(item, dict) and (shape := custom_params_type_error(item.get("custom_params"))):
             return shape  # SGLang types it Optional[Dict] but does not check it on /generate
+        if isinstance(item, dict) and (unknown := unknown_param_error(item.get("custom_params"))):
+            return unknown
         try:
             request_slo_tbt_ms(item, 0.0)
         except ValueError as exc:
@@ -95,6 +105,17 @@ def beam_width_error(beam_width: Any) -> str | None:
     return (f"sampling_params.beam_width={beam_width!r} is not served under --enable-layered-kv (beam "
             "search rows share their request's KV, which the layered pool does not track); send "
             "beam_width 1 or none, or serve this model without --enable-layered-kv")
+
+
+def unknown_param_error(custom: Any) -> str | None:
+    """The refusal for a ``kvplane_*`` key of ``custom_params`` that is not one of
+    :data:`KVPLANE_PARAMS` (a misspelling), or None."""
+    if not isinstance(custom, dict):
+        return None
+    for key in custom:
+        if isinstance(key, str) and key.startswith("kvplane_") and key not in KVPLANE_PARAMS:
+            return f"custom_params.{key} is not a kvplane parameter (allowed: {', '.join(KVPLANE_PARAMS)})"
+    return None
 
 
 def custom_params_type_error(custom: Any) -> str | None:

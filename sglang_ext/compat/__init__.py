@@ -35,6 +35,7 @@ from sglang_ext.compat.surface import *  # noqa: F403 -- the Target constants ar
 from sglang_ext.compat.surface import (
     ATTENTION_BACKEND_FACTORIES,
     BROADCAST_PYOBJ,
+    DEFAULT_DEVICE,
     FLASHINFER_TENSOR_CORES,
     GET_ATTN_BACKEND,
     GET_RADIX_CACHE_FACTORY,
@@ -108,6 +109,15 @@ def attention_backends() -> dict[str, Any]:
     """SGLang's ``ATTENTION_BACKENDS`` registry (name -> factory), shared with the model runner."""
     backends: dict[str, Any] = resolve(ATTENTION_BACKEND_FACTORIES.path)
     return backends
+
+
+def default_device() -> str | None:
+    """The device SGLang gives a launch without ``--device`` (its ``get_device()``), or None when
+    it finds none (SGLang says so itself when it resolves the launch)."""
+    try:
+        return str(resolve(DEFAULT_DEVICE.path)())
+    except Exception:
+        return None
 
 
 def replica_rank(dp_size: int) -> int:

@@ -21,6 +21,7 @@ from sglang_ext.compat.surface_graphs import *  # noqa: F403 -- part of the surf
 from sglang_ext.compat.surface_lifecycle import *  # noqa: F403 -- part of the surface (TARGETS, __all__)
 from sglang_ext.compat.surface_models import (  # noqa: F401 -- part of the surface (TARGETS, __all__)
     ATTENTION_ARCH,
+    DEFAULT_DEVICE,
     MODEL_CONFIG_SUPPORT,
     USES_SSM_STATE,
 )

@@ -1,5 +1,5 @@
 """The SGLang model-config objects the launcher reads to refuse models it cannot serve
-(``sglang_ext/model_support.py``).
+(``sglang_ext/model_support.py``), and the device SGLang gives a launch without ``--device``.
 
 Part of :mod:`sglang_ext.compat.surface` (imported there, so in its ``TARGETS``).
 """
@@ -24,3 +24,6 @@ ATTENTION_ARCH = Target(f"{_SRT}.configs.model_config.AttentionArch", attrs=("MH
 USES_SSM_STATE = Target(f"{_SRT}.mem_cache.kv_cache_builder.uses_ssm_state", params=("model_config",),
                         used_by=("model_support",))
 """SGLang's own test for a model keeping recurrent (SSM / linear-attention) state beside its KV."""
+DEFAULT_DEVICE = Target(f"{_SRT}.utils.common.get_device", params=("device_id",), used_by=("plugin",))
+"""What SGLang resolves an unset ``--device`` to (after the launcher's decision: ``cpu`` under
+``SGLANG_USE_CPU_ENGINE``, ``xpu``/``npu``/... on those hosts), so the decision is for that device."""

@@ -104,6 +104,15 @@ def test_bad_values_name_the_flag_and_range(argv, message):
     assert message in str(info.value)
 
 
+def test_recompute_layers_past_the_models_are_refused_once_the_model_is_known():
+    """``--kv-recompute-layers`` is checked against the model's layers at launch (the launcher's
+    line: ``test_launch_validation.py``); up to them it passes (the control), unset it passes."""
+    args = LayeredKVArgs(enable_layered_kv=True, kv_recompute_ratio=0.5, kv_recompute_layers=5)
+    assert args.model_error(4) == "--kv-recompute-layers=5 is out of range [0, 4] (the model's layers)"
+    assert args.model_error(5) is None and args.model_error(32) is None
+    assert LayeredKVArgs(enable_layered_kv=True, kv_recompute_ratio=0.5).model_error(1) is None
+
+
 def test_tls_needs_remote_and_pairs(tmp_path):
     """TLS options need a grpc:// control plane, and cert/key come together."""
     cert = tmp_path / "cert"

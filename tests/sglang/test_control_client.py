@@ -6,6 +6,7 @@ subprocess on a free port (killed and restarted on the same port for the outage 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -85,6 +86,37 @@ def test_embedded_session_failure_falls_back_then_reopens_with_backoff():
     got = client.report(_report(5, {"a": 15, "b": 3}))
     assert got and not client.in_fallback
     assert client.outages == 1
+
+
+def test_a_session_whose_reports_keep_failing_is_reopened_with_growing_delays():
+    """Scenario (plugin review, session 77): the session opens, but every report raises (here the
+    controller refuses each one: a wrong-sized ``layer_compute_ms``). The re-opens back off
+    (1, 2, 4, 8 s ...); each successful open reset the delays, so the session was torn down
+    and rebuilt every second for good. Control: once a report goes through, the next outage
+    backs off from the first delay again."""
+    clock = FakeClock()
+    cp = EmbeddedControlPlane(PolicyStore(Policy()), synchronous=True)
+    opens: list[float] = []
+    open_session = cp.open_session
+
+    def counted(worker: WorkerInfo):  # noqa: ANN202
+        opens.append(clock.now)
+        return open_session(worker)
+
+    cp.open_session = counted  # type: ignore[method-assign]
+    client = ControlClient(cp, _worker(), reopen_initial_s=1.0, reopen_max_s=60.0, clock=clock)
+    bad = dataclasses.replace(_report(1, {"a": 10}), layer_compute_ms=(1.0, 2.0))
+    for tick in range(0, 400):  # 40 s of steps, one every 100 ms
+        clock.now = tick / 10
+        assert client.report(dataclasses.replace(bad, step=tick + 1)) == []
+    gaps = [round(b - a, 1) for a, b in zip(opens, opens[1:], strict=False)]
+    assert gaps == [1.0, 2.0, 4.0, 8.0, 16.0], gaps
+    clock.now = 70.0  # past the next delay (32 s after 31): the next report opens a session that serves it
+    assert client.report(_report(401, {"a": 10}))
+    opened = len(opens)
+    assert client.report(dataclasses.replace(bad, step=402)) == []
+    clock.now += 1.0  # the first delay again
+    assert client.report(_report(403, {"a": 10})) and len(opens) == opened + 1
 
 
 def test_report_never_raises_on_a_malformed_report():

@@ -219,6 +219,10 @@ BAD_LAUNCH_FILES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
         lambda d: ["--model-path", str(model_dir(d, "llama_fp8_kv"))],
         "kvplane: LlamaForCausalLM's checkpoint quantizes the KV cache (FP8)",
     ),
+    "recompute-layers-past-the-model": (  # clamped silently before (plugin review, session 77)
+        lambda d: ["--kv-recompute-ratio", "0.5", "--kv-recompute-layers", "5"],
+        "kvplane: invalid launch option: --kv-recompute-layers=5 is out of range [0, 4] (the model's layers)",
+    ),
     "token-file-empty": (
         lambda d: [*REMOTE, "--kv-policy-token-file", _file(d, "token", "\n")],
         "--kv-policy-token-file: token file '{d}/token': is empty",

@@ -18,6 +18,7 @@ from sglang_ext.args import LayeredKVArgs
 from sglang_ext.context import PluginContext
 from sglang_ext.plugin import KvplanePlugin
 from sglang_ext.request_slo import (
+    KVPLANE_PARAMS,
     SLO_PARAM,
     after_generate_contract_error,
     around_generate_request,
@@ -26,8 +27,9 @@ from sglang_ext.request_slo import (
     sampling_params_error,
 )
 
-BAD = (-5, 0, "NaN", "fast", True, [150], {"ms": 150}, math.nan, math.inf, -math.inf, 1e7 + 1)
-"""Issue 17's values, plus non-finite floats and just above the bound."""
+BAD = (-5, 0, "NaN", "fast", True, [150], {"ms": 150}, math.nan, math.inf, -math.inf, 1e7 + 1, 10**400, -(10**400))
+"""Issue 17's values, plus non-finite floats, just above the bound, and ints past a float's range
+(``math.isfinite`` raised OverflowError on them: HTTP 500, plugin review of session 77)."""
 GOOD = (150, 150.5, 1e-3, 1e7)
 
 
@@ -74,6 +76,23 @@ def test_custom_params_that_is_not_an_object_is_refused(custom: Any) -> None:
     assert body_error({"text": "x", "sampling_params": {"custom_params": custom}}) == message
     assert sampling_params_error({"custom_params": {SLO_PARAM: -1}}) != message
     assert sampling_params_error({"custom_params": {SLO_PARAM: 40}}) is None
+
+
+@pytest.mark.parametrize("key", ["kvplane_slo_tbt", "kvplane_slo_tbt_ms ", "kvplane_return_placment",
+                                 "kvplane_recompute_ration", "kvplane_"])
+def test_a_misspelt_kvplane_key_is_refused_naming_it(key: str) -> None:
+    """Scenario: a ``kvplane_*`` key that is not kvplane's (a typo) was ignored: the request was
+    served at the default SLO, or without the placement info it asked for (plugin review,
+    session 77). Now refused naming the key and the allowed ones, alone, in a batch and in a
+    /generate body. Controls: every kvplane key with a valid value, and keys of others, pass."""
+    message = f"custom_params.{key} is not a kvplane parameter (allowed: {', '.join(KVPLANE_PARAMS)})"
+    assert sampling_params_error({"custom_params": {key: 5}}) == message
+    assert sampling_params_error([{}, {"custom_params": {SLO_PARAM: 40, key: True}}]) == message
+    assert body_error({"text": "x", "sampling_params": {"custom_params": {key: 1}}}) == message
+    valid = {"kvplane_slo_tbt_ms": 40, "kvplane_return_placement": True, "kvplane_recompute_ratio": 0.5,
+             "kvplane_recompute_layers": 1, "other_plugin_key": 3, "KVPLANE_slo": 1, 7: "x"}
+    assert set(KVPLANE_PARAMS) < set(valid)
+    assert sampling_params_error({"custom_params": valid}) is None
 
 
 def test_batch_with_one_bad_item_is_refused() -> None:
