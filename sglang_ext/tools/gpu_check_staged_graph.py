@@ -194,6 +194,7 @@ class StagedGraphProbe:
                 "step_eager_ms": eager_ms, "step_replay_ms": replay_ms, "resident_step_ms": resident_ms,
                 "resident_replay_ms": resident_replay_ms,
                 "resident_replay_ms_plain": ch.details.get("graph_probe", {}).get("step_replay_ms"),
+                "resident_replay_plain_backend": ch.details.get("graph_probe", {}).get("backend"),
                 "host_replay_ms": statistics.median(host_replay[2: c.repeat + 2]),  # the timed ones
                 "host_resident_replay_ms": host_resident, "host_profile": profile.top(),
                 "replay_layer_ms": None if layer_ms is None else list(layer_ms),
@@ -247,10 +248,13 @@ class StagedGraphProbe:
             Figure.graded("graph.staged.resident_step_ms.replay", "all-resident decode step through the staged "
                           "graph: boundary + admit + replay", v("resident_replay_ms"), "ms", None, None,
                           "median wall time, device-synchronised: the staging launches (empty lists) and the "
-                          "parks are the cost where nothing is offloaded; graph.step_ms.replay is the same step "
-                          "through a graph without them", meaningful=timed,
-                          note=note if m is None else f"without staging (graph probe): "
-                          f"{m['resident_replay_ms_plain']} ms; {note}"),
+                          "parks are the cost where nothing is offloaded; graph.step_ms.replay is the batch "
+                          "through the graph probe's graph without them (its backend, one padded row, its plan "
+                          "per step: the staging's cost only where that backend is triton too)", meaningful=timed,
+                          note=note if m is None else f"without staging (graph probe, "
+                          f"{m['resident_replay_plain_backend']}"
+                          f"{'' if m['resident_replay_plain_backend'] == BACKEND else ': another decode, not comparable'}"
+                          f"): {m['resident_replay_ms_plain']} ms; {note}"),
             Figure.graded("graph.staged.kvplane_cpu_share", "kvplane CPU time per replayed staged step / the "
                           "all-resident eager step", share, "ratio", "<=", HOST_SHARE_TARGET,
                           "thread CPU time of the boundary, the admission (tables and fetch lists into the "

@@ -103,6 +103,20 @@ class TurnoverCheck:
         return ms, loc
 
     def run(self) -> list[Figure]:
+        """The phase's figures. On a GPU the graph probes before it leave the core deferring its
+        tables' device half and its step-start fetches (``DecodeGraphs``, ``GraphStaging``): an
+        eager boundary's upload and gather would then run at the first layer, outside the timed
+        boundary, while the CPU dry run (no graphs) times them. Both are off for the phase, as
+        at the baseline's measurement, and restored after (static review, session 77)."""
+        core = self.check.batch.core
+        deferred = (core.defer_tables, core.pipeline.defer_start)
+        core.defer_tables = core.pipeline.defer_start = False
+        try:
+            return self._run()
+        finally:
+            core.defer_tables, core.pipeline.defer_start = deferred
+
+    def _run(self) -> list[Figure]:
         check = self.check
         b, core, c = check.batch, check.batch.core, check.config
         b.place([[1] * c.layers] * len(b.rids))

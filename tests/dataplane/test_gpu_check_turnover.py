@@ -91,3 +91,24 @@ def test_negative_control_a_checked_step_off_the_continued_path_fails(monkeypatc
     f = figures["turnover.attention_max_abs_err"]
     assert f.status == FAIL and "did not take the continued boundary" in f.note, f
     assert turn.details["attention_errors"]["torch"]["max_abs_err"] < 1e-5  # the general path read right
+
+
+def test_the_phase_times_the_eager_boundary_whatever_the_graph_probes_left(monkeypatch):
+    """Scenario (static review, session 77): on a GPU the graph probes leave the core deferring its
+    tables' device half and its step-start fetches (the CPU dry run builds no graphs), so the
+    phase's boundaries would not pay what an eager one does. Each timed boundary runs with both
+    off, and the phase restores them. Control: the flags as the probes leave them are on before."""
+    check = _fresh()
+    core = check.batch.core
+    core.defer_tables = core.pipeline.defer_start = True  # as DecodeGraphs / GraphStaging leave them
+    seen: list[tuple[bool, bool]] = []
+    real = TurnoverCheck._timed_boundary
+
+    def timed(self, general):  # noqa: ANN001, ANN202
+        seen.append((core.defer_tables, core.pipeline.defer_start))
+        return real(self, general)
+
+    monkeypatch.setattr(TurnoverCheck, "_timed_boundary", timed)
+    TurnoverCheck(check).run()
+    assert seen and set(seen) == {(False, False)}
+    assert (core.defer_tables, core.pipeline.defer_start) == (True, True)
