@@ -146,9 +146,15 @@ class DecisionBuilder:
             victim = select_victim(others, policy.victim_rule, inp.model.block_size, seed=inp.step)
             guard_victims.append(victim.id)
             members = [r for r in members if r.id != victim.id]
+        if blocked:
+            # the forced request does not run even with every other one paused (or planned beside
+            # it): pausing them for it idled the GPU every other window (control-plane review,
+            # session 77); it stays paused and the others are planned without it
+            guard_victims, members = [], list(running)
+            plan = self._plan(members, inp)
 
         members = [r for r in members if r.id not in plan.paused]
-        resumed = [rid for rid in forced if rid not in plan.paused]
+        resumed = [rid for rid in forced if rid not in plan.paused and any(r.id == rid for r in members)]
         planner_paused = plan.paused
 
         # Resume attempts: scheduler rotations first, then the longest-paused on finish/expiry.
@@ -170,6 +176,8 @@ class DecisionBuilder:
                 break
             trial = self._plan(members + [cand], inp)
             if not trial.feasible or trial.paused:
+                if not members:  # nothing runs: a candidate that cannot must not hold back the next
+                    continue
                 break
             plan = replace(trial, paused=planner_paused)
             members = members + [paused_by_id[rid]]

@@ -187,9 +187,11 @@ class ProfileTracker:
         time the timeline does not model: it is no evidence of the launch cost)."""
         a = ewma_factor
         old_comp, old_gbps, old_launch = self._comp, self._gbps, self._launch
-        if observed_step_ms <= 0 and layer_compute_sample_ms is None:
+        if observed_step_ms <= 0:
             # a step of no time is no evidence (broken telemetry); scaling by it would zero the
-            # profile, and a zero profile predicts 0 ms, from which no scale ever moves it back
+            # profile, and a zero profile predicts 0 ms, from which no scale ever moves it back;
+            # with a layer sample beside it, the bandwidth fit of a 0 ms step took its 1000x
+            # clamp (control-plane review, session 77)
             return ProfileUpdate(old_comp, old_comp, old_gbps, old_gbps, observed_step_ms, predicted_step_ms,
                                  old_launch, old_launch)
         transfers = any(not x for row in placement for x in row) or any(

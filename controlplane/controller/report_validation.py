@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 from controlplane.api import InvalidArgument, StepReport
 
 
@@ -13,19 +15,29 @@ def validate_report(report: StepReport, last: StepReport | None, layers: int) ->
         raise InvalidArgument(f"step: {report.step} must exceed the previous step {last.step}")
     if last is not None and report.now_ms < last.now_ms:
         raise InvalidArgument(f"now_ms: {report.now_ms} is before the previous report's {last.now_ms}")
-    if report.observed_step_ms is not None and not report.observed_step_ms >= 0:
+    # finite, as the gRPC converter checks them: the embedded plane and the simulator take reports
+    # as they are, and an inf here poisoned the profile or failed every later report (control-plane
+    # review, session 77)
+    if report.observed_step_ms is not None and not 0 <= report.observed_step_ms < math.inf:
         raise InvalidArgument(
-            f"observed_step_ms: {report.observed_step_ms} is out of range (allowed >= 0)"
+            f"observed_step_ms: {report.observed_step_ms} is out of range (allowed finite >= 0)"
         )
     if report.layer_compute_ms is not None and len(report.layer_compute_ms) != layers:
         raise InvalidArgument(
             f"layer_compute_ms: has {len(report.layer_compute_ms)} entries, "
             f"expected model.layers = {layers}"
         )
-    if report.h2d_gbps is not None and not report.h2d_gbps > 0:
-        raise InvalidArgument(f"h2d_gbps: {report.h2d_gbps} is out of range (allowed > 0)")
+    for i, ms in enumerate(report.layer_compute_ms or ()):
+        if not 0 <= ms < math.inf:
+            raise InvalidArgument(f"layer_compute_ms[{i}]: {ms} is out of range (allowed finite >= 0)")
+    if report.h2d_gbps is not None and not 0 < report.h2d_gbps < math.inf:
+        raise InvalidArgument(f"h2d_gbps: {report.h2d_gbps} is out of range (allowed finite > 0)")
     running = set()
     for i, r in enumerate(report.running):
+        if r.slo_tbt_ms is not None and not 0 < r.slo_tbt_ms < math.inf:
+            raise InvalidArgument(
+                f"running[{i}].slo_tbt_ms: {r.slo_tbt_ms} is out of range (allowed finite > 0)"
+            )
         if r.gpu_layers is not None and r.gpu_layers > layers:
             raise InvalidArgument(
                 f"running[{i}].gpu_layers: {r.gpu_layers} is out of range (allowed 0..model.layers = {layers})"

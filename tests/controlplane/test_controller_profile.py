@@ -201,3 +201,15 @@ def test_a_profile_of_zeros_learns_the_compute_from_the_step(gbps_sample: float 
     control = tracker()
     control.update(ewma_factor=1.0, observed_step_ms=12.0, predicted_step_ms=6.0, placement=rows, blocks=BLOCKS)
     assert control.layer_compute_ms == pytest.approx(tuple(2 * c for c in COMP))
+
+
+def test_a_step_of_no_time_is_no_evidence_even_with_a_layer_sample() -> None:
+    """Scenario (control-plane review, session 77): ``observed_step_ms`` 0 is broken telemetry and
+    left the profile alone, but only without a layer sample: with one, the bandwidth was fitted
+    to a 0 ms step and took its 1000x clamp (a=1 here: 2 -> 2000 GB/s). Now the profile stays.
+    Control: the same sample with a true step time moves it."""
+    for observed, moved in ((0.0, False), (1.8 * tracker(4.0).predict_step_ms(ROWS, BLOCKS), True)):
+        t = tracker(gbps=4.0)
+        t.update(ewma_factor=1.0, observed_step_ms=observed, predicted_step_ms=t.predict_step_ms(ROWS, BLOCKS),
+                 placement=ROWS, blocks=BLOCKS, layer_compute_sample_ms=tuple(c / 2 for c in COMP))
+        assert (t.layer_compute_ms != COMP or t.h2d_gbps != 4.0) is moved, (observed, t.layer_compute_ms, t.h2d_gbps)

@@ -62,3 +62,40 @@ def test_a_step_that_finished_a_request_does_not_move_the_profile() -> None:
         status = session.status()
         assert status.layer_compute_ms[0] == 0.5 and status.h2d_gbps == 25.0, finished
         assert "profile-mismatch" not in status.last_triggers
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("observed_step_ms", float("inf"), r"observed_step_ms: inf is out of range \(allowed finite >= 0\)"),
+    ("observed_step_ms", float("nan"), r"observed_step_ms: nan is out of range"),
+    ("h2d_gbps", float("inf"), r"h2d_gbps: inf is out of range \(allowed finite > 0\)"),
+    ("layer_compute_ms", "inf", r"layer_compute_ms\[1\]: inf is out of range \(allowed finite >= 0\)"),
+    ("layer_compute_ms", "nan", r"layer_compute_ms\[1\]: nan is out of range"),
+    ("layer_compute_ms", "-1", r"layer_compute_ms\[1\]: -1.0 is out of range"),
+    ("slo_tbt_ms", float("inf"), r"running\[0\]\.slo_tbt_ms: inf is out of range \(allowed finite > 0\)"),
+])
+def test_non_finite_telemetry_is_refused_and_changes_nothing(field: str, value: object, message: str) -> None:
+    """Scenario (control-plane review, session 77): the gRPC converter refuses non-finite numbers,
+    but the embedded plane and the simulator hand reports over as they are. ``h2d_gbps`` or
+    ``observed_step_ms`` inf made every later report fail; a layer sample of inf, NaN or below 0
+    poisoned the profile for good; a running request's ``slo_tbt_ms`` inf raised ValueError
+    half-way through, after its deposit moved. Each is InvalidArgument naming the field, and
+    the next valid report is served on an unchanged profile. Control: finite values pass."""
+    session, w, _ = make()
+    layers = len(PROFILE.layer_compute_ms)
+    w.add("a", 100)
+    w.report()
+    before = session.status()
+    step, now = w.step + 1, w.now_ms + 1
+    good = {"observed_step_ms": 5.0, "h2d_gbps": 10.0, "layer_compute_ms": (1.0,) * layers}
+    if field == "layer_compute_ms":
+        bad = {field: (1.0, float(value), *(1.0,) * (layers - 2))}  # type: ignore[arg-type]
+    elif field == "slo_tbt_ms":
+        bad = {}
+    else:
+        bad = {field: value}
+    slo = value if field == "slo_tbt_ms" else None
+    running = (RequestState("a", 110, 10, slo),)
+    with pytest.raises(InvalidArgument, match=message):
+        session.report(StepReport(step=step, now_ms=now, running=running, **{**good, **bad}))
+    assert session.status() == before
+    session.report(StepReport(step=step, now_ms=now, running=(RequestState("a", 110, 10),), **good))
