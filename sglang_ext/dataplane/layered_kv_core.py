@@ -263,14 +263,11 @@ class LayeredKVCore:
             return
         paged = recompute is None and self.store.mirror is not None  # the paged layout's usual step
         for attempt in range(self.layers + 2):
-            if paged:
-                tables: StepTables = PagedStepTables(self.store, page_lists, lens, counts, new_np, self.room.take,
-                                                     token_tables=self.token_tables, defer=self.defer_tables,
-                                                     resident=resident and attempt == 0)
-            else:
-                tables = StepTables(self.store, page_lists, lens, counts, new_np, self.room.take,
-                                    token_tables=self.token_tables, recompute=recompute,
-                                    recompute_ids=recompute_ids)
+            tables: StepTables = self.room.building(lambda take: PagedStepTables(  # noqa: B023 - called at once
+                self.store, page_lists, lens, counts, new_np, take, token_tables=self.token_tables,
+                defer=self.defer_tables, resident=resident and attempt == 0) if paged else StepTables(  # noqa: B023
+                self.store, page_lists, lens, counts, new_np, take, token_tables=self.token_tables,
+                recompute=recompute, recompute_ids=recompute_ids))
             if tables.reserved:
                 self._paged_tables = tables if paged else None  # type: ignore[assignment]
                 self.store.mark_dirty(tables.dirty_ids)

@@ -16,7 +16,7 @@ logic, split out by role.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -50,13 +50,26 @@ class PagedDecodeStep:
         lens = [int(n) for n in seq_lens]
         # the allocation hook's host list of the new slots; else (on a GPU) read back here, the
         # boundary's one sync (the general path reads every request's slots); never inside a layer
-        ps, slots = core.page_size, core.continuity.slots.read(rids, lens, new_slots)
+        slots = core.continuity.slots.read(rids, lens, new_slots)
         cont = core.continuity.continued(rids, lens, slots, lists=True)
         if cont is None:
             return False  # a request new, rewritten or not continued: the general path decides
         opens, page_lists = cont
         assert page_lists is not None
         kept = core._paged_last is not None  # the last step's tables were not given up since
+        try:
+            return self._prepare(rids, lens, slots, new_slots, opens, page_lists, kept)
+        except BaseException:
+            # a boundary that raised (a copy launch, an upload) installed no tables: the last
+            # step's must not advance at the next one, a token behind -- they wrote its new token
+            # into this step's row (fault fuzz, session 77); the next step builds
+            core._paged_tables = None
+            raise
+
+    def _prepare(self, rids: Sequence[str], lens: list[int], slots: Any, new_slots: torch.Tensor,
+                 opens: list[int], page_lists: list[np.ndarray], kept: bool) -> bool:
+        """:meth:`prepare` from the boundary on (the step continued: ``opens``, ``page_lists``)."""
+        core, ps = self.core, self.core.page_size
         core._boundary(new_slots)
         core._paged_last = (list(rids), lens, page_lists)
         # the last step's batch (the continuity's last batch is the one _paged_last held): its tables may advance

@@ -399,55 +399,59 @@ class PagedStepTables(PagedFetchPlan, DeferredDevice, StepTables):
         kept, joined = room.renew(old, int(stage_new.sum()))
         if joined is None:
             return None
-        more = joined[kept:]
-        stage_col = self._stage_np  # the uploaded entries: shared pages' readers encoded
-        if kept < old.size and self._shared_staging:  # every column reading a taken page gets its new one
-            stage_col = restaged(stage_col, old[kept:], more[: old.size - kept])
-        elif kept < old.size:  # the columns whose staging page was taken get new ones
-            stage_col = stage_col.copy()
-            stage_col[self._stage_pos[kept:]] = more[: old.size - kept]
-        counts, ends, flat, starts, lastcol = self._opened_columns(opens, opened)
-        values = np.full(opened.size, -1, dtype=np.int64)
-        values[stage_new] = more[old.size - kept:]
-        stage_col = inserted(stage_col, ends, values)
-        last, last_stage = flat[lastcol], stage_col[lastcol]
-        off = (seq_lens - 1) % ps
-        if kept == old.size and self._new_host is not None:
-            # every staging page kept: a request that opened no page writes one row further on the
-            # same page, placed and staged as it was; an opening one at offset 0 of its new page
-            u_host, rows = self._new_host.copy(), self._rows_np + 1
-            if opened.size:
-                u_host[:, opens] = host_new
-                rows[:, opens] = np.where(host_new, values[None, :], taken) * ps
-        else:
-            new_map = np.take(store.map_np, last, axis=1).astype(np.int64)
-            u_host = new_map < 0
-            rows = np.where(u_host, last_stage[None, :], new_map) * ps + off[None, :]
-        nxt = self._opened_successor(flat, starts, counts, last, seq_lens, known=(opened, taken, seen))
-        nxt._new_host = u_host
-        n = int(flat.size)
-        nxt._stage_np = stage_col
-        nxt.staging_ids = joined
-        nxt._stage_pos = np.concatenate([self._stage_pos + np.searchsorted(ends, self._stage_pos, side="right"),
-                                         (ends + np.arange(ends.size))[stage_new]])
-        nxt.dirty_ids = store.identity_ids(last)[~u_host]
-        nxt.writebacks = [None] * layers
-        int64_parts: list[np.ndarray] = [rows.reshape(-1)]
-        if nxt._park_parts(store, u_host, last, off, rows.size, int64_parts,
-                           self.token_writeback) is None:
-            nxt._writeback_parts(store, u_host, last_stage, last, rows.size, int64_parts)
-        pages = self._group_pages
-        if opened.size:  # each opened host-only layer-page joins its request's group at that layer
-            add = np.zeros((layers, b), dtype=np.int64)
-            add[:, opens] = host_new
-            a, _, pair_l = self._groups
-            pages = pages + np.add.reduceat(add[pair_l, self._reqs_np], a)
-        nxt._emit_fetches(pages, counts, self._reqs_np, 2 * n + 2 * b, like=self.page_launches)
-        nxt._count_launched()
-        nxt._rows_np = rows
-        nxt._pack(int64_parts, [flat, stage_col, starts, counts, self._reqs_np], counts, seq_lens, ps, lazy=defer)
-        nxt._finish(defer)  # the device half: one upload, the page tables' gather
-        return nxt
+        try:  # a raise from here on (the mirror's sync, the upload) gives the staging back: else leaked
+            more = joined[kept:]
+            stage_col = self._stage_np  # the uploaded entries: shared pages' readers encoded
+            if kept < old.size and self._shared_staging:  # every column reading a taken page gets its new one
+                stage_col = restaged(stage_col, old[kept:], more[: old.size - kept])
+            elif kept < old.size:  # the columns whose staging page was taken get new ones
+                stage_col = stage_col.copy()
+                stage_col[self._stage_pos[kept:]] = more[: old.size - kept]
+            counts, ends, flat, starts, lastcol = self._opened_columns(opens, opened)
+            values = np.full(opened.size, -1, dtype=np.int64)
+            values[stage_new] = more[old.size - kept:]
+            stage_col = inserted(stage_col, ends, values)
+            last, last_stage = flat[lastcol], stage_col[lastcol]
+            off = (seq_lens - 1) % ps
+            if kept == old.size and self._new_host is not None:
+                # every staging page kept: a request that opened no page writes one row further on the
+                # same page, placed and staged as it was; an opening one at offset 0 of its new page
+                u_host, rows = self._new_host.copy(), self._rows_np + 1
+                if opened.size:
+                    u_host[:, opens] = host_new
+                    rows[:, opens] = np.where(host_new, values[None, :], taken) * ps
+            else:
+                new_map = np.take(store.map_np, last, axis=1).astype(np.int64)
+                u_host = new_map < 0
+                rows = np.where(u_host, last_stage[None, :], new_map) * ps + off[None, :]
+            nxt = self._opened_successor(flat, starts, counts, last, seq_lens, known=(opened, taken, seen))
+            nxt._new_host = u_host
+            n = int(flat.size)
+            nxt._stage_np = stage_col
+            nxt.staging_ids = joined
+            nxt._stage_pos = np.concatenate([self._stage_pos + np.searchsorted(ends, self._stage_pos, side="right"),
+                                             (ends + np.arange(ends.size))[stage_new]])
+            nxt.dirty_ids = store.identity_ids(last)[~u_host]
+            nxt.writebacks = [None] * layers
+            int64_parts: list[np.ndarray] = [rows.reshape(-1)]
+            if nxt._park_parts(store, u_host, last, off, rows.size, int64_parts,
+                               self.token_writeback) is None:
+                nxt._writeback_parts(store, u_host, last_stage, last, rows.size, int64_parts)
+            pages = self._group_pages
+            if opened.size:  # each opened host-only layer-page joins its request's group at that layer
+                add = np.zeros((layers, b), dtype=np.int64)
+                add[:, opens] = host_new
+                a, _, pair_l = self._groups
+                pages = pages + np.add.reduceat(add[pair_l, self._reqs_np], a)
+            nxt._emit_fetches(pages, counts, self._reqs_np, 2 * n + 2 * b, like=self.page_launches)
+            nxt._count_launched()
+            nxt._rows_np = rows
+            nxt._pack(int64_parts, [flat, stage_col, starts, counts, self._reqs_np], counts, seq_lens, ps, lazy=defer)
+            nxt._finish(defer)  # the device half: one upload, the page tables' gather
+            return nxt
+        except BaseException:
+            room.give_back(joined)
+            raise
 
     @property
     def host_layer_pages(self) -> int:  # type: ignore[override]

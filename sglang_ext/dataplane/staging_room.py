@@ -26,11 +26,14 @@ found the room short and the one that reserves), where a rebuild per round took 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from typing import TypeVar
 
 import numpy as np
 
 from sglang_ext.dataplane.slot_residency import SlotResidency
 from sglang_ext.dataplane.sorted_ids import ascending, distinct_sorted
+
+T = TypeVar("T")
 
 
 class StagingRoom:
@@ -54,6 +57,25 @@ class StagingRoom:
         # ascending: a request's staged pages then take consecutive ids where the free pages are
         # consecutive, so its fetch is a few strided runs, not one copy per page (copy engines)
         return ascending(np.asarray(ids, dtype=np.int64))
+
+    def building(self, make: Callable[[Callable[[int], np.ndarray | None]], T]) -> T:
+        """``make(take)``: step tables built with staging from :meth:`take`; a raise in the build
+        (the mirror's sync, the upload) gives back what it took -- else no one would, and the
+        pages would stay in use with no map entry (fault fuzz, session 77)."""
+        taken: list[np.ndarray] = []
+
+        def take(n: int) -> np.ndarray | None:
+            ids = self.take(n)
+            if ids is not None:
+                taken.append(ids)
+            return ids
+
+        try:
+            return make(take)
+        except BaseException:
+            for ids in taken:
+                self.give_back(ids)
+            raise
 
     def renew(self, ids: np.ndarray, extra: int) -> tuple[int, np.ndarray | None]:
         """Reserve again the leading pages of ``ids`` -- the staging the last step gave back, in

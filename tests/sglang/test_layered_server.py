@@ -135,27 +135,31 @@ def test_slos_no_step_can_meet_pause_nobody(layered, vanilla_server):
     placement or pause meets it, so the planner's SLO cap counts it from the all-resident step
     (``controlplane/planner/slo_cap.py``) and pauses none of them; each gets vanilla's tokens.
     Control, run by hand: with the cap counting the raw SLO, the controller (alpha 1) paused
-    all but one of them (PAUSED events here)."""
+    all but one of them (PAUSED events here). The burst is sent again (at most three times in
+    all) when its four requests did not hold KV at the same time: on a loaded host a request can
+    finish before the last one starts, and the planner never sees them together."""
     server, events_path = layered
-    before = len(read_jsonl_events(events_path))
     prompts = PROMPTS[:4]
 
     def one(prompt: str) -> dict:
         return server.post("/generate", {"text": prompt, "return_logprob": True, "sampling_params": {
             "max_new_tokens": 24, "temperature": 0.0, "custom_params": {"kvplane_slo_tbt_ms": 0.001}}})
 
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        outs = list(pool.map(one, prompts))
-    for prompt, out in zip(prompts, outs, strict=True):
-        assert_same_generation(out, greedy(vanilla_server, prompt, max_new_tokens=24, logprobs=True), prompt)
-    rids = {out["meta_info"]["id"] for out in outs}
-    events = [e for e in read_jsonl_events(events_path)[before:] if e.rid in rids]
-    assert events, "no residency event of the burst was read"
-    spans = {rid: (min(e.time_s for e in events if e.rid == rid), max(e.time_s for e in events if e.rid == rid))
-             for rid in rids}
-    assert len(spans) == 4 and max(a for a, _ in spans.values()) < min(b for _, b in spans.values()), \
-        f"the four requests did not hold KV at the same time: {spans}"  # so the planner saw them together
-    assert [e for e in events if e.kind is ResidencyEventKind.PAUSED] == []
+    for _ in range(3):
+        before = len(read_jsonl_events(events_path))
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            outs = list(pool.map(one, prompts))
+        for prompt, out in zip(prompts, outs, strict=True):
+            assert_same_generation(out, greedy(vanilla_server, prompt, max_new_tokens=24, logprobs=True), prompt)
+        rids = {out["meta_info"]["id"] for out in outs}
+        events = [e for e in read_jsonl_events(events_path)[before:] if e.rid in rids]
+        assert events, "no residency event of the burst was read"
+        assert [e for e in events if e.kind is ResidencyEventKind.PAUSED] == []
+        spans = {rid: (min(e.time_s for e in events if e.rid == rid), max(e.time_s for e in events if e.rid == rid))
+                 for rid in rids}
+        if len(spans) == 4 and max(a for a, _ in spans.values()) < min(b for _, b in spans.values()):
+            return  # the planner saw the four together and paused none of them
+    pytest.fail(f"the four requests never held KV at the same time in three bursts: {spans}")
 
 
 def test_layered_radix_backend_is_active(layered):
