@@ -47,6 +47,8 @@ SLO_PARAM = "kvplane_slo_tbt_ms"
 """Key in a request's ``custom_params`` overriding its TBT SLO (ms)."""
 MAX_SLO_TBT_MS = 1e7
 """Largest accepted SLO, the same bound as :attr:`controlplane.policy.Policy.slo_tbt_ms`."""
+PREFIX = "kvplane_"
+"""The prefix of kvplane's ``custom_params`` keys."""
 KVPLANE_PARAMS = (SLO_PARAM, PLACEMENT_PARAM, RECOMPUTE_RATIO, RECOMPUTE_LAYERS)
 """Every ``custom_params`` key of kvplane's: any other ``kvplane_*`` key is refused (a misspelt one
 would otherwise be ignored, the request served as if it had not asked); other keys are SGLang's."""
@@ -113,7 +115,7 @@ def unknown_param_error(custom: Any) -> str | None:
     if not isinstance(custom, dict):
         return None
     for key in custom:
-        if isinstance(key, str) and key.startswith("kvplane_") and key not in KVPLANE_PARAMS:
+        if isinstance(key, str) and key.startswith(PREFIX) and key not in KVPLANE_PARAMS:
             return f"custom_params.{key} is not a kvplane parameter (allowed: {', '.join(KVPLANE_PARAMS)})"
     return None
 

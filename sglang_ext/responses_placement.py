@@ -43,10 +43,8 @@ from sglang_ext import compat
 from sglang_ext.openai_placement import KvplaneSglExt
 from sglang_ext.placement_param import KEY, wants_placement
 from sglang_ext.placement_response import SINK_PARAM
-from sglang_ext.request_slo import custom_params_type_error, sampling_params_error
+from sglang_ext.request_slo import PREFIX, custom_params_type_error, sampling_params_error
 
-PREFIX = "kvplane_"
-"""``custom_params`` keys kvplane forwards on ``/v1/responses``."""
 STATE_ATTR = "kvplane_custom_params"
 """``raw_request.state`` attribute carrying the request's checked kvplane keys to the engine call."""
 TERMINAL_EVENTS = tuple(f"event: response.{status}\n" for status in ("completed", "incomplete", "failed"))

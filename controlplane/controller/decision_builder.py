@@ -154,7 +154,7 @@ class DecisionBuilder:
             plan = self._plan(members, inp)
 
         members = [r for r in members if r.id not in plan.paused]
-        resumed = [rid for rid in forced if rid not in plan.paused and any(r.id == rid for r in members)]
+        resumed = [] if blocked else [rid for rid in forced if rid not in plan.paused]
         planner_paused = plan.paused
 
         # Resume attempts: scheduler rotations first, then the longest-paused on finish/expiry.

@@ -92,19 +92,16 @@ def policy_changes_to_proto(changes: Mapping[str, Any]) -> pb.Policy:
 def _set_field(msg: Any, name: str, value: Any, path: str) -> None:
     """``msg.name = value``, refused as the embedded control plane refuses it: protobuf itself
     would take ``True`` as 1 in a number field and any number as a bool."""
-    is_bool = msg.DESCRIPTOR.fields_by_name[name].type == FieldDescriptor.TYPE_BOOL
-    if is_bool and not isinstance(value, bool):
+    kind = msg.DESCRIPTOR.fields_by_name[name].type
+    if kind == FieldDescriptor.TYPE_BOOL and not isinstance(value, bool):
         raise _invalid(path, f"expected true or false, got {value!r}")
-    if not is_bool and isinstance(value, bool):
-        raise _invalid(path, f"expected {'a number' if _numeric(msg, name) else 'a string'}, got {value!r}")
+    if kind != FieldDescriptor.TYPE_BOOL and isinstance(value, bool):
+        text = kind in (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_ENUM)
+        raise _invalid(path, f"expected {'a string' if text else 'a number'}, got {value!r}")
     try:
         setattr(msg, name, value)
     except (TypeError, ValueError) as exc:
         raise _invalid(path, f"bad value {value!r} ({exc})") from exc
-
-
-def _numeric(msg: Any, name: str) -> bool:
-    return msg.DESCRIPTOR.fields_by_name[name].type not in (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_ENUM)
 
 
 def policy_from_proto(msg: pb.Policy) -> Policy:
