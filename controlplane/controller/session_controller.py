@@ -49,6 +49,7 @@ from controlplane.controller.batch_limits import UNLIMITED, BatchLimits
 from controlplane.controller.decision_builder import DecisionBuilder, PlannerLike, PlanningInput
 from controlplane.controller.metrics import ControllerObserver, NullObserver, SafeObserver
 from controlplane.controller.outlier_guard import OutlierGuard
+from controlplane.controller.placement_rows import placement_rows
 from controlplane.controller.profile_tracker import ProfileTracker, ProfileUpdate
 from controlplane.controller.report_validation import validate_report
 from controlplane.controller.request_tracker import RequestTracker
@@ -264,23 +265,6 @@ class SessionController:
     def _validate(self, report: StepReport) -> None:
         validate_report(report, self._last, self._worker.model.layers)
 
-    def _placement_now(self, decision: Decision | None) -> tuple[list[tuple[int, ...]], list[int], Recompute | None]:
-        """Rows, blocks and (None unless the plan recomputes) ``(u, k)`` of the running requests
-        under ``decision`` (all-GPU when unplanned; ``u`` clamped below the blocks, as the worker)."""
-        layers, bs = self._worker.model.layers, self._worker.model.block_size
-        rows: list[tuple[int, ...]] = []
-        blocks: list[int] = []
-        placements = {} if decision is None else decision.plan.placements
-        planned = {} if decision is None else decision.plan.recompute_blocks
-        rec: list[tuple[int, int]] = []
-        for r in self._tracker.running():
-            row = placements.get(r.id)
-            rows.append(tuple(row) if row is not None and len(row) == layers else (1,) * layers)
-            blocks.append(-(-r.context_tokens // bs))
-            u = min(planned.get(r.id, 0), blocks[-1] - 1)
-            rec.append((u, decision.plan.recompute_layers.get(r.id, 0)) if u and decision else (0, 0))
-        return rows, blocks, rec if planned else None
-
     def _check_mismatch(self, report: StepReport, policy: Policy) -> bool:
         # launch-cost evidence: the placement of the step before ran again (judged on every report)
         before, now = self._checked, self._installed
@@ -290,18 +274,21 @@ class SessionController:
         if observed is None:
             return False
         self._last_observed_ms = observed
-        if self._installed is None or not self._tracker.has_running():
+        # the batch the worker ran (its pause flags): the tracker pauses and resumes when a plan is
+        # made, before the worker applies it (an exact observation moved the profile, session 77)
+        ran = [r for r in report.running if not r.paused]
+        if self._installed is None or not ran:
             return False
         all_gpu = self._installed_all_gpu()  # no transfers: the timeline is the layers' compute
         if not all_gpu and report.finished:
             return False  # the step also read the finished requests' KV, which the tracker dropped
         if not all_gpu:
-            rows, blocks, rec = self._placement_now(self._installed)
+            rows, blocks, rec = placement_rows(self._installed, ran, self._worker.model)
         predicted = self._profile.all_gpu_step_ms if all_gpu else self._profile.predict_step_ms(rows, blocks, rec)
         if not self._outliers.moves(observed, predicted, policy.mismatch_threshold, report.step):
             return False
         if all_gpu:  # its rows are built only when the profile moves (most steps it does not)
-            rows, blocks, rec = self._placement_now(self._installed)
+            rows, blocks, rec = placement_rows(self._installed, ran, self._worker.model)
         self._last_update = self._profile.update(
             ewma_factor=policy.ewma_factor,
             observed_step_ms=observed,
@@ -327,7 +314,7 @@ class SessionController:
 
     def _installed_all_gpu(self) -> bool:
         """Whether the installed decision keeps every layer of every request on the GPU (requests
-        it does not place run all-GPU, see :meth:`_placement_now`); cached per decision."""
+        it does not place run all-GPU, see :func:`.placement_rows`); cached per decision."""
         decision = self._installed
         if decision is None:
             return True
@@ -377,7 +364,7 @@ class SessionController:
         assert self._last is not None
         if self._last.free_gpu_blocks is not None:
             return max(0, self._last.free_gpu_blocks)
-        rows, blocks, rec = self._placement_now(self._current)
+        rows, blocks, rec = placement_rows(self._current, self._tracker.running(), self._worker.model)
         return max(0, self._worker.hardware.gpu_kv_budget_blocks - gpu_blocks(rows, blocks, rec))
 
     def _snapshot(
