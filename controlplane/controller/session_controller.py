@@ -11,7 +11,8 @@ It re-plans when
 * ``policy-change``: the policy version differs from the one the current plan was made with;
 * ``starvation``: a paused request reached ``policy.max_paused_steps``;
 * ``schedule``: the scheduler (probed cheaply on every report while something is queued, or
-  paused under ``lvf``) wants to admit, rotate in or rotate out a request;
+  paused under ``lvf``) wants to admit, rotate in or rotate out a request (the same answer
+  fires again only ``window_min`` steps after a plan served it and did not carry it out);
 * ``initial``: the first report with anything to decide.
 
 Paused requests are offered a resume only when a request finished (or nothing runs), OrbitFlow
@@ -122,6 +123,7 @@ class SessionController:
         self._delivered: Decision | None = None  # latest decision handed to the worker
         self._planned_version: int | None = None
         self._guard_step: int | None = None
+        self._scheduled: tuple[tuple, int] = ((), 0)  # the probe answer that last fired, and when
         self._ready: list[Decision] = []
         self._pending: list[str] = []
         self._pending_resume = False
@@ -188,7 +190,7 @@ class SessionController:
             has_work = bool(self._queued) or bool(self._tracker)
             if self._current is None and has_work and not self._inflight and not self._pending:
                 reasons = ["initial"]  # nothing planned yet: whatever fired, this is the first plan
-            if not reasons and self._wants_schedule(policy):
+            if not reasons and self._wants_schedule(policy, report.step):
                 reasons.append("schedule")
             self._last_triggers = tuple(reasons)
             if reasons and has_work:
@@ -350,15 +352,23 @@ class SessionController:
     def _scheduler_name(self, policy: Policy) -> str:
         return self._worker.scheduler or policy.scheduler
 
-    def _wants_schedule(self, policy: Policy) -> bool:
-        """Cheap probe: would the scheduler change anything now?"""
+    def _wants_schedule(self, policy: Policy, step: int) -> bool:
+        """Cheap probe: would the scheduler change anything now? An answer a plan already served
+        and did not carry out (a rotation-in the planner refuses: the scheduler's step predictor
+        said on time, the plan pauses someone) fires again only ``window_min`` steps later; every
+        report re-planned it (control-plane review, session 77)."""
         if self._inflight:
             return False  # the next plan runs the scheduler on fresh state anyway
         if not self._queued and not (
             self._tracker.paused() and self._scheduler_name(policy) == "lvf"
         ):
             return False
-        return not self._builder.schedule_only(self._snapshot(policy, (), False)).empty
+        sd = self._builder.schedule_only(self._snapshot(policy, (), False))
+        answer = (sd.admit, sd.pause, sd.resume)
+        if sd.empty or (answer == self._scheduled[0] and step - self._scheduled[1] < policy.window_min):
+            return False
+        self._scheduled = (answer, step)
+        return True
 
     def _free_gpu_blocks(self) -> int:
         assert self._last is not None
