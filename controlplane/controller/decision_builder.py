@@ -109,67 +109,48 @@ class DecisionBuilder:
         """Fixed solver budget per planner call; None = policy.solve_budget_fraction of the step."""
 
     def build(self, inp: PlanningInput) -> Decision:
-        policy = inp.policy
         sd = make_scheduler(inp.scheduler).schedule(self._scheduler_view(inp))
+        decision = self._decide(inp, sd)
+        if sd.pause and not decision.admit and not set(decision.resume) & set(sd.resume):
+            # the scheduler's rotation-outs made room for nobody (its rotation-ins refused, no
+            # admission): carried out anyway, LVF paused the only runnable request for one that
+            # cannot run and the GPU idled every other step (control-plane review, session 78)
+            decision = self._decide(inp, replace(sd, pause=(), resume=()))
+        return decision
+
+    def _decide(self, inp: PlanningInput, sd: SchedulerDecision) -> Decision:
+        policy = inp.policy
         rotated_out = [rid for rid in sd.pause if any(r.id == rid for r in inp.running)]
         running = [r for r in inp.running if r.id not in rotated_out]
+        running_by_id = {r.id: r for r in running}
         paused_by_id = {p.id: p for p in inp.paused}
 
         # Starvation guard (longest-paused first).
         starving = [p for p in inp.paused if p.paused_steps >= policy.max_paused_steps]
         starving.sort(key=lambda p: (-p.paused_steps, p.id))
-        # Only the longest-paused starving request is forced in (it may displace others); the
-        # rest are first in line for an ordinary resume. Forcing them all at once could leave
-        # every one of them paused when they do not fit together.
-        forced = {p.id for p in starving[:1]}
-        members = running + starving[:1]
-        guard_victims: list[str] = []
-        # The forced request needs a batch slot: pause others (by the victim rule) until it fits.
-        for f in starving[:1]:
-            while True:
-                others = [r for r in members if r.id != f.id]
-                if not others or inp.limits.admits(
-                    len(others), sum(r.context_tokens for r in others), f.context_tokens
-                ):
-                    break
-                victim = select_victim(
-                    others, policy.victim_rule, inp.model.block_size, seed=inp.step
-                )
-                guard_victims.append(victim.id)
-                members = [r for r in members if r.id != victim.id]
-        while True:
-            plan = self._plan(members, inp)
-            blocked = [rid for rid in plan.paused if rid in forced]
-            others = [r for r in members if r.id not in forced and r.id not in plan.paused]
-            if not blocked or not others:
-                break
-            victim = select_victim(others, policy.victim_rule, inp.model.block_size, seed=inp.step)
-            guard_victims.append(victim.id)
-            members = [r for r in members if r.id != victim.id]
-        if blocked:
-            # the forced request does not run even with every other one paused (or planned beside
-            # it): pausing them for it idled the GPU every other window (control-plane review,
-            # session 77); it stays paused and the others are planned without it
-            guard_victims, members = [], list(running)
-            plan = self._plan(members, inp)
-
+        plan, members, guard_victims, tried, forced = self._guarded(inp, running, starving)
         members = [r for r in members if r.id not in plan.paused]
-        resumed = [] if blocked else [rid for rid in forced if rid not in plan.paused]
+        resumed = list(forced)
         planner_paused = plan.paused
 
         # Resume attempts: scheduler rotations first, then the longest-paused on finish/expiry.
-        candidates = [p.id for p in starving[1:]]
+        candidates = [p.id for p in starving if p.id not in tried]
         candidates += [
             rid
             for rid in sd.resume
             if rid in paused_by_id and rid not in forced and rid not in candidates
         ]
-        if inp.try_resume:
+        if inp.try_resume or not members:
             candidates += [
-                p.id for p in inp.paused if p.id not in forced and p.id not in candidates
+                p.id for p in inp.paused if p.id not in tried and p.id not in candidates
             ]
+        if not members:
+            # the planner paused everyone (its victim order can pause a request that runs alone
+            # before one that cannot): the ones it paused run alone first, last paused first; the
+            # GPU idled until the plan expired (control-plane review, session 78)
+            candidates = [rid for rid in reversed(planner_paused) if rid in running_by_id] + candidates
         for rid in candidates[:MAX_RESUME_TRIALS]:
-            cand = paused_by_id[rid]
+            cand = paused_by_id.get(rid) or running_by_id[rid]
             if not inp.limits.admits(
                 len(members), sum(r.context_tokens for r in members), cand.context_tokens
             ):
@@ -179,9 +160,12 @@ class DecisionBuilder:
                 if not members:  # nothing runs: a candidate that cannot must not hold back the next
                     continue
                 break
+            if rid in running_by_id:  # a victim of this plan: it keeps running
+                planner_paused = tuple(p for p in planner_paused if p != rid)
+            else:
+                resumed.append(rid)
             plan = replace(trial, paused=planner_paused)
-            members = members + [paused_by_id[rid]]
-            resumed.append(rid)
+            members = members + [cand]
 
         running_ids = {r.id for r in inp.running}
         pause = list(rotated_out) + guard_victims
@@ -201,6 +185,46 @@ class DecisionBuilder:
             reason=",".join(inp.reasons),
             policy_version=policy.version,
         )
+
+    def _guarded(
+        self, inp: PlanningInput, running: list[RequestView], starving: list[RequestView]
+    ) -> tuple[Plan, list[RequestView], list[str], list[str], set[str]]:
+        """The plan of ``running`` with the starvation guard: the longest-paused starving request
+        that runs (alone if need be) joins, pausing others (by the victim rule) until it fits.
+        Returns the plan, its members, the guard's victims, the starving requests tried and the
+        one that runs (none or one). A forced request that does not run even with
+        every other one paused pauses nobody (pausing them idled the GPU every other window,
+        session 77), and the next starving one is forced instead (one that can never run held
+        every later one paused for good, control-plane review, session 78); at most
+        ``MAX_RESUME_TRIALS`` are tried."""
+        policy = inp.policy
+        tried: list[str] = []
+        for f in starving[:MAX_RESUME_TRIALS]:
+            tried.append(f.id)
+            members = running + [f]
+            guard_victims: list[str] = []
+            # The forced request needs a batch slot: pause others until it fits the limits.
+            while True:
+                others = [r for r in members if r.id != f.id]
+                if not others or inp.limits.admits(
+                    len(others), sum(r.context_tokens for r in others), f.context_tokens
+                ):
+                    break
+                victim = select_victim(others, policy.victim_rule, inp.model.block_size, seed=inp.step)
+                guard_victims.append(victim.id)
+                members = [r for r in members if r.id != victim.id]
+            while True:
+                plan = self._plan(members, inp)
+                blocked = f.id in plan.paused
+                others = [r for r in members if r.id != f.id and r.id not in plan.paused]
+                if not blocked or not others:
+                    break
+                victim = select_victim(others, policy.victim_rule, inp.model.block_size, seed=inp.step)
+                guard_victims.append(victim.id)
+                members = [r for r in members if r.id != victim.id]
+            if not blocked:
+                return plan, members, guard_victims, tried, {f.id}
+        return self._plan(running, inp), list(running), [], tried, set()
 
     def schedule_only(self, inp: PlanningInput) -> SchedulerDecision:
         """The scheduler's answer alone (the controller's cheap per-report probe)."""

@@ -4,11 +4,15 @@ The controller owns the pause state: a request is paused from the moment a decis
 made until a decision resumes it. The worker's ``RequestState.paused`` flag is telemetry; a flag
 that disagrees with the controller while no decision about that request is outstanding is a
 pause/resume the worker made on its own (e.g. SGLang retracting a request under memory pressure),
-which the controller adopts and treats as a batch change.
+which the controller adopts and treats as a batch change. A decision is outstanding until the
+worker shows it or until ``APPLY_SLACK_STEPS`` after the step it was due at: a pause the worker
+never applies (it drops some for good, ``sglang_ext/pause.py``) was awaited forever, the request
+counted as paused while it decoded (control-plane review, session 78).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from controlplane.api import InvalidArgument, StepReport
@@ -59,14 +63,19 @@ class BatchEvents:
         return bool(self.arrived or self.finished or self.worker_paused or self.worker_resumed)
 
 
+APPLY_SLACK_STEPS = 1
+"""Steps past its due step a decided pause or resume may take to show in the worker's reports
+(SGLang's overlap loop runs a batch ahead); after them the worker's own flag stands."""
+
+
 class RequestTracker:
     """The decoding requests of one worker. Not thread-safe (the controller holds its lock)."""
 
     def __init__(self) -> None:
         self._requests: dict[str, TrackedRequest] = {}
-        self._awaiting_flag: dict[
-            str, bool
-        ] = {}  # decided pause state the worker has not shown yet
+        self._awaiting_flag: dict[str, tuple[bool, int | None]] = {}
+        """Decided pause state the worker has not shown yet, and the step it is due at (None:
+        not delivered yet)."""
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._requests
@@ -159,9 +168,13 @@ class RequestTracker:
             # Reconcile the worker's pause flag with the controller's state.
             want = awaiting.get(rid) if awaiting else None
             if want is not None:
-                if rs.paused == want:
-                    del awaiting[rid]
-            elif not new and rs.paused != (tracked.paused_since_step is not None):
+                due = want[1]
+                if rs.paused != want[0] and (due is None or report.step <= due + APPLY_SLACK_STEPS):
+                    continue  # decided, not applied yet
+                # shown; or not applied when due (the worker drops some pauses for good,
+                # sglang_ext/pause.py): its flag stands, as one it set on its own
+                del awaiting[rid]
+            if not new and rs.paused != (tracked.paused_since_step is not None):
                 if rs.paused:
                     tracked.paused_since_step = report.step
                     tracked.pause_reason = "worker"
@@ -221,7 +234,7 @@ class RequestTracker:
             return False
         r.paused_since_step = step
         r.pause_reason = reason
-        self._awaiting_flag[request_id] = True
+        self._awaiting_flag[request_id] = (True, None)
         return True
 
     def resume(self, request_id: str, now_ms: float) -> bool:
@@ -232,8 +245,18 @@ class RequestTracker:
         r.paused_since_step = None
         r.pause_reason = ""
         r.run_since_ms = now_ms
-        self._awaiting_flag[request_id] = False
+        self._awaiting_flag[request_id] = (False, None)
         return True
+
+    def delivered(self, request_ids: Iterable[str], step: int) -> None:
+        """A decision pausing or resuming ``request_ids`` reached the worker to apply at ``step``
+        (a plan made on the planning thread is delivered with a later report: until then it is
+        awaited whatever the reports say)."""
+        awaiting = self._awaiting_flag
+        for rid in request_ids:
+            want = awaiting.get(rid)
+            if want is not None and (want[1] is None or want[1] < step):
+                awaiting[rid] = (want[0], step)
 
     def view(self, r: TrackedRequest, step: int, default_slo_tbt_ms: float) -> RequestView:
         """The immutable view a scheduler and the planner input see."""

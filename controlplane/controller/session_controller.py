@@ -489,4 +489,6 @@ class SessionController:
         self._ready.clear()
         if out:
             self._delivered = out[-1]
+            for d in out:
+                self._tracker.delivered(d.pause + d.resume, d.apply_at_step)
         return out

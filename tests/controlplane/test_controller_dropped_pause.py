@@ -1,0 +1,148 @@
+"""A pause or resume the worker does not apply lapses: its own flag stands.
+
+The data plane drops some pauses for good (``sglang_ext/pause.py``: ``would_idle``, penalties
+under the overlap loop; custom logit processors and speculative decoding are never paused). The
+controller awaited the worker's flag forever: it counted the request paused while it decoded,
+planned the others without its KV, and the starvation guard 'resumed' a running request
+(control-plane review, session 78). A decision is now outstanding until the worker shows it or
+until ``APPLY_SLACK_STEPS`` after its due step. Real SessionController, FCFS, Planner and CBC.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from controlplane.api import Decision
+from controlplane.controller import SessionController
+from controlplane.controller.request_tracker import APPLY_SLACK_STEPS
+from controlplane.planner import Planner
+from controlplane.policy import Policy
+from controlplane.policy_store import PolicyStore
+from tests.controlplane.test_controller_harness import WorkerLoop, worker_info
+
+
+class Worker(WorkerLoop):
+    """Drops the pauses of ``unpausable`` (it keeps decoding) and applies the rest ``late`` reports
+    after it receives them (SGLang's overlap loop: a batch ahead)."""
+
+    unpausable: frozenset[str] = frozenset()
+    late: int = 0
+    _held: list[tuple[int, Decision]]
+
+    def apply(self, decisions: list[Decision]) -> None:
+        held = self.__dict__.setdefault("_held", [])
+        held += [(self.step + self.late, d) for d in decisions]
+        due = [d for at, d in held if at <= self.step]
+        self._held = [(at, d) for at, d in held if at > self.step]
+        super().apply(due)
+        self.paused -= self.unpausable
+
+
+def make(sync: bool = True) -> tuple[SessionController, Worker]:
+    store = PolicyStore(Policy.from_dict({"window_min": 4, "window_max": 8, "slo_tbt_ms": 8.0,
+                                          "max_paused_steps": 30}))
+    s = SessionController(worker_info(budget_blocks=48, h2d_gbps=1.0, scheduler="fcfs"),
+                          policy_source=store.get, synchronous=sync,
+                          planner=Planner(use_mip=False, exact_search=False), time_budget_ms=60_000)
+    w = Worker(s)
+    w.add("a", 700)  # runs alone, not beside 'b': the plan pauses it (victim rule 'largest')
+    w.add("b", 300)
+    return s, w
+
+
+def report(s: SessionController, w: Worker, sync: bool) -> list[Decision]:
+    if not sync:
+        assert s.flush()
+    return w.report()
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_a_dropped_pause_lapses_and_the_request_counts_as_running(sync: bool) -> None:
+    """The worker keeps 'a' decoding; within the slack after the pause was due the controller
+    counts it running again: a batch change, planned with its KV (the plan pauses it again, which
+    only a running request can be)."""
+    s, w = make(sync)
+    w.unpausable = frozenset({"a"})
+    pauses: list[int] = []  # due steps of the decisions pausing 'a'
+    lapse_triggers: tuple[str, ...] = ()
+    for _ in range(12):
+        out = report(s, w, sync)
+        if pauses and w.step == pauses[0] + APPLY_SLACK_STEPS + 1:
+            lapse_triggers = s.status().last_triggers
+        pauses += [d.apply_at_step for d in out if "a" in d.pause]
+    assert len(pauses) >= 2, pauses  # the old tracker: one pause, then 'a' paused for good
+    assert pauses[1] <= pauses[0] + APPLY_SLACK_STEPS + 2 + (0 if sync else 1), pauses
+    assert "batch-change" in lapse_triggers or not sync
+    s.close()
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_control_a_pause_applied_late_by_the_overlap_loop_does_not_lapse(sync: bool) -> None:
+    """Shown within the slack after the step the decision reached the worker for (async: a
+    report after it was planned): the controller's state never flips back and forth."""
+    s, w = make(sync)
+    w.late = APPLY_SLACK_STEPS
+    flips = 0
+    for _ in range(16):
+        before = set(s.status().paused)
+        out = report(s, w, sync)
+        after = set(s.status().paused)
+        decided = {r for d in out for r in d.pause + d.resume}
+        flips += len((before ^ after) - decided)
+    assert "a" in w.paused and "a" in s.status().paused
+    assert flips == 0
+    s.close()
+
+
+def test_a_resume_the_worker_does_not_apply_lapses_to_paused() -> None:
+    """The other way: a resumed request the worker keeps parked counts as paused again (here
+    nothing else runs, so the next plan resumes it again; the old tracker counted it running)."""
+    s, w = make()
+    w.report()  # the plan pauses 'a' (it does not fit beside 'b')
+    assert "a" in w.paused
+    w.finish("b")  # room: the next plan resumes 'a'
+    out = w.report()
+    assert [d.resume for d in out] == [("a",)]
+    w.paused.add("a")  # ... which the worker does not apply
+    for _ in range(APPLY_SLACK_STEPS + 1):  # up to the due step + the slack: still awaited
+        w.report()
+        assert s.status().paused == ()
+    out = w.report()  # it counts as paused again: a batch change, whose plan resumes it again
+    assert "batch-change" in s.status().last_triggers
+    assert [d.resume for d in out] == [("a",)]  # only a paused request can be resumed
+    s.close()
+
+
+def test_control_a_plan_delivered_reports_after_it_was_made_is_due_from_its_delivery() -> None:
+    """Async: the plan pausing 'a' is made while the worker goes on for three reports (the planner
+    held), and reaches it with the fourth; the worker shows it a report after the step it was
+    told (the overlap loop). Due from the decision's making, it lapsed on delivery."""
+    release = threading.Event()
+
+    class Held(Planner):
+        def plan(self, batch, **kwargs):  # type: ignore[no-untyped-def,override]
+            release.wait(30)
+            return super().plan(batch, **kwargs)
+
+    store = PolicyStore(Policy.from_dict({"window_min": 4, "window_max": 8, "slo_tbt_ms": 8.0}))
+    s = SessionController(worker_info(budget_blocks=48, h2d_gbps=1.0, scheduler="fcfs"),
+                          policy_source=store.get, synchronous=False,
+                          planner=Held(use_mip=False, exact_search=False), time_budget_ms=60_000)
+    w = Worker(s)
+    w.late = APPLY_SLACK_STEPS
+    w.add("a", 700)
+    w.add("b", 300)
+    for _ in range(3):
+        assert w.report() == []  # planning (held)
+    release.set()
+    assert s.flush()
+    assert s.status().paused == ("a",)
+    out = w.report()
+    assert [d.pause for d in out] == [("a",)]
+    for _ in range(2 * APPLY_SLACK_STEPS + 2):
+        w.report()
+        assert s.status().paused == ("a",), w.step  # never counted running in between
+    assert "a" in w.paused
+    s.close()
