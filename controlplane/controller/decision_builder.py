@@ -6,9 +6,11 @@ state. Steps (OrbitFlow §3.3-3.4, plus the per-worker scheduler):
 1. The scheduler (fcfs / layerkv / lvf) decides admissions and rotations.
 2. Starvation guard: the longest-paused request among those paused for ``policy.max_paused_steps``
    or more must run. It joins the batch; while the planner still pauses it, the controller pauses
-   another running request (chosen by ``policy.victim_rule``) and plans again. Other starving
-   requests are the first candidates of step 4. Each starvation decision therefore resumes the
-   longest-waiting request (when it fits alone), so starving requests are served in FIFO order.
+   another running request (chosen by ``policy.victim_rule``) and plans again. One that does not
+   run even alone pauses nobody, and the next starving request is forced instead (at most
+   ``MAX_RESUME_TRIALS``). Other starving requests are the first candidates of step 4. Each
+   starvation decision therefore resumes the longest-waiting request that fits alone, so
+   starving requests are served in FIFO order.
 3. The planner places the batch one step ahead (every running request's context grows by the
    token decoded at the target step, OrbitFlow §3.3.2 "adding one token to align with the target
    step"); when infeasible it pauses victims itself.
@@ -17,10 +19,15 @@ state. Steps (OrbitFlow §3.3-3.4, plus the per-worker scheduler):
    for it and the plan with it is feasible and pauses nobody (OrbitFlow §3.4: "resumes a paused
    request only after some in-flight requests have completed and a feasible plan exists"). The
    first refusal ends the attempts, so a request never overtakes a longer-paused one, and at
-   most ``MAX_RESUME_TRIALS`` extra plans are solved per decision.
+   most ``MAX_RESUME_TRIALS`` extra plans are solved per decision. When nothing runs (the planner
+   paused everyone), a refusal does not end them, and the requests the planner just paused are
+   tried first, alone, last paused first: they keep running.
 5. Admissions: the scheduler's, trimmed to the room the batch limits leave after the resumes
    (a paused request resumed on a finish goes before a new arrival, as vLLM serves its swapped
    queue before its waiting one).
+6. The scheduler's rotation-outs stand only when one of its rotation-ins was resumed or something
+   was admitted; otherwise the decision is made again without its rotations (SuperInfer §4.2.3
+   preempts to make "HBM space for resuming" prioritized requests: space for nobody idles the GPU).
 """
 
 from __future__ import annotations
