@@ -147,14 +147,17 @@ class DecisionBuilder:
             for rid in sd.resume
             if rid in paused_by_id and rid not in forced and rid not in candidates
         ]
-        if inp.try_resume or not members:
+        # the planner paused everyone (its victim order can pause a request that runs alone before
+        # one that cannot) and nothing is admitted: the GPU idled until the plan expired (control-
+        # plane review, session 78). Its victims run alone first, last paused first. Not when an
+        # admission takes the GPU: the prefills that empty batch lets in kept kvplane-combined's
+        # P99 TTFT at 28 s (451 s with victims run in their place, session 78)
+        idle = not members and not self._admissions(sd, members, inp)
+        if inp.try_resume or idle:
             candidates += [
                 p.id for p in inp.paused if p.id not in tried and p.id not in candidates
             ]
-        if not members:
-            # the planner paused everyone (its victim order can pause a request that runs alone
-            # before one that cannot): the ones it paused run alone first, last paused first; the
-            # GPU idled until the plan expired (control-plane review, session 78)
+        if idle:
             candidates = [rid for rid in reversed(planner_paused) if rid in running_by_id] + candidates
         for rid in candidates[:MAX_RESUME_TRIALS]:
             cand = paused_by_id.get(rid) or running_by_id[rid]
