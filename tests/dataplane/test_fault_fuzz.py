@@ -61,28 +61,41 @@ class FaultDriver(RadixDriver):
         finally:
             del engine._launch
 
+    def grow_batch(self, batch: Sequence[tuple[str, int]]) -> tuple[list[tuple[str, int]], list[list[int]], torch.Tensor, list[str], list[int]] | None:
+        """The step's runnable requests grown by their tokens: (batch, new slots per request,
+        the slots as a tensor, ids, lengths); None when nothing runs or pages run out."""
+        batch = [(rid, n) for rid, n in batch if rid in self.slots and rid not in self.paused and n > 0]
+        fresh = sum(-(-max(0, n - (-len(self.slots[rid]) % self.ps)) // self.ps) for rid, n in batch)
+        if not batch or fresh > len(self.free_pages):
+            return None
+        news = [self._grow(rid, n) or [] for rid, n in batch]
+        loc = torch.tensor([s for new in news for s in new], dtype=torch.int64)
+        return batch, news, loc, [r for r, _ in batch], [len(self.slots[r]) for r, _ in batch]
+
+    def run_layer(self, layer: int, batch: list[tuple[str, int]], loc: torch.Tensor) -> None:
+        """One layer of an eager forward: write the step's K/V, check every row reads back."""
+        core = self.core
+        core.enter_layer(layer)
+        k, v = self._layer_kv(layer, loc)
+        core.write(layer, loc, k, v)
+        self._rows = None
+        for b, (rid, _) in enumerate(batch):
+            self._check_in_step(layer, b, rid)
+        core.exit_layer(layer)
+
     def step(self, batch: Sequence[tuple[str, int]]) -> bool:
         stop, self.stop_at = self.stop_at, None
         core = self.core
         last = core.layers - 1 if stop is None else stop
-        batch = [(rid, n) for rid, n in batch if rid in self.slots and rid not in self.paused and n > 0]
-        fresh = sum(-(-max(0, n - (-len(self.slots[rid]) % self.ps)) // self.ps) for rid, n in batch)
-        if not batch or fresh > len(self.free_pages):
+        grown = self.grow_batch(batch)
+        if grown is None:
             return False
-        news = [self._grow(rid, n) or [] for rid, n in batch]
-        loc = torch.tensor([s for new in news for s in new], dtype=torch.int64)
-        rids, lens = [r for r, _ in batch], [len(self.slots[r]) for r, _ in batch]
+        batch, news, loc, rids, lens = grown
         if not (self.fast_decode and all(n == 1 for _, n in batch) and core.prepare_decode_step(rids, lens, loc)):
             core.prepare_step([(rid, torch.tensor(self.slots[rid])) for rid, _ in batch], loc, [n for _, n in batch])
         self.check_staging()
         for layer in range(last + 1):
-            core.enter_layer(layer)
-            k, v = self._layer_kv(layer, loc)
-            core.write(layer, loc, k, v)
-            self._rows = None
-            for b, (rid, _) in enumerate(batch):
-                self._check_in_step(layer, b, rid)
-            core.exit_layer(layer)
+            self.run_layer(layer, batch, loc)
         if last == core.layers - 1:
             assert core.tables is None and core.store.staging_pages == 0
         for layer in range(last + 1, core.layers):
@@ -138,6 +151,71 @@ class FaultDriver(RadixDriver):
             assert np.array_equal(store.mirror.host_bits, store.mirror._bits(store.map_np)), "host bits"
 
 
+def random_op(d: FaultDriver, rng: random.Random, rids: list[str], log: list[tuple], *,
+              prefill: float = 0.15, burst: int = 5, stop_p: float = 0.1, stop_from: int = 0) -> None:
+    """One random operation of a history, checked as it goes (``test_graph_fault_fuzz.py`` draws
+    its histories from it too): a prefill (new, sharing a live prefix, or from the cache), a burst
+    of decode steps (some stopped early from layer ``stop_from`` on), a placement, a pause, a
+    resume, a finish, an eviction, a prefix rewrite or a dedupe."""
+    layers = d.core.layers
+    op = rng.random()
+    if op < prefill:
+        rid = rng.choice(rids)
+        if rid not in d.slots:
+            mode = rng.choice(["new", "live", "cached"])
+            if mode == "cached":
+                d.add_cached(rid, rng.randrange(5), rng.randrange(4))
+            elif mode == "live":
+                d.add(rid, share_from=rng.choice(rids), share_pages=rng.randrange(4))
+            else:
+                d.add(rid)
+        n = rng.randrange(1, 8)
+        log.append(("prefill", rid, n))
+        d.step([(rid, n)])
+    elif op < 0.55:
+        running = sorted(r for r in d.slots if r not in d.paused)
+        if not running:
+            return
+        sub = rng.sample(running, rng.randrange(1, len(running) + 1))
+        for _ in range(rng.randrange(1, burst)):
+            if rng.random() < stop_p:
+                d.stop_at = rng.randrange(stop_from, layers - 1) if layers - 1 > stop_from else None
+            log.append(("decode", tuple(sub), d.stop_at))
+            d.step([(r, 1) for r in sub])
+    elif op < 0.72:
+        rid = rng.choice(rids)
+        if rid in d.slots and rid not in d.paused:
+            want = [rng.random() < 0.5 for _ in range(layers)]
+            log.append(("want", rid, want))
+            d.want(rid, want)
+    elif op < 0.77:
+        rid = rng.choice(rids)
+        log.append(("pause", rid))
+        d.want(rid, [True] * layers, paused=True)
+    elif op < 0.82:
+        if d.paused:
+            rid, want = rng.choice(sorted(d.paused)), [rng.random() < 0.5 for _ in range(layers)]
+            log.append(("resume", rid, want))
+            d.want(rid, want)
+    elif op < 0.89:
+        rid = rng.choice(rids)
+        cached = rng.random() < 0.5
+        log.append(("finish_cached" if cached else "finish", rid))
+        d.finish_cached(rid) if cached else d.finish(rid)
+    elif op < 0.92:
+        idx = rng.randrange(5)
+        log.append(("evict", idx))
+        d.evict(idx)
+    elif op < 0.95:
+        a, b = rng.choice(rids), rng.choice(rids)
+        log.append(("rewrite", a, b))
+        d.rewrite_prefix(a, b)
+    else:
+        a, idx = rng.choice(rids), rng.randrange(5)
+        log.append(("dedupe", a, idx))
+        d.dedupe_cached(a, idx)
+
+
 def _history(seed: int) -> tuple[FaultDriver, list[tuple]]:
     """One random history (``STEPS`` operations) of seed ``seed``, checked as it goes."""
     rng = random.Random(seed)
@@ -151,62 +229,7 @@ def _history(seed: int) -> tuple[FaultDriver, list[tuple]]:
     d.core.defer_tables = rng.random() < 0.3
     rids, log = ["a", "b", "c", "d", "e"], []
     for _ in range(STEPS):
-        op = rng.random()
-        if op < 0.15:
-            rid = rng.choice(rids)
-            if rid not in d.slots:
-                mode = rng.choice(["new", "live", "cached"])
-                if mode == "cached":
-                    d.add_cached(rid, rng.randrange(5), rng.randrange(4))
-                elif mode == "live":
-                    d.add(rid, share_from=rng.choice(rids), share_pages=rng.randrange(4))
-                else:
-                    d.add(rid)
-            n = rng.randrange(1, 8)
-            log.append(("prefill", rid, n))
-            d.step([(rid, n)])
-        elif op < 0.55:
-            running = sorted(r for r in d.slots if r not in d.paused)
-            if not running:
-                continue
-            sub = rng.sample(running, rng.randrange(1, len(running) + 1))
-            for _ in range(rng.randrange(1, 5)):
-                if rng.random() < 0.1:
-                    d.stop_at = rng.randrange(0, layers - 1) if layers > 1 else None
-                log.append(("decode", tuple(sub), d.stop_at))
-                d.step([(r, 1) for r in sub])
-        elif op < 0.72:
-            rid = rng.choice(rids)
-            if rid in d.slots and rid not in d.paused:
-                want = [rng.random() < 0.5 for _ in range(layers)]
-                log.append(("want", rid, want))
-                d.want(rid, want)
-        elif op < 0.77:
-            rid = rng.choice(rids)
-            log.append(("pause", rid))
-            d.want(rid, [True] * layers, paused=True)
-        elif op < 0.82:
-            if d.paused:
-                rid, want = rng.choice(sorted(d.paused)), [rng.random() < 0.5 for _ in range(layers)]
-                log.append(("resume", rid, want))
-                d.want(rid, want)
-        elif op < 0.89:
-            rid = rng.choice(rids)
-            cached = rng.random() < 0.5
-            log.append(("finish_cached" if cached else "finish", rid))
-            d.finish_cached(rid) if cached else d.finish(rid)
-        elif op < 0.92:
-            idx = rng.randrange(5)
-            log.append(("evict", idx))
-            d.evict(idx)
-        elif op < 0.95:
-            a, b = rng.choice(rids), rng.choice(rids)
-            log.append(("rewrite", a, b))
-            d.rewrite_prefix(a, b)
-        else:
-            a, idx = rng.choice(rids), rng.randrange(5)
-            log.append(("dedupe", a, idx))
-            d.dedupe_cached(a, idx)
+        random_op(d, rng, rids, log)
         if not d.core.pipeline.active:
             d.check_at_rest()
     return d, log

@@ -45,7 +45,7 @@ from sglang_ext.dataplane.decode_graphs import DecodeGraphs
 from sglang_ext.dataplane.layered_kv_core import LayeredKVCore
 from sglang_ext.dataplane.slot_store_config import SlotStoreConfig
 from tests.dataplane.core_driver import DIM, HEADS
-from tests.dataplane.test_fault_fuzz import FaultDriver
+from tests.dataplane.test_fault_fuzz import FaultDriver, random_op
 
 SEEDS = range(30)
 STEPS = 120
@@ -179,13 +179,10 @@ class GraphFaultDriver(FaultDriver):
     def step(self, batch: Sequence[tuple[str, int]]) -> bool:
         stop, self.stop_at = self.stop_at, None
         core = self.core
-        batch = [(rid, n) for rid, n in batch if rid in self.slots and rid not in self.paused and n > 0]
-        fresh = sum(-(-max(0, n - (-len(self.slots[rid]) % self.ps)) // self.ps) for rid, n in batch)
-        if not batch or fresh > len(self.free_pages):
+        grown = self.grow_batch(batch)
+        if grown is None:
             return False
-        news = [self._grow(rid, n) or [] for rid, n in batch]
-        loc = torch.tensor([s for new in news for s in new], dtype=torch.int64)
-        rids, lens = [r for r, _ in batch], [len(self.slots[r]) for r, _ in batch]
+        batch, news, loc, rids, lens = grown
         decode = all(n == 1 for _, n in batch)
         if self.publish_slots and decode:
             core.continuity.slots.publish(rids, lens, loc.tolist())
@@ -213,13 +210,7 @@ class GraphFaultDriver(FaultDriver):
         self.counts["eager" if stop is None else "eager stopped"] += 1
         for layer in range(last + 1):
             try:
-                core.enter_layer(layer)
-                k, v = self._layer_kv(layer, loc)
-                core.write(layer, loc, k, v)
-                self._rows = None
-                for b, (rid, _) in enumerate(batch):
-                    self._check_in_step(layer, b, rid)
-                core.exit_layer(layer)
+                self.run_layer(layer, batch, loc)
             except RuntimeError as exc:  # the forward ends here; the next boundary ends its step
                 self._escaped(exc, "layer")
                 self._lost(loc, layer)
@@ -353,66 +344,11 @@ def _history(seed: int) -> tuple[GraphFaultDriver, list[tuple]]:
     """One random history (``STEPS`` operations) of seed ``seed``, checked as it goes, then every
     request ended and the cache evicted: nothing may stay in use."""
     d = _driver(seed)
-    rng, layers = random.Random(seed), d.core.layers
+    rng = random.Random(seed)
     rids = ["a", "b", "c", "d", "e"]
     log: list[tuple] = []
     for _ in range(STEPS):
-        op = rng.random()
-        if op < 0.13:
-            rid = rng.choice(rids)
-            if rid not in d.slots:
-                mode = rng.choice(["new", "live", "cached"])
-                if mode == "cached":
-                    d.add_cached(rid, rng.randrange(5), rng.randrange(4))
-                elif mode == "live":
-                    d.add(rid, share_from=rng.choice(rids), share_pages=rng.randrange(4))
-                else:
-                    d.add(rid)
-            n = rng.randrange(1, 8)
-            log.append(("prefill", rid, n))
-            d.step([(rid, n)])
-        elif op < 0.55:
-            running = sorted(r for r in d.slots if r not in d.paused)
-            if not running:
-                continue
-            sub = rng.sample(running, rng.randrange(1, len(running) + 1))
-            for _ in range(rng.randrange(1, 7)):
-                if rng.random() < 0.12:
-                    d.stop_at = rng.randrange(-1, layers - 1)
-                log.append(("decode", tuple(sub), d.stop_at))
-                d.step([(r, 1) for r in sub])
-        elif op < 0.72:
-            rid = rng.choice(rids)
-            if rid in d.slots and rid not in d.paused:
-                want = [rng.random() < 0.5 for _ in range(layers)]
-                log.append(("want", rid, want))
-                d.want(rid, want)
-        elif op < 0.77:
-            rid = rng.choice(rids)
-            log.append(("pause", rid))
-            d.want(rid, [True] * layers, paused=True)
-        elif op < 0.82:
-            if d.paused:
-                rid, want = rng.choice(sorted(d.paused)), [rng.random() < 0.5 for _ in range(layers)]
-                log.append(("resume", rid, want))
-                d.want(rid, want)
-        elif op < 0.89:
-            rid = rng.choice(rids)
-            cached = rng.random() < 0.5
-            log.append(("finish_cached" if cached else "finish", rid))
-            d.finish_cached(rid) if cached else d.finish(rid)
-        elif op < 0.92:
-            idx = rng.randrange(5)
-            log.append(("evict", idx))
-            d.evict(idx)
-        elif op < 0.95:
-            a, b = rng.choice(rids), rng.choice(rids)
-            log.append(("rewrite", a, b))
-            d.rewrite_prefix(a, b)
-        else:
-            a, idx = rng.choice(rids), rng.randrange(5)
-            log.append(("dedupe", a, idx))
-            d.dedupe_cached(a, idx)
+        random_op(d, rng, rids, log, prefill=0.13, burst=7, stop_p=0.12, stop_from=-1)
         if not d.core.pipeline.active:
             d.check_at_rest()
     for rid in sorted(d.slots):
