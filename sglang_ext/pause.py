@@ -32,8 +32,12 @@ requests, and ``filter_batch`` / ``merge_batch`` recompute ``has_grammar``
 (``test_pause_server.py``: regex-constrained requests paused, resumed, vanilla's output). A pause that would take the last running request
 that keeps the batch going is skipped as ``would_idle`` (the step boundary's ``keep_one_of``: its
 rule would resume it at once rather than idle), and the boundary drops it. Skipped pauses are
-counted by reason (:data:`PAUSE_SKIP_REASONS`, ``kvplane:pauses_skipped_total``); the control
-plane's other pauses stay deferred, retried at each boundary, and are dropped when the request is gone.
+counted by reason (:data:`PAUSE_SKIP_REASONS`, ``kvplane:pauses_skipped_total``). A pause a batch
+feature refuses (custom logit processors, speculative decoding, encoder-decoder), a penalised one
+under the overlap loop and a ``would_idle`` one are dropped: the control plane sees the request
+still running and plans it so (its pause lapses, ``controlplane/controller/request_tracker.py``).
+The control plane's other pauses (a finishing request, one not yet in the running batch) stay
+deferred, retried at each boundary, and are dropped when the request is gone.
 
 Runs on the scheduler thread; every TP rank applies the same calls in the same order.
 """
@@ -190,6 +194,11 @@ class PauseManager:
         reason = unpausable_reason(running_batch)
         if reason is not None:
             self._skip(reason, len(found))
+            # dropped, not deferred: the control plane counts a pause not shown a step after its
+            # due step as not applied (request_tracker.APPLY_SLACK_STEPS) and plans the request
+            # running; a deferred one applied later, once the batch could split, paused it
+            # unplanned (control-plane review, session 78)
+            self.last_dropped.extend(found)
             new = [rid for rid in found if rid not in self._warned]
             if new:  # once per request: a deferred pause is retried at every boundary
                 if len(self._warned) > WARNED_MAX:  # bounded: a request warned again is harmless

@@ -20,14 +20,15 @@ state. Steps (OrbitFlow §3.3-3.4, plus the per-worker scheduler):
    request only after some in-flight requests have completed and a feasible plan exists"). The
    first refusal ends the attempts, so a request never overtakes a longer-paused one, and at
    most ``MAX_RESUME_TRIALS`` extra plans are solved per decision. When nothing runs (the planner
-   paused everyone), a refusal does not end them, and the requests the planner just paused are
-   tried first, alone, last paused first: they keep running.
+   paused everyone) and nothing is admitted, a refusal does not end them, and the requests the
+   planner just paused are tried first, alone, last paused first: they keep running. (An
+   admission takes the emptied batch: its prefill runs there.)
 5. Admissions: the scheduler's, trimmed to the room the batch limits leave after the resumes
    (a paused request resumed on a finish goes before a new arrival, as vLLM serves its swapped
    queue before its waiting one).
-6. The scheduler's rotation-outs stand only when one of its rotation-ins was resumed or something
-   was admitted; otherwise the decision is made again without its rotations (SuperInfer §4.2.3
-   preempts to make "HBM space for resuming" prioritized requests: space for nobody idles the GPU).
+6. LVF's rotation-outs stand only when the decision resumes or admits something; otherwise it is
+   made again without its rotations (SuperInfer §4.2.3 preempts to make "HBM space for resuming"
+   prioritized requests: space for nobody idles the GPU).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ from controlplane.model import Batch, Hardware, ModelSpec, Plan, Profile, Reques
 from controlplane.policy import Policy
 
 MAX_RESUME_TRIALS = 4
-"""Extra planner calls per decision spent on trying to resume paused requests."""
+"""Extra planner calls per decision spent on trying to resume paused requests; also the starving
+requests the guard tries to force in (each one past the first costs a plan of it alone)."""
 
 
 class PlannerLike(Protocol):
@@ -118,10 +120,12 @@ class DecisionBuilder:
     def build(self, inp: PlanningInput) -> Decision:
         sd = make_scheduler(inp.scheduler).schedule(self._scheduler_view(inp))
         decision = self._decide(inp, sd)
-        if sd.pause and not decision.admit and not set(decision.resume) & set(sd.resume):
-            # the scheduler's rotation-outs made room for nobody (its rotation-ins refused, no
-            # admission): carried out anyway, LVF paused the only runnable request for one that
-            # cannot run and the GPU idled every other step (control-plane review, session 78)
+        if inp.scheduler == "lvf" and sd.pause and not decision.admit and not decision.resume:
+            # LVF's rotation-outs made room for nobody (its rotation-ins refused, nothing admitted
+            # or resumed): carried out anyway, they paused the only runnable request for one that
+            # cannot run and the GPU idled every other step (control-plane review, session 78).
+            # LayerKV's pauses are not rotations (a background request making the fitting ones
+            # late is paused for their steps) and undo themselves when they do not help
             decision = self._decide(inp, replace(sd, pause=(), resume=()))
         return decision
 
@@ -211,6 +215,10 @@ class DecisionBuilder:
         tried: list[str] = []
         for f in starving[:MAX_RESUME_TRIALS]:
             tried.append(f.id)
+            if len(starving) > 1:  # one plan tells a request that cannot run even alone (the
+                alone = self._plan([f], inp)  # victim loop below would pause every other first)
+                if not alone.feasible or alone.paused:
+                    continue
             members = running + [f]
             guard_victims: list[str] = []
             # The forced request needs a batch slot: pause others until it fits the limits.
@@ -226,10 +234,13 @@ class DecisionBuilder:
             while True:
                 plan = self._plan(members, inp)
                 blocked = f.id in plan.paused
-                others = [r for r in members if r.id != f.id and r.id not in plan.paused]
+                others = [r for r in members if r.id != f.id]
                 if not blocked or not others:
                     break
-                victim = select_victim(others, policy.victim_rule, inp.model.block_size, seed=inp.step)
+                # the ones the plan runs first; then those it paused beside the forced one (it
+                # may pause everyone at once: a plan of the forced one alone decides)
+                pool = [r for r in others if r.id not in plan.paused] or others
+                victim = select_victim(pool, policy.victim_rule, inp.model.block_size, seed=inp.step)
                 guard_victims.append(victim.id)
                 members = [r for r in members if r.id != victim.id]
             if not blocked:

@@ -12,7 +12,7 @@ It re-plans when
 * ``starvation``: a paused request reached ``policy.max_paused_steps``;
 * ``schedule``: the scheduler (probed cheaply on every report while something is queued, or
   paused under ``lvf``) wants to admit, rotate in or rotate out a request (the same answer
-  fires again only ``window_min`` steps after a plan served it and did not carry it out);
+  fires again only ``window_min`` steps after it last fired: one a plan carried out changes);
 * ``initial``: the first report with anything to decide.
 
 Paused requests are offered a resume only when a request finished (or nothing runs), OrbitFlow
@@ -353,10 +353,10 @@ class SessionController:
         return self._worker.scheduler or policy.scheduler
 
     def _wants_schedule(self, policy: Policy, step: int) -> bool:
-        """Cheap probe: would the scheduler change anything now? An answer a plan already served
-        and did not carry out (a rotation-in the planner refuses: the scheduler's step predictor
-        said on time, the plan pauses someone) fires again only ``window_min`` steps later; every
-        report re-planned it (control-plane review, session 77)."""
+        """Cheap probe: would the scheduler change anything now? The answer that last fired fires
+        again only ``window_min`` steps later: one a plan carried out changes, one it did not (a
+        rotation-in the planner refuses: the scheduler's step predictor said on time, the plan
+        pauses someone) re-planned every report (control-plane review, session 77)."""
         if self._inflight:
             return False  # the next plan runs the scheduler on fresh state anyway
         if not self._queued and not (

@@ -81,6 +81,38 @@ def test_the_boundary_records_the_skip_and_keeps_the_pause_deferred():
     assert "a" not in inbox.deferred_pause and boundary.take_record()["pauses_skipped"] == {}
 
 
+def test_a_pause_a_batch_feature_refuses_is_dropped_not_deferred():
+    """A batch with a custom logit processor cannot be split: the pause is dropped at that
+    boundary (the control plane's pause lapses a step after its due step and it plans the
+    request running); deferred, it was applied steps later, once the batch could split, pausing
+    a request the control plane planned running (control-plane review, session 78). Control: a
+    finishing request's pause stays deferred."""
+    from controlplane.api import Decision
+    from controlplane.model import Plan
+    from sglang_ext.admission import AdmissionGate
+    from sglang_ext.decision_inbox import DecisionInbox
+    from sglang_ext.step_boundary import StepBoundary
+    from sglang_ext.tp_sync import PlacementInstaller, TpSync
+    from tests.sglang.test_scheduler_roles import FakeClient
+
+    def boundary_after(custom: bool, req: _Req) -> DecisionInbox:
+        inbox = DecisionInbox()
+        plan = Plan(True, (), {}, 1.0, 8, 0, 0, "test", 0.0)
+        inbox.receive([Decision(plan=plan, apply_at_step=0, expiry_step=10, pause=(req.rid,))])
+        boundary = StepBoundary(
+            tp=TpSync(0, 1), installer=PlacementInstaller(None, 2), pauser=PauseManager(),
+            admission=AdmissionGate(enabled=False), inbox=inbox, client=FakeClient(), pages_of=lambda r: (),
+        )
+        running = _Batch([req, _Req("e", 1, 8)])
+        running.sampling_info = SimpleNamespace(penalizer_orchestrator=None, has_custom_logit_processor=custom)
+        boundary.apply(running, None, step=4)
+        assert [r.rid for r in running.reqs] == [req.rid, "e"]  # not paused either way
+        return inbox
+
+    assert "a" not in boundary_after(True, _Req("a", 1, 8)).deferred_pause
+    assert "f" in boundary_after(False, _Req("f", 7, 8)).deferred_pause  # finishing: deferred
+
+
 def test_a_batch_feature_skip_counts_only_decoding_requests_and_warns_once_per_request():
     """A batch that cannot be split (a custom logit processor): the pauses of its decoding requests
     are counted at every retry, an unknown id is not counted, and each request is logged once."""

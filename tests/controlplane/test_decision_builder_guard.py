@@ -1,0 +1,76 @@
+"""DecisionBuilder cases from the review of session 78's controller changes (each reproduced on
+the first version of those changes; the planner and CBC are real):
+
+- LayerKV's pause of a background request that makes the fitting ones late is not a rotation and
+  stands (the rotation-out undo is LVF's only): undone, both ran at 4.7 ms over a 4.5 ms target.
+- The starvation guard judges "cannot run even alone" by a plan of the request alone: when the
+  plan paused everyone at once, a starving request that runs alone was never tried.
+- The guard's extra trials are one plan each: 4 starving requests that cannot run beside 10
+  running ones cost 45 planner calls per decision (13 before session 78).
+"""
+
+from __future__ import annotations
+
+from controlplane.controller.decision_builder import DecisionBuilder, PlanningInput
+from controlplane.controller.schedulers.base import RequestView
+from controlplane.model import Batch, Hardware, Plan
+from controlplane.planner import Planner
+from controlplane.policy import Policy
+from tests.controlplane.test_controller_harness import MODEL
+
+
+def view(rid: str, ctx: int, paused_steps: int | None = None, slo: float = 6.0) -> RequestView:
+    return RequestView(rid, ctx, 10, slo, 0.0, 0.0, 400.0, paused=paused_steps is not None,
+                       paused_steps=paused_steps or 0, gpu_layers=0 if paused_steps else None)
+
+
+class Counting(Planner):
+    calls = 0
+
+    def plan(self, batch: Batch, **kwargs: object) -> Plan:  # type: ignore[override]
+        self.calls += 1
+        return super().plan(batch, **kwargs)  # type: ignore[arg-type]
+
+
+def build(running: tuple[RequestView, ...], paused: tuple[RequestView, ...], budget: int,
+          scheduler: str = "fcfs", **policy: object) -> tuple[DecisionBuilder, Counting, PlanningInput]:
+    pol = Policy.from_dict({"window_min": 4, "window_max": 8, "slo_tbt_ms": 6.0, **policy})
+    inp = PlanningInput(step=50, now_ms=500.0, reasons=("starvation",), running=running, paused=paused,
+                        queued=(), model=MODEL, hardware=Hardware(budget, 1.0), layer_compute_ms=(1.0,) * 4,
+                        h2d_gbps=1.0, tpot_ms=5.0, predicted_step_ms=5.0, free_gpu_blocks=0, policy=pol,
+                        scheduler=scheduler, try_resume=False)
+    planner = Counting(use_mip=False, exact_search=False)
+    return DecisionBuilder(planner, time_budget_ms=60_000), planner, inp
+
+
+def test_layerkv_pauses_a_background_request_that_makes_the_fitting_ones_late() -> None:
+    b, _, inp = build((view("fit", 100, slo=5.0), view("bg", 600, slo=5.0)), (), 64, "layerkv", slo_tbt_ms=5.0)
+    assert b.schedule_only(inp).pause == ("bg",)  # the scheduler's pause (no rotation-in)
+    d = b.build(inp)
+    assert d.pause == ("bg",) and set(d.plan.placements) == {"fit"}
+    assert d.plan.predicted_step_ms <= 4.5
+
+
+def test_a_starving_request_that_runs_alone_is_forced_in_past_one_that_cannot() -> None:
+    """'big' (running) and 'big2' cannot run even alone on 48 blocks; 'small' can. The plan of
+    'small' beside 'big' pauses both at once (victim rule 'shortest')."""
+    b, _, inp = build((view("big", 1500),), (view("big2", 1500, 40), view("small", 100, 30)), 48,
+                      victim_rule="shortest", max_paused_steps=4)
+    d = b.build(inp)
+    assert d.pause == ("big",) and d.resume == ("small",)
+    assert set(d.plan.placements) == {"small"}
+
+
+def test_control_a_starving_request_no_plan_runs_stays_paused() -> None:
+    b, _, inp = build((view("r", 100),), (view("big2", 1500, 40),), 48, max_paused_steps=4)
+    d = b.build(inp)
+    assert d.resume == () and d.pause == () and set(d.plan.placements) == {"r"}
+
+
+def test_the_guard_tries_each_starving_request_with_one_plan() -> None:
+    running = tuple(view(f"r{i}", 60, slo=12.0) for i in range(10))
+    starving = tuple(view(f"h{i}", 6000, 40 - i, slo=12.0) for i in range(4))
+    b, planner, inp = build(running, starving, 160, slo_tbt_ms=12.0, max_paused_steps=4)
+    d = b.build(inp)
+    assert d.pause == () and d.resume == ()
+    assert planner.calls <= 1 + len(starving), planner.calls  # 45 in the first version, 13 before
