@@ -5,9 +5,10 @@ made until a decision resumes it. The worker's ``RequestState.paused`` flag is t
 that disagrees with the controller while no decision about that request is outstanding is a
 pause/resume the worker made on its own (e.g. SGLang retracting a request under memory pressure),
 which the controller adopts and treats as a batch change. A decision is outstanding until the
-worker shows it or until ``APPLY_SLACK_STEPS`` after the step it was due at: a pause the worker
-never applies (it drops some for good, ``sglang_ext/pause.py``) was awaited forever, the request
-counted as paused while it decoded (control-plane review, session 78).
+worker shows it or until ``APPLY_SLACK_STEPS`` after the step it was delivered for
+(:meth:`RequestTracker.delivered`): a pause the worker never applies (it drops some for good,
+``sglang_ext/pause.py``) was awaited forever, the request counted as paused while it decoded
+(control-plane review, session 78).
 """
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ class BatchEvents:
 
 
 APPLY_SLACK_STEPS = 1
-"""Steps past its due step a decided pause or resume may take to show in the worker's reports
-(SGLang's overlap loop runs a batch ahead); after them the worker's own flag stands."""
+"""Steps past the step it was delivered for that a decided pause or resume may take to show in the
+worker's reports (slack for SGLang's overlap loop); after them the worker's own flag stands."""
 
 
 class RequestTracker:
