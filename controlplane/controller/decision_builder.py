@@ -26,8 +26,8 @@ state. Steps (OrbitFlow §3.3-3.4, plus the per-worker scheduler):
 5. Admissions: the scheduler's, trimmed to the room the batch limits leave after the resumes
    (a paused request resumed on a finish goes before a new arrival, as vLLM serves its swapped
    queue before its waiting one).
-6. LVF's rotation-outs stand only when the decision resumes or admits something; otherwise it is
-   made again without its rotations (SuperInfer §4.2.3 preempts to make "HBM space for resuming"
+6. A scheduler's rotation-outs (``SchedulerDecision.rotation``: LVF's) stand only when the decision
+   resumes or admits something; otherwise it is made again without its rotations (SuperInfer §4.2.3 preempts to make "HBM space for resuming"
    prioritized requests: space for nobody idles the GPU).
 """
 
@@ -120,12 +120,10 @@ class DecisionBuilder:
     def build(self, inp: PlanningInput) -> Decision:
         sd = make_scheduler(inp.scheduler).schedule(self._scheduler_view(inp))
         decision = self._decide(inp, sd)
-        if inp.scheduler == "lvf" and sd.pause and not decision.admit and not decision.resume:
-            # LVF's rotation-outs made room for nobody (its rotation-ins refused, nothing admitted
-            # or resumed): carried out anyway, they paused the only runnable request for one that
-            # cannot run and the GPU idled every other step (control-plane review, session 78).
-            # LayerKV's pauses are not rotations (a background request making the fitting ones
-            # late is paused for their steps) and undo themselves when they do not help
+        if sd.rotation and sd.pause and not decision.admit and not decision.resume:
+            # the rotation-outs made room for nobody (the rotation-ins refused, nothing admitted
+            # or resumed): carried out anyway, LVF's paused the only runnable request for one that
+            # cannot run and the GPU idled every other step (control-plane review, session 78)
             decision = self._decide(inp, replace(sd, pause=(), resume=()))
         return decision
 

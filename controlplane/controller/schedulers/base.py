@@ -109,6 +109,10 @@ class SchedulerDecision:
     min_gpu_layers: dict[str, int] = field(default_factory=dict)
     """Per admitted prefill, layers kept on the GPU after prefill (LayerKV Eq. 4; FCFS: the
     layers that fit, the rest offloaded at prefill)."""
+    rotation: bool = False
+    """The pauses are rotations: they make room for this decision's resumes and admissions
+    (LVF), so a decision that resumes and admits nothing keeps them running. False: they stand
+    on their own (LayerKV pauses a background request that makes the fitting ones late)."""
 
     @property
     def empty(self) -> bool:

@@ -122,4 +122,5 @@ class LvfScheduler:
             admit=tuple(e.id for e in prioritized if e.kind == "waiting"),
             pause=tuple(preempted),
             resume=tuple(e.id for e in prioritized if e.kind == "rotary"),
+            rotation=True,
         )
