@@ -13,7 +13,10 @@ state. Steps (OrbitFlow §3.3-3.4, plus the per-worker scheduler):
    starving requests are served in FIFO order.
 3. The planner places the batch one step ahead (every running request's context grows by the
    token decoded at the target step, OrbitFlow §3.3.2 "adding one token to align with the target
-   step"); when infeasible it pauses victims itself.
+   step"); when infeasible it pauses victims itself. A *held* request (``PlanningInput.held``:
+   the worker dropped its last pause, and would drop the next) is not paused: another one is, by
+   the victim rule, as for a forced one; and a starving request that cannot run beside it is not
+   forced. One that cannot run even alone is planned as the planner decides.
 4. Resume: a paused request (other starving ones first, then the scheduler's rotation-ins, then -
    when a request finished - the longest-paused ones) joins only if the batch limits have room
    for it and the plan with it is feasible and pauses nobody (OrbitFlow §3.4: "resumes a paused
@@ -26,9 +29,10 @@ state. Steps (OrbitFlow §3.3-3.4, plus the per-worker scheduler):
 5. Admissions: the scheduler's, trimmed to the room the batch limits leave after the resumes
    (a paused request resumed on a finish goes before a new arrival, as vLLM serves its swapped
    queue before its waiting one).
-6. A scheduler's rotation-outs (``SchedulerDecision.rotation``: LVF's) stand only when the decision
-   resumes or admits something; otherwise it is made again without its rotations (SuperInfer §4.2.3 preempts to make "HBM space for resuming"
-   prioritized requests: space for nobody idles the GPU).
+6. A scheduler's rotation-outs (``SchedulerDecision.rotation``: LVF's; never of a held request)
+   stand only when the decision resumes or admits something; otherwise it is made again without
+   its rotations (SuperInfer §4.2.3 preempts to make "HBM space for resuming" prioritized
+   requests: space for nobody idles the GPU).
 """
 
 from __future__ import annotations
@@ -100,6 +104,9 @@ class PlanningInput:
     """The worker's per-layer recompute cost (``docs/recompute.md``); None: never offered."""
     fetch_launch_ms: float = 0.0
     """Host cost of one fetch launch (:mod:`controlplane.model.timeline`), as learnt."""
+    held: frozenset[str] = frozenset()
+    """Running requests not to pause: the worker dropped their last pause
+    (:meth:`~controlplane.controller.request_tracker.RequestTracker.held`)."""
 
 
 MAX_PLAN_BUDGET_MS = 1000.0
@@ -129,7 +136,9 @@ class DecisionBuilder:
 
     def _decide(self, inp: PlanningInput, sd: SchedulerDecision) -> Decision:
         policy = inp.policy
-        rotated_out = [rid for rid in sd.pause if any(r.id == rid for r in inp.running)]
+        rotated_out = [
+            rid for rid in sd.pause if rid not in inp.held and any(r.id == rid for r in inp.running)
+        ]
         running = [r for r in inp.running if r.id not in rotated_out]
         running_by_id = {r.id: r for r in running}
         paused_by_id = {p.id: p for p in inp.paused}
@@ -208,8 +217,10 @@ class DecisionBuilder:
         every other one paused pauses nobody (pausing them idled the GPU every other window,
         session 77), and the next starving one is forced instead (one that can never run held
         every later one paused for good, control-plane review, session 78); at most
-        ``MAX_RESUME_TRIALS`` are tried."""
+        ``MAX_RESUME_TRIALS`` are tried. Held requests (``inp.held``) are kept running the same
+        way, and are never the victims."""
         policy = inp.policy
+        held = inp.held
         tried: list[str] = []
         for f in starving[:MAX_RESUME_TRIALS]:
             tried.append(f.id)
@@ -226,24 +237,52 @@ class DecisionBuilder:
                     len(others), sum(r.context_tokens for r in others), f.context_tokens
                 ):
                     break
-                victim = select_victim(others, policy.victim_rule, inp.model.block_size, seed=inp.step)
-                guard_victims.append(victim.id)
-                members = [r for r in members if r.id != victim.id]
-            while True:
-                plan = self._plan(members, inp)
-                blocked = f.id in plan.paused
-                others = [r for r in members if r.id != f.id]
-                if not blocked or not others:
-                    break
-                # the ones the plan runs first; then those it paused beside the forced one (it
-                # may pause everyone at once: a plan of the forced one alone decides)
-                pool = [r for r in others if r.id not in plan.paused] or others
+                pool = [r for r in others if r.id not in held] or others
                 victim = select_victim(pool, policy.victim_rule, inp.model.block_size, seed=inp.step)
                 guard_victims.append(victim.id)
                 members = [r for r in members if r.id != victim.id]
-            if not blocked:
+            plan, members, kept = self._keeping(members, {f.id}, inp, guard_victims)
+            if kept:  # a held request it cannot run beside runs all the same: not forced
                 return plan, members, guard_victims, tried, {f.id}
-        return self._plan(running, inp), list(running), [], tried, set()
+        guard_victims = []
+        plan, members, _ = self._keeping(list(running), set(), inp, guard_victims)
+        return plan, members, guard_victims, tried, set()
+
+    def _keeping(
+        self, members: list[RequestView], keep: set[str], inp: PlanningInput, victims: list[str]
+    ) -> tuple[Plan, list[RequestView], bool]:
+        """The plan of ``members`` that runs ``keep`` and the held members: while the planner
+        pauses one of them, another member (by the victim rule) is paused in its place and
+        appended to ``victims``. A held request the planner pauses even alone is not kept (the
+        rest would be paused for nothing). Also returns whether the plan runs all it kept."""
+        policy = inp.policy
+        keep = keep | {r.id for r in members if r.id in inp.held}
+        alone_ok: set[str] = set()
+        while True:
+            plan = self._plan(members, inp)
+            blocked = keep.intersection(plan.paused)
+            others = [r for r in members if r.id not in keep]
+            if not blocked or not others:
+                return plan, members, not blocked
+            stuck = {
+                rid
+                for rid in (blocked & inp.held) - alone_ok
+                if not self._runs_alone(rid, members, inp)
+            }
+            alone_ok |= (blocked & inp.held) - stuck
+            if stuck:  # held, but not even alone: planned as the planner decides
+                keep -= stuck
+                continue
+            # the ones the plan runs first; then those it paused beside the kept ones (it may
+            # pause everyone at once: a plan of the kept ones alone decides)
+            pool = [r for r in others if r.id not in plan.paused] or others
+            victim = select_victim(pool, policy.victim_rule, inp.model.block_size, seed=inp.step)
+            victims.append(victim.id)
+            members = [r for r in members if r.id != victim.id]
+
+    def _runs_alone(self, rid: str, members: list[RequestView], inp: PlanningInput) -> bool:
+        alone = self._plan([r for r in members if r.id == rid], inp)
+        return alone.feasible and not alone.paused
 
     def schedule_only(self, inp: PlanningInput) -> SchedulerDecision:
         """The scheduler's answer alone (the controller's cheap per-report probe)."""

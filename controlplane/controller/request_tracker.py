@@ -9,6 +9,13 @@ worker shows it or until ``APPLY_SLACK_STEPS`` after the step it was delivered f
 (:meth:`RequestTracker.delivered`): a pause the worker never applies (it drops some for good,
 ``sglang_ext/pause.py``) was awaited forever, the request counted as paused while it decoded
 (control-plane review, session 78).
+
+A request whose decided pause lapsed is *held* running for a while (:meth:`RequestTracker.held`):
+planned again as a victim at once, its pause was dropped again and the controller re-planned every
+third step for as long as it decoded (a batch feature such as a custom logit processor makes every
+pause of a batch drop; session 79). The hold doubles with each lapse of the same request, from
+``HOLD_STEPS`` up to ``HOLD_MAX_STEPS``: a pause dropped for a passing reason (``would_idle``) is
+tried again soon, one dropped for good rarely.
 """
 
 from __future__ import annotations
@@ -69,6 +76,12 @@ APPLY_SLACK_STEPS = 1
 worker's reports (slack for SGLang's overlap loop); after them the worker's own flag stands."""
 
 
+HOLD_STEPS = 16
+"""Steps a request whose decided pause lapsed is held running, after its first lapse."""
+HOLD_MAX_STEPS = 1024
+"""Ceiling of that hold (it doubles with each lapse of the same request)."""
+
+
 class RequestTracker:
     """The decoding requests of one worker. Not thread-safe (the controller holds its lock)."""
 
@@ -77,6 +90,9 @@ class RequestTracker:
         self._awaiting_flag: dict[str, tuple[bool, int | None]] = {}
         """Decided pause state the worker has not shown yet, and the step it is due at (None:
         not delivered yet)."""
+        self._holds: dict[str, tuple[int, int]] = {}
+        """Requests whose decided pause lapsed: lapses so far, and the last step they are held
+        running to."""
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._requests
@@ -175,6 +191,8 @@ class RequestTracker:
                 # shown; or not applied when due (the worker drops some pauses for good,
                 # sglang_ext/pause.py): its flag stands, as one it set on its own
                 del awaiting[rid]
+                if want[0] and not rs.paused:
+                    self._hold(rid, report.step)
             if not new and rs.paused != (tracked.paused_since_step is not None):
                 if rs.paused:
                     tracked.paused_since_step = report.step
@@ -192,6 +210,7 @@ class RequestTracker:
             gone = requests.pop(rid)
             gone.deposit.finish(now, deliveries=False)
             awaiting.pop(rid, None)
+            self._holds.pop(rid, None)
         return BatchEvents(
             tuple(arrived), tuple(finished), tuple(worker_paused), tuple(worker_resumed), generated
         )
@@ -258,6 +277,23 @@ class RequestTracker:
             want = awaiting.get(rid)
             if want is not None and (want[1] is None or want[1] < step):
                 awaiting[rid] = (want[0], step)
+
+    def _hold(self, request_id: str, step: int) -> None:
+        lapses = self._holds.get(request_id, (0, 0))[0] + 1
+        self._holds[request_id] = (lapses, step + min(HOLD_STEPS << (lapses - 1), HOLD_MAX_STEPS))
+
+    def held(self, step: int) -> frozenset[str]:
+        """Running requests whose decided pause lapsed within their hold at ``step``: decisions
+        do not pause them (the decision builder pauses others in their place)."""
+        holds = self._holds
+        if not holds:
+            return frozenset()
+        requests = self._requests
+        return frozenset(
+            rid
+            for rid, (_, until) in holds.items()
+            if until >= step and (r := requests.get(rid)) is not None and not r.paused
+        )
 
     def view(self, r: TrackedRequest, step: int, default_slo_tbt_ms: float) -> RequestView:
         """The immutable view a scheduler and the planner input see."""

@@ -410,6 +410,7 @@ class SessionController:
             scheduler=self._scheduler_name(policy),
             try_resume=try_resume,
             limits=self._limits,
+            held=self._tracker.held(step + 1),
         )
 
     def _trigger(self, reasons: list[str], try_resume: bool) -> None:

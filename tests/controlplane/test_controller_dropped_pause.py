@@ -16,7 +16,7 @@ import pytest
 
 from controlplane.api import Decision
 from controlplane.controller import SessionController
-from controlplane.controller.request_tracker import APPLY_SLACK_STEPS
+from controlplane.controller.request_tracker import APPLY_SLACK_STEPS, HOLD_STEPS
 from controlplane.planner import Planner
 from controlplane.policy import Policy
 from controlplane.policy_store import PolicyStore
@@ -59,22 +59,44 @@ def report(s: SessionController, w: Worker, sync: bool) -> list[Decision]:
 
 
 @pytest.mark.parametrize("sync", [True, False])
-def test_a_dropped_pause_lapses_and_the_request_counts_as_running(sync: bool) -> None:
+def test_a_dropped_pause_lapses_and_the_request_is_held_running(sync: bool) -> None:
     """The worker keeps 'a' decoding; within the slack after the pause was due the controller
-    counts it running again: a batch change, planned with its KV (the plan pauses it again, which
-    only a running request can be)."""
+    counts it running again (a batch change) and holds it running: the plan pauses 'b' in its
+    place. Planned again as the victim at once, 'a' was paused (and its pause dropped) every third
+    step for as long as it decoded (session 79). The hold doubles with each lapse."""
     s, w = make(sync)
     w.unpausable = frozenset({"a"})
     pauses: list[int] = []  # due steps of the decisions pausing 'a'
     lapse_triggers: tuple[str, ...] = ()
-    for _ in range(12):
+    agree = 0
+    for _ in range(30 + 2 * HOLD_STEPS):
         out = report(s, w, sync)
         if pauses and w.step == pauses[0] + APPLY_SLACK_STEPS + 1:
             lapse_triggers = s.status().last_triggers
         pauses += [d.apply_at_step for d in out if "a" in d.pause]
-    assert len(pauses) >= 2, pauses  # the old tracker: one pause, then 'a' paused for good
-    assert pauses[1] <= pauses[0] + APPLY_SLACK_STEPS + 2 + (0 if sync else 1), pauses
+        agree += w.paused == {"b"} and s.status().paused == ("b",)
     assert "batch-change" in lapse_triggers or not sync
+    # paused once, held HOLD_STEPS, paused again (dropped again), held 2 * HOLD_STEPS
+    assert len(pauses) == 2, pauses  # the old tracker: 'a' paused every third step
+    assert pauses[1] - pauses[0] >= HOLD_STEPS, pauses
+    assert agree >= 2 * HOLD_STEPS  # 'b' paused in its place, and the controller knows it
+    s.close()
+
+
+def test_a_held_request_that_cannot_run_even_alone_pauses_nobody_for_it() -> None:
+    """Held, but too large to run even alone: keeping it would pause every other request for
+    nothing; it is planned as the planner decides (the others keep running)."""
+    s, w = make()
+    w.unpausable = frozenset({"a"})
+    for _ in range(4):
+        w.report()
+    assert s._tracker.held(w.step + 1) == {"a"}
+    w.ctx["a"] = 48 * 16 * 8  # grows far past what its SLO lets it fetch
+    w.finish("b")
+    w.add("c", 300)
+    for _ in range(3):
+        w.report()
+    assert "c" not in w.paused and "c" not in s.status().paused
     s.close()
 
 

@@ -11,6 +11,8 @@ the first version of those changes; the planner and CBC are real):
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from controlplane.controller.decision_builder import DecisionBuilder, PlanningInput
 from controlplane.controller.schedulers.base import RequestView
 from controlplane.model import Batch, Hardware, Plan
@@ -74,3 +76,41 @@ def test_the_guard_tries_each_starving_request_with_one_plan() -> None:
     d = b.build(inp)
     assert d.pause == () and d.resume == ()
     assert planner.calls <= 1 + len(starving), planner.calls  # 45 in the first version, 13 before
+
+
+def test_a_held_request_is_not_the_victim_the_planner_or_the_guard_would_pause() -> None:
+    """'big' and 'mid' do not both fit; the victim rule 'largest' pauses 'big'. Held ('big''s
+    pause was dropped by the worker, session 79), 'mid' is paused in its place; held while a
+    starving request is forced in, 'big' stays and the others go."""
+    running = (view("big", 700), view("mid", 300))
+    b, _, inp = build(running, (), 48)
+    assert b.build(inp).pause == ("big",)  # control: not held, the planner's victim
+    held = replace(inp, held=frozenset({"big"}))
+    d = b.build(held)
+    assert d.pause == ("mid",) and set(d.plan.placements) == {"big"}
+    b, _, inp = build((view("big", 250), view("mid", 200)), (view("s", 400, 40),), 48,
+                      max_paused_steps=4)
+    d = b.build(inp)
+    assert d.resume == ("s",) and d.pause == ("big",)  # control: the guard's victim is 'big'
+    d = b.build(replace(inp, held=frozenset({"big"})))
+    assert d.resume == ("s",) and d.pause == ("mid",) and set(d.plan.placements) == {"big", "s"}
+
+
+def test_a_starving_request_that_cannot_run_beside_a_held_one_is_not_forced() -> None:
+    """'s' runs beside 'mid' but not beside 'big'; 'big' is held (it decodes whatever the plan
+    says): forcing 's' in would plan 'big' paused while it runs."""
+    b, _, inp = build((view("big", 400), view("mid", 200)), (view("s", 400, 40),), 48,
+                      max_paused_steps=4)
+    assert b.build(inp).resume == ("s",)  # control: not held, 's' is forced in
+    d = b.build(replace(inp, held=frozenset({"big"})))
+    assert d.resume == () and "big" in d.plan.placements and "big" not in d.pause
+
+
+def test_lvf_does_not_rotate_a_held_request_out() -> None:
+    """LVF rotates the most-served running request out for a paused one; held, it stays."""
+    running = (view("r1", 200), view("r2", 200))
+    b, _, inp = build(running, (view("p", 200, 3),), 48, "lvf")
+    sd = b.schedule_only(inp)
+    assert sd.pause, sd  # control: LVF rotates someone out
+    d = b.build(replace(inp, held=frozenset(sd.pause)))
+    assert set(sd.pause).isdisjoint(d.pause), d
