@@ -126,6 +126,9 @@ class StepReport:
     """Requests that finished since the last report."""
     free_gpu_blocks: int | None = None
     """Free GPU KV blocks after this step, when known."""
+    pauses_dropped: tuple[str, ...] = ()
+    """Requests whose decided pause the worker dropped since the last report: they keep decoding
+    (the data plane refuses some pauses for good, ``sglang_ext/pause.py``)."""
 
 
 @dataclass(frozen=True)

@@ -153,6 +153,9 @@ class PauseManager:
         """Requests whose pause the last :meth:`pause` call skipped for good (``would_idle``,
         ``penalties_in_flight``): the boundary drops their deferred pause, which could otherwise
         wait a whole generation."""
+        self._unreported: dict[str, None] = {}
+        """Requests whose pause was dropped since the step reporter last took them
+        (:meth:`take_dropped`: the control plane counts them running at once)."""
         self._warned: set[str] = set()
         """Requests whose skipped pause was logged (a batch feature: once per request)."""
 
@@ -198,7 +201,7 @@ class PauseManager:
             # due step as not applied (request_tracker.APPLY_SLACK_STEPS) and plans the request
             # running; a deferred one applied later, once the batch could split, paused it
             # unplanned (control-plane review, session 78)
-            self.last_dropped.extend(found)
+            self._drop(found)
             new = [rid for rid in found if rid not in self._warned]
             if new:  # once per request: a deferred pause is retried at every boundary
                 if len(self._warned) > WARNED_MAX:  # bounded: a request warned again is harmless
@@ -215,12 +218,12 @@ class PauseManager:
                 continue
             if self.in_flight_steps and penalized(req):
                 self._skip("penalties_in_flight", 1)
-                self.last_dropped.append(rid)
+                self._drop((rid,))
                 continue
             if keep is not None and id(req) in keep:
                 if len(keep) == 1:
                     self._skip("would_idle", 1)
-                    self.last_dropped.append(rid)
+                    self._drop((rid,))
                     continue
                 keep.discard(id(req))
             idx = running_batch.reqs.index(req)
@@ -237,6 +240,24 @@ class PauseManager:
         if done:
             log.info("requests_paused", rids=done, step=step, running=len(running_batch.reqs))
         return done
+
+    def _drop(self, rids: Sequence[str]) -> None:
+        self.last_dropped.extend(rids)
+        unreported = self._unreported
+        unreported.update(dict.fromkeys(rids))
+        while len(unreported) > WARNED_MAX:  # bounded: only TP rank 0 reports (takes them)
+            del unreported[next(iter(unreported))]
+
+    @property
+    def has_unreported_drops(self) -> bool:
+        return bool(self._unreported)
+
+    def take_dropped(self) -> tuple[str, ...]:
+        """The requests whose pause was dropped since the last call (``StepReport.pauses_dropped``),
+        each once."""
+        out = tuple(self._unreported)
+        self._unreported.clear()
+        return out
 
     def _skip(self, reason: str, count: int) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + count

@@ -144,6 +144,8 @@ class StepReporter:
             report = dataclasses.replace(report, layer_compute_ms=self._layer_ms)
         if send and (gbps := self._h2d_gbps()) is not None:
             report = dataclasses.replace(report, h2d_gbps=gbps)
+        if send and self.pauser.has_unreported_drops:
+            report = dataclasses.replace(report, pauses_dropped=self.pauser.take_dropped())
         if send:
             self._sent(report, observed)
             inbox = self.inbox
@@ -204,9 +206,9 @@ class StepReporter:
         ``--kv-report-quiet-interval`` in a quiet stretch: :meth:`_quiet`).
 
         Only a steady decode step waits: the same requests (in order) as the last report's
-        running ones, nothing finished, queued or paused, the installed plan's expiry not reached
-        since the last report, the control plane reachable, fewer than ``interval`` steps since
-        the last report. Everything the controller acts on (OrbitFlow §3.4's batch-change and
+        running ones, nothing finished, queued or paused, no pause dropped, the installed plan's
+        expiry not reached since the last report, the control plane reachable, fewer than
+        ``interval`` steps since the last report. Everything the controller acts on (OrbitFlow §3.4's batch-change and
         expiry triggers, admissions, pause state, outages) is therefore reported the step it
         happens; a steady stretch reaches it as one report with the mean decode step time (the
         profile-mismatch trigger sees it at most ``interval - 1`` steps late, or
@@ -225,6 +227,7 @@ class StepReporter:
             and (step < inbox.expiry_step or self._expiry_waits())
             and not self.scheduler.waiting_queue
             and not len(self.pauser)
+            and not self.pauser.has_unreported_drops
             and not inbox.deferred_pause
             and not inbox.pending
             and not self.client.in_fallback

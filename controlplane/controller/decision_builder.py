@@ -191,6 +191,8 @@ class DecisionBuilder:
         running_ids = {r.id for r in inp.running}
         pause = list(rotated_out) + guard_victims
         pause += [rid for rid in planner_paused if rid in running_ids and rid not in pause]
+        if inp.held:  # one the plan cannot run even alone decodes all the same: its pause would drop
+            pause = [rid for rid in pause if rid not in inp.held]
         expiry = (
             plan.expiry_step if plan.expiry_step is not None else inp.step + 1 + plan.window_steps
         )
@@ -233,14 +235,17 @@ class DecisionBuilder:
             # The forced request needs a batch slot: pause others until it fits the limits.
             while True:
                 others = [r for r in members if r.id != f.id]
-                if not others or inp.limits.admits(
+                room = not others or inp.limits.admits(
                     len(others), sum(r.context_tokens for r in others), f.context_tokens
-                ):
+                )
+                pool = [r for r in others if r.id not in held]
+                if room or not pool:
                     break
-                pool = [r for r in others if r.id not in held] or others
                 victim = select_victim(pool, policy.victim_rule, inp.model.block_size, seed=inp.step)
                 guard_victims.append(victim.id)
                 members = [r for r in members if r.id != victim.id]
+            if not room:  # the held ones alone fill the batch
+                continue
             plan, members, kept = self._keeping(members, {f.id}, inp, guard_victims)
             if kept:  # a held request it cannot run beside runs all the same: not forced
                 return plan, members, guard_victims, tried, {f.id}
@@ -256,20 +261,19 @@ class DecisionBuilder:
         appended to ``victims``. A held request the planner pauses even alone is not kept (the
         rest would be paused for nothing). Also returns whether the plan runs all it kept."""
         policy = inp.policy
-        keep = keep | {r.id for r in members if r.id in inp.held}
+        held = inp.held
+        keep = keep | {r.id for r in members if r.id in held}
         alone_ok: set[str] = set()
         while True:
             plan = self._plan(members, inp)
             blocked = keep.intersection(plan.paused)
-            others = [r for r in members if r.id not in keep]
+            others = [r for r in members if r.id not in keep and r.id not in held]
             if not blocked or not others:
                 return plan, members, not blocked
             stuck = {
-                rid
-                for rid in (blocked & inp.held) - alone_ok
-                if not self._runs_alone(rid, members, inp)
+                rid for rid in (blocked & held) - alone_ok if not self._runs_alone(rid, members, inp)
             }
-            alone_ok |= (blocked & inp.held) - stuck
+            alone_ok |= (blocked & held) - stuck
             if stuck:  # held, but not even alone: planned as the planner decides
                 keep -= stuck
                 continue

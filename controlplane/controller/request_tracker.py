@@ -6,7 +6,8 @@ that disagrees with the controller while no decision about that request is outst
 pause/resume the worker made on its own (e.g. SGLang retracting a request under memory pressure),
 which the controller adopts and treats as a batch change. A decision is outstanding until the
 worker shows it or until ``APPLY_SLACK_STEPS`` after the step it was delivered for
-(:meth:`RequestTracker.delivered`): a pause the worker never applies (it drops some for good,
+(:meth:`RequestTracker.delivered`), or until the worker reports the pause dropped
+(``StepReport.pauses_dropped``): a pause the worker never applies (it drops some for good,
 ``sglang_ext/pause.py``) was awaited forever, the request counted as paused while it decoded
 (control-plane review, session 78).
 
@@ -137,6 +138,7 @@ class RequestTracker:
         ended = set(report.finished)
         finished = [rid for rid in dict.fromkeys(report.finished) if rid in requests] if ended else []
         seen = self._check(report)  # validate everything before changing anything
+        dropped = set(report.pauses_dropped) if report.pauses_dropped else None
         for rs in report.running:
             rid = rs.id
             if ended and rid in ended:
@@ -184,15 +186,21 @@ class RequestTracker:
                 deposit.advance(now, deliveries=False)
             # Reconcile the worker's pause flag with the controller's state.
             want = awaiting.get(rid) if awaiting else None
+            drop = dropped is not None and rid in dropped and not rs.paused  # said so: no waiting
             if want is not None:
                 due = want[1]
-                if rs.paused != want[0] and (due is None or report.step <= due + APPLY_SLACK_STEPS):
+                if (
+                    rs.paused != want[0]
+                    and (due is None or report.step <= due + APPLY_SLACK_STEPS)
+                    and not (drop and want[0])
+                ):
                     continue  # decided, not applied yet
-                # shown; or not applied when due (the worker drops some pauses for good,
-                # sglang_ext/pause.py): its flag stands, as one it set on its own
+                # shown; or dropped; or not applied when due (the worker drops some pauses for
+                # good, sglang_ext/pause.py): its flag stands, as one it set on its own
                 del awaiting[rid]
-                if want[0] and not rs.paused:
-                    self._hold(rid, report.step)
+                drop = drop or (want[0] and not rs.paused)
+            if drop:
+                self._hold(rid, report.step)
             if not new and rs.paused != (tracked.paused_since_step is not None):
                 if rs.paused:
                     tracked.paused_since_step = report.step

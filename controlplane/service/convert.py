@@ -290,6 +290,7 @@ def step_report_to_proto(report: api.StepReport) -> pb.StepReport:
         now_ms=report.now_ms,
         layer_compute_ms=report.layer_compute_ms or (),
         finished=list(report.finished),
+        pauses_dropped=list(report.pauses_dropped),
     )
     for r in report.running:
         m = msg.running.add(
@@ -336,8 +337,8 @@ def _step_report_fast(msg: pb.StepReport) -> api.StepReport | None:
     if not 0 <= msg.step <= MAX_STEP or not _finite_ge(msg.now_ms, 0.0):
         return None
     running_msgs, queued_msgs, finished = msg.running, msg.queued, tuple(msg.finished)
-    layer_ms = tuple(msg.layer_compute_ms)
-    if max(len(running_msgs), len(queued_msgs), len(finished), len(layer_ms)) > MAX_ENTRIES:
+    layer_ms, dropped = tuple(msg.layer_compute_ms), tuple(msg.pauses_dropped)
+    if max(len(running_msgs), len(queued_msgs), len(finished), len(layer_ms), len(dropped)) > MAX_ENTRIES:
         return None
     running = []
     seen: set[str] = set()
@@ -373,7 +374,7 @@ def _step_report_fast(msg: pb.StepReport) -> api.StepReport | None:
         ):
             return None
         queued.append(api.QueuedRequest(q.id, q.prompt_tokens, q.arrival_ms, ttft))
-    if any(not 0 < len(rid) <= MAX_ID_CHARS for rid in finished):
+    if any(not 0 < len(rid) <= MAX_ID_CHARS for rid in finished + dropped):
         return None
     if any(not _finite_ge(v, 0.0) for v in layer_ms):
         return None
@@ -396,6 +397,7 @@ def _step_report_fast(msg: pb.StepReport) -> api.StepReport | None:
         h2d_gbps=h2d,
         finished=finished,
         free_gpu_blocks=free,
+        pauses_dropped=dropped,
     )
 
 
@@ -408,6 +410,7 @@ def _step_report_checked(msg: pb.StepReport, prefix: str) -> api.StepReport:
         ("queued", msg.queued),
         ("finished", msg.finished),
         ("layer_compute_ms", msg.layer_compute_ms),
+        ("pauses_dropped", msg.pauses_dropped),
     ):
         _check_len(items, f"{prefix}.{name}")
     running = []
@@ -451,6 +454,8 @@ def _step_report_checked(msg: pb.StepReport, prefix: str) -> api.StepReport:
         )
     for i, rid in enumerate(msg.finished):
         _check_id(rid, f"{prefix}.finished[{i}]")
+    for i, rid in enumerate(msg.pauses_dropped):
+        _check_id(rid, f"{prefix}.pauses_dropped[{i}]")
     observed = _opt(msg, "observed_step_ms")
     h2d = _opt(msg, "h2d_gbps")
     free = _opt(msg, "free_gpu_blocks")
@@ -468,6 +473,7 @@ def _step_report_checked(msg: pb.StepReport, prefix: str) -> api.StepReport:
         h2d_gbps=None if h2d is None else _check_num(h2d, f"{prefix}.h2d_gbps", 0.0, open_lo=True),
         finished=tuple(msg.finished),
         free_gpu_blocks=None if free is None else _check_int(free, f"{prefix}.free_gpu_blocks", 0),
+        pauses_dropped=tuple(msg.pauses_dropped),
     )
 
 

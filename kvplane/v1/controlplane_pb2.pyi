@@ -192,7 +192,7 @@ class QueuedRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., arrival_ms: _Optional[float] = ..., slo_ttft_ms: _Optional[float] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("step", "now_ms", "running", "queued", "observed_step_ms", "layer_compute_ms", "h2d_gbps", "finished", "free_gpu_blocks")
+    __slots__ = ("step", "now_ms", "running", "queued", "observed_step_ms", "layer_compute_ms", "h2d_gbps", "finished", "free_gpu_blocks", "pauses_dropped")
     STEP_FIELD_NUMBER: _ClassVar[int]
     NOW_MS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +202,7 @@ class StepReport(_message.Message):
     H2D_GBPS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FREE_GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PAUSES_DROPPED_FIELD_NUMBER: _ClassVar[int]
     step: int
     now_ms: float
     running: _containers.RepeatedCompositeFieldContainer[RequestState]
@@ -211,7 +212,8 @@ class StepReport(_message.Message):
     h2d_gbps: float
     finished: _containers.RepeatedScalarFieldContainer[str]
     free_gpu_blocks: int
-    def __init__(self, step: _Optional[int] = ..., now_ms: _Optional[float] = ..., running: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ..., queued: _Optional[_Iterable[_Union[QueuedRequest, _Mapping]]] = ..., observed_step_ms: _Optional[float] = ..., layer_compute_ms: _Optional[_Iterable[float]] = ..., h2d_gbps: _Optional[float] = ..., finished: _Optional[_Iterable[str]] = ..., free_gpu_blocks: _Optional[int] = ...) -> None: ...
+    pauses_dropped: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., now_ms: _Optional[float] = ..., running: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ..., queued: _Optional[_Iterable[_Union[QueuedRequest, _Mapping]]] = ..., observed_step_ms: _Optional[float] = ..., layer_compute_ms: _Optional[_Iterable[float]] = ..., h2d_gbps: _Optional[float] = ..., finished: _Optional[_Iterable[str]] = ..., free_gpu_blocks: _Optional[int] = ..., pauses_dropped: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReportBatch(_message.Message):
     __slots__ = ("reports",)

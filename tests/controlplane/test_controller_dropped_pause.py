@@ -29,6 +29,8 @@ class Worker(WorkerLoop):
 
     unpausable: frozenset[str] = frozenset()
     late: int = 0
+    reports_drops: bool = False
+    """Names the dropped pauses in its next report (the plugin's ``StepReporter`` does)."""
     _held: list[tuple[int, Decision]]
 
     def apply(self, decisions: list[Decision]) -> None:
@@ -37,6 +39,8 @@ class Worker(WorkerLoop):
         due = [d for at, d in held if at <= self.step]
         self._held = [(at, d) for at, d in held if at > self.step]
         super().apply(due)
+        if self.reports_drops:
+            self.dropped += sorted(self.paused & self.unpausable)
         self.paused -= self.unpausable
 
 
@@ -81,6 +85,33 @@ def test_a_dropped_pause_lapses_and_the_request_is_held_running(sync: bool) -> N
     assert pauses[1] - pauses[0] >= HOLD_STEPS, pauses
     assert agree >= 2 * HOLD_STEPS  # 'b' paused in its place, and the controller knows it
     s.close()
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_a_pause_reported_dropped_counts_as_running_at_once(sync: bool) -> None:
+    """A worker that names its dropped pauses (the plugin does, ``StepReport.pauses_dropped``):
+    the report of the step the pause was due for makes 'a' running and held, and 'b' is paused in
+    its place by that report's plan, without waiting out the slack. Control: unnamed, the
+    controller still counts 'a' paused at that report."""
+    for named in (True, False):
+        s, w = make(sync)
+        w.unpausable, w.reports_drops = frozenset({"a"}), named
+        due = None
+        for _ in range(8):
+            out = report(s, w, sync)
+            if due is None and any("a" in d.pause for d in out):
+                due = w.step + 1
+            if due is not None and w.step == due:
+                break
+        assert due is not None and w.step == due
+        assert ("a" in s.status().paused) is not named
+        if named:
+            assert s._tracker.held(w.step + 1) == {"a"}
+            if not sync:
+                assert s.flush()
+                w.report()
+            assert w.paused == {"b"} and s.status().paused == ("b",)
+        s.close()
 
 
 def test_a_held_request_that_cannot_run_even_alone_pauses_nobody_for_it() -> None:

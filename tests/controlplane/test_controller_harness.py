@@ -47,6 +47,8 @@ class WorkerLoop:
     auto_admit: bool = True
     free_gpu_blocks: int | None = None
     max_new: dict[str, int] = field(default_factory=dict)
+    dropped: list[str] = field(default_factory=list)
+    """Pauses dropped since the last report (``StepReport.pauses_dropped``)."""
 
     def add(self, rid: str, context_tokens: int, max_new_tokens: int | None = None) -> None:
         self.ctx[rid] = context_tokens
@@ -89,8 +91,10 @@ class WorkerLoop:
             h2d_gbps=h2d_gbps,
             finished=tuple(self.to_finish),
             free_gpu_blocks=self.free_gpu_blocks,
+            pauses_dropped=tuple(self.dropped),
         )
         self.to_finish = []
+        self.dropped = []
         out = self.session.report(rep)
         self.apply(out)
         return out

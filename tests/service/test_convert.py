@@ -57,6 +57,7 @@ def step_reports(draw: st.DrawFn) -> api.StepReport:
         h2d_gbps=draw(st.none() | positive),
         finished=tuple(draw(st.lists(ids, max_size=4))),
         free_gpu_blocks=draw(st.none() | st.integers(0, 1 << 40)),
+        pauses_dropped=tuple(draw(st.lists(ids, max_size=3))),
     )
 
 
@@ -141,6 +142,8 @@ def test_policy_round_trip_and_partial_changes() -> None:
         (lambda m: m.queued.add(id="q", prompt_tokens=-3), "report.queued[0].prompt_tokens", "allowed >= 1"),
         (lambda m: setattr(m, "h2d_gbps", 0.0), "report.h2d_gbps", "allowed > 0"),
         (lambda m: m.layer_compute_ms.append(-1.0), "report.layer_compute_ms[0]", "allowed >= 0"),
+        (lambda m: m.pauses_dropped.append(""), "report.pauses_dropped[0]", "non-empty"),
+        (lambda m: m.pauses_dropped.extend(["p"] * 70_000), "report.pauses_dropped", "65536"),
     ],
 )
 def test_step_report_validation_names_field(mutate, field: str, fragment: str) -> None:  # type: ignore[no-untyped-def]
