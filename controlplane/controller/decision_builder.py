@@ -22,10 +22,11 @@ state. Steps (OrbitFlow §3.3-3.4, plus the per-worker scheduler):
    for it and the plan with it is feasible and pauses nobody (OrbitFlow §3.4: "resumes a paused
    request only after some in-flight requests have completed and a feasible plan exists"). The
    first refusal ends the attempts, so a request never overtakes a longer-paused one, and at
-   most ``MAX_RESUME_TRIALS`` extra plans are solved per decision. When nothing runs (the planner
-   paused everyone) and nothing is admitted, a refusal does not end them, and the requests the
-   planner just paused are tried first, alone, last paused first: they keep running. (An
-   admission takes the emptied batch: its prefill runs there.)
+   most ``MAX_RESUME_TRIALS`` extra plans are solved per decision. While nothing runs a refusal
+   neither ends them nor counts (up to ``MAX_ALONE_TRIALS`` plans of one request). When the
+   planner paused everyone and nothing is admitted, the requests it just paused are tried first,
+   alone, last paused first: they keep running. (An admission takes the emptied batch: its
+   prefill runs there.)
 5. Admissions: the scheduler's, trimmed to the room the batch limits leave after the resumes
    (a paused request resumed on a finish goes before a new arrival, as vLLM serves its swapped
    queue before its waiting one).
@@ -55,6 +56,11 @@ from controlplane.policy import Policy
 MAX_RESUME_TRIALS = 4
 """Extra planner calls per decision spent on trying to resume paused requests; also the starving
 requests the guard tries to force in (each one past the first costs a plan of it alone)."""
+
+
+MAX_ALONE_TRIALS = 32
+"""Plans of one paused request alone a decision may try while nothing runs (a refusal there does
+not end the resume attempts, nor count as one of ``MAX_RESUME_TRIALS``)."""
 
 
 class PlannerLike(Protocol):
@@ -170,7 +176,17 @@ class DecisionBuilder:
             ]
         if idle:
             candidates = [rid for rid in reversed(planner_paused) if rid in running_by_id] + candidates
-        for rid in candidates[:MAX_RESUME_TRIALS]:
+        trials = alone = 0
+        for rid in candidates:
+            # while nothing runs, a refusal (a request that cannot run even alone) does not use up
+            # a trial: four longer-paused ones kept one that runs alone paused and the GPU idle at
+            # every re-plan (control-plane fuzz, session 79); such plans are of one request
+            if members:
+                trials += 1
+            else:
+                alone += 1
+            if trials > MAX_RESUME_TRIALS or alone > MAX_ALONE_TRIALS:
+                break
             cand = paused_by_id.get(rid) or running_by_id[rid]
             if not inp.limits.admits(
                 len(members), sum(r.context_tokens for r in members), cand.context_tokens

@@ -146,3 +146,24 @@ def test_control_without_the_blocked_request_the_guard_is_unchanged() -> None:
     guard = [(w.step, d.pause, d.resume) for _ in range(10) for d in w.report() if "starvation" in d.reason]
     assert guard[0] == (7, ("c_run",), ("b_mid",))  # paused at step 1, forced in at 1 + 6
     s.close()
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_an_empty_batch_resumes_one_that_runs_alone_past_four_that_cannot(sync: bool) -> None:
+    """Four requests that cannot run even alone were paused longer than 'short', which the worker
+    paused on its own: each refusal on the empty batch used up one of the four resume trials, so
+    'short' was never tried and the GPU idled at every re-plan (session 79, fuzz seed 166)."""
+    s = session("fcfs", 64, sync, max_paused_steps=2000)
+    w = WorkerLoop(s)
+    for i in range(4):
+        w.add(f"long{i}", LONG + 50 * i)
+    w.add("short", 300)
+    for _ in range(2):
+        if not sync:
+            assert s.flush()
+        w.report()
+    assert set(w.paused) == {f"long{i}" for i in range(4)}
+    w.paused.add("short")  # e.g. SGLang retracted it
+    assert idle_reports(w, 12, sync) <= 2
+    assert "short" not in w.paused
+    s.close()
