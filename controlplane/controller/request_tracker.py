@@ -199,6 +199,8 @@ class RequestTracker:
                 # good, sglang_ext/pause.py): its flag stands, as one it set on its own
                 del awaiting[rid]
                 drop = drop or (want[0] and not rs.paused)
+                if want[0] and rs.paused and self._holds:  # its pauses apply again: the next
+                    self._holds.pop(rid, None)  # drop starts a hold from HOLD_STEPS (review, s79)
             if drop:
                 self._hold(rid, report.step)
             if not new and rs.paused != (tracked.paused_since_step is not None):

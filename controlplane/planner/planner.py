@@ -135,8 +135,10 @@ class Planner:
         victim_rule: str = "largest",
         current_step: int | None = None,
         seed: int = 0,
+        keep: frozenset[str] = frozenset(),
     ) -> Plan:
-        """The placement for ``batch``; never raises for a valid batch (see module docstring)."""
+        """The placement for ``batch``; never raises for a valid batch (see module docstring).
+        ``keep``: requests paused only after every other one (the victim rule orders each group)."""
         t0 = self._clock()
         if victim_rule not in VICTIM_RULES:
             raise ValueError(f"victim_rule {victim_rule!r} is not one of {VICTIM_RULES}")
@@ -151,6 +153,8 @@ class Planner:
         victims = self._victim_order(
             batch, victim_rule, random.Random(seed) if victim_rule == "random" else None
         )
+        if keep:
+            victims = [v for v in victims if v.id not in keep] + [v for v in victims if v.id in keep]
         batch, victims = cap_view(batch, victims)
         ctx = PlanContext(batch, t0 + budget_ms / 1e3, self._clock)
         joint = None if ctx.grid is None else RecomputeWindows(self._solve, exact=self._exact)

@@ -66,6 +66,7 @@ class UniformPlanner:
         victim_rule: str = "largest",
         current_step: int | None = None,
         seed: int = 0,
+        keep: frozenset[str] = frozenset(),
     ) -> Plan:
         t0 = time.perf_counter()
         cands = candidate_set(batch.model.layers)
@@ -102,7 +103,8 @@ class UniformPlanner:
                         expiry_step=None if current_step is None else current_step + window,
                     )
             # Not even all-offloaded fits: a victim must go (physical necessity, not SLO).
-            victim = self._victim(reqs, victim_rule, batch.model.block_size, rng)
+            victim = self._victim([r for r in reqs if r.id not in keep] or reqs, victim_rule,
+                                  batch.model.block_size, rng)
             paused.append(victim.id)
             reqs = [r for r in reqs if r.id != victim.id]
         return Plan(False, tuple(paused), {}, 0.0, pol.window_min, 0, 0, "uniform",

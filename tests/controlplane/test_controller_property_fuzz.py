@@ -121,7 +121,7 @@ def play(seed: int) -> Case:
                 elif kind == "finish" and w.ctx:
                     w.finish(rng.choice(sorted(w.ctx)))
                 elif kind == "wpause":
-                    cand = sorted(r for r in w.ctx if r not in w.paused and r not in named)
+                    cand = sorted(r for r in w.ctx if r not in w.paused | named | w.unpausable)
                     if cand:
                         w.paused.add(rng.choice(cand))
                 elif kind == "wresume":

@@ -114,3 +114,40 @@ def test_lvf_does_not_rotate_a_held_request_out() -> None:
     assert sd.pause, sd  # control: LVF rotates someone out
     d = b.build(replace(inp, held=frozenset(sd.pause)))
     assert set(sd.pause).isdisjoint(d.pause), d
+
+
+def test_two_held_requests_that_cannot_run_together_do_not_pause_everyone() -> None:
+    """'h1' and 'h2' each run alone, not together, and both are held; 'p' (starving) runs beside
+    'h2'. The first version kept both: every other request was paused, the guard never forced
+    'p', and the plan still paused 'h1' (review of session 79). One plan of the held ones alone
+    decides: 'h2' is kept, 'h1' is planned as the planner decides (never paused), 'p' is forced."""
+    running = (view("h1", 400), view("h2", 400)) + tuple(view(f"s{i}", 60) for i in range(6))
+    b, planner, inp = build(running, (view("p", 60, 40),), 48, max_paused_steps=4)
+    assert b._plan(list(running[:2]), inp).paused  # control: they do not run together
+    d = b.build(replace(inp, held=frozenset({"h1", "h2"})))
+    assert d.resume == ("p",) and "h2" in d.plan.placements and "p" in d.plan.placements
+    assert not {"h1", "h2"} & set(d.pause)
+    assert planner.calls <= 6, planner.calls
+
+
+def test_a_held_request_costs_a_few_plans_not_one_per_victim() -> None:
+    """A held request that runs only alone beside 20 small ones and 4 starving ones that do not
+    run beside it: 114 planner calls in the first version, one plan per victim."""
+    running = (view("h", 700),) + tuple(view(f"s{i}", 40) for i in range(20))
+    starving = tuple(view(f"p{i}", 700, 40 - i) for i in range(4))
+    b, planner, inp = build(running, starving, 48, max_paused_steps=4)
+    d = b.build(replace(inp, held=frozenset({"h"})))
+    assert "h" in d.plan.placements and "h" not in d.pause and d.resume == ()
+    assert planner.calls <= 3 + 2 * len(starving), planner.calls
+
+
+def test_lvf_rotates_the_next_request_out_past_a_held_one() -> None:
+    """LVF preempts from the tail of its order, where the longest-running request is; held, it is
+    passed over and the next one makes the room (the first version refused the rotation-in: 'p'
+    stayed paused for 21 reports in a row, review of session 79)."""
+    old = RequestView("old", 300, 10, 6.0, 0.0, 0.0, 400.0)
+    young = RequestView("young", 300, 10, 6.0, 0.0, 300.0, 400.0)
+    b, _, inp = build((old, young), (view("p", 300, 3),), 48, "lvf")
+    assert b.schedule_only(inp).pause == ("old",)  # control: the tail is 'old'
+    d = b.build(replace(inp, held=frozenset({"old"})))
+    assert d.pause == ("young",) and d.resume == ("p",)

@@ -344,6 +344,20 @@ def test_a_request_about_to_finish_is_paused_last(rule, finishing, victim, left)
     assert Planner().plan(with_left(2), victim_rule=rule).paused == (finishing,)
 
 
+@pytest.mark.parametrize("rule", ["largest", "longest", "shortest", "random"])
+def test_kept_requests_are_paused_after_every_other_one(rule):
+    """``keep`` (the controller's held and forced requests) puts them last in the victim order:
+    the rule's victim kept, the next one in its order is paused. Control: without keep, the
+    rule's victim. Keeping all three, one is still paused (a kept one goes when it must)."""
+    batch = make_batch(VICTIM_CASE["contexts"], deposits=VICTIM_CASE["deposits"], layers=4, budget=165, window=(1, 1),
+                       block_size=1)
+    victim = Planner().plan(batch, victim_rule=rule, seed=1).paused
+    assert len(victim) == 1
+    plan = Planner().plan(batch, victim_rule=rule, seed=1, keep=frozenset(victim))
+    assert len(plan.paused) == 1 and plan.paused != victim and victim[0] in plan.placements and plan.feasible
+    assert len(Planner().plan(batch, victim_rule=rule, keep=frozenset({"r0", "r1", "r2"})).paused) == 1
+
+
 def test_random_victim_is_seeded():
     """The random rule is reproducible for a seed and pauses one of the requests."""
     batch = make_batch(VICTIM_CASE["contexts"], deposits=VICTIM_CASE["deposits"], layers=4, budget=165)

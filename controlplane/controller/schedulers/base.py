@@ -89,6 +89,9 @@ class SchedulerView:
     """The worker's batch limits (running requests; paused ones hold no slot)."""
     fetch_launch_ms: float = 0.0
     """Current host cost of one fetch launch (:mod:`controlplane.model.timeline`)."""
+    held: frozenset[str] = frozenset()
+    """Running requests not to pause (the worker drops their pauses: the decision builder would
+    refuse a rotation-out of one)."""
 
     def evictable_blocks(self) -> int:
         """GPU blocks paused requests still hold (evicted layer by layer when needed, §3.4)."""

@@ -23,7 +23,8 @@ LVF (§4.2.3, Algorithm 1), per step, with transfer budget ``B_xfer`` and free G
    a running request whose VLT is exactly 0 is already running, so only waiting/rotary ones are
    picked, as the text says.)
 4. ``B_swap = B_xfer - B_left`` extra blocks are needed beyond the free ones: from the tail,
-   preempt running requests with ``VLT < 0`` until ``B_swap <= 0``.
+   preempt running requests with ``VLT < 0`` until ``B_swap <= 0``. A *held* request (its pause
+   would be dropped, ``SchedulerView.held``) is passed over: the next one is preempted instead.
 
 Prioritized waiting requests are admitted, prioritized rotary ones resumed, preempted running
 ones paused (rotated out).
@@ -115,7 +116,7 @@ class LvfScheduler:
         for e in reversed(entries):
             if b_swap <= 0:
                 break
-            if e.kind == "running" and e.vlt_ms < 0:
+            if e.kind == "running" and e.vlt_ms < 0 and e.id not in view.held:
                 preempted.append(e.id)
                 b_swap -= e.blocks
         return SchedulerDecision(
