@@ -16,7 +16,8 @@ state. Steps (OrbitFlow §3.3-3.4, plus the per-worker scheduler):
    step"); when infeasible it pauses victims itself. A *held* request (``PlanningInput.held``:
    the worker dropped its last pause, and would drop the next) is not paused: another one is, by
    the victim rule, as for a forced one; and a starving request that cannot run beside it is not
-   forced. One that cannot run even alone is planned as the planner decides.
+   forced. One that cannot run even alone is planned as the planner decides (it decodes all
+   the same, so it still counts against the batch limits below).
 4. Resume: a paused request (other starving ones first, then the scheduler's rotation-ins, then -
    when a request finished - the longest-paused ones) joins only if the batch limits have room
    for it and the plan with it is feasible and pauses nobody (OrbitFlow §3.4: "resumes a paused
@@ -26,7 +27,10 @@ state. Steps (OrbitFlow §3.3-3.4, plus the per-worker scheduler):
    neither ends them nor counts (up to ``MAX_ALONE_TRIALS`` plans of one request). When the
    planner paused everyone and nothing is admitted, the requests it just paused are tried first,
    alone, last paused first: they keep running. (An admission takes the emptied batch: its
-   prefill runs there.)
+   prefill runs there.) A finish's or an idle batch's candidate is skipped (not the end) when
+   the scheduler, seeing it run beside the batch and this decision's admissions, would pause it
+   or another running request at the next plan (LayerKV's background rule: the resume would be
+   undone, or swapped for another, moving KV in and out for nothing).
 5. Admissions: the scheduler's, trimmed to the room the batch limits leave after the resumes
    (a paused request resumed on a finish goes before a new arrival, as vLLM serves its swapped
    queue before its waiting one).
@@ -156,6 +160,9 @@ class DecisionBuilder:
         starving_ids = {p.id for p in starving}
         plan, members, guard_victims, tried, forced = self._guarded(inp, running, starving)
         members = [r for r in members if r.id not in plan.paused]
+        # held requests the plan cannot run decode all the same (their pauses drop): they hold
+        # batch slots (left out, resumes and admissions went past the limits: review, session 79)
+        unplanned = [r for r in running if r.id in inp.held and r.id in plan.paused]
         resumed = list(forced)
         planner_paused = plan.paused
 
@@ -171,7 +178,7 @@ class DecisionBuilder:
         # plane review, session 78). Its victims run alone first, last paused first. Not when an
         # admission takes the GPU: the prefills that empty batch lets in kept kvplane-combined's
         # P99 TTFT at 28 s (451 s with victims run in their place, session 78)
-        idle = not members and not self._admissions(sd, members, inp)
+        idle = not members and not unplanned and not self._admissions(sd, unplanned, inp)
         if inp.try_resume or idle:
             candidates += [
                 p.id for p in inp.paused if p.id not in tried and p.id not in candidates
@@ -183,7 +190,8 @@ class DecisionBuilder:
             # while nothing runs, a refusal (a request that cannot run even alone) does not use up
             # a trial: four longer-paused ones kept one that runs alone paused and the GPU idle at
             # every re-plan (control-plane fuzz, session 79); such plans are of one request
-            if members:
+            busy = members + unplanned
+            if busy:
                 trials += 1
             else:
                 alone += 1
@@ -191,18 +199,18 @@ class DecisionBuilder:
                 break
             cand = paused_by_id.get(rid) or running_by_id[rid]
             if not inp.limits.admits(
-                len(members), sum(r.context_tokens for r in members), cand.context_tokens
+                len(busy), sum(r.context_tokens for r in busy), cand.context_tokens
             ):
                 break
-            if members and rid in paused_by_id and rid not in sd.resume and rid not in starving_ids:
-                if self._scheduler_pauses(inp, members, cand):
+            if busy and rid in paused_by_id and rid not in sd.resume and rid not in starving_ids:
+                if self._scheduler_pauses(inp, sd, busy, cand):
                     # the scheduler pauses it again at the next plan (LayerKV's background rule):
                     # its KV moved in and out for a step or two at every finish (control-plane
                     # fuzz, session 79). Skipped, not the end: the rule is the scheduler's order
                     continue
             trial = self._plan(members + [cand], inp)
             if not trial.feasible or trial.paused:
-                if not members:  # nothing runs: a candidate that cannot must not hold back the next
+                if not busy:  # nothing runs: a candidate that cannot must not hold back the next
                     continue
                 break
             if rid in running_by_id:  # a victim of this plan: it keeps running
@@ -220,7 +228,7 @@ class DecisionBuilder:
         expiry = (
             plan.expiry_step if plan.expiry_step is not None else inp.step + 1 + plan.window_steps
         )
-        admit = self._admissions(sd, members, inp)
+        admit = self._admissions(sd, members + unplanned, inp)
         return Decision(
             plan=plan,
             apply_at_step=inp.step + 1,
@@ -330,17 +338,39 @@ class DecisionBuilder:
             members = [r for r in members if r.id != victim.id]
 
     def _scheduler_pauses(
-        self, inp: PlanningInput, members: list[RequestView], cand: RequestView
+        self, inp: PlanningInput, sd: SchedulerDecision, busy: list[RequestView], cand: RequestView
     ) -> bool:
-        """Whether the scheduler, seeing ``cand`` run beside ``members`` (and nothing queued: this
-        decision's admissions are made), pauses it other than as a rotation."""
-        running = tuple(replace(r, paused=False, paused_steps=0) for r in (*members, cand))
-        ids = {r.id for r in running}
+        """Whether the scheduler, seeing ``cand`` run beside ``busy`` and this decision's
+        admissions, pauses it, or pauses a running request that it does not pause without it
+        (other than as rotations): the next plan would undo the resume, or swap it for another."""
+        with_it = self._probe(inp, sd, busy + [cand])
+        if with_it.rotation or not with_it.pause:
+            return False
+        if cand.id in with_it.pause:
+            return True
+        without = self._probe(inp, sd, busy)
+        return bool(set(with_it.pause).difference(without.pause, inp.held))
+
+    def _probe(
+        self, inp: PlanningInput, sd: SchedulerDecision, running: list[RequestView]
+    ) -> SchedulerDecision:
+        """The scheduler's answer with ``running`` and the admissions they leave room for running
+        (their prefill made: nothing queued), every other request paused."""
+        now, slo = inp.now_ms, inp.policy.slo_tbt_ms
+        views = [replace(r, paused=False, paused_steps=0) for r in running]
+        prompts = {q.id: q.prompt_tokens for q in inp.queued}
+        views += [
+            RequestView(rid, prompts[rid], 0, slo, now, now, now, gpu_layers=sd.min_gpu_layers.get(rid))
+            for rid in self._admissions(sd, running, inp)
+        ]
+        ids = {r.id for r in views}
         probe = replace(
-            inp, running=running, paused=tuple(p for p in inp.paused if p.id not in ids), queued=()
+            inp,
+            running=tuple(views),
+            paused=tuple(p for p in inp.paused if p.id not in ids),
+            queued=(),
         )
-        sd = make_scheduler(inp.scheduler).schedule(self._scheduler_view(probe))
-        return not sd.rotation and cand.id in sd.pause
+        return make_scheduler(inp.scheduler).schedule(self._scheduler_view(probe))
 
     def schedule_only(self, inp: PlanningInput) -> SchedulerDecision:
         """The scheduler's answer alone (the controller's cheap per-report probe)."""

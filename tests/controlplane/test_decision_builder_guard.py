@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from controlplane.controller.batch_limits import BatchLimits
 from controlplane.controller.decision_builder import DecisionBuilder, PlanningInput
 from controlplane.controller.schedulers.base import RequestView
 from controlplane.model import Batch, Hardware, Plan
@@ -151,3 +152,16 @@ def test_lvf_rotates_the_next_request_out_past_a_held_one() -> None:
     assert b.schedule_only(inp).pause == ("old",)  # control: the tail is 'old'
     d = b.build(replace(inp, held=frozenset({"old"})))
     assert d.pause == ("young",) and d.resume == ("p",)
+
+
+def test_a_held_request_the_plan_cannot_run_still_holds_its_batch_slot() -> None:
+    """'H' is held and cannot run even alone: the plan leaves it out, but it decodes. With one
+    slot, 'p' is not resumed beside it (the first version counted the batch empty and resumed
+    'p': two running over a limit of one; review of session 79). Control: not held, 'H' is
+    paused and 'p' takes the slot."""
+    b, _, inp = build((view("H", 1500),), (view("p", 100, 2),), 48, max_paused_steps=1000)
+    inp = replace(inp, try_resume=True, limits=BatchLimits(max_requests=1))
+    d = b.build(inp)
+    assert d.pause == ("H",) and d.resume == ("p",)
+    d = b.build(replace(inp, held=frozenset({"H"})))
+    assert d.pause == () and d.resume == () and d.admit == ()
