@@ -202,7 +202,12 @@ class DecisionBuilder:
                 len(busy), sum(r.context_tokens for r in busy), cand.context_tokens
             ):
                 break
-            if busy and rid in paused_by_id and rid not in sd.resume and rid not in starving_ids:
+            if (
+                (busy or self._admissions(sd, busy, inp))
+                and rid in paused_by_id
+                and rid not in sd.resume
+                and rid not in starving_ids
+            ):
                 if self._scheduler_pauses(inp, sd, busy, cand):
                     # the scheduler pauses it again at the next plan (LayerKV's background rule):
                     # its KV moved in and out for a step or two at every finish (control-plane
@@ -355,20 +360,22 @@ class DecisionBuilder:
         self, inp: PlanningInput, sd: SchedulerDecision, running: list[RequestView]
     ) -> SchedulerDecision:
         """The scheduler's answer with ``running`` and the admissions they leave room for running
-        (their prefill made: nothing queued), every other request paused."""
+        (their prefill made), the prompts they leave no room for still queued (the next plan's
+        scheduler pauses for them), every other request paused."""
         now, slo = inp.now_ms, inp.policy.slo_tbt_ms
         views = [replace(r, paused=False, paused_steps=0) for r in running]
         prompts = {q.id: q.prompt_tokens for q in inp.queued}
+        admitted = self._admissions(sd, running, inp)
         views += [
             RequestView(rid, prompts[rid], 0, slo, now, now, now, gpu_layers=sd.min_gpu_layers.get(rid))
-            for rid in self._admissions(sd, running, inp)
+            for rid in admitted
         ]
         ids = {r.id for r in views}
         probe = replace(
             inp,
             running=tuple(views),
             paused=tuple(p for p in inp.paused if p.id not in ids),
-            queued=(),
+            queued=tuple(q for q in inp.queued if q.id not in admitted),
         )
         return make_scheduler(inp.scheduler).schedule(self._scheduler_view(probe))
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from controlplane.api import Decision, QueuedRequest
 from controlplane.controller.batch_limits import BatchLimits
 from controlplane.controller.decision_builder import DecisionBuilder, PlanningInput
 from controlplane.controller.schedulers.base import RequestView
@@ -165,3 +166,20 @@ def test_a_held_request_the_plan_cannot_run_still_holds_its_batch_slot() -> None
     assert d.pause == ("H",) and d.resume == ("p",)
     d = b.build(replace(inp, held=frozenset({"H"})))
     assert d.pause == () and d.resume == () and d.admit == ()
+
+
+def test_a_finish_resume_does_not_take_the_slot_layerkv_emptied_for_a_prompt() -> None:
+    """One slot; LayerKV pauses background 'Bm' to admit fitting prompt 'Q'. The batch then being
+    empty, the resume skipped the scheduler probe and resumed background 'B' into Q's slot; the
+    next decision paused 'B' for 'Q' (review of session 79). Control: the scheduler's own answer
+    admits 'Q'."""
+    def decide(limit: int) -> Decision:
+        b, _, inp = build((view("Bm", 300),), (view("B", 250, 3),), 48, "layerkv", slo_tbt_ms=5.0,
+                          max_paused_steps=1000)
+        inp = replace(inp, reasons=("batch-change",), try_resume=True, limits=BatchLimits(max_requests=limit),
+                      queued=(QueuedRequest("Q", 60, 490.0),), free_gpu_blocks=48)
+        assert b.schedule_only(inp).admit == ("Q",)
+        return b.build(inp)
+
+    d = decide(1)
+    assert d.pause == ("Bm",) and d.admit == ("Q",) and d.resume == ()
