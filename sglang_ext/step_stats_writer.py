@@ -85,6 +85,7 @@ class StepStatsWriter:
             "paused": [r.id for r in report.running if r.paused],
             "queued": len(report.queued),
             "finished": list(report.finished),
+            "pauses_dropped": list(report.pauses_dropped),
             "gpu_layers": {
                 rid: sum(w.gpu_layers) for rid, w in installer.last_wants.items() if not w.paused
             },

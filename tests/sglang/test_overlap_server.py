@@ -139,7 +139,11 @@ def test_requests_with_a_frequency_penalty_are_not_paused_under_the_overlap_loop
     request still decodes all its tokens. (Not compared with vanilla: vanilla SGLang's own outputs
     with a frequency penalty differ between two identical concurrent runs on this CPU -- 8 of 20
     prompts, session 64 -- while without one they are equal to the bit.) Negative control, by
-    hand: with ``pause.penalized`` returning False the requests are paused."""
+    hand: with ``pause.penalized`` returning False the requests are paused.
+
+    Each dropped pause is named in the step's report (``pauses_dropped``), and the control plane
+    holds the request running: it is not asked to pause again within its generation (before
+    session 79 it was re-planned as the victim and its pause dropped every third step)."""
     server, stats_path, _ = overlap_server
     start = len(read_jsonl(stats_path))
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -150,6 +154,10 @@ def test_requests_with_a_frequency_penalty_are_not_paused_under_the_overlap_loop
     skipped = sum((line.get("pauses_skipped") or {}).get("penalties_in_flight", 0) for line in lines)
     assert not paused & ids, f"requests with a frequency penalty were paused: {sorted(paused & ids)}"
     assert skipped > 0, "the budget asked for no pause of them: the test shows nothing"
+    dropped = [rid for line in lines for rid in line.get("pauses_dropped") or () if rid in ids]
+    assert dropped, "no dropped pause was reported"
+    # once each; twice when a plan already in flight when the drop was reported paused it again
+    assert all(dropped.count(rid) <= 2 for rid in dropped), f"pauses dropped again and again: {sorted(dropped)}"
     assert all(len(out["output_ids"]) == MAX_NEW_TOKENS or out["meta_info"]["finish_reason"]["type"] == "stop"
                for out in got)
     assert lines[-1]["paused"] == []
