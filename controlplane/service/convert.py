@@ -299,22 +299,16 @@ def step_report_to_proto(report: api.StepReport) -> pb.StepReport:
             generated_tokens=r.generated_tokens,
             paused=r.paused,
         )
-        if r.slo_tbt_ms is not None:
-            m.slo_tbt_ms = r.slo_tbt_ms
-        if r.gpu_layers is not None:
-            m.gpu_layers = r.gpu_layers
-        if r.max_new_tokens is not None:
-            m.max_new_tokens = r.max_new_tokens
+        for name in ("slo_tbt_ms", "gpu_layers", "max_new_tokens"):
+            if (value := getattr(r, name)) is not None:
+                setattr(m, name, value)
     for q in report.queued:
         mq = msg.queued.add(id=q.id, prompt_tokens=q.prompt_tokens, arrival_ms=q.arrival_ms)
         if q.slo_ttft_ms is not None:
             mq.slo_ttft_ms = q.slo_ttft_ms
-    if report.observed_step_ms is not None:
-        msg.observed_step_ms = report.observed_step_ms
-    if report.h2d_gbps is not None:
-        msg.h2d_gbps = report.h2d_gbps
-    if report.free_gpu_blocks is not None:
-        msg.free_gpu_blocks = report.free_gpu_blocks
+    for name in ("observed_step_ms", "h2d_gbps", "free_gpu_blocks"):
+        if (value := getattr(report, name)) is not None:
+            setattr(msg, name, value)
     return msg
 
 
@@ -452,10 +446,9 @@ def _step_report_checked(msg: pb.StepReport, prefix: str) -> api.StepReport:
                 slo_ttft_ms=None if ttft is None else _check_num(ttft, f"{p}.slo_ttft_ms", 0.0, open_lo=True),
             )
         )
-    for i, rid in enumerate(msg.finished):
-        _check_id(rid, f"{prefix}.finished[{i}]")
-    for i, rid in enumerate(msg.pauses_dropped):
-        _check_id(rid, f"{prefix}.pauses_dropped[{i}]")
+    for name in ("finished", "pauses_dropped"):
+        for i, rid in enumerate(getattr(msg, name)):
+            _check_id(rid, f"{prefix}.{name}[{i}]")
     observed = _opt(msg, "observed_step_ms")
     h2d = _opt(msg, "h2d_gbps")
     free = _opt(msg, "free_gpu_blocks")
