@@ -208,9 +208,9 @@ class StepReporter:
         Only a steady decode step waits: the same requests (in order) as the last report's
         running ones, nothing finished, queued or paused, no pause dropped, the installed plan's
         expiry not reached since the last report, the control plane reachable, fewer than
-        ``interval`` steps since the last report. Everything the controller acts on (OrbitFlow §3.4's batch-change and
-        expiry triggers, admissions, pause state, outages) is therefore reported the step it
-        happens; a steady stretch reaches it as one report with the mean decode step time (the
+        ``interval`` steps since the last report. Everything the controller acts on (OrbitFlow
+        §3.4's batch-change and expiry triggers, admissions, pause state, outages) is therefore
+        reported the step it happens; a steady stretch reaches it as one report with the mean decode step time (the
         profile-mismatch trigger sees it at most ``interval - 1`` steps late, or
         ``quiet_interval - 1`` in a quiet stretch) and each request's tokens generated since. An
         expiry is reported once when the next decision can arrive by ``poll`` (the controller

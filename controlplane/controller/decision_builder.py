@@ -209,9 +209,10 @@ class DecisionBuilder:
                 and rid not in starving_ids
             ):
                 if self._scheduler_pauses(inp, sd, busy, cand):
-                    # the scheduler pauses it again at the next plan (LayerKV's background rule):
-                    # its KV moved in and out for a step or two at every finish (control-plane
-                    # fuzz, session 79). Skipped, not the end: the rule is the scheduler's order
+                    # the scheduler pauses it, or another for it, at the next plan (LayerKV's
+                    # background and prompt-room rules): its KV moved in and out for a step or
+                    # two at every finish (control-plane fuzz and reviews, session 79). Skipped,
+                    # not the end: the rule is the scheduler's order
                     continue
             trial = self._plan(members + [cand], inp)
             if not trial.feasible or trial.paused:
@@ -264,9 +265,10 @@ class DecisionBuilder:
         together = self._held_together(running, inp)
         for f in starving[:MAX_RESUME_TRIALS]:
             tried.append(f.id)
-            if len(starving) > 1 and together is None:  # one plan tells a request that cannot
-                # run even alone (the
-                alone = self._plan([f], inp)  # victim loop below would pause every other first)
+            if len(starving) > 1 and together is None:
+                # one plan tells a request that cannot run even alone (the victim walk in
+                # _keeping would pause every other first); beside held ones, _keeping's own plan
+                alone = self._plan([f], inp)
                 if not alone.feasible or alone.paused:
                     continue
             members = running + [f]
@@ -312,13 +314,14 @@ class DecisionBuilder:
 
         Without held members, the starvation guard's walk (session 77): while the planner pauses
         the forced one, another member (by the victim rule, among those the plan runs first) is
-        paused in its place and appended to ``victims``. With held members, one plan of the kept
-        ones alone decides which of them run together (a forced one that does not is not kept:
-        nothing is; held ones that do not are planned as the planner decides, and are never
-        paused), then one plan of all, the kept ones paused last, places them. ``together``: the
-        held members that run together (:meth:`_held_together`; None: no held member). One or two
-        plans: the walk, one plan per victim, cost 114 planner calls in a decision and paused
-        every other request for two held ones that cannot run together (review of session 79)."""
+        paused in its place and appended to ``victims``. With held members (``together``: those
+        of them that run together, :meth:`_held_together`; None: no held member), one plan of the
+        forced one beside them decides whether it is forced at all, then one plan of all members,
+        the kept ones paused last (``Planner.plan(keep=...)``), places them. Held ones that do not
+        run together are planned as the planner decides (never paused: the decision drops their
+        pauses). One or two plans: the walk, one plan per victim, cost 114 planner calls in a
+        decision, and paused every other request for two held ones that cannot run together
+        (review of session 79)."""
         if together is not None:
             forced = frozenset(keep)
             kept = together

@@ -11,12 +11,14 @@ worker shows it or until ``APPLY_SLACK_STEPS`` after the step it was delivered f
 ``sglang_ext/pause.py``) was awaited forever, the request counted as paused while it decoded
 (control-plane review, session 78).
 
-A request whose decided pause lapsed is *held* running for a while (:meth:`RequestTracker.held`):
+A request whose decided pause lapsed, or that the worker reports dropped, is *held* running for a
+while (:meth:`RequestTracker.held`):
 planned again as a victim at once, its pause was dropped again and the controller re-planned every
 third step for as long as it decoded (a batch feature such as a custom logit processor makes every
 pause of a batch drop; session 79). The hold doubles with each lapse of the same request, from
 ``HOLD_STEPS`` up to ``HOLD_MAX_STEPS``: a pause dropped for a passing reason (``would_idle``) is
-tried again soon, one dropped for good rarely.
+tried again soon, one dropped for good rarely; it starts from ``HOLD_STEPS`` again once a pause of
+the request applies.
 """
 
 from __future__ import annotations
@@ -78,7 +80,8 @@ worker's reports (slack for SGLang's overlap loop); after them the worker's own 
 
 
 HOLD_STEPS = 16
-"""Steps a request whose decided pause lapsed is held running, after its first lapse."""
+"""Steps a request whose decided pause lapsed (or was reported dropped) is held running, after its
+first lapse."""
 HOLD_MAX_STEPS = 1024
 """Ceiling of that hold (it doubles with each lapse of the same request)."""
 
@@ -92,8 +95,8 @@ class RequestTracker:
         """Decided pause state the worker has not shown yet, and the step it is due at (None:
         not delivered yet)."""
         self._holds: dict[str, tuple[int, int]] = {}
-        """Requests whose decided pause lapsed: lapses so far, and the last step they are held
-        running to."""
+        """Requests whose decided pause lapsed or was reported dropped: lapses so far, and the last
+        step they are held running to."""
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._requests
@@ -294,7 +297,7 @@ class RequestTracker:
 
     def held(self, step: int) -> frozenset[str]:
         """Running requests whose decided pause lapsed within their hold at ``step``: decisions
-        do not pause them (the decision builder pauses others in their place)."""
+        do not pause them (the planner pauses others first, ``Planner.plan(keep=...)``)."""
         holds = self._holds
         if not holds:
             return frozenset()
