@@ -182,10 +182,12 @@ def test_a_decision_over_the_send_limit_ends_the_stream_naming_the_limit(serve: 
                 for i in range(1000):
                     report.running.add(id=f"r{i}", context_tokens=1000 + step, generated_tokens=step, slo_tbt_ms=200.0)
                 stream.sent.put(pb.WorkerMessage(report=report))
-            got = wait_until(lambda stream=stream: stream.error is not None or len(stream.replies) >= 2, timeout_s=30)
+            # a heartbeat (a reply without decisions) may come first when planning is slow
+            got = wait_until(lambda stream=stream: stream.error is not None
+                             or any(r.decisions for r in stream.replies), timeout_s=30)
             assert got
             if fits:
-                assert stream.error is None and stream.replies[1].decisions
+                assert stream.error is None and any(r.decisions for r in stream.replies)
             else:
                 assert stream.error == grpc.StatusCode.RESOURCE_EXHAUSTED
                 details = stream.call.details() or ""
