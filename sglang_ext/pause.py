@@ -34,8 +34,10 @@ that keeps the batch going is skipped as ``would_idle`` (the step boundary's ``k
 rule would resume it at once rather than idle), and the boundary drops it. Skipped pauses are
 counted by reason (:data:`PAUSE_SKIP_REASONS`, ``kvplane:pauses_skipped_total``). A pause a batch
 feature refuses (custom logit processors, speculative decoding, encoder-decoder), a penalised one
-under the overlap loop and a ``would_idle`` one are dropped: the control plane sees the request
-still running and plans it so (its pause lapses, ``controlplane/controller/request_tracker.py``).
+under the overlap loop and a ``would_idle`` one are dropped and named in the next step report
+(:meth:`PauseManager.take_dropped`, ``StepReport.pauses_dropped``): the control plane counts the
+request running at once and holds it (``controlplane/controller/request_tracker.py``; a worker
+that names none is covered by the pause's lapse a step after it was due).
 The control plane's other pauses (a finishing request, one not yet in the running batch) stay
 deferred, retried at each boundary, and are dropped when the request is gone.
 

@@ -7,7 +7,8 @@ observed decode step time since the last report, the sampled per-layer times, th
 bandwidth the data plane's copies achieved since the last report (bytes over the seconds its
 clock measured them, :class:`~sglang_ext.dataplane.transfer_times.TransferTimes`; sent when at
 least :data:`MIN_H2D_SAMPLE_BYTES` over :data:`MIN_H2D_SAMPLE_SECONDS` were timed; CUDA only,
-``LayeredKVCore.link_account``) and the free GPU blocks -- and sends it; the decisions it gets back go to the
+``LayeredKVCore.link_account``), the free GPU blocks and the pauses the data plane dropped since
+the last report (``pauses_dropped``: such a report is never coalesced) -- and sends it; the decisions it gets back go to the
 :class:`~sglang_ext.decision_inbox.DecisionInbox` for the next boundary.
 
 Steady decode steps are coalesced (:meth:`StepReporter._coalesce`), up to

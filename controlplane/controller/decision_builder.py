@@ -467,12 +467,7 @@ class DecisionBuilder:
             if self._budget_ms is not None
             else min(policy.solve_budget_fraction * inp.predicted_step_ms, MAX_PLAN_BUDGET_MS)
         )
-        if keep:
-            return self._planner.plan(
-                batch, time_budget_ms=budget_ms, victim_rule=policy.victim_rule,
-                current_step=inp.step + 1, seed=inp.step, keep=keep,
-            )
         return self._planner.plan(
             batch, time_budget_ms=budget_ms, victim_rule=policy.victim_rule,
-            current_step=inp.step + 1, seed=inp.step,
+            current_step=inp.step + 1, seed=inp.step, keep=keep,
         )
