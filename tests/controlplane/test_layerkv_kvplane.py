@@ -106,6 +106,40 @@ def test_kvplane_layerkv_pauses_a_background_request_that_makes_fitting_steps_la
         dataclasses.replace(slow, running=running[:1])).pause == ()
 
 
+def test_kvplane_layerkv_never_counts_on_the_room_of_a_held_request() -> None:
+    """A held request (the worker drops its pauses, ``SchedulerView.held``) is never rotated out:
+    the decision builder would drop the pause, so the room LayerKV counted on it freeing is not
+    there. Before, a held background request was "paused" for a fitting prompt and the prompt
+    admitted into a full batch; an aged prompt did the same with a held fitting request."""
+    lkv = make_scheduler("layerkv")
+    held = frozenset({"big"})
+    # background, for a fitting prompt (control: the first test's pause and admission)
+    view = _rotation_view(now=100.0, big_ctx=3000)
+    assert lkv.schedule(view).admit == ("a",)
+    d = lkv.schedule(dataclasses.replace(view, held=held))
+    assert d.pause == () and d.admit == ()
+    # a fitting big, for an aged prompt (control: big paused, the largest); held, small is paused
+    # in its place (1500 + 1000 <= 2500)
+    aged = dataclasses.replace(_rotation_view(now=5000.0, big_ctx=1500), limits=BatchLimits(max_tokens=2500))
+    assert lkv.schedule(aged).pause == ("big",)
+    d = lkv.schedule(dataclasses.replace(aged, held=held))
+    assert d.pause == ("small",) and d.admit == ("a",)
+    d = lkv.schedule(dataclasses.replace(aged, held=held | {"small"}))
+    assert d.pause == () and d.admit == ()
+    # a background request that makes the fitting steps late (control: paused)
+    running = (req("big", ctx=3000), req("small", ctx=500, slo=100.0))
+    slow = _background_view(h2d_gbps=0.01, running=running)
+    assert lkv.schedule(slow).pause == ("big",)
+    assert lkv.schedule(dataclasses.replace(slow, held=held)).pause == ()
+    # the refill does not pause a held background request for a paused fitting one (control: it
+    # does when big is not held)
+    refill = _background_view(h2d_gbps=0.01, running=running[:1], paused=(req("p", ctx=500, slo=100.0, paused=True),))
+    d = lkv.schedule(refill)
+    assert d.pause == ("big",) and d.resume == ("p",)
+    d = lkv.schedule(dataclasses.replace(refill, held=held))
+    assert d.pause == () and d.resume == ()
+
+
 def test_kvplane_layerkv_background_prompts_never_jump_or_block_fitting_ones() -> None:
     """A background prompt (longer than the GPU holds) is skipped, not waited for: the fitting
     prompt behind it is admitted; and it is not admitted past a fitting prompt that is held."""

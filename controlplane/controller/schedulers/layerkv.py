@@ -83,6 +83,10 @@ whatever is admitted, and held every fitting prompt until it aged):
   seed 7): without the refill, a fitting request paused by the planner or the starvation guard
   waited for a finish while one fitting request ran alone at 58 ms steps for 1174 s of
   the 7724 s run.
+
+None of these pauses takes a *held* request (``SchedulerView.held``: the worker drops its pauses,
+:mod:`~controlplane.controller.request_tracker`): the room it would free is not there. The next
+one in the order is paused instead, or the prompt or the paused request waits.
 """
 
 from __future__ import annotations
@@ -230,13 +234,16 @@ class LayerKVScheduler:
             free += v.blocks_per_layer(bs) * gpu_layers  # evictable once paused (§3.4)
 
         def background() -> list[RequestView]:
-            """Running oversize requests, largest first (the rotation order)."""
-            return sorted((r for r in running if oversize(r.context_tokens)),
+            """Running oversize requests, largest first (the rotation order); never a held one
+            (``view.held``: the worker drops its pause, so the room it would free is not there,
+            and a prompt admitted or a request resumed for it overfilled the batch)."""
+            return sorted((r for r in running if oversize(r.context_tokens) and r.id not in view.held),
                           key=lambda r: (-r.context_tokens, r.id))
 
         def fitting_running() -> list[RequestView]:
-            """Running fitting requests, largest first (rotated out only for an aged prompt)."""
-            return sorted((r for r in running if not oversize(r.context_tokens)),
+            """Running fitting requests, largest first (rotated out only for an aged prompt);
+            never a held one."""
+            return sorted((r for r in running if not oversize(r.context_tokens) and r.id not in view.held),
                           key=lambda r: (-r.context_tokens, r.id))
 
         reserved = [0, 0, 0]
