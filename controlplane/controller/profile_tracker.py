@@ -39,6 +39,10 @@ overlap figure was +28-40% of the step on an H200 at 16 launches, with the model
   timeline reproduces the observed step (bisection; 0 when the samples alone reach it).
 * A bandwidth sample moves the link only when the placement that ran transferred.
 
+**Bounds.** A step or layer time above :data:`MAX_TELEMETRY_MS`, a bandwidth sample outside
+:data:`GBPS_RANGE`, or a step of no time is broken telemetry: no evidence, the profile stays. The
+EWMA targets are held within the same bounds, so the profile stays finite whatever the scale.
+
 The SGLang worker samples both on CUDA: the bandwidth is the data plane's timed H2D bytes over
 their seconds (none on the CPU engine, whose synchronous copies are inside the layer samples);
 a layer's time runs from its ready mark (after its wait on fetches) to the next layer's entry.
@@ -50,6 +54,7 @@ counted once, in the compute.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -77,6 +82,21 @@ class ProfileUpdate:
     """Launch cost before the update."""
     new_fetch_launch_ms: float = 0.0
     """Launch cost after the update."""
+
+
+MAX_TELEMETRY_MS = 600_000.0
+"""A step or layer time above this (ten minutes) is broken telemetry, no evidence: two reports of
+1.7e308 ms (finite, so valid) inflated the profile, the next normal step's scale sent the bandwidth
+to inf, and every later plan of the session failed (control-plane review, session 80)."""
+GBPS_RANGE = (1e-6, 1e5)
+"""Bandwidths (GB/s) the profile may hold or learn from: a byte a millisecond up to 100 TB/s."""
+
+
+def _plausible(comp: Sequence[float], gbps: float, launch: float) -> bool:
+    """Evidence (or a profile) the planner can use: times within 0..:data:`MAX_TELEMETRY_MS` and
+    a bandwidth within :data:`GBPS_RANGE` (NaN is in neither)."""
+    return (all(0.0 <= c <= MAX_TELEMETRY_MS for c in comp) and 0.0 <= launch <= MAX_TELEMETRY_MS
+            and GBPS_RANGE[0] <= gbps <= GBPS_RANGE[1])
 
 
 class ProfileTracker:
@@ -187,13 +207,16 @@ class ProfileTracker:
         time the timeline does not model: it is no evidence of the launch cost)."""
         a = ewma_factor
         old_comp, old_gbps, old_launch = self._comp, self._gbps, self._launch
-        if observed_step_ms <= 0:
+        unchanged = ProfileUpdate(old_comp, old_comp, old_gbps, old_gbps, observed_step_ms, predicted_step_ms,
+                                  old_launch, old_launch)
+        if not 0 < observed_step_ms <= MAX_TELEMETRY_MS or not _plausible(
+            layer_compute_sample_ms or (), GBPS_RANGE[0] if h2d_gbps_sample is None else h2d_gbps_sample, 0.0
+        ):
             # a step of no time is no evidence (broken telemetry); scaling by it would zero the
             # profile, and a zero profile predicts 0 ms, from which no scale ever moves it back;
             # with a layer sample beside it, the bandwidth fit of a 0 ms step took its 1000x
-            # clamp (control-plane review, session 77)
-            return ProfileUpdate(old_comp, old_comp, old_gbps, old_gbps, observed_step_ms, predicted_step_ms,
-                                 old_launch, old_launch)
+            # clamp (control-plane review, session 77). Nor is one beyond the bounds above
+            return unchanged
         transfers = any(not x for row in placement for x in row) or any(
             u and k < len(old_comp) for u, k in recompute or ()
         )
@@ -234,14 +257,19 @@ class ProfileTracker:
             target_launch = old_launch * scale  # homogeneous, like the compute (exactness)
         else:
             target_launch = old_launch
-        self._launch = (1 - a) * old_launch + a * target_launch
-
-        self._comp = tuple((1 - a) * o + a * t for o, t in zip(old_comp, target_comp, strict=True))
+        # bounded evidence can still scale far (a near-zero prediction): the targets are held
+        # within the bounds, so the profile moves towards one the planner can use, never to inf
+        # or NaN (a profile a hello gave beyond them, too)
+        cap = MAX_TELEMETRY_MS
+        launch = (1 - a) * old_launch + a * min(target_launch, cap)
+        comp = tuple((1 - a) * o + a * min(t, cap) for o, t in zip(old_comp, target_comp, strict=True))
+        gbps = (1 - a) * old_gbps + a * min(max(target_gbps, GBPS_RANGE[0]), GBPS_RANGE[1]) if target_gbps > 0 else old_gbps
+        if not all(math.isfinite(x) for x in (*comp, gbps, launch)):
+            return unchanged
+        self._launch, self._comp, self._gbps = launch, comp, gbps
         old_total, self._all_gpu_ms = self._all_gpu_ms, float(sum(self._comp))
         if self._rms is not None and old_total > 0:
             self._rms = tuple(x * self._all_gpu_ms / old_total for x in self._rms)
-        if target_gbps > 0:
-            self._gbps = (1 - a) * old_gbps + a * target_gbps
         return ProfileUpdate(
             old_comp, self._comp, old_gbps, self._gbps, observed_step_ms, predicted_step_ms, old_launch, self._launch
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from controlplane.controller import ProfileTracker
+from controlplane.controller.profile_tracker import GBPS_RANGE, MAX_TELEMETRY_MS
 from controlplane.model import Profile, step_time_ms
 
 COMP = (1.0, 2.0, 1.0, 2.0)
@@ -213,3 +214,41 @@ def test_a_step_of_no_time_is_no_evidence_even_with_a_layer_sample() -> None:
         t.update(ewma_factor=1.0, observed_step_ms=observed, predicted_step_ms=t.predict_step_ms(ROWS, BLOCKS),
                  placement=ROWS, blocks=BLOCKS, layer_compute_sample_ms=tuple(c / 2 for c in COMP))
         assert (t.layer_compute_ms != COMP or t.h2d_gbps != 4.0) is moved, (observed, t.layer_compute_ms, t.h2d_gbps)
+
+
+@pytest.mark.parametrize("field", ["observed", "layer", "gbps"])
+def test_telemetry_beyond_its_bounds_is_no_evidence(field: str) -> None:
+    """Scenario (control-plane review, session 80): finite but absurd telemetry (a 1.7e308 ms step,
+    a layer of 1.7e308 ms, a 1e9 GB/s link) passed validation and moved the profile; two such
+    steps inflated it to ~1e305 ms a layer, the next true step's scale sent the bandwidth to inf,
+    and every later plan failed. Now it leaves the profile alone. Control: the same report at the
+    bound moves it."""
+    def report(bad: bool) -> dict:
+        big = 1.7e308 if bad else MAX_TELEMETRY_MS
+        return {
+            "observed_step_ms": big if field == "observed" else 20.0,
+            "layer_compute_sample_ms": (big,) * 4 if field == "layer" else None,
+            "h2d_gbps_sample": (1e9 if bad else GBPS_RANGE[1]) if field == "gbps" else None,
+        }
+    for bad in (True, False):
+        t = tracker()
+        t.update(ewma_factor=0.5, predicted_step_ms=10.0, placement=ROWS, blocks=BLOCKS, **report(bad))
+        assert (t.layer_compute_ms == COMP and t.h2d_gbps == 2.0) is bad, (bad, t.layer_compute_ms, t.h2d_gbps)
+
+
+def test_a_scale_far_beyond_the_bounds_keeps_the_profile_finite() -> None:
+    """A near-zero profile (layers of 5e-324 ms: valid) predicts ~0 ms, so a true step's scale is
+    ~1e300: the targets are held within the bounds and the profile stays finite, the bandwidth in
+    ``GBPS_RANGE``, through any mix of such steps (before: inf, then NaN). Control: without the
+    near-zero profile the same steps scale it as usual."""
+    t = ProfileTracker(Profile((5e-324,) * 4), 2.0, BLOCK_BYTES)
+    for observed in (20.0, 5e-300, 1e5, 1e-300, 20.0) * 3:
+        t.update(ewma_factor=0.7, observed_step_ms=observed, predicted_step_ms=t.predict_step_ms(ROWS, BLOCKS),
+                 placement=ROWS, blocks=BLOCKS)
+        assert all(0.0 <= c <= MAX_TELEMETRY_MS for c in t.layer_compute_ms), t.layer_compute_ms
+        assert GBPS_RANGE[0] <= t.h2d_gbps <= GBPS_RANGE[1], t.h2d_gbps
+        assert 0.0 <= t.fetch_launch_ms <= MAX_TELEMETRY_MS
+    control = tracker()
+    control.update(ewma_factor=1.0, observed_step_ms=2 * control.predict_step_ms(ROWS, BLOCKS),
+                   predicted_step_ms=control.predict_step_ms(ROWS, BLOCKS), placement=ROWS, blocks=BLOCKS)
+    assert control.layer_compute_ms == pytest.approx(tuple(2 * c for c in COMP))
