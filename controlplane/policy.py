@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from controlplane.model.batch import PlanPolicy, SchemaError
+from controlplane.model.batch import PlanPolicy, SchemaError, shown
 
 SCHEDULERS = ("fcfs", "layerkv", "lvf")
 VICTIM_RULES = ("largest", "longest", "shortest", "random")
@@ -21,7 +21,7 @@ VICTIM_RULES = ("largest", "longest", "shortest", "random")
 
 def _check_range(path: str, value: float, lo: float, hi: float, *, open_lo: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise SchemaError(path, f"expected a number, got {value!r}")
+        raise SchemaError(path, f"expected a number, got {shown(value)}")
     bad_lo = value <= lo if open_lo else value < lo
     if bad_lo or value > hi or value != value:
         left = "(" if open_lo else "["
@@ -30,7 +30,7 @@ def _check_range(path: str, value: float, lo: float, hi: float, *, open_lo: bool
 
 def _check_int(path: str, value: int, lo: int, hi: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise SchemaError(path, f"expected an integer, got {value!r}")
+        raise SchemaError(path, f"expected an integer, got {shown(value)}")
     if not lo <= value <= hi:
         raise SchemaError(path, f"{value} is out of range (allowed [{lo}, {hi}])")
 
@@ -150,18 +150,18 @@ class Policy:
         _check_range("mismatch_threshold", self.mismatch_threshold, 0.0, 100.0, open_lo=True)
         _check_range("ewma_factor", self.ewma_factor, 0.0, 1.0, open_lo=True)
         if self.victim_rule not in VICTIM_RULES:
-            raise SchemaError("victim_rule", f"{self.victim_rule!r} is not one of {VICTIM_RULES}")
+            raise SchemaError("victim_rule", f"{shown(self.victim_rule)} is not one of {VICTIM_RULES}")
         _check_int("max_paused_steps", self.max_paused_steps, 1, 1 << 30)
         _check_range("solve_budget_fraction", self.solve_budget_fraction, 0.0, 10.0, open_lo=True)
         if self.scheduler not in SCHEDULERS:
-            raise SchemaError("scheduler", f"{self.scheduler!r} is not one of {SCHEDULERS}")
+            raise SchemaError("scheduler", f"{shown(self.scheduler)} is not one of {SCHEDULERS}")
         ratio = self.max_recompute_ratio
         if isinstance(ratio, bool) or not isinstance(ratio, int | float):
-            raise SchemaError("max_recompute_ratio", f"expected a number, got {ratio!r}")
+            raise SchemaError("max_recompute_ratio", f"expected a number, got {shown(ratio)}")
         if not 0.0 <= ratio < 1.0:  # NaN fails too
             raise SchemaError("max_recompute_ratio", f"{ratio} is out of range (allowed [0.0, 1.0))")
         if not isinstance(self.deposit_credit, bool):
-            raise SchemaError("deposit_credit", f"expected true or false, got {self.deposit_credit!r}")
+            raise SchemaError("deposit_credit", f"expected true or false, got {shown(self.deposit_credit)}")
 
     @property
     def plan_policy(self) -> PlanPolicy:

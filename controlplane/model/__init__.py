@@ -4,6 +4,7 @@ This is both the planner's objective and the data plane's contract.
 """
 
 from controlplane.model.batch import (
+    SHOWN_CHARS,
     Batch,
     Hardware,
     ModelSpec,
@@ -12,6 +13,7 @@ from controlplane.model.batch import (
     RequestSpec,
     SchemaError,
     link_blocks_per_ms,
+    shown,
 )
 from controlplane.model.plan import Plan
 from controlplane.model.timeline import (
@@ -36,6 +38,8 @@ __all__ = [
     "Profile",
     "RequestSpec",
     "SchemaError",
+    "SHOWN_CHARS",
+    "shown",
     "fetch_sizes",
     "fetch_timeline_ms",
     "gpu_blocks",

@@ -35,6 +35,20 @@ def link_blocks_per_ms(gbps: float, block_bytes: float) -> float:
     return gbps * 1e9 / 1e3 / block_bytes
 
 
+SHOWN_CHARS = 64
+"""Characters of a bad value an error message echoes (:func:`shown`)."""
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` for an error message, cut to :data:`SHOWN_CHARS` with its full length named:
+    a 100,000-character policy field echoed whole made the gRPC status exceed the metadata limit, so
+    the client saw RESOURCE_EXHAUSTED instead of the field (control-plane review, session 80)."""
+    text = repr(value)
+    if len(text) <= SHOWN_CHARS:
+        return text
+    return f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
+
+
 class SchemaError(ValueError):
     """A batch or policy field is missing or out of range. ``field`` is the dotted path."""
 
@@ -56,7 +70,7 @@ def _int(value: Any, path: str, lo: int, hi: int | None = None) -> int:
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         else:
-            raise SchemaError(path, f"expected an integer, got {value!r}")
+            raise SchemaError(path, f"expected an integer, got {shown(value)}")
     if value < lo or (hi is not None and value > hi):
         bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
         raise SchemaError(path, f"{value} is out of range (allowed {bound})")
@@ -65,7 +79,7 @@ def _int(value: Any, path: str, lo: int, hi: int | None = None) -> int:
 
 def _num(value: Any, path: str, lo: float, hi: float | None = None, *, open_lo: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise SchemaError(path, f"expected a number, got {value!r}")
+        raise SchemaError(path, f"expected a number, got {shown(value)}")
     value = float(value)
     if not math.isfinite(value):
         raise SchemaError(path, f"{value} is not finite")
@@ -79,14 +93,14 @@ def _num(value: Any, path: str, lo: float, hi: float | None = None, *, open_lo: 
 def _flag(value: Any, path: str) -> bool:
     """A JSON boolean."""
     if not isinstance(value, bool):
-        raise SchemaError(path, f"expected true or false, got {value!r}")
+        raise SchemaError(path, f"expected true or false, got {shown(value)}")
     return value
 
 
 def _ratio(value: Any, path: str) -> float:
     """A number in [0, 1)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise SchemaError(path, f"expected a number, got {value!r}")
+        raise SchemaError(path, f"expected a number, got {shown(value)}")
     value = float(value)
     if not 0.0 <= value < 1.0:  # NaN fails too
         raise SchemaError(path, f"{value} is out of range (allowed [0.0, 1.0))")
@@ -224,7 +238,7 @@ class RequestSpec:
     def from_dict(cls, d: Mapping[str, Any], path: str) -> RequestSpec:
         rid = _require(d, "id", path)
         if not isinstance(rid, str | int) or isinstance(rid, bool) or str(rid) == "":
-            raise SchemaError(f"{path}.id", f"expected a non-empty string, got {rid!r}")
+            raise SchemaError(f"{path}.id", f"expected a non-empty string, got {shown(rid)}")
         return cls(
             id=str(rid),
             context_tokens=_int(_require(d, "context_tokens", path), f"{path}.context_tokens", 1),
@@ -308,7 +322,7 @@ class Batch:
         seen: set[str] = set()
         for i, r in enumerate(self.requests):
             if r.id in seen:
-                raise SchemaError(f"requests[{i}].id", f"duplicate id {r.id!r}")
+                raise SchemaError(f"requests[{i}].id", f"duplicate id {shown(r.id)}")
             seen.add(r.id)
         self.hardware.check_moves_blocks(self.model.block_bytes)
 

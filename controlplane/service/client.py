@@ -108,11 +108,19 @@ class GrpcControlPlane:
         self._policy = pb_grpc.PolicyServiceStub(self._channel)
         self._sessions: set[GrpcWorkerSession] = set()
         self._lock = threading.Lock()
+        self._closed = False
 
     # ------------------------------------------------------------ api.ControlPlane
 
+    def _check_open(self) -> None:
+        """After :meth:`close` every call is refused as the API's own error (before: a session
+        whose thread died on the closed channel, or grpc's raw ValueError; review, session 80)."""
+        if self._closed:
+            raise api.Unavailable(f"control plane client for {self.target} is closed")
+
     def open_session(self, worker: api.WorkerInfo) -> GrpcWorkerSession:
         """Start a session; it connects in the background (see ``wait_connected``)."""
+        self._check_open()
         hello = convert.worker_info_to_proto(worker)  # fails fast on a bad WorkerInfo
         session = GrpcWorkerSession(
             self._cp, hello, worker.worker_id, backoff=self._backoff, metrics=self.metrics,
@@ -134,7 +142,11 @@ class GrpcControlPlane:
                 raise api.InvalidArgument(str(exc)) from exc
         if not isinstance(batch, Batch):
             raise api.InvalidArgument(f"batch: expected a Batch or a mapping, got {type(batch).__name__}")
-        request = pb.PlanRequest(batch=convert.batch_to_proto(batch))
+        self._check_open()
+        try:
+            request = pb.PlanRequest(batch=convert.batch_to_proto(batch))
+        except ValueError as exc:  # protobuf's range checks: an integer past int64, say
+            raise api.InvalidArgument(f"batch: does not fit the wire format ({exc})") from exc
         try:
             response = self._cp.Plan(request, timeout=self._plan_timeout_s)
         except grpc.RpcError as err:
@@ -142,6 +154,7 @@ class GrpcControlPlane:
         return convert.plan_from_proto(response.plan)
 
     def get_policy(self) -> Policy:
+        self._check_open()
         try:
             msg = self._policy.GetPolicy(pb.GetPolicyRequest(), timeout=self._timeout_s)
         except grpc.RpcError as err:
@@ -149,6 +162,7 @@ class GrpcControlPlane:
         return policy_convert.policy_from_proto(msg)
 
     def update_policy(self, changes: Mapping[str, Any], token: str | None = None) -> Policy:
+        self._check_open()
         request = pb.UpdatePolicyRequest(changes=policy_convert.policy_changes_to_proto(changes))
         token = token if token is not None else self._token
         metadata = (("authorization", f"Bearer {token}"),) if token else None
@@ -162,6 +176,7 @@ class GrpcControlPlane:
 
     def watch_policy(self) -> Iterator[Policy]:
         """The current policy, then every update; closing the iterator cancels the stream."""
+        self._check_open()
         call = self._policy.WatchPolicy(pb.WatchPolicyRequest())
         try:
             for event in call:
@@ -189,6 +204,7 @@ class GrpcControlPlane:
         """Close every session (each drains its queued reports, all within ``drain_s``), then
         the channel."""
         with self._lock:
+            self._closed = True
             sessions = list(self._sessions)
         close_by = time.monotonic() + drain_s
         for s in sessions:

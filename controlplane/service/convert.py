@@ -12,7 +12,7 @@ import math
 from typing import Any
 
 from controlplane import api
-from controlplane.model import Batch, Hardware, ModelSpec, Plan, Profile, SchemaError
+from controlplane.model import Batch, Hardware, ModelSpec, Plan, Profile, SchemaError, shown
 from controlplane.policy import SCHEDULERS
 from kvplane.v1 import controlplane_pb2 as pb
 
@@ -214,7 +214,7 @@ def _placements(msg: pb.Plan, prefix: str = "plan") -> dict[str, tuple[int, ...]
     for rid, p in msg.placements.items():
         if not _BINARY.issuperset(p.on_gpu):
             bad = next(x for x in p.on_gpu if x not in _BINARY)
-            raise _invalid(f"{prefix}.placements[{rid!r}].on_gpu", f"{bad} is not 0 (host) or 1 (GPU)")
+            raise _invalid(f"{prefix}.placements[{shown(rid)}].on_gpu", f"{bad} is not 0 (host) or 1 (GPU)")
         out[rid] = tuple(p.on_gpu)
     return out
 
@@ -273,7 +273,7 @@ def worker_info_from_proto(msg: pb.WorkerInfo, prefix: str = "hello") -> api.Wor
     except SchemaError as exc:
         raise _schema(exc, prefix) from exc
     if msg.scheduler and msg.scheduler not in SCHEDULERS:
-        raise _invalid(f"{prefix}.scheduler", f"{msg.scheduler!r} is not one of {SCHEDULERS}")
+        raise _invalid(f"{prefix}.scheduler", f"{shown(msg.scheduler)} is not one of {SCHEDULERS}")
     return api.WorkerInfo(
         worker_id=msg.worker_id,
         model=model,
@@ -413,7 +413,7 @@ def _step_report_checked(msg: pb.StepReport, prefix: str) -> api.StepReport:
         p = f"{prefix}.running[{i}]"
         _check_id(r.id, f"{p}.id")
         if r.id in seen:
-            raise _invalid(f"{p}.id", f"duplicate id {r.id!r}")
+            raise _invalid(f"{p}.id", f"duplicate id {shown(r.id)}")
         seen.add(r.id)
         slo = _opt(r, "slo_tbt_ms")
         gpu_layers = _opt(r, "gpu_layers")
@@ -435,7 +435,7 @@ def _step_report_checked(msg: pb.StepReport, prefix: str) -> api.StepReport:
         p = f"{prefix}.queued[{i}]"
         _check_id(q.id, f"{p}.id")
         if q.id in seen_queued:
-            raise _invalid(f"{p}.id", f"duplicate id {q.id!r}")
+            raise _invalid(f"{p}.id", f"duplicate id {shown(q.id)}")
         seen_queued.add(q.id)
         ttft = _opt(q, "slo_ttft_ms")
         queued.append(

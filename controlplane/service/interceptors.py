@@ -22,6 +22,11 @@ from controlplane import api
 from controlplane.service.errors import status_for
 from controlplane.service.metrics import ServiceMetrics
 
+MAX_DETAILS_CHARS = 1024
+"""Longest status details sent (and logged): gRPC refuses trailing metadata past its limit (8 KiB
+by default, randomly from the soft limit below it), and the client then sees RESOURCE_EXHAUSTED
+instead of the error (control-plane review, session 80)."""
+
 log = structlog.get_logger(__name__)
 
 Behavior = Callable[..., Any]
@@ -179,6 +184,8 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
             code, details = grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__})"
         else:
             details = str(exc) or code.name
+            if len(details) > MAX_DETAILS_CHARS:  # the messages cut the values they echo (shown)
+                details = f"{details[:MAX_DETAILS_CHARS]}... ({len(details)} characters)"
             log.info("rpc_error", method=method, code=code.name, details=details)
         if self._metrics is not None:
             self._metrics.rpc_errors.labels(method=method, code=code.name).inc()

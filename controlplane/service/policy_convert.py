@@ -9,7 +9,7 @@ from typing import Any
 
 from google.protobuf.descriptor import FieldDescriptor
 
-from controlplane.model import SchemaError
+from controlplane.model import SchemaError, shown
 from controlplane.policy import LayerKVParams, LVFParams, Policy
 from controlplane.service.convert import _invalid, _schema
 from kvplane.v1 import controlplane_pb2 as pb
@@ -68,6 +68,8 @@ def policy_changes_from_proto(msg: pb.Policy) -> dict[str, Any]:
 
 def policy_changes_to_proto(changes: Mapping[str, Any]) -> pb.Policy:
     """The wire form of a partial update; raises InvalidArgument for unknown fields."""
+    if not isinstance(changes, Mapping):  # as the embedded plane's store refuses it
+        raise _invalid("policy", f"expected an object, got {type(changes).__name__}")
     msg = pb.Policy()
     for key, value in changes.items():
         if key in _NESTED:
@@ -94,14 +96,14 @@ def _set_field(msg: Any, name: str, value: Any, path: str) -> None:
     would take ``True`` as 1 in a number field and any number as a bool."""
     kind = msg.DESCRIPTOR.fields_by_name[name].type
     if kind == FieldDescriptor.TYPE_BOOL and not isinstance(value, bool):
-        raise _invalid(path, f"expected true or false, got {value!r}")
+        raise _invalid(path, f"expected true or false, got {shown(value)}")
     if kind != FieldDescriptor.TYPE_BOOL and isinstance(value, bool):
         text = kind in (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_ENUM)
-        raise _invalid(path, f"expected {'a string' if text else 'a number'}, got {value!r}")
+        raise _invalid(path, f"expected {'a string' if text else 'a number'}, got {shown(value)}")
     try:
         setattr(msg, name, value)
     except (TypeError, ValueError) as exc:
-        raise _invalid(path, f"bad value {value!r} ({exc})") from exc
+        raise _invalid(path, f"bad value {shown(value)} ({exc})") from exc
 
 
 def policy_from_proto(msg: pb.Policy) -> Policy:

@@ -19,6 +19,7 @@ from controlplane.controller.schedulers.base import (
 from controlplane.controller.schedulers.fcfs import FcfsScheduler
 from controlplane.controller.schedulers.layerkv import LayerKVScheduler
 from controlplane.controller.schedulers.lvf import LvfScheduler
+from controlplane.model import shown
 
 SCHEDULERS: dict[str, Callable[[], Scheduler]] = {
     FcfsScheduler.name: FcfsScheduler,
@@ -31,7 +32,7 @@ def make_scheduler(name: str, field_path: str = "scheduler") -> Scheduler:
     """The scheduler registered as ``name``; ``InvalidArgument`` naming ``field_path`` otherwise."""
     factory = SCHEDULERS.get(name) if isinstance(name, str) else None
     if factory is None:
-        raise InvalidArgument(f"{field_path}: {name!r} is not one of {tuple(SCHEDULERS)}")
+        raise InvalidArgument(f"{field_path}: {shown(name)} is not one of {tuple(SCHEDULERS)}")
     return factory()
 
 
