@@ -8,6 +8,13 @@ import math
 from controlplane.api import InvalidArgument, StepReport
 
 
+MAX_PLANNED_CELLS = 1 << 24
+"""Most request-layer cells a session's report may bring to plan (running requests x layers: the
+planner's memory grows with them, ~10 bytes a cell at the least; 65,536 requests of a 4,096-layer
+model asked for gigabytes, control-plane review, session 80). A real batch is far below: 1,024
+requests of a 128-layer model are 131,072."""
+
+
 def validate_report(report: StepReport, last: StepReport | None, layers: int) -> None:
     """Raise ``InvalidArgument`` when ``report`` cannot follow ``last`` on a ``layers``-layer
     model; the controller's state is untouched either way."""
@@ -21,6 +28,11 @@ def validate_report(report: StepReport, last: StepReport | None, layers: int) ->
     if report.observed_step_ms is not None and not 0 <= report.observed_step_ms < math.inf:
         raise InvalidArgument(
             f"observed_step_ms: {report.observed_step_ms} is out of range (allowed finite >= 0)"
+        )
+    if len(report.running) * layers > MAX_PLANNED_CELLS:
+        raise InvalidArgument(
+            f"running: {len(report.running)} requests x {layers} layers is more than the "
+            f"{MAX_PLANNED_CELLS} request-layers a session plans"
         )
     if report.layer_compute_ms is not None and len(report.layer_compute_ms) != layers:
         raise InvalidArgument(
