@@ -7,7 +7,6 @@ import math
 
 from controlplane.api import InvalidArgument, StepReport
 
-
 MAX_PLANNED_CELLS = 1 << 24
 """Most request-layer cells a session's report may bring to plan (running requests x layers: the
 planner's memory grows with them, ~10 bytes a cell at the least; 65,536 requests of a 4,096-layer
