@@ -25,14 +25,14 @@ def _check_range(path: str, value: float, lo: float, hi: float, *, open_lo: bool
     bad_lo = value <= lo if open_lo else value < lo
     if bad_lo or value > hi or value != value:
         left = "(" if open_lo else "["
-        raise SchemaError(path, f"{value} is out of range (allowed {left}{lo}, {hi}])")
+        raise SchemaError(path, f"{shown(value)} is out of range (allowed {left}{lo}, {hi}])")
 
 
 def _check_int(path: str, value: int, lo: int, hi: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise SchemaError(path, f"expected an integer, got {shown(value)}")
     if not lo <= value <= hi:
-        raise SchemaError(path, f"{value} is out of range (allowed [{lo}, {hi}])")
+        raise SchemaError(path, f"{shown(value)} is out of range (allowed [{lo}, {hi}])")
 
 
 @dataclass(frozen=True)
@@ -190,7 +190,7 @@ class Policy:
         values: dict[str, Any] = {}
         for key, value in changes.items():
             if key not in known:
-                raise SchemaError(str(key), f"unknown policy field (allowed: {sorted(known)})")
+                raise SchemaError(shown(key, bare=True), f"unknown policy field (allowed: {sorted(known)})")
             if key == "version" and keep_version:
                 continue
             if key == "layerkv":
@@ -212,5 +212,5 @@ def _merge_params(current: Any, changes: Any, path: str) -> Any:
     known = {f.name for f in dataclasses.fields(current)}
     for key in changes:
         if key not in known:
-            raise SchemaError(f"{path}.{key}", f"unknown field (allowed: {sorted(known)})")
+            raise SchemaError(f"{path}.{shown(key, bare=True)}", f"unknown field (allowed: {sorted(known)})")
     return dataclasses.replace(current, **dict(changes))

@@ -41,7 +41,9 @@ overlap figure was +28-40% of the step on an H200 at 16 launches, with the model
 
 **Bounds.** A step or layer time above :data:`MAX_TELEMETRY_MS`, a bandwidth sample outside
 :data:`GBPS_RANGE`, or a step of no time is broken telemetry: no evidence, the profile stays. The
-EWMA targets are held within the same bounds, so the profile stays finite whatever the scale.
+EWMA targets are held within the same bounds (the bandwidth's only where it is evidence: a hello's
+outside them stays until a transfer says otherwise), so the profile stays finite whatever the
+scale; a recompute cost that the compute's ratio cannot scale (from a profile of ~0 ms) is kept.
 
 The SGLang worker samples both on CUDA: the bandwidth is the data plane's timed H2D bytes over
 their seconds (none on the CPU engine, whose synchronous copies are inside the layer samples);
@@ -263,13 +265,17 @@ class ProfileTracker:
         cap = MAX_TELEMETRY_MS
         launch = (1 - a) * old_launch + a * min(target_launch, cap)
         comp = tuple((1 - a) * o + a * min(t, cap) for o, t in zip(old_comp, target_comp, strict=True))
-        gbps = (1 - a) * old_gbps + a * min(max(target_gbps, GBPS_RANGE[0]), GBPS_RANGE[1]) if target_gbps > 0 else old_gbps
+        gbps = old_gbps  # moved by evidence only: the bandwidth a link carried nothing over is kept
+        if transfers and target_gbps > 0:
+            gbps = (1 - a) * old_gbps + a * min(max(target_gbps, GBPS_RANGE[0]), GBPS_RANGE[1])
         if not all(math.isfinite(x) for x in (*comp, gbps, launch)):
             return unchanged
-        self._launch, self._comp, self._gbps = launch, comp, gbps
-        old_total, self._all_gpu_ms = self._all_gpu_ms, float(sum(self._comp))
-        if self._rms is not None and old_total > 0:
-            self._rms = tuple(x * self._all_gpu_ms / old_total for x in self._rms)
+        total, rms = float(sum(comp)), self._rms
+        if rms is not None and self._all_gpu_ms > 0:  # scaled with the compute (module docstring)
+            scaled = tuple(x * (total / self._all_gpu_ms) for x in rms)
+            # from a profile of ~0 ms the ratio says nothing (inf): the cost is kept, not lost
+            rms = scaled if all(math.isfinite(x) for x in scaled) else rms
+        self._launch, self._comp, self._gbps, self._all_gpu_ms, self._rms = launch, comp, gbps, total, rms
         return ProfileUpdate(
             old_comp, self._comp, old_gbps, self._gbps, observed_step_ms, predicted_step_ms, old_launch, self._launch
         )

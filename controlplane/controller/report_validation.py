@@ -14,11 +14,19 @@ model asked for gigabytes, control-plane review, session 80). A real batch is fa
 requests of a 128-layer model are 131,072."""
 
 
+MAX_NOW_MS = 1e13
+"""Latest worker clock accepted (ms; ~317 years past its origin, the epoch or a boot): one report
+at 1.7e308 ms set the session's clock there, and every later report was refused as before it
+(review, session 80)."""
+
+
 def validate_report(report: StepReport, last: StepReport | None, layers: int) -> None:
     """Raise ``InvalidArgument`` when ``report`` cannot follow ``last`` on a ``layers``-layer
     model; the controller's state is untouched either way."""
     if last is not None and report.step <= last.step:
         raise InvalidArgument(f"step: {report.step} must exceed the previous step {last.step}")
+    if not 0 <= report.now_ms <= MAX_NOW_MS:  # NaN fails too
+        raise InvalidArgument(f"now_ms: {report.now_ms} is out of range (allowed [0, {MAX_NOW_MS:g}])")
     if last is not None and report.now_ms < last.now_ms:
         raise InvalidArgument(f"now_ms: {report.now_ms} is before the previous report's {last.now_ms}")
     # finite, as the gRPC converter checks them: the embedded plane and the simulator take reports

@@ -39,11 +39,16 @@ SHOWN_CHARS = 64
 """Characters of a bad value an error message echoes (:func:`shown`)."""
 
 
-def shown(value: Any) -> str:
-    """``repr(value)`` for an error message, cut to :data:`SHOWN_CHARS` with its full length named:
-    a 100,000-character policy field echoed whole made the gRPC status exceed the metadata limit, so
-    the client saw RESOURCE_EXHAUSTED instead of the field (control-plane review, session 80)."""
-    text = repr(value)
+def shown(value: Any, *, bare: bool = False) -> str:
+    """``repr(value)`` (``bare``: ``str``, for a key in a field path) for an error message, cut to
+    :data:`SHOWN_CHARS` with its full length named: a 100,000-character policy field echoed whole
+    made the gRPC status exceed the metadata limit, so the client saw RESOURCE_EXHAUSTED instead of
+    the field (control-plane review, session 80). An integer too long to print is named by its
+    size (Python refuses to print one of over 4,300 digits)."""
+    try:
+        text = str(value) if bare else repr(value)
+    except ValueError:
+        return f"an integer of {value.bit_length()} bits"
     if len(text) <= SHOWN_CHARS:
         return text
     return f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
@@ -73,14 +78,14 @@ def _int(value: Any, path: str, lo: int, hi: int | None = None) -> int:
             raise SchemaError(path, f"expected an integer, got {shown(value)}")
     if value < lo or (hi is not None and value > hi):
         bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise SchemaError(path, f"{value} is out of range (allowed {bound})")
+        raise SchemaError(path, f"{shown(value)} is out of range (allowed {bound})")
     return value
 
 
 def _num(value: Any, path: str, lo: float, hi: float | None = None, *, open_lo: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise SchemaError(path, f"expected a number, got {shown(value)}")
-    value = float(value)
+    value = _float(value, path)
     if not math.isfinite(value):
         raise SchemaError(path, f"{value} is not finite")
     if (value <= lo if open_lo else value < lo) or (hi is not None and value > hi):
@@ -88,6 +93,14 @@ def _num(value: Any, path: str, lo: float, hi: float | None = None, *, open_lo: 
         bound = f"{left}{lo}, {hi}]" if hi is not None else (f"> {lo}" if open_lo else f">= {lo}")
         raise SchemaError(path, f"{value} is out of range (allowed {bound})")
     return value
+
+
+def _float(value: int | float, path: str) -> float:
+    """``float(value)``; an integer past a double's range is refused (OverflowError before)."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise SchemaError(path, f"{shown(value)} is out of range (past a double's)") from None
 
 
 def _flag(value: Any, path: str) -> bool:
@@ -101,7 +114,7 @@ def _ratio(value: Any, path: str) -> float:
     """A number in [0, 1)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise SchemaError(path, f"expected a number, got {shown(value)}")
-    value = float(value)
+    value = _float(value, path)
     if not 0.0 <= value < 1.0:  # NaN fails too
         raise SchemaError(path, f"{value} is out of range (allowed [0.0, 1.0))")
     return value

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,6 +118,19 @@ class GrpcControlPlane:
         if self._closed:
             raise api.Unavailable(f"control plane client for {self.target} is closed")
 
+    def _call(self, rpc: Callable[..., Any], request: Any, **kwargs: Any) -> Any:
+        """``rpc(request, **kwargs)`` with grpc's errors as the API's: a status by
+        :func:`error_for`, and the channel's ValueError (a :meth:`close` racing the call) as
+        ``Unavailable``."""
+        self._check_open()
+        try:
+            return rpc(request, **kwargs)
+        except grpc.RpcError as err:
+            raise error_for(err) from None
+        except ValueError:
+            self._check_open()  # closed meanwhile: Unavailable
+            raise
+
     def open_session(self, worker: api.WorkerInfo) -> GrpcWorkerSession:
         """Start a session; it connects in the background (see ``wait_connected``)."""
         self._check_open()
@@ -126,8 +139,13 @@ class GrpcControlPlane:
             self._cp, hello, worker.worker_id, backoff=self._backoff, metrics=self.metrics,
             on_close=self._forget, max_batch_bytes=min(self._max_message_bytes // 2, 1 << 20),
         )
-        with self._lock:
-            self._sessions.add(session)
+        with self._lock:  # one close() took its list of sessions: not after it (review, session 80)
+            closed = self._closed
+            if not closed:
+                self._sessions.add(session)
+        if closed:
+            session.close(drain_s=0.0)
+            self._check_open()
         return session
 
     def _forget(self, session: GrpcWorkerSession) -> None:
@@ -135,6 +153,7 @@ class GrpcControlPlane:
             self._sessions.discard(session)
 
     def plan(self, batch: Any) -> Plan:
+        self._check_open()
         if isinstance(batch, Mapping):
             try:
                 batch = Batch.from_dict(batch)
@@ -142,23 +161,15 @@ class GrpcControlPlane:
                 raise api.InvalidArgument(str(exc)) from exc
         if not isinstance(batch, Batch):
             raise api.InvalidArgument(f"batch: expected a Batch or a mapping, got {type(batch).__name__}")
-        self._check_open()
         try:
             request = pb.PlanRequest(batch=convert.batch_to_proto(batch))
-        except ValueError as exc:  # protobuf's range checks: an integer past int64, say
+        except (ValueError, OverflowError) as exc:  # protobuf's range checks: past int64, say
             raise api.InvalidArgument(f"batch: does not fit the wire format ({exc})") from exc
-        try:
-            response = self._cp.Plan(request, timeout=self._plan_timeout_s)
-        except grpc.RpcError as err:
-            raise error_for(err) from None
+        response = self._call(self._cp.Plan, request, timeout=self._plan_timeout_s)
         return convert.plan_from_proto(response.plan)
 
     def get_policy(self) -> Policy:
-        self._check_open()
-        try:
-            msg = self._policy.GetPolicy(pb.GetPolicyRequest(), timeout=self._timeout_s)
-        except grpc.RpcError as err:
-            raise error_for(err) from None
+        msg = self._call(self._policy.GetPolicy, pb.GetPolicyRequest(), timeout=self._timeout_s)
         return policy_convert.policy_from_proto(msg)
 
     def update_policy(self, changes: Mapping[str, Any], token: str | None = None) -> Policy:
@@ -166,18 +177,12 @@ class GrpcControlPlane:
         request = pb.UpdatePolicyRequest(changes=policy_convert.policy_changes_to_proto(changes))
         token = token if token is not None else self._token
         metadata = (("authorization", f"Bearer {token}"),) if token else None
-        try:
-            response = self._policy.UpdatePolicy(
-                request, timeout=self._timeout_s, metadata=metadata
-            )
-        except grpc.RpcError as err:
-            raise error_for(err) from None
+        response = self._call(self._policy.UpdatePolicy, request, timeout=self._timeout_s, metadata=metadata)
         return policy_convert.policy_from_proto(response.policy)
 
     def watch_policy(self) -> Iterator[Policy]:
         """The current policy, then every update; closing the iterator cancels the stream."""
-        self._check_open()
-        call = self._policy.WatchPolicy(pb.WatchPolicyRequest())
+        call = self._call(self._policy.WatchPolicy, pb.WatchPolicyRequest())
         try:
             for event in call:
                 yield policy_convert.policy_from_proto(event.policy)
@@ -193,11 +198,9 @@ class GrpcControlPlane:
         """The server's health status name (``SERVING``, ...) for ``service``."""
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+        self._check_open()  # a stub made on a closed channel crashed the process (segfault)
         stub = health_pb2_grpc.HealthStub(self._channel)
-        try:
-            got = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=self._timeout_s)
-        except grpc.RpcError as err:
-            raise error_for(err) from None
+        got = self._call(stub.Check, health_pb2.HealthCheckRequest(service=service), timeout=self._timeout_s)
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(got.status))
 
     def close(self, drain_s: float = 5.0) -> None:

@@ -22,10 +22,11 @@ from controlplane import api
 from controlplane.service.errors import status_for
 from controlplane.service.metrics import ServiceMetrics
 
-MAX_DETAILS_CHARS = 1024
-"""Longest status details sent (and logged): gRPC refuses trailing metadata past its limit (8 KiB
-by default, randomly from the soft limit below it), and the client then sees RESOURCE_EXHAUSTED
-instead of the error (control-plane review, session 80)."""
+MAX_DETAILS_BYTES = 1024
+"""Longest status details sent (and logged), in UTF-8 bytes: gRPC refuses trailing metadata past
+its limit (8 KiB by default, randomly from the soft limit below it), and the client then sees
+RESOURCE_EXHAUSTED instead of the error (control-plane review, session 80). It counts the details
+percent-encoded: a byte outside ASCII is three, so 1,024 bytes stay within 3 KiB."""
 
 log = structlog.get_logger(__name__)
 
@@ -184,8 +185,10 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
             code, details = grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__})"
         else:
             details = str(exc) or code.name
-            if len(details) > MAX_DETAILS_CHARS:  # the messages cut the values they echo (shown)
-                details = f"{details[:MAX_DETAILS_CHARS]}... ({len(details)} characters)"
+            raw = details.encode("utf-8", errors="replace")
+            if len(raw) > MAX_DETAILS_BYTES:  # the messages cut the values they echo (shown)
+                cut = raw[:MAX_DETAILS_BYTES].decode("utf-8", errors="ignore")
+                details = f"{cut}... ({len(details)} characters)"
             log.info("rpc_error", method=method, code=code.name, details=details)
         if self._metrics is not None:
             self._metrics.rpc_errors.labels(method=method, code=code.name).inc()

@@ -78,7 +78,7 @@ def policy_changes_to_proto(changes: Mapping[str, Any]) -> pb.Policy:
             sub = getattr(msg, key)
             for sub_key, sub_value in value.items():
                 if sub_key not in _NESTED[key]:
-                    raise _invalid(f"{key}.{sub_key}", "unknown field")
+                    raise _invalid(f"{key}.{shown(sub_key, bare=True)}", "unknown field")
                 _set_field(sub, sub_key, sub_value, f"{key}.{sub_key}")
             sub.SetInParent()
         elif key in _POLICY_SCALARS:
@@ -87,7 +87,7 @@ def policy_changes_to_proto(changes: Mapping[str, Any]) -> pb.Policy:
             continue
         else:
             allowed = sorted((*_POLICY_SCALARS, *_NESTED))
-            raise _invalid(str(key), f"unknown policy field (allowed: {allowed})")
+            raise _invalid(shown(key, bare=True), f"unknown policy field (allowed: {allowed})")
     return msg
 
 
@@ -102,8 +102,8 @@ def _set_field(msg: Any, name: str, value: Any, path: str) -> None:
         raise _invalid(path, f"expected {'a string' if text else 'a number'}, got {shown(value)}")
     try:
         setattr(msg, name, value)
-    except (TypeError, ValueError) as exc:
-        raise _invalid(path, f"bad value {shown(value)} ({exc})") from exc
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise _invalid(path, f"bad value {shown(value)} ({shown(str(exc), bare=True)})") from exc
 
 
 def policy_from_proto(msg: pb.Policy) -> Policy:

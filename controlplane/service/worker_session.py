@@ -308,7 +308,13 @@ class GrpcWorkerSession:
         streams = 0
         while not self._closed.is_set():
             outbox: queue.Queue[object] = queue.Queue(maxsize=self._send_queue)
-            call = self._stub.Session(self._requests(outbox))
+            try:
+                call = self._stub.Session(self._requests(outbox))
+            except ValueError as exc:  # the client's channel is closed: no stream is ever opened
+                self.last_error = repr(exc)
+                log.warning("session_channel_closed", worker=self.worker_id, error=repr(exc))
+                self._closed.set()
+                return
             with self._lock:
                 self._call = call
             up_at = None

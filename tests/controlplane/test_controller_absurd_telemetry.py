@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from controlplane import api
 from controlplane.embedded import EmbeddedControlPlane
 from controlplane.model import Hardware, ModelSpec, Profile
@@ -37,3 +39,26 @@ def test_a_session_plans_on_after_two_absurd_step_times() -> None:
     # control: the same history with a plausible slow step plans the batch change too
     gbps, got = _play(400.0)
     assert any(d.apply_at_step > 20 for d in got)
+
+
+def test_an_absurd_clock_is_refused_and_the_session_plans_on() -> None:
+    """Review of session 80: one report at ``now_ms`` 1.7e308 (finite) set the session's clock
+    there, and every later report was refused as before it. Now that report is refused
+    (``MAX_NOW_MS``) and the next ones plan the batch change. Control: a report before the last
+    is still refused."""
+    cp = EmbeddedControlPlane(synchronous=True)
+    try:
+        s = cp.open_session(api.WorkerInfo("w0", ModelSpec(8, 16, 65536), Hardware(300, 25.0), Profile((0.5,) * 8)))
+
+        def report(step: int, now: float, n: int = 2) -> list[api.Decision]:
+            running = tuple(api.RequestState(f"r{i}", 500 + step) for i in range(n))
+            return s.report(api.StepReport(step=step, now_ms=now, running=running))
+
+        report(0, 0.0)
+        with pytest.raises(api.InvalidArgument, match=r"now_ms: 1.7e\+308 is out of range"):
+            report(1, 1.7e308)
+        assert report(1, 10.0, n=3)  # a batch change: planned
+        with pytest.raises(api.InvalidArgument, match="before the previous report"):
+            report(2, 5.0)
+    finally:
+        cp.close()

@@ -252,3 +252,28 @@ def test_a_scale_far_beyond_the_bounds_keeps_the_profile_finite() -> None:
     control.update(ewma_factor=1.0, observed_step_ms=2 * control.predict_step_ms(ROWS, BLOCKS),
                    predicted_step_ms=control.predict_step_ms(ROWS, BLOCKS), placement=ROWS, blocks=BLOCKS)
     assert control.layer_compute_ms == pytest.approx(tuple(2 * c for c in COMP))
+
+
+def test_the_recompute_cost_stays_finite_from_a_near_zero_profile() -> None:
+    """Review of session 80: from layers of 5e-324 ms the compute's ratio new / old is inf, which
+    made ``recompute_ms_per_token`` inf (recompute off for good). The cost is kept instead; the
+    compute still learns. Control: from a true profile it scales with the compute."""
+    t = ProfileTracker(Profile((5e-324,) * 4, recompute_ms_per_token=(0.01,) * 4), 2.0, BLOCK_BYTES)
+    rows = [(1, 1, 1, 1)] * 2
+    t.update(ewma_factor=0.5, observed_step_ms=20.0, predicted_step_ms=t.predict_step_ms(rows, BLOCKS),
+             placement=rows, blocks=BLOCKS)
+    assert t.recompute_ms_per_token == (0.01,) * 4 and t.layer_compute_ms[0] > 1.0
+    control = ProfileTracker(Profile(COMP, recompute_ms_per_token=(0.01,) * 4), 2.0, BLOCK_BYTES)
+    control.update(ewma_factor=1.0, observed_step_ms=12.0, predicted_step_ms=6.0, placement=rows, blocks=BLOCKS)
+    assert control.recompute_ms_per_token == pytest.approx((0.02,) * 4)
+
+
+@pytest.mark.parametrize("gbps", [1e6, 5e-7])
+def test_a_bandwidth_outside_the_range_moves_only_by_evidence(gbps: float) -> None:
+    """Review of session 80: the new clamp pulled a hello's bandwidth (1e6 GB/s, a test's "fast
+    link"; or 5e-7) into ``GBPS_RANGE`` on a step that moved nothing over the link. It stays;
+    the compute learns."""
+    t = ProfileTracker(Profile(COMP), gbps, BLOCK_BYTES)
+    rows = [(1, 1, 1, 1)] * 2
+    t.update(ewma_factor=0.5, observed_step_ms=12.0, predicted_step_ms=6.0, placement=rows, blocks=BLOCKS)
+    assert t.h2d_gbps == gbps and t.layer_compute_ms == pytest.approx(tuple(1.5 * c for c in COMP))
