@@ -94,11 +94,13 @@ GBPS_RANGE = (1e-6, 1e5)
 """Bandwidths (GB/s) the profile may hold or learn from: a byte a millisecond up to 100 TB/s."""
 
 
-def _plausible(comp: Sequence[float], gbps: float, launch: float) -> bool:
-    """Evidence (or a profile) the planner can use: times within 0..:data:`MAX_TELEMETRY_MS` and
-    a bandwidth within :data:`GBPS_RANGE` (NaN is in neither)."""
-    return (all(0.0 <= c <= MAX_TELEMETRY_MS for c in comp) and 0.0 <= launch <= MAX_TELEMETRY_MS
-            and GBPS_RANGE[0] <= gbps <= GBPS_RANGE[1])
+def _evidence(observed_step_ms: float, comp: Sequence[float] | None, gbps: float | None) -> bool:
+    """A report the profile may learn from: a step time in ``(0,`` :data:`MAX_TELEMETRY_MS` ``]``,
+    layer times (where sampled) within ``[0,`` :data:`MAX_TELEMETRY_MS` ``]`` and a bandwidth
+    (where sampled) within :data:`GBPS_RANGE` (NaN is in none of them)."""
+    return (0.0 < observed_step_ms <= MAX_TELEMETRY_MS
+            and all(0.0 <= c <= MAX_TELEMETRY_MS for c in comp or ())
+            and (gbps is None or GBPS_RANGE[0] <= gbps <= GBPS_RANGE[1]))
 
 
 class ProfileTracker:
@@ -211,9 +213,7 @@ class ProfileTracker:
         old_comp, old_gbps, old_launch = self._comp, self._gbps, self._launch
         unchanged = ProfileUpdate(old_comp, old_comp, old_gbps, old_gbps, observed_step_ms, predicted_step_ms,
                                   old_launch, old_launch)
-        if not 0 < observed_step_ms <= MAX_TELEMETRY_MS or not _plausible(
-            layer_compute_sample_ms or (), GBPS_RANGE[0] if h2d_gbps_sample is None else h2d_gbps_sample, 0.0
-        ):
+        if not _evidence(observed_step_ms, layer_compute_sample_ms, h2d_gbps_sample):
             # a step of no time is no evidence (broken telemetry); scaling by it would zero the
             # profile, and a zero profile predicts 0 ms, from which no scale ever moves it back;
             # with a layer sample beside it, the bandwidth fit of a 0 ms step took its 1000x
