@@ -39,8 +39,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from sglang_ext.dataplane.block_allocator import BlockAllocator, IdentityPages
+from sglang_ext.dataplane.block_allocator import BlockAllocator
 from sglang_ext.dataplane.host_pool import allocate_host_pool
+from sglang_ext.dataplane.identity_pages import IdentityPages
 from sglang_ext.dataplane.map_mirror import MapMirror
 from sglang_ext.dataplane.pinned_upload_ring import PinnedUploadRing
 from sglang_ext.dataplane.slot_store_config import SlotStoreConfig

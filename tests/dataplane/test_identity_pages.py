@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_ext.dataplane.block_allocator import IdentityPages
+from sglang_ext.dataplane.identity_pages import IdentityPages
 
 
 def test_take_and_free_count_and_reject_misuse_without_changing_anything():
