@@ -142,6 +142,9 @@ class _Outbox:
     def __init__(self, maxsize: int = OUTBOX_ITEMS) -> None:
         self.queue: queue.Queue[Any] = queue.Queue(maxsize)
         self.ended = threading.Event()
+        self.error: Exception | None = None
+        """What the stream ends with, set by :meth:`end` (kept here, not queued: a full outbox
+        dropped a queued one, and the stream of a worker that had stopped reading ended OK)."""
 
     def put(self, item: Any) -> bool:
         """Blocking put with backpressure; False once the session has ended."""
@@ -160,7 +163,10 @@ class _Outbox:
         except queue.Full:
             pass
 
-    def end(self) -> None:
+    def end(self, error: Exception | None = None) -> None:
+        """End the stream, with ``error`` as its status when given (the first such error wins)."""
+        if error is not None and self.error is None:
+            self.error = error
         self.ended.set()
         self.offer(_END)
 
@@ -386,9 +392,8 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
                             hint="a reconnect; if it repeats, two workers share this worker id (KVPLANE_WORKER_ID)")
                 # the old stream ends now (its slot with it), not when its worker reports again or
                 # keepalive notices it gone: reconnects were refused where max_sessions fits the fleet
-                replaced[2].offer(api.Unavailable(
+                replaced[2].end(api.Unavailable(
                     f"session replaced: a newer hello of worker {worker_id!r} (from {peer}) took it over"))
-                replaced[2].end()
             self._metrics.sessions.inc()
             if self._notifier is not None:
                 self._notifier.register(worker_id, wake)
@@ -458,6 +463,8 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
             try:
                 item = outbox.queue.get(timeout=self._idle_check_s)
             except queue.Empty:
+                if outbox.ended.is_set() and outbox.error is not None:
+                    raise outbox.error from None
                 if outbox.ended.is_set() or not context.is_active():
                     return
                 item = None
@@ -472,6 +479,8 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
                 self._metrics.decision_latency_ms.observe((time.perf_counter() - t0) * 1e3)
                 yield from self._reply(step, out, sent)
             if item is _END:
+                if outbox.error is not None:
+                    raise outbox.error
                 return
             if isinstance(item, Exception):
                 raise item

@@ -214,3 +214,48 @@ def test_decisions_over_the_limit_together_go_out_as_several_replies() -> None:
     assert len(list(big._reply(7, decisions, 12))) == 1
     with pytest.raises(api.ResourceExhausted, match="max_message_bytes"):
         list(SessionServicer(None, ServiceMetrics(), 1, max_message_bytes=500)._reply(7, decisions[:1], 1))  # type: ignore[arg-type]
+
+
+class _ActiveContext:
+    """The one call of ``grpc.ServicerContext`` a session's writer makes."""
+
+    def is_active(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("error", [True, False])
+def test_a_full_outbox_still_ends_a_replaced_stream_with_its_status(error: bool) -> None:
+    """Scenario: the replaced session's worker had stopped reading, so its stream's outbox was
+    full when the newer hello came: the replacement notice (queued beside the wake-ups) was
+    dropped, and the stream ended OK once drained -- the worker could not tell it was replaced.
+    The notice is the outbox's end status now: after what was queued, the writer raises it
+    (UNAVAILABLE, naming the replacement). Control: an outbox ended without one ends OK."""
+    from controlplane import api
+    from controlplane.cli.serve_cmd import build_control_plane
+    from controlplane.service.metrics import ServiceMetrics
+    from controlplane.service.session_servicer import _WAKE, SessionServicer, _LiveSession, _Outbox
+
+    from .conftest import worker_info
+
+    metrics = ServiceMetrics()
+    cp, notifier = build_control_plane(None, None, metrics)
+    try:
+        servicer = SessionServicer(cp, metrics, 4, notifier, idle_check_s=0.05)
+        live = _LiveSession(cp.open_session(worker_info("w0")))
+        outbox = _Outbox(maxsize=2)
+        outbox.offer(_WAKE)
+        outbox.offer(_WAKE)
+        assert outbox.queue.full()
+        notice = api.Unavailable("session replaced: a newer hello of worker 'w0' took it over")
+        outbox.end(notice if error else None)
+        replies = servicer._replies(live, outbox, _ActiveContext())  # type: ignore[arg-type]
+        if error:
+            with pytest.raises(api.Unavailable, match="session replaced"):
+                list(replies)
+        else:
+            list(replies)  # drained, then ended OK
+        live.close()
+    finally:
+        close = getattr(cp, "close", None)
+        if callable(close):
+            close()
