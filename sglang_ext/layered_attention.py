@@ -218,8 +218,10 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         self.recompute = RecomputeForward()
         capped_or_windowed = attention_features(model_runner.model)
         # eLLM's recompute rows attend with plain causal SDPA (RecomputeForward.attend): not for
-        # models whose layers soft-cap or window their attention
-        self.recompute_ok = not capped_or_windowed and self.recompute.wrap_logits(model_runner.model)
+        # models whose layers soft-cap or window their attention, nor for layers whose call the
+        # rows' cut does not bind (RecomputeForward.layers_fit: SGLang's Transformers backend)
+        self.recompute_ok = (not capped_or_windowed and RecomputeForward.layers_fit(model_runner.model)
+                             and self.recompute.wrap_logits(model_runner.model))
         """The model's decode forward can carry recompute rows (``docs/recompute.md``)."""
         self.recompute_cut_layers = self.recompute.wrap_layers(model_runner.model) if self.recompute_ok else 0
         """Decoder layers at whose entry the rows of prefixes recomputed only below them are cut."""

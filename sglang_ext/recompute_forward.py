@@ -26,10 +26,13 @@ eLLM §2.3 / §4.3.1, ``docs/recompute.md``. When a decode step's tables carry r
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812
+
+from sglang_ext.compat import LLAMA_DECODER_LAYER
 
 
 class RecomputeForward:
@@ -122,10 +125,24 @@ class RecomputeForward:
         processor._kvplane_recompute = self
         return True
 
+    @staticmethod
+    def layers_fit(model: Any) -> bool:
+        """Whether every decoder layer of ``model`` (``model.model.layers``) takes SGLang's layer
+        call ``(positions, hidden_states, forward_batch, ...)`` -- the one :meth:`wrap_layers`'
+        cut binds (True without such a stack: nothing is wrapped). Not so under SGLang's
+        Transformers backend (``--model-impl transformers``: Hugging Face layers, called as
+        ``(hidden_states, attention_mask=..., position_ids=...)``; a wrapped one raised TypeError
+        on the server's first forward, flag audit of session 81) nor in the few native models
+        whose layers order their arguments otherwise (OPT, Persimmon, PhiMoE): recompute is not
+        offered there (the backend's ``recompute_ok``)."""
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        return not isinstance(layers, torch.nn.ModuleList) or all(_takes_layer_call(layer) for layer in layers)
+
     def wrap_layers(self, model: Any) -> int:
         """Cut the recompute rows at each decoder layer to those still recomputed there (module
         docstring). Returns the layers wrapped (0: the model has no ``model.layers`` stack; the
-        rows then run every layer and are zeroed above ``k``)."""
+        rows then run every layer and are zeroed above ``k``). A layer that does not take
+        SGLang's layer call (:meth:`layers_fit`) is left as it is."""
         inner = getattr(model, "model", None)
         layers = getattr(inner, "layers", None)
         if not isinstance(layers, torch.nn.ModuleList):
@@ -133,7 +150,7 @@ class RecomputeForward:
         start = int(getattr(inner, "start_layer", 0) or 0)
         wrapped = 0
         for i, layer in enumerate(layers):
-            if i <= start or getattr(layer, "_kvplane_recompute", None) is self or not hasattr(layer, "forward"):
+            if i <= start or getattr(layer, "_kvplane_recompute", None) is self or not _takes_layer_call(layer):
                 continue  # the first layer recomputes every row (k >= 1 for each of them)
             layer.forward = self._cutting(layer.forward, i - start)
             layer._kvplane_recompute = self
@@ -155,6 +172,19 @@ class RecomputeForward:
             return original(positions, hidden_states, forward_batch, *args, **kwargs)
 
         return forward
+
+
+def _takes_layer_call(layer: Any) -> bool:
+    """``layer.forward``'s first parameters are SGLang's decoder-layer call (``LLAMA_DECODER_LAYER``)."""
+    forward = getattr(layer, "forward", None)
+    if forward is None:
+        return False
+    try:
+        names = tuple(inspect.signature(forward).parameters)
+    except (TypeError, ValueError):  # a builtin or C-level forward: no names to read
+        return False
+    call = LLAMA_DECODER_LAYER.args[:3]
+    return names[: len(call)] == call
 
 
 def _cut_stream(hidden: Any, forward_batch: Any, keep: int) -> torch.Tensor | None:

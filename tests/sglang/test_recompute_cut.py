@@ -116,3 +116,32 @@ def test_wrap_layers_cuts_at_each_layer_by_the_active_rows():
     for layer in model.model.layers:
         hidden = layer(positions, hidden, batch)
     assert seen == [(i, 7) for i in range(4)]
+
+
+def test_layers_of_another_call_are_not_wrapped_and_recompute_is_not_offered():
+    """Scenario: under ``--model-impl transformers`` SGLang serves Hugging Face decoder layers,
+    called ``(hidden_states, attention_mask=..., position_ids=...)``; wrapped as SGLang layers,
+    the server's first forward raised TypeError (flag audit, session 81). Such layers are left
+    alone and :meth:`RecomputeForward.layers_fit` says no (the backend then offers no recompute).
+    Control: SGLang's own Llama decoder layers of the same config fit and are wrapped."""
+    from sglang.srt.models.llama import LlamaDecoderLayer as SGLangLayer
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer as HFLayer
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=32, num_attention_heads=4, num_key_value_heads=1)
+    hf = SimpleNamespace(model=SimpleNamespace(layers=torch.nn.ModuleList(HFLayer(config, i) for i in range(3))))
+    assert not RecomputeForward.layers_fit(hf)
+    assert RecomputeForward().wrap_layers(hf) == 0
+    hidden = torch.randn(1, 5, 32)  # the HF call still works: nothing wrapped
+    out = hf.model.layers[1](hidden, attention_mask=None, position_ids=torch.arange(5)[None],
+                             position_embeddings=(torch.ones(1, 5, 8), torch.zeros(1, 5, 8)))
+    assert (out[0] if isinstance(out, tuple) else out).shape == hidden.shape
+
+    class Shaped(torch.nn.Module):  # SGLang's call, as the signature check reads it
+        forward = SGLangLayer.forward
+
+    native = SimpleNamespace(model=SimpleNamespace(layers=torch.nn.ModuleList(Shaped() for _ in range(3)),
+                                                   start_layer=0))
+    assert RecomputeForward.layers_fit(native)
+    assert RecomputeForward().wrap_layers(native) == 2
+    assert RecomputeForward.layers_fit(SimpleNamespace(model=SimpleNamespace()))  # no stack: nothing to wrap

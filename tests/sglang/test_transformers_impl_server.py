@@ -1,0 +1,85 @@
+"""SGLang's Transformers backend (``--model-impl transformers``) served with most layer-KV on host.
+
+There SGLang runs the Hugging Face model's own decoder layers, called as Hugging Face calls them,
+with SGLang's attention inside. Under ``--enable-layered-kv`` the server used to start, then die on
+its first forward: eLLM's recompute cut wrapped every decoder layer for SGLang's layer call
+(``RecomputeForward.wrap_layers``) and the Hugging Face call raised TypeError (flag audit, session
+81). Such layers are no longer wrapped and recompute is not offered for them
+(``RecomputeForward.layers_fit``). Two servers start side by side with ``--model-impl
+transformers``: vanilla, and the layered pool at ``test_layered_offload_server``'s budget (at least
+half of the live layer-KV on host) with the test-only fault injector loaded. Greedy tokens and
+per-token logprobs must match vanilla's, and must not while the fault is armed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sglang_ext.settings import POOL_STATS_FILE_ENV
+from sglang_ext.testing.jsonl import read_jsonl
+from sglang_ext.testing.server import SGLangServer
+from tests.sglang.conftest import (
+    PROMPTS,
+    assert_same_generation,
+    fault_armed,
+    fault_inject_path,
+    greedy,
+    running_servers,
+    undetected,
+)
+
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # two server start-ups on a loaded host
+
+TRANSFORMERS = ["--model-impl", "transformers"]
+LAYERED = ["--enable-layered-kv", "--disable-overlap-schedule", "--kv-gpu-budget-tokens", "49",
+           "--max-total-tokens", "48"]
+"""As ``test_layered_offload_server``: one layer of the 48-token slot space plus the padding page."""
+NEW_TOKENS = 8
+PROMPT_COUNT = 6
+
+
+@pytest.fixture(scope="module")
+def transformers_servers(tiny_model_dir, launch_zygote,
+                         tmp_path_factory) -> Iterator[tuple[SGLangServer, SGLangServer, Path, Path]]:
+    """(vanilla, layered, the layered server's stats file, its fault flag file), both on SGLang's
+    Transformers backend."""
+    roots = [tmp_path_factory.mktemp(name) for name in ("hf-vanilla", "hf-layered")]
+    stats, flag = roots[1] / "pool_stats.jsonl", roots[1] / "corrupt"
+    env = {POOL_STATS_FILE_ENV: str(stats), "PYTHONPATH": fault_inject_path(),
+           "KVPLANE_TEST_CORRUPT_LAYER": "3", "KVPLANE_TEST_CORRUPT_FILE": str(flag)}
+    specs = [(roots[0], TRANSFORMERS, None), (roots[1], TRANSFORMERS + LAYERED, env)]
+    with running_servers(tiny_model_dir, specs, zygote=launch_zygote) as (vanilla, layered):
+        yield vanilla, layered, stats, flag
+
+
+def test_transformers_backend_layered_generation_matches_vanilla_with_kv_on_host(transformers_servers):
+    """Greedy tokens and per-token logprobs match vanilla's on the Transformers backend while at
+    least half of the live layer-KV sits on host; both servers did run that backend."""
+    vanilla, layered, stats, _ = transformers_servers
+    for server in (vanilla, layered):  # SGLang's own line naming the backend it loaded
+        assert "TransformersForCausalLM" in server.log_path.read_text(), server.log_path
+    assert "layered_kv_pool_created" in layered.log_path.read_text()
+    before = len(read_jsonl(stats)) if stats.exists() else 0
+    for prompt in PROMPTS[:PROMPT_COUNT]:
+        got = greedy(layered, prompt, NEW_TOKENS, logprobs=True)
+        want = greedy(vanilla, prompt, NEW_TOKENS, logprobs=True)
+        assert_same_generation(got, want, prompt)
+    steps = [s for s in read_jsonl(stats)[before:] if s["live_layer_pages"] > 0]
+    assert len(steps) >= PROMPT_COUNT * NEW_TOKENS // 2
+    live = sum(s["live_layer_pages"] for s in steps)
+    assert sum(s["host_layer_pages"] for s in steps) / live >= 0.5
+    assert steps[-1]["fetched_layer_pages_total"] > steps[0]["fetched_layer_pages_total"]
+
+
+def test_transformers_backend_negative_control_a_corrupted_offloaded_page_fails_the_comparison(
+        transformers_servers):
+    """Negative control: one offloaded layer-page per step perturbed on its way through host
+    memory moves the logprobs past the tolerance; once disarmed and the cache flushed, the same
+    server matches again."""
+    vanilla, layered, _, flag = transformers_servers
+    with fault_armed(layered, flag):
+        assert undetected(layered, vanilla, PROMPTS[:4], NEW_TOKENS) == 0
+    assert undetected(layered, vanilla, PROMPTS[:1], NEW_TOKENS) == 1
