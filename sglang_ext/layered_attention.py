@@ -223,6 +223,8 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         self.recompute_ok = (not capped_or_windowed and RecomputeForward.layers_fit(model_runner.model)
                              and self.recompute.wrap_logits(model_runner.model))
         """The model's decode forward can carry recompute rows (``docs/recompute.md``)."""
+        if pool.recompute_ratio and not self.recompute_ok:  # the flag would do nothing: refused at start
+            raise ValueError(RecomputeForward.refusal(model_runner.model, pool.recompute_ratio, capped_or_windowed))
         self.recompute_cut_layers = self.recompute.wrap_layers(model_runner.model) if self.recompute_ok else 0
         """Decoder layers at whose entry the rows of prefixes recomputed only below them are cut."""
         self.pool.recompute_forward = self.recompute

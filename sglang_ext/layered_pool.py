@@ -256,6 +256,11 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         return self.core.stats()
 
     @property
+    def recompute_ratio(self) -> float:
+        """This launch's ``--kv-recompute-ratio`` (0: every request fetches its prefix)."""
+        return float(self._layered_args.kv_recompute_ratio or 0.0)
+
+    @property
     def tables(self) -> StepTables | None:
         """The current forward's tables (None between forwards)."""
         return self.core.tables

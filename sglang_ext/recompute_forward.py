@@ -138,6 +138,23 @@ class RecomputeForward:
         layers = getattr(getattr(model, "model", None), "layers", None)
         return not isinstance(layers, torch.nn.ModuleList) or all(_takes_layer_call(layer) for layer in layers)
 
+    @staticmethod
+    def refusal(model: Any, ratio: float, capped_or_windowed: bool) -> str:
+        """Why ``--kv-recompute-ratio`` cannot be served for ``model`` (whose forward cannot carry
+        recompute rows), naming the flag and the way out: a launch flag that did nothing."""
+        if capped_or_windowed:
+            why = ("its attention soft-caps or windows its scores, which the recompute rows' plain "
+                   "causal attention does not apply")
+        elif not RecomputeForward.layers_fit(model):
+            why = ("its decoder layers do not take SGLang's layer call (positions, hidden_states, "
+                   "forward_batch), where the rows are cut -- SGLang's Transformers backend "
+                   "(--model-impl transformers) runs Hugging Face layers")
+        else:
+            why = "it has no logits_processor to keep the recomputed rows from being sampled"
+        return (f"--kv-recompute-ratio={ratio}: eLLM's recompute cannot run in {type(model).__name__}'s "
+                f"forward ({why}); not supported for this model with --enable-layered-kv: drop the flag "
+                "(requests then fetch their offloaded KV)")
+
     def wrap_layers(self, model: Any) -> int:
         """Cut the recompute rows at each decoder layer to those still recomputed there (module
         docstring). Returns the layers wrapped (0: the model has no ``model.layers`` stack; the

@@ -145,3 +145,22 @@ def test_layers_of_another_call_are_not_wrapped_and_recompute_is_not_offered():
     assert RecomputeForward.layers_fit(native)
     assert RecomputeForward().wrap_layers(native) == 2
     assert RecomputeForward.layers_fit(SimpleNamespace(model=SimpleNamespace()))  # no stack: nothing to wrap
+
+
+def test_the_recompute_flag_refusal_names_the_reason_per_model():
+    """``--kv-recompute-ratio`` where the forward cannot carry recompute rows is refused at start
+    (``LayeredAttention``), naming the flag, the model class and the reason: a soft cap or window
+    (Gemma-2), layers of another call (the Transformers backend), no logits processor."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer as HFLayer
+
+    class Capped(torch.nn.Module):
+        pass
+
+    capped = RecomputeForward.refusal(Capped(), 0.5, True)
+    assert capped.startswith("--kv-recompute-ratio=0.5: eLLM's recompute cannot run in Capped's forward")
+    assert "soft-caps or windows" in capped and "drop the flag" in capped
+    config = LlamaConfig(hidden_size=32, intermediate_size=32, num_attention_heads=4, num_key_value_heads=1)
+    hf = SimpleNamespace(model=SimpleNamespace(layers=torch.nn.ModuleList([HFLayer(config, 0)])))
+    assert "--model-impl transformers" in RecomputeForward.refusal(hf, 0.5, False)
+    assert "logits_processor" in RecomputeForward.refusal(SimpleNamespace(), 0.5, False)

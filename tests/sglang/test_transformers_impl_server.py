@@ -8,7 +8,8 @@ its first forward: eLLM's recompute cut wrapped every decoder layer for SGLang's
 (``RecomputeForward.layers_fit``). Two servers start side by side with ``--model-impl
 transformers``: vanilla, and the layered pool at ``test_layered_offload_server``'s budget (at least
 half of the live layer-KV on host) with the test-only fault injector loaded. Greedy tokens and
-per-token logprobs must match vanilla's, and must not while the fault is armed.
+per-token logprobs must match vanilla's, and must not while the fault is armed. There
+``--kv-recompute-ratio`` would do nothing, so a launch with it is refused, naming the flag.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 
 from sglang_ext.settings import POOL_STATS_FILE_ENV
 from sglang_ext.testing.jsonl import read_jsonl
-from sglang_ext.testing.server import SGLangServer
+from sglang_ext.testing.server import ServerError, SGLangServer
 from tests.sglang.conftest import (
     PROMPTS,
     assert_same_generation,
@@ -83,3 +84,16 @@ def test_transformers_backend_negative_control_a_corrupted_offloaded_page_fails_
     with fault_armed(layered, flag):
         assert undetected(layered, vanilla, PROMPTS[:4], NEW_TOKENS) == 0
     assert undetected(layered, vanilla, PROMPTS[:1], NEW_TOKENS) == 1
+
+
+def test_transformers_backend_refuses_the_recompute_flag_at_start(tiny_model_dir, launch_zygote, tmp_path):
+    """``--kv-recompute-ratio`` on the Transformers backend would do nothing (no recompute rows
+    can run through Hugging Face layers; accepted before and silently ignored): the server does
+    not start, and its log names the flag, the reason and the way out. The same flag on SGLang's
+    own Llama is served (``test_recompute_server.py``, the control)."""
+    spec = (tmp_path, TRANSFORMERS + LAYERED + ["--kv-recompute-ratio", "0.5"], None)
+    with pytest.raises(ServerError), running_servers(tiny_model_dir, [spec], zygote=launch_zygote):
+        pass
+    log = (tmp_path / "server.log").read_text()
+    assert "--kv-recompute-ratio=0.5: eLLM's recompute cannot run in TransformersForCausalLM's forward" in log
+    assert "--model-impl transformers" in log and "drop the flag" in log
