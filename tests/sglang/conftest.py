@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from controlplane.service.ports import free_ports
+from sglang_ext.settings import POOL_STATS_FILE_ENV
 from sglang_ext.testing.early_starts import EarlyStarts
 from sglang_ext.testing.jsonl import read_jsonl
 from sglang_ext.testing.launch_zygote import LaunchZygote
@@ -323,3 +324,41 @@ def fault_armed(server: SGLangServer, flag: Path) -> Iterator[None]:
             yield
     finally:
         server.flush_cache()
+
+
+OFFLOAD_LAYERED: tuple[str, ...] = ("--enable-layered-kv", "--disable-overlap-schedule", "--kv-gpu-budget-tokens",
+                                    "49", "--max-total-tokens", "48")
+"""As ``test_layered_offload_server``: one layer of the 48-token slot space plus the padding page
+(at least half of a 16-token request's layer-KV on host)."""
+
+
+@contextmanager
+def offload_pair(model_dir: Path, zygote: LaunchZygote | None, roots: tuple[Path, Path],
+                 common: Sequence[str]) -> Iterator[tuple[SGLangServer, SGLangServer, Path, Path]]:
+    """Vanilla and an :data:`OFFLOAD_LAYERED` server, both with ``common`` flags, side by side:
+    ``(vanilla, layered, the layered server's stats file, its fault flag file)``. The layered one
+    loads the test-only fault injector, which perturbs one written-back page of layer 3 after
+    every step while the flag is armed (:func:`fault_armed`)."""
+    stats, flag = roots[1] / "pool_stats.jsonl", roots[1] / "corrupt"
+    env = {POOL_STATS_FILE_ENV: str(stats), "PYTHONPATH": fault_inject_path(),
+           "KVPLANE_TEST_CORRUPT_LAYER": "3", "KVPLANE_TEST_CORRUPT_FILE": str(flag)}
+    specs = [(roots[0], list(common), None), (roots[1], [*common, *OFFLOAD_LAYERED], env)]
+    with running_servers(model_dir, specs, zygote=zygote) as (vanilla, layered):
+        yield vanilla, layered, stats, flag
+
+
+def assert_matches_with_kv_on_host(vanilla: SGLangServer, layered: SGLangServer, stats: Path,
+                                   prompts: Sequence[str], new_tokens: int) -> list[dict]:
+    """Each of ``prompts`` generates on ``layered`` as on ``vanilla`` (greedy tokens and logprobs)
+    while at least half of the live layer-KV sits on host and pages are fetched; returns the
+    layered server's stats lines of those steps."""
+    before = len(read_jsonl(stats)) if stats.exists() else 0
+    for prompt in prompts:
+        assert_same_generation(greedy(layered, prompt, new_tokens, logprobs=True),
+                               greedy(vanilla, prompt, new_tokens, logprobs=True), prompt)
+    steps = [s for s in read_jsonl(stats)[before:] if s["live_layer_pages"] > 0]
+    assert len(steps) >= len(prompts) * new_tokens // 2
+    live = sum(s["live_layer_pages"] for s in steps)
+    assert sum(s["host_layer_pages"] for s in steps) / live >= 0.5
+    assert steps[-1]["fetched_layer_pages_total"] > steps[0]["fetched_layer_pages_total"]
+    return steps

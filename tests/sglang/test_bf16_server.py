@@ -16,25 +16,18 @@ from pathlib import Path
 
 import pytest
 
-from sglang_ext.settings import POOL_STATS_FILE_ENV
-from sglang_ext.testing.jsonl import read_jsonl
 from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import (
     PROMPTS,
-    assert_same_generation,
+    assert_matches_with_kv_on_host,
     fault_armed,
-    fault_inject_path,
-    greedy,
-    running_servers,
+    offload_pair,
     undetected,
 )
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # two server start-ups on a loaded host
 
 BF16 = ["--dtype", "bfloat16"]
-LAYERED = ["--enable-layered-kv", "--disable-overlap-schedule", "--kv-gpu-budget-tokens", "49",
-           "--max-total-tokens", "48"]
-"""As ``test_layered_offload_server``: one layer of the 48-token slot space plus the padding page."""
 NEW_TOKENS = 8
 PROMPT_COUNT = 8
 
@@ -42,13 +35,9 @@ PROMPT_COUNT = 8
 @pytest.fixture(scope="module")
 def bf16_servers(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[tuple[SGLangServer, SGLangServer, Path, Path]]:
     """(vanilla, layered, the layered server's stats file, its fault flag file), all in bf16."""
-    roots = [tmp_path_factory.mktemp(name) for name in ("bf16-vanilla", "bf16-layered")]
-    stats, flag = roots[1] / "pool_stats.jsonl", roots[1] / "corrupt"
-    env = {POOL_STATS_FILE_ENV: str(stats), "PYTHONPATH": fault_inject_path(),
-           "KVPLANE_TEST_CORRUPT_LAYER": "3", "KVPLANE_TEST_CORRUPT_FILE": str(flag)}
-    specs = [(roots[0], BF16, None), (roots[1], BF16 + LAYERED, env)]
-    with running_servers(tiny_model_dir, specs, zygote=launch_zygote) as (vanilla, layered):
-        yield vanilla, layered, stats, flag
+    roots = (tmp_path_factory.mktemp("bf16-vanilla"), tmp_path_factory.mktemp("bf16-layered"))
+    with offload_pair(tiny_model_dir, launch_zygote, roots, BF16) as servers:
+        yield servers
 
 
 def test_bf16_layered_generation_matches_vanilla_with_kv_on_host(bf16_servers):
@@ -58,17 +47,8 @@ def test_bf16_layered_generation_matches_vanilla_with_kv_on_host(bf16_servers):
     for server in (vanilla, layered):  # SGLang's own line about the KV pool it allocated
         assert "KV Cache is allocated. dtype: torch.bfloat16" in server.log_path.read_text(), server.log_path
     assert "layered_kv_pool_created" in layered.log_path.read_text()
-    before = len(read_jsonl(stats)) if stats.exists() else 0
-    for prompt in PROMPTS[:PROMPT_COUNT]:
-        got = greedy(layered, prompt, NEW_TOKENS, logprobs=True)
-        want = greedy(vanilla, prompt, NEW_TOKENS, logprobs=True)
-        assert_same_generation(got, want, prompt)
-    steps = [s for s in read_jsonl(stats)[before:] if s["live_layer_pages"] > 0]
-    assert len(steps) >= PROMPT_COUNT * NEW_TOKENS // 2
-    live = sum(s["live_layer_pages"] for s in steps)
-    assert sum(s["host_layer_pages"] for s in steps) / live >= 0.5
+    steps = assert_matches_with_kv_on_host(vanilla, layered, stats, PROMPTS[:PROMPT_COUNT], NEW_TOKENS)
     assert steps[-1]["overflow_steps_total"] == 0
-    assert steps[-1]["fetched_layer_pages_total"] > steps[0]["fetched_layer_pages_total"]
 
 
 def test_bf16_negative_control_a_corrupted_offloaded_page_fails_the_comparison(bf16_servers):

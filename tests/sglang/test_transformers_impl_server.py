@@ -19,15 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from sglang_ext.settings import POOL_STATS_FILE_ENV
-from sglang_ext.testing.jsonl import read_jsonl
 from sglang_ext.testing.server import ServerError, SGLangServer
 from tests.sglang.conftest import (
+    OFFLOAD_LAYERED,
     PROMPTS,
-    assert_same_generation,
+    assert_matches_with_kv_on_host,
     fault_armed,
-    fault_inject_path,
-    greedy,
+    offload_pair,
     running_servers,
     undetected,
 )
@@ -35,9 +33,6 @@ from tests.sglang.conftest import (
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # two server start-ups on a loaded host
 
 TRANSFORMERS = ["--model-impl", "transformers"]
-LAYERED = ["--enable-layered-kv", "--disable-overlap-schedule", "--kv-gpu-budget-tokens", "49",
-           "--max-total-tokens", "48"]
-"""As ``test_layered_offload_server``: one layer of the 48-token slot space plus the padding page."""
 NEW_TOKENS = 8
 PROMPT_COUNT = 6
 
@@ -47,13 +42,9 @@ def transformers_servers(tiny_model_dir, launch_zygote,
                          tmp_path_factory) -> Iterator[tuple[SGLangServer, SGLangServer, Path, Path]]:
     """(vanilla, layered, the layered server's stats file, its fault flag file), both on SGLang's
     Transformers backend."""
-    roots = [tmp_path_factory.mktemp(name) for name in ("hf-vanilla", "hf-layered")]
-    stats, flag = roots[1] / "pool_stats.jsonl", roots[1] / "corrupt"
-    env = {POOL_STATS_FILE_ENV: str(stats), "PYTHONPATH": fault_inject_path(),
-           "KVPLANE_TEST_CORRUPT_LAYER": "3", "KVPLANE_TEST_CORRUPT_FILE": str(flag)}
-    specs = [(roots[0], TRANSFORMERS, None), (roots[1], TRANSFORMERS + LAYERED, env)]
-    with running_servers(tiny_model_dir, specs, zygote=launch_zygote) as (vanilla, layered):
-        yield vanilla, layered, stats, flag
+    roots = (tmp_path_factory.mktemp("hf-vanilla"), tmp_path_factory.mktemp("hf-layered"))
+    with offload_pair(tiny_model_dir, launch_zygote, roots, TRANSFORMERS) as servers:
+        yield servers
 
 
 def test_transformers_backend_layered_generation_matches_vanilla_with_kv_on_host(transformers_servers):
@@ -63,16 +54,7 @@ def test_transformers_backend_layered_generation_matches_vanilla_with_kv_on_host
     for server in (vanilla, layered):  # SGLang's own line naming the backend it loaded
         assert "TransformersForCausalLM" in server.log_path.read_text(), server.log_path
     assert "layered_kv_pool_created" in layered.log_path.read_text()
-    before = len(read_jsonl(stats)) if stats.exists() else 0
-    for prompt in PROMPTS[:PROMPT_COUNT]:
-        got = greedy(layered, prompt, NEW_TOKENS, logprobs=True)
-        want = greedy(vanilla, prompt, NEW_TOKENS, logprobs=True)
-        assert_same_generation(got, want, prompt)
-    steps = [s for s in read_jsonl(stats)[before:] if s["live_layer_pages"] > 0]
-    assert len(steps) >= PROMPT_COUNT * NEW_TOKENS // 2
-    live = sum(s["live_layer_pages"] for s in steps)
-    assert sum(s["host_layer_pages"] for s in steps) / live >= 0.5
-    assert steps[-1]["fetched_layer_pages_total"] > steps[0]["fetched_layer_pages_total"]
+    assert_matches_with_kv_on_host(vanilla, layered, stats, PROMPTS[:PROMPT_COUNT], NEW_TOKENS)
 
 
 def test_transformers_backend_negative_control_a_corrupted_offloaded_page_fails_the_comparison(
@@ -91,7 +73,7 @@ def test_transformers_backend_refuses_the_recompute_flag_at_start(tiny_model_dir
     can run through Hugging Face layers; accepted before and silently ignored): the server does
     not start, and its log names the flag, the reason and the way out. The same flag on SGLang's
     own Llama is served (``test_recompute_server.py``, the control)."""
-    spec = (tmp_path, TRANSFORMERS + LAYERED + ["--kv-recompute-ratio", "0.5"], None)
+    spec = (tmp_path, [*TRANSFORMERS, *OFFLOAD_LAYERED, "--kv-recompute-ratio", "0.5"], None)
     with pytest.raises(ServerError), running_servers(tiny_model_dir, [spec], zygote=launch_zygote):
         pass
     log = (tmp_path / "server.log").read_text()
