@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from sglang_ext.compat import LLAMA_DECODER_LAYER
+from sglang_ext.compat import LLAMA_DECODER_LAYER, TRANSFORMERS_BASE
 
 
 class RecomputeForward:
@@ -127,14 +127,18 @@ class RecomputeForward:
 
     @staticmethod
     def layers_fit(model: Any) -> bool:
-        """Whether every decoder layer of ``model`` (``model.model.layers``) takes SGLang's layer
-        call ``(positions, hidden_states, forward_batch, ...)`` -- the one :meth:`wrap_layers`'
-        cut binds (True without such a stack: nothing is wrapped). Not so under SGLang's
-        Transformers backend (``--model-impl transformers``: Hugging Face layers, called as
-        ``(hidden_states, attention_mask=..., position_ids=...)``; a wrapped one raised TypeError
-        on the server's first forward, flag audit of session 81) nor in the few native models
-        whose layers order their arguments otherwise (OPT, Persimmon, PhiMoE): recompute is not
-        offered there (the backend's ``recompute_ok``)."""
+        """Whether ``model``'s decoder layers take SGLang's layer call ``(positions,
+        hidden_states, forward_batch, ...)`` -- the one :meth:`wrap_layers`' cut binds: every
+        layer of its ``model.model.layers`` (True without such a stack: nothing is wrapped), read
+        from the layer's class (an instance's ``forward`` may be another's wrapper: SGLang's weight
+        offloaders replace it with ``forward(*args, **kwargs)``). Never on SGLang's Transformers
+        backend (``--model-impl transformers``: Hugging Face layers, called as ``(hidden_states,
+        attention_mask=..., position_ids=...)``; a wrapped one raised TypeError on the server's
+        first forward, flag audit of session 81), nor in the few native models whose layers take
+        their arguments otherwise (OPT, Persimmon, Phi, PhiMoE): recompute is not offered there
+        (the backend's ``recompute_ok``)."""
+        if _transformers_backend(model):
+            return False
         layers = getattr(getattr(model, "model", None), "layers", None)
         return not isinstance(layers, torch.nn.ModuleList) or all(_takes_layer_call(layer) for layer in layers)
 
@@ -145,10 +149,12 @@ class RecomputeForward:
         if capped_or_windowed:
             why = ("its attention soft-caps or windows its scores, which the recompute rows' plain "
                    "causal attention does not apply")
+        elif _transformers_backend(model):
+            why = ("it runs on SGLang's Transformers backend (--model-impl transformers), whose Hugging Face "
+                   "decoder layers the recompute rows' per-layer cut does not bind")
         elif not RecomputeForward.layers_fit(model):
             why = ("its decoder layers do not take SGLang's layer call (positions, hidden_states, "
-                   "forward_batch), where the rows are cut -- SGLang's Transformers backend "
-                   "(--model-impl transformers) runs Hugging Face layers")
+                   "forward_batch), where the recompute rows are cut")
         else:
             why = "it has no logits_processor to keep the recomputed rows from being sampled"
         return (f"--kv-recompute-ratio={ratio}: eLLM's recompute cannot run in {type(model).__name__}'s "
@@ -191,9 +197,15 @@ class RecomputeForward:
         return forward
 
 
+def _transformers_backend(model: Any) -> bool:
+    """``model`` is a class of SGLang's Transformers backend (it derives from ``TRANSFORMERS_BASE``)."""
+    return any(f"{c.__module__}.{c.__qualname__}" == TRANSFORMERS_BASE.path for c in type(model).__mro__)
+
+
 def _takes_layer_call(layer: Any) -> bool:
-    """``layer.forward``'s first parameters are SGLang's decoder-layer call (``LLAMA_DECODER_LAYER``)."""
-    forward = getattr(layer, "forward", None)
+    """The ``forward`` of ``layer``'s class starts with SGLang's decoder-layer call
+    (``LLAMA_DECODER_LAYER``, after ``self``)."""
+    forward = getattr(type(layer), "forward", None)
     if forward is None:
         return False
     try:
@@ -201,7 +213,7 @@ def _takes_layer_call(layer: Any) -> bool:
     except (TypeError, ValueError):  # a builtin or C-level forward: no names to read
         return False
     call = LLAMA_DECODER_LAYER.args[:3]
-    return names[: len(call)] == call
+    return names[1: 1 + len(call)] == call
 
 
 def _cut_stream(hidden: Any, forward_batch: Any, keep: int) -> torch.Tensor | None:

@@ -463,9 +463,11 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
             try:
                 item = outbox.queue.get(timeout=self._idle_check_s)
             except queue.Empty:
-                if outbox.ended.is_set() and outbox.error is not None:
-                    raise outbox.error from None
-                if outbox.ended.is_set() or not context.is_active():
+                if outbox.ended.is_set():  # read once: an end(error) between two reads was lost
+                    if outbox.error is not None:
+                        raise outbox.error from None
+                    return
+                if not context.is_active():
                     return
                 item = None
             if item is _WAKE:

@@ -34,6 +34,7 @@ from sglang_ext.compat.surface_recompute import (  # noqa: F401 -- part of the s
     RESIDUAL_CONTRIBUTION,
     RESIDUAL_PLAIN_ADD,
     RESIDUAL_STREAM,
+    TRANSFORMERS_BASE,
 )
 from sglang_ext.compat.surface_testing import *  # noqa: F403 -- part of the surface (TARGETS, __all__)
 from sglang_ext.compat.target import Target

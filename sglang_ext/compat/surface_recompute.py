@@ -32,6 +32,10 @@ rows of prefixes recomputed only below it (eLLM §4.3.1, ``docs/recompute.md``).
 LLAMA_DECODER_LAYER = Target(f"{_SRT}.models.llama.LlamaDecoderLayer.forward",
                              params=("self", "positions", "hidden_states", "forward_batch"),
                              used_by=("recompute_forward",))
+TRANSFORMERS_BASE = Target(f"{_SRT}.models.transformers.TransformersBase", used_by=("recompute_forward",))
+"""SGLang's Transformers backend (``--model-impl transformers``, or ``auto`` for an architecture
+SGLang has no model of): every such model class derives from it. Its decoder layers are Hugging
+Face's, which recompute's per-layer cut does not bind: recompute is not offered there."""
 RESIDUAL_STREAM = Target(f"{_SRT}.layers.layer_boundary.residual.stream.ResidualStream",
                          attrs=("residual", "pending", "transport"), used_by=("recompute_forward",))
 """``forward_batch.residual_stream`` between layers: its residual and pending contribution are cut

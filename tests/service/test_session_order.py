@@ -223,6 +223,34 @@ class _ActiveContext:
         return True
 
 
+def _writer_ends(outbox: Any) -> Exception | None:
+    """Run a session writer (``SessionServicer._replies``) over ``outbox`` to its end, on a real
+    embedded control plane's session: the error it ends the stream with, or None (ended OK)."""
+    from controlplane import api
+    from controlplane.cli.serve_cmd import build_control_plane
+    from controlplane.service.metrics import ServiceMetrics
+    from controlplane.service.session_servicer import SessionServicer, _LiveSession
+
+    from .conftest import worker_info
+
+    metrics = ServiceMetrics()
+    cp, notifier = build_control_plane(None, None, metrics)
+    live = _LiveSession(cp.open_session(worker_info("w0")))
+    try:
+        list(SessionServicer(cp, metrics, 4, notifier, idle_check_s=0.05)._replies(live, outbox, _ActiveContext()))
+    except api.Unavailable as exc:
+        return exc
+    finally:
+        live.close()
+        close = getattr(cp, "close", None)
+        if callable(close):
+            close()
+    return None
+
+
+NOTICE = "session replaced: a newer hello of worker 'w0' took it over"
+
+
 @pytest.mark.parametrize("error", [True, False])
 def test_a_full_outbox_still_ends_a_replaced_stream_with_its_status(error: bool) -> None:
     """Scenario: the replaced session's worker had stopped reading, so its stream's outbox was
@@ -231,31 +259,39 @@ def test_a_full_outbox_still_ends_a_replaced_stream_with_its_status(error: bool)
     The notice is the outbox's end status now: after what was queued, the writer raises it
     (UNAVAILABLE, naming the replacement). Control: an outbox ended without one ends OK."""
     from controlplane import api
-    from controlplane.cli.serve_cmd import build_control_plane
-    from controlplane.service.metrics import ServiceMetrics
-    from controlplane.service.session_servicer import _WAKE, SessionServicer, _LiveSession, _Outbox
+    from controlplane.service.session_servicer import _WAKE, _Outbox
 
-    from .conftest import worker_info
+    outbox = _Outbox(maxsize=2)
+    outbox.offer(_WAKE)
+    outbox.offer(_WAKE)
+    assert outbox.queue.full()
+    outbox.end(api.Unavailable(NOTICE) if error else None)
+    ended = _writer_ends(outbox)
+    assert (ended is not None and NOTICE in str(ended)) if error else ended is None
 
-    metrics = ServiceMetrics()
-    cp, notifier = build_control_plane(None, None, metrics)
-    try:
-        servicer = SessionServicer(cp, metrics, 4, notifier, idle_check_s=0.05)
-        live = _LiveSession(cp.open_session(worker_info("w0")))
-        outbox = _Outbox(maxsize=2)
-        outbox.offer(_WAKE)
-        outbox.offer(_WAKE)
-        assert outbox.queue.full()
-        notice = api.Unavailable("session replaced: a newer hello of worker 'w0' took it over")
-        outbox.end(notice if error else None)
-        replies = servicer._replies(live, outbox, _ActiveContext())  # type: ignore[arg-type]
-        if error:
-            with pytest.raises(api.Unavailable, match="session replaced"):
-                list(replies)
-        else:
-            list(replies)  # drained, then ended OK
-        live.close()
-    finally:
-        close = getattr(cp, "close", None)
-        if callable(close):
-            close()
+
+def test_a_replacement_between_the_idle_writers_reads_is_not_lost() -> None:
+    """Scenario (review of session 81's fix): the idle writer read ``ended`` twice -- for the
+    error, then to return -- and a replacement (``end(error)``) landing between the two reads
+    ended the stream OK. Forced here: the replacement runs right after the writer's first read
+    of ``ended``; the stream still ends UNAVAILABLE naming it."""
+    from controlplane import api
+    from controlplane.service.session_servicer import _Outbox
+
+    outbox = _Outbox(maxsize=2)
+
+    class RacyEnded(threading.Event):
+        reads = 0
+
+        def is_set(self) -> bool:
+            value = super().is_set()
+            RacyEnded.reads += 1
+            if RacyEnded.reads == 1:  # the newer hello's thread runs here, between the reads
+                replacement = threading.Thread(target=outbox.end, args=(api.Unavailable(NOTICE),))
+                replacement.start()
+                replacement.join()
+            return value
+
+    outbox.ended = RacyEnded()
+    ended = _writer_ends(outbox)
+    assert RacyEnded.reads >= 1 and ended is not None and NOTICE in str(ended)

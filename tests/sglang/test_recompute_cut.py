@@ -150,7 +150,7 @@ def test_layers_of_another_call_are_not_wrapped_and_recompute_is_not_offered():
 def test_the_recompute_flag_refusal_names_the_reason_per_model():
     """``--kv-recompute-ratio`` where the forward cannot carry recompute rows is refused at start
     (``LayeredAttention``), naming the flag, the model class and the reason: a soft cap or window
-    (Gemma-2), layers of another call (the Transformers backend), no logits processor."""
+    (Gemma-2), layers of another call (OPT, or Hugging Face's), no logits processor."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer as HFLayer
 
@@ -162,5 +162,57 @@ def test_the_recompute_flag_refusal_names_the_reason_per_model():
     assert "soft-caps or windows" in capped and "drop the flag" in capped
     config = LlamaConfig(hidden_size=32, intermediate_size=32, num_attention_heads=4, num_key_value_heads=1)
     hf = SimpleNamespace(model=SimpleNamespace(layers=torch.nn.ModuleList([HFLayer(config, 0)])))
-    assert "--model-impl transformers" in RecomputeForward.refusal(hf, 0.5, False)
+    assert "do not take SGLang's layer call" in RecomputeForward.refusal(hf, 0.5, False)
     assert "logits_processor" in RecomputeForward.refusal(SimpleNamespace(), 0.5, False)
+
+
+def test_layers_whose_forward_an_offloader_wrapped_still_fit():
+    """Scenario (review of session 81's fix): SGLang's weight offloaders (``--cpu-offload-gb``,
+    ``--offload-group-size``) replace each decoder layer's ``forward`` with ``forward(*args,
+    **kwargs)`` when the model is built; read from the instance, SGLang's own Llama and Qwen2
+    layers then looked like another call and recompute was switched off (its flag refused naming
+    the Transformers backend). The call is read from the layer's class. Control: a layer class of
+    another call (Hugging Face's) still does not fit, wrapped or not."""
+    from sglang.srt.models.llama import LlamaDecoderLayer
+    from sglang.srt.models.qwen2 import Qwen2DecoderLayer
+    from sglang.srt.utils.offloader import _hook_module_forward_raw
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer as HFLayer
+
+    def bare(cls):  # noqa: ANN001, ANN202 - the class without its weights (the call is all that is read)
+        layer = cls.__new__(cls)
+        torch.nn.Module.__init__(layer)
+        return layer
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=32, num_attention_heads=4, num_key_value_heads=1)
+    for make, fits in ((lambda: bare(LlamaDecoderLayer), True), (lambda: bare(Qwen2DecoderLayer), True),
+                       (lambda: HFLayer(config, 0), False)):
+        layers = torch.nn.ModuleList(make() for _ in range(3))
+        model = SimpleNamespace(model=SimpleNamespace(layers=layers, start_layer=0))
+        for layer in layers:  # as OffloaderV2 does at model build (V1's wrapper takes the same call)
+            _hook_module_forward_raw(layer, on_forward_end=lambda: None, get_parameter_and_buffer_dicts=dict)
+        assert RecomputeForward.layers_fit(model) is fits, type(layers[0]).__name__
+        assert RecomputeForward().wrap_layers(model) == (2 if fits else 0)
+
+
+def test_the_transformers_backend_never_fits_even_without_a_layer_stack():
+    """A model class of SGLang's Transformers backend (it derives from ``TransformersBase``) is
+    never offered recompute, whatever its Hugging Face backbone names its layers (GPT-2's ``h``:
+    no ``model.layers`` stack, which elsewhere means nothing to wrap), and the refusal names the
+    backend. Control: the same object without that base fits."""
+    from sglang.srt.models.transformers import TransformersBase
+
+    class OnTheBackend(TransformersBase):
+        def __init__(self) -> None:
+            torch.nn.Module.__init__(self)
+            self.model = SimpleNamespace(h=[])
+
+    class Native(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = SimpleNamespace(h=[])
+
+    assert not RecomputeForward.layers_fit(OnTheBackend())
+    assert "SGLang's Transformers backend (--model-impl transformers)" in RecomputeForward.refusal(
+        OnTheBackend(), 0.5, False)
+    assert RecomputeForward.layers_fit(Native())
