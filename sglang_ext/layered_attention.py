@@ -218,8 +218,9 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         self.recompute = RecomputeForward()
         capped_or_windowed = attention_features(model_runner.model)
         # eLLM's recompute rows attend with plain causal SDPA (RecomputeForward.attend): not for
-        # models whose layers soft-cap or window their attention, nor for layers whose call the
-        # rows' cut does not bind (RecomputeForward.layers_fit: SGLang's Transformers backend)
+        # models whose layers soft-cap or window their attention, nor for models whose decoder layers
+        # take another call than SGLang's, which the rows' cut binds (RecomputeForward.layers_fit:
+        # SGLang's Transformers backend, OPT, Persimmon, Phi, PhiMoE)
         self.recompute_ok = (not capped_or_windowed and RecomputeForward.layers_fit(model_runner.model)
                              and self.recompute.wrap_logits(model_runner.model))
         """The model's decode forward can carry recompute rows (``docs/recompute.md``)."""

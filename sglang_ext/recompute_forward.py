@@ -22,6 +22,9 @@ eLLM §2.3 / §4.3.1, ``docs/recompute.md``. When a decode step's tables carry r
   rows to keep are a host int (:attr:`RecomputeRows.active`, tokens ordered by decreasing ``k``),
   so the cut is a view, no sync. Where the residual stream is in a state the cut cannot carry
   (a row transport, a non-additive update) the rows stay and are zeroed in :meth:`attend`.
+- :meth:`layers_fit`: the model's decoder layers take SGLang's layer call, which the cut binds.
+  Where they do not (SGLang's Transformers backend, OPT, Persimmon, Phi, PhiMoE), recompute is
+  not offered and ``--kv-recompute-ratio`` is refused at start (:meth:`refusal`).
 """
 
 from __future__ import annotations
