@@ -119,7 +119,8 @@ class SchedulerHooks:
         self.pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
         self.installer = PlacementInstaller(self.pool, self.layers)
         tree_hooks = getattr(getattr(scheduler, "tree_cache", None), "residency_hooks", None)
-        self.pauser = PauseManager(hooks=tree_hooks, pages_of=self.pages_of, in_flight_steps=int(self.overlap))
+        self.pauser = PauseManager(hooks=tree_hooks, pages_of=self.pages_of, in_flight_steps=int(self.overlap),
+                                   lora=bool(getattr(server_args, "enable_lora", False)))
         self.prefill_adders: dict[type, type] = {}
         """SGLang's prefill adder classes -> their subclass reserving parked requests' decode tokens
         (:func:`sglang_ext.parked_lifecycle.reserving_adder`)."""
