@@ -149,9 +149,7 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
                "or would_idle (it would take the last running request not ending by the next step, and the "
                "boundary would resume it at once rather than idle; that pause is dropped), or "
                "penalties_in_flight (under the overlap loop, a request with a frequency, presence or "
-               "repetition penalty, whose token counts a pause would shift; dropped too), or lora (a server "
-               "with --enable-lora pauses nothing: a resume could merge more adapters into one batch than "
-               "--max-loras-per-batch; dropped too). "
+               "repetition penalty, whose token counts a pause would shift; dropped too). "
                "The others stay deferred and are retried at each boundary while the request runs",
                scope="source", label="reason", label_values=PAUSE_SKIP_REASONS),
     MetricSpec("kvplane:deposit_tokens", "gauge", "tokens",

@@ -39,6 +39,12 @@ radix-tree lock, and the step boundary merges it back later. SGLang's own calls 
   the parked requests (:func:`around_poll_timeout_aborts`), and each abort it emits resumes its
   request through ``abort_request`` above (SGLang's abort of a running request: one more decode
   step, then the KV is freed). Rank 0 polls; the aborts reach the other ranks with its requests.
+* ``Scheduler.can_schedule_lora_req`` (``--enable-lora``): SGLang admits a request whose adapter
+  fits, with the running batch's, in ``--max-loras-per-batch``; the parked requests' adapters are
+  counted too (:func:`around_can_schedule_lora_req`), so a resume never brings back more distinct
+  adapters than one batch may hold. Before, a resume did, and SGLang's LoRA manager's assertion
+  stopped the scheduler (LoRA check, session 81; from then until session 82 a LoRA server paused
+  nothing).
 """
 
 from __future__ import annotations
@@ -186,3 +192,19 @@ def around_poll_timeout_aborts(original: Any, scheduler: Any, *args: Any, **kwar
     if more:
         log.info("kvplane_parked_requests_timed_out", rids=[abort.rid for abort in more])
     return [*aborts, *more]
+
+
+def around_can_schedule_lora_req(original: Any, scheduler: Any, req: Any, running_loras: Any,
+                                 *args: Any, **kwargs: Any) -> Any:
+    """SGLang's LoRA admission check with the parked requests' adapters added to ``running_loras``
+    (a new set: SGLang's own, which it grows with each admitted request, is left as is).
+
+    Keeps the adapters of the running, parked and admitted requests together within
+    ``--max-loras-per-batch``: a pause moves a request's adapter from running to parked and a
+    resume back, neither adds one, so no resume can overflow the batch's adapter slots."""
+    hooks = _hooks_of(scheduler)
+    if hooks is not None and len(hooks.pauser):
+        parked = {p.req.lora_id for p in hooks.pauser.parked() if not p.req.finished()}
+        if not parked <= running_loras:
+            running_loras = running_loras | parked
+    return original(scheduler, req, running_loras, *args, **kwargs)

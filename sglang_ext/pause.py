@@ -61,7 +61,7 @@ log = structlog.get_logger(__name__)
 
 PAUSE_SKIP_REASONS: tuple[str, ...] = (
     "finishing", "custom_logit_processor", "speculative_decoding", "encoder_decoder", "would_idle",
-    "penalties_in_flight", "lora",
+    "penalties_in_flight",
 )
 """Why a pause the plan asked for was not applied (:attr:`PauseManager.skipped`)."""
 WARNED_MAX = 4096
@@ -140,13 +140,7 @@ class PauseManager:
         hooks: ResidencyHooks | None = None,
         pages_of: Callable[[Any], Sequence[int]] | None = None,
         in_flight_steps: int = 0,
-        lora: bool = False,
     ) -> None:
-        self.lora = lora
-        """The server serves LoRA adapters (``--enable-lora``): nothing is paused (reason ``lora``).
-        SGLang admits new requests counting only the running batch's adapters, so a resume could
-        merge more distinct adapters into one batch than ``--max-loras-per-batch`` and its LoRA
-        manager's assertion stopped the scheduler (LoRA check, session 81)."""
         self._parked: dict[str, ParkedRequest] = {}
         self.in_flight_steps = in_flight_steps
         """Steps launched but not yet processed at a boundary (1 under SGLang's overlap loop): each
@@ -202,7 +196,7 @@ class PauseManager:
         found = [rid for rid in wanted if rid in decoding]
         if not found:
             return []
-        reason = "lora" if self.lora else unpausable_reason(running_batch)
+        reason = unpausable_reason(running_batch)
         if reason is not None:
             self._skip(reason, len(found))
             # dropped, not deferred: the control plane counts a pause not shown a step after its

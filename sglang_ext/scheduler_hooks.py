@@ -34,8 +34,8 @@ Hook points:
   the device sync), finished requests released from the pool, and on rank 0 the step report
   (:meth:`StepReporter.end_step`) and the stats line.
 * AROUND ``Scheduler.abort_request``, ``pause_generation``, ``update_running_batch``,
-  ``is_fully_idle``, ``get_prefill_adder_class``, ``init_load_inquirer`` and
-  ``_poll_timeout_aborts``: SGLang's calls that must see parked requests (:mod:`sglang_ext.parked_lifecycle`).
+  ``is_fully_idle``, ``get_prefill_adder_class``, ``init_load_inquirer``, ``_poll_timeout_aborts``
+  and ``can_schedule_lora_req``: SGLang's calls that must see parked requests (:mod:`sglang_ext.parked_lifecycle`).
 * AFTER ``Scheduler._add_request_to_queue``: a request that asked for its placement info is noted.
 """
 
@@ -119,8 +119,7 @@ class SchedulerHooks:
         self.pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
         self.installer = PlacementInstaller(self.pool, self.layers)
         tree_hooks = getattr(getattr(scheduler, "tree_cache", None), "residency_hooks", None)
-        self.pauser = PauseManager(hooks=tree_hooks, pages_of=self.pages_of, in_flight_steps=int(self.overlap),
-                                   lora=bool(getattr(server_args, "enable_lora", False)))
+        self.pauser = PauseManager(hooks=tree_hooks, pages_of=self.pages_of, in_flight_steps=int(self.overlap))
         self.prefill_adders: dict[type, type] = {}
         """SGLang's prefill adder classes -> their subclass reserving parked requests' decode tokens
         (:func:`sglang_ext.parked_lifecycle.reserving_adder`)."""
@@ -469,6 +468,7 @@ def register(hook_registry: Any, hook_type: Any, ctx: PluginContext) -> None:
                          (compat.SCHEDULER_PREFILL_ADDER_CLASS, parked_lifecycle.around_prefill_adder_class),
                          (compat.SCHEDULER_INIT_LOAD_INQUIRER, parked_lifecycle.around_init_load_inquirer),
                          (compat.SCHEDULER_UPDATE_RUNNING_BATCH, parked_lifecycle.around_update_running_batch),
-                         (compat.SCHEDULER_POLL_TIMEOUT_ABORTS, parked_lifecycle.around_poll_timeout_aborts)):
+                         (compat.SCHEDULER_POLL_TIMEOUT_ABORTS, parked_lifecycle.around_poll_timeout_aborts),
+                         (compat.SCHEDULER_CAN_SCHEDULE_LORA_REQ, parked_lifecycle.around_can_schedule_lora_req)):
         hook_registry.register(target.path, hook, hook_type.AROUND)  # parked requests' lifecycle
     hook_registry.register(compat.SCHEDULER_ADD_REQUEST_TO_QUEUE.path, _after_add_request_to_queue, hook_type.AFTER)

@@ -16,7 +16,7 @@ __all__ = ["SCHEDULER_ABORT_REQUEST", "SCHEDULER_PAUSE_GENERATION", "PAUSE_GENER
            "SCHEDULER_UPDATE_RUNNING_BATCH", "SCHEDULER_FINISHING_INFLIGHT", "BATCH_CHECK_DECODE_MEM",
            "SCHEDULER_PREFILL_ADDER_CLASS", "PREFILL_ADDER", "PREFILL_BUDGET", "SCHEDULER_INIT_LOAD_INQUIRER",
            "SCHEDULER_LOAD_STATE", "SCHEDULER_LOAD_INQUIRER", "SCHEDULER_POLL_TIMEOUT_ABORTS",
-           "SCHEDULER_TIMEOUT_STATE"]
+           "SCHEDULER_TIMEOUT_STATE", "SCHEDULER_CAN_SCHEDULE_LORA_REQ"]
 
 SCHEDULER_ABORT_REQUEST = Target(f"{_SCHEDULER}.abort_request", params=("self", "recv_req"),
                                  used_by=("parked_lifecycle",))
@@ -70,3 +70,8 @@ runs it again over the parked requests, on a view with only the two attributes o
 :data:`SCHEDULER_TIMEOUT_STATE` (``tests/sglang/test_parked_timeout.py`` runs SGLang's method so)."""
 SCHEDULER_TIMEOUT_STATE = Target(_SCHEDULER, attrs=("waiting_queue", "_collect_inflight_batches"),
                                  used_by=("parked_lifecycle",))
+SCHEDULER_CAN_SCHEDULE_LORA_REQ = Target(f"{_SCHEDULER}.can_schedule_lora_req", params=("self", "req", "running_loras"),
+                                         used_by=("parked_lifecycle",))
+"""Prefill admission under ``--enable-lora``: whether ``req``'s adapter fits with ``running_loras``
+(the running batch's adapters and those admitted so far, ``--max-loras-per-batch``); kvplane adds
+the parked requests' adapters, which come back at their resume."""

@@ -148,17 +148,3 @@ def test_under_overlap_a_request_with_a_token_counting_penalty_is_not_paused(pen
     pen2.sampling_params, plain2.sampling_params = pen.sampling_params, plain.sampling_params
     assert _pause(0, [pen2, plain2])[0] == ["pen", "plain"]
 
-
-def test_a_lora_server_pauses_nothing():
-    """Scenario (LoRA check, session 81): SGLang admits requests counting the running batch's
-    adapters only, so resuming a paused request could put more distinct adapters in one batch than
-    ``--max-loras-per-batch``, and SGLang's LoRA manager's assertion stopped the scheduler (both
-    runs with two adapters, ``--max-loras-per-batch 2`` and pauses). On a LoRA server nothing is
-    paused: skipped as ``lora``, the batch kept whole. Control: the same pauses apply without it."""
-    for lora, paused in ((True, []), (False, ["a"])):
-        pauser = PauseManager(lora=lora)
-        batch = _Batch([_Req("a", 1, 8), _Req("b", 1, 8)])
-        batch.sampling_info = SimpleNamespace(penalizer_orchestrator=None, has_custom_logit_processor=False)
-        got = pauser.pause(batch, ["a"], step=1)
-        assert [getattr(p, "rid", p) for p in got] == paused, lora
-        assert pauser.skipped == ({"lora": 1} if lora else {})

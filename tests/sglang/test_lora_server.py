@@ -1,0 +1,115 @@
+"""LoRA serving (``--enable-lora``) with kvplane pausing requests and KV read from host.
+
+Scenario (LoRA check, session 81): two adapters, ``--max-loras-per-batch 2``, a GPU budget that
+makes the embedded control plane pause requests. SGLang admitted requests counting only the
+running batch's adapters; a resume then merged more distinct adapters into one batch than the
+LoRA memory pool holds, SGLang's LoRA manager asserted and the scheduler died (twice in two runs;
+again in session 82 with the admission hook switched off). Now admission counts the parked
+requests' adapters too (``parked_lifecycle.around_can_schedule_lora_req``;
+``test_parked_lora.py`` runs SGLang's check with and without it).
+
+Stock SGLang (``--disable-overlap-schedule``: the loop the layered server runs) and the layered
+server start side by side with the same LoRA flags, and the test-only shim that lets SGLang's
+LoRA layers allocate without CUDA (``lora_shim/``). A mixed batch -- base, A and B on short
+prompts and on a ~450-token shared prefix -- is sent to each at once: the layered server pauses
+and resumes requests, stays up, and every output matches stock's (greedy tokens and per-token
+logprobs). Control: each adapter changes the base model's output, so the comparison sees which
+adapter served a request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from sglang_ext.testing.server import SGLangServer
+from tests.sglang.conftest import PROMPTS, assert_same_generation, running_servers
+from tests.sglang.test_pause_server import pause_flags
+
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # two server start-ups on a loaded host
+
+SHIM_DIR = Path(__file__).parent / "lora_shim"
+NEW_TOKENS = 48
+ADAPTERS = {"A": (1, 8), "B": (2, 4)}
+"""Adapter name -> (seed, rank)."""
+LORA = ["--enable-lora", "--lora-backend", "torch_native", "--max-loras-per-batch", "2",
+        "--max-total-tokens", "4096", "--disable-overlap-schedule"]
+
+
+def _write_adapter(model_dir: Path, out: Path, seed: int, rank: int) -> Path:
+    """A PEFT LoRA adapter on q/k/v/o of every layer, random weights large enough to change outputs."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    hidden = cfg["hidden_size"]
+    kv = cfg["num_key_value_heads"] * cfg.get("head_dim", hidden // cfg["num_attention_heads"])
+    dims = {"q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (hidden, hidden)}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for module, (fan_in, fan_out) in dims.items():
+            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{name}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=gen) * 0.07).contiguous()
+            tensors[f"{name}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=gen) * 0.07).contiguous()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+        "bias": "none", "target_modules": list(dims), "base_model_name_or_path": str(model_dir),
+        "fan_in_fan_out": False, "inference_mode": True}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_servers(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[tuple[SGLangServer, SGLangServer]]:
+    """(stock, layered), both serving adapters A and B with the LoRA shim."""
+    root = tmp_path_factory.mktemp("lora")
+    paths = [f"{name}={_write_adapter(tiny_model_dir, root / name, seed, rank)}"
+             for name, (seed, rank) in ADAPTERS.items()]
+    common = [*LORA, "--lora-paths", *paths]
+    env = {"PYTHONPATH": os.pathsep.join([str(SHIM_DIR), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    (root / "stock").mkdir()
+    (root / "layered").mkdir()
+    # the pause server's forcing: a device budget of 96 token-layers, parked requests rotated
+    # back after a few steps -- many pauses and resumes while the adapters' requests mix
+    specs = [(root / "stock", common, env), (root / "layered", [*common, *pause_flags(root / "layered")], env)]
+    with running_servers(tiny_model_dir, specs, zygote=launch_zygote) as servers:
+        yield servers
+
+
+def _generate(server: SGLangServer, prompt: str, lora: str | None) -> dict:
+    payload: dict = {"text": prompt, "return_logprob": True,
+                     "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}}
+    if lora is not None:
+        payload["lora_path"] = lora
+    return server.post("/generate", payload, timeout_s=600.0)
+
+
+def _mixed_batch(server: SGLangServer, jobs: list[tuple[str, str | None]]) -> list[dict]:
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(lambda job: _generate(server, *job), jobs))
+
+
+def test_a_lora_server_pauses_and_resumes_within_max_loras_per_batch_and_matches_stock(lora_servers):
+    stock, layered = lora_servers
+    prefix = " ".join(PROMPTS) + " "
+    prompts = [*PROMPTS[:4], prefix + "When the cache"]
+    jobs = [(prompt, lora) for prompt in prompts for lora in (None, *ADAPTERS)]
+    with ThreadPoolExecutor(2) as pool:
+        want, got = pool.map(lambda server: _mixed_batch(server, jobs), (stock, layered))
+    log = layered.log_path.read_text()
+    assert "requests_paused" in log and "requests_resumed" in log, "no pause: the scenario did not happen"
+    assert "AssertionError" not in log and layered.post("/generate", {"text": "ok", "sampling_params": {
+        "max_new_tokens": 1}})["meta_info"]["completion_tokens"] == 1  # the scheduler is up
+    for (prompt, lora), g, w in zip(jobs, got, want, strict=True):
+        assert_same_generation(g, w, f"{lora}: {prompt[:40]}")
+    outputs = {(prompt, lora): w["output_ids"] for (prompt, lora), w in zip(jobs, want, strict=True)}
+    for prompt in prompts:  # the control: each adapter serves its own weights
+        for name in ADAPTERS:
+            assert outputs[prompt, name] != outputs[prompt, None], (name, prompt[:40])
