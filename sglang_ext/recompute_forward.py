@@ -168,7 +168,14 @@ class RecomputeForward:
         """Cut the recompute rows at each decoder layer to those still recomputed there (module
         docstring). Returns the layers wrapped (0: the model has no ``model.layers`` stack; the
         rows then run every layer and are zeroed above ``k``). A layer that does not take
-        SGLang's layer call (:meth:`layers_fit`) is left as it is."""
+        SGLang's layer call (:meth:`layers_fit`) is left as it is.
+
+        A layer whose instance ``forward`` another wrapper replaced gets the cut as a forward
+        pre-hook instead: SGLang's weight offloaders (``--cpu-offload-gb``,
+        ``--offload-group-size``) put their own ``forward`` back after every call, which dropped
+        a wrapper set over theirs after the first forward (the rows then ran every layer, zeroed
+        above ``k``: right, but none of eLLM's saving). Module hooks outlive that; elsewhere the
+        plain wrapper stays (no hook on the layer's call: its fast path)."""
         inner = getattr(model, "model", None)
         layers = getattr(inner, "layers", None)
         if not isinstance(layers, torch.nn.ModuleList):
@@ -178,26 +185,60 @@ class RecomputeForward:
         for i, layer in enumerate(layers):
             if i <= start or getattr(layer, "_kvplane_recompute", None) is self or not _takes_layer_call(layer):
                 continue  # the first layer recomputes every row (k >= 1 for each of them)
-            layer.forward = self._cutting(layer.forward, i - start)
+            if "forward" in vars(layer):  # replaced on the instance (a weight offloader's wrapper)
+                layer.register_forward_pre_hook(self._cut_hook(i - start), with_kwargs=True)
+            else:
+                layer.forward = self._cutting(layer.forward, i - start)
             layer._kvplane_recompute = self
             wrapped += 1
         return wrapped
+
+    def _cut(self, index: int, positions: torch.Tensor, hidden_states: Any,
+             forward_batch: Any) -> tuple[torch.Tensor, Any] | None:
+        """``(positions, hidden_states)`` cut to the rows layer ``index`` still runs; None when
+        nothing is cut (no recompute this step, nothing above the rows kept, or a residual stream
+        the cut cannot carry). Idempotent: a call on rows already cut cuts nothing."""
+        rows = self.rows
+        if rows is None:
+            return None
+        keep = self.batch + rows.active[index]
+        if positions.shape[0] <= keep:
+            return None
+        cut = _cut_stream(hidden_states, forward_batch, keep)
+        return None if cut is None else (positions[:keep], cut)
 
     def _cutting(self, original: Any, index: int) -> Any:
         state = self
 
         def forward(positions: torch.Tensor, hidden_states: Any, forward_batch: Any, *args: Any,
                     **kwargs: Any) -> Any:
-            rows = state.rows
-            if rows is not None:
-                keep = state.batch + rows.active[index]
-                if positions.shape[0] > keep:
-                    cut = _cut_stream(hidden_states, forward_batch, keep)
-                    if cut is not None:
-                        hidden_states, positions = cut, positions[:keep]
+            cut = state._cut(index, positions, hidden_states, forward_batch)
+            if cut is not None:
+                positions, hidden_states = cut
             return original(positions, hidden_states, forward_batch, *args, **kwargs)
 
         return forward
+
+    def _cut_hook(self, index: int) -> Any:
+        """:meth:`_cutting` as a forward pre-hook (``with_kwargs``): SGLang's layer call's first
+        three arguments, by position or by name. Under an offloader's wrapper it runs twice per
+        layer (the wrapper calls the module again); the second cuts nothing."""
+        state, names = self, LLAMA_DECODER_LAYER.args[:3]
+
+        def hook(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            call = dict(zip(names, args, strict=False))
+            call.update((name, kwargs[name]) for name in names[len(args):] if name in kwargs)
+            if len(call) < len(names):
+                return None
+            cut = state._cut(index, *(call[name] for name in names))
+            if cut is None:
+                return None
+            new = dict(zip(names[:2], cut, strict=True))
+            args = tuple(new.get(name, arg) for name, arg in zip(names, args, strict=False)) + args[len(names):]
+            kwargs = {name: new.get(name, value) for name, value in kwargs.items()}
+            return args, kwargs
+
+        return hook
 
 
 def _transformers_backend(model: Any) -> bool:

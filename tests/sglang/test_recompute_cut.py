@@ -80,42 +80,88 @@ def test_states_a_cut_cannot_carry_are_left_alone(case):
     assert stream.residual is residual and stream.pending.value.shape[0] == ROWS
 
 
+class _Layer(torch.nn.Module):
+    """Records the rows it receives; prepares, writes and records the residual stream as SGLang's
+    layers do."""
+
+    def __init__(self, i: int, seen: list[tuple[int, int]]) -> None:
+        super().__init__()
+        self.i, self.seen = i, seen
+
+    def forward(self, positions, hidden_states, forward_batch):  # noqa: ANN001, ANN201
+        self.seen.append((self.i, positions.shape[0]))
+        stream = forward_batch.residual_stream
+        value, residual = stream.input(hidden_states)  # the layer's prepare: consume, write
+        assert value.shape[0] == positions.shape[0]
+        stream.write(value if residual is None else value + residual)
+        return stream.record(torch.ones(positions.shape[0], HIDDEN), PLAIN_ADD)
+
+
+def _rows_per_layer(model, seen, by_name: bool = False) -> list[tuple[int, int]]:  # noqa: ANN001
+    """One forward of 7 rows through ``model``'s layers; the rows each layer received."""
+    seen.clear()
+    batch, hidden, positions = SimpleNamespace(residual_stream=ResidualStream()), torch.zeros(7, HIDDEN), torch.arange(7)
+    for layer in model.model.layers:
+        if by_name:
+            hidden = layer(positions, hidden_states=hidden, forward_batch=batch)
+        else:
+            hidden = layer(positions, hidden, batch)
+    return list(seen)
+
+
+def _stack(seen: list) -> SimpleNamespace:
+    return SimpleNamespace(model=SimpleNamespace(layers=torch.nn.ModuleList(_Layer(i, seen) for i in range(4)),
+                                                 start_layer=0))
+
+
+CUT = [(0, 7), (1, 7), (2, 5), (3, 2)]
+"""Rows per layer with active [5, 5, 3, 0] and 2 decode rows: prefixes of 3 (k = 3) and 2 (k = 2)."""
+
+
 def test_wrap_layers_cuts_at_each_layer_by_the_active_rows():
     """A stack of four layers recording the rows they receive; rows ordered by decreasing k."""
     seen: list[tuple[int, int]] = []
-
-    class Layer(torch.nn.Module):
-        def __init__(self, i: int) -> None:
-            super().__init__()
-            self.i = i
-
-        def forward(self, positions, hidden_states, forward_batch):  # noqa: ANN001, ANN201
-            seen.append((self.i, positions.shape[0]))
-            stream = forward_batch.residual_stream
-            value, residual = stream.input(hidden_states)  # the layer's prepare: consume, write
-            assert value.shape[0] == positions.shape[0]
-            stream.write(value if residual is None else value + residual)
-            return stream.record(torch.ones(positions.shape[0], HIDDEN), PLAIN_ADD)
-
-    model = SimpleNamespace(model=SimpleNamespace(layers=torch.nn.ModuleList(Layer(i) for i in range(4)),
-                                                  start_layer=0))
+    model = _stack(seen)
     rec = RecomputeForward()
     assert rec.wrap_layers(model) == 3
     assert rec.wrap_layers(model) == 0  # once
     rec.batch = 2
-    rec.rows = SimpleNamespace(active=[5, 5, 3, 0])  # 2 decode rows, prefixes of 3 (k = 3) and 2 (k = 2) rows
-    stream = ResidualStream()
-    batch = SimpleNamespace(residual_stream=stream)
-    hidden, positions = torch.zeros(7, HIDDEN), torch.arange(7)
-    for layer in model.model.layers:
-        hidden = layer(positions, hidden, batch)
-    assert seen == [(0, 7), (1, 7), (2, 5), (3, 2)]
-    seen.clear()
+    rec.rows = SimpleNamespace(active=[5, 5, 3, 0])
+    assert _rows_per_layer(model, seen) == CUT
     rec.rows = None  # a step without recompute: every row everywhere (the negative control)
-    batch, hidden = SimpleNamespace(residual_stream=ResidualStream()), torch.zeros(7, HIDDEN)
-    for layer in model.model.layers:
-        hidden = layer(positions, hidden, batch)
-    assert seen == [(i, 7) for i in range(4)]
+    assert _rows_per_layer(model, seen) == [(i, 7) for i in range(4)]
+
+
+@pytest.mark.parametrize("by_name", [False, True], ids=["positional", "keywords"])
+def test_the_cut_outlives_a_weight_offloaders_forward(by_name):
+    """Scenario (session 81's note): SGLang's weight offloaders (``--cpu-offload-gb``,
+    ``--offload-group-size``; ``_hook_module_forward_raw``) put their own ``forward`` back on the
+    layer after every call, so a cut set over theirs lasted one forward: later steps ran the
+    recompute rows through every layer (right, zeroed above ``k``, but none of eLLM's saving).
+    Such layers get the cut as a forward pre-hook: every forward is cut, whether SGLang passes the
+    call by position or by name. Control: the plain wrapper over the offloader's (the code before)
+    cuts the first forward only."""
+    from sglang.srt.utils.offloader import _hook_module_forward_raw
+
+    results = {}
+    for hooked in (True, False):
+        seen: list[tuple[int, int]] = []
+        model = _stack(seen)
+        for layer in model.model.layers:  # as the offloaders do at model build
+            _hook_module_forward_raw(layer, on_forward_end=lambda: None, get_parameter_and_buffer_dicts=dict)
+        rec = RecomputeForward()
+        if hooked:
+            assert rec.wrap_layers(model) == 3
+        else:
+            for i, layer in enumerate(model.model.layers[1:], start=1):
+                layer.forward = rec._cutting(layer.forward, i)
+        rec.batch, rec.rows = 2, SimpleNamespace(active=[5, 5, 3, 0])
+        results[hooked] = [_rows_per_layer(model, seen, by_name) for _ in range(3)]
+        if hooked:
+            rec.rows = None
+            assert _rows_per_layer(model, seen, by_name) == [(i, 7) for i in range(4)]
+    assert results[True] == [CUT] * 3
+    assert results[False][0] == CUT and results[False][1] == [(i, 7) for i in range(4)]
 
 
 def test_layers_of_another_call_are_not_wrapped_and_recompute_is_not_offered():
