@@ -44,7 +44,8 @@ radix-tree lock, and the step boundary merges it back later. SGLang's own calls 
   counted too (:func:`around_can_schedule_lora_req`), so a resume never brings back more distinct
   adapters than one batch may hold. Before, a resume did, and SGLang's LoRA manager's assertion
   stopped the scheduler (LoRA check, session 81; from then until session 82 a LoRA server paused
-  nothing).
+  nothing). SGLang's LoRA drainer (``--lora-drain-wait-threshold``) sees the parked requests as
+  running too (:func:`drainer_seeing_parked`, bound to the scheduler's drainer instance).
 """
 
 from __future__ import annotations
@@ -204,7 +205,23 @@ def around_can_schedule_lora_req(original: Any, scheduler: Any, req: Any, runnin
     resume back, neither adds one, so no resume can overflow the batch's adapter slots."""
     hooks = _hooks_of(scheduler)
     if hooks is not None and len(hooks.pauser):
-        parked = {p.req.lora_id for p in hooks.pauser.parked() if not p.req.finished()}
+        parked = hooks.pauser.lora_ids  # kept with the parked set: no pass over it per call
         if not parked <= running_loras:
             running_loras = running_loras | parked
     return original(scheduler, req, running_loras, *args, **kwargs)
+
+
+def drainer_seeing_parked(original: Any, pauser: Any) -> Any:
+    """SGLang's LoRA drainer's ``update_draining_state`` (``--lora-drain-wait-threshold``: an
+    adapter waiting too long has running ones drained -- admitting no new request of theirs --
+    until a slot frees) with the parked requests among the running ones. Without them the drainer
+    counted too few adapters to start a drain while parked ones held slots, and took an adapter
+    whose requests were all parked as drained, re-admitting it (review of session 82's LoRA fix).
+    Bound to the scheduler's drainer instance (:class:`~sglang_ext.scheduler_hooks.SchedulerHooks`)."""
+
+    def update_draining_state(waiting_queue: Any, running_reqs: Any, *args: Any, **kwargs: Any) -> Any:
+        if len(pauser):
+            running_reqs = [*running_reqs, *(p.req for p in pauser.parked() if not p.req.finished())]
+        return original(waiting_queue, running_reqs, *args, **kwargs)
+
+    return update_draining_state

@@ -142,6 +142,9 @@ class PauseManager:
         in_flight_steps: int = 0,
     ) -> None:
         self._parked: dict[str, ParkedRequest] = {}
+        self._adapters: dict[Any, int] = {}
+        """Parked requests per LoRA adapter (``req.lora_id``; None: the base model), kept with
+        ``_parked`` (:attr:`lora_ids`)."""
         self.in_flight_steps = in_flight_steps
         """Steps launched but not yet processed at a boundary (1 under SGLang's overlap loop): each
         commits one more output token of the requests it carries before a pause takes effect."""
@@ -169,6 +172,22 @@ class PauseManager:
 
     def parked(self) -> list[ParkedRequest]:
         return list(self._parked.values())
+
+    @property
+    def lora_ids(self) -> Any:
+        """The LoRA adapters of the parked requests (a live keys view; SGLang's admission counts
+        them, ``parked_lifecycle.around_can_schedule_lora_req``). A request that finished while
+        parked is forgotten at the same step's end (:meth:`drop_finished`), before the next
+        admission."""
+        return self._adapters.keys()
+
+    def _count_adapter(self, req: Any, change: int) -> None:
+        lora = getattr(req, "lora_id", None)
+        left = self._adapters.get(lora, 0) + change
+        if left > 0:
+            self._adapters[lora] = left
+        else:
+            self._adapters.pop(lora, None)
 
     def __contains__(self, rid: object) -> bool:
         return rid in self._parked
@@ -237,6 +256,7 @@ class PauseManager:
             )
             running_batch.batch_is_full = False
             self._parked[rid] = ParkedRequest(req=req, batch=taken, since_step=step)
+            self._count_adapter(req, 1)
             done.append(rid)
             self._emit(ResidencyEventKind.PAUSED, req)
         if done:
@@ -285,6 +305,7 @@ class PauseManager:
             parked = self._parked.pop(rid, None)
             if parked is None:
                 continue
+            self._count_adapter(parked.req, -1)
             batch = parked.batch
             from sglang_ext.compat import SamplingBatchInfo
 
@@ -321,6 +342,7 @@ class PauseManager:
             parked = self._parked.get(rid)
             if parked is not None and parked.req.finished():
                 del self._parked[rid]
+                self._count_adapter(parked.req, -1)
                 dropped.append(rid)
         if dropped:
             log.info("paused_requests_finished", rids=dropped)

@@ -171,10 +171,10 @@ class RecomputeForward:
         SGLang's layer call (:meth:`layers_fit`) is left as it is.
 
         A layer whose instance ``forward`` another wrapper replaced gets the cut as a forward
-        pre-hook instead: SGLang's weight offloaders (``--cpu-offload-gb``,
-        ``--offload-group-size``) put their own ``forward`` back after every call, which dropped
-        a wrapper set over theirs after the first forward (the rows then ran every layer, zeroed
-        above ``k``: right, but none of eLLM's saving). Module hooks outlive that; elsewhere the
+        pre-hook instead: SGLang's ``--cpu-offload-gb`` offloader (``OffloaderV1``; V2's
+        ``--offload-group-size`` wraps DeepSeek-V2's MLPs, not layers) puts its own ``forward``
+        back after every call, which dropped a wrapper set over theirs after the first forward
+        (the rows then ran every layer, zeroed above ``k``: right, but none of eLLM's saving). Module hooks outlive that; elsewhere the
         plain wrapper stays (no hook on the layer's call: its fast path)."""
         inner = getattr(model, "model", None)
         layers = getattr(inner, "layers", None)

@@ -120,6 +120,11 @@ class SchedulerHooks:
         self.installer = PlacementInstaller(self.pool, self.layers)
         tree_hooks = getattr(getattr(scheduler, "tree_cache", None), "residency_hooks", None)
         self.pauser = PauseManager(hooks=tree_hooks, pages_of=self.pages_of, in_flight_steps=int(self.overlap))
+        drainer = getattr(scheduler, "lora_drainer", None)
+        if drainer is not None:  # SGLang's LoRA drainer counts the parked requests' adapters too
+            drainer.update_draining_state = parked_lifecycle.drainer_seeing_parked(
+                drainer.update_draining_state, self.pauser)
+            log.info("kvplane_lora_drainer_counts_parked")
         self.prefill_adders: dict[type, type] = {}
         """SGLang's prefill adder classes -> their subclass reserving parked requests' decode tokens
         (:func:`sglang_ext.parked_lifecycle.reserving_adder`)."""

@@ -16,7 +16,8 @@ __all__ = ["SCHEDULER_ABORT_REQUEST", "SCHEDULER_PAUSE_GENERATION", "PAUSE_GENER
            "SCHEDULER_UPDATE_RUNNING_BATCH", "SCHEDULER_FINISHING_INFLIGHT", "BATCH_CHECK_DECODE_MEM",
            "SCHEDULER_PREFILL_ADDER_CLASS", "PREFILL_ADDER", "PREFILL_BUDGET", "SCHEDULER_INIT_LOAD_INQUIRER",
            "SCHEDULER_LOAD_STATE", "SCHEDULER_LOAD_INQUIRER", "SCHEDULER_POLL_TIMEOUT_ABORTS",
-           "SCHEDULER_TIMEOUT_STATE", "SCHEDULER_CAN_SCHEDULE_LORA_REQ"]
+           "SCHEDULER_TIMEOUT_STATE", "SCHEDULER_CAN_SCHEDULE_LORA_REQ",
+           "SCHEDULER_LORA_DRAINER", "LORA_DRAINER_UPDATE"]
 
 SCHEDULER_ABORT_REQUEST = Target(f"{_SCHEDULER}.abort_request", params=("self", "recv_req"),
                                  used_by=("parked_lifecycle",))
@@ -75,3 +76,10 @@ SCHEDULER_CAN_SCHEDULE_LORA_REQ = Target(f"{_SCHEDULER}.can_schedule_lora_req", 
 """Prefill admission under ``--enable-lora``: whether ``req``'s adapter fits with ``running_loras``
 (the running batch's adapters and those admitted so far, ``--max-loras-per-batch``); kvplane adds
 the parked requests' adapters, which come back at their resume."""
+SCHEDULER_LORA_DRAINER = Target(_SCHEDULER, attrs=("lora_drainer",), used_by=("scheduler_hooks",))
+"""SGLang's LoRA drainer (``--lora-drain-wait-threshold`` > 0; None otherwise), built in the
+scheduler's ``__init__``; kvplane binds its update to the parked requests too."""
+LORA_DRAINER_UPDATE = Target("sglang.srt.lora.lora_drainer.LoRADrainer.update_draining_state",
+                             params=("self", "waiting_queue", "running_reqs"), used_by=("parked_lifecycle",))
+"""Once per prefill admission pass: which adapters drain (admit no new request) so that a starving
+one gets a slot, from the running requests' adapters; kvplane adds the parked ones."""

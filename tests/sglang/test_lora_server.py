@@ -13,7 +13,8 @@ server start side by side with the same LoRA flags, and the test-only shim that 
 LoRA layers allocate without CUDA (``lora_shim/``). A mixed batch -- base, A and B on short
 prompts and on a ~450-token shared prefix -- is sent to each at once: the layered server pauses
 and resumes requests, stays up, and every output matches stock's (greedy tokens and per-token
-logprobs). Control: each adapter changes the base model's output, so the comparison sees which
+logprobs). SGLang's LoRA drainer is on (``--lora-drain-wait-threshold``) and sees the parked
+requests (``parked_lifecycle.drainer_seeing_parked``). Control: each adapter changes the base model's output, so the comparison sees which
 adapter served a request.
 """
 
@@ -38,7 +39,7 @@ NEW_TOKENS = 48
 ADAPTERS = {"A": (1, 8), "B": (2, 4)}
 """Adapter name -> (seed, rank)."""
 LORA = ["--enable-lora", "--lora-backend", "torch_native", "--max-loras-per-batch", "2",
-        "--max-total-tokens", "4096", "--disable-overlap-schedule"]
+        "--max-total-tokens", "4096", "--disable-overlap-schedule", "--lora-drain-wait-threshold", "0.5"]
 
 
 def _write_adapter(model_dir: Path, out: Path, seed: int, rank: int) -> Path:
@@ -105,6 +106,7 @@ def test_a_lora_server_pauses_and_resumes_within_max_loras_per_batch_and_matches
         want, got = pool.map(lambda server: _mixed_batch(server, jobs), (stock, layered))
     log = layered.log_path.read_text()
     assert "requests_paused" in log and "requests_resumed" in log, "no pause: the scenario did not happen"
+    assert "kvplane_lora_drainer_counts_parked" in log  # SGLang's drainer (the threshold) sees them too
     assert "AssertionError" not in log and layered.post("/generate", {"text": "ok", "sampling_params": {
         "max_new_tokens": 1}})["meta_info"]["completion_tokens"] == 1  # the scheduler is up
     for (prompt, lora), g, w in zip(jobs, got, want, strict=True):

@@ -134,8 +134,8 @@ def test_wrap_layers_cuts_at_each_layer_by_the_active_rows():
 
 @pytest.mark.parametrize("by_name", [False, True], ids=["positional", "keywords"])
 def test_the_cut_outlives_a_weight_offloaders_forward(by_name):
-    """Scenario (session 81's note): SGLang's weight offloaders (``--cpu-offload-gb``,
-    ``--offload-group-size``; ``_hook_module_forward_raw``) put their own ``forward`` back on the
+    """Scenario (session 81's note): SGLang's ``--cpu-offload-gb`` weight offloader
+    (``OffloaderV1``; ``_hook_module_forward_raw``, as V2's) puts its own ``forward`` back on the
     layer after every call, so a cut set over theirs lasted one forward: later steps ran the
     recompute rows through every layer (right, zeroed above ``k``, but none of eLLM's saving).
     Such layers get the cut as a forward pre-hook: every forward is cut, whether SGLang passes the
