@@ -46,6 +46,16 @@ radix-tree lock, and the step boundary merges it back later. SGLang's own calls 
   stopped the scheduler (LoRA check, session 81; from then until session 82 a LoRA server paused
   nothing). SGLang's LoRA drainer (``--lora-drain-wait-threshold``) sees the parked requests as
   running too (:func:`drainer_seeing_parked`, bound to the scheduler's drainer instance).
+* ``Scheduler.collect_inflight_reqs``: the requests in flight include the parked ones. Its
+  callers: a weight-version change (``/update_weight_version``, ``update_weights_*`` with a
+  ``weight_version``) records the old version's token count on each request in flight, from
+  which a finished request's ``meta_info["weight_versions"]`` spans come; a parked request's
+  old-weight tokens were reported as the new version's (scheduler audit, session 82). SGLang's
+  abort marks matching requests in flight (a parked match was resumed first, above).
+* ``Scheduler.get_num_allocatable_reqs``: the running batch's size it subtracts from the
+  micro-batch cap (``--pp-max-micro-batch-size``, ``/set_internal_state``) counts the parked
+  requests, which join the batch at their resume (before, a resume could take the batch past
+  the cap; the cap's default, ``--max-running-requests``, was held by the request rows anyway).
 """
 
 from __future__ import annotations
@@ -225,3 +235,18 @@ def drainer_seeing_parked(original: Any, pauser: Any) -> Any:
         return original(waiting_queue, running_reqs, *args, **kwargs)
 
     return update_draining_state
+
+
+def around_collect_inflight_reqs(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    reqs = original(scheduler, *args, **kwargs)
+    hooks = _hooks_of(scheduler)
+    if hooks is None or not len(hooks.pauser):
+        return reqs
+    return {*reqs, *(p.req for p in hooks.pauser.parked())}
+
+
+def around_num_allocatable_reqs(original: Any, scheduler: Any, running_bs: int, *args: Any, **kwargs: Any) -> Any:
+    hooks = _hooks_of(scheduler)
+    if hooks is not None and len(hooks.pauser):
+        running_bs += len(hooks.pauser)
+    return original(scheduler, running_bs, *args, **kwargs)

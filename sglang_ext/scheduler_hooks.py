@@ -34,8 +34,8 @@ Hook points:
   the device sync), finished requests released from the pool, and on rank 0 the step report
   (:meth:`StepReporter.end_step`) and the stats line.
 * AROUND ``Scheduler.abort_request``, ``pause_generation``, ``update_running_batch``,
-  ``is_fully_idle``, ``get_prefill_adder_class``, ``init_load_inquirer``, ``_poll_timeout_aborts``
-  and ``can_schedule_lora_req``: SGLang's calls that must see parked requests (:mod:`sglang_ext.parked_lifecycle`).
+  ``is_fully_idle``, ``get_prefill_adder_class``, ``init_load_inquirer``, ``_poll_timeout_aborts``,
+  ``can_schedule_lora_req``, ``collect_inflight_reqs`` and ``get_num_allocatable_reqs``: SGLang's calls that must see parked requests (:mod:`sglang_ext.parked_lifecycle`).
 * AFTER ``Scheduler._add_request_to_queue``: a request that asked for its placement info is noted.
 """
 
@@ -317,8 +317,13 @@ class SchedulerHooks:
         if len(finished) > 1:
             finished = tuple(dict.fromkeys(finished))
         self._ended = frozenset(finished) if finished or ended else ended
-        if finished and len(self.pauser):  # overlap loop: a request parked while its last step ran
-            self.pauser.drop_finished(finished)
+        if finished and len(self.pauser) and self.pauser.drop_finished(finished):
+            # overlap loop: a request parked while its last step ran. Its row and KV are freed, so
+            # admission may go on: SGLang clears a full batch's flag only when a running request
+            # leaves it (scheduler audit, session 82)
+            running = getattr(self.scheduler, "running_batch", None)
+            if running is not None:
+                running.batch_is_full = False
         for rid in finished:
             try:
                 self.installer.release(rid)
@@ -474,6 +479,8 @@ def register(hook_registry: Any, hook_type: Any, ctx: PluginContext) -> None:
                          (compat.SCHEDULER_INIT_LOAD_INQUIRER, parked_lifecycle.around_init_load_inquirer),
                          (compat.SCHEDULER_UPDATE_RUNNING_BATCH, parked_lifecycle.around_update_running_batch),
                          (compat.SCHEDULER_POLL_TIMEOUT_ABORTS, parked_lifecycle.around_poll_timeout_aborts),
-                         (compat.SCHEDULER_CAN_SCHEDULE_LORA_REQ, parked_lifecycle.around_can_schedule_lora_req)):
+                         (compat.SCHEDULER_CAN_SCHEDULE_LORA_REQ, parked_lifecycle.around_can_schedule_lora_req),
+                         (compat.SCHEDULER_COLLECT_INFLIGHT_REQS, parked_lifecycle.around_collect_inflight_reqs),
+                         (compat.SCHEDULER_NUM_ALLOCATABLE_REQS, parked_lifecycle.around_num_allocatable_reqs)):
         hook_registry.register(target.path, hook, hook_type.AROUND)  # parked requests' lifecycle
     hook_registry.register(compat.SCHEDULER_ADD_REQUEST_TO_QUEUE.path, _after_add_request_to_queue, hook_type.AFTER)

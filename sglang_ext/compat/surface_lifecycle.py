@@ -17,7 +17,8 @@ __all__ = ["SCHEDULER_ABORT_REQUEST", "SCHEDULER_PAUSE_GENERATION", "PAUSE_GENER
            "SCHEDULER_PREFILL_ADDER_CLASS", "PREFILL_ADDER", "PREFILL_BUDGET", "SCHEDULER_INIT_LOAD_INQUIRER",
            "SCHEDULER_LOAD_STATE", "SCHEDULER_LOAD_INQUIRER", "SCHEDULER_POLL_TIMEOUT_ABORTS",
            "SCHEDULER_TIMEOUT_STATE", "SCHEDULER_CAN_SCHEDULE_LORA_REQ",
-           "SCHEDULER_LORA_DRAINER", "LORA_DRAINER_UPDATE"]
+           "SCHEDULER_LORA_DRAINER", "LORA_DRAINER_UPDATE", "SCHEDULER_COLLECT_INFLIGHT_REQS",
+           "SCHEDULER_NUM_ALLOCATABLE_REQS", "BATCH_IS_FULL"]
 
 SCHEDULER_ABORT_REQUEST = Target(f"{_SCHEDULER}.abort_request", params=("self", "recv_req"),
                                  used_by=("parked_lifecycle",))
@@ -83,3 +84,15 @@ LORA_DRAINER_UPDATE = Target("sglang.srt.lora.lora_drainer.LoRADrainer.update_dr
                              params=("self", "waiting_queue", "running_reqs"), used_by=("parked_lifecycle",))
 """Once per prefill admission pass: which adapters drain (admit no new request) so that a starving
 one gets a slot, from the running requests' adapters; kvplane adds the parked ones."""
+SCHEDULER_COLLECT_INFLIGHT_REQS = Target(f"{_SCHEDULER}.collect_inflight_reqs", params=("self",),
+                                         used_by=("parked_lifecycle",))
+"""The requests in flight (running and last batch): a weight-version change records its event on
+each (``record_weight_version_change``), and an abort marks matching ones; plus the parked."""
+SCHEDULER_NUM_ALLOCATABLE_REQS = Target(f"{_SCHEDULER}.get_num_allocatable_reqs", params=("self", "running_bs"),
+                                        used_by=("parked_lifecycle",))
+"""Requests a prefill may still admit: ``min(micro-batch cap - running_bs, free request rows)``;
+kvplane counts the parked requests into ``running_bs``."""
+BATCH_IS_FULL = Target("sglang.srt.managers.schedule_batch.ScheduleBatch", attrs=("batch_is_full",),
+                       used_by=("scheduler_hooks",))
+"""Admission is shut while set; SGLang clears it when a running request leaves, kvplane when a
+request that finished while parked is dropped."""

@@ -1,0 +1,131 @@
+"""SGLang's views of the requests in flight include the parked ones (scheduler audit, session 82).
+
+Each runs SGLang 0.5.23's own method (its runtime-context getters stood in) with kvplane's hook
+and without it (the control): a weight-version change's per-request events
+(``Scheduler.collect_inflight_reqs``), the micro-batch cap of prefill admission
+(``Scheduler.get_num_allocatable_reqs``), and the full-batch flag once a request that finished
+while parked is dropped (``SchedulerHooks.end_step``).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from sglang_ext import parked_lifecycle
+from sglang_ext.pause import PauseManager
+from tests.sglang.test_parked_lifecycle import _batch, _fresh_sampling, _req  # noqa: F401 (a fixture)
+from tests.sglang.test_pause_finishing import _Req
+
+pytest.importorskip("sglang")
+
+from sglang.srt.managers import scheduler as sglang_scheduler  # noqa: E402
+from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
+
+
+class _HashedReq(_Req):
+    """Hashed by identity, as SGLang's ``Req``."""
+
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__
+
+
+def _hooked(pauser: PauseManager, **attrs: Any) -> SimpleNamespace:
+    return SimpleNamespace(_kvplane=SimpleNamespace(pauser=pauser), **attrs)
+
+
+def _spans_after_a_weight_update(monkeypatch: pytest.MonkeyPatch, park: bool, hooked: bool) -> dict[str, list]:
+    """Two requests with 5 tokens under v1; ``/update_weight_version`` to v2 (b parked or not);
+    3 more tokens each under v2: each request's weight-version spans, as its finish reports them."""
+    from sglang.srt.utils.weight_versions import compute_weight_version_spans
+
+    state = {"weight_version": "v1"}
+    monkeypatch.setattr(sglang_scheduler, "get_parallel", lambda: SimpleNamespace(pp_size=1))
+    monkeypatch.setattr(sglang_scheduler, "get_serving", lambda: SimpleNamespace(weight_version=state["weight_version"]))
+    monkeypatch.setattr(sglang_scheduler, "get_context",
+                        lambda: SimpleNamespace(override=lambda source, **kw: state.update(kw)))
+    a, b = _HashedReq("a", 5, 100), _HashedReq("b", 5, 100)
+    for req in (a, b):
+        req.weight_version_events = []
+    pauser = PauseManager()
+    sched = _hooked(pauser, running_batch=_batch(a, b), last_batch=None, waiting_queue=[], chunked_req=None,
+                    hisparse_coordinator=None, enable_continuous_input_polling=False, result_queue=None)
+    sched._collect_inflight_batches = lambda: Scheduler._collect_inflight_batches(sched)
+    collect = Scheduler.collect_inflight_reqs
+    sched.collect_inflight_reqs = (lambda: parked_lifecycle.around_collect_inflight_reqs(collect, sched)) if hooked \
+        else (lambda: collect(sched))
+    if park:
+        assert pauser.pause(sched.running_batch, ["b"], step=1) == ["b"]
+    Scheduler.record_weight_version_change(sched, new_version="v2")
+    sched.running_batch, _ = pauser.resume_all(sched.running_batch)
+    spans = {}
+    for req in (a, b):
+        req.output_ids += [0] * 3
+        got = compute_weight_version_spans(req.weight_version_events, current_version="v2",
+                                           num_output_tokens=len(req.output_ids))
+        spans[req.rid] = [(s.version, s.start, s.end) for s in got]
+    return spans
+
+
+def test_a_weight_update_splits_a_parked_requests_tokens_by_version(monkeypatch):
+    """Scenario: an RL loop updates the weights (with a version) while requests decode; a finished
+    request reports which of its tokens each version produced. A parked request's 5 tokens under
+    v1 were reported as v2's. With the hook they split as the running request's do; control:
+    without it the parked request's span is v2's alone."""
+    want = _spans_after_a_weight_update(monkeypatch, park=False, hooked=True)
+    assert want == {rid: [("v1", 0, 5), ("v2", 5, 8)] for rid in "ab"}
+    assert _spans_after_a_weight_update(monkeypatch, park=True, hooked=True) == want
+    unhooked = _spans_after_a_weight_update(monkeypatch, park=True, hooked=False)
+    assert unhooked["a"] == want["a"] and unhooked["b"] == [("v2", 0, 8)]
+    assert _spans_after_a_weight_update(monkeypatch, park=False, hooked=False) == want  # nothing parked: as SGLang
+
+
+def test_the_micro_batch_cap_counts_parked_requests(monkeypatch):
+    """A micro-batch cap of 4 (``--pp-max-micro-batch-size``, ``/set_internal_state``) below 16
+    request rows; 4 running, 3 of them parked: SGLang admitted 3 more, and the resume made a batch
+    of 7. With the hook: none (4 in the batch once resumed); the rows' limit is unchanged.
+    Control: without it, 3."""
+    monkeypatch.setattr(sglang_scheduler, "get_parallel", lambda: SimpleNamespace(pp_max_micro_batch_size=4))
+    pauser = PauseManager()
+    sched = _hooked(pauser, running_batch=_batch(*[_req(f"r{i}") for i in range(4)]),
+                    beam_coordinator=SimpleNamespace(pending_member_rows=lambda batch: 0))
+    sched.req_to_token_pool = SimpleNamespace(available_size=lambda: 16 - len(sched.running_batch.reqs) - len(pauser))
+    original = Scheduler.get_num_allocatable_reqs
+
+    def allocatable(hooked: bool) -> int:
+        bs = len(sched.running_batch.reqs)
+        if hooked:
+            return parked_lifecycle.around_num_allocatable_reqs(original, sched, bs, running_batch=sched.running_batch)
+        return original(sched, bs, running_batch=sched.running_batch)
+
+    assert allocatable(True) == allocatable(False) == 0  # nothing parked: SGLang's figure
+    assert pauser.pause(sched.running_batch, ["r0", "r1", "r2"], step=1) == ["r0", "r1", "r2"]
+    assert allocatable(True) == 0
+    assert allocatable(False) == 3  # the control
+    sched.req_to_token_pool = SimpleNamespace(available_size=lambda: 1)  # rows bind first: kept
+    assert allocatable(True) == 0 and allocatable(False) == 1
+
+
+def test_dropping_a_request_that_finished_while_parked_reopens_admission():
+    """Under the overlap loop a request parked while its last step ran finishes at that step's
+    end: its row and KV are freed, but a full batch's flag (set when admission found no room)
+    stayed set -- SGLang clears it only when a running request leaves -- and no prefill ran until
+    one did. Control: a step that drops nothing leaves the flag as SGLang set it."""
+    from sglang_ext.scheduler_hooks import SchedulerHooks
+
+    for finishes in (True, False):
+        running = _batch(_req("a"), _req("b"))
+        pauser = PauseManager()
+        assert pauser.pause(running, ["b"], step=1) == ["b"]
+        parked = pauser.parked()[0].req
+        parked.done = finishes
+        running.batch_is_full = True
+        hooks = SimpleNamespace(clock=SimpleNamespace(processed=lambda: 1.0), timer=None, step=0, _ended=frozenset(),
+                                pauser=pauser, installer=SimpleNamespace(release=lambda rid: None), metrics=None,
+                                reporter=None, scheduler=SimpleNamespace(running_batch=running))
+        step = SimpleNamespace(reqs=[parked], forward_mode=SimpleNamespace(is_decode=lambda: True))
+        SchedulerHooks.end_step(hooks, step)
+        assert len(pauser) == (0 if finishes else 1)
+        assert running.batch_is_full is not finishes
