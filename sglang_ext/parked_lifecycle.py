@@ -27,7 +27,8 @@ radix-tree lock, and the step boundary merges it back later. SGLang's own calls 
   will decode theirs after resuming, so the adder it builds reserves theirs too
   (:func:`reserving_adder`). Before, new prompts were admitted into that room, and when the pool
   filled every parked request was merged back and SGLang retracted requests: their KV dropped and
-  prefilled again.
+  prefilled again. Its priority preemption (``preempt_to_schedule``) finds the parked requests
+  it may preempt merged back first (:func:`_preempting`).
 * ``Scheduler.init_load_inquirer``: SGLang's load snapshot (``/v1/loads``, DP balancing, the
   router's load gauge) counts the running batch's requests; the inquirer's running batch then
   includes the parked ones (:func:`around_init_load_inquirer`). Their KV was counted already
@@ -135,12 +136,15 @@ def around_update_running_batch(original: Any, scheduler: Any, batch: Any, *args
     return original(scheduler, batch, *args, **kwargs)
 
 
-def reserving_adder(base: Any, pauser: Any, made: dict[Any, type]) -> type:
+def reserving_adder(base: Any, hooks: Any, made: dict[Any, type]) -> type:
     """``base`` (SGLang's ``PrefillAdder`` class) subclassed so that a new adder also reserves the
-    decode tokens of ``pauser``'s parked requests, as ``base`` does for the running batch's;
-    built once per ``base`` (``made`` keeps them: a scheduler hooks object's)."""
+    decode tokens of the parked requests (``hooks.pauser``), as ``base`` does for the running
+    batch's, and so that its priority preemption can choose them (:func:`_preempting`); built once
+    per ``base`` (``made`` keeps them: a scheduler hooks object's)."""
     cls = made.get(base)
     if cls is None:
+        pauser = hooks.pauser
+
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
             base.__init__(self, *args, **kwargs)
             parked = pauser.parked() if len(pauser) else ()
@@ -148,10 +152,40 @@ def reserving_adder(base: Any, pauser: Any, made: dict[Any, type]) -> type:
                 self.memory_budget.total_offset += sum(
                     self._get_running_request_total_token_offset(p.req) for p in parked)
 
-        cls = made[base] = type(base.__name__, (base,), {"__init__": __init__, "__module__": base.__module__,
-                                                         "__qualname__": base.__qualname__})
+        def preempt_to_schedule(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+            if len(pauser):
+                _preempting(hooks, self, req)
+            return base.preempt_to_schedule(self, req, *args, **kwargs)
+
+        cls = made[base] = type(base.__name__, (base,), {
+            "__init__": __init__, "preempt_to_schedule": preempt_to_schedule, "__module__": base.__module__,
+            "__qualname__": base.__qualname__})
         log.info("kvplane_prefill_adder_reserves_parked", base=base.__qualname__)
     return cls
+
+
+def _preempting(hooks: Any, adder: Any, req: Any) -> None:
+    """Before SGLang's priority preemption for ``req`` (``--enable-priority-scheduling``), the
+    parked requests it could preempt -- a priority lower than ``req``'s by more than the threshold,
+    in SGLang's order (``schedule_low_priority_values_first``) -- are merged back into the running
+    batch, where its choice includes them. Before, it preempted running requests of a higher
+    priority than parked ones (their KV dropped and prefilled again), or refused ``req``, while
+    the parked ones kept their KV (scheduler audit, session 82). Their reservation is in the
+    adder's budget already (``__init__`` above), which a preemption takes back as for running
+    ones; those not preempted stay resumed, and the step boundary may pause them again."""
+    batch = getattr(adder, "running_batch", None)
+    if batch is None or batch.is_empty() or getattr(req, "priority", None) is None:
+        return
+    from sglang_ext.compat import get_schedule
+
+    sign = 1 if get_schedule().schedule_low_priority_values_first else -1
+    threshold = adder.priority_scheduling_preemption_threshold
+
+    def lower(parked: Any) -> bool:
+        return (parked.priority is not None and not parked.finished()
+                and (req.priority - parked.priority) * -sign > threshold)
+
+    _resume(hooks, batch, lower, "paused_requests_resumed_for_preemption")  # non-empty: in place
 
 
 def around_prefill_adder_class(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
@@ -159,7 +193,7 @@ def around_prefill_adder_class(original: Any, scheduler: Any, *args: Any, **kwar
     hooks = _hooks_of(scheduler)
     if hooks is None:
         return base
-    return reserving_adder(base, hooks.pauser, hooks.prefill_adders)
+    return reserving_adder(base, hooks, hooks.prefill_adders)
 
 
 def around_init_load_inquirer(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:

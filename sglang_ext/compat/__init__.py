@@ -9,7 +9,7 @@ Everything else in ``sglang_ext/`` reaches SGLang through here:
 * **SGLang objects**, imported on first access (PEP 562), so importing this package stays light
   (no torch, no SGLang) and ``plugin.py`` / ``args.py`` can import it at module level:
   ``HookRegistry``, ``HookType``, ``RadixCache``, ``TreeNode``, ``MHATokenToKVPool``,
-  ``unwrap_write_loc``, ``TorchNativeAttnBackend``, ``SamplingBatchInfo``, ``broadcast_pyobj``,
+  ``unwrap_write_loc``, ``TorchNativeAttnBackend``, ``SamplingBatchInfo``, ``get_schedule``, ``broadcast_pyobj``,
   ``register_radix_cache_backend``, ``get_radix_cache_factory``, ``get_attn_backend``, the OpenAI
   response models ``SglExt``, ``CompletionResponse``, ``CompletionStreamResponse``,
   ``ChatCompletionResponse``, ``ChatCompletionStreamResponse``, ``ResponsesResponse``,
@@ -52,6 +52,7 @@ from sglang_ext.compat.surface import (
     RADIX_CACHE,
     REGISTER_RADIX_CACHE_BACKEND,
     SAMPLING_BATCH_INFO,
+    SCHEDULE_POLICY_GET_SCHEDULE,
     TORCH_NATIVE_ATTN_BACKEND,
     TREE_NODE,
     TYPE_BASED_DISPATCHER,
@@ -74,6 +75,7 @@ _LAZY: MappingProxyType[str, Target] = MappingProxyType({
     "unwrap_write_loc": UNWRAP_WRITE_LOC,
     "TorchNativeAttnBackend": TORCH_NATIVE_ATTN_BACKEND,
     "SamplingBatchInfo": SAMPLING_BATCH_INFO,
+    "get_schedule": SCHEDULE_POLICY_GET_SCHEDULE,
     "broadcast_pyobj": BROADCAST_PYOBJ,
     "register_radix_cache_backend": REGISTER_RADIX_CACHE_BACKEND,
     "get_radix_cache_factory": GET_RADIX_CACHE_FACTORY,

@@ -18,7 +18,7 @@ __all__ = ["SCHEDULER_ABORT_REQUEST", "SCHEDULER_PAUSE_GENERATION", "PAUSE_GENER
            "SCHEDULER_LOAD_STATE", "SCHEDULER_LOAD_INQUIRER", "SCHEDULER_POLL_TIMEOUT_ABORTS",
            "SCHEDULER_TIMEOUT_STATE", "SCHEDULER_CAN_SCHEDULE_LORA_REQ",
            "SCHEDULER_LORA_DRAINER", "LORA_DRAINER_UPDATE", "SCHEDULER_COLLECT_INFLIGHT_REQS",
-           "SCHEDULER_NUM_ALLOCATABLE_REQS", "BATCH_IS_FULL"]
+           "SCHEDULER_NUM_ALLOCATABLE_REQS", "BATCH_IS_FULL", "SCHEDULE_POLICY_GET_SCHEDULE"]
 
 SCHEDULER_ABORT_REQUEST = Target(f"{_SCHEDULER}.abort_request", params=("self", "recv_req"),
                                  used_by=("parked_lifecycle",))
@@ -54,7 +54,16 @@ SCHEDULER_PREFILL_ADDER_CLASS = Target(f"{_SCHEDULER}.get_prefill_adder_class", 
 """The class of each prefill's admission (``PrefillAdder``); it reserves the running requests'
 remaining decode tokens, and kvplane's subclass the parked requests' too."""
 PREFILL_ADDER = Target("sglang.srt.managers.schedule_policy.PrefillAdder",
-                       attrs=("memory_budget", "_get_running_request_total_token_offset"), used_by=("parked_lifecycle",))
+                       attrs=("memory_budget", "_get_running_request_total_token_offset", "preempt_to_schedule",
+                              "running_batch", "priority_scheduling_preemption_threshold"),
+                       used_by=("parked_lifecycle",))
+"""``preempt_to_schedule(req)`` (``--enable-priority-scheduling``): frees room for ``req`` by
+preempting running requests of a priority lower by more than the threshold; kvplane resumes the
+parked ones of such a priority first, so that SGLang's choice includes them."""
+SCHEDULE_POLICY_GET_SCHEDULE = Target("sglang.srt.managers.schedule_policy.get_schedule",
+                                      used_by=("parked_lifecycle",))
+"""The scheduling settings ``preempt_to_schedule`` reads its priority order from
+(``schedule_low_priority_values_first``)."""
 PREFILL_BUDGET = Target("sglang.srt.mem_cache.prefill_budget.PrefillBudget", attrs=("total_offset",),
                         used_by=("parked_lifecycle",))
 SCHEDULER_INIT_LOAD_INQUIRER = Target(f"{_SCHEDULER}.init_load_inquirer", params=("self",),

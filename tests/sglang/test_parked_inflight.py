@@ -129,3 +129,72 @@ def test_dropping_a_request_that_finished_while_parked_reopens_admission():
         SchedulerHooks.end_step(hooks, step)
         assert len(pauser) == (0 if finishes else 1)
         assert running.batch_is_full is not finishes
+
+
+class _PrioReq:
+    """A decoding request as ``PrefillAdder.preempt_to_schedule`` reads it."""
+
+    def __init__(self, rid: str, priority: int, out: int = 10, max_new: int = 500, prompt: int = 200) -> None:
+        self.rid, self.priority, self.output_ids, self.to_finish = rid, priority, [0] * out, None
+        self.sampling_params = SimpleNamespace(max_new_tokens=max_new, ignore_eos=False)
+        self.time_stats = SimpleNamespace(wait_queue_entry_time=1.0)
+        self.full_untruncated_fill_ids, self.prefix_len = [0] * prompt, 0
+        self.kv = SimpleNamespace(req_pool_idx=None)
+
+    def finished(self) -> bool:
+        return False
+
+
+def _preempt(monkeypatch: pytest.MonkeyPatch, park: bool, hooked: bool, urgent: int,
+             low_first: bool = False) -> tuple[bool, list[str], list[str]]:
+    """SGLang's ``preempt_to_schedule`` for a request of priority ``urgent`` on a full pool: two
+    running requests of priority 10 and two of 0 (parked or not). Returns whether it admits,
+    the requests it preempted, and those still parked."""
+    from sglang.srt.managers.schedule_policy import PrefillAdder
+
+    from sglang_ext import compat
+
+    monkeypatch.setattr(compat, "get_schedule", lambda: SimpleNamespace(schedule_low_priority_values_first=low_first),
+                        raising=False)
+    import sglang.srt.managers.schedule_policy as policy
+
+    monkeypatch.setattr(policy, "get_schedule", compat.get_schedule)
+    sign = -1 if low_first else 1
+    running = _batch(_PrioReq("hi1", 10 * sign), _PrioReq("hi2", 10 * sign), _PrioReq("lo1", 0), _PrioReq("lo2", 0))
+    released: list[str] = []
+    running.release_req = lambda i, n: released.append(running.reqs[i].rid)
+    pauser = PauseManager()
+    if park:
+        assert pauser.pause(running, ["lo1", "lo2"], step=1) == ["lo1", "lo2"]
+    hooks = SimpleNamespace(pauser=pauser, boundary=SimpleNamespace(note_resumed=lambda rids: None), metrics=None)
+    cls = parked_lifecycle.reserving_adder(PrefillAdder, hooks, {}) if hooked else PrefillAdder
+
+    def offset(r: Any) -> float:
+        return min(r.sampling_params.max_new_tokens - len(r.output_ids), 4096) * 0.5
+
+    adder = object.__new__(cls)  # the budget as the reserving adder's __init__ leaves it, pool full
+    reserved = sum(offset(r) for r in running.reqs) + sum(offset(p.req) for p in pauser.parked())
+    adder.__dict__.update(running_batch=running, preempt_list=[], new_token_ratio=0.5,
+                          memory_budget=SimpleNamespace(total_offset=reserved, remaining_total=0),
+                          priority_scheduling_preemption_threshold=0,
+                          token_to_kv_pool_allocator=SimpleNamespace(request_slot_reserve=lambda **kw: 0))
+    ok = cls.preempt_to_schedule(adder, _PrioReq("urgent", urgent * sign, out=0, max_new=100))
+    return ok, released, list(pauser.paused_ids)
+
+
+@pytest.mark.parametrize("low_first", [False, True], ids=["high-values-first", "low-values-first"])
+def test_priority_preemption_chooses_among_parked_requests(monkeypatch, low_first):
+    """Scenario (``--enable-priority-scheduling``, preemption on): a request of priority 100 (or
+    10) arrives on a full pool. Stock SGLang preempts the two priority-0 requests. With them
+    parked, SGLang preempted the two of priority 10 instead (their KV dropped and prefilled
+    again) or, for priority 10, refused the arrival, while the parked ones kept their KV. The
+    reserving adder merges the parked requests SGLang may preempt back first: its choice is
+    stock's. In SGLang's either priority order. Control: SGLang's own adder with them parked."""
+    for urgent in (100, 10):
+        want = _preempt(monkeypatch, park=False, hooked=False, urgent=urgent, low_first=low_first)
+        assert want == (True, ["lo1", "lo2"], [])
+        assert _preempt(monkeypatch, park=True, hooked=True, urgent=urgent, low_first=low_first) == want
+        control = _preempt(monkeypatch, park=True, hooked=False, urgent=urgent, low_first=low_first)
+        assert control == ((True, ["hi1", "hi2"], ["lo1", "lo2"]) if urgent == 100 else (False, [], ["lo1", "lo2"]))
+    # an arrival of priority 0 preempts nobody and resumes nobody
+    assert _preempt(monkeypatch, park=True, hooked=True, urgent=0, low_first=low_first) == (False, [], ["lo1", "lo2"])
