@@ -214,7 +214,11 @@ class KvplanePlugin:
         )
         if self.ctx.env_error is None and self.ctx.enabled:
             logs.configure(self.ctx.env.log_level or "info")
-            self._register_layered(hook_registry, hook_type)
+            try:
+                self._register_layered(hook_registry, hook_type)
+            except Exception as exc:  # SGLang's plugin loader would log it and serve with part of the hooks
+                _refuse_launch(f"--enable-layered-kv: kvplane could not install its SGLang hooks "
+                               f"({type(exc).__name__}: {exc}); not serving with part of them")
 
     # ----- launcher-side hooks --------------------------------------------------------
 
