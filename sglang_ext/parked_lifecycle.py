@@ -147,14 +147,17 @@ def reserving_adder(base: Any, hooks: Any, made: dict[Any, type]) -> type:
 
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
             base.__init__(self, *args, **kwargs)
+            loras = getattr(hooks, "preempt_loras", None)
+            if loras:  # a new admission pass: SGLang takes its set of running adapters afresh
+                loras.clear()
             parked = pauser.parked() if len(pauser) else ()
             if parked:
                 self.memory_budget.total_offset += sum(
                     self._get_running_request_total_token_offset(p.req) for p in parked)
 
         def preempt_to_schedule(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
-            if len(pauser):
-                _preempting(hooks, self, req)
+            if len(pauser) and not args and not kwargs:
+                _preempting(hooks, self, base, req)
             return base.preempt_to_schedule(self, req, *args, **kwargs)
 
         cls = made[base] = type(base.__name__, (base,), {
@@ -164,28 +167,42 @@ def reserving_adder(base: Any, hooks: Any, made: dict[Any, type]) -> type:
     return cls
 
 
-def _preempting(hooks: Any, adder: Any, req: Any) -> None:
+def _preempting(hooks: Any, adder: Any, base: Any, req: Any) -> None:
     """Before SGLang's priority preemption for ``req`` (``--enable-priority-scheduling``), the
-    parked requests it could preempt -- a priority lower than ``req``'s by more than the threshold,
-    in SGLang's order (``schedule_low_priority_values_first``) -- are merged back into the running
-    batch, where its choice includes them. Before, it preempted running requests of a higher
-    priority than parked ones (their KV dropped and prefilled again), or refused ``req``, while
-    the parked ones kept their KV (scheduler audit, session 82). Their reservation is in the
-    adder's budget already (``__init__`` above), which a preemption takes back as for running
-    ones; those not preempted stay resumed, and the step boundary may pause them again."""
+    parked requests it would preempt are merged back into the running batch, where its choice
+    then takes them. Before, it preempted running requests of a higher priority than parked ones
+    (their KV dropped and prefilled again), or refused ``req``, while the parked ones kept their
+    KV (scheduler audit, session 82).
+
+    Which ones: SGLang's own ``preempt_to_schedule`` (``base``'s) runs first on a copy of the
+    adder whose running batch lists the parked requests too and frees nothing; the parked requests
+    it preempted there are resumed, none when it would fail (a resume then would only have been
+    undone by the next boundary's pause, every pass). The real call then takes the same requests:
+    SGLang preempts the lowest priorities first until the arrival fits, and every one the copy
+    took is in the batch. Their reservation is in the adder's budget already (``__init__``), which
+    the preemption takes back as for running ones. Their adapters stay counted by the LoRA check
+    for the rest of the pass (``hooks.preempt_loras``): SGLang's set of running adapters was taken
+    before they joined."""
     batch = getattr(adder, "running_batch", None)
     if batch is None or batch.is_empty() or getattr(req, "priority", None) is None:
         return
-    from sglang_ext.compat import get_schedule
-
-    sign = 1 if get_schedule().schedule_low_priority_values_first else -1
-    threshold = adder.priority_scheduling_preemption_threshold
-
-    def lower(parked: Any) -> bool:
-        return (parked.priority is not None and not parked.finished()
-                and (req.priority - parked.priority) * -sign > threshold)
-
-    _resume(hooks, batch, lower, "paused_requests_resumed_for_preemption")  # non-empty: in place
+    parked = [p.req for p in hooks.pauser.parked() if not p.req.finished() and p.req.priority is not None]
+    if not parked:
+        return
+    probe = copy.copy(adder)
+    probe.running_batch = SimpleNamespace(reqs=[*batch.reqs, *parked], release_req=lambda *args: None,
+                                          filter_batch=lambda *args, **kwargs: None)
+    probe.memory_budget = copy.copy(adder.memory_budget)
+    probe.preempt_list = list(adder.preempt_list)
+    if not base.preempt_to_schedule(probe, req):
+        return
+    chosen = {id(r) for r in probe.preempt_list[len(adder.preempt_list):]}
+    taken = [r for r in parked if id(r) in chosen]
+    if taken:
+        loras = getattr(hooks, "preempt_loras", None)
+        if loras is not None:
+            loras.update(getattr(r, "lora_id", None) for r in taken)
+        _resume(hooks, batch, lambda r: id(r) in chosen, "paused_requests_resumed_for_preemption")  # in place
 
 
 def around_prefill_adder_class(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
@@ -252,6 +269,9 @@ def around_can_schedule_lora_req(original: Any, scheduler: Any, req: Any, runnin
         parked = hooks.pauser.lora_ids  # kept with the parked set: no pass over it per call
         if not parked <= running_loras:
             running_loras = running_loras | parked
+    resumed = getattr(hooks, "preempt_loras", None)  # resumed for a preemption in this pass
+    if resumed and not resumed <= running_loras:
+        running_loras = running_loras | resumed
     return original(scheduler, req, running_loras, *args, **kwargs)
 
 

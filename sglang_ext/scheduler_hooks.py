@@ -125,6 +125,9 @@ class SchedulerHooks:
             drainer.update_draining_state = parked_lifecycle.drainer_seeing_parked(
                 drainer.update_draining_state, self.pauser)
             log.info("kvplane_lora_drainer_counts_parked")
+        self.preempt_loras: set = set()
+        """LoRA adapters of parked requests resumed for a priority preemption in the current
+        admission pass (:func:`sglang_ext.parked_lifecycle._preempting`)."""
         self.prefill_adders: dict[type, type] = {}
         """SGLang's prefill adder classes -> their subclass reserving parked requests' decode tokens
         (:func:`sglang_ext.parked_lifecycle.reserving_adder`)."""

@@ -145,11 +145,12 @@ class _PrioReq:
         return False
 
 
-def _preempt(monkeypatch: pytest.MonkeyPatch, park: bool, hooked: bool, urgent: int,
-             low_first: bool = False) -> tuple[bool, list[str], list[str]]:
-    """SGLang's ``preempt_to_schedule`` for a request of priority ``urgent`` on a full pool: two
-    running requests of priority 10 and two of 0 (parked or not). Returns whether it admits,
-    the requests it preempted, and those still parked."""
+def _preempt(monkeypatch: pytest.MonkeyPatch, park: bool, hooked: bool, urgent: int, low_first: bool = False,
+             prompt: int = 200, max_new: int = 100, hooks_out: list | None = None) -> tuple[bool, list[str], list[str]]:
+    """SGLang's ``preempt_to_schedule`` for a request of priority ``urgent`` (``prompt`` +
+    ``max_new`` tokens; each priority-0 request frees 245) on a full pool: two running requests of
+    priority 10 and two of 0 (parked or not; adapters A, A, B, A). Returns whether it admits, the
+    requests it preempted, and those still parked."""
     from sglang.srt.managers.schedule_policy import PrefillAdder
 
     from sglang_ext import compat
@@ -161,12 +162,17 @@ def _preempt(monkeypatch: pytest.MonkeyPatch, park: bool, hooked: bool, urgent: 
     monkeypatch.setattr(policy, "get_schedule", compat.get_schedule)
     sign = -1 if low_first else 1
     running = _batch(_PrioReq("hi1", 10 * sign), _PrioReq("hi2", 10 * sign), _PrioReq("lo1", 0), _PrioReq("lo2", 0))
+    for r, lora in zip(running.reqs, "AABA", strict=True):
+        r.lora_id = lora
     released: list[str] = []
     running.release_req = lambda i, n: released.append(running.reqs[i].rid)
     pauser = PauseManager()
     if park:
         assert pauser.pause(running, ["lo1", "lo2"], step=1) == ["lo1", "lo2"]
-    hooks = SimpleNamespace(pauser=pauser, boundary=SimpleNamespace(note_resumed=lambda rids: None), metrics=None)
+    hooks = SimpleNamespace(pauser=pauser, boundary=SimpleNamespace(note_resumed=lambda rids: None), metrics=None,
+                            preempt_loras={"stale"})
+    if hooks_out is not None:
+        hooks_out.append(hooks)
     cls = parked_lifecycle.reserving_adder(PrefillAdder, hooks, {}) if hooked else PrefillAdder
 
     def offset(r: Any) -> float:
@@ -178,7 +184,9 @@ def _preempt(monkeypatch: pytest.MonkeyPatch, park: bool, hooked: bool, urgent: 
                           memory_budget=SimpleNamespace(total_offset=reserved, remaining_total=0),
                           priority_scheduling_preemption_threshold=0,
                           token_to_kv_pool_allocator=SimpleNamespace(request_slot_reserve=lambda **kw: 0))
-    ok = cls.preempt_to_schedule(adder, _PrioReq("urgent", urgent * sign, out=0, max_new=100))
+    if hooked:
+        cls.__init__ = lambda self, *args, **kwargs: None  # (built by hand above; the pass's reset:)
+    ok = cls.preempt_to_schedule(adder, _PrioReq("urgent", urgent * sign, out=0, max_new=max_new, prompt=prompt))
     return ok, released, list(pauser.paused_ids)
 
 
@@ -198,3 +206,45 @@ def test_priority_preemption_chooses_among_parked_requests(monkeypatch, low_firs
         assert control == ((True, ["hi1", "hi2"], ["lo1", "lo2"]) if urgent == 100 else (False, [], ["lo1", "lo2"]))
     # an arrival of priority 0 preempts nobody and resumes nobody
     assert _preempt(monkeypatch, park=True, hooked=True, urgent=0, low_first=low_first) == (False, [], ["lo1", "lo2"])
+
+
+def test_a_priority_preemption_resumes_only_the_parked_requests_it_takes(monkeypatch):
+    """Review of the fix (session 82): every lower-priority parked request was resumed, whether
+    SGLang's preemption then took it or failed -- and a failed one was retried each pass, the
+    boundary pausing them again: churn. SGLang's own choice, run first on a copy that frees
+    nothing, picks them: an arrival that one request's room fits resumes and preempts that one
+    (as stock, with it running); one that nothing fits resumes none (as stock, refused)."""
+    one = _preempt(monkeypatch, park=False, hooked=False, urgent=100, prompt=100, max_new=100)
+    assert one == (True, ["lo1"], [])
+    assert _preempt(monkeypatch, park=True, hooked=True, urgent=100, prompt=100, max_new=100) == (True, ["lo1"], ["lo2"])
+    none = _preempt(monkeypatch, park=False, hooked=False, urgent=5, prompt=400, max_new=400)
+    assert none == (False, [], [])  # priority 5 may preempt only the two of 0, whose room is short
+    assert _preempt(monkeypatch, park=True, hooked=True, urgent=5, prompt=400, max_new=400) == \
+        (False, [], ["lo1", "lo2"])
+
+
+def test_adapters_resumed_for_a_preemption_stay_counted_by_the_lora_check_in_that_pass(monkeypatch):
+    """Review of the fix (session 82): SGLang's set of running adapters is taken before the
+    admission loop; a parked request resumed for a preemption was then neither parked nor in it,
+    so a request of a third adapter was admitted past ``--max-loras-per-batch`` (2 here). Its
+    adapter is counted for the rest of the pass. Control: a pass that resumed nothing counts none."""
+    from sglang.srt.lora.lora_manager import LoRAManager
+
+    out: list = []
+    assert _preempt(monkeypatch, park=True, hooked=True, urgent=100, prompt=100, max_new=100, hooks_out=out)[1] == ["lo1"]
+    hooks = out[0]
+    assert hooks.preempt_loras == {"stale", "B"}  # (the test skips the adder's __init__, which clears it)
+    manager = SimpleNamespace(max_loras_per_batch=2, num_pinned_loras=0)
+    manager.validate_lora_batch = lambda ids: LoRAManager.validate_lora_batch(manager, ids)
+    sched = SimpleNamespace(_kvplane=hooks, lora_drainer=None, enable_lora_overlap_loading=False,
+                            tp_worker=SimpleNamespace(model_runner=SimpleNamespace(lora_manager=manager)))
+    hooks.preempt_loras.discard("stale")
+
+    def admits(lora: str) -> bool:
+        req = SimpleNamespace(rid="x", lora_id=lora)
+        return parked_lifecycle.around_can_schedule_lora_req(Scheduler.can_schedule_lora_req, sched, req, {"A"})
+
+    assert set(hooks.pauser.lora_ids) == {"A"}  # lo2 still parked
+    assert admits("B") and not admits("C")  # A (running, parked), B (resumed): C would be a third
+    hooks.preempt_loras.clear()  # as the next pass's adder does (the reserving adder's __init__)
+    assert admits("C")  # the control: B not counted, C admitted beside the resumed B
