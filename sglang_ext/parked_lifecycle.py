@@ -28,7 +28,7 @@ radix-tree lock, and the step boundary merges it back later. SGLang's own calls 
   (:func:`reserving_adder`). Before, new prompts were admitted into that room, and when the pool
   filled every parked request was merged back and SGLang retracted requests: their KV dropped and
   prefilled again. Its priority preemption (``preempt_to_schedule``) finds the parked requests
-  it may preempt merged back first (:func:`_preempting`).
+  it takes merged back first (:func:`_preempting`).
 * ``Scheduler.init_load_inquirer``: SGLang's load snapshot (``/v1/loads``, DP balancing, the
   router's load gauge) counts the running batch's requests; the inquirer's running batch then
   includes the parked ones (:func:`around_init_load_inquirer`). Their KV was counted already

@@ -58,8 +58,8 @@ PREFILL_ADDER = Target("sglang.srt.managers.schedule_policy.PrefillAdder",
                               "running_batch", "priority_scheduling_preemption_threshold"),
                        used_by=("parked_lifecycle",))
 """``preempt_to_schedule(req)`` (``--enable-priority-scheduling``): frees room for ``req`` by
-preempting running requests of a priority lower by more than the threshold; kvplane resumes the
-parked ones of such a priority first, so that SGLang's choice includes them."""
+preempting running requests of a priority lower by more than the threshold; kvplane runs it on a
+copy that lists the parked requests too and resumes those it took, so that SGLang's choice includes them."""
 SCHEDULE_POLICY_GET_SCHEDULE = Target("sglang.srt.managers.schedule_policy.get_schedule",
                                       used_by=("parked_lifecycle",))
 """The scheduling settings ``preempt_to_schedule`` reads its priority order from

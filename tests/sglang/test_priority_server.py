@@ -3,8 +3,8 @@
 SGLang makes room for a higher-priority arrival by preempting running requests of a lower
 priority (their KV freed, prefilled again later). Parked requests were out of its reach: it
 preempted running requests of a higher priority than parked ones, or refused the arrival
-(scheduler audit, session 82). The reserving prefill adder now merges the parked requests it may
-preempt back first (``parked_lifecycle._preempting``; ``test_parked_inflight.py`` runs SGLang's
+(scheduler audit, session 82). The reserving prefill adder now merges back first the parked
+requests SGLang's own choice (a dry run on a copy) takes (``parked_lifecycle._preempting``; ``test_parked_inflight.py`` runs SGLang's
 ``preempt_to_schedule`` with and without it).
 
 Stock SGLang (``--disable-overlap-schedule``) and the layered server forced to pause (the pause
