@@ -20,7 +20,6 @@ adapter served a request.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from sglang_ext.testing.lora_adapter import write_lora_adapter
 from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import PROMPTS, assert_same_generation, running_servers
 from tests.sglang.test_pause_server import pause_flags
@@ -42,36 +42,11 @@ LORA = ["--enable-lora", "--lora-backend", "torch_native", "--max-loras-per-batc
         "--max-total-tokens", "4096", "--disable-overlap-schedule", "--lora-drain-wait-threshold", "0.5"]
 
 
-def _write_adapter(model_dir: Path, out: Path, seed: int, rank: int) -> Path:
-    """A PEFT LoRA adapter on q/k/v/o of every layer, random weights large enough to change outputs."""
-    import torch
-    from safetensors.torch import save_file
-
-    cfg = json.loads((model_dir / "config.json").read_text())
-    hidden = cfg["hidden_size"]
-    kv = cfg["num_key_value_heads"] * cfg.get("head_dim", hidden // cfg["num_attention_heads"])
-    dims = {"q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (hidden, hidden)}
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(cfg["num_hidden_layers"]):
-        for module, (fan_in, fan_out) in dims.items():
-            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
-            tensors[f"{name}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=gen) * 0.07).contiguous()
-            tensors[f"{name}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=gen) * 0.07).contiguous()
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
-        "bias": "none", "target_modules": list(dims), "base_model_name_or_path": str(model_dir),
-        "fan_in_fan_out": False, "inference_mode": True}))
-    return out
-
-
 @pytest.fixture(scope="module")
 def lora_servers(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[tuple[SGLangServer, SGLangServer]]:
     """(stock, layered), both serving adapters A and B with the LoRA shim."""
     root = tmp_path_factory.mktemp("lora")
-    paths = [f"{name}={_write_adapter(tiny_model_dir, root / name, seed, rank)}"
+    paths = [f"{name}={write_lora_adapter(tiny_model_dir, root / name, seed, rank)}"
              for name, (seed, rank) in ADAPTERS.items()]
     common = [*LORA, "--lora-paths", *paths]
     env = {"PYTHONPATH": os.pathsep.join([str(SHIM_DIR), *filter(None, [os.environ.get("PYTHONPATH")])])}
