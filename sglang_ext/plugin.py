@@ -53,6 +53,10 @@ launcher spawns after parsing):
   fuse the KV write into rotary, e.g. Qwen3-MoE and gpt-oss on CUDA, write through
   ``set_kv_buffer`` instead).
 
+With the flag on, a process serves with all of its hooks or not at all: a layered install that
+raises, or a target SGLang's ``apply_hooks`` logged and left unpatched
+(:class:`~sglang_ext.hook_install.HookInstall`), stops it with one line and exit status 2.
+
 Without the flag nothing of kvplane is swapped in: SGLang runs its default tree cache,
 pool and attention backend (tests/sglang/test_vanilla_server.py checks it).
 
@@ -70,6 +74,7 @@ from sglang_ext import args as kv_args
 from sglang_ext import compat, layered_kv_cli, logs, settings
 from sglang_ext.capacity_hooks import CapacityHooks
 from sglang_ext.context import PluginContext
+from sglang_ext.hook_install import HookInstall
 from sglang_ext.launch_decision import LaunchDecision, LaunchRefused
 from sglang_ext.placement_hooks import PlacementHooks
 from sglang_ext.policy_endpoint_config import PolicyEndpointConfig
@@ -111,31 +116,6 @@ def _after_add_cli_args(result: Any, *args: Any, **kwargs: Any) -> None:
         if isinstance(candidate, argparse.ArgumentParser):
             layered_kv_cli.add_arguments(candidate)
             break
-    return None
-
-
-# ----- scheduler-side hooks (flag on) -------------------------------------------
-
-
-def _layered_tree_cache(batch: Any) -> Any:
-    from sglang_ext.radix_cache import LayeredRadixCache
-
-    cache = getattr(batch, "tree_cache", None)
-    return cache if isinstance(cache, LayeredRadixCache) else None
-
-
-def _after_alloc_for_extend(result: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
-    cache = _layered_tree_cache(batch)
-    if cache is not None:
-        cache.on_alloc_extend(batch, result[0])
-    return None
-
-
-def _after_alloc_for_decode(result: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
-    cache = _layered_tree_cache(batch)
-    if cache is not None:
-        token_per_req = kwargs.get(compat.ALLOC_FOR_DECODE.args[1], args[0] if args else 1)
-        cache.on_alloc_decode(batch, result, token_per_req)
     return None
 
 
@@ -193,9 +173,19 @@ class KvplanePlugin:
 
     def __init__(self, ctx: PluginContext) -> None:
         self.ctx = ctx
+        self.hooks: HookInstall | None = None
 
-    def install(self, hook_registry: Any, hook_type: Any) -> None:
-        """Register the always-on hooks, and the layered ones when the flag is on here."""
+    def check_hooks_applied(self) -> None:
+        """Refuse to serve (:func:`_refuse_launch`) when, with the flag on here, SGLang left one of
+        this process's registered targets unpatched (sglang_ext/hook_install.py)."""
+        if self.hooks is not None and self.ctx.enabled:
+            if (refusal := self.hooks.refusal(compat.patched_hook_targets())) is not None:
+                _refuse_launch(refusal)
+
+    def install(self, sglang_registry: Any, hook_type: Any) -> None:
+        """Register the always-on hooks, and the layered ones when the flag is on here (each
+        target kept in :attr:`hooks` for :meth:`check_hooks_applied`)."""
+        hook_registry = self.hooks = HookInstall(sglang_registry)
         hook_registry.register(compat.SERVER_ARGS_ADD_CLI_ARGS.path, _after_add_cli_args, hook_type.AFTER)
         hook_registry.register(compat.SERVER_ARGS_FROM_CLI_ARGS.path, self.around_from_cli_args, hook_type.AROUND)
         hook_registry.register(compat.RUNTIME_CONTEXT_PUBLISH.path, self.after_publish, hook_type.AFTER)
@@ -269,6 +259,7 @@ class KvplanePlugin:
                 _refuse_launch(str(exc))
         settings.export_layered_kv_args(layered)
         ctx.layered = layered
+        self.check_hooks_applied()  # this launcher's: the tokenizer's and the OpenAI server's
         server_args = original(cls, namespace)
         share = self._host_memory_share(server_args) if layered.enable_layered_kv else None
         settings.export_host_memory(share)
@@ -430,6 +421,7 @@ class KvplanePlugin:
         ctx = self.ctx
         if ctx.env_error is not None and (ctx.layered is None or ctx.layered.enable_layered_kv):
             raise RuntimeError(f"kvplane: {ctx.env_error}")
+        self.check_hooks_applied()  # every SGLang process, once its options are known
         if getattr(server_args, "device", None) == "cpu":
             switch_rotary_to_cpu()
         return None
@@ -443,6 +435,7 @@ class KvplanePlugin:
         from sglang_ext.hooks import JsonlEventWriter, ResidencyHooks
         from sglang_ext.radix_cache import LayeredRadixCache
 
+        self.check_hooks_applied()  # not a hook itself: runs even if the publish hook was left out
         if build_ctx.is_hybrid_swa or build_ctx.is_hybrid_ssm or build_ctx.enable_hierarchical_cache:
             raise ValueError(
                 "kvplane: --radix-cache-backend layered supports full-attention models without "
@@ -462,8 +455,10 @@ class KvplanePlugin:
     def _register_layered(self, hook_registry: Any, hook_type: Any) -> None:
         if compat.get_radix_cache_factory(kv_args.RADIX_BACKEND_NAME) is None:
             compat.register_radix_cache_backend(kv_args.RADIX_BACKEND_NAME, self.radix_cache_factory)
-        hook_registry.register(compat.ALLOC_FOR_EXTEND.path, _after_alloc_for_extend, hook_type.AFTER)
-        hook_registry.register(compat.ALLOC_FOR_DECODE.path, _after_alloc_for_decode, hook_type.AFTER)
+        from sglang_ext.alloc_hooks import after_alloc_for_decode, after_alloc_for_extend
+
+        hook_registry.register(compat.ALLOC_FOR_EXTEND.path, after_alloc_for_extend, hook_type.AFTER)
+        hook_registry.register(compat.ALLOC_FOR_DECODE.path, after_alloc_for_decode, hook_type.AFTER)
         capacity = CapacityHooks()  # the layered pool, over a slot space beyond the device's profile
         for target, hook in ((compat.KV_POOL_CLASS_RESOLVER, capacity.around_resolve_kv_pool_class),
                              (compat.KV_CONFIG_FROM_BUDGET, capacity.around_config_from_budget),

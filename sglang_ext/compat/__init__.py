@@ -15,7 +15,8 @@ Everything else in ``sglang_ext/`` reaches SGLang through here:
   ``ChatCompletionResponse``, ``ChatCompletionStreamResponse``, ``ResponsesResponse``,
   ``TypeBasedDispatcher``, ``should_use_tensor_core``;
   :func:`attention_backends` for
-  the backend registry dict and :func:`resolve` for any target.
+  the backend registry dict, :func:`patched_hook_targets` for the hook targets SGLang patched and
+  :func:`resolve` for any target.
 * **The supported version**: :data:`SUPPORTED_VERSION` and :func:`check_version`, run by
   ``sglang_ext.plugin.register`` before it installs anything.
 
@@ -122,6 +123,12 @@ def default_device() -> str | None:
         return None
 
 
+def patched_hook_targets() -> frozenset[str]:
+    """The hook targets SGLang's ``HookRegistry.apply_hooks`` patched in this process (its
+    ``_patched``); one it failed to patch is logged by SGLang and left out of it."""
+    return frozenset(resolve(HOOK_REGISTRY.path)._patched)
+
+
 def replica_rank(dp_size: int) -> int:
     """This process's data-parallel replica under ``--dp-size dp_size``: 0 without replicas
     (``dp_size <= 1``); otherwise SGLang's ``get_parallel().dp_rank``. Raises ``RuntimeError``
@@ -148,6 +155,7 @@ __all__ = [
     "check_target",
     "check_version",
     "installed_version",
+    "patched_hook_targets",
     "replica_rank",
     "resolve",
     *_LAZY,

@@ -43,7 +43,7 @@ _SRT = "sglang.srt"
 
 # ----- plugin loading and hook points (plugin.py) ------------------------------------------------
 
-HOOK_REGISTRY = Target(f"{_SRT}.plugins.hook_registry.HookRegistry", attrs=("register", "apply_hooks"),
+HOOK_REGISTRY = Target(f"{_SRT}.plugins.hook_registry.HookRegistry", attrs=("register", "apply_hooks", "_patched"),
                        used_by=("plugin",))
 HOOK_REGISTRY_REGISTER = Target(f"{_SRT}.plugins.hook_registry.HookRegistry.register",
                                 params=("target", "hook", "hook_type"), used_by=("plugin", "scheduler_hooks"))
@@ -104,7 +104,7 @@ TREE_CACHE_BUILD_CONTEXT = Target(
 ALLOC_FOR_EXTEND = Target(f"{_SRT}.mem_cache.allocation.alloc_for_extend", params=("batch",),
                           used_by=("plugin", "radix_cache"))
 ALLOC_FOR_DECODE = Target(f"{_SRT}.mem_cache.allocation.alloc_for_decode", params=("batch", "token_per_req"),
-                          used_by=("plugin", "radix_cache"))
+                          used_by=("plugin", "alloc_hooks", "radix_cache"))
 RADIX_CACHE = Target(
     f"{_SRT}.mem_cache.radix_cache.RadixCache",
     attrs=("token_to_kv_pool_allocator", "page_size", "root_node", "on_release", "checkpoint",

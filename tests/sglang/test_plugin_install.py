@@ -12,14 +12,20 @@ install returns.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from sglang_ext import settings
+from sglang_ext import compat, settings
 from sglang_ext.args import LayeredKVArgs
 from sglang_ext.context import PluginContext
 from sglang_ext.plugin import KvplanePlugin
+from tests.sglang.conftest import FAULT_INJECT_DIR, fault_inject_path
+from tests.sglang.test_launch_validation import forkable, launch, launch_forked
 
 
 class _Registry:
@@ -54,3 +60,75 @@ def test_a_half_installed_plugin_refuses_to_serve(monkeypatch, capsys):
     assert registry.paths and "get_next_batch_to_run" not in " ".join(registry.paths)
     monkeypatch.setattr(KvplanePlugin, "_register_layered", lambda self, registry, kinds: None)
     _plugin(enabled=True).install(_Registry(), _KINDS)  # a working install returns
+
+
+# ----- SGLang's apply_hooks leaves a target out ---------------------------------------------------
+
+_PROBE = """
+import json, os, sys
+sys.path.insert(0, {fault_dir!r})
+from sglang_ext import compat, settings
+from sglang_ext.args import LayeredKVArgs
+os.environ[settings.LAYERED_KV_ARGS_ENV] = LayeredKVArgs(enable_layered_kv=True).to_json()
+if {failing!r}:
+    os.environ["KVPLANE_TEST_UNPATCHED_HOOK"] = {failing!r}
+    import kvplane_unpatched_hook
+    kvplane_unpatched_hook.patch(sys.modules[compat.HookRegistry.__module__])
+from sglang_ext.plugin import register
+plugin = register()
+compat.HookRegistry.apply_hooks()
+result = {{"targets": plugin.hooks.targets, "unapplied": plugin.hooks.unapplied(compat.patched_hook_targets())}}
+try:
+    plugin.check_hooks_applied()
+    result["exit"] = None
+except SystemExit as stop:
+    result["exit"] = stop.code
+print("RESULT " + json.dumps(result))
+"""
+
+
+def _probe(failing: str) -> tuple[dict, str]:
+    """Install the plugin (flag on) into SGLang's real ``HookRegistry`` in a fresh process (its
+    patches are process-global), apply the hooks with ``failing`` made to fail (none: ""), and run
+    the check."""
+    proc = subprocess.run([sys.executable, "-c", _PROBE.format(fault_dir=str(FAULT_INJECT_DIR), failing=failing)],
+                          capture_output=True, text=True, timeout=300, cwd=str(Path(__file__).parents[2]))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT "):]), proc.stderr
+
+
+@pytest.mark.sglang
+def test_a_target_sglang_did_not_patch_is_named_and_refused():
+    """SGLang's ``apply_hooks`` logs a target it cannot patch and patches the rest; the plugin
+    names the one left out and refuses (exit status 2). Control: with nothing failing every target
+    kvplane registered (the layered ones too) is in SGLang's patched set and the check passes."""
+    whole, _ = _probe("")
+    assert len(whole["targets"]) > 30 and compat.SCHEDULER_CAN_SCHEDULE_LORA_REQ.path in whole["targets"]
+    assert whole["unapplied"] == [] and whole["exit"] is None
+    failing = compat.SCHEDULER_CAN_SCHEDULE_LORA_REQ.path
+    part, err = _probe(failing)
+    assert f"Failed to apply hooks to {failing}" in err  # SGLang's own log line
+    assert part["unapplied"] == [failing] and part["exit"] == 2
+    assert (f"kvplane: --enable-layered-kv: SGLang did not apply kvplane's hooks on 1 of "
+            f"{len(whole['targets'])} targets ({failing};") in err
+
+
+@pytest.mark.sglang
+def test_a_scheduler_sglang_left_a_hook_out_of_does_not_serve(tiny_model_dir, launch_zygote, tmp_path):
+    """A real launch whose scheduler processes cannot patch one of kvplane's scheduler hooks (the
+    test-only injector's fault; SGLang logs it and goes on): the scheduler refuses before loading
+    the model, naming the target, and the launcher exits instead of serving. (Every other server
+    test is the control: all hooks applied, the server serves.)"""
+    failing = compat.SCHEDULER_CAN_SCHEDULE_LORA_REQ.path
+    env = {"PYTHONPATH": fault_inject_path(), "KVPLANE_TEST_UNPATCHED_HOOK": failing}
+    if forkable(launch_zygote, env):
+        proc = launch_forked(launch_zygote, tiny_model_dir, {"unpatched": ((), env)}, tmp_path)["unpatched"]
+    else:
+        proc = launch(tiny_model_dir, env=env)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-3000:]
+    assert f"Failed to apply hooks to {failing}" in output, output[-3000:]
+    refusals = [line for line in output.splitlines() if "SGLang did not apply kvplane's hooks" in line]
+    assert refusals and all("on 1 of" in line and f"({failing};" in line for line in refusals), output[-3000:]
+    assert "Load weight" not in output and "fired up" not in output, output[-3000:]

@@ -70,9 +70,13 @@ goes to ``PATH``.
 With ``KVPLANE_TEST_FORCE_OVERFLOW_FILE=PATH``, while ``PATH`` exists the staging room has no room:
 every step that stages is served at rest (the overflow path).
 
+With ``KVPLANE_TEST_UNPATCHED_HOOK=TARGET``, SGLang's ``HookRegistry`` fails to patch ``TARGET``
+(logged, the other targets patched): a partial install (``kvplane_unpatched_hook.py``).
+
 With ``KVPLANE_TEST_KV_PROFILE_BYTES=N``, SGLang's memory profile finds at most N bytes for the KV
 cache (``KVCacheConfigurator._profile_available_bytes``): a GPU whose memory, after the weights,
-holds fewer tokens than ``--max-total-tokens`` (on the CPU the profile reads the host's free memory).
+holds fewer tokens than ``--max-total-tokens`` (on the CPU the profile reads the host's free
+memory; ``kvplane_kv_profile.py``).
 """
 
 from __future__ import annotations
@@ -373,19 +377,6 @@ def _patch_empty_fetches(module) -> None:  # noqa: ANN001
     module.GraphStaging.load = load
 
 
-PROFILE_TARGET = "sglang.srt.mem_cache.kv_cache_configurator"
-
-
-def _patch_profile(module) -> None:  # noqa: ANN001
-    cap = int(os.environ["KVPLANE_TEST_KV_PROFILE_BYTES"])
-    real = module.KVCacheConfigurator._profile_available_bytes
-
-    def profile(self, pre_model_load_memory):  # noqa: ANN001, ANN202
-        return min(real(self, pre_model_load_memory), cap)
-
-    module.KVCacheConfigurator._profile_available_bytes = profile
-
-
 WARMUP_TARGET = "sglang.srt.model_executor.runner.base_runner"
 
 
@@ -494,4 +485,13 @@ if os.environ.get("KVPLANE_TEST_FORCE_OVERFLOW_FILE"):
 
     _install(OVERFLOW_TARGET, _patch_overflow)
 if os.environ.get("KVPLANE_TEST_KV_PROFILE_BYTES"):
+    from kvplane_kv_profile import TARGET as PROFILE_TARGET
+    from kvplane_kv_profile import patch as _patch_profile
+
     _install(PROFILE_TARGET, _patch_profile)
+if os.environ.get("KVPLANE_TEST_UNPATCHED_HOOK"):
+    from kvplane_unpatched_hook import TARGET as HOOK_REGISTRY_TARGET
+    from kvplane_unpatched_hook import patch as _patch_hook_registry
+
+    _install(HOOK_REGISTRY_TARGET, _patch_hook_registry)
+
