@@ -76,6 +76,7 @@ from sglang_ext.capacity_hooks import CapacityHooks
 from sglang_ext.context import PluginContext
 from sglang_ext.hook_install import HookInstall
 from sglang_ext.launch_decision import LaunchDecision, LaunchRefused
+from sglang_ext.launch_refusal import LaunchRefusal
 from sglang_ext.placement_hooks import PlacementHooks
 from sglang_ext.policy_endpoint_config import PolicyEndpointConfig
 
@@ -99,7 +100,7 @@ def _refuse_launch(message: str) -> NoReturn:
     """Stop the launcher before any subprocess starts: one line on stderr, exit status 2 (a usage
     error, as argparse's and ``kvplane serve``'s)."""
     print(f"kvplane: {message}", file=sys.stderr)
-    raise SystemExit(2)
+    raise LaunchRefusal(message)
 
 
 def _env_flag(name: str) -> bool:

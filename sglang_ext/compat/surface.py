@@ -17,6 +17,7 @@ as a dataclass / msgspec field or annotation, or assigns ``self.<name> = ...`` i
 from __future__ import annotations
 
 from sglang_ext.compat.surface_capacity import *  # noqa: F403 -- part of the surface (TARGETS, __all__)
+from sglang_ext.compat.surface_engine import *  # noqa: F403 -- part of the surface (TARGETS, __all__)
 from sglang_ext.compat.surface_graphs import *  # noqa: F403 -- part of the surface (TARGETS, __all__)
 from sglang_ext.compat.surface_lifecycle import *  # noqa: F403 -- part of the surface (TARGETS, __all__)
 from sglang_ext.compat.surface_models import (  # noqa: F401 -- part of the surface (TARGETS, __all__)

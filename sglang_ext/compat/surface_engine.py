@@ -1,0 +1,23 @@
+"""SGLang's offline engine, as :mod:`sglang_ext.offline_engine` builds a layered one.
+
+Part of :mod:`sglang_ext.compat.surface` (imported there, so in its ``TARGETS``). ``Engine(**kwargs)``
+builds ``ServerArgs(**kwargs)`` directly, which has no field for kvplane's options and skips the
+launcher's parse (where kvplane validates them and sets the SGLang options they need); kvplane's
+engine builds the ``ServerArgs`` through that parse and hands it over as ``server_args=``.
+"""
+
+from __future__ import annotations
+
+from sglang_ext.compat.target import Target
+
+__all__ = ["ENGINE", "LOAD_PLUGINS", "SERVER_ARGS_FIELDS"]
+
+ENGINE = Target("sglang.srt.entrypoints.engine.Engine", attrs=("generate", "shutdown", "server_args"),
+                used_by=("offline_engine",))
+"""``Engine(server_args=ServerArgs)`` (its ``__init__(**kwargs)`` takes a built record as is)."""
+LOAD_PLUGINS = Target("sglang.srt.plugins.load_plugins", params=(), used_by=("offline_engine",))
+"""Runs every plugin's ``register`` and applies the hooks in this process (idempotent): the parse
+hooks must be in place before the engine's ``ServerArgs`` is parsed."""
+SERVER_ARGS_FIELDS = Target("sglang.srt.server_args.ServerArgs", attrs=("__struct_fields__",),
+                            used_by=("offline_engine",))
+"""The record's field names: the keyword arguments ``Engine(**kwargs)`` accepts."""

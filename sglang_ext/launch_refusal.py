@@ -1,0 +1,16 @@
+"""The exception that stops a launch kvplane refuses."""
+
+from __future__ import annotations
+
+
+class LaunchRefusal(SystemExit):
+    """A launch ``--enable-layered-kv`` cannot serve: exit status 2 (a usage error, as argparse's),
+    its one line (``kvplane: <message>``) already on stderr. A ``SystemExit``, so SGLang's plugin
+    loader, which logs and swallows a plugin's ``Exception``, does not swallow it; the offline
+    engine (:func:`sglang_ext.offline_engine.layered_engine`) turns it into a ``ValueError``
+    carrying :attr:`message`."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+        """What was refused, naming the option or the feature (without the ``kvplane:`` prefix)."""

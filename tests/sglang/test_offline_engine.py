@@ -1,0 +1,110 @@
+"""kvplane on SGLang's offline engine (``sglang_ext/offline_engine.py``).
+
+``sgl.Engine(**kwargs)`` has no field for kvplane's options and skips the launcher's parse;
+:func:`~sglang_ext.offline_engine.layered_engine` builds the engine's ``ServerArgs`` through it.
+Each engine runs in its own process (``engine_driver.py``): an engine loads SGLang's plugins and
+applies their hooks in the process that builds it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_ext.settings import POOL_STATS_FILE_ENV
+from sglang_ext.testing.jsonl import read_jsonl
+from tests.sglang.conftest import FAULT_INJECT_DIR, LOGPROB_ATOL, PROMPTS
+
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1200)]
+
+ROOT = Path(__file__).parents[2]
+DRIVER = Path(__file__).parent / "engine_driver.py"
+NEW_TOKENS = 8
+
+
+def _start(mode: str, model: Path, prompts: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """The driver in ``mode`` with ``env`` added (its ``PYTHONPATH`` entries first), output in ``log``."""
+    path = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(ROOT), os.environ.get("PYTHONPATH")]))
+    with log.open("w") as out:
+        return subprocess.Popen([sys.executable, str(DRIVER), mode, str(model), json.dumps(prompts), str(NEW_TOKENS)],
+                                stdout=out, stderr=subprocess.STDOUT, text=True, cwd=str(ROOT),
+                                env={**os.environ, **env, "PYTHONPATH": path})
+
+
+def _result(proc: subprocess.Popen, log: Path) -> dict:
+    assert proc.wait(timeout=900) == 0, log.read_text()[-4000:]
+    lines = [line for line in log.read_text().splitlines() if line.startswith("RESULT ")]
+    assert lines, log.read_text()[-4000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _same(got: dict, want: dict) -> bool:
+    return got["ids"] == want["ids"] and len(got["logprobs"]) == len(want["logprobs"]) > 0 and max(
+        abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"], strict=True)) <= LOGPROB_ATOL
+
+
+def test_a_layered_offline_engine_generates_as_stock_with_most_kv_on_host(tiny_model_dir, tmp_path):
+    """``layered_engine(enable_layered_kv=True, kv_gpu_budget_tokens=49)`` runs with the options
+    the launcher's parse sets (layered radix cache, no overlap scheduler, the layered attention
+    backend), puts the parse's exports back, and generates what stock ``sgl.Engine`` does (greedy
+    ids, logprobs within LOGPROB_ATOL) while at least half of the live layer-KV is on host and
+    pages are fetched. Negative control: the same engine with one written-back host page of layer 3
+    perturbed per step (the test-only fault injector) no longer matches."""
+    prompts = list(PROMPTS[:4])
+    stats, flag = tmp_path / "pool_stats.jsonl", tmp_path / "corrupt"
+    layered_env = {POOL_STATS_FILE_ENV: str(stats), "PYTHONPATH": str(FAULT_INJECT_DIR),
+                   "KVPLANE_TEST_CORRUPT_LAYER": "3", "KVPLANE_TEST_CORRUPT_FILE": str(flag)}
+    runs = {"stock": _start("stock", tiny_model_dir, prompts, {}, tmp_path / "stock.log"),
+            "layered": _start("layered", tiny_model_dir, prompts, layered_env, tmp_path / "layered.log")}
+    stock, layered = (_result(runs[name], tmp_path / f"{name}.log") for name in ("stock", "layered"))
+    assert layered["args"] == {"radix_cache_backend": "layered", "disable_overlap_schedule": True,
+                               "attention_backend": "torch_native"}
+    assert layered["env_restored"]
+    for prompt, got, want in zip(prompts, layered["clean"], stock["clean"], strict=True):
+        assert _same(got, want), (prompt, got, want)
+    assert not all(_same(got, want) for got, want in zip(layered["armed"], stock["clean"], strict=True))
+    steps = [s for s in read_jsonl(stats) if s["live_layer_pages"] > 0]
+    assert len(steps) >= len(prompts) * NEW_TOKENS // 2
+    assert sum(s["host_layer_pages"] for s in steps) / sum(s["live_layer_pages"] for s in steps) >= 0.5
+    assert steps[-1]["fetched_layer_pages_total"] > steps[0]["fetched_layer_pages_total"]
+
+
+_REFUSALS = """
+import json
+from sglang_ext.offline_engine import layered_server_args
+out = {}
+for name, kwargs in {"bad_option": {"kv_scheduler": "sjf"}, "unknown": {"no_such_option": 1},
+                     "no_model": None, "good": {}}.items():
+    try:
+        if kwargs is None:
+            layered_server_args(enable_layered_kv=True)
+        else:
+            args = layered_server_args(model_path=MODEL, device="cpu", enable_layered_kv=True, **kwargs)
+            out[name] = ["ok", args.radix_cache_backend]
+            continue
+    except Exception as exc:
+        out[name] = [type(exc).__name__, str(exc)]
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_the_offline_engines_options_are_refused_as_the_launchers_are(tiny_model_dir):
+    """A bad kvplane option is the launcher's refusal as a ``ValueError`` (the caller's process
+    goes on); an argument that is neither SGLang's nor kvplane's, and a missing ``model_path``,
+    are ``TypeError``s, as ``sgl.Engine`` raises them. Control: good options build the record with
+    the implied layered radix cache."""
+    proc = subprocess.run([sys.executable, "-c", _REFUSALS.replace("MODEL", repr(str(tiny_model_dir)))],
+                          capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out["bad_option"] == ["ValueError", "kvplane: invalid launch option: --kv-scheduler='sjf' is invalid; "
+                                               "allowed: fcfs, layerkv, lvf"]
+    assert out["unknown"][0] == "TypeError" and "no_such_option" in out["unknown"][1]
+    assert out["no_model"][0] == "TypeError" and "model_path" in out["no_model"][1]
+    assert out["good"] == ["ok", "layered"]
