@@ -49,8 +49,9 @@ def layered_server_args(**kwargs: Any) -> Any:
     server_args_cls.add_cli_args(parser)
     namespace = parser.parse_args(["--model-path", str(kwargs["model_path"])])
     if not hasattr(namespace, "enable_layered_kv"):
-        raise RuntimeError("kvplane: its SGLang plugin is not loaded in this process "
-                           "(SGLANG_PLUGINS set without 'kvplane'?); no layered engine without it")
+        raise RuntimeError("kvplane: its parse hooks are not applied in this process (its SGLang plugin "
+                           "not loaded -- SGLANG_PLUGINS without 'kvplane'? -- or SGLang failed to apply "
+                           "them: its log says why); no layered engine without them")
     fields = set(server_args_cls.__struct_fields__)
     unknown = sorted(k for k in kwargs if k not in fields and not hasattr(namespace, k))
     if unknown:

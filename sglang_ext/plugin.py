@@ -113,6 +113,11 @@ def _env_flag(name: str) -> bool:
 
 
 def _after_add_cli_args(result: Any, *args: Any, **kwargs: Any) -> None:
+    if compat.SERVER_ARGS_FROM_CLI_ARGS.path not in compat.patched_hook_targets():
+        # the parse would ignore the flag family: SGLang would serve without kvplane, asked for or not
+        print("kvplane: SGLang did not apply kvplane's hook on ServerArgs.from_cli_args (its log says why); "
+              "--enable-layered-kv is not offered", file=sys.stderr)
+        return None
     for candidate in (*args, *kwargs.values()):
         if isinstance(candidate, argparse.ArgumentParser):
             layered_kv_cli.add_arguments(candidate)

@@ -45,7 +45,7 @@ _SRT = "sglang.srt"
 # ----- plugin loading and hook points (plugin.py) ------------------------------------------------
 
 HOOK_REGISTRY = Target(f"{_SRT}.plugins.hook_registry.HookRegistry", attrs=("register", "apply_hooks", "_patched"),
-                       used_by=("plugin",))
+                       used_by=("plugin", "hook_install"))
 HOOK_REGISTRY_REGISTER = Target(f"{_SRT}.plugins.hook_registry.HookRegistry.register",
                                 params=("target", "hook", "hook_type"), used_by=("plugin", "scheduler_hooks"))
 HOOK_TYPE = Target(f"{_SRT}.plugins.hook_registry.HookType", attrs=("AFTER", "AROUND"),

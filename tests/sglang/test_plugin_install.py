@@ -74,10 +74,17 @@ if {failing!r}:
     os.environ["KVPLANE_TEST_UNPATCHED_HOOK"] = {failing!r}
     import kvplane_unpatched_hook
     kvplane_unpatched_hook.patch(sys.modules[compat.HookRegistry.__module__])
+if {early!r}:  # another plugin's hook on a kvplane target, applied before kvplane registers
+    compat.HookRegistry.register({early!r}, lambda original, *a, **k: original(*a, **k), compat.HookType.AROUND)
+    compat.HookRegistry.apply_hooks()
 from sglang_ext.plugin import register
 plugin = register()
 compat.HookRegistry.apply_hooks()
-result = {{"targets": plugin.hooks.targets, "unapplied": plugin.hooks.unapplied(compat.patched_hook_targets())}}
+import argparse
+parser = argparse.ArgumentParser()
+compat.resolve(compat.SERVER_ARGS.path).add_cli_args(parser)
+result = {{"targets": plugin.hooks.targets, "unapplied": plugin.hooks.unapplied(compat.patched_hook_targets()),
+           "offers_flag": any("--enable-layered-kv" in a.option_strings for a in parser._actions)}}
 try:
     plugin.check_hooks_applied()
     result["exit"] = None
@@ -87,11 +94,13 @@ print("RESULT " + json.dumps(result))
 """
 
 
-def _probe(failing: str) -> tuple[dict, str]:
+def _probe(failing: str = "", early: str = "") -> tuple[dict, str]:
     """Install the plugin (flag on) into SGLang's real ``HookRegistry`` in a fresh process (its
-    patches are process-global), apply the hooks with ``failing`` made to fail (none: ""), and run
-    the check."""
-    proc = subprocess.run([sys.executable, "-c", _PROBE.format(fault_dir=str(FAULT_INJECT_DIR), failing=failing)],
+    patches are process-global), apply the hooks with ``failing`` made to fail (none: "") and,
+    with ``early``, another hook on that target applied before kvplane registers; run the check
+    and report whether SGLang's parser then offers ``--enable-layered-kv``."""
+    script = _PROBE.format(fault_dir=str(FAULT_INJECT_DIR), failing=failing, early=early)
+    proc = subprocess.run([sys.executable, "-c", script],
                           capture_output=True, text=True, timeout=300, cwd=str(Path(__file__).parents[2]))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -103,15 +112,38 @@ def test_a_target_sglang_did_not_patch_is_named_and_refused():
     """SGLang's ``apply_hooks`` logs a target it cannot patch and patches the rest; the plugin
     names the one left out and refuses (exit status 2). Control: with nothing failing every target
     kvplane registered (the layered ones too) is in SGLang's patched set and the check passes."""
-    whole, _ = _probe("")
+    whole, _ = _probe()
     assert len(whole["targets"]) > 30 and compat.SCHEDULER_CAN_SCHEDULE_LORA_REQ.path in whole["targets"]
-    assert whole["unapplied"] == [] and whole["exit"] is None
+    assert whole["unapplied"] == [] and whole["exit"] is None and whole["offers_flag"]
     failing = compat.SCHEDULER_CAN_SCHEDULE_LORA_REQ.path
     part, err = _probe(failing)
     assert f"Failed to apply hooks to {failing}" in err  # SGLang's own log line
-    assert part["unapplied"] == [failing] and part["exit"] == 2
+    assert part["unapplied"] == [failing] and part["exit"] == 2 and part["offers_flag"]
     assert (f"kvplane: --enable-layered-kv: SGLang did not apply kvplane's hooks on 1 of "
             f"{len(whole['targets'])} targets ({failing};") in err
+
+
+@pytest.mark.sglang
+def test_a_target_patched_before_kvplane_registered_is_refused():
+    """Another plugin whose ``apply_hooks`` ran before kvplane registered leaves kvplane's hook
+    on that target out of its chain (SGLang skips a patched target), though the target is in
+    SGLang's patched set: counted as not applied, and refused."""
+    early = compat.SCHEDULER_RUN_BATCH.path
+    late, err = _probe(early=early)
+    assert late["unapplied"] == [early] and late["exit"] == 2, err[-3000:]
+
+
+@pytest.mark.sglang
+def test_without_the_parse_hook_the_flag_is_not_offered():
+    """SGLang failing to patch ``ServerArgs.from_cli_args``, where kvplane reads its options: the
+    parse would drop them and SGLang serve without kvplane though ``--enable-layered-kv`` was
+    given. SGLang's parser is then not offered the flag (argparse rejects it), with one line
+    saying why. (Control: the other tests' probes offer it.)"""
+    failing = compat.SERVER_ARGS_FROM_CLI_ARGS.path
+    part, err = _probe(failing)
+    assert not part["offers_flag"] and part["unapplied"] == [failing]
+    assert ("kvplane: SGLang did not apply kvplane's hook on ServerArgs.from_cli_args (its log says why); "
+            "--enable-layered-kv is not offered") in err
 
 
 @pytest.mark.sglang

@@ -494,4 +494,3 @@ if os.environ.get("KVPLANE_TEST_UNPATCHED_HOOK"):
     from kvplane_unpatched_hook import patch as _patch_hook_registry
 
     _install(HOOK_REGISTRY_TARGET, _patch_hook_registry)
-
