@@ -220,12 +220,16 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         # eLLM's recompute rows attend with plain causal SDPA (RecomputeForward.attend): not for
         # models whose layers soft-cap or window their attention, nor for models whose decoder layers
         # take another call than SGLang's, which the rows' cut binds (RecomputeForward.layers_fit:
-        # SGLang's Transformers backend, OPT, Persimmon, Phi, PhiMoE)
-        self.recompute_ok = (not capped_or_windowed and RecomputeForward.layers_fit(model_runner.model)
+        # SGLang's Transformers backend, OPT, Persimmon, Phi, PhiMoE), nor for multimodal or M-RoPE
+        # models, whose prefix KV token ids and 1-D positions do not rebuild (inputs_reason)
+        inputs_why = RecomputeForward.inputs_reason(getattr(model_runner, "model_config", None))
+        self.recompute_ok = (not capped_or_windowed and inputs_why is None
+                             and RecomputeForward.layers_fit(model_runner.model)
                              and self.recompute.wrap_logits(model_runner.model))
         """The model's decode forward can carry recompute rows (``docs/recompute.md``)."""
         if pool.recompute_ratio and not self.recompute_ok:  # the flag would do nothing: refused at start
-            raise ValueError(RecomputeForward.refusal(model_runner.model, pool.recompute_ratio, capped_or_windowed))
+            raise ValueError(RecomputeForward.refusal(model_runner.model, pool.recompute_ratio, capped_or_windowed,
+                                                      inputs_why))
         self.recompute_cut_layers = self.recompute.wrap_layers(model_runner.model) if self.recompute_ok else 0
         """Decoder layers at whose entry the rows of prefixes recomputed only below them are cut."""
         self.pool.recompute_forward = self.recompute

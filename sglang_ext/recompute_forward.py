@@ -146,10 +146,28 @@ class RecomputeForward:
         return not isinstance(layers, torch.nn.ModuleList) or all(_takes_layer_call(layer) for layer in layers)
 
     @staticmethod
-    def refusal(model: Any, ratio: float, capped_or_windowed: bool) -> str:
+    def inputs_reason(model_config: Any) -> str | None:
+        """Why a recompute row cannot rebuild this model's prefix KV from the prefix's token ids
+        and 1-D positions (what :meth:`augment` appends), or None. SGLang's ``ModelConfig`` says:
+        a multimodal model (``is_multimodal``) embeds its image, video and audio tokens from the
+        media, the ids in the prompt being placeholders, so a re-embedded prefix is wrong KV; an
+        M-RoPE model (``model_is_mrope``: Qwen2-VL's ``mrope_section``) rotates by the 3-D
+        ``forward_batch.mrope_positions``, which the rows do not extend."""
+        if getattr(model_config, "is_multimodal", False):
+            return ("it is a multimodal model: a recompute row re-embeds the prefix's token ids, and its "
+                    "image, video or audio tokens are placeholders embedded from the media")
+        if getattr(model_config, "model_is_mrope", False):
+            return ("its rotary embedding reads M-RoPE's 3-D positions (mrope_section), which the "
+                    "recompute rows do not carry")
+        return None
+
+    @staticmethod
+    def refusal(model: Any, ratio: float, capped_or_windowed: bool, inputs_reason: str | None = None) -> str:
         """Why ``--kv-recompute-ratio`` cannot be served for ``model`` (whose forward cannot carry
         recompute rows), naming the flag and the way out: a launch flag that did nothing."""
-        if capped_or_windowed:
+        if inputs_reason is not None:
+            why = inputs_reason
+        elif capped_or_windowed:
             why = ("its attention soft-caps or windows its scores, which the recompute rows' plain "
                    "causal attention does not apply")
         elif _transformers_backend(model):

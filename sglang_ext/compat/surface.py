@@ -238,7 +238,7 @@ FORWARD_BATCH = Target(
 FORWARD_MODE = Target(f"{_SRT}.model_executor.forward_batch_info.ForwardMode", attrs=("is_decode", "is_extend"),
                       used_by=("scheduler_hooks", "layered_attention"))
 MODEL_RUNNER = Target(f"{_SRT}.model_executor.model_runner.ModelRunner",
-                      attrs=("attn_backend", "token_to_kv_pool", "req_to_token_pool", "forward_stream"),
+                      attrs=("attn_backend", "token_to_kv_pool", "req_to_token_pool", "forward_stream", "model_config"),
                       used_by=("scheduler_hooks", "layered_attention"))
 
 # ----- the scheduler (scheduler_hooks.py, admission.py, pause.py, tp_sync.py) ----------------------

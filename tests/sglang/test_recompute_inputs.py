@@ -1,0 +1,75 @@
+"""eLLM's recompute rows rebuild a prefix's KV from its token ids and 1-D positions
+(``RecomputeForward.augment``); where SGLang's ``ModelConfig`` says those do not rebuild it, the
+rows are not offered and ``--kv-recompute-ratio`` is refused at start.
+
+Scenario: a multimodal model (Qwen2-VL) embeds its image tokens from the image, the ids in the
+prompt being placeholders, so a recomputed prefix holding an image was wrong KV, silently; an
+M-RoPE model rotates by the 3-D ``forward_batch.mrope_positions``, which the rows did not extend.
+Requests that asked for recompute there fetch their prefix instead (``recompute_ok`` False: the
+plan's and a request's ``kvplane_recompute_ratio`` are not taken).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from sglang_ext.testing.server import ServerError
+from tests.sglang.conftest import OFFLOAD_LAYERED, running_servers
+
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]
+
+BASE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 256, "intermediate_size": 64, "torch_dtype": "bfloat16"}
+MROPE = {"rope_type": "default", "mrope_section": [2, 3, 3]}
+CONFIGS = {
+    "qwen2_vl": {"architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl",
+                 "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+                 "vision_config": {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2},
+                 "image_token_id": 250, "video_token_id": 251, "vision_start_token_id": 252},
+    "llama_mrope": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rope_scaling": MROPE},
+    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
+}
+
+
+def _reason(root: Path, name: str, **kwargs) -> str | None:
+    from sglang.srt.configs.model_config import ModelConfig
+
+    from sglang_ext.recompute_forward import RecomputeForward
+
+    path = root / name
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({**BASE, **CONFIGS[name]}))
+    return RecomputeForward.inputs_reason(ModelConfig(str(path), **kwargs))
+
+
+def test_multimodal_and_mrope_models_take_no_recompute_rows(tmp_path):
+    """SGLang's own ``ModelConfig`` of a Qwen2-VL checkpoint is multimodal (and M-RoPE): no
+    recompute rows, naming why; a text model with M-RoPE positions neither. Controls: a Llama, and
+    Qwen2-VL served text-only (``--language-model-only``: SGLang then embeds no media and computes
+    no M-RoPE positions), take them."""
+    assert "multimodal model" in _reason(tmp_path, "qwen2_vl")
+    assert "M-RoPE" in _reason(tmp_path, "llama_mrope")
+    assert _reason(tmp_path, "llama") is None
+    assert _reason(tmp_path, "qwen2_vl", language_model_only=True) is None
+
+
+def test_an_mrope_server_refuses_the_recompute_flag_at_start(tiny_model_dir, launch_zygote, tmp_path):
+    """The tiny Llama with M-RoPE positions in its config (SGLang computes ``mrope_positions`` for
+    it) and ``--kv-recompute-ratio``: the server does not start, and its log names the flag, the
+    reason and the way out. The same flag on the plain tiny Llama is served
+    (``test_recompute_server.py``, the control)."""
+    model = tmp_path / "mrope-llama"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "rope_scaling": MROPE}))
+    spec = (tmp_path, [*OFFLOAD_LAYERED, "--kv-recompute-ratio", "0.5"], None)
+    with pytest.raises(ServerError), running_servers(model, [spec], zygote=launch_zygote):
+        pass
+    log = (tmp_path / "server.log").read_text()
+    assert ("--kv-recompute-ratio=0.5: eLLM's recompute cannot run in LlamaForCausalLM's forward (its rotary "
+            "embedding reads M-RoPE's 3-D positions") in log, log[-3000:]
+    assert "drop the flag" in log
