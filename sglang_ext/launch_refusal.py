@@ -1,6 +1,9 @@
-"""The exception that stops a launch kvplane refuses."""
+"""The exception that stops a launch kvplane refuses, and :func:`refuse_launch`, which raises it."""
 
 from __future__ import annotations
+
+import sys
+from typing import NoReturn
 
 
 class LaunchRefusal(SystemExit):
@@ -14,3 +17,10 @@ class LaunchRefusal(SystemExit):
         super().__init__(2)
         self.message = message
         """What was refused, naming the option or the feature (without the ``kvplane:`` prefix)."""
+
+
+def refuse_launch(message: str) -> NoReturn:
+    """Stop the launch before any subprocess starts: one line on stderr (``kvplane: <message>``),
+    then :class:`LaunchRefusal` (exit status 2, as argparse's and ``kvplane serve``'s usage errors)."""
+    print(f"kvplane: {message}", file=sys.stderr)
+    raise LaunchRefusal(message)

@@ -12,15 +12,20 @@ loaded in this process (so kvplane's parse hooks are applied), SGLang's own pars
 option its command-line default, the arguments are set over them (any ``ServerArgs`` field, or
 one of kvplane's options by its flag's name: ``kv_gpu_budget_tokens=...``), and
 ``ServerArgs.from_cli_args`` builds the record through kvplane's hook, as ``sglang.launch_server``
-does with the same options as flags. A refusal is a ``ValueError`` naming the option (the
-launcher's exit status 2 would end the caller's process); an unknown argument is a
-``TypeError``, as ``Engine`` raises. :func:`layered_engine` hands the record to
-``Engine(server_args=...)``; the variables the parse exports for SGLang's subprocesses are put
-back once the engine has started them, so a later engine in this process starts from the caller's
-environment.
+does with the same options as flags (path-like values of kvplane's options as strings; anything
+that is neither a ``ServerArgs`` field nor one of kvplane's options, the launcher's own flags
+included, is a ``TypeError``, as ``Engine`` raises). A refusal of the parse is a ``ValueError``
+naming the option (the launcher's exit status 2 would end the caller's process); one made later,
+in a scheduler process (a partial hook install, say), arrives as SGLang's ``RuntimeError`` that the
+scheduler died, its reason on stderr.
 
-One layered engine per process at a time: the process's plugin keeps the options of the last
-parse (its tokenizer-side hooks read them).
+The parse changes this process: it exports variables for SGLang's subprocesses and sets the
+plugin's options, which kvplane's request-side hooks here read (SLO checks, pacing, placement
+info). :func:`layered_engine` puts the variables back once the engine has started its
+subprocesses and the plugin's options when the engine shuts down (or fails to start), so a stock
+``sgl.Engine`` after it runs without kvplane; :func:`layered_server_args` puts both back at once.
+One layered engine at a time per process. The ``KVPLANE_*`` variables are read when SGLang loads
+the plugins in this process, once.
 """
 
 from __future__ import annotations
@@ -29,55 +34,107 @@ import argparse
 import os
 from typing import Any
 
-from sglang_ext import compat, settings
+from sglang_ext import compat, layered_kv_cli, settings
 from sglang_ext.launch_refusal import LaunchRefusal
 
 _EXPORTED = (settings.LAYERED_KV_ARGS_ENV, settings.HOST_MEMORY_ENV, settings.LOG_LEVEL_ENV)
 """The variables the parse exports for SGLang's subprocesses (``KvplanePlugin.around_from_cli_args``)."""
 
 
+def _kvplane_options() -> frozenset[str]:
+    """The names of kvplane's options (its flags' ``dest``)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    layered_kv_cli.add_arguments(parser)
+    return frozenset(action.dest for action in parser._actions)
+
+
+class _Parse:
+    """One parse of the engine's options and what it left in this process: the exported variables
+    and the plugin's options (:meth:`undo` puts both back)."""
+
+    def __init__(self, kwargs: dict[str, Any]) -> None:
+        if "model_path" not in kwargs:
+            raise TypeError("layered_server_args() needs model_path")
+        self.saved = {name: os.environ.get(name) for name in _EXPORTED}
+        self.context: tuple[Any, Any] | None = None
+        self.exported: dict[str, str | None] = {}
+        compat.resolve(compat.LOAD_PLUGINS.path)()
+        server_args_cls = compat.resolve(compat.SERVER_ARGS.path)
+        parser = argparse.ArgumentParser(prog="kvplane layered_engine")
+        server_args_cls.add_cli_args(parser)
+        namespace = parser.parse_args(["--model-path", str(kwargs["model_path"])])
+        if not hasattr(namespace, "enable_layered_kv"):
+            raise RuntimeError("kvplane: its parse hooks are not applied in this process (its SGLang plugin "
+                               "not loaded -- SGLANG_PLUGINS without 'kvplane'? -- or SGLang failed to apply "
+                               "them: its log says why); no layered engine without them")
+        ours, fields = _kvplane_options(), set(server_args_cls.__struct_fields__)
+        unknown = sorted(k for k in kwargs if k not in fields and k not in ours)
+        if unknown:
+            raise TypeError(f"layered_server_args() got unexpected keyword arguments: {', '.join(unknown)} "
+                            "(neither SGLang's ServerArgs fields nor kvplane's options)")
+        for name, value in {"log_level": "error", **kwargs}.items():
+            setattr(namespace, name, os.fspath(value) if name in ours and isinstance(value, os.PathLike) else value)
+        try:
+            self.server_args = server_args_cls.from_cli_args(namespace)
+        except LaunchRefusal as refusal:
+            self.undo(namespace)
+            raise ValueError(f"kvplane: {refusal.message}") from None
+        except BaseException:
+            self.undo(namespace)
+            raise
+        self.context = getattr(namespace, "kvplane_context", None)
+        self.exported = {name: os.environ.get(name) for name in _EXPORTED}
+
+    def undo(self, namespace: Any = None) -> None:
+        """The variables and the plugin's options as they were before the parse."""
+        _set_environ(self.saved)
+        ctx, layered = getattr(namespace, "kvplane_context", None) or self.context or (None, None)
+        if ctx is not None:
+            ctx.layered = layered
+
+
+def _set_environ(values: dict[str, str | None]) -> None:
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 def layered_server_args(**kwargs: Any) -> Any:
     """SGLang's ``ServerArgs`` for ``kwargs`` (``Engine``'s keyword arguments and kvplane's options),
-    built through the launcher's parse (module docstring). ``log_level`` defaults to ``"error"``,
-    as in ``Engine``. Raises ``TypeError`` for a missing ``model_path`` or an unknown argument,
-    ``ValueError`` (``kvplane: ...``) for a refused launch."""
-    if "model_path" not in kwargs:
-        raise TypeError("layered_server_args() needs model_path")
-    compat.resolve(compat.LOAD_PLUGINS.path)()
-    server_args_cls = compat.resolve(compat.SERVER_ARGS.path)
-    parser = argparse.ArgumentParser(prog="kvplane layered_engine")
-    server_args_cls.add_cli_args(parser)
-    namespace = parser.parse_args(["--model-path", str(kwargs["model_path"])])
-    if not hasattr(namespace, "enable_layered_kv"):
-        raise RuntimeError("kvplane: its parse hooks are not applied in this process (its SGLang plugin "
-                           "not loaded -- SGLANG_PLUGINS without 'kvplane'? -- or SGLang failed to apply "
-                           "them: its log says why); no layered engine without them")
-    fields = set(server_args_cls.__struct_fields__)
-    unknown = sorted(k for k in kwargs if k not in fields and not hasattr(namespace, k))
-    if unknown:
-        raise TypeError(f"layered_server_args() got unexpected keyword arguments: {', '.join(unknown)} "
-                        "(neither SGLang's ServerArgs fields nor kvplane's options)")
-    for name, value in {"log_level": "error", **kwargs}.items():
-        setattr(namespace, name, value)
-    try:
-        return server_args_cls.from_cli_args(namespace)
-    except LaunchRefusal as refusal:
-        raise ValueError(f"kvplane: {refusal.message}") from None
+    built through the launcher's parse (module docstring), with every change the parse made to this
+    process put back: the record alone, to inspect (an engine started on it would lack kvplane's
+    subprocess options: start one with :func:`layered_engine`). ``log_level`` defaults to
+    ``"error"``, as in ``Engine``. Raises ``TypeError`` for a missing ``model_path`` or an unknown
+    argument, ``ValueError`` (``kvplane: ...``) for a refused launch."""
+    parse = _Parse(kwargs)
+    parse.undo()
+    return parse.server_args
 
 
 def layered_engine(**kwargs: Any) -> Any:
     """``sgl.Engine`` for ``kwargs`` with kvplane's options (:func:`layered_server_args`); with
-    ``enable_layered_kv=True`` it serves from the layered KV pool, as the launcher's server does."""
-    saved = {name: os.environ.get(name) for name in _EXPORTED}
+    ``enable_layered_kv=True`` it serves from the layered KV pool, as the launcher's server does.
+    The exported variables are put back once the engine has started its subprocesses, the plugin's
+    options in this process (its request-side hooks read them) when it shuts down or fails to start."""
+    parse = _Parse(kwargs)
     try:
-        server_args = layered_server_args(**kwargs)
+        engine = compat.resolve(compat.ENGINE.path)(server_args=parse.server_args)
+    except LaunchRefusal as refusal:  # this process's own check at publish
+        parse.undo()
+        raise ValueError(f"kvplane: {refusal.message}") from None
+    except BaseException:
+        parse.undo()
+        raise
+    _set_environ(parse.saved)
+    shutdown = engine.shutdown
+
+    def shutdown_and_undo(*args: Any, **kwargs: Any) -> Any:
         try:
-            return compat.resolve(compat.ENGINE.path)(server_args=server_args)
-        except LaunchRefusal as refusal:  # this process's own check at publish
-            raise ValueError(f"kvplane: {refusal.message}") from None
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+            return shutdown(*args, **kwargs)
+        finally:
+            parse.undo()
+
+    engine.shutdown = shutdown_and_undo
+    return engine

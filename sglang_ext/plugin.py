@@ -68,7 +68,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, NoReturn
+from typing import Any
 
 from sglang_ext import args as kv_args
 from sglang_ext import compat, layered_kv_cli, logs, settings
@@ -76,7 +76,7 @@ from sglang_ext.capacity_hooks import CapacityHooks
 from sglang_ext.context import PluginContext
 from sglang_ext.hook_install import HookInstall
 from sglang_ext.launch_decision import LaunchDecision, LaunchRefused
-from sglang_ext.launch_refusal import LaunchRefusal
+from sglang_ext.launch_refusal import refuse_launch
 from sglang_ext.placement_hooks import PlacementHooks
 from sglang_ext.policy_endpoint_config import PolicyEndpointConfig
 
@@ -94,13 +94,6 @@ def switch_rotary_to_cpu() -> None:
 
 
 # ----- launcher-side hooks ----------------------------------------------------
-
-
-def _refuse_launch(message: str) -> NoReturn:
-    """Stop the launcher before any subprocess starts: one line on stderr, exit status 2 (a usage
-    error, as argparse's and ``kvplane serve``'s)."""
-    print(f"kvplane: {message}", file=sys.stderr)
-    raise LaunchRefusal(message)
 
 
 def _env_flag(name: str) -> bool:
@@ -182,11 +175,11 @@ class KvplanePlugin:
         self.hooks: HookInstall | None = None
 
     def check_hooks_applied(self) -> None:
-        """Refuse to serve (:func:`_refuse_launch`) when, with the flag on here, SGLang left one of
+        """Refuse to serve (:func:`refuse_launch`) when, with the flag on here, SGLang left one of
         this process's registered targets unpatched (sglang_ext/hook_install.py)."""
         if self.hooks is not None and self.ctx.enabled:
             if (refusal := self.hooks.refusal(compat.patched_hook_targets())) is not None:
-                _refuse_launch(refusal)
+                refuse_launch(refusal)
 
     def install(self, sglang_registry: Any, hook_type: Any) -> None:
         """Register the always-on hooks, and the layered ones when the flag is on here (each
@@ -213,7 +206,7 @@ class KvplanePlugin:
             try:
                 self._register_layered(hook_registry, hook_type)
             except Exception as exc:  # SGLang's plugin loader would log it and serve with part of the hooks
-                _refuse_launch(f"--enable-layered-kv: kvplane could not install its SGLang hooks "
+                refuse_launch(f"--enable-layered-kv: kvplane could not install its SGLang hooks "
                                f"({type(exc).__name__}: {exc}); not serving with part of them")
 
     # ----- launcher-side hooks --------------------------------------------------------
@@ -224,23 +217,24 @@ class KvplanePlugin:
         ctx = self.ctx
         if not hasattr(namespace, "enable_layered_kv"):
             return original(cls, namespace)
+        namespace.kvplane_context = (ctx, ctx.layered)  # the offline engine puts it back (offline_engine.py)
         try:
             layered = kv_args.LayeredKVArgs.from_namespace(namespace)
         except ValueError as exc:
-            _refuse_launch(f"invalid launch option: {exc}")
+            refuse_launch(f"invalid launch option: {exc}")
         if layered.enable_layered_kv:
             chosen = getattr(namespace, "radix_cache_backend", None)
             if chosen is None:
                 namespace.radix_cache_backend = kv_args.RADIX_BACKEND_NAME
             elif chosen != kv_args.RADIX_BACKEND_NAME:
-                _refuse_launch(
+                refuse_launch(
                     f"--enable-layered-kv needs --radix-cache-backend "
                     f"{kv_args.RADIX_BACKEND_NAME} (implied), got {chosen!r}"
                 )
             if getattr(namespace, "disable_radix_cache", False):
-                _refuse_launch("--enable-layered-kv cannot be combined with --disable-radix-cache")
+                refuse_launch("--enable-layered-kv cannot be combined with --disable-radix-cache")
             if ctx.env_error is not None:
-                _refuse_launch(str(ctx.env_error))
+                refuse_launch(str(ctx.env_error))
             # backends, CUDA graphs, KV dtype, unsupported features; --disable-overlap-schedule
             # unless --kv-overlap-schedule on (docs/overlap-schedule.md; refused on ROCm)
             if getattr(namespace, "device", None) is None:  # as SGLang will resolve it: not always CUDA
@@ -253,16 +247,16 @@ class KvplanePlugin:
                                                  glue_graph=_env_flag("SGLANG_ENABLE_METADATA_GLUE_GRAPH"),
                                                  busy_mem_check=_env_flag("SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"))
             except LaunchRefused as exc:
-                _refuse_launch(str(exc))
+                refuse_launch(str(exc))
             decision.apply(namespace)
             try:  # --kv-policy-listen: token, TLS files, embedded control plane, --dp-size 1, free port
                 PolicyEndpointConfig.check_launch(layered, namespace)
             except ValueError as exc:
-                _refuse_launch(f"invalid launch option: {exc}")
+                refuse_launch(f"invalid launch option: {exc}")
             try:
-                settings.export_log_level(getattr(namespace, "log_level", None))
+                logs.configure(settings.export_log_level(getattr(namespace, "log_level", None)))
             except ValueError as exc:
-                _refuse_launch(str(exc))
+                refuse_launch(str(exc))
         settings.export_layered_kv_args(layered)
         ctx.layered = layered
         self.check_hooks_applied()  # this launcher's: the tokenizer's and the OpenAI server's
@@ -277,7 +271,7 @@ class KvplanePlugin:
                     notes = [n for n in notes if not n.startswith("--attention-backend flashinfer")] + switched
                 self._check_model(model_config, server_args)
                 if (why := layered.model_error(int(model_config.num_hidden_layers))) is not None:
-                    _refuse_launch(f"invalid launch option: {why}")
+                    refuse_launch(f"invalid launch option: {why}")
                 self._check_host_pool_floor(model_config, server_args, layered, share)
             if notes:  # said once nothing is refused (a refusal is the only line)
                 print("kvplane: with --enable-layered-kv: " + "; ".join(notes), file=sys.stderr)
@@ -303,7 +297,7 @@ class KvplanePlugin:
             return []
         arch = str((getattr(model_config.hf_config, "architectures", None) or ["?"])[0])
         if ("attention_backend", "flashinfer") not in decision.implied:
-            _refuse_launch(f"{arch}: SGLang does not serve this model on --attention-backend flashinfer; "
+            refuse_launch(f"{arch}: SGLang does not serve this model on --attention-backend flashinfer; "
                            "use --attention-backend triton (layered) under --enable-layered-kv")
         server_args.attention_backend = "triton"
         return [f"--attention-backend triton for {arch} (SGLang does not serve it on flashinfer)"]
@@ -318,7 +312,7 @@ class KvplanePlugin:
         refusal = ModelSupport.from_model_config(model_config, server_args.kv_cache_dtype,
                                                  triton_kernel_backend(server_args, os.environ)).refusal()
         if refusal is not None:
-            _refuse_launch(refusal)
+            refuse_launch(refusal)
 
     @staticmethod
     def _host_memory_share(server_args: Any) -> Any:
@@ -369,7 +363,7 @@ class KvplanePlugin:
                     hint = ("; on --device cpu the device KV pool is host memory too, and every layer of "
                             f"--max-total-tokens {floor.max_total_tokens} does not fit there either: no "
                             "--kv-gpu-budget-tokens helps, lower --max-total-tokens")
-            _refuse_launch(f"invalid launch option: {exc}{hint}")
+            refuse_launch(f"invalid launch option: {exc}{hint}")
 
     def around_stream_one_response(self, original: Any, *args: Any, **kwargs: Any) -> Any:
         """AROUND ``TokenizerManager._stream_one_response``: with ``--kv-pacing on`` paced streaming

@@ -8,7 +8,9 @@ test process).
 with ``enable_layered_kv=True`` and a device KV budget of one layer of the 48-token slot space
 (most KV on host), then, with the test-only fault injector's flag file (``KVPLANE_TEST_CORRUPT_FILE``)
 created and the prefix cache flushed, the same prompts again (``armed``: the negative control),
-plus the options the engine ran with and whether the parse's exports were put back.
+plus the options the engine ran with and whether the parse's exports were put back; after its
+``shutdown()`` a stock ``sgl.Engine`` in the same process, sent a ``kvplane_slo_tbt_ms`` kvplane
+would refuse (``stock_after``: SGLang's answer, not kvplane's).
 """
 
 from __future__ import annotations
@@ -52,6 +54,15 @@ def main() -> None:
             result["armed"] = [_generate(engine, [p], new_tokens)[0] for p in prompts]
         finally:
             flag.unlink()
+        engine.shutdown()  # kvplane's options in this process go with it: a stock engine after it
+        import sglang as sgl  # has no kvplane request checks (a bad SLO override is SGLang's to ignore)
+
+        engine = sgl.Engine(model_path=model, **COMMON)
+        try:
+            engine.generate(prompts[0], {"max_new_tokens": 2, "custom_params": {"kvplane_slo_tbt_ms": -5}})
+            result["stock_after"] = "accepted"
+        except ValueError as exc:
+            result["stock_after"] = f"ValueError: {exc}"
     engine.shutdown()
     print("RESULT " + json.dumps(result), flush=True)
 

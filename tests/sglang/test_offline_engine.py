@@ -51,7 +51,8 @@ def _same(got: dict, want: dict) -> bool:
 def test_a_layered_offline_engine_generates_as_stock_with_most_kv_on_host(tiny_model_dir, tmp_path):
     """``layered_engine(enable_layered_kv=True, kv_gpu_budget_tokens=49)`` runs with the options
     the launcher's parse sets (layered radix cache, no overlap scheduler, the layered attention
-    backend), puts the parse's exports back, and generates what stock ``sgl.Engine`` does (greedy
+    backend), puts the parse's exports back (and its options in this process at shutdown: a stock
+    engine after it is not checked by kvplane), and generates what stock ``sgl.Engine`` does (greedy
     ids, logprobs within LOGPROB_ATOL) while at least half of the live layer-KV is on host and
     pages are fetched. Negative control: the same engine with one written-back host page of layer 3
     perturbed per step (the test-only fault injector) no longer matches."""
@@ -65,6 +66,7 @@ def test_a_layered_offline_engine_generates_as_stock_with_most_kv_on_host(tiny_m
     assert layered["args"] == {"radix_cache_backend": "layered", "disable_overlap_schedule": True,
                                "attention_backend": "torch_native"}
     assert layered["env_restored"]
+    assert layered["stock_after"] == "accepted"  # kvplane's request checks left with the engine
     for prompt, got, want in zip(prompts, layered["clean"], stock["clean"], strict=True):
         assert _same(got, want), (prompt, got, want)
     assert not all(_same(got, want) for got, want in zip(layered["armed"], stock["clean"], strict=True))
@@ -75,10 +77,14 @@ def test_a_layered_offline_engine_generates_as_stock_with_most_kv_on_host(tiny_m
 
 
 _REFUSALS = """
-import json
+import json, os
+from pathlib import Path
 from sglang_ext.offline_engine import layered_server_args
+before = sorted(k for k in os.environ if k.startswith("KVPLANE_"))
 out = {}
 for name, kwargs in {"bad_option": {"kv_scheduler": "sjf"}, "unknown": {"no_such_option": 1},
+                     "launcher_only": {"config": "/nonexistent.yaml"},
+                     "path_option": {"kv_profile": Path("/nonexistent-kvplane-dir/profile.json")},
                      "no_model": None, "good": {}}.items():
     try:
         if kwargs is None:
@@ -89,15 +95,17 @@ for name, kwargs in {"bad_option": {"kv_scheduler": "sjf"}, "unknown": {"no_such
             continue
     except Exception as exc:
         out[name] = [type(exc).__name__, str(exc)]
+out["env_unchanged"] = sorted(k for k in os.environ if k.startswith("KVPLANE_")) == before
 print("RESULT " + json.dumps(out))
 """
 
 
 def test_the_offline_engines_options_are_refused_as_the_launchers_are(tiny_model_dir):
     """A bad kvplane option is the launcher's refusal as a ``ValueError`` (the caller's process
-    goes on); an argument that is neither SGLang's nor kvplane's, and a missing ``model_path``,
-    are ``TypeError``s, as ``sgl.Engine`` raises them. Control: good options build the record with
-    the implied layered radix cache."""
+    goes on; a path-like option is read as its path); an argument that is neither a ``ServerArgs``
+    field nor kvplane's (the launcher's own ``config`` too), and a missing ``model_path``, are
+    ``TypeError``s, as ``sgl.Engine`` raises them. Control: good options build the record with the
+    implied layered radix cache, and leave no exported variable behind."""
     proc = subprocess.run([sys.executable, "-c", _REFUSALS.replace("MODEL", repr(str(tiny_model_dir)))],
                           capture_output=True, text=True, timeout=300, cwd=str(ROOT))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -106,5 +114,9 @@ def test_the_offline_engines_options_are_refused_as_the_launchers_are(tiny_model
     assert out["bad_option"] == ["ValueError", "kvplane: invalid launch option: --kv-scheduler='sjf' is invalid; "
                                                "allowed: fcfs, layerkv, lvf"]
     assert out["unknown"][0] == "TypeError" and "no_such_option" in out["unknown"][1]
+    assert out["launcher_only"][0] == "TypeError" and "config" in out["launcher_only"][1]  # no ServerArgs field
+    assert out["path_option"] == ["ValueError", "kvplane: invalid launch option: "
+                                                "--kv-profile='/nonexistent-kvplane-dir/profile.json': no such file"]
     assert out["no_model"][0] == "TypeError" and "model_path" in out["no_model"][1]
     assert out["good"] == ["ok", "layered"]
+    assert out["env_unchanged"]  # the record alone: the parse's exports put back
