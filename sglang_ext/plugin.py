@@ -207,7 +207,7 @@ class KvplanePlugin:
                 self._register_layered(hook_registry, hook_type)
             except Exception as exc:  # SGLang's plugin loader would log it and serve with part of the hooks
                 refuse_launch(f"--enable-layered-kv: kvplane could not install its SGLang hooks "
-                               f"({type(exc).__name__}: {exc}); not serving with part of them")
+                              f"({type(exc).__name__}: {exc}); not serving with part of them")
 
     # ----- launcher-side hooks --------------------------------------------------------
 
@@ -298,7 +298,7 @@ class KvplanePlugin:
         arch = str((getattr(model_config.hf_config, "architectures", None) or ["?"])[0])
         if ("attention_backend", "flashinfer") not in decision.implied:
             refuse_launch(f"{arch}: SGLang does not serve this model on --attention-backend flashinfer; "
-                           "use --attention-backend triton (layered) under --enable-layered-kv")
+                          "use --attention-backend triton (layered) under --enable-layered-kv")
         server_args.attention_backend = "triton"
         return [f"--attention-backend triton for {arch} (SGLang does not serve it on flashinfer)"]
 
