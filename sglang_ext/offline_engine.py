@@ -76,6 +76,11 @@ class _Parse:
             setattr(namespace, name, os.fspath(value) if name in ours and isinstance(value, os.PathLike) else value)
         try:
             self.server_args = server_args_cls.from_cli_args(namespace)
+            shown = compat.resolve(compat.REDACT_WATERMARK_SECRETS.path)(kwargs)  # as Engine records its own
+            import msgspec  # SGLang's record type (installed with SGLang)
+
+            msgspec.Struct.__setattr__(self.server_args, "_launch_command",  # as Engine sets its own
+                                       "layered_engine(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")")
         except LaunchRefusal as refusal:
             self.undo(namespace)
             raise ValueError(f"kvplane: {refusal.message}") from None

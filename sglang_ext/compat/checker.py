@@ -62,7 +62,8 @@ def _declares(cls: type, name: str, sources: dict[type, str]) -> bool:
     for klass in inspect.getmro(cls):
         if klass is object:
             continue
-        if name in getattr(klass, "__dataclass_fields__", {}) or name in getattr(klass, "__struct_fields__", ()):
+        struct_fields = vars(klass).get("__struct_fields__", ())  # msgspec's own bases: a descriptor
+        if name in getattr(klass, "__dataclass_fields__", {}) or (isinstance(struct_fields, tuple) and name in struct_fields):
             return True
         if name in getattr(klass, "__annotations__", {}):
             return True

@@ -42,6 +42,7 @@ def main() -> None:
 
         engine = layered_engine(model_path=model, enable_layered_kv=True, kv_gpu_budget_tokens=49, **COMMON)
         result["env_restored"] = "KVPLANE_LAYERED_KV_ARGS" not in os.environ
+        result["launch_command"] = engine.server_args.launch_command
         args = engine.server_args
         result["args"] = {"radix_cache_backend": args.radix_cache_backend,
                           "disable_overlap_schedule": args.disable_overlap_schedule,

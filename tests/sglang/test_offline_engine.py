@@ -66,6 +66,8 @@ def test_a_layered_offline_engine_generates_as_stock_with_most_kv_on_host(tiny_m
     assert layered["args"] == {"radix_cache_backend": "layered", "disable_overlap_schedule": True,
                                "attention_backend": "torch_native"}
     assert layered["env_restored"]
+    assert layered["launch_command"].startswith("layered_engine(model_path=") and "enable_layered_kv=True" in \
+        layered["launch_command"]  # how it was asked for, as Engine records "Engine(...)"
     assert layered["stock_after"] == "accepted"  # kvplane's request checks left with the engine
     for prompt, got, want in zip(prompts, layered["clean"], stock["clean"], strict=True):
         assert _same(got, want), (prompt, got, want)
