@@ -58,6 +58,9 @@ class HookInstall:
         missing = self.unapplied(patched)
         if not missing:
             return None
+        late = [t for t in missing if t in self._late]
+        why = ("patched before kvplane registered on it (another plugin applied SGLang's hooks early): "
+               + ", ".join(late) + "; ") if late else ""
         return (f"--enable-layered-kv: SGLang did not apply kvplane's hooks on {len(missing)} of "
-                f"{len(self._targets)} targets ({', '.join(missing)}; SGLang's log says why: "
-                "\"Failed to apply hooks to ...\"); not serving with part of them")
+                f"{len(self._targets)} targets ({', '.join(missing)}; {why}SGLang's log says why for the "
+                "others: \"Failed to apply hooks to ...\"); not serving with part of them")

@@ -57,7 +57,6 @@ class _Parse:
             raise TypeError("layered_server_args() needs model_path")
         self.saved = {name: os.environ.get(name) for name in _EXPORTED}
         self.context: tuple[Any, Any] | None = None
-        self.exported: dict[str, str | None] = {}
         compat.resolve(compat.LOAD_PLUGINS.path)()
         server_args_cls = compat.resolve(compat.SERVER_ARGS.path)
         parser = argparse.ArgumentParser(prog="kvplane layered_engine")
@@ -74,11 +73,11 @@ class _Parse:
                             "(neither SGLang's ServerArgs fields nor kvplane's options)")
         for name, value in {"log_level": "error", **kwargs}.items():
             setattr(namespace, name, os.fspath(value) if name in ours and isinstance(value, os.PathLike) else value)
+        import msgspec  # SGLang's record type (installed with SGLang)
+
+        shown = compat.resolve(compat.REDACT_WATERMARK_SECRETS.path)(kwargs)  # as Engine records its own
         try:
             self.server_args = server_args_cls.from_cli_args(namespace)
-            shown = compat.resolve(compat.REDACT_WATERMARK_SECRETS.path)(kwargs)  # as Engine records its own
-            import msgspec  # SGLang's record type (installed with SGLang)
-
             msgspec.Struct.__setattr__(self.server_args, "_launch_command",  # as Engine sets its own
                                        "layered_engine(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")")
         except LaunchRefusal as refusal:
@@ -88,7 +87,6 @@ class _Parse:
             self.undo(namespace)
             raise
         self.context = getattr(namespace, "kvplane_context", None)
-        self.exported = {name: os.environ.get(name) for name in _EXPORTED}
 
     def undo(self, namespace: Any = None) -> None:
         """The variables and the plugin's options as they were before the parse."""

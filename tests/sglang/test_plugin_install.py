@@ -131,6 +131,7 @@ def test_a_target_patched_before_kvplane_registered_is_refused():
     early = compat.SCHEDULER_RUN_BATCH.path
     late, err = _probe(early=early)
     assert late["unapplied"] == [early] and late["exit"] == 2, err[-3000:]
+    assert f"patched before kvplane registered on it (another plugin applied SGLang's hooks early): {early};" in err
 
 
 @pytest.mark.sglang
