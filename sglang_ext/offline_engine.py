@@ -31,10 +31,12 @@ the plugins in this process, once.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from typing import Any
 
-from sglang_ext import compat, layered_kv_cli, settings
+from sglang_ext import compat, settings
+from sglang_ext.args import LayeredKVArgs
 from sglang_ext.launch_refusal import LaunchRefusal
 
 _EXPORTED = (settings.LAYERED_KV_ARGS_ENV, settings.HOST_MEMORY_ENV, settings.LOG_LEVEL_ENV)
@@ -42,10 +44,9 @@ _EXPORTED = (settings.LAYERED_KV_ARGS_ENV, settings.HOST_MEMORY_ENV, settings.LO
 
 
 def _kvplane_options() -> frozenset[str]:
-    """The names of kvplane's options (its flags' ``dest``)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    layered_kv_cli.add_arguments(parser)
-    return frozenset(action.dest for action in parser._actions)
+    """The names of kvplane's options: :class:`LayeredKVArgs`' fields (its flags' ``dest``, which
+    ``LayeredKVArgs.from_namespace`` reads)."""
+    return frozenset(field.name for field in dataclasses.fields(LayeredKVArgs))
 
 
 class _Parse:

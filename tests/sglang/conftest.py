@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -289,6 +290,12 @@ def undetected(server: SGLangServer, reference: SGLangServer, prompts: Sequence[
             continue
         same += 1
     return same
+
+
+def result_line(output: str) -> dict | None:
+    """The last ``RESULT {json}`` line a test's helper process printed, parsed (None: none)."""
+    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
+    return json.loads(lines[-1][len("RESULT "):]) if lines else None
 
 
 FAULT_INJECT_DIR = Path(__file__).parent / "fault_inject"

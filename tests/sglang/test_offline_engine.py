@@ -18,7 +18,7 @@ import pytest
 
 from sglang_ext.settings import POOL_STATS_FILE_ENV
 from sglang_ext.testing.jsonl import read_jsonl
-from tests.sglang.conftest import FAULT_INJECT_DIR, LOGPROB_ATOL, PROMPTS
+from tests.sglang.conftest import FAULT_INJECT_DIR, LOGPROB_ATOL, PROMPTS, result_line
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1200)]
 
@@ -38,9 +38,9 @@ def _start(mode: str, model: Path, prompts: list[str], env: dict[str, str], log:
 
 def _result(proc: subprocess.Popen, log: Path) -> dict:
     assert proc.wait(timeout=900) == 0, log.read_text()[-4000:]
-    lines = [line for line in log.read_text().splitlines() if line.startswith("RESULT ")]
-    assert lines, log.read_text()[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    result = result_line(log.read_text())
+    assert result is not None, log.read_text()[-4000:]
+    return result
 
 
 def _same(got: dict, want: dict) -> bool:
@@ -110,9 +110,8 @@ def test_the_offline_engines_options_are_refused_as_the_launchers_are(tiny_model
     implied layered radix cache, and leave no exported variable behind."""
     proc = subprocess.run([sys.executable, "-c", _REFUSALS.replace("MODEL", repr(str(tiny_model_dir)))],
                           capture_output=True, text=True, timeout=300, cwd=str(ROOT))
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
-    out = json.loads(lines[-1][len("RESULT "):])
+    out = result_line(proc.stdout)
+    assert proc.returncode == 0 and out is not None, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert out["bad_option"] == ["ValueError", "kvplane: invalid launch option: --kv-scheduler='sjf' is invalid; "
                                                "allowed: fcfs, layerkv, lvf"]
     assert out["unknown"][0] == "TypeError" and "no_such_option" in out["unknown"][1]

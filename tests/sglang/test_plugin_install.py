@@ -12,7 +12,6 @@ install returns.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ from sglang_ext import compat, settings
 from sglang_ext.args import LayeredKVArgs
 from sglang_ext.context import PluginContext
 from sglang_ext.plugin import KvplanePlugin
-from tests.sglang.conftest import FAULT_INJECT_DIR, fault_inject_path
+from tests.sglang.conftest import FAULT_INJECT_DIR, fault_inject_path, result_line
 from tests.sglang.test_launch_validation import forkable, launch, launch_forked
 
 
@@ -102,9 +101,9 @@ def _probe(failing: str = "", early: str = "") -> tuple[dict, str]:
     script = _PROBE.format(fault_dir=str(FAULT_INJECT_DIR), failing=failing, early=early)
     proc = subprocess.run([sys.executable, "-c", script],
                           capture_output=True, text=True, timeout=300, cwd=str(Path(__file__).parents[2]))
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):]), proc.stderr
+    result = result_line(proc.stdout)
+    assert proc.returncode == 0 and result is not None, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return result, proc.stderr
 
 
 @pytest.mark.sglang
