@@ -22,5 +22,8 @@ class LaunchRefusal(SystemExit):
 def refuse_launch(message: str) -> NoReturn:
     """Stop the launch before any subprocess starts: one line on stderr (``kvplane: <message>``),
     then :class:`LaunchRefusal` (exit status 2, as argparse's and ``kvplane serve``'s usage errors)."""
+    from sglang_ext.scheduler_start_failure import record_start_failure  # an offline engine's start
+
     print(f"kvplane: {message}", file=sys.stderr)
+    record_start_failure("LaunchRefusal", message, kvplane=True)
     raise LaunchRefusal(message)

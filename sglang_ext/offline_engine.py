@@ -15,9 +15,10 @@ one of kvplane's options by its flag's name: ``kv_gpu_budget_tokens=...``), and
 does with the same options as flags (path-like values of kvplane's options as strings; anything
 that is neither a ``ServerArgs`` field nor one of kvplane's options, the launcher's own flags
 included, is a ``TypeError``, as ``Engine`` raises). A refusal of the parse is a ``ValueError``
-naming the option (the launcher's exit status 2 would end the caller's process); one made later,
-in a scheduler process (a partial hook install, say), arrives as SGLang's ``RuntimeError`` that the
-scheduler died, its reason on stderr.
+naming the option (the launcher's exit status 2 would end the caller's process). One made later,
+in a scheduler process (a partial hook install, or a check that needs the slot space SGLang sizes
+there), is a ``ValueError`` too (:class:`~sglang_ext.engine_start_watch.EngineStartWatch`: before
+session 84, SGLang's engine answered the failed scheduler by killing the caller's process).
 
 The parse changes this process: it exports variables for SGLang's subprocesses and sets the
 plugin's options, which kvplane's request-side hooks here read (SLO checks, pacing, placement
@@ -33,14 +34,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import tempfile
+import threading
 from typing import Any
 
 from sglang_ext import compat, settings
 from sglang_ext.args import LayeredKVArgs
+from sglang_ext.engine_start_watch import EngineStartWatch
 from sglang_ext.launch_refusal import LaunchRefusal
 
-_EXPORTED = (settings.LAYERED_KV_ARGS_ENV, settings.HOST_MEMORY_ENV, settings.LOG_LEVEL_ENV)
-"""The variables the parse exports for SGLang's subprocesses (``KvplanePlugin.around_from_cli_args``)."""
+_EXPORTED = (settings.LAYERED_KV_ARGS_ENV, settings.HOST_MEMORY_ENV, settings.LOG_LEVEL_ENV,
+             settings.START_FAILURE_FILE_ENV)
+"""The variables the parse exports for SGLang's subprocesses (``KvplanePlugin.around_from_cli_args``)
+and the engine's start watch's failure file (:func:`layered_engine`)."""
 
 
 def _kvplane_options() -> frozenset[str]:
@@ -121,17 +127,31 @@ def layered_engine(**kwargs: Any) -> Any:
     """``sgl.Engine`` for ``kwargs`` with kvplane's options (:func:`layered_server_args`); with
     ``enable_layered_kv=True`` it serves from the layered KV pool, as the launcher's server does.
     The exported variables are put back once the engine has started its subprocesses, the plugin's
-    options in this process (its request-side hooks read them) when it shuts down or fails to start."""
+    options in this process (its request-side hooks read them) when it shuts down or fails to start.
+    Started in the main thread without a ``custom_sigquit_handler`` of the caller's, the start is
+    watched (:class:`~sglang_ext.engine_start_watch.EngineStartWatch`): a scheduler that fails to
+    start raises here (kvplane's refusal as ``ValueError``) instead of SGLang killing this process."""
     parse = _Parse(kwargs)
+    watch = _watch(parse.server_args)
     try:
         engine = compat.resolve(compat.ENGINE.path)(server_args=parse.server_args)
     except LaunchRefusal as refusal:  # this process's own check at publish
         parse.undo()
+        if watch is not None:
+            watch.failed(refusal)
         raise ValueError(f"kvplane: {refusal.message}") from None
-    except BaseException:
+    except BaseException as error:
         parse.undo()
-        raise
+        if watch is None:
+            raise
+        raised = watch.failed(error)
+        if raised is error:
+            raise
+        raise raised from error
     _set_environ(parse.saved)
+    if watch is not None:
+        watch.started()
+        _off_the_record(engine)
     shutdown = engine.shutdown
 
     def shutdown_and_undo(*args: Any, **kwargs: Any) -> Any:
@@ -142,3 +162,39 @@ def layered_engine(**kwargs: Any) -> Any:
 
     engine.shutdown = shutdown_and_undo
     return engine
+
+
+def _watch(server_args: Any) -> EngineStartWatch | None:
+    """The start's watch, as the engine's ``custom_sigquit_handler`` (``Engine`` installs one only
+    in the main thread), with the failure file exported for the schedulers; None where the caller
+    set a handler of its own or this is not the main thread."""
+    if server_args.custom_sigquit_handler is not None or threading.current_thread() is not threading.main_thread():
+        return None
+    handle, path = tempfile.mkstemp(prefix="kvplane-engine-start-", suffix=".jsonl")
+    os.close(handle)
+    watch = EngineStartWatch.before_start(path)
+    import msgspec
+
+    msgspec.Struct.__setattr__(server_args, "custom_sigquit_handler", watch)
+    os.environ[settings.START_FAILURE_FILE_ENV] = path
+    return watch
+
+
+def _off_the_record(engine: Any) -> None:
+    """The installed watch off the engine's record, where the caller set no handler: its
+    ``server_args`` field back to None, and ``get_server_info()`` (which reads the record SGLang
+    published, with the watch in it) answering None for it, so it stays plain JSON, as a stock
+    engine's does."""
+    import msgspec
+
+    msgspec.Struct.__setattr__(engine.server_args, "custom_sigquit_handler", None)
+    server_info = engine.get_server_info
+
+    def get_server_info(*args: Any, **kwargs: Any) -> Any:
+        info = server_info(*args, **kwargs)
+        if isinstance(info, dict) and isinstance(info.get("custom_sigquit_handler"), EngineStartWatch):
+            info["custom_sigquit_handler"] = None
+        return info
+
+    engine.get_server_info = get_server_info
+

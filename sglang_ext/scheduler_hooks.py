@@ -25,7 +25,8 @@ Hook points:
   on``, not on ROCm: there ``run_batch`` only launches a step and its result is processed one
   iteration later, ``docs/overlap-schedule.md``; no pipeline parallelism), then on TP rank 0
   build the control client (embedded or ``grpc://``) with a ``WorkerInfo`` read off the model
-  config and the KV pool.
+  config and the KV pool. AROUND it, outermost: a failed start recorded for an offline engine
+  (:mod:`sglang_ext.scheduler_start_failure`).
 * AROUND ``Scheduler.get_next_batch_to_run`` (the step boundary): :meth:`StepBoundary.apply`
   before SGLang builds the batch, the admission gate around it, :meth:`StepBoundary.after_schedule`
   after SGLang allocated the step's KV.
@@ -65,6 +66,7 @@ from sglang_ext.pause import PauseManager
 from sglang_ext.policy_endpoint import PolicyEndpoint
 from sglang_ext.recompute_requests import RecomputeRequests
 from sglang_ext.request_placement import RequestPlacement
+from sglang_ext.scheduler_start_failure import around_scheduler_init
 from sglang_ext.step_boundary import StepBoundary
 from sglang_ext.step_clock import StepClock
 from sglang_ext.step_reporter import StepReporter
@@ -472,6 +474,7 @@ def register(hook_registry: Any, hook_type: Any, ctx: PluginContext) -> None:
     """Install the scheduler hooks (called by the plugin when the flag is on); the schedulers
     built in this process get ``ctx``."""
     hook_registry.register(compat.SCHEDULER_INIT.path, functools.partial(_after_init, ctx), hook_type.AFTER)
+    hook_registry.register(compat.SCHEDULER_INIT.path, around_scheduler_init, hook_type.AROUND)  # outermost
     hook_registry.register(compat.SCHEDULER_GET_NEXT_BATCH_TO_RUN.path, _around_next_batch, hook_type.AROUND)
     hook_registry.register(compat.SCHEDULER_RUN_BATCH.path, _around_run_batch, hook_type.AROUND)
     hook_registry.register(compat.SCHEDULER_PROCESS_BATCH_RESULT.path, _after_process_result, hook_type.AFTER)

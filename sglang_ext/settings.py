@@ -57,6 +57,10 @@ ALL_VARIABLES = (
     HOST_MEMORY_ENV,
 )
 """Every variable this module reads, in the table's order."""
+START_FAILURE_FILE_ENV = "KVPLANE_START_FAILURE_FILE"
+"""Set by :func:`sglang_ext.offline_engine.layered_engine` for its engine's start only: where a
+scheduler that fails to start writes its error (:mod:`sglang_ext.scheduler_start_failure`, which
+reads it; not part of :class:`KvplaneEnv`)."""
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 MAX_WORKER_ID_CHARS = 256

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from sglang_ext.compat.target import Target
 
-__all__ = ["ENGINE", "LOAD_PLUGINS", "REDACT_WATERMARK_SECRETS", "SERVER_ARGS_FIELDS"]
+__all__ = ["ENGINE", "KILL_PROCESS_TREE", "LOAD_PLUGINS", "REDACT_WATERMARK_SECRETS", "SERVER_ARGS_FIELDS"]
 
 ENGINE = Target("sglang.srt.entrypoints.engine.Engine", attrs=("generate", "shutdown", "server_args"),
                 used_by=("offline_engine",))
@@ -18,11 +18,19 @@ ENGINE = Target("sglang.srt.entrypoints.engine.Engine", attrs=("generate", "shut
 LOAD_PLUGINS = Target("sglang.srt.plugins.load_plugins", params=(), used_by=("offline_engine",))
 """Runs every plugin's ``register`` and applies the hooks in this process (idempotent): the parse
 hooks must be in place before the engine's ``ServerArgs`` is parsed."""
-SERVER_ARGS_FIELDS = Target("sglang.srt.server_args.ServerArgs", attrs=("__struct_fields__", "launch_command"),
+SERVER_ARGS_FIELDS = Target("sglang.srt.server_args.ServerArgs",
+                            attrs=("__struct_fields__", "launch_command", "custom_sigquit_handler"),
                             used_by=("offline_engine",))
 """The record's field names: the keyword arguments ``Engine(**kwargs)`` accepts. ``launch_command``
 reads how the launch was asked for from the instance attribute ``_launch_command`` (``Engine``
-sets ``Engine(k=v, ...)`` there with ``msgspec.Struct.__setattr__``; ``/get_server_info`` shows it)."""
+sets ``Engine(k=v, ...)`` there with ``msgspec.Struct.__setattr__``; ``/get_server_info`` shows it).
+``custom_sigquit_handler``: installed by ``Engine`` (in the main thread) instead of its own handler,
+which kills the engine's process tree, the caller's process included, when a child sends
+``SIGQUIT`` (a scheduler that failed to start does)."""
+KILL_PROCESS_TREE = Target("sglang.srt.utils.common.kill_process_tree", params=("parent_pid", "include_parent"),
+                           used_by=("engine_start_watch",))
+"""What ``Engine``'s own ``SIGQUIT`` handler runs (on ``os.getpid()``); kvplane's engine-start watch
+runs it on the processes a failed start left, and as ``Engine`` does once the engine is up."""
 REDACT_WATERMARK_SECRETS = Target("sglang.srt.sampling.watermarking.core.redact_watermark_secrets",
                                   params=("value",), used_by=("offline_engine",))
 """The watermark keys hidden, as ``Engine`` hides them in its recorded launch."""

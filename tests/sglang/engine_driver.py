@@ -10,7 +10,10 @@ with ``enable_layered_kv=True`` and a device KV budget of one layer of the 48-to
 created and the prefix cache flushed, the same prompts again (``armed``: the negative control),
 plus the options the engine ran with and whether the parse's exports were put back; after its
 ``shutdown()`` a stock ``sgl.Engine`` in the same process, sent a ``kvplane_slo_tbt_ms`` kvplane
-would refuse (``stock_after``: SGLang's answer, not kvplane's).
+would refuse (``stock_after``: SGLang's answer, not kvplane's). ``refused``: a layered engine that
+kvplane refuses in its scheduler process, then (the process alive) the child processes left, the
+``KVPLANE_*`` variables left, and a stock engine's greedy output for the first prompt;
+``refused_unwatched``: the same with the engine's start watch switched off (the negative control).
 """
 
 from __future__ import annotations
@@ -29,9 +32,48 @@ def _generate(engine, prompts: list[str], new_tokens: int) -> list[dict]:  # noq
             for out in outs]
 
 
+def _live_children() -> list[int]:
+    import psutil  # installed with SGLang
+
+    alive = []
+    for child in psutil.Process().children():
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and not any("resource_tracker" in a for a in child.cmdline()):
+                alive.append(child.pid)
+        except psutil.NoSuchProcess:
+            continue
+    return alive
+
+
+def _refused(mode: str, model: str, prompts: list[str], new_tokens: int) -> dict:
+    """A launch kvplane refuses in the scheduler process (eLLM's recompute with every layer on the
+    device: the slot space is sized there), then a stock engine in the same process."""
+    from sglang_ext import offline_engine
+
+    if mode == "refused_unwatched":  # the negative control: the start unwatched, as before session 84
+        offline_engine._watch = lambda server_args: None
+    result: dict = {}
+    try:
+        offline_engine.layered_engine(model_path=model, enable_layered_kv=True, kv_recompute_ratio=0.5, **COMMON)
+        result["refusal"] = None
+    except Exception as exc:
+        result["refusal"] = [type(exc).__name__, str(exc)]
+    result["children_left"] = _live_children()
+    result["env_left"] = sorted(k for k in os.environ if k.startswith("KVPLANE_"))
+    import sglang as sgl
+
+    engine = sgl.Engine(model_path=model, **COMMON)
+    result["stock_after"] = _generate(engine, prompts[:1], new_tokens)[0]
+    engine.shutdown()
+    return result
+
+
 def main() -> None:
     mode, model, prompts, new_tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
     result: dict = {}
+    if mode.startswith("refused"):
+        print("RESULT " + json.dumps(_refused(mode, model, prompts, new_tokens)), flush=True)
+        return
     if mode == "stock":
         import sglang as sgl
 
@@ -43,6 +85,9 @@ def main() -> None:
         engine = layered_engine(model_path=model, enable_layered_kv=True, kv_gpu_budget_tokens=49, **COMMON)
         result["env_restored"] = "KVPLANE_LAYERED_KV_ARGS" not in os.environ
         result["launch_command"] = engine.server_args.launch_command
+        info = json.loads(json.dumps(engine.get_server_info()))  # JSON, as a stock engine's
+        result["server_info"] = {"launch_command": info["launch_command"],
+                                 "custom_sigquit_handler": info["custom_sigquit_handler"]}
         args = engine.server_args
         result["args"] = {"radix_cache_backend": args.radix_cache_backend,
                           "disable_overlap_schedule": args.disable_overlap_schedule,

@@ -68,6 +68,7 @@ def test_a_layered_offline_engine_generates_as_stock_with_most_kv_on_host(tiny_m
     assert layered["env_restored"]
     assert layered["launch_command"].startswith("layered_engine(model_path=") and "enable_layered_kv=True" in \
         layered["launch_command"]  # how it was asked for, as Engine records "Engine(...)"
+    assert layered["server_info"] == {"launch_command": layered["launch_command"], "custom_sigquit_handler": None}
     assert layered["stock_after"] == "accepted"  # kvplane's request checks left with the engine
     for prompt, got, want in zip(prompts, layered["clean"], stock["clean"], strict=True):
         assert _same(got, want), (prompt, got, want)
@@ -76,6 +77,29 @@ def test_a_layered_offline_engine_generates_as_stock_with_most_kv_on_host(tiny_m
     assert len(steps) >= len(prompts) * NEW_TOKENS // 2
     assert sum(s["host_layer_pages"] for s in steps) / sum(s["live_layer_pages"] for s in steps) >= 0.5
     assert steps[-1]["fetched_layer_pages_total"] > steps[0]["fetched_layer_pages_total"]
+
+
+def test_a_refusal_in_the_scheduler_process_is_a_value_error_and_the_caller_goes_on(tiny_model_dir, tmp_path):
+    """A launch kvplane refuses only in the scheduler process (``kv_recompute_ratio`` with every
+    layer of the 48-token slot space on the device: SGLang sizes the slot space there) raises
+    kvplane's ``ValueError`` in the caller, whose process goes on: no process of the failed start
+    left running, no ``KVPLANE_*`` variable or failure file left, and a stock engine started after
+    it generates what a stock engine in a fresh process does. Negative control: with the start
+    watch switched off (SGLang's own ``SIGQUIT`` handler, as before session 84), the same launch
+    kills the caller's process (no result line)."""
+    prompts, env = list(PROMPTS[:1]), {"TMPDIR": str(tmp_path)}
+    runs = {mode: _start(mode, tiny_model_dir, prompts, env, tmp_path / f"{mode}.log")
+            for mode in ("refused", "stock")}
+    refused, stock = (_result(runs[mode], tmp_path / f"{mode}.log") for mode in ("refused", "stock"))
+    kind, message = refused["refusal"]
+    assert kind == "ValueError" and message.startswith("kvplane: --kv-recompute-ratio=0.5: ") and \
+        "every layer of this launch's slot space (48 tokens) is on the device" in message, message
+    assert refused["children_left"] == [] and refused["env_left"] == []
+    assert not list(tmp_path.glob("kvplane-engine-start-*"))
+    assert _same(refused["stock_after"], stock["clean"][0])
+    control = _start("refused_unwatched", tiny_model_dir, prompts, env, tmp_path / "unwatched.log")
+    assert control.wait(timeout=600) != 0
+    assert result_line((tmp_path / "unwatched.log").read_text()) is None
 
 
 _REFUSALS = """

@@ -1,0 +1,102 @@
+"""The offline engine's start watch (``sglang_ext/engine_start_watch.py``) and the scheduler's
+failure record (``sglang_ext/scheduler_start_failure.py``), without starting an engine (the
+engine end to end: ``test_offline_engine.py``)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_ext.device_capacity import budget_pages
+from sglang_ext.engine_start_watch import EngineStartWatch
+from sglang_ext.launch_refusal import LaunchRefusal, refuse_launch
+from sglang_ext.scheduler_start_failure import around_scheduler_init
+from sglang_ext.settings import START_FAILURE_FILE_ENV
+
+pytestmark = pytest.mark.sglang
+ROOT = Path(__file__).parents[2]
+
+
+def _kvplane_check() -> None:  # a ValueError kvplane raises (its innermost frame in sglang_ext)
+    budget_pages(1, 16)
+
+
+def _other_check() -> None:  # a ValueError raised outside kvplane
+    int("not a number")
+
+
+def _failed_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, init) -> BaseException:  # noqa: ANN001
+    """What the watch raises after ``init`` failed in ``Scheduler.__init__``'s place."""
+    path = tmp_path / "start.jsonl"
+    path.touch()
+    monkeypatch.setenv(START_FAILURE_FILE_ENV, str(path))
+    watch = EngineStartWatch(path, frozenset())
+    with pytest.raises(ValueError):
+        around_scheduler_init(init)
+    died = RuntimeError("Rank 0 scheduler died during initialization")
+    raised = watch.failed(died)
+    assert not path.exists()
+    return raised
+
+
+def test_kvplanes_refusal_in_a_scheduler_is_raised_as_its_value_error(tmp_path, monkeypatch):
+    """A ``ValueError`` kvplane raises while the scheduler is built becomes ``ValueError("kvplane:
+    ...")`` in the caller; SGLang's (or anyone else's) ``ValueError`` a ``RuntimeError`` naming it,
+    not a kvplane refusal; with nothing recorded, SGLang's own error is raised as it was."""
+    ours = _failed_start(tmp_path, monkeypatch, _kvplane_check)
+    assert type(ours) is ValueError and str(ours) == "kvplane: --kv-gpu-budget-tokens=1 is below one page (16 tokens)"
+    other = _failed_start(tmp_path, monkeypatch, _other_check)
+    assert type(other) is RuntimeError and str(other) == (
+        "the engine's scheduler failed to start: ValueError: invalid literal for int() with base 10: 'not a number'")
+    watch, died = EngineStartWatch(tmp_path / "never-written.jsonl", frozenset()), RuntimeError("died")
+    assert watch.failed(died) is died
+
+
+def test_a_refusal_made_outside_the_schedulers_init_is_recorded_too(tmp_path, monkeypatch):
+    """``refuse_launch`` (the hook check at ``publish``, before the scheduler is built) records its
+    refusal; without the variable (``sglang.launch_server``) nothing is written."""
+    path = tmp_path / "start.jsonl"
+    with pytest.raises(LaunchRefusal):
+        refuse_launch("--enable-layered-kv: a hook is missing")
+    assert not path.exists()
+    path.touch()
+    monkeypatch.setenv(START_FAILURE_FILE_ENV, str(path))
+    with pytest.raises(LaunchRefusal):
+        refuse_launch("--enable-layered-kv: a hook is missing")
+    raised = EngineStartWatch(path, frozenset()).failed(RuntimeError("died"))
+    assert type(raised) is ValueError and str(raised) == "kvplane: --enable-layered-kv: a hook is missing"
+
+
+def test_the_watch_travels_to_sglangs_subprocesses(tmp_path):
+    """``ServerArgs`` (its ``custom_sigquit_handler`` field included) is pickled into every
+    subprocess SGLang spawns: the watch must pickle."""
+    watch = pickle.loads(pickle.dumps(EngineStartWatch(tmp_path / "f.jsonl", frozenset({1, 2}))))
+    assert watch.children == frozenset({1, 2}) and watch.starting and watch.failure_file == str(tmp_path / "f.jsonl")
+
+
+_SIGQUIT = """
+import os, signal, sys
+from sglang_ext.engine_start_watch import EngineStartWatch
+watch = EngineStartWatch(sys.argv[1], frozenset())
+signal.signal(signal.SIGQUIT, watch)
+os.kill(os.getpid(), signal.SIGQUIT)
+print("survived the start's SIGQUIT", watch.signalled, flush=True)
+watch.started()
+os.kill(os.getpid(), signal.SIGQUIT)
+print("survived SIGQUIT after the start", flush=True)
+"""
+
+
+def test_a_childs_sigquit_is_recorded_while_starting_and_sglangs_answer_after(tmp_path):
+    """While the engine starts, a child's ``SIGQUIT`` is recorded and the process goes on; once it
+    has started, the process is killed, as SGLang's engine's own handler does."""
+    proc = subprocess.run([sys.executable, "-c", _SIGQUIT, str(tmp_path / "f.jsonl")], capture_output=True,
+                          text=True, timeout=120, cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert "survived the start's SIGQUIT True" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert "after the start" not in proc.stdout and proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr)
