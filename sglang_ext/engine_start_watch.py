@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -35,18 +37,28 @@ class EngineStartWatch:
     """The start's ``SIGQUIT`` handler and its failure record (module docstring). Pickled with the
     ``ServerArgs`` into SGLang's subprocesses, where it is never called: its state is plain data."""
 
+    previous: Any = None
+    """This process's ``SIGQUIT`` handler before the start (``signal.getsignal``), put back after a
+    failed one; not pickled (it may be any callable)."""
+
     def __init__(self, failure_file: str | os.PathLike[str], children: frozenset[int]) -> None:
         self.failure_file = os.fspath(failure_file)
         self.children = children  # the caller's child processes before the start: not the engine's
         self.starting = True
         self.signalled = False
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in vars(self).items() if k != "previous"}
+
     @classmethod
     def before_start(cls, failure_file: str | os.PathLike[str]) -> EngineStartWatch:
-        """A watch for a start about to begin, with this process's children now."""
+        """A watch for a start about to begin, with this process's children and ``SIGQUIT``
+        handler now (call it in the main thread, last before the start)."""
         import psutil  # installed with SGLang
 
-        return cls(failure_file, frozenset(p.pid for p in psutil.Process().children()))
+        watch = cls(failure_file, frozenset(p.pid for p in psutil.Process().children()))
+        watch.previous = signal.getsignal(signal.SIGQUIT)
+        return watch
 
     def __repr__(self) -> str:  # SGLang logs the handler it installs
         return "kvplane's engine-start watch (a scheduler that fails to start raises in the caller)"
@@ -59,10 +71,17 @@ class EngineStartWatch:
                      "tree, as SGLang's engine does")
         compat.resolve(compat.KILL_PROCESS_TREE.path)(os.getpid())
 
-    def started(self) -> None:
-        """The engine is up: from now on a child's ``SIGQUIT`` gets SGLang's answer."""
+    def started(self) -> bool:
+        """The engine is up: from now on a child's ``SIGQUIT`` gets SGLang's answer. False, still
+        starting, when a child's ``SIGQUIT`` came before (SGLang's detokenizer, or a scheduler whose
+        loop failed right after it was ready, exits 0 after sending it, which nothing else notices:
+        the engine would hang): the start failed (:meth:`failed`)."""
         self.starting = False
+        if self.signalled:
+            self.starting = True
+            return False
         Path(self.failure_file).unlink(missing_ok=True)
+        return True
 
     def failure(self) -> dict[str, Any] | None:
         """The first error a scheduler wrote to :attr:`failure_file` (``type``, ``message``,
@@ -75,15 +94,19 @@ class EngineStartWatch:
                 "kvplane": record.get("kvplane") is True}
 
     def failed(self, error: BaseException) -> BaseException:
-        """After the engine's start raised ``error``: the processes the start left (new children of
-        this process, SGLang's resource tracker aside) stopped, and the exception to raise instead
-        (``error`` itself where no scheduler wrote its error): kvplane's refusal in a scheduler (a
+        """After the engine's start raised ``error`` (or succeeded with a child's ``SIGQUIT`` on
+        record: :attr:`signalled`): the processes the start left stopped (:meth:`_stop_engine_children`),
+        this process's ``SIGQUIT`` handler put back, and the exception to raise instead (``error``
+        itself where no scheduler wrote its error): kvplane's refusal in a scheduler (a
         ``LaunchRefusal`` or a ``ValueError`` kvplane raised) as ``ValueError("kvplane: ...")``, as a
-        refusal of the parse is raised; any other scheduler error as a ``RuntimeError`` naming it."""
-        self.starting = False
-        self._stop_new_children()
+        refusal of the parse is raised; any other scheduler error as a ``RuntimeError`` naming it.
+        A child's ``SIGQUIT`` while this runs is still only recorded."""
+        self._stop_engine_children()
         record = self.failure()
         Path(self.failure_file).unlink(missing_ok=True)
+        if self.previous is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGQUIT, self.previous)
+        self.starting = False
         if record is None:
             return error
         if record["kvplane"] and record["type"] in ("LaunchRefusal", "ValueError"):
@@ -91,7 +114,10 @@ class EngineStartWatch:
             return ValueError(message if message.startswith("kvplane") else f"kvplane: {message}")
         return RuntimeError(f"the engine's scheduler failed to start: {record['type']}: {record['message']}")
 
-    def _stop_new_children(self) -> None:
+    def _stop_engine_children(self) -> None:
+        """SIGKILL to the start's processes (with theirs): this process's children that were not
+        there before it and are SGLang's (its ``sglang::`` process titles, or still multiprocessing's
+        spawn entry), not another thread's child (a ``subprocess.Popen``, say), nor the resource tracker."""
         import multiprocessing
 
         import psutil
@@ -101,8 +127,10 @@ class EngineStartWatch:
             if child.pid in self.children:
                 continue
             try:
-                if any("resource_tracker" in part for part in child.cmdline()):
-                    continue  # multiprocessing's, shared with the rest of this process
+                cmdline = " ".join(child.cmdline())
+                if "resource_tracker" in cmdline or not (child.name().startswith("sglang") or
+                                                         cmdline.startswith("sglang::") or "spawn_main" in cmdline):
+                    continue
                 kill(child.pid)
             except psutil.NoSuchProcess:
                 continue

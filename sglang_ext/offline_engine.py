@@ -17,8 +17,9 @@ that is neither a ``ServerArgs`` field nor one of kvplane's options, the launche
 included, is a ``TypeError``, as ``Engine`` raises). A refusal of the parse is a ``ValueError``
 naming the option (the launcher's exit status 2 would end the caller's process). One made later,
 in a scheduler process (a partial hook install, or a check that needs the slot space SGLang sizes
-there), is a ``ValueError`` too (:class:`~sglang_ext.engine_start_watch.EngineStartWatch`: before
-session 84, SGLang's engine answered the failed scheduler by killing the caller's process).
+there), is a ``ValueError`` too where :func:`layered_engine` watches the start (in the main thread,
+without a ``custom_sigquit_handler`` of the caller's: :class:`~sglang_ext.engine_start_watch.EngineStartWatch`;
+before session 84, SGLang's engine answered the failed scheduler by killing the caller's process).
 
 The parse changes this process: it exports variables for SGLang's subprocesses and sets the
 plugin's options, which kvplane's request-side hooks here read (SLO checks, pacing, placement
@@ -150,7 +151,15 @@ def layered_engine(**kwargs: Any) -> Any:
         raise raised from error
     _set_environ(parse.saved)
     if watch is not None:
-        watch.started()
+        if not watch.started():  # a child failed after the schedulers were ready (SGLang would end this process)
+            parse.undo()
+            watchdog = getattr(getattr(engine, "tokenizer_manager", None), "_subprocess_watchdog", None)
+            if watchdog is not None:  # it would report the processes stopped below with a SIGQUIT
+                watchdog.stop()  # (not engine.shutdown(): it stops every child of this process)
+            error = RuntimeError("a process of the engine failed during its start (it sent SIGQUIT; its error "
+                                 "is in the log above): the engine is stopped")
+            raised = watch.failed(error)
+            raise raised from (None if raised is error else error)
         _off_the_record(engine)
     shutdown = engine.shutdown
 

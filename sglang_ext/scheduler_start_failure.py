@@ -24,7 +24,7 @@ from typing import Any
 
 from sglang_ext.settings import START_FAILURE_FILE_ENV
 
-_PACKAGE = str(Path(__file__).resolve().parent) + os.sep
+_PACKAGE = os.path.realpath(Path(__file__).parent) + os.sep
 
 
 def record_start_failure(kind: str, message: str, *, kvplane: bool) -> None:
@@ -41,11 +41,12 @@ def record_start_failure(kind: str, message: str, *, kvplane: bool) -> None:
 
 
 def _raised_by_kvplane(exc: BaseException) -> bool:
-    """Whether the innermost frame of ``exc``'s traceback is in kvplane's package."""
+    """Whether the innermost frame of ``exc``'s traceback is in kvplane's package (both paths
+    resolved: a checkout reached through a symlink is kvplane's too)."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    return tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PACKAGE)
+    return tb is not None and os.path.realpath(tb.tb_frame.f_code.co_filename).startswith(_PACKAGE)
 
 
 def around_scheduler_init(original: Any, *args: Any, **kwargs: Any) -> Any:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from sglang_ext.compat.target import Target
 
-__all__ = ["ENGINE", "KILL_PROCESS_TREE", "LOAD_PLUGINS", "REDACT_WATERMARK_SECRETS", "SERVER_ARGS_FIELDS"]
+__all__ = ["ENGINE", "ENGINE_SUBPROCESS_WATCHDOG", "KILL_PROCESS_TREE", "LOAD_PLUGINS", "REDACT_WATERMARK_SECRETS", "SERVER_ARGS_FIELDS"]
 
 ENGINE = Target("sglang.srt.entrypoints.engine.Engine", attrs=("generate", "shutdown", "server_args"),
                 used_by=("offline_engine",))
@@ -34,3 +34,9 @@ runs it on the processes a failed start left, and as ``Engine`` does once the en
 REDACT_WATERMARK_SECRETS = Target("sglang.srt.sampling.watermarking.core.redact_watermark_secrets",
                                   params=("value",), used_by=("offline_engine",))
 """The watermark keys hidden, as ``Engine`` hides them in its recorded launch."""
+ENGINE_SUBPROCESS_WATCHDOG = Target("sglang.srt.utils.watchdog.SubprocessWatchdog", attrs=("stop",),
+                                    used_by=("offline_engine",))
+"""The engine's watchdog of its processes (``engine.tokenizer_manager._subprocess_watchdog``, set
+by ``Engine.__init__``): it sends this process ``SIGQUIT`` when one of them ends with a non-zero
+status. ``layered_engine`` stops it before it stops the processes of a start that failed after the
+schedulers were ready (``Engine.shutdown()`` would stop every child of the caller's process)."""

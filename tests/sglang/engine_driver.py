@@ -13,7 +13,10 @@ plus the options the engine ran with and whether the parse's exports were put ba
 would refuse (``stock_after``: SGLang's answer, not kvplane's). ``refused``: a layered engine that
 kvplane refuses in its scheduler process, then (the process alive) the child processes left, the
 ``KVPLANE_*`` variables left, and a stock engine's greedy output for the first prompt;
-``refused_unwatched``: the same with the engine's start watch switched off (the negative control).
+``refused_unwatched``: the same with the engine's start watch switched off (the negative control);
+``refused_detokenizer``: a layered engine whose detokenizer fails to start (the schedulers start),
+``refused_detokenizer_unchecked`` the same with the watch's check of it switched off (the control:
+the engine is returned, and the driver exits at once).
 """
 
 from __future__ import annotations
@@ -45,19 +48,64 @@ def _live_children() -> list[int]:
     return alive
 
 
+def failing_detokenizer(server_args, port_args):  # noqa: ANN001, ANN201 (spawned by SGLang: picklable)
+    """SGLang's detokenizer process with its manager's ``__init__`` raising: it sends ``SIGQUIT``
+    to the engine's process and exits 0, while the schedulers start and report ready."""
+    from sglang.srt.managers import detokenizer_manager
+
+    def fail(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        raise RuntimeError("detokenizer start failed (injected)")
+
+    detokenizer_manager.DetokenizerManager.__init__ = fail
+    return detokenizer_manager.run_detokenizer_process(server_args, port_args)
+
+
 def _refused(mode: str, model: str, prompts: list[str], new_tokens: int) -> dict:
     """A launch kvplane refuses in the scheduler process (eLLM's recompute with every layer on the
-    device: the slot space is sized there), then a stock engine in the same process."""
+    device: the slot space is sized there) -- or, ``refused_detokenizer``, a detokenizer that fails
+    to start -- then a stock engine in the same process. Right after the watch's snapshot of this
+    process's children, another child (``sleep``) is started, as another thread of the caller would."""
+    import subprocess
+
     from sglang_ext import offline_engine
+    from sglang_ext.engine_start_watch import EngineStartWatch
 
     if mode == "refused_unwatched":  # the negative control: the start unwatched, as before session 84
         offline_engine._watch = lambda server_args: None
+    if mode == "refused_detokenizer_unchecked":  # the negative control: started() as before the review
+        EngineStartWatch.started = lambda self: True
+    from sglang.srt.entrypoints.engine import Engine
+
+    kwargs, detokenizer = {"kv_recompute_ratio": 0.5}, Engine.__dict__["run_detokenizer_process_func"]
+    if mode.startswith("refused_detokenizer"):
+        Engine.run_detokenizer_process_func = staticmethod(failing_detokenizer)
+        kwargs = {"kv_gpu_budget_tokens": 49}
+    snapshot, other = EngineStartWatch.before_start.__func__, []
+
+    def before_start_then_child(cls, failure_file):  # noqa: ANN001, ANN202
+        watch = snapshot(cls, failure_file)
+        other.append(subprocess.Popen(["sleep", "120"]))
+        return watch
+
+    EngineStartWatch.before_start = classmethod(before_start_then_child)
     result: dict = {}
     try:
-        offline_engine.layered_engine(model_path=model, enable_layered_kv=True, kv_recompute_ratio=0.5, **COMMON)
+        offline_engine.layered_engine(model_path=model, enable_layered_kv=True, **kwargs, **COMMON)
         result["refusal"] = None
+        result["children_left"] = _live_children()
+        print("RESULT " + json.dumps(result), flush=True)  # returned: the control's answer (it would hang)
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            child.kill()
+        os._exit(0)
     except Exception as exc:
         result["refusal"] = [type(exc).__name__, str(exc)]
+    Engine.run_detokenizer_process_func = detokenizer  # SGLang's again, for the stock engine after
+    result["other_child_alive"] = bool(other) and other[0].poll() is None
+    for proc in other:
+        proc.kill()
+        proc.wait()
     result["children_left"] = _live_children()
     result["env_left"] = sorted(k for k in os.environ if k.startswith("KVPLANE_"))
     import sglang as sgl

@@ -16,7 +16,7 @@ import pytest
 from sglang_ext.device_capacity import budget_pages
 from sglang_ext.engine_start_watch import EngineStartWatch
 from sglang_ext.launch_refusal import LaunchRefusal, refuse_launch
-from sglang_ext.scheduler_start_failure import around_scheduler_init
+from sglang_ext.scheduler_start_failure import _raised_by_kvplane, around_scheduler_init
 from sglang_ext.settings import START_FAILURE_FILE_ENV
 
 pytestmark = pytest.mark.sglang
@@ -83,20 +83,43 @@ def test_the_watch_travels_to_sglangs_subprocesses(tmp_path):
 _SIGQUIT = """
 import os, signal, sys
 from sglang_ext.engine_start_watch import EngineStartWatch
+early = EngineStartWatch(sys.argv[1], frozenset())
+signal.signal(signal.SIGQUIT, early)
+os.kill(os.getpid(), signal.SIGQUIT)
+print("survived the start's SIGQUIT", early.signalled, "started:", early.started(), early.starting, flush=True)
 watch = EngineStartWatch(sys.argv[1], frozenset())
 signal.signal(signal.SIGQUIT, watch)
-os.kill(os.getpid(), signal.SIGQUIT)
-print("survived the start's SIGQUIT", watch.signalled, flush=True)
-watch.started()
+print("started:", watch.started(), flush=True)
 os.kill(os.getpid(), signal.SIGQUIT)
 print("survived SIGQUIT after the start", flush=True)
 """
 
 
 def test_a_childs_sigquit_is_recorded_while_starting_and_sglangs_answer_after(tmp_path):
-    """While the engine starts, a child's ``SIGQUIT`` is recorded and the process goes on; once it
-    has started, the process is killed, as SGLang's engine's own handler does."""
+    """While the engine starts, a child's ``SIGQUIT`` is recorded and the process goes on, and the
+    start is then not taken as done (a child that failed after the schedulers were ready: the
+    engine would hang); once it has started, the process is killed, as SGLang's engine's own
+    handler does."""
     proc = subprocess.run([sys.executable, "-c", _SIGQUIT, str(tmp_path / "f.jsonl")], capture_output=True,
                           text=True, timeout=120, cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert "survived the start's SIGQUIT True" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert "survived the start's SIGQUIT True started: False True" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert "started: True" in proc.stdout, proc.stdout
     assert "after the start" not in proc.stdout and proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr)
+
+
+def test_kvplanes_package_is_recognised_through_a_symlink(tmp_path):
+    """A checkout reached through a symlink: an error raised in kvplane's package there is still
+    kvplane's (before, only the package's own path was resolved and such a refusal became a
+    ``RuntimeError``). Control: a file outside the package is not."""
+    link = tmp_path / "linked_sglang_ext"
+    link.symlink_to(Path(_raised_by_kvplane.__code__.co_filename).parent)
+
+    def raised_in(path: Path) -> BaseException:
+        try:
+            exec(compile("raise ValueError('refused')", str(path), "exec"), {})  # noqa: S102
+        except ValueError as exc:
+            return exc
+        raise AssertionError("not raised")
+
+    assert _raised_by_kvplane(raised_in(link / "layered_pool.py"))
+    assert not _raised_by_kvplane(raised_in(tmp_path / "layered_pool.py"))
