@@ -269,7 +269,7 @@ class KvplanePlugin:
             if model_config is not None:
                 if switched := self._avoid_flashinfer(model_config, server_args, decision):
                     notes = [n for n in notes if not n.startswith("--attention-backend flashinfer")] + switched
-                self._check_model(model_config, server_args)
+                self._check_model(model_config, server_args, layered.kv_recompute_ratio)
                 if (why := layered.model_error(int(model_config.num_hidden_layers))) is not None:
                     refuse_launch(f"invalid launch option: {why}")
                 self._check_host_pool_floor(model_config, server_args, layered, share)
@@ -303,14 +303,18 @@ class KvplanePlugin:
         return [f"--attention-backend triton for {arch} (SGLang does not serve it on flashinfer)"]
 
     @staticmethod
-    def _check_model(model_config: Any, server_args: Any) -> None:
+    def _check_model(model_config: Any, server_args: Any, recompute_ratio: float) -> None:
         """Refuse a model the layered pool cannot serve (MLA, recurrent state, hybrid sliding-window
         memory, attention sinks, a head_dim over 256 for the Triton kernels, a checkpoint-quantized KV), naming
-        the feature and the model, before any weight loads (:class:`~sglang_ext.model_support.ModelSupport`)."""
+        the feature and the model, before any weight loads (:class:`~sglang_ext.model_support.ModelSupport`);
+        and ``--kv-recompute-ratio`` on a multimodal or M-RoPE model (:meth:`RecomputeForward.launch_refusal`)."""
         from sglang_ext.model_support import ModelSupport, triton_kernel_backend
+        from sglang_ext.recompute_forward import RecomputeForward
 
         refusal = ModelSupport.from_model_config(model_config, server_args.kv_cache_dtype,
                                                  triton_kernel_backend(server_args, os.environ)).refusal()
+        if refusal is None:  # eLLM's recompute on a multimodal or M-RoPE model (the scheduler checks the rest)
+            refusal = RecomputeForward.launch_refusal(model_config, recompute_ratio)
         if refusal is not None:
             refuse_launch(refusal)
 

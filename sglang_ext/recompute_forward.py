@@ -178,9 +178,18 @@ class RecomputeForward:
                    "forward_batch), where the recompute rows are cut")
         else:
             why = "it has no logits_processor to keep the recomputed rows from being sampled"
-        return (f"--kv-recompute-ratio={ratio}: eLLM's recompute cannot run in {type(model).__name__}'s "
-                f"forward ({why}); not supported for this model with --enable-layered-kv: drop the flag "
-                "(requests then fetch their offloaded KV)")
+        return _refusal_text(type(model).__name__, ratio, why)
+
+    @staticmethod
+    def launch_refusal(model_config: Any, ratio: float) -> str | None:
+        """:meth:`refusal` for what SGLang's ``ModelConfig`` already says (:meth:`inputs_reason`),
+        given at the launcher's parse, before any weight loads (the scheduler's check, with the
+        model built, covers the rest); None when the config gives no reason."""
+        why = RecomputeForward.inputs_reason(model_config) if ratio else None
+        if why is None:
+            return None
+        arch = str((getattr(getattr(model_config, "hf_config", None), "architectures", None) or ["?"])[0])
+        return _refusal_text(arch, ratio, why)
 
     def wrap_layers(self, model: Any) -> int:
         """Cut the recompute rows at each decoder layer to those still recomputed there (module
@@ -306,3 +315,10 @@ def _cut_stream(hidden: Any, forward_batch: Any, keep: int) -> torch.Tensor | No
     pending.value = value[:keep]
     stream.residual = stream.residual[:keep]
     return pending.value
+
+
+def _refusal_text(model_name: str, ratio: float, why: str) -> str:
+    return (f"--kv-recompute-ratio={ratio}: eLLM's recompute cannot run in {model_name}'s forward ({why}); "
+            "not supported for this model with --enable-layered-kv: drop the flag (requests then fetch their "
+            "offloaded KV)")
+

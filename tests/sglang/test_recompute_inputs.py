@@ -59,8 +59,8 @@ def test_multimodal_and_mrope_models_take_no_recompute_rows(tmp_path):
 
 def test_an_mrope_server_refuses_the_recompute_flag_at_start(tiny_model_dir, launch_zygote, tmp_path):
     """The tiny Llama with M-RoPE positions in its config (SGLang computes ``mrope_positions`` for
-    it) and ``--kv-recompute-ratio``: the server does not start, and its log names the flag, the
-    reason and the way out. The same flag on the plain tiny Llama is served
+    it) and ``--kv-recompute-ratio``: the launcher refuses it at its parse (no scheduler started),
+    its one line naming the flag, the reason and the way out. The same flag on the plain tiny Llama is served
     (``test_recompute_server.py``, the control)."""
     model = tmp_path / "mrope-llama"
     shutil.copytree(tiny_model_dir, model)
@@ -70,6 +70,7 @@ def test_an_mrope_server_refuses_the_recompute_flag_at_start(tiny_model_dir, lau
     with pytest.raises(ServerError), running_servers(model, [spec], zygote=launch_zygote):
         pass
     log = (tmp_path / "server.log").read_text()
-    assert ("--kv-recompute-ratio=0.5: eLLM's recompute cannot run in LlamaForCausalLM's forward (its rotary "
-            "embedding reads M-RoPE's 3-D positions") in log, log[-3000:]
+    assert ("kvplane: --kv-recompute-ratio=0.5: eLLM's recompute cannot run in LlamaForCausalLM's forward (its "
+            "rotary embedding reads M-RoPE's 3-D positions") in log, log[-3000:]
     assert "drop the flag" in log
+    assert "Scheduler hit an exception" not in log  # refused by the launcher's parse, before any weight loads
