@@ -63,7 +63,7 @@ def failing_detokenizer(server_args, port_args):  # noqa: ANN001, ANN201 (spawne
 def _refused(mode: str, model: str, prompts: list[str], new_tokens: int) -> dict:
     """A launch kvplane refuses in the scheduler process (eLLM's recompute with every layer on the
     device: the slot space is sized there) -- or, ``refused_detokenizer``, a detokenizer that fails
-    to start -- then a stock engine in the same process. Right after the watch's snapshot of this
+    to start -- then (``refused``) a stock engine in the same process. Right after the watch's snapshot of this
     process's children, another child (``sleep``) is started, as another thread of the caller would."""
     import subprocess
 
@@ -108,11 +108,12 @@ def _refused(mode: str, model: str, prompts: list[str], new_tokens: int) -> dict
         proc.wait()
     result["children_left"] = _live_children()
     result["env_left"] = sorted(k for k in os.environ if k.startswith("KVPLANE_"))
-    import sglang as sgl
+    if mode == "refused":
+        import sglang as sgl
 
-    engine = sgl.Engine(model_path=model, **COMMON)
-    result["stock_after"] = _generate(engine, prompts[:1], new_tokens)[0]
-    engine.shutdown()
+        engine = sgl.Engine(model_path=model, **COMMON)
+        result["stock_after"] = _generate(engine, prompts[:1], new_tokens)[0]
+        engine.shutdown()
     return result
 
 

@@ -87,39 +87,41 @@ def test_a_refusal_in_the_scheduler_process_is_a_value_error_and_the_caller_goes
     it generates what a stock engine in a fresh process does. Negative control: with the start
     watch switched off (SGLang's own ``SIGQUIT`` handler, as before session 84), the same launch
     kills the caller's process (no result line)."""
-    prompts, env = list(PROMPTS[:1]), {"TMPDIR": str(tmp_path)}
-    runs = {mode: _start(mode, tiny_model_dir, prompts, env, tmp_path / f"{mode}.log")
-            for mode in ("refused", "stock")}
+    prompts, tmp = list(PROMPTS[:1]), tmp_path / "refused-tmp"
+    tmp.mkdir()
+    runs = {mode: _start(mode, tiny_model_dir, prompts, {"TMPDIR": str(tmp if mode == "refused" else tmp_path)},
+                         tmp_path / f"{mode}.log")
+            for mode in ("refused", "stock", "refused_unwatched")}  # at once: each mostly waits on its start
     refused, stock = (_result(runs[mode], tmp_path / f"{mode}.log") for mode in ("refused", "stock"))
     kind, message = refused["refusal"]
     assert kind == "ValueError" and message.startswith("kvplane: --kv-recompute-ratio=0.5: ") and \
         "every layer of this launch's slot space (48 tokens) is on the device" in message, message
     assert refused["children_left"] == [] and refused["env_left"] == []
     assert refused["other_child_alive"]  # a child of the caller's own, started during the start, is not stopped
-    assert not list(tmp_path.glob("kvplane-engine-start-*"))
+    assert not list(tmp.glob("kvplane-engine-start-*"))
     assert _same(refused["stock_after"], stock["clean"][0])
-    control = _start("refused_unwatched", tiny_model_dir, prompts, env, tmp_path / "unwatched.log")
-    assert control.wait(timeout=600) != 0
-    assert result_line((tmp_path / "unwatched.log").read_text()) is None
+    assert runs["refused_unwatched"].wait(timeout=600) != 0
+    assert result_line((tmp_path / "refused_unwatched.log").read_text()) is None
 
 
 def test_a_detokenizer_that_fails_to_start_fails_the_start(tiny_model_dir, tmp_path):
     """SGLang's detokenizer that fails to start sends ``SIGQUIT`` and exits 0 while the schedulers
     start and report ready (stock SGLang then kills the caller's process; nothing else notices):
-    ``layered_engine`` raises, with no process of the engine left, and a stock engine after it in
-    the same process generates. Negative control: with the watch's check of a ``SIGQUIT`` during
+    ``layered_engine`` raises, with no process of the engine left (the caller's own child kept).
+    Negative control: with the watch's check of a ``SIGQUIT`` during
     the start switched off, the engine is returned (it would hang on its first request: found in
     session 84's review)."""
-    prompts, env = list(PROMPTS[:1]), {"TMPDIR": str(tmp_path)}
-    failed = _result(_start("refused_detokenizer", tiny_model_dir, prompts, env, tmp_path / "detok.log"),
-                     tmp_path / "detok.log")
+    prompts, tmp = list(PROMPTS[:1]), tmp_path / "failed-tmp"
+    tmp.mkdir()
+    runs = {mode: _start(mode, tiny_model_dir, prompts,
+                         {"TMPDIR": str(tmp if mode == "refused_detokenizer" else tmp_path)}, tmp_path / f"{mode}.log")
+            for mode in ("refused_detokenizer", "refused_detokenizer_unchecked")}
+    failed, control = (_result(runs[mode], tmp_path / f"{mode}.log") for mode in runs)
     kind, message = failed["refusal"]
     assert kind == "RuntimeError" and message.startswith("a process of the engine failed during its start"), message
     assert failed["children_left"] == [] and failed["env_left"] == [] and failed["other_child_alive"]
-    assert not list(tmp_path.glob("kvplane-engine-start-*"))
-    assert len(failed["stock_after"]["ids"]) == NEW_TOKENS
-    control = _result(_start("refused_detokenizer_unchecked", tiny_model_dir, prompts, env,
-                             tmp_path / "unchecked.log"), tmp_path / "unchecked.log")
+    assert not list(tmp.glob("kvplane-engine-start-*"))
+    assert "stock_after" not in failed  # a stock engine after a failed start: the refusal's test
     assert control["refusal"] is None and control["children_left"]  # the engine returned, its scheduler up
 
 
