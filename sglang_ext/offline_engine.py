@@ -206,4 +206,3 @@ def _off_the_record(engine: Any) -> None:
         return info
 
     engine.get_server_info = get_server_info
-
