@@ -321,4 +321,3 @@ def _refusal_text(model_name: str, ratio: float, why: str) -> str:
     return (f"--kv-recompute-ratio={ratio}: eLLM's recompute cannot run in {model_name}'s forward ({why}); "
             "not supported for this model with --enable-layered-kv: drop the flag (requests then fetch their "
             "offloaded KV)")
-
