@@ -15,10 +15,18 @@ and nothing else, so SGLang's wait for the schedulers raises its ``RuntimeError`
 which the scheduler wrote to :attr:`failure_file` (``KVPLANE_START_FAILURE_FILE``:
 :mod:`sglang_ext.scheduler_start_failure`). Once the engine has started, a child's ``SIGQUIT`` gets
 SGLang's answer (the engine's process tree killed), as without kvplane.
+
+A failed start also leaves its zmq sockets open in this process (the tokenizer manager's, the
+engine's RPC socket), in reference cycles: when the garbage collector reached them, it cleared the
+context's weak set of sockets before the context's finalizer ran, whose ``term()`` then waited
+forever on the still-open sockets (the caller hung in its next collection after two refused starts:
+found in session 84). :meth:`EngineStartWatch.close_sockets` closes those contexts first.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import json
 import os
 import signal
@@ -93,15 +101,18 @@ class EngineStartWatch:
         return {"type": str(record.get("type", "")), "message": str(record.get("message", "")),
                 "kvplane": record.get("kvplane") is True}
 
-    def failed(self, error: BaseException) -> BaseException:
+    def failed(self, error: BaseException, engine: Any = None) -> BaseException:
         """After the engine's start raised ``error`` (or succeeded with a child's ``SIGQUIT`` on
         record: :attr:`signalled`): the processes the start left stopped (:meth:`_stop_engine_children`),
         this process's ``SIGQUIT`` handler put back, and the exception to raise instead (``error``
         itself where no scheduler wrote its error): kvplane's refusal in a scheduler (a
         ``LaunchRefusal`` or a ``ValueError`` kvplane raised) as ``ValueError("kvplane: ...")``, as a
         refusal of the parse is raised; any other scheduler error as a ``RuntimeError`` naming it.
-        A child's ``SIGQUIT`` while this runs is still only recorded."""
+        The start's zmq contexts are closed (:meth:`close_sockets`: ``error``'s traceback and the
+        ``engine``, where one was returned, name its endpoints). A child's ``SIGQUIT`` while this
+        runs is still only recorded."""
         self._stop_engine_children()
+        self.close_sockets(error, engine)
         record = self.failure()
         Path(self.failure_file).unlink(missing_ok=True)
         if self.previous is not None and threading.current_thread() is threading.main_thread():
@@ -135,3 +146,37 @@ class EngineStartWatch:
             except psutil.NoSuchProcess:
                 continue
         multiprocessing.active_children()  # reaps the engine's exited processes (no zombies left)
+
+    @staticmethod
+    def close_sockets(error: BaseException | None, engine: Any = None) -> int:
+        """Closes, at once (linger 0), every zmq context of this process with an open socket on an
+        endpoint of the failed start: the ``PortArgs`` in ``error``'s traceback (a local of
+        ``Engine._launch_subprocesses``, where the start failed) and ``engine.port_args``. Returns
+        how many. Its sockets are garbage, in cycles, once the start's error is gone: the collector
+        would clear the context's weak set of them and then hang in the context's ``term()``
+        (module docstring). Another context's sockets (on other endpoints) are left alone."""
+        import zmq  # installed with SGLang
+
+        port_args_cls = compat.resolve(compat.PORT_ARGS.path)
+        found = [getattr(engine, "port_args", None)]
+        traceback = error.__traceback__ if error is not None else None
+        while traceback is not None:
+            found += [value for value in traceback.tb_frame.f_locals.values() if isinstance(value, port_args_cls)]
+            traceback = traceback.tb_next
+        endpoints = {value for args in found if isinstance(args, port_args_cls)
+                     for value in (getattr(args, f.name) for f in dataclasses.fields(args))
+                     if isinstance(value, str) and "://" in value}
+        if not endpoints:
+            return 0
+        contexts: dict[int, Any] = {}
+        for obj in gc.get_objects():
+            if not isinstance(obj, zmq.Socket) or obj.closed or obj.context is None or id(obj.context) in contexts:
+                continue
+            try:
+                if obj.getsockopt(zmq.LAST_ENDPOINT).decode() in endpoints:
+                    contexts[id(obj.context)] = obj.context
+            except zmq.ZMQError:
+                continue
+        for context in contexts.values():
+            context.destroy(linger=0)
+        return len(contexts)

@@ -140,10 +140,13 @@ def layered_engine(**kwargs: Any) -> Any:
         parse.undo()
         if watch is not None:
             watch.failed(refusal)
+        else:
+            EngineStartWatch.close_sockets(refusal)
         raise ValueError(f"kvplane: {refusal.message}") from None
     except BaseException as error:
         parse.undo()
-        if watch is None:
+        if watch is None:  # unwatched: the error as SGLang raised it, its sockets closed
+            EngineStartWatch.close_sockets(error)
             raise
         raised = watch.failed(error)
         if raised is error:
@@ -158,7 +161,7 @@ def layered_engine(**kwargs: Any) -> Any:
                 watchdog.stop()  # (not engine.shutdown(): it stops every child of this process)
             error = RuntimeError("a process of the engine failed during its start (it sent SIGQUIT; its error "
                                  "is in the log above): the engine is stopped")
-            raised = watch.failed(error)
+            raised = watch.failed(error, engine)
             raise raised from (None if raised is error else error)
         _off_the_record(engine)
     shutdown = engine.shutdown

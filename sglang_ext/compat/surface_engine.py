@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from sglang_ext.compat.target import Target
 
-__all__ = ["ENGINE", "ENGINE_SUBPROCESS_WATCHDOG", "KILL_PROCESS_TREE", "LOAD_PLUGINS", "REDACT_WATERMARK_SECRETS", "SERVER_ARGS_FIELDS"]
+__all__ = ["ENGINE", "ENGINE_SUBPROCESS_WATCHDOG", "KILL_PROCESS_TREE", "LOAD_PLUGINS", "PORT_ARGS", "REDACT_WATERMARK_SECRETS",
+           "SERVER_ARGS_FIELDS"]
 
-ENGINE = Target("sglang.srt.entrypoints.engine.Engine", attrs=("generate", "shutdown", "server_args"),
-                used_by=("offline_engine",))
+ENGINE = Target("sglang.srt.entrypoints.engine.Engine", attrs=("generate", "shutdown", "server_args", "port_args"),
+                used_by=("offline_engine", "engine_start_watch"))
 """``Engine(server_args=ServerArgs)`` (its ``__init__(**kwargs)`` takes a built record as is)."""
 LOAD_PLUGINS = Target("sglang.srt.plugins.load_plugins", params=(), used_by=("offline_engine",))
 """Runs every plugin's ``register`` and applies the hooks in this process (idempotent): the parse
@@ -40,3 +41,9 @@ ENGINE_SUBPROCESS_WATCHDOG = Target("sglang.srt.utils.watchdog.SubprocessWatchdo
 by ``Engine.__init__``): it sends this process ``SIGQUIT`` when one of them ends with a non-zero
 status. ``layered_engine`` stops it before it stops the processes of a start that failed after the
 schedulers were ready (``Engine.shutdown()`` would stop every child of the caller's process)."""
+PORT_ARGS = Target("sglang.srt.server_args.PortArgs",
+                   attrs=("tokenizer_ipc_name", "scheduler_input_ipc_name", "detokenizer_ipc_name", "rpc_ipc_name"),
+                   used_by=("engine_start_watch",))
+"""An engine's IPC endpoints (``Engine._launch_subprocesses`` builds them; a local of its frame, and
+``engine.port_args`` once started): a failed start's zmq sockets are the open ones on these
+endpoints, whose contexts kvplane's engine-start watch closes (``EngineStartWatch.close_sockets``)."""

@@ -123,3 +123,58 @@ def test_kvplanes_package_is_recognised_through_a_symlink(tmp_path):
 
     assert _raised_by_kvplane(raised_in(link / "layered_pool.py"))
     assert not _raised_by_kvplane(raised_in(tmp_path / "layered_pool.py"))
+
+
+_SOCKETS = r'''
+import gc, json, os, sys, tempfile, threading
+import zmq
+from sglang.srt.server_args import PortArgs
+from sglang_ext.engine_start_watch import EngineStartWatch
+
+threading.Timer(8, lambda: (print("HUNG", flush=True), os._exit(3))).start()
+ipc = lambda: "ipc://" + tempfile.mktemp(dir=sys.argv[2])
+
+class Manager:  # a tokenizer manager's stand-in: the start's sockets, in a reference cycle
+    pass
+
+def launch(port_args):  # SGLang's _launch_subprocesses: PortArgs a local of the frame that fails
+    manager = Manager()
+    manager.me, manager.context = manager, zmq.Context(2)
+    manager.pull = manager.context.socket(zmq.PULL)
+    manager.pull.bind(port_args.tokenizer_ipc_name)
+    manager.push = manager.context.socket(zmq.PUSH)
+    manager.push.connect(port_args.scheduler_input_ipc_name)
+    manager.push.send(b"never delivered")  # queued: no scheduler reads it
+    raise RuntimeError("Rank 0 scheduler died during initialization")
+
+callers = zmq.Context()  # the caller's own context, in use: left alone
+kept = callers.socket(zmq.PULL)
+kept.bind(ipc())
+closed = 0
+try:
+    launch(PortArgs(tokenizer_ipc_name=ipc(), scheduler_input_ipc_name=ipc(), detokenizer_ipc_name=ipc(), nccl_port=0,
+                    rpc_ipc_name=ipc(), metrics_ipc_name=ipc(), tokenizer_worker_ipc_name=None,
+                    decoupled_spec_ipc_config=None))
+except RuntimeError as error:
+    if sys.argv[1] == "closed":
+        closed = EngineStartWatch.close_sockets(error)
+gc.collect()
+print("RESULT", json.dumps({"closed": closed, "kept_open": not kept.closed and not callers.closed}), flush=True)
+os._exit(0)
+'''
+
+
+def test_a_failed_starts_sockets_are_closed_so_collecting_them_cannot_hang(tmp_path):
+    """A failed start's zmq sockets, left in reference cycles with a message queued: the collector
+    clears the context's weak set of sockets before the context's finalizer, whose ``term()`` then
+    waits forever (session 84: the caller hung after two refused starts). ``close_sockets`` closes
+    the contexts with a socket on the start's endpoints (the ``PortArgs`` in the error's traceback),
+    at once: the collection returns, and the caller's own context is left open. Negative control:
+    without it, the same collection hangs (the script's 8 s alarm)."""
+    runs = {mode: subprocess.Popen([sys.executable, "-c", _SOCKETS, mode, str(tmp_path)], stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, cwd=str(ROOT),
+                                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+            for mode in ("closed", "unclosed")}
+    out = {mode: proc.communicate(timeout=120)[0] for mode, proc in runs.items()}
+    assert 'RESULT {"closed": 1, "kept_open": true}' in out["closed"], out["closed"][-2000:]
+    assert "HUNG" in out["unclosed"] and "RESULT" not in out["unclosed"], out["unclosed"][-2000:]

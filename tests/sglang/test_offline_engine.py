@@ -84,7 +84,9 @@ def test_a_refusal_in_the_scheduler_process_is_a_value_error_and_the_caller_goes
     layer of the 48-token slot space on the device: SGLang sizes the slot space there) raises
     kvplane's ``ValueError`` in the caller, whose process goes on: no process of the failed start
     left running, no ``KVPLANE_*`` variable or failure file left, and a stock engine started after
-    it generates what a stock engine in a fresh process does. Negative control: with the start
+    it generates what a stock engine in a fresh process does. The refusal is made twice, and the
+    garbage collection after them returns (the failed starts' zmq sockets closed: it hung before;
+    the control is ``test_engine_start_watch.py``'s). Negative control: with the start
     watch switched off (SGLang's own ``SIGQUIT`` handler, as before session 84), the same launch
     kills the caller's process (no result line)."""
     prompts, tmp = list(PROMPTS[:1]), tmp_path / "refused-tmp"
