@@ -14,7 +14,7 @@ residency calls first, after the decode journal (whose steps came before them):
 2. the freed pages -- distinct, ascending -- are cut from whoever still holds them (a live
    request sharing them; usually nobody once the releases are done), their device copies
    released in one call, their KV flags cleared. They may stay orphan candidates
-   (``SlotResidency._maybe_orphan``, a superset): with no device copy left, the orphan scan
+   (``SlotResidency.maybe_orphan``, a superset): with no device copy left, the orphan scan
    (:meth:`LivePages._orphans`) filters them out, so removing them here would only cost time.
 
 The final state is the one of applying each call when it came: a page is freed only when no
@@ -78,15 +78,15 @@ class EndedRequests:
             return
         self.applications += 1
         res = self.residency
-        requests = res._requests
+        requests = res.requests
         gone = [requests.pop(rid) for rid in dict.fromkeys(released) if rid in requests]
         if gone:
-            res._changed = True
+            res.changed = True
             for req in gone:
-                res._maybe_orphan.update(req.pages.tolist())
+                res.maybe_orphan.update(req.pages.tolist())
             res.counts.track_many(gone, -1)
         if freed:
-            res._changed = True
+            res.changed = True
             pages = in_pool(distinct_sorted(np.fromiter(freed, dtype=np.int64, count=len(freed))),
                             res.store.map_np.shape[1], "a freed page")
             self.rewritten.update(cut_freed_pages(requests, res.counts, pages))  # first: the counts read the map

@@ -65,11 +65,11 @@ class OpenedPages:
         res = self.residency
         res.settle()
         counts, store = res.counts, res.store
-        if res._changed or res._appended or not counts.all_settled or len(rids) > FEW or len(set(rids)) != len(rids):
+        if res.changed or res.appended or not counts.all_settled or len(rids) > FEW or len(set(rids)) != len(rids):
             return None
         reqs, pages = [], []
         for rid, now in zip(rids, lists, strict=True):
-            req = res._requests.get(rid)
+            req = res.requests.get(rid)
             if req is None or req.paused or req.uncached:
                 return None
             old = req.pages.numpy()  # the list is the last one plus a page (bytes: one call, not three)
@@ -126,5 +126,5 @@ class OpenedPages:
                 store.onload(pair_layers.astype(np.int64), p[at], np.zeros(need, dtype=bool))
         except BaseException:  # as SlotResidency._load: the wants stay due, the next pass is full
             res.counts.mark_dirty(p)
-            res._changed = True
+            res.changed = True
             raise

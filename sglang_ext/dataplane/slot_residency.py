@@ -50,18 +50,20 @@ class SlotResidency:
     def __init__(self, store: SlotKVStore) -> None:
         self.store = store
         self.layers = store.config.layers
-        self._requests: dict[str, _Request] = {}
+        self.requests: dict[str, _Request] = {}
+        """The tracked requests by id (their pages and wants; read by :class:`OpenedPages`,
+        :class:`EndedRequests` and :class:`StagingRoom`, which change them with this class)."""
         self._pause_seq = itertools.count(1)
         self.shortfall_total = 0
         self.last_moves = LayerPageMoves({}, {})
         self.has_kv = store.has_kv  # pages holding KV (the store's flags): only these are onloaded
         self.has_kv_np = store.has_kv_np  # same memory, for the per-step fast path
         self._anonymous: set[str] = set()  # requests observed without an id (dropped at the next boundary)
-        self._changed = True
+        self.changed = True
         """Anything but appended pages changed since the last full reconcile (forces a full one)."""
-        self._appended: list[tuple[_Request, np.ndarray]] = []
+        self.appended: list[tuple[_Request, np.ndarray]] = []
         """Pages appended to known requests (or a new request's) since the last pass (int64)."""
-        self._maybe_orphan: set[int] = set()
+        self.maybe_orphan: set[int] = set()
         """Pages that may no longer have a tracked user (released, dropped, re-observed requests'
         pages): where :class:`LivePages` looks for cached orphans when space is needed."""
         self.full_reconciles = 0
@@ -91,8 +93,8 @@ class SlotResidency:
         layout, every live layer-page resident, nothing observed but not reconciled, no end
         pending, every request tracked, named and in the batch once), else None. No settling:
         the journal's step-time check (C-level set and map calls, no Python loop per request)."""
-        requests, named = self._requests, set(rids)
-        if (not self.store.identity or self._appended or self.ended.pending or not self.all_live_resident()
+        requests, named = self.requests, set(rids)
+        if (not self.store.identity or self.appended or self.ended.pending or not self.all_live_resident()
                 or len(named) != len(rids) or not requests.keys() >= named):
             return None
         reqs = list(map(requests.__getitem__, rids))
@@ -102,7 +104,7 @@ class SlotResidency:
 
     def force_full_reconcile(self) -> None:
         """The next reconciliation is a full one (something changed beyond appends)."""
-        self._changed = True
+        self.changed = True
 
     # ----- request state ----------------------------------------------------------
 
@@ -123,20 +125,20 @@ class SlotResidency:
                 raise ValueError(f"wants[{rid!r}].pages {bad[:4]} out of range [0, {logical})")
         arrived: list[_Request] = []
         for rid, want in wants.items():
-            req = self._requests.get(rid)
+            req = self.requests.get(rid)
             pages = torch.from_numpy(np.fromiter(want.pages, dtype=np.int64, count=len(want.pages)))
             if req is None:
                 layers = want.gpu_layers if want.planned else (True,) * self.layers
-                req = self._requests[rid] = _Request(pages, gpu_layers=list(layers), planned=want.planned,
+                req = self.requests[rid] = _Request(pages, gpu_layers=list(layers), planned=want.planned,
                                                      uncached=want.uncached_pages)
                 if want.uncached_pages:
-                    self._changed = True  # its prefix may be resident already (observed earlier)
+                    self.changed = True  # its prefix may be resident already (observed earlier)
                 if want.paused:
                     req.pause_seq = next(self._pause_seq)
                     req.paused = True
-                    self._changed = True
-                elif not self._changed and pages.numel():
-                    self._appended.append((req, pages.numpy()))  # a new request only adds wants
+                    self.changed = True
+                elif not self.changed and pages.numel():
+                    self.appended.append((req, pages.numpy()))  # a new request only adds wants
                 arrived.append(req)
                 continue
             elif len(want.pages) >= req.pages.numel():
@@ -147,19 +149,19 @@ class SlotResidency:
                 self.counts.track(req, -1)
                 if new_layers:
                     req.gpu_layers = list(want.gpu_layers)
-                    self._changed = True
+                    self.changed = True
                 if new_prefix:
                     req.uncached = want.uncached_pages
-                    self._changed = True
+                    self.changed = True
                 if want.paused != req.paused:
                     if want.paused:
                         req.pause_seq = next(self._pause_seq)
                     req.paused = want.paused
-                    self._changed = True
+                    self.changed = True
                 self.counts.track(req, 1)
             if want.planned != req.planned:
                 req.planned = want.planned
-                self._changed = True
+                self.changed = True
         self.counts.track_many(arrived, 1)  # the new requests join in one pass per distinct want
 
     def observe(self, rid: str, pages: torch.Tensor, *, anonymous: bool = False) -> None:
@@ -170,40 +172,40 @@ class SlotResidency:
         else forces a full pass.
         """
         self.settle()
-        req = self._requests.get(rid)
+        req = self.requests.get(rid)
         if req is None:
             # a new request only adds wants (nothing becomes droppable): all its pages count as appended
-            req = self._requests[rid] = _Request(pages, gpu_layers=[True] * self.layers, anonymous=anonymous)
+            req = self.requests[rid] = _Request(pages, gpu_layers=[True] * self.layers, anonymous=anonymous)
             if anonymous:
                 self._anonymous.add(rid)
-            if not self._changed and pages.numel():
-                self._appended.append((req, pages.numpy()))
+            if not self.changed and pages.numel():
+                self.appended.append((req, pages.numpy()))
             self.counts.track(req, 1)
             return
         old, now = req.pages.numpy(), pages.numpy()  # NumPy views: a decode step's compare, ~3x cheaper
         if old.size <= now.size and (now[:old.size] == old).all():
             if now.size > old.size:
                 added = now[old.size:]
-                if not self._changed:
-                    self._appended.append((req, added))
+                if not self.changed:
+                    self.appended.append((req, added))
                 self.counts.track_added(req, added)
             req.pages = pages
         else:
-            self._changed = True
+            self.changed = True
             gone = self.counts.track_replaced(req, pages.numpy())
             if gone is None:  # repeats or an uncached prefix: leave and rejoin
-                self._maybe_orphan.update(req.pages.tolist())
+                self.maybe_orphan.update(req.pages.tolist())
                 self.counts.track(req, -1)
                 req.pages = pages
                 self.counts.track(req, 1)
             else:
-                self._maybe_orphan.update(gone.tolist())
+                self.maybe_orphan.update(gone.tolist())
                 req.pages = pages
 
     def holds_wants(self, rid: str) -> bool:
         """Whether wants of ``rid`` given by :meth:`update_residency` are held (not released since;
         a request known only from :meth:`observe` holds none)."""
-        req = self._requests.get(rid)
+        req = self.requests.get(rid)
         return req is not None and req.planned and rid not in self.ended.released
 
     def release_request(self, rid: str) -> None:
@@ -228,23 +230,23 @@ class SlotResidency:
         if not self._anonymous:
             return
         for rid in self._anonymous:
-            req = self._requests.pop(rid, None)
+            req = self.requests.pop(rid, None)
             if req is not None:
-                self._changed = True
-                self._maybe_orphan.update(req.pages.tolist())
+                self.changed = True
+                self.maybe_orphan.update(req.pages.tolist())
                 self.counts.track(req, -1)
         self._anonymous.clear()
 
     def gpu_layers(self, rid: str) -> tuple[bool, ...] | None:
         """Current wanted residency of ``rid`` (None if unknown)."""
         self.settle()
-        req = self._requests.get(rid)
+        req = self.requests.get(rid)
         return None if req is None else tuple(req.gpu_layers)
 
     def live_rids(self) -> list[str]:
         """Tracked request ids (running or paused)."""
         self.settle()
-        return list(self._requests)
+        return list(self.requests)
 
     def page_freed(self, pages: Sequence[int]) -> None:
         """The allocator took ``pages`` back: their device copies are dead. Recorded, applied by
@@ -263,8 +265,8 @@ class SlotResidency:
     def live_pages(self) -> LivePages:
         """The view of the dirty and paused pages (wants, residency, removable) for giving up."""
         self.settle()
-        paused = [r for r in self._requests.values() if r.paused] if self.counts.paused_requests else []
-        return LivePages(self.store, self.counts, paused, self._maybe_orphan, self.staging_lent)
+        paused = [r for r in self.requests.values() if r.paused] if self.counts.paused_requests else []
+        return LivePages(self.store, self.counts, paused, self.maybe_orphan, self.staging_lent)
 
     def reconcile(self) -> ResidencyDelta:
         """Make the device hold the wanted layer-pages (within the budget); see module doc.
@@ -282,7 +284,7 @@ class SlotResidency:
             self.counts.forget_settled()
             return fast
         self.full_reconciles += 1
-        self._appended = []
+        self.appended = []
         store = self.store
         d2h_before, h2d_before = store.d2h_bytes, store.h2d_bytes
         reserve = self.staging_reserve()
@@ -296,7 +298,7 @@ class SlotResidency:
         self.counts.clear_dirty()  # every live page settled, but for the wants left short
         loaded, placed, shortfall = self._apply_needs(need_flat, reserve)
         self.shortfall_total += shortfall
-        self._changed = shortfall > 0 or given_up > 0
+        self.changed = shortfall > 0 or given_up > 0
         self.last_moves = LayerPageMoves(offloaded=offloaded, loaded=loaded)
         return ResidencyDelta(
             loaded_layer_pages=sum(len(v) for v in loaded.values()),
@@ -347,9 +349,9 @@ class SlotResidency:
 
     def _reconcile_appended(self) -> ResidencyDelta | None:
         """Pages appended since the last pass get device pages at their wanted layers (NumPy: torch ops on tiny tensors cost ~0.5 ms a batch-32 step on the 2-core host)."""
-        if self._changed:
+        if self.changed:
             return None
-        appended, self._appended = self._appended, []
+        appended, self.appended = self.appended, []
         cols, masks, every_layer = [], [], []  # every_layer: the pages of requests wanting all layers
         for req, added in appended:
             if not added.size:
@@ -374,12 +376,12 @@ class SlotResidency:
             masks.append(None)
         if not cols:  # nothing to place, but an offloading request's grown staging slot must fit too
             if self.store.allocator.free_count < self.staging_reserve():
-                self._changed = True  # the full pass makes the room (as it would have without this path)
+                self.changed = True  # the full pass makes the room (as it would have without this path)
                 return None
             return ResidencyDelta(0, 0, 0, 0, 0, 0, 0, 0)
         layers, pages = missing_pairs(self.store.map_np, cols, masks)
         if layers.size > self.store.allocator.free_count - self.staging_reserve():
-            self._changed = True
+            self.changed = True
             return None
         h2d_before = self.store.h2d_bytes
         copy = self._load(layers, pages)
@@ -424,12 +426,12 @@ class SlotResidency:
     def all_live_resident(self) -> bool:
         """Cheap sufficient test that every layer of every live request's pages is on the device:
         the last reconciliation left no shortfall, nobody is paused, everybody wants all layers."""
-        return not self._changed and self.counts.paused_requests == 0 and self.counts.partial_requests == 0
+        return not self.changed and self.counts.paused_requests == 0 and self.counts.partial_requests == 0
 
     def _flip_local_layer(self) -> bool:
         """Local fallback: move the highest wanted layer of the largest unplanned request to host."""
         candidates = [
-            r for r in self._requests.values() if not r.planned and not r.paused and any(r.gpu_layers)
+            r for r in self.requests.values() if not r.planned and not r.paused and any(r.gpu_layers)
         ]
         if not candidates:
             return False
@@ -456,7 +458,7 @@ class SlotResidency:
             self.store.onload(layers, pages, copy)
         except BaseException:
             self.counts.mark_dirty(pages)
-            self._changed = True
+            self.changed = True
             raise
         self.counts.moved(pages, 1)
         return copy
@@ -483,7 +485,7 @@ class SlotResidency:
             device_pages_total=store.allocator.capacity,
             staging_pages=store.staging_pages,
             host_pages=store.config.logical_pages if store.host_tier else 0,
-            live_requests=len(self._requests),
+            live_requests=len(self.requests),
             live_layer_pages=live,
             host_layer_pages=host,
             host_fraction=host / live if live else 0.0,

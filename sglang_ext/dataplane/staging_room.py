@@ -119,11 +119,11 @@ class StagingRoom:
         if short <= 0:
             return True
         res = self.residency
-        res._changed = True  # wants may end up short: the next boundary re-places them
+        res.changed = True  # wants may end up short: the next boundary re-places them
         short -= self._give_up_removable(short)
         if short <= 0:
             return True
-        requests = [(rid, r) for rid, r in res._requests.items() if r.pages.numel()]
+        requests = [(rid, r) for rid, r in res.requests.items() if r.pages.numel()]
         outside = [r for rid, r in requests if rid not in batch]
         inside = [r for rid, r in requests if rid in batch]
         for group in (outside, inside):

@@ -85,7 +85,7 @@ def test_a_failed_onload_on_the_append_path_forces_the_next_pass_to_retry(monkey
     driver.want("a", [True, False, False])  # the last pass before the failing one moved pages
     residency, store = driver.core.residency, driver.core.store
     pages = np.array(driver.pages("a"))
-    assert (store.map_np[1:, pages] < 0).all() and not residency._changed  # the fast path is next
+    assert (store.map_np[1:, pages] < 0).all() and not residency.changed  # the fast path is next
     assert seen[-1].offloaded
     residency.observe("b", torch.from_numpy(pages[:2].copy()))  # all layers wanted: a copy-back
     with monkeypatch.context() as patch:

@@ -37,21 +37,21 @@ def _orphan_candidates(d: CoreDriver) -> list[int]:
     """The orphan candidates that can matter: those with a device copy (a freed page may stay a
     candidate -- the orphan scan skips pages with no device copy)."""
     store = d.core.store
-    return sorted(p for p in d.core.residency._maybe_orphan if (store.map_np[:, p] >= 0).any())
+    return sorted(p for p in d.core.residency.maybe_orphan if (store.map_np[:, p] >= 0).any())
 
 
 def _state(d: CoreDriver) -> tuple:
     res, store = d.core.residency, d.core.store
     return (store.map_np.tobytes(), res.counts.users.tobytes(), res.counts.want.tobytes(),
             res.has_kv_np.tobytes(), sorted(store.allocator.used_ids()), _orphan_candidates(d),
-            sorted(res._requests), res.counts.active_pages, res.counts.live_resident)
+            sorted(res.requests), res.counts.active_pages, res.counts.live_resident)
 
 
 def test_one_batch_equals_each_call_applied_when_it_came():
     one, each = _driver(1), _driver(1)
     _finish_all(one, settle_each=False)
     assert one.core.residency.ended.pending  # recorded only
-    assert "a" in one.core.residency._requests
+    assert "a" in one.core.residency.requests
     one.core.settle()
     _finish_all(each, settle_each=True)
     each.core.settle()
@@ -80,7 +80,7 @@ def test_the_decode_journal_declines_while_ends_are_pending():
     res = d.core.residency
     assert not res.journal.record(["a"], None, [60], None)
     res.ended.apply()
-    res._changed = False  # what the next reconciliation leaves (nothing else changed)
+    res.changed = False  # what the next reconciliation leaves (nothing else changed)
     assert res.journal.record(["a"], None, [60], None)
 
 

@@ -173,7 +173,7 @@ class GraphFaultDriver(FaultDriver):
                 super(FaultDriver, self).want(rid, layers, paused, uncached)
         except RuntimeError as exc:
             self._escaped(exc, "want")
-            req = self.core.residency._requests.get(rid)  # recorded or not (a held step's join raised first)
+            req = self.core.residency.requests.get(rid)  # recorded or not (a held step's join raised first)
             (self.paused.add if req is not None and req.paused else self.paused.discard)(rid)
 
     def step(self, batch: Sequence[tuple[str, int]]) -> bool:

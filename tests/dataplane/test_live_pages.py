@@ -64,7 +64,7 @@ def brute_force(core) -> tuple[int, list[tuple[int, list[int]]], tuple[int, int]
     core.settle()  # recorded releases and frees first (what every reader does)
     res = core.residency
     store = core.store
-    reqs = list(res._requests.values())
+    reqs = list(res.requests.values())
     resident = store.map_np >= 0
     used = np.zeros(store.config.logical_pages, dtype=bool)
     paused = np.zeros_like(used)
@@ -117,7 +117,7 @@ def test_live_view_matches_the_pool_wide_pass(seed):
         live = d.core.residency.live_pages()
         assert live.orphan_resident == count
         assert _view_order(d.core) == order
-        assert live_layer_pages(d.core.store, d.core.residency._requests.values()) == stats
+        assert live_layer_pages(d.core.store, d.core.residency.requests.values()) == stats
         d.core.settle()  # (frees recorded, not applied: the figure reads the pool as it is)
         assert d.core.residency.reclaimable_pages == count  # counted now, fast paths included
     d.check_at_rest()
@@ -131,11 +131,11 @@ def test_missed_orphans_are_found_by_the_fallback_scan():
     d.step([("a", 6)])
     d.cache("a")
     d.core.update_residency({})
-    d.core.residency._maybe_orphan.clear()
+    d.core.residency.maybe_orphan.clear()
     live = d.core.residency.live_pages()
     assert live.orphan_resident == 3 * LAYERS
     assert _view_order(d.core) == brute_force(d.core)[1] and _view_order(d.core)
-    assert d.core.residency._maybe_orphan == {1, 2, 3}  # relearned from the scan
+    assert d.core.residency.maybe_orphan == {1, 2, 3}  # relearned from the scan
 
 
 def test_full_reconciliation_builds_no_pool_sized_mask(monkeypatch):
@@ -221,7 +221,7 @@ def test_paused_beside_an_offloading_request_and_a_shared_prefix(budget):
     for step in range(10):
         assert d.step([("a", 1), ("b", 1)])
         reserves.append(res.staging_reserve())
-        if not res._changed:  # nothing pending: the running requests' wanted layer-pages are resident
+        if not res.changed:  # nothing pending: the running requests' wanted layer-pages are resident
             for rid, layers in (("a", [0]), ("b", range(LAYERS))):
                 cols = sorted({s // PAGE for s in d.slots[rid]})
                 assert (store.map_np[np.ix_(list(layers), cols)] >= 0).all(), (step, rid)

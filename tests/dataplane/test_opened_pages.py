@@ -95,7 +95,7 @@ def _replays(seed: int, count: int) -> list[Any]:
     for _ in range(count):
         res = _history(seed).core.residency
         res.settle()
-        for req in res._requests.values():
+        for req in res.requests.values():
             req.pages  # noqa: B018 - joins a journalled decode tail (as both routes' first read does)
         out.append(res)
     return out
@@ -105,14 +105,14 @@ def _openings(d: TreeDriver, rng: random.Random) -> tuple[list[str], list[np.nda
     """Some live requests' page lists plus one page each: a free page mostly, else a mistake."""
     res = d.core.residency
     res.settle()
-    rids = [r for r in d.slots if r in res._requests]
+    rids = [r for r in d.slots if r in res.requests]
     rids = rng.sample(rids, rng.randint(0, min(len(rids), 4)))
-    held = {int(q) for req in res._requests.values() for q in req.pages.numpy()}
+    held = {int(q) for req in res.requests.values() for q in req.pages.numpy()}
     free = [q for q in d.free_pages if q not in held]
     rng.shuffle(free)
     lists = []
     for rid in rids:
-        old = res._requests[rid].pages.numpy()
+        old = res.requests[rid].pages.numpy()
         roll = rng.random()
         if roll < 0.8 and free:
             page = free.pop()
@@ -195,7 +195,7 @@ def _taken_case(pages: int = 1, identity: bool = False, partial: bool = False) -
         rids, lists = _openings(d, rng)
         if len(rids) < pages or len(set(rids)) < len(rids):
             continue
-        if partial and all(all(res._requests[r].gpu_layers) for r in rids[:2]):
+        if partial and all(all(res.requests[r].gpu_layers) for r in rids[:2]):
             continue
         if OpenedPages(res).reconcile(rids, lists) is not None:
             return h, rids, lists
@@ -236,9 +236,9 @@ def test_each_condition_declines_with_nothing_changed():
     _declines(h, rids, lists, lambda r: r.has_kv_np.__setitem__(fresh, True))
     _declines(h, rids, lists, lambda r: r.store.map_np.__setitem__((1, fresh), 0))  # placed at a layer
     for flag in ("paused", "uncached"):
-        _declines(h, rids, lists, lambda r, f=flag: setattr(r._requests[rids[0]], f, True))
-    for flag in ("_changed", "_kept", "check_appended"):
-        _declines(h, rids, lists, lambda r, f=flag: setattr(r if f == "_changed" else r.counts, f, True))
+        _declines(h, rids, lists, lambda r, f=flag: setattr(r.requests[rids[0]], f, True))
+    for flag in ("changed", "_kept", "check_appended"):
+        _declines(h, rids, lists, lambda r, f=flag: setattr(r if f == "changed" else r.counts, f, True))
     _declines(h, rids, lists, lambda r: r.counts.mark_dirty(np.array([used])))
     one, untouched = _replays(h, 2)
     backwards = lists[1][::-1].copy()[::-1]  # the same pages, a negative stride: no tensor views it
@@ -248,7 +248,7 @@ def test_each_condition_declines_with_nothing_changed():
 
     def short(by: int):  # noqa: ANN202 - the staging reserve leaves ``by`` pages too few
         def tweak(res):  # noqa: ANN001, ANN202
-            reqs = [res._requests[r] for r in rids]
+            reqs = [res.requests[r] for r in rids]
             need, partial = sum(sum(q.gpu_layers) for q in reqs), sum(not all(q.gpu_layers) for q in reqs)
             assert partial, "the case keeps no layer on the host"
             res.counts.offloading_pages = res.store.allocator.free_count - need - partial + by
@@ -272,7 +272,7 @@ def test_the_one_pass_is_taken_on_staged_and_identity_pages():
         d = _history(h)
         res = d.core.residency
         rids, lists = _openings(d, rng)
-        partial = any(not all(res._requests[r].gpu_layers) for r in rids)
+        partial = any(not all(res.requests[r].gpu_layers) for r in rids)
         if rids and OpenedPages(res).reconcile(rids, lists) is not None:
             seen["partial"] += partial
             seen["identity"] += bool(res.store.identity)
@@ -306,7 +306,7 @@ def test_a_placement_that_raises_leaves_what_the_general_route_leaves(monkeypatc
         OpenedPages(one).reconcile(rids, lists, moves.append)
     with pytest.raises(RuntimeError, match="launch failed"):
         _general(general, rids, lists)
-    assert moves == [general.last_moves] and one._changed and general._changed
+    assert moves == [general.last_moves] and one.changed and general.changed
     assert np.array_equal(one.counts.dirty_live(), general.counts.dirty_live())
     # the dirty pages' lists differ in form only (scalar entries or an array), checked just above
     assert_same(one, general, skip=SCRATCH | {"_dirty", "_dirty_small"})
@@ -329,4 +329,4 @@ def test_the_served_decode_step_takes_the_one_pass(monkeypatch):
     taken = [n for n, took in opened if took and n]
     assert len(taken) >= 5 and d.core.paged_decode.openings.taken == len(taken), opened
     assert d.core.stats().opened_one_pass_total == len(taken)
-    assert any(not all(r.gpu_layers) for r in d.core.residency._requests.values())
+    assert any(not all(r.gpu_layers) for r in d.core.residency.requests.values())

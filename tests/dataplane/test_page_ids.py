@@ -24,7 +24,7 @@ def test_a_free_of_an_id_outside_the_pool_is_ignored_and_the_live_page_keeps_its
     d.step([("a", 2)])
     core.page_freed([-1, 33])
     core.settle()
-    assert "a" in core.residency._requests and core.store.map_np[:, 32].min() >= 0
+    assert "a" in core.residency.requests and core.store.map_np[:, 32].min() >= 0
     d.check_at_rest()  # every layer of a's tokens reads what was written
     core.page_freed([32])  # control: the real id is applied
     core.settle()
@@ -40,7 +40,7 @@ def test_a_request_slot_outside_the_pool_is_refused_before_anything_is_recorded(
     mirror_before = core.store.mirror.dev.clone()
     with pytest.raises(ValueError, match="a request's slots: page ids"):
         core.prepare_step([("x", torch.tensor([40, 41, bad]))], torch.tensor([bad]), [1])
-    assert "x" not in core.residency._requests
+    assert "x" not in core.residency.requests
     assert torch.equal(core.store.mirror.dev, mirror_before)
     for _ in range(3):  # the core goes on
         d.step([("a", 1)])

@@ -21,7 +21,7 @@ def recount(res) -> None:  # noqa: ANN001 - SlotResidency
     users, paused, want = np.zeros_like(c.users), np.zeros_like(c.paused_users), np.zeros_like(c.want)
     active: set[int] = set()
     offloading: set[int] = set()  # distinct pages: one staging page per page (staging_columns.py)
-    for r in res._requests.values():
+    for r in res.requests.values():
         p = r.pages.numpy()
         np.add.at(users, p, 1)
         if r.paused:
@@ -35,7 +35,7 @@ def recount(res) -> None:  # noqa: ANN001 - SlotResidency
                 np.add.at(want[layer], p, 1)
     assert (users == c.users).all() and (paused == c.paused_users).all() and (want == c.want).all()
     assert (c.active_pages, c.offloading_pages) == (len(active), len(offloading))
-    assert c.paused_requests == sum(r.paused for r in res._requests.values())
+    assert c.paused_requests == sum(r.paused for r in res.requests.values())
     live, resident = users > 0, store.map_np >= 0
     assert (c.live_count, c.live_resident) == (int(live.sum()), int(resident[:, live].sum()))
     clean = live.copy()
@@ -133,7 +133,7 @@ def test_freed_pages_leave_every_holder():
     assert (res.counts.users[shared] == 2).all()  # recorded, not applied
     d.core.settle()
     assert (res.counts.users[shared] == 0).all()
-    assert not set(shared) & set(res._requests["b"].pages.tolist())
+    assert not set(shared) & set(res.requests["b"].pages.tolist())
     recount(res)
 
 
@@ -144,7 +144,7 @@ def test_a_holder_left_with_a_freed_page_is_caught():
     res = d.core.residency
     d.core.page_freed(shared)
     d.core.settle()
-    b = res._requests["b"]
+    b = res.requests["b"]
     b.pages = torch.cat([torch.tensor(shared[:1], dtype=torch.int64), b.pages])  # the miss
     assert set(shared) & set(b.pages.tolist())
     with pytest.raises(AssertionError):
@@ -196,8 +196,8 @@ def test_a_rewritten_row_moves_only_the_pages_that_differ(monkeypatch):
         monkeypatch.setattr(res.counts, name, lambda req, p, real=real, name=name: (moved.append((name, p.tolist())), real(req, p))[1])
     d.core.update_residency({"b": want})
     assert moved == [("track_removed", [old[0]]), ("track_added", [new[0]])]
-    assert res._requests["b"].pages.tolist() == list(new)
-    assert old[0] in res._maybe_orphan
+    assert res.requests["b"].pages.tolist() == list(new)
+    assert old[0] in res.maybe_orphan
     recount(res)
 
 

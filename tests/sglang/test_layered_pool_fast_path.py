@@ -46,7 +46,7 @@ def test_append_fast_path_keeps_the_staging_reserve_of_a_grown_offloading_reques
     control.residency._flip_local_layer = lambda: False
     harnesses = [(Harness(pool), pool) for pool in (fast, full, control)]
     for item in ops:
-        passes, eligible = fast.residency.full_reconciles, not fast.residency._changed
+        passes, eligible = fast.residency.full_reconciles, not fast.residency.changed
         for h, pool in harnesses:
             apply_op(pool, h, item)
     assert eligible  # nothing but appends since the last full pass: the fast path was asked
@@ -127,7 +127,7 @@ def test_steady_decode_fast_path_leaves_the_pool_as_the_general_path_does(ops, b
         full.residency._live_stats = None
         assert fast.residency.live_rids() == full.residency.live_rids()
         for rid in fast.residency.live_rids():
-            assert torch.equal(fast.residency._requests[rid].pages, full.residency._requests[rid].pages)
+            assert torch.equal(fast.residency.requests[rid].pages, full.residency.requests[rid].pages)
     if budget is not None:
         assert took == fast.core.paged_decode_steps  # the paged layout's steps took the paged path
     hf.check()

@@ -112,7 +112,7 @@ def test_staging_room_is_made_by_evicting_and_loses_nothing():
 
     assert room(3) == 3  # the cached page, at every layer, and nothing else
     assert [layers_on(r) for r in "abc"] == [[4, 4, 4], [4, 4, 4], [0, 0, 0]]
-    assert pool.residency._changed
+    assert pool.residency.changed
     assert room(2) == 4  # then "b" (outside the batch): its whole top layer
     assert [layers_on(r) for r in "ab"] == [[4, 4, 4], [4, 4, 0]]
     assert room(8) == 8  # the rest of "b", top down, before the batch gives anything
