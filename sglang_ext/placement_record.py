@@ -27,7 +27,8 @@ RESULT_FIELDS: tuple[str, ...] = (
 
 * ``layers`` -- the model's layers L;
 * ``layers_offloaded`` -- layers of the request the data plane kept on host at its finish (the
-  installed plan's host layers, or the pool's local fallback's before the first plan);
+  installed plan's host layers, or the pool's local fallback's before the first plan); None when
+  neither knows the request (no plan installed for it, no layered pool);
 * ``layers_offloaded_max`` -- the most layers kept on host at any plan install of its life;
 * ``host_fraction`` -- share of the request's KV layer-pages (one layer of ``page_size`` tokens)
   that had no device copy at its finish, measured on the layered pool (None without it);
@@ -77,7 +78,7 @@ class PlacementRecord:
     def result(
         self,
         *,
-        layers_offloaded: int,
+        layers_offloaded: int | None,
         host_fraction: float | None,
         slo_tbt_ms: float | None,
         deposit_tokens: int | None,
@@ -86,7 +87,8 @@ class PlacementRecord:
     ) -> dict[str, Any]:
         """The finished request's ``meta_info["kvplane"]`` (a pause still open ends at ``step``)."""
         self.resumed(step)
-        self.offloaded(layers_offloaded)
+        if layers_offloaded is not None:
+            self.offloaded(layers_offloaded)
         return {
             "layers": self.layers,
             "layers_offloaded": layers_offloaded,

@@ -168,7 +168,7 @@ class RequestPlacement:
             deposit = deposit_of(rid)
             deposit_tokens, source = (0 if deposit is None else int(deposit.balance)), "controller"
         return record.result(
-            layers_offloaded=0 if on_host is None else on_host,
+            layers_offloaded=on_host,
             host_fraction=self._host_fraction(req),
             slo_tbt_ms=slo,
             deposit_tokens=deposit_tokens,

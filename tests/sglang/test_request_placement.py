@@ -218,6 +218,27 @@ def test_without_the_layered_pool_the_plan_gives_the_layers_and_no_host_fraction
     assert (record["layers_offloaded"], record["host_fraction"]) == (2, None)
 
 
+def test_layers_offloaded_is_null_when_nothing_knows_the_request():
+    """A plain pool and no plan installed for the request: its layers on host are unknown, reported
+    as None (before session 85: 0, as if all were on the device), and the max stays 0. Control:
+    the same request with a plan installed reports the plan's layers."""
+    scene = Scene(layered=False)
+    req = Req("r", {PARAM: True})
+    scene.placement.arrived(req)
+    scene.run("r")
+    scene.release(req)
+    record = req.customized_info[KEY][0]
+    assert (record["layers_offloaded"], record["layers_offloaded_max"], record["host_fraction"]) == (None, 0, None)
+    control = Scene(layered=False)
+    req = Req("r", {PARAM: True})
+    control.placement.arrived(req)
+    control.run("r")
+    control.install("r", (1, 1, 0))
+    control.release(req)
+    record = req.customized_info[KEY][0]
+    assert (record["layers_offloaded"], record["layers_offloaded_max"]) == (1, 1)
+
+
 def test_records_of_requests_that_never_ran_do_not_leak():
     """A request that asked and was dropped without a release (aborted while queued) loses its
     record when SGLang lets go of it."""
