@@ -307,14 +307,14 @@ class KvplanePlugin:
         """Refuse a model the layered pool cannot serve (MLA, recurrent state, hybrid sliding-window
         memory, attention sinks, a head_dim over 256 for the Triton kernels, a checkpoint-quantized KV), naming
         the feature and the model, before any weight loads (:class:`~sglang_ext.model_support.ModelSupport`);
-        and ``--kv-recompute-ratio`` on a multimodal or M-RoPE model (:meth:`RecomputeForward.launch_refusal`)."""
+        and ``--kv-recompute-ratio`` on a multimodal or M-RoPE model, or with LoRA (:meth:`RecomputeForward.launch_refusal`)."""
         from sglang_ext.model_support import ModelSupport, triton_kernel_backend
         from sglang_ext.recompute_forward import RecomputeForward
 
         refusal = ModelSupport.from_model_config(model_config, server_args.kv_cache_dtype,
                                                  triton_kernel_backend(server_args, os.environ)).refusal()
         if refusal is None:  # eLLM's recompute on a multimodal or M-RoPE model (the scheduler checks the rest)
-            refusal = RecomputeForward.launch_refusal(model_config, recompute_ratio)
+            refusal = RecomputeForward.launch_refusal(model_config, recompute_ratio, server_args)
         if refusal is not None:
             refuse_launch(refusal)
 

@@ -146,13 +146,20 @@ class RecomputeForward:
         return not isinstance(layers, torch.nn.ModuleList) or all(_takes_layer_call(layer) for layer in layers)
 
     @staticmethod
-    def inputs_reason(model_config: Any) -> str | None:
+    def inputs_reason(model_config: Any, lora: bool = False) -> str | None:
         """Why a recompute row cannot rebuild this model's prefix KV from the prefix's token ids
         and 1-D positions (what :meth:`augment` appends), or None. SGLang's ``ModelConfig`` says:
         a multimodal model (``is_multimodal``) embeds its image, video and audio tokens from the
         media, the ids in the prompt being placeholders, so a re-embedded prefix is wrong KV; an
         M-RoPE model (``model_is_mrope``: Qwen2-VL's ``mrope_section``) rotates by the 3-D
-        ``forward_batch.mrope_positions``, which the rows do not extend."""
+        ``forward_batch.mrope_positions``, which the rows do not extend. With LoRA adapters served
+        (``lora``: ``--enable-lora``), SGLang maps the batch's rows to their adapters before the
+        rows are appended: they would rebuild the prefix's KV with the base model's weights, not
+        its adapter's (found in session 85: wrong tokens)."""
+        if lora:
+            return ("LoRA adapters are served (--enable-lora): SGLang maps each batch row to its adapter "
+                    "before the recompute rows are appended, which would rebuild an adapter's prefix KV "
+                    "with the base model's weights")
         if getattr(model_config, "is_multimodal", False):
             return ("it is a multimodal model: a recompute row re-embeds the prefix's token ids, and its "
                     "image, video or audio tokens are placeholders embedded from the media")
@@ -160,6 +167,13 @@ class RecomputeForward:
             return ("its rotary embedding reads M-RoPE's 3-D positions (mrope_section), which the "
                     "recompute rows do not carry")
         return None
+
+    @staticmethod
+    def lora_on(server_args: Any) -> bool:
+        """Whether the launch serves LoRA adapters: ``--enable-lora``, or adapters named with it
+        unset (as SGLang reads it)."""
+        enabled = getattr(server_args, "enable_lora", None)
+        return bool(enabled) or (enabled is None and bool(getattr(server_args, "lora_paths", None)))
 
     @staticmethod
     def refusal(model: Any, ratio: float, capped_or_windowed: bool, inputs_reason: str | None = None) -> str:
@@ -181,11 +195,11 @@ class RecomputeForward:
         return _refusal_text(type(model).__name__, ratio, why)
 
     @staticmethod
-    def launch_refusal(model_config: Any, ratio: float) -> str | None:
-        """:meth:`refusal` for what SGLang's ``ModelConfig`` already says (:meth:`inputs_reason`),
-        given at the launcher's parse, before any weight loads (the scheduler's check, with the
-        model built, covers the rest); None when the config gives no reason."""
-        why = RecomputeForward.inputs_reason(model_config) if ratio else None
+    def launch_refusal(model_config: Any, ratio: float, server_args: Any = None) -> str | None:
+        """:meth:`refusal` for what SGLang's ``ModelConfig`` and ``server_args`` already say
+        (:meth:`inputs_reason`), given at the launcher's parse, before any weight loads (the
+        scheduler's check, with the model built, covers the rest); None when they give no reason."""
+        why = RecomputeForward.inputs_reason(model_config, RecomputeForward.lora_on(server_args)) if ratio else None
         if why is None:
             return None
         arch = str((getattr(getattr(model_config, "hf_config", None), "architectures", None) or ["?"])[0])
@@ -319,5 +333,5 @@ def _cut_stream(hidden: Any, forward_batch: Any, keep: int) -> torch.Tensor | No
 
 def _refusal_text(model_name: str, ratio: float, why: str) -> str:
     return (f"--kv-recompute-ratio={ratio}: eLLM's recompute cannot run in {model_name}'s forward ({why}); "
-            "not supported for this model with --enable-layered-kv: drop the flag (requests then fetch their "
+            "not supported for this launch with --enable-layered-kv: drop the flag (requests then fetch their "
             "offloaded KV)")

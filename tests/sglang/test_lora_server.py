@@ -59,9 +59,11 @@ def lora_servers(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[tu
         yield servers
 
 
-def _generate(server: SGLangServer, prompt: str, lora: str | None) -> dict:
+def _generate(server: SGLangServer, prompt: str, lora: str | None, custom: dict | None = None) -> dict:
     payload: dict = {"text": prompt, "return_logprob": True,
                      "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}}
+    if custom is not None:
+        payload["sampling_params"]["custom_params"] = custom
     if lora is not None:
         payload["lora_path"] = lora
     return server.post("/generate", payload, timeout_s=600.0)
@@ -90,3 +92,21 @@ def test_a_lora_server_pauses_and_resumes_within_max_loras_per_batch_and_matches
     for prompt in prompts:  # the control: each adapter serves its own weights
         for name in ADAPTERS:
             assert outputs[prompt, name] != outputs[prompt, None], (name, prompt[:40])
+
+
+def test_a_requests_recompute_ratio_is_not_taken_with_lora_adapters(lora_servers):
+    """eLLM's recompute rows are appended after SGLang mapped the batch's rows to their adapters:
+    a request's ``kvplane_recompute_ratio`` on a LoRA server rebuilt its prefix's KV with the base
+    weights, and adapter requests decoded wrong tokens (session 85's review: 6 of 6). With LoRA
+    served the rows are not offered (``RecomputeForward.inputs_reason``): the ratio is not taken,
+    the prefix is fetched, and every request -- base, A and B, one at a time on short prompts
+    (their staging fits the budget: a batch that overflows it is read at rest, without recompute)
+    -- matches stock's. Without the fix the adapters' requests differ (checked by hand in session
+    85); the launch flag is refused at the parse (``test_offline_engine.py``)."""
+    stock, layered = lora_servers
+    jobs = [(prompt, lora) for prompt in (PROMPTS[0], PROMPTS[7]) for lora in (None, *ADAPTERS)]
+    with ThreadPoolExecutor(1) as pool:
+        want = pool.submit(lambda: [_generate(stock, prompt, lora) for prompt, lora in jobs])
+        got = [_generate(layered, prompt, lora, {"kvplane_recompute_ratio": 0.5}) for prompt, lora in jobs]
+    for (prompt, lora), g, w in zip(jobs, got, want.result(), strict=True):
+        assert_same_generation(g, w, f"{lora}: {prompt} with kvplane_recompute_ratio 0.5")

@@ -136,6 +136,9 @@ out = {}
 for name, kwargs in {"bad_option": {"kv_scheduler": "sjf"}, "unknown": {"no_such_option": 1},
                      "launcher_only": {"config": "/nonexistent.yaml"},
                      "path_option": {"kv_profile": Path("/nonexistent-kvplane-dir/profile.json")},
+                     "lora_recompute": {"kv_recompute_ratio": 0.5, "enable_lora": True, "max_lora_rank": 8,
+                                        "lora_target_modules": ["q_proj"]},
+                     "lora": {"enable_lora": True, "max_lora_rank": 8, "lora_target_modules": ["q_proj"]},
                      "no_model": None, "good": {}}.items():
     try:
         if kwargs is None:
@@ -155,8 +158,9 @@ def test_the_offline_engines_options_are_refused_as_the_launchers_are(tiny_model
     """A bad kvplane option is the launcher's refusal as a ``ValueError`` (the caller's process
     goes on; a path-like option is read as its path); an argument that is neither a ``ServerArgs``
     field nor kvplane's (the launcher's own ``config`` too), and a missing ``model_path``, are
-    ``TypeError``s, as ``sgl.Engine`` raises them. Control: good options build the record with the
-    implied layered radix cache, and leave no exported variable behind."""
+    ``TypeError``s, as ``sgl.Engine`` raises them; ``--kv-recompute-ratio`` with LoRA is refused
+    (session 85). Control: good options (LoRA alone too) build the record with the implied
+    layered radix cache, and leave no exported variable behind."""
     proc = subprocess.run([sys.executable, "-c", _REFUSALS.replace("MODEL", repr(str(tiny_model_dir)))],
                           capture_output=True, text=True, timeout=300, cwd=str(ROOT))
     out = result_line(proc.stdout)
@@ -168,5 +172,10 @@ def test_the_offline_engines_options_are_refused_as_the_launchers_are(tiny_model
     assert out["path_option"] == ["ValueError", "kvplane: invalid launch option: "
                                                 "--kv-profile='/nonexistent-kvplane-dir/profile.json': no such file"]
     assert out["no_model"][0] == "TypeError" and "model_path" in out["no_model"][1]
+    kind, message = out["lora_recompute"]  # eLLM's recompute with LoRA (rebuilt with the base weights)
+    assert kind == "ValueError" and message.startswith(
+        "kvplane: --kv-recompute-ratio=0.5: eLLM's recompute cannot run in LlamaForCausalLM's forward (LoRA "
+        "adapters are served (--enable-lora)") and "drop the flag" in message, message
+    assert out["lora"] == ["ok", "layered"]  # LoRA alone is served (test_lora_server.py)
     assert out["good"] == ["ok", "layered"]
     assert out["env_unchanged"]  # the record alone: the parse's exports put back

@@ -57,6 +57,29 @@ def test_multimodal_and_mrope_models_take_no_recompute_rows(tmp_path):
     assert _reason(tmp_path, "qwen2_vl", language_model_only=True) is None
 
 
+def test_no_recompute_rows_with_lora_adapters(tmp_path):
+    """With LoRA adapters served, SGLang maps the batch's rows to their adapters before the rows
+    are appended, which then rebuilt an adapter's prefix KV with the base weights (wrong tokens,
+    session 85): no rows, and ``--kv-recompute-ratio`` refused at the parse, naming ``--enable-lora``
+    (``--lora-paths`` alone counts, as SGLang reads it). Controls: the same launch without LoRA,
+    ``--enable-lora`` false, and a ratio of 0."""
+    from types import SimpleNamespace
+
+    from sglang.srt.configs.model_config import ModelConfig
+
+    from sglang_ext.recompute_forward import RecomputeForward
+
+    assert _reason(tmp_path, "llama") is None
+    config = ModelConfig(str(tmp_path / "llama"))
+    assert "--enable-lora" in RecomputeForward.inputs_reason(config, lora=True)
+    for on in (SimpleNamespace(enable_lora=True, lora_paths=None), SimpleNamespace(enable_lora=None, lora_paths=["A=/a"])):
+        refusal = RecomputeForward.launch_refusal(config, 0.5, on)
+        assert refusal is not None and refusal.startswith("--kv-recompute-ratio=0.5: ") and "--enable-lora" in refusal
+        assert RecomputeForward.launch_refusal(config, 0.0, on) is None
+    for off in (None, SimpleNamespace(enable_lora=False, lora_paths=["A=/a"]), SimpleNamespace(enable_lora=None, lora_paths=None)):
+        assert RecomputeForward.launch_refusal(config, 0.5, off) is None
+
+
 def test_an_mrope_server_refuses_the_recompute_flag_at_start(tiny_model_dir, launch_zygote, tmp_path):
     """The tiny Llama with M-RoPE positions in its config (SGLang computes ``mrope_positions`` for
     it) and ``--kv-recompute-ratio``: the launcher refuses it at its parse (no scheduler started),
