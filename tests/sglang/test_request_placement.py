@@ -205,16 +205,23 @@ def test_deposit_and_slo_come_from_the_embedded_controller():
     scene.cp.close()
 
 
-def test_without_the_layered_pool_the_plan_gives_the_layers_and_no_host_fraction():
-    """A plain pool (no residency to read): layers on host come from the installed plan, the host
-    fraction is unknown (None)."""
+def _plain_pool_record(row: tuple[int, ...] | None) -> dict:
+    """The record of a request run on a plain pool (no residency), ``row`` installed for it first
+    unless None."""
     scene = Scene(layered=False)
     req = Req("r", {PARAM: True})
     scene.placement.arrived(req)
     scene.run("r")
-    scene.install("r", (1, 0, 0))
+    if row is not None:
+        scene.install("r", row)
     scene.release(req)
-    record = req.customized_info[KEY][0]
+    return req.customized_info[KEY][0]
+
+
+def test_without_the_layered_pool_the_plan_gives_the_layers_and_no_host_fraction():
+    """A plain pool (no residency to read): layers on host come from the installed plan, the host
+    fraction is unknown (None)."""
+    record = _plain_pool_record((1, 0, 0))
     assert (record["layers_offloaded"], record["host_fraction"]) == (2, None)
 
 
@@ -222,20 +229,9 @@ def test_layers_offloaded_is_null_when_nothing_knows_the_request():
     """A plain pool and no plan installed for the request: its layers on host are unknown, reported
     as None (before session 85: 0, as if all were on the device), and the max stays 0. Control:
     the same request with a plan installed reports the plan's layers."""
-    scene = Scene(layered=False)
-    req = Req("r", {PARAM: True})
-    scene.placement.arrived(req)
-    scene.run("r")
-    scene.release(req)
-    record = req.customized_info[KEY][0]
+    record = _plain_pool_record(None)
     assert (record["layers_offloaded"], record["layers_offloaded_max"], record["host_fraction"]) == (None, 0, None)
-    control = Scene(layered=False)
-    req = Req("r", {PARAM: True})
-    control.placement.arrived(req)
-    control.run("r")
-    control.install("r", (1, 1, 0))
-    control.release(req)
-    record = req.customized_info[KEY][0]
+    record = _plain_pool_record((1, 1, 0))
     assert (record["layers_offloaded"], record["layers_offloaded_max"]) == (1, 1)
 
 
