@@ -221,10 +221,12 @@ class LayeredTorchNativeAttnBackend(TorchNativeAttnBackend):
         # models whose layers soft-cap or window their attention, nor for models whose decoder layers
         # take another call than SGLang's, which the rows' cut binds (RecomputeForward.layers_fit:
         # SGLang's Transformers backend, OPT, Persimmon, Phi, PhiMoE), nor for multimodal or M-RoPE
-        # models, whose prefix KV token ids and 1-D positions do not rebuild, nor with LoRA adapters,
-        # whose rows' adapters SGLang maps before the rows are appended (inputs_reason)
+        # models, whose prefix KV token ids and 1-D positions do not rebuild, nor where SGLang sets
+        # per-row state for its own rows before the rows are appended: LoRA adapters, the MoE top-k
+        # capture, expert parallelism (inputs_reason)
         inputs_why = RecomputeForward.inputs_reason(getattr(model_runner, "model_config", None),
-                                                    getattr(model_runner, "lora_manager", None) is not None)
+                                                    getattr(model_runner, "server_args", None),
+                                                    lora=getattr(model_runner, "lora_manager", None) is not None)
         self.recompute_ok = (not capped_or_windowed and inputs_why is None
                              and RecomputeForward.layers_fit(model_runner.model)
                              and self.recompute.wrap_logits(model_runner.model))

@@ -146,20 +146,32 @@ class RecomputeForward:
         return not isinstance(layers, torch.nn.ModuleList) or all(_takes_layer_call(layer) for layer in layers)
 
     @staticmethod
-    def inputs_reason(model_config: Any, lora: bool = False) -> str | None:
+    def inputs_reason(model_config: Any, server_args: Any = None, lora: bool = False) -> str | None:
         """Why a recompute row cannot rebuild this model's prefix KV from the prefix's token ids
         and 1-D positions (what :meth:`augment` appends), or None. SGLang's ``ModelConfig`` says:
         a multimodal model (``is_multimodal``) embeds its image, video and audio tokens from the
         media, the ids in the prompt being placeholders, so a re-embedded prefix is wrong KV; an
         M-RoPE model (``model_is_mrope``: Qwen2-VL's ``mrope_section``) rotates by the 3-D
-        ``forward_batch.mrope_positions``, which the rows do not extend. With LoRA adapters served
-        (``lora``: ``--enable-lora``), SGLang maps the batch's rows to their adapters before the
-        rows are appended: they would rebuild the prefix's KV with the base model's weights, not
-        its adapter's (found in session 85: wrong tokens)."""
-        if lora:
+        ``forward_batch.mrope_positions``, which the rows do not extend. The launch's
+        ``server_args`` say where SGLang sets per-row state for its own rows before the rows are
+        appended (found in session 85): LoRA adapters (``lora``, the model runner's manager, or
+        ``--enable-lora``), mapped to the batch's rows, so the rows rebuilt an adapter's prefix
+        with the base weights (wrong tokens); the MoE top-k capture of
+        ``--enable-return-routed-experts`` / ``--enable-return-indexer-topk``, into a buffer sized
+        for SGLang's batches, which the rows overran (the scheduler raised); expert parallelism
+        (``--ep-size``), which masks the expert choice of rows past SGLang's own
+        (``num_token_non_padded``: from the code, not run here)."""
+        if lora or RecomputeForward.lora_on(server_args):
             return ("LoRA adapters are served (--enable-lora): SGLang maps each batch row to its adapter "
                     "before the recompute rows are appended, which would rebuild an adapter's prefix KV "
                     "with the base model's weights")
+        for flag in ("enable_return_routed_experts", "enable_return_indexer_topk"):
+            if getattr(server_args, flag, False):
+                return (f"--{flag.replace('_', '-')} records each MoE layer's top-k choice for the forward's "
+                        "rows into a buffer sized for SGLang's own batches, which the recompute rows overrun")
+        if int(getattr(server_args, "ep_size", 1) or 1) > 1:
+            return ("expert parallelism (--ep-size > 1) masks the experts of rows past SGLang's own batch "
+                    "(num_token_non_padded), which the recompute rows are")
         if getattr(model_config, "is_multimodal", False):
             return ("it is a multimodal model: a recompute row re-embeds the prefix's token ids, and its "
                     "image, video or audio tokens are placeholders embedded from the media")
@@ -199,7 +211,7 @@ class RecomputeForward:
         """:meth:`refusal` for what SGLang's ``ModelConfig`` and ``server_args`` already say
         (:meth:`inputs_reason`), given at the launcher's parse, before any weight loads (the
         scheduler's check, with the model built, covers the rest); None when they give no reason."""
-        why = RecomputeForward.inputs_reason(model_config, RecomputeForward.lora_on(server_args)) if ratio else None
+        why = RecomputeForward.inputs_reason(model_config, server_args) if ratio else None
         if why is None:
             return None
         arch = str((getattr(getattr(model_config, "hf_config", None), "architectures", None) or ["?"])[0])

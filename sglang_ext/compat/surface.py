@@ -54,7 +54,7 @@ SERVER_ARGS = Target(
     f"{_SRT}.server_args.ServerArgs",
     attrs=("device", "port", "pp_size", "log_level", "radix_cache_backend", "disable_radix_cache",
            "disable_overlap_schedule", "enable_metrics", "kv_cache_dtype", "tp_size", "page_size",
-           "max_total_tokens", "nnodes", "enable_lora", "lora_paths"),
+           "max_total_tokens", "nnodes", "enable_lora", "lora_paths", "enable_return_routed_experts", "enable_return_indexer_topk", "ep_size"),
     used_by=("plugin", "scheduler_hooks", "worker_metrics", "host_pool_floor", "recompute_forward"),
 )
 SERVER_ARGS_ADD_CLI_ARGS = Target(f"{_SRT}.server_args.ServerArgs.add_cli_args", params=("parser",),
@@ -238,7 +238,7 @@ FORWARD_BATCH = Target(
 FORWARD_MODE = Target(f"{_SRT}.model_executor.forward_batch_info.ForwardMode", attrs=("is_decode", "is_extend"),
                       used_by=("scheduler_hooks", "layered_attention"))
 MODEL_RUNNER = Target(f"{_SRT}.model_executor.model_runner.ModelRunner",
-                      attrs=("attn_backend", "token_to_kv_pool", "req_to_token_pool", "forward_stream", "model_config", "lora_manager"),
+                      attrs=("attn_backend", "token_to_kv_pool", "req_to_token_pool", "forward_stream", "model_config", "lora_manager", "server_args"),
                       used_by=("scheduler_hooks", "layered_attention"))
 
 # ----- the scheduler (scheduler_hooks.py, admission.py, pause.py, tp_sync.py) ----------------------

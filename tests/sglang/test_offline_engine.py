@@ -139,6 +139,7 @@ for name, kwargs in {"bad_option": {"kv_scheduler": "sjf"}, "unknown": {"no_such
                      "lora_recompute": {"kv_recompute_ratio": 0.5, "enable_lora": True, "max_lora_rank": 8,
                                         "lora_target_modules": ["q_proj"]},
                      "lora": {"enable_lora": True, "max_lora_rank": 8, "lora_target_modules": ["q_proj"]},
+                     "routed_recompute": {"kv_recompute_ratio": 0.5, "enable_return_routed_experts": True},
                      "no_model": None, "good": {}}.items():
     try:
         if kwargs is None:
@@ -177,5 +178,7 @@ def test_the_offline_engines_options_are_refused_as_the_launchers_are(tiny_model
         "kvplane: --kv-recompute-ratio=0.5: eLLM's recompute cannot run in LlamaForCausalLM's forward (LoRA "
         "adapters are served (--enable-lora)") and "drop the flag" in message, message
     assert out["lora"] == ["ok", "layered"]  # LoRA alone is served (test_lora_server.py)
+    kind, message = out["routed_recompute"]  # the MoE capture's buffer: the recompute rows overran it
+    assert kind == "ValueError" and "(--enable-return-routed-experts records" in message, message
     assert out["good"] == ["ok", "layered"]
     assert out["env_unchanged"]  # the record alone: the parse's exports put back

@@ -80,6 +80,33 @@ def test_no_recompute_rows_with_lora_adapters(tmp_path):
         assert RecomputeForward.launch_refusal(config, 0.5, off) is None
 
 
+
+def test_no_recompute_rows_where_sglang_sets_per_row_moe_state(tmp_path):
+    """SGLang's MoE top-k capture (``--enable-return-routed-experts``, ``--enable-return-indexer-topk``)
+    writes every forward row's choice into a buffer sized for its own batches: the recompute rows
+    overran it and the scheduler raised, dropping every request (session 85's review, on a tiny
+    Mixtral); expert parallelism masks the experts of rows past SGLang's own. Each is a reason
+    (no rows; the flag refused at the parse, naming the flag). Controls: each off, or ``ep_size`` 1."""
+    from types import SimpleNamespace
+
+    from sglang.srt.configs.model_config import ModelConfig
+
+    from sglang_ext.recompute_forward import RecomputeForward
+
+    assert _reason(tmp_path, "llama") is None
+    config = ModelConfig(str(tmp_path / "llama"))
+    off = {"enable_lora": False, "enable_return_routed_experts": False, "enable_return_indexer_topk": False,
+           "ep_size": 1}
+    assert RecomputeForward.launch_refusal(config, 0.5, SimpleNamespace(**off)) is None
+    for field, value, named in (("enable_return_routed_experts", True, "--enable-return-routed-experts"),
+                                ("enable_return_indexer_topk", True, "--enable-return-indexer-topk"),
+                                ("ep_size", 2, "--ep-size")):
+        args = SimpleNamespace(**{**off, field: value})
+        assert named in RecomputeForward.inputs_reason(config, args)
+        refusal = RecomputeForward.launch_refusal(config, 0.5, args)
+        assert refusal is not None and refusal.startswith("--kv-recompute-ratio=0.5: ") and named in refusal
+
+
 def test_an_mrope_server_refuses_the_recompute_flag_at_start(tiny_model_dir, launch_zygote, tmp_path):
     """The tiny Llama with M-RoPE positions in its config (SGLang computes ``mrope_positions`` for
     it) and ``--kv-recompute-ratio``: the launcher refuses it at its parse (no scheduler started),
