@@ -12,7 +12,8 @@ plus the options the engine ran with and whether the parse's exports were put ba
 ``shutdown()`` a stock ``sgl.Engine`` in the same process, sent a ``kvplane_slo_tbt_ms`` kvplane
 would refuse (``stock_after``: SGLang's answer, not kvplane's). ``refused``: a layered engine that
 kvplane refuses in its scheduler process (twice, then a garbage collection, which must return),
-then (the process alive) the child processes left, the ``KVPLANE_*`` variables left, and a stock engine's greedy output for the first prompt;
+then (the process alive) the child processes left, the ``KVPLANE_*`` variables left, and a stock
+engine's greedy output for the first prompt;
 ``refused_unwatched``: the same with the engine's start watch switched off (the negative control);
 ``refused_detokenizer``: a layered engine whose detokenizer fails to start (the schedulers start),
 ``refused_detokenizer_unchecked`` the same with the watch's check of it switched off (the control:
