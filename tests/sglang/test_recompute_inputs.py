@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,15 +36,20 @@ CONFIGS = {
 }
 
 
-def _reason(root: Path, name: str, **kwargs) -> str | None:
+def _config(root: Path, name: str, **kwargs) -> Any:
+    """SGLang's ``ModelConfig`` of a checkpoint with ``CONFIGS[name]`` written under ``root``."""
     from sglang.srt.configs.model_config import ModelConfig
-
-    from sglang_ext.recompute_forward import RecomputeForward
 
     path = root / name
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps({**BASE, **CONFIGS[name]}))
-    return RecomputeForward.inputs_reason(ModelConfig(str(path), **kwargs))
+    return ModelConfig(str(path), **kwargs)
+
+
+def _reason(root: Path, name: str, **kwargs) -> str | None:
+    from sglang_ext.recompute_forward import RecomputeForward
+
+    return RecomputeForward.inputs_reason(_config(root, name, **kwargs))
 
 
 def test_multimodal_and_mrope_models_take_no_recompute_rows(tmp_path):
@@ -65,12 +71,10 @@ def test_no_recompute_rows_with_lora_adapters(tmp_path):
     ``--enable-lora`` false, and a ratio of 0."""
     from types import SimpleNamespace
 
-    from sglang.srt.configs.model_config import ModelConfig
-
     from sglang_ext.recompute_forward import RecomputeForward
 
-    assert _reason(tmp_path, "llama") is None
-    config = ModelConfig(str(tmp_path / "llama"))
+    config = _config(tmp_path, "llama")
+    assert RecomputeForward.inputs_reason(config) is None
     assert "--enable-lora" in RecomputeForward.inputs_reason(config, lora=True)
     for on in (SimpleNamespace(enable_lora=True, lora_paths=None), SimpleNamespace(enable_lora=None, lora_paths=["A=/a"])):
         refusal = RecomputeForward.launch_refusal(config, 0.5, on)
@@ -89,12 +93,10 @@ def test_no_recompute_rows_where_sglang_sets_per_row_moe_state(tmp_path):
     (no rows; the flag refused at the parse, naming the flag). Controls: each off, or ``ep_size`` 1."""
     from types import SimpleNamespace
 
-    from sglang.srt.configs.model_config import ModelConfig
-
     from sglang_ext.recompute_forward import RecomputeForward
 
-    assert _reason(tmp_path, "llama") is None
-    config = ModelConfig(str(tmp_path / "llama"))
+    config = _config(tmp_path, "llama")
+    assert RecomputeForward.inputs_reason(config) is None
     off = {"enable_lora": False, "enable_return_routed_experts": False, "enable_return_indexer_topk": False,
            "ep_size": 1}
     assert RecomputeForward.launch_refusal(config, 0.5, SimpleNamespace(**off)) is None
