@@ -160,7 +160,10 @@ class RecomputeForward:
         ``--enable-return-routed-experts`` / ``--enable-return-indexer-topk``, into a buffer sized
         for SGLang's batches, which the rows overran (the scheduler raised); expert parallelism
         (``--ep-size``), which masks the expert choice of rows past SGLang's own
-        (``num_token_non_padded``: from the code, not run here)."""
+        (``num_token_non_padded``: from the code, not run here). N-gram embeddings
+        (``use_ngram_embedding``, LongCat) and Engram layers (``use_engram``) hash each token's
+        n-gram history per request over SGLang's rows only (``ngram_embedding_info``, the hasher's
+        ``req_pool_indices``): the rows' embeddings would be stale (session 86, from the code)."""
         if lora or RecomputeForward.lora_on(server_args):
             return ("LoRA adapters are served (--enable-lora): SGLang maps each batch row to its adapter "
                     "before the recompute rows are appended, which would rebuild an adapter's prefix KV "
@@ -178,6 +181,10 @@ class RecomputeForward:
         if getattr(model_config, "model_is_mrope", False):
             return ("its rotary embedding reads M-RoPE's 3-D positions (mrope_section), which the "
                     "recompute rows do not carry")
+        if getattr(model_config, "use_ngram_embedding", False) or getattr(model_config, "use_engram", False):
+            return ("its embedding hashes each token's n-gram history per request (LongCat's n-gram "
+                    "embedding or Engram layers, over SGLang's own rows), which the recompute rows "
+                    "do not have")
         return None
 
     @staticmethod

@@ -13,13 +13,14 @@ _SRT = "sglang.srt"
 MODEL_CONFIG_SUPPORT = Target(
     f"{_SRT}.configs.model_config.ModelConfig",
     attrs=("attention_arch", "is_hybrid_swa", "has_attention_sinks", "hf_config", "hf_text_config",
-           "_parse_quant_hf_config", "model_path", "is_multimodal", "model_is_mrope"),
+           "_parse_quant_hf_config", "model_path", "is_multimodal", "model_is_mrope", "use_ngram_embedding",
+           "use_engram"),
     used_by=("model_support", "recompute_forward"),
 )
 """``attention_arch`` (MHA / MLA / SSM), ``is_hybrid_swa`` (already False under
 ``--disable-hybrid-swa-memory``), ``has_attention_sinks``, the architecture name and the private
-``_parse_quant_hf_config`` (the checkpoint's quantization dict, as SGLang reads it); ``is_multimodal``
-and ``model_is_mrope``, where eLLM's recompute rows cannot rebuild a prefix's KV from its token ids
+``_parse_quant_hf_config`` (the checkpoint's quantization dict, as SGLang reads it); ``is_multimodal``,
+``model_is_mrope``, ``use_ngram_embedding`` and ``use_engram``, where eLLM's recompute rows cannot rebuild a prefix's KV from its token ids
 (``RecomputeForward.inputs_reason``)."""
 ATTENTION_ARCH = Target(f"{_SRT}.configs.model_config.AttentionArch", attrs=("MHA", "MLA"),
                         used_by=("model_support",))

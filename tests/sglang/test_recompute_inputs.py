@@ -36,13 +36,13 @@ CONFIGS = {
 }
 
 
-def _config(root: Path, name: str, **kwargs) -> Any:
-    """SGLang's ``ModelConfig`` of a checkpoint with ``CONFIGS[name]`` written under ``root``."""
+def _config(root: Path, name: str, extra: dict[str, Any] | None = None, **kwargs) -> Any:
+    """SGLang's ``ModelConfig`` of a checkpoint with ``CONFIGS[name]`` (and ``extra``) written under ``root``."""
     from sglang.srt.configs.model_config import ModelConfig
 
     path = root / name
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({**BASE, **CONFIGS[name]}))
+    (path / "config.json").write_text(json.dumps({**BASE, **CONFIGS[name], **(extra or {})}))
     return ModelConfig(str(path), **kwargs)
 
 
@@ -107,6 +107,25 @@ def test_no_recompute_rows_where_sglang_sets_per_row_moe_state(tmp_path):
         assert named in RecomputeForward.inputs_reason(config, args)
         refusal = RecomputeForward.launch_refusal(config, 0.5, args)
         assert refusal is not None and refusal.startswith("--kv-recompute-ratio=0.5: ") and named in refusal
+
+
+def test_no_recompute_rows_where_the_embedding_hashes_per_request_history(tmp_path):
+    """LongCat's n-gram embedding (``use_ngram_embedding``) and Engram layers (``engram_layer_ids``)
+    hash each token's n-gram history per request, over SGLang's own rows only (``NgramEmbedding``
+    loops over ``ngram_embedding_info``'s requests; the Engram hasher indexes ``req_pool_indices``):
+    a recompute row's embedding would be stale (session 86, from the code: neither model runs on
+    this host). SGLang's own ``ModelConfig`` of a checkpoint with either key is a reason, and the
+    flag is refused at the parse. Control: the same checkpoint with the key off."""
+    from sglang_ext.recompute_forward import RecomputeForward
+
+    for name, on, off in (("ngram", {"use_ngram_embedding": True, "ngram_embedding_n": 3}, {"use_ngram_embedding": False}),
+                          ("engram", {"engram_layer_ids": [1]}, {"engram_layer_ids": []})):
+        config = _config(tmp_path / name, "llama", on)
+        assert "n-gram history per request" in (RecomputeForward.inputs_reason(config) or ""), name
+        refusal = RecomputeForward.launch_refusal(config, 0.5)
+        assert refusal is not None and refusal.startswith("--kv-recompute-ratio=0.5: ") and "n-gram" in refusal
+        assert RecomputeForward.launch_refusal(config, 0.0) is None
+        assert RecomputeForward.inputs_reason(_config(tmp_path / f"{name}-off", "llama", off)) is None
 
 
 def test_an_mrope_server_refuses_the_recompute_flag_at_start(tiny_model_dir, launch_zygote, tmp_path):
