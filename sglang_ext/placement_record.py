@@ -31,7 +31,9 @@ RESULT_FIELDS: tuple[str, ...] = (
   neither knows the request (no plan installed for it, no layered pool);
 * ``layers_offloaded_max`` -- the most layers kept on host at any plan install of its life;
 * ``host_fraction`` -- share of the request's KV layer-pages (one layer of ``page_size`` tokens)
-  that had no device copy at its finish, measured on the layered pool (None without it);
+  that had no device copy at its finish, measured on the layered pool (None without it); it
+  can disagree with ``layers_offloaded`` (the plan's wants) where the device could not hold the
+  wanted layers (a device budget below the batch's pages: served from host at rest);
 * ``pauses`` / ``paused_steps`` -- keep-KV pauses and the scheduler steps spent paused;
 * ``slo_tbt_ms`` -- the TBT SLO the controller planned it against (its own
   ``custom_params.kvplane_slo_tbt_ms`` or the live policy's default); None when the control plane
