@@ -10,7 +10,10 @@ row's column on the sink page.
 
 :func:`gather_tables_triton` reads how many columns are in use from device memory (``bound``: the
 padded batch's last ``kv_indptr``), so one captured launch serves every step and does
-``L x n`` work, not ``L x`` the buffers' width. :func:`gather_tables_ref` is the same in torch
+``L x n`` work, not ``L x`` the buffers' width. Its programs per layer are capped
+(:data:`GATHER_PROGRAMS`, each looping over every such program's block): a grid over the width
+launched ~60K programs a replay at 2M page columns, nearly all reading the bound and exiting
+(found by review in session 86). :func:`gather_tables_ref` is the same in torch
 ops over the whole width (the CPU's, and the kernel's reference).
 """
 
@@ -26,7 +29,11 @@ if HAVE_TRITON:
     import triton.language as tl
 
 GATHER_BLOCK = 1024
-"""Columns a program gathers (one layer's)."""
+"""Columns a program gathers at a time (one layer's)."""
+
+GATHER_PROGRAMS = 32
+"""Programs per layer at most; a program gathers blocks ``pid, pid + GATHER_PROGRAMS, ...`` below
+the bound (32 layers x 32 programs: ~1K programs, every SM busy while the gather is wide)."""
 
 
 def _check(mirror: torch.Tensor, flat: torch.Tensor, stage: torch.Tensor, tab: torch.Tensor) -> None:
@@ -53,11 +60,10 @@ def gather_tables_ref(mirror: torch.Tensor, flat: torch.Tensor, stage: torch.Ten
 
 def _gather_tables_kernel(mirror, flat, stage, tab, bound, P, W, BLOCK: tl.constexpr):  # noqa: ANN001, N803
     layer = tl.program_id(0).to(tl.int64)
-    start = tl.program_id(1) * BLOCK
-    n = tl.load(bound)
-    if start < n:
+    n = tl.minimum(tl.load(bound), W)  # a bound past the table's width writes nothing past it
+    for start in range(tl.program_id(1) * BLOCK, n, tl.num_programs(1) * BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        m = (cols < n) & (cols < W)  # a bound past the table's width writes nothing past it
+        m = cols < n
         p = tl.load(flat + cols, mask=m, other=-1)
         s = tl.load(stage + cols, mask=m, other=-1)
         s = tl.where(s >= 0, s, -2 - s)
@@ -70,14 +76,15 @@ _gather_kernel = LazyKernel(_gather_tables_kernel)
 
 
 def gather_tables_triton(mirror: torch.Tensor, flat: torch.Tensor, stage: torch.Tensor, tab: torch.Tensor,
-                         bound: torch.Tensor) -> None:
+                         bound: torch.Tensor, block: int = GATHER_BLOCK, programs: int = GATHER_PROGRAMS) -> None:
     """:func:`gather_tables_ref` in one launch over the first ``bound[0]`` columns only (a
-    one-element int32 tensor on the kernel's device, read by the kernel: no host sync)."""
+    one-element int32 tensor on the kernel's device, read by the kernel: no host sync), at most
+    ``programs`` programs a layer of ``block`` columns each (a power of two)."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not importable; use gather_tables_ref")
     _check(mirror, flat, stage, tab)
     layers, width = tab.shape
     if not layers or not width:
         return
-    grid = (layers, triton.cdiv(width, GATHER_BLOCK))
-    _gather_kernel[grid](mirror, flat, stage, tab, bound, mirror.shape[1], width, BLOCK=GATHER_BLOCK)
+    grid = (layers, min(triton.cdiv(width, block), programs))
+    _gather_kernel[grid](mirror, flat, stage, tab, bound, mirror.shape[1], width, BLOCK=block)

@@ -29,7 +29,8 @@ So the launches take a fixed shape, the same every step, and the step's choices 
 
 Captured order (:meth:`begin_step`, :meth:`begin_layer`, :meth:`park`, :meth:`end_layer`; on
 CUDA the fetches on the engine's H2D stream and the write-back on its D2H stream, joined back
-before the graph ends):
+after the last layer's attention -- before its MLP, so the write-back is on the step's critical
+path: ``docs/cuda-graphs.md``):
 
 - before layer 0, the ``L`` start launches, an event after each;
 - before layer ``t``: the compute stream waits for ``start[t]``'s event and, for ``t > 0``,

@@ -9,8 +9,10 @@ graph reads -- rows, CSR, page lists, staging entries, fetch lists, write-back i
 view of one device buffer laid out once, and the host writes a step's values into NumPy views
 of a pinned twin of it (no torch op) and sends them with one non-blocking copy
 (:meth:`send`) of a prefix of the buffer (the graph buffers send up to the step's last staging
-entry: every region before it whole, so the copy grows with the buffers' page capacity,
-~0.5 MiB at Llama-3-8B's 32 layers and 256 rows plus 4 bytes a page column).
+entry: every region before it whole, ~0.45 MiB at Llama-3-8B's 32 layers and 256 rows, plus the
+step's page columns; where the page-list region's unused tail is wide -- many page columns, as
+SGLang's page of one token makes -- that tail is skipped with a second copy:
+``GraphStepBuffers.SPLIT_BYTES``).
 
 Two host twins alternate: the one being written was sent two admissions ago, and on CUDA an
 event recorded after that copy says it has been read (waited for only if not: ``waits`` counts
@@ -80,14 +82,24 @@ class StepBlock:
             self.waits += 1
         return self._host_views[at]
 
-    def send(self, nbytes: int | None = None) -> None:
+    def start(self, name: str) -> int:
+        """Byte offset of region ``name``."""
+        return self._spans[name][0]
+
+    def send(self, nbytes: int | None = None, also: tuple[int, int] | None = None) -> None:
         """The twin :meth:`host` handed out, its first ``nbytes`` (default: all), to the device
-        buffer in one non-blocking copy on the current stream."""
+        buffer in one non-blocking copy on the current stream; ``also``: a byte range
+        ``(start, end)`` past them sent in a second copy (a gap not worth sending between)."""
         n = self.nbytes if nbytes is None else int(nbytes)
         if not 0 <= n <= self.nbytes:
             raise ValueError(f"StepBlock.send: {n} bytes of a {self.nbytes}-byte block")
+        if also is not None and not n <= also[0] <= also[1] <= self.nbytes:
+            raise ValueError(f"StepBlock.send: range {also} is not within bytes {n}..{self.nbytes}")
         at = self._at
         self.dev[:n].copy_(self._hosts[at][:n], non_blocking=True)
+        if also is not None and also[1] > also[0]:
+            lo, hi = also
+            self.dev[lo:hi].copy_(self._hosts[at][lo:hi], non_blocking=True)
         if self._events:  # on the stream the copy went to (the block's device's current one)
             self._events[at].record(torch.cuda.current_stream(self.device))
         self._sent[at] = True

@@ -142,15 +142,20 @@ def test_tables_in_another_layout_than_the_captures_are_refused():
     identity.batch.core.exit_layer(SMALL.layers - 1)
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one-copy", "split"])
 @pytest.mark.parametrize("staged", [False, True], ids=["resident", "staged"])
 @pytest.mark.parametrize("pad", [0, 3], ids=["unpadded", "padded"])
-def test_the_block_sends_a_paged_step_in_one_copy_and_the_graph_gathers_its_tables(staged, pad, monkeypatch):
+def test_the_block_sends_a_paged_step_in_one_copy_and_the_graph_gathers_its_tables(staged, pad, split, monkeypatch):
     """Paged layout (the map mirror given): each step's host arrays go to the device in one copy of
     the block, and the page tables gathered from the mirror (what a captured step does first)
     equal the step's own -- staged columns at their staging pages -- with padded rows' columns on
-    the sink; the CSR and rows are the step's; the views are the block's, every step. Control:
+    the sink; the CSR and rows are the step's; the views are the block's, every step. ``split``:
+    the page-list region's unused tail is skipped (``SPLIT_BYTES`` 0: two copies, session 86;
+    with the second range not sent, the staged and padded cases fail: checked by hand). Control:
     a map moved after the tables were built is refused, with the reason."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if split:
+        monkeypatch.setattr("sglang_ext.dataplane.graph_step_buffers.SPLIT_BYTES", 0)
     layers = SMALL.layers
     check = _check([[1] * (layers // 2) + [0] * (layers - layers // 2) if staged and i % 2 else [1] * layers
                     for i in range(SMALL.requests)])
@@ -222,3 +227,27 @@ def test_a_plan_of_a_deferred_step_reads_the_host_half():
     t.plan_view(view)  # control
     assert not t.pending and core.store.materialized_tables == 1
     core.exit_layer(SMALL.layers - 1)
+
+
+def test_a_block_sent_in_two_ranges_skips_the_gap_between_them():
+    """``StepBlock.send(n, also=(lo, hi))``: bytes ``[0, n)`` and ``[lo, hi)`` reach the device,
+    the gap and the rest keep what the device held (the page-list tail a split send skips); a
+    range that overlaps the first or passes the block is refused. Control: a send of the whole
+    block writes the gap too."""
+    from sglang_ext.dataplane.step_block import StepBlock
+
+    block = StepBlock([("a", torch.int32, (4,)), ("b", torch.int32, (8,)), ("c", torch.int32, (4,))], "cpu")
+    host = block.host()
+    for name in ("a", "b", "c"):
+        host[name][:] = 7
+    block.send(block.end("b", 2), also=(block.start("c"), block.end("c", 4)))
+    assert block.views["a"].tolist() == [7] * 4 and block.views["c"].tolist() == [7] * 4
+    assert block.views["b"].tolist() == [7, 7] + [0] * 6
+    for bad in ((0, 8), (block.start("c"), block.nbytes + 8)):
+        with pytest.raises(ValueError, match="not within"):
+            block.send(block.end("b", 2), also=bad)
+    host = block.host()
+    for name in ("a", "b", "c"):
+        host[name][:] = 7
+    block.send()
+    assert block.views["b"].tolist() == [7] * 8

@@ -66,6 +66,25 @@ def test_both_gathers_equal_the_loop_over_the_used_columns(seed, n):
     assert torch.equal(mirror, _inputs(seed, n)[0]) and torch.equal(flat, _inputs(seed, n)[1])  # inputs unchanged
 
 
+@pytest.mark.parametrize("programs", [1, 2, 3])
+def test_capped_programs_loop_over_every_block_below_the_bound(programs):
+    """With fewer programs a layer than blocks (16-column blocks, 70 columns: five blocks), each
+    program loops over its blocks: every used column gathered, none past the bound, nor past the
+    table's width for a bound beyond it (session 86: the grid no longer spans the width; with each
+    program gathering one block only, all three cases fail: checked by hand)."""
+    for n in (1, 33, WIDTH):
+        mirror, flat, stage = _inputs(0, n)
+        tri = torch.full((LAYERS, WIDTH), SENTINEL, dtype=torch.int32)
+        gather_tables_triton(mirror, flat, stage, tri, torch.tensor([n], dtype=torch.int32), block=16, programs=programs)
+        np.testing.assert_array_equal(tri[:, :n].numpy(), _loop(mirror.numpy(), flat.numpy(), stage.numpy(), n))
+        assert (tri[:, n:] == SENTINEL).all()
+    mirror, flat, stage = _inputs(1, WIDTH)
+    tri = torch.full((LAYERS, WIDTH), SENTINEL, dtype=torch.int32)
+    gather_tables_triton(mirror, flat, stage, tri, torch.tensor([WIDTH + 50], dtype=torch.int32), block=16,
+                         programs=programs)
+    np.testing.assert_array_equal(tri.numpy(), _loop(mirror.numpy(), flat.numpy(), stage.numpy(), WIDTH))
+
+
 def test_control_a_bound_one_short_leaves_the_last_column():
     """Control: the kernel reads its extent from the bound only -- one column short, the last
     used column keeps what it held, and the comparison above would fail."""
