@@ -284,6 +284,21 @@ def test_the_copy_kernels_compile_for_the_gpus() -> None:
     assert all(s <= SHARED_LIMITS[target] for (_, target), s in zip(jobs, shared, strict=True)), shared
 
 
+def test_the_table_gather_compiles_for_the_gpus() -> None:
+    """The page-table gather a graph replays (:mod:`kernels.table_gather`: its column bound read on
+    the device, a loop over blocks since session 86 caps its programs a layer) compiles for sm_86,
+    sm_90 and gfx942 within their shared memory: CI runs it only in Triton's interpreter."""
+    tg = importlib.import_module("kernels.table_gather")
+    i32 = {"dtype": torch.int32}
+    with record() as launches:
+        tg.gather_tables_triton(torch.zeros(4, 10, **i32), torch.zeros(3000, **i32), torch.zeros(3000, **i32),
+                                torch.zeros(4, 3000, **i32), torch.tensor([2500], **i32))
+    assert [launch[0].fn.__name__ for launch in launches] == ["_gather_tables_kernel"]
+    jobs = [(launches[0], target) for target in ("sm_86", "sm_90", "gfx942")]
+    shared = [bytes_ for bytes_, _ in compile_all([(launch, target, False) for launch, target in jobs])]
+    assert all(s <= SHARED_LIMITS[target] for (_, target), s in zip(jobs, shared, strict=True)), shared
+
+
 def test_negative_control_the_fp32_dots_over_a_16_bit_cache_spill() -> None:
     """Control for the spill check above: stage 1 of the decode over a bf16 cache at head_dim 256
     with the fp32 FMA dots it took before (``LOW_PRECISION`` off, 4 warps) spills on sm_86 (about
