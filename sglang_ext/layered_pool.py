@@ -38,6 +38,7 @@ import torch
 
 from sglang_ext import settings
 from sglang_ext.args import LayeredKVArgs
+from sglang_ext.capacity_hooks import wanted_tokens
 from sglang_ext.compat import MHATokenToKVPool, unwrap_write_loc
 from sglang_ext.dataplane.host_pool import available_host_bytes, host_pool_limit
 from sglang_ext.dataplane.layer_page_moves import LayerPageMoves
@@ -137,7 +138,7 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
             raise ValueError(
                 f"--kv-recompute-ratio={ratio}: eLLM's recompute keeps a prefix off the device, but every layer of "
                 f"this launch's slot space ({self.size} tokens) is on the device, so there is no host pool to keep "
-                f"it in and nothing to save: drop the flag, or set --max-total-tokens above {self.size} (README "
+                f"it in and nothing to save: drop the flag, or set --max-total-tokens above {self._wider()} (README "
                 f"'More KV than the GPU holds') or --kv-gpu-budget-tokens below {self.layer_num * logical_pages * self.page_size}"
             )
         config = SlotStoreConfig(
@@ -184,13 +185,27 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
             log.info("layered_kv_slot_space_on_device", slot_tokens=self.size, host_tier=False,
                      note=("every layer of SGLang's slot space is on the device: no host pool is pinned and "
                            "nothing is offloaded or recomputed (pauses keep their KV in place); to hold more KV "
-                           f"than the device, set --max-total-tokens above {self.size} (README 'More KV than "
-                           "the GPU holds')"))
+                           f"than the device, set --max-total-tokens above {self._wider()} (README 'More KV "
+                           "than the GPU holds')"))
         elif device_pages < logical_pages:
             log.warning("layered_kv_budget_below_one_layer", device_pages=device_pages, layer_pages=logical_pages,
                         note=("--kv-gpu-budget-tokens counts token-layers; below one layer of the slot space a "
                               "batch over most of it cannot be staged and is read from host memory at rest, "
                               "synchronously, until the control plane pauses requests"))
+
+    def _wider(self) -> str:
+        """What ``--max-total-tokens`` must pass for a slot space wider than the device: this one's
+        size where it is SGLang's profile; where the flag set it (within the profile, so the size is
+        the flag's), the profile's figure, which SGLang does not report then (review, session 86:
+        "above 4096" for a flag of 4096 on a host whose profile fits 8.3M tokens)."""
+        try:
+            asked = wanted_tokens()
+        except Exception:  # no SGLang runtime context (a pool built outside a scheduler)
+            asked = None
+        if asked is None:
+            return str(self.size)
+        return (f"what SGLang's memory profile fits at every layer (the max_total_num_tokens it logs when started "
+                f"without the flag; this launch's --max-total-tokens {asked} is within it)")
 
     def get_kv_size_bytes(self) -> tuple[int, int]:
         half = self.store.dev[0]

@@ -8,6 +8,7 @@ kind, before anything reaches the scheduler). Standard library only (the request
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 PARAM = "kvplane_return_placement"
@@ -28,4 +29,17 @@ def placement_param_error(custom_params: Any) -> str | None:
     value = custom_params.get(PARAM)
     if value is None or isinstance(value, bool):
         return None
-    return f"custom_params.{PARAM}={value!r} is invalid (allowed: true or false)"
+    return f"custom_params.{PARAM}={as_json(value)} is invalid (allowed: true or false)"
+
+
+def as_json(value: Any, limit: int = 200) -> str:
+    """A request's value as its JSON spelling (``true``, ``"fast"``, ``null``: what the client
+    sent, not Python's ``True`` / ``'fast'``), cut to ``limit`` characters."""
+    try:
+        text = json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError):
+        try:
+            text = repr(value)
+        except ValueError:  # an integer Python refuses to print (over 4,300 digits)
+            return f"an integer of {value.bit_length()} bits"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

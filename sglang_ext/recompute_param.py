@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from sglang_ext.placement_param import as_json
+
 RATIO = "kvplane_recompute_ratio"
 """``custom_params`` key: the uncached ratio, a number in ``[0, 1)``."""
 LAYERS = "kvplane_recompute_layers"
@@ -29,11 +31,11 @@ def recompute_param_error(custom_params: Any) -> str | None:
     ratio = custom_params.get(RATIO)
     if ratio is not None:
         if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 <= ratio < 1:
-            return f"custom_params.{RATIO}={ratio!r} is invalid (allowed: a number in [0, 1))"
+            return f"custom_params.{RATIO}={as_json(ratio)} is invalid (allowed: a number in [0, 1))"
     layers = custom_params.get(LAYERS)
     if layers is not None:
         if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0:
-            return f"custom_params.{LAYERS}={layers!r} is invalid (allowed: an integer >= 0)"
+            return f"custom_params.{LAYERS}={as_json(layers)} is invalid (allowed: an integer >= 0)"
         if ratio is None:
             return f"custom_params.{LAYERS} needs custom_params.{RATIO}"
     return None

@@ -35,7 +35,7 @@ from typing import Any
 from controlplane.api import MAX_ID_CHARS
 from sglang_ext import compat
 from sglang_ext.placement_param import PARAM as PLACEMENT_PARAM
-from sglang_ext.placement_param import placement_param_error
+from sglang_ext.placement_param import as_json, placement_param_error
 from sglang_ext.recompute_param import LAYERS as RECOMPUTE_LAYERS
 from sglang_ext.recompute_param import RATIO as RECOMPUTE_RATIO
 from sglang_ext.recompute_param import recompute_param_error
@@ -65,10 +65,10 @@ def request_slo_tbt_ms(sampling_params: Any, default_slo_tbt_ms: float) -> float
     value = custom[SLO_PARAM]
     allowed = f"(allowed (0, {MAX_SLO_TBT_MS:g}] ms)"
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"custom_params.{SLO_PARAM}={value!r} is not a number {allowed}")
+        raise ValueError(f"custom_params.{SLO_PARAM}={as_json(value)} is not a number {allowed}")
     # the range first: an int past a float's range compares exactly, where isfinite would overflow
     if not 0 < value <= MAX_SLO_TBT_MS or not math.isfinite(value):
-        raise ValueError(f"custom_params.{SLO_PARAM}={value!r} is out of range {allowed}")
+        raise ValueError(f"custom_params.{SLO_PARAM}={as_json(value)} is out of range {allowed}")
     return float(value)
 
 
@@ -104,7 +104,7 @@ def beam_width_error(beam_width: Any) -> str | None:
     the scheduler would die on the first decode step."""
     if isinstance(beam_width, bool) or not isinstance(beam_width, int | float) or beam_width <= 1:
         return None  # absent, 1, or SGLang's to judge (it refuses < 1 itself)
-    return (f"sampling_params.beam_width={beam_width!r} is not served under --enable-layered-kv (beam "
+    return (f"sampling_params.beam_width={as_json(beam_width)} is not served under --enable-layered-kv (beam "
             "search rows share their request's KV, which the layered pool does not track); send "
             "beam_width 1 or none, or serve this model without --enable-layered-kv")
 
@@ -124,7 +124,7 @@ def custom_params_type_error(custom: Any) -> str | None:
     """The refusal for a ``custom_params`` that is neither absent nor an object, or None."""
     if custom is None or isinstance(custom, dict):
         return None
-    return f"custom_params={custom!r} is invalid (allowed: an object)"
+    return f"custom_params={as_json(custom)} is invalid (allowed: an object)"
 
 
 def body_error(body: Any) -> str | None:

@@ -5,7 +5,8 @@ Batch JSON::
     {"model": {"layers", "block_size", "block_bytes"},
      "hardware": {"gpu_kv_budget_blocks", "h2d_gbps"},
      "profile": {"layer_compute_ms": number or list,
-                 "recompute_ms_per_token": number or list (optional)},
+                 "recompute_ms_per_token": number or list (optional),
+                 "fetch_launch_ms" (optional)},
      "requests": [{"id", "context_tokens", "slo_tbt_ms", "deposit_tokens",
                    "remaining_tokens" (optional)}],
      "policy": {"alpha", "window_min", "window_max", "max_recompute_ratio" (optional),
@@ -15,7 +16,8 @@ The two optional fields are the recompute option (issue 16, ``docs/recompute.md`
 ratio of 0) means no recompute, exactly the schema and behaviour before it.
 
 Every validation failure raises :class:`SchemaError` naming the field (dotted path), the value
-and the allowed range.
+and the allowed range; a key that is not one of these fields is refused, naming it and the known
+ones (before session 86 a misspelt one was ignored and its default planned).
 """
 
 from __future__ import annotations
@@ -68,6 +70,18 @@ def _require(obj: Mapping[str, Any], key: str, path: str) -> Any:
     if key not in obj:
         raise SchemaError(f"{path}.{key}" if path else key, "is required")
     return obj[key]
+
+
+def _only(obj: Mapping[str, Any], path: str, known: tuple[str, ...]) -> None:
+    """Refuse a key that is not a field: a misspelt one (``slo_tbt_msx``) was ignored, and the
+    batch planned at a default (review, session 86), where the policy files and the requests'
+    ``kvplane_*`` keys refuse theirs. Not an object: :func:`_require`'s error, after."""
+    if not isinstance(obj, Mapping):
+        return
+    for key in obj:
+        if key not in known:
+            raise SchemaError(f"{path}.{key}" if path else str(key),
+                              f"is not a field (known: {', '.join(known)})")
 
 
 def _int(value: Any, path: str, lo: int, hi: int | None = None) -> int:
@@ -138,6 +152,7 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], path: str = "model") -> ModelSpec:
+        _only(d, path, ("layers", "block_size", "block_bytes"))
         return cls(
             layers=_int(_require(d, "layers", path), f"{path}.layers", 1, 4096),
             block_size=_int(_require(d, "block_size", path), f"{path}.block_size", 1, 1 << 20),
@@ -160,6 +175,7 @@ class Hardware:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], path: str = "hardware") -> Hardware:
+        _only(d, path, ("gpu_kv_budget_blocks", "h2d_gbps"))
         return cls(
             gpu_kv_budget_blocks=_int(
                 _require(d, "gpu_kv_budget_blocks", path), f"{path}.gpu_kv_budget_blocks", 0
@@ -210,6 +226,7 @@ class Profile:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], layers: int, path: str = "profile") -> Profile:
         values = _per_layer(_require(d, "layer_compute_ms", path), f"{path}.layer_compute_ms", layers)
+        _only(d, path, ("layer_compute_ms", "recompute_ms_per_token", "fetch_launch_ms"))
         raw = d.get("recompute_ms_per_token")
         recompute = (
             None
@@ -250,6 +267,7 @@ class RequestSpec:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], path: str) -> RequestSpec:
         rid = _require(d, "id", path)
+        _only(d, path, ("id", "context_tokens", "slo_tbt_ms", "deposit_tokens", "remaining_tokens"))
         if not isinstance(rid, str | int) or isinstance(rid, bool) or str(rid) == "":
             raise SchemaError(f"{path}.id", f"expected a non-empty string, got {shown(rid)}")
         return cls(
@@ -297,6 +315,7 @@ class PlanPolicy:
         d = d or {}
         if not isinstance(d, Mapping):
             raise SchemaError(path, f"expected an object, got {type(d).__name__}")
+        _only(d, path, ("alpha", "window_min", "window_max", "max_recompute_ratio", "deposit_credit"))
         default = cls()
         return cls(
             alpha=_num(d.get("alpha", default.alpha), f"{path}.alpha", 0.0),
@@ -369,6 +388,7 @@ class Batch:
     def from_dict(cls, d: Any) -> Batch:
         if not isinstance(d, Mapping):
             raise SchemaError("batch", f"expected an object, got {type(d).__name__}")
+        _only(d, "", ("model", "hardware", "profile", "requests", "policy"))
         model = ModelSpec.from_dict(_require(d, "model", ""))
         hardware = Hardware.from_dict(_require(d, "hardware", ""))
         profile = Profile.from_dict(_require(d, "profile", ""), model.layers)

@@ -62,6 +62,29 @@ def test_malformed_batch_exits_2_naming_the_field(tmp_path):
     assert "[1].requests[1].context_tokens" in out.stderr and "-3" in out.stderr
 
 
+def test_a_key_that_is_not_a_field_exits_2_naming_it(tmp_path):
+    """A misspelt key at any level -- a request's ``slo_tbt_msx``, the policy's ``alpa``, the
+    top's ``requestz``, and the model's, hardware's and profile's -- is refused naming it and
+    the known fields (before session 86 such a key was ignored and the batch planned as if it
+    were absent). Control: the batch as it is plans (exit 0, above)."""
+    typos = {
+        "requests[0].slo_tbt_msx": lambda b: b["requests"][0].update(slo_tbt_msx=5),
+        "policy.alpa": lambda b: b["policy"].update(alpa=0.9),
+        "requestz": lambda b: b.update(requestz=[]),
+        "model.layer": lambda b: b["model"].update(layer=8),
+        "hardware.h2d_gbs": lambda b: b["hardware"].update(h2d_gbs=25),
+        "profile.layer_compute": lambda b: b["profile"].update(layer_compute=0.5),
+    }
+    for field, typo in typos.items():
+        batch = json.loads(json.dumps(BATCH))
+        typo(batch)
+        out = kvplane(tmp_path, batch)
+        assert out.returncode == 2 and out.stdout == "", (field, out.stdout, out.stderr)
+        assert f"invalid batch: {field}: is not a field (known: " in out.stderr, out.stderr
+    out = kvplane(tmp_path, [BATCH, {**BATCH, "polcy": {}}])
+    assert out.returncode == 2 and "invalid batch: [1].polcy: is not a field" in out.stderr, out.stderr
+
+
 def test_missing_field_and_bad_json_exit_2(tmp_path):
     """A missing required field and unparsable JSON both exit with code 2 and a clear message."""
     missing = json.loads(json.dumps(BATCH))

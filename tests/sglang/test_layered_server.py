@@ -107,6 +107,9 @@ def test_an_identity_pool_says_how_to_hold_more_than_the_device(layered):
     ``test_layered_offload_server.py``, and a widened one, ``test_slot_space_server.py``)."""
     log = layered[0].log_path.read_text()
     assert "layered_kv_slot_space_on_device" in log and "set --max-total-tokens above" in log
+    # the launch set --max-total-tokens 4096 (within the profile): "above 4096" would change nothing
+    # (review, session 86); the way out names the profile's figure instead
+    assert "above 4096" not in log and "--max-total-tokens 4096 is within it" in log
     created = next(line for line in log.splitlines() if "layered_kv_pool_created" in line)
     assert "host_tier=False" in created and "host_gb=0.0 " in created, created  # one scratch page, no mirror
 

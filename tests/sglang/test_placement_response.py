@@ -153,7 +153,7 @@ def test_a_bad_opt_in_aborts_the_request_with_one_message():
     manager, made = Manager(), []
     gen = around_stream_one_response(_ctx("off"), _source_factory(3, False, made), manager,
                                      _obj({PARAM: "yes"}), None, None)
-    with pytest.raises(ValueError, match=rf"custom_params\.{PARAM}='yes' is invalid \(allowed: true or false\)"):
+    with pytest.raises(ValueError, match=rf'custom_params\.{PARAM}="yes" is invalid \(allowed: true or false\)'):
         asyncio.run(_collect(gen))
     assert manager.aborted == ["r"] and made[0].ag_frame is None  # SGLang's generator closed
 
@@ -189,7 +189,7 @@ def test_the_request_entry_refuses_a_bad_opt_in_for_every_request_kind():
 
     for ok in (True, False, None):
         assert sampling_params_error({"custom_params": {PARAM: ok}}) is None
-    message = f"custom_params.{PARAM}='yes' is invalid (allowed: true or false)"
+    message = f'custom_params.{PARAM}="yes" is invalid (allowed: true or false)'
     assert sampling_params_error({"custom_params": {PARAM: "yes"}}) == message
     assert sampling_params_error([{}, {"custom_params": {PARAM: "yes"}}]) == message
     assert body_error({"text": "x", "sampling_params": {"custom_params": {PARAM: 1}}}) == (

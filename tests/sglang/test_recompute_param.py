@@ -12,8 +12,8 @@ from sglang_ext.recompute_param import recompute_param_error, recompute_request
     [
         ({"kvplane_recompute_ratio": 1}, "kvplane_recompute_ratio=1 is invalid"),
         ({"kvplane_recompute_ratio": -0.1}, "kvplane_recompute_ratio=-0.1"),
-        ({"kvplane_recompute_ratio": "0.5"}, "kvplane_recompute_ratio='0.5'"),
-        ({"kvplane_recompute_ratio": True}, "kvplane_recompute_ratio=True"),
+        ({"kvplane_recompute_ratio": "0.5"}, 'kvplane_recompute_ratio="0.5"'),
+        ({"kvplane_recompute_ratio": True}, "kvplane_recompute_ratio=true"),
         ({"kvplane_recompute_ratio": 0.5, "kvplane_recompute_layers": 1.5}, "kvplane_recompute_layers=1.5"),
         ({"kvplane_recompute_layers": 2}, "needs custom_params.kvplane_recompute_ratio"),
     ],

@@ -12,6 +12,7 @@ controller. SGLang's request and tree cache are stand-ins exposing the attribute
 from __future__ import annotations
 
 import gc
+import json
 from types import SimpleNamespace
 from typing import Any
 
@@ -108,7 +109,7 @@ def test_a_bad_opt_in_value_is_named_with_what_is_allowed():
         assert placement_param_error(ok) is None
     for bad in ("yes", 1, 0, [True], {"x": 1}):
         message = placement_param_error({PARAM: bad})
-        assert message == f"custom_params.{PARAM}={bad!r} is invalid (allowed: true or false)"
+        assert message == f"custom_params.{PARAM}={json.dumps(bad)} is invalid (allowed: true or false)"
 
 
 def test_release_attaches_the_record_once_to_the_final_output_only():

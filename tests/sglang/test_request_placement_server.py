@@ -198,7 +198,7 @@ def test_a_bad_opt_in_value_is_http_400_naming_the_field(relaxed, path, stream):
         return {"model": "m", **prompt, "max_tokens": 2, "stream": stream, "custom_params": custom}
 
     status, text = _status(relaxed.server, path, body("yes"))
-    assert status == 400 and f"custom_params.{PARAM}='yes' is invalid (allowed: true or false)" in text, (status, text)
+    assert status == 400 and f'custom_params.{PARAM}="yes" is invalid (allowed: true or false)' in text, (status, text)
     status, text = _status(relaxed.server, path, body(True))
     assert status == 200 and KEY in text, (status, text)
 
@@ -244,9 +244,9 @@ def test_a_bad_kvplane_param_on_responses_is_http_400_naming_the_field(relaxed, 
     def body(custom: Any) -> dict:
         return _responses_body(relaxed, stream=stream, custom_params=custom)
 
-    for custom, message in (({PARAM: "yes"}, f"custom_params.{PARAM}='yes' is invalid (allowed: true or false)"),
+    for custom, message in (({PARAM: "yes"}, f'custom_params.{PARAM}="yes" is invalid (allowed: true or false)'),
                             ({SLO_PARAM: -1}, f"custom_params.{SLO_PARAM}=-1 is out of range"),
-                            ("yes", "custom_params='yes' is invalid (allowed: an object)")):
+                            ("yes", 'custom_params="yes" is invalid (allowed: an object)')):
         status, text = _status(relaxed.server, "/v1/responses", body(custom))
         assert status == 400 and message in text and '"param":"custom_params"' in text.replace(" ", ""), \
             (status, text)

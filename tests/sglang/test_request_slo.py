@@ -8,6 +8,7 @@ on or off.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from collections.abc import AsyncIterator
 from typing import Any
@@ -42,7 +43,9 @@ def test_bad_value_is_refused_naming_field_value_and_range(value: Any) -> None:
     """Each bad value gives one line naming custom_params.kvplane_slo_tbt_ms, the value and (0, 1e+07] ms."""
     message = sampling_params_error(params(value))
     assert message is not None and "\n" not in message
-    assert message.startswith(f"custom_params.{SLO_PARAM}={value!r} is ")
+    shown = json.dumps(value)  # the client's spelling (true, "fast"), cut past 200 characters
+    assert message.startswith(f"custom_params.{SLO_PARAM}={shown} is " if len(shown) <= 200
+                              else f"custom_params.{SLO_PARAM}={shown[:200]}... ({len(shown)} characters) is ")
     assert message.endswith("(allowed (0, 1e+07] ms)")
 
 
@@ -70,7 +73,7 @@ def test_custom_params_that_is_not_an_object_is_refused(custom: Any) -> None:
     override written as a string or a list was dropped silently; now refused as on
     /v1/responses, alone or in a batch. Control: the same override as an object is judged on its
     value (refused for -1, accepted for 40)."""
-    message = f"custom_params={custom!r} is invalid (allowed: an object)"
+    message = f"custom_params={json.dumps(custom)} is invalid (allowed: an object)"
     assert sampling_params_error({"custom_params": custom}) == message
     assert sampling_params_error([{}, {"custom_params": custom}]) == message
     assert body_error({"text": "x", "sampling_params": {"custom_params": custom}}) == message
@@ -142,7 +145,7 @@ def test_generate_request_hook_refuses_before_sglang_sees_the_request() -> None:
     generate_request is never called; a valid one gets SGLang's generator."""
     original = _Original()
     gen = around_generate_request(original, object(), _Obj(params("fast")), None)
-    with pytest.raises(ValueError, match=r"custom_params\.kvplane_slo_tbt_ms='fast' is not a number"):
+    with pytest.raises(ValueError, match=r'custom_params\.kvplane_slo_tbt_ms="fast" is not a number'):
         first_item(gen)
     assert original.calls == 0
     assert first_item(around_generate_request(original, object(), obj=_Obj(params(150)))) == "served"
@@ -203,7 +206,7 @@ def test_a_beam_search_is_refused_naming_the_field(beam: Any) -> None:
     """A beam search would kill the scheduler at its first decode step (its member rows join the
     step's slots; the layered pool tracks requests): refused where it enters, in a batch too."""
     message = sampling_params_error({"max_new_tokens": 4, "beam_width": beam})
-    assert message is not None and f"sampling_params.beam_width={beam!r}" in message
+    assert message is not None and f"sampling_params.beam_width={json.dumps(beam)}" in message
     assert "--enable-layered-kv" in message
     assert sampling_params_error([{}, {"beam_width": beam}]) == message
 

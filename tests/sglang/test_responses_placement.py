@@ -38,7 +38,7 @@ def test_only_kvplane_keys_are_taken_and_bad_ones_refused_by_name() -> None:
     assert body_custom_params({"custom_params": {PARAM: True, SLO_PARAM: 50, "other": 1}}) == \
         ({PARAM: True, SLO_PARAM: 50}, None)
     assert body_custom_params({"custom_params": {PARAM: "yes"}}) == \
-        (None, f"custom_params.{PARAM}='yes' is invalid (allowed: true or false)")
+        (None, f'custom_params.{PARAM}="yes" is invalid (allowed: true or false)')
     _, message = body_custom_params({"custom_params": {SLO_PARAM: 0}})
     assert message is not None and message.startswith(f"custom_params.{SLO_PARAM}=0 is out of range")
     assert body_custom_params({"custom_params": [1]}) == (None, "custom_params=[1] is invalid (allowed: an object)")
