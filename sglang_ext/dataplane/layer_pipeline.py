@@ -68,6 +68,8 @@ class LayerPipeline:
         with staging); off, the fetches also overlap the host work between boundary and layer 0."""
         self.graphed_steps = 0
         """Steps whose transfers ran inside a CUDA graph (:meth:`in_graph`)."""
+        self.late_fences = 0
+        """Graphed steps admitted with copies launched since the boundary's fence (waited for then)."""
         self.steps = 0
         self.fetched_layer_pages = 0
         """Layer-pages fetched into staging since construction."""
@@ -125,6 +127,11 @@ class LayerPipeline:
             raise RuntimeError("LayerPipeline.in_graph: no step, or its fetches were launched eagerly already "
                                "(a graph that stages needs LayerPipeline.defer_start)")
         self._started = True
+        if self.engine.fence_pending:
+            # a copy launched after the boundary's fence (none is today): a graph's forks follow
+            # the compute stream only, so the replay must wait for it here (session 86's review)
+            self.engine.wait_fence()
+            self.late_fences += 1
         self._graphed = bool(tables.n_fetches) or tables.token_writeback is not None
         self._by_trigger = {}
         self._count_fetched(tables.fetch_layer_pages)

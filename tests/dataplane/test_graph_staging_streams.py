@@ -173,6 +173,43 @@ def test_negative_control_triggers_that_do_not_wait_race_the_layer(monkeypatch):
     assert violations
 
 
+def _stray_write_back(mp: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """Before the first graphed step's load: a write-back (D2H) of a resident layer-page of that
+    step's last pages -- a copy launched after the boundary's fence, which no code path makes
+    today (session 86's review asked for the guard); the step's layers write that page."""
+    from sglang_ext.dataplane.graph_step_buffers import GraphStepBuffers as Buffers
+
+    real, done = Buffers.load, []
+
+    def load(self, tables, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+        store = self.staging.store if self.staging is not None else None
+        if not done and store is not None and tables is not None:
+            last = tables.pages[tables._starts_np + tables._counts_np - 1]
+            layer, col = np.nonzero(store.map_np[:, last] >= 0)
+            if layer.size:  # the store's write-back launch, its indices outside the upload ring and no marks changed
+                layers, pages = layer[:1].astype(np.int64), last[col[:1]].astype(np.int64)
+                src = store.dev_segs(store.map_np[layers, pages].astype(np.int64))
+                dst = store.host_segs(layers, pages)
+                store.engine.d2h(torch.from_numpy(src), torch.from_numpy(dst), host_idx=(src, dst))
+                done.append(True)
+        real(self, tables, *args, **kwargs)
+
+    mp.setattr(Buffers, "load", load)
+
+
+def test_a_copy_launched_after_the_boundary_is_waited_for_before_the_replay(monkeypatch):
+    """A D2H launched between the boundary and the admission reads a page the graph's layers
+    write: the admission (``LayerPipeline.in_graph``) waits for it, and every access stays
+    ordered. Control: without that wait, the simulation reports the race."""
+    violations, got = _on_streams(monkeypatch, _stray_write_back)
+    assert violations == [] and got.get("fetched", 0) >= 5, (violations[:3], got)
+    with monkeypatch.context() as mp:
+        mp.setattr("sglang_ext.dataplane.cuda_transfer_engine.CudaTransferEngine.fence_pending",
+                   property(lambda self: False))
+        violations, _ = _on_streams(monkeypatch, _stray_write_back)
+    assert violations
+
+
 def test_the_graph_and_the_pipeline_account_the_same_bytes(monkeypatch):
     """A graphed step counts the bytes its launches move as the eager pipeline does: the same
     scenario, graphed or eager, ends with the same H2D and D2H byte counts."""
