@@ -66,6 +66,12 @@ def served_tokens(path: str, stream: bool, text: str) -> bool:
     return bool(payloads) and events[-1] == "[DONE]" and not any("error" in p for p in payloads)
 
 
+def in_json(message: str) -> str:
+    """``message`` as it appears inside a JSON response body (quotes escaped: the value is named
+    in the client's JSON spelling, ``"fast"``)."""
+    return json.dumps(message)[1:-1]
+
+
 def assert_slo_checked_on_every_kind(server: SGLangServer) -> None:
     """Each bad value is HTTP 400 naming the field and the value on every kind; the valid one is
     served (200, generated tokens) on every kind, so the 400s are not a broken endpoint."""
@@ -73,7 +79,7 @@ def assert_slo_checked_on_every_kind(server: SGLangServer) -> None:
     for path, stream in KINDS:
         for value in BAD_SLO_VALUES:
             status, text = send(server, path, request_body(path, stream, value))
-            if status != 400 or f"custom_params.{SLO_PARAM}={value!r}" not in text:
+            if status != 400 or in_json(f"custom_params.{SLO_PARAM}={json.dumps(value)}") not in text:
                 wrong.append(f"{path} stream={stream} {value!r}: {status} {text[:300]}")
         status, text = send(server, path, request_body(path, stream, VALID_SLO_MS))
         if status != 200 or not served_tokens(path, stream, text):

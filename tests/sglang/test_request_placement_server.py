@@ -29,6 +29,7 @@ from sglang_ext.settings import POOL_STATS_FILE_ENV, STATS_FILE_ENV
 from sglang_ext.testing.jsonl import read_jsonl, read_jsonl_settled
 from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import PROMPTS, running_servers
+from tests.sglang.request_kinds import in_json
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # two server start-ups on a loaded host
 
@@ -198,7 +199,8 @@ def test_a_bad_opt_in_value_is_http_400_naming_the_field(relaxed, path, stream):
         return {"model": "m", **prompt, "max_tokens": 2, "stream": stream, "custom_params": custom}
 
     status, text = _status(relaxed.server, path, body("yes"))
-    assert status == 400 and f'custom_params.{PARAM}="yes" is invalid (allowed: true or false)' in text, (status, text)
+    assert status == 400 and in_json(f'custom_params.{PARAM}="yes" is invalid (allowed: true or false)') in text, \
+        (status, text)
     status, text = _status(relaxed.server, path, body(True))
     assert status == 200 and KEY in text, (status, text)
 
@@ -248,7 +250,7 @@ def test_a_bad_kvplane_param_on_responses_is_http_400_naming_the_field(relaxed, 
                             ({SLO_PARAM: -1}, f"custom_params.{SLO_PARAM}=-1 is out of range"),
                             ("yes", 'custom_params="yes" is invalid (allowed: an object)')):
         status, text = _status(relaxed.server, "/v1/responses", body(custom))
-        assert status == 400 and message in text and '"param":"custom_params"' in text.replace(" ", ""), \
+        assert status == 400 and in_json(message) in text and '"param":"custom_params"' in text.replace(" ", ""), \
             (status, text)
     status, text = _status(relaxed.server, "/v1/responses", body(ASK))
     assert status == 200, (status, text)
