@@ -200,7 +200,7 @@ class LayeredTokenToKVPool(MHATokenToKVPool):
         "above 4096" for a flag of 4096 on a host whose profile fits 8.3M tokens)."""
         try:
             asked = wanted_tokens()
-        except Exception:  # no SGLang runtime context (a pool built outside a scheduler)
+        except ValueError:  # no SGLang runtime context (a pool built outside a scheduler: "not published")
             asked = None
         if asked is None:
             return str(self.size)
