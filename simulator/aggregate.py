@@ -12,7 +12,7 @@ Row = dict[str, Any]
 METRICS = (
     "tbt_attainment", "tbt_attainment_authors", "tpot_attainment", "ttft_attainment",
     "tbt_p99_ms", "ttft_p99_ms", "throughput_req_per_min", "slo_goodput_req_per_min",
-    "slo_ok", "rejected", "kv_util_mean", "pauses", "forced_fallbacks",
+    "slo_ok", "slo_goodput_tpot_req_per_min", "slo_ok_tpot", "rejected", "kv_util_mean", "pauses", "forced_fallbacks",
     "solver_calls_per_request", "solver_time_share", "solver_step_share", "solver_charged_ms",
     "ttft_mean_ms", "throughput_tok_per_s", "preemptions",
 )

@@ -18,7 +18,8 @@ Mechanisms (all enforced here, whatever the policy asks):
 * admission (OrbitFlow §5.1): within the batch limits; a layered policy's prompt keeps the layers
   that fit and offloads the rest at prefill (:meth:`EngineMemory._make_room`);
 * pause/resume with lazy layer eviction (OrbitFlow §3.4): a paused request keeps its GPU layers
-  until the space is needed; then layers are evicted one at a time (D2H charged), before any
+  until the space is needed; then layers are evicted one at a time (their D2H overlapped with the
+  next step, as demotions are: the step takes at least the write-back's time), before any
   running request's promotion is deferred; a paused request holds no batch slot unless the
   policy says so (``paused_hold_slot``), and a resume into a full batch is refused (counted);
 * preemption: recompute (KV dropped, re-prefilled over prompt + generated tokens) or swap (all
@@ -103,6 +104,9 @@ class Engine(EngineMemory):
         self._cache: dict[tuple, float] = {}
         self._cands = candidate_set(profile.layers)
         self._full = (1,) * profile.layers
+        self._evict_due = 0
+        """Blocks evicted from paused requests since the last step: written back D2H during the
+        next step, overlapped with it as demotions are (:meth:`EngineMemory._evict_paused`)."""
 
     # ---- memory ----------------------------------------------------------------------------
     def _view(self) -> EngineView:
@@ -269,6 +273,8 @@ class Engine(EngineMemory):
         dur = extra_ms
         for r in admitted:
             dur += self.p.prefill_step_ms(r.context, r.min_gpu_layers or 0)
+        dur = max(dur, self._evict_due / self.p.d2h_blocks_per_ms)  # paused layers dropped for it
+        self._evict_due = 0
         # The admitted prompts are not running yet: their resident layers, plus a staging slot
         # for the layers offloaded at prefill (as admission's ``pending`` counts them).
         used = self.used_blocks() + sum(
@@ -300,11 +306,13 @@ class Engine(EngineMemory):
         demote_first = union_peak > p.gpu_kv_budget_blocks
         used = demote_peak if demote_first else union_peak
         start = self.now
+        evicted, self._evict_due = self._evict_due, 0  # the paused layers dropped for this step
         if not self.running:
-            return StepInfo(self.step, start, extra_serial_ms, "decode", {}, 0.0, used, 0.0, (), 0)
+            return StepInfo(self.step, start, max(extra_serial_ms, evicted / p.d2h_blocks_per_ms), "decode", {},
+                            0.0, used, 0.0, (), 0)
         rows: list[tuple[int, ...]] = []
         blocks: list[int] = []
-        demoted = 0
+        demoted = evicted
         recompute_ms = 0.0
         for r in self.running:
             cur = r.resident if r.resident is not None else tuple([0] * p.layers)

@@ -43,6 +43,7 @@ class EngineMemory:
                     evicted += b
             r.resident = tuple(row) if any(row) else None
         self.res.evicted_blocks += evicted
+        self._evict_due += evicted  # written back during the next step (Engine._decode_step)
         return evicted, max(0, need)
 
     def _make_room(self, b: int, gpu_layers: int, pending: int) -> tuple[int | None, float]:
@@ -109,9 +110,10 @@ class EngineMemory:
             return
         self._evict_paused(need - budget)
         if self._decode_peak() > budget:
-            for r in self.running:
-                if r.resident is not None and r.target is not None:
-                    r.target = tuple(a & t for a, t in zip(r.resident, r.target, strict=True))
+            for r in self.running:  # no resident layer (None): every promotion deferred
+                if r.target is not None:
+                    now = r.resident if r.resident is not None else (0,) * len(r.target)
+                    r.target = tuple(a & t for a, t in zip(now, r.target, strict=True))
         while True:
             need = self._decode_peak()
             if need <= budget:
@@ -126,9 +128,9 @@ class EngineMemory:
                 if resident > 0:
                     rows = [row for row in self._cands.rows if sum(row) < resident]
                     row = max(rows, key=sum) if rows else tuple([0] * self.p.layers)
-                    victim.target = row
-                    victim.resident = tuple(a & b for a, b in zip(victim.resident or row, row,
-                                                                  strict=True))
+                    victim.target = row  # a victim with no resident layer gains none (its fetches are charged)
+                    if victim.resident is not None:
+                        victim.resident = tuple(a & b for a, b in zip(victim.resident, row, strict=True))
                     continue
                 self.running.remove(victim)
                 victim.state = PAUSED

@@ -112,3 +112,50 @@ def test_controller_is_told_the_paused_layers() -> None:
     states = {s.id: s for s in rep.running}
     assert states["par"].paused and states["par"].gpu_layers == 16
     assert rep.free_gpu_blocks == 32 * 64 - 64 * (10 + 16)
+
+
+def _pair(run_resident: tuple[int, ...] | None, run_target: tuple[int, ...], par_layers: int,
+          budget: int, par_prompt: int = 200_000) -> tuple[Engine, SimRequest, SimRequest]:
+    """A running request of 64 blocks a layer and a paused one of ``par_prompt`` tokens
+    (12,500 blocks a layer at 200K) holding its first ``par_layers`` layers."""
+    prof = load_profile(A5000).with_changes(gpu_kv_budget_blocks=budget)
+    trace = [TraceRequest("run", 0.0, 1024, 10, 1e7, 1e5), TraceRequest("par", 0.0, par_prompt, 10, 1e7, 1e5)]
+    eng = Engine(prof, trace, make_policy("orbitflow"))
+    run, par = eng.reqs["run"], eng.reqs["par"]
+    run.state, par.state = RUNNING, PAUSED
+    run.resident, run.target = run_resident, run_target
+    par.resident = tuple([1] * par_layers + [0] * (32 - par_layers)) if par_layers else None
+    eng.running, eng.paused, eng.queue = [run], [par], []
+    return eng, run, par
+
+
+def test_an_evicted_paused_layer_is_written_back_within_the_step() -> None:
+    """Evicting a paused layer moves its blocks to host memory (OrbitFlow §3.4: a resume fetches
+    "at most those evicted blocks"), overlapped with the step as a demotion is: a running request
+    promoting 10 layers next to a paused 200K-token one (12,500 blocks a layer) evicts one paused
+    layer, and the step takes at least its 108 ms of D2H (the decode alone: 62 ms). Before
+    (session 87's simulator review), evictions cost nothing. Control: with room for the
+    promotions nothing is evicted and the step is the decode's."""
+    row = tuple([1] * 10 + [0] * 22), tuple([1] * 20 + [0] * 12)
+    eng, run, par = _pair(*row, par_layers=16, budget=16 * 12_500 + 11 * 64)
+    info = eng._decode_step(0.0, 0.0, 0.0)
+    assert eng.res.evicted_blocks == 12_500 and sum(par.resident) == 15
+    assert info.dur_ms >= 12_500 / eng.p.d2h_blocks_per_ms > 100.0
+    eng, run, par = _pair(*row, par_layers=16, budget=16 * 12_500 + 21 * 64)
+    info = eng._decode_step(0.0, 0.0, 0.0)
+    assert eng.res.evicted_blocks == 0 and info.dur_ms < 70.0
+
+
+def test_a_running_request_with_no_gpu_layer_gains_none_from_the_safety_net() -> None:
+    """A running request holding no GPU layer (resumed after every layer was evicted) whose plan
+    promotes 31 layers that do not fit: its promotions are deferred (it runs on its staging slot)
+    -- it is not handed GPU residency no transfer paid for. Before (session 87's review), the
+    safety net left its promotions, then marked up to 31 layers resident at the fallback (272 ms of
+    H2D never charged in the reviewer's trace). Control: with room, the promotions stay."""
+    target = tuple([1] * 31 + [0])
+    eng, run, _ = _pair(None, target, par_layers=0, budget=12 * 64)
+    eng._force_fit()
+    assert run.resident is None and run.target == (0,) * 32 and eng.res.forced_fallbacks == 0
+    eng, run, _ = _pair(None, target, par_layers=0, budget=32 * 64)
+    eng._force_fit()
+    assert run.resident is None and run.target == target

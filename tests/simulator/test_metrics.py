@@ -78,3 +78,21 @@ def test_slo_goodput_window_is_the_offered_trace() -> None:
     m = compute_metrics(SimResult("p", prof, [a, b, slow]))
     assert m.slo_ok == 2 and m.slo_goodput_req_per_min == pytest.approx(1.0)
     assert m.throughput_req_per_min < 3 / 2.0  # the makespan is longer than the window
+
+
+def test_a_long_pause_is_one_late_gap_but_fails_the_tpot_goodput() -> None:
+    """A request that waits 10 s once among 20 gaps of 50 ms (a pause) keeps 95% of its gaps on
+    time, so it counts toward the gap-based SLO goodput; its TPOT (~548 ms at a 100 ms SLO) fails
+    the TTFT+TPOT goodput (DistServe's per-request test, eLLM §6.4). Controls: without the pause it
+    counts in both; with a late TTFT it counts in neither."""
+    prof = load_profile(A5000)
+    paused = done("p", 0.0, [100.0] + [50.0] * 20, gaps=[50.0] * 9 + [10_000.0] + [50.0] * 10)
+    m = compute_metrics(SimResult("p", prof, [paused]))
+    assert m.slo_ok == 1 and m.slo_ok_tpot == 0 and m.tpot_attainment == 0.0
+    assert m.slo_goodput_tpot_req_per_min == 0.0 < m.slo_goodput_req_per_min
+    steady = done("s", 0.0, [100.0] + [50.0] * 20)
+    m = compute_metrics(SimResult("p", prof, [steady]))
+    assert m.slo_ok == m.slo_ok_tpot == 1
+    assert m.slo_goodput_tpot_req_per_min == pytest.approx(m.slo_goodput_req_per_min)
+    late = done("l", 0.0, [9000.0] + [50.0] * 20)
+    assert compute_metrics(SimResult("p", prof, [late])).slo_ok_tpot == 0

@@ -64,8 +64,9 @@ def test_sim_sweep_names_a_bad_number_list(capsys):
     assert "--slo-scales='1,x'" in capsys.readouterr().err
 
 
-def _served_row(policy, rate, seed, goodput):
+def _served_row(policy, rate, seed, goodput, strict=None):
     return {"policy": policy, "rate_per_min": rate, "seed": seed, "slo_goodput_req_per_min": goodput,
+            "slo_goodput_tpot_req_per_min": goodput if strict is None else strict,
             "tbt_attainment": 0.9, "ttft_p99_ms": 1000.0}
 
 
@@ -78,7 +79,12 @@ def test_served_admission_checks_compare_the_default_with_layerkv_on_every_run()
     raw += [_served_row("kvplane", r, s, 1.5) for r in (1.0, 2.0) for s in (1, 2)]
     agg = [_served_row(p, r, 0, g) for p, g in (("kvplane-fcfs", 2.0), ("kvplane", 1.5)) for r in (1.0, 2.0)]
     out = _served_checks(agg, raw)
-    assert out[-1] == "- fcfs SLO goodput >= layerkv's on 4 of 4 runs (rate x seed): PASS"
+    assert out[-2] == "- fcfs SLO goodput >= layerkv's on 4 of 4 runs (rate x seed): PASS"
+    assert out[-1] == "- fcfs goodput TTFT+TPOT >= layerkv's on 4 of 4 runs (informational)"
     assert out[0].startswith("- 1 req/min: TBT 90.0% (fcfs) vs 90.0% (layerkv)")
+    assert out[0].endswith("goodput TTFT+TPOT 2.000 vs 1.500")
     raw[-1] = _served_row("kvplane", 2.0, 2, 2.5)
-    assert _served_checks(agg, raw)[-1].endswith("on 3 of 4 runs (rate x seed): FAIL")
+    assert _served_checks(agg, raw)[-2].endswith("on 3 of 4 runs (rate x seed): FAIL")
+    raw[-1] = _served_row("kvplane", 2.0, 2, 1.5, strict=2.5)  # ahead on the strict goodput only
+    out = _served_checks(agg, raw)
+    assert out[-2].endswith("4 of 4 runs (rate x seed): PASS") and "on 3 of 4 runs" in out[-1]
