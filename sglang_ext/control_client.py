@@ -33,7 +33,14 @@ from typing import Any, Protocol
 import structlog
 from prometheus_client import CollectorRegistry, Counter
 
-from controlplane.api import ControlPlane, Decision, StepReport, WorkerInfo, WorkerSession
+from controlplane.api import (
+    ControlPlane,
+    Decision,
+    InvalidArgument,
+    StepReport,
+    WorkerInfo,
+    WorkerSession,
+)
 from sglang_ext.args import LayeredKVArgs
 
 log = structlog.get_logger(__name__)
@@ -82,7 +89,12 @@ def build_control_plane(args: LayeredKVArgs, *, observer: Any = None) -> Control
         )
     token = None
     if args.kv_policy_token_file is not None:
-        token = Path(args.kv_policy_token_file).read_text().strip() or None
+        from controlplane.policy_store import load_token_file
+
+        try:  # the launch check's reader: one line of printable ASCII, never empty
+            token = load_token_file(args.kv_policy_token_file)
+        except InvalidArgument as exc:
+            raise ValueError(f"--kv-policy-token-file: {exc}") from None
     tls = None
     if args.kv_tls_ca or args.kv_tls_cert:
         tls = ClientTLS(

@@ -118,6 +118,10 @@ def test_valid_tls_files_pass_the_checks(pki: dict[str, str]) -> None:
          "--policy: policy file '{path}': not valid YAML/JSON (expected ',' or ']', but got ':' at line 2, column 8)"),
         ("--policy", "policy.json", "[1, 2]", "--policy: policy file '{path}': expected an object at the top level"),
         ("--policy-token-file", "token", " \n", "--policy-token-file: token file '{path}': is empty"),
+        # `openssl rand -base64 64 > token`: two lines, gRPC metadata cannot carry the newline
+        # (negative control: the old reader started the server and every write then failed)
+        ("--policy-token-file", "token", "A" * 64 + "\n" + "B" * 24 + "\n",
+         "--policy-token-file: token file '{path}': character 65 of the token is a line break"),
     ],
 )
 def test_bad_policy_and_token_files_exit_2_in_one_line(tmp_path, flag, name, content, fragment) -> None:  # type: ignore[no-untyped-def]

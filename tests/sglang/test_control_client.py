@@ -152,6 +152,20 @@ def test_build_control_plane_grpc_uses_target_and_token(tmp_path: Path):
         cp.close()
 
 
+def test_build_control_plane_reads_the_token_with_the_launch_check(tmp_path: Path):
+    """The client reads --kv-policy-token-file with ``load_token_file`` (the launch check's reader):
+    a file rewritten after launch with a two-line token is refused naming the flag, not sent as
+    metadata gRPC cannot carry. Negative control: the old ``read_text().strip()`` built the client."""
+    token = tmp_path / "token"
+    token.write_text("tok-123\n")
+    args = LayeredKVArgs(
+        enable_layered_kv=True, kv_control_plane="grpc://127.0.0.1:9", kv_policy_token_file=str(token)
+    )
+    token.write_text("A" * 64 + "\n" + "B" * 24 + "\n")
+    with pytest.raises(ValueError, match=r"^--kv-policy-token-file: token file .* character 65 of the token is a line break"):
+        build_control_plane(args)
+
+
 @pytest.fixture
 def serve(tmp_path: Path):
     """A real `kvplane serve` on a fixed free port (restartable on that port)."""

@@ -60,6 +60,17 @@ def test_empty_token_file_is_refused_as_the_service_does(tmp_path: Path, content
         LayeredKVArgs(kv_control_plane=REMOTE, kv_policy_token_file=str(token))
 
 
+@pytest.mark.parametrize("content", ["A" * 64 + "\n" + "B" * 24 + "\n", "tok\u00e9n"], ids=["two-lines", "non-ascii"])
+def test_token_gRPC_metadata_cannot_carry_is_refused_as_the_service_does(tmp_path: Path, content: str) -> None:
+    """A two-line (`openssl rand -base64 64`) or non-ASCII token is refused at launch, naming the
+    flag and the file. Negative control: the old reader accepted both (the worker then failed
+    every call with 'Invalid metadata')."""
+    token = tmp_path / "token"
+    token.write_text(content, encoding="utf-8")
+    with pytest.raises(ValueError, match=r"^--kv-policy-token-file: token file '.*token': character \d+ of the token is "):
+        LayeredKVArgs(kv_control_plane=REMOTE, kv_policy_token_file=str(token))
+
+
 def test_token_file_with_a_token_is_accepted(tmp_path: Path) -> None:
     """Negative control: a token surrounded by whitespace passes."""
     token = tmp_path / "token"

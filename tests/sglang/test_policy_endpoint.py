@@ -105,6 +105,16 @@ def test_an_empty_token_file_and_a_garbage_certificate_are_named(tmp_path, token
         PolicyEndpointConfig("127.0.0.1:0", token_file=token_file, tls_cert=str(garbage), tls_key=str(garbage))
 
 
+def test_a_token_gRPC_metadata_cannot_carry_is_named(tmp_path):
+    """--kv-policy-listen-token-file holding a two-line token (`openssl rand -base64 64`) is
+    refused at launch. Negative control: the old reader accepted it (every update then failed
+    with 'Invalid metadata'); ``test_a_valid_configuration_passes`` is the accepted case."""
+    wrapped = tmp_path / "wrapped"
+    wrapped.write_text("A" * 64 + "\n" + "B" * 24 + "\n")
+    with pytest.raises(ValueError, match="--kv-policy-listen-token-file: token file .* character 65 of the token is a line break"):
+        PolicyEndpointConfig("127.0.0.1:0", token_file=str(wrapped))
+
+
 def test_a_valid_configuration_passes(token_file):
     """Negative control of the refusals: token file + a free port is accepted."""
     config = PolicyEndpointConfig.from_args(_args(kv_policy_listen="127.0.0.1:0", kv_policy_listen_token_file=token_file))
