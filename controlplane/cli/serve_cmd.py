@@ -27,7 +27,7 @@ from controlplane.policy import Policy
 from controlplane.policy_store import PolicyStore, load_policy_file, load_token_file
 from controlplane.service.decision_notifier import DecisionNotifier
 from controlplane.service.metrics import ServiceMetrics
-from controlplane.service.pem_files import check_ca_bundle, check_key_pair
+from controlplane.service.pem_files import certificate_validity, check_ca_bundle, check_key_pair
 from controlplane.service.server import ServerConfig, TLSConfig, create_server
 
 log = structlog.get_logger(__name__)
@@ -36,6 +36,8 @@ _DEFAULTS = ServerConfig()
 MAX_PORT = 65535
 MAX_GRACE_S = 3600.0
 """Longest ``--grace-s`` (the Helm chart's ``server.graceSeconds`` allows (0, 3600])."""
+CERT_EXPIRY_WARNING_S = 7 * 86400.0
+"""A server certificate expiring sooner than this after start is logged as a warning."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -128,6 +130,26 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     )
 
 
+def report_certificate(cert: str | Path, metrics: ServiceMetrics, now: float | None = None) -> None:
+    """Log the server certificate's notAfter (a warning when it is less than
+    :data:`CERT_EXPIRY_WARNING_S` away) and export it as ``kvplane_tls_cert_not_after_seconds``.
+    Read once: a renewed certificate takes effect (and is reported) on the next start."""
+    import time
+
+    _not_before, not_after = certificate_validity("--tls-cert", cert, now)
+    now = time.time() if now is None else now
+    metrics.tls_cert_not_after.set(not_after)
+    fields: dict[str, Any] = {
+        "tls_cert": str(cert),
+        "not_after": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(not_after)),
+        "expires_in_days": round((not_after - now) / 86400.0, 2),
+    }
+    if not_after - now < CERT_EXPIRY_WARNING_S:
+        log.warning("tls_certificate_expires_soon", **fields, renew="replace the Secret and restart the pods")
+    else:
+        log.info("tls_certificate", **fields)
+
+
 def start_metrics(port: int, host: str, registry: Any, *, dual_stack: bool) -> Any:
     """The Prometheus endpoint on ``host:port``; returns its HTTP server (``OSError`` when it cannot
     bind). With ``dual_stack`` (the host follows ``--listen``), the IPv4 wildcard ``0.0.0.0`` binds
@@ -185,6 +207,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvplane serve: {exc}", file=sys.stderr)
         return 2
     metrics = ServiceMetrics()
+    if config.tls is not None:
+        try:
+            report_certificate(args.tls_cert, metrics)
+        except ValueError as exc:  # expired since build_config checked it (a second ago)
+            print(f"kvplane serve: {exc}", file=sys.stderr)
+            return 2
     control_plane, notifier = build_control_plane(policy, config.policy_token, metrics)
     try:
         server, port = create_server(args.listen, control_plane, config, metrics, notifier)

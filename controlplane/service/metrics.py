@@ -14,6 +14,8 @@ Server metrics:
   handing the decisions it produced to gRPC.
 * ``kvplane_decisions_total``, ``kvplane_reports_total``, ``kvplane_rpc_errors_total{method,code}``,
   ``kvplane_rejected_total{limit}``, ``kvplane_policy_version`` (gauge).
+* ``kvplane_tls_cert_not_after_seconds`` (gauge): Unix time the server certificate (``--tls-cert``)
+  expires, as read at start (0 without TLS; a renewed certificate needs a restart).
 
 ``kvplane_plans_total{feasible}``, ``kvplane_pauses_total``, ``kvplane_resumes_total``,
 ``kvplane_controller_triggers_total{reason}`` and ``kvplane_plan_solve_seconds`` come from the
@@ -66,6 +68,11 @@ class ServiceMetrics:
         )
         self.policy_version = Gauge(
             "kvplane_policy_version", "Version of the active policy", registry=r
+        )
+        self.tls_cert_not_after = Gauge(
+            "kvplane_tls_cert_not_after_seconds",
+            "Unix time the server certificate (--tls-cert) expires, read at start (0 without TLS)",
+            registry=r,
         )
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float:

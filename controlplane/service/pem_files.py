@@ -7,7 +7,9 @@ PEM formats gRPC accepts):
 
 * :func:`check_ca_bundle`: the file holds at least one certificate that parses.
 * :func:`check_key_pair`: the certificate chain parses, the private key parses (unencrypted: gRPC
-  takes no passphrase) and belongs to the chain's first certificate.
+  takes no passphrase) and belongs to the chain's first certificate, and that certificate is valid
+  now (:func:`certificate_validity`): gRPC serves an expired or not-yet-valid certificate without a
+  word, and every peer that verifies it fails its handshake. Returns its notAfter.
 
 Each raises ``ValueError`` naming the flag, the file and what is wrong, in one line. Used by
 ``kvplane serve`` (``--tls-ca``, ``--tls-cert``, ``--tls-key``) and by the plugin's launch options
@@ -16,7 +18,9 @@ Each raises ``ValueError`` naming the flag, the file and what is wrong, in one l
 
 from __future__ import annotations
 
+import datetime
 import ssl
+import time
 from pathlib import Path
 
 
@@ -46,10 +50,43 @@ def check_ca_bundle(flag: str, path: str | Path) -> None:
         raise ValueError(f"{flag}={str(path)!r}: cannot read ({exc.strerror})") from None
 
 
-def check_key_pair(cert_flag: str, cert: str | Path, key_flag: str, key: str | Path) -> None:
-    """The certificate chain in ``cert`` parses and the unencrypted private key in ``key`` matches
-    its first certificate; ValueError naming the flag of the bad file otherwise."""
+def _utc(epoch_s: float) -> str:
+    return datetime.datetime.fromtimestamp(epoch_s, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def certificate_validity(flag: str, path: str | Path, now: float | None = None) -> tuple[float, float]:
+    """The (notBefore, notAfter) of the first certificate in ``path``, in Unix seconds; ValueError
+    naming ``flag``, the date and the current time when ``now`` (default: the clock) is outside them.
+    ``path`` must already hold a certificate that parses (:func:`check_ca_bundle`)."""
+    try:
+        # The standard library's only public-enough X.509 reader (it takes a file, first certificate).
+        decoded = ssl._ssl._test_decode_cert(str(path))  # type: ignore[attr-defined]
+        not_before = float(ssl.cert_time_to_seconds(decoded["notBefore"]))
+        not_after = float(ssl.cert_time_to_seconds(decoded["notAfter"]))
+    except (ssl.SSLError, KeyError, ValueError) as exc:
+        raise ValueError(f"{flag}={str(path)!r}: cannot read the certificate's validity dates ({exc})") from None
+    except OSError as exc:
+        raise ValueError(f"{flag}={str(path)!r}: cannot read ({exc.strerror})") from None
+    now = time.time() if now is None else now
+    if now < not_before:
+        raise ValueError(
+            f"{flag}={str(path)!r}: the certificate is not valid yet (notBefore {_utc(not_before)}, "
+            f"now {_utc(now)}); every peer would fail its TLS handshake -- check the clock or reissue it"
+        )
+    if now > not_after:
+        raise ValueError(
+            f"{flag}={str(path)!r}: the certificate has expired (notAfter {_utc(not_after)}, "
+            f"now {_utc(now)}); every peer would fail its TLS handshake -- renew it"
+        )
+    return not_before, not_after
+
+
+def check_key_pair(cert_flag: str, cert: str | Path, key_flag: str, key: str | Path) -> float:
+    """The certificate chain in ``cert`` parses, its first certificate is valid now and the
+    unencrypted private key in ``key`` matches it; ValueError naming the flag of the bad file
+    otherwise. Returns the certificate's notAfter (Unix seconds)."""
     check_ca_bundle(cert_flag, cert)  # the chain's certificates parse (names the certificate)
+    _not_before, not_after = certificate_validity(cert_flag, cert)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
         context.load_cert_chain(str(cert), str(key), password=_no_passphrase)
@@ -64,3 +101,4 @@ def check_key_pair(cert_flag: str, cert: str | Path, key_flag: str, key: str | P
         raise ValueError(f"{key_flag}={str(key)!r}: {problem}") from None
     except OSError as exc:
         raise ValueError(f"{key_flag}={str(key)!r}: cannot read ({exc.strerror})") from None
+    return not_after

@@ -14,6 +14,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+ONE_DAY = (-datetime.timedelta(minutes=5), datetime.timedelta(days=1))
+"""A leaf's default validity, relative to when it is issued."""
+
 
 @dataclass(frozen=True)
 class KeyPair:
@@ -64,8 +67,8 @@ class ThrowawayCA:
         )
         return KeyPair(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
 
-    def _leaf(self, subject: x509.Name, key: ec.EllipticCurvePrivateKey, usage: x509.ObjectIdentifier
-              ) -> x509.CertificateBuilder:
+    def _leaf(self, subject: x509.Name, key: ec.EllipticCurvePrivateKey, usage: x509.ObjectIdentifier,
+              valid: tuple[datetime.timedelta, datetime.timedelta] = ONE_DAY) -> x509.CertificateBuilder:
         now = datetime.datetime.now(datetime.UTC)
         return (
             x509.CertificateBuilder()
@@ -73,15 +76,19 @@ class ThrowawayCA:
             .issuer_name(self._name)
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
+            .not_valid_before(now + valid[0])
+            .not_valid_after(now + valid[1])
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
         )
 
-    def issue(self, cn: str, *, server: bool) -> KeyPair:
+    def issue(self, cn: str, *, server: bool,
+              valid: tuple[datetime.timedelta, datetime.timedelta] = ONE_DAY) -> KeyPair:
+        """A leaf certificate valid from ``now + valid[0]`` to ``now + valid[1]`` (default: from
+        five minutes ago for a day)."""
         key = ec.generate_private_key(ec.SECP256R1())
-        builder = self._leaf(_name(cn), key, ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH)
+        usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
+        builder = self._leaf(_name(cn), key, usage, valid)
         if server:
             builder = builder.add_extension(
                 x509.SubjectAlternativeName(
