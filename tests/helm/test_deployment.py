@@ -49,12 +49,48 @@ def test_ports_and_args_default(render):
     assert "command" not in c, "the image ENTRYPOINT (kvplane serve) must not be overridden"
 
 
-def test_custom_ports_flow_everywhere(render):
-    """Changing service ports changes container ports, flags and the probe port together."""
+def test_custom_service_ports_leave_the_container_ports_fixed(render):
+    """The Service's ports are the Service's: the container keeps binding 50051 / 9090 (unprivileged,
+    whatever the Service exposes); the health port (a container port) flows to its flag, port and
+    probes together."""
     c = container(render({"service": {"grpcPort": 7000, "metricsPort": 7001, "healthPort": 7002}}).one("Deployment"))
-    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 7000, "metrics": 7001, "health": 7002}
-    assert c["args"][:4] == ["--listen", "0.0.0.0:7000", "--metrics-port", "7001"]
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 50051, "metrics": 9090, "health": 7002}
+    assert c["args"][:4] == ["--listen", "0.0.0.0:50051", "--metrics-port", "9090"]
+    assert c["args"][c["args"].index("--health-port") + 1] == "7002"
     assert c["livenessProbe"]["grpc"]["port"] == 7002
+
+
+@pytest.mark.parametrize(("grpc", "metrics"), [(443, 80), (1, 1023)])
+def test_privileged_service_ports_keep_the_container_unprivileged(render, grpc, metrics):
+    """service.grpcPort 443 / metricsPort 80 render the Service on those ports while the container,
+    uid 10001 with every capability dropped (it cannot bind below 1024), binds its fixed 50051 / 9090,
+    which the Service targets by name. Negative control: the old chart passed 443 / 80 to --listen /
+    --metrics-port and as the containerPorts (the pod crash-looped on 'Permission denied')."""
+    r = render({"service": {"grpcPort": grpc, "metricsPort": metrics}})
+    svc_ports = {p["name"]: p for p in r.one("Service")["spec"]["ports"]}
+    assert {n: p["port"] for n, p in svc_ports.items()} == {"grpc": grpc, "metrics": metrics}
+    assert {n: p["targetPort"] for n, p in svc_ports.items()} == {"grpc": "grpc", "metrics": "metrics"}
+    c = container(r.one("Deployment"))
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"grpc": 50051, "metrics": 9090, "health": 50052}
+    assert all(port >= 1024 for port in ports.values())
+    assert c["args"][:4] == ["--listen", "0.0.0.0:50051", "--metrics-port", "9090"]
+    assert c["securityContext"]["runAsUser"] == 10001 and c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert c[probe]["grpc"]["port"] == 50052
+
+
+@pytest.mark.parametrize("port", [80, 1023])
+def test_a_privileged_health_port_is_refused(render_error, port):
+    """service.healthPort is a container port (not in the Service): below 1024 the unprivileged pod
+    could not bind it, so the schema refuses it. Control: 1024 renders (test below)."""
+    assert "service.healthPort" in render_error({"service": {"healthPort": port}})
+
+
+def test_the_lowest_unprivileged_health_port_renders(render):
+    """Control of the refusal above: 1024 is the health port, its probes' port."""
+    c = container(render({"service": {"healthPort": 1024}}).one("Deployment"))
+    assert c["livenessProbe"]["grpc"]["port"] == 1024
 
 
 def test_probes_are_native_grpc(render):
@@ -219,10 +255,13 @@ def test_tls_probes_check_the_plaintext_health_port(render):
 
 
 @pytest.mark.parametrize("tls", [True, False])
-def test_the_health_port_must_differ_from_the_others(render_error, tls):
+@pytest.mark.parametrize("port", [50051, 9090])
+def test_the_health_port_must_differ_from_the_others(render_error, tls, port):
+    """The health port is a container port: it must differ from the container's fixed gRPC and
+    metrics ports (whatever the Service's ports are)."""
     values = {"tls": {"enabled": True, "existingSecret": TLS_SECRET}} if tls else {}
-    err = render_error({**values, "service": {"healthPort": 9090}})
-    assert "service.healthPort: 9090 equals service.grpcPort or service.metricsPort" in err
+    err = render_error({**values, "service": {"grpcPort": 443, "metricsPort": 80, "healthPort": port}})
+    assert f"service.healthPort: {port} equals the container's gRPC port (50051) or metrics port (9090)" in err
 
 
 def test_extra_args_follow_chart_flags(render):

@@ -98,3 +98,16 @@ def test_workers_outside_the_cluster_are_admitted_by_cidr_to_grpc_only(render):
 def test_a_worker_cidr_that_is_not_a_cidr_is_refused(render_error):
     err = render_error({"networkPolicy": {"workerCIDRs": ["10.0.0.1"]}})
     assert "workerCIDRs" in err
+
+
+def test_ingress_opens_the_container_ports_whatever_the_service_ports(render):
+    """NetworkPolicy ports apply to the pod, so they must be the container's (50051 / 9090), never
+    the Service's: they are the container ports' names, which the container defines, also with
+    service.grpcPort 443 / metricsPort 80 (consistency check of the port split)."""
+    r = render({"service": {"grpcPort": 443, "metricsPort": 80}})
+    container_ports = {
+        p["name"]: p["containerPort"] for p in r.one("Deployment")["spec"]["template"]["spec"]["containers"][0]["ports"]
+    }
+    opened = {port["port"] for rule in r.one("NetworkPolicy")["spec"]["ingress"] for port in rule["ports"]}
+    assert opened == {"grpc", "metrics"}
+    assert {container_ports[name] for name in opened} == {50051, 9090}

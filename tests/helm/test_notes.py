@@ -57,3 +57,12 @@ def test_notes_grpcurl_under_tls_carries_the_ca_and_the_client_certificate(rende
     assert all("-cacert server-ca.crt -cert worker.crt -key worker.key" in line and server_name in line for line in mtls)
     tls = _grpcurl_lines(render_notes({"tls": {"enabled": True, "existingSecret": "kv-tls", "caKey": ""}}))
     assert all("-cacert server-ca.crt" in line and "-cert worker.crt" not in line and server_name in line for line in tls)
+
+
+def test_notes_port_forward_maps_an_unprivileged_local_port_to_the_service_port(render_notes):
+    """With service.grpcPort 443 the NOTES forward local 50051 to the Service's 443 and call
+    localhost:50051 (a local 443 would need root). Negative control: the old NOTES forwarded 443:443."""
+    notes = render_notes({"service": {"grpcPort": 443}})
+    assert f"port-forward svc/{FULLNAME} 50051:443" in notes
+    assert all("localhost:50051 " in line for line in _grpcurl_lines(notes))
+    assert f"{FULLNAME}.{NAMESPACE}.svc:443" in notes

@@ -64,6 +64,14 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end }}
 
+{{/*
+The container's own gRPC and metrics ports: fixed and unprivileged. The pod runs as uid 10001 with
+every capability dropped, so it cannot bind below 1024; service.grpcPort / service.metricsPort are
+the Service's ports (any of 1-65535, e.g. 443), which target these by name.
+*/}}
+{{- define "kvplane.grpcContainerPort" -}}50051{{- end }}
+{{- define "kvplane.metricsContainerPort" -}}9090{{- end }}
+
 {{/* Paths inside the container. */}}
 {{- define "kvplane.policyDir" -}}/etc/kvplane/policy{{- end }}
 {{- define "kvplane.tokenDir" -}}/etc/kvplane/token{{- end }}
@@ -168,7 +176,7 @@ and the allowed range.
 {{- if eq (int64 .Values.service.grpcPort) (int64 .Values.service.metricsPort) }}
 {{- fail (printf "service.metricsPort: %d equals service.grpcPort (allowed: two different ports)" (int64 .Values.service.metricsPort)) }}
 {{- end }}
-{{- if (has (int64 .Values.service.healthPort) (list (int64 .Values.service.grpcPort) (int64 .Values.service.metricsPort))) }}
-{{- fail (printf "service.healthPort: %d equals service.grpcPort or service.metricsPort (allowed: three different ports)" (int64 .Values.service.healthPort)) }}
+{{- if (has (int64 .Values.service.healthPort) (list (include "kvplane.grpcContainerPort" . | int64) (include "kvplane.metricsContainerPort" . | int64))) }}
+{{- fail (printf "service.healthPort: %d equals the container's gRPC port (%s) or metrics port (%s) (allowed: any other port in [1024, 65535])" (int64 .Values.service.healthPort) (include "kvplane.grpcContainerPort" .) (include "kvplane.metricsContainerPort" .)) }}
 {{- end }}
 {{- end }}
