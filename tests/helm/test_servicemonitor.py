@@ -3,6 +3,8 @@ by hand instead of against the Kubernetes API schemas)."""
 
 from __future__ import annotations
 
+import pytest
+
 
 def test_absent_by_default(render):
     """No ServiceMonitor unless enabled (the CRD may not exist in the cluster)."""
@@ -55,3 +57,35 @@ def test_bad_interval_rejected(render_error):
     assert "serviceMonitor.interval" in render_error(
         {"serviceMonitor": {"enabled": True, "interval": "often"}}
     )
+
+
+@pytest.mark.parametrize(
+    ("interval", "timeout"),
+    [("30s", "31s"), ("10s", "1m"), ("1m", "1m500ms"), ("500ms", "1s"), ("1h", "1h1m")],
+)
+def test_a_scrape_timeout_longer_than_the_interval_is_refused(render_error, interval, timeout):
+    """Prometheus refuses scrape_timeout > scrape_interval and the Operator then skips the whole
+    ServiceMonitor without a word; the chart refuses it naming both values (durations compared in
+    milliseconds). Negative control: the old chart rendered every case."""
+    err = render_error({"serviceMonitor": {"enabled": True, "interval": interval, "scrapeTimeout": timeout}})
+    assert f'serviceMonitor.scrapeTimeout: "{timeout}" is longer than serviceMonitor.interval = "{interval}"' in err
+
+
+@pytest.mark.parametrize(
+    ("interval", "timeout"),
+    [("30s", "30s"), ("1m", "60s"), ("1m", "59s"), ("1h", "59m59s"), ("2s", "1500ms"), ("1m30s", "1m")],
+)
+def test_a_scrape_timeout_at_most_the_interval_renders(render, interval, timeout):
+    """Control of the refusal: equal (also in other units) and shorter timeouts render."""
+    sm = render({"serviceMonitor": {"enabled": True, "interval": interval, "scrapeTimeout": timeout}}).one("ServiceMonitor")
+    assert sm["spec"]["endpoints"][0]["interval"] == interval and sm["spec"]["endpoints"][0]["scrapeTimeout"] == timeout
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("interval", "0s"), ("scrapeTimeout", "0ms"), ("interval", "30s1m"), ("scrapeTimeout", "1d")]
+)
+def test_a_zero_or_unordered_duration_is_refused(render_error, field, value):
+    """A zero duration, units out of order (Prometheus' parser refuses 30s1m) or an unsupported unit
+    is refused naming the field."""
+    values = {"enabled": True, "interval": "1h", "scrapeTimeout": "10s", field: value}
+    assert f"serviceMonitor.{field}" in render_error({"serviceMonitor": values})

@@ -123,6 +123,24 @@ limits the policy to two levels of scalars.
 {{- end }}
 {{- end }}
 
+{{/* A Prometheus duration as the schema allows it (units in order: 1h30m, 45s, 500ms) in
+milliseconds. */}}
+{{- define "kvplane.durationMs" -}}
+{{- $ms := 0 }}
+{{- range regexFindAll "[0-9]+(ms|h|m|s)" . -1 }}
+{{- if hasSuffix "ms" . }}
+{{- $ms = add $ms (trimSuffix "ms" . | int64) }}
+{{- else if hasSuffix "h" . }}
+{{- $ms = add $ms (mul (trimSuffix "h" . | int64) 3600000) }}
+{{- else if hasSuffix "m" . }}
+{{- $ms = add $ms (mul (trimSuffix "m" . | int64) 60000) }}
+{{- else }}
+{{- $ms = add $ms (mul (trimSuffix "s" . | int64) 1000) }}
+{{- end }}
+{{- end }}
+{{- $ms }}
+{{- end }}
+
 {{/*
 Cross-field checks the JSON schema cannot express. Each failure names the field, the value
 and the allowed range.
@@ -165,6 +183,20 @@ and the allowed range.
 {{- end }}
 {{- if and (not (kindIs "invalid" $max)) (or (eq (toString $max) "0") (eq (toString $max) "0%")) }}
 {{- fail (printf "podDisruptionBudget.maxUnavailable: %v lets no pod be evicted (a node drain would wait for ever)" $max) }}
+{{- end }}
+{{- end }}
+{{- if .Values.serviceMonitor.enabled }}
+{{- $sm := .Values.serviceMonitor }}
+{{- $interval := include "kvplane.durationMs" $sm.interval | int64 }}
+{{- $timeout := include "kvplane.durationMs" $sm.scrapeTimeout | int64 }}
+{{- if eq $interval 0 }}
+{{- fail (printf "serviceMonitor.interval: %q is zero (allowed: a duration above 0, e.g. 30s)" $sm.interval) }}
+{{- end }}
+{{- if eq $timeout 0 }}
+{{- fail (printf "serviceMonitor.scrapeTimeout: %q is zero (allowed: a duration above 0, at most serviceMonitor.interval)" $sm.scrapeTimeout) }}
+{{- end }}
+{{- if gt $timeout $interval }}
+{{- fail (printf "serviceMonitor.scrapeTimeout: %q is longer than serviceMonitor.interval = %q (Prometheus refuses such a scrape config and the Operator skips the ServiceMonitor, so nothing is scraped; allowed: scrapeTimeout <= interval)" $sm.scrapeTimeout $sm.interval) }}
 {{- end }}
 {{- end }}
 {{- if gt (addf (float64 .Values.server.graceSeconds) 2.0) (float64 .Values.terminationGracePeriodSeconds) }}
