@@ -231,3 +231,44 @@ def test_small_and_large_numbers_keep_their_type(render):
     assert loaded["layerkv"]["model_params"] == 7.5e10
     assert loaded["lvf"]["beta_b"] == pytest.approx(-2.5e-5)
     Policy.from_dict(loaded)
+
+
+PROBE_AND_HEALTH_PORT_BAD: dict[str, tuple[dict[str, Any], str]] = {
+    "health-port-null": ({"service": {"healthPort": None}}, "healthPort"),
+    "grpc-service-typo": ({"probes": {"grpcService": "kvplane.v1.Controlplane"}}, "probes.grpcService"),
+    "grpc-service-short-name": ({"probes": {"grpcService": "ControlPlane"}}, "probes.grpcService"),
+}
+"""Values that rendered a Deployment that never runs: a null service.healthPort (an empty
+--health-port and probe port), a probes.grpcService the server does not register (NOT_FOUND: the
+startup probe never passes). Negative control: the old schema let each through."""
+
+
+@pytest.mark.parametrize("case", list(PROBE_AND_HEALTH_PORT_BAD))
+def test_health_port_and_probe_service_are_refused_by_template_and_lint(helm, render_error, tmp_path, case):
+    """`helm template` and `helm lint --strict` both refuse each, naming the field."""
+    values, needle = PROBE_AND_HEALTH_PORT_BAD[case]
+    assert needle in render_error(values)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(values))
+    proc = subprocess.run(
+        [str(helm), "lint", "--strict", str(CHART), "-f", str(bad)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode != 0 and needle in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("service", ["", "kvplane.v1.ControlPlane", "kvplane.v1.PolicyService"])
+def test_every_probe_service_the_schema_allows_renders(render, service):
+    """Control of the refusals: each allowed name reaches all three probes."""
+    from tests.helm.conftest import container
+
+    c = container(render({"probes": {"grpcService": service}}).one("Deployment"))
+    assert {c[p]["grpc"]["service"] for p in ("startupProbe", "livenessProbe", "readinessProbe")} == {service}
+
+
+def test_probe_service_enum_is_what_the_server_registers():
+    """The enum is "" plus the proto's services, the names the server sets in grpc.health.v1
+    (test_serve_with_chart checks a real server answers SERVING for each)."""
+    from controlplane.service.server import SERVICE_NAMES
+
+    enum = SCHEMA["properties"]["probes"]["properties"]["grpcService"]["enum"]
+    assert enum[0] == "" and sorted(enum[1:]) == sorted(SERVICE_NAMES)

@@ -97,6 +97,25 @@ def served(helm, tmp_path_factory) -> Iterator[tuple[subprocess.Popen[bytes], di
             proc.wait(timeout=10)
 
 
+def test_every_probe_service_the_schema_allows_is_serving(served):
+    """Each probes.grpcService the schema allows answers SERVING on the pod's health port (the
+    port the kubelet probes), so no allowed value keeps the startup probe failing; control: a name
+    the schema refuses answers NOT_FOUND."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    _, event = served
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    allowed = schema["properties"]["probes"]["properties"]["grpcService"]["enum"]
+    with grpc.insecure_channel(f"127.0.0.1:{event['health_port']}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in allowed:
+            got = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert got.status == health_pb2.HealthCheckResponse.SERVING, service
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Check(health_pb2.HealthCheckRequest(service="kvplane.v1.Controlplane"), timeout=5)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
 def test_pod_args_start_a_healthy_server(served):
     """The rendered flags and files start a SERVING server with the chart's limits and token."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
