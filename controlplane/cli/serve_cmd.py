@@ -28,7 +28,12 @@ from controlplane.policy_store import PolicyStore, load_policy_file, load_token_
 from controlplane.service.decision_notifier import DecisionNotifier
 from controlplane.service.metrics import ServiceMetrics
 from controlplane.service.pem_files import certificate_validity, check_ca_bundle, check_key_pair
-from controlplane.service.server import ServerConfig, TLSConfig, create_server
+from controlplane.service.server import (
+    MIN_SERVE_MESSAGE_BYTES,
+    ServerConfig,
+    TLSConfig,
+    create_server,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -91,6 +96,21 @@ def check_listen(listen: str) -> None:
         raise ValueError(f"--listen={listen!r}: port {int(port)} is out of range [0, {MAX_PORT}]")
 
 
+MAX_MESSAGE_BYTES = 1 << 30
+"""Largest ``--max-message-bytes`` (ServerConfig's bound)."""
+
+
+def check_message_bytes(value: int) -> None:
+    """``--max-message-bytes`` in [2 MiB, 1 GiB]: workers batch queued reports into messages of up
+    to 1 MiB without knowing the server's limit, and a lower limit drops their streams under load."""
+    if not MIN_SERVE_MESSAGE_BYTES <= value <= MAX_MESSAGE_BYTES:
+        raise ValueError(
+            f"--max-message-bytes={value} is out of range [{MIN_SERVE_MESSAGE_BYTES}, {MAX_MESSAGE_BYTES}] "
+            f"(2 MiB at least: workers send queued reports in batches of up to 1 MiB, which a lower "
+            f"limit refuses with RESOURCE_EXHAUSTED, dropping their streams under load)"
+        )
+
+
 def check_grace(grace_s: float) -> None:
     """``--grace-s`` in [0, 3600] seconds."""
     if not math.isfinite(grace_s) or not 0.0 <= grace_s <= MAX_GRACE_S:
@@ -103,6 +123,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     check_port("--metrics-port", args.metrics_port)
     check_port("--health-port", args.health_port)
     check_grace(args.grace_s)
+    check_message_bytes(args.max_message_bytes)
     tls = None
     if args.tls_cert or args.tls_key or args.tls_ca:
         if not (args.tls_cert and args.tls_key):

@@ -62,6 +62,12 @@ def parse_target(target: str) -> str:
     return t
 
 
+REPORT_BATCH_MAX_BYTES = 1 << 20
+"""Most serialized bytes of one batch of queued reports (less when this client's own message limit
+is under twice it). The client does not know the server's limit: ``kvplane serve`` accepts none
+below twice this (``server.MIN_SERVE_MESSAGE_BYTES``), so every batch fits."""
+
+
 class GrpcControlPlane:
     """A remote control plane (implements :class:`api.ControlPlane`)."""
 
@@ -137,7 +143,7 @@ class GrpcControlPlane:
         hello = convert.worker_info_to_proto(worker)  # fails fast on a bad WorkerInfo
         session = GrpcWorkerSession(
             self._cp, hello, worker.worker_id, backoff=self._backoff, metrics=self.metrics,
-            on_close=self._forget, max_batch_bytes=min(self._max_message_bytes // 2, 1 << 20),
+            on_close=self._forget, max_batch_bytes=min(self._max_message_bytes // 2, REPORT_BATCH_MAX_BYTES),
         )
         with self._lock:  # one close() took its list of sessions: not after it (review, session 80)
             closed = self._closed

@@ -69,6 +69,14 @@ class TLSConfig:
         )
 
 
+MIN_SERVE_MESSAGE_BYTES = 2 << 20
+"""Smallest ``kvplane serve --max-message-bytes`` (and chart ``server.maxMessageBytes``): a
+worker batches its queued reports into one message of up to ``REPORT_BATCH_MAX_BYTES`` (1 MiB,
+:mod:`controlplane.service.client`) without knowing the server's limit; a lower limit refuses such
+a batch with RESOURCE_EXHAUSTED and drops the worker's stream under load. Twice the batch leaves
+room for a batch's last report and framing."""
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Limits and security of one server."""
@@ -80,7 +88,9 @@ class ServerConfig:
     unary_workers: int = 8
     """Threads reserved for unary calls, health and reflection."""
     max_message_bytes: int = 4 * 1024 * 1024
-    """Largest accepted (and sent) message; larger ones get RESOURCE_EXHAUSTED from gRPC."""
+    """Largest accepted (and sent) message; larger ones get RESOURCE_EXHAUSTED from gRPC. Below
+    :data:`MIN_SERVE_MESSAGE_BYTES` workers' report batches can be refused: ``kvplane serve`` and
+    the chart refuse such a limit; lower values (down to 1024) are for tests of the limit itself."""
     rate_limit_rps: float = 0.0
     """RPC calls per second per client host (0 = unlimited)."""
     policy_token: str | None = None

@@ -118,7 +118,8 @@ class GrpcWorkerSession:
         (a replaced session, a stream the server ends after its hello) waits longer each time."""
         self.max_batch_bytes = max_batch_bytes
         """Most serialized bytes of one ReportBatch (the client passes half its message limit, at most
-        1 MiB, so that a server with a lower ``--max-message-bytes`` than its workers still takes them). By
+        1 MiB: it does not know the server's limit, and ``kvplane serve`` refuses a
+        ``--max-message-bytes`` below 2 MiB, so every server takes such a batch). By
         count alone, 64 reports of a worker running 1,500 requests made a 5.4 MB batch, which gRPC
         refused (RESOURCE_EXHAUSTED), dropping the stream -- under load, when reports queue up."""
         self.stats = SessionStats()

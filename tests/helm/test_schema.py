@@ -32,6 +32,9 @@ BAD_VALUES: list[tuple[dict[str, Any], str]] = [
     ({"service": {"metricsPort": "9090"}}, "service.metricsPort"),
     ({"service": {"grpcPort": 9090}}, "service.metricsPort"),
     ({"service": {"type": "ExternalName"}}, "service.type"),
+    # below 2 MiB workers' report batches (up to 1 MiB) are refused (the old schema took 1024)
+    ({"server": {"maxMessageBytes": 2097151}}, "server.maxMessageBytes"),
+    ({"server": {"maxMessageBytes": 65536}}, "server.maxMessageBytes"),
     ({"replicaCount": -1}, "replicaCount"),
     ({"replicaCount": "two"}, "replicaCount"),
     ({"policy": {"scheduler": "sjf"}}, "policy.scheduler"),
@@ -272,3 +275,14 @@ def test_probe_service_enum_is_what_the_server_registers():
 
     enum = SCHEMA["properties"]["probes"]["properties"]["grpcService"]["enum"]
     assert enum[0] == "" and sorted(enum[1:]) == sorted(SERVICE_NAMES)
+
+
+def test_the_smallest_message_limit_renders(render):
+    """Control of the server.maxMessageBytes refusals: 2 MiB (kvplane serve's minimum,
+    MIN_SERVE_MESSAGE_BYTES) renders as --max-message-bytes."""
+    from controlplane.service.server import MIN_SERVE_MESSAGE_BYTES
+    from tests.helm.conftest import container
+
+    assert SCHEMA["properties"]["server"]["properties"]["maxMessageBytes"]["minimum"] == MIN_SERVE_MESSAGE_BYTES
+    args = container(render({"server": {"maxMessageBytes": MIN_SERVE_MESSAGE_BYTES}}).one("Deployment"))["args"]
+    assert args[args.index("--max-message-bytes") + 1] == str(MIN_SERVE_MESSAGE_BYTES)

@@ -32,7 +32,12 @@ def _args(*argv: str) -> argparse.Namespace:
     ("argv", "fragment"),
     [
         (["--max-sessions", "0"], "max_sessions: 0 is out of range"),
-        (["--max-message-bytes", "10"], "max_message_bytes: 10 is out of range"),
+        # below 2 MiB a worker's batch of queued reports (up to 1 MiB) was refused and its stream
+        # dropped (negative control: the old serve started with 1024 .. 2 MiB - 1)
+        (["--max-message-bytes", "10"], "--max-message-bytes=10 is out of range [2097152, 1073741824] (2 MiB at least: workers"),
+        (["--max-message-bytes", "65536"], "--max-message-bytes=65536 is out of range [2097152, 1073741824]"),
+        (["--max-message-bytes", "2097151"], "--max-message-bytes=2097151 is out of range [2097152, 1073741824]"),
+        (["--max-message-bytes", str((1 << 30) + 1)], "--max-message-bytes=1073741825 is out of range [2097152, 1073741824]"),
         (["--rate-limit-rps", "-1"], "rate_limit_rps: -1.0 is out of range"),
         (["--tls-cert", "/nonexistent.pem"], "--tls-cert and --tls-key must be given together"),
         (["--listen", "127.0.0.1:70000"], "--listen='127.0.0.1:70000': port 70000 is out of range [0, 65535]"),
@@ -255,3 +260,17 @@ def test_metrics_refuse_a_port_taken_on_ipv6_alone() -> None:
         server.server_close()
     finally:
         holder.close()
+
+
+def test_two_mib_message_limit_serves(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Control of the --max-message-bytes refusals: the smallest accepted limit, 2 MiB, starts a
+    real server that answers its health check; the limit is twice the client's largest report
+    batch, so any batch a worker sends fits."""
+    from controlplane.service.client import REPORT_BATCH_MAX_BYTES
+    from controlplane.service.server import MIN_SERVE_MESSAGE_BYTES
+
+    assert MIN_SERVE_MESSAGE_BYTES == 2097152 and MIN_SERVE_MESSAGE_BYTES >= 2 * REPORT_BATCH_MAX_BYTES
+    assert serve_cmd.build_config(_args("--max-message-bytes", "2097152")).max_message_bytes == 2097152
+    proc = ServeProcess(*free_ports(2), tmp_path / "serve.log", "--max-message-bytes", "2097152")
+    proc.start(timeout_s=60.0)  # fails unless it turns healthy
+    proc.kill()
