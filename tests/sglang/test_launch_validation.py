@@ -174,6 +174,15 @@ def _worker_pair(root: Path) -> tuple[str, str]:
     return _file(root, "worker.crt", worker.cert_pem), _file(root, "worker.key", worker.key_pem)
 
 
+def _expired_pair(root: Path) -> list[str]:
+    """--kv-tls-cert/--kv-tls-key of a client certificate that expired yesterday."""
+    import datetime
+
+    day = datetime.timedelta(days=1)
+    worker = ThrowawayCA().issue("worker", server=False, valid=(-90 * day, -day))
+    return ["--kv-tls-cert", _file(root, "worker.crt", worker.cert_pem), "--kv-tls-key", _file(root, "worker.key", worker.key_pem)]
+
+
 BAD_LAUNCH_FILES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     "policy-invalid-json": (
         lambda d: ["--kv-policy", _file(d, "policy.json", '{"slo_tbt_ms": 100,')],
@@ -226,6 +235,14 @@ BAD_LAUNCH_FILES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     "token-file-empty": (
         lambda d: [*REMOTE, "--kv-policy-token-file", _file(d, "token", "\n")],
         "--kv-policy-token-file: token file '{d}/token': is empty",
+    ),
+    "token-file-two-lines": (  # `openssl rand -base64 64`: gRPC metadata cannot carry it (accepted before)
+        lambda d: [*REMOTE, "--kv-policy-token-file", _file(d, "token", "A" * 64 + "\n" + "B" * 24 + "\n")],
+        "--kv-policy-token-file: token file '{d}/token': character 65 of the token is a line break",
+    ),
+    "tls-cert-expired": (  # every handshake would fail (accepted before)
+        lambda d: [*REMOTE, "--kv-tls-ca", _file(d, "ca.crt", ThrowawayCA().cert_pem), *_expired_pair(d)],
+        "kvplane: invalid launch option: --kv-tls-cert='{d}/worker.crt': the certificate has expired (notAfter ",
     ),
 }
 """Issue 17's bad launch files and cap, and issue 14's unsupported models (config-only model
