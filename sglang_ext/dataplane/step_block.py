@@ -24,7 +24,7 @@ writes are whatever an earlier step left (its readers are bounded by the step's 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,9 +36,12 @@ TWINS = 2
 
 class StepBlock:
     """Regions ``(name, dtype, shape)`` of one device buffer and its pinned host twins (module
-    docstring)."""
+    docstring). ``new_event`` / ``current_stream``: how a twin's copy is tracked (default: CUDA
+    events on the device's current stream, on CUDA only; the tests pass stand-ins to run the
+    twins' wait on the CPU, as :class:`PinnedUploadRing`'s do)."""
 
-    def __init__(self, regions: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], device: Any) -> None:
+    def __init__(self, regions: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], device: Any,
+                 new_event: Callable[[], Any] | None = None, current_stream: Callable[[], Any] | None = None) -> None:
         self.device = torch.device(device)
         at, spans = 0, {}
         for name, dtype, shape in regions:
@@ -57,7 +60,10 @@ class StepBlock:
         cuda = self.device.type == "cuda"
         self._hosts = [torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=cuda) for _ in range(TWINS)]
         self._host_views = [{name: self._typed(h, name).numpy() for name in spans} for h in self._hosts]
-        self._events: list[Any] = [torch.cuda.Event() for _ in range(TWINS)] if cuda else []
+        if new_event is None and cuda:
+            new_event = torch.cuda.Event
+        self._events: list[Any] = [new_event() for _ in range(TWINS)] if new_event is not None else []
+        self._current_stream = current_stream or (lambda: torch.cuda.current_stream(self.device))
         self._sent = [False] * TWINS
         self._at = 0
         self.sends = 0
@@ -101,6 +107,6 @@ class StepBlock:
             lo, hi = also
             self.dev[lo:hi].copy_(self._hosts[at][lo:hi], non_blocking=True)
         if self._events:  # on the stream the copy went to (the block's device's current one)
-            self._events[at].record(torch.cuda.current_stream(self.device))
+            self._events[at].record(self._current_stream())
         self._sent[at] = True
         self.sends += 1

@@ -147,6 +147,8 @@ def _assert_equal_tables(got: PagedStepTables, ref: PagedStepTables, uploaded: b
     assert got.token_writeback == ref.token_writeback  # slots, launch, pairs (not the buffer)
     assert (got.fetch_layer_pages, got.writeback_layer_pages) == (ref.fetch_layer_pages, ref.writeback_layer_pages)
     assert np.array_equal(np.sort(got.staging_ids), np.sort(ref.staging_ids))
+    if staged and not got._shared_staging:  # the next advance replaces taken staging pages at these columns
+        assert np.array_equal(got._stage_np[got._stage_pos], got.staging_ids), "staging ids' columns"
 
 
 def _comparing(monkeypatch: pytest.MonkeyPatch, defer: bool = False) -> list[tuple[bool, bool]]:
@@ -248,6 +250,35 @@ def test_staged_advances_equal_a_fresh_build_and_read_exactly(monkeypatch, defer
         assert kept and all(m == n for m, n in kept), kept
     else:  # the opened pages' placement took some of the last step's staging pages: replaced, still equal
         assert any(0 < m < n for m, n in kept) and any(m == n for m, n in kept), kept
+    d.check_staging()
+    d.check_at_rest()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_taken_staging_is_replaced_in_its_own_columns_behind_an_opening_request(monkeypatch, seed):
+    """Three staged requests in a pool with nothing free under the staging (the boundary's
+    placements take some of it): when a request opens a page, the staged columns after it shift
+    by one -- the first column of the next request included (it sits at the insertion point) --
+    and a later advance replaces a taken staging page in the column that held it. Every advance
+    equals a fresh build, the staging ids' columns are where the tables say, and every layer's
+    reads are exact. Found by a mutation audit (session 87): with the shift's ``searchsorted``
+    taking ``side="left"``, the two-request test above passed (it fails now, on the staging
+    columns' check in ``_assert_equal_tables``), while here a taken page's
+    replacement lands in the opened column and the real one keeps a page a placed layer-page now
+    owns (its fetch overwrites that KV); 4 of these 4 seeds fail then."""
+    checked = _comparing(monkeypatch)
+    kept = _retakes(monkeypatch)
+    _without_hold(monkeypatch)
+    d = _driver(seed=seed)
+    rids = ("a", "b", "c")
+    for r in rids:
+        d.add(r)
+    d.step([(r, 2) for r in rids])
+    _decode(d, 1, rids)
+    for r, want in zip(rids, ([False, True, True], [True, False, False], [True, False, False]), strict=True):
+        d.want(r, want)
+    _decode(d, 16, rids)
+    assert sum(s for _, s in checked) >= 8 and any(0 < m < n for m, n in kept), (checked, kept)
     d.check_staging()
     d.check_at_rest()
 
