@@ -201,17 +201,19 @@ def load_policy_file(path: str | Path) -> Policy:
 
 def load_token_file(path: str | Path) -> str:
     """The bearer token in ``path`` (surrounding whitespace stripped); errors if empty or if any
-    character is outside printable ASCII without space (0x21-0x7E): gRPC metadata cannot carry
-    it, so every policy write would fail with an ``Invalid metadata`` naming nothing."""
+    character is outside printable ASCII (0x20-0x7E: spaces inside are taken, as gRPC metadata
+    and the server's ``Bearer`` parse take them): gRPC metadata cannot carry a line break, a tab,
+    a control or non-ASCII character, so every policy write would fail with an ``Invalid
+    metadata`` naming nothing."""
     p = Path(path)
     token = _read_text(p, "token file").strip()
     if not token:
         raise InvalidArgument(f"token file {str(p)!r}: is empty (or whitespace only)")
-    bad = next((i for i, ch in enumerate(token) if not "\x21" <= ch <= "\x7e"), None)
+    bad = next((i for i, ch in enumerate(token) if not "\x20" <= ch <= "\x7e"), None)
     if bad is not None:
         raise InvalidArgument(
             f"token file {str(p)!r}: character {bad + 1} of the token is {_char_class(token[bad])}; "
-            "a token is one line of printable ASCII without spaces (0x21-0x7E), which gRPC metadata "
+            "a token is one line of printable ASCII (0x20-0x7E), which gRPC metadata "
             "can carry (make one with `openssl rand -hex 32`; `openssl rand -base64 64` wraps onto two lines)"
         )
     return token
@@ -221,8 +223,8 @@ def _char_class(ch: str) -> str:
     """What a character a token cannot hold is, in words (the token itself is never echoed)."""
     if ch in "\r\n":
         return "a line break (the token spans several lines)"
-    if ch.isspace() and ch.isascii():
-        return "whitespace (space or tab)"
+    if ch == "\t":
+        return "a tab"
     if not ch.isascii():
         return f"a non-ASCII character (U+{ord(ch):04X})"
     return f"a control character (0x{ord(ch):02X})"

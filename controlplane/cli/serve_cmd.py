@@ -27,7 +27,12 @@ from controlplane.policy import Policy
 from controlplane.policy_store import PolicyStore, load_policy_file, load_token_file
 from controlplane.service.decision_notifier import DecisionNotifier
 from controlplane.service.metrics import ServiceMetrics
-from controlplane.service.pem_files import certificate_validity, check_ca_bundle, check_key_pair
+from controlplane.service.pem_files import (
+    certificate_validity,
+    check_ca_bundle,
+    check_ca_dates,
+    check_key_pair,
+)
 from controlplane.service.server import (
     MIN_SERVE_MESSAGE_BYTES,
     ServerConfig,
@@ -131,6 +136,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         check_key_pair("--tls-cert", args.tls_cert, "--tls-key", args.tls_key)
         if args.tls_ca:
             check_ca_bundle("--tls-ca", args.tls_ca)
+            check_ca_dates("--tls-ca", args.tls_ca)
         tls = TLSConfig.from_files(args.tls_cert, args.tls_key, args.tls_ca)
     token = None
     if args.policy_token_file:

@@ -61,22 +61,27 @@ def test_bad_interval_rejected(render_error):
 
 @pytest.mark.parametrize(
     ("interval", "timeout"),
-    [("30s", "31s"), ("10s", "1m"), ("1m", "1m500ms"), ("500ms", "1s"), ("1h", "1h1m")],
+    [("30s", "31s"), ("10s", "1m"), ("1m", "1m500ms"), ("500ms", "1s"), ("1h", "1h1m"), ("1m05s", "1m09s"),
+     ("08s", "09s")],
 )
 def test_a_scrape_timeout_longer_than_the_interval_is_refused(render_error, interval, timeout):
     """Prometheus refuses scrape_timeout > scrape_interval and the Operator then skips the whole
     ServiceMonitor without a word; the chart refuses it naming both values (durations compared in
-    milliseconds). Negative control: the old chart rendered every case."""
+    milliseconds, numbers decimal: the first version read "09" as 0 and passed 1m09s over 1m05s).
+    Negative control: the old chart rendered every case."""
     err = render_error({"serviceMonitor": {"enabled": True, "interval": interval, "scrapeTimeout": timeout}})
     assert f'serviceMonitor.scrapeTimeout: "{timeout}" is longer than serviceMonitor.interval = "{interval}"' in err
 
 
 @pytest.mark.parametrize(
     ("interval", "timeout"),
-    [("30s", "30s"), ("1m", "60s"), ("1m", "59s"), ("1h", "59m59s"), ("2s", "1500ms"), ("1m30s", "1m")],
+    [("30s", "30s"), ("1m", "60s"), ("1m", "59s"), ("1h", "59m59s"), ("2s", "1500ms"), ("1m30s", "1m"),
+     ("08s", "5s"), ("1m", "09s"), ("010s", "9s")],
 )
 def test_a_scrape_timeout_at_most_the_interval_renders(render, interval, timeout):
-    """Control of the refusal: equal (also in other units) and shorter timeouts render."""
+    """Control of the refusal: equal (also in other units) and shorter timeouts render; leading
+    zeros read as decimal, as Prometheus reads them (Sprig's ``int64`` took "010" for octal 8 and
+    refused "08s" as zero: the deploy fixes' review, session 87)."""
     sm = render({"serviceMonitor": {"enabled": True, "interval": interval, "scrapeTimeout": timeout}}).one("ServiceMonitor")
     assert sm["spec"]["endpoints"][0]["interval"] == interval and sm["spec"]["endpoints"][0]["scrapeTimeout"] == timeout
 

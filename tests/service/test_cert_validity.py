@@ -121,3 +121,72 @@ def test_a_valid_certificate_starts_and_its_expiry_is_reported(
     assert reported[0]["not_after"] == expected and reported[0]["tls_cert"] == cert
     assert reported[0]["level"] == ("warning" if case == "expires-in-2-days" else "info")
     assert _gauge(str(events[-1]["metrics"]), "kvplane_tls_cert_not_after_seconds") == not_after
+
+
+def _self_signed(cn: str, valid: tuple[datetime.timedelta, datetime.timedelta]) -> bytes:
+    """A self-signed CA certificate valid from ``now + valid[0]`` to ``now + valid[1]`` (PEM)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now + valid[0])
+            .not_valid_after(now + valid[1])
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def test_every_certificate_of_the_chain_is_checked(certs: dict[str, tuple[str, str]], tmp_path: Path) -> None:
+    """A valid leaf followed by an expired intermediate in --tls-cert fails every handshake as an
+    expired leaf does: refused, naming the chain's certificate by position and name. The deploy
+    fixes' review (session 87) found the first version reading the first certificate only (the
+    server started and logged 30 days left). Control: the leaf with a valid intermediate passes,
+    and the reported notAfter is the chain's earliest."""
+    leaf, key = certs["valid"]
+    chain = tmp_path / "chain.crt"
+    chain.write_bytes(Path(leaf).read_bytes() + _self_signed("old-intermediate", (-90 * DAY, -DAY)))
+    with pytest.raises(ValueError, match=r"certificate 2 of 2 \('old-intermediate'\) has expired \(notAfter "):
+        check_key_pair("--tls-cert", chain, "--tls-key", key)
+    chain.write_bytes(Path(leaf).read_bytes() + _self_signed("intermediate", (-DAY, 10 * DAY)))
+    not_after = check_key_pair("--tls-cert", chain, "--tls-key", key)
+    assert not_after < check_key_pair("--tls-cert", leaf, "--tls-key", key)  # the intermediate's 10 days
+
+
+def test_a_ca_bundle_is_refused_only_when_no_certificate_in_it_is_in_date(tmp_path: Path) -> None:
+    """--tls-ca / --kv-tls-ca: a bundle whose every certificate is out of date verifies no peer,
+    refused naming the flag; one where some are expired is normal and passes (control). Found by
+    the deploy fixes' review (session 87): an expired mTLS client CA started the server."""
+    from controlplane.service.pem_files import check_ca_dates
+
+    bundle = tmp_path / "ca.pem"
+    bundle.write_bytes(_self_signed("old-ca", (-90 * DAY, -DAY)))
+    with pytest.raises(ValueError, match=r"^--tls-ca='.*': its only certificate has expired \(notAfter "):
+        check_ca_dates("--tls-ca", bundle)
+    bundle.write_bytes(_self_signed("old-ca", (-90 * DAY, -DAY)) + _self_signed("older-ca", (-99 * DAY, -9 * DAY)))
+    with pytest.raises(ValueError, match=r"each of its 2 certificates is out of date"):
+        check_ca_dates("--tls-ca", bundle)
+    bundle.write_bytes(_self_signed("old-ca", (-90 * DAY, -DAY)) + _self_signed("new-ca", (-DAY, 90 * DAY)))
+    check_ca_dates("--tls-ca", bundle)
+    with pytest.raises(ValueError, match=r"^--kv-tls-ca='.*': its only certificate has expired"):
+        bundle.write_bytes(_self_signed("old-ca", (-90 * DAY, -DAY)))
+        LayeredKVArgs(kv_control_plane="grpc://127.0.0.1:50051", kv_tls_ca=str(bundle))
+
+
+def test_a_certificate_issued_moments_ago_by_a_clock_ahead_is_taken(tmp_path: Path) -> None:
+    """A notBefore up to 5 minutes ahead of this host's clock (an issuer that does not backdate,
+    read by a host whose clock is a little behind) is taken: peers whose clocks are right accept
+    it. The first version refused it, crash-looping a fresh pod until its clock caught up (the
+    deploy fixes' review, session 87). Control: a day ahead is refused."""
+    from controlplane.service.pem_files import certificate_validity
+
+    cert = tmp_path / "fresh.crt"
+    cert.write_bytes(_self_signed("fresh", (datetime.timedelta(seconds=30), 90 * DAY)))
+    certificate_validity("--tls-cert", cert)
+    cert.write_bytes(_self_signed("early", (DAY, 90 * DAY)))
+    with pytest.raises(ValueError, match=r"the certificate is not valid yet \(notBefore "):
+        certificate_validity("--tls-cert", cert)

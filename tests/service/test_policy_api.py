@@ -55,6 +55,23 @@ def test_update_with_right_token_is_applied_and_audited(served, connect) -> None
     assert audit[0]["changes"] == {"alpha": 0.5, "layerkv": {"tpot_margin": 0.8}}
 
 
+def test_a_token_with_a_space_inside_works_end_to_end(serve, connect, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A token file holding ``abc def`` (a space inside: gRPC metadata carries it, the server's
+    ``Bearer`` parse splits at the first space only) is read as such and authorizes writes on a
+    real server; a token that differs after the space does not. The deploy fixes' review (session
+    87) found the first version of the token check refusing it, which had worked before."""
+    from controlplane.policy_store import load_token_file
+    from controlplane.service.server import ServerConfig
+
+    path = tmp_path / "token"
+    path.write_text("abc def\n")
+    token = load_token_file(path)
+    served = serve(ServerConfig(max_sessions=4, max_watchers=2, policy_token=token))
+    assert connect(served.target, token=token).update_policy({"alpha": 0.5}).version == 2
+    with pytest.raises(api.Unauthenticated):
+        connect(served.target, token="abc xyz").update_policy({"alpha": 0.25})
+
+
 @pytest.mark.parametrize(
     ("changes", "fragment"),
     [

@@ -124,18 +124,19 @@ limits the policy to two levels of scalars.
 {{- end }}
 
 {{/* A Prometheus duration as the schema allows it (units in order: 1h30m, 45s, 500ms) in
-milliseconds. */}}
+milliseconds. Numbers are decimal (`atoi`): Sprig's `int64` auto-detects the base, reading "010"
+as 8 and "08" as 0 (the deploy fixes' review, session 87). */}}
 {{- define "kvplane.durationMs" -}}
 {{- $ms := 0 }}
 {{- range regexFindAll "[0-9]+(ms|h|m|s)" . -1 }}
 {{- if hasSuffix "ms" . }}
-{{- $ms = add $ms (trimSuffix "ms" . | int64) }}
+{{- $ms = add $ms (trimSuffix "ms" . | atoi) }}
 {{- else if hasSuffix "h" . }}
-{{- $ms = add $ms (mul (trimSuffix "h" . | int64) 3600000) }}
+{{- $ms = add $ms (mul (trimSuffix "h" . | atoi) 3600000) }}
 {{- else if hasSuffix "m" . }}
-{{- $ms = add $ms (mul (trimSuffix "m" . | int64) 60000) }}
+{{- $ms = add $ms (mul (trimSuffix "m" . | atoi) 60000) }}
 {{- else }}
-{{- $ms = add $ms (mul (trimSuffix "s" . | int64) 1000) }}
+{{- $ms = add $ms (mul (trimSuffix "s" . | atoi) 1000) }}
 {{- end }}
 {{- end }}
 {{- $ms }}
