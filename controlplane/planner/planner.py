@@ -452,28 +452,11 @@ class Planner:
             return sorted(batch.requests, key=lambda r: r.context_tokens)
         if rng is None:
             raise ValueError("the random victim rule needs an rng")
-        reqs = list(batch.requests)
+        reqs = list(batch.requests)  # "random": one draw per pause, from those left
         order = []
         while reqs:
-            v = cls._victim(batch, tuple(reqs), rule, rng)
-            order.append(v)
-            reqs.remove(v)
+            order.append(reqs.pop(rng.randrange(len(reqs))))
         return order
-
-    # --- pausing ------------------------------------------------------------------------
-    @staticmethod
-    def _victim(
-        batch: Batch, reqs: tuple[RequestSpec, ...], rule: str, rng: random.Random
-    ) -> RequestSpec:
-        """The request to pause (OrbitFlow §3.4: largest ``blocks + deposit_tokens``)."""
-        bs = batch.model.block_size
-        if rule == "largest":
-            return max(reqs, key=lambda r: r.blocks(bs) + r.deposit_tokens)
-        if rule == "longest":
-            return max(reqs, key=lambda r: r.context_tokens)
-        if rule == "shortest":
-            return min(reqs, key=lambda r: r.context_tokens)
-        return reqs[rng.randrange(len(reqs))]
 
     # --- result -------------------------------------------------------------------------
     @staticmethod
