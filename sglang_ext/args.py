@@ -279,13 +279,11 @@ class LayeredKVArgs:
                     raise ValueError(f"{flag}: {exc}") from None
         if self.kv_tls_ca is not None or self.kv_tls_cert is not None:
             from controlplane.service.pem_files import (
-                check_ca_bundle,
                 check_ca_dates,
                 check_key_pair,
             )
 
             if self.kv_tls_ca is not None:
-                check_ca_bundle("--kv-tls-ca", self.kv_tls_ca)
                 check_ca_dates("--kv-tls-ca", self.kv_tls_ca)
             if self.kv_tls_cert is not None and self.kv_tls_key is not None:
                 check_key_pair("--kv-tls-cert", self.kv_tls_cert, "--kv-tls-key", self.kv_tls_key)

@@ -92,14 +92,12 @@ class PolicyEndpointConfig:
             )
         if self.tls_cert is not None and self.tls_key is not None:
             from controlplane.service.pem_files import (
-                check_ca_bundle,
                 check_ca_dates,
                 check_key_pair,
             )
 
             check_key_pair("--kv-policy-listen-tls-cert", self.tls_cert, "--kv-policy-listen-tls-key", self.tls_key)
             if self.tls_ca is not None:
-                check_ca_bundle("--kv-policy-listen-tls-ca", self.tls_ca)
                 check_ca_dates("--kv-policy-listen-tls-ca", self.tls_ca)
 
     @property

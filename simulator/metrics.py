@@ -207,6 +207,7 @@ def compute_metrics(res: SimResult, *, deposit: bool = False) -> RunMetrics:
     last = max((r.finish_ms for r in fin), default=first)
     span_ms = max(last - first, 1e-9)
     budget = res.profile.gpu_kv_budget_blocks
+    window_min = goodput_window_ms(reqs, span_ms) / 60_000.0  # both goodputs' window
     return RunMetrics(
         policy=res.policy,
         requests=n,
@@ -215,9 +216,9 @@ def compute_metrics(res: SimResult, *, deposit: bool = False) -> RunMetrics:
         tbt_attainment=met / total_gaps if total_gaps else 1.0,
         tbt_attainment_authors=(
             authors_met / sum(r.spec.output_tokens for r in reqs) if reqs else 1.0),
-        slo_goodput_req_per_min=slo_ok / (goodput_window_ms(reqs, span_ms) / 60_000.0),
+        slo_goodput_req_per_min=slo_ok / window_min,
         slo_ok=slo_ok,
-        slo_goodput_tpot_req_per_min=slo_ok_tpot / (goodput_window_ms(reqs, span_ms) / 60_000.0),
+        slo_goodput_tpot_req_per_min=slo_ok_tpot / window_min,
         slo_ok_tpot=slo_ok_tpot,
         tpot_attainment=tpot_ok / n if n else 1.0,
         ttft_attainment=ttft_ok / n if n else 1.0,

@@ -29,7 +29,6 @@ from controlplane.service.decision_notifier import DecisionNotifier
 from controlplane.service.metrics import ServiceMetrics
 from controlplane.service.pem_files import (
     certificate_validity,
-    check_ca_bundle,
     check_ca_dates,
     check_key_pair,
 )
@@ -135,7 +134,6 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
             raise ValueError("--tls-cert and --tls-key must be given together (and --tls-ca needs both)")
         check_key_pair("--tls-cert", args.tls_cert, "--tls-key", args.tls_key)
         if args.tls_ca:
-            check_ca_bundle("--tls-ca", args.tls_ca)
             check_ca_dates("--tls-ca", args.tls_ca)
         tls = TLSConfig.from_files(args.tls_cert, args.tls_key, args.tls_ca)
     token = None

@@ -6,7 +6,7 @@ bind". Both sides check their files here first, with the standard library's Open
 PEM formats gRPC accepts):
 
 * :func:`check_ca_bundle`: the file holds at least one certificate that parses.
-* :func:`check_ca_dates`: at least one of the bundle's certificates is within its dates (a bundle
+* :func:`check_ca_dates`: that, and at least one of the bundle's certificates is within its dates (a bundle
   whose every CA has expired verifies no peer).
 * :func:`check_key_pair`: the certificate chain parses, the private key parses (unencrypted: gRPC
   takes no passphrase) and belongs to the chain's first certificate, and every certificate of the
@@ -131,8 +131,10 @@ def certificate_validity(flag: str, path: str | Path, now: float | None = None) 
 
 
 def check_ca_dates(flag: str, path: str | Path, now: float | None = None) -> None:
-    """At least one certificate of the CA bundle in ``path`` is within its dates; ValueError naming
-    ``flag`` otherwise (a bundle where some are out of date is normal: one in date verifies)."""
+    """The CA bundle in ``path`` parses (:func:`check_ca_bundle`) and at least one of its
+    certificates is within its dates; ValueError naming ``flag`` otherwise (a bundle where some are
+    out of date is normal: one in date verifies)."""
+    check_ca_bundle(flag, path)
     dates = _dates(flag, path)
     now = time.time() if now is None else now
     whys = [_out_of_date(b, a, now) for b, a, _ in dates]
