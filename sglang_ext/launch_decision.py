@@ -27,8 +27,8 @@ Rules (each one names what would break):
   capturing backend, or a ``--cuda-graph-config``, is refused. ``--enable-torch-compile``, which
   SGLang applies inside its graph runners only, then does nothing: said at launch.
   ``--kv-cuda-graphs on`` keeps SGLang's decode graphs for the layered Triton decode instead
-  (``docs/cuda-graphs.md``: all-resident steps replay over persistent tables, staging steps run
-  eagerly); it refuses other backends (decode and prefill), ``--disable-cuda-graph``, a non-``full`` decode graph
+  (``docs/cuda-graphs.md``: decode steps replay over persistent tables, staged ones with their
+  fetches in the graph); it refuses other backends (decode and prefill), ``--disable-cuda-graph``, a non-``full`` decode graph
   backend, ``--enable-torch-compile``, ``--kv-overlap-schedule on``, ``--tp-size`` > 1 and
   ``SGLANG_ENABLE_METADATA_GLUE_GRAPH`` (a replayed copy of the per-replay preparation would skip
   kvplane's admission check), and keeps prefill graphs off.

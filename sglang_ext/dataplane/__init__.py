@@ -1,7 +1,7 @@
 """Layered KV data plane: per-request, per-layer KV residency, transfers and attention.
 
 Exports are resolved lazily (PEP 562) so that ``sglang_ext.dataplane.profile_schema`` can be
-imported without torch (the simulator and planner load profile files through it).
+imported without torch (the launcher's argument check validates ``--kv-profile`` files through it).
 """
 
 from __future__ import annotations

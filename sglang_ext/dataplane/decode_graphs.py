@@ -11,7 +11,8 @@ What SGLang's decode graph runner asks of an attention backend, on the core, SGL
   core's ``prepare_decode_step``, as every step's); then :meth:`DecodeGraphs.admit` picks the
   smallest captured size that holds the batch and asks the buffers whether the step can be
   served from them (:meth:`GraphStepBuffers.why_not`: nothing staged, fetched, written back or
-  parked; within their capacity). If so it loads them, padded to that size (SGLang pads the
+  parked -- or, with ``staged=True``, a staged step whose fetches and parked write-back the
+  graph's launches take (:class:`GraphStaging`); within their capacity). If so it loads them, padded to that size (SGLang pads the
   batch's inputs the same way), and the graph of that size replays; if not, the step runs
   eagerly on its own tables and the reason is counted (:attr:`DecodeGraphs.eager_reasons`).
   Deciding after the boundary is exact: no prediction of what the boundary will stage.

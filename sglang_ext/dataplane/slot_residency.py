@@ -415,9 +415,10 @@ class SlotResidency:
         return ids
 
     def staging_reserve(self, *, every_active: bool = False) -> int:
-        """Device pages kept free for this step's staging slots: one layer of every active
-        request that offloads something (``every_active``: of every active request) -- the
-        placement model's ``sum_r b_r [r offloads]`` (``controlplane.model.memory_blocks``).
+        """Device pages kept free for this step's staging slots: one per distinct page of the
+        active requests that offload something (``every_active``: of every active request) -- the
+        placement model's ``sum_r b_r [r offloads]`` (``controlplane.model.memory_blocks``) when no
+        page is shared (a shared page is staged once).
         Zero in the identity layout (a staged layer-page uses its own identity page)."""
         if self.store.identity:
             return 0
