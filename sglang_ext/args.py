@@ -79,9 +79,9 @@ class LayeredKVArgs:
     (``tests/sglang/test_overlap_server.py``), not yet on a GPU (``docs/overlap-schedule.md``)."""
     kv_cuda_graphs: str = "off"
     """SGLang's decode CUDA graphs with the layered pool: ``off`` (the default) turns them off;
-    ``on`` keeps them for the layered Triton decode: an all-resident decode step replays a graph
-    captured over persistent tables (``docs/cuda-graphs.md``), a step that stages pages runs
-    eagerly. Tested on the CPU through SGLang's own graph runner on an emulated graph, not yet on
+    ``on`` keeps them for the layered Triton decode: a decode step replays a graph captured over
+    persistent tables (``docs/cuda-graphs.md``), a staged one with its fetches and parked
+    write-back as the graph's launches; a step the buffers cannot take runs eagerly. Tested on the CPU through SGLang's own graph runner on an emulated graph, not yet on
     a GPU."""
     kv_tls_ca: str | None = None
     """CA bundle to verify the remote control plane (grpc:// only); PEM certificates, checked here."""

@@ -2,8 +2,8 @@
 
 SGLang asks ``DecodeCudaGraphRunner.can_run_graph(forward_batch)`` before any metadata of a
 decode step is built, and never asks the attention backend: a backend cannot veto a replay. A
-layered step that stages pages must not replay (its layers need host work), and which steps stage
-is only known once kvplane's boundary has run. So, for a layered backend with graph state:
+layered step whose layers need host work the graph does not carry (``GraphStepBuffers.why_not``)
+must not replay, and which steps do is only known once kvplane's boundary has run. So, for a layered backend with graph state:
 
 * AROUND ``can_run_graph``: SGLang's own answer first; if it would replay, kvplane's boundary runs
   now (the backend's ``init_forward_metadata``: plans, pauses, residency, the step's tables), and
