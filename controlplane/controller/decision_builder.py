@@ -265,12 +265,6 @@ class DecisionBuilder:
         together = self._held_together(running, inp)
         for f in starving[:MAX_RESUME_TRIALS]:
             tried.append(f.id)
-            if len(starving) > 1 and together is None:
-                # one plan tells a request that cannot run even alone (the victim walk in
-                # _keeping would pause every other first); beside held ones, _keeping's own plan
-                alone = self._plan([f], inp)
-                if not alone.feasible or alone.paused:
-                    continue
             members = running + [f]
             guard_victims: list[str] = []
             # The forced request needs a batch slot: pause others until it fits the limits.
@@ -312,16 +306,18 @@ class DecisionBuilder:
         """The plan of ``members`` that runs ``keep`` (the starving request forced in, or none)
         and the held members; also returns whether it runs every one of ``keep``.
 
-        Without held members, the starvation guard's walk (session 77): while the planner pauses
-        the forced one, another member (by the victim rule, among those the plan runs first) is
-        paused in its place and appended to ``victims``. With held members (``together``: those
-        of them that run together, :meth:`_held_together`; None: no held member), one plan of the
-        forced one beside them decides whether it is forced at all, then one plan of all members,
-        the kept ones paused last (``Planner.plan(keep=...)``), places them. Held ones that do not
-        run together are planned as the planner decides (never paused: the decision drops their
-        pauses). One or two plans: the walk, one plan per victim, cost 114 planner calls in a
-        decision, and paused every other request for two held ones that cannot run together
-        (review of session 79)."""
+        Without held members, one plan of ``members`` with ``keep`` paused only after every other
+        one (``Planner.plan(keep=...)``, the others in the victim rule's order): the others it
+        pauses are the guard's victims (appended to ``victims``, left out of the members and the
+        plan's pauses); ``keep`` paused means it does not run even alone, and nobody is paused
+        for it. (Until session 88 a walk paused one victim per plan: 49 planner calls and 288 ms
+        in one decision at 256 requests x 80 layers, the scale review of session 88.) With held
+        members (``together``: those of them that run together, :meth:`_held_together`; None: no
+        held member), one plan of the forced one beside them decides whether it is forced at
+        all, then one plan of all members, the kept ones paused last, places them. Held ones that
+        do not run together are planned as the planner decides (never paused: the decision drops
+        their pauses; the walk cost 114 planner calls in a decision and paused every other
+        request for two held ones that cannot run together, review of session 79)."""
         if together is not None:
             forced = frozenset(keep)
             kept = together
@@ -331,19 +327,14 @@ class DecisionBuilder:
                     return beside, members, False
             plan = self._plan(members, inp, keep=kept | forced)
             return plan, members, not forced.intersection(plan.paused)
-        policy = inp.policy
-        while True:
-            plan = self._plan(members, inp)
-            blocked = keep.intersection(plan.paused)
-            others = [r for r in members if r.id not in keep]
-            if not blocked or not others:
-                return plan, members, not blocked
-            # the ones the plan runs first; then those it paused beside the kept ones (it may
-            # pause everyone at once: a plan of the kept ones alone decides)
-            pool = [r for r in others if r.id not in plan.paused] or others
-            victim = select_victim(pool, policy.victim_rule, inp.model.block_size, seed=inp.step)
-            victims.append(victim.id)
-            members = [r for r in members if r.id != victim.id]
+        plan = self._plan(members, inp, keep=frozenset(keep))
+        if not keep:
+            return plan, members, True
+        if keep.intersection(plan.paused):
+            return plan, members, False
+        gone = set(plan.paused)
+        victims.extend(plan.paused)
+        return replace(plan, paused=()), [r for r in members if r.id not in gone], True
 
     def _scheduler_pauses(
         self, inp: PlanningInput, sd: SchedulerDecision, busy: list[RequestView], cand: RequestView
