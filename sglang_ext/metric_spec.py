@@ -178,7 +178,7 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvplane:control_plane_degraded", "gauge", "0/1",
                "1 from a report that could not reach a live control plane until one that does (the worker "
                "runs on its last plan meanwhile, its paused requests resumed); a connected control plane "
-               "that leaves reports unanswered for 5 s counts as not live (it acks answered reports at "
+               "that leaves a report unanswered for 5 s (silent, or answering ever further behind) counts as not live (it acks answered reports at "
                "least once a second)", scope="source"),
     MetricSpec("kvplane:control_plane_outages_total", "counter", "outages",
                "Control-plane outages seen by the worker (each begins with a report that could not reach it)",

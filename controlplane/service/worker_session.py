@@ -73,8 +73,8 @@ class SessionStats:
     """Decisions received that could not be decoded (each logged ``decision_refused``; the
     others of the same reply are delivered and the stream stays up)."""
     stale_periods: int = 0
-    """Times a live stream went unanswered for ``stale_after_s`` while reports were out (a hung
-    control plane: the worker is degraded until a reply comes)."""
+    """Times a live stream left a report unanswered for ``stale_after_s`` (a hung control plane, or
+    one answering ever further behind: the worker is degraded until the replies catch up)."""
     decisions_announced: int = 0
     """Sum over streams of the server's last ``decisions_sent`` (equals received when none lost)."""
     reconnects: int = 0
@@ -143,8 +143,13 @@ class GrpcWorkerSession:
         self.session_id: str | None = None
         self.last_error: str | None = None
         self._announced_this_stream = 0
-        self._unacked_since: float | None = None
-        """When the oldest report not followed by any reply went out (monotonic; None: none)."""
+        self._unanswered: collections.deque[tuple[int, float]] = collections.deque()
+        """(step, monotonic send time) of the reports out on this stream that no reply has answered
+        yet, oldest first: a reply answers every report up to its ``report_step`` (the server
+        handles a stream's reports in order; its heartbeat carries the newest one answered). A
+        server that answers, but ever further behind, is as stale as a silent one: a 512-request
+        worker reporting every step saw its decisions planned 7 s behind it, half of them expired
+        on arrival, and was never degraded while any reply counted (scale review, session 88)."""
         self._stale = False
         self._degraded_gauge.set(1)
         self._thread = threading.Thread(
@@ -156,11 +161,13 @@ class GrpcWorkerSession:
 
     @property
     def degraded(self) -> bool:
-        """True while no stream is live, or while a live one has left reports unanswered for
-        ``stale_after_s`` (a hung control plane; the worker should keep its last plan)."""
+        """True while no stream is live, or while a live one has left a report unanswered for
+        ``stale_after_s`` (a hung control plane, or one answering ever further behind its
+        reports; the worker should keep its last plan)."""
         if not self._connected.is_set():
             return True
-        since = self._unacked_since
+        with self._lock:
+            since = self._unanswered[0][1] if self._unanswered else None
         stale = bool(self.stale_after_s > 0 and since is not None
                      and time.monotonic() - since > self.stale_after_s)
         if stale != self._stale:  # an edge: said once each way
@@ -168,7 +175,8 @@ class GrpcWorkerSession:
             self._degraded_gauge.set(int(stale))
             if stale:
                 self.stats.stale_periods += 1
-                self.last_error = f"no reply for {self.stale_after_s:g} s with reports out (control plane hung?)"
+                self.last_error = (f"a report unanswered for {self.stale_after_s:g} s (control plane hung, or "
+                                   "behind its reports?)")
                 log.warning("control_plane_unresponsive", worker=self.worker_id, stale_after_s=self.stale_after_s)
             else:
                 log.info("control_plane_responsive", worker=self.worker_id)
@@ -200,8 +208,8 @@ class GrpcWorkerSession:
             else:
                 try:
                     outbox.put_nowait(msg)
-                    if self._unacked_since is None:
-                        self._unacked_since = time.monotonic()
+                    if len(self._unanswered) < 4 * self._send_queue:  # full: the oldest ones decide
+                        self._unanswered.append((report.step, time.monotonic()))
                     self._sent_at[report.step] = time.perf_counter()
                     if len(self._sent_at) > 4 * self._send_queue:
                         for step in sorted(self._sent_at)[: len(self._sent_at) // 2]:
@@ -350,7 +358,9 @@ class GrpcWorkerSession:
         with self._lock:
             self.session_id = session_id
             pending, self._pending = self._pending, None
-            self._unacked_since = None if pending is None else time.monotonic()
+            self._unanswered.clear()
+            if pending is not None:
+                self._unanswered.append((pending.report.step, time.monotonic()))
             self._stale = False  # a new stream: its own answers decide
             if pending is not None:
                 outbox.put_nowait(pending)
@@ -377,7 +387,9 @@ class GrpcWorkerSession:
                 log.warning("decision_refused", worker=self.worker_id, report_step=reply.report_step,
                             index=i, reason=d.reason, error=str(exc))
         with self._lock:
-            self._unacked_since = None  # any reply, a heartbeat's included, says the server answers
+            unanswered = self._unanswered  # answered: every report up to the reply's step
+            while unanswered and unanswered[0][0] <= reply.report_step:
+                unanswered.popleft()
             sent_at = self._sent_at.pop(reply.report_step, None)
             self._inbox.extend(decisions)
             if decisions:
@@ -394,6 +406,7 @@ class GrpcWorkerSession:
             self._outbox = None
             self._call = None
             self._sent_at.clear()
+            self._unanswered.clear()
             self.stats.decisions_announced += self._announced_this_stream
             self._announced_this_stream = 0
         self._connected.clear()

@@ -24,7 +24,9 @@ from .conftest import step_report, wait_until, worker_info
 
 class _Scripted(pb_grpc.ControlPlaneServicer):
     """Acks the hello, then: ``hang`` (never answers), ``bad`` (per report a good decision and
-    one whose recompute names no placed request), ``end`` (ends the stream at once)."""
+    one whose recompute names no placed request), ``end`` (ends the stream at once), ``lag``
+    (answers each message, a report or a batch of them, 0.1 s after the last: ever further
+    behind a worker reporting faster)."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
@@ -41,7 +43,12 @@ class _Scripted(pb_grpc.ControlPlaneServicer):
             if self.mode == "hang":
                 self.stop.wait(30)
                 return
-            step = message.report.step
+            step = message.reports.reports[-1].step if message.HasField("reports") else message.report.step
+            if self.mode == "lag":
+                if self.stop.wait(0.1):
+                    return
+                yield pb.SessionReply(report_step=step)
+                continue
             good = pb.Decision(plan=pb.Plan(placements={"a": pb.Placement(on_gpu=[1] * 8)}),
                                apply_at_step=step + 1, expiry_step=step + 5, reason="good")
             bad = pb.Decision(plan=pb.Plan(placements={"a": pb.Placement(on_gpu=[1] * 8)},
@@ -90,7 +97,23 @@ def test_a_hung_control_plane_degrades_the_session(scripted, connect) -> None:  
     assert session.wait_connected(5)
     seen = _reporting(session, 1.2)
     assert not seen[0] and seen[-1], seen[:3]
-    assert session.stats.stale_periods == 1 and "no reply" in (session.last_error or "")
+    assert session.stats.stale_periods == 1 and "unanswered" in (session.last_error or "")
+    session.close()
+
+
+def test_a_control_plane_answering_ever_further_behind_degrades_the_session(scripted, connect) -> None:  # type: ignore[no-untyped-def]
+    """Every report is answered, but each reply answers an older one than the worker's last: once
+    the oldest unanswered report is ``stale_after_s`` old the session says degraded. Before,
+    any reply counted: a 512-request worker saw its decisions planned 7 s behind it, half expired
+    on arrival, and was never degraded (scale review, session 88)."""
+    target, servicer = scripted("lag")
+    session = connect(target).open_session(worker_info("w-lag"))
+    session.stale_after_s = 0.4
+    assert session.wait_connected(5)
+    seen = _reporting(session, 1.5, every_s=0.01)
+    assert not seen[0] and seen[-1], seen[:3]
+    assert session.stats.stale_periods == 1 and "unanswered" in (session.last_error or "")
+    servicer.stop.set()
     session.close()
 
 
