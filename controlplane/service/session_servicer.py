@@ -477,7 +477,10 @@ class SessionServicer(pb_grpc.ControlPlaneServicer):
             for step, t0, decisions in live.take():
                 out = self._observe_decisions(decisions)
                 sent += len(out)
-                acked, replied = live.processed_step, time.monotonic()
+                # this reply answers up to ``step``; reports processed after it (a batch's later
+                # ones) are acked by the heartbeat below, else a worker that then goes quiet reads
+                # them as unanswered and degrades (review of session 88)
+                acked, replied = max(acked, step), time.monotonic()
                 self._metrics.decision_latency_ms.observe((time.perf_counter() - t0) * 1e3)
                 yield from self._reply(step, out, sent)
             if item is _END:

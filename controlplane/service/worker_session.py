@@ -208,8 +208,11 @@ class GrpcWorkerSession:
             else:
                 try:
                     outbox.put_nowait(msg)
-                    if len(self._unanswered) < 4 * self._send_queue:  # full: the oldest ones decide
-                        self._unanswered.append((report.step, time.monotonic()))
+                    unanswered = self._unanswered
+                    if unanswered and report.step <= unanswered[-1][0]:
+                        unanswered.clear()  # steps went back (a worker counting again): start over
+                    if len(unanswered) < 4 * self._send_queue:  # full: the oldest ones decide
+                        unanswered.append((report.step, time.monotonic()))
                     self._sent_at[report.step] = time.perf_counter()
                     if len(self._sent_at) > 4 * self._send_queue:
                         for step in sorted(self._sent_at)[: len(self._sent_at) // 2]:
