@@ -16,7 +16,7 @@ from typing import Any
 from controlplane.model.batch import PlanPolicy, SchemaError, shown
 
 SCHEDULERS = ("fcfs", "layerkv", "lvf")
-VICTIM_RULES = ("largest", "longest", "shortest", "random")
+VICTIM_RULES = ("largest", "longest", "shortest", "random", "lost-first")
 
 
 def _check_range(path: str, value: float, lo: float, hi: float, *, open_lo: bool = False) -> None:
@@ -116,7 +116,9 @@ class Policy:
     ewma_factor: float = 0.3
     """Weight of a new observation in the profile EWMA."""
     victim_rule: str = "largest"
-    """Pause victim: largest blocks+deposit (paper), longest, shortest, random."""
+    """Pause victim: largest blocks+deposit (paper), longest, shortest, random; lost-first: largest,
+    but requests whose TPOT SLO is provably lost go first, and the starvation guard pauses only
+    those (:func:`controlplane.controller.victims.tpot_lost`)."""
     max_paused_steps: int = 2000
     """Starvation guard: a request paused this long is resumed first (or others are paused)."""
     solve_budget_fraction: float = 0.25

@@ -217,6 +217,16 @@ def _served_checks(agg: list[Row], raw: list[Row]) -> list[str]:
                    + ("PASS" if wins == len(pairs) else "FAIL"))
         strict = sum(f["slo_goodput_tpot_req_per_min"] >= k["slo_goodput_tpot_req_per_min"] for f, k in pairs)
         out.append(f"- fcfs goodput TTFT+TPOT >= layerkv's on {strict} of {len(pairs)} runs (informational)")
+    for base, lost in (("kvplane-fcfs", "kvplane-fcfs-lost"), ("kvplane", "kvplane-lost")):
+        pairs = [(pols[base], pols[lost])
+                 for rate in sorted({r["rate_per_min"] for r in raw})
+                 for pols in _by_seed([r for r in raw if r["rate_per_min"] == rate]).values()
+                 if base in pols and lost in pols]
+        if pairs:
+            up = sum(b["slo_goodput_tpot_req_per_min"] <= x["slo_goodput_tpot_req_per_min"] for x, b in
+                     ((x, b) for b, x in pairs))
+            out.append(f"- {lost} goodput TTFT+TPOT >= {base}'s on {up} of {len(pairs)} runs "
+                       "(research, informational)")
     return out
 
 

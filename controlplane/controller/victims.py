@@ -7,6 +7,9 @@ must pause someone else so that a starving request can run.
   and masks the most violations for the victim through its deposit).
 * ``longest`` / ``shortest``: the most / fewest context tokens.
 * ``random``: uniform, seeded (deterministic for a given seed).
+* ``lost-first``: ``largest`` among the candidates given; the controller first narrows them to
+  the requests whose TPOT SLO is already lost (:func:`tpot_lost`), and the starvation guard
+  pauses no other one.
 
 Whatever the rule, a running request about to finish (the planner's ``about_to_finish`` on its
 ``remaining_tokens``) is chosen only when every candidate is (as the planner
@@ -35,7 +38,7 @@ def select_victim(
     if not candidates:
         raise ValueError("select_victim: no candidates")
     candidates = [r for r in candidates if not finishing(r)] or list(candidates)
-    if rule == "largest":
+    if rule in ("largest", "lost-first"):
         return max(
             candidates,
             key=lambda r: (r.blocks_per_layer(block_size) + r.deposit_tokens, r.id),
@@ -48,3 +51,19 @@ def select_victim(
         ordered = sorted(candidates, key=lambda r: r.id)
         return random.Random(seed).choice(ordered)
     raise ValueError(f"victim_rule: {rule!r} is not one of {VICTIM_RULES}")
+
+
+def tpot_lost(r: RequestView, now_ms: float, floor_ms: float) -> bool:
+    """Whether ``r`` misses its TPOT SLO whatever happens from ``now_ms`` on (LayerKV Eq. 1's
+    budget ``T_tpot (N_past + N_future) - (T_past + T_future)`` below zero with ``T_future`` at
+    the all-resident step ``floor_ms``, the fastest any step can be, and ``N_future`` up to
+    ``max_new_tokens``): ``T_past + (N - n) floor > slo (N - 1)``. When the SLO is above the floor
+    this is a proof for any output length up to ``N`` (the left side minus the right grows as
+    the length falls); without a known ``max_new_tokens``, or with an SLO at or below the
+    floor (met by no request), nothing is lost."""
+    n = r.max_new_tokens
+    if n is None or n < 2 or r.slo_tbt_ms <= floor_ms:
+        return False
+    t_past = max(0.0, now_ms - r.first_seen_ms)
+    left = max(0, n - r.generated_tokens)
+    return t_past + left * floor_ms > r.slo_tbt_ms * (n - 1)

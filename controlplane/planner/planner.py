@@ -57,7 +57,9 @@ from controlplane.planner.solved import Solved
 
 log = structlog.get_logger(__name__)
 
-VICTIM_RULES = ("largest", "longest", "shortest", "random")
+VICTIM_RULES = ("largest", "longest", "shortest", "random", "lost-first")
+"""``lost-first`` orders as ``largest`` here; the controller passes the requests whose TPOT SLO is
+already lost as ``first`` (:func:`controlplane.controller.victims.tpot_lost`)."""
 FINISHING_TOKENS = 1
 """A request with at most this many tokens left after the target step's (``remaining_tokens``)
 is paused last, whatever the rule: its KV is freed when it finishes a step or two later, and
@@ -136,9 +138,11 @@ class Planner:
         current_step: int | None = None,
         seed: int = 0,
         keep: frozenset[str] = frozenset(),
+        first: frozenset[str] = frozenset(),
     ) -> Plan:
         """The placement for ``batch``; never raises for a valid batch (see module docstring).
-        ``keep``: requests paused only after every other one (the victim rule orders each group)."""
+        ``keep``: requests paused only after every other one; ``first``: requests (not kept)
+        paused before every other one (the victim rule orders each group)."""
         t0 = self._clock()
         if victim_rule not in VICTIM_RULES:
             raise ValueError(f"victim_rule {victim_rule!r} is not one of {VICTIM_RULES}")
@@ -153,8 +157,11 @@ class Planner:
         victims = self._victim_order(
             batch, victim_rule, random.Random(seed) if victim_rule == "random" else None
         )
-        if keep:
-            victims = [v for v in victims if v.id not in keep] + [v for v in victims if v.id in keep]
+        if keep or first:
+            lead = [v for v in victims if v.id in first and v.id not in keep]
+            victims = lead + [v for v in victims if v.id not in first and v.id not in keep] + [
+                v for v in victims if v.id in keep
+            ]
         batch, victims = cap_view(batch, victims)
         ctx = PlanContext(batch, t0 + budget_ms / 1e3, self._clock)
         joint = None if ctx.grid is None else RecomputeWindows(self._solve, exact=self._exact)
@@ -444,7 +451,7 @@ class Planner:
     @classmethod
     def _rule_order(cls, batch: Batch, rule: str, rng: random.Random | None) -> list[RequestSpec]:
         bs = batch.model.block_size
-        if rule == "largest":  # stable sorts: ties go in batch order, as max()/min() pick
+        if rule in ("largest", "lost-first"):  # stable sorts: ties go in batch order, as max()/min() pick
             return sorted(batch.requests, key=lambda r: -(r.blocks(bs) + r.deposit_tokens))
         if rule == "longest":
             return sorted(batch.requests, key=lambda r: -r.context_tokens)

@@ -243,6 +243,15 @@ def _variants() -> dict:
         # The plugin's default (`--kv-scheduler fcfs`): kvplane with SGLang's own admission.
         "kvplane-fcfs": lambda: ControlledPolicy("kvplane-fcfs", planner="request-wise+pause",
                                                  scheduler="fcfs", deposit_credit=False),
+        # Research (served-admission): the same with victim_rule "lost-first" (requests whose
+        # TPOT SLO is already lost are paused first; the starvation guard pauses only those).
+        "kvplane-fcfs-lost": lambda: ControlledPolicy("kvplane-fcfs-lost",
+                                                      planner="request-wise+pause",
+                                                      scheduler="fcfs", deposit_credit=False,
+                                                      victim_rule="lost-first"),
+        "kvplane-lost": lambda: ControlledPolicy("kvplane-lost", planner="request-wise+pause",
+                                                 scheduler="layerkv", deposit_credit=False,
+                                                 victim_rule="lost-first"),
     }
     for rule in ("longest", "shortest", "random"):
         out[f"orbitflow-{rule}"] = (

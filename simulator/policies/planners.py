@@ -67,6 +67,7 @@ class UniformPlanner:
         current_step: int | None = None,
         seed: int = 0,
         keep: frozenset[str] = frozenset(),
+        first: frozenset[str] = frozenset(),
     ) -> Plan:
         t0 = time.perf_counter()
         cands = candidate_set(batch.model.layers)
