@@ -47,6 +47,7 @@ from typing import Protocol
 
 from controlplane.api import Decision, QueuedRequest
 from controlplane.controller.batch_limits import UNLIMITED, BatchLimits
+from controlplane.controller.lost_first import guarded_lost
 from controlplane.controller.schedulers import make_scheduler
 from controlplane.controller.schedulers.base import (
     RequestView,
@@ -263,7 +264,7 @@ class DecisionBuilder:
         way, and are never the victims."""
         policy = inp.policy
         if policy.victim_rule == "lost-first":
-            return self._guarded_lost(inp, running, starving)
+            return guarded_lost(self, inp, running, starving, MAX_RESUME_TRIALS)
         held = inp.held
         tried: list[str] = []
         together = self._held_together(running, inp)
@@ -291,47 +292,6 @@ class DecisionBuilder:
         guard_victims = []
         plan, members, _ = self._keeping(list(running), set(), inp, guard_victims, together)
         return plan, members, guard_victims, tried, set()
-
-    def _guarded_lost(
-        self, inp: PlanningInput, running: list[RequestView], starving: list[RequestView]
-    ) -> tuple[Plan, list[RequestView], list[str], list[str], set[str]]:
-        """:meth:`_guarded` under ``victim_rule="lost-first"``: a starving request is forced in
-        only where it runs by pausing requests whose TPOT SLO is already lost
-        (:func:`~controlplane.controller.victims.tpot_lost`; held ones are never paused). Forcing
-        it in by pausing a request that can still meet its TPOT trades that request's SLO for
-        one already missed: it waits instead, resumed by a finish as OrbitFlow's paused requests
-        are (§3.4), or forced in later when a lost request runs. One plan per starving request
-        tried (the victim order puts the lost ones first and the forced one last)."""
-        now, floor = inp.now_ms, floor_ms(inp.layer_compute_ms)
-        lost = {r.id for r in running if tpot_lost(r, now, floor)}
-        together = self._held_together(running, inp)
-        kept = together or frozenset()
-        tried: list[str] = []
-        for f in starving[:MAX_RESUME_TRIALS]:
-            tried.append(f.id)
-            members = running + [f]
-            guard_victims: list[str] = []
-            while True:  # the forced request needs a batch slot: lost requests give theirs
-                others = [r for r in members if r.id != f.id]
-                room = not others or inp.limits.admits(
-                    len(others), sum(r.context_tokens for r in others), f.context_tokens
-                )
-                pool = [r for r in others if r.id in lost and r.id not in inp.held]
-                if room or not pool:
-                    break
-                victim = select_victim(pool, inp.policy.victim_rule, inp.model.block_size, seed=inp.step)
-                guard_victims.append(victim.id)
-                members = [r for r in members if r.id != victim.id]
-            if not room:
-                continue
-            plan = self._plan(members, inp, keep=kept | {f.id})
-            if f.id in plan.paused or any(
-                rid not in lost and rid not in inp.held for rid in plan.paused
-            ):
-                continue
-            return plan, members, guard_victims, tried, {f.id}
-        plan, members, _ = self._keeping(list(running), set(), inp, [], together)
-        return plan, members, [], tried, set()
 
     def _held_together(self, running: list[RequestView], inp: PlanningInput) -> frozenset[str] | None:
         """The held running requests that run together (one plan of them alone); None: none held."""

@@ -1,0 +1,61 @@
+"""The starvation guard under ``victim_rule="lost-first"`` (research, served-admission).
+
+A starving request is forced in only where it runs by pausing requests whose TPOT SLO is already
+lost (:func:`~controlplane.controller.victims.tpot_lost`; held ones are never paused). Forcing it
+in by pausing a request that can still meet its TPOT trades that request's SLO for one already
+missed: it waits instead, resumed by a finish when a feasible plan exists, as OrbitFlow's paused
+requests are (§3.4), or forced in later, when a lost request runs. One plan per starving request
+tried: the planner's victim order puts the lost requests first and the forced one last
+(``DecisionBuilder._plan`` passes the lost ones as ``first``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from controlplane.controller.victims import select_victim, tpot_lost
+from controlplane.planner.slo_cap import floor_ms
+
+if TYPE_CHECKING:
+    from controlplane.controller.decision_builder import DecisionBuilder, PlanningInput
+    from controlplane.controller.schedulers.base import RequestView
+    from controlplane.model import Plan
+
+
+def guarded_lost(
+    builder: DecisionBuilder,
+    inp: PlanningInput,
+    running: list[RequestView],
+    starving: list[RequestView],
+    trials: int,
+) -> tuple[Plan, list[RequestView], list[str], list[str], set[str]]:
+    """``DecisionBuilder._guarded``'s answer under ``lost-first`` (module docstring): the plan,
+    its members, the guard's victims, the starving requests tried and the one forced in."""
+    now, floor = inp.now_ms, floor_ms(inp.layer_compute_ms)
+    lost = {r.id for r in running if tpot_lost(r, now, floor)}
+    together = builder._held_together(running, inp)
+    kept = together or frozenset()
+    tried: list[str] = []
+    for f in starving[:trials]:
+        tried.append(f.id)
+        members = running + [f]
+        guard_victims: list[str] = []
+        while True:  # the forced request needs a batch slot: lost requests give theirs
+            others = [r for r in members if r.id != f.id]
+            room = not others or inp.limits.admits(
+                len(others), sum(r.context_tokens for r in others), f.context_tokens
+            )
+            pool = [r for r in others if r.id in lost and r.id not in inp.held]
+            if room or not pool:
+                break
+            victim = select_victim(pool, inp.policy.victim_rule, inp.model.block_size, seed=inp.step)
+            guard_victims.append(victim.id)
+            members = [r for r in members if r.id != victim.id]
+        if not room:
+            continue
+        plan = builder._plan(members, inp, keep=kept | {f.id})
+        if f.id in plan.paused or any(rid not in lost and rid not in inp.held for rid in plan.paused):
+            continue
+        return plan, members, guard_victims, tried, {f.id}
+    plan, members, _ = builder._keeping(list(running), set(), inp, [], together)
+    return plan, members, [], tried, set()
