@@ -63,7 +63,8 @@ def test_server_flags_exist():
     serve_cmd.add_arguments(parser)
     known = {opt for action in parser._actions for opt in action.option_strings}
     command = re.search(r"^kvplane serve --listen.*?^```", DOC, re.S | re.M)
-    limits = re.search(r"^`kvplane serve --help` lists.*?\n\n", DOC, re.S | re.M)
+    limits = re.search(r"^The limits \(defaults in brackets; `kvplane serve --help` names them\).*?\n\n", DOC,
+                       re.S | re.M)
     assert command is not None and limits is not None
     used = set(re.findall(r"(--[a-z][a-z-]*[a-z])", command.group(0) + limits.group(0)))
     assert {"--listen", "--metrics-port", "--policy", "--policy-token-file", "--tls-ca"} <= used
