@@ -1,0 +1,52 @@
+"""``victim_rule: lost-first`` (session 88, opt-in) in a real SGLang server: the pause server's
+setting (``test_pause_server.py``: a device KV budget of 96 token-layers, a starvation guard after 6
+paused steps) with the rule that pauses first the requests whose TPOT is provably lost and lets
+the guard force a starving request in only by pausing those. The rule reads each request's
+``max_new_tokens`` as the worker reports it. Requests are paused and resumed, every one finishes,
+and the greedy outputs match vanilla SGLang's token for token."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from sglang_ext.settings import STATS_FILE_ENV
+from sglang_ext.testing.jsonl import read_jsonl
+from sglang_ext.testing.server import SGLangServer
+from tests.sglang.conftest import PROMPTS, assert_same_generation, greedy, running_server
+
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]
+
+MAX_NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def lost_first_server(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[tuple[SGLangServer, Path]]:
+    root = tmp_path_factory.mktemp("lost-first")
+    policy = root / "policy.json"
+    policy.write_text(json.dumps({"victim_rule": "lost-first", "max_paused_steps": 6, "window_min": 2,
+                                  "window_max": 4, "slo_tbt_ms": 60.0}))
+    stats = root / "stats.jsonl"
+    flags = ["--enable-layered-kv", "--kv-policy", str(policy), "--kv-gpu-budget-tokens", "96",
+             "--mem-fraction-static", "0.3"]
+    with running_server(tiny_model_dir, root, flags, {STATS_FILE_ENV: str(stats)}, zygote=launch_zygote) as server:
+        yield server, stats
+
+
+def test_lost_first_pauses_resumes_and_matches_vanilla(lost_first_server, vanilla_server):
+    server, stats_path = lost_first_server
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        got = list(pool.map(lambda p: greedy(server, p, MAX_NEW_TOKENS, logprobs=True), PROMPTS))
+    for prompt, out in zip(PROMPTS, got, strict=True):
+        assert_same_generation(out, greedy(vanilla_server, prompt, MAX_NEW_TOKENS, logprobs=True), prompt)
+    lines = read_jsonl(stats_path)
+    paused = [rid for line in lines for rid in line.get("paused_now") or ()]
+    resumed = {rid for line in lines for rid in line.get("resumed_now") or ()}
+    finished = {rid for line in lines for rid in line["finished"]}
+    assert len(paused) >= 5, f"expected pauses, stats show {len(paused)}"
+    assert set(paused) <= resumed and set(paused) <= finished
+    assert lines[-1]["paused"] == [] and not any(line["fallback"] for line in lines)
