@@ -3,7 +3,10 @@ setting (``test_pause_server.py``: a device KV budget of 96 token-layers, a star
 paused steps) with the rule that pauses first the requests whose TPOT is provably lost and lets
 the guard force a starving request in only by pausing those. The rule reads each request's
 ``max_new_tokens`` as the worker reports it. Requests are paused and resumed, every one finishes,
-and the greedy outputs match vanilla SGLang's token for token."""
+and the greedy outputs match vanilla SGLang's token for token. The TBT SLO (60 ms, against an
+all-resident step the controller learns at 10-12 ms on the 2-core CPU host) makes requests that
+wait paused provably lost: a probe of ``tpot_lost`` in this run (session 88) answered True 117
+times of 974, so the rule's lost branch runs, not only its ``largest`` order."""
 
 from __future__ import annotations
 
