@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ import pytest
 from sglang_ext.settings import STATS_FILE_ENV
 from sglang_ext.testing.jsonl import read_jsonl
 from sglang_ext.testing.server import SGLangServer
-from tests.sglang.conftest import PROMPTS, assert_same_generation, greedy, running_server
+from tests.sglang.conftest import PROMPTS, concurrent_as_vanilla, running_server
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]
 
@@ -42,10 +41,7 @@ def lost_first_server(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterat
 
 def test_lost_first_pauses_resumes_and_matches_vanilla(lost_first_server, vanilla_server):
     server, stats_path = lost_first_server
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        got = list(pool.map(lambda p: greedy(server, p, MAX_NEW_TOKENS, logprobs=True), PROMPTS))
-    for prompt, out in zip(PROMPTS, got, strict=True):
-        assert_same_generation(out, greedy(vanilla_server, prompt, MAX_NEW_TOKENS, logprobs=True), prompt)
+    concurrent_as_vanilla(server, vanilla_server, PROMPTS, MAX_NEW_TOKENS)
     lines = read_jsonl(stats_path)
     paused = [rid for line in lines for rid in line.get("paused_now") or ()]
     resumed = {rid for line in lines for rid in line.get("resumed_now") or ()}
