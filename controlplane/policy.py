@@ -118,7 +118,8 @@ class Policy:
     victim_rule: str = "largest"
     """Pause victim: largest blocks+deposit (paper), longest, shortest, random; lost-first: largest,
     but requests whose TPOT SLO is provably lost go first, and the starvation guard pauses only
-    those (:func:`controlplane.controller.victims.tpot_lost`)."""
+    those (:func:`controlplane.controller.victims.tpot_lost`) until a request has waited
+    ``HARD_BOUND_FACTOR`` (4) x ``max_paused_steps`` (:mod:`controlplane.controller.lost_first`)."""
     max_paused_steps: int = 2000
     """Starvation guard: a request paused this long is resumed first (or others are paused)."""
     solve_budget_fraction: float = 0.25

@@ -47,7 +47,7 @@ from typing import Protocol
 
 from controlplane.api import Decision, QueuedRequest
 from controlplane.controller.batch_limits import UNLIMITED, BatchLimits
-from controlplane.controller.lost_first import guarded_lost
+from controlplane.controller.lost_first import HARD_BOUND_FACTOR, guarded_lost
 from controlplane.controller.schedulers import make_scheduler
 from controlplane.controller.schedulers.base import (
     RequestView,
@@ -263,8 +263,11 @@ class DecisionBuilder:
         ``MAX_RESUME_TRIALS`` are tried. Held requests (``inp.held``) are kept running the same
         way, and are never the victims."""
         policy = inp.policy
-        if policy.victim_rule == "lost-first":
-            return guarded_lost(self, inp, running, starving, MAX_RESUME_TRIALS)
+        if policy.victim_rule == "lost-first":  # past the hard bound, forced in as under the others
+            hard = [r for r in starving if r.paused_steps >= HARD_BOUND_FACTOR * policy.max_paused_steps]
+            if not hard:
+                return guarded_lost(self, inp, running, starving, MAX_RESUME_TRIALS)
+            starving = hard
         held = inp.held
         tried: list[str] = []
         together = self._held_together(running, inp)

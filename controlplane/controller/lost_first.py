@@ -6,7 +6,9 @@ in by pausing a request that can still meet its TPOT trades that request's SLO f
 missed: it waits instead, resumed by a finish when a feasible plan exists, as OrbitFlow's paused
 requests are (§3.4), or forced in later, when a lost request runs. One plan per starving request
 tried: the planner's victim order puts the lost requests first and the forced one last
-(``DecisionBuilder._plan`` passes the lost ones as ``first``).
+(``DecisionBuilder._plan`` passes the lost ones as ``first``). A request paused
+:data:`HARD_BOUND_FACTOR` times ``max_paused_steps`` is forced in as under the other rules,
+pausing others by the victim order (lost ones first): waiting has a hard bound (session 88).
 """
 
 from __future__ import annotations
@@ -15,6 +17,11 @@ from typing import TYPE_CHECKING
 
 from controlplane.controller.victims import select_victim, tpot_lost
 from controlplane.planner.slo_cap import floor_ms
+
+HARD_BOUND_FACTOR = 4
+"""Under ``lost-first`` a starving request paused this many times ``max_paused_steps`` is forced
+in whoever it pauses (the guard of the other rules): without it, one that no lost request stood
+in front of could wait for finishes indefinitely."""
 
 if TYPE_CHECKING:
     from controlplane.controller.decision_builder import DecisionBuilder, PlanningInput

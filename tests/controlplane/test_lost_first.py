@@ -52,16 +52,17 @@ def test_policy_accepts_the_rule_and_select_victim_orders_as_largest():
     assert select_victim([a, b], "lost-first", 16).id == "b"
 
 
-def _guard_case(a_tokens: int, rule: str):  # noqa: ANN202
-    """'a' runs, 's' starves; they do not run together, each runs alone. 'a' has ``a_tokens``
-    output tokens in all: lost at now = 500 ms (floor 4 ms, SLO 6 ms) when below 233."""
+def _guard_case(a_tokens: int, rule: str, paused_steps: int = 10):  # noqa: ANN202
+    """'a' runs, 's' starves (``paused_steps`` against a guard at 4: under the hard bound, 16, by
+    default); they do not run together, each runs alone. 'a' has ``a_tokens`` output tokens in
+    all: lost at now = 500 ms (floor 4 ms, SLO 6 ms) when below 233."""
     from dataclasses import replace
 
     from tests.controlplane.test_decision_builder_guard import build
     from tests.controlplane.test_decision_builder_guard import view as gview
 
     a = replace(gview("a", 500), max_new_tokens=a_tokens)
-    s = replace(gview("s", 500, 40), max_new_tokens=100)
+    s = replace(gview("s", 500, paused_steps), max_new_tokens=100)
     b, _, inp = build((a,), (s,), 48, victim_rule=rule, max_paused_steps=4)
     return b.build(inp)
 
@@ -71,4 +72,12 @@ def test_the_guard_pauses_a_request_that_can_still_meet_its_tpot_only_under_the_
     d = _guard_case(10_000, "lost-first")
     assert d.pause == () and d.resume == () and set(d.plan.placements) == {"a"}
     d = _guard_case(100, "lost-first")  # 'a' is lost: it gives its place
+    assert d.pause == ("a",) and d.resume == ("s",)
+
+
+def test_past_the_hard_bound_the_guard_forces_a_starving_request_in_whoever_it_pauses():
+    """'s' paused 16 steps (4 x the guard's 4): forced in although 'a' can still meet its TPOT;
+    at 15 it still waits (control)."""
+    assert _guard_case(10_000, "lost-first", 15).resume == ()
+    d = _guard_case(10_000, "lost-first", 16)
     assert d.pause == ("a",) and d.resume == ("s",)
