@@ -193,6 +193,14 @@ def _kvplane_checks(agg: list[Row], raw: list[Row]) -> list[str]:
     return out
 
 
+def _run_pairs(raw: list[Row], a: str, b: str) -> list[tuple[Row, Row]]:
+    """Per run (rate x seed) holding both policies, their rows ``(a, b)``."""
+    return [(pols[a], pols[b])
+            for rate in sorted({r["rate_per_min"] for r in raw})
+            for pols in _by_seed([r for r in raw if r["rate_per_min"] == rate]).values()
+            if a in pols and b in pols]
+
+
 def _served_checks(agg: list[Row], raw: list[Row]) -> list[str]:
     """Per rate: the served default (``kvplane-fcfs``) beside ``kvplane`` (LayerKV admission),
     mean over seeds, then whether the default's SLO goodput is at least LayerKV's on every run."""
@@ -207,10 +215,7 @@ def _served_checks(agg: list[Row], raw: list[Row]) -> list[str]:
             f"(layerkv); P99 TTFT {f['ttft_p99_ms'] / 1e3:.1f} vs {k['ttft_p99_ms'] / 1e3:.1f} s; SLO "
             f"goodput {f['slo_goodput_req_per_min']:.3f} vs {k['slo_goodput_req_per_min']:.3f}; goodput TTFT+TPOT "
             f"{f['slo_goodput_tpot_req_per_min']:.3f} vs {k['slo_goodput_tpot_req_per_min']:.3f}")
-    pairs = [(pols["kvplane-fcfs"], pols["kvplane"])
-             for rate in sorted({r["rate_per_min"] for r in raw})
-             for pols in _by_seed([r for r in raw if r["rate_per_min"] == rate]).values()
-             if "kvplane-fcfs" in pols and "kvplane" in pols]
+    pairs = _run_pairs(raw, "kvplane-fcfs", "kvplane")
     if pairs:
         wins = sum(f["slo_goodput_req_per_min"] >= k["slo_goodput_req_per_min"] for f, k in pairs)
         out.append(f"- fcfs SLO goodput >= layerkv's on {wins} of {len(pairs)} runs (rate x seed): "
@@ -218,13 +223,9 @@ def _served_checks(agg: list[Row], raw: list[Row]) -> list[str]:
         strict = sum(f["slo_goodput_tpot_req_per_min"] >= k["slo_goodput_tpot_req_per_min"] for f, k in pairs)
         out.append(f"- fcfs goodput TTFT+TPOT >= layerkv's on {strict} of {len(pairs)} runs (informational)")
     for base, lost in (("kvplane-fcfs", "kvplane-fcfs-lost"), ("kvplane", "kvplane-lost")):
-        pairs = [(pols[base], pols[lost])
-                 for rate in sorted({r["rate_per_min"] for r in raw})
-                 for pols in _by_seed([r for r in raw if r["rate_per_min"] == rate]).values()
-                 if base in pols and lost in pols]
+        pairs = _run_pairs(raw, base, lost)
         if pairs:
-            up = sum(b["slo_goodput_tpot_req_per_min"] <= x["slo_goodput_tpot_req_per_min"] for x, b in
-                     ((x, b) for b, x in pairs))
+            up = sum(x["slo_goodput_tpot_req_per_min"] >= b["slo_goodput_tpot_req_per_min"] for b, x in pairs)
             out.append(f"- {lost} goodput TTFT+TPOT >= {base}'s on {up} of {len(pairs)} runs "
                        "(research, informational)")
     return out

@@ -42,6 +42,7 @@ state. Steps (OrbitFlow §3.3-3.4, plus the per-worker scheduler):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -273,20 +274,8 @@ class DecisionBuilder:
         together = self._held_together(running, inp)
         for f in starving[:MAX_RESUME_TRIALS]:
             tried.append(f.id)
-            members = running + [f]
-            guard_victims: list[str] = []
             # The forced request needs a batch slot: pause others until it fits the limits.
-            while True:
-                others = [r for r in members if r.id != f.id]
-                room = not others or inp.limits.admits(
-                    len(others), sum(r.context_tokens for r in others), f.context_tokens
-                )
-                pool = [r for r in others if r.id not in held]
-                if room or not pool:
-                    break
-                victim = select_victim(pool, policy.victim_rule, inp.model.block_size, seed=inp.step)
-                guard_victims.append(victim.id)
-                members = [r for r in members if r.id != victim.id]
+            members, guard_victims, room = self.slot_for(f, running, inp, lambda r: r.id not in held)
             if not room:  # the held ones alone fill the batch
                 continue
             plan, members, kept = self._keeping(members, {f.id}, inp, guard_victims, together)
@@ -295,6 +284,27 @@ class DecisionBuilder:
         guard_victims = []
         plan, members, _ = self._keeping(list(running), set(), inp, guard_victims, together)
         return plan, members, guard_victims, tried, set()
+
+    @staticmethod
+    def slot_for(
+        f: RequestView, running: list[RequestView], inp: PlanningInput, may_pause: Callable[[RequestView], bool]
+    ) -> tuple[list[RequestView], list[str], bool]:
+        """``running`` plus the forced ``f``, less the requests paused (by the victim rule, among
+        those ``may_pause`` allows) until ``f`` fits the batch limits: the members, those victims,
+        and whether it fits."""
+        members: list[RequestView] = running + [f]
+        victims: list[str] = []
+        while True:
+            others = [r for r in members if r.id != f.id]
+            room = not others or inp.limits.admits(
+                len(others), sum(r.context_tokens for r in others), f.context_tokens
+            )
+            pool = [r for r in others if may_pause(r)]
+            if room or not pool:
+                return members, victims, room
+            victim = select_victim(pool, inp.policy.victim_rule, inp.model.block_size, seed=inp.step)
+            victims.append(victim.id)
+            members = [r for r in members if r.id != victim.id]
 
     def _held_together(self, running: list[RequestView], inp: PlanningInput) -> frozenset[str] | None:
         """The held running requests that run together (one plan of them alone); None: none held."""
@@ -466,13 +476,11 @@ class DecisionBuilder:
             if self._budget_ms is not None
             else min(policy.solve_budget_fraction * inp.predicted_step_ms, MAX_PLAN_BUDGET_MS)
         )
-        extra = {}
+        first: frozenset[str] = frozenset()
         if policy.victim_rule == "lost-first":  # requests whose TPOT is already lost go first
             floor = floor_ms(inp.layer_compute_ms)
-            lost = frozenset(r.id for r in members if tpot_lost(r, inp.now_ms, floor))
-            if lost:
-                extra["first"] = lost
+            first = frozenset(r.id for r in members if tpot_lost(r, inp.now_ms, floor))
         return self._planner.plan(
             batch, time_budget_ms=budget_ms, victim_rule=policy.victim_rule,
-            current_step=inp.step + 1, seed=inp.step, keep=keep, **extra,
+            current_step=inp.step + 1, seed=inp.step, keep=keep, first=first,
         )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from controlplane.controller.victims import select_victim, tpot_lost
+from controlplane.controller.victims import tpot_lost
 from controlplane.planner.slo_cap import floor_ms
 
 HARD_BOUND_FACTOR = 4
@@ -45,19 +45,10 @@ def guarded_lost(
     tried: list[str] = []
     for f in starving[:trials]:
         tried.append(f.id)
-        members = running + [f]
-        guard_victims: list[str] = []
-        while True:  # the forced request needs a batch slot: lost requests give theirs
-            others = [r for r in members if r.id != f.id]
-            room = not others or inp.limits.admits(
-                len(others), sum(r.context_tokens for r in others), f.context_tokens
-            )
-            pool = [r for r in others if r.id in lost and r.id not in inp.held]
-            if room or not pool:
-                break
-            victim = select_victim(pool, inp.policy.victim_rule, inp.model.block_size, seed=inp.step)
-            guard_victims.append(victim.id)
-            members = [r for r in members if r.id != victim.id]
+        # the forced request needs a batch slot: lost requests give theirs
+        members, guard_victims, room = builder.slot_for(
+            f, running, inp, lambda r: r.id in lost and r.id not in inp.held
+        )
         if not room:
             continue
         plan = builder._plan(members, inp, keep=kept | {f.id})
