@@ -39,7 +39,11 @@ core reserves it: ``b - u`` when a layer is offloaded, plus ``u`` when ``k < L``
 Implementation: under processor sharing every in-flight stream receives the same service, so we
 track one "virtual service" counter ``v`` (blocks served to each active stream so far). A transfer
 of ``b`` blocks started at virtual service ``v0`` finishes when ``v`` reaches ``v0 + b``; between
-events ``dv/dt = bw / n``. A heap keyed by finish-virtual-service gives O(log R) per event.
+events ``dv/dt = bw / n``. :func:`fetch_timeline_ms` keeps a heap keyed by finish-virtual-service
+(O(log R) per event, one event per fetch): the reference. :func:`step_time_ms` runs the same
+timeline on requests grouped by their fetch layers (:mod:`.grouped_timeline`: a plan's rows
+repeat, so its work is O(requests + groups x layers) Python steps instead of one heap event per
+fetch; equal to the heap's to float rounding, ``tests/controlplane/test_grouped_timeline.py``).
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
+
+from controlplane.model.grouped_timeline import fetch_groups, grouped_timeline_ms, placement_groups
 
 Placement = Sequence[Sequence[int]]
 """``x[r][l]``: 1 keeps request r's layer l on the GPU, 0 keeps it in host memory."""
@@ -173,11 +179,8 @@ def step_time_ms(
         if len(row) != n_layers:
             raise ValueError(f"placement[{r}] has {len(row)} layers, expected {n_layers}")
     if recompute is None:
-        fetches = [
-            [(layer, b) for layer in range(n_layers) if not row[layer]]
-            for row, b in zip(placement, blocks, strict=True)
-        ]
-        return fetch_timeline_ms(fetches, comp_ms, bw_blocks_per_ms, launch_ms=launch_ms)
+        groups = placement_groups(placement, blocks)
+        return grouped_timeline_ms(groups, comp_ms, bw_blocks_per_ms, launch_ms=launch_ms)
     _check_recompute(recompute, blocks, n_layers)
     comp = list(comp_ms)
     if any(u and k for u, k in recompute):
@@ -188,7 +191,7 @@ def step_time_ms(
     for row, b, (u, k) in zip(placement, blocks, recompute, strict=True):
         sizes = fetch_sizes(row, b, u, k)
         fetches.append([(layer, f) for layer, f in enumerate(sizes) if f > 0])
-    return fetch_timeline_ms(fetches, comp, bw_blocks_per_ms, launch_ms=launch_ms)
+    return grouped_timeline_ms(fetch_groups(fetches), comp, bw_blocks_per_ms, launch_ms=launch_ms)
 
 
 def fetch_timeline_ms(
