@@ -83,14 +83,15 @@ def grouped_timeline_ms(
     if bw_blocks_per_ms <= 0:
         raise ValueError(f"bw_blocks_per_ms must be > 0, got {bw_blocks_per_ms}")
     bw = bw_blocks_per_ms
-    suffix = [0.0] * (n_layers + 1)
-    for layer in range(n_layers - 1, -1, -1):
-        suffix[layer] = suffix[layer + 1] + comp_ms[layer]
+    prefix = [0.0, *accumulate(comp_ms)]  # prefix[l]: compute of the layers before l
     # starters[l]: the groups whose slot layer l frees, with the index of their next fetch
-    starters: list[list[tuple[int, int]]] = [[] for _ in range(n_layers)]
+    starters: dict[int, list[tuple[int, int]]] = {}
     for g, (p, _) in enumerate(live):
         for i in range(len(p) - 1):
-            starters[p[i]].append((g, i + 1))
+            starters.setdefault(p[i], []).append((g, i + 1))
+    # only the layers something fetches for can stall or start fetches; the compute between
+    # them is one prefix-sum difference (the link flows through it, as through launch time)
+    events = sorted({layer for p, _ in live for layer in p})
     need = [0.0] * n_layers  # the largest finish F among the fetches layer l waits for
     fs: list[float] = []
     for p, sizes in live:
@@ -101,11 +102,15 @@ def grouped_timeline_ms(
             need[p[0]] = top
     fs.sort()
     v = t = 0.0
-    if launch_ms:  # the step's first launches, one per target layer, before layer 0 starts
-        dt = len({p[0] for p, _ in live}) * launch_ms
-        v = _served(fs, v, dt * bw)
-        t += dt
-    for layer in range(n_layers):
+    # the step's first launches, one per target layer, before layer 0 starts
+    delay = len({p[0] for p, _ in live}) * launch_ms if launch_ms else 0.0
+    pos = 0
+    for layer in events:
+        dt = prefix[layer] - prefix[pos] + delay  # launches, then the layers before this one
+        delay = 0.0
+        if dt > 0.0:
+            v = _served(fs, v, dt * bw)
+            t += dt
         target = need[layer]
         if target > v:  # stall until every fetch this layer needs has landed
             j = bisect_right(fs, target)
@@ -113,13 +118,15 @@ def grouped_timeline_ms(
             t += (sum(fs[:j]) + target * (n - j) - n * v) / bw
             v = target
             del fs[:j]
-        if t + suffix[layer] >= cutoff:
+        # t + (compute of layer.. on) never decreases layer to layer (stalls and launches only
+        # add), so stopping at the first layer that reaches the cutoff is exact
+        if t + prefix[n_layers] - prefix[layer] >= cutoff:
             return math.inf
         dt = comp_ms[layer]
         if dt > 0.0:
             v = _served(fs, v, dt * bw)
             t += dt
-        started = starters[layer]
+        started = starters.get(layer)
         if started:  # the slots this layer used are free: each owner's next fetch starts
             targets = set()
             for g, i in started:
@@ -133,10 +140,10 @@ def grouped_timeline_ms(
                 fs.extend([v + b for b in now])
             fs.sort()
             if launch_ms:  # one launch per target layer, before the next layer starts
-                dt = len(targets) * launch_ms
-                v = _served(fs, v, dt * bw)
-                t += dt
-    return t
+                delay = len(targets) * launch_ms
+        pos = layer + 1
+    t += prefix[n_layers] - prefix[pos] + delay
+    return math.inf if t >= cutoff else t
 
 
 def placement_groups(placement: Sequence[Sequence[int]], blocks: Sequence[int]) -> list[Group]:

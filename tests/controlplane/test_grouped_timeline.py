@@ -49,11 +49,21 @@ def batches(draw):
 @settings(max_examples=400, deadline=None)
 @given(batches())
 def test_the_grouped_step_equals_the_event_heap(case):
-    """``step_time_ms`` (grouped) equals the event heap on the same placement."""
+    """The grouped timeline, and ``step_time_ms`` (grouped or heap by the fetches per layer),
+    equal the event heap on the same placement."""
     placement, blocks, comp, bw, launch, recompute, rms = case
+    want = heap_step_ms(placement, blocks, comp, bw, recompute, rms, 4, launch)
     kw = dict(recompute=recompute, recompute_ms_per_token=rms, block_size=4, launch_ms=launch)
-    got = step_time_ms(placement, blocks, comp, bw, **kw)
-    assert got == pytest.approx(heap_step_ms(placement, blocks, comp, bw, recompute, rms, 4, launch), rel=1e-9)
+    assert step_time_ms(placement, blocks, comp, bw, **kw) == pytest.approx(want, rel=1e-9)
+    if recompute is None:
+        groups = placement_groups(placement, blocks)
+        got = grouped_timeline_ms(groups, comp, bw, launch_ms=launch)
+    else:
+        fetches = [[(layer, f) for layer, f in enumerate(fetch_sizes(row, b, u, k)) if f > 0]
+                   for row, b, (u, k) in zip(placement, blocks, recompute, strict=True)]
+        got = grouped_timeline_ms(fetch_groups(fetches), recompute_compute_ms(comp, recompute, rms, 4), bw,
+                                  launch_ms=launch)
+    assert got == pytest.approx(want, rel=1e-9)
 
 
 @settings(max_examples=200, deadline=None)
@@ -86,6 +96,12 @@ def test_negative_controls_the_comparison_sees_one_row_one_block_one_launch():
     assert step_time_ms(moved, blocks, comp, bw) != pytest.approx(base, rel=1e-9)
     assert step_time_ms(placement, [8, 13, 5], comp, bw) != pytest.approx(base, rel=1e-9)
     assert step_time_ms(placement, blocks, comp, bw, launch_ms=0.05) != pytest.approx(base, rel=1e-9)
+    grouped = grouped_timeline_ms(placement_groups(placement, blocks), comp, bw)  # not the heap's path
+    assert grouped == pytest.approx(base, rel=1e-9)
+    assert grouped_timeline_ms(placement_groups(moved, blocks), comp, bw) != pytest.approx(base, rel=1e-9)
+    assert grouped_timeline_ms(placement_groups(placement, [8, 13, 5]), comp, bw) != pytest.approx(base, rel=1e-9)
+    assert grouped_timeline_ms(placement_groups(placement, blocks), comp, bw, launch_ms=0.05) != pytest.approx(
+        base, rel=1e-9)
 
 
 def test_repeated_rows_are_one_group_whatever_the_batch():
