@@ -20,7 +20,8 @@ launch), computed another way:
 The event heap of :func:`.timeline.fetch_timeline_ms` stays the reference; the two agree to
 float rounding (``tests/controlplane/test_grouped_timeline.py``). Measured on this project's
 2-core CPU host: the controller's profile check of 256 requests x 80 layers, nearly every layer
-offloaded, 44 ms a report with the heap, see ``controlplane/controller/README.md``.
+offloaded, 45 ms a report by the heap and 3.4 ms grouped
+(``benchmarks/results/service/session88-scale-review/README.md``).
 """
 
 from __future__ import annotations
