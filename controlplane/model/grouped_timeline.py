@@ -37,9 +37,12 @@ Group = tuple[tuple[int, ...], Sequence[Sequence[float]]]
 member, in one member order)."""
 
 
-def _served(fs: list[float], v: float, work: float) -> float:
-    """The virtual clock after the link serves ``work`` blocks from ``v`` (finished fetches are
-    removed from the sorted ``fs``)."""
+def link_served(fs: list[float], v: float, work: float) -> float:
+    """The virtual clock after the link serves ``work`` blocks from ``v`` to the fetches whose
+    finish points are the sorted ``fs`` (the finished ones are removed from ``fs``): with prefix
+    sums ``S_j``, moving the clock to ``V`` serves ``S_j + V (n - j) - n v`` blocks, ``j`` the
+    fetches finished by ``V``, so the largest ``j`` is a bisection (also the planner's
+    :meth:`controlplane.planner.evaluator.Evaluator.exact_ms`)."""
     n = len(fs)
     if not n:
         return v
@@ -110,7 +113,7 @@ def grouped_timeline_ms(
         dt = prefix[layer] - prefix[pos] + delay  # launches, then the layers before this one
         delay = 0.0
         if dt > 0.0:
-            v = _served(fs, v, dt * bw)
+            v = link_served(fs, v, dt * bw)
             t += dt
         target = need[layer]
         if target > v:  # stall until every fetch this layer needs has landed
@@ -125,7 +128,7 @@ def grouped_timeline_ms(
             return math.inf
         dt = comp_ms[layer]
         if dt > 0.0:
-            v = _served(fs, v, dt * bw)
+            v = link_served(fs, v, dt * bw)
             t += dt
         started = starters.get(layer)
         if started:  # the slots this layer used are free: each owner's next fetch starts

@@ -28,6 +28,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from itertools import accumulate
 
+from controlplane.model.grouped_timeline import link_served
 from controlplane.planner.candidates import CandidateSet
 
 
@@ -272,29 +273,8 @@ class Evaluator:
                     dt = comp[layer]
                 if dt <= 0.0:
                     continue
-                n = len(fs)
-                if n:
-                    work = dt * bw  # blocks the link serves in dt
-                    if (fs[0] - v) * n > work:  # nothing completes
-                        v += work / n
-                    else:
-                        ps = list(accumulate(fs))
-                        base = n * v + work
-                        # largest j with ps[j-1] + fs[j-1] * (n - j) <= base
-                        lo, hi = 1, n
-                        while lo < hi:
-                            mid = (lo + hi + 1) >> 1
-                            if ps[mid - 1] + fs[mid - 1] * (n - mid) <= base:
-                                lo = mid
-                            else:
-                                hi = mid - 1
-                        j = lo
-                        if j == n:
-                            v = fs[-1]
-                            fs.clear()
-                        else:
-                            v = fs[j - 1] + (base - ps[j - 1] - fs[j - 1] * (n - j)) / (n - j)
-                            del fs[:j]
+                if fs:
+                    v = link_served(fs, v, dt * bw)  # the blocks the link serves in dt
                 t += dt
             # the slots used by this layer are free: start each owner's next fetch
             if starters:
