@@ -199,7 +199,7 @@ def _served_admission(smoke: bool) -> list[RunSpec]:
                 trace=_ts("orbitflow-32k", n, rate, smoke, slo_scale=POINT["slo_scale"], seed=seed),
                 tags={"rate_per_min": rate, "slo_scale": POINT["slo_scale"], "seed": seed})
         for seed in seeds for rate in rates
-        for pol in ("kvplane-fcfs", "kvplane", VANILLA, "kvplane-fcfs-lost", "kvplane-lost")
+        for pol in ("kvplane-fcfs", "kvplane", VANILLA, "kvplane-fcfs-largest", "kvplane-largest")
     ]
 
 

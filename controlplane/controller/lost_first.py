@@ -1,4 +1,4 @@
-"""The starvation guard under ``victim_rule="lost-first"`` (research, served-admission).
+"""The starvation guard under ``victim_rule="lost-first"`` (the default policy's since session 89).
 
 A starving request is forced in only where it runs by pausing requests whose TPOT SLO is already
 lost (:func:`~controlplane.controller.victims.tpot_lost`; held ones are never paused). Forcing it

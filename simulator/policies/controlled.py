@@ -235,23 +235,26 @@ def _variants() -> dict:
         "orbitflow-nocredit": lambda: ControlledPolicy("orbitflow-nocredit",
                                                        planner="request-wise+pause",
                                                        deposit_credit=False),
+        # kvplane's default policy (controlplane.policy.Policy): victim_rule "lost-first" (requests
+        # whose TPOT SLO is already lost are paused first; the starvation guard pauses only those)
         "kvplane-credit": lambda: ControlledPolicy("kvplane-credit",
                                                    planner="request-wise+pause",
-                                                   scheduler="layerkv", deposit_credit=True),
+                                                   scheduler="layerkv", deposit_credit=True,
+                                                   victim_rule="lost-first"),
         "kvplane": lambda: ControlledPolicy("kvplane", planner="request-wise+pause",
-                                            scheduler="layerkv", deposit_credit=False),
+                                            scheduler="layerkv", deposit_credit=False,
+                                            victim_rule="lost-first"),
         # The plugin's default (`--kv-scheduler fcfs`): kvplane with SGLang's own admission.
         "kvplane-fcfs": lambda: ControlledPolicy("kvplane-fcfs", planner="request-wise+pause",
-                                                 scheduler="fcfs", deposit_credit=False),
-        # Research (served-admission): the same with victim_rule "lost-first" (requests whose
-        # TPOT SLO is already lost are paused first; the starvation guard pauses only those).
-        "kvplane-fcfs-lost": lambda: ControlledPolicy("kvplane-fcfs-lost",
-                                                      planner="request-wise+pause",
-                                                      scheduler="fcfs", deposit_credit=False,
-                                                      victim_rule="lost-first"),
-        "kvplane-lost": lambda: ControlledPolicy("kvplane-lost", planner="request-wise+pause",
-                                                 scheduler="layerkv", deposit_credit=False,
+                                                 scheduler="fcfs", deposit_credit=False,
                                                  victim_rule="lost-first"),
+        # served-admission: the same under the victim rule that was the default before session 89
+        # (OrbitFlow's "largest"), for comparison.
+        "kvplane-fcfs-largest": lambda: ControlledPolicy("kvplane-fcfs-largest",
+                                                         planner="request-wise+pause",
+                                                         scheduler="fcfs", deposit_credit=False),
+        "kvplane-largest": lambda: ControlledPolicy("kvplane-largest", planner="request-wise+pause",
+                                                    scheduler="layerkv", deposit_credit=False),
     }
     for rule in ("longest", "shortest", "random"):
         out[f"orbitflow-{rule}"] = (
