@@ -45,8 +45,10 @@ class Worker(WorkerLoop):
 
 
 def make(sync: bool = True) -> tuple[SessionController, Worker]:
+    # victim rule 'largest' (the default before session 89): 'a' is the plan's victim; under
+    # lost-first (the default) no request here is lost, and the guard would not force one in
     store = PolicyStore(Policy.from_dict({"window_min": 4, "window_max": 8, "slo_tbt_ms": 8.0,
-                                          "max_paused_steps": 30}))
+                                          "max_paused_steps": 30, "victim_rule": "largest"}))
     s = SessionController(worker_info(budget_blocks=48, h2d_gbps=1.0, scheduler="fcfs"),
                           policy_source=store.get, synchronous=sync,
                           planner=Planner(use_mip=False, exact_search=False), time_budget_ms=60_000)

@@ -29,7 +29,10 @@ LONG = 1500
 
 
 def session(scheduler: str, budget: int, sync: bool = True, **policy: object) -> SessionController:
-    store = PolicyStore(Policy.from_dict({"window_min": 4, "window_max": 8, "slo_tbt_ms": 6.0, **policy}))
+    # the guard's forcing under victim rule 'largest' (lost-first, the default, forces a starving
+    # request in only by pausing lost ones: tests/controlplane/test_lost_first.py)
+    store = PolicyStore(Policy.from_dict({"window_min": 4, "window_max": 8, "slo_tbt_ms": 6.0,
+                                          "victim_rule": "largest", **policy}))
     return SessionController(worker_info(budget_blocks=budget, h2d_gbps=1.0, scheduler=scheduler),
                              policy_source=store.get, synchronous=sync,
                              planner=Planner(use_mip=False, exact_search=False), time_budget_ms=60_000)

@@ -30,7 +30,9 @@ class CountingPlanner:
 
 def tight(planner: object = None, limits: BatchLimits = UNLIMITED, **policy: object
           ) -> tuple[SessionController, WorkerLoop]:
-    store = PolicyStore(Policy.from_dict({**FIXED_WINDOW, **policy}))
+    # victim rule 'largest': the guard forces a starving request in by pausing another (under
+    # lost-first, the default, only a lost one: tests/controlplane/test_lost_first.py)
+    store = PolicyStore(Policy.from_dict({**FIXED_WINDOW, "victim_rule": "largest", **policy}))
     session = SessionController(
         worker_info(TIGHT), policy_source=store.get, planner=planner or Planner(),  # type: ignore[arg-type]
         synchronous=True, batch_limits=limits,
