@@ -1,4 +1,5 @@
-"""``victim_rule: lost-first`` (session 88, opt-in) in a real SGLang server: the pause server's
+"""``victim_rule: lost-first`` (session 88; the default since session 89: the policy file below
+leaves it unset, so this is the rule a server runs by default) in a real SGLang server: the pause server's
 setting (``test_pause_server.py``: a device KV budget of 96 token-layers, a starvation guard after 6
 paused steps) with the rule that pauses first the requests whose TPOT is provably lost and lets
 the guard force a starving request in only by pausing those. The rule reads each request's
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from controlplane.policy import Policy
 from sglang_ext.settings import STATS_FILE_ENV
 from sglang_ext.testing.jsonl import read_jsonl
 from sglang_ext.testing.server import SGLangServer
@@ -30,8 +32,8 @@ MAX_NEW_TOKENS = 12
 def lost_first_server(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[tuple[SGLangServer, Path]]:
     root = tmp_path_factory.mktemp("lost-first")
     policy = root / "policy.json"
-    policy.write_text(json.dumps({"victim_rule": "lost-first", "max_paused_steps": 6, "window_min": 2,
-                                  "window_max": 4, "slo_tbt_ms": 60.0}))
+    policy.write_text(json.dumps({"max_paused_steps": 6, "window_min": 2, "window_max": 4, "slo_tbt_ms": 60.0}))
+    assert Policy.from_dict(json.loads(policy.read_text())).victim_rule == "lost-first"  # the default
     stats = root / "stats.jsonl"
     flags = ["--enable-layered-kv", "--kv-policy", str(policy), "--kv-gpu-budget-tokens", "96",
              "--mem-fraction-static", "0.3"]
