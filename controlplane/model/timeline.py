@@ -196,22 +196,25 @@ def step_time_ms(
     for row, b, (u, k) in zip(placement, blocks, recompute, strict=True):
         sizes = fetch_sizes(row, b, u, k)
         fetches.append([(layer, f) for layer, f in enumerate(sizes) if f > 0])
-    return _timeline(fetch_groups(fetches), comp, bw_blocks_per_ms, launch_ms)
+    return _timeline(fetch_groups(fetches), comp, bw_blocks_per_ms, launch_ms, fetches)
 
 
-def _timeline(groups: list[Group], comp_ms: Sequence[float], bw: float, launch_ms: float) -> float:
+def _timeline(groups: list[Group], comp_ms: Sequence[float], bw: float, launch_ms: float,
+              fetches: Fetches | None = None) -> float:
     """The grouped timeline where its groups carry at least three fetches per layer they fetch
     for; else the event heap, whose work per fetch is smaller (on this project's 2-core host:
     4 requests x 80 layers, half offloaded, 95 us by the heap and 150 grouped; 24 x 32 on three
     rows, 200 and 135; the controller's check at 256 x 80, nearly every layer offloaded, 44 ms and
-    about 2.5)."""
-    fetches = sum(len(p) * len(sizes[0]) for p, sizes in groups)
-    if fetches >= 3 * len({layer for p, _ in groups for layer in p}):
+    about 2.5). ``fetches``: the per-request fetches the groups were built from, when the caller
+    has them (else they are rebuilt from the groups for the heap)."""
+    count = sum(len(p) * len(sizes[0]) for p, sizes in groups)
+    if count >= 3 * len({layer for p, _ in groups for layer in p}):
         return grouped_timeline_ms(groups, comp_ms, bw, launch_ms=launch_ms)
-    per_request = [
-        [(layer, sizes[i][m]) for i, layer in enumerate(p)] for p, sizes in groups for m in range(len(sizes[0]))
-    ]
-    return fetch_timeline_ms(per_request, comp_ms, bw, launch_ms=launch_ms)
+    if fetches is None:
+        fetches = [
+            [(layer, sizes[i][m]) for i, layer in enumerate(p)] for p, sizes in groups for m in range(len(sizes[0]))
+        ]
+    return fetch_timeline_ms(fetches, comp_ms, bw, launch_ms=launch_ms)
 
 
 def fetch_timeline_ms(
