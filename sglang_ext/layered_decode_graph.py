@@ -27,6 +27,9 @@ the adapter's state between SGLang's hooks:
   second boundary, only pointing the core's step at the copy's slots. Deciding after the boundary
   is exact: no prediction of what it will stage. A recompute step is declined before its boundary
   (its rows join the batch's inputs there, ahead of SGLang's copy).
+- **TP** (``--tp-size > 1``): each rank admits its own shard's step; their answers are reduced
+  (:class:`~sglang_ext.graph_tp_agreement.GraphTpAgreement`) before anything loads, so either
+  every rank replays or every rank runs the step eagerly.
 - **Before a replay** (``init_forward_metadata_out_graph``): :meth:`replaying` checks that this
   step was admitted -- a replay kvplane did not admit would read the last step's tables.
 - **After a replay**: the step ends as an eager one does (the last layer's exit), run by the hook.
@@ -36,7 +39,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
@@ -44,6 +47,9 @@ import torch
 from sglang_ext.dataplane.graph_staging import GraphStaging
 from sglang_ext.dataplane.graph_step_buffers import GraphStepBuffers
 from sglang_ext.dataplane.results import LayerView
+
+if TYPE_CHECKING:
+    from sglang_ext.graph_tp_agreement import GraphTpAgreement
 
 log = structlog.get_logger(__name__)
 
@@ -56,7 +62,7 @@ class LayeredDecodeGraph:
     """Graph state of one layered attention backend over ``core`` (a ``LayeredKVCore`` whose store
     keeps a sink page), for batches of at most ``max_bs`` requests."""
 
-    def __init__(self, core: Any, max_bs: int) -> None:
+    def __init__(self, core: Any, max_bs: int, agreement: GraphTpAgreement | None = None) -> None:
         store = core.store
         if store.sink_page is None:
             raise RuntimeError("kvplane: SGLang is capturing decode graphs but the layered pool keeps no sink page "
@@ -76,6 +82,8 @@ class LayeredDecodeGraph:
         """This step's tables are in the buffers (set by :meth:`admit`, taken by :meth:`replaying`)."""
         self._declined: tuple | None = None
         """``(rids, seq_lens)`` of the step whose boundary ran in ``can_run_graph`` and which runs eagerly."""
+        self.agreement = agreement
+        """With ``--tp-size > 1``: every TP rank replays a step or none does (after the boundary)."""
         self.replays = 0
         self.eager_reasons: Counter[str] = Counter()
         """Decode steps the runner could have replayed that ran eagerly, by reason."""
@@ -93,6 +101,8 @@ class LayeredDecodeGraph:
         tables = None if core.overflow else core.tables
         why = self.buffers.why_not(tables, padded_to)
         self.forward = False
+        if self.agreement is not None and not self.agreement.all_admit(why is None) and why is None:
+            why = "another TP rank runs this step eagerly"
         if why is not None:
             self.decline(re.sub(r"\d+", "N", why.split(";")[0]), key)
             if tables is not None:  # the eager forward reads the device half: made now (if it waits)

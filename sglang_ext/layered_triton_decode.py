@@ -24,6 +24,7 @@ import torch
 from kernels.block_copy import triton_usable
 from kernels.paged_decode import head_blocks, kv_splits, paged_decode, sm_count
 from sglang_ext.dataplane.layer_cap_window import layer_cap_window
+from sglang_ext.graph_tp_agreement import GraphTpAgreement
 from sglang_ext.layered_attention import refuse_attention_kwargs
 from sglang_ext.layered_decode_graph import LayeredDecodeGraph
 from sglang_ext.layered_paged_decode import LayeredPagedDecode
@@ -81,7 +82,7 @@ class LayeredTritonDecode(LayeredPagedDecode):
         if self.paged_blocker is not None:  # the graph path has the kernel only (no torch fallback)
             raise RuntimeError(f"kvplane: --kv-cuda-graphs on: this model has {self.paged_blocker}, which the "
                                "layered graph decode does not compute; use --kv-cuda-graphs off")
-        self.graph = LayeredDecodeGraph(self.pool.core, max_bs)
+        self.graph = LayeredDecodeGraph(self.pool.core, max_bs, GraphTpAgreement.for_process())
         log.info("layered_decode_graphs", max_bs=max_bs, max_pages=self.graph.buffers.max_pages)
 
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:

@@ -319,8 +319,8 @@ MODEL_CONFIG_GET_NUM_KV_HEADS = Target(f"{_SRT}.configs.model_config.ModelConfig
                                        params=("self", "tensor_parallel_size"), used_by=("host_pool_floor",))
 TP_MODEL_WORKER = Target(f"{_SRT}.managers.tp_worker.TpModelWorker", attrs=("model_runner",),
                          used_by=("scheduler_hooks",))
-GROUP_COORDINATOR = Target(f"{_SRT}.distributed.parallel_state.GroupCoordinator", attrs=("rank", "ranks"),
-                           used_by=("tp_sync",))
+GROUP_COORDINATOR = Target(f"{_SRT}.distributed.parallel_state.GroupCoordinator",
+                           attrs=("rank", "ranks", "world_size", "cpu_group"), used_by=("tp_sync", "graph_tp_agreement"))
 BROADCAST_PYOBJ = Target(f"{_SRT}.utils.common.broadcast_pyobj", params=("data", "rank"),
                          keyword=("dist_group", "src"), used_by=("tp_sync",))
 

@@ -14,7 +14,7 @@ _RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaG
 _BACKEND = "sglang.srt.layers.attention.base_attn_backend.AttentionBackend"
 
 __all__ = ["GRAPH_BACKEND_BASE", "DECODE_GRAPH_RUNNER", "DECODE_GRAPH_CAN_RUN", "DECODE_GRAPH_EXECUTE", "BACKEND_GRAPH_HOOKS",
-           "BACKEND_GRAPH_STATE", "BACKEND_GRAPH_OUT", "BACKEND_GRAPH_IN"]
+           "BACKEND_GRAPH_STATE", "BACKEND_GRAPH_OUT", "BACKEND_GRAPH_IN", "TP_GROUP"]
 
 GRAPH_BACKEND_BASE = Target("sglang.srt.model_executor.runner_backend.base_cuda_graph_backend.BaseCudaGraphBackend",
                             attrs=("capture_session", "capture_one", "can_run", "replay_session", "replay", "cleanup"),
@@ -40,3 +40,6 @@ BACKEND_GRAPH_OUT = Target(f"{_BACKEND}.init_forward_metadata_out_graph", params
 BACKEND_GRAPH_IN = Target(f"{_BACKEND}.init_forward_metadata_in_graph", params=("self", "forward_batch"),
                           used_by=("layered_triton_decode",))
 """Recorded into the graph: the layered decode records nothing there."""
+TP_GROUP = Target("sglang.srt.distributed.parallel_state.get_tp_group", params=(), used_by=("graph_tp_agreement",))
+"""The process's TP ``GroupCoordinator`` (``world_size``, ``cpu_group``): with ``--tp-size > 1`` its
+ranks agree on every replay (:class:`~sglang_ext.graph_tp_agreement.GraphTpAgreement`)."""

@@ -55,6 +55,13 @@ HOST_DATA = frozenset({"aten.lift_fresh.default", "aten.lift_fresh_copy.default"
 """A tensor made from Python data (``torch.tensor([...])``): on a GPU it reaches the kernels by a
 pageable host-to-device copy, which a capture refuses (and which a replay would not repeat)."""
 
+COLLECTIVES = ("c10d.",)
+"""Collectives a captured forward may run (a TP layer's all-reduce, the logits' all-gather:
+SGLang's on a CPU are gloo's ``torch.distributed`` ops, on a GPU NCCL's or its custom all-reduce,
+kernels of the graph). Each writes its recorded output tensors in place and returns its ``Work``;
+a replay reruns it there, waited, at its place in the tape: every rank replays the same graph, so
+the ranks' collectives pair up as in the captured run."""
+
 
 def _tensors(out: Any) -> list[torch.Tensor] | None:
     """``out``'s tensors (a tensor, or a tuple/list of them), None for anything else."""
@@ -87,6 +94,9 @@ class _Recorder(TorchDispatchMode):
             raise RuntimeError(f"{CAPTURE_ERROR}: {name} copies host data into the graph (TapeGraph)")
         out = func(*args, **kwargs)
         mutating = _mutates(func)
+        if name.startswith(COLLECTIVES):  # a TP all-reduce or all-gather: a kernel of the graph (NCCL's), here gloo's, run again
+            tape.tape.append(("collective", func, args, kwargs))
+            return out
         made = _tensors(out)
         if made is None:
             if not (mutating and out is None):  # an in-place op returning nothing (``_foreach_mul_``) is a kernel
@@ -159,6 +169,10 @@ class TapeGraph:
             if entry[0] == "kernel":
                 _, executor, args, kwargs = entry
                 executor(*args, **kwargs)
+                continue
+            if entry[0] == "collective":  # in place on its recorded tensors, waited (a graph orders it)
+                _, func, args, kwargs = entry
+                func(*args, **kwargs)[1].wait()
                 continue
             _, func, args, kwargs, made = entry
             out = func(*args, **kwargs)

@@ -13,7 +13,8 @@ reads anything but its persistent buffers replays stale data, as on a GPU.
 Installed by the test injector (``tests/sglang/fault_inject/sitecustomize.py``,
 ``KVPLANE_TEST_TAPE_GRAPHS``), which also gives SGLang's CPU platform the capability to capture
 and swaps the CUDA stream plumbing around capture for no-ops. Each capture and replay appends a
-line to the file the variable names (the tests' evidence that steps replayed).
+line to the file the variable names, with the TP rank that made it (the tests' evidence that
+steps replayed).
 """
 
 from __future__ import annotations
@@ -38,8 +39,11 @@ class TapeGraphBackend(BaseCudaGraphBackend):  # type: ignore[misc,valid-type]
         self.graphs: dict[Any, tuple[TapeGraph, Any]] = {}
 
     def _note(self, line: str) -> None:
+        import torch.distributed as dist  # the process's rank: a TP server's ranks share the file
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
         with self.log.open("a", encoding="utf-8") as out:
-            out.write(line + "\n")
+            out.write(f"{line} rank={rank}\n")
 
     @contextmanager
     def capture_session(self, stream: Any) -> Iterator[None]:

@@ -118,6 +118,14 @@ def test_kv_cuda_graphs_on_with_the_overlap_loop_forced_off_is_served():
     _decide(**GRAPHS_ON, kv_overlap_schedule="on", disable_overlap_schedule=True)
 
 
+def test_kv_cuda_graphs_on_with_tensor_parallelism_is_served_and_says_the_ranks_agree():
+    """``--tp-size 2`` with decode graphs (``test_tp_graph_server.py`` serves it); the launch line
+    says every rank must admit a replay. Control: at TP 1 the line does not."""
+    tp2 = _decide(**GRAPHS_ON, tp_size=2)
+    assert any("the 2 TP ranks replay a step only when all of them admit it" in n for n in tp2.notes), tp2.notes
+    assert not any("TP ranks" in n for n in _decide(**GRAPHS_ON).notes)
+
+
 @pytest.mark.parametrize(
     ("changes", "names"),
     [
@@ -128,7 +136,6 @@ def test_kv_cuda_graphs_on_with_the_overlap_loop_forced_off_is_served():
         ({"disable_cuda_graph": True}, "--kv-cuda-graphs on with --disable-cuda-graph"),
         ({"enable_torch_compile": True}, "--kv-cuda-graphs on with --enable-torch-compile"),
         ({"kv_overlap_schedule": "on"}, "--kv-cuda-graphs on with --kv-overlap-schedule on"),
-        ({"tp_size": 2}, "--kv-cuda-graphs on with --tp-size > 1"),
         ({"cuda_graph_backend_decode": "breakable"}, "--cuda-graph-backend-decode breakable"),
         ({"cuda_graph_backend_decode": "disabled"}, "--cuda-graph-backend-decode disabled: turns decode graphs off"),
         ({"cuda_graph_backend_prefill": "breakable"}, "--cuda-graph-backend-prefill breakable"),

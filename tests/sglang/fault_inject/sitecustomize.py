@@ -68,15 +68,15 @@ graph runner's buffers may hold when it warms up first, SGLang says). One JSON l
 goes to ``PATH``.
 
 With ``KVPLANE_TEST_FORCE_OVERFLOW_FILE=PATH``, while ``PATH`` exists the staging room has no room:
-every step that stages is served at rest (the overflow path).
+every step that stages is served at rest (the overflow path). With ``KVPLANE_TEST_GRAPH_DECLINE_FILE``
+one TP rank's decode graph refuses every step while it exists (``kvplane_graph_decline.py``).
 
 With ``KVPLANE_TEST_UNPATCHED_HOOK=TARGET``, SGLang's ``HookRegistry`` fails to patch ``TARGET``
 (logged, the other targets patched): a partial install (``kvplane_unpatched_hook.py``).
 
 With ``KVPLANE_TEST_KV_PROFILE_BYTES=N``, SGLang's memory profile finds at most N bytes for the KV
 cache (``KVCacheConfigurator._profile_available_bytes``): a GPU whose memory, after the weights,
-holds fewer tokens than ``--max-total-tokens`` (on the CPU the profile reads the host's free
-memory; ``kvplane_kv_profile.py``).
+holds fewer tokens than ``--max-total-tokens`` (on the CPU: the host's free memory; ``kvplane_kv_profile.py``).
 """
 
 from __future__ import annotations
@@ -484,6 +484,9 @@ if os.environ.get("KVPLANE_TEST_FORCE_OVERFLOW_FILE"):
     from kvplane_force_overflow import patch as _patch_overflow
 
     _install(OVERFLOW_TARGET, _patch_overflow)
+if os.environ.get("KVPLANE_TEST_GRAPH_DECLINE_FILE"):
+    import kvplane_graph_decline
+    _install(kvplane_graph_decline.TARGET, kvplane_graph_decline.patch)
 if os.environ.get("KVPLANE_TEST_KV_PROFILE_BYTES"):
     from kvplane_kv_profile import TARGET as PROFILE_TARGET
     from kvplane_kv_profile import patch as _patch_profile

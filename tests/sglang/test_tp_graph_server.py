@@ -1,0 +1,137 @@
+"""Decode graphs with tensor parallelism (``--kv-cuda-graphs on --tp-size 2``), on this CPU.
+
+One layered server of the tiny model with two TP ranks (each rank's KV shard, all-reduces over
+gloo: ``test_tp_server.py``'s set-up), the layered Triton decode, SGLang's decode graphs of 1, 2
+and 4 rows emulated by the test injector (``KVPLANE_TEST_TAPE_GRAPHS``: ``test_graph_server.py``),
+and the tiny device budget under which most layer-pages are on host: decode steps that stage pages
+replay, with their fetches and write-back as launches of each rank's graph. A captured forward's
+collectives (the layers' all-reduces, the logits' all-gather) are recorded on the tape and rerun
+at their place in a replay (``TapeGraph``'s ``COLLECTIVES``), as a CUDA graph holds NCCL's kernels.
+
+Checked against the session's vanilla server (fp32; TP=2 and TP=1 differ by ~5e-7 there,
+``test_tp_server.py``): greedy tokens and logprobs within 1e-4, every rank replaying the same
+steps, staged ones among them, each rank's pool lines identical. Then the agreement
+(:class:`~sglang_ext.graph_tp_agreement.GraphTpAgreement`): while one rank's graph refuses every
+step (the injector's ``KVPLANE_TEST_GRAPH_DECLINE_FILE``, rank 1), no rank replays and the outputs
+still equal vanilla's; once it stops, both replay again (the control: the same check fails on the
+replays of an unarmed run). Not shown here, by its nature: what a disagreement would do on a GPU
+(gloo pairs an eager all-reduce with a replayed one correctly; SGLang's custom all-reduce does not).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from sglang_ext.settings import POOL_STATS_FILE_ENV, rank_output_file
+from sglang_ext.testing.jsonl import read_jsonl_settled
+from sglang_ext.testing.server import SGLangServer
+from tests.sglang.conftest import (
+    PROMPTS,
+    assert_same_generation,
+    fault_armed,
+    fault_inject_path,
+    greedy,
+    running_server,
+)
+from tests.sglang.test_tp_server import TP, TP_ARGS, tp_env
+
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # a TP start-up and interpreted Triton
+
+NEW_TOKENS = 6
+FLAGS = ["--enable-layered-kv", "--attention-backend", "triton", "--page-size", "4",
+         "--kv-cuda-graphs", "on", "--cuda-graph-backend-decode", "full", "--cuda-graph-bs-decode", "1", "2", "4",
+         "--kv-gpu-budget-tokens", "49", "--max-total-tokens", "48"]
+"""``test_graph_server.py``'s offload server: 12 device pages per rank (one the graphs' sink)."""
+ONE_BY_ONE = list(PROMPTS[:4])
+
+
+@dataclass
+class TpGraphServer:
+    server: SGLangServer
+    root: Path
+
+    @property
+    def decline_flag(self) -> Path:
+        return self.root / "decline"
+
+    def tape(self) -> Counter:
+        """(kind, size, rank) of every capture and replay so far."""
+        path = self.root / "tape.log"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return Counter((line.split()[0], line.split()[1], line.split()[-1]) for line in lines)
+
+    def pool_lines(self) -> list[list[dict]]:
+        """Each rank's pool stats lines, rank 0 first."""
+        return [read_jsonl_settled(rank_output_file(self.root / "stats.jsonl", rank)) for rank in range(TP)]
+
+
+@pytest.fixture(scope="module")
+def tp_graphs(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[TpGraphServer]:
+    root = tmp_path_factory.mktemp("tp-graphs")
+    env = {**tp_env(root), "TRITON_INTERPRET": "1", "PYTHONPATH": fault_inject_path(),
+           "KVPLANE_TEST_TAPE_GRAPHS": str(root / "tape.log"), POOL_STATS_FILE_ENV: str(root / "stats.jsonl"),
+           "KVPLANE_TEST_GRAPH_DECLINE_FILE": str(root / "decline"), "KVPLANE_TEST_GRAPH_DECLINE_RANK": "1"}
+    with running_server(tiny_model_dir, root, [*TP_ARGS, *FLAGS, "--mem-fraction-static", "0.3"], env,
+                        zygote=launch_zygote) as server:
+        yield TpGraphServer(server, root)
+
+
+def _replays(tape: Counter) -> dict[str, int]:
+    """Replays per rank label (``rank=0``, ``rank=1``)."""
+    out = {f"rank={r}": 0 for r in range(TP)}
+    for (kind, _, rank), n in tape.items():
+        if kind == "replay":
+            out[rank] += n
+    return out
+
+
+def _run(ts: TpGraphServer, vanilla: SGLangServer) -> tuple[dict[str, int], list[list[dict]]]:
+    """The prompts one after another (every rank runs the same forwards), each equal to vanilla's;
+    the replays per rank and each rank's pool lines added meanwhile."""
+    ts.server.flush_cache()
+    tape, before = ts.tape(), [len(lines) for lines in ts.pool_lines()]
+    for prompt in ONE_BY_ONE:
+        assert_same_generation(greedy(ts.server, prompt, NEW_TOKENS, logprobs=True),
+                               greedy(vanilla, prompt, NEW_TOKENS, logprobs=True), prompt)
+    ts.server.flush_cache()
+    added = [lines[n:] for lines, n in zip(ts.pool_lines(), before, strict=True)]
+    return _replays(ts.tape() - tape), added
+
+
+def _untimed(line: dict) -> dict:
+    return {k: v for k, v in line.items() if k != "time_s" and "seconds" not in k}
+
+
+def test_both_ranks_replay_the_same_staged_steps_and_equal_vanilla(tp_graphs, vanilla_server):
+    """Every rank captured SGLang's three sizes; every decode step replayed on both ranks (one
+    replay a step a rank: as many as the decode lines), steps that staged pages among them; each
+    rank's pool lines identical apart from times; the outputs are vanilla's."""
+    captured = {(size, rank) for kind, size, rank in tp_graphs.tape() if kind == "capture"}
+    assert captured == {(size, f"rank={r}") for size in ("1", "2", "4") for r in range(TP)}, captured
+    replays, lines = _run(tp_graphs, vanilla_server)
+    decode = [[line for line in rank if line["new_tokens"] == line["batch_size"]] for rank in lines]
+    assert replays["rank=0"] == replays["rank=1"] == len(decode[0]) >= len(ONE_BY_ONE) * (NEW_TOKENS - 2), \
+        (replays, len(decode[0]))
+    assert sum(line["staging_pages"] > 0 for line in decode[0]) >= 2
+    assert [_untimed(x) for x in lines[0]] == [_untimed(x) for x in lines[1]]
+    assert "layered_decode_graph_eager" not in tp_graphs.server.log_path.read_text()
+
+
+def test_a_step_one_rank_declines_runs_eagerly_on_every_rank(tp_graphs, vanilla_server):
+    """While rank 1's graph refuses every step, rank 0 (which would admit them) runs them eagerly
+    too, naming why; the outputs stay vanilla's. Once rank 1 admits again both ranks replay
+    (the control of the no-replay check)."""
+    with fault_armed(tp_graphs.server, tp_graphs.decline_flag):
+        replays, lines = _run(tp_graphs, vanilla_server)
+    assert replays == {"rank=0": 0, "rank=1": 0}, replays
+    assert sum(line["new_tokens"] == line["batch_size"] for line in lines[0]) >= len(ONE_BY_ONE) * (NEW_TOKENS - 2)
+    reasons = set(re.findall(r"layered_decode_graph_eager\s+reason=.([^'\"]*)", tp_graphs.server.log_path.read_text()))
+    assert {"declined on this rank by the test injector", "another TP rank runs this step eagerly"} <= reasons, reasons
+    after, _ = _run(tp_graphs, vanilla_server)
+    assert after["rank=0"] == after["rank=1"] > 0, after
