@@ -17,6 +17,12 @@ must not replay, and which steps do is only known once kvplane's boundary has ru
 * AROUND ``execute`` (the replay): after it, the step ends as an eager one does
   (``end_graph_step``: the last layer's exit).
 
+With ``--tp-size > 1`` every rank asks this for the same batch, and the admission after the
+boundary is a collective (:class:`~sglang_ext.graph_tp_agreement.GraphTpAgreement`: all ranks
+replay or none does). The declines above it need no vote: they read what every rank holds alike
+(the batch's mode, the broadcast plan's recompute; the timer's only under the overlap loop, which
+``--kv-cuda-graphs on`` refuses), so the ranks that reach the vote are all of them.
+
 Every other runner (no layered backend, or one without graph state) passes through untouched.
 """
 
