@@ -19,9 +19,11 @@ must not replay, and which steps do is only known once kvplane's boundary has ru
 
 With ``--tp-size > 1`` every rank asks this for the same batch, and the admission after the
 boundary is a collective (:class:`~sglang_ext.graph_tp_agreement.GraphTpAgreement`: all ranks
-replay or none does). The declines above it need no vote: they read what every rank holds alike
-(the batch's mode, the broadcast plan's recompute; the timer's only under the overlap loop, which
-``--kv-cuda-graphs on`` refuses), so the ranks that reach the vote are all of them.
+replay or none does), so every rank must reach it. The declines before the boundary read what
+every rank holds alike (the batch's mode; the recompute rows, from the broadcast plan, the
+request's parameters and SGLang's slots). The layer timer is rank 0's alone, so under TP its
+sampled step (the overlap loop's; ``--kv-cuda-graphs on`` refuses that loop today) is declined
+after the boundary instead, through the vote (review, session 90).
 
 Every other runner (no layered backend, or one without graph state) passes through untouched.
 """
@@ -29,6 +31,8 @@ Every other runner (no layered backend, or one without graph state) passes throu
 from __future__ import annotations
 
 from typing import Any
+
+SAMPLED = "a sampled step is timed eagerly (the overlap loop)"
 
 
 def _graph_backend(runner: Any) -> Any:
@@ -50,8 +54,9 @@ def around_can_run_graph(original: Any, runner: Any, forward_batch: Any, *args: 
         graph.decline("the step recomputes a prefix", ())
         return False
     timer = getattr(backend, "layer_timer", None)
-    if timer is not None and timer.wants_eager:  # the overlap loop would overwrite a replay's timing
-        graph.decline("a sampled step is timed eagerly (the overlap loop)", ())
+    sampled = timer is not None and timer.wants_eager  # the overlap loop would overwrite a replay's timing
+    if sampled and graph.agreement is None:
+        graph.decline(SAMPLED, ())
         return False
     core = graph.core
     core.defer_tables = graph.buffers.block is not None  # a replay never reads its tables' device half
@@ -61,7 +66,9 @@ def around_can_run_graph(original: Any, runner: Any, forward_batch: Any, *args: 
         core.defer_tables = False
     padded = runner._pad_to_bucket(forward_batch.batch_size, runner.capture_bs)
     # declined: the eager forward's metadata (SGLang's copy of the batch) finds the boundary done
-    return graph.admit(padded, forward_batch.out_cache_loc, graph.step_key(forward_batch))
+    # under TP only rank 0 has the timer: its sampled step is declined after the boundary, by the vote
+    return graph.admit(padded, forward_batch.out_cache_loc, graph.step_key(forward_batch),
+                       refuse=SAMPLED if sampled else None)
 
 
 def around_execute(original: Any, runner: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:

@@ -93,13 +93,14 @@ class LayeredDecodeGraph:
         self.buffers.load_padding(rows, self.core.store.identity)
         self.forward = True
 
-    def admit(self, padded_to: int, slots: torch.Tensor, key: tuple) -> bool:
+    def admit(self, padded_to: int, slots: torch.Tensor, key: tuple, refuse: str | None = None) -> bool:
         """After the step's boundary: load its tables padded to ``padded_to`` rows (the size SGLang
         replays it at; ``slots``: its new tokens' slots, ``out_cache_loc``), or count why it runs
-        eagerly, remember the step (``key``: :meth:`step_key`) and return False."""
+        eagerly, remember the step (``key``: :meth:`step_key`) and return False. ``refuse``: a
+        reason this rank has to run it eagerly whatever the buffers say (under TP it still votes)."""
         core = self.core
         tables = None if core.overflow else core.tables
-        why = self.buffers.why_not(tables, padded_to)
+        why = refuse or self.buffers.why_not(tables, padded_to)
         self.forward = False
         if self.agreement is not None and not self.agreement.all_admit(why is None) and why is None:
             why = "another TP rank runs this step eagerly"

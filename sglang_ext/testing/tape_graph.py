@@ -60,7 +60,9 @@ COLLECTIVES = ("c10d.",)
 SGLang's on a CPU are gloo's ``torch.distributed`` ops, on a GPU NCCL's or its custom all-reduce,
 kernels of the graph). Each writes its recorded output tensors in place and returns its ``Work``;
 a replay reruns it there, waited, at its place in the tape: every rank replays the same graph, so
-the ranks' collectives pair up as in the captured run."""
+the ranks' collectives pair up as in the captured run. Recorded whatever their group: a CUDA graph
+would not rerun a CPU (gloo) group's collective, so a forward running one would replay here what a
+GPU would not (SGLang's forwards run none; review, session 90)."""
 
 
 def _tensors(out: Any) -> list[torch.Tensor] | None:
@@ -172,7 +174,8 @@ class TapeGraph:
                 continue
             if entry[0] == "collective":  # in place on its recorded tensors, waited (a graph orders it)
                 _, func, args, kwargs = entry
-                func(*args, **kwargs)[1].wait()
+                out = func(*args, **kwargs)
+                (out[-1] if isinstance(out, tuple) else out).wait()  # (outputs, Work), or a bare Work
                 continue
             _, func, args, kwargs, made = entry
             out = func(*args, **kwargs)

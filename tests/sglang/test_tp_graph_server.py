@@ -34,6 +34,7 @@ from sglang_ext.testing.server import SGLangServer
 from tests.sglang.conftest import (
     PROMPTS,
     assert_same_generation,
+    batched,
     fault_armed,
     fault_inject_path,
     greedy,
@@ -49,6 +50,7 @@ FLAGS = ["--enable-layered-kv", "--attention-backend", "triton", "--page-size", 
          "--kv-gpu-budget-tokens", "49", "--max-total-tokens", "48"]
 """``test_graph_server.py``'s offload server: 12 device pages per rank (one the graphs' sink)."""
 ONE_BY_ONE = list(PROMPTS[:4])
+BATCH = list(PROMPTS[4:7])
 
 
 @dataclass
@@ -121,6 +123,23 @@ def test_both_ranks_replay_the_same_staged_steps_and_equal_vanilla(tp_graphs, va
     assert sum(line["staging_pages"] > 0 for line in decode[0]) >= 2
     assert [_untimed(x) for x in lines[0]] == [_untimed(x) for x in lines[1]]
     assert "layered_decode_graph_eager" not in tp_graphs.server.log_path.read_text()
+
+
+def test_a_batch_replays_the_multi_row_graphs_on_both_ranks(tp_graphs, vanilla_server):
+    """Three requests sent as one batch (two of them fit the 48-token slot space together): their
+    steps replay the size-2 graph, the same ones on both ranks, and the outputs are vanilla's for
+    the same batch (review, session 90: one-at-a-time prompts replay only the size-1 graph; padded
+    rows are ``test_graph_server.py``'s, whose identity server holds a batch of three)."""
+    params = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0}
+    tape = tp_graphs.tape()
+    got = batched(tp_graphs.server, BATCH, params, logprobs=True)
+    tp_graphs.server.flush_cache()
+    for prompt, g, w in zip(BATCH, got, batched(vanilla_server, BATCH, params, logprobs=True), strict=True):
+        assert_same_generation(g, w, prompt)
+    replays = {(size, rank): n for (kind, size, rank), n in (tp_graphs.tape() - tape).items() if kind == "replay"}
+    sizes = {size for size, _ in replays}
+    assert all(replays.get((size, "rank=0")) == replays.get((size, "rank=1")) for size in sizes), replays
+    assert sum(n for (size, rank), n in replays.items() if size != "1" and rank == "rank=0") >= NEW_TOKENS - 2, replays
 
 
 def test_a_step_one_rank_declines_runs_eagerly_on_every_rank(tp_graphs, vanilla_server):
