@@ -13,10 +13,11 @@ that SGLang would replay: any rank that runs the step eagerly makes all of them 
 
 The ranks reach the reduce in the same order as every other collective of the step: SGLang asks
 ``can_run_graph`` of every rank for the same batch (its own answer is the batch's), the declines
-kvplane makes before its boundary (not a decode step, a recomputing step, a sampled step of the
-overlap loop, which ``--kv-cuda-graphs on`` refuses) read what every rank holds alike, and the
-install's broadcast comes before the forward. Cost: one gloo all-reduce a replayable step, on the
-host (no device sync).
+kvplane makes before its boundary (not a decode step, a recomputing step) read what every rank
+holds alike, rank 0's own (its layer timer's sampled step under the overlap loop) goes through the
+vote (:mod:`sglang_ext.graph_runner_hooks`), and the install's broadcast comes before the forward.
+Cost: one gloo all-reduce a replayable step, on the host (no device sync; 0.56-0.60 ms wall
+between two processes on the 2-core CI host, ``docs/cuda-graphs.md``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,6 @@ class GraphTpAgreement:
         self._vote[0] = 0 if ok else 1
         torch.distributed.all_reduce(self._vote, op=torch.distributed.ReduceOp.MAX, group=self.group)
         self.votes += 1
-        agreed = not self._read[0]
+        agreed = not int(self._read[0])
         self.overruled += ok and not agreed
         return agreed
