@@ -22,8 +22,8 @@ boundary is a collective (:class:`~sglang_ext.graph_tp_agreement.GraphTpAgreemen
 replay or none does), so every rank must reach it. The declines before the boundary read what
 every rank holds alike (the batch's mode; the recompute rows, from the broadcast plan, the
 request's parameters and SGLang's slots). The layer timer is rank 0's alone, so under TP its
-sampled step (the overlap loop's; ``--kv-cuda-graphs on`` refuses that loop today) is declined
-after the boundary instead, through the vote (review, session 90).
+sampled step (the overlap loop's) is declined after the boundary instead, through the vote
+(review, session 90).
 
 Every other runner (no layered backend, or one without graph state) passes through untouched.
 """

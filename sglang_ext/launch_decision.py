@@ -29,10 +29,10 @@ Rules (each one names what would break):
   ``--kv-cuda-graphs on`` keeps SGLang's decode graphs for the layered Triton decode instead
   (``docs/cuda-graphs.md``: decode steps replay over persistent tables, staged ones with their
   fetches in the graph); it refuses other backends (decode and prefill), ``--disable-cuda-graph``, a non-``full`` decode graph
-  backend, ``--enable-torch-compile``, ``--kv-overlap-schedule on`` and
-  ``SGLANG_ENABLE_METADATA_GLUE_GRAPH`` (a replayed copy of the per-replay preparation would skip
-  kvplane's admission check), and keeps prefill graphs off. With ``--tp-size`` > 1 the ranks agree
-  on every replay (``GraphTpAgreement``).
+  backend, ``--enable-torch-compile`` and ``SGLANG_ENABLE_METADATA_GLUE_GRAPH`` (a replayed copy
+  of the per-replay preparation would skip kvplane's admission check), and keeps prefill graphs
+  off. With ``--tp-size`` > 1 the ranks agree on every replay (``GraphTpAgreement``); under
+  ``--kv-overlap-schedule on`` the layer timer's sampled steps run eagerly (session 90).
 * **KV cache dtype.** Quantized KV caches (fp8, fp4, mxfp8) need scales the layered pool does not
   keep: refused (``auto`` / ``bf16`` only).
 * **Speculative decoding, pipeline parallelism, HiCache, disaggregation, DP attention, two-batch
@@ -353,9 +353,6 @@ class LaunchDecision:
         for name, flag, why in why_not:
             if values.get(name):
                 raise LaunchRefused(f"--kv-cuda-graphs on with {flag}: it {why}; not supported")
-        if values.get("kv_overlap_schedule") == "on" and not values.get("disable_overlap_schedule"):
-            raise LaunchRefused("--kv-cuda-graphs on with --kv-overlap-schedule on: SGLang's overlap loop is not "
-                                "validated with decode graphs; not supported")
         decode, prefill = (values.get(name) for name, _ in _GRAPH_FLAGS)
         if decode not in (None, "full"):
             why = "turns decode graphs off" if decode == "disabled" else "the layered decode is captured whole"
@@ -367,9 +364,11 @@ class LaunchDecision:
             raise LaunchRefused(f"--cuda-graph-backend-prefill {prefill}: prefill graphs are not supported with "
                                 "--enable-layered-kv; use --cuda-graph-backend-prefill disabled")
         tp = int(values.get("tp_size") or 1)
+        overlap = values.get("kv_overlap_schedule") == "on" and not values.get("disable_overlap_schedule")
         notes.append("decode CUDA graphs kept (--kv-cuda-graphs on): decode steps replay, staged ones with their "
                      "fetches in the graph (recompute steps run eagerly); prefill graphs off"
                      + (f"; the {tp} TP ranks replay a step only when all of them admit it" if tp > 1 else "")
+                     + ("; under the overlap loop the layer timer's sampled steps run eagerly" if overlap else "")
                      + ("; not yet validated on a GPU" if device == "cuda" else
                         "; SGLang captures no graphs on a CPU, so it has no effect here"))
 

@@ -10,7 +10,8 @@ layer that reads anything but the persistent graph buffers replays stale data, a
 Servers (side by side): the layered Triton decode eager with most KV on host (the reference), and
 with decode graphs: in the identity layout and in the paged layout with nothing offloaded (steps
 replay), and with the reference's tiny device budget (steps that stage pages replay too, their
-fetches and write-back launches of the graph, each step with one kvplane boundary). Outputs are compared
+fetches and write-back launches of the graph, each step with one kvplane boundary), also under
+SGLang's overlap loop (``--kv-overlap-schedule on``). Outputs are compared
 as per-token logprobs (:data:`tests.sglang.conftest.LOGPROB_ATOL`); the negative control replays
 over tables that were not loaded (``KVPLANE_TEST_STALE_GRAPH_FILE``), and staged steps whose
 fetch lists were emptied (``KVPLANE_TEST_EMPTY_GRAPH_FETCHES_FILE``).
@@ -54,7 +55,7 @@ PAGED = ["--kv-gpu-budget-tokens", "4000"]
 
 @pytest.fixture(scope="module")
 def servers(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[dict]:
-    names = ("eager", "identity", "paged", "offload")
+    names = ("eager", "identity", "paged", "offload", "overlap")
     roots = {name: tmp_path_factory.mktemp(f"graphs-{name}") for name in names}
     env = {"TRITON_INTERPRET": "1", "PYTHONPATH": fault_inject_path()}
 
@@ -68,7 +69,8 @@ def servers(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[dict]:
     specs = [(roots["eager"], [*TRITON, *OFFLOAD], {**env, POOL_STATS_FILE_ENV: str(roots["eager"] / "stats.jsonl")}),
              (roots["identity"], [*TRITON, *GRAPHS], graph_env("identity")),
              (roots["paged"], [*TRITON, *GRAPHS, *PAGED], graph_env("paged")),
-             (roots["offload"], [*TRITON, *GRAPHS, *OFFLOAD], graph_env("offload"))]
+             (roots["offload"], [*TRITON, *GRAPHS, *OFFLOAD], graph_env("offload")),
+             (roots["overlap"], [*TRITON, *GRAPHS, *OFFLOAD, "--kv-overlap-schedule", "on"], graph_env("overlap"))]
     with running_servers(tiny_model_dir, specs, zygote=launch_zygote) as started:
         yield {**dict(zip(names, started, strict=True)), "roots": roots}
 
@@ -177,6 +179,35 @@ def test_steps_that_stage_pages_replay_and_equal_eager(servers):
     deferred = last["deferred_tables"] - first["deferred_tables"]
     made = last["materialized_tables"] - first["materialized_tables"]
     assert deferred >= len(decode) - 1 and made <= deferred - (len(decode) - 1), (deferred, made, len(decode))
+
+
+def test_under_the_overlap_loop_staged_steps_replay_and_equal_eager(servers):
+    """SGLang's overlap loop (``--kv-overlap-schedule on``) with decode graphs: step k+1's boundary
+    and admission run while step k's results wait (its uploads behind the in-flight replay on the
+    forward stream; the step block's twins waited by events on a GPU). The outputs are the eager
+    server's; every decode step replays but the layer timer's sampled ones (one in
+    ``DEFAULT_EVERY``: the next replay would stamp a sampled replay's events before they are
+    read, so they run eagerly, timed by their own), staged steps among the replays, and no step
+    runs eagerly for any other reason."""
+    from sglang_ext.layer_timing import DEFAULT_EVERY
+
+    roots = servers["roots"]
+    before = len(_stats(roots["overlap"]))
+    want, _ = _one_at_a_time(servers["eager"], roots["eager"])
+    got, replayed = _one_at_a_time(servers["overlap"], roots["overlap"])
+    assert _worst(got, want) <= LOGPROB_ATOL
+    log = servers["overlap"].log_path.read_text()
+    reasons = set(re.findall(r"layered_decode_graph_eager\s+reason=.([^'\"]*)", log))
+    assert reasons == {"a sampled step is timed eagerly (the overlap loop)"}, reasons  # the loop ran
+    lines = _stats(roots["overlap"])[before:]
+    decode = [line for line in lines if line["new_tokens"] == line["batch_size"]]
+    replays = sum(n for (kind, _), n in replayed.items() if kind == "replay")
+    sampled = -(-len(decode) // DEFAULT_EVERY) + 1  # one in DEFAULT_EVERY decode steps, wherever the count starts
+    assert len(decode) - sampled <= replays < len(decode), (replays, len(decode))
+    assert sum(line["staging_pages"] > 0 for line in decode) >= 2
+    with fault_armed(servers["overlap"], roots["overlap"] / "no-fetches"):  # control: replays copy nothing
+        broken, _ = _one_at_a_time(servers["overlap"], roots["overlap"])
+    assert _worst(broken, want) > 100 * LOGPROB_ATOL
 
 
 def test_staged_replays_without_their_fetches_are_caught(servers):

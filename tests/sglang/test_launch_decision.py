@@ -118,6 +118,16 @@ def test_kv_cuda_graphs_on_with_the_overlap_loop_forced_off_is_served():
     _decide(**GRAPHS_ON, kv_overlap_schedule="on", disable_overlap_schedule=True)
 
 
+def test_kv_cuda_graphs_on_with_the_overlap_loop_is_served_and_says_sampled_steps_run_eagerly():
+    """``--kv-overlap-schedule on`` with decode graphs (``test_graph_server.py``'s overlap server);
+    the launch line says the timer's sampled steps run eagerly. Control: with the loop forced off
+    it does not."""
+    on = _decide(**GRAPHS_ON, kv_overlap_schedule="on")
+    assert any("sampled steps run eagerly" in n for n in on.notes), on.notes
+    off = _decide(**GRAPHS_ON, kv_overlap_schedule="on", disable_overlap_schedule=True)
+    assert not any("sampled steps run eagerly" in n for n in off.notes)
+
+
 def test_kv_cuda_graphs_on_with_tensor_parallelism_is_served_and_says_the_ranks_agree():
     """``--tp-size 2`` with decode graphs (``test_tp_graph_server.py`` serves it); the launch line
     says every rank must admit a replay. Control: at TP 1 the line does not."""
@@ -135,7 +145,6 @@ def test_kv_cuda_graphs_on_with_tensor_parallelism_is_served_and_says_the_ranks_
         ({"prefill_attention_backend": "torch_native"}, "--prefill-attention-backend torch_native with "),
         ({"disable_cuda_graph": True}, "--kv-cuda-graphs on with --disable-cuda-graph"),
         ({"enable_torch_compile": True}, "--kv-cuda-graphs on with --enable-torch-compile"),
-        ({"kv_overlap_schedule": "on"}, "--kv-cuda-graphs on with --kv-overlap-schedule on"),
         ({"cuda_graph_backend_decode": "breakable"}, "--cuda-graph-backend-decode breakable"),
         ({"cuda_graph_backend_decode": "disabled"}, "--cuda-graph-backend-decode disabled: turns decode graphs off"),
         ({"cuda_graph_backend_prefill": "breakable"}, "--cuda-graph-backend-prefill breakable"),
