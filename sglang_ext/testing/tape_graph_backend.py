@@ -24,6 +24,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from sglang_ext import compat
 from sglang_ext.testing.tape_graph import TapeGraph
 
@@ -39,9 +41,7 @@ class TapeGraphBackend(BaseCudaGraphBackend):  # type: ignore[misc,valid-type]
         self.graphs: dict[Any, tuple[TapeGraph, Any]] = {}
 
     def _note(self, line: str) -> None:
-        import torch.distributed as dist  # the process's rank: a TP server's ranks share the file
-
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        rank = dist.get_rank() if dist.is_initialized() else 0  # a TP server's ranks share the file
         with self.log.open("a", encoding="utf-8") as out:
             out.write(f"{line} rank={rank}\n")
 
