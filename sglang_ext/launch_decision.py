@@ -26,9 +26,10 @@ Rules (each one names what would break):
   and ``--cuda-graph-backend-prefill disabled``, said in one line); an explicit request for a
   capturing backend, or a ``--cuda-graph-config``, is refused. ``--enable-torch-compile``, which
   SGLang applies inside its graph runners only, then does nothing: said at launch.
-  ``--kv-cuda-graphs on`` keeps SGLang's decode graphs for the layered Triton decode instead
-  (``docs/cuda-graphs.md``: decode steps replay over persistent tables, staged ones with their
-  fetches in the graph); it refuses other backends (decode and prefill), ``--disable-cuda-graph``, a non-``full`` decode graph
+  ``--kv-cuda-graphs on`` keeps SGLang's decode graphs for the layered Triton and FlashInfer
+  decodes instead (``docs/cuda-graphs.md``: decode steps replay over persistent tables, staged
+  ones with their fetches in the graph; with no ``--attention-backend``, kvplane's choice: FlashInfer
+  on CUDA); it refuses ``torch_native`` (decode or prefill), ``--disable-cuda-graph``, a non-``full`` decode graph
   backend, ``--enable-torch-compile`` and ``SGLANG_ENABLE_METADATA_GLUE_GRAPH`` (a replayed copy
   of the per-replay preparation would skip kvplane's admission check), and keeps prefill graphs
   off. With ``--tp-size`` > 1 the ranks agree on every replay (``GraphTpAgreement``); under
@@ -76,6 +77,9 @@ LAYERED_BACKENDS: Mapping[str, tuple[str, ...]] = MappingProxyType({
 
 DEFAULT_BACKEND: Mapping[str, str] = MappingProxyType({"cuda": "flashinfer", "cpu": "torch_native"})
 """What kvplane picks when ``--attention-backend`` is not given."""
+
+GRAPH_BACKENDS = ("triton", "flashinfer")
+"""The layered backends ``--kv-cuda-graphs on`` serves decode graphs with (``LayeredGraphDecode``)."""
 
 ROCM_BACKENDS = ("triton", "torch_native")
 """The layered backends on ROCm (``--device cuda`` with a ROCm torch build), the first the default:
@@ -266,8 +270,7 @@ class LaunchDecision:
         if values.get("kv_cuda_graphs", "off") == "on":
             if glue_graph:
                 raise LaunchRefused(GLUE_GRAPH_REFUSED)
-            backend = {"attention_backend": supported[0]} if rocm and values.get("attention_backend") is None else {}
-            cls._keep_decode_graphs({**values, **backend}, device, implied, notes)  # ROCm's default is triton
+            cls._keep_decode_graphs(values, default, device, implied, notes)
         else:
             cls._graphs_off(values, implied, notes)
         dtype = str(values.get("kv_cache_dtype") or "auto")
@@ -325,7 +328,7 @@ class LaunchDecision:
                 raise LaunchRefused(
                     f"{flag} {chosen}: CUDA graph capture is not supported with --enable-layered-kv "
                     f"(the per-layer tables and fetches change every step); use {flag} disabled "
-                    "(or --kv-cuda-graphs on for decode graphs with --attention-backend triton)"
+                    "(or --kv-cuda-graphs on for decode graphs)"
                 )
         if any(name.startswith("cuda_graph_backend") for name, _ in implied):
             notes.append("CUDA graphs off (--cuda-graph-backend-decode/prefill disabled): the "
@@ -334,17 +337,23 @@ class LaunchDecision:
             notes.append(TORCH_COMPILE_NOTE)
 
     @staticmethod
-    def _keep_decode_graphs(values: Mapping[str, Any], device: str, implied: list[tuple[str, Any]],
+    def _keep_decode_graphs(values: Mapping[str, Any], default: str, device: str, implied: list[tuple[str, Any]],
                             notes: list[str]) -> None:
-        """``--kv-cuda-graphs on``: SGLang's decode graphs kept for the layered Triton decode
-        (``docs/cuda-graphs.md``); prefill graphs stay off."""
-        for name, flag in _BACKEND_FLAGS:  # a prefill backend of its own would make SGLang's hybrid backend
-            chosen = values.get(name)  # --attention-backend must be triton; the other two triton or unset
-            if chosen != "triton" and (chosen is not None or name == "attention_backend"):
-                got = f"{flag} {chosen}" if chosen else f"{flag} unset"
+        """``--kv-cuda-graphs on``: SGLang's decode graphs kept for the layered Triton or FlashInfer
+        decode (``docs/cuda-graphs.md``); prefill graphs stay off. ``default``: kvplane's
+        attention backend where none is given."""
+        serving = values.get("attention_backend") or default
+        for name, flag in _BACKEND_FLAGS:  # (a split of decode and prefill backends is refused before)
+            chosen = values.get(name)
+            given = chosen is not None
+            if name == "attention_backend" and not given:
+                chosen = default
+            if chosen is not None and chosen not in GRAPH_BACKENDS:
+                why = "" if given else f" (kvplane's choice on {device}: none given)"
                 raise LaunchRefused(
-                    f"--kv-cuda-graphs on needs --attention-backend triton (got {got}): only "
-                    "the layered Triton decode reads its tables from persistent buffers a graph replays"
+                    f"--kv-cuda-graphs on with {flag} {chosen}{why}: only the layered paged decodes "
+                    f"({' and '.join(GRAPH_BACKENDS)}) read their tables from persistent buffers a graph "
+                    f"replays; use --attention-backend {' or '.join(GRAPH_BACKENDS)}"
                 )
         why_not = (
             ("disable_cuda_graph", "--disable-cuda-graph", "turns decode graphs off"),
@@ -365,7 +374,8 @@ class LaunchDecision:
                                 "--enable-layered-kv; use --cuda-graph-backend-prefill disabled")
         tp = int(values.get("tp_size") or 1)
         overlap = values.get("kv_overlap_schedule") == "on" and not values.get("disable_overlap_schedule")
-        notes.append("decode CUDA graphs kept (--kv-cuda-graphs on): decode steps replay, staged ones with their "
+        notes.append(f"decode CUDA graphs kept (--kv-cuda-graphs on, {serving}): decode steps "
+                     "replay, staged ones with their "
                      "fetches in the graph (recompute steps run eagerly); prefill graphs off"
                      + (f"; the {tp} TP ranks replay a step only when all of them admit it" if tp > 1 else "")
                      + ("; under the overlap loop the layer timer's sampled steps run eagerly" if overlap else "")

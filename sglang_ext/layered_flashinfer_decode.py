@@ -6,12 +6,22 @@ One FlashInfer plan per step and per distinct layer parameters (soft cap, slidin
 :class:`~sglang_ext.dataplane.flashinfer_attention.AttentionParams`), on FlashInfer's eager
 (dynamic) wrappers, one per parameter set, as SGLang's own backend builds them (its ``fa2``
 decode, its tensor-core choice); per layer the page ids are row ``l`` of the step's one
-``[L, n]`` table. Staging is always reserved (the pool makes room),
-so there is no fallback path. CUDA graphs are off under the flag (``launch_decision.py``).
+``[L, n]`` table. Staging is always reserved (the pool makes room), so there is no fallback path.
+
+With ``--kv-cuda-graphs on`` it also serves SGLang's decode graph runner
+(:class:`~sglang_ext.layered_graph_decode.LayeredGraphDecode`'s hooks) on FlashInfer's CUDA-graph
+wrappers, one per captured batch size and parameter set, kept for the process
+(``FlashInferLayeredDecode.keep_graphs``): each is planned outside the graph -- at its capture
+from the padding-only step, before each replay from the admitted step's host CSR
+(``GraphStepBuffers.plan_view``), as SGLang's own FlashInfer backend plans before a replay -- and
+a captured layer's run reads its page ids from the graph buffers' row (no copy launch). FlashInfer's
+decode kernel takes the lengths from the int workspace a plan rewrites, so a replay not planned
+for its own step would read the last plan's (``tests/sglang/test_graph_server.py``'s control).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -23,21 +33,26 @@ from sglang_ext.dataplane.flashinfer_attention import (
     FlashInferLayeredDecode,
 )
 from sglang_ext.dataplane.results import LayerView
-from sglang_ext.layered_paged_decode import LayeredPagedDecode
+from sglang_ext.layered_graph_decode import LayeredGraphDecode
 
 
-class LayeredFlashInferDecode(LayeredPagedDecode):
-    """FlashInfer paged decode over the layered tables (CUDA only)."""
+class LayeredFlashInferDecode(LayeredGraphDecode):
+    """FlashInfer paged decode over the layered tables (CUDA; ``wrapper_class``: a stand-in of
+    FlashInfer's decode wrapper, the tests' on the CPU)."""
 
-    def __init__(self, model_runner: Any) -> None:
+    def __init__(self, model_runner: Any, wrapper_class: Any = None) -> None:
         super().__init__(model_runner)
-        if not HAVE_FLASHINFER or self.pool.store.device.type != "cuda":
+        if wrapper_class is None and (not HAVE_FLASHINFER or self.pool.store.device.type != "cuda"):
             raise RuntimeError("LayeredFlashInferDecode needs CUDA and an importable flashinfer")
         # FlashInfer's kernel for the model's heads as SGLang's own backend picks it
         self.flashinfer = FlashInferLayeredDecode(self.pool.store.device, self.pool.store.config.logical_pages,
-                                                  tensor_cores=compat.should_use_tensor_core)
+                                                  tensor_cores=compat.should_use_tensor_core,
+                                                  wrapper_class=wrapper_class)
         self._params: dict[tuple[int, torch.dtype], AttentionParams] = {}
         """Each layer's attention parameters (fixed by the model), made once, not once a step."""
+        self._model, self._dtype = model_runner.model, model_runner.dtype
+        self._graph_params: dict[int, AttentionParams] = {}
+        """Under decode graphs: each of this rank's layers' parameters (the model's dtype), by index."""
 
     def new_step(self) -> None:
         self.flashinfer.new_step()
@@ -56,3 +71,40 @@ class LayeredFlashInferDecode(LayeredPagedDecode):
         if not self.flashinfer.planned(params):  # from the host CSR: no wait for the GPU here
             self.flashinfer.plan(tables.plan_view(view), layer.tp_q_head_num, params=params)
         return self.flashinfer.run(q, view, params)
+
+    # ----- SGLang's decode graph runner (--kv-cuda-graphs on) -----------------------------
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        super().init_cuda_graph_state(max_bs, max_num_tokens)
+        assert self.graph is not None
+        self.flashinfer.keep_graphs(self.graph.buffers.max_pages)
+        start, layers = self.pool.start_layer, self.pool.store.config.layers
+        for module in self._model.modules():  # RadixAttention: plans happen before the layers run
+            if not (hasattr(module, "logit_cap") and hasattr(module, "sliding_window_size")):
+                continue
+            index = int(module.layer_id) - start
+            if 0 <= index < layers:
+                self._graph_params[index] = AttentionParams.of_layer(module, module.tp_q_head_num, self._dtype)
+        if len(self._graph_params) != layers:
+            raise RuntimeError(f"kvplane: --kv-cuda-graphs on: found {len(self._graph_params)} attention layers "
+                               f"of this rank's {layers} to plan FlashInfer's graph decode for")
+
+    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
+        """The graph hooks' part (the capture's padding step, or the replay's admission check),
+        then one plan per parameter set on the wrappers of the loaded size, from the buffers'
+        host CSR (outside the graph: capture and replay alike)."""
+        super().init_forward_metadata_out_graph(forward_batch, in_capture)
+        graph = self.graph
+        assert graph is not None
+        buffers, store = graph.buffers, self.pool.store
+        view = buffers.layer_view(store, 0, ())
+        if in_capture:  # the padding-only step: its CSR read back once, at start-up
+            view = dataclasses.replace(view, kv_indptr=view.kv_indptr.cpu(), last_page_len=view.last_page_len.cpu())
+        else:
+            view = buffers.plan_view(graph.core.tables, view)
+        self.flashinfer.new_step()
+        for params in dict.fromkeys(self._graph_params.values()):
+            self.flashinfer.plan(view, params.num_qo_heads, params=params, graph=True)
+
+    def graph_attention(self, q: torch.Tensor, layer: Any, index: int, view: LayerView) -> torch.Tensor:
+        return self.flashinfer.run(q, view, self._graph_params[index])

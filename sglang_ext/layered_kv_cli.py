@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> bool:
         type=str,
         default=DEFAULTS.kv_cuda_graphs,
         help="SGLang's decode CUDA graphs with the layered pool: off (default); on keeps them for "
-        "--attention-backend triton (decode steps replay, staged ones with their fetches in the graph; a step "
+        "the layered triton and flashinfer decodes (decode steps replay, staged ones with their fetches in the graph; a step "
         "the graph buffers cannot take runs eagerly; CPU-tested on an emulated graph, not yet GPU-validated).",
     )
     group.add_argument("--kv-tls-ca", type=str, default=None, help="CA bundle (remote control plane).")

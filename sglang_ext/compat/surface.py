@@ -24,6 +24,7 @@ from sglang_ext.compat.surface_models import (  # noqa: F401 -- part of the surf
     ATTENTION_ARCH,
     DEFAULT_DEVICE,
     MODEL_CONFIG_SUPPORT,
+    RADIX_ATTENTION,
     USES_SSM_STATE,
 )
 from sglang_ext.compat.surface_recompute import (  # noqa: F401 -- part of the surface (TARGETS, __all__)
@@ -221,14 +222,6 @@ TORCH_NATIVE_FORWARD_DECODE = Target(
     params=("self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache"),
     used_by=("layered_attention",),
 )
-RADIX_ATTENTION = Target(
-    f"{_SRT}.layers.radix_attention.RadixAttention",
-    attrs=("layer_id", "is_cross_attention", "tp_q_head_num", "tp_k_head_num", "qk_head_dim", "v_head_dim",
-           "scaling", "logit_cap", "sliding_window_size", "logit_capping_method", "xai_temperature_len",
-           "attn_type"),
-    used_by=("layered_attention", "layered_pool", "recompute_forward", "layered_triton_decode",
-             "layered_paged_decode", "dataplane.flashinfer_attention"),
-)
 FORWARD_BATCH = Target(
     f"{_SRT}.model_executor.forward_batch_info.ForwardBatch",
     attrs=("forward_mode", "req_pool_indices", "seq_lens", "seq_lens_cpu", "rids", "out_cache_loc",
@@ -238,8 +231,9 @@ FORWARD_BATCH = Target(
 FORWARD_MODE = Target(f"{_SRT}.model_executor.forward_batch_info.ForwardMode", attrs=("is_decode", "is_extend"),
                       used_by=("scheduler_hooks", "layered_attention"))
 MODEL_RUNNER = Target(f"{_SRT}.model_executor.model_runner.ModelRunner",
-                      attrs=("attn_backend", "token_to_kv_pool", "req_to_token_pool", "forward_stream", "model_config", "lora_manager", "server_args"),
-                      used_by=("scheduler_hooks", "layered_attention"))
+                      attrs=("attn_backend", "token_to_kv_pool", "req_to_token_pool", "forward_stream", "model_config",
+                             "lora_manager", "server_args", "model", "dtype"),
+                      used_by=("scheduler_hooks", "layered_attention", "layered_flashinfer_decode"))
 
 # ----- the scheduler (scheduler_hooks.py, admission.py, pause.py, tp_sync.py) ----------------------
 

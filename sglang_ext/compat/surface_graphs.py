@@ -2,8 +2,9 @@
 
 Part of :mod:`sglang_ext.compat.surface` (imported there, so in its ``TARGETS``): the runner's two
 methods kvplane wraps (:mod:`sglang_ext.graph_runner_hooks`), what those wrappers read on it, and
-the attention-backend graph hooks the layered Triton decode implements
-(:mod:`sglang_ext.layered_triton_decode`).
+the attention-backend graph hooks the layered paged decodes implement
+(:mod:`sglang_ext.layered_graph_decode`, with FlashInfer's per-replay plan in
+:mod:`sglang_ext.layered_flashinfer_decode`).
 """
 
 from __future__ import annotations
@@ -31,14 +32,14 @@ DECODE_GRAPH_EXECUTE = Target(f"{_RUNNER}.execute", params=("self", "forward_bat
 """The replay; the step ends after it."""
 BACKEND_GRAPH_HOOKS = Target(_BACKEND, attrs=("init_cuda_graph_state", "get_cuda_graph_seq_len_fill_value",
                                               "init_forward_metadata_out_graph", "init_forward_metadata_in_graph"),
-                             used_by=("layered_triton_decode", "layered_attention"))
+                             used_by=("layered_graph_decode", "layered_attention"))
 BACKEND_GRAPH_STATE = Target(f"{_BACKEND}.init_cuda_graph_state", params=("self", "max_bs", "max_num_tokens"),
-                             used_by=("layered_triton_decode",))
+                             used_by=("layered_graph_decode", "layered_flashinfer_decode"))
 BACKEND_GRAPH_OUT = Target(f"{_BACKEND}.init_forward_metadata_out_graph", params=("self", "forward_batch"),
-                           keyword=("in_capture",), used_by=("layered_triton_decode",))
+                           keyword=("in_capture",), used_by=("layered_graph_decode", "layered_flashinfer_decode"))
 """Runs outside the graph at each capture (``in_capture=True``) and before each replay."""
 BACKEND_GRAPH_IN = Target(f"{_BACKEND}.init_forward_metadata_in_graph", params=("self", "forward_batch"),
-                          used_by=("layered_triton_decode",))
+                          used_by=("layered_graph_decode",))
 """Recorded into the graph: the layered decode records nothing there."""
 TP_GROUP = Target("sglang.srt.distributed.parallel_state.get_tp_group", params=(), used_by=("graph_tp_agreement",))
 """The process's TP ``GroupCoordinator`` (``world_size``, ``cpu_group``): with ``--tp-size > 1`` its

@@ -1,5 +1,6 @@
 """The SGLang model-config objects the launcher reads to refuse models it cannot serve
-(``sglang_ext/model_support.py``), and the device SGLang gives a launch without ``--device``.
+(``sglang_ext/model_support.py``), the device SGLang gives a launch without ``--device``, and the
+attention layer (``RadixAttention``) whose parameters the layered backends read.
 
 Part of :mod:`sglang_ext.compat.surface` (imported there, so in its ``TARGETS``).
 """
@@ -30,3 +31,11 @@ USES_SSM_STATE = Target(f"{_SRT}.mem_cache.kv_cache_builder.uses_ssm_state", par
 DEFAULT_DEVICE = Target(f"{_SRT}.utils.common.get_device", params=("device_id",), used_by=("plugin",))
 """What SGLang resolves an unset ``--device`` to (after the launcher's decision: ``cpu`` under
 ``SGLANG_USE_CPU_ENGINE``, ``xpu``/``npu``/... on those hosts), so the decision is for that device."""
+RADIX_ATTENTION = Target(
+    f"{_SRT}.layers.radix_attention.RadixAttention",
+    attrs=("layer_id", "is_cross_attention", "tp_q_head_num", "tp_k_head_num", "qk_head_dim", "v_head_dim",
+           "scaling", "logit_cap", "sliding_window_size", "logit_capping_method", "xai_temperature_len",
+           "attn_type"),
+    used_by=("layered_attention", "layered_pool", "recompute_forward", "layered_triton_decode", "layered_paged_decode",
+             "layered_graph_decode", "layered_flashinfer_decode", "dataplane.flashinfer_attention"),
+)

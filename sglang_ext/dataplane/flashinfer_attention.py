@@ -20,11 +20,16 @@ Two kinds of wrappers:
   run (partial results and a merge kernel per layer) and reserve partial results for the padded
   batch in the float workspace: 128 MiB overflows at about 1,600 requests of 32 query heads on
   an H100, inside SGLang's default running-request limit.
-- **Graph** (``graph=True``: ``kvplane gpu-check``'s capture probe; serving's decode graphs run
-  Triton): user-owned buffers of a fixed batch size, at most :data:`MAX_WRAPPERS` (batch size,
-  parameters) keys; a wrapper dropped from the cache is kept alive as long as the decode object
-  (a captured graph may still replay its buffers): unbounded, so for a probe of a few sizes only. The indices buffers grow (to the next power of two) when a step lists
-  more pages than they hold -- requests sharing a prefix list its pages once each.
+- **Graph** (``graph=True``): user-owned buffers of a fixed batch size. In ``kvplane gpu-check``'s
+  capture probe at most :data:`MAX_WRAPPERS` (batch size, parameters) keys; a wrapper dropped from
+  the cache is kept alive as long as the decode object (a captured graph may still replay its
+  buffers): unbounded, so for a probe of a few sizes only. The indices buffers grow (to the next
+  power of two) when a step lists more pages than they hold -- requests sharing a prefix list its
+  pages once each. Served decode graphs (``--kv-cuda-graphs on``, :meth:`keep_graphs`) keep
+  every wrapper they make -- one per captured batch size and parameter set, as SGLang's own
+  backend keeps one per size -- over indices buffers as wide as the graph buffers' rows, never
+  re-created: a captured graph reads the wrapper it was captured with, so a re-created one would
+  take the next plan where no replay reads it.
 
 Tensor cores follow SGLang's rule (``should_use_tensor_core``: the adapter passes SGLang's own;
 :func:`default_tensor_cores` otherwise). Each wrapper holds FlashInfer's int workspace (8 MiB
@@ -126,6 +131,17 @@ class FlashInferLayeredDecode:
         self._retired: list[tuple[object, torch.Tensor]] = []
         """Graph wrappers dropped from the cache, kept alive: a captured graph may replay them."""
         self._planned: dict[AttentionParams, tuple[object, torch.Tensor | None]] = {}
+        self._kept = False
+        """Served decode graphs (:meth:`keep_graphs`): graph wrappers are neither dropped nor re-created."""
+
+    def keep_graphs(self, max_pages: int) -> None:
+        """Serve captured decode graphs: every graph wrapper made from now on is kept (no
+        :data:`MAX_WRAPPERS` bound), with indices buffers of ``max_pages`` (the graph buffers'
+        row width, what every plan of theirs lists); a plan listing more raises instead of
+        re-creating the wrappers captured graphs read (module docstring)."""
+        if self._graph:
+            raise RuntimeError("FlashInferLayeredDecode.keep_graphs after graph wrappers were made")
+        self.max_pages, self._kept = max(1, max_pages), True
 
     def _new(self, params: AttentionParams, kv_dtype: torch.dtype, kv_heads: int, **buffers: Any) -> object:
         return self.wrapper_class(
@@ -145,7 +161,7 @@ class FlashInferLayeredDecode:
         if key in self._graph:
             self._graph.move_to_end(key)
             return self._graph[key]
-        while len(self._graph) >= MAX_WRAPPERS:
+        while not self._kept and len(self._graph) >= MAX_WRAPPERS:
             self._retired.append(self._graph.popitem(last=False)[1])
         indices = torch.zeros(self.max_pages, dtype=torch.int32, device=self.device)
         w = self._new(params, kv_dtype, kv_heads,
@@ -176,6 +192,9 @@ class FlashInferLayeredDecode:
         own: torch.Tensor | None = None
         if graph:
             needed = grown(self.max_pages, int(view.kv_indices.numel()))
+            if needed != self.max_pages and self._kept:
+                raise RuntimeError(f"kvplane FlashInfer graph plan lists {view.kv_indices.numel()} pages, over the "
+                                   f"{self.max_pages} its captured graphs' wrappers hold")
             if needed != self.max_pages:  # shared-prefix pages listed per request: grow, re-create
                 self.max_pages = needed
                 self._retired.extend(self._graph.values())

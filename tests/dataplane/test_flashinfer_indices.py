@@ -166,6 +166,40 @@ def test_graph_wrappers_are_per_batch_size_read_rows_in_place_and_outlive_the_ca
     assert all(own.numel() == 64 for _, own in decode._retired)  # alive, with their buffers
 
 
+def test_served_graph_wrappers_are_kept_for_every_captured_size_and_never_re_created():
+    """Served decode graphs (``keep_graphs``, ``LayeredFlashInferDecode`` under ``--kv-cuda-graphs
+    on``): SGLang captures more sizes than :data:`MAX_WRAPPERS` (its default list, over 30), and a
+    replay's plan must reach the wrapper its graph was captured with. Every wrapper made is kept
+    and found again; their indices buffers are the graph buffers' row width; a plan listing more
+    pages raises rather than re-creating them. Control: without ``keep_graphs`` the cache drops
+    the first sizes' wrappers, and a later plan of size 1 gets a new one its graph never read."""
+    params, sizes = AttentionParams(num_qo_heads=4), range(1, MAX_WRAPPERS + 5)
+
+    def plan_all(decode: FlashInferLayeredDecode) -> dict[int, object]:
+        got = {}
+        for batch in sizes:
+            decode.plan(_step(batch, batch)[0], 4, graph=True)
+            got[batch] = decode._planned[params][0]
+        return got
+
+    decode = _decode(max_pages=8)
+    decode.keep_graphs(64)
+    first = plan_all(decode)
+    made = len(_Wrapper.made)
+    assert plan_all(decode) == first and len(_Wrapper.made) == made == len(sizes)
+    assert decode.wrappers == len(sizes) and not decode._retired
+    assert all(w._paged_kv_indices_buf.numel() == 64 for w in first.values())
+    with pytest.raises(RuntimeError, match="lists 80 pages, over the 64"):
+        decode.plan(_step(40, 0)[0], 4, graph=True)  # 80 pages (a shared prefix listed per request)
+    assert decode.wrappers == len(sizes) and decode.max_pages == 64
+    with pytest.raises(RuntimeError, match="after graph wrappers were made"):
+        decode.keep_graphs(128)
+    control = _decode(max_pages=64)
+    kept = plan_all(control)
+    control.plan(_step(1, 1)[0], 4, graph=True)
+    assert control._planned[params][0] is not kept[1]
+
+
 def own_buffer_decode(backend: str, own: torch.Tensor, fail: bool = False) -> tuple[FlashInferLayeredDecode, Any]:
     """A decode holding one planned graph wrapper of ``backend`` whose own indices buffer is ``own``."""
     decode = _decode()

@@ -11,10 +11,13 @@ Servers (side by side): the layered Triton decode eager with most KV on host (th
 with decode graphs: in the identity layout and in the paged layout with nothing offloaded (steps
 replay), and with the reference's tiny device budget (steps that stage pages replay too, their
 fetches and write-back launches of the graph, each step with one kvplane boundary), also under
-SGLang's overlap loop (``--kv-overlap-schedule on``). Outputs are compared
+SGLang's overlap loop (``--kv-overlap-schedule on``), and on the layered FlashInfer backend over a
+stand-in of FlashInfer's decode wrapper (``KVPLANE_TEST_FLASHINFER_STAND_IN``: FlashInfer needs
+CUDA). Outputs are compared
 as per-token logprobs (:data:`tests.sglang.conftest.LOGPROB_ATOL`); the negative control replays
-over tables that were not loaded (``KVPLANE_TEST_STALE_GRAPH_FILE``), and staged steps whose
-fetch lists were emptied (``KVPLANE_TEST_EMPTY_GRAPH_FETCHES_FILE``).
+over tables that were not loaded (``KVPLANE_TEST_STALE_GRAPH_FILE``), staged steps whose
+fetch lists were emptied (``KVPLANE_TEST_EMPTY_GRAPH_FETCHES_FILE``), and FlashInfer replays not
+planned for their own step (``KVPLANE_TEST_UNPLANNED_REPLAY_FILE``).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ PAGED = ["--kv-gpu-budget-tokens", "4000"]
 
 @pytest.fixture(scope="module")
 def servers(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[dict]:
-    names = ("eager", "identity", "paged", "offload", "overlap")
+    names = ("eager", "identity", "paged", "offload", "overlap", "flashinfer")
     roots = {name: tmp_path_factory.mktemp(f"graphs-{name}") for name in names}
     env = {"TRITON_INTERPRET": "1", "PYTHONPATH": fault_inject_path()}
 
@@ -70,7 +73,10 @@ def servers(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[dict]:
              (roots["identity"], [*TRITON, *GRAPHS], graph_env("identity")),
              (roots["paged"], [*TRITON, *GRAPHS, *PAGED], graph_env("paged")),
              (roots["offload"], [*TRITON, *GRAPHS, *OFFLOAD], graph_env("offload")),
-             (roots["overlap"], [*TRITON, *GRAPHS, *OFFLOAD, "--kv-overlap-schedule", "on"], graph_env("overlap"))]
+             (roots["overlap"], [*TRITON, *GRAPHS, *OFFLOAD, "--kv-overlap-schedule", "on"], graph_env("overlap")),
+             (roots["flashinfer"], [*TRITON, *GRAPHS, *OFFLOAD],
+              {**graph_env("flashinfer"), "KVPLANE_TEST_FLASHINFER_STAND_IN": "1",
+               "KVPLANE_TEST_UNPLANNED_REPLAY_FILE": str(roots["flashinfer"] / "unplanned")})]
     with running_servers(tiny_model_dir, specs, zygote=launch_zygote) as started:
         yield {**dict(zip(names, started, strict=True)), "roots": roots}
 
@@ -208,6 +214,37 @@ def test_under_the_overlap_loop_staged_steps_replay_and_equal_eager(servers):
     with fault_armed(servers["overlap"], roots["overlap"] / "no-fetches"):  # control: replays copy nothing
         broken, _ = _one_at_a_time(servers["overlap"], roots["overlap"])
     assert _worst(broken, want) > 100 * LOGPROB_ATOL
+
+
+def test_flashinfer_decode_replays_staged_steps_and_equals_eager(servers):
+    """The layered FlashInfer backend under decode graphs, most KV on host: its CUDA-graph wrappers
+    (one per captured size) planned before each replay from the admitted step's host CSR, each
+    captured layer's run reading the graph buffers' row. The outputs are the eager Triton
+    server's -- one prompt at a time (staged steps replayed: every decode step), the batch of three
+    (padded to 4), and five prompts, more than the largest graph (eager FlashInfer steps) -- and
+    the graphs were this backend's. Control: replays that skip their plan read the lengths their
+    capture's plan wrote, and the outputs differ."""
+    roots, server = servers["roots"], servers["flashinfer"]
+    before = len(_stats(roots["flashinfer"]))
+    one, _ = _one_at_a_time(servers["eager"], roots["eager"])
+    got, replayed = _one_at_a_time(server, roots["flashinfer"])
+    assert _worst(got, one) <= LOGPROB_ATOL
+    decode = [line for line in _stats(roots["flashinfer"])[before:] if line["new_tokens"] == line["batch_size"]]
+    replays = sum(n for (kind, _), n in replayed.items() if kind == "replay")
+    assert replays == len(decode) and sum(line["staging_pages"] > 0 for line in decode) >= 2, (replays, len(decode))
+    want, _ = _requests(servers["eager"], roots["eager"])
+    got, replayed = _requests(server, roots["flashinfer"])
+    assert _worst(got, want) <= LOGPROB_ATOL and replayed[("replay", "4")] >= 1, replayed
+    five = list(PROMPTS[:5])
+    assert _worst(_generate(server, five), _generate(servers["eager"], five)) <= LOGPROB_ATOL
+    for name in ("eager", "flashinfer"):
+        servers[name].flush_cache()
+    log = server.log_path.read_text()
+    assert re.search(r"layered_decode_graphs\s+backend=.?LayeredFlashInferDecode", log), log[-2000:]
+    with fault_armed(server, roots["flashinfer"] / "unplanned"):
+        broken, replayed = _one_at_a_time(server, roots["flashinfer"])
+    assert sum(n for (kind, _), n in replayed.items() if kind == "replay") >= 1
+    assert _worst(broken, one) > 100 * LOGPROB_ATOL
 
 
 def test_staged_replays_without_their_fetches_are_caught(servers):

@@ -114,6 +114,19 @@ def test_kv_cuda_graphs_on_keeps_decode_graphs_for_the_triton_decode():
     assert not any("kept" in n for n in off.notes)
 
 
+def test_kv_cuda_graphs_on_serves_the_layered_flashinfer_decode_kvplanes_choice_on_cuda():
+    """On CUDA with no ``--attention-backend`` kvplane picks the layered FlashInfer decode, and
+    ``--kv-cuda-graphs on`` keeps decode graphs for it (``test_graph_server.py``'s FlashInfer
+    server), the line naming it; so for ``--attention-backend flashinfer`` named. Control: Triton
+    named, the line names Triton."""
+    for given in (None, "flashinfer"):
+        d = _decide(kv_cuda_graphs="on", attention_backend=given)
+        assert dict(d.implied).get("attention_backend") == (None if given else "flashinfer")
+        assert "cuda_graph_backend_decode" not in dict(d.implied)
+        assert any("decode CUDA graphs kept (--kv-cuda-graphs on, flashinfer)" in n for n in d.notes), d.notes
+    assert any("(--kv-cuda-graphs on, triton)" in n for n in _decide(**GRAPHS_ON).notes)
+
+
 def test_kv_cuda_graphs_on_with_the_overlap_loop_forced_off_is_served():
     _decide(**GRAPHS_ON, kv_overlap_schedule="on", disable_overlap_schedule=True)
 
@@ -139,8 +152,10 @@ def test_kv_cuda_graphs_on_with_tensor_parallelism_is_served_and_says_the_ranks_
 @pytest.mark.parametrize(
     ("changes", "names"),
     [
-        ({"attention_backend": None}, "needs --attention-backend triton (got --attention-backend unset)"),
-        ({"attention_backend": "flashinfer"}, "(got --attention-backend flashinfer)"),
+        ({"attention_backend": "torch_native"}, "--kv-cuda-graphs on with --attention-backend torch_native: "
+                                                "only the layered paged decodes (triton and flashinfer)"),
+        ({"attention_backend": None, "device": "cpu"},
+         "--kv-cuda-graphs on with --attention-backend torch_native (kvplane's choice on cpu: none given)"),
         ({"decode_attention_backend": "torch_native"}, "with --decode-attention-backend torch_native: "),
         ({"prefill_attention_backend": "torch_native"}, "--prefill-attention-backend torch_native with "),
         ({"disable_cuda_graph": True}, "--kv-cuda-graphs on with --disable-cuda-graph"),
@@ -188,9 +203,9 @@ def test_on_rocm_the_default_is_the_layered_triton_backend_and_flashinfer_is_ref
     assert dict(cpu.implied)["attention_backend"] == "torch_native"
     graphs = LaunchDecision.decide({**values, "kv_cuda_graphs": "on"}, rocm=True)  # triton by default there
     assert dict(graphs.implied)["attention_backend"] == "triton"
-    with pytest.raises(LaunchRefused, match="needs --attention-backend triton"):  # control: CUDA's default
-        LaunchDecision.decide({**values, "kv_cuda_graphs": "on"})
-    with pytest.raises(LaunchRefused, match="needs --attention-backend triton"):  # an explicit other backend
+    cuda = LaunchDecision.decide({**values, "kv_cuda_graphs": "on"})  # control: CUDA's default
+    assert dict(cuda.implied)["attention_backend"] == "flashinfer"
+    with pytest.raises(LaunchRefused, match="with --attention-backend torch_native: only the layered paged"):
         LaunchDecision.decide({**values, "kv_cuda_graphs": "on", "attention_backend": "torch_native"}, rocm=True)
 
 

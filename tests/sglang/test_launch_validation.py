@@ -135,7 +135,8 @@ BAD_OPTIONS: list[tuple[list[str], str]] = [
      "kvplane: --cuda-graph-backend-decode full: CUDA graph capture is not supported with "
      "--enable-layered-kv"),
     (["--kv-cuda-graphs", "on", "--attention-backend", "torch_native"],
-     "kvplane: --kv-cuda-graphs on needs --attention-backend triton (got --attention-backend torch_native)"),
+     "kvplane: --kv-cuda-graphs on with --attention-backend torch_native: only the layered paged decodes "
+     "(triton and flashinfer) read their tables from persistent buffers a graph replays"),
     (["--kv-cuda-graphs", "yes"], "kvplane: invalid launch option: --kv-cuda-graphs='yes' is invalid; allowed: on, off"),
     (["--enable-lmcache"],
      "kvplane: --enable-lmcache: LMCache is a second KV tier with a radix cache of its own"),

@@ -77,6 +77,10 @@ With ``KVPLANE_TEST_UNPATCHED_HOOK=TARGET``, SGLang's ``HookRegistry`` fails to 
 With ``KVPLANE_TEST_KV_PROFILE_BYTES=N``, SGLang's memory profile finds at most N bytes for the KV
 cache (``KVCacheConfigurator._profile_available_bytes``): a GPU whose memory, after the weights,
 holds fewer tokens than ``--max-total-tokens`` (on the CPU: the host's free memory; ``kvplane_kv_profile.py``).
+
+With ``KVPLANE_TEST_FLASHINFER_STAND_IN=1``, ``--attention-backend triton`` builds the layered
+FlashInfer backend over a stand-in of FlashInfer's decode wrapper (``kvplane_flashinfer_stand_in.py``;
+``KVPLANE_TEST_UNPLANNED_REPLAY_FILE``: while it exists, decode graphs replay unplanned).
 """
 
 from __future__ import annotations
@@ -479,21 +483,11 @@ if os.environ.get("KVPLANE_TEST_STALE_GRAPH_FILE"):
     _install("sglang_ext.dataplane.graph_step_buffers", _patch_stale_graph)
 if os.environ.get("KVPLANE_TEST_EMPTY_GRAPH_FETCHES_FILE"):
     _install("sglang_ext.dataplane.graph_staging", _patch_empty_fetches)
-if os.environ.get("KVPLANE_TEST_FORCE_OVERFLOW_FILE"):
-    from kvplane_force_overflow import TARGET as OVERFLOW_TARGET
-    from kvplane_force_overflow import patch as _patch_overflow
-
-    _install(OVERFLOW_TARGET, _patch_overflow)
-if os.environ.get("KVPLANE_TEST_GRAPH_DECLINE_FILE"):
-    import kvplane_graph_decline
-    _install(kvplane_graph_decline.TARGET, kvplane_graph_decline.patch)
-if os.environ.get("KVPLANE_TEST_KV_PROFILE_BYTES"):
-    from kvplane_kv_profile import TARGET as PROFILE_TARGET
-    from kvplane_kv_profile import patch as _patch_profile
-
-    _install(PROFILE_TARGET, _patch_profile)
-if os.environ.get("KVPLANE_TEST_UNPATCHED_HOOK"):
-    from kvplane_unpatched_hook import TARGET as HOOK_REGISTRY_TARGET
-    from kvplane_unpatched_hook import patch as _patch_hook_registry
-
-    _install(HOOK_REGISTRY_TARGET, _patch_hook_registry)
+for _env, _name in (("KVPLANE_TEST_FORCE_OVERFLOW_FILE", "kvplane_force_overflow"),
+                    ("KVPLANE_TEST_GRAPH_DECLINE_FILE", "kvplane_graph_decline"),
+                    ("KVPLANE_TEST_KV_PROFILE_BYTES", "kvplane_kv_profile"),
+                    ("KVPLANE_TEST_UNPATCHED_HOOK", "kvplane_unpatched_hook"),
+                    ("KVPLANE_TEST_FLASHINFER_STAND_IN", "kvplane_flashinfer_stand_in")):
+    if os.environ.get(_env):  # an injector module of this directory: its TARGET and patch
+        _injector = __import__(_name)
+        _install(_injector.TARGET, _injector.patch)
