@@ -58,7 +58,7 @@ PAGED = ["--kv-gpu-budget-tokens", "4000"]
 
 @pytest.fixture(scope="module")
 def servers(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[dict]:
-    names = ("eager", "identity", "paged", "offload", "overlap", "flashinfer")
+    names = ("eager", "identity", "paged", "offload", "overlap", "flashinfer", "flashinfer-identity")
     roots = {name: tmp_path_factory.mktemp(f"graphs-{name}") for name in names}
     env = {"TRITON_INTERPRET": "1", "PYTHONPATH": fault_inject_path()}
 
@@ -69,14 +69,17 @@ def servers(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[dict]:
                 "KVPLANE_TEST_EMPTY_GRAPH_FETCHES_FILE": str(root / "no-fetches"),
                 POOL_STATS_FILE_ENV: str(root / "stats.jsonl")}
 
+    def flashinfer_env(name: str) -> dict:  # the layered FlashInfer backend over the stand-in wrapper
+        return {**graph_env(name), "KVPLANE_TEST_FLASHINFER_STAND_IN": "1",
+                "KVPLANE_TEST_UNPLANNED_REPLAY_FILE": str(roots[name] / "unplanned")}
+
     specs = [(roots["eager"], [*TRITON, *OFFLOAD], {**env, POOL_STATS_FILE_ENV: str(roots["eager"] / "stats.jsonl")}),
              (roots["identity"], [*TRITON, *GRAPHS], graph_env("identity")),
              (roots["paged"], [*TRITON, *GRAPHS, *PAGED], graph_env("paged")),
              (roots["offload"], [*TRITON, *GRAPHS, *OFFLOAD], graph_env("offload")),
              (roots["overlap"], [*TRITON, *GRAPHS, *OFFLOAD, "--kv-overlap-schedule", "on"], graph_env("overlap")),
-             (roots["flashinfer"], [*TRITON, *GRAPHS, *OFFLOAD],
-              {**graph_env("flashinfer"), "KVPLANE_TEST_FLASHINFER_STAND_IN": "1",
-               "KVPLANE_TEST_UNPLANNED_REPLAY_FILE": str(roots["flashinfer"] / "unplanned")})]
+             (roots["flashinfer"], [*TRITON, *GRAPHS, *OFFLOAD], flashinfer_env("flashinfer")),
+             (roots["flashinfer-identity"], [*TRITON, *GRAPHS], flashinfer_env("flashinfer-identity"))]
     with running_servers(tiny_model_dir, specs, zygote=launch_zygote) as started:
         yield {**dict(zip(names, started, strict=True)), "roots": roots}
 
@@ -112,15 +115,23 @@ def _requests(server: SGLangServer, root: Path) -> tuple[list[dict], Counter]:
     return out, _tape(root) - before
 
 
-def test_identity_decode_replays_sglangs_graphs_and_equals_eager(servers):
+@pytest.mark.parametrize("name", ["identity", "flashinfer-identity"])
+def test_identity_decode_replays_sglangs_graphs_and_equals_eager(servers, name):
+    """Nothing offloaded (the identity layout, what serves without a budget): every decode step
+    replays, on the Triton decode and on FlashInfer's (the stand-in), equal to the eager server's."""
     want, _ = _requests(servers["eager"], servers["roots"]["eager"])
-    got, replayed = _requests(servers["identity"], servers["roots"]["identity"])
+    got, replayed = _requests(servers[name], servers["roots"][name])
     assert _worst(got, want) <= LOGPROB_ATOL
-    tape = _tape(servers["roots"]["identity"])
+    tape = _tape(servers["roots"][name])
     assert {size for kind, size in tape if kind == "capture"} == {"1", "2", "4"}, tape  # SGLang's sizes
     # every decode step of both requests replayed: the lone one at 1 row, the batch padded to 4
     assert replayed[("replay", "1")] >= NEW_TOKENS - 2 and replayed[("replay", "4")] >= NEW_TOKENS - 2, replayed
-    assert "layered_decode_graph_eager" not in servers["identity"].log_path.read_text()
+    assert "layered_decode_graph_eager" not in servers[name].log_path.read_text()
+    if name.startswith("flashinfer"):  # control: the replays' plans skipped, they read their capture's
+        root = servers["roots"][name]
+        with fault_armed(servers[name], root / "unplanned"):
+            broken, replayed = _requests(servers[name], root)
+        assert replayed[("replay", "1")] >= 1 and _worst(broken, want) > 100 * LOGPROB_ATOL
 
 
 def test_replays_over_stale_tables_are_caught(servers):
