@@ -134,12 +134,16 @@ class LayeredDecodeGraph:
         key, self._declined = self._declined, None
         return key is not None and key == self.step_key(forward_batch)
 
-    def replaying(self) -> None:
-        """A replay is about to run: it must be of the step :meth:`admit` loaded."""
+    def replaying(self, rows: int | None = None) -> None:
+        """A replay is about to run: it must be of the step :meth:`admit` loaded, at the size it
+        was loaded for (``rows``: the replayed graph's, when known)."""
         if not self.admitted:
             raise RuntimeError("kvplane: SGLang is replaying a decode graph for a step kvplane did not admit (its "
                                "tables are not in the graph buffers); --kv-cuda-graphs on serves only through "
-                               "the layered Triton backend's own hooks")
+                               "the layered paged backends' own hooks")
+        if rows is not None and rows != self.buffers.batch:
+            raise RuntimeError(f"kvplane: SGLang is replaying its decode graph of {rows} rows for a step kvplane "
+                               f"loaded padded to {self.buffers.batch}")
         self.admitted = False
         self.forward = False  # a capture's flag ends here too (no decode reads the buffers unasked)
 

@@ -58,7 +58,7 @@ class LayeredGraphDecode(LayeredPagedDecode):
         if in_capture:
             graph.capture(int(forward_batch.batch_size))
         else:
-            graph.replaying()
+            graph.replaying(int(forward_batch.batch_size))
             if self.layer_timer is not None:  # a sampled replay is timed by the events its graph records
                 self.layer_timer.replayed(graph.layer_marks())
 

@@ -53,7 +53,10 @@ ALLOCATIONS = frozenset({"aten.empty.memory_format", "aten.empty_strided.default
 """Ops that only allocate: a graph holds no kernel for them (their contents are undefined)."""
 HOST_DATA = frozenset({"aten.lift_fresh.default", "aten.lift_fresh_copy.default"})
 """A tensor made from Python data (``torch.tensor([...])``): on a GPU it reaches the kernels by a
-pageable host-to-device copy, which a capture refuses (and which a replay would not repeat)."""
+pageable host-to-device copy, which a capture refuses (and which a replay would not repeat). A
+0-dim one is let through: made without a device it stays a CPU scalar, which a CUDA kernel takes
+as an argument, its value baked into the graph at capture (Gemma-2's embedding normalizer,
+``torch.tensor(hidden_size ** 0.5)`` in every forward, captured by SGLang on a GPU)."""
 
 COLLECTIVES = ("c10d.",)
 """Collectives a captured forward may run (a TP layer's all-reduce, the logits' all-gather:
@@ -92,7 +95,7 @@ class _Recorder(TorchDispatchMode):
         name = str(func)
         if name in SYNC_OPS or data_dependent(name, args, kwargs):
             raise RuntimeError(f"{CAPTURE_ERROR}: {name} reads device data on the host (TapeGraph)")
-        if name in HOST_DATA:
+        if name in HOST_DATA and not (args and isinstance(args[0], torch.Tensor) and args[0].dim() == 0):
             raise RuntimeError(f"{CAPTURE_ERROR}: {name} copies host data into the graph (TapeGraph)")
         out = func(*args, **kwargs)
         mutating = _mutates(func)

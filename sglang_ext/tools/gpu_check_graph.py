@@ -51,8 +51,9 @@ layer's row of the buffers' page table, in place or copied into the wrapper's in
 where FlashInfer's capture raises, the probe says so and measures Triton's. A FlashInfer graph
 captured over one plan replays a later plan's lengths: in FlashInfer 0.7.2 (``decode.py``) a
 tensor-core ``auto`` wrapper with bf16/fp16 q and KV resolves to ``fa2`` at ``plan`` (cuDNN only
-for multi-token rows on SM100/103), and fa2's kernel gets the plan's lengths only through the int
-workspace the next ``plan`` rewrites: the wrapper hands ``paged_run`` its ``max_kv_len``, which
+for multi-token rows on SM100/103), and fa2's kernel gets the plan's lengths only through what the
+next ``plan`` rewrites (the wrapper's ``indptr`` / ``last_page_len`` buffers and the int
+workspace's split schedule, fixed per batch size in CUDA-graph mode): the wrapper hands ``paged_run`` its ``max_kv_len``, which
 ``prefill.py``'s fa2 branch drops, while ``trtllm-gen`` and ``cute-dsl`` pass it to their kernels
 (a replay would keep it). A capture that
 raises on both is reported in the figures' notes, N/A, never a failed check;

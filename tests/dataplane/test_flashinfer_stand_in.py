@@ -85,3 +85,21 @@ def test_the_installed_flashinfer_plans_and_runs_as_the_stand_in():
     run = inspect.getsource(cls.run)
     assert "self._paged_kv_indptr_buf" in run and "self._paged_kv_last_page_len_buf" in run
     assert "self._sm_scale" in run and "window_left" in run
+
+
+def test_the_installed_flashinfer_fixes_a_graph_plans_schedule_per_batch_size():
+    """What lets a graph captured over one plan replay after another plan of the same wrapper (the
+    stand-in does not model it): in CUDA-graph mode FlashInfer 0.7.2's decode scheduler always
+    splits the KV and pads the batch to a size fixed by the batch size and heads, so the values a
+    plan bakes into the kernels' arguments do not change between plans (``scheduler.cuh``); the
+    per-step schedule lives in the int workspace the plan rewrites."""
+    flashinfer = pytest.importorskip("flashinfer")
+    from pathlib import Path
+
+    path = Path(flashinfer.__file__).parent / "data" / "include" / "flashinfer" / "attention" / "scheduler.cuh"
+    if not path.exists():
+        pytest.skip("FlashInfer's headers are not shipped with this install")
+    source = path.read_text()
+    assert "if (new_batch_size == batch_size && !enable_cuda_graph) {" in source  # CUDA-core decode: split
+    assert "(enable_cuda_graph) ? (split_kv ? max_grid_size / gdy : batch_size) : new_batch_size" in source
+    assert "return std::make_tuple(enable_cuda_graph || low < max_kv_len, low);" in source  # tensor cores

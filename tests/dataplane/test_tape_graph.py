@@ -58,6 +58,12 @@ def test_a_table_rebuilt_each_step_replays_stale_and_an_eager_rerun_hides_it():
     assert fn()[0].tolist() == [70.0, 80.0]  # the eager re-run would have passed
     with pytest.raises(RuntimeError, match="copies host data"):
         TapeGraph().capture(lambda: [pool[torch.tensor([step["first"]])].clone()])
+    scalar = {"x": 2.0}  # a 0-dim tensor of Python data: a CPU scalar on a GPU, baked into the graph
+    graph = TapeGraph()
+    (out,) = graph.capture(lambda: [pool * torch.tensor(scalar["x"])])
+    scalar["x"] = 3.0
+    graph.replay()
+    assert out.tolist() == (pool * 2).tolist()
 
 
 def test_in_place_writes_replay_into_the_captured_destination():

@@ -232,7 +232,8 @@ def test_flashinfer_decode_replays_staged_steps_and_equals_eager(servers):
     (one per captured size) planned before each replay from the admitted step's host CSR, each
     captured layer's run reading the graph buffers' row. The outputs are the eager Triton
     server's -- one prompt at a time (staged steps replayed: every decode step), the batch of three
-    (padded to 4), and five prompts, more than the largest graph (eager FlashInfer steps) -- and
+    (the budget fits two of them: SGLang starts the third later; padding is the identity server's),
+    and five prompts, more than the largest graph (eager FlashInfer steps) -- and
     the graphs were this backend's. Control: replays that skip their plan read the lengths their
     capture's plan wrote, and the outputs differ."""
     roots, server = servers["roots"], servers["flashinfer"]
@@ -245,7 +246,7 @@ def test_flashinfer_decode_replays_staged_steps_and_equals_eager(servers):
     assert replays == len(decode) and sum(line["staging_pages"] > 0 for line in decode) >= 2, (replays, len(decode))
     want, _ = _requests(servers["eager"], roots["eager"])
     got, replayed = _requests(server, roots["flashinfer"])
-    assert _worst(got, want) <= LOGPROB_ATOL and replayed[("replay", "4")] >= 1, replayed
+    assert _worst(got, want) <= LOGPROB_ATOL and sum(replayed.values()) >= NEW_TOKENS - 2, replayed
     five = list(PROMPTS[:5])
     assert _worst(_generate(server, five), _generate(servers["eager"], five)) <= LOGPROB_ATOL
     for name in ("eager", "flashinfer"):

@@ -73,9 +73,12 @@ def test_a_replay_of_a_step_that_was_not_admitted_is_refused():
     with pytest.raises(RuntimeError, match="did not admit"):
         graph.replaying()
     assert graph.admit(2, torch.tensor([6]), ("A",))
-    graph.replaying()  # admitted: taken
+    graph.replaying(2)  # admitted, at the size replayed: taken
     with pytest.raises(RuntimeError, match="did not admit"):
         graph.replaying()
+    assert graph.admit(2, torch.tensor([6]), ("A",))  # a replay of another size than the step was loaded for
+    with pytest.raises(RuntimeError, match="graph of 1 rows for a step kvplane loaded padded to 2"):
+        graph.replaying(1)
 
 
 def test_a_pool_without_a_sink_page_cannot_capture():

@@ -10,6 +10,11 @@ server prefilling and decoding with kvplane's Triton paged-extend and paged-deco
 the Triton interpreter), with prompts longer than the model's sliding window (8 tokens, on its
 first layer).
 
+Also under decode graphs (``--kv-cuda-graphs on``, SGLang's runner on the test injector's emulated
+graph) on the layered FlashInfer backend over the stand-in of FlashInfer's wrapper
+(``KVPLANE_TEST_FLASHINFER_STAND_IN``): two parameter sets (sliding-window and global layers),
+each with its own graph wrappers planned before every replay.
+
 Negative control: vanilla SGLang (the same flags without --enable-layered-kv) serves the same
 model uncapped on the CPU, and the same comparison finds it off by whole units.
 """
@@ -22,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from sglang_ext.testing.tiny_gemma2 import build_tiny_gemma2
-from tests.sglang.conftest import running_servers
+from tests.sglang.conftest import fault_inject_path, running_servers
 
 pytestmark = pytest.mark.sglang
 
@@ -33,6 +38,7 @@ FLAGS = ("--dtype", "float32")
 TRITON_FLAGS = ("--enable-layered-kv", "--attention-backend", "triton", "--page-size", "4")
 """kvplane's Triton paged extend and paged decode (cap and window in the kernels) over the
 identity layout's tables (steady decode: ``IdentityDecodeStep``), pages of 4 tokens."""
+GRAPH_FLAGS = ("--kv-cuda-graphs", "on", "--cuda-graph-backend-decode", "full", "--cuda-graph-bs-decode", "1", "2")
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +48,15 @@ def gemma2(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 @pytest.fixture(scope="module")
 def servers(gemma2: Path, launch_zygote, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
+    graphs = tmp_path_factory.mktemp("gemma2-flashinfer-graphs")
     specs = [(tmp_path_factory.mktemp("gemma2-vanilla"), FLAGS, None),
              (tmp_path_factory.mktemp("gemma2-layered"), (*FLAGS, "--enable-layered-kv"), None),
-             (tmp_path_factory.mktemp("gemma2-triton"), (*FLAGS, *TRITON_FLAGS), {"TRITON_INTERPRET": "1"})]
-    with running_servers(gemma2, specs, zygote=launch_zygote) as trio:
-        yield trio
+             (tmp_path_factory.mktemp("gemma2-triton"), (*FLAGS, *TRITON_FLAGS), {"TRITON_INTERPRET": "1"}),
+             (graphs, (*FLAGS, *TRITON_FLAGS, *GRAPH_FLAGS),
+              {"TRITON_INTERPRET": "1", "PYTHONPATH": fault_inject_path(), "KVPLANE_TEST_FLASHINFER_STAND_IN": "1",
+               "KVPLANE_TEST_TAPE_GRAPHS": str(graphs / "tape.log")})]
+    with running_servers(gemma2, specs, zygote=launch_zygote) as started:
+        yield (*started, graphs)
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +151,23 @@ def test_the_triton_paged_kernels_apply_cap_and_window(servers, reference) -> No
     log = triton.log_path.read_text().splitlines()
     for active in ("layered_paged_extend_active", "layered_triton_decode_active"):
         assert any(active in line and "impl=triton" in line for line in log), active
+
+
+def test_flashinfer_decode_graphs_apply_cap_and_window(servers, reference) -> None:
+    """Decode graphs on the layered FlashInfer backend (the stand-in): every decode step of both
+    prompts replays -- each layer attending with its own parameter set's graph wrapper (Gemma-2's
+    sliding-window and global layers), planned before the replay -- and the outputs' top-5
+    logprobs equal transformers' Gemma-2 (prompts longer than the window)."""
+    server, root = servers[3], servers[4]
+    for text in PROMPTS:
+        before = _replays(root)
+        ids = prompt_ids(servers[0], text)
+        assert worst_error(generate(server, text, prompt_logprobs=True), reference, ids) <= TOL, text
+        assert _replays(root) - before >= 4, text  # 5 tokens: the first from the prefill, 4 decode steps
+    log = server.log_path.read_text()
+    assert "backend=LayeredFlashInferDecode" in log and "layered_decode_graph_eager" not in log
+
+
+def _replays(root: Path) -> int:
+    path = root / "tape.log"
+    return sum(line.startswith("replay") for line in path.read_text().splitlines()) if path.exists() else 0

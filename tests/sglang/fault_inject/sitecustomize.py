@@ -362,7 +362,8 @@ def _patch_stale_graph(module) -> None:  # noqa: ANN001
 
     def load(self, tables, padded_to=None, slots=None):  # noqa: ANN001, ANN202
         if os.path.exists(flag) and self.loads:
-            self.loads += 1  # the step's tables never reach the buffers
+            self.loads += 1  # the step's tables never reach the buffers (only its padded size is noted)
+            self.batch = self.batch if padded_to is None else padded_to
             return None
         return real(self, tables, padded_to, slots)
 
