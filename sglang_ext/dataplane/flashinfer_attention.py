@@ -137,8 +137,9 @@ class FlashInferLayeredDecode:
     def keep_graphs(self, max_pages: int) -> None:
         """Serve captured decode graphs: every graph wrapper made from now on is kept (no
         :data:`MAX_WRAPPERS` bound), with indices buffers of ``max_pages`` (the graph buffers'
-        row width, what every plan of theirs lists); a plan listing more raises instead of
-        re-creating the wrappers captured graphs read (module docstring)."""
+        row width: a run that cannot read a layer's row in place copies it there); a plan
+        listing more raises instead of re-creating the wrappers captured graphs read (module
+        docstring). The served decode hands its graph plans no page ids at all."""
         if self._graph:
             raise RuntimeError("FlashInferLayeredDecode.keep_graphs after graph wrappers were made")
         self.max_pages, self._kept = max(1, max_pages), True
