@@ -13,8 +13,9 @@ With ``--kv-cuda-graphs on`` it also serves SGLang's decode graph runner
 wrappers, one per captured batch size and parameter set, kept for the process
 (``FlashInferLayeredDecode.keep_graphs``): each is planned outside the graph -- at its capture
 from the padding-only step, before each replay from the admitted step's host CSR
-(``GraphStepBuffers.plan_view``, staged in pinned memory: a plan copies it to the device, and a
-pageable source would make that copy wait for the stream), as SGLang's own FlashInfer backend
+(``GraphStepBuffers.plan_view``; ``FlashInferLayeredDecode.plan_graph`` stages it in pinned
+memory: a plan copies it to the device, and a pageable source would make that copy wait for the
+stream), as SGLang's own FlashInfer backend
 plans before a replay -- and a captured layer's run reads its page ids from the graph buffers' row
 (no copy launch; the plan is handed no page ids). FlashInfer's decode kernel reads the lengths from
 the wrapper's ``indptr`` and ``last_page_len`` buffers, which each plan rewrites (its int
@@ -27,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import numpy as np
 import torch
 
 from sglang_ext import compat
@@ -36,7 +36,6 @@ from sglang_ext.dataplane.flashinfer_attention import (
     AttentionParams,
     FlashInferLayeredDecode,
 )
-from sglang_ext.dataplane.pinned_upload_ring import PinnedUploadRing
 from sglang_ext.dataplane.results import LayerView
 from sglang_ext.layered_graph_decode import LayeredGraphDecode
 
@@ -58,10 +57,6 @@ class LayeredFlashInferDecode(LayeredGraphDecode):
         self._model, self._dtype = model_runner.model, model_runner.dtype
         self._graph_params: dict[int, AttentionParams] = {}
         """Under decode graphs: each of this rank's layers' parameters (the model's dtype), by index."""
-        self._csr_ring: PinnedUploadRing | None = None
-        """Under decode graphs on CUDA: pinned host buffers the replays' plans copy their CSR from."""
-        self._no_pages: torch.Tensor | None = None
-        """Under decode graphs: the page ids a graph plan is handed (none: its runs read the buffers' rows)."""
 
     def new_step(self) -> None:
         self.flashinfer.new_step()
@@ -87,9 +82,6 @@ class LayeredFlashInferDecode(LayeredGraphDecode):
         super().init_cuda_graph_state(max_bs, max_num_tokens)
         assert self.graph is not None
         self.flashinfer.keep_graphs(self.graph.buffers.max_pages)
-        device = self.pool.store.device
-        self._csr_ring = PinnedUploadRing(device) if device.type == "cuda" else None  # a CPU has no pinned memory
-        self._no_pages = torch.zeros(0, dtype=torch.int32, device=device)
         start, layers = self.pool.start_layer, self.pool.store.config.layers
         for module in self._model.modules():  # RadixAttention: plans happen before the layers run
             if not (hasattr(module, "logit_cap") and hasattr(module, "sliding_window_size")):
@@ -111,20 +103,13 @@ class LayeredFlashInferDecode(LayeredGraphDecode):
         super().init_forward_metadata_out_graph(forward_batch, in_capture)
         graph = self.graph
         assert graph is not None
-        buffers, store, ring = graph.buffers, self.pool.store, self._csr_ring
+        buffers, store = graph.buffers, self.pool.store
         view = buffers.layer_view(store, 0, ())
         if in_capture:  # the padding-only step: its CSR read back once, at start-up
             view = dataclasses.replace(view, kv_indptr=view.kv_indptr.cpu(), last_page_len=view.last_page_len.cpu())
         else:
             view = buffers.plan_view(graph.core.tables, view)
-        rows = view.last_page_len.numel()  # the plan's CSR staged in one pinned slot (module docstring)
-        csr = np.concatenate([view.kv_indptr.numpy(), view.last_page_len.numpy()]).astype(np.int32)
-        host = torch.from_numpy(csr) if ring is None else ring.stage(csr)
-        view = dataclasses.replace(view, kv_indptr=host[: rows + 1], last_page_len=host[rows + 1:],
-                                   kv_indices=self._no_pages)
-        self.flashinfer.new_step()
-        for params in dict.fromkeys(self._graph_params.values()):
-            self.flashinfer.plan(view, params.num_qo_heads, params=params, graph=True)
+        self.flashinfer.plan_graph(view, self._graph_params.values())  # the CSR pinned, no page ids
 
     def graph_attention(self, q: torch.Tensor, layer: Any, index: int, view: LayerView) -> torch.Tensor:
         params = self._graph_params[index]

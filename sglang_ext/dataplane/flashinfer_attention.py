@@ -38,14 +38,17 @@ device + 8 MiB pinned); the float workspace is shared.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from sglang_ext.dataplane.layer_cap_window import layer_cap_window
+from sglang_ext.dataplane.pinned_upload_ring import PinnedUploadRing
 from sglang_ext.dataplane.results import LayerView
 
 try:
@@ -133,6 +136,10 @@ class FlashInferLayeredDecode:
         self._planned: dict[AttentionParams, tuple[object, torch.Tensor | None]] = {}
         self._kept = False
         """Served decode graphs (:meth:`keep_graphs`): graph wrappers are neither dropped nor re-created."""
+        self._csr_ring: PinnedUploadRing | None = None
+        """Pinned host buffers graph plans copy their CSR from (CUDA; made at the first :meth:`plan_graph`)."""
+        self._no_pages = torch.zeros(0, dtype=torch.int32, device=self.device)
+        """The page ids a graph plan is handed: none (its runs read each layer's row in place)."""
 
     def keep_graphs(self, max_pages: int) -> None:
         """Serve captured decode graphs: every graph wrapper made from now on is kept (no
@@ -183,18 +190,20 @@ class FlashInferLayeredDecode:
         self._planned.clear()
 
     def plan(self, view: LayerView, num_qo_heads: int, sm_scale: float | None = None,
-             params: AttentionParams | None = None, graph: bool = False) -> AttentionParams:
+             params: AttentionParams | None = None, graph: bool = False, width: int | None = None) -> AttentionParams:
         """Plan this step for ``params`` (default: plain attention with ``num_qo_heads`` and
         ``sm_scale``) from any layer's view (all layers share indptr and lengths); ``graph``: on
-        a graph wrapper of the view's batch size (captured replays read its buffers)."""
+        a graph wrapper of the view's batch size (captured replays read its buffers), whose
+        indices buffer holds ``width`` page ids (default: as many as the view lists)."""
         if params is None:
             params = AttentionParams(num_qo_heads=num_qo_heads, sm_scale=sm_scale)
         kv_dtype, kv_heads = view.k_cache.dtype, view.k_cache.shape[2]
         own: torch.Tensor | None = None
         if graph:
-            needed = grown(self.max_pages, int(view.kv_indices.numel()))
+            width = int(view.kv_indices.numel()) if width is None else width
+            needed = grown(self.max_pages, width)
             if needed != self.max_pages and self._kept:
-                raise RuntimeError(f"kvplane FlashInfer graph plan lists {view.kv_indices.numel()} pages, over the "
+                raise RuntimeError(f"kvplane FlashInfer graph plan lists {width} pages, over the "
                                    f"{self.max_pages} its captured graphs' wrappers hold")
             if needed != self.max_pages:  # shared-prefix pages listed per request: grow, re-create
                 self.max_pages = needed
@@ -228,6 +237,26 @@ class FlashInferLayeredDecode:
             kv_data_type=view.k_cache.dtype,
             sm_scale=params.sm_scale,
         )
+
+    def plan_graph(self, view: LayerView, params: Iterable[AttentionParams]) -> None:
+        """A captured step's plans (at its capture, or before a replay): this step's plans
+        forgotten, then each of ``params`` planned on the graph wrappers of ``view``'s batch from
+        its host CSR -- staged in pinned memory on CUDA (the plan copies it to the device; a
+        pageable source would make that copy wait for the stream) -- and no page ids (the runs
+        read each layer's row of the graph buffers in place: no copy of them is launched)."""
+        rows, width = view.last_page_len.numel(), int(view.kv_indices.numel())  # width: a row, if a run copies it
+        csr = np.concatenate([view.kv_indptr.numpy(), view.last_page_len.numpy()]).astype(np.int32)
+        if self.device.type == "cuda":
+            if self._csr_ring is None:
+                self._csr_ring = PinnedUploadRing(self.device)
+            host = self._csr_ring.stage(csr)
+        else:  # nothing to pin
+            host = torch.from_numpy(csr)
+        view = dataclasses.replace(view, kv_indptr=host[: rows + 1], last_page_len=host[rows + 1:],
+                                   kv_indices=self._no_pages)
+        self.new_step()
+        for p in dict.fromkeys(params):
+            self.plan(view, p.num_qo_heads, params=p, graph=True, width=width)
 
     def planned(self, params: AttentionParams) -> bool:
         return params in self._planned

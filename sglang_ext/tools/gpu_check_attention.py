@@ -103,8 +103,12 @@ class DecodeBackends:
     def plan_step(self, view: LayerView, graph: bool = False) -> None:
         """Once per step, before layer 0 (FlashInfer's plan; the others need none); ``graph``: on
         FlashInfer's CUDA-graph wrappers (a capture or a replay), else its eager ones (serving's)."""
-        if self.fi is not None:
-            self.fi.plan(view, self.q_heads, graph=graph)
+        if self.fi is not None and graph:  # as the served decode plans its graphs (pinned CSR, no page ids)
+            from sglang_ext.dataplane.flashinfer_attention import AttentionParams
+
+            self.fi.plan_graph(view, (AttentionParams(num_qo_heads=self.q_heads),))
+        elif self.fi is not None:
+            self.fi.plan(view, self.q_heads)
 
     def run(self, name: str, q: torch.Tensor, view: LayerView) -> torch.Tensor:
         """Decode attention of ``view``'s layer with backend ``name`` (``[B, Hq, D]``)."""

@@ -278,3 +278,24 @@ def test_the_installed_flashinfer_behaves_as_the_stand_in():
     assert "self._paged_kv_indices_buf = indices.to(" in plan  # eager
     assert "self._paged_kv_indices_buf[: len(indices)].copy_(" in plan  # CUDA-graph
     assert "The batch size should be fixed in cudagraph mode" in plan
+
+
+def test_a_graph_steps_plans_list_no_pages_and_plan_each_parameter_set_once():
+    """``plan_graph`` (the served decode's and gpu-check's plans of a captured step): this step's
+    earlier plans forgotten, each distinct parameter set planned once on the graph wrapper of the
+    view's batch, from the view's CSR, handed no page ids (the runs read each layer's row in
+    place), the wrappers' buffers as wide as a row. Control: ``plan`` with the view's pages copies
+    them into the wrapper's buffer."""
+    decode = _decode(max_pages=4)
+    view, table = _step(3, 1)
+    plain, windowed = AttentionParams(num_qo_heads=4), AttentionParams(num_qo_heads=4, window_left=8)
+    decode.plan(view, 4)  # an eager plan of the step: forgotten
+    decode.plan_graph(view, [plain, windowed, plain])
+    assert set(decode._planned) == {plain, windowed} and decode.max_pages == 8  # grown to the row (6 pages)
+    for params in (plain, windowed):
+        w, own = decode._planned[params]
+        assert w.graph and w.batch == 3 and [len(i) for _, i in w.plans] == [0] and not own.any()
+        assert torch.equal(decode.run(torch.zeros(3, 4, 16), _layer(view, table, 2), params), table[2])
+    w, own = decode._planned[plain]
+    decode.plan(view, 4, graph=True)  # control: the pages listed are copied in
+    assert torch.equal(own[:6], view.kv_indices)

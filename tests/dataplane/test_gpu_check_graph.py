@@ -306,3 +306,32 @@ def test_the_runners_flow_replays_admitted_steps_exactly(monkeypatch):
     monkeypatch.setattr(GraphStepBuffers, "load_padding", lambda self, rows, in_place: setattr(self, "batch", rows))
     figures = {f.key: f for f in GraphProbe(control, Taped, runner=True).run()}
     assert figures["graph.runner.attention_err"].status == FAIL, figures["graph.runner.attention_err"]
+
+
+def test_flashinfer_graphs_replay_on_a_stand_in_of_its_wrapper(monkeypatch):
+    """The probe's FlashInfer path -- what gpu-check captures first on CUDA, its graph wrappers
+    planned as the served decode plans them (``FlashInferLayeredDecode.plan_graph``: the CSR
+    staged, no page ids) -- on the CPU over ``FlashInferStandIn`` (FlashInfer needs CUDA): the
+    replays equal the eager layers and the KV after them the dense reference, in the probe's own
+    flow and SGLang's runner's. Control: a replay that reads something else FAILs."""
+    from sglang_ext.dataplane.flashinfer_attention import FlashInferLayeredDecode
+    from sglang_ext.testing.flashinfer_stand_in import FlashInferStandIn
+
+    def probe(perturb: float) -> tuple[dict, CoreCheck]:
+        check = _check()
+        check.step()
+        backends = check.backends
+        fi = FlashInferLayeredDecode("cpu", backends.max_pages, wrapper_class=FlashInferStandIn)
+        monkeypatch.setattr(backends, "fi", fi)
+        monkeypatch.setattr(backends, "available", ("flashinfer", *backends.available))
+        monkeypatch.setattr(Taped, "perturb", perturb)
+        return {f.key: f for f in GraphProbe(check, Taped, runner=True).run()}, check
+
+    figures, check = probe(0.0)
+    for key in ("graph.replay_max_abs_diff", "graph.replayed_steps_attention_err",
+                "graph.runner.replay_max_abs_diff", "graph.runner.attention_err"):
+        assert figures[key].status == PASS, figures[key]
+    assert check.details["graph_probe"]["backend"] == check.details["graph_runner"]["backend"] == "flashinfer"
+    assert check.backends.fi.wrappers >= 2  # graph wrappers of the probe's and the runner's sizes
+    figures, _ = probe(1.0)
+    assert figures["graph.replay_max_abs_diff"].status == FAIL, figures["graph.replay_max_abs_diff"]
