@@ -32,6 +32,7 @@ kvplane's Triton paged-extend kernel (``sglang_ext/layered_paged_decode.py``).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -45,14 +46,20 @@ from sglang_ext.layered_pool import LayeredTokenToKVPool
 from sglang_ext.recompute_forward import RecomputeForward
 
 
+def attention_layers(model: Any) -> Iterator[Any]:
+    """``model``'s attention layers (SGLang's ``RadixAttention``: the modules carrying a soft cap
+    and a sliding window), in module order."""
+    for module in model.modules():
+        if hasattr(module, "logit_cap") and hasattr(module, "sliding_window_size"):
+            yield module
+
+
 def attention_features(model: Any) -> bool:
     """Whether any attention layer (``RadixAttention``) of ``model`` soft-caps or windows its
     scores. Raises ValueError, naming the model, for a layer feature the layered backends do not
     apply: Grok-2's attention temperature (``xai_temperature_len``), a non-``tanh`` soft cap."""
     found = False
-    for module in model.modules():
-        if not (hasattr(module, "logit_cap") and hasattr(module, "sliding_window_size")):
-            continue
+    for module in attention_layers(model):
         cap = float(module.logit_cap or 0.0)
         if int(getattr(module, "xai_temperature_len", -1) or -1) > 0:
             raise ValueError(f"kvplane layered attention: {type(model).__name__} scales attention by position "

@@ -37,6 +37,7 @@ from sglang_ext.dataplane.flashinfer_attention import (
     FlashInferLayeredDecode,
 )
 from sglang_ext.dataplane.results import LayerView
+from sglang_ext.layered_attention import attention_layers
 from sglang_ext.layered_graph_decode import LayeredGraphDecode
 
 
@@ -83,9 +84,7 @@ class LayeredFlashInferDecode(LayeredGraphDecode):
         assert self.graph is not None
         self.flashinfer.keep_graphs(self.graph.buffers.max_pages)
         start, layers = self.pool.start_layer, self.pool.store.config.layers
-        for module in self._model.modules():  # RadixAttention: plans happen before the layers run
-            if not (hasattr(module, "logit_cap") and hasattr(module, "sliding_window_size")):
-                continue
+        for module in attention_layers(self._model):  # plans happen before the layers run
             index = int(module.layer_id) - start
             if index in self._graph_params:
                 raise RuntimeError(f"kvplane: --kv-cuda-graphs on: two attention modules of layer {module.layer_id}; "

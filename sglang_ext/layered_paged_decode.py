@@ -32,7 +32,11 @@ import torch
 from kernels.block_copy import triton_usable
 from kernels.paged_extend import paged_extend, shared_per_block_of
 from sglang_ext.dataplane.layer_cap_window import layer_cap_window
-from sglang_ext.layered_attention import LayeredTorchNativeAttnBackend, refuse_attention_kwargs
+from sglang_ext.layered_attention import (
+    LayeredTorchNativeAttnBackend,
+    attention_layers,
+    refuse_attention_kwargs,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -41,9 +45,7 @@ def paged_extend_blocker(model: Any) -> str | None:
     """Why ``model``'s extends cannot run on the paged-extend kernel (None: they can): a layer
     (``RadixAttention``) attends across sequences, bidirectionally, or with K and V head dims
     that differ."""
-    for module in model.modules():
-        if not (hasattr(module, "logit_cap") and hasattr(module, "sliding_window_size")):
-            continue
+    for module in attention_layers(model):
         if getattr(module, "is_cross_attention", False):
             return "cross-attention layers"
         if getattr(getattr(module, "attn_type", None), "name", "") == "ENCODER_ONLY":
