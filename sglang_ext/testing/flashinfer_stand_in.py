@@ -14,7 +14,10 @@ What it keeps of the real wrapper (``flashinfer/decode.py``):
   last plan's;
 - ``run(q, (k_cache, v_cache))`` reads the page ids from whatever ``_paged_kv_indices_buf`` it
   finds (``fa2``), the lengths from the plan's buffers, and the scalars (scale, soft cap,
-  window) the plan fixed.
+  window) the plan fixed. It refuses a run whose query or KV heads are not the plan's: FlashInfer
+  sizes a plan's schedule by its head counts (the group size sets a tensor-core row's packing)
+  and does not check a run against them, so on a GPU such a run decodes from a wrong schedule --
+  under TP a plan must be made with this rank's heads (``tests/sglang/test_tp_graph_server.py``).
 
 The run is fixed-shape torch (every row gathers as many pages as the indices buffer holds,
 masked by its lengths): no host read, so a graph captured over it (``TapeGraph``) replays it
@@ -49,12 +52,14 @@ class FlashInferStandIn:
         self.plans = 0
         self._scalars: tuple[int, float, float, int] = (0, 1.0, 0.0, -1)
         """The last plan's (query heads, scale, soft cap, window_left)."""
+        self._kv_heads = 0
+        """The last plan's KV heads."""
 
     def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
              num_kv_heads: int, head_dim: int, page_size: int, *, window_left: int = -1,
              logits_soft_cap: float | None = None, q_data_type: Any = None, kv_data_type: Any = None,
              sm_scale: float | None = None) -> None:
-        del num_kv_heads, page_size, q_data_type, kv_data_type  # read from the caches at run
+        del page_size, q_data_type, kv_data_type  # read from the caches at run
         if self.graph:
             indptr_buf, last_buf = self._paged_kv_indptr_buf, self._paged_kv_last_page_len_buf
             assert indptr_buf is not None and last_buf is not None and self._paged_kv_indices_buf is not None
@@ -71,6 +76,7 @@ class FlashInferStandIn:
             self._paged_kv_indices_buf = indices
         scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
         self._scalars = (num_qo_heads, float(scale), float(logits_soft_cap or 0.0), int(window_left))
+        self._kv_heads = num_kv_heads
         self.plans += 1
 
     def run(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -79,7 +85,10 @@ class FlashInferStandIn:
         k_cache, v_cache = kv
         indices, indptr, last = self._paged_kv_indices_buf, self._paged_kv_indptr_buf, self._paged_kv_last_page_len_buf
         assert indices is not None and indptr is not None and last is not None
-        _, scale, cap, window = self._scalars
+        heads, scale, cap, window = self._scalars
+        if (q.shape[1], k_cache.shape[2]) != (heads, self._kv_heads):
+            raise ValueError(f"the stand-in: a run of {q.shape[1]} query / {k_cache.shape[2]} KV heads on a plan "
+                             f"for {heads} / {self._kv_heads} (FlashInfer would decode from a wrong schedule)")
         width, page = indices.shape[0], k_cache.shape[1]
         start, count = indptr[:-1].long(), (indptr[1:] - indptr[:-1]).long()
         slot = torch.arange(width, device=indices.device)

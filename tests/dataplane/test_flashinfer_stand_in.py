@@ -70,6 +70,22 @@ def test_a_graph_wrapper_refuses_what_flashinfer_refuses():
     w.plan(*_csr([5, 4], list(range(10)))[:3], Q_HEADS, KV_HEADS, DIM, PAGE)  # control: it fits
 
 
+@pytest.mark.parametrize(("q_heads", "kv_heads"), [(Q_HEADS // 2, KV_HEADS // 2), (Q_HEADS, KV_HEADS // 2)])
+def test_a_run_of_other_heads_than_the_plans_is_refused(q_heads: int, kv_heads: int):
+    """A plan made with the whole model's heads and run on one TP rank's (half of each), or with
+    other KV heads than the caches': FlashInfer would decode from a schedule sized for other heads,
+    so the stand-in refuses. Control: planned with the run's own heads, the same run passes."""
+    k, v = (c[:, :, :kv_heads] for c in _caches())
+    indptr, indices, last, _ = _csr([9, 1], list(range(10)))
+    q = torch.randn(2, q_heads, DIM)
+    w = FlashInferStandIn(torch.zeros(8), "NHD", backend="fa2")
+    w.plan(indptr, indices, last, Q_HEADS, KV_HEADS, DIM, PAGE)
+    with pytest.raises(ValueError, match="wrong schedule"):
+        w.run(q, (k, v))
+    w.plan(indptr, indices, last, q_heads, kv_heads, DIM, PAGE)
+    assert w.run(q, (k, v)).shape == (2, q_heads, DIM)
+
+
 def test_the_installed_flashinfer_plans_and_runs_as_the_stand_in():
     """What the stand-in assumes of FlashInfer 0.7.2's decode wrapper: ``plan`` takes its keywords
     (``window_left``, ``logits_soft_cap``, ``q_data_type``, ``kv_data_type``, ``sm_scale``); in

@@ -40,7 +40,7 @@ FIGURE_KEYS = {
     "graph.layers_ms.replay", "graph.step_ms.eager", "graph.step_ms.replay", "graph.kvplane_cpu_share",
     "graph.buffers_vs_tables_err", "graph.identity.buffers_vs_tables_err",
     "graph.identity.replay_max_abs_diff", "graph.identity.replayed_steps_attention_err",
-    "graph.runner.replay_max_abs_diff", "graph.runner.attention_err",
+    "graph.runner.replay_max_abs_diff", "graph.runner.replay_vs_dense_err", "graph.runner.attention_err",
     "graph.staged.replay_vs_dense_err", "graph.staged.replay_max_abs_diff", "graph.staged.attention_err",
     "graph.staged.step_ms.eager", "graph.staged.step_ms.replay", "graph.staged.kvplane_cpu_share",
     "graph.staged.resident_step_ms.replay", *EXTEND_KEYS, *TURNOVER_KEYS,

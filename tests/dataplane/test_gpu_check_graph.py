@@ -296,7 +296,7 @@ def test_the_runners_flow_replays_admitted_steps_exactly(monkeypatch):
     check = _check()
     check.step()
     figures = {f.key: f for f in GraphProbe(check, Taped, runner=True).run()}
-    for key in ("graph.runner.replay_max_abs_diff", "graph.runner.attention_err"):
+    for key in ("graph.runner.replay_max_abs_diff", "graph.runner.replay_vs_dense_err", "graph.runner.attention_err"):
         assert figures[key].status == PASS, figures[key]
     m = check.details["graph_runner"]
     assert m["sizes"] == [3, 6] and m["admitted"] == [3, 3, 3] and m["replays"] == 3
@@ -329,9 +329,30 @@ def test_flashinfer_graphs_replay_on_a_stand_in_of_its_wrapper(monkeypatch):
 
     figures, check = probe(0.0)
     for key in ("graph.replay_max_abs_diff", "graph.replayed_steps_attention_err",
-                "graph.runner.replay_max_abs_diff", "graph.runner.attention_err"):
+                "graph.runner.replay_max_abs_diff", "graph.runner.replay_vs_dense_err", "graph.runner.attention_err"):
         assert figures[key].status == PASS, figures[key]
     assert check.details["graph_probe"]["backend"] == check.details["graph_runner"]["backend"] == "flashinfer"
     assert check.backends.fi.wrappers >= 2  # graph wrappers of the probe's and the runner's sizes
     figures, _ = probe(1.0)
     assert figures["graph.replay_max_abs_diff"].status == FAIL, figures["graph.replay_max_abs_diff"]
+
+
+def test_a_runner_replay_not_planned_for_its_step_fails_the_dense_check(monkeypatch):
+    """FlashInfer's graph wrappers not planned before the runner flow's replays (the stand-in): each
+    replay reads the lengths the capture's padding-only plan wrote. The replay vs eager check
+    reruns the layers under that same plan and still PASSes -- the blind spot -- while the last
+    replay vs the dense reference FAILs. (The first test of this pair is the PASS control.)"""
+    from sglang_ext.dataplane.flashinfer_attention import FlashInferLayeredDecode
+    from sglang_ext.testing.flashinfer_stand_in import FlashInferStandIn
+    from sglang_ext.tools import gpu_check_graph
+
+    check = _check()
+    check.step()
+    backends = check.backends
+    monkeypatch.setattr(backends, "fi", FlashInferLayeredDecode("cpu", backends.max_pages, wrapper_class=FlashInferStandIn))
+    monkeypatch.setattr(backends, "available", ("flashinfer", *backends.available))
+    monkeypatch.setattr(gpu_check_graph, "_plan_buffers", lambda ch, backend, buffers: None)
+    probe = GraphProbe(check, Taped, runner=True)
+    figures = {f.key: f for f in probe.runner_run("flashinfer")}
+    assert figures["graph.runner.replay_max_abs_diff"].status == PASS, figures["graph.runner.replay_max_abs_diff"]
+    assert figures["graph.runner.replay_vs_dense_err"].status == FAIL, figures["graph.runner.replay_vs_dense_err"]

@@ -13,7 +13,7 @@ replay), and with the reference's tiny device budget (steps that stage pages rep
 fetches and write-back launches of the graph, each step with one kvplane boundary), also under
 SGLang's overlap loop (``--kv-overlap-schedule on``), and on the layered FlashInfer backend over a
 stand-in of FlashInfer's decode wrapper (``KVPLANE_TEST_FLASHINFER_STAND_IN``: FlashInfer needs
-CUDA). Outputs are compared
+CUDA) -- in the identity layout, with the tiny budget, and with it under the overlap loop. Outputs are compared
 as per-token logprobs (:data:`tests.sglang.conftest.LOGPROB_ATOL`); the negative control replays
 over tables that were not loaded (``KVPLANE_TEST_STALE_GRAPH_FILE``), staged steps whose
 fetch lists were emptied (``KVPLANE_TEST_EMPTY_GRAPH_FETCHES_FILE``), and FlashInfer replays not
@@ -45,7 +45,7 @@ pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]
 
 NEW_TOKENS = 6
 TRITON = ["--enable-layered-kv", "--attention-backend", "triton", "--page-size", "4", "--mem-fraction-static", "0.3"]
-"""``--mem-fraction-static 0.3``: seven servers start side by side, and on a CPU SGLang's memory
+"""``--mem-fraction-static 0.3``: eight servers start side by side, and on a CPU SGLang's memory
 profile counts what the others allocate meanwhile as this one's weights (at the recipe's 0.05 the
 suite's run at 1f63994 had one refuse to start: "leave no GPU memory for the KV cache"); the KV
 pools stay the sizes ``--max-total-tokens`` gives."""
@@ -62,7 +62,8 @@ PAGED = ["--kv-gpu-budget-tokens", "4000"]
 
 @pytest.fixture(scope="module")
 def servers(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[dict]:
-    names = ("eager", "identity", "paged", "offload", "overlap", "flashinfer", "flashinfer-identity")
+    names = ("eager", "identity", "paged", "offload", "overlap", "flashinfer", "flashinfer-identity",
+             "flashinfer-overlap")
     roots = {name: tmp_path_factory.mktemp(f"graphs-{name}") for name in names}
     env = {"TRITON_INTERPRET": "1", "PYTHONPATH": fault_inject_path()}
 
@@ -83,7 +84,9 @@ def servers(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[dict]:
              (roots["offload"], [*TRITON, *GRAPHS, *OFFLOAD], graph_env("offload")),
              (roots["overlap"], [*TRITON, *GRAPHS, *OFFLOAD, "--kv-overlap-schedule", "on"], graph_env("overlap")),
              (roots["flashinfer"], [*TRITON, *GRAPHS, *OFFLOAD], flashinfer_env("flashinfer")),
-             (roots["flashinfer-identity"], [*TRITON, *GRAPHS], flashinfer_env("flashinfer-identity"))]
+             (roots["flashinfer-identity"], [*TRITON, *GRAPHS], flashinfer_env("flashinfer-identity")),
+             (roots["flashinfer-overlap"], [*TRITON, *GRAPHS, *OFFLOAD, "--kv-overlap-schedule", "on"],
+              flashinfer_env("flashinfer-overlap"))]
     with running_servers(tiny_model_dir, specs, zygote=launch_zygote) as started:
         yield {**dict(zip(names, started, strict=True)), "roots": roots}
 
@@ -202,33 +205,39 @@ def test_steps_that_stage_pages_replay_and_equal_eager(servers):
     assert deferred >= len(decode) - 1 and made <= deferred - (len(decode) - 1), (deferred, made, len(decode))
 
 
-def test_under_the_overlap_loop_staged_steps_replay_and_equal_eager(servers):
-    """SGLang's overlap loop (``--kv-overlap-schedule on``) with decode graphs: step k+1's boundary
-    and admission run while step k's results wait (its uploads behind the in-flight replay on the
-    forward stream; the step block's twins waited by events on a GPU). The outputs are the eager
-    server's; every decode step replays but the layer timer's sampled ones (one in
-    ``DEFAULT_EVERY``: the next replay would stamp a sampled replay's events before they are
-    read, so they run eagerly, timed by their own), staged steps among the replays, and no step
-    runs eagerly for any other reason."""
+@pytest.mark.parametrize("name", ["overlap", "flashinfer-overlap"])
+def test_under_the_overlap_loop_staged_steps_replay_and_equal_eager(servers, name):
+    """SGLang's overlap loop (``--kv-overlap-schedule on``) with decode graphs, on the Triton decode
+    and on FlashInfer's (the stand-in; its replays planned while the last step's results wait):
+    step k+1's boundary and admission run while step k's results wait (its uploads behind the
+    in-flight replay on the forward stream; the step block's twins waited by events on a GPU).
+    The outputs are the eager server's; every decode step replays but the layer timer's sampled
+    ones (one in ``DEFAULT_EVERY``: the next replay would stamp a sampled replay's events before
+    they are read, so they run eagerly, timed by their own -- on FlashInfer, on its eager
+    wrappers), staged steps among the replays, and no step runs eagerly for any other reason."""
     from sglang_ext.layer_timing import DEFAULT_EVERY
 
     roots = servers["roots"]
-    before = len(_stats(roots["overlap"]))
+    before = len(_stats(roots[name]))
     want, _ = _one_at_a_time(servers["eager"], roots["eager"])
-    got, replayed = _one_at_a_time(servers["overlap"], roots["overlap"])
+    got, replayed = _one_at_a_time(servers[name], roots[name])
     assert _worst(got, want) <= LOGPROB_ATOL
-    log = servers["overlap"].log_path.read_text()
+    log = servers[name].log_path.read_text()
     reasons = set(re.findall(r"layered_decode_graph_eager\s+reason=.([^'\"]*)", log))
     assert reasons == {"a sampled step is timed eagerly (the overlap loop)"}, reasons  # the loop ran
-    lines = _stats(roots["overlap"])[before:]
+    lines = _stats(roots[name])[before:]
     decode = [line for line in lines if line["new_tokens"] == line["batch_size"]]
     replays = sum(n for (kind, _), n in replayed.items() if kind == "replay")
     sampled = -(-len(decode) // DEFAULT_EVERY) + 1  # one in DEFAULT_EVERY decode steps, wherever the count starts
     assert len(decode) - sampled <= replays < len(decode), (replays, len(decode))
     assert sum(line["staging_pages"] > 0 for line in decode) >= 2
-    with fault_armed(servers["overlap"], roots["overlap"] / "no-fetches"):  # control: replays copy nothing
-        broken, _ = _one_at_a_time(servers["overlap"], roots["overlap"])
+    with fault_armed(servers[name], roots[name] / "no-fetches"):  # control: replays copy nothing
+        broken, _ = _one_at_a_time(servers[name], roots[name])
     assert _worst(broken, want) > 100 * LOGPROB_ATOL
+    if name.startswith("flashinfer"):  # control: the replays' plans skipped, they read their capture's lengths
+        with fault_armed(servers[name], roots[name] / "unplanned"):
+            broken, _ = _one_at_a_time(servers[name], roots[name])
+        assert _worst(broken, want) > 100 * LOGPROB_ATOL
 
 
 def test_flashinfer_decode_replays_staged_steps_and_equals_eager(servers):

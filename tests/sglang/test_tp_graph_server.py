@@ -1,7 +1,9 @@
 """Decode graphs with tensor parallelism (``--kv-cuda-graphs on --tp-size 2``), on this CPU.
 
-One layered server of the tiny model with two TP ranks (each rank's KV shard, all-reduces over
-gloo: ``test_tp_server.py``'s set-up), the layered Triton decode, SGLang's decode graphs of 1, 2
+Two layered servers of the tiny model, each with two TP ranks (each rank's KV shard, all-reduces
+over gloo: ``test_tp_server.py``'s set-up): one on the layered Triton decode, one on the layered
+FlashInfer decode over the stand-in wrapper (``KVPLANE_TEST_FLASHINFER_STAND_IN``, which refuses a
+run of other heads than its plan's: each rank plans its own). SGLang's decode graphs of 1, 2
 and 4 rows emulated by the test injector (``KVPLANE_TEST_TAPE_GRAPHS``: ``test_graph_server.py``),
 and the tiny device budget under which most layer-pages are on host: decode steps that stage pages
 replay, with their fetches and write-back as launches of each rank's graph. A captured forward's
@@ -10,7 +12,9 @@ at their place in a replay (``TapeGraph``'s ``COLLECTIVES``), as a CUDA graph ho
 
 Checked against the session's vanilla server (fp32; TP=2 and TP=1 differ by ~5e-7 there,
 ``test_tp_server.py``): greedy tokens and logprobs within 1e-4, every rank replaying the same
-steps, staged ones among them, each rank's pool lines identical. Then the agreement
+steps, staged ones among them, each rank's pool lines identical; a batch replays the multi-row
+graphs on both ranks (on FlashInfer's server with a padded row). The FlashInfer server's control:
+replays not planned for their step (``KVPLANE_TEST_UNPLANNED_REPLAY_FILE``) differ. Then the agreement
 (:class:`~sglang_ext.graph_tp_agreement.GraphTpAgreement`): while one rank's graph refuses every
 step (the injector's ``KVPLANE_TEST_GRAPH_DECLINE_FILE``, rank 1), no rank replays and the outputs
 still equal vanilla's; once it stops, both replay again (the control: the same check fails on the
@@ -38,7 +42,7 @@ from tests.sglang.conftest import (
     fault_armed,
     fault_inject_path,
     greedy,
-    running_server,
+    running_servers,
 )
 from tests.sglang.test_tp_server import TP, TP_ARGS, tp_env
 
@@ -47,8 +51,14 @@ pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # a TP start-up an
 NEW_TOKENS = 6
 FLAGS = ["--enable-layered-kv", "--attention-backend", "triton", "--page-size", "4",
          "--kv-cuda-graphs", "on", "--cuda-graph-backend-decode", "full", "--cuda-graph-bs-decode", "1", "2", "4",
-         "--kv-gpu-budget-tokens", "49", "--max-total-tokens", "48"]
+         "--kv-gpu-budget-tokens", "49"]
 """``test_graph_server.py``'s offload server: 12 device pages per rank (one the graphs' sink)."""
+BACKENDS = ("triton", "flashinfer")
+SLOT_TOKENS = {"triton": 48, "flashinfer": 96}
+"""``--max-total-tokens``: the Triton server's is the offload server's (two of :data:`BATCH` fit at
+once); the FlashInfer server's holds all three, so their first decode step replays the size-4
+graph with one padded row on each rank (then kvplane's planner pauses one: the tiny budget does
+not stage three at once)."""
 ONE_BY_ONE = list(PROMPTS[:4])
 BATCH = list(PROMPTS[4:7])
 
@@ -57,6 +67,8 @@ BATCH = list(PROMPTS[4:7])
 class TpGraphServer:
     server: SGLangServer
     root: Path
+    backend: str
+    """``triton`` or ``flashinfer`` (the layered decode its graphs capture)."""
 
     @property
     def decline_flag(self) -> Path:
@@ -74,14 +86,28 @@ class TpGraphServer:
 
 
 @pytest.fixture(scope="module")
-def tp_graphs(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[TpGraphServer]:
-    root = tmp_path_factory.mktemp("tp-graphs")
-    env = {**tp_env(root), "TRITON_INTERPRET": "1", "PYTHONPATH": fault_inject_path(),
-           "KVPLANE_TEST_TAPE_GRAPHS": str(root / "tape.log"), POOL_STATS_FILE_ENV: str(root / "stats.jsonl"),
-           "KVPLANE_TEST_GRAPH_DECLINE_FILE": str(root / "decline"), "KVPLANE_TEST_GRAPH_DECLINE_RANK": "1"}
-    with running_server(tiny_model_dir, root, [*TP_ARGS, *FLAGS, "--mem-fraction-static", "0.3"], env,
-                        zygote=launch_zygote) as server:
-        yield TpGraphServer(server, root)
+def tp_servers(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[dict[str, TpGraphServer]]:
+    """The two TP servers, started side by side: the layered Triton decode, and the layered
+    FlashInfer decode over the stand-in wrapper (``KVPLANE_TEST_FLASHINFER_STAND_IN``)."""
+    roots = {name: tmp_path_factory.mktemp(f"tp-graphs-{name}") for name in BACKENDS}
+
+    def env(name: str) -> dict[str, str]:
+        root = roots[name]
+        return {**tp_env(root), "TRITON_INTERPRET": "1", "PYTHONPATH": fault_inject_path(),
+                "KVPLANE_TEST_TAPE_GRAPHS": str(root / "tape.log"), POOL_STATS_FILE_ENV: str(root / "stats.jsonl"),
+                "KVPLANE_TEST_GRAPH_DECLINE_FILE": str(root / "decline"), "KVPLANE_TEST_GRAPH_DECLINE_RANK": "1",
+                **({"KVPLANE_TEST_FLASHINFER_STAND_IN": "1", "KVPLANE_TEST_UNPLANNED_REPLAY_FILE": str(root / "unplanned")}
+                   if name == "flashinfer" else {})}
+
+    specs = [(roots[name], [*TP_ARGS, *FLAGS, "--max-total-tokens", str(SLOT_TOKENS[name]),
+                            "--mem-fraction-static", "0.3"], env(name)) for name in BACKENDS]
+    with running_servers(tiny_model_dir, specs, zygote=launch_zygote) as started:
+        yield {name: TpGraphServer(server, roots[name], name) for name, server in zip(BACKENDS, started, strict=True)}
+
+
+@pytest.fixture(params=BACKENDS)
+def tp_graphs(request, tp_servers) -> TpGraphServer:
+    return tp_servers[request.param]
 
 
 def _replays(tape: Counter) -> dict[str, int]:
@@ -122,14 +148,19 @@ def test_both_ranks_replay_the_same_staged_steps_and_equal_vanilla(tp_graphs, va
         (replays, len(decode[0]))
     assert sum(line["staging_pages"] > 0 for line in decode[0]) >= 2
     assert [_untimed(x) for x in lines[0]] == [_untimed(x) for x in lines[1]]
-    assert "layered_decode_graph_eager" not in tp_graphs.server.log_path.read_text()
+    log = tp_graphs.server.log_path.read_text()
+    assert "layered_decode_graph_eager" not in log
+    backend = {"triton": "LayeredTritonDecode", "flashinfer": "LayeredFlashInferDecode"}[tp_graphs.backend]
+    assert len(re.findall(rf"layered_decode_graphs\s+backend=.?{backend}", log)) == TP, log[-2000:]  # each rank's
 
 
 def test_a_batch_replays_the_multi_row_graphs_on_both_ranks(tp_graphs, vanilla_server):
-    """Three requests sent as one batch (two of them fit the 48-token slot space together): their
-    steps replay the size-2 graph, the same ones on both ranks, and the outputs are vanilla's for
-    the same batch (review, session 90: one-at-a-time prompts replay only the size-1 graph; padded
-    rows are ``test_graph_server.py``'s, whose identity server holds a batch of three)."""
+    """Three requests sent as one batch: their steps replay the multi-row graphs, the same ones on
+    both ranks, and the outputs are vanilla's for the same batch (review, session 90: one-at-a-time
+    prompts replay only the size-1 graph). On the Triton server two of them fit the 48-token slot
+    space together (the size-2 graph); the FlashInfer server holds all three, so their first
+    decode step replays the size-4 graph with a padded row on the sink on each rank (its wrappers
+    planned for four rows, this rank's heads), until the planner pauses one (:data:`SLOT_TOKENS`)."""
     params = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0}
     tape = tp_graphs.tape()
     got = batched(tp_graphs.server, BATCH, params, logprobs=True)
@@ -140,6 +171,8 @@ def test_a_batch_replays_the_multi_row_graphs_on_both_ranks(tp_graphs, vanilla_s
     sizes = {size for size, _ in replays}
     assert all(replays.get((size, "rank=0")) == replays.get((size, "rank=1")) for size in sizes), replays
     assert sum(n for (size, rank), n in replays.items() if size != "1" and rank == "rank=0") >= NEW_TOKENS - 2, replays
+    if tp_graphs.backend == "flashinfer":  # all three at once: padded to 4
+        assert replays.get(("4", "rank=0"), 0) >= 1, replays
 
 
 def test_a_step_one_rank_declines_runs_eagerly_on_every_rank(tp_graphs, vanilla_server):
@@ -154,3 +187,17 @@ def test_a_step_one_rank_declines_runs_eagerly_on_every_rank(tp_graphs, vanilla_
     assert {"declined on this rank by the test injector", "another TP rank runs this step eagerly"} <= reasons, reasons
     after, _ = _run(tp_graphs, vanilla_server)
     assert after["rank=0"] == after["rank=1"] > 0, after
+
+
+def test_flashinfer_replays_not_planned_for_their_step_are_caught(tp_servers, vanilla_server):
+    """Negative control of the FlashInfer server's equality: while its graph wrappers skip every
+    plan after their capture's, each rank's replays read the lengths the capture's plan wrote and
+    the outputs differ from vanilla's."""
+    ts = tp_servers["flashinfer"]
+    tape = ts.tape()
+    with fault_armed(ts.server, ts.root / "unplanned"):
+        got = greedy(ts.server, ONE_BY_ONE[0], NEW_TOKENS, logprobs=True)
+        ts.server.flush_cache()
+    assert _replays(ts.tape() - tape)["rank=0"] >= 1
+    with pytest.raises(AssertionError):
+        assert_same_generation(got, greedy(vanilla_server, ONE_BY_ONE[0], NEW_TOKENS, logprobs=True), ONE_BY_ONE[0])
