@@ -1,11 +1,12 @@
 """``FlashInferLayeredDecode``: FlashInfer's wrappers as serving and the graph probe use them, and
-each layer's page table handed to the run. FlashInfer needs CUDA, so the wrapper here is a
-stand-in with the 0.7.2 wrapper's behaviour these depend on (its constructor's keywords, eager
-``plan`` taking the indices tensor as its buffer, a CUDA-graph ``plan`` copying into its own
-fixed buffers and refusing another batch size, ``run`` reading whatever indices buffer it finds);
-the last test pins those behaviours to the installed FlashInfer's source. The real kernels are
-checked against the dense reference by the gpu tests (``tests/dataplane/test_gpu.py``) and
-``kvplane gpu-check``'s attention figures."""
+each layer's page table handed to the run. FlashInfer needs CUDA, so the wrapper here is the
+tests' stand-in (``FlashInferStandIn``: the 0.7.2 wrapper's constructor's keywords, eager ``plan``
+taking the indices tensor as its buffer, a CUDA-graph ``plan`` copying into its own fixed buffers
+and refusing another batch size) as a spy whose ``run`` returns whatever indices buffer it finds;
+``test_flashinfer_stand_in.py`` and ``test_the_installed_flashinfer_behaves_as_the_stand_in``
+pin those to the installed FlashInfer's source. The real kernels are checked against the dense
+reference by the gpu tests (``tests/dataplane/test_gpu.py``) and ``kvplane gpu-check``'s
+attention figures."""
 
 from __future__ import annotations
 
@@ -22,45 +23,36 @@ from sglang_ext.dataplane.flashinfer_attention import (
     reads_indices_at_run,
 )
 from sglang_ext.dataplane.results import LayerView
+from sglang_ext.testing.flashinfer_stand_in import FlashInferStandIn
 
 LAYERS = 6
 
 
-class _Wrapper:
-    """A ``BatchDecodeWithPagedKVCacheWrapper`` of FlashInfer 0.7.2, as far as kvplane relies on it."""
+class _Wrapper(FlashInferStandIn):
+    """The stand-in wrapper (:class:`~sglang_ext.testing.flashinfer_stand_in.FlashInferStandIn`:
+    FlashInfer 0.7.2's constructor, its eager and CUDA-graph ``plan``) as a spy: every wrapper made
+    and every plan's batch and indices are kept, and ``run`` returns the indices buffer it finds
+    (what the kernel would read) or raises when ``fail`` is set."""
 
     made: list[_Wrapper] = []
 
-    def __init__(self, workspace: torch.Tensor, layout: str, use_cuda_graph: bool = False, backend: str = "auto",
-                 use_tensor_cores: bool = False, paged_kv_indptr_buffer: torch.Tensor | None = None,
-                 paged_kv_indices_buffer: torch.Tensor | None = None,
-                 paged_kv_last_page_len_buffer: torch.Tensor | None = None) -> None:
-        assert layout == "NHD"
-        self.graph, self._backend, self.tensor_cores = use_cuda_graph, backend, use_tensor_cores
-        self._uses_cudnn = False
-        self._paged_kv_indices_buf = paged_kv_indices_buffer
-        self.batch = None if paged_kv_last_page_len_buffer is None else paged_kv_last_page_len_buffer.numel()
-        assert use_cuda_graph == (paged_kv_indices_buffer is not None)
-        self.plans: list[tuple[int, torch.Tensor]] = []
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        last = self._paged_kv_last_page_len_buf
+        self.batch = None if last is None else last.numel()
+        self.plan_calls: list[tuple[int, torch.Tensor]] = []
         self.fail = False
         type(self).made.append(self)
 
     def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, *args: Any,
              **kwargs: Any) -> None:
-        batch = last_page_len.numel()
-        if self.graph:
-            if batch != self.batch:
-                raise ValueError("The batch size should be fixed in cudagraph mode")
-            if indices.numel() > self._paged_kv_indices_buf.numel():
-                raise ValueError("The size of indices should be less than or equal to the allocated buffer")
-            self._paged_kv_indices_buf[: indices.numel()].copy_(indices)
-        else:
-            self._paged_kv_indices_buf = indices.to(indices.device)  # the same tensor
-        self.plans.append((batch, indices))
+        super().plan(indptr, indices, last_page_len, *args, **kwargs)
+        self.plan_calls.append((last_page_len.numel(), indices))
 
     def run(self, q: torch.Tensor, kv: tuple) -> torch.Tensor:  # noqa: ARG002
         if self.fail:
             raise RuntimeError("kernel fault (test)")
+        assert self._paged_kv_indices_buf is not None
         return self._paged_kv_indices_buf.clone()  # what the kernel read
 
 
@@ -111,7 +103,7 @@ def test_serving_plans_one_eager_fa2_wrapper_per_parameter_set_whatever_the_batc
     assert decode.wrappers == 2 and len(_Wrapper.made) == 2
     assert all(not w.graph and w._backend == "fa2" and w.tensor_cores is False for w in _Wrapper.made)
     assert asked == [(torch.float32, 4, 2)] * 2  # the rule, asked once per wrapper with the pool's KV heads
-    assert [len(w.plans) for w in _Wrapper.made] == [4, 4]  # one plan per step, not per layer
+    assert [len(w.plan_calls) for w in _Wrapper.made] == [4, 4]  # one plan per step, not per layer
 
 
 def test_eager_rows_of_another_dtype_or_layout_are_converted_and_a_backend_reading_tables_at_plan_is_refused():
@@ -294,7 +286,7 @@ def test_a_graph_steps_plans_list_no_pages_and_plan_each_parameter_set_once():
     assert set(decode._planned) == {plain, windowed} and decode.max_pages == 8  # grown to the row (6 pages)
     for params in (plain, windowed):
         w, own = decode._planned[params]
-        assert w.graph and w.batch == 3 and [len(i) for _, i in w.plans] == [0] and not own.any()
+        assert w.graph and w.batch == 3 and [len(i) for _, i in w.plan_calls] == [0] and not own.any()
         assert torch.equal(decode.run(torch.zeros(3, 4, 16), _layer(view, table, 2), params), table[2])
     w, own = decode._planned[plain]
     decode.plan(view, 4, graph=True)  # control: the pages listed are copied in

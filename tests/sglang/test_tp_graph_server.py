@@ -1,9 +1,11 @@
 """Decode graphs with tensor parallelism (``--kv-cuda-graphs on --tp-size 2``), on this CPU.
 
-Two layered servers of the tiny model, each with two TP ranks (each rank's KV shard, all-reduces
+Three layered servers of the tiny model, each with two TP ranks (each rank's KV shard, all-reduces
 over gloo: ``test_tp_server.py``'s set-up): one on the layered Triton decode, one on the layered
 FlashInfer decode over the stand-in wrapper (``KVPLANE_TEST_FLASHINFER_STAND_IN``, which refuses a
-run of other heads than its plan's: each rank plans its own). SGLang's decode graphs of 1, 2
+run of other heads than its plan's: each rank plans its own), and that one under SGLang's overlap
+loop (``--kv-overlap-schedule on``: all but the layer timer's sampled steps replay, on both ranks
+alike). SGLang's decode graphs of 1, 2
 and 4 rows emulated by the test injector (``KVPLANE_TEST_TAPE_GRAPHS``: ``test_graph_server.py``),
 and the tiny device budget under which most layer-pages are on host: decode steps that stage pages
 replay, with their fetches and write-back as launches of each rank's graph. A captured forward's
@@ -67,8 +69,8 @@ BATCH = list(PROMPTS[4:7])
 class TpGraphServer:
     server: SGLangServer
     root: Path
-    backend: str
-    """``triton`` or ``flashinfer`` (the layered decode its graphs capture)."""
+    name: str
+    """``triton`` or ``flashinfer`` (the layered decode its graphs capture), ``flashinfer-overlap``."""
 
     @property
     def decline_flag(self) -> Path:
@@ -87,9 +89,11 @@ class TpGraphServer:
 
 @pytest.fixture(scope="module")
 def tp_servers(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[dict[str, TpGraphServer]]:
-    """The two TP servers, started side by side: the layered Triton decode, and the layered
-    FlashInfer decode over the stand-in wrapper (``KVPLANE_TEST_FLASHINFER_STAND_IN``)."""
-    roots = {name: tmp_path_factory.mktemp(f"tp-graphs-{name}") for name in BACKENDS}
+    """The TP servers, started side by side: the layered Triton decode, the layered FlashInfer
+    decode over the stand-in wrapper (``KVPLANE_TEST_FLASHINFER_STAND_IN``), and that one under
+    SGLang's overlap loop (``--kv-overlap-schedule on``)."""
+    names = (*BACKENDS, "flashinfer-overlap")
+    roots = {name: tmp_path_factory.mktemp(f"tp-graphs-{name}") for name in names}
 
     def env(name: str) -> dict[str, str]:
         root = roots[name]
@@ -97,12 +101,16 @@ def tp_servers(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[dict
                 "KVPLANE_TEST_TAPE_GRAPHS": str(root / "tape.log"), POOL_STATS_FILE_ENV: str(root / "stats.jsonl"),
                 "KVPLANE_TEST_GRAPH_DECLINE_FILE": str(root / "decline"), "KVPLANE_TEST_GRAPH_DECLINE_RANK": "1",
                 **({"KVPLANE_TEST_FLASHINFER_STAND_IN": "1", "KVPLANE_TEST_UNPLANNED_REPLAY_FILE": str(root / "unplanned")}
-                   if name == "flashinfer" else {})}
+                   if name.startswith("flashinfer") else {})}
 
-    specs = [(roots[name], [*TP_ARGS, *FLAGS, "--max-total-tokens", str(SLOT_TOKENS[name]),
-                            "--mem-fraction-static", "0.3"], env(name)) for name in BACKENDS]
+    def flags(name: str) -> list[str]:
+        overlap = ["--kv-overlap-schedule", "on"] if name.endswith("overlap") else []
+        return [*TP_ARGS, *FLAGS, "--max-total-tokens", str(SLOT_TOKENS[name.split("-")[0]]),
+                "--mem-fraction-static", "0.3", *overlap]
+
+    specs = [(roots[name], flags(name), env(name)) for name in names]
     with running_servers(tiny_model_dir, specs, zygote=launch_zygote) as started:
-        yield {name: TpGraphServer(server, roots[name], name) for name, server in zip(BACKENDS, started, strict=True)}
+        yield {name: TpGraphServer(server, roots[name], name) for name, server in zip(names, started, strict=True)}
 
 
 @pytest.fixture(params=BACKENDS)
@@ -150,7 +158,7 @@ def test_both_ranks_replay_the_same_staged_steps_and_equal_vanilla(tp_graphs, va
     assert [_untimed(x) for x in lines[0]] == [_untimed(x) for x in lines[1]]
     log = tp_graphs.server.log_path.read_text()
     assert "layered_decode_graph_eager" not in log
-    backend = {"triton": "LayeredTritonDecode", "flashinfer": "LayeredFlashInferDecode"}[tp_graphs.backend]
+    backend = {"triton": "LayeredTritonDecode", "flashinfer": "LayeredFlashInferDecode"}[tp_graphs.name]
     assert len(re.findall(rf"layered_decode_graphs\s+backend=.?{backend}", log)) == TP, log[-2000:]  # each rank's
 
 
@@ -171,7 +179,7 @@ def test_a_batch_replays_the_multi_row_graphs_on_both_ranks(tp_graphs, vanilla_s
     sizes = {size for size, _ in replays}
     assert all(replays.get((size, "rank=0")) == replays.get((size, "rank=1")) for size in sizes), replays
     assert sum(n for (size, rank), n in replays.items() if size != "1" and rank == "rank=0") >= NEW_TOKENS - 2, replays
-    if tp_graphs.backend == "flashinfer":  # all three at once: padded to 4
+    if tp_graphs.name == "flashinfer":  # all three at once: padded to 4
         assert replays.get(("4", "rank=0"), 0) >= 1, replays
 
 
@@ -194,6 +202,35 @@ def test_flashinfer_replays_not_planned_for_their_step_are_caught(tp_servers, va
     plan after their capture's, each rank's replays read the lengths the capture's plan wrote and
     the outputs differ from vanilla's."""
     ts = tp_servers["flashinfer"]
+    tape = ts.tape()
+    with fault_armed(ts.server, ts.root / "unplanned"):
+        got = greedy(ts.server, ONE_BY_ONE[0], NEW_TOKENS, logprobs=True)
+        ts.server.flush_cache()
+    assert _replays(ts.tape() - tape)["rank=0"] >= 1
+    with pytest.raises(AssertionError):
+        assert_same_generation(got, greedy(vanilla_server, ONE_BY_ONE[0], NEW_TOKENS, logprobs=True), ONE_BY_ONE[0])
+
+
+def test_under_the_overlap_loop_both_ranks_replay_all_but_the_sampled_steps(tp_servers, vanilla_server):
+    """TP, FlashInfer's graphs and SGLang's overlap loop together (step k+1's boundary, admission
+    and plan while step k's results wait): the outputs are vanilla's; both ranks replay the same
+    steps, every decode step but the layer timer's sampled ones (rank 0's timer declines them
+    through the vote, so rank 1 runs them eagerly too: ``test_graph_tp_agreement.py``), staged
+    steps among the replays, each rank's pool lines identical, and no step eager for any other
+    reason. Control: replays not planned for their step differ from vanilla's."""
+    from sglang_ext.layer_timing import DEFAULT_EVERY
+
+    ts = tp_servers["flashinfer-overlap"]
+    replays, lines = _run(ts, vanilla_server)
+    decode = [[line for line in rank if line["new_tokens"] == line["batch_size"]] for rank in lines]
+    sampled = -(-len(decode[0]) // DEFAULT_EVERY) + 1  # one in DEFAULT_EVERY, wherever the count starts
+    assert replays["rank=0"] == replays["rank=1"], replays
+    assert len(decode[0]) - sampled <= replays["rank=0"] < len(decode[0]), (replays, len(decode[0]))
+    assert sum(line["staging_pages"] > 0 for line in decode[0]) >= 2
+    assert [_untimed(x) for x in lines[0]] == [_untimed(x) for x in lines[1]]
+    reasons = set(re.findall(r"layered_decode_graph_eager\s+reason=.([^'\"]*)", ts.server.log_path.read_text()))
+    assert reasons == {"a sampled step is timed eagerly (the overlap loop)", "another TP rank runs this step eagerly"}, \
+        reasons
     tape = ts.tape()
     with fault_armed(ts.server, ts.root / "unplanned"):
         got = greedy(ts.server, ONE_BY_ONE[0], NEW_TOKENS, logprobs=True)
