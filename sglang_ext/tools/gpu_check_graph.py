@@ -189,7 +189,7 @@ class GraphProbe:
 
         def plan_padding(bs: int) -> None:
             view = buffers.layer_view(core.store, 0, rids)
-            _plan(ch, backend, dataclasses.replace(view, kv_indptr=view.kv_indptr.cpu(),
+            plan_attention(ch, backend, dataclasses.replace(view, kv_indptr=view.kv_indptr.cpu(),
                                                    last_page_len=view.last_page_len.cpu()))
 
         def layers(bs: int) -> list[torch.Tensor]:
@@ -207,7 +207,7 @@ class GraphProbe:
                     raise RuntimeError(f"an all-resident step was not admitted: {dict(graphs.eager_reasons)}")
                 for dst, src in zip(inputs, (ch.x, ch.q, b.k1, b.v1), strict=True):
                     dst[:real].copy_(src)
-                _plan_buffers(ch, backend, buffers)
+                plan_loaded_step(ch, backend, buffers)
                 static = [out[:real].clone() for out in graphs.replay(size)]
                 sync(device)  # vs the same layers over the same buffers, eagerly (the same token again)
                 diffs.append(_max_diff(static, [out[:real] for out in layers(size)]))
@@ -323,7 +323,7 @@ class GraphProbe:
             t0 = time.thread_time()
             buffers.load(core.tables, padded_to=rows, slots=loc)
             t1 = time.thread_time()
-            _plan_buffers(ch, backend, buffers)  # one plan a step, outside the graph, from the host CSR
+            plan_loaded_step(ch, backend, buffers)  # one plan a step, outside the graph, from the host CSR
             host_ms.append(b.prepare_cpu_s * 1e3 + (t1 - t0) * 1e3)
             plan_ms.append((time.thread_time() - t1) * 1e3)
             return loc
@@ -340,10 +340,10 @@ class GraphProbe:
         # splits from the batch), so the buffers vs the step's own tables agree within bf16
         # tolerance; a replay vs the same layers over the same buffers must agree exactly
         try:
-            _plan(ch, backend, core.tables.plan_view(b.layer_view(0)))  # each plan fits its batch
+            plan_attention(ch, backend, core.tables.plan_view(b.layer_view(0)))  # each plan fits its batch
             eager = [out.clone() for out in table_layers()]
             eager_layers_ms = time_ms(table_layers, device, c.repeat)
-            _plan_buffers(ch, backend, buffers)
+            plan_loaded_step(ch, backend, buffers)
             buffered = [out.clone() for out in graph_layers()]
             buffers_diff = _max_diff([out[:real] for out in buffered], eager)
             graph = (self.graph or CudaGraph)(device)
@@ -445,19 +445,19 @@ class GraphProbe:
         ]
 
 
-def _plan(ch: Any, backend: str, view: Any) -> None:
+def plan_attention(ch: Any, backend: str, view: Any) -> None:
     """FlashInfer's plan for ``view`` (host CSR), outside any graph, as SGLang plans before a
     capture or a replay; the other decodes plan nothing."""
     if backend == "flashinfer":
         ch.backends.plan_step(view, graph=True)
 
 
-def _plan_buffers(ch: Any, backend: str, buffers: GraphStepBuffers) -> None:
-    """:func:`_plan` of the step loaded into ``buffers`` (padded as they are)."""
+def plan_loaded_step(ch: Any, backend: str, buffers: GraphStepBuffers) -> None:
+    """:func:`plan_attention` of the step loaded into ``buffers`` (padded as they are)."""
     if backend != "flashinfer":  # the others plan nothing
         return
     b = ch.batch
-    _plan(ch, backend, buffers.plan_view(b.core.tables, buffers.layer_view(b.core.store, 0, tuple(b.rids))))
+    plan_attention(ch, backend, buffers.plan_view(b.core.tables, buffers.layer_view(b.core.store, 0, tuple(b.rids))))
 
 
 def _padded_inputs(inputs: tuple[torch.Tensor, ...], rows: int) -> tuple[torch.Tensor, ...]:

@@ -10,12 +10,15 @@ parked write-back into fixed launches over device lists. This probe measures wha
 the check's batch, and grades that it decodes right:
 
 1. the batch takes the overlap phase's hidden placement (its ``rows``; a fixed one where that
-   phase did not run) and decodes eager staged steps with the Triton decode (timed: the eager step,
-   and kvplane's host time in it);
+   phase did not run) and decodes eager staged steps (timed: the eager step, and kvplane's host
+   time in it) on the decode that serves: FlashInfer's where it is available, else -- or where its
+   capture raises, which the result names -- Triton's (:data:`BACKENDS`);
 2. graphs are captured over a padding-only step (SGLang's start-up capture,
-   :class:`~sglang_ext.dataplane.decode_graphs.DecodeGraphs` with ``staged=True``); then steps run
-   as boundary + admit (the tables and the fetch lists into the buffers) + replay, timed, with
-   kvplane's host time (the boundary, the admission and the step's end after the replay, thread CPU);
+   :class:`~sglang_ext.dataplane.decode_graphs.DecodeGraphs` with ``staged=True``; FlashInfer's
+   graph wrappers planned for it first); then steps run as boundary + admit (the tables and the
+   fetch lists into the buffers) + plan (FlashInfer's, from the buffers' host CSR, as the served
+   decode plans before a replay) + replay, timed, with kvplane's host time (the boundary, the
+   admission and the step's end after the replay, thread CPU; the plan's apart);
 3. one more step is admitted, its staging pages filled with :data:`SCRAMBLE`, replayed: every
    layer's attention vs the dense reference over the regenerated KV (a replay whose fetches
    missed a page reads the scramble); then its layers run eagerly over the same buffers -- the
@@ -35,6 +38,7 @@ capture and replay the same steps on :class:`~sglang_ext.testing.tape_graph.Tape
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 import traceback
@@ -53,8 +57,11 @@ HOST_SHARE_TARGET = 0.05
 """Issue 14's target for kvplane's host time per step, as a share of the all-resident GPU step."""
 SCRAMBLE = 1e4
 """What the checked replay's staging pages hold before it: its fetches must overwrite every one read."""
-BACKEND = "triton"
-"""The decode the staged graphs capture (what ``--kv-cuda-graphs on`` serves)."""
+BACKENDS = ("flashinfer", "triton")
+"""The decodes the staged graphs capture, in order (as the graph probe's): FlashInfer's where it is
+available -- what ``--kv-cuda-graphs on`` serves on CUDA when no ``--attention-backend`` is given,
+its graph wrappers planned before each replay (``FlashInferLayeredDecode.plan_graph``) -- else, or
+where its capture raises (the result names why), Triton's (``--attention-backend triton``)."""
 
 
 PROFILED = 3
@@ -66,10 +73,11 @@ def _total(layer_ms: list[float] | None) -> str:
 
 
 def steps(repeat: int) -> int:
-    """Decode steps the probe adds to the batch (``GpuCheckConfig.decode_steps``): the timed eager
-    steps (2 warm-ups + ``repeat``), the timed replayed ones (as many), the later one, the timed
-    all-resident replays (as many), the profiled replays, the layer-timed one and the accuracy step."""
-    return 3 * (repeat + 2) + 3 + PROFILED
+    """Decode steps the probe adds to the batch (``GpuCheckConfig.decode_steps``), per backend tried
+    (two at most): the timed eager steps (2 warm-ups + ``repeat``), the timed replayed ones (as
+    many), the later one, the timed all-resident replays (as many), the profiled replays, the
+    layer-timed one and the accuracy step."""
+    return 2 * (3 * (repeat + 2) + 3 + PROFILED)
 
 
 class StagedGraphProbe:
@@ -104,8 +112,27 @@ class StagedGraphProbe:
         return [[1] * (layers // 2) + [0] * (layers - layers // 2) for _ in ch.batch.rids]
 
     def measure(self) -> dict[str, Any]:
+        """The probe on FlashInfer's decode where it is available, else -- or where it raises,
+        which the result then names -- on Triton's (:data:`BACKENDS`)."""
+        ch = self.check
+        names = [name for name in BACKENDS if name in ch.backends.available]
+        tried: dict[str, str] = {}
+        for backend in names:
+            try:
+                result = self._attempt(backend)
+            except Exception as exc:  # noqa: BLE001 - the next backend; the last one's failure is the probe's
+                if backend == names[-1]:
+                    raise
+                traceback.print_exc()
+                cause = exc.__context__ or exc  # a capture's own error, not the capture end's that replaced it
+                tried[backend] = f"{type(cause).__name__}: {cause}"[:300]
+                continue
+            return {**result, "backends_failed": tried}
+        raise RuntimeError("no attention backend the staged probe replays (flashinfer, triton) is available")
+
+    def _attempt(self, backend: str) -> dict[str, Any]:
         from sglang_ext.dataplane.decode_graphs import DecodeGraphs
-        from sglang_ext.tools.gpu_check_graph import CudaGraph
+        from sglang_ext.tools.gpu_check_graph import CudaGraph, plan_attention, plan_loaded_step
 
         ch = self.check
         b, c, device = ch.batch, ch.config, ch.device
@@ -114,15 +141,28 @@ class StagedGraphProbe:
         b.place(rows)
         core.store.engine.quiesce()
         sync(device)
-        eager_ms = time_ms(lambda: ch.layers(b.begin_decode(), backend=BACKEND), device, c.repeat)
+        eager_ms = time_ms(lambda: ch.layers(b.begin_decode(), backend=backend), device, c.repeat)
         real = len(b.rids)
         graphs = DecodeGraphs(core, (real,), b.batch_pages + real, staged=True)
-        staging = graphs.buffers.staging
+        staging, buffers = graphs.buffers.staging, graphs.buffers
 
         def layers(bs: int) -> list[torch.Tensor]:
-            return ch.layers(None, backend=BACKEND, plan=False, graph=graphs.buffers)
+            return ch.layers(None, backend=backend, plan=False, graph=buffers)
 
-        graphs.capture(layers, lambda: (self.graph or CudaGraph)(device))
+        def plan_padding(bs: int) -> None:  # the capture's padding-only step (SGLang plans it before capturing)
+            view = buffers.layer_view(core.store, 0, tuple(b.rids))
+            plan_attention(ch, backend, dataclasses.replace(view, kv_indptr=view.kv_indptr.cpu(),
+                                                            last_page_len=view.last_page_len.cpu()))
+
+        plan_ms: list[float] = []
+
+        def replay(size: int) -> Any:  # the attention's plan for the loaded step (FlashInfer's), then the graph
+            t0 = time.thread_time()
+            plan_loaded_step(ch, backend, buffers)
+            plan_ms.append((time.thread_time() - t0) * 1e3)
+            return graphs.replay(size)
+
+        graphs.capture(layers, lambda: (self.graph or CudaGraph)(device), plan_padding)
         host_replay: list[float] = []
         staged_steps = [0]
         profile = HostProfileProbe()
@@ -143,7 +183,7 @@ class StagedGraphProbe:
         def replayed_step() -> None:
             size = admit()
             try:
-                graphs.replay(size)
+                replay(size)
             finally:  # the step's end is kvplane's host work too (served: end_graph_step after the replay)
                 t0 = time.thread_time()
                 core.exit_layer(last)
@@ -154,7 +194,7 @@ class StagedGraphProbe:
         try:  # eagerly over the same buffers (fetching again)
             tables = core.tables
             core.store.dev[:, torch.as_tensor(tables.staging_ids, device=core.store.dev.device)] = SCRAMBLE
-            static = graphs.replay(size)
+            static = replay(size)
             sync(device)
             replayed = [out[:real].clone() for out in static]
             again = [out[:real] for out in layers(size)]
@@ -182,21 +222,22 @@ class StagedGraphProbe:
         marks = graphs.buffers.marks
         timer.replayed(None if marks is None else marks.of(size))
         try:
-            graphs.replay(size)
+            replay(size)
         finally:
             core.exit_layer(last)
         timer.end()
         layer_ms = timer.take()
         sync(device)
-        errors = ch.attention_errors()[BACKEND]  # one eager staged step over every replayed token
+        errors = ch.attention_errors()[backend]  # one eager staged step over every replayed token
         resident_ms = ch.details.get("overlap", {}).get("resident_step_ms") or ch.details.get("resident_step_ms")
-        return {"layers": c.layers, "requests": real, "offloaded_layers_per_request": [r.count(0) for r in rows],
+        return {"backend": backend, "layers": c.layers, "requests": real, "offloaded_layers_per_request": [r.count(0) for r in rows],
                 "step_eager_ms": eager_ms, "step_replay_ms": replay_ms, "resident_step_ms": resident_ms,
                 "resident_replay_ms": resident_replay_ms,
                 "resident_replay_ms_plain": ch.details.get("graph_probe", {}).get("step_replay_ms"),
                 "resident_replay_plain_backend": ch.details.get("graph_probe", {}).get("backend"),
                 "host_replay_ms": statistics.median(host_replay[2: c.repeat + 2]),  # the timed ones
                 "host_resident_replay_ms": host_resident, "host_profile": profile.top(),
+                "plan_replay_ms": statistics.median(plan_ms[2: c.repeat + 2]),
                 "replay_layer_ms": None if layer_ms is None else list(layer_ms),
                 "replay_layer_stall_ms": None if layer_ms is None else list(timer.last_stall_ms),
                 "hidden_eager_kvplane_cpu": ch.details.get("overlap", {}).get("kvplane_cpu"),
@@ -208,9 +249,10 @@ class StagedGraphProbe:
         """Two graded agreements, the step eager and replayed, kvplane's host share (graded on CUDA)."""
         got, cuda = m is not None, self.check.device.startswith("cuda")
         timed = got and cuda
-        note = why if m is None else (f"{BACKEND} decode, {m['layers']} layers, batch {m['requests']}, offloaded "
+        note = why if m is None else (f"{m['backend']} decode, {m['layers']} layers, batch {m['requests']}, offloaded "
                                       f"layers per request {m['offloaded_layers_per_request']}; {m['staged_replays']}"
-                                      f" of {m['replays']} replays staged")
+                                      f" of {m['replays']} replays staged" + "".join(
+                                          f"; {name}'s capture raised {err}" for name, err in m["backends_failed"].items()))
         err = None if m is None else m["attention"]
         resident = None if m is None else m["resident_step_ms"]
         share = None if m is None or not resident else m["host_replay_ms"] / resident
@@ -250,17 +292,20 @@ class StagedGraphProbe:
                           "median wall time, device-synchronised: the staging launches (empty lists) and the "
                           "parks are the cost where nothing is offloaded; graph.step_ms.replay is the batch "
                           "through the graph probe's graph without them (its backend, one padded row, its plan "
-                          "per step: the staging's cost only where that backend is triton too)", meaningful=timed,
+                          "per step: the staging's cost only where that backend is this one's too)", meaningful=timed,
                           note=note if m is None else f"without staging (graph probe, "
                           f"{m['resident_replay_plain_backend']}"
-                          f"{'' if m['resident_replay_plain_backend'] == BACKEND else ': another decode, not comparable'}"
+                          f"{'' if m['resident_replay_plain_backend'] == m['backend'] else ': another decode, not comparable'}"
                           f"): {m['resident_replay_ms_plain']} ms; {note}"),
             Figure.graded("graph.staged.kvplane_cpu_share", "kvplane CPU time per replayed staged step / the "
                           "all-resident eager step", share, "ratio", "<=", HOST_SHARE_TARGET,
                           "thread CPU time of the boundary, the admission (tables and fetch lists into the "
-                          "buffers) and the step's end after the replay, median, over the all-resident eager step of the overlap phase (issue 14's "
-                          "measure, where --kv-cuda-graphs on serves)", meaningful=timed and share is not None,
-                          note=note if m is None else f"{m['host_replay_ms']:.3f} ms a replayed step over "
+                          "buffers) and the step's end after the replay, median, over the all-resident eager step "
+                          "of the overlap phase (issue 14's measure, where --kv-cuda-graphs on serves); the "
+                          "attention's plan apart (SGLang's own FlashInfer backend plans before a replay too)",
+                          meaningful=timed and share is not None,
+                          note=note if m is None else f"{m['host_replay_ms']:.3f} ms a replayed step, plan "
+                          f"{m['plan_replay_ms']:.3f} ms, over "
                           f"{resident} ms (the eager hidden step's kvplane host time: details.overlap.kvplane_cpu; an all-resident "
                           f"step replayed through the same graph: {m['host_resident_replay_ms']:.3f} ms; by function: "
                           "details.graph_staged.host_profile); "

@@ -351,7 +351,7 @@ def test_a_runner_replay_not_planned_for_its_step_fails_the_dense_check(monkeypa
     backends = check.backends
     monkeypatch.setattr(backends, "fi", FlashInferLayeredDecode("cpu", backends.max_pages, wrapper_class=FlashInferStandIn))
     monkeypatch.setattr(backends, "available", ("flashinfer", *backends.available))
-    monkeypatch.setattr(gpu_check_graph, "_plan_buffers", lambda ch, backend, buffers: None)
+    monkeypatch.setattr(gpu_check_graph, "plan_loaded_step", lambda ch, backend, buffers: None)
     probe = GraphProbe(check, Taped, runner=True)
     figures = {f.key: f for f in probe.runner_run("flashinfer")}
     assert figures["graph.runner.replay_max_abs_diff"].status == PASS, figures["graph.runner.replay_max_abs_diff"]

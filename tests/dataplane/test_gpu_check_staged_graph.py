@@ -51,7 +51,8 @@ def test_replayed_staged_steps_decode_what_the_reference_does():
     assert any("paged_decode_step.py" in f for f in profiled) and any("graph_staging.py" in f for f in profiled), \
         sorted(profiled)
     assert m["host_replay_ms"] > 0 and m["host_resident_replay_ms"] > 0, m
-    assert ch.batch.lens == [n + steps(ch.config.repeat) for n in lens]
+    assert m["backend"] == "triton" and not m["backends_failed"]  # no FlashInfer on the CPU (its stand-in: below)
+    assert ch.batch.lens == [n + steps(ch.config.repeat) // 2 for n in lens]  # one backend tried of two
     # the all-resident figure's comparison names the graph probe's decode (none ran on this check):
     # on a GPU it is FlashInfer's, another decode than this probe's Triton one (static review, session 77)
     assert m["resident_replay_plain_backend"] is None
@@ -82,3 +83,62 @@ def test_on_the_cpu_without_a_graph_the_probe_says_why():
     ch = _check()
     figures = StagedGraphProbe(ch).run()
     assert figures and all(f.status == NA and "CUDA only" in f.note for f in figures)
+
+
+def _flashinfer_stand_in(monkeypatch: pytest.MonkeyPatch, ch: CoreCheck) -> None:
+    """FlashInfer's decode for the check, over the tests' stand-in of its wrapper (FlashInfer needs CUDA)."""
+    from sglang_ext.dataplane.flashinfer_attention import FlashInferLayeredDecode
+    from sglang_ext.testing.flashinfer_stand_in import FlashInferStandIn
+
+    backends = ch.backends
+    monkeypatch.setattr(backends, "fi", FlashInferLayeredDecode("cpu", backends.max_pages,
+                                                                wrapper_class=FlashInferStandIn))
+    monkeypatch.setattr(backends, "available", ("flashinfer", *backends.available))
+
+
+@pytest.mark.parametrize("planned", [True, False], ids=["planned", "control-unplanned"])
+def test_flashinfer_staged_replays_decode_what_the_reference_does(monkeypatch, planned):
+    """Where FlashInfer is available (what serves on CUDA) the staged graphs capture its decode, its
+    graph wrappers planned before each replay from the buffers' host CSR: the three agreements
+    PASS, every replay staged. Control: the plans before the replays skipped -- each replay reads
+    the lengths of the capture's padding-only plan, the replay vs dense reference FAILs (the eager
+    rerun shares the replay's plan and still agrees)."""
+    from sglang_ext.tools import gpu_check_graph
+
+    ch = _check()
+    _flashinfer_stand_in(monkeypatch, ch)
+    if not planned:
+        monkeypatch.setattr(gpu_check_graph, "plan_loaded_step", lambda ch, backend, buffers: None)
+    figures = {f.key: f for f in StagedGraphProbe(ch, TapeGraph).run()}
+    m = ch.details["graph_staged"]
+    assert m["backend"] == "flashinfer" and not m["backends_failed"], m["backends_failed"]
+    assert figures["graph.staged.replay_max_abs_diff"].status == PASS
+    if planned:
+        for key in ("graph.staged.replay_vs_dense_err", "graph.staged.attention_err"):
+            assert figures[key].status == PASS, figures[key]
+        runs = ch.config.repeat + 2
+        assert m["staged_replays"] == runs + 2 + PROFILED and not m["eager_reasons"], m
+        assert m["plan_replay_ms"] > 0 and ch.backends.fi.wrappers >= 1
+    else:
+        f = figures["graph.staged.replay_vs_dense_err"]
+        assert f.status == FAIL and f.value > 10 * f.threshold, f
+
+
+def test_a_flashinfer_capture_that_raises_falls_back_to_triton(monkeypatch):
+    """FlashInfer's graph plan raising at the capture: the probe says so and measures Triton's
+    staged replays (PASS), as the graph probe falls back."""
+    ch = _check()
+    _flashinfer_stand_in(monkeypatch, ch)
+    real = ch.backends.plan_step
+
+    def plan_step(view, graph=False):  # noqa: ANN001, ANN202
+        if graph:
+            raise RuntimeError("no graph plan here (test)")
+        return real(view, graph=graph)
+
+    monkeypatch.setattr(ch.backends, "plan_step", plan_step)
+    figures = {f.key: f for f in StagedGraphProbe(ch, TapeGraph).run()}
+    m = ch.details["graph_staged"]
+    assert m["backend"] == "triton" and "no graph plan here" in m["backends_failed"]["flashinfer"], m["backends_failed"]
+    assert figures["graph.staged.replay_vs_dense_err"].status == PASS
+    assert "flashinfer's capture raised RuntimeError" in figures["graph.staged.replay_vs_dense_err"].note

@@ -50,14 +50,21 @@ def test_cuda_replayed_staged_steps_equal_eager_twins():
     assert min(facts["fetches"]) > 0 and facts["kinds"] == {twins.START, twins.TRIG}
 
 
-def test_cuda_staged_graph_probe_passes():
-    """``kvplane gpu-check``'s staged probe at toy shapes on CUDA: the scrambled-staging replay and
-    the eager step after the replays within tolerance of the dense reference, the replay equal to
-    its layers rerun eagerly; a sampled replay's per-layer times come from the events its graph
-    records (``GraphLayerMarks``), one positive time per layer."""
+@pytest.mark.parametrize("backend", ["flashinfer", "triton"])
+def test_cuda_staged_graph_probe_passes(monkeypatch, backend):
+    """``kvplane gpu-check``'s staged probe at toy shapes on CUDA, on FlashInfer's graph wrappers
+    (planned before each replay: what serves by default) and on the Triton decode: the
+    scrambled-staging replay and the eager step after the replays within tolerance of the dense
+    reference, the replay equal to its layers rerun eagerly; a sampled replay's per-layer times
+    come from the events its graph records (``GraphLayerMarks``), one positive time per layer."""
     ch = CoreCheck(dataclasses.replace(SMALL, layers=3, requests=2, repeat=2), "cuda", "torch")
+    if backend not in ch.backends.available:
+        pytest.skip(f"{backend} is not importable here")
+    if backend == "triton":  # the probe takes FlashInfer's first where it is available
+        monkeypatch.setattr(ch.backends, "available", tuple(n for n in ch.backends.available if n != "flashinfer"))
     ch.step()
     figures = {f.key: f for f in StagedGraphProbe(ch).run()}
+    assert ch.details["graph_staged"]["backend"] == backend, ch.details["graph_staged"]["backends_failed"]
     for key in ("graph.staged.replay_vs_dense_err", "graph.staged.attention_err"):
         assert figures[key].status == PASS, figures[key]
     assert figures["graph.staged.replay_max_abs_diff"].value <= 1e-5, figures["graph.staged.replay_max_abs_diff"]
