@@ -32,8 +32,23 @@ Two kinds of wrappers:
   take the next plan where no replay reads it.
 
 Tensor cores follow SGLang's rule (``should_use_tensor_core``: the adapter passes SGLang's own;
-:func:`default_tensor_cores` otherwise). Each wrapper holds FlashInfer's int workspace (8 MiB
-device + 8 MiB pinned); the float workspace is shared.
+:func:`default_tensor_cores` otherwise). Each wrapper holds FlashInfer's 8 MiB device int
+workspace; the float workspace is shared.
+
+**The split schedule's pinned buffer.** FlashInfer's ``plan`` writes the step's split schedule
+(request and KV-tile indices, output offsets, chunk size) into the wrapper's pinned int
+workspace on the host, then copies it to the device int workspace with one async copy on the
+current stream (0.7.2: ``DecodePlan`` / ``PrefillPlan`` in ``scheduler.cuh``); nothing stops the
+wrapper's next ``plan`` from rewriting that pinned buffer before the copy has run. Under SGLang's
+overlap loop the host plans step k+1 while step k waits on the GPU -- and kvplane puts waits
+for step k's page moves on the forward stream ahead of step k's plan copy -- so the copy could
+read step k+1's schedule against step k's lengths: wrong attention, or reads past a request's
+pages (review, session 92; the same class as mini-sglang #103). So on CUDA each plan gets a fresh
+pinned buffer from a ring (:class:`~sglang_ext.dataplane.pinned_upload_ring.PinnedUploadRing`,
+:data:`SCHEDULE_SLOTS` slots of the int workspace's size): a buffer is written again only after
+an event recorded behind the plan that used it has completed (the ring grows before it waits).
+The wrappers' own pinned buffers are dropped at their first plan: the ring's few replace one per
+wrapper (about 36 with SGLang's default captured sizes).
 """
 
 from __future__ import annotations
@@ -64,6 +79,12 @@ WORKSPACE_BYTES = 128 * 1024 * 1024
 
 MAX_WRAPPERS = 8
 """Graph wrappers: (batch size, parameters) keys kept in the cache (least recently used dropped)."""
+
+SCHEDULE_SLOTS = 4
+"""Pinned buffers of the split schedule's ring (module docstring): a step plans once per parameter
+set, and the GPU runs at most a step or two behind the host."""
+SCHEDULE_BYTES = 8 * 1024 * 1024
+"""FlashInfer 0.7.2's int workspace (``decode.py``): a wrapper without one (a stand-in) gets this."""
 
 BACKEND = "fa2"
 """FlashInfer's decode backend, as SGLang's FlashInfer backend asks for it (``decode_backend``)."""
@@ -114,10 +135,13 @@ class FlashInferLayeredDecode:
 
     def __init__(self, device: torch.device | str, max_pages: int, *,
                  tensor_cores: Callable[[torch.dtype, int, int], bool] = default_tensor_cores,
-                 wrapper_class: Any = None, workspace_bytes: int = WORKSPACE_BYTES) -> None:
+                 wrapper_class: Any = None, workspace_bytes: int = WORKSPACE_BYTES,
+                 schedule_ring: PinnedUploadRing | None = None) -> None:
         """``max_pages``: the graph wrappers' first indices capacity; ``tensor_cores``: the rule
         (KV dtype, query heads, KV heads); ``wrapper_class``: FlashInfer's
-        ``BatchDecodeWithPagedKVCacheWrapper`` (None), or a stand-in of it (tests, on the CPU)."""
+        ``BatchDecodeWithPagedKVCacheWrapper`` (None), or a stand-in of it (tests, on the CPU);
+        ``schedule_ring``: the pinned buffers plans write their split schedule into (module
+        docstring; default: a ring of :data:`SCHEDULE_SLOTS` on CUDA, none on a CPU)."""
         if wrapper_class is None:
             if not HAVE_FLASHINFER:
                 raise RuntimeError("flashinfer is not importable; use torch_layered_attention")
@@ -140,6 +164,9 @@ class FlashInferLayeredDecode:
         """Pinned host buffers graph plans copy their CSR from (CUDA; made at the first :meth:`plan_graph`)."""
         self._no_pages = torch.zeros(0, dtype=torch.int32, device=self.device)
         """The page ids a graph plan is handed: none (its runs read each layer's row in place)."""
+        if schedule_ring is None and self.device.type == "cuda":
+            schedule_ring = PinnedUploadRing(self.device, slots=SCHEDULE_SLOTS)
+        self.schedule_ring = schedule_ring
 
     def keep_graphs(self, max_pages: int) -> None:
         """Serve captured decode graphs: every graph wrapper made from now on is kept (no
@@ -223,6 +250,10 @@ class FlashInferLayeredDecode:
 
     def _plan(self, w: Any, view: LayerView, params: AttentionParams) -> None:
         _, page_size, num_kv_heads, head_dim = view.k_cache.shape
+        if self.schedule_ring is not None:  # a pinned buffer no pending copy reads (module docstring)
+            own = getattr(w, "_int_workspace_buffer", None)
+            nbytes = SCHEDULE_BYTES if own is None else own.numel() * own.element_size()
+            w._pin_memory_int_workspace_buffer = self.schedule_ring.take(nbytes)
         w.plan(
             view.kv_indptr,
             view.kv_indices,
