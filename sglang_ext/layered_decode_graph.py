@@ -88,6 +88,15 @@ class LayeredDecodeGraph:
         self.eager_reasons: Counter[str] = Counter()
         """Decode steps the runner could have replayed that ran eagerly, by reason."""
 
+    def recapture(self) -> None:
+        """SGLang captures every size again over these buffers (its runner rebuilt after a weight
+        update): the older graphs never replay again, so the per-layer timing events they recorded
+        are forgotten (each size's new capture records its own), and no step is admitted."""
+        if self.buffers.marks is not None:
+            self.buffers.marks.recapture()
+        self.admitted = self.forward = False
+        self._declined = None
+
     def capture(self, rows: int) -> None:
         """A capture of ``rows`` rows starts: a padding-only step, every row on the sink."""
         self.buffers.load_padding(rows, self.core.store.identity)

@@ -80,20 +80,24 @@ class LayeredFlashInferDecode(LayeredGraphDecode):
     # ----- SGLang's decode graph runner (--kv-cuda-graphs on) -----------------------------
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """The graph state (again at SGLang's recapture: the wrappers kept, ``keep_graphs``), and
+        each of this rank's layers' attention parameters, read from the model."""
         super().init_cuda_graph_state(max_bs, max_num_tokens)
         assert self.graph is not None
         self.flashinfer.keep_graphs(self.graph.buffers.max_pages)
         start, layers = self.pool.start_layer, self.pool.store.config.layers
+        params: dict[int, AttentionParams] = {}
         for module in attention_layers(self._model):  # plans happen before the layers run
             index = int(module.layer_id) - start
-            if index in self._graph_params:
+            if index in params:
                 raise RuntimeError(f"kvplane: --kv-cuda-graphs on: two attention modules of layer {module.layer_id}; "
                                    "the layered FlashInfer graph decode plans one per layer")
             if 0 <= index < layers:
-                self._graph_params[index] = AttentionParams.of_layer(module, module.tp_q_head_num, self._dtype)
-        if len(self._graph_params) != layers:
-            raise RuntimeError(f"kvplane: --kv-cuda-graphs on: found {len(self._graph_params)} attention layers "
+                params[index] = AttentionParams.of_layer(module, module.tp_q_head_num, self._dtype)
+        if len(params) != layers:
+            raise RuntimeError(f"kvplane: --kv-cuda-graphs on: found {len(params)} attention layers "
                                f"of this rank's {layers} to plan FlashInfer's graph decode for")
+        self._graph_params = params
 
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
         """The graph hooks' part (the capture's padding step, or the replay's admission check),

@@ -44,6 +44,11 @@ class LayeredGraphDecode(LayeredPagedDecode):
         if self.paged_blocker is not None:  # the graph path has the kernel only (no torch fallback)
             raise RuntimeError(f"kvplane: --kv-cuda-graphs on: this model has {self.paged_blocker}, which the "
                                "layered graph decode does not compute; use --kv-cuda-graphs off")
+        graph = self.graph
+        if graph is not None and graph.buffers.max_batch == max_bs:  # SGLang captures every size again (a
+            graph.recapture()  # weight update's recapture): the same buffers; the old graphs never replay again
+            log.info("layered_decode_graphs_recapture", backend=type(self).__name__, max_bs=max_bs)
+            return
         self.graph = LayeredDecodeGraph(self.pool.core, max_bs, GraphTpAgreement.for_process())
         log.info("layered_decode_graphs", backend=type(self).__name__, max_bs=max_bs,
                  max_pages=self.graph.buffers.max_pages)

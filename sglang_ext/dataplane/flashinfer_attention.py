@@ -173,10 +173,18 @@ class FlashInferLayeredDecode:
         :data:`MAX_WRAPPERS` bound), with indices buffers of ``max_pages`` (the graph buffers'
         row width: a run that cannot read a layer's row in place copies it there); a plan
         listing more raises instead of re-creating the wrappers captured graphs read (module
-        docstring). The served decode hands its graph plans no page ids at all."""
-        if self._graph:
-            raise RuntimeError("FlashInferLayeredDecode.keep_graphs after graph wrappers were made")
-        self.max_pages, self._kept = max(1, max_pages), True
+        docstring). The served decode hands its graph plans no page ids at all.
+
+        Called again -- SGLang captures every size again (a weight update's recapture) -- with
+        the same width it keeps the wrappers, which the new captures find and plan again; with
+        another width (or after the probe's cached wrappers) the wrappers made so far are
+        retired (kept alive, never planned again: the graphs that read them never replay)."""
+        max_pages = max(1, max_pages)
+        if self._graph and not (self._kept and max_pages == self.max_pages):
+            self._retired.extend(self._graph.values())
+            self._graph.clear()
+        self._planned.clear()
+        self.max_pages, self._kept = max_pages, True
 
     def _new(self, params: AttentionParams, kv_dtype: torch.dtype, kv_heads: int, **buffers: Any) -> object:
         return self.wrapper_class(

@@ -65,6 +65,13 @@ class GraphLayerMarks:
         return cls(layers, lambda: torch.cuda.Event(enable_timing=True, external=True),
                    torch.cuda.is_current_stream_capturing)
 
+    def recapture(self) -> None:
+        """Every size is about to be captured again (SGLang's recapture): the older graphs never
+        replay again, so their sets -- and the sizes they made ambiguous -- are forgotten; their
+        events stay alive (:attr:`_kept`)."""
+        self._sets.clear()
+        self._twice.clear()
+
     def mark(self, layer: int, size: int) -> None:
         """Layer ``layer`` of the graph of ``size`` rows starts (before its wait): recorded when capturing."""
         self._record(0, layer, size)

@@ -163,8 +163,10 @@ def test_served_graph_wrappers_are_kept_for_every_captured_size_and_never_re_cre
     on``): SGLang captures more sizes than :data:`MAX_WRAPPERS` (its default list, over 30), and a
     replay's plan must reach the wrapper its graph was captured with. Every wrapper made is kept
     and found again; their indices buffers are the graph buffers' row width; a plan listing more
-    pages raises rather than re-creating them. Control: without ``keep_graphs`` the cache drops
-    the first sizes' wrappers, and a later plan of size 1 gets a new one its graph never read."""
+    pages raises rather than re-creating them. Kept again (SGLang's recapture) they are found
+    again; kept at another width they are retired and new ones made. Control: without
+    ``keep_graphs`` the cache drops the first sizes' wrappers, and a later plan of size 1 gets a
+    new one its graph never read."""
     params, sizes = AttentionParams(num_qo_heads=4), range(1, MAX_WRAPPERS + 5)
 
     def plan_all(decode: FlashInferLayeredDecode) -> dict[int, object]:
@@ -184,8 +186,12 @@ def test_served_graph_wrappers_are_kept_for_every_captured_size_and_never_re_cre
     with pytest.raises(RuntimeError, match="lists 80 pages, over the 64"):
         decode.plan(_step(40, 0)[0], 4, graph=True)  # 80 pages (a shared prefix listed per request)
     assert decode.wrappers == len(sizes) and decode.max_pages == 64
-    with pytest.raises(RuntimeError, match="after graph wrappers were made"):
-        decode.keep_graphs(128)
+    decode.keep_graphs(64)  # SGLang's recapture (a weight update): the same wrappers, planned again
+    assert plan_all(decode) == first and len(_Wrapper.made) == made and not decode._retired
+    decode.keep_graphs(128)  # another width: the wrappers retired (kept alive), new ones made
+    again = plan_all(decode)
+    assert len(decode._retired) == len(sizes) and not set(map(id, again.values())) & set(map(id, first.values()))
+    assert all(w._paged_kv_indices_buf.numel() == 128 for w in again.values())
     control = _decode(max_pages=64)
     kept = plan_all(control)
     control.plan(_step(1, 1)[0], 4, graph=True)

@@ -168,6 +168,23 @@ def test_a_size_captured_twice_gives_no_marks():
     assert buffers.marks.of(4) is None and buffers.marks.of(2) is not None
 
 
+def test_a_recapture_gives_each_size_its_new_graphs_marks():
+    """SGLang's recapture (a weight update) captures every size again; the older graphs never
+    replay, so each size gives its new capture's events, not none (the control: the same second
+    capture without ``recapture`` is read as a second graph of the size and gives none)."""
+    clock = StampClock()
+    buffers = _buffers(clock)
+    _capture(buffers, clock, 4)
+    old = buffers.marks.of(4)
+    buffers.marks.recapture()
+    assert buffers.marks.of(4) is None  # until the size is captured again
+    _capture(buffers, clock, 4)
+    new = buffers.marks.of(4)
+    assert new is not None and all(new[0][layer] is not old[0][layer] for layer in range(LAYERS))
+    _capture(buffers, clock, 4)  # control: captured again without a recapture
+    assert buffers.marks.of(4) is None
+
+
 def test_no_marks_on_rocm(monkeypatch: pytest.MonkeyPatch):
     """HIP does not time events recorded inside graphs (ROCm/rocm-systems#2380). Control: a CUDA
     build gets marks (made without touching a device)."""

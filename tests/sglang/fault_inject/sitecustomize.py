@@ -488,7 +488,8 @@ for _env, _name in (("KVPLANE_TEST_FORCE_OVERFLOW_FILE", "kvplane_force_overflow
                     ("KVPLANE_TEST_GRAPH_DECLINE_FILE", "kvplane_graph_decline"),
                     ("KVPLANE_TEST_KV_PROFILE_BYTES", "kvplane_kv_profile"),
                     ("KVPLANE_TEST_UNPATCHED_HOOK", "kvplane_unpatched_hook"),
-                    ("KVPLANE_TEST_FLASHINFER_STAND_IN", "kvplane_flashinfer_stand_in")):
+                    ("KVPLANE_TEST_FLASHINFER_STAND_IN", "kvplane_flashinfer_stand_in"),
+                    ("KVPLANE_TEST_CPU_RECAPTURE", "kvplane_cpu_recapture")):
     if os.environ.get(_env):  # an injector module of this directory: its TARGET and patch
         _injector = __import__(_name)
         _install(_injector.TARGET, _injector.patch)
