@@ -27,8 +27,8 @@ Two kinds of wrappers:
   power of two) when a step lists more pages than they hold -- requests sharing a prefix list its
   pages once each. Served decode graphs (``--kv-cuda-graphs on``, :meth:`keep_graphs`) keep
   every wrapper they make -- one per captured batch size and parameter set, as SGLang's own
-  backend keeps one per size -- over indices buffers as wide as the graph buffers' rows, never
-  re-created: a captured graph reads the wrapper it was captured with, so a re-created one would
+  backend keeps one per size -- over one indices buffer they share (as SGLang's wrappers share
+  theirs), as wide as the graph buffers' rows, never re-created: a captured graph reads the wrapper it was captured with, so a re-created one would
   take the next plan where no replay reads it.
 
 Tensor cores follow SGLang's rule (``should_use_tensor_core``: the adapter passes SGLang's own;
@@ -160,6 +160,8 @@ class FlashInferLayeredDecode:
         self._planned: dict[AttentionParams, tuple[object, torch.Tensor | None]] = {}
         self._kept = False
         """Served decode graphs (:meth:`keep_graphs`): graph wrappers are neither dropped nor re-created."""
+        self._kept_indices: torch.Tensor | None = None
+        """The indices buffer every kept graph wrapper shares (``max_pages`` wide)."""
         self._csr_ring: PinnedUploadRing | None = None
         """Pinned host buffers graph plans copy their CSR from (CUDA; made at the first :meth:`plan_graph`)."""
         self._no_pages = torch.zeros(0, dtype=torch.int32, device=self.device)
@@ -183,6 +185,7 @@ class FlashInferLayeredDecode:
         if self._graph and not (self._kept and max_pages == self.max_pages):
             self._retired.extend(self._graph.values())
             self._graph.clear()
+            self._kept_indices = None
         self._planned.clear()
         self.max_pages, self._kept = max_pages, True
 
@@ -206,7 +209,12 @@ class FlashInferLayeredDecode:
             return self._graph[key]
         while not self._kept and len(self._graph) >= MAX_WRAPPERS:
             self._retired.append(self._graph.popitem(last=False)[1])
-        indices = torch.zeros(self.max_pages, dtype=torch.int32, device=self.device)
+        if self._kept:  # one indices buffer for every kept wrapper (the served runs read rows in place; a
+            if self._kept_indices is None:  # copy into it runs in stream order, layer by layer, as SGLang's
+                self._kept_indices = torch.zeros(self.max_pages, dtype=torch.int32, device=self.device)
+            indices = self._kept_indices
+        else:
+            indices = torch.zeros(self.max_pages, dtype=torch.int32, device=self.device)
         w = self._new(params, kv_dtype, kv_heads,
                       paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device=self.device),
                       paged_kv_indices_buffer=indices,

@@ -183,6 +183,7 @@ def test_served_graph_wrappers_are_kept_for_every_captured_size_and_never_re_cre
     assert plan_all(decode) == first and len(_Wrapper.made) == made == len(sizes)
     assert decode.wrappers == len(sizes) and not decode._retired
     assert all(w._paged_kv_indices_buf.numel() == 64 for w in first.values())
+    assert len({id(w._paged_kv_indices_buf) for w in first.values()}) == 1  # one buffer, shared
     with pytest.raises(RuntimeError, match="lists 80 pages, over the 64"):
         decode.plan(_step(40, 0)[0], 4, graph=True)  # 80 pages (a shared prefix listed per request)
     assert decode.wrappers == len(sizes) and decode.max_pages == 64
@@ -194,6 +195,7 @@ def test_served_graph_wrappers_are_kept_for_every_captured_size_and_never_re_cre
     assert all(w._paged_kv_indices_buf.numel() == 128 for w in again.values())
     control = _decode(max_pages=64)
     kept = plan_all(control)
+    assert len({id(w._paged_kv_indices_buf) for w in kept.values()}) == len(kept)  # not kept: one a wrapper
     control.plan(_step(1, 1)[0], 4, graph=True)
     assert control._planned[params][0] is not kept[1]
 
