@@ -284,19 +284,7 @@ class GraphProbe:
         b.place([[1] * c.layers for _ in b.rids])
         core.store.engine.quiesce()
         sync(device)
-        tried: dict[str, str] = {}
-        for backend in [name for name in BACKENDS if name in ch.backends.available]:
-            try:
-                result = self._attempt(backend)
-            except Exception as exc:  # noqa: BLE001 - the next backend; the last one's failure is the probe's
-                if backend == BACKENDS[-1] or BACKENDS[-1] not in ch.backends.available:
-                    raise
-                traceback.print_exc()
-                cause = exc.__context__ or exc  # a capture's own error, not the capture end's that replaced it
-                tried[backend] = f"{type(cause).__name__}: {cause}"[:300]
-                continue
-            return {**result, "backends_failed": tried}
-        raise RuntimeError("no attention backend the probe replays (flashinfer, triton) is available")
+        return first_that_captures([name for name in BACKENDS if name in ch.backends.available], self._attempt)
 
     def _attempt(self, backend: str) -> dict[str, Any]:
         """One backend's capture, replays and accuracy (module docstring, 2-3)."""
@@ -443,6 +431,25 @@ class GraphProbe:
                           f"ms, plan {m['plan_replay_ms']:.3f} ms (eager step: {m['host_eager_ms']:.3f} ms of "
                           f"{m['step_eager_ms']:.3f}); {note}"),
         ]
+
+
+def first_that_captures(backends: list[str], attempt: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
+    """``attempt(backend)``'s result for the first of ``backends`` whose attempt does not raise,
+    with ``backends_failed``: those that raised before it, and why (the last one's error is the
+    caller's: raised)."""
+    tried: dict[str, str] = {}
+    for backend in backends:
+        try:
+            result = attempt(backend)
+        except Exception as exc:  # noqa: BLE001 - the next backend; the last one's failure is the probe's
+            if backend == backends[-1]:
+                raise
+            traceback.print_exc()
+            cause = exc.__context__ or exc  # a capture's own error, not the capture end's that replaced it
+            tried[backend] = f"{type(cause).__name__}: {cause}"[:300]
+            continue
+        return {**result, "backends_failed": tried}
+    raise RuntimeError(f"no attention backend a graph probe replays ({', '.join(BACKENDS)}) is available")
 
 
 def plan_attention(ch: Any, backend: str, view: Any) -> None:

@@ -114,21 +114,10 @@ class StagedGraphProbe:
     def measure(self) -> dict[str, Any]:
         """The probe on FlashInfer's decode where it is available, else -- or where it raises,
         which the result then names -- on Triton's (:data:`BACKENDS`)."""
-        ch = self.check
-        names = [name for name in BACKENDS if name in ch.backends.available]
-        tried: dict[str, str] = {}
-        for backend in names:
-            try:
-                result = self._attempt(backend)
-            except Exception as exc:  # noqa: BLE001 - the next backend; the last one's failure is the probe's
-                if backend == names[-1]:
-                    raise
-                traceback.print_exc()
-                cause = exc.__context__ or exc  # a capture's own error, not the capture end's that replaced it
-                tried[backend] = f"{type(cause).__name__}: {cause}"[:300]
-                continue
-            return {**result, "backends_failed": tried}
-        raise RuntimeError("no attention backend the staged probe replays (flashinfer, triton) is available")
+        from sglang_ext.tools.gpu_check_graph import first_that_captures
+
+        return first_that_captures([name for name in BACKENDS if name in self.check.backends.available],
+                                   self._attempt)
 
     def _attempt(self, backend: str) -> dict[str, Any]:
         from sglang_ext.dataplane.decode_graphs import DecodeGraphs

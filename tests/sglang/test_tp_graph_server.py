@@ -197,18 +197,23 @@ def test_a_step_one_rank_declines_runs_eagerly_on_every_rank(tp_graphs, vanilla_
     assert after["rank=0"] == after["rank=1"] > 0, after
 
 
-def test_flashinfer_replays_not_planned_for_their_step_are_caught(tp_servers, vanilla_server):
-    """Negative control of the FlashInfer server's equality: while its graph wrappers skip every
-    plan after their capture's, each rank's replays read the lengths the capture's plan wrote and
-    the outputs differ from vanilla's."""
-    ts = tp_servers["flashinfer"]
+def _unplanned_replays_differ(ts: TpGraphServer, vanilla: SGLangServer) -> None:
+    """While the server's graph wrappers skip every plan after their capture's, a prompt's
+    replays (on each rank) read the capture's lengths, and its output differs from vanilla's."""
     tape = ts.tape()
     with fault_armed(ts.server, ts.root / "unplanned"):
         got = greedy(ts.server, ONE_BY_ONE[0], NEW_TOKENS, logprobs=True)
         ts.server.flush_cache()
     assert _replays(ts.tape() - tape)["rank=0"] >= 1
     with pytest.raises(AssertionError):
-        assert_same_generation(got, greedy(vanilla_server, ONE_BY_ONE[0], NEW_TOKENS, logprobs=True), ONE_BY_ONE[0])
+        assert_same_generation(got, greedy(vanilla, ONE_BY_ONE[0], NEW_TOKENS, logprobs=True), ONE_BY_ONE[0])
+
+
+def test_flashinfer_replays_not_planned_for_their_step_are_caught(tp_servers, vanilla_server):
+    """Negative control of the FlashInfer server's equality: while its graph wrappers skip every
+    plan after their capture's, each rank's replays read the lengths the capture's plan wrote and
+    the outputs differ from vanilla's."""
+    _unplanned_replays_differ(tp_servers["flashinfer"], vanilla_server)
 
 
 def test_under_the_overlap_loop_both_ranks_replay_all_but_the_sampled_steps(tp_servers, vanilla_server):
@@ -231,10 +236,4 @@ def test_under_the_overlap_loop_both_ranks_replay_all_but_the_sampled_steps(tp_s
     reasons = set(re.findall(r"layered_decode_graph_eager\s+reason=.([^'\"]*)", ts.server.log_path.read_text()))
     assert reasons == {"a sampled step is timed eagerly (the overlap loop)", "another TP rank runs this step eagerly"}, \
         reasons
-    tape = ts.tape()
-    with fault_armed(ts.server, ts.root / "unplanned"):
-        got = greedy(ts.server, ONE_BY_ONE[0], NEW_TOKENS, logprobs=True)
-        ts.server.flush_cache()
-    assert _replays(ts.tape() - tape)["rank=0"] >= 1
-    with pytest.raises(AssertionError):
-        assert_same_generation(got, greedy(vanilla_server, ONE_BY_ONE[0], NEW_TOKENS, logprobs=True), ONE_BY_ONE[0])
+    _unplanned_replays_differ(ts, vanilla_server)

@@ -18,11 +18,7 @@ def patch(module) -> None:  # noqa: ANN001
     flag exists, on the chosen rank only."""
     flag = os.environ["KVPLANE_TEST_GRAPH_DECLINE_FILE"]
     rank = int(os.environ.get("KVPLANE_TEST_GRAPH_DECLINE_RANK", "1"))
-
-    def this_rank() -> int:
-        import torch.distributed as dist
-
-        return dist.get_rank() if dist.is_initialized() else 0
+    from kvplane_rank import this_rank
 
     class DecliningBuffers(module.GraphStepBuffers):
         def why_not(self, tables, padded_to=None):  # noqa: ANN001, ANN202

@@ -99,11 +99,7 @@ def _patch_recompute(module) -> None:  # noqa: ANN001
     flag = os.environ["KVPLANE_TEST_CORRUPT_RECOMPUTE_FILE"]
     only_rank = os.environ.get("KVPLANE_TEST_CORRUPT_RANK")
     real = module.LayeredKVCore.write_recompute
-
-    def this_rank() -> int:
-        import torch.distributed as dist
-
-        return dist.get_rank() if dist.is_initialized() else 0
+    from kvplane_rank import this_rank
 
     def write_recompute(self, layer, k, v):  # noqa: ANN001, ANN202
         if os.path.exists(flag) and (only_rank is None or this_rank() == int(only_rank)):
