@@ -90,10 +90,10 @@ class LayeredDecodeGraph:
 
     def recapture(self) -> None:
         """SGLang captures every size again over these buffers (its runner rebuilt after a weight
-        update): the older graphs never replay again, so the per-layer timing events they recorded
-        are forgotten (each size's new capture records its own), and no step is admitted."""
-        if self.buffers.marks is not None:
-            self.buffers.marks.recapture()
+        update): the older graphs never replay again, so the timing events they recorded (the
+        layers' and the staged copies') are forgotten (each size's new capture records its own),
+        and no step is admitted."""
+        self.buffers.recapture()
         self.admitted = self.forward = False
         self._declined = None
 

@@ -47,8 +47,11 @@ pages (review, session 92; the same class as mini-sglang #103). So on CUDA each 
 pinned buffer from a ring (:class:`~sglang_ext.dataplane.pinned_upload_ring.PinnedUploadRing`,
 :data:`SCHEDULE_SLOTS` slots of the int workspace's size): a buffer is written again only after
 an event recorded behind the plan that used it has completed (the ring grows before it waits).
-The wrappers' own pinned buffers are dropped at their first plan: the ring's few replace one per
-wrapper (about 36 with SGLang's default captured sizes).
+The wrappers' own pinned buffers are dropped at their first plan, back to PyTorch's caching host
+allocator, whose next wrapper of the same size takes the same block: the ring's few (up to
+:data:`~sglang_ext.dataplane.pinned_upload_ring.GROW_TO` times as many while the GPU lags, never
+shrunk) and one cached block replace one per wrapper (about 36 with SGLang's default captured
+sizes).
 """
 
 from __future__ import annotations

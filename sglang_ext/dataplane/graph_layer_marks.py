@@ -67,10 +67,12 @@ class GraphLayerMarks:
 
     def recapture(self) -> None:
         """Every size is about to be captured again (SGLang's recapture): the older graphs never
-        replay again, so their sets -- and the sizes they made ambiguous -- are forgotten; their
-        events stay alive (:attr:`_kept`)."""
+        replay again (SGLang drops their runner before it captures anew), so their sets -- and
+        the sizes they made ambiguous -- are forgotten, and so are their events: each recapture
+        would otherwise keep two per layer and size more, for the life of the process."""
         self._sets.clear()
         self._twice.clear()
+        self._kept.clear()
 
     def mark(self, layer: int, size: int) -> None:
         """Layer ``layer`` of the graph of ``size`` rows starts (before its wait): recorded when capturing."""

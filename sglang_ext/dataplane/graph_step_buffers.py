@@ -249,6 +249,14 @@ class GraphStepBuffers:
         else:
             gather_tables_ref(mirror.dev, self.flat, self.stage, self.tab)
 
+    def recapture(self) -> None:
+        """Every size is about to be captured again over these buffers (SGLang's recapture after
+        a weight update; the older graphs never replay): the timing events the older graphs
+        recorded -- the layers' and the staging's copies' -- are forgotten."""
+        for marks in (self.marks, None if self.staging is None else self.staging.copy_marks):
+            if marks is not None:
+                marks.recapture()
+
     def load_padding(self, rows: int, in_place: bool) -> None:
         """A step of ``rows`` padded rows and no request (``in_place``: the identity layout's
         rows): what a graph is captured over before any request exists (SGLang captures at

@@ -436,7 +436,10 @@ class GraphProbe:
 def first_that_captures(backends: list[str], attempt: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
     """``attempt(backend)``'s result for the first of ``backends`` whose attempt does not raise,
     with ``backends_failed``: those that raised before it, and why (the last one's error is the
-    caller's: raised)."""
+    caller's: raised). An attempt that raised inside a step's layers leaves that step unfinished:
+    the core's next boundary closes it, as it closes a forward SGLang abandoned, but the layers it
+    never ran hold no KV for its token, so the next attempt's accuracy figures compare against a
+    batch with that gap (the note names the failed attempt). A failed capture leaves none."""
     tried: dict[str, str] = {}
     for backend in backends:
         try:

@@ -241,7 +241,7 @@ class StagedGraphProbe:
         note = why if m is None else (f"{m['backend']} decode, {m['layers']} layers, batch {m['requests']}, offloaded "
                                       f"layers per request {m['offloaded_layers_per_request']}; {m['staged_replays']}"
                                       f" of {m['replays']} replays staged" + "".join(
-                                          f"; {name}'s capture raised {err}" for name, err in m["backends_failed"].items()))
+                                          f"; {name}'s attempt raised {err}" for name, err in m["backends_failed"].items()))
         err = None if m is None else m["attention"]
         resident = None if m is None else m["resident_step_ms"]
         share = None if m is None or not resident else m["host_replay_ms"] / resident
@@ -270,14 +270,14 @@ class StagedGraphProbe:
                           "parked tokens fetched back from the host pool)", meaningful=got, note=note),
             Figure.graded("graph.staged.step_ms.eager", "staged decode step (hidden placement), eager",
                           v("step_eager_ms"), "ms", None, None, "median wall time, device-synchronised; the "
-                          "Triton decode", meaningful=timed, note=note),
-            Figure.graded("graph.staged.step_ms.replay", "staged decode step: boundary + admit + replay",
+                          "decode the note names", meaningful=timed, note=note),
+            Figure.graded("graph.staged.step_ms.replay", "staged decode step: boundary + admit + plan + replay",
                           v("step_replay_ms"), "ms", None, None, "median wall time, device-synchronised",
                           meaningful=timed, note=note if m is None else f"a sampled replay's layers by the "
                           f"events its graph records (the controller's layer timings): "
                           f"{_total(m['replay_layer_ms'])} ms in all; {note}"),
             Figure.graded("graph.staged.resident_step_ms.replay", "all-resident decode step through the staged "
-                          "graph: boundary + admit + replay", v("resident_replay_ms"), "ms", None, None,
+                          "graph: boundary + admit + plan + replay", v("resident_replay_ms"), "ms", None, None,
                           "median wall time, device-synchronised: the staging launches (empty lists) and the "
                           "parks are the cost where nothing is offloaded; graph.step_ms.replay is the batch "
                           "through the graph probe's graph without them (its backend, one padded row, its plan "

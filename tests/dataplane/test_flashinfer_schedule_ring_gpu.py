@@ -38,8 +38,11 @@ def _step(tokens: int, gen: torch.Generator) -> tuple[LayerView, LayerView]:
     return host, LayerView(0, cache, cache, indptr.cuda(), pages.cuda(), lens.cuda(), last.cuda(), ())
 
 
-@pytest.mark.parametrize("ring", [True, False], ids=["ring", "control-one-buffer"])
-def test_a_plan_copy_held_behind_the_stream_reads_its_own_schedule(ring):
+@pytest.mark.parametrize(("ring", "q_heads"), [(True, Q_HEADS), (True, 8), (False, Q_HEADS)],
+                         ids=["ring-tensor-cores", "ring-cuda-cores", "control-one-buffer"])
+def test_a_plan_copy_held_behind_the_stream_reads_its_own_schedule(ring, q_heads):
+    """``q_heads`` 32 over 8 KV heads: FlashInfer's tensor-core (prefill-plan) decode, as SGLang
+    picks it for Llama-3-8B; 8 over 8: its CUDA-core decode plan."""
     fia = pytest.importorskip("sglang_ext.dataplane.flashinfer_attention")
     if not fia.HAVE_FLASHINFER:
         pytest.skip("flashinfer not importable")
@@ -48,9 +51,9 @@ def test_a_plan_copy_held_behind_the_stream_reads_its_own_schedule(ring):
     decode = fia.FlashInferLayeredDecode("cuda", max_pages=PAGES)
     if not ring:
         decode.schedule_ring = None
-    params = fia.AttentionParams(num_qo_heads=Q_HEADS, q_dtype=torch.bfloat16)
+    params = fia.AttentionParams(num_qo_heads=q_heads, q_dtype=torch.bfloat16)
     steps = [_step(4096, gen), _step(20, gen)]  # A: split into many KV tiles; B: one tile a request
-    qs = [torch.randn(BATCH, Q_HEADS, DIM, generator=gen).to("cuda", torch.bfloat16) for _ in steps]
+    qs = [torch.randn(BATCH, q_heads, DIM, generator=gen).to("cuda", torch.bfloat16) for _ in steps]
     def run_both() -> list[torch.Tensor]:
         outs = []
         for (host, dev), q in zip(steps, qs, strict=True):
@@ -58,10 +61,17 @@ def test_a_plan_copy_held_behind_the_stream_reads_its_own_schedule(ring):
             outs.append(decode.run(q, _with(dev, k, v), params))
         return outs
 
-    run_both()  # warm: the kernels built, the graph wrapper made
+    for _ in range(4):  # warm: the kernels built, the graph wrapper made, every ring slot allocated
+        run_both()
     torch.cuda.synchronize()
+    rings = [r for r in (decode.schedule_ring, decode._csr_ring) if r is not None]
+    grown = [r.grown for r in rings]
+    behind = torch.cuda.Event()
     torch.cuda._sleep(SLEEP_CYCLES)  # the GPU behind: A's plan copy waits while B plans
+    behind.record()
     outs = run_both()
+    assert not behind.query()  # the premise: B planned while A's copy still waited in the stream
+    assert [r.grown for r in rings] == grown  # no pinned allocation (which might wait for the device)
     torch.cuda.synchronize()
     dev = steps[0][1]
     want = paged_decode_ref(qs[0].float(), k.float(), v.float(), dev.kv_indptr, dev.kv_indices, dev.kv_lens)

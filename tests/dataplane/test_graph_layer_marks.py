@@ -185,6 +185,39 @@ def test_a_recapture_gives_each_size_its_new_graphs_marks():
     assert buffers.marks.of(4) is None
 
 
+@pytest.mark.parametrize("recaptured", [True, False], ids=["recapture", "control-none"])
+def test_a_recapture_of_the_buffers_renews_the_staged_copies_marks_too(recaptured):
+    """``GraphStepBuffers.recapture`` forgets the staging's copy marks as well as the layers' (a
+    replayed staged step books its copies' times from them: without this every size gave none after
+    SGLang's recapture -- review, session 92); the older events are dropped. Control: captured
+    again without the recapture, both give none."""
+    from types import SimpleNamespace
+
+    clock = StampClock()
+    buffers = _buffers(clock)
+    copies = GraphLayerMarks(2, clock.event, clock)
+    staging = SimpleNamespace(copy_marks=copies)  # the staging's marks only (its launches: not here)
+
+    def capture() -> None:
+        buffers.staging = None
+        _capture(buffers, clock, 4)
+        buffers.staging = staging
+        clock.capturing = True
+        for slot in range(2):
+            copies.mark(slot, 4)
+            copies.ready(slot, 4)
+        clock.capturing = False
+
+    capture()
+    assert buffers.marks.of(4) is not None and copies.of(4) is not None
+    if recaptured:
+        buffers.recapture()
+        assert not copies._kept and not buffers.marks._kept
+    capture()
+    got = (buffers.marks.of(4) is not None, copies.of(4) is not None)
+    assert got == ((True, True) if recaptured else (False, False)), got
+
+
 def test_no_marks_on_rocm(monkeypatch: pytest.MonkeyPatch):
     """HIP does not time events recorded inside graphs (ROCm/rocm-systems#2380). Control: a CUDA
     build gets marks (made without touching a device)."""

@@ -75,6 +75,7 @@ def test_a_recapture_after_a_weight_update_replays_and_decodes_as_before(servers
     assert got.get("success") is True, got
     recaptured = _tape(root) - tape
     assert {size for kind, size in recaptured if kind == "capture"} == {"1", "2", "4"}, recaptured
+    assert "layered_decode_graphs_recapture" in server.log_path.read_text()  # the same buffers, captured again
     tape = _tape(root)
     after = _one_at_a_time(server)
     replays = sum(n for (kind, _), n in (_tape(root) - tape).items() if kind == "replay")
