@@ -38,22 +38,27 @@ def _step(tokens: int, gen: torch.Generator) -> tuple[LayerView, LayerView]:
     return host, LayerView(0, cache, cache, indptr.cuda(), pages.cuda(), lens.cuda(), last.cuda(), ())
 
 
-@pytest.mark.parametrize(("ring", "q_heads"), [(True, Q_HEADS), (True, 8), (False, Q_HEADS)],
+@pytest.mark.parametrize(("ring", "heads"), [(True, (Q_HEADS, KV_HEADS, DIM)), (True, (4, 2, 64)),
+                                             (False, (Q_HEADS, KV_HEADS, DIM))],
                          ids=["ring-tensor-cores", "ring-cuda-cores", "control-one-buffer"])
-def test_a_plan_copy_held_behind_the_stream_reads_its_own_schedule(ring, q_heads):
-    """``q_heads`` 32 over 8 KV heads: FlashInfer's tensor-core (prefill-plan) decode, as SGLang
-    picks it for Llama-3-8B; 8 over 8: its CUDA-core decode plan."""
+def test_a_plan_copy_held_behind_the_stream_reads_its_own_schedule(ring, heads):
+    """``heads`` (query heads, KV heads, head dim): 32 over 8 at 128, FlashInfer's tensor-core
+    (prefill-plan) decode as SGLang picks it for Llama-3-8B (the kernel gpu-check's attention
+    figures build); 4 over 2 at 64, its CUDA-core decode plan (the kernel ``test_gpu.py`` builds:
+    no JIT build of its own). In CUDA-graph mode both always split the KV, by tiles sized from the
+    plan's longest request, so A's run over B's schedule covers a fraction of A's tokens."""
+    q_heads, kv_heads, dim = heads
     fia = pytest.importorskip("sglang_ext.dataplane.flashinfer_attention")
     if not fia.HAVE_FLASHINFER:
         pytest.skip("flashinfer not importable")
     gen = torch.Generator().manual_seed(0)
-    k, v = (torch.randn(PAGES, PAGE, KV_HEADS, DIM, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(PAGES, PAGE, kv_heads, dim, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
     decode = fia.FlashInferLayeredDecode("cuda", max_pages=PAGES)
     if not ring:
         decode.schedule_ring = None
     params = fia.AttentionParams(num_qo_heads=q_heads, q_dtype=torch.bfloat16)
     steps = [_step(4096, gen), _step(20, gen)]  # A: split into many KV tiles; B: one tile a request
-    qs = [torch.randn(BATCH, q_heads, DIM, generator=gen).to("cuda", torch.bfloat16) for _ in steps]
+    qs = [torch.randn(BATCH, q_heads, dim, generator=gen).to("cuda", torch.bfloat16) for _ in steps]
     def run_both() -> list[torch.Tensor]:
         outs = []
         for (host, dev), q in zip(steps, qs, strict=True):
