@@ -105,6 +105,6 @@ def test_decode_layer_over_the_real_decode_plans_once_a_step_and_reads_each_laye
         q = torch.zeros(batch, 8, 16, dtype=torch.bfloat16)
         for index, layer in enumerate(layers):
             assert torch.equal(backend.decode_layer(q, layer, index), tab[index])
-    assert len(_Wrapper.made) == 2 and all(len(w.plans) == 3 for w in _Wrapper.made)
+    assert len(_Wrapper.made) == 2 and all(len(w.plan_calls) == 3 for w in _Wrapper.made)
     assert all(not w.graph and w._backend == "fa2" and w.tensor_cores for w in _Wrapper.made)  # group 4, bf16
     assert not torch.equal(tab[2], tab[0])
