@@ -20,7 +20,8 @@ replays not planned for their step (``KVPLANE_TEST_UNPLANNED_REPLAY_FILE``) diff
 (:class:`~sglang_ext.graph_tp_agreement.GraphTpAgreement`): while one rank's graph refuses every
 step (the injector's ``KVPLANE_TEST_GRAPH_DECLINE_FILE``, rank 1), no rank replays and the outputs
 still equal vanilla's; once it stops, both replay again (the control: the same check fails on the
-replays of an unarmed run). Not shown here, by its nature: what a disagreement would do on a GPU
+replays of an unarmed run). Last, the FlashInfer server recaptures after a weight update
+(``KVPLANE_TEST_CPU_RECAPTURE``) on both ranks. Not shown here, by its nature: what a disagreement would do on a GPU
 (gloo pairs an eager all-reduce with a replayed one correctly; SGLang's custom all-reduce does not).
 """
 
@@ -100,6 +101,7 @@ def tp_servers(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[dict
         return {**tp_env(root), "TRITON_INTERPRET": "1", "PYTHONPATH": fault_inject_path(),
                 "KVPLANE_TEST_TAPE_GRAPHS": str(root / "tape.log"), POOL_STATS_FILE_ENV: str(root / "stats.jsonl"),
                 "KVPLANE_TEST_GRAPH_DECLINE_FILE": str(root / "decline"), "KVPLANE_TEST_GRAPH_DECLINE_RANK": "1",
+                "KVPLANE_TEST_CPU_RECAPTURE": "1",
                 **({"KVPLANE_TEST_FLASHINFER_STAND_IN": "1", "KVPLANE_TEST_UNPLANNED_REPLAY_FILE": str(root / "unplanned")}
                    if name.startswith("flashinfer") else {})}
 
@@ -237,3 +239,19 @@ def test_under_the_overlap_loop_both_ranks_replay_all_but_the_sampled_steps(tp_s
     assert reasons == {"a sampled step is timed eagerly (the overlap loop)", "another TP rank runs this step eagerly"}, \
         reasons
     _unplanned_replays_differ(ts, vanilla_server)
+
+
+def test_a_recapture_after_a_weight_update_replays_on_both_ranks(tp_servers, tiny_model_dir, vanilla_server):
+    """SGLang's recapture after a weight update (``test_graph_recapture_server.py``) under TP, on the
+    FlashInfer server (the module's last test: its graphs are recaptured): every rank captures
+    every size again over its buffers and wrappers, both ranks replay the same steps after it,
+    and the outputs are still vanilla's."""
+    ts = tp_servers["flashinfer"]
+    tape = ts.tape()
+    got = ts.server.post("/update_weights_from_disk", {"model_path": str(tiny_model_dir), "recapture_cuda_graph": True})
+    assert got.get("success") is True, got
+    captured = {(size, rank) for kind, size, rank in ts.tape() - tape if kind == "capture"}
+    assert captured == {(size, f"rank={r}") for size in ("1", "2", "4") for r in range(TP)}, captured
+    assert ts.server.log_path.read_text().count("layered_decode_graphs_recapture") == TP
+    replays, _ = _run(ts, vanilla_server)
+    assert replays["rank=0"] == replays["rank=1"] >= len(ONE_BY_ONE) * (NEW_TOKENS - 2), replays
