@@ -28,8 +28,9 @@ Two kinds of wrappers:
   pages once each. Served decode graphs (``--kv-cuda-graphs on``, :meth:`keep_graphs`) keep
   every wrapper they make -- one per captured batch size and parameter set, as SGLang's own
   backend keeps one per size -- over one indices buffer they share (as SGLang's wrappers share
-  theirs), as wide as the graph buffers' rows, never re-created: a captured graph reads the wrapper it was captured with, so a re-created one would
-  take the next plan where no replay reads it.
+  theirs), as wide as the graph buffers' rows, never re-created: a captured graph reads the
+  wrapper it was captured with, so a re-created one would take the next plan where no replay
+  reads it.
 
 Tensor cores follow SGLang's rule (``should_use_tensor_core``: the adapter passes SGLang's own;
 :func:`default_tensor_cores` otherwise). Each wrapper holds FlashInfer's 8 MiB device int
@@ -212,12 +213,13 @@ class FlashInferLayeredDecode:
             return self._graph[key]
         while not self._kept and len(self._graph) >= MAX_WRAPPERS:
             self._retired.append(self._graph.popitem(last=False)[1])
-        if self._kept:  # one indices buffer for every kept wrapper (the served runs read rows in place; a
-            if self._kept_indices is None:  # copy into it runs in stream order, layer by layer, as SGLang's
-                self._kept_indices = torch.zeros(self.max_pages, dtype=torch.int32, device=self.device)
-            indices = self._kept_indices
-        else:
+        # kept wrappers share one indices buffer (served runs read rows in place; a copy into it runs
+        # in stream order, layer by layer, as into SGLang's shared one)
+        indices = self._kept_indices if self._kept else None
+        if indices is None:
             indices = torch.zeros(self.max_pages, dtype=torch.int32, device=self.device)
+            if self._kept:
+                self._kept_indices = indices
         w = self._new(params, kv_dtype, kv_heads,
                       paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device=self.device),
                       paged_kv_indices_buffer=indices,

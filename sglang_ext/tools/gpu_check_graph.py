@@ -184,18 +184,14 @@ class GraphProbe:
         core, real = b.core, len(b.rids)
         sizes = (real + PADDED_ROWS, 2 * (real + PADDED_ROWS))
         graphs = DecodeGraphs(core, sizes, b.batch_pages + sizes[-1])
-        buffers, rids = graphs.buffers, tuple(b.rids)
+        buffers = graphs.buffers
         inputs = _padded_inputs((ch.x, ch.q, b.k1, b.v1), sizes[-1])
-
-        def plan_padding(bs: int) -> None:
-            view = buffers.layer_view(core.store, 0, rids)
-            plan_attention(ch, backend, dataclasses.replace(view, kv_indptr=view.kv_indptr.cpu(),
-                                                   last_page_len=view.last_page_len.cpu()))
 
         def layers(bs: int) -> list[torch.Tensor]:
             return ch.layers(None, backend=backend, plan=False, graph=buffers, padded=tuple(t[:bs] for t in inputs))
 
-        graphs.capture(layers, lambda: (self.graph or CudaGraph)(device), plan_padding)
+        graphs.capture(layers, lambda: (self.graph or CudaGraph)(device),
+                       lambda bs: plan_padding_step(ch, backend, buffers))
         sync(device)
         diffs, admitted, static = [], [], []
         for _ in range(RUNNER_STEPS):
@@ -460,6 +456,14 @@ def plan_attention(ch: Any, backend: str, view: Any) -> None:
     capture or a replay; the other decodes plan nothing."""
     if backend == "flashinfer":
         ch.backends.plan_step(view, graph=True)
+
+
+def plan_padding_step(ch: Any, backend: str, buffers: GraphStepBuffers) -> None:
+    """:func:`plan_attention` of the padding-only step loaded into ``buffers`` for a capture (its
+    CSR read back to the host once: SGLang plans it before capturing)."""
+    view = buffers.layer_view(ch.batch.core.store, 0, tuple(ch.batch.rids))
+    plan_attention(ch, backend, dataclasses.replace(view, kv_indptr=view.kv_indptr.cpu(),
+                                                    last_page_len=view.last_page_len.cpu()))
 
 
 def plan_loaded_step(ch: Any, backend: str, buffers: GraphStepBuffers) -> None:

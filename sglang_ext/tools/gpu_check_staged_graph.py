@@ -38,7 +38,6 @@ capture and replay the same steps on :class:`~sglang_ext.testing.tape_graph.Tape
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 import traceback
@@ -121,7 +120,7 @@ class StagedGraphProbe:
 
     def _attempt(self, backend: str) -> dict[str, Any]:
         from sglang_ext.dataplane.decode_graphs import DecodeGraphs
-        from sglang_ext.tools.gpu_check_graph import CudaGraph, plan_attention, plan_loaded_step
+        from sglang_ext.tools.gpu_check_graph import CudaGraph, plan_loaded_step, plan_padding_step
 
         ch = self.check
         b, c, device = ch.batch, ch.config, ch.device
@@ -138,11 +137,6 @@ class StagedGraphProbe:
         def layers(bs: int) -> list[torch.Tensor]:
             return ch.layers(None, backend=backend, plan=False, graph=buffers)
 
-        def plan_padding(bs: int) -> None:  # the capture's padding-only step (SGLang plans it before capturing)
-            view = buffers.layer_view(core.store, 0, tuple(b.rids))
-            plan_attention(ch, backend, dataclasses.replace(view, kv_indptr=view.kv_indptr.cpu(),
-                                                            last_page_len=view.last_page_len.cpu()))
-
         plan_ms: list[float] = []
 
         def replay(size: int) -> Any:  # the attention's plan for the loaded step (FlashInfer's), then the graph
@@ -151,7 +145,8 @@ class StagedGraphProbe:
             plan_ms.append((time.thread_time() - t0) * 1e3)
             return graphs.replay(size)
 
-        graphs.capture(layers, lambda: (self.graph or CudaGraph)(device), plan_padding)
+        graphs.capture(layers, lambda: (self.graph or CudaGraph)(device),
+                       lambda bs: plan_padding_step(ch, backend, buffers))
         host_replay: list[float] = []
         staged_steps = [0]
         profile = HostProfileProbe()

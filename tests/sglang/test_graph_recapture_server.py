@@ -15,9 +15,7 @@ replays over tables that were not loaded (Triton) and replays not planned for th
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -29,7 +27,15 @@ from tests.sglang.conftest import (
     fault_inject_path,
     running_servers,
 )
-from tests.sglang.test_graph_server import GRAPHS, NEW_TOKENS, OFFLOAD, TRITON, _generate, _worst
+from tests.sglang.test_graph_server import (
+    GRAPHS,
+    NEW_TOKENS,
+    OFFLOAD,
+    TRITON,
+    _generate,
+    _tape,
+    _worst,
+)
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1200)]
 
@@ -51,11 +57,6 @@ def servers(tiny_model_dir, launch_zygote, tmp_path_factory) -> Iterator[dict]:
     specs = [(roots[name], [*TRITON, *GRAPHS, *OFFLOAD], env(name)) for name in NAMES]
     with running_servers(tiny_model_dir, specs, zygote=launch_zygote) as started:
         yield {**dict(zip(NAMES, started, strict=True)), "roots": roots, "model": tiny_model_dir}
-
-
-def _tape(root: Path) -> Counter:
-    lines = (root / "tape.log").read_text().splitlines() if (root / "tape.log").exists() else []
-    return Counter(tuple(line.split()[:2]) for line in lines)
 
 
 def _one_at_a_time(server: SGLangServer) -> list[dict]:
